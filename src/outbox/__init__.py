@@ -1,0 +1,19 @@
+"""outbox-relay: a transactional outbox relayed by Celery.
+
+Write side::
+
+    from outbox import enqueue
+    enqueue(conn, topic="orders.created", aggregate_type="order", aggregate_id="42",
+            payload={"orderId": "42"})
+
+Relay side: ``celery -A outbox worker`` and ``celery -A outbox beat``.
+"""
+
+from .enqueue import enqueue
+from .errors import ConfigError, EnqueueError, OutboxError, StoreError, UnsupportedConnection
+from .model import Status
+from .store import OutboxStore
+
+__all__ = ["enqueue", "EnqueueError", "ConfigError", "OutboxError", "StoreError", "UnsupportedConnection",
+           "Status", "OutboxStore"]
+__version__ = "0.1.0"

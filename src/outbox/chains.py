@@ -1,0 +1,72 @@
+"""The ordering rule as pure logic, shared by engines that plan a claim in Python and
+by the relay, which splits a claimed batch into per-aggregate chains.
+
+The rule: a row may be claimed only when every earlier *open* row of its aggregate
+(pending, claimed or failed) is being claimed in the same statement. Rows skipped
+because another claimer holds them, rows not yet due, live leases and failed rows
+all block everything behind them. A row that is not plainly pending (an expired
+lease or a due retry) may only start a chain, never extend one, so a row that keeps
+killing workers is retried alone and cannot drag the rest of its aggregate down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import groupby
+from typing import Iterable, Sequence, TypeVar
+
+from .model import OutboxMessage, Status
+
+
+@dataclass(frozen=True)
+class Candidate:
+    id: int
+    aggregate_id: str
+    status: int
+    attempts: int
+
+
+@dataclass
+class ClaimPlan:
+    claim_ids: list[int] = field(default_factory=list)
+    #: Expired leases whose attempts reach the maximum: dead instead of re-claimed.
+    dead_ids: list[int] = field(default_factory=list)
+
+
+def plan_claim(candidates: Sequence[Candidate], first_blocker: dict[str, int], max_attempts: int) -> ClaimPlan:
+    """Pick the chains to claim.
+
+    ``candidates`` are the eligible rows this claimer locked, in id order.
+    ``first_blocker`` maps an aggregate to the smallest id of an open row of that
+    aggregate that is *not* among the candidates.
+    """
+    plan = ClaimPlan()
+    by_aggregate: dict[str, list[Candidate]] = {}
+    for row in sorted(candidates, key=lambda r: r.id):
+        by_aggregate.setdefault(row.aggregate_id, []).append(row)
+    for aggregate, rows in by_aggregate.items():
+        blocker = first_blocker.get(aggregate)
+        for position, row in enumerate(rows):
+            if blocker is not None and row.id > blocker:
+                break
+            if position > 0 and row.status != Status.PENDING:
+                break
+            expired = row.status == Status.CLAIMED
+            if expired and row.attempts + 1 >= max_attempts:
+                plan.dead_ids.append(row.id)
+                break  # the rows behind it wait for the next claim, as on every engine
+            plan.claim_ids.append(row.id)
+    plan.claim_ids.sort()
+    return plan
+
+
+T = TypeVar("T", bound=OutboxMessage)
+
+
+def split_chains(messages: Iterable[T]) -> list[list[T]]:
+    """Group claimed messages into per-aggregate chains, each in id order, chains
+    ordered by their first id (so the oldest work is dispatched first)."""
+    ordered = sorted(messages, key=lambda m: (m.aggregate_id, m.id))
+    chains = [list(group) for _, group in groupby(ordered, key=lambda m: m.aggregate_id)]
+    chains.sort(key=lambda chain: chain[0].id)
+    return chains

@@ -1,0 +1,79 @@
+"""Engine modules, one per database, and the two ways of finding one: by database
+URL (the relay) and by connection object (``enqueue``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError, UnsupportedConnection
+from .base import Engine
+
+
+def engine_class(kind: str) -> type[Engine]:
+    if kind == "sqlite":
+        from .sqlite import SqliteEngine
+        return SqliteEngine
+    if kind == "postgresql":
+        from .postgres import PostgresEngine
+        return PostgresEngine
+    if kind == "mysql":
+        from .mysql import MysqlEngine
+        return MysqlEngine
+    if kind == "mssql":
+        from .mssql import MssqlEngine
+        return MssqlEngine
+    raise ConfigError(f"OUTBOX_DATABASE_URL: unsupported database {kind!r}")
+
+
+def kind_of_url(url: str) -> str:
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    base = scheme.split("+", 1)[0]
+    if base == "sqlite":
+        return "sqlite"
+    if base in ("postgresql", "postgres"):
+        return "postgresql"
+    if base in ("mysql", "mariadb"):
+        return "mysql"
+    if base in ("mssql", "sqlserver") or (not scheme and "driver=" in url.lower()):
+        return "mssql"
+    raise ConfigError(f"OUTBOX_DATABASE_URL: unsupported database URL scheme {scheme or url!r} "
+                      "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
+
+
+def engine_for_url(url: str, *, table: str = "outbox", schema: str | None = None) -> Engine:
+    return engine_class(kind_of_url(url))(table=table, schema=schema)
+
+
+_MODULE_KINDS = {"sqlite3": "sqlite", "psycopg": "postgresql", "pymysql": "mysql", "MySQLdb": "mysql",
+                 "pyodbc": "mssql"}
+_DJANGO_VENDORS = {"sqlite": "sqlite", "postgresql": "postgresql", "mysql": "mysql", "microsoft": "mssql"}
+
+
+def unwrap_connection(conn: Any) -> tuple[str, Any]:
+    """Return (engine kind, DB-API connection) for anything ``enqueue`` accepts:
+    a DB-API connection, a Django connection, or a SQLAlchemy Connection/Session."""
+    # SQLAlchemy Session -> its Connection in the current transaction.
+    if type(conn).__module__.startswith("sqlalchemy") and hasattr(conn, "get_bind") and hasattr(conn, "connection"):
+        conn = conn.connection()
+    # SQLAlchemy Connection -> the pooled DB-API connection it runs on.
+    if type(conn).__module__.startswith("sqlalchemy") and hasattr(conn, "connection"):
+        raw = conn.connection
+        conn = getattr(raw, "dbapi_connection", None) or getattr(raw, "driver_connection", raw)
+    # Django's DatabaseWrapper.
+    vendor = getattr(conn, "vendor", None)
+    if isinstance(vendor, str) and hasattr(conn, "ensure_connection"):
+        kind = _DJANGO_VENDORS.get(vendor)
+        if kind is None:
+            raise UnsupportedConnection(f"Django database vendor {vendor!r} is not supported")
+        conn.ensure_connection()
+        return kind, conn.connection
+    root = type(conn).__module__.split(".", 1)[0]
+    kind = _MODULE_KINDS.get(root)
+    if kind is None:
+        raise UnsupportedConnection(
+            f"enqueue needs an open DB-API connection (sqlite3, psycopg, PyMySQL, pyodbc), a Django connection "
+            f"or a SQLAlchemy Connection/Session; got {type(conn).__module__}.{type(conn).__name__}")
+    return kind, conn
+
+
+__all__ = ["Engine", "engine_class", "engine_for_url", "kind_of_url", "unwrap_connection"]

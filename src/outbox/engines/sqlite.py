@@ -1,0 +1,108 @@
+"""SQLite, the embedded default: the standard library's sqlite3 in WAL mode.
+
+Several processes may share the file. Every relay write is a short
+``BEGIN IMMEDIATE`` transaction (SQLite has one writer at a time, so there is no
+claim race to defend against) and waits on the busy timeout instead of failing.
+Timestamps are ISO-8601 text in UTC, which sorts and compares correctly.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any, ClassVar
+
+from ..model import NewEvent
+from .base import Engine
+
+BUSY_TIMEOUT_S = 30.0
+_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+
+
+def sqlite_path(url: str) -> str:
+    """``sqlite:///relative.db``, ``sqlite:////abs/path.db`` or ``sqlite://:memory:``."""
+    if not url.startswith("sqlite:"):
+        raise ValueError(f"not a sqlite URL: {url!r}")
+    rest = url[len("sqlite:"):]
+    if rest.startswith("///"):
+        return rest[3:] or ":memory:"
+    if rest.startswith("//"):
+        return rest[2:] or ":memory:"
+    return rest or ":memory:"
+
+
+class SqliteEngine(Engine):
+    name = "sqlite"
+    now: ClassVar[str] = _NOW
+
+    def qualify(self, name: str) -> str:
+        # A schema on SQLite is an attached database; "main" is the file itself.
+        return self.quote(name) if self.schema in (None, "main") else f"{self.quote(self.schema)}.{self.quote(name)}"
+
+    def now_plus_ms(self) -> str:
+        return "strftime('%Y-%m-%d %H:%M:%f', 'now', (? / 1000.0) || ' seconds')"
+
+    def connect(self, url: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(sqlite_path(url), timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                               check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+        return conn
+
+    def begin(self, cursor: Any) -> None:
+        # IMMEDIATE takes the write lock up front, so the read that plans a claim
+        # cannot be overtaken by another process's write.
+        if not cursor.connection.in_transaction:
+            cursor.execute("BEGIN IMMEDIATE")
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and (
+            "locked" in str(exc) or "busy" in str(exc))
+
+    def migration(self, native_json: bool = False) -> list[str]:
+        t = self.table
+        return [
+            f"""CREATE TABLE IF NOT EXISTS {t} (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                message_id TEXT NOT NULL,
+                topic TEXT NOT NULL,
+                aggregate_type TEXT NOT NULL,
+                aggregate_id TEXT NOT NULL,
+                partition_key TEXT NULL,
+                payload TEXT NOT NULL CHECK (json_valid(payload)),
+                headers TEXT NOT NULL DEFAULT '{{}}' CHECK (json_valid(headers)),
+                trace_id TEXT NULL,
+                status INTEGER NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 4),
+                attempts INTEGER NOT NULL DEFAULT 0,
+                claimed_at TEXT NULL,
+                next_retry_at TEXT NULL,
+                created_at TEXT NOT NULL DEFAULT ({_NOW}),
+                processed_at TEXT NULL,
+                last_error TEXT NULL,
+                lease_token TEXT NULL
+            )""",
+            f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('message_id')} ON {self.table_name_only()} (message_id)",
+            f"CREATE INDEX IF NOT EXISTS {self.index_ref('agg_id_id')} ON {self.table_name_only()} (aggregate_id, id) "
+            "WHERE status IN (0, 1, 3)",
+            f"CREATE INDEX IF NOT EXISTS {self.index_ref('claim_ready')} ON {self.table_name_only()} (id) "
+            "WHERE status IN (0, 1, 3)",
+            f"CREATE INDEX IF NOT EXISTS {self.index_ref('done_processed_at')} ON {self.table_name_only()} "
+            "(status, processed_at)",
+        ]
+
+    def table_name_only(self) -> str:
+        return self.quote(self.table_name)
+
+    def index_ref(self, suffix: str) -> str:
+        # Index names carry the attached database's name; the table they index does not.
+        name = self.quote(self.index_name(suffix))
+        return name if self.schema in (None, "main") else f"{self.quote(self.schema)}.{name}"
+
+    def insert_event(self, cursor: Any, event: NewEvent) -> int:
+        cursor.execute(
+            f"INSERT INTO {self.table} ({self.INSERT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (message_id) DO NOTHING", self.event_params(event))
+        if cursor.rowcount == 1:
+            return int(cursor.lastrowid)
+        cursor.execute(f"SELECT id FROM {self.table} WHERE message_id = ?", (event.message_id,))
+        return int(cursor.fetchone()[0])

@@ -1,0 +1,53 @@
+"""The write side: ``enqueue`` adds one event to the outbox inside the caller's
+transaction. It never commits, never rolls back, and raises ``EnqueueError`` before
+touching the database when the input is bad."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Mapping
+
+from .config import get_settings
+from .engines import Engine, engine_class, unwrap_connection
+from .events import prepare_event
+from .tracing import current_traceparent
+
+
+@lru_cache(maxsize=32)
+def _engine(kind: str, table: str, schema: str | None) -> Engine:
+    return engine_class(kind)(table=table, schema=schema)
+
+
+def enqueue(
+    conn: Any,
+    *,
+    topic: str,
+    aggregate_type: str,
+    aggregate_id: str | int,
+    payload: Any,
+    headers: Mapping[str, Any] | None = None,
+    key: str | None = None,
+    message_id: str | None = None,
+    table: str | None = None,
+    schema: str | None = None,
+) -> int:
+    """Write one event row in the caller's open transaction and return its id.
+
+    Enqueueing a ``message_id`` that is already stored writes nothing and returns
+    the existing row's id, on every engine without disturbing the transaction.
+
+    Events of one aggregate are relayed in id order. Ids follow insert order, so
+    writers of the same aggregate should serialize on it (update or lock the
+    aggregate's row first), as any transaction that changes it does anyway.
+    """
+    settings = get_settings()
+    event = prepare_event(topic=topic, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                          payload=payload, headers=headers, key=key, message_id=message_id,
+                          trace_id=current_traceparent(), max_payload_bytes=settings.max_payload_bytes)
+    kind, raw = unwrap_connection(conn)
+    engine = _engine(kind, table or settings.table, schema if schema is not None else settings.schema)
+    cursor = raw.cursor()
+    try:
+        return engine.insert_event(cursor, event)
+    finally:
+        cursor.close()

@@ -1,0 +1,24 @@
+"""Every exception the package raises on purpose, in one place."""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Base class of every error raised by outbox-relay."""
+
+
+class ConfigError(OutboxError, ValueError):
+    """A setting is missing or invalid. The message always names the setting."""
+
+
+class EnqueueError(OutboxError, ValueError):
+    """``enqueue`` refused its input. Raised before anything is written, so the
+    caller's transaction is untouched and the caller decides what happens to it."""
+
+
+class StoreError(OutboxError):
+    """A store operation failed for a reason that retrying will not fix."""
+
+
+class UnsupportedConnection(OutboxError, TypeError):
+    """``enqueue`` was handed an object that is not a connection we know how to use."""

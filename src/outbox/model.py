@@ -1,0 +1,120 @@
+"""The values that cross the store boundary: status codes, claimed messages, results."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+class Status(enum.IntEnum):
+    """Row status codes. They are part of the public contract: never renumber."""
+
+    PENDING = 0
+    CLAIMED = 1
+    DONE = 2
+    FAILED = 3  # waiting for its retry at next_retry_at
+    DEAD = 4
+
+    @classmethod
+    def open_codes(cls) -> tuple[int, ...]:
+        """Statuses of rows that still hold their aggregate's place in line."""
+        return (cls.PENDING, cls.CLAIMED, cls.FAILED)
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """A validated event, ready to be inserted. Built by ``outbox.events.prepare_event``."""
+
+    message_id: str
+    topic: str
+    aggregate_type: str
+    aggregate_id: str
+    partition_key: str | None
+    payload_json: str
+    headers_json: str
+    trace_id: str | None
+
+
+@dataclass(frozen=True)
+class OutboxMessage:
+    """A row handed to the relay by ``claim``. ``attempt`` counts from 1."""
+
+    id: int
+    message_id: str
+    topic: str
+    aggregate_type: str
+    aggregate_id: str
+    partition_key: str | None
+    payload: str
+    headers: dict[str, Any]
+    trace_id: str | None
+    attempts: int
+    created_at: datetime
+    lease: str
+
+    @property
+    def attempt(self) -> int:
+        return self.attempts + 1
+
+    @property
+    def size(self) -> int:
+        """Approximate bytes this message holds in memory (payload dominates)."""
+        return len(self.payload) + 256
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One batch leased by one ``claim`` call: every message shares the lease token."""
+
+    lease: str
+    messages: list[OutboxMessage] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+
+@dataclass(frozen=True)
+class FenceResult:
+    """What a lease-fenced write did. ``stale`` > 0 means our lease was lost for
+    some rows (it expired and another worker re-claimed them): they were left alone."""
+
+    requested: int
+    applied: int
+
+    @property
+    def stale(self) -> int:
+        return self.requested - self.applied
+
+    @property
+    def ok(self) -> bool:
+        return self.applied == self.requested
+
+
+@dataclass(frozen=True)
+class FailResult:
+    applied: bool
+    dead: bool
+
+
+@dataclass(frozen=True)
+class Stats:
+    counts: dict[str, int]
+    oldest_pending_age_s: float | None
+    dead: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"counts": self.counts, "oldest_pending_age_s": self.oldest_pending_age_s, "dead": self.dead}
+
+
+@dataclass(frozen=True)
+class DeadRow:
+    id: int
+    message_id: str
+    topic: str
+    aggregate_type: str
+    aggregate_id: str
+    attempts: int
+    last_error: str | None
+    processed_at: datetime | None

@@ -1,0 +1,254 @@
+"""``OutboxStore``: the one store contract the relay talks to, whatever the engine.
+
+The store owns its connections (one per thread, opened lazily and re-opened after
+a fork, as Celery's prefork pool requires), runs every operation as its own short
+transaction, and retries transient failures (deadlock victim, lock timeout,
+dropped connection) with tenacity. Everything engine-specific lives in
+``outbox.engines``; nothing here branches on the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from .config import Settings, get_settings
+from .engines import Engine, engine_for_url
+from .errors import StoreError
+from .model import Claim, DeadRow, FailResult, FenceResult, Stats, Status
+
+log = logging.getLogger("outbox.store")
+T = TypeVar("T")
+
+#: Attempts for one operation when the database reports a transient error.
+TRANSIENT_RETRIES = 5
+
+
+class OutboxStore:
+    def __init__(self, url: str, *, table: str = "outbox", schema: str | None = None,
+                 claim_timeout_ms: int = 60_000, max_attempts: int = 10) -> None:
+        self.url = url
+        self.engine: Engine = engine_for_url(url, table=table, schema=schema)
+        self.claim_timeout_ms = claim_timeout_ms
+        self.max_attempts = max_attempts
+        self._local = threading.local()
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None) -> "OutboxStore":
+        s = settings or get_settings()
+        return cls(s.database_url, table=s.table, schema=s.schema,
+                   claim_timeout_ms=s.claim_timeout_ms, max_attempts=s.max_attempts)
+
+    def __repr__(self) -> str:
+        return f"OutboxStore({self.engine.name}, table={self.engine.table})"
+
+    # -- connections -----------------------------------------------------------
+    def connection(self) -> Any:
+        """This thread's connection, opened on first use and after a fork."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None or self._local.pid != os.getpid():
+            conn = self.engine.connect(self.url)
+            self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None and self._local.pid == os.getpid():
+            try:
+                conn.close()
+            except Exception:  # closing a broken connection may itself fail
+                pass
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """A cursor inside one short transaction: committed on success, rolled back
+        (and the connection dropped if it broke) on error."""
+        conn = self.connection()
+        cursor = conn.cursor()
+        try:
+            yield cursor
+            conn.commit()
+        except BaseException as exc:
+            try:
+                conn.rollback()
+            except Exception:
+                self.close()
+            else:
+                if self.engine.is_disconnect(exc):
+                    self.close()
+            raise
+        finally:
+            try:
+                cursor.close()
+            except Exception:
+                pass
+
+    def _run(self, operation: str, work: Callable[[Any], T]) -> T:
+        """Run ``work(cursor)`` in a transaction, retrying transient errors."""
+        def before_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("outbox %s: transient database error, retrying (attempt %d): %s",
+                        operation, state.attempt_number, exc)
+            if exc is not None and self.engine.is_disconnect(exc):
+                self.close()
+
+        retrying = Retrying(
+            retry=retry_if_exception(self.engine.is_transient),
+            stop=stop_after_attempt(TRANSIENT_RETRIES),
+            wait=wait_random_exponential(multiplier=0.05, max=2.0),
+            before_sleep=before_retry,
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt:
+                with self.transaction() as cursor:
+                    return work(cursor)
+        raise StoreError(f"{operation} did not run")  # unreachable: tenacity re-raises
+
+    # -- schema ----------------------------------------------------------------
+    def migrate(self, native_json: bool = False) -> None:
+        """Create or repair the table and its indexes. Safe to run any number of times."""
+        def work(cursor: Any) -> None:
+            for statement in self.engine.migration(native_json=native_json):
+                self.engine.execute(cursor, statement)
+        self._run("migrate", work)
+
+    # -- relay operations --------------------------------------------------------
+    def claim(self, batch: int) -> Claim:
+        """Lease up to ``batch`` rows: whole per-aggregate chains, oldest first."""
+        if batch <= 0:
+            raise ValueError("batch must be positive")
+        lease = uuid.uuid4().hex
+
+        def work(cursor: Any) -> list[tuple]:
+            return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts)
+
+        rows = self._run("claim", work)
+        status_at = len(rows[0]) - 1 if rows else 0
+        dead = [int(r[0]) for r in rows if int(r[status_at]) == Status.DEAD]
+        if dead:
+            log.error("outbox rows %s went dead: their lease expired %d times", dead, self.max_attempts)
+        messages = [self.engine.to_message(r, lease) for r in rows if int(r[status_at]) == Status.CLAIMED]
+        messages.sort(key=lambda m: m.id)
+        return Claim(lease=lease, messages=messages)
+
+    def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult:
+        """Mark published rows done, in one statement. Rows no longer held by
+        ``lease`` are left alone and counted as stale."""
+        ids = list(ids)
+        if not ids:
+            return FenceResult(0, 0)
+
+        def work(cursor: Any) -> int:
+            cond, params = self.engine.ids_in(ids)
+            return self.engine.execute(cursor, self.engine.mark_done_sql(cond), [*params, lease]).rowcount
+
+        return self._fenced("mark_done", ids, lease, self._run("mark_done", work))
+
+    def mark_failed(self, id: int, lease: str, error: str, retry_in: timedelta | None = None,
+                    *, dead: bool = False) -> FailResult:
+        """Record a failed delivery. With ``retry_in`` the row waits that long (on
+        the database clock); with ``dead=True``, or once attempts reach the
+        maximum, it is dead-lettered. A retry with no retry time is refused: it would
+        make the row due at once and hammer the broker."""
+        if retry_in is None and not dead:
+            raise TypeError("mark_failed needs retry_in unless dead=True: a failed row must have a retry time")
+        retry_ms = 0 if retry_in is None else int(retry_in.total_seconds() * 1000)
+        if retry_ms < 0 or retry_ms > 86_400_000:
+            raise ValueError("retry_in must be between 0 and 24 hours")
+        error = (error or "unknown error")[:4000]
+        flag = 1 if dead else 0
+
+        def work(cursor: Any) -> tuple[int, int | None]:
+            params = [flag, self.max_attempts] * 3
+            params.insert(4, retry_ms)  # the retry time sits in the second CASE's ELSE
+            changed = self.engine.execute(cursor, self.engine.mark_failed_sql(),
+                                          [*params, error, id, lease]).rowcount
+            status = self.engine.execute(cursor, f"SELECT status FROM {self.engine.table} WHERE id = ?",
+                                         [id]).fetchone()
+            return changed, (int(status[0]) if status else None)
+
+        changed, status = self._run("mark_failed", work)
+        self._fenced("mark_failed", [id], lease, changed)
+        return FailResult(applied=changed == 1, dead=changed == 1 and status == Status.DEAD)
+
+    def release(self, ids: Sequence[int], lease: str, delay: timedelta | None = None) -> FenceResult:
+        """Hand rows back as pending without spending an attempt (a chain's
+        unpublished tail, or broker back-pressure). ``delay`` keeps them, and so
+        their whole aggregate, waiting that long."""
+        ids = list(ids)
+        if not ids:
+            return FenceResult(0, 0)
+        delay_ms = int(delay.total_seconds() * 1000) if delay else 0
+
+        def work(cursor: Any) -> int:
+            cond, params = self.engine.ids_in(ids)
+            return self.engine.execute(cursor, self.engine.release_sql(cond),
+                                       [delay_ms, delay_ms, *params, lease]).rowcount
+
+        return self._fenced("release", ids, lease, self._run("release", work))
+
+    def _fenced(self, operation: str, ids: list[int], lease: str, applied: int) -> FenceResult:
+        result = FenceResult(requested=len(ids), applied=applied)
+        if not result.ok:
+            log.warning("outbox %s: lease %s no longer holds %d of rows %s (expired and re-claimed); "
+                        "those rows were left unchanged", operation, lease, result.stale, ids)
+        return result
+
+    # -- housekeeping ------------------------------------------------------------
+    def purge_done(self, older_than: timedelta, batch: int = 1000, max_rows: int = 100_000) -> int:
+        """Delete done rows processed longer ago than ``older_than``, ``batch`` rows
+        per short transaction. ``max_rows`` is a soft cap: the loop stops after the
+        chunk that reaches it. Dead rows are never purged."""
+        older_ms = int(older_than.total_seconds() * 1000)
+        total = 0
+        while total < max_rows:
+            deleted = self._run("purge_done", lambda cursor: self.engine.execute(
+                cursor, self.engine.purge_chunk_sql(), self.engine.purge_params(older_ms, batch)).rowcount)
+            total += max(deleted, 0)
+            if deleted < batch:
+                break
+        return total
+
+    def stats(self) -> Stats:
+        def work(cursor: Any) -> tuple[list, Any, Any]:
+            counts = self.engine.execute(
+                cursor, f"SELECT status, COUNT(*) FROM {self.engine.table} GROUP BY status").fetchall()
+            oldest = self.engine.execute(
+                cursor, f"SELECT MIN(created_at), {self.engine.now} FROM {self.engine.table} "
+                "WHERE status IN (0, 1, 3)").fetchone()
+            return counts, oldest[0], oldest[1]
+
+        counts, oldest, now = self._run("stats", work)
+        by_name = {s.name.lower(): 0 for s in Status}
+        for status, count in counts:
+            by_name[Status(int(status)).name.lower()] = int(count)
+        age = None
+        if oldest is not None:
+            age = max(0.0, (self.engine.to_datetime(now) - self.engine.to_datetime(oldest)).total_seconds())
+        return Stats(counts=by_name, oldest_pending_age_s=age, dead=by_name["dead"])
+
+    def dead_list(self, limit: int = 100, after_id: int = 0) -> list[DeadRow]:
+        sql = self.engine.limit(
+            "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, processed_at "
+            f"FROM {self.engine.table} WHERE status = 4 AND id > ? ORDER BY id")
+        rows = self._run("dead_list", lambda c: self.engine.execute(c, sql, [after_id, limit]).fetchall())
+        return [DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], self.engine.to_datetime(r[7]))
+                for r in rows]
+
+    def requeue_dead(self, ids: Sequence[int] | None = None) -> int:
+        """Make dead rows pending again with a fresh attempt budget. ``None`` means all."""
+        def work(cursor: Any) -> int:
+            if ids is None:
+                return self.engine.execute(cursor, self.engine.requeue_sql("1 = 1")).rowcount
+            cond, params = self.engine.ids_in(list(ids))
+            return self.engine.execute(cursor, self.engine.requeue_sql(cond), params).rowcount
+        return self._run("requeue_dead", work)
