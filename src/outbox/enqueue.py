@@ -46,7 +46,7 @@ def enqueue(
                           trace_id=current_traceparent(), max_payload_bytes=settings.max_payload_bytes)
     kind, raw = unwrap_connection(conn)
     engine = _engine(kind, table or settings.table, schema if schema is not None else settings.schema)
-    cursor = raw.cursor()
+    cursor = engine.cursor_for(raw)
     try:
         return engine.insert_event(cursor, event)
     finally:

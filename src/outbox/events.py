@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Mapping
 
@@ -15,6 +16,9 @@ MAX_AGGREGATE = 255
 MAX_KEY = 255
 MAX_MESSAGE_ID = 64
 MAX_HEADERS_BYTES = 64 * 1024
+
+#: json.dumps writes a NUL character as \u0000 (an escape preceded by an even run of backslashes).
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def _reject_unknown(value: Any) -> Any:
@@ -64,6 +68,8 @@ def prepare_event(
     if not isinstance(payload, (dict, list)):
         raise EnqueueError(f"payload must be a JSON object or array, got {type(payload).__name__}")
     payload_json = dump_json(payload, "payload")
+    if _NUL_ESCAPE.search(payload_json):
+        raise EnqueueError("payload contains a NUL character (\\u0000), which PostgreSQL's JSON cannot store")
     size = len(payload_json.encode("utf-8"))
     if size > max_payload_bytes:
         raise EnqueueError(f"payload is {size} bytes; OUTBOX_MAX_PAYLOAD_BYTES allows {max_payload_bytes}")

@@ -117,8 +117,12 @@ class OutboxStore:
     def migrate(self, native_json: bool = False) -> None:
         """Create or repair the table and its indexes. Safe to run any number of times."""
         def work(cursor: Any) -> None:
-            for statement in self.engine.migration(native_json=native_json):
-                self.engine.execute(cursor, statement)
+            for step in self.engine.migration(native_json=native_json):
+                if isinstance(step, tuple):
+                    (probe, params), step = step
+                    if self.engine.execute(cursor, probe, params).fetchone() is not None:
+                        continue
+                self.engine.execute(cursor, step)
         self._run("migrate", work)
 
     # -- relay operations --------------------------------------------------------

@@ -98,6 +98,10 @@ class Engine(ABC):
     def connect(self, url: str) -> Any:
         """Open a DB-API connection for the relay's own, short transactions."""
 
+    def cursor_for(self, conn: Any) -> Any:
+        """A cursor on the caller's connection that yields plain tuples."""
+        return conn.cursor()
+
     def begin(self, cursor: Any) -> None:
         """Start a write transaction (drivers that open one implicitly need nothing)."""
 
@@ -120,8 +124,12 @@ class Engine(ABC):
 
     # -- schema --------------------------------------------------------------
     @abstractmethod
-    def migration(self, native_json: bool = False) -> list[str]:
-        """Statements that create or repair the schema; each guarded on its own."""
+    def migration(self, native_json: bool = False) -> list[Any]:
+        """Statements that create or repair the schema, each guarded on its own.
+
+        An item is either SQL that guards itself (IF NOT EXISTS) or a pair
+        ``((probe_sql, probe_params), sql)``: ``sql`` runs only when the probe finds
+        no row, for engines whose DDL has no IF NOT EXISTS form."""
 
     # -- write side (runs in the caller's transaction: never commit here) -------
     @abstractmethod

@@ -1,0 +1,130 @@
+"""MySQL 8 and MariaDB 10.6+ through PyMySQL.
+
+MySQL has no UPDATE ... RETURNING and will not let an UPDATE read its own table in
+a subquery, so the claim is the generic plan from ``Engine.claim``: one locking
+scan (``FOR UPDATE SKIP LOCKED``), one probe, one UPDATE, one read, in a single
+short READ COMMITTED transaction. Id-like columns use a binary collation so
+``Order-1`` and ``order-1`` stay two aggregates and two message ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ..model import NewEvent
+from .base import Engine
+
+#: Deadlock, lock wait timeout, server gone away, lost connection, cannot connect,
+#: query interrupted by shutdown.
+_TRANSIENT_CODES = {1213, 1205, 2006, 2013, 2003, 2055, 1053}
+_DISCONNECT_CODES = {2006, 2013, 2003, 2055}
+
+
+def pymysql_kwargs(url: str) -> dict[str, Any]:
+    parts = urlsplit(url)
+    options = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    kwargs: dict[str, Any] = {
+        "host": parts.hostname or "127.0.0.1",
+        "port": parts.port or 3306,
+        "user": unquote(parts.username or "root"),
+        "password": unquote(parts.password or ""),
+        "database": parts.path.lstrip("/") or None,
+        "charset": options.pop("charset", "utf8mb4"),
+    }
+    if "unix_socket" in options:
+        kwargs["unix_socket"] = options.pop("unix_socket")
+    return kwargs
+
+
+class MysqlEngine(Engine):
+    name = "mysql"
+    placeholder = "%s"
+    now: ClassVar[str] = "UTC_TIMESTAMP(3)"
+    lock_candidates: ClassVar[str] = " FOR UPDATE SKIP LOCKED"
+
+    def quote(self, identifier: str) -> str:
+        return f"`{identifier}`"
+
+    def now_plus_ms(self) -> str:
+        return "TIMESTAMPADD(MICROSECOND, ? * 1000, UTC_TIMESTAMP(3))"
+
+    def connect(self, url: str) -> Any:
+        import pymysql
+        return pymysql.connect(**pymysql_kwargs(url), autocommit=False,
+                               init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+
+    def cursor_for(self, conn: Any) -> Any:
+        import pymysql.cursors
+        return conn.cursor(pymysql.cursors.Cursor)  # tuples, whatever the caller's default
+
+    def _code(self, exc: BaseException) -> int | None:
+        args = getattr(exc, "args", ())
+        return args[0] if args and isinstance(args[0], int) else None
+
+    def is_transient(self, exc: BaseException) -> bool:
+        import pymysql
+        if isinstance(exc, pymysql.err.InterfaceError):
+            return True
+        return isinstance(exc, pymysql.err.MySQLError) and self._code(exc) in _TRANSIENT_CODES
+
+    def is_disconnect(self, exc: BaseException) -> bool:
+        import pymysql
+        return isinstance(exc, pymysql.err.InterfaceError) or (
+            isinstance(exc, pymysql.err.MySQLError) and self._code(exc) in _DISCONNECT_CODES)
+
+    def purge_chunk_sql(self) -> str:
+        # MySQL rejects LIMIT inside an IN subquery; single-table DELETE takes it directly.
+        return (f"DELETE FROM {self.table} WHERE status = 2 AND processed_at < {self.now_plus_ms()} "
+                "ORDER BY id LIMIT ?")
+
+    def migration(self, native_json: bool = False) -> list[Any]:
+        t, q = self.table, self.quote
+        schema = "DATABASE()" if not self.schema else "?"
+
+        def column_exists(column: str) -> tuple[str, list[Any]]:
+            return (f"SELECT 1 FROM information_schema.columns WHERE table_schema = {schema} "
+                    "AND table_name = ? AND column_name = ?",
+                    [*([self.schema] if self.schema else []), self.table_name, column])
+
+        def index_exists(index: str) -> tuple[str, list[Any]]:
+            return (f"SELECT 1 FROM information_schema.statistics WHERE table_schema = {schema} "
+                    "AND table_name = ? AND index_name = ?",
+                    [*([self.schema] if self.schema else []), self.table_name, index])
+
+        steps: list[Any] = [f"CREATE DATABASE IF NOT EXISTS {q(self.schema)}"] if self.schema else []
+        steps.append(f"""CREATE TABLE IF NOT EXISTS {t} (
+                id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                message_id VARCHAR(64) NOT NULL,
+                topic VARCHAR(255) NOT NULL,
+                aggregate_type VARCHAR(255) NOT NULL,
+                aggregate_id VARCHAR(255) NOT NULL,
+                partition_key VARCHAR(255) NULL,
+                payload JSON NOT NULL,
+                headers JSON NOT NULL,
+                trace_id VARCHAR(255) NULL,
+                status TINYINT NOT NULL DEFAULT 0,
+                attempts INT NOT NULL DEFAULT 0,
+                claimed_at DATETIME(3) NULL,
+                next_retry_at DATETIME(3) NULL,
+                created_at DATETIME(3) NOT NULL,
+                processed_at DATETIME(3) NULL,
+                CONSTRAINT {q('ck_' + self.table_name + '_status')} CHECK (status BETWEEN 0 AND 4)
+            ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""")
+        for column, ddl in (("last_error", "TEXT NULL"), ("lease_token", "VARCHAR(32) NULL")):
+            steps.append((column_exists(column), f"ALTER TABLE {t} ADD COLUMN {column} {ddl}"))
+        for suffix, ddl in (("message_id", "UNIQUE INDEX {name} ON {t} (message_id)"),
+                            ("agg_id_id", "INDEX {name} ON {t} (aggregate_id, id)"),
+                            ("claim_ready", "INDEX {name} ON {t} (status, id)"),
+                            ("done_processed_at", "INDEX {name} ON {t} (status, processed_at)")):
+            name = self.index_name(suffix)
+            steps.append((index_exists(name), "CREATE " + ddl.format(name=q(name), t=t)))
+        return steps
+
+    def insert_event(self, cursor: Any, event: NewEvent) -> int:
+        # On a duplicate message_id, LAST_INSERT_ID(id) hands back the stored row's
+        # id and nothing is written: no error reaches the caller's transaction.
+        self.execute(cursor, f"INSERT INTO {self.table} ({self.INSERT_COLUMNS}, created_at) "
+                     f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, {self.now}) "
+                     "ON DUPLICATE KEY UPDATE id = LAST_INSERT_ID(id)", self.event_params(event))
+        return int(cursor.lastrowid)
