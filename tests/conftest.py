@@ -1,0 +1,104 @@
+"""Fixtures shared by the suite: one store per test on every engine, each test with
+a table of its own so tests never see each other's rows."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from outbox.config import reset_settings  # noqa: E402
+from outbox.store import OutboxStore  # noqa: E402
+from services import MSSQL_URL, MYSQL_URL, POSTGRES_URL, require  # noqa: E402
+
+ENGINES = ["sqlite", "postgresql", "mysql", "mssql"]
+
+
+def engine_url(kind: str, tmp_path: Path) -> str:
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'outbox.db'}"
+    if kind == "postgresql":
+        require("PostgreSQL", "127.0.0.1", 5432)
+        return POSTGRES_URL
+    if kind == "mysql":
+        require("MariaDB/MySQL", "127.0.0.1", 3306)
+        return MYSQL_URL
+    if kind == "mssql":
+        if not MSSQL_URL:
+            pytest.skip("no SQL Server here: set OUTBOX_TEST_MSSQL_URL (or run where Docker runs testcontainers)")
+        return MSSQL_URL
+    raise ValueError(kind)
+
+
+def drop_table(store: OutboxStore) -> None:
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.table}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_") and not name.startswith("OUTBOX_TEST_") and name != "OUTBOX_REQUIRE_SERVICES":
+            monkeypatch.delenv(name)
+    reset_settings()
+    yield
+    reset_settings()
+
+
+@pytest.fixture(params=ENGINES)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def url(kind: str, tmp_path: Path) -> str:
+    return engine_url(kind, tmp_path)
+
+
+@pytest.fixture
+def make_store(url: str) -> Iterator[Any]:
+    """Build migrated stores on a per-test table; every one is dropped afterwards."""
+    made: list[OutboxStore] = []
+
+    def make(*, table: str | None = None, **options: Any) -> OutboxStore:
+        name = table or f"outbox_t{uuid.uuid4().hex[:10]}"
+        options.setdefault("claim_timeout_ms", 60_000)
+        options.setdefault("max_attempts", 3)
+        store = OutboxStore(url, table=name, **options)
+        store.migrate()
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        try:
+            drop_table(store)
+        finally:
+            store.close()
+
+
+@pytest.fixture
+def store(make_store: Any) -> OutboxStore:
+    return make_store()
+
+
+@pytest.fixture
+def writer(store: OutboxStore, url: str) -> Iterator[Any]:
+    """A plain DB-API connection playing the application that enqueues."""
+    if store.engine.name == "sqlite":  # an application's connection: implicit transactions
+        import sqlite3
+        from outbox.engines.sqlite import sqlite_path
+        conn = sqlite3.connect(sqlite_path(url), timeout=30)
+    else:
+        conn = store.engine.connect(url)
+    yield conn
+    try:
+        conn.rollback()
+    finally:
+        conn.close()

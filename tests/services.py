@@ -1,0 +1,39 @@
+"""Where the test services live, and how a test asks for one.
+
+A test that needs a service it cannot reach is skipped with the reason, unless
+``OUTBOX_REQUIRE_SERVICES`` is set (CI sets it), in which case it fails: a CI run
+must never turn green by skipping everything.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+POSTGRES_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+MYSQL_URL = os.environ.get("OUTBOX_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+MSSQL_URL = os.environ.get("OUTBOX_TEST_MSSQL_URL")
+REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+AMQP_URL = os.environ.get("OUTBOX_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+REQUIRE = bool(os.environ.get("OUTBOX_REQUIRE_SERVICES"))
+
+
+def reachable(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def require(name: str, host: str, port: int) -> None:
+    """Skip (or, under OUTBOX_REQUIRE_SERVICES, fail) when ``name`` is not listening."""
+    if reachable(host, port):
+        return
+    message = f"{name} is not reachable on {host}:{port}"
+    if REQUIRE:
+        pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
+    pytest.skip(message)

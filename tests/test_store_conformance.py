@@ -1,0 +1,329 @@
+"""The store contract, run for real on every engine (SQLite, PostgreSQL, MariaDB,
+and SQL Server when one is reachable). Each rule of the claim is pinned here."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from outbox import EnqueueError, Status, enqueue
+from outbox.store import OutboxStore
+
+
+def add(writer: Any, store: OutboxStore, aggregate: str, count: int = 1, commit: bool = True,
+        **kw: Any) -> list[int]:
+    ids = [enqueue(writer, topic=kw.pop("topic", "orders.created") if i == 0 else "orders.created",
+                   aggregate_type="order", aggregate_id=aggregate, payload=kw.get("payload", {"n": i}),
+                   message_id=kw.get("message_id"), headers=kw.get("headers"), key=kw.get("key"),
+                   table=store.engine.table_name)
+           for i in range(count)]
+    if commit:
+        writer.commit()
+    return ids
+
+
+def statuses(store: OutboxStore) -> dict[int, int]:
+    with store.transaction() as cursor:
+        rows = store.engine.execute(cursor, f"SELECT id, status FROM {store.engine.table}").fetchall()
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
+def row(store: OutboxStore, id: int, columns: str) -> tuple:
+    with store.transaction() as cursor:
+        return tuple(store.engine.execute(
+            cursor, f"SELECT {columns} FROM {store.engine.table} WHERE id = ?", [id]).fetchone())
+
+
+def claimed_ids(store: OutboxStore, batch: int = 100) -> list[int]:
+    return [m.id for m in store.claim(batch).messages]
+
+
+# -- schema ---------------------------------------------------------------------
+
+def test_migrate_is_idempotent_and_repairs_a_partial_schema(store: OutboxStore, writer: Any) -> None:
+    store.migrate()
+    # Drop one index as a half-finished deployment would leave it, then repair.
+    index = store.engine.index_name("claim_ready")
+    with store.transaction() as cursor:
+        drop = {"mysql": f"DROP INDEX `{index}` ON {store.engine.table}",
+                "mssql": f"DROP INDEX [{index}] ON {store.engine.table}"}.get(
+            store.engine.name, f"DROP INDEX {store.engine.qualify(index)}")
+        store.engine.execute(cursor, drop)
+    store.migrate()
+    store.migrate()
+    add(writer, store, "a", 2)
+    assert claimed_ids(store) == sorted(statuses(store))
+
+
+# -- enqueue ----------------------------------------------------------------------
+
+def test_enqueue_commits_and_rolls_back_with_the_caller(store: OutboxStore, writer: Any) -> None:
+    kept = add(writer, store, "a", commit=True)
+    add(writer, store, "b", commit=False)
+    writer.rollback()
+    assert list(statuses(store)) == kept
+    assert claimed_ids(store) == kept
+
+
+def test_enqueue_is_idempotent_by_message_id_and_keeps_the_transaction_usable(store: OutboxStore,
+                                                                              writer: Any) -> None:
+    first = add(writer, store, "a", message_id="m-1", commit=False)
+    again = add(writer, store, "a", message_id="m-1", commit=False)
+    after = add(writer, store, "a", message_id="m-2", commit=False)
+    writer.commit()
+    assert first == again
+    assert sorted(statuses(store)) == sorted(first + after)
+    # And across transactions, after commit.
+    assert add(writer, store, "z", message_id="m-1") == first
+    assert len(statuses(store)) == 2
+
+
+BAD_INPUT = [
+    ({"payload": {"x": float("nan")}}, "not valid JSON"),
+    ({"payload": {"x": float("inf")}}, "not valid JSON"),
+    ({"payload": {"x": object()}}, "not valid JSON"),
+    ({"payload": "just a string"}, "object or array"),
+    ({"payload": 42}, "object or array"),
+    ({"payload": {"x": "\udc00"}}, "not valid JSON"),
+    ({"payload": {"x": "nul\x00"}}, "NUL"),
+    ({"topic": ""}, "topic must not be empty"),
+    ({"topic": "   "}, "topic must not be empty"),
+    ({"topic": "t" * 256}, "topic is 256 characters"),
+    ({"aggregate_id": "a" * 256}, "aggregate_id is 256"),
+    ({"aggregate_type": ""}, "aggregate_type must not be empty"),
+    ({"message_id": "m" * 65}, "message_id is 65"),
+    ({"key": "k" * 256}, "key is 256"),
+    ({"headers": {"h": {"nested": 1}}}, "header 'h'"),
+    ({"headers": ["not", "a", "mapping"]}, "headers must be a mapping"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
+def test_bad_input_raises_before_anything_is_written(store: OutboxStore, writer: Any,
+                                                     override: dict, message: str) -> None:
+    payload: dict[str, Any] = {"topic": "orders.created", "aggregate_type": "order", "aggregate_id": "1",
+                               "payload": {"ok": True}}
+    payload.update(override)
+    with pytest.raises(EnqueueError, match=message) as caught:
+        enqueue(writer, table=store.engine.table_name, **payload)
+    assert isinstance(caught.value, ValueError)
+    # The caller's transaction is untouched and still usable.
+    good = add(writer, store, "1")
+    assert list(statuses(store)) == good
+
+
+def test_unicode_and_one_megabyte_payloads_round_trip(store: OutboxStore, writer: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "zażółć gęślą jaźń – 東京 – 🚀 – \u202e"
+    limit = 1_048_576
+    skeleton = len(json.dumps({"blob": ""}, separators=(",", ":")).encode())
+    big = {"blob": "x" * (limit - skeleton)}
+    ids = [add(writer, store, "ü-1", payload={"text": text}, headers={"x-note": text}, key="clé")[0],
+           add(writer, store, "ü-2", payload=big)[0]]
+    with pytest.raises(EnqueueError, match="OUTBOX_MAX_PAYLOAD_BYTES"):
+        add(writer, store, "ü-3", payload={"blob": "x" * (limit - skeleton + 1)})
+    messages = {m.id: m for m in store.claim(10).messages}
+    assert sorted(messages) == ids
+    first = messages[ids[0]]
+    assert json.loads(first.payload) == {"text": text}
+    assert first.headers == {"x-note": text}
+    assert first.aggregate_id == "ü-1" and first.partition_key == "clé"
+    assert json.loads(messages[ids[1]].payload) == big
+
+
+# -- claim: chains, fairness, blocking ---------------------------------------------------
+
+def test_claim_takes_whole_chains_in_id_order(store: OutboxStore, writer: Any) -> None:
+    hot = add(writer, store, "hot", 6)
+    cold = add(writer, store, "cold", 1)
+    claim = store.claim(100)
+    assert [m.id for m in claim.messages] == sorted(hot + cold)
+    assert {m.lease for m in claim.messages} == {claim.lease}
+    assert all(m.attempt == 1 for m in claim.messages)
+    assert claimed_ids(store) == []  # everything is leased now
+
+
+def test_claim_is_oldest_first_across_aggregates_and_honours_the_batch(store: OutboxStore, writer: Any) -> None:
+    a1 = add(writer, store, "a")
+    b1 = add(writer, store, "b")
+    a2 = add(writer, store, "a")
+    c1 = add(writer, store, "c")
+    assert claimed_ids(store, 2) == a1 + b1
+    assert claimed_ids(store, 2) == c1  # a2 waits behind a1's live lease
+    assert statuses(store)[a2[0]] == Status.PENDING
+
+
+def test_a_live_lease_blocks_the_rest_of_its_aggregate(store: OutboxStore, writer: Any) -> None:
+    head = add(writer, store, "a")
+    assert claimed_ids(store) == head
+    tail = add(writer, store, "a", 2)
+    other = add(writer, store, "b")
+    assert claimed_ids(store) == other
+    assert statuses(store)[tail[0]] == Status.PENDING
+
+
+def test_head_blocked_by_a_failed_row_until_its_retry_is_due(store: OutboxStore, writer: Any) -> None:
+    ids = add(writer, store, "a", 3)
+    other = add(writer, store, "b")
+    claim = store.claim(1)
+    assert [m.id for m in claim.messages] == ids[:1]
+    result = store.mark_failed(ids[0], claim.lease, "broker said no", timedelta(hours=1))
+    assert result.applied and not result.dead
+    assert claimed_ids(store) == other  # a's tail waits behind the failed head
+    assert statuses(store)[ids[0]] == Status.FAILED
+
+
+def test_a_due_retry_starts_a_chain_with_attempts_counted(store: OutboxStore, writer: Any) -> None:
+    ids = add(writer, store, "a", 3)
+    claim = store.claim(1)
+    result = store.mark_failed(ids[0], claim.lease, "transient", timedelta(0))
+    assert result.applied and not result.dead
+    again = store.claim(10)
+    assert [m.id for m in again.messages] == ids
+    assert [m.attempt for m in again.messages] == [2, 1, 1]
+    assert row(store, ids[0], "last_error") == ("transient",)
+
+
+def test_head_blocked_by_a_row_released_with_a_delay(store: OutboxStore, writer: Any) -> None:
+    ids = add(writer, store, "a", 2)
+    claim = store.claim(10)
+    assert store.release(ids, claim.lease, delay=timedelta(hours=1)).ok
+    assert claimed_ids(store) == []  # pending but not yet due: the aggregate waits
+    claim = store.claim(10)
+    assert claim.messages == []
+
+
+def test_release_spends_no_attempt(store: OutboxStore, writer: Any) -> None:
+    ids = add(writer, store, "a", 2)
+    claim = store.claim(10)
+    assert store.release(ids, claim.lease).ok
+    again = store.claim(10)
+    assert [m.id for m in again.messages] == ids
+    assert [m.attempt for m in again.messages] == [1, 1]
+
+
+# -- leases -----------------------------------------------------------------------------
+
+def test_expired_lease_is_reclaimed_head_first_with_attempts_plus_one(make_store: Any, writer: Any) -> None:
+    store = make_store(claim_timeout_ms=300, max_attempts=5)
+    ids = add(writer, store, "a", 3)
+    first = store.claim(10)
+    assert [m.id for m in first.messages] == ids
+    assert claimed_ids(store) == []
+    time.sleep(0.6)
+    # Only the head comes back: a row that may have killed its worker is retried
+    # alone, so it cannot take the rest of its aggregate down with it again.
+    second = store.claim(10)
+    assert [m.id for m in second.messages] == ids[:1]
+    assert second.messages[0].attempt == 2
+    assert second.lease != first.lease
+    assert store.mark_done(ids[:1], second.lease).ok
+    time.sleep(0.6)
+    third = store.claim(10)
+    assert [m.id for m in third.messages] == ids[1:2]
+
+
+def test_a_row_that_keeps_losing_its_lease_ends_dead_and_unblocks_its_aggregate(make_store: Any,
+                                                                                 writer: Any) -> None:
+    store = make_store(claim_timeout_ms=200, max_attempts=3)
+    poison, after = add(writer, store, "a", 2)
+    assert claimed_ids(store, 1) == [poison]
+    time.sleep(0.4)
+    assert claimed_ids(store, 1) == [poison]  # attempts 1
+    time.sleep(0.4)
+    assert claimed_ids(store, 1) == [poison]  # attempts 2
+    time.sleep(0.4)
+    assert claimed_ids(store, 10) == []       # attempts would reach 3: dead instead
+    assert statuses(store)[poison] == Status.DEAD
+    assert "lease expired" in row(store, poison, "last_error")[0]
+    assert claimed_ids(store, 10) == [after]
+
+
+def test_acks_are_fenced_by_the_lease(make_store: Any, writer: Any) -> None:
+    store = make_store(claim_timeout_ms=200, max_attempts=5)
+    ids = add(writer, store, "a", 1) + add(writer, store, "b", 1) + add(writer, store, "c", 1)
+    old = store.claim(10)
+    time.sleep(0.4)
+    new = store.claim(10)
+    assert sorted(m.id for m in new.messages) == ids
+    done = store.mark_done(ids, old.lease)
+    assert (done.applied, done.stale) == (0, 3)
+    assert not store.mark_failed(ids[0], old.lease, "late", timedelta(seconds=1)).applied
+    assert store.release(ids, old.lease).applied == 0
+    assert set(statuses(store).values()) == {Status.CLAIMED}
+    assert store.mark_done(ids, new.lease).ok
+    assert set(statuses(store).values()) == {Status.DONE}
+
+
+# -- failures -----------------------------------------------------------------------------
+
+def test_failed_with_no_retry_time_is_rejected(store: OutboxStore, writer: Any) -> None:
+    ids = add(writer, store, "a")
+    claim = store.claim(1)
+    with pytest.raises(TypeError, match="retry_in"):
+        store.mark_failed(ids[0], claim.lease, "no retry time")
+    assert statuses(store)[ids[0]] == Status.CLAIMED
+
+
+def test_poison_goes_dead_at_once_and_max_attempts_ends_dead(store: OutboxStore, writer: Any) -> None:
+    poison = add(writer, store, "p")[0]
+    flaky = add(writer, store, "f")[0]
+    claim = store.claim(10)
+    assert store.mark_failed(poison, claim.lease, "payload too large", dead=True).dead
+    for attempt in range(1, 4):  # max_attempts = 3
+        result = store.mark_failed(flaky, claim.lease, f"attempt {attempt}", timedelta(0))
+        assert result.applied
+        if attempt < 3:
+            assert not result.dead
+            claim = store.claim(10)
+            assert [m.id for m in claim.messages] == [flaky]
+    assert result.dead
+    assert statuses(store) == {poison: Status.DEAD, flaky: Status.DEAD}
+    assert claimed_ids(store) == []
+
+
+# -- housekeeping ---------------------------------------------------------------------------
+
+def test_purge_deletes_old_done_rows_in_chunks_with_a_soft_cap_and_keeps_dead_rows(
+        store: OutboxStore, writer: Any) -> None:
+    done = add(writer, store, "d", 25)
+    dead = add(writer, store, "x")
+    pending = add(writer, store, "p")
+    claim = store.claim(100)
+    assert store.mark_done(done, claim.lease).ok
+    store.mark_failed(dead[0], claim.lease, "poison", dead=True)
+    store.release(pending, claim.lease)
+    assert store.purge_done(timedelta(hours=1)) == 0  # nothing old enough
+    time.sleep(0.05)
+    # Soft cap: stops after the chunk that reaches 15, so 20 go (2 chunks of 10).
+    assert store.purge_done(timedelta(0), batch=10, max_rows=15) == 20
+    assert store.purge_done(timedelta(0), batch=10, max_rows=1000) == 5
+    assert statuses(store) == {dead[0]: Status.DEAD, pending[0]: Status.PENDING}
+
+
+def test_stats_dead_list_and_requeue(store: OutboxStore, writer: Any) -> None:
+    ids = add(writer, store, "a", 2) + add(writer, store, "b", 1)
+    claim = store.claim(100)
+    store.mark_done(ids[:1], claim.lease)
+    store.mark_failed(ids[1], claim.lease, "boom", dead=True)
+    stats = store.stats()
+    assert stats.counts == {"pending": 0, "claimed": 1, "done": 1, "failed": 0, "dead": 1}
+    assert stats.dead == 1
+    assert stats.oldest_pending_age_s is not None and 0 <= stats.oldest_pending_age_s < 600
+    dead = store.dead_list()
+    assert [(d.id, d.last_error, d.attempts) for d in dead] == [(ids[1], "boom", 1)]
+    assert store.requeue_dead([ids[1]]) == 1
+    assert store.requeue_dead() == 0
+    again = store.claim(10)
+    assert [m.id for m in again.messages] == [ids[1]]
+    assert again.messages[0].attempt == 1
+
+
+def test_stats_on_an_empty_table(store: OutboxStore) -> None:
+    stats = store.stats()
+    assert stats.oldest_pending_age_s is None
+    assert sum(stats.counts.values()) == 0
