@@ -1,0 +1,31 @@
+# The first two targets are the README's first two commands: they do all the set-up.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-dev
+
+.PHONY: demo test bench install lint clean
+
+demo: $(STAMP)          ## the whole pipeline on the embedded SQLite default
+	$(BIN)/outbox demo
+
+test: $(STAMP)          ## the test suite (services it cannot reach are skipped, or fail under OUTBOX_REQUIRE_SERVICES)
+	$(BIN)/pytest -q -ra
+
+bench: $(STAMP)         ## benchmarks; they print ratios against a baseline measured in the same run
+	$(BIN)/python -m bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/python -m compileall -q src tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache outbox.db outbox.db-wal outbox.db-shm
