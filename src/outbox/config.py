@@ -99,7 +99,8 @@ def _positive(name: str, value: float, *, upper: float | None = None, allow_zero
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
     if upper is not None and value > upper:
-        raise ConfigError(f"{name}={value!r} is above the maximum of {upper:g}")
+        limit = int(upper) if float(upper).is_integer() else upper
+        raise ConfigError(f"{name}={value!r} is above the maximum of {limit}")
 
 
 def _parse(name: str, raw: Any, kind: type) -> Any:

@@ -1,0 +1,50 @@
+"""The ordering rule as pure logic (used by the MySQL and SQLite claims) and the
+split of a claimed batch into chains."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from outbox.chains import Candidate, plan_claim, split_chains
+from outbox.model import OutboxMessage, Status
+
+P, C, F = Status.PENDING, Status.CLAIMED, Status.FAILED
+
+
+def cand(id: int, agg: str, status: int = P, attempts: int = 0) -> Candidate:
+    return Candidate(id, agg, status, attempts)
+
+
+def test_whole_chains_are_claimed_when_nothing_blocks() -> None:
+    plan = plan_claim([cand(1, "a"), cand(2, "b"), cand(3, "a"), cand(4, "a")], {}, 10)
+    assert plan.claim_ids == [1, 2, 3, 4] and plan.dead_ids == []
+
+
+def test_a_non_candidate_open_row_blocks_everything_behind_it() -> None:
+    # Row 2 of "a" is open but not ours (locked elsewhere, or not due): 3 and 5 wait.
+    plan = plan_claim([cand(1, "a"), cand(3, "a"), cand(4, "b"), cand(5, "a")], {"a": 2}, 10)
+    assert plan.claim_ids == [1, 4]
+
+
+def test_blocker_before_the_head_blocks_the_whole_aggregate() -> None:
+    assert plan_claim([cand(5, "a"), cand(6, "a")], {"a": 1}, 10).claim_ids == []
+
+
+def test_expired_and_retried_rows_only_start_chains() -> None:
+    plan = plan_claim([cand(1, "a", C, 1), cand(2, "a", C, 1), cand(3, "b", F, 1), cand(4, "b")], {}, 10)
+    assert plan.claim_ids == [1, 3, 4]
+
+
+def test_an_expired_row_at_max_attempts_goes_dead_and_its_tail_waits() -> None:
+    plan = plan_claim([cand(1, "a", C, 2), cand(2, "a"), cand(3, "b")], {}, 3)
+    assert plan.dead_ids == [1] and plan.claim_ids == [3]
+
+
+def message(id: int, agg: str) -> OutboxMessage:
+    return OutboxMessage(id, f"m{id}", "t", "x", agg, None, "{}", {}, None, 0,
+                         datetime.now(timezone.utc), "lease")
+
+
+def test_split_chains_groups_by_aggregate_in_id_order_oldest_chain_first() -> None:
+    chains = split_chains([message(i, a) for i, a in [(4, "b"), (1, "a"), (3, "a"), (2, "c"), (5, "b")]])
+    assert [[m.id for m in chain] for chain in chains] == [[1, 3], [2], [4, 5]]
