@@ -1,0 +1,80 @@
+"""``enqueue`` on the connections frameworks hand out: a SQLAlchemy Session and
+Connection, and a Django connection. The event must ride the framework's own
+transaction: committed with it, gone when it rolls back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox import UnsupportedConnection, enqueue
+from outbox.store import OutboxStore
+
+
+def sqlalchemy_url(url: str) -> str:
+    if url.startswith("postgresql"):
+        return url.replace("postgresql://", "postgresql+psycopg://", 1)
+    if url.startswith("mysql"):
+        return url.replace("mysql://", "mysql+pymysql://", 1)
+    return url
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_sqlalchemy_session_and_connection(store: OutboxStore, url: str) -> None:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import Session
+
+    engine = sqlalchemy.create_engine(sqlalchemy_url(url))
+    table = store.engine.table_name
+    try:
+        with Session(engine) as session:
+            kept = enqueue(session, topic="t", aggregate_type="o", aggregate_id="s", payload={"a": 1}, table=table)
+            session.commit()
+        with Session(engine) as session:
+            enqueue(session, topic="t", aggregate_type="o", aggregate_id="s", payload={"a": 2}, table=table)
+            session.rollback()
+        with engine.begin() as connection:
+            also = enqueue(connection, topic="t", aggregate_type="o", aggregate_id="c", payload=[1], table=table)
+    finally:
+        engine.dispose()
+    assert [m.id for m in store.claim(10).messages] == [kept, also]
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_django_connection(store: OutboxStore, url: str, tmp_path: Path) -> None:
+    pytest.importorskip("django")
+    from django.conf import settings
+    from outbox.engines.sqlite import sqlite_path
+
+    if not settings.configured:
+        settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",
+                                                  "NAME": sqlite_path(url)}})
+    import django
+    django.setup()
+    from django.db import connection, transaction
+
+    table = store.engine.table_name
+    with transaction.atomic():
+        kept = enqueue(connection, topic="t", aggregate_type="o", aggregate_id="d", payload={"a": 1}, table=table)
+    with pytest.raises(RuntimeError):
+        with transaction.atomic():
+            enqueue(connection, topic="t", aggregate_type="o", aggregate_id="d", payload={"a": 2}, table=table)
+            raise RuntimeError("roll back")
+    connection.close()
+    assert [m.id for m in store.claim(10).messages] == [kept]
+
+
+def test_anything_else_is_refused_with_a_clear_error() -> None:
+    with pytest.raises(UnsupportedConnection, match="enqueue needs an open DB-API connection"):
+        enqueue(object(), topic="t", aggregate_type="o", aggregate_id="1", payload={})
+
+
+def test_validation_runs_before_the_connection_is_touched() -> None:
+    class Exploding:
+        def cursor(self) -> Any:
+            raise AssertionError("the connection must not be used")
+    from outbox import EnqueueError
+    with pytest.raises(EnqueueError):
+        enqueue(Exploding(), topic="", aggregate_type="o", aggregate_id="1", payload={})
