@@ -1,0 +1,584 @@
+"""Publishing claimed outbox rows to the destination broker, one per-aggregate chain at a time.
+
+The relay hands ``Publisher.publish_chain`` the claimed rows of one aggregate, in id order.
+The publisher's one hard promise is the ordering rule of the contract: **what reaches the
+broker is always a prefix of the chain**. Event *k+1* is never sent while event *k* may not
+have been delivered, so ``ChainResult.published`` lists exactly the ids that are known to be
+on the broker, in order, and the relay may mark those done and release the rest.
+
+AMQP (py-amqp transport, ``amqp://`` / ``pyamqp://``): publisher confirms, stop-and-wait
+------------------------------------------------------------------------------------------
+Each event is published with ``mandatory=True`` on a channel in confirm mode and the
+publisher waits for the broker's ``basic.ack`` before sending the next one. RabbitMQ sends
+the ``basic.return`` of an unroutable mandatory message *before* its ``basic.ack``, so when
+the ack arrives we know both that the message is safely on the broker (persistent messages on
+durable queues are acked only once written) and whether it was routed anywhere.
+
+Why not one AMQP transaction per chain (``tx_select`` / publish all / ``tx_commit``)?
+It is one round trip instead of N, but it cannot keep the prefix promise:
+
+* RabbitMQ routes a transaction's messages, and sends the returns of unroutable ones, only
+  while it processes ``tx.commit`` (checked against RabbitMQ 3.10: a synchronous round trip
+  such as a passive ``exchange.declare`` after the publishes brings back no return; the
+  returns arrive between ``tx.commit`` and ``tx.commit-ok``). By then the routed messages
+  *after* an unroutable one have been delivered and there is nothing left to roll back. So
+  with ``unroutable="fail"`` a chain ``[a, b(unroutable), c]`` would put ``c`` on the broker
+  while ``b`` is still to be retried: an ordering violation.
+* In a transaction, a queue that refuses a message (``x-overflow: reject-publish``, a quorum
+  queue without a quorum) drops it silently; in confirm mode it is a ``basic.nack``.
+
+Pipelined confirms (publish all, then wait for all acks) fail the same way: by the time
+event *k*'s return or nack arrives, *k+1* is already routed. Stop-and-wait is the only
+scheme that gives per-event certainty before the next event leaves, and chains are short
+(usually one to a few events per aggregate, many chains in parallel across workers), so the
+extra round trips are cheap. A chain of one is therefore no special case.
+
+Unroutable events (no queue bound for the routing key)
+------------------------------------------------------
+``unroutable="fail"`` (default): the chain stops *at* the unroutable event with kind
+RETRIABLE and reason ``"unroutable: no queue bound for routing key 'X' on exchange 'E'"``.
+The broker dropped it (it is delivered nowhere) and nothing after it was sent. The relay
+retries it with back-off, so a consumer that binds its queue late still gets every event in
+order, and if nobody ever binds, the event dead-letters after OUTBOX_MAX_ATTEMPTS and the
+rest of its aggregate moves on.
+
+``unroutable="drop"``: for fire-and-forget topologies where "nobody listens to this topic"
+is normal. The unroutable event counts as published (its id is in ``published`` and also in
+``ChainResult.unroutable`` so it can be logged/counted) and the chain carries on. This is the
+broker's own semantics without ``mandatory``.
+
+Other transports (``memory://``, ``redis://``, ...): sequential, weaker guarantee
+----------------------------------------------------------------------------------
+Kombu's virtual transports have neither confirms nor returns. Events are sent one by one and
+the chain stops at the first exception, so the prefix rule still holds as far as the client
+can see; but a "successful" publish only means the transport accepted the call (for Redis: the
+``LPUSH`` was acknowledged by Redis, durable only as far as Redis persistence is configured;
+for ``memory://``: the message sits in this process and dies with it), and an event whose
+routing key matches no binding is dropped silently whatever ``unroutable`` says.
+
+Failure kinds (see ``classify``)
+--------------------------------
+RETRIABLE    try again later, spending an attempt (eventually dead after max attempts).
+BACKPRESSURE the broker is unreachable, blocked or pushing back: release the rows without
+             spending an attempt and try later.
+POISON       this event can never be published (too large, not encodable): dead-letter it.
+FATAL        configuration is wrong (credentials, permissions, vhost, exchange declared with
+             another type): no event can be published until an operator fixes it.
+
+Connections
+-----------
+One lazy kombu connection per publisher *per process*: the process id is checked on every
+call, and a connection inherited across ``fork()`` is dropped without being closed (closing
+it would shut down the parent's socket). Connecting uses a short, bounded retry so a broker
+that is down is reported as BACKPRESSURE within seconds instead of hanging a worker. After any
+error the connection is discarded and the next call reconnects; a connection that was idle
+since an earlier call and turns out to be dead is replaced once, transparently, and the
+chain resumes at the event that failed (which may then reach the broker twice: delivery is
+at-least-once, and the prefix rule is unaffected).
+
+Headers
+-------
+Every message carries the caller's headers (``OutboxMessage.headers``) plus the reserved
+headers ``message_id``, ``outbox_id``, ``topic``, ``aggregate_type``, ``aggregate_id``,
+``partition_key`` (the aggregate id when none was given), ``attempt``, ``created_at`` (ISO-8601,
+UTC) and, when a trace context was captured at enqueue, ``traceparent``. Reserved headers win:
+a caller header with a reserved name is overwritten, because consumers rely on those values
+for de-duplication and ordering. (A caller's own ``traceparent`` survives when none was
+captured.)
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from .model import OutboxMessage
+
+if TYPE_CHECKING:
+    from .config import Settings
+
+log = logging.getLogger(__name__)
+
+#: The default refusal threshold for one message body. RabbitMQ 4.x refuses bodies above
+#: 16 MiB by default (``max_message_size``; it was 128 MiB in 3.8-3.13), so this is the
+#: largest size every supported broker accepts out of the box.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+#: The header table travels in one AMQP content-header frame, which must fit in the
+#: negotiated ``frame_max`` (128 KiB by default on RabbitMQ and py-amqp). Past this the
+#: broker closes the whole connection with FRAME_ERROR, so we refuse earlier, per event.
+MAX_HEADER_BYTES = 64 * 1024
+
+#: ``x-outbox-error`` is cut to this many characters on dead-lettered messages.
+MAX_ERROR_HEADER_CHARS = 1000
+
+RESERVED_HEADERS = frozenset({
+    "message_id", "outbox_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
+    "attempt", "created_at",
+})
+
+UNROUTABLE_POLICIES = ("fail", "drop")
+
+
+class FailureKind(str, enum.Enum):
+    """What the relay should do about an event that was not published."""
+
+    RETRIABLE = "retriable"
+    BACKPRESSURE = "backpressure"
+    POISON = "poison"
+    FATAL = "fatal"
+
+
+@dataclass(frozen=True)
+class PublishFailure:
+    kind: FailureKind
+    reason: str
+    #: The exception behind the failure, if any (for logs; not part of equality).
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    """The outcome of one ``publish_chain`` call.
+
+    ``published`` is always a prefix of the chain's ids, in order. When the chain stopped
+    early, ``failed_id`` is the id of the first event that was not published (the one right
+    after that prefix) and ``failure`` says why; everything after it was not sent either.
+    """
+
+    published: tuple[int, ...] = ()
+    failed_id: int | None = None
+    failure: PublishFailure | None = None
+    #: Ids in ``published`` that the broker reported unroutable (``unroutable="drop"``).
+    unroutable: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+class Publisher(ABC):
+    """Sends chains of outbox messages to the destination broker.
+
+    Implementations never raise for a publishing problem: they report it in the result so
+    the relay always learns exactly which prefix reached the broker.
+    """
+
+    @abstractmethod
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+        """Publish ``messages`` (one aggregate, id order) so that a prefix reaches the broker."""
+
+    def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
+        """Send a copy of a dead row to the dead-letter exchange, if the publisher has one.
+
+        Returns ``None`` on success and when dead-letter publishing is not configured. It is
+        best effort: the dead row in the table stays the record of truth.
+        """
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the broker connection. The publisher reconnects if used again."""
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+# -- message building (pure) ---------------------------------------------------------------
+
+def iso_utc(moment: datetime) -> str:
+    """ISO-8601 in UTC with a ``Z``; naive datetimes are taken to be UTC already (the store's
+    convention)."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def build_headers(message: OutboxMessage) -> dict[str, Any]:
+    """The headers of the published message: the caller's, then the reserved ones on top."""
+    headers: dict[str, Any] = dict(message.headers or {})
+    headers.update({
+        "message_id": message.message_id,
+        "outbox_id": message.id,
+        "topic": message.topic,
+        "aggregate_type": message.aggregate_type,
+        "aggregate_id": message.aggregate_id,
+        "partition_key": message.partition_key if message.partition_key is not None else message.aggregate_id,
+        "attempt": message.attempt,
+        "created_at": iso_utc(message.created_at),
+    })
+    if message.trace_id:
+        headers["traceparent"] = message.trace_id
+    return headers
+
+
+def encode_body(message: OutboxMessage) -> bytes:
+    """The payload is stored as JSON text already; it is sent as those UTF-8 bytes, as is."""
+    return message.payload.encode("utf-8")
+
+
+def poison_check(message: OutboxMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> PublishFailure | None:
+    """Return a POISON failure for an event no broker will ever take, else ``None``.
+
+    Checked before each publish so that a hopeless event costs no broker round trip and,
+    above all, does not make the broker close the connection (an oversized message is a
+    channel error on RabbitMQ, an oversized header a connection error).
+    """
+    try:
+        size = len(encode_body(message))
+    except UnicodeError as exc:
+        return PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
+    if size > max_bytes:
+        return PublishFailure(FailureKind.POISON,
+                              f"message size {size} bytes is above the maximum of {max_bytes} bytes")
+    try:
+        headers = build_headers(message)
+        json.dumps(headers, allow_nan=False)  # virtual transports (redis, memory) send JSON
+        from amqp.serialization import dumps as amqp_dumps
+        header_size = len(amqp_dumps("F", [headers]))  # what AMQP sends: a field table
+    except Exception as exc:  # noqa: BLE001 - whatever the encoder objects to, it will every time
+        return PublishFailure(FailureKind.POISON, f"headers cannot be encoded: {type(exc).__name__}: {exc}", exc)
+    if header_size > MAX_HEADER_BYTES:
+        return PublishFailure(FailureKind.POISON,
+                              f"headers are {header_size} bytes encoded, above the maximum of {MAX_HEADER_BYTES}")
+    return None
+
+
+# -- error classification (pure) -------------------------------------------------------------
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then what it was raised from (kombu wraps transport errors)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _specific(exc: BaseException) -> FailureKind | None:
+    """Errors whose class (and text) say exactly what happened."""
+    from amqp import exceptions as amqp_exc
+
+    text = str(exc).lower()
+    if isinstance(exc, amqp_exc.PreconditionFailed):
+        # RabbitMQ refuses an oversized body with 406 "message size N is larger than configured
+        # max size M"; every other 406 is a declaration that does not match the broker's.
+        return FailureKind.POISON if "message size" in text or "max size" in text else FailureKind.FATAL
+    if isinstance(exc, (amqp_exc.ContentTooLarge, amqp_exc.FrameError, amqp_exc.FrameSyntaxError)):
+        return FailureKind.POISON
+    if isinstance(exc, (amqp_exc.AccessRefused, amqp_exc.NotAllowed, amqp_exc.InvalidPath,
+                        amqp_exc.AMQPNotImplementedError)):
+        return FailureKind.FATAL
+    if isinstance(exc, (amqp_exc.ResourceLocked, amqp_exc.ResourceError, amqp_exc.MessageNacked,
+                        amqp_exc.RecoverableConnectionError)):
+        # includes Blocked (connection.blocked) and ConnectionForced (broker shutting down)
+        return FailureKind.BACKPRESSURE
+    if isinstance(exc, amqp_exc.AMQPError):
+        return FailureKind.RETRIABLE  # NotFound (exchange deleted: redeclared on reconnect), 541, ...
+    if isinstance(exc, UnicodeError):
+        return FailureKind.POISON
+    try:
+        from kombu.exceptions import SerializationError
+    except ImportError:  # pragma: no cover
+        SerializationError = ()  # type: ignore[assignment,misc]
+    if isinstance(exc, SerializationError):
+        return FailureKind.POISON
+    return _redis_kind(exc, text)
+
+
+def _redis_kind(exc: BaseException, text: str) -> FailureKind | None:
+    try:
+        from redis import exceptions as redis_exc
+    except ImportError:
+        return None
+    if isinstance(exc, (redis_exc.AuthenticationError, redis_exc.AuthorizationError)):
+        return FailureKind.FATAL
+    if isinstance(exc, redis_exc.DataError):
+        return FailureKind.POISON
+    if isinstance(exc, (redis_exc.ConnectionError, redis_exc.TimeoutError)):  # BusyLoadingError too
+        return FailureKind.BACKPRESSURE
+    if isinstance(exc, redis_exc.ResponseError):
+        if text.startswith(("noauth", "wrongpass", "noperm")):
+            return FailureKind.FATAL
+        if text.startswith(("oom", "busy", "loading", "tryagain", "masterdown", "readonly")):
+            return FailureKind.BACKPRESSURE
+        return FailureKind.RETRIABLE
+    return None
+
+
+def _generic(exc: BaseException) -> FailureKind | None:
+    """Errors that only say "the broker could not be talked to"."""
+    from kombu.exceptions import OperationalError
+
+    if isinstance(exc, (OSError, OperationalError)):  # refused, reset, broken pipe, timeouts, DNS
+        return FailureKind.BACKPRESSURE
+    return None
+
+
+def classify(exc: BaseException) -> FailureKind:
+    """Map an exception raised while connecting or publishing to a ``FailureKind``.
+
+    The exception and its causes are examined together: a specific cause (say, an
+    ``AccessRefused`` wrapped in kombu's ``OperationalError``) decides over a generic
+    connection error; anything unknown is RETRIABLE, so it is retried and, if it never goes
+    away, dead-lettered after the maximum number of attempts.
+    """
+    chain = list(_causes(exc))
+    for rule in (_specific, _generic):
+        for cause in chain:
+            kind = rule(cause)
+            if kind is not None:
+                return kind
+    return FailureKind.RETRIABLE
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """The socket died under us (reset, broken pipe, closed by the peer). Not a timeout: that
+    already cost the full confirm timeout and may mean the broker hangs. Not a nack either."""
+    from amqp import exceptions as amqp_exc
+
+    causes = list(_causes(exc))
+    if any(isinstance(cause, TimeoutError) for cause in causes):  # socket.timeout is TimeoutError
+        return False
+    return any(isinstance(cause, (ConnectionError, amqp_exc.RecoverableConnectionError))
+               or type(cause) is OSError for cause in causes)
+
+
+def failure_from(exc: BaseException) -> PublishFailure:
+    reason = f"{type(exc).__name__}: {exc}"
+    if len(reason) > MAX_ERROR_HEADER_CHARS:
+        reason = reason[: MAX_ERROR_HEADER_CHARS - 3] + "..."
+    return PublishFailure(classify(exc), reason, exc)
+
+
+# -- the kombu publisher -----------------------------------------------------------------------
+
+class _Unroutable(Exception):
+    """Internal: the broker returned the message just published."""
+
+
+class KombuPublisher(Publisher):
+    """``Publisher`` over any kombu transport; the strong guarantees need py-amqp (see the
+    module docstring).
+
+    Thread-safe (calls are serialized by a lock), fork-safe (one connection per process).
+    """
+
+    def __init__(self, url: str, exchange: str, *, dead_letter_exchange: str | None = None,
+                 unroutable: str = "fail", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 connect_timeout: float = 3.0, connect_retries: int = 1,
+                 confirm_timeout: float = 15.0) -> None:
+        if unroutable not in UNROUTABLE_POLICIES:
+            raise ValueError(f"unroutable={unroutable!r}: expected one of {', '.join(UNROUTABLE_POLICIES)}")
+        if not exchange:
+            raise ValueError("exchange must not be empty")
+        if max_message_bytes <= 0:
+            raise ValueError("max_message_bytes must be > 0")
+        self.url = url
+        self.exchange = exchange
+        self.dead_letter_exchange = dead_letter_exchange or None
+        self.unroutable = unroutable
+        self.max_message_bytes = max_message_bytes
+        self.connect_timeout = connect_timeout
+        self.connect_retries = connect_retries
+        self.confirm_timeout = confirm_timeout
+        self._lock = threading.RLock()
+        self._pid: int | None = None
+        self._conn: Any = None  # kombu.Connection
+        self._channel: Any = None
+        self._producer: Any = None  # kombu.Producer
+        self._confirms = False  # py-amqp: confirm mode + mandatory + returns
+        self._returned: list[Any] = []
+
+    @classmethod
+    def from_settings(cls, settings: "Settings", **options: Any) -> "KombuPublisher":
+        """Build from ``Settings``; options not (yet) in the settings may be passed in."""
+        options.setdefault("dead_letter_exchange", getattr(settings, "dead_letter_exchange", None))
+        options.setdefault("unroutable", getattr(settings, "publish_unroutable", None) or "fail")
+        return cls(settings.publish_url, settings.exchange, **options)
+
+    def __repr__(self) -> str:
+        from kombu.utils.url import maybe_sanitize_url
+        return f"<KombuPublisher {maybe_sanitize_url(self.url)} exchange={self.exchange!r}>"
+
+    # -- public API ----------------------------------------------------------------
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+        if not messages:
+            return ChainResult()
+        with self._lock:
+            return self._publish_chain(list(messages))
+
+    def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
+        """Publish a dead row to ``dead_letter_exchange`` (durable topic, routing key = topic)
+        with the reason in ``x-outbox-error``. Not mandatory: an unbound dead-letter exchange
+        just drops it; the dead row stays in the table for ``outbox dead list/requeue``."""
+        if self.dead_letter_exchange is None:
+            return None
+        poisoned = poison_check(message, self.max_message_bytes)
+        if poisoned is not None:
+            return poisoned
+        headers = build_headers(message)
+        headers["x-outbox-error"] = (error or "")[:MAX_ERROR_HEADER_CHARS]
+        with self._lock:
+            try:
+                self._ready()
+                self._send(message, headers, self.dead_letter_exchange, mandatory=False)
+            except Exception as exc:  # noqa: BLE001 - reported, never raised
+                self._discard()
+                return failure_from(exc)
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                try:
+                    self._conn.release()
+                except Exception:  # noqa: BLE001 - closing a broken connection
+                    log.debug("error closing the publisher connection", exc_info=True)
+            self._forget()
+
+    # -- the chain -----------------------------------------------------------------
+    def _publish_chain(self, messages: list[OutboxMessage]) -> ChainResult:
+        published: list[int] = []
+        unroutable: list[int] = []
+
+        def stop(message: OutboxMessage, failure: PublishFailure) -> ChainResult:
+            return ChainResult(tuple(published), message.id, failure, tuple(unroutable))
+
+        reused = self._usable()  # a connection from an earlier call, maybe dead since
+        try:
+            self._ready()
+        except Exception as exc:  # noqa: BLE001
+            self._discard()
+            return stop(messages[0], failure_from(exc))
+
+        position = 0
+        while position < len(messages):
+            message = messages[position]
+            poisoned = poison_check(message, self.max_message_bytes)
+            if poisoned is not None:
+                return stop(message, poisoned)
+            try:
+                self._send(message, build_headers(message), self.exchange, mandatory=True)
+            except _Unroutable:
+                if self.unroutable == "fail":
+                    return stop(message, PublishFailure(
+                        FailureKind.RETRIABLE,
+                        f"unroutable: no queue bound for routing key {message.topic!r} "
+                        f"on exchange {self.exchange!r}"))
+                log.warning("outbox event %s (%s) was unroutable and is dropped (unroutable='drop')",
+                            message.id, message.topic)
+                unroutable.append(message.id)
+            except Exception as exc:  # noqa: BLE001
+                self._discard()
+                failure = failure_from(exc)
+                if reused and _connection_lost(exc):
+                    # Most likely a connection that died while idle: replace it once and resume
+                    # at this event (it may arrive twice; that is at-least-once, still a prefix).
+                    reused = False
+                    log.info("publisher connection was lost (%s); reconnecting once", failure.reason)
+                    try:
+                        self._ready()
+                    except Exception as again:  # noqa: BLE001
+                        self._discard()
+                        return stop(message, failure_from(again))
+                    continue
+                return stop(message, failure)
+            published.append(message.id)
+            reused = False  # the connection just worked: a later error is not staleness
+            position += 1
+        return ChainResult(tuple(published), unroutable=tuple(unroutable))
+
+    # -- connection management -------------------------------------------------------
+    def _usable(self) -> bool:
+        return self._conn is not None and self._pid == os.getpid() and self._producer is not None
+
+    def _ready(self) -> None:
+        """Connect (bounded retry), open the channel and declare the exchanges, once per
+        connection. Raises whatever went wrong."""
+        from kombu import Connection, Exchange, Producer
+
+        if self._pid != os.getpid():
+            self._forget()  # inherited over fork(): the parent's, not ours; never close it
+        if self._conn is None:
+            conn = Connection(self.url, connect_timeout=self.connect_timeout)
+            self._confirms = getattr(conn.transport, "driver_name", "") == "py-amqp"
+            if self._confirms:
+                # py-amqp puts every channel of the connection in confirm mode and makes
+                # basic_publish wait for the ack (raising MessageNacked on a nack).
+                conn.transport_options["confirm_publish"] = True
+            self._conn, self._pid = conn, os.getpid()
+        if self._producer is not None and self._conn.connected:
+            return
+        self._channel = self._producer = None
+        self._conn.ensure_connection(max_retries=self.connect_retries, interval_start=0.2,
+                                     interval_step=0.3, interval_max=1.0)
+        channel = self._conn.channel()
+        if self._confirms:
+            channel.events["basic_return"].add(self._on_return)
+        exchanges = [Exchange(name, type="topic", durable=True)
+                     for name in (self.exchange, self.dead_letter_exchange) if name]
+        for exchange in exchanges:
+            exchange(channel).declare()
+        self._channel = channel
+        self._producer = Producer(channel, exchange=exchanges[0], auto_declare=False)
+
+    def _on_return(self, exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
+        # Called by py-amqp while basic_publish waits for the ack: a return always precedes
+        # the ack of the same message, and we have only one message in flight.
+        self._returned.append(routing_key)
+
+    def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> None:
+        self._returned.clear()
+        self._producer.publish(
+            encode_body(message),
+            exchange=exchange,
+            routing_key=message.topic,
+            delivery_mode=2,  # persistent
+            mandatory=mandatory and self._confirms,
+            content_type="application/json",
+            content_encoding="utf-8",
+            headers=headers,
+            message_id=message.message_id,
+            timeout=self.confirm_timeout,
+            confirm_timeout=self.confirm_timeout,
+            retry=False,
+        )
+        if self._returned:
+            self._returned.clear()
+            raise _Unroutable(message.topic)
+
+    def _discard(self) -> None:
+        """Drop the connection after an error, without the protocol's closing handshake
+        (the peer may be gone); the next call reconnects."""
+        if self._conn is not None and self._pid == os.getpid():
+            try:
+                self._conn.collect()
+            except Exception:  # noqa: BLE001
+                log.debug("error discarding the publisher connection", exc_info=True)
+        self._forget()
+
+    def _forget(self) -> None:
+        self._conn = self._channel = self._producer = None
+        self._pid = None
+        self._returned.clear()
+
+
+__all__ = [
+    "Publisher", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind",
+    "classify", "failure_from", "poison_check", "build_headers", "encode_body", "iso_utc",
+    "RESERVED_HEADERS", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES",
+]

@@ -1,0 +1,486 @@
+"""The publisher: pure parts (headers, poison checks, error classification) and the real
+brokers (RabbitMQ for the ordering and unroutable rules, Redis and memory:// for the
+sequential transports)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+import pytest
+from amqp import exceptions as amqp_exc
+from kombu import Connection, Exchange, Queue
+from kombu.exceptions import OperationalError
+
+from outbox.config import load_settings
+from outbox.model import OutboxMessage
+from outbox.publisher import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ChainResult,
+    FailureKind,
+    KombuPublisher,
+    Publisher,
+    build_headers,
+    classify,
+    failure_from,
+    poison_check,
+)
+from services import AMQP_URL, require
+
+REDIS_PUBLISH_URL = os.environ.get("OUTBOX_TEST_PUBLISH_REDIS_URL", "redis://127.0.0.1:6379/15")
+CREATED = datetime(2024, 5, 1, 12, 30, 45, 123000, tzinfo=timezone.utc)
+
+
+def make_message(id: int, topic: str = "orders.created", *, aggregate_id: str = "42", payload: str | None = None,
+                 headers: dict[str, Any] | None = None, trace_id: str | None = None, attempts: int = 0,
+                 partition_key: str | None = None, created_at: datetime = CREATED) -> OutboxMessage:
+    return OutboxMessage(
+        id=id, message_id=f"msg-{id}-{uuid.uuid4().hex[:6]}", topic=topic, aggregate_type="order",
+        aggregate_id=aggregate_id, partition_key=partition_key,
+        payload=payload if payload is not None else json.dumps({"orderId": aggregate_id, "seq": id}),
+        headers=headers or {}, trace_id=trace_id, attempts=attempts, created_at=created_at, lease="lease-1")
+
+
+# -- headers -------------------------------------------------------------------------------
+
+def test_headers_carry_the_contract_fields() -> None:
+    m = make_message(7, headers={"tenant": "acme", "n": 3}, attempts=2,
+                     trace_id="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    h = build_headers(m)
+    assert h["message_id"] == m.message_id
+    assert h["outbox_id"] == 7
+    assert h["topic"] == "orders.created"
+    assert h["aggregate_type"] == "order"
+    assert h["aggregate_id"] == "42"
+    assert h["partition_key"] == "42"  # defaults to the aggregate id
+    assert h["attempt"] == 3
+    assert h["created_at"] == "2024-05-01T12:30:45.123Z"
+    assert h["traceparent"] == m.trace_id
+    assert h["tenant"] == "acme" and h["n"] == 3
+
+
+def test_reserved_headers_win_over_caller_headers() -> None:
+    m = make_message(7, headers={"message_id": "forged", "outbox_id": 1, "attempt": 99, "topic": "x",
+                                 "traceparent": "caller-tp"}, trace_id="captured-tp")
+    h = build_headers(m)
+    assert h["message_id"] == m.message_id and h["outbox_id"] == 7 and h["attempt"] == 1 and h["topic"] == "orders.created"
+    assert h["traceparent"] == "captured-tp"
+    # without a captured trace context, the caller's traceparent is kept
+    assert build_headers(make_message(8, headers={"traceparent": "caller-tp"}))["traceparent"] == "caller-tp"
+    assert "traceparent" not in build_headers(make_message(9))
+
+
+def test_header_details() -> None:
+    assert build_headers(make_message(1, partition_key="p-1"))["partition_key"] == "p-1"
+    naive = make_message(1, created_at=datetime(2024, 1, 2, 3, 4, 5))
+    assert build_headers(naive)["created_at"] == "2024-01-02T03:04:05.000Z"
+    other_zone = make_message(1, created_at=datetime(2024, 1, 2, 5, 4, 5, tzinfo=timezone(timedelta(hours=2))))
+    assert build_headers(other_zone)["created_at"] == "2024-01-02T03:04:05.000Z"
+    m = make_message(1, headers={"a": 1})
+    build_headers(m)["a"] = 2
+    assert m.headers == {"a": 1}  # the message's headers are not modified
+
+
+# -- poison checks -----------------------------------------------------------------------------
+
+def test_poison_check() -> None:
+    assert DEFAULT_MAX_MESSAGE_BYTES == 16 * 1024 * 1024
+    assert poison_check(make_message(1)) is None
+    big = make_message(1, payload=json.dumps({"x": "y" * 2000}))
+    failure = poison_check(big, max_bytes=1000)
+    assert failure is not None and failure.kind is FailureKind.POISON and "maximum of 1000" in failure.reason
+    assert poison_check(big, max_bytes=10_000) is None
+    # multi-byte characters count as bytes, not characters
+    assert poison_check(make_message(1, payload='"' + "é" * 600 + '"'), max_bytes=1000) is not None
+    surrogate = poison_check(make_message(1, payload='"\ud800"'))
+    assert surrogate is not None and surrogate.kind is FailureKind.POISON
+    unencodable = poison_check(make_message(1, headers={"huge": 2**70}))
+    assert unencodable is not None and unencodable.kind is FailureKind.POISON and "headers" in unencodable.reason
+    huge_headers = poison_check(make_message(1, headers={"blob": "z" * 100_000}))
+    assert huge_headers is not None and huge_headers.kind is FailureKind.POISON
+
+
+# -- classification ---------------------------------------------------------------------------
+
+def wrapped(outer: BaseException, inner: BaseException) -> BaseException:
+    try:
+        try:
+            raise inner
+        except BaseException as exc:
+            raise outer from exc
+    except BaseException as exc:
+        return exc
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), FailureKind.BACKPRESSURE),
+    (ConnectionResetError(errno.ECONNRESET, "reset"), FailureKind.BACKPRESSURE),
+    (BrokenPipeError(errno.EPIPE, "broken pipe"), FailureKind.BACKPRESSURE),
+    (socket.timeout("timed out"), FailureKind.BACKPRESSURE),
+    (socket.gaierror(-2, "Name or service not known"), FailureKind.BACKPRESSURE),
+    (OSError("Server unexpectedly closed connection"), FailureKind.BACKPRESSURE),
+    (OperationalError("[Errno 111] Connection refused"), FailureKind.BACKPRESSURE),
+    (amqp_exc.RecoverableConnectionError("basic_publish: connection closed"), FailureKind.BACKPRESSURE),
+    (amqp_exc.ConnectionForced(320, "CONNECTION_FORCED - broker forced connection closure"), FailureKind.BACKPRESSURE),
+    (amqp_exc.ResourceLocked(405, "RESOURCE_LOCKED"), FailureKind.BACKPRESSURE),
+    (amqp_exc.ResourceError(506, "resource error"), FailureKind.BACKPRESSURE),
+    (amqp_exc.MessageNacked(), FailureKind.BACKPRESSURE),
+    (amqp_exc.PreconditionFailed(406, "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'outbox' "
+                                      "in vhost '/': received 'topic' but current is 'direct'"), FailureKind.FATAL),
+    (amqp_exc.PreconditionFailed(406, "PRECONDITION_FAILED - message size 20000000 is larger than configured "
+                                      "max size 16777216"), FailureKind.POISON),
+    (amqp_exc.AccessRefused(403, "ACCESS_REFUSED - Login was refused"), FailureKind.FATAL),
+    (amqp_exc.NotAllowed(530, "NOT_ALLOWED - vhost nosuch not found"), FailureKind.FATAL),
+    (amqp_exc.InvalidPath(402, "INVALID_PATH"), FailureKind.FATAL),
+    (amqp_exc.ContentTooLarge(311, "content too large"), FailureKind.POISON),
+    (amqp_exc.FrameError(501, "FRAME_ERROR - frame_too_large"), FailureKind.POISON),
+    (amqp_exc.FrameSyntaxError("Table type 'x' not handled by amqp."), FailureKind.POISON),
+    (amqp_exc.NotFound(404, "NOT_FOUND - no exchange 'outbox' in vhost '/'"), FailureKind.RETRIABLE),
+    (amqp_exc.InternalError(541, "INTERNAL_ERROR"), FailureKind.RETRIABLE),
+    (UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed"), FailureKind.POISON),
+    (RuntimeError("something else"), FailureKind.RETRIABLE),
+    (ValueError("???"), FailureKind.RETRIABLE),
+])
+def test_classify(exc: BaseException, kind: FailureKind) -> None:
+    assert classify(exc) is kind
+
+
+def test_classify_looks_through_wrappers() -> None:
+    # kombu re-raises transport errors as OperationalError "from" the original
+    refused = wrapped(OperationalError("Connection refused"), ConnectionRefusedError(111, "Connection refused"))
+    assert classify(refused) is FailureKind.BACKPRESSURE
+    auth = wrapped(OperationalError("login refused"), amqp_exc.AccessRefused(403, "ACCESS_REFUSED"))
+    assert classify(auth) is FailureKind.FATAL  # the specific cause decides over the generic wrapper
+    size = wrapped(RuntimeError("publish failed"), amqp_exc.PreconditionFailed(406, "message size 9 is larger "
+                                                                                   "than configured max size 8"))
+    assert classify(size) is FailureKind.POISON
+
+
+def test_classify_redis_errors() -> None:
+    redis_exc = pytest.importorskip("redis.exceptions")
+    assert classify(redis_exc.ConnectionError("Error 111 connecting")) is FailureKind.BACKPRESSURE
+    assert classify(redis_exc.TimeoutError("Timeout reading from socket")) is FailureKind.BACKPRESSURE
+    assert classify(redis_exc.BusyLoadingError("LOADING")) is FailureKind.BACKPRESSURE
+    assert classify(redis_exc.AuthenticationError("invalid password")) is FailureKind.FATAL
+    assert classify(redis_exc.ResponseError("NOAUTH Authentication required.")) is FailureKind.FATAL
+    assert classify(redis_exc.ResponseError("WRONGPASS invalid username-password pair")) is FailureKind.FATAL
+    assert classify(redis_exc.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")) \
+        is FailureKind.BACKPRESSURE
+    assert classify(redis_exc.ResponseError("ERR something")) is FailureKind.RETRIABLE
+    assert classify(redis_exc.DataError("Invalid input of type: 'dict'")) is FailureKind.POISON
+
+
+def test_only_a_lost_connection_is_retried_transparently() -> None:
+    from outbox.publisher import _connection_lost
+
+    assert _connection_lost(ConnectionResetError(104, "reset"))
+    assert _connection_lost(OSError("Server unexpectedly closed connection"))
+    assert _connection_lost(amqp_exc.RecoverableConnectionError("basic_publish: connection closed"))
+    assert not _connection_lost(wrapped(amqp_exc.RecoverableConnectionError("basic_publish: timed out"),
+                                        socket.timeout("timed out")))
+    assert not _connection_lost(amqp_exc.MessageNacked())
+    assert not _connection_lost(amqp_exc.AccessRefused(403, "ACCESS_REFUSED"))
+
+
+def test_failure_from_keeps_reason_short() -> None:
+    failure = failure_from(RuntimeError("x" * 5000))
+    assert failure.kind is FailureKind.RETRIABLE and len(failure.reason) <= 1000
+    assert failure.reason.startswith("RuntimeError: ")
+
+
+def test_constructor_validation() -> None:
+    with pytest.raises(ValueError, match="unroutable"):
+        KombuPublisher("memory://", "outbox", unroutable="ignore")
+    with pytest.raises(ValueError):
+        KombuPublisher("memory://", "")
+    p = KombuPublisher.from_settings(load_settings({"OUTBOX_PUBLISH_URL": "memory://", "OUTBOX_EXCHANGE": "ev"}))
+    assert isinstance(p, Publisher) and p.url == "memory://" and p.exchange == "ev" and p.unroutable == "fail"
+    assert p.dead_letter_exchange is None and p.publish_dead(make_message(1), "boom") is None
+    assert p.publish_chain([]) == ChainResult()
+    p.close()
+
+
+# -- RabbitMQ -------------------------------------------------------------------------------
+
+def raw_body(message: Any) -> bytes:
+    """The bytes on the wire: py-amqp decodes bodies that declare a content_encoding."""
+    body = message.body
+    return body if isinstance(body, bytes) else body.encode(message.content_encoding)
+
+
+def amqp_hostport() -> tuple[str, int]:
+    parts = urlsplit(AMQP_URL)
+    return parts.hostname or "127.0.0.1", parts.port or 5672
+
+
+@pytest.fixture
+def rabbit() -> Iterator[dict[str, Any]]:
+    """A unique exchange (declared the way the publisher declares it, deleted afterwards)
+    with an exclusive queue bound for ``orders.#``; yields a helper to drain the queue."""
+    require("RabbitMQ", *amqp_hostport())
+    name = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    conn = Connection(AMQP_URL, connect_timeout=3)
+    channel = conn.channel()
+    exchange = Exchange(name, type="topic", durable=True)
+    exchange(channel).declare()
+    queue = Queue(f"{name}-q", exchange=exchange, routing_key="orders.#", exclusive=True, auto_delete=True)
+    bound = queue(channel)
+    bound.declare()
+
+    def drain() -> list[Any]:
+        got = []
+        while (message := bound.get(no_ack=True)) is not None:
+            got.append(message)
+        return got
+
+    yield {"url": AMQP_URL, "exchange": name, "drain": drain, "channel": channel}
+    try:
+        exchange(channel).delete()
+    finally:
+        conn.release()
+
+
+def test_rabbitmq_chain_arrives_in_order_with_properties(rabbit: dict[str, Any]) -> None:
+    chain = [make_message(101, "orders.created", headers={"tenant": "acme"}),
+             make_message(102, "orders.paid", trace_id="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+             make_message(103, "orders.shipped", payload='{"ü":"ß","n":[1,2.5,null]}')]
+    with KombuPublisher(rabbit["url"], rabbit["exchange"]) as publisher:
+        result = publisher.publish_chain(chain)
+        assert result == ChainResult(published=(101, 102, 103))
+        assert result.ok
+        # a second chain on the same connection (the exchange is declared once per connection)
+        assert publisher.publish_chain([make_message(104, "orders.closed")]).published == (104,)
+    got = rabbit["drain"]()
+    assert [m.headers["outbox_id"] for m in got] == [101, 102, 103, 104]
+    for message, sent in zip(got, chain):
+        assert raw_body(message) == sent.payload.encode("utf-8")  # the stored JSON, byte for byte
+        assert message.content_type == "application/json"
+        assert message.content_encoding == "utf-8"
+        assert message.properties["delivery_mode"] == 2
+        assert message.properties["message_id"] == sent.message_id
+        assert message.delivery_info["routing_key"] == sent.topic
+        assert message.headers == build_headers(sent)
+    assert got[0].headers["tenant"] == "acme"
+    assert got[1].headers["traceparent"].startswith("00-0af7")
+    assert json.loads(raw_body(got[2])) == {"ü": "ß", "n": [1, 2.5, None]}
+
+
+def test_rabbitmq_unroutable_event_stops_the_chain(rabbit: dict[str, Any]) -> None:
+    chain = [make_message(201, "orders.created"), make_message(202, "nobody.listens"),
+             make_message(203, "orders.paid")]
+    with KombuPublisher(rabbit["url"], rabbit["exchange"]) as publisher:
+        result = publisher.publish_chain(chain)
+        assert result.published == (201,)
+        assert result.failed_id == 202
+        assert result.failure is not None and result.failure.kind is FailureKind.RETRIABLE
+        assert result.failure.reason.startswith("unroutable: no queue bound for routing key 'nobody.listens'")
+        assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [201]  # nothing after the gap
+        # the publisher (and its connection) carry on normally afterwards
+        assert publisher.publish_chain([make_message(204, "orders.paid")]).published == (204,)
+        assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [204]
+        # an unroutable event at the head: nothing published
+        head = publisher.publish_chain([make_message(205, "nobody.listens"), make_message(206)])
+        assert head.published == () and head.failed_id == 205
+        assert rabbit["drain"]() == []
+
+
+def test_rabbitmq_unroutable_drop_policy(rabbit: dict[str, Any]) -> None:
+    chain = [make_message(301, "orders.created"), make_message(302, "nobody.listens"),
+             make_message(303, "orders.paid")]
+    with KombuPublisher(rabbit["url"], rabbit["exchange"], unroutable="drop") as publisher:
+        result = publisher.publish_chain(chain)
+    assert result == ChainResult(published=(301, 302, 303), unroutable=(302,))
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [301, 303]
+
+
+def test_rabbitmq_poison_event_stops_the_chain_before_the_broker(rabbit: dict[str, Any]) -> None:
+    chain = [make_message(401), make_message(402, payload=json.dumps({"blob": "x" * 5000})), make_message(403)]
+    with KombuPublisher(rabbit["url"], rabbit["exchange"], max_message_bytes=1024) as publisher:
+        result = publisher.publish_chain(chain)
+        assert result.published == (401,) and result.failed_id == 402
+        assert result.failure is not None and result.failure.kind is FailureKind.POISON
+        assert publisher.publish_chain([make_message(403)]).ok
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [401, 403]
+
+
+def test_rabbitmq_nack_stops_the_chain(rabbit: dict[str, Any]) -> None:
+    """A queue that refuses a message nacks it in confirm mode: the chain stops there and
+    the events behind it are not sent (in a transaction it would be dropped silently)."""
+    full = Queue(f"{rabbit['exchange']}-full", exchange=Exchange(rabbit["exchange"], type="topic", durable=True),
+                 routing_key="orders.#", exclusive=True, auto_delete=True,
+                 queue_arguments={"x-max-length": 1, "x-overflow": "reject-publish"})(rabbit["channel"])
+    full.declare()
+    with KombuPublisher(rabbit["url"], rabbit["exchange"]) as publisher:
+        result = publisher.publish_chain([make_message(1001), make_message(1002), make_message(1003)])
+        assert result.published == (1001,) and result.failed_id == 1002
+        assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE
+        assert "MessageNacked" in result.failure.reason
+        full.purge()  # room for one more
+        retry = publisher.publish_chain([make_message(1002), make_message(1003), make_message(1004)])
+        assert retry.published == (1002,) and retry.failed_id == 1003
+    # A nack means *some* queue refused it: the other queue bound to the exchange got each
+    # nacked event (1002 the first time, 1003), and will get it again on retry (at-least-once).
+    # Nothing behind a nacked event was ever sent.
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [1001, 1002, 1002, 1003]
+
+
+def test_rabbitmq_exchange_of_another_type_is_fatal(rabbit: dict[str, Any]) -> None:
+    name = f"outbox-test-direct-{uuid.uuid4().hex[:8]}"
+    direct = Exchange(name, type="direct", durable=False, auto_delete=False)
+    direct(rabbit["channel"]).declare()
+    try:
+        with KombuPublisher(rabbit["url"], name) as publisher:
+            result = publisher.publish_chain([make_message(501), make_message(502)])
+        assert result.published == () and result.failed_id == 501
+        assert result.failure is not None and result.failure.kind is FailureKind.FATAL
+        assert "inequivalent" in result.failure.reason
+    finally:
+        direct(rabbit["channel"]).delete()
+
+
+def test_rabbitmq_bad_credentials_are_fatal(rabbit: dict[str, Any]) -> None:
+    parts = urlsplit(rabbit["url"])
+    url = f"amqp://guest:not-the-password@{parts.hostname}:{parts.port or 5672}//"
+    with KombuPublisher(url, rabbit["exchange"]) as publisher:
+        result = publisher.publish_chain([make_message(601)])
+    assert result.failure is not None and result.failure.kind is FailureKind.FATAL
+
+
+def test_rabbitmq_connection_lost_while_idle_is_replaced(rabbit: dict[str, Any]) -> None:
+    with KombuPublisher(rabbit["url"], rabbit["exchange"]) as publisher:
+        assert publisher.publish_chain([make_message(701)]).ok
+        stale = publisher._conn
+        # the broker side goes away while the publisher is idle
+        stale.connection.transport.sock.shutdown(socket.SHUT_RDWR)
+        result = publisher.publish_chain([make_message(702), make_message(703)])
+        assert result == ChainResult(published=(702, 703))
+        assert publisher._conn is not stale  # replaced once, transparently
+    ids = [m.headers["outbox_id"] for m in rabbit["drain"]()]
+    assert ids[0] == 701 and ids[-2:] == [702, 703]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_rabbitmq_connection_is_per_process(rabbit: dict[str, Any]) -> None:
+    publisher = KombuPublisher(rabbit["url"], rabbit["exchange"])
+    try:
+        assert publisher.publish_chain([make_message(801)]).ok
+        parent_conn = publisher._conn
+        pid = os.fork()
+        if pid == 0:  # child: must open its own connection and leave the parent's alone
+            code = 1
+            try:
+                result = publisher.publish_chain([make_message(802)])
+                code = 0 if result.ok and publisher._conn is not parent_conn else 2
+                publisher.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert publisher._conn is parent_conn
+        assert publisher.publish_chain([make_message(803)]).ok  # the parent's connection still works
+    finally:
+        publisher.close()
+    assert sorted(m.headers["outbox_id"] for m in rabbit["drain"]()) == [801, 802, 803]
+
+
+def test_rabbitmq_dead_letter_exchange(rabbit: dict[str, Any]) -> None:
+    dlx = f"{rabbit['exchange']}-dead"
+    channel = rabbit["channel"]
+    exchange = Exchange(dlx, type="topic", durable=True)
+    exchange(channel).declare()
+    queue = Queue(f"{dlx}-q", exchange=exchange, routing_key="#", exclusive=True, auto_delete=True)(channel)
+    queue.declare()
+    try:
+        message = make_message(901, attempts=9)
+        with KombuPublisher(rabbit["url"], rabbit["exchange"], dead_letter_exchange=dlx) as publisher:
+            assert publisher.publish_dead(message, "RuntimeError: " + "e" * 3000) is None
+        dead = queue.get(no_ack=True)
+        assert dead is not None and raw_body(dead) == message.payload.encode()
+        assert dead.headers["outbox_id"] == 901 and dead.headers["attempt"] == 10
+        assert dead.headers["x-outbox-error"].startswith("RuntimeError: ") and len(dead.headers["x-outbox-error"]) == 1000
+        assert rabbit["drain"]() == []  # not on the main exchange
+    finally:
+        exchange(channel).delete()
+
+
+# -- broker down ------------------------------------------------------------------------------
+
+def closed_port() -> int:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("url", ["amqp://guest:guest@127.0.0.1:1//", "amqp://guest:guest@127.0.0.1:{port}//",
+                                 "redis://127.0.0.1:{port}/0"])
+def test_unreachable_broker_is_backpressure(url: str) -> None:
+    publisher = KombuPublisher(url.format(port=closed_port()), "outbox")
+    try:
+        result = publisher.publish_chain([make_message(1), make_message(2)])
+        assert result.published == () and result.failed_id == 1
+        assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE
+        # and again on the next call (reconnect attempt, same answer)
+        again = publisher.publish_chain([make_message(1)])
+        assert again.failure is not None and again.failure.kind is FailureKind.BACKPRESSURE
+    finally:
+        publisher.close()
+
+
+# -- memory:// and redis:// -------------------------------------------------------------------
+
+def test_memory_transport() -> None:
+    name = f"outbox-mem-{uuid.uuid4().hex[:8]}"
+    with Connection("memory://") as conn:
+        channel = conn.channel()
+        exchange = Exchange(name, type="topic", durable=True)
+        exchange(channel).declare()
+        queue = Queue(f"{name}-q", exchange=exchange, routing_key="orders.#")(channel)
+        queue.declare()
+        chain = [make_message(1), make_message(2, "orders.paid"), make_message(3, "nobody.listens")]
+        with KombuPublisher("memory://", name) as publisher:
+            result = publisher.publish_chain(chain)
+        # no returns on virtual transports: the unroutable one is dropped silently
+        assert result == ChainResult(published=(1, 2, 3))
+        got = []
+        while (message := queue.get(no_ack=True)) is not None:
+            got.append(message)
+        assert [m.headers["outbox_id"] for m in got] == [1, 2]
+        assert raw_body(got[0]) == chain[0].payload.encode()
+        assert got[0].content_type == "application/json"
+        assert got[0].properties["message_id"] == chain[0].message_id
+        assert got[0].headers == build_headers(chain[0])
+        queue.delete()
+
+
+def test_redis_transport() -> None:
+    parts = urlsplit(REDIS_PUBLISH_URL)
+    require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
+    name = f"outbox-redis-{uuid.uuid4().hex[:8]}"
+    with Connection(REDIS_PUBLISH_URL) as conn:
+        channel = conn.channel()
+        exchange = Exchange(name, type="topic", durable=True)
+        exchange(channel).declare()
+        queue = Queue(f"{name}-q", exchange=exchange, routing_key="orders.#")(channel)
+        queue.declare()
+        try:
+            chain = [make_message(1), make_message(2, "orders.paid"), make_message(3, "orders.shipped")]
+            with KombuPublisher(REDIS_PUBLISH_URL, name) as publisher:
+                assert publisher.publish_chain(chain) == ChainResult(published=(1, 2, 3))
+            got = []
+            while (message := queue.get(no_ack=True)) is not None:
+                got.append(message)
+            assert [m.headers["outbox_id"] for m in got] == [1, 2, 3]
+            assert [raw_body(m) for m in got] == [m.payload.encode() for m in chain]
+            assert got[0].content_type == "application/json"
+            assert got[0].properties["delivery_mode"] == 2
+            assert got[2].headers == build_headers(chain[2])
+        finally:
+            queue.delete()
+            client = channel.client
+            client.delete(f"_kombu.binding.{name}")
