@@ -227,6 +227,21 @@ def test_expired_lease_is_reclaimed_head_first_with_attempts_plus_one(make_store
     assert [m.id for m in third.messages] == ids[1:2]
 
 
+def test_an_expired_row_behind_the_head_ends_the_chain(make_store: Any, writer: Any) -> None:
+    # a1 and a2 were leased by a worker that died; a3 arrived meanwhile. a3 must not
+    # overtake a2: the claim takes a1 alone.
+    store = make_store(claim_timeout_ms=300, max_attempts=5)
+    a1, a2 = add(writer, store, "a", 2)
+    assert claimed_ids(store) == [a1, a2]
+    a3 = add(writer, store, "a")[0]
+    time.sleep(0.6)
+    claim = store.claim(10)
+    assert [m.id for m in claim.messages] == [a1]
+    assert store.mark_done([a1], claim.lease).ok
+    # a2 is now the head: an expired row may start a chain, and pending a3 follows it.
+    assert claimed_ids(store) == [a2, a3]
+
+
 def test_a_row_that_keeps_losing_its_lease_ends_dead_and_unblocks_its_aggregate(make_store: Any,
                                                                                  writer: Any) -> None:
     store = make_store(claim_timeout_ms=200, max_attempts=3)

@@ -104,6 +104,10 @@ class PostgresEngine(Engine):
         return int(row[0])
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
+        # The rule of outbox.chains.plan_claim: (1) no open row before c outside this
+        # claim's locked candidates; (2) only the aggregate's first candidate may be
+        # other than pending: a later expired or retried row ends the chain there;
+        # (3) nothing behind a candidate that goes dead.
         t = self.table
         open_before = (f"SELECT 1 FROM {t} e WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id "
                        "AND e.status IN (0, 1, 3)")
@@ -117,7 +121,9 @@ class PostgresEngine(Engine):
             chain AS (
                 SELECT c.id, {goes_dead} AS dead FROM cand c
                 WHERE NOT EXISTS ({open_before} AND e.id NOT IN (SELECT id FROM cand))
-                  AND (c.status = 0 OR NOT EXISTS ({open_before}))
+                  AND NOT EXISTS (SELECT 1 FROM cand d WHERE d.aggregate_id = c.aggregate_id AND d.id <= c.id
+                                  AND d.status <> 0 AND EXISTS (SELECT 1 FROM cand f
+                                      WHERE f.aggregate_id = c.aggregate_id AND f.id < d.id))
                   AND NOT EXISTS (SELECT 1 FROM cand d WHERE d.aggregate_id = c.aggregate_id AND d.id < c.id
                                   AND d.status = 1 AND d.attempts + 1 >= ?)
             )

@@ -1,0 +1,517 @@
+"""SQL Server's SQL, checked where no SQL Server runs.
+
+Every statement the engine can send is captured through a recording fake
+connection (driven by the real ``OutboxStore``, so parameters are computed exactly
+as in production), then: the ``?`` count must equal the parameter count, sqlglot's
+T-SQL parser must accept it without falling back to an opaque ``Command``, and the
+locking hints the claim depends on must sit on the right table references. The
+claim's chain rule is portable SQL, so it also runs on SQLite against
+``outbox.chains.plan_claim``, the rule's reference implementation.
+
+One sqlglot limitation shapes these checks: in a multi-statement batch, sqlglot's
+``IF`` swallows every statement after it into its block. Batches are therefore
+built from statement lists (``insert_statements``, ``claim_statements``) and each
+statement is parsed on its own; the whole batch is parsed as well, for syntax only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import sqlite3
+import subprocess
+import sys
+from datetime import datetime, timedelta
+from typing import Any, Iterator, Sequence
+
+import pytest
+import sqlglot
+from sqlglot import exp
+
+from outbox.chains import Candidate, plan_claim
+from outbox.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
+from outbox.engines.mssql import FILTERED_INDEX_OPTIONS, MssqlEngine, odbc_connection_string
+from outbox.events import prepare_event
+from outbox.store import OutboxStore
+
+URL = "mssql+pyodbc://relay:secret@db.example:1433/app?driver=ODBC+Driver+18+for+SQL+Server"
+LOCK_HINTS = {"READCOMMITTEDLOCK", "READPAST", "UPDLOCK", "ROWLOCK"}
+CLAIMED_ROW = (7, "m-7", "orders.created", "order", "42", None, '{"n":1}', '{"h":"v"}', None, 0,
+               datetime(2024, 1, 2, 3, 4, 5), 1)
+
+
+# -- recording fakes ------------------------------------------------------------------
+
+class RecordingCursor:
+    """Records (sql, params) and answers the few reads the store makes."""
+
+    def __init__(self, log: list[tuple[str, tuple]]) -> None:
+        self.log = log
+        self.rows: list[tuple] = []
+        self.description: Any = None
+        self.rowcount = 0
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
+        self.log.append((sql, tuple(params)))
+        self.rows = self._answer(sql)
+        # Every fenced write "applies" to all its rows, so the store logs no stale leases.
+        id_lists = [json.loads(p) for p in params if isinstance(p, str) and p.startswith("[")]
+        self.rowcount = len(id_lists[0]) if id_lists else 1
+        self.description = [("col",)] if self.rows or sql.lstrip().upper().startswith(("SELECT", "DECLARE")) else None
+        return self
+
+    @staticmethod
+    def _answer(sql: str) -> list[tuple]:
+        if "FROM @out" in sql:
+            return [CLAIMED_ROW]
+        if sql.rstrip().endswith("SELECT @id AS id;"):
+            return [(42,)]
+        if sql.startswith("SELECT MIN(created_at)"):
+            return [(None, datetime(2024, 1, 1))]
+        if sql.startswith("SELECT status FROM"):
+            return [(3,)]
+        return []
+
+    def nextset(self) -> bool:
+        return False
+
+    def fetchall(self) -> list[tuple]:
+        return list(self.rows)
+
+    def fetchone(self) -> tuple | None:
+        return self.rows[0] if self.rows else None
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingConnection:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, tuple]] = []
+
+    def cursor(self) -> RecordingCursor:
+        return RecordingCursor(self.log)
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def recording_store(schema: str | None, table: str) -> tuple[OutboxStore, RecordingConnection]:
+    store = OutboxStore(URL, table=table, schema=schema, claim_timeout_ms=30_000, max_attempts=5)
+    conn = RecordingConnection()
+    store.engine.connect = lambda url: conn  # type: ignore[method-assign]
+    return store, conn
+
+
+def every_statement(schema: str | None, table: str) -> tuple[MssqlEngine, list[tuple[str, tuple]]]:
+    """Drive every store operation (and the write side) and return what reached the driver."""
+    store, conn = recording_store(schema, table)
+    engine = store.engine
+    assert isinstance(engine, MssqlEngine)
+    store.migrate()
+    store.migrate(native_json=True)
+    event = prepare_event(topic="orders.created", aggregate_type="order", aggregate_id=42,
+                          payload={"text": "x" * 5000}, headers={"h": "v"}, key="k", message_id="m-1")
+    assert engine.insert_event(conn.cursor(), event) == 42
+    claim = store.claim(50)
+    store.mark_done([1, 2, 3], claim.lease)
+    store.mark_done(list(range(1, 3001)), claim.lease)  # far over the 2100-parameter limit
+    store.mark_failed(7, claim.lease, "broker said no", timedelta(seconds=5))
+    store.mark_failed(7, claim.lease, "poison", dead=True)
+    store.release([4, 5], claim.lease, delay=timedelta(seconds=2))
+    store.release([4], claim.lease)
+    store.purge_done(timedelta(days=90), batch=500)
+    store.stats()
+    store.dead_list(limit=10, after_id=3)
+    store.requeue_dead()
+    store.requeue_dead([8, 9])
+    return engine, conn.log
+
+
+@pytest.fixture(params=[(None, "outbox"), ("messaging", "events_out")], ids=["dbo.outbox", "messaging.events_out"])
+def recorded(request: pytest.FixtureRequest) -> tuple[MssqlEngine, list[tuple[str, tuple]]]:
+    return every_statement(*request.param)
+
+
+# -- parsing helpers --------------------------------------------------------------------
+
+def placeholders(sql: str) -> int:
+    """``?`` outside string literals."""
+    return re.sub(r"N?'(?:[^']|'')*'", "", sql).count("?")
+
+
+@pytest.fixture
+def no_sqlglot_fallbacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """sqlglot logs and returns an opaque Command for syntax it does not understand;
+    that would make "parses" meaningless, so any such warning fails the test."""
+    with caplog.at_level(logging.WARNING, logger="sqlglot"):
+        yield
+    fallbacks = [r.getMessage() for r in caplog.records if r.name.startswith("sqlglot")]
+    assert not fallbacks, fallbacks
+
+
+def parse_one(sql: str) -> exp.Expression:
+    """Exactly one T-SQL statement, fully understood."""
+    parsed = sqlglot.parse(sql, read="tsql")
+    assert len(parsed) == 1 and parsed[0] is not None, sql
+    assert not list(parsed[0].find_all(exp.Command)), f"sqlglot did not understand part of:\n{sql}"
+    return parsed[0]
+
+
+def statements_of(engine: MssqlEngine, sql: str) -> list[str]:
+    """The statements a batch was built from (a single statement is its own list)."""
+    if sql == engine.insert_batch():
+        return engine.insert_statements()
+    if sql == engine.claim_batch():
+        return engine.claim_statements()
+    if sql.startswith(FILTERED_INDEX_OPTIONS):
+        return [s.strip() + ";" for s in FILTERED_INDEX_OPTIONS.split(";") if s.strip()] + \
+            [sql[len(FILTERED_INDEX_OPTIONS):].strip()]
+    return [sql]
+
+
+def outbox_refs(tree: exp.Expression, engine: MssqlEngine) -> list[exp.Table]:
+    return [t for t in tree.find_all(exp.Table)
+            if t.name == engine.table_name and t.db == (engine.schema or "dbo")]
+
+
+def hints(table: exp.Table) -> set[str]:
+    return {v.name.upper() for h in table.args.get("hints") or [] for v in h.expressions}
+
+
+# -- every statement: parameters and syntax ------------------------------------------------
+
+def test_every_statement_binds_as_many_parameters_as_it_has_placeholders(recorded: Any) -> None:
+    engine, log = recorded
+    assert len(log) >= 25
+    for sql, params in log:
+        assert placeholders(sql) == len(params), sql
+
+
+def test_every_statement_parses_as_tsql(recorded: Any, no_sqlglot_fallbacks: None) -> None:
+    engine, log = recorded
+    seen = set()
+    for sql, _ in log:
+        if sql in seen:
+            continue
+        seen.add(sql)
+        assert sqlglot.parse(sql, read="tsql"), sql  # the batch as sent, syntax only
+        parts = statements_of(engine, sql)
+        assert "\n".join(parts) == sql or sql.startswith(FILTERED_INDEX_OPTIONS)
+        for statement in parts:
+            parse_one(statement)
+
+
+def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
+    engine, log = recorded
+    sent = [sql for sql, _ in log]
+    t = engine.table
+    for needle in (engine.insert_batch(), engine.claim_batch(), engine.mark_failed_sql(),
+                   engine.purge_chunk_sql(), engine.requeue_sql("1 = 1"),
+                   f"SELECT status, COUNT(*) FROM {t} GROUP BY status"):
+        assert needle in sent, needle
+    assert any(s.startswith(f"UPDATE {t} SET status = 2") for s in sent)  # mark_done
+    assert any(s.startswith(f"UPDATE {t} SET status = 0, claimed_at") for s in sent)  # release
+    assert any(s.endswith("OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY") for s in sent)  # dead_list
+    assert set(engine.migration()) | set(engine.migration(native_json=True)) <= set(sent)
+
+
+def test_no_statement_manages_transactions_or_isolation(recorded: Any) -> None:
+    _, log = recorded
+    forbidden = re.compile(r"\b(BEGIN\s+TRAN|COMMIT|ROLLBACK|SAVE\s+TRAN|ISOLATION\s+LEVEL)", re.IGNORECASE)
+    for sql, _ in log:
+        assert not forbidden.search(sql), sql
+
+
+# -- the claim ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schema, table", [(None, "outbox"), ("messaging", "events_out")])
+def test_claim_locks_candidates_and_probes_without_readpast(schema: str | None, table: str,
+                                                             no_sqlglot_fallbacks: None) -> None:
+    engine = MssqlEngine(table=table, schema=schema)
+    statements = engine.claim_statements()
+    scan = next(s for s in statements if s.startswith("INSERT INTO @cand"))
+    probe = next(s for s in statements if s.startswith("INSERT INTO @chain"))
+    scan_refs = outbox_refs(parse_one(scan), engine)
+    assert len(scan_refs) == 1 and hints(scan_refs[0]) == LOCK_HINTS
+    probe_refs = outbox_refs(parse_one(probe), engine)
+    assert probe_refs and all(hints(ref) == {"READCOMMITTEDLOCK"} for ref in probe_refs)
+    # READPAST appears nowhere else in the batch.
+    assert engine.claim_batch().count("READPAST") == 1
+    update = parse_one(next(s for s in statements if s.startswith("UPDATE")))
+    assert isinstance(update, exp.Update)
+    assert "INTO @out" in update.sql("tsql")  # OUTPUT ... INTO a table variable, never bare OUTPUT
+
+
+def test_claim_returns_message_columns_in_order_and_binds_in_placeholder_order() -> None:
+    engine = MssqlEngine()
+    statements = engine.claim_statements()
+    assert statements[-1] == f"SELECT {', '.join(MESSAGE_COLUMNS)} FROM @out ORDER BY id;"
+    declared = re.search(r"DECLARE @out TABLE \((.*)\);", engine.claim_batch()).group(1)
+    assert [c.split()[0] for c in re.split(r",\s*(?![^()]*\))", declared)] == list(MESSAGE_COLUMNS)
+    params = engine.claim_params(batch=50, lease="L" * 32, timeout_ms=30_000, max_attempts=5)
+    assert params == [50, 5, "L" * 32, LEASE_EXPIRED_ERROR, -30_000]
+    # The DECLARE binds the first four by name; eligible()'s lease cutoff is the fifth.
+    batch = engine.claim_batch()
+    declare = next(s for s in statements if s.startswith("DECLARE @batch"))
+    assert re.findall(r"@(\w+) [A-Z]+(?:\(\d+\))? = \?", declare) == ["batch", "max_attempts", "lease", "lease_error"]
+    assert batch.index(declare) < batch.index("DATEADD(MILLISECOND, ?")
+    assert placeholders(batch) == len(params)
+
+
+def test_claim_through_the_store_hands_back_messages() -> None:
+    store, conn = recording_store(None, "outbox")
+    claim = store.claim(10)
+    assert [m.id for m in claim.messages] == [7]
+    message = claim.messages[0]
+    assert message.payload == '{"n":1}' and message.headers == {"h": "v"}
+    assert message.created_at.tzinfo is not None  # naive DATETIME2 read as UTC
+    sql, params = conn.log[-1]
+    assert sql == store.engine.claim_batch() and params[2] == claim.lease
+
+
+def test_batches_with_results_silence_rowcounts_first_and_restore_them_before_the_result(
+        no_sqlglot_fallbacks: None) -> None:
+    engine = MssqlEngine()
+    for statements in (engine.insert_statements(), engine.claim_statements()):
+        first_set = statements.index("SET NOCOUNT ON;")
+        assert all(s.startswith("DECLARE @nocount INT = @@OPTIONS & 512") for s in statements[:first_set])
+        assert first_set == 1
+        # Nothing but the restore stands between the last change and the one result set.
+        assert isinstance(parse_one(statements[-1]), exp.Select)
+        assert statements[-2].startswith("IF @nocount = 0") and "SET NOCOUNT OFF" in statements[-2]
+        assert sum(isinstance(parse_one(s), exp.Select) for s in statements) == 1
+
+
+# -- the write side ---------------------------------------------------------------------------
+
+def test_insert_never_commits_and_never_meets_a_duplicate_key(no_sqlglot_fallbacks: None) -> None:
+    engine = MssqlEngine(table="events_out", schema="messaging")
+    statements = engine.insert_statements()
+    insert = parse_one(next(s for s in statements if s.startswith("INSERT")))
+    refs = outbox_refs(insert, engine)
+    probe = [r for r in refs if hints(r)]
+    assert len(probe) == 1 and hints(probe[0]) == {"UPDLOCK", "HOLDLOCK"}
+    assert "OUTPUT inserted.id INTO @ids" in engine.insert_batch()
+    assert "XACT_ABORT" not in engine.insert_batch()  # the caller's setting, left alone
+    assert engine.insert_batch().count("?") == len(engine.INSERT_COLUMNS.split(","))
+
+
+def test_insert_binds_event_params_and_long_payloads_as_nvarchar_max() -> None:
+    engine = MssqlEngine()
+    conn = RecordingConnection()
+    event = prepare_event(topic="t", aggregate_type="order", aggregate_id="a", payload={"p": "y" * 9000},
+                          message_id="m-2")
+    assert engine.insert_event(conn.cursor(), event) == 42
+    sql, params = conn.log[0]
+    assert list(params) == engine.event_params(event)
+    assert "@payload NVARCHAR(MAX) = ?" in sql and "@headers NVARCHAR(MAX) = ?" in sql
+
+
+# -- acknowledgements and housekeeping ----------------------------------------------------
+
+def test_id_lists_are_one_json_parameter_expanded_by_openjson() -> None:
+    engine = MssqlEngine()
+    cond, params = engine.ids_in(list(range(1, 5001)))
+    assert cond == "id IN (SELECT CAST([value] AS BIGINT) FROM OPENJSON(?))"
+    assert len(params) == 1 and json.loads(params[0]) == list(range(1, 5001))
+    assert engine.ids_in([]) == ("1 = 0", [])
+
+
+def test_purge_counts_seconds_so_long_retention_does_not_overflow_int(no_sqlglot_fallbacks: None) -> None:
+    engine = MssqlEngine()
+    ninety_days_ms = 90 * 86_400_000
+    assert ninety_days_ms > 2**31 - 1
+    assert engine.purge_params(ninety_days_ms + 1234, 1000) == [1000, 90 * 86_400 + 1, 234]
+    assert engine.purge_params(0, 10) == [10, 0, 0]
+    assert all(abs(v) < 2**31 for v in engine.purge_params(10 * 365 * 86_400_000, 1))
+    tree = parse_one(engine.purge_chunk_sql())
+    assert isinstance(tree, exp.Delete)
+    (ref,) = outbox_refs(tree, engine)
+    assert hints(ref) == {"READCOMMITTEDLOCK", "ROWLOCK", "READPAST"}
+    assert "DATEADD(SECOND, -?" in engine.purge_chunk_sql()
+
+
+def test_names_clock_and_paging() -> None:
+    assert MssqlEngine().table == "[dbo].[outbox]"
+    assert MssqlEngine(table="events_out", schema="messaging").table == "[messaging].[events_out]"
+    assert MssqlEngine().quote("a]b") == "[a]]b]"
+    assert MssqlEngine.now == "SYSUTCDATETIME()"
+    assert MssqlEngine().now_plus_ms() == "DATEADD(MILLISECOND, ?, SYSUTCDATETIME())"
+    assert MssqlEngine().limit("SELECT id FROM t ORDER BY id") == \
+        "SELECT id FROM t ORDER BY id OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY"
+
+
+# -- migration ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("native_json", [False, True])
+@pytest.mark.parametrize("schema, table", [(None, "outbox"), ("messaging", "events_out")])
+def test_every_migration_step_is_guarded_and_sets_filtered_index_options(
+        schema: str | None, table: str, native_json: bool, no_sqlglot_fallbacks: None) -> None:
+    engine = MssqlEngine(table=table, schema=schema)
+    steps = engine.migration(native_json=native_json)
+    made: list[str] = []
+    for step in steps:
+        assert step.startswith(FILTERED_INDEX_OPTIONS)
+        guarded = parse_one(step[len(FILTERED_INDEX_OPTIONS):].strip())
+        assert isinstance(guarded, exp.IfBlock), step
+        body = [e for e in guarded.args["true"].expressions if not isinstance(e, exp.EndStatement)]
+        assert len(body) == 1, step
+        made.append(type(body[0]).__name__)
+        assert step.count("CREATE ") <= 1
+    assert made == ["ExecuteSql", "Create", "Alter", "Alter", "Create", "Create", "Create", "Create"]
+    text = "\n".join(steps)
+    s = schema or "dbo"
+    assert f"IF SCHEMA_ID(N'{s}') IS NULL" in text and f"CREATE SCHEMA [{s}]" in text
+    assert f"IF OBJECT_ID(N'[{s}].[{table}]', N'U') IS NULL" in text
+    for column in ("last_error", "lease_token"):
+        assert f"IF COL_LENGTH(N'[{s}].[{table}]', N'{column}') IS NULL" in text
+    for suffix in ("message_id", "agg_id_id", "claim_ready", "done_processed_at"):
+        name = engine.index_name(suffix)
+        assert (f"IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'{name}' "
+                f"AND object_id = OBJECT_ID(N'[{s}].[{table}]'))") in text
+    assert "WHERE status IN (0, 1, 3)" in next(x for x in steps if "claim_ready" in x)
+    assert "UNIQUE NONCLUSTERED INDEX" in next(x for x in steps if engine.index_name("message_id") in x)
+    assert ("ISJSON" in text) is not native_json
+    assert ("payload JSON NOT NULL" in text) is native_json
+
+
+def test_table_definition_matches_the_contract() -> None:
+    create = MssqlEngine().migration()[1]
+    for column in ("id BIGINT IDENTITY(1,1) NOT NULL", "message_id NVARCHAR(64)", "topic NVARCHAR(255) NOT NULL",
+                   "aggregate_type NVARCHAR(255) NOT NULL", "aggregate_id NVARCHAR(255)",
+                   "partition_key NVARCHAR(255) NULL", "payload NVARCHAR(MAX) NOT NULL", "headers NVARCHAR(MAX)",
+                   "trace_id NVARCHAR(255) NULL", "status TINYINT NOT NULL", "CHECK (status BETWEEN 0 AND 4)",
+                   "attempts INT NOT NULL", "claimed_at DATETIME2(3) NULL", "next_retry_at DATETIME2(3) NULL",
+                   "created_at DATETIME2(3) NOT NULL", "DEFAULT SYSUTCDATETIME()", "processed_at DATETIME2(3) NULL",
+                   "last_error NVARCHAR(4000) NULL", "lease_token CHAR(32) NULL", "PRIMARY KEY CLUSTERED (id)"):
+        assert column in create, column
+
+
+# -- the chain rule, run on SQLite against plan_claim --------------------------------------------
+
+def run_chain_select(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],
+                     max_attempts: int) -> tuple[list[int], list[int]]:
+    """Run the claim's chain statement on SQLite: ``@cand`` becomes a table, the probe
+    hint goes (SQLite has no locks to hint), ``@max_attempts`` is a named parameter in
+    SQLite too, and ``[dbo].[outbox]`` is an attached database's table."""
+    db = sqlite3.connect(":memory:")
+    db.execute("ATTACH DATABASE ':memory:' AS dbo")
+    db.execute("CREATE TABLE dbo.outbox (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
+    db.execute("CREATE TABLE cand (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
+    db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
+    db.executemany("INSERT INTO cand VALUES (?, ?, ?, ?)", [r for r in rows if r[0] in candidate_ids])
+    sql = engine.chain_select().replace("@cand", "cand").replace(" WITH (READCOMMITTEDLOCK)", "")
+    assert "WITH (" not in sql
+    chosen = db.execute(sql, {"max_attempts": max_attempts}).fetchall()
+    return sorted(i for i, dead in chosen if not dead), sorted(i for i, dead in chosen if dead)
+
+
+def plan(rows: list[tuple[int, str, int, int]], candidate_ids: set[int], max_attempts: int) -> tuple[list, list]:
+    candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+    blockers: dict[str, int] = {}
+    for id_, aggregate, status, _ in rows:
+        if status in (0, 1, 3) and id_ not in candidate_ids:
+            blockers[aggregate] = min(blockers.get(aggregate, id_), id_)
+    result = plan_claim(candidates, blockers, max_attempts)
+    return sorted(result.claim_ids), sorted(result.dead_ids)
+
+
+def test_chain_rule_matches_plan_claim_on_random_outboxes() -> None:
+    engine = MssqlEngine()
+    rng = random.Random(20240601)
+    for _ in range(400):
+        rows = [(i, rng.choice("abc"), rng.choice([0, 0, 0, 1, 2, 3, 4]), rng.randint(0, 4))
+                for i in range(1, rng.randint(1, 14))]
+        open_ids = [r[0] for r in rows if r[2] in (0, 1, 3)]
+        candidate_ids = {i for i in open_ids if rng.random() < 0.8}
+        assert run_chain_select(engine, rows, candidate_ids, 3) == plan(rows, candidate_ids, 3), rows
+
+
+@pytest.mark.parametrize("rows, expected", [
+    # A worker died holding a1, a2; a3 arrived since. a1 restarts alone: a3 must not overtake a2.
+    ([(1, "a", 1, 0), (2, "a", 1, 0), (3, "a", 0, 0)], ([1], [])),
+    # A due retry behind a pending row ends the chain there, and nothing behind it goes.
+    ([(1, "a", 0, 0), (2, "a", 3, 1), (3, "a", 0, 0)], ([1], [])),
+    # An expired lease out of attempts goes dead; the rows behind it wait for the next claim.
+    ([(1, "a", 1, 2), (2, "a", 0, 0), (3, "b", 0, 0)], ([3], [1])),
+])
+def test_chain_rule_cases(rows: list[tuple[int, str, int, int]], expected: tuple[list, list]) -> None:
+    everything = {r[0] for r in rows}
+    assert run_chain_select(MssqlEngine(), rows, everything, 3) == expected == plan(rows, everything, 3)
+
+
+def test_a_row_held_by_another_claimer_blocks_its_aggregate() -> None:
+    rows = [(1, "a", 0, 0), (2, "a", 0, 0), (3, "b", 0, 0)]
+    assert run_chain_select(MssqlEngine(), rows, {2, 3}, 3) == ([3], [])  # 1 was skipped by READPAST
+
+
+# -- connection strings and errors ---------------------------------------------------------------
+
+def test_odbc_connection_string_from_a_url() -> None:
+    url = ("mssql+pyodbc://relay:s%40cret@db.example:1433/app"
+           "?driver=ODBC+Driver+18+for+SQL+Server&TrustServerCertificate=yes")
+    assert odbc_connection_string(url) == (
+        "DRIVER={ODBC Driver 18 for SQL Server};SERVER=db.example,1433;DATABASE=app;"
+        "UID=relay;PWD=s@cret;TrustServerCertificate=yes;")
+
+
+def test_odbc_connection_string_escapes_and_defaults() -> None:
+    assert odbc_connection_string("mssql+pyodbc://u:p%3Bw%7Dd%20@host/db") == (
+        "DRIVER={ODBC Driver 18 for SQL Server};SERVER=host;DATABASE=db;UID=u;PWD={p;w}}d };")
+    assert odbc_connection_string("mssql://host%5CSQLEXPRESS/db?Trusted_Connection=yes&Encrypt=no") == (
+        "DRIVER={ODBC Driver 18 for SQL Server};SERVER=host\\SQLEXPRESS;DATABASE=db;"
+        "Trusted_Connection=yes;Encrypt=no;")
+    # A query parameter overrides what the URL's parts set (ODBC keywords ignore case).
+    assert odbc_connection_string("mssql+pyodbc://u:p@h/db?database=other") == (
+        "DRIVER={ODBC Driver 18 for SQL Server};SERVER=h;database=other;UID=u;PWD=p;")
+
+
+def test_odbc_connection_string_passes_raw_odbc_strings_through() -> None:
+    raw = "DRIVER={ODBC Driver 18 for SQL Server};SERVER=h,1433;UID=u;PWD=p;TrustServerCertificate=yes"
+    assert odbc_connection_string(raw) == raw
+    from urllib.parse import quote_plus
+    assert odbc_connection_string(f"mssql+pyodbc:///?odbc_connect={quote_plus(raw)}") == raw
+    for bad in ("postgresql://u@h/db", "just-a-host"):
+        with pytest.raises(ValueError):
+            odbc_connection_string(bad)
+
+
+class _PyodbcError(Exception):
+    """Stands in for pyodbc.Error: recognised by module, so pyodbc need not import."""
+
+
+_PyodbcError.__module__ = "pyodbc"
+_OperationalError = type("OperationalError", (_PyodbcError,), {"__module__": "pyodbc"})
+
+
+@pytest.mark.parametrize("exc, transient, disconnect", [
+    (_PyodbcError("40001", "[SQL Server]Transaction (Process ID 52) was deadlocked ... (1205) (SQLExecDirectW)"),
+     True, False),
+    (_PyodbcError("HY000", "[SQL Server]Lock request time out period exceeded. (1222)"), True, False),
+    (_OperationalError("HYT00", "[Microsoft][ODBC Driver 18 for SQL Server]Query timeout expired"), True, False),
+    (_OperationalError("08S01", "Communication link failure"), True, True),
+    (_OperationalError("08001", "TCP Provider: Error code 0x2749"), True, True),
+    (_OperationalError("08003", "Connection not open"), True, True),
+    (_PyodbcError("23000", "Violation of UNIQUE KEY constraint (2627)"), False, False),
+    (_PyodbcError("42S02", "Invalid object name 'outbox'. (208)"), False, False),
+    (RuntimeError("40001"), False, False),
+    (ValueError("08S01", "(1205)"), False, False),
+])
+def test_transient_and_disconnect_errors(exc: BaseException, transient: bool, disconnect: bool) -> None:
+    engine = MssqlEngine()
+    assert engine.is_transient(exc) is transient
+    assert engine.is_disconnect(exc) is disconnect
+
+
+def test_importing_the_engine_does_not_import_pyodbc() -> None:
+    code = "import sys, outbox.engines.mssql; sys.exit('pyodbc' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
