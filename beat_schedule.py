@@ -1,0 +1,58 @@
+"""The relay's schedule: the one place it is defined, and what ``celery -A outbox beat`` uses.
+
+The Celery app (``outbox.celery``) imports this module and installs ``build_schedule``'s
+result as its ``beat_schedule``, computed from the OUTBOX_* settings once they are known
+(environment, Celery config keys). The module is installed as a top-level module with the
+package, so ``import beat_schedule`` works from any directory; a ``beat_schedule.py`` in the
+directory beat is started from comes first on ``sys.path`` and replaces it.
+
+Entries:
+
+* ``outbox-claim``: a claim tick every OUTBOX_CLAIM_INTERVAL_S. Each tick expires after one
+  interval, so when workers are down or busy the ticks never pile up in Celery's broker:
+  a worker drops a tick it receives late. While there is a backlog, claims follow the
+  completion of publish tasks at once (drain mode, see ``outbox.tasks.claim``), so the
+  interval bounds latency only when the outbox is quiet; the post-commit wake-up
+  (``outbox.tasks.wake``) brings that down too.
+* ``outbox-purge``: deletes done rows older than OUTBOX_RETENTION_DAYS, every
+  OUTBOX_RELAY_PURGE_INTERVAL_S (an hour by default).
+
+Run exactly one beat per outbox: two beats would send twice the ticks (harmless, since
+claims are safe to run concurrently, but wasteful).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CLAIM_ENTRY = "outbox-claim"
+PURGE_ENTRY = "outbox-purge"
+
+
+def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[str, Any]]:
+    """The ``beat_schedule`` for ``settings`` (``outbox.config.Settings``) and relay
+    ``options`` (``outbox.relay.RelayOptions``); both default to the environment's."""
+    from outbox.config import get_settings
+    from outbox.relay import CLAIM_QUEUE, CLAIM_TASK, PURGE_QUEUE, PURGE_TASK, RelayOptions
+
+    settings = settings or get_settings()
+    if options is None:
+        import os
+        options = RelayOptions.from_sources(os.environ)
+    claim_every = float(settings.claim_interval_s)
+    purge_every = float(options.purge_interval_s)
+    return {
+        CLAIM_ENTRY: {
+            "task": CLAIM_TASK,
+            "schedule": claim_every,
+            "options": {"queue": CLAIM_QUEUE, "expires": claim_every},
+        },
+        PURGE_ENTRY: {
+            "task": PURGE_TASK,
+            "schedule": purge_every,
+            "options": {"queue": PURGE_QUEUE, "expires": purge_every},
+        },
+    }
+
+
+__all__ = ["build_schedule", "CLAIM_ENTRY", "PURGE_ENTRY"]

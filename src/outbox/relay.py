@@ -1,0 +1,805 @@
+"""The relay's logic, free of Celery: what a claim tick and a publish task do.
+
+``outbox.tasks`` wraps these functions in Celery tasks; everything here takes its
+collaborators as arguments (a store, a publisher, a ``dispatch`` callable, a circuit
+breaker) so it runs, and is tested, without a worker.
+
+How a row travels
+-----------------
+1. ``handle_claim`` leases a batch (``OutboxStore.claim``), splits it into
+   per-aggregate chains (``split_chains``), trims it to a byte budget and hands the
+   chains to ``dispatch`` packed into publish tasks (several short chains per task,
+   never one chain across two tasks).
+2. ``handle_publish`` runs each chain through ``Publisher.publish_chain``. What
+   reached the broker is always a prefix of the chain: that prefix is marked done,
+   the event that stopped the chain is failed according to its failure kind, and the
+   rest of the chain is released (no attempt spent), so the aggregate waits for it.
+3. Every store write is fenced by the claim's lease. Anything lost on the way (a
+   killed worker, a lost Celery message, an ack that never landed) leaves rows
+   claimed under a lease that expires; the next claim takes them again. Nothing else
+   is needed for recovery.
+
+Why the ordering rule holds whatever runs when: a row stays *open* (pending, claimed
+or failed) until it is done or dead, and the store never claims a row while an
+earlier open row of its aggregate is outside the same claim. So acks, fails and
+releases may land in any order, late, twice or never.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timedelta
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+from .chains import split_chains
+from .errors import ConfigError
+from .model import FailResult, FenceResult, OutboxMessage
+
+log = logging.getLogger("outbox.relay")
+
+# -- task and queue names (the wire contract between beat, workers and wakers) --------------
+
+CLAIM_TASK = "outbox.claim"
+PUBLISH_TASK = "outbox.publish"
+ACK_TASK = "outbox.ack"
+FAIL_TASK = "outbox.fail"
+RELEASE_TASK = "outbox.release"
+PURGE_TASK = "outbox.purge"
+
+CLAIM_QUEUE = "outbox.claim"
+PUBLISH_QUEUE = "outbox.publish"
+ACK_QUEUE = "outbox.ack"
+PURGE_QUEUE = "outbox.purge"
+QUEUES = (CLAIM_QUEUE, PUBLISH_QUEUE, ACK_QUEUE, PURGE_QUEUE)
+
+#: Failure kinds as the publisher names them (``outbox.publisher.FailureKind`` values).
+RETRIABLE, BACKPRESSURE, POISON, FATAL = "retriable", "backpressure", "poison", "fatal"
+
+
+# -- relay options ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RelayOptions:
+    """Tuning of the relay beyond the contract's OUTBOX_* settings.
+
+    Each field is read from ``OUTBOX_RELAY_<FIELD>`` (Celery config key first, then the
+    environment); see ``from_sources``.
+    """
+
+    #: Short chains are packed into one publish task until it holds this many rows
+    #: (a chain is never split across tasks). 1 gives one task per chain.
+    task_rows: int = 25
+    #: Claims hold back while this many publish tasks wait in Celery's broker queue.
+    #: Rows in flight are then bounded by about (max_queued_tasks + worker processes)
+    #: x rows per task (at most OUTBOX_BATCH_SIZE).
+    max_queued_tasks: int = 16
+    #: Bytes (payload + ~256 per row) one claimed batch may send on as publish tasks;
+    #: the rest of the batch is released at once. The first row always goes.
+    max_batch_bytes: int = 8 * 1024 * 1024
+    #: Retry back-off after a retriable failure: base * 2^(attempt-1), capped, with jitter.
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 300.0
+    #: How long claims pause after the broker pushed back or was unreachable.
+    breaker_s: float = 5.0
+    #: How long claims stop after a fatal (configuration) error.
+    fatal_pause_s: float = 300.0
+    #: A requested claim (drain mode, wake-up) that never ran stops blocking new
+    #: requests after this long. Beat's ticks go on regardless.
+    claim_request_ttl_s: float = 2.0
+    #: How often beat runs the purge of old done rows.
+    purge_interval_s: float = 3600.0
+    #: A publish task starts no chain once this fraction of the lease has passed since
+    #: the claim: the rows are left to lease recovery rather than risk a second live copy.
+    lease_safety: float = 0.8
+
+    @classmethod
+    def from_sources(cls, *sources: Mapping[str, Any]) -> "RelayOptions":
+        """Read ``OUTBOX_RELAY_*`` from the first source that has each name."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = f"OUTBOX_RELAY_{f.name.upper()}"
+            for source in sources:
+                raw = source.get(name) if source is not None else None
+                if raw in (None, ""):
+                    continue
+                kind = int if f.type in ("int", int) else float
+                try:
+                    value = kind(str(raw).strip()) if isinstance(raw, str) else kind(raw)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+                if isinstance(raw, bool) or value <= 0 or (f.name == "lease_safety" and value > 1):
+                    raise ConfigError(f"{name}={raw!r} must be a number > 0"
+                                      + (" and <= 1" if f.name == "lease_safety" else ""))
+                values[f.name] = value
+                break
+        return cls(**values)
+
+
+#: ``OutboxStore.mark_failed`` accepts retry times up to a day.
+MAX_RETRY_S = 86_400.0
+
+
+def retry_delay(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> timedelta:
+    """Exponential back-off with "equal jitter": half the step is fixed, half random,
+    so retries of many rows that failed together spread out but never come back at once."""
+    step = min(max_s, MAX_RETRY_S, base_s * math.pow(2, min(64, max(0, attempt - 1))))
+    return timedelta(seconds=step / 2 + rng() * step / 2)
+
+
+# -- messages across Celery ------------------------------------------------------------------
+
+def message_to_dict(message: OutboxMessage) -> dict[str, Any]:
+    """JSON-safe form of a claimed message, as publish tasks carry it (lease included)."""
+    return {
+        "id": message.id, "message_id": message.message_id, "topic": message.topic,
+        "aggregate_type": message.aggregate_type, "aggregate_id": message.aggregate_id,
+        "partition_key": message.partition_key, "payload": message.payload, "headers": message.headers,
+        "trace_id": message.trace_id, "attempts": message.attempts,
+        "created_at": message.created_at.isoformat() if message.created_at else None,
+        "lease": message.lease,
+    }
+
+
+def message_from_dict(data: Mapping[str, Any]) -> OutboxMessage:
+    created = data.get("created_at")
+    return OutboxMessage(
+        id=int(data["id"]), message_id=data["message_id"], topic=data["topic"],
+        aggregate_type=data["aggregate_type"], aggregate_id=data["aggregate_id"],
+        partition_key=data.get("partition_key"), payload=data["payload"], headers=dict(data.get("headers") or {}),
+        trace_id=data.get("trace_id"), attempts=int(data.get("attempts") or 0),
+        created_at=datetime.fromisoformat(created) if isinstance(created, str) else created,  # type: ignore[arg-type]
+        lease=data["lease"],
+    )
+
+
+def _fields(message: OutboxMessage) -> str:
+    return (f"outbox_id={message.id} message_id={message.message_id} "
+            f"aggregate_id={message.aggregate_id} topic={message.topic} lease={message.lease}")
+
+
+def _extra(message: OutboxMessage, event: str) -> dict[str, Any]:
+    """``extra`` for log records, so a JSON formatter gets the ids as fields too."""
+    return {"outbox_event": event, "outbox_id": message.id, "message_id": message.message_id,
+            "aggregate_id": message.aggregate_id, "lease": message.lease}
+
+
+# -- circuit breaker -------------------------------------------------------------------------
+
+class Breaker:
+    """Pauses claiming while the destination broker is down or misconfigured.
+
+    The state is "open until <time>, because <reason>". ``trip`` only ever extends it,
+    so a short back-pressure pause never shortens a fatal one. Subclasses share the
+    state between processes; this base class keeps it in the process and caches the
+    shared state for ``cache_s`` so checking it on every chain stays cheap.
+    """
+
+    cache_s = 0.25
+
+    def __init__(self) -> None:
+        self._until = 0.0
+        self._reason = ""
+        self._checked = 0.0
+        self._lock = threading.Lock()
+
+    # shared-state hooks ------------------------------------------------------------------
+    def _read(self) -> tuple[float, str] | None:
+        return None
+
+    def _write(self, until: float, reason: str) -> None:
+        pass
+
+    def _clear(self) -> None:
+        pass
+
+    # public --------------------------------------------------------------------------------
+    def open_for(self, now: float | None = None) -> float:
+        """Seconds until claims may resume; 0 when closed."""
+        now = time.time() if now is None else now
+        with self._lock:
+            if self._until <= now and now - self._checked >= self.cache_s:
+                self._checked = now
+                try:
+                    shared = self._read()
+                except Exception as exc:  # the shared store is down: decide locally
+                    log.debug("outbox breaker: cannot read shared state: %s", exc)
+                    shared = None
+                if shared is not None and shared[0] > self._until:
+                    self._until, self._reason = shared
+            return max(0.0, self._until - now)
+
+    @property
+    def reason(self) -> str:
+        return self._reason
+
+    def trip(self, seconds: float, reason: str, now: float | None = None) -> float:
+        now = time.time() if now is None else now
+        until = now + seconds
+        with self._lock:
+            if until > self._until:
+                self._until, self._reason = until, reason
+            until, reason = self._until, self._reason
+        try:
+            shared = self._read()
+            if shared is None or shared[0] < until:
+                self._write(until, reason)
+        except Exception as exc:
+            log.warning("outbox breaker: cannot share state (this process pauses alone): %s", exc)
+        return until
+
+    def reset(self) -> None:
+        with self._lock:
+            self._until, self._reason, self._checked = 0.0, "", 0.0
+        try:
+            self._clear()
+        except Exception as exc:
+            log.warning("outbox breaker: cannot clear shared state: %s", exc)
+
+
+class LocalBreaker(Breaker):
+    """State in this process only (tests; the in-memory Celery broker runs in one process)."""
+
+
+class RedisBreaker(Breaker):
+    """State in a key of Celery's Redis broker, with a TTL: every worker on every host
+    sees it, and it closes by itself when the key expires."""
+
+    def __init__(self, url: str, key: str) -> None:
+        super().__init__()
+        import redis  # the redis extra; Celery's Redis transport needs it anyway
+
+        self.key = key
+        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+    def _read(self) -> tuple[float, str] | None:
+        raw = self.client.get(self.key)
+        if not raw:
+            return None
+        data = json.loads(raw)
+        return float(data["until"]), str(data.get("reason", ""))
+
+    def _write(self, until: float, reason: str) -> None:
+        ttl_ms = max(1, int((until - time.time()) * 1000))
+        self.client.set(self.key, json.dumps({"until": until, "reason": reason}), px=ttl_ms)
+
+    def _clear(self) -> None:
+        self.client.delete(self.key)
+
+
+class FileBreaker(Breaker):
+    """State in a small file: shared by the worker processes of one host. Used when
+    Celery's broker is not Redis; other hosts find out when their own publishes fail
+    (and the rows they release wait out the pause anyway)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def _read(self) -> tuple[float, str] | None:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            return None
+        except ValueError:  # caught mid-replace or damaged: ignore
+            return None
+        return float(data["until"]), str(data.get("reason", ""))
+
+    def _write(self, until: float, reason: str) -> None:
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"until": until, "reason": reason}, fh)
+        os.replace(tmp, self.path)
+
+    def _clear(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def breaker_key(database_url: str, table: str, publish_url: str, exchange: str) -> str:
+    """One breaker per (outbox table, destination): relays of other outboxes are unaffected."""
+    digest = hashlib.sha1(f"{database_url}|{table}|{publish_url}|{exchange}".encode()).hexdigest()[:16]
+    return f"outbox:breaker:{digest}"
+
+
+def make_breaker(celery_broker_url: str, key: str) -> Breaker:
+    """Redis when Celery's broker is Redis, else a file in the temp directory, else local."""
+    if celery_broker_url.startswith(("redis://", "rediss://")):
+        try:
+            return RedisBreaker(celery_broker_url, key)
+        except ImportError:
+            pass
+    if celery_broker_url.startswith("memory://"):
+        return LocalBreaker()
+    return FileBreaker(os.path.join(tempfile.gettempdir(), key.replace(":", "-") + ".json"))
+
+
+# -- coalesced claim requests ----------------------------------------------------------------
+
+class Coalescer:
+    """At most one claim *requested* at a time, however many ask.
+
+    Whoever wants a claim soon (a publish task that just freed its aggregates, a claim
+    that came back full, a post-commit wake-up) calls ``acquire``; only the first caller
+    gets True and sends the claim task, which calls ``clear`` as it starts, so requests
+    made while it runs lead to exactly one more claim. The token expires after ``ttl_s``
+    in case that claim task is lost; beat's ticks carry on regardless.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._held_until = 0.0
+
+    def acquire(self) -> bool:
+        with self._lock:
+            now = time.time()
+            if self._held_until > now:
+                return False
+            self._held_until = now + self.ttl_s
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held_until = 0.0
+
+
+class RedisCoalescer(Coalescer):
+    def __init__(self, url: str, key: str, ttl_s: float) -> None:
+        super().__init__(ttl_s)
+        import redis
+
+        self.key = key
+        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+    def acquire(self) -> bool:
+        try:
+            return bool(self.client.set(self.key, b"1", nx=True, px=max(1, int(self.ttl_s * 1000))))
+        except Exception as exc:  # Redis is Celery's broker: if it is down, sending fails anyway
+            log.debug("outbox: claim request token unavailable (%s); requesting anyway", exc)
+            return True
+
+    def clear(self) -> None:
+        try:
+            self.client.delete(self.key)
+        except Exception as exc:
+            log.debug("outbox: cannot clear the claim request token: %s", exc)
+
+
+class FileCoalescer(Coalescer):
+    """The token is a file created exclusively; one older than ``ttl_s`` is stale."""
+
+    def __init__(self, path: str, ttl_s: float) -> None:
+        super().__init__(ttl_s)
+        self.path = path
+
+    def acquire(self) -> bool:
+        for _ in range(2):
+            try:
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                return True
+            except FileExistsError:
+                try:
+                    if time.time() - os.path.getmtime(self.path) < self.ttl_s:
+                        return False
+                    os.unlink(self.path)  # stale: its claim was lost
+                except FileNotFoundError:
+                    pass
+            except OSError as exc:
+                log.debug("outbox: claim request token unavailable (%s); requesting anyway", exc)
+                return True
+        return False
+
+    def clear(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def make_coalescer(celery_broker_url: str, key: str, ttl_s: float) -> Coalescer:
+    """Shared like the breaker: Redis when Celery's broker is Redis, else a file, else local."""
+    key = key + ":claim-requested"
+    if celery_broker_url.startswith(("redis://", "rediss://")):
+        try:
+            return RedisCoalescer(celery_broker_url, key, ttl_s)
+        except ImportError:
+            pass
+    if celery_broker_url.startswith("memory://"):
+        return Coalescer(ttl_s)
+    return FileCoalescer(os.path.join(tempfile.gettempdir(), key.replace(":", "-")), ttl_s)
+
+
+# -- store writes, with a fallback ------------------------------------------------------------
+
+class StoreLike(Protocol):
+    def claim(self, batch: int) -> Any: ...
+    def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult: ...
+    def mark_failed(self, id: int, lease: str, error: str, retry_in: timedelta | None = None,
+                    *, dead: bool = False) -> FailResult: ...
+    def release(self, ids: Sequence[int], lease: str, delay: timedelta | None = None) -> FenceResult: ...
+
+
+#: ``fallback(operation, kwargs)`` hands a store write that failed to someone who will
+#: retry it later (the ack queue's tasks). Operations: "done", "failed", "release".
+Fallback = Callable[[str, dict[str, Any]], None]
+
+
+class Settler:
+    """Applies a chain's outcome to the store: ``mark_done``, ``mark_failed``, ``release``.
+
+    The publish task writes to the store directly: it is one short transaction per
+    outcome, and the next chain of the aggregate cannot be claimed until it lands, so a
+    hop through Celery would add latency to every aggregate and a task per chain. Only
+    when the write fails (the database is down even after the store's own retries) is it
+    handed to ``fallback``, normally the ack/fail/release tasks on the ack queue, which
+    retry with back-off without holding up the publish worker. If even that fails the
+    lease is the last line: the rows are claimed again once it expires.
+    """
+
+    def __init__(self, store: StoreLike, fallback: Fallback | None = None) -> None:
+        self.store = store
+        self.fallback = fallback
+
+    def _run(self, operation: str, kwargs: dict[str, Any], call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Exception as exc:
+            log.error("outbox %s failed (%s: %s); %s", operation, type(exc).__name__, exc,
+                      "handing it to the ack queue" if self.fallback else "the lease will recover the rows")
+            if self.fallback is not None:
+                try:
+                    self.fallback(operation, kwargs)
+                except Exception as again:
+                    log.error("outbox %s: fallback failed too (%s); the lease will recover the rows",
+                              operation, again)
+            return None
+
+    def done(self, ids: Sequence[int], lease: str) -> FenceResult | None:
+        ids = list(ids)
+        if not ids:
+            return FenceResult(0, 0)
+        return self._run("done", {"ids": ids, "lease": lease}, lambda: self.store.mark_done(ids, lease))
+
+    def failed(self, message: OutboxMessage, error: str, retry_in: timedelta | None,
+               dead: bool = False) -> FailResult | None:
+        kwargs = {"message": message_to_dict(message), "error": error,
+                  "retry_in_s": retry_in.total_seconds() if retry_in is not None else None, "dead": dead}
+        return self._run("failed", kwargs, lambda: self.store.mark_failed(
+            message.id, message.lease, error, retry_in, dead=dead))
+
+    def release(self, messages: Sequence[OutboxMessage], delay: timedelta | None = None) -> FenceResult | None:
+        if not messages:
+            return FenceResult(0, 0)
+        lease = messages[0].lease
+        ids = [m.id for m in messages]
+        kwargs = {"ids": ids, "lease": lease, "delay_s": delay.total_seconds() if delay else None}
+        return self._run("release", kwargs, lambda: self.store.release(ids, lease, delay))
+
+
+# -- publishing one chain --------------------------------------------------------------------
+
+@dataclass
+class ChainOutcome:
+    published: list[int] = field(default_factory=list)
+    failed_id: int | None = None
+    kind: str | None = None
+    reason: str | None = None
+    dead: bool = False
+    released: list[int] = field(default_factory=list)
+    skipped: bool = False  # breaker open or lease too old: nothing was attempted
+
+
+def _kind_name(kind: Any) -> str:
+    value = getattr(kind, "value", kind)
+    return str(value).lower()
+
+
+def send_dead(publisher: Any, message: OutboxMessage, error: str) -> None:
+    """Best effort: the dead row in the table stays the record of truth."""
+    try:
+        problem = publisher.publish_dead(message, error)
+    except Exception as exc:
+        problem = exc
+    if problem is not None:
+        log.error("outbox dead-letter publish failed %s error=%r", _fields(message),
+                  getattr(problem, "reason", str(problem)), extra=_extra(message, "dead_letter_failed"))
+
+
+def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMessage], *,
+                 options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
+                 settler: Settler | None = None, rng: Callable[[], float] = random.random) -> ChainOutcome:
+    """Publish one chain (one aggregate, id order, one lease) and settle its rows.
+
+    Published prefix -> done. The event that stopped the chain, by failure kind:
+
+    * RETRIABLE: failed with back-off (an attempt spent; dead after OUTBOX_MAX_ATTEMPTS,
+      then sent to the dead-letter exchange when there is one);
+    * POISON: dead at once, and sent to the dead-letter exchange;
+    * BACKPRESSURE: released with the rest (no attempt spent) to wait out the pause, and
+      the breaker opens so claims stop hammering a broker that is down;
+    * FATAL: the same, with a long pause and a critical log line: an operator must act.
+
+    Events after the failed one are released (no attempt spent): they are blocked behind
+    it by the claim rule until it is done or dead.
+    """
+    outcome = ChainOutcome()
+    messages = list(messages)
+    if not messages:
+        return outcome
+    settler = settler or Settler(store)
+    if breaker is not None:
+        pause = breaker.open_for()
+        if pause > 0:
+            outcome.skipped = True
+            outcome.released = [m.id for m in messages]
+            settler.release(messages, timedelta(seconds=pause))
+            return outcome
+
+    try:
+        result = publisher.publish_chain(messages)
+        published = list(result.published)
+        failed_id, failure = result.failed_id, result.failure
+        kind = _kind_name(failure.kind) if failure is not None else None
+        reason = failure.reason if failure is not None else None
+    except Exception as exc:  # a publisher bug or an unexpected error: count it against the head
+        log.exception("outbox publisher raised instead of reporting %s", _fields(messages[0]))
+        published, failed_id, kind, reason = [], messages[0].id, RETRIABLE, f"{type(exc).__name__}: {exc}"
+
+    # Trust only a true prefix of the chain.
+    ids = [m.id for m in messages]
+    prefix = 0
+    while prefix < len(published) and prefix < len(ids) and published[prefix] == ids[prefix]:
+        prefix += 1
+    if prefix != len(published):
+        log.error("outbox publisher reported %s, which is not a prefix of chain %s; acking only %s",
+                  published, ids, ids[:prefix])
+    outcome.published = ids[:prefix]
+    for message in messages[:prefix]:
+        log.debug("outbox published %s", _fields(message), extra=_extra(message, "published"))
+    settler.done(outcome.published, messages[0].lease)
+
+    rest = messages[prefix:]
+    if not rest:
+        return outcome
+    if failed_id is None or kind is None:
+        # Stopped early without saying why: give the rest back untouched.
+        log.error("outbox publisher stopped after %d of %d events without a failure; releasing %s",
+                  prefix, len(ids), [m.id for m in rest])
+        outcome.released = [m.id for m in rest]
+        settler.release(rest)
+        return outcome
+    if failed_id != rest[0].id:
+        log.error("outbox publisher failed id %s but the next unpublished event is %s; treating it as failed",
+                  failed_id, rest[0].id)
+    failing, after = rest[0], rest[1:]
+    outcome.failed_id, outcome.kind, outcome.reason = failing.id, kind, reason
+    error = f"{kind}: {reason}"
+
+    if kind == POISON:
+        log.error("outbox poison event goes dead %s error=%r", _fields(failing), reason,
+                  extra=_extra(failing, "dead"))
+        result = settler.failed(failing, error, None, dead=True)
+        outcome.dead = True
+        if result is not None and result.applied:
+            send_dead(publisher, failing, error)
+        settler.release(after)
+        outcome.released = [m.id for m in after]
+    elif kind in (BACKPRESSURE, FATAL):
+        if kind == FATAL:
+            pause = options.fatal_pause_s
+            log.critical("outbox FATAL publishing error: %s. Claims stop for %.0f s on every worker sharing "
+                         "this breaker; fix the destination broker settings (OUTBOX_PUBLISH_URL, "
+                         "OUTBOX_EXCHANGE, credentials, permissions) and restart the workers. %s",
+                         reason, pause, _fields(failing), extra=_extra(failing, "fatal"))
+        else:
+            pause = options.breaker_s
+            log.warning("outbox broker back-pressure, pausing claims for %.1f s: %s %s", pause, reason,
+                        _fields(failing), extra=_extra(failing, "backpressure"))
+        if breaker is not None:
+            breaker.trip(pause, f"{kind}: {reason}")
+        settler.release(rest, timedelta(seconds=pause))
+        outcome.released = [m.id for m in rest]
+    else:  # RETRIABLE, and anything unknown
+        retry_in = retry_delay(failing.attempt, options.backoff_base_s, options.backoff_max_s, rng)
+        result = settler.failed(failing, error, retry_in)
+        outcome.dead = bool(result and result.dead)
+        if outcome.dead:
+            log.error("outbox event goes dead after its last attempt %s attempt=%d error=%r", _fields(failing),
+                      failing.attempt, reason, extra=_extra(failing, "dead"))
+            send_dead(publisher, failing, error)
+        else:
+            log.warning("outbox publish failed, retry in %.1f s %s attempt=%d error=%r",
+                        retry_in.total_seconds(), _fields(failing), failing.attempt, reason,
+                        extra=_extra(failing, "retry"))
+        settler.release(after)
+        outcome.released = [m.id for m in after]
+    return outcome
+
+
+def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[OutboxMessage]], *,
+                   deadline: float | None = None, options: RelayOptions = RelayOptions(),
+                   breaker: Breaker | None = None, settler: Settler | None = None,
+                   stopping: Callable[[], bool] = lambda: False,
+                   now: Callable[[], float] = time.time) -> list[ChainOutcome]:
+    """Run the chains of one publish task, in order.
+
+    ``deadline`` is the wall-clock time after which no chain is started: its lease is
+    about to expire (or has), and another claim may already hold the rows. Those rows
+    are left exactly as they are, for lease recovery, which spends an attempt; releasing
+    them instead would let a message that crashes every worker retry for ever.
+    """
+    settler = settler or Settler(store)
+    outcomes: list[ChainOutcome] = []
+    for chain in chains:
+        chain = list(chain)
+        if not chain:
+            continue
+        if deadline is not None and now() > deadline:
+            log.warning("outbox publish task started too late (lease nearly expired); leaving %d rows to lease "
+                        "recovery, first %s", len(chain), _fields(chain[0]))
+            outcomes.append(ChainOutcome(skipped=True))
+            continue
+        if stopping():
+            # Worker shutting down before this chain started: hand the rows straight back.
+            settler.release(chain)
+            outcomes.append(ChainOutcome(skipped=True, released=[m.id for m in chain]))
+            continue
+        outcomes.append(handle_chain(store, publisher, chain, options=options, breaker=breaker, settler=settler))
+    return outcomes
+
+
+# -- claiming ------------------------------------------------------------------------------
+
+@dataclass
+class ClaimOutcome:
+    claimed: int = 0
+    dispatched: int = 0  # rows sent on in publish tasks
+    tasks: int = 0
+    released: int = 0  # rows given back (byte budget, failed dispatch)
+    full: bool = False  # the batch came back full: more rows are likely waiting
+    trimmed: bool = False  # the byte budget cut the batch
+    saturated: bool = False  # too many publish tasks queued: nothing claimed
+    paused: float = 0.0  # the breaker is open for this long: nothing claimed
+    error: str | None = None  # dispatching failed (Celery's broker)
+
+    @property
+    def more(self) -> bool:
+        """More rows are probably claimable right now: claim again at once (drain mode)."""
+        return (self.full or self.trimmed) and self.error is None
+
+
+def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
+               max_bytes: int) -> tuple[list[list[list[OutboxMessage]]], list[OutboxMessage]]:
+    """Pack chains into publish tasks of about ``task_rows`` rows, within ``max_bytes``
+    for the whole batch. Returns (tasks, rows to release). Rows over the budget are
+    released from the first one that does not fit to the end of the batch: cutting a
+    chain is safe (its released tail waits behind its claimed head)."""
+    tasks: list[list[list[OutboxMessage]]] = []
+    current: list[list[OutboxMessage]] = []
+    rows_in_current = 0
+    used = 0
+    over: list[OutboxMessage] = []
+    for chain in chains:
+        if over:
+            over.extend(chain)
+            continue
+        take: list[OutboxMessage] = []
+        for position, message in enumerate(chain):
+            if used and used + message.size > max_bytes:
+                over.extend(chain[position:])
+                break
+            take.append(message)
+            used += message.size
+        if take:
+            current.append(take)
+            rows_in_current += len(take)
+            if rows_in_current >= task_rows:
+                tasks.append(current)
+                current, rows_in_current = [], 0
+    if current:
+        tasks.append(current)
+    return tasks, over
+
+
+#: ``dispatch(chains, deadline)`` sends one publish task.
+Dispatch = Callable[[list[list[OutboxMessage]], float], None]
+
+
+def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease_s: float,
+                 options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
+                 queued: Callable[[], int | None] | None = None,
+                 settler: Settler | None = None, now: Callable[[], float] = time.time) -> ClaimOutcome:
+    """One claim: lease a batch and dispatch its chains as publish tasks.
+
+    Nothing is claimed while the breaker is open, or while ``queued()`` (publish tasks
+    waiting in Celery's broker) is at ``options.max_queued_tasks``: that is what bounds
+    the rows in flight however large the backlog. ``ClaimOutcome.more`` tells the caller
+    to claim again at once (drain mode).
+    """
+    outcome = ClaimOutcome()
+    if breaker is not None:
+        outcome.paused = breaker.open_for()
+        if outcome.paused > 0:
+            log.info("outbox claims paused for %.1f s more (%s)", outcome.paused, breaker.reason)
+            return outcome
+    if queued is not None:
+        depth = queued()
+        if depth is not None and depth >= options.max_queued_tasks:
+            outcome.saturated = True
+            log.debug("outbox claim held back: %d publish tasks queued (max %d)", depth, options.max_queued_tasks)
+            return outcome
+
+    claimed_at = now()
+    claim = store.claim(batch_size)
+    outcome.claimed = len(claim.messages)
+    outcome.full = outcome.claimed >= batch_size
+    if not claim.messages:
+        return outcome
+    settler = settler or Settler(store)
+    deadline = claimed_at + lease_s * options.lease_safety
+    tasks, over = plan_tasks(split_chains(claim.messages), options.task_rows, options.max_batch_bytes)
+    outcome.trimmed = bool(over)
+    for index, task in enumerate(tasks):
+        try:
+            dispatch(task, deadline)
+        except Exception as exc:
+            # Celery's broker refused the task: give back its rows and every later one.
+            unsent = [m for pending in tasks[index:] for chain in pending for m in chain]
+            log.error("outbox cannot dispatch publish tasks (%s: %s); releasing %d rows",
+                      type(exc).__name__, exc, len(unsent))
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            over = unsent + over
+            break
+        outcome.tasks += 1
+        outcome.dispatched += sum(len(chain) for chain in task)
+    if over:
+        settler.release(over)
+        outcome.released = len(over)
+    log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks, %d released",
+             outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks, outcome.released)
+    return outcome
+
+
+# -- failed writes handed to the ack queue ---------------------------------------------------
+
+def apply_fallback(store: StoreLike, publisher: Any, operation: str, kwargs: Mapping[str, Any]) -> Any:
+    """What the ack/fail/release tasks do with a write the publish task could not make.
+    Raises on failure, so the task retries."""
+    if operation == "done":
+        return store.mark_done(kwargs["ids"], kwargs["lease"])
+    if operation == "release":
+        delay = kwargs.get("delay_s")
+        return store.release(kwargs["ids"], kwargs["lease"], timedelta(seconds=delay) if delay else None)
+    if operation == "failed":
+        message = message_from_dict(kwargs["message"])
+        retry = kwargs.get("retry_in_s")
+        result = store.mark_failed(message.id, message.lease, kwargs["error"],
+                                   timedelta(seconds=retry) if retry is not None else None,
+                                   dead=bool(kwargs.get("dead")))
+        if result.applied and result.dead and publisher is not None:
+            send_dead(publisher, message, kwargs["error"])
+        return result
+    raise ValueError(f"unknown operation {operation!r}")
+
+
+__all__ = [
+    "RelayOptions", "retry_delay", "message_to_dict", "message_from_dict",
+    "Breaker", "LocalBreaker", "RedisBreaker", "FileBreaker", "breaker_key", "make_breaker",
+    "Coalescer", "RedisCoalescer", "FileCoalescer", "make_coalescer",
+    "Settler", "ChainOutcome", "handle_chain", "handle_publish", "ClaimOutcome", "plan_tasks",
+    "handle_claim", "apply_fallback", "send_dead",
+    "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
+    "CLAIM_QUEUE", "PUBLISH_QUEUE", "ACK_QUEUE", "PURGE_QUEUE", "QUEUES",
+]

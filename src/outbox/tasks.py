@@ -1,0 +1,309 @@
+"""The relay's Celery tasks. The logic lives in ``outbox.relay``; this module wires it to
+Celery: per-process resources, the queues, and when Celery acknowledges a task.
+
+Tasks and their queues
+----------------------
+==================  ==============  =====================================================
+task                queue           does
+==================  ==============  =====================================================
+``outbox.claim``    outbox.claim    lease a batch, send its chains on as publish tasks;
+                                    drain mode: claims follow completions (see ``claim``)
+``outbox.publish``  outbox.publish  publish chains; mark done / fail / release the rows
+``outbox.ack``      outbox.ack      ``mark_done`` a publish task could not write itself
+``outbox.fail``     outbox.ack      ``mark_failed`` (+ dead-letter) likewise
+``outbox.release``  outbox.ack      ``release`` likewise
+``outbox.purge``    outbox.purge    ``purge_done`` on OUTBOX_RETENTION_DAYS
+==================  ==============  =====================================================
+
+Acknowledgement choices (a lost task is always recovered by the lease alone)
+----------------------------------------------------------------------------
+* claim: acked early (the default). A claim that dies is replaced by the next tick;
+  redelivering a stale tick is pointless. Ticks carry an expiry, so they never pile up.
+* publish: ``acks_late=True``: a task reserved by a worker that stops or loses its broker
+  connection before running it goes back to the queue and runs elsewhere, still inside
+  its lease, so no attempt is spent. ``reject_on_worker_lost=False``: when the process
+  running it dies (SIGKILL, OOM, a crashing driver) the message is *not* redelivered;
+  the rows' lease expires and the next claim takes them again, counting an attempt. That
+  count is what eventually dead-letters an event that kills every worker that touches
+  it; redelivering would loop on it for ever. A publish task that starts after most of
+  its lease has gone (a redelivery after the Redis visibility timeout, a long queue)
+  publishes nothing and leaves the rows to the lease.
+* ack / fail / release: ``acks_late=True, reject_on_worker_lost=True``: they are
+  idempotent and fenced by the lease, so running one twice is harmless and losing one
+  only delays recovery; they retry with back-off while the database is down.
+* purge: acked early; the next run does the work.
+
+Per-process resources
+---------------------
+The store and the publisher are created lazily in the process (and thread) that uses
+them, so prefork children never share a connection inherited from the parent; they are
+dropped on ``worker_process_init`` and closed on ``worker_process_shutdown`` /
+``worker_shutdown``. Shutdown: once the worker is shutting down, claims stop and chains
+of a publish task that have not started are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from celery import signals
+
+from .celery import app, relay_options, relay_settings
+from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
+                    PURGE_TASK, RELEASE_TASK, Breaker, Coalescer, Settler, apply_fallback, breaker_key,
+                    handle_claim, handle_publish, make_breaker, make_coalescer, message_from_dict,
+                    message_to_dict)
+from .store import OutboxStore
+
+log = logging.getLogger("outbox.tasks")
+
+#: Set when this worker starts shutting down: no new claims, no new chains.
+STOPPING = threading.Event()
+
+
+# -- per-process, per-thread resources -----------------------------------------------------
+
+@dataclass
+class _Resources:
+    pid: int
+    store: OutboxStore
+    publisher: Any
+    settler: Settler
+
+
+_local = threading.local()
+_made: list[_Resources] = []
+_made_lock = threading.Lock()
+_breaker: tuple[int, Breaker] | None = None
+_coalescer: tuple[int, Coalescer] | None = None
+
+
+def make_publisher(settings: Any) -> Any:
+    from .publisher import KombuPublisher
+
+    return KombuPublisher.from_settings(settings)
+
+
+def breaker() -> Breaker:
+    """One breaker per process (shared beyond it through Redis or a file)."""
+    global _breaker
+    with _made_lock:
+        if _breaker is None or _breaker[0] != os.getpid():
+            s = relay_settings()
+            key = breaker_key(s.database_url, s.table, s.publish_url, s.exchange)
+            _breaker = (os.getpid(), make_breaker(str(app.conf.broker_url or s.broker_url), key))
+        return _breaker[1]
+
+
+def coalescer() -> Coalescer:
+    """One claim-request token per process object (shared beyond it like the breaker)."""
+    global _coalescer
+    with _made_lock:
+        if _coalescer is None or _coalescer[0] != os.getpid():
+            s = relay_settings()
+            key = breaker_key(s.database_url, s.table, s.publish_url, s.exchange)
+            _coalescer = (os.getpid(), make_coalescer(str(app.conf.broker_url or s.broker_url), key,
+                                                      relay_options().claim_request_ttl_s))
+        return _coalescer[1]
+
+
+def resources() -> _Resources:
+    r: _Resources | None = getattr(_local, "resources", None)
+    if r is None or r.pid != os.getpid():
+        settings = relay_settings()
+        store = OutboxStore.from_settings(settings)
+        r = _Resources(os.getpid(), store, make_publisher(settings), Settler(store, _fallback))
+        _local.resources = r
+        with _made_lock:
+            _made.append(r)
+    return r
+
+
+def close_resources() -> None:
+    global _breaker, _coalescer
+    with _made_lock:
+        mine = [r for r in _made if r.pid == os.getpid()]
+        _made.clear()
+        _breaker = _coalescer = None
+    for r in mine:
+        for closable in (r.publisher, r.store):
+            try:
+                closable.close()
+            except Exception:  # closing after a failure may fail again
+                log.debug("outbox: error closing %r", closable, exc_info=True)
+    _local.__dict__.clear()
+
+
+@signals.worker_process_init.connect
+def _process_init(**_: Any) -> None:
+    # Forget what was inherited over fork() without closing it: it is the parent's.
+    global _breaker, _coalescer
+    with _made_lock:
+        _made.clear()
+        _breaker = _coalescer = None
+    _local.__dict__.clear()
+    STOPPING.clear()
+
+
+@signals.worker_process_shutdown.connect
+def _process_shutdown(**_: Any) -> None:
+    close_resources()
+
+
+@signals.worker_shutting_down.connect
+def _shutting_down(**_: Any) -> None:
+    STOPPING.set()
+    log.info("outbox: worker shutting down, claims stop; publish tasks in hand finish")
+
+
+@signals.worker_shutdown.connect
+def _shutdown(**_: Any) -> None:
+    close_resources()
+
+
+@signals.worker_ready.connect
+def _ready(**_: Any) -> None:
+    """A restarted worker lifts a fatal pause: the operator has presumably fixed the
+    configuration, and if not, the first chain trips it again."""
+    try:
+        b = breaker()
+        if b.open_for() > 0 and b.reason.startswith("fatal"):
+            log.warning("outbox: lifting the fatal pause left by an earlier run (%s)", b.reason)
+            b.reset()
+    except Exception as exc:  # never keep a worker from starting over this
+        log.warning("outbox: cannot check the circuit breaker at start-up: %s", exc)
+
+
+# -- Celery plumbing used by the relay logic -------------------------------------------------
+
+def _fallback(operation: str, kwargs: dict[str, Any]) -> None:
+    task = {"done": ack, "failed": fail, "release": release}[operation]
+    task.apply_async(kwargs=kwargs, queue=ACK_QUEUE)
+
+
+def _dispatch(chains: list[list[Any]], deadline: float) -> None:
+    publish.apply_async(
+        kwargs={"chains": [[message_to_dict(m) for m in chain] for chain in chains], "deadline": deadline},
+        queue=PUBLISH_QUEUE,
+        retry=True, retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1},
+    )
+
+
+def queued_publish_tasks() -> int | None:
+    """Messages waiting in the publish queue of Celery's broker; None when unknown."""
+    try:
+        with app.pool.acquire(block=True, timeout=2.0) as conn:
+            channel = conn.default_channel
+            size = getattr(channel, "_size", None)
+            if callable(size):
+                # kombu's virtual transports (Redis, memory, SQS...): their passive
+                # queue_declare reports a drained Redis list, or any list under a
+                # global_keyprefix, as missing; the size itself is right.
+                return int(size(PUBLISH_QUEUE))
+            try:
+                return int(channel.queue_declare(queue=PUBLISH_QUEUE, passive=True).message_count)
+            except Exception as exc:
+                conn.close()  # AMQP closes the channel on NOT_FOUND; start afresh next time
+                if type(exc).__name__ == "NotFound":
+                    return 0
+                raise
+    except Exception as exc:
+        log.debug("outbox: cannot read the publish queue's length: %s", exc)
+        return None
+
+
+# -- tasks -------------------------------------------------------------------------------
+
+def request_claim() -> bool:
+    """Ask for a claim soon, coalesced: while one requested claim has not started yet,
+    further requests are no-ops. Used by drain mode and usable as a wake-up call."""
+    if STOPPING.is_set():
+        return False
+    gate = coalescer()
+    if not gate.acquire():
+        return False
+    try:
+        claim.apply_async(kwargs={"requested": True}, queue=CLAIM_QUEUE, expires=relay_options().claim_request_ttl_s)
+    except Exception as exc:
+        gate.clear()
+        log.warning("outbox: cannot request a claim (%s); the next tick will claim", exc)
+        return False
+    return True
+
+
+wake = request_claim
+
+
+@app.task(name=CLAIM_TASK, ignore_result=True, acks_late=False)
+def claim(requested: bool = False) -> dict[str, Any]:
+    """Claim a batch and dispatch it as publish tasks.
+
+    Drain mode: a claim that came back full (or was cut by the byte budget) requests
+    another one at once, and every publish task requests one as it finishes, since it
+    has just unblocked its aggregates. Requests are coalesced (at most one requested
+    claim waits at a time), so a backlog is drained as fast as publish tasks complete
+    without a storm of claims, and a quiet outbox costs one empty claim per burst. A
+    claim that finds the publish queue full claims nothing: the completions of those
+    queued tasks will request the next one. Beat's tick is the safety net."""
+    if requested:
+        coalescer().clear()
+    if STOPPING.is_set():
+        return {"stopped": True}
+    settings, options = relay_settings(), relay_options()
+    r = resources()
+    outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
+                           lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
+                           queued=queued_publish_tasks, settler=r.settler)
+    if outcome.more:
+        request_claim()
+    return asdict(outcome)
+
+
+@app.task(name=PUBLISH_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
+def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
+    r = resources()
+    outcomes = handle_publish(r.store, r.publisher, [[message_from_dict(d) for d in chain] for chain in chains],
+                              deadline=deadline, options=relay_options(), breaker=breaker(), settler=r.settler,
+                              stopping=STOPPING.is_set)
+    if breaker().open_for() == 0:
+        request_claim()  # drain mode: this task's aggregates may have more rows now
+    return {"published": sum(len(o.published) for o in outcomes),
+            "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}
+
+
+_SETTLE = dict(ignore_result=True, acks_late=True, reject_on_worker_lost=True, autoretry_for=(Exception,),
+               retry_backoff=0.5, retry_backoff_max=30, retry_jitter=True, max_retries=10)
+
+
+@app.task(name=ACK_TASK, **_SETTLE)
+def ack(ids: list[int], lease: str) -> int:
+    return apply_fallback(resources().store, None, "done", {"ids": ids, "lease": lease}).applied
+
+
+@app.task(name=FAIL_TASK, **_SETTLE)
+def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False) -> bool:
+    r = resources()
+    return apply_fallback(r.store, r.publisher, "failed",
+                          {"message": message, "error": error, "retry_in_s": retry_in_s, "dead": dead}).applied
+
+
+@app.task(name=RELEASE_TASK, **_SETTLE)
+def release(ids: list[int], lease: str, delay_s: float | None = None) -> int:
+    return apply_fallback(resources().store, None, "release", {"ids": ids, "lease": lease, "delay_s": delay_s}).applied
+
+
+@app.task(name=PURGE_TASK, ignore_result=True)
+def purge() -> int:
+    settings = relay_settings()
+    deleted = resources().store.purge_done(timedelta(days=settings.retention_days))
+    log.info("outbox purge: deleted %d done rows older than %g days", deleted, settings.retention_days)
+    return deleted
+
+
+__all__ = ["claim", "publish", "ack", "fail", "release", "purge", "resources", "close_resources", "breaker",
+           "coalescer", "request_claim", "wake", "queued_publish_tasks", "STOPPING"]
