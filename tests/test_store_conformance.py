@@ -252,7 +252,9 @@ def test_a_row_that_keeps_losing_its_lease_ends_dead_and_unblocks_its_aggregate(
     time.sleep(0.4)
     assert claimed_ids(store, 1) == [poison]  # attempts 2
     time.sleep(0.4)
-    assert claimed_ids(store, 10) == []       # attempts would reach 3: dead instead
+    claim = store.claim(10)                   # attempts would reach 3: dead instead
+    assert claim.messages == []
+    assert [(m.id, m.attempts) for m in claim.dead] == [(poison, 3)]
     assert statuses(store)[poison] == Status.DEAD
     assert "lease expired" in row(store, poison, "last_error")[0]
     assert claimed_ids(store, 10) == [after]

@@ -70,6 +70,9 @@ class Claim:
 
     lease: str
     messages: list[OutboxMessage] = field(default_factory=list)
+    #: Rows this claim found with an expired lease and no attempts left: they went
+    #: dead instead of being claimed (their ``lease`` is this claim's, for logging only).
+    dead: list[OutboxMessage] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.messages)

@@ -137,12 +137,14 @@ class OutboxStore:
 
         rows = self._run("claim", work)
         status_at = len(rows[0]) - 1 if rows else 0
-        dead = [int(r[0]) for r in rows if int(r[status_at]) == Status.DEAD]
-        if dead:
-            log.error("outbox rows %s went dead: their lease expired %d times", dead, self.max_attempts)
-        messages = [self.engine.to_message(r, lease) for r in rows if int(r[status_at]) == Status.CLAIMED]
-        messages.sort(key=lambda m: m.id)
-        return Claim(lease=lease, messages=messages)
+        messages = sorted((self.engine.to_message(r, lease) for r in rows if int(r[status_at]) == Status.CLAIMED),
+                          key=lambda m: m.id)
+        dead = sorted((self.engine.to_message(r, lease) for r in rows if int(r[status_at]) == Status.DEAD),
+                      key=lambda m: m.id)
+        for message in dead:
+            log.error("outbox row went dead: its lease expired with no attempts left outbox_id=%s message_id=%s",
+                      message.id, message.message_id)
+        return Claim(lease=lease, messages=messages, dead=dead)
 
     def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult:
         """Mark published rows done, in one statement. Rows no longer held by

@@ -163,14 +163,14 @@ class Engine(ABC):
             self.execute(cursor, f"UPDATE {self.table} SET status = 4, processed_at = {self.now}, "
                          f"last_error = ?, lease_token = NULL, attempts = attempts + 1 WHERE {cond}",
                          [LEASE_EXPIRED_ERROR, *params])
-        if not plan.claim_ids:
-            return []
-        cond, params = self.ids_in(plan.claim_ids)
-        self.execute(cursor, f"UPDATE {self.table} SET "
-                     "attempts = attempts + CASE WHEN status = 1 THEN 1 ELSE 0 END, "
-                     "last_error = CASE WHEN status = 1 THEN ? ELSE last_error END, "
-                     f"status = 1, claimed_at = {self.now}, next_retry_at = NULL, lease_token = ? "
-                     f"WHERE {cond}", [LEASE_EXPIRED_ERROR, lease, *params])
+        if plan.claim_ids:
+            cond, params = self.ids_in(plan.claim_ids)
+            self.execute(cursor, f"UPDATE {self.table} SET "
+                         "attempts = attempts + CASE WHEN status = 1 THEN 1 ELSE 0 END, "
+                         "last_error = CASE WHEN status = 1 THEN ? ELSE last_error END, "
+                         f"status = 1, claimed_at = {self.now}, next_retry_at = NULL, lease_token = ? "
+                         f"WHERE {cond}", [LEASE_EXPIRED_ERROR, lease, *params])
+        cond, params = self.ids_in(sorted(plan.claim_ids + plan.dead_ids))
         return self.execute(cursor, f"SELECT {self.message_select()} FROM {self.table} WHERE {cond} ORDER BY id",
                             params).fetchall()
 
