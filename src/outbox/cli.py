@@ -121,5 +121,16 @@ def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
     click.echo(f"purged {count} done row(s) older than {days:g} day(s)")
 
 
+@main.command()
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every event to arrive.")
+@one_line_errors
+def demo(timeout: float) -> None:
+    """Run the whole pipeline on the embedded default (SQLite, in-memory brokers, an
+    in-process Celery worker) and check that every committed event arrives in order."""
+    from .demo import run_demo
+    if not run_demo(timeout_s=timeout):
+        raise click.ClickException("the demo's checks failed")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

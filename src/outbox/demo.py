@@ -1,0 +1,120 @@
+"""``outbox demo``: the whole pipeline on the embedded default, in one process.
+
+Nothing to install beyond the package: the outbox is a SQLite file in a temporary
+folder, Celery's broker and the destination broker are kombu's in-memory
+transport, and a real Celery worker (the relay's own tasks, on a thread pool) runs
+in this process. The demo writes events the way an application does (business row
+and event in one transaction, and one transaction that rolls back), lets the relay
+deliver them, consumes them from the destination exchange, and checks what a user
+of the relay relies on: every committed event arrives, in order per aggregate, and
+the rolled-back one never does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+ORDERS = ("order-1", "order-2", "order-3")
+STEPS = ("created", "paid", "packed", "shipped")
+
+
+def _write_events(db: Path, say: Callable[[str], None]) -> list[tuple[str, int]]:
+    from outbox import enqueue
+
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY, state TEXT)")
+    expected = []
+    for step in STEPS:
+        for order in ORDERS:
+            with conn:  # one transaction: the business change and its event commit together
+                conn.execute("INSERT INTO orders VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET state = excluded.state",
+                             (order, step))
+                enqueue(conn, topic=f"orders.{step}", aggregate_type="order", aggregate_id=order,
+                        payload={"orderId": order, "state": step})
+            expected.append((order, STEPS.index(step)))
+    try:
+        with conn:
+            enqueue(conn, topic="orders.cancelled", aggregate_type="order", aggregate_id="order-1",
+                    payload={"orderId": "order-1", "state": "cancelled"})
+            raise RuntimeError("the business transaction failed")
+    except RuntimeError:
+        say("  one transaction rolled back: its event (orders.cancelled) must never be published")
+    conn.close()
+    return expected
+
+
+def run_demo(say: Callable[[str], None] = print, timeout_s: float = 30.0) -> bool:
+    """Run the demo; return True when every check passed."""
+    # kombu warns that memory:// has no hostname on every connection; harmless here.
+    logging.getLogger("kombu.connection").setLevel(logging.ERROR)
+    workdir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))
+    db = workdir / "outbox.db"
+    os.environ.update({"OUTBOX_DATABASE_URL": f"sqlite:///{db}", "OUTBOX_PUBLISH_URL": "memory://",
+                       "OUTBOX_CELERY_BROKER_URL": "memory://", "OUTBOX_CLAIM_INTERVAL_S": "0.2"})
+    from kombu import Connection, Exchange, Queue
+
+    from .celery import app, reset_relay_settings
+    from .config import reset_settings
+    from .store import OutboxStore
+
+    reset_settings()
+    reset_relay_settings()
+    store = OutboxStore.from_settings()
+    store.migrate()
+    say(f"outbox table ready in {db}")
+
+    destination = Connection("memory://")
+    queue = Queue("demo-consumer", Exchange("outbox", type="topic", durable=True), routing_key="#")
+    queue(destination.channel()).declare()
+
+    say("application: writing 12 events for 3 orders, one transaction per event")
+    expected = _write_events(db, say)
+
+    from celery.contrib.testing.worker import start_worker
+
+    from . import tasks
+
+    arrivals: list[tuple[str, dict]] = []
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"):
+        say("relay: a Celery worker is running; asking it to claim")
+        tasks.request_claim()
+        deadline = time.monotonic() + timeout_s
+        simple = destination.SimpleQueue(queue)
+        while len(arrivals) < len(expected) and time.monotonic() < deadline:
+            try:
+                message = simple.get(timeout=0.5)
+            except simple.Empty:
+                tasks.request_claim()
+                continue
+            body = message.body if isinstance(message.body, str) else message.body.decode()
+            arrivals.append((message.headers["aggregate_id"], {**json.loads(body), **{
+                "topic": message.headers["topic"], "attempt": message.headers["attempt"]}}))
+            say(f"  broker <- {message.headers['topic']:<16} {message.headers['aggregate_id']} "
+                f"outbox_id={message.headers['outbox_id']} attempt={message.headers['attempt']}")
+            message.ack()
+        simple.close()
+        time.sleep(0.3)  # let the last acks land before the worker stops
+
+    per_order: dict[str, list[int]] = defaultdict(list)
+    for order, body in arrivals:
+        per_order[order].append(STEPS.index(body["state"]) if body["state"] in STEPS else -1)
+    stats = store.stats()
+    store.close()
+    checks = {
+        "every committed event arrived": len(arrivals) == len(expected),
+        "in order per order id": all(steps == sorted(steps) for steps in per_order.values()),
+        "the rolled-back event never arrived": all(body["state"] != "cancelled" for _, body in arrivals),
+        "every row is done": stats.counts["done"] == len(expected) and stats.counts["pending"] == 0,
+    }
+    say(f"outbox status: {json.dumps(stats.counts)}")
+    for name, ok in checks.items():
+        say(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    return all(checks.values())
