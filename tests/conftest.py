@@ -30,10 +30,55 @@ def engine_url(kind: str, tmp_path: Path) -> str:
         require("MariaDB/MySQL", "127.0.0.1", 3306)
         return MYSQL_URL
     if kind == "mssql":
-        if not MSSQL_URL:
-            pytest.skip("no SQL Server here: set OUTBOX_TEST_MSSQL_URL (or run where Docker runs testcontainers)")
-        return MSSQL_URL
+        return mssql_url()
     raise ValueError(kind)
+
+
+_mssql: dict[str, Any] = {}
+
+
+def mssql_url() -> str:
+    """SQL Server for the suite: OUTBOX_TEST_MSSQL_URL, else a testcontainers
+    container (started once per session) where a Docker engine answers, else skip."""
+    if MSSQL_URL:
+        return MSSQL_URL
+    if "url" in _mssql or "skip" in _mssql:
+        if "skip" in _mssql:
+            pytest.skip(_mssql["skip"])
+        return _mssql["url"]
+    reason = docker_unavailable()
+    if reason:
+        _mssql["skip"] = f"no SQL Server here: set OUTBOX_TEST_MSSQL_URL ({reason})"
+        pytest.skip(_mssql["skip"])
+    import atexit
+
+    import pyodbc
+    from testcontainers.community.mssql import SqlServerContainer
+
+    container = SqlServerContainer("mcr.microsoft.com/mssql/server:2022-latest", dialect="mssql+pyodbc")
+    container.start()
+    atexit.register(container.stop)
+    drivers = pyodbc.drivers()
+    driver = next((d for d in drivers if "ODBC Driver" in d and "SQL Server" in d), "FreeTDS")
+    extra = "TrustServerCertificate=yes" if driver != "FreeTDS" else "TDS_Version=7.4"
+    host, port = container.get_container_host_ip(), container.get_exposed_port(1433)
+    _mssql["url"] = (f"mssql+pyodbc://SA:{container.password}@{host}:{port}/tempdb"
+                     f"?driver={driver.replace(' ', '+')}&{extra}")
+    return _mssql["url"]
+
+
+def docker_unavailable() -> str | None:
+    """Why testcontainers cannot run here, or None when it can."""
+    try:
+        import docker
+        import testcontainers.community.mssql  # noqa: F401
+    except ImportError:
+        return "testcontainers is not installed"
+    try:
+        docker.from_env(timeout=3).ping()
+    except Exception:
+        return "no Docker engine answers for testcontainers"
+    return None
 
 
 def drop_table(store: OutboxStore) -> None:

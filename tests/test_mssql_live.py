@@ -1,32 +1,27 @@
 """SQL Server, for real, when one is reachable.
 
-Set ``OUTBOX_TEST_MSSQL_URL`` (for example
+Set ``OUTBOX_TEST_MSSQL_URL`` (or run where a Docker engine answers: the suite then
+starts SQL Server with testcontainers) (for example
 ``mssql+pyodbc://sa:Passw0rd!@127.0.0.1:1433/master?driver=ODBC+Driver+18+for+SQL+Server&TrustServerCertificate=yes``)
 and the shared conformance suite (``tests/test_store_conformance.py``) runs on
 SQL Server as well, through the ``mssql`` engine of ``tests/conftest.py``. This
 module is the quick smoke check: migrate twice, enqueue through a plain pyodbc
 connection (including a duplicate message_id and a payload past 4000 characters),
-claim, acknowledge. Without the variable it skips, saying why.
+claim, acknowledge. Without either it skips, saying why.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
-
-import pytest
 
 from outbox import enqueue
 from outbox.store import OutboxStore
 
-MSSQL_URL = os.environ.get("OUTBOX_TEST_MSSQL_URL")
-
-pytestmark = pytest.mark.skipif(
-    not MSSQL_URL, reason="no SQL Server: set OUTBOX_TEST_MSSQL_URL or run where Docker is available (testcontainers)")
+from conftest import mssql_url
 
 
 def test_migrate_enqueue_claim_and_mark_done_round_trip() -> None:
-    assert MSSQL_URL
+    MSSQL_URL = mssql_url()
     store = OutboxStore(MSSQL_URL, table=f"outbox_live_{uuid.uuid4().hex[:10]}", max_attempts=3)
     try:
         store.migrate()
