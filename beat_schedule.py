@@ -13,7 +13,7 @@ Entries:
   a worker drops a tick it receives late. While there is a backlog, claims follow the
   completion of publish tasks at once (drain mode, see ``outbox.tasks.claim``), so the
   interval bounds latency only when the outbox is quiet; the post-commit wake-up
-  (``outbox.tasks.wake``) brings that down too.
+  (``outbox.wake.request_claim``) brings that down too.
 * ``outbox-purge``: deletes done rows older than OUTBOX_RETENTION_DAYS, every
   OUTBOX_RELAY_PURGE_INTERVAL_S (an hour by default).
 

@@ -54,3 +54,31 @@ def test_claim_timeout_at_the_ceiling_is_accepted() -> None:
 def test_unknown_override_is_refused() -> None:
     with pytest.raises(ConfigError, match="unknown setting OUTBOX_BATCHSIZE"):
         load_settings(overrides={"OUTBOX_BATCHSIZE": 5}, environ={})
+
+
+def test_relay_options_are_left_to_the_relay() -> None:
+    """OUTBOX_RELAY_* keys tune the relay (``RelayOptions`` reads and validates them):
+    they may sit next to the settings in one config without being refused here."""
+    s = load_settings(overrides={"OUTBOX_RELAY_TASK_ROWS": 3, "OUTBOX_RELAY_BREAKER_S": "bad",
+                                 "OUTBOX_BATCH_SIZE": 7}, environ={})
+    assert s.batch_size == 7
+    with pytest.raises(ConfigError, match="unknown setting OUTBOX_RELAYX"):
+        load_settings(overrides={"OUTBOX_RELAYX": 1}, environ={})
+
+
+def test_dead_letter_exchange_is_off_by_default_and_reaches_the_publisher() -> None:
+    from outbox.publisher import KombuPublisher
+
+    assert load_settings(environ={}).dead_letter_exchange is None
+    assert load_settings(environ={"OUTBOX_DEAD_LETTER_EXCHANGE": "  "}).dead_letter_exchange is None
+    s = load_settings(overrides={"OUTBOX_DEAD_LETTER_EXCHANGE": "outbox.dead"}, environ={})
+    assert s.dead_letter_exchange == "outbox.dead"
+    assert load_settings(environ={"OUTBOX_DEAD_LETTER_EXCHANGE": "dlx"}).dead_letter_exchange == "dlx"
+    publisher = KombuPublisher.from_settings(s)
+    assert publisher.dead_letter_exchange == "outbox.dead" and publisher.exchange == "outbox"
+    assert KombuPublisher.from_settings(load_settings(environ={})).dead_letter_exchange is None
+
+
+def test_dead_letter_exchange_must_differ_from_the_exchange() -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_DEAD_LETTER_EXCHANGE='ev' must differ from OUTBOX_EXCHANGE"):
+        load_settings(environ={"OUTBOX_EXCHANGE": "ev", "OUTBOX_DEAD_LETTER_EXCHANGE": "ev"})

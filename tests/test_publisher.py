@@ -484,3 +484,34 @@ def test_redis_transport() -> None:
             queue.delete()
             client = channel.client
             client.delete(f"_kombu.binding.{name}")
+
+
+def test_rabbitmq_dead_letter_copy_of_a_poison_row_is_a_stub(rabbit: dict[str, Any]) -> None:
+    """A row that went dead because it cannot be published (too large, headers not
+    encodable) still reaches the dead-letter exchange: reserved headers and the error,
+    an empty body, and ``x-outbox-omitted`` saying what was left out and why."""
+    dlx = f"{rabbit['exchange']}-dead"
+    channel = rabbit["channel"]
+    exchange = Exchange(dlx, type="topic", durable=True)
+    exchange(channel).declare()
+    queue = Queue(f"{dlx}-q", exchange=exchange, routing_key="#", exclusive=True, auto_delete=True)(channel)
+    queue.declare()
+    try:
+        big = make_message(911, payload=json.dumps({"blob": "x" * 5000}), headers={"tenant": "acme"})
+        bad_headers = make_message(912, headers={"huge": 2**70})
+        with KombuPublisher(rabbit["url"], rabbit["exchange"], dead_letter_exchange=dlx,
+                            max_message_bytes=4096) as publisher:
+            assert not publisher.publish_chain([big]).ok
+            assert publisher.publish_dead(big, "poison: too large") is None
+            assert publisher.publish_dead(bad_headers, "poison: headers") is None
+        first, second = queue.get(no_ack=True), queue.get(no_ack=True)
+        assert first is not None and second is not None
+        assert raw_body(first) == b"" and first.headers["outbox_id"] == 911
+        assert first.headers["tenant"] == "acme"  # the caller's headers were fine: kept
+        assert first.headers["x-outbox-error"] == "poison: too large"
+        assert "above the maximum of 4096 bytes" in first.headers["x-outbox-omitted"]
+        assert raw_body(second) == b"" and second.headers["outbox_id"] == 912 and "huge" not in second.headers
+        assert second.headers["x-outbox-omitted"].startswith("headers cannot be encoded")
+        assert rabbit["drain"]() == []
+    finally:
+        exchange(channel).delete()

@@ -308,6 +308,65 @@ def test_last_retriable_attempt_goes_dead_and_is_dead_lettered(store: OutboxStor
     assert [m.id for m in rest] == ids[1:]
 
 
+def test_rows_dead_on_lease_expiry_go_to_the_dead_letter_exchange(tmp_path: Path,
+                                                                   conn: sqlite3.Connection) -> None:
+    """A row whose lease expires with no attempts left goes dead inside ``store.claim``
+    (``Claim.dead``): the claim path sends it to the dead-letter exchange, and still
+    dispatches the live rows; the rest of that row's aggregate follows on the next claim."""
+    store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=200, max_attempts=1)
+    try:
+        [a1] = add(conn, "a", 1)
+        lost = store.claim(1)  # a worker that took a1 and died
+        assert [m.id for m in lost.messages] == [a1]
+        a_rest = add(conn, "a", 2)
+        b = add(conn, "b", 1)
+        time.sleep(0.3)
+        publisher, sent = ScriptedPublisher(), Collect()
+        outcome = handle_claim(store, sent, batch_size=100, lease_s=0.2, publisher=publisher)
+        assert outcome.dead == 1 and outcome.claimed == outcome.dispatched == 1
+        assert [(m.id, m.aggregate_id) for m, _ in publisher.dead] == [(a1, "a")]
+        [(_, error)] = publisher.dead
+        assert error.startswith("lease_expired: lease expired") and "no attempts left" in error
+        # The rows behind the dead one wait for the next claim (the store's rule on every
+        # engine); other aggregates are dispatched at once.
+        assert [[m.id for m in chain] for chain in sent.chains] == [b]
+        state = rows(store)
+        assert state[a1]["status"] == Status.DEAD and "lease expired" in state[a1]["last_error"]
+        assert handle_claim(store, sent, batch_size=100, lease_s=0.2, publisher=publisher).dead == 0
+        assert [[m.id for m in chain] for chain in sent.chains] == [b, a_rest]
+        assert len(publisher.dead) == 1 and publisher.sent == []  # a claim publishes only dead-letter copies
+    finally:
+        store.close()
+
+
+def test_a_claim_of_only_dead_rows_still_dead_letters_them_best_effort(tmp_path: Path,
+                                                                       conn: sqlite3.Connection) -> None:
+    store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=100, max_attempts=1)
+    try:
+        ids = add(conn, "a", 1) + add(conn, "b", 1)
+        store.claim(10)
+        time.sleep(0.2)
+        publisher = ScriptedPublisher()
+        outcome = handle_claim(store, Collect(), batch_size=10, lease_s=0.1, publisher=publisher)
+        assert (outcome.claimed, outcome.dead) == (0, 2)
+        assert [m.id for m, _ in publisher.dead] == ids
+        # Without a publisher (or with one whose dead-letter publish blows up) the rows are
+        # dead in the table all the same, which stays the record of truth.
+        ids2 = add(conn, "c", 1)
+        store.claim(10)
+        time.sleep(0.2)
+
+        class Broken(ScriptedPublisher):
+            def publish_dead(self, message: OutboxMessage, error: str) -> None:
+                raise ConnectionError("dead-letter broker down")
+
+        assert handle_claim(store, Collect(), batch_size=10, lease_s=0.1, publisher=Broken()).dead == 1
+        assert status_of(store)[ids2[0]] == Status.DEAD
+        assert handle_claim(store, Collect(), batch_size=10, lease_s=0.1).dead == 0
+    finally:
+        store.close()
+
+
 def test_backpressure_releases_without_attempt_and_opens_the_breaker(store: OutboxStore,
                                                                       conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 3)
@@ -454,6 +513,9 @@ def test_messages_survive_the_trip_through_celery(store: OutboxStore, conn: sqli
 
 
 def test_relay_options_from_settings_sources() -> None:
+    from outbox.publisher import DEFAULT_MAX_MESSAGE_BYTES
+    assert RelayOptions().max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES
+    assert RelayOptions.from_sources({"OUTBOX_RELAY_MAX_MESSAGE_BYTES": "2048"}).max_message_bytes == 2048
     options = RelayOptions.from_sources({"OUTBOX_RELAY_TASK_ROWS": 7}, {"OUTBOX_RELAY_TASK_ROWS": "9",
                                                                       "OUTBOX_RELAY_BREAKER_S": "2.5"})
     assert (options.task_rows, options.breaker_s) == (7, 2.5)

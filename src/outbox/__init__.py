@@ -13,7 +13,8 @@ from .enqueue import enqueue
 from .errors import ConfigError, EnqueueError, OutboxError, StoreError, UnsupportedConnection
 from .model import Status
 from .store import OutboxStore
+from .wake import transaction
 
 __all__ = ["enqueue", "EnqueueError", "ConfigError", "OutboxError", "StoreError", "UnsupportedConnection",
-           "Status", "OutboxStore"]
+           "Status", "OutboxStore", "transaction"]
 __version__ = "0.1.0"

@@ -19,6 +19,9 @@ from .errors import ConfigError
 #: SQL Server it would overflow the INT bound to DATEADD(MILLISECOND, ...).
 MAX_CLAIM_TIMEOUT_MS = 86_400_000
 
+#: Prefix of the relay's tuning options, which ``load_settings`` leaves to ``RelayOptions``.
+RELAY_PREFIX = "OUTBOX_RELAY_"
+
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
@@ -39,6 +42,9 @@ class Settings:
     schema: str | None = None
     publish_url: str = "memory://"
     exchange: str = "outbox"
+    #: Durable topic exchange that receives a copy of every row that goes dead (with the
+    #: error in ``x-outbox-error``); None (the default) turns dead-letter publishing off.
+    dead_letter_exchange: str | None = None
     celery_broker_url: str | None = None
     batch_size: int = 100
     claim_timeout_ms: int = 60_000
@@ -55,6 +61,9 @@ class Settings:
             raise ConfigError(f"OUTBOX_DATABASE_URL={self.database_url!r} is not a database URL")
         if not self.exchange:
             raise ConfigError("OUTBOX_EXCHANGE must not be empty")
+        if self.dead_letter_exchange is not None and self.dead_letter_exchange == self.exchange:
+            raise ConfigError(f"OUTBOX_DEAD_LETTER_EXCHANGE={self.dead_letter_exchange!r} must differ from "
+                              "OUTBOX_EXCHANGE: dead rows would reach the consumers of live events")
         _positive("OUTBOX_BATCH_SIZE", self.batch_size, upper=10_000)
         _positive("OUTBOX_CLAIM_TIMEOUT_MS", self.claim_timeout_ms, upper=MAX_CLAIM_TIMEOUT_MS)
         _positive("OUTBOX_MAX_ATTEMPTS", self.max_attempts, upper=1_000)
@@ -79,6 +88,7 @@ _SETTINGS: dict[str, tuple[str, type]] = {
     "OUTBOX_SCHEMA": ("schema", str),
     "OUTBOX_PUBLISH_URL": ("publish_url", str),
     "OUTBOX_EXCHANGE": ("exchange", str),
+    "OUTBOX_DEAD_LETTER_EXCHANGE": ("dead_letter_exchange", str),
     "OUTBOX_CELERY_BROKER_URL": ("celery_broker_url", str),
     "OUTBOX_BATCH_SIZE": ("batch_size", int),
     "OUTBOX_CLAIM_TIMEOUT_MS": ("claim_timeout_ms", int),
@@ -140,7 +150,10 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             if name in source and source[name] not in (None, ""):
                 values[field] = _parse(name, source[name], kind)
                 break
-    unknown = [k for k in (overrides or {}) if k.startswith("OUTBOX_") and k not in _SETTINGS]
+    # OUTBOX_RELAY_* keys tune the relay (``outbox.relay.RelayOptions``, which reads and
+    # validates them itself); they may sit next to these settings in the same config.
+    unknown = [k for k in (overrides or {})
+               if k.startswith("OUTBOX_") and k not in _SETTINGS and not k.startswith(RELAY_PREFIX)]
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]} (known: {', '.join(_SETTINGS)})")
     return Settings(**{k: v for k, v in values.items() if v is not None})

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from .config import get_settings
 from .engines import Engine, engine_class, unwrap_connection
 from .events import prepare_event
+from .listen import notify, notify_channel
 from .tracing import current_traceparent
 
 
@@ -48,6 +49,10 @@ def enqueue(
     engine = _engine(kind, table or settings.table, schema if schema is not None else settings.schema)
     cursor = engine.cursor_for(raw)
     try:
-        return engine.insert_event(cursor, event)
+        outbox_id = engine.insert_event(cursor, event)
+        channel = notify_channel(kind, engine.table_name, engine.schema)  # None unless OUTBOX_RELAY_LISTEN
+        if channel:
+            notify(engine, cursor, channel)  # PostgreSQL delivers it at commit, and only then
+        return outbox_id
     finally:
         cursor.close()

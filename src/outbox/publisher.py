@@ -95,7 +95,7 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -424,14 +424,29 @@ class KombuPublisher(Publisher):
     def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
         """Publish a dead row to ``dead_letter_exchange`` (durable topic, routing key = topic)
         with the reason in ``x-outbox-error``. Not mandatory: an unbound dead-letter exchange
-        just drops it; the dead row stays in the table for ``outbox dead list/requeue``."""
+        just drops it; the dead row stays in the table for ``outbox dead list/requeue``.
+
+        A row that cannot be published itself (a POISON row: too large, headers not
+        encodable) is sent as a stub with an empty body (and without the caller's headers
+        when those are what cannot be encoded), and ``x-outbox-omitted`` saying why; the
+        full row stays in the table."""
         if self.dead_letter_exchange is None:
             return None
         poisoned = poison_check(message, self.max_message_bytes)
+        omitted = None
         if poisoned is not None:
-            return poisoned
+            omitted = poisoned.reason
+            for stub in (replace(message, payload=""), replace(message, payload="", headers={})):
+                poisoned = poison_check(stub, self.max_message_bytes)
+                if poisoned is None:
+                    message = stub
+                    break
+            else:  # even the reserved headers cannot go
+                return poisoned
         headers = build_headers(message)
         headers["x-outbox-error"] = (error or "")[:MAX_ERROR_HEADER_CHARS]
+        if omitted is not None:
+            headers["x-outbox-omitted"] = omitted[:MAX_ERROR_HEADER_CHARS]
         with self._lock:
             try:
                 self._ready()

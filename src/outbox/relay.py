@@ -41,8 +41,10 @@ from datetime import datetime, timedelta
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from .chains import split_chains
+from .engines.base import LEASE_EXPIRED_ERROR
 from .errors import ConfigError
 from .model import FailResult, FenceResult, OutboxMessage
+from . import metrics
 
 log = logging.getLogger("outbox.relay")
 
@@ -63,6 +65,8 @@ QUEUES = (CLAIM_QUEUE, PUBLISH_QUEUE, ACK_QUEUE, PURGE_QUEUE)
 
 #: Failure kinds as the publisher names them (``outbox.publisher.FailureKind`` values).
 RETRIABLE, BACKPRESSURE, POISON, FATAL = "retriable", "backpressure", "poison", "fatal"
+#: The error kind recorded on a dead-letter copy of a row that went dead on lease expiry.
+LEASE_EXPIRED = "lease_expired"
 
 
 # -- relay options ------------------------------------------------------------------------
@@ -100,6 +104,10 @@ class RelayOptions:
     #: A publish task starts no chain once this fraction of the lease has passed since
     #: the claim: the rows are left to lease recovery rather than risk a second live copy.
     lease_safety: float = 0.8
+    #: The publisher refuses (as POISON: dead at once, no broker round trip) a message
+    #: body larger than this. The default is ``publisher.DEFAULT_MAX_MESSAGE_BYTES``
+    #: (16 MiB, RabbitMQ 4's own limit); set it to your broker's ``max_message_size``.
+    max_message_bytes: int = 16 * 1024 * 1024
 
     @classmethod
     def from_sources(cls, *sources: Mapping[str, Any]) -> "RelayOptions":
@@ -547,6 +555,7 @@ def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMess
             settler.release(messages, timedelta(seconds=pause))
             return outcome
 
+    started = time.perf_counter()
     try:
         result = publisher.publish_chain(messages)
         published = list(result.published)
@@ -566,6 +575,7 @@ def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMess
         log.error("outbox publisher reported %s, which is not a prefix of chain %s; acking only %s",
                   published, ids, ids[:prefix])
     outcome.published = ids[:prefix]
+    metrics.chain(messages[:prefix], time.perf_counter() - started, kind if prefix < len(ids) else None)
     for message in messages[:prefix]:
         log.debug("outbox published %s", _fields(message), extra=_extra(message, "published"))
     settler.done(outcome.published, messages[0].lease)
@@ -593,6 +603,7 @@ def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMess
         result = settler.failed(failing, error, None, dead=True)
         outcome.dead = True
         if result is not None and result.applied:
+            metrics.dead()
             send_dead(publisher, failing, error)
         settler.release(after)
         outcome.released = [m.id for m in after]
@@ -616,6 +627,7 @@ def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMess
         result = settler.failed(failing, error, retry_in)
         outcome.dead = bool(result and result.dead)
         if outcome.dead:
+            metrics.dead()
             log.error("outbox event goes dead after its last attempt %s attempt=%d error=%r", _fields(failing),
                       failing.attempt, reason, extra=_extra(failing, "dead"))
             send_dead(publisher, failing, error)
@@ -673,6 +685,7 @@ class ClaimOutcome:
     saturated: bool = False  # too many publish tasks queued: nothing claimed
     paused: float = 0.0  # the breaker is open for this long: nothing claimed
     error: str | None = None  # dispatching failed (Celery's broker)
+    dead: int = 0  # rows the claim found with an expired lease and no attempts left (went dead)
 
     @property
     def more(self) -> bool:
@@ -720,8 +733,14 @@ Dispatch = Callable[[list[list[OutboxMessage]], float], None]
 def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease_s: float,
                  options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
                  queued: Callable[[], int | None] | None = None,
-                 settler: Settler | None = None, now: Callable[[], float] = time.time) -> ClaimOutcome:
+                 settler: Settler | None = None, now: Callable[[], float] = time.time,
+                 publisher: Any = None) -> ClaimOutcome:
     """One claim: lease a batch and dispatch its chains as publish tasks.
+
+    Rows the claim turned dead (an expired lease with no attempts left: the row keeps
+    killing or losing its workers) are sent to the dead-letter exchange through
+    ``publisher.publish_dead`` (a no-op unless one is configured), after the batch has
+    been dispatched so the live rows do not wait on it.
 
     Nothing is claimed while the breaker is open, or while ``queued()`` (publish tasks
     waiting in Celery's broker) is at ``options.max_queued_tasks``: that is what bounds
@@ -729,6 +748,7 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     to claim again at once (drain mode).
     """
     outcome = ClaimOutcome()
+    metrics.refresh(store)  # the in-flight and lag gauges, at most every few seconds
     if breaker is not None:
         outcome.paused = breaker.open_for()
         if outcome.paused > 0:
@@ -741,11 +761,14 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
             log.debug("outbox claim held back: %d publish tasks queued (max %d)", depth, options.max_queued_tasks)
             return outcome
 
-    claimed_at = now()
+    claimed_at, started = now(), time.perf_counter()
     claim = store.claim(batch_size)
+    metrics.claimed(claim, time.perf_counter() - started)
     outcome.claimed = len(claim.messages)
     outcome.full = outcome.claimed >= batch_size
+    outcome.dead = len(claim.dead)
     if not claim.messages:
+        _dead_letter_expired(publisher, claim.dead)
         return outcome
     settler = settler or Settler(store)
     deadline = claimed_at + lease_s * options.lease_safety
@@ -769,7 +792,17 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
         outcome.released = len(over)
     log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks, %d released",
              outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks, outcome.released)
+    _dead_letter_expired(publisher, claim.dead)
     return outcome
+
+
+def _dead_letter_expired(publisher: Any, dead: Sequence[OutboxMessage]) -> None:
+    """Best effort, like every dead-letter copy: the dead row in the table stays the record."""
+    if publisher is None:
+        return
+    for message in dead:
+        send_dead(publisher, message, f"{LEASE_EXPIRED}: {LEASE_EXPIRED_ERROR} "
+                                      f"(attempts: {message.attempts}, no attempts left)")
 
 
 # -- failed writes handed to the ack queue ---------------------------------------------------
@@ -788,6 +821,8 @@ def apply_fallback(store: StoreLike, publisher: Any, operation: str, kwargs: Map
         result = store.mark_failed(message.id, message.lease, kwargs["error"],
                                    timedelta(seconds=retry) if retry is not None else None,
                                    dead=bool(kwargs.get("dead")))
+        if result.applied and result.dead:
+            metrics.dead()
         if result.applied and result.dead and publisher is not None:
             send_dead(publisher, message, kwargs["error"])
         return result

@@ -59,11 +59,18 @@ from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUB
                     handle_claim, handle_publish, make_breaker, make_coalescer, message_from_dict,
                     message_to_dict)
 from .store import OutboxStore
+from . import listen as _listen, metrics as _metrics, wake as _wake
 
 log = logging.getLogger("outbox.tasks")
 
 #: Set when this worker starts shutting down: no new claims, no new chains.
 STOPPING = threading.Event()
+
+# Worker-side services: in-process worker flag (wake-ups), the PostgreSQL LISTEN thread and the
+# metrics endpoint (each a no-op unless enabled; see their modules).
+_wake.install_worker_hooks()
+_listen.install_worker_hooks()
+_metrics.install_worker_hooks()
 
 
 # -- per-process, per-thread resources -----------------------------------------------------
@@ -86,7 +93,7 @@ _coalescer: tuple[int, Coalescer] | None = None
 def make_publisher(settings: Any) -> Any:
     from .publisher import KombuPublisher
 
-    return KombuPublisher.from_settings(settings)
+    return KombuPublisher.from_settings(settings, max_message_bytes=relay_options().max_message_bytes)
 
 
 def breaker() -> Breaker:
@@ -240,7 +247,7 @@ wake = request_claim
 
 
 @app.task(name=CLAIM_TASK, ignore_result=True, acks_late=False)
-def claim(requested: bool = False) -> dict[str, Any]:
+def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
     """Claim a batch and dispatch it as publish tasks.
 
     Drain mode: a claim that came back full (or was cut by the byte budget) requests
@@ -252,13 +259,15 @@ def claim(requested: bool = False) -> dict[str, Any]:
     queued tasks will request the next one. Beat's tick is the safety net."""
     if requested:
         coalescer().clear()
+    if token:  # a post-commit wake-up (outbox.wake): the next commit may ask again
+        _wake.clear_token(token)
     if STOPPING.is_set():
         return {"stopped": True}
     settings, options = relay_settings(), relay_options()
     r = resources()
     outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
                            lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
-                           queued=queued_publish_tasks, settler=r.settler)
+                           queued=queued_publish_tasks, settler=r.settler, publisher=r.publisher)
     if outcome.more:
         request_claim()
     return asdict(outcome)

@@ -1,0 +1,18 @@
+"""Benchmarks of the outbox relay (``python -m bench``, ``make bench``).
+
+Everything runs against services on 127.0.0.1 only (PostgreSQL, Redis, RabbitMQ), is bounded
+in count and time, and cleans up after itself (a per-run table, exchange and queue, a spare
+Redis db). Figures are printed as ratios to a baseline measured in the same run: nothing is a
+timed assertion. See ``docs/benchmarks.md`` for the figures and what they mean.
+
+Modules:
+
+* ``bench.common``  services, per-run names, the RabbitMQ destination (consumer thread),
+  the PostgreSQL table, process sampling (RSS, CPU), machine and version facts.
+* ``bench.confirm`` publisher micro-benchmark: stop-and-wait confirms vs none, pipelined, tx.
+* ``bench.drain``   backlog drain: in-process claim -> publish_chain -> mark_done loop
+  (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat.
+* ``bench.live``    commit-to-arrival latency at a fixed write rate, with and without the
+  post-commit wake.
+* ``bench.loop``    the baseline loop as a subprocess entry point.
+"""

@@ -1,0 +1,386 @@
+"""Backlog drain: N committed events over A aggregates on PostgreSQL, relayed to RabbitMQ.
+
+* ``run_baseline``: the plain in-process loop (``bench.loop``) in a subprocess.
+* ``Relay``: one real ``celery -A outbox worker --concurrency 2`` (prefork) and one
+  ``celery -A outbox beat``, Redis (a spare db) as Celery's broker.
+* ``run_celery_drain``: load the backlog, let the relay drain it, measure events/s from the
+  first to the last arrival at the bench consumer, check the ordering rule from the arrival
+  order, and sample every worker process's RSS (``/proc/<pid>/status`` VmRSS), the publish
+  queue's depth in Redis, the rows in flight, and who used the CPU.
+* ``profile_drain``: the same with ``py-spy record`` attached to the worker's processes,
+  summarised (a separate pass: sampling costs CPU the measured run must not lose).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .common import (CELERY, PY_SPY, CpuWindow, Destination, Run, check_order, log, load_backlog, pg_connect,
+                     process_tree, redis_llen, rss_kb, service_groups, status_counts, stop_process_group,
+                     truncate_table, wait_all_done)
+
+
+def arrival_rate(arrivals: list[tuple[float, int, str]], events: int) -> dict[str, Any]:
+    """events/s from the first to the last *first* arrival of the expected events."""
+    firsts: dict[int, float] = {}
+    for t, outbox_id, _ in arrivals:
+        firsts.setdefault(outbox_id, t)
+    if len(firsts) < 2:
+        return {"events_per_s": 0.0, "seconds": 0.0, "arrived": len(firsts)}
+    times = sorted(firsts.values())
+    span = times[-1] - times[0]
+    # Steady state too: the middle 80% of arrivals, free of start-up and tail effects.
+    lo, hi = times[len(times) // 10], times[(len(times) * 9) // 10]
+    mid = ((len(times) * 9) // 10 - len(times) // 10) / (hi - lo) if hi > lo else 0.0
+    return {"events_per_s": (len(times) - 1) / span if span > 0 else float("inf"), "seconds": span,
+            "arrived": len(firsts), "steady_events_per_s": mid}
+
+
+# -- the baseline ------------------------------------------------------------------------------
+
+def cpu_per_event(cpu: dict[str, Any], events: int) -> dict[str, float]:
+    """CPU microseconds per relayed event, by process group (and in total)."""
+    per = {k: round(1e6 * v * cpu["elapsed_s"] / max(1, events), 1) for k, v in cpu["cores_used"].items()}
+    per["total (excluding other python)"] = round(sum(v for k, v in per.items()
+                                                      if k != "other python (not this bench)"), 1)
+    return per
+
+
+def run_baseline(run: Run, destination: Destination, events: int, aggregates: int, ack: str = "batch",
+                 timeout: float = 300.0, publisher: str = "kombu") -> dict[str, Any]:
+    truncate_table(run)
+    expected = load_backlog(run, events, aggregates)
+    destination.reset()
+    cmd = [sys.executable, "-m", "bench.loop", "--database-url", run.postgres_url, "--table", run.table,
+           "--publish-url", run.amqp_url, "--exchange", run.exchange, "--batch", str(run.batch_size),
+           "--ack", ack, "--publisher", publisher, "--max-seconds", str(timeout)]
+    log(f"baseline loop (ack per {ack}, publisher {publisher}): {events} events over {aggregates} aggregates")
+    window = CpuWindow(service_groups())
+    window.start()
+    proc = subprocess.run(cmd, env=run.child_env(), capture_output=True, text=True, timeout=timeout + 30)
+    cpu = window.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"baseline loop failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n{proc.stdout}")
+    own = json.loads(proc.stdout.strip().splitlines()[-1])
+    destination.wait_for(events, timeout=30, idle_timeout=5)
+    arrivals = list(destination.arrivals)
+    result = {"ack": ack, "publisher": publisher, "loop": own, "cpu_us_per_event": cpu_per_event(cpu, events), "loop_events_per_s": own["published"] / own["seconds"],
+              **arrival_rate(arrivals, events), "order": check_order(arrivals, expected),
+              "cpu": cpu, "table": status_counts(run)}
+    log(f"baseline loop: {result['events_per_s']:.0f} ev/s first-to-last arrival "
+        f"({result['arrived']}/{events} arrived, order ok={result['order']['ok']}); loop split: "
+        f"claim {own['claim_s']:.1f}s publish {own['publish_s']:.1f}s ack {own['ack_s']:.1f}s")
+    return result
+
+
+# -- the relay under test -------------------------------------------------------------------------
+
+class Relay:
+    """One worker (prefork, ``concurrency`` processes) and one beat, as separate process groups."""
+
+    def __init__(self, run: Run, concurrency: int = 2, loglevel: str = "WARNING", beat: bool = True,
+                 app: str = "outbox", **env: str) -> None:
+        self.run = run
+        self.app = app
+        self.concurrency = concurrency
+        self.dir = run.workdir
+        self.env = run.child_env(**env)
+        self.worker = self._start("worker", "worker", "-P", "prefork", "-c", str(concurrency),
+                                  "-n", f"bench-{run.tag}@%h", f"--loglevel={loglevel}", "--without-mingle",
+                                  "--without-gossip", "--without-heartbeat")
+        self.beat = self._start("beat", "beat", f"--loglevel={loglevel}", "-s",
+                                str(self.dir / "beat-schedule")) if beat else None
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        out = open(self.dir / f"{name}.log", "ab")
+        try:
+            return subprocess.Popen([CELERY, "-A", self.app, *args], cwd=self.dir, env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            out.close()
+
+    def log_tail(self, name: str = "worker", chars: int = 3000) -> str:
+        try:
+            return (self.dir / f"{name}.log").read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        for name, proc in (("worker", self.worker), ("beat", self.beat)):
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+
+    def worker_pids(self) -> list[int]:
+        return process_tree(self.worker.pid)
+
+    def wait_ready(self, concurrency: int | None = None, timeout: float = 30.0) -> None:
+        concurrency = concurrency or self.concurrency
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if len(self.worker_pids()) >= concurrency + 1:
+                time.sleep(1.0)  # the pool is forked; give it a moment to start consuming
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"worker did not start its pool in {timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        for proc in (self.beat, self.worker):
+            if proc is not None:
+                stop_process_group(proc)
+
+
+class Sampler(threading.Thread):
+    """Samples RSS of every worker process, the publish queue's depth and the rows claimed."""
+
+    def __init__(self, relay: Relay, interval: float = 0.25, db_every: int = 4) -> None:
+        super().__init__(name="bench-sampler", daemon=True)
+        import redis
+
+        self.relay = relay
+        self.interval = interval
+        self.db_every = db_every
+        self.redis = redis.Redis.from_url(relay.run.redis_url, socket_timeout=2)
+        self.stop_event = threading.Event()
+        self.rss_max: dict[int, int] = {}
+        self.rss_last: dict[int, int] = {}
+        self.role: dict[int, str] = {}
+        self.queue_max = 0
+        self.claimed_max = 0
+        self.samples = 0
+
+    def run(self) -> None:
+        conn = pg_connect(self.relay.run.postgres_url)
+        conn.autocommit = True
+        try:
+            while not self.stop_event.is_set():
+                parent = self.relay.worker.pid
+                for pid in self.relay.worker_pids():
+                    kb = rss_kb(pid)
+                    if kb is None:
+                        continue
+                    self.role.setdefault(pid, "parent" if pid == parent else "child")
+                    self.rss_last[pid] = kb
+                    self.rss_max[pid] = max(kb, self.rss_max.get(pid, 0))
+                depth = redis_llen(self.redis, "outbox.publish")
+                if depth is not None:
+                    self.queue_max = max(self.queue_max, depth)
+                if self.samples % self.db_every == 0:
+                    try:
+                        claimed = conn.execute(
+                            f"SELECT COUNT(*) FROM {self.relay.run.table} WHERE status = 1").fetchone()[0]
+                        self.claimed_max = max(self.claimed_max, int(claimed))
+                    except Exception:  # noqa: BLE001 - a sample lost is no failure
+                        pass
+                self.samples += 1
+                self.stop_event.wait(self.interval)
+        finally:
+            conn.close()
+            self.redis.close()
+
+    def stop(self) -> dict[str, Any]:
+        self.stop_event.set()
+        self.join(timeout=5)
+        per_process = [{"pid": pid, "role": self.role.get(pid, "?"), "max_rss_mb": round(kb / 1024, 1),
+                        "last_rss_mb": round(self.rss_last.get(pid, 0) / 1024, 1)}
+                       for pid, kb in sorted(self.rss_max.items())]
+        return {"per_process": per_process,
+                "max_rss_mb": max((p["max_rss_mb"] for p in per_process), default=0.0),
+                "publish_queue_max": self.queue_max, "rows_claimed_max": self.claimed_max,
+                "samples": self.samples}
+
+
+def cpu_groups(relay: Relay) -> dict[str, Any]:
+    worker = set(relay.worker_pids())
+    beat = set(process_tree(relay.beat.pid)) if relay.beat is not None else set()
+    return {"worker": lambda pid, comm: pid in worker, "beat": lambda pid, comm: pid in beat, **service_groups()}
+
+
+def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, events: int, aggregates: int,
+                     timeout: float = 300.0, relay: Relay | None = None,
+                     label: str = "celery drain") -> tuple[dict[str, Any], Relay]:
+    """Load the backlog, then start the relay (unless one is given) and measure its drain."""
+    truncate_table(run)
+    expected = load_backlog(run, events, aggregates)
+    destination.reset()
+    if relay is None:
+        relay = relay_factory()
+        relay.wait_ready()
+    log(f"{label}: {events} events over {aggregates} aggregates, worker pid {relay.worker.pid} "
+        f"(pool {relay.worker_pids()[1:]})")
+    sampler = Sampler(relay)
+    sampler.start()
+    window = CpuWindow(cpu_groups(relay))
+    window.start()
+    started = time.monotonic()
+    reached = destination.wait_for(events, timeout=timeout, idle_timeout=30, alive=relay.check_alive)
+    cpu = window.stop()
+    memory = sampler.stop()
+    arrivals = list(destination.arrivals)
+    counts = wait_all_done(run, timeout=30)
+    result = {"events": events, "aggregates": aggregates, "complete": reached, **arrival_rate(arrivals, events),
+              "wall_s_from_load": time.monotonic() - started, "order": check_order(arrivals, expected),
+              "memory": memory, "cpu": cpu, "cpu_us_per_event": cpu_per_event(cpu, events), "table": counts}
+    if not reached:
+        result["worker_log_tail"] = relay.log_tail()
+    log(f"{label}: {result['events_per_s']:.0f} ev/s first-to-last arrival, steady "
+        f"{result.get('steady_events_per_s', 0):.0f} ev/s ({result['arrived']}/{events} arrived, "
+        f"order ok={result['order']['ok']}, dups={result['order']['duplicates']}); max worker RSS "
+        f"{memory['max_rss_mb']} MB; publish queue max {memory['publish_queue_max']}, "
+        f"rows claimed max {memory['rows_claimed_max']}")
+    log(f"{label}: cores used " + ", ".join(f"{k} {v:.2f}" for k, v in cpu["cores_used"].items())
+        + f" (machine busy {100 * cpu['machine_busy']:.0f}%); CPU us/event "
+        + ", ".join(f"{k} {v}" for k, v in result["cpu_us_per_event"].items()))
+    return result, relay
+
+
+# -- profiling --------------------------------------------------------------------------------------
+
+def _frame_name(frame: str) -> str:
+    """'handle_chain (outbox/relay.py:512)' -> 'relay.py:handle_chain'."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    return f"{Path(path).name}:{name}"
+
+
+#: Buckets for "where did a publish-worker process spend its time", first match on the stack wins
+#: (checked from the leaf up, so the innermost known activity is charged).
+_BUCKETS = [
+    # pool processes: the publish path
+    ("amqp: wait for confirm", ("channel.py:basic_publish_confirm",)),
+    ("db: mark_done", ("store.py:mark_done",)),
+    ("db: release / mark_failed", ("store.py:release", "store.py:mark_failed")),
+    ("db: claim", ("store.py:claim",)),
+    ("celery: send task (Redis)", ("task.py:apply_async", "base.py:send_task")),
+    ("redis: wake token / breaker / queue depth", ("relay.py:acquire", "relay.py:clear", "relay.py:open_for",
+                                                   "tasks.py:queued_publish_tasks", "wake.py:")),
+    ("publisher: headers, checks, kombu encode", ("publisher.py:poison_check", "publisher.py:build_headers",
+                                                  "messaging.py:publish", "publisher.py:publish_chain")),
+    ("task args (dicts -> messages)", ("relay.py:message_from_dict", "relay.py:message_to_dict")),
+    ("logging", ("__init__.py:info", "__init__.py:debug", "__init__.py:warning", "__init__.py:_log")),
+    ("celery: rest of the task", ("trace.py:trace_task", "trace.py:fast_trace_task")),
+    ("pool: idle, waiting for a task", ("pool.py:workloop", "pool.py:receive")),
+    # the worker's parent process
+    ("parent: epoll wait (idle)", ("eventio.py:poll",)),
+    ("parent: Redis transport (BRPOP, ack, QoS)", ("redis.py:",)),
+    ("parent: pool IPC (asynpool)", ("asynpool.py:",)),
+]
+
+
+def _matches(frame: str, needle: str) -> bool:
+    """``needle`` is 'file.py:function' ('file.py:' for any function of the file); a frame's
+    function may be qualified by its class ('KombuPublisher.publish_chain')."""
+    file, _, func = needle.partition(":")
+    frame_file, _, frame_func = frame.partition(":")
+    if frame_file != file:
+        return False
+    return not func or frame_func == func or frame_func.endswith("." + func)
+
+
+def _bucket(stack: list[str]) -> str:
+    for frame in reversed(stack):
+        for name, needles in _BUCKETS:
+            if any(_matches(frame, n) for n in needles):
+                return name
+    return "other"
+
+
+def summarize_raw(path: Path, top: int = 15) -> dict[str, Any]:
+    """Summarise py-spy ``--format raw`` output: total samples, inclusive and self top lists,
+    and a breakdown into buckets (see ``_BUCKETS``)."""
+    inclusive: Counter[str] = Counter()
+    leaf: Counter[str] = Counter()
+    buckets: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack_text, _, count_text = line.rpartition(" ")
+        try:
+            count = int(count_text)
+        except ValueError:
+            continue
+        frames = [_frame_name(f) for f in stack_text.split(";") if f]
+        if frames and frames[0].startswith(":process "):
+            frames = frames[1:]  # --idle adds a 'process N' root
+        frames = [f for f in frames if not f.startswith(":thread ")]
+        total += count
+        for f in set(frames):
+            inclusive[f] += count
+        if frames:
+            leaf[frames[-1]] += count
+        buckets[_bucket(frames)] += count
+    pct = (lambda c: round(100.0 * c / total, 1)) if total else (lambda c: 0.0)
+    # Frames on (nearly) every stack are the process's bootstrap: leave them out.
+    interesting = [(k, v) for k, v in inclusive.most_common() if not total or v < 0.95 * total]
+    return {"samples": total,
+            "buckets": {k: pct(v) for k, v in buckets.most_common()},
+            "inclusive": [(k, pct(v)) for k, v in interesting[:top]],
+            "self": [(k, pct(v)) for k, v in leaf.most_common(top)]}
+
+
+def start_spies(run: Run, pids: list[int], duration: float, tag: str) -> list[tuple[int, Path, Any]]:
+    """``py-spy record --idle`` (wall-clock: waits show) on each pid, raw collapsed stacks."""
+    spies = []
+    for pid in pids:
+        out = run.workdir / f"pyspy-{tag}-{pid}.txt"
+        spies.append((pid, out, subprocess.Popen(
+            [PY_SPY, "record", "--pid", str(pid), "--rate", "200", "--idle", "--nonblocking", "--format", "raw",
+             "--duration", str(max(1, int(duration))), "-o", str(out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    time.sleep(0.5)
+    return spies
+
+
+def collect_spies(relay: Relay, spies: list[tuple[int, Path, Any]]) -> dict[str, Any]:
+    for _, _, spy in spies:
+        if spy.poll() is None:
+            spy.send_signal(2)  # SIGINT: py-spy writes what it has
+    profiles: dict[str, Any] = {}
+    for pid, out, spy in spies:
+        try:
+            spy.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+        role = "parent" if pid == relay.worker.pid else f"child {pid}"
+        if out.exists():
+            profiles[role] = summarize_raw(out)
+        else:
+            profiles[role] = {"error": (spy.stderr.read() if spy.stderr else b"").decode(errors="replace")[-500:]}
+    return profiles
+
+
+def log_profiles(label: str, profiles: dict[str, Any]) -> None:
+    for role, summary in profiles.items():
+        if "buckets" in summary:
+            log(f"{label} {role}: " + ", ".join(f"{k} {v}%" for k, v in list(summary["buckets"].items())[:8]))
+
+
+def profile_drain(run: Run, destination: Destination, relay: Relay, events: int, aggregates: int,
+                  timeout: float = 240.0) -> dict[str, Any]:
+    """Drain again with ``py-spy record --idle`` on the worker's parent and pool processes."""
+    truncate_table(run)
+    expected = load_backlog(run, events, aggregates)
+    destination.reset()
+    pids = relay.worker_pids()
+    duration = max(5, int(min(timeout, events / 300.0)))
+    spies = start_spies(run, pids, duration, "drain")
+    log(f"profile: py-spy on worker processes {pids} for up to {duration}s")
+    window = CpuWindow(cpu_groups(relay))
+    window.start()
+    destination.wait_for(events, timeout=timeout, idle_timeout=30, alive=relay.check_alive)
+    cpu = window.stop()
+    arrivals = list(destination.arrivals)
+    profiles = collect_spies(relay, spies)
+    wait_all_done(run, timeout=30)
+    result = {"events": events, **arrival_rate(arrivals, events), "order": check_order(arrivals, expected),
+              "cpu": cpu, "profiles": profiles, "raw_files": [str(out) for _, out, _ in spies]}
+    log(f"profile drain (perturbed by py-spy): {result['events_per_s']:.0f} ev/s")
+    log_profiles("profile drain", profiles)
+    return result

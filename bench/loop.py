@@ -1,0 +1,98 @@
+"""The drain baseline: a plain, single-process loop over the relay's own building blocks.
+
+    claim(batch) -> split_chains -> KombuPublisher.publish_chain (per chain) -> mark_done
+
+No Celery, no tasks, no second process. Run as a subprocess by ``bench.drain`` (so the bench
+process, which consumes the destination queue, does not share its GIL) and prints one JSON
+line with what it did. ``--publisher waves`` swaps in the ``bench.proto`` prototype.
+``--ack batch`` marks the whole batch's published ids done in one
+statement after the batch; ``--ack chain`` marks each chain done as soon as it is published,
+as the relay's publish task does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.loop")
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--table", required=True)
+    parser.add_argument("--publish-url", required=True)
+    parser.add_argument("--exchange", required=True)
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--ack", choices=("batch", "chain"), default="batch")
+    parser.add_argument("--publisher", choices=("kombu", "waves"), default="kombu",
+                        help="kombu: the shipped KombuPublisher (stop-and-wait per event); waves: the "
+                             "bench.proto prototype (confirms pipelined across chains)")
+    parser.add_argument("--max-seconds", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    from outbox.chains import split_chains
+    from outbox.publisher import KombuPublisher
+    from outbox.store import OutboxStore
+
+    store = OutboxStore(args.database_url, table=args.table)
+    if args.publisher == "waves":
+        from bench.proto import WavePublisher
+
+        publisher: Any = WavePublisher(args.publish_url, args.exchange)
+    else:
+        publisher = KombuPublisher(args.publish_url, args.exchange)
+    published = claims = chains = 0
+    t_claim = t_publish = t_ack = 0.0
+    t0 = time.perf_counter()
+    deadline = t0 + args.max_seconds
+    error = None
+    try:
+        while time.perf_counter() < deadline:
+            a = time.perf_counter()
+            claim = store.claim(args.batch)
+            b = time.perf_counter()
+            t_claim += b - a
+            if not claim.messages:
+                break
+            claims += 1
+            done: list[int] = []
+            batch_chains = split_chains(claim.messages)
+            if args.publisher == "waves":
+                a = time.perf_counter()
+                wave_results = iter(publisher.publish_chains(batch_chains))
+                t_publish += time.perf_counter() - a
+            for chain in batch_chains:
+                chains += 1
+                a = time.perf_counter()
+                result = next(wave_results) if args.publisher == "waves" else publisher.publish_chain(chain)
+                b = time.perf_counter()
+                t_publish += b - a
+                if args.ack == "chain":
+                    store.mark_done(result.published, claim.lease)
+                    t_ack += time.perf_counter() - b
+                else:
+                    done.extend(result.published)
+                published += len(result.published)
+                if not result.ok:
+                    error = f"{result.failure}"
+                    break
+            if done:
+                a = time.perf_counter()
+                store.mark_done(done, claim.lease)
+                t_ack += time.perf_counter() - a
+            if error:
+                break
+    finally:
+        elapsed = time.perf_counter() - t0
+        publisher.close()
+        store.close()
+    print(json.dumps({"published": published, "claims": claims, "chains": chains, "seconds": elapsed,
+                      "claim_s": t_claim, "publish_s": t_publish, "ack_s": t_ack, "error": error}), flush=True)
+    return 1 if error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

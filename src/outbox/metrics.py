@@ -1,0 +1,334 @@
+"""Prometheus metrics of the relay (optional: ``pip install "outbox-relay[metrics]"``).
+
+Off unless ``OUTBOX_RELAY_METRICS_PORT`` is set for the worker; then the worker's main
+process serves ``/metrics`` on that port (``OUTBOX_RELAY_METRICS_ADDR``, default
+``0.0.0.0``). Every call here is a no-op when metrics are off or prometheus_client is
+not installed, so the relay calls them unconditionally.
+
+=================================  =========  ==========================================================
+metric                             type       meaning
+=================================  =========  ==========================================================
+``outbox_claimed_total``           counter    rows leased by claims
+``outbox_published_total``         counter    events the broker confirmed (rows then marked done)
+``outbox_failed_total{kind}``      counter    deliveries that failed, by kind: retriable, poison,
+                                              backpressure, fatal
+``outbox_dead_total``              counter    rows that went dead (poison, out of attempts, lease expired
+                                              on the last attempt)
+``outbox_in_flight``               gauge      rows currently claimed (leased, not yet settled), all workers
+``outbox_backlog``                 gauge      open rows: pending + claimed + failed
+``outbox_lag_seconds``             gauge      age of the oldest open row (0 when there is none)
+``outbox_claim_seconds``           histogram  duration of one claim statement
+``outbox_publish_seconds``         histogram  duration of publishing one chain (all its events, confirmed)
+``outbox_event_age_seconds``       histogram  commit-to-publish: the event's ``created_at`` (database clock)
+                                              to its confirmation (worker clock)
+=================================  =========  ==========================================================
+
+The gauges come from one query over the open rows (the claim index), run by a claim at
+most every ``OUTBOX_RELAY_METRICS_REFRESH_S`` seconds (default 5) per worker process.
+
+Prefork: Celery runs tasks in child processes, so the worker uses prometheus_client's
+multiprocess mode. When the worker starts with metrics on and ``PROMETHEUS_MULTIPROC_DIR``
+unset, it creates a fresh temporary directory for it (removed at shutdown), before
+prometheus_client is imported; the main process serves the sum over its children. With a
+directory of your own, empty it before each start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+from .wake import extra_setting
+
+log = logging.getLogger("outbox.metrics")
+
+#: Histogram buckets (seconds).
+CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PUBLISH_BUCKETS = CLAIM_BUCKETS
+AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+
+
+class Metrics:
+    """The relay's metric objects, registered in ``registry`` (a fresh one by default)."""
+
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.claimed = Counter("outbox_claimed", "Rows leased by claims", registry=r)
+        self.published = Counter("outbox_published", "Events confirmed by the broker", registry=r)
+        self.failed = Counter("outbox_failed", "Failed deliveries by failure kind", ["kind"], registry=r)
+        self.dead = Counter("outbox_dead", "Rows that went dead", registry=r)
+        self.in_flight = Gauge("outbox_in_flight", "Rows currently claimed (leased, not settled)",
+                               multiprocess_mode="mostrecent", registry=r)
+        self.backlog = Gauge("outbox_backlog", "Open rows: pending, claimed or failed",
+                             multiprocess_mode="mostrecent", registry=r)
+        self.lag = Gauge("outbox_lag_seconds", "Age of the oldest open row", multiprocess_mode="mostrecent",
+                         registry=r)
+        self.claim_seconds = Histogram("outbox_claim_seconds", "Duration of one claim", buckets=CLAIM_BUCKETS,
+                                       registry=r)
+        self.publish_seconds = Histogram("outbox_publish_seconds", "Duration of publishing one chain",
+                                         buckets=PUBLISH_BUCKETS, registry=r)
+        self.event_age = Histogram("outbox_event_age_seconds", "Commit to publish confirmation",
+                                   buckets=AGE_BUCKETS, registry=r)
+        self.refresh_s = float(extra_setting("OUTBOX_RELAY_METRICS_REFRESH_S", 5.0))
+        self._refreshed = 0.0
+        self._refresh_lock = threading.Lock()
+
+
+# -- on / off -----------------------------------------------------------------------------------
+
+#: None: not decided yet in this process; False: off; else the active Metrics.
+_state: Any = None
+_state_lock = threading.Lock()
+
+
+def configured_port() -> int | None:
+    """OUTBOX_RELAY_METRICS_PORT, or None when metrics are off."""
+    from .errors import ConfigError
+
+    raw = extra_setting("OUTBOX_RELAY_METRICS_PORT")
+    if raw in (None, "", 0, "0"):
+        return None
+    try:
+        port = int(str(raw).strip())
+    except ValueError:
+        raise ConfigError(f"OUTBOX_RELAY_METRICS_PORT={raw!r} is not a port number") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"OUTBOX_RELAY_METRICS_PORT={raw!r} is not a port number")
+    return port
+
+
+def active() -> Metrics | None:
+    """The active metrics, deciding on first use from OUTBOX_RELAY_METRICS_PORT."""
+    global _state
+    state = _state
+    if state is None:
+        with _state_lock:
+            if _state is None:
+                try:
+                    _state = Metrics() if configured_port() else False
+                except ImportError:
+                    log.warning("outbox metrics: OUTBOX_RELAY_METRICS_PORT is set but prometheus_client is not "
+                                "installed (pip install 'outbox-relay[metrics]'); metrics are off")
+                    _state = False
+                except Exception as exc:
+                    log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
+                    _state = False
+            state = _state
+    return state or None
+
+
+def enable(registry: Any = None) -> Metrics:
+    """Turn metrics on in this process (tests, or an embedding application)."""
+    global _state
+    with _state_lock:
+        _state = Metrics(registry)
+        return _state
+
+
+def disable() -> None:
+    global _state
+    with _state_lock:
+        _state = False
+
+
+def reset() -> None:
+    """Forget the decision: the next call reads the setting again."""
+    global _state
+    with _state_lock:
+        _state = None
+
+
+# -- what the relay reports (all no-ops when off) ---------------------------------------------------
+
+def _guard(fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        m = active()
+        if m is None:
+            return
+        try:
+            fn(m, *args, **kwargs)
+        except Exception:  # metrics must never break the relay
+            log.debug("outbox metrics: %s failed", fn.__name__, exc_info=True)
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+@_guard
+def claimed(m: Metrics, claim: Any, seconds: float) -> None:
+    """A claim returned: its rows, its duration, and the rows it found dead."""
+    m.claim_seconds.observe(seconds)
+    m.claimed.inc(len(getattr(claim, "messages", ()) or ()))
+    dead = len(getattr(claim, "dead", ()) or ())
+    if dead:
+        m.dead.inc(dead)
+
+
+@_guard
+def chain(m: Metrics, published: Iterable[Any], seconds: float, failed_kind: str | None) -> None:
+    """One chain went through the publisher: its confirmed prefix, how long it took, and
+    the failure kind of the event that stopped it (None when the whole chain went)."""
+    m.publish_seconds.observe(seconds)
+    now = datetime.now(timezone.utc)
+    count = 0
+    for message in published:
+        count += 1
+        created = getattr(message, "created_at", None)
+        if isinstance(created, datetime):
+            if created.tzinfo is None:
+                created = created.replace(tzinfo=timezone.utc)
+            m.event_age.observe(max(0.0, (now - created).total_seconds()))
+    if count:
+        m.published.inc(count)
+    if failed_kind:
+        m.failed.labels(kind=failed_kind).inc()
+
+
+@_guard
+def dead(m: Metrics, count: int = 1) -> None:
+    m.dead.inc(count)
+
+
+@_guard
+def refresh(m: Metrics, store: Any, force: bool = False) -> None:
+    """Update the gauges from the open rows, at most every ``refresh_s`` per process."""
+    now = time.monotonic()
+    if not force and now - m._refreshed < m.refresh_s:
+        return
+    if not m._refresh_lock.acquire(blocking=False):
+        return  # another thread of this process is at it
+    try:
+        m._refreshed = now
+        engine = getattr(store, "engine", None)
+        if engine is None or not hasattr(store, "transaction"):
+            return
+        sql = (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {engine.now} "
+               f"FROM {engine.table} WHERE status IN (0, 1, 3)")
+        with store.transaction() as cursor:
+            in_flight, backlog, oldest, db_now = engine.execute(cursor, sql).fetchone()
+        m.in_flight.set(int(in_flight or 0))
+        m.backlog.set(int(backlog or 0))
+        lag = 0.0
+        if oldest is not None:
+            lag = max(0.0, (engine.to_datetime(db_now) - engine.to_datetime(oldest)).total_seconds())
+        m.lag.set(lag)
+    finally:
+        m._refresh_lock.release()
+
+
+# -- serving ---------------------------------------------------------------------------------------
+
+_server: Any = None
+_own_dir: str | None = None
+
+
+def multiprocess_mode() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
+
+
+def prepare_multiprocess() -> None:
+    """Before prometheus_client is imported in a worker's main process: give it a fresh
+    PROMETHEUS_MULTIPROC_DIR unless one is set, so pool processes' metrics are summed."""
+    global _own_dir
+    if multiprocess_mode():
+        return
+    if "prometheus_client" in sys.modules:
+        log.warning("outbox metrics: prometheus_client was imported before the worker started without "
+                    "PROMETHEUS_MULTIPROC_DIR; only this process's metrics are served (fine with --pool threads "
+                    "or solo; with prefork set PROMETHEUS_MULTIPROC_DIR to an empty directory)")
+        return
+    _own_dir = tempfile.mkdtemp(prefix="outbox-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_dir
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> Any:
+    """Serve /metrics from this process: the sum over every process in multiprocess
+    mode, else the active metrics' registry. Returns the HTTP server."""
+    global _server
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    m = active()
+    if multiprocess_mode():
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    elif m is not None:
+        registry = m.registry
+    else:
+        raise RuntimeError("metrics are off")
+    result = start_http_server(port, addr, registry=registry)
+    _server = result[0] if isinstance(result, tuple) else result
+    return _server
+
+
+def stop_serving() -> None:
+    global _server, _own_dir
+    if _server is not None:
+        try:
+            _server.shutdown()
+            _server.server_close()
+        except Exception:
+            pass
+        _server = None
+    if _own_dir is not None:
+        shutil.rmtree(_own_dir, ignore_errors=True)
+        _own_dir = None
+
+
+_hooks_installed = False
+
+
+def install_worker_hooks() -> None:
+    """Called by ``outbox.tasks``. worker_init (main process, before the pool forks):
+    decide, set up multiprocess mode, create the metrics; worker_ready: serve them;
+    worker_shutdown: stop serving."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    from celery import signals
+
+    def init(**_: Any) -> None:
+        try:
+            if configured_port() is None:
+                return
+            prepare_multiprocess()
+            reset()
+            active()
+        except Exception as exc:
+            log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
+            disable()
+
+    def ready(**_: Any) -> None:
+        try:
+            port = configured_port()
+            if port is None or active() is None:
+                return
+            addr = str(extra_setting("OUTBOX_RELAY_METRICS_ADDR", "0.0.0.0"))
+            serve(port, addr)
+            log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
+                     " (multiprocess)" if multiprocess_mode() else "")
+        except Exception as exc:  # a port in use must not stop the relay
+            log.error("outbox metrics: cannot serve (%s: %s)", type(exc).__name__, exc)
+
+    def shutdown(**_: Any) -> None:
+        stop_serving()
+
+    signals.worker_init.connect(init, weak=False)
+    signals.worker_ready.connect(ready, weak=False)
+    signals.worker_shutdown.connect(shutdown, weak=False)
+
+
+__all__ = ["Metrics", "active", "enable", "disable", "reset", "claimed", "chain", "dead", "refresh", "serve",
+           "stop_serving", "configured_port", "prepare_multiprocess", "multiprocess_mode", "install_worker_hooks"]

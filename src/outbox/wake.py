@@ -1,0 +1,432 @@
+"""Waking the relay right after the caller's transaction commits.
+
+Polling (beat's claim tick) always delivers; a wake-up only brings the latency down:
+right after a transaction that enqueued commits, ask for a claim. Wakes are
+
+* **coalesced**: a burst of commits sends one claim, not one per commit;
+* **cheap**: no database query; at most one Redis round trip plus, for the first
+  request of a burst, one Celery message;
+* **harmless**: ``request_claim`` never raises (a broker problem is logged, rate
+  limited, and wakes pause for a second); the next tick claims anyway;
+* **skippable**: off with ``OUTBOX_RELAY_WAKE=0``, and a no-op when there is no relay
+  to wake (Celery's broker is ``memory://`` and no worker runs in this process).
+
+How a wake is coalesced depends on Celery's broker:
+
+* Redis: a shared token (``SET NX PX``) in that Redis, one per Celery broker. The claim
+  it sends carries the token's name and the worker deletes it as the claim starts, so
+  commits made while that claim waits in the queue ride on it, and the first commit
+  after it started sends the next one. The token expires after
+  ``OUTBOX_RELAY_CLAIM_REQUEST_TTL_S`` in case that claim is lost.
+* ``memory://`` with a worker in this process (``outbox demo``, tests): the worker's own
+  coalesced request (``outbox.tasks.request_claim``).
+* any other broker (AMQP...): per process, at most one claim per ``LOCAL_WINDOW_S``, plus
+  one at the end of the window when requests came in during it, so a claim always
+  follows the last commit.
+
+APIs (see docs/waking-and-metrics.md):
+
+* ``request_claim()``: call it after your commit.
+* ``transaction(conn)`` (also ``outbox.transaction``): commit (or roll back) and then wake.
+* ``wake_after_commit(conn)``: for connections that have an on-commit hook (a Django
+  connection, a SQLAlchemy Session): wake when *this* transaction commits, never on
+  rollback.
+* ``outbox.contrib.django`` and ``outbox.contrib.flask``: ``enqueue`` + wake-after-commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("outbox.wake")
+
+#: Per-process throttle window for brokers other than Redis (see the module docstring).
+LOCAL_WINDOW_S = 0.05
+#: After a failed send, wakes pause this long (the broker is down: don't pay a connect
+#: attempt per commit). Beat's tick delivers meanwhile.
+FAILURE_PAUSE_S = 1.0
+#: A failure is logged as a warning at most this often; otherwise at debug level.
+WARN_EVERY_S = 60.0
+#: Prefix of the Redis tokens: the worker deletes only keys that start with it.
+TOKEN_PREFIX = "outbox:wake:"
+
+
+# -- settings beyond the contract's OUTBOX_* ------------------------------------------------------
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def extra_setting(name: str, default: Any = None) -> Any:
+    """An ``OUTBOX_RELAY_*`` option of wake-ups, LISTEN/NOTIFY and metrics, from (in
+    order) Celery's config when the relay's app is loaded in this process, the
+    environment, Django settings. These names are prefixed OUTBOX_RELAY_ because the
+    contract's settings loader rejects unknown OUTBOX_* Celery config keys."""
+    if "outbox.celery" in sys.modules:
+        try:
+            conf = sys.modules["outbox.celery"].app.conf
+            value = conf.get(name)
+            if value not in (None, ""):
+                return value
+        except Exception:  # an invalid configuration is reported by the relay itself
+            pass
+    value = os.environ.get(name)
+    if value not in (None, ""):
+        return value
+    try:
+        from django.conf import settings as dj  # type: ignore[import-not-found]
+
+        if dj.configured and getattr(dj, name, None) not in (None, ""):
+            return getattr(dj, name)
+    except Exception:
+        pass
+    return default
+
+
+def flag(name: str, default: bool = False) -> bool:
+    from .errors import ConfigError
+
+    raw = extra_setting(name)
+    if raw is None:
+        return default
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
+
+
+# -- the worker side -----------------------------------------------------------------------------
+
+#: Set while an outbox Celery worker runs in this process (worker_init .. worker_shutdown).
+_in_worker = False
+_hooks_installed = False
+
+
+def install_worker_hooks() -> None:
+    """Called by ``outbox.tasks``: note when a relay worker runs in this process."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    from celery import signals
+
+    def started(**_: Any) -> None:
+        global _in_worker
+        _in_worker = True
+
+    def stopped(**_: Any) -> None:
+        global _in_worker
+        _in_worker = False
+
+    signals.worker_init.connect(started, weak=False)
+    signals.worker_shutdown.connect(stopped, weak=False)
+
+
+_redis_clients: dict[tuple[int, str], Any] = {}
+
+
+def _redis(url: str) -> Any:
+    key = (os.getpid(), url)
+    client = _redis_clients.get(key)
+    if client is None:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        _redis_clients.clear()  # forget clients of a parent process
+        _redis_clients[key] = client
+    return client
+
+
+def clear_token(token: str) -> None:
+    """Run by the claim task as it starts: the next wake-up sends a new claim."""
+    if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX):
+        return
+    try:
+        from .celery import app
+
+        _redis(str(app.conf.broker_url)).delete(token)
+    except Exception as exc:  # it expires by itself
+        log.debug("outbox: cannot clear wake token %s: %s", token, exc)
+
+
+# -- the waking side -----------------------------------------------------------------------------
+
+class _Throttle:
+    """At most one ``send`` per window, and one more at the window's end when requests
+    arrived during it (so a claim always follows the last request)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._timer: threading.Timer | None = None
+
+    def request(self, send: Callable[[], bool]) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if self._timer is None and now >= self._next:
+                self._next = now + self.window_s
+            else:
+                if self._timer is None:
+                    self._timer = threading.Timer(max(0.0, self._next - now), self._trailing, (send,))
+                    self._timer.daemon = True
+                    self._timer.start()
+                return True
+        return send()
+
+    def _trailing(self, send: Callable[[], bool]) -> None:
+        with self._lock:
+            self._timer = None
+            self._next = time.monotonic() + self.window_s
+        send()
+
+
+def token_for(broker_url: str, key_prefix: str = "") -> str:
+    """The Redis key of the wake token: one per claim queue, i.e. per Celery broker URL
+    and transport key prefix (``broker_transport_options['global_keyprefix']``)."""
+    digest = hashlib.sha1(f"{broker_url}|{key_prefix}".encode()).hexdigest()[:16]
+    return f"{TOKEN_PREFIX}{digest}"
+
+
+class _Plan:
+    """How this process wakes the relay; computed once per process and broker URL."""
+
+    def __init__(self, broker_url: str, key_prefix: str = "") -> None:
+        self.broker_url = broker_url
+        self.key_prefix = key_prefix
+        self.pid = os.getpid()
+        self.kind = ("redis" if broker_url.startswith(("redis://", "rediss://"))
+                     else "memory" if broker_url.startswith("memory://") else "other")
+        self.token = token_for(broker_url, key_prefix)
+        self.throttle = _Throttle(LOCAL_WINDOW_S)
+
+
+_plan: _Plan | None = None
+_plan_lock = threading.Lock()
+_paused_until = 0.0
+_last_warning = 0.0
+_memory_noted = False
+
+
+def _current_plan() -> _Plan:
+    global _plan
+    from .celery import app
+
+    url = str(app.conf.broker_url or "")
+    plan = _plan
+    if plan is None or plan.pid != os.getpid() or plan.broker_url != url:
+        options = app.conf.broker_transport_options or {}
+        with _plan_lock:
+            plan = _plan = _Plan(url, str(options.get("global_keyprefix") or ""))
+    return plan
+
+
+def _failed(what: str, exc: BaseException) -> None:
+    global _paused_until, _last_warning
+    now = time.monotonic()
+    _paused_until = now + FAILURE_PAUSE_S
+    if now - _last_warning >= WARN_EVERY_S:
+        _last_warning = now
+        log.warning("outbox: cannot wake the relay (%s: %s: %s); the next claim tick delivers. "
+                    "Further failures are logged at debug level for %.0f s", what, type(exc).__name__, exc,
+                    WARN_EVERY_S)
+    else:
+        log.debug("outbox: cannot wake the relay (%s: %s: %s)", what, type(exc).__name__, exc)
+
+
+def _send(token: str | None) -> bool:
+    from .celery import app, relay_options
+    from .relay import CLAIM_QUEUE, CLAIM_TASK
+
+    try:
+        app.send_task(CLAIM_TASK, kwargs={"token": token} if token else {}, queue=CLAIM_QUEUE,
+                      expires=relay_options().claim_request_ttl_s, retry=True,
+                      retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
+                                    "interval_max": 0.1})
+        return True
+    except Exception as exc:
+        _failed("sending a claim", exc)
+        return False
+
+
+def request_claim() -> bool:
+    """Ask the relay for a claim soon. Call it after your transaction committed.
+
+    Coalesced (see the module docstring), never raises, no database query. Returns
+    True when a claim was sent or is already on its way, False when nothing was done
+    (wakes off, no relay to wake, or the broker failed: the tick delivers).
+    """
+    global _memory_noted
+    try:
+        if time.monotonic() < _paused_until or not flag("OUTBOX_RELAY_WAKE", True):
+            return False
+        if _in_worker:
+            from .tasks import request_claim as worker_request
+
+            return bool(worker_request())
+        plan = _current_plan()
+        if plan.kind == "redis":
+            from .celery import relay_options
+
+            ttl_ms = max(1, int(relay_options().claim_request_ttl_s * 1000))
+            try:
+                acquired = _redis(plan.broker_url).set(plan.token, b"1", nx=True, px=ttl_ms)
+            except Exception as exc:
+                _failed("taking the wake token", exc)
+                return False
+            if not acquired:
+                return True  # a claim is already queued and has not started: it will see this commit
+            if _send(plan.token):
+                return True
+            try:
+                _redis(plan.broker_url).delete(plan.token)
+            except Exception:
+                pass
+            return False
+        if plan.kind == "memory":
+            if not _memory_noted:
+                _memory_noted = True
+                log.debug("outbox: Celery's broker is memory:// and no worker runs in this process; "
+                          "wake-ups are skipped")
+            return False
+        return plan.throttle.request(lambda: _send(None))
+    except (Exception, SystemExit) as exc:  # never into the caller, whose transaction has committed
+        # (SystemExit: the relay's app exits on an invalid configuration under a `celery` command)
+        _failed("preparing the request", exc)
+        return False
+
+
+#: ``outbox.wake.wake()`` reads well in callbacks.
+wake = request_claim
+
+
+def _call_request_claim() -> None:
+    # Looked up at call time, so tests (and users) can replace ``request_claim``.
+    sys.modules[__name__].request_claim()
+
+
+# -- after the caller's commit ------------------------------------------------------------------
+
+def _is_django(conn: Any) -> bool:
+    return type(conn).__module__.startswith("django.") and hasattr(conn, "on_commit") and hasattr(conn, "alias")
+
+
+def _session_of(conn: Any) -> Any:
+    """A SQLAlchemy Session for ``conn`` (a Session or a scoped_session), else None."""
+    if not type(conn).__module__.startswith("sqlalchemy"):
+        return None
+    try:
+        from sqlalchemy.orm import Session, scoped_session
+    except ImportError:
+        return None
+    if isinstance(conn, scoped_session):
+        conn = conn()
+    return conn if isinstance(conn, Session) else None
+
+
+_SESSION_PENDING = "outbox_wake_pending"
+_SESSION_HOOKED = "outbox_wake_hooked"
+
+
+def _session_after_commit(session: Any) -> None:
+    if session.info.pop(_SESSION_PENDING, False):
+        _call_request_claim()
+
+
+def _session_after_rollback(session: Any) -> None:
+    session.info.pop(_SESSION_PENDING, None)
+
+
+def register_after_commit(conn: Any) -> bool:
+    """Arrange a wake-up when ``conn``'s current transaction commits. True when the
+    connection has an on-commit hook (Django connection, SQLAlchemy Session), else
+    False: then call ``request_claim()`` after your commit, or use ``transaction``.
+    One wake per transaction however many times this is called in it."""
+    if _is_django(conn):
+        if any(entry[1] is _call_request_claim for entry in getattr(conn, "run_on_commit", ())):
+            return True
+        try:
+            conn.on_commit(_call_request_claim, robust=True)
+        except Exception as exc:  # manual transaction management: no on-commit hook
+            log.debug("outbox: no on-commit hook on Django connection %r (%s)", conn.alias, exc)
+            return False
+        return True
+    session = _session_of(conn)
+    if session is not None:
+        from sqlalchemy import event
+
+        if not session.info.get(_SESSION_HOOKED):
+            event.listen(session, "after_commit", _session_after_commit)
+            event.listen(session, "after_rollback", _session_after_rollback)
+            session.info[_SESSION_HOOKED] = True
+        session.info[_SESSION_PENDING] = True
+        return True
+    return False
+
+
+def wake_after_commit(conn: Any) -> None:
+    """Wake the relay when ``conn``'s current transaction commits (not on rollback).
+
+    Works on a Django connection (``transaction.on_commit``, robust) and a SQLAlchemy
+    Session or scoped_session (its ``after_commit`` event). DB-API connections and
+    SQLAlchemy Connections have no after-commit hook: this raises ``TypeError`` for
+    them; use ``with outbox.transaction(conn): ...`` or call ``request_claim()`` after
+    your commit.
+    """
+    if not register_after_commit(conn):
+        raise TypeError(f"{type(conn).__module__}.{type(conn).__name__} has no after-commit hook: use "
+                        "`with outbox.transaction(conn):` or call outbox.wake.request_claim() after commit")
+
+
+@contextmanager
+def transaction(conn: Any, *, wake: bool = True) -> Iterator[Any]:
+    """Run the block as one transaction on ``conn``: commit when it succeeds, roll back
+    when it raises; after the commit, wake the relay (coalesced, never raises).
+
+    ``conn``: a DB-API connection (sqlite3, psycopg, PyMySQL, pyodbc), a SQLAlchemy
+    Connection or Session, or a Django connection (then the block runs in
+    ``transaction.atomic(using=conn.alias)`` and the wake is an on-commit callback, so a
+    block nested in an outer atomic wakes when the outer transaction commits)::
+
+        with outbox.transaction(conn):
+            conn.execute("UPDATE orders SET state = 'paid' WHERE id = ?", (42,))
+            outbox.enqueue(conn, topic="orders.paid", aggregate_type="order", aggregate_id="42",
+                           payload={"orderId": "42"})
+    """
+    if _is_django(conn):
+        from django.db import transaction as dj_transaction
+
+        with dj_transaction.atomic(using=conn.alias):
+            if wake:
+                register_after_commit(conn)
+            yield conn
+        return
+    try:
+        yield conn
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
+    if wake:
+        _call_request_claim()
+
+
+def _reset_for_tests() -> None:
+    global _plan, _paused_until, _last_warning, _memory_noted
+    _plan, _paused_until, _last_warning, _memory_noted = None, 0.0, 0.0, False
+
+
+__all__ = ["request_claim", "wake", "wake_after_commit", "register_after_commit", "transaction", "clear_token",
+           "token_for",
+           "extra_setting", "flag", "install_worker_hooks", "LOCAL_WINDOW_S", "TOKEN_PREFIX"]

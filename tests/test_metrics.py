@@ -1,0 +1,273 @@
+"""Prometheus metrics (``outbox.metrics``): the relay's functions against a real SQLite
+store, read back from prometheus_client's registry; the HTTP endpoint; and a real prefork
+worker serving the sum over its pool processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from outbox import enqueue, metrics  # noqa: E402
+from outbox.model import OutboxMessage  # noqa: E402
+from outbox.publisher import ChainResult, FailureKind, PublishFailure  # noqa: E402
+from outbox.relay import RelayOptions, handle_claim, handle_publish  # noqa: E402
+from outbox.store import OutboxStore  # noqa: E402
+
+from test_wake import PYTHON, Destination, Workers, destination, wait_done, workers  # noqa: E402,F401
+
+
+@pytest.fixture
+def registry() -> Iterator[CollectorRegistry]:
+    reg = CollectorRegistry()
+    metrics.enable(reg)
+    yield reg
+    metrics.reset()
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[Any]:
+    made: list[OutboxStore] = []
+
+    def make(name: str = "outbox.db", **options: Any) -> OutboxStore:
+        s = OutboxStore(f"sqlite:///{tmp_path / name}", **options)
+        s.migrate()
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def add(db: str, aggregate: str, count: int = 1) -> list[int]:
+    conn = sqlite3.connect(db, timeout=30)
+    try:
+        ids = [enqueue(conn, topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
+                       payload={"n": n}) for n in range(count)]
+        conn.commit()
+        return ids
+    finally:
+        conn.close()
+
+
+class Publisher:
+    """Publishes in memory; ``failures`` maps an outbox id to the failure it gets."""
+
+    def __init__(self, failures: dict[int, FailureKind]) -> None:
+        self.failures = failures
+
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+        done: list[int] = []
+        for m in messages:
+            if m.id in self.failures:
+                kind = self.failures[m.id]
+                return ChainResult(tuple(done), m.id, PublishFailure(kind, f"scripted {kind.value}"))
+            done.append(m.id)
+        return ChainResult(tuple(done))
+
+    def publish_dead(self, message: OutboxMessage, error: str) -> None:
+        return None
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.chains: list[list[OutboxMessage]] = []
+
+    def __call__(self, chains: list[list[OutboxMessage]], deadline: float) -> None:
+        self.chains.extend(chains)
+
+
+def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    got = reg.get_sample_value(name, labels or None)
+    return 0.0 if got is None else got
+
+
+def open_rows(store: OutboxStore) -> tuple[int, int]:
+    with store.transaction() as cursor:
+        row = store.engine.execute(cursor, "SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*) FROM outbox "
+                                           "WHERE status IN (0, 1, 3)").fetchone()
+    return int(row[0]), int(row[1])
+
+
+def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: CollectorRegistry, make_store: Any) -> None:
+    store = make_store(max_attempts=3)
+    db = str(tmp_path / "outbox.db")
+    a, b, c = add(db, "a", 3), add(db, "b", 2), add(db, "c", 1)
+    sent = Collect()
+    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=1))
+    assert outcome.claimed == 6
+    assert value(registry, "outbox_claimed_total") == 6
+    assert value(registry, "outbox_claim_seconds_count") == 1
+    # The gauges were read when the claim started: six open rows, none leased yet.
+    assert value(registry, "outbox_backlog") == 6 and value(registry, "outbox_in_flight") == 0
+
+    publisher = Publisher({b[0]: FailureKind.RETRIABLE, c[0]: FailureKind.POISON})
+    handle_publish(store, publisher, sent.chains)
+    assert value(registry, "outbox_published_total") == 3  # a's three; b stopped at its head, c is poison
+    assert value(registry, "outbox_failed_total", kind="retriable") == 1
+    assert value(registry, "outbox_failed_total", kind="poison") == 1
+    assert value(registry, "outbox_failed_total", kind="backpressure") == 0
+    assert value(registry, "outbox_dead_total") == 1
+    assert value(registry, "outbox_publish_seconds_count") == 3  # one observation per chain
+    assert value(registry, "outbox_event_age_seconds_count") == 3  # one per published event
+    assert 0 <= value(registry, "outbox_event_age_seconds_sum") < 60
+
+    d = add(db, "d", 1)
+    handle_claim(store, Collect(), batch_size=100, lease_s=60.0)  # leases d; b waits for its retry
+    metrics.refresh(store, force=True)
+    in_flight, backlog = open_rows(store)
+    assert (in_flight, backlog) == (1, 3)  # d leased; b's two rows open
+    assert value(registry, "outbox_in_flight") == 1 and value(registry, "outbox_backlog") == 3
+    assert value(registry, "outbox_lag_seconds") >= 0
+    assert value(registry, "outbox_claimed_total") == 7 and d
+
+
+def test_rows_that_go_dead_on_lease_expiry_are_counted(registry: CollectorRegistry, make_store: Any,
+                                                        tmp_path: Path) -> None:
+    store = make_store("expiry.db", max_attempts=1, claim_timeout_ms=50)
+    add(str(tmp_path / "expiry.db"), "x", 1)
+    assert len(store.claim(10).messages) == 1  # leased, then the worker "dies"
+    time.sleep(0.2)
+    handle_claim(store, Collect(), batch_size=10, lease_s=0.05)
+    assert value(registry, "outbox_dead_total") == 1
+
+
+def test_lag_is_the_age_of_the_oldest_open_row(registry: CollectorRegistry, make_store: Any, tmp_path: Path) -> None:
+    store = make_store("lag.db")
+    metrics.refresh(store, force=True)
+    assert value(registry, "outbox_lag_seconds") == 0 and value(registry, "outbox_backlog") == 0
+    add(str(tmp_path / "lag.db"), "a", 2)
+    time.sleep(1.1)
+    metrics.refresh(store, force=True)
+    assert 1.0 <= value(registry, "outbox_lag_seconds") < 30
+    assert value(registry, "outbox_backlog") == 2
+
+
+def test_everything_is_a_no_op_when_metrics_are_off(make_store: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    store = make_store("off.db")
+    metrics.reset()
+    try:
+        assert metrics.active() is None  # OUTBOX_RELAY_METRICS_PORT unset
+        metrics.claimed(object(), 0.1)
+        metrics.chain([], 0.1, "retriable")
+        metrics.dead()
+        metrics.refresh(store, force=True)
+        handle_claim(store, Collect(), batch_size=10, lease_s=60.0)
+
+        monkeypatch.setenv("OUTBOX_RELAY_METRICS_PORT", "9999")
+        monkeypatch.setitem(__import__("sys").modules, "prometheus_client", None)  # not installed
+        metrics.reset()
+        assert metrics.active() is None
+        assert "prometheus_client is not installed" in caplog.text
+
+        monkeypatch.setenv("OUTBOX_RELAY_METRICS_PORT", "not-a-port")
+        metrics.reset()
+        assert metrics.active() is None
+        assert "OUTBOX_RELAY_METRICS_PORT='not-a-port' is not a port number" in caplog.text
+    finally:
+        metrics.reset()
+
+
+def test_metrics_never_break_the_relay(registry: CollectorRegistry, make_store: Any,
+                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    store = make_store("broken.db")
+    add(str(tmp_path / "broken.db"), "a", 1)
+    active = metrics.active()
+    assert active is not None
+
+    def broken(*_: Any, **__: Any) -> None:
+        raise RuntimeError("metrics backend broke")
+
+    monkeypatch.setattr(active.claimed, "inc", broken)
+    monkeypatch.setattr(active.backlog, "set", broken)
+    outcome = handle_claim(store, Collect(), batch_size=10, lease_s=60.0)
+    assert outcome.claimed == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def samples(text: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, number = line.rpartition(" ")
+            found[name] = float(number)
+    return found
+
+
+def test_http_endpoint(registry: CollectorRegistry) -> None:
+    metrics.chain([], 0.01, "backpressure")
+    metrics.dead(2)
+    server = metrics.serve(0, "127.0.0.1")
+    try:
+        text = scrape(server.server_port)
+    finally:
+        metrics.stop_serving()
+    got = samples(text)
+    assert got['outbox_failed_total{kind="backpressure"}'] == 1
+    assert got["outbox_dead_total"] == 2
+    assert got["outbox_publish_seconds_count"] == 1
+    assert "# TYPE outbox_lag_seconds gauge" in text
+
+
+WRITER = r"""
+import json, sqlite3, sys
+import outbox
+conn = sqlite3.connect(sys.argv[1], timeout=30)
+ids = []
+for n in range(20):
+    with outbox.transaction(conn):
+        ids.append(outbox.enqueue(conn, topic="orders.changed", aggregate_type="order",
+                                  aggregate_id=f"agg-{n % 4}", payload={"n": n}))
+print(json.dumps(ids))
+"""
+
+
+def test_a_prefork_worker_serves_the_sum_over_its_pool(tmp_path: Path, destination: Destination,
+                                                       workers: Workers) -> None:
+    db = tmp_path / "outbox.db"
+    store = OutboxStore(f"sqlite:///{db}")
+    store.migrate()
+    port = free_port()
+    env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_METRICS_PORT=str(port),
+                      OUTBOX_RELAY_METRICS_ADDR="127.0.0.1", OUTBOX_RELAY_METRICS_REFRESH_S="0.1",
+                      OUTBOX_CLAIM_INTERVAL_S="3600")
+    log = workers.start(env, "-c", "2", "--pool", "prefork")
+    done = subprocess.run([PYTHON, "-c", WRITER, str(db)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ids = json.loads(done.stdout.strip().splitlines()[-1])
+    assert wait_done(store, ids, 30) < 30, log.read_text(errors="replace")[-4000:]
+    time.sleep(0.5)
+    text = scrape(port)
+    got = samples(text)
+    assert "(multiprocess)" in log.read_text(errors="replace")
+    # Tasks ran in the pool's child processes; the main process serves their sum.
+    assert got["outbox_published_total"] == 20, text
+    assert got["outbox_claimed_total"] >= 20
+    assert got["outbox_event_age_seconds_count"] == 20
+    assert got["outbox_claim_seconds_count"] >= 1
+    assert "outbox_lag_seconds" in got and "outbox_in_flight" in got
+    store.close()

@@ -1,0 +1,781 @@
+"""Waking the relay after commit (``outbox.wake``, ``outbox.transaction``, the Django and
+Flask helpers) and PostgreSQL LISTEN/NOTIFY (``outbox.listen``).
+
+The wake must come after the caller's commit (the rows are visible to another
+connection when it runs), never after a rollback, once per transaction, and never raise.
+Framework tests run on real SQLite files; Django runs in a subprocess because its
+settings are process-wide. Coalescing and token clearing run against the real Redis;
+the end-to-end tests start real ``celery -A outbox worker`` processes with no beat, so
+only a wake-up (or a notification) can make them claim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import outbox
+import outbox.wake as wake
+from outbox import enqueue
+from outbox.config import reset_settings
+from outbox.listen import Listener, channel_for, notify_channel
+from outbox.store import OutboxStore
+
+from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
+
+PYTHON = sys.executable
+CELERY = str(Path(sys.executable).parent / "celery")
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def clean_env(**settings: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OUTBOX_", "CELERY_", "PROMETHEUS_")) or k.startswith("OUTBOX_TEST_")}
+    env.update({"PYTHONUNBUFFERED": "1"}, **settings)
+    return env
+
+
+def run_python(code: str, cwd: Path, *args: str, timeout: float = 120, **settings: str) -> Any:
+    """Run ``code`` in a fresh interpreter; return the JSON it printed last."""
+    done = subprocess.run([PYTHON, "-c", code, *args], cwd=cwd, env=clean_env(**settings), capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def count_rows(db: Path) -> int:
+    conn = sqlite3.connect(db, timeout=30)
+    try:
+        return int(conn.execute("SELECT COUNT(*) FROM outbox").fetchone()[0])
+    finally:
+        conn.close()
+
+
+class Recorder:
+    """Stands in for ``outbox.wake.request_claim``: records, at each call, how many rows
+    another connection sees (so a call before the commit would record too few)."""
+
+    def __init__(self, db: Path) -> None:
+        self.db = db
+        self.calls: list[int] = []
+
+    def __call__(self) -> bool:
+        self.calls.append(count_rows(self.db))
+        return True
+
+
+@pytest.fixture
+def sqlite_db(tmp_path: Path) -> Iterator[Path]:
+    db = tmp_path / "app.db"
+    store = OutboxStore(f"sqlite:///{db}")
+    store.migrate()
+    store.close()
+    yield db
+
+
+@pytest.fixture
+def recorder(sqlite_db: Path, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    r = Recorder(sqlite_db)
+    monkeypatch.setattr(wake, "request_claim", r)
+    return r
+
+
+def event(n: int = 0, aggregate: str = "a") -> dict[str, Any]:
+    return {"topic": "orders.changed", "aggregate_type": "order", "aggregate_id": aggregate, "payload": {"n": n}}
+
+
+# -- outbox.transaction on a DB-API connection ----------------------------------------------------
+
+def test_transaction_commits_then_wakes_once(sqlite_db: Path, recorder: Recorder) -> None:
+    conn = sqlite3.connect(sqlite_db, timeout=30)
+    try:
+        with outbox.transaction(conn) as c:
+            assert c is conn
+            for n in range(3):
+                enqueue(conn, **event(n))
+            assert recorder.calls == []
+        assert recorder.calls == [3]  # one wake, after the commit made all three visible
+
+        with pytest.raises(RuntimeError):
+            with outbox.transaction(conn):
+                enqueue(conn, **event(9))
+                raise RuntimeError("business failure")
+        assert recorder.calls == [3] and count_rows(sqlite_db) == 3  # rolled back, no wake
+    finally:
+        conn.close()
+
+
+def test_wake_after_commit_refuses_connections_without_a_commit_hook(sqlite_db: Path) -> None:
+    conn = sqlite3.connect(sqlite_db)
+    try:
+        with pytest.raises(TypeError, match="outbox.transaction"):
+            wake.wake_after_commit(conn)
+    finally:
+        conn.close()
+
+
+# -- Django (subprocess: settings are process-wide) -------------------------------------------------
+
+DJANGO_SCRIPT = r"""
+import json, sqlite3, sys
+db = sys.argv[1]
+from django.conf import settings
+settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db}}, USE_TZ=True)
+import django
+django.setup()
+from django.db import connection, transaction
+import outbox.wake
+from outbox.contrib.django import enqueue
+from outbox.store import OutboxStore
+
+store = OutboxStore("sqlite:///" + db)
+store.migrate()
+calls = []
+
+def visible():
+    c = sqlite3.connect(db, timeout=30)
+    try:
+        return c.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
+    finally:
+        c.close()
+
+def recorder():
+    calls.append(visible())
+    return True
+
+outbox.wake.request_claim = recorder
+
+def add(n=1):
+    for _ in range(n):
+        enqueue(topic="t", aggregate_type="o", aggregate_id="a", payload={"n": 1})
+
+def take():
+    seen = list(calls)
+    calls.clear()
+    return seen
+
+out = {}
+with transaction.atomic():
+    add(3)
+    out["inside"] = list(calls)
+out["commit"] = take()
+try:
+    with transaction.atomic():
+        add(2)
+        raise RuntimeError
+except RuntimeError:
+    pass
+out["rollback"] = take()
+with transaction.atomic():
+    try:
+        with transaction.atomic():
+            add(1)
+            raise RuntimeError
+    except RuntimeError:
+        pass
+    add(1)
+out["inner_rollback_outer_commit"] = take()
+try:
+    with transaction.atomic():
+        with transaction.atomic():
+            add(1)
+        raise RuntimeError
+except RuntimeError:
+    pass
+out["inner_commit_outer_rollback"] = take()
+add(1)
+out["autocommit"] = take()
+
+def broken():
+    raise ConnectionError("broker down")
+
+outbox.wake.request_claim = broken
+with transaction.atomic():
+    add(1)
+out["failing_wake_after_commit"] = visible()
+print(json.dumps(out))
+"""
+
+
+def test_django_wakes_after_commit_only(tmp_path: Path) -> None:
+    pytest.importorskip("django")
+    out = run_python(DJANGO_SCRIPT, tmp_path, str(tmp_path / "django.db"))
+    assert out["inside"] == []  # nothing before the commit
+    assert out["commit"] == [3]  # one wake for three enqueues, all visible when it runs
+    assert out["rollback"] == []
+    assert out["inner_rollback_outer_commit"] == [4]  # the savepoint's rows are gone, the outer one woke
+    assert out["inner_commit_outer_rollback"] == []
+    assert out["autocommit"] == [5]
+    assert out["failing_wake_after_commit"] == 6  # the commit stood and nothing was raised
+
+
+DJANGO_REDIS_SCRIPT = r"""
+import json, sys
+db = sys.argv[1]
+from django.conf import settings
+settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db}}, USE_TZ=True)
+import django
+django.setup()
+from django.db import transaction
+import outbox.wake
+from outbox.celery import app
+from outbox.contrib.django import enqueue
+from outbox.relay import CLAIM_QUEUE
+from outbox.store import OutboxStore
+
+OutboxStore("sqlite:///" + db).migrate()
+
+def claims():
+    with app.pool.acquire(block=True) as conn:
+        return conn.default_channel._size(CLAIM_QUEUE)
+
+def add():
+    enqueue(topic="t", aggregate_type="o", aggregate_id="a", payload={"n": 1})
+
+out = {}
+with transaction.atomic():
+    add(); add()
+    out["inside"] = claims()
+out["after_commit"] = claims()
+for _ in range(5):  # a burst while that claim waits: coalesced into it
+    with transaction.atomic():
+        add()
+out["after_burst"] = claims()
+try:
+    with transaction.atomic():
+        add()
+        raise RuntimeError
+except RuntimeError:
+    pass
+out["after_rollback"] = claims()
+token = outbox.wake._current_plan().token
+outbox.wake.clear_token(token)  # what the worker does as the claim starts
+with transaction.atomic():
+    add()
+out["after_claim_started"] = claims()
+import base64
+with app.pool.acquire(block=True) as conn:
+    message = conn.default_channel._get(CLAIM_QUEUE)
+out["kwargs"] = json.loads(base64.b64decode(message["body"]))[1]
+out["token"] = token
+out["task"] = message["headers"]["task"]
+print(json.dumps(out))
+"""
+
+
+def redis_prefix(tmp_path: Path) -> str:
+    prefix = f"outbox-wake-test-{uuid.uuid4().hex[:10]}:"
+    (tmp_path / "wakeconf.py").write_text(f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
+    return prefix
+
+
+def drop_redis_keys(prefix: str, *keys: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
+    for key in keys:
+        client.delete(key)
+
+
+def test_django_wake_sends_one_claim_per_burst_on_redis(tmp_path: Path) -> None:
+    pytest.importorskip("django")
+    require("Redis", "127.0.0.1", 6379)
+    prefix = redis_prefix(tmp_path)
+    try:
+        out = run_python(DJANGO_REDIS_SCRIPT, tmp_path, str(tmp_path / "django.db"),
+                         OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="wakeconf",
+                         PYTHONPATH=str(tmp_path), OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'django.db'}")
+    finally:
+        drop_redis_keys(prefix, wake.token_for(REDIS_URL, prefix))
+    assert out["inside"] == 0
+    assert out["after_commit"] == 1
+    assert out["after_burst"] == 1  # coalesced: the claim already queued will see them
+    assert out["after_rollback"] == 1
+    assert out["after_claim_started"] == 2  # once the claim started, the next commit asks again
+    assert out["task"] == "outbox.claim" and out["token"] == wake.token_for(REDIS_URL, prefix)
+    assert out["kwargs"] == {"token": out["token"]}  # the worker deletes exactly this token
+
+
+# -- SQLAlchemy sessions and Flask -----------------------------------------------------------------
+
+def test_sqlalchemy_session_wakes_after_commit_not_on_rollback(sqlite_db: Path, recorder: Recorder) -> None:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import Session, scoped_session, sessionmaker
+
+    from outbox.contrib.flask import enqueue as flask_enqueue
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{sqlite_db}")
+    try:
+        with Session(engine) as session:
+            for n in range(3):
+                flask_enqueue(session, **event(n))
+            assert recorder.calls == []
+            session.commit()
+            assert recorder.calls == [3]
+            flask_enqueue(session, **event(4))
+            session.rollback()
+            assert recorder.calls == [3]
+            session.commit()  # an empty transaction after the rollback: nothing to wake for
+            assert recorder.calls == [3]
+            flask_enqueue(session, **event(5))  # the same session, a later transaction
+            session.commit()
+            assert recorder.calls == [3, 4]
+        scoped = scoped_session(sessionmaker(engine))
+        flask_enqueue(scoped, **event(6))
+        scoped.commit()
+        assert recorder.calls == [3, 4, 5]
+        scoped.remove()
+    finally:
+        engine.dispose()
+
+
+def test_flask_extension_wakes_after_the_request_commits(sqlite_db: Path, recorder: Recorder) -> None:
+    flask = pytest.importorskip("flask")
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import scoped_session, sessionmaker
+
+    from outbox.contrib.flask import Outbox, current, enqueue as flask_enqueue
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{sqlite_db}")
+    db_session = scoped_session(sessionmaker(engine))
+    app = flask.Flask("wake-test")
+    ext = Outbox(app, session=db_session)
+
+    @app.teardown_appcontext
+    def remove_session(_: Any) -> None:
+        db_session.remove()
+
+    @app.post("/orders/<int:n>")
+    def create(n: int) -> Any:
+        current().enqueue(**event(n))
+        ext.enqueue(**event(n + 100))
+        if flask.request.args.get("fail"):
+            db_session.rollback()
+            return "rolled back", 500
+        db_session.commit()
+        return "ok"
+
+    @app.post("/raw/<int:n>")
+    def raw(n: int) -> Any:  # a plain DB-API connection: woken once the view has returned
+        conn = sqlite3.connect(sqlite_db, timeout=30)
+        try:
+            flask_enqueue(conn, **event(n))
+            flask_enqueue(conn, **event(n + 1))
+            conn.commit()
+        finally:
+            conn.close()
+        return "ok"
+
+    try:
+        client = app.test_client()
+        assert client.post("/orders/1").status_code == 200
+        assert recorder.calls == [2]
+        assert client.post("/orders/2?fail=1").status_code == 500
+        assert recorder.calls == [2]
+        assert client.post("/raw/3").status_code == 200
+        assert recorder.calls == [2, 4]
+    finally:
+        engine.dispose()
+
+
+# -- request_claim itself ---------------------------------------------------------------------------
+
+def test_request_claim_is_off_when_disabled_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def explode() -> Any:
+        raise AssertionError("must not be reached")
+
+    monkeypatch.setattr(wake, "_current_plan", explode)
+    monkeypatch.setenv("OUTBOX_RELAY_WAKE", "0")
+    assert wake.request_claim() is False
+    monkeypatch.setenv("OUTBOX_RELAY_WAKE", "perhaps")  # a bad value is logged, not raised
+    wake._reset_for_tests()
+    assert wake.request_claim() is False
+    monkeypatch.delenv("OUTBOX_RELAY_WAKE")
+    wake._reset_for_tests()
+    assert wake.request_claim() is False  # the plan blew up: logged, False, nothing raised
+    wake._reset_for_tests()
+
+
+def test_request_claim_skips_an_in_memory_broker_without_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wake, "_current_plan", lambda: wake._Plan("memory://"))
+    sent: list[Any] = []
+    monkeypatch.setattr(wake, "_send", lambda token: sent.append(token) or True)
+    assert wake.request_claim() is False and sent == []
+
+
+def test_local_throttle_sends_once_then_once_more_after_the_window() -> None:
+    throttle = wake._Throttle(0.1)
+    sent: list[float] = []
+    start = time.monotonic()
+    results = [throttle.request(lambda: sent.append(time.monotonic() - start) or True) for _ in range(20)]
+    assert all(results) and len(sent) == 1
+    time.sleep(0.3)
+    assert len(sent) == 2 and sent[1] >= 0.09  # the trailing claim, after the last request
+    throttle.request(lambda: sent.append(time.monotonic() - start) or True)
+    assert len(sent) == 3  # a quiet window later: sent at once
+    time.sleep(0.3)
+    assert len(sent) == 3  # and nothing trails a lone request
+
+
+REDIS_COALESCE_SCRIPT = r"""
+import json
+import outbox.wake as w
+from outbox.celery import app
+from outbox.relay import CLAIM_QUEUE
+
+def claims():
+    with app.pool.acquire(block=True) as conn:
+        return conn.default_channel._size(CLAIM_QUEUE)
+
+burst = [w.request_claim() for _ in range(10)]
+queued = claims()
+w.clear_token(w._current_plan().token)
+again = w.request_claim()
+print(json.dumps({"burst": burst, "queued": queued, "after_clear": claims(), "again": again}))
+"""
+
+
+def test_request_claim_coalesces_a_burst_on_redis(tmp_path: Path) -> None:
+    require("Redis", "127.0.0.1", 6379)
+    prefix = redis_prefix(tmp_path)
+    try:
+        out = run_python(REDIS_COALESCE_SCRIPT, tmp_path, OUTBOX_CELERY_BROKER_URL=REDIS_URL,
+                         CELERY_CONFIG_MODULE="wakeconf", PYTHONPATH=str(tmp_path),
+                         OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    finally:
+        drop_redis_keys(prefix, wake.token_for(REDIS_URL, prefix))
+    assert out == {"burst": [True] * 10, "queued": 1, "after_clear": 2, "again": True}
+
+
+def test_request_claim_gives_up_quietly_when_the_broker_is_down(tmp_path: Path) -> None:
+    code = r"""
+import json, time
+import outbox.wake as w
+t0 = time.monotonic()
+first = w.request_claim()
+took = time.monotonic() - t0
+second = w.request_claim()  # paused after the failure: no second connection attempt
+print(json.dumps({"first": first, "second": second, "took": took}))
+"""
+    out = run_python(code, tmp_path, OUTBOX_CELERY_BROKER_URL="redis://127.0.0.1:1/0",
+                     OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert out["first"] is False and out["second"] is False and out["took"] < 5
+
+
+# -- real workers, no beat: only a wake-up or a notification makes them claim -------------------------
+
+class Destination:
+    """A unique topic exchange on RabbitMQ with one queue bound to '#'."""
+
+    def __init__(self) -> None:
+        from kombu import Connection, Exchange, Queue
+
+        tag = uuid.uuid4().hex[:10]
+        self.exchange_name = f"outbox-wake-{tag}"
+        self.conn = Connection(AMQP_URL, connect_timeout=5)
+        self.channel = self.conn.channel()
+        self.exchange = Exchange(self.exchange_name, type="topic", durable=True)
+        self.queue = Queue(f"outbox-wake-q-{tag}", self.exchange, routing_key="#", durable=False)
+        self.exchange(self.channel).declare()
+        self.queue(self.channel).declare()
+
+    def count(self) -> int:
+        return int(self.queue(self.channel).queue_declare(passive=True).message_count)
+
+    def close(self) -> None:
+        try:
+            self.queue(self.channel).delete()
+            self.exchange(self.channel).delete()
+        finally:
+            self.conn.release()
+
+
+@pytest.fixture
+def destination() -> Iterator[Destination]:
+    require("RabbitMQ", "127.0.0.1", 5672)
+    require("Redis", "127.0.0.1", 6379)
+    d = Destination()
+    yield d
+    d.close()
+
+
+class Workers:
+    """``celery -A outbox worker`` processes of one test, killed (with their pools) at the end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self.prefix = redis_prefix(tmp_path)
+
+    def env(self, destination: Destination, **settings: str) -> dict[str, str]:
+        return clean_env(OUTBOX_PUBLISH_URL=AMQP_URL, OUTBOX_EXCHANGE=destination.exchange_name,
+                         OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="wakeconf",
+                         PYTHONPATH=str(self.tmp_path), **settings)
+
+    def start(self, env: dict[str, str], *args: str) -> Path:
+        log = self.tmp_path / f"worker-{len(self.procs)}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([CELERY, "-A", "outbox", "worker", "--loglevel=INFO", "--without-mingle",
+                                     "--without-gossip", "--without-heartbeat", "-n",
+                                     f"wake-{uuid.uuid4().hex[:6]}@%h", *args],
+                                    cwd=self.tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs.append((proc, log))
+        deadline = time.monotonic() + 60
+        while " ready." not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+            assert time.monotonic() < deadline, "worker not ready:\n" + log.read_text(errors="replace")[-4000:]
+            time.sleep(0.1)
+        return log
+
+    def stop(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc, _ in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=5)
+        drop_redis_keys(self.prefix, wake.token_for(REDIS_URL, self.prefix))
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    w = Workers(tmp_path)
+    yield w
+    w.stop()
+
+
+def wait_done(store: OutboxStore, ids: list[int], timeout: float) -> float:
+    """Seconds until every row in ``ids`` is done (or ``timeout`` has passed)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        with store.transaction() as cursor:
+            cond, params = store.engine.ids_in(ids)
+            done = store.engine.execute(
+                cursor, f"SELECT COUNT(*) FROM {store.engine.table} WHERE status = 2 AND {cond}", params).fetchone()[0]
+        if int(done) == len(ids):
+            return time.monotonic() - start
+        time.sleep(0.02)
+    return float("inf")
+
+
+WRITER_SCRIPT = r"""
+import json, sqlite3, sys, time
+import outbox
+from outbox.store import OutboxStore
+
+db = sys.argv[1]
+store = OutboxStore("sqlite:///" + db)
+conn = sqlite3.connect(db, timeout=30)
+
+def done(ids):
+    with store.transaction() as cursor:
+        marks = ",".join("?" * len(ids))
+        return store.engine.execute(cursor, f"SELECT COUNT(*) FROM outbox WHERE status = 2 AND id IN ({marks})",
+                                    ids).fetchone()[0] == len(ids)
+
+def wait(ids, timeout=10.0):
+    start = time.monotonic()
+    while not done(ids):
+        if time.monotonic() - start > timeout:
+            return None
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+def commit(n, aggregate):
+    with outbox.transaction(conn):
+        return outbox.enqueue(conn, topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
+                              payload={"n": n})
+
+rounds = []
+for n in range(3):  # one commit at a time, each once the claims the previous one caused are over
+    time.sleep(1.0)
+    rounds.append(wait([commit(n, "solo")]))
+time.sleep(1.0)
+burst = [commit(10 + n, f"agg-{n % 3}") for n in range(12)]
+print(json.dumps({"rounds": rounds, "burst": wait(burst), "count": 15}))
+"""
+
+
+def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, destination: Destination,
+                                                            workers: Workers) -> None:
+    """No beat and a 30 s token TTL: each commit can only be relayed promptly if its wake
+    reaches the worker and the worker clears the token as the claim starts."""
+    db = tmp_path / "outbox.db"
+    store = OutboxStore(f"sqlite:///{db}")
+    store.migrate()
+    env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30",
+                      OUTBOX_CLAIM_INTERVAL_S="3600")
+    workers.start(env, "-c", "2")
+    done = subprocess.run([PYTHON, "-c", WRITER_SCRIPT, str(db)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print("commit-to-done seconds:", out)
+    assert all(r is not None and r < 5 for r in out["rounds"]), out
+    assert out["burst"] is not None and out["burst"] < 5, out
+    deadline = time.monotonic() + 10
+    while destination.count() < out["count"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert destination.count() == out["count"]
+    store.close()
+
+
+# -- PostgreSQL LISTEN/NOTIFY --------------------------------------------------------------------
+
+def test_channel_names() -> None:
+    assert channel_for("outbox") == "outbox_outbox"
+    assert channel_for("events", "app") == "outbox_app_events"
+    long = channel_for("t" * 60, "s" * 20)
+    assert long.startswith("outbox_") and len(long) <= 63 and long == channel_for("t" * 60, "s" * 20)
+
+
+def test_notify_is_opt_in_and_postgresql_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert notify_channel("postgresql", "outbox", None) is None
+    monkeypatch.setenv("OUTBOX_RELAY_LISTEN", "1")
+    reset_settings()
+    assert notify_channel("postgresql", "outbox", None) == "outbox_outbox"
+    assert notify_channel("sqlite", "outbox", None) is None
+    monkeypatch.setenv("OUTBOX_RELAY_LISTEN_CHANNEL", "relay_wake")
+    reset_settings()
+    assert notify_channel("postgresql", "outbox", None) == "relay_wake"
+
+
+class Notified:
+    def __init__(self) -> None:
+        self.count = 0
+        self.event = threading.Event()
+
+    def __call__(self) -> None:
+        self.count += 1
+        self.event.set()
+
+    def wait(self, timeout: float) -> bool:
+        got = self.event.wait(timeout)
+        self.event.clear()
+        return got
+
+
+@pytest.fixture
+def listening(store: OutboxStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Listener, Notified]]:
+    monkeypatch.setenv("OUTBOX_RELAY_LISTEN", "1")
+    reset_settings()
+    notified = Notified()
+    listener = Listener(POSTGRES_URL, channel_for(store.engine.table_name), notified, poll_s=0.2, backoff_s=0.1)
+    listener.start()
+    assert listener.ready.wait(10), "the listener did not connect"
+    assert notified.wait(5)  # the catch-up wake on connect
+    yield listener, notified
+    listener.stop()
+    assert not listener.is_alive()
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_committed_enqueue_notifies_and_rolled_back_does_not(store: OutboxStore, url: str,
+                                                              listening: tuple[Listener, Notified]) -> None:
+    listener, notified = listening
+    table = store.engine.table_name
+    conn = store.engine.connect(url)
+    try:
+        for n in range(5):
+            enqueue(conn, table=table, **event(n))
+        assert not notified.wait(0.5)  # not before the commit
+        conn.commit()
+        assert notified.wait(5)
+        time.sleep(0.3)
+        assert listener.notifications == 1  # five enqueues in one transaction: one notification
+
+        enqueue(conn, table=table, **event(9))
+        conn.rollback()
+        assert not notified.wait(1.0)
+        assert listener.notifications == 1
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_listener_reconnects_after_its_connection_is_killed(store: OutboxStore, url: str,
+                                                             listening: tuple[Listener, Notified]) -> None:
+    listener, notified = listening
+    pid = listener.backend_pid
+    admin = store.engine.connect(url)
+    try:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        admin.commit()
+        deadline = time.monotonic() + 15
+        while (listener.connects < 2 or not listener.ready.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listener.connects >= 2 and listener.ready.is_set() and listener.backend_pid != pid
+        notified.wait(2)  # the catch-up wake after reconnecting
+        before = listener.notifications
+        enqueue(admin, table=store.engine.table_name, **event(1))
+        admin.commit()
+        assert notified.wait(5) and listener.notifications == before + 1
+    finally:
+        admin.close()
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_no_notification_when_listen_is_off(store: OutboxStore, url: str) -> None:
+    notified = Notified()
+    listener = Listener(POSTGRES_URL, channel_for(store.engine.table_name), notified, poll_s=0.2)
+    listener.start()
+    try:
+        assert listener.ready.wait(10) and notified.wait(5)
+        conn = store.engine.connect(url)
+        try:
+            enqueue(conn, table=store.engine.table_name, **event(1))  # OUTBOX_RELAY_LISTEN unset
+            conn.commit()
+        finally:
+            conn.close()
+        assert not notified.wait(1.0) and listener.notifications == 0
+    finally:
+        listener.stop()
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_listen_drives_a_real_worker_without_beat(store: OutboxStore, url: str, destination: Destination,
+                                                  workers: Workers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain ``enqueue`` + commit, no wake call, no beat: only the worker's LISTEN thread
+    can make it claim."""
+    env = workers.env(destination, OUTBOX_DATABASE_URL=url, OUTBOX_TABLE=store.engine.table_name,
+                      OUTBOX_RELAY_LISTEN="1", OUTBOX_CLAIM_INTERVAL_S="3600")
+    log = workers.start(env, "-c", "2")
+    deadline = time.monotonic() + 20
+    while "outbox listen: listening on" not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+        time.sleep(0.1)
+    monkeypatch.setenv("OUTBOX_RELAY_LISTEN", "1")
+    reset_settings()
+    conn = store.engine.connect(url)
+    try:
+        for n in range(3):
+            time.sleep(0.5)  # past the claims the previous row caused: only a notification claims now
+            outbox_id = enqueue(conn, table=store.engine.table_name, **event(n))
+            conn.commit()
+            assert wait_done(store, [outbox_id], 10) < 5, log.read_text(errors="replace")[-4000:]
+        conn.rollback()
+    finally:
+        conn.close()
+    assert destination.count() == 3
