@@ -9,10 +9,11 @@ Phases, in order (each can be skipped with ``--skip``):
 3. ``drain``     the same backlog through ``celery -A outbox worker -c 2`` + beat, with RSS sampling;
 4. ``profile``   a second drain with py-spy attached to the worker's processes;
 5. ``live``      commit-to-arrival latency at a fixed rate, with the post-commit wake and
-                 without (polling), and with LISTEN/NOTIFY when ``--listen``;
-6. ``proto``     the drain again with the prototypes of the proposed fixes (``bench.proto``):
-                 the baseline loop with confirms pipelined across chains, and the Celery
-                 worker with one mark_done per task, then also with those pipelined confirms.
+                 without (polling), and with PostgreSQL LISTEN/NOTIFY (``--no-listen`` to skip);
+6. ``proto``     the proposed fixes, measured: tuning only (bigger batches and tasks,
+                 synchronous_commit=off for the relay's sessions), and the prototypes of
+                 ``bench.proto`` (one mark_done per task, confirms pipelined across chains,
+                 small claims published inline) in the baseline loop and the real worker.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--live-rate", type=float, default=200.0, help="events/s the writers commit")
     p.add_argument("--live-seconds", type=float, help="how long the writers write (default 20; 5 with --quick)")
     p.add_argument("--writers", type=int, default=2)
-    p.add_argument("--listen", action="store_true", help="also measure PostgreSQL LISTEN/NOTIFY waking")
+    p.add_argument("--no-listen", dest="listen", action="store_false",
+                   help="skip the PostgreSQL LISTEN/NOTIFY live variant")
     p.add_argument("--confirm-events", type=int, help="events per publisher variant (default 5,000; 1,000 quick)")
     p.add_argument("--skip", default="", help=f"comma-separated phases to skip: {', '.join(PHASES)}")
     p.add_argument("--worker-loglevel", default="WARNING")
-    p.add_argument("--max-minutes", type=float, default=12.0,
+    p.add_argument("--max-minutes", type=float, default=13.0,
                    help="time budget: optional phases that would not fit are skipped")
     p.add_argument("--no-wait-quiet", action="store_true",
                    help="do not wait for an idle machine before each phase")
@@ -135,7 +137,7 @@ def summary(results: dict[str, Any]) -> str:
             extra = f"x{r['events_per_s'] / base['events_per_s']:.2f} of the baseline loop" if base else ""
             if drain and name.startswith("celery"):
                 extra += f", x{r['events_per_s'] / drain['events_per_s']:.2f} of the shipped worker"
-            lines.append(f"  {name:34s} {fmt(r['events_per_s']):>9s} ev/s  {extra} (order ok={r['order']['ok']}"
+            lines.append(f"  {name:46s} {fmt(r['events_per_s']):>7s} ev/s  {extra} (order ok={r['order']['ok']}"
                          + (f", max RSS {r['memory']['max_rss_mb']} MB" if "memory" in r else "") + ")")
     prof = results.get("profile")
     if prof:
@@ -161,7 +163,7 @@ def summary(results: dict[str, Any]) -> str:
             ratio = ""
             if poll and r is not poll and r["p50_ms"] > 0:
                 ratio = f"  (p50 x{poll['p50_ms'] / r['p50_ms']:.1f} faster, p99 x{poll['p99_ms'] / r['p99_ms']:.1f} vs poll)"
-            lines.append(f"  {name:40s} p50 {fmt(r['p50_ms'], 1):>7s} ms  p90 {fmt(r['p90_ms'], 1):>7s} ms  "
+            lines.append(f"  {name:42s} p50 {fmt(r['p50_ms'], 1):>7s} ms  p90 {fmt(r['p90_ms'], 1):>7s} ms  "
                          f"p99 {fmt(r['p99_ms'], 1):>7s} ms  max {fmt(r['max_ms'], 1):>7s} ms  "
                          f"({r['arrived']}/{r['committed']} arrived, order ok={r['order']['ok']}){ratio}")
         w = live.get("wake")
@@ -319,37 +321,46 @@ def main(argv: list[str] | None = None) -> int:
             if remaining() < 60:
                 results["skipped"].append("proto (time budget)")
             else:
+                if relay is not None:  # a running relay would drain the loop's backlog too
+                    relay.stop()
+                    relay = None
                 quiet("proto-loop-waves")
                 results["proto"]["loop_waves_ack_batch"] = drain.run_baseline(
                     run, destination, args.proto_events, args.aggregates, "batch",
                     timeout=max(60.0, remaining() / 3), publisher="waves")
-            # (name, Celery app, proto choice, PostgreSQL session options, also measure live latency)
+            # (name, Celery app, prototypes, extra environment, also measure live latency)
+            tuned = {"OUTBOX_BATCH_SIZE": "400", "OUTBOX_RELAY_TASK_ROWS": "200"}
+            sync_off = {"PGOPTIONS": "-c synchronous_commit=off"}
+            patched = "bench.patched_app"
             variants = [
-                ("sync_commit_off", "outbox", "", "-c synchronous_commit=off", True),
-                ("batched_ack", "bench.patched_app", "batched_ack", "", False),
-                ("waves+batched_ack", "bench.patched_app", "waves,batched_ack", "", False),
-                ("waves+batched_ack+sync_commit_off", "bench.patched_app", "waves,batched_ack",
-                 "-c synchronous_commit=off", True),
+                ("tuned (batch 400, task rows 200)", "outbox", "", tuned, False),
+                ("synchronous_commit=off", "outbox", "", sync_off, True),
+                ("batched_ack", patched, "batched_ack", {}, False),
+                ("waves+batched_ack", patched, "waves,batched_ack", {}, False),
+                ("waves+batched_ack, tuned", patched, "waves,batched_ack", tuned, False),
+                ("waves+batched_ack+inline", patched, "waves,batched_ack,inline", {}, True),
+                ("waves+batched_ack+inline, tuned", patched, "waves,batched_ack,inline", tuned, True),
             ]
-            for name, app, choice, pgoptions, with_live in variants:
-                if remaining() < 60 + (args.live_seconds + 20 if with_live else 0):
+            for name, app, choice, extra, with_live in variants:
+                live_seconds = min(args.live_seconds, 10.0)
+                if remaining() < 45 + (live_seconds + 15 if with_live else 0):
                     results["skipped"].append(f"proto {name} (time budget)")
                     continue
                 if relay is not None:
                     relay.stop()
-                env = {"OUTBOX_BENCH_PROTO": choice} if choice else {}
-                if pgoptions:
-                    env["PGOPTIONS"] = pgoptions
+                env = dict(extra)
+                if choice:
+                    env["OUTBOX_BENCH_PROTO"] = choice
                 relay = relay_factory(app=app, **env)
                 relay.wait_ready()
                 quiet(f"proto-{name}")
-                results["proto"][f"celery_{name}"], relay = drain.run_celery_drain(
+                results["proto"][f"celery {name}"], relay = drain.run_celery_drain(
                     run, destination, relay_factory, args.proto_events, args.aggregates,
                     timeout=max(60.0, min(300.0, remaining() / 2)), relay=relay, label=f"proto drain [{name}]")
                 if with_live and "live" not in args.skip:
                     quiet(f"proto-live-{name}")
                     results["live"][f"wake [{name}]"] = live.run_live(
-                        run, destination, "wake", args.live_rate, args.live_seconds, args.aggregates,
+                        run, destination, "wake", args.live_rate, live_seconds, args.aggregates,
                         args.writers, cpu_groups=drain.cpu_groups(relay), alive=relay.check_alive)
 
     finally:

@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .common import (CELERY, PY_SPY, CpuWindow, Destination, Run, check_order, log, load_backlog, pg_connect,
-                     process_tree, redis_llen, rss_kb, service_groups, status_counts, stop_process_group,
+from .common import (CELERY, PY_SPY, CpuWindow, Destination, Run, check_order, lease_recovered, log, load_backlog,
+                     pg_connect, process_tree, redis_llen, rss_kb, service_groups, status_counts, stop_process_group,
                      truncate_table, wait_all_done)
 
 
@@ -49,8 +49,8 @@ def arrival_rate(arrivals: list[tuple[float, int, str]], events: int) -> dict[st
 def cpu_per_event(cpu: dict[str, Any], events: int) -> dict[str, float]:
     """CPU microseconds per relayed event, by process group (and in total)."""
     per = {k: round(1e6 * v * cpu["elapsed_s"] / max(1, events), 1) for k, v in cpu["cores_used"].items()}
-    per["total (excluding other python)"] = round(sum(v for k, v in per.items()
-                                                      if k != "other python (not this bench)"), 1)
+    per["total (relay, services, bench)"] = round(sum(v for k, v in per.items() if k not in (
+        "other python (not this bench)", "other", "kernel threads (writeback, I/O)")), 1)
     return per
 
 
@@ -61,15 +61,23 @@ def run_baseline(run: Run, destination: Destination, events: int, aggregates: in
     destination.reset()
     cmd = [sys.executable, "-m", "bench.loop", "--database-url", run.postgres_url, "--table", run.table,
            "--publish-url", run.amqp_url, "--exchange", run.exchange, "--batch", str(run.batch_size),
-           "--ack", ack, "--publisher", publisher, "--max-seconds", str(timeout)]
+           "--ack", ack, "--publisher", publisher, "--max-seconds", str(timeout), "--hold"]
     log(f"baseline loop (ack per {ack}, publisher {publisher}): {events} events over {aggregates} aggregates")
     window = CpuWindow(service_groups())
     window.start()
-    proc = subprocess.run(cmd, env=run.child_env(), capture_output=True, text=True, timeout=timeout + 30)
-    cpu = window.stop()
-    if proc.returncode != 0:
-        raise RuntimeError(f"baseline loop failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n{proc.stdout}")
-    own = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen(cmd, env=run.child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        # The loop holds its connections open until we have read the CPU of it and its backend.
+        cpu = window.stop()
+        out, err = proc.communicate("\n", timeout=30)
+    except BaseException:
+        proc.kill()
+        raise
+    if proc.returncode != 0 or not line.strip():
+        raise RuntimeError(f"baseline loop failed ({proc.returncode}):\n{err[-3000:]}\n{line}{out}")
+    own = json.loads(line)
     destination.wait_for(events, timeout=30, idle_timeout=5)
     arrivals = list(destination.arrivals)
     result = {"ack": ack, "publisher": publisher, "loop": own, "cpu_us_per_event": cpu_per_event(cpu, events), "loop_events_per_s": own["published"] / own["seconds"],
@@ -221,16 +229,24 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
     window = CpuWindow(cpu_groups(relay))
     window.start()
     started = time.monotonic()
+    started_perf = time.perf_counter()
     reached = destination.wait_for(events, timeout=timeout, idle_timeout=30, alive=relay.check_alive)
     cpu = window.stop()
     memory = sampler.stop()
     arrivals = list(destination.arrivals)
-    counts = wait_all_done(run, timeout=30)
-    result = {"events": events, "aggregates": aggregates, "complete": reached, **arrival_rate(arrivals, events),
+    counts = wait_all_done(run, timeout=30 if reached else 75)
+    if not reached:  # late rows (a lost task comes back with its lease): did they get there?
+        arrivals = list(destination.arrivals)
+    result = {"events": events, "aggregates": aggregates, "complete": reached, "lease_recovered": lease_recovered(run),
+              "all_arrived_s": (max(t for t, _, _ in arrivals) - started_perf) if arrivals else None,
+              **arrival_rate(arrivals, events),
               "wall_s_from_load": time.monotonic() - started, "order": check_order(arrivals, expected),
               "memory": memory, "cpu": cpu, "cpu_us_per_event": cpu_per_event(cpu, events), "table": counts}
     if not reached:
         result["worker_log_tail"] = relay.log_tail()
+    if not reached:
+        log(f"{label}: INCOMPLETE: {result['arrived']}/{events} within the wait; table {counts}, "
+            f"{result['lease_recovered']} rows recovered by lease expiry; order {result['order']}")
     log(f"{label}: {result['events_per_s']:.0f} ev/s first-to-last arrival, steady "
         f"{result.get('steady_events_per_s', 0):.0f} ev/s ({result['arrived']}/{events} arrived, "
         f"order ok={result['order']['ok']}, dups={result['order']['duplicates']}); max worker RSS "
@@ -256,6 +272,7 @@ def _frame_name(frame: str) -> str:
 _BUCKETS = [
     # pool processes: the publish path
     ("amqp: wait for confirm", ("channel.py:basic_publish_confirm",)),
+    ("amqp: wave of pipelined confirms (prototype)", ("proto.py:publish_chains",)),
     ("db: mark_done", ("store.py:mark_done",)),
     ("db: release / mark_failed", ("store.py:release", "store.py:mark_failed")),
     ("db: claim", ("store.py:claim",)),
@@ -270,7 +287,7 @@ _BUCKETS = [
     ("pool: idle, waiting for a task", ("pool.py:workloop", "pool.py:receive")),
     # the worker's parent process
     ("parent: epoll wait (idle)", ("eventio.py:poll",)),
-    ("parent: Redis transport (BRPOP, ack, QoS)", ("redis.py:",)),
+    ("kombu Redis transport (BRPOP, LPUSH, ack, QoS)", ("redis.py:",)),
     ("parent: pool IPC (asynpool)", ("asynpool.py:",)),
 ]
 
@@ -378,8 +395,10 @@ def profile_drain(run: Run, destination: Destination, relay: Relay, events: int,
     cpu = window.stop()
     arrivals = list(destination.arrivals)
     profiles = collect_spies(relay, spies)
-    wait_all_done(run, timeout=30)
+    counts = wait_all_done(run, timeout=75)
+    late = check_order(list(destination.arrivals), expected)
     result = {"events": events, **arrival_rate(arrivals, events), "order": check_order(arrivals, expected),
+              "table": counts, "lease_recovered": lease_recovered(run), "order_after_wait": late,
               "cpu": cpu, "profiles": profiles, "raw_files": [str(out) for _, out, _ in spies]}
     log(f"profile drain (perturbed by py-spy): {result['events_per_s']:.0f} ev/s")
     log_profiles("profile drain", profiles)

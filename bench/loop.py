@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="kombu: the shipped KombuPublisher (stop-and-wait per event); waves: the "
                              "bench.proto prototype (confirms pipelined across chains)")
     parser.add_argument("--max-seconds", type=float, default=600.0)
+    parser.add_argument("--hold", action="store_true",
+                        help="after printing the result, keep the connections open until stdin has a line "
+                             "(so the caller can read this process's and its PostgreSQL backend's CPU)")
     args = parser.parse_args(argv)
 
     from outbox.chains import split_chains
@@ -87,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
     finally:
         elapsed = time.perf_counter() - t0
+        print(json.dumps({"published": published, "claims": claims, "chains": chains, "seconds": elapsed,
+                          "claim_s": t_claim, "publish_s": t_publish, "ack_s": t_ack, "error": error}), flush=True)
+        if args.hold:
+            sys.stdin.readline()
         publisher.close()
         store.close()
-    print(json.dumps({"published": published, "claims": claims, "chains": chains, "seconds": elapsed,
-                      "claim_s": t_claim, "publish_s": t_publish, "ack_s": t_ack, "error": error}), flush=True)
     return 1 if error else 0
 
 

@@ -15,7 +15,9 @@ measured without touching ``src/``. They are not the product; see docs/benchmark
    event long, so the relay's per-chain settle is one PostgreSQL commit (a WAL fsync) per
    event.
 
-``patched_app`` installs both into the real Celery app for ``celery -A bench.patched_app``.
+3. ``install_inline_publish``: a small claim publishes its rows itself (no second Celery hop).
+
+``patched_app`` installs them into the real Celery app for ``celery -A bench.patched_app``.
 """
 
 from __future__ import annotations
@@ -168,10 +170,37 @@ def handle_publish_batched(store: Any, publisher: Any, chains: Any, *, deadline:
     return outcomes
 
 
-def install(waves: bool = True, batched_ack: bool = True) -> None:
+def install_inline_publish() -> None:
+    """Prototype 3: a claim that came back small (one publish task's worth, not full) publishes
+    it itself instead of sending it through Celery's broker. Live traffic is exactly that
+    case: it saves a whole Celery hop (Redis LPUSH, the parent's BRPOP, the pipe to a pool
+    process, the task's own overhead) on every event's path. A full claim (a backlog) still
+    dispatches all its tasks, so both pool processes keep publishing."""
+    import outbox.tasks as tasks
+    from outbox.relay import message_to_dict
+
+    original = tasks.handle_claim
+
+    def handle_claim_inline(store: Any, dispatch: Any, **kwargs: Any) -> Any:
+        collected: list[tuple[Any, float]] = []
+        outcome = original(store, lambda chains, deadline: collected.append((chains, deadline)), **kwargs)
+        if len(collected) == 1 and not outcome.more:  # a small (live) claim: publish it here
+            chains, deadline = collected[0]
+            tasks.publish.run(chains=[[message_to_dict(m) for m in c] for c in chains], deadline=deadline)
+        else:  # a backlog: keep every pool process busy
+            for chains, deadline in collected:
+                dispatch(chains, deadline)  # a failure here leaves the rows to lease recovery (prototype)
+        return outcome
+
+    tasks.handle_claim = handle_claim_inline
+
+
+def install(waves: bool = True, batched_ack: bool = True, inline: bool = False) -> None:
     """Patch the relay's task module in this process (and so in the prefork children)."""
     import outbox.tasks as tasks
 
+    if inline:
+        install_inline_publish()
     if waves:
         tasks.make_publisher = lambda settings: WavePublisher.from_settings(settings)
     if batched_ack:

@@ -88,16 +88,11 @@ class Procs:
                 raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-4000:]}")
 
     def stop_all(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is None:
-                self.kill(name, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for name, proc in self.procs.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            self.kill(name, signal.SIGKILL)  # the whole group: pool children too
+        """At teardown the test has made its checks: no need for a graceful (and slower)
+        warm shutdown. Kill every process group (pool children too) and reap them."""
+        for name in self.procs:
+            self.kill(name, signal.SIGKILL)
+        for proc in self.procs.values():
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -438,7 +433,7 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
     proxy = Proxy(delay=0.015)
     try:
         procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_BATCH_SIZE="10",
-                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="3000"))
+                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="2000"))
         procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
         procs.worker("w2")
         procs.beat()
@@ -468,13 +463,13 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
         thread = threading.Thread(target=write)
         thread.start()
         try:
-            destination.wait_for(lambda: len(destination.messages) >= 80, timeout=20, procs=procs)
-            assert len(destination.messages) >= 80, procs.log("w1")[-3000:]
+            destination.wait_for(lambda: len(destination.messages) >= 50, timeout=20, procs=procs)
+            assert len(destination.messages) >= 50, procs.log("w1")[-3000:]
             # Kill w1 (main process and pool children) while it holds publish tasks.
             assert wait_until(lambda: bool(procs.tasks_in_hand("w1")), timeout=10, interval=0.005), (
                 procs.log("w1")[-3000:])
             procs.kill("w1")
-            destination.wait_for(lambda: False, timeout=1.5)
+            destination.wait_for(lambda: False, timeout=1.0)  # writers go on after the kill
         finally:
             stop.set()
             thread.join(timeout=10)
@@ -486,7 +481,7 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
             f"{len(destination.arrived())} of {total} arrived\n{procs.log('w2')[-3000:]}")
         check_order(arrivals, expected)
         # The rows w1 held were recovered by their lease alone, an attempt counted.
-        assert max(m.headers["attempt"] for _, _, m in arrivals) == 2, "w1 held nothing when it was killed"
+        assert max(m.headers["attempt"] for _, _, m in arrivals) >= 2, "w1 held nothing when it was killed"
         assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=15), (
             outbox.status_counts())
         assert len(outbox.statuses()) == total  # nothing rolled back was ever stored
@@ -555,11 +550,11 @@ def test_poison_and_retriable_events_go_dead_while_everything_else_flows(
     expected["p"] += [p1, p3, p4]
     expected["u"] += [u1, u3, u4]
 
-    # Backoff 3 s: u2's retry comes 1.5 to 3 s after its first failure (equal jitter).
+    # Backoff 4 s: u2's retry comes 2 to 4 s after its first failure (equal jitter).
     procs = procs_factory(relay_env(
         tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_MAX_ATTEMPTS="2",
         OUTBOX_DEAD_LETTER_EXCHANGE=destination.dead_exchange_name or "", OUTBOX_RELAY_MAX_MESSAGE_BYTES="4096",
-        OUTBOX_RELAY_BACKOFF_BASE_S="3", OUTBOX_RELAY_BACKOFF_MAX_S="3"))
+        OUTBOX_RELAY_BACKOFF_BASE_S="4", OUTBOX_RELAY_BACKOFF_MAX_S="4"))
     procs.worker("w1")
     procs.beat()
 
@@ -584,7 +579,8 @@ def test_poison_and_retriable_events_go_dead_while_everything_else_flows(
     # u1 went before it, u3 and u4 wait behind it.
     assert wait_until(lambda: u2_state() == (Status.FAILED, 1), timeout=10), (u2_state(), procs.log("w1")[-3000:])
     assert "unroutable" in outbox.rows()[u2]["last_error"]
-    assert u1 in destination.arrived() and not {u3, u4} & destination.arrived()
+    assert destination.wait_for(lambda: u1 in destination.arrived(), timeout=5)
+    assert not {u3, u4} & destination.arrived()
     # Meanwhile everything else flows: a burst committed now arrives while u2 still waits.
     with outbox.writer() as conn:
         burst = {aggregate: outbox.add(conn, aggregate, 10) for aggregate in [*others, "p"]}
