@@ -13,6 +13,7 @@ test: $(STAMP)          ## the test suite (services it cannot reach are skipped,
 	$(BIN)/pytest -q -ra
 
 bench: $(STAMP)         ## benchmarks; they print ratios against a baseline measured in the same run
+	$(BIN)/pip install -q "py-spy>=0.3"   # the profile phase; not needed by the tests
 	$(BIN)/python -m bench
 
 install: $(STAMP)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import (Destination, Run, create_table, drop_table, flush_redis, log, machine_facts,
+from .common import (PY_SPY, Destination, Run, create_table, drop_table, flush_redis, log, machine_facts,
                      require_services, to_json, wait_quiet)
 
 TARGETS = {"drain_events_per_s": 6000.0, "live_p50_ms": 10.0, "live_p99_ms": 60.0, "worker_rss_mb": 256.0}
@@ -258,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=max(60.0, min(300.0, remaining() / 2)))
 
         if "profile" not in args.skip:
-            if remaining() < 150:
+            if not os.path.exists(PY_SPY):
+                results["skipped"].append(f"profile (no py-spy at {PY_SPY}: pip install py-spy)")
+            elif remaining() < 150:
                 results["skipped"].append("profile (time budget)")
             else:
                 if relay is None:

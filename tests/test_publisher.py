@@ -320,7 +320,7 @@ def test_rabbitmq_nack_stops_the_chain(rabbit: dict[str, Any]) -> None:
         result = publisher.publish_chain([make_message(1001), make_message(1002), make_message(1003)])
         assert result.published == (1001,) and result.failed_id == 1002
         assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE
-        assert "MessageNacked" in result.failure.reason
+        assert "basic.nack" in result.failure.reason
         full.purge()  # room for one more
         retry = publisher.publish_chain([make_message(1002), make_message(1003), make_message(1004)])
         assert retry.published == (1002,) and retry.failed_id == 1003
@@ -328,6 +328,48 @@ def test_rabbitmq_nack_stops_the_chain(rabbit: dict[str, Any]) -> None:
     # nacked event (1002 the first time, 1003), and will get it again on retry (at-least-once).
     # Nothing behind a nacked event was ever sent.
     assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [1001, 1002, 1002, 1003]
+
+
+def test_rabbitmq_chains_in_waves_each_arrive_as_a_prefix(rabbit: dict[str, Any]) -> None:
+    """Several chains in one call share their round trips, and each still stops at its own
+    problem: an unroutable event, a poison event, or nothing; the others carry on."""
+    chains = [
+        [make_message(1101), make_message(1102), make_message(1103), make_message(1104)],
+        [make_message(1201), make_message(1202, "nobody.listens"), make_message(1203)],
+        [make_message(1301, payload=json.dumps({"blob": "x" * 5000})), make_message(1302)],
+        [make_message(1401)],
+        [],
+    ]
+    with KombuPublisher(rabbit["url"], rabbit["exchange"], max_message_bytes=1024) as publisher:
+        results = publisher.publish_chains(chains)
+    assert results[0] == ChainResult(published=(1101, 1102, 1103, 1104))
+    assert results[1].published == (1201,) and results[1].failed_id == 1202
+    assert results[1].failure is not None and results[1].failure.reason.startswith("unroutable:")
+    assert results[2].published == () and results[2].failed_id == 1301
+    assert results[2].failure is not None and results[2].failure.kind is FailureKind.POISON
+    assert results[3] == ChainResult(published=(1401,))
+    assert results[4] == ChainResult()
+    got = [m.headers["outbox_id"] for m in rabbit["drain"]()]
+    assert sorted(got) == [1101, 1102, 1103, 1104, 1201, 1401]  # nothing behind a gap
+    assert [i for i in got if i < 1200] == [1101, 1102, 1103, 1104]  # in order within the chain
+
+
+def test_rabbitmq_a_nack_stops_every_chain_of_the_call(rabbit: dict[str, Any]) -> None:
+    """The broker pushing back on one event stops the whole call: the other chains stop at
+    their next event with the same back-pressure failure, after what was already confirmed."""
+    full = Queue(f"{rabbit['exchange']}-full", exchange=Exchange(rabbit["exchange"], type="topic", durable=True),
+                 routing_key="orders.#", exclusive=True, auto_delete=True,
+                 queue_arguments={"x-max-length": 2, "x-overflow": "reject-publish"})(rabbit["channel"])
+    full.declare()
+    with KombuPublisher(rabbit["url"], rabbit["exchange"]) as publisher:
+        results = publisher.publish_chains([[make_message(1501), make_message(1502)],
+                                            [make_message(1601), make_message(1602)],
+                                            [make_message(1701), make_message(1702)]])
+    # the first wave (1501, 1601, 1701): two fit in the queue, the third is nacked
+    assert sum(len(r.published) for r in results) == 2
+    assert all(r.failure is not None and r.failure.kind is FailureKind.BACKPRESSURE for r in results)
+    assert all(r.published == () or r.published == (r.failed_id - 1,) for r in results)
+    assert all(r.failed_id is not None and r.failed_id % 100 == len(r.published) + 1 for r in results)
 
 
 def test_rabbitmq_exchange_of_another_type_is_fatal(rabbit: dict[str, Any]) -> None:

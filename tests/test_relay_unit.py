@@ -459,16 +459,48 @@ def test_publish_task_past_its_deadline_leaves_rows_to_the_lease(store: OutboxSt
     assert [status_of(store)[i] for i in ids] == [Status.CLAIMED] * 2
 
 
-def test_publish_task_releases_chains_not_started_when_stopping(store: OutboxStore,
+def test_publish_task_started_while_stopping_releases_its_chains(store: OutboxStore,
                                                                  conn: sqlite3.Connection) -> None:
-    a = add(conn, "a", 1)
+    a = add(conn, "a", 2)
     b = add(conn, "b", 1)
     publisher = ScriptedPublisher()
     chains = claim_chains(store)
-    stop = iter([False, True])
-    handle_publish(store, publisher, chains, deadline=time.time() + 60, stopping=lambda: next(stop))
-    assert status_of(store)[a[0]] == Status.DONE
-    assert rows(store)[b[0]]["status"] == Status.PENDING and rows(store)[b[0]]["attempts"] == 0
+    outcomes = handle_publish(store, publisher, chains, deadline=time.time() + 60, stopping=lambda: True)
+    assert publisher.sent == [] and all(o.skipped for o in outcomes)
+    assert {i: (r["status"], r["attempts"]) for i, r in rows(store).items()} == {
+        i: (Status.PENDING, 0) for i in a + b}
+
+
+class CountingStore:
+    """Passes every call to the store, counting the ``mark_done`` calls."""
+
+    def __init__(self, store: OutboxStore) -> None:
+        self.store = store
+        self.done_calls: list[list[int]] = []
+
+    def mark_done(self, ids: Sequence[int], lease: str) -> Any:
+        self.done_calls.append(list(ids))
+        return self.store.mark_done(ids, lease)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_publish_task_marks_its_published_prefixes_done_in_one_write(store: OutboxStore,
+                                                                       conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 3)
+    b = add(conn, "b", 2)
+    c = add(conn, "c", 1)
+    chains = claim_chains(store)
+    counting = CountingStore(store)
+    publisher = ScriptedPublisher({a[1]: FailureKind.RETRIABLE})
+    outcomes = handle_publish(counting, publisher, chains, deadline=time.time() + 60)
+    assert counting.done_calls == [[a[0]] + b + c]  # one write for the whole task
+    assert [o.published for o in outcomes] == [[a[0]], b, c]
+    assert outcomes[0].failed_id == a[1] and outcomes[0].released == [a[2]]
+    states = status_of(store)
+    assert [states[i] for i in a] == [Status.DONE, Status.FAILED, Status.PENDING]
+    assert all(states[i] == Status.DONE for i in b + c)
 
 
 # -- store writes that fail go to the ack queue's tasks -----------------------------------------

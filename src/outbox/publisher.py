@@ -1,37 +1,44 @@
-"""Publishing claimed outbox rows to the destination broker, one per-aggregate chain at a time.
+"""Publishing claimed outbox rows to the destination broker, in per-aggregate chains.
 
-The relay hands ``Publisher.publish_chain`` the claimed rows of one aggregate, in id order.
-The publisher's one hard promise is the ordering rule of the contract: **what reaches the
-broker is always a prefix of the chain**. Event *k+1* is never sent while event *k* may not
-have been delivered, so ``ChainResult.published`` lists exactly the ids that are known to be
-on the broker, in order, and the relay may mark those done and release the rest.
+The relay hands ``Publisher.publish_chains`` the chains of one publish task: each chain is
+the claimed rows of one aggregate, in id order. The publisher's one hard promise is the
+ordering rule of the contract: **what reaches the broker is always a prefix of each chain**.
+Event *k+1* of a chain is never sent while event *k* may not have been delivered, so
+``ChainResult.published`` lists exactly the ids that are known to be on the broker, in order,
+and the relay may mark those done and release the rest.
 
-AMQP (py-amqp transport, ``amqp://`` / ``pyamqp://``): publisher confirms, stop-and-wait
-------------------------------------------------------------------------------------------
-Each event is published with ``mandatory=True`` on a channel in confirm mode and the
-publisher waits for the broker's ``basic.ack`` before sending the next one. RabbitMQ sends
-the ``basic.return`` of an unroutable mandatory message *before* its ``basic.ack``, so when
-the ack arrives we know both that the message is safely on the broker (persistent messages on
-durable queues are acked only once written) and whether it was routed anywhere.
+AMQP (py-amqp transport, ``amqp://`` / ``pyamqp://``): confirms in waves
+-------------------------------------------------------------------------
+The channel is in confirm mode and every event is published with ``mandatory=True``.
+``KombuPublisher`` sends a *wave*: the next unsent event of every chain still going, back to
+back, without waiting; then it reads the broker's verdicts until each of them is acked (or
+nacked, or returned). RabbitMQ sends the ``basic.return`` of an unroutable mandatory message
+*before* its ``basic.ack``, so once a wave is fully acked we know, per event, that it is safely
+on the broker (persistent messages on durable queues are acked only once written) and whether
+it was routed anywhere. Then the next wave goes out, without the chains that stopped.
 
-Why not one AMQP transaction per chain (``tx_select`` / publish all / ``tx_commit``)?
-It is one round trip instead of N, but it cannot keep the prefix promise:
+Within a chain this is stop-and-wait: event *k+1* leaves only after event *k*'s ack. Across
+chains the round trip is shared, because chains of different aggregates carry no order
+between them. A task costs as many round trips as its longest chain has events, not as many
+as it has events; a backlog spread over many aggregates is mostly waves of one event per chain.
 
-* RabbitMQ routes a transaction's messages, and sends the returns of unroutable ones, only
-  while it processes ``tx.commit`` (checked against RabbitMQ 3.10: a synchronous round trip
-  such as a passive ``exchange.declare`` after the publishes brings back no return; the
-  returns arrive between ``tx.commit`` and ``tx.commit-ok``). By then the routed messages
-  *after* an unroutable one have been delivered and there is nothing left to roll back. So
-  with ``unroutable="fail"`` a chain ``[a, b(unroutable), c]`` would put ``c`` on the broker
-  while ``b`` is still to be retried: an ordering violation.
-* In a transaction, a queue that refuses a message (``x-overflow: reject-publish``, a quorum
-  queue without a quorum) drops it silently; in confirm mode it is a ``basic.nack``.
+Why not fewer round trips within a chain?
 
-Pipelined confirms (publish all, then wait for all acks) fail the same way: by the time
-event *k*'s return or nack arrives, *k+1* is already routed. Stop-and-wait is the only
-scheme that gives per-event certainty before the next event leaves, and chains are short
-(usually one to a few events per aggregate, many chains in parallel across workers), so the
-extra round trips are cheap. A chain of one is therefore no special case.
+* One AMQP transaction per chain (``tx_select`` / publish all / ``tx_commit``): RabbitMQ
+  routes a transaction's messages, and sends the returns of unroutable ones, only while it
+  processes ``tx.commit`` (checked against RabbitMQ 3.10: a synchronous round trip such as a
+  passive ``exchange.declare`` after the publishes brings back no return; the returns arrive
+  between ``tx.commit`` and ``tx.commit-ok``). By then the routed messages *after* an
+  unroutable one have been delivered and there is nothing left to roll back. So with
+  ``unroutable="fail"`` a chain ``[a, b(unroutable), c]`` would put ``c`` on the broker while
+  ``b`` is still to be retried: an ordering violation. And in a transaction a queue that
+  refuses a message (``x-overflow: reject-publish``, a quorum queue without a quorum) drops it
+  silently; in confirm mode it is a ``basic.nack``.
+* Pipelined confirms within a chain (publish all, then wait for all acks) fail the same way:
+  by the time event *k*'s return or nack arrives, *k+1* is already routed.
+
+When the broker nacks an event (it is pushing back), no further wave is sent: every chain
+still going stops at its next event with the same BACKPRESSURE failure.
 
 Unroutable events (no queue bound for the routing key)
 ------------------------------------------------------
@@ -49,8 +56,8 @@ broker's own semantics without ``mandatory``.
 
 Other transports (``memory://``, ``redis://``, ...): sequential, weaker guarantee
 ----------------------------------------------------------------------------------
-Kombu's virtual transports have neither confirms nor returns. Events are sent one by one and
-the chain stops at the first exception, so the prefix rule still holds as far as the client
+Kombu's virtual transports have neither confirms nor returns. Waves are sent one event at a
+time and a chain stops at the first exception, so the prefix rule still holds as far as the client
 can see; but a "successful" publish only means the transport accepted the call (for Redis: the
 ``LPUSH`` was acknowledged by Redis, durable only as far as Redis persistence is configured;
 for ``memory://``: the message sits in this process and dies with it), and an event whose
@@ -73,7 +80,7 @@ it would shut down the parent's socket). Connecting uses a short, bounded retry 
 that is down is reported as BACKPRESSURE within seconds instead of hanging a worker. After any
 error the connection is discarded and the next call reconnects; a connection that was idle
 since an earlier call and turns out to be dead is replaced once, transparently, and the
-chain resumes at the event that failed (which may then reach the broker twice: delivery is
+wave that failed is sent again (which may then reach the broker twice: delivery is
 at-least-once, and the prefix rule is unaffected).
 
 Headers
@@ -94,6 +101,7 @@ import json
 import logging
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -175,6 +183,14 @@ class Publisher(ABC):
     @abstractmethod
     def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
         """Publish ``messages`` (one aggregate, id order) so that a prefix reaches the broker."""
+
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]]) -> list[ChainResult]:
+        """Publish several chains (of different aggregates), one result per chain, in order.
+
+        The prefix promise holds per chain; chains are independent of each other, so an
+        implementation may interleave them to share broker round trips. This default
+        publishes them one after the other."""
+        return [self.publish_chain(chain) for chain in chains]
 
     def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
         """Send a copy of a dead row to the dead-letter exchange, if the publisher has one.
@@ -366,8 +382,40 @@ def failure_from(exc: BaseException) -> PublishFailure:
 
 # -- the kombu publisher -----------------------------------------------------------------------
 
-class _Unroutable(Exception):
-    """Internal: the broker returned the message just published."""
+#: A wave verdict: the broker returned the message (no queue bound for its routing key).
+_RETURNED = "returned"
+
+
+class _ChainProgress:
+    """How far one chain of a ``publish_chains`` call has got."""
+
+    def __init__(self, chain: list[OutboxMessage]) -> None:
+        self.chain = chain
+        self.position = 0
+        self.published: list[int] = []
+        self.unroutable: list[int] = []
+        self.failure: PublishFailure | None = None
+
+    @property
+    def next(self) -> OutboxMessage:
+        return self.chain[self.position]
+
+    @property
+    def going(self) -> bool:
+        return self.failure is None and self.position < len(self.chain)
+
+    def advance(self, unroutable: bool = False) -> None:
+        self.published.append(self.next.id)
+        if unroutable:
+            self.unroutable.append(self.next.id)
+        self.position += 1
+
+    def stop(self, failure: PublishFailure) -> None:
+        self.failure = failure
+
+    def result(self) -> ChainResult:
+        failed_id = self.next.id if self.failure is not None else None
+        return ChainResult(tuple(self.published), failed_id, self.failure, tuple(self.unroutable))
 
 
 class KombuPublisher(Publisher):
@@ -401,7 +449,10 @@ class KombuPublisher(Publisher):
         self._channel: Any = None
         self._producer: Any = None  # kombu.Producer
         self._confirms = False  # py-amqp: confirm mode + mandatory + returns
-        self._returned: list[Any] = []
+        self._next_tag = 0  # the delivery tag of the last message sent on the channel
+        self._unconfirmed: set[int] = set()  # delivery tags the broker has not acked or nacked yet
+        self._nacked: set[int] = set()
+        self._returned: set[str] = set()  # message ids the broker returned as unroutable
 
     @classmethod
     def from_settings(cls, settings: "Settings", **options: Any) -> "KombuPublisher":
@@ -416,10 +467,11 @@ class KombuPublisher(Publisher):
 
     # -- public API ----------------------------------------------------------------
     def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
-        if not messages:
-            return ChainResult()
+        return self.publish_chains([messages])[0]
+
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]]) -> list[ChainResult]:
         with self._lock:
-            return self._publish_chain(list(messages))
+            return self._publish_waves([list(chain) for chain in chains])
 
     def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
         """Publish a dead row to ``dead_letter_exchange`` (durable topic, routing key = topic)
@@ -451,10 +503,13 @@ class KombuPublisher(Publisher):
             try:
                 self._ready()
                 self._send(message, headers, self.dead_letter_exchange, mandatory=False)
+                self._await_confirms()
             except Exception as exc:  # noqa: BLE001 - reported, never raised
                 self._discard()
                 return failure_from(exc)
-        return None
+            nacked = bool(self._nacked)
+            self._nacked.clear()
+        return PublishFailure(FailureKind.BACKPRESSURE, "the broker refused the message (basic.nack)") if nacked else None
 
     def close(self) -> None:
         with self._lock:
@@ -465,57 +520,101 @@ class KombuPublisher(Publisher):
                     log.debug("error closing the publisher connection", exc_info=True)
             self._forget()
 
-    # -- the chain -----------------------------------------------------------------
-    def _publish_chain(self, messages: list[OutboxMessage]) -> ChainResult:
-        published: list[int] = []
-        unroutable: list[int] = []
-
-        def stop(message: OutboxMessage, failure: PublishFailure) -> ChainResult:
-            return ChainResult(tuple(published), message.id, failure, tuple(unroutable))
-
+    # -- chains, in waves ----------------------------------------------------------------
+    def _publish_waves(self, chains: list[list[OutboxMessage]]) -> list[ChainResult]:
+        """Publish several chains (different aggregates) in waves: the next unsent event of
+        every chain still going, back to back, then wait until the broker has confirmed (or
+        returned, or nacked) every one of them; repeat. Within a chain this is stop-and-wait,
+        so what reaches the broker is a prefix of each chain; across chains the round trips
+        are shared, so a task costs as many round trips as its longest chain has events."""
+        waves = [_ChainProgress(chain) for chain in chains]
+        going = [w for w in waves if w.chain]
         reused = self._usable()  # a connection from an earlier call, maybe dead since
-        try:
-            self._ready()
-        except Exception as exc:  # noqa: BLE001
-            self._discard()
-            return stop(messages[0], failure_from(exc))
-
-        position = 0
-        while position < len(messages):
-            message = messages[position]
-            poisoned = poison_check(message, self.max_message_bytes)
-            if poisoned is not None:
-                return stop(message, poisoned)
+        while going:
+            wave: list[_ChainProgress] = []
+            for w in going:
+                poisoned = poison_check(w.next, self.max_message_bytes)
+                if poisoned is not None:
+                    w.stop(poisoned)
+                else:
+                    wave.append(w)
+            if not wave:
+                break
             try:
-                self._send(message, build_headers(message), self.exchange, mandatory=True)
-            except _Unroutable:
-                if self.unroutable == "fail":
-                    return stop(message, PublishFailure(
-                        FailureKind.RETRIABLE,
-                        f"unroutable: no queue bound for routing key {message.topic!r} "
-                        f"on exchange {self.exchange!r}"))
-                log.warning("outbox event %s (%s) was unroutable and is dropped (unroutable='drop')",
-                            message.id, message.topic)
-                unroutable.append(message.id)
-            except Exception as exc:  # noqa: BLE001
+                self._ready()
+                outcomes = self._send_wave([w.next for w in wave])
+            except Exception as exc:  # noqa: BLE001 - nothing of this wave is known to be on the broker
                 self._discard()
                 failure = failure_from(exc)
                 if reused and _connection_lost(exc):
-                    # Most likely a connection that died while idle: replace it once and resume
-                    # at this event (it may arrive twice; that is at-least-once, still a prefix).
+                    # Most likely a connection that died while idle: replace it once and send
+                    # the wave again (its events may arrive twice: at-least-once, still a prefix).
                     reused = False
                     log.info("publisher connection was lost (%s); reconnecting once", failure.reason)
-                    try:
-                        self._ready()
-                    except Exception as again:  # noqa: BLE001
-                        self._discard()
-                        return stop(message, failure_from(again))
                     continue
-                return stop(message, failure)
-            published.append(message.id)
+                for w in wave:
+                    w.stop(failure)
+                break
             reused = False  # the connection just worked: a later error is not staleness
-            position += 1
-        return ChainResult(tuple(published), unroutable=tuple(unroutable))
+            pushback: PublishFailure | None = None
+            for w, problem in zip(wave, outcomes):
+                if problem is None:
+                    w.advance()
+                elif problem == _RETURNED and self.unroutable == "drop":
+                    log.warning("outbox event %s (%s) was unroutable and is dropped (unroutable='drop')",
+                                w.next.id, w.next.topic)
+                    w.advance(unroutable=True)
+                elif problem == _RETURNED:
+                    w.stop(PublishFailure(
+                        FailureKind.RETRIABLE,
+                        f"unroutable: no queue bound for routing key {w.next.topic!r} on exchange {self.exchange!r}"))
+                else:
+                    w.stop(problem)
+                    pushback = problem
+            going = [w for w in wave if w.going]
+            if pushback is not None:
+                # The broker is pushing back: send nothing more; every chain still going stops
+                # at its next event for the same reason (the relay releases them, no attempt).
+                for w in going:
+                    w.stop(pushback)
+                going = []
+        return [w.result() for w in waves]
+
+    def _send_wave(self, messages: list[OutboxMessage]) -> list[Any]:
+        """Send ``messages`` and wait for the broker's verdict on each: ``None`` (confirmed),
+        ``_RETURNED`` (unroutable) or a ``PublishFailure`` (nacked). Raises when the
+        connection fails: then nothing of the wave is known to have arrived.
+
+        Without confirms (virtual transports) each send is its own verdict, so an exception
+        stops the wave there and the events sent before it count as published."""
+        if not self._confirms:
+            verdicts: list[Any] = []
+            for message in messages:
+                try:
+                    self._send(message, build_headers(message), self.exchange, mandatory=False)
+                except Exception as exc:  # noqa: BLE001
+                    if not verdicts:
+                        raise
+                    self._discard()
+                    failure = failure_from(exc)
+                    verdicts.extend([failure] * (len(messages) - len(verdicts)))
+                    return verdicts
+                verdicts.append(None)
+            return verdicts
+        tags = [self._send(m, build_headers(m), self.exchange, mandatory=True) for m in messages]
+        self._await_confirms()
+        verdicts = []
+        for message, tag in zip(messages, tags):
+            if tag in self._nacked:
+                verdicts.append(PublishFailure(FailureKind.BACKPRESSURE,
+                                               "the broker refused the message (basic.nack)"))
+            elif message.message_id in self._returned:
+                verdicts.append(_RETURNED)
+            else:
+                verdicts.append(None)
+        self._nacked.clear()
+        self._returned.clear()
+        return verdicts
 
     # -- connection management -------------------------------------------------------
     def _usable(self) -> bool:
@@ -531,10 +630,6 @@ class KombuPublisher(Publisher):
         if self._conn is None:
             conn = Connection(self.url, connect_timeout=self.connect_timeout)
             self._confirms = getattr(conn.transport, "driver_name", "") == "py-amqp"
-            if self._confirms:
-                # py-amqp puts every channel of the connection in confirm mode and makes
-                # basic_publish wait for the ack (raising MessageNacked on a nack).
-                conn.transport_options["confirm_publish"] = True
             self._conn, self._pid = conn, os.getpid()
         if self._producer is not None and self._conn.connected:
             return
@@ -542,7 +637,18 @@ class KombuPublisher(Publisher):
         self._conn.ensure_connection(max_retries=self.connect_retries, interval_start=0.2,
                                      interval_step=0.3, interval_max=1.0)
         channel = self._conn.channel()
+        self._next_tag = 0
+        self._unconfirmed.clear()
+        self._nacked.clear()
+        self._returned.clear()
         if self._confirms:
+            # Confirm mode: the broker acks (or nacks) every message, numbering them from 1
+            # on this channel; we send without waiting and collect the verdicts in
+            # _await_confirms. A mandatory message that no queue takes comes back as a
+            # basic.return, always before its ack.
+            channel.confirm_select()
+            channel.events["basic_ack"].add(self._on_ack)
+            channel.events["basic_nack"].add(self._on_nack)
             channel.events["basic_return"].add(self._on_return)
         exchanges = [Exchange(name, type="topic", durable=True)
                      for name in (self.exchange, self.dead_letter_exchange) if name]
@@ -552,12 +658,34 @@ class KombuPublisher(Publisher):
         self._producer = Producer(channel, exchange=exchanges[0], auto_declare=False)
 
     def _on_return(self, exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
-        # Called by py-amqp while basic_publish waits for the ack: a return always precedes
-        # the ack of the same message, and we have only one message in flight.
-        self._returned.append(routing_key)
+        message_id = getattr(message, "properties", {}).get("message_id")
+        if message_id:
+            self._returned.add(message_id)
 
-    def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> None:
-        self._returned.clear()
+    def _settle(self, tag: int, multiple: bool) -> list[int]:
+        tags = [t for t in self._unconfirmed if t <= tag] if multiple else [tag]
+        self._unconfirmed.difference_update(tags)
+        return tags
+
+    def _on_ack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple)
+
+    def _on_nack(self, tag: int, multiple: bool) -> None:
+        self._nacked.update(self._settle(tag, multiple))
+
+    def _await_confirms(self) -> None:
+        """Read from the broker until every message sent is acked or nacked; raise
+        ``TimeoutError`` if that takes longer than ``confirm_timeout``."""
+        deadline = time.monotonic() + self.confirm_timeout
+        while self._unconfirmed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no publisher confirm within {self.confirm_timeout:g} s "
+                                   f"for {len(self._unconfirmed)} messages")
+            self._conn.drain_events(timeout=remaining)
+
+    def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> int:
+        """Send one message without waiting; returns its delivery tag (0 without confirms)."""
         self._producer.publish(
             encode_body(message),
             exchange=exchange,
@@ -569,12 +697,13 @@ class KombuPublisher(Publisher):
             headers=headers,
             message_id=message.message_id,
             timeout=self.confirm_timeout,
-            confirm_timeout=self.confirm_timeout,
             retry=False,
         )
-        if self._returned:
-            self._returned.clear()
-            raise _Unroutable(message.topic)
+        if not self._confirms:
+            return 0
+        self._next_tag += 1
+        self._unconfirmed.add(self._next_tag)
+        return self._next_tag
 
     def _discard(self) -> None:
         """Drop the connection after an error, without the protocol's closing handshake
@@ -589,6 +718,8 @@ class KombuPublisher(Publisher):
     def _forget(self) -> None:
         self._conn = self._channel = self._producer = None
         self._pid = None
+        self._unconfirmed.clear()
+        self._nacked.clear()
         self._returned.clear()
 
 

@@ -528,9 +528,52 @@ def send_dead(publisher: Any, message: OutboxMessage, error: str) -> None:
 def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMessage], *,
                  options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
                  settler: Settler | None = None, rng: Callable[[], float] = random.random) -> ChainOutcome:
-    """Publish one chain (one aggregate, id order, one lease) and settle its rows.
+    """Publish one chain (one aggregate, id order, one lease) and settle its rows: a publish
+    task of one chain (see ``handle_publish``)."""
+    outcomes = handle_publish(store, publisher, [messages], options=options, breaker=breaker,
+                              settler=settler, rng=rng)
+    return outcomes[0] if outcomes else ChainOutcome()
 
-    Published prefix -> done. The event that stopped the chain, by failure kind:
+
+def _publish_all(publisher: Any, chains: list[list[OutboxMessage]]) -> list[tuple[list[int], int | None, str | None,
+                                                                                    str | None]]:
+    """(published ids, failed id, kind, reason) per chain. A publisher that raises instead
+    of reporting (a bug, or something nobody foresaw) counts against the head of every chain."""
+    try:
+        if hasattr(publisher, "publish_chains"):
+            results = list(publisher.publish_chains(chains))
+        else:  # a publisher with only the one-chain method
+            results = [publisher.publish_chain(chain) for chain in chains]
+    except Exception as exc:
+        log.exception("outbox publisher raised instead of reporting %s", _fields(chains[0][0]))
+        return [([], chain[0].id, RETRIABLE, f"{type(exc).__name__}: {exc}") for chain in chains]
+    if len(results) != len(chains):
+        log.error("outbox publisher returned %d results for %d chains; settling none of the extra or "
+                  "missing ones", len(results), len(chains))
+    reports = []
+    for index in range(len(chains)):
+        if index >= len(results):
+            reports.append(([], None, None, None))  # said nothing: released below
+            continue
+        result = results[index]
+        failure = result.failure
+        reports.append((list(result.published), result.failed_id,
+                        _kind_name(failure.kind) if failure is not None else None,
+                        failure.reason if failure is not None else None))
+    return reports
+
+
+def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[OutboxMessage]], *,
+                   deadline: float | None = None, options: RelayOptions = RelayOptions(),
+                   breaker: Breaker | None = None, settler: Settler | None = None,
+                   stopping: Callable[[], bool] = lambda: False,
+                   now: Callable[[], float] = time.time,
+                   rng: Callable[[], float] = random.random) -> list[ChainOutcome]:
+    """Publish the chains of one publish task together (``Publisher.publish_chains``) and
+    settle their rows: every published prefix is marked done in one ``mark_done`` per lease,
+    then each chain that stopped early is settled by the kind of its failure.
+
+    The event that stopped a chain, by failure kind:
 
     * RETRIABLE: failed with back-off (an attempt spent; dead after OUTBOX_MAX_ATTEMPTS,
       then sent to the dead-letter exchange when there is one);
@@ -541,55 +584,71 @@ def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMess
 
     Events after the failed one are released (no attempt spent): they are blocked behind
     it by the claim rule until it is done or dead.
+
+    Nothing is published when the breaker is open or the worker is stopping (the rows are
+    released, no attempt spent), nor after ``deadline``, the wall-clock time after which
+    the lease is about to expire (or has) and another claim may already hold the rows. Those
+    rows are left exactly as they are, for lease recovery, which spends an attempt;
+    releasing them instead would let a message that crashes every worker retry for ever.
     """
-    outcome = ChainOutcome()
-    messages = list(messages)
-    if not messages:
-        return outcome
     settler = settler or Settler(store)
-    if breaker is not None:
-        pause = breaker.open_for()
-        if pause > 0:
-            outcome.skipped = True
-            outcome.released = [m.id for m in messages]
-            settler.release(messages, timedelta(seconds=pause))
-            return outcome
+    chains = [list(chain) for chain in chains if chain]
+    if not chains:
+        return []
+    if deadline is not None and now() > deadline:
+        log.warning("outbox publish task started too late (lease nearly expired); leaving %d rows to lease "
+                    "recovery, first %s", sum(map(len, chains)), _fields(chains[0][0]))
+        return [ChainOutcome(skipped=True) for _ in chains]
+    pause = breaker.open_for() if breaker is not None else 0.0
+    if pause > 0 or stopping():
+        # The broker is down, or this worker is shutting down: hand the rows straight back.
+        for chain in chains:
+            settler.release(chain, timedelta(seconds=pause) if pause > 0 else None)
+        return [ChainOutcome(skipped=True, released=[m.id for m in chain]) for chain in chains]
 
     started = time.perf_counter()
-    try:
-        result = publisher.publish_chain(messages)
-        published = list(result.published)
-        failed_id, failure = result.failed_id, result.failure
-        kind = _kind_name(failure.kind) if failure is not None else None
-        reason = failure.reason if failure is not None else None
-    except Exception as exc:  # a publisher bug or an unexpected error: count it against the head
-        log.exception("outbox publisher raised instead of reporting %s", _fields(messages[0]))
-        published, failed_id, kind, reason = [], messages[0].id, RETRIABLE, f"{type(exc).__name__}: {exc}"
+    reports = _publish_all(publisher, chains)
+    elapsed = time.perf_counter() - started
 
-    # Trust only a true prefix of the chain.
-    ids = [m.id for m in messages]
-    prefix = 0
-    while prefix < len(published) and prefix < len(ids) and published[prefix] == ids[prefix]:
-        prefix += 1
-    if prefix != len(published):
-        log.error("outbox publisher reported %s, which is not a prefix of chain %s; acking only %s",
-                  published, ids, ids[:prefix])
-    outcome.published = ids[:prefix]
-    metrics.chain(messages[:prefix], time.perf_counter() - started, kind if prefix < len(ids) else None)
-    for message in messages[:prefix]:
-        log.debug("outbox published %s", _fields(message), extra=_extra(message, "published"))
-    settler.done(outcome.published, messages[0].lease)
+    outcomes: list[ChainOutcome] = []
+    done: dict[str, list[int]] = {}
+    for chain, (published, _, kind, _) in zip(chains, reports):
+        # Trust only a true prefix of the chain.
+        ids = [m.id for m in chain]
+        prefix = 0
+        while prefix < len(published) and prefix < len(ids) and published[prefix] == ids[prefix]:
+            prefix += 1
+        if prefix != len(published):
+            log.error("outbox publisher reported %s, which is not a prefix of chain %s; acking only %s",
+                      published, ids, ids[:prefix])
+        outcomes.append(ChainOutcome(published=ids[:prefix]))
+        metrics.chain(chain[:prefix], elapsed, kind if prefix < len(ids) else None)
+        for message in chain[:prefix]:
+            log.debug("outbox published %s", _fields(message), extra=_extra(message, "published"))
+        done.setdefault(chain[0].lease, []).extend(ids[:prefix])
+    for lease, ids in done.items():
+        settler.done(ids, lease)
 
-    rest = messages[prefix:]
-    if not rest:
-        return outcome
+    for chain, (_, failed_id, kind, reason), outcome in zip(chains, reports, outcomes):
+        rest = chain[len(outcome.published):]
+        if rest:
+            _settle_stopped(publisher, rest, failed_id, kind, reason, outcome,
+                            options=options, breaker=breaker, settler=settler, rng=rng)
+    return outcomes
+
+
+def _settle_stopped(publisher: Any, rest: list[OutboxMessage], failed_id: int | None, kind: str | None,
+                    reason: str | None, outcome: ChainOutcome, *, options: RelayOptions,
+                    breaker: Breaker | None, settler: Settler, rng: Callable[[], float]) -> None:
+    """Settle the unpublished ``rest`` of a chain: its head by the failure kind, the others
+    released behind it."""
     if failed_id is None or kind is None:
         # Stopped early without saying why: give the rest back untouched.
-        log.error("outbox publisher stopped after %d of %d events without a failure; releasing %s",
-                  prefix, len(ids), [m.id for m in rest])
+        log.error("outbox publisher stopped before %s without a failure; releasing %s",
+                  rest[0].id, [m.id for m in rest])
         outcome.released = [m.id for m in rest]
         settler.release(rest)
-        return outcome
+        return
     if failed_id != rest[0].id:
         log.error("outbox publisher failed id %s but the next unpublished event is %s; treating it as failed",
                   failed_id, rest[0].id)
@@ -637,39 +696,6 @@ def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMess
                         extra=_extra(failing, "retry"))
         settler.release(after)
         outcome.released = [m.id for m in after]
-    return outcome
-
-
-def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[OutboxMessage]], *,
-                   deadline: float | None = None, options: RelayOptions = RelayOptions(),
-                   breaker: Breaker | None = None, settler: Settler | None = None,
-                   stopping: Callable[[], bool] = lambda: False,
-                   now: Callable[[], float] = time.time) -> list[ChainOutcome]:
-    """Run the chains of one publish task, in order.
-
-    ``deadline`` is the wall-clock time after which no chain is started: its lease is
-    about to expire (or has), and another claim may already hold the rows. Those rows
-    are left exactly as they are, for lease recovery, which spends an attempt; releasing
-    them instead would let a message that crashes every worker retry for ever.
-    """
-    settler = settler or Settler(store)
-    outcomes: list[ChainOutcome] = []
-    for chain in chains:
-        chain = list(chain)
-        if not chain:
-            continue
-        if deadline is not None and now() > deadline:
-            log.warning("outbox publish task started too late (lease nearly expired); leaving %d rows to lease "
-                        "recovery, first %s", len(chain), _fields(chain[0]))
-            outcomes.append(ChainOutcome(skipped=True))
-            continue
-        if stopping():
-            # Worker shutting down before this chain started: hand the rows straight back.
-            settler.release(chain)
-            outcomes.append(ChainOutcome(skipped=True, released=[m.id for m in chain]))
-            continue
-        outcomes.append(handle_chain(store, publisher, chain, options=options, breaker=breaker, settler=settler))
-    return outcomes
 
 
 # -- claiming ------------------------------------------------------------------------------
