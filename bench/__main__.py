@@ -10,10 +10,9 @@ Phases, in order (each can be skipped with ``--skip``):
 4. ``profile``   a second drain with py-spy attached to the worker's processes;
 5. ``live``      commit-to-arrival latency at a fixed rate, with the post-commit wake and
                  without (polling), and with PostgreSQL LISTEN/NOTIFY (``--no-listen`` to skip);
-6. ``proto``     the proposed fixes, measured: tuning only (bigger batches and tasks,
-                 synchronous_commit=off for the relay's sessions), and the prototypes of
-                 ``bench.proto`` (one mark_done per task, confirms pipelined across chains,
-                 small claims published inline) in the baseline loop and the real worker.
+6. ``tuning``    the shipped worker with other settings: bigger batches and tasks,
+                 synchronous_commit=off for the relay's sessions, and inline publishing of
+                 small claims turned off (its live latency shows what inline publishing saves).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from .common import (PY_SPY, Destination, Run, create_table, drop_table, flush_r
                      require_services, to_json, wait_quiet)
 
 TARGETS = {"drain_events_per_s": 6000.0, "live_p50_ms": 10.0, "live_p99_ms": 60.0, "worker_rss_mb": 256.0}
-PHASES = ("confirm", "baseline", "drain", "profile", "live", "proto")
+PHASES = ("confirm", "baseline", "drain", "profile", "live", "tuning")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline-ack", choices=("batch", "chain", "both"), default="both",
                    help="baseline loop marks done per claimed batch, per chain, or runs both (default)")
     p.add_argument("--profile-events", type=int, help="backlog of the py-spy pass (default min(events, 20,000))")
-    p.add_argument("--proto-events", type=int, help="backlog of each prototype drain (default min(events, 20,000))")
+    p.add_argument("--tuning-events", type=int, help="backlog of each tuning drain (default min(events, 20,000))")
     p.add_argument("--live-rate", type=float, default=200.0, help="events/s the writers commit")
     p.add_argument("--live-seconds", type=float, help="how long the writers write (default 20; 5 with --quick)")
     p.add_argument("--writers", type=int, default=2)
@@ -66,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.live_seconds = args.live_seconds or (5.0 if args.quick else 20.0)
     args.confirm_events = args.confirm_events or (1000 if args.quick else 5000)
     args.profile_events = args.profile_events or min(args.events, 20_000)
-    args.proto_events = args.proto_events or min(args.events, 20_000)
+    args.tuning_events = args.tuning_events or min(args.events, 20_000)
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     unknown = args.skip - set(PHASES)
     if unknown:
@@ -128,12 +127,12 @@ def summary(results: dict[str, Any]) -> str:
                 + f" (machine {100 * drain['cpu']['machine_busy']:.0f}% busy)")
             lines.append("  CPU per relayed event (us): " + ", ".join(
                 f"{k} {v:.0f}" for k, v in drain["cpu_us_per_event"].items()))
-    proto = results.get("proto")
-    if proto:
+    tuning = results.get("tuning")
+    if tuning:
         lines.append("")
-        lines.append("prototypes of the proposed fixes (bench/proto.py; not the shipped code):")
+        lines.append(f"the shipped worker with other settings ({results.get('tuning_events')} events each):")
         base = baselines.get("batch")
-        for name, r in proto.items():
+        for name, r in tuning.items():
             extra = f"x{r['events_per_s'] / base['events_per_s']:.2f} of the baseline loop" if base else ""
             if drain and name.startswith("celery"):
                 extra += f", x{r['events_per_s'] / drain['events_per_s']:.2f} of the shipped worker"
@@ -208,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(run.outbox_env())
     sys.path.insert(0, str(workdir))
 
-    results: dict[str, Any] = {"events": args.events, "aggregates": args.aggregates, "live_rate": args.live_rate,
+    results: dict[str, Any] = {"events": args.events, "tuning_events": args.tuning_events,
+                               "aggregates": args.aggregates, "live_rate": args.live_rate,
                                "live_seconds": args.live_seconds, "skipped": [], "run": run.tag}
     log(f"run {run.tag}: table {run.table}, exchange {run.exchange}, Celery broker {run.redis_url}, "
         f"work dir {workdir}")
@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         results["quiet"][phase] = wait_quiet(max_busy=0.25 if relay is None else 0.35,
                                              timeout=min(90.0, max(5.0, remaining() / 8)))
 
-    def relay_factory(app: str = "outbox", **env: str) -> Any:
-        return drain.Relay(run, concurrency=args.concurrency, loglevel=args.worker_loglevel, app=app, **env)
+    def relay_factory(**env: str) -> Any:
+        return drain.Relay(run, concurrency=args.concurrency, loglevel=args.worker_loglevel, **env)
 
     try:
         if "confirm" not in args.skip:
@@ -318,49 +318,30 @@ def main(argv: list[str] | None = None) -> int:
                 results["worker_rss_after_live_mb"] = {
                     str(pid): round((drain.rss_kb(pid) or 0) / 1024, 1) for pid in relay.worker_pids()}
 
-        if "proto" not in args.skip:
-            results["proto"] = {}
-            if remaining() < 60:
-                results["skipped"].append("proto (time budget)")
-            else:
-                if relay is not None:  # a running relay would drain the loop's backlog too
-                    relay.stop()
-                    relay = None
-                quiet("proto-loop-waves")
-                results["proto"]["loop_waves_ack_batch"] = drain.run_baseline(
-                    run, destination, args.proto_events, args.aggregates, "batch",
-                    timeout=max(60.0, remaining() / 3), publisher="waves")
-            # (name, Celery app, prototypes, extra environment, also measure live latency)
-            tuned = {"OUTBOX_BATCH_SIZE": "400", "OUTBOX_RELAY_TASK_ROWS": "200"}
-            sync_off = {"PGOPTIONS": "-c synchronous_commit=off"}
-            patched = "bench.patched_app"
+        if "tuning" not in args.skip:
+            results["tuning"] = {}
+            # (name, extra environment of the worker, also measure live latency)
             variants = [
-                ("tuned (batch 400, task rows 200)", "outbox", "", tuned, False),
-                ("synchronous_commit=off", "outbox", "", sync_off, True),
-                ("batched_ack", patched, "batched_ack", {}, False),
-                ("waves+batched_ack", patched, "waves,batched_ack", {}, False),
-                ("waves+batched_ack, tuned", patched, "waves,batched_ack", tuned, False),
-                ("waves+batched_ack+inline", patched, "waves,batched_ack,inline", {}, True),
-                ("waves+batched_ack+inline, tuned", patched, "waves,batched_ack,inline", tuned, True),
+                ("task rows 100", {"OUTBOX_RELAY_TASK_ROWS": "100"}, False),
+                ("batch 400, task rows 200", {"OUTBOX_BATCH_SIZE": "400", "OUTBOX_RELAY_TASK_ROWS": "200"}, False),
+                ("synchronous_commit=off", {"PGOPTIONS": "-c synchronous_commit=off"}, True),
+                ("no inline publishing (INLINE_ROWS=0)", {"OUTBOX_RELAY_INLINE_ROWS": "0"}, True),
             ]
-            for name, app, choice, extra, with_live in variants:
+            for name, env, with_live in variants:
                 live_seconds = min(args.live_seconds, 10.0)
                 if remaining() < 45 + (live_seconds + 15 if with_live else 0):
-                    results["skipped"].append(f"proto {name} (time budget)")
+                    results["skipped"].append(f"tuning {name} (time budget)")
                     continue
                 if relay is not None:
                     relay.stop()
-                env = dict(extra)
-                if choice:
-                    env["OUTBOX_BENCH_PROTO"] = choice
-                relay = relay_factory(app=app, **env)
+                relay = relay_factory(**env)
                 relay.wait_ready()
-                quiet(f"proto-{name}")
-                results["proto"][f"celery {name}"], relay = drain.run_celery_drain(
-                    run, destination, relay_factory, args.proto_events, args.aggregates,
-                    timeout=max(60.0, min(300.0, remaining() / 2)), relay=relay, label=f"proto drain [{name}]")
+                quiet(f"tuning-{name}")
+                results["tuning"][f"celery {name}"], relay = drain.run_celery_drain(
+                    run, destination, relay_factory, args.tuning_events, args.aggregates,
+                    timeout=max(60.0, min(300.0, remaining() / 2)), relay=relay, label=f"tuning drain [{name}]")
                 if with_live and "live" not in args.skip:
-                    quiet(f"proto-live-{name}")
+                    quiet(f"tuning-live-{name}")
                     results["live"][f"wake [{name}]"] = live.run_live(
                         run, destination, "wake", args.live_rate, live_seconds, args.aggregates,
                         args.writers, cpu_groups=drain.cpu_groups(relay), alive=relay.check_alive)

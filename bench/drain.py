@@ -55,14 +55,14 @@ def cpu_per_event(cpu: dict[str, Any], events: int) -> dict[str, float]:
 
 
 def run_baseline(run: Run, destination: Destination, events: int, aggregates: int, ack: str = "batch",
-                 timeout: float = 300.0, publisher: str = "kombu") -> dict[str, Any]:
+                 timeout: float = 300.0) -> dict[str, Any]:
     truncate_table(run)
     expected = load_backlog(run, events, aggregates)
     destination.reset()
     cmd = [sys.executable, "-m", "bench.loop", "--database-url", run.postgres_url, "--table", run.table,
            "--publish-url", run.amqp_url, "--exchange", run.exchange, "--batch", str(run.batch_size),
-           "--ack", ack, "--publisher", publisher, "--max-seconds", str(timeout), "--hold"]
-    log(f"baseline loop (ack per {ack}, publisher {publisher}): {events} events over {aggregates} aggregates")
+           "--ack", ack, "--max-seconds", str(timeout), "--hold"]
+    log(f"baseline loop (ack per {ack}): {events} events over {aggregates} aggregates")
     window = CpuWindow(service_groups())
     window.start()
     proc = subprocess.Popen(cmd, env=run.child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -80,7 +80,7 @@ def run_baseline(run: Run, destination: Destination, events: int, aggregates: in
     own = json.loads(line)
     destination.wait_for(events, timeout=30, idle_timeout=5)
     arrivals = list(destination.arrivals)
-    result = {"ack": ack, "publisher": publisher, "loop": own, "cpu_us_per_event": cpu_per_event(cpu, events), "loop_events_per_s": own["published"] / own["seconds"],
+    result = {"ack": ack, "loop": own, "cpu_us_per_event": cpu_per_event(cpu, events), "loop_events_per_s": own["published"] / own["seconds"],
               **arrival_rate(arrivals, events), "order": check_order(arrivals, expected),
               "cpu": cpu, "table": status_counts(run)}
     log(f"baseline loop: {result['events_per_s']:.0f} ev/s first-to-last arrival "
@@ -95,9 +95,8 @@ class Relay:
     """One worker (prefork, ``concurrency`` processes) and one beat, as separate process groups."""
 
     def __init__(self, run: Run, concurrency: int = 2, loglevel: str = "WARNING", beat: bool = True,
-                 app: str = "outbox", **env: str) -> None:
+                 **env: str) -> None:
         self.run = run
-        self.app = app
         self.concurrency = concurrency
         self.dir = run.workdir
         self.env = run.child_env(**env)
@@ -110,7 +109,7 @@ class Relay:
     def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         out = open(self.dir / f"{name}.log", "ab")
         try:
-            return subprocess.Popen([CELERY, "-A", self.app, *args], cwd=self.dir, env=self.env, stdout=out,
+            return subprocess.Popen([CELERY, "-A", "outbox", *args], cwd=self.dir, env=self.env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             out.close()
@@ -271,16 +270,16 @@ def _frame_name(frame: str) -> str:
 #: (checked from the leaf up, so the innermost known activity is charged).
 _BUCKETS = [
     # pool processes: the publish path
-    ("amqp: wait for confirm", ("channel.py:basic_publish_confirm",)),
-    ("amqp: wave of pipelined confirms (prototype)", ("proto.py:publish_chains",)),
+    ("amqp: wait for the wave's confirms", ("publisher.py:_await_confirms",)),
+    ("amqp: send (frame encoding, socket)", ("channel.py:_basic_publish",)),
     ("db: mark_done", ("store.py:mark_done",)),
     ("db: release / mark_failed", ("store.py:release", "store.py:mark_failed")),
     ("db: claim", ("store.py:claim",)),
     ("celery: send task (Redis)", ("task.py:apply_async", "base.py:send_task")),
     ("redis: wake token / breaker / queue depth", ("relay.py:acquire", "relay.py:clear", "relay.py:open_for",
                                                    "tasks.py:queued_publish_tasks", "wake.py:")),
-    ("publisher: headers, checks, kombu encode", ("publisher.py:poison_check", "publisher.py:build_headers",
-                                                  "messaging.py:publish", "publisher.py:publish_chain")),
+    ("publisher: headers, checks, kombu", ("publisher.py:checked_headers", "publisher.py:build_headers",
+                                           "messaging.py:publish", "publisher.py:_publish_waves")),
     ("task args (dicts -> messages)", ("relay.py:message_from_dict", "relay.py:message_to_dict")),
     ("logging", ("__init__.py:info", "__init__.py:debug", "__init__.py:warning", "__init__.py:_log")),
     ("celery: rest of the task", ("trace.py:trace_task", "trace.py:fast_trace_task")),

@@ -1,13 +1,12 @@
 """The drain baseline: a plain, single-process loop over the relay's own building blocks.
 
-    claim(batch) -> split_chains -> KombuPublisher.publish_chain (per chain) -> mark_done
+    claim(batch) -> split_chains -> KombuPublisher.publish_chains -> mark_done
 
 No Celery, no tasks, no second process. Run as a subprocess by ``bench.drain`` (so the bench
 process, which consumes the destination queue, does not share its GIL) and prints one JSON
-line with what it did. ``--publisher waves`` swaps in the ``bench.proto`` prototype.
-``--ack batch`` marks the whole batch's published ids done in one
-statement after the batch; ``--ack chain`` marks each chain done as soon as it is published,
-as the relay's publish task does.
+line with what it did. ``--ack batch`` marks the whole batch's published ids done in one
+statement after the batch, as the relay's publish task does for its chains; ``--ack chain``
+marks each chain done in a statement of its own (what the relay did before it batched).
 """
 
 from __future__ import annotations
@@ -27,9 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exchange", required=True)
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--ack", choices=("batch", "chain"), default="batch")
-    parser.add_argument("--publisher", choices=("kombu", "waves"), default="kombu",
-                        help="kombu: the shipped KombuPublisher (stop-and-wait per event); waves: the "
-                             "bench.proto prototype (confirms pipelined across chains)")
     parser.add_argument("--max-seconds", type=float, default=600.0)
     parser.add_argument("--hold", action="store_true",
                         help="after printing the result, keep the connections open until stdin has a line "
@@ -41,12 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from outbox.store import OutboxStore
 
     store = OutboxStore(args.database_url, table=args.table)
-    if args.publisher == "waves":
-        from bench.proto import WavePublisher
-
-        publisher: Any = WavePublisher(args.publish_url, args.exchange)
-    else:
-        publisher = KombuPublisher(args.publish_url, args.exchange)
+    publisher = KombuPublisher(args.publish_url, args.exchange)
     published = claims = chains = 0
     t_claim = t_publish = t_ack = 0.0
     t0 = time.perf_counter()
@@ -63,16 +54,13 @@ def main(argv: list[str] | None = None) -> int:
             claims += 1
             done: list[int] = []
             batch_chains = split_chains(claim.messages)
-            if args.publisher == "waves":
-                a = time.perf_counter()
-                wave_results = iter(publisher.publish_chains(batch_chains))
-                t_publish += time.perf_counter() - a
-            for chain in batch_chains:
+            a = time.perf_counter()
+            results = publisher.publish_chains(batch_chains)
+            b = time.perf_counter()
+            t_publish += b - a
+            for result in results:
                 chains += 1
-                a = time.perf_counter()
-                result = next(wave_results) if args.publisher == "waves" else publisher.publish_chain(chain)
                 b = time.perf_counter()
-                t_publish += b - a
                 if args.ack == "chain":
                     store.mark_done(result.published, claim.lease)
                     t_ack += time.perf_counter() - b

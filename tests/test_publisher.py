@@ -21,6 +21,7 @@ from kombu.exceptions import OperationalError
 from outbox.config import load_settings
 from outbox.model import OutboxMessage
 from outbox.publisher import (
+    checked_headers,
     DEFAULT_MAX_MESSAGE_BYTES,
     ChainResult,
     FailureKind,
@@ -116,6 +117,27 @@ def wrapped(outer: BaseException, inner: BaseException) -> BaseException:
             raise outer from exc
     except BaseException as exc:
         return exc
+
+
+def test_the_cheap_header_size_bound_holds_for_every_kind_of_header_value() -> None:
+    """``checked_headers`` skips the AMQP encoding when 2 x the JSON size + 64 is under the
+    limit: check that bound against the real encoder on flat headers of every value kind
+    enqueue accepts (the worst case is many small integers)."""
+    import random
+    from amqp.serialization import dumps as amqp_dumps
+
+    rng = random.Random(7)
+    values = [0, 1, -1, 2**62, -(2**63), 1.5, -0.0, 1e300, True, False, None, "", "x", "é" * 5, "\u2603", "a" * 300]
+    for _ in range(300):
+        headers = {("k" * rng.randint(1, 3)) + str(i): rng.choice(values) for i in range(rng.randint(1, 60))}
+        message = make_message(1, headers=headers)
+        full = build_headers(message)
+        encoded = len(amqp_dumps("F", [full]))
+        assert encoded <= 2 * len(json.dumps(full, allow_nan=False)) + 64, full
+        assert checked_headers(message) == (full, None)
+    # and near the limit the real encoder decides
+    many = make_message(1, headers={f"k{i}": 1 for i in range(8000)})
+    assert checked_headers(many)[1] is not None and "bytes encoded" in checked_headers(many)[1].reason
 
 
 @pytest.mark.parametrize("exc, kind", [

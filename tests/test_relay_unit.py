@@ -145,6 +145,33 @@ def test_claim_dispatches_every_row_in_per_aggregate_chains(store: OutboxStore, 
     assert set(status_of(store).values()) == {Status.CLAIMED}
 
 
+def test_a_small_claim_is_published_by_the_claim_itself(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 2)
+    b = add(conn, "b", 1)
+    sent, here = Collect(), Collect()
+    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=1),
+                           publish_inline=here)
+    assert outcome.inline and outcome.claimed == outcome.dispatched == 3 and not outcome.more
+    assert sent.tasks == []  # no hop through Celery's broker
+    assert len(here.tasks) == 1 and [[m.id for m in chain] for chain in here.chains] == [a, b]
+
+
+def test_a_full_or_larger_claim_still_goes_out_as_publish_tasks(store: OutboxStore,
+                                                                conn: sqlite3.Connection) -> None:
+    add(conn, "a", 3)
+    add(conn, "b", 3)
+    for batch_size, options in ((3, RelayOptions()),  # full: a backlog, every process gets work
+                                (100, RelayOptions(inline_rows=2)),  # more rows than inline_rows
+                                (100, RelayOptions(inline_rows=0))):  # turned off
+        sent, here = Collect(), Collect()
+        outcome = handle_claim(store, sent, batch_size=batch_size, lease_s=60.0, options=options,
+                               publish_inline=here)
+        assert not outcome.inline and here.tasks == []
+        assert outcome.dispatched == sum(len(c) for c in sent.chains) == outcome.claimed > 0
+        for chain in sent.chains:
+            store.release([m.id for m in chain], chain[0].lease)
+
+
 def test_full_batch_asks_for_more(store: OutboxStore, conn: sqlite3.Connection) -> None:
     add(conn, "a", 5)
     add(conn, "b", 5)
@@ -555,6 +582,9 @@ def test_relay_options_from_settings_sources() -> None:
         RelayOptions.from_sources({"OUTBOX_RELAY_MAX_QUEUED_TASKS": "many"})
     with pytest.raises(ConfigError, match="OUTBOX_RELAY_BREAKER_S"):
         RelayOptions.from_sources({"OUTBOX_RELAY_BREAKER_S": "0"})
+    assert RelayOptions.from_sources({"OUTBOX_RELAY_INLINE_ROWS": "0"}).inline_rows == 0  # 0 = off
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_INLINE_ROWS.*>= 0"):
+        RelayOptions.from_sources({"OUTBOX_RELAY_INLINE_ROWS": "-1"})
 
 
 def test_file_breaker_is_shared_between_instances(tmp_path: Path) -> None:

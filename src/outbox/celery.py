@@ -127,9 +127,11 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         # the table, fenced by the lease. So a task running when the connection to Celery's
         # broker drops is allowed to finish its chain rather than be cancelled halfway.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
-        # A publish task stuck past its lease (a hung broker socket) is killed; the lease
-        # brings its rows back. Time limits need the prefork pool.
-        "task_annotations": {PUBLISH_TASK: {"time_limit": max(10.0, lease_s)}},
+        # A publish task (or a claim publishing a small batch itself) stuck past its lease
+        # (a hung broker socket) is killed; the lease brings its rows back. Time limits
+        # need the prefork pool.
+        "task_annotations": {PUBLISH_TASK: {"time_limit": max(10.0, lease_s)},
+                             CLAIM_TASK: {"time_limit": max(10.0, lease_s)}},
         "worker_hijack_root_logger": True,
         "beat_schedule": load_beat_schedule(settings, options),
     }

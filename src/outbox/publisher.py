@@ -252,24 +252,40 @@ def poison_check(message: OutboxMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BY
     above all, does not make the broker close the connection (an oversized message is a
     channel error on RabbitMQ, an oversized header a connection error).
     """
+    return checked_headers(message, max_bytes)[1]
+
+
+def checked_headers(message: OutboxMessage,
+                    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[dict[str, Any], PublishFailure | None]:
+    """``(build_headers(message), poison_check(message))`` with the headers built once: the
+    publisher's hot path needs both."""
     try:
         size = len(encode_body(message))
     except UnicodeError as exc:
-        return PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
+        return {}, PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
     if size > max_bytes:
-        return PublishFailure(FailureKind.POISON,
-                              f"message size {size} bytes is above the maximum of {max_bytes} bytes")
+        return {}, PublishFailure(FailureKind.POISON,
+                                  f"message size {size} bytes is above the maximum of {max_bytes} bytes")
+    headers: dict[str, Any] = {}
     try:
         headers = build_headers(message)
-        json.dumps(headers, allow_nan=False)  # virtual transports (redis, memory) send JSON
-        from amqp.serialization import dumps as amqp_dumps
-        header_size = len(amqp_dumps("F", [headers]))  # what AMQP sends: a field table
+        json_size = len(json.dumps(headers, allow_nan=False))  # virtual transports (redis, memory) send JSON
+        # What AMQP sends is a field table. Headers are flat (names to strings, numbers, booleans
+        # or None); per entry the table takes at most twice the JSON's bytes (``"k":1,`` is 6
+        # bytes of JSON, 11 in the table), and its integers are 64-bit. So only headers that
+        # could be too big, or hold a bigger integer, need encoding here to be sure.
+        if 2 * json_size + 64 > MAX_HEADER_BYTES or any(
+                type(v) is int and not -2**63 <= v < 2**63 for v in headers.values()):
+            from amqp.serialization import dumps as amqp_dumps
+            header_size = len(amqp_dumps("F", [headers]))
+            if header_size > MAX_HEADER_BYTES:
+                return headers, PublishFailure(
+                    FailureKind.POISON,
+                    f"headers are {header_size} bytes encoded, above the maximum of {MAX_HEADER_BYTES}")
     except Exception as exc:  # noqa: BLE001 - whatever the encoder objects to, it will every time
-        return PublishFailure(FailureKind.POISON, f"headers cannot be encoded: {type(exc).__name__}: {exc}", exc)
-    if header_size > MAX_HEADER_BYTES:
-        return PublishFailure(FailureKind.POISON,
-                              f"headers are {header_size} bytes encoded, above the maximum of {MAX_HEADER_BYTES}")
-    return None
+        return headers, PublishFailure(FailureKind.POISON,
+                                       f"headers cannot be encoded: {type(exc).__name__}: {exc}", exc)
+    return headers, None
 
 
 # -- error classification (pure) -------------------------------------------------------------
@@ -532,17 +548,19 @@ class KombuPublisher(Publisher):
         reused = self._usable()  # a connection from an earlier call, maybe dead since
         while going:
             wave: list[_ChainProgress] = []
+            headers: list[dict[str, Any]] = []
             for w in going:
-                poisoned = poison_check(w.next, self.max_message_bytes)
+                event_headers, poisoned = checked_headers(w.next, self.max_message_bytes)
                 if poisoned is not None:
                     w.stop(poisoned)
                 else:
                     wave.append(w)
+                    headers.append(event_headers)
             if not wave:
                 break
             try:
                 self._ready()
-                outcomes = self._send_wave([w.next for w in wave])
+                outcomes = self._send_wave([w.next for w in wave], headers)
             except Exception as exc:  # noqa: BLE001 - nothing of this wave is known to be on the broker
                 self._discard()
                 failure = failure_from(exc)
@@ -580,7 +598,7 @@ class KombuPublisher(Publisher):
                 going = []
         return [w.result() for w in waves]
 
-    def _send_wave(self, messages: list[OutboxMessage]) -> list[Any]:
+    def _send_wave(self, messages: list[OutboxMessage], headers: list[dict[str, Any]]) -> list[Any]:
         """Send ``messages`` and wait for the broker's verdict on each: ``None`` (confirmed),
         ``_RETURNED`` (unroutable) or a ``PublishFailure`` (nacked). Raises when the
         connection fails: then nothing of the wave is known to have arrived.
@@ -589,9 +607,9 @@ class KombuPublisher(Publisher):
         stops the wave there and the events sent before it count as published."""
         if not self._confirms:
             verdicts: list[Any] = []
-            for message in messages:
+            for message, event_headers in zip(messages, headers):
                 try:
-                    self._send(message, build_headers(message), self.exchange, mandatory=False)
+                    self._send(message, event_headers, self.exchange, mandatory=False)
                 except Exception as exc:  # noqa: BLE001
                     if not verdicts:
                         raise
@@ -601,7 +619,7 @@ class KombuPublisher(Publisher):
                     return verdicts
                 verdicts.append(None)
             return verdicts
-        tags = [self._send(m, build_headers(m), self.exchange, mandatory=True) for m in messages]
+        tags = [self._send(m, h, self.exchange, mandatory=True) for m, h in zip(messages, headers)]
         self._await_confirms()
         verdicts = []
         for message, tag in zip(messages, tags):
@@ -725,6 +743,6 @@ class KombuPublisher(Publisher):
 
 __all__ = [
     "Publisher", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind",
-    "classify", "failure_from", "poison_check", "build_headers", "encode_body", "iso_utc",
+    "classify", "failure_from", "poison_check", "checked_headers", "build_headers", "encode_body", "iso_utc",
     "RESERVED_HEADERS", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES",
 ]

@@ -82,6 +82,10 @@ class RelayOptions:
     #: Short chains are packed into one publish task until it holds this many rows
     #: (a chain is never split across tasks). 1 gives one task per chain.
     task_rows: int = 25
+    #: A claim that did not come back full and holds at most this many rows is published
+    #: by the claim task itself instead of going through Celery's broker as a publish
+    #: task: live traffic saves a whole Celery hop. 0 turns it off.
+    inline_rows: int = 25
     #: Claims hold back while this many publish tasks wait in Celery's broker queue.
     #: Rows in flight are then bounded by about (max_queued_tasks + worker processes)
     #: x rows per task (at most OUTBOX_BATCH_SIZE).
@@ -124,13 +128,18 @@ class RelayOptions:
                     value = kind(str(raw).strip()) if isinstance(raw, str) else kind(raw)
                 except (TypeError, ValueError):
                     raise ConfigError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
-                if isinstance(raw, bool) or value <= 0 or (f.name == "lease_safety" and value > 1):
-                    raise ConfigError(f"{name}={raw!r} must be a number > 0"
+                lowest_ok = 0 if f.name in _ZERO_ALLOWED else None
+                if isinstance(raw, bool) or (value < 0 if lowest_ok == 0 else value <= 0) or (
+                        f.name == "lease_safety" and value > 1):
+                    raise ConfigError(f"{name}={raw!r} must be a number {'>= 0' if lowest_ok == 0 else '> 0'}"
                                       + (" and <= 1" if f.name == "lease_safety" else ""))
                 values[f.name] = value
                 break
         return cls(**values)
 
+
+#: Options where 0 means "off".
+_ZERO_ALLOWED = frozenset({"inline_rows"})
 
 #: ``OutboxStore.mark_failed`` accepts retry times up to a day.
 MAX_RETRY_S = 86_400.0
@@ -712,6 +721,7 @@ class ClaimOutcome:
     paused: float = 0.0  # the breaker is open for this long: nothing claimed
     error: str | None = None  # dispatching failed (Celery's broker)
     dead: int = 0  # rows the claim found with an expired lease and no attempts left (went dead)
+    inline: bool = False  # the claim was small: its rows went to ``publish_inline``, not to a publish task
 
     @property
     def more(self) -> bool:
@@ -760,8 +770,13 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
                  options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
                  queued: Callable[[], int | None] | None = None,
                  settler: Settler | None = None, now: Callable[[], float] = time.time,
-                 publisher: Any = None) -> ClaimOutcome:
+                 publisher: Any = None, publish_inline: Dispatch | None = None) -> ClaimOutcome:
     """One claim: lease a batch and dispatch its chains as publish tasks.
+
+    A small claim (not full, at most ``options.inline_rows`` rows, within the byte budget)
+    goes to ``publish_inline(chains, deadline)`` instead, when given: the claim task
+    publishes it itself, which saves live traffic a hop through Celery's broker. A
+    backlog (a full claim) is always dispatched, so every publish process gets work.
 
     Rows the claim turned dead (an expired lease with no attempts left: the row keeps
     killing or losing its workers) are sent to the dead-letter exchange through
@@ -800,6 +815,15 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     deadline = claimed_at + lease_s * options.lease_safety
     tasks, over = plan_tasks(split_chains(claim.messages), options.task_rows, options.max_batch_bytes)
     outcome.trimmed = bool(over)
+    if (publish_inline is not None and not outcome.full and not over
+            and outcome.claimed <= options.inline_rows):
+        chains = [chain for task in tasks for chain in task]
+        log.info("outbox claimed %d rows lease=%s: publishing them here", outcome.claimed, claim.lease)
+        outcome.inline = True
+        outcome.dispatched = outcome.claimed
+        publish_inline(chains, deadline)
+        _dead_letter_expired(publisher, claim.dead)
+        return outcome
     for index, task in enumerate(tasks):
         try:
             dispatch(task, deadline)

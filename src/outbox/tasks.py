@@ -6,8 +6,9 @@ Tasks and their queues
 ==================  ==============  =====================================================
 task                queue           does
 ==================  ==============  =====================================================
-``outbox.claim``    outbox.claim    lease a batch, send its chains on as publish tasks;
-                                    drain mode: claims follow completions (see ``claim``)
+``outbox.claim``    outbox.claim    lease a batch, send its chains on as publish tasks
+                                    (a small batch it publishes itself); drain mode:
+                                    claims follow completions (see ``claim``)
 ``outbox.publish``  outbox.publish  publish chains; mark done / fail / release the rows
 ``outbox.ack``      outbox.ack      ``mark_done`` a publish task could not write itself
 ``outbox.fail``     outbox.ack      ``mark_failed`` (+ dead-letter) likewise
@@ -267,20 +268,26 @@ def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
     r = resources()
     outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
                            lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
-                           queued=queued_publish_tasks, settler=r.settler, publisher=r.publisher)
+                           queued=queued_publish_tasks, settler=r.settler, publisher=r.publisher,
+                           publish_inline=_publish_chains)
     if outcome.more:
         request_claim()
     return asdict(outcome)
 
 
+def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any]:
+    """Publish chains in this process: the publish task's work, and a small claim's."""
+    r = resources()
+    outcomes = handle_publish(r.store, r.publisher, chains, deadline=deadline, options=relay_options(),
+                              breaker=breaker(), settler=r.settler, stopping=STOPPING.is_set)
+    if breaker().open_for() == 0:
+        request_claim()  # drain mode: these aggregates may have more rows now
+    return outcomes
+
+
 @app.task(name=PUBLISH_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
 def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
-    r = resources()
-    outcomes = handle_publish(r.store, r.publisher, [[message_from_dict(d) for d in chain] for chain in chains],
-                              deadline=deadline, options=relay_options(), breaker=breaker(), settler=r.settler,
-                              stopping=STOPPING.is_set)
-    if breaker().open_for() == 0:
-        request_claim()  # drain mode: this task's aggregates may have more rows now
+    outcomes = _publish_chains([[message_from_dict(d) for d in chain] for chain in chains], deadline)
     return {"published": sum(len(o.published) for o in outcomes),
             "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}
 
