@@ -1,13 +1,16 @@
-"""Publisher micro-benchmark: what one publisher-confirm round trip per event costs.
+"""Publisher micro-benchmark: what publisher-confirm round trips cost.
 
-``KombuPublisher`` sends each event and waits for its ``basic.ack`` before the next one
-(stop-and-wait), because that is the only AMQP scheme that keeps "what reached the broker is
-a prefix of the chain" when an event is unroutable or nacked (see ``outbox.publisher``).
-This measures, on the same exchange and durable queue as the drain, with the bench consumer
-draining the queue as a real consumer would:
+Within a chain ``KombuPublisher`` waits for event k's ``basic.ack`` before it sends event
+k+1 (stop-and-wait), because that is the only AMQP scheme that keeps "what reached the broker
+is a prefix of the chain" when an event is unroutable or nacked (see ``outbox.publisher``);
+across the chains of a publish task it shares the round trip (waves). This measures, on the
+same exchange and durable queue as the drain, with the bench consumer draining the queue as a
+real consumer would:
 
-* ``kombu_stop_and_wait``  ``KombuPublisher.publish_chain`` on chains of one event: the
-  relay's real path (mandatory, confirm per event, headers built per event).
+* ``kombu_stop_and_wait``  ``KombuPublisher.publish_chain`` on chains of one event, one call
+  per event: a round trip per event (mandatory, confirms, headers built per event).
+* ``kombu_waves_task25``   ``KombuPublisher.publish_chains`` on 25 chains of one event: the
+  relay's real path for a publish task of a backlog spread over many aggregates.
 * ``raw_stop_and_wait``    py-amqp ``basic_publish`` + wait for the ack, per event, with
   pre-built messages: the round trip alone, without kombu's and the publisher's overhead.
 * ``kombu_stop_and_wait_x2`` two publishers on two connections in two threads (the worker
@@ -66,6 +69,26 @@ def kombu_stop_and_wait(run: Run, messages: list[Any]) -> tuple[int, float]:
             if not result.ok:
                 raise RuntimeError(f"publish failed: {result.failure}")
             sent += 1
+        return sent, time.perf_counter() - t0
+    finally:
+        publisher.close()
+
+
+def kombu_waves(run: Run, messages: list[Any], chains: int) -> tuple[int, float]:
+    from outbox.publisher import KombuPublisher
+
+    publisher = KombuPublisher(run.amqp_url, run.exchange)
+    try:
+        publisher.publish_chain(messages[:1])  # connect and declare outside the clock
+        sent = 0
+        t0 = time.perf_counter()
+        rest = messages[1:]
+        for start in range(0, len(rest), chains):
+            results = publisher.publish_chains([[m] for m in rest[start:start + chains]])
+            failed = [r.failure for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"publish failed: {failed[0]}")
+            sent += len(results)
         return sent, time.perf_counter() - t0
     finally:
         publisher.close()
@@ -191,6 +214,7 @@ def run_confirm_bench(run: Run, destination: Destination, count: int, chain: int
     messages = _messages(count + 2)
     variants: list[tuple[str, Callable[[], Any]]] = [
         ("kombu_stop_and_wait", lambda: kombu_stop_and_wait(run, messages)),
+        (f"kombu_waves_task{chain}", lambda: kombu_waves(run, messages, chain)),
         ("raw_stop_and_wait", lambda: raw_stop_and_wait(run, messages[:count])),
         ("kombu_stop_and_wait_x2", lambda: kombu_stop_and_wait_parallel(run, messages)),
         (f"pipelined_confirm_chain{chain}", lambda: pipelined_confirm_chain(run, messages[:count], chain)),

@@ -427,9 +427,10 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
     Every committed event arrives, in order per aggregate (duplicates allowed), none rolled
     back does, and the rows it held come back through the lease (attempt 2).
 
-    w1 reaches RabbitMQ through a proxy that delays every reply by 15 ms, so each of its
-    publish tasks lasts a few hundred ms (stop-and-wait confirms) and the kill lands while
-    it holds leased rows rather than between two tasks."""
+    w1 reaches RabbitMQ through a proxy that delays every reply by 15 ms, so each wave of
+    confirms of its publish tasks takes that long and the kill lands while it holds leased
+    rows rather than between two tasks. Batches of 10 over 8 aggregates come back full, so
+    they go out as publish tasks (not published inline by the claim)."""
     proxy = Proxy(delay=0.015)
     try:
         procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_BATCH_SIZE="10",
