@@ -55,9 +55,12 @@ class Procs:
         self.procs[name] = proc
         return proc
 
-    def worker(self, name: str, concurrency: int = 2, **env: str) -> subprocess.Popen[bytes]:
+    def worker(self, name: str, concurrency: int = 2, queues: str | None = None, **env: str) -> subprocess.Popen[bytes]:
+        """``queues``: the worker's ``-Q`` (default: every relay queue)."""
+        args = ["-Q", queues] if queues else []
         return self.start(name, "worker", "-c", str(concurrency), "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h",
-                          "--loglevel=INFO", "--without-mingle", "--without-gossip", "--without-heartbeat", env=env)
+                          "--loglevel=INFO", "--without-mingle", "--without-gossip", "--without-heartbeat", *args,
+                          env=env)
 
     def tasks_in_hand(self, name: str, task: str = "outbox.publish") -> set[str]:
         """Ids of ``task`` the worker has received (reserved or running) and not finished."""
@@ -761,3 +764,128 @@ def test_broker_outage_pauses_claims_and_loses_nothing(tmp_path: Path, destinati
         assert outbox.max_attempts() == 0  # the outage spent no attempt
     finally:
         proxy.close()
+
+
+# -- lost Celery messages: the lease recovers them ------------------------------------------------
+
+def celery_queue_keys(env: dict[str, str], queue: str) -> list[str]:
+    """The Redis lists holding ``queue``'s messages for the relay run with ``env`` (its
+    key prefix; kombu keeps a list per priority step, the plain name for the default)."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    prefix = env["OUTBOX_TEST_REDIS_PREFIX"]
+    return [k.decode() for k in client.scan_iter(match=f"{prefix}{queue}*") if client.type(k) == b"list"]
+
+
+def lose_celery_messages(env: dict[str, str], queue: str) -> int:
+    """Delete every message waiting in ``queue`` of Celery's broker (a broker that lost
+    them: a Redis failover, a flushed key); returns how many there were."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    lost = 0
+    for key in celery_queue_keys(env, queue):
+        lost += client.llen(key)
+        client.delete(key)
+    return lost
+
+
+def queued_celery_messages(env: dict[str, str], queue: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    return sum(client.llen(key) for key in celery_queue_keys(env, queue))
+
+
+def test_publish_tasks_lost_in_celerys_broker_come_back_with_the_lease(
+        tmp_path: Path, destination: Destination, outbox: Outbox, procs_factory: Any) -> None:
+    """A claim dispatched publish tasks and Celery's broker lost them before any worker
+    took them. Nothing else knows about those rows: they stay claimed until the lease
+    expires, then the next claim relays them in order, the lost delivery counted."""
+    with outbox.writer() as conn:
+        expected = {"a": [outbox.add(conn, "a", n) for n in range(3)],
+                    "b": [outbox.add(conn, "b", n) for n in range(2)]}
+        conn.commit()
+    # Inline publishing off: the claim must send its rows on as publish tasks.
+    env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2", OUTBOX_CLAIM_TIMEOUT_MS="3000",
+                    OUTBOX_RELAY_INLINE_ROWS="0")
+    procs = procs_factory(env)
+    procs.worker("claimer", concurrency=1, queues="outbox.claim")  # nobody consumes outbox.publish yet
+    procs.beat()
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.CLAIMED}, timeout=20), (
+        outbox.status_counts(), procs.log("claimer")[-3000:])
+    assert wait_until(lambda: queued_celery_messages(env, "outbox.publish") > 0, timeout=10)
+    leased_at = time.monotonic()
+    assert lose_celery_messages(env, "outbox.publish") >= 1
+    procs.worker("w1")
+    destination.wait_for(lambda: len(destination.messages) >= 5, timeout=30, procs=procs)
+    assert time.monotonic() - leased_at >= 2.0, "rows came back before their lease expired"
+    arrivals = destination.arrivals()
+    check_order(arrivals, expected)
+    assert len(arrivals) == 5, [a[0] for a in arrivals]
+    # Rows behind a recovered head start chains of their own (one lost delivery each).
+    assert {m.headers["attempt"] for _, _, m in arrivals} == {2}
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10), outbox.status_counts()
+
+
+REFUSE_DONE_TRIGGER = {
+    "sqlite": ["CREATE TRIGGER {name} BEFORE UPDATE OF status ON {table} WHEN NEW.status = 2 "
+               "BEGIN SELECT RAISE(ABORT, 'test: mark_done refused'); END"],
+    "postgresql": ["CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS "
+                   "$$ BEGIN RAISE EXCEPTION 'test: mark_done refused'; END $$",
+                   "CREATE TRIGGER {name} BEFORE UPDATE ON {table} FOR EACH ROW WHEN (NEW.status = 2) "
+                   "EXECUTE FUNCTION {name}()"],
+    "mysql": ["CREATE TRIGGER {name} BEFORE UPDATE ON {table} FOR EACH ROW BEGIN IF NEW.status = 2 THEN "
+              "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'test: mark_done refused'; END IF; END"],
+}
+DROP_DONE_TRIGGER = {
+    "sqlite": ["DROP TRIGGER {name}"],
+    "postgresql": ["DROP TRIGGER {name} ON {table}", "DROP FUNCTION {name}()"],
+    "mysql": ["DROP TRIGGER {name}"],
+}
+
+
+def run_ddl(outbox: Outbox, statements: list[str]) -> None:
+    name = f"{outbox.table}_refuse_done"
+    with outbox.store.transaction() as cursor:
+        for sql in statements:
+            outbox.store.engine.execute(cursor, sql.format(name=name, table=outbox.store.engine.table))
+
+
+def test_acks_that_never_land_are_recovered_by_the_lease_and_fenced_when_late(
+        tmp_path: Path, destination: Destination, outbox: Outbox, procs_factory: Any) -> None:
+    """The database refuses ``mark_done`` (a trigger) after the events were published, so
+    the publish task hands its acks to the ``outbox.ack`` queue, which nobody consumes in
+    time. The rows are recovered by the lease alone: claimed again, published again
+    (duplicates, attempt 2, in order) and done. When the old acks finally run, their lease
+    is gone: they change nothing and say so."""
+    with outbox.writer() as conn:
+        expected = {"a": [outbox.add(conn, "a", n) for n in range(3)], "b": [outbox.add(conn, "b", 0)]}
+        conn.commit()
+    run_ddl(outbox, REFUSE_DONE_TRIGGER[outbox.kind])
+    env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2", OUTBOX_CLAIM_TIMEOUT_MS="3000")
+    procs = procs_factory(env)
+    procs.worker("w1", queues="outbox.claim,outbox.publish")  # the acks wait: nobody consumes outbox.ack
+    procs.beat()
+    destination.wait_for(lambda: len(destination.messages) >= 4, timeout=30, procs=procs)
+    assert wait_until(lambda: queued_celery_messages(env, "outbox.ack") >= 1, timeout=10), procs.log("w1")[-3000:]
+    assert "handing it to the ack queue" in procs.log("w1")
+    assert set(outbox.statuses().values()) == {Status.CLAIMED}
+    run_ddl(outbox, DROP_DONE_TRIGGER[outbox.kind])
+
+    destination.wait_for(lambda: len(destination.messages) >= 8, timeout=30, procs=procs)
+    arrivals = destination.arrivals()
+    check_order(arrivals, expected)
+    first, again = arrivals[:4], arrivals[4:]
+    assert {m.headers["attempt"] for _, _, m in first} == {1}
+    assert {m.headers["attempt"] for _, _, m in again} == {2}
+    assert sorted(a[0] for a in again) == sorted(a[0] for a in first)
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10), outbox.status_counts()
+    done_at = {id: row["processed_at"] for id, row in outbox.rows().items()}
+
+    procs.worker("acks", concurrency=1, queues="outbox.ack")  # the late acks run now
+    assert wait_until(lambda: queued_celery_messages(env, "outbox.ack") == 0
+                      and "no longer holds" in procs.log("acks"), timeout=20), procs.log("acks")[-3000:]
+    assert {id: row["processed_at"] for id, row in outbox.rows().items()} == done_at
+    assert len(destination.messages) == 8
