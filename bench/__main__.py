@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             results["tuning"] = {}
             # (name, extra environment of the worker, also measure live latency)
             variants = [
-                ("task rows 100", {"OUTBOX_RELAY_TASK_ROWS": "100"}, False),
+                ("task rows 25", {"OUTBOX_RELAY_TASK_ROWS": "25"}, False),
                 ("batch 400, task rows 200", {"OUTBOX_BATCH_SIZE": "400", "OUTBOX_RELAY_TASK_ROWS": "200"}, False),
                 ("synchronous_commit=off", {"PGOPTIONS": "-c synchronous_commit=off"}, True),
                 ("no inline publishing (INLINE_ROWS=0)", {"OUTBOX_RELAY_INLINE_ROWS": "0"}, True),

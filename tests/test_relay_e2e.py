@@ -46,6 +46,7 @@ class Procs:
         self.tmp_path = tmp_path
         self.env = env
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopped: set[str] = set()  # stopped on purpose: their exit is not a failure
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.tmp_path / f"{name}.log", "wb")
@@ -82,12 +83,20 @@ class Procs:
         except ProcessLookupError:
             pass
 
+    def stop(self, name: str, timeout: float = 30.0) -> int:
+        """A warm shutdown: SIGTERM to the main process only, as a supervisor or
+        ``celery multi stop`` sends it; returns the exit code."""
+        proc = self.procs[name]
+        self.stopped.add(name)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=timeout)
+
     def log(self, name: str) -> str:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
-            if proc.poll() is not None and proc.returncode not in (-signal.SIGKILL,):
+            if proc.poll() is not None and proc.returncode != -signal.SIGKILL and name not in self.stopped:
                 raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-4000:]}")
 
     def stop_all(self) -> None:
@@ -889,3 +898,45 @@ def test_acks_that_never_land_are_recovered_by_the_lease_and_fenced_when_late(
                       and "no longer holds" in procs.log("acks"), timeout=20), procs.log("acks")[-3000:]
     assert {id: row["processed_at"] for id, row in outbox.rows().items()} == done_at
     assert len(destination.messages) == 8
+
+
+def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_lease(
+        tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, procs_factory: Any) -> None:
+    """SIGTERM to a worker's main process (what a deploy does): it stops claiming, the
+    publish tasks it holds finish and settle their rows, and it exits cleanly. Another
+    worker relays the rest at once: nothing waits for a lease, no attempt is spent, no
+    event is sent twice.
+
+    w1 reaches RabbitMQ through a proxy that delays every reply by 50 ms, so a task of one
+    10-event chain takes about half a second and the signal lands while it is running."""
+    outbox = sqlite_outbox
+    with outbox.writer() as conn:
+        expected = {f"k-{i}": [outbox.add(conn, f"k-{i}", n) for n in range(10)] for i in range(8)}
+        conn.commit()
+    proxy = Proxy(delay=0.05)
+    try:
+        procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_BATCH_SIZE="10",
+                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="60000"))
+        procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
+        procs.beat()
+        assert wait_until(lambda: bool(procs.tasks_in_hand("w1")), timeout=20, interval=0.01), (
+            procs.log("w1")[-3000:])
+        in_hand = procs.tasks_in_hand("w1")
+        returncode = procs.stop("w1")
+        log_w1 = procs.log("w1")
+        assert returncode == 0, log_w1[-3000:]
+        assert "claims stop" in log_w1
+        for task_id in in_hand:
+            assert f"Task outbox.publish[{task_id}] succeeded" in log_w1, log_w1[-3000:]
+
+        procs.worker("w2")
+        total = sum(len(ids) for ids in expected.values())
+        # Well inside the 60 s lease: anything left to it would time this out.
+        destination.wait_for(lambda: len(destination.messages) >= total, timeout=30, procs=procs)
+        arrivals = destination.arrivals()
+        check_order(arrivals, expected)
+        assert len(arrivals) == total, "an event was sent twice"
+        assert {m.headers["attempt"] for _, _, m in arrivals} == {1}
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10)
+    finally:
+        proxy.close()

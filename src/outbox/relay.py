@@ -80,8 +80,10 @@ class RelayOptions:
     """
 
     #: Short chains are packed into one publish task until it holds this many rows
-    #: (a chain is never split across tasks). 1 gives one task per chain.
-    task_rows: int = 25
+    #: (a chain is never split across tasks). 1 gives one task per chain. The default
+    #: makes a full default claim one task: fuller waves of confirms and fewer Celery
+    #: messages per event (docs/benchmarks.md measures 25 against 100).
+    task_rows: int = 100
     #: A claim that did not come back full and holds at most this many rows is published
     #: by the claim task itself instead of going through Celery's broker as a publish
     #: task: live traffic saves a whole Celery hop. 0 turns it off.
