@@ -704,3 +704,44 @@ print(seen, requests, claims)
                       PYTHONPATH=str(tmp_path), OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "[0, 3] [True, False, False, True] 1"
+
+
+def test_pool_children_see_the_shutdown_through_the_main_process_marker(tmp_path: Path) -> None:
+    """Celery signals a warm shutdown to the main process only; a prefork child learns of
+    it from the marker file its parent leaves, and then neither claims nor publishes."""
+    code = """
+import os, tempfile
+from celery import signals
+import outbox.tasks as t
+tempfile.tempdir = os.environ["TMPDIR_FOR_TEST"]
+signals.worker_process_init.send(sender=None)   # as in a pool child: the parent is our parent
+before = t.stopping()
+marker = t._stopping_marker(os.getppid())
+marker.touch()                                   # what the parent's worker_shutting_down leaves
+during = (t.stopping(), t.claim(), t.request_claim())
+marker.unlink()
+print(before, *during, t.stopping())
+"""
+    done = run_python(code, tmp_path, TMPDIR_FOR_TEST=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "{'stopped':", "True}", "False", "False"]
+
+
+def test_the_main_process_leaves_and_removes_the_marker(tmp_path: Path) -> None:
+    code = """
+import os, tempfile
+from celery import signals
+import outbox.tasks as t
+tempfile.tempdir = os.environ["TMPDIR_FOR_TEST"]
+marker = t._stopping_marker(os.getpid())
+marker.touch()                                   # left by an earlier process with this pid
+signals.worker_init.send(sender=None)
+started = marker.exists()
+signals.worker_shutting_down.send(sender=None, sig="TERM", how="Warm", exitcode=0)
+print(started, marker.exists(), t.stopping())
+signals.worker_shutdown.send(sender=None)
+print(marker.exists())
+"""
+    done = run_python(code, tmp_path, TMPDIR_FOR_TEST=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "False"]

@@ -39,17 +39,20 @@ Per-process resources
 The store and the publisher are created lazily in the process (and thread) that uses
 them, so prefork children never share a connection inherited from the parent; they are
 dropped on ``worker_process_init`` and closed on ``worker_process_shutdown`` /
-``worker_shutdown``. Shutdown: once the worker is shutting down, claims stop and chains
-of a publish task that have not started are released.
+``worker_shutdown``. Shutdown: once the worker is shutting down (``stopping()``, in the
+main process and in every pool child), claims stop and chains of a publish task that
+have not started are released.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from celery import signals
@@ -66,6 +69,21 @@ log = logging.getLogger("outbox.tasks")
 
 #: Set when this worker starts shutting down: no new claims, no new chains.
 STOPPING = threading.Event()
+#: In a prefork pool child: the pid of the worker's main process, which is the one that
+#: receives the shutdown signal and tells its children through a marker file.
+_parent_pid: int | None = None
+
+
+def _stopping_marker(main_pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"outbox-worker-stopping-{main_pid}"
+
+
+def stopping() -> bool:
+    """True once this worker is shutting down. Celery signals only the main process; pool
+    children see the marker file it leaves (one ``stat`` per task)."""
+    if STOPPING.is_set():
+        return True
+    return _parent_pid is not None and _stopping_marker(_parent_pid).exists()
 
 # Worker-side services: in-process worker flag (wake-ups), the PostgreSQL LISTEN thread and the
 # metrics endpoint (each a no-op unless enabled; see their modules).
@@ -150,12 +168,13 @@ def close_resources() -> None:
 @signals.worker_process_init.connect
 def _process_init(**_: Any) -> None:
     # Forget what was inherited over fork() without closing it: it is the parent's.
-    global _breaker, _coalescer
+    global _breaker, _coalescer, _parent_pid
     with _made_lock:
         _made.clear()
         _breaker = _coalescer = None
     _local.__dict__.clear()
     STOPPING.clear()
+    _parent_pid = os.getppid()
 
 
 @signals.worker_process_shutdown.connect
@@ -166,11 +185,29 @@ def _process_shutdown(**_: Any) -> None:
 @signals.worker_shutting_down.connect
 def _shutting_down(**_: Any) -> None:
     STOPPING.set()
-    log.info("outbox: worker shutting down, claims stop; publish tasks in hand finish")
+    try:
+        _stopping_marker(os.getpid()).touch()
+    except OSError as exc:  # the children then finish what they start, which is safe too
+        log.warning("outbox: cannot tell the pool processes to stop (%s)", exc)
+    log.info("outbox: worker shutting down, claims stop; publish tasks in hand finish, "
+             "tasks not yet started release their rows")
+
+
+def _remove_stopping_marker() -> None:
+    try:
+        _stopping_marker(os.getpid()).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+@signals.worker_init.connect
+def _init(**_: Any) -> None:
+    _remove_stopping_marker()  # one left by an earlier process with this pid
 
 
 @signals.worker_shutdown.connect
 def _shutdown(**_: Any) -> None:
+    _remove_stopping_marker()
     close_resources()
 
 
@@ -230,7 +267,7 @@ def queued_publish_tasks() -> int | None:
 def request_claim() -> bool:
     """Ask for a claim soon, coalesced: while one requested claim has not started yet,
     further requests are no-ops. Used by drain mode and usable as a wake-up call."""
-    if STOPPING.is_set():
+    if stopping():
         return False
     gate = coalescer()
     if not gate.acquire():
@@ -262,7 +299,7 @@ def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
         coalescer().clear()
     if token:  # a post-commit wake-up (outbox.wake): the next commit may ask again
         _wake.clear_token(token)
-    if STOPPING.is_set():
+    if stopping():
         return {"stopped": True}
     settings, options = relay_settings(), relay_options()
     r = resources()
@@ -279,7 +316,7 @@ def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any
     """Publish chains in this process: the publish task's work, and a small claim's."""
     r = resources()
     outcomes = handle_publish(r.store, r.publisher, chains, deadline=deadline, options=relay_options(),
-                              breaker=breaker(), settler=r.settler, stopping=STOPPING.is_set)
+                              breaker=breaker(), settler=r.settler, stopping=stopping)
     if breaker().open_for() == 0:
         request_claim()  # drain mode: these aggregates may have more rows now
     return outcomes
@@ -322,4 +359,4 @@ def purge() -> int:
 
 
 __all__ = ["claim", "publish", "ack", "fail", "release", "purge", "resources", "close_resources", "breaker",
-           "coalescer", "request_claim", "wake", "queued_publish_tasks", "STOPPING"]
+           "coalescer", "request_claim", "wake", "queued_publish_tasks", "STOPPING", "stopping"]
