@@ -745,3 +745,38 @@ print(marker.exists())
     done = run_python(code, tmp_path, TMPDIR_FOR_TEST=str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True", "True", "False"]
+
+
+def test_only_a_claim_after_a_backlog_reads_the_publish_queue_length(tmp_path: Path) -> None:
+    """The in-flight bound costs a round trip to Celery's broker; a process reads the
+    publish queue's length before a claim only when its previous claim met a backlog (its
+    first claim too), so live traffic skips it."""
+    code = """
+import os, sqlite3
+import outbox.tasks as t
+from outbox import enqueue
+reads = []
+def counting():
+    reads.append(1)
+    return 0
+t.queued_publish_tasks = counting
+store = t.resources().store
+store.migrate()
+conn = sqlite3.connect(os.environ["DB_PATH"])
+def add(n):
+    for i in range(n):
+        enqueue(conn, topic="t", aggregate_type="a", aggregate_id=f"a{i}", payload={"i": i})
+    conn.commit()
+seen = []
+for rows in (1, 1, 2, 1, 1):      # batch size 2: the third claim comes back full
+    add(rows)
+    before = len(reads)
+    t.claim()
+    seen.append(len(reads) - before)
+print(*seen)
+"""
+    done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_BATCH_SIZE="2",
+                      DB_PATH=str(tmp_path / "o.db"))
+    assert done.returncode == 0, done.stderr
+    # first claim: checked (nothing known yet); small claims: not; after the full one: checked once
+    assert done.stdout.split() == ["1", "0", "0", "1", "0"]

@@ -730,6 +730,12 @@ class ClaimOutcome:
         """More rows are probably claimable right now: claim again at once (drain mode)."""
         return (self.full or self.trimmed) and self.error is None
 
+    @property
+    def backlog(self) -> bool:
+        """The claim met a backlog (full, cut, or held back by the in-flight bound): the
+        next claim should check the publish queue's length before claiming."""
+        return self.full or self.trimmed or self.saturated
+
 
 def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
                max_bytes: int) -> tuple[list[list[list[OutboxMessage]]], list[OutboxMessage]]:
@@ -788,7 +794,9 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     Nothing is claimed while the breaker is open, or while ``queued()`` (publish tasks
     waiting in Celery's broker) is at ``options.max_queued_tasks``: that is what bounds
     the rows in flight however large the backlog. ``ClaimOutcome.more`` tells the caller
-    to claim again at once (drain mode).
+    to claim again at once (drain mode); ``ClaimOutcome.backlog`` whether the next claim
+    needs ``queued`` (the caller may pass None after a small claim: live traffic then
+    saves that round trip to Celery's broker).
     """
     outcome = ClaimOutcome()
     metrics.refresh(store)  # the in-flight and lag gauges, at most every few seconds

@@ -106,6 +106,10 @@ _local = threading.local()
 _made: list[_Resources] = []
 _made_lock = threading.Lock()
 _breaker: tuple[int, Breaker] | None = None
+#: Did this process's last claim meet a backlog? Only then does the next one read the
+#: publish queue's length first (a round trip to Celery's broker, about as long as the
+#: rest of a small claim's preamble): live traffic skips it, a backlog is bounded by it.
+_backlog = True
 _coalescer: tuple[int, Coalescer] | None = None
 
 
@@ -301,12 +305,14 @@ def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
         _wake.clear_token(token)
     if stopping():
         return {"stopped": True}
+    global _backlog
     settings, options = relay_settings(), relay_options()
     r = resources()
     outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
                            lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
-                           queued=queued_publish_tasks, settler=r.settler, publisher=r.publisher,
-                           publish_inline=_publish_chains)
+                           queued=queued_publish_tasks if _backlog else None, settler=r.settler,
+                           publisher=r.publisher, publish_inline=_publish_chains)
+    _backlog = outcome.backlog
     if outcome.more:
         request_claim()
     return asdict(outcome)
