@@ -10,7 +10,7 @@ Phases, in order (each can be skipped with ``--skip``):
 4. ``profile``   a second drain with py-spy attached to the worker's processes;
 5. ``live``      commit-to-arrival latency at a fixed rate, with the post-commit wake and
                  without (polling), and with PostgreSQL LISTEN/NOTIFY (``--no-listen`` to skip);
-6. ``tuning``    the shipped worker with other settings: bigger batches and tasks,
+6. ``tuning``    the shipped worker with other settings: 25-row tasks, bigger batches and tasks,
                  synchronous_commit=off for the relay's sessions, and inline publishing of
                  small claims turned off (its live latency shows what inline publishing saves).
 """
