@@ -106,11 +106,11 @@ _local = threading.local()
 _made: list[_Resources] = []
 _made_lock = threading.Lock()
 _breaker: tuple[int, Breaker] | None = None
-#: Did this process's last claim meet a backlog? Only then does the next one read the
-#: publish queue's length first (a round trip to Celery's broker, about as long as the
-#: rest of a small claim's preamble): live traffic skips it, a backlog is bounded by it.
-_backlog = True
 _coalescer: tuple[int, Coalescer] | None = None
+#: Did this process's last claim meet a backlog? Only then does its next claim read the
+#: publish queue's length first (a round trip to Celery's broker): a backlog is bounded
+#: by that check, and live traffic, which never fills the queue, skips it.
+_backlog = True
 
 
 def make_publisher(settings: Any) -> Any:
