@@ -9,6 +9,7 @@ in-memory test needs no service at all.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -777,34 +778,33 @@ def test_broker_outage_pauses_claims_and_loses_nothing(tmp_path: Path, destinati
 
 # -- lost Celery messages: the lease recovers them ------------------------------------------------
 
-def celery_queue_keys(env: dict[str, str], queue: str) -> list[str]:
-    """The Redis lists holding ``queue``'s messages for the relay run with ``env`` (its
-    key prefix; kombu keeps a list per priority step, the plain name for the default)."""
+@functools.lru_cache(maxsize=1)
+def redis_client() -> Any:
     import redis
 
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    return redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+
+
+def celery_queue_keys(env: dict[str, str], queue: str) -> list[bytes]:
+    """The Redis lists holding ``queue``'s messages for the relay run with ``env`` (its
+    key prefix; kombu keeps a list per priority step, the plain name for the default)."""
+    client = redis_client()
     prefix = env["OUTBOX_TEST_REDIS_PREFIX"]
-    return [k.decode() for k in client.scan_iter(match=f"{prefix}{queue}*") if client.type(k) == b"list"]
+    return [k for k in client.scan_iter(match=f"{prefix}{queue}*") if client.type(k) == b"list"]
+
+
+def queued_celery_messages(env: dict[str, str], queue: str) -> int:
+    return sum(redis_client().llen(key) for key in celery_queue_keys(env, queue))
 
 
 def lose_celery_messages(env: dict[str, str], queue: str) -> int:
     """Delete every message waiting in ``queue`` of Celery's broker (a broker that lost
     them: a Redis failover, a flushed key); returns how many there were."""
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
-    lost = 0
+    client, lost = redis_client(), 0
     for key in celery_queue_keys(env, queue):
         lost += client.llen(key)
         client.delete(key)
     return lost
-
-
-def queued_celery_messages(env: dict[str, str], queue: str) -> int:
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
-    return sum(client.llen(key) for key in celery_queue_keys(env, queue))
 
 
 def test_publish_tasks_lost_in_celerys_broker_come_back_with_the_lease(
