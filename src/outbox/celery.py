@@ -44,6 +44,7 @@ from kombu import Exchange, Queue
 
 from .config import Settings, load_settings
 from .errors import ConfigError
+from .redact import install_filter, redact
 from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
                     PURGE_QUEUE, PURGE_TASK, QUEUES, RELEASE_TASK, RelayOptions)
 
@@ -150,11 +151,21 @@ def _defaults() -> dict[str, Any]:
     except ConfigError as exc:
         if os.path.basename(sys.argv[0] or "").startswith("celery"):
             # `celery -A outbox worker|beat`: one clear line and a non-zero exit, no traceback.
-            raise SystemExit(f"outbox: invalid configuration: {exc}") from None
+            raise SystemExit(redact(f"outbox: invalid configuration: {exc}")) from None
         raise
 
 
 app.add_defaults(_defaults)
+
+
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _mask_secrets_in_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    """Every line the worker and beat log goes through ``outbox.redact``: passwords in
+    URLs, in ODBC strings, and in driver errors that quote a fragment of a URL."""
+    install_filter(logging.getLogger())
+    if logger is not None:
+        install_filter(logger)
 
 
 # -- the in-memory broker: run the schedule inside the worker --------------------------------

@@ -14,6 +14,7 @@ import click
 
 from .config import get_settings
 from .errors import OutboxError
+from .redact import install_filter, redact
 from .store import OutboxStore
 
 
@@ -30,10 +31,10 @@ def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except OutboxError as exc:
-            click.echo(f"error: {exc}", err=True)
-        except Exception as exc:  # driver errors: name the type, keep it to one line
+            click.echo(redact(f"error: {exc}"), err=True)
+        except Exception as exc:  # driver errors: name the type, keep it to one line, mask passwords
             detail = " ".join(str(exc).split()) or type(exc).__name__
-            click.echo(f"error: {type(exc).__name__}: {detail}", err=True)
+            click.echo(redact(f"error: {type(exc).__name__}: {detail}"), err=True)
         sys.exit(1)
     return wrapper
 
@@ -48,6 +49,8 @@ def main(verbose: bool) -> None:
     OUTBOX_DATABASE_URL (default sqlite:///outbox.db).
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
+    install_filter()  # passwords never reach stderr, whatever logs them
+    logging.getLogger("outbox.config").setLevel(logging.WARNING)  # unknown OUTBOX_* names: always shown
 
 
 @main.command()

@@ -8,12 +8,18 @@ app (``outbox.celery``), which passes them as explicit overrides.
 
 from __future__ import annotations
 
+import difflib
+import logging
+import math
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .redact import redact, register_url
+
+log = logging.getLogger("outbox.config")
 
 #: Above this the lease is almost certainly a typo (30 days written as ms), and on
 #: SQL Server it would overflow the INT bound to DATEADD(MILLISECOND, ...).
@@ -54,11 +60,15 @@ class Settings:
     max_payload_bytes: int = 1_048_576
 
     def __post_init__(self) -> None:
+        for url in (self.database_url, self.publish_url, self.celery_broker_url):
+            register_url(url)  # masked wherever it shows up from now on (outbox.redact)
         validate_identifier(self.table, "OUTBOX_TABLE")
         if self.schema is not None:
             validate_identifier(self.schema, "OUTBOX_SCHEMA")
-        if not self.database_url or "://" not in self.database_url and not _looks_like_odbc(self.database_url):
-            raise ConfigError(f"OUTBOX_DATABASE_URL={self.database_url!r} is not a database URL")
+        validate_database_url(self.database_url)
+        validate_kombu_url(self.publish_url, "OUTBOX_PUBLISH_URL")
+        if self.celery_broker_url:
+            validate_kombu_url(self.celery_broker_url, "OUTBOX_CELERY_BROKER_URL")
         if not self.exchange:
             raise ConfigError("OUTBOX_EXCHANGE must not be empty")
         if self.dead_letter_exchange is not None and self.dead_letter_exchange == self.exchange:
@@ -67,7 +77,7 @@ class Settings:
         _positive("OUTBOX_BATCH_SIZE", self.batch_size, upper=10_000)
         _positive("OUTBOX_CLAIM_TIMEOUT_MS", self.claim_timeout_ms, upper=MAX_CLAIM_TIMEOUT_MS)
         _positive("OUTBOX_MAX_ATTEMPTS", self.max_attempts, upper=1_000)
-        _positive("OUTBOX_CLAIM_INTERVAL_S", self.claim_interval_s)
+        _positive("OUTBOX_CLAIM_INTERVAL_S", self.claim_interval_s, upper=86_400)
         _positive("OUTBOX_RETENTION_DAYS", self.retention_days, allow_zero=True)
         _positive("OUTBOX_MAX_PAYLOAD_BYTES", self.max_payload_bytes, upper=64 * 1024 * 1024)
 
@@ -105,7 +115,51 @@ def _looks_like_odbc(url: str) -> bool:
     return "=" in url and ";" in url
 
 
+#: Database URL schemes the engines (``outbox.engines.kind_of_url``) accept, before any
+#: ``+driver`` suffix. Checked here too so that every process (CLI, worker, beat) refuses
+#: an unknown database at start-up, not at its first claim.
+DATABASE_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "mssql", "sqlserver")
+
+
+def validate_database_url(url: str) -> str:
+    """A URL of a supported database (``scheme[+driver]://...``) or a raw ODBC connection
+    string (``DRIVER=...;SERVER=...``). The value is quoted with its password masked."""
+    shown = redact(repr(url))
+    if not url or ("://" not in url and not _looks_like_odbc(url)):
+        raise ConfigError(f"OUTBOX_DATABASE_URL={shown} is not a database URL "
+                          "(expected sqlite:///path, postgresql://..., mysql://... or mssql+pyodbc://...)")
+    if "://" in url:
+        scheme = url.split("://", 1)[0].lower()
+        if scheme.split("+", 1)[0] not in DATABASE_SCHEMES:
+            raise ConfigError(f"OUTBOX_DATABASE_URL={shown}: unsupported database {scheme!r} "
+                              "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
+    elif "driver=" not in url.lower():
+        raise ConfigError(f"OUTBOX_DATABASE_URL={shown} looks like an ODBC connection string without DRIVER=")
+    return url
+
+
+def validate_kombu_url(url: str, setting: str) -> str:
+    """A URL whose scheme kombu knows (``amqp://``, ``redis://``, ``memory://``, ...).
+    Otherwise kombu raises ``KeyError`` only when the first connection is made, which
+    would look like a broker failure rather than the configuration error it is."""
+    from kombu.transport import TRANSPORT_ALIASES  # kombu comes with Celery, a core dependency
+
+    shown = redact(repr(url))
+    if "://" not in url:
+        raise ConfigError(f"{setting}={shown} is not a broker URL (expected e.g. amqp://user:pass@host//)")
+    scheme = url.split("://", 1)[0]
+    transport = scheme.split("+", 1)[0]
+    if transport not in TRANSPORT_ALIASES:
+        close = difflib.get_close_matches(transport, TRANSPORT_ALIASES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{setting}={shown}: unknown broker transport {scheme!r}{hint} "
+                          f"(known: {', '.join(sorted(k for k in TRANSPORT_ALIASES if k.islower()))})")
+    return url
+
+
 def _positive(name: str, value: float, *, upper: float | None = None, allow_zero: bool = False) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r} must be a finite number")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
     if upper is not None and value > upper:
@@ -140,9 +194,67 @@ def _django_settings() -> Mapping[str, Any]:
         return {}
 
 
+#: Every other OUTBOX_* name the package reads: the relay's tuning options
+#: (``outbox.relay.RelayOptions``) and the wake-up, LISTEN and metrics options. A test
+#: checks this list against the source, so a new option cannot be forgotten here.
+OTHER_NAMES = (
+    "OUTBOX_RELAY_TASK_ROWS", "OUTBOX_RELAY_INLINE_ROWS", "OUTBOX_RELAY_MAX_QUEUED_TASKS",
+    "OUTBOX_RELAY_MAX_BATCH_BYTES", "OUTBOX_RELAY_BACKOFF_BASE_S", "OUTBOX_RELAY_BACKOFF_MAX_S",
+    "OUTBOX_RELAY_BREAKER_S", "OUTBOX_RELAY_FATAL_PAUSE_S", "OUTBOX_RELAY_ROUTE_PAUSE_S",
+    "OUTBOX_RELAY_ROUTE_PAUSE_MAX_S", "OUTBOX_RELAY_CLAIM_REQUEST_TTL_S", "OUTBOX_RELAY_PURGE_INTERVAL_S",
+    "OUTBOX_RELAY_LEASE_SAFETY", "OUTBOX_RELAY_MAX_MESSAGE_BYTES",
+    "OUTBOX_RELAY_WAKE", "OUTBOX_RELAY_LISTEN", "OUTBOX_RELAY_LISTEN_CHANNEL",
+    "OUTBOX_RELAY_METRICS_PORT", "OUTBOX_RELAY_METRICS_ADDR", "OUTBOX_RELAY_METRICS_REFRESH_S",
+)
+#: Names that are not the package's settings: the test suite's own.
+EXEMPT_NAMES = ("OUTBOX_REQUIRE_SERVICES",)
+EXEMPT_PREFIXES = ("OUTBOX_TEST_",)
+
+_warned: set[str] = set()
+
+
+def known_names() -> tuple[str, ...]:
+    return (*_SETTINGS, *OTHER_NAMES)
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``(name, closest known name or None)`` for every OUTBOX_* variable in ``environ``
+    that nothing reads: most likely a typo, which would otherwise be silently ignored."""
+    known = known_names()
+    found = []
+    for name in sorted(environ):
+        if (not name.startswith("OUTBOX_") or name in known or name in EXEMPT_NAMES
+                or name.startswith(EXEMPT_PREFIXES)):
+            continue
+        # Compared without the common prefix, which would make every name look alike.
+        close = difflib.get_close_matches(name[len("OUTBOX_"):], [k[len("OUTBOX_"):] for k in known],
+                                          n=1, cutoff=0.6)
+        found.append((name, "OUTBOX_" + close[0] if close else None))
+    return found
+
+
+def warn_unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Log one warning line per unknown OUTBOX_* variable, once per process; returns the
+    names warned about this time."""
+    warned = []
+    for name, close in unknown_environment(os.environ if environ is None else environ):
+        if name in _warned:
+            continue
+        _warned.add(name)
+        warned.append(name)
+        hint = f"did you mean {close}?" if close else "no setting has a similar name"
+        log.warning("outbox: unknown environment variable %s is ignored (%s)", name, hint)
+    return warned
+
+
 def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Build validated ``Settings``; raise ``ConfigError`` naming the first bad setting."""
-    environ = os.environ if environ is None else environ
+    """Build validated ``Settings``; raise ``ConfigError`` naming the first bad setting.
+
+    Reading the process environment (``environ`` not given) also warns, once per
+    process, about OUTBOX_* variables nothing reads (``warn_unknown_environment``)."""
+    if environ is None:
+        environ = os.environ
+        warn_unknown_environment(environ)
     sources: list[Mapping[str, Any]] = [overrides or {}, environ, _django_settings()]
     values: dict[str, Any] = {}
     for name, (field, kind) in _SETTINGS.items():
@@ -177,4 +289,5 @@ def reset_settings() -> None:
 
 
 __all__ = ["Settings", "load_settings", "get_settings", "reset_settings", "validate_identifier",
-           "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES"]
+           "validate_database_url", "validate_kombu_url", "warn_unknown_environment", "unknown_environment",
+           "known_names", "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES"]

@@ -37,8 +37,12 @@ Why not fewer round trips within a chain?
 * Pipelined confirms within a chain (publish all, then wait for all acks) fail the same way:
   by the time event *k*'s return or nack arrives, *k+1* is already routed.
 
-When the broker nacks an event (it is pushing back), no further wave is sent: every chain
-still going stops at its next event with the same BACKPRESSURE failure.
+When the broker nacks an event, a queue bound for its routing key refused it (RabbitMQ's
+``x-overflow: reject-publish`` on a full queue, a quorum queue without a quorum): that is
+back-pressure from one *route*, not from the broker. The failure is BACKPRESSURE with
+``PublishFailure.route`` = the routing key; every chain still going whose next event has a
+refused routing key stops there with the same failure, and the other chains carry on in
+the next waves. (The relay pauses that route alone: ``outbox.relay.RouteGate``.)
 
 Unroutable events (no queue bound for the routing key)
 ------------------------------------------------------
@@ -67,7 +71,8 @@ Failure kinds (see ``classify``)
 --------------------------------
 RETRIABLE    try again later, spending an attempt (eventually dead after max attempts).
 BACKPRESSURE the broker is unreachable, blocked or pushing back: release the rows without
-             spending an attempt and try later.
+             spending an attempt and try later. With ``route`` set (a ``basic.nack``) only
+             that routing key is pushing back.
 POISON       this event can never be published (too large, not encodable): dead-letter it.
 FATAL        configuration is wrong (credentials, permissions, vhost, exchange declared with
              another type): no event can be published until an operator fixes it.
@@ -108,7 +113,9 @@ from datetime import datetime, timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+from .errors import ConfigError
 from .model import OutboxMessage
+from .redact import redact
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -151,6 +158,9 @@ class PublishFailure:
     reason: str
     #: The exception behind the failure, if any (for logs; not part of equality).
     exception: BaseException | None = field(default=None, compare=False, repr=False)
+    #: BACKPRESSURE from one routing key only (a queue bound for it refused the message,
+    #: ``basic.nack``); None when the broker as a whole is down or pushing back.
+    route: str | None = None
 
 
 @dataclass(frozen=True)
@@ -305,6 +315,8 @@ def _specific(exc: BaseException) -> FailureKind | None:
     from amqp import exceptions as amqp_exc
 
     text = str(exc).lower()
+    if isinstance(exc, ConfigError):  # the URL names no transport kombu has: nothing can be published
+        return FailureKind.FATAL
     if isinstance(exc, amqp_exc.PreconditionFailed):
         # RabbitMQ refuses an oversized body with 406 "message size N is larger than configured
         # max size M"; every other 406 is a declaration that does not match the broker's.
@@ -390,7 +402,7 @@ def _connection_lost(exc: BaseException) -> bool:
 
 
 def failure_from(exc: BaseException) -> PublishFailure:
-    reason = f"{type(exc).__name__}: {exc}"
+    reason = redact(f"{type(exc).__name__}: {exc}")
     if len(reason) > MAX_ERROR_HEADER_CHARS:
         reason = reason[: MAX_ERROR_HEADER_CHARS - 3] + "..."
     return PublishFailure(classify(exc), reason, exc)
@@ -400,6 +412,15 @@ def failure_from(exc: BaseException) -> PublishFailure:
 
 #: A wave verdict: the broker returned the message (no queue bound for its routing key).
 _RETURNED = "returned"
+
+
+def refused_by_route(routing_key: str, exchange: str) -> PublishFailure:
+    """The failure for a ``basic.nack``: a queue bound for ``routing_key`` refused the
+    message (full with ``x-overflow: reject-publish``, or unavailable). Back-pressure of
+    that route only."""
+    return PublishFailure(FailureKind.BACKPRESSURE,
+                          f"the broker refused the message (basic.nack): a queue bound for routing key "
+                          f"{routing_key!r} on exchange {exchange!r} is full or unavailable", route=routing_key)
 
 
 class _ChainProgress:
@@ -546,6 +567,7 @@ class KombuPublisher(Publisher):
         waves = [_ChainProgress(chain) for chain in chains]
         going = [w for w in waves if w.chain]
         reused = self._usable()  # a connection from an earlier call, maybe dead since
+        refused: dict[str, PublishFailure] = {}  # routing key -> its nack
         while going:
             wave: list[_ChainProgress] = []
             headers: list[dict[str, Any]] = []
@@ -574,7 +596,6 @@ class KombuPublisher(Publisher):
                     w.stop(failure)
                 break
             reused = False  # the connection just worked: a later error is not staleness
-            pushback: PublishFailure | None = None
             for w, problem in zip(wave, outcomes):
                 if problem is None:
                     w.advance()
@@ -588,14 +609,17 @@ class KombuPublisher(Publisher):
                         f"unroutable: no queue bound for routing key {w.next.topic!r} on exchange {self.exchange!r}"))
                 else:
                     w.stop(problem)
-                    pushback = problem
+                    if problem.route is not None:
+                        refused[problem.route] = problem
             going = [w for w in wave if w.going]
-            if pushback is not None:
-                # The broker is pushing back: send nothing more; every chain still going stops
-                # at its next event for the same reason (the relay releases them, no attempt).
+            if refused:
+                # A queue of these routes refuses messages: chains whose next event goes the
+                # same way stop there (the relay releases them, no attempt spent); chains of
+                # other routes carry on.
                 for w in going:
-                    w.stop(pushback)
-                going = []
+                    if w.next.topic in refused:
+                        w.stop(refused[w.next.topic])
+                going = [w for w in going if w.going]
         return [w.result() for w in waves]
 
     def _send_wave(self, messages: list[OutboxMessage], headers: list[dict[str, Any]]) -> list[Any]:
@@ -624,8 +648,7 @@ class KombuPublisher(Publisher):
         verdicts = []
         for message, tag in zip(messages, tags):
             if tag in self._nacked:
-                verdicts.append(PublishFailure(FailureKind.BACKPRESSURE,
-                                               "the broker refused the message (basic.nack)"))
+                verdicts.append(refused_by_route(message.topic, self.exchange))
             elif message.message_id in self._returned:
                 verdicts.append(_RETURNED)
             else:
@@ -646,8 +669,15 @@ class KombuPublisher(Publisher):
         if self._pid != os.getpid():
             self._forget()  # inherited over fork(): the parent's, not ours; never close it
         if self._conn is None:
-            conn = Connection(self.url, connect_timeout=self.connect_timeout)
-            self._confirms = getattr(conn.transport, "driver_name", "") == "py-amqp"
+            try:
+                conn = Connection(self.url, connect_timeout=self.connect_timeout)
+                driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
+            except (KeyError, ImportError, ValueError) as exc:
+                # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError when the
+                # transport's library is missing: configuration errors, not a broker failure.
+                raise ConfigError(redact(f"OUTBOX_PUBLISH_URL={self.url!r} cannot be used: "
+                                         f"{type(exc).__name__}: {exc}")) from exc
+            self._confirms = driver == "py-amqp"
             self._conn, self._pid = conn, os.getpid()
         if self._producer is not None and self._conn.connected:
             return

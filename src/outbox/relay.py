@@ -102,6 +102,12 @@ class RelayOptions:
     breaker_s: float = 5.0
     #: How long claims stop after a fatal (configuration) error.
     fatal_pause_s: float = 300.0
+    #: How long one routing key pauses after a queue bound for it refused a message
+    #: (``basic.nack``: full with ``reject-publish``, or unavailable); other routes flow on.
+    #: Doubles each time the route is refused again right after its pause, up to
+    #: ``route_pause_max_s``.
+    route_pause_s: float = 1.0
+    route_pause_max_s: float = 30.0
     #: A requested claim (drain mode, wake-up) that never ran stops blocking new
     #: requests after this long. Beat's ticks go on regardless.
     claim_request_ttl_s: float = 2.0
@@ -130,11 +136,16 @@ class RelayOptions:
                     value = kind(str(raw).strip()) if isinstance(raw, str) else kind(raw)
                 except (TypeError, ValueError):
                     raise ConfigError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+                if not math.isfinite(value):  # NaN compares false with everything: check first
+                    raise ConfigError(f"{name}={raw!r} must be a finite number")
                 lowest_ok = 0 if f.name in _ZERO_ALLOWED else None
                 if isinstance(raw, bool) or (value < 0 if lowest_ok == 0 else value <= 0) or (
                         f.name == "lease_safety" and value > 1):
                     raise ConfigError(f"{name}={raw!r} must be a number {'>= 0' if lowest_ok == 0 else '> 0'}"
                                       + (" and <= 1" if f.name == "lease_safety" else ""))
+                upper = _MAX_SECONDS.get(f.name, MAX_OPTION_S if f.name.endswith("_s") else None)
+                if upper is not None and value > upper:
+                    raise ConfigError(f"{name}={raw!r} is above the maximum of {upper:g} s")
                 values[f.name] = value
                 break
         return cls(**values)
@@ -142,6 +153,10 @@ class RelayOptions:
 
 #: Options where 0 means "off".
 _ZERO_ALLOWED = frozenset({"inline_rows"})
+#: Durations (options ending in ``_s``) longer than a day are typos (milliseconds written
+#: as seconds), and a pause that long could not be written as a retry time anyway.
+MAX_OPTION_S = 86_400.0
+_MAX_SECONDS = {"purge_interval_s": 30 * 86_400.0}
 
 #: ``OutboxStore.mark_failed`` accepts retry times up to a day.
 MAX_RETRY_S = 86_400.0
@@ -344,6 +359,281 @@ def make_breaker(celery_broker_url: str, key: str) -> Breaker:
     return FileBreaker(os.path.join(tempfile.gettempdir(), key.replace(":", "-") + ".json"))
 
 
+# -- per-route back-pressure -------------------------------------------------------------------
+
+class RouteGate:
+    """Pauses one routing key (topic) whose queue refuses messages, while the others flow.
+
+    A ``basic.nack`` means a queue bound for that routing key refused the message
+    (``x-overflow: reject-publish`` on a full queue, a quorum queue without a quorum): the
+    broker is fine, one route is not. ``refuse(route)`` pauses the route for
+    ``route_pause_s``, doubled (up to ``route_pause_max_s``) each time the route is refused
+    again within one pause length of resuming, and back to the base after a quiet spell. A
+    route already paused is not extended: every chain nacked during one pause counts once.
+    ``paused(route)`` says how long it still waits; the relay releases (no attempt spent) the
+    rows of a paused route with that delay, without sending them.
+
+    The state is a map route -> (until, step). Subclasses share it between processes (one
+    Redis hash, a file); each process caches the shared map for ``cache_s``.
+    """
+
+    cache_s = 0.25
+
+    def __init__(self) -> None:
+        self._routes: dict[str, tuple[float, float]] = {}
+        self._checked = 0.0
+        self._lock = threading.Lock()
+
+    # shared-state hooks ------------------------------------------------------------------
+    def _read(self) -> dict[str, tuple[float, float]] | None:
+        return None
+
+    def _write(self, route: str, until: float, step: float, keep_s: float) -> None:
+        pass
+
+    # public --------------------------------------------------------------------------------
+    def _current(self, now: float) -> dict[str, tuple[float, float]]:
+        with self._lock:
+            if now - self._checked >= self.cache_s:
+                self._checked = now
+                try:
+                    shared = self._read()
+                except Exception as exc:  # the shared store is down: decide locally
+                    log.debug("outbox route gate: cannot read shared state: %s", exc)
+                    shared = None
+                for route, (until, step) in (shared or {}).items():
+                    if until > self._routes.get(route, (0.0, 0.0))[0]:
+                        self._routes[route] = (until, step)
+            return self._routes
+
+    def paused(self, route: str, now: float | None = None) -> float:
+        """Seconds until ``route`` may be published to again; 0 when it is open."""
+        now = time.time() if now is None else now
+        until = self._current(now).get(route, (0.0, 0.0))[0]
+        return max(0.0, until - now)
+
+    def any_paused(self, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        return any(until > now for until, _ in self._current(now).values())
+
+    def refuse(self, route: str, base_s: float, max_s: float, now: float | None = None) -> tuple[float, bool]:
+        """Record a refusal of ``route``; returns (seconds it pauses from now, whether this
+        call started the pause)."""
+        now = time.time() if now is None else now
+        current = self._current(now)
+        with self._lock:
+            until, step = current.get(route, (0.0, 0.0))
+            if until > now:
+                return until - now, False
+            # Refused again soon after a pause ended: the queue is still full, wait longer.
+            step = min(max_s, step * 2) if step and now - until < step else base_s
+            until = now + step
+            self._routes[route] = (until, step)
+            # Drop routes long forgotten, so a process's map stays small.
+            for old in [r for r, (u, st) in self._routes.items() if u + 2 * st < now]:
+                del self._routes[old]
+        try:
+            self._write(route, until, step, keep_s=3 * max_s)
+        except Exception as exc:
+            log.warning("outbox route gate: cannot share state (this process pauses the route alone): %s", exc)
+        return step, True
+
+
+class RedisRouteGate(RouteGate):
+    """One Redis hash (route -> [until, step]) next to the breaker's key, with a TTL that
+    every refusal extends: all workers on all hosts pause a refused route together."""
+
+    def __init__(self, url: str, key: str) -> None:
+        super().__init__()
+        import redis
+
+        self.key = key
+        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+    def _read(self) -> dict[str, tuple[float, float]] | None:
+        raw = self.client.hgetall(self.key)
+        found = {}
+        for route, value in raw.items():
+            until, step = json.loads(value)
+            found[route.decode("utf-8", "replace")] = (float(until), float(step))
+        return found
+
+    def _write(self, route: str, until: float, step: float, keep_s: float) -> None:
+        pipe = self.client.pipeline()
+        pipe.hset(self.key, route, json.dumps([until, step]))
+        pipe.pexpire(self.key, max(1, int((until - time.time() + keep_s) * 1000)))
+        pipe.execute()
+
+
+class FileRouteGate(RouteGate):
+    """The map in a small JSON file: the worker processes of one host."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def _read(self) -> dict[str, tuple[float, float]] | None:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (FileNotFoundError, ValueError):
+            return None
+        return {route: (float(v[0]), float(v[1])) for route, v in data.items()}
+
+    def _write(self, route: str, until: float, step: float, keep_s: float) -> None:
+        data = {r: [u, st] for r, (u, st) in (self._read() or {}).items() if u + keep_s > time.time()}
+        data[route] = [until, step]
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, self.path)
+
+
+def make_route_gate(celery_broker_url: str, key: str) -> RouteGate:
+    """Shared like the breaker: Redis when Celery's broker is Redis, else a file, else local."""
+    key = key + ":routes"
+    if celery_broker_url.startswith(("redis://", "rediss://")):
+        try:
+            return RedisRouteGate(celery_broker_url, key)
+        except ImportError:
+            pass
+    if celery_broker_url.startswith("memory://"):
+        return RouteGate()
+    return FileRouteGate(os.path.join(tempfile.gettempdir(), key.replace(":", "-") + ".json"))
+
+
+# -- outages, logged like an operator wants ----------------------------------------------------
+
+class Outage:
+    """Logs an outage of one dependency (the database, the destination broker) once.
+
+    ``failed(error)``: the first failure of an outage logs one WARNING saying what is down,
+    where, and what the relay does meanwhile; every later failure logs at DEBUG only (with
+    the traceback when there is one). ``ok()`` after failures logs one INFO line with how long
+    it lasted. ``ok()`` costs nothing while there is no outage.
+
+    Workers share the announcement (subclasses): only the process that first sees the
+    outage warns, and only the first to see it end says so. The shared flag expires after
+    ``remind_s``, so an outage that goes on is announced again that often.
+    """
+
+    remind_s = 600.0
+
+    def __init__(self, what: str, where: str, meanwhile: str, logger: logging.Logger | None = None) -> None:
+        self.what, self.where, self.meanwhile = what, where, meanwhile
+        self.log = logger or log
+        self._since: float | None = None
+        self._failures = 0
+        self._lock = threading.Lock()
+
+    # shared-state hooks ------------------------------------------------------------------
+    def _begin(self) -> bool:
+        """True when this process is the first to report the outage."""
+        return True
+
+    def _end(self) -> bool:
+        """True when this process is the first to report its end."""
+        return True
+
+    @property
+    def down(self) -> bool:
+        return self._since is not None
+
+    def failed(self, error: BaseException | str) -> None:
+        from .redact import redact
+
+        detail = redact(f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error)
+        detail = " ".join(detail.split())
+        with self._lock:
+            first = self._since is None
+            if first:
+                self._since = time.monotonic()
+            self._failures += 1
+        announce = False
+        if first:
+            try:
+                announce = self._begin()
+            except Exception:  # the shared flag is unreachable: say it here
+                announce = True
+        if announce:
+            self.log.warning("outbox: %s unreachable (%s): %s. %s", self.what, self.where, detail, self.meanwhile)
+        else:
+            self.log.debug("outbox: %s still unreachable (%s): %s", self.what, self.where, detail,
+                           exc_info=error if isinstance(error, BaseException) else None)
+
+    def ok(self) -> None:
+        if self._since is None:
+            return
+        with self._lock:
+            since, failures = self._since, self._failures
+            self._since, self._failures = None, 0
+        if since is None:
+            return
+        try:
+            announce = self._end()
+        except Exception:
+            announce = True
+        if announce:
+            self.log.info("outbox: %s reachable again (%s) after %.1f s", self.what, self.where,
+                          time.monotonic() - since)
+        else:
+            self.log.debug("outbox: %s reachable again from this process after %d failures", self.what, failures)
+
+
+class RedisOutage(Outage):
+    def __init__(self, url: str, key: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import redis
+
+        self.key = key
+        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+    def _begin(self) -> bool:
+        return bool(self.client.set(self.key, b"1", nx=True, px=int(self.remind_s * 1000)))
+
+    def _end(self) -> bool:
+        return bool(self.client.delete(self.key))
+
+
+class FileOutage(Outage):
+    def __init__(self, path: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.path = path
+
+    def _begin(self) -> bool:
+        try:
+            if time.time() - os.path.getmtime(self.path) > self.remind_s:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        try:
+            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            return False
+
+    def _end(self) -> bool:
+        try:
+            os.unlink(self.path)
+            return True
+        except FileNotFoundError:
+            return False
+
+
+def make_outage(celery_broker_url: str, key: str, what: str, where: str, meanwhile: str,
+                logger: logging.Logger | None = None) -> Outage:
+    """Shared like the breaker: Redis when Celery's broker is Redis, else a file, else local."""
+    key = f"{key}:outage:{what.replace(' ', '-')}"
+    if celery_broker_url.startswith(("redis://", "rediss://")):
+        try:
+            return RedisOutage(celery_broker_url, key, what, where, meanwhile, logger)
+        except ImportError:
+            pass
+    if celery_broker_url.startswith("memory://"):
+        return Outage(what, where, meanwhile, logger)
+    return FileOutage(os.path.join(tempfile.gettempdir(), key.replace(":", "-")), what, where, meanwhile, logger)
+
+
 # -- coalesced claim requests ----------------------------------------------------------------
 
 class Coalescer:
@@ -538,18 +828,28 @@ def send_dead(publisher: Any, message: OutboxMessage, error: str) -> None:
 
 def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMessage], *,
                  options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
-                 settler: Settler | None = None, rng: Callable[[], float] = random.random) -> ChainOutcome:
+                 settler: Settler | None = None, rng: Callable[[], float] = random.random,
+                 routes: RouteGate | None = None) -> ChainOutcome:
     """Publish one chain (one aggregate, id order, one lease) and settle its rows: a publish
     task of one chain (see ``handle_publish``)."""
     outcomes = handle_publish(store, publisher, [messages], options=options, breaker=breaker,
-                              settler=settler, rng=rng)
+                              settler=settler, rng=rng, routes=routes)
     return outcomes[0] if outcomes else ChainOutcome()
 
 
-def _publish_all(publisher: Any, chains: list[list[OutboxMessage]]) -> list[tuple[list[int], int | None, str | None,
-                                                                                    str | None]]:
-    """(published ids, failed id, kind, reason) per chain. A publisher that raises instead
-    of reporting (a bug, or something nobody foresaw) counts against the head of every chain."""
+@dataclass
+class _Report:
+    """What the publisher said about one chain."""
+    published: list[int]
+    failed_id: int | None = None
+    kind: str | None = None
+    reason: str | None = None
+    route: str | None = None  # BACKPRESSURE from this routing key only
+
+
+def _publish_all(publisher: Any, chains: list[list[OutboxMessage]]) -> list[_Report]:
+    """One report per chain. A publisher that raises instead of reporting (a bug, or
+    something nobody foresaw) counts against the head of every chain."""
     try:
         if hasattr(publisher, "publish_chains"):
             results = list(publisher.publish_chains(chains))
@@ -557,21 +857,41 @@ def _publish_all(publisher: Any, chains: list[list[OutboxMessage]]) -> list[tupl
             results = [publisher.publish_chain(chain) for chain in chains]
     except Exception as exc:
         log.exception("outbox publisher raised instead of reporting %s", _fields(chains[0][0]))
-        return [([], chain[0].id, RETRIABLE, f"{type(exc).__name__}: {exc}") for chain in chains]
+        return [_Report([], chain[0].id, RETRIABLE, f"{type(exc).__name__}: {exc}") for chain in chains]
     if len(results) != len(chains):
         log.error("outbox publisher returned %d results for %d chains; settling none of the extra or "
                   "missing ones", len(results), len(chains))
     reports = []
     for index in range(len(chains)):
         if index >= len(results):
-            reports.append(([], None, None, None))  # said nothing: released below
+            reports.append(_Report([]))  # said nothing: released below
             continue
         result = results[index]
         failure = result.failure
-        reports.append((list(result.published), result.failed_id,
-                        _kind_name(failure.kind) if failure is not None else None,
-                        failure.reason if failure is not None else None))
+        if failure is None:
+            reports.append(_Report(list(result.published), result.failed_id))
+        else:
+            reports.append(_Report(list(result.published), result.failed_id, _kind_name(failure.kind),
+                                   failure.reason, getattr(failure, "route", None)))
     return reports
+
+
+def _hold_paused_routes(chains: list[list[OutboxMessage]], routes: RouteGate | None,
+                        now: float) -> list[tuple[list[OutboxMessage], list[OutboxMessage], float]]:
+    """Split each chain at its first event whose route is paused: (to publish, held back,
+    the held event's remaining pause). Without a paused route nothing is held."""
+    if routes is None or not routes.any_paused(now):
+        return [(chain, [], 0.0) for chain in chains]
+    split = []
+    for chain in chains:
+        for position, message in enumerate(chain):
+            wait = routes.paused(message.topic, now)
+            if wait > 0:
+                split.append((chain[:position], chain[position:], wait))
+                break
+        else:
+            split.append((chain, [], 0.0))
+    return split
 
 
 def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[OutboxMessage]], *,
@@ -579,7 +899,9 @@ def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[O
                    breaker: Breaker | None = None, settler: Settler | None = None,
                    stopping: Callable[[], bool] = lambda: False,
                    now: Callable[[], float] = time.time,
-                   rng: Callable[[], float] = random.random) -> list[ChainOutcome]:
+                   rng: Callable[[], float] = random.random,
+                   routes: RouteGate | None = None,
+                   outage: Outage | None = None) -> list[ChainOutcome]:
     """Publish the chains of one publish task together (``Publisher.publish_chains``) and
     settle their rows: every published prefix is marked done in one ``mark_done`` per lease,
     then each chain that stopped early is settled by the kind of its failure.
@@ -589,18 +911,26 @@ def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[O
     * RETRIABLE: failed with back-off (an attempt spent; dead after OUTBOX_MAX_ATTEMPTS,
       then sent to the dead-letter exchange when there is one);
     * POISON: dead at once, and sent to the dead-letter exchange;
-    * BACKPRESSURE: released with the rest (no attempt spent) to wait out the pause, and
-      the breaker opens so claims stop hammering a broker that is down;
+    * BACKPRESSURE of one route (a ``basic.nack``: a queue bound for its routing key refused
+      it): released with the rest (no attempt spent), not due before the route's pause ends;
+      the route pauses (``routes``), other routes and claims go on;
+    * BACKPRESSURE of the broker (unreachable, blocked): released likewise, and the breaker
+      opens so claims stop hammering a broker that is down;
     * FATAL: the same, with a long pause and a critical log line: an operator must act.
 
     Events after the failed one are released (no attempt spent): they are blocked behind
-    it by the claim rule until it is done or dead.
+    it by the claim rule until it is done or dead. Events whose route is paused are not sent:
+    the chain is published up to the first of them, which is released with the rest, due when
+    the route's pause ends.
 
     Nothing is published when the breaker is open or the worker is stopping (the rows are
     released, no attempt spent), nor after ``deadline``, the wall-clock time after which
     the lease is about to expire (or has) and another claim may already hold the rows. Those
     rows are left exactly as they are, for lease recovery, which spends an attempt;
     releasing them instead would let a message that crashes every worker retry for ever.
+
+    ``outage`` (the destination broker's) hears of every broker-wide failure and of every
+    publish that went through, so an outage logs one warning and one line when it ends.
     """
     settler = settler or Settler(store)
     chains = [list(chain) for chain in chains if chain]
@@ -617,42 +947,63 @@ def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[O
             settler.release(chain, timedelta(seconds=pause) if pause > 0 else None)
         return [ChainOutcome(skipped=True, released=[m.id for m in chain]) for chain in chains]
 
+    split = _hold_paused_routes(chains, routes, now())
+    sending = [(index, part) for index, (part, _, _) in enumerate(split) if part]
     started = time.perf_counter()
-    reports = _publish_all(publisher, chains)
+    reports: list[_Report | None] = [None] * len(chains)
+    if sending:
+        for (index, _), report in zip(sending, _publish_all(publisher, [part for _, part in sending])):
+            reports[index] = report
     elapsed = time.perf_counter() - started
 
     outcomes: list[ChainOutcome] = []
     done: dict[str, list[int]] = {}
-    for chain, (published, _, kind, _) in zip(chains, reports):
-        # Trust only a true prefix of the chain.
-        ids = [m.id for m in chain]
+    for chain, (part, held, _), report in zip(chains, split, reports):
+        published = report.published if report is not None else []
+        # Trust only a true prefix of the part sent.
+        ids = [m.id for m in part]
         prefix = 0
         while prefix < len(published) and prefix < len(ids) and published[prefix] == ids[prefix]:
             prefix += 1
         if prefix != len(published):
             log.error("outbox publisher reported %s, which is not a prefix of chain %s; acking only %s",
                       published, ids, ids[:prefix])
-        outcomes.append(ChainOutcome(published=ids[:prefix]))
-        metrics.chain(chain[:prefix], elapsed, kind if prefix < len(ids) else None)
+        outcomes.append(ChainOutcome(published=ids[:prefix], skipped=not part))
+        if part:
+            metrics.chain(chain[:prefix], elapsed, report.kind if report is not None and prefix < len(ids) else None)
         for message in chain[:prefix]:
             log.debug("outbox published %s", _fields(message), extra=_extra(message, "published"))
-        done.setdefault(chain[0].lease, []).extend(ids[:prefix])
+        if prefix:
+            done.setdefault(chain[0].lease, []).extend(ids[:prefix])
     for lease, ids in done.items():
         settler.done(ids, lease)
 
-    for chain, (_, failed_id, kind, reason), outcome in zip(chains, reports, outcomes):
-        rest = chain[len(outcome.published):]
-        if rest:
-            _settle_stopped(publisher, rest, failed_id, kind, reason, outcome,
-                            options=options, breaker=breaker, settler=settler, rng=rng)
+    broker_down = any(r is not None and r.kind == BACKPRESSURE and r.route is None for r in reports)
+    if outage is not None and done and not broker_down:
+        outage.ok()
+    refused: dict[str, float] = {}  # routes refused by this task: each paused once
+    for chain, (part, held, wait), report, outcome in zip(chains, split, reports, outcomes):
+        if len(outcome.published) < len(part):
+            rest = chain[len(outcome.published):]
+            assert report is not None
+            _settle_stopped(publisher, rest, report, outcome, options=options, breaker=breaker,
+                            settler=settler, rng=rng, routes=routes, refused=refused, outage=outage)
+        elif held:
+            # Published up to an event whose route is paused: the rest waits for the route.
+            log.debug("outbox route %r paused for %.1f s more: releasing %d rows %s", held[0].topic, wait,
+                      len(held), _fields(held[0]))
+            settler.release(held, timedelta(seconds=wait))
+            outcome.released = [m.id for m in held]
     return outcomes
 
 
-def _settle_stopped(publisher: Any, rest: list[OutboxMessage], failed_id: int | None, kind: str | None,
-                    reason: str | None, outcome: ChainOutcome, *, options: RelayOptions,
-                    breaker: Breaker | None, settler: Settler, rng: Callable[[], float]) -> None:
+def _settle_stopped(publisher: Any, rest: list[OutboxMessage], report: _Report, outcome: ChainOutcome, *,
+                    options: RelayOptions, breaker: Breaker | None, settler: Settler,
+                    rng: Callable[[], float], routes: RouteGate | None = None,
+                    refused: dict[str, float] | None = None, outage: Outage | None = None) -> None:
     """Settle the unpublished ``rest`` of a chain: its head by the failure kind, the others
     released behind it."""
+    failed_id, kind, reason = report.failed_id, report.kind, report.reason
     if failed_id is None or kind is None:
         # Stopped early without saying why: give the rest back untouched.
         log.error("outbox publisher stopped before %s without a failure; releasing %s",
@@ -677,6 +1028,23 @@ def _settle_stopped(publisher: Any, rest: list[OutboxMessage], failed_id: int | 
             send_dead(publisher, failing, error)
         settler.release(after)
         outcome.released = [m.id for m in after]
+    elif kind == BACKPRESSURE and report.route is not None:
+        # One route's queue refuses messages: pause that route only; claims and every other
+        # route go on. The rows wait (released, no attempt spent) until the route's pause ends.
+        route = report.route
+        refused = {} if refused is None else refused
+        if route not in refused:
+            if routes is not None:
+                pause, started = routes.refuse(route, options.route_pause_s, options.route_pause_max_s)
+            else:
+                pause, started = options.route_pause_s, True
+            refused[route] = pause
+            (log.warning if started else log.debug)(
+                "outbox route %r refuses messages, pausing it for %.1f s (other routes keep flowing; its rows "
+                "are released with no attempt spent): %s %s", route, pause, reason, _fields(failing),
+                extra=_extra(failing, "route_backpressure"))
+        settler.release(rest, timedelta(seconds=refused[route]))
+        outcome.released = [m.id for m in rest]
     elif kind in (BACKPRESSURE, FATAL):
         if kind == FATAL:
             pause = options.fatal_pause_s
@@ -686,8 +1054,11 @@ def _settle_stopped(publisher: Any, rest: list[OutboxMessage], failed_id: int | 
                          reason, pause, _fields(failing), extra=_extra(failing, "fatal"))
         else:
             pause = options.breaker_s
-            log.warning("outbox broker back-pressure, pausing claims for %.1f s: %s %s", pause, reason,
-                        _fields(failing), extra=_extra(failing, "backpressure"))
+            if outage is not None:
+                outage.failed(reason or "back-pressure")
+            else:
+                log.warning("outbox broker back-pressure, pausing claims for %.1f s: %s %s", pause, reason,
+                            _fields(failing), extra=_extra(failing, "backpressure"))
         if breaker is not None:
             breaker.trip(pause, f"{kind}: {reason}")
         settler.release(rest, timedelta(seconds=pause))
@@ -803,7 +1174,8 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     if breaker is not None:
         outcome.paused = breaker.open_for()
         if outcome.paused > 0:
-            log.info("outbox claims paused for %.1f s more (%s)", outcome.paused, breaker.reason)
+            # DEBUG: an outage is announced once (``Outage``), not on every tick.
+            log.debug("outbox claims paused for %.1f s more (%s)", outcome.paused, breaker.reason)
             return outcome
     if queued is not None:
         depth = queued()
@@ -813,7 +1185,10 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
             return outcome
 
     claimed_at, started = now(), time.perf_counter()
-    claim = store.claim(batch_size)
+    try:
+        claim = store.claim(batch_size)
+    except Exception as exc:
+        raise ClaimFailed(exc) from exc
     metrics.claimed(claim, time.perf_counter() - started)
     outcome.claimed = len(claim.messages)
     outcome.full = outcome.claimed >= batch_size
@@ -856,6 +1231,15 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     return outcome
 
 
+class ClaimFailed(Exception):
+    """``store.claim`` raised (the database is down or refusing, after the store's own
+    retries): the caller reports it as a database outage instead of a task traceback."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
 def _dead_letter_expired(publisher: Any, dead: Sequence[OutboxMessage]) -> None:
     """Best effort, like every dead-letter copy: the dead row in the table stays the record."""
     if publisher is None:
@@ -892,6 +1276,8 @@ def apply_fallback(store: StoreLike, publisher: Any, operation: str, kwargs: Map
 __all__ = [
     "RelayOptions", "retry_delay", "message_to_dict", "message_from_dict",
     "Breaker", "LocalBreaker", "RedisBreaker", "FileBreaker", "breaker_key", "make_breaker",
+    "RouteGate", "RedisRouteGate", "FileRouteGate", "make_route_gate",
+    "Outage", "RedisOutage", "FileOutage", "make_outage", "ClaimFailed",
     "Coalescer", "RedisCoalescer", "FileCoalescer", "make_coalescer",
     "Settler", "ChainOutcome", "handle_chain", "handle_publish", "ClaimOutcome", "plan_tasks",
     "handle_claim", "apply_fallback", "send_dead",

@@ -95,8 +95,9 @@ class OutboxStore:
         """Run ``work(cursor)`` in a transaction, retrying transient errors."""
         def before_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            log.warning("outbox %s: transient database error, retrying (attempt %d): %s",
-                        operation, state.attempt_number, exc)
+            # DEBUG: the caller reports what finally happened (an outage is logged once).
+            log.debug("outbox %s: transient database error, retrying (attempt %d): %s",
+                      operation, state.attempt_number, exc)
             if exc is not None and self.engine.is_disconnect(exc):
                 self.close()
 

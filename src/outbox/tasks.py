@@ -58,10 +58,11 @@ from typing import Any
 from celery import signals
 
 from .celery import app, relay_options, relay_settings
+from .redact import redact
 from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
-                    PURGE_TASK, RELEASE_TASK, Breaker, Coalescer, Settler, apply_fallback, breaker_key,
-                    handle_claim, handle_publish, make_breaker, make_coalescer, message_from_dict,
-                    message_to_dict)
+                    PURGE_TASK, RELEASE_TASK, Breaker, ClaimFailed, Coalescer, Outage, RouteGate, Settler,
+                    apply_fallback, breaker_key, handle_claim, handle_publish, make_breaker, make_coalescer,
+                    make_outage, make_route_gate, message_from_dict, message_to_dict)
 from .store import OutboxStore
 from . import listen as _listen, metrics as _metrics, wake as _wake
 
@@ -107,6 +108,8 @@ _made: list[_Resources] = []
 _made_lock = threading.Lock()
 _breaker: tuple[int, Breaker] | None = None
 _coalescer: tuple[int, Coalescer] | None = None
+_route_gate: tuple[int, RouteGate] | None = None
+_outages: dict[str, tuple[int, Outage]] = {}
 #: Did this process's last claim meet a backlog? Only then does its next claim read the
 #: publish queue's length first (a round trip to Celery's broker): a backlog is bounded
 #: by that check, and live traffic, which never fills the queue, skips it.
@@ -142,6 +145,39 @@ def coalescer() -> Coalescer:
         return _coalescer[1]
 
 
+def route_gate() -> RouteGate:
+    """The paused routes (per-route back-pressure), shared beyond the process like the breaker."""
+    global _route_gate
+    with _made_lock:
+        if _route_gate is None or _route_gate[0] != os.getpid():
+            s = relay_settings()
+            key = breaker_key(s.database_url, s.table, s.publish_url, s.exchange)
+            _route_gate = (os.getpid(), make_route_gate(str(app.conf.broker_url or s.broker_url), key))
+        return _route_gate[1]
+
+
+def outage(which: str) -> Outage:
+    """The outage log of ``which`` ("database" or "destination broker"): one warning when it
+    starts, one line when it ends, announced by one process of all the workers."""
+    with _made_lock:
+        made = _outages.get(which)
+        if made is None or made[0] != os.getpid():
+            s, options = relay_settings(), relay_options()
+            key = breaker_key(s.database_url, s.table, s.publish_url, s.exchange)
+            if which == "database":
+                where = redact(s.database_url)
+                meanwhile = ("Claims fail and are retried every tick; nothing is lost (rows in flight finish or "
+                             "come back with their lease).")
+            else:
+                where = f"{redact(s.publish_url)} exchange {s.exchange!r}"
+                meanwhile = (f"Claims pause (probing every {options.breaker_s:g} s); rows in hand are released "
+                             "with no attempt spent.")
+            made = (os.getpid(), make_outage(str(app.conf.broker_url or s.broker_url), key, which, where,
+                                             meanwhile, log))
+            _outages[which] = made
+        return made[1]
+
+
 def resources() -> _Resources:
     r: _Resources | None = getattr(_local, "resources", None)
     if r is None or r.pid != os.getpid():
@@ -160,6 +196,7 @@ def close_resources() -> None:
         mine = [r for r in _made if r.pid == os.getpid()]
         _made.clear()
         _breaker = _coalescer = None
+        _outages.clear()
     for r in mine:
         for closable in (r.publisher, r.store):
             try:
@@ -172,10 +209,11 @@ def close_resources() -> None:
 @signals.worker_process_init.connect
 def _process_init(**_: Any) -> None:
     # Forget what was inherited over fork() without closing it: it is the parent's.
-    global _breaker, _coalescer, _parent_pid
+    global _breaker, _coalescer, _route_gate, _parent_pid
     with _made_lock:
         _made.clear()
-        _breaker = _coalescer = None
+        _breaker = _coalescer = _route_gate = None
+        _outages.clear()
     _local.__dict__.clear()
     STOPPING.clear()
     _parent_pid = os.getppid()
@@ -308,10 +346,16 @@ def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
     global _backlog
     settings, options = relay_settings(), relay_options()
     r = resources()
-    outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
-                           lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
-                           queued=queued_publish_tasks if _backlog else None, settler=r.settler,
-                           publisher=r.publisher, publish_inline=_publish_chains)
+    try:
+        outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
+                               lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
+                               queued=queued_publish_tasks if _backlog else None, settler=r.settler,
+                               publisher=r.publisher, publish_inline=_publish_chains)
+    except ClaimFailed as exc:
+        # The database is down or refusing: one warning per outage, not a traceback per tick.
+        outage("database").failed(exc.cause)
+        return {"error": redact(str(exc))}
+    outage("database").ok()
     _backlog = outcome.backlog
     if outcome.more:
         request_claim()
@@ -322,7 +366,8 @@ def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any
     """Publish chains in this process: the publish task's work, and a small claim's."""
     r = resources()
     outcomes = handle_publish(r.store, r.publisher, chains, deadline=deadline, options=relay_options(),
-                              breaker=breaker(), settler=r.settler, stopping=stopping)
+                              breaker=breaker(), settler=r.settler, stopping=stopping, routes=route_gate(),
+                              outage=outage("destination broker"))
     if breaker().open_for() == 0:
         request_claim()  # drain mode: these aggregates may have more rows now
     return outcomes
@@ -365,4 +410,5 @@ def purge() -> int:
 
 
 __all__ = ["claim", "publish", "ack", "fail", "release", "purge", "resources", "close_resources", "breaker",
+           "route_gate", "outage",
            "coalescer", "request_claim", "wake", "queued_publish_tasks", "STOPPING", "stopping"]

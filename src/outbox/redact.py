@@ -1,0 +1,117 @@
+"""Masking secrets in anything the project prints or logs: the one helper for it.
+
+Passwords reach text in three ways, and ``redact`` covers each:
+
+* a URL with credentials, ``scheme://user:password@host/...``, quoted whole (a malformed
+  setting echoed in an error, a connection error that names its target): the password
+  part becomes ``***``;
+* an ODBC connection string, ``...;PWD=secret;...`` (or ``Password=``): the value
+  becomes ``***``;
+* a fragment of a URL, quoted by a driver that could not parse it (libpq's
+  ``invalid percent-encoded token: "s3cr%t@db/app"`` echoes only the part after the
+  user name). No pattern finds those, so every password of a configured URL is
+  *registered* (``register_url``, done by ``outbox.config`` for every URL setting it
+  loads) and replaced wherever it appears, raw or percent-decoded.
+
+``RedactingFilter`` applies ``redact`` to every log record (message, arguments and
+traceback) that passes the handler it is attached to; the relay's Celery app attaches it
+to the worker's and beat's handlers, the CLI masks its error lines directly.
+
+This module imports nothing from the package, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from urllib.parse import unquote
+
+MASK = "***"
+
+#: ``scheme://user:password@`` (the user may be empty: ``redis://:pw@host``). The password
+#: runs to the last ``@`` before the host part: passwords may contain ``@``, ``:`` or ``/``
+#: when they are not percent-encoded, which is exactly the malformed case.
+_URL_CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*:/{0,3}[^\s:/@'\"]*:)"
+                              r"(?P<secret>[^\s'\"]*)@(?=[^\s@'\"]*)")
+#: ``PWD=...;`` / ``Password=...`` in ODBC connection strings (``{...}`` quoting included).
+_ODBC_PASSWORD = re.compile(r"(?i)(?P<head>\b(?:pwd|password)\s*=\s*)(?P<secret>\{[^}]*\}|[^;'\"\s]*)")
+
+_lock = threading.Lock()
+_secrets: set[str] = set()
+
+
+def _url_password(url: str) -> str | None:
+    match = _URL_CREDENTIALS.search(url)
+    if match:
+        return match.group("secret")
+    match = _ODBC_PASSWORD.search(url)
+    if match:
+        return match.group("secret").strip("{}")
+    return None
+
+
+def register_url(url: str | None) -> None:
+    """Remember the password of ``url`` (a URL or an ODBC string), so that it is masked
+    wherever it shows up later, even in a fragment no pattern recognises."""
+    if not url:
+        return
+    secret = _url_password(str(url))
+    if secret is None:
+        return
+    register_secret(secret)
+
+
+def register_secret(secret: str) -> None:
+    # Very short strings would mask innocent text everywhere ("a", "1"); the patterns still
+    # mask them inside URLs.
+    candidates = {secret, unquote(secret)}
+    with _lock:
+        _secrets.update(s for s in candidates if len(s) >= 4)
+
+
+def redact(text: object) -> str:
+    """``text`` with every password masked: URL credentials, ODBC passwords, and every
+    registered secret (raw or percent-decoded)."""
+    result = str(text)
+    result = _URL_CREDENTIALS.sub(lambda m: m.group("head") + MASK + "@", result)
+    result = _ODBC_PASSWORD.sub(lambda m: m.group("head") + MASK, result)
+    with _lock:
+        secrets = sorted(_secrets, key=len, reverse=True)
+    for secret in secrets:
+        if secret in result:
+            result = result.replace(secret, MASK)
+    return result
+
+
+class RedactingFilter(logging.Filter):
+    """Masks secrets in a record before a handler formats it: the message with its
+    arguments, and the traceback text."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a broken format string: let logging report it as usual
+            return True
+        clean = redact(message)
+        if clean != message or record.args:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+def install_filter(logger: logging.Logger | None = None) -> None:
+    """Attach one ``RedactingFilter`` to every handler of ``logger`` (default: the root
+    logger), once per handler."""
+    logger = logger or logging.getLogger()
+    for handler in logger.handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+
+
+__all__ = ["redact", "register_url", "register_secret", "RedactingFilter", "install_filter", "MASK"]

@@ -1,0 +1,226 @@
+"""Configuration checked once, the same way by the CLI, the worker and beat (issue 14,
+items 6 and 8; issue 15, item 10): an invalid value stops start-up with one line naming
+the setting, passwords are masked in everything printed, and an OUTBOX_* variable
+nothing reads is reported once with the closest known name.
+
+The CLI, ``celery -A outbox worker`` and ``celery -A outbox beat`` run as subprocesses,
+as an operator runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from outbox.config import OTHER_NAMES, known_names, load_settings, unknown_environment
+from outbox.errors import ConfigError
+from outbox.redact import RedactingFilter, redact, register_url
+from outbox.relay import RelayOptions
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "outbox"
+CELERY = str(Path(sys.executable).parent / "celery")
+SECRET = "Sup3rS3cretPW"
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_"))}
+    env.update(settings)
+    return env
+
+
+def cli(*args: str, env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "outbox.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=60, cwd=cwd)
+
+
+def relay(command: str, tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``celery -A outbox worker|beat`` expected to stop at start-up."""
+    args = ["worker", "-c", "1", "--without-mingle", "--without-gossip"] if command == "worker" else [
+        "beat", "-s", str(tmp_path / "beat-schedule")]
+    return subprocess.run([CELERY, "-A", "outbox", *args, "--loglevel=INFO"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=60)
+
+
+# -- pure checks -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,value,fragment", [
+    ("OUTBOX_CLAIM_INTERVAL_S", "nan", "OUTBOX_CLAIM_INTERVAL_S=nan must be a finite number"),
+    ("OUTBOX_CLAIM_INTERVAL_S", "inf", "OUTBOX_CLAIM_INTERVAL_S=inf must be a finite number"),
+    ("OUTBOX_CLAIM_INTERVAL_S", "-1", "OUTBOX_CLAIM_INTERVAL_S=-1.0 must be > 0"),
+    ("OUTBOX_CLAIM_INTERVAL_S", "1e9", "OUTBOX_CLAIM_INTERVAL_S=1000000000.0 is above the maximum"),
+    ("OUTBOX_RETENTION_DAYS", "NaN", "OUTBOX_RETENTION_DAYS=nan must be a finite number"),
+    ("OUTBOX_RETENTION_DAYS", "-inf", "OUTBOX_RETENTION_DAYS=-inf must be a finite number"),
+    ("OUTBOX_DATABASE_URL", "oracle://scott:tiger@db/x", "unsupported database 'oracle'"),
+    ("OUTBOX_DATABASE_URL", "DSN=x;UID=u", "without DRIVER="),
+    ("OUTBOX_PUBLISH_URL", "amqpx://guest:guest@h//", "unknown broker transport 'amqpx'; did you mean 'amqp'?"),
+    ("OUTBOX_PUBLISH_URL", "rabbit", "OUTBOX_PUBLISH_URL='rabbit' is not a broker URL"),
+    ("OUTBOX_CELERY_BROKER_URL", "reddis://h:6379/0", "unknown broker transport 'reddis'"),
+])
+def test_every_setting_is_validated(name: str, value: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={name: value})
+    assert fragment in str(caught.value)
+    assert name in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "86401"])
+def test_relay_durations_must_be_finite_and_bounded(value: str) -> None:
+    for option in ("OUTBOX_RELAY_BREAKER_S", "OUTBOX_RELAY_PURGE_INTERVAL_S" if value != "86401" else
+                   "OUTBOX_RELAY_FATAL_PAUSE_S", "OUTBOX_RELAY_ROUTE_PAUSE_S"):
+        with pytest.raises(ConfigError, match=re.escape(option)):
+            RelayOptions.from_sources({option: value})
+
+
+def test_supported_urls_pass() -> None:
+    for url in ("sqlite:///x.db", "postgresql://u:p@h/db", "postgresql+psycopg://h/db", "mysql://root@h/db",
+                "mariadb://h/db", "mssql+pyodbc://sa:p@h:1433/db?driver=ODBC+Driver+18+for+SQL+Server",
+                "DRIVER={ODBC Driver 18 for SQL Server};SERVER=h;UID=sa;PWD=x"):
+        assert load_settings(environ={"OUTBOX_DATABASE_URL": url}).database_url == url
+    for url in ("amqp://guest:guest@h//", "pyamqp://h//", "redis://h:6379/1", "rediss://h", "memory://"):
+        assert load_settings(environ={"OUTBOX_PUBLISH_URL": url, "OUTBOX_CELERY_BROKER_URL": url}).publish_url == url
+
+
+@pytest.mark.parametrize("text,secret", [
+    ("postgresql://app:pa55word@db:5432/app", "pa55word"),
+    ("bad URL 'postgresql:/app:pa55word@db/app'", "pa55word"),
+    ("redis://:pa55word@redis:6379/0", "pa55word"),
+    ("amqp://guest:p@ss@word@rabbit//", "p@ss@word"),
+    ("DRIVER={ODBC Driver 18};SERVER=h;UID=sa;PWD={pa55;word};Encrypt=yes", "pa55;word"),
+    ("Driver=FreeTDS;Server=h;Password=pa55word", "pa55word"),
+])
+def test_redact_masks_passwords(text: str, secret: str) -> None:
+    masked = redact(text)
+    assert secret not in masked and "***" in masked
+    assert redact("redis://127.0.0.1:6379/0 outbox_id=5 topic=a.b") == "redis://127.0.0.1:6379/0 outbox_id=5 topic=a.b"
+
+
+def test_registered_passwords_are_masked_in_fragments_and_log_records() -> None:
+    """libpq quotes only a fragment of a URL it cannot parse: no pattern sees a URL there,
+    so the passwords of the configured URLs are masked wherever they appear."""
+    import logging
+
+    register_url("postgresql://app:Fr4g%zzment@db/app")
+    assert redact('invalid percent-encoded token: "Fr4g%zzment"') == 'invalid percent-encoded token: "***"'
+    record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed: %s", ("token Fr4g%zzment",), None)
+    try:
+        raise RuntimeError("connect to postgresql://app:Fr4g%zzment@db/app")
+    except RuntimeError:
+        record.exc_info = sys.exc_info()
+    assert RedactingFilter().filter(record)
+    formatted = logging.Formatter().format(record)
+    assert "Fr4g%zzment" not in formatted and formatted.count("***") >= 2
+
+
+def test_unknown_environment_names_get_the_closest_known_name() -> None:
+    found = dict(unknown_environment({"OUTBOX_BATCHSIZE": "5", "OUTBOX_RELAY_BREAKER": "1", "OUTBOX_ZZZZ": "1",
+                                      "OUTBOX_TEST_POSTGRES_URL": "x", "OUTBOX_REQUIRE_SERVICES": "1",
+                                      "OUTBOX_BATCH_SIZE": "5", "PATH": "/bin"}))
+    assert found == {"OUTBOX_BATCHSIZE": "OUTBOX_BATCH_SIZE", "OUTBOX_RELAY_BREAKER": "OUTBOX_RELAY_BREAKER_S",
+                     "OUTBOX_ZZZZ": None}
+
+
+def test_every_name_the_package_reads_is_known() -> None:
+    """The known names are a list; this keeps it true: every OUTBOX_* name in the source
+    and every relay option."""
+    known = set(known_names())
+    assert {f"OUTBOX_RELAY_{f.name.upper()}" for f in fields(RelayOptions)} <= known
+    in_source = set()
+    for path in [*SRC.rglob("*.py"), SRC.parent.parent / "beat_schedule.py"]:
+        in_source.update(re.findall(r"\bOUTBOX_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    in_source -= {"OUTBOX_RELAY"}  # the prefix, spelled out in docstrings
+    assert in_source - known - {"OUTBOX_REQUIRE_SERVICES"} == set()
+    assert not set(OTHER_NAMES) & set(known_names()[: len(known) - len(OTHER_NAMES)])
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+def test_cli_masks_passwords_of_every_url(tmp_path: Path) -> None:
+    """A malformed URL, a password libpq cannot parse, an unknown scheme, a bad publish
+    URL and Celery broker URL: the CLI prints one line, never the password."""
+    require_postgres()
+    cases = [
+        {"OUTBOX_DATABASE_URL": f"postgresql:/app:{SECRET}@127.0.0.1/test"},
+        {"OUTBOX_DATABASE_URL": f"postgresql://postgres:{SECRET}%zz@127.0.0.1:5432/test"},
+        {"OUTBOX_DATABASE_URL": f"oracle://scott:{SECRET}@db/x"},
+        {"OUTBOX_DATABASE_URL": f"DSN=x;UID=sa;PWD={SECRET}"},
+        {"OUTBOX_PUBLISH_URL": f"amqpx://guest:{SECRET}@127.0.0.1//"},
+        {"OUTBOX_CELERY_BROKER_URL": f"redis:/:{SECRET}@127.0.0.1:6379/0"},
+    ]
+    for case in cases:
+        result = cli("status", env=clean_env(**{"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", **case}))
+        assert result.returncode == 1, (case, result)
+        assert SECRET not in result.stdout + result.stderr, (case, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "***" in lines[0], (case, lines)
+
+
+def test_cli_warns_once_about_unknown_outbox_names(tmp_path: Path) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_BATCHSIZE="7",
+                    OUTBOX_TEST_ANYTHING="1", OUTBOX_REQUIRE_SERVICES="1")
+    result = cli("migrate", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "WARNING outbox: unknown environment variable OUTBOX_BATCHSIZE is ignored (did you mean OUTBOX_BATCH_SIZE?)"]
+
+
+# -- worker and beat ---------------------------------------------------------------------------
+
+def require_postgres() -> None:
+    from services import require
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+
+
+def require_redis() -> str:
+    from services import REDIS_URL, require
+
+    require("Redis", "127.0.0.1", 6379)
+    return REDIS_URL
+
+
+@pytest.mark.parametrize("command,setting,value,message", [
+    ("worker", "OUTBOX_DATABASE_URL", f"oracle://scott:{SECRET}@db/x",
+     "outbox: invalid configuration: OUTBOX_DATABASE_URL='oracle://scott:***@db/x': unsupported database 'oracle'"),
+    ("worker", "OUTBOX_PUBLISH_URL", f"amqpx://guest:{SECRET}@127.0.0.1//",
+     "outbox: invalid configuration: OUTBOX_PUBLISH_URL='amqpx://guest:***@127.0.0.1//': unknown broker "
+     "transport 'amqpx'; did you mean 'amqp'?"),
+    ("worker", "OUTBOX_RELAY_BREAKER_S", "nan",
+     "outbox: invalid configuration: OUTBOX_RELAY_BREAKER_S='nan' must be a finite number"),
+    ("beat", "OUTBOX_CLAIM_INTERVAL_S", "nan",
+     "outbox: invalid configuration: OUTBOX_CLAIM_INTERVAL_S=nan must be a finite number"),
+    ("beat", "OUTBOX_RELAY_PURGE_INTERVAL_S", "inf",
+     "outbox: invalid configuration: OUTBOX_RELAY_PURGE_INTERVAL_S='inf' must be a finite number"),
+    ("beat", "OUTBOX_DATABASE_URL", f"postgresql:/app:{SECRET}@db/app",
+     "outbox: invalid configuration: OUTBOX_DATABASE_URL='postgresql:/app:***@db/app' is not a database URL"),
+])
+def test_worker_and_beat_refuse_bad_settings_with_one_line(tmp_path: Path, command: str, setting: str, value: str,
+                                                           message: str) -> None:
+    redis_url = require_redis()
+    env = clean_env(**{"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                       "OUTBOX_CELERY_BROKER_URL": redis_url, setting: value})
+    result = relay(command, tmp_path, env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert SECRET not in output
+    assert output.strip().splitlines()[-1].startswith(message), output[-3000:]
+
+
+def test_worker_and_beat_warn_about_unknown_outbox_names(tmp_path: Path) -> None:
+    """One line per unknown name, at start-up; the bad setting then stops it, so the test
+    does not have to run a relay."""
+    redis_url = require_redis()
+    env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_CELERY_BROKER_URL=redis_url,
+                    OUTBOX_CLAIM_INTERVALS="0.5", OUTBOX_TEST_X="1", OUTBOX_RELAY_BREAKER_S="nan")
+    for command in ("worker", "beat"):
+        output = relay(command, tmp_path, env)
+        text = output.stdout + output.stderr
+        warnings = [line for line in text.splitlines() if "unknown environment variable" in line]
+        assert warnings == ["outbox: unknown environment variable OUTBOX_CLAIM_INTERVALS is ignored "
+                            "(did you mean OUTBOX_CLAIM_INTERVAL_S?)"], text[-3000:]
