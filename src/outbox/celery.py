@@ -136,6 +136,10 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         "worker_hijack_root_logger": True,
         "beat_schedule": load_beat_schedule(settings, options),
     }
+    if broker_url.startswith("redis://"):
+        # kombu's Redis transport, made to drop a message it cannot decode instead of
+        # stopping the worker (outbox.celery_redis). The URL is read exactly as before.
+        config["broker_transport"] = "outbox.celery_redis:Transport"
     if in_memory:
         # One process: threads share the in-memory broker, prefork children would not.
         config["worker_pool"] = "threads"
