@@ -761,8 +761,8 @@ def test_broker_outage_pauses_claims_and_loses_nothing(tmp_path: Path, destinati
         during = outbox.statuses()
         assert Status.FAILED not in during.values() and Status.DEAD not in during.values(), during
         log = procs.log("w1")
-        assert "back-pressure, pausing claims" in log, log[-3000:]
-        assert "claims paused" in log, log[-3000:]
+        # One warning for the outage (docs/relay.md, "Outages in the log"), not one per probe.
+        assert log.count("destination broker unreachable") == 1, log[-3000:]
 
         proxy.restore()
         total = sum(len(ids) for ids in expected.values())

@@ -354,7 +354,7 @@ def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
     except ClaimFailed as exc:
         # The database is down or refusing: one warning per outage, not a traceback per tick.
         outage("database").failed(exc.cause)
-        return {"error": redact(str(exc))}
+        return {"database_unavailable": True}  # the error is in the outage's log lines, once
     outage("database").ok()
     _backlog = outcome.backlog
     if outcome.more:
