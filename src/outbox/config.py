@@ -81,6 +81,11 @@ class Settings:
         _positive("OUTBOX_RETENTION_DAYS", self.retention_days, allow_zero=True)
         _positive("OUTBOX_MAX_PAYLOAD_BYTES", self.max_payload_bytes, upper=64 * 1024 * 1024)
 
+    def __repr__(self) -> str:
+        """With every password masked: settings end up in logs and tracebacks."""
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__dataclass_fields__)
+        return redact(f"Settings({shown})")
+
     @property
     def broker_url(self) -> str:
         """Celery's own broker: in-memory for the embedded SQLite default, Redis otherwise."""

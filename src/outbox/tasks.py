@@ -404,7 +404,11 @@ def release(ids: list[int], lease: str, delay_s: float | None = None) -> int:
 @app.task(name=PURGE_TASK, ignore_result=True)
 def purge() -> int:
     settings = relay_settings()
-    deleted = resources().store.purge_done(timedelta(days=settings.retention_days))
+    try:
+        deleted = resources().store.purge_done(timedelta(days=settings.retention_days))
+    except Exception as exc:  # the database is down: the next run purges; the outage is logged once
+        outage("database").failed(exc)
+        return 0
     log.info("outbox purge: deleted %d done rows older than %g days", deleted, settings.retention_days)
     return deleted
 
