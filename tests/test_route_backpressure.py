@@ -241,3 +241,17 @@ def test_a_connection_failure_is_broker_wide(tmp_path: Path) -> None:
     assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE
     assert result.failure.route is None
     assert isinstance(result.failure, PublishFailure)
+
+
+def test_file_backed_route_pauses_and_outages_are_shared_by_processes_of_a_host(tmp_path: Path) -> None:
+    """Celery brokers other than Redis: the processes of one host share a file."""
+    from outbox.relay import FileOutage, FileRouteGate
+
+    one, two = FileRouteGate(str(tmp_path / "routes.json")), FileRouteGate(str(tmp_path / "routes.json"))
+    assert one.refuse("orders.a", 5.0, 30.0)[1] is True
+    one.refuse("orders.c", 5.0, 30.0)
+    assert 4 < two.paused("orders.a") <= 5 and 4 < two.paused("orders.c") <= 5 and two.paused("orders.b") == 0
+    first = FileOutage(str(tmp_path / "outage"), "database", "db", "meanwhile")
+    second = FileOutage(str(tmp_path / "outage"), "database", "db", "meanwhile")
+    assert first._begin() is True and second._begin() is False
+    assert second._end() is True and first._end() is False

@@ -23,6 +23,13 @@ Each task has its own queue, so each can be scaled and routed on its own
 (``celery -A outbox worker -Q outbox.publish -c 8``, ``... -Q outbox.claim,outbox.ack,outbox.purge -c 2``).
 A worker started without ``-Q`` consumes all four.
 
+Operations
+----------
+Every log record of the worker and beat passes ``outbox.redact.RedactingFilter`` (no
+password is ever logged). With a ``redis://`` Celery broker the transport is
+``outbox.celery_redis:Transport``, which drops a message it cannot decode instead of
+stopping the worker (docs/relay.md, "Garbage in Celery's Redis broker").
+
 The in-memory Celery broker
 ---------------------------
 ``memory://`` (the default next to SQLite) only exists inside one process. The worker then
