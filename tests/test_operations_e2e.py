@@ -159,7 +159,8 @@ def test_a_full_queue_slows_only_its_own_route(tmp_path: Path, two_routes: TwoRo
     assert max(latencies) < 4.0, (sorted(latencies), log[-3000:])
     check_order([(i, agg, m) for i, agg, _, m in destination.arrived["b"]], expected_b)
     assert lines_with(log, "route 'orders.a' refuses messages"), log[-3000:]
-    assert not lines_with(log, "pausing claims"), log[-3000:]  # the global breaker never opened
+    # The global breaker never opened: no broker-wide back-pressure was reported.
+    assert not lines_with(log, "destination broker unreachable") and not lines_with(log, "FATAL"), log[-3000:]
     # A is full: its other events wait, none failed or dead, no attempt spent.
     assert destination.queued_a() == 3
     statuses = outbox.rows()
