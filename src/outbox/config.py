@@ -71,6 +71,10 @@ class Settings:
             validate_kombu_url(self.celery_broker_url, "OUTBOX_CELERY_BROKER_URL")
         if not self.exchange:
             raise ConfigError("OUTBOX_EXCHANGE must not be empty")
+        for setting, name in (("OUTBOX_EXCHANGE", self.exchange), ("OUTBOX_DEAD_LETTER_EXCHANGE",
+                                                                   self.dead_letter_exchange)):
+            if name is not None:
+                validate_exchange(name, setting)
         if self.dead_letter_exchange is not None and self.dead_letter_exchange == self.exchange:
             raise ConfigError(f"OUTBOX_DEAD_LETTER_EXCHANGE={self.dead_letter_exchange!r} must differ from "
                               "OUTBOX_EXCHANGE: dead rows would reach the consumers of live events")
@@ -141,6 +145,17 @@ def validate_database_url(url: str) -> str:
     elif "driver=" not in url.lower():
         raise ConfigError(f"OUTBOX_DATABASE_URL={shown} looks like an ODBC connection string without DRIVER=")
     return url
+
+
+def validate_exchange(name: str, setting: str) -> str:
+    """AMQP carries an exchange name as a short string (at most 255 bytes), and RabbitMQ
+    refuses to declare names starting with ``amq.`` (ACCESS_REFUSED): either would only
+    show up at the first publish, as a fatal error."""
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        raise ConfigError(f"{setting}={name[:40]!r}... is longer than 255 bytes")
+    if name.startswith("amq."):
+        raise ConfigError(f"{setting}={name!r}: names starting with 'amq.' are reserved by the broker")
+    return name
 
 
 def validate_kombu_url(url: str, setting: str) -> str:
