@@ -596,6 +596,7 @@ class KombuPublisher(Publisher):
                     w.stop(failure)
                 break
             reused = False  # the connection just worked: a later error is not staleness
+            broker_wide: PublishFailure | None = None
             for w, problem in zip(wave, outcomes):
                 if problem is None:
                     w.advance()
@@ -611,7 +612,15 @@ class KombuPublisher(Publisher):
                     w.stop(problem)
                     if problem.route is not None:
                         refused[problem.route] = problem
+                    else:
+                        broker_wide = problem
             going = [w for w in wave if w.going]
+            if broker_wide is not None:
+                # The connection failed mid-wave (transports without confirms): send nothing more;
+                # every chain still going stops at its next event for the same reason.
+                for w in going:
+                    w.stop(broker_wide)
+                going = []
             if refused:
                 # A queue of these routes refuses messages: chains whose next event goes the
                 # same way stop there (the relay releases them, no attempt spent); chains of
