@@ -156,7 +156,7 @@ def test_a_full_queue_slows_only_its_own_route(tmp_path: Path, two_routes: TwoRo
     latencies = [at - written_b[i] for i, _, at, _ in destination.arrived["b"]]
     log = procs.log("w1")
     assert statistics.median(latencies) < 1.5, (sorted(latencies), log[-3000:])
-    assert max(latencies) < 4.0, (sorted(latencies), log[-3000:])
+    assert max(latencies) < 5.0, (sorted(latencies), log[-3000:])  # a breaker pause would be 5 s each
     check_order([(i, agg, m) for i, agg, _, m in destination.arrived["b"]], expected_b)
     assert lines_with(log, "route 'orders.a' refuses messages"), log[-3000:]
     # The global breaker never opened: no broker-wide back-pressure was reported.
