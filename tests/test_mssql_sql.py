@@ -32,7 +32,11 @@ from sqlglot import exp
 
 from outbox.chains import Candidate, plan_claim
 from outbox.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
-from outbox.engines.mssql import FILTERED_INDEX_OPTIONS, MssqlEngine, odbc_connection_string
+from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_PARAMS_PER_STATEMENT, INDEXES,
+                                  MIGRATE_LOCK_TIMEOUT_MS, OPEN_ROWS, OPEN_ROWS_NORMALIZED, SQL_BIGINT, SQL_INTEGER,
+                                  SQL_WLONGVARCHAR, SQL_WVARCHAR, TRANSIENT_ERRORS, MssqlEngine, filter_sql,
+                                  input_sizes, normalize_filter, odbc_connection_string, parse_target)
+from outbox.errors import ConfigError, StoreError
 from outbox.events import prepare_event
 from outbox.store import OutboxStore
 
@@ -45,29 +49,46 @@ CLAIMED_ROW = (7, "m-7", "orders.created", "order", "42", None, '{"n":1}', '{"h"
 # -- recording fakes ------------------------------------------------------------------
 
 class RecordingCursor:
-    """Records (sql, params) and answers the few reads the store makes."""
+    """Records (sql, params) and answers the few reads the store makes. ``sizes``
+    records what ``setinputsizes`` declared for each statement."""
 
-    def __init__(self, log: list[tuple[str, tuple]]) -> None:
+    def __init__(self, log: list[tuple[str, tuple]], sizes: list | None = None,
+                 answers: dict[str, list[tuple]] | None = None) -> None:
         self.log = log
+        self.sizes = sizes if sizes is not None else []
+        self.answers = answers or {}
         self.rows: list[tuple] = []
         self.description: Any = None
         self.rowcount = 0
+        self._declared: Any = None
+
+    def setinputsizes(self, sizes: Any) -> None:
+        self._declared = sizes
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
         self.log.append((sql, tuple(params)))
+        self.sizes.append(self._declared)
         self.rows = self._answer(sql)
         # Every fenced write "applies" to all its rows, so the store logs no stale leases.
         id_lists = [json.loads(p) for p in params if isinstance(p, str) and p.startswith("[")]
-        self.rowcount = len(id_lists[0]) if id_lists else 1
+        ints = [p for p in params if isinstance(p, int)]
+        if id_lists:
+            self.rowcount = len(id_lists[0])
+        elif "id IN (?" in sql:
+            self.rowcount = sql.count("?") - (len(params) - len(ints)) - (2 if "CASE WHEN ? > 0" in sql else 0)
+        else:
+            self.rowcount = 1
         self.description = [("col",)] if self.rows or sql.lstrip().upper().startswith(("SELECT", "DECLARE")) else None
         return self
 
-    @staticmethod
-    def _answer(sql: str) -> list[tuple]:
+    def _answer(self, sql: str) -> list[tuple]:
+        for needle, rows in self.answers.items():
+            if needle in sql:
+                return rows
         if "FROM @out" in sql:
             return [CLAIMED_ROW]
-        if sql.rstrip().endswith("SELECT @id AS id;"):
-            return [(42,)]
+        if sql.rstrip().endswith("SELECT @id AS id, @lock_result AS lock_result;"):
+            return [(42, 0)]
         if sql.startswith("SELECT MIN(created_at)"):
             return [(None, datetime(2024, 1, 1))]
         if sql.startswith("SELECT status FROM"):
@@ -88,14 +109,20 @@ class RecordingCursor:
 
 
 class RecordingConnection:
-    def __init__(self) -> None:
+    def __init__(self, answers: dict[str, list[tuple]] | None = None) -> None:
         self.log: list[tuple[str, tuple]] = []
+        self.sizes: list[Any] = []
+        self.answers = answers or {}
+        self.commits = 0
+        self.timeout = 0
 
     def cursor(self) -> RecordingCursor:
-        return RecordingCursor(self.log)
+        cursor = RecordingCursor(self.log, self.sizes, self.answers)
+        cursor.connection = self  # type: ignore[attr-defined]
+        return cursor
 
     def commit(self) -> None:
-        pass
+        self.commits += 1
 
     def rollback(self) -> None:
         pass
@@ -104,16 +131,19 @@ class RecordingConnection:
         pass
 
 
-def recording_store(schema: str | None, table: str) -> tuple[OutboxStore, RecordingConnection]:
+def recording_store(schema: str | None, table: str, compat_level: int | None = None,
+                    answers: dict[str, list[tuple]] | None = None) -> tuple[OutboxStore, RecordingConnection]:
     store = OutboxStore(URL, table=table, schema=schema, claim_timeout_ms=30_000, max_attempts=5)
-    conn = RecordingConnection()
+    conn = RecordingConnection(answers)
     store.engine.connect = lambda url: conn  # type: ignore[method-assign]
+    store.engine.compat_level = compat_level  # type: ignore[attr-defined]
     return store, conn
 
 
-def every_statement(schema: str | None, table: str) -> tuple[MssqlEngine, list[tuple[str, tuple]]]:
+def every_statement(schema: str | None, table: str,
+                    compat_level: int | None = None) -> tuple[MssqlEngine, list[tuple[str, tuple]]]:
     """Drive every store operation (and the write side) and return what reached the driver."""
-    store, conn = recording_store(schema, table)
+    store, conn = recording_store(schema, table, compat_level)
     engine = store.engine
     assert isinstance(engine, MssqlEngine)
     store.migrate()
@@ -136,7 +166,8 @@ def every_statement(schema: str | None, table: str) -> tuple[MssqlEngine, list[t
     return engine, conn.log
 
 
-@pytest.fixture(params=[(None, "outbox"), ("messaging", "events_out")], ids=["dbo.outbox", "messaging.events_out"])
+@pytest.fixture(params=[(None, "outbox", 160), ("messaging", "events_out", 160), (None, "outbox", 110)],
+                ids=["dbo.outbox", "messaging.events_out", "level-110"])
 def recorded(request: pytest.FixtureRequest) -> tuple[MssqlEngine, list[tuple[str, tuple]]]:
     return every_statement(*request.param)
 
@@ -173,8 +204,13 @@ def statements_of(engine: MssqlEngine, sql: str) -> list[str]:
     if sql == engine.claim_batch():
         return engine.claim_statements()
     if sql.startswith(FILTERED_INDEX_OPTIONS):
-        return [s.strip() + ";" for s in FILTERED_INDEX_OPTIONS.split(";") if s.strip()] + \
-            [sql[len(FILTERED_INDEX_OPTIONS):].strip()]
+        options = [s.strip() + ";" for s in FILTERED_INDEX_OPTIONS.split(";") if s.strip()]
+        for native_json in (False, True):
+            for step in engine.migration_steps(native_json):
+                statements = step[1] if isinstance(step, tuple) else step
+                if sql == FILTERED_INDEX_OPTIONS + "\n" + "\n".join(statements):
+                    return options + statements
+        raise AssertionError(f"not a migration batch:\n{sql}")
     return [sql]
 
 
@@ -221,7 +257,12 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
     assert any(s.startswith(f"UPDATE {t} SET status = 2") for s in sent)  # mark_done
     assert any(s.startswith(f"UPDATE {t} SET status = 0, claimed_at") for s in sent)  # release
     assert any(s.endswith("OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY") for s in sent)  # dead_list
-    assert set(engine.migration()) | set(engine.migration(native_json=True)) <= set(sent)
+    for native_json in (False, True):
+        for step in engine.migration(native_json=native_json):
+            if isinstance(step, tuple):  # ((definition probe, params), repair): no row -> repair runs
+                (probe, _), step = step
+                assert probe in sent
+            assert step in sent
 
 
 def test_no_statement_manages_transactions_or_isolation(recorded: Any) -> None:
@@ -288,21 +329,47 @@ def test_batches_with_results_silence_rowcounts_first_and_restore_them_before_th
         # Nothing but the restore stands between the last change and the one result set.
         assert isinstance(parse_one(statements[-1]), exp.Select)
         assert statements[-2].startswith("IF @nocount = 0") and "SET NOCOUNT OFF" in statements[-2]
-        assert sum(isinstance(parse_one(s), exp.Select) for s in statements) == 1
+        results = [s for s in statements if isinstance(parse_one(s), exp.Select) and not re.match(r"SELECT @\w+ =", s)]
+        assert results == [statements[-1]]
 
 
 # -- the write side ---------------------------------------------------------------------------
 
-def test_insert_never_commits_and_never_meets_a_duplicate_key(no_sqlglot_fallbacks: None) -> None:
+def test_insert_takes_no_key_range_locks_and_serializes_only_the_same_message_id(no_sqlglot_fallbacks: None) -> None:
+    """Fault 6: the duplicate probe was UPDLOCK, HOLDLOCK (a key-range lock on the gap,
+    held for the caller's whole transaction). Now every read of the table is a plain
+    seek, and the same message_id is serialized by an application lock on its hash."""
     engine = MssqlEngine(table="events_out", schema="messaging")
     statements = engine.insert_statements()
-    insert = parse_one(next(s for s in statements if s.startswith("INSERT")))
-    refs = outbox_refs(insert, engine)
-    probe = [r for r in refs if hints(r)]
-    assert len(probe) == 1 and hints(probe[0]) == {"UPDLOCK", "HOLDLOCK"}
-    assert "OUTPUT inserted.id INTO @ids" in engine.insert_batch()
-    assert "XACT_ABORT" not in engine.insert_batch()  # the caller's setting, left alone
-    assert engine.insert_batch().count("?") == len(engine.INSERT_COLUMNS.split(","))
+    batch = engine.insert_batch()
+    for forbidden in ("HOLDLOCK", "UPDLOCK", "SERIALIZABLE", "IGNORE_DUP_KEY", "XACT_ABORT", "BEGIN TRY", "COMMIT;"):
+        assert forbidden not in batch, forbidden
+    for statement in statements:
+        for ref in outbox_refs(parse_one(statement), engine):
+            assert hints(ref) <= {"READCOMMITTEDLOCK"}, statement
+    lock = next(s for s in statements if "sp_getapplock" in s)
+    assert lock.startswith("IF @id IS NULL") and "@LockOwner = @lock_owner" in lock
+    owner = next(s for s in statements if s.startswith("SET @lock_owner"))
+    assert "WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session'" in owner
+    # The fast-path probe comes first: it opens the driver's implicit transaction.
+    assert statements.index(owner) > statements.index(
+        "SELECT @id = id FROM [messaging].[events_out] WHERE message_id = @message_id;")
+    resource = next(s for s in statements if s.startswith("SET @lock_resource"))
+    assert "HASHBYTES('SHA2_256', N'[messaging].[events_out]|' + @message_id)" in resource
+    insert = next(s for s in statements if "INSERT INTO" in s)
+    assert insert.startswith("IF @id IS NULL AND @lock_result >= 0")
+    assert "OUTPUT inserted.id INTO @ids" in insert
+    release = next(s for s in statements if "sp_releaseapplock" in s)
+    assert "@lock_owner = N'Session'" in release and statements.index(release) > statements.index(insert)
+    assert placeholders(batch) == len(engine.INSERT_COLUMNS.split(","))
+
+
+def test_insert_reports_a_refused_lock_clearly() -> None:
+    engine = MssqlEngine()
+    conn = RecordingConnection({"SELECT @id AS id, @lock_result": [(None, -1)]})
+    event = prepare_event(topic="t", aggregate_type="order", aggregate_id="a", payload={"p": 1}, message_id="m-9")
+    with pytest.raises(StoreError, match=r"message_id 'm-9'.*timed out"):
+        engine.insert_event(conn.cursor(), event)
 
 
 def test_insert_binds_event_params_and_long_payloads_as_nvarchar_max() -> None:
@@ -353,39 +420,139 @@ def test_names_clock_and_paging() -> None:
 # -- migration ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("native_json", [False, True])
+@pytest.mark.parametrize("level", [110, 120, 130, 160])
 @pytest.mark.parametrize("schema, table", [(None, "outbox"), ("messaging", "events_out")])
 def test_every_migration_step_is_guarded_and_sets_filtered_index_options(
-        schema: str | None, table: str, native_json: bool, no_sqlglot_fallbacks: None) -> None:
+        schema: str | None, table: str, level: int, native_json: bool, no_sqlglot_fallbacks: None) -> None:
     engine = MssqlEngine(table=table, schema=schema)
-    steps = engine.migration(native_json=native_json)
-    made: list[str] = []
-    for step in steps:
-        assert step.startswith(FILTERED_INDEX_OPTIONS)
-        guarded = parse_one(step[len(FILTERED_INDEX_OPTIONS):].strip())
-        assert isinstance(guarded, exp.IfBlock), step
-        body = [e for e in guarded.args["true"].expressions if not isinstance(e, exp.EndStatement)]
-        assert len(body) == 1, step
-        made.append(type(body[0]).__name__)
-        assert step.count("CREATE ") <= 1
-    assert made == ["ExecuteSql", "Create", "Alter", "Alter", "Create", "Create", "Create", "Create"]
-    text = "\n".join(steps)
+    engine.compat_level = level
+    steps = engine.migration_steps(native_json=native_json)
+    batches = engine.migration(native_json=native_json)
+    assert len(steps) == len(batches)
+    for step, batch in zip(steps, batches):
+        statements = step[1] if isinstance(step, tuple) else step
+        sent = batch[1] if isinstance(batch, tuple) else batch
+        assert sent.startswith(FILTERED_INDEX_OPTIONS)
+        assert sent == FILTERED_INDEX_OPTIONS + "\n" + "\n".join(statements)
+        for statement in statements:
+            parse_one(statement)
+        if isinstance(step, tuple):
+            assert isinstance(parse_one(step[0][0]), exp.Select) and step[0][1] == []
+    text = "\n".join(b[1] if isinstance(b, tuple) else b for b in batches)
     s = schema or "dbo"
     assert f"IF SCHEMA_ID(N'{s}') IS NULL" in text and f"CREATE SCHEMA [{s}]" in text
     assert f"IF OBJECT_ID(N'[{s}].[{table}]', N'U') IS NULL" in text
     for column in ("last_error", "lease_token"):
         assert f"IF COL_LENGTH(N'[{s}].[{table}]', N'{column}') IS NULL" in text
-    for suffix in ("message_id", "agg_id_id", "claim_ready", "done_processed_at"):
-        name = engine.index_name(suffix)
+    for spec in INDEXES:
+        name = engine.index_name(spec.suffix)
         assert (f"IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'{name}' "
                 f"AND object_id = OBJECT_ID(N'[{s}].[{table}]'))") in text
-    assert "WHERE status IN (0, 1, 3)" in next(x for x in steps if "claim_ready" in x)
-    assert "UNIQUE NONCLUSTERED INDEX" in next(x for x in steps if engine.index_name("message_id") in x)
-    assert ("ISJSON" in text) is not native_json
+    # Fault 1: no ISJSON below level 130 (the function does not exist there).
+    assert ("ISJSON" in text) is (level >= 130 and not native_json)
     assert ("payload JSON NOT NULL" in text) is native_json
+    # Fault 6: lock escalation off, guarded by the catalog.
+    assert f"ALTER TABLE [{s}].[{table}] SET (LOCK_ESCALATION = DISABLE)" in text
+    assert "lock_escalation_desc <> N'DISABLE'" in text
+
+
+def test_migration_is_serialized_by_an_application_lock() -> None:
+    """Fault 7: two `outbox migrate` at once. The first step takes an exclusive
+    sp_getapplock for the table (the transaction's when one is open), refuses with
+    one clear message when it cannot get it, and the last step releases a
+    session-owned lock."""
+    engine = MssqlEngine(table="events_out", schema="messaging")
+    steps = engine.migration_steps()
+    first, last = steps[0], steps[-1]
+    resource = "N'outbox migrate [messaging].[events_out]'"
+    assert f"EXEC @lock_result = sp_getapplock @Resource = {resource}, @LockMode = N'Exclusive', " \
+           f"@LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};" in first
+    assert any("WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session'" in s for s in first)
+    refusal = next(s for s in first if s.startswith("IF @lock_result < 0"))
+    assert "RAISERROR(N'outbox migrate: another outbox migrate" in refusal and ", 16, 1," in refusal
+    assert len(last) == 1 and f"APPLOCK_MODE(N'public', {resource}, N'Session') <> N'NoLock'" in last[0]
+    assert f"EXEC sp_releaseapplock @Resource = {resource}, @LockOwner = N'Session'" in last[0]
+    # Migration batches run without the client's query timeout (see MssqlEngine.execute).
+    conn = RecordingConnection()
+    conn.timeout = 300
+    seen: list[int] = []
+    cursor = conn.cursor()
+    cursor.execute = lambda sql, params=(): seen.append(conn.timeout)  # type: ignore[method-assign]
+    engine.execute(cursor, engine.migration()[0])
+    engine.execute(cursor, "SELECT 1")
+    assert seen == [0, 300] and conn.timeout == 300
+
+
+def test_ordering_probe_index_is_filtered_on_open_rows_and_replaces_the_old_one(no_sqlglot_fallbacks: None) -> None:
+    """Fault 2: the probe's index was (aggregate_id, id) INCLUDE (status) over the whole
+    history. Now it is filtered on open rows with the probe's own literal predicate,
+    and the migration drops the old index, guarded."""
+    engine = MssqlEngine()
+    spec = next(i for i in INDEXES if i.suffix == "agg_open")
+    ddl = spec.ddl("[ix]", engine.table)
+    assert ddl == f"CREATE NONCLUSTERED INDEX [ix] ON [dbo].[outbox] (aggregate_id, id) WHERE {OPEN_ROWS}"
+    assert "INCLUDE" not in ddl  # a claim (status 0 -> 1) does not write to it
+    assert f"e.{OPEN_ROWS}" in engine.chain_select()  # the literal predicate the filter must match
+    assert engine.eligible().startswith(f"{OPEN_ROWS} AND (")  # the claim scan matches claim_ready's filter
+    text = "\n".join(b[1] if isinstance(b, tuple) else b for b in engine.migration())
+    assert ("IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'ix_outbox_agg_id_id' "
+            "AND object_id = OBJECT_ID(N'[dbo].[outbox]'))\nBEGIN\n    DROP INDEX [ix_outbox_agg_id_id] ON [dbo].[outbox];") in text
+    assert text.index("DROP INDEX [ix_outbox_agg_id_id]") < text.index("CREATE NONCLUSTERED INDEX [ix_outbox_agg_open]")
+    for spec in INDEXES:
+        if spec.filtered:
+            assert spec.ddl("[x]", "t").endswith(f"WHERE {OPEN_ROWS}")
+    # The stats and metrics queries read open rows by created_at: covered by a filtered index.
+    stats = next(i for i in INDEXES if i.suffix == "open_created_at")
+    assert stats.keys == ("created_at",) and stats.include == ("status",) and stats.filtered
+
+
+def test_index_checks_compare_definitions_not_names(no_sqlglot_fallbacks: None) -> None:
+    """Fault 5: an index with the right name and the wrong definition was never
+    repaired. The probe checks uniqueness, filter, keys in order and included columns."""
+    engine = MssqlEngine()
+    claim_ready = next(i for i in INDEXES if i.suffix == "claim_ready")
+    probe = engine.index_matches(claim_ready)
+    tree = parse_one(probe)
+    assert isinstance(tree, exp.Select)
+    assert "i.name = N'ix_outbox_claim_ready'" in probe and "i.is_unique = 0" in probe
+    assert f"AND n.index_id = i.index_id) = {1 + len(claim_ready.include)}" in probe
+    assert "ic.key_ordinal = 1 AND ic.is_descending_key = 0 AND c.name = N'id'" in probe
+    for column in claim_ready.include:
+        assert f"ic.is_included_column = 1 AND c.name = N'{column}'" in probe
+    assert f"i.has_filter = 1 AND {filter_sql('i.filter_definition')} IN (" in probe
+    unique = engine.index_matches(next(i for i in INDEXES if i.suffix == "message_id"))
+    assert "i.is_unique = 1" in unique and "i.has_filter = 0" in unique
+    # Every stored spelling of the filter normalizes to one the probe accepts.
+    for stored in ("([status]=(0) OR [status]=(1) OR [status]=(3))", "[status] IN (0, 1, 3)", OPEN_ROWS):
+        assert normalize_filter(stored) in OPEN_ROWS_NORMALIZED
+    assert normalize_filter("([status]=(0) OR [status]=(3))") not in OPEN_ROWS_NORMALIZED
+    # The T-SQL normalization computes exactly what normalize_filter does (run on SQLite).
+    db = sqlite3.connect(":memory:")
+    for stored in ("([status]=(0) OR [status]=(1) OR [status]=(3))", "([Status] IN (0,1))"):
+        sql = "SELECT " + filter_sql("?").replace("N'", "'")
+        assert db.execute(sql, (stored,)).fetchone()[0] == normalize_filter(stored)
+
+
+def test_a_wrong_index_is_dropped_and_made_again_in_the_same_migration() -> None:
+    """Through the store: a definition probe that finds no row runs the guarded DROP,
+    and the next step's guarded CREATE makes the index again (one transaction)."""
+    store, conn = recording_store(None, "outbox", 160)
+    store.migrate()
+    sent = [sql for sql, _ in conn.log]
+    for spec in INDEXES:
+        name = store.engine.index_name(spec.suffix)
+        probe = sent.index(store.engine.index_matches(spec))  # type: ignore[attr-defined]
+        drop = next(i for i, s in enumerate(sent) if f"DROP INDEX [{name}]" in s)
+        create = next(i for i, s in enumerate(sent) if f"INDEX [{name}] ON" in s and "CREATE" in s)
+        assert probe < drop < create
+    # A matching index (the probe finds its row) is left alone.
+    store, conn = recording_store(None, "outbox", 160, answers={"SELECT 1 FROM sys.indexes AS i": [(1,)]})
+    store.migrate()
+    assert not any("DROP INDEX [ix_outbox_claim_ready]" in sql for sql, _ in conn.log)
 
 
 def test_table_definition_matches_the_contract() -> None:
-    create = MssqlEngine().migration()[1]
+    create = next(b for b in MssqlEngine().migration() if isinstance(b, str) and "CREATE TABLE" in b)
     for column in ("id BIGINT IDENTITY(1,1) NOT NULL", "message_id NVARCHAR(64)", "topic NVARCHAR(255) NOT NULL",
                    "aggregate_type NVARCHAR(255) NOT NULL", "aggregate_id NVARCHAR(255)",
                    "partition_key NVARCHAR(255) NULL", "payload NVARCHAR(MAX) NOT NULL", "headers NVARCHAR(MAX)",
