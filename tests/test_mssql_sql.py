@@ -682,3 +682,248 @@ def test_transient_and_disconnect_errors(exc: BaseException, transient: bool, di
 def test_importing_the_engine_does_not_import_pyodbc() -> None:
     code = "import sys, outbox.engines.mssql; sys.exit('pyodbc' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- compatibility levels (fault 1) ---------------------------------------------------------------
+
+def test_id_lists_below_level_130_are_chunked_parameter_lists() -> None:
+    engine = MssqlEngine()
+    engine.compat_level = 120
+    assert not engine.has_json
+    chunks = engine.id_chunks(list(range(1, 4502)))
+    assert [len(c) for c in chunks] == [ID_PARAMS_PER_STATEMENT, ID_PARAMS_PER_STATEMENT, 501]
+    assert sum(chunks, []) == list(range(1, 4502))
+    cond, params = engine.ids_in(chunks[0])
+    assert "OPENJSON" not in cond and cond.count("?") == len(params) == ID_PARAMS_PER_STATEMENT
+    assert ID_PARAMS_PER_STATEMENT + 3 < 2100  # the statement's own parameters fit beside it
+    with pytest.raises(StoreError, match="id_chunks"):
+        engine.ids_in(list(range(ID_PARAMS_PER_STATEMENT + 1)))
+    engine.compat_level = 130
+    assert engine.id_chunks(list(range(5000))) == [list(range(5000))]
+
+
+@pytest.mark.parametrize("level, statements", [(110, 2), (120, 2), (130, 1), (160, 1)])
+def test_acks_and_requeues_over_the_parameter_limit_at_every_level(level: int, statements: int) -> None:
+    """Through the store: 3,000 ids are one OPENJSON statement at 130+, two parameter
+    lists below, every statement under 2,100 parameters, and the fence counts add up."""
+    store, conn = recording_store(None, "outbox", level)
+    ids = list(range(1, 3001))
+    for call in (lambda: store.mark_done(ids, "L" * 32), lambda: store.release(ids, "L" * 32),
+                 lambda: store.requeue_dead(ids)):
+        conn.log.clear()
+        result = call()
+        assert len(conn.log) == statements
+        assert all(len(params) < 2100 and placeholders(sql) == len(params) for sql, params in conn.log)
+        assert ("OPENJSON" in conn.log[0][0]) is (level >= 130)
+        if hasattr(result, "applied"):
+            assert result.applied == len(ids) and result.ok
+        else:
+            assert result == len(ids)
+
+
+class _FakeDriver:
+    """A DB-API module standing in for pyodbc at connect: records the session batch
+    and answers the compatibility level."""
+
+    def __init__(self, level: int | None) -> None:
+        self.level = level
+        self.connections: list[RecordingConnection] = []
+
+    def connect(self, connection_string: str, autocommit: bool) -> RecordingConnection:
+        assert autocommit is False
+        conn = RecordingConnection({"SELECT compatibility_level": [(self.level,)] if self.level else [],
+                                    "SELECT OBJECT_ID(": [(None,)]})
+        conn.connection_string = connection_string  # type: ignore[attr-defined]
+        self.connections.append(conn)
+        return conn
+
+
+def test_connect_sets_session_options_and_reads_the_level_once_per_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faults 1 and 4: at connect, one batch sets NOCOUNT OFF, XACT_ABORT ON, the lock
+    timeout (default or from the URL) and reads the compatibility level."""
+    driver = _FakeDriver(120)
+    monkeypatch.setitem(sys.modules, "pyodbc", driver)
+    engine = MssqlEngine()
+    conn = engine.connect(URL + "&lock_timeout_ms=5000&query_timeout_s=60")
+    session, _ = conn.log[0]
+    assert parse_one("SET LOCK_TIMEOUT 5000")  # each piece parses (the batch is checked below)
+    for option in ("SET NOCOUNT OFF;", "SET XACT_ABORT ON;", "SET LOCK_TIMEOUT 5000;", "SET DEADLOCK_PRIORITY LOW;",
+                   FILTERED_INDEX_OPTIONS, "SELECT compatibility_level FROM sys.databases WHERE name = DB_NAME();"):
+        assert option in session
+    assert "ISOLATION" not in session and session.index("SET NOCOUNT OFF") < session.index("SELECT")
+    assert engine.compat_level == 120 and not engine.has_json
+    assert conn.timeout == 60 and conn.commits == 1  # the catalog read's transaction does not linger
+    assert "lock_timeout_ms" not in conn.connection_string and "query_timeout_s" not in conn.connection_string
+    default = MssqlEngine().connect(URL)
+    assert "SET LOCK_TIMEOUT 30000;" in default.log[0][0] and default.timeout == 300
+
+
+def test_session_batch_parses(no_sqlglot_fallbacks: None) -> None:
+    for statement in MssqlEngine.session_sql(1234).replace("\n", " ").split(";"):
+        if statement.strip():
+            parse_one(statement.strip() + ";")
+
+
+def test_a_level_below_110_is_refused_with_one_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyodbc", _FakeDriver(100))
+    with pytest.raises(StoreError, match="compatibility level 100 is not supported.*110, SQL Server 2012"):
+        MssqlEngine().connect(URL)
+
+
+# -- collation and start-up checks (fault 5) -----------------------------------------------------
+
+def test_claim_declares_its_table_variable_in_the_columns_collation() -> None:
+    """Fault 5: a table made by another script has aggregate_id in the database
+    collation; a BIN2 table variable against it fails every claim with error 468."""
+    store, conn = recording_store(None, "outbox", 160,
+                                  answers={"SELECT collation_name FROM sys.columns": [("SQL_Latin1_General_CP1_CI_AS",)]})
+    store.claim(10)
+    store.claim(10)
+    sent = [sql for sql, _ in conn.log]
+    assert sum("SELECT collation_name FROM sys.columns" in s for s in sent) == 1  # read once
+    claim = next(s for s in sent if s.startswith("DECLARE @nocount"))
+    assert "aggregate_id NVARCHAR(255) COLLATE SQL_Latin1_General_CP1_CI_AS NOT NULL" in claim
+    assert f"COLLATE {ID_COLLATION}" in MssqlEngine().claim_batch()  # our own table's collation by default
+
+
+def test_chain_statement_table_variable_is_indexed_for_its_self_joins(no_sqlglot_fallbacks: None) -> None:
+    """Fault 6: @cand's self-joins (same aggregate, earlier id) seek (aggregate_id, id)."""
+    declare = next(s for s in MssqlEngine().claim_statements() if s.startswith("DECLARE @cand"))
+    assert "id BIGINT NOT NULL PRIMARY KEY" in declare and "UNIQUE (aggregate_id, id)" in declare
+    parse_one(declare)
+    assert "INDEX " not in declare  # inline INDEX needs SQL Server 2014; UNIQUE works on 2012
+
+
+def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.LogCaptureFixture) -> None:
+    conn = RecordingConnection({
+        "SELECT compatibility_level": [(150,)],
+        "SELECT OBJECT_ID(": [(12345,)],
+        "SELECT name, collation_name FROM sys.columns": [("message_id", "Latin1_General_100_BIN2"),
+                                                         ("aggregate_id", "SQL_Latin1_General_CP1_CI_AS")],
+        "SELECT 1 WHERE EXISTS": [(1,)],  # the retired index is still there
+    })
+    engine = MssqlEngine()
+    with caplog.at_level(logging.WARNING, logger="outbox.engines.mssql"):
+        engine.setup_session(conn)
+        engine.setup_session(conn)  # checked once per engine
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("aggregate_id uses the case-insensitive collation SQL_Latin1_General_CP1_CI_AS" in m
+               for m in messages) == 1
+    assert not any("column message_id" in m for m in messages)
+    for spec in INDEXES:
+        assert any(f"index {engine.index_name(spec.suffix)} is missing or defined differently" in m
+                   and "outbox migrate" in m for m in messages)
+    assert any("ix_outbox_agg_id_id is retired" in m for m in messages)
+
+
+# -- parameters (fault 7) -----------------------------------------------------------------------
+
+def test_input_sizes_do_not_depend_on_string_length() -> None:
+    short, long_ = input_sizes(["a", "b" * 300, None, 5, 2**40], 2000), input_sizes(["x" * 64, "y", None, 7, 2**40], 2000)
+    assert short == long_ == [(SQL_WVARCHAR, 4000, 0)] * 3 + [(SQL_INTEGER, 0, 0), (SQL_BIGINT, 0, 0)]
+    assert input_sizes(["z" * 2001], 2000) == [(SQL_WLONGVARCHAR, 0, 0)]
+    assert input_sizes(["z" * 2001], 4000) == [(SQL_WVARCHAR, 4000, 0)]
+    assert input_sizes(["\U0001F600" * 1001], 2000) == [(SQL_WLONGVARCHAR, 0, 0)]  # 2,002 UTF-16 units
+    assert input_sizes([1.5]) is None and input_sizes([True]) is None
+
+
+def test_every_statement_declares_stable_parameter_types() -> None:
+    """Two enqueues whose strings differ in length bind identically: one plan."""
+    engine = MssqlEngine()
+    conn = RecordingConnection()
+    for n in (1, 40):
+        event = prepare_event(topic="t" * n, aggregate_type="order", aggregate_id="a" * n, payload={"p": 1},
+                              message_id=f"m-{n}")
+        engine.insert_event(conn.cursor(), event)
+    assert conn.sizes[0] == conn.sizes[1] and len(conn.sizes[0]) == 8
+    assert all(size == (SQL_WVARCHAR, 4000, 0) for size in conn.sizes[0])
+    store, conn = recording_store(None, "outbox", 160)
+    store.claim(5)
+    store.mark_done([1, 2], "L" * 32)
+    store.purge_done(timedelta(days=1), batch=10)
+    for (sql, params), sizes in zip(conn.log, conn.sizes):
+        assert (sizes is None) is (not params), sql
+        if params:
+            assert len(sizes) == len(params)
+
+
+# -- URLs and drivers --------------------------------------------------------------------------------
+
+def test_engine_options_are_read_from_the_url_and_never_reach_the_driver() -> None:
+    target = parse_target(URL + "&lock_timeout_ms=2500&query_timeout_s=0&Encrypt=yes")
+    assert (target.driver, target.lock_timeout_ms, target.query_timeout_s) == ("pyodbc", 2500, 0)
+    assert target.connection_string == ("DRIVER={ODBC Driver 18 for SQL Server};SERVER=db.example,1433;"
+                                        "DATABASE=app;UID=relay;PWD=secret;Encrypt=yes;")
+    for bad, message in (("lock_timeout_ms=soon", "lock_timeout_ms must be an integer"),
+                         ("query_timeout_s=-1", "query_timeout_s must be between 0 and 86400")):
+        with pytest.raises(ValueError, match=message):
+            parse_target(URL + "&" + bad)
+
+
+def test_mssql_python_is_chosen_by_url_and_has_no_driver_keyword() -> None:
+    from outbox.engines import engine_for_url, kind_of_url, mssql_driver
+    url = "mssql+mssqlpython://relay:s%40cret@db.example:1433/app?TrustServerCertificate=yes&lock_timeout_ms=100"
+    target = parse_target(url)
+    assert target.driver == "mssql_python" and target.lock_timeout_ms == 100
+    assert target.connection_string == "SERVER=db.example,1433;DATABASE=app;UID=relay;PWD=s@cret;" \
+                                       "TrustServerCertificate=yes;"
+    assert mssql_driver(url) == "mssql_python" and mssql_driver(URL) == "pyodbc"
+    assert isinstance(engine_for_url(url), MssqlEngine) and kind_of_url(url) == "mssql"
+    with pytest.raises(ValueError, match="takes no driver="):
+        parse_target(url + "&driver=ODBC+Driver+18+for+SQL+Server")
+    with pytest.raises(ConfigError, match="unsupported SQL Server driver 'pymssql'"):
+        kind_of_url("mssql+pymssql://u:p@h/db")
+
+
+def test_the_mssql_python_connection_string_is_one_the_driver_accepts() -> None:
+    """mssql-python validates keywords before connecting; parse with its own parser."""
+    parser_module = pytest.importorskip("mssql_python.connection_string_parser")
+    target = parse_target("mssql+mssqlpython://relay:p%3Bw@db.example:1433/app?Encrypt=yes&TrustServerCertificate=yes")
+    parsed = parser_module._ConnectionStringParser(validate_keywords=True)._parse(target.connection_string)
+    assert {k.lower(): v for k, v in parsed.items()} == {
+        "server": "db.example,1433", "database": "app", "uid": "relay", "pwd": "p;w", "encrypt": "yes",
+        "trustservercertificate": "yes"}
+
+
+def test_enqueue_accepts_an_mssql_python_connection() -> None:
+    from outbox.engines import unwrap_connection
+    fake = type("Connection", (), {"__module__": "mssql_python.connection"})()
+    assert unwrap_connection(fake) == ("mssql", fake)
+
+
+# -- errors (fault 7) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("number", sorted(TRANSIENT_ERRORS))
+def test_azure_and_locking_error_numbers_are_transient(number: int) -> None:
+    exc = _PyodbcError("42000", f"[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Something. ({number}) "
+                                "(SQLExecDirectW)")
+    assert MssqlEngine().is_transient(exc)
+
+
+@pytest.mark.parametrize("number, disconnect", [(40613, True), (40197, True), (10054, True), (4060, True),
+                                                (1205, False), (1222, False), (40501, False), (208, False)])
+def test_which_error_numbers_drop_the_connection(number: int, disconnect: bool) -> None:
+    exc = _PyodbcError("HY000", f"[SQL Server]Message. ({number}) (SQLExecute)")
+    assert MssqlEngine().is_disconnect(exc) is disconnect
+
+
+def test_mssql_python_errors_are_classified_by_sqlstate_and_message() -> None:
+    mp = pytest.importorskip("mssql_python.exceptions")
+    engine = MssqlEngine()
+    cases = [
+        (mp.OperationalError("Serialization failure", "Transaction (Process ID 51) was deadlocked on lock resources "
+                             "with another process and has been chosen as the deadlock victim."), True, False),
+        (mp.OperationalError("Communication link failure", "TCP Provider: Error code 0x68"), True, True),
+        (mp.OperationalError("Timeout expired", "Query timeout expired"), True, False),
+        (mp.DatabaseError("An error occurred with SQLSTATE code: 42000", "Database 'app' on server 'x' is not "
+                          "currently available. Please retry the connection later."), True, True),
+        (mp.OperationalError("General error", "Lock request time out period exceeded."), True, False),
+        (mp.OperationalError("General error", "The service is currently busy. Retry the request after 10 seconds."),
+         True, False),
+        (mp.ProgrammingError("Syntax error or access violation", "Invalid object name 'outbox'."), False, False),
+        (mp.IntegrityError("Integrity constraint violation", "Cannot insert duplicate key row"), False, False),
+    ]
+    for exc, transient, disconnect in cases:
+        assert engine.is_transient(exc) is transient, exc
+        assert engine.is_disconnect(exc) is disconnect, exc

@@ -108,6 +108,9 @@ _TRANSIENT_PHRASES = (
     "too many operations in progress", "cannot open database", "transport-level error",
     "limit for the database is", "the server is currently too busy",
 )
+#: The phrases among those whose connection is gone (their numbers are in DISCONNECT_ERRORS).
+_DISCONNECT_PHRASES = ("is not currently available", "the service has encountered an error processing your request",
+                       "cannot open database", "transport-level error")
 #: mssql-python names an exception's SQLSTATE in words (its driver_error); back to codes.
 _MSSQL_PYTHON_STATES = {
     "Serialization failure": "40001", "Timeout expired": "HYT00", "Connection timeout expired": "HYT01",
@@ -550,7 +553,9 @@ class MssqlEngine(Engine):
 
     def is_disconnect(self, exc: BaseException) -> bool:
         state, message = _error_fields(exc)
-        return state in _DISCONNECT_STATES or bool(error_numbers(message) & DISCONNECT_ERRORS)
+        lowered = message.lower()
+        return (state in _DISCONNECT_STATES or bool(error_numbers(message) & DISCONNECT_ERRORS)
+                or any(phrase in lowered for phrase in _DISCONNECT_PHRASES))
 
     # -- schema ----------------------------------------------------------------------
     def _table_literal(self) -> str:
