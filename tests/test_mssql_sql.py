@@ -927,3 +927,15 @@ def test_mssql_python_errors_are_classified_by_sqlstate_and_message() -> None:
     for exc, transient, disconnect in cases:
         assert engine.is_transient(exc) is transient, exc
         assert engine.is_disconnect(exc) is disconnect, exc
+
+
+def test_error_numbers_are_read_where_pyodbc_puts_them() -> None:
+    from outbox.engines.mssql import error_numbers
+    assert error_numbers("[40001] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Transaction (Process ID 52) "
+                         "was deadlocked. (1205) (SQLExecDirectW)") == {1205}
+    assert error_numbers("[HY000] Lock request time out period exceeded. (1222); [01000] Statement terminated. "
+                         "(3621)") == {1222, 3621}
+    permanent = _PyodbcError("22001", "[SQL Server]String or binary data would be truncated in nvarchar(64) "
+                                      "column (2628) (SQLExecDirectW)")
+    assert error_numbers(str(permanent.args[1])) == {2628}
+    assert not MssqlEngine().is_transient(permanent)

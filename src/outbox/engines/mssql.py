@@ -345,8 +345,11 @@ def _error_fields(exc: BaseException) -> tuple[str | None, str]:
 
 
 def error_numbers(message: str) -> set[int]:
-    """Native error numbers in a pyodbc message (``... deadlock victim. (1205) (SQLExecDirectW)``)."""
-    return {int(n) for n in re.findall(r"\((\d{1,6})\)", message)}
+    """Native error numbers in a pyodbc message: each diagnostic record ends with its
+    number in parentheses, followed by the ODBC function, the next record or the end
+    (``... deadlock victim. (1205) (SQLExecDirectW)``); a number inside the text, as
+    in ``nvarchar(64)``, is not one."""
+    return {int(n) for n in re.findall(r"\((\d{1,6})\)(?=\s*(?:\(SQL\w*\)|;|$))", message)}
 
 
 def _result_rows(cursor: Any) -> list[tuple]:
