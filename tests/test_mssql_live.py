@@ -156,7 +156,7 @@ def test_relay_sessions_have_the_options_the_engine_relies_on(store: OutboxStore
             "WHERE session_id = @@SPID), (SELECT transaction_isolation_level FROM sys.dm_exec_sessions "
             "WHERE session_id = @@SPID)")).fetchone()
     assert options & 512 == 0 and options & 16384 == 16384
-    assert lock_timeout == 30_000 and priority == -5 and isolation == 2
+    assert lock_timeout == parse_target(store.url).lock_timeout_ms and priority == -5 and isolation == 2
 
 
 def test_fences_and_purge_count_rows_whatever_nocount_the_session_started_with(store: OutboxStore, writer: Any,
