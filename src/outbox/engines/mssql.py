@@ -322,9 +322,6 @@ def _if(condition: str, statement: str) -> str:
     return f"IF {condition}\nBEGIN\n    {statement};\nEND;"
 
 
-_DRIVER_MODULES = ("pyodbc", "mssql_python")
-
-
 def _error_fields(exc: BaseException) -> tuple[str | None, str]:
     """(SQLSTATE, message) of a pyodbc or mssql-python error, recognised by class
     module so this works (and is testable) where a driver cannot load; (None, '')
