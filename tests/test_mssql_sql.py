@@ -467,7 +467,9 @@ def test_migration_is_serialized_by_an_application_lock() -> None:
     resource = "N'outbox migrate [messaging].[events_out]'"
     assert f"EXEC @lock_result = sp_getapplock @Resource = {resource}, @LockMode = N'Exclusive', " \
            f"@LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};" in first
-    assert any("WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session'" in s for s in first)
+    owner = next(i for i, s in enumerate(first) if "WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session'" in s)
+    opener = next(i for i, s in enumerate(first) if s.startswith("SELECT @lock_result = COUNT(*) FROM sys.objects"))
+    assert opener < owner  # the SELECT opens the driver's implicit transaction the lock then belongs to
     refusal = next(s for s in first if s.startswith("IF @lock_result < 0"))
     assert "RAISERROR(N'outbox migrate: another outbox migrate" in refusal and ", 16, 1," in refusal
     assert len(last) == 1 and f"APPLOCK_MODE(N'public', {resource}, N'Session') <> N'NoLock'" in last[0]

@@ -640,8 +640,10 @@ class MssqlEngine(Engine):
         # commit); a driver in implicit-transaction mode may not have opened it yet, and
         # then the session owns the lock until the last step releases it.
         lock = [
-            "DECLARE @lock_owner NVARCHAR(32) = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END, "
-            "@lock_result INT;",
+            "DECLARE @lock_owner NVARCHAR(32), @lock_result INT;",
+            # A SELECT from a table opens the driver's implicit transaction (EXEC does not).
+            f"SELECT @lock_result = COUNT(*) FROM sys.objects WHERE object_id = OBJECT_ID({table_literal});",
+            "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
             f"EXEC @lock_result = sp_getapplock @Resource = {_nstr(self.migration_lock_resource())}, "
             f"@LockMode = N'Exclusive', @LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};",
             _if("@lock_result < 0", "RAISERROR(N'outbox migrate: another outbox migrate of %s held the migration "
