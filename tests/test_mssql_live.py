@@ -1,54 +1,464 @@
-"""SQL Server, for real, when one is reachable.
+"""SQL Server, for real, wherever one is reachable: what only a server can prove.
 
-Set ``OUTBOX_TEST_MSSQL_URL`` (or run where a Docker engine answers: the suite then
-starts SQL Server with testcontainers) (for example
-``mssql+pyodbc://sa:Passw0rd!@127.0.0.1:1433/master?driver=ODBC+Driver+18+for+SQL+Server&TrustServerCertificate=yes``)
-and the shared conformance suite (``tests/test_store_conformance.py``) runs on
-SQL Server as well, through the ``mssql`` engine of ``tests/conftest.py``. This
-module is the quick smoke check: migrate twice, enqueue through a plain pyodbc
-connection (including a duplicate message_id and a payload past 4000 characters),
-claim, acknowledge. Without either it skips, saying why.
+Set ``OUTBOX_TEST_MSSQL_URL`` to a login that may create databases (for example
+``mssql+pyodbc://sa:Passw0rd!@127.0.0.1:1433/master?driver=ODBC+Driver+18+for+SQL+Server&TrustServerCertificate=yes``;
+where a Docker engine answers, ``tests/conftest.py`` starts a container instead).
+Without either, every test here skips, saying why.
+
+The module creates databases of its own, never tempdb:
+
+- ``rcsi`` and ``locking``: READ_COMMITTED_SNAPSHOT ON (Azure SQL's default) and
+  OFF. The shared store conformance suite (``tests/test_store_conformance.py``),
+  the racing-claimers test of ``tests/test_concurrency.py`` (which leaves SQL
+  Server out when run on its own) and the SQL Server checks below run in both,
+  through this module's ``url`` fixture, which overrides conftest's.
+- ``levels``: its compatibility level is switched between 110, 120 and 130 to
+  prove acks, requeues and the migration work without OPENJSON/ISJSON.
+
+Everything is dropped at the end of the module.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
+import time
 import uuid
+from datetime import timedelta
+from typing import Any, Iterator
 
-from outbox import enqueue
-from outbox.store import OutboxStore
+import pytest
 
+import test_store_conformance as _conformance
 from conftest import mssql_url
+from outbox import enqueue
+from outbox.engines.mssql import INDEXES, MssqlEngine, parse_target
+from outbox.store import OutboxStore
+from test_concurrency import test_racing_claimers_keep_order_and_never_double_claim as _racing_claimers
+
+#: The store conformance suite, collected here a second time so it runs in this
+#: module's databases (RCSI on and off) with this module's ``url`` and ``kind``.
+globals().update({name: getattr(_conformance, name) for name in dir(_conformance) if name.startswith("test_")})
+
+RUN = uuid.uuid4().hex[:8]
+DATABASES = {"rcsi": f"outbox_live_rcsi_{RUN}", "locking": f"outbox_live_lock_{RUN}",
+             "levels": f"outbox_live_levels_{RUN}"}
 
 
-def test_migrate_enqueue_claim_and_mark_done_round_trip() -> None:
-    MSSQL_URL = mssql_url()
-    store = OutboxStore(MSSQL_URL, table=f"outbox_live_{uuid.uuid4().hex[:10]}", max_attempts=3)
+# -- databases of our own --------------------------------------------------------------------
+
+def url_for_database(url: str, database: str) -> str:
+    """The same server and login, another database (URL path, odbc_connect or raw ODBC)."""
+    if "://" in url and "odbc_connect=" not in url:
+        head, _, tail = url.partition("://")
+        rest, query = (tail.split("?", 1) + [""])[:2]
+        authority = rest.split("/", 1)[0]
+        return f"{head}://{authority}/{database}" + (f"?{query}" if query else "")
+    target = parse_target(url)
+    odbc = re.sub(r"(?i)(^|;)\s*database=[^;]*;?", r"\1", target.connection_string)
+    return odbc.rstrip(";") + f";DATABASE={database};"
+
+
+def admin_connection(url: str) -> Any:
+    """An autocommit connection (CREATE/ALTER DATABASE refuse to run in a transaction)."""
+    target = parse_target(url)
+    if target.driver == "mssql_python":
+        import mssql_python
+        return mssql_python.connect(target.connection_string, autocommit=True)
+    import pyodbc
+    return pyodbc.connect(target.connection_string, autocommit=True)
+
+
+def run_admin(url: str, *statements: str) -> None:
+    conn = admin_connection(url)
+    try:
+        cursor = conn.cursor()
+        for statement in statements:
+            cursor.execute(statement)
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def databases() -> Iterator[dict[str, str]]:
+    base = mssql_url()
+    made: list[str] = []
+    try:
+        for key, name in DATABASES.items():
+            run_admin(base, f"CREATE DATABASE [{name}]")
+            made.append(name)
+            rcsi = "OFF" if key == "locking" else "ON"
+            run_admin(base, f"ALTER DATABASE [{name}] SET READ_COMMITTED_SNAPSHOT {rcsi} WITH ROLLBACK IMMEDIATE")
+    except Exception as exc:  # a login without CREATE DATABASE, Azure SQL's logical master...
+        for name in made:
+            run_admin(base, f"DROP DATABASE [{name}]")
+        pytest.skip(f"the live SQL Server suite needs databases of its own and could not make them: {exc}")
+    yield {key: url_for_database(base, name) for key, name in DATABASES.items()}
+    for name in made:
+        try:
+            run_admin(base, f"ALTER DATABASE [{name}] SET SINGLE_USER WITH ROLLBACK IMMEDIATE",
+                      f"DROP DATABASE [{name}]")
+        except Exception as exc:  # leave the rest to the DBA, but say so
+            logging.getLogger(__name__).warning("could not drop test database %s: %s", name, exc)
+
+
+@pytest.fixture
+def kind() -> str:
+    return "mssql"
+
+
+@pytest.fixture(params=["rcsi", "locking"], ids=["rcsi-on", "rcsi-off"])
+def url(request: pytest.FixtureRequest, databases: dict[str, str]) -> str:
+    return databases[request.param]
+
+
+def scalar(store: OutboxStore, sql: str, params: list[Any] | None = None) -> Any:
+    with store.transaction() as cursor:
+        row = store.engine.execute(cursor, sql, params or []).fetchone()
+    return row[0] if row else None
+
+
+def add(conn: Any, store: OutboxStore, aggregate: str, message_id: str | None = None, **kw: Any) -> int:
+    return enqueue(conn, topic="t", aggregate_type="order", aggregate_id=aggregate, payload=kw.pop("payload", {"n": 1}),
+                   message_id=message_id, table=store.engine.table_name, **kw)
+
+
+# -- the round trip and the database's own settings ------------------------------------------------
+
+def test_the_databases_have_the_row_versioning_they_claim(url: str, store: OutboxStore) -> None:
+    rcsi = scalar(store, "SELECT is_read_committed_snapshot_on FROM sys.databases WHERE name = DB_NAME()")
+    assert scalar(store, "SELECT DB_NAME()") != "tempdb"
+    assert bool(rcsi) is ("_rcsi_" in scalar(store, "SELECT DB_NAME()"))
+
+
+def test_migrate_enqueue_claim_and_mark_done_round_trip(store: OutboxStore, writer: Any) -> None:
+    store.migrate()  # idempotent
+    first = add(writer, store, "a", "live-1")
+    again = add(writer, store, "a", "live-1")
+    big = add(writer, store, "a", payload={"text": "x" * 9000})
+    writer.commit()
+    assert again == first and big > first
+    claim = store.claim(10)
+    assert [m.id for m in claim.messages] == [first, big]
+    assert len(claim.messages[1].payload) > 9000
+    assert store.claim(10).messages == []  # leased
+    assert store.mark_done([first, big], claim.lease).ok
+    assert store.stats().counts["done"] == 2
+
+
+def test_relay_sessions_have_the_options_the_engine_relies_on(store: OutboxStore) -> None:
+    """Fault 4: NOCOUNT off (rowcount works whatever the server default), XACT_ABORT on,
+    a lock timeout, deadlock priority low; the isolation level is left at READ COMMITTED."""
+    with store.transaction() as cursor:
+        options, lock_timeout, priority, isolation = store.engine.execute(cursor, (
+            "SELECT @@OPTIONS, @@LOCK_TIMEOUT, (SELECT deadlock_priority FROM sys.dm_exec_sessions "
+            "WHERE session_id = @@SPID), (SELECT transaction_isolation_level FROM sys.dm_exec_sessions "
+            "WHERE session_id = @@SPID)")).fetchone()
+    assert options & 512 == 0 and options & 16384 == 16384
+    assert lock_timeout == parse_target(store.url).lock_timeout_ms and priority == -5 and isolation == 2
+
+
+def test_fences_and_purge_count_rows_whatever_nocount_the_session_started_with(store: OutboxStore, writer: Any,
+                                                                                  url: str) -> None:
+    """Fault 4: under NOCOUNT ON (a common server-wide default) rowcount is -1; the
+    relay's connections switch it off at connect, so a stale ack is reported and purge
+    runs chunk after chunk instead of stopping after the first."""
+    probe = admin_connection(url)
+    try:
+        cursor = probe.cursor()
+        cursor.execute("SET NOCOUNT ON")
+        cursor.execute(f"UPDATE {store.engine.table} SET attempts = attempts WHERE 1 = 1")
+        assert cursor.rowcount == -1  # what the engine would read without its session options
+    finally:
+        probe.close()
+    ids = [add(writer, store, f"p{i}") for i in range(7)]
+    writer.commit()
+    claim = store.claim(10)
+    assert store.mark_done(ids, claim.lease).applied == 7
+    stale = store.mark_done(ids[:2], claim.lease)
+    assert stale.applied == 0 and stale.stale == 2
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"UPDATE {store.engine.table} SET processed_at = DATEADD(DAY, -30, processed_at)")
+    store.close()  # the next connection gets the session options again
+    assert store.purge_done(timedelta(days=7), batch=2) == 7  # four chunks: rowcount never -1
+
+
+# -- the enqueue: no key-range locks, no duplicate-key errors (fault 6) --------------------------------
+
+def test_concurrent_enqueues_of_neighbouring_ids_never_wait_for_each_other(store: OutboxStore, url: str) -> None:
+    first, second = store.engine.connect(url), store.engine.connect(url)
+    try:
+        add(first, store, "a", "0001-uuidv7-like")  # uncommitted
+        second.cursor().execute("SET LOCK_TIMEOUT 2000")
+        started = time.monotonic()
+        add(second, store, "b", "0002-uuidv7-like")  # the next key in the same gap
+        add(second, store, "b", "0000-uuidv7-like")  # and the one before it
+        assert time.monotonic() - started < 2.0
+        second.commit()
+        first.commit()
+    finally:
+        first.close()
+        second.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table}") == 3
+
+
+def test_racing_enqueues_of_one_message_id_store_one_row_and_raise_nothing(store: OutboxStore, url: str) -> None:
+    first, second = store.engine.connect(url), store.engine.connect(url)
+    results: list[Any] = []
+    try:
+        second.cursor().execute("SET XACT_ABORT ON")  # a caller with XACT_ABORT on keeps its transaction too
+        held = add(first, store, "a", "same-id")  # uncommitted: the second waits for it
+
+        def racer() -> None:
+            try:
+                results.append(add(second, store, "a", "same-id"))
+                results.append(add(second, store, "a", "other-id"))
+                second.commit()
+            except BaseException as exc:  # surfaced below
+                results.append(exc)
+
+        thread = threading.Thread(target=racer)
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive() and not results  # waiting for the first transaction
+        first.commit()
+        thread.join(timeout=30)
+        assert results[0] == held and isinstance(results[1], int), results
+    finally:
+        first.close()
+        second.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table}") == 2
+
+
+def test_a_rolled_back_enqueue_lets_the_waiting_one_insert(store: OutboxStore, url: str) -> None:
+    first, second = store.engine.connect(url), store.engine.connect(url)
+    results: list[Any] = []
+    try:
+        add(first, store, "a", "rolled-back")
+        thread = threading.Thread(target=lambda: results.append(add(second, store, "a", "rolled-back")))
+        thread.start()
+        time.sleep(0.3)
+        first.rollback()
+        thread.join(timeout=30)
+        second.commit()
+    finally:
+        first.close()
+        second.close()
+    assert isinstance(results[0], int)
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table} WHERE message_id = N'rolled-back'") == 1
+
+
+def test_an_autocommit_enqueue_releases_its_lock(store: OutboxStore, url: str) -> None:
+    """Without a transaction the session owns the application lock; the batch must
+    release it, or every later enqueue of that message_id elsewhere would wait."""
+    conn = admin_connection(url)
+    try:
+        made = add(conn, store, "a", "autocommit-1")
+        cursor = conn.cursor()
+        cursor.execute("SELECT COUNT(*) FROM sys.dm_tran_locks WHERE request_session_id = @@SPID "
+                       "AND resource_type = N'APPLICATION'")
+        assert cursor.fetchone()[0] == 0
+        assert add(conn, store, "a", "autocommit-1") == made
+    finally:
+        conn.close()
+
+
+# -- schema: filtered probe index, definitions, collation, escalation, concurrent migrate -------------
+
+def test_indexes_match_their_definitions_and_escalation_is_off(store: OutboxStore) -> None:
+    with store.transaction() as cursor:
+        for spec in INDEXES:
+            assert store.engine.execute(cursor, store.engine.index_matches(spec)).fetchone(), spec.suffix
+        assert store.engine.schema_problems(cursor) == []
+    assert scalar(store, "SELECT lock_escalation_desc FROM sys.tables WHERE object_id = OBJECT_ID(?)",
+                  [store.engine.table]) == "DISABLE"
+
+
+def test_the_ordering_probe_seeks_the_filtered_index(store: OutboxStore, writer: Any) -> None:
+    """Fault 2: with an aggregate's history done, the probe's plan uses agg_open."""
+    for i in range(300):
+        add(writer, store, "hot" if i % 3 else f"cold-{i}")
+    writer.commit()
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 2 WHERE id % 2 = 0")
+    conn = store.engine.connect(store.url)
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SET SHOWPLAN_XML ON")
+        cursor.execute(f"SELECT 1 FROM {store.engine.table} AS e WITH (READCOMMITTEDLOCK) "
+                       "WHERE e.aggregate_id = ? AND e.id < ? AND e.status IN (0, 1, 3)", ("hot", 250))
+        plan = str(cursor.fetchone()[0])
+        cursor.execute("SET SHOWPLAN_XML OFF")
+    finally:
+        conn.rollback()
+        conn.close()
+    assert store.engine.index_name("agg_open") in plan
+
+
+def test_migrate_repairs_an_old_deployment(make_store: Any) -> None:
+    """Fault 2 and 5: the retired unfiltered probe index goes, an index of the right
+    name and the wrong definition is made again; re-running changes nothing."""
+    store = make_store()
+    engine: MssqlEngine = store.engine  # type: ignore[assignment]
+    t = engine.table
+    with store.transaction() as cursor:
+        engine.execute(cursor, f"DROP INDEX [{engine.index_name('agg_open')}] ON {t}")
+        engine.execute(cursor, f"CREATE NONCLUSTERED INDEX [{engine.index_name('agg_id_id')}] ON {t} "
+                       "(aggregate_id, id) INCLUDE (status)")
+        engine.execute(cursor, f"DROP INDEX [{engine.index_name('claim_ready')}] ON {t}")
+        engine.execute(cursor, f"CREATE NONCLUSTERED INDEX [{engine.index_name('claim_ready')}] ON {t} (id)")
+        assert len(engine.schema_problems(cursor)) == 3
+    store.migrate()
+    store.migrate()
+    with store.transaction() as cursor:
+        assert engine.schema_problems(cursor) == []
+
+
+def test_a_table_made_by_another_script_in_the_database_collation_works(make_store: Any, url: str,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Fault 5: id columns in the database's (case-insensitive) collation: claims used
+    to fail with error 468; now they work and start-up says what that changes."""
+    name = f"outbox_seed_{uuid.uuid4().hex[:8]}"
+    ddl = (f"CREATE TABLE [dbo].[{name}] (id BIGINT IDENTITY(1,1) NOT NULL PRIMARY KEY, message_id NVARCHAR(64) NOT "
+           "NULL, topic NVARCHAR(255) NOT NULL, aggregate_type NVARCHAR(255) NOT NULL, aggregate_id NVARCHAR(255) "
+           "NOT NULL, partition_key NVARCHAR(255) NULL, payload NVARCHAR(MAX) NOT NULL, headers NVARCHAR(MAX) NOT "
+           "NULL DEFAULT N'{}', trace_id NVARCHAR(255) NULL, status TINYINT NOT NULL DEFAULT 0, attempts INT NOT "
+           "NULL DEFAULT 0, claimed_at DATETIME2(3) NULL, next_retry_at DATETIME2(3) NULL, created_at DATETIME2(3) "
+           "NOT NULL DEFAULT SYSUTCDATETIME(), processed_at DATETIME2(3) NULL)")
+    seed = OutboxStore(url, table=name)
+    with seed.transaction() as cursor:
+        seed.engine.execute(cursor, ddl)
+    seed.close()
+    store = make_store(table=name)  # migrate adds last_error, lease_token and the indexes
+    writer = store.engine.connect(url)
+    try:
+        ids = [add(writer, store, "Order-1"), add(writer, store, "Order-1")]
+        writer.commit()
+    finally:
+        writer.close()
+    collation = scalar(store, "SELECT collation_name FROM sys.columns WHERE object_id = OBJECT_ID(?) "
+                       "AND name = N'aggregate_id'", [store.engine.table])
+    claim = store.claim(10)  # error 468 before the fix
+    assert [m.id for m in claim.messages] == ids
+    assert store.mark_done(ids, claim.lease).ok
+    fresh = OutboxStore(url, table=name)
+    with caplog.at_level(logging.WARNING, logger="outbox.engines.mssql"):
+        fresh.connection()
+    fresh.close()
+    if "_BIN" not in collation.upper() and "_CS" not in collation.upper():
+        assert any("case-insensitive collation" in r.getMessage() for r in caplog.records)
+
+
+def test_two_migrations_at_once_both_succeed(url: str) -> None:
+    """Fault 7: the second `outbox migrate` waits for the first (sp_getapplock)."""
+    table = f"outbox_mig_{uuid.uuid4().hex[:8]}"
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        store = OutboxStore(url, table=table)
+        try:
+            store.migrate()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=migrate) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    store = OutboxStore(url, table=table)
+    try:
+        assert errors == []
+        with store.transaction() as cursor:
+            assert store.engine.schema_problems(cursor) == []
+    finally:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+
+
+# -- compatibility levels (fault 1) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("level", [110, 120, 130])
+def test_every_compatibility_level_from_110(databases: dict[str, str], level: int) -> None:
+    url = databases["levels"]
+    name = DATABASES["levels"]
+    run_admin(url, f"ALTER DATABASE [{name}] SET COMPATIBILITY_LEVEL = {level}")
+    table = f"outbox_lvl{level}_{uuid.uuid4().hex[:6]}"
+    store = OutboxStore(url, table=table, max_attempts=3)
     try:
         store.migrate()
-        store.migrate()  # idempotent
-        writer = store.engine.connect(MSSQL_URL)
+        store.migrate()
+        assert store.engine.compat_level == level  # type: ignore[attr-defined]
+        checks = scalar(store, "SELECT COUNT(*) FROM sys.check_constraints WHERE parent_object_id = OBJECT_ID(?) "
+                        "AND definition LIKE N'%isjson%'", [store.engine.table])
+        assert checks == (2 if level >= 130 else 0)
+        writer = store.engine.connect(url)
         try:
-            table = store.engine.table_name
-            first = enqueue(writer, topic="orders.created", aggregate_type="order", aggregate_id="a",
-                            payload={"n": 1}, message_id="live-1", table=table)
-            again = enqueue(writer, topic="orders.created", aggregate_type="order", aggregate_id="a",
-                            payload={"n": 1}, message_id="live-1", table=table)
-            big = enqueue(writer, topic="orders.created", aggregate_type="order", aggregate_id="a",
-                          payload={"text": "x" * 9000}, table=table)
+            ids = [add(writer, store, f"agg-{i % 50}") for i in range(2500)]
             writer.commit()
         finally:
             writer.close()
-        assert again == first and big > first
-
-        claim = store.claim(10)
-        assert [m.id for m in claim.messages] == [first, big]
-        assert len(claim.messages[1].payload) > 9000
-        assert store.claim(10).messages == []  # leased
-        assert store.mark_done([first, big], claim.lease).ok
-        assert store.stats().counts["done"] == 2
+        claimed: list[int] = []
+        while True:
+            claim = store.claim(1000)
+            if not claim.messages:
+                break
+            assert store.mark_done([m.id for m in claim.messages], claim.lease).ok
+            claimed += [m.id for m in claim.messages]
+        assert sorted(claimed) == ids
+        # 2,500 ids in one call: chunked below 130, one OPENJSON statement from 130.
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 4")
+        assert store.requeue_dead(ids) == 2500
+        assert store.stats().counts["pending"] == 2500
     finally:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+
+
+# -- concurrency, which tests/test_concurrency.py runs on PostgreSQL and MariaDB only ------------------------
+
+@pytest.mark.slow
+def test_racing_claimers_keep_order_and_never_double_claim_on_sql_server(make_store: Any, url: str) -> None:
+    _racing_claimers(make_store, url, "mssql")
+
+
+# -- the other driver ---------------------------------------------------------------------------------------
+
+def test_mssql_python_driver_round_trip(databases: dict[str, str]) -> None:
+    pytest.importorskip("mssql_python")
+    base = databases["rcsi"]
+    if "://" not in base:
+        pytest.skip("OUTBOX_TEST_MSSQL_URL is a raw ODBC string; the mssql-python URL is built from a URL")
+    scheme, rest = base.split("://", 1)
+    path, _, query = rest.partition("?")
+    kept = "&".join(p for p in query.split("&") if p and not p.lower().startswith("driver="))
+    url = f"mssql+mssqlpython://{path}" + (f"?{kept}" if kept else "")
+    store = OutboxStore(url, table=f"outbox_mp_{uuid.uuid4().hex[:8]}")
+    try:
         try:
-            with store.transaction() as cursor:
-                store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.table}")
+            store.migrate()
+        except Exception as exc:
+            if "Failed to load the driver" in str(exc) or type(exc).__name__ == "ConnectionStringParseError":
+                pytest.skip(f"mssql-python cannot connect with this URL here: {exc}")
+            raise
+        writer = store.engine.connect(url)
+        try:
+            first = add(writer, store, "a", "mp-1")
+            assert add(writer, store, "a", "mp-1") == first
+            writer.commit()
         finally:
-            store.close()
+            writer.close()
+        claim = store.claim(5)
+        assert [m.id for m in claim.messages] == [first]
+        assert store.mark_done([first], claim.lease).ok
+    finally:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"IF OBJECT_ID(N'{store.engine.table}', N'U') IS NOT NULL "
+                                 f"DROP TABLE {store.engine.table}")
+        store.close()

@@ -32,7 +32,11 @@ from sqlglot import exp
 
 from outbox.chains import Candidate, plan_claim
 from outbox.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
-from outbox.engines.mssql import FILTERED_INDEX_OPTIONS, MssqlEngine, odbc_connection_string
+from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_PARAMS_PER_STATEMENT, INDEXES,
+                                  MIGRATE_LOCK_TIMEOUT_MS, OPEN_ROWS, OPEN_ROWS_NORMALIZED, SQL_BIGINT, SQL_INTEGER,
+                                  SQL_WLONGVARCHAR, SQL_WVARCHAR, TRANSIENT_ERRORS, MssqlEngine, filter_sql,
+                                  input_sizes, normalize_filter, odbc_connection_string, parse_target)
+from outbox.errors import ConfigError, StoreError
 from outbox.events import prepare_event
 from outbox.store import OutboxStore
 
@@ -45,29 +49,46 @@ CLAIMED_ROW = (7, "m-7", "orders.created", "order", "42", None, '{"n":1}', '{"h"
 # -- recording fakes ------------------------------------------------------------------
 
 class RecordingCursor:
-    """Records (sql, params) and answers the few reads the store makes."""
+    """Records (sql, params) and answers the few reads the store makes. ``sizes``
+    records what ``setinputsizes`` declared for each statement."""
 
-    def __init__(self, log: list[tuple[str, tuple]]) -> None:
+    def __init__(self, log: list[tuple[str, tuple]], sizes: list | None = None,
+                 answers: dict[str, list[tuple]] | None = None) -> None:
         self.log = log
+        self.sizes = sizes if sizes is not None else []
+        self.answers = answers or {}
         self.rows: list[tuple] = []
         self.description: Any = None
         self.rowcount = 0
+        self._declared: Any = None
+
+    def setinputsizes(self, sizes: Any) -> None:
+        self._declared = sizes
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
         self.log.append((sql, tuple(params)))
+        self.sizes.append(self._declared)
         self.rows = self._answer(sql)
         # Every fenced write "applies" to all its rows, so the store logs no stale leases.
         id_lists = [json.loads(p) for p in params if isinstance(p, str) and p.startswith("[")]
-        self.rowcount = len(id_lists[0]) if id_lists else 1
+        ints = [p for p in params if isinstance(p, int)]
+        if id_lists:
+            self.rowcount = len(id_lists[0])
+        elif "id IN (?" in sql:
+            self.rowcount = sql.count("?") - (len(params) - len(ints)) - (2 if "CASE WHEN ? > 0" in sql else 0)
+        else:
+            self.rowcount = 1
         self.description = [("col",)] if self.rows or sql.lstrip().upper().startswith(("SELECT", "DECLARE")) else None
         return self
 
-    @staticmethod
-    def _answer(sql: str) -> list[tuple]:
+    def _answer(self, sql: str) -> list[tuple]:
+        for needle, rows in self.answers.items():
+            if needle in sql:
+                return rows
         if "FROM @out" in sql:
             return [CLAIMED_ROW]
-        if sql.rstrip().endswith("SELECT @id AS id;"):
-            return [(42,)]
+        if sql.rstrip().endswith("SELECT @id AS id, @lock_result AS lock_result;"):
+            return [(42, 0)]
         if sql.startswith("SELECT MIN(created_at)"):
             return [(None, datetime(2024, 1, 1))]
         if sql.startswith("SELECT status FROM"):
@@ -88,14 +109,20 @@ class RecordingCursor:
 
 
 class RecordingConnection:
-    def __init__(self) -> None:
+    def __init__(self, answers: dict[str, list[tuple]] | None = None) -> None:
         self.log: list[tuple[str, tuple]] = []
+        self.sizes: list[Any] = []
+        self.answers = answers or {}
+        self.commits = 0
+        self.timeout = 0
 
     def cursor(self) -> RecordingCursor:
-        return RecordingCursor(self.log)
+        cursor = RecordingCursor(self.log, self.sizes, self.answers)
+        cursor.connection = self  # type: ignore[attr-defined]
+        return cursor
 
     def commit(self) -> None:
-        pass
+        self.commits += 1
 
     def rollback(self) -> None:
         pass
@@ -104,16 +131,19 @@ class RecordingConnection:
         pass
 
 
-def recording_store(schema: str | None, table: str) -> tuple[OutboxStore, RecordingConnection]:
+def recording_store(schema: str | None, table: str, compat_level: int | None = None,
+                    answers: dict[str, list[tuple]] | None = None) -> tuple[OutboxStore, RecordingConnection]:
     store = OutboxStore(URL, table=table, schema=schema, claim_timeout_ms=30_000, max_attempts=5)
-    conn = RecordingConnection()
+    conn = RecordingConnection(answers)
     store.engine.connect = lambda url: conn  # type: ignore[method-assign]
+    store.engine.compat_level = compat_level  # type: ignore[attr-defined]
     return store, conn
 
 
-def every_statement(schema: str | None, table: str) -> tuple[MssqlEngine, list[tuple[str, tuple]]]:
+def every_statement(schema: str | None, table: str,
+                    compat_level: int | None = None) -> tuple[MssqlEngine, list[tuple[str, tuple]]]:
     """Drive every store operation (and the write side) and return what reached the driver."""
-    store, conn = recording_store(schema, table)
+    store, conn = recording_store(schema, table, compat_level)
     engine = store.engine
     assert isinstance(engine, MssqlEngine)
     store.migrate()
@@ -136,7 +166,8 @@ def every_statement(schema: str | None, table: str) -> tuple[MssqlEngine, list[t
     return engine, conn.log
 
 
-@pytest.fixture(params=[(None, "outbox"), ("messaging", "events_out")], ids=["dbo.outbox", "messaging.events_out"])
+@pytest.fixture(params=[(None, "outbox", 160), ("messaging", "events_out", 160), (None, "outbox", 110)],
+                ids=["dbo.outbox", "messaging.events_out", "level-110"])
 def recorded(request: pytest.FixtureRequest) -> tuple[MssqlEngine, list[tuple[str, tuple]]]:
     return every_statement(*request.param)
 
@@ -173,8 +204,13 @@ def statements_of(engine: MssqlEngine, sql: str) -> list[str]:
     if sql == engine.claim_batch():
         return engine.claim_statements()
     if sql.startswith(FILTERED_INDEX_OPTIONS):
-        return [s.strip() + ";" for s in FILTERED_INDEX_OPTIONS.split(";") if s.strip()] + \
-            [sql[len(FILTERED_INDEX_OPTIONS):].strip()]
+        options = [s.strip() + ";" for s in FILTERED_INDEX_OPTIONS.split(";") if s.strip()]
+        for native_json in (False, True):
+            for step in engine.migration_steps(native_json):
+                statements = step[1] if isinstance(step, tuple) else step
+                if sql == FILTERED_INDEX_OPTIONS + "\n" + "\n".join(statements):
+                    return options + statements
+        raise AssertionError(f"not a migration batch:\n{sql}")
     return [sql]
 
 
@@ -221,7 +257,12 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
     assert any(s.startswith(f"UPDATE {t} SET status = 2") for s in sent)  # mark_done
     assert any(s.startswith(f"UPDATE {t} SET status = 0, claimed_at") for s in sent)  # release
     assert any(s.endswith("OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY") for s in sent)  # dead_list
-    assert set(engine.migration()) | set(engine.migration(native_json=True)) <= set(sent)
+    for native_json in (False, True):
+        for step in engine.migration(native_json=native_json):
+            if isinstance(step, tuple):  # ((definition probe, params), repair): no row -> repair runs
+                (probe, _), step = step
+                assert probe in sent
+            assert step in sent
 
 
 def test_no_statement_manages_transactions_or_isolation(recorded: Any) -> None:
@@ -288,21 +329,47 @@ def test_batches_with_results_silence_rowcounts_first_and_restore_them_before_th
         # Nothing but the restore stands between the last change and the one result set.
         assert isinstance(parse_one(statements[-1]), exp.Select)
         assert statements[-2].startswith("IF @nocount = 0") and "SET NOCOUNT OFF" in statements[-2]
-        assert sum(isinstance(parse_one(s), exp.Select) for s in statements) == 1
+        results = [s for s in statements if isinstance(parse_one(s), exp.Select) and not re.match(r"SELECT @\w+ =", s)]
+        assert results == [statements[-1]]
 
 
 # -- the write side ---------------------------------------------------------------------------
 
-def test_insert_never_commits_and_never_meets_a_duplicate_key(no_sqlglot_fallbacks: None) -> None:
+def test_insert_takes_no_key_range_locks_and_serializes_only_the_same_message_id(no_sqlglot_fallbacks: None) -> None:
+    """Fault 6: the duplicate probe was UPDLOCK, HOLDLOCK (a key-range lock on the gap,
+    held for the caller's whole transaction). Now every read of the table is a plain
+    seek, and the same message_id is serialized by an application lock on its hash."""
     engine = MssqlEngine(table="events_out", schema="messaging")
     statements = engine.insert_statements()
-    insert = parse_one(next(s for s in statements if s.startswith("INSERT")))
-    refs = outbox_refs(insert, engine)
-    probe = [r for r in refs if hints(r)]
-    assert len(probe) == 1 and hints(probe[0]) == {"UPDLOCK", "HOLDLOCK"}
-    assert "OUTPUT inserted.id INTO @ids" in engine.insert_batch()
-    assert "XACT_ABORT" not in engine.insert_batch()  # the caller's setting, left alone
-    assert engine.insert_batch().count("?") == len(engine.INSERT_COLUMNS.split(","))
+    batch = engine.insert_batch()
+    for forbidden in ("HOLDLOCK", "UPDLOCK", "SERIALIZABLE", "IGNORE_DUP_KEY", "XACT_ABORT", "BEGIN TRY", "COMMIT;"):
+        assert forbidden not in batch, forbidden
+    for statement in statements:
+        for ref in outbox_refs(parse_one(statement), engine):
+            assert hints(ref) <= {"READCOMMITTEDLOCK"}, statement
+    lock = next(s for s in statements if "sp_getapplock" in s)
+    assert lock.startswith("IF @id IS NULL") and "@LockOwner = @lock_owner" in lock
+    owner = next(s for s in statements if s.startswith("SET @lock_owner"))
+    assert "WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session'" in owner
+    # The fast-path probe comes first: it opens the driver's implicit transaction.
+    assert statements.index(owner) > statements.index(
+        "SELECT @id = id FROM [messaging].[events_out] WHERE message_id = @message_id;")
+    resource = next(s for s in statements if s.startswith("SET @lock_resource"))
+    assert "HASHBYTES('SHA2_256', N'[messaging].[events_out]|' + @message_id)" in resource
+    insert = next(s for s in statements if "INSERT INTO" in s)
+    assert insert.startswith("IF @id IS NULL AND @lock_result >= 0")
+    assert "OUTPUT inserted.id INTO @ids" in insert
+    release = next(s for s in statements if "sp_releaseapplock" in s)
+    assert "@lock_owner = N'Session'" in release and statements.index(release) > statements.index(insert)
+    assert placeholders(batch) == len(engine.INSERT_COLUMNS.split(","))
+
+
+def test_insert_reports_a_refused_lock_clearly() -> None:
+    engine = MssqlEngine()
+    conn = RecordingConnection({"SELECT @id AS id, @lock_result": [(None, -1)]})
+    event = prepare_event(topic="t", aggregate_type="order", aggregate_id="a", payload={"p": 1}, message_id="m-9")
+    with pytest.raises(StoreError, match=r"message_id 'm-9'.*timed out"):
+        engine.insert_event(conn.cursor(), event)
 
 
 def test_insert_binds_event_params_and_long_payloads_as_nvarchar_max() -> None:
@@ -353,39 +420,141 @@ def test_names_clock_and_paging() -> None:
 # -- migration ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("native_json", [False, True])
+@pytest.mark.parametrize("level", [110, 120, 130, 160])
 @pytest.mark.parametrize("schema, table", [(None, "outbox"), ("messaging", "events_out")])
 def test_every_migration_step_is_guarded_and_sets_filtered_index_options(
-        schema: str | None, table: str, native_json: bool, no_sqlglot_fallbacks: None) -> None:
+        schema: str | None, table: str, level: int, native_json: bool, no_sqlglot_fallbacks: None) -> None:
     engine = MssqlEngine(table=table, schema=schema)
-    steps = engine.migration(native_json=native_json)
-    made: list[str] = []
-    for step in steps:
-        assert step.startswith(FILTERED_INDEX_OPTIONS)
-        guarded = parse_one(step[len(FILTERED_INDEX_OPTIONS):].strip())
-        assert isinstance(guarded, exp.IfBlock), step
-        body = [e for e in guarded.args["true"].expressions if not isinstance(e, exp.EndStatement)]
-        assert len(body) == 1, step
-        made.append(type(body[0]).__name__)
-        assert step.count("CREATE ") <= 1
-    assert made == ["ExecuteSql", "Create", "Alter", "Alter", "Create", "Create", "Create", "Create"]
-    text = "\n".join(steps)
+    engine.compat_level = level
+    steps = engine.migration_steps(native_json=native_json)
+    batches = engine.migration(native_json=native_json)
+    assert len(steps) == len(batches)
+    for step, batch in zip(steps, batches):
+        statements = step[1] if isinstance(step, tuple) else step
+        sent = batch[1] if isinstance(batch, tuple) else batch
+        assert sent.startswith(FILTERED_INDEX_OPTIONS)
+        assert sent == FILTERED_INDEX_OPTIONS + "\n" + "\n".join(statements)
+        for statement in statements:
+            parse_one(statement)
+        if isinstance(step, tuple):
+            assert isinstance(parse_one(step[0][0]), exp.Select) and step[0][1] == []
+    text = "\n".join(b[1] if isinstance(b, tuple) else b for b in batches)
     s = schema or "dbo"
     assert f"IF SCHEMA_ID(N'{s}') IS NULL" in text and f"CREATE SCHEMA [{s}]" in text
     assert f"IF OBJECT_ID(N'[{s}].[{table}]', N'U') IS NULL" in text
     for column in ("last_error", "lease_token"):
         assert f"IF COL_LENGTH(N'[{s}].[{table}]', N'{column}') IS NULL" in text
-    for suffix in ("message_id", "agg_id_id", "claim_ready", "done_processed_at"):
-        name = engine.index_name(suffix)
+    for spec in INDEXES:
+        name = engine.index_name(spec.suffix)
         assert (f"IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'{name}' "
                 f"AND object_id = OBJECT_ID(N'[{s}].[{table}]'))") in text
-    assert "WHERE status IN (0, 1, 3)" in next(x for x in steps if "claim_ready" in x)
-    assert "UNIQUE NONCLUSTERED INDEX" in next(x for x in steps if engine.index_name("message_id") in x)
-    assert ("ISJSON" in text) is not native_json
+    # Fault 1: no ISJSON below level 130 (the function does not exist there).
+    assert ("ISJSON" in text) is (level >= 130 and not native_json)
     assert ("payload JSON NOT NULL" in text) is native_json
+    # Fault 6: lock escalation off, guarded by the catalog.
+    assert f"ALTER TABLE [{s}].[{table}] SET (LOCK_ESCALATION = DISABLE)" in text
+    assert "lock_escalation_desc <> N'DISABLE'" in text
+
+
+def test_migration_is_serialized_by_an_application_lock() -> None:
+    """Fault 7: two `outbox migrate` at once. The first step takes an exclusive
+    sp_getapplock for the table (the transaction's when one is open), refuses with
+    one clear message when it cannot get it, and the last step releases a
+    session-owned lock."""
+    engine = MssqlEngine(table="events_out", schema="messaging")
+    steps = engine.migration_steps()
+    first, last = steps[0], steps[-1]
+    resource = "N'outbox migrate [messaging].[events_out]'"
+    assert f"EXEC @lock_result = sp_getapplock @Resource = {resource}, @LockMode = N'Exclusive', " \
+           f"@LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};" in first
+    owner = next(i for i, s in enumerate(first) if "WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session'" in s)
+    opener = next(i for i, s in enumerate(first) if s.startswith("SELECT @lock_result = COUNT(*) FROM sys.objects"))
+    assert opener < owner  # the SELECT opens the driver's implicit transaction the lock then belongs to
+    refusal = next(s for s in first if s.startswith("IF @lock_result < 0"))
+    assert "RAISERROR(N'outbox migrate: another outbox migrate" in refusal and ", 16, 1," in refusal
+    assert len(last) == 1 and f"APPLOCK_MODE(N'public', {resource}, N'Session') <> N'NoLock'" in last[0]
+    assert f"EXEC sp_releaseapplock @Resource = {resource}, @LockOwner = N'Session'" in last[0]
+    # Migration batches run without the client's query timeout (see MssqlEngine.execute).
+    conn = RecordingConnection()
+    conn.timeout = 300
+    seen: list[int] = []
+    cursor = conn.cursor()
+    cursor.execute = lambda sql, params=(): seen.append(conn.timeout)  # type: ignore[method-assign]
+    engine.execute(cursor, engine.migration()[0])
+    engine.execute(cursor, "SELECT 1")
+    assert seen == [0, 300] and conn.timeout == 300
+
+
+def test_ordering_probe_index_is_filtered_on_open_rows_and_replaces_the_old_one(no_sqlglot_fallbacks: None) -> None:
+    """Fault 2: the probe's index was (aggregate_id, id) INCLUDE (status) over the whole
+    history. Now it is filtered on open rows with the probe's own literal predicate,
+    and the migration drops the old index, guarded."""
+    engine = MssqlEngine()
+    spec = next(i for i in INDEXES if i.suffix == "agg_open")
+    ddl = spec.ddl("[ix]", engine.table)
+    assert ddl == f"CREATE NONCLUSTERED INDEX [ix] ON [dbo].[outbox] (aggregate_id, id) WHERE {OPEN_ROWS}"
+    assert "INCLUDE" not in ddl  # a claim (status 0 -> 1) does not write to it
+    assert f"e.{OPEN_ROWS}" in engine.chain_select()  # the literal predicate the filter must match
+    assert engine.eligible().startswith(f"{OPEN_ROWS} AND (")  # the claim scan matches claim_ready's filter
+    text = "\n".join(b[1] if isinstance(b, tuple) else b for b in engine.migration())
+    assert ("IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'ix_outbox_agg_id_id' "
+            "AND object_id = OBJECT_ID(N'[dbo].[outbox]'))\nBEGIN\n    DROP INDEX [ix_outbox_agg_id_id] ON [dbo].[outbox];") in text
+    assert text.index("DROP INDEX [ix_outbox_agg_id_id]") < text.index("CREATE NONCLUSTERED INDEX [ix_outbox_agg_open]")
+    for spec in INDEXES:
+        if spec.filtered:
+            assert spec.ddl("[x]", "t").endswith(f"WHERE {OPEN_ROWS}")
+    # The stats and metrics queries read open rows by created_at: covered by a filtered index.
+    stats = next(i for i in INDEXES if i.suffix == "open_created_at")
+    assert stats.keys == ("created_at",) and stats.include == ("status",) and stats.filtered
+
+
+def test_index_checks_compare_definitions_not_names(no_sqlglot_fallbacks: None) -> None:
+    """Fault 5: an index with the right name and the wrong definition was never
+    repaired. The probe checks uniqueness, filter, keys in order and included columns."""
+    engine = MssqlEngine()
+    claim_ready = next(i for i in INDEXES if i.suffix == "claim_ready")
+    probe = engine.index_matches(claim_ready)
+    tree = parse_one(probe)
+    assert isinstance(tree, exp.Select)
+    assert "i.name = N'ix_outbox_claim_ready'" in probe and "i.is_unique = 0" in probe
+    assert f"AND n.index_id = i.index_id) = {1 + len(claim_ready.include)}" in probe
+    assert "ic.key_ordinal = 1 AND ic.is_descending_key = 0 AND c.name = N'id'" in probe
+    for column in claim_ready.include:
+        assert f"ic.is_included_column = 1 AND c.name = N'{column}'" in probe
+    assert f"i.has_filter = 1 AND {filter_sql('i.filter_definition')} IN (" in probe
+    unique = engine.index_matches(next(i for i in INDEXES if i.suffix == "message_id"))
+    assert "i.is_unique = 1" in unique and "i.has_filter = 0" in unique
+    # Every stored spelling of the filter normalizes to one the probe accepts.
+    for stored in ("([status]=(0) OR [status]=(1) OR [status]=(3))", "[status] IN (0, 1, 3)", OPEN_ROWS):
+        assert normalize_filter(stored) in OPEN_ROWS_NORMALIZED
+    assert normalize_filter("([status]=(0) OR [status]=(3))") not in OPEN_ROWS_NORMALIZED
+    # The T-SQL normalization computes exactly what normalize_filter does (run on SQLite).
+    db = sqlite3.connect(":memory:")
+    for stored in ("([status]=(0) OR [status]=(1) OR [status]=(3))", "([Status] IN (0,1))"):
+        sql = "SELECT " + filter_sql("?").replace("N'", "'")
+        assert db.execute(sql, (stored,)).fetchone()[0] == normalize_filter(stored)
+
+
+def test_a_wrong_index_is_dropped_and_made_again_in_the_same_migration() -> None:
+    """Through the store: a definition probe that finds no row runs the guarded DROP,
+    and the next step's guarded CREATE makes the index again (one transaction)."""
+    store, conn = recording_store(None, "outbox", 160)
+    store.migrate()
+    sent = [sql for sql, _ in conn.log]
+    for spec in INDEXES:
+        name = store.engine.index_name(spec.suffix)
+        probe = sent.index(store.engine.index_matches(spec))  # type: ignore[attr-defined]
+        drop = next(i for i, s in enumerate(sent) if f"DROP INDEX [{name}]" in s)
+        create = next(i for i, s in enumerate(sent) if f"INDEX [{name}] ON" in s and "CREATE" in s)
+        assert probe < drop < create
+    # A matching index (the probe finds its row) is left alone.
+    store, conn = recording_store(None, "outbox", 160, answers={"SELECT 1 FROM sys.indexes AS i": [(1,)]})
+    store.migrate()
+    assert not any("DROP INDEX [ix_outbox_claim_ready]" in sql for sql, _ in conn.log)
 
 
 def test_table_definition_matches_the_contract() -> None:
-    create = MssqlEngine().migration()[1]
+    create = next(b for b in MssqlEngine().migration() if isinstance(b, str) and "CREATE TABLE" in b)
     for column in ("id BIGINT IDENTITY(1,1) NOT NULL", "message_id NVARCHAR(64)", "topic NVARCHAR(255) NOT NULL",
                    "aggregate_type NVARCHAR(255) NOT NULL", "aggregate_id NVARCHAR(255)",
                    "partition_key NVARCHAR(255) NULL", "payload NVARCHAR(MAX) NOT NULL", "headers NVARCHAR(MAX)",
@@ -515,3 +684,260 @@ def test_transient_and_disconnect_errors(exc: BaseException, transient: bool, di
 def test_importing_the_engine_does_not_import_pyodbc() -> None:
     code = "import sys, outbox.engines.mssql; sys.exit('pyodbc' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- compatibility levels (fault 1) ---------------------------------------------------------------
+
+def test_id_lists_below_level_130_are_chunked_parameter_lists() -> None:
+    engine = MssqlEngine()
+    engine.compat_level = 120
+    assert not engine.has_json
+    chunks = engine.id_chunks(list(range(1, 4502)))
+    assert [len(c) for c in chunks] == [ID_PARAMS_PER_STATEMENT, ID_PARAMS_PER_STATEMENT, 501]
+    assert sum(chunks, []) == list(range(1, 4502))
+    cond, params = engine.ids_in(chunks[0])
+    assert "OPENJSON" not in cond and cond.count("?") == len(params) == ID_PARAMS_PER_STATEMENT
+    assert ID_PARAMS_PER_STATEMENT + 3 < 2100  # the statement's own parameters fit beside it
+    with pytest.raises(StoreError, match="id_chunks"):
+        engine.ids_in(list(range(ID_PARAMS_PER_STATEMENT + 1)))
+    engine.compat_level = 130
+    assert engine.id_chunks(list(range(5000))) == [list(range(5000))]
+
+
+@pytest.mark.parametrize("level, statements", [(110, 2), (120, 2), (130, 1), (160, 1)])
+def test_acks_and_requeues_over_the_parameter_limit_at_every_level(level: int, statements: int) -> None:
+    """Through the store: 3,000 ids are one OPENJSON statement at 130+, two parameter
+    lists below, every statement under 2,100 parameters, and the fence counts add up."""
+    store, conn = recording_store(None, "outbox", level)
+    ids = list(range(1, 3001))
+    for call in (lambda: store.mark_done(ids, "L" * 32), lambda: store.release(ids, "L" * 32),
+                 lambda: store.requeue_dead(ids)):
+        conn.log.clear()
+        result = call()
+        assert len(conn.log) == statements
+        assert all(len(params) < 2100 and placeholders(sql) == len(params) for sql, params in conn.log)
+        assert ("OPENJSON" in conn.log[0][0]) is (level >= 130)
+        if hasattr(result, "applied"):
+            assert result.applied == len(ids) and result.ok
+        else:
+            assert result == len(ids)
+
+
+class _FakeDriver:
+    """A DB-API module standing in for pyodbc at connect: records the session batch
+    and answers the compatibility level."""
+
+    def __init__(self, level: int | None) -> None:
+        self.level = level
+        self.connections: list[RecordingConnection] = []
+
+    def connect(self, connection_string: str, autocommit: bool) -> RecordingConnection:
+        assert autocommit is False
+        conn = RecordingConnection({"SELECT compatibility_level": [(self.level,)] if self.level else [],
+                                    "SELECT OBJECT_ID(": [(None,)]})
+        conn.connection_string = connection_string  # type: ignore[attr-defined]
+        self.connections.append(conn)
+        return conn
+
+
+def test_connect_sets_session_options_and_reads_the_level_once_per_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faults 1 and 4: at connect, one batch sets NOCOUNT OFF, XACT_ABORT ON, the lock
+    timeout (default or from the URL) and reads the compatibility level."""
+    driver = _FakeDriver(120)
+    monkeypatch.setitem(sys.modules, "pyodbc", driver)
+    engine = MssqlEngine()
+    conn = engine.connect(URL + "&lock_timeout_ms=5000&query_timeout_s=60")
+    session, _ = conn.log[0]
+    assert parse_one("SET LOCK_TIMEOUT 5000")  # each piece parses (the batch is checked below)
+    for option in ("SET NOCOUNT OFF;", "SET XACT_ABORT ON;", "SET LOCK_TIMEOUT 5000;", "SET DEADLOCK_PRIORITY LOW;",
+                   FILTERED_INDEX_OPTIONS, "SELECT compatibility_level FROM sys.databases WHERE name = DB_NAME();"):
+        assert option in session
+    assert "ISOLATION" not in session and session.index("SET NOCOUNT OFF") < session.index("SELECT")
+    assert engine.compat_level == 120 and not engine.has_json
+    assert conn.timeout == 60 and conn.commits == 1  # the catalog read's transaction does not linger
+    assert "lock_timeout_ms" not in conn.connection_string and "query_timeout_s" not in conn.connection_string
+    default = MssqlEngine().connect(URL)
+    assert "SET LOCK_TIMEOUT 30000;" in default.log[0][0] and default.timeout == 300
+
+
+def test_session_batch_parses(no_sqlglot_fallbacks: None) -> None:
+    for statement in MssqlEngine.session_sql(1234).replace("\n", " ").split(";"):
+        if statement.strip():
+            parse_one(statement.strip() + ";")
+
+
+def test_a_level_below_110_is_refused_with_one_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyodbc", _FakeDriver(100))
+    with pytest.raises(StoreError, match="compatibility level 100 is not supported.*110, SQL Server 2012"):
+        MssqlEngine().connect(URL)
+
+
+# -- collation and start-up checks (fault 5) -----------------------------------------------------
+
+def test_claim_declares_its_table_variable_in_the_columns_collation() -> None:
+    """Fault 5: a table made by another script has aggregate_id in the database
+    collation; a BIN2 table variable against it fails every claim with error 468."""
+    store, conn = recording_store(None, "outbox", 160,
+                                  answers={"SELECT collation_name FROM sys.columns": [("SQL_Latin1_General_CP1_CI_AS",)]})
+    store.claim(10)
+    store.claim(10)
+    sent = [sql for sql, _ in conn.log]
+    assert sum("SELECT collation_name FROM sys.columns" in s for s in sent) == 1  # read once
+    claim = next(s for s in sent if s.startswith("DECLARE @nocount"))
+    assert "aggregate_id NVARCHAR(255) COLLATE SQL_Latin1_General_CP1_CI_AS NOT NULL" in claim
+    assert f"COLLATE {ID_COLLATION}" in MssqlEngine().claim_batch()  # our own table's collation by default
+
+
+def test_chain_statement_table_variable_is_indexed_for_its_self_joins(no_sqlglot_fallbacks: None) -> None:
+    """Fault 6: @cand's self-joins (same aggregate, earlier id) seek (aggregate_id, id)."""
+    declare = next(s for s in MssqlEngine().claim_statements() if s.startswith("DECLARE @cand"))
+    assert "id BIGINT NOT NULL PRIMARY KEY" in declare and "UNIQUE (aggregate_id, id)" in declare
+    parse_one(declare)
+    assert "INDEX " not in declare  # inline INDEX needs SQL Server 2014; UNIQUE works on 2012
+
+
+def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.LogCaptureFixture) -> None:
+    conn = RecordingConnection({
+        "SELECT compatibility_level": [(150,)],
+        "SELECT OBJECT_ID(": [(12345,)],
+        "SELECT name, collation_name FROM sys.columns": [("message_id", "Latin1_General_100_BIN2"),
+                                                         ("aggregate_id", "SQL_Latin1_General_CP1_CI_AS")],
+        "SELECT 1 WHERE EXISTS": [(1,)],  # the retired index is still there
+    })
+    engine = MssqlEngine()
+    with caplog.at_level(logging.WARNING, logger="outbox.engines.mssql"):
+        engine.setup_session(conn)
+        engine.setup_session(conn)  # checked once per engine
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("aggregate_id uses the case-insensitive collation SQL_Latin1_General_CP1_CI_AS" in m
+               for m in messages) == 1
+    assert not any("column message_id" in m for m in messages)
+    for spec in INDEXES:
+        assert any(f"index {engine.index_name(spec.suffix)} is missing or defined differently" in m
+                   and "outbox migrate" in m for m in messages)
+    assert any("ix_outbox_agg_id_id is retired" in m for m in messages)
+
+
+# -- parameters (fault 7) -----------------------------------------------------------------------
+
+def test_input_sizes_do_not_depend_on_string_length() -> None:
+    short, long_ = input_sizes(["a", "b" * 300, None, 5, 2**40], 2000), input_sizes(["x" * 64, "y", None, 7, 2**40], 2000)
+    assert short == long_ == [(SQL_WVARCHAR, 4000, 0)] * 3 + [(SQL_INTEGER, 0, 0), (SQL_BIGINT, 0, 0)]
+    assert input_sizes(["z" * 2001], 2000) == [(SQL_WLONGVARCHAR, 0, 0)]
+    assert input_sizes(["z" * 2001], 4000) == [(SQL_WVARCHAR, 4000, 0)]
+    assert input_sizes(["\U0001F600" * 1001], 2000) == [(SQL_WLONGVARCHAR, 0, 0)]  # 2,002 UTF-16 units
+    assert input_sizes([1.5]) is None and input_sizes([True]) is None
+
+
+def test_every_statement_declares_stable_parameter_types() -> None:
+    """Two enqueues whose strings differ in length bind identically: one plan."""
+    engine = MssqlEngine()
+    conn = RecordingConnection()
+    for n in (1, 40):
+        event = prepare_event(topic="t" * n, aggregate_type="order", aggregate_id="a" * n, payload={"p": 1},
+                              message_id=f"m-{n}")
+        engine.insert_event(conn.cursor(), event)
+    assert conn.sizes[0] == conn.sizes[1] and len(conn.sizes[0]) == 8
+    assert all(size == (SQL_WVARCHAR, 4000, 0) for size in conn.sizes[0])
+    store, conn = recording_store(None, "outbox", 160)
+    store.claim(5)
+    store.mark_done([1, 2], "L" * 32)
+    store.purge_done(timedelta(days=1), batch=10)
+    for (sql, params), sizes in zip(conn.log, conn.sizes):
+        assert (sizes is None) is (not params), sql
+        if params:
+            assert len(sizes) == len(params)
+
+
+# -- URLs and drivers --------------------------------------------------------------------------------
+
+def test_engine_options_are_read_from_the_url_and_never_reach_the_driver() -> None:
+    target = parse_target(URL + "&lock_timeout_ms=2500&query_timeout_s=0&Encrypt=yes")
+    assert (target.driver, target.lock_timeout_ms, target.query_timeout_s) == ("pyodbc", 2500, 0)
+    assert target.connection_string == ("DRIVER={ODBC Driver 18 for SQL Server};SERVER=db.example,1433;"
+                                        "DATABASE=app;UID=relay;PWD=secret;Encrypt=yes;")
+    for bad, message in (("lock_timeout_ms=soon", "lock_timeout_ms must be an integer"),
+                         ("query_timeout_s=-1", "query_timeout_s must be between 0 and 86400")):
+        with pytest.raises(ValueError, match=message):
+            parse_target(URL + "&" + bad)
+
+
+def test_mssql_python_is_chosen_by_url_and_has_no_driver_keyword() -> None:
+    from outbox.engines import engine_for_url, kind_of_url, mssql_driver
+    url = "mssql+mssqlpython://relay:s%40cret@db.example:1433/app?TrustServerCertificate=yes&lock_timeout_ms=100"
+    target = parse_target(url)
+    assert target.driver == "mssql_python" and target.lock_timeout_ms == 100
+    assert target.connection_string == "SERVER=db.example,1433;DATABASE=app;UID=relay;PWD=s@cret;" \
+                                       "TrustServerCertificate=yes;"
+    assert mssql_driver(url) == "mssql_python" and mssql_driver(URL) == "pyodbc"
+    assert isinstance(engine_for_url(url), MssqlEngine) and kind_of_url(url) == "mssql"
+    with pytest.raises(ValueError, match="takes no driver="):
+        parse_target(url + "&driver=ODBC+Driver+18+for+SQL+Server")
+    with pytest.raises(ConfigError, match="unsupported SQL Server driver 'pymssql'"):
+        kind_of_url("mssql+pymssql://u:p@h/db")
+
+
+def test_the_mssql_python_connection_string_is_one_the_driver_accepts() -> None:
+    """mssql-python validates keywords before connecting; parse with its own parser."""
+    parser_module = pytest.importorskip("mssql_python.connection_string_parser")
+    target = parse_target("mssql+mssqlpython://relay:p%3Bw@db.example:1433/app?Encrypt=yes&TrustServerCertificate=yes")
+    parsed = parser_module._ConnectionStringParser(validate_keywords=True)._parse(target.connection_string)
+    assert {k.lower(): v for k, v in parsed.items()} == {
+        "server": "db.example,1433", "database": "app", "uid": "relay", "pwd": "p;w", "encrypt": "yes",
+        "trustservercertificate": "yes"}
+
+
+def test_enqueue_accepts_an_mssql_python_connection() -> None:
+    from outbox.engines import unwrap_connection
+    fake = type("Connection", (), {"__module__": "mssql_python.connection"})()
+    assert unwrap_connection(fake) == ("mssql", fake)
+
+
+# -- errors (fault 7) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("number", sorted(TRANSIENT_ERRORS))
+def test_azure_and_locking_error_numbers_are_transient(number: int) -> None:
+    exc = _PyodbcError("42000", f"[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Something. ({number}) "
+                                "(SQLExecDirectW)")
+    assert MssqlEngine().is_transient(exc)
+
+
+@pytest.mark.parametrize("number, disconnect", [(40613, True), (40197, True), (10054, True), (4060, True),
+                                                (1205, False), (1222, False), (40501, False), (208, False)])
+def test_which_error_numbers_drop_the_connection(number: int, disconnect: bool) -> None:
+    exc = _PyodbcError("HY000", f"[SQL Server]Message. ({number}) (SQLExecute)")
+    assert MssqlEngine().is_disconnect(exc) is disconnect
+
+
+def test_mssql_python_errors_are_classified_by_sqlstate_and_message() -> None:
+    mp = pytest.importorskip("mssql_python.exceptions")
+    engine = MssqlEngine()
+    cases = [
+        (mp.OperationalError("Serialization failure", "Transaction (Process ID 51) was deadlocked on lock resources "
+                             "with another process and has been chosen as the deadlock victim."), True, False),
+        (mp.OperationalError("Communication link failure", "TCP Provider: Error code 0x68"), True, True),
+        (mp.OperationalError("Timeout expired", "Query timeout expired"), True, False),
+        (mp.DatabaseError("An error occurred with SQLSTATE code: 42000", "Database 'app' on server 'x' is not "
+                          "currently available. Please retry the connection later."), True, True),
+        (mp.OperationalError("General error", "Lock request time out period exceeded."), True, False),
+        (mp.OperationalError("General error", "The service is currently busy. Retry the request after 10 seconds."),
+         True, False),
+        (mp.ProgrammingError("Syntax error or access violation", "Invalid object name 'outbox'."), False, False),
+        (mp.IntegrityError("Integrity constraint violation", "Cannot insert duplicate key row"), False, False),
+    ]
+    for exc, transient, disconnect in cases:
+        assert engine.is_transient(exc) is transient, exc
+        assert engine.is_disconnect(exc) is disconnect, exc
+
+
+def test_error_numbers_are_read_where_pyodbc_puts_them() -> None:
+    from outbox.engines.mssql import error_numbers
+    assert error_numbers("[40001] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Transaction (Process ID 52) "
+                         "was deadlocked. (1205) (SQLExecDirectW)") == {1205}
+    assert error_numbers("[HY000] Lock request time out period exceeded. (1222); [01000] Statement terminated. "
+                         "(3621)") == {1222, 3621}
+    permanent = _PyodbcError("22001", "[SQL Server]String or binary data would be truncated in nvarchar(64) "
+                                      "column (2628) (SQLExecDirectW)")
+    assert error_numbers(str(permanent.args[1])) == {2628}
+    assert not MssqlEngine().is_transient(permanent)

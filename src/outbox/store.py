@@ -155,8 +155,8 @@ class OutboxStore:
             return FenceResult(0, 0)
 
         def work(cursor: Any) -> int:
-            cond, params = self.engine.ids_in(ids)
-            return self.engine.execute(cursor, self.engine.mark_done_sql(cond), [*params, lease]).rowcount
+            return sum(self.engine.execute(cursor, self.engine.mark_done_sql(cond), [*params, lease]).rowcount
+                       for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)))
 
         return self._fenced("mark_done", ids, lease, self._run("mark_done", work))
 
@@ -197,9 +197,9 @@ class OutboxStore:
         delay_ms = int(delay.total_seconds() * 1000) if delay else 0
 
         def work(cursor: Any) -> int:
-            cond, params = self.engine.ids_in(ids)
-            return self.engine.execute(cursor, self.engine.release_sql(cond),
-                                       [delay_ms, delay_ms, *params, lease]).rowcount
+            return sum(self.engine.execute(cursor, self.engine.release_sql(cond),
+                                           [delay_ms, delay_ms, *params, lease]).rowcount
+                       for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)))
 
         return self._fenced("release", ids, lease, self._run("release", work))
 
@@ -256,6 +256,6 @@ class OutboxStore:
         def work(cursor: Any) -> int:
             if ids is None:
                 return self.engine.execute(cursor, self.engine.requeue_sql("1 = 1")).rowcount
-            cond, params = self.engine.ids_in(list(ids))
-            return self.engine.execute(cursor, self.engine.requeue_sql(cond), params).rowcount
+            return sum(self.engine.execute(cursor, self.engine.requeue_sql(cond), params).rowcount
+                       for cond, params in map(self.engine.ids_in, self.engine.id_chunks(list(ids))))
         return self._run("requeue_dead", work)

@@ -35,9 +35,21 @@ def kind_of_url(url: str) -> str:
     if base in ("mysql", "mariadb"):
         return "mysql"
     if base in ("mssql", "sqlserver") or (not scheme and "driver=" in url.lower()):
+        mssql_driver(url)  # an unknown driver is a configuration error now, not at first connect
         return "mssql"
     raise ConfigError(f"OUTBOX_DATABASE_URL: unsupported database URL scheme {scheme or url!r} "
-                      "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
+                      "(use sqlite:///, postgresql://, mysql://, mssql+pyodbc:// or mssql+mssqlpython://)")
+
+
+def mssql_driver(url: str) -> str:
+    """The driver module a SQL Server URL selects: pyodbc for ``mssql://``,
+    ``mssql+pyodbc://`` and raw ODBC strings, mssql_python for
+    ``mssql+mssqlpython://``. One engine serves both; only driver quirks differ."""
+    from .mssql import driver_of_url
+    try:
+        return driver_of_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"OUTBOX_DATABASE_URL: {exc}") from None
 
 
 def engine_for_url(url: str, *, table: str = "outbox", schema: str | None = None) -> Engine:
@@ -45,7 +57,7 @@ def engine_for_url(url: str, *, table: str = "outbox", schema: str | None = None
 
 
 _MODULE_KINDS = {"sqlite3": "sqlite", "psycopg": "postgresql", "pymysql": "mysql", "MySQLdb": "mysql",
-                 "pyodbc": "mssql"}
+                 "pyodbc": "mssql", "mssql_python": "mssql"}
 _DJANGO_VENDORS = {"sqlite": "sqlite", "postgresql": "postgresql", "mysql": "mysql", "microsoft": "mssql"}
 
 
@@ -71,9 +83,10 @@ def unwrap_connection(conn: Any) -> tuple[str, Any]:
     kind = _MODULE_KINDS.get(root)
     if kind is None:
         raise UnsupportedConnection(
-            f"enqueue needs an open DB-API connection (sqlite3, psycopg, PyMySQL, pyodbc), a Django connection "
+            f"enqueue needs an open DB-API connection (sqlite3, psycopg, PyMySQL, pyodbc, mssql-python), "
+            "a Django connection "
             f"or a SQLAlchemy Connection/Session; got {type(conn).__module__}.{type(conn).__name__}")
     return kind, conn
 
 
-__all__ = ["Engine", "engine_class", "engine_for_url", "kind_of_url", "unwrap_connection"]
+__all__ = ["Engine", "engine_class", "engine_for_url", "kind_of_url", "mssql_driver", "unwrap_connection"]

@@ -65,6 +65,11 @@ class Engine(ABC):
         """Add a ``?`` row limit to a SELECT that ends with ORDER BY."""
         return f"{select} LIMIT ?"
 
+    def id_chunks(self, ids: Sequence[int]) -> list[list[int]]:
+        """The id lists one statement each may carry through ``ids_in``: one list
+        here; an engine whose statements have a parameter limit splits it."""
+        return [list(ids)]
+
     def ids_in(self, ids: Sequence[int]) -> tuple[str, list[Any]]:
         """A condition ``id IN (...)`` and its parameters."""
         if not ids:

@@ -1,28 +1,43 @@
-"""SQL Server 2016 SP1+ and Azure SQL through pyodbc.
+"""SQL Server 2012+ (compatibility level 110 and up) and Azure SQL, through pyodbc
+(the default) or Microsoft's ``mssql-python`` driver. docs/sqlserver.md is the
+operator's view of everything below.
 
 The claim is one batch on the relay's connection: lock the oldest eligible rows
 with ``READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK`` into a table variable,
 keep the per-aggregate chains the ordering rule allows (see ``outbox.chains``),
 update them and hand them back through ``OUTPUT ... INTO`` a table variable (a
 bare ``OUTPUT`` fails on tables with triggers). The batch never opens or commits a
-transaction itself: pyodbc runs with autocommit off, so the driver's implicit
+transaction itself: the driver runs with autocommit off, so its implicit
 transaction holds the locks until the store commits.
 
+Every relay connection gets the session options the engine relies on at connect
+(``session_sql``): ``NOCOUNT OFF`` (fences, the dead-letter hand-off and purge
+read ``rowcount``, which a server-wide NOCOUNT would turn into -1), ``XACT_ABORT
+ON`` (an error or a client timeout never leaves a transaction open holding
+locks), a ``LOCK_TIMEOUT``, ``DEADLOCK_PRIORITY LOW`` (the relay, which retries,
+is the deadlock victim rather than the application) and the ANSI options that
+filtered indexes need. The same round trip reads the database's compatibility
+level: below 130 there is no OPENJSON or ISJSON, so id lists become chunked
+parameter lists and the migration leaves the ISJSON checks out.
+
 A batch that changes rows before its result set starts with ``SET NOCOUNT ON``
-(after saving the session's setting), so the first result set pyodbc sees is the
-one we want, and restores the setting before that final SELECT: ``rowcount`` of
-later statements on the same connection depends on it. (Parameterized batches run
-through sp_executesql, which restores SET options on its own; the explicit restore
-keeps that true for drivers that send them otherwise.)
+(after saving the session's setting), so the first result set the driver sees is
+the one we want, and restores the setting before that final SELECT.
 
 Id-like columns (``message_id``, ``aggregate_id``) use a binary collation, so
 ``Order-1`` and ``order-1`` are two aggregates and two message ids, as on the other
-engines (SQL Server's default collations are case-insensitive).
+engines (SQL Server's default collations are case-insensitive). A table made by
+another script may have them in the database collation; the claim declares its
+table variable in the column's own collation (read once from the catalog), so any
+collation works, and start-up logs what that changes.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
+from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -30,21 +45,116 @@ from ..errors import StoreError
 from ..model import NewEvent
 from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine
 
+log = logging.getLogger("outbox.engines.mssql")
+
 DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 #: Exact, case-sensitive comparison for id-like columns (and index seeks on them).
 ID_COLLATION = "Latin1_General_100_BIN2"
 
-#: Deadlock victim (1205 arrives as 40001), timeouts, and the connection states.
-_DISCONNECT_STATES = frozenset({"08S01", "08001", "08003"})
+#: OPENJSON and ISJSON need this database compatibility level (SQL Server 2016).
+JSON_LEVEL = 130
+#: The oldest level the engine supports: SQL Server 2012 (OFFSET/FETCH, THROW-free T-SQL).
+MIN_LEVEL = 110
+#: Ids per statement when OPENJSON is missing: below SQL Server's 2,100 parameters
+#: per statement, with room for the statement's own (lease, delay).
+ID_PARAMS_PER_STATEMENT = 2000
+
+#: Session defaults, overridable per URL (``?lock_timeout_ms=...&query_timeout_s=...``).
+DEFAULT_LOCK_TIMEOUT_MS = 30_000
+DEFAULT_QUERY_TIMEOUT_S = 300
+#: How long a second ``outbox migrate`` waits for the first one (sp_getapplock).
+MIGRATE_LOCK_TIMEOUT_MS = 600_000
+#: URL query parameters the engine reads itself; never passed on to the driver.
+ENGINE_OPTIONS = ("lock_timeout_ms", "query_timeout_s")
+
+#: URL scheme suffix -> driver module. ``mssql://`` and raw ODBC strings use pyodbc.
+DRIVERS = {"": "pyodbc", "pyodbc": "pyodbc", "mssqlpython": "mssql_python", "mssql_python": "mssql_python"}
+
+#: SQLSTATEs of a lost or unusable connection, and the other transient ones
+#: (40001 = deadlock victim; HYT00/HYT01 = query/connection timeout).
+_DISCONNECT_STATES = frozenset({"08S01", "08001", "08003", "08004"})
 _TRANSIENT_STATES = _DISCONNECT_STATES | {"40001", "HYT00", "HYT01"}
-#: Deadlock victim and lock request timeout, when the driver reports them under another state.
-_TRANSIENT_MESSAGES = ("(1205)", "(1222)")
+
+#: SQL Server / Azure SQL error numbers worth a retry, and why.
+TRANSIENT_ERRORS = {
+    1205: "deadlock victim",
+    1222: "lock request timeout (LOCK_TIMEOUT)",
+    4060: "cannot open database (Azure SQL failover or database in transition)",
+    4221: "login to a readable secondary failed while it changes role",
+    10053: "transport-level error (connection aborted)",
+    10054: "transport-level error (connection reset)",
+    10060: "network timeout",
+    10928: "Azure SQL resource limit reached (workers, sessions)",
+    10929: "Azure SQL resource guarantee: server too busy",
+    40143: "Azure SQL could not initialize the connection",
+    40197: "Azure SQL error processing the request (reconfiguration, failover)",
+    40501: "Azure SQL service busy",
+    40613: "Azure SQL database not currently available",
+    49918: "Azure SQL: not enough resources to process the request",
+    49919: "Azure SQL: too many create or update operations in progress",
+    49920: "Azure SQL: too many operations in progress",
+    233: "no process on the other end of the pipe (connection dropped)",
+    64: "network name no longer available (connection dropped)",
+}
+#: Error numbers after which the connection itself is gone or unusable.
+DISCONNECT_ERRORS = frozenset({4060, 10053, 10054, 10060, 40143, 40197, 40613, 233, 64})
+
+#: mssql-python reports no native error number, only the message text: these phrases
+#: identify the errors above in SQL Server's message catalogue.
+_TRANSIENT_PHRASES = (
+    "deadlock victim", "lock request time out period exceeded", "is not currently available",
+    "the service is currently busy", "the service has encountered an error processing your request",
+    "not enough resources to process request", "too many create or update operations in progress",
+    "too many operations in progress", "cannot open database", "transport-level error",
+    "limit for the database is", "the server is currently too busy",
+)
+#: The phrases among those whose connection is gone (their numbers are in DISCONNECT_ERRORS).
+_DISCONNECT_PHRASES = ("is not currently available", "the service has encountered an error processing your request",
+                       "cannot open database", "transport-level error")
+#: mssql-python names an exception's SQLSTATE in words (its driver_error); back to codes.
+_MSSQL_PYTHON_STATES = {
+    "Serialization failure": "40001", "Timeout expired": "HYT00", "Connection timeout expired": "HYT01",
+    "Communication link failure": "08S01", "Client unable to establish connection": "08001",
+    "Connection not open": "08003", "Server rejected the connection": "08004",
+}
 
 #: Modifying or indexing a table with a filtered index needs these (error 1934 otherwise).
 #: ODBC drivers set most of them; tools that run the migration elsewhere may not.
 FILTERED_INDEX_OPTIONS = ("SET QUOTED_IDENTIFIER ON; SET ANSI_NULLS ON; SET ANSI_PADDING ON; "
                           "SET ANSI_WARNINGS ON; SET ARITHABORT ON; SET CONCAT_NULL_YIELDS_NULL ON; "
                           "SET NUMERIC_ROUNDABORT OFF;")
+
+#: The predicate of every index over open rows, written exactly as the claim scan,
+#: the ordering probe and the stats queries write it, so the optimizer matches them.
+OPEN_ROWS = "status IN (0, 1, 3)"
+#: Characters dropped from a filter before comparing it: SQL Server stores the filter
+#: as ``([status]=(0) OR [status]=(1) OR [status]=(3))``.
+FILTER_NOISE = ("[", "]", "(", ")", " ")
+#: The forms ``OPEN_ROWS`` may take in sys.indexes.filter_definition, normalized.
+OPEN_ROWS_NORMALIZED = ("status=0orstatus=1orstatus=3", "statusin0,1,3")
+
+
+def normalize_filter(definition: str) -> str:
+    """A filter definition without brackets, parentheses and spaces, lower case:
+    what ``filter_sql`` computes in T-SQL."""
+    for noise in FILTER_NOISE:
+        definition = definition.replace(noise, "")
+    return definition.lower()
+
+
+def filter_sql(column: str) -> str:
+    """``normalize_filter`` as a T-SQL expression over ``column``."""
+    for noise in FILTER_NOISE:
+        column = f"REPLACE({column}, {_nstr(noise)}, N'')"
+    return f"LOWER({column})"
+
+#: ODBC SQL types for setinputsizes (the same numbers in pyodbc and mssql-python).
+SQL_WVARCHAR, SQL_WLONGVARCHAR, SQL_INTEGER, SQL_BIGINT = -9, -10, 4, -5
+#: Strings up to this many UTF-16 units bind as NVARCHAR(4000), longer ones as
+#: NVARCHAR(MAX): each driver's own switch to streaming (pyodbc streams past 4000
+#: bytes, mssql-python past 4000 units), so the declared size never changes how the
+#: driver sends the value.
+INLINE_UNITS = {"pyodbc": 2000, "mssql_python": 4000}
 
 #: The result columns' types, for the claim's table variable (payload/headers as text
 #: whether the columns are NVARCHAR(MAX) or the native json type).
@@ -56,6 +166,56 @@ _MESSAGE_TYPES = {
 }
 
 
+@dataclass(frozen=True)
+class IndexSpec:
+    """One index the engine relies on, as data: the migration creates it from this,
+    and the definition check compares the catalog against it (keys in order,
+    included columns, filter, uniqueness), not only its name."""
+
+    suffix: str
+    keys: tuple[str, ...]
+    include: tuple[str, ...] = ()
+    filtered: bool = False  # WHERE OPEN_ROWS
+    unique: bool = False
+    why: str = ""
+
+    def ddl(self, name: str, table: str) -> str:
+        text = (f"CREATE {'UNIQUE ' if self.unique else ''}NONCLUSTERED INDEX {name} ON {table} "
+                f"({', '.join(self.keys)})")
+        if self.include:
+            text += f" INCLUDE ({', '.join(self.include)})"
+        if self.filtered:
+            text += f" WHERE {OPEN_ROWS}"
+        return text
+
+
+INDEXES = (
+    IndexSpec("message_id", ("message_id",), unique=True,
+              why="one row per message_id; the enqueue's duplicate probe seeks it"),
+    IndexSpec("agg_open", ("aggregate_id", "id"), filtered=True,
+              why="the ordering probe: earlier open rows of an aggregate, never its done history; "
+                  "status is not included, so a claim (0 -> 1) does not write to it"),
+    IndexSpec("claim_ready", ("id",), ("aggregate_id", "status", "attempts", "claimed_at", "next_retry_at"),
+              filtered=True, why="the claim scan over open rows only, covering eligible()"),
+    IndexSpec("done_processed_at", ("status", "processed_at"), why="purge: oldest done rows first"),
+    IndexSpec("open_created_at", ("created_at",), ("status",), filtered=True,
+              why="outbox status and the metrics gauges: oldest open row and counts of open rows"),
+)
+#: Indexes of earlier releases that a migration drops (their job moved to another index).
+RETIRED_INDEXES = ("agg_id_id",)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to connect: the driver module, its connection string, and the
+    engine's own session options."""
+
+    driver: str
+    connection_string: str
+    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
+    query_timeout_s: int = DEFAULT_QUERY_TIMEOUT_S
+
+
 def _odbc_value(value: str) -> str:
     """Brace a value that ODBC would otherwise split or trim (``}`` doubles inside)."""
     if any(ch in value for ch in ";{}=") or value != value.strip():
@@ -63,33 +223,73 @@ def _odbc_value(value: str) -> str:
     return value
 
 
-def odbc_connection_string(url: str) -> str:
-    """Turn ``OUTBOX_DATABASE_URL`` into an ODBC connection string.
+def driver_of_url(url: str) -> str:
+    """The driver module a SQL Server URL asks for: ``mssql+pyodbc://`` (and plain
+    ``mssql://``, raw ODBC strings) -> pyodbc, ``mssql+mssqlpython://`` -> mssql_python."""
+    if "://" not in url:
+        return "pyodbc"
+    scheme = url.split("://", 1)[0].lower()
+    suffix = scheme.split("+", 1)[1] if "+" in scheme else ""
+    if suffix not in DRIVERS:
+        raise ValueError(f"unsupported SQL Server driver {suffix!r} in {scheme}:// "
+                         "(use mssql+pyodbc:// or mssql+mssqlpython://)")
+    return DRIVERS[suffix]
+
+
+def _int_option(name: str, value: str, low: int, high: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"OUTBOX_DATABASE_URL: {name} must be an integer, got {value!r}") from None
+    if not low <= number <= high:
+        raise ValueError(f"OUTBOX_DATABASE_URL: {name} must be between {low} and {high}, got {number}")
+    return number
+
+
+def parse_target(url: str) -> Target:
+    """Turn ``OUTBOX_DATABASE_URL`` into a ``Target``.
 
     Accepts ``mssql+pyodbc://user:pass@host:1433/db?driver=...&Encrypt=yes`` (user,
-    password and query are URL-decoded; every query parameter but ``driver`` is
-    passed on as an ODBC keyword), ``mssql+pyodbc:///?odbc_connect=<urlencoded>``,
-    and a raw ODBC connection string, which is returned unchanged.
+    password and query are URL-decoded; every query parameter but ``driver`` and the
+    engine's own ``lock_timeout_ms`` / ``query_timeout_s`` is passed on as a
+    connection-string keyword), ``mssql+pyodbc:///?odbc_connect=<urlencoded>``, a raw
+    ODBC connection string (returned unchanged), and ``mssql+mssqlpython://...``,
+    whose connection string has no DRIVER (mssql-python bundles its own).
     """
     if "://" not in url:
         if "=" in url and ";" in url:
-            return url
+            return Target("pyodbc", url)
         raise ValueError("not a SQL Server URL or ODBC connection string "
                          "(expected mssql+pyodbc://user:pass@host:1433/db?driver=...)")
     parts = urlsplit(url)
     if parts.scheme.split("+", 1)[0].lower() not in ("mssql", "sqlserver"):
         raise ValueError(f"not a SQL Server URL: scheme {parts.scheme!r}")
+    driver = driver_of_url(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
+    options = {k.lower(): v for k, v in query if k.lower() in ENGINE_OPTIONS}
+    lock_ms = _int_option("lock_timeout_ms", options["lock_timeout_ms"], -1, 86_400_000) \
+        if "lock_timeout_ms" in options else DEFAULT_LOCK_TIMEOUT_MS
+    query_s = _int_option("query_timeout_s", options["query_timeout_s"], 0, 86_400) \
+        if "query_timeout_s" in options else DEFAULT_QUERY_TIMEOUT_S
+    query = [(k, v) for k, v in query if k.lower() not in ENGINE_OPTIONS]
+
+    def target(connection_string: str) -> Target:
+        return Target(driver, connection_string, lock_ms, query_s)
+
     for key, value in query:
         if key.lower() == "odbc_connect":
-            return value  # parse_qsl has already decoded it
+            return target(value)  # parse_qsl has already decoded it
     keywords: dict[str, tuple[str, str]] = {}  # upper-cased keyword -> (keyword, value)
 
     def put(key: str, value: str) -> None:
         keywords[key.upper()] = (key, value)
 
-    driver = next((v for k, v in query if k.lower() == "driver"), DEFAULT_DRIVER)
-    put("DRIVER", "{" + driver.strip("{}").replace("}", "}}") + "}")
+    if driver == "pyodbc":
+        odbc_driver = next((v for k, v in query if k.lower() == "driver"), DEFAULT_DRIVER)
+        put("DRIVER", "{" + odbc_driver.strip("{}").replace("}", "}}") + "}")
+    elif any(k.lower() == "driver" for k, _ in query):
+        raise ValueError("OUTBOX_DATABASE_URL: mssql+mssqlpython:// takes no driver= "
+                         "(mssql-python bundles its own ODBC driver)")
     if parts.hostname:
         host = unquote(parts.hostname)  # a named instance may come as host%5CINSTANCE
         put("SERVER", f"{host},{parts.port}" if parts.port else host)
@@ -102,8 +302,13 @@ def odbc_connection_string(url: str) -> str:
     for key, value in query:
         if key.lower() != "driver":
             put(key, value)
-    return ";".join(f"{key}={value if key.upper() == 'DRIVER' else _odbc_value(value)}"
-                    for key, value in keywords.values()) + ";"
+    return target(";".join(f"{key}={value if key.upper() == 'DRIVER' else _odbc_value(value)}"
+                           for key, value in keywords.values()) + ";")
+
+
+def odbc_connection_string(url: str) -> str:
+    """The connection string of ``parse_target`` (kept for callers that only need it)."""
+    return parse_target(url).connection_string
 
 
 def _nstr(text: str) -> str:
@@ -118,13 +323,30 @@ def _if(condition: str, statement: str) -> str:
 
 
 def _error_fields(exc: BaseException) -> tuple[str | None, str]:
-    """(SQLSTATE, message) of a pyodbc error, recognised by class module so this works
-    (and is testable) where pyodbc cannot be imported; (None, '') for anything else."""
-    if not any(cls.__module__ == "pyodbc" for cls in type(exc).__mro__):
-        return None, ""
-    args = exc.args
-    state = args[0] if args and isinstance(args[0], str) else None
-    return state, " ".join(str(a) for a in args)
+    """(SQLSTATE, message) of a pyodbc or mssql-python error, recognised by class
+    module so this works (and is testable) where a driver cannot load; (None, '')
+    for anything else."""
+    modules = {cls.__module__.split(".", 1)[0] for cls in type(exc).__mro__}
+    if "pyodbc" in modules:
+        args = exc.args
+        state = args[0] if args and isinstance(args[0], str) else None
+        return state, " ".join(str(a) for a in args)
+    if "mssql_python" in modules:
+        described = str(getattr(exc, "driver_error", "") or "")
+        state = _MSSQL_PYTHON_STATES.get(described)
+        if state is None:
+            found = re.search(r"SQLSTATE code: (\w{5})", described)
+            state = found.group(1) if found else None
+        return state, f"{described} {getattr(exc, 'ddbc_error', '') or ''} {exc}"
+    return None, ""
+
+
+def error_numbers(message: str) -> set[int]:
+    """Native error numbers in a pyodbc message: each diagnostic record ends with its
+    number in parentheses, followed by the ODBC function, the next record or the end
+    (``... deadlock victim. (1205) (SQLExecDirectW)``); a number inside the text, as
+    in ``nvarchar(64)``, is not one."""
+    return {int(n) for n in re.findall(r"\((\d{1,6})\)(?=\s*(?:\(SQL\w*\)|;|$))", message)}
 
 
 def _result_rows(cursor: Any) -> list[tuple]:
@@ -136,11 +358,57 @@ def _result_rows(cursor: Any) -> list[tuple]:
     return [tuple(row) for row in cursor.fetchall()]
 
 
+def utf16_len(text: str) -> int:
+    """Length in UTF-16 code units, the unit NVARCHAR(n) counts."""
+    return len(text) + sum(1 for ch in text if ord(ch) > 0xFFFF)
+
+
+def input_sizes(params: Sequence[Any], inline_units: int = 2000) -> list[tuple[int, int, int]] | None:
+    """Declared types for ``cursor.setinputsizes``: every string as NVARCHAR(4000), or
+    NVARCHAR(MAX) past ``inline_units`` UTF-16 units, and None as NVARCHAR(4000) (pyodbc would
+    otherwise declare each string by its own length, and mssql-python an ASCII one
+    as VARCHAR(length): a plan per length); integers as INT or BIGINT by range.
+    None when a parameter of another type leaves the decision to the driver."""
+    sizes: list[tuple[int, int, int]] = []
+    for value in params:
+        if isinstance(value, bool):
+            return None
+        if value is None:
+            sizes.append((SQL_WVARCHAR, 4000, 0))
+        elif isinstance(value, str):
+            sizes.append((SQL_WVARCHAR, 4000, 0) if utf16_len(value) <= inline_units else (SQL_WLONGVARCHAR, 0, 0))
+        elif isinstance(value, int):
+            sizes.append((SQL_INTEGER, 0, 0) if -2**31 <= value < 2**31 else (SQL_BIGINT, 0, 0))
+        else:
+            return None
+    return sizes
+
+
+def _is_ddl(text: str) -> bool:
+    """Migration batches (they all start with the filtered-index options): they run
+    without the query timeout, bounded by the lock timeout and the migration lock."""
+    return text.startswith(FILTERED_INDEX_OPTIONS)
+
+
 class MssqlEngine(Engine):
     name = "mssql"
     placeholder = "?"
     default_schema: ClassVar[str | None] = "dbo"
     now: ClassVar[str] = "SYSUTCDATETIME()"
+
+    def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
+        super().__init__(table=table, schema=schema)
+        #: The database's compatibility level, read at connect; None until then
+        #: (SQL text built before any connection assumes OPENJSON exists).
+        self.compat_level: int | None = None
+        #: The aggregate_id column's collation, read at the first claim.
+        self.id_collation: str | None = None
+        self._checked = False
+
+    @property
+    def has_json(self) -> bool:
+        """OPENJSON/ISJSON are there (compatibility level 130 or later)."""
+        return self.compat_level is None or self.compat_level >= JSON_LEVEL
 
     # -- names and SQL text ------------------------------------------------------
     def quote(self, identifier: str) -> str:
@@ -159,11 +427,26 @@ class MssqlEngine(Engine):
     def limit(self, select: str) -> str:
         return f"{select} OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY"
 
+    def id_chunks(self, ids: Sequence[int]) -> list[list[int]]:
+        """One list with OPENJSON; otherwise lists of at most ID_PARAMS_PER_STATEMENT,
+        so no statement passes SQL Server's 2,100-parameter limit."""
+        ids = [int(i) for i in ids]
+        if self.has_json or len(ids) <= ID_PARAMS_PER_STATEMENT:
+            return [ids]
+        return [ids[i:i + ID_PARAMS_PER_STATEMENT] for i in range(0, len(ids), ID_PARAMS_PER_STATEMENT)]
+
     def ids_in(self, ids: Sequence[int]) -> tuple[str, list[Any]]:
-        # One JSON parameter, whatever the count: a statement takes at most 2100 parameters.
+        """``id IN (...)``: one JSON parameter expanded by OPENJSON at level 130 and
+        later (any count); below, one parameter per id (see ``id_chunks``)."""
         if not ids:
             return "1 = 0", []
-        return "id IN (SELECT CAST([value] AS BIGINT) FROM OPENJSON(?))", [json.dumps([int(i) for i in ids])]
+        ids = [int(i) for i in ids]
+        if self.has_json:
+            return "id IN (SELECT CAST([value] AS BIGINT) FROM OPENJSON(?))", [json.dumps(ids)]
+        if len(ids) > ID_PARAMS_PER_STATEMENT:
+            raise StoreError(f"{len(ids)} ids in one statement: split them with id_chunks() "
+                             f"(compatibility level {self.compat_level} has no OPENJSON)")
+        return f"id IN ({', '.join('?' * len(ids))})", ids
 
     def purge_chunk_sql(self) -> str:
         """Delete at most ``?`` done rows processed more than ``?`` seconds plus ``?``
@@ -183,27 +466,143 @@ class MssqlEngine(Engine):
         return [batch, seconds, millis]
 
     # -- connections and errors ----------------------------------------------------
+    @staticmethod
+    def session_sql(lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> str:
+        """The session options the engine relies on, then the compatibility level.
+        The isolation level is left alone on purpose: the claim's table hints give the
+        locking it needs on locking and RCSI databases."""
+        return (f"SET NOCOUNT OFF; SET XACT_ABORT ON; SET LOCK_TIMEOUT {int(lock_timeout_ms)}; "
+                f"SET DEADLOCK_PRIORITY LOW; {FILTERED_INDEX_OPTIONS}\n"
+                "SELECT compatibility_level FROM sys.databases WHERE name = DB_NAME();")
+
     def connect(self, url: str) -> Any:
-        import pyodbc  # imported here: importing it needs unixODBC installed
-        # Autocommit off: the driver opens a transaction at the first statement and the
-        # store commits it. The session isolation level is left alone on purpose; the
-        # claim's table hints give the locking it needs on locking and RCSI databases.
-        return pyodbc.connect(odbc_connection_string(url), autocommit=False)
+        target = parse_target(url)
+        if target.driver == "mssql_python":
+            try:
+                import mssql_python
+            except ImportError:
+                raise StoreError("OUTBOX_DATABASE_URL asks for mssql-python: pip install "
+                                 "'outbox-relay[mssql-python]'") from None
+            conn = mssql_python.connect(target.connection_string, autocommit=False)
+        else:
+            import pyodbc  # imported here: importing it needs unixODBC installed
+            # Autocommit off: the driver opens a transaction at the first statement
+            # and the store commits it.
+            conn = pyodbc.connect(target.connection_string, autocommit=False)
+        try:
+            conn.timeout = target.query_timeout_s
+            self.setup_session(conn, target.lock_timeout_ms)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def setup_session(self, conn: Any, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> None:
+        """Set the session options, read the compatibility level (once per connection)
+        and, once per engine, check the table and log what is wrong with it."""
+        cursor = conn.cursor()
+        try:
+            rows = _result_rows(cursor.execute(self.session_sql(lock_timeout_ms)))
+            level = int(rows[0][0]) if rows and rows[0][0] is not None else MIN_LEVEL
+            if level < MIN_LEVEL:
+                raise StoreError(f"SQL Server database compatibility level {level} is not supported "
+                                 f"(the engine needs {MIN_LEVEL}, SQL Server 2012, or later)")
+            if level < JSON_LEVEL and self.compat_level != level:
+                log.info("SQL Server compatibility level %d has no OPENJSON/ISJSON: id lists are sent as "
+                         "parameter lists of at most %d ids per statement", level, ID_PARAMS_PER_STATEMENT)
+            self.compat_level = level
+            if not self._checked:
+                self._checked = True
+                for problem in self.schema_problems(cursor):
+                    log.warning("outbox table %s: %s", self.table, problem)
+        finally:
+            cursor.close()
+        conn.commit()  # the catalog reads opened a transaction; SET options outlive it
+
+    def execute(self, cursor: Any, text: str, params: Sequence[Any] = ()) -> Any:
+        """Bind parameters with stable declared types (one plan per statement, not per
+        string length), and run migration batches without the query timeout."""
+        params = tuple(params)
+        if hasattr(cursor, "setinputsizes"):
+            driver = type(cursor).__module__.split(".", 1)[0]
+            sizes = input_sizes(params, INLINE_UNITS.get(driver, 2000)) if params else None
+            # pyodbc keeps sizes until they are replaced: clear them for other statements.
+            if sizes is not None or driver == "pyodbc":
+                cursor.setinputsizes(sizes)
+        if not _is_ddl(text):
+            cursor.execute(text, params)
+            return cursor
+        conn = getattr(cursor, "connection", None)
+        saved = getattr(conn, "timeout", None)
+        if saved:
+            conn.timeout = 0
+        try:
+            cursor.execute(text, params)
+        finally:
+            if saved:
+                conn.timeout = saved
+        return cursor
 
     def is_transient(self, exc: BaseException) -> bool:
         state, message = _error_fields(exc)
-        return state in _TRANSIENT_STATES or any(code in message for code in _TRANSIENT_MESSAGES)
+        if state is None and not message:
+            return False
+        lowered = message.lower()
+        return (state in _TRANSIENT_STATES or bool(error_numbers(message) & TRANSIENT_ERRORS.keys())
+                or any(phrase in lowered for phrase in _TRANSIENT_PHRASES))
 
     def is_disconnect(self, exc: BaseException) -> bool:
-        return _error_fields(exc)[0] in _DISCONNECT_STATES
+        state, message = _error_fields(exc)
+        lowered = message.lower()
+        return (state in _DISCONNECT_STATES or bool(error_numbers(message) & DISCONNECT_ERRORS)
+                or any(phrase in lowered for phrase in _DISCONNECT_PHRASES))
 
     # -- schema ----------------------------------------------------------------------
-    def migration(self, native_json: bool = False) -> list[str]:
-        """One batch per object, each guarded on its own, so re-running repairs a partial
-        deployment. Each batch starts with the SET options filtered indexes need."""
+    def _table_literal(self) -> str:
+        return _nstr(self.table)
+
+    def index_matches(self, spec: IndexSpec) -> str:
+        """A query returning a row when the index exists with exactly ``spec``'s
+        definition: uniqueness, filter, key columns in order (ascending), the included
+        columns, and nothing else."""
+        t = self._table_literal()
+        name = _nstr(self.index_name(spec.suffix))
+        filter_normalized = filter_sql("i.filter_definition")
+        if spec.filtered:
+            filter_ok = (f"i.has_filter = 1 AND {filter_normalized} IN "
+                         f"({', '.join(_nstr(f) for f in OPEN_ROWS_NORMALIZED)})")
+        else:
+            filter_ok = "i.has_filter = 0"
+
+        def column(condition: str) -> str:
+            return ("EXISTS (SELECT 1 FROM sys.index_columns AS ic INNER JOIN sys.columns AS c "
+                    "ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
+                    f"WHERE ic.object_id = i.object_id AND ic.index_id = i.index_id AND {condition})")
+
+        checks = [f"i.is_unique = {1 if spec.unique else 0}", filter_ok,
+                  "(SELECT COUNT(*) FROM sys.index_columns AS n WHERE n.object_id = i.object_id "
+                  f"AND n.index_id = i.index_id) = {len(spec.keys) + len(spec.include)}"]
+        checks += [column(f"ic.key_ordinal = {position} AND ic.is_descending_key = 0 AND c.name = {_nstr(key)}")
+                   for position, key in enumerate(spec.keys, start=1)]
+        checks += [column(f"ic.is_included_column = 1 AND c.name = {_nstr(col)}") for col in spec.include]
+        return (f"SELECT 1 FROM sys.indexes AS i WHERE i.object_id = OBJECT_ID({t}) AND i.name = {name} AND "
+                + " AND ".join(checks))
+
+    def _index_exists(self, suffix: str) -> str:
+        return (f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {_nstr(self.index_name(suffix))} "
+                f"AND object_id = OBJECT_ID({self._table_literal()}))")
+
+    def migration_lock_resource(self) -> str:
+        return f"outbox migrate {self.table}"
+
+    def migration_steps(self, native_json: bool = False) -> list[Any]:
+        """The migration as items of statements: a list of statements (run as one
+        batch), or ``((probe, params), statements)`` run only when the probe finds no
+        row. ``migration()`` joins each into the batch that is sent."""
         t, q, name = self.table, self.quote, self.table_name
-        table_literal = _nstr(t)
+        table_literal = self._table_literal()
         schema = self.schema or "dbo"
+        checked_json = not native_json and self.has_json
 
         def constraint(kind: str, column: str = "") -> str:
             return "CONSTRAINT " + q("_".join(filter(None, (kind, name, column))))
@@ -211,14 +610,8 @@ class MssqlEngine(Engine):
         def json_column(column: str, default: str = "") -> str:
             if native_json:  # SQL Server 2025 / Azure SQL: the type itself validates
                 return f"{column} JSON NOT NULL{default}"
-            return (f"{column} NVARCHAR(MAX) NOT NULL{default} {constraint('ck', column + '_json')} "
-                    f"CHECK (ISJSON({column}) = 1)")
-
-        def index(suffix: str, ddl: str) -> str:
-            index_name = self.index_name(suffix)
-            return _if(f"NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = {_nstr(index_name)} "
-                       f"AND object_id = OBJECT_ID({table_literal}))",
-                       "CREATE " + ddl.format(index=q(index_name), t=t))
+            check = f" {constraint('ck', column + '_json')} CHECK (ISJSON({column}) = 1)" if checked_json else ""
+            return f"{column} NVARCHAR(MAX) NOT NULL{default}{check}"
 
         headers_default = f" {constraint('df', 'headers')} DEFAULT N'{{}}'"
         create_table = f"""CREATE TABLE {t} (
@@ -242,60 +635,157 @@ class MssqlEngine(Engine):
         lease_token CHAR(32) NULL,
         {constraint('pk')} PRIMARY KEY CLUSTERED (id)
     )"""
-        steps = [
-            # CREATE SCHEMA must be the only statement of its batch, hence dynamic SQL.
-            _if(f"SCHEMA_ID({_nstr(schema)}) IS NULL",
-                f"EXEC sp_executesql {_nstr('CREATE SCHEMA ' + q(schema))}"),
-            _if(f"OBJECT_ID({table_literal}, N'U') IS NULL", create_table),
-            # Columns added after the first release: repaired on tables an older script made.
-            *(_if(f"COL_LENGTH({table_literal}, {_nstr(column)}) IS NULL", f"ALTER TABLE {t} ADD {column} {ddl}")
-              for column, ddl in (("last_error", "NVARCHAR(4000) NULL"), ("lease_token", "CHAR(32) NULL"))),
-            index("message_id", "UNIQUE NONCLUSTERED INDEX {index} ON {t} (message_id)"),
-            # The ordering probe: earlier rows of one aggregate, with their status.
-            index("agg_id_id", "NONCLUSTERED INDEX {index} ON {t} (aggregate_id, id) INCLUDE (status)"),
-            # The claim scan over open rows only. It covers eligible(), so every claimer
-            # scans (and U-locks) the same index keys, which READPAST then skips.
-            index("claim_ready", "NONCLUSTERED INDEX {index} ON {t} (id) "
-                  "INCLUDE (aggregate_id, status, attempts, claimed_at, next_retry_at) WHERE status IN (0, 1, 3)"),
-            index("done_processed_at", "NONCLUSTERED INDEX {index} ON {t} (status, processed_at)"),
+        # Two `outbox migrate` at once: the second waits here for the first to commit.
+        # The lock belongs to the migration's transaction when one is open (released at
+        # commit); a driver in implicit-transaction mode may not have opened it yet, and
+        # then the session owns the lock until the last step releases it.
+        lock = [
+            "DECLARE @lock_owner NVARCHAR(32), @lock_result INT;",
+            # A SELECT from a table opens the driver's implicit transaction (EXEC does not).
+            f"SELECT @lock_result = COUNT(*) FROM sys.objects WHERE object_id = OBJECT_ID({table_literal});",
+            "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
+            f"EXEC @lock_result = sp_getapplock @Resource = {_nstr(self.migration_lock_resource())}, "
+            f"@LockMode = N'Exclusive', @LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};",
+            _if("@lock_result < 0", "RAISERROR(N'outbox migrate: another outbox migrate of %s held the migration "
+                "lock for too long (sp_getapplock returned %d); run it again when that one has finished', 16, 1, "
+                f"{_nstr(t)}, @lock_result)"),
         ]
-        return [f"{FILTERED_INDEX_OPTIONS}\n{step}" for step in steps]
+        unlock = [_if(f"APPLOCK_MODE(N'public', {_nstr(self.migration_lock_resource())}, N'Session') <> N'NoLock'",
+                      f"EXEC sp_releaseapplock @Resource = {_nstr(self.migration_lock_resource())}, "
+                      "@LockOwner = N'Session'")]
+        steps: list[Any] = [
+            lock,
+            # CREATE SCHEMA must be the only statement of its batch, hence dynamic SQL.
+            [_if(f"SCHEMA_ID({_nstr(schema)}) IS NULL", f"EXEC sp_executesql {_nstr('CREATE SCHEMA ' + q(schema))}")],
+            [_if(f"OBJECT_ID({table_literal}, N'U') IS NULL", create_table)],
+            # Columns added after the first release: repaired on tables an older script made.
+            *([_if(f"COL_LENGTH({table_literal}, {_nstr(column)}) IS NULL", f"ALTER TABLE {t} ADD {column} {ddl}")]
+              for column, ddl in (("last_error", "NVARCHAR(4000) NULL"), ("lease_token", "CHAR(32) NULL"))),
+        ]
+        if checked_json:
+            # A table made below level 130 (or by another script) gets its JSON checks
+            # once the database can evaluate ISJSON.
+            for column in ("payload", "headers"):
+                ck = q(f"ck_{name}_{column}_json")
+                steps.append([_if(
+                    f"OBJECT_ID({_nstr((self.quote(schema) + '.' + ck))}, N'C') IS NULL AND EXISTS (SELECT 1 FROM "
+                    f"sys.columns WHERE object_id = OBJECT_ID({table_literal}) AND name = {_nstr(column)} "
+                    "AND system_type_id = 231)",
+                    f"ALTER TABLE {t} ADD CONSTRAINT {ck} CHECK (ISJSON({column}) = 1)")])
+        for suffix in RETIRED_INDEXES:
+            steps.append([_if(self._index_exists(suffix), f"DROP INDEX {q(self.index_name(suffix))} ON {t}")])
+        for spec in INDEXES:
+            index = q(self.index_name(spec.suffix))
+            # An index whose definition differs is dropped here and made again by the
+            # next step, inside the migration's transaction: nobody sees the gap.
+            steps.append(((self.index_matches(spec), []),
+                          [_if(self._index_exists(spec.suffix), f"DROP INDEX {index} ON {t}")]))
+            steps.append([_if(f"NOT {self._index_exists(spec.suffix)}", spec.ddl(index, t))])
+        # Claims, purge chunks and requeue-all may lock more than 5,000 rows; escalation
+        # to a table lock would stop every enqueuer until they commit.
+        steps.append([_if(f"EXISTS (SELECT 1 FROM sys.tables WHERE object_id = OBJECT_ID({table_literal}) "
+                          "AND lock_escalation_desc <> N'DISABLE')",
+                          f"ALTER TABLE {t} SET (LOCK_ESCALATION = DISABLE)")])
+        steps.append(unlock)
+        return steps
+
+    def migration(self, native_json: bool = False) -> list[Any]:
+        """One batch per object, each guarded on its own, so re-running repairs a partial
+        deployment. Each batch starts with the SET options filtered indexes need."""
+        def batch(statements: list[str]) -> str:
+            return FILTERED_INDEX_OPTIONS + "\n" + "\n".join(statements)
+        return [((step[0], batch(step[1])) if isinstance(step, tuple) else batch(step))
+                for step in self.migration_steps(native_json)]
+
+    def schema_problems(self, cursor: Any) -> list[str]:
+        """What start-up finds wrong with an existing table, each with what to do:
+        id columns that compare case-insensitively, and indexes that are missing,
+        retired or defined differently (``outbox migrate`` repairs those)."""
+        t = self._table_literal()
+        exists = self.execute(cursor, f"SELECT OBJECT_ID({t}, N'U')").fetchone()
+        if not exists or exists[0] is None:
+            return []
+        problems = []
+        rows = self.execute(cursor, f"SELECT name, collation_name FROM sys.columns WHERE object_id = OBJECT_ID({t}) "
+                            "AND name IN (N'message_id', N'aggregate_id')").fetchall()
+        for column, collation in rows:
+            if collation and not (collation.upper().endswith(("_BIN", "_BIN2")) or "_CS" in collation.upper()):
+                problems.append(
+                    f"column {column} uses the case-insensitive collation {collation}: ids that differ only in case "
+                    f"are one {'message' if column == 'message_id' else 'aggregate'}. The relay works with it; "
+                    f"to match the other engines convert it to {ID_COLLATION} (docs/sqlserver.md)")
+        for spec in INDEXES:
+            if self.execute(cursor, self.index_matches(spec)).fetchone() is None:
+                problems.append(f"index {self.index_name(spec.suffix)} is missing or defined differently "
+                                f"({spec.why}): run `outbox migrate`")
+        for suffix in RETIRED_INDEXES:
+            if self.execute(cursor, f"SELECT 1 WHERE {self._index_exists(suffix)}").fetchone() is not None:
+                problems.append(f"index {self.index_name(suffix)} is retired (it makes every claim and ack write "
+                                "to an index of the whole history): run `outbox migrate`")
+        return problems
 
     # -- write side (the caller's transaction: never commit, never raise on a duplicate) --
     def insert_statements(self) -> list[str]:
         """Insert unless the message_id is stored, then return the row's id.
 
-        ``UPDLOCK, HOLDLOCK`` on the existence probe takes a key-range lock on the
-        message_id, so a concurrent enqueue of the same id waits for this transaction
-        instead of both inserting and one failing with a duplicate key: an error
-        inside the caller's transaction that it never asked for. XACT_ABORT is left as
-        the caller set it. Values go into typed variables first, so a None binds
-        without a type guess, and payload/headers over 4000 characters (pyodbc binds a
-        long str as NVARCHAR(MAX)) reach NVARCHAR(MAX) variables untruncated.
+        No key-range locks: the duplicate probe is a plain seek of the unique
+        message_id index. Two enqueues of the *same* message_id are serialized by an
+        application lock on a hash of (table, message_id), owned by the caller's
+        transaction, so the second waits for the first to commit and then finds its
+        row; enqueues of different ids never wait for each other, whatever the gap
+        between their keys. Without an open transaction (autocommit), the session owns
+        the lock and the batch releases it once its insert has committed.
+
+        So no duplicate-key error can reach the caller's transaction, and XACT_ABORT
+        is left as the caller set it. Values go into typed variables first, so a None
+        binds without a type guess, and long payloads reach NVARCHAR(MAX) variables.
+        The result is (id, lock result); the id is NULL only when the lock was refused.
         """
         t = self.table
         values = ", ".join(f"@{c.strip()}" for c in self.INSERT_COLUMNS.split(","))
+        inserted = (f"INSERT INTO {t} ({self.INSERT_COLUMNS})\n    OUTPUT inserted.id INTO @ids\n    SELECT {values}\n"
+                    f"    WHERE NOT EXISTS (SELECT 1 FROM {t} WITH (READCOMMITTEDLOCK) "
+                    "WHERE message_id = @message_id)")
         return [
             "DECLARE @nocount INT = @@OPTIONS & 512;",
             "SET NOCOUNT ON;",
             "DECLARE @message_id NVARCHAR(64) = ?, @topic NVARCHAR(255) = ?, @aggregate_type NVARCHAR(255) = ?, "
             "@aggregate_id NVARCHAR(255) = ?, @partition_key NVARCHAR(255) = ?, @payload NVARCHAR(MAX) = ?, "
             "@headers NVARCHAR(MAX) = ?, @trace_id NVARCHAR(255) = ?;",
+            "DECLARE @id BIGINT, @lock_result INT = 0, @lock_owner NVARCHAR(32), @lock_resource NVARCHAR(255);",
             "DECLARE @ids TABLE (id BIGINT NOT NULL);",
-            f"INSERT INTO {t} ({self.INSERT_COLUMNS})\nOUTPUT inserted.id INTO @ids\nSELECT {values}\n"
-            f"WHERE NOT EXISTS (SELECT 1 FROM {t} WITH (UPDLOCK, HOLDLOCK) WHERE message_id = @message_id);",
-            f"DECLARE @id BIGINT = COALESCE((SELECT TOP (1) id FROM @ids), "
+            # The common case, a new id: one seek, no lock. A SELECT from the table also
+            # opens the driver's implicit transaction, so @@TRANCOUNT below is the truth.
+            f"SELECT @id = id FROM {t} WHERE message_id = @message_id;",
+            "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
+            f"SET @lock_resource = N'outbox:' + CONVERT(NVARCHAR(64), HASHBYTES('SHA2_256', {_nstr(t + '|')} "
+            "+ @message_id), 2);",
+            _if("@id IS NULL", "EXEC @lock_result = sp_getapplock @Resource = @lock_resource, "
+                "@LockMode = N'Exclusive', @LockOwner = @lock_owner"),
+            _if("@id IS NULL AND @lock_result >= 0", inserted),
+            _if("@id IS NULL AND @lock_result >= 0 AND @lock_owner = N'Session'",
+                "EXEC sp_releaseapplock @Resource = @lock_resource, @LockOwner = N'Session'"),
+            "SET @id = COALESCE(@id, (SELECT TOP (1) id FROM @ids), "
             f"(SELECT id FROM {t} WHERE message_id = @message_id));",
             _if("@nocount = 0", "SET NOCOUNT OFF"),
-            "SELECT @id AS id;",
+            "SELECT @id AS id, @lock_result AS lock_result;",
         ]
 
     def insert_batch(self) -> str:
         return "\n".join(self.insert_statements())
 
+    #: What sp_getapplock's negative results mean.
+    LOCK_RESULTS = {-1: "timed out (the session's LOCK_TIMEOUT)", -2: "was cancelled",
+                    -3: "was chosen as a deadlock victim", -999: "failed (parameter or call error)"}
+
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
         self.execute(cursor, self.insert_batch(), self.event_params(event))
-        return int(_result_rows(cursor)[0][0])
+        outbox_id, lock_result = _result_rows(cursor)[0]
+        if outbox_id is None:
+            reason = self.LOCK_RESULTS.get(int(lock_result or -999), f"returned {lock_result}")
+            raise StoreError(f"enqueue of message_id {event.message_id!r}: the lock that serializes enqueues of "
+                             f"the same message_id {reason}; the caller's transaction is unchanged")
+        return int(outbox_id)
 
     # -- claim -------------------------------------------------------------------------
     def chain_select(self) -> str:
@@ -316,13 +806,16 @@ class MssqlEngine(Engine):
         blockers; READPAST would skip them and let a later row overtake them. The
         probes run in a statement of their own, while this claim holds only U locks,
         so a probe waiting on a competitor's UPDATE can never close a deadlock cycle.
+        Its ``status IN (0, 1, 3)`` is written exactly as the agg_open index's filter,
+        so it seeks that index and never reads an aggregate's done history. The
+        self-joins of ``@cand`` seek its (aggregate_id, id) key.
         """
         goes_dead = "{0}.status = 1 AND {0}.attempts + 1 >= @max_attempts"
         return f"""SELECT c.id, CASE WHEN {goes_dead.format('c')} THEN 1 ELSE 0 END
 FROM @cand AS c
 WHERE NOT EXISTS (
         SELECT 1 FROM {self.table} AS e WITH (READCOMMITTEDLOCK)
-        WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id AND e.status IN (0, 1, 3)
+        WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id AND e.{OPEN_ROWS}
           AND NOT EXISTS (SELECT 1 FROM @cand AS k WHERE k.id = e.id))
   AND NOT EXISTS (
         SELECT 1 FROM @cand AS d
@@ -338,18 +831,21 @@ WHERE NOT EXISTS (
         No BEGIN TRAN/COMMIT here: with autocommit off the driver has a transaction
         open already (an explicit one would nest), the U locks live until the store
         commits it, and XACT_ABORT makes any error roll the whole claim back.
+        ``@cand.aggregate_id`` takes the table column's collation: two different
+        column collations in one comparison fail with error 468.
         """
         t = self.table
         out_columns = ", ".join(MESSAGE_COLUMNS)
         output = ", ".join(f"CAST(inserted.{c} AS NVARCHAR(MAX))" if c in ("payload", "headers")
                            else f"inserted.{c}" for c in MESSAGE_COLUMNS)
+        collation = self.id_collation or ID_COLLATION
         return [
             "DECLARE @nocount INT = @@OPTIONS & 512, @xact_abort INT = @@OPTIONS & 16384;",
             "SET NOCOUNT ON;",
             "SET XACT_ABORT ON;",
             "DECLARE @batch INT = ?, @max_attempts INT = ?, @lease CHAR(32) = ?, @lease_error NVARCHAR(4000) = ?;",
-            f"DECLARE @cand TABLE (id BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {ID_COLLATION} "
-            "NOT NULL, status TINYINT NOT NULL, attempts INT NOT NULL);",
+            f"DECLARE @cand TABLE (id BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {collation} "
+            "NOT NULL, status TINYINT NOT NULL, attempts INT NOT NULL, UNIQUE (aggregate_id, id));",
             "DECLARE @chain TABLE (id BIGINT NOT NULL PRIMARY KEY, dead BIT NOT NULL);",
             # Declared in MESSAGE_COLUMNS order: OUTPUT ... INTO @out fills it by position.
             "DECLARE @out TABLE (" + ", ".join(f"{c} {_MESSAGE_TYPES[c]}" for c in MESSAGE_COLUMNS) + ");",
@@ -382,17 +878,25 @@ FROM {t} AS o INNER JOIN @chain AS ch ON ch.id = o.id;""",
         # The DECLARE's four, then eligible()'s lease cutoff (the only other ?).
         return [batch, max_attempts, lease, LEASE_EXPIRED_ERROR, -timeout_ms]
 
+    def collation_sql(self) -> str:
+        return (f"SELECT collation_name FROM sys.columns WHERE object_id = OBJECT_ID({self._table_literal()}) "
+                "AND name = N'aggregate_id'")
+
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
         """Lease up to ``batch`` rows in the open transaction (the store commits);
         rows whose status is 4 went dead instead."""
+        if self.id_collation is None:
+            row = self.execute(cursor, self.collation_sql()).fetchone()
+            if row and row[0]:
+                self.id_collation = str(row[0])
         try:
             self.execute(cursor, self.claim_batch(), self.claim_params(batch, lease, timeout_ms, max_attempts))
             return _result_rows(cursor)
         except BaseException:
-            # An error ends the batch before it restores the session options; this is
-            # the relay's own connection, where both are off.
+            # An error can end the batch before it restores the session options; put
+            # back the relay connection's own (see session_sql).
             try:
-                cursor.execute("SET XACT_ABORT OFF; SET NOCOUNT OFF;")
+                cursor.execute("SET XACT_ABORT ON; SET NOCOUNT OFF;")
             except Exception:
                 pass
             raise
