@@ -9,7 +9,9 @@ What is checked, and why, field by field:
   takes two, and SQL Server truncates an over-long value bound to a variable without an
   error. So both counts are checked against the limit: an overflow is an
   ``EnqueueError``, never a silent truncation (which could make two long message ids
-  collapse into one "duplicate").
+  collapse into one "duplicate"). No column is limited in bytes: MySQL's utf8mb4
+  ``VARCHAR(n)`` counts characters too, and its ``TEXT`` ``last_error`` holds 65,535
+  bytes, more than 4,000 UTF-16 units can take (12,000 bytes at most).
 * What AMQP carries in a short string (at most 255 *bytes* of UTF-8) is checked in
   bytes: the routing key (``topic``), the ``message_id`` property and every header name.
   A header integer must fit AMQP's signed 64 bits.
