@@ -257,3 +257,23 @@ def test_permanent_prefixes_are_what_the_store_and_the_relay_write() -> None:
     assert FailureKind.POISON.value == POISON
     assert not is_permanent_error("retriable: unroutable") and not is_permanent_error(None)
     assert not is_permanent_error("lease expired: the worker holding this row was lost")
+
+
+def test_if_the_dead_write_fails_the_rows_behind_the_bad_one_wait(store: OutboxStore, writer: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The database refuses the dead write right after the claim: the bad row stays under
+    the lease (it is buried when it comes back), the rows behind it in its aggregate are
+    released with no attempt spent, never handed on ahead of it; other aggregates flow."""
+    a1, bad, a3 = add(writer, store, "a", 3)
+    b1 = add(writer, store, "b")[0]
+    tamper(store, bad, "payload", "42")
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("database went away")
+
+    monkeypatch.setattr(store, "mark_failed", refuse)
+    claim = store.claim(100)
+    assert [m.id for m in claim.messages] == [a1, b1] and claim.dead == []
+    assert statuses(store) == {a1: Status.CLAIMED, bad: Status.CLAIMED, a3: Status.PENDING, b1: Status.CLAIMED}
+    assert row(store, a3, "attempts") == (0,)
+    assert store.claim(100).messages == []  # a3 waits behind the bad row's lease
