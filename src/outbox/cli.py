@@ -117,15 +117,13 @@ def dead_requeue(ids: tuple[int, ...], everything: bool, force: bool) -> None:
     if ids and everything:
         raise click.UsageError("give either ids or --all, not both")
     result = _store().requeue(None if everything else list(ids), force=force)
-    for id in result.missing:
-        click.echo(f"error: no row with id {id}", err=True)
-    for id, status in sorted(result.not_dead.items()):
-        click.echo(f"error: row {id} is not dead (status {Status(status).name.lower()})", err=True)
-    for row in result.refused:
-        click.echo(f"error: row {row.id} ({row.topic}) has a permanent reason, use --force to requeue it: "
-                   f"{row.last_error}", err=True)
-    if not result.ok:
-        click.echo("error: nothing was requeued", err=True)
+    problems = [f"no row with id {id}" for id in result.missing]
+    problems += [f"row {id} is not dead (status {Status(status).name.lower()})"
+                 for id, status in sorted(result.not_dead.items())]
+    problems += [f"row {row.id} ({row.topic}) has a permanent reason, use --force to requeue it: {row.last_error}"
+                 for row in result.refused]
+    if problems:  # one line, as every error of the command line
+        click.echo("error: nothing was requeued: " + "; ".join(" ".join(p.split()) for p in problems), err=True)
         sys.exit(1)
     click.echo(f"requeued {result.count} row(s)")
     for topic, count in result.requeued.items():
