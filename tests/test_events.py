@@ -40,3 +40,55 @@ def test_circular_payload_is_rejected() -> None:
 def test_bool_is_not_an_aggregate_id() -> None:
     with pytest.raises(EnqueueError, match="aggregate_id must be a string"):
         prepare_event(payload={}, topic="t", aggregate_type="o", aggregate_id=True)
+
+
+# -- what AMQP and every engine's columns can hold (issue 14 items 2-3, issue 10 item 3) ---------
+
+REFUSED = [
+    # AMQP short strings are 255 bytes: a 255-character topic of 510 bytes cannot be a routing key.
+    ({"topic": "é" * 255}, "topic is 510 bytes in UTF-8; AMQP carries at most 255 bytes in a routing key"),
+    ({"headers": {"h" * 256: 1}}, "header name 'hhhh.*is 256 bytes in UTF-8; AMQP header names are at most 255"),
+    ({"headers": {"é" * 128: 1}}, "header name .* is 256 bytes in UTF-8"),
+    # NVARCHAR(n) counts UTF-16 code units: an emoji takes two.
+    ({"message_id": "😀" * 64}, "message_id is 64 characters but 128 UTF-16 code units long; the limit is 64"),
+    ({"aggregate_id": "😀" * 128}, "aggregate_id is 128 characters but 256 UTF-16 code units long; the limit is 255"),
+    ({"key": "k" + "😀" * 128}, "key is 129 characters but 257 UTF-16 code units long; the limit is 255"),
+    ({"aggregate_type": "😀" * 200}, "aggregate_type is 200 characters but 400 UTF-16 code units"),
+    ({"headers": {"big": 2 ** 63}}, "header 'big' is 9223372036854775808, outside the signed 64-bit range"),
+    ({"headers": {"small": -(2 ** 63) - 1}}, "outside the signed 64-bit range"),
+    ({"headers": {"f": float("inf")}}, "header 'f' is inf; NaN and infinity are not JSON"),
+    # NUL characters and lone surrogates, named by field.
+    ({"headers": {"h": "a\x00b"}}, r"header 'h': its value contains a NUL character \(at index 1\)"),
+    ({"headers": {"h\x00": "v"}}, r"header name 'h\\x00' contains a NUL character"),
+    ({"headers": {"h": "\udc00"}}, "header 'h': its value contains a lone surrogate U\\+DC00"),
+    ({"headers": {"\ud800h": "v"}}, "header name .* contains a lone surrogate U\\+D800"),
+    ({"topic": "orders.\udc00"}, r"topic contains a lone surrogate U\+DC00 \(at index 7\)"),
+    ({"aggregate_id": "\ud83d"}, "aggregate_id contains a lone surrogate"),
+    ({"aggregate_type": "o\udfff"}, "aggregate_type contains a lone surrogate"),
+    ({"key": "\udc00k"}, "key contains a lone surrogate"),
+    ({"message_id": "m-\udc00"}, "message_id contains a lone surrogate"),
+    ({"trace_id": "00-\udc00"}, "trace_id contains a lone surrogate"),
+    ({"topic": "a\x00"}, "topic contains a NUL character"),
+]
+
+
+@pytest.mark.parametrize("override,message", REFUSED, ids=[m[:40] for _, m in REFUSED])
+def test_what_amqp_or_a_column_cannot_hold_is_refused_naming_the_field(override: dict, message: str) -> None:
+    event = {**BASE, "payload": {"ok": True}, **override}
+    with pytest.raises(EnqueueError, match=message):
+        prepare_event(**event)
+
+
+def test_the_largest_values_that_fit_everywhere_are_accepted() -> None:
+    event = prepare_event(payload={}, topic="t" * 255, aggregate_type="é" * 255, aggregate_id="😀" * 127 + "a",
+                          key="k" * 255, message_id="€" * 64, headers={"h" * 255: 2 ** 63 - 1, "n": -(2 ** 63)})
+    assert event.aggregate_id.endswith("a") and len(event.message_id.encode()) == 192
+
+
+def test_fit_utf16_never_splits_a_pair_and_cleans_what_no_database_stores() -> None:
+    from outbox.events import fit_utf16, utf16_units
+    assert fit_utf16("short") == "short"
+    cut = fit_utf16("a" + "😀" * 10, 8)
+    assert cut == "a😀😀..." and utf16_units(cut) == 8
+    assert utf16_units(fit_utf16("😀" * 5000)) <= 4000
+    assert fit_utf16("nul\x00 and \udc00 lone") == "nul\ufffd and \ufffd lone"

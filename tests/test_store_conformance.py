@@ -99,6 +99,21 @@ BAD_INPUT = [
     ({"key": "k" * 256}, "key is 256"),
     ({"headers": {"h": {"nested": 1}}}, "header 'h'"),
     ({"headers": ["not", "a", "mapping"]}, "headers must be a mapping"),
+    # Issue 14 items 2-3, issue 10 item 3: what AMQP or a column cannot hold, caught before
+    # the driver (a NUL in a header used to abort PostgreSQL's transaction; a lone
+    # surrogate raised the driver's UnicodeEncodeError; SQL Server truncated silently).
+    ({"headers": {"h": "nul\x00"}}, "header 'h': its value contains a NUL character"),
+    ({"headers": {"h\x00": "v"}}, "header name .* contains a NUL character"),
+    ({"headers": {"h": "\udc00"}}, "header 'h': its value contains a lone surrogate"),
+    ({"topic": "t\udc00"}, "topic contains a lone surrogate"),
+    ({"aggregate_id": "\ud800"}, "aggregate_id contains a lone surrogate"),
+    ({"key": "\udc00"}, "key contains a lone surrogate"),
+    ({"message_id": "m\udc00"}, "message_id contains a lone surrogate"),
+    ({"topic": "é" * 255}, "topic is 510 bytes in UTF-8"),
+    ({"headers": {"h" * 256: 1}}, "header name .* is 256 bytes"),
+    ({"message_id": "😀" * 64}, "message_id is 64 characters but 128 UTF-16 code units"),
+    ({"aggregate_id": "😀" * 128}, "aggregate_id is 128 characters but 256 UTF-16 code units"),
+    ({"headers": {"big": 2 ** 64}}, "outside the signed 64-bit range"),
 ]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Iterable, Sequence, TypeVar
+from typing import Any, Iterable, Sequence, TypeVar
 
 from .model import OutboxMessage, Status
 
@@ -41,11 +41,14 @@ def plan_claim(candidates: Sequence[Candidate], first_blocker: dict[str, int], m
     aggregate that is *not* among the candidates.
     """
     plan = ClaimPlan()
-    by_aggregate: dict[str, list[Candidate]] = {}
+    by_aggregate: dict[Any, list[Candidate]] = {}
     for row in sorted(candidates, key=lambda r: r.id):
-        by_aggregate.setdefault(row.aggregate_id, []).append(row)
+        # A NULL aggregate_id (a table whose column allows it) equals nothing, as in SQL:
+        # each such row is a chain of its own, which the store then finds undecodable.
+        key = row.aggregate_id if row.aggregate_id is not None else (None, row.id)
+        by_aggregate.setdefault(key, []).append(row)
     for aggregate, rows in by_aggregate.items():
-        blocker = first_blocker.get(aggregate)
+        blocker = first_blocker.get(aggregate) if isinstance(aggregate, str) else None
         for position, row in enumerate(rows):
             if blocker is not None and row.id > blocker:
                 break

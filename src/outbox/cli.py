@@ -14,6 +14,7 @@ import click
 
 from .config import get_settings
 from .errors import OutboxError
+from .model import Status
 from .redact import install_filter, redact
 from .store import OutboxStore
 
@@ -100,15 +101,41 @@ def dead_list(limit: int, after_id: int, as_json: bool) -> None:
 
 
 @dead.command("requeue")
-@click.argument("ids", nargs=-1, type=int)
-@click.option("--all", "everything", is_flag=True, help="Requeue every dead row.")
+@click.argument("ids", nargs=-1, type=click.IntRange(1))
+@click.option("--all", "everything", is_flag=True, help="Requeue every dead row (except permanent ones).")
+@click.option("--force", is_flag=True,
+              help="Also requeue rows whose recorded reason is permanent (undecodable, poison).")
 @one_line_errors
-def dead_requeue(ids: tuple[int, ...], everything: bool) -> None:
-    """Make dead rows pending again with a fresh attempt budget (give IDS or --all)."""
+def dead_requeue(ids: tuple[int, ...], everything: bool, force: bool) -> None:
+    """Make dead rows pending again with a fresh attempt budget (give IDS or --all).
+
+    Prints what was requeued, per topic. A row whose last_error starts with a permanent
+    reason ("undecodable row: ", "poison: ") would only fail again: it is refused unless
+    --force (fix the row, or raise the limit, first). With IDS it is all or nothing: an
+    id that does not exist, is not dead, or is refused is reported, nothing is requeued,
+    and the exit status is 1. --all requeues the rest and reports the rows it kept.
+    """
     if not ids and not everything:
         raise click.UsageError("give the ids to requeue, or --all")
-    count = _store().requeue_dead(None if everything else list(ids))
-    click.echo(f"requeued {count} row(s)")
+    if ids and everything:
+        raise click.UsageError("give either ids or --all, not both")
+    result = _store().requeue(None if everything else list(ids), force=force)
+    problems = [f"no row with id {id}" for id in result.missing]
+    problems += [f"row {id} is not dead (status {Status(status).name.lower()})"
+                 for id, status in sorted(result.not_dead.items())]
+    problems += [f"row {row.id} ({row.topic}) has a permanent reason, use --force to requeue it: {row.last_error}"
+                 for row in result.refused]
+    if problems:  # one line, as every error of the command line
+        click.echo("error: nothing was requeued: " + "; ".join(" ".join(p.split()) for p in problems), err=True)
+        sys.exit(1)
+    click.echo(f"requeued {result.count} row(s)")
+    for topic, count in result.requeued.items():
+        click.echo(f"  {topic}: {count}")
+    if result.permanent:
+        click.echo(f"kept {sum(result.permanent.values())} dead row(s) with a permanent reason "
+                   "(use --force to requeue them too)")
+        for topic, count in result.permanent.items():
+            click.echo(f"  {topic}: {count}")
 
 
 @main.command()

@@ -7,8 +7,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Mapping
 
-from .config import get_settings
+from .config import get_settings, validate_identifier
 from .engines import Engine, engine_class, unwrap_connection
+from .errors import ConfigError, EnqueueError
 from .events import prepare_event
 from .listen import notify, notify_channel
 from .tracing import current_traceparent
@@ -40,13 +41,21 @@ def enqueue(
     Events of one aggregate are relayed in id order. Ids follow insert order, so
     writers of the same aggregate should serialize on it (update or lock the
     aggregate's row first), as any transaction that changes it does anyway.
+
+    ``table`` and ``schema`` (default: ``OUTBOX_TABLE`` / ``OUTBOX_SCHEMA``) are checked
+    exactly like those settings: plain identifiers only, since they reach SQL text.
     """
     settings = get_settings()
+    try:
+        table = settings.table if table is None else validate_identifier(table, "table")
+        schema = settings.schema if schema is None else validate_identifier(schema, "schema")
+    except ConfigError as exc:
+        raise EnqueueError(f"enqueue: {exc}") from None
     event = prepare_event(topic=topic, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
                           payload=payload, headers=headers, key=key, message_id=message_id,
                           trace_id=current_traceparent(), max_payload_bytes=settings.max_payload_bytes)
     kind, raw = unwrap_connection(conn)
-    engine = _engine(kind, table or settings.table, schema if schema is not None else settings.schema)
+    engine = _engine(kind, table, schema)
     cursor = engine.cursor_for(raw)
     try:
         outbox_id = engine.insert_event(cursor, event)

@@ -1,8 +1,32 @@
-"""Validation of ``enqueue`` input: everything is checked before any SQL runs."""
+"""Validation of ``enqueue`` input: everything is checked before any SQL runs.
+
+What is checked, and why, field by field:
+
+* Text columns (``message_id``, ``topic``, ``aggregate_type``, ``aggregate_id``, ``key``,
+  ``trace_id``) must fit their column on *every* engine. PostgreSQL's and MySQL's
+  ``VARCHAR(n)`` count characters (code points); SQL Server's ``NVARCHAR(n)`` counts
+  UTF-16 code units, where a character outside the Basic Multilingual Plane (an emoji)
+  takes two, and SQL Server truncates an over-long value bound to a variable without an
+  error. So both counts are checked against the limit: an overflow is an
+  ``EnqueueError``, never a silent truncation (which could make two long message ids
+  collapse into one "duplicate"). No column is limited in bytes: MySQL's utf8mb4
+  ``VARCHAR(n)`` counts characters too, and its ``TEXT`` ``last_error`` holds 65,535
+  bytes, more than 4,000 UTF-16 units can take (12,000 bytes at most).
+* What AMQP carries in a short string (at most 255 *bytes* of UTF-8) is checked in
+  bytes: the routing key (``topic``), the ``message_id`` property and every header name.
+  A header integer must fit AMQP's signed 64 bits.
+* No text may hold a NUL character (PostgreSQL's text and JSON types refuse it and abort
+  the caller's transaction) or a lone surrogate (not Unicode text: every driver fails to
+  encode it).
+
+Every error names the field, and is raised before anything reaches the database, so the
+caller's transaction is untouched.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from typing import Any, Mapping
@@ -10,15 +34,64 @@ from typing import Any, Mapping
 from .errors import EnqueueError
 from .model import NewEvent
 
-#: Column widths; the same on every engine.
+#: Column widths; the same on every engine. Each is checked in code points and in UTF-16
+#: code units (SQL Server's NVARCHAR counts those).
 MAX_TOPIC = 255
 MAX_AGGREGATE = 255
 MAX_KEY = 255
 MAX_MESSAGE_ID = 64
+MAX_TRACE_ID = 255
 MAX_HEADERS_BYTES = 64 * 1024
+#: ``last_error`` is NVARCHAR(4000) on SQL Server: error texts are cut to fit in Python.
+MAX_ERROR_UNITS = 4000
+#: AMQP short strings (routing key, ``message_id`` property, header names): UTF-8 bytes.
+MAX_SHORTSTR_BYTES = 255
+#: AMQP field-table integers are signed 64-bit.
+MIN_HEADER_INT, MAX_HEADER_INT = -(2 ** 63), 2 ** 63 - 1
 
 #: json.dumps writes a NUL character as \u0000 (an escape preceded by an even run of backslashes).
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def utf16_units(text: str) -> int:
+    """Length in UTF-16 code units, as SQL Server's NVARCHAR counts it."""
+    return len(text) + sum(1 for ch in text if ord(ch) > 0xFFFF)
+
+
+def lone_surrogate_at(text: str) -> int | None:
+    """Index of the first lone surrogate (which no UTF encoding can carry), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be stored and sent as text (NUL, lone surrogate), or None."""
+    if "\x00" in text:
+        return f"contains a NUL character (at index {text.index(chr(0))})"
+    at = lone_surrogate_at(text)
+    if at is not None:
+        return f"contains a lone surrogate U+{ord(text[at]):04X} (at index {at}), which is not valid Unicode"
+    return None
+
+
+def fit_utf16(text: str, limit: int = MAX_ERROR_UNITS) -> str:
+    """``text`` made storable in a column of ``limit`` UTF-16 code units (``last_error``):
+    NUL and lone surrogates replaced by U+FFFD, then cut, never inside a surrogate pair,
+    with ``...`` marking the cut. Done in Python so the database never truncates."""
+    # Every code point takes at least one unit, so nothing past ``limit`` code points can fit.
+    clean = "".join("\ufffd" if ch == "\x00" or 0xD800 <= ord(ch) <= 0xDFFF else ch for ch in text[:limit + 1])
+    if utf16_units(clean) <= limit:
+        return clean
+    budget, units, cut = limit - 3, 0, 0
+    for cut, ch in enumerate(clean):
+        width = 2 if ord(ch) > 0xFFFF else 1
+        if units + width > budget:
+            break
+        units += width
+    return clean[:cut] + "..."
 
 
 def _reject_unknown(value: Any) -> Any:
@@ -36,18 +109,59 @@ def dump_json(value: Any, what: str) -> str:
     return text
 
 
-def _text(name: str, value: Any, limit: int, *, required: bool = True) -> str | None:
+def _text(name: str, value: Any, limit: int, *, required: bool = True,
+          amqp_bytes: str | None = None) -> str | None:
+    """A text column: type, emptiness, NUL and surrogates, then the limit in code points,
+    UTF-16 code units and (``amqp_bytes`` names what AMQP carries it as) UTF-8 bytes."""
     if value is None and not required:
         return None
     if not isinstance(value, str):
         raise EnqueueError(f"{name} must be a string, got {type(value).__name__}")
     if required and not value.strip():
         raise EnqueueError(f"{name} must not be empty")
+    problem = text_problem(value)
+    if problem:
+        raise EnqueueError(f"{name} {problem}")
     if len(value) > limit:
         raise EnqueueError(f"{name} is {len(value)} characters long; the limit is {limit}")
-    if "\x00" in value:
-        raise EnqueueError(f"{name} contains a NUL character")
+    units = utf16_units(value)
+    if units > limit:
+        raise EnqueueError(f"{name} is {len(value)} characters but {units} UTF-16 code units long; the limit is "
+                           f"{limit} (SQL Server's NVARCHAR({limit}) counts UTF-16 code units)")
+    if amqp_bytes is not None:
+        size = len(value.encode("utf-8"))
+        if size > MAX_SHORTSTR_BYTES:
+            raise EnqueueError(f"{name} is {size} bytes in UTF-8; AMQP carries at most {MAX_SHORTSTR_BYTES} "
+                               f"bytes in {amqp_bytes}")
     return value
+
+
+def _check_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat headers AMQP can carry: names of 1 to 255 UTF-8 bytes, values that are
+    strings, finite numbers (integers within signed 64 bits), booleans or None."""
+    checked = dict(headers)
+    for name, value in checked.items():
+        if not isinstance(name, str) or not name:
+            raise EnqueueError(f"header names must be non-empty strings, got {name!r}")
+        problem = text_problem(name)
+        if problem:
+            raise EnqueueError(f"header name {name!r} {problem}")
+        size = len(name.encode("utf-8"))
+        if size > MAX_SHORTSTR_BYTES:
+            raise EnqueueError(f"header name {name[:40]!r}... is {size} bytes in UTF-8; AMQP header names are "
+                               f"at most {MAX_SHORTSTR_BYTES} bytes")
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            raise EnqueueError(f"header {name!r} must be a string, number, boolean or None")
+        if isinstance(value, str):
+            problem = text_problem(value)
+            if problem:
+                raise EnqueueError(f"header {name!r}: its value {problem}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise EnqueueError(f"header {name!r} is {value!r}; NaN and infinity are not JSON")
+        elif isinstance(value, int) and not isinstance(value, bool) and not (
+                MIN_HEADER_INT <= value <= MAX_HEADER_INT):
+            raise EnqueueError(f"header {name!r} is {value}, outside the signed 64-bit range AMQP carries")
+    return checked
 
 
 def prepare_event(
@@ -77,23 +191,19 @@ def prepare_event(
         headers = {}
     if not isinstance(headers, Mapping):
         raise EnqueueError(f"headers must be a mapping, got {type(headers).__name__}")
-    for name, value in headers.items():
-        if not isinstance(name, str) or not name:
-            raise EnqueueError(f"header names must be non-empty strings, got {name!r}")
-        if value is not None and not isinstance(value, (str, int, float, bool)):
-            raise EnqueueError(f"header {name!r} must be a string, number, boolean or None")
-    headers_json = dump_json(dict(headers), "headers")
+    headers_json = dump_json(_check_headers(headers), "headers")
     if len(headers_json.encode("utf-8")) > MAX_HEADERS_BYTES:
         raise EnqueueError(f"headers are larger than {MAX_HEADERS_BYTES} bytes")
     if message_id is None:
         message_id = str(uuid.uuid4())
     return NewEvent(
-        message_id=_text("message_id", message_id, MAX_MESSAGE_ID),  # type: ignore[arg-type]
-        topic=_text("topic", topic, MAX_TOPIC),  # type: ignore[arg-type]
+        message_id=_text("message_id", message_id, MAX_MESSAGE_ID,  # type: ignore[arg-type]
+                         amqp_bytes="the message_id property"),
+        topic=_text("topic", topic, MAX_TOPIC, amqp_bytes="a routing key"),  # type: ignore[arg-type]
         aggregate_type=_text("aggregate_type", aggregate_type, MAX_AGGREGATE),  # type: ignore[arg-type]
         aggregate_id=_text("aggregate_id", aggregate_id, MAX_AGGREGATE),  # type: ignore[arg-type]
         partition_key=_text("key", key, MAX_KEY, required=False),
         payload_json=payload_json,
         headers_json=headers_json,
-        trace_id=_text("trace_id", trace_id, 255, required=False),
+        trace_id=_text("trace_id", trace_id, MAX_TRACE_ID, required=False),
     )

@@ -73,6 +73,9 @@ class Claim:
     #: Rows this claim found with an expired lease and no attempts left: they went
     #: dead instead of being claimed (their ``lease`` is this claim's, for logging only).
     dead: list[OutboxMessage] = field(default_factory=list)
+    #: The recorded reason of each row in ``dead`` that did not go dead on lease expiry
+    #: (a row the claim could not decode: ``"undecodable row: ..."``), by id.
+    dead_errors: dict[int, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -121,3 +124,29 @@ class DeadRow:
     attempts: int
     last_error: str | None
     processed_at: datetime | None
+
+
+@dataclass(frozen=True)
+class RequeueResult:
+    """What ``OutboxStore.requeue`` did, and what it would not do.
+
+    ``requeued`` counts the rows made pending again, per topic; ``permanent`` the dead
+    rows left dead because their recorded reason is permanent (requeue those with
+    ``force``), per topic. With explicit ids, ``refused`` holds the permanent rows named,
+    ``missing`` the ids that do not exist and ``not_dead`` the ids whose row is not dead
+    (with its status); if any id is refused, missing or not dead, nothing is requeued."""
+
+    requeued: dict[str, int] = field(default_factory=dict)
+    permanent: dict[str, int] = field(default_factory=dict)
+    refused: list[DeadRow] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    not_dead: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return sum(self.requeued.values())
+
+    @property
+    def ok(self) -> bool:
+        """Every id asked for was requeued (always true for "all")."""
+        return not (self.refused or self.missing or self.not_dead)

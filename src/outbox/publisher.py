@@ -132,6 +132,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #: broker closes the whole connection with FRAME_ERROR, so we refuse earlier, per event.
 MAX_HEADER_BYTES = 64 * 1024
 
+#: AMQP short strings (routing key, ``message_id``, header names) hold at most this many bytes.
+MAX_SHORTSTR_BYTES = 255
+
 #: ``x-outbox-error`` is cut to this many characters on dead-lettered messages.
 MAX_ERROR_HEADER_CHARS = 1000
 
@@ -279,6 +282,9 @@ def checked_headers(message: OutboxMessage,
     headers: dict[str, Any] = {}
     try:
         headers = build_headers(message)
+        shortstr = _shortstr_problem(message, headers)
+        if shortstr is not None:
+            return headers, PublishFailure(FailureKind.POISON, shortstr)
         json_size = len(json.dumps(headers, allow_nan=False))  # virtual transports (redis, memory) send JSON
         # What AMQP sends is a field table. Headers are flat (names to strings, numbers, booleans
         # or None); per entry the table takes at most twice the JSON's bytes (``"k":1,`` is 6
@@ -296,6 +302,36 @@ def checked_headers(message: OutboxMessage,
         return headers, PublishFailure(FailureKind.POISON,
                                        f"headers cannot be encoded: {type(exc).__name__}: {exc}", exc)
     return headers, None
+
+
+def _shortstr_problem(message: OutboxMessage, headers: dict[str, Any]) -> str | None:
+    """AMQP short strings carry at most 255 bytes: the routing key (the topic), the
+    ``message_id`` property and every header name. A longer one makes py-amqp's encoder
+    raise ``struct.error`` for this event, every time. (A string of at most 63 characters
+    is at most 252 bytes, so only longer ones are encoded to count.)"""
+    for what, text in (("routing key (topic)", message.topic), ("message_id", message.message_id),
+                       *(("header name", name) for name in headers)):
+        if isinstance(text, str) and len(text) > 63 and len(text.encode("utf-8")) > MAX_SHORTSTR_BYTES:
+            return (f"{what} {text[:40]!r}... is {len(text.encode('utf-8'))} bytes in UTF-8, above AMQP's "
+                    f"{MAX_SHORTSTR_BYTES}")
+    return None
+
+
+def _encoding_problem(message: OutboxMessage, headers: dict[str, Any], exchange: str) -> str | None:
+    """Encode the publish of ``message`` as py-amqp would, without sending anything: why
+    it cannot be encoded, or None. Used after a send raised, to tell an event that can
+    never be encoded (POISON, that event only) from a broken connection (the whole wave)."""
+    try:
+        from amqp import Message as AmqpMessage
+        from amqp.serialization import dumps as amqp_dumps
+
+        amqp_dumps("Bssbb", (0, exchange, message.topic, True, False))
+        AmqpMessage(encode_body(message), content_type="application/json", content_encoding="utf-8",
+                    application_headers=headers, delivery_mode=2, priority=0,
+                    message_id=message.message_id)._serialize_properties()
+    except Exception as exc:  # noqa: BLE001 - whatever the encoder objects to, it will every time
+        return f"cannot be encoded: {type(exc).__name__}: {exc}"
+    return None
 
 
 # -- error classification (pure) -------------------------------------------------------------
@@ -610,7 +646,9 @@ class KombuPublisher(Publisher):
                         f"unroutable: no queue bound for routing key {w.next.topic!r} on exchange {self.exchange!r}"))
                 else:
                     w.stop(problem)
-                    if problem.route is not None:
+                    if problem.kind is FailureKind.POISON:
+                        pass  # a poison verdict stops its own chain only
+                    elif problem.route is not None:
                         refused[problem.route] = problem
                     else:
                         broker_wide = problem
@@ -644,6 +682,10 @@ class KombuPublisher(Publisher):
                 try:
                     self._send(message, event_headers, self.exchange, mandatory=False)
                 except Exception as exc:  # noqa: BLE001
+                    poisoned = self._poisoned(message, event_headers)
+                    if poisoned is not None:
+                        verdicts.append(poisoned)
+                        continue
                     if not verdicts:
                         raise
                     self._discard()
@@ -652,11 +694,21 @@ class KombuPublisher(Publisher):
                     return verdicts
                 verdicts.append(None)
             return verdicts
-        tags = [self._send(m, h, self.exchange, mandatory=True) for m, h in zip(messages, headers)]
+        tags: list[Any] = []
+        for m, h in zip(messages, headers):
+            try:
+                tags.append(self._send(m, h, self.exchange, mandatory=True))
+            except Exception:  # noqa: BLE001
+                poisoned = self._poisoned(m, h)
+                if poisoned is None:
+                    raise
+                tags.append(poisoned)  # nothing of it left: py-amqp encodes a frame before writing it
         self._await_confirms()
         verdicts = []
         for message, tag in zip(messages, tags):
-            if tag in self._nacked:
+            if isinstance(tag, PublishFailure):
+                verdicts.append(tag)
+            elif tag in self._nacked:
                 verdicts.append(refused_by_route(message.topic, self.exchange))
             elif message.message_id in self._returned:
                 verdicts.append(_RETURNED)
@@ -665,6 +717,14 @@ class KombuPublisher(Publisher):
         self._nacked.clear()
         self._returned.clear()
         return verdicts
+
+    def _poisoned(self, message: OutboxMessage, headers: dict[str, Any]) -> PublishFailure | None:
+        """After a send raised: POISON for this event alone if it cannot be encoded at all."""
+        problem = _encoding_problem(message, headers, self.exchange)
+        if problem is None:
+            return None
+        log.error("outbox event %s %s", message.id, problem)
+        return PublishFailure(FailureKind.POISON, problem)
 
     # -- connection management -------------------------------------------------------
     def _usable(self) -> bool:

@@ -1194,7 +1194,7 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     outcome.full = outcome.claimed >= batch_size
     outcome.dead = len(claim.dead)
     if not claim.messages:
-        _dead_letter_expired(publisher, claim.dead)
+        _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
         return outcome
     settler = settler or Settler(store)
     deadline = claimed_at + lease_s * options.lease_safety
@@ -1207,7 +1207,7 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
         outcome.inline = True
         outcome.dispatched = outcome.claimed
         publish_inline(chains, deadline)
-        _dead_letter_expired(publisher, claim.dead)
+        _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
         return outcome
     for index, task in enumerate(tasks):
         try:
@@ -1227,7 +1227,7 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
         outcome.released = len(over)
     log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks, %d released",
              outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks, outcome.released)
-    _dead_letter_expired(publisher, claim.dead)
+    _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
     return outcome
 
 
@@ -1240,13 +1240,17 @@ class ClaimFailed(Exception):
         self.cause = cause
 
 
-def _dead_letter_expired(publisher: Any, dead: Sequence[OutboxMessage]) -> None:
-    """Best effort, like every dead-letter copy: the dead row in the table stays the record."""
+def _dead_letter_expired(publisher: Any, dead: Sequence[OutboxMessage],
+                         errors: Mapping[int, str] | None = None) -> None:
+    """Best effort, like every dead-letter copy: the dead row in the table stays the record.
+    ``errors`` holds the reason of rows that went dead for another cause than their lease
+    (undecodable rows: the copy carries what could be decoded)."""
     if publisher is None:
         return
     for message in dead:
-        send_dead(publisher, message, f"{LEASE_EXPIRED}: {LEASE_EXPIRED_ERROR} "
-                                      f"(attempts: {message.attempts}, no attempts left)")
+        error = (errors or {}).get(message.id) or (f"{LEASE_EXPIRED}: {LEASE_EXPIRED_ERROR} "
+                                                   f"(attempts: {message.attempts}, no attempts left)")
+        send_dead(publisher, message, error)
 
 
 # -- failed writes handed to the ack queue ---------------------------------------------------

@@ -21,8 +21,10 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 
 from .config import Settings, get_settings
 from .engines import Engine, engine_for_url
+from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
 from .errors import StoreError
-from .model import Claim, DeadRow, FailResult, FenceResult, Stats, Status
+from .events import MAX_ERROR_UNITS, fit_utf16
+from .model import Claim, DeadRow, FailResult, FenceResult, OutboxMessage, RequeueResult, Stats, Status
 
 log = logging.getLogger("outbox.store")
 T = TypeVar("T")
@@ -138,14 +140,66 @@ class OutboxStore:
 
         rows = self._run("claim", work)
         status_at = len(rows[0]) - 1 if rows else 0
-        messages = sorted((self.engine.to_message(r, lease) for r in rows if int(r[status_at]) == Status.CLAIMED),
-                          key=lambda m: m.id)
-        dead = sorted((self.engine.to_message(r, lease) for r in rows if int(r[status_at]) == Status.DEAD),
-                      key=lambda m: m.id)
-        for message in dead:
-            log.error("outbox row went dead: its lease expired with no attempts left outbox_id=%s message_id=%s",
-                      message.id, message.message_id)
-        return Claim(lease=lease, messages=messages, dead=dead)
+        messages: list[OutboxMessage] = []
+        dead: list[OutboxMessage] = []
+        undecodable: list[tuple[OutboxMessage, str]] = []
+        for r in rows:
+            message, problems = self.engine.decode_row(r, lease)
+            if int(r[status_at]) == Status.DEAD:
+                dead.append(message)
+                log.error("outbox row went dead: its lease expired with no attempts left outbox_id=%s message_id=%s",
+                          message.id, message.message_id)
+                if problems:
+                    log.error("outbox dead row outbox_id=%s is also undecodable (%s); its dead-letter copy carries "
+                              "what could be decoded", message.id, "; ".join(problems))
+            elif problems:
+                undecodable.append((message, UNDECODABLE_PREFIX + "; ".join(problems)))
+            else:
+                messages.append(message)
+        errors: dict[int, str] = {}
+        if undecodable:
+            messages = self._bury_undecodable(undecodable, messages, dead, errors)
+        messages.sort(key=lambda m: m.id)
+        dead.sort(key=lambda m: m.id)
+        return Claim(lease=lease, messages=messages, dead=dead, dead_errors=errors)
+
+    def _bury_undecodable(self, undecodable: list[tuple[OutboxMessage, str]], messages: list[OutboxMessage],
+                          dead: list[OutboxMessage], errors: dict[int, str]) -> list[OutboxMessage]:
+        """Turn the claimed rows that cannot be decoded dead, at once and alone, with the
+        reason: a lease-fenced ``mark_failed(dead=True)`` right after the claim (attempts + 1,
+        like any poison row). They join ``dead`` (with their reason in ``errors``) so the
+        relay sends their dead-letter copy, built from what could be decoded.
+
+        The rest of the batch flows, including the rows behind a buried row in its own
+        aggregate (it is dead now, so it no longer holds them back). If the dead write fails
+        (database down), the bad row stays under this lease and comes back when it expires;
+        the rows behind it in its aggregate are then released, not published, so none
+        overtakes it. Returns the messages to publish."""
+        held: dict[str, int] = {}  # aggregate -> the smallest id of a bad row still claimed
+        for message, error in undecodable:
+            error = fit_utf16(error, MAX_ERROR_UNITS)
+            try:
+                result = self.mark_failed(message.id, message.lease, error, dead=True)
+            except Exception as exc:  # noqa: BLE001 - the lease recovers the row
+                log.error("outbox cannot mark undecodable row outbox_id=%s dead (%s: %s); it comes back when "
+                          "its lease expires", message.id, type(exc).__name__, exc)
+                result = None
+            if result is not None and result.dead:
+                log.error("outbox row went dead: %s outbox_id=%s", error, message.id)
+                dead.append(message)
+                errors[message.id] = error
+            elif result is None:
+                held[message.aggregate_id] = min(held.get(message.aggregate_id, message.id), message.id)
+        if not held:
+            return messages
+        behind = [m for m in messages if m.aggregate_id in held and m.id > held[m.aggregate_id]]
+        if behind:
+            try:
+                self.release([m.id for m in behind], behind[0].lease)
+            except Exception as exc:  # noqa: BLE001
+                log.error("outbox cannot release rows %s behind an undecodable row (%s); the lease recovers them",
+                          [m.id for m in behind], exc)
+        return [m for m in messages if not (m.aggregate_id in held and m.id > held[m.aggregate_id])]
 
     def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult:
         """Mark published rows done, in one statement. Rows no longer held by
@@ -171,7 +225,9 @@ class OutboxStore:
         retry_ms = 0 if retry_in is None else int(retry_in.total_seconds() * 1000)
         if retry_ms < 0 or retry_ms > 86_400_000:
             raise ValueError("retry_in must be between 0 and 24 hours")
-        error = (error or "unknown error")[:4000]
+        # Cut in Python to what the column holds in UTF-16 units (SQL Server's NVARCHAR(4000)
+        # counts those), never inside a surrogate pair: the database never truncates.
+        error = fit_utf16(error or "unknown error", MAX_ERROR_UNITS)
         flag = 1 if dead else 0
 
         def work(cursor: Any) -> tuple[int, int | None]:
@@ -252,10 +308,63 @@ class OutboxStore:
                 for r in rows]
 
     def requeue_dead(self, ids: Sequence[int] | None = None) -> int:
-        """Make dead rows pending again with a fresh attempt budget. ``None`` means all."""
+        """Make dead rows pending again with a fresh attempt budget. ``None`` means all.
+        Unconditional; ``requeue`` is the checked form the command line uses."""
         def work(cursor: Any) -> int:
             if ids is None:
                 return self.engine.execute(cursor, self.engine.requeue_sql("1 = 1")).rowcount
             return sum(self.engine.execute(cursor, self.engine.requeue_sql(cond), params).rowcount
                        for cond, params in map(self.engine.ids_in, self.engine.id_chunks(list(ids))))
         return self._run("requeue_dead", work)
+
+    def requeue(self, ids: Sequence[int] | None = None, *, force: bool = False) -> RequeueResult:
+        """Make dead rows pending again with a fresh attempt budget, reporting per topic.
+
+        A row whose recorded reason is permanent (``engines.base.PERMANENT_ERROR_PREFIXES``:
+        undecodable, poison) would only fail again, so it stays dead unless ``force``.
+        ``ids=None`` requeues every other dead row and counts the ones kept. With explicit
+        ids it is all or nothing: an id that does not exist, is not dead, or is permanent
+        (without ``force``) is reported and nothing is requeued."""
+        t = self.engine.table
+        permanent = "(" + " OR ".join("last_error LIKE ?" for _ in PERMANENT_ERROR_PREFIXES) + ")"
+        permanent_params = [prefix + "%" for prefix in PERMANENT_ERROR_PREFIXES]
+
+        def per_topic(cursor: Any, cond: str, params: list[Any]) -> dict[str, int]:
+            rows = self.engine.execute(cursor, f"SELECT topic, COUNT(*) FROM {t} WHERE status = 4 AND {cond} "
+                                       "GROUP BY topic", params).fetchall()
+            return {str(r[0]): int(r[1]) for r in sorted(rows, key=lambda r: str(r[0]))}
+
+        def requeue_all(cursor: Any) -> RequeueResult:
+            kept: dict[str, int] = {}
+            cond, params = "1 = 1", []
+            if not force:
+                kept = per_topic(cursor, permanent, permanent_params)
+                cond, params = f"(last_error IS NULL OR NOT {permanent})", permanent_params
+            counts = per_topic(cursor, cond, params)
+            if counts:
+                self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
+            return RequeueResult(requeued=counts, permanent=kept)
+
+        def requeue_ids(cursor: Any) -> RequeueResult:
+            wanted = sorted(set(int(i) for i in ids or ()))
+            cond, params = self.engine.ids_in(wanted)
+            rows = self.engine.execute(
+                cursor, "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, "
+                f"processed_at, status FROM {t} WHERE {cond}", params).fetchall()
+            found = {int(r[0]): r for r in rows}
+            missing = [i for i in wanted if i not in found]
+            not_dead = {i: int(r[8]) for i, r in found.items() if int(r[8]) != Status.DEAD}
+            refused = [] if force else [
+                DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], self.engine.to_datetime(r[7]))
+                for i, r in sorted(found.items()) if i not in not_dead and is_permanent_error(r[6])]
+            if missing or not_dead or refused:
+                return RequeueResult(refused=refused, missing=missing, not_dead=not_dead)
+            counts: dict[str, int] = {}
+            for r in found.values():
+                counts[str(r[2])] = counts.get(str(r[2]), 0) + 1
+            if wanted:
+                self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
+            return RequeueResult(requeued=dict(sorted(counts.items())))
+
+        return self._run("requeue", requeue_all if ids is None else requeue_ids)
+

@@ -14,6 +14,8 @@ from datetime import datetime, timezone
 from typing import Any, ClassVar, Iterable, Sequence
 
 from ..chains import Candidate, plan_claim
+from ..config import validate_identifier
+from ..events import text_problem
 from ..model import NewEvent, OutboxMessage
 
 #: Columns handed to the relay, in this order, by every claim implementation.
@@ -21,6 +23,34 @@ MESSAGE_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id"
                    "payload", "headers", "trace_id", "attempts", "created_at", "status")
 
 LEASE_EXPIRED_ERROR = "lease expired: the worker holding this row was lost before it acknowledged"
+
+#: ``last_error`` of a row the claim could not decode (a NULL or malformed column, JSON
+#: that is not JSON): it goes dead at once, alone (``OutboxStore.claim``).
+UNDECODABLE_PREFIX = "undecodable row: "
+#: ``last_error`` of a row the publisher refused as POISON: the relay records
+#: ``"<kind>: <reason>"`` and ``publisher.FailureKind.POISON`` is ``"poison"`` (not
+#: encodable, over AMQP's or the broker's limits).
+POISON_PREFIX = "poison: "
+#: The one definition of a *permanent* reason: a dead row whose ``last_error`` starts with
+#: one of these fails again the same way when requeued as it is, so ``outbox dead
+#: requeue`` refuses it unless forced (after the row or the limit was fixed).
+PERMANENT_ERROR_PREFIXES = (UNDECODABLE_PREFIX, POISON_PREFIX)
+
+
+def is_permanent_error(error: str | None) -> bool:
+    """Does this ``last_error`` say that a requeue alone cannot help?"""
+    return bool(error) and str(error).startswith(PERMANENT_ERROR_PREFIXES)
+
+
+class UndecodableRow(ValueError):
+    """A claimed row that does not decode into an ``OutboxMessage`` (``Engine.to_message``)."""
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 class Engine(ABC):
@@ -34,13 +64,19 @@ class Engine(ABC):
     default_schema: ClassVar[str | None] = None
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
+        # Names reach SQL text: only plain identifiers, on every path (settings, enqueue's
+        # table=/schema=, a store built by hand), so quoting never meets a quote character.
+        validate_identifier(table, "table")
+        if schema is not None:
+            validate_identifier(schema, "schema")
         self.table_name = table
         self.schema = schema or self.default_schema
         self.table = self.qualify(table)
 
     # -- names ---------------------------------------------------------------
     def quote(self, identifier: str) -> str:
-        return f'"{identifier}"'
+        """A delimited identifier (SQL standard: a ``"`` inside is doubled)."""
+        return '"' + identifier.replace('"', '""') + '"'
 
     def qualify(self, name: str) -> str:
         return f"{self.quote(self.schema)}.{self.quote(name)}" if self.schema else self.quote(name)
@@ -180,7 +216,11 @@ class Engine(ABC):
                             params).fetchall()
 
     def _first_blockers(self, cursor: Any, candidates: Sequence[Candidate]) -> dict[str, int]:
-        aggregates = sorted({c.aggregate_id for c in candidates})
+        # A NULL aggregate_id (only on a table whose column allows it) equals nothing in
+        # SQL, so such a row has no earlier rows; it is claimed, then found undecodable.
+        aggregates = sorted({c.aggregate_id for c in candidates if c.aggregate_id is not None})
+        if not aggregates:
+            return {}
         ids = [c.id for c in candidates]
         sql = (f"SELECT aggregate_id, MIN(id) FROM {self.table} WHERE status IN (0, 1, 3) "
                f"AND aggregate_id IN ({', '.join('?' * len(aggregates))}) AND id < ? "
@@ -189,18 +229,126 @@ class Engine(ABC):
         return {r[0]: int(r[1]) for r in rows}
 
     def to_message(self, row: Sequence[Any], lease: str) -> OutboxMessage:
-        headers = row[7]
-        if isinstance(headers, (str, bytes)):
-            headers = json.loads(headers) if headers else {}
-        payload = row[6]
-        if isinstance(payload, bytes):
-            payload = payload.decode("utf-8")
-        elif not isinstance(payload, str):  # a driver that decoded JSON for us
-            payload = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        return OutboxMessage(id=int(row[0]), message_id=row[1], topic=row[2], aggregate_type=row[3],
-                             aggregate_id=row[4], partition_key=row[5], payload=payload,
-                             headers=headers or {}, trace_id=row[8], attempts=int(row[9]),
-                             created_at=self.to_datetime(row[10]), lease=lease)  # type: ignore[arg-type]
+        """The claimed row as a message; ``UndecodableRow`` says why it cannot be one."""
+        message, problems = self.decode_row(row, lease)
+        if problems:
+            raise UndecodableRow("; ".join(problems))
+        return message
+
+    def decode_row(self, row: Sequence[Any], lease: str) -> tuple[OutboxMessage, list[str]]:
+        """Decode a row shaped like MESSAGE_COLUMNS, leniently: returns the message and the
+        problems found. Each problem is a field that is NULL where it may not be, not text,
+        not valid JSON, not the JSON enqueue writes (a payload object or array, flat headers
+        of scalars), or text with a NUL or a lone surrogate. A field with a problem gets a
+        harmless stand-in (``""``, ``{}``), so a row with problems still yields what could
+        be decoded: enough to fence it by id and lease, and to send its dead-letter copy.
+
+        Limits (AMQP's 255-byte short strings, 64-bit integers) are the publisher's to
+        check: a row that breaks them is well-formed but cannot be published (POISON)."""
+        problems: list[str] = []
+
+        def text(index: int, name: str, required: bool = True) -> Any:
+            value = row[index]
+            if value is None:
+                if required:
+                    problems.append(f"{name} is NULL")
+                    return ""
+                return None
+            if isinstance(value, (bytes, bytearray, memoryview)):
+                try:
+                    value = bytes(value).decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    problems.append(f"{name} is not UTF-8: {exc}")
+                    return "" if required else None
+            if not isinstance(value, str):
+                problems.append(f"{name} is not text ({type(value).__name__})")
+                return "" if required else None
+            problem = text_problem(value)
+            if problem:
+                problems.append(f"{name} {problem}")
+            elif required and not value.strip():
+                problems.append(f"{name} is empty")
+            return value
+
+        message_id, topic = text(1, "message_id"), text(2, "topic")
+        aggregate_type, aggregate_id = text(3, "aggregate_type"), text(4, "aggregate_id")
+        partition_key, trace_id = text(5, "partition_key", required=False), text(8, "trace_id", required=False)
+        payload = self._decode_payload(row[6], problems)
+        headers = self._decode_headers(row[7], problems)
+        try:
+            attempts = int(row[9])
+        except (TypeError, ValueError):
+            problems.append(f"attempts is not an integer: {row[9]!r}")
+            attempts = 0
+        try:
+            created_at = self.to_datetime(row[10])
+            if created_at is None:
+                problems.append("created_at is NULL")
+        except (TypeError, ValueError) as exc:
+            problems.append(f"created_at is not a timestamp: {exc}")
+            created_at = None
+        message = OutboxMessage(id=int(row[0]), message_id=message_id, topic=topic, aggregate_type=aggregate_type,
+                                aggregate_id=aggregate_id, partition_key=partition_key, payload=payload,
+                                headers=headers, trace_id=trace_id, attempts=attempts,
+                                created_at=created_at or _EPOCH, lease=lease)
+        return message, problems
+
+    def _decode_payload(self, value: Any, problems: list[str]) -> str:
+        """The payload as JSON text: an object or array, as enqueue writes it."""
+        if value is None:
+            problems.append("payload is NULL")
+            return ""
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            try:
+                value = bytes(value).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                problems.append(f"payload is not UTF-8: {exc}")
+                return ""
+        if not isinstance(value, str):  # a driver that decoded JSON for us
+            parsed = value
+            value = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        else:
+            try:
+                parsed = json.loads(value, parse_constant=_reject_constant)
+            except (ValueError, RecursionError) as exc:
+                problems.append(f"payload is not valid JSON: {exc}")
+                return ""
+        if not isinstance(parsed, (dict, list)):
+            problems.append(f"payload is not a JSON object or array (a JSON {type(parsed).__name__})")
+            return ""
+        return value
+
+    def _decode_headers(self, value: Any, problems: list[str]) -> dict[str, Any]:
+        """The caller's headers: a flat JSON object of names to scalars, as enqueue writes it."""
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            try:
+                value = bytes(value).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                problems.append(f"headers are not UTF-8: {exc}")
+                return {}
+        if value is None or value == "":
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value, parse_constant=_reject_constant)
+            except (ValueError, RecursionError) as exc:
+                problems.append(f"headers are not valid JSON: {exc}")
+                return {}
+        if not isinstance(value, dict):
+            problems.append(f"headers are not a JSON object (a JSON {type(value).__name__})")
+            return {}
+        for name, item in value.items():
+            if not name:
+                problems.append("headers have an empty name")
+                return {}
+            if item is not None and not isinstance(item, (str, int, float, bool)):
+                problems.append(f"header {name!r} is not a string, number, boolean or null")
+                return {}
+            problem = text_problem(name) or (text_problem(item) if isinstance(item, str) else None)
+            if problem:
+                problems.append(f"header {name!r} {problem}")
+                return {}
+        return value
 
     # -- acknowledgements (each fenced by the lease token) -----------------------
     def mark_done_sql(self, cond: str) -> str:

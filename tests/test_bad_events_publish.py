@@ -1,0 +1,152 @@
+"""An event the publisher cannot encode is POISON for that event alone (issue 14 item 2),
+and a row the claim cannot decode still gets its dead-letter copy (item 1): real RabbitMQ,
+real stores on every engine, no Celery (``relay.handle_claim`` / ``handle_publish``)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Iterator
+
+import pytest
+from kombu import Connection, Exchange, Queue
+
+from outbox import Status, enqueue
+from outbox.model import OutboxMessage
+from outbox.publisher import FailureKind, KombuPublisher
+from outbox.relay import handle_claim, handle_publish
+from outbox.store import OutboxStore
+
+from services import AMQP_URL, require
+from test_bad_rows import row, tamper
+from test_publisher import amqp_hostport, make_message, raw_body
+
+LONG_TOPIC = "orders." + "é" * 150  # 157 characters: fits the column; 307 bytes: no routing key
+LONG_NAME = "x-" + "n" * 300  # a header name of 302 bytes
+
+
+@pytest.fixture
+def broker() -> Iterator[dict[str, Any]]:
+    """A unique topic exchange with a queue for everything, and a dead-letter exchange with
+    a queue for everything; deleted afterwards."""
+    require("RabbitMQ", *amqp_hostport())
+    tag = uuid.uuid4().hex[:10]
+    conn = Connection(AMQP_URL, connect_timeout=3)
+    channel = conn.channel()
+    names = {"exchange": f"outbox-test-{tag}", "dead": f"outbox-test-{tag}-dead"}
+    exchanges, queues = [], []
+    for key, name in names.items():
+        exchange = Exchange(name, type="topic", durable=True)
+        exchange(channel).declare()
+        queue = Queue(f"{name}-q", exchange=exchange, routing_key="#", exclusive=True, auto_delete=True)(channel)
+        queue.declare()
+        exchanges.append(exchange)
+        queues.append(queue)
+
+    def drain(index: int) -> list[Any]:
+        got = []
+        while (message := queues[index].get(no_ack=True)) is not None:
+            got.append(message)
+        return got
+
+    yield {**names, "live": lambda: drain(0), "dead_letters": lambda: drain(1)}
+    try:
+        for exchange in exchanges:
+            exchange(channel).delete()
+    finally:
+        conn.release()
+
+
+def chains() -> list[list[OutboxMessage]]:
+    return [[make_message(1, aggregate_id="a"), make_message(2, aggregate_id="a")],
+            [make_message(3, LONG_TOPIC, aggregate_id="b"), make_message(4, aggregate_id="b")],
+            [make_message(5, aggregate_id="c", headers={LONG_NAME: 1})],
+            [make_message(6, aggregate_id="d")]]
+
+
+def check_wave(results: list[Any], reasons: tuple[str, str]) -> None:
+    assert [r.published for r in results] == [(1, 2), (), (), (6,)]
+    assert [r.failed_id for r in results] == [None, 3, 5, None]
+    for result, reason in zip((results[1], results[2]), reasons):
+        assert result.failure.kind is FailureKind.POISON and reason in result.failure.reason, result.failure
+
+
+def test_an_event_amqp_cannot_carry_is_poison_and_the_wave_goes_on(broker: dict[str, Any]) -> None:
+    """A routing key or a header name over 255 bytes used to fail py-amqp's encoder with
+    ``struct.error`` for the whole wave, as RETRIABLE: every innocent chain was charged."""
+    with KombuPublisher(AMQP_URL, broker["exchange"]) as publisher:
+        results = publisher.publish_chains(chains())
+    check_wave(results, ("routing key (topic) 'orders.ééé", f"header name '{LONG_NAME[:20]}"))
+    assert [m.headers["outbox_id"] for m in broker["live"]()] == [1, 6, 2]  # waves: 1 and 6, then 2
+
+
+def test_an_encoder_error_at_send_is_poison_for_that_event_alone(broker: dict[str, Any],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last line: should a limit slip past the checks made before sending, the
+    encoder's own error (raised before any byte is written) stops that event alone, and
+    the connection stays good for the rest of the wave and the next call."""
+    import outbox.publisher as publisher_module
+    monkeypatch.setattr(publisher_module, "_shortstr_problem", lambda message, headers: None)
+    with KombuPublisher(AMQP_URL, broker["exchange"]) as publisher:
+        results = publisher.publish_chains(chains())
+        check_wave(results, ("cannot be encoded: error: ubyte format", "cannot be encoded: error: ubyte format"))
+        assert publisher.publish_chain([make_message(7, aggregate_id="e")]).published == (7,)
+    assert [m.headers["outbox_id"] for m in broker["live"]()] == [1, 6, 2, 7]
+
+
+def test_bad_rows_go_dead_with_their_reason_and_copies_while_the_rest_is_delivered(
+        store: OutboxStore, writer: Any, broker: dict[str, Any]) -> None:
+    """Rows tampered in the table: a header name AMQP cannot carry and a topic too long for
+    a routing key (decodable, not publishable: POISON at publish), headers that are not an
+    object (undecodable: dead at claim). Each goes dead alone with its reason, gets a
+    dead-letter copy when one can be encoded, and every other row is delivered on its first
+    attempt, in order per aggregate."""
+    def add(aggregate: str, n: int) -> list[int]:
+        ids = [enqueue(writer, topic=f"orders.{aggregate}", aggregate_type="order", aggregate_id=aggregate,
+                       payload={"n": i}, headers={"tenant": "acme"}, table=store.engine.table_name) for i in range(n)]
+        writer.commit()
+        return ids
+
+    a = add("a", 3)
+    b = add("b", 2)
+    c = add("c", 2)
+    d = add("d", 2)
+    tamper(store, a[1], "headers", json.dumps({LONG_NAME: 1}))
+    tamper(store, c[0], "topic", LONG_TOPIC)
+    tamper(store, d[0], "headers", '["not", "an", "object"]')
+
+    with KombuPublisher(AMQP_URL, broker["exchange"], dead_letter_exchange=broker["dead"]) as publisher:
+        def dispatch(task: list[list[OutboxMessage]], deadline: float) -> None:
+            handle_publish(store, publisher, task)
+
+        for _ in range(3):  # the rows released behind a poison event go on the next claim
+            handle_claim(store, dispatch, batch_size=100, lease_s=60, publisher=publisher)
+
+    innocent = [a[0], a[2], *b, c[1], d[1]]
+    live = broker["live"]()
+    assert sorted(m.headers["outbox_id"] for m in live) == sorted(innocent)
+    assert all(m.headers["attempt"] == 1 for m in live)
+    for aggregate, ids in (("a", [a[0], a[2]]), ("b", b)):
+        assert [m.headers["outbox_id"] for m in live if m.headers["aggregate_id"] == aggregate] == ids
+    for id in innocent:
+        assert row(store, id, "status, attempts") in ((Status.DONE, 0),)
+
+    errors = {id: row(store, id, "status, attempts, last_error") for id in (a[1], c[0], d[0])}
+    assert errors[a[1]][:2] == (Status.DEAD, 1) and errors[a[1]][2].startswith(
+        "poison: header name 'x-nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn'... is 302 bytes in UTF-8, above AMQP's 255")
+    assert errors[c[0]][:2] == (Status.DEAD, 1) and errors[c[0]][2].startswith(
+        "poison: routing key (topic) 'orders.ééé")
+    assert errors[d[0]][:2] == (Status.DEAD, 1) and errors[d[0]][2] == (
+        "undecodable row: headers are not a JSON object (a JSON list)")
+
+    copies = {m.headers["outbox_id"]: m for m in broker["dead_letters"]()}
+    # c0's topic cannot be a routing key on the dead-letter exchange either: no copy (logged).
+    assert sorted(copies) == sorted([a[1], d[0]])
+    stub = copies[a[1]]
+    assert raw_body(stub) == b"" and LONG_NAME not in stub.headers and "tenant" not in stub.headers
+    assert stub.headers["x-outbox-error"].startswith("poison: header name")
+    assert stub.headers["x-outbox-omitted"].startswith("header name")
+    undecodable = copies[d[0]]
+    assert json.loads(raw_body(undecodable)) == {"n": 0}  # what could be decoded rides along
+    assert undecodable.headers["x-outbox-error"] == "undecodable row: headers are not a JSON object (a JSON list)"
+    assert undecodable.headers["aggregate_id"] == "d" and undecodable.delivery_info["routing_key"] == "orders.d"
