@@ -30,6 +30,7 @@ from outbox import Status, enqueue
 from outbox.engines.sqlite import sqlite_path
 from outbox.store import OutboxStore
 
+from runners import CELERY as CELERY_RUNNER, RUNNERS
 from services import AMQP_URL, MYSQL_URL, POSTGRES_URL, REDIS_URL, require
 
 CELERY = str(Path(sys.executable).parent / "celery")
@@ -43,39 +44,36 @@ DB_KINDS = ["sqlite", "postgresql", "mysql"]
 class Procs:
     """Relay processes of one test: every one is killed (with its children) at teardown."""
 
-    def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, tmp_path: Path, env: dict[str, str], runner: Any = CELERY_RUNNER) -> None:
         self.tmp_path = tmp_path
         self.env = env
+        self.runner = runner  # tests/runners.py: Celery or Dramatiq
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopped: set[str] = set()  # stopped on purpose: their exit is not a failure
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """``celery -A outbox <args>``."""
+        return self.spawn(name, [CELERY, "-A", "outbox", *args], env=env)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.tmp_path / f"{name}.log", "wb")
-        proc = subprocess.Popen([CELERY, "-A", "outbox", *args], cwd=self.tmp_path, env={**self.env, **(env or {})},
+        proc = subprocess.Popen(argv, cwd=self.tmp_path, env={**self.env, **(env or {})},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.procs[name] = proc
         return proc
 
     def worker(self, name: str, concurrency: int = 2, queues: str | None = None, **env: str) -> subprocess.Popen[bytes]:
-        """``queues``: the worker's ``-Q`` (default: every relay queue)."""
-        args = ["-Q", queues] if queues else []
-        return self.start(name, "worker", "-c", str(concurrency), "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h",
-                          "--loglevel=INFO", "--without-mingle", "--without-gossip", "--without-heartbeat", *args,
-                          env=env)
+        """A worker of this test's runner; ``queues``: the relay queues it consumes (default: all)."""
+        return self.runner.worker(self, name, concurrency, queues, **env)
 
     def tasks_in_hand(self, name: str, task: str = "outbox.publish") -> set[str]:
         """Ids of ``task`` the worker has received (reserved or running) and not finished."""
-        received, finished = set(), set()
-        for line in self.log(name).splitlines():
-            if f"Task {task}[" not in line:
-                continue
-            task_id = line.split(f"Task {task}[", 1)[1].split("]", 1)[0]
-            (received if line.endswith("] received") else finished).add(task_id)
-        return received - finished
+        return self.runner.tasks_in_hand(self.log(name), task)
 
     def beat(self) -> subprocess.Popen[bytes]:
-        return self.start("beat", "beat", "--loglevel=INFO", "-s", str(self.tmp_path / "beat-schedule"))
+        """The runner's scheduler: Celery's beat, or outbox-dramatiq-scheduler."""
+        return self.runner.scheduler(self)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
@@ -125,8 +123,8 @@ def procs_factory(tmp_path: Path) -> Iterator[Any]:
     """List it after the outbox fixture, so the relay stops before the table is dropped."""
     made: list[Procs] = []
 
-    def make(env: dict[str, str]) -> Procs:
-        p = Procs(tmp_path, env)
+    def make(env: dict[str, str], runner: Any = CELERY_RUNNER) -> Procs:
+        p = Procs(tmp_path, env, runner)
         made.append(p)
         return p
 
@@ -234,13 +232,15 @@ def destination() -> Iterator[Destination]:
     d.close()
 
 
-def relay_env(tmp_path: Path, destination: Destination, outbox: "Outbox", **settings: str) -> dict[str, str]:
+def relay_env(tmp_path: Path, destination: Destination, outbox: "Outbox", runner: Any = CELERY_RUNNER,
+              **settings: str) -> dict[str, str]:
     """Settings for workers and beat: Redis (db of REDIS_URL, a key prefix of our own) as
-    Celery's broker, set through a Celery config module as users would."""
+    Celery's broker, set through a Celery config module as users would, and as Dramatiq's
+    broker (the prefix as its namespace) for the Dramatiq runner."""
     prefix = f"outbox-test-{uuid.uuid4().hex[:10]}:"
     (tmp_path / "relayconf.py").write_text(
         f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
-    return base_env(outbox, **{"OUTBOX_PUBLISH_URL": AMQP_URL, "OUTBOX_EXCHANGE": destination.exchange_name,
+    return base_env(outbox, **{**runner.env(REDIS_URL, prefix), "OUTBOX_PUBLISH_URL": AMQP_URL, "OUTBOX_EXCHANGE": destination.exchange_name,
                                "OUTBOX_CELERY_BROKER_URL": REDIS_URL, "CELERY_CONFIG_MODULE": "relayconf",
                                "OUTBOX_TEST_REDIS_PREFIX": prefix,
                                "PYTHONPATH": str(tmp_path), **settings})
@@ -320,6 +320,14 @@ class Outbox:
             self.store.close()
 
 
+@pytest.fixture(params=sorted(RUNNERS))
+def runner(request: pytest.FixtureRequest) -> Any:
+    """The task runner of a shared scenario (tests/runners.py): each runs on both."""
+    if request.param == "dramatiq":
+        pytest.importorskip("dramatiq")
+    return RUNNERS[request.param]
+
+
 @pytest.fixture(params=DB_KINDS)
 def outbox(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outbox]:
     o = Outbox(request.param, tmp_path)
@@ -378,7 +386,7 @@ def check_contract(message: Any, outbox_id: int, aggregate: str, body: Any, head
 
 # -- tests ---------------------------------------------------------------------------------------
 
-def test_worker_and_beat_relay_every_event_in_order(tmp_path: Path, destination: Destination, outbox: Outbox,
+def test_worker_and_beat_relay_every_event_in_order(tmp_path: Path, destination: Destination, outbox: Outbox, runner: Any,
                                                      procs_factory: Any) -> None:
     """A backlog, then live writers, some of whose transactions roll back: every committed
     event arrives once, in order per aggregate, none rolled back does, and the messages
@@ -397,8 +405,8 @@ def test_worker_and_beat_relay_every_event_in_order(tmp_path: Path, destination:
         outbox.add(conn, "rolled-back", 0)
         conn.rollback()
 
-    procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_BATCH_SIZE="25",
-                                    OUTBOX_CLAIM_INTERVAL_S="0.3"))
+    procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_BATCH_SIZE="25",
+                                    OUTBOX_CLAIM_INTERVAL_S="0.3"), runner)
     procs.worker("w1")
     procs.beat()
 
@@ -433,7 +441,7 @@ def test_worker_and_beat_relay_every_event_in_order(tmp_path: Path, destination:
     assert sorted(outbox.statuses()) == sorted(rows)
 
 
-def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Destination, outbox: Outbox,
+def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Destination, outbox: Outbox, runner: Any,
                                                procs_factory: Any) -> None:
     """Two workers (four processes) relay while writers commit (and roll back); one worker
     is SIGKILLed with its pool while it holds publish tasks, like a machine that died.
@@ -446,8 +454,8 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
     they go out as publish tasks (not published inline by the claim)."""
     proxy = Proxy(delay=0.015)
     try:
-        procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_BATCH_SIZE="10",
-                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="2000"))
+        procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_BATCH_SIZE="10",
+                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="2000"), runner)
         procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
         procs.worker("w2")
         procs.beat()
@@ -538,7 +546,7 @@ def dead_letter_destination() -> Iterator[Destination]:
 
 
 def test_poison_and_retriable_events_go_dead_while_everything_else_flows(
-        tmp_path: Path, dead_letter_destination: Destination, outbox: Outbox, procs_factory: Any) -> None:
+        tmp_path: Path, dead_letter_destination: Destination, outbox: Outbox, runner: Any, procs_factory: Any) -> None:
     """(a) An event the publisher classifies POISON (larger than
     OUTBOX_RELAY_MAX_MESSAGE_BYTES) goes dead at once, on its first attempt, and a stub of
     it reaches the dead-letter exchange; the event of its aggregate before it arrived, the
@@ -566,9 +574,9 @@ def test_poison_and_retriable_events_go_dead_while_everything_else_flows(
 
     # Backoff 4 s: u2's retry comes 2 to 4 s after its first failure (equal jitter).
     procs = procs_factory(relay_env(
-        tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_MAX_ATTEMPTS="2",
+        tmp_path, destination, outbox, runner, OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_MAX_ATTEMPTS="2",
         OUTBOX_DEAD_LETTER_EXCHANGE=destination.dead_exchange_name or "", OUTBOX_RELAY_MAX_MESSAGE_BYTES="4096",
-        OUTBOX_RELAY_BACKOFF_BASE_S="4", OUTBOX_RELAY_BACKOFF_MAX_S="4"))
+        OUTBOX_RELAY_BACKOFF_BASE_S="4", OUTBOX_RELAY_BACKOFF_MAX_S="4"), runner)
     procs.worker("w1")
     procs.beat()
 
@@ -901,7 +909,7 @@ def test_acks_that_never_land_are_recovered_by_the_lease_and_fenced_when_late(
 
 
 def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_lease(
-        tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, procs_factory: Any) -> None:
+        tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, runner: Any, procs_factory: Any) -> None:
     """SIGTERM to a worker's main process (what a deploy does): it stops claiming, the
     publish tasks it holds finish and settle their rows, and it exits cleanly. Another
     worker relays the rest at once: nothing waits for a lease, no attempt is spent, no
@@ -915,8 +923,8 @@ def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_le
         conn.commit()
     proxy = Proxy(delay=0.05)
     try:
-        procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_BATCH_SIZE="10",
-                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="60000"))
+        procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_BATCH_SIZE="10",
+                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="60000"), runner)
         procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
         procs.beat()
         assert wait_until(lambda: bool(procs.tasks_in_hand("w1")), timeout=20, interval=0.01), (
@@ -927,7 +935,7 @@ def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_le
         assert returncode == 0, log_w1[-3000:]
         assert "claims stop" in log_w1
         for task_id in in_hand:
-            assert f"Task outbox.publish[{task_id}] succeeded" in log_w1, log_w1[-3000:]
+            assert runner.succeeded(log_w1, task_id), log_w1[-3000:]
 
         procs.worker("w2")
         total = sum(len(ids) for ids in expected.values())

@@ -177,6 +177,35 @@ def validate_kombu_url(url: str, setting: str) -> str:
     return url
 
 
+#: Dramatiq's broker URL schemes: its Redis broker and its RabbitMQ broker.
+DRAMATIQ_SCHEMES = ("redis", "rediss", "amqp", "amqps")
+
+
+def validate_dramatiq_broker_url(url: str, setting: str = "OUTBOX_DRAMATIQ_BROKER_URL") -> str:
+    """OUTBOX_DRAMATIQ_BROKER_URL: ``redis://`` (Dramatiq's RedisBroker) or ``amqp://``
+    (its RabbitmqBroker). Checked at start-up, so a typo is a configuration error naming
+    the setting rather than a connection failure in a worker thread."""
+    shown = redact(repr(url))
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(f"{setting}={shown} is not a broker URL (expected redis://host:6379/0 or "
+                          "amqp://user:pass@host:5672/)")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in DRAMATIQ_SCHEMES:
+        close = difflib.get_close_matches(scheme, DRAMATIQ_SCHEMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{setting}={shown}: Dramatiq has no broker for {scheme!r}{hint} "
+                          f"(known: {', '.join(DRAMATIQ_SCHEMES)})")
+    register_url(url)
+    return url
+
+
+def validate_dramatiq_namespace(name: str, setting: str = "OUTBOX_DRAMATIQ_NAMESPACE") -> str:
+    """The Redis key namespace of Dramatiq's queues (RedisBroker ``namespace``)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,100}", name or ""):
+        raise ConfigError(f"{setting}={name!r} must be 1 to 100 letters, digits or _ . : -")
+    return name
+
+
 def _positive(name: str, value: float, *, upper: float | None = None, allow_zero: bool = False) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name}={value!r} must be a finite number")
@@ -225,6 +254,8 @@ OTHER_NAMES = (
     "OUTBOX_RELAY_LEASE_SAFETY", "OUTBOX_RELAY_MAX_MESSAGE_BYTES",
     "OUTBOX_RELAY_WAKE", "OUTBOX_RELAY_LISTEN", "OUTBOX_RELAY_LISTEN_CHANNEL",
     "OUTBOX_RELAY_METRICS_PORT", "OUTBOX_RELAY_METRICS_ADDR", "OUTBOX_RELAY_METRICS_REFRESH_S",
+    # The Dramatiq front-end (outbox.dramatiq, docs/dramatiq.md).
+    "OUTBOX_DRAMATIQ_BROKER_URL", "OUTBOX_DRAMATIQ_NAMESPACE",
 )
 #: Names that are not the package's settings: the test suite's own.
 EXEMPT_NAMES = ("OUTBOX_REQUIRE_SERVICES",)

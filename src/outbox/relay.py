@@ -1277,6 +1277,41 @@ def apply_fallback(store: StoreLike, publisher: Any, operation: str, kwargs: Map
     raise ValueError(f"unknown operation {operation!r}")
 
 
+# -- runner-neutral pieces of the task bodies (Celery: outbox.tasks; Dramatiq: outbox.dramatiq) --
+
+def make_relay_outage(which: str, settings: Any, options: RelayOptions, shared_url: str,
+                      logger: logging.Logger | None = None) -> Outage:
+    """The outage log of ``which`` ("database" or "destination broker") for ``settings``,
+    shared through ``shared_url`` (the task runner's broker) like the breaker."""
+    from .redact import redact
+
+    key = breaker_key(settings.database_url, settings.table, settings.publish_url, settings.exchange)
+    if which == "database":
+        where = redact(settings.database_url)
+        meanwhile = ("Claims fail and are retried every tick; nothing is lost (rows in flight finish or "
+                     "come back with their lease).")
+    else:
+        where = f"{redact(settings.publish_url)} exchange {settings.exchange!r}"
+        meanwhile = (f"Claims pause (probing every {options.breaker_s:g} s); rows in hand are released "
+                     "with no attempt spent.")
+    return make_outage(shared_url, key, which, where, meanwhile, logger)
+
+
+def purge_expired(store: StoreLike, retention_days: float, outage: Outage | None = None,
+                  logger: logging.Logger | None = None) -> int:
+    """The purge job: delete done rows older than ``retention_days``. A database outage
+    is logged once through ``outage`` and the next run purges."""
+    try:
+        deleted = store.purge_done(timedelta(days=retention_days))  # type: ignore[attr-defined]
+    except Exception as exc:
+        if outage is None:
+            raise
+        outage.failed(exc)
+        return 0
+    (logger or log).info("outbox purge: deleted %d done rows older than %g days", deleted, retention_days)
+    return deleted
+
+
 __all__ = [
     "RelayOptions", "retry_delay", "message_to_dict", "message_from_dict",
     "Breaker", "LocalBreaker", "RedisBreaker", "FileBreaker", "breaker_key", "make_breaker",
@@ -1284,7 +1319,7 @@ __all__ = [
     "Outage", "RedisOutage", "FileOutage", "make_outage", "ClaimFailed",
     "Coalescer", "RedisCoalescer", "FileCoalescer", "make_coalescer",
     "Settler", "ChainOutcome", "handle_chain", "handle_publish", "ClaimOutcome", "plan_tasks",
-    "handle_claim", "apply_fallback", "send_dead",
+    "handle_claim", "apply_fallback", "send_dead", "make_relay_outage", "purge_expired",
     "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
     "CLAIM_QUEUE", "PUBLISH_QUEUE", "ACK_QUEUE", "PURGE_QUEUE", "QUEUES",
 ]

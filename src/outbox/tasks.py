@@ -51,18 +51,16 @@ import os
 import tempfile
 import threading
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from celery import signals
 
 from .celery import app, relay_options, relay_settings
-from .redact import redact
 from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
                     PURGE_TASK, RELEASE_TASK, Breaker, ClaimFailed, Coalescer, Outage, RouteGate, Settler,
                     apply_fallback, breaker_key, handle_claim, handle_publish, make_breaker, make_coalescer,
-                    make_outage, make_route_gate, message_from_dict, message_to_dict)
+                    make_relay_outage, make_route_gate, purge_expired, message_from_dict, message_to_dict)
 from .store import OutboxStore
 from . import listen as _listen, metrics as _metrics, wake as _wake
 
@@ -162,18 +160,9 @@ def outage(which: str) -> Outage:
     with _made_lock:
         made = _outages.get(which)
         if made is None or made[0] != os.getpid():
-            s, options = relay_settings(), relay_options()
-            key = breaker_key(s.database_url, s.table, s.publish_url, s.exchange)
-            if which == "database":
-                where = redact(s.database_url)
-                meanwhile = ("Claims fail and are retried every tick; nothing is lost (rows in flight finish or "
-                             "come back with their lease).")
-            else:
-                where = f"{redact(s.publish_url)} exchange {s.exchange!r}"
-                meanwhile = (f"Claims pause (probing every {options.breaker_s:g} s); rows in hand are released "
-                             "with no attempt spent.")
-            made = (os.getpid(), make_outage(str(app.conf.broker_url or s.broker_url), key, which, where,
-                                             meanwhile, log))
+            s = relay_settings()
+            made = (os.getpid(), make_relay_outage(which, s, relay_options(), str(app.conf.broker_url or s.broker_url),
+                                                   log))
             _outages[which] = made
         return made[1]
 
@@ -403,14 +392,7 @@ def release(ids: list[int], lease: str, delay_s: float | None = None) -> int:
 
 @app.task(name=PURGE_TASK, ignore_result=True)
 def purge() -> int:
-    settings = relay_settings()
-    try:
-        deleted = resources().store.purge_done(timedelta(days=settings.retention_days))
-    except Exception as exc:  # the database is down: the next run purges; the outage is logged once
-        outage("database").failed(exc)
-        return 0
-    log.info("outbox purge: deleted %d done rows older than %g days", deleted, settings.retention_days)
-    return deleted
+    return purge_expired(resources().store, relay_settings().retention_days, outage("database"), log)
 
 
 __all__ = ["claim", "publish", "ack", "fail", "release", "purge", "resources", "close_resources", "breaker",

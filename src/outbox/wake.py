@@ -148,14 +148,17 @@ def _redis(url: str) -> Any:
     return client
 
 
-def clear_token(token: str) -> None:
-    """Run by the claim task as it starts: the next wake-up sends a new claim."""
+def clear_token(token: str, broker_url: str | None = None) -> None:
+    """Run by the claim task as it starts: the next wake-up sends a new claim.
+    ``broker_url``: the Redis holding the token (default: Celery's broker)."""
     if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX):
         return
     try:
-        from .celery import app
+        if broker_url is None:
+            from .celery import app
 
-        _redis(str(app.conf.broker_url)).delete(token)
+            broker_url = str(app.conf.broker_url)
+        _redis(broker_url).delete(token)
     except Exception as exc:  # it expires by itself
         log.debug("outbox: cannot clear wake token %s: %s", token, exc)
 
@@ -221,15 +224,33 @@ _memory_noted = False
 
 def _current_plan() -> _Plan:
     global _plan
-    from .celery import app
+    from . import dramatiq_broker
 
-    url = str(app.conf.broker_url or "")
+    if dramatiq_broker.configured():
+        # Dramatiq is the configured runner (OUTBOX_DRAMATIQ_BROKER_URL): wake through it.
+        url, key_prefix = str(dramatiq_broker.broker_url()), dramatiq_broker.namespace()
+    else:
+        from .celery import app
+
+        url = str(app.conf.broker_url or "")
+        key_prefix = str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
     plan = _plan
-    if plan is None or plan.pid != os.getpid() or plan.broker_url != url:
-        options = app.conf.broker_transport_options or {}
+    if plan is None or plan.pid != os.getpid() or plan.broker_url != url or plan.key_prefix != key_prefix:
         with _plan_lock:
-            plan = _plan = _Plan(url, str(options.get("global_keyprefix") or ""))
+            plan = _plan = _Plan(url, key_prefix)
     return plan
+
+
+def _claim_request_ttl_s() -> float:
+    from . import dramatiq_broker
+
+    if dramatiq_broker.configured():
+        from .relay import RelayOptions
+
+        return RelayOptions.from_sources(os.environ).claim_request_ttl_s
+    from .celery import relay_options
+
+    return relay_options().claim_request_ttl_s
 
 
 def _failed(what: str, exc: BaseException) -> None:
@@ -246,8 +267,18 @@ def _failed(what: str, exc: BaseException) -> None:
 
 
 def _send(token: str | None) -> bool:
-    from .celery import app, relay_options
+    from . import dramatiq_broker
     from .relay import CLAIM_QUEUE, CLAIM_TASK
+
+    if dramatiq_broker.configured():
+        try:
+            dramatiq_broker.send(CLAIM_TASK, CLAIM_QUEUE, {"token": token} if token else {},
+                                 max_age_s=_claim_request_ttl_s())
+            return True
+        except Exception as exc:
+            _failed("sending a claim", exc)
+            return False
+    from .celery import app, relay_options
 
     try:
         app.send_task(CLAIM_TASK, kwargs={"token": token} if token else {}, queue=CLAIM_QUEUE,
@@ -277,9 +308,7 @@ def request_claim() -> bool:
             return bool(worker_request())
         plan = _current_plan()
         if plan.kind == "redis":
-            from .celery import relay_options
-
-            ttl_ms = max(1, int(relay_options().claim_request_ttl_s * 1000))
+            ttl_ms = max(1, int(_claim_request_ttl_s() * 1000))
             try:
                 acquired = _redis(plan.broker_url).set(plan.token, b"1", nx=True, px=ttl_ms)
             except Exception as exc:

@@ -1,0 +1,365 @@
+"""The relay on Dramatiq: ``dramatiq outbox.dramatiq`` (plus ``outbox-dramatiq-scheduler``).
+
+A second, thin front-end over the same relay logic as the Celery one (``outbox.tasks``):
+the actors below call ``outbox.relay``'s ``handle_claim``, ``handle_publish``,
+``apply_fallback`` and ``purge_expired`` exactly as the Celery tasks do; what is here is
+only the wiring to Dramatiq (see docs/dramatiq.md).
+
+Importing this module reads the OUTBOX_* settings, makes Dramatiq's broker from
+``OUTBOX_DRAMATIQ_BROKER_URL`` (``redis://`` or ``amqp://``), installs it as Dramatiq's
+global broker and declares the actors on it. So import it only in relay worker
+processes; web processes wake the relay through ``outbox.wake`` (which sends through
+``outbox.dramatiq_broker`` and leaves the global broker alone).
+
+Actors, their queues and options
+--------------------------------
+==================  ==============  ===========================================================
+actor               queue           options
+==================  ==============  ===========================================================
+``outbox.claim``    outbox.claim    no retries (the next tick claims); time limit = the lease
+                                    (at least 10 s); ticks and requests carry ``expires_at``
+                                    and one that arrives late is dropped
+``outbox.publish``  outbox.publish  no retries (the lease recovers); time limit = the lease
+``outbox.ack``      outbox.ack      retried with back-off (0.5 s to 30 s, 10 times): idempotent,
+``outbox.fail``     outbox.ack      fenced by the lease
+``outbox.release``  outbox.ack
+``outbox.purge``    outbox.purge    no retries (the next run purges)
+==================  ==============  ===========================================================
+
+Dramatiq acknowledges a message after its actor returns. A worker process that dies
+(SIGKILL, OOM) leaves its messages unacknowledged; Dramatiq redelivers them later (Redis:
+once the worker's heartbeat has timed out; RabbitMQ: when the connection drops). A publish
+message carries its lease's deadline, and one that starts after most of the lease has
+gone publishes nothing: its rows come back through the lease, an attempt counted, so an
+event that kills every worker still goes dead after OUTBOX_MAX_ATTEMPTS.
+
+Middleware
+----------
+* ``OutboxMiddleware``: per-process set-up (lifts a fatal pause left by an earlier run,
+  as the Celery worker does), and shutdown: once the worker starts stopping, claims
+  stop and a publish message that starts releases its rows (no attempt spent); messages
+  prefetched but not started are requeued by Dramatiq itself and run elsewhere inside
+  their lease. Resources are closed when the worker has stopped.
+* ``MetricsMiddleware``: the relay's Prometheus metrics (``outbox.metrics``), served on
+  ``OUTBOX_RELAY_METRICS_PORT`` by the worker process that binds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import dramatiq
+from dramatiq.middleware import Middleware
+
+from . import dramatiq_broker as _broker
+from . import metrics as _metrics
+from .config import Settings, load_settings
+from .errors import ConfigError
+from .publisher import KombuPublisher
+from .redact import install_filter, redact
+from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
+                    PURGE_QUEUE, PURGE_TASK, RELEASE_TASK, Breaker, ClaimFailed, Coalescer, Outage, RelayOptions,
+                    RouteGate, Settler, apply_fallback, breaker_key, handle_claim, handle_publish, make_breaker,
+                    make_coalescer, make_relay_outage, make_route_gate, message_from_dict, message_to_dict,
+                    purge_expired)
+from .store import OutboxStore
+from .wake import clear_token, extra_setting
+
+log = logging.getLogger("outbox.dramatiq")
+
+#: Set when this worker process starts shutting down: no new claims, no new chains.
+STOPPING = threading.Event()
+
+
+def stopping() -> bool:
+    return STOPPING.is_set()
+
+
+# -- configuration, read once at import -------------------------------------------------------
+
+def _load() -> tuple[Settings, RelayOptions, str, str]:
+    settings = load_settings()
+    options = RelayOptions.from_sources(os.environ)
+    url = _broker.broker_url(required=True)
+    assert url is not None
+    return settings, options, url, _broker.namespace()
+
+
+try:
+    SETTINGS, OPTIONS, BROKER_URL, NAMESPACE = _load()
+except ConfigError as exc:
+    if os.path.basename(sys.argv[0] or "").startswith("dramatiq"):
+        # `dramatiq outbox.dramatiq`: one clear line and a non-zero exit, no traceback.
+        raise SystemExit(redact(f"outbox: invalid configuration: {exc}")) from None
+    raise
+
+LEASE_S = SETTINGS.claim_timeout_ms / 1000.0
+#: A claim or publish message running past its lease is interrupted (Dramatiq's
+#: TimeLimit): its rows come back with the lease anyway.
+TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
+_KEY = breaker_key(SETTINGS.database_url, SETTINGS.table, SETTINGS.publish_url, SETTINGS.exchange)
+
+
+# -- per-process, per-thread resources ------------------------------------------------------
+
+@dataclass
+class _Resources:
+    pid: int
+    store: OutboxStore
+    publisher: Any
+    settler: Settler
+
+
+class _Shared:
+    """The process's breaker, claim coalescer, route gate and outage logs, shared with
+    the other workers through Dramatiq's Redis (or a file when the broker is RabbitMQ),
+    exactly as the Celery front-end shares them through Celery's broker."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.breaker: Breaker = make_breaker(BROKER_URL, _KEY)
+        self.coalescer: Coalescer = make_coalescer(BROKER_URL, _KEY, OPTIONS.claim_request_ttl_s)
+        self.routes: RouteGate = make_route_gate(BROKER_URL, _KEY)
+        self.outages: dict[str, Outage] = {}
+
+    def outage(self, which: str) -> Outage:
+        if which not in self.outages:
+            self.outages[which] = make_relay_outage(which, SETTINGS, OPTIONS, BROKER_URL, log)
+        return self.outages[which]
+
+
+_local = threading.local()
+_made: list[_Resources] = []
+_lock = threading.Lock()
+_shared_state: _Shared | None = None
+#: Did this process's last claim meet a backlog? Only then does the next claim read the
+#: publish queue's length first (see outbox.tasks).
+_backlog = True
+
+
+def shared() -> _Shared:
+    global _shared_state
+    with _lock:
+        if _shared_state is None or _shared_state.pid != os.getpid():
+            _shared_state = _Shared()
+        return _shared_state
+
+
+def resources() -> _Resources:
+    r: _Resources | None = getattr(_local, "resources", None)
+    if r is None or r.pid != os.getpid():
+        store = OutboxStore.from_settings(SETTINGS)
+        publisher = KombuPublisher.from_settings(SETTINGS, max_message_bytes=OPTIONS.max_message_bytes)
+        r = _Resources(os.getpid(), store, publisher, Settler(store, _fallback))
+        _local.resources = r
+        with _lock:
+            _made.append(r)
+    return r
+
+
+def close_resources() -> None:
+    global _shared_state
+    with _lock:
+        mine = [r for r in _made if r.pid == os.getpid()]
+        _made.clear()
+        _shared_state = None
+    for r in mine:
+        for closable in (r.publisher, r.store):
+            try:
+                closable.close()
+            except Exception:  # closing after a failure may fail again
+                log.debug("outbox: error closing %r", closable, exc_info=True)
+    _local.__dict__.clear()
+
+
+# -- middleware -----------------------------------------------------------------------------
+
+class OutboxMiddleware(Middleware):
+    """Start-up and shutdown of the relay in a Dramatiq worker process."""
+
+    def after_process_boot(self, broker: Any) -> None:
+        install_filter(logging.getLogger())  # no password in any log line
+        STOPPING.clear()
+
+    def after_worker_boot(self, broker: Any, worker: Any) -> None:
+        """A restarted worker lifts a fatal pause: the operator has presumably fixed the
+        configuration, and if not, the first chain trips it again."""
+        try:
+            b = shared().breaker
+            if b.open_for() > 0 and b.reason.startswith("fatal"):
+                log.warning("outbox: lifting the fatal pause left by an earlier run (%s)", b.reason)
+                b.reset()
+        except Exception as exc:  # never keep a worker from starting over this
+            log.warning("outbox: cannot check the circuit breaker at start-up: %s", exc)
+
+    def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        STOPPING.set()
+        log.info("outbox: worker shutting down, claims stop; publish messages in hand finish, "
+                 "messages not yet started release their rows or go back to the queue")
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        close_resources()
+
+    # One line as each publish message starts and ends, like Celery's "Task ... received"
+    # and "succeeded" lines: what is in hand when a worker stops or dies.
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        if message.actor_name == PUBLISH_TASK:
+            log.info("outbox: %s[%s] started", message.actor_name, message.message_id)
+
+    def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
+        if message.actor_name == PUBLISH_TASK:
+            log.info("outbox: %s[%s] %s", message.actor_name, message.message_id,
+                     "failed" if exception is not None else "succeeded")
+
+
+class MetricsMiddleware(Middleware):
+    """The relay's metrics (``outbox.metrics``): on when OUTBOX_RELAY_METRICS_PORT is set.
+    Each worker process records its own; the process that binds the port serves them
+    (the sum over all processes when PROMETHEUS_MULTIPROC_DIR is set, see docs/dramatiq.md)."""
+
+    def after_process_boot(self, broker: Any) -> None:
+        try:
+            port = _metrics.configured_port()
+            if port is None:
+                return
+            _metrics.reset()
+            if _metrics.active() is None:
+                return
+            addr = str(extra_setting("OUTBOX_RELAY_METRICS_ADDR", "0.0.0.0"))
+            try:
+                _metrics.serve(port, addr)
+            except OSError as exc:  # another worker process of this host serves them
+                log.info("outbox metrics: port %d is taken (%s); another process serves", port, exc)
+                return
+            log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
+                     " (multiprocess)" if _metrics.multiprocess_mode() else "")
+        except Exception as exc:  # metrics must never stop the relay
+            log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
+            _metrics.disable()
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        _metrics.stop_serving()
+
+
+# -- the broker and the actors --------------------------------------------------------------
+
+broker = _broker.make_broker(BROKER_URL, NAMESPACE)  # Dramatiq's default middleware, plus ours:
+broker.add_middleware(OutboxMiddleware())
+broker.add_middleware(MetricsMiddleware())
+dramatiq.set_broker(broker)
+
+_SETTLE = dict(max_retries=10, min_backoff=500, max_backoff=30_000)
+
+
+def _fallback(operation: str, kwargs: dict[str, Any]) -> None:
+    {"done": ack, "failed": fail, "release": release}[operation].send(**kwargs)
+
+
+def _dispatch(chains: list[list[Any]], deadline: float) -> None:
+    publish.send(chains=[[message_to_dict(m) for m in chain] for chain in chains], deadline=deadline)
+
+
+def queued_publish_tasks() -> int | None:
+    """Messages waiting in the publish queue of Dramatiq's broker; None when unknown."""
+    try:
+        return _broker.queue_length(broker, PUBLISH_QUEUE)
+    except Exception as exc:
+        log.debug("outbox: cannot read the publish queue's length: %s", exc)
+        return None
+
+
+def request_claim() -> bool:
+    """Ask for a claim soon, coalesced (drain mode; see ``outbox.tasks.request_claim``)."""
+    if stopping():
+        return False
+    gate = shared().coalescer
+    if not gate.acquire():
+        return False
+    try:
+        broker.enqueue(_broker.message(CLAIM_TASK, CLAIM_QUEUE, {"requested": True}, OPTIONS.claim_request_ttl_s))
+    except Exception as exc:
+        gate.clear()
+        log.warning("outbox: cannot request a claim (%s); the next tick will claim", exc)
+        return False
+    return True
+
+
+@dramatiq.actor(actor_name=CLAIM_TASK, queue_name=CLAIM_QUEUE, broker=broker, max_retries=0,
+                time_limit=TIME_LIMIT_MS)
+def claim(requested: bool = False, token: str | None = None, expires_at: float | None = None) -> None:
+    """Claim a batch and send its chains on as publish messages (drain mode as in
+    ``outbox.tasks.claim``: a full claim and every finished publish request the next).
+    Returns None: nobody reads a relay actor's result (the outcome is in the table)."""
+    global _backlog
+    if requested:
+        shared().coalescer.clear()
+    if token:  # a post-commit wake-up (outbox.wake): the next commit may ask again
+        clear_token(token, BROKER_URL)
+    if _broker.expired(expires_at):
+        log.debug("outbox: dropped a claim that arrived after it expired")
+        return
+    if stopping():
+        return
+    r, s = resources(), shared()
+    try:
+        outcome = handle_claim(r.store, _dispatch, batch_size=SETTINGS.batch_size, lease_s=LEASE_S,
+                               options=OPTIONS, breaker=s.breaker,
+                               queued=queued_publish_tasks if _backlog else None, settler=r.settler,
+                               publisher=r.publisher, publish_inline=_publish_chains)
+    except ClaimFailed as exc:
+        s.outage("database").failed(exc.cause)  # one warning per outage, not a traceback per tick
+        return
+    s.outage("database").ok()
+    _backlog = outcome.backlog
+    if outcome.more:
+        request_claim()
+
+
+def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any]:
+    r, s = resources(), shared()
+    outcomes = handle_publish(r.store, r.publisher, chains, deadline=deadline, options=OPTIONS,
+                              breaker=s.breaker, settler=r.settler, stopping=stopping, routes=s.routes,
+                              outage=s.outage("destination broker"))
+    if s.breaker.open_for() == 0:
+        request_claim()  # drain mode: these aggregates may have more rows now
+    return outcomes
+
+
+@dramatiq.actor(actor_name=PUBLISH_TASK, queue_name=PUBLISH_QUEUE, broker=broker, max_retries=0,
+                time_limit=TIME_LIMIT_MS)
+def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> None:
+    _publish_chains([[message_from_dict(d) for d in chain] for chain in chains], deadline)
+
+
+@dramatiq.actor(actor_name=ACK_TASK, queue_name=ACK_QUEUE, broker=broker, **_SETTLE)
+def ack(ids: list[int], lease: str) -> None:
+    apply_fallback(resources().store, None, "done", {"ids": ids, "lease": lease}).applied
+
+
+@dramatiq.actor(actor_name=FAIL_TASK, queue_name=ACK_QUEUE, broker=broker, **_SETTLE)
+def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False) -> None:
+    r = resources()
+    apply_fallback(r.store, r.publisher, "failed",
+                   {"message": message, "error": error, "retry_in_s": retry_in_s, "dead": dead})
+
+
+@dramatiq.actor(actor_name=RELEASE_TASK, queue_name=ACK_QUEUE, broker=broker, **_SETTLE)
+def release(ids: list[int], lease: str, delay_s: float | None = None) -> None:
+    apply_fallback(resources().store, None, "release", {"ids": ids, "lease": lease, "delay_s": delay_s})
+
+
+@dramatiq.actor(actor_name=PURGE_TASK, queue_name=PURGE_QUEUE, broker=broker, max_retries=0)
+def purge(expires_at: float | None = None) -> None:
+    if not _broker.expired(expires_at):
+        purge_expired(resources().store, SETTINGS.retention_days, shared().outage("database"), log)
+
+
+__all__ = ["broker", "claim", "publish", "ack", "fail", "release", "purge", "request_claim", "resources",
+           "close_resources", "shared", "stopping", "STOPPING", "OutboxMiddleware", "MetricsMiddleware",
+           "queued_publish_tasks"]

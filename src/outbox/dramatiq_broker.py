@@ -1,0 +1,125 @@
+"""Dramatiq's broker for the relay, without side effects: reading the settings, making a
+broker, and sending a relay message from a process that is not a Dramatiq worker.
+
+Kept apart from ``outbox.dramatiq`` (the worker module, which declares the actors and
+installs its broker as Dramatiq's global broker) because the senders live in
+processes that must keep their own global broker: a Django web process set up by
+django-dramatiq sends a post-commit wake from here (``outbox.wake``), and so does the
+scheduler (``outbox.dramatiq_scheduler``). Sending only needs the actor's and queue's
+*names* (``outbox.relay``'s constants), not the actors themselves.
+
+Settings (read like the other ``OUTBOX_RELAY_*`` options: environment, then Django settings):
+
+* ``OUTBOX_DRAMATIQ_BROKER_URL``: ``redis://...`` (Dramatiq's RedisBroker) or
+  ``amqp://...`` (its RabbitmqBroker). Setting it makes Dramatiq the configured runner:
+  post-commit wakes then send a Dramatiq message instead of a Celery task.
+* ``OUTBOX_DRAMATIQ_NAMESPACE``: the Redis key namespace of the queues (default
+  ``dramatiq``, Dramatiq's own); ignored by RabbitMQ.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from .config import validate_dramatiq_broker_url, validate_dramatiq_namespace
+from .errors import ConfigError
+from .wake import extra_setting
+
+URL_SETTING = "OUTBOX_DRAMATIQ_BROKER_URL"
+NAMESPACE_SETTING = "OUTBOX_DRAMATIQ_NAMESPACE"
+DEFAULT_NAMESPACE = "dramatiq"
+
+
+def broker_url(required: bool = False) -> str | None:
+    """OUTBOX_DRAMATIQ_BROKER_URL, validated; None when unset (and not ``required``)."""
+    raw = extra_setting(URL_SETTING)
+    if raw in (None, ""):
+        if required:
+            raise ConfigError(f"{URL_SETTING} is not set: the Dramatiq front-end needs Dramatiq's broker "
+                              "(redis://host:6379/0 or amqp://user:pass@host:5672/)")
+        return None
+    return validate_dramatiq_broker_url(str(raw).strip())
+
+
+def namespace() -> str:
+    return validate_dramatiq_namespace(str(extra_setting(NAMESPACE_SETTING, DEFAULT_NAMESPACE)).strip())
+
+
+def configured() -> bool:
+    """Is Dramatiq the configured runner (OUTBOX_DRAMATIQ_BROKER_URL set)?"""
+    return extra_setting(URL_SETTING) not in (None, "")
+
+
+def is_redis(url: str) -> bool:
+    return url.startswith(("redis://", "rediss://"))
+
+
+def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
+    """A Dramatiq broker for ``url``; ``middleware=None`` gives Dramatiq's defaults."""
+    try:
+        if is_redis(url):
+            from dramatiq.brokers.redis import RedisBroker
+
+            return RedisBroker(url=url, namespace=ns, middleware=middleware)
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+        # confirm_delivery: a send (a claim's publish message) returns once RabbitMQ has it.
+        return RabbitmqBroker(url=url, middleware=middleware, confirm_delivery=True)
+    except ImportError as exc:
+        raise ConfigError(f"{URL_SETTING} needs Dramatiq with its broker: pip install "
+                          f"\"outbox-relay[dramatiq]\" ({exc})") from None
+
+
+def queue_length(broker: Any, queue: str) -> int | None:
+    """Messages waiting in ``queue`` (not counting those a worker holds); None when unknown."""
+    client = getattr(broker, "client", None)
+    if client is not None and hasattr(broker, "namespace"):  # RedisBroker: a list per queue
+        return int(client.llen(f"{broker.namespace}:{queue}"))
+    counts = getattr(broker, "get_queue_message_counts", None)
+    if callable(counts):  # RabbitmqBroker: (ready, delayed, dead)
+        return int(counts(queue)[0])
+    return None
+
+
+def message(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | None = None) -> Any:
+    """A Dramatiq message for ``actor`` on ``queue``. ``max_age_s``: the message carries
+    ``expires_at`` (epoch seconds) and the actor drops it when it arrives later than that
+    (a stale tick or claim request). Not Dramatiq's AgeLimit: that logs a warning per
+    dropped message, and a late tick is routine while workers are busy."""
+    from dramatiq import Message
+
+    if max_age_s:
+        kwargs = {**kwargs, "expires_at": time.time() + max_age_s}
+    return Message(queue_name=queue, actor_name=actor, args=(), kwargs=kwargs, options={})
+
+
+def expired(expires_at: float | None) -> bool:
+    return expires_at is not None and time.time() > float(expires_at)
+
+
+_senders: dict[tuple[int, str, str], Any] = {}
+_senders_lock = threading.Lock()
+
+
+def sender() -> Any:
+    """This process's sending broker (no middleware, never the global broker)."""
+    url, ns = broker_url(required=True), namespace()
+    assert url is not None
+    key = (os.getpid(), url, ns)
+    with _senders_lock:
+        made = _senders.get(key)
+        if made is None:
+            _senders.clear()  # a parent's, after fork
+            made = _senders[key] = make_broker(url, ns, middleware=[])
+        return made
+
+
+def send(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | None = None) -> None:
+    sender().enqueue(message(actor, queue, kwargs, max_age_s))
+
+
+__all__ = ["broker_url", "namespace", "configured", "make_broker", "queue_length", "message", "expired", "sender", "send",
+           "URL_SETTING", "NAMESPACE_SETTING", "DEFAULT_NAMESPACE"]

@@ -1,0 +1,224 @@
+"""``outbox-dramatiq-scheduler``: the relay's periodic messages on Dramatiq.
+
+What Celery's beat does for ``celery -A outbox worker``, for ``dramatiq outbox.dramatiq``:
+send a claim tick every OUTBOX_CLAIM_INTERVAL_S and a purge every
+OUTBOX_RELAY_PURGE_INTERVAL_S, each expiring after one interval (Dramatiq's AgeLimit
+drops a tick a worker receives late, so ticks never pile up while workers are down).
+
+Why a small scheduler of our own rather than APScheduler or periodiq: the relay has two
+fixed-interval jobs and nothing else; the ``beat_schedule`` module already defines them
+(the one definition, shared with Celery's beat). periodiq only offers cron-like minute
+resolution (a claim tick is typically sub-second to a few seconds) and is barely
+maintained; APScheduler would add a dependency, its own job store and still no
+protection against two schedulers ticking at once. What matters here is that lock:
+
+Several schedulers (for availability) never tick at once
+--------------------------------------------------------
+Each scheduler competes for a leader lock; only the holder sends:
+
+* Dramatiq broker on Redis: a key ``outbox:scheduler:<digest>`` set with ``SET NX PX``
+  (value: this scheduler's id), renewed every second while held, with a TTL of
+  ``LOCK_TTL_S``. A scheduler that dies or hangs loses it within that TTL and a standby
+  takes over.
+* Dramatiq broker on RabbitMQ: an *exclusive* queue ``outbox.scheduler.<digest>``:
+  RabbitMQ lets one connection hold it and refuses every other (RESOURCE_LOCKED); it is
+  deleted when the holder's connection closes, and a standby takes it.
+
+The digest covers the Dramatiq broker, its namespace, the database and the table, so
+relays of other outboxes have their own scheduler. A doubled tick in the moment of a
+handover is harmless anyway: claims are safe to run concurrently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+from . import dramatiq_broker as _broker
+from .config import load_settings
+from .errors import ConfigError
+from .redact import install_filter, redact
+from .relay import RelayOptions
+
+log = logging.getLogger("outbox.dramatiq_scheduler")
+
+#: How long a leader lock outlives its holder's last renewal.
+LOCK_TTL_S = 10.0
+#: Renewal / take-over attempts this often.
+LOCK_CHECK_S = 1.0
+
+
+def lock_name(url: str, namespace: str, database_url: str, table: str) -> str:
+    return hashlib.sha1(f"{url}|{namespace}|{database_url}|{table}".encode()).hexdigest()[:16]
+
+
+class RedisLock:
+    """Leader lock in Redis: SET NX PX, renewed by its holder only (compare and extend)."""
+
+    _RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+              "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
+    _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+                "return redis.call('del', KEYS[1]) else return 0 end")
+
+    def __init__(self, url: str, name: str, ttl_s: float = LOCK_TTL_S) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.key = f"outbox:scheduler:{name}"
+        self.me = uuid.uuid4().hex
+        self.ttl_ms = int(ttl_s * 1000)
+        self.held = False
+
+    def hold(self) -> bool:
+        """Take or renew the lock; True while this scheduler is the leader."""
+        try:
+            if self.held and self.client.eval(self._RENEW, 1, self.key, self.me, self.ttl_ms):
+                return True
+            self.held = bool(self.client.set(self.key, self.me, nx=True, px=self.ttl_ms))
+        except Exception as exc:  # Redis down: nobody ticks, which the workers survive
+            log.warning("outbox scheduler: cannot reach the lock (%s); not ticking", exc)
+            self.held = False
+        return self.held
+
+    def release(self) -> None:
+        try:
+            if self.held:
+                self.client.eval(self._RELEASE, 1, self.key, self.me)
+        except Exception:
+            pass
+        self.held = False
+
+
+class RabbitLock:
+    """Leader lock in RabbitMQ: an exclusive queue, held by one connection at a time."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url = url
+        self.queue = f"outbox.scheduler.{name}"
+        self.conn: Any = None
+
+    def hold(self) -> bool:
+        from kombu import Connection
+
+        if self.conn is not None:
+            try:
+                self.conn.heartbeat_check()
+                self.conn.drain_events(timeout=0.01)
+            except TimeoutError:
+                pass
+            except Exception as exc:
+                log.warning("outbox scheduler: lost the lock's connection (%s)", exc)
+                self.release()
+            else:
+                return True
+            if self.conn is not None:
+                return True
+        conn = Connection(self.url, heartbeat=LOCK_TTL_S)
+        try:
+            conn.connect()
+            conn.default_channel.queue_declare(queue=self.queue, exclusive=True, auto_delete=True)
+        except Exception as exc:  # RESOURCE_LOCKED: another scheduler leads
+            log.debug("outbox scheduler: lock held elsewhere (%s)", exc)
+            try:
+                conn.release()
+            except Exception:
+                pass
+            return False
+        self.conn = conn
+        return True
+
+    def release(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.release()
+            except Exception:
+                pass
+        self.conn = None
+
+
+def make_lock(url: str, name: str) -> Any:
+    return RedisLock(url, name) if _broker.is_redis(url) else RabbitLock(url, name)
+
+
+def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, str, float, float]]:
+    """``(actor, queue, every_s, max_age_s)`` of each entry of ``beat_schedule`` (the one
+    definition of the relay's schedule, shared with Celery's beat)."""
+    import beat_schedule
+
+    return [(entry["task"], entry["options"]["queue"], float(entry["schedule"]), float(entry["options"]["expires"]))
+            for entry in beat_schedule.build_schedule(settings, options).values()]
+
+
+def run(stop: threading.Event, entries: list[tuple[str, str, float, float]], lock: Any, send: Any = None) -> None:
+    """Send each entry every ``every_s`` until ``stop`` is set, while holding ``lock``.
+    ``send(actor, queue, kwargs, max_age_s)`` defaults to ``outbox.dramatiq_broker.send``.
+    A new leader sends the first entry (the claim tick) at once and the others after one
+    interval, like beat."""
+    send = send or _broker.send
+    leading = False
+    due = [0.0] * len(entries)
+    next_lock = 0.0
+    while not stop.is_set():
+        now = time.monotonic()
+        if now >= next_lock:
+            was, leading = leading, lock.hold()
+            next_lock = now + LOCK_CHECK_S
+            if leading and not was:
+                log.info("outbox scheduler: leading; %s", ", ".join(f"{e[0]} every {e[2]:g} s" for e in entries))
+                due = [now if i == 0 else now + e[2] for i, e in enumerate(entries)]
+            elif was and not leading:
+                log.warning("outbox scheduler: lost the lead; standing by")
+        wait_until = next_lock
+        if leading:
+            for i, (actor, queue, every_s, max_age_s) in enumerate(entries):
+                if now >= due[i]:
+                    try:
+                        send(actor, queue, {}, max_age_s=max_age_s)
+                    except Exception as exc:  # Dramatiq's broker is down: the next one is sent
+                        log.warning("outbox scheduler: cannot send %s (%s: %s)", actor, type(exc).__name__,
+                                    redact(str(exc)))
+                    due[i] = now + every_s
+                wait_until = min(wait_until, due[i])
+        stop.wait(max(0.01, wait_until - time.monotonic()))
+    lock.release()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="outbox-dramatiq-scheduler",
+        description="Send the relay's claim ticks and purges to Dramatiq's broker "
+                    "(OUTBOX_DRAMATIQ_BROKER_URL) for `dramatiq outbox.dramatiq` workers. Run one or "
+                    "more: a leader lock (Redis key or RabbitMQ exclusive queue) lets only one tick.")
+    parser.add_argument("--loglevel", default="INFO", help="logging level (default INFO)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_filter(logging.getLogger())
+    try:
+        settings = load_settings()
+        options = RelayOptions.from_sources(os.environ)
+        url = _broker.broker_url(required=True)
+        assert url is not None
+        ns = _broker.namespace()
+    except ConfigError as exc:
+        print(redact(f"outbox: invalid configuration: {exc}"), file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    lock = make_lock(url, lock_name(url, ns, settings.database_url, settings.table))
+    log.info("outbox scheduler: Dramatiq broker %s, waiting for the lead", redact(url))
+    run(stop, schedule_entries(settings, options), lock)
+    log.info("outbox scheduler: stopped")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
