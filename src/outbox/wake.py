@@ -24,6 +24,10 @@ How a wake is coalesced depends on Celery's broker:
   one at the end of the window when requests came in during it, so a claim always
   follows the last commit.
 
+With Dramatiq as the runner (``OUTBOX_DRAMATIQ_BROKER_URL`` set, docs/dramatiq.md) the
+claim is a Dramatiq message sent through ``outbox.dramatiq_broker``, coalesced the same
+way (the token then lives in Dramatiq's Redis).
+
 APIs (see docs/waking-and-metrics.md):
 
 * ``request_claim()``: call it after your commit.

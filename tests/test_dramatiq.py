@@ -1,0 +1,195 @@
+"""The Dramatiq front-end's own parts (the relay end to end on Dramatiq runs in
+tests/test_relay_e2e.py, on both runners): its settings, the post-commit wake sending
+a Dramatiq message, and the scheduler's leader lock on real Redis and RabbitMQ."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("dramatiq")
+
+import outbox  # noqa: E402
+from outbox import wake  # noqa: E402
+from outbox.config import known_names, validate_dramatiq_broker_url, validate_dramatiq_namespace  # noqa: E402
+from outbox.dramatiq_broker import broker_url, configured, expired, message  # noqa: E402
+from outbox.dramatiq_scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run  # noqa: E402
+from outbox.errors import ConfigError  # noqa: E402
+from outbox.relay import CLAIM_QUEUE, CLAIM_TASK, PURGE_TASK  # noqa: E402
+from outbox.store import OutboxStore  # noqa: E402
+
+from services import AMQP_URL, REDIS_URL, require  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+def test_the_dramatiq_settings_are_known_names() -> None:
+    assert {"OUTBOX_DRAMATIQ_BROKER_URL", "OUTBOX_DRAMATIQ_NAMESPACE"} <= set(known_names())
+
+
+@pytest.mark.parametrize("url", ["redis://h:6379/0", "rediss://h/1", "amqp://u:p@h:5672/", "amqps://h//"])
+def test_redis_and_amqp_urls_are_dramatiq_brokers(url: str) -> None:
+    assert validate_dramatiq_broker_url(url) == url
+
+
+@pytest.mark.parametrize("url, words", [("rdis://h:6379/0", "did you mean 'redis'"),
+                                         ("sqs://h", "Dramatiq has no broker for 'sqs'"),
+                                         ("localhost:6379", "is not a broker URL")])
+def test_a_bad_dramatiq_url_names_the_setting(url: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_dramatiq_broker_url(url)
+    assert "OUTBOX_DRAMATIQ_BROKER_URL" in str(info.value) and words in str(info.value)
+
+
+def test_a_bad_namespace_names_the_setting() -> None:
+    assert validate_dramatiq_namespace("outbox-test:1") == "outbox-test:1"
+    with pytest.raises(ConfigError, match="OUTBOX_DRAMATIQ_NAMESPACE"):
+        validate_dramatiq_namespace("has space")
+
+
+def test_dramatiq_is_the_runner_only_when_its_broker_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not configured() and broker_url() is None
+    with pytest.raises(ConfigError, match="OUTBOX_DRAMATIQ_BROKER_URL is not set"):
+        broker_url(required=True)
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", "redis://127.0.0.1:6379/0")
+    assert configured() and broker_url() == "redis://127.0.0.1:6379/0"
+
+
+def test_a_message_expires_after_its_max_age() -> None:
+    m = message(CLAIM_TASK, CLAIM_QUEUE, {"token": "t"}, max_age_s=0.2)
+    assert (m.actor_name, m.queue_name, m.kwargs["token"]) == (CLAIM_TASK, CLAIM_QUEUE, "t")
+    assert not expired(m.kwargs["expires_at"])
+    time.sleep(0.3)
+    assert expired(m.kwargs["expires_at"]) and not expired(None)
+
+
+@pytest.mark.parametrize("env, words", [({}, "OUTBOX_DRAMATIQ_BROKER_URL is not set"),
+                                         ({"OUTBOX_DRAMATIQ_BROKER_URL": "rdis://h"}, "did you mean 'redis'")])
+def test_the_worker_and_scheduler_refuse_a_bad_configuration(tmp_path: Path, env: dict[str, str],
+                                                             words: str) -> None:
+    base = {"PATH": str(BIN), "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", **env}
+    worker = subprocess.run([str(BIN / "dramatiq"), "outbox.dramatiq", "-p", "1", "-t", "1"], env=base,
+                            capture_output=True, text=True, timeout=60)
+    assert worker.returncode != 0 and words in worker.stdout + worker.stderr, worker.stderr[-2000:]
+    scheduler = subprocess.run([str(BIN / "outbox-dramatiq-scheduler")], env=base, capture_output=True, text=True,
+                               timeout=60)
+    assert scheduler.returncode == 2 and words in scheduler.stderr
+
+
+# -- the post-commit wake sends a Dramatiq message ------------------------------------------------
+
+@pytest.fixture
+def redis_namespace(monkeypatch: pytest.MonkeyPatch) -> Any:
+    require("Redis", "127.0.0.1", 6379)
+    import redis
+
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", REDIS_URL)
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_NAMESPACE", ns)
+    wake._reset_for_tests()
+    client = redis.Redis.from_url(REDIS_URL)
+    yield ns, client
+    wake._reset_for_tests()
+    for key in client.scan_iter(match=f"{ns}*"):
+        client.delete(key)
+    client.delete(wake.token_for(REDIS_URL, ns))
+
+
+def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path, redis_namespace: Any) -> None:
+    ns, client = redis_namespace
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url, table="outbox_wake")
+    store.migrate()
+    conn = sqlite3.connect(tmp_path / "o.db")
+    for n in range(3):  # a burst of commits: one claim message, carrying the wake token
+        with outbox.transaction(conn):
+            outbox.enqueue(conn, topic="t.x", aggregate_type="a", aggregate_id="1", payload={"n": n},
+                           table="outbox_wake")
+    assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 1
+    [encoded] = client.hvals(f"{ns}:{CLAIM_QUEUE}.msgs")
+    sent = json.loads(encoded)
+    assert sent["actor_name"] == CLAIM_TASK and sent["queue_name"] == CLAIM_QUEUE
+    assert sent["kwargs"]["token"] == wake.token_for(REDIS_URL, ns)
+    assert sent["kwargs"]["expires_at"] > time.time()
+    # The worker clears the token as the claim starts: the next commit sends again.
+    wake.clear_token(sent["kwargs"]["token"], REDIS_URL)
+    with outbox.transaction(conn):
+        outbox.enqueue(conn, topic="t.x", aggregate_type="a", aggregate_id="1", payload={}, table="outbox_wake")
+    assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 2
+    # A rolled-back transaction wakes nobody.
+    with pytest.raises(RuntimeError):
+        with outbox.transaction(conn):
+            wake.clear_token(sent["kwargs"]["token"], REDIS_URL)
+            raise RuntimeError("rolled back")
+    assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 2
+    conn.close()
+    store.close()
+
+
+# -- the scheduler's leader lock -------------------------------------------------------------------
+
+def _locks(kind: str, name: str) -> tuple[Any, Any]:
+    if kind == "redis":
+        require("Redis", "127.0.0.1", 6379)
+        return RedisLock(REDIS_URL, name), RedisLock(REDIS_URL, name)
+    require("RabbitMQ", "127.0.0.1", 5672)
+    return RabbitLock(AMQP_URL, name), RabbitLock(AMQP_URL, name)
+
+
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_one_scheduler_holds_the_lock_and_a_standby_takes_over(kind: str) -> None:
+    first, second = _locks(kind, f"test-{uuid.uuid4().hex[:10]}")
+    try:
+        assert first.hold() and not second.hold()
+        assert first.hold() and not second.hold()  # renewed, still refused
+        first.release()
+        assert second.hold() and not first.hold()
+    finally:
+        first.release()
+        second.release()
+
+
+def test_a_dead_schedulers_redis_lock_expires() -> None:
+    require("Redis", "127.0.0.1", 6379)
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    gone, standby = RedisLock(REDIS_URL, name, ttl_s=0.5), RedisLock(REDIS_URL, name)
+    try:
+        assert gone.hold() and not standby.hold()
+        time.sleep(0.7)  # the holder stopped renewing (crashed)
+        assert standby.hold()
+    finally:
+        standby.release()
+    assert LOCK_TTL_S > 1
+
+
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
+    """Two schedulers run side by side for 2.5 s with a 0.25 s claim tick: the ticks sent
+    are those of one scheduler, not twice as many."""
+    locks = _locks(kind, lock_name("url", "ns", f"db-{uuid.uuid4().hex}", "t"))
+    sent: list[tuple[int, str]] = []
+    stop = threading.Event()
+    entries = [(CLAIM_TASK, CLAIM_QUEUE, 0.25, 0.25), (PURGE_TASK, "outbox.purge", 3600.0, 3600.0)]
+    threads = [threading.Thread(target=run, args=(stop, entries, lock),
+                                kwargs={"send": lambda actor, queue, kwargs, max_age_s, i=i: sent.append((i, actor))})
+               for i, lock in enumerate(locks)]
+    for t in threads:
+        t.start()
+    time.sleep(2.5)
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    senders = {i for i, _ in sent}
+    assert len(senders) == 1, sent
+    assert 8 <= len(sent) <= 12 and {actor for _, actor in sent} == {CLAIM_TASK}, sent
