@@ -193,3 +193,47 @@ def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
     senders = {i for i, _ in sent}
     assert len(senders) == 1, sent
     assert 8 <= len(sent) <= 12 and {actor for _, actor in sent} == {CLAIM_TASK}, sent
+
+
+# -- the relay's metrics from a Dramatiq worker ---------------------------------------------------
+
+from test_relay_e2e import destination, procs_factory, relay_env, sqlite_outbox, wait_until  # noqa: E402,F401
+from runners import DRAMATIQ  # noqa: E402
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_dramatiq_worker_serves_the_relays_metrics(tmp_path: Path, destination: Any, sqlite_outbox: Any,
+                                                      procs_factory: Any) -> None:
+    """MetricsMiddleware: with OUTBOX_RELAY_METRICS_PORT the worker serves the same
+    metrics as the Celery worker, counting what it relayed."""
+    import urllib.request
+
+    port = _free_port()
+    with sqlite_outbox.writer() as conn:
+        ids = [sqlite_outbox.add(conn, "m", n) for n in range(5)]
+        conn.commit()
+    procs = procs_factory(relay_env(tmp_path, destination, sqlite_outbox, DRAMATIQ, OUTBOX_CLAIM_INTERVAL_S="0.3",
+                                    OUTBOX_RELAY_METRICS_PORT=str(port), OUTBOX_RELAY_METRICS_ADDR="127.0.0.1"),
+                          DRAMATIQ)
+    procs.worker("w1", concurrency=1)
+    procs.beat()
+    assert destination.wait_for(lambda: set(ids) <= destination.arrived(), timeout=30, procs=procs), (
+        procs.log("w1")[-3000:])
+
+    def published() -> float:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return -1.0
+        lines = [line for line in text.splitlines() if line.startswith("outbox_published_total ")]
+        return float(lines[0].split()[1]) if lines else -1.0
+
+    assert wait_until(lambda: published() == 5.0, timeout=15), (published(), procs.log("w1")[-3000:])
+    assert "outbox metrics: serving" in procs.log("w1")
