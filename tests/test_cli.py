@@ -17,10 +17,16 @@ def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=60)
 
 
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Assert success, showing what the child printed when it failed."""
+    assert result.returncode == 0, f"{result.args}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    return result
+
+
 def test_migrate_status_dead_and_purge(tmp_path: Path) -> None:
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
-    assert run("migrate", env=env).returncode == 0
-    assert run("migrate", env=env).returncode == 0
+    ok(run("migrate", env=env))
+    ok(run("migrate", env=env))
     conn = sqlite3.connect(tmp_path / "o.db")
     enqueue(conn, topic="t", aggregate_type="o", aggregate_id="1", payload={"a": 1})
     conn.commit()
@@ -28,12 +34,12 @@ def test_migrate_status_dead_and_purge(tmp_path: Path) -> None:
     assert status.returncode == 0, status.stderr
     data = json.loads(status.stdout)
     assert data["counts"]["pending"] == 1 and data["dead"] == 0 and data["oldest_pending_age_s"] >= 0
-    assert "pending: 1" in run("status", env=env).stdout
-    empty = run("dead", "list", env=env)
-    assert empty.returncode == 0 and empty.stdout.strip() == "no dead rows"
-    assert run("dead", "list", "--json", env=env).stdout == ""  # stdout stays JSON lines
-    assert "requeued 0" in run("dead", "requeue", "--all", env=env).stdout
-    assert "purged 0" in run("purge", env=env).stdout
+    assert "pending: 1" in ok(run("status", env=env)).stdout
+    empty = ok(run("dead", "list", env=env))
+    assert empty.stdout.strip() == "no dead rows"
+    assert ok(run("dead", "list", "--json", env=env)).stdout == ""  # stdout stays JSON lines
+    assert "requeued 0" in ok(run("dead", "requeue", "--all", env=env)).stdout
+    assert "purged 0" in ok(run("purge", env=env)).stdout
 
 
 def test_bad_configuration_exits_non_zero_with_one_line(tmp_path: Path) -> None:
@@ -47,15 +53,13 @@ def test_bad_configuration_exits_non_zero_with_one_line(tmp_path: Path) -> None:
 def test_every_command_has_help() -> None:
     for args in [(), ("migrate",), ("status",), ("dead",), ("dead", "list"), ("dead", "requeue"), ("purge",),
                  ("check",), ("demo",)]:
-        result = run(*args, "--help", env={})
-        assert result.returncode == 0 and "Usage:" in result.stdout
+        assert "Usage:" in ok(run(*args, "--help", env={})).stdout
 
 
 def test_every_command_names_the_database_it_used_with_the_password_masked(tmp_path: Path) -> None:
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
     for args in (("migrate",), ("status",), ("status", "--json"), ("dead", "list"), ("purge",)):
-        result = run(*args, env=env)
-        assert result.returncode == 0, result.stderr
+        result = ok(run(*args, env=env))
         assert f"outbox: database sqlite:///{tmp_path / 'o.db'}" in result.stderr, (args, result.stderr)
     # The default: ./outbox.db in the current directory, with its absolute path.
     default = subprocess.run([sys.executable, "-m", "outbox.cli", "migrate"], capture_output=True, text=True,

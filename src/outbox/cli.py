@@ -180,12 +180,14 @@ def check() -> None:
 
 @main.command()
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every event to arrive.")
+@click.option("--keep", is_flag=True, help="Keep the demo's SQLite outbox (default: removed at the end).")
 @one_line_errors
-def demo(timeout: float) -> None:
+def demo(timeout: float, keep: bool) -> None:
     """Run the whole pipeline on the embedded default (SQLite, in-memory brokers, an
-    in-process Celery worker) and check that every committed event arrives in order."""
+    in-process Celery worker) and check that every committed event arrives in order.
+    Its temporary files are removed at the end (unless --keep)."""
     from .demo import run_demo
-    if not run_demo(timeout_s=timeout):
+    if not run_demo(timeout_s=timeout, keep=keep):
         raise click.ClickException("the demo's checks failed")
 
 
