@@ -117,3 +117,80 @@ def test_postgres_extra_alone_runs_the_worker_and_beat_on_the_default_redis_brok
         ping = (f"import kombu\nc = kombu.Connection({REDIS_URL!r}, connect_timeout=5)\n"
                 "c.ensure_connection(max_retries=2)\nc.default_channel.client.ping()\nprint('redis ok')\n")
         assert "redis ok" in run([str(bin_dir / "python"), "-c", ping], cwd=work)
+
+
+def test_following_the_readme_literally_delivers_on_postgres_redis_and_rabbitmq(
+        dist: dict[str, Path], tmp_path: Path) -> None:
+    """The README's path in a fresh venv: install with the postgres extra, export the three
+    URLs, `outbox migrate`, bind a queue as the README shows, `outbox check`, start
+    `celery -A outbox worker` and `beat`, enqueue with the write-side snippet: it arrives.
+    Isolation from parallel runs: an own table, exchange and queue, and a Redis key prefix
+    (a Celery config module, the only thing the README does not say)."""
+    import signal
+    import uuid
+
+    from services import AMQP_URL, POSTGRES_URL, require
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    require("RabbitMQ", "127.0.0.1", 5672)
+    require("Redis", "127.0.0.1", 6379)
+    bin_dir = fresh_venv(tmp_path / "venv", f"{dist['wheel']}[postgres]")
+    work = tmp_path / "work"
+    work.mkdir()
+    tag = uuid.uuid4().hex[:8]
+    prefix = f"outbox-readme-{tag}:"
+    (work / "relayconf.py").write_text(f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
+    env = {"OUTBOX_DATABASE_URL": POSTGRES_URL, "OUTBOX_CELERY_BROKER_URL": REDIS_URL,
+           "OUTBOX_PUBLISH_URL": AMQP_URL, "OUTBOX_TABLE": f"readme_{tag}", "OUTBOX_EXCHANGE": f"outbox-readme-{tag}",
+           "CELERY_CONFIG_MODULE": "relayconf", "PYTHONPATH": str(work), "OUTBOX_CLAIM_INTERVAL_S": "0.5",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    python = str(bin_dir / "python")
+    # The README's binding snippet (queue and exchange names made unique).
+    bind = (f"from kombu import Connection, Exchange, Queue\n"
+            f"exchange = Exchange({env['OUTBOX_EXCHANGE']!r}, type='topic', durable=True)\n"
+            f"queue = Queue('billing-{tag}', exchange, routing_key='orders.#', durable=True)\n"
+            f"with Connection({AMQP_URL!r}) as conn:\n"
+            f"    queue(conn.default_channel).declare()\n")
+    # The README's write-side snippet (psycopg 3, %s placeholders).
+    write = (f"import psycopg\nfrom outbox import enqueue\n"
+             f"with psycopg.connect({POSTGRES_URL!r}) as conn:\n"
+             f"    conn.execute('CREATE TABLE IF NOT EXISTS orders_{tag} (id int primary key, state text)')\n"
+             f"    conn.execute(\"INSERT INTO orders_{tag} VALUES (%s, 'created')\", (42,))\n"
+             f"    outbox_id = enqueue(conn, topic='orders.created', aggregate_type='order', aggregate_id='42',\n"
+             f"                        payload={{'orderId': '42'}}, headers={{'x-tenant': 'acme'}})\n"
+             f"print(outbox_id)\n")
+    consume = (f"from kombu import Connection, Queue\n"
+               f"with Connection({AMQP_URL!r}) as conn:\n"
+               f"    q = conn.SimpleQueue(Queue('billing-{tag}', no_declare=True))\n"
+               f"    m = q.get(timeout=60)\n"
+               f"    print(m.headers['topic'], m.body if isinstance(m.body, str) else m.body.decode())\n"
+               f"    m.ack()\n")
+    procs: list[subprocess.Popen] = []
+    try:
+        assert "migrated" in run([str(bin_dir / "outbox"), "migrate"], cwd=work, env=env)
+        run([python, "-c", bind], cwd=work, env=env)
+        run([str(bin_dir / "outbox"), "check"], cwd=work, env=env)
+        for name in ("worker", "beat"):
+            with open(tmp_path / f"{name}.log", "wb") as out:
+                procs.append(subprocess.Popen([str(bin_dir / "celery"), "-A", "outbox", name, "--loglevel=INFO"],
+                                              cwd=work, env={**os.environ, **env}, stdout=out,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        run([python, "-c", write], cwd=work, env=env)
+        arrived = run([python, "-c", consume], cwd=work, env=env, timeout=120)
+        assert 'orders.created {"orderId": "42"}' in arrived
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+        cleanup = (f"import psycopg, redis\nfrom kombu import Connection, Exchange, Queue\n"
+                   f"with psycopg.connect({POSTGRES_URL!r}, autocommit=True) as c:\n"
+                   f"    c.execute('DROP TABLE IF EXISTS readme_{tag}'); c.execute('DROP TABLE IF EXISTS orders_{tag}')\n"
+                   f"with Connection({AMQP_URL!r}) as conn:\n"
+                   f"    Queue('billing-{tag}')(conn.default_channel).delete()\n"
+                   f"    Exchange({env['OUTBOX_EXCHANGE']!r})(conn.default_channel).delete()\n"
+                   f"r = redis.Redis.from_url({REDIS_URL!r})\n"
+                   f"[r.delete(k) for k in r.scan_iter(match={prefix + '*'!r})]\n")
+        subprocess.run([python, "-c", cleanup], cwd=work, timeout=60)
