@@ -140,7 +140,16 @@ def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_datab
     assert "no dead rows" in ok(manage("outbox_dead", "list", env=env))
     check = manage("outbox_check", env=env)
     assert "[ok  ] table" in check.stdout and "[ok  ] indexes" in check.stdout, check.stdout + check.stderr
-    assert "Usage: manage.py outbox_purge" in ok(manage("outbox_purge", "--help", env=env))
+    assert "Usage: manage.py outbox_purge [OPTIONS]" in ok(manage("outbox_purge", "--help", env=env))
+    assert "Usage: manage.py outbox_dead [OPTIONS] COMMAND" in ok(manage("outbox_dead", "--help", env=env))
+    # From code: call_command, output to the command's stdout, failures as CommandError.
+    code = ("import io\nfrom django.core.management import call_command, CommandError\n"
+            "out = io.StringIO()\ncall_command('outbox_status', '--json', stdout=out)\n"
+            "print('status:', out.getvalue().strip())\n"
+            "try:\n    call_command('outbox_purge', '--batch', '0', stdout=io.StringIO())\n"
+            "except CommandError as exc:\n    print('purge refused:', exc)\n")
+    called = ok(manage("shell", "-c", code, env=env))
+    assert 'status: {"counts": {' in called and "purge refused:" in called and "--batch" in called, called
     bad = manage("outbox_purge", "--batch", "0", env=env)
     assert bad.returncode == 2 and "--batch" in bad.stderr
 

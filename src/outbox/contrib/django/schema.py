@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import get_settings
+from ...config import get_settings, load_settings
 from ...engines import Engine, engine_class, unwrap_connection
 from ...store import apply_migration
 
@@ -43,4 +43,7 @@ def requeue_dead(connection: Any, ids: list[int]) -> int:
 
 
 def table_name() -> str:
-    return get_settings().table
+    """OUTBOX_TABLE, read without caching the settings: models.py asks at import time, before
+    Django's test runner has switched DATABASES to the test database, and the cached
+    settings would keep the database URL of that moment."""
+    return load_settings().table

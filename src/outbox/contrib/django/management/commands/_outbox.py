@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from typing import Any
 
 import click
@@ -18,13 +19,18 @@ class OutboxCommand(BaseCommand):
     cli_args: list[str] = []
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> Any:
+        """For ``call_command``: Django's parser takes its own options; everything it does
+        not know, in order, goes to the ``outbox`` command as ``outbox_args``."""
         parser = super().create_parser(prog_name, subcommand, **kwargs)
-        self._prog = f"{prog_name} {subcommand}"
-        return parser
+        known = parser.parse_known_args
 
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("outbox_args", nargs=argparse.REMAINDER,
-                            help=f"options of `outbox {' '.join(self.cli_args)}` (see its --help)")
+        def parse_args(args: Any = None, namespace: Any = None) -> argparse.Namespace:
+            options, rest = known(args, namespace)
+            options.outbox_args = list(rest)
+            return options
+
+        parser.parse_args = parse_args  # type: ignore[method-assign]
+        return parser
 
     def run_from_argv(self, argv: list[str]) -> None:
         # Django's own argument parsing would eat --help and --json: hand everything to
@@ -32,9 +38,8 @@ class OutboxCommand(BaseCommand):
         from django.conf import settings
 
         settings.INSTALLED_APPS  # noqa: B018  (fail here, clearly, if settings do not import)
-        from outbox.cli import main
-
-        main.main(args=[*self.cli_args, *argv[2:]], prog_name=f"{argv[0]} {argv[1]}", standalone_mode=True)
+        _command(self.cli_args).main(args=argv[2:], prog_name=f"{os.path.basename(argv[0])} {argv[1]}",
+                                     standalone_mode=True)
 
     def handle(self, *args: Any, **options: Any) -> None:
         """``call_command("outbox_status", "--json")``: output to ``self.stdout`` and
@@ -56,6 +61,17 @@ class OutboxCommand(BaseCommand):
         if code:
             errors = [line for line in err.text.splitlines() if line.startswith("error:")]
             raise CommandError(errors[-1][len("error: "):] if errors else f"exit status {code}", returncode=code)
+
+
+def _command(path: list[str]) -> click.Command:
+    """The click command at ``path`` under ``outbox`` (``["dead"]`` is the dead group)."""
+    from outbox.cli import main
+
+    command: click.Command = main
+    for name in path:
+        assert isinstance(command, click.Group)
+        command = command.commands[name]
+    return command
 
 
 class _Capture:
