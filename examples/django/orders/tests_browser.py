@@ -19,7 +19,8 @@ CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.whic
 try:
     from selenium import webdriver
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 except ImportError:  # pragma: no cover
     webdriver = None
 
@@ -52,9 +53,13 @@ class AdminInBrowserTests(StaticLiveServerTestCase):
         b.find_element(By.NAME, "username").send_keys("admin")
         b.find_element(By.NAME, "password").send_keys("pw-for-tests")
         b.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
-        self.assertIn("outbox event", b.title.lower())
+        # Every navigation is awaited explicitly: a loaded machine may be slow to render.
+        wait = WebDriverWait(b, 60)
+        wait.until(EC.title_contains("outbox event"))
         # The status filter: only dead rows, each with its error.
         b.find_element(By.LINK_TEXT, "dead").click()
+        wait.until(EC.url_contains("status__exact=4"))
+        wait.until(EC.presence_of_element_located((By.ID, "result_list")))
         rows = b.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
         self.assertEqual(len(rows), 1)
         self.assertIn("unroutable: no queue bound", rows[0].text)
@@ -63,10 +68,12 @@ class AdminInBrowserTests(StaticLiveServerTestCase):
         rows[0].find_element(By.CSS_SELECTOR, "input.action-select").click()
         Select(b.find_element(By.NAME, "action")).select_by_value("requeue_dead")
         b.find_element(By.NAME, "index").click()
-        self.assertIn("Requeued 1 dead event(s).", b.find_element(By.CSS_SELECTOR, "ul.messagelist").text)
+        messages = wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "ul.messagelist")))
+        self.assertIn("Requeued 1 dead event(s).", messages.text)
         self.assertEqual(OutboxEvent.objects.get(id=dead).status, Status.PENDING)
         self.assertEqual(OutboxEvent.objects.get(id=pending).status, Status.PENDING)
         # The row's page shows its fields read-only.
         b.get(f"{self.live_server_url}/admin/outbox/outboxevent/{dead}/change/")
+        wait.until(EC.url_contains(f"/{dead}/change/"))
         self.assertIn("orders.created", b.find_element(By.ID, "content").text)
         self.assertEqual(b.find_elements(By.CSS_SELECTOR, "input[name=_save]"), [])
