@@ -74,9 +74,12 @@ def test_dependencies_exist_and_wait_for_health_or_completion() -> None:
         for dependency, spec in depends.items():
             assert dependency in SERVICES, f"{name} depends on unknown service {dependency}"
             condition = spec["condition"]
-            assert condition in ("service_healthy", "service_completed_successfully"), (name, dependency)
+            assert condition in ("service_healthy", "service_completed_successfully", "service_started"), (
+                name, dependency)
             if condition == "service_healthy":
                 assert "healthcheck" in SERVICES[dependency], f"{dependency} has no healthcheck for {name}"
+            elif condition == "service_started":
+                assert SERVICES[name].get("profiles") == ["monitoring"], f"{name} must wait for health or completion"
             else:
                 assert SERVICES[dependency].get("restart") == "no", f"{dependency} is a one-shot: restart no"
     # The workers wait for the migrate one-shot, which waits for the database.
@@ -315,3 +318,30 @@ def test_the_entrypoint_runs_migrate_worker_and_beat_unprivileged_in_a_read_only
         client = redis.Redis.from_url(REDIS_URL)
         for key in client.scan_iter(match=f"{prefix}*"):
             client.delete(key)
+
+
+def test_monitoring_scrapes_the_workers_metrics_port_and_the_dashboard_uses_real_metrics() -> None:
+    import json
+
+    prometheus = yaml.safe_load((ROOT / "worker" / "monitoring" / "prometheus.yml").read_text())
+    target = prometheus["scrape_configs"][0]["dns_sd_configs"][0]
+    assert target["names"] == ["worker"] and "worker" in SERVICES
+    assert str(target["port"]) == service_env("worker")["OUTBOX_RELAY_METRICS_PORT"]
+    for name in ("prometheus", "grafana"):
+        assert SERVICES[name]["profiles"] == ["monitoring"]
+        for volume in SERVICES[name]["volumes"]:
+            assert (ROOT / volume.split(":")[0]).exists(), volume
+    source = (ROOT / "src" / "outbox" / "metrics.py").read_text()
+    declared = set(re.findall(r'(?:Counter|Gauge|Histogram)\("(outbox_[a-z_]+)"', source))
+    kinds = {metric: kind for kind, metric in re.findall(r'(Counter|Gauge|Histogram)\("(outbox_[a-z_]+)"', source)}
+    dashboard = json.loads((ROOT / "worker" / "monitoring" / "grafana" / "dashboards" / "outbox.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert exprs
+    for expr in exprs:
+        for used in re.findall(r"outbox_[a-z_]+", expr):
+            base = re.sub(r"_(total|bucket|sum|count)$", "", used)
+            assert base in declared, f"the dashboard queries {used}, which outbox.metrics does not export"
+            if used.endswith("_total"):
+                assert kinds[base] == "Counter", used
+            if used.endswith("_bucket"):
+                assert kinds[base] == "Histogram", used
