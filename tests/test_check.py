@@ -105,6 +105,9 @@ def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
                 queue(conn.default_channel).delete()
         assert bound.returncode == 0, bound.stdout
         assert lines(bound)["queue bound to the exchange"] == "ok" and f"check-q-{tag}" in bound.stdout
+        # No Celery broker configured next to a server database: the implied default is named.
+        implied = check({k: v for k, v in env.items() if k != "OUTBOX_CELERY_BROKER_URL"}, tmp_path)
+        assert lines(implied)["celery broker url"] == "warn" and "redis://127.0.0.1:6379/0" in implied.stdout
         # Unreachable brokers fail with the masked URL.
         down = check({**env, "OUTBOX_CELERY_BROKER_URL": "redis://:pw@127.0.0.1:1/0",
                       "OUTBOX_PUBLISH_URL": "amqp://guest:pw@127.0.0.1:1//"}, tmp_path)

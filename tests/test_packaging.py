@@ -86,6 +86,9 @@ def test_the_wheel_alone_runs_the_cli_on_the_embedded_default(dist: dict[str, Pa
     where = run([str(bin_dir / "python"), "-c", "import outbox, beat_schedule; print(outbox.__file__)"], cwd=work)
     assert str(tmp_path / "venv") in where
     assert "Usage:" in run([str(bin_dir / "celery"), "-A", "outbox", "worker", "--help"], cwd=work)
+    # DJANGO_SETTINGS_MODULE without Django: said, not silently ignored.
+    no_django = run([str(bin_dir / "outbox"), "status"], cwd=work, env={"DJANGO_SETTINGS_MODULE": "shop.settings"})
+    assert "DJANGO_SETTINGS_MODULE is set but Django is not installed" in no_django
     # No driver installed for PostgreSQL: the error names the extra to install.
     missing = subprocess.run([str(bin_dir / "outbox"), "status"], cwd=work, capture_output=True, text=True,
                              timeout=60, env={"PATH": os.environ.get("PATH", ""),

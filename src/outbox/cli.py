@@ -86,6 +86,8 @@ def main(verbose: bool) -> None:
     OUTBOX_DATABASE_URL (default sqlite:///outbox.db).
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
+    # Configuration warnings (settings that are ignored) are shown even without -v.
+    logging.getLogger("outbox.config").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 @main.command()

@@ -136,6 +136,9 @@ def _django_settings() -> Mapping[str, Any]:
     try:
         from django.conf import settings as dj  # type: ignore[import-not-found]
     except ImportError:
+        if os.environ.get("DJANGO_SETTINGS_MODULE"):
+            _warn_once("DJANGO_SETTINGS_MODULE is set but Django is not installed: its settings are not read "
+                       '(pip install "outbox-relay[django]")')
         return {}
     try:
         if not dj.configured and not os.environ.get("DJANGO_SETTINGS_MODULE"):
@@ -152,6 +155,17 @@ def _django_settings() -> Mapping[str, Any]:
     if not values.get("OUTBOX_DATABASE_URL") and "default" in databases and getattr(dj, "SETTINGS_MODULE", None):
         values["OUTBOX_DATABASE_URL"] = django_database_url(databases["default"])
     return values
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        import logging
+
+        logging.getLogger("outbox.config").warning("outbox: %s", message)
 
 
 #: Django ENGINE (its last dotted part) -> URL scheme of OUTBOX_DATABASE_URL.

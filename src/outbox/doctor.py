@@ -188,6 +188,9 @@ def run_checks(environ: dict[str, str] | None = None, *,
     if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:
         results.append(Result("database url", WARN, "OUTBOX_DATABASE_URL is not set: using ./outbox.db "
                               "in the current directory"))
+    if not settings.celery_broker_url and not settings.database_url.startswith("sqlite"):
+        results.append(Result("celery broker url", WARN, f"OUTBOX_CELERY_BROKER_URL is not set: using "
+                              f"{settings.broker_url}; workers, beat and web processes must all use the same one"))
     results += check_database(settings)
     results.append(check_celery_broker(settings))
     results += check_destination(settings)
