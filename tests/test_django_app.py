@@ -137,6 +137,9 @@ def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_datab
     # The management commands mirror the CLI.
     status = ok(manage("outbox_status", "--json", env=env))
     assert '"pending": 0' in status
+    # manage.py's own --settings is manage.py's, not the outbox command's.
+    settings_flag = {k: v for k, v in env.items() if k != "DJANGO_SETTINGS_MODULE"}
+    assert '"pending": 0' in ok(manage("outbox_status", "--settings=shop.settings", "--json", env=settings_flag))
     assert "no dead rows" in ok(manage("outbox_dead", "list", env=env))
     check = manage("outbox_check", env=env)
     assert "[ok  ] table" in check.stdout and "[ok  ] indexes" in check.stdout, check.stdout + check.stderr

@@ -38,8 +38,8 @@ class OutboxCommand(BaseCommand):
         from django.conf import settings
 
         settings.INSTALLED_APPS  # noqa: B018  (fail here, clearly, if settings do not import)
-        _command(self.cli_args).main(args=argv[2:], prog_name=f"{os.path.basename(argv[0])} {argv[1]}",
-                                     standalone_mode=True)
+        _command(self.cli_args).main(args=_without_django_options(argv[2:]),
+                                     prog_name=f"{os.path.basename(argv[0])} {argv[1]}", standalone_mode=True)
 
     def handle(self, *args: Any, **options: Any) -> None:
         """``call_command("outbox_status", "--json")``: output to ``self.stdout`` and
@@ -61,6 +61,23 @@ class OutboxCommand(BaseCommand):
         if code:
             errors = [line for line in err.text.splitlines() if line.startswith("error:")]
             raise CommandError(errors[-1][len("error: "):] if errors else f"exit status {code}", returncode=code)
+
+
+#: Options manage.py itself acts on before running any command; not the outbox command's.
+_DJANGO_OPTIONS = ("--settings", "--pythonpath")
+
+
+def _without_django_options(args: list[str]) -> list[str]:
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in _DJANGO_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in _DJANGO_OPTIONS)):
+            kept.append(arg)
+    return kept
 
 
 def _command(path: list[str]) -> click.Command:
