@@ -15,8 +15,10 @@ Instead, the worker's main process logs a heartbeat at INFO every OUTBOX_RELAY_H
     outbox heartbeat: alive; backlog pending=0 claimed=0 failed=0 dead=0; oldest undelivered -;
     312 claim ticks since the last heartbeat
 
-It reads ``OutboxStore.stats()`` (one short query per heartbeat); a failure to read is
-logged as a warning and the heartbeat goes on.
+It reads ``OutboxStore.stats()`` (the query of ``outbox status``, once per heartbeat); a
+failure to read is logged as a warning and the heartbeat goes on. ``celery -A outbox
+beat`` logs its own line at the same interval, ``outbox beat heartbeat: alive; N claim
+ticks sent since the last heartbeat`` (no database query).
 """
 
 from __future__ import annotations
@@ -52,21 +54,30 @@ class TickFilter(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ticks = 0
+        self.ticks = 0  # received by this worker
+        self.sent = 0  # sent by this beat
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO or _task_name(record) != CLAIM_TASK:
             return True
-        if record.name == "celery.worker.strategy":
+        if record.name in ("celery.worker.strategy", "celery.beat"):
             with self._lock:
-                self.ticks += 1
+                if record.name == "celery.beat":
+                    self.sent += 1
+                else:
+                    self.ticks += 1
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
     def take_ticks(self) -> int:
         with self._lock:
             ticks, self.ticks = self.ticks, 0
         return ticks
+
+    def take_sent(self) -> int:
+        with self._lock:
+            sent, self.sent = self.sent, 0
+        return sent
 
 
 tick_filter = TickFilter()
@@ -124,6 +135,38 @@ class Heartbeat:
             self.beat_once(tick_filter.take_ticks())
 
 
+class BeatHeartbeat:
+    """Beat's own heartbeat: alive, and how many claim ticks it sent (no database query)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outbox-beat-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        tick_filter.take_sent()
+        while not self._stop.wait(self.interval_s):
+            log.info("outbox beat heartbeat: alive; %d claim ticks sent since the last heartbeat",
+                     tick_filter.take_sent())
+
+
+_beat_heartbeat: BeatHeartbeat | None = None
+
+
+def _start_beat_heartbeat(**_: Any) -> None:
+    global _beat_heartbeat
+    if _beat_heartbeat is not None or _sources is None:
+        return
+    _beat_heartbeat = BeatHeartbeat(_sources[1]().heartbeat_s)
+    _beat_heartbeat.start()
+
+
 _heartbeat: Heartbeat | None = None
 #: (settings getter, relay options getter) given by ``install``.
 _sources: tuple[Callable[[], Any], Callable[[], Any]] | None = None
@@ -153,6 +196,8 @@ def install(settings: Callable[[], Any], options: Callable[[], Any]) -> None:
     install_tick_filter()
     signals.worker_ready.connect(_start_heartbeat, weak=False, dispatch_uid="outbox-heartbeat-start")
     signals.worker_shutdown.connect(_stop_heartbeat, weak=False, dispatch_uid="outbox-heartbeat-stop")
+    signals.beat_init.connect(_start_beat_heartbeat, weak=False, dispatch_uid="outbox-beat-heartbeat-start")
 
 
-__all__ = ["TickFilter", "tick_filter", "install", "install_tick_filter", "heartbeat_line", "Heartbeat"]
+__all__ = ["TickFilter", "tick_filter", "install", "install_tick_filter", "heartbeat_line", "Heartbeat",
+           "BeatHeartbeat"]
