@@ -211,5 +211,11 @@ def _stop_embedded_beat(**_: Any) -> None:
         _embedded_beat = None
 
 
+# Idle workers and beat are quiet at INFO and log a heartbeat instead (outbox.worker_logging).
+from . import worker_logging as _worker_logging  # noqa: E402
+
+_worker_logging.install(relay_settings, relay_options)
+
+
 __all__ = ["app", "relay_settings", "relay_options", "reset_relay_settings", "celery_config",
            "load_beat_schedule"]

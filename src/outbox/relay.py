@@ -120,6 +120,9 @@ class RelayOptions:
     #: body larger than this. The default is ``publisher.DEFAULT_MAX_MESSAGE_BYTES``
     #: (16 MiB, RabbitMQ 4's own limit); set it to your broker's ``max_message_size``.
     max_message_bytes: int = 16 * 1024 * 1024
+    #: Every this many seconds a worker logs one INFO line: alive, the backlog per status
+    #: and the age of the oldest undelivered row (``outbox.worker_logging``).
+    heartbeat_s: float = 300.0
 
     @classmethod
     def from_sources(cls, *sources: Mapping[str, Any]) -> "RelayOptions":
