@@ -237,3 +237,14 @@ def test_a_dramatiq_worker_serves_the_relays_metrics(tmp_path: Path, destination
 
     assert wait_until(lambda: published() == 5.0, timeout=15), (published(), procs.log("w1")[-3000:])
     assert "outbox metrics: serving" in procs.log("w1")
+
+
+def test_no_wake_warning_when_dramatiq_is_the_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded default's warning (Celery's memory:// broker reaches no worker) is not
+    given when wakes go to Dramatiq's broker."""
+    from outbox.contrib.startup import wake_problem
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"sqlite:///{tmp_path / 'o.db'}")
+    assert wake_problem() is not None and "memory://" in wake_problem()
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", "redis://127.0.0.1:6379/0")
+    assert wake_problem() is None

@@ -26,6 +26,11 @@ def wake_problem() -> str | None:
     if not wake.flag("OUTBOX_RELAY_WAKE", True):
         return None  # turned off on purpose
     settings = load_settings()
+    from .. import dramatiq_broker
+
+    if dramatiq_broker.configured():
+        dramatiq_broker.broker_url()  # Dramatiq is the runner: wakes go to its (validated) broker
+        return None
     from ..celery import app
 
     broker = str(app.conf.broker_url or settings.broker_url)
