@@ -21,7 +21,8 @@ pytest.importorskip("dramatiq")
 import outbox  # noqa: E402
 from outbox import wake  # noqa: E402
 from outbox.config import known_names, validate_dramatiq_broker_url, validate_dramatiq_namespace  # noqa: E402
-from outbox.dramatiq_broker import broker_url, configured, expired, message  # noqa: E402
+from outbox.config import dramatiq_settings  # noqa: E402
+from outbox.dramatiq_broker import configured, expired, message  # noqa: E402
 from outbox.dramatiq_scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run  # noqa: E402
 from outbox.errors import ConfigError  # noqa: E402
 from outbox.relay import CLAIM_QUEUE, CLAIM_TASK, PURGE_TASK  # noqa: E402
@@ -59,11 +60,16 @@ def test_a_bad_namespace_names_the_setting() -> None:
 
 
 def test_dramatiq_is_the_runner_only_when_its_broker_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not configured() and broker_url() is None
+    assert not configured() and dramatiq_settings() is None
     with pytest.raises(ConfigError, match="OUTBOX_DRAMATIQ_BROKER_URL is not set"):
-        broker_url(required=True)
+        dramatiq_settings(required=True)
     monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", "redis://127.0.0.1:6379/0")
-    assert configured() and broker_url() == "redis://127.0.0.1:6379/0"
+    found = dramatiq_settings()
+    assert configured() and found is not None
+    assert (found.broker_url, found.namespace) == ("redis://127.0.0.1:6379/0", "dramatiq")
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_NAMESPACE", "bad space")
+    with pytest.raises(ConfigError, match="OUTBOX_DRAMATIQ_NAMESPACE"):
+        dramatiq_settings()
 
 
 def test_a_message_expires_after_its_max_age() -> None:

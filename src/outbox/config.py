@@ -206,6 +206,44 @@ def validate_dramatiq_namespace(name: str, setting: str = "OUTBOX_DRAMATIQ_NAMES
     return name
 
 
+@dataclass(frozen=True)
+class DramatiqSettings:
+    """The Dramatiq front-end's settings (docs/dramatiq.md)."""
+
+    broker_url: str
+    namespace: str = "dramatiq"
+
+
+def _named_setting(name: str, environ: Mapping[str, str]) -> Any:
+    """``name`` from the environment, else from Django settings when Django is set up."""
+    value = environ.get(name)
+    if value not in (None, ""):
+        return value
+    try:
+        from django.conf import settings as dj  # type: ignore[import-not-found]
+
+        if dj.configured and getattr(dj, name, None) not in (None, ""):
+            return getattr(dj, name)
+    except Exception:  # Django absent or not set up: not a configuration source
+        pass
+    return None
+
+
+def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: bool = False) -> DramatiqSettings | None:
+    """OUTBOX_DRAMATIQ_BROKER_URL and OUTBOX_DRAMATIQ_NAMESPACE, validated; None when the
+    URL is unset (Celery is then the runner), or a ``ConfigError`` when ``required``."""
+    environ = os.environ if environ is None else environ
+    url = _named_setting("OUTBOX_DRAMATIQ_BROKER_URL", environ)
+    if url is None:
+        if required:
+            raise ConfigError("OUTBOX_DRAMATIQ_BROKER_URL is not set: the Dramatiq front-end needs Dramatiq's "
+                              "broker (redis://host:6379/0 or amqp://user:pass@host:5672/)")
+        return None
+    namespace = _named_setting("OUTBOX_DRAMATIQ_NAMESPACE", environ) or "dramatiq"
+    return DramatiqSettings(validate_dramatiq_broker_url(str(url).strip()),
+                            validate_dramatiq_namespace(str(namespace).strip()))
+
+
 def _positive(name: str, value: float, *, upper: float | None = None, allow_zero: bool = False) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name}={value!r} must be a finite number")

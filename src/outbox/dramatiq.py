@@ -68,7 +68,7 @@ from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUB
                     make_coalescer, make_relay_outage, make_route_gate, message_from_dict, message_to_dict,
                     purge_expired)
 from .store import OutboxStore
-from .wake import clear_token, extra_setting
+from .wake import clear_token, extra_setting  # the writer-side API sits below this entry point
 
 log = logging.getLogger("outbox.dramatiq")
 
@@ -85,9 +85,9 @@ def stopping() -> bool:
 def _load() -> tuple[Settings, RelayOptions, str, str]:
     settings = load_settings()
     options = RelayOptions.from_sources(os.environ)
-    url = _broker.broker_url(required=True)
-    assert url is not None
-    return settings, options, url, _broker.namespace()
+    dramatiq_settings = _broker.settings(required=True)
+    assert dramatiq_settings is not None
+    return settings, options, dramatiq_settings.broker_url, dramatiq_settings.namespace
 
 
 try:

@@ -8,7 +8,7 @@ django-dramatiq sends a post-commit wake from here (``outbox.wake``), and so doe
 scheduler (``outbox.dramatiq_scheduler``). Sending only needs the actor's and queue's
 *names* (``outbox.relay``'s constants), not the actors themselves.
 
-Settings (read like the other ``OUTBOX_RELAY_*`` options: environment, then Django settings):
+Settings (``outbox.config.dramatiq_settings``: environment, then Django settings):
 
 * ``OUTBOX_DRAMATIQ_BROKER_URL``: ``redis://...`` (Dramatiq's RedisBroker) or
   ``amqp://...`` (its RabbitmqBroker). Setting it makes Dramatiq the configured runner:
@@ -24,33 +24,20 @@ import threading
 import time
 from typing import Any
 
-from .config import validate_dramatiq_broker_url, validate_dramatiq_namespace
+from .config import DramatiqSettings, dramatiq_settings
 from .errors import ConfigError
-from .wake import extra_setting
 
 URL_SETTING = "OUTBOX_DRAMATIQ_BROKER_URL"
-NAMESPACE_SETTING = "OUTBOX_DRAMATIQ_NAMESPACE"
-DEFAULT_NAMESPACE = "dramatiq"
 
 
-def broker_url(required: bool = False) -> str | None:
-    """OUTBOX_DRAMATIQ_BROKER_URL, validated; None when unset (and not ``required``)."""
-    raw = extra_setting(URL_SETTING)
-    if raw in (None, ""):
-        if required:
-            raise ConfigError(f"{URL_SETTING} is not set: the Dramatiq front-end needs Dramatiq's broker "
-                              "(redis://host:6379/0 or amqp://user:pass@host:5672/)")
-        return None
-    return validate_dramatiq_broker_url(str(raw).strip())
-
-
-def namespace() -> str:
-    return validate_dramatiq_namespace(str(extra_setting(NAMESPACE_SETTING, DEFAULT_NAMESPACE)).strip())
+def settings(required: bool = False) -> DramatiqSettings | None:
+    """The Dramatiq settings (``outbox.config.dramatiq_settings``); None when unset."""
+    return dramatiq_settings(required=required)
 
 
 def configured() -> bool:
     """Is Dramatiq the configured runner (OUTBOX_DRAMATIQ_BROKER_URL set)?"""
-    return extra_setting(URL_SETTING) not in (None, "")
+    return dramatiq_settings() is not None
 
 
 def is_redis(url: str) -> bool:
@@ -106,14 +93,14 @@ _senders_lock = threading.Lock()
 
 def sender() -> Any:
     """This process's sending broker (no middleware, never the global broker)."""
-    url, ns = broker_url(required=True), namespace()
-    assert url is not None
-    key = (os.getpid(), url, ns)
+    s = settings(required=True)
+    assert s is not None
+    key = (os.getpid(), s.broker_url, s.namespace)
     with _senders_lock:
         made = _senders.get(key)
         if made is None:
             _senders.clear()  # a parent's, after fork
-            made = _senders[key] = make_broker(url, ns, middleware=[])
+            made = _senders[key] = make_broker(s.broker_url, s.namespace, middleware=[])
         return made
 
 
@@ -121,5 +108,5 @@ def send(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | None
     sender().enqueue(message(actor, queue, kwargs, max_age_s))
 
 
-__all__ = ["broker_url", "namespace", "configured", "make_broker", "queue_length", "message", "expired", "sender", "send",
-           "URL_SETTING", "NAMESPACE_SETTING", "DEFAULT_NAMESPACE"]
+__all__ = ["settings", "configured", "make_broker", "queue_length", "message", "expired", "sender", "send",
+           "URL_SETTING"]

@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings()
         options = RelayOptions.from_sources(os.environ)
-        url = _broker.broker_url(required=True)
-        assert url is not None
-        ns = _broker.namespace()
+        dramatiq_settings = _broker.settings(required=True)
+        assert dramatiq_settings is not None
+        url, ns = dramatiq_settings.broker_url, dramatiq_settings.namespace
     except ConfigError as exc:
         print(redact(f"outbox: invalid configuration: {exc}"), file=sys.stderr)
         return 2

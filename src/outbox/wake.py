@@ -230,9 +230,10 @@ def _current_plan() -> _Plan:
     global _plan
     from . import dramatiq_broker
 
-    if dramatiq_broker.configured():
+    dramatiq = dramatiq_broker.settings()
+    if dramatiq is not None:
         # Dramatiq is the configured runner (OUTBOX_DRAMATIQ_BROKER_URL): wake through it.
-        url, key_prefix = str(dramatiq_broker.broker_url()), dramatiq_broker.namespace()
+        url, key_prefix = dramatiq.broker_url, dramatiq.namespace
     else:
         from .celery import app
 

@@ -29,7 +29,7 @@ def wake_problem() -> str | None:
     from .. import dramatiq_broker
 
     if dramatiq_broker.configured():
-        dramatiq_broker.broker_url()  # Dramatiq is the runner: wakes go to its (validated) broker
+        dramatiq_broker.settings()  # Dramatiq is the runner: wakes go to its (validated) broker
         return None
     from ..celery import app
 
