@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_filter(logging.getLogger())
+    logging.getLogger("pika").setLevel(logging.WARNING)  # Dramatiq's RabbitMQ client narrates each connect
     try:
         settings = load_settings()
         options = RelayOptions.from_sources(os.environ)
