@@ -66,7 +66,7 @@ from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUB
                     PURGE_QUEUE, PURGE_TASK, RELEASE_TASK, Breaker, ClaimFailed, Coalescer, Outage, RelayOptions,
                     RouteGate, Settler, apply_fallback, breaker_key, handle_claim, handle_publish, make_breaker,
                     make_coalescer, make_relay_outage, make_route_gate, message_from_dict, message_to_dict,
-                    purge_expired)
+                    purge_expired, still_held)
 from .store import OutboxStore
 from .wake import clear_token, extra_setting  # the writer-side API sits below this entry point
 
@@ -334,7 +334,12 @@ def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any
 @dramatiq.actor(actor_name=PUBLISH_TASK, queue_name=PUBLISH_QUEUE, broker=broker, max_retries=0,
                 time_limit=TIME_LIMIT_MS)
 def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> None:
-    _publish_chains([[message_from_dict(d) for d in chain] for chain in chains], deadline)
+    # Every delivery checks that the lease still holds the rows (``still_held``, one query):
+    # Dramatiq's Redis broker cannot tell a redelivered message from a first one, and a
+    # message delivered again after its first run released or settled the rows must not
+    # publish rows another claim may hold now (docs/relay.md, "Graceful shutdown").
+    messages = [[message_from_dict(d) for d in chain] for chain in chains]
+    _publish_chains(still_held(resources().store, messages), deadline)
 
 
 @dramatiq.actor(actor_name=ACK_TASK, queue_name=ACK_QUEUE, broker=broker, **_SETTLE)

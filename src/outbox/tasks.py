@@ -60,7 +60,8 @@ from .celery import app, relay_options, relay_settings
 from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
                     PURGE_TASK, RELEASE_TASK, Breaker, ClaimFailed, Coalescer, Outage, RouteGate, Settler,
                     apply_fallback, breaker_key, handle_claim, handle_publish, make_breaker, make_coalescer,
-                    make_relay_outage, make_route_gate, purge_expired, message_from_dict, message_to_dict)
+                    make_relay_outage, make_route_gate, purge_expired, still_held, message_from_dict,
+                    message_to_dict)
 from .store import OutboxStore
 from . import listen as _listen, metrics as _metrics, wake as _wake
 
@@ -362,9 +363,12 @@ def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any
     return outcomes
 
 
-@app.task(name=PUBLISH_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
-def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
-    outcomes = _publish_chains([[message_from_dict(d) for d in chain] for chain in chains], deadline)
+@app.task(name=PUBLISH_TASK, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
+def publish(self: Any, chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
+    messages = [[message_from_dict(d) for d in chain] for chain in chains]
+    if (self.request.delivery_info or {}).get("redelivered"):
+        messages = still_held(resources().store, messages)  # a second delivery: docs/relay.md
+    outcomes = _publish_chains(messages, deadline)
     return {"published": sum(len(o.published) for o in outcomes),
             "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}
 
