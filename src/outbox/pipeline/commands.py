@@ -1,0 +1,101 @@
+"""``outbox pipeline archive|report|replay``: the command line of the Spark jobs.
+
+Imported by ``outbox.cli`` whatever is installed; PySpark is imported only when a
+job runs, and its absence is reported as one line naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from ..config import get_settings
+from ..errors import OutboxError
+from ..store import OutboxStore
+from .common import crash_hook_from_env, parse_duration
+
+
+def _errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One line on stderr and exit status 1, whatever failed (Spark's errors are long)."""
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except OutboxError as exc:
+            click.echo(f"error: {' '.join(str(exc).split())}", err=True)
+        except Exception as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            click.echo(f"error: {type(exc).__name__}: {(lines[0] if lines else '')[:300]}", err=True)
+        sys.exit(1)
+    return wrapper
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _store(url: str | None = None) -> OutboxStore:
+    settings = get_settings()
+    return OutboxStore(url or settings.database_url, table=settings.table, schema=settings.schema)
+
+
+master_option = click.option("--master", default=None, metavar="URL",
+                             help="Spark master (default: the active session's, else local[*]); "
+                                  "e.g. spark://host:7077, yarn, k8s://...")
+
+
+@click.group()
+def pipeline() -> None:
+    """The data pipeline on Apache Spark: archive, report and replay the outbox's history.
+
+    Needs the spark extra (pip install "outbox-relay[spark]": PySpark 4, Java 17).
+    The database is OUTBOX_DATABASE_URL / OUTBOX_TABLE / OUTBOX_SCHEMA. See docs/pipeline.md.
+    """
+
+
+@pipeline.command()
+@click.option("--older-than", "older_than", default=None, metavar="DURATION",
+              help="Archive rows processed longer ago than this: <n>s|m|h|d (default: OUTBOX_RETENTION_DAYS).")
+@click.option("--include-dead", is_flag=True, help="Archive (and delete) dead rows too, not only done ones.")
+@click.option("--to", "to", default=None, metavar="DIR_OR_URI",
+              help="Archive location: a directory, file://, hdfs://, s3a://... (default: OUTBOX_ARCHIVE_URI).")
+@click.option("--delete-chunk", default=1000, show_default=True, type=click.IntRange(1, 100_000),
+              help="Ids per DELETE statement.")
+@click.option("--partitions", default=4, show_default=True, type=click.IntRange(1, 10_000),
+              help="Id ranges read in parallel.")
+@master_option
+@click.option("--json", "as_json", is_flag=True, help="Print the run's summary as JSON.")
+@_errors
+def archive(older_than: str | None, include_dead: bool, to: str | None, delete_chunk: int, partitions: int,
+            master: str | None, as_json: bool) -> None:
+    """Move done (and, with --include-dead, dead) rows older than the cut-off into a
+    Parquet archive partitioned by topic and date, then delete exactly those rows.
+    Idempotent: a re-run after a crash at any point neither duplicates nor skips."""
+    settings = get_settings()
+    delta = (parse_duration(older_than, "--older-than") if older_than is not None
+             else parse_duration(f"{int(settings.retention_days * 86400)}s", "OUTBOX_RETENTION_DAYS"))
+    target = to or settings.archive_uri
+    if not target:
+        raise click.UsageError("give --to DIR_OR_URI (or set OUTBOX_ARCHIVE_URI)")
+    from .archive import Archiver
+    from .session import spark_session
+
+    store = _store()
+    try:
+        spark = spark_session(master, "outbox-archive")
+        result = Archiver(spark, store, target, on_step=crash_hook_from_env(), delete_chunk=delete_chunk,
+                          partitions=partitions, progress=_progress).run(delta, include_dead=include_dead)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(result.as_dict(), sort_keys=True))
+    else:
+        click.echo(f"archived {result.archived} row(s), deleted {result.deleted} from the outbox"
+                   + (f", kept {result.kept} that changed since" if result.kept else "")
+                   + (f"; finished {len(result.recovered)} interrupted run(s)" if result.recovered else ""))
