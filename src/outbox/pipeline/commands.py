@@ -99,3 +99,39 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
         click.echo(f"archived {result.archived} row(s), deleted {result.deleted} from the outbox"
                    + (f", kept {result.kept} that changed since" if result.kept else "")
                    + (f"; finished {len(result.recovered)} interrupted run(s)" if result.recovered else ""))
+
+
+@pipeline.command()
+@click.option("--since", default=None, metavar="DURATION",
+              help="Only events created within this long before now: <n>s|m|h|d (default: everything).")
+@click.option("--out", "out", required=True, metavar="DIR", help="Directory for report.json and report.html.")
+@click.option("--archive", "archive_location", default=None, metavar="DIR_OR_URI",
+              help="The archive to include (default: OUTBOX_ARCHIVE_URI; none when unset).")
+@click.option("--no-live", is_flag=True, help="Report on the archive alone (no database).")
+@click.option("--partitions", default=4, show_default=True, type=click.IntRange(1, 10_000),
+              help="Id ranges of the live table read in parallel.")
+@master_option
+@_errors
+def report(since: str | None, out: str, archive_location: str | None, no_live: bool, partitions: int,
+           master: str | None) -> None:
+    """Per topic and day: events, delivered, dead, pending, latency p50/p95/p99,
+    attempts histogram and top errors of dead rows, from the archive plus the live
+    table. Writes DIR/report.json and a self-contained DIR/report.html with charts."""
+    delta = parse_duration(since, "--since") if since is not None else None
+    archive_location = archive_location or get_settings().archive_uri
+    if no_live and not archive_location:
+        raise click.UsageError("--no-live needs --archive (or OUTBOX_ARCHIVE_URI)")
+    from .report import run_report
+    from .session import spark_session
+
+    store = None if no_live else _store()
+    try:
+        spark = spark_session(master, "outbox-report")
+        result = run_report(spark, store=store, archive=archive_location, out=out, since_delta=delta,
+                            partitions=partitions, progress=_progress)
+    finally:
+        if store is not None:
+            store.close()
+    t = result["totals"]
+    click.echo(f"{t['events']} events ({t['delivered']} delivered, {t['dead']} dead, {t['pending']} pending) "
+               f"in {len(result['topics'])} topic(s); wrote {out}/report.json and {out}/report.html")
