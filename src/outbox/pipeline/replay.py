@@ -1,0 +1,150 @@
+"""``outbox pipeline replay``: archived events enqueued again, in bulk.
+
+The selected events (committed runs of the archive, one row per outbox id, filtered
+by topic, aggregate and creation time) are spread over Spark partitions by
+``aggregate_id`` and sorted by their original id inside each partition, so every
+aggregate's events are enqueued by one task, in their original order. Each task
+writes through the store contract (``outbox.enqueue``) in transactions of
+``batch`` events.
+
+Every replayed event gets a new message id derived from the original one,
+``uuid5(REPLAY_NAMESPACE, original message_id)``. Enqueueing a message id that is
+already stored writes nothing, so a re-run, or a run after a crash half-way,
+enqueues nothing twice; and because each task commits its aggregates' events in
+order, what a crash leaves behind is a prefix of every aggregate, which the re-run
+completes in order. The copy carries ``x-outbox-replay-of`` (the original message
+id) in its headers.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterator
+
+from ..enqueue import enqueue
+from ..store import OutboxStore
+from .archive import check_table, read_archive
+from .common import PipelineError
+
+#: Fixed forever: changing it would make a re-run enqueue everything again.
+REPLAY_NAMESPACE = uuid.UUID("6f1c3e1a-9a51-4a47-9d0e-6b0c2a7d5e21")
+REPLAY_HEADER = "x-outbox-replay-of"
+SAMPLE = 5
+
+
+def replay_message_id(original: str) -> str:
+    return str(uuid.uuid5(REPLAY_NAMESPACE, original))
+
+
+def select_events(spark: Any, archive: str, *, topic: str | None = None, aggregate_type: str | None = None,
+                  aggregate_id: str | None = None, since: datetime | None = None,
+                  until: datetime | None = None) -> Any:
+    from pyspark.sql import functions as F
+
+    if since and until and since >= until:
+        raise PipelineError(f"--since ({since.isoformat()}) must be before --until ({until.isoformat()})")
+    events = read_archive(spark, archive)
+    if topic is not None:
+        known = sorted(r["topic"] for r in events.select("topic").distinct().collect())
+        if topic not in known:
+            raise PipelineError(f"unknown topic {topic!r}: the archive holds "
+                                f"{', '.join(known) if known else 'no events'}")
+        events = events.where(F.col("topic") == topic)
+    if aggregate_type is not None:
+        events = events.where(F.col("aggregate_type") == aggregate_type)
+    if aggregate_id is not None:
+        events = events.where(F.col("aggregate_id") == aggregate_id)
+    if since is not None:
+        events = events.where(F.col("created_at") >= F.lit(since))
+    if until is not None:
+        events = events.where(F.col("created_at") < F.lit(until))
+    return events.select("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
+                         "payload", "headers")
+
+
+def _enqueue_partition(url: str, table: str, schema: str | None, batch: int,
+                       crash_after_batches: int | None) -> Callable[[Iterator[Any]], Iterator[tuple[int, int]]]:
+    """The task body: enqueue this partition's events in order, ``batch`` per
+    transaction; yields (events seen, events newly written)."""
+    def run(rows: Iterator[Any]) -> Iterator[tuple[int, int]]:
+        store = OutboxStore(url, table=table, schema=schema)
+        seen = written = batches = 0
+        pending: list[Any] = []
+
+        def flush() -> int:
+            ids = [replay_message_id(r["message_id"]) for r in pending]
+            marks = ", ".join("?" * len(ids))
+            with store.transaction() as cursor:
+                store.engine.begin(cursor)
+                existing = {row[0] for row in store.engine.execute(
+                    cursor, f"SELECT message_id FROM {store.engine.table} WHERE message_id IN ({marks})", ids)}
+                conn = store.connection()
+                for r, new_id in zip(pending, ids):
+                    headers = json.loads(r["headers"]) if r["headers"] else {}
+                    headers[REPLAY_HEADER] = r["message_id"]
+                    enqueue(conn, topic=r["topic"], aggregate_type=r["aggregate_type"],
+                            aggregate_id=r["aggregate_id"], payload=json.loads(r["payload"]), headers=headers,
+                            key=r["partition_key"], message_id=new_id, table=table, schema=schema)
+            return len(ids) - len(existing)
+
+        try:
+            for row in rows:
+                pending.append(row)
+                if len(pending) >= batch:
+                    seen, written = seen + len(pending), written + flush()
+                    pending.clear()
+                    batches += 1
+                    if crash_after_batches is not None and batches >= crash_after_batches:
+                        raise RuntimeError(f"injected crash after {batches} replay batch(es)")
+            if pending:
+                seen, written = seen + len(pending), written + flush()
+        finally:
+            store.close()
+        yield seen, written
+    return run
+
+
+def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: str | None = None,
+               aggregate_type: str | None = None, aggregate_id: str | None = None,
+               since: datetime | None = None, until: datetime | None = None, dry_run: bool = False,
+               batch: int = 500, partitions: int = 4, progress: Callable[[str], None] | None = None,
+               crash_after_batches: int | None = None) -> dict[str, Any]:
+    """Replay the selected archived events into ``target``; ``dry_run`` only counts
+    them and shows a sample. ``crash_after_batches`` makes each task fail after that
+    many committed batches (crash injection for the tests)."""
+    say = progress or (lambda message: None)
+    if batch < 1:
+        raise PipelineError("--batch must be at least 1")
+    events = select_events(spark, archive, topic=topic, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                           since=since, until=until).cache()
+    try:
+        counts = {r["topic"]: int(r["count"]) for r in events.groupBy("topic").count().orderBy("topic").collect()}
+        total = sum(counts.values())
+        sample = [{"id": r["id"], "topic": r["topic"], "aggregate": f"{r['aggregate_type']}/{r['aggregate_id']}",
+                   "message_id": r["message_id"], "new_message_id": replay_message_id(r["message_id"])}
+                  for r in events.orderBy("id").limit(SAMPLE).collect()]
+        result: dict[str, Any] = {"dry_run": dry_run, "events": total, "per_topic": counts, "sample": sample,
+                                  "written": 0, "already_present": 0}
+        if dry_run or total == 0:
+            return result
+        if target is None:
+            raise PipelineError("no target database to replay into")
+        check_table(target)
+        say(f"replaying {total} event(s) into {target.engine.name}:{target.engine.table_name} "
+            f"(new message ids uuid5 of the originals)")
+        parts = (events.repartition(partitions, "aggregate_id").sortWithinPartitions("id").rdd
+                 .mapPartitions(_enqueue_partition(target.url, target.engine.table_name, target.engine.schema,
+                                                   batch, crash_after_batches))
+                 .collect())
+        result["written"] = sum(w for _, w in parts)
+        result["already_present"] = sum(s for s, _ in parts) - result["written"]
+        say(f"replayed {total} event(s): {result['written']} written, {result['already_present']} already present")
+        return result
+    finally:
+        events.unpersist()
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
