@@ -84,10 +84,10 @@ def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path) -> N
     assert table_ids(store) == set(ids) - old_done - old_dead
 
 
-#: Every step on SQLite; on the servers the two that matter most (between the commit
-#: and the delete, and between delete chunks).
+#: Every step on SQLite; on the servers the one between delete chunks (a committed
+#: run half deleted: the recovery path every step after the commit goes through).
 CRASH_CASES = [("sqlite", step) for step in STEPS] + [
-    (kind, step) for kind in ("postgresql", "mysql", "mssql") for step in ("committed", "deleted-chunk")]
+    (kind, "deleted-chunk") for kind in ("postgresql", "mysql", "mssql")]
 
 
 @pytest.mark.parametrize(("kind", "step"), CRASH_CASES)

@@ -83,7 +83,10 @@ def test_replay_in_order_and_once(spark: Any, store: OutboxStore, tmp_path: Path
     # the re-run completes it, in order, nothing twice
     result = run_replay(spark, archive=str(root), target=store, batch=2, partitions=3)
     assert result["events"] == 36
-    assert result["written"] == 36 - sum(len(v) for v in partial.values())
+    # (tasks still running when the failed job was cancelled may have committed a
+    # batch after the snapshot: at least the snapshot was already present)
+    assert result["written"] + result["already_present"] == 36
+    assert result["already_present"] >= sum(len(v) for v in partial.values())
     assert_replayed_in_order(store, per_aggregate)
     again = run_replay(spark, archive=str(root), target=store, batch=5, partitions=2)
     assert (again["written"], again["already_present"]) == (0, 36)

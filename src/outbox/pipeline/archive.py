@@ -34,8 +34,7 @@ from typing import Any, Callable
 
 from ..engines.base import Engine
 from ..store import OutboxStore
-from .common import (ARCHIVE_SCHEMA_DDL, PipelineError, archive_uri, compress_ids, decode_native, encode_native,
-                     range_chunks, range_count)
+from .common import ARCHIVE_SCHEMA_DDL, PipelineError, archive_uri, decode_native, encode_native, range_chunks
 from .fs import ArchiveFS
 
 log = logging.getLogger("outbox.pipeline.archive")
@@ -70,11 +69,28 @@ def _noop(step: str) -> None:
     return None
 
 
+# -- the SQL the archive sends (portable; checked against T-SQL with sqlglot in the tests) --
+def check_table_sql(engine: Engine) -> str:
+    return f"SELECT COUNT(*) FROM {engine.table} WHERE 1 = 0"
+
+
+def candidates_sql(engine: Engine, statuses: list[int]) -> str:
+    """Count and id bounds of the rows to archive; one ``?``: the cut-off."""
+    return (f"SELECT COUNT(*), MIN(id), MAX(id) FROM {engine.table} "
+            f"WHERE status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
+
+
+def delete_sql(engine: Engine, statuses: list[int]) -> str:
+    """Delete one chunk of archived ids (``?`` first, ``?`` last) that are still in an
+    archived status and processed before the run's cut-off (``?``)."""
+    return (f"DELETE FROM {engine.table} WHERE id >= ? AND id <= ? "
+            f"AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
+
+
 def check_table(store: OutboxStore) -> None:
     """Fail with one clear line when the outbox table is not there."""
     try:
-        store._run("check table", lambda c: store.engine.execute(
-            c, f"SELECT COUNT(*) FROM {store.engine.table} WHERE 1 = 0").fetchall())
+        store._run("check table", lambda c: store.engine.execute(c, check_table_sql(store.engine)).fetchall())
     except Exception as exc:
         raise PipelineError(f"cannot read the outbox table {store.engine.table} on {store.engine.name}: "
                             f"{' '.join(str(exc).split())[:200]}") from None
@@ -128,9 +144,8 @@ class Archiver:
         statuses = [DONE_STATUS, DEAD_STATUS] if include_dead else [DONE_STATUS]
         cutoff = db_cutoff(self.store, older_than)
         cutoff_dt = self.engine.to_datetime(cutoff)
-        where = f"status IN ({', '.join(map(str, statuses))}) AND processed_at <= ?"
         count, lo, hi = self.store._run("count", lambda c: self.engine.execute(
-            c, f"SELECT COUNT(*), MIN(id), MAX(id) FROM {self.engine.table} WHERE {where}", [cutoff]).fetchone())
+            c, candidates_sql(self.engine, statuses), [cutoff]).fetchone())
         result = ArchiveResult(run_id=None, cutoff=cutoff_dt, recovered=recovered)
         if not count:
             self.progress(f"nothing to archive: no {'done or dead' if include_dead else 'done'} rows "
@@ -178,24 +193,25 @@ class Archiver:
         frame.write.partitionBy("topic", "date").mode("errorifexists").parquet(staging)
 
     def _verify(self, staging: str, lo: int, hi: int) -> tuple[int, list[list[int]]]:
-        """Read the staged files back: the row count, no id twice, and the id runs."""
+        """Read the staged files back in one pass: the id runs ("gaps and islands":
+        ``id - row_number`` is constant along a run of consecutive ids) with their row
+        counts. A run whose count differs from its width, or runs that overlap, mean
+        an id was staged twice."""
         staged = self.spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", staging).parquet(staging)
         staged.createOrReplaceTempView("outbox_staged")
-        stats = self.spark.sql("SELECT COUNT(*) AS n, COUNT(DISTINCT id) AS d, MIN(id) AS lo, MAX(id) AS hi "
-                               "FROM outbox_staged").collect()[0]
-        if stats["n"] != stats["d"]:
-            raise PipelineError(f"staged archive {staging} holds {stats['n'] - stats['d']} duplicate id(s); "
-                                "nothing was committed")
-        if stats["n"] and (stats["lo"] < lo or stats["hi"] > hi):
-            raise PipelineError(f"staged archive {staging} holds ids outside {lo}..{hi}; nothing was committed")
         runs = self.spark.sql(
-            "SELECT MIN(id) AS first, MAX(id) AS last FROM "
+            "SELECT MIN(id) AS first, MAX(id) AS last, COUNT(*) AS n FROM "
             "(SELECT id, id - ROW_NUMBER() OVER (ORDER BY id) AS island FROM outbox_staged) "
             "GROUP BY island ORDER BY first").collect()
         ranges = [[int(r["first"]), int(r["last"])] for r in runs]
-        if range_count(ranges) != stats["n"]:
-            raise PipelineError("id runs do not add up to the staged row count; nothing was committed")
-        return int(stats["n"]), ranges
+        rows = sum(int(r["n"]) for r in runs)
+        widths_ok = all(int(r["n"]) == int(r["last"]) - int(r["first"]) + 1 for r in runs)
+        disjoint = all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))
+        if not (widths_ok and disjoint):
+            raise PipelineError(f"staged archive {staging} holds an id twice; nothing was committed")
+        if ranges and (ranges[0][0] < lo or ranges[-1][1] > hi):
+            raise PipelineError(f"staged archive {staging} holds ids outside {lo}..{hi}; nothing was committed")
+        return rows, ranges
 
     # -- finishing and recovery ----------------------------------------------------------------
     def _finish(self, manifest: dict[str, Any]) -> int:
@@ -232,10 +248,8 @@ class Archiver:
         archived status and processed before the run's cut-off (so never a row that
         changed after it was read)."""
         engine = self.engine
-        statuses = ", ".join(str(int(s)) for s in manifest["statuses"])
         cutoff = decode_native(manifest["cutoff_native"])
-        sql = (f"DELETE FROM {engine.table} WHERE id >= ? AND id <= ? AND status IN ({statuses}) "
-               "AND processed_at <= ?")
+        sql = delete_sql(engine, manifest["statuses"])
         total = 0
         for n, (lo, hi) in enumerate(range_chunks(manifest["id_ranges"], self.delete_chunk)):
             deleted = self.store._run("archive delete", lambda c: engine.execute(c, sql, [lo, hi, cutoff]).rowcount)

@@ -9,7 +9,7 @@ import re
 import signal
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import OutboxError
 
@@ -84,29 +84,14 @@ def local_path(uri: str) -> Path | None:
 
 
 # -- id ranges ---------------------------------------------------------------------------
-def compress_ids(ids: Iterable[int]) -> list[list[int]]:
-    """Sorted ids -> maximal ``[first, last]`` runs of consecutive ids."""
-    ranges: list[list[int]] = []
-    for i in sorted(ids):
-        if ranges and i == ranges[-1][1] + 1:
-            ranges[-1][1] = i
-        elif not ranges or i > ranges[-1][1]:
-            ranges.append([i, i])
-    return ranges
-
-
 def range_chunks(ranges: Sequence[Sequence[int]], chunk: int) -> Iterator[tuple[int, int]]:
-    """Split ``[first, last]`` runs into inclusive sub-ranges of at most ``chunk`` ids."""
+    """Split ``[first, last]`` runs of ids into inclusive sub-ranges of at most ``chunk`` ids."""
     for first, last in ranges:
         lo = int(first)
         while lo <= int(last):
             hi = min(int(last), lo + chunk - 1)
             yield lo, hi
             lo = hi + 1
-
-
-def range_count(ranges: Sequence[Sequence[int]]) -> int:
-    return sum(int(last) - int(first) + 1 for first, last in ranges)
 
 
 # -- driver-native values ----------------------------------------------------------------

@@ -64,6 +64,11 @@ def select_events(spark: Any, archive: str, *, topic: str | None = None, aggrega
                          "payload", "headers")
 
 
+def existing_sql(table: str, count: int) -> str:
+    """Which of ``count`` message ids (``?`` each) are already stored."""
+    return f"SELECT message_id FROM {table} WHERE message_id IN ({', '.join('?' * count)})"
+
+
 def _enqueue_partition(url: str, table: str, schema: str | None, batch: int,
                        crash_after_batches: int | None) -> Callable[[Iterator[Any]], Iterator[tuple[int, int]]]:
     """The task body: enqueue this partition's events in order, ``batch`` per
@@ -75,11 +80,10 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int,
 
         def flush() -> int:
             ids = [replay_message_id(r["message_id"]) for r in pending]
-            marks = ", ".join("?" * len(ids))
             with store.transaction() as cursor:
                 store.engine.begin(cursor)
                 existing = {row[0] for row in store.engine.execute(
-                    cursor, f"SELECT message_id FROM {store.engine.table} WHERE message_id IN ({marks})", ids)}
+                    cursor, existing_sql(store.engine.table, len(ids)), ids).fetchall()}
                 conn = store.connection()
                 for r, new_id in zip(pending, ids):
                     headers = json.loads(r["headers"]) if r["headers"] else {}

@@ -74,15 +74,20 @@ class OutboxQuery:
                                   e.payload_column(), e.headers_column(), "trace_id", "status", "attempts",
                                   *_TIMESTAMP_COLUMNS, "last_error"])
 
+    def bounds_sql(self) -> str:
+        return f"SELECT MIN(id), MAX(id) FROM {self.engine.table} WHERE {self.where}"
+
+    def page_sql(self) -> str:
+        """One page of a partition: ``?`` after-id, ``?`` last id, the filters, ``?`` rows."""
+        return self.engine.limit(f"SELECT {self.columns} FROM {self.engine.table} "
+                                 f"WHERE id > ? AND id <= ? AND {self.where} ORDER BY id")
+
     def bounds(self, cursor: Any) -> tuple[int | None, int | None]:
-        row = self.engine.execute(cursor, f"SELECT MIN(id), MAX(id) FROM {self.engine.table} WHERE {self.where}",
-                                  self.params).fetchone()
+        row = self.engine.execute(cursor, self.bounds_sql(), self.params).fetchone()
         return (None, None) if row is None or row[0] is None else (int(row[0]), int(row[1]))
 
     def page(self, cursor: Any, after: int, hi: int, size: int) -> list[tuple]:
-        sql = self.engine.limit(f"SELECT {self.columns} FROM {self.engine.table} "
-                                f"WHERE id > ? AND id <= ? AND {self.where} ORDER BY id")
-        return self.engine.execute(cursor, sql, [after, hi, *self.params, size]).fetchall()
+        return self.engine.execute(cursor, self.page_sql(), [after, hi, *self.params, size]).fetchall()
 
     def to_row(self, r: tuple) -> tuple:
         e = self.engine
