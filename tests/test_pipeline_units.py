@@ -99,3 +99,17 @@ def test_pipeline_sql_parses_as_tsql() -> None:
     delete = _tsql(delete_sql(engine, [2]), 3)
     assert isinstance(delete, exp.Delete)
     _tsql(existing_sql(engine.table, 500), 500)
+
+
+@pytest.mark.parametrize("master", ["local", "local[*]", "local[2]", "local[4, 2]", "spark://10.0.0.1:7077", "yarn",
+                                    "k8s://https://k8s.example:6443"])
+def test_master_urls(master: str) -> None:
+    from outbox.pipeline.session import check_master
+    assert check_master(master) == master
+
+
+@pytest.mark.parametrize("master", ["bogus://x", "local[", "spark", ""])
+def test_bad_master_urls(master: str) -> None:
+    from outbox.pipeline.session import check_master
+    with pytest.raises(PipelineError, match="is not a Spark master URL"):
+        check_master(master)

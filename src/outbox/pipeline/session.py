@@ -11,6 +11,7 @@ inference (a topic called ``2024`` stays a string), and few shuffle partitions
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -22,6 +23,17 @@ JOB_CONF = {
     "spark.sql.sources.partitionColumnTypeInference.enabled": "false",
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
 }
+
+
+_MASTER = re.compile(r"^(local(\[(\*|\d+)(,\s*\d+)?\])?|yarn|(spark|k8s|mesos)://\S+)$")
+
+
+def check_master(master: str) -> str:
+    """Spark's master URL forms; anything else fails before a JVM is started."""
+    if not _MASTER.match(master):
+        raise PipelineError(f"--master {master!r} is not a Spark master URL "
+                            "(local[*], local[N], spark://host:port, yarn, k8s://https://host:port)")
+    return master
 
 
 def import_pyspark() -> Any:
@@ -42,6 +54,8 @@ def spark_session(master: str | None = None, app_name: str = "outbox-pipeline") 
     active = SparkSession.getActiveSession()
     if active is None:
         master = master or os.environ.get("OUTBOX_SPARK_MASTER") or None
+        if master is not None:
+            check_master(master)
         if master is None or master.startswith("local"):
             # A local run binds to loopback (no reverse DNS of the host name) and its
             # Python workers run this interpreter, where the package is installed.
