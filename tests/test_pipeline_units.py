@@ -99,6 +99,9 @@ def test_pipeline_sql_parses_as_tsql() -> None:
     delete = _tsql(delete_sql(engine, [2]), 3)
     assert isinstance(delete, exp.Delete)
     _tsql(existing_sql(engine.table, 500), 500)
+    from outbox.pipeline.replay import insert_sql
+    insert = _tsql(insert_sql(engine), 8)
+    assert isinstance(insert, exp.Insert) and "SYSUTCDATETIME()" in insert_sql(engine)
 
 
 @pytest.mark.parametrize("master", ["local", "local[*]", "local[2]", "local[4, 2]", "spark://10.0.0.1:7077", "yarn",

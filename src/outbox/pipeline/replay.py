@@ -4,8 +4,8 @@ The selected events (committed runs of the archive, one row per outbox id, filte
 by topic, aggregate and creation time) are spread over Spark partitions by
 ``aggregate_id`` and sorted by their original id inside each partition, so every
 aggregate's events are enqueued by one task, in their original order. Each task
-writes through the store contract (``outbox.enqueue``) in transactions of
-``batch`` events.
+writes through the store (``OutboxStore`` transactions with its transient-error
+retries, the engine's insert columns) in transactions of ``batch`` events.
 
 Every replayed event gets a new message id derived from the original one,
 ``uuid5(REPLAY_NAMESPACE, original message_id)``. Enqueueing a message id that is
@@ -13,7 +13,11 @@ already stored writes nothing, so a re-run, or a run after a crash half-way,
 enqueues nothing twice; and because each task commits its aggregates' events in
 order, what a crash leaves behind is a prefix of every aggregate, which the re-run
 completes in order. The copy carries ``x-outbox-replay-of`` (the original message
-id) in its headers.
+id) in its headers, and the original's ``trace_id``.
+
+The rows are validated exactly as ``enqueue`` validates them and written with the
+engine's own column list, but a batch at a time (``executemany``) rather than one
+``enqueue`` call per row: replay is a bulk load.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
-from ..enqueue import enqueue
+from ..config import get_settings
+from ..events import prepare_event
 from ..store import OutboxStore
 from .archive import check_table, read_archive
 from .common import PipelineError
@@ -61,7 +66,7 @@ def select_events(spark: Any, archive: str, *, topic: str | None = None, aggrega
     if until is not None:
         events = events.where(F.col("created_at") < F.lit(until))
     return events.select("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
-                         "payload", "headers")
+                         "payload", "headers", "trace_id")
 
 
 def existing_sql(table: str, count: int) -> str:
@@ -69,29 +74,52 @@ def existing_sql(table: str, count: int) -> str:
     return f"SELECT message_id FROM {table} WHERE message_id IN ({', '.join('?' * count)})"
 
 
-def _enqueue_partition(url: str, table: str, schema: str | None, batch: int,
+def insert_sql(engine: Any) -> str:
+    """One event row, columns and values exactly as ``enqueue`` writes them (the
+    engine's column list and parameters), ``created_at`` from the database clock."""
+    marks = ", ".join("?" * len(engine.INSERT_COLUMNS.split(",")))
+    return f"INSERT INTO {engine.table} ({engine.INSERT_COLUMNS}, created_at) VALUES ({marks}, {engine.now})"
+
+
+def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max_payload_bytes: int,
                        crash_after_batches: int | None) -> Callable[[Iterator[Any]], Iterator[tuple[int, int]]]:
-    """The task body: enqueue this partition's events in order, ``batch`` per
-    transaction; yields (events seen, events newly written)."""
+    """The task body: write this partition's events in order, ``batch`` per
+    transaction; yields (events seen, events newly written).
+
+    Each event is validated exactly as ``enqueue`` validates it (``prepare_event``);
+    a batch then skips the message ids already stored and writes the rest with one
+    ``executemany`` (a multi-row INSERT on PyMySQL, a pipeline on psycopg) in the
+    batch's order, so ids still follow the original order. Two replays of the same
+    events at the same moment could collide on the unique message id: the losing
+    task fails on the duplicate key and Spark's retry finds those rows stored."""
     def run(rows: Iterator[Any]) -> Iterator[tuple[int, int]]:
         store = OutboxStore(url, table=table, schema=schema)
+        engine = store.engine
+        sql = engine.sql(insert_sql(engine))
         seen = written = batches = 0
         pending: list[Any] = []
 
         def flush() -> int:
-            ids = [replay_message_id(r["message_id"]) for r in pending]
-            with store.transaction() as cursor:
-                store.engine.begin(cursor)
-                existing = {row[0] for row in store.engine.execute(
-                    cursor, existing_sql(store.engine.table, len(ids)), ids).fetchall()}
-                conn = store.connection()
-                for r, new_id in zip(pending, ids):
-                    headers = json.loads(r["headers"]) if r["headers"] else {}
-                    headers[REPLAY_HEADER] = r["message_id"]
-                    enqueue(conn, topic=r["topic"], aggregate_type=r["aggregate_type"],
-                            aggregate_id=r["aggregate_id"], payload=json.loads(r["payload"]), headers=headers,
-                            key=r["partition_key"], message_id=new_id, table=table, schema=schema)
-            return len(ids) - len(existing)
+            events = []
+            for r in pending:
+                headers = json.loads(r["headers"]) if r["headers"] else {}
+                headers[REPLAY_HEADER] = r["message_id"]
+                events.append(prepare_event(topic=r["topic"], aggregate_type=r["aggregate_type"],
+                                            aggregate_id=r["aggregate_id"], payload=json.loads(r["payload"]),
+                                            headers=headers, key=r["partition_key"],
+                                            message_id=replay_message_id(r["message_id"]),
+                                            trace_id=r["trace_id"], max_payload_bytes=max_payload_bytes))
+
+            def work(cursor: Any) -> int:
+                engine.begin(cursor)
+                ids = [e.message_id for e in events]
+                existing = {row[0] for row in engine.execute(cursor, existing_sql(engine.table, len(ids)),
+                                                             ids).fetchall()}
+                missing = [engine.event_params(e) for e in events if e.message_id not in existing]
+                if missing:
+                    cursor.executemany(sql, missing)
+                return len(missing)
+            return store._run("replay", work)
 
         try:
             for row in rows:
@@ -140,7 +168,7 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
             f"(new message ids uuid5 of the originals)")
         parts = (events.repartition(partitions, "aggregate_id").sortWithinPartitions("id").rdd
                  .mapPartitions(_enqueue_partition(target.url, target.engine.table_name, target.engine.schema,
-                                                   batch, crash_after_batches))
+                                                   batch, get_settings().max_payload_bytes, crash_after_batches))
                  .collect())
         result["written"] = sum(w for _, w in parts)
         result["already_present"] = sum(s for s, _ in parts) - result["written"]
