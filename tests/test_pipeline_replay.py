@@ -70,7 +70,7 @@ def assert_replayed_in_order(store: OutboxStore, per_aggregate: dict[str, list[s
         assert [h[REPLAY_HEADER] for _, h in got[agg]] == originals
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql", "mssql"])
 def test_replay_in_order_and_once(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
     root, per_aggregate = archived(spark, store, tmp_path)
     # a crash half-way: every task fails after its first committed batch of 2 ...

@@ -194,3 +194,34 @@ def test_report_html_renders_in_a_headless_browser(spark: Any, store: OutboxStor
     variance = sum((v - mean) ** 2 for v in values) / len(values)
     assert variance > 100, "the screenshot is blank"
     assert coloured > 200, f"no chart colours in the screenshot ({coloured} coloured samples)"
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+@pytest.mark.parametrize(("args", "message"), [
+    (["--since", "3x"], "--since: '3x' is not a duration"),
+    (["--out", "/proc/outbox-report"], "cannot write the report"),
+    (["--archive", "/nonexistent/outbox-archive"], "no archive at file:///nonexistent/outbox-archive"),
+])
+def test_report_bad_arguments(spark: Any, store: OutboxStore, url: str, tmp_path: Path, args: list[str],
+                              message: str) -> None:
+    from test_pipeline_archive import invoke
+
+    seed(store, report_rows()[:3])
+    full = ["pipeline", "report", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "r")])
+    out = invoke(full, {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
+    assert out.exit_code == 1, out.output
+    last = out.output.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, out.output
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_report_command_line(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
+    from test_pipeline_archive import invoke
+
+    seed(store, report_rows())
+    out = invoke(["pipeline", "report", "--since", "30d", "--out", str(tmp_path / "r")],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
+    assert out.exit_code == 0, out.output
+    assert f"{len(report_rows())} events" in out.output
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["totals"]["events"] == len(report_rows())
