@@ -109,6 +109,8 @@ def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path
     assert gone <= committed
     if STEPS.index(step) >= STEPS.index("committed"):
         assert committed == old_done
+    # the pipeline's readers see exactly the committed runs, even mid-crash
+    assert Counter(archived_ids(spark, root)) == Counter({i: 1 for i in committed})
 
     result = Archiver(spark, store, str(root), delete_chunk=3).run(timedelta(days=7))
     assert (len(result.recovered) == 1) == (STEPS.index(step) >= STEPS.index("committed"))

@@ -116,3 +116,52 @@ def test_bad_master_urls(master: str) -> None:
     from outbox.pipeline.session import check_master
     with pytest.raises(PipelineError, match="is not a Spark master URL"):
         check_master(master)
+
+
+def _report(days: list[dict], topics: list[dict]) -> dict:
+    figures = {"events": 0, "delivered": 0, "dead": 0, "pending": 0, "latency_p50_s": None,
+               "latency_p95_s": None, "latency_p99_s": None}
+    return {"generated_at": "2026-11-23T00:00:00+00:00",
+            "sources": {"table": "sqlite:outbox", "archive": None, "since": None, "live_rows": 0, "archive_rows": 0},
+            "totals": {**figures, "attempts_histogram": []}, "days": days, "topics": topics}
+
+
+def test_html_report_of_an_empty_outbox_still_renders() -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pyspark")
+    from outbox.pipeline.report import render_html
+    page = render_html(_report([], []))
+    assert page.count("src='data:image/png;base64,") == 3 and page.endswith("</html>")
+
+
+def test_html_report_escapes_names() -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pyspark")
+    from outbox.pipeline.report import render_html
+    topic = {"topic": "<script>x</script>", "events": 1, "delivered": 0, "dead": 1, "pending": 0,
+             "latency_p50_s": None, "latency_p95_s": None, "latency_p99_s": None, "attempts_histogram": [],
+             "top_errors": [{"error": "a < b & c", "rows": 1}]}
+    day = {k: v for k, v in topic.items() if k not in ("attempts_histogram", "top_errors")}
+    page = render_html(_report([{**day, "day": "2026-11-20"}], [topic]))
+    assert "<script>" not in page and "&lt;script&gt;" in page and "a &lt; b &amp; c" in page
+
+
+def test_cli_without_pyspark(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """The ``outbox`` command works without the spark extra; a pipeline job then
+    says which extra to install, in one line."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+    from outbox.config import reset_settings
+
+    monkeypatch.setitem(sys.modules, "pyspark", None)  # import pyspark -> ImportError
+    reset_settings()
+    assert CliRunner().invoke(main, ["pipeline", "--help"]).exit_code == 0
+    out = CliRunner().invoke(main, ["pipeline", "archive", "--older-than", "1d", "--to", str(tmp_path)],
+                             env={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path}/x.db"})
+    assert out.exit_code == 1
+    assert out.output.strip().splitlines()[-1].startswith('error: the pipeline needs PySpark 4 and Java 17: '
+                                                          'pip install "outbox-relay[spark]"')
+    reset_settings()
