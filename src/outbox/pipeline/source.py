@@ -30,6 +30,17 @@ from .common import SOURCE_SCHEMA_DDL, decode_native
 _TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
 
 
+def ARROW_SCHEMA() -> Any:  # noqa: N802 (a constant, built lazily: pyarrow is imported in the tasks)
+    """``SOURCE_SCHEMA_DDL`` as Arrow types."""
+    import pyarrow as pa
+    ts = pa.timestamp("us", tz="UTC")
+    return pa.schema([("id", pa.int64()), ("message_id", pa.string()), ("topic", pa.string()),
+                      ("aggregate_type", pa.string()), ("aggregate_id", pa.string()), ("partition_key", pa.string()),
+                      ("payload", pa.string()), ("headers", pa.string()), ("trace_id", pa.string()),
+                      ("status", pa.int32()), ("attempts", pa.int32()), ("claimed_at", ts), ("next_retry_at", ts),
+                      ("created_at", ts), ("processed_at", ts), ("last_error", pa.string())])
+
+
 class OutboxDataSource(DataSource):
     @classmethod
     def name(cls) -> str:
@@ -89,11 +100,29 @@ class OutboxQuery:
     def page(self, cursor: Any, after: int, hi: int, size: int) -> list[tuple]:
         return self.engine.execute(cursor, self.page_sql(), [after, hi, *self.params, size]).fetchall()
 
-    def to_row(self, r: tuple) -> tuple:
-        e = self.engine
-        return (int(r[0]), r[1], r[2], r[3], r[4], r[5], _json_text(r[6]), _json_text(r[7]), r[8],
-                int(r[9]), int(r[10]), e.to_datetime(r[11]), e.to_datetime(r[12]), e.to_datetime(r[13]),
-                e.to_datetime(r[14]), r[15])
+    def to_batch(self, rows: list[tuple]) -> Any:
+        """One page as an Arrow record batch, built column by column: Spark takes it
+        as is, which is several times cheaper than handing it Python tuples."""
+        import pyarrow as pa
+
+        columns = list(zip(*rows))
+
+        def text(values: tuple) -> Any:
+            if not all(v is None or isinstance(v, str) for v in values):
+                values = tuple(_json_text(v) for v in values)
+            return pa.array(values, pa.string())
+
+        def timestamps(values: tuple) -> Any:
+            # Aware datetimes convert to UTC, naive ones are UTC already (the engines'
+            # clocks are UTC); text (SQLite) is parsed by the engine.
+            if any(isinstance(v, str) for v in values):
+                values = tuple(self.engine.to_datetime(v) for v in values)
+            return pa.array(values, pa.timestamp("us", tz="UTC"))
+
+        arrays = [pa.array(columns[0], pa.int64()), *(text(columns[i]) for i in range(1, 9)),
+                  pa.array(columns[9], pa.int32()), pa.array(columns[10], pa.int32()),
+                  *(timestamps(columns[i]) for i in range(11, 15)), text(columns[15])]
+        return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA())
 
 
 def _json_text(value: Any) -> str | None:
@@ -134,7 +163,7 @@ class OutboxReader(DataSourceReader):
         step = -(-span // n)
         return [IdRange(start, min(hi, start + step - 1)) for start in range(lo, hi + 1, step)]
 
-    def read(self, partition: IdRange) -> Iterator[tuple]:  # type: ignore[override]
+    def read(self, partition: IdRange) -> Iterator[Any]:  # type: ignore[override]
         if partition.hi < partition.lo:
             return
         query = OutboxQuery(self.options)
@@ -145,8 +174,8 @@ class OutboxReader(DataSourceReader):
             while True:
                 rows = query.page(cursor, after, partition.hi, self.fetch_size)
                 conn.rollback()  # end the read transaction between pages: no long snapshot held
-                for r in rows:
-                    yield query.to_row(r)
+                if rows:
+                    yield query.to_batch(rows)
                 if len(rows) < self.fetch_size:
                     break
                 after = int(rows[-1][0])
