@@ -82,9 +82,9 @@ def insert_sql(engine: Any) -> str:
 
 
 def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max_payload_bytes: int,
-                       crash_after_batches: int | None) -> Callable[[Iterator[Any]], Iterator[tuple[int, int]]]:
-    """The task body: write this partition's events in order, ``batch`` per
-    transaction; yields (events seen, events newly written).
+                       crash_after_batches: int | None) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The task body (``mapInArrow``): write this partition's events in order,
+    ``batch`` per transaction; yields one record batch (events seen, newly written).
 
     Each event is validated exactly as ``enqueue`` validates it (``prepare_event``);
     a batch then skips the message ids already stored and writes the rest with one
@@ -92,7 +92,9 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
     batch's order, so ids still follow the original order. Two replays of the same
     events at the same moment could collide on the unique message id: the losing
     task fails on the duplicate key and Spark's retry finds those rows stored."""
-    def run(rows: Iterator[Any]) -> Iterator[tuple[int, int]]:
+    def run(batches_in: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
         store = OutboxStore(url, table=table, schema=schema)
         engine = store.engine
         sql = engine.sql(insert_sql(engine))
@@ -122,6 +124,7 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
             return store._run("replay", work)
 
         try:
+            rows = (row for record_batch in batches_in for row in record_batch.to_pylist())
             for row in rows:
                 pending.append(row)
                 if len(pending) >= batch:
@@ -134,7 +137,8 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
                 seen, written = seen + len(pending), written + flush()
         finally:
             store.close()
-        yield seen, written
+        yield pa.RecordBatch.from_pydict({"seen": [seen], "written": [written]},
+                                         schema=pa.schema([("seen", pa.int64()), ("written", pa.int64())]))
     return run
 
 
@@ -166,12 +170,13 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
         check_table(target)
         say(f"replaying {total} event(s) into {target.engine.name}:{target.engine.table_name} "
             f"(new message ids uuid5 of the originals)")
-        parts = (events.repartition(partitions, "aggregate_id").sortWithinPartitions("id").rdd
-                 .mapPartitions(_enqueue_partition(target.url, target.engine.table_name, target.engine.schema,
-                                                   batch, get_settings().max_payload_bytes, crash_after_batches))
+        parts = (events.repartition(partitions, "aggregate_id").sortWithinPartitions("id")
+                 .mapInArrow(_enqueue_partition(target.url, target.engine.table_name, target.engine.schema,
+                                                batch, get_settings().max_payload_bytes, crash_after_batches),
+                             "seen BIGINT, written BIGINT")
                  .collect())
-        result["written"] = sum(w for _, w in parts)
-        result["already_present"] = sum(s for s, _ in parts) - result["written"]
+        result["written"] = sum(int(p["written"]) for p in parts)
+        result["already_present"] = sum(int(p["seen"]) for p in parts) - result["written"]
         say(f"replayed {total} event(s): {result['written']} written, {result['already_present']} already present")
         return result
     finally:
