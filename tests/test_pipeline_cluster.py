@@ -112,3 +112,33 @@ def test_archive_on_a_standalone_cluster(spark: Any, cluster: str, tmp_path: Pat
         with store.transaction() as c:
             store.engine.execute(c, f"DROP TABLE IF EXISTS {store.engine.table}")
         store.close()
+
+
+def test_archive_under_spark_submit(spark: Any, tmp_path: Path) -> None:
+    """``spark-submit`` with the package as a wheel in ``--py-files`` and the entry
+    script ``outbox/pipeline/submit.py``: the command docs/pipeline.md gives."""
+    from outbox.pipeline import submit
+
+    wheels = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+                            "-w", str(wheels), str(Path(__file__).parent.parent)],
+                           capture_output=True, text=True, timeout=300)
+    if built.returncode != 0:
+        pytest.skip(f"cannot build the wheel here: {built.stderr.strip()[-300:]}")
+    wheel = next(wheels.glob("outbox_relay-*.whl"))
+    store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", table="outbox")
+    store.migrate()
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    env = {**os.environ, "OUTBOX_DATABASE_URL": store.url, "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable}
+    proc = subprocess.run([str(_spark_home() / "bin" / "spark-submit"), "--master", "local[1]",
+                           "--conf", "spark.ui.enabled=false", "--py-files", str(wheel), submit.__file__,
+                           "archive", "--older-than", "7d", "--to", str(tmp_path / "archive"), "--json"],
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["archived"] == summary["deleted"] == len(old_done)
+    assert table_ids(store) == set(ids) - old_done
+    store.close()
