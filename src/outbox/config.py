@@ -58,6 +58,10 @@ class Settings:
     claim_interval_s: float = 1.0
     retention_days: float = 7.0
     max_payload_bytes: int = 1_048_576
+    #: Where ``outbox pipeline archive`` writes (a directory or a Spark URI). While it is
+    #: set, the relay's purge deletes nothing: only the archive job deletes, and only
+    #: rows it has archived.
+    archive_uri: str | None = None
 
     def __post_init__(self) -> None:
         for url in (self.database_url, self.publish_url, self.celery_broker_url):
@@ -115,6 +119,7 @@ _SETTINGS: dict[str, tuple[str, type]] = {
     "OUTBOX_CLAIM_INTERVAL_S": ("claim_interval_s", float),
     "OUTBOX_RETENTION_DAYS": ("retention_days", float),
     "OUTBOX_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
+    "OUTBOX_ARCHIVE_URI": ("archive_uri", str),
 }
 
 SETTING_NAMES = tuple(_SETTINGS)
