@@ -44,13 +44,27 @@ def is_redis(url: str) -> bool:
     return url.startswith(("redis://", "rediss://"))
 
 
+#: The longest a worker's consumer of an idle queue sleeps between two polls of Dramatiq's
+#: Redis broker. Dramatiq backs off up to the worker's timeout (1 s, not settable from its
+#: command line); every hop of the relay (tick -> claim -> publish -> next claim) would
+#: pay up to that. At 100 ms an idle worker process polls its four queues ~40 times a
+#: second, each a small Lua call.
+REDIS_IDLE_POLL_MS = 100
+
+
 def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
     """A Dramatiq broker for ``url``; ``middleware=None`` gives Dramatiq's defaults."""
     try:
         if is_redis(url):
             from dramatiq.brokers.redis import RedisBroker
 
-            return RedisBroker(url=url, namespace=ns, middleware=middleware)
+            class _RelayRedisBroker(RedisBroker):  # type: ignore[misc,valid-type]
+                """RedisBroker whose idle consumers poll at least every REDIS_IDLE_POLL_MS."""
+
+                def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Any:
+                    return super().consume(queue_name, prefetch=prefetch, timeout=min(timeout, REDIS_IDLE_POLL_MS))
+
+            return _RelayRedisBroker(url=url, namespace=ns, middleware=middleware)
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
         # confirm_delivery: a send (a claim's publish message) returns once RabbitMQ has it.
