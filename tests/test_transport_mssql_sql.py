@@ -29,7 +29,7 @@ class RecordingCursor:
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
         self.log.append((sql, tuple(params)))
-        self.rows = [(1, "q", "{}", "body", 1)] if "FROM @out" in sql else [(0, "", "")]
+        self.rows = [(1, "q", "{}", "body", 1)] if "FROM @out" in sql else [(0, "", "", None)]
         self.description = [("c",)]
         return self
 
@@ -64,6 +64,7 @@ def record_everything(qt: MssqlQueueTables) -> list[tuple[str, tuple]]:
     qt.purge_expired(c, 500)
     qt.delete_queue(c, "celery")
     qt.bind(c, "celery.pidbox", "", "", "w1@host.celery.pidbox")
+    qt.bind(c, "celeryev", "worker.#", "^worker\\..*?$", "w1.gossip", 2000)
     qt.unbind(c, "celery.pidbox", "", "w1@host.celery.pidbox")
     qt.table_bindings(c, "celery.pidbox")
     qt.missing_indexes(c)

@@ -149,9 +149,9 @@ def test_bindings_are_stored_once(tables: Tables) -> None:
     t = tables
     for _ in range(2):
         t.tx(lambda c: t.qt.bind(c, "ex", "rk", "rk", "a"))
-    t.tx(lambda c: t.qt.bind(c, "ex", "rk", "rk", "b"))
-    assert [(b.routing_key, b.queue) for b in t.tx(lambda c: t.qt.table_bindings(c, "ex"))] == [("rk", "a"),
-                                                                                              ("rk", "b")]
+    t.tx(lambda c: t.qt.bind(c, "ex", "rk", "rk", "b", 5000))
+    assert [(b.routing_key, b.queue, b.message_ttl_ms) for b in t.tx(lambda c: t.qt.table_bindings(c, "ex"))] \
+        == [("rk", "a", None), ("rk", "b", 5000)]
     t.tx(lambda c: t.qt.unbind(c, "ex", "rk", "a"))
     put(t, "b", "x")
     t.tx(lambda c: t.qt.delete_queue(c, "b"))

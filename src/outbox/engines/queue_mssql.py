@@ -73,6 +73,7 @@ class MssqlQueueTables(QueueTables):
         routing_key {name},
         pattern {name},
         queue {name},
+        message_ttl_ms BIGINT NULL,
         {constraint('pk', self.binding_name)} PRIMARY KEY CLUSTERED (id)
     )"""),
             index(b, "binding", "UNIQUE NONCLUSTERED INDEX {index} ON {t} (exchange, routing_key, queue)"),
@@ -127,9 +128,11 @@ OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.de
 
     def bind_sql(self) -> str:
         b = self.bindings
-        return (f"INSERT INTO {b} (exchange, routing_key, pattern, queue) SELECT ?, ?, ?, ? "
+        return (f"INSERT INTO {b} (exchange, routing_key, pattern, queue, message_ttl_ms) SELECT ?, ?, ?, ?, ? "
                 f"WHERE NOT EXISTS (SELECT 1 FROM {b} WITH (UPDLOCK, HOLDLOCK) "
                 "WHERE exchange = ? AND routing_key = ? AND queue = ?)")
 
-    def bind(self, cursor: Any, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
-        self.run(cursor, self.bind_sql(), [exchange, routing_key, pattern, queue, exchange, routing_key, queue])
+    def bind(self, cursor: Any, exchange: str, routing_key: str, pattern: str, queue: str,
+             message_ttl_ms: int | None = None) -> None:
+        self.run(cursor, self.bind_sql(),
+                 [exchange, routing_key, pattern, queue, message_ttl_ms, exchange, routing_key, queue])

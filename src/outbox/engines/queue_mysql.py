@@ -50,6 +50,7 @@ class MysqlQueueTables(QueueTables):
                 routing_key {name},
                 pattern {name},
                 queue {name},
+                message_ttl_ms BIGINT NULL,
                 UNIQUE KEY {q(self.index_name('binding'))} (exchange, routing_key, queue)
             ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
         ]
@@ -85,4 +86,5 @@ class MysqlQueueTables(QueueTables):
         return f"DELETE FROM {self.table} WHERE expires_at <= {self.engine.now} ORDER BY expires_at LIMIT ?"
 
     def bind_sql(self) -> str:
-        return f"INSERT IGNORE INTO {self.bindings} (exchange, routing_key, pattern, queue) VALUES (?, ?, ?, ?)"
+        return (f"INSERT IGNORE INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "
+                "VALUES (?, ?, ?, ?, ?)")

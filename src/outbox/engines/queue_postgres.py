@@ -40,7 +40,8 @@ class PostgresQueueTables(QueueTables):
                 exchange VARCHAR({MAX_NAME}) NOT NULL,
                 routing_key VARCHAR({MAX_NAME}) NOT NULL,
                 pattern VARCHAR({MAX_NAME}) NOT NULL,
-                queue VARCHAR({MAX_NAME}) NOT NULL
+                queue VARCHAR({MAX_NAME}) NOT NULL,
+                message_ttl_ms BIGINT NULL
             )""",
             f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('binding'))} ON {b} (exchange, routing_key, queue)",
         ]
@@ -61,5 +62,5 @@ class PostgresQueueTables(QueueTables):
         return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
 
     def bind_sql(self) -> str:
-        return (f"INSERT INTO {self.bindings} (exchange, routing_key, pattern, queue) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (exchange, routing_key, queue) DO NOTHING")
+        return (f"INSERT INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (exchange, routing_key, queue) DO NOTHING")

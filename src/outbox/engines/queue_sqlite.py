@@ -39,7 +39,8 @@ class SqliteQueueTables(QueueTables):
                 exchange TEXT NOT NULL,
                 routing_key TEXT NOT NULL,
                 pattern TEXT NOT NULL,
-                queue TEXT NOT NULL
+                queue TEXT NOT NULL,
+                message_ttl_ms INTEGER NULL
             )""",
             f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('binding')} ON {bindings} (exchange, routing_key, queue)",
         ]
@@ -60,5 +61,5 @@ class SqliteQueueTables(QueueTables):
         return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
 
     def bind_sql(self) -> str:
-        return (f"INSERT INTO {self.bindings} (exchange, routing_key, pattern, queue) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (exchange, routing_key, queue) DO NOTHING")
+        return (f"INSERT INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (exchange, routing_key, queue) DO NOTHING")

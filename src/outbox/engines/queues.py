@@ -56,6 +56,8 @@ class Binding(NamedTuple):
     routing_key: str
     pattern: str
     queue: str
+    #: The queue's message TTL (``x-message-ttl``), applied when a message is routed to it.
+    message_ttl_ms: int | None = None
 
 
 class QueueTables:
@@ -185,20 +187,22 @@ class QueueTables:
 
     # -- bindings ----------------------------------------------------------------
     def bind_sql(self) -> str:
-        """Insert ``(exchange, routing_key, pattern, queue)`` unless it is stored."""
+        """Insert ``(exchange, routing_key, pattern, queue, message_ttl_ms)`` unless
+        ``(exchange, routing_key, queue)`` is stored."""
         raise NotImplementedError
 
-    def bind(self, cursor: Any, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
-        self.run(cursor, self.bind_sql(), [exchange, routing_key, pattern, queue])
+    def bind(self, cursor: Any, exchange: str, routing_key: str, pattern: str, queue: str,
+             message_ttl_ms: int | None = None) -> None:
+        self.run(cursor, self.bind_sql(), [exchange, routing_key, pattern, queue, message_ttl_ms])
 
     def unbind(self, cursor: Any, exchange: str, routing_key: str, queue: str) -> None:
         self.run(cursor, f"DELETE FROM {self.bindings} WHERE exchange = ? AND routing_key = ? AND queue = ?",
                  [exchange, routing_key, queue])
 
     def table_bindings(self, cursor: Any, exchange: str) -> list[Binding]:
-        rows = self.run(cursor, f"SELECT routing_key, pattern, queue FROM {self.bindings} WHERE exchange = ? "
-                        "ORDER BY id", [exchange]).fetchall()
-        return [Binding(r[0] or "", r[1] or "", r[2]) for r in rows]
+        rows = self.run(cursor, f"SELECT routing_key, pattern, queue, message_ttl_ms FROM {self.bindings} "
+                        "WHERE exchange = ? ORDER BY id", [exchange]).fetchall()
+        return [Binding(r[0] or "", r[1] or "", r[2], None if r[3] is None else int(r[3])) for r in rows]
 
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")

@@ -1,0 +1,54 @@
+"""The database as Celery's broker: a kombu transport on queue tables.
+
+Select it with a broker URL ``outboxdb+<database URL>``::
+
+    outboxdb+postgresql://user:pass@host:5432/db
+    outboxdb+mysql://user:pass@host:3306/db            (MySQL 8, MariaDB 10.6+)
+    outboxdb+mssql+pyodbc://user:pass@host:1433/db?driver=ODBC+Driver+18+for+SQL+Server
+    outboxdb+sqlite:///path/to/file.db
+    outboxdb://                                        (the outbox's own OUTBOX_DATABASE_URL)
+
+kombu has no plugin mechanism for transports (no entry-point group): it resolves
+the scheme before ``+`` through the ``kombu.transport.TRANSPORT_ALIASES`` dict.
+Importing this package adds ``outboxdb`` there; ``outbox.celery`` imports it, so
+``celery -A outbox`` needs nothing more. Your own Celery app needs
+``import outbox.transport`` before it connects (or ``register()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .channel import SCHEME, Channel, QoS, Transport, database_url_of
+
+TRANSPORT_PATH = "outbox.transport.channel:Transport"
+
+
+def register() -> None:
+    """Make ``outboxdb+...`` URLs select this transport in this process (idempotent)."""
+    from kombu.transport import TRANSPORT_ALIASES
+    TRANSPORT_ALIASES.setdefault(SCHEME, TRANSPORT_PATH)
+
+
+def is_transport_url(url: str | None) -> bool:
+    """True for broker URLs that select this transport."""
+    return bool(url) and (url.startswith(f"{SCHEME}+") or url.startswith(f"{SCHEME}://"))  # type: ignore[union-attr]
+
+
+def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:
+    """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``)."""
+    from .channel import Database
+    from ..engines.queues import DEFAULT_QUEUE_TABLE
+    url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
+    db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)
+    try:
+        db.run(lambda qt, cursor: qt.migrate(cursor))
+        return db.qt
+    finally:
+        db.close()
+
+
+register()
+
+__all__ = ["Transport", "Channel", "QoS", "register", "is_transport_url", "migrate_queue_tables", "SCHEME",
+           "TRANSPORT_PATH"]
