@@ -262,6 +262,43 @@ def test_a_queues_message_ttl_applies_to_messages_routed_by_other_connections(br
         m.ack()
 
 
+def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
+    """With a 5 s idle ceiling, a send still reaches an idle, blocked consumer at once:
+    LISTEN/NOTIFY (polling alone would take seconds after a few idle seconds)."""
+    broker = Broker(engine_url("postgresql", tmp_path))
+    try:
+        got: list[float] = []
+        sent: list[float] = []
+        with broker.connect(polling_interval=5.0) as conn, broker.connect() as sender:
+            queue = Queue("wake", Exchange("wake"), "wake")
+            outbox_queue = sender.SimpleQueue("wake")
+
+            def send() -> None:
+                for n in range(3):
+                    time.sleep(3.0)  # the consumer has backed off by now
+                    sent.append(time.monotonic())
+                    outbox_queue.put(n)
+
+            def on_message(body: Any, message: Any) -> None:
+                got.append(time.monotonic())
+                message.ack()
+
+            with Consumer(conn, [queue], callbacks=[on_message]):
+                thread = threading.Thread(target=send)
+                thread.start()
+                deadline = time.monotonic() + 60
+                while len(got) < 3 and time.monotonic() < deadline:
+                    try:
+                        conn.drain_events(timeout=10)
+                    except (TimeoutError, OSError):
+                        pass
+                thread.join()
+        latencies = [g - s for g, s in zip(got, sent)]
+        assert len(latencies) == 3 and max(latencies) < 1.0, latencies
+    finally:
+        broker.drop()
+
+
 def test_bad_urls_and_options_fail_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unsupported database URL scheme 'oracle'"):
         Connection("outboxdb+oracle://u@h/db").connect()

@@ -9,7 +9,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from .queues import MAX_NAME, MessageRow, QueueTables, to_rows
+from .queues import MAX_NAME, MessageRow, QueueTables, Waiter, to_rows
+
+
+class ListenWaiter(Waiter):
+    """A dedicated autocommit connection LISTENing on the queue table's channel. A send
+    notifies in its own transaction, so the wake-up arrives at commit, never before."""
+
+    def __init__(self, url: str, channel: str) -> None:
+        import psycopg
+        from .postgres import libpq_url
+        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        self.conn.execute(f'LISTEN "{channel}"')
+
+    def wait(self, timeout: float) -> bool:
+        for _ in self.conn.notifies(timeout=max(timeout, 0.0), stop_after=1):
+            return True
+        return False
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:
+            pass
 
 
 class PostgresQueueTables(QueueTables):
@@ -45,6 +67,26 @@ class PostgresQueueTables(QueueTables):
             )""",
             f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('binding'))} ON {b} (exchange, routing_key, queue)",
         ]
+
+    def wake_channel(self) -> str:
+        """The NOTIFY channel of this queue table (identifiers stop at 63 bytes)."""
+        schema = f"{self.engine.schema}_" if self.engine.schema else ""
+        return f"{schema}{self.table_name}_wake"[:63]
+
+    def put_sql(self, with_expiry: bool) -> str:
+        # One round trip: the insert and the wake-up of idle receivers (at commit).
+        return (f"WITH sent AS ({super().put_sql(with_expiry)} RETURNING queue) "
+                "SELECT pg_notify(?, queue) FROM sent")
+
+    def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
+            ttl_ms: int | None = None) -> None:
+        params = [queue, headers, body, *self.after_params(delay_ms)]
+        if ttl_ms is not None:
+            params += self.after_params(ttl_ms)
+        self.run(cursor, self.put_sql(ttl_ms is not None), [*params, self.wake_channel()])
+
+    def open_waiter(self, url: str) -> Waiter:
+        return ListenWaiter(url, self.wake_channel())
 
     def existing_indexes_sql(self) -> tuple[str, list[Any]]:
         return ("SELECT indexname FROM pg_indexes WHERE tablename = ? AND schemaname = COALESCE(?, current_schema())",

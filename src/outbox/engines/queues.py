@@ -60,6 +60,17 @@ class Binding(NamedTuple):
     message_ttl_ms: int | None = None
 
 
+class Waiter:
+    """Blocks an idle receive loop until a send wakes it (or the timeout passes)."""
+
+    def wait(self, timeout: float) -> bool:
+        """True when woken by a send, False on timeout."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
 class QueueTables:
     """SQL for the queue tables of one engine. Holds names, not connections: every
     method takes a cursor and leaves committing to the caller."""
@@ -131,6 +142,11 @@ class QueueTables:
         if ttl_ms is not None:
             params += self.after_params(ttl_ms)
         self.run(cursor, self.put_sql(ttl_ms is not None), params)
+
+    def open_waiter(self, url: str) -> "Waiter | None":
+        """Something an idle receiver can block on until a message may have arrived
+        (PostgreSQL's LISTEN), or None: the receiver then sleeps between polls."""
+        return None
 
     def probe_sql(self, count: int) -> str:
         """One cheap read: is any of ``count`` queues holding a deliverable row?"""
@@ -236,4 +252,4 @@ def to_rows(rows: Sequence[Sequence[Any]]) -> list[MessageRow]:
     return out
 
 
-__all__ = ["QueueTables", "MessageRow", "Binding", "queue_tables", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "to_rows"]
+__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "queue_tables", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "to_rows"]

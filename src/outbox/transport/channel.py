@@ -150,10 +150,12 @@ class Channel(virtual.Channel):
     expired_purge_batch: int = 1000
     #: Seconds a direct/topic exchange's bindings are cached before re-reading them.
     binding_cache_ttl: float = 1.0
+    #: Wake idle receivers at once on a send where the engine can (PostgreSQL LISTEN/NOTIFY).
+    wake: bool = True
 
     from_transport_options = virtual.Channel.from_transport_options + (
         "visibility_timeout", "receive_batch", "queue_table", "queue_schema", "create_tables",
-        "expired_purge_interval", "expired_purge_batch", "binding_cache_ttl")
+        "expired_purge_interval", "expired_purge_batch", "binding_cache_ttl", "wake")
 
     def __init__(self, connection: Any, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
@@ -165,7 +167,8 @@ class Channel(virtual.Channel):
         self._busy = True
         self._next_purge = time.monotonic() + random.uniform(0, max(self.expired_purge_interval, 0))
         self._validate()
-        self.db: Database = connection.database(self.queue_table, self.queue_schema, self.create_tables)
+        self.db: Database = connection.database(self.queue_table, self.queue_schema, self.create_tables,
+                                                bool(self.wake))
 
     def _validate(self) -> None:
         if not (0 < float(self.visibility_timeout) <= 86_400 * 30):
@@ -359,14 +362,49 @@ class Database:
 
     RETRIES = 3
 
-    def __init__(self, url: str, table: str, schema: str | None, create: bool) -> None:
+    def __init__(self, url: str, table: str, schema: str | None, create: bool, wake: bool = True) -> None:
         self.url = url
         self.engine = engine_for_url(url, schema=schema)
         self.qt = queue_tables(self.engine, table)
         self.create = create
+        self.wake = wake
         self._lock = threading.RLock()
         self._conn: Any = None
         self._pid = 0
+        self._waiter: Any = None
+        self._waiter_pid = 0
+        self._waiter_retry_at = 0.0
+
+    def wait(self, timeout: float) -> bool:
+        """Idle: block until a send wakes us (PostgreSQL LISTEN) or ``timeout`` passes.
+        Engines without wake-ups, and a waiter that failed, sleep instead."""
+        waiter = self._waiter if self._waiter_pid == os.getpid() else None
+        if waiter is None and self.wake and time.monotonic() >= self._waiter_retry_at:
+            try:
+                self.connection()  # tables exist before anyone listens
+                waiter = self.qt.open_waiter(self.url)
+            except Exception as exc:
+                log.warning("outboxdb: cannot listen for wake-ups (%s); polling only for a while", exc)
+                self._waiter_retry_at = time.monotonic() + 30.0
+                waiter = None
+            self._waiter, self._waiter_pid = waiter, os.getpid()
+            if waiter is None and not self._waiter_retry_at:
+                self.wake = False  # this engine has none: stop asking
+        if waiter is None:
+            time.sleep(timeout)
+            return False
+        try:
+            return waiter.wait(timeout)
+        except Exception as exc:
+            log.warning("outboxdb: wake-up connection lost (%s); reconnecting", exc)
+            self._close_waiter()
+            self._waiter_retry_at = time.monotonic() + 1.0
+            return False
+
+    def _close_waiter(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and self._waiter_pid == os.getpid():
+            waiter.close()
 
     def connection(self) -> Any:
         if self._conn is None or self._pid != os.getpid():
@@ -420,6 +458,7 @@ class Database:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
+        self._close_waiter()
         with self._lock:
             conn, self._conn = self._conn, None
             if conn is not None and self._pid == os.getpid():
@@ -479,11 +518,18 @@ class Transport(virtual.Transport):
         self._sleep = self.polling_interval_min
         self._databases: dict[tuple[str, str | None], Database] = {}
 
-    def database(self, table: str, schema: str | None, create: bool) -> Database:
+    def database(self, table: str, schema: str | None, create: bool, wake: bool = True) -> Database:
         key = (table, schema)
         if key not in self._databases:
-            self._databases[key] = Database(self.database_url, table, schema, bool(create))
+            self._databases[key] = Database(self.database_url, table, schema, bool(create), wake)
         return self._databases[key]
+
+    def _idle_wait(self, pause: float) -> bool:
+        """Sleep ``pause`` seconds, or less when a send wakes the (single) queue table."""
+        if len(self._databases) == 1:
+            return next(iter(self._databases.values())).wait(pause)
+        time.sleep(pause)
+        return False
 
     def establish_connection(self) -> "Transport":
         conn = super().establish_connection()
@@ -512,7 +558,8 @@ class Transport(virtual.Transport):
                 self._sleep = min(self._sleep * 2, float(self.polling_interval))
                 if timeout is not None:
                     pause = min(pause, max(started + timeout - now, 0))
-                time.sleep(pause)
+                if self._idle_wait(pause):
+                    self._sleep = self.polling_interval_min  # woken by a send: poll now
             else:
                 self._sleep = self.polling_interval_min
                 return
