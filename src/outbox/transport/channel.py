@@ -516,6 +516,7 @@ class Transport(virtual.Transport):
             raise ConfigError("outboxdb transport options: need 0 < polling_interval_min <= polling_interval <= 60 "
                               f"(got {self.polling_interval_min!r} and {self.polling_interval!r})")
         self._sleep = self.polling_interval_min
+        self._next_poll = 0.0
         self._databases: dict[tuple[str, str | None], Database] = {}
 
     def database(self, table: str, schema: str | None, create: bool, wake: bool = True) -> Database:
@@ -523,6 +524,25 @@ class Transport(virtual.Transport):
         if key not in self._databases:
             self._databases[key] = Database(self.database_url, table, schema, bool(create), wake)
         return self._databases[key]
+
+    def _prefetch_full(self) -> bool:
+        return any(ch._consumers and not ch.qos.can_consume() for ch in self.channels
+                   if getattr(ch, "_consumers", None))
+
+    def _probe_idle_channels(self) -> bool:
+        """While every consuming channel is idle, ONE probe covers the queues of all of
+        them (a Celery worker consumes its task queues and its control queue on two
+        channels): False means nothing is deliverable anywhere. A hit marks the channels
+        busy, so each leases without probing again."""
+        consuming = [ch for ch in self.channels if getattr(ch, "_consumers", None)]
+        if not consuming or any(ch._busy for ch in consuming) or len({id(ch.db) for ch in consuming}) != 1:
+            return True
+        queues = list(dict.fromkeys(q for ch in consuming for q in ch._active_queues))
+        if not consuming[0].db.run(lambda qt, c: qt.probe(c, queues)):
+            return False
+        for ch in consuming:
+            ch._busy = True
+        return True
 
     def _idle_wait(self, pause: float) -> bool:
         """Sleep ``pause`` seconds, or less when a send wakes the (single) queue table."""
@@ -543,25 +563,39 @@ class Transport(virtual.Transport):
             db.close()
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
-        """Deliver what one poll finds; while nothing comes, sleep between polls,
-        doubling from ``polling_interval_min`` to ``polling_interval`` with ±25%
-        jitter, and give up with ``socket.timeout`` once ``timeout`` has passed."""
+        """Deliver what one poll finds. While nothing comes, wait between polls, the
+        wait doubling from ``polling_interval_min`` to ``polling_interval`` with ±25%
+        jitter (so workers do not poll in step); a send wakes the wait where the engine
+        can. The schedule outlives the call: Celery calls this every 2 s with a timeout,
+        and a call that starts mid-wait finishes that wait instead of polling at once.
+        ``socket.timeout`` once ``timeout`` has passed."""
         started = time.monotonic()
         while True:
+            now = time.monotonic()
+            if now < self._next_poll:
+                left = None if timeout is None else started + timeout - now
+                if left is not None and left <= 0:
+                    raise socket.timeout()
+                pause = self._next_poll - now if left is None else min(self._next_poll - now, left)
+                if self._idle_wait(pause):
+                    self._sleep, self._next_poll = self.polling_interval_min, 0.0  # woken by a send
+                continue
             try:
+                if not self._probe_idle_channels():
+                    raise Empty()
                 self.cycle.get(self._deliver, timeout=timeout)
             except Empty:
-                now = time.monotonic()
-                if timeout is not None and now - started >= timeout:
+                if self._prefetch_full():
+                    # Not idle: the prefetch window is full and acks (from the pool's
+                    # threads) will open it soon. Look again shortly, without backing off.
+                    self._next_poll = time.monotonic() + self.polling_interval_min
+                else:
+                    self._next_poll = time.monotonic() + self._sleep * random.uniform(0.75, 1.25)
+                    self._sleep = min(self._sleep * 2, float(self.polling_interval))
+                if timeout is not None and time.monotonic() - started >= timeout:
                     raise socket.timeout()
-                pause = self._sleep * random.uniform(0.75, 1.25)
-                self._sleep = min(self._sleep * 2, float(self.polling_interval))
-                if timeout is not None:
-                    pause = min(pause, max(started + timeout - now, 0))
-                if self._idle_wait(pause):
-                    self._sleep = self.polling_interval_min  # woken by a send: poll now
             else:
-                self._sleep = self.polling_interval_min
+                self._sleep, self._next_poll = self.polling_interval_min, 0.0
                 return
 
     @property
