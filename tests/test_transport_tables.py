@@ -192,3 +192,24 @@ def test_concurrent_receivers_never_lease_the_same_row(tables: Tables) -> None:
     assert len(ids) == total and len(set(ids)) == total
     for s in seen:
         assert s == sorted(s)  # each receiver sees the queue in FIFO order
+
+
+def test_postgresql_sends_commit_durably_while_receives_commit_asynchronously(tmp_path: Path) -> None:
+    """The transport's session commits leases and acks without waiting for the WAL flush
+    (a crash redelivers, never loses), but every send turns synchronous commit back on
+    for its own transaction."""
+    t = Tables(engine_url("postgresql", tmp_path))
+    try:
+        t.tx(t.qt.migrate)
+        t.tx(t.qt.session_setup)
+
+        def setting(c: Any) -> str:
+            return t.engine.execute(c, "SHOW synchronous_commit").fetchone()[0]
+
+        assert t.tx(setting) == "off"
+        assert t.tx(lambda c: (t.qt.put(c, "a", "{}", "x"), setting(c))[1]) == "on"
+        assert t.tx(setting) == "off"  # SET LOCAL: only that transaction
+        [(row, receipt)] = lease(t, "a")
+        assert t.tx(lambda c: (t.qt.ack(c, row.id, receipt), setting(c))[1]) == "off"
+    finally:
+        t.drop()

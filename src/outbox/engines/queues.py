@@ -143,6 +143,9 @@ class QueueTables:
             params += self.after_params(ttl_ms)
         self.run(cursor, self.put_sql(ttl_ms is not None), params)
 
+    def session_setup(self, cursor: Any) -> None:
+        """Run once on each new connection of the transport (engine-specific tuning)."""
+
     def open_waiter(self, url: str) -> "Waiter | None":
         """Something an idle receiver can block on until a message may have arrived
         (PostgreSQL's LISTEN), or None: the receiver then sleeps between polls."""

@@ -409,6 +409,7 @@ class Database:
     def connection(self) -> Any:
         if self._conn is None or self._pid != os.getpid():
             self._conn, self._pid = self.engine.connect(self.url), os.getpid()
+            self._transaction(self.qt.session_setup)
             self._prepare()
         return self._conn
 
