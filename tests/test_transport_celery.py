@@ -211,6 +211,47 @@ def test_two_workers_share_the_queue_and_a_killed_workers_task_comes_back(task_a
     assert time.monotonic() - killed_at >= 1.0  # after the visibility timeout, not at once
 
 
+def test_transactional_send_runs_the_task_only_if_the_transaction_commits(task_app: TaskApp) -> None:
+    from outbox.transport import SendError, send_task
+
+    a = task_app
+    a.worker("w1", concurrency=1)
+    assert wait_until(lambda: "ready" in a.log("w1"), timeout=60), a.log("w1")[-3000:]  # tables exist now
+    name = f"{a.module}.record"
+    engine = engine_for_url(a.db_url)
+    if engine.name == "sqlite":  # an application's connection: implicit transactions
+        import sqlite3
+        from outbox.engines.sqlite import sqlite_path
+        conn = sqlite3.connect(sqlite_path(a.db_url), timeout=30)
+    else:
+        conn = engine.connect(a.db_url)
+    try:
+        cursor = engine.cursor_for(conn)
+        engine.execute(cursor, "CREATE TABLE IF NOT EXISTS " + engine.qualify(a.table + "_biz") + " (n INT)")
+        conn.commit()
+        biz = engine.qualify(a.table + "_biz")
+        engine.execute(cursor, f"INSERT INTO {biz} (n) VALUES (?)", [1])
+        send_task(conn, a.app, name, args=(1,))
+        conn.rollback()  # the business change and the task vanish together
+        engine.execute(cursor, f"INSERT INTO {biz} (n) VALUES (?)", [2])
+        with pytest.raises(SendError, match="cannot serialize"):
+            send_task(conn, a.app, name, args=(object(),))  # refused before anything is written
+        with pytest.raises(SendError, match="task name"):
+            send_task(conn, a.app, "", args=())
+        task_id = send_task(conn, a.app, name, args=(2,))
+        send_task(conn, a.app, name, args=(3,), countdown=2)
+        conn.commit()  # the transaction was still usable after the refusals
+        assert wait_until(lambda: len(a.lines("record")) >= 2, timeout=30), a.log("w1")[-3000:]
+        time.sleep(1.0)
+        assert [x[1] for x in a.lines("record")] == ["2", "3"]
+        assert task_id in a.log("w1")
+        assert [tuple(r) for r in engine.execute(cursor, f"SELECT n FROM {biz}").fetchall()] == [(2,)]
+        engine.execute(cursor, f"DROP TABLE {biz}")
+        conn.commit()
+    finally:
+        conn.close()
+
+
 # -- the outbox relay on the database broker --------------------------------------------------------
 
 @pytest.fixture(params=KINDS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .channel import SCHEME, Channel, QoS, Transport, database_url_of
+from .send import SendError, send_task
 
 TRANSPORT_PATH = "outbox.transport.channel:Transport"
 
@@ -50,5 +51,5 @@ def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: s
 
 register()
 
-__all__ = ["Transport", "Channel", "QoS", "register", "is_transport_url", "migrate_queue_tables", "SCHEME",
+__all__ = ["Transport", "Channel", "QoS", "send_task", "SendError", "register", "is_transport_url", "migrate_queue_tables", "SCHEME",
            "TRANSPORT_PATH"]
