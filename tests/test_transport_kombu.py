@@ -306,3 +306,28 @@ def test_bad_urls_and_options_fail_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="visibility_timeout"):
         with Connection(url, transport_options={"visibility_timeout": 0}) as conn:
             conn.default_channel
+
+
+def test_a_connection_killed_by_the_server_is_replaced_without_losing_a_message(tmp_path: Path) -> None:
+    """PostgreSQL terminates the transport's session (a failover, an admin): the next
+    operation reconnects and carries on."""
+    broker = Broker(engine_url("postgresql", tmp_path))
+    try:
+        with broker.connect() as conn:
+            q = conn.SimpleQueue("resilient")
+            q.put(1)
+            db = conn.default_channel.db
+            pid = db.run(lambda qt, c: c.execute("SELECT pg_backend_pid()").fetchone()[0])
+            killer = engine_for_url(broker.db_url).connect(broker.db_url)
+            killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            killer.commit()
+            killer.close()
+            q.put(2)
+            got = [get(q), get(q)]
+            assert [m.payload for m in got] == [1, 2]
+            for m in got:
+                m.ack()
+            assert db.run(lambda qt, c: c.execute("SELECT pg_backend_pid()").fetchone()[0]) != pid
+            q.close()
+    finally:
+        broker.drop()

@@ -450,16 +450,20 @@ class Database:
                     self.connection()
                     return self._transaction(lambda cursor: work(self.qt, cursor))
                 except Exception as exc:
-                    if self.engine.is_disconnect(exc):
-                        self.close()
+                    if not (self.engine.is_disconnect(exc) or self.engine.is_transient(exc)):
                         raise
-                    if not self.engine.is_transient(exc) or attempt == self.RETRIES:
+                    # A dropped connection, a server restart, a deadlock victim: start
+                    # again on a fresh connection. (A send whose commit was cut off may
+                    # then be stored twice: at least once.) Out of retries, the error is
+                    # one of the transport's connection_errors and kombu reconnects.
+                    self._drop_connection()
+                    if attempt == self.RETRIES:
                         raise
-            time.sleep(0.01 * 2 ** attempt * random.uniform(0.5, 1.5))
+            log.info("outboxdb: retrying after a transient database error (attempt %d)", attempt + 1)
+            time.sleep(0.05 * 2 ** attempt * random.uniform(0.5, 1.5))
         raise AssertionError("unreachable")
 
-    def close(self) -> None:
-        self._close_waiter()
+    def _drop_connection(self) -> None:
         with self._lock:
             conn, self._conn = self._conn, None
             if conn is not None and self._pid == os.getpid():
@@ -467,6 +471,10 @@ class Database:
                     conn.close()
                 except Exception:
                     pass
+
+    def close(self) -> None:
+        self._close_waiter()
+        self._drop_connection()
 
 
 def _driver_errors(kind: str) -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
