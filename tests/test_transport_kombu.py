@@ -306,6 +306,9 @@ def test_bad_urls_and_options_fail_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="visibility_timeout"):
         with Connection(url, transport_options={"visibility_timeout": 0}) as conn:
             conn.default_channel
+    with Connection(url) as conn:
+        with pytest.raises(ValueError, match="(exchange|queue) name is 300 characters"):
+            conn.SimpleQueue("q" * 300).put(1)
 
 
 def test_a_connection_killed_by_the_server_is_replaced_without_losing_a_message(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ from typing import Any, Callable, TypeVar
 from kombu.transport import virtual
 
 from ..engines import engine_for_url, kind_of_url
-from ..engines.queues import DEFAULT_QUEUE_TABLE, MessageRow, QueueTables, queue_tables
+from ..engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables, queue_tables
 from ..errors import ConfigError
 
 log = logging.getLogger("outbox.transport")
@@ -93,6 +93,13 @@ def _ttl_ms(properties: dict[str, Any]) -> int | None:
         return max(int(float(expiration)), 0)
     except (TypeError, ValueError):
         raise ValueError(f"message expiration must be milliseconds, got {expiration!r}") from None
+
+
+def _check_name(kind: str, name: str) -> None:
+    """Names are stored in VARCHAR(MAX_NAME) columns: refuse longer ones clearly."""
+    if len(name) > MAX_NAME:
+        raise ValueError(f"outboxdb: {kind} name is {len(name)} characters, the queue tables hold at most "
+                         f"{MAX_NAME}: {name[:40]!r}...")
 
 
 def _split_tag(delivery_tag: str) -> tuple[int, str]:
@@ -182,6 +189,7 @@ class Channel(virtual.Channel):
         self.db.run(lambda qt, c: self._insert(qt, c, queue, message))
 
     def _insert(self, qt: QueueTables, cursor: Any, queue: str, message: dict[str, Any]) -> None:
+        _check_name("queue", queue)
         envelope = {k: v for k, v in message.items() if k != "body"}
         ttl = _ttl_ms(envelope.get("properties") or {})
         if ttl is None:
@@ -200,6 +208,8 @@ class Channel(virtual.Channel):
 
     # -- routing -----------------------------------------------------------------------
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str | None, queue: str) -> None:
+        for kind, value in (("exchange", exchange), ("routing key", routing_key), ("queue", queue)):
+            _check_name(kind, value or "")
         ttl = self._queue_ttl.get(queue)
         self.db.run(lambda qt, c: qt.bind(c, exchange, routing_key or "", pattern or "", queue, ttl))
         self._binding_cache.pop(exchange, None)
@@ -268,6 +278,12 @@ class Channel(virtual.Channel):
         if no_ack:
             self._no_ack_queues.add(queue)
         return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def basic_cancel(self, consumer_tag: str) -> None:
+        queue = self._tag_to_queue.get(consumer_tag)
+        super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._tag_to_queue.values():
+            self._no_ack_queues.discard(queue)
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         message = super().basic_get(queue, no_ack=no_ack, **kwargs)
