@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import uuid

@@ -7,7 +7,6 @@ own queue tables (transport option ``queue_table``)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading

@@ -42,7 +42,8 @@ class SqliteQueueTables(QueueTables):
                 queue TEXT NOT NULL,
                 message_ttl_ms INTEGER NULL
             )""",
-            f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('binding')} ON {bindings} (exchange, routing_key, queue)",
+            f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('binding')} ON {bindings} "
+            "(exchange, routing_key, queue)",
         ]
 
     def existing_indexes_sql(self) -> tuple[str, list[Any]]:

@@ -255,4 +255,5 @@ def to_rows(rows: Sequence[Sequence[Any]]) -> list[MessageRow]:
     return out
 
 
-__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "queue_tables", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "to_rows"]
+__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "queue_tables", "DEFAULT_QUEUE_TABLE", "MAX_NAME",
+           "to_rows"]

@@ -51,5 +51,6 @@ def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: s
 
 register()
 
-__all__ = ["Transport", "Channel", "QoS", "send_task", "SendError", "register", "is_transport_url", "migrate_queue_tables", "SCHEME",
+__all__ = ["Transport", "Channel", "QoS", "send_task", "SendError", "register", "is_transport_url",
+           "migrate_queue_tables", "SCHEME",
            "TRANSPORT_PATH"]
