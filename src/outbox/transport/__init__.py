@@ -19,10 +19,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from .channel import SCHEME, Channel, QoS, Transport, database_url_of
-from .send import SendError, send_task
-
+#: The URL scheme prefix that selects this transport: ``outboxdb+postgresql://...``.
+SCHEME = "outboxdb"
 TRANSPORT_PATH = "outbox.transport.channel:Transport"
+
+#: Names served lazily: importing this package (as ``outbox.celery`` does in every worker)
+#: must stay cheap and import nothing of kombu's virtual transport. With the transport
+#: imported eagerly by ``outbox.celery``, a warm shutdown of a Redis-broker worker hung at
+#: exit in billiard's ``Pool._help_stuff_finish`` (tests/test_relay_e2e.py, the warm
+#: shutdown test); importing it lazily, as kombu itself does, cured it. Which import
+#: side effect is to blame was not pinned down.
+_LAZY = {"Transport": "channel", "Channel": "channel", "QoS": "channel", "database_url_of": "channel",
+         "send_task": "send", "SendError": "send"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def register() -> None:
@@ -38,8 +54,8 @@ def is_transport_url(url: str | None) -> bool:
 
 def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:
     """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``)."""
-    from .channel import Database
     from ..engines.queues import DEFAULT_QUEUE_TABLE
+    from .channel import Database, database_url_of
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
     db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)
     try:

@@ -43,12 +43,11 @@ from kombu.transport import virtual
 from ..engines import engine_for_url, kind_of_url
 from ..engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables, queue_tables
 from ..errors import ConfigError
+from . import SCHEME
 
 log = logging.getLogger("outbox.transport")
 T = TypeVar("T")
 
-#: The URL scheme prefix that selects this transport: ``outboxdb+postgresql://...``.
-SCHEME = "outboxdb"
 
 #: Tables already migrated/checked in this process: (database URL, table).
 _prepared: set[tuple[str, str]] = set()
