@@ -1,5 +1,6 @@
 """Real ``celery worker`` / ``beat`` processes with the DATABASE as Celery's broker
-(``outboxdb+...``; no Redis anywhere), on SQLite, PostgreSQL and MariaDB:
+(``outboxdb+...``; no Redis anywhere), on SQLite, PostgreSQL and MariaDB (the task-app
+tests also on SQL Server when OUTBOX_TEST_MSSQL_URL is set):
 
 - a small Celery app: FIFO with one consumer, countdown stored invisible (no worker
   holds it), ``celery inspect ping`` and ``celery control shutdown``, two workers
@@ -149,7 +150,7 @@ class TaskApp:
             conn.close()
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=KINDS + ["mssql"])  # SQL Server: with OUTBOX_TEST_MSSQL_URL
 def task_app(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskApp]:
     app = TaskApp(request.param, tmp_path)
     yield app
@@ -226,7 +227,7 @@ def test_transactional_send_runs_the_task_only_if_the_transaction_commits(task_a
         conn = engine.connect(a.db_url)
     try:
         cursor = engine.cursor_for(conn)
-        engine.execute(cursor, "CREATE TABLE IF NOT EXISTS " + engine.qualify(a.table + "_biz") + " (n INT)")
+        engine.execute(cursor, "CREATE TABLE " + engine.qualify(a.table + "_biz") + " (n INT)")
         conn.commit()
         biz = engine.qualify(a.table + "_biz")
         engine.execute(cursor, f"INSERT INTO {biz} (n) VALUES (?)", [1])

@@ -46,8 +46,6 @@ from .config import Settings, load_settings
 from .errors import ConfigError
 from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
                     PURGE_QUEUE, PURGE_TASK, QUEUES, RELEASE_TASK, RelayOptions)
-from .transport import is_transport_url  # importing it registers the outboxdb+... broker scheme
-from .transport.options import transport_options
 
 log = logging.getLogger("outbox.celery")
 
@@ -137,10 +135,16 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         "worker_hijack_root_logger": True,
         "beat_schedule": load_beat_schedule(settings, options),
     }
-    if is_transport_url(broker_url):
-        # The database as Celery's broker (docs/transport.md). A publish task may run up
-        # to its time limit (the lease) before it is acked: the visibility timeout must
+    if broker_url.startswith("outboxdb"):
+        # The database as Celery's broker (docs/transport.md). Imported only here, so a
+        # worker on any other broker imports nothing of it (this runs before Celery
+        # connects, so the outboxdb scheme is registered in time). A publish task may run
+        # up to its time limit (the lease) before it is acked: the visibility timeout must
         # outlast that, or the message would be delivered again while it runs.
+        from .transport import register
+        from .transport.options import transport_options
+
+        register()
         config["broker_transport_options"] = transport_options(
             _conf_keys(), os.environ, visibility_timeout=max(120.0, 2 * lease_s))
     if in_memory:

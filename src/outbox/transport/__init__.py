@@ -10,8 +10,9 @@ Select it with a broker URL ``outboxdb+<database URL>``::
 
 kombu has no plugin mechanism for transports (no entry-point group): it resolves
 the scheme before ``+`` through the ``kombu.transport.TRANSPORT_ALIASES`` dict.
-Importing this package adds ``outboxdb`` there; ``outbox.celery`` imports it, so
-``celery -A outbox`` needs nothing more. Your own Celery app needs
+Importing this package adds ``outboxdb`` there; ``outbox.celery`` does so when
+OUTBOX_CELERY_BROKER_URL starts with ``outboxdb`` (before Celery connects), so ``celery -A
+outbox`` needs nothing more. Your own Celery app needs
 ``import outbox.transport`` before it connects (or ``register()``).
 """
 
@@ -23,12 +24,9 @@ from typing import Any
 SCHEME = "outboxdb"
 TRANSPORT_PATH = "outbox.transport.channel:Transport"
 
-#: Names served lazily: importing this package (as ``outbox.celery`` does in every worker)
-#: must stay cheap and import nothing of kombu's virtual transport. With the transport
-#: imported eagerly by ``outbox.celery``, a warm shutdown of a Redis-broker worker hung at
-#: exit in billiard's ``Pool._help_stuff_finish`` (tests/test_relay_e2e.py, the warm
-#: shutdown test); importing it lazily, as kombu itself does, cured it. Which import
-#: side effect is to blame was not pinned down.
+#: Names served lazily: importing this package (``outbox migrate``, ``outbox.celery`` on the
+#: outboxdb broker) stays cheap and imports nothing of kombu's virtual transport until a
+#: connection needs it, as kombu's own transports are loaded.
 _LAZY = {"Transport": "channel", "Channel": "channel", "QoS": "channel", "database_url_of": "channel",
          "send_task": "send", "SendError": "send"}
 
