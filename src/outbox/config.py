@@ -27,6 +27,8 @@ MAX_CLAIM_TIMEOUT_MS = 86_400_000
 
 #: Prefix of the relay's tuning options, which ``load_settings`` leaves to ``RelayOptions``.
 RELAY_PREFIX = "OUTBOX_RELAY_"
+#: Prefix of the database broker's options (``outbox.transport.options``), read there.
+TRANSPORT_PREFIX = "OUTBOX_TRANSPORT_"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -360,6 +362,8 @@ OTHER_NAMES = (
     "OUTBOX_RELAY_HEARTBEAT_S",
     "OUTBOX_SPARK_MASTER", "OUTBOX_SPARK_SHUFFLE_PARTITIONS", "OUTBOX_SPARK_LOG_LEVEL", "OUTBOX_SPARK_UI",
     "OUTBOX_PIPELINE_CRASH_AT",
+    "OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S", "OUTBOX_TRANSPORT_POLLING_INTERVAL_S", "OUTBOX_TRANSPORT_RECEIVE_BATCH",
+    "OUTBOX_TRANSPORT_QUEUE_TABLE",
     # The Dramatiq front-end (outbox.dramatiq, docs/dramatiq.md).
     "OUTBOX_DRAMATIQ_BROKER_URL", "OUTBOX_DRAMATIQ_NAMESPACE",
 )
@@ -421,8 +425,9 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
                 break
     # OUTBOX_RELAY_* keys tune the relay (``outbox.relay.RelayOptions``, which reads and
     # validates them itself); they may sit next to these settings in the same config.
-    unknown = [k for k in (overrides or {})
-               if k.startswith("OUTBOX_") and k not in _SETTINGS and not k.startswith(RELAY_PREFIX)]
+    # OUTBOX_TRANSPORT_* keys likewise belong to the database broker (``outbox.transport``).
+    unknown = [k for k in (overrides or {}) if k.startswith("OUTBOX_") and k not in _SETTINGS
+               and not k.startswith((RELAY_PREFIX, TRANSPORT_PREFIX))]
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]} (known: {', '.join(_SETTINGS)})")
     return Settings(**{k: v for k, v in values.items() if v is not None})
