@@ -45,7 +45,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from .wake import extra_setting
+from .config import extra_setting
 
 log = logging.getLogger("outbox.metrics")
 
@@ -286,49 +286,36 @@ def stop_serving() -> None:
         _own_dir = None
 
 
-_hooks_installed = False
+# -- called by ``outbox.worker`` on the worker's signals -----------------------------------------
+
+def on_worker_init() -> None:
+    """worker_init (main process, before the pool forks): decide, set up multiprocess
+    mode, create the metrics."""
+    try:
+        if configured_port() is None:
+            return
+        prepare_multiprocess()
+        reset()
+        active()
+    except Exception as exc:
+        log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
+        disable()
 
 
-def install_worker_hooks() -> None:
-    """Called by ``outbox.tasks``. worker_init (main process, before the pool forks):
-    decide, set up multiprocess mode, create the metrics; worker_ready: serve them;
-    worker_shutdown: stop serving."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    from celery import signals
-
-    def init(**_: Any) -> None:
-        try:
-            if configured_port() is None:
-                return
-            prepare_multiprocess()
-            reset()
-            active()
-        except Exception as exc:
-            log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
-            disable()
-
-    def ready(**_: Any) -> None:
-        try:
-            port = configured_port()
-            if port is None or active() is None:
-                return
-            addr = str(extra_setting("OUTBOX_RELAY_METRICS_ADDR", "0.0.0.0"))
-            serve(port, addr)
-            log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
-                     " (multiprocess)" if multiprocess_mode() else "")
-        except Exception as exc:  # a port in use must not stop the relay
-            log.error("outbox metrics: cannot serve (%s: %s)", type(exc).__name__, exc)
-
-    def shutdown(**_: Any) -> None:
-        stop_serving()
-
-    signals.worker_init.connect(init, weak=False)
-    signals.worker_ready.connect(ready, weak=False)
-    signals.worker_shutdown.connect(shutdown, weak=False)
+def on_worker_ready() -> None:
+    """worker_ready: serve the metrics (a port in use must not stop the relay)."""
+    try:
+        port = configured_port()
+        if port is None or active() is None:
+            return
+        addr = str(extra_setting("OUTBOX_RELAY_METRICS_ADDR", "0.0.0.0"))
+        serve(port, addr)
+        log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
+                 " (multiprocess)" if multiprocess_mode() else "")
+    except Exception as exc:
+        log.error("outbox metrics: cannot serve (%s: %s)", type(exc).__name__, exc)
 
 
 __all__ = ["Metrics", "active", "enable", "disable", "reset", "claimed", "chain", "dead", "refresh", "serve",
-           "stop_serving", "configured_port", "prepare_multiprocess", "multiprocess_mode", "install_worker_hooks"]
+           "stop_serving", "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init",
+           "on_worker_ready"]

@@ -36,127 +36,25 @@ import random
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from .chains import split_chains
 from .engines.base import LEASE_EXPIRED_ERROR
-from .errors import ConfigError
+from .config import MAX_OPTION_S, RelayOptions  # noqa: F401  (re-exported: ``outbox.relay.RelayOptions``)
 from .model import FailResult, FenceResult, OutboxMessage
 from . import metrics
+from .names import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,  # noqa: F401
+                    PURGE_QUEUE, PURGE_TASK, QUEUES, RELEASE_TASK)  # re-exported: ``outbox.relay`` keeps them
 
 log = logging.getLogger("outbox.relay")
-
-# -- task and queue names (the wire contract between beat, workers and wakers) --------------
-
-CLAIM_TASK = "outbox.claim"
-PUBLISH_TASK = "outbox.publish"
-ACK_TASK = "outbox.ack"
-FAIL_TASK = "outbox.fail"
-RELEASE_TASK = "outbox.release"
-PURGE_TASK = "outbox.purge"
-
-CLAIM_QUEUE = "outbox.claim"
-PUBLISH_QUEUE = "outbox.publish"
-ACK_QUEUE = "outbox.ack"
-PURGE_QUEUE = "outbox.purge"
-QUEUES = (CLAIM_QUEUE, PUBLISH_QUEUE, ACK_QUEUE, PURGE_QUEUE)
 
 #: Failure kinds as the publisher names them (``outbox.publisher.FailureKind`` values).
 RETRIABLE, BACKPRESSURE, POISON, FATAL = "retriable", "backpressure", "poison", "fatal"
 #: The error kind recorded on a dead-letter copy of a row that went dead on lease expiry.
 LEASE_EXPIRED = "lease_expired"
 
-
-# -- relay options ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RelayOptions:
-    """Tuning of the relay beyond the contract's OUTBOX_* settings.
-
-    Each field is read from ``OUTBOX_RELAY_<FIELD>`` (Celery config key first, then the
-    environment); see ``from_sources``.
-    """
-
-    #: Short chains are packed into one publish task until it holds this many rows
-    #: (a chain is never split across tasks). 1 gives one task per chain. The default
-    #: makes a full default claim one task: fuller waves of confirms and fewer Celery
-    #: messages per event (docs/benchmarks.md measures 25 against 100).
-    task_rows: int = 100
-    #: A claim that did not come back full and holds at most this many rows is published
-    #: by the claim task itself instead of going through Celery's broker as a publish
-    #: task: live traffic saves a whole Celery hop. 0 turns it off.
-    inline_rows: int = 25
-    #: Claims hold back while this many publish tasks wait in Celery's broker queue.
-    #: Rows in flight are then bounded by about (max_queued_tasks + worker processes)
-    #: x rows per task (at most OUTBOX_BATCH_SIZE).
-    max_queued_tasks: int = 16
-    #: Bytes (payload + ~256 per row) one claimed batch may send on as publish tasks;
-    #: the rest of the batch is released at once. The first row always goes.
-    max_batch_bytes: int = 8 * 1024 * 1024
-    #: Retry back-off after a retriable failure: base * 2^(attempt-1), capped, with jitter.
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 300.0
-    #: How long claims pause after the broker pushed back or was unreachable.
-    breaker_s: float = 5.0
-    #: How long claims stop after a fatal (configuration) error.
-    fatal_pause_s: float = 300.0
-    #: How long one routing key pauses after a queue bound for it refused a message
-    #: (``basic.nack``: full with ``reject-publish``, or unavailable); other routes flow on.
-    #: Doubles each time the route is refused again right after its pause, up to
-    #: ``route_pause_max_s``.
-    route_pause_s: float = 1.0
-    route_pause_max_s: float = 30.0
-    #: A requested claim (drain mode, wake-up) that never ran stops blocking new
-    #: requests after this long. Beat's ticks go on regardless.
-    claim_request_ttl_s: float = 2.0
-    #: How often beat runs the purge of old done rows.
-    purge_interval_s: float = 3600.0
-    #: A publish task starts no chain once this fraction of the lease has passed since
-    #: the claim: the rows are left to lease recovery rather than risk a second live copy.
-    lease_safety: float = 0.8
-    #: The publisher refuses (as POISON: dead at once, no broker round trip) a message
-    #: body larger than this. The default is ``publisher.DEFAULT_MAX_MESSAGE_BYTES``
-    #: (16 MiB, RabbitMQ 4's own limit); set it to your broker's ``max_message_size``.
-    max_message_bytes: int = 16 * 1024 * 1024
-
-    @classmethod
-    def from_sources(cls, *sources: Mapping[str, Any]) -> "RelayOptions":
-        """Read ``OUTBOX_RELAY_*`` from the first source that has each name."""
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            name = f"OUTBOX_RELAY_{f.name.upper()}"
-            for source in sources:
-                raw = source.get(name) if source is not None else None
-                if raw in (None, ""):
-                    continue
-                kind = int if f.type in ("int", int) else float
-                try:
-                    value = kind(str(raw).strip()) if isinstance(raw, str) else kind(raw)
-                except (TypeError, ValueError):
-                    raise ConfigError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
-                if not math.isfinite(value):  # NaN compares false with everything: check first
-                    raise ConfigError(f"{name}={raw!r} must be a finite number")
-                lowest_ok = 0 if f.name in _ZERO_ALLOWED else None
-                if isinstance(raw, bool) or (value < 0 if lowest_ok == 0 else value <= 0) or (
-                        f.name == "lease_safety" and value > 1):
-                    raise ConfigError(f"{name}={raw!r} must be a number {'>= 0' if lowest_ok == 0 else '> 0'}"
-                                      + (" and <= 1" if f.name == "lease_safety" else ""))
-                upper = _MAX_SECONDS.get(f.name, MAX_OPTION_S if f.name.endswith("_s") else None)
-                if upper is not None and value > upper:
-                    raise ConfigError(f"{name}={raw!r} is above the maximum of {upper:g} s")
-                values[f.name] = value
-                break
-        return cls(**values)
-
-
-#: Options where 0 means "off".
-_ZERO_ALLOWED = frozenset({"inline_rows"})
-#: Durations (options ending in ``_s``) longer than a day are typos (milliseconds written
-#: as seconds), and a pause that long could not be written as a retry time anyway.
-MAX_OPTION_S = 86_400.0
-_MAX_SECONDS = {"purge_interval_s": 30 * 86_400.0}
 
 #: ``OutboxStore.mark_failed`` accepts retry times up to a day.
 MAX_RETRY_S = 86_400.0

@@ -19,7 +19,7 @@ How a wake is coalesced depends on Celery's broker:
   after it started sends the next one. The token expires after
   ``OUTBOX_RELAY_CLAIM_REQUEST_TTL_S`` in case that claim is lost.
 * ``memory://`` with a worker in this process (``outbox demo``, tests): the worker's own
-  coalesced request (``outbox.tasks.request_claim``).
+  coalesced request (``outbox.worker.request_claim``).
 * any other broker (AMQP...): per process, at most one claim per ``LOCAL_WINDOW_S``, plus
   one at the end of the window when requests came in during it, so a claim always
   follows the last commit.
@@ -58,79 +58,9 @@ WARN_EVERY_S = 60.0
 TOKEN_PREFIX = "outbox:wake:"
 
 
-# -- settings beyond the contract's OUTBOX_* ------------------------------------------------------
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def extra_setting(name: str, default: Any = None) -> Any:
-    """An ``OUTBOX_RELAY_*`` option of wake-ups, LISTEN/NOTIFY and metrics, from (in
-    order) Celery's config when the relay's app is loaded in this process, the
-    environment, Django settings. These names are prefixed OUTBOX_RELAY_ because the
-    contract's settings loader rejects unknown OUTBOX_* Celery config keys."""
-    if "outbox.celery" in sys.modules:
-        try:
-            conf = sys.modules["outbox.celery"].app.conf
-            value = conf.get(name)
-            if value not in (None, ""):
-                return value
-        except Exception:  # an invalid configuration is reported by the relay itself
-            pass
-    value = os.environ.get(name)
-    if value not in (None, ""):
-        return value
-    try:
-        from django.conf import settings as dj  # type: ignore[import-not-found]
-
-        if dj.configured and getattr(dj, name, None) not in (None, ""):
-            return getattr(dj, name)
-    except Exception:
-        pass
-    return default
-
-
-def flag(name: str, default: bool = False) -> bool:
-    from .errors import ConfigError
-
-    raw = extra_setting(name)
-    if raw is None:
-        return default
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
-
-
-# -- the worker side -----------------------------------------------------------------------------
-
-#: Set while an outbox Celery worker runs in this process (worker_init .. worker_shutdown).
-_in_worker = False
-_hooks_installed = False
-
-
-def install_worker_hooks() -> None:
-    """Called by ``outbox.tasks``: note when a relay worker runs in this process."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    from celery import signals
-
-    def started(**_: Any) -> None:
-        global _in_worker
-        _in_worker = True
-
-    def stopped(**_: Any) -> None:
-        global _in_worker
-        _in_worker = False
-
-    signals.worker_init.connect(started, weak=False)
-    signals.worker_shutdown.connect(stopped, weak=False)
+# ``extra_setting`` and ``flag`` moved to ``outbox.config`` (the one reader); kept importable here.
+from .config import extra_setting, flag, relay_options  # noqa: E402,F401
+from .names import CLAIM_QUEUE, CLAIM_TASK  # noqa: E402
 
 
 _redis_clients: dict[tuple[int, str], Any] = {}
@@ -153,7 +83,7 @@ def clear_token(token: str) -> None:
     if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX):
         return
     try:
-        from .celery import app
+        from .celery_app import app
 
         _redis(str(app.conf.broker_url)).delete(token)
     except Exception as exc:  # it expires by itself
@@ -221,7 +151,7 @@ _memory_noted = False
 
 def _current_plan() -> _Plan:
     global _plan
-    from .celery import app
+    from .celery_app import app
 
     url = str(app.conf.broker_url or "")
     plan = _plan
@@ -246,8 +176,7 @@ def _failed(what: str, exc: BaseException) -> None:
 
 
 def _send(token: str | None) -> bool:
-    from .celery import app, relay_options
-    from .relay import CLAIM_QUEUE, CLAIM_TASK
+    from .celery_app import app
 
     try:
         app.send_task(CLAIM_TASK, kwargs={"token": token} if token else {}, queue=CLAIM_QUEUE,
@@ -271,14 +200,11 @@ def request_claim() -> bool:
     try:
         if time.monotonic() < _paused_until or not flag("OUTBOX_RELAY_WAKE", True):
             return False
-        if _in_worker:
-            from .tasks import request_claim as worker_request
-
-            return bool(worker_request())
+        worker = sys.modules.get("outbox.worker")  # loaded only where a worker may run
+        if worker is not None and worker.in_worker():
+            return bool(worker.request_claim())
         plan = _current_plan()
         if plan.kind == "redis":
-            from .celery import relay_options
-
             ttl_ms = max(1, int(relay_options().claim_request_ttl_s * 1000))
             try:
                 acquired = _redis(plan.broker_url).set(plan.token, b"1", nx=True, px=ttl_ms)
@@ -429,4 +355,4 @@ def _reset_for_tests() -> None:
 
 __all__ = ["request_claim", "wake", "wake_after_commit", "register_after_commit", "transaction", "clear_token",
            "token_for",
-           "extra_setting", "flag", "install_worker_hooks", "LOCAL_WINDOW_S", "TOKEN_PREFIX"]
+           "extra_setting", "flag", "LOCAL_WINDOW_S", "TOKEN_PREFIX"]
