@@ -147,3 +147,22 @@ def writer(store: OutboxStore, url: str) -> Iterator[Any]:
         conn.rollback()
     finally:
         conn.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """When a test fails, show the logs its child processes wrote (``*.log`` in its
+    tmp_path: workers, beat, web apps), so a failure under load explains itself."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.passed or report.skipped:
+        return
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if not isinstance(tmp, Path) or not tmp.is_dir():
+        return
+    for log in sorted(tmp.rglob("*.log"))[:10]:
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        report.sections.append((f"child log {log.relative_to(tmp)} (last 6000 characters)", text[-6000:]))

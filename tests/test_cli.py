@@ -17,10 +17,16 @@ def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=60)
 
 
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Assert success, showing what the child printed when it failed."""
+    assert result.returncode == 0, f"{result.args}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    return result
+
+
 def test_migrate_status_dead_and_purge(tmp_path: Path) -> None:
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
-    assert run("migrate", env=env).returncode == 0
-    assert run("migrate", env=env).returncode == 0
+    ok(run("migrate", env=env))
+    ok(run("migrate", env=env))
     conn = sqlite3.connect(tmp_path / "o.db")
     enqueue(conn, topic="t", aggregate_type="o", aggregate_id="1", payload={"a": 1})
     conn.commit()
@@ -28,10 +34,12 @@ def test_migrate_status_dead_and_purge(tmp_path: Path) -> None:
     assert status.returncode == 0, status.stderr
     data = json.loads(status.stdout)
     assert data["counts"]["pending"] == 1 and data["dead"] == 0 and data["oldest_pending_age_s"] >= 0
-    assert "pending: 1" in run("status", env=env).stdout
-    assert run("dead", "list", env=env).stdout == ""
-    assert "requeued 0" in run("dead", "requeue", "--all", env=env).stdout
-    assert "purged 0" in run("purge", env=env).stdout
+    assert "pending: 1" in ok(run("status", env=env)).stdout
+    empty = ok(run("dead", "list", env=env))
+    assert empty.stdout.strip() == "no dead rows"
+    assert ok(run("dead", "list", "--json", env=env)).stdout == ""  # stdout stays JSON lines
+    assert "requeued 0" in ok(run("dead", "requeue", "--all", env=env)).stdout
+    assert "purged 0" in ok(run("purge", env=env)).stdout
 
 
 def test_bad_configuration_exits_non_zero_with_one_line(tmp_path: Path) -> None:
@@ -43,6 +51,53 @@ def test_bad_configuration_exits_non_zero_with_one_line(tmp_path: Path) -> None:
 
 
 def test_every_command_has_help() -> None:
-    for args in [(), ("migrate",), ("status",), ("dead",), ("dead", "list"), ("dead", "requeue"), ("purge",)]:
-        result = run(*args, "--help", env={})
-        assert result.returncode == 0 and "Usage:" in result.stdout
+    for args in [(), ("migrate",), ("status",), ("dead",), ("dead", "list"), ("dead", "requeue"), ("purge",),
+                 ("check",), ("demo",)]:
+        assert "Usage:" in ok(run(*args, "--help", env={})).stdout
+
+
+def test_every_command_names_the_database_it_used_with_the_password_masked(tmp_path: Path) -> None:
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    for args in (("migrate",), ("status",), ("status", "--json"), ("dead", "list"), ("purge",)):
+        result = ok(run(*args, env=env))
+        assert f"outbox: database sqlite:///{tmp_path / 'o.db'}" in result.stderr, (args, result.stderr)
+    # The default: ./outbox.db in the current directory, with its absolute path.
+    default = subprocess.run([sys.executable, "-m", "outbox.cli", "migrate"], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=60,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")})
+    assert default.returncode == 0, default.stderr
+    assert f"sqlite:///outbox.db (file {tmp_path / 'outbox.db'})" in default.stderr
+    secret = run("status", env={"OUTBOX_DATABASE_URL": "mysql://root:s3cret@127.0.0.1:1/test"})
+    assert secret.returncode == 1
+    assert "mysql://root:***@127.0.0.1:1/test" in secret.stderr and "s3cret" not in secret.stderr
+    assert "error: cannot connect to the database" in secret.stderr
+
+
+def test_status_before_migrate_says_to_migrate(tmp_path: Path) -> None:
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_TABLE": "never_migrated"}
+    for args in (("status",), ("dead", "list"), ("purge",)):
+        result = run(*args, env=env)
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines()[-1] == (
+            'error: table "never_migrated" missing: run `outbox migrate` (it creates the table and its indexes)')
+
+
+def test_mask_url() -> None:
+    from outbox.engines.describe import mask_url
+
+    assert mask_url("postgresql://app:pw@db:5432/app") == "postgresql://app:***@db:5432/app"
+    assert mask_url("postgresql://app@db/app") == "postgresql://app@db/app"
+    assert mask_url("mssql+pyodbc://sa:p%40ss@h:1433/db?driver=ODBC+Driver+18+for+SQL+Server") == (
+        "mssql+pyodbc://sa:***@h:1433/db?driver=ODBC+Driver+18+for+SQL+Server")
+    assert mask_url("DRIVER={ODBC Driver 18 for SQL Server};SERVER=h;UID=sa;PWD={a;b};Encrypt=no") == (
+        "DRIVER={ODBC Driver 18 for SQL Server};SERVER=h;UID=sa;PWD=***;Encrypt=no")
+    assert mask_url("sqlite:///outbox.db") == "sqlite:///outbox.db"
+
+
+def test_missing_driver_hint_names_the_extra() -> None:
+    from outbox.engines.describe import missing_driver_hint
+
+    hint = missing_driver_hint(ModuleNotFoundError("No module named 'pymysql'", name="pymysql"))
+    assert hint is not None and 'pip install "outbox-relay[mysql]"' in hint
+    assert missing_driver_hint(ImportError("libodbc.so.2: cannot open shared object file")) is not None
+    assert missing_driver_hint(ValueError("x")) is None

@@ -36,6 +36,11 @@ def dead(tmp_path: Path) -> dict[str, Any]:
     return {"env": {"OUTBOX_DATABASE_URL": url}, "ids": ids, "store": store}
 
 
+def errors(result: Any) -> list[str]:
+    """stderr without the line every command starts with (which database it uses)."""
+    return [line for line in result.stderr.splitlines() if not line.startswith("outbox: database ")]
+
+
 def status(store: OutboxStore, id: int) -> int:
     with store.transaction() as cursor:
         return int(store.engine.execute(cursor, f"SELECT status FROM {store.engine.table} WHERE id = ?",
@@ -60,15 +65,15 @@ def test_requeue_ids_refuses_unknown_live_and_permanent_rows(dead: dict[str, Any
     ids, store = dead["ids"], dead["store"]
     missing = run("dead", "requeue", "999", env=dead["env"])
     assert missing.returncode == 1
-    assert missing.stderr.splitlines() == ["error: nothing was requeued: no row with id 999"]
+    assert errors(missing) == ["error: nothing was requeued: no row with id 999"]
     live = run("dead", "requeue", str(ids["live"]), str(ids["r1"]), env=dead["env"])
     assert live.returncode == 1
-    assert live.stderr.splitlines() == [
+    assert errors(live) == [
         f"error: nothing was requeued: row {ids['live']} is not dead (status pending)"]
     assert status(store, ids["r1"]) == Status.DEAD  # all or nothing
     refused = run("dead", "requeue", str(ids["bad"]), env=dead["env"])
     assert refused.returncode == 1
-    [line] = refused.stderr.splitlines()
+    [line] = errors(refused)
     assert line.startswith(f"error: nothing was requeued: row {ids['bad']} (orders.bad) has a permanent reason, "
                            "use --force to requeue it: undecodable row: headers are not valid JSON: ")
     ok = run("dead", "requeue", str(ids["r1"]), str(ids["r3"]), env=dead["env"])

@@ -1,20 +1,38 @@
 """``outbox demo`` is the README's first command: it must run and pass its own checks
-on a machine with nothing but the package."""
+on a machine with nothing but the package, and leave nothing behind."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
-def test_demo_runs_the_whole_pipeline_and_passes_its_checks(tmp_path) -> None:
+def demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    result = subprocess.run([sys.executable, "-m", "outbox.cli", "demo"], capture_output=True, text=True,
-                            cwd=tmp_path, env=env, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    return subprocess.run([sys.executable, "-m", "outbox.cli", "demo", *args], capture_output=True, text=True,
+                          cwd=tmp_path, env={**env, "TMPDIR": str(scratch)}, timeout=120)
+
+
+def test_demo_runs_the_whole_pipeline_and_passes_its_checks(tmp_path: Path) -> None:
+    result = demo(tmp_path)
+    log = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert result.returncode == 0, log
     for check in ("every committed event arrived", "in order per order id",
                   "the rolled-back event never arrived", "every row is done"):
-        assert f"[ok] {check}" in result.stdout
-    assert result.stdout.count("broker <- ") == 12
-    assert "orders.cancelled" not in result.stdout.split("relay:")[1]
+        assert f"[ok] {check}" in result.stdout, log
+    assert result.stdout.count("broker <- ") == 12, log
+    assert "orders.cancelled" not in result.stdout.split("relay:")[1], log
+    # Nothing left behind: no temporary folder, no outbox.db in the current directory.
+    assert list((tmp_path / "tmp").iterdir()) == [], log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"], log
+
+
+def test_demo_keep_leaves_its_outbox_for_inspection(tmp_path: Path) -> None:
+    result = demo(tmp_path, "--keep", "--timeout", "60")
+    assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    kept = list((tmp_path / "tmp").glob("outbox-demo-*/outbox.db"))
+    assert len(kept) == 1 and f"sqlite:///{kept[0]}" in result.stdout

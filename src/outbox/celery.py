@@ -46,5 +46,6 @@ from .config import relay_options, relay_settings, reset_relay_settings
 # loaded with the app, so `celery -A outbox worker|beat` has them all.
 from . import worker as _worker, tasks as _tasks  # noqa: F401,E402
 
+
 __all__ = ["app", "relay_settings", "relay_options", "reset_relay_settings", "celery_config",
            "load_beat_schedule"]

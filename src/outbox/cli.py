@@ -13,14 +13,48 @@ from typing import Any, Callable
 import click
 
 from .config import get_settings
+from .engines.describe import describe_database, missing_driver_hint
 from .errors import OutboxError
 from .model import Status
 from .redact import install_filter, redact
 from .store import OutboxStore
 
+#: The store the running command opened, so an error can be explained (missing table).
+_opened: list[OutboxStore] = []
+
 
 def _store() -> OutboxStore:
-    return OutboxStore.from_settings(get_settings())
+    """The configured store. Says on stderr which database and table it uses, every time:
+    with no OUTBOX_DATABASE_URL that is ./outbox.db, which should never be a surprise."""
+    settings = get_settings()
+    store = OutboxStore.from_settings(settings)
+    click.echo(f"outbox: database {describe_database(settings.database_url)}, table {store.engine.table}",
+               err=True)
+    _opened.append(store)
+    return store
+
+
+def _explain(exc: Exception) -> str | None:
+    """A driver error of a command, in the user's terms: which of connection, table is wrong."""
+    hint = missing_driver_hint(exc)
+    if hint is not None or not _opened:
+        return hint
+    store = _opened[-1]
+    store.close()
+    try:
+        store.connection()
+    except Exception as connect_error:
+        hint = missing_driver_hint(connect_error)
+        detail = " ".join(str(connect_error).split()) or type(connect_error).__name__
+        return hint or f"cannot connect to the database: {type(connect_error).__name__}: {detail}"
+    try:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"SELECT id FROM {store.engine.table} WHERE 1 = 0")
+    except Exception:
+        return f"table {store.engine.table} missing: run `outbox migrate` (it creates the table and its indexes)"
+    finally:
+        store.close()
+    return None
 
 
 def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -33,9 +67,13 @@ def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except OutboxError as exc:
             click.echo(redact(f"error: {exc}"), err=True)
-        except Exception as exc:  # driver errors: name the type, keep it to one line, mask passwords
+        except Exception as exc:  # driver errors: explained when we can, else the type in one line
+            try:
+                hint = _explain(exc)
+            except Exception:  # explaining must never hide the original error
+                hint = None
             detail = " ".join(str(exc).split()) or type(exc).__name__
-            click.echo(redact(f"error: {type(exc).__name__}: {detail}"), err=True)
+            click.echo(redact(f"error: {hint}" if hint else f"error: {type(exc).__name__}: {detail}"), err=True)
         sys.exit(1)
     return wrapper
 
@@ -51,7 +89,8 @@ def main(verbose: bool) -> None:
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
     install_filter()  # passwords never reach stderr, whatever logs them
-    logging.getLogger("outbox.config").setLevel(logging.WARNING)  # unknown OUTBOX_* names: always shown
+    # Configuration warnings (settings that are ignored) are shown even without -v.
+    logging.getLogger("outbox.config").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 @main.command()
@@ -91,7 +130,11 @@ def dead() -> None:
 @one_line_errors
 def dead_list(limit: int, after_id: int, as_json: bool) -> None:
     """List dead rows, oldest first, with their last error."""
-    for row in _store().dead_list(limit=limit, after_id=after_id):
+    rows = _store().dead_list(limit=limit, after_id=after_id)
+    if not rows:
+        # Say it (on stderr with --json, whose stdout stays one object per line).
+        click.echo("no dead rows" + (f" after id {after_id}" if after_id else ""), err=as_json)
+    for row in rows:
         if as_json:
             click.echo(json.dumps({**row.__dict__, "processed_at": row.processed_at.isoformat()
                                    if row.processed_at else None}))
@@ -152,13 +195,30 @@ def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
 
 
 @main.command()
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every event to arrive.")
 @one_line_errors
-def demo(timeout: float) -> None:
+def check() -> None:
+    """Check that this deployment can relay, in one report: configuration, database
+    reachable, table and indexes as `outbox migrate` makes them, Celery's broker and the
+    destination reachable, and a queue bound to the exchange (what AMQP lets us see).
+    Exits 1 when a check fails; warnings alone exit 0."""
+    from .doctor import FAIL, report, run_checks
+
+    results = run_checks()
+    click.echo(report(results))
+    if any(r.state == FAIL for r in results):
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every event to arrive.")
+@click.option("--keep", is_flag=True, help="Keep the demo's SQLite outbox (default: removed at the end).")
+@one_line_errors
+def demo(timeout: float, keep: bool) -> None:
     """Run the whole pipeline on the embedded default (SQLite, in-memory brokers, an
-    in-process Celery worker) and check that every committed event arrives in order."""
+    in-process Celery worker) and check that every committed event arrives in order.
+    Its temporary files are removed at the end (unless --keep)."""
     from .demo import run_demo
-    if not run_demo(timeout_s=timeout):
+    if not run_demo(timeout_s=timeout, keep=keep):
         raise click.ClickException("the demo's checks failed")
 
 

@@ -203,16 +203,76 @@ def _parse(name: str, raw: Any, kind: type) -> Any:
 
 
 def _django_settings() -> Mapping[str, Any]:
+    """OUTBOX_* from Django's settings: in a Django process, and also in `outbox ...` and
+    `celery -A outbox ...` when DJANGO_SETTINGS_MODULE is set (the settings module is then
+    imported; Django itself is not set up). Without OUTBOX_DATABASE_URL there, the URL is
+    derived from the settings module's ``DATABASES["default"]``, so the relay uses the
+    project's database."""
     try:
         from django.conf import settings as dj  # type: ignore[import-not-found]
     except ImportError:
+        if os.environ.get("DJANGO_SETTINGS_MODULE"):
+            _warn_once("DJANGO_SETTINGS_MODULE is set but Django is not installed: its settings are not read "
+                       '(pip install "outbox-relay[django]")')
         return {}
     try:
-        if not dj.configured:
+        if not dj.configured and not os.environ.get("DJANGO_SETTINGS_MODULE"):
             return {}
-        return {name: getattr(dj, name) for name in _SETTINGS if hasattr(dj, name)}
+        values = {name: getattr(dj, name) for name in _SETTINGS if hasattr(dj, name)}
+        databases = getattr(dj, "DATABASES", None) or {}
+    except ImportError as exc:  # DJANGO_SETTINGS_MODULE names a module that does not import
+        raise ConfigError(f"DJANGO_SETTINGS_MODULE={os.environ.get('DJANGO_SETTINGS_MODULE')!r} cannot be "
+                          f"imported: {exc}") from None
     except Exception:  # Django present but not set up: not our configuration source
         return {}
+    # Only for a project's settings module: a process that calls settings.configure() by
+    # hand (scripts, tests) keeps the relay's own default unless it sets OUTBOX_DATABASE_URL.
+    if not values.get("OUTBOX_DATABASE_URL") and "default" in databases and getattr(dj, "SETTINGS_MODULE", None):
+        values["OUTBOX_DATABASE_URL"] = django_database_url(databases["default"])
+    return values
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        import logging
+
+        logging.getLogger("outbox.config").warning("outbox: %s", message)
+
+
+#: Django ENGINE (its last dotted part) -> URL scheme of OUTBOX_DATABASE_URL.
+_DJANGO_SCHEMES = {"sqlite3": "sqlite", "postgresql": "postgresql", "postgresql_psycopg2": "postgresql",
+                   "postgis": "postgresql", "mysql": "mysql", "mssql": "mssql+pyodbc"}
+
+
+def django_database_url(database: Mapping[str, Any]) -> str | None:
+    """OUTBOX_DATABASE_URL for one entry of Django's DATABASES, or None for an engine the
+    relay does not support (then the default applies, as without Django)."""
+    from urllib.parse import quote
+
+    engine = str(database.get("ENGINE") or "")
+    scheme = _DJANGO_SCHEMES.get(engine.rsplit(".", 1)[-1])
+    if scheme is None:
+        return None
+    name = str(database.get("NAME") or "")
+    if scheme == "sqlite":
+        return f"sqlite:///{name}" if name else None
+    user, password = str(database.get("USER") or ""), str(database.get("PASSWORD") or "")
+    auth = quote(user, safe="") + (":" + quote(password, safe="") if password else "") + ("@" if user else "")
+    host, port = str(database.get("HOST") or "127.0.0.1"), str(database.get("PORT") or "")
+    url = f"{scheme}://{auth}{host}{':' + port if port else ''}/{quote(name, safe='')}"
+    if scheme.startswith("mssql"):  # mssql-django: OPTIONS driver and extra_params ("k=v;k=v")
+        options = database.get("OPTIONS") or {}
+        query = [("driver", str(options.get("driver") or "ODBC Driver 18 for SQL Server"))]
+        for item in str(options.get("extra_params") or "").split(";"):
+            key, sep, value = item.partition("=")
+            if sep and key.strip():
+                query.append((key.strip(), value.strip()))
+        url += "?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query)
+    return url
 
 
 #: Every other OUTBOX_* name the package reads: the relay's tuning options
@@ -226,6 +286,7 @@ OTHER_NAMES = (
     "OUTBOX_RELAY_LEASE_SAFETY", "OUTBOX_RELAY_MAX_MESSAGE_BYTES",
     "OUTBOX_RELAY_WAKE", "OUTBOX_RELAY_LISTEN", "OUTBOX_RELAY_LISTEN_CHANNEL",
     "OUTBOX_RELAY_METRICS_PORT", "OUTBOX_RELAY_METRICS_ADDR", "OUTBOX_RELAY_METRICS_REFRESH_S",
+    "OUTBOX_RELAY_HEARTBEAT_S",
 )
 #: Names that are not the package's settings: the test suite's own.
 EXEMPT_NAMES = ("OUTBOX_REQUIRE_SERVICES",)
@@ -361,6 +422,9 @@ class RelayOptions:
     #: body larger than this. The default is ``publisher.DEFAULT_MAX_MESSAGE_BYTES``
     #: (16 MiB, RabbitMQ 4's own limit); set it to your broker's ``max_message_size``.
     max_message_bytes: int = 16 * 1024 * 1024
+    #: Every this many seconds a worker logs one INFO line: alive, the backlog per status
+    #: and the age of the oldest undelivered row (``outbox.worker_logging``).
+    heartbeat_s: float = 300.0
 
     @classmethod
     def from_sources(cls, *sources: Mapping[str, Any]) -> "RelayOptions":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import tempfile
 import time
@@ -51,11 +52,22 @@ def _write_events(db: Path, say: Callable[[str], None]) -> list[tuple[str, int]]
     return expected
 
 
-def run_demo(say: Callable[[str], None] = print, timeout_s: float = 30.0) -> bool:
-    """Run the demo; return True when every check passed."""
+def run_demo(say: Callable[[str], None] = print, timeout_s: float = 30.0, keep: bool = False) -> bool:
+    """Run the demo; return True when every check passed. Its temporary folder (the SQLite
+    file) is removed afterwards unless ``keep``, so runs leave nothing behind."""
+    workdir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))
+    try:
+        return _run(workdir, say, timeout_s)
+    finally:
+        if keep:
+            say(f"kept the demo's outbox: OUTBOX_DATABASE_URL=sqlite:///{workdir / 'outbox.db'} outbox status")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(workdir: Path, say: Callable[[str], None], timeout_s: float) -> bool:
     # kombu warns that memory:// has no hostname on every connection; harmless here.
     logging.getLogger("kombu.connection").setLevel(logging.ERROR)
-    workdir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))
     db = workdir / "outbox.db"
     os.environ.update({"OUTBOX_DATABASE_URL": f"sqlite:///{db}", "OUTBOX_PUBLISH_URL": "memory://",
                        "OUTBOX_CELERY_BROKER_URL": "memory://", "OUTBOX_CLAIM_INTERVAL_S": "0.2"})

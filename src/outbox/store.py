@@ -33,6 +33,17 @@ T = TypeVar("T")
 TRANSIENT_RETRIES = 5
 
 
+def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -> None:
+    """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate`` and
+    the Django app's migration (on Django's own connection) create the same schema."""
+    for step in engine.migration(native_json=native_json):
+        if isinstance(step, tuple):
+            (probe, params), step = step
+            if engine.execute(cursor, probe, params).fetchone() is not None:
+                continue
+        engine.execute(cursor, step)
+
+
 class OutboxStore:
     def __init__(self, url: str, *, table: str = "outbox", schema: str | None = None,
                  claim_timeout_ms: int = 60_000, max_attempts: int = 10) -> None:
@@ -119,14 +130,7 @@ class OutboxStore:
     # -- schema ----------------------------------------------------------------
     def migrate(self, native_json: bool = False) -> None:
         """Create or repair the table and its indexes. Safe to run any number of times."""
-        def work(cursor: Any) -> None:
-            for step in self.engine.migration(native_json=native_json):
-                if isinstance(step, tuple):
-                    (probe, params), step = step
-                    if self.engine.execute(cursor, probe, params).fetchone() is not None:
-                        continue
-                self.engine.execute(cursor, step)
-        self._run("migrate", work)
+        self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json))
 
     # -- relay operations --------------------------------------------------------
     def claim(self, batch: int) -> Claim:

@@ -29,7 +29,7 @@ from .redact import install_filter, redact
 from .relay import (Breaker, Coalescer, Outage, RouteGate, Settler, breaker_key, make_breaker, make_coalescer,
                     make_outage, make_route_gate)
 from .store import OutboxStore
-from . import listen as _listen, metrics as _metrics
+from . import listen as _listen, metrics as _metrics, worker_logging as _worker_logging
 
 log = logging.getLogger("outbox.tasks")
 
@@ -306,6 +306,11 @@ def _shutdown(**_: Any) -> None:
     _stop_embedded_beat()
     _listen.stop_listener()
     _metrics.stop_serving()
+
+
+# Idle workers and beat are quiet at INFO and log a heartbeat instead (outbox.worker_logging,
+# which connects its own worker_ready / worker_shutdown / beat_init handlers here).
+_worker_logging.install(relay_settings, relay_options)
 
 
 # -- the in-memory broker: run the schedule inside the worker --------------------------------

@@ -89,6 +89,11 @@ class Outbox:
 
     def init_app(self, app: Any) -> None:
         app.extensions["outbox"] = self
+        # Without the workers' Celery broker settings a web process cannot wake the relay:
+        # say so once at start-up (``outbox.contrib.startup``).
+        from .startup import warn_if_wake_cannot_work
+
+        warn_if_wake_cannot_work("Flask")
 
     def connection(self) -> Any:
         source = self.session

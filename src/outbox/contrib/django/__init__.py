@@ -17,14 +17,19 @@ The wake-up is a ``transaction.on_commit(..., robust=True)`` callback registered
 per transaction: it runs after the outermost ``atomic`` commits, never after a rollback
 (an inner ``atomic`` that rolls back drops it with its savepoint), and it cannot raise
 into your code. OUTBOX_* settings may live in Django's settings module.
+
+Add ``"outbox.contrib.django"`` to ``INSTALLED_APPS`` for the rest (``apps.py``): the
+table as a Django migration, the ``outbox_*`` management commands, the admin page, and a
+start-up warning when this process cannot wake the relay. Importing this package does not
+need Django to be set up; the app's modules do.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .. import wake as _wake
-from ..enqueue import enqueue as _enqueue
+from ... import wake as _wake
+from ...enqueue import enqueue as _enqueue
 
 
 def enqueue(*, using: str | None = None, wake: bool = True, **event: Any) -> int:

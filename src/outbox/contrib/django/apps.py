@@ -1,0 +1,34 @@
+"""The Django app: ``INSTALLED_APPS += ["outbox.contrib.django"]``.
+
+It brings the outbox table as a Django migration (``manage.py migrate`` and the test
+runner create it, with the same DDL as ``outbox migrate`` on every backend), the
+management commands ``outbox_migrate``, ``outbox_status``, ``outbox_dead``,
+``outbox_purge`` and ``outbox_check`` (the ``outbox`` command under Django's settings),
+and an admin page for the outbox rows.
+"""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class OutboxConfig(AppConfig):
+    name = "outbox.contrib.django"
+    label = "outbox"
+    verbose_name = "Outbox"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # A web process without the workers' Celery broker settings cannot wake the relay:
+        # say so once, at start-up, rather than let every wake-up do nothing silently.
+        import os
+        import sys
+
+        from ..startup import warn_if_wake_cannot_work
+
+        # Management commands other than runserver (migrate, outbox_status, ...) enqueue
+        # nothing: no warning there. Web servers (runserver, gunicorn, uwsgi...) get it.
+        program = os.path.basename(sys.argv[0]) if sys.argv else ""
+        if program in ("manage.py", "django-admin", "__main__.py") and sys.argv[1:2] != ["runserver"]:
+            return
+        warn_if_wake_cannot_work("Django")

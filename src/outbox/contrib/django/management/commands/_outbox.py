@@ -1,0 +1,103 @@
+"""The ``outbox`` command line under ``manage.py``: each management command runs one
+``outbox`` subcommand with Django's settings loaded (OUTBOX_* in settings.py, and the
+database of ``DATABASES["default"]`` when OUTBOX_DATABASE_URL is not set), with the same
+options, output and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from typing import Any
+
+import click
+from django.core.management.base import BaseCommand, CommandError
+
+
+class OutboxCommand(BaseCommand):
+    #: The ``outbox`` subcommand (and fixed leading arguments) this command runs.
+    cli_args: list[str] = []
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> Any:
+        """For ``call_command``: Django's parser takes its own options; everything it does
+        not know, in order, goes to the ``outbox`` command as ``outbox_args``."""
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        known = parser.parse_known_args
+
+        def parse_args(args: Any = None, namespace: Any = None) -> argparse.Namespace:
+            options, rest = known(args, namespace)
+            options.outbox_args = list(rest)
+            return options
+
+        parser.parse_args = parse_args  # type: ignore[method-assign]
+        return parser
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        # Django's own argument parsing would eat --help and --json: hand everything to
+        # the click command, which prints its own usage and exits with its own code.
+        from django.conf import settings
+
+        settings.INSTALLED_APPS  # noqa: B018  (fail here, clearly, if settings do not import)
+        _command(self.cli_args).main(args=_without_django_options(argv[2:]),
+                                     prog_name=f"{os.path.basename(argv[0])} {argv[1]}", standalone_mode=True)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        """``call_command("outbox_status", "--json")``: output to ``self.stdout`` and
+        ``self.stderr``; a failure raises ``CommandError`` with the command's message."""
+        from outbox.cli import main
+
+        err = _Capture()
+        with contextlib.redirect_stdout(self.stdout), contextlib.redirect_stderr(err):
+            try:
+                main.main(args=[*self.cli_args, *options.get("outbox_args", [])], prog_name="outbox",
+                          standalone_mode=False)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except click.ClickException as exc:  # usage errors, with standalone_mode off
+                raise CommandError(exc.format_message()) from None
+        if err.text:
+            self.stderr.write(err.text, ending="")
+        if code:
+            errors = [line for line in err.text.splitlines() if line.startswith("error:")]
+            raise CommandError(errors[-1][len("error: "):] if errors else f"exit status {code}", returncode=code)
+
+
+#: Options manage.py itself acts on before running any command; not the outbox command's.
+_DJANGO_OPTIONS = ("--settings", "--pythonpath")
+
+
+def _without_django_options(args: list[str]) -> list[str]:
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in _DJANGO_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in _DJANGO_OPTIONS)):
+            kept.append(arg)
+    return kept
+
+
+def _command(path: list[str]) -> click.Command:
+    """The click command at ``path`` under ``outbox`` (``["dead"]`` is the dead group)."""
+    from outbox.cli import main
+
+    command: click.Command = main
+    for name in path:
+        assert isinstance(command, click.Group)
+        command = command.commands[name]
+    return command
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass

@@ -1,0 +1,210 @@
+"""``outbox check``: is this deployment able to relay? One readable report.
+
+Each check says ``ok``, ``warn`` (works, but probably not what you meant) or ``FAIL``
+(events will not arrive), with the fix in the same line. The checks, in order, each
+skipped when an earlier one it depends on failed:
+
+1. configuration: every OUTBOX_* setting parses and validates (relay tuning included);
+2. database: a connection opens (a missing driver names the extra to install);
+3. table: exists with every column of the contract; indexes: the ones ``outbox migrate``
+   creates are all there;
+4. Celery broker: reachable (``memory://`` is in-process only: a warning);
+5. destination broker: reachable, and the exchange exists;
+6. a queue bound to the exchange: on Redis the bindings are readable (kombu keeps them in
+   a set per exchange); AMQP 0-9-1 cannot list bindings without the management plugin, so
+   there the report says what to check by hand. An exchange that does not exist has no
+   bindings, which is a failure: the first events would be unroutable and go dead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .config import Settings, load_settings
+from .engines.describe import describe_database, expected_index_names, index_names, mask_url, missing_driver_hint
+from .store import OutboxStore
+
+#: The columns of the contract (docs: "The table"), all read by a probe query.
+CONTRACT_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key", "payload",
+                    "headers", "trace_id", "status", "attempts", "claimed_at", "next_retry_at", "created_at",
+                    "processed_at", "last_error", "lease_token")
+
+#: Seconds to wait for a broker before calling it unreachable.
+CONNECT_TIMEOUT_S = 5.0
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    state: str
+    detail: str
+
+    def line(self) -> str:
+        return f"[{self.state:<4}] {self.name}: {self.detail}"
+
+
+def _error(exc: BaseException) -> str:
+    return missing_driver_hint(exc) or f"{type(exc).__name__}: {' '.join(str(exc).split()) or '(no message)'}"
+
+
+def _broker(url: str) -> Any:
+    from kombu import Connection
+
+    return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options={"max_retries": 1})
+
+
+def check_database(settings: Settings) -> list[Result]:
+    results: list[Result] = []
+    store = OutboxStore.from_settings(settings)
+    where = describe_database(settings.database_url)
+    try:
+        store.connection()
+    except Exception as exc:
+        return [Result("database", FAIL, f"cannot connect to {where}: {_error(exc)}")]
+    results.append(Result("database", OK, f"connected to {where}"))
+    try:
+        try:
+            with store.transaction() as cursor:
+                store.engine.execute(cursor, f"SELECT {', '.join(CONTRACT_COLUMNS)} FROM {store.engine.table} "
+                                     "WHERE 1 = 0")
+        except Exception as exc:
+            missing = _missing_columns(store)
+            what = (f"columns missing: {', '.join(missing)}" if missing and len(missing) < len(CONTRACT_COLUMNS)
+                    else "table missing")
+            results.append(Result("table", FAIL, f"{store.engine.table}: {what}: run `outbox migrate` "
+                                  f"({_error(exc)})"))
+            return results
+        results.append(Result("table", OK, f"{store.engine.table} has every column of the contract"))
+        with store.transaction() as cursor:
+            present = index_names(store.engine, cursor)
+        missing_ix = sorted(expected_index_names(store.engine) - present)
+        if missing_ix:
+            results.append(Result("indexes", FAIL, f"missing {', '.join(missing_ix)}: run `outbox migrate`"))
+        else:
+            results.append(Result("indexes", OK, ", ".join(sorted(expected_index_names(store.engine)))))
+        return results
+    finally:
+        store.close()
+
+
+def _missing_columns(store: OutboxStore) -> list[str]:
+    missing = []
+    for column in CONTRACT_COLUMNS:
+        try:
+            with store.transaction() as cursor:
+                store.engine.execute(cursor, f"SELECT {column} FROM {store.engine.table} WHERE 1 = 0")
+        except Exception:
+            missing.append(column)
+    return missing
+
+
+def check_celery_broker(settings: Settings, broker_url: str | None = None) -> Result:
+    url = broker_url or settings.broker_url
+    if url.startswith("memory://"):
+        detail = "memory:// (in-process: one `celery -A outbox worker` runs the schedule itself; no separate beat)"
+        return Result("celery broker", OK if settings.database_url.startswith("sqlite") else WARN, detail)
+    conn = _broker(url)
+    try:
+        conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)
+        return Result("celery broker", OK, f"{mask_url(url)} reachable")
+    except Exception as exc:
+        return Result("celery broker", FAIL, f"{mask_url(url)} unreachable: {_error(exc)} "
+                      "(set OUTBOX_CELERY_BROKER_URL)")
+    finally:
+        conn.release()
+
+
+def check_destination(settings: Settings) -> list[Result]:
+    url, exchange = settings.publish_url, settings.exchange
+    if url.startswith("memory://"):
+        return [Result("destination", WARN, "OUTBOX_PUBLISH_URL is memory://, which exists only inside the "
+                       "worker process: events reach no consumer. Set it to your broker (amqp://..., redis://...)")]
+    conn = _broker(url)
+    try:
+        try:
+            conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)
+        except Exception as exc:
+            return [Result("destination", FAIL, f"{mask_url(url)} unreachable: {_error(exc)}")]
+        results = [Result("destination", OK, f"{mask_url(url)} reachable")]
+        results.append(_check_binding(conn, exchange))
+        return results
+    finally:
+        conn.release()
+
+
+def _check_binding(conn: Any, exchange: str) -> Result:
+    name = "queue bound to the exchange"
+    driver = conn.transport.driver_type
+    if driver == "redis":
+        # kombu's Redis transport keeps an exchange's bindings in one set (its client adds
+        # any global_keyprefix itself); members are "routing_key SEP pattern SEP queue".
+        channel = conn.default_channel
+        queues = sorted(q.decode() if isinstance(q, bytes) else str(q)
+                        for q in channel.client.smembers(channel.keyprefix_queue % exchange))
+        if not queues:
+            return Result(name, FAIL, f"no queue is bound to {exchange!r} on Redis: events would be "
+                          "unroutable and go dead; start your consumer (it declares and binds its queue) first")
+        bound = sorted({q.split(channel.sep)[-1] for q in queues})
+        return Result(name, OK, f"{exchange!r} -> {', '.join(bound)}")
+    if driver == "amqp":
+        from kombu import Exchange
+
+        channel = conn.channel()
+        try:
+            Exchange(exchange, type="topic", durable=True)(channel).declare(passive=True)
+        except Exception as exc:
+            return Result(name, FAIL, f"exchange {exchange!r} does not exist, so no queue is bound to it: declare "
+                          f"it (durable topic) and bind your consumers' queues before the first event "
+                          f"({_error(exc)})")
+        finally:
+            try:
+                channel.close()
+            except Exception:
+                pass
+        return Result(name, WARN, f"exchange {exchange!r} exists (topic). AMQP cannot list its bindings: check "
+                      f"`rabbitmqctl list_bindings source_name routing_key destination_name` or the management "
+                      f"UI (Exchanges -> {exchange}); an event no queue is bound for is retried as unroutable "
+                      "and goes dead after OUTBOX_MAX_ATTEMPTS")
+    return Result(name, WARN, f"cannot check bindings on the {driver} transport")
+
+
+def run_checks(environ: dict[str, str] | None = None, *,
+               settings_loader: Callable[[], Settings] | None = None) -> list[Result]:
+    """Every check, in order; later checks are skipped when configuration fails."""
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        settings = settings_loader() if settings_loader else load_settings(environ=environ)
+        from .config import RelayOptions
+        RelayOptions.from_sources(environ)
+    except Exception as exc:
+        return [Result("configuration", FAIL, str(exc))]
+    results = [Result("configuration", OK, f"database {describe_database(settings.database_url)}, "
+                      f"exchange {settings.exchange!r}, publish to {mask_url(settings.publish_url)}, "
+                      f"celery broker {mask_url(settings.broker_url)}")]
+    if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:
+        results.append(Result("database url", WARN, "OUTBOX_DATABASE_URL is not set: using ./outbox.db "
+                              "in the current directory"))
+    if not settings.celery_broker_url and not settings.database_url.startswith("sqlite"):
+        results.append(Result("celery broker url", WARN, f"OUTBOX_CELERY_BROKER_URL is not set: using "
+                              f"{settings.broker_url}; workers, beat and web processes must all use the same one"))
+    results += check_database(settings)
+    results.append(check_celery_broker(settings))
+    results += check_destination(settings)
+    return results
+
+
+def report(results: list[Result]) -> str:
+    failed = sum(r.state == FAIL for r in results)
+    warned = sum(r.state == WARN for r in results)
+    lines = [r.line() for r in results]
+    lines.append("all checks passed" if not failed and not warned else
+                 f"{failed} failed, {warned} warning(s)")
+    return "\n".join(lines)
+
+
+__all__ = ["Result", "run_checks", "report", "check_database", "check_celery_broker", "check_destination",
+           "CONTRACT_COLUMNS", "OK", "WARN", "FAIL"]

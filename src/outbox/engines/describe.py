@@ -1,0 +1,98 @@
+"""What the command line says about a database, per engine: its URL with the password
+masked (every ``outbox`` command names the database it used), the package to install when
+a driver is missing, and the indexes a table has (``outbox check``).
+
+Kept apart from the engine classes because none of it is on the relay's hot path; it is
+engine-specific, so it lives under ``outbox.engines`` like everything else that is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from . import kind_of_url
+from .base import Engine
+
+#: Driver module -> (engine, the extra that installs it).
+DRIVER_EXTRAS = {"psycopg": ("PostgreSQL", "postgres"), "pymysql": ("MySQL/MariaDB", "mysql"),
+                 "pyodbc": ("SQL Server", "mssql")}
+
+#: The indexes ``outbox migrate`` creates, by suffix of ``Engine.index_name``.
+INDEX_SUFFIXES = ("message_id", "agg_id_id", "claim_ready", "done_processed_at")
+
+_ODBC_SECRET = re.compile(r"((?:^|;)\s*(?:PWD|Password)\s*=\s*)(\{[^}]*\}|[^;]*)", re.IGNORECASE)
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ``***`` (URLs and raw ODBC strings)."""
+    if "://" not in url:
+        return _ODBC_SECRET.sub(lambda m: m.group(1) + "***", url)
+    parts = urlsplit(url)
+    if parts.password is None:
+        return _ODBC_SECRET.sub(lambda m: m.group(1) + "***", url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    netloc = f"{parts.username or ''}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, _ODBC_SECRET.sub(lambda m: m.group(1) + "***",
+                                                                          parts.query), parts.fragment))
+
+
+def describe_database(url: str) -> str:
+    """One phrase naming the database: the masked URL, and for SQLite the absolute path
+    of the file (a relative ``sqlite:///outbox.db`` depends on the current directory)."""
+    text = mask_url(url)
+    if kind_of_url(url) == "sqlite":
+        from .sqlite import sqlite_path
+
+        path = sqlite_path(url)
+        if path != ":memory:":
+            text += f" (file {os.path.abspath(path)})"
+    return text
+
+
+def missing_driver_hint(exc: BaseException) -> str | None:
+    """For an ImportError of a database driver: what to install, in one line."""
+    if not isinstance(exc, ImportError):
+        return None
+    module = (getattr(exc, "name", None) or "").split(".", 1)[0]
+    if module in DRIVER_EXTRAS:
+        engine, extra = DRIVER_EXTRAS[module]
+        return (f"the {engine} driver ({module}) is not installed: "
+                f'pip install "outbox-relay[{extra}]" (or add {extra} to the extras you install)')
+    if "libodbc" in str(exc):
+        return ("pyodbc cannot load libodbc: install the system's unixodbc and an ODBC driver "
+                "(Microsoft's ODBC Driver 18 for SQL Server, or FreeTDS's tdsodbc)")
+    return None
+
+
+def index_names(engine: Engine, cursor: Any) -> set[str]:
+    """The names of the indexes on the engine's table, read from the catalog."""
+    table, schema = engine.table_name, engine.schema
+    if engine.name == "sqlite":
+        prefix = f"{engine.quote(schema)}." if schema not in (None, "main") else ""
+        rows = cursor.execute(f"PRAGMA {prefix}index_list({engine.quote(table)})").fetchall()
+        return {str(r[1]) for r in rows}
+    if engine.name == "postgresql":
+        engine.execute(cursor, "SELECT indexname FROM pg_indexes WHERE tablename = ? AND schemaname = "
+                       + ("?" if schema else "current_schema()"), [table, *([schema] if schema else [])])
+    elif engine.name == "mysql":
+        engine.execute(cursor, "SELECT DISTINCT index_name FROM information_schema.statistics WHERE table_name = ? "
+                       "AND table_schema = " + ("?" if schema else "DATABASE()"), [table, *([schema] if schema else [])])
+    elif engine.name == "mssql":
+        engine.execute(cursor, "SELECT i.name FROM sys.indexes i WHERE i.object_id = OBJECT_ID(?) AND i.name IS NOT NULL",
+                       [f"{engine.quote(schema or 'dbo')}.{engine.quote(table)}"])
+    else:  # pragma: no cover - every engine is listed above
+        raise ValueError(f"no index catalog query for {engine.name}")
+    return {str(r[0]) for r in cursor.fetchall()}
+
+
+def expected_index_names(engine: Engine) -> set[str]:
+    return {engine.index_name(suffix) for suffix in INDEX_SUFFIXES}
+
+
+__all__ = ["mask_url", "describe_database", "missing_driver_hint", "index_names", "expected_index_names",
+           "DRIVER_EXTRAS", "INDEX_SUFFIXES"]

@@ -1,0 +1,203 @@
+"""An idle relay is quiet at INFO, and still says every few minutes that it is alive.
+
+Celery logs two INFO lines for every task (``Task ... received`` from
+``celery.worker.strategy``, ``Task ... succeeded in ...`` from ``celery.app.trace``) and
+beat one per entry it sends (``Scheduler: Sending due task ...`` from ``celery.beat``).
+The relay's claim tick runs every OUTBOX_CLAIM_INTERVAL_S, so an idle worker and beat
+would log about three lines a second with no traffic at all. ``TickFilter`` moves those
+lines, for the claim task only, to DEBUG: they are dropped unless the logger is enabled
+for DEBUG (``--loglevel=DEBUG`` shows them again). Publish, ack, purge and every warning
+or error are untouched, so traffic still shows at INFO.
+
+Instead, the worker's main process logs a heartbeat at INFO every OUTBOX_RELAY_HEARTBEAT_S
+(300 s by default), and once at start-up::
+
+    outbox heartbeat: alive; backlog pending=0 claimed=0 failed=0 dead=0; oldest undelivered -;
+    312 claim ticks since the last heartbeat
+
+It reads ``OutboxStore.stats()`` (the query of ``outbox status``, once per heartbeat); a
+failure to read is logged as a warning and the heartbeat goes on. ``celery -A outbox
+beat`` logs its own line at the same interval, ``outbox beat heartbeat: alive; N claim
+ticks sent since the last heartbeat`` (no database query).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from celery import signals
+
+from .names import CLAIM_TASK
+
+log = logging.getLogger("outbox.heartbeat")
+
+#: The loggers Celery writes its per-task and per-tick INFO lines to.
+TICK_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.worker.request", "celery.beat")
+
+
+def _task_name(record: logging.LogRecord) -> str | None:
+    args = record.args
+    if isinstance(args, dict):  # Task %(name)s[%(id)s] received / succeeded
+        return str(args.get("name"))
+    if isinstance(args, tuple) and len(args) >= 2:
+        if record.msg.startswith("Scheduler: Sending due task"):  # (entry name, task name)
+            return str(args[1])
+        if record.msg.startswith("Discarding revoked task"):  # (task name, id): an expired tick
+            return str(args[0])
+    return None
+
+
+class TickFilter(logging.Filter):
+    """Drops the claim tick's per-task INFO lines unless DEBUG is on; counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticks = 0  # received by this worker
+        self.sent = 0  # sent by this beat
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or _task_name(record) != CLAIM_TASK:
+            return True
+        if record.name in ("celery.worker.strategy", "celery.beat"):
+            with self._lock:
+                if record.name == "celery.beat":
+                    self.sent += 1
+                else:
+                    self.ticks += 1
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+    def take_ticks(self) -> int:
+        with self._lock:
+            ticks, self.ticks = self.ticks, 0
+        return ticks
+
+    def take_sent(self) -> int:
+        with self._lock:
+            sent, self.sent = self.sent, 0
+        return sent
+
+
+tick_filter = TickFilter()
+
+
+def install_tick_filter() -> None:
+    """Idempotent: a logger keeps one instance of the filter."""
+    for name in TICK_LOGGERS:
+        logger = logging.getLogger(name)
+        if tick_filter not in logger.filters:
+            logger.addFilter(tick_filter)
+
+
+def heartbeat_line(stats: Any, ticks: int | None = None) -> str:
+    counts = stats.counts
+    age = "-" if stats.oldest_pending_age_s is None else f"{stats.oldest_pending_age_s:.1f}s"
+    line = (f"outbox heartbeat: alive; backlog pending={counts.get('pending', 0)} claimed={counts.get('claimed', 0)} "
+            f"failed={counts.get('failed', 0)} dead={counts.get('dead', 0)}; oldest undelivered {age}")
+    if ticks is not None:
+        line += f"; {ticks} claim ticks since the last heartbeat"
+    return line
+
+
+class Heartbeat:
+    """A daemon thread in the worker's main process; ``stop`` ends it at once."""
+
+    def __init__(self, interval_s: float, settings: Any) -> None:
+        self.interval_s = interval_s
+        self.settings = settings
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outbox-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat_once(self, ticks: int | None) -> None:
+        from .store import OutboxStore
+
+        store = OutboxStore.from_settings(self.settings)
+        try:
+            log.info(heartbeat_line(store.stats(), ticks))
+        except Exception as exc:
+            log.warning("outbox heartbeat: alive, but cannot read the backlog: %s: %s", type(exc).__name__,
+                        " ".join(str(exc).split()))
+        finally:
+            store.close()
+
+    def _run(self) -> None:
+        tick_filter.take_ticks()
+        self.beat_once(None)
+        while not self._stop.wait(self.interval_s):
+            self.beat_once(tick_filter.take_ticks())
+
+
+class BeatHeartbeat:
+    """Beat's own heartbeat: alive, and how many claim ticks it sent (no database query)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outbox-beat-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        tick_filter.take_sent()
+        while not self._stop.wait(self.interval_s):
+            log.info("outbox beat heartbeat: alive; %d claim ticks sent since the last heartbeat",
+                     tick_filter.take_sent())
+
+
+_beat_heartbeat: BeatHeartbeat | None = None
+
+
+def _start_beat_heartbeat(**_: Any) -> None:
+    global _beat_heartbeat
+    if _beat_heartbeat is not None or _sources is None:
+        return
+    _beat_heartbeat = BeatHeartbeat(_sources[1]().heartbeat_s)
+    _beat_heartbeat.start()
+
+
+_heartbeat: Heartbeat | None = None
+#: (settings getter, relay options getter) given by ``install``.
+_sources: tuple[Callable[[], Any], Callable[[], Any]] | None = None
+
+
+def _start_heartbeat(sender: Any = None, **_: Any) -> None:
+    global _heartbeat
+    if _heartbeat is not None or _sources is None:
+        return
+    settings, options = _sources
+    _heartbeat = Heartbeat(options().heartbeat_s, settings())
+    _heartbeat.start()
+
+
+def _stop_heartbeat(**_: Any) -> None:
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
+
+
+def install(settings: Callable[[], Any], options: Callable[[], Any]) -> None:
+    """Called once by ``outbox.worker`` with its getters of the relay's settings and
+    options: the filter now (beat and worker), the heartbeat when a worker is ready."""
+    global _sources
+    _sources = (settings, options)
+    install_tick_filter()
+    signals.worker_ready.connect(_start_heartbeat, weak=False, dispatch_uid="outbox-heartbeat-start")
+    signals.worker_shutdown.connect(_stop_heartbeat, weak=False, dispatch_uid="outbox-heartbeat-stop")
+    signals.beat_init.connect(_start_beat_heartbeat, weak=False, dispatch_uid="outbox-beat-heartbeat-start")
+
+
+__all__ = ["TickFilter", "tick_filter", "install", "install_tick_filter", "heartbeat_line", "Heartbeat",
+           "BeatHeartbeat"]

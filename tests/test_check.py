@@ -1,0 +1,128 @@
+"""``outbox check``: one report, exit 1 on a failure, against real databases and brokers.
+Each test uses its own table and a unique exchange, so parallel runs never see each other."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from outbox.store import OutboxStore
+
+from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
+
+
+def check(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
+    return subprocess.run([sys.executable, "-m", "outbox.cli", "check"], capture_output=True, text=True,
+                          cwd=cwd, env={**clean, **env}, timeout=120)
+
+
+def lines(result: subprocess.CompletedProcess) -> dict[str, str]:
+    """{check name: its state} from the report."""
+    out = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("["):
+            state, rest = line[1:].split("]", 1)
+            out[rest.strip().split(":", 1)[0]] = state.strip()
+    return out
+
+
+def test_check_on_the_embedded_default_fails_before_migrate_and_passes_after(tmp_path: Path) -> None:
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    before = check(env, tmp_path)
+    assert before.returncode == 1, before.stdout + before.stderr
+    states = lines(before)
+    assert states["configuration"] == "ok" and states["database"] == "ok" and states["table"] == "FAIL"
+    assert "run `outbox migrate`" in before.stdout
+    OutboxStore(env["OUTBOX_DATABASE_URL"]).migrate()
+    after = check(env, tmp_path)
+    assert after.returncode == 0, after.stdout + after.stderr
+    states = lines(after)
+    assert states["table"] == "ok" and states["indexes"] == "ok" and states["celery broker"] == "ok"
+    assert states["destination"] == "warn"  # memory:// reaches no consumer outside the worker
+
+
+def test_check_reports_a_bad_setting_and_a_missing_index(tmp_path: Path) -> None:
+    bad = check({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_BATCH_SIZE": "lots"}, tmp_path)
+    assert bad.returncode == 1 and lines(bad) == {"configuration": "FAIL"}
+    assert "OUTBOX_BATCH_SIZE='lots' is not an integer" in bad.stdout
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    with store.transaction() as cursor:
+        cursor.execute('DROP INDEX "ix_outbox_claim_ready"')
+    store.close()
+    result = check({"OUTBOX_DATABASE_URL": url}, tmp_path)
+    assert result.returncode == 1 and lines(result)["indexes"] == "FAIL"
+    assert "missing ix_outbox_claim_ready" in result.stdout
+
+
+def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
+    require("PostgreSQL", "127.0.0.1", 5432)
+    require("RabbitMQ", "127.0.0.1", 5672)
+    require("Redis", "127.0.0.1", 6379)
+    from kombu import Connection, Exchange, Queue
+
+    tag = uuid.uuid4().hex[:8]
+    table, exchange = f"check_{tag}", f"outbox-check-{tag}"
+    env = {"OUTBOX_DATABASE_URL": POSTGRES_URL, "OUTBOX_TABLE": table, "OUTBOX_PUBLISH_URL": AMQP_URL,
+           "OUTBOX_EXCHANGE": exchange, "OUTBOX_CELERY_BROKER_URL": REDIS_URL}
+    store = OutboxStore(POSTGRES_URL, table=table)
+    try:
+        first = check(env, tmp_path)
+        assert first.returncode == 1
+        states = lines(first)
+        assert states["table"] == "FAIL" and states["celery broker"] == "ok" and states["destination"] == "ok"
+        assert states["queue bound to the exchange"] == "FAIL" and f"exchange {exchange!r} does not exist" in first.stdout
+        store.migrate()
+        with Connection(AMQP_URL) as conn:
+            ex = Exchange(exchange, type="topic", durable=True)
+            ex(conn.default_channel).declare()
+            try:
+                ready = check(env, tmp_path)
+            finally:
+                ex(conn.default_channel).delete()
+        assert ready.returncode == 0, ready.stdout
+        states = lines(ready)
+        assert states["table"] == "ok" and states["indexes"] == "ok"
+        # AMQP cannot list bindings: the report says how to look.
+        assert states["queue bound to the exchange"] == "warn" and "rabbitmqctl list_bindings" in ready.stdout
+        # A Redis destination keeps its bindings where they can be read.
+        redis_env = {**env, "OUTBOX_PUBLISH_URL": REDIS_URL}
+        unbound = check(redis_env, tmp_path)
+        assert unbound.returncode == 1 and lines(unbound)["queue bound to the exchange"] == "FAIL"
+        queue = Queue(f"check-q-{tag}", Exchange(exchange, type="topic"), routing_key="orders.#")
+        with Connection(REDIS_URL) as conn:
+            queue(conn.default_channel).declare()
+            try:
+                bound = check(redis_env, tmp_path)
+            finally:
+                queue(conn.default_channel).delete()
+        assert bound.returncode == 0, bound.stdout
+        assert lines(bound)["queue bound to the exchange"] == "ok" and f"check-q-{tag}" in bound.stdout
+        # No Celery broker configured next to a server database: the implied default is named.
+        implied = check({k: v for k, v in env.items() if k != "OUTBOX_CELERY_BROKER_URL"}, tmp_path)
+        assert lines(implied)["celery broker url"] == "warn" and "redis://127.0.0.1:6379/0" in implied.stdout
+        # Unreachable brokers fail with the masked URL.
+        down = check({**env, "OUTBOX_CELERY_BROKER_URL": "redis://:pw@127.0.0.1:1/0",
+                      "OUTBOX_PUBLISH_URL": "amqp://guest:pw@127.0.0.1:1//"}, tmp_path)
+        assert down.returncode == 1
+        assert lines(down)["celery broker"] == "FAIL" and lines(down)["destination"] == "FAIL"
+        assert ":pw@" not in down.stdout
+    finally:
+        with store.transaction() as cursor:
+            cursor.execute(f'DROP TABLE IF EXISTS "{table}"')
+        store.close()
+
+
+@pytest.mark.parametrize("module", ["psycopg"])
+def test_hint_for_a_missing_driver_in_the_check(module: str) -> None:
+    from outbox.doctor import _error
+
+    assert 'pip install "outbox-relay[postgres]"' in _error(ModuleNotFoundError(f"No module named {module!r}",
+                                                                                 name=module))

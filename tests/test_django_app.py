@@ -1,0 +1,244 @@
+"""The Django app ``outbox.contrib.django`` in the example shop (examples/django), run as a
+Django user runs it: Django's test runner, ``manage.py migrate`` and the ``outbox_*``
+management commands, the ``outbox`` CLI and the Celery worker reading Django's settings,
+and an order posted to the view arriving on RabbitMQ. On SQLite and PostgreSQL; each run
+uses databases of its own."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from outbox.store import OutboxStore
+
+from services import AMQP_URL, POSTGRES_URL, REQUIRE, require
+
+pytest.importorskip("django")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "django"
+BIN = Path(sys.executable).parent
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path = EXAMPLE, timeout: float = 180) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_", "DATABASE_"))}
+    result = subprocess.run(args, cwd=cwd, env={**clean, "PYTHONPATH": str(EXAMPLE), **env}, capture_output=True,
+                            text=True, timeout=timeout)
+    return result
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, (f"{' '.join(map(str, result.args))} exited with {result.returncode}\n"
+                                    f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
+    return result.stdout + result.stderr
+
+
+def manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return run([sys.executable, "manage.py", *args], env=env)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """DATABASE_URL of a database of this test's own (dropped afterwards)."""
+    if request.param == "sqlite":
+        yield {"DATABASE_URL": f"sqlite:///{tmp_path / 'shop.db'}", "kind": "sqlite"}
+        return
+    require("PostgreSQL", "127.0.0.1", 5432)
+    import psycopg
+
+    name = f"outbox_dj_{uuid.uuid4().hex[:10]}"
+    admin_url = POSTGRES_URL.rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield {"DATABASE_URL": POSTGRES_URL.rsplit("/", 1)[0] + f"/{name}", "DJANGO_TEST_DATABASE_NAME": f"test_{name}",
+               "kind": "postgresql"}
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'DROP DATABASE IF EXISTS "test_{name}" WITH (FORCE)')
+
+
+def env_of(database: dict[str, str], **extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in database.items() if k != "kind"}, "DJANGO_SETTINGS_MODULE": "shop.settings", **extra}
+
+
+def outbox_url(database: dict[str, str]) -> str:
+    return database["DATABASE_URL"]
+
+
+def test_djangos_test_runner_creates_the_table_and_the_app_works(database: dict[str, str]) -> None:
+    """On SQLite the run includes the admin in a real browser (orders/tests_browser.py:
+    headless Chromium); on PostgreSQL the app's tests without the browser."""
+    labels = ["orders"] if database["kind"] == "sqlite" else ["orders.tests"]
+    out = ok(manage("test", *labels, "--noinput", "-v", "2", env=env_of(database)))
+    assert "Applying outbox.0001_initial... OK" in out
+    assert "OK" in out.splitlines()[-2:] or "\nOK" in out
+    if database["kind"] == "sqlite":
+        assert "Ran 6 tests" in out, out
+        if REQUIRE:  # CI installs chromium and chromium-driver: the browser test must run
+            assert "skipped" not in out, out
+    else:
+        assert "Ran 5 tests" in out, out
+
+
+def schema_of(url: str, table: str) -> Any:
+    """What a table is made of, in the catalog's own words."""
+    if url.startswith("sqlite"):
+        conn = sqlite3.connect(url.split("sqlite:///", 1)[1])
+        try:
+            return sorted(conn.execute("SELECT type, name, sql FROM sqlite_master WHERE tbl_name = ?",
+                                       (table,)).fetchall())
+        finally:
+            conn.close()
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        columns = conn.execute("SELECT column_name, data_type, is_nullable, column_default FROM "
+                               "information_schema.columns WHERE table_name = %s ORDER BY column_name",
+                               (table,)).fetchall()
+        indexes = conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = %s ORDER BY indexname",
+                               (table,)).fetchall()
+        checks = conn.execute("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %s::regclass "
+                              "ORDER BY 1", (table,)).fetchall()
+    return columns, indexes, checks
+
+
+def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_database(
+        database: dict[str, str], tmp_path: Path) -> None:
+    env = env_of(database)
+    ok(manage("migrate", "--noinput", env=env))
+    url = outbox_url(database)
+    django_schema = schema_of(url, "outbox")
+    # The store's own migrate on the same database finds nothing to change ...
+    migrated = run([str(BIN / "outbox"), "migrate"], env=env, cwd=tmp_path)
+    ok(migrated)
+    assert schema_of(url, "outbox") == django_schema
+    # ... and the CLI, run anywhere with DJANGO_SETTINGS_MODULE, used Django's database.
+    where = url.split("sqlite:///", 1)[1] if url.startswith("sqlite") else url.rsplit("/", 1)[1]
+    assert migrated.stderr.startswith("outbox: database ") and where in migrated.stderr, migrated.stderr
+    # The store creates the same table from nothing (another table name, same DDL).
+    store = OutboxStore(url, table="outbox_store_made")
+    try:
+        store.migrate()
+        store_schema = schema_of(url, "outbox_store_made")
+    finally:
+        with store.transaction() as cursor:
+            cursor.execute('DROP TABLE IF EXISTS "outbox_store_made"')
+        store.close()
+    assert _renamed(store_schema, "outbox_store_made", "outbox") == django_schema
+    # The management commands mirror the CLI.
+    status = ok(manage("outbox_status", "--json", env=env))
+    assert '"pending": 0' in status
+    # manage.py's own --settings is manage.py's, not the outbox command's.
+    settings_flag = {k: v for k, v in env.items() if k != "DJANGO_SETTINGS_MODULE"}
+    assert '"pending": 0' in ok(manage("outbox_status", "--settings=shop.settings", "--json", env=settings_flag))
+    assert "no dead rows" in ok(manage("outbox_dead", "list", env=env))
+    check = manage("outbox_check", env=env)
+    assert "[ok  ] table" in check.stdout and "[ok  ] indexes" in check.stdout, check.stdout + check.stderr
+    assert "Usage: manage.py outbox_purge [OPTIONS]" in ok(manage("outbox_purge", "--help", env=env))
+    assert "Usage: manage.py outbox_dead [OPTIONS] COMMAND" in ok(manage("outbox_dead", "--help", env=env))
+    # From code: call_command, output to the command's stdout, failures as CommandError.
+    code = ("import io\nfrom django.core.management import call_command, CommandError\n"
+            "out = io.StringIO()\ncall_command('outbox_status', '--json', stdout=out)\n"
+            "print('status:', out.getvalue().strip())\n"
+            "try:\n    call_command('outbox_purge', '--batch', '0', stdout=io.StringIO())\n"
+            "except CommandError as exc:\n    print('purge refused:', exc)\n")
+    called = ok(manage("shell", "-c", code, env=env))
+    assert 'status: {"counts": {' in called and "purge refused:" in called and "--batch" in called, called
+    bad = manage("outbox_purge", "--batch", "0", env=env)
+    assert bad.returncode == 2 and "--batch" in bad.stderr
+
+
+def _renamed(schema: Any, old: str, new: str) -> Any:
+    if isinstance(schema, str):
+        return schema.replace(old, new)
+    if isinstance(schema, (list, tuple)):
+        items = [_renamed(item, old, new) for item in schema]
+        return sorted(items) if isinstance(schema, list) else tuple(items)
+    return schema
+
+
+def test_the_cli_and_the_worker_read_outbox_settings_from_django(tmp_path: Path) -> None:
+    (tmp_path / "mysettings.py").write_text(
+        "from shop.settings import *  # noqa\n"
+        f"DATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', 'NAME': {str(tmp_path / 'd.db')!r}}}}}\n"
+        "OUTBOX_EXCHANGE = 'from-django'\nOUTBOX_BATCH_SIZE = 7\n")
+    env = {"DJANGO_SETTINGS_MODULE": "mysettings", "PYTHONPATH": f"{tmp_path}{os.pathsep}{EXAMPLE}"}
+    probe = ("from outbox.celery import app, relay_settings\ns = relay_settings()\n"
+             "print(s.database_url, s.exchange, s.batch_size, app.conf.broker_url)\n")
+    out = ok(run([sys.executable, "-c", probe], env=env, cwd=tmp_path))
+    assert out.split() == [f"sqlite:///{tmp_path / 'd.db'}", "from-django", "7", "memory://"]
+    # The environment still wins over Django's settings.
+    out = ok(run([sys.executable, "-c", probe], env={**env, "OUTBOX_EXCHANGE": "from-env"}, cwd=tmp_path))
+    assert out.split()[1] == "from-env"
+    # A settings module that does not import is one clear line.
+    bad = run([str(BIN / "outbox"), "status"], env={**env, "DJANGO_SETTINGS_MODULE": "nosuchsettings"}, cwd=tmp_path)
+    assert bad.returncode == 1 and "DJANGO_SETTINGS_MODULE='nosuchsettings' cannot be imported" in bad.stderr
+
+
+def test_an_order_posted_to_the_django_view_arrives_on_rabbitmq(tmp_path: Path) -> None:
+    """The example app end to end: its view enqueues, `celery -A outbox worker` started with
+    DJANGO_SETTINGS_MODULE (and nothing else about the database) delivers."""
+    require("RabbitMQ", "127.0.0.1", 5672)
+    from test_relay_e2e import Destination, wait_until
+
+    destination = Destination()
+    db = tmp_path / "shop.db"
+    env = {"DJANGO_SETTINGS_MODULE": "shop.settings", "DATABASE_URL": f"sqlite:///{db}",
+           "OUTBOX_PUBLISH_URL": AMQP_URL, "OUTBOX_EXCHANGE": destination.exchange_name,
+           "OUTBOX_CLAIM_INTERVAL_S": "0.3", "PYTHONUNBUFFERED": "1"}
+    worker = None
+    log = tmp_path / "worker.log"
+    try:
+        ok(manage("migrate", "--noinput", env=env))
+        post = ("import json\nfrom django.test import Client\nc = Client()\n"
+                "for i in range(3):\n"
+                "    r = c.post('/orders', json.dumps({'customer': f'c{i}', 'total_cents': i}), "
+                "content_type='application/json')\n"
+                "    assert r.status_code == 201, r.content\n"
+                "r = c.post('/orders', json.dumps({'customer': 'x', 'fail': True}), content_type='application/json')\n"
+                "assert r.status_code == 409\nprint('posted')\n")
+        assert "posted" in ok(manage("shell", "-c", post, env=env))
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_"))}
+        with open(log, "wb") as out:
+            worker = subprocess.Popen([str(BIN / "celery"), "-A", "outbox", "worker", "-c", "1", "--loglevel=INFO",
+                                       "--without-mingle", "--without-gossip"],
+                                      cwd=tmp_path, env={**clean, "PYTHONPATH": str(EXAMPLE), **env},
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        arrived = destination.wait_for(lambda: len(destination.messages) >= 3, timeout=60)
+        assert arrived, f"{len(destination.messages)} of 3 arrived\n--- worker\n{log.read_text()[-4000:]}"
+        customers = sorted(__import__("json").loads(m.body)["customer"] for m in destination.messages)
+        assert customers == ["c0", "c1", "c2"]
+        assert all(m.headers["topic"] == "orders.created" for m in destination.messages)
+        assert wait_until(lambda: "outbox heartbeat: alive" in log.read_text(), timeout=10), log.read_text()[-3000:]
+    finally:
+        if worker is not None:
+            import signal
+
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=10)
+        destination.close()
+
+
+def test_django_database_url() -> None:
+    from outbox.config import django_database_url
+
+    assert django_database_url({"ENGINE": "django.db.backends.sqlite3", "NAME": "/srv/db.sqlite3"}) == (
+        "sqlite:////srv/db.sqlite3")
+    assert django_database_url({"ENGINE": "django.db.backends.postgresql", "NAME": "shop", "USER": "app",
+                                "PASSWORD": "p@ss:w/rd", "HOST": "db", "PORT": 5432}) == (
+        "postgresql://app:p%40ss%3Aw%2Frd@db:5432/shop")
+    assert django_database_url({"ENGINE": "mssql", "NAME": "shop", "USER": "sa", "PASSWORD": "pw", "HOST": "sql",
+                                "PORT": "1433", "OPTIONS": {"driver": "ODBC Driver 18 for SQL Server",
+                                                            "extra_params": "TrustServerCertificate=yes"}}) == (
+        "mssql+pyodbc://sa:pw@sql:1433/shop?driver=ODBC%20Driver%2018%20for%20SQL%20Server"
+        "&TrustServerCertificate=yes")
+    assert django_database_url({"ENGINE": "django.db.backends.oracle", "NAME": "x"}) is None

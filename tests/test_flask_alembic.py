@@ -1,0 +1,100 @@
+"""Flask with SQLAlchemy and Alembic (examples/flask): ``alembic upgrade head`` creates the
+outbox table with the relay's own DDL (``outbox.contrib.alembic``), the same table
+``outbox migrate`` makes, on SQLite and PostgreSQL; and an order posted to the Flask view
+arrives on RabbitMQ through a real worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.store import OutboxStore
+
+from services import AMQP_URL, require
+from test_django_app import _renamed, database, schema_of  # noqa: F401  (the database fixture)
+
+pytest.importorskip("alembic")
+pytest.importorskip("flask")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "flask"
+BIN = Path(sys.executable).parent
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_", "DATABASE_"))}
+    result = subprocess.run(args, cwd=cwd, env={**clean, **env}, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, (f"{' '.join(map(str, args))} exited with {result.returncode}\n"
+                                    f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
+    return result
+
+
+def sqlalchemy_url(url: str) -> str:
+    return url.replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+def test_alembic_upgrade_creates_the_stores_table(database: dict[str, str], tmp_path: Path) -> None:
+    url = database["DATABASE_URL"]
+    run([str(BIN / "alembic"), "-c", str(EXAMPLE / "alembic.ini"), "upgrade", "head"],
+        env={"DATABASE_URL": sqlalchemy_url(url)}, cwd=tmp_path)
+    made_by_alembic = schema_of(url, "outbox")
+    assert made_by_alembic, "alembic upgrade made no outbox table"
+    store = OutboxStore(url, table="outbox_store_made")
+    try:
+        store.migrate()
+        assert _renamed(schema_of(url, "outbox_store_made"), "outbox_store_made", "outbox") == made_by_alembic
+    finally:
+        with store.transaction() as cursor:
+            cursor.execute('DROP TABLE IF EXISTS "outbox_store_made"')
+        store.close()
+    # The relay's own tools find the table as they would have made it.
+    run([str(BIN / "outbox"), "migrate"], env={"OUTBOX_DATABASE_URL": url}, cwd=tmp_path)
+    assert schema_of(url, "outbox") == made_by_alembic
+    check = subprocess.run([str(BIN / "outbox"), "check"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+                                "OUTBOX_DATABASE_URL": url})
+    assert "[ok  ] table" in check.stdout and "[ok  ] indexes" in check.stdout, check.stdout + check.stderr
+
+
+def test_an_order_posted_to_the_flask_view_arrives_on_rabbitmq(tmp_path: Path) -> None:
+    require("RabbitMQ", "127.0.0.1", 5672)
+    from test_relay_e2e import Destination
+
+    db = tmp_path / "shop.db"
+    destination = Destination()
+    env = {"DATABASE_URL": f"sqlite:///{db}", "OUTBOX_DATABASE_URL": f"sqlite:///{db}",
+           "OUTBOX_PUBLISH_URL": AMQP_URL, "OUTBOX_EXCHANGE": destination.exchange_name,
+           "OUTBOX_CLAIM_INTERVAL_S": "0.3", "PYTHONUNBUFFERED": "1"}
+    worker: Any = None
+    log = tmp_path / "worker.log"
+    try:
+        run([str(BIN / "alembic"), "-c", str(EXAMPLE / "alembic.ini"), "upgrade", "head"], env=env, cwd=tmp_path)
+        post = ("import json, sys\nsys.path.insert(0, %r)\nfrom app import app, Order, Session\n"
+                "c = app.test_client()\n"
+                "for i in range(3):\n"
+                "    r = c.post('/orders', json={'customer': f'c{i}', 'total_cents': i})\n"
+                "    assert r.status_code == 201, r.data\n"
+                "r = c.post('/orders', json={'customer': 'x', 'fail': True})\n"
+                "assert r.status_code == 409\n"
+                "assert Session().query(Order).count() == 3\nprint('posted')\n") % str(EXAMPLE)
+        assert "posted" in run([sys.executable, "-c", post], env=env, cwd=tmp_path).stdout
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_"))}
+        with open(log, "wb") as out:
+            worker = subprocess.Popen([str(BIN / "celery"), "-A", "outbox", "worker", "-c", "1", "--loglevel=INFO",
+                                       "--without-mingle", "--without-gossip"], cwd=tmp_path, env={**clean, **env},
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        arrived = destination.wait_for(lambda: len(destination.messages) >= 3, timeout=60)
+        assert arrived, f"{len(destination.messages)} of 3 arrived\n--- worker\n{log.read_text()[-4000:]}"
+        assert sorted(json.loads(m.body)["customer"] for m in destination.messages) == ["c0", "c1", "c2"]
+    finally:
+        if worker is not None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=10)
+        destination.close()

@@ -1,0 +1,111 @@
+"""An idle relay is quiet at INFO and logs a heartbeat: a real worker and beat (Redis as
+Celery's broker, RabbitMQ as destination, the outbox on SQLite), their INFO lines counted
+over an idle window."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.model import Stats
+from outbox.relay import CLAIM_TASK, PUBLISH_TASK
+from outbox.worker_logging import TickFilter, heartbeat_line
+
+from test_relay_e2e import Destination, Outbox, destination, procs_factory, relay_env, sqlite_outbox, wait_until  # noqa: F401
+
+IDLE_WINDOW_S = 10.0
+HEARTBEAT_S = 3.0
+
+
+def info_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "INFO/" in line]
+
+
+def test_an_idle_worker_and_beat_are_quiet_at_info_and_log_a_heartbeat(
+        tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, procs_factory: Any) -> None:
+    procs = procs_factory(relay_env(tmp_path, destination, sqlite_outbox, OUTBOX_CLAIM_INTERVAL_S="0.5",
+                                    OUTBOX_RELAY_HEARTBEAT_S=str(HEARTBEAT_S)))
+    procs.worker("w1")
+    procs.beat()
+    assert wait_until(lambda: " ready." in procs.log("w1") and "beat: Starting" in procs.log("beat"), timeout=60), (
+        f"worker or beat did not start\n--- worker\n{procs.log('w1')[-3000:]}\n--- beat\n{procs.log('beat')[-3000:]}")
+    # Let beat send its first ticks, then count what an idle window adds.
+    time.sleep(2)
+    worker_before, beat_before = len(info_lines(procs.log("w1"))), len(info_lines(procs.log("beat")))
+    time.sleep(IDLE_WINDOW_S)
+    procs.check_alive()
+    worker_new = info_lines(procs.log("w1"))[worker_before:]
+    beat_new = info_lines(procs.log("beat"))[beat_before:]
+    context = f"\n--- worker\n{procs.log('w1')[-4000:]}\n--- beat\n{procs.log('beat')[-3000:]}"
+
+    heartbeats = [line for line in worker_new if "outbox heartbeat: alive" in line]
+    # About IDLE_WINDOW_S / HEARTBEAT_S heartbeats (a loaded machine may delay one), nothing else.
+    assert 2 <= len(heartbeats) <= 4, context
+    assert len(worker_new) == len(heartbeats), context
+    # Beat: its own heartbeat only, counting the ticks it sent (about two a second).
+    beat_beats = [line for line in beat_new if "outbox beat heartbeat: alive" in line]
+    assert beat_new == beat_beats and 2 <= len(beat_beats) <= 4, context
+    sent = [int(m.group(1)) for line in beat_beats if (m := re.search(r"; (\d+) claim ticks sent", line))]
+    assert sent and max(sent) >= 2, context
+    # The ticks did run (about two a second): the heartbeat counts them.
+    ticks = [int(m.group(1)) for line in heartbeats if (m := re.search(r"; (\d+) claim ticks", line))]
+    assert ticks and max(ticks) >= 2, context
+    assert "backlog pending=0 claimed=0 failed=0 dead=0; oldest undelivered -" in heartbeats[-1], context
+
+    # Traffic still shows at INFO: a publish task (or an inline claim) is logged.
+    with sqlite_outbox.writer() as conn:
+        for n in range(30):
+            sqlite_outbox.add(conn, f"agg-{n % 3}", n)
+        conn.commit()
+    assert destination.wait_for(lambda: len(destination.arrived()) >= 30, timeout=60, procs=procs), context
+    # A heartbeat after the delivery reports an empty backlog again.
+    assert wait_until(lambda: "backlog pending=0" in [l for l in info_lines(procs.log("w1"))
+                                                      if "heartbeat" in l][-1], timeout=30)
+
+
+def _record(name: str, msg: str, args: Any, level: int = logging.INFO) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, msg, args, None)
+
+
+def test_tick_filter_drops_claim_ticks_only_and_keeps_them_at_debug() -> None:
+    f = TickFilter()
+    received = _record("celery.worker.strategy", "Task %(name)s[%(id)s] received", ({"name": CLAIM_TASK, "id": "1"},))
+    assert received.args == {"name": CLAIM_TASK, "id": "1"}  # LogRecord unwraps a single mapping
+    succeeded = _record("celery.app.trace", "Task %(name)s[%(id)s] succeeded in %(runtime)ss: %(return_value)s",
+                        ({"name": CLAIM_TASK, "id": "1", "runtime": 0.1, "return_value": None},))
+    beat = _record("celery.beat", "Scheduler: Sending due task %s (%s)", ("outbox-claim", CLAIM_TASK))
+    publish = _record("celery.app.trace", "Task %(name)s[%(id)s] succeeded in %(runtime)ss: %(return_value)s",
+                      ({"name": PUBLISH_TASK, "id": "2", "runtime": 0.1, "return_value": None},))
+    warning = _record("celery.app.trace", "Task %(name)s[%(id)s] retry", ({"name": CLAIM_TASK, "id": "3"},),
+                      logging.WARNING)
+    logging.getLogger("celery.worker.strategy").setLevel(logging.INFO)
+    try:
+        assert not f.filter(received) and not f.filter(succeeded) and not f.filter(beat)
+        assert f.filter(publish) and f.filter(warning)
+        assert f.take_ticks() == 1 and f.take_ticks() == 0
+        assert f.take_sent() == 1 and f.take_sent() == 0
+        logging.getLogger("celery.worker.strategy").setLevel(logging.DEBUG)
+        assert f.filter(received)
+    finally:
+        logging.getLogger("celery.worker.strategy").setLevel(logging.NOTSET)
+
+
+def test_heartbeat_line() -> None:
+    stats = Stats(counts={"pending": 3, "claimed": 1, "done": 9, "failed": 0, "dead": 2},
+                  oldest_pending_age_s=12.34, dead=2)
+    assert heartbeat_line(stats, 7) == ("outbox heartbeat: alive; backlog pending=3 claimed=1 failed=0 dead=2; "
+                                        "oldest undelivered 12.3s; 7 claim ticks since the last heartbeat")
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "soon"])
+def test_a_bad_heartbeat_interval_is_a_configuration_error(interval: str) -> None:
+    from outbox.errors import ConfigError
+    from outbox.relay import RelayOptions
+
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_HEARTBEAT_S"):
+        RelayOptions.from_sources({"OUTBOX_RELAY_HEARTBEAT_S": interval})
