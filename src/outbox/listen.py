@@ -64,7 +64,9 @@ def notify_channel(kind: str, table: str, schema: str | None) -> str | None:
     The on/off decision is cached with the process's settings object, so it is read
     once (and again after ``outbox.config.reset_settings``)."""
     global _notify_cache
-    if kind != "postgresql":
+    from .engines import engine_class
+
+    if not engine_class(kind).supports_notify:
         return None
     from .config import get_settings
 
@@ -77,8 +79,7 @@ def notify_channel(kind: str, table: str, schema: str | None) -> str | None:
 
 def notify(engine: Any, cursor: Any, channel: str) -> None:
     """Queue a notification in the caller's transaction (delivered at commit)."""
-    engine.execute(cursor, "SELECT pg_notify(?, '')", [channel])
-    cursor.fetchall()
+    engine.notify(cursor, channel)
 
 
 # -- the worker side: the listener thread ------------------------------------------------------
@@ -116,18 +117,9 @@ class Listener(threading.Thread):
             log.exception("outbox listen: wake-up callback failed")
 
     def _connect(self) -> Any:
-        import psycopg
-        from psycopg import sql
+        from .engines import engine_class, kind_of_url
 
-        from .engines.postgres import libpq_url
-
-        conn = psycopg.connect(libpq_url(self.url), autocommit=True, connect_timeout=5)
-        try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+        return engine_class(kind_of_url(self.url)).listen_connection(self.url, self.channel)
 
     def run(self) -> None:
         delay = self.backoff_s
@@ -183,11 +175,11 @@ def start_listener(settings: Any, on_notify: Callable[[], Any]) -> Listener | No
     ``settings`` is on PostgreSQL; return it (or None). ``on_notify``: the worker's
     coalesced ``request_claim``."""
     global _listener
-    from .engines import kind_of_url
+    from .engines import engine_class, kind_of_url
 
     if not listen_enabled():
         return None
-    if kind_of_url(settings.database_url) != "postgresql":
+    if not engine_class(kind_of_url(settings.database_url)).supports_notify:
         log.warning("outbox listen: OUTBOX_RELAY_LISTEN is set but the outbox is not on PostgreSQL; ignored")
         return None
     if _listener is not None and _listener.is_alive():

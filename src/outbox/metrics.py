@@ -209,18 +209,12 @@ def refresh(m: Metrics, store: Any, force: bool = False) -> None:
         return  # another thread of this process is at it
     try:
         m._refreshed = now
-        engine = getattr(store, "engine", None)
-        if engine is None or not hasattr(store, "transaction"):
+        gauges = getattr(store, "gauges", None)  # a stand-in store may have none
+        if gauges is None:
             return
-        sql = (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {engine.now} "
-               f"FROM {engine.table} WHERE status IN (0, 1, 3)")
-        with store.transaction() as cursor:
-            in_flight, backlog, oldest, db_now = engine.execute(cursor, sql).fetchone()
-        m.in_flight.set(int(in_flight or 0))
-        m.backlog.set(int(backlog or 0))
-        lag = 0.0
-        if oldest is not None:
-            lag = max(0.0, (engine.to_datetime(db_now) - engine.to_datetime(oldest)).total_seconds())
+        in_flight, backlog, lag = gauges()
+        m.in_flight.set(in_flight)
+        m.backlog.set(backlog)
         m.lag.set(lag)
     finally:
         m._refresh_lock.release()
