@@ -111,7 +111,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from .errors import ConfigError
 from .model import OutboxMessage
@@ -146,8 +146,9 @@ RESERVED_HEADERS = frozenset({
 UNROUTABLE_POLICIES = ("fail", "drop")
 
 
-class FailureKind(str, enum.Enum):
-    """What the relay should do about an event that was not published."""
+class FailureKind(enum.StrEnum):
+    """What the relay should do about an event that was not published. A ``StrEnum``: it
+    prints as its value (``poison``), which is what ``last_error`` and the metrics record."""
 
     RETRIABLE = "retriable"
     BACKPRESSURE = "backpressure"
@@ -184,6 +185,15 @@ class ChainResult:
     @property
     def ok(self) -> bool:
         return self.failure is None
+
+
+class PublisherLike(Protocol):
+    """What the relay needs of a publisher (``Publisher`` and any stand-in with these
+    methods): the relay calls ``publish_chains`` when the object has it."""
+
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> "ChainResult": ...
+
+    def publish_dead(self, message: OutboxMessage, error: str) -> "PublishFailure | None": ...
 
 
 class Publisher(ABC):
@@ -841,7 +851,7 @@ class KombuPublisher(Publisher):
 
 
 __all__ = [
-    "Publisher", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind",
+    "Publisher", "PublisherLike", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind",
     "classify", "failure_from", "poison_check", "checked_headers", "build_headers", "encode_body", "iso_utc",
     "RESERVED_HEADERS", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES",
 ]

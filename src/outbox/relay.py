@@ -45,13 +45,15 @@ from .engines.base import LEASE_EXPIRED_ERROR
 from .config import MAX_OPTION_S, RelayOptions  # noqa: F401  (re-exported: ``outbox.relay.RelayOptions``)
 from .model import FailResult, FenceResult, OutboxMessage
 from . import metrics
+from .publisher import FailureKind, PublisherLike
 from .names import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,  # noqa: F401
                     PURGE_QUEUE, PURGE_TASK, QUEUES, RELEASE_TASK)  # re-exported: ``outbox.relay`` keeps them
 
 log = logging.getLogger("outbox.relay")
 
-#: Failure kinds as the publisher names them (``outbox.publisher.FailureKind`` values).
-RETRIABLE, BACKPRESSURE, POISON, FATAL = "retriable", "backpressure", "poison", "fatal"
+#: The failure kinds, kept importable here; they are ``FailureKind`` members.
+RETRIABLE, BACKPRESSURE, POISON, FATAL = (FailureKind.RETRIABLE, FailureKind.BACKPRESSURE, FailureKind.POISON,
+                                          FailureKind.FATAL)
 #: The error kind recorded on a dead-letter copy of a row that went dead on lease expiry.
 LEASE_EXPIRED = "lease_expired"
 
@@ -701,19 +703,23 @@ class Settler:
 class ChainOutcome:
     published: list[int] = field(default_factory=list)
     failed_id: int | None = None
-    kind: str | None = None
+    kind: FailureKind | None = None
     reason: str | None = None
     dead: bool = False
     released: list[int] = field(default_factory=list)
     skipped: bool = False  # breaker open or lease too old: nothing was attempted
 
 
-def _kind_name(kind: Any) -> str:
-    value = getattr(kind, "value", kind)
-    return str(value).lower()
+def _kind_of(kind: Any) -> FailureKind:
+    """The publisher's failure kind as the enum; a kind nobody knows is treated as retriable."""
+    try:
+        return FailureKind(str(getattr(kind, "value", kind)).lower())
+    except ValueError:
+        log.error("outbox publisher reported an unknown failure kind %r; treating it as retriable", kind)
+        return FailureKind.RETRIABLE
 
 
-def send_dead(publisher: Any, message: OutboxMessage, error: str) -> None:
+def send_dead(publisher: PublisherLike, message: OutboxMessage, error: str) -> None:
     """Best effort: the dead row in the table stays the record of truth."""
     try:
         problem = publisher.publish_dead(message, error)
@@ -724,7 +730,7 @@ def send_dead(publisher: Any, message: OutboxMessage, error: str) -> None:
                   getattr(problem, "reason", str(problem)), extra=_extra(message, "dead_letter_failed"))
 
 
-def handle_chain(store: StoreLike, publisher: Any, messages: Sequence[OutboxMessage], *,
+def handle_chain(store: StoreLike, publisher: PublisherLike, messages: Sequence[OutboxMessage], *,
                  options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
                  settler: Settler | None = None, rng: Callable[[], float] = random.random,
                  routes: RouteGate | None = None) -> ChainOutcome:
@@ -740,12 +746,12 @@ class _Report:
     """What the publisher said about one chain."""
     published: list[int]
     failed_id: int | None = None
-    kind: str | None = None
+    kind: FailureKind | None = None
     reason: str | None = None
     route: str | None = None  # BACKPRESSURE from this routing key only
 
 
-def _publish_all(publisher: Any, chains: list[list[OutboxMessage]]) -> list[_Report]:
+def _publish_all(publisher: PublisherLike, chains: list[list[OutboxMessage]]) -> list[_Report]:
     """One report per chain. A publisher that raises instead of reporting (a bug, or
     something nobody foresaw) counts against the head of every chain."""
     try:
@@ -769,7 +775,7 @@ def _publish_all(publisher: Any, chains: list[list[OutboxMessage]]) -> list[_Rep
         if failure is None:
             reports.append(_Report(list(result.published), result.failed_id))
         else:
-            reports.append(_Report(list(result.published), result.failed_id, _kind_name(failure.kind),
+            reports.append(_Report(list(result.published), result.failed_id, _kind_of(failure.kind),
                                    failure.reason, getattr(failure, "route", None)))
     return reports
 
@@ -792,7 +798,7 @@ def _hold_paused_routes(chains: list[list[OutboxMessage]], routes: RouteGate | N
     return split
 
 
-def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[OutboxMessage]], *,
+def handle_publish(store: StoreLike, publisher: PublisherLike, chains: Iterable[Sequence[OutboxMessage]], *,
                    deadline: float | None = None, options: RelayOptions = RelayOptions(),
                    breaker: Breaker | None = None, settler: Settler | None = None,
                    stopping: Callable[[], bool] = lambda: False,
@@ -868,7 +874,7 @@ def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[O
                       published, ids, ids[:prefix])
         outcomes.append(ChainOutcome(published=ids[:prefix], skipped=not part))
         if part:
-            metrics.chain(chain[:prefix], elapsed, report.kind if report is not None and prefix < len(ids) else None)
+            metrics.chain(chain[:prefix], elapsed, report.kind.value if report is not None and report.kind is not None and prefix < len(ids) else None)
         for message in chain[:prefix]:
             log.debug("outbox published %s", _fields(message), extra=_extra(message, "published"))
         if prefix:
@@ -895,7 +901,7 @@ def handle_publish(store: StoreLike, publisher: Any, chains: Iterable[Sequence[O
     return outcomes
 
 
-def _settle_stopped(publisher: Any, rest: list[OutboxMessage], report: _Report, outcome: ChainOutcome, *,
+def _settle_stopped(publisher: PublisherLike, rest: list[OutboxMessage], report: _Report, outcome: ChainOutcome, *,
                     options: RelayOptions, breaker: Breaker | None, settler: Settler,
                     rng: Callable[[], float], routes: RouteGate | None = None,
                     refused: dict[str, float] | None = None, outage: Outage | None = None) -> None:
@@ -961,7 +967,7 @@ def _settle_stopped(publisher: Any, rest: list[OutboxMessage], report: _Report, 
             breaker.trip(pause, f"{kind}: {reason}")
         settler.release(rest, timedelta(seconds=pause))
         outcome.released = [m.id for m in rest]
-    else:  # RETRIABLE, and anything unknown
+    else:  # RETRIABLE
         retry_in = retry_delay(failing.attempt, options.backoff_base_s, options.backoff_max_s, rng)
         result = settler.failed(failing, error, retry_in)
         outcome.dead = bool(result and result.dead)
@@ -1047,7 +1053,7 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
                  options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
                  queued: Callable[[], int | None] | None = None,
                  settler: Settler | None = None, now: Callable[[], float] = time.time,
-                 publisher: Any = None, publish_inline: Dispatch | None = None) -> ClaimOutcome:
+                 publisher: PublisherLike | None = None, publish_inline: Dispatch | None = None) -> ClaimOutcome:
     """One claim: lease a batch and dispatch its chains as publish tasks.
 
     A small claim (not full, at most ``options.inline_rows`` rows, within the byte budget)
@@ -1138,7 +1144,7 @@ class ClaimFailed(Exception):
         self.cause = cause
 
 
-def _dead_letter_expired(publisher: Any, dead: Sequence[OutboxMessage],
+def _dead_letter_expired(publisher: PublisherLike, dead: Sequence[OutboxMessage],
                          errors: Mapping[int, str] | None = None) -> None:
     """Best effort, like every dead-letter copy: the dead row in the table stays the record.
     ``errors`` holds the reason of rows that went dead for another cause than their lease
@@ -1153,7 +1159,7 @@ def _dead_letter_expired(publisher: Any, dead: Sequence[OutboxMessage],
 
 # -- failed writes handed to the ack queue ---------------------------------------------------
 
-def apply_fallback(store: StoreLike, publisher: Any, operation: str, kwargs: Mapping[str, Any]) -> Any:
+def apply_fallback(store: StoreLike, publisher: PublisherLike, operation: str, kwargs: Mapping[str, Any]) -> Any:
     """What the ack/fail/release tasks do with a write the publish task could not make.
     Raises on failure, so the task retries."""
     if operation == "done":
