@@ -1,40 +1,7 @@
-"""The relay's Celery tasks. The logic lives in ``outbox.relay``; this module wires it to
-Celery: per-process resources, the queues, and when Celery acknowledges a task.
-
-Tasks and their queues
-----------------------
-==================  ==============  =====================================================
-task                queue           does
-==================  ==============  =====================================================
-``outbox.claim``    outbox.claim    lease a batch, send its chains on as publish tasks
-                                    (a small batch it publishes itself); drain mode:
-                                    claims follow completions (see ``claim``)
-``outbox.publish``  outbox.publish  publish chains; mark done / fail / release the rows
-``outbox.ack``      outbox.ack      ``mark_done`` a publish task could not write itself
-``outbox.fail``     outbox.ack      ``mark_failed`` (+ dead-letter) likewise
-``outbox.release``  outbox.ack      ``release`` likewise
-``outbox.purge``    outbox.purge    ``purge_done`` on OUTBOX_RETENTION_DAYS
-==================  ==============  =====================================================
-
-Acknowledgement choices (a lost task is always recovered by the lease alone)
-----------------------------------------------------------------------------
-* claim: acked early (the default). A claim that dies is replaced by the next tick;
-  redelivering a stale tick is pointless. Ticks carry an expiry, so they never pile up.
-* publish: ``acks_late=True``: a task reserved by a worker that stops or loses its broker
-  connection before running it goes back to the queue and runs elsewhere, still inside
-  its lease, so no attempt is spent. ``reject_on_worker_lost=False``: when the process
-  running it dies (SIGKILL, OOM, a crashing driver) the message is *not* redelivered;
-  the rows' lease expires and the next claim takes them again, counting an attempt. That
-  count is what eventually dead-letters an event that kills every worker that touches
-  it; redelivering would loop on it for ever. A publish task that starts after most of
-  its lease has gone (a redelivery after the Redis visibility timeout, a long queue)
-  publishes nothing and leaves the rows to the lease.
-* ack / fail / release: ``acks_late=True, reject_on_worker_lost=True``: they are
-  idempotent and fenced by the lease, so running one twice is harmless and losing one
-  only delays recovery; they retry with back-off while the database is down.
-* purge: acked early; the next run does the work.
-
-Per-process resources and every Celery signal: ``outbox.worker``.
+"""The relay's Celery task bodies: claim, publish, ack, fail, release, purge. The logic is in
+``outbox.relay``, the per-process wiring and every signal in ``outbox.worker``. Each task,
+its queue and why it is acknowledged when it is: docs/relay.md, "Tasks, queues, and how
+to scale and route them".
 """
 
 from __future__ import annotations

@@ -1,37 +1,8 @@
-"""Waking the relay right after the caller's transaction commits.
-
-Polling (beat's claim tick) always delivers; a wake-up only brings the latency down:
-right after a transaction that enqueued commits, ask for a claim. Wakes are
-
-* **coalesced**: a burst of commits sends one claim, not one per commit;
-* **cheap**: no database query; at most one Redis round trip plus, for the first
-  request of a burst, one Celery message;
-* **harmless**: ``request_claim`` never raises (a broker problem is logged, rate
-  limited, and wakes pause for a second); the next tick claims anyway;
-* **skippable**: off with ``OUTBOX_RELAY_WAKE=0``, and a no-op when there is no relay
-  to wake (Celery's broker is ``memory://`` and no worker runs in this process).
-
-How a wake is coalesced depends on Celery's broker:
-
-* Redis: a shared token (``SET NX PX``) in that Redis, one per Celery broker. The claim
-  it sends carries the token's name and the worker deletes it as the claim starts, so
-  commits made while that claim waits in the queue ride on it, and the first commit
-  after it started sends the next one. The token expires after
-  ``OUTBOX_RELAY_CLAIM_REQUEST_TTL_S`` in case that claim is lost.
-* ``memory://`` with a worker in this process (``outbox demo``, tests): the worker's own
-  coalesced request (``outbox.worker.request_claim``).
-* any other broker (AMQP...): per process, at most one claim per ``LOCAL_WINDOW_S``, plus
-  one at the end of the window when requests came in during it, so a claim always
-  follows the last commit.
-
-APIs (see docs/waking-and-metrics.md):
-
-* ``request_claim()``: call it after your commit.
-* ``transaction(conn)`` (also ``outbox.transaction``): commit (or roll back) and then wake.
-* ``wake_after_commit(conn)``: for connections that have an on-commit hook (a Django
-  connection, a SQLAlchemy Session): wake when *this* transaction commits, never on
-  rollback.
-* ``outbox.contrib.django`` and ``outbox.contrib.flask``: ``enqueue`` + wake-after-commit.
+"""Waking the relay right after the caller's transaction commits: ``request_claim()``
+(coalesced, never raises, no database query), ``transaction(conn)`` (also
+``outbox.transaction``), ``wake_after_commit(conn)`` and ``register_after_commit(conn)``.
+How a wake is coalesced on each Celery broker, and what it costs:
+docs/waking-and-metrics.md, "Post-commit wake-up".
 """
 
 from __future__ import annotations
@@ -47,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 log = logging.getLogger("outbox.wake")
 
-#: Per-process throttle window for brokers other than Redis (see the module docstring).
+#: Per-process throttle window for brokers other than Redis (docs/waking-and-metrics.md).
 LOCAL_WINDOW_S = 0.05
 #: After a failed send, wakes pause this long (the broker is down: don't pay a connect
 #: attempt per commit). Beat's tick delivers meanwhile.
@@ -192,7 +163,7 @@ def _send(token: str | None) -> bool:
 def request_claim() -> bool:
     """Ask the relay for a claim soon. Call it after your transaction committed.
 
-    Coalesced (see the module docstring), never raises, no database query. Returns
+    Coalesced (docs/waking-and-metrics.md), never raises, no database query. Returns
     True when a claim was sent or is already on its way, False when nothing was done
     (wakes off, no relay to wake, or the broker failed: the tick delivers).
     """
