@@ -353,22 +353,25 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
     return Settings(**{k: v for k, v in values.items() if v is not None})
 
 
-_cached: Settings | None = None
+#: The one cache of what was read: "settings" (``get_settings``), "relay_settings" and
+#: "relay_options" (the relay's, with its Celery config keys on top). ``reset_settings``
+#: empties it all.
+_cache: dict[str, Any] = {}
+_cache_lock = threading.RLock()
 
 
 def get_settings() -> Settings:
     """The process-wide settings, loaded on first use."""
-    global _cached
-    if _cached is None:
-        _cached = load_settings()
-    return _cached
+    with _cache_lock:
+        if "settings" not in _cache:
+            _cache["settings"] = load_settings()
+        return _cache["settings"]
 
 
 def reset_settings() -> None:
-    """Forget the cached settings (tests, and processes that change their environment)."""
-    global _cached
-    _cached = None
-    reset_relay_settings()
+    """Forget everything read (tests, and processes that change their environment)."""
+    with _cache_lock:
+        _cache.clear()
 
 
 # -- the relay's tuning options (OUTBOX_RELAY_*) ---------------------------------------------
@@ -473,18 +476,17 @@ _MAX_SECONDS = {"purge_interval_s": 30 * 86_400.0}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
-#: Returns the Celery app's configuration (a mapping); registered by ``outbox.app``.
+#: Returns the Celery app's configuration (a mapping); registered by ``outbox.celery_app``.
 _conf_source: Callable[[], Mapping[str, Any]] | None = None
-_relay_cache: dict[str, Any] = {}
-_relay_lock = threading.RLock()
 
 
 def use_conf(source: Callable[[], Mapping[str, Any]] | None) -> None:
-    """Register where the relay's Celery config keys come from (``outbox.app`` does)."""
+    """Register where the relay's Celery config keys come from (``outbox.celery_app`` does)."""
     global _conf_source
-    with _relay_lock:
+    with _cache_lock:
         _conf_source = source
-        _relay_cache.clear()
+        _cache.pop("relay_settings", None)
+        _cache.pop("relay_options", None)
 
 
 def conf_keys() -> dict[str, Any]:
@@ -498,25 +500,24 @@ def conf_keys() -> dict[str, Any]:
 
 def relay_settings() -> Settings:
     """The OUTBOX_* settings of the relay: Celery config keys over the environment."""
-    with _relay_lock:
-        if "settings" not in _relay_cache:
+    with _cache_lock:
+        if "relay_settings" not in _cache:
             overrides = {k: v for k, v in conf_keys().items() if not k.startswith(RELAY_PREFIX)}
-            _relay_cache["settings"] = load_settings(overrides=overrides)
-        return _relay_cache["settings"]
+            _cache["relay_settings"] = load_settings(overrides=overrides)
+        return _cache["relay_settings"]
 
 
 def relay_options() -> RelayOptions:
     """The relay's tuning options: Celery config keys over the environment."""
-    with _relay_lock:
-        if "options" not in _relay_cache:
-            _relay_cache["options"] = RelayOptions.from_sources(conf_keys(), os.environ)
-        return _relay_cache["options"]
+    with _cache_lock:
+        if "relay_options" not in _cache:
+            _cache["relay_options"] = RelayOptions.from_sources(conf_keys(), os.environ)
+        return _cache["relay_options"]
 
 
 def reset_relay_settings() -> None:
-    """Forget what the relay read (tests)."""
-    with _relay_lock:
-        _relay_cache.clear()
+    """Forget what was read (tests); the same as ``reset_settings``."""
+    reset_settings()
 
 
 def extra_setting(name: str, default: Any = None) -> Any:
