@@ -23,7 +23,8 @@ from outbox.model import OutboxMessage
 from outbox.publisher import ChainResult, FailureKind, PublishFailure
 from outbox.relay import (ACK_QUEUE, CLAIM_QUEUE, CLAIM_TASK, PUBLISH_QUEUE, PURGE_QUEUE, PURGE_TASK, FileBreaker,
                           LocalBreaker, RelayOptions, Settler, apply_fallback, handle_chain, handle_claim,
-                          handle_publish, message_from_dict, message_to_dict, plan_tasks, retry_delay)
+                          handle_publish, message_from_dict, message_to_dict, plan_tasks, retry_delay,
+                          still_held)
 from outbox.chains import split_chains
 from outbox.store import OutboxStore
 
@@ -273,6 +274,23 @@ def test_published_chain_is_done(store: OutboxStore, conn: sqlite3.Connection) -
     assert outcome.published == ids and outcome.failed_id is None
     assert [m.id for m in publisher.sent] == ids
     assert all(status_of(store)[i] == Status.DONE for i in ids)
+
+
+def test_a_publish_task_delivered_again_skips_chains_its_lease_no_longer_holds(
+        store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """The first run released chain a (a warm shutdown) and published chain b; a new
+    claim now holds a. The second delivery must publish neither."""
+    a, b, c = add(conn, "a", 2), add(conn, "b", 2), add(conn, "c", 2)
+    chains = claim_chains(store)
+    by_aggregate = {chain[0].aggregate_id: chain for chain in chains}
+    lease = chains[0][0].lease
+    store.release(a, lease)
+    store.mark_done(b, lease)
+    reclaimed = store.claim(100)
+    assert sorted(m.id for m in reclaimed.messages) == a
+    assert still_held(store, chains) == [by_aggregate["c"]]
+    assert store.held(a + b + c, lease) == set(c)
+    assert store.held(a, reclaimed.lease) == set(a)
 
 
 def test_retriable_failure_acks_prefix_fails_k_and_releases_the_rest(store: OutboxStore,

@@ -205,6 +205,25 @@ class OutboxStore:
                           [m.id for m in behind], exc)
         return [m for m in messages if not (m.aggregate_id in held and m.id > held[m.aggregate_id])]
 
+    def held(self, ids: Sequence[int], lease: str) -> set[int]:
+        """The ids among ``ids`` that ``lease`` still holds (claimed, not yet settled or
+        released). A publish task that is delivered again checks this before publishing:
+        see docs/relay.md, "Graceful shutdown"."""
+        ids = list(ids)
+        if not ids:
+            return set()
+
+        def work(cursor: Any) -> set[int]:
+            found: set[int] = set()
+            for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)):
+                rows = self.engine.execute(
+                    cursor, f"SELECT id FROM {self.engine.table} WHERE {cond} AND lease_token = ? AND status = 1",
+                    [*params, lease]).fetchall()
+                found.update(int(r[0]) for r in rows)
+            return found
+
+        return self._run("held", work)
+
     def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult:
         """Mark published rows done, in one statement. Rows no longer held by
         ``lease`` are left alone and counted as stale."""

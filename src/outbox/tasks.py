@@ -14,7 +14,8 @@ from typing import Any
 from .celery_app import app
 from .config import relay_options, relay_settings
 from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
-from .relay import ClaimFailed, apply_fallback, handle_claim, handle_publish, message_from_dict, message_to_dict
+from .relay import (ClaimFailed, apply_fallback, handle_claim, handle_publish, message_from_dict, message_to_dict,
+                    still_held)
 from . import wake as _wake
 # The worker's per-process wiring, re-exported: ``outbox.tasks.resources`` and the rest
 # keep working. ``claim`` looks ``queued_publish_tasks`` and ``request_claim`` up here.
@@ -90,9 +91,12 @@ def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any
     return outcomes
 
 
-@app.task(name=PUBLISH_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
-def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
-    outcomes = _publish_chains([[message_from_dict(d) for d in chain] for chain in chains], deadline)
+@app.task(name=PUBLISH_TASK, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
+def publish(self: Any, chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
+    messages = [[message_from_dict(d) for d in chain] for chain in chains]
+    if (self.request.delivery_info or {}).get("redelivered"):
+        messages = still_held(resources().store, messages)  # a second delivery: docs/relay.md
+    outcomes = _publish_chains(messages, deadline)
     return {"published": sum(len(o.published) for o in outcomes),
             "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}
 

@@ -114,6 +114,23 @@ def _hold_paused_routes(chains: list[list[OutboxMessage]], routes: RouteGate | N
     return split
 
 
+def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]]) -> list[Sequence[OutboxMessage]]:
+    """The chains whose rows their lease still holds, every row of them. A publish task that
+    is delivered a second time (its first run released or settled the rows, but its
+    acknowledgement never reached the broker) must not publish rows that another claim may
+    now hold: that would send them twice, and out of order. docs/relay.md, "Graceful shutdown"."""
+    by_lease: dict[str, list[int]] = {}
+    for chain in chains:
+        for message in chain:
+            by_lease.setdefault(message.lease, []).append(message.id)
+    held = set().union(*(store.held(ids, lease) for lease, ids in by_lease.items())) if by_lease else set()
+    kept = [chain for chain in chains if all(m.id in held for m in chain)]
+    if len(kept) < len(chains):
+        log.info("outbox publish task delivered again: %d of %d chains no longer held by their lease, skipped",
+                 len(chains) - len(kept), len(chains))
+    return kept
+
+
 def handle_publish(store: StoreLike, publisher: PublisherLike, chains: Iterable[Sequence[OutboxMessage]], *,
                    deadline: float | None = None, options: RelayOptions = RelayOptions(),
                    breaker: Breaker | None = None, settler: Settler | None = None,
