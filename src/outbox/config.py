@@ -1,9 +1,10 @@
-"""The OUTBOX_* settings: read once, validated once, with errors that name the setting.
+"""The one configuration reader: the OUTBOX_* settings, the relay's ``RelayOptions`` and
+the other OUTBOX_RELAY_* options, read once, validated once, with errors that name the
+setting, kept in one cache (``reset_settings`` empties it).
 
-Settings come from, in order of precedence: explicit keyword arguments, the
-environment, Django settings (when Django is configured) and finally the defaults
-of the contract. Celery config keys with the same names are merged in by the Celery
-app (``outbox.celery``), which passes them as explicit overrides.
+Precedence: explicit overrides (the relay's Celery config keys, which ``outbox.celery_app``
+registers with ``use_conf``), the environment, Django settings (when Django is
+configured), the defaults of the contract.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
 
 
 #: Every other OUTBOX_* name the package reads: the relay's tuning options
-#: (``outbox.relay.RelayOptions``) and the wake-up, LISTEN and metrics options. A test
+#: (``outbox.config.RelayOptions``) and the wake-up, LISTEN and metrics options. A test
 #: checks this list against the source, so a new option cannot be forgotten here.
 OTHER_NAMES = (
     "OUTBOX_RELAY_TASK_ROWS", "OUTBOX_RELAY_INLINE_ROWS", "OUTBOX_RELAY_MAX_QUEUED_TASKS",
@@ -344,7 +345,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             if name in source and source[name] not in (None, ""):
                 values[field] = _parse(name, source[name], kind)
                 break
-    # OUTBOX_RELAY_* keys tune the relay (``outbox.relay.RelayOptions``, which reads and
+    # OUTBOX_RELAY_* keys tune the relay (``RelayOptions`` below, which reads and
     # validates them itself); they may sit next to these settings in the same config.
     unknown = [k for k in (overrides or {})
                if k.startswith("OUTBOX_") and k not in _SETTINGS and not k.startswith(RELAY_PREFIX)]
