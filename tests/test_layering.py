@@ -20,7 +20,8 @@ SRC = ROOT / "src"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("Django management commands", ("outbox.contrib.django.management", "outbox.contrib.django.management.*")),
     ("command line", ("outbox.cli",)),
-    ("demo, checks and framework helpers", ("outbox.demo", "outbox.doctor", "outbox.contrib", "outbox.contrib.*")),
+    ("demo, checks, data pipeline and framework helpers", ("outbox.demo", "outbox.doctor", "outbox.pipeline",
+                                                            "outbox.pipeline.*", "outbox.contrib", "outbox.contrib.*")),
     ("package face and `celery -A outbox`", ("outbox", "outbox.celery")),
     ("task bodies", ("outbox.tasks",)),
     ("writer-side API", ("outbox.enqueue", "outbox.wake")),

@@ -189,6 +189,10 @@ def dead_requeue(ids: tuple[int, ...], everything: bool, force: bool) -> None:
 @one_line_errors
 def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
     """Delete done rows older than the retention, in small chunks. Dead rows are kept."""
+    if get_settings().archive_uri:
+        click.echo("purged nothing: archiving is configured (OUTBOX_ARCHIVE_URI), so rows are deleted by "
+                   "`outbox pipeline archive` once they are archived")
+        return
     days = get_settings().retention_days if older_than_days is None else older_than_days
     count = _store().purge_done(timedelta(days=days), batch=batch, max_rows=max_rows)
     click.echo(f"purged {count} done row(s) older than {days:g} day(s)")
@@ -220,6 +224,12 @@ def demo(timeout: float, keep: bool) -> None:
     from .demo import run_demo
     if not run_demo(timeout_s=timeout, keep=keep):
         raise click.ClickException("the demo's checks failed")
+
+
+# The Spark jobs: the group imports no PySpark until one of its commands runs.
+from .pipeline.commands import pipeline as _pipeline  # noqa: E402
+
+main.add_command(_pipeline)
 
 
 if __name__ == "__main__":  # pragma: no cover

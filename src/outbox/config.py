@@ -60,6 +60,10 @@ class Settings:
     claim_interval_s: float = 1.0
     retention_days: float = 7.0
     max_payload_bytes: int = 1_048_576
+    #: Where ``outbox pipeline archive`` writes (a directory or a Spark URI). While it is
+    #: set, the relay's purge deletes nothing: only the archive job deletes, and only
+    #: rows it has archived.
+    archive_uri: str | None = None
 
     def __post_init__(self) -> None:
         for url in (self.database_url, self.publish_url, self.celery_broker_url):
@@ -117,6 +121,7 @@ _SETTINGS: dict[str, tuple[str, type]] = {
     "OUTBOX_CLAIM_INTERVAL_S": ("claim_interval_s", float),
     "OUTBOX_RETENTION_DAYS": ("retention_days", float),
     "OUTBOX_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
+    "OUTBOX_ARCHIVE_URI": ("archive_uri", str),
 }
 
 SETTING_NAMES = tuple(_SETTINGS)
@@ -288,6 +293,8 @@ OTHER_NAMES = (
     "OUTBOX_RELAY_WAKE", "OUTBOX_RELAY_LISTEN", "OUTBOX_RELAY_LISTEN_CHANNEL",
     "OUTBOX_RELAY_METRICS_PORT", "OUTBOX_RELAY_METRICS_ADDR", "OUTBOX_RELAY_METRICS_REFRESH_S",
     "OUTBOX_RELAY_HEARTBEAT_S",
+    "OUTBOX_SPARK_MASTER", "OUTBOX_SPARK_SHUFFLE_PARTITIONS", "OUTBOX_SPARK_LOG_LEVEL", "OUTBOX_SPARK_UI",
+    "OUTBOX_PIPELINE_CRASH_AT",
 )
 #: Names that are not the package's settings: the test suite's own.
 EXEMPT_NAMES = ("OUTBOX_REQUIRE_SERVICES",)

@@ -46,8 +46,12 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -
 
 class OutboxStore:
     def __init__(self, url: str, *, table: str = "outbox", schema: str | None = None,
-                 claim_timeout_ms: int = 60_000, max_attempts: int = 10) -> None:
+                 claim_timeout_ms: int = 60_000, max_attempts: int = 10,
+                 archive_uri: str | None = None) -> None:
         self.url = url
+        #: OUTBOX_ARCHIVE_URI: while archiving is configured, ``purge_done`` leaves
+        #: deleting to the archive job (which deletes only what it archived).
+        self.archive_uri = archive_uri
         self.engine: Engine = engine_for_url(url, table=table, schema=schema)
         self.claim_timeout_ms = claim_timeout_ms
         self.max_attempts = max_attempts
@@ -57,7 +61,8 @@ class OutboxStore:
     def from_settings(cls, settings: Settings | None = None) -> "OutboxStore":
         s = settings or get_settings()
         return cls(s.database_url, table=s.table, schema=s.schema,
-                   claim_timeout_ms=s.claim_timeout_ms, max_attempts=s.max_attempts)
+                   claim_timeout_ms=s.claim_timeout_ms, max_attempts=s.max_attempts,
+                   archive_uri=s.archive_uri)
 
     def __repr__(self) -> str:
         return f"OutboxStore({self.engine.name}, table={self.engine.table})"
@@ -293,7 +298,15 @@ class OutboxStore:
     def purge_done(self, older_than: timedelta, batch: int = 1000, max_rows: int = 100_000) -> int:
         """Delete done rows processed longer ago than ``older_than``, ``batch`` rows
         per short transaction. ``max_rows`` is a soft cap: the loop stops after the
-        chunk that reaches it. Dead rows are never purged."""
+        chunk that reaches it. Dead rows are never purged.
+
+        While archiving is configured (``archive_uri``) nothing is deleted here: a
+        purge cannot know which rows the archive holds, so ``outbox pipeline archive``
+        deletes rows itself, once they are committed to the archive."""
+        if self.archive_uri:
+            log.info("outbox purge skipped: archiving is configured (OUTBOX_ARCHIVE_URI=%s); "
+                     "`outbox pipeline archive` deletes rows once they are archived", self.archive_uri)
+            return 0
         older_ms = int(older_than.total_seconds() * 1000)
         total = 0
         while total < max_rows:

@@ -1,0 +1,320 @@
+"""``outbox pipeline archive``: finished rows -> Parquet, then out of the outbox.
+
+One run, step by step (each step is safe to crash in; see docs/pipeline.md):
+
+1. **recover** every earlier run that committed but did not finish (publish its
+   files, delete its rows) and drop the staging of runs that never committed;
+2. **cut-off** on the database clock, ``now - older_than``, kept as the driver's own
+   value so every later comparison is the database's own comparison;
+3. **stage**: the executors read id ranges through the ``outbox`` data source and
+   write Parquet, partitioned ``topic=/date=``, under ``_staging/<run>/``;
+4. **verify**: read the staged files back, count rows and distinct ids, and turn the
+   ids into ``[first, last]`` runs;
+5. **commit**: write ``_manifest/<run>.json`` (the id runs, the cut-off, the files).
+   This file is the commit point: before it the run never happened, after it the
+   run is finished by whoever comes next;
+6. **publish**: move the staged files into the archive's ``topic=/date=`` tree;
+7. **delete** exactly the committed ids, in chunks, and only rows still done/dead
+   and processed before the cut-off (a dead row requeued since is left alone);
+8. mark the run finished: ``_manifest/<run>.deleted``.
+
+A re-run after a crash anywhere neither duplicates nor skips: rows are deleted only
+after their run committed, a committed run is always finished before new rows are
+read, and a run that did not commit leaves no trace in the archive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
+
+from ..engines.base import Engine
+from ..store import OutboxStore
+from .common import ARCHIVE_SCHEMA_DDL, PipelineError, archive_uri, decode_native, encode_native, range_chunks
+from .fs import ArchiveFS
+
+log = logging.getLogger("outbox.pipeline.archive")
+
+#: The crash-injection points, in the order a run passes them.
+STEPS = ("staged", "verified", "committed", "published-one", "published", "deleted-chunk", "deleted")
+
+MANIFEST_DIR = "_manifest"
+STAGING_DIR = "_staging"
+DONE_STATUS, DEAD_STATUS = 2, 4
+
+Hook = Callable[[str], None]
+
+
+@dataclass
+class ArchiveResult:
+    run_id: str | None
+    archived: int = 0
+    deleted: int = 0
+    #: Committed rows left in the outbox because they changed after being read (a dead
+    #: row requeued): their archived copy is history, the live row goes on.
+    kept: int = 0
+    cutoff: datetime | None = None
+    recovered: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "archived": self.archived, "deleted": self.deleted, "kept": self.kept,
+                "cutoff": self.cutoff.isoformat() if self.cutoff else None, "recovered": self.recovered}
+
+
+def _noop(step: str) -> None:
+    return None
+
+
+# -- the SQL the archive sends (portable; checked against T-SQL with sqlglot in the tests) --
+def check_table_sql(engine: Engine) -> str:
+    return f"SELECT COUNT(*) FROM {engine.table} WHERE 1 = 0"
+
+
+def candidates_sql(engine: Engine, statuses: list[int]) -> str:
+    """Count and id bounds of the rows to archive; one ``?``: the cut-off."""
+    return (f"SELECT COUNT(*), MIN(id), MAX(id) FROM {engine.table} "
+            f"WHERE status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
+
+
+def delete_sql(engine: Engine, statuses: list[int]) -> str:
+    """Delete one chunk of archived ids (``?`` first, ``?`` last) that are still in an
+    archived status and processed before the run's cut-off (``?``)."""
+    return (f"DELETE FROM {engine.table} WHERE id >= ? AND id <= ? "
+            f"AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
+
+
+def check_table(store: OutboxStore) -> None:
+    """Fail with one clear line when the outbox table is not there."""
+    try:
+        store._run("check table", lambda c: store.engine.execute(c, check_table_sql(store.engine)).fetchall())
+    except Exception as exc:
+        raise PipelineError(f"cannot read the outbox table {store.engine.table} on {store.engine.name}: "
+                            f"{' '.join(str(exc).split())[:200]}") from None
+
+
+def db_cutoff(store: OutboxStore, older_than: timedelta) -> Any:
+    """``now - older_than`` on the database clock, as the driver's own value."""
+    engine = store.engine
+    now = store._run("clock", lambda c: engine.execute(c, f"SELECT {engine.now}").fetchone()[0])
+    if isinstance(now, datetime):
+        return now - older_than
+    ms = int(older_than.total_seconds() * 1000)
+    return store._run("clock", lambda c: engine.execute(c, f"SELECT {engine.now_plus_ms()}", [-ms]).fetchone()[0])
+
+
+class Archiver:
+    def __init__(self, spark: Any, store: OutboxStore, to: str, *, on_step: Hook | None = None,
+                 delete_chunk: int = 1000, partitions: int = 4, progress: Callable[[str], None] | None = None,
+                 source_options: dict[str, str] | None = None) -> None:
+        if delete_chunk < 1:
+            raise PipelineError("--delete-chunk must be at least 1")
+        self.spark = spark
+        self.store = store
+        self.root = archive_uri(to)
+        self.on_step = on_step or _noop
+        self.delete_chunk = delete_chunk
+        self.partitions = partitions
+        self.progress = progress or (lambda message: log.info("%s", message))
+        self.source_options = source_options or {}
+        self._fs: ArchiveFS | None = None
+
+    @property
+    def fs(self) -> ArchiveFS:
+        if self._fs is None:
+            self._fs = ArchiveFS(self.spark, self.root)
+        return self._fs
+
+    @property
+    def engine(self) -> Engine:
+        return self.store.engine
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self, older_than: timedelta, include_dead: bool = False) -> ArchiveResult:
+        check_table(self.store)
+        try:
+            self.fs.check_writable()
+        except Exception as exc:
+            raise PipelineError(f"cannot write to the archive {self.root}: "
+                                f"{' '.join(str(exc).split())[:200]}") from None
+        recovered = self.recover()
+        statuses = [DONE_STATUS, DEAD_STATUS] if include_dead else [DONE_STATUS]
+        cutoff = db_cutoff(self.store, older_than)
+        cutoff_dt = self.engine.to_datetime(cutoff)
+        count, lo, hi = self.store._run("count", lambda c: self.engine.execute(
+            c, candidates_sql(self.engine, statuses), [cutoff]).fetchone())
+        result = ArchiveResult(run_id=None, cutoff=cutoff_dt, recovered=recovered)
+        if not count:
+            self.progress(f"nothing to archive: no {'done or dead' if include_dead else 'done'} rows "
+                          f"processed before {cutoff_dt.isoformat()}")
+            return result
+        run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
+        result.run_id = run_id
+        self.progress(f"run {run_id}: archiving {count} row(s) processed before {cutoff_dt.isoformat()} "
+                      f"(ids {lo}..{hi}) to {self.root}")
+        staging = self.fs.uri(STAGING_DIR, run_id)
+        self._stage(staging, run_id, statuses, cutoff, int(lo), int(hi))
+        self.on_step("staged")
+        rows, ranges = self._verify(staging, int(lo), int(hi))
+        if rows > count:
+            raise PipelineError(f"run {run_id}: staged {rows} rows but only {count} matched; nothing was committed")
+        if rows < count:
+            self.progress(f"run {run_id}: {count - rows} row(s) changed while reading (requeued); "
+                          "they stay in the outbox")
+        self.on_step("verified")
+        files = [f for f in self.fs.list_files(staging) if f.endswith(".parquet")]
+        manifest = {
+            "run_id": run_id, "version": 1, "engine": self.engine.name, "table": self.engine.table_name,
+            "schema": self.engine.schema, "statuses": statuses, "cutoff": cutoff_dt.isoformat(),
+            "cutoff_native": encode_native(cutoff), "rows": rows, "id_ranges": ranges, "files": files,
+            "committed_at": datetime.now(timezone.utc).isoformat(),
+        }
+        self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json"), json.dumps(manifest))
+        self.on_step("committed")
+        self.progress(f"run {run_id}: committed {rows} row(s) in {len(files)} file(s)")
+        result.archived = rows
+        result.deleted = self._finish(manifest)
+        result.kept = rows - result.deleted
+        return result
+
+    def _stage(self, staging: str, run_id: str, statuses: list[int], cutoff: Any, lo: int, hi: int) -> None:
+        from pyspark.sql import functions as F
+
+        options = {"url": self.store.url, "table": self.engine.table_name, "schema": self.engine.schema or "",
+                   "statuses": ",".join(map(str, statuses)), "processed_before": encode_native(cutoff),
+                   "min_id": str(lo), "max_id": str(hi), "partitions": str(self.partitions),
+                   **self.source_options}
+        frame = (self.spark.read.format("outbox").options(**options).load()
+                 .withColumn("archive_run", F.lit(run_id))
+                 .withColumn("date", F.date_format("created_at", "yyyy-MM-dd")))
+        frame.write.partitionBy("topic", "date").mode("errorifexists").parquet(staging)
+
+    def _verify(self, staging: str, lo: int, hi: int) -> tuple[int, list[list[int]]]:
+        """Read the staged files back in one pass: the id runs ("gaps and islands":
+        ``id - row_number`` is constant along a run of consecutive ids) with their row
+        counts. A run whose count differs from its width, or runs that overlap, mean
+        an id was staged twice."""
+        staged = self.spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", staging).parquet(staging)
+        staged.createOrReplaceTempView("outbox_staged")
+        runs = self.spark.sql(
+            "SELECT MIN(id) AS first, MAX(id) AS last, COUNT(*) AS n FROM "
+            "(SELECT id, id - ROW_NUMBER() OVER (ORDER BY id) AS island FROM outbox_staged) "
+            "GROUP BY island ORDER BY first").collect()
+        ranges = [[int(r["first"]), int(r["last"])] for r in runs]
+        rows = sum(int(r["n"]) for r in runs)
+        widths_ok = all(int(r["n"]) == int(r["last"]) - int(r["first"]) + 1 for r in runs)
+        disjoint = all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))
+        if not (widths_ok and disjoint):
+            raise PipelineError(f"staged archive {staging} holds an id twice; nothing was committed")
+        if ranges and (ranges[0][0] < lo or ranges[-1][1] > hi):
+            raise PipelineError(f"staged archive {staging} holds ids outside {lo}..{hi}; nothing was committed")
+        return rows, ranges
+
+    # -- finishing and recovery ----------------------------------------------------------------
+    def _finish(self, manifest: dict[str, Any]) -> int:
+        self._publish(manifest)
+        deleted = self._delete(manifest)
+        self.on_step("deleted")
+        run_id = manifest["run_id"]
+        self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.deleted"), json.dumps(
+            {"run_id": run_id, "deleted": deleted, "at": datetime.now(timezone.utc).isoformat()}))
+        self.progress(f"run {run_id}: deleted {deleted} archived row(s) from the outbox")
+        return deleted
+
+    def _publish(self, manifest: dict[str, Any]) -> None:
+        """Move a committed run's files from staging into the archive tree. Each move
+        is skipped when already done, so a crash half-way is finished by the next run."""
+        run_id = manifest["run_id"]
+        staging = self.fs.uri(STAGING_DIR, run_id)
+        for i, rel in enumerate(manifest["files"]):
+            src, dst = f"{staging}/{rel}", self.fs.uri(rel)
+            if self.fs.exists(src):
+                if self.fs.exists(dst):
+                    raise PipelineError(f"run {run_id}: {dst} already exists; the archive was changed by hand")
+                if not self.fs.rename(src, dst):
+                    raise PipelineError(f"run {run_id}: could not move {src} to {dst}")
+            elif not self.fs.exists(dst):
+                raise PipelineError(f"run {run_id}: committed file {rel} is missing from the archive")
+            if i == 0:
+                self.on_step("published-one")
+        self.fs.delete(staging)
+        self.on_step("published")
+
+    def _delete(self, manifest: dict[str, Any]) -> int:
+        """Delete the committed ids in chunks of consecutive ids: only rows still in an
+        archived status and processed before the run's cut-off (so never a row that
+        changed after it was read)."""
+        engine = self.engine
+        cutoff = decode_native(manifest["cutoff_native"])
+        sql = delete_sql(engine, manifest["statuses"])
+        total = 0
+        for n, (lo, hi) in enumerate(range_chunks(manifest["id_ranges"], self.delete_chunk)):
+            deleted = self.store._run("archive delete", lambda c: engine.execute(c, sql, [lo, hi, cutoff]).rowcount)
+            total += max(deleted, 0)
+            if n == 0:
+                self.on_step("deleted-chunk")
+        return total
+
+    def recover(self) -> list[str]:
+        """Finish committed runs that did not finish; drop staging nobody committed."""
+        names = self.fs.list_names(self.fs.uri(MANIFEST_DIR))
+        committed = {n[:-len(".json")] for n in names if n.endswith(".json") and not n.startswith(".")}
+        finished = {n[:-len(".deleted")] for n in names if n.endswith(".deleted")}
+        recovered = []
+        for run_id in sorted(committed - finished):
+            manifest = json.loads(self.fs.read_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json")))
+            if manifest.get("table") != self.engine.table_name or manifest.get("schema") != self.engine.schema:
+                raise PipelineError(f"the archive {self.root} has an unfinished run {run_id} of table "
+                                    f"{manifest.get('table')!r}; finish it by archiving that table first")
+            self.progress(f"run {run_id}: committed earlier but not finished; finishing it")
+            self._finish(manifest)
+            recovered.append(run_id)
+        for run_id in self.fs.list_names(self.fs.uri(STAGING_DIR)):
+            if run_id not in committed:
+                self.progress(f"run {run_id}: never committed; removing its staged files")
+                self.fs.delete(self.fs.uri(STAGING_DIR, run_id))
+        return recovered
+
+
+def committed_manifests(fs: ArchiveFS) -> list[dict[str, Any]]:
+    """Every committed run of an archive, oldest first."""
+    names = fs.list_names(fs.uri(MANIFEST_DIR))
+    return [json.loads(fs.read_text(fs.uri(MANIFEST_DIR, n)))
+            for n in sorted(n for n in names if n.endswith(".json") and not n.startswith("."))]
+
+
+def read_archive(spark: Any, location: str) -> Any:
+    """The archive as a DataFrame: committed runs only (files still in staging
+    included when a run committed but was not published yet), one row per outbox id
+    (when a row was archived twice, e.g. dead, requeued and archived again when done,
+    the later run wins)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    root = archive_uri(location)
+    fs = ArchiveFS(spark, root)
+    if not fs.exists(root):
+        raise PipelineError(f"no archive at {root}: the directory does not exist")
+    manifests = committed_manifests(fs)
+    if not manifests and not fs.exists(fs.uri(MANIFEST_DIR)):
+        raise PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
+                            "`outbox pipeline archive`)")
+    paths = [(root, root)] if any(fs.list_files(root)) else []
+    for manifest in manifests:
+        staging = fs.uri(STAGING_DIR, manifest["run_id"])
+        if fs.exists(staging):
+            paths.append((staging, staging))
+    frames = []
+    for base, path in paths:
+        if [f for f in fs.list_files(path) if f.endswith(".parquet") and not f.startswith("_")]:
+            frames.append(spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", base).parquet(path))
+    if not frames:
+        return spark.createDataFrame([], ARCHIVE_SCHEMA_DDL)
+    frame = frames[0]
+    for other in frames[1:]:
+        frame = frame.unionByName(other)
+    latest = Window.partitionBy("id").orderBy(F.col("archive_run").desc())
+    return frame.withColumn("_n", F.row_number().over(latest)).where("_n = 1").drop("_n")

@@ -1,0 +1,131 @@
+"""What every pipeline job shares and that needs no Spark: argument parsing, the
+archive's column list, id-range arithmetic and the crash-injection hook."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from ..errors import OutboxError
+
+
+class PipelineError(OutboxError):
+    """Bad arguments or an archive in a state a job cannot work with. The CLI prints
+    it as one line and exits non-zero; nothing has been changed when it is raised
+    before a job's first write."""
+
+
+#: The table's columns as archived, in this order (``lease_token`` is the relay's
+#: internal fencing state and is not history). ``topic`` and ``date`` are also the
+#: hive partition columns of the archive's directory layout.
+ARCHIVE_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
+                   "payload", "headers", "trace_id", "status", "attempts", "claimed_at", "next_retry_at",
+                   "created_at", "processed_at", "last_error")
+
+#: Spark DDL of the rows the outbox data source yields.
+SOURCE_SCHEMA_DDL = (
+    "id BIGINT, message_id STRING, topic STRING, aggregate_type STRING, aggregate_id STRING, "
+    "partition_key STRING, payload STRING, headers STRING, trace_id STRING, status INT, attempts INT, "
+    "claimed_at TIMESTAMP, next_retry_at TIMESTAMP, created_at TIMESTAMP, processed_at TIMESTAMP, "
+    "last_error STRING"
+)
+
+#: The archive's files hold the source columns plus the run that archived each row;
+#: ``topic`` and ``date`` come from the directory names.
+ARCHIVE_SCHEMA_DDL = SOURCE_SCHEMA_DDL + ", archive_run STRING, date STRING"
+
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def parse_duration(text: str, option: str = "duration") -> timedelta:
+    """``<n>s|m|h|d`` -> timedelta; anything else is a PipelineError naming the option."""
+    match = _DURATION.match(text or "")
+    if not match:
+        raise PipelineError(f"{option}: {text!r} is not a duration (use <n>s, <n>m, <n>h or <n>d, e.g. 7d)")
+    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+
+
+def parse_point_in_time(text: str, option: str, now: datetime) -> datetime:
+    """A duration ago (``7d``) or an ISO-8601 date/time (UTC unless it says otherwise)."""
+    if _DURATION.match(text or ""):
+        return now - parse_duration(text, option)
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except (AttributeError, ValueError):
+        raise PipelineError(f"{option}: {text!r} is neither a duration (<n>s|m|h|d) nor an ISO-8601 "
+                            "date/time") from None
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+def archive_uri(target: str) -> str:
+    """A URI Spark and Hadoop understand: ``scheme://...`` unchanged, a plain path
+    made absolute as ``file:`` (a driver-local directory; on a cluster use a shared
+    filesystem or an object store)."""
+    if not target or not target.strip():
+        raise PipelineError("the archive location is empty")
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", target) or target.startswith("file:"):
+        return target.rstrip("/")
+    return Path(target).expanduser().resolve().as_uri()
+
+
+def local_path(uri: str) -> Path | None:
+    """The local directory behind a ``file:`` URI, else None."""
+    if uri.startswith("file://"):
+        return Path(uri[len("file://"):])
+    if uri.startswith("file:"):
+        return Path(uri[len("file:"):])
+    return None
+
+
+# -- id ranges ---------------------------------------------------------------------------
+def range_chunks(ranges: Sequence[Sequence[int]], chunk: int) -> Iterator[tuple[int, int]]:
+    """Split ``[first, last]`` runs of ids into inclusive sub-ranges of at most ``chunk`` ids."""
+    for first, last in ranges:
+        lo = int(first)
+        while lo <= int(last):
+            hi = min(int(last), lo + chunk - 1)
+            yield lo, hi
+            lo = hi + 1
+
+
+# -- driver-native values ----------------------------------------------------------------
+def encode_native(value: Any) -> str:
+    """A database value as the driver returned it (a timestamp: ``str`` on SQLite,
+    ``datetime`` naive or aware elsewhere), as JSON that ``decode_native`` turns back
+    into the very same Python value. Binding that value again compares exactly the
+    way the database compared its own value, on every engine, with no per-engine code."""
+    if isinstance(value, datetime):
+        return json.dumps({"datetime": value.isoformat()})
+    if isinstance(value, str):
+        return json.dumps({"str": value})
+    raise PipelineError(f"cannot carry a {type(value).__name__} database value between processes")
+
+
+def decode_native(text: str) -> Any:
+    data = json.loads(text)
+    if "datetime" in data:
+        return datetime.fromisoformat(data["datetime"])
+    return data["str"]
+
+
+# -- crash injection -----------------------------------------------------------------------
+#: Set to a step name (see ``archive.STEPS``) to SIGKILL the process at that step:
+#: how the tests prove a crash anywhere loses and duplicates nothing.
+CRASH_ENV = "OUTBOX_PIPELINE_CRASH_AT"
+
+
+def crash_hook_from_env() -> Callable[[str], None] | None:
+    wanted = os.environ.get(CRASH_ENV)
+    if not wanted:
+        return None
+
+    def hook(step: str) -> None:
+        if step == wanted:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook

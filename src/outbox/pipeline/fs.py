@@ -1,0 +1,88 @@
+"""The archive's file operations, through Hadoop's FileSystem API in Spark's JVM.
+
+One code path for every location Spark can write (a local directory, ``file://``,
+``hdfs://``, ``s3a://`` with the connector on the classpath): listing, renaming,
+deleting and small text files (the run manifests). The driver does these few
+metadata operations; the executors write the Parquet files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ArchiveFS:
+    def __init__(self, spark: Any, root: str) -> None:
+        jvm = spark._jvm
+        self._jvm = jvm
+        self._Path = jvm.org.apache.hadoop.fs.Path
+        self.root = root.rstrip("/")
+        self.fs = self._Path(self.root).getFileSystem(spark._jsc.hadoopConfiguration())
+
+    def uri(self, *parts: str) -> str:
+        return "/".join([self.root, *[p.strip("/") for p in parts if p]])
+
+    def _p(self, uri: str) -> Any:
+        return self._Path(uri)
+
+    def exists(self, uri: str) -> bool:
+        return bool(self.fs.exists(self._p(uri)))
+
+    def mkdirs(self, uri: str) -> None:
+        self.fs.mkdirs(self._p(uri))
+
+    def delete(self, uri: str, recursive: bool = True) -> None:
+        if self.exists(uri):
+            self.fs.delete(self._p(uri), recursive)
+
+    def list_names(self, uri: str) -> list[str]:
+        """Names directly under ``uri`` (empty when it does not exist)."""
+        if not self.exists(uri):
+            return []
+        return sorted(status.getPath().getName() for status in self.fs.listStatus(self._p(uri)))
+
+    def list_files(self, uri: str) -> list[str]:
+        """Paths of every file under ``uri``, relative to it, sorted."""
+        if not self.exists(uri):
+            return []
+        base = self.fs.makeQualified(self._p(uri)).toUri().getPath().rstrip("/") + "/"
+        found = []
+        iterator = self.fs.listFiles(self._p(uri), True)
+        while iterator.hasNext():
+            path = iterator.next().getPath().toUri().getPath()
+            found.append(path[len(base):] if path.startswith(base) else path)
+        return sorted(found)
+
+    def rename(self, src: str, dst: str) -> bool:
+        parent = self._p(dst).getParent()
+        if parent is not None:
+            self.fs.mkdirs(parent)
+        return bool(self.fs.rename(self._p(src), self._p(dst)))
+
+    def write_text(self, uri: str, text: str) -> None:
+        """Write a whole small file atomically where the filesystem allows: a hidden
+        temporary file renamed into place (a single PUT on object stores)."""
+        tmp = uri.rsplit("/", 1)
+        tmp_uri = f"{tmp[0]}/.{tmp[1]}.tmp"
+        out = self.fs.create(self._p(tmp_uri), True)
+        try:
+            out.write(bytearray(text.encode("utf-8")))
+        finally:
+            out.close()
+        self.delete(uri, recursive=False)
+        if not self.fs.rename(self._p(tmp_uri), self._p(uri)):
+            raise OSError(f"could not rename {tmp_uri} to {uri}")
+
+    def read_text(self, uri: str) -> str:
+        stream = self.fs.open(self._p(uri))
+        try:
+            return str(self._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
+        finally:
+            stream.close()
+
+    def check_writable(self) -> None:
+        """Create the root and a probe file, or raise OSError: bad targets fail before any work."""
+        self.mkdirs(self.root)
+        probe = self.uri("_manifest", ".write-probe")
+        self.write_text(probe, "ok")
+        self.delete(probe, recursive=False)

@@ -1,0 +1,86 @@
+"""The Spark session every job runs in.
+
+``spark_session`` reuses the active session when there is one (``spark-submit``, a
+notebook, the test suite's single session) and otherwise builds one for ``master``
+(default ``local[*]``). The settings that matter to the jobs are applied either way:
+UTC session time (archive dates and report days are UTC days), no partition-type
+inference (a topic called ``2024`` stays a string), and few shuffle partitions
+(outbox history is modest; ``OUTBOX_SPARK_SHUFFLE_PARTITIONS`` overrides).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+from .common import PipelineError
+
+#: Options the jobs rely on, applied to new and existing sessions alike.
+JOB_CONF = {
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.sources.partitionColumnTypeInference.enabled": "false",
+    "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+}
+
+
+_MASTER = re.compile(r"^(local(\[(\*|\d+)(,\s*\d+)?\])?|yarn|(spark|k8s|mesos)://\S+)$")
+
+
+def check_master(master: str) -> str:
+    """Spark's master URL forms; anything else fails before a JVM is started."""
+    if not _MASTER.match(master):
+        raise PipelineError(f"--master {master!r} is not a Spark master URL "
+                            "(local[*], local[N], spark://host:port, yarn, k8s://https://host:port)")
+    return master
+
+
+def import_pyspark() -> Any:
+    try:
+        import pyspark  # noqa: F401
+        import pyarrow  # noqa: F401  (the Python data source hands rows to the JVM as Arrow)
+    except ImportError as exc:
+        raise PipelineError(f"the pipeline needs PySpark 4 and Java 17: pip install \"outbox-relay[spark]\" "
+                            f"({exc})") from None
+    return pyspark
+
+
+def spark_session(master: str | None = None, app_name: str = "outbox-pipeline") -> Any:
+    """The active session, or a new one on ``master`` with the job settings."""
+    import_pyspark()
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is None:
+        master = master or os.environ.get("OUTBOX_SPARK_MASTER") or None
+        if master is not None:
+            check_master(master)
+        if master is None or master.startswith("local"):
+            # A local run binds to loopback (no reverse DNS of the host name) and its
+            # Python workers run this interpreter, where the package is installed.
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        builder = SparkSession.builder.appName(app_name)
+        if master:
+            builder = builder.master(master)
+        builder = (builder.config("spark.ui.enabled", os.environ.get("OUTBOX_SPARK_UI", "false"))
+                   .config("spark.sql.shuffle.partitions", os.environ.get("OUTBOX_SPARK_SHUFFLE_PARTITIONS", "8")))
+        for key, value in JOB_CONF.items():
+            builder = builder.config(key, value)
+        try:
+            active = builder.getOrCreate()
+        except Exception as exc:  # no Java, a bad master URL
+            raise PipelineError(f"cannot start Spark{' on ' + master if master else ''}: "
+                                f"{' '.join(str(exc).split())[:300]}") from None
+        active.sparkContext.setLogLevel(os.environ.get("OUTBOX_SPARK_LOG_LEVEL", "ERROR"))
+    for key, value in JOB_CONF.items():
+        active.conf.set(key, value)
+    register_source(active)
+    return active
+
+
+def register_source(spark: Any) -> None:
+    """Make ``spark.read.format("outbox")`` available in this session."""
+    from .source import OutboxDataSource
+    spark.dataSource.register(OutboxDataSource)

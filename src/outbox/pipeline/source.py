@@ -1,0 +1,183 @@
+"""``spark.read.format("outbox")``: the outbox table as a Spark 4 Python data source.
+
+Built on the project's own engine modules and drivers, so every engine reads the
+same way (SQL Server included, where no JDBC jar is at hand). The table is split
+into id ranges, one Spark partition each; every partition pages through its range
+by keyset (``id > last ORDER BY id``, ``fetch_size`` rows per statement), so no
+statement holds more than a page and a partition restarts cleanly if Spark retries
+it. Status, processing-time and creation-time filters are part of the SQL.
+
+Options: ``url`` (required), ``table`` (default ``outbox``), ``schema``,
+``statuses`` (``2,4``), ``processed_before`` / ``created_since`` (a driver-native
+timestamp encoded by ``common.encode_native``, so the bound compares exactly as the
+database compares its own values), ``min_id`` / ``max_id``, ``partitions``
+(default 4), ``fetch_size`` (default 5000).
+
+Where a JDBC driver is installed, ``spark.read.jdbc`` with ``partitionColumn=id``
+is the alternative read path (docs/pipeline.md); the jobs use this source.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+from ..engines import Engine, engine_for_url
+from .common import SOURCE_SCHEMA_DDL, decode_native
+
+_TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
+
+
+def ARROW_SCHEMA() -> Any:  # noqa: N802 (a constant, built lazily: pyarrow is imported in the tasks)
+    """``SOURCE_SCHEMA_DDL`` as Arrow types."""
+    import pyarrow as pa
+    ts = pa.timestamp("us", tz="UTC")
+    return pa.schema([("id", pa.int64()), ("message_id", pa.string()), ("topic", pa.string()),
+                      ("aggregate_type", pa.string()), ("aggregate_id", pa.string()), ("partition_key", pa.string()),
+                      ("payload", pa.string()), ("headers", pa.string()), ("trace_id", pa.string()),
+                      ("status", pa.int32()), ("attempts", pa.int32()), ("claimed_at", ts), ("next_retry_at", ts),
+                      ("created_at", ts), ("processed_at", ts), ("last_error", pa.string())])
+
+
+class OutboxDataSource(DataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "outbox"
+
+    def schema(self) -> str:
+        return SOURCE_SCHEMA_DDL
+
+    def reader(self, schema: Any) -> "OutboxReader":
+        return OutboxReader(dict(self.options))
+
+
+class IdRange(InputPartition):
+    def __init__(self, lo: int, hi: int) -> None:
+        super().__init__((lo, hi))
+        self.lo, self.hi = lo, hi
+
+
+class OutboxQuery:
+    """The SQL of one read, shared by the planner (bounds) and the partitions (pages)."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        if not options.get("url"):
+            raise ValueError("the outbox data source needs the 'url' option")
+        self.url = options["url"]
+        self.engine: Engine = engine_for_url(self.url, table=options.get("table") or "outbox",
+                                             schema=options.get("schema") or None)
+        conditions, params = [], []
+        statuses = [int(s) for s in (options.get("statuses") or "").split(",") if s.strip()]
+        if statuses:
+            conditions.append(f"status IN ({', '.join(str(s) for s in statuses)})")
+        if options.get("processed_before"):
+            conditions.append("processed_at <= ?")
+            params.append(decode_native(options["processed_before"]))
+        if options.get("created_since"):
+            conditions.append("created_at >= ?")
+            params.append(decode_native(options["created_since"]))
+        self.where = " AND ".join(conditions) or "1 = 1"
+        self.params = params
+        e = self.engine
+        self.columns = ", ".join(["id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
+                                  e.payload_column(), e.headers_column(), "trace_id", "status", "attempts",
+                                  *_TIMESTAMP_COLUMNS, "last_error"])
+
+    def bounds_sql(self) -> str:
+        return f"SELECT MIN(id), MAX(id) FROM {self.engine.table} WHERE {self.where}"
+
+    def page_sql(self) -> str:
+        """One page of a partition: ``?`` after-id, ``?`` last id, the filters, ``?`` rows."""
+        return self.engine.limit(f"SELECT {self.columns} FROM {self.engine.table} "
+                                 f"WHERE id > ? AND id <= ? AND {self.where} ORDER BY id")
+
+    def bounds(self, cursor: Any) -> tuple[int | None, int | None]:
+        row = self.engine.execute(cursor, self.bounds_sql(), self.params).fetchone()
+        return (None, None) if row is None or row[0] is None else (int(row[0]), int(row[1]))
+
+    def page(self, cursor: Any, after: int, hi: int, size: int) -> list[tuple]:
+        return self.engine.execute(cursor, self.page_sql(), [after, hi, *self.params, size]).fetchall()
+
+    def to_batch(self, rows: list[tuple]) -> Any:
+        """One page as an Arrow record batch, built column by column: Spark takes it
+        as is, which is several times cheaper than handing it Python tuples."""
+        import pyarrow as pa
+
+        columns = list(zip(*rows))
+
+        def text(values: tuple) -> Any:
+            if not all(v is None or isinstance(v, str) for v in values):
+                values = tuple(_json_text(v) for v in values)
+            return pa.array(values, pa.string())
+
+        def timestamps(values: tuple) -> Any:
+            # Aware datetimes convert to UTC, naive ones are UTC already (the engines'
+            # clocks are UTC); text (SQLite) is parsed by the engine.
+            if any(isinstance(v, str) for v in values):
+                values = tuple(self.engine.to_datetime(v) for v in values)
+            return pa.array(values, pa.timestamp("us", tz="UTC"))
+
+        arrays = [pa.array(columns[0], pa.int64()), *(text(columns[i]) for i in range(1, 9)),
+                  pa.array(columns[9], pa.int32()), pa.array(columns[10], pa.int32()),
+                  *(timestamps(columns[i]) for i in range(11, 15)), text(columns[15])]
+        return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA())
+
+
+def _json_text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8")
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))  # a driver that decoded JSON
+
+
+class OutboxReader(DataSourceReader):
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = options
+        self.partition_count = max(1, int(options.get("partitions") or 4))
+        self.fetch_size = max(1, int(options.get("fetch_size") or 5000))
+
+    def partitions(self) -> list[IdRange]:
+        """Equal id ranges between the lowest and highest matching id (asked of the
+        database once, here, unless ``min_id``/``max_id`` are given)."""
+        lo = int(self.options["min_id"]) if self.options.get("min_id") else None
+        hi = int(self.options["max_id"]) if self.options.get("max_id") else None
+        if lo is None or hi is None:
+            query = OutboxQuery(self.options)
+            conn = query.engine.connect(query.url)
+            try:
+                found_lo, found_hi = query.bounds(conn.cursor())
+                conn.rollback()
+            finally:
+                conn.close()
+            if found_lo is None:
+                return [IdRange(1, 0)]  # nothing matches: one empty partition
+            lo = found_lo if lo is None else max(lo, found_lo)
+            hi = found_hi if hi is None else min(hi, found_hi)
+        if hi < lo:
+            return [IdRange(1, 0)]
+        span = hi - lo + 1
+        n = min(self.partition_count, span)
+        step = -(-span // n)
+        return [IdRange(start, min(hi, start + step - 1)) for start in range(lo, hi + 1, step)]
+
+    def read(self, partition: IdRange) -> Iterator[Any]:  # type: ignore[override]
+        if partition.hi < partition.lo:
+            return
+        query = OutboxQuery(self.options)
+        conn = query.engine.connect(query.url)
+        try:
+            cursor = conn.cursor()
+            after = partition.lo - 1
+            while True:
+                rows = query.page(cursor, after, partition.hi, self.fetch_size)
+                conn.rollback()  # end the read transaction between pages: no long snapshot held
+                if rows:
+                    yield query.to_batch(rows)
+                if len(rows) < self.fetch_size:
+                    break
+                after = int(rows[-1][0])
+        finally:
+            conn.close()

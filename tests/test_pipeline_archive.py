@@ -1,0 +1,250 @@
+"""``outbox pipeline archive`` on real databases with the suite's one Spark session:
+the round trip, crashes at every step (in-process and a real SIGKILL), re-runs, the
+purge guard and bad arguments."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.pipeline.archive import STEPS, Archiver, read_archive
+from outbox.store import OutboxStore
+from test_pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed, spark, table_ids, table_rows  # noqa: F401
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(params=PIPELINE_ENGINES)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+class Crash(BaseException):
+    """Stands in for a kill -9 at a step: not an Exception, so nothing catches it."""
+
+
+def crash_at(step: str) -> Any:
+    def hook(name: str) -> None:
+        if name == step:
+            raise Crash(step)
+    return hook
+
+
+def archived_ids(spark: Any, root: Path) -> list[int]:
+    return [r["id"] for r in read_archive(spark, str(root)).select("id").collect()]
+
+
+def plain_parquet_ids(spark: Any, root: Path) -> list[int]:
+    """What any Parquet reader sees in the archive tree (no manifest logic at all)."""
+    return [r["id"] for r in spark.read.parquet(str(root)).select("id").collect()]
+
+
+def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    before = table_rows(store)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    old_dead = {i for i, r in zip(ids, rows) if r.status == 4}
+    root = tmp_path / "archive"
+
+    result = Archiver(spark, store, str(root), delete_chunk=5).run(timedelta(days=7))
+    assert (result.archived, result.deleted, result.kept) == (len(old_done), len(old_done), 0)
+    assert table_ids(store) == set(ids) - old_done
+    got = read_archive(spark, str(root)).collect()
+    assert sorted(r["id"] for r in got) == sorted(old_done)
+    for r in got:  # every archived column as it was in the table
+        want = before[r["id"]]
+        assert (r["message_id"], r["topic"], r["aggregate_type"], r["aggregate_id"], r["status"], r["attempts"]) == \
+            (want["message_id"], want["topic"], want["aggregate_type"], want["aggregate_id"], want["status"],
+             want["attempts"])
+        assert json.loads(r["payload"]) == json.loads(want["payload"])
+        assert abs((r["created_at"].replace(tzinfo=None) - want["created_at"].replace(tzinfo=None))
+                   .total_seconds()) < 0.002
+        assert r["date"] == want["created_at"].strftime("%Y-%m-%d")
+    # hive layout: topic=/date= directories holding Parquet; the manifest marks the run finished
+    layout = {(p.parent.parent.name, p.parent.name) for p in root.rglob("*.parquet") if "_staging" not in p.parts}
+    assert {t for t, _ in layout} == {"topic=orders.created", "topic=payments.settled"}
+    assert all(d.startswith("date=") for _, d in layout)
+    assert (root / "_manifest" / f"{result.run_id}.json").exists()
+    assert (root / "_manifest" / f"{result.run_id}.deleted").exists()
+    assert not list((root / "_staging").glob("*"))
+    assert sorted(plain_parquet_ids(spark, root)) == sorted(old_done)
+
+    # a re-run finds nothing; --include-dead then takes the old dead rows as well
+    again = Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert again.archived == 0 and again.run_id is None
+    dead = Archiver(spark, store, str(root)).run(timedelta(days=7), include_dead=True)
+    assert dead.archived == len(old_dead)
+    assert sorted(archived_ids(spark, root)) == sorted(old_done | old_dead)
+    assert table_ids(store) == set(ids) - old_done - old_dead
+
+
+#: Every step on SQLite; on the servers the one between delete chunks (a committed
+#: run half deleted: the recovery path every step after the commit goes through).
+CRASH_CASES = [("sqlite", step) for step in STEPS] + [
+    (kind, "deleted-chunk") for kind in ("postgresql", "mysql", "mssql")]
+
+
+@pytest.mark.parametrize(("kind", "step"), CRASH_CASES)
+def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path: Path, step: str,
+                                        kind: str) -> None:
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+
+    with pytest.raises(Crash):
+        Archiver(spark, store, str(root), on_step=crash_at(step), delete_chunk=3).run(timedelta(days=7))
+    # whatever the crash left: a row is gone from the outbox only if a committed run holds it
+    gone = set(ids) - table_ids(store)
+    committed: set[int] = set()
+    for manifest in (root / "_manifest").glob("*.json"):
+        for first, last in json.loads(manifest.read_text())["id_ranges"]:
+            committed |= set(range(first, last + 1))
+    assert gone <= committed
+    if STEPS.index(step) >= STEPS.index("committed"):
+        assert committed == old_done
+    # the pipeline's readers see exactly the committed runs, even mid-crash
+    assert Counter(archived_ids(spark, root)) == Counter({i: 1 for i in committed})
+
+    result = Archiver(spark, store, str(root), delete_chunk=3).run(timedelta(days=7))
+    assert (len(result.recovered) == 1) == (STEPS.index(step) >= STEPS.index("committed"))
+    assert Counter(archived_ids(spark, root)) == Counter({i: 1 for i in old_done})
+    assert Counter(plain_parquet_ids(spark, root)) == Counter({i: 1 for i in old_done})
+    assert table_ids(store) == set(ids) - old_done
+    assert not list((root / "_staging").glob("*"))
+
+
+def invoke(args: list[str], env: dict[str, str]) -> Any:
+    """Run the ``outbox`` command in-process (on the suite's Spark session) with ``env``."""
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+    from outbox.config import reset_settings
+
+    reset_settings()
+    try:
+        return CliRunner().invoke(main, args, env=env)
+    finally:
+        reset_settings()
+
+
+def _cli_env(store: OutboxStore, url: str, **extra: str) -> dict[str, str]:
+    return {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name, **extra}
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_sigkill_between_commit_and_delete(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
+    """A real ``outbox pipeline archive`` process, killed with SIGKILL right after its
+    commit (its own Spark JVM dies with it); the next run finishes the job."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+    env = {**os.environ, **_cli_env(store, url, OUTBOX_PIPELINE_CRASH_AT="committed")}
+    proc = subprocess.run([sys.executable, "-m", "outbox.cli", "pipeline", "archive", "--older-than", "7d",
+                           "--to", str(root), "--master", "local[1]"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert table_ids(store) == set(ids)  # killed before the delete: everything still there
+    assert len(list((root / "_manifest").glob("*.json"))) == 1
+
+    result = Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert len(result.recovered) == 1 and result.archived == 0
+    assert Counter(plain_parquet_ids(spark, root)) == Counter({i: 1 for i in old_done})
+    assert table_ids(store) == set(ids) - old_done
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_requeued_dead_row_is_not_deleted(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """A dead row archived, then requeued before the delete: the live row stays."""
+    rows = [Row("orders.created", "a", status=4, attempts=2, last_error="boom"),
+            Row("orders.created", "b", status=2)]
+    dead_id, done_id = seed(store, rows)
+
+    def requeue_after_commit(step: str) -> None:
+        if step == "committed":
+            assert store.requeue_dead([dead_id]) == 1
+
+    result = Archiver(spark, store, str(tmp_path / "a"), on_step=requeue_after_commit).run(
+        timedelta(days=7), include_dead=True)
+    assert (result.archived, result.deleted, result.kept) == (2, 1, 1)
+    assert table_ids(store) == {dead_id}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_purge_never_deletes_unarchived_rows_while_archiving(spark: Any, make_store: Any, url: str,
+                                                             tmp_path: Path) -> None:
+    root = tmp_path / "archive"
+    store = make_store(archive_uri=str(root))
+    ids = seed(store, mixed_rows())
+    assert store.purge_done(timedelta(days=7)) == 0
+    assert table_ids(store) == set(ids)
+    env = _cli_env(store, url, OUTBOX_ARCHIVE_URI=str(root))
+    out = invoke(["purge"], env=env)
+    assert out.exit_code == 0 and "purged nothing: archiving is configured" in out.output
+    assert table_ids(store) == set(ids)
+
+    # the archive job, with its location from the same setting, archives and deletes
+    out = invoke(["pipeline", "archive", "--older-than", "7d", "--json"], env=env)
+    assert out.exit_code == 0, out.output
+    summary = json.loads(out.output.strip().splitlines()[-1])
+    remaining = table_ids(store)
+    assert summary["deleted"] == len(set(ids) - remaining) > 0
+    assert set(archived_ids(spark, root)) == set(ids) - remaining
+
+
+def test_purge_task_respects_archiving(store: OutboxStore, url: str, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's beat-driven purge task, configured like a deployment."""
+    from outbox import tasks
+    from outbox.config import reset_settings
+
+    ids = seed(store, mixed_rows())
+    for name, value in _cli_env(store, url, OUTBOX_ARCHIVE_URI=str(tmp_path / "a")).items():
+        monkeypatch.setenv(name, value)
+    reset_settings()
+    tasks.close_resources()
+    try:
+        assert tasks.purge() == 0
+    finally:
+        tasks.close_resources()
+    assert table_ids(store) == set(ids)
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+@pytest.mark.parametrize(("args", "message"), [
+    (["--older-than", "7x"], "--older-than: '7x' is not a duration"),
+    (["--older-than", "-1d"], "is not a duration"),
+    (["--older-than", "7d", "--to", "/proc/outbox-archive"], "cannot write to the archive"),
+])
+def test_bad_arguments_fail_with_one_line(spark: Any, store: OutboxStore, url: str, tmp_path: Path,
+                                          args: list[str], message: str) -> None:
+    ids = seed(store, mixed_rows())
+    full = ["pipeline", "archive", *args] + ([] if "--to" in args else ["--to", str(tmp_path / "a")])
+    out = invoke(full, env=_cli_env(store, url))
+    assert out.exit_code == 1
+    lines = out.output.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1], out.output
+    assert table_ids(store) == set(ids)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_missing_table_and_missing_target(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
+    env = {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": "no_such_outbox_table"}
+    out = invoke(["pipeline", "archive", "--older-than", "1d", "--to", str(tmp_path / "a")],
+                             env=env)
+    assert out.exit_code == 1 and "cannot read the outbox table" in out.output
+    assert not (tmp_path / "a").exists()  # nothing created for a job that cannot run
+    out = invoke(["pipeline", "archive", "--older-than", "1d"], env=_cli_env(store, url))
+    assert out.exit_code == 2 and "--to" in out.output

@@ -1,0 +1,144 @@
+"""Scale-out proof: ``outbox pipeline archive --master spark://...`` against a real
+standalone Spark cluster started from the PySpark installation itself (a master and
+one worker on 127.0.0.1). The driver is a separate ``outbox`` process; the executor
+is a JVM the worker launches, with its own Python workers, so the job cannot lean on
+driver-local state: the executors read the database and write the Parquet files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from outbox.pipeline.archive import read_archive
+from outbox.store import OutboxStore
+from services import POSTGRES_URL, require
+from test_pipeline_support import DAY_MS, mixed_rows, seed, spark, table_ids  # noqa: F401
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spark_home() -> Path:
+    import pyspark
+    return Path(pyspark.__file__).parent
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[str]:
+    """A standalone master and one worker (1 core, 1 GB); yields the master URL."""
+    spark_class = _spark_home() / "bin" / "spark-class"
+    if not spark_class.exists():
+        pytest.skip(f"this PySpark installation has no {spark_class}")
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
+           "SPARK_HOME": str(_spark_home())}
+    port, ui, worker_ui = _free_port(), _free_port(), _free_port()
+    logs = tmp_path / "cluster-logs"
+    logs.mkdir()
+    procs = [subprocess.Popen([str(spark_class), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                               "--port", str(port), "--webui-port", str(ui)], env=env, start_new_session=True,
+                              stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT)]
+    try:
+        master = f"spark://127.0.0.1:{port}"
+        procs.append(subprocess.Popen([str(spark_class), "org.apache.spark.deploy.worker.Worker", "--host",
+                                       "127.0.0.1", "--cores", "1", "--memory", "1G", "--webui-port", str(worker_ui),
+                                       "--work-dir", str(tmp_path / "work"), master], env=env,
+                                      start_new_session=True, stdout=open(logs / "worker.log", "w"),
+                                      stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as response:
+                    if json.load(response).get("aliveworkers", 0) >= 1:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                pytest.skip("the standalone Spark cluster did not start: "
+                            + (logs / "master.log").read_text()[-500:] + (logs / "worker.log").read_text()[-500:])
+            time.sleep(1)
+        yield master
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_archive_on_a_standalone_cluster(spark: Any, cluster: str, tmp_path: Path) -> None:
+    require("PostgreSQL", "127.0.0.1", 5432)
+    store = OutboxStore(POSTGRES_URL, table=f"outbox_c{uuid.uuid4().hex[:10]}")
+    store.migrate()
+    try:
+        rows = mixed_rows()
+        ids = seed(store, rows)
+        old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+        root = tmp_path / "archive"
+        env = {**os.environ, "OUTBOX_DATABASE_URL": POSTGRES_URL, "OUTBOX_TABLE": store.engine.table_name,
+               "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+        proc = subprocess.run([sys.executable, "-m", "outbox.cli", "pipeline", "archive", "--older-than", "7d",
+                               "--to", str(root), "--master", cluster, "--partitions", "3", "--json"],
+                              env=env, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert summary["archived"] == summary["deleted"] == len(old_done)
+        assert table_ids(store) == set(ids) - old_done
+        assert Counter(r["id"] for r in read_archive(spark, str(root)).select("id").collect()) == \
+            Counter({i: 1 for i in old_done})
+        # the tasks ran in the worker's executor, not in the driver
+        executor_logs = list((tmp_path / "work").rglob("stderr"))
+        assert executor_logs, "the worker launched no executor"
+    finally:
+        with store.transaction() as c:
+            store.engine.execute(c, f"DROP TABLE IF EXISTS {store.engine.table}")
+        store.close()
+
+
+def test_archive_under_spark_submit(spark: Any, tmp_path: Path) -> None:
+    """``spark-submit`` with the package as a wheel in ``--py-files`` and the entry
+    script ``outbox/pipeline/submit.py``: the command docs/pipeline.md gives."""
+    from outbox.pipeline import submit
+
+    wheels = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+                            "-w", str(wheels), str(Path(__file__).parent.parent)],
+                           capture_output=True, text=True, timeout=300)
+    if built.returncode != 0:
+        pytest.skip(f"cannot build the wheel here: {built.stderr.strip()[-300:]}")
+    wheel = next(wheels.glob("outbox_relay-*.whl"))
+    store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", table="outbox")
+    store.migrate()
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    env = {**os.environ, "OUTBOX_DATABASE_URL": store.url, "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable}
+    proc = subprocess.run([str(_spark_home() / "bin" / "spark-submit"), "--master", "local[1]",
+                           "--conf", "spark.ui.enabled=false", "--py-files", str(wheel), submit.__file__,
+                           "archive", "--older-than", "7d", "--to", str(tmp_path / "archive"), "--json"],
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["archived"] == summary["deleted"] == len(old_done)
+    assert table_ids(store) == set(ids) - old_done
+    store.close()

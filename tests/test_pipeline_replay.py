@@ -1,0 +1,171 @@
+"""``outbox pipeline replay``: order per aggregate, idempotence across re-runs and
+crashes, filters, --dry-run, another database as the target, bad arguments."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.pipeline.archive import Archiver
+from outbox.pipeline.replay import REPLAY_HEADER, replay_message_id, run_replay
+from outbox.store import OutboxStore
+from test_pipeline_archive import invoke
+from test_pipeline_support import DAY_MS, Row, seed, spark  # noqa: F401
+from services import POSTGRES_URL, require
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def history() -> list[Row]:
+    """Six aggregates on two topics, their events interleaved by id."""
+    rows = []
+    for i in range(36):
+        agg = f"a{i % 6}"
+        topic = "orders.created" if i % 6 < 4 else "payments.settled"
+        rows.append(Row(topic, agg, age_ms=9 * DAY_MS - i * 60_000, latency_ms=100,
+                        aggregate_type="order" if i % 6 < 4 else "payment"))
+    return rows
+
+
+def archived(spark: Any, store: OutboxStore, tmp_path: Path) -> tuple[Path, dict[str, list[str]]]:
+    """Seed and archive ``history()``; return the archive and each aggregate's
+    original message ids in their order."""
+    rows = history()
+    seed(store, rows)
+    with store.transaction() as c:
+        original = store.engine.execute(c, f"SELECT aggregate_id, message_id FROM {store.engine.table} "
+                                        "ORDER BY id").fetchall()
+    per_aggregate: dict[str, list[str]] = {}
+    for agg, mid in original:
+        per_aggregate.setdefault(agg, []).append(mid)
+    root = tmp_path / "archive"
+    assert Archiver(spark, store, str(root)).run(timedelta(days=7)).archived == len(rows)
+    return root, per_aggregate
+
+
+def replayed(store: OutboxStore) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Rows now in the table, per aggregate, in id order: (message_id, headers)."""
+    with store.transaction() as c:
+        rows = store.engine.execute(c, f"SELECT aggregate_id, message_id, {store.engine.headers_column()} "
+                                    f"FROM {store.engine.table} ORDER BY id").fetchall()
+    out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for agg, mid, headers in rows:
+        out.setdefault(agg, []).append((mid, json.loads(headers) if isinstance(headers, str) else headers))
+    return out
+
+
+def assert_replayed_in_order(store: OutboxStore, per_aggregate: dict[str, list[str]],
+                             aggregates: set[str] | None = None) -> None:
+    got = replayed(store)
+    for agg, originals in per_aggregate.items():
+        if aggregates is not None and agg not in aggregates:
+            assert agg not in got
+            continue
+        assert [mid for mid, _ in got[agg]] == [replay_message_id(m) for m in originals]
+        assert [h[REPLAY_HEADER] for _, h in got[agg]] == originals
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql", "mssql"])
+def test_replay_in_order_and_once(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    root, per_aggregate = archived(spark, store, tmp_path)
+    # a crash half-way: every task fails after its first committed batch of 2 ...
+    with pytest.raises(Exception):
+        run_replay(spark, archive=str(root), target=store, batch=2, partitions=3, crash_after_batches=1)
+    partial = replayed(store)
+    assert 0 < sum(len(v) for v in partial.values()) < 36
+    for agg, got in partial.items():  # ... leaves a prefix of each aggregate
+        assert [m for m, _ in got] == [replay_message_id(m) for m in per_aggregate[agg]][:len(got)]
+    # the re-run completes it, in order, nothing twice
+    result = run_replay(spark, archive=str(root), target=store, batch=2, partitions=3)
+    assert result["events"] == 36
+    # (tasks still running when the failed job was cancelled may have committed a
+    # batch after the snapshot: at least the snapshot was already present)
+    assert result["written"] + result["already_present"] == 36
+    assert result["already_present"] >= sum(len(v) for v in partial.values())
+    assert_replayed_in_order(store, per_aggregate)
+    again = run_replay(spark, archive=str(root), target=store, batch=5, partitions=2)
+    assert (again["written"], again["already_present"]) == (0, 36)
+    assert sum(len(v) for v in replayed(store).values()) == 36
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_replay_filters_and_dry_run(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
+    root, per_aggregate = archived(spark, store, tmp_path)
+    env = {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name}
+
+    out = invoke(["pipeline", "replay", "--from", str(root), "--dry-run"], env)
+    assert out.exit_code == 0, out.output
+    assert "would replay 36 event(s); nothing was changed" in out.output
+    assert "orders.created: 24" in out.output and "payments.settled: 12" in out.output
+    assert out.output.count("sample: ") == 5
+    assert replayed(store) == {}
+
+    out = invoke(["pipeline", "replay", "--from", str(root), "--aggregate-type", "order", "--aggregate-id", "a1",
+                  "--json"], env)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output.strip().splitlines()[-1])["written"] == 6
+    assert_replayed_in_order(store, per_aggregate, {"a1"})
+
+    out = invoke(["pipeline", "replay", "--from", str(root), "--topic", "payments.settled", "--json"], env)
+    assert json.loads(out.output.strip().splitlines()[-1])["written"] == 12
+    assert_replayed_in_order(store, per_aggregate, {"a1", "a4", "a5"})
+
+    # a time window: created between 9 days ago + 30 min and 9 days ago + 10 min
+    got = run_replay(spark, archive=str(root), target=store, dry_run=True,
+                     since=_ago(9 * DAY_MS - 10 * 60_000 - 30_000), until=_ago(9 * DAY_MS - 20 * 60_000 - 30_000))
+    assert got["events"] == 10 and got["written"] == 0
+
+
+def _ago(ms: int) -> Any:
+    from datetime import datetime, timezone
+    return datetime.now(timezone.utc) - timedelta(milliseconds=ms)
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_replay_into_another_database(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    require("PostgreSQL", "127.0.0.1", 5432)
+    root, per_aggregate = archived(spark, store, tmp_path)
+    target = OutboxStore(POSTGRES_URL, table=f"outbox_r{uuid.uuid4().hex[:10]}")
+    target.migrate()
+    try:
+        env = {"OUTBOX_DATABASE_URL": "sqlite:///unused.db", "OUTBOX_TABLE": target.engine.table_name}
+        out = invoke(["pipeline", "replay", "--from", str(root), "--to-url", POSTGRES_URL], env)
+        assert out.exit_code == 0, out.output
+        assert "36 written" in out.output
+        assert_replayed_in_order(target, per_aggregate)
+    finally:
+        with target.transaction() as c:
+            target.engine.execute(c, f"DROP TABLE IF EXISTS {target.engine.table}")
+        target.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--topic", "nope"], "unknown topic 'nope': the archive holds orders.created, payments.settled"),
+    (["--since", "yesterday"], "--since: 'yesterday' is neither a duration"),
+    (["--since", "1d", "--until", "2d"], "must be before --until"),
+])
+def test_replay_bad_arguments(spark: Any, store: OutboxStore, url: str, tmp_path: Path, extra: list[str],
+                              message: str) -> None:
+    root, _ = archived(spark, store, tmp_path)
+    out = invoke(["pipeline", "replay", "--from", str(root), *extra],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
+    assert out.exit_code == 1
+    assert out.output.strip().splitlines()[-1].startswith("error: ") and message in out.output, out.output
+    assert replayed(store) == {}
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_replay_from_a_missing_archive(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
+    out = invoke(["pipeline", "replay", "--from", str(tmp_path / "nothing-here")],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
+    assert out.exit_code == 1 and "no archive at" in out.output and "does not exist" in out.output
+    (tmp_path / "plain").mkdir()
+    out = invoke(["pipeline", "replay", "--from", str(tmp_path / "plain")],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
+    assert out.exit_code == 1 and "not written by `outbox pipeline archive`" in out.output

@@ -1,0 +1,227 @@
+"""``outbox pipeline report``: the figures from archive plus live table against the
+same figures computed in SQL on the database before anything was archived, and the
+HTML rendered by a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import zlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.pipeline.archive import Archiver
+from outbox.pipeline.report import run_report
+from outbox.store import OutboxStore
+from test_pipeline_support import DAY_MS, Row, mixed_rows, seed, spark  # noqa: F401
+
+pytestmark = pytest.mark.timeout(600)
+
+#: Per engine: the UTC day of created_at, and created-to-processed seconds, in SQL.
+DAY_SQL = {"sqlite": "substr(created_at, 1, 10)",
+           "postgresql": "to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
+           "mysql": "DATE_FORMAT(created_at, '%Y-%m-%d')"}
+LATENCY_SQL = {"sqlite": "(julianday(processed_at) - julianday(created_at)) * 86400.0",
+               "postgresql": "EXTRACT(EPOCH FROM processed_at - created_at)",
+               "mysql": "TIMESTAMPDIFF(MICROSECOND, created_at, processed_at) / 1000000.0"}
+
+
+def report_rows() -> list[Row]:
+    """mixed_rows plus recent traffic: delivered with spread latencies, retried, dead
+    with repeated errors, pending."""
+    rows = mixed_rows()
+    for i in range(30):
+        rows.append(Row("orders.created", f"r{i % 5}", age_ms=DAY_MS + i * 60_000, latency_ms=20 + i * i * 7,
+                        attempts=i % 4))
+    for i in range(5):
+        rows.append(Row("payments.settled", f"q{i}", status=4, age_ms=2 * DAY_MS, latency_ms=5000, attempts=3,
+                        last_error="timeout talking to the broker" if i < 3 else "connection reset"))
+    rows.append(Row("payments.settled", "q9", status=3, age_ms=DAY_MS, latency_ms=None, attempts=1))
+    rows.append(Row("audit.logged", "x1", status=1, age_ms=3 * DAY_MS, latency_ms=None))
+    return rows
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks: PostgreSQL's percentile_cont and Spark's percentile."""
+    values = sorted(values)
+    pos = (len(values) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def sql_figures(store: OutboxStore, kind: str) -> dict[str, Any]:
+    """The report's figures, straight from the table with SQL."""
+    e, t = store.engine, store.engine.table
+    day, latency = DAY_SQL[kind], LATENCY_SQL[kind]
+    with store.transaction() as c:
+        counts = e.execute(c, f"""SELECT topic, {day} AS d, COUNT(*),
+                   SUM(CASE WHEN status = 2 THEN 1 ELSE 0 END), SUM(CASE WHEN status = 4 THEN 1 ELSE 0 END),
+                   SUM(CASE WHEN status IN (0, 1, 3) THEN 1 ELSE 0 END)
+                   FROM {t} GROUP BY topic, {day}""").fetchall()
+        if kind == "postgresql":
+            pct = e.execute(c, f"""SELECT topic, {day}, percentile_cont(ARRAY[0.5, 0.95, 0.99]::float8[])
+                                   WITHIN GROUP (ORDER BY {latency}) FROM {t} WHERE status = 2
+                                   GROUP BY topic, {day}""").fetchall()
+            latencies = {(r[0], r[1]): [float(x) for x in r[2]] for r in pct}
+        else:
+            per_row: dict[tuple[str, str], list[float]] = {}
+            for topic, d, seconds in e.execute(c, f"SELECT topic, {day}, {latency} FROM {t} WHERE status = 2"):
+                per_row.setdefault((topic, d), []).append(float(seconds))
+            latencies = {k: [percentile(v, q) for q in (0.5, 0.95, 0.99)] for k, v in per_row.items()}
+        attempts = e.execute(c, f"SELECT topic, attempts, COUNT(*) FROM {t} GROUP BY topic, attempts").fetchall()
+        errors = e.execute(c, f"SELECT topic, last_error, COUNT(*) FROM {t} WHERE status = 4 "
+                           "GROUP BY topic, last_error").fetchall()
+    return {
+        "days": {(r[0], r[1]): [int(r[2]), int(r[3]), int(r[4]), int(r[5])] for r in counts},
+        "latency": latencies,
+        "attempts": {(r[0], int(r[1])): int(r[2]) for r in attempts},
+        "errors": {(r[0], r[1]): int(r[2]) for r in errors},
+    }
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_report_matches_sql_over_archive_plus_live(spark: Any, store: OutboxStore, kind: str,
+                                                   tmp_path: Path) -> None:
+    seed(store, report_rows())
+    want = sql_figures(store, kind)
+    archive = tmp_path / "archive"
+    result = Archiver(spark, store, str(archive)).run(timedelta(days=7), include_dead=True)
+    assert result.archived > 0  # part of the history now lives only in the archive
+
+    out = tmp_path / "report"
+    report = run_report(spark, store=store, archive=str(archive), out=str(out))
+    assert report["sources"]["archive_rows"] == result.archived
+    got_days = {(d["topic"], d["day"]): [d["events"], d["delivered"], d["dead"], d["pending"]]
+                for d in report["days"]}
+    assert got_days == want["days"]
+    got_latency = {(d["topic"], d["day"]): [d["latency_p50_s"], d["latency_p95_s"], d["latency_p99_s"]]
+                   for d in report["days"] if d["latency_p50_s"] is not None}
+    assert got_latency.keys() == want["latency"].keys()
+    for key, values in want["latency"].items():
+        assert got_latency[key] == pytest.approx(values, abs=1e-3), key
+    got_attempts = {(t["topic"], h["attempts"]): h["rows"] for t in report["topics"] for h in t["attempts_histogram"]}
+    assert got_attempts == want["attempts"]
+    got_errors = {(t["topic"], x["error"]): x["rows"] for t in report["topics"] for x in t["top_errors"]}
+    assert got_errors == want["errors"]
+    top = next(t for t in report["topics"] if t["topic"] == "payments.settled")["top_errors"]
+    assert top[0] == {"error": "timeout talking to the broker", "rows": 3}
+    assert report["totals"]["events"] == sum(v[0] for v in want["days"].values())
+
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["days"] == report["days"]
+    page = (out / "report.html").read_text()
+    assert page.count("src='data:image/png;base64,") == 3 and "payments.settled" in page
+    assert "<script" not in page and "http" not in page.replace("http-equiv", "")  # self-contained
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_report_since_pushes_the_cutoff(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    seed(store, report_rows())
+    report = run_report(spark, store=store, archive=None, out=str(tmp_path / "r"), since_delta=timedelta(days=4))
+    with store.transaction() as c:
+        want = store.engine.execute(c, f"SELECT COUNT(*) FROM {store.engine.table} "
+                                    f"WHERE created_at >= {store.engine.now_plus_ms()}", [-4 * DAY_MS]).fetchone()[0]
+    assert report["totals"]["events"] == want and 0 < want < len(report_rows())
+
+
+def _png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:
+    """Decode an 8-bit RGB/RGBA PNG (what Chromium writes) into rows of raw pixels."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width = 8, b"", 0
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunk = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", chunk[:10])
+            assert depth == 8 and colour in (2, 6)
+            channels = 3 if colour == 2 else 4
+        elif kind == b"IDAT":
+            idat += chunk
+        pos += 12 + length
+    raw, stride, rows, prev = zlib.decompress(idat), width * channels, [], bytearray(width * channels)
+    for y in range(height):
+        filt, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for x in range(stride):
+            a = line[x - channels] if x >= channels else 0
+            b, c = prev[x], (prev[x - channels] if x >= channels else 0)
+            if filt == 1:
+                line[x] = (line[x] + a) & 255
+            elif filt == 2:
+                line[x] = (line[x] + b) & 255
+            elif filt == 3:
+                line[x] = (line[x] + (a + b) // 2) & 255
+            elif filt == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return width, channels, rows
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_report_html_renders_in_a_headless_browser(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no headless browser: apt-get install chromium (.ci/run installs it)")
+    seed(store, report_rows())
+    out = tmp_path / "report"
+    run_report(spark, store=store, archive=None, out=str(out))
+    shot = tmp_path / "shot.png"
+    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                           "--disable-component-update", "--no-first-run", "--hide-scrollbars",
+                           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,1400",
+                           f"--screenshot={shot}", (out / "report.html").as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert shot.exists(), proc.stderr[-2000:]
+    width, channels, rows = _png_pixels(shot.read_bytes())
+    # The charts' coloured bars: count pixels that are clearly not grey (text and
+    # borders are black/grey; the page background is white).
+    coloured, values = 0, []
+    for line in rows[::4]:
+        for x in range(0, width * channels, channels * 4):
+            r, g, b = line[x], line[x + 1], line[x + 2]
+            values.append(r + g + b)
+            if max(r, g, b) - min(r, g, b) > 60:
+                coloured += 1
+    mean = sum(values) / len(values)
+    variance = sum((v - mean) ** 2 for v in values) / len(values)
+    assert variance > 100, "the screenshot is blank"
+    assert coloured > 200, f"no chart colours in the screenshot ({coloured} coloured samples)"
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+@pytest.mark.parametrize(("args", "message"), [
+    (["--since", "3x"], "--since: '3x' is not a duration"),
+    (["--out", "/proc/outbox-report"], "cannot write the report"),
+    (["--archive", "/nonexistent/outbox-archive"], "no archive at file:///nonexistent/outbox-archive"),
+])
+def test_report_bad_arguments(spark: Any, store: OutboxStore, url: str, tmp_path: Path, args: list[str],
+                              message: str) -> None:
+    from test_pipeline_archive import invoke
+
+    seed(store, report_rows()[:3])
+    full = ["pipeline", "report", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "r")])
+    out = invoke(full, {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
+    assert out.exit_code == 1, out.output
+    last = out.output.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, out.output
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_report_command_line(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
+    from test_pipeline_archive import invoke
+
+    seed(store, report_rows())
+    out = invoke(["pipeline", "report", "--since", "30d", "--out", str(tmp_path / "r")],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
+    assert out.exit_code == 0, out.output
+    assert f"{len(report_rows())} events" in out.output
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["totals"]["events"] == len(report_rows())

@@ -1,0 +1,167 @@
+"""The pipeline's pure logic (no Spark session): durations, id-range chunks,
+driver-native values, replay message ids, and its SQL on SQL Server, parsed with
+sqlglot's T-SQL dialect (no SQL Server runs here)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlglot
+from sqlglot import exp
+
+from outbox.engines.mssql import MssqlEngine
+from outbox.pipeline.common import (PipelineError, archive_uri, decode_native, encode_native, parse_duration,
+                                    parse_point_in_time, range_chunks)
+
+
+@pytest.mark.parametrize(("text", "want"), [("7d", timedelta(days=7)), ("90m", timedelta(minutes=90)),
+                                            ("0s", timedelta(0)), (" 12h ", timedelta(hours=12))])
+def test_durations(text: str, want: timedelta) -> None:
+    assert parse_duration(text) == want
+
+
+@pytest.mark.parametrize("text", ["7", "d", "7w", "-1d", "1.5h", "", "7 days"])
+def test_bad_durations_name_the_option(text: str) -> None:
+    with pytest.raises(PipelineError, match=r"^--older-than: .* is not a duration \(use <n>s"):
+        parse_duration(text, "--older-than")
+
+
+def test_points_in_time() -> None:
+    now = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)
+    assert parse_point_in_time("2d", "--since", now) == now - timedelta(days=2)
+    assert parse_point_in_time("2026-11-01", "--since", now) == datetime(2026, 11, 1, tzinfo=timezone.utc)
+    assert parse_point_in_time("2026-11-01T10:00+02:00", "--since", now) == datetime(2026, 11, 1, 8,
+                                                                                   tzinfo=timezone.utc)
+    with pytest.raises(PipelineError, match="--until: 'soon' is neither a duration"):
+        parse_point_in_time("soon", "--until", now)
+
+
+def test_range_chunks_cover_each_id_once() -> None:
+    ranges = [[1, 7], [10, 10], [12, 15]]
+    chunks = list(range_chunks(ranges, 3))
+    assert chunks == [(1, 3), (4, 6), (7, 7), (10, 10), (12, 14), (15, 15)]
+    covered = [i for lo, hi in chunks for i in range(lo, hi + 1)]
+    assert covered == [i for lo, hi in ranges for i in range(lo, hi + 1)]
+
+
+@pytest.mark.parametrize("value", ["2026-11-23 10:56:29.766",
+                                   datetime(2026, 11, 23, 10, 56, 29, 756000),
+                                   datetime(2026, 11, 23, 10, 56, 29, 718340, tzinfo=timezone.utc)])
+def test_native_values_cross_processes_unchanged(value: object) -> None:
+    back = decode_native(encode_native(value))
+    assert back == value and type(back) is type(value)
+    if isinstance(value, datetime):
+        assert (back.tzinfo is None) == (value.tzinfo is None)
+
+
+def test_archive_locations(tmp_path: object) -> None:
+    assert archive_uri("s3a://bucket/outbox/") == "s3a://bucket/outbox"
+    assert archive_uri("hdfs://nn:8020/a") == "hdfs://nn:8020/a"
+    assert archive_uri("relative/dir").startswith("file:///")
+    with pytest.raises(PipelineError):
+        archive_uri("  ")
+
+
+def test_replay_ids_are_deterministic_and_short() -> None:
+    pytest.importorskip("pyspark")
+    from outbox.pipeline.replay import REPLAY_NAMESPACE, replay_message_id
+    original = "x" * 64  # the longest message id the table holds
+    assert replay_message_id(original) == replay_message_id(original) == str(uuid.uuid5(REPLAY_NAMESPACE, original))
+    assert replay_message_id(original) != replay_message_id(original[:-1])
+    assert len(replay_message_id(original)) == 36
+
+
+def _tsql(sql: str, params: int) -> exp.Expression:
+    assert sql.count("?") == params, sql
+    parsed = sqlglot.parse_one(sql, read="tsql")
+    assert not isinstance(parsed, exp.Command), f"sqlglot fell back to an opaque command: {sql}"
+    return parsed
+
+
+def test_pipeline_sql_parses_as_tsql() -> None:
+    pytest.importorskip("pyspark")
+    from outbox.pipeline.archive import candidates_sql, check_table_sql, delete_sql
+    from outbox.pipeline.replay import existing_sql
+    from outbox.pipeline.source import OutboxQuery
+
+    engine = MssqlEngine(table="outbox", schema="dbo")
+    native = encode_native(datetime(2026, 11, 16, 12, 0))
+    query = OutboxQuery({"url": "mssql+pyodbc://u:p@h:1433/db?driver=FreeTDS", "table": "outbox",
+                         "schema": "dbo", "statuses": "2,4", "processed_before": native, "created_since": native})
+    bounds = _tsql(query.bounds_sql(), len(query.params))
+    assert bounds.find(exp.Where) is not None
+    page = _tsql(query.page_sql(), 3 + len(query.params))
+    assert "FETCH NEXT" in page.sql(dialect="tsql").upper() and "CAST(payload AS NVARCHAR(MAX))" in query.page_sql()
+    _tsql(check_table_sql(engine), 0)
+    _tsql(candidates_sql(engine, [2, 4]), 1)
+    delete = _tsql(delete_sql(engine, [2]), 3)
+    assert isinstance(delete, exp.Delete)
+    _tsql(existing_sql(engine.table, 500), 500)
+    from outbox.pipeline.replay import insert_sql
+    insert = _tsql(insert_sql(engine), 8)
+    assert isinstance(insert, exp.Insert) and "SYSUTCDATETIME()" in insert_sql(engine)
+
+
+@pytest.mark.parametrize("master", ["local", "local[*]", "local[2]", "local[4, 2]", "spark://10.0.0.1:7077", "yarn",
+                                    "k8s://https://k8s.example:6443"])
+def test_master_urls(master: str) -> None:
+    from outbox.pipeline.session import check_master
+    assert check_master(master) == master
+
+
+@pytest.mark.parametrize("master", ["bogus://x", "local[", "spark", ""])
+def test_bad_master_urls(master: str) -> None:
+    from outbox.pipeline.session import check_master
+    with pytest.raises(PipelineError, match="is not a Spark master URL"):
+        check_master(master)
+
+
+def _report(days: list[dict], topics: list[dict]) -> dict:
+    figures = {"events": 0, "delivered": 0, "dead": 0, "pending": 0, "latency_p50_s": None,
+               "latency_p95_s": None, "latency_p99_s": None}
+    return {"generated_at": "2026-11-23T00:00:00+00:00",
+            "sources": {"table": "sqlite:outbox", "archive": None, "since": None, "live_rows": 0, "archive_rows": 0},
+            "totals": {**figures, "attempts_histogram": []}, "days": days, "topics": topics}
+
+
+def test_html_report_of_an_empty_outbox_still_renders() -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pyspark")
+    from outbox.pipeline.report import render_html
+    page = render_html(_report([], []))
+    assert page.count("src='data:image/png;base64,") == 3 and page.endswith("</html>")
+
+
+def test_html_report_escapes_names() -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pyspark")
+    from outbox.pipeline.report import render_html
+    topic = {"topic": "<script>x</script>", "events": 1, "delivered": 0, "dead": 1, "pending": 0,
+             "latency_p50_s": None, "latency_p95_s": None, "latency_p99_s": None, "attempts_histogram": [],
+             "top_errors": [{"error": "a < b & c", "rows": 1}]}
+    day = {k: v for k, v in topic.items() if k not in ("attempts_histogram", "top_errors")}
+    page = render_html(_report([{**day, "day": "2026-11-20"}], [topic]))
+    assert "<script>" not in page and "&lt;script&gt;" in page and "a &lt; b &amp; c" in page
+
+
+def test_cli_without_pyspark(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """The ``outbox`` command works without the spark extra; a pipeline job then
+    says which extra to install, in one line."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+    from outbox.config import reset_settings
+
+    monkeypatch.setitem(sys.modules, "pyspark", None)  # import pyspark -> ImportError
+    reset_settings()
+    assert CliRunner().invoke(main, ["pipeline", "--help"]).exit_code == 0
+    out = CliRunner().invoke(main, ["pipeline", "archive", "--older-than", "1d", "--to", str(tmp_path)],
+                             env={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path}/x.db"})
+    assert out.exit_code == 1
+    assert out.output.strip().splitlines()[-1].startswith('error: the pipeline needs PySpark 4 and Java 17: '
+                                                          'pip install "outbox-relay[spark]"')
+    reset_settings()
