@@ -15,4 +15,6 @@ Modules:
 * ``bench.live``    commit-to-arrival latency at a fixed write rate, with and without the
   post-commit wake.
 * ``bench.loop``    the baseline loop as a subprocess entry point.
+* ``bench.transport`` the database as Celery's broker (``outboxdb``) against Redis and kombu's
+  SQLAlchemy transport (``python -m bench.transport``; figures in ``docs/transport.md``).
 """

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("writer-side API", ("outbox.enqueue", "outbox.wake")),
     ("worker process wiring", ("outbox.worker",)),
     ("Celery app", ("outbox.celery_app", "outbox.celery_redis")),
-    ("schedule", ("beat_schedule",)),
+    ("schedule, Celery's database broker", ("beat_schedule", "outbox.transport", "outbox.transport.*")),
     ("relay logic and worker services", ("outbox.relay", "outbox.relay.*", "outbox.listen", "outbox.worker_logging")),
     ("publisher, store, metrics", ("outbox.publisher", "outbox.publisher.*", "outbox.store", "outbox.metrics")),
     ("engines", ("outbox.engines", "outbox.engines.*")),

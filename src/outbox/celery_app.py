@@ -16,7 +16,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
-from .config import RelayOptions, Settings, relay_options, relay_settings, use_conf
+from .config import RelayOptions, Settings, conf_keys, relay_options, relay_settings, use_conf
 from .errors import ConfigError
 from .names import CLAIM_QUEUE, CLAIM_TASK, PUBLISH_TASK, QUEUES, ROUTES
 from .redact import redact
@@ -74,6 +74,18 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         # kombu's Redis transport, made to drop a message it cannot decode instead of
         # stopping the worker (outbox.celery_redis). The URL is read exactly as before.
         config["broker_transport"] = "outbox.celery_redis:Transport"
+    elif broker_url.startswith("outboxdb"):
+        # The database as Celery's broker (docs/transport.md). Imported only here, so a
+        # worker on any other broker imports nothing of it (this runs before Celery
+        # connects, so the outboxdb scheme is registered in time). A publish task may run
+        # up to its time limit (the lease) before it is acked: the visibility timeout must
+        # outlast that, or the message would be delivered again while it runs.
+        from .transport import register
+        from .transport.options import transport_options
+
+        register()
+        config["broker_transport_options"] = transport_options(
+            conf_keys(), os.environ, visibility_timeout=max(120.0, 2 * lease_s))
     if in_memory:
         # One process: threads share the in-memory broker, prefork children would not.
         config["worker_pool"] = "threads"

@@ -97,10 +97,21 @@ def main(verbose: bool) -> None:
 @click.option("--native-json", is_flag=True, help="SQL Server 2025+ / Azure SQL: use the json column type.")
 @one_line_errors
 def migrate(native_json: bool) -> None:
-    """Create the outbox table and indexes, or repair a partial deployment. Idempotent."""
+    """Create the outbox table and indexes, or repair a partial deployment. Idempotent.
+
+    When OUTBOX_CELERY_BROKER_URL selects the database broker (outboxdb+...), its queue
+    tables are created or repaired too (docs/transport.md)."""
     store = _store()
     store.migrate(native_json=native_json)
     click.echo(f"migrated {store.engine.table} on {store.engine.name}")
+    broker_url = get_settings().broker_url
+    from .transport import is_transport_url, migrate_queue_tables
+    if is_transport_url(broker_url):
+        import os
+        from .transport.options import transport_options
+        table = transport_options(os.environ, visibility_timeout=1.0).get("queue_table")
+        tables = migrate_queue_tables(broker_url, table=table)
+        click.echo(f"migrated {tables.table} and {tables.bindings} (Celery's broker) on {tables.engine.name}")
 
 
 @main.command()

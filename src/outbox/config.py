@@ -29,6 +29,11 @@ MAX_CLAIM_TIMEOUT_MS = 86_400_000
 
 #: Prefix of the relay's tuning options, which ``load_settings`` leaves to ``RelayOptions``.
 RELAY_PREFIX = "OUTBOX_RELAY_"
+#: Prefix of the database broker's options (``outbox.transport.options``), read there.
+TRANSPORT_PREFIX = "OUTBOX_TRANSPORT_"
+#: The URL scheme of the package's own database broker (``outboxdb+postgresql://...``):
+#: a known transport even before ``outbox.transport`` registers it with kombu.
+DATABASE_BROKER_SCHEME = "outboxdb"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -176,7 +181,7 @@ def validate_kombu_url(url: str, setting: str) -> str:
         raise ConfigError(f"{setting}={shown} is not a broker URL (expected e.g. amqp://user:pass@host//)")
     scheme = url.split("://", 1)[0]
     transport = scheme.split("+", 1)[0]
-    if transport not in TRANSPORT_ALIASES:
+    if transport not in TRANSPORT_ALIASES and transport != DATABASE_BROKER_SCHEME:
         close = difflib.get_close_matches(transport, TRANSPORT_ALIASES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{setting}={shown}: unknown broker transport {scheme!r}{hint} "
@@ -295,6 +300,8 @@ OTHER_NAMES = (
     "OUTBOX_RELAY_HEARTBEAT_S",
     "OUTBOX_SPARK_MASTER", "OUTBOX_SPARK_SHUFFLE_PARTITIONS", "OUTBOX_SPARK_LOG_LEVEL", "OUTBOX_SPARK_UI",
     "OUTBOX_PIPELINE_CRASH_AT",
+    "OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S", "OUTBOX_TRANSPORT_POLLING_INTERVAL_S", "OUTBOX_TRANSPORT_RECEIVE_BATCH",
+    "OUTBOX_TRANSPORT_QUEUE_TABLE",
 )
 #: Names that are not the package's settings: the test suite's own.
 EXEMPT_NAMES = ("OUTBOX_REQUIRE_SERVICES",)
@@ -354,8 +361,9 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
                 break
     # OUTBOX_RELAY_* keys tune the relay (``RelayOptions`` below, which reads and
     # validates them itself); they may sit next to these settings in the same config.
-    unknown = [k for k in (overrides or {})
-               if k.startswith("OUTBOX_") and k not in _SETTINGS and not k.startswith(RELAY_PREFIX)]
+    # OUTBOX_TRANSPORT_* keys likewise belong to the database broker (``outbox.transport``).
+    unknown = [k for k in (overrides or {}) if k.startswith("OUTBOX_") and k not in _SETTINGS
+               and not k.startswith((RELAY_PREFIX, TRANSPORT_PREFIX))]
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]} (known: {', '.join(_SETTINGS)})")
     return Settings(**{k: v for k, v in values.items() if v is not None})

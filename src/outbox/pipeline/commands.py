@@ -15,12 +15,15 @@ import click
 
 from ..config import get_settings
 from ..errors import OutboxError
+from ..redact import redact
 from ..store import OutboxStore
 from .common import crash_hook_from_env, parse_duration
 
 
 def _errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """One line on stderr and exit status 1, whatever failed (Spark's errors are long)."""
+    """One line on stderr and exit status 1, whatever failed, passwords masked: like the
+    other commands' ``outbox.cli.one_line_errors``, but only the first line of an error
+    (Spark's run to pages)."""
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -28,10 +31,10 @@ def _errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except OutboxError as exc:
-            click.echo(f"error: {' '.join(str(exc).split())}", err=True)
+            click.echo(redact(f"error: {' '.join(str(exc).split())}"), err=True)
         except Exception as exc:
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            click.echo(f"error: {type(exc).__name__}: {(lines[0] if lines else '')[:300]}", err=True)
+            click.echo(redact(f"error: {type(exc).__name__}: {(lines[0] if lines else '')[:300]}"), err=True)
         sys.exit(1)
     return wrapper
 

@@ -1,0 +1,138 @@
+"""Queue tables on SQL Server 2016 SP1+ and Azure SQL.
+
+The lease is one batch: a CTE takes the queue's oldest visible rows with
+``READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK`` (skip rows other receivers hold,
+lock only what is read, and READCOMMITTEDLOCK so READPAST is allowed on
+READ_COMMITTED_SNAPSHOT databases such as Azure SQL), updates them, and hands them
+back through ``OUTPUT ... INTO`` a table variable (a bare OUTPUT fails on tables
+with triggers). The batch saves and restores NOCOUNT as ``mssql.py`` explains.
+
+The message table is clustered on ``id``, the seeds' 2016 design: inserts go to
+the end, the receive index is ``(queue, id)``. The 2024 design moved hot queues to
+a heap with a non-clustered index against last-page latch contention; that is a
+measured trade-off we could not measure here (no SQL Server), and heaps do not
+give back pages emptied by singleton DELETEs, which a queue does all day. See
+docs/transport.md for the heap variant and when to use OPTIMIZE_FOR_SEQUENTIAL_KEY.
+
+Times: DATEADD takes an INT, so delays are split into seconds and milliseconds
+(an INT of milliseconds overflows after ~24.8 days; a countdown may be longer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .mssql import FILTERED_INDEX_OPTIONS, _if, _nstr, _result_rows
+from .queues import MAX_NAME, MessageRow, QueueTables, to_rows
+
+#: Names compare exactly, as on the other engines (default collations ignore case).
+NAME_COLLATION = "Latin1_General_100_BIN2"
+
+
+class MssqlQueueTables(QueueTables):
+    def after_ms(self) -> str:
+        return "DATEADD(MILLISECOND, ?, DATEADD(SECOND, ?, SYSUTCDATETIME()))"
+
+    def after_params(self, ms: int) -> list[Any]:
+        seconds, millis = divmod(max(int(ms), 0), 1000)
+        return [millis, seconds]
+
+    def migration(self) -> list[str]:
+        q, schema = self.engine.quote, self.engine.schema or "dbo"
+        name = f"NVARCHAR({MAX_NAME}) COLLATE {NAME_COLLATION} NOT NULL"
+
+        def index(table: str, suffix: str, ddl: str) -> str:
+            index_name = self.index_name(suffix)
+            return _if(f"NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = {_nstr(index_name)} "
+                       f"AND object_id = OBJECT_ID({_nstr(table)}))",
+                       f"CREATE {ddl.format(index=q(index_name), t=table)}")
+
+        def constraint(kind: str, table: str, column: str = "") -> str:
+            return "CONSTRAINT " + q("_".join(filter(None, (kind, table, column))))
+
+        t, b = self.table, self.bindings
+        steps = [
+            _if(f"SCHEMA_ID({_nstr(schema)}) IS NULL", f"EXEC sp_executesql {_nstr('CREATE SCHEMA ' + q(schema))}"),
+            _if(f"OBJECT_ID({_nstr(t)}, N'U') IS NULL", f"""CREATE TABLE {t} (
+        id BIGINT IDENTITY(1,1) NOT NULL,
+        queue {name},
+        headers NVARCHAR(MAX) NOT NULL,
+        body NVARCHAR(MAX) NULL,
+        visible_at DATETIME2(3) NOT NULL {constraint('df', self.table_name, 'visible_at')} DEFAULT SYSUTCDATETIME(),
+        expires_at DATETIME2(3) NULL,
+        receipt CHAR(32) NULL,
+        deliveries INT NOT NULL {constraint('df', self.table_name, 'deliveries')} DEFAULT 0,
+        created_at DATETIME2(3) NOT NULL {constraint('df', self.table_name, 'created_at')} DEFAULT SYSUTCDATETIME(),
+        {constraint('pk', self.table_name)} PRIMARY KEY CLUSTERED (id)
+    )"""),
+            index(t, "receive", "NONCLUSTERED INDEX {index} ON {t} (queue, id) INCLUDE (visible_at, expires_at)"),
+            index(t, "expires", "NONCLUSTERED INDEX {index} ON {t} (expires_at) WHERE expires_at IS NOT NULL"),
+            _if(f"OBJECT_ID({_nstr(b)}, N'U') IS NULL", f"""CREATE TABLE {b} (
+        id BIGINT IDENTITY(1,1) NOT NULL,
+        exchange {name},
+        routing_key {name},
+        pattern {name},
+        queue {name},
+        message_ttl_ms BIGINT NULL,
+        {constraint('pk', self.binding_name)} PRIMARY KEY CLUSTERED (id)
+    )"""),
+            index(b, "binding", "UNIQUE NONCLUSTERED INDEX {index} ON {t} (exchange, routing_key, queue)"),
+        ]
+        return [f"{FILTERED_INDEX_OPTIONS}\n{step}" for step in steps]
+
+    def existing_indexes_sql(self) -> tuple[str, list[Any]]:
+        return ("SELECT name FROM sys.indexes WHERE object_id = OBJECT_ID(?) AND name IS NOT NULL", [self.table])
+
+    def lease_statements(self) -> list[str]:
+        """Parameters: ``lease_params``."""
+        t = self.table
+        return [
+            "DECLARE @nocount INT = @@OPTIONS & 512;",
+            "SET NOCOUNT ON;",
+            f"DECLARE @limit INT = ?, @queue NVARCHAR({MAX_NAME}) = ?, @receipt CHAR(32) = ?, "
+            "@vis_ms INT = ?, @vis_s INT = ?;",
+            f"DECLARE @out TABLE (id BIGINT NOT NULL PRIMARY KEY, queue NVARCHAR({MAX_NAME}) NOT NULL, "
+            "headers NVARCHAR(MAX) NOT NULL, body NVARCHAR(MAX) NULL, deliveries INT NOT NULL);",
+            f"""WITH leased AS (
+    SELECT TOP (@limit) id, queue, headers, body, visible_at, receipt, deliveries
+    FROM {t} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK)
+    WHERE queue = @queue AND visible_at <= SYSUTCDATETIME()
+      AND (expires_at IS NULL OR expires_at > SYSUTCDATETIME())
+    ORDER BY id)
+UPDATE leased SET
+    visible_at = DATEADD(MILLISECOND, @vis_ms, DATEADD(SECOND, @vis_s, SYSUTCDATETIME())),
+    receipt = @receipt,
+    deliveries = deliveries + 1
+OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.deliveries INTO @out;""",
+            _if("@nocount = 0", "SET NOCOUNT OFF"),
+            "SELECT id, queue, headers, body, deliveries FROM @out ORDER BY id;",
+        ]
+
+    def lease_batch(self) -> str:
+        return "\n".join(self.lease_statements())
+
+    def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
+        params = [limit, queue, receipt, *self.after_params(visibility_ms)]
+        self.run(cursor, self.lease_batch(), params)
+        return to_rows(_result_rows(cursor))
+
+    def probe_sql(self, count: int) -> str:
+        # READPAST: a row another receiver is leasing right now is not news to this one.
+        names = ", ".join("?" * count)
+        return (f"SELECT CASE WHEN EXISTS (SELECT 1 FROM {self.table} WITH (READCOMMITTEDLOCK, READPAST) "
+                f"WHERE queue IN ({names}) AND {self.visible()}) THEN 1 ELSE 0 END")
+
+    def purge_expired_sql(self) -> str:
+        return (f"DELETE TOP (?) FROM {self.table} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK) "
+                f"WHERE expires_at <= SYSUTCDATETIME()")
+
+    def bind_sql(self) -> str:
+        b = self.bindings
+        return (f"INSERT INTO {b} (exchange, routing_key, pattern, queue, message_ttl_ms) SELECT ?, ?, ?, ?, ? "
+                f"WHERE NOT EXISTS (SELECT 1 FROM {b} WITH (UPDLOCK, HOLDLOCK) "
+                "WHERE exchange = ? AND routing_key = ? AND queue = ?)")
+
+    def bind(self, cursor: Any, exchange: str, routing_key: str, pattern: str, queue: str,
+             message_ttl_ms: int | None = None) -> None:
+        self.run(cursor, self.bind_sql(),
+                 [exchange, routing_key, pattern, queue, message_ttl_ms, exchange, routing_key, queue])

@@ -1,0 +1,90 @@
+"""Queue tables on MySQL 8 and MariaDB 10.6+.
+
+Neither has ``UPDATE ... RETURNING`` (MariaDB only from 11.x on some statements),
+so the lease is a locking read of one queue's oldest visible rows (``FOR UPDATE
+SKIP LOCKED`` on the ``(queue, id, ...)`` index, in index order: it locks only the
+rows it returns) followed by one UPDATE of those ids, in the caller's short READ
+COMMITTED transaction. Names use a binary collation: queue ``a`` is not ``A``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .queues import MAX_NAME, MessageRow, QueueTables, to_rows
+
+
+class MysqlQueueTables(QueueTables):
+    lock_rows = " FOR UPDATE SKIP LOCKED"
+
+    def migration(self) -> list[Any]:
+        q, engine = self.engine.quote, self.engine
+        schema = "DATABASE()" if not engine.schema else "?"
+        schema_params = [engine.schema] if engine.schema else []
+
+        def index_exists(table: str, index: str) -> tuple[str, list[Any]]:
+            return (f"SELECT 1 FROM information_schema.statistics WHERE table_schema = {schema} "
+                    "AND table_name = ? AND index_name = ?", [*schema_params, table, index])
+
+        name = f"VARCHAR({MAX_NAME}) NOT NULL"
+        steps: list[Any] = [f"CREATE DATABASE IF NOT EXISTS {q(engine.schema)}"] if engine.schema else []
+        steps += [
+            f"""CREATE TABLE IF NOT EXISTS {self.table} (
+                id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                queue {name},
+                headers LONGTEXT NOT NULL,
+                body LONGTEXT NULL,
+                visible_at DATETIME(3) NOT NULL,
+                expires_at DATETIME(3) NULL,
+                receipt VARCHAR(32) NULL,
+                deliveries INT NOT NULL DEFAULT 0,
+                created_at DATETIME(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)
+            ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+            (index_exists(self.table_name, self.index_name("receive")),
+             f"CREATE INDEX {q(self.index_name('receive'))} ON {self.table} (queue, id, visible_at)"),
+            (index_exists(self.table_name, self.index_name("expires")),
+             f"CREATE INDEX {q(self.index_name('expires'))} ON {self.table} (expires_at)"),
+            f"""CREATE TABLE IF NOT EXISTS {self.bindings} (
+                id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                exchange {name},
+                routing_key {name},
+                pattern {name},
+                queue {name},
+                message_ttl_ms BIGINT NULL,
+                UNIQUE KEY {q(self.index_name('binding'))} (exchange, routing_key, queue)
+            ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+        ]
+        return steps
+
+    def existing_indexes_sql(self) -> tuple[str, list[Any]]:
+        schema = "DATABASE()" if not self.engine.schema else "?"
+        return (f"SELECT DISTINCT index_name FROM information_schema.statistics WHERE table_schema = {schema} "
+                "AND table_name = ?", [*([self.engine.schema] if self.engine.schema else []), self.table_name])
+
+    def put_sql(self, with_expiry: bool) -> str:
+        # created_at from the same clock as visible_at (UTC), not the session time zone.
+        expires = self.after_ms() if with_expiry else "NULL"
+        return (f"INSERT INTO {self.table} (queue, headers, body, visible_at, expires_at, created_at) "
+                f"VALUES (?, ?, ?, {self.after_ms()}, {expires}, {self.engine.now})")
+
+    def scan_sql(self) -> str:
+        return (f"SELECT id, queue, headers, body, deliveries FROM {self.table} "
+                f"WHERE queue = ? AND {self.visible()} ORDER BY id LIMIT ?{self.lock_rows}")
+
+    def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
+        rows = self.run(cursor, self.scan_sql(), [queue, limit]).fetchall()
+        if not rows:
+            return []
+        ids = [int(r[0]) for r in rows]
+        self.run(cursor, f"UPDATE {self.table} SET visible_at = {self.after_ms()}, receipt = ?, "
+                 f"deliveries = deliveries + 1 WHERE id IN ({', '.join('?' * len(ids))})",
+                 [*self.after_params(visibility_ms), receipt, *ids])
+        return to_rows([(r[0], r[1], r[2], r[3], int(r[4]) + 1) for r in rows])
+
+    def purge_expired_sql(self) -> str:
+        # MySQL rejects LIMIT inside an IN subquery; a single-table DELETE takes it.
+        return f"DELETE FROM {self.table} WHERE expires_at <= {self.engine.now} ORDER BY expires_at LIMIT ?"
+
+    def bind_sql(self) -> str:
+        return (f"INSERT IGNORE INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "
+                "VALUES (?, ?, ?, ?, ?)")

@@ -1,0 +1,66 @@
+"""Queue tables on SQLite: one writer at a time, so the lease is a single
+``UPDATE ... RETURNING`` (SQLite 3.35+) that no other process can interleave with;
+it waits on the busy timeout rather than failing while another process writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .queues import MessageRow, QueueTables, to_rows
+from .sqlite import _NOW
+
+
+class SqliteQueueTables(QueueTables):
+    def index_ref(self, suffix: str) -> str:
+        name = self.engine.quote(self.index_name(suffix))
+        schema = self.engine.schema
+        return name if schema in (None, "main") else f"{self.engine.quote(schema)}.{name}"
+
+    def migration(self) -> list[Any]:
+        q = self.engine.quote
+        table, bindings = q(self.table_name), q(self.binding_name)
+        return [
+            f"""CREATE TABLE IF NOT EXISTS {self.table} (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                queue TEXT NOT NULL,
+                headers TEXT NOT NULL,
+                body TEXT NULL,
+                visible_at TEXT NOT NULL DEFAULT ({_NOW}),
+                expires_at TEXT NULL,
+                receipt TEXT NULL,
+                deliveries INTEGER NOT NULL DEFAULT 0,
+                created_at TEXT NOT NULL DEFAULT ({_NOW})
+            )""",
+            f"CREATE INDEX IF NOT EXISTS {self.index_ref('receive')} ON {table} (queue, id, visible_at)",
+            f"CREATE INDEX IF NOT EXISTS {self.index_ref('expires')} ON {table} (expires_at) "
+            "WHERE expires_at IS NOT NULL",
+            f"""CREATE TABLE IF NOT EXISTS {self.bindings} (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                exchange TEXT NOT NULL,
+                routing_key TEXT NOT NULL,
+                pattern TEXT NOT NULL,
+                queue TEXT NOT NULL,
+                message_ttl_ms INTEGER NULL
+            )""",
+            f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('binding')} ON {bindings} "
+            "(exchange, routing_key, queue)",
+        ]
+
+    def existing_indexes_sql(self) -> tuple[str, list[Any]]:
+        schema = self.engine.schema if self.engine.schema not in (None, "main") else "main"
+        return (f"SELECT name FROM {self.engine.quote(schema)}.sqlite_master WHERE type = 'index' AND tbl_name = ?",
+                [self.table_name])
+
+    def lease_sql(self) -> str:
+        t = self.table
+        return (f"UPDATE {t} SET visible_at = {self.after_ms()}, receipt = ?, deliveries = deliveries + 1 "
+                f"WHERE id IN (SELECT id FROM {t} WHERE queue = ? AND {self.visible()} ORDER BY id LIMIT ?) "
+                "RETURNING id, queue, headers, body, deliveries")
+
+    def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
+        params = [*self.after_params(visibility_ms), receipt, queue, limit]
+        return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
+
+    def bind_sql(self) -> str:
+        return (f"INSERT INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (exchange, routing_key, queue) DO NOTHING")

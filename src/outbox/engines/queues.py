@@ -1,0 +1,236 @@
+"""Queue tables: the SQL behind the database-as-Celery-broker transport
+(``outbox.transport``), one contract for every engine.
+
+Layout: ONE message table for all queues, with a ``queue`` column, not a table per
+queue (the seeds' model). A Celery worker consumes several queues at once (the
+relay's four, its control queue, events): with a table per queue an idle worker
+pays one query per queue per poll, here it pays one probe per poll whatever the
+number of queues, and creating a queue is an INSERT, not DDL at run time. The
+receive statement still reads one queue at a time through the ``(queue, id)``
+index, in index order, so it locks only the rows it takes (a multi-queue
+``ORDER BY id`` would sort, and on InnoDB and SQL Server lock every row it sorted).
+
+Columns (``MessageRow``): ``id`` (identity: FIFO), ``queue``, ``headers`` (the
+kombu envelope as JSON: properties, headers, content type), ``body`` (text as
+kombu encoded it), ``visible_at`` (not deliverable before: the delay of
+``countdown``/``eta`` and the lease of a received message), ``expires_at`` (never
+delivered after; its own index for the purge), ``receipt`` (the current lease's
+token; ack and release are fenced by it), ``deliveries`` (leases so far: the
+``redelivered`` flag), ``created_at``.
+
+Receiving is a lease: take the oldest visible, unexpired rows of a queue that no
+other receiver holds (``FOR UPDATE SKIP LOCKED`` / ``READPAST``; SQLite has one
+writer), set ``visible_at`` to now + the visibility timeout and a fresh receipt.
+Ack deletes by id and receipt, release makes the row visible again, and a lease
+nobody settles simply runs out: the row is visible again after the timeout.
+
+A second table, ``<table>_binding``, holds exchange bindings, so that every
+process routes direct, topic and fanout messages the same way (Celery's control
+commands and events need that; kombu's in-process binding state cannot do it).
+
+Every time is the database's clock (UTC). Engine modules ``queue_<engine>.py``
+subclass ``QueueTables`` and supply only what differs; ``queue_factory.queue_tables``
+picks the one for an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+from .base import Engine
+
+DEFAULT_QUEUE_TABLE = "outbox_queue"
+#: Longest queue, exchange and routing key name the tables hold.
+MAX_NAME = 255
+
+
+class MessageRow(NamedTuple):
+    id: int
+    queue: str
+    headers: str
+    body: str | None
+    deliveries: int
+
+
+class Binding(NamedTuple):
+    routing_key: str
+    pattern: str
+    queue: str
+    #: The queue's message TTL (``x-message-ttl``), applied when a message is routed to it.
+    message_ttl_ms: int | None = None
+
+
+class Waiter:
+    """Blocks an idle receive loop until a send wakes it (or the timeout passes)."""
+
+    def wait(self, timeout: float) -> bool:
+        """True when woken by a send, False on timeout."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class QueueTables:
+    """SQL for the queue tables of one engine. Holds names, not connections: every
+    method takes a cursor and leaves committing to the caller."""
+
+    #: Appended to the per-queue lease scan (row locks that skip held rows).
+    lock_rows: str = ""
+
+    def __init__(self, engine: Engine, table: str = DEFAULT_QUEUE_TABLE) -> None:
+        self.engine = engine
+        self.table_name = table
+        self.table = engine.qualify(table)
+        self.binding_name = f"{table}_binding"
+        self.bindings = engine.qualify(self.binding_name)
+
+    # -- names and expressions ------------------------------------------------
+    def index_name(self, suffix: str) -> str:
+        return f"ix_{self.table_name}_{suffix}"
+
+    def required_indexes(self) -> list[str]:
+        """Indexes the transport checks for at start-up (a warning names each missing one)."""
+        return [self.index_name("receive"), self.index_name("expires")]
+
+    def after_ms(self) -> str:
+        """The database clock plus a non-negative number of milliseconds (``after_params``)."""
+        return self.engine.now_plus_ms()
+
+    def after_params(self, ms: int) -> list[Any]:
+        return [max(int(ms), 0)]
+
+    def visible(self) -> str:
+        now = self.engine.now
+        return f"visible_at <= {now} AND (expires_at IS NULL OR expires_at > {now})"
+
+    def run(self, cursor: Any, sql: str, params: Sequence[Any] = ()) -> Any:
+        return self.engine.execute(cursor, sql, params)
+
+    # -- schema ----------------------------------------------------------------
+    def migration(self) -> list[Any]:
+        """Guarded, idempotent steps (see ``Engine.migration`` for the item forms)."""
+        raise NotImplementedError
+
+    def migrate(self, cursor: Any) -> None:
+        """Run ``migration()``: create or repair both tables and their indexes."""
+        for step in self.migration():
+            if isinstance(step, tuple):
+                (probe, params), step = step
+                if self.run(cursor, probe, params).fetchone() is not None:
+                    continue
+            self.run(cursor, step)
+
+    def existing_indexes_sql(self) -> tuple[str, list[Any]]:
+        """A query listing the names of the message table's indexes."""
+        raise NotImplementedError
+
+    def missing_indexes(self, cursor: Any) -> list[str]:
+        sql, params = self.existing_indexes_sql()
+        present = {str(row[0]).lower() for row in self.run(cursor, sql, params).fetchall()}
+        return [name for name in self.required_indexes() if name.lower() not in present]
+
+    # -- messages ----------------------------------------------------------------
+    def put_sql(self, with_expiry: bool) -> str:
+        expires = self.after_ms() if with_expiry else "NULL"
+        return (f"INSERT INTO {self.table} (queue, headers, body, visible_at, expires_at) "
+                f"VALUES (?, ?, ?, {self.after_ms()}, {expires})")
+
+    def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
+            ttl_ms: int | None = None) -> None:
+        params = [queue, headers, body, *self.after_params(delay_ms)]
+        if ttl_ms is not None:
+            params += self.after_params(ttl_ms)
+        self.run(cursor, self.put_sql(ttl_ms is not None), params)
+
+    def session_setup(self, cursor: Any) -> None:
+        """Run once on each new connection of the transport (engine-specific tuning)."""
+
+    def open_waiter(self, url: str) -> "Waiter | None":
+        """Something an idle receiver can block on until a message may have arrived
+        (PostgreSQL's LISTEN), or None: the receiver then sleeps between polls."""
+        return None
+
+    def probe_sql(self, count: int) -> str:
+        """One cheap read: is any of ``count`` queues holding a deliverable row?"""
+        names = ", ".join("?" * count)
+        return (f"SELECT CASE WHEN EXISTS (SELECT 1 FROM {self.table} WHERE queue IN ({names}) "
+                f"AND {self.visible()}) THEN 1 ELSE 0 END")
+
+    def probe(self, cursor: Any, queues: Sequence[str]) -> bool:
+        if not queues:
+            return False
+        return bool(self.run(cursor, self.probe_sql(len(queues)), list(queues)).fetchone()[0])
+
+    def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
+        """Lease up to ``limit`` rows of ``queue``, oldest first."""
+        raise NotImplementedError
+
+    def ack_sql(self) -> str:
+        return f"DELETE FROM {self.table} WHERE id = ? AND receipt = ?"
+
+    def ack(self, cursor: Any, id: int, receipt: str) -> int:
+        """Delete a received message; 0 when its lease ran out and someone else holds it."""
+        return self.run(cursor, self.ack_sql(), [id, receipt]).rowcount
+
+    def release_sql(self) -> str:
+        return (f"UPDATE {self.table} SET visible_at = {self.after_ms()}, receipt = NULL "
+                "WHERE id = ? AND receipt = ?")
+
+    def release(self, cursor: Any, id: int, receipt: str, delay_ms: int = 0) -> int:
+        """Make a received message deliverable again (after ``delay_ms``)."""
+        return self.run(cursor, self.release_sql(), [*self.after_params(delay_ms), id, receipt]).rowcount
+
+    def size(self, cursor: Any, queue: str) -> int:
+        """Messages waiting (delayed ones included, leased ones not: AMQP's message count)."""
+        return int(self.run(cursor, f"SELECT COUNT(*) FROM {self.table} WHERE queue = ? AND receipt IS NULL",
+                            [queue]).fetchone()[0])
+
+    def purge(self, cursor: Any, queue: str) -> int:
+        """Delete the messages waiting in ``queue`` (leased ones stay with their receivers)."""
+        return self.run(cursor, f"DELETE FROM {self.table} WHERE queue = ? AND receipt IS NULL",
+                        [queue]).rowcount
+
+    def purge_expired_sql(self) -> str:
+        """Delete at most ``?`` rows whose expiry passed."""
+        return (f"DELETE FROM {self.table} WHERE id IN (SELECT id FROM {self.table} "
+                f"WHERE expires_at <= {self.engine.now} ORDER BY expires_at LIMIT ?)")
+
+    def purge_expired(self, cursor: Any, limit: int) -> int:
+        return self.run(cursor, self.purge_expired_sql(), [limit]).rowcount
+
+    def delete_queue(self, cursor: Any, queue: str) -> None:
+        """Drop every row and binding of ``queue``."""
+        self.run(cursor, f"DELETE FROM {self.table} WHERE queue = ?", [queue])
+        self.run(cursor, f"DELETE FROM {self.bindings} WHERE queue = ?", [queue])
+
+    # -- bindings ----------------------------------------------------------------
+    def bind_sql(self) -> str:
+        """Insert ``(exchange, routing_key, pattern, queue, message_ttl_ms)`` unless
+        ``(exchange, routing_key, queue)`` is stored."""
+        raise NotImplementedError
+
+    def bind(self, cursor: Any, exchange: str, routing_key: str, pattern: str, queue: str,
+             message_ttl_ms: int | None = None) -> None:
+        self.run(cursor, self.bind_sql(), [exchange, routing_key, pattern, queue, message_ttl_ms])
+
+    def unbind(self, cursor: Any, exchange: str, routing_key: str, queue: str) -> None:
+        self.run(cursor, f"DELETE FROM {self.bindings} WHERE exchange = ? AND routing_key = ? AND queue = ?",
+                 [exchange, routing_key, queue])
+
+    def table_bindings(self, cursor: Any, exchange: str) -> list[Binding]:
+        rows = self.run(cursor, f"SELECT routing_key, pattern, queue, message_ttl_ms FROM {self.bindings} "
+                        "WHERE exchange = ? ORDER BY id", [exchange]).fetchall()
+        return [Binding(r[0] or "", r[1] or "", r[2], None if r[3] is None else int(r[3])) for r in rows]
+
+
+def to_rows(rows: Sequence[Sequence[Any]]) -> list[MessageRow]:
+    """Driver rows -> MessageRow, oldest first (RETURNING/OUTPUT promise no order)."""
+    out = [MessageRow(int(r[0]), r[1], r[2] if isinstance(r[2], str) else bytes(r[2]).decode("utf-8"),
+                      r[3] if r[3] is None or isinstance(r[3], str) else bytes(r[3]).decode("utf-8"),
+                      int(r[4])) for r in rows]
+    out.sort(key=lambda m: m.id)
+    return out
+
+
+__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "to_rows"]

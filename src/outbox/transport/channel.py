@@ -1,0 +1,628 @@
+"""The kombu transport on queue tables: ``outboxdb+<database URL>`` as Celery's broker.
+
+Built on ``kombu.transport.virtual`` (kombu's base for brokers that are not AMQP),
+with the SQL in ``outbox.engines.queues`` and its engine modules. What this module
+adds to the virtual transport, and why:
+
+- **Leases instead of delete-on-receive.** ``_get``/``drain_events`` lease rows
+  (invisible for ``visibility_timeout`` seconds, with a receipt); the QoS deletes a
+  row on ack, makes it visible again on reject/requeue and on a warm shutdown, and a
+  worker that dies without either leaves the lease to run out: the message comes
+  back after the visibility timeout. Delivery is at least once.
+- **Shared routing.** Bindings live in a table, so every process routes direct,
+  topic and fanout messages the same way; Celery's remote control (a fanout
+  exchange plus reply queues) and events work across processes.
+- **Native delays.** A message whose Celery ``eta`` header lies ahead is stored
+  invisible until then: no worker holds it in memory, none redelivers it early.
+  ``expiration`` (per-message TTL) becomes ``expires_at``: never delivered after it,
+  purged in chunks by the receive loop.
+- **Adaptive polling.** One probe per poll covers every consumed queue; while
+  messages flow the loop polls again at once, when idle it backs off (doubling,
+  with jitter against herds of workers polling in step) up to ``polling_interval``.
+- **Batches.** A poll leases up to what the prefetch window allows (capped by
+  ``receive_batch``) in one statement per queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from datetime import datetime, timezone
+from queue import Empty
+from typing import Any, Callable, TypeVar
+
+from kombu.transport import virtual
+
+from ..engines import engine_for_url, kind_of_url
+from ..engines.queue_factory import queue_tables
+from ..engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables
+from ..errors import ConfigError
+from .options import SCHEME
+
+log = logging.getLogger("outbox.transport")
+T = TypeVar("T")
+
+
+#: Tables already migrated/checked in this process: (database URL, table).
+_prepared: set[tuple[str, str]] = set()
+_prepared_lock = threading.Lock()
+
+
+def database_url_of(hostname: str | None) -> str:
+    """The database URL behind a broker URL. kombu strips ``outboxdb+`` before the
+    transport sees it; a bare ``outboxdb://`` means the outbox's own database
+    (OUTBOX_DATABASE_URL)."""
+    if not hostname or hostname.startswith(f"{SCHEME}:") or "://" not in hostname and "=" not in hostname:
+        from ..config import get_settings
+        return get_settings().database_url
+    try:
+        kind_of_url(hostname)
+    except ConfigError as exc:
+        detail = str(exc).split(": ", 1)[-1]
+        raise ConfigError(f"Celery broker URL {SCHEME}+...: {detail}") from None
+    return hostname
+
+
+def _eta_delay_ms(headers: dict[str, Any] | None) -> int:
+    """Milliseconds until a Celery message's ``eta`` (protocol 2 header), 0 if none."""
+    eta = (headers or {}).get("eta")
+    if not eta:
+        return 0
+    try:
+        when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+    except (TypeError, ValueError):
+        log.warning("outboxdb: ignoring unparseable eta %r", eta)
+        return 0
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(int((when - datetime.now(timezone.utc)).total_seconds() * 1000), 0)
+
+
+def _ttl_ms(properties: dict[str, Any]) -> int | None:
+    expiration = properties.get("expiration")
+    if expiration in (None, ""):
+        return None
+    try:
+        return max(int(float(expiration)), 0)
+    except (TypeError, ValueError):
+        raise ValueError(f"message expiration must be milliseconds, got {expiration!r}") from None
+
+
+def _check_name(kind: str, name: str) -> None:
+    """Names are stored in VARCHAR(MAX_NAME) columns: refuse longer ones clearly."""
+    if len(name) > MAX_NAME:
+        raise ValueError(f"outboxdb: {kind} name is {len(name)} characters, the queue tables hold at most "
+                         f"{MAX_NAME}: {name[:40]!r}...")
+
+
+def _split_tag(delivery_tag: str) -> tuple[int, str]:
+    row_id, _, receipt = str(delivery_tag).partition(".")
+    return int(row_id), receipt
+
+
+class QoS(virtual.QoS):
+    """Prefetch accounting from kombu, settlement in the table: ack deletes the row,
+    reject deletes it or (requeue) makes it visible again, both fenced by the lease's
+    receipt, so a late ack for a lease that ran out changes nothing."""
+
+    def ack(self, delivery_tag: str) -> None:
+        if delivery_tag in self._delivered and delivery_tag not in self._dirty:
+            self.channel._settle(delivery_tag, requeue=False)
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if delivery_tag in self._delivered and delivery_tag not in self._dirty:
+            self.channel._settle(delivery_tag, requeue=requeue)
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list:
+        """Warm shutdown, channel close: hand every unsettled message back at once
+        (rather than leaving it to the visibility timeout)."""
+        self._flush()
+        errors = []
+        while self._delivered:
+            tag, message = self._delivered.popitem()
+            try:
+                self.channel._settle(tag, requeue=True)
+            except Exception as exc:  # reported by restore_unacked_once
+                errors.append((exc, message))
+        return errors
+
+
+class Channel(virtual.Channel):
+    QoS = QoS
+    supports_fanout = True
+    do_restore = True
+
+    #: Seconds a received message stays invisible before it is delivered again.
+    visibility_timeout: float = 3600.0
+    #: Most messages one poll leases from one queue.
+    receive_batch: int = 10
+    #: Message table (the bindings table is ``<queue_table>_binding``).
+    queue_table: str = DEFAULT_QUEUE_TABLE
+    #: Schema (SQL Server, PostgreSQL) or database (MySQL) of the tables.
+    queue_schema: str | None = None
+    #: Create the tables on first use (else only check them and warn).
+    create_tables: bool = True
+    #: Seconds between two chunks of the expired-message purge (0 turns it off).
+    expired_purge_interval: float = 60.0
+    #: Rows per purge chunk.
+    expired_purge_batch: int = 1000
+    #: Seconds a direct/topic exchange's bindings are cached before re-reading them.
+    binding_cache_ttl: float = 1.0
+    #: Wake idle receivers at once on a send where the engine can (PostgreSQL LISTEN/NOTIFY).
+    wake: bool = True
+
+    from_transport_options = virtual.Channel.from_transport_options + (
+        "visibility_timeout", "receive_batch", "queue_table", "queue_schema", "create_tables",
+        "expired_purge_interval", "expired_purge_batch", "binding_cache_ttl", "wake")
+
+    def __init__(self, connection: Any, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self._no_ack_queues: set[str] = set()
+        self._binding_cache: dict[str, tuple[float, list]] = {}
+        #: Queue -> x-message-ttl (ms): from this process's declarations and from bindings read.
+        self._queue_ttl: dict[str, int] = {}
+        self._start = 0
+        self._busy = True
+        self._next_purge = time.monotonic() + random.uniform(0, max(self.expired_purge_interval, 0))
+        self._validate()
+        self.db: Database = connection.database(self.queue_table, self.queue_schema, self.create_tables,
+                                                bool(self.wake))
+
+    def _validate(self) -> None:
+        if not (0 < float(self.visibility_timeout) <= 86_400 * 30):
+            raise ConfigError(f"outboxdb transport option visibility_timeout={self.visibility_timeout!r} "
+                              "must be > 0 and at most 30 days (seconds)")
+        if not (1 <= int(self.receive_batch) <= 1000):
+            raise ConfigError(f"outboxdb transport option receive_batch={self.receive_batch!r} must be 1..1000")
+
+    # -- publishing ----------------------------------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        self.db.run(lambda qt, c: self._insert(qt, c, queue, message))
+
+    def _insert(self, qt: QueueTables, cursor: Any, queue: str, message: dict[str, Any]) -> None:
+        _check_name("queue", queue)
+        envelope = {k: v for k, v in message.items() if k != "body"}
+        ttl = _ttl_ms(envelope.get("properties") or {})
+        if ttl is None:
+            ttl = self._queue_ttl.get(queue)
+        qt.put(cursor, queue, json.dumps(envelope), message.get("body"),
+               delay_ms=_eta_delay_ms(envelope.get("headers")), ttl_ms=ttl)
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
+        """A copy for every queue bound to the exchange, in one transaction."""
+        def work(qt: QueueTables, cursor: Any) -> None:
+            for binding in qt.table_bindings(cursor, exchange):
+                if binding.message_ttl_ms is not None:
+                    self._queue_ttl[binding.queue] = binding.message_ttl_ms
+                self._insert(qt, cursor, binding.queue, message)
+        self.db.run(work)
+
+    # -- routing -----------------------------------------------------------------------
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str | None, queue: str) -> None:
+        for kind, value in (("exchange", exchange), ("routing key", routing_key), ("queue", queue)):
+            _check_name(kind, value or "")
+        ttl = self._queue_ttl.get(queue)
+        self.db.run(lambda qt, c: qt.bind(c, exchange, routing_key or "", pattern or "", queue, ttl))
+        self._binding_cache.pop(exchange, None)
+
+    def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                     arguments: Any = None, **kwargs: Any) -> None:
+        super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+        self.db.run(lambda qt, c: qt.unbind(c, exchange or "", routing_key or "", queue))
+        self._binding_cache.pop(exchange or "", None)
+
+    def get_table(self, exchange: str) -> list[tuple[str, str | None, str]]:
+        """The exchange's bindings from the table (shared by every process)."""
+        cached = self._binding_cache.get(exchange)
+        if cached and time.monotonic() - cached[0] < self.binding_cache_ttl:
+            return cached[1]
+        rows = self.db.run(lambda qt, c: qt.table_bindings(c, exchange))
+        self._queue_ttl.update({b.queue: b.message_ttl_ms for b in rows if b.message_ttl_ms is not None})
+        table = [(b.routing_key, b.pattern or None, b.queue) for b in rows]
+        self._binding_cache[exchange] = (time.monotonic(), table)
+        return table
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        queues = super()._lookup(exchange, routing_key, default)
+        if exchange and not queues:
+            # A binding made in another process since the cache was filled (a reply
+            # queue, a new worker's queue): read once more before dropping the message.
+            self._binding_cache.pop(exchange, None)
+            queues = super()._lookup(exchange, routing_key, default)
+        return queues
+
+    # -- queues ----------------------------------------------------------------------------
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        """Queues need no DDL: a queue is the rows that carry its name. Its
+        ``x-message-ttl`` is remembered and stored with its bindings, so that every
+        publisher applies it (Celery's event and gossip queues rely on it to stay
+        small after their consumer is gone)."""
+        ttl = (kwargs.get("arguments") or {}).get("x-message-ttl")
+        if ttl is not None:
+            self._queue_ttl[queue] = max(int(float(ttl)), 0)
+
+    def prepare_queue_arguments(self, arguments: dict | None, **kwargs: Any) -> dict:
+        """kombu's ``Queue(message_ttl=seconds)`` as AMQP's ``x-message-ttl`` (ms)."""
+        args = dict(arguments or {})
+        if kwargs.get("message_ttl") is not None:
+            args.setdefault("x-message-ttl", int(float(kwargs["message_ttl"]) * 1000))
+        return args
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return True
+
+    def _size(self, queue: str) -> int:
+        return self.db.run(lambda qt, c: qt.size(c, queue))
+
+    def _purge(self, queue: str) -> int:
+        return self.db.run(lambda qt, c: qt.purge(c, queue))
+
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any) -> None:
+        if if_empty and self._size(queue):
+            return
+        self.db.run(lambda qt, c: qt.delete_queue(c, queue))
+        self.state.queue_bindings_delete(queue)
+        self._binding_cache.clear()
+
+    # -- receiving ---------------------------------------------------------------------------
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def basic_cancel(self, consumer_tag: str) -> None:
+        queue = self._tag_to_queue.get(consumer_tag)
+        super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._tag_to_queue.values():
+            self._no_ack_queues.discard(queue)
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack=no_ack, **kwargs)
+        if message is not None and no_ack:
+            self._settle(message.delivery_tag, requeue=False)
+        return message
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        rows = self._lease([queue], 1)
+        if not rows:
+            raise Empty()
+        return rows[0][1]
+
+    def drain_events(self, timeout: float | None = None, callback: Callable | None = None) -> None:
+        """Lease what the prefetch window allows from the consumed queues and deliver
+        it; ``Empty`` when there is nothing (the transport then backs off)."""
+        callback = callback or self.connection._deliver
+        if not (self._consumers and self.qos.can_consume()):
+            raise Empty()
+        self._maybe_purge_expired()
+        allowed = self.qos.can_consume_max_estimate()
+        limit = min(allowed, self.receive_batch) if allowed else self.receive_batch
+        rows = self._lease(list(self._active_queues), max(limit, 1))
+        if not rows:
+            raise Empty()
+        for queue, payload in rows:
+            callback(payload, queue)
+
+    def _lease(self, queues: list[str], limit: int) -> list[tuple[str, dict[str, Any]]]:
+        if not queues:
+            return []
+        queues = list(OrderedDict.fromkeys(queues))
+        if not self._busy and not self.db.run(lambda qt, c: qt.probe(c, queues)):
+            return []  # idle: one cheap read for all queues, no locks taken
+        # Start at a different queue each time, so a busy queue cannot starve the rest.
+        self._start = (self._start + 1) % len(queues)
+        order = queues[self._start:] + queues[:self._start]
+        visibility_ms = int(float(self.visibility_timeout) * 1000)
+        got: list[tuple[str, dict[str, Any]]] = []
+        for queue in order:
+            if len(got) >= limit:
+                break
+            receipt = uuid.uuid4().hex
+            rows = self.db.run(lambda qt, c: qt.lease(c, queue, limit - len(got), visibility_ms, receipt))
+            if rows and queue in self._no_ack_queues:
+                self.db.run(lambda qt, c: [qt.ack(c, r.id, receipt) for r in rows])  # no_ack: consumed on receipt
+            got.extend((queue, self._payload(row, receipt)) for row in rows)
+        self._busy = bool(got)
+        return got
+
+    def _payload(self, row: MessageRow, receipt: str) -> dict[str, Any]:
+        payload = json.loads(row.headers)
+        payload["body"] = row.body
+        properties = payload.setdefault("properties", {})
+        properties["delivery_tag"] = f"{row.id}.{receipt}"  # unique per lease; ack/reject parse it
+        info = properties.setdefault("delivery_info", {})
+        info["redelivered"] = row.deliveries > 1
+        payload["redelivered"] = row.deliveries > 1
+        return payload
+
+    def _settle(self, delivery_tag: str, requeue: bool) -> None:
+        row_id, receipt = _split_tag(delivery_tag)
+        if requeue:
+            changed = self.db.run(lambda qt, c: qt.release(c, row_id, receipt))
+        else:
+            changed = self.db.run(lambda qt, c: qt.ack(c, row_id, receipt))
+        if not changed:
+            log.warning("outboxdb: %s of message %s changed nothing: its lease ran out (visibility_timeout=%ss) "
+                        "and it was delivered again", "requeue" if requeue else "ack", row_id,
+                        self.visibility_timeout)
+
+    def _restore(self, message: Any) -> None:
+        self._settle(message.delivery_tag, requeue=True)
+
+    def _restore_at_beginning(self, message: Any) -> None:
+        self._settle(message.delivery_tag, requeue=True)
+
+    def _maybe_purge_expired(self) -> None:
+        if self.expired_purge_interval <= 0 or time.monotonic() < self._next_purge:
+            return
+        self._next_purge = time.monotonic() + float(self.expired_purge_interval)
+        purged = self.db.run(lambda qt, c: qt.purge_expired(c, int(self.expired_purge_batch)))
+        if purged:
+            log.info("outboxdb: purged %d expired message(s)", purged)
+
+
+class Database:
+    """One DB-API connection per process for a transport, shared by its channels
+    under a lock (acks may come from pool threads). Each ``run`` is one short
+    transaction; transient errors (deadlock victim, lock timeout) are retried, a
+    dropped connection is closed and re-raised for kombu to reconnect."""
+
+    RETRIES = 3
+
+    def __init__(self, url: str, table: str, schema: str | None, create: bool, wake: bool = True) -> None:
+        self.url = url
+        self.engine = engine_for_url(url, schema=schema)
+        self.qt = queue_tables(self.engine, table)
+        self.create = create
+        self.wake = wake
+        self._lock = threading.RLock()
+        self._conn: Any = None
+        self._pid = 0
+        self._waiter: Any = None
+        self._waiter_pid = 0
+        self._waiter_retry_at = 0.0
+
+    def wait(self, timeout: float) -> bool:
+        """Idle: block until a send wakes us (PostgreSQL LISTEN) or ``timeout`` passes.
+        Engines without wake-ups, and a waiter that failed, sleep instead."""
+        waiter = self._waiter if self._waiter_pid == os.getpid() else None
+        if waiter is None and self.wake and time.monotonic() >= self._waiter_retry_at:
+            try:
+                self.connection()  # tables exist before anyone listens
+                waiter = self.qt.open_waiter(self.url)
+            except Exception as exc:
+                log.warning("outboxdb: cannot listen for wake-ups (%s); polling only for a while", exc)
+                self._waiter_retry_at = time.monotonic() + 30.0
+                waiter = None
+            self._waiter, self._waiter_pid = waiter, os.getpid()
+            if waiter is None and not self._waiter_retry_at:
+                self.wake = False  # this engine has none: stop asking
+        if waiter is None:
+            time.sleep(timeout)
+            return False
+        try:
+            return waiter.wait(timeout)
+        except Exception as exc:
+            log.warning("outboxdb: wake-up connection lost (%s); reconnecting", exc)
+            self._close_waiter()
+            self._waiter_retry_at = time.monotonic() + 1.0
+            return False
+
+    def _close_waiter(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and self._waiter_pid == os.getpid():
+            waiter.close()
+
+    def connection(self) -> Any:
+        if self._conn is None or self._pid != os.getpid():
+            self._conn, self._pid = self.engine.connect(self.url), os.getpid()
+            self._transaction(self.qt.session_setup)
+            self._prepare()
+        return self._conn
+
+    def _prepare(self) -> None:
+        """Create (or only check) the tables once per process, and warn about every
+        index the receive loop or the purge needs that is missing."""
+        key = (self.url, self.qt.table)
+        with _prepared_lock:
+            if key in _prepared:
+                return
+            if self.create:
+                self._transaction(self.qt.migrate)
+            missing = self._transaction(self.qt.missing_indexes)
+            for name in missing:
+                log.warning("outboxdb: index %s on %s is missing; receiving and purging will scan the table. "
+                            "Run `outbox migrate` (with OUTBOX_CELERY_BROKER_URL set) to create it.",
+                            name, self.qt.table)
+            _prepared.add(key)
+
+    def _transaction(self, work: Callable[[Any], T]) -> T:
+        conn = self._conn
+        cursor = self.engine.cursor_for(conn)
+        try:
+            result = work(cursor)
+            conn.commit()
+            return result
+        except BaseException:
+            try:
+                conn.rollback()
+            except Exception:
+                pass
+            raise
+
+    def run(self, work: Callable[[QueueTables, Any], T]) -> T:
+        for attempt in range(self.RETRIES + 1):
+            with self._lock:
+                try:
+                    self.connection()
+                    return self._transaction(lambda cursor: work(self.qt, cursor))
+                except Exception as exc:
+                    if not (self.engine.is_disconnect(exc) or self.engine.is_transient(exc)):
+                        raise
+                    # A dropped connection, a server restart, a deadlock victim: start
+                    # again on a fresh connection. (A send whose commit was cut off may
+                    # then be stored twice: at least once.) Out of retries, the error is
+                    # one of the transport's connection_errors and kombu reconnects.
+                    self._drop_connection()
+                    if attempt == self.RETRIES:
+                        raise
+            log.info("outboxdb: retrying after a transient database error (attempt %d)", attempt + 1)
+            time.sleep(0.05 * 2 ** attempt * random.uniform(0.5, 1.5))
+        raise AssertionError("unreachable")
+
+    def _drop_connection(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None and self._pid == os.getpid():
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        self._close_waiter()
+        self._drop_connection()
+
+
+def _driver_errors(kind: str) -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(connection errors, channel errors) of the engine's driver, for kombu's retry logic."""
+    try:
+        if kind == "sqlite":
+            import sqlite3
+            return (sqlite3.OperationalError,), (sqlite3.DatabaseError,)
+        if kind == "postgresql":
+            import psycopg
+            return (psycopg.OperationalError, psycopg.InterfaceError), (psycopg.DatabaseError,)
+        if kind == "mysql":
+            import pymysql
+            return (pymysql.err.OperationalError, pymysql.err.InterfaceError), (pymysql.err.DatabaseError,)
+        if kind == "mssql":
+            import pyodbc
+            return (pyodbc.OperationalError, pyodbc.InterfaceError), (pyodbc.DatabaseError,)
+    except ImportError:
+        pass
+    return (), ()
+
+
+class Transport(virtual.Transport):
+    """``outboxdb+<database URL>``: Celery's broker on the database's queue tables."""
+
+    Channel = Channel
+    can_parse_url = True
+    driver_type = "sql"
+    driver_name = SCHEME
+    #: The idle ceiling: an idle consumer polls at most this often (seconds).
+    polling_interval = 1.0
+    #: First back-off step after an empty poll (seconds); it doubles up to polling_interval.
+    polling_interval_min = 0.01
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=False, exchange_type=frozenset(["direct", "topic", "fanout"]), heartbeats=False)
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.database_url = database_url_of(client.hostname)
+        kind = kind_of_url(self.database_url)
+        conn_errors, chan_errors = _driver_errors(kind)
+        self.connection_errors = virtual.Transport.connection_errors + conn_errors
+        self.channel_errors = virtual.Transport.channel_errors + chan_errors
+        options = client.transport_options
+        self.polling_interval_min = float(options.get("polling_interval_min", self.polling_interval_min))
+        if not (0 < self.polling_interval_min <= float(self.polling_interval) <= 60):
+            raise ConfigError("outboxdb transport options: need 0 < polling_interval_min <= polling_interval <= 60 "
+                              f"(got {self.polling_interval_min!r} and {self.polling_interval!r})")
+        self._sleep = self.polling_interval_min
+        self._next_poll = 0.0
+        self._databases: dict[tuple[str, str | None], Database] = {}
+
+    def database(self, table: str, schema: str | None, create: bool, wake: bool = True) -> Database:
+        key = (table, schema)
+        if key not in self._databases:
+            self._databases[key] = Database(self.database_url, table, schema, bool(create), wake)
+        return self._databases[key]
+
+    def _prefetch_full(self) -> bool:
+        return any(ch._consumers and not ch.qos.can_consume() for ch in self.channels
+                   if getattr(ch, "_consumers", None))
+
+    def _probe_idle_channels(self) -> bool:
+        """While every consuming channel is idle, ONE probe covers the queues of all of
+        them (a Celery worker consumes its task queues and its control queue on two
+        channels): False means nothing is deliverable anywhere. A hit marks the channels
+        busy, so each leases without probing again."""
+        consuming = [ch for ch in self.channels if getattr(ch, "_consumers", None)]
+        if not consuming or any(ch._busy for ch in consuming) or len({id(ch.db) for ch in consuming}) != 1:
+            return True
+        queues = list(dict.fromkeys(q for ch in consuming for q in ch._active_queues))
+        if not consuming[0].db.run(lambda qt, c: qt.probe(c, queues)):
+            return False
+        for ch in consuming:
+            ch._busy = True
+        return True
+
+    def _idle_wait(self, pause: float) -> bool:
+        """Sleep ``pause`` seconds, or less when a send wakes the (single) queue table."""
+        if len(self._databases) == 1:
+            return next(iter(self._databases.values())).wait(pause)
+        time.sleep(pause)
+        return False
+
+    def establish_connection(self) -> "Transport":
+        conn = super().establish_connection()
+        for channel in self._avail_channels:
+            channel.db.run(lambda qt, c: None)  # connect now: bad URLs and credentials fail at start-up
+        return conn
+
+    def close_connection(self, connection: Any) -> None:
+        super().close_connection(connection)
+        for db in self._databases.values():
+            db.close()
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """Deliver what one poll finds. While nothing comes, wait between polls, the
+        wait doubling from ``polling_interval_min`` to ``polling_interval`` with ±25%
+        jitter (so workers do not poll in step); a send wakes the wait where the engine
+        can. The schedule outlives the call: Celery calls this every 2 s with a timeout,
+        and a call that starts mid-wait finishes that wait instead of polling at once.
+        ``socket.timeout`` once ``timeout`` has passed."""
+        started = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now < self._next_poll:
+                left = None if timeout is None else started + timeout - now
+                if left is not None and left <= 0:
+                    raise socket.timeout()
+                pause = self._next_poll - now if left is None else min(self._next_poll - now, left)
+                if self._idle_wait(pause):
+                    self._sleep, self._next_poll = self.polling_interval_min, 0.0  # woken by a send
+                continue
+            try:
+                if not self._probe_idle_channels():
+                    raise Empty()
+                self.cycle.get(self._deliver, timeout=timeout)
+            except Empty:
+                if self._prefetch_full():
+                    # Not idle: the prefetch window is full and acks (from the pool's
+                    # threads) will open it soon. Look again shortly, without backing off.
+                    self._next_poll = time.monotonic() + self.polling_interval_min
+                else:
+                    self._next_poll = time.monotonic() + self._sleep * random.uniform(0.75, 1.25)
+                    self._sleep = min(self._sleep * 2, float(self.polling_interval))
+                if timeout is not None and time.monotonic() - started >= timeout:
+                    raise socket.timeout()
+            else:
+                self._sleep, self._next_poll = self.polling_interval_min, 0.0
+                return
+
+    @property
+    def default_connection_params(self) -> dict[str, Any]:
+        return {"hostname": None, "port": None}

@@ -1,0 +1,86 @@
+"""Transactional send: a Celery task that exists if and only if the caller's transaction
+commits.
+
+``send_task(conn, app, "proj.tasks.charge", args=(42,))`` builds the message with
+Celery's own protocol (``app.amqp.as_task_v2`` and the app's serializer, so an ordinary
+worker on the ``outboxdb`` broker runs it), and inserts it into the broker's queue table
+on ``conn``, inside the caller's open transaction. It never commits or rolls back. The
+queue tables must exist already (``outbox migrate`` with OUTBOX_CELERY_BROKER_URL set, or
+any worker having started): DDL inside the caller's transaction would commit it on MySQL.
+
+Bad input (arguments the serializer cannot encode, an unknown queue, a task name that is
+empty) raises ``SendError`` (a ``ValueError``) before anything is written, so the caller's
+transaction stays usable.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from datetime import datetime
+from typing import Any, Mapping, Sequence
+
+from ..engines import engine_class, unwrap_connection
+from ..engines.queue_factory import queue_tables
+from ..engines.queues import DEFAULT_QUEUE_TABLE
+from .channel import _eta_delay_ms
+
+
+class SendError(ValueError):
+    """The task cannot be sent; nothing was written."""
+
+
+def send_task(conn: Any, app: Any, name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+              *, queue: str | None = None, countdown: float | None = None, eta: datetime | None = None,
+              expires: float | datetime | None = None, task_id: str | None = None,
+              queue_table: str | None = None, schema: str | None = None) -> str:
+    """Insert task ``name`` for ``app``'s workers in the caller's transaction on ``conn``
+    (a DB-API connection of any supported engine, a Django connection, or a SQLAlchemy
+    Connection/Session); return the task id. ``queue`` defaults to the app's route for
+    the task; ``queue_table``/``schema`` to the app's ``broker_transport_options``."""
+    if not isinstance(name, str) or not name.strip():
+        raise SendError("send_task: the task name must be a non-empty string")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise SendError(f"send_task: kwargs must be a mapping, got {type(kwargs).__name__}")
+    options = dict(app.conf.broker_transport_options or {})
+    table = queue_table or options.get("queue_table") or DEFAULT_QUEUE_TABLE
+    kind, dbapi = unwrap_connection(conn)
+    engine = engine_class(kind)(schema=schema or options.get("queue_schema"))
+    tables = queue_tables(engine, table)
+
+    route = app.amqp.router.route({"queue": queue} if queue else {}, name, args, kwargs)
+    target = route["queue"]
+    queue_name = getattr(target, "name", None) or str(target)
+    exchange = getattr(getattr(target, "exchange", None), "name", None) or ""
+    routing_key = getattr(target, "routing_key", None) or queue_name
+    task_id = task_id or str(uuid.uuid4())
+    message = app.amqp.as_task_v2(task_id, name, tuple(args), dict(kwargs or {}), countdown=countdown, eta=eta,
+                                  expires=expires)
+    envelope, body = _envelope(app, message, exchange, routing_key)
+    cursor = engine.cursor_for(dbapi)
+    tables.put(cursor, queue_name, json.dumps(envelope), body, delay_ms=_eta_delay_ms(envelope["headers"]))
+    return task_id
+
+
+def _envelope(app: Any, message: Any, exchange: str, routing_key: str) -> tuple[dict[str, Any], str]:
+    """The row kombu's virtual channel would have stored for this task: body serialized
+    with the app's task serializer, base64-encoded as the channel encodes bodies."""
+    from kombu.exceptions import EncodeError
+    from kombu.serialization import dumps
+
+    try:
+        content_type, content_encoding, data = dumps(message.body, serializer=app.conf.task_serializer)
+        json.dumps(message.headers)  # headers travel as JSON whatever the body's serializer
+    except (EncodeError, TypeError, ValueError) as exc:
+        raise SendError(f"send_task: cannot serialize the task's arguments: {exc}") from None
+    raw = data if isinstance(data, bytes) else data.encode(content_encoding or "utf-8")
+    properties = {**message.properties, "delivery_mode": 2, "priority": 0, "body_encoding": "base64",
+                  "delivery_tag": str(uuid.uuid4()),
+                  "delivery_info": {"exchange": exchange, "routing_key": routing_key}}
+    envelope = {"content-type": content_type, "content-encoding": content_encoding, "headers": message.headers,
+                "properties": properties}
+    return envelope, base64.b64encode(raw).decode("ascii")
+
+
+__all__ = ["send_task", "SendError"]

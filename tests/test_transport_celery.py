@@ -1,0 +1,339 @@
+"""Real ``celery worker`` / ``beat`` processes with the DATABASE as Celery's broker
+(``outboxdb+...``; no Redis anywhere), on SQLite, PostgreSQL and MariaDB (the task-app
+tests also on SQL Server when OUTBOX_TEST_MSSQL_URL is set):
+
+- a small Celery app: FIFO with one consumer, countdown stored invisible (no worker
+  holds it), ``celery inspect ping`` and ``celery control shutdown``, two workers
+  never running the same message, and an ``acks_late`` task whose worker is
+  SIGKILLed delivered again after the visibility timeout;
+- the outbox relay itself (``celery -A outbox worker`` + ``beat``) relaying events to
+  RabbitMQ, with one of two workers SIGKILLed mid-run: nothing lost, order kept.
+
+The process harness (Procs, Outbox, Destination) is the relay's e2e one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import engine_url
+from outbox import Status
+from outbox.engines import engine_for_url
+from outbox.engines.queue_factory import queue_tables
+from services import AMQP_URL
+from test_relay_e2e import CELERY, Destination, Outbox, Procs, base_env, check_order, require, wait_until
+
+KINDS = ["sqlite", "postgresql", "mysql"]
+
+APP = '''
+"""A Celery app on the outboxdb transport, for the tests."""
+import os, time
+import outbox.transport  # registers outboxdb+...
+from celery import Celery
+
+app = Celery(__name__, broker=os.environ["TAPP_BROKER"])
+app.conf.update(
+    broker_transport_options={"queue_table": os.environ["TAPP_TABLE"], "visibility_timeout": 4,
+                              "polling_interval": 0.2},
+    task_acks_late=True, task_reject_on_worker_lost=False, worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True, task_serializer="json", accept_content=["json"],
+    worker_hijack_root_logger=False)
+OUT = os.environ["TAPP_OUT"]
+
+
+def note(line):
+    with open(OUT, "a") as f:
+        f.write(line + "\\n")
+
+
+@app.task
+def record(n):
+    note(f"record {n} {os.getpid()} {time.time():.3f}")
+
+
+@app.task(bind=True)
+def slow(self, n):
+    redelivered = bool(self.request.delivery_info.get("redelivered"))
+    note(f"start {n} {os.getpid()} {redelivered}")
+    if not redelivered:
+        time.sleep(60)  # killed in here
+    note(f"done {n} {os.getpid()} {redelivered}")
+'''
+
+
+class TaskApp:
+    def __init__(self, kind: str, tmp_path: Path) -> None:
+        self.db_url = engine_url(kind, tmp_path)
+        self.table = f"cq_{uuid.uuid4().hex[:10]}"
+        self.out = tmp_path / "out.txt"
+        self.out.write_text("")
+        self.module = f"tapp_{uuid.uuid4().hex[:8]}"  # a fresh module (and task registry) per test
+        (tmp_path / f"{self.module}.py").write_text(APP)
+        self.tmp_path = tmp_path
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_"))}
+        self.env.update({"TAPP_BROKER": f"outboxdb+{self.db_url}", "TAPP_TABLE": self.table,
+                         "TAPP_OUT": str(self.out), "PYTHONPATH": str(tmp_path), "PYTHONUNBUFFERED": "1"})
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        sys.path.insert(0, str(tmp_path))
+        os.environ.update({k: v for k, v in self.env.items() if k.startswith("TAPP_")})
+        import importlib
+        self.app = importlib.import_module(self.module).app
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[f"{self.module}.{name}"]
+
+    def worker(self, name: str, concurrency: int = 1) -> subprocess.Popen[bytes]:
+        log = open(self.tmp_path / f"{name}.log", "wb")
+        proc = subprocess.Popen([CELERY, "-A", self.module, "worker", "-c", str(concurrency), "-n", f"{name}@%h",
+                                 "--loglevel=INFO", "--without-mingle", "--without-gossip", "--without-heartbeat"],
+                                cwd=self.tmp_path, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def celery(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([CELERY, "-A", self.module, *args], cwd=self.tmp_path, env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text(errors="replace")
+
+    def lines(self, prefix: str) -> list[list[str]]:
+        return [line.split() for line in self.out.read_text().splitlines() if line.startswith(prefix + " ")]
+
+    def kill(self, name: str) -> None:
+        try:
+            os.killpg(self.procs[name].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.procs[name].wait(10)
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+        self.app.close()
+        sys.path.remove(str(self.tmp_path))
+        sys.modules.pop(self.module, None)
+        engine = engine_for_url(self.db_url)
+        conn = engine.connect(self.db_url)
+        try:
+            cursor = engine.cursor_for(conn)
+            for table in (self.table, f"{self.table}_binding"):
+                engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(table)}")
+            conn.commit()
+        finally:
+            conn.close()
+
+    def queue_rows(self) -> list[tuple]:
+        """(receipt, visible in the future?) of every row in the app's default queue."""
+        engine = engine_for_url(self.db_url)
+        qt = queue_tables(engine, self.table)
+        conn = engine.connect(self.db_url)
+        try:
+            cursor = engine.cursor_for(conn)
+            rows = engine.execute(cursor, f"SELECT receipt, CASE WHEN visible_at > {engine.now} THEN 1 ELSE 0 END "
+                                  f"FROM {qt.table} WHERE queue = ?", ["celery"]).fetchall()
+            conn.commit()
+            return [tuple(r) for r in rows]
+        finally:
+            conn.close()
+
+
+@pytest.fixture(params=KINDS + ["mssql"])  # SQL Server: with OUTBOX_TEST_MSSQL_URL
+def task_app(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskApp]:
+    app = TaskApp(request.param, tmp_path)
+    yield app
+    app.close()
+
+
+def test_one_worker_fifo_countdown_and_remote_control(task_app: TaskApp) -> None:
+    a = task_app
+    record = a.task("record")
+    for n in range(15):
+        record.delay(n)
+    a.worker("w1", concurrency=1)
+    assert wait_until(lambda: len(a.lines("record")) == 15, timeout=60), a.log("w1")[-3000:]
+    assert [int(x[1]) for x in a.lines("record")] == list(range(15))  # FIFO with one consumer
+
+    # countdown: stored not-visible-until-due; the idle worker does not hold it meanwhile.
+    sent = time.time()
+    record.apply_async((100,), countdown=4)
+    time.sleep(1.5)
+    assert a.queue_rows() == [(None, 1)], "the delayed task should wait in the table, unleased"
+    assert wait_until(lambda: len(a.lines("record")) == 16, timeout=30), a.log("w1")[-3000:]
+    ran_at = float(a.lines("record")[-1][3])
+    assert ran_at - sent >= 3.5
+
+    ping = a.celery("inspect", "ping", "-t", "10")
+    assert ping.returncode == 0 and "pong" in ping.stdout, ping.stdout + ping.stderr
+    # The worker stops without replying (Celery's shutdown command sends no reply).
+    a.celery("control", "shutdown", "-t", "2")
+    assert a.procs["w1"].wait(30) == 0, a.log("w1")[-3000:]
+    assert "shutdown" in a.log("w1").lower()
+
+
+def test_two_workers_share_the_queue_and_a_killed_workers_task_comes_back(task_app: TaskApp) -> None:
+    a = task_app
+    a.worker("w1", concurrency=2)
+    a.worker("w2", concurrency=2)
+    record, slow = a.task("record"), a.task("slow")
+    for n in range(60):
+        record.delay(n)
+    assert wait_until(lambda: len(a.lines("record")) >= 60, timeout=90), a.log("w1")[-2000:] + a.log("w2")[-2000:]
+    time.sleep(1.0)
+    ran = [int(x[1]) for x in a.lines("record")]
+    assert sorted(ran) == list(range(60))  # every task once: no message went to two workers
+    assert len({x[2] for x in a.lines("record")}) >= 2  # and both workers took part
+
+    slow.delay(1)
+    assert wait_until(lambda: a.lines("start"), timeout=60), a.log("w1")[-2000:] + a.log("w2")[-2000:]
+    child = a.lines("start")[0][2]  # a pool process; its parent is the worker to kill
+    parent = next(line.split()[1] for line in Path(f"/proc/{child}/status").read_text().splitlines()
+                  if line.startswith("PPid:"))
+    victim = next(name for name, proc in a.procs.items() if str(proc.pid) == parent)
+    a.kill(victim)
+    killed_at = time.monotonic()
+    survivor = next(name for name in a.procs if name != victim)
+    assert wait_until(lambda: a.lines("done"), timeout=60), a.log(survivor)[-3000:]
+    [done] = a.lines("done")
+    assert done[1] == "1" and done[3] == "True"  # delivered again, flagged redelivered
+    assert time.monotonic() - killed_at >= 1.0  # after the visibility timeout, not at once
+
+
+def test_transactional_send_runs_the_task_only_if_the_transaction_commits(task_app: TaskApp) -> None:
+    from outbox.transport import SendError, send_task
+
+    a = task_app
+    a.worker("w1", concurrency=1)
+    assert wait_until(lambda: "ready" in a.log("w1"), timeout=60), a.log("w1")[-3000:]  # tables exist now
+    name = f"{a.module}.record"
+    engine = engine_for_url(a.db_url)
+    if engine.name == "sqlite":  # an application's connection: implicit transactions
+        import sqlite3
+        from outbox.engines.sqlite import sqlite_path
+        conn = sqlite3.connect(sqlite_path(a.db_url), timeout=30)
+    else:
+        conn = engine.connect(a.db_url)
+    try:
+        cursor = engine.cursor_for(conn)
+        engine.execute(cursor, "CREATE TABLE " + engine.qualify(a.table + "_biz") + " (n INT)")
+        conn.commit()
+        biz = engine.qualify(a.table + "_biz")
+        engine.execute(cursor, f"INSERT INTO {biz} (n) VALUES (?)", [1])
+        send_task(conn, a.app, name, args=(1,))
+        conn.rollback()  # the business change and the task vanish together
+        engine.execute(cursor, f"INSERT INTO {biz} (n) VALUES (?)", [2])
+        with pytest.raises(SendError, match="cannot serialize"):
+            send_task(conn, a.app, name, args=(object(),))  # refused before anything is written
+        with pytest.raises(SendError, match="task name"):
+            send_task(conn, a.app, "", args=())
+        task_id = send_task(conn, a.app, name, args=(2,))
+        send_task(conn, a.app, name, args=(3,), countdown=2)
+        conn.commit()  # the transaction was still usable after the refusals
+        assert wait_until(lambda: len(a.lines("record")) >= 2, timeout=30), a.log("w1")[-3000:]
+        time.sleep(1.0)
+        assert [x[1] for x in a.lines("record")] == ["2", "3"]
+        assert task_id in a.log("w1")
+        assert [tuple(r) for r in engine.execute(cursor, f"SELECT n FROM {biz}").fetchall()] == [(2,)]
+        engine.execute(cursor, f"DROP TABLE {biz}")
+        conn.commit()
+    finally:
+        conn.close()
+
+
+# -- the outbox relay on the database broker --------------------------------------------------------
+
+@pytest.fixture(params=KINDS)
+def outbox(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outbox]:
+    o = Outbox(request.param, tmp_path)
+    yield o
+    o.drop()
+
+
+@pytest.fixture
+def destination() -> Iterator[Destination]:
+    require("RabbitMQ", "127.0.0.1", 5672)
+    d = Destination()
+    yield d
+    d.close()
+
+
+def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(
+        tmp_path: Path, destination: Destination, outbox: Outbox) -> None:
+    queue_table = f"rq_{uuid.uuid4().hex[:10]}"
+    env = base_env(outbox, OUTBOX_PUBLISH_URL=AMQP_URL, OUTBOX_EXCHANGE=destination.exchange_name,
+                   OUTBOX_CELERY_BROKER_URL=f"outboxdb+{outbox.url}", OUTBOX_TRANSPORT_QUEUE_TABLE=queue_table,
+                   OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S="10", OUTBOX_TRANSPORT_POLLING_INTERVAL_S="0.2",
+                   OUTBOX_BATCH_SIZE="10", OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="3000")
+    env.pop("OUTBOX_TEST_REDIS_PREFIX", None)
+    procs = Procs(tmp_path, env)
+    try:
+        migrate = subprocess.run([str(Path(CELERY).parent / "outbox"), "migrate"], env=env, capture_output=True,
+                                 text=True, timeout=60)
+        assert migrate.returncode == 0 and queue_table in migrate.stdout, migrate.stdout + migrate.stderr
+        procs.worker("w1")
+        procs.worker("w2")
+        procs.beat()
+        aggregates = [f"k-{i}" for i in range(6)]
+        expected: dict[str, list[int]] = {a: [] for a in aggregates}
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                with outbox.writer() as conn:
+                    n = 0
+                    while not stop.is_set():
+                        ids = [outbox.add(conn, aggregate, n) for aggregate in aggregates]
+                        conn.commit()
+                        for aggregate, outbox_id in zip(aggregates, ids):
+                            expected[aggregate].append(outbox_id)
+                        if n % 4 == 0:
+                            outbox.add(conn, "rolled-back", n)
+                            conn.rollback()
+                        n += 1
+                        time.sleep(0.05)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        try:
+            destination.wait_for(lambda: len(destination.messages) >= 40, timeout=60, procs=procs)
+            assert len(destination.messages) >= 40, procs.log("w1")[-3000:]
+            assert wait_until(lambda: "Task outbox.publish[" in procs.log("w1") or "Task outbox.claim[" in
+                              procs.log("w1"), timeout=30), procs.log("w1")[-3000:]
+            procs.kill("w1")  # main process and pool children, whatever they hold
+            destination.wait_for(lambda: False, timeout=2.0)
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+        assert not errors, errors
+        total = sum(len(ids) for ids in expected.values())
+        destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=60, procs=procs)
+        assert len(destination.arrived()) == total, (
+            f"{len(destination.arrived())} of {total} arrived\n{procs.log('w2')[-3000:]}")
+        check_order(destination.arrivals(), expected)
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=30), (
+            outbox.status_counts())
+        assert len(outbox.statuses()) == total
+        banner = procs.log("w2")
+        assert f"transport:   outboxdb+{outbox.url.split(':')[0]}" in banner, banner[:2000]  # no Redis anywhere
+        assert "redis" not in (banner + procs.log("beat")).lower()
+    finally:
+        procs.stop_all()
+        engine = outbox.store.engine
+        with outbox.store.transaction() as cursor:
+            for table in (queue_table, f"{queue_table}_binding"):
+                engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(table)}")

@@ -1,0 +1,335 @@
+"""The ``outboxdb`` kombu transport through kombu's own API (Connection, SimpleQueue,
+Producer/Consumer) on live SQLite, PostgreSQL, MariaDB (and SQL Server when
+OUTBOX_TEST_MSSQL_URL is set): ack, reject, requeue, FIFO, native delay, expiry,
+a killed receiver's message coming back after the visibility timeout, concurrent
+receivers never sharing a message, fanout across connections. Each test has its
+own queue tables (transport option ``queue_table``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from queue import Empty
+from typing import Any, Iterator
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
+from conftest import engine_url
+from outbox.engines import engine_for_url
+from outbox.errors import ConfigError
+
+KINDS = ["sqlite", "postgresql", "mysql", "mssql"]
+
+
+class Broker:
+    def __init__(self, db_url: str) -> None:
+        self.db_url = db_url
+        self.url = f"outboxdb+{db_url}"
+        self.table = f"kq_{uuid.uuid4().hex[:10]}"
+        self.options = {"queue_table": self.table, "visibility_timeout": 3, "polling_interval": 0.2}
+
+    def connect(self, **options: Any) -> Connection:
+        return Connection(self.url, transport_options={**self.options, **options})
+
+    def drop(self) -> None:
+        engine = engine_for_url(self.db_url)
+        conn = engine.connect(self.db_url)
+        try:
+            cursor = engine.cursor_for(conn)
+            for table in (self.table, f"{self.table}_binding"):
+                engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(table)}")
+            conn.commit()
+        finally:
+            conn.close()
+
+
+@pytest.fixture(params=KINDS)
+def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
+    b = Broker(engine_url(request.param, tmp_path))
+    yield b
+    b.drop()
+
+
+def get(queue: Any, timeout: float = 10.0) -> Any:
+    return queue.get(block=True, timeout=timeout)
+
+
+def test_round_trip_ack_reject_and_requeue(broker: Broker) -> None:
+    with broker.connect() as conn:
+        q = conn.SimpleQueue("work")
+        q.put({"n": 1})
+        q.put({"n": 2})
+        q.put({"n": 3})
+        m = get(q)
+        assert m.payload == {"n": 1} and m.delivery_info["redelivered"] is False
+        m.ack()
+        m = get(q)
+        assert m.payload == {"n": 2}
+        m.reject()  # dropped
+        m = get(q)
+        assert m.payload == {"n": 3}
+        m.requeue()
+        m = get(q)
+        assert m.payload == {"n": 3} and m.delivery_info["redelivered"] is True
+        m.ack()
+        with pytest.raises(Empty):
+            q.get(block=True, timeout=0.5)
+        assert q.qsize() == 0
+        q.close()
+
+
+def test_fifo_within_a_queue(broker: Broker) -> None:
+    with broker.connect() as conn:
+        q = conn.SimpleQueue("fifo")
+        for n in range(30):
+            q.put(n)
+        got = []
+        for _ in range(30):
+            m = get(q)
+            got.append(m.payload)
+            m.ack()
+        assert got == list(range(30))
+        q.close()
+
+
+def test_celery_eta_is_stored_invisible_until_due(broker: Broker) -> None:
+    with broker.connect() as conn:
+        q = conn.SimpleQueue("delayed")
+        eta = (datetime.now(timezone.utc) + timedelta(seconds=2)).isoformat()
+        q.put({"later": True}, headers={"eta": eta})
+        q.put({"now": True})
+        started = time.monotonic()
+        first = get(q)
+        assert first.payload == {"now": True}
+        first.ack()
+        later = get(q, timeout=15)
+        assert later.payload == {"later": True}
+        assert time.monotonic() - started >= 1.5  # not before its eta (client/database clocks agree here)
+        later.ack()
+        q.close()
+
+
+def test_expired_message_is_never_delivered(broker: Broker) -> None:
+    with broker.connect() as conn:
+        q = conn.SimpleQueue("ttl")
+        q.put({"dies": True}, expiration=0.05)  # kombu: seconds; stored as expires_at
+        q.put({"lives": True}, expiration=600)
+        time.sleep(0.3)
+        m = get(q)
+        assert m.payload == {"lives": True}
+        m.ack()
+        with pytest.raises(Empty):
+            q.get(block=True, timeout=0.5)
+        q.close()
+
+
+KILLED_RECEIVER = """
+import os, sys, signal
+import outbox.transport
+from kombu import Connection
+with Connection(sys.argv[1], transport_options={"queue_table": sys.argv[2], "visibility_timeout": 2}) as c:
+    q = c.SimpleQueue("lease")
+    m = q.get(block=True, timeout=20)
+    print(m.payload["n"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # dies holding the lease, never acks
+"""
+
+
+def test_a_killed_receivers_message_comes_back_after_the_visibility_timeout(broker: Broker) -> None:
+    with broker.connect(visibility_timeout=2) as conn:
+        q = conn.SimpleQueue("lease")
+        q.put({"n": 7})
+        proc = subprocess.run([sys.executable, "-c", KILLED_RECEIVER, broker.url, broker.table],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -9 and proc.stdout.strip() == "7", proc.stderr
+        killed_at = time.monotonic()
+        with pytest.raises(Empty):
+            q.get(block=True, timeout=0.5)  # still leased to the dead receiver
+        m = get(q, timeout=20)
+        assert m.payload == {"n": 7} and m.delivery_info["redelivered"] is True
+        assert time.monotonic() - killed_at >= 0.5
+        m.ack()
+        q.close()
+
+
+def test_closing_a_connection_hands_unacked_messages_back_at_once(broker: Broker) -> None:
+    with broker.connect(visibility_timeout=3600) as conn:
+        q = conn.SimpleQueue("warm")
+        q.put("x")
+        assert get(q).payload == "x"  # received, not acked
+        q.close()
+    with broker.connect(visibility_timeout=3600) as conn:
+        q = conn.SimpleQueue("warm")
+        m = get(q, timeout=5)
+        assert m.payload == "x" and m.delivery_info["redelivered"] is True
+        m.ack()
+        q.close()
+
+
+def test_concurrent_consumers_never_get_the_same_message(broker: Broker) -> None:
+    total = 120
+    with broker.connect() as conn:
+        q = conn.SimpleQueue("shared")
+        for n in range(total):
+            q.put(n)
+        q.close()
+    seen: list[list[int]] = [[] for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def consume(slot: int) -> None:
+        try:
+            with broker.connect() as conn:
+                queue = Queue("shared", Exchange("shared"), "shared")
+
+                def on_message(body: Any, message: Any) -> None:
+                    seen[slot].append(body)
+                    message.ack()
+
+                with Consumer(conn, [queue], callbacks=[on_message], prefetch_count=5):
+                    idle_since = time.monotonic()
+                    while time.monotonic() - idle_since < 2.0:
+                        before = len(seen[slot])
+                        try:
+                            conn.drain_events(timeout=0.5)
+                        except (TimeoutError, OSError):
+                            pass
+                        if len(seen[slot]) != before:
+                            idle_since = time.monotonic()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    everything = [n for s in seen for n in s]
+    assert sorted(everything) == list(range(total))  # every message once, none twice
+    for s in seen:
+        assert s == sorted(s)
+
+
+def test_fanout_and_topic_routing_are_shared_between_connections(broker: Broker) -> None:
+    fan = Exchange("bcast", type="fanout")
+    topic = Exchange("events", type="topic")
+    with broker.connect() as a, broker.connect() as b:
+        qa = Queue("a.inbox", fan)
+        qb = Queue("b.inbox", fan)
+        qa(a.default_channel).declare()
+        qb(b.default_channel).declare()
+        qt = Queue("orders.all", topic, routing_key="orders.#")
+        qt(b.default_channel).declare()
+        with broker.connect() as sender:  # a third process-alike that bound nothing itself
+            producer = Producer(sender.default_channel)
+            producer.publish({"hi": 1}, exchange=fan, declare=[fan])
+            producer.publish({"order": 1}, exchange=topic, routing_key="orders.created.eu", declare=[topic])
+            producer.publish({"user": 1}, exchange=topic, routing_key="users.created", declare=[topic])
+        for conn, name in ((a, "a.inbox"), (b, "b.inbox")):
+            m = get(conn.SimpleQueue(name))
+            assert m.payload == {"hi": 1}
+            m.ack()
+        sq = b.SimpleQueue(qt)
+        m = get(sq)
+        assert m.payload == {"order": 1}
+        m.ack()
+        with pytest.raises(Empty):
+            sq.get(block=True, timeout=0.5)
+
+
+def test_a_queues_message_ttl_applies_to_messages_routed_by_other_connections(broker: Broker) -> None:
+    """Celery's event and gossip queues declare a message TTL and are fed by other
+    processes; without it a dead consumer's queue would grow for ever."""
+    events = Exchange("evts", type="topic")
+    with broker.connect() as consumer, broker.connect() as publisher:
+        q = Queue("ev.short", events, routing_key="worker.#", message_ttl=0.2)
+        q(consumer.default_channel).declare()
+        producer = Producer(publisher.default_channel)
+        producer.publish({"n": 1}, exchange=events, routing_key="worker.heartbeat", declare=[events])
+        time.sleep(0.6)
+        producer.publish({"n": 2}, exchange=events, routing_key="worker.heartbeat")
+        sq = consumer.SimpleQueue(q)
+        m = get(sq)
+        assert m.payload == {"n": 2}
+        m.ack()
+
+
+def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
+    """With a 5 s idle ceiling, a send still reaches an idle, blocked consumer at once:
+    LISTEN/NOTIFY (polling alone would take seconds after a few idle seconds)."""
+    broker = Broker(engine_url("postgresql", tmp_path))
+    try:
+        got: list[float] = []
+        sent: list[float] = []
+        with broker.connect(polling_interval=5.0) as conn, broker.connect() as sender:
+            queue = Queue("wake", Exchange("wake"), "wake")
+            outbox_queue = sender.SimpleQueue("wake")
+
+            def send() -> None:
+                for n in range(3):
+                    time.sleep(3.0)  # the consumer has backed off by now
+                    sent.append(time.monotonic())
+                    outbox_queue.put(n)
+
+            def on_message(body: Any, message: Any) -> None:
+                got.append(time.monotonic())
+                message.ack()
+
+            with Consumer(conn, [queue], callbacks=[on_message]):
+                thread = threading.Thread(target=send)
+                thread.start()
+                deadline = time.monotonic() + 60
+                while len(got) < 3 and time.monotonic() < deadline:
+                    try:
+                        conn.drain_events(timeout=10)
+                    except (TimeoutError, OSError):
+                        pass
+                thread.join()
+        latencies = [g - s for g, s in zip(got, sent)]
+        assert len(latencies) == 3 and max(latencies) < 1.0, latencies
+    finally:
+        broker.drop()
+
+
+def test_bad_urls_and_options_fail_with_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unsupported database URL scheme 'oracle'"):
+        Connection("outboxdb+oracle://u@h/db").connect()
+    url = f"outboxdb+sqlite:///{tmp_path / 'x.db'}"
+    with pytest.raises(ConfigError, match="visibility_timeout"):
+        with Connection(url, transport_options={"visibility_timeout": 0}) as conn:
+            conn.default_channel
+    with Connection(url) as conn:
+        with pytest.raises(ValueError, match="(exchange|queue) name is 300 characters"):
+            conn.SimpleQueue("q" * 300).put(1)
+
+
+def test_a_connection_killed_by_the_server_is_replaced_without_losing_a_message(tmp_path: Path) -> None:
+    """PostgreSQL terminates the transport's session (a failover, an admin): the next
+    operation reconnects and carries on."""
+    broker = Broker(engine_url("postgresql", tmp_path))
+    try:
+        with broker.connect() as conn:
+            q = conn.SimpleQueue("resilient")
+            q.put(1)
+            db = conn.default_channel.db
+            pid = db.run(lambda qt, c: c.execute("SELECT pg_backend_pid()").fetchone()[0])
+            killer = engine_for_url(broker.db_url).connect(broker.db_url)
+            killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            killer.commit()
+            killer.close()
+            q.put(2)
+            got = [get(q), get(q)]
+            assert [m.payload for m in got] == [1, 2]
+            for m in got:
+                m.ack()
+            assert db.run(lambda qt, c: c.execute("SELECT pg_backend_pid()").fetchone()[0]) != pid
+            q.close()
+    finally:
+        broker.drop()
