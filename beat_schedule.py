@@ -31,9 +31,9 @@ PURGE_ENTRY = "outbox-purge"
 
 def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[str, Any]]:
     """The ``beat_schedule`` for ``settings`` (``outbox.config.Settings``) and relay
-    ``options`` (``outbox.relay.RelayOptions``); both default to the environment's."""
-    from outbox.config import get_settings
-    from outbox.relay import CLAIM_QUEUE, CLAIM_TASK, PURGE_QUEUE, PURGE_TASK, RelayOptions
+    ``options`` (``outbox.config.RelayOptions``); both default to the environment's."""
+    from outbox.config import RelayOptions, get_settings
+    from outbox.names import CLAIM_QUEUE, CLAIM_TASK, PURGE_QUEUE, PURGE_TASK
 
     settings = settings or get_settings()
     if options is None:

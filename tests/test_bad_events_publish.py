@@ -85,7 +85,7 @@ def test_an_encoder_error_at_send_is_poison_for_that_event_alone(broker: dict[st
     """The last line: should a limit slip past the checks made before sending, the
     encoder's own error (raised before any byte is written) stops that event alone, and
     the connection stays good for the rest of the wave and the next call."""
-    import outbox.publisher as publisher_module
+    import outbox.publisher.message as publisher_module
     monkeypatch.setattr(publisher_module, "_shortstr_problem", lambda message, headers: None)
     with KombuPublisher(AMQP_URL, broker["exchange"]) as publisher:
         results = publisher.publish_chains(chains())

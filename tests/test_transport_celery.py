@@ -29,7 +29,7 @@ import pytest
 from conftest import engine_url
 from outbox import Status
 from outbox.engines import engine_for_url
-from outbox.engines.queues import queue_tables
+from outbox.engines.queue_factory import queue_tables
 from services import AMQP_URL
 from test_relay_e2e import CELERY, Destination, Outbox, Procs, base_env, check_order, require, wait_until
 

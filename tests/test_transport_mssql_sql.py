@@ -17,7 +17,7 @@ from sqlglot import exp
 
 from outbox.engines.mssql import FILTERED_INDEX_OPTIONS, MssqlEngine
 from outbox.engines.queue_mssql import MssqlQueueTables
-from outbox.engines.queues import queue_tables
+from outbox.engines.queue_factory import queue_tables
 
 
 class RecordingCursor:

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import engine_url
 from outbox.engines import engine_for_url
-from outbox.engines.queues import QueueTables, queue_tables
+from outbox.engines.queue_factory import queue_tables
+from outbox.engines.queues import QueueTables
 
 KINDS = ["sqlite", "postgresql", "mysql", "mssql"]
 

@@ -1,9 +1,10 @@
-"""The OUTBOX_* settings: read once, validated once, with errors that name the setting.
+"""The one configuration reader: the OUTBOX_* settings, the relay's ``RelayOptions`` and
+the other OUTBOX_RELAY_* options, read once, validated once, with errors that name the
+setting, kept in one cache (``reset_settings`` empties it).
 
-Settings come from, in order of precedence: explicit keyword arguments, the
-environment, Django settings (when Django is configured) and finally the defaults
-of the contract. Celery config keys with the same names are merged in by the Celery
-app (``outbox.celery``), which passes them as explicit overrides.
+Precedence: explicit overrides (the relay's Celery config keys, which ``outbox.celery_app``
+registers with ``use_conf``), the environment, Django settings (when Django is
+configured), the defaults of the contract.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
-from typing import Any, Mapping
+import threading
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 from .redact import redact, register_url
@@ -29,6 +31,9 @@ MAX_CLAIM_TIMEOUT_MS = 86_400_000
 RELAY_PREFIX = "OUTBOX_RELAY_"
 #: Prefix of the database broker's options (``outbox.transport.options``), read there.
 TRANSPORT_PREFIX = "OUTBOX_TRANSPORT_"
+#: The URL scheme of the package's own database broker (``outboxdb+postgresql://...``):
+#: a known transport even before ``outbox.transport`` registers it with kombu.
+DATABASE_BROKER_SCHEME = "outboxdb"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -176,7 +181,7 @@ def validate_kombu_url(url: str, setting: str) -> str:
         raise ConfigError(f"{setting}={shown} is not a broker URL (expected e.g. amqp://user:pass@host//)")
     scheme = url.split("://", 1)[0]
     transport = scheme.split("+", 1)[0]
-    if transport not in TRANSPORT_ALIASES:
+    if transport not in TRANSPORT_ALIASES and transport != DATABASE_BROKER_SCHEME:
         close = difflib.get_close_matches(transport, TRANSPORT_ALIASES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{setting}={shown}: unknown broker transport {scheme!r}{hint} "
@@ -349,7 +354,7 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
 
 
 #: Every other OUTBOX_* name the package reads: the relay's tuning options
-#: (``outbox.relay.RelayOptions``) and the wake-up, LISTEN and metrics options. A test
+#: (``outbox.config.RelayOptions``) and the wake-up, LISTEN and metrics options. A test
 #: checks this list against the source, so a new option cannot be forgotten here.
 OTHER_NAMES = (
     "OUTBOX_RELAY_TASK_ROWS", "OUTBOX_RELAY_INLINE_ROWS", "OUTBOX_RELAY_MAX_QUEUED_TASKS",
@@ -423,7 +428,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             if name in source and source[name] not in (None, ""):
                 values[field] = _parse(name, source[name], kind)
                 break
-    # OUTBOX_RELAY_* keys tune the relay (``outbox.relay.RelayOptions``, which reads and
+    # OUTBOX_RELAY_* keys tune the relay (``RelayOptions`` below, which reads and
     # validates them itself); they may sit next to these settings in the same config.
     # OUTBOX_TRANSPORT_* keys likewise belong to the database broker (``outbox.transport``).
     unknown = [k for k in (overrides or {}) if k.startswith("OUTBOX_") and k not in _SETTINGS
@@ -433,23 +438,213 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
     return Settings(**{k: v for k, v in values.items() if v is not None})
 
 
-_cached: Settings | None = None
+#: The one cache of what was read: "settings" (``get_settings``), "relay_settings" and
+#: "relay_options" (the relay's, with its Celery config keys on top). ``reset_settings``
+#: empties it all.
+_cache: dict[str, Any] = {}
+_cache_lock = threading.RLock()
 
 
 def get_settings() -> Settings:
     """The process-wide settings, loaded on first use."""
-    global _cached
-    if _cached is None:
-        _cached = load_settings()
-    return _cached
+    with _cache_lock:
+        if "settings" not in _cache:
+            _cache["settings"] = load_settings()
+        return _cache["settings"]
 
 
 def reset_settings() -> None:
-    """Forget the cached settings (tests, and processes that change their environment)."""
-    global _cached
-    _cached = None
+    """Forget everything read (tests, and processes that change their environment)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+# -- the relay's tuning options (OUTBOX_RELAY_*) ---------------------------------------------
+
+@dataclass(frozen=True)
+class RelayOptions:
+    """Tuning of the relay beyond the contract's OUTBOX_* settings.
+
+    Each field is read from ``OUTBOX_RELAY_<FIELD>`` (Celery config key first, then the
+    environment); see ``from_sources``.
+    """
+
+    #: Short chains are packed into one publish task until it holds this many rows
+    #: (a chain is never split across tasks). 1 gives one task per chain. The default
+    #: makes a full default claim one task: fuller waves of confirms and fewer Celery
+    #: messages per event (docs/benchmarks.md measures 25 against 100).
+    task_rows: int = 100
+    #: A claim that did not come back full and holds at most this many rows is published
+    #: by the claim task itself instead of going through Celery's broker as a publish
+    #: task: live traffic saves a whole Celery hop. 0 turns it off.
+    inline_rows: int = 25
+    #: Claims hold back while this many publish tasks wait in Celery's broker queue.
+    #: Rows in flight are then bounded by about (max_queued_tasks + worker processes)
+    #: x rows per task (at most OUTBOX_BATCH_SIZE).
+    max_queued_tasks: int = 16
+    #: Bytes (payload + ~256 per row) one claimed batch may send on as publish tasks;
+    #: the rest of the batch is released at once. The first row always goes.
+    max_batch_bytes: int = 8 * 1024 * 1024
+    #: Retry back-off after a retriable failure: base * 2^(attempt-1), capped, with jitter.
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 300.0
+    #: How long claims pause after the broker pushed back or was unreachable.
+    breaker_s: float = 5.0
+    #: How long claims stop after a fatal (configuration) error.
+    fatal_pause_s: float = 300.0
+    #: How long one routing key pauses after a queue bound for it refused a message
+    #: (``basic.nack``: full with ``reject-publish``, or unavailable); other routes flow on.
+    #: Doubles each time the route is refused again right after its pause, up to
+    #: ``route_pause_max_s``.
+    route_pause_s: float = 1.0
+    route_pause_max_s: float = 30.0
+    #: A requested claim (drain mode, wake-up) that never ran stops blocking new
+    #: requests after this long. Beat's ticks go on regardless.
+    claim_request_ttl_s: float = 2.0
+    #: How often beat runs the purge of old done rows.
+    purge_interval_s: float = 3600.0
+    #: A publish task starts no chain once this fraction of the lease has passed since
+    #: the claim: the rows are left to lease recovery rather than risk a second live copy.
+    lease_safety: float = 0.8
+    #: The publisher refuses (as POISON: dead at once, no broker round trip) a message
+    #: body larger than this. The default is ``publisher.DEFAULT_MAX_MESSAGE_BYTES``
+    #: (16 MiB, RabbitMQ 4's own limit); set it to your broker's ``max_message_size``.
+    max_message_bytes: int = 16 * 1024 * 1024
+    #: Every this many seconds a worker logs one INFO line: alive, the backlog per status
+    #: and the age of the oldest undelivered row (``outbox.worker_logging``).
+    heartbeat_s: float = 300.0
+
+    @classmethod
+    def from_sources(cls, *sources: Mapping[str, Any]) -> "RelayOptions":
+        """Read ``OUTBOX_RELAY_*`` from the first source that has each name."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = f"OUTBOX_RELAY_{f.name.upper()}"
+            for source in sources:
+                raw = source.get(name) if source is not None else None
+                if raw in (None, ""):
+                    continue
+                kind = int if f.type in ("int", int) else float
+                try:
+                    value = kind(str(raw).strip()) if isinstance(raw, str) else kind(raw)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+                if not math.isfinite(value):  # NaN compares false with everything: check first
+                    raise ConfigError(f"{name}={raw!r} must be a finite number")
+                lowest_ok = 0 if f.name in _ZERO_ALLOWED else None
+                if isinstance(raw, bool) or (value < 0 if lowest_ok == 0 else value <= 0) or (
+                        f.name == "lease_safety" and value > 1):
+                    raise ConfigError(f"{name}={raw!r} must be a number {'>= 0' if lowest_ok == 0 else '> 0'}"
+                                      + (" and <= 1" if f.name == "lease_safety" else ""))
+                upper = _MAX_SECONDS.get(f.name, MAX_OPTION_S if f.name.endswith("_s") else None)
+                if upper is not None and value > upper:
+                    raise ConfigError(f"{name}={raw!r} is above the maximum of {upper:g} s")
+                values[f.name] = value
+                break
+        return cls(**values)
+
+
+#: Options where 0 means "off".
+_ZERO_ALLOWED = frozenset({"inline_rows"})
+#: Durations (options ending in ``_s``) longer than a day are typos (milliseconds written
+#: as seconds), and a pause that long could not be written as a retry time anyway.
+MAX_OPTION_S = 86_400.0
+_MAX_SECONDS = {"purge_interval_s": 30 * 86_400.0}
+
+
+# -- one reader for the relay's processes ----------------------------------------------------
+#
+# Precedence, the same for every name: the Celery app's config keys (when the relay's app
+# registered them with ``use_conf``), the environment, Django settings, the default. One
+# cache holds what was read; ``reset_settings`` empties it.
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+#: Returns the Celery app's configuration (a mapping); registered by ``outbox.celery_app``.
+_conf_source: Callable[[], Mapping[str, Any]] | None = None
+
+
+def use_conf(source: Callable[[], Mapping[str, Any]] | None) -> None:
+    """Register where the relay's Celery config keys come from (``outbox.celery_app`` does)."""
+    global _conf_source
+    with _cache_lock:
+        _conf_source = source
+        _cache.pop("relay_settings", None)
+        _cache.pop("relay_options", None)
+
+
+def conf_keys() -> dict[str, Any]:
+    """OUTBOX_* keys present in the registered Celery configuration."""
+    source = _conf_source
+    if source is None:
+        return {}
+    conf = source()
+    return {key: conf[key] for key in list(conf.keys()) if isinstance(key, str) and key.startswith("OUTBOX_")}
+
+
+def relay_settings() -> Settings:
+    """The OUTBOX_* settings of the relay: Celery config keys over the environment."""
+    with _cache_lock:
+        if "relay_settings" not in _cache:
+            overrides = {k: v for k, v in conf_keys().items() if not k.startswith(RELAY_PREFIX)}
+            _cache["relay_settings"] = load_settings(overrides=overrides)
+        return _cache["relay_settings"]
+
+
+def relay_options() -> RelayOptions:
+    """The relay's tuning options: Celery config keys over the environment."""
+    with _cache_lock:
+        if "relay_options" not in _cache:
+            _cache["relay_options"] = RelayOptions.from_sources(conf_keys(), os.environ)
+        return _cache["relay_options"]
+
+
+def reset_relay_settings() -> None:
+    """Forget what was read (tests); the same as ``reset_settings``."""
+    reset_settings()
+
+
+def extra_setting(name: str, default: Any = None) -> Any:
+    """An ``OUTBOX_RELAY_*`` option of wake-ups, LISTEN/NOTIFY and metrics, read with the
+    precedence above (these are prefixed OUTBOX_RELAY_ because ``load_settings`` rejects
+    unknown OUTBOX_* Celery config keys). Read on each call: callers cache what they need."""
+    try:
+        value = conf_keys().get(name)
+        if value not in (None, ""):
+            return value
+    except Exception:  # an invalid configuration is reported by the relay itself
+        pass
+    value = os.environ.get(name)
+    if value not in (None, ""):
+        return value
+    try:
+        from django.conf import settings as dj  # type: ignore[import-not-found]
+
+        if dj.configured and getattr(dj, name, None) not in (None, ""):
+            return getattr(dj, name)
+    except Exception:
+        pass
+    return default
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """A boolean ``extra_setting``: 1/true/yes/on or 0/false/no/off."""
+    raw = extra_setting(name)
+    if raw is None:
+        return default
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
 
 
 __all__ = ["Settings", "load_settings", "get_settings", "reset_settings", "validate_identifier",
            "validate_database_url", "validate_kombu_url", "warn_unknown_environment", "unknown_environment",
-           "known_names", "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES"]
+           "known_names", "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES", "RelayOptions", "MAX_OPTION_S",
+           "use_conf", "conf_keys", "relay_settings", "relay_options", "reset_relay_settings", "extra_setting",
+           "flag"]

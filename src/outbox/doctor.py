@@ -178,7 +178,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
     environ = dict(os.environ if environ is None else environ)
     try:
         settings = settings_loader() if settings_loader else load_settings(environ=environ)
-        from .relay import RelayOptions
+        from .config import RelayOptions
         RelayOptions.from_sources(environ)
     except Exception as exc:
         return [Result("configuration", FAIL, str(exc))]

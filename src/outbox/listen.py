@@ -11,7 +11,7 @@ Opt-in with ``OUTBOX_RELAY_LISTEN=1`` on both sides:
 * **workers**: the main process of each ``celery -A outbox worker`` runs a listener
   thread (started on ``worker_ready``, stopped on ``worker_shutdown``) on a dedicated
   autocommit psycopg connection. A notification asks for a claim through the relay's
-  coalesced request (``outbox.tasks.request_claim``), so a burst of commits sends one
+  coalesced request (``outbox.worker.request_claim``), so a burst of commits sends one
   claim. The listener reconnects with backoff when its connection drops and asks for
   one claim after each (re)connect, for commits it may have missed meanwhile. Beat's
   tick remains the safety net.
@@ -28,7 +28,7 @@ import random
 import threading
 from typing import Any, Callable
 
-from .wake import extra_setting, flag
+from .config import extra_setting, flag
 
 log = logging.getLogger("outbox.listen")
 
@@ -64,7 +64,9 @@ def notify_channel(kind: str, table: str, schema: str | None) -> str | None:
     The on/off decision is cached with the process's settings object, so it is read
     once (and again after ``outbox.config.reset_settings``)."""
     global _notify_cache
-    if kind != "postgresql":
+    from .engines import engine_class
+
+    if not engine_class(kind).supports_notify:
         return None
     from .config import get_settings
 
@@ -77,8 +79,7 @@ def notify_channel(kind: str, table: str, schema: str | None) -> str | None:
 
 def notify(engine: Any, cursor: Any, channel: str) -> None:
     """Queue a notification in the caller's transaction (delivered at commit)."""
-    engine.execute(cursor, "SELECT pg_notify(?, '')", [channel])
-    cursor.fetchall()
+    engine.notify(cursor, channel)
 
 
 # -- the worker side: the listener thread ------------------------------------------------------
@@ -116,18 +117,9 @@ class Listener(threading.Thread):
             log.exception("outbox listen: wake-up callback failed")
 
     def _connect(self) -> Any:
-        import psycopg
-        from psycopg import sql
+        from .engines import engine_class, kind_of_url
 
-        from .engines.postgres import libpq_url
-
-        conn = psycopg.connect(libpq_url(self.url), autocommit=True, connect_timeout=5)
-        try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+        return engine_class(kind_of_url(self.url)).listen_connection(self.url, self.channel)
 
     def run(self) -> None:
         delay = self.backoff_s
@@ -173,31 +165,25 @@ class Listener(threading.Thread):
                 self._conn = None
 
 
-# -- worker hooks -------------------------------------------------------------------------------
+# -- the worker's listener (started and stopped by ``outbox.worker``) -------------------------
 
 _listener: Listener | None = None
-_hooks_installed = False
 
 
-def start_listener(on_notify: Callable[[], Any] | None = None) -> Listener | None:
-    """Start the listener of this worker when OUTBOX_RELAY_LISTEN is on and the outbox
-    is on PostgreSQL; return it (or None)."""
+def start_listener(settings: Any, on_notify: Callable[[], Any]) -> Listener | None:
+    """Start this worker's listener when OUTBOX_RELAY_LISTEN is on and the outbox of
+    ``settings`` is on PostgreSQL; return it (or None). ``on_notify``: the worker's
+    coalesced ``request_claim``."""
     global _listener
-    from .celery import relay_settings
-    from .engines import kind_of_url
+    from .engines import engine_class, kind_of_url
 
     if not listen_enabled():
         return None
-    settings = relay_settings()
-    if kind_of_url(settings.database_url) != "postgresql":
+    if not engine_class(kind_of_url(settings.database_url)).supports_notify:
         log.warning("outbox listen: OUTBOX_RELAY_LISTEN is set but the outbox is not on PostgreSQL; ignored")
         return None
     if _listener is not None and _listener.is_alive():
         return _listener
-    if on_notify is None:
-        from .tasks import request_claim
-
-        on_notify = request_claim
     _listener = Listener(settings.database_url, channel_for(settings.table, settings.schema), on_notify)
     _listener.start()
     return _listener
@@ -212,31 +198,5 @@ def stop_listener(wait: bool = True) -> None:
             _listener = None
 
 
-def install_worker_hooks() -> None:
-    """Called by ``outbox.tasks``: start the listener in the worker's main process once
-    it is ready, stop it on shutdown."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    from celery import signals
-
-    def ready(**_: Any) -> None:
-        try:
-            start_listener()
-        except Exception as exc:  # never keep the worker from running: polling still delivers
-            log.error("outbox listen: not started (%s: %s); claims rely on beat's ticks", type(exc).__name__, exc)
-
-    def shutting_down(**_: Any) -> None:
-        stop_listener(wait=False)  # sent from a signal handler: don't block it
-
-    def shutdown(**_: Any) -> None:
-        stop_listener()
-
-    signals.worker_ready.connect(ready, weak=False)
-    signals.worker_shutting_down.connect(shutting_down, weak=False)
-    signals.worker_shutdown.connect(shutdown, weak=False)
-
-
 __all__ = ["Listener", "channel_for", "listen_enabled", "notify_channel", "notify", "start_listener",
-           "stop_listener", "install_worker_hooks", "MAX_CHANNEL"]
+           "stop_listener", "MAX_CHANNEL"]

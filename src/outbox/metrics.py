@@ -45,7 +45,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from .wake import extra_setting
+from .config import extra_setting
 
 log = logging.getLogger("outbox.metrics")
 
@@ -209,18 +209,12 @@ def refresh(m: Metrics, store: Any, force: bool = False) -> None:
         return  # another thread of this process is at it
     try:
         m._refreshed = now
-        engine = getattr(store, "engine", None)
-        if engine is None or not hasattr(store, "transaction"):
+        gauges = getattr(store, "gauges", None)  # a stand-in store may have none
+        if gauges is None:
             return
-        sql = (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {engine.now} "
-               f"FROM {engine.table} WHERE status IN (0, 1, 3)")
-        with store.transaction() as cursor:
-            in_flight, backlog, oldest, db_now = engine.execute(cursor, sql).fetchone()
-        m.in_flight.set(int(in_flight or 0))
-        m.backlog.set(int(backlog or 0))
-        lag = 0.0
-        if oldest is not None:
-            lag = max(0.0, (engine.to_datetime(db_now) - engine.to_datetime(oldest)).total_seconds())
+        in_flight, backlog, lag = gauges()
+        m.in_flight.set(in_flight)
+        m.backlog.set(backlog)
         m.lag.set(lag)
     finally:
         m._refresh_lock.release()
@@ -286,49 +280,36 @@ def stop_serving() -> None:
         _own_dir = None
 
 
-_hooks_installed = False
+# -- called by ``outbox.worker`` on the worker's signals -----------------------------------------
+
+def on_worker_init() -> None:
+    """worker_init (main process, before the pool forks): decide, set up multiprocess
+    mode, create the metrics."""
+    try:
+        if configured_port() is None:
+            return
+        prepare_multiprocess()
+        reset()
+        active()
+    except Exception as exc:
+        log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
+        disable()
 
 
-def install_worker_hooks() -> None:
-    """Called by ``outbox.tasks``. worker_init (main process, before the pool forks):
-    decide, set up multiprocess mode, create the metrics; worker_ready: serve them;
-    worker_shutdown: stop serving."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    from celery import signals
-
-    def init(**_: Any) -> None:
-        try:
-            if configured_port() is None:
-                return
-            prepare_multiprocess()
-            reset()
-            active()
-        except Exception as exc:
-            log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
-            disable()
-
-    def ready(**_: Any) -> None:
-        try:
-            port = configured_port()
-            if port is None or active() is None:
-                return
-            addr = str(extra_setting("OUTBOX_RELAY_METRICS_ADDR", "0.0.0.0"))
-            serve(port, addr)
-            log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
-                     " (multiprocess)" if multiprocess_mode() else "")
-        except Exception as exc:  # a port in use must not stop the relay
-            log.error("outbox metrics: cannot serve (%s: %s)", type(exc).__name__, exc)
-
-    def shutdown(**_: Any) -> None:
-        stop_serving()
-
-    signals.worker_init.connect(init, weak=False)
-    signals.worker_ready.connect(ready, weak=False)
-    signals.worker_shutdown.connect(shutdown, weak=False)
+def on_worker_ready() -> None:
+    """worker_ready: serve the metrics (a port in use must not stop the relay)."""
+    try:
+        port = configured_port()
+        if port is None or active() is None:
+            return
+        addr = str(extra_setting("OUTBOX_RELAY_METRICS_ADDR", "0.0.0.0"))
+        serve(port, addr)
+        log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
+                 " (multiprocess)" if multiprocess_mode() else "")
+    except Exception as exc:
+        log.error("outbox metrics: cannot serve (%s: %s)", type(exc).__name__, exc)
 
 
 __all__ = ["Metrics", "active", "enable", "disable", "reset", "claimed", "chain", "dead", "refresh", "serve",
-           "stop_serving", "configured_port", "prepare_multiprocess", "multiprocess_mode", "install_worker_hooks"]
+           "stop_serving", "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init",
+           "on_worker_ready"]

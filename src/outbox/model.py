@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Mapping
 
 
 class Status(enum.IntEnum):
@@ -150,3 +150,29 @@ class RequeueResult:
     def ok(self) -> bool:
         """Every id asked for was requeued (always true for "all")."""
         return not (self.refused or self.missing or self.not_dead)
+
+
+# -- the message codec: a claimed message as JSON-safe data (what publish tasks carry) ----------
+
+def message_to_dict(message: OutboxMessage) -> dict[str, Any]:
+    """JSON-safe form of a claimed message, as publish tasks carry it (lease included)."""
+    return {
+        "id": message.id, "message_id": message.message_id, "topic": message.topic,
+        "aggregate_type": message.aggregate_type, "aggregate_id": message.aggregate_id,
+        "partition_key": message.partition_key, "payload": message.payload, "headers": message.headers,
+        "trace_id": message.trace_id, "attempts": message.attempts,
+        "created_at": message.created_at.isoformat() if message.created_at else None,
+        "lease": message.lease,
+    }
+
+
+def message_from_dict(data: Mapping[str, Any]) -> OutboxMessage:
+    created = data.get("created_at")
+    return OutboxMessage(
+        id=int(data["id"]), message_id=data["message_id"], topic=data["topic"],
+        aggregate_type=data["aggregate_type"], aggregate_id=data["aggregate_id"],
+        partition_key=data.get("partition_key"), payload=data["payload"], headers=dict(data.get("headers") or {}),
+        trace_id=data.get("trace_id"), attempts=int(data.get("attempts") or 0),
+        created_at=datetime.fromisoformat(created) if isinstance(created, str) else created,  # type: ignore[arg-type]
+        lease=data["lease"],
+    )

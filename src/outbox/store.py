@@ -317,6 +317,21 @@ class OutboxStore:
                 break
         return total
 
+    def gauges(self) -> tuple[int, int, float]:
+        """``(in_flight, backlog, lag_s)`` over the open rows, in one query on the claim
+        index: rows claimed, rows open (pending, claimed, failed), the age of the oldest
+        open row by the database clock (0 when there is none). One attempt, no retry:
+        the metrics' refresh calls it between claims and must not hold one up."""
+        engine = self.engine
+        sql = (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {engine.now} "
+               f"FROM {engine.table} WHERE status IN (0, 1, 3)")
+        with self.transaction() as cursor:
+            in_flight, backlog, oldest, db_now = engine.execute(cursor, sql).fetchone()
+        lag = 0.0
+        if oldest is not None:
+            lag = max(0.0, (engine.to_datetime(db_now) - engine.to_datetime(oldest)).total_seconds())
+        return int(in_flight or 0), int(backlog or 0), lag
+
     def stats(self) -> Stats:
         def work(cursor: Any) -> tuple[list, Any, Any]:
             counts = self.engine.execute(

@@ -1,41 +1,10 @@
-"""Waking the relay right after the caller's transaction commits.
-
-Polling (beat's claim tick) always delivers; a wake-up only brings the latency down:
-right after a transaction that enqueued commits, ask for a claim. Wakes are
-
-* **coalesced**: a burst of commits sends one claim, not one per commit;
-* **cheap**: no database query; at most one Redis round trip plus, for the first
-  request of a burst, one Celery message;
-* **harmless**: ``request_claim`` never raises (a broker problem is logged, rate
-  limited, and wakes pause for a second); the next tick claims anyway;
-* **skippable**: off with ``OUTBOX_RELAY_WAKE=0``, and a no-op when there is no relay
-  to wake (Celery's broker is ``memory://`` and no worker runs in this process).
-
-How a wake is coalesced depends on Celery's broker:
-
-* Redis: a shared token (``SET NX PX``) in that Redis, one per Celery broker. The claim
-  it sends carries the token's name and the worker deletes it as the claim starts, so
-  commits made while that claim waits in the queue ride on it, and the first commit
-  after it started sends the next one. The token expires after
-  ``OUTBOX_RELAY_CLAIM_REQUEST_TTL_S`` in case that claim is lost.
-* ``memory://`` with a worker in this process (``outbox demo``, tests): the worker's own
-  coalesced request (``outbox.tasks.request_claim``).
-* any other broker (AMQP...): per process, at most one claim per ``LOCAL_WINDOW_S``, plus
-  one at the end of the window when requests came in during it, so a claim always
-  follows the last commit.
-
-With Dramatiq as the runner (``OUTBOX_DRAMATIQ_BROKER_URL`` set, docs/dramatiq.md) the
-claim is a Dramatiq message sent through ``outbox.dramatiq_broker``, coalesced the same
-way (the token then lives in Dramatiq's Redis).
-
-APIs (see docs/waking-and-metrics.md):
-
-* ``request_claim()``: call it after your commit.
-* ``transaction(conn)`` (also ``outbox.transaction``): commit (or roll back) and then wake.
-* ``wake_after_commit(conn)``: for connections that have an on-commit hook (a Django
-  connection, a SQLAlchemy Session): wake when *this* transaction commits, never on
-  rollback.
-* ``outbox.contrib.django`` and ``outbox.contrib.flask``: ``enqueue`` + wake-after-commit.
+"""Waking the relay right after the caller's transaction commits: ``request_claim()``
+(coalesced, never raises, no database query), ``transaction(conn)`` (also
+``outbox.transaction``), ``wake_after_commit(conn)`` and ``register_after_commit(conn)``.
+How a wake is coalesced on each Celery broker, and what it costs:
+docs/waking-and-metrics.md, "Post-commit wake-up". With Dramatiq as the runner
+(``OUTBOX_DRAMATIQ_BROKER_URL``) the claim is a Dramatiq message sent through
+``outbox.dramatiq_broker``, coalesced the same way (docs/dramatiq.md).
 """
 
 from __future__ import annotations
@@ -51,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 log = logging.getLogger("outbox.wake")
 
-#: Per-process throttle window for brokers other than Redis (see the module docstring).
+#: Per-process throttle window for brokers other than Redis (docs/waking-and-metrics.md).
 LOCAL_WINDOW_S = 0.05
 #: After a failed send, wakes pause this long (the broker is down: don't pay a connect
 #: attempt per commit). Beat's tick delivers meanwhile.
@@ -62,79 +31,9 @@ WARN_EVERY_S = 60.0
 TOKEN_PREFIX = "outbox:wake:"
 
 
-# -- settings beyond the contract's OUTBOX_* ------------------------------------------------------
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def extra_setting(name: str, default: Any = None) -> Any:
-    """An ``OUTBOX_RELAY_*`` option of wake-ups, LISTEN/NOTIFY and metrics, from (in
-    order) Celery's config when the relay's app is loaded in this process, the
-    environment, Django settings. These names are prefixed OUTBOX_RELAY_ because the
-    contract's settings loader rejects unknown OUTBOX_* Celery config keys."""
-    if "outbox.celery" in sys.modules:
-        try:
-            conf = sys.modules["outbox.celery"].app.conf
-            value = conf.get(name)
-            if value not in (None, ""):
-                return value
-        except Exception:  # an invalid configuration is reported by the relay itself
-            pass
-    value = os.environ.get(name)
-    if value not in (None, ""):
-        return value
-    try:
-        from django.conf import settings as dj  # type: ignore[import-not-found]
-
-        if dj.configured and getattr(dj, name, None) not in (None, ""):
-            return getattr(dj, name)
-    except Exception:
-        pass
-    return default
-
-
-def flag(name: str, default: bool = False) -> bool:
-    from .errors import ConfigError
-
-    raw = extra_setting(name)
-    if raw is None:
-        return default
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
-
-
-# -- the worker side -----------------------------------------------------------------------------
-
-#: Set while an outbox Celery worker runs in this process (worker_init .. worker_shutdown).
-_in_worker = False
-_hooks_installed = False
-
-
-def install_worker_hooks() -> None:
-    """Called by ``outbox.tasks``: note when a relay worker runs in this process."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    from celery import signals
-
-    def started(**_: Any) -> None:
-        global _in_worker
-        _in_worker = True
-
-    def stopped(**_: Any) -> None:
-        global _in_worker
-        _in_worker = False
-
-    signals.worker_init.connect(started, weak=False)
-    signals.worker_shutdown.connect(stopped, weak=False)
+# ``extra_setting`` and ``flag`` moved to ``outbox.config`` (the one reader); kept importable here.
+from .config import extra_setting, flag, relay_options  # noqa: E402,F401
+from .names import CLAIM_QUEUE, CLAIM_TASK  # noqa: E402
 
 
 _redis_clients: dict[tuple[int, str], Any] = {}
@@ -159,7 +58,7 @@ def clear_token(token: str, broker_url: str | None = None) -> None:
         return
     try:
         if broker_url is None:
-            from .celery import app
+            from .celery_app import app
 
             broker_url = str(app.conf.broker_url)
         _redis(broker_url).delete(token)
@@ -235,7 +134,7 @@ def _current_plan() -> _Plan:
         # Dramatiq is the configured runner (OUTBOX_DRAMATIQ_BROKER_URL): wake through it.
         url, key_prefix = dramatiq.broker_url, dramatiq.namespace
     else:
-        from .celery import app
+        from .celery_app import app
 
         url = str(app.conf.broker_url or "")
         key_prefix = str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
@@ -244,18 +143,6 @@ def _current_plan() -> _Plan:
         with _plan_lock:
             plan = _plan = _Plan(url, key_prefix)
     return plan
-
-
-def _claim_request_ttl_s() -> float:
-    from . import dramatiq_broker
-
-    if dramatiq_broker.configured():
-        from .relay import RelayOptions
-
-        return RelayOptions.from_sources(os.environ).claim_request_ttl_s
-    from .celery import relay_options
-
-    return relay_options().claim_request_ttl_s
 
 
 def _failed(what: str, exc: BaseException) -> None:
@@ -273,17 +160,17 @@ def _failed(what: str, exc: BaseException) -> None:
 
 def _send(token: str | None) -> bool:
     from . import dramatiq_broker
-    from .relay import CLAIM_QUEUE, CLAIM_TASK
+    from .names import CLAIM_QUEUE, CLAIM_TASK
 
     if dramatiq_broker.configured():
         try:
             dramatiq_broker.send(CLAIM_TASK, CLAIM_QUEUE, {"token": token} if token else {},
-                                 max_age_s=_claim_request_ttl_s())
+                                 max_age_s=relay_options().claim_request_ttl_s)
             return True
         except Exception as exc:
             _failed("sending a claim", exc)
             return False
-    from .celery import app, relay_options
+    from .celery_app import app
 
     try:
         app.send_task(CLAIM_TASK, kwargs={"token": token} if token else {}, queue=CLAIM_QUEUE,
@@ -299,7 +186,7 @@ def _send(token: str | None) -> bool:
 def request_claim() -> bool:
     """Ask the relay for a claim soon. Call it after your transaction committed.
 
-    Coalesced (see the module docstring), never raises, no database query. Returns
+    Coalesced (docs/waking-and-metrics.md), never raises, no database query. Returns
     True when a claim was sent or is already on its way, False when nothing was done
     (wakes off, no relay to wake, or the broker failed: the tick delivers).
     """
@@ -307,13 +194,12 @@ def request_claim() -> bool:
     try:
         if time.monotonic() < _paused_until or not flag("OUTBOX_RELAY_WAKE", True):
             return False
-        if _in_worker:
-            from .tasks import request_claim as worker_request
-
-            return bool(worker_request())
+        worker = sys.modules.get("outbox.worker")  # loaded only where a worker may run
+        if worker is not None and worker.in_worker():
+            return bool(worker.request_claim())
         plan = _current_plan()
         if plan.kind == "redis":
-            ttl_ms = max(1, int(_claim_request_ttl_s() * 1000))
+            ttl_ms = max(1, int(relay_options().claim_request_ttl_s * 1000))
             try:
                 acquired = _redis(plan.broker_url).set(plan.token, b"1", nx=True, px=ttl_ms)
             except Exception as exc:
@@ -463,4 +349,4 @@ def _reset_for_tests() -> None:
 
 __all__ = ["request_claim", "wake", "wake_after_commit", "register_after_commit", "transaction", "clear_token",
            "token_for",
-           "extra_setting", "flag", "install_worker_hooks", "LOCAL_WINDOW_S", "TOKEN_PREFIX"]
+           "extra_setting", "flag", "LOCAL_WINDOW_S", "TOKEN_PREFIX"]

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from celery import signals
 
-from .relay import CLAIM_TASK
+from .names import CLAIM_TASK
 
 log = logging.getLogger("outbox.heartbeat")
 
@@ -189,7 +189,7 @@ def _stop_heartbeat(**_: Any) -> None:
 
 
 def install(settings: Callable[[], Any], options: Callable[[], Any]) -> None:
-    """Called once by ``outbox.celery`` with its getters of the relay's settings and
+    """Called once by ``outbox.worker`` with its getters of the relay's settings and
     options: the filter now (beat and worker), the heartbeat when a worker is ready."""
     global _sources
     _sources = (settings, options)

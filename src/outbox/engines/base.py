@@ -84,6 +84,20 @@ class Engine(ABC):
     def index_name(self, suffix: str) -> str:
         return f"ix_{self.table_name}_{suffix}"
 
+    # -- notifications (docs/waking-and-metrics.md, "LISTEN/NOTIFY") -----------
+    #: Can the engine deliver a notification at commit (NOTIFY) to a listener?
+    supports_notify: ClassVar[bool] = False
+
+    def notify(self, cursor: Any, channel: str) -> None:
+        """Queue a notification on ``channel`` in the cursor's transaction."""
+        raise NotImplementedError(f"{self.name} has no NOTIFY")
+
+    @classmethod
+    def listen_connection(cls, url: str, channel: str) -> Any:
+        """A dedicated autocommit connection LISTENing on ``channel``; its ``notifies``
+        yields notifications (psycopg's interface)."""
+        raise NotImplementedError(f"{cls.name} has no LISTEN")
+
     # -- SQL text ------------------------------------------------------------
     now: ClassVar[str] = "CURRENT_TIMESTAMP"
 

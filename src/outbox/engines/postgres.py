@@ -45,6 +45,26 @@ class PostgresEngine(Engine):
         import psycopg
         return psycopg.connect(libpq_url(url), autocommit=False)
 
+    supports_notify: ClassVar[bool] = True
+
+    def notify(self, cursor: Any, channel: str) -> None:
+        # Delivered at commit, and only then; identical ones of a transaction fold into one.
+        self.execute(cursor, "SELECT pg_notify(?, '')", [channel])
+        cursor.fetchall()
+
+    @classmethod
+    def listen_connection(cls, url: str, channel: str) -> Any:
+        import psycopg
+        from psycopg import sql
+
+        conn = psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=5)
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
     def cursor_for(self, conn: Any) -> Any:
         from psycopg.rows import tuple_row
         return conn.cursor(row_factory=tuple_row)  # the caller's connection may default to dict rows

@@ -29,12 +29,12 @@ process routes direct, topic and fanout messages the same way (Celery's control
 commands and events need that; kombu's in-process binding state cannot do it).
 
 Every time is the database's clock (UTC). Engine modules ``queue_<engine>.py``
-subclass ``QueueTables`` and supply only what differs.
+subclass ``QueueTables`` and supply only what differs; ``queue_factory.queue_tables``
+picks the one for an engine.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, NamedTuple, Sequence
 
 from .base import Engine
@@ -224,28 +224,6 @@ class QueueTables:
         return [Binding(r[0] or "", r[1] or "", r[2], None if r[3] is None else int(r[3])) for r in rows]
 
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
-
-
-def queue_tables(engine: Engine, table: str = DEFAULT_QUEUE_TABLE) -> QueueTables:
-    """The queue-table SQL for ``engine``."""
-    if not _NAME.match(table):
-        from ..errors import ConfigError
-        raise ConfigError(f"queue table name {table!r} is not a plain identifier "
-                          "(letters, digits, underscores; at most 41 characters)")
-    if engine.name == "postgresql":
-        from .queue_postgres import PostgresQueueTables as cls
-    elif engine.name == "mysql":
-        from .queue_mysql import MysqlQueueTables as cls  # type: ignore[assignment]
-    elif engine.name == "sqlite":
-        from .queue_sqlite import SqliteQueueTables as cls  # type: ignore[assignment]
-    elif engine.name == "mssql":
-        from .queue_mssql import MssqlQueueTables as cls  # type: ignore[assignment]
-    else:  # pragma: no cover - engine_class already refuses unknown engines
-        raise ValueError(engine.name)
-    return cls(engine, table)
-
-
 def to_rows(rows: Sequence[Sequence[Any]]) -> list[MessageRow]:
     """Driver rows -> MessageRow, oldest first (RETURNING/OUTPUT promise no order)."""
     out = [MessageRow(int(r[0]), r[1], r[2] if isinstance(r[2], str) else bytes(r[2]).decode("utf-8"),
@@ -255,5 +233,4 @@ def to_rows(rows: Sequence[Sequence[Any]]) -> list[MessageRow]:
     return out
 
 
-__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "queue_tables", "DEFAULT_QUEUE_TABLE", "MAX_NAME",
-           "to_rows"]
+__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "to_rows"]

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: The URL scheme prefix that selects this transport: ``outboxdb+postgresql://...``.
-SCHEME = "outboxdb"
+from .options import SCHEME  # the URL scheme prefix that selects this transport
+
 TRANSPORT_PATH = "outbox.transport.channel:Transport"
 
 #: Names served lazily: importing this package (``outbox migrate``, ``outbox.celery`` on the

@@ -41,9 +41,10 @@ from typing import Any, Callable, TypeVar
 from kombu.transport import virtual
 
 from ..engines import engine_for_url, kind_of_url
-from ..engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables, queue_tables
+from ..engines.queue_factory import queue_tables
+from ..engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables
 from ..errors import ConfigError
-from . import SCHEME
+from .options import SCHEME
 
 log = logging.getLogger("outbox.transport")
 T = TypeVar("T")

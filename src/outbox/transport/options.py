@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..config import DATABASE_BROKER_SCHEME as SCHEME  # the URL scheme prefix: ``outboxdb+postgresql://...``
 from ..errors import ConfigError
 
 #: Setting -> (transport option, type, lower bound, upper bound).

@@ -22,7 +22,8 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from ..engines import engine_class, unwrap_connection
-from ..engines.queues import DEFAULT_QUEUE_TABLE, queue_tables
+from ..engines.queue_factory import queue_tables
+from ..engines.queues import DEFAULT_QUEUE_TABLE
 from .channel import _eta_delay_ms
 
 

@@ -1,0 +1,111 @@
+"""The relay's Celery app and its configuration (``celery -A outbox`` loads it through
+``outbox.celery``). Why the settings below are what they are: docs/relay.md,
+"The Celery app"; the queues: ``outbox.names``.
+
+This module defines no task and connects no signal: the tasks are in ``outbox.tasks``,
+the per-process wiring in ``outbox.worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from .config import RelayOptions, Settings, conf_keys, relay_options, relay_settings, use_conf
+from .errors import ConfigError
+from .names import CLAIM_QUEUE, CLAIM_TASK, PUBLISH_TASK, QUEUES, ROUTES
+from .redact import redact
+
+log = logging.getLogger("outbox.celery")
+
+app = Celery("outbox", include=["outbox.tasks"])
+
+# The one configuration reader (``outbox.config``) reads this app's OUTBOX_* config keys.
+use_conf(lambda: app.conf)
+
+
+def load_beat_schedule(settings: Settings, options: RelayOptions) -> dict[str, Any]:
+    """The schedule, from the top-level ``beat_schedule`` module (the one definition)."""
+    import beat_schedule
+
+    return beat_schedule.build_schedule(settings, options)
+
+
+def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
+    broker_url = settings.broker_url
+    lease_s = settings.claim_timeout_ms / 1000.0
+    in_memory = broker_url.startswith("memory://")
+    config: dict[str, Any] = {
+        "broker_url": broker_url,
+        "broker_connection_retry_on_startup": True,
+        "timezone": "UTC",
+        "enable_utc": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        # Nobody waits for a relay task's result: the outcome is in the outbox table.
+        "task_ignore_result": True,
+        "result_backend": None,
+        "task_queues": [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in QUEUES],
+        "task_default_queue": CLAIM_QUEUE,
+        "task_routes": {task: {"queue": queue} for task, queue in ROUTES.items()},
+        # Prefetch 1: a publish task carries up to a batch of rows whose lease is already
+        # running. Prefetching more would park leased rows in one busy worker's buffer
+        # (late, and costing memory) while other processes sit idle.
+        "worker_prefetch_multiplier": 1,
+        # acks_late and reject_on_worker_lost are set per task in outbox.tasks, where the
+        # reasons are given. Correctness never rests on Celery's ack: rows are settled in
+        # the table, fenced by the lease. So a task running when the connection to Celery's
+        # broker drops is allowed to finish its chain rather than be cancelled halfway.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        # A publish task (or a claim publishing a small batch itself) stuck past its lease
+        # (a hung broker socket) is killed; the lease brings its rows back. Time limits
+        # need the prefork pool.
+        "task_annotations": {PUBLISH_TASK: {"time_limit": max(10.0, lease_s)},
+                             CLAIM_TASK: {"time_limit": max(10.0, lease_s)}},
+        "worker_hijack_root_logger": True,
+        "beat_schedule": load_beat_schedule(settings, options),
+    }
+    if broker_url.startswith("redis://"):
+        # kombu's Redis transport, made to drop a message it cannot decode instead of
+        # stopping the worker (outbox.celery_redis). The URL is read exactly as before.
+        config["broker_transport"] = "outbox.celery_redis:Transport"
+    elif broker_url.startswith("outboxdb"):
+        # The database as Celery's broker (docs/transport.md). Imported only here, so a
+        # worker on any other broker imports nothing of it (this runs before Celery
+        # connects, so the outboxdb scheme is registered in time). A publish task may run
+        # up to its time limit (the lease) before it is acked: the visibility timeout must
+        # outlast that, or the message would be delivered again while it runs.
+        from .transport import register
+        from .transport.options import transport_options
+
+        register()
+        config["broker_transport_options"] = transport_options(
+            conf_keys(), os.environ, visibility_timeout=max(120.0, 2 * lease_s))
+    if in_memory:
+        # One process: threads share the in-memory broker, prefork children would not.
+        config["worker_pool"] = "threads"
+        # The in-memory transport polls; its default of once a second would add a second
+        # to every hop (tick -> claim -> publish).
+        config["broker_transport_options"] = {"polling_interval": 0.05}
+    return config
+
+
+def _defaults() -> dict[str, Any]:
+    try:
+        return celery_config(relay_settings(), relay_options())
+    except ConfigError as exc:
+        if os.path.basename(sys.argv[0] or "").startswith("celery"):
+            # `celery -A outbox worker|beat`: one clear line and a non-zero exit, no traceback.
+            raise SystemExit(redact(f"outbox: invalid configuration: {exc}")) from None
+        raise
+
+
+app.add_defaults(_defaults)
+
+
+__all__ = ["app", "celery_config", "load_beat_schedule", "relay_settings", "relay_options"]

@@ -1,0 +1,128 @@
+"""The publisher's contract: ``Publisher``, its results, the failure kinds, the limits
+(docs/publisher.md)."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol, Sequence
+
+from ..model import OutboxMessage
+
+log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
+
+
+#: The default refusal threshold for one message body. RabbitMQ 4.x refuses bodies above
+#: 16 MiB by default (``max_message_size``; it was 128 MiB in 3.8-3.13), so this is the
+#: largest size every supported broker accepts out of the box.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+#: The header table travels in one AMQP content-header frame, which must fit in the
+#: negotiated ``frame_max`` (128 KiB by default on RabbitMQ and py-amqp). Past this the
+#: broker closes the whole connection with FRAME_ERROR, so we refuse earlier, per event.
+MAX_HEADER_BYTES = 64 * 1024
+
+#: AMQP short strings (routing key, ``message_id``, header names) hold at most this many bytes.
+MAX_SHORTSTR_BYTES = 255
+
+#: ``x-outbox-error`` is cut to this many characters on dead-lettered messages.
+MAX_ERROR_HEADER_CHARS = 1000
+
+RESERVED_HEADERS = frozenset({
+    "message_id", "outbox_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
+    "attempt", "created_at",
+})
+
+UNROUTABLE_POLICIES = ("fail", "drop")
+
+
+class FailureKind(enum.StrEnum):
+    """What the relay should do about an event that was not published. A ``StrEnum``: it
+    prints as its value (``poison``), which is what ``last_error`` and the metrics record."""
+
+    RETRIABLE = "retriable"
+    BACKPRESSURE = "backpressure"
+    POISON = "poison"
+    FATAL = "fatal"
+
+
+@dataclass(frozen=True)
+class PublishFailure:
+    kind: FailureKind
+    reason: str
+    #: The exception behind the failure, if any (for logs; not part of equality).
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+    #: BACKPRESSURE from one routing key only (a queue bound for it refused the message,
+    #: ``basic.nack``); None when the broker as a whole is down or pushing back.
+    route: str | None = None
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    """The outcome of one ``publish_chain`` call.
+
+    ``published`` is always a prefix of the chain's ids, in order. When the chain stopped
+    early, ``failed_id`` is the id of the first event that was not published (the one right
+    after that prefix) and ``failure`` says why; everything after it was not sent either.
+    """
+
+    published: tuple[int, ...] = ()
+    failed_id: int | None = None
+    failure: PublishFailure | None = None
+    #: Ids in ``published`` that the broker reported unroutable (``unroutable="drop"``).
+    unroutable: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+class PublisherLike(Protocol):
+    """What the relay needs of a publisher (``Publisher`` and any stand-in with these
+    methods): the relay calls ``publish_chains`` when the object has it."""
+
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> "ChainResult": ...
+
+    def publish_dead(self, message: OutboxMessage, error: str) -> "PublishFailure | None": ...
+
+
+class Publisher(ABC):
+    """Sends chains of outbox messages to the destination broker.
+
+    Implementations never raise for a publishing problem: they report it in the result so
+    the relay always learns exactly which prefix reached the broker.
+    """
+
+    @abstractmethod
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+        """Publish ``messages`` (one aggregate, id order) so that a prefix reaches the broker."""
+
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]]) -> list[ChainResult]:
+        """Publish several chains (of different aggregates), one result per chain, in order.
+
+        The prefix promise holds per chain; chains are independent of each other, so an
+        implementation may interleave them to share broker round trips. This default
+        publishes them one after the other."""
+        return [self.publish_chain(chain) for chain in chains]
+
+    def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
+        """Send a copy of a dead row to the dead-letter exchange, if the publisher has one.
+
+        Returns ``None`` on success and when dead-letter publishing is not configured. It is
+        best effort: the dead row in the table stays the record of truth.
+        """
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the broker connection. The publisher reconnects if used again."""
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,419 @@
+"""``KombuPublisher``: confirms in waves over kombu (docs/publisher.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..errors import ConfigError
+from ..model import OutboxMessage
+from ..redact import redact
+
+if TYPE_CHECKING:
+    from ..config import Settings
+
+log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
+from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, UNROUTABLE_POLICIES, ChainResult, FailureKind, Publisher,
+                       PublishFailure)
+from .failures import _connection_lost, failure_from
+from .message import _encoding_problem, build_headers, checked_headers, encode_body, poison_check
+
+
+# -- the kombu publisher -----------------------------------------------------------------------
+
+#: A wave verdict: the broker returned the message (no queue bound for its routing key).
+_RETURNED = "returned"
+
+
+def refused_by_route(routing_key: str, exchange: str) -> PublishFailure:
+    """The failure for a ``basic.nack``: a queue bound for ``routing_key`` refused the
+    message (full with ``x-overflow: reject-publish``, or unavailable). Back-pressure of
+    that route only."""
+    return PublishFailure(FailureKind.BACKPRESSURE,
+                          f"the broker refused the message (basic.nack): a queue bound for routing key "
+                          f"{routing_key!r} on exchange {exchange!r} is full or unavailable", route=routing_key)
+
+
+class _ChainProgress:
+    """How far one chain of a ``publish_chains`` call has got."""
+
+    def __init__(self, chain: list[OutboxMessage]) -> None:
+        self.chain = chain
+        self.position = 0
+        self.published: list[int] = []
+        self.unroutable: list[int] = []
+        self.failure: PublishFailure | None = None
+
+    @property
+    def next(self) -> OutboxMessage:
+        return self.chain[self.position]
+
+    @property
+    def going(self) -> bool:
+        return self.failure is None and self.position < len(self.chain)
+
+    def advance(self, unroutable: bool = False) -> None:
+        self.published.append(self.next.id)
+        if unroutable:
+            self.unroutable.append(self.next.id)
+        self.position += 1
+
+    def stop(self, failure: PublishFailure) -> None:
+        self.failure = failure
+
+    def result(self) -> ChainResult:
+        failed_id = self.next.id if self.failure is not None else None
+        return ChainResult(tuple(self.published), failed_id, self.failure, tuple(self.unroutable))
+
+
+class KombuPublisher(Publisher):
+    """``Publisher`` over any kombu transport; the strong guarantees need py-amqp (see the
+    module docstring).
+
+    Thread-safe (calls are serialized by a lock), fork-safe (one connection per process).
+    """
+
+    def __init__(self, url: str, exchange: str, *, dead_letter_exchange: str | None = None,
+                 unroutable: str = "fail", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 connect_timeout: float = 3.0, connect_retries: int = 1,
+                 confirm_timeout: float = 15.0) -> None:
+        if unroutable not in UNROUTABLE_POLICIES:
+            raise ValueError(f"unroutable={unroutable!r}: expected one of {', '.join(UNROUTABLE_POLICIES)}")
+        if not exchange:
+            raise ValueError("exchange must not be empty")
+        if max_message_bytes <= 0:
+            raise ValueError("max_message_bytes must be > 0")
+        self.url = url
+        self.exchange = exchange
+        self.dead_letter_exchange = dead_letter_exchange or None
+        self.unroutable = unroutable
+        self.max_message_bytes = max_message_bytes
+        self.connect_timeout = connect_timeout
+        self.connect_retries = connect_retries
+        self.confirm_timeout = confirm_timeout
+        self._lock = threading.RLock()
+        self._pid: int | None = None
+        self._conn: Any = None  # kombu.Connection
+        self._channel: Any = None
+        self._producer: Any = None  # kombu.Producer
+        self._confirms = False  # py-amqp: confirm mode + mandatory + returns
+        self._next_tag = 0  # the delivery tag of the last message sent on the channel
+        self._unconfirmed: set[int] = set()  # delivery tags the broker has not acked or nacked yet
+        self._nacked: set[int] = set()
+        self._returned: set[str] = set()  # message ids the broker returned as unroutable
+
+    @classmethod
+    def from_settings(cls, settings: "Settings", **options: Any) -> "KombuPublisher":
+        """Build from ``Settings``; options not (yet) in the settings may be passed in."""
+        options.setdefault("dead_letter_exchange", getattr(settings, "dead_letter_exchange", None))
+        options.setdefault("unroutable", getattr(settings, "publish_unroutable", None) or "fail")
+        return cls(settings.publish_url, settings.exchange, **options)
+
+    def __repr__(self) -> str:
+        from kombu.utils.url import maybe_sanitize_url
+        return f"<KombuPublisher {maybe_sanitize_url(self.url)} exchange={self.exchange!r}>"
+
+    # -- public API ----------------------------------------------------------------
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+        return self.publish_chains([messages])[0]
+
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]]) -> list[ChainResult]:
+        with self._lock:
+            return self._publish_waves([list(chain) for chain in chains])
+
+    def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
+        """Publish a dead row to ``dead_letter_exchange`` (durable topic, routing key = topic)
+        with the reason in ``x-outbox-error``. Not mandatory: an unbound dead-letter exchange
+        just drops it; the dead row stays in the table for ``outbox dead list/requeue``.
+
+        A row that cannot be published itself (a POISON row: too large, headers not
+        encodable) is sent as a stub with an empty body (and without the caller's headers
+        when those are what cannot be encoded), and ``x-outbox-omitted`` saying why; the
+        full row stays in the table."""
+        if self.dead_letter_exchange is None:
+            return None
+        poisoned = poison_check(message, self.max_message_bytes)
+        omitted = None
+        if poisoned is not None:
+            omitted = poisoned.reason
+            for stub in (replace(message, payload=""), replace(message, payload="", headers={})):
+                poisoned = poison_check(stub, self.max_message_bytes)
+                if poisoned is None:
+                    message = stub
+                    break
+            else:  # even the reserved headers cannot go
+                return poisoned
+        headers = build_headers(message)
+        headers["x-outbox-error"] = (error or "")[:MAX_ERROR_HEADER_CHARS]
+        if omitted is not None:
+            headers["x-outbox-omitted"] = omitted[:MAX_ERROR_HEADER_CHARS]
+        with self._lock:
+            try:
+                self._ready()
+                self._send(message, headers, self.dead_letter_exchange, mandatory=False)
+                self._await_confirms()
+            except Exception as exc:  # noqa: BLE001 - reported, never raised
+                self._discard()
+                return failure_from(exc)
+            nacked = bool(self._nacked)
+            self._nacked.clear()
+        return PublishFailure(FailureKind.BACKPRESSURE, "the broker refused the message (basic.nack)") if nacked else None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                try:
+                    self._conn.release()
+                except Exception:  # noqa: BLE001 - closing a broken connection
+                    log.debug("error closing the publisher connection", exc_info=True)
+            self._forget()
+
+    # -- chains, in waves ----------------------------------------------------------------
+    def _publish_waves(self, chains: list[list[OutboxMessage]]) -> list[ChainResult]:
+        """Publish several chains (different aggregates) in waves: the next unsent event of
+        every chain still going, back to back, then wait until the broker has confirmed (or
+        returned, or nacked) every one of them; repeat. Within a chain this is stop-and-wait,
+        so what reaches the broker is a prefix of each chain; across chains the round trips
+        are shared, so a task costs as many round trips as its longest chain has events."""
+        waves = [_ChainProgress(chain) for chain in chains]
+        going = [w for w in waves if w.chain]
+        reused = self._usable()  # a connection from an earlier call, maybe dead since
+        refused: dict[str, PublishFailure] = {}  # routing key -> its nack
+        while going:
+            wave: list[_ChainProgress] = []
+            headers: list[dict[str, Any]] = []
+            for w in going:
+                event_headers, poisoned = checked_headers(w.next, self.max_message_bytes)
+                if poisoned is not None:
+                    w.stop(poisoned)
+                else:
+                    wave.append(w)
+                    headers.append(event_headers)
+            if not wave:
+                break
+            try:
+                self._ready()
+                outcomes = self._send_wave([w.next for w in wave], headers)
+            except Exception as exc:  # noqa: BLE001 - nothing of this wave is known to be on the broker
+                self._discard()
+                failure = failure_from(exc)
+                if reused and _connection_lost(exc):
+                    # Most likely a connection that died while idle: replace it once and send
+                    # the wave again (its events may arrive twice: at-least-once, still a prefix).
+                    reused = False
+                    log.info("publisher connection was lost (%s); reconnecting once", failure.reason)
+                    continue
+                for w in wave:
+                    w.stop(failure)
+                break
+            reused = False  # the connection just worked: a later error is not staleness
+            broker_wide: PublishFailure | None = None
+            for w, problem in zip(wave, outcomes):
+                if problem is None:
+                    w.advance()
+                elif problem == _RETURNED and self.unroutable == "drop":
+                    log.warning("outbox event %s (%s) was unroutable and is dropped (unroutable='drop')",
+                                w.next.id, w.next.topic)
+                    w.advance(unroutable=True)
+                elif problem == _RETURNED:
+                    w.stop(PublishFailure(
+                        FailureKind.RETRIABLE,
+                        f"unroutable: no queue bound for routing key {w.next.topic!r} on exchange {self.exchange!r}"))
+                else:
+                    w.stop(problem)
+                    if problem.kind is FailureKind.POISON:
+                        pass  # a poison verdict stops its own chain only
+                    elif problem.route is not None:
+                        refused[problem.route] = problem
+                    else:
+                        broker_wide = problem
+            going = [w for w in wave if w.going]
+            if broker_wide is not None:
+                # The connection failed mid-wave (transports without confirms): send nothing more;
+                # every chain still going stops at its next event for the same reason.
+                for w in going:
+                    w.stop(broker_wide)
+                going = []
+            if refused:
+                # A queue of these routes refuses messages: chains whose next event goes the
+                # same way stop there (the relay releases them, no attempt spent); chains of
+                # other routes carry on.
+                for w in going:
+                    if w.next.topic in refused:
+                        w.stop(refused[w.next.topic])
+                going = [w for w in going if w.going]
+        return [w.result() for w in waves]
+
+    def _send_wave(self, messages: list[OutboxMessage], headers: list[dict[str, Any]]) -> list[Any]:
+        """Send ``messages`` and wait for the broker's verdict on each: ``None`` (confirmed),
+        ``_RETURNED`` (unroutable) or a ``PublishFailure`` (nacked). Raises when the
+        connection fails: then nothing of the wave is known to have arrived.
+
+        Without confirms (virtual transports) each send is its own verdict, so an exception
+        stops the wave there and the events sent before it count as published."""
+        if not self._confirms:
+            verdicts: list[Any] = []
+            for message, event_headers in zip(messages, headers):
+                try:
+                    self._send(message, event_headers, self.exchange, mandatory=False)
+                except Exception as exc:  # noqa: BLE001
+                    poisoned = self._poisoned(message, event_headers)
+                    if poisoned is not None:
+                        verdicts.append(poisoned)
+                        continue
+                    if not verdicts:
+                        raise
+                    self._discard()
+                    failure = failure_from(exc)
+                    verdicts.extend([failure] * (len(messages) - len(verdicts)))
+                    return verdicts
+                verdicts.append(None)
+            return verdicts
+        tags: list[Any] = []
+        for m, h in zip(messages, headers):
+            try:
+                tags.append(self._send(m, h, self.exchange, mandatory=True))
+            except Exception:  # noqa: BLE001
+                poisoned = self._poisoned(m, h)
+                if poisoned is None:
+                    raise
+                tags.append(poisoned)  # nothing of it left: py-amqp encodes a frame before writing it
+        self._await_confirms()
+        verdicts = []
+        for message, tag in zip(messages, tags):
+            if isinstance(tag, PublishFailure):
+                verdicts.append(tag)
+            elif tag in self._nacked:
+                verdicts.append(refused_by_route(message.topic, self.exchange))
+            elif message.message_id in self._returned:
+                verdicts.append(_RETURNED)
+            else:
+                verdicts.append(None)
+        self._nacked.clear()
+        self._returned.clear()
+        return verdicts
+
+    def _poisoned(self, message: OutboxMessage, headers: dict[str, Any]) -> PublishFailure | None:
+        """After a send raised: POISON for this event alone if it cannot be encoded at all."""
+        problem = _encoding_problem(message, headers, self.exchange)
+        if problem is None:
+            return None
+        log.error("outbox event %s %s", message.id, problem)
+        return PublishFailure(FailureKind.POISON, problem)
+
+    # -- connection management -------------------------------------------------------
+    def _usable(self) -> bool:
+        return self._conn is not None and self._pid == os.getpid() and self._producer is not None
+
+    def _ready(self) -> None:
+        """Connect (bounded retry), open the channel and declare the exchanges, once per
+        connection. Raises whatever went wrong."""
+        from kombu import Connection, Exchange, Producer
+
+        if self._pid != os.getpid():
+            self._forget()  # inherited over fork(): the parent's, not ours; never close it
+        if self._conn is None:
+            try:
+                conn = Connection(self.url, connect_timeout=self.connect_timeout)
+                driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
+            except (KeyError, ImportError, ValueError) as exc:
+                # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError when the
+                # transport's library is missing: configuration errors, not a broker failure.
+                raise ConfigError(redact(f"OUTBOX_PUBLISH_URL={self.url!r} cannot be used: "
+                                         f"{type(exc).__name__}: {exc}")) from exc
+            self._confirms = driver == "py-amqp"
+            self._conn, self._pid = conn, os.getpid()
+        if self._producer is not None and self._conn.connected:
+            return
+        self._channel = self._producer = None
+        self._conn.ensure_connection(max_retries=self.connect_retries, interval_start=0.2,
+                                     interval_step=0.3, interval_max=1.0)
+        channel = self._conn.channel()
+        self._next_tag = 0
+        self._unconfirmed.clear()
+        self._nacked.clear()
+        self._returned.clear()
+        if self._confirms:
+            # Confirm mode: the broker acks (or nacks) every message, numbering them from 1
+            # on this channel; we send without waiting and collect the verdicts in
+            # _await_confirms. A mandatory message that no queue takes comes back as a
+            # basic.return, always before its ack.
+            channel.confirm_select()
+            channel.events["basic_ack"].add(self._on_ack)
+            channel.events["basic_nack"].add(self._on_nack)
+            channel.events["basic_return"].add(self._on_return)
+        exchanges = [Exchange(name, type="topic", durable=True)
+                     for name in (self.exchange, self.dead_letter_exchange) if name]
+        for exchange in exchanges:
+            exchange(channel).declare()
+        self._channel = channel
+        self._producer = Producer(channel, exchange=exchanges[0], auto_declare=False)
+
+    def _on_return(self, exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
+        message_id = getattr(message, "properties", {}).get("message_id")
+        if message_id:
+            self._returned.add(message_id)
+
+    def _settle(self, tag: int, multiple: bool) -> list[int]:
+        tags = [t for t in self._unconfirmed if t <= tag] if multiple else [tag]
+        self._unconfirmed.difference_update(tags)
+        return tags
+
+    def _on_ack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple)
+
+    def _on_nack(self, tag: int, multiple: bool) -> None:
+        self._nacked.update(self._settle(tag, multiple))
+
+    def _await_confirms(self) -> None:
+        """Read from the broker until every message sent is acked or nacked; raise
+        ``TimeoutError`` if that takes longer than ``confirm_timeout``."""
+        deadline = time.monotonic() + self.confirm_timeout
+        while self._unconfirmed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no publisher confirm within {self.confirm_timeout:g} s "
+                                   f"for {len(self._unconfirmed)} messages")
+            self._conn.drain_events(timeout=remaining)
+
+    def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> int:
+        """Send one message without waiting; returns its delivery tag (0 without confirms)."""
+        self._producer.publish(
+            encode_body(message),
+            exchange=exchange,
+            routing_key=message.topic,
+            delivery_mode=2,  # persistent
+            mandatory=mandatory and self._confirms,
+            content_type="application/json",
+            content_encoding="utf-8",
+            headers=headers,
+            message_id=message.message_id,
+            timeout=self.confirm_timeout,
+            retry=False,
+        )
+        if not self._confirms:
+            return 0
+        self._next_tag += 1
+        self._unconfirmed.add(self._next_tag)
+        return self._next_tag
+
+    def _discard(self) -> None:
+        """Drop the connection after an error, without the protocol's closing handshake
+        (the peer may be gone); the next call reconnects."""
+        if self._conn is not None and self._pid == os.getpid():
+            try:
+                self._conn.collect()
+            except Exception:  # noqa: BLE001
+                log.debug("error discarding the publisher connection", exc_info=True)
+        self._forget()
+
+    def _forget(self) -> None:
+        self._conn = self._channel = self._producer = None
+        self._pid = None
+        self._unconfirmed.clear()
+        self._nacked.clear()
+        self._returned.clear()

@@ -1,0 +1,123 @@
+"""Building a message (body, headers) and the checks that find a poison event before any
+byte is sent (docs/publisher.md, "Headers")."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+from typing import Any
+
+from ..model import OutboxMessage
+
+log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
+from .contract import DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES, FailureKind, PublishFailure
+
+
+# -- message building (pure) ---------------------------------------------------------------
+
+def iso_utc(moment: datetime) -> str:
+    """ISO-8601 in UTC with a ``Z``; naive datetimes are taken to be UTC already (the store's
+    convention)."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def build_headers(message: OutboxMessage) -> dict[str, Any]:
+    """The headers of the published message: the caller's, then the reserved ones on top."""
+    headers: dict[str, Any] = dict(message.headers or {})
+    headers.update({
+        "message_id": message.message_id,
+        "outbox_id": message.id,
+        "topic": message.topic,
+        "aggregate_type": message.aggregate_type,
+        "aggregate_id": message.aggregate_id,
+        "partition_key": message.partition_key if message.partition_key is not None else message.aggregate_id,
+        "attempt": message.attempt,
+        "created_at": iso_utc(message.created_at),
+    })
+    if message.trace_id:
+        headers["traceparent"] = message.trace_id
+    return headers
+
+
+def encode_body(message: OutboxMessage) -> bytes:
+    """The payload is stored as JSON text already; it is sent as those UTF-8 bytes, as is."""
+    return message.payload.encode("utf-8")
+
+
+def poison_check(message: OutboxMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> PublishFailure | None:
+    """Return a POISON failure for an event no broker will ever take, else ``None``.
+
+    Checked before each publish so that a hopeless event costs no broker round trip and,
+    above all, does not make the broker close the connection (an oversized message is a
+    channel error on RabbitMQ, an oversized header a connection error).
+    """
+    return checked_headers(message, max_bytes)[1]
+
+
+def checked_headers(message: OutboxMessage,
+                    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[dict[str, Any], PublishFailure | None]:
+    """``(build_headers(message), poison_check(message))`` with the headers built once: the
+    publisher's hot path needs both."""
+    try:
+        size = len(encode_body(message))
+    except UnicodeError as exc:
+        return {}, PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
+    if size > max_bytes:
+        return {}, PublishFailure(FailureKind.POISON,
+                                  f"message size {size} bytes is above the maximum of {max_bytes} bytes")
+    headers: dict[str, Any] = {}
+    try:
+        headers = build_headers(message)
+        shortstr = _shortstr_problem(message, headers)
+        if shortstr is not None:
+            return headers, PublishFailure(FailureKind.POISON, shortstr)
+        json_size = len(json.dumps(headers, allow_nan=False))  # virtual transports (redis, memory) send JSON
+        # What AMQP sends is a field table. Headers are flat (names to strings, numbers, booleans
+        # or None); per entry the table takes at most twice the JSON's bytes (``"k":1,`` is 6
+        # bytes of JSON, 11 in the table), and its integers are 64-bit. So only headers that
+        # could be too big, or hold a bigger integer, need encoding here to be sure.
+        if 2 * json_size + 64 > MAX_HEADER_BYTES or any(
+                type(v) is int and not -2**63 <= v < 2**63 for v in headers.values()):
+            from amqp.serialization import dumps as amqp_dumps
+            header_size = len(amqp_dumps("F", [headers]))
+            if header_size > MAX_HEADER_BYTES:
+                return headers, PublishFailure(
+                    FailureKind.POISON,
+                    f"headers are {header_size} bytes encoded, above the maximum of {MAX_HEADER_BYTES}")
+    except Exception as exc:  # noqa: BLE001 - whatever the encoder objects to, it will every time
+        return headers, PublishFailure(FailureKind.POISON,
+                                       f"headers cannot be encoded: {type(exc).__name__}: {exc}", exc)
+    return headers, None
+
+
+def _shortstr_problem(message: OutboxMessage, headers: dict[str, Any]) -> str | None:
+    """AMQP short strings carry at most 255 bytes: the routing key (the topic), the
+    ``message_id`` property and every header name. A longer one makes py-amqp's encoder
+    raise ``struct.error`` for this event, every time. (A string of at most 63 characters
+    is at most 252 bytes, so only longer ones are encoded to count.)"""
+    for what, text in (("routing key (topic)", message.topic), ("message_id", message.message_id),
+                       *(("header name", name) for name in headers)):
+        if isinstance(text, str) and len(text) > 63 and len(text.encode("utf-8")) > MAX_SHORTSTR_BYTES:
+            return (f"{what} {text[:40]!r}... is {len(text.encode('utf-8'))} bytes in UTF-8, above AMQP's "
+                    f"{MAX_SHORTSTR_BYTES}")
+    return None
+
+
+def _encoding_problem(message: OutboxMessage, headers: dict[str, Any], exchange: str) -> str | None:
+    """Encode the publish of ``message`` as py-amqp would, without sending anything: why
+    it cannot be encoded, or None. Used after a send raised, to tell an event that can
+    never be encoded (POISON, that event only) from a broken connection (the whole wave)."""
+    try:
+        from amqp import Message as AmqpMessage
+        from amqp.serialization import dumps as amqp_dumps
+
+        amqp_dumps("Bssbb", (0, exchange, message.topic, True, False))
+        AmqpMessage(encode_body(message), content_type="application/json", content_encoding="utf-8",
+                    application_headers=headers, delivery_mode=2, priority=0,
+                    message_id=message.message_id)._serialize_properties()
+    except Exception as exc:  # noqa: BLE001 - whatever the encoder objects to, it will every time
+        return f"cannot be encoded: {type(exc).__name__}: {exc}"
+    return None

@@ -1,0 +1,30 @@
+"""The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``claim``,
+``publish`` (the failure policy), ``settle`` (store writes), ``shared`` (breaker, route
+gate, outage log, coalescer). Every name keeps its ``outbox.relay`` import path."""
+
+from ..config import MAX_OPTION_S, RelayOptions
+from ..model import message_from_dict, message_to_dict
+from ..names import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
+                     PURGE_QUEUE, PURGE_TASK, QUEUES, RELEASE_TASK)
+from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
+from .publish import (BACKPRESSURE, FATAL, POISON, RETRIABLE, ChainOutcome, handle_chain, handle_publish,
+                      still_held)
+from .settle import (MAX_RETRY_S, Fallback, Settler, StoreLike, apply_fallback, purge_expired, retry_delay,
+                     send_dead)
+from .shared import (Breaker, Coalescer, FileBreaker, FileCoalescer, FileOutage, FileRouteGate, LocalBreaker, Outage,
+                     RedisBreaker, RedisCoalescer, RedisOutage, RedisRouteGate, RouteGate, breaker_key, make_breaker,
+                     make_coalescer, make_outage, make_relay_outage, make_route_gate)
+
+__all__ = [
+    "RelayOptions", "MAX_OPTION_S", "retry_delay", "MAX_RETRY_S", "message_to_dict", "message_from_dict",
+    "Breaker", "LocalBreaker", "RedisBreaker", "FileBreaker", "breaker_key", "make_breaker",
+    "RouteGate", "RedisRouteGate", "FileRouteGate", "make_route_gate",
+    "Outage", "RedisOutage", "FileOutage", "make_outage", "ClaimFailed",
+    "Coalescer", "RedisCoalescer", "FileCoalescer", "make_coalescer",
+    "StoreLike", "Fallback", "Settler", "ChainOutcome", "handle_chain", "handle_publish", "still_held",
+    "ClaimOutcome", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback", "send_dead",
+    "make_relay_outage", "purge_expired",
+    "RETRIABLE", "BACKPRESSURE", "POISON", "FATAL", "LEASE_EXPIRED",
+    "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
+    "CLAIM_QUEUE", "PUBLISH_QUEUE", "ACK_QUEUE", "PURGE_QUEUE", "QUEUES",
+]

@@ -1,0 +1,196 @@
+"""Claiming a batch and handing its chains on (docs/relay.md, "How a row travels")."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from ..chains import split_chains
+from ..config import RelayOptions
+from ..engines.base import LEASE_EXPIRED_ERROR
+from ..model import OutboxMessage
+from ..publisher import PublisherLike
+from .. import metrics
+
+log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
+from .settle import Settler, StoreLike, send_dead
+from .shared import Breaker
+
+
+#: The error kind recorded on a dead-letter copy of a row that went dead on lease expiry.
+LEASE_EXPIRED = "lease_expired"
+
+
+# -- claiming ------------------------------------------------------------------------------
+
+@dataclass
+class ClaimOutcome:
+    claimed: int = 0
+    dispatched: int = 0  # rows sent on in publish tasks
+    tasks: int = 0
+    released: int = 0  # rows given back (byte budget, failed dispatch)
+    full: bool = False  # the batch came back full: more rows are likely waiting
+    trimmed: bool = False  # the byte budget cut the batch
+    saturated: bool = False  # too many publish tasks queued: nothing claimed
+    paused: float = 0.0  # the breaker is open for this long: nothing claimed
+    error: str | None = None  # dispatching failed (Celery's broker)
+    dead: int = 0  # rows the claim found with an expired lease and no attempts left (went dead)
+    inline: bool = False  # the claim was small: its rows went to ``publish_inline``, not to a publish task
+
+    @property
+    def more(self) -> bool:
+        """More rows are probably claimable right now: claim again at once (drain mode)."""
+        return (self.full or self.trimmed) and self.error is None
+
+    @property
+    def backlog(self) -> bool:
+        """The claim met a backlog (full, cut, or held back by the in-flight bound): the
+        next claim should check the publish queue's length before claiming."""
+        return self.full or self.trimmed or self.saturated
+
+
+def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
+               max_bytes: int) -> tuple[list[list[list[OutboxMessage]]], list[OutboxMessage]]:
+    """Pack chains into publish tasks of about ``task_rows`` rows, within ``max_bytes``
+    for the whole batch. Returns (tasks, rows to release). Rows over the budget are
+    released from the first one that does not fit to the end of the batch: cutting a
+    chain is safe (its released tail waits behind its claimed head)."""
+    tasks: list[list[list[OutboxMessage]]] = []
+    current: list[list[OutboxMessage]] = []
+    rows_in_current = 0
+    used = 0
+    over: list[OutboxMessage] = []
+    for chain in chains:
+        if over:
+            over.extend(chain)
+            continue
+        take: list[OutboxMessage] = []
+        for position, message in enumerate(chain):
+            if used and used + message.size > max_bytes:
+                over.extend(chain[position:])
+                break
+            take.append(message)
+            used += message.size
+        if take:
+            current.append(take)
+            rows_in_current += len(take)
+            if rows_in_current >= task_rows:
+                tasks.append(current)
+                current, rows_in_current = [], 0
+    if current:
+        tasks.append(current)
+    return tasks, over
+
+
+#: ``dispatch(chains, deadline)`` sends one publish task.
+Dispatch = Callable[[list[list[OutboxMessage]], float], None]
+
+
+def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease_s: float,
+                 options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
+                 queued: Callable[[], int | None] | None = None,
+                 settler: Settler | None = None, now: Callable[[], float] = time.time,
+                 publisher: PublisherLike | None = None, publish_inline: Dispatch | None = None) -> ClaimOutcome:
+    """One claim: lease a batch and dispatch its chains as publish tasks.
+
+    A small claim (not full, at most ``options.inline_rows`` rows, within the byte budget)
+    goes to ``publish_inline(chains, deadline)`` instead, when given: the claim task
+    publishes it itself, which saves live traffic a hop through Celery's broker. A
+    backlog (a full claim) is always dispatched, so every publish process gets work.
+
+    Rows the claim turned dead (an expired lease with no attempts left: the row keeps
+    killing or losing its workers) are sent to the dead-letter exchange through
+    ``publisher.publish_dead`` (a no-op unless one is configured), after the batch has
+    been dispatched so the live rows do not wait on it.
+
+    Nothing is claimed while the breaker is open, or while ``queued()`` (publish tasks
+    waiting in Celery's broker) is at ``options.max_queued_tasks``: that is what bounds
+    the rows in flight however large the backlog. ``ClaimOutcome.more`` tells the caller
+    to claim again at once (drain mode); ``ClaimOutcome.backlog`` whether the next claim
+    needs ``queued`` (the caller may pass None after a small claim: live traffic then
+    saves that round trip to Celery's broker).
+    """
+    outcome = ClaimOutcome()
+    metrics.refresh(store)  # the in-flight and lag gauges, at most every few seconds
+    if breaker is not None:
+        outcome.paused = breaker.open_for()
+        if outcome.paused > 0:
+            # DEBUG: an outage is announced once (``Outage``), not on every tick.
+            log.debug("outbox claims paused for %.1f s more (%s)", outcome.paused, breaker.reason)
+            return outcome
+    if queued is not None:
+        depth = queued()
+        if depth is not None and depth >= options.max_queued_tasks:
+            outcome.saturated = True
+            log.debug("outbox claim held back: %d publish tasks queued (max %d)", depth, options.max_queued_tasks)
+            return outcome
+
+    claimed_at, started = now(), time.perf_counter()
+    try:
+        claim = store.claim(batch_size)
+    except Exception as exc:
+        raise ClaimFailed(exc) from exc
+    metrics.claimed(claim, time.perf_counter() - started)
+    outcome.claimed = len(claim.messages)
+    outcome.full = outcome.claimed >= batch_size
+    outcome.dead = len(claim.dead)
+    if not claim.messages:
+        _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
+        return outcome
+    settler = settler or Settler(store)
+    deadline = claimed_at + lease_s * options.lease_safety
+    tasks, over = plan_tasks(split_chains(claim.messages), options.task_rows, options.max_batch_bytes)
+    outcome.trimmed = bool(over)
+    if (publish_inline is not None and not outcome.full and not over
+            and outcome.claimed <= options.inline_rows):
+        chains = [chain for task in tasks for chain in task]
+        log.info("outbox claimed %d rows lease=%s: publishing them here", outcome.claimed, claim.lease)
+        outcome.inline = True
+        outcome.dispatched = outcome.claimed
+        publish_inline(chains, deadline)
+        _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
+        return outcome
+    for index, task in enumerate(tasks):
+        try:
+            dispatch(task, deadline)
+        except Exception as exc:
+            # Celery's broker refused the task: give back its rows and every later one.
+            unsent = [m for pending in tasks[index:] for chain in pending for m in chain]
+            log.error("outbox cannot dispatch publish tasks (%s: %s); releasing %d rows",
+                      type(exc).__name__, exc, len(unsent))
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            over = unsent + over
+            break
+        outcome.tasks += 1
+        outcome.dispatched += sum(len(chain) for chain in task)
+    if over:
+        settler.release(over)
+        outcome.released = len(over)
+    log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks, %d released",
+             outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks, outcome.released)
+    _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
+    return outcome
+
+
+class ClaimFailed(Exception):
+    """``store.claim`` raised (the database is down or refusing, after the store's own
+    retries): the caller reports it as a database outage instead of a task traceback."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+def _dead_letter_expired(publisher: PublisherLike, dead: Sequence[OutboxMessage],
+                         errors: Mapping[int, str] | None = None) -> None:
+    """Best effort, like every dead-letter copy: the dead row in the table stays the record.
+    ``errors`` holds the reason of rows that went dead for another cause than their lease
+    (undecodable rows: the copy carries what could be decoded)."""
+    if publisher is None:
+        return
+    for message in dead:
+        error = (errors or {}).get(message.id) or (f"{LEASE_EXPIRED}: {LEASE_EXPIRED_ERROR} "
+                                                   f"(attempts: {message.attempts}, no attempts left)")
+        send_dead(publisher, message, error)

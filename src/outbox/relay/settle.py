@@ -1,0 +1,148 @@
+"""Settling a chain's rows in the store (done, failed with back-off, released), with a
+fallback to the ack queue when the database refuses a write."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from ..model import FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
+from ..publisher import PublisherLike
+from .. import metrics
+
+log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
+from .logfields import describe, log_extra
+
+
+#: ``OutboxStore.mark_failed`` accepts retry times up to a day.
+MAX_RETRY_S = 86_400.0
+
+
+def retry_delay(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> timedelta:
+    """Exponential back-off with "equal jitter": half the step is fixed, half random,
+    so retries of many rows that failed together spread out but never come back at once."""
+    step = min(max_s, MAX_RETRY_S, base_s * math.pow(2, min(64, max(0, attempt - 1))))
+    return timedelta(seconds=step / 2 + rng() * step / 2)
+
+
+# -- store writes, with a fallback ------------------------------------------------------------
+
+class StoreLike(Protocol):
+    def claim(self, batch: int) -> Any: ...
+    def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult: ...
+    def mark_failed(self, id: int, lease: str, error: str, retry_in: timedelta | None = None,
+                    *, dead: bool = False) -> FailResult: ...
+    def release(self, ids: Sequence[int], lease: str, delay: timedelta | None = None) -> FenceResult: ...
+    def held(self, ids: Sequence[int], lease: str) -> set[int]: ...
+
+
+#: ``fallback(operation, kwargs)`` hands a store write that failed to someone who will
+#: retry it later (the ack queue's tasks). Operations: "done", "failed", "release".
+Fallback = Callable[[str, dict[str, Any]], None]
+
+
+class Settler:
+    """Applies a chain's outcome to the store: ``mark_done``, ``mark_failed``, ``release``.
+
+    The publish task writes to the store directly: it is one short transaction per
+    outcome, and the next chain of the aggregate cannot be claimed until it lands, so a
+    hop through Celery would add latency to every aggregate and a task per chain. Only
+    when the write fails (the database is down even after the store's own retries) is it
+    handed to ``fallback``, normally the ack/fail/release tasks on the ack queue, which
+    retry with back-off without holding up the publish worker. If even that fails the
+    lease is the last line: the rows are claimed again once it expires.
+    """
+
+    def __init__(self, store: StoreLike, fallback: Fallback | None = None) -> None:
+        self.store = store
+        self.fallback = fallback
+
+    def _run(self, operation: str, kwargs: dict[str, Any], call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Exception as exc:
+            log.error("outbox %s failed (%s: %s); %s", operation, type(exc).__name__, exc,
+                      "handing it to the ack queue" if self.fallback else "the lease will recover the rows")
+            if self.fallback is not None:
+                try:
+                    self.fallback(operation, kwargs)
+                except Exception as again:
+                    log.error("outbox %s: fallback failed too (%s); the lease will recover the rows",
+                              operation, again)
+            return None
+
+    def done(self, ids: Sequence[int], lease: str) -> FenceResult | None:
+        ids = list(ids)
+        if not ids:
+            return FenceResult(0, 0)
+        return self._run("done", {"ids": ids, "lease": lease}, lambda: self.store.mark_done(ids, lease))
+
+    def failed(self, message: OutboxMessage, error: str, retry_in: timedelta | None,
+               dead: bool = False) -> FailResult | None:
+        kwargs = {"message": message_to_dict(message), "error": error,
+                  "retry_in_s": retry_in.total_seconds() if retry_in is not None else None, "dead": dead}
+        return self._run("failed", kwargs, lambda: self.store.mark_failed(
+            message.id, message.lease, error, retry_in, dead=dead))
+
+    def release(self, messages: Sequence[OutboxMessage], delay: timedelta | None = None) -> FenceResult | None:
+        if not messages:
+            return FenceResult(0, 0)
+        lease = messages[0].lease
+        ids = [m.id for m in messages]
+        kwargs = {"ids": ids, "lease": lease, "delay_s": delay.total_seconds() if delay else None}
+        return self._run("release", kwargs, lambda: self.store.release(ids, lease, delay))
+
+
+# -- publishing one chain --------------------------------------------------------------------
+
+def send_dead(publisher: PublisherLike, message: OutboxMessage, error: str) -> None:
+    """Best effort: the dead row in the table stays the record of truth."""
+    try:
+        problem = publisher.publish_dead(message, error)
+    except Exception as exc:
+        problem = exc
+    if problem is not None:
+        log.error("outbox dead-letter publish failed %s error=%r", describe(message),
+                  getattr(problem, "reason", str(problem)), extra=log_extra(message, "dead_letter_failed"))
+
+
+# -- failed writes handed to the ack queue ---------------------------------------------------
+
+def apply_fallback(store: StoreLike, publisher: PublisherLike, operation: str, kwargs: Mapping[str, Any]) -> Any:
+    """What the ack/fail/release tasks do with a write the publish task could not make.
+    Raises on failure, so the task retries."""
+    if operation == "done":
+        return store.mark_done(kwargs["ids"], kwargs["lease"])
+    if operation == "release":
+        delay = kwargs.get("delay_s")
+        return store.release(kwargs["ids"], kwargs["lease"], timedelta(seconds=delay) if delay else None)
+    if operation == "failed":
+        message = message_from_dict(kwargs["message"])
+        retry = kwargs.get("retry_in_s")
+        result = store.mark_failed(message.id, message.lease, kwargs["error"],
+                                   timedelta(seconds=retry) if retry is not None else None,
+                                   dead=bool(kwargs.get("dead")))
+        if result.applied and result.dead:
+            metrics.dead()
+        if result.applied and result.dead and publisher is not None:
+            send_dead(publisher, message, kwargs["error"])
+        return result
+    raise ValueError(f"unknown operation {operation!r}")
+
+
+def purge_expired(store: StoreLike, retention_days: float, outage: Any = None,
+                  logger: logging.Logger | None = None) -> int:
+    """The purge job of every task runner: delete done rows older than ``retention_days``.
+    A database outage is logged once through ``outage`` and the next run purges."""
+    try:
+        deleted = store.purge_done(timedelta(days=retention_days))  # type: ignore[attr-defined]
+    except Exception as exc:
+        if outage is None:
+            raise
+        outage.failed(exc)
+        return 0
+    (logger or log).info("outbox purge: deleted %d done rows older than %g days", deleted, retention_days)
+    return deleted

@@ -1,0 +1,150 @@
+"""The package's imports run one way, downward (docs/design.md, "Layout").
+
+Pure source analysis (``ast``): every ``import`` of a package module, at module level or
+inside a function, is an arrow. The layers are written here once, top to bottom
+(docs/design.md, "Layers", explains them); a module must sit in one, may import only
+modules of lower layers (or, inside one package such as ``outbox.engines``, modules
+of the same layer), and the graph must have no cycle. A new module fails the test until it is
+placed, which is the point: someone decides where it belongs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+
+#: Top to bottom. ``pkg.*`` places every module of a package.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("Django management commands", ("outbox.contrib.django.management", "outbox.contrib.django.management.*")),
+    ("command line", ("outbox.cli",)),
+    ("demo, checks, data pipeline and framework helpers", ("outbox.demo", "outbox.doctor", "outbox.pipeline",
+                                                            "outbox.pipeline.*", "outbox.contrib", "outbox.contrib.*")),
+    ("package face, `celery -A outbox`, `dramatiq outbox.dramatiq` and its scheduler",
+     ("outbox", "outbox.celery", "outbox.dramatiq", "outbox.dramatiq_scheduler")),
+    ("task bodies", ("outbox.tasks",)),
+    ("writer-side API", ("outbox.enqueue", "outbox.wake")),
+    ("worker process wiring", ("outbox.worker",)),
+    ("task runner apps: Celery's app, Dramatiq's broker", ("outbox.celery_app", "outbox.celery_redis",
+                                                          "outbox.dramatiq_broker")),
+    ("schedule, Celery's database broker", ("beat_schedule", "outbox.transport", "outbox.transport.*")),
+    ("relay logic and worker services", ("outbox.relay", "outbox.relay.*", "outbox.listen", "outbox.worker_logging")),
+    ("publisher, store, metrics", ("outbox.publisher", "outbox.publisher.*", "outbox.store", "outbox.metrics")),
+    ("engines", ("outbox.engines", "outbox.engines.*")),
+    ("domain", ("outbox.events", "outbox.chains")),
+    ("configuration", ("outbox.config",)),
+    ("model and names", ("outbox.model", "outbox.names", "outbox.errors", "outbox.redact", "outbox.tracing")),
+]
+
+
+def module_files() -> dict[str, Path]:
+    files = {"beat_schedule": ROOT / "beat_schedule.py"}
+    for path in sorted((SRC / "outbox").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports, wherever the import statement stands."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            # ``from . import x`` names a module; ``from .m import f`` a name of m: both
+            # resolve below to the longest module name they start with.
+            targets = [f"{stem}.{alias.name}" for alias in node.names]
+        for target in targets:
+            # The longest known module the name starts with is what gets imported.
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    known = set(files)
+    return {name: imports_of(name, path, known) for name, path in files.items()}
+
+
+def layer_of(module: str) -> int | None:
+    for index, (_, patterns) in enumerate(LAYERS):
+        for pattern in patterns:
+            if module == pattern or (pattern.endswith(".*") and module.startswith(pattern[:-1])):
+                return index
+    return None
+
+
+def family(module: str) -> str:
+    """The package of the package's top level a module belongs to (``outbox.engines``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = [m for m in graph() if layer_of(m) is None]
+    assert not unplaced, f"place these modules in LAYERS (and in docs/design.md): {unplaced}"
+
+
+def test_imports_run_downward() -> None:
+    wrong = []
+    for module, targets in graph().items():
+        here = layer_of(module)
+        for target in targets:
+            there = layer_of(target)
+            if here is None or there is None:
+                continue
+            # Inside one package (``outbox.engines``, ``outbox.contrib``...) modules of one
+            # layer may use each other; the cycle test still holds them.
+            siblings = here == there and family(module) == family(target) != "outbox"
+            if there <= here and not siblings:
+                wrong.append(f"{module} ({LAYERS[here][0]}) -> {target} ({LAYERS[there][0]})")
+    assert not wrong, "imports that do not run downward:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycle() -> None:
+    g = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(g):
+        if start not in state:
+            cycle = visit(start)
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_checker_sees_lazy_and_relative_imports() -> None:
+    """The analysis itself: a function-level relative import is an arrow, so a lazy
+    upward import cannot hide from the checks above."""
+    g = graph()
+    assert "beat_schedule" in g["outbox.celery_app"]  # imported inside a function
+    assert "outbox.relay" in g["outbox.tasks"] and "outbox.names" in g["outbox.tasks"]
+    assert "outbox.engines.base" in g["outbox.engines.postgres"]
