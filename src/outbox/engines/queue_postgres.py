@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .queues import MAX_NAME, MessageRow, QueueTables, Waiter, to_rows
+from .queues import MAX_NAME, QueueTables, Waiter
 
 
 class ListenWaiter(Waiter):
@@ -101,18 +101,3 @@ class PostgresQueueTables(QueueTables):
     def existing_indexes_sql(self) -> tuple[str, list[Any]]:
         return ("SELECT indexname FROM pg_indexes WHERE tablename = ? AND schemaname = COALESCE(?, current_schema())",
                 [self.table_name, self.engine.schema])
-
-    def lease_sql(self) -> str:
-        t = self.table
-        return (f"UPDATE {t} SET visible_at = {self.after_ms()}, receipt = ?, deliveries = deliveries + 1 "
-                f"WHERE id IN (SELECT id FROM {t} WHERE queue = ? AND {self.visible()} "
-                f"ORDER BY id LIMIT ?{self.lock_rows}) "
-                "RETURNING id, queue, headers, body, deliveries")
-
-    def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
-        params = [*self.after_params(visibility_ms), receipt, queue, limit]
-        return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
-
-    def bind_sql(self) -> str:
-        return (f"INSERT INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (exchange, routing_key, queue) DO NOTHING")

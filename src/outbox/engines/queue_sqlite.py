@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .queues import MessageRow, QueueTables, to_rows
+from .queues import QueueTables
 from .sqlite import _NOW
 
 
@@ -50,17 +50,3 @@ class SqliteQueueTables(QueueTables):
         schema = self.engine.schema if self.engine.schema not in (None, "main") else "main"
         return (f"SELECT name FROM {self.engine.quote(schema)}.sqlite_master WHERE type = 'index' AND tbl_name = ?",
                 [self.table_name])
-
-    def lease_sql(self) -> str:
-        t = self.table
-        return (f"UPDATE {t} SET visible_at = {self.after_ms()}, receipt = ?, deliveries = deliveries + 1 "
-                f"WHERE id IN (SELECT id FROM {t} WHERE queue = ? AND {self.visible()} ORDER BY id LIMIT ?) "
-                "RETURNING id, queue, headers, body, deliveries")
-
-    def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
-        params = [*self.after_params(visibility_ms), receipt, queue, limit]
-        return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
-
-    def bind_sql(self) -> str:
-        return (f"INSERT INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (exchange, routing_key, queue) DO NOTHING")

@@ -162,9 +162,20 @@ class QueueTables:
             return False
         return bool(self.run(cursor, self.probe_sql(len(queues)), list(queues)).fetchone()[0])
 
+    def lease_sql(self) -> str:
+        """One statement that leases and returns the rows: ``UPDATE ... RETURNING`` over the
+        oldest visible rows, locked with ``lock_rows`` where the engine skips locked rows.
+        Engines without RETURNING (MySQL, SQL Server) override ``lease``."""
+        t = self.table
+        return (f"UPDATE {t} SET visible_at = {self.after_ms()}, receipt = ?, deliveries = deliveries + 1 "
+                f"WHERE id IN (SELECT id FROM {t} WHERE queue = ? AND {self.visible()} "
+                f"ORDER BY id LIMIT ?{self.lock_rows}) "
+                "RETURNING id, queue, headers, body, deliveries")
+
     def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
         """Lease up to ``limit`` rows of ``queue``, oldest first."""
-        raise NotImplementedError
+        params = [*self.after_params(visibility_ms), receipt, queue, limit]
+        return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
 
     def ack_sql(self) -> str:
         return f"DELETE FROM {self.table} WHERE id = ? AND receipt = ?"
@@ -207,8 +218,9 @@ class QueueTables:
     # -- bindings ----------------------------------------------------------------
     def bind_sql(self) -> str:
         """Insert ``(exchange, routing_key, pattern, queue, message_ttl_ms)`` unless
-        ``(exchange, routing_key, queue)`` is stored."""
-        raise NotImplementedError
+        ``(exchange, routing_key, queue)`` is stored (engines without ON CONFLICT override it)."""
+        return (f"INSERT INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (exchange, routing_key, queue) DO NOTHING")
 
     def bind(self, cursor: Any, exchange: str, routing_key: str, pattern: str, queue: str,
              message_ttl_ms: int | None = None) -> None:
