@@ -12,9 +12,14 @@ Modules:
 * ``bench.confirm`` publisher micro-benchmark: stop-and-wait confirms vs none, pipelined, tx.
 * ``bench.drain``   backlog drain: in-process claim -> publish_chain -> mark_done loop
   (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat.
+* ``bench.hot``     one hot aggregate (10,000 events) drained strict and pipelined by a real
+  worker: the ratio of the opt-in pipelined mode (``python -m bench.hot``).
 * ``bench.live``    commit-to-arrival latency at a fixed write rate, with and without the
   post-commit wake.
 * ``bench.loop``    the baseline loop as a subprocess entry point.
+* ``bench.memory``  peak RSS of every worker process draining a backlog with 1 MB payloads
+  mixed in (issue 11, target 7).
+* ``bench.rawloop`` the raw unordered 2-process loop of issue 11, the drain's baseline.
 * ``bench.transport`` the database as Celery's broker (``outboxdb``) against Redis and kombu's
   SQLAlchemy transport (``python -m bench.transport``; figures in ``docs/transport.md``).
 """

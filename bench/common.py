@@ -131,6 +131,34 @@ def _amqp_connection(url: str) -> Any:
     return conn
 
 
+def confirm_channel(conn: Any) -> tuple[Any, dict[str, int]]:
+    """A channel in confirm mode and what the broker confirmed on it: ``acked`` (the highest
+    delivery tag settled, by ack or nack) and ``nacked`` (how many nacks)."""
+    ch = conn.channel()
+    ch.confirm_select()
+    state = {"acked": 0, "nacked": 0}
+
+    def on_ack(tag: int, multiple: bool) -> None:
+        state["acked"] = max(state["acked"], tag)
+
+    def on_nack(tag: int, multiple: bool) -> None:
+        state["nacked"] += 1
+        state["acked"] = max(state["acked"], tag)
+
+    ch.events["basic_ack"].add(on_ack)
+    ch.events["basic_nack"].add(on_nack)
+    return ch, state
+
+
+def teardown(run: Run, destination: Any, relay: Any | None) -> None:
+    """After a phase: stop its relay, close its consumer, drop its table, empty its Redis db."""
+    if relay is not None:
+        relay.stop()
+    destination.close()
+    drop_table(run)
+    flush_redis(run.redis_url)
+
+
 class Destination:
     """A unique durable topic exchange with one durable queue bound to ``#``, and a consumer
     thread (raw py-amqp, no-ack, so it costs as little CPU as possible) that records
@@ -299,26 +327,42 @@ def aggregate_name(i: int) -> str:
     return f"agg-{i:03d}"
 
 
-def make_event(n: int, aggregate: str) -> Any:
-    """A realistic event: ~200 bytes of JSON payload, two caller headers."""
+def make_event(n: int, aggregate: str, blob: str | None = None) -> Any:
+    """A realistic event: ~200 bytes of JSON payload, two caller headers; with ``blob``, the
+    payload also carries that string (the memory phase's large events)."""
     from outbox.events import prepare_event
 
+    payload = {"orderId": aggregate, "n": n, "state": "confirmed", "amount": "129.90",
+               "currency": "EUR", "lines": [{"sku": f"SKU-{n % 97:05d}", "qty": 1 + n % 3}],
+               "note": "benchmark event with a payload of typical size"}
+    if blob is not None:
+        payload["attachment"] = blob
     return prepare_event(topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
-                         payload={"orderId": aggregate, "n": n, "state": "confirmed", "amount": "129.90",
-                                  "currency": "EUR", "lines": [{"sku": f"SKU-{n % 97:05d}", "qty": 1 + n % 3}],
-                                  "note": "benchmark event with a payload of typical size"},
-                         headers={"x-tenant": "acme", "x-source": "bench"})
+                         payload=payload, headers={"x-tenant": "acme", "x-source": "bench"})
 
 
-def load_backlog(run: Run, events: int, aggregates: int) -> dict[str, list[int]]:
+def random_blob(size: int) -> str:
+    """``size`` characters of base64 text from random bytes: JSON needs no escaping for it and
+    PostgreSQL's TOAST compression gains little, like a real attachment."""
+    import base64
+
+    return base64.b64encode(os.urandom(size * 3 // 4 + 3)).decode("ascii")[:size]
+
+
+def load_backlog(run: Run, events: int, aggregates: int, big_every: int = 0,
+                 big_bytes: int = 0) -> dict[str, list[int]]:
     """Insert ``events`` rows round-robin over ``aggregates`` in ONE transaction (COPY), so the
-    whole backlog becomes visible at once. Returns the expected per-aggregate id order."""
+    whole backlog becomes visible at once. Returns the expected per-aggregate id order.
+    With ``big_every`` > 0, every ``big_every``-th event carries a payload of about
+    ``big_bytes`` bytes (the rest stay ~200 bytes)."""
     cols = "message_id, topic, aggregate_type, aggregate_id, partition_key, payload, headers, trace_id"
+    blob = random_blob(max(0, big_bytes - 300)) if big_every > 0 else None
     with pg_connect(run.postgres_url) as conn:
         with conn.cursor() as cur:
             with cur.copy(f"COPY {run.table} ({cols}) FROM STDIN") as copy:
                 for n in range(events):
-                    e = make_event(n, aggregate_name(n % aggregates))
+                    big = blob if big_every > 0 and n % big_every == big_every - 1 else None
+                    e = make_event(n, aggregate_name(n % aggregates), big)
                     copy.write_row((e.message_id, e.topic, e.aggregate_type, e.aggregate_id, e.partition_key,
                                     e.payload_json, e.headers_json, e.trace_id))
         conn.commit()
@@ -387,10 +431,11 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def rss_kb(pid: int) -> int | None:
+def rss_kb(pid: int, field: str = "VmRSS") -> int | None:
+    """A process's resident set (``VmRSS``) or its peak so far (``VmHWM``), in kB."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
         return None

@@ -11,6 +11,15 @@ real consumer would:
   per event: a round trip per event (mandatory, confirms, headers built per event).
 * ``kombu_waves_task25``   ``KombuPublisher.publish_chains`` on 25 chains of one event: the
   relay's real path for a publish task of a backlog spread over many aggregates.
+* ``kombu_waves_task100``  the same with 100 chains of one event: a full default claim (100
+  rows over 100 aggregates) is one task and one wave. Its entry also holds ``vs_raw_waves``:
+  its rate over ``raw_waves100``'s, measured in the same run (issue 11, speed target 2).
+* ``raw_waves100``         raw py-amqp, no kombu, no relay: the same messages (same body,
+  properties and header table, built from the same rows inside the clock, as a raw relay loop
+  must), persistent, mandatory, confirms, in waves of 100: publish the wave back to back,
+  then wait until every message is acked. The baseline of ``vs_raw_waves``.
+* ``raw_waves100_prebuilt`` the same with every ``amqp.Message`` built before the clock: the
+  socket and the broker alone (``vs_raw_waves_prebuilt``).
 * ``raw_stop_and_wait``    py-amqp ``basic_publish`` + wait for the ack, per event, with
   pre-built messages: the round trip alone, without kombu's and the publisher's overhead.
 * ``kombu_stop_and_wait_x2`` two publishers on two connections in two threads (the worker
@@ -30,7 +39,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from .common import Destination, Run, _amqp_connection, log, make_event
+from .common import Destination, Run, _amqp_connection, confirm_channel, log, make_event
 
 
 def _messages(count: int, aggregates: int = 100) -> list[Any]:
@@ -74,14 +83,14 @@ def kombu_stop_and_wait(run: Run, messages: list[Any]) -> tuple[int, float]:
         publisher.close()
 
 
-def kombu_waves(run: Run, messages: list[Any], chains: int) -> tuple[int, float]:
+def kombu_waves(run: Run, messages: list[Any], chains: int) -> tuple[int, float, float]:
     from outbox.publisher import KombuPublisher
 
     publisher = KombuPublisher(run.amqp_url, run.exchange)
     try:
         publisher.publish_chain(messages[:1])  # connect and declare outside the clock
         sent = 0
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         rest = messages[1:]
         for start in range(0, len(rest), chains):
             results = publisher.publish_chains([[m] for m in rest[start:start + chains]])
@@ -89,9 +98,47 @@ def kombu_waves(run: Run, messages: list[Any], chains: int) -> tuple[int, float]
             if failed:
                 raise RuntimeError(f"publish failed: {failed[0]}")
             sent += len(results)
-        return sent, time.perf_counter() - t0
+        return sent, time.perf_counter() - t0, time.thread_time() - cpu0
     finally:
         publisher.close()
+
+
+def raw_waves(run: Run, messages: list[Any], wave: int, prebuilt: bool = False) -> tuple[int, float, float]:
+    """Raw py-amqp waves: ``wave`` messages back to back (persistent, mandatory), then read
+    until every one of them is acked. Without ``prebuilt`` each ``amqp.Message`` is built
+    from its row inside the clock, as any relay loop has to."""
+    conn = _amqp_connection(run.amqp_url)
+    try:
+        ch = conn.channel()
+        ch.confirm_select()
+        state = {"acked": 0, "nacked": 0, "returned": 0}
+
+        def on_ack(tag: int, multiple: bool) -> None:
+            state["acked"] = max(state["acked"], tag)
+
+        def on_nack(tag: int, multiple: bool) -> None:
+            state["nacked"] += 1
+            on_ack(tag, multiple)
+
+        ch.events["basic_ack"].add(on_ack)
+        ch.events["basic_nack"].add(on_nack)
+        ch.events["basic_return"].add(lambda *args: state.__setitem__("returned", state["returned"] + 1))
+        ready = _amqp_messages(messages) if prebuilt else None
+        tag = 0
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        for start in range(0, len(messages), wave):
+            part = ready[start:start + wave] if ready is not None else _amqp_messages(messages[start:start + wave])
+            for m, row in zip(part, messages[start:start + wave]):
+                ch.basic_publish(m, run.exchange, row.topic, mandatory=True)
+                tag += 1
+            while state["acked"] < tag:
+                conn.drain_events(timeout=15)
+        elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        if state["nacked"] or state["returned"]:
+            raise RuntimeError(f"{state['nacked']} nacks, {state['returned']} returns")
+        return len(messages), elapsed, cpu
+    finally:
+        conn.close()
 
 
 def kombu_stop_and_wait_parallel(run: Run, messages: list[Any], threads: int = 2) -> tuple[int, float]:
@@ -149,19 +196,7 @@ def raw_stop_and_wait(run: Run, messages: list[Any]) -> tuple[int, float]:
 def pipelined_confirm_chain(run: Run, messages: list[Any], chain: int) -> tuple[int, float]:
     conn = _amqp_connection(run.amqp_url)
     try:
-        ch = conn.channel()
-        ch.confirm_select()
-        state = {"acked": 0, "nacked": 0}
-
-        def on_ack(tag: int, multiple: bool) -> None:
-            state["acked"] = max(state["acked"], tag)
-
-        def on_nack(tag: int, multiple: bool) -> None:
-            state["nacked"] += 1
-            state["acked"] = max(state["acked"], tag)
-
-        ch.events["basic_ack"].add(on_ack)
-        ch.events["basic_nack"].add(on_nack)
+        ch, state = confirm_channel(conn)
         msgs = _amqp_messages(messages)
         tag = 0
         t0 = time.perf_counter()
@@ -209,12 +244,27 @@ def no_confirm(run: Run, messages: list[Any]) -> tuple[int, float]:
         conn.close()
 
 
-def run_confirm_bench(run: Run, destination: Destination, count: int, chain: int = 25) -> dict[str, Any]:
-    """Each variant publishes ``count`` events; the first is the baseline of the ratios."""
+def run_confirm_bench(run: Run, destination: Destination, count: int, chain: int = 25,
+                      wave: int = 100, rounds: int = 3) -> dict[str, Any]:
+    """Each variant publishes ``count`` events; the first is the baseline of the ratios.
+
+    The relay's waves of ``wave`` and raw py-amqp's (``raw_waves{wave}``, ``..._prebuilt``)
+    run ``rounds`` times, interleaved, and each keeps its median round (``rounds_events_per_s``
+    lists them all): on a shared machine one round can be slowed by a neighbour. The relay's
+    entry ``kombu_waves_task{wave}`` then holds ``vs_raw_waves`` (``vs_raw_waves_prebuilt``):
+    its rate over raw py-amqp's, and ``cpu_vs_raw_waves``: its publishing thread's CPU per
+    event over raw py-amqp's (issue 11, speed target 2)."""
     messages = _messages(count + 2)
+    relay, raw, prebuilt = f"kombu_waves_task{wave}", f"raw_waves{wave}", f"raw_waves{wave}_prebuilt"
+    paired: list[tuple[str, Callable[[], Any]]] = [
+        (relay, lambda: kombu_waves(run, messages, wave)),
+        (raw, lambda: raw_waves(run, messages[:count], wave)),
+        (prebuilt, lambda: raw_waves(run, messages[:count], wave, prebuilt=True)),
+    ]
     variants: list[tuple[str, Callable[[], Any]]] = [
         ("kombu_stop_and_wait", lambda: kombu_stop_and_wait(run, messages)),
         (f"kombu_waves_task{chain}", lambda: kombu_waves(run, messages, chain)),
+        *[(name, fn) for _ in range(rounds) for name, fn in paired],
         ("raw_stop_and_wait", lambda: raw_stop_and_wait(run, messages[:count])),
         ("kombu_stop_and_wait_x2", lambda: kombu_stop_and_wait_parallel(run, messages)),
         (f"pipelined_confirm_chain{chain}", lambda: pipelined_confirm_chain(run, messages[:count], chain)),
@@ -223,16 +273,56 @@ def run_confirm_bench(run: Run, destination: Destination, count: int, chain: int
         ("no_confirm", lambda: no_confirm(run, messages[:count])),
     ]
     results: dict[str, Any] = {}
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in paired}
     base: float | None = None
     for name, fn in variants:
         destination.reset()
-        sent, elapsed = fn()
+        sent, elapsed, *cpu = fn()
         rate = sent / elapsed if elapsed > 0 else float("inf")
         base = base or rate
-        results[name] = {"events": sent, "seconds": round(elapsed, 3), "events_per_s": round(rate),
-                         "us_per_event": round(1e6 * elapsed / max(1, sent), 1), "ratio": round(rate / base, 2)}
+        entry = {"events": sent, "seconds": round(elapsed, 3), "events_per_s": round(rate),
+                 "us_per_event": round(1e6 * elapsed / max(1, sent), 1), "ratio": round(rate / base, 2)}
+        if cpu:  # the publishing thread's own CPU (the bench consumer runs in another thread)
+            entry["cpu_us_per_event"] = round(1e6 * cpu[0] / max(1, sent), 1)
         log(f"confirm micro {name:28s} {rate:9.0f} ev/s  {1e6 * elapsed / max(1, sent):7.1f} us/event  "
-            f"x{rate / base:.2f}")
+            f"x{rate / base:.2f}" + (f"  cpu {1e6 * cpu[0] / max(1, sent):6.1f} us/event" if cpu else ""))
+        if name in samples:
+            samples[name].append(entry)
+            if len(samples[name]) == rounds:
+                ranked = sorted(samples[name], key=lambda e: e["events_per_s"])
+                results[name] = {**ranked[len(ranked) // 2],
+                                 "rounds_events_per_s": [e["events_per_s"] for e in samples[name]]}
+        else:
+            results[name] = entry
         destination.wait_for(sent, timeout=10, idle_timeout=2)
     destination.reset()
+    mine = results[relay]
+    mine["vs_raw_waves"] = round(mine["events_per_s"] / max(1, results[raw]["events_per_s"]), 2)
+    mine["vs_raw_waves_prebuilt"] = round(mine["events_per_s"] / max(1, results[prebuilt]["events_per_s"]), 2)
+    mine["cpu_vs_raw_waves"] = round(mine["cpu_us_per_event"] / max(0.1, results[raw]["cpu_us_per_event"]), 2)
+    log(f"confirm micro relay waves of {wave} vs raw py-amqp waves of {wave}: x{mine['vs_raw_waves']:.2f} "
+        f"(vs prebuilt messages x{mine['vs_raw_waves_prebuilt']:.2f}); CPU per event "
+        f"{mine['cpu_us_per_event']:.1f} vs {results[raw]['cpu_us_per_event']:.1f} us")
     return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.confirm``: this micro-benchmark alone, on its own exchange and queue."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.confirm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--events", type=int, default=5000, help="events per variant (default 5,000)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the waves comparison")
+    p.add_argument("--tag", help="names this run's exchange and queue (outbox-bench-<tag>); default random")
+    args = p.parse_args(argv)
+    run = Run(tag=args.tag) if args.tag else Run()
+    destination = Destination(run)
+    try:
+        run_confirm_bench(run, destination, args.events, rounds=args.rounds)
+    finally:
+        destination.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,10 @@
   queue's depth in Redis, the rows in flight, and who used the CPU.
 * ``profile_drain``: the same with ``py-spy record`` attached to the worker's processes,
   summarised (a separate pass: sampling costs CPU the measured run must not lose).
+* ``compare_with_raw_loop`` (``python -m bench.drain``): issue 11's figures in one run: the
+  raw unordered loop (``bench.rawloop``) and the relay on a 100- and a 10,000-aggregate
+  backlog, the ratio, relay-worker CPU per event and each worker process's busy fraction
+  (docs/benchmarks.md, "Issue 11").
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .common import (CELERY, PY_SPY, CpuWindow, Destination, Run, check_order, lease_recovered, log, load_backlog,
-                     pg_connect, process_tree, redis_llen, rss_kb, service_groups, status_counts, stop_process_group,
-                     truncate_table, wait_all_done)
+from .common import (CELERY, PY_SPY, CpuWindow, Destination, Run, check_order, cpu_seconds, lease_recovered, log,
+                     load_backlog, pg_connect, process_tree, redis_llen, rss_kb, service_groups, status_counts,
+                     stop_process_group, truncate_table, wait_all_done)
+from .rawloop import run_raw_loop
 
 
 def arrival_rate(arrivals: list[tuple[float, int, str]], events: int) -> dict[str, Any]:
@@ -216,8 +221,11 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
                      label: str = "celery drain") -> tuple[dict[str, Any], Relay]:
     """Load the backlog, then start the relay (unless one is given) and measure its drain."""
     truncate_table(run)
-    expected = load_backlog(run, events, aggregates)
-    destination.reset()
+    destination.reset()  # before the load: a relay already running publishes the rows as they commit
+    # The relay starts (and is ready) before the backlog appears, all at once (one COPY
+    # transaction), so its CPU and busy figures cover the whole drain: started after the
+    # load, a worker could drain part of it before it reports ready. The services' CPU
+    # window then includes the load's own work (COPY, ANALYZE, CHECKPOINT).
     if relay is None:
         relay = relay_factory()
         relay.wait_ready()
@@ -227,10 +235,14 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
     sampler.start()
     window = CpuWindow(cpu_groups(relay))
     window.start()
+    pids = relay.worker_pids()
+    cpu0 = {pid: cpu_seconds(pid) for pid in pids}
     started = time.monotonic()
     started_perf = time.perf_counter()
+    expected = load_backlog(run, events, aggregates)
     reached = destination.wait_for(events, timeout=timeout, idle_timeout=30, alive=relay.check_alive)
     cpu = window.stop()
+    busy = process_busy(relay, cpu0, time.monotonic() - started)
     memory = sampler.stop()
     arrivals = list(destination.arrivals)
     counts = wait_all_done(run, timeout=30 if reached else 75)
@@ -240,7 +252,8 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
               "all_arrived_s": (max(t for t, _, _ in arrivals) - started_perf) if arrivals else None,
               **arrival_rate(arrivals, events),
               "wall_s_from_load": time.monotonic() - started, "order": check_order(arrivals, expected),
-              "memory": memory, "cpu": cpu, "cpu_us_per_event": cpu_per_event(cpu, events), "table": counts}
+              "memory": memory, "cpu": cpu, "cpu_us_per_event": cpu_per_event(cpu, events), "table": counts,
+              "busy": busy, "worker_cpu_us_per_event": cpu_per_event(cpu, events).get("worker")}
     if not reached:
         result["worker_log_tail"] = relay.log_tail()
     if not reached:
@@ -254,7 +267,147 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
     log(f"{label}: cores used " + ", ".join(f"{k} {v:.2f}" for k, v in cpu["cores_used"].items())
         + f" (machine busy {100 * cpu['machine_busy']:.0f}%); CPU us/event "
         + ", ".join(f"{k} {v}" for k, v in result["cpu_us_per_event"].items()))
+    log(f"{label}: busy (CPU / drain wall time) " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()))
     return result, relay
+
+
+def process_busy(relay: Relay, cpu0: dict[int, float | None], wall: float) -> dict[str, float]:
+    """Each worker process's CPU over the drain's wall time: ``parent`` and ``child 1..n``
+    (children in pid order). A child that stays near 0 while another is near 1 is idle
+    for want of claimable work, not for want of CPU."""
+    out: dict[str, float] = {}
+    children = 0
+    for pid, before in sorted(cpu0.items()):
+        after = cpu_seconds(pid)
+        if before is None or after is None or wall <= 0:
+            continue
+        if pid == relay.worker.pid:
+            name = "parent"
+        else:
+            children += 1
+            name = f"child {children}"
+        out[name] = round((after - before) / wall, 3)
+    return out
+
+
+# -- issue 11: the relay against the raw unordered loop, same run ------------------------------------
+
+def compare_with_raw_loop(run: Run, destination: Destination, relay_factory: Any, events: int,
+                          spreads: tuple[int, ...] = (100, 10_000), processes: int = 2,
+                          timeout: float = 300.0, others: dict[str, Any] | None = None) -> tuple[dict[str, Any], None]:
+    """For each spread (aggregates in the backlog): drain ``events`` rows with the raw loop
+    (``bench.rawloop``, ``processes`` processes, waves of ``run.batch_size``), then the same
+    backlog with a relay started for it (and stopped after). Returns ``{"<spread>": {"raw": ..., "relay": ..., "ratio": relay
+    events/s over raw events/s, "worker_cpu_us_per_event": ..., "busy": ...}}``. ``others``
+    (label -> relay factory, e.g. another version of the relay) are drained too, after the
+    relay, each on a fresh copy of the backlog: ``out[spread]["others"][label]``."""
+    out: dict[str, Any] = {}
+    relay: Relay | None = None
+    for aggregates in spreads:
+        truncate_table(run)
+        load_backlog(run, events, aggregates)
+        log(f"raw loop: {events} events over {aggregates} aggregates")
+        raw = run_raw_loop(run.postgres_url, run.amqp_url, run.table, run.exchange, processes, run.batch_size,
+                           timeout=timeout)
+        destination.wait_for(events, timeout=30, idle_timeout=5)
+        raw["arrived"] = destination.unique()
+        drained, relay = run_celery_drain(run, destination, relay_factory, events, aggregates, timeout=timeout,
+                                          relay=relay, label=f"relay, {aggregates} aggregates")
+        relay.stop()  # a running relay (beat ticks) would claim the next raw loop's rows
+        relay = None
+        other_results: dict[str, Any] = {}
+        for label, factory in (others or {}).items():
+            other, other_relay = run_celery_drain(run, destination, factory, events, aggregates, timeout=timeout,
+                                                  label=f"{label}, {aggregates} aggregates")
+            other_relay.stop()
+            other_results[label] = {"events_per_s": other["events_per_s"],
+                                    "ratio": other["events_per_s"] / raw["events_per_s"] if raw["events_per_s"]
+                                    else float("nan"),
+                                    "worker_cpu_us_per_event": other["worker_cpu_us_per_event"],
+                                    "busy": other["busy"], "order_ok": other["order"]["ok"], "result": other}
+        ratio = drained["events_per_s"] / raw["events_per_s"] if raw["events_per_s"] else float("nan")
+        out[str(aggregates)] = {"aggregates": aggregates, "raw": raw, "relay": drained, "ratio": ratio,
+                                "raw_events_per_s": raw["events_per_s"], "relay_events_per_s": drained["events_per_s"],
+                                "worker_cpu_us_per_event": drained["worker_cpu_us_per_event"],
+                                "raw_loop_cpu_us_per_event": raw["loop_cpu_us_per_event"], "busy": drained["busy"],
+                                "others": other_results}
+    for aggregates, r in out.items():
+        log(f"ordered drain over {aggregates} aggregates: relay {r['relay_events_per_s']:.0f} ev/s, raw loop "
+            f"{r['raw_events_per_s']:.0f} ev/s: x{r['ratio']:.2f} (target >= 0.9); relay-worker CPU "
+            f"{r['worker_cpu_us_per_event']} us/event (target <= 150; raw loop {r['raw_loop_cpu_us_per_event']}); "
+            f"busy " + ", ".join(f"{k} {v:.2f}" for k, v in r["busy"].items())
+            + f"; order ok={r['relay']['order']['ok']}")
+        for label, o in r["others"].items():
+            log(f"  {label}: {o['events_per_s']:.0f} ev/s: x{o['ratio']:.2f} of the raw loop; worker CPU "
+                f"{o['worker_cpu_us_per_event']} us/event; busy " + ", ".join(f"{k} {v:.2f}" for k, v in o["busy"].items())
+                + f"; order ok={o['order_ok']}")
+    return out, relay
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.drain``: the relay against the raw loop on two spreads, same run."""
+    import argparse
+    import shutil
+    import tempfile
+
+    from .common import create_table, flush_redis, require_services, teardown, to_json
+
+    p = argparse.ArgumentParser(prog="python -m bench.drain", description=compare_with_raw_loop.__doc__)
+    p.add_argument("--events", type=int, default=20_000)
+    p.add_argument("--spreads", default="100,10000", help="aggregates in the backlog, comma-separated")
+    p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--redis-url", default=os.environ.get("OUTBOX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/13"))
+    p.add_argument("--prefix", default="outbox-bench", help="RabbitMQ exchange/queue name prefix")
+    p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the worker (repeatable)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--loglevel", default="WARNING", help="the worker's log level")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (worker and beat logs)")
+    p.add_argument("--compare-src", action="append", default=[], metavar="LABEL=DIR",
+                   help="also drain with the relay imported from DIR (e.g. before=/work/main/src), same run")
+    args = p.parse_args(argv)
+    require_services()
+    prefix = args.prefix
+
+    class _Run(Run):
+        @property
+        def exchange(self) -> str:
+            return f"{prefix}-{self.tag}"
+
+        @property
+        def queue(self) -> str:
+            return f"{prefix}-q-{self.tag}"
+
+    run = _Run(redis_url=args.redis_url, batch_size=args.batch_size,
+               workdir=Path(tempfile.mkdtemp(prefix="outbox-drain-")))
+    env = dict(item.split("=", 1) for item in args.env)
+    flush_redis(run.redis_url)
+    create_table(run)
+    destination = Destination(run)
+    relay = None
+    try:
+        def other(src: str) -> Any:
+            path = src + os.pathsep + os.environ.get("PYTHONPATH", "")
+            return lambda: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel,
+                                 **{**env, "PYTHONPATH": path})
+
+        others = {label: other(src) for label, src in (item.split("=", 1) for item in args.compare_src)}
+        results, relay = compare_with_raw_loop(
+            run, destination, lambda: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel, **env), args.events,
+            tuple(int(x) for x in args.spreads.split(",")), processes=args.concurrency, others=others)
+        if args.json:
+            args.json.write_text(to_json(results))
+    finally:
+        teardown(run, destination, relay)
+        if args.keep:
+            log(f"logs kept in {run.workdir}")
+        else:
+            shutil.rmtree(run.workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 
 
 # -- profiling --------------------------------------------------------------------------------------

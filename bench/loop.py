@@ -15,7 +15,6 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """The task runners the end-to-end scenarios run on: one scenario, two runners.
 
 A runner knows how to start the relay's worker and scheduler processes and how to read
-what a worker holds from its log; the scenarios in tests/test_relay_e2e.py take a runner
-and are otherwise the same for Celery (``celery -A outbox worker`` + ``beat``) and
-Dramatiq (``dramatiq outbox.dramatiq`` + ``outbox-dramatiq-scheduler``).
+what a worker holds from its log; the scenarios in tests/test_relay_e2e.py and
+tests/test_recovery_e2e.py take a runner and are otherwise the same for Celery
+(``celery -A outbox worker`` + ``beat``) and Dramatiq (``dramatiq outbox.dramatiq`` +
+``outbox-dramatiq-scheduler``).
 """
 
 from __future__ import annotations

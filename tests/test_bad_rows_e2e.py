@@ -15,7 +15,7 @@ from typing import Any
 from outbox import Status
 
 from test_bad_rows import tamper
-from test_relay_e2e import (  # noqa: F401 - fixtures used by name
+from relay_e2e_support import (  # noqa: F401 - fixtures used by name
     Destination,
     Outbox,
     check_order,

@@ -40,6 +40,15 @@ def test_an_expired_row_at_max_attempts_goes_dead_and_its_tail_waits() -> None:
     assert plan.dead_ids == [1] and plan.claim_ids == [3]
 
 
+def test_a_limit_keeps_whole_chains_oldest_chain_first_and_cuts_the_last() -> None:
+    # A window over three aggregates, round robin: the oldest chains go whole, the
+    # last one is cut to a prefix, blocked aggregates take no room.
+    window = [cand(i, "abc"[(i - 1) % 3]) for i in range(1, 10)]  # a: 1 4 7, b: 2 5 8, c: 3 6 9
+    assert plan_claim(window, {}, 10, limit=5).claim_ids == [1, 2, 4, 5, 7]
+    assert plan_claim(window, {"a": 0}, 10, limit=5).claim_ids == [2, 3, 5, 6, 8]
+    assert plan_claim(window, {}, 10, limit=100).claim_ids == list(range(1, 10))
+
+
 def message(id: int, agg: str) -> OutboxMessage:
     return OutboxMessage(id, f"m{id}", "t", "x", agg, None, "{}", {}, None, 0,
                          datetime.now(timezone.utc), "lease")

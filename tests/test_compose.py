@@ -262,7 +262,7 @@ def test_the_entrypoint_runs_migrate_worker_and_beat_unprivileged_in_a_read_only
     require("RabbitMQ", "127.0.0.1", 5672)
     require("Redis", "127.0.0.1", 6379)
     from outbox import enqueue
-    from test_relay_e2e import Destination, wait_until
+    from relay_e2e_support import Destination, wait_until
 
     app, state = readonly_app["app"], readonly_app["state"]
     entry = str(app / "entrypoint.sh")

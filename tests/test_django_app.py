@@ -188,7 +188,7 @@ def test_an_order_posted_to_the_django_view_arrives_on_rabbitmq(tmp_path: Path) 
     """The example app end to end: its view enqueues, `celery -A outbox worker` started with
     DJANGO_SETTINGS_MODULE (and nothing else about the database) delivers."""
     require("RabbitMQ", "127.0.0.1", 5672)
-    from test_relay_e2e import Destination, wait_until
+    from relay_e2e_support import Destination, wait_until
 
     destination = Destination()
     db = tmp_path / "shop.db"

@@ -1,5 +1,5 @@
 """The Dramatiq front-end's own parts (the relay end to end on Dramatiq runs in
-tests/test_relay_e2e.py, on both runners): its settings, the post-commit wake sending
+tests/test_relay_e2e.py and tests/test_recovery_e2e.py, on both runners): its settings, the post-commit wake sending
 a Dramatiq message, and the scheduler's leader lock on real Redis and RabbitMQ."""
 
 from __future__ import annotations
@@ -118,26 +118,30 @@ def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path
     store = OutboxStore(url, table="outbox_wake")
     store.migrate()
     conn = sqlite3.connect(tmp_path / "o.db")
-    for n in range(3):  # a burst of commits: one claim message, carrying the wake token
+    for n in range(3):  # a burst of commits: one claim message, holding the claim-request token
         with outbox.transaction(conn):
             outbox.enqueue(conn, topic="t.x", aggregate_type="a", aggregate_id="1", payload={"n": n},
                            table="outbox_wake")
+        wake.flush()
     assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 1
     [encoded] = client.hvals(f"{ns}:{CLAIM_QUEUE}.msgs")
     sent = json.loads(encoded)
     assert sent["actor_name"] == CLAIM_TASK and sent["queue_name"] == CLAIM_QUEUE
-    assert sent["kwargs"]["token"] == wake.token_for(REDIS_URL, ns)
+    assert sent["kwargs"]["requested"] is True
     assert sent["kwargs"]["expires_at"] > time.time()
-    # The worker clears the token as the claim starts: the next commit sends again.
-    wake.clear_token(sent["kwargs"]["token"], REDIS_URL)
+    token = wake.token_for(REDIS_URL, ns)
+    assert client.exists(token)  # the one token, which the worker's claim clears as it starts
+    client.delete(token)
     with outbox.transaction(conn):
         outbox.enqueue(conn, topic="t.x", aggregate_type="a", aggregate_id="1", payload={}, table="outbox_wake")
+    wake.flush()
     assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 2
     # A rolled-back transaction wakes nobody.
     with pytest.raises(RuntimeError):
         with outbox.transaction(conn):
-            wake.clear_token(sent["kwargs"]["token"], REDIS_URL)
+            client.delete(token)
             raise RuntimeError("rolled back")
+    wake.flush()
     assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 2
     conn.close()
     store.close()
@@ -203,7 +207,7 @@ def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
 
 # -- the relay's metrics from a Dramatiq worker ---------------------------------------------------
 
-from test_relay_e2e import destination, procs_factory, relay_env, sqlite_outbox, wait_until  # noqa: E402,F401
+from relay_e2e_support import destination, procs_factory, relay_env, sqlite_outbox, wait_until  # noqa: E402,F401
 from runners import DRAMATIQ  # noqa: E402
 
 

@@ -65,7 +65,7 @@ def test_alembic_upgrade_creates_the_stores_table(database: dict[str, str], tmp_
 
 def test_an_order_posted_to_the_flask_view_arrives_on_rabbitmq(tmp_path: Path) -> None:
     require("RabbitMQ", "127.0.0.1", 5672)
-    from test_relay_e2e import Destination
+    from relay_e2e_support import Destination
 
     db = tmp_path / "shop.db"
     destination = Destination()

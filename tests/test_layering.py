@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("outbox.cli",)),
     ("demo, checks, data pipeline and framework helpers", ("outbox.demo", "outbox.doctor", "outbox.pipeline",
                                                             "outbox.pipeline.*", "outbox.contrib", "outbox.contrib.*")),
+    ("commands' one-line errors", ("outbox.oneline",)),
     ("package face, `celery -A outbox`, `dramatiq outbox.dramatiq` and its scheduler",
      ("outbox", "outbox.celery", "outbox.dramatiq", "outbox.dramatiq_scheduler")),
     ("task bodies", ("outbox.tasks",)),
@@ -35,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engines", ("outbox.engines", "outbox.engines.*")),
     ("domain", ("outbox.events", "outbox.chains")),
     ("configuration", ("outbox.config",)),
-    ("model and names", ("outbox.model", "outbox.names", "outbox.errors", "outbox.redact", "outbox.tracing")),
+    ("model and names", ("outbox.model", "outbox.names", "outbox.errors", "outbox.redact", "outbox.tracing",
+                         "outbox.handoff")),
 ]
 
 

@@ -299,11 +299,12 @@ def test_claim_returns_message_columns_in_order_and_binds_in_placeholder_order()
     declared = re.search(r"DECLARE @out TABLE \((.*)\);", engine.claim_batch()).group(1)
     assert [c.split()[0] for c in re.split(r",\s*(?![^()]*\))", declared)] == list(MESSAGE_COLUMNS)
     params = engine.claim_params(batch=50, lease="L" * 32, timeout_ms=30_000, max_attempts=5)
-    assert params == [50, 5, "L" * 32, LEASE_EXPIRED_ERROR, -30_000]
-    # The DECLARE binds the first four by name; eligible()'s lease cutoff is the fifth.
+    assert params == [50, 50 * engine.CLAIM_WINDOW, 5, "L" * 32, LEASE_EXPIRED_ERROR, -30_000]
+    # The DECLARE binds the first five by name; eligible()'s lease cutoff is the sixth.
     batch = engine.claim_batch()
     declare = next(s for s in statements if s.startswith("DECLARE @batch"))
-    assert re.findall(r"@(\w+) [A-Z]+(?:\(\d+\))? = \?", declare) == ["batch", "max_attempts", "lease", "lease_error"]
+    assert re.findall(r"@(\w+) [A-Z]+(?:\(\d+\))? = \?", declare) == ["batch", "window", "max_attempts", "lease",
+                                                                           "lease_error"]
     assert batch.index(declare) < batch.index("DATEADD(MILLISECOND, ?")
     assert placeholders(batch) == len(params)
 
@@ -316,7 +317,7 @@ def test_claim_through_the_store_hands_back_messages() -> None:
     assert message.payload == '{"n":1}' and message.headers == {"h": "v"}
     assert message.created_at.tzinfo is not None  # naive DATETIME2 read as UTC
     sql, params = conn.log[-1]
-    assert sql == store.engine.claim_batch() and params[2] == claim.lease
+    assert sql == store.engine.claim_batch() and params[3] == claim.lease
 
 
 def test_batches_with_results_silence_rowcounts_first_and_restore_them_before_the_result(
@@ -603,6 +604,36 @@ def test_chain_rule_matches_plan_claim_on_random_outboxes() -> None:
         open_ids = [r[0] for r in rows if r[2] in (0, 1, 3)]
         candidate_ids = {i for i in open_ids if rng.random() < 0.8}
         assert run_chain_select(engine, rows, candidate_ids, 3) == plan(rows, candidate_ids, 3), rows
+
+
+def test_the_claim_keeps_whole_chains_oldest_first_up_to_the_batch_as_plan_claim() -> None:
+    """The statement after the chain rule (``DELETE FROM @chain``: keep ``@batch`` rows of
+    the window, whole chains, oldest first), run on SQLite after the chain rule, against
+    ``plan_claim(limit=batch)``. ``TOP (@batch)`` becomes SQLite's ``LIMIT``."""
+    engine = MssqlEngine()
+    keep = next(s for s in engine.claim_statements() if s.startswith("DELETE FROM @chain"))
+    keep = (keep.replace("@chain", "chain").replace("@cand", "cand").replace("TOP (@batch) ", "")
+            .replace("k.id);", "k.id LIMIT :batch);"))
+    rng = random.Random(20261123)
+    for _ in range(300):
+        rows = [(i, rng.choice("abcd"), rng.choice([0, 0, 0, 0, 1, 3]), rng.randint(0, 4))
+                for i in range(1, rng.randint(2, 16))]
+        everything = {r[0] for r in rows}
+        batch = rng.randint(1, 8)
+        db = sqlite3.connect(":memory:")
+        db.execute("ATTACH DATABASE ':memory:' AS dbo")
+        db.execute("CREATE TABLE dbo.outbox (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
+        db.execute("CREATE TABLE cand (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
+        db.execute("CREATE TABLE chain (id INTEGER PRIMARY KEY, dead INT)")
+        db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
+        db.executemany("INSERT INTO cand VALUES (?, ?, ?, ?)", rows)
+        chain_sql = engine.chain_select().replace("@cand", "cand").replace(" WITH (READCOMMITTEDLOCK)", "")
+        db.execute(f"INSERT INTO chain (id, dead) {chain_sql}", {"max_attempts": 3})
+        db.execute(keep, {"batch": batch})
+        chosen = db.execute("SELECT id, dead FROM chain").fetchall()
+        got = (sorted(i for i, dead in chosen if not dead), sorted(i for i, dead in chosen if dead))
+        result = plan_claim([Candidate(*r) for r in rows], {}, 3, limit=batch)
+        assert got == (sorted(result.claim_ids), sorted(result.dead_ids)), (rows, batch)
 
 
 @pytest.mark.parametrize("rows, expected", [

@@ -4,7 +4,7 @@ own route; a publish URL nobody can use stops the worker at once; passwords neve
 the logs; an outage of the database or of the destination broker logs one warning and
 one line when it ends; garbage on Celery's Redis queue is dropped, not fatal.
 
-Helpers (processes, outboxes, the TCP proxy) come from tests/test_relay_e2e.py.
+Helpers (processes, outboxes, the TCP proxy) come from tests/relay_e2e_support.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from outbox import Status
 
 from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
-from test_relay_e2e import (Destination, Outbox, Procs, Proxy, base_env, celery_queue_keys, check_order,  # noqa: F401
+from relay_e2e_support import (Destination, Outbox, Procs, Proxy, base_env, celery_queue_keys, check_order,  # noqa: F401
                             destination, procs_factory, redis_client, relay_env, require_relay_services,
                             sqlite_outbox, wait_until)
 

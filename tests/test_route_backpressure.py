@@ -9,7 +9,7 @@ import logging
 import sqlite3
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
 import pytest
 
@@ -17,26 +17,12 @@ from outbox import Status, enqueue
 from outbox.chains import split_chains
 from outbox.model import OutboxMessage
 from outbox.publisher import ChainResult, FailureKind, KombuPublisher, PublishFailure, refused_by_route
-from outbox.relay import (LocalBreaker, Outage, RedisOutage, RedisRouteGate, RelayOptions, RouteGate,
-                          handle_publish)
+from outbox.relay import Breaker, FileState, Outage, RedisState, RelayOptions, RouteGate, handle_publish
 from outbox.store import OutboxStore
 
+from relay_support import conn, store  # noqa: F401 - fixtures used by name
 from services import AMQP_URL, REDIS_URL, require
 
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[OutboxStore]:
-    s = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=60_000, max_attempts=3)
-    s.migrate()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def conn(tmp_path: Path, store: OutboxStore) -> Iterator[sqlite3.Connection]:
-    c = sqlite3.connect(tmp_path / "outbox.db", timeout=30)
-    yield c
-    c.close()
 
 
 def add(conn: sqlite3.Connection, aggregate: str, topics: Sequence[str]) -> list[int]:
@@ -90,7 +76,7 @@ def test_a_refused_route_pauses_alone_without_attempts_or_breaker(store: OutboxS
     b = add(conn, "b", ["orders.b", "orders.b"])
     mixed = add(conn, "m", ["orders.b", "orders.a", "orders.b"])
     publisher = RefusingPublisher({"orders.a"})
-    breaker, routes = LocalBreaker(), RouteGate()
+    breaker, routes = Breaker(), RouteGate()
     options = RelayOptions(route_pause_s=20, route_pause_max_s=60)
     with caplog.at_level(logging.DEBUG, logger="outbox.relay"):
         outcomes = handle_publish(store, publisher, split_chains(store.claim(100).messages), options=options,
@@ -135,14 +121,14 @@ def test_route_pause_grows_while_refused_and_resets_after_a_quiet_spell() -> Non
 def test_route_pauses_are_shared_through_redis() -> None:
     require("Redis", "127.0.0.1", 6379)
     key = f"outbox-test-{uuid.uuid4().hex[:10]}:routes"
-    one, two = RedisRouteGate(REDIS_URL, key), RedisRouteGate(REDIS_URL, key)
+    one, two = RouteGate(RedisState(REDIS_URL), key), RouteGate(RedisState(REDIS_URL), key)
     try:
         assert one.refuse("orders.full", 5.0, 30.0) == (5.0, True)
         assert 4 < two.paused("orders.full") <= 5 and two.paused("orders.ok") == 0
         assert two.refuse("orders.full", 5.0, 30.0)[1] is False  # already paused by the other worker
-        assert 0 < one.client.pttl(key) <= 95_000
+        assert 0 < one.state.client.pttl(key) <= 95_000
     finally:
-        one.client.delete(key)
+        one.state.client.delete(key)
 
 
 def test_an_outage_logs_one_warning_and_one_end_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -167,8 +153,8 @@ def test_an_outage_is_announced_by_one_worker_through_redis(caplog: pytest.LogCa
     require("Redis", "127.0.0.1", 6379)
     key = f"outbox-test-{uuid.uuid4().hex[:10]}:outage"
     logger = logging.getLogger("outbox.test.outage2")
-    one = RedisOutage(REDIS_URL, key, "database", "db", "meanwhile", logger)
-    two = RedisOutage(REDIS_URL, key, "database", "db", "meanwhile", logger)
+    one = Outage("database", "db", "meanwhile", logger, RedisState(REDIS_URL), key)
+    two = Outage("database", "db", "meanwhile", logger, RedisState(REDIS_URL), key)
     try:
         with caplog.at_level(logging.INFO, logger="outbox.test.outage2"):
             one.failed("down")
@@ -177,7 +163,7 @@ def test_an_outage_is_announced_by_one_worker_through_redis(caplog: pytest.LogCa
             one.ok()
         assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO]
     finally:
-        one.client.delete(key)
+        one.state.client.delete(key)
 
 
 def test_unknown_publish_transport_is_fatal_not_retriable() -> None:
@@ -245,13 +231,11 @@ def test_a_connection_failure_is_broker_wide(tmp_path: Path) -> None:
 
 def test_file_backed_route_pauses_and_outages_are_shared_by_processes_of_a_host(tmp_path: Path) -> None:
     """Celery brokers other than Redis: the processes of one host share a file."""
-    from outbox.relay import FileOutage, FileRouteGate
-
-    one, two = FileRouteGate(str(tmp_path / "routes.json")), FileRouteGate(str(tmp_path / "routes.json"))
+    one, two = RouteGate(FileState(str(tmp_path)), "routes"), RouteGate(FileState(str(tmp_path)), "routes")
     assert one.refuse("orders.a", 5.0, 30.0)[1] is True
     one.refuse("orders.c", 5.0, 30.0)
     assert 4 < two.paused("orders.a") <= 5 and 4 < two.paused("orders.c") <= 5 and two.paused("orders.b") == 0
-    first = FileOutage(str(tmp_path / "outage"), "database", "db", "meanwhile")
-    second = FileOutage(str(tmp_path / "outage"), "database", "db", "meanwhile")
+    first = Outage("database", "db", "meanwhile", state=FileState(str(tmp_path)), key="outage")
+    second = Outage("database", "db", "meanwhile", state=FileState(str(tmp_path)), key="outage")
     assert first._begin() is True and second._begin() is False
     assert second._end() is True and first._end() is False

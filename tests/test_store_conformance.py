@@ -167,9 +167,25 @@ def test_claim_is_oldest_first_across_aggregates_and_honours_the_batch(store: Ou
     b1 = add(writer, store, "b")
     a2 = add(writer, store, "a")
     c1 = add(writer, store, "c")
-    assert claimed_ids(store, 2) == a1 + b1
-    assert claimed_ids(store, 2) == c1  # a2 waits behind a1's live lease
-    assert statuses(store)[a2[0]] == Status.PENDING
+    # The oldest row comes first, with its chain: a claim scans a window of candidates
+    # wider than its batch and keeps whole chains, oldest chain first (docs/relay.md,
+    # "Claim windows"), so over few aggregates it leaves the others to a concurrent claimer.
+    assert claimed_ids(store, 2) == a1 + a2
+    assert claimed_ids(store, 2) == b1 + c1
+    a3 = add(writer, store, "a")
+    assert claimed_ids(store, 2) == []  # a3 waits behind a1's and a2's live lease
+    assert statuses(store)[a3[0]] == Status.PENDING
+
+
+def test_a_claim_window_leaves_blocked_aggregates_to_their_holder(store: OutboxStore, writer: Any) -> None:
+    ids = {name: [] for name in "abcd"}
+    for _ in range(3):
+        for name in "abcd":
+            ids[name] += add(writer, store, name)
+    first = claimed_ids(store, 6)  # the two oldest aggregates, whole
+    assert first == sorted(ids["a"] + ids["b"])
+    second = claimed_ids(store, 6)  # a concurrent claimer gets the other two
+    assert second == sorted(ids["c"] + ids["d"])
 
 
 def test_a_live_lease_blocks_the_rest_of_its_aggregate(store: OutboxStore, writer: Any) -> None:
@@ -179,6 +195,22 @@ def test_a_live_lease_blocks_the_rest_of_its_aggregate(store: OutboxStore, write
     other = add(writer, store, "b")
     assert claimed_ids(store) == other
     assert statuses(store)[tail[0]] == Status.PENDING
+
+
+def test_an_open_row_in_the_middle_of_an_aggregate_ends_the_chain_before_it(store: OutboxStore,
+                                                                          writer: Any) -> None:
+    """Rows after the head that no claim may take yet (a live lease, a retry not yet due)
+    stop the chain there, however many claimable rows follow them."""
+    held = add(writer, store, "held", 4)
+    late = add(writer, store, "late", 4)
+    claim = store.claim(100)
+    assert [m.id for m in claim.messages] == sorted(held + late)
+    assert store.release([held[0]], claim.lease).ok  # held[1:] keep their live lease
+    assert store.release([late[1]], claim.lease, delay=timedelta(hours=1)).ok
+    assert store.release([late[0], *late[2:]], claim.lease).ok
+    assert claimed_ids(store) == [held[0], late[0]]
+    state = statuses(store)
+    assert [state[i] for i in late[1:]] == [Status.PENDING] * 3
 
 
 def test_head_blocked_by_a_failed_row_until_its_retry_is_due(store: OutboxStore, writer: Any) -> None:

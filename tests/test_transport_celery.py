@@ -31,9 +31,9 @@ from outbox import Status
 from outbox.engines import engine_for_url
 from outbox.engines.queue_factory import queue_tables
 from services import AMQP_URL
-from test_relay_e2e import CELERY, Destination, Outbox, Procs, base_env, check_order, require, wait_until
+from relay_e2e_support import CELERY, DB_KINDS, Destination, Outbox, Procs, base_env, check_order, require, wait_until
+from relay_e2e_support import outbox  # noqa: F401 - the fixture, used by name
 
-KINDS = ["sqlite", "postgresql", "mysql"]
 
 APP = '''
 """A Celery app on the outboxdb transport, for the tests."""
@@ -150,7 +150,7 @@ class TaskApp:
             conn.close()
 
 
-@pytest.fixture(params=KINDS + ["mssql"])  # SQL Server: with OUTBOX_TEST_MSSQL_URL
+@pytest.fixture(params=DB_KINDS + ["mssql"])  # SQL Server: with OUTBOX_TEST_MSSQL_URL
 def task_app(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskApp]:
     app = TaskApp(request.param, tmp_path)
     yield app
@@ -254,13 +254,6 @@ def test_transactional_send_runs_the_task_only_if_the_transaction_commits(task_a
 
 # -- the outbox relay on the database broker --------------------------------------------------------
 
-@pytest.fixture(params=KINDS)
-def outbox(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outbox]:
-    o = Outbox(request.param, tmp_path)
-    yield o
-    o.drop()
-
-
 @pytest.fixture
 def destination() -> Iterator[Destination]:
     require("RabbitMQ", "127.0.0.1", 5672)
@@ -275,7 +268,10 @@ def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(
     env = base_env(outbox, OUTBOX_PUBLISH_URL=AMQP_URL, OUTBOX_EXCHANGE=destination.exchange_name,
                    OUTBOX_CELERY_BROKER_URL=f"outboxdb+{outbox.url}", OUTBOX_TRANSPORT_QUEUE_TABLE=queue_table,
                    OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S="10", OUTBOX_TRANSPORT_POLLING_INTERVAL_S="0.2",
-                   OUTBOX_BATCH_SIZE="10", OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="3000")
+                   OUTBOX_BATCH_SIZE="10", OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="3000",
+                   # Small publish tasks, so w1 holds some when it is killed (a full claim
+                   # otherwise publishes its one task itself).
+                   OUTBOX_RELAY_TASK_ROWS="3")
     env.pop("OUTBOX_TEST_REDIS_PREFIX", None)
     procs = Procs(tmp_path, env)
     try:
@@ -312,8 +308,8 @@ def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(
         try:
             destination.wait_for(lambda: len(destination.messages) >= 40, timeout=60, procs=procs)
             assert len(destination.messages) >= 40, procs.log("w1")[-3000:]
-            assert wait_until(lambda: "Task outbox.publish[" in procs.log("w1") or "Task outbox.claim[" in
-                              procs.log("w1"), timeout=30), procs.log("w1")[-3000:]
+            assert wait_until(lambda: any(mark in procs.log("w1") for mark in (
+                "Task outbox.publish[", "Task outbox.claim[", "outbox claimed")), timeout=30), procs.log("w1")[-3000:]
             procs.kill("w1")  # main process and pool children, whatever they hold
             destination.wait_for(lambda: False, timeout=2.0)
         finally:

@@ -1,5 +1,6 @@
 """Waking the relay after commit (``outbox.wake``, ``outbox.transaction``, the Django and
-Flask helpers) and PostgreSQL LISTEN/NOTIFY (``outbox.listen``).
+Flask helpers): the hand-off to the wake thread and the one claim-request token.
+PostgreSQL LISTEN/NOTIFY is in tests/test_listen.py.
 
 The wake must come after the caller's commit (the rows are visible to another
 connection when it runs), never after a rollback, once per transaction, and never raise.
@@ -29,10 +30,9 @@ import outbox
 import outbox.wake as wake
 from outbox import enqueue
 from outbox.config import reset_settings
-from outbox.listen import Listener, channel_for, notify_channel
 from outbox.store import OutboxStore
 
-from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
+from services import AMQP_URL, REDIS_URL, require
 
 PYTHON = sys.executable
 CELERY = str(Path(sys.executable).parent / "celery")
@@ -45,6 +45,11 @@ def clean_env(**settings: str) -> dict[str, str]:
            if not k.startswith(("OUTBOX_", "CELERY_", "PROMETHEUS_")) or k.startswith("OUTBOX_TEST_")}
     env.update({"PYTHONUNBUFFERED": "1"}, **settings)
     return env
+
+
+def pythonpath(*dirs: Path | str) -> str:
+    """``dirs`` first, then this interpreter's PYTHONPATH (the sources under test)."""
+    return os.pathsep.join([*map(str, dirs), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def run_python(code: str, cwd: Path, *args: str, timeout: float = 120, **settings: str) -> Any:
@@ -238,6 +243,7 @@ from outbox.store import OutboxStore
 OutboxStore("sqlite:///" + db).migrate()
 
 def claims():
+    outbox.wake.flush()  # the hand-off thread has sent what it was asked to
     with app.pool.acquire(block=True) as conn:
         return conn.default_channel._size(CLAIM_QUEUE)
 
@@ -260,8 +266,8 @@ try:
 except RuntimeError:
     pass
 out["after_rollback"] = claims()
-token = outbox.wake._current_plan().token
-outbox.wake.clear_token(token)  # what the worker does as the claim starts
+from outbox.worker import coalescer
+coalescer().clear()  # what the worker's claim does as it starts (the same token)
 with transaction.atomic():
     add()
 out["after_claim_started"] = claims()
@@ -269,7 +275,8 @@ import base64
 with app.pool.acquire(block=True) as conn:
     message = conn.default_channel._get(CLAIM_QUEUE)
 out["kwargs"] = json.loads(base64.b64decode(message["body"]))[1]
-out["token"] = token
+out["token"] = outbox.wake._current_plan().coalescer().key
+out["worker_token"] = coalescer().key
 out["task"] = message["headers"]["task"]
 print(json.dumps(out))
 """
@@ -298,7 +305,7 @@ def test_django_wake_sends_one_claim_per_burst_on_redis(tmp_path: Path) -> None:
     try:
         out = run_python(DJANGO_REDIS_SCRIPT, tmp_path, str(tmp_path / "django.db"),
                          OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="wakeconf",
-                         PYTHONPATH=str(tmp_path), OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'django.db'}")
+                         PYTHONPATH=pythonpath(tmp_path), OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'django.db'}")
     finally:
         drop_redis_keys(prefix, wake.token_for(REDIS_URL, prefix))
     assert out["inside"] == 0
@@ -307,7 +314,8 @@ def test_django_wake_sends_one_claim_per_burst_on_redis(tmp_path: Path) -> None:
     assert out["after_rollback"] == 1
     assert out["after_claim_started"] == 2  # once the claim started, the next commit asks again
     assert out["task"] == "outbox.claim" and out["token"] == wake.token_for(REDIS_URL, prefix)
-    assert out["kwargs"] == {"token": out["token"]}  # the worker deletes exactly this token
+    assert out["worker_token"] == out["token"]  # one token: the writer's and the worker's
+    assert out["kwargs"] == {"requested": True}  # the claim clears the worker's coalescer, i.e. that token
 
 
 # -- SQLAlchemy sessions and Flask -----------------------------------------------------------------
@@ -400,11 +408,14 @@ def test_request_claim_is_off_when_disabled_and_never_raises(monkeypatch: pytest
 
     monkeypatch.setattr(wake, "_current_plan", explode)
     monkeypatch.setenv("OUTBOX_RELAY_WAKE", "0")
+    reset_settings()
     assert wake.request_claim() is False
     monkeypatch.setenv("OUTBOX_RELAY_WAKE", "perhaps")  # a bad value is logged, not raised
+    reset_settings()
     wake._reset_for_tests()
     assert wake.request_claim() is False
     monkeypatch.delenv("OUTBOX_RELAY_WAKE")
+    reset_settings()
     wake._reset_for_tests()
     assert wake.request_claim() is False  # the plan blew up: logged, False, nothing raised
     wake._reset_for_tests()
@@ -413,8 +424,9 @@ def test_request_claim_is_off_when_disabled_and_never_raises(monkeypatch: pytest
 def test_request_claim_skips_an_in_memory_broker_without_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wake, "_current_plan", lambda: wake._Plan("memory://"))
     sent: list[Any] = []
-    monkeypatch.setattr(wake, "_send", lambda token: sent.append(token) or True)
-    assert wake.request_claim() is False and sent == []
+    monkeypatch.setattr(wake, "_send", lambda requested: sent.append(requested) or True)
+    runs = wake._handoff.runs
+    assert wake.request_claim() is False and wake.flush() and sent == [] and wake._handoff.runs == runs
 
 
 def test_local_throttle_sends_once_then_once_more_after_the_window() -> None:
@@ -436,16 +448,20 @@ import json
 import outbox.wake as w
 from outbox.celery import app
 from outbox.relay import CLAIM_QUEUE
+from outbox.worker import coalescer, request_claim
 
 def claims():
+    w.flush()
     with app.pool.acquire(block=True) as conn:
         return conn.default_channel._size(CLAIM_QUEUE)
 
 burst = [w.request_claim() for _ in range(10)]
 queued = claims()
-w.clear_token(w._current_plan().token)
+drain_mode = request_claim()  # the worker's drain mode: the same token is taken, so no second claim
+coalescer().clear()  # the claim starts
 again = w.request_claim()
-print(json.dumps({"burst": burst, "queued": queued, "after_clear": claims(), "again": again}))
+print(json.dumps({"burst": burst, "queued": queued, "drain_mode": drain_mode, "after_clear": claims(),
+                  "again": again, "runs": w._handoff.runs}))
 """
 
 
@@ -454,11 +470,13 @@ def test_request_claim_coalesces_a_burst_on_redis(tmp_path: Path) -> None:
     prefix = redis_prefix(tmp_path)
     try:
         out = run_python(REDIS_COALESCE_SCRIPT, tmp_path, OUTBOX_CELERY_BROKER_URL=REDIS_URL,
-                         CELERY_CONFIG_MODULE="wakeconf", PYTHONPATH=str(tmp_path),
+                         CELERY_CONFIG_MODULE="wakeconf", PYTHONPATH=pythonpath(tmp_path),
                          OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
     finally:
         drop_redis_keys(prefix, wake.token_for(REDIS_URL, prefix))
-    assert out == {"burst": [True] * 10, "queued": 1, "after_clear": 2, "again": True}
+    runs = out.pop("runs")
+    assert out == {"burst": [True] * 10, "queued": 1, "drain_mode": False, "after_clear": 2, "again": True}
+    assert 2 <= runs <= 11  # the hand-off thread ran once per batch of requests
 
 
 def test_request_claim_gives_up_quietly_when_the_broker_is_down(tmp_path: Path) -> None:
@@ -466,14 +484,15 @@ def test_request_claim_gives_up_quietly_when_the_broker_is_down(tmp_path: Path) 
 import json, time
 import outbox.wake as w
 t0 = time.monotonic()
-first = w.request_claim()
+first = w.request_claim()  # handed off: the caller does not wait for the failure
 took = time.monotonic() - t0
+w.flush()
 second = w.request_claim()  # paused after the failure: no second connection attempt
-print(json.dumps({"first": first, "second": second, "took": took}))
+print(json.dumps({"first": first, "second": second, "took": took, "runs": w._handoff.runs}))
 """
     out = run_python(code, tmp_path, OUTBOX_CELERY_BROKER_URL="redis://127.0.0.1:1/0",
                      OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
-    assert out["first"] is False and out["second"] is False and out["took"] < 5
+    assert out["first"] is True and out["second"] is False and out["runs"] == 1
 
 
 # -- real workers, no beat: only a wake-up or a notification makes them claim -------------------------
@@ -524,7 +543,7 @@ class Workers:
     def env(self, destination: Destination, **settings: str) -> dict[str, str]:
         return clean_env(OUTBOX_PUBLISH_URL=AMQP_URL, OUTBOX_EXCHANGE=destination.exchange_name,
                          OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="wakeconf",
-                         PYTHONPATH=str(self.tmp_path), **settings)
+                         PYTHONPATH=pythonpath(self.tmp_path), **settings)
 
     def start(self, env: dict[str, str], *args: str) -> Path:
         log = self.tmp_path / f"worker-{len(self.procs)}.log"
@@ -581,7 +600,23 @@ def wait_done(store: OutboxStore, ids: list[int], timeout: float) -> float:
 
 
 WRITER_SCRIPT = r"""
-import json, sqlite3, sys, time
+import json, socket, sqlite3, sys, threading, time
+
+# Every socket operation, by thread: the caller's thread must do none while it commits and
+# wakes (the wake is handed off to the wake thread). Installed before anything connects.
+io_threads = []
+class RecordingSocket(socket.socket):
+    pass
+for name in ("connect", "connect_ex", "send", "sendall", "sendto", "sendmsg", "recv", "recv_into", "recvfrom"):
+    def wrap(name=name):
+        original = getattr(socket.socket, name)
+        def recorded(self, *args, **kwargs):
+            io_threads.append(threading.current_thread().name)
+            return original(self, *args, **kwargs)
+        return recorded
+    setattr(RecordingSocket, name, wrap())
+socket.socket = RecordingSocket
+
 import outbox
 from outbox.store import OutboxStore
 
@@ -603,10 +638,16 @@ def wait(ids, timeout=10.0):
         time.sleep(0.005)
     return time.monotonic() - start
 
+caller_io = 0
+
 def commit(n, aggregate):
+    global caller_io
+    before = io_threads.count("MainThread")
     with outbox.transaction(conn):
-        return outbox.enqueue(conn, topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
-                              payload={"n": n})
+        outbox_id = outbox.enqueue(conn, topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
+                                   payload={"n": n})
+    caller_io += io_threads.count("MainThread") - before
+    return outbox_id
 
 rounds = []
 for n in range(3):  # one commit at a time, each once the claims the previous one caused are over
@@ -614,19 +655,23 @@ for n in range(3):  # one commit at a time, each once the claims the previous on
     rounds.append(wait([commit(n, "solo")]))
 time.sleep(1.0)
 burst = [commit(10 + n, f"agg-{n % 3}") for n in range(12)]
-print(json.dumps({"rounds": rounds, "burst": wait(burst), "count": 15}))
+print(json.dumps({"rounds": rounds, "burst": wait(burst), "count": 15, "caller_io": caller_io,
+                  "wake_thread_io": io_threads.count("outbox-wake")}))
 """
 
 
+@pytest.mark.parametrize("in_process", ["1", "0"], ids=["subscribed", "claim-message"])
 def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, destination: Destination,
-                                                            workers: Workers) -> None:
+                                                            workers: Workers, in_process: str) -> None:
     """No beat and a 30 s token TTL: each commit can only be relayed promptly if its wake
-    reaches the worker and the worker clears the token as the claim starts."""
+    reaches the worker: through the wake channel its main process subscribes to, or (in-process
+    claim off: nobody subscribes) as a claim message whose claim clears the one token as it
+    starts. The writer's thread does no socket I/O: the wake thread does."""
     db = tmp_path / "outbox.db"
     store = OutboxStore(f"sqlite:///{db}")
     store.migrate()
     env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30",
-                      OUTBOX_CLAIM_INTERVAL_S="3600")
+                      OUTBOX_CLAIM_INTERVAL_S="3600", OUTBOX_RELAY_IN_PROCESS_CLAIM=in_process)
     workers.start(env, "-c", "2")
     done = subprocess.run([PYTHON, "-c", WRITER_SCRIPT, str(db)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -635,147 +680,9 @@ def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, dest
     print("commit-to-done seconds:", out)
     assert all(r is not None and r < 5 for r in out["rounds"]), out
     assert out["burst"] is not None and out["burst"] < 5, out
+    assert out["caller_io"] == 0 and out["wake_thread_io"] > 0, out  # the caller only handed the wake off
     deadline = time.monotonic() + 10
     while destination.count() < out["count"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert destination.count() == out["count"]
     store.close()
-
-
-# -- PostgreSQL LISTEN/NOTIFY --------------------------------------------------------------------
-
-def test_channel_names() -> None:
-    assert channel_for("outbox") == "outbox_outbox"
-    assert channel_for("events", "app") == "outbox_app_events"
-    long = channel_for("t" * 60, "s" * 20)
-    assert long.startswith("outbox_") and len(long) <= 63 and long == channel_for("t" * 60, "s" * 20)
-
-
-def test_notify_is_opt_in_and_postgresql_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert notify_channel("postgresql", "outbox", None) is None
-    monkeypatch.setenv("OUTBOX_RELAY_LISTEN", "1")
-    reset_settings()
-    assert notify_channel("postgresql", "outbox", None) == "outbox_outbox"
-    assert notify_channel("sqlite", "outbox", None) is None
-    monkeypatch.setenv("OUTBOX_RELAY_LISTEN_CHANNEL", "relay_wake")
-    reset_settings()
-    assert notify_channel("postgresql", "outbox", None) == "relay_wake"
-
-
-class Notified:
-    def __init__(self) -> None:
-        self.count = 0
-        self.event = threading.Event()
-
-    def __call__(self) -> None:
-        self.count += 1
-        self.event.set()
-
-    def wait(self, timeout: float) -> bool:
-        got = self.event.wait(timeout)
-        self.event.clear()
-        return got
-
-
-@pytest.fixture
-def listening(store: OutboxStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Listener, Notified]]:
-    monkeypatch.setenv("OUTBOX_RELAY_LISTEN", "1")
-    reset_settings()
-    notified = Notified()
-    listener = Listener(POSTGRES_URL, channel_for(store.engine.table_name), notified, poll_s=0.2, backoff_s=0.1)
-    listener.start()
-    assert listener.ready.wait(10), "the listener did not connect"
-    assert notified.wait(5)  # the catch-up wake on connect
-    yield listener, notified
-    listener.stop()
-    assert not listener.is_alive()
-
-
-@pytest.mark.parametrize("kind", ["postgresql"])
-def test_committed_enqueue_notifies_and_rolled_back_does_not(store: OutboxStore, url: str,
-                                                              listening: tuple[Listener, Notified]) -> None:
-    listener, notified = listening
-    table = store.engine.table_name
-    conn = store.engine.connect(url)
-    try:
-        for n in range(5):
-            enqueue(conn, table=table, **event(n))
-        assert not notified.wait(0.5)  # not before the commit
-        conn.commit()
-        assert notified.wait(5)
-        time.sleep(0.3)
-        assert listener.notifications == 1  # five enqueues in one transaction: one notification
-
-        enqueue(conn, table=table, **event(9))
-        conn.rollback()
-        assert not notified.wait(1.0)
-        assert listener.notifications == 1
-    finally:
-        conn.close()
-
-
-@pytest.mark.parametrize("kind", ["postgresql"])
-def test_listener_reconnects_after_its_connection_is_killed(store: OutboxStore, url: str,
-                                                             listening: tuple[Listener, Notified]) -> None:
-    listener, notified = listening
-    pid = listener.backend_pid
-    admin = store.engine.connect(url)
-    try:
-        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        admin.commit()
-        deadline = time.monotonic() + 15
-        while (listener.connects < 2 or not listener.ready.is_set()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert listener.connects >= 2 and listener.ready.is_set() and listener.backend_pid != pid
-        notified.wait(2)  # the catch-up wake after reconnecting
-        before = listener.notifications
-        enqueue(admin, table=store.engine.table_name, **event(1))
-        admin.commit()
-        assert notified.wait(5) and listener.notifications == before + 1
-    finally:
-        admin.close()
-
-
-@pytest.mark.parametrize("kind", ["postgresql"])
-def test_no_notification_when_listen_is_off(store: OutboxStore, url: str) -> None:
-    notified = Notified()
-    listener = Listener(POSTGRES_URL, channel_for(store.engine.table_name), notified, poll_s=0.2)
-    listener.start()
-    try:
-        assert listener.ready.wait(10) and notified.wait(5)
-        conn = store.engine.connect(url)
-        try:
-            enqueue(conn, table=store.engine.table_name, **event(1))  # OUTBOX_RELAY_LISTEN unset
-            conn.commit()
-        finally:
-            conn.close()
-        assert not notified.wait(1.0) and listener.notifications == 0
-    finally:
-        listener.stop()
-
-
-@pytest.mark.parametrize("kind", ["postgresql"])
-def test_listen_drives_a_real_worker_without_beat(store: OutboxStore, url: str, destination: Destination,
-                                                  workers: Workers, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plain ``enqueue`` + commit, no wake call, no beat: only the worker's LISTEN thread
-    can make it claim."""
-    env = workers.env(destination, OUTBOX_DATABASE_URL=url, OUTBOX_TABLE=store.engine.table_name,
-                      OUTBOX_RELAY_LISTEN="1", OUTBOX_CLAIM_INTERVAL_S="3600")
-    log = workers.start(env, "-c", "2")
-    deadline = time.monotonic() + 20
-    while "outbox listen: listening on" not in log.read_text(errors="replace"):
-        assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
-        time.sleep(0.1)
-    monkeypatch.setenv("OUTBOX_RELAY_LISTEN", "1")
-    reset_settings()
-    conn = store.engine.connect(url)
-    try:
-        for n in range(3):
-            time.sleep(0.5)  # past the claims the previous row caused: only a notification claims now
-            outbox_id = enqueue(conn, table=store.engine.table_name, **event(n))
-            conn.commit()
-            assert wait_done(store, [outbox_id], 10) < 5, log.read_text(errors="replace")[-4000:]
-        conn.rollback()
-    finally:
-        conn.close()
-    assert destination.count() == 3

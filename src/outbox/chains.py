@@ -33,27 +33,35 @@ class ClaimPlan:
     dead_ids: list[int] = field(default_factory=list)
 
 
-def plan_claim(candidates: Sequence[Candidate], first_blocker: dict[str, int], max_attempts: int) -> ClaimPlan:
+def plan_claim(candidates: Sequence[Candidate], first_blocker: dict[str, int], max_attempts: int,
+               limit: int | None = None) -> ClaimPlan:
     """Pick the chains to claim.
 
     ``candidates`` are the eligible rows this claimer locked, in id order.
     ``first_blocker`` maps an aggregate to the smallest id of an open row of that
-    aggregate that is *not* among the candidates.
+    aggregate that is *not* among the candidates. ``limit`` caps the rows picked
+    (claimed and dead): whole chains, the chain with the oldest first row first, the
+    last one cut (a prefix of a chain is still a chain). The candidates may be a window
+    wider than the limit (docs/relay.md, "Claim windows").
     """
     plan = ClaimPlan()
+    room = len(candidates) if limit is None else limit
     by_aggregate: dict[Any, list[Candidate]] = {}
     for row in sorted(candidates, key=lambda r: r.id):
         # A NULL aggregate_id (a table whose column allows it) equals nothing, as in SQL:
         # each such row is a chain of its own, which the store then finds undecodable.
         key = row.aggregate_id if row.aggregate_id is not None else (None, row.id)
         by_aggregate.setdefault(key, []).append(row)
-    for aggregate, rows in by_aggregate.items():
+    for aggregate, rows in by_aggregate.items():  # in the order of each aggregate's first candidate
         blocker = first_blocker.get(aggregate) if isinstance(aggregate, str) else None
         for position, row in enumerate(rows):
+            if room <= 0:
+                break
             if blocker is not None and row.id > blocker:
                 break
             if position > 0 and row.status != Status.PENDING:
                 break
+            room -= 1
             expired = row.status == Status.CLAIMED
             if expired and row.attempts + 1 >= max_attempts:
                 plan.dead_ids.append(row.id)

@@ -8,15 +8,14 @@ import json
 import logging
 import sys
 from datetime import timedelta
-from typing import Any, Callable
 
 import click
 
 from .config import get_settings
 from .engines.describe import describe_database, missing_driver_hint
-from .errors import OutboxError
 from .model import Status
-from .redact import install_filter, redact
+from .oneline import one_line_errors as _one_line_errors
+from .redact import install_filter
 from .store import OutboxStore
 
 #: The store the running command opened, so an error can be explained (missing table).
@@ -57,25 +56,8 @@ def _explain(exc: Exception) -> str | None:
     return None
 
 
-def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn any failure into ``error: ...`` on stderr and exit status 1."""
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
-            raise
-        except OutboxError as exc:
-            click.echo(redact(f"error: {exc}"), err=True)
-        except Exception as exc:  # driver errors: explained when we can, else the type in one line
-            try:
-                hint = _explain(exc)
-            except Exception:  # explaining must never hide the original error
-                hint = None
-            detail = " ".join(str(exc).split()) or type(exc).__name__
-            click.echo(redact(f"error: {hint}" if hint else f"error: {type(exc).__name__}: {detail}"), err=True)
-        sys.exit(1)
-    return wrapper
+#: Every command's failure as one line, driver errors explained (``outbox.oneline``).
+one_line_errors = functools.partial(_one_line_errors, explain=_explain)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

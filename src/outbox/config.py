@@ -10,6 +10,7 @@ configured), the defaults of the contract.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import logging
 import math
 import os
@@ -31,6 +32,14 @@ MAX_CLAIM_TIMEOUT_MS = 86_400_000
 RELAY_PREFIX = "OUTBOX_RELAY_"
 #: Prefix of the database broker's options (``outbox.transport.options``), read there.
 TRANSPORT_PREFIX = "OUTBOX_TRANSPORT_"
+#: The database broker's settings: name -> (kombu transport option, type, lower bound,
+#: upper bound). Written here, where ``known_names`` sees them; read by ``outbox.transport.options``.
+TRANSPORT_SETTINGS: dict[str, tuple[str, type, float, float]] = {
+    "OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S": ("visibility_timeout", float, 1.0, 30 * 86_400.0),
+    "OUTBOX_TRANSPORT_POLLING_INTERVAL_S": ("polling_interval", float, 0.01, 60.0),
+    "OUTBOX_TRANSPORT_RECEIVE_BATCH": ("receive_batch", int, 1, 1000),
+    "OUTBOX_TRANSPORT_QUEUE_TABLE": ("queue_table", str, 0, 0),
+}
 #: The URL scheme of the package's own database broker (``outboxdb+postgresql://...``):
 #: a known transport even before ``outbox.transport`` registers it with kombu.
 DATABASE_BROKER_SCHEME = "outboxdb"
@@ -362,13 +371,13 @@ OTHER_NAMES = (
     "OUTBOX_RELAY_BREAKER_S", "OUTBOX_RELAY_FATAL_PAUSE_S", "OUTBOX_RELAY_ROUTE_PAUSE_S",
     "OUTBOX_RELAY_ROUTE_PAUSE_MAX_S", "OUTBOX_RELAY_CLAIM_REQUEST_TTL_S", "OUTBOX_RELAY_PURGE_INTERVAL_S",
     "OUTBOX_RELAY_LEASE_SAFETY", "OUTBOX_RELAY_MAX_MESSAGE_BYTES",
-    "OUTBOX_RELAY_WAKE", "OUTBOX_RELAY_LISTEN", "OUTBOX_RELAY_LISTEN_CHANNEL",
+    "OUTBOX_RELAY_PIPELINED_TOPICS", "OUTBOX_RELAY_PIPELINED_AGGREGATE_TYPES",
+    "OUTBOX_RELAY_WAKE", "OUTBOX_RELAY_LISTEN", "OUTBOX_RELAY_LISTEN_CHANNEL", "OUTBOX_RELAY_IN_PROCESS_CLAIM",
     "OUTBOX_RELAY_METRICS_PORT", "OUTBOX_RELAY_METRICS_ADDR", "OUTBOX_RELAY_METRICS_REFRESH_S",
     "OUTBOX_RELAY_HEARTBEAT_S",
     "OUTBOX_SPARK_MASTER", "OUTBOX_SPARK_SHUFFLE_PARTITIONS", "OUTBOX_SPARK_LOG_LEVEL", "OUTBOX_SPARK_UI",
     "OUTBOX_PIPELINE_CRASH_AT",
-    "OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S", "OUTBOX_TRANSPORT_POLLING_INTERVAL_S", "OUTBOX_TRANSPORT_RECEIVE_BATCH",
-    "OUTBOX_TRANSPORT_QUEUE_TABLE",
+    *TRANSPORT_SETTINGS,
     # The Dramatiq front-end (outbox.dramatiq, docs/dramatiq.md).
     "OUTBOX_DRAMATIQ_BROKER_URL", "OUTBOX_DRAMATIQ_NAMESPACE",
 )
@@ -513,6 +522,22 @@ class RelayOptions:
     #: Every this many seconds a worker logs one INFO line: alive, the backlog per status
     #: and the age of the oldest undelivered row (``outbox.worker_logging``).
     heartbeat_s: float = 300.0
+    #: Chains of events whose topic matches one of these ``fnmatch`` patterns (or whose
+    #: aggregate type is one of ``pipelined_aggregate_types``) are pipelined: sent without
+    #: waiting for each confirm, with a weaker ordering guarantee (docs/relay.md,
+    #: "Pipelined chains"). Empty (the default): every chain is strict.
+    pipelined_topics: tuple[str, ...] = ()
+    pipelined_aggregate_types: tuple[str, ...] = ()
+
+    def pipelined(self, topic: str, aggregate_type: str) -> bool:
+        """Whether an event opted in to pipelining (docs/relay.md, "Pipelined chains")."""
+        return aggregate_type in self.pipelined_aggregate_types or any(
+            fnmatch.fnmatchcase(topic, pattern) for pattern in self.pipelined_topics)
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether any event can opt in: without it the relay never asks."""
+        return bool(self.pipelined_topics or self.pipelined_aggregate_types)
 
     @classmethod
     def from_sources(cls, *sources: Mapping[str, Any]) -> "RelayOptions":
@@ -524,6 +549,9 @@ class RelayOptions:
                 raw = source.get(name) if source is not None else None
                 if raw in (None, ""):
                     continue
+                if f.name in _LIST_OPTIONS:
+                    values[f.name] = _name_list(name, raw)
+                    break
                 kind = int if f.type in ("int", int) else float
                 try:
                     value = kind(str(raw).strip()) if isinstance(raw, str) else kind(raw)
@@ -542,6 +570,31 @@ class RelayOptions:
                 values[f.name] = value
                 break
         return cls(**values)
+
+
+#: Options that are comma-separated lists of names (or ``fnmatch`` patterns).
+_LIST_OPTIONS = frozenset({"pipelined_topics", "pipelined_aggregate_types"})
+
+
+def _name_list(name: str, raw: Any) -> tuple[str, ...]:
+    """A comma-separated list (or, from a Celery config key, a list or tuple) of names: no
+    empty item, no whitespace inside one, each at most 255 bytes (an AMQP short string,
+    which is what a topic travels as)."""
+    if isinstance(raw, str):
+        items = raw.split(",")
+    elif isinstance(raw, (list, tuple, set, frozenset)) and all(isinstance(i, str) for i in raw):
+        items = list(raw)
+    else:
+        raise ConfigError(f"{name}={raw!r} is not a comma-separated list of names")
+    found: list[str] = []
+    for item in items:
+        item = item.strip()
+        if not item or any(c.isspace() for c in item) or len(item.encode("utf-8", "surrogatepass")) > 255:
+            raise ConfigError(f"{name}={raw!r}: {item!r} is not a name (comma-separated, no empty item, "
+                              "no whitespace, at most 255 bytes each)")
+        if item not in found:
+            found.append(item)
+    return tuple(found)
 
 
 #: Options where 0 means "off".
@@ -572,6 +625,7 @@ def use_conf(source: Callable[[], Mapping[str, Any]] | None) -> None:
         _conf_source = source
         _cache.pop("relay_settings", None)
         _cache.pop("relay_options", None)
+        _cache.pop("wake_options", None)
 
 
 def conf_keys() -> dict[str, Any]:
@@ -600,11 +654,6 @@ def relay_options() -> RelayOptions:
         return _cache["relay_options"]
 
 
-def reset_relay_settings() -> None:
-    """Forget what was read (tests); the same as ``reset_settings``."""
-    reset_settings()
-
-
 def extra_setting(name: str, default: Any = None) -> Any:
     """An ``OUTBOX_RELAY_*`` option of wake-ups, LISTEN/NOTIFY and metrics, read with the
     precedence above (these are prefixed OUTBOX_RELAY_ because ``load_settings`` rejects
@@ -628,9 +677,47 @@ def extra_setting(name: str, default: Any = None) -> Any:
     return default
 
 
-def flag(name: str, default: bool = False) -> bool:
-    """A boolean ``extra_setting``: 1/true/yes/on or 0/false/no/off."""
-    raw = extra_setting(name)
+@dataclass(frozen=True)
+class MetricsOptions:
+    """The relay's Prometheus metrics (``outbox.metrics``; docs/waking-and-metrics.md):
+    ``OUTBOX_RELAY_METRICS_<FIELD>``, read like ``extra_setting``."""
+
+    #: Serve ``/metrics`` on this port; None (unset, empty or 0): metrics are off.
+    port: int | None = None
+    #: The address the endpoint binds.
+    addr: str = "0.0.0.0"
+    #: A claim refreshes the gauges (one query) at most this often per worker process.
+    refresh_s: float = 5.0
+
+    @classmethod
+    def from_sources(cls, *sources: Mapping[str, Any]) -> "MetricsOptions":
+        """Read ``OUTBOX_RELAY_METRICS_*`` from the first source that has each name."""
+        def raw(field: str) -> Any:
+            name = f"OUTBOX_RELAY_METRICS_{field.upper()}"
+            return next((s[name] for s in sources if s.get(name) not in (None, "")), None)
+
+        port = raw("port")
+        if port in (None, 0, "0"):
+            port = None
+        else:
+            try:
+                port = int(str(port).strip())
+            except ValueError:
+                raise ConfigError(f"OUTBOX_RELAY_METRICS_PORT={raw('port')!r} is not a port number") from None
+            if not 0 < port < 65536:
+                raise ConfigError(f"OUTBOX_RELAY_METRICS_PORT={raw('port')!r} is not a port number")
+        refresh_s = _parse("OUTBOX_RELAY_METRICS_REFRESH_S", raw("refresh_s"), float)
+        return cls(port=port, addr=str(raw("addr") or cls.addr),
+                   refresh_s=cls.refresh_s if refresh_s is None else refresh_s)
+
+
+def metrics_options() -> MetricsOptions:
+    """The metrics options, read on each call (``outbox.metrics`` decides once per process)."""
+    return MetricsOptions.from_sources({f"OUTBOX_RELAY_METRICS_{f.name.upper()}": extra_setting(
+        f"OUTBOX_RELAY_METRICS_{f.name.upper()}") for f in fields(MetricsOptions)})
+
+
+def _boolean(name: str, raw: Any, default: bool) -> bool:
     if raw is None:
         return default
     if isinstance(raw, bool):
@@ -643,8 +730,51 @@ def flag(name: str, default: bool = False) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
 
 
+def flag(name: str, default: bool = False) -> bool:
+    """A boolean ``extra_setting``: 1/true/yes/on or 0/false/no/off."""
+    return _boolean(name, extra_setting(name), default)
+
+
+# -- waking the relay: post-commit wake-ups and LISTEN/NOTIFY (docs/waking-and-metrics.md) -------
+
+@dataclass(frozen=True)
+class WakeOptions:
+    """The options of ``outbox.wake`` and ``outbox.listen``, read once with the precedence
+    above (``extra_setting``) and kept in the one cache."""
+
+    #: OUTBOX_RELAY_WAKE: post-commit wake-ups in this process.
+    wake: bool = True
+    #: OUTBOX_RELAY_LISTEN: on PostgreSQL, ``enqueue`` notifies and workers LISTEN.
+    listen: bool = False
+    #: OUTBOX_RELAY_LISTEN_CHANNEL: the NOTIFY channel; None derives it from the table.
+    listen_channel: str | None = None
+    #: OUTBOX_RELAY_IN_PROCESS_CLAIM: a worker's main process claims itself when a wake-up
+    #: (Redis pub/sub) or a notification (LISTEN) reaches it; off, they become claim messages.
+    in_process_claim: bool = True
+
+    @classmethod
+    def read(cls) -> "WakeOptions":
+        channel = extra_setting("OUTBOX_RELAY_LISTEN_CHANNEL")
+        if channel not in (None, ""):
+            channel = validate_identifier(str(channel).strip(), "OUTBOX_RELAY_LISTEN_CHANNEL")
+        return cls(wake=_boolean("OUTBOX_RELAY_WAKE", extra_setting("OUTBOX_RELAY_WAKE"), True),
+                   listen=_boolean("OUTBOX_RELAY_LISTEN", extra_setting("OUTBOX_RELAY_LISTEN"), False),
+                   listen_channel=channel or None,
+                   in_process_claim=_boolean("OUTBOX_RELAY_IN_PROCESS_CLAIM",
+                                             extra_setting("OUTBOX_RELAY_IN_PROCESS_CLAIM"), True))
+
+
+def wake_options() -> WakeOptions:
+    """The wake-up and LISTEN options of this process (cached; ``reset_settings`` forgets them)."""
+    with _cache_lock:
+        options = _cache.get("wake_options")
+        if options is None:
+            options = _cache["wake_options"] = WakeOptions.read()
+        return options
+
+
 __all__ = ["Settings", "load_settings", "get_settings", "reset_settings", "validate_identifier",
            "validate_database_url", "validate_kombu_url", "warn_unknown_environment", "unknown_environment",
            "known_names", "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES", "RelayOptions", "MAX_OPTION_S",
-           "use_conf", "conf_keys", "relay_settings", "relay_options", "reset_relay_settings", "extra_setting",
-           "flag"]
+           "use_conf", "conf_keys", "relay_settings", "relay_options", "extra_setting",
+           "flag", "MetricsOptions", "metrics_options", "WakeOptions", "wake_options"]

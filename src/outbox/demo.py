@@ -73,12 +73,11 @@ def _run(workdir: Path, say: Callable[[str], None], timeout_s: float) -> bool:
                        "OUTBOX_CELERY_BROKER_URL": "memory://", "OUTBOX_CLAIM_INTERVAL_S": "0.2"})
     from kombu import Connection, Exchange, Queue
 
-    from .celery import app, reset_relay_settings
+    from .celery import app
     from .config import reset_settings
     from .store import OutboxStore
 
     reset_settings()
-    reset_relay_settings()
     store = OutboxStore.from_settings()
     store.migrate()
     say(f"outbox table ready in {db}")

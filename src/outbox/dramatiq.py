@@ -1,48 +1,7 @@
-"""The relay on Dramatiq: ``dramatiq outbox.dramatiq`` (plus ``outbox-dramatiq-scheduler``).
+"""The relay on Dramatiq: ``dramatiq outbox.dramatiq``, actors wrapping ``outbox.relay`` as
+``outbox.tasks`` does for Celery, and their middleware (docs/dramatiq.md: actors, middleware).
 
-A second, thin front-end over the same relay logic as the Celery one (``outbox.tasks``):
-the actors below call ``outbox.relay``'s ``handle_claim``, ``handle_publish``,
-``apply_fallback`` and ``purge_expired`` exactly as the Celery tasks do; what is here is
-only the wiring to Dramatiq (see docs/dramatiq.md).
-
-Importing this module reads the OUTBOX_* settings, makes Dramatiq's broker from
-``OUTBOX_DRAMATIQ_BROKER_URL`` (``redis://`` or ``amqp://``), installs it as Dramatiq's
-global broker and declares the actors on it. So import it only in relay worker
-processes; web processes wake the relay through ``outbox.wake`` (which sends through
-``outbox.dramatiq_broker`` and leaves the global broker alone).
-
-Actors, their queues and options
---------------------------------
-==================  ==============  ===========================================================
-actor               queue           options
-==================  ==============  ===========================================================
-``outbox.claim``    outbox.claim    no retries (the next tick claims); time limit = the lease
-                                    (at least 10 s); ticks and requests carry ``expires_at``
-                                    and one that arrives late is dropped
-``outbox.publish``  outbox.publish  no retries (the lease recovers); time limit = the lease
-``outbox.ack``      outbox.ack      retried with back-off (0.5 s to 30 s, 10 times): idempotent,
-``outbox.fail``     outbox.ack      fenced by the lease
-``outbox.release``  outbox.ack
-``outbox.purge``    outbox.purge    no retries (the next run purges)
-==================  ==============  ===========================================================
-
-Dramatiq acknowledges a message after its actor returns. A worker process that dies
-(SIGKILL, OOM) leaves its messages unacknowledged; Dramatiq redelivers them later (Redis:
-once the worker's heartbeat has timed out; RabbitMQ: when the connection drops). A publish
-message carries its lease's deadline, and one that starts after most of the lease has
-gone publishes nothing: its rows come back through the lease, an attempt counted, so an
-event that kills every worker still goes dead after OUTBOX_MAX_ATTEMPTS.
-
-Middleware
-----------
-* ``OutboxMiddleware``: per-process set-up (lifts a fatal pause left by an earlier run,
-  as the Celery worker does), and shutdown: once the worker starts stopping, claims
-  stop and a publish message that starts releases its rows (no attempt spent); messages
-  prefetched but not started are requeued by Dramatiq itself and run elsewhere inside
-  their lease. Resources are closed when the worker has stopped.
-* ``MetricsMiddleware``: the relay's Prometheus metrics (``outbox.metrics``), served on
-  ``OUTBOX_RELAY_METRICS_PORT`` by the worker process that binds it.
-"""
+Importing it installs Dramatiq's global broker: import it in relay worker processes only."""
 
 from __future__ import annotations
 
@@ -50,7 +9,6 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import dramatiq
@@ -58,17 +16,16 @@ from dramatiq.middleware import Middleware
 
 from . import dramatiq_broker as _broker
 from . import metrics as _metrics
-from .config import Settings, load_settings
+from .config import Settings, load_settings, metrics_options
 from .errors import ConfigError
-from .publisher import KombuPublisher
 from .redact import install_filter, redact
 from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
-                    PURGE_QUEUE, PURGE_TASK, RELEASE_TASK, Breaker, ClaimFailed, Coalescer, Outage, RelayOptions,
-                    RouteGate, Settler, apply_fallback, breaker_key, handle_claim, handle_publish, make_breaker,
-                    make_coalescer, make_relay_outage, make_route_gate, message_from_dict, message_to_dict,
-                    purge_expired, still_held)
-from .store import OutboxStore
-from .wake import clear_token, extra_setting  # the writer-side API sits below this entry point
+                    PURGE_QUEUE, PURGE_TASK, RELEASE_TASK, ClaimFailed, RelayOptions, ResourceHolder, Resources,
+                    apply_fallback, handle_claim, handle_publish, message_from_dict, message_to_dict, purge_expired,
+                    still_held)
+from .names import claim_request_key
+from .relay.resources import Shared
+from .wake import clear_token  # the writer-side API sits below this entry point
 
 log = logging.getLogger("outbox.dramatiq")
 
@@ -102,79 +59,30 @@ LEASE_S = SETTINGS.claim_timeout_ms / 1000.0
 #: A claim or publish message running past its lease is interrupted (Dramatiq's
 #: TimeLimit): its rows come back with the lease anyway.
 TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
-_KEY = breaker_key(SETTINGS.database_url, SETTINGS.table, SETTINGS.publish_url, SETTINGS.exchange)
 
 
-# -- per-process, per-thread resources ------------------------------------------------------
+# -- per-process, per-thread resources (relay.ResourceHolder) ----------------------------------
 
-@dataclass
-class _Resources:
-    pid: int
-    store: OutboxStore
-    publisher: Any
-    settler: Settler
-
-
-class _Shared:
-    """The process's breaker, claim coalescer, route gate and outage logs, shared with
-    the other workers through Dramatiq's Redis (or a file when the broker is RabbitMQ),
-    exactly as the Celery front-end shares them through Celery's broker."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.breaker: Breaker = make_breaker(BROKER_URL, _KEY)
-        self.coalescer: Coalescer = make_coalescer(BROKER_URL, _KEY, OPTIONS.claim_request_ttl_s)
-        self.routes: RouteGate = make_route_gate(BROKER_URL, _KEY)
-        self.outages: dict[str, Outage] = {}
-
-    def outage(self, which: str) -> Outage:
-        if which not in self.outages:
-            self.outages[which] = make_relay_outage(which, SETTINGS, OPTIONS, BROKER_URL, log)
-        return self.outages[which]
-
-
-_local = threading.local()
-_made: list[_Resources] = []
-_lock = threading.Lock()
-_shared_state: _Shared | None = None
+# (``_fallback`` sends through the actors declared below.)
+_held = ResourceHolder(lambda: (SETTINGS, OPTIONS, BROKER_URL, claim_request_key(BROKER_URL, NAMESPACE)),
+                       lambda op, kwargs: _fallback(op, kwargs), log)
 #: Did this process's last claim meet a backlog? Only then does the next claim read the
 #: publish queue's length first (see outbox.tasks).
 _backlog = True
 
 
-def shared() -> _Shared:
-    global _shared_state
-    with _lock:
-        if _shared_state is None or _shared_state.pid != os.getpid():
-            _shared_state = _Shared()
-        return _shared_state
+def shared() -> Shared:
+    """The process's breaker, claim coalescer, route gate and outage logs, shared with the
+    other workers through Dramatiq's Redis (or a file when the broker is RabbitMQ)."""
+    return _held.shared()
 
 
-def resources() -> _Resources:
-    r: _Resources | None = getattr(_local, "resources", None)
-    if r is None or r.pid != os.getpid():
-        store = OutboxStore.from_settings(SETTINGS)
-        publisher = KombuPublisher.from_settings(SETTINGS, max_message_bytes=OPTIONS.max_message_bytes)
-        r = _Resources(os.getpid(), store, publisher, Settler(store, _fallback))
-        _local.resources = r
-        with _lock:
-            _made.append(r)
-    return r
+def resources() -> Resources:
+    return _held.resources()
 
 
 def close_resources() -> None:
-    global _shared_state
-    with _lock:
-        mine = [r for r in _made if r.pid == os.getpid()]
-        _made.clear()
-        _shared_state = None
-    for r in mine:
-        for closable in (r.publisher, r.store):
-            try:
-                closable.close()
-            except Exception:  # closing after a failure may fail again
-                log.debug("outbox: error closing %r", closable, exc_info=True)
-    _local.__dict__.clear()
+    _held.close()
 
 
 # -- middleware -----------------------------------------------------------------------------
@@ -225,13 +133,13 @@ class MetricsMiddleware(Middleware):
 
     def after_process_boot(self, broker: Any) -> None:
         try:
-            port = _metrics.configured_port()
+            options = metrics_options()
+            port, addr = options.port, options.addr
             if port is None:
                 return
             _metrics.reset()
             if _metrics.active() is None:
                 return
-            addr = str(extra_setting("OUTBOX_RELAY_METRICS_ADDR", "0.0.0.0"))
             try:
                 _metrics.serve(port, addr)
             except OSError as exc:  # another worker process of this host serves them
@@ -311,7 +219,7 @@ def claim(requested: bool = False, token: str | None = None, expires_at: float |
         outcome = handle_claim(r.store, _dispatch, batch_size=SETTINGS.batch_size, lease_s=LEASE_S,
                                options=OPTIONS, breaker=s.breaker,
                                queued=queued_publish_tasks if _backlog else None, settler=r.settler,
-                               publisher=r.publisher, publish_inline=_publish_chains)
+                               publisher=r.publisher, publish_inline=_publish_chains, sizer=r.sizer)
     except ClaimFailed as exc:
         s.outage("database").failed(exc.cause)  # one warning per outage, not a traceback per tick
         return

@@ -1,33 +1,5 @@
-"""``outbox-dramatiq-scheduler``: the relay's periodic messages on Dramatiq.
-
-What Celery's beat does for ``celery -A outbox worker``, for ``dramatiq outbox.dramatiq``:
-send a claim tick every OUTBOX_CLAIM_INTERVAL_S and a purge every
-OUTBOX_RELAY_PURGE_INTERVAL_S, each expiring after one interval (Dramatiq's AgeLimit
-drops a tick a worker receives late, so ticks never pile up while workers are down).
-
-Why a small scheduler of our own rather than APScheduler or periodiq: the relay has two
-fixed-interval jobs and nothing else; the ``beat_schedule`` module already defines them
-(the one definition, shared with Celery's beat). periodiq only offers cron-like minute
-resolution (a claim tick is typically sub-second to a few seconds) and is barely
-maintained; APScheduler would add a dependency, its own job store and still no
-protection against two schedulers ticking at once. What matters here is that lock:
-
-Several schedulers (for availability) never tick at once
---------------------------------------------------------
-Each scheduler competes for a leader lock; only the holder sends:
-
-* Dramatiq broker on Redis: a key ``outbox:scheduler:<digest>`` set with ``SET NX PX``
-  (value: this scheduler's id), renewed every second while held, with a TTL of
-  ``LOCK_TTL_S``. A scheduler that dies or hangs loses it within that TTL and a standby
-  takes over.
-* Dramatiq broker on RabbitMQ: an *exclusive* queue ``outbox.scheduler.<digest>``:
-  RabbitMQ lets one connection hold it and refuses every other (RESOURCE_LOCKED); it is
-  deleted when the holder's connection closes, and a standby takes it.
-
-The digest covers the Dramatiq broker, its namespace, the database and the table, so
-relays of other outboxes have their own scheduler. A doubled tick in the moment of a
-handover is harmless anyway: claims are safe to run concurrently.
-"""
+"""``outbox-dramatiq-scheduler``: beat's claim ticks and purges for Dramatiq, one leader at a
+time (docs/dramatiq.md, "The scheduler": why our own, and the Redis or RabbitMQ leader lock)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from .config import get_settings, validate_identifier
 from .engines import Engine, engine_class, unwrap_connection
 from .errors import ConfigError, EnqueueError
 from .events import prepare_event
-from .listen import notify, notify_channel
+from .listen import notify_channel
 from .tracing import current_traceparent
 
 
@@ -58,10 +58,9 @@ def enqueue(
     engine = _engine(kind, table, schema)
     cursor = engine.cursor_for(raw)
     try:
-        outbox_id = engine.insert_event(cursor, event)
         channel = notify_channel(kind, engine.table_name, engine.schema)  # None unless OUTBOX_RELAY_LISTEN
-        if channel:
-            notify(engine, cursor, channel)  # PostgreSQL delivers it at commit, and only then
-        return outbox_id
+        if channel:  # PostgreSQL delivers the notification at commit, and only then
+            return engine.insert_event_and_notify(cursor, event, channel)
+        return engine.insert_event(cursor, event)
     finally:
         cursor.close()

@@ -1,23 +1,9 @@
-"""PostgreSQL LISTEN/NOTIFY: committed enqueues wake the relay's workers.
-
-Opt-in with ``OUTBOX_RELAY_LISTEN=1`` on both sides:
-
-* **writers**: ``enqueue`` on a PostgreSQL connection also runs
-  ``SELECT pg_notify(<channel>, '')`` in the caller's transaction. PostgreSQL delivers
-  a notification only when (and if) that transaction commits, and folds identical
-  notifications of one transaction into one. The cost: one more round trip per
-  enqueue, and at commit PostgreSQL serializes the commits of notifying transactions
-  on a global queue lock, which shows at thousands of commits per second.
-* **workers**: the main process of each ``celery -A outbox worker`` runs a listener
-  thread (started on ``worker_ready``, stopped on ``worker_shutdown``) on a dedicated
-  autocommit psycopg connection. A notification asks for a claim through the relay's
-  coalesced request (``outbox.worker.request_claim``), so a burst of commits sends one
-  claim. The listener reconnects with backoff when its connection drops and asks for
-  one claim after each (re)connect, for commits it may have missed meanwhile. Beat's
-  tick remains the safety net.
-
-The channel is ``outbox_<table>`` (``outbox_<schema>_<table>`` with OUTBOX_SCHEMA;
-hashed when longer than PostgreSQL's 63 bytes), or ``OUTBOX_RELAY_LISTEN_CHANNEL``.
+"""The worker's listeners, which start its in-process claim: PostgreSQL LISTEN (opt-in
+with ``OUTBOX_RELAY_LISTEN=1`` on writers and workers; writers' ``enqueue`` adds a
+``pg_notify`` in the caller's transaction) and the Redis pub/sub wake channel writers
+``PUBLISH`` on. One thread class (``Listener``): reconnects with backoff, fires once after
+each (re)connect. What each costs and guarantees: docs/waking-and-metrics.md,
+"PostgreSQL LISTEN/NOTIFY" and "The in-process claim".
 """
 
 from __future__ import annotations
@@ -26,9 +12,9 @@ import hashlib
 import logging
 import random
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from .config import extra_setting, flag
+from .config import wake_options
 
 log = logging.getLogger("outbox.listen")
 
@@ -39,7 +25,7 @@ MAX_CHANNEL = 63
 def channel_for(table: str, schema: str | None = None, override: Any = None) -> str:
     """The channel of an outbox table: OUTBOX_RELAY_LISTEN_CHANNEL, else derived from
     the table's name."""
-    override = override if override is not None else extra_setting("OUTBOX_RELAY_LISTEN_CHANNEL")
+    override = override if override is not None else wake_options().listen_channel
     if override:
         from .config import validate_identifier
 
@@ -51,30 +37,20 @@ def channel_for(table: str, schema: str | None = None, override: Any = None) -> 
 
 
 def listen_enabled() -> bool:
-    return flag("OUTBOX_RELAY_LISTEN", False)
+    return wake_options().listen
 
 
 # -- the writer side: NOTIFY in enqueue ----------------------------------------------------------
 
-_notify_cache: tuple[Any, bool, Any] | None = None
-
-
 def notify_channel(kind: str, table: str, schema: str | None) -> str | None:
-    """The channel ``enqueue`` notifies on, or None (not PostgreSQL, or LISTEN off).
-    The on/off decision is cached with the process's settings object, so it is read
-    once (and again after ``outbox.config.reset_settings``)."""
-    global _notify_cache
+    """The channel ``enqueue`` notifies on, or None (not PostgreSQL, or LISTEN off). The
+    options are read once (``outbox.config.wake_options``, again after ``reset_settings``)."""
     from .engines import engine_class
 
     if not engine_class(kind).supports_notify:
         return None
-    from .config import get_settings
-
-    settings = get_settings()
-    cached = _notify_cache
-    if cached is None or cached[0] is not settings:
-        cached = _notify_cache = (settings, listen_enabled(), extra_setting("OUTBOX_RELAY_LISTEN_CHANNEL", ""))
-    return channel_for(table, schema, cached[2]) if cached[1] else None
+    options = wake_options()
+    return channel_for(table, schema, options.listen_channel or "") if options.listen else None
 
 
 def notify(engine: Any, cursor: Any, channel: str) -> None:
@@ -136,7 +112,7 @@ class Listener(threading.Thread):
                 delay = min(self.backoff_max_s, delay * 2)
                 continue
             self.connects += 1
-            self.backend_pid = self._conn.info.backend_pid
+            self.backend_pid = getattr(getattr(self._conn, "info", None), "backend_pid", None)
             if failures:
                 log.info("outbox listen: listening on %s again after %d failed attempts", self.channel, failures)
             else:
@@ -165,16 +141,80 @@ class Listener(threading.Thread):
                 self._conn = None
 
 
-# -- the worker's listener (started and stopped by ``outbox.worker``) -------------------------
+class _Subscription:
+    """A Redis pub/sub subscription behind the interface ``Listener`` uses (``notifies``,
+    ``close``), so the same thread, backoff and fire-after-connect serve both sources."""
 
-_listener: Listener | None = None
+    def __init__(self, url: str, channel: str) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url, socket_connect_timeout=5.0, health_check_interval=30)
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(channel)  # sent now; the confirmation is read (and ignored) below
+
+    def notifies(self, timeout: float) -> Iterator[Any]:
+        message = self.pubsub.get_message(timeout=timeout)
+        while message is not None:
+            yield message
+            message = self.pubsub.get_message(timeout=0)
+
+    def close(self) -> None:
+        try:
+            self.pubsub.close()
+        finally:
+            self.client.close()
+
+
+class Subscriber(Listener):
+    """The worker's ear for writers' wake-ups on a Redis Celery broker: SUBSCRIBE on the
+    claim queue's wake channel (``outbox.names.wake_channel``); writers PUBLISH there and
+    fall back to a claim message when nobody listens (docs/waking-and-metrics.md)."""
+
+    def __init__(self, url: str, channel: str, on_notify: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init__(url, channel, on_notify, **kwargs)
+        self.name = "outbox-subscribe"
+
+    def _connect(self) -> Any:
+        return _Subscription(self.url, self.channel)
+
+
+# -- the worker's listeners (started and stopped by ``outbox.worker``) ------------------------
+
+#: The running listeners of this process: "listen" (PostgreSQL) and "subscribe" (Redis).
+_running: dict[str, Listener] = {}
+
+
+def _start(which: str, make: Callable[[], Listener]) -> Listener:
+    listener = _running.get(which)
+    if listener is None or not listener.is_alive():
+        listener = _running[which] = make()
+        listener.start()
+    return listener
+
+
+def _stop(which: str, wait: bool) -> None:
+    listener = _running.get(which)
+    if listener is not None:
+        listener.stop(5.0 if wait else 0)
+        if wait:
+            _running.pop(which, None)
+
+
+def start_subscriber(broker_url: str, channel: str, on_notify: Callable[[], Any]) -> Listener | None:
+    """Start this worker's wake-up subscriber when Celery's broker is Redis; return it (or None)."""
+    if not broker_url.startswith(("redis://", "rediss://")):
+        return None
+    return _start("subscribe", lambda: Subscriber(broker_url, channel, on_notify))
+
+
+def stop_subscriber(wait: bool = True) -> None:
+    _stop("subscribe", wait)
 
 
 def start_listener(settings: Any, on_notify: Callable[[], Any]) -> Listener | None:
     """Start this worker's listener when OUTBOX_RELAY_LISTEN is on and the outbox of
     ``settings`` is on PostgreSQL; return it (or None). ``on_notify``: the worker's
-    coalesced ``request_claim``."""
-    global _listener
+    in-process claim (or its coalesced ``request_claim``)."""
     from .engines import engine_class, kind_of_url
 
     if not listen_enabled():
@@ -182,21 +222,13 @@ def start_listener(settings: Any, on_notify: Callable[[], Any]) -> Listener | No
     if not engine_class(kind_of_url(settings.database_url)).supports_notify:
         log.warning("outbox listen: OUTBOX_RELAY_LISTEN is set but the outbox is not on PostgreSQL; ignored")
         return None
-    if _listener is not None and _listener.is_alive():
-        return _listener
-    _listener = Listener(settings.database_url, channel_for(settings.table, settings.schema), on_notify)
-    _listener.start()
-    return _listener
+    return _start("listen", lambda: Listener(settings.database_url, channel_for(settings.table, settings.schema),
+                                             on_notify))
 
 
 def stop_listener(wait: bool = True) -> None:
-    global _listener
-    listener = _listener
-    if listener is not None:
-        listener.stop(5.0 if wait else 0)
-        if wait:
-            _listener = None
+    _stop("listen", wait)
 
 
-__all__ = ["Listener", "channel_for", "listen_enabled", "notify_channel", "notify", "start_listener",
-           "stop_listener", "MAX_CHANNEL"]
+__all__ = ["Listener", "Subscriber", "channel_for", "listen_enabled", "notify_channel", "notify", "start_listener",
+           "stop_listener", "start_subscriber", "stop_subscriber", "MAX_CHANNEL"]

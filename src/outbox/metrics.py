@@ -1,37 +1,7 @@
-"""Prometheus metrics of the relay (optional: ``pip install "outbox-relay[metrics]"``).
+"""Prometheus metrics of the relay (opt-in, ``pip install "outbox-relay[metrics]"``): the
+metrics, their options and prefork's multiprocess mode, docs/waking-and-metrics.md, "Metrics".
 
-Off unless ``OUTBOX_RELAY_METRICS_PORT`` is set for the worker; then the worker's main
-process serves ``/metrics`` on that port (``OUTBOX_RELAY_METRICS_ADDR``, default
-``0.0.0.0``). Every call here is a no-op when metrics are off or prometheus_client is
-not installed, so the relay calls them unconditionally.
-
-=================================  =========  ==========================================================
-metric                             type       meaning
-=================================  =========  ==========================================================
-``outbox_claimed_total``           counter    rows leased by claims
-``outbox_published_total``         counter    events the broker confirmed (rows then marked done)
-``outbox_failed_total{kind}``      counter    deliveries that failed, by kind: retriable, poison,
-                                              backpressure, fatal
-``outbox_dead_total``              counter    rows that went dead (poison, out of attempts, lease expired
-                                              on the last attempt)
-``outbox_in_flight``               gauge      rows currently claimed (leased, not yet settled), all workers
-``outbox_backlog``                 gauge      open rows: pending + claimed + failed
-``outbox_lag_seconds``             gauge      age of the oldest open row (0 when there is none)
-``outbox_claim_seconds``           histogram  duration of one claim statement
-``outbox_publish_seconds``         histogram  duration of publishing one chain (all its events, confirmed)
-``outbox_event_age_seconds``       histogram  commit-to-publish: the event's ``created_at`` (database clock)
-                                              to its confirmation (worker clock)
-=================================  =========  ==========================================================
-
-The gauges come from one query over the open rows (the claim index), run by a claim at
-most every ``OUTBOX_RELAY_METRICS_REFRESH_S`` seconds (default 5) per worker process.
-
-Prefork: Celery runs tasks in child processes, so the worker uses prometheus_client's
-multiprocess mode. When the worker starts with metrics on and ``PROMETHEUS_MULTIPROC_DIR``
-unset, it creates a fresh temporary directory for it (removed at shutdown), before
-prometheus_client is imported; the main process serves the sum over its children. With a
-directory of your own, empty it before each start.
-"""
+Every call is a no-op while metrics are off, so the relay calls them unconditionally."""
 
 from __future__ import annotations
 
@@ -45,7 +15,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from .config import extra_setting
+from .config import metrics_options
 
 log = logging.getLogger("outbox.metrics")
 
@@ -79,7 +49,7 @@ class Metrics:
                                          buckets=PUBLISH_BUCKETS, registry=r)
         self.event_age = Histogram("outbox_event_age_seconds", "Commit to publish confirmation",
                                    buckets=AGE_BUCKETS, registry=r)
-        self.refresh_s = float(extra_setting("OUTBOX_RELAY_METRICS_REFRESH_S", 5.0))
+        self.refresh_s = metrics_options().refresh_s
         self._refreshed = 0.0
         self._refresh_lock = threading.Lock()
 
@@ -93,18 +63,7 @@ _state_lock = threading.Lock()
 
 def configured_port() -> int | None:
     """OUTBOX_RELAY_METRICS_PORT, or None when metrics are off."""
-    from .errors import ConfigError
-
-    raw = extra_setting("OUTBOX_RELAY_METRICS_PORT")
-    if raw in (None, "", 0, "0"):
-        return None
-    try:
-        port = int(str(raw).strip())
-    except ValueError:
-        raise ConfigError(f"OUTBOX_RELAY_METRICS_PORT={raw!r} is not a port number") from None
-    if not 0 < port < 65536:
-        raise ConfigError(f"OUTBOX_RELAY_METRICS_PORT={raw!r} is not a port number")
-    return port
+    return metrics_options().port
 
 
 def active() -> Metrics | None:
@@ -299,10 +258,10 @@ def on_worker_init() -> None:
 def on_worker_ready() -> None:
     """worker_ready: serve the metrics (a port in use must not stop the relay)."""
     try:
-        port = configured_port()
+        options = metrics_options()
+        port, addr = options.port, options.addr
         if port is None or active() is None:
             return
-        addr = str(extra_setting("OUTBOX_RELAY_METRICS_ADDR", "0.0.0.0"))
         serve(port, addr)
         log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
                  " (multiprocess)" if multiprocess_mode() else "")

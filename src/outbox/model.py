@@ -17,11 +17,6 @@ class Status(enum.IntEnum):
     FAILED = 3  # waiting for its retry at next_retry_at
     DEAD = 4
 
-    @classmethod
-    def open_codes(cls) -> tuple[int, ...]:
-        """Statuses of rows that still hold their aggregate's place in line."""
-        return (cls.PENDING, cls.CLAIMED, cls.FAILED)
-
 
 @dataclass(frozen=True)
 class NewEvent:

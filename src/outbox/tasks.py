@@ -7,6 +7,7 @@ to scale and route them".
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -19,8 +20,8 @@ from .relay import (ClaimFailed, apply_fallback, handle_claim, handle_publish, m
 from . import wake as _wake
 # The worker's per-process wiring, re-exported: ``outbox.tasks.resources`` and the rest
 # keep working. ``claim`` looks ``queued_publish_tasks`` and ``request_claim`` up here.
-from .worker import (STOPPING, _stopping_marker, breaker, close_resources, coalescer,  # noqa: F401
-                     make_publisher, outage, queued_publish_tasks, request_claim, resources, route_gate, stopping)
+from .worker import (STOPPING, _stopping_marker, breaker, claiming_in_process, close_resources,  # noqa: F401
+                     coalescer, outage, queued_publish_tasks, request_claim, resources, route_gate, stopping)
 
 log = logging.getLogger("outbox.tasks")
 
@@ -64,30 +65,60 @@ def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
     global _backlog
     settings, options = relay_settings(), relay_options()
     r = resources()
-    try:
-        outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
-                               lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
-                               queued=queued_publish_tasks if _backlog else None, settler=r.settler,
-                               publisher=r.publisher, publish_inline=_publish_chains)
-    except ClaimFailed as exc:
-        # The database is down or refusing: one warning per outage, not a traceback per tick.
-        outage("database").failed(exc.cause)
-        return {"database_unavailable": True}  # the error is in the outage's log lines, once
-    outage("database").ok()
-    _backlog = outcome.backlog
-    if outcome.more:
+    # Drain slices: while claims come back full and publish here, claim again in this task
+    # (no Celery round trip per batch), for at most DRAIN_SLICE_S: docs/relay.md, "A backlog
+    # claim publishes its first share itself". Not in the worker's main process (the
+    # in-process claim): a backlog it meets goes to the pool processes, so all of them work.
+    in_main = claiming_in_process()
+    ends, first = time.monotonic() + DRAIN_SLICE_S, True
+    while True:
+        try:
+            outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
+                                   lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
+                                   queued=queued_publish_tasks if _backlog else None, settler=r.settler,
+                                   publisher=r.publisher, publish_inline=_publish_here,
+                                   claim_again=None if in_main else request_claim if first else _nothing,
+                                   sizer=r.sizer)
+        except ClaimFailed as exc:
+            # The database is down or refusing: one warning per outage, not a traceback per tick.
+            outage("database").failed(exc.cause)
+            return {"database_unavailable": True}  # the error is in the outage's log lines, once
+        outage("database").ok()
+        _backlog, first = outcome.backlog, False
+        if not (outcome.more and outcome.inline) or in_main or stopping() or time.monotonic() >= ends:
+            break
+    if outcome.inline:
+        _published_here()
+    elif outcome.more:
         request_claim()
     return asdict(outcome)
 
 
-def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any]:
-    """Publish chains in this process: the publish task's work, and a small claim's."""
+#: How long one claim task may go on claiming and publishing a backlog itself.
+DRAIN_SLICE_S = 1.0
+
+
+def _nothing() -> None:
+    """``claim_again`` of a drain slice's later claims: the first one asked already."""
+
+
+def _publish_here(chains: list[list[Any]], deadline: float | None) -> list[Any]:
+    """Publish chains in this process: the publish task's work, and a claim's own share."""
     r = resources()
-    outcomes = handle_publish(r.store, r.publisher, chains, deadline=deadline, options=relay_options(),
-                              breaker=breaker(), settler=r.settler, stopping=stopping, routes=route_gate(),
-                              outage=outage("destination broker"))
+    return handle_publish(r.store, r.publisher, chains, deadline=deadline, options=relay_options(),
+                          breaker=breaker(), settler=r.settler, stopping=stopping, routes=route_gate(),
+                          outage=outage("destination broker"))
+
+
+def _published_here() -> None:
     if breaker().open_for() == 0:
         request_claim()  # drain mode: these aggregates may have more rows now
+
+
+def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any]:
+    """Publish chains, then ask for a claim (their aggregates may have more rows now)."""
+    outcomes = _publish_here(chains, deadline)
+    _published_here()
     return outcomes
 
 

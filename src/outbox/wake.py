@@ -1,15 +1,15 @@
 """Waking the relay right after the caller's transaction commits: ``request_claim()``
-(coalesced, never raises, no database query), ``transaction(conn)`` (also
-``outbox.transaction``), ``wake_after_commit(conn)`` and ``register_after_commit(conn)``.
-How a wake is coalesced on each Celery broker, and what it costs:
-docs/waking-and-metrics.md, "Post-commit wake-up". With Dramatiq as the runner
+(handed off, coalesced, never raises, no I/O in the caller's thread), ``transaction(conn)``
+(also ``outbox.transaction``), ``wake_after_commit(conn)`` and ``register_after_commit(conn)``.
+The hand-off thread, the one claim-request token it shares with the workers, and what a
+wake costs: docs/waking-and-metrics.md, "Post-commit wake-up". With Dramatiq as the runner
 (``OUTBOX_DRAMATIQ_BROKER_URL``) the claim is a Dramatiq message sent through
 ``outbox.dramatiq_broker``, coalesced the same way (docs/dramatiq.md).
 """
 
 from __future__ import annotations
 
-import hashlib
+import atexit
 import logging
 import os
 import sys
@@ -27,14 +27,18 @@ LOCAL_WINDOW_S = 0.05
 FAILURE_PAUSE_S = 1.0
 #: A failure is logged as a warning at most this often; otherwise at debug level.
 WARN_EVERY_S = 60.0
-#: Prefix of the Redis tokens: the worker deletes only keys that start with it.
-TOKEN_PREFIX = "outbox:wake:"
+#: At interpreter exit, a wake still pending gets this long to go out (beat's tick covers
+#: one that does not).
+EXIT_FLUSH_S = 1.0
 
 
 # ``extra_setting`` and ``flag`` moved to ``outbox.config`` (the one reader); kept importable here.
-from .config import extra_setting, flag, relay_options  # noqa: E402,F401
-from .names import CLAIM_QUEUE, CLAIM_TASK  # noqa: E402
+from .config import extra_setting, flag, relay_options, wake_options  # noqa: E402,F401
+from .handoff import HandOff  # noqa: E402
+from .names import CLAIM_QUEUE, CLAIM_REQUEST_PREFIX, CLAIM_TASK, claim_request_key, wake_channel  # noqa: E402
 
+#: Prefix of the claim-request tokens: a claim deletes only keys that start with it.
+TOKEN_PREFIX = CLAIM_REQUEST_PREFIX
 
 _redis_clients: dict[tuple[int, str], Any] = {}
 
@@ -52,8 +56,10 @@ def _redis(url: str) -> Any:
 
 
 def clear_token(token: str, broker_url: str | None = None) -> None:
-    """Run by the claim task as it starts: the next wake-up sends a new claim.
-    ``broker_url``: the Redis holding the token (default: Celery's broker)."""
+    """Delete a claim-request token named in a claim message (claims sent by earlier
+    versions carried ``token=``; today's carry ``requested=True`` and the worker clears its
+    coalescer, which is the same token). ``broker_url``: the Redis holding it (default:
+    Celery's broker)."""
     if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX):
         return
     try:
@@ -99,23 +105,36 @@ class _Throttle:
 
 
 def token_for(broker_url: str, key_prefix: str = "") -> str:
-    """The Redis key of the wake token: one per claim queue, i.e. per Celery broker URL
-    and transport key prefix (``broker_transport_options['global_keyprefix']``)."""
-    digest = hashlib.sha1(f"{broker_url}|{key_prefix}".encode()).hexdigest()[:16]
-    return f"{TOKEN_PREFIX}{digest}"
+    """The Redis key of the claim queue's one claim-request token (``make_coalescer`` over
+    ``outbox.names.claim_request_key``): the key a wake-up takes and a claim clears."""
+    return f"{claim_request_key(broker_url, key_prefix)}:claim-requested"
 
 
 class _Plan:
-    """How this process wakes the relay; computed once per process and broker URL."""
+    """How this process wakes the relay; computed once per process and options."""
 
-    def __init__(self, broker_url: str, key_prefix: str = "") -> None:
+    def __init__(self, broker_url: str, key_prefix: str = "", options: Any = None, runner: str = "celery") -> None:
         self.broker_url = broker_url
+        self.runner = runner
+        #: Where Celery workers SUBSCRIBE for wake-ups (Redis; Dramatiq workers do not).
+        self.channel = wake_channel(broker_url, key_prefix) if runner == "celery" else None
         self.key_prefix = key_prefix
+        self.options = options
         self.pid = os.getpid()
         self.kind = ("redis" if broker_url.startswith(("redis://", "rediss://"))
                      else "memory" if broker_url.startswith("memory://") else "other")
-        self.token = token_for(broker_url, key_prefix)
         self.throttle = _Throttle(LOCAL_WINDOW_S)
+        self._coalescer: Any = None
+
+    def coalescer(self) -> Any:
+        """The claim queue's one token (Redis), the same object type and key as the
+        worker's ``outbox.worker.coalescer``; made on first use, in the hand-off thread."""
+        if self._coalescer is None:
+            from .relay import make_coalescer
+
+            self._coalescer = make_coalescer(self.broker_url, claim_request_key(self.broker_url, self.key_prefix),
+                                             relay_options().claim_request_ttl_s)
+        return self._coalescer
 
 
 _plan: _Plan | None = None
@@ -126,22 +145,26 @@ _memory_noted = False
 
 
 def _current_plan() -> _Plan:
+    """The cached plan; made again in a new process or after ``reset_settings``."""
     global _plan
+    options = wake_options()
+    plan = _plan
+    if plan is not None and plan.pid == os.getpid() and plan.options is options:
+        return plan
     from . import dramatiq_broker
 
     dramatiq = dramatiq_broker.settings()
     if dramatiq is not None:
         # Dramatiq is the configured runner (OUTBOX_DRAMATIQ_BROKER_URL): wake through it.
-        url, key_prefix = dramatiq.broker_url, dramatiq.namespace
+        url, key_prefix, runner = dramatiq.broker_url, dramatiq.namespace, "dramatiq"
     else:
         from .celery_app import app
 
         url = str(app.conf.broker_url or "")
         key_prefix = str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
-    plan = _plan
-    if plan is None or plan.pid != os.getpid() or plan.broker_url != url or plan.key_prefix != key_prefix:
-        with _plan_lock:
-            plan = _plan = _Plan(url, key_prefix)
+        runner = "celery"
+    with _plan_lock:
+        plan = _plan = _Plan(url, key_prefix, options, runner)
     return plan
 
 
@@ -158,14 +181,15 @@ def _failed(what: str, exc: BaseException) -> None:
         log.debug("outbox: cannot wake the relay (%s: %s: %s)", what, type(exc).__name__, exc)
 
 
-def _send(token: str | None) -> bool:
+def _send(requested: bool) -> bool:
+    """Send one claim message; ``requested``: it holds the claim-request token, which the
+    claim clears as it starts."""
     from . import dramatiq_broker
-    from .names import CLAIM_QUEUE, CLAIM_TASK
 
+    kwargs = {"requested": True} if requested else {}
     if dramatiq_broker.configured():
         try:
-            dramatiq_broker.send(CLAIM_TASK, CLAIM_QUEUE, {"token": token} if token else {},
-                                 max_age_s=relay_options().claim_request_ttl_s)
+            dramatiq_broker.send(CLAIM_TASK, CLAIM_QUEUE, kwargs, max_age_s=relay_options().claim_request_ttl_s)
             return True
         except Exception as exc:
             _failed("sending a claim", exc)
@@ -173,7 +197,7 @@ def _send(token: str | None) -> bool:
     from .celery_app import app
 
     try:
-        app.send_task(CLAIM_TASK, kwargs={"token": token} if token else {}, queue=CLAIM_QUEUE,
+        app.send_task(CLAIM_TASK, kwargs=kwargs, queue=CLAIM_QUEUE,
                       expires=relay_options().claim_request_ttl_s, retry=True,
                       retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
                                     "interval_max": 0.1})
@@ -183,44 +207,90 @@ def _send(token: str | None) -> bool:
         return False
 
 
-def request_claim() -> bool:
-    """Ask the relay for a claim soon. Call it after your transaction committed.
-
-    Coalesced (docs/waking-and-metrics.md), never raises, no database query. Returns
-    True when a claim was sent or is already on its way, False when nothing was done
-    (wakes off, no relay to wake, or the broker failed: the tick delivers).
-    """
-    global _memory_noted
+def wake_now() -> bool:
+    """The coalesced wake itself, in the calling thread (the hand-off thread runs it; so
+    can code that wants to wait for it). True when a claim was sent or is on its way."""
     try:
-        if time.monotonic() < _paused_until or not flag("OUTBOX_RELAY_WAKE", True):
+        if time.monotonic() < _paused_until:
             return False
         worker = sys.modules.get("outbox.worker")  # loaded only where a worker may run
         if worker is not None and worker.in_worker():
             return bool(worker.request_claim())
         plan = _current_plan()
         if plan.kind == "redis":
-            ttl_ms = max(1, int(relay_options().claim_request_ttl_s * 1000))
-            try:
-                acquired = _redis(plan.broker_url).set(plan.token, b"1", nx=True, px=ttl_ms)
-            except Exception as exc:
-                _failed("taking the wake token", exc)
-                return False
-            if not acquired:
+            if plan.channel is not None:
+                # Workers listening: their main processes claim at once (one round trip, no
+                # Celery message). Nobody listening: a claim message, coalesced on the token.
+                try:
+                    if _redis(plan.broker_url).publish(plan.channel, b"") > 0:
+                        return True
+                except Exception as exc:
+                    _failed("notifying the workers", exc)
+                    return False
+            gate = plan.coalescer()
+            if not gate.acquire():
                 return True  # a claim is already queued and has not started: it will see this commit
-            if _send(plan.token):
+            if _send(True):
                 return True
-            try:
-                _redis(plan.broker_url).delete(plan.token)
-            except Exception:
-                pass
+            gate.clear()
             return False
         if plan.kind == "memory":
+            return False
+        return plan.throttle.request(lambda: _send(False))
+    except (Exception, SystemExit) as exc:  # never raises
+        _failed("sending the request", exc)
+        return False
+
+
+#: This process's hand-off thread (``outbox.handoff``): ``request_claim`` only flags it.
+_handoff = HandOff(lambda: wake_now(), "outbox-wake")
+
+
+def _forget_after_fork() -> None:
+    global _plan, _plan_lock
+    _plan, _plan_lock = None, threading.Lock()  # a lock held in the parent at fork stays held
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def flush(timeout: float = 5.0) -> bool:
+    """Wait until the wake-ups requested in this process so far went out (or failed);
+    False on timeout. Tests, and code about to exit that wants its last wake sent."""
+    return _handoff.flush(timeout)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    try:
+        flush(EXIT_FLUSH_S)  # best effort: beat's tick delivers what does not go out
+    except Exception:
+        pass
+
+
+def request_claim() -> bool:
+    """Ask the relay for a claim soon. Call it after your transaction committed.
+
+    Returns at once: the caller's thread only hands the request to this process's wake
+    thread (no socket I/O, no database query), which sends it coalesced
+    (docs/waking-and-metrics.md). Never raises. True when the request was handed off,
+    False when nothing will be done (wakes off, no relay to wake, or wakes paused after a
+    broker failure: the tick delivers).
+    """
+    global _memory_noted
+    try:
+        if time.monotonic() < _paused_until or not wake_options().wake:
+            return False
+        worker = sys.modules.get("outbox.worker")
+        if not (worker is not None and worker.in_worker()) and _current_plan().kind == "memory":
             if not _memory_noted:
                 _memory_noted = True
                 log.debug("outbox: Celery's broker is memory:// and no worker runs in this process; "
                           "wake-ups are skipped")
             return False
-        return plan.throttle.request(lambda: _send(None))
+        _handoff.request()
+        return True
     except (Exception, SystemExit) as exc:  # never into the caller, whose transaction has committed
         # (SystemExit: the relay's app exits on an invalid configuration under a `celery` command)
         _failed("preparing the request", exc)
@@ -344,9 +414,10 @@ def transaction(conn: Any, *, wake: bool = True) -> Iterator[Any]:
 
 def _reset_for_tests() -> None:
     global _plan, _paused_until, _last_warning, _memory_noted
+    flush(1.0)
     _plan, _paused_until, _last_warning, _memory_noted = None, 0.0, 0.0, False
 
 
-__all__ = ["request_claim", "wake", "wake_after_commit", "register_after_commit", "transaction", "clear_token",
-           "token_for",
+__all__ = ["request_claim", "wake", "wake_now", "flush", "wake_after_commit", "register_after_commit", "transaction",
+           "clear_token", "token_for",
            "extra_setting", "flag", "LOCAL_WINDOW_S", "TOKEN_PREFIX"]

@@ -1,12 +1,5 @@
-"""The relay worker's process wiring: per-process resources, and every Celery signal.
-
-One module owns what lives as long as a worker process: the store and the publisher
-(per process and thread, never inherited over fork), the shared-state objects (breaker,
-route gate, outage logs, the claim-request coalescer), the shutdown flag, and the
-signal handlers that start and stop the optional services (LISTEN thread, metrics
-endpoint, the schedule under the in-memory broker). Task bodies are in ``outbox.tasks``;
-the relay's logic in ``outbox.relay``. Why resources are per process and how shutdown
-reaches pool children: docs/relay.md, "Worker processes".
+"""The relay worker's process wiring: its resources (``relay.ResourceHolder``), the
+shutdown flag, and every Celery signal the package connects (docs/relay.md, "Worker processes").
 """
 
 from __future__ import annotations
@@ -15,20 +8,18 @@ import logging
 import os
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from celery import signals
 
 from .celery_app import app
-from .config import relay_options, relay_settings
-from .names import ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, RELEASE_TASK
-from .publisher import Publisher
-from .redact import install_filter, redact
-from .relay import (Breaker, Coalescer, Outage, RouteGate, Settler, breaker_key, make_breaker, make_coalescer,
-                    make_relay_outage, make_route_gate)
-from .store import OutboxStore
+from .config import RelayOptions, Settings, relay_options, relay_settings, wake_options
+from .handoff import HandOff
+from .names import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, RELEASE_TASK,
+                    claim_request_key, wake_channel)
+from .redact import install_filter
+from .relay import Breaker, Coalescer, Outage, ResourceHolder, Resources, RouteGate
 from . import listen as _listen, metrics as _metrics, worker_logging as _worker_logging
 
 log = logging.getLogger("outbox.tasks")
@@ -62,75 +53,25 @@ def stopping() -> bool:
     return _parent_pid is not None and _stopping_marker(_parent_pid).exists()
 
 
-# -- per-process, per-thread resources -----------------------------------------------------
+# -- per-process, per-thread resources (relay.ResourceHolder) ---------------------------------
 
-@dataclass
-class _Resources:
-    pid: int
-    store: OutboxStore
-    publisher: Publisher
-    settler: Settler
+def _claim_queue() -> tuple[str, str]:
+    url = str(app.conf.broker_url or relay_settings().broker_url)
+    return url, str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
 
 
-_local = threading.local()
-_made: list[_Resources] = []
-_made_lock = threading.Lock()
-_breaker: tuple[int, Breaker] | None = None
-_coalescer: tuple[int, Coalescer] | None = None
-_route_gate: tuple[int, RouteGate] | None = None
-_outages: dict[str, tuple[int, Outage]] = {}
+def claim_queue_key() -> tuple[str, str]:
+    """Celery's broker URL and the name of its claim queue's one "claim soon" token (the key
+    writers' wake-ups take too: ``outbox.names.claim_request_key``)."""
+    url, prefix = _claim_queue()
+    return url, claim_request_key(url, prefix)
 
 
-def make_publisher(settings: Any) -> Publisher:
-    from .publisher import KombuPublisher
-
-    return KombuPublisher.from_settings(settings, max_message_bytes=relay_options().max_message_bytes)
-
-
-def _shared_key() -> tuple[str, str]:
-    """Celery's broker URL (where shared state lives) and the key of this outbox."""
-    s = relay_settings()
-    return (str(app.conf.broker_url or s.broker_url),
-            breaker_key(s.database_url, s.table, s.publish_url, s.exchange))
-
-
-def breaker() -> Breaker:
-    """One breaker per process (shared beyond it through Redis or a file)."""
-    global _breaker
-    with _made_lock:
-        if _breaker is None or _breaker[0] != os.getpid():
-            _breaker = (os.getpid(), make_breaker(*_shared_key()))
-        return _breaker[1]
-
-
-def coalescer() -> Coalescer:
-    """One claim-request token per process object (shared beyond it like the breaker)."""
-    global _coalescer
-    with _made_lock:
-        if _coalescer is None or _coalescer[0] != os.getpid():
-            _coalescer = (os.getpid(), make_coalescer(*_shared_key(), relay_options().claim_request_ttl_s))
-        return _coalescer[1]
-
-
-def route_gate() -> RouteGate:
-    """The paused routes (per-route back-pressure), shared beyond the process like the breaker."""
-    global _route_gate
-    with _made_lock:
-        if _route_gate is None or _route_gate[0] != os.getpid():
-            _route_gate = (os.getpid(), make_route_gate(*_shared_key()))
-        return _route_gate[1]
-
-
-def outage(which: str) -> Outage:
-    """The outage log of ``which`` ("database" or "destination broker"): one warning when it
-    starts, one line when it ends, announced by one process of all the workers."""
-    with _made_lock:
-        made = _outages.get(which)
-        if made is None or made[0] != os.getpid():
-            s = relay_settings()
-            made = (os.getpid(), make_relay_outage(which, s, relay_options(), _shared_key()[0], log))
-            _outages[which] = made
-        return made[1]
+def _config() -> tuple[Settings, RelayOptions, str, str]:
+    """The relay's settings and options, Celery's broker URL (where shared state lives) and
+    the claim queue's claim-request token."""
+    url, claim_key = claim_queue_key()
+    return relay_settings(), relay_options(), url, claim_key
 
 
 #: The settling task that takes over a store write a publish task could not make.
@@ -141,32 +82,38 @@ def _fallback(operation: str, kwargs: dict[str, Any]) -> None:
     app.send_task(_FALLBACK_TASKS[operation], kwargs=kwargs, queue=ACK_QUEUE)
 
 
-def resources() -> _Resources:
-    r: _Resources | None = getattr(_local, "resources", None)
-    if r is None or r.pid != os.getpid():
-        settings = relay_settings()
-        store = OutboxStore.from_settings(settings)
-        r = _Resources(os.getpid(), store, make_publisher(settings), Settler(store, _fallback))
-        _local.resources = r
-        with _made_lock:
-            _made.append(r)
-    return r
+_held = ResourceHolder(_config, _fallback, log)
+
+
+def resources() -> Resources:
+    """This thread's store, publisher and settler."""
+    return _held.resources()
+
+
+def breaker() -> Breaker:
+    """One breaker per process (shared beyond it through Redis or a file)."""
+    return _held.shared().breaker
+
+
+def coalescer() -> Coalescer:
+    """The claim queue's one claim-request token, as this process holds it (shared beyond it
+    like the breaker, and with the writers that wake the relay)."""
+    return _held.shared().coalescer
+
+
+def route_gate() -> RouteGate:
+    """The paused routes (per-route back-pressure), shared beyond the process like the breaker."""
+    return _held.shared().routes
+
+
+def outage(which: str) -> Outage:
+    """The outage log of ``which`` ("database" or "destination broker"): one warning when it
+    starts, one line when it ends, announced by one process of all the workers."""
+    return _held.outage(which)
 
 
 def close_resources() -> None:
-    global _breaker, _coalescer
-    with _made_lock:
-        mine = [r for r in _made if r.pid == os.getpid()]
-        _made.clear()
-        _breaker = _coalescer = None
-        _outages.clear()
-    for r in mine:
-        for closable in (r.publisher, r.store):
-            try:
-                closable.close()
-            except Exception:  # closing after a failure may fail again
-                log.debug("outbox: error closing %r", closable, exc_info=True)
-    _local.__dict__.clear()
+    _held.close()
 
 
 # -- Celery's broker, as claims use it ---------------------------------------------------------
@@ -197,7 +144,9 @@ def queued_publish_tasks() -> int | None:
 def request_claim() -> bool:
     """Ask for a claim soon, coalesced: while one requested claim has not started yet,
     further requests are no-ops. The one "claim soon" of a worker process: drain mode
-    (``outbox.tasks``), the LISTEN thread and post-commit wake-ups made in a worker use it."""
+    (``outbox.tasks``), notifications with the in-process claim off, and post-commit
+    wake-ups made in a worker use it. Asked from inside the in-process claim, the next
+    claim runs in-process too (docs/waking-and-metrics.md, "The in-process claim")."""
     if stopping():
         return False
     gate = coalescer()
@@ -213,6 +162,33 @@ def request_claim() -> bool:
     return True
 
 
+#: Set in the thread while the in-process claim runs.
+_claiming_here = threading.local()
+
+
+def claiming_in_process() -> bool:
+    """True in the thread that runs the in-process claim (the worker's main process): a
+    backlog it meets goes to the pool (docs/waking-and-metrics.md, "The in-process claim")."""
+    return bool(getattr(_claiming_here, "active", False))
+
+
+def _claim_in_process() -> None:
+    """The claim task's body, run in this process without a trip through Celery's broker
+    (docs/waking-and-metrics.md, "The in-process claim")."""
+    if stopping():
+        return
+    _claiming_here.active = True
+    try:
+        app.tasks[CLAIM_TASK]()  # looked up by name: the task bodies sit above this module
+    finally:
+        _claiming_here.active = False
+
+
+#: The worker's main process claims here when a notification reaches it (the LISTEN thread,
+#: the Redis wake subscriber): one claim at a time, one more for everything notified while it ran.
+claim_runner = HandOff(_claim_in_process, "outbox-claim")
+
+
 # -- Celery signals: every one the package connects ---------------------------------------------
 
 @signals.after_setup_logger.connect
@@ -226,13 +202,10 @@ def _mask_secrets_in_logs(logger: logging.Logger | None = None, **_: Any) -> Non
 
 @signals.worker_process_init.connect
 def _process_init(**_: Any) -> None:
-    # Forget what was inherited over fork() without closing it: it is the parent's.
-    global _breaker, _coalescer, _route_gate, _parent_pid
-    with _made_lock:
-        _made.clear()
-        _breaker = _coalescer = _route_gate = None
-        _outages.clear()
-    _local.__dict__.clear()
+    # Stop using what was inherited over fork() (the main process's in-process claim made
+    # it), without closing it: it is the parent's.
+    global _parent_pid
+    _held.forget()
     STOPPING.clear()
     _parent_pid = os.getppid()
 
@@ -252,6 +225,7 @@ def _shutting_down(**_: Any) -> None:
     log.info("outbox: worker shutting down, claims stop; publish tasks in hand finish, "
              "tasks not yet started release their rows")
     _listen.stop_listener(wait=False)  # sent from a signal handler: don't block it
+    _listen.stop_subscriber(wait=False)
 
 
 def _remove_stopping_marker() -> None:
@@ -283,9 +257,20 @@ def _ready(**_: Any) -> None:
         log.warning("outbox: cannot check the circuit breaker at start-up: %s", exc)
     _start_embedded_beat()
     try:
-        _listen.start_listener(relay_settings(), request_claim)
+        in_process = wake_options().in_process_claim
+    except Exception as exc:  # an invalid option: say so, and wake through claim messages
+        log.error("outbox: %s; notifications become claim messages", exc)
+        in_process = False
+    try:
+        _listen.start_listener(relay_settings(), claim_runner.request if in_process else request_claim)
     except Exception as exc:  # never keep the worker from running: polling still delivers
         log.error("outbox listen: not started (%s: %s); claims rely on beat's ticks", type(exc).__name__, exc)
+    try:
+        if in_process:
+            url, prefix = _claim_queue()
+            _listen.start_subscriber(url, wake_channel(url, prefix), claim_runner.request)
+    except Exception as exc:  # writers then send claim messages, as when no worker listens
+        log.error("outbox: wake-up subscriber not started (%s: %s)", type(exc).__name__, exc)
     _metrics.on_worker_ready()
 
 
@@ -294,9 +279,11 @@ def _shutdown(**_: Any) -> None:
     global _in_worker
     _in_worker = False
     _remove_stopping_marker()
+    _listen.stop_listener()
+    _listen.stop_subscriber()
+    claim_runner.stop()
     close_resources()
     _stop_embedded_beat()
-    _listen.stop_listener()
     _metrics.stop_serving()
 
 
@@ -339,5 +326,6 @@ def _stop_embedded_beat() -> None:
         _embedded_beat = None
 
 
-__all__ = ["STOPPING", "stopping", "in_worker", "resources", "close_resources", "make_publisher", "breaker",
-           "coalescer", "route_gate", "outage", "queued_publish_tasks", "request_claim"]
+__all__ = ["STOPPING", "stopping", "in_worker", "resources", "close_resources", "breaker",
+           "coalescer", "claim_queue_key", "claim_runner", "claiming_in_process", "route_gate", "outage", "queued_publish_tasks",
+           "request_claim"]

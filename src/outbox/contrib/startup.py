@@ -20,10 +20,9 @@ _warned = False
 
 def wake_problem() -> str | None:
     """Why wake-ups from this process cannot reach the relay, or None."""
-    from .. import wake
-    from ..config import load_settings
+    from ..config import load_settings, wake_options
 
-    if not wake.flag("OUTBOX_RELAY_WAKE", True):
+    if not wake_options().wake:
         return None  # turned off on purpose
     settings = load_settings()
     from .. import dramatiq_broker

@@ -191,6 +191,13 @@ class Engine(ABC):
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
         """Insert one event, or find the row already stored under its message_id."""
 
+    def insert_event_and_notify(self, cursor: Any, event: NewEvent, channel: str) -> int:
+        """``insert_event`` and ``notify(channel)`` in the cursor's transaction (LISTEN/NOTIFY
+        on: ``outbox.listen``). Engines that can, do both in one statement."""
+        outbox_id = self.insert_event(cursor, event)
+        self.notify(cursor, channel)
+        return outbox_id
+
     def event_params(self, event: NewEvent) -> list[Any]:
         return [event.message_id, event.topic, event.aggregate_type, event.aggregate_id,
                 event.partition_key, event.payload_json, event.headers_json, event.trace_id]
@@ -198,6 +205,16 @@ class Engine(ABC):
     INSERT_COLUMNS = "message_id, topic, aggregate_type, aggregate_id, partition_key, payload, headers, trace_id"
 
     # -- claim ---------------------------------------------------------------
+    #: A claim locks this many times ``batch`` candidates and keeps ``batch`` rows of them,
+    #: whole chains, oldest chain first: over few aggregates it takes several rows of some
+    #: aggregates and leaves the others to a concurrent claimer (docs/relay.md, "Claim
+    #: windows").
+    CLAIM_WINDOW: ClassVar[int] = 4
+
+    def claim_window(self, batch: int) -> int:
+        """How many candidates a claim of ``batch`` rows scans and locks."""
+        return batch * self.CLAIM_WINDOW
+
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
         """Lease up to ``batch`` rows inside the open transaction; return rows shaped
         like MESSAGE_COLUMNS (rows whose status is not 1 went dead instead).
@@ -208,11 +225,11 @@ class Engine(ABC):
         scan = self.limit(
             f"SELECT id, aggregate_id, status, attempts FROM {self.table} WHERE {self.eligible()} ORDER BY id"
         ) + self.lock_candidates
-        rows = self.execute(cursor, scan, [-timeout_ms, batch]).fetchall()
+        rows = self.execute(cursor, scan, [-timeout_ms, self.claim_window(batch)]).fetchall()
         candidates = [Candidate(int(r[0]), r[1], int(r[2]), int(r[3])) for r in rows]
         if not candidates:
             return []
-        plan = plan_claim(candidates, self._first_blockers(cursor, candidates), max_attempts)
+        plan = plan_claim(candidates, self._first_blockers(cursor, candidates), max_attempts, limit=batch)
         if plan.dead_ids:
             cond, params = self.ids_in(plan.dead_ids)
             self.execute(cursor, f"UPDATE {self.table} SET status = 4, processed_at = {self.now}, "

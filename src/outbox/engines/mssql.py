@@ -843,17 +843,23 @@ WHERE NOT EXISTS (
             "DECLARE @nocount INT = @@OPTIONS & 512, @xact_abort INT = @@OPTIONS & 16384;",
             "SET NOCOUNT ON;",
             "SET XACT_ABORT ON;",
-            "DECLARE @batch INT = ?, @max_attempts INT = ?, @lease CHAR(32) = ?, @lease_error NVARCHAR(4000) = ?;",
+            "DECLARE @batch INT = ?, @window INT = ?, @max_attempts INT = ?, @lease CHAR(32) = ?, "
+            "@lease_error NVARCHAR(4000) = ?;",
             f"DECLARE @cand TABLE (id BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {collation} "
             "NOT NULL, status TINYINT NOT NULL, attempts INT NOT NULL, UNIQUE (aggregate_id, id));",
             "DECLARE @chain TABLE (id BIGINT NOT NULL PRIMARY KEY, dead BIT NOT NULL);",
             # Declared in MESSAGE_COLUMNS order: OUTPUT ... INTO @out fills it by position.
             "DECLARE @out TABLE (" + ", ".join(f"{c} {_MESSAGE_TYPES[c]}" for c in MESSAGE_COLUMNS) + ");",
             f"INSERT INTO @cand (id, aggregate_id, status, attempts)\n"
-            f"SELECT TOP (@batch) id, aggregate_id, status, attempts\n"
+            f"SELECT TOP (@window) id, aggregate_id, status, attempts\n"
             f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK)\n"
             f"WHERE {self.eligible()}\nORDER BY id;",
             f"INSERT INTO @chain (id, dead)\n{self.chain_select()};",
+            # Keep @batch rows of the window's chains: whole chains, oldest chain first
+            # (Engine.claim_window); the other candidates' U locks go with the transaction.
+            "DELETE FROM @chain WHERE id NOT IN (\n"
+            "SELECT TOP (@batch) k.id FROM @chain AS k INNER JOIN @cand AS c ON c.id = k.id\n"
+            "ORDER BY MIN(k.id) OVER (PARTITION BY c.aggregate_id), k.id);",
             # SET expressions read the row as it was before this UPDATE, so every CASE
             # sees the old status and attempts.
             f"""UPDATE o SET
@@ -875,8 +881,8 @@ FROM {t} AS o INNER JOIN @chain AS ch ON ch.id = o.id;""",
         return "\n".join(self.claim_statements())
 
     def claim_params(self, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[Any]:
-        # The DECLARE's four, then eligible()'s lease cutoff (the only other ?).
-        return [batch, max_attempts, lease, LEASE_EXPIRED_ERROR, -timeout_ms]
+        # The DECLARE's five, then eligible()'s lease cutoff (the only other ?).
+        return [batch, self.claim_window(batch), max_attempts, lease, LEASE_EXPIRED_ERROR, -timeout_ms]
 
     def collation_sql(self) -> str:
         return (f"SELECT collation_name FROM sys.columns WHERE object_id = OBJECT_ID({self._table_literal()}) "

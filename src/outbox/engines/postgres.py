@@ -123,29 +123,79 @@ class PostgresEngine(Engine):
                                [event.message_id]).fetchone()
         return int(row[0])
 
+    def insert_event_and_notify(self, cursor: Any, event: NewEvent, channel: str) -> int:
+        # The notification rides on the insert: no round trip of its own for the writer
+        # (docs/waking-and-metrics.md). Nothing inserted (a known message_id): no notification.
+        self.execute(cursor, f"WITH ins AS (INSERT INTO {self.table} ({self.INSERT_COLUMNS}) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO NOTHING RETURNING id) "
+                     "SELECT ins.id FROM ins CROSS JOIN LATERAL pg_notify(?, '') AS n",
+                     [*self.event_params(event), channel])
+        row = cursor.fetchone()
+        if row is None:
+            row = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ?",
+                               [event.message_id]).fetchone()
+        return int(row[0])
+
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
-        # The rule of outbox.chains.plan_claim: (1) no open row before c outside this
-        # claim's locked candidates; (2) only the aggregate's first candidate may be
-        # other than pending: a later expired or retried row ends the chain there;
-        # (3) nothing behind a candidate that goes dead.
+        # The rule of outbox.chains.plan_claim in one statement; its shape and why each step
+        # costs what it does: docs/relay.md, "Claim windows".
+        # win: the window, read without locks; free: the first ``batch`` heads (OFFSET 0 keeps
+        # the probe above the sort; a scalar probe, one index descent per head, never a hash
+        # join over the table) with no open row before them; pick: ``batch`` rows, whole
+        # chains, oldest chain first; cand: those locked. On cand: (1) ``blocker``, the first
+        # open row between head and last candidate that is not a candidate; (2) a non-pending
+        # candidate other than the aggregate's first ends the chain; (3) nothing behind one
+        # that goes dead. (2) and (3) are running flags (window functions) over cand.
         t = self.table
-        open_before = (f"SELECT 1 FROM {t} e WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id "
-                       "AND e.status IN (0, 1, 3)")
-        goes_dead = "(c.status = 1 AND c.attempts + 1 >= ?)"
+        # A NULL aggregate_id (a hand-made table) equals nothing: each such row is a chain of
+        # its own. From ``pick`` on, a chain is named by its head (an integer: cheap to sort).
+        chain_of = 'aggregate_id COLLATE "C", CASE WHEN aggregate_id IS NULL THEN id END'
         returning = ", ".join(f"o.{c}" + ("::text" if c in ("payload", "headers") else "") for c in MESSAGE_COLUMNS)
+        # The integers are written into the text, not bound: one generic plan per connection
+        # (docs/relay.md, "Claim windows").
+        eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
+        window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
         sql = f"""
-            WITH cand AS MATERIALIZED (
-                SELECT id, aggregate_id, status, attempts FROM {t}
-                WHERE {self.eligible()} ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED
+            WITH win AS MATERIALIZED (
+                SELECT id, aggregate_id, MIN(id) OVER (PARTITION BY {chain_of}) AS head FROM (
+                    SELECT id, aggregate_id FROM {t} WHERE {eligible} ORDER BY id LIMIT {window}) w
+            ),
+            free AS MATERIALIZED (
+                SELECT h.head FROM (SELECT id AS head, aggregate_id FROM win WHERE id = head ORDER BY id OFFSET 0) h
+                WHERE (SELECT e.id FROM {t} e WHERE e.aggregate_id = h.aggregate_id AND e.id < h.head
+                       AND e.status IN (0, 1, 3) ORDER BY e.aggregate_id DESC, e.id DESC LIMIT 1) IS NULL
+                LIMIT {batch}
+            ),
+            pick AS MATERIALIZED (
+                SELECT id, head FROM win WHERE head IN (SELECT head FROM free) ORDER BY head, id LIMIT {batch}
+            ),
+            cand AS MATERIALIZED (
+                SELECT c.id, c.aggregate_id, c.status, c.attempts, p.head FROM pick p JOIN {t} c ON c.id = p.id
+                WHERE {eligible} FOR UPDATE OF c SKIP LOCKED
+            ),
+            flag AS (
+                SELECT id, head, status = 1 AND attempts + 1 >= {max_attempts} AS dead,
+                       status <> 0 AND id > MIN(id) OVER (PARTITION BY head) AS late
+                FROM cand
+            ),
+            run AS (
+                SELECT id, head, dead, BOOL_OR(late) OVER w AS cut,
+                       COALESCE(BOOL_OR(dead) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false)
+                           AS after_dead
+                FROM flag WINDOW w AS (PARTITION BY head ORDER BY id)
+            ),
+            blocker AS MATERIALIZED (
+                SELECT a.head, (
+                    SELECT e.id FROM {t} e WHERE e.aggregate_id = a.aggregate_id AND e.status IN (0, 1, 3)
+                      AND e.id >= a.head AND e.id < a.last AND e.id NOT IN (SELECT id FROM cand)
+                    ORDER BY e.aggregate_id, e.id LIMIT 1) AS first_id
+                FROM (SELECT head, MIN(aggregate_id) AS aggregate_id, MAX(id) AS last FROM cand
+                      WHERE aggregate_id IS NOT NULL GROUP BY head) a
+                WHERE a.last > a.head
             ),
             chain AS (
-                SELECT c.id, {goes_dead} AS dead FROM cand c
-                WHERE NOT EXISTS ({open_before} AND e.id NOT IN (SELECT id FROM cand))
-                  AND NOT EXISTS (SELECT 1 FROM cand d WHERE d.aggregate_id = c.aggregate_id AND d.id <= c.id
-                                  AND d.status <> 0 AND EXISTS (SELECT 1 FROM cand f
-                                      WHERE f.aggregate_id = c.aggregate_id AND f.id < d.id))
-                  AND NOT EXISTS (SELECT 1 FROM cand d WHERE d.aggregate_id = c.aggregate_id AND d.id < c.id
-                                  AND d.status = 1 AND d.attempts + 1 >= ?)
+                SELECT r.id, r.dead FROM run r LEFT JOIN blocker b ON b.head = r.head
+                WHERE (b.first_id IS NULL OR r.id < b.first_id) AND NOT r.cut AND NOT r.after_dead
             )
             UPDATE {t} o SET
                 attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
@@ -156,5 +206,4 @@ class PostgresEngine(Engine):
                 lease_token = CASE WHEN chain.dead THEN NULL ELSE ? END
             FROM chain WHERE o.id = chain.id
             RETURNING {returning}"""
-        params = [-timeout_ms, batch, max_attempts, max_attempts, LEASE_EXPIRED_ERROR, lease]
-        return self.execute(cursor, sql, params).fetchall()
+        return self.execute(cursor, sql, [LEASE_EXPIRED_ERROR, lease]).fetchall()

@@ -1,37 +1,9 @@
-"""Queue tables: the SQL behind the database-as-Celery-broker transport
-(``outbox.transport``), one contract for every engine.
+"""Queue tables: the SQL behind the database as Celery's broker (``outbox.transport``), one
+contract for every engine (docs/transport.md, "Table layout": one table, its columns, why).
 
-Layout: ONE message table for all queues, with a ``queue`` column, not a table per
-queue (the seeds' model). A Celery worker consumes several queues at once (the
-relay's four, its control queue, events): with a table per queue an idle worker
-pays one query per queue per poll, here it pays one probe per poll whatever the
-number of queues, and creating a queue is an INSERT, not DDL at run time. The
-receive statement still reads one queue at a time through the ``(queue, id)``
-index, in index order, so it locks only the rows it takes (a multi-queue
-``ORDER BY id`` would sort, and on InnoDB and SQL Server lock every row it sorted).
-
-Columns (``MessageRow``): ``id`` (identity: FIFO), ``queue``, ``headers`` (the
-kombu envelope as JSON: properties, headers, content type), ``body`` (text as
-kombu encoded it), ``visible_at`` (not deliverable before: the delay of
-``countdown``/``eta`` and the lease of a received message), ``expires_at`` (never
-delivered after; its own index for the purge), ``receipt`` (the current lease's
-token; ack and release are fenced by it), ``deliveries`` (leases so far: the
-``redelivered`` flag), ``created_at``.
-
-Receiving is a lease: take the oldest visible, unexpired rows of a queue that no
-other receiver holds (``FOR UPDATE SKIP LOCKED`` / ``READPAST``; SQLite has one
-writer), set ``visible_at`` to now + the visibility timeout and a fresh receipt.
-Ack deletes by id and receipt, release makes the row visible again, and a lease
-nobody settles simply runs out: the row is visible again after the timeout.
-
-A second table, ``<table>_binding``, holds exchange bindings, so that every
-process routes direct, topic and fanout messages the same way (Celery's control
-commands and events need that; kombu's in-process binding state cannot do it).
-
-Every time is the database's clock (UTC). Engine modules ``queue_<engine>.py``
-subclass ``QueueTables`` and supply only what differs; ``queue_factory.queue_tables``
-picks the one for an engine.
-"""
+Receiving is a lease (visible_at, receipt); ack and release are fenced by the receipt. Engine
+modules ``queue_<engine>.py`` subclass ``QueueTables`` with only what differs;
+``queue_factory.queue_tables`` picks one. Every time is the database's clock (UTC)."""
 
 from __future__ import annotations
 

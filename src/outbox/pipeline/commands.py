@@ -6,37 +6,18 @@ job runs, and its absence is reported as one line naming the extra to install.
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
-from typing import Any, Callable
 
 import click
 
 from ..config import get_settings
-from ..errors import OutboxError
-from ..redact import redact
+from ..oneline import one_line_errors
 from ..store import OutboxStore
 from .common import crash_hook_from_env, parse_duration
 
 
-def _errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """One line on stderr and exit status 1, whatever failed, passwords masked: like the
-    other commands' ``outbox.cli.one_line_errors``, but only the first line of an error
-    (Spark's run to pages)."""
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
-            raise
-        except OutboxError as exc:
-            click.echo(redact(f"error: {' '.join(str(exc).split())}"), err=True)
-        except Exception as exc:
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            click.echo(redact(f"error: {type(exc).__name__}: {(lines[0] if lines else '')[:300]}"), err=True)
-        sys.exit(1)
-    return wrapper
+#: One line per failure, its first line only: Spark's errors run to pages (``outbox.oneline``).
+_errors = one_line_errors(first_line=True)
 
 
 def _progress(message: str) -> None:

@@ -20,14 +20,8 @@ class PipelineError(OutboxError):
     before a job's first write."""
 
 
-#: The table's columns as archived, in this order (``lease_token`` is the relay's
-#: internal fencing state and is not history). ``topic`` and ``date`` are also the
-#: hive partition columns of the archive's directory layout.
-ARCHIVE_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
-                   "payload", "headers", "trace_id", "status", "attempts", "claimed_at", "next_retry_at",
-                   "created_at", "processed_at", "last_error")
-
-#: Spark DDL of the rows the outbox data source yields.
+#: Spark DDL of the rows the outbox data source yields: the table's columns as archived
+#: (``lease_token`` is the relay's internal fencing state and is not history).
 SOURCE_SCHEMA_DDL = (
     "id BIGINT, message_id STRING, topic STRING, aggregate_type STRING, aggregate_id STRING, "
     "partition_key STRING, payload STRING, headers STRING, trace_id STRING, status INT, attempts INT, "

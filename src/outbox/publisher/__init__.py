@@ -4,15 +4,18 @@ reaches the broker is always a prefix of each chain (docs/publisher.md). ``contr
 (the mechanism). Every name keeps its ``outbox.publisher`` import path."""
 
 from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES,
-                       RESERVED_HEADERS, UNROUTABLE_POLICIES, ChainResult, FailureKind, Publisher, PublisherLike,
-                       PublishFailure)
+                       OVERTAKEN_BY_HEADER, OVERTAKEN_COUNT_HEADER, overtaken_headers,
+                       RESERVED_HEADERS, UNROUTABLE_POLICIES, ChainResult, FailureKind, Overtaken, Pipelined, Publisher,
+                       PublisherLike, PublishFailure)
 from .failures import _connection_lost, classify, failure_from  # noqa: F401  (_connection_lost: tests)
 from .message import build_headers, checked_headers, encode_body, iso_utc, poison_check
 from .kombu_publisher import KombuPublisher, refused_by_route
 
 __all__ = [
-    "Publisher", "PublisherLike", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind",
+    "Publisher", "PublisherLike", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind", "Overtaken",
+    "Pipelined",
     "classify", "failure_from", "poison_check", "checked_headers", "build_headers", "encode_body", "iso_utc",
     "refused_by_route", "RESERVED_HEADERS", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "MAX_SHORTSTR_BYTES",
-    "MAX_ERROR_HEADER_CHARS", "UNROUTABLE_POLICIES",
+    "MAX_ERROR_HEADER_CHARS", "UNROUTABLE_POLICIES", "OVERTAKEN_BY_HEADER", "OVERTAKEN_COUNT_HEADER",
+    "overtaken_headers",
 ]

@@ -8,7 +8,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..model import OutboxMessage
 
@@ -61,6 +61,38 @@ class PublishFailure:
 
 
 @dataclass(frozen=True)
+class Overtaken:
+    """An event of a pipelined chain that the broker did not take (returned unroutable,
+    nacked, refused by the encoder) while later events of its chain, sent in the same
+    window, were confirmed: they are delivered ahead of it, so it must not be retried
+    (docs/relay.md, "Pipelined chains")."""
+
+    id: int
+    failure: PublishFailure
+    #: The ids of the later events of its window that may sit in a queue ahead of it
+    #: (confirmed, or nacked: another queue may have taken a nacked one), in order.
+    delivered_after: tuple[int, ...]
+
+
+#: Dead-letter headers of an overtaken event: the ids of the events of its chain delivered
+#: after it (comma-separated, cut to ``MAX_ERROR_HEADER_CHARS`` ending in ",...") and how many.
+OVERTAKEN_BY_HEADER = "x-outbox-overtaken-by"
+OVERTAKEN_COUNT_HEADER = "x-outbox-overtaken-count"
+
+
+def overtaken_headers(overtaken: Overtaken) -> dict[str, Any]:
+    """The headers that mark the dead-letter copy of an overtaken event."""
+    ids = ",".join(map(str, overtaken.delivered_after))
+    if len(ids) > MAX_ERROR_HEADER_CHARS:
+        ids = ids[:MAX_ERROR_HEADER_CHARS - 4].rsplit(",", 1)[0] + ",..."
+    return {OVERTAKEN_BY_HEADER: ids, OVERTAKEN_COUNT_HEADER: len(overtaken.delivered_after)}
+
+
+#: A predicate over events: whether an event opted in to pipelining.
+Pipelined = Callable[[OutboxMessage], bool]
+
+
+@dataclass(frozen=True)
 class ChainResult:
     """The outcome of one ``publish_chain`` call.
 
@@ -74,6 +106,10 @@ class ChainResult:
     failure: PublishFailure | None = None
     #: Ids in ``published`` that the broker reported unroutable (``unroutable="drop"``).
     unroutable: tuple[int, ...] = ()
+    #: Pipelined chains only: events the broker did not take although later events were
+    #: confirmed. ``published`` then lists the confirmed events around them, in order: the
+    #: chain's ids up to ``failed_id`` (or all of them) minus these.
+    overtaken: tuple[Overtaken, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -100,16 +136,21 @@ class Publisher(ABC):
     def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
         """Publish ``messages`` (one aggregate, id order) so that a prefix reaches the broker."""
 
-    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]]) -> list[ChainResult]:
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
+                       pipelined: Pipelined | None = None) -> list[ChainResult]:
         """Publish several chains (of different aggregates), one result per chain, in order.
 
         The prefix promise holds per chain; chains are independent of each other, so an
-        implementation may interleave them to share broker round trips. This default
-        publishes them one after the other."""
+        implementation may interleave them to share broker round trips. Events for which
+        ``pipelined`` is true may be sent without waiting for the confirms of the events
+        before them (docs/relay.md, "Pipelined chains"); an implementation may ignore it
+        (strict is always allowed). This default publishes the chains one after the other."""
         return [self.publish_chain(chain) for chain in chains]
 
-    def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
-        """Send a copy of a dead row to the dead-letter exchange, if the publisher has one.
+    def publish_dead(self, message: OutboxMessage, error: str, *,
+                     headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
+        """Send a copy of a dead row to the dead-letter exchange, if the publisher has one,
+        with ``headers`` added to it (the pipelined ``x-outbox-overtaken-*`` ones).
 
         Returns ``None`` on success and when dead-letter publishing is not configured. It is
         best effort: the dead row in the table stays the record of truth.

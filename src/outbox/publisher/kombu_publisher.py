@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import ConfigError
 from ..model import OutboxMessage
@@ -17,9 +18,10 @@ if TYPE_CHECKING:
     from ..config import Settings
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
-from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, UNROUTABLE_POLICIES, ChainResult, FailureKind, Publisher,
-                       PublishFailure)
+from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, UNROUTABLE_POLICIES, ChainResult, FailureKind,
+                       Overtaken, Pipelined, Publisher, PublishFailure)
 from .failures import _connection_lost, failure_from
+from .frames import PublishFrames
 from .message import _encoding_problem, build_headers, checked_headers, encode_body, poison_check
 
 
@@ -27,6 +29,10 @@ from .message import _encoding_problem, build_headers, checked_headers, encode_b
 
 #: A wave verdict: the broker returned the message (no queue bound for its routing key).
 _RETURNED = "returned"
+
+#: A wave's frames are written once this much payload is waiting: one write for a wave of
+#: ordinary events, and large payloads never held twice for the whole wave (memory bound).
+_WRITE_BYTES = 512 * 1024
 
 
 def refused_by_route(routing_key: str, exchange: str) -> PublishFailure:
@@ -38,6 +44,11 @@ def refused_by_route(routing_key: str, exchange: str) -> PublishFailure:
                           f"{routing_key!r} on exchange {exchange!r} is full or unavailable", route=routing_key)
 
 
+#: At most this many events of one pipelined chain are sent before their confirms are
+#: collected (docs/relay.md, "Pipelined chains").
+PIPELINE_WINDOW = 1000
+
+
 class _ChainProgress:
     """How far one chain of a ``publish_chains`` call has got."""
 
@@ -46,6 +57,7 @@ class _ChainProgress:
         self.position = 0
         self.published: list[int] = []
         self.unroutable: list[int] = []
+        self.overtaken: list[Overtaken] = []
         self.failure: PublishFailure | None = None
 
     @property
@@ -56,10 +68,28 @@ class _ChainProgress:
     def going(self) -> bool:
         return self.failure is None and self.position < len(self.chain)
 
+    def window(self, pipelined: Pipelined | None) -> list[OutboxMessage]:
+        """The events this chain sends in the next wave: the next one alone (strict), or,
+        when it opted in to pipelining, it and the opted-in events right after it (up to
+        ``PIPELINE_WINDOW``); a strict event is sent only once everything before it is
+        confirmed."""
+        first = self.next
+        if pipelined is None or not pipelined(first):
+            return [first]
+        end, limit = self.position + 1, min(len(self.chain), self.position + PIPELINE_WINDOW)
+        while end < limit and pipelined(self.chain[end]):
+            end += 1
+        return self.chain[self.position:end]
+
     def advance(self, unroutable: bool = False) -> None:
         self.published.append(self.next.id)
         if unroutable:
             self.unroutable.append(self.next.id)
+        self.position += 1
+
+    def overtake(self, failure: PublishFailure, delivered_after: list[int]) -> None:
+        """The next event failed but later ones of its window were confirmed: pass it."""
+        self.overtaken.append(Overtaken(self.next.id, failure, tuple(delivered_after)))
         self.position += 1
 
     def stop(self, failure: PublishFailure) -> None:
@@ -67,7 +97,8 @@ class _ChainProgress:
 
     def result(self) -> ChainResult:
         failed_id = self.next.id if self.failure is not None else None
-        return ChainResult(tuple(self.published), failed_id, self.failure, tuple(self.unroutable))
+        return ChainResult(tuple(self.published), failed_id, self.failure, tuple(self.unroutable),
+                           tuple(self.overtaken))
 
 
 class KombuPublisher(Publisher):
@@ -105,6 +136,7 @@ class KombuPublisher(Publisher):
         self._unconfirmed: set[int] = set()  # delivery tags the broker has not acked or nacked yet
         self._nacked: set[int] = set()
         self._returned: set[str] = set()  # message ids the broker returned as unroutable
+        self._encoders: dict[tuple[str, bool], PublishFrames] = {}  # per channel: (exchange, mandatory)
 
     @classmethod
     def from_settings(cls, settings: "Settings", **options: Any) -> "KombuPublisher":
@@ -121,11 +153,13 @@ class KombuPublisher(Publisher):
     def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
         return self.publish_chains([messages])[0]
 
-    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]]) -> list[ChainResult]:
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
+                       pipelined: Pipelined | None = None) -> list[ChainResult]:
         with self._lock:
-            return self._publish_waves([list(chain) for chain in chains])
+            return self._publish_waves([list(chain) for chain in chains], pipelined)
 
-    def publish_dead(self, message: OutboxMessage, error: str) -> PublishFailure | None:
+    def publish_dead(self, message: OutboxMessage, error: str, *,
+                     headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
         """Publish a dead row to ``dead_letter_exchange`` (durable topic, routing key = topic)
         with the reason in ``x-outbox-error``. Not mandatory: an unbound dead-letter exchange
         just drops it; the dead row stays in the table for ``outbox dead list/requeue``.
@@ -147,7 +181,9 @@ class KombuPublisher(Publisher):
                     break
             else:  # even the reserved headers cannot go
                 return poisoned
+        extra = headers
         headers = build_headers(message)
+        headers.update(extra or {})
         headers["x-outbox-error"] = (error or "")[:MAX_ERROR_HEADER_CHARS]
         if omitted is not None:
             headers["x-outbox-omitted"] = omitted[:MAX_ERROR_HEADER_CHARS]
@@ -173,32 +209,53 @@ class KombuPublisher(Publisher):
             self._forget()
 
     # -- chains, in waves ----------------------------------------------------------------
-    def _publish_waves(self, chains: list[list[OutboxMessage]]) -> list[ChainResult]:
+    def _publish_waves(self, chains: list[list[OutboxMessage]],
+                       pipelined: Pipelined | None = None) -> list[ChainResult]:
         """Publish several chains (different aggregates) in waves: the next unsent event of
         every chain still going, back to back, then wait until the broker has confirmed (or
         returned, or nacked) every one of them; repeat. Within a chain this is stop-and-wait,
         so what reaches the broker is a prefix of each chain; across chains the round trips
-        are shared, so a task costs as many round trips as its longest chain has events."""
+        are shared, so a task costs as many round trips as its longest chain has events.
+
+        A chain whose next event opted in to pipelining (``pipelined``) sends a window of
+        events in one wave instead (``_ChainProgress.window``); an event of the window the
+        broker did not take while later ones were confirmed is overtaken (``_take``):
+        docs/relay.md, "Pipelined chains"."""
         waves = [_ChainProgress(chain) for chain in chains]
         going = [w for w in waves if w.chain]
         reused = self._usable()  # a connection from an earlier call, maybe dead since
         refused: dict[str, PublishFailure] = {}  # routing key -> its nack
         while going:
-            wave: list[_ChainProgress] = []
+            wave: list[tuple[_ChainProgress, list[OutboxMessage]]] = []
+            messages: list[OutboxMessage] = []
             headers: list[dict[str, Any]] = []
             for w in going:
-                event_headers, poisoned = checked_headers(w.next, self.max_message_bytes)
-                if poisoned is not None:
-                    w.stop(poisoned)
-                else:
-                    wave.append(w)
+                sent: list[OutboxMessage] = []
+                for message in w.window(pipelined):
+                    if sent and message.topic in refused:
+                        break  # sent alone next, where it stops on its refused route
+                    event_headers, poisoned = checked_headers(message, self.max_message_bytes)
+                    if poisoned is not None:
+                        if not sent:
+                            w.stop(poisoned)
+                        break  # a poison event stops its chain when it is next, never overtaken
+                    sent.append(message)
                     headers.append(event_headers)
+                if sent:
+                    wave.append((w, sent))
+                    messages.extend(sent)
             if not wave:
                 break
             try:
                 self._ready()
-                outcomes = self._send_wave([w.next for w in wave], headers)
+                outcomes = self._send_wave(messages, headers)
             except Exception as exc:  # noqa: BLE001 - nothing of this wave is known to be on the broker
+                if (self._returned or self._nacked) and any(len(sent) > 1 for _, sent in wave):
+                    # The one reorder pipelining cannot settle: docs/relay.md, "Pipelined chains".
+                    log.error("outbox publisher connection failed while a pipelined window awaited its confirms, "
+                              "after the broker had refused %d of its events (returned message ids: %s): their "
+                              "retry may arrive after later events of their chain",
+                              len(self._returned) + len(self._nacked), sorted(self._returned) or "none")
                 self._discard()
                 failure = failure_from(exc)
                 if reused and _connection_lost(exc):
@@ -207,31 +264,17 @@ class KombuPublisher(Publisher):
                     reused = False
                     log.info("publisher connection was lost (%s); reconnecting once", failure.reason)
                     continue
-                for w in wave:
+                for w, _ in wave:
                     w.stop(failure)
                 break
             reused = False  # the connection just worked: a later error is not staleness
             broker_wide: PublishFailure | None = None
-            for w, problem in zip(wave, outcomes):
-                if problem is None:
-                    w.advance()
-                elif problem == _RETURNED and self.unroutable == "drop":
-                    log.warning("outbox event %s (%s) was unroutable and is dropped (unroutable='drop')",
-                                w.next.id, w.next.topic)
-                    w.advance(unroutable=True)
-                elif problem == _RETURNED:
-                    w.stop(PublishFailure(
-                        FailureKind.RETRIABLE,
-                        f"unroutable: no queue bound for routing key {w.next.topic!r} on exchange {self.exchange!r}"))
-                else:
-                    w.stop(problem)
-                    if problem.kind is FailureKind.POISON:
-                        pass  # a poison verdict stops its own chain only
-                    elif problem.route is not None:
-                        refused[problem.route] = problem
-                    else:
-                        broker_wide = problem
-            going = [w for w in wave if w.going]
+            at = 0
+            for w, sent in wave:
+                problem = self._take(w, sent, outcomes[at:at + len(sent)], refused)
+                at += len(sent)
+                broker_wide = broker_wide or problem
+            going = [w for w, _ in wave if w.going]
             if broker_wide is not None:
                 # The connection failed mid-wave (transports without confirms): send nothing more;
                 # every chain still going stops at its next event for the same reason.
@@ -247,6 +290,50 @@ class KombuPublisher(Publisher):
                         w.stop(refused[w.next.topic])
                 going = [w for w in going if w.going]
         return [w.result() for w in waves]
+
+    def _take(self, w: _ChainProgress, sent: list[OutboxMessage], verdicts: list[Any],
+              refused: dict[str, PublishFailure]) -> PublishFailure | None:
+        """Apply the broker's verdicts on the events ``w`` sent in one wave, in order: a
+        confirmed event advances the chain; a failed one stops it, unless a later event of
+        the same window was confirmed, which overtook it (``w.overtake``). Records refused
+        routes; returns a broker-wide failure, if any."""
+        failures: list[PublishFailure | None] = []
+        for message, problem in zip(sent, verdicts):
+            if problem is None:
+                failures.append(None)
+            elif problem == _RETURNED and self.unroutable == "drop":
+                log.warning("outbox event %s (%s) was unroutable and is dropped (unroutable='drop')",
+                            message.id, message.topic)
+                failures.append(None)
+            elif problem == _RETURNED:
+                failures.append(PublishFailure(
+                    FailureKind.RETRIABLE,
+                    f"unroutable: no queue bound for routing key {message.topic!r} on exchange {self.exchange!r}"))
+            else:
+                failures.append(problem)
+        # Events that may sit in some queue: confirmed ones, and nacked ones (a nack means one
+        # queue refused it; others bound for its routing key may have taken it). A returned
+        # event reached no queue; a poison one was never sent.
+        reached = [i for i, (failure, problem) in enumerate(zip(failures, verdicts))
+                   if (failure is None and problem != _RETURNED)
+                   or (failure is not None and problem != _RETURNED and failure.route is not None)]
+        broker_wide: PublishFailure | None = None
+        for index, (message, failure) in enumerate(zip(sent, failures)):
+            if failure is None:
+                w.advance(unroutable=verdicts[index] == _RETURNED)
+                continue
+            if verdicts[index] == _RETURNED or failure.kind is FailureKind.POISON:
+                pass  # an unroutable or poison event stops (or is overtaken in) its own chain only
+            elif failure.route is not None:
+                refused[failure.route] = failure
+            else:
+                broker_wide = failure
+            if reached and reached[-1] > index:
+                w.overtake(failure, [sent[i].id for i in reached if i > index])
+            else:
+                w.stop(failure)
+                break
+        return broker_wide
 
     def _send_wave(self, messages: list[OutboxMessage], headers: list[dict[str, Any]]) -> list[Any]:
         """Send ``messages`` and wait for the broker's verdict on each: ``None`` (confirmed),
@@ -273,15 +360,7 @@ class KombuPublisher(Publisher):
                     return verdicts
                 verdicts.append(None)
             return verdicts
-        tags: list[Any] = []
-        for m, h in zip(messages, headers):
-            try:
-                tags.append(self._send(m, h, self.exchange, mandatory=True))
-            except Exception:  # noqa: BLE001
-                poisoned = self._poisoned(m, h)
-                if poisoned is None:
-                    raise
-                tags.append(poisoned)  # nothing of it left: py-amqp encodes a frame before writing it
+        tags = self._send_frames(messages, headers, self.exchange, mandatory=True)
         self._await_confirms()
         verdicts = []
         for message, tag in zip(messages, tags):
@@ -296,6 +375,33 @@ class KombuPublisher(Publisher):
         self._nacked.clear()
         self._returned.clear()
         return verdicts
+
+    def _send_frames(self, messages: Sequence[OutboxMessage], headers: Sequence[dict[str, Any]], exchange: str, *,
+                     mandatory: bool) -> list[int | PublishFailure]:
+        """Send ``messages`` without waiting (py-amqp): each one's delivery tag, or POISON for
+        one that cannot be encoded (nothing of it is written). The frames go in one write, or
+        one per ``_WRITE_BYTES`` of payload (docs/publisher.md, "Fast path"). Raises when the
+        connection fails."""
+        tags: list[int | PublishFailure] = []
+        frames: list[bytes] = []
+        pending = 0
+        for m, h in zip(messages, headers):
+            try:
+                frames += self._frames(m, h, exchange, mandatory=mandatory)
+            except Exception:  # noqa: BLE001
+                poisoned = self._poisoned(m, h)
+                if poisoned is None:
+                    raise
+                tags.append(poisoned)
+                continue
+            tags.append(self._sent())
+            pending += len(m.payload)
+            if pending >= _WRITE_BYTES:
+                self._write(frames)
+                frames, pending = [], 0
+        if frames:
+            self._write(frames)
+        return tags
 
     def _poisoned(self, message: OutboxMessage, headers: dict[str, Any]) -> PublishFailure | None:
         """After a send raised: POISON for this event alone if it cannot be encoded at all."""
@@ -337,6 +443,7 @@ class KombuPublisher(Publisher):
         self._unconfirmed.clear()
         self._nacked.clear()
         self._returned.clear()
+        self._encoders.clear()
         if self._confirms:
             # Confirm mode: the broker acks (or nacks) every message, numbering them from 1
             # on this channel; we send without waiting and collect the verdicts in
@@ -382,6 +489,9 @@ class KombuPublisher(Publisher):
 
     def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> int:
         """Send one message without waiting; returns its delivery tag (0 without confirms)."""
+        if self._confirms:  # py-amqp: our own frames on its channel (docs/publisher.md, "Fast path")
+            self._write(self._frames(message, headers, exchange, mandatory=mandatory))
+            return self._sent()
         self._producer.publish(
             encode_body(message),
             exchange=exchange,
@@ -395,11 +505,46 @@ class KombuPublisher(Publisher):
             timeout=self.confirm_timeout,
             retry=False,
         )
-        if not self._confirms:
-            return 0
+        return 0
+
+    def _frames(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *,
+                mandatory: bool) -> list[bytes]:
+        """The frames of one message (py-amqp only), from the encoder of its exchange and
+        ``mandatory`` flag on the current channel. Raises what py-amqp's encoder would."""
+        encoder = self._encoders.get((exchange, mandatory))
+        if encoder is None:
+            channel = self._channel
+            encoder = PublishFrames(channel.channel_id, channel.connection.frame_max, exchange, mandatory)
+            self._encoders[(exchange, mandatory)] = encoder
+        return encoder.publish(message.topic, headers, message.message_id, encode_body(message))
+
+    def _sent(self) -> int:
+        """Count one more message written on the channel: its delivery tag, now awaited."""
         self._next_tag += 1
         self._unconfirmed.add(self._next_tag)
         return self._next_tag
+
+    def _write(self, frames: list[bytes]) -> None:
+        """Write frames in one go on py-amqp's connection, the way ``Channel.basic_publish``
+        does: frames waiting from the broker (``connection.blocked``, a close) are read
+        first, and a write timeout is a ``RecoverableConnectionError``."""
+        from amqp.exceptions import RecoverableConnectionError
+
+        connection = self._channel.connection
+        if connection is None:
+            raise RecoverableConnectionError("basic_publish: connection closed")
+        if connection.client_properties.get("capabilities", {}).get("connection.blocked", False):
+            try:
+                connection.drain_events(timeout=0)
+            except socket.timeout:
+                pass
+        transport = connection.transport
+        try:
+            with transport.having_timeout(self.confirm_timeout):
+                transport.write(b"".join(frames))
+        except (socket.timeout, TimeoutError):
+            raise RecoverableConnectionError("basic_publish: timed out")
+        connection.bytes_sent += 1
 
     def _discard(self) -> None:
         """Drop the connection after an error, without the protocol's closing handshake
@@ -414,6 +559,7 @@ class KombuPublisher(Publisher):
     def _forget(self) -> None:
         self._conn = self._channel = self._producer = None
         self._pid = None
+        self._encoders.clear()
         self._unconfirmed.clear()
         self._nacked.clear()
         self._returned.clear()

@@ -71,6 +71,8 @@ def checked_headers(message: OutboxMessage,
     headers: dict[str, Any] = {}
     try:
         headers = build_headers(message)
+        if _plainly_fine(message, headers):
+            return headers, None
         shortstr = _shortstr_problem(message, headers)
         if shortstr is not None:
             return headers, PublishFailure(FailureKind.POISON, shortstr)
@@ -91,6 +93,37 @@ def checked_headers(message: OutboxMessage,
         return headers, PublishFailure(FailureKind.POISON,
                                        f"headers cannot be encoded: {type(exc).__name__}: {exc}", exc)
     return headers, None
+
+
+def _plainly_fine(message: OutboxMessage, headers: dict[str, Any]) -> bool:
+    """One pass that clears the common event without the checks below (their verdict would
+    be "no problem"): topic, message_id and header names of at most 63 characters (at most
+    252 bytes), header values that are str, bool, None, 64-bit int or finite float (JSON and
+    AMQP encode them), and a table that even at 4 bytes a character fits MAX_HEADER_BYTES.
+    Anything else is left to those checks, whose verdicts and reasons it never changes."""
+    topic, message_id = message.topic, message.message_id
+    if type(topic) is not str or type(message_id) is not str or len(topic) > 63 or len(message_id) > 63:
+        return False
+    bound = 4  # the table's length prefix
+    for name, value in headers.items():
+        if type(name) is not str or len(name) > 63:
+            return False
+        kind = type(value)
+        if kind is str:
+            bound += 4 * (len(name) + len(value)) + 6
+        elif kind is int:
+            if not -2**63 <= value < 2**63:
+                return False
+            bound += 4 * len(name) + 10
+        elif kind is float:
+            if value - value != 0.0:  # NaN or infinite: not JSON
+                return False
+            bound += 4 * len(name) + 10
+        elif kind is bool or value is None:
+            bound += 4 * len(name) + 3
+        else:
+            return False
+    return bound <= MAX_HEADER_BYTES
 
 
 def _shortstr_problem(message: OutboxMessage, headers: dict[str, Any]) -> str | None:

@@ -1,6 +1,7 @@
 """The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``claim``,
 ``publish`` (the failure policy), ``settle`` (store writes), ``shared`` (breaker, route
-gate, outage log, coalescer). Every name keeps its ``outbox.relay`` import path."""
+gate, outage log, coalescer) over ``state`` (Redis, files or the process), ``resources``
+(what a worker process holds). Every name keeps its ``outbox.relay`` import path."""
 
 from ..config import MAX_OPTION_S, RelayOptions
 from ..model import message_from_dict, message_to_dict
@@ -9,21 +10,22 @@ from ..names import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PU
 from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
 from .publish import (BACKPRESSURE, FATAL, POISON, RETRIABLE, ChainOutcome, handle_chain, handle_publish,
                       still_held)
+from .resources import ResourceHolder, Resources
 from .settle import (MAX_RETRY_S, Fallback, Settler, StoreLike, apply_fallback, purge_expired, retry_delay,
                      send_dead)
-from .shared import (Breaker, Coalescer, FileBreaker, FileCoalescer, FileOutage, FileRouteGate, LocalBreaker, Outage,
-                     RedisBreaker, RedisCoalescer, RedisOutage, RedisRouteGate, RouteGate, breaker_key, make_breaker,
-                     make_coalescer, make_outage, make_relay_outage, make_route_gate)
+from .sizing import ClaimSizer
+from .shared import (Breaker, Coalescer, Outage, RouteGate, breaker_key, make_breaker, make_coalescer, make_outage,
+                     make_relay_outage, make_route_gate)
+from .state import FileState, ProcessState, RedisState, SharedState, open_shared_state
 
 __all__ = [
     "RelayOptions", "MAX_OPTION_S", "retry_delay", "MAX_RETRY_S", "message_to_dict", "message_from_dict",
-    "Breaker", "LocalBreaker", "RedisBreaker", "FileBreaker", "breaker_key", "make_breaker",
-    "RouteGate", "RedisRouteGate", "FileRouteGate", "make_route_gate",
-    "Outage", "RedisOutage", "FileOutage", "make_outage", "ClaimFailed",
-    "Coalescer", "RedisCoalescer", "FileCoalescer", "make_coalescer",
+    "SharedState", "ProcessState", "RedisState", "FileState", "open_shared_state",
+    "Breaker", "breaker_key", "make_breaker", "RouteGate", "make_route_gate",
+    "Outage", "make_outage", "ClaimFailed", "Coalescer", "make_coalescer",
     "StoreLike", "Fallback", "Settler", "ChainOutcome", "handle_chain", "handle_publish", "still_held",
-    "ClaimOutcome", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback", "send_dead",
-    "make_relay_outage", "purge_expired",
+    "ClaimOutcome", "ClaimSizer", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback", "send_dead",
+    "make_relay_outage", "purge_expired", "ResourceHolder", "Resources",
     "RETRIABLE", "BACKPRESSURE", "POISON", "FATAL", "LEASE_EXPIRED",
     "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
     "CLAIM_QUEUE", "PUBLISH_QUEUE", "ACK_QUEUE", "PURGE_QUEUE", "QUEUES",

@@ -17,6 +17,7 @@ from .. import metrics
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
 from .settle import Settler, StoreLike, send_dead
 from .shared import Breaker
+from .sizing import ClaimSizer
 
 
 #: The error kind recorded on a dead-letter copy of a row that went dead on lease expiry.
@@ -92,13 +93,19 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
                  options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
                  queued: Callable[[], int | None] | None = None,
                  settler: Settler | None = None, now: Callable[[], float] = time.time,
-                 publisher: PublisherLike | None = None, publish_inline: Dispatch | None = None) -> ClaimOutcome:
+                 publisher: PublisherLike | None = None, publish_inline: Dispatch | None = None,
+                 claim_again: Callable[[], None] | None = None,
+                 sizer: ClaimSizer | None = None) -> ClaimOutcome:
     """One claim: lease a batch and dispatch its chains as publish tasks.
 
     A small claim (not full, at most ``options.inline_rows`` rows, within the byte budget)
     goes to ``publish_inline(chains, deadline)`` instead, when given: the claim task
     publishes it itself, which saves live traffic a hop through Celery's broker. A
-    backlog (a full claim) is always dispatched, so every publish process gets work.
+    backlog (a full claim) is dispatched, so every publish process gets work; when
+    ``claim_again`` is given too, its first publish task is published here instead, and
+    ``claim_again()`` (the next claim, drain mode) is asked for as soon as the claim has
+    committed and the rest is dispatched, before that publish: docs/relay.md, "Drain mode
+    and coalesced claims".
 
     Rows the claim turned dead (an expired lease with no attempts left: the row keeps
     killing or losing its workers) are sent to the dead-letter exchange through
@@ -111,6 +118,10 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     to claim again at once (drain mode); ``ClaimOutcome.backlog`` whether the next claim
     needs ``queued`` (the caller may pass None after a small claim: live traffic then
     saves that round trip to Celery's broker).
+
+    With a ``sizer`` (one per process), the claim asks for fewer rows than ``batch_size``
+    when recent rows were large, so it reads about ``options.max_batch_bytes`` instead of
+    reading a whole batch and releasing most of it (docs/relay.md, "Memory").
     """
     outcome = ClaimOutcome()
     metrics.refresh(store)  # the in-flight and lag gauges, at most every few seconds
@@ -128,13 +139,16 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
             return outcome
 
     claimed_at, started = now(), time.perf_counter()
+    rows = sizer.rows(batch_size, options.max_batch_bytes) if sizer is not None else batch_size
     try:
-        claim = store.claim(batch_size)
+        claim = store.claim(rows)
     except Exception as exc:
         raise ClaimFailed(exc) from exc
     metrics.claimed(claim, time.perf_counter() - started)
+    if sizer is not None:
+        sizer.observe(claim.messages)
     outcome.claimed = len(claim.messages)
-    outcome.full = outcome.claimed >= batch_size
+    outcome.full = outcome.claimed >= rows
     outcome.dead = len(claim.dead)
     if not claim.messages:
         _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
@@ -152,6 +166,11 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
         publish_inline(chains, deadline)
         _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
         return outcome
+    # A backlog's first share stays here (no hop through Celery's broker), the rest goes out.
+    share = tasks[0] if (publish_inline is not None and claim_again is not None and options.inline_rows > 0
+                         and tasks) else None
+    if share is not None:
+        tasks = tasks[1:]
     for index, task in enumerate(tasks):
         try:
             dispatch(task, deadline)
@@ -168,8 +187,15 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     if over:
         settler.release(over)
         outcome.released = len(over)
-    log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks, %d released",
-             outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks, outcome.released)
+    log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks, %d published here, %d released",
+             outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks,
+             sum(len(chain) for chain in share or ()), outcome.released)
+    if share is not None:
+        if outcome.more:
+            claim_again()  # the next claim runs in another process while this one publishes
+        outcome.inline = True
+        outcome.dispatched += sum(len(chain) for chain in share)
+        publish_inline(share, deadline)
     _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
     return outcome
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..config import RelayOptions
 from ..model import OutboxMessage
-from ..publisher import FailureKind, PublisherLike
+from ..publisher import FailureKind, Overtaken, PublisherLike, overtaken_headers
 from .. import metrics
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
@@ -35,6 +35,9 @@ class ChainOutcome:
     dead: bool = False
     released: list[int] = field(default_factory=list)
     skipped: bool = False  # breaker open or lease too old: nothing was attempted
+    #: Pipelined chains: events overtaken by later ones, dead at once (docs/relay.md,
+    #: "Pipelined chains").
+    overtaken: list[int] = field(default_factory=list)
 
 
 def _kind_of(kind: Any) -> FailureKind:
@@ -65,13 +68,20 @@ class _Report:
     kind: FailureKind | None = None
     reason: str | None = None
     route: str | None = None  # BACKPRESSURE from this routing key only
+    overtaken: tuple[Overtaken, ...] = ()
 
 
-def _publish_all(publisher: PublisherLike, chains: list[list[OutboxMessage]]) -> list[_Report]:
+def _publish_all(publisher: PublisherLike, chains: list[list[OutboxMessage]],
+                 options: RelayOptions = RelayOptions()) -> list[_Report]:
     """One report per chain. A publisher that raises instead of reporting (a bug, or
-    something nobody foresaw) counts against the head of every chain."""
+    something nobody foresaw) counts against the head of every chain. Events that opted
+    in to pipelining (``options.pipelined``) are marked as such for the publisher."""
     try:
-        if hasattr(publisher, "publish_chains"):
+        if hasattr(publisher, "publish_chains") and options.pipelines and any(
+                options.pipelined(m.topic, m.aggregate_type) for chain in chains for m in chain):
+            results = list(publisher.publish_chains(
+                chains, pipelined=lambda m: options.pipelined(m.topic, m.aggregate_type)))
+        elif hasattr(publisher, "publish_chains"):
             results = list(publisher.publish_chains(chains))
         else:  # a publisher with only the one-chain method
             results = [publisher.publish_chain(chain) for chain in chains]
@@ -88,11 +98,12 @@ def _publish_all(publisher: PublisherLike, chains: list[list[OutboxMessage]]) ->
             continue
         result = results[index]
         failure = result.failure
+        overtaken = tuple(getattr(result, "overtaken", ()))
         if failure is None:
-            reports.append(_Report(list(result.published), result.failed_id))
+            reports.append(_Report(list(result.published), result.failed_id, overtaken=overtaken))
         else:
             reports.append(_Report(list(result.published), result.failed_id, _kind_of(failure.kind),
-                                   failure.reason, getattr(failure, "route", None)))
+                                   failure.reason, getattr(failure, "route", None), overtaken))
     return reports
 
 
@@ -189,29 +200,44 @@ def handle_publish(store: StoreLike, publisher: PublisherLike, chains: Iterable[
     started = time.perf_counter()
     reports: list[_Report | None] = [None] * len(chains)
     if sending:
-        for (index, _), report in zip(sending, _publish_all(publisher, [part for _, part in sending])):
+        for (index, _), report in zip(sending, _publish_all(publisher, [part for _, part in sending], options)):
             reports[index] = report
     elapsed = time.perf_counter() - started
 
     outcomes: list[ChainOutcome] = []
+    positions: list[int] = []
     done: dict[str, list[int]] = {}
     for chain, (part, held, _), report in zip(chains, split, reports):
         published = report.published if report is not None else []
-        # Trust only a true prefix of the part sent.
+        overtaken = {o.id: o for o in report.overtaken} if report is not None else {}
+        # Trust only a true prefix of the part sent (passing the events it overtook).
         ids = [m.id for m in part]
-        prefix = 0
-        while prefix < len(published) and prefix < len(ids) and published[prefix] == ids[prefix]:
+        prefix = taken = 0
+        while prefix < len(ids):
+            if taken < len(published) and published[taken] == ids[prefix]:
+                taken += 1
+            elif ids[prefix] not in overtaken:
+                break
             prefix += 1
-        if prefix != len(published):
+        if taken != len(published):
             log.error("outbox publisher reported %s, which is not a prefix of chain %s; acking only %s",
-                      published, ids, ids[:prefix])
-        outcomes.append(ChainOutcome(published=ids[:prefix], skipped=not part))
+                      published, ids, published[:taken])
+        positions.append(prefix)
+        outcome = ChainOutcome(published=published[:taken], skipped=not part)
+        outcomes.append(outcome)
         if part:
-            metrics.chain(chain[:prefix], elapsed, report.kind.value if report is not None and report.kind is not None and prefix < len(ids) else None)
+            metrics.chain([m for m in chain[:prefix] if m.id not in overtaken], elapsed, report.kind.value if report is not None and report.kind is not None and prefix < len(ids) else None)
+        # Overtaken events go dead before the events that overtook them are marked done:
+        # should this process die in between, nothing is left to be published again behind them.
+        debug = log.isEnabledFor(logging.DEBUG)  # describe() per event costs more than the check
         for message in chain[:prefix]:
-            log.debug("outbox published %s", describe(message), extra=log_extra(message, "published"))
-        if prefix:
-            done.setdefault(chain[0].lease, []).extend(ids[:prefix])
+            if message.id in overtaken:
+                _bury_overtaken(publisher, message, overtaken[message.id], settler)
+                outcome.overtaken.append(message.id)
+            elif debug:
+                log.debug("outbox published %s", describe(message), extra=log_extra(message, "published"))
+        if taken:
+            done.setdefault(chain[0].lease, []).extend(published[:taken])
     for lease, ids in done.items():
         settler.done(ids, lease)
 
@@ -219,9 +245,9 @@ def handle_publish(store: StoreLike, publisher: PublisherLike, chains: Iterable[
     if outage is not None and done and not broker_down:
         outage.ok()
     refused: dict[str, float] = {}  # routes refused by this task: each paused once
-    for chain, (part, held, wait), report, outcome in zip(chains, split, reports, outcomes):
-        if len(outcome.published) < len(part):
-            rest = chain[len(outcome.published):]
+    for chain, (part, held, wait), report, outcome, prefix in zip(chains, split, reports, outcomes, positions):
+        if prefix < len(part):
+            rest = chain[prefix:]
             assert report is not None
             _settle_stopped(publisher, rest, report, outcome, options=options, breaker=breaker,
                             settler=settler, rng=rng, routes=routes, refused=refused, outage=outage)
@@ -232,6 +258,25 @@ def handle_publish(store: StoreLike, publisher: PublisherLike, chains: Iterable[
             settler.release(held, timedelta(seconds=wait))
             outcome.released = [m.id for m in held]
     return outcomes
+
+
+def _bury_overtaken(publisher: PublisherLike, message: OutboxMessage, overtaken: Overtaken,
+                    settler: Settler) -> None:
+    """An event of a pipelined chain the broker did not take while later events were
+    confirmed: dead at once, never retried (a retry would arrive after them), and
+    dead-lettered with the ids that overtook it. docs/relay.md, "Pipelined chains"."""
+    failure = overtaken.failure
+    kind = _kind_of(failure.kind)
+    after = overtaken.delivered_after
+    shown = ", ".join(map(str, after[:10])) + (f", ... ({len(after)} in all)" if len(after) > 10 else "")
+    error = (f"{kind}: {failure.reason}; pipelined chain: overtaken by later events already delivered "
+             f"(outbox ids {shown}), so it is not retried")
+    log.error("outbox pipelined event overtaken, dead at once %s error=%r", describe(message), error,
+              extra=log_extra(message, "overtaken"))
+    result = settler.failed(message, error, None, dead=True, dead_headers=overtaken_headers(overtaken))
+    if result is not None and result.applied:
+        metrics.dead()
+        send_dead(publisher, message, error, overtaken_headers(overtaken))
 
 
 def _settle_stopped(publisher: PublisherLike, rest: list[OutboxMessage], report: _Report, outcome: ChainOutcome, *,

@@ -81,9 +81,13 @@ class Settler:
         return self._run("done", {"ids": ids, "lease": lease}, lambda: self.store.mark_done(ids, lease))
 
     def failed(self, message: OutboxMessage, error: str, retry_in: timedelta | None,
-               dead: bool = False) -> FailResult | None:
+               dead: bool = False, dead_headers: Mapping[str, Any] | None = None) -> FailResult | None:
+        """``dead_headers``: added to the dead-letter copy the ack queue sends should this
+        write be handed to it (the caller sends it otherwise)."""
         kwargs = {"message": message_to_dict(message), "error": error,
                   "retry_in_s": retry_in.total_seconds() if retry_in is not None else None, "dead": dead}
+        if dead_headers:
+            kwargs["dead_headers"] = dict(dead_headers)
         return self._run("failed", kwargs, lambda: self.store.mark_failed(
             message.id, message.lease, error, retry_in, dead=dead))
 
@@ -98,10 +102,13 @@ class Settler:
 
 # -- publishing one chain --------------------------------------------------------------------
 
-def send_dead(publisher: PublisherLike, message: OutboxMessage, error: str) -> None:
-    """Best effort: the dead row in the table stays the record of truth."""
+def send_dead(publisher: PublisherLike, message: OutboxMessage, error: str,
+              headers: Mapping[str, Any] | None = None) -> None:
+    """Best effort: the dead row in the table stays the record of truth. ``headers`` are
+    added to the copy (a publisher stand-in without them is called as before)."""
     try:
-        problem = publisher.publish_dead(message, error)
+        problem = (publisher.publish_dead(message, error, headers=headers) if headers
+                   else publisher.publish_dead(message, error))
     except Exception as exc:
         problem = exc
     if problem is not None:
@@ -128,7 +135,7 @@ def apply_fallback(store: StoreLike, publisher: PublisherLike, operation: str, k
         if result.applied and result.dead:
             metrics.dead()
         if result.applied and result.dead and publisher is not None:
-            send_dead(publisher, message, kwargs["error"])
+            send_dead(publisher, message, kwargs["error"], kwargs.get("dead_headers"))
         return result
     raise ValueError(f"unknown operation {operation!r}")
 

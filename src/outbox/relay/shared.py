@@ -1,17 +1,16 @@
-"""State the relay's processes share: the circuit breaker, the paused routes, the outage
-log and the claim-request coalescer, each in Redis (Celery's broker is Redis) or in a
-file (one host), or local to the process. Why each exists: docs/relay.md."""
+"""The policies over the state the relay's processes share (``relay.state``): the circuit
+breaker, the paused routes, the outage log and the claim-request coalescer (docs/relay.md)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from typing import Any
+
+from .state import ProcessState, SharedState, open_shared_state
 
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
@@ -23,30 +22,29 @@ class Breaker:
     """Pauses claiming while the destination broker is down or misconfigured.
 
     The state is "open until <time>, because <reason>". ``trip`` only ever extends it,
-    so a short back-pressure pause never shortens a fatal one. Subclasses share the
-    state between processes; this base class keeps it in the process and caches the
-    shared state for ``cache_s`` so checking it on every chain stays cheap.
+    so a short back-pressure pause never shortens a fatal one. It is shared through
+    ``state`` under ``key`` (it expires when the pause ends); each process keeps its own
+    copy and reads the shared one at most every ``cache_s``, so checking it on every
+    chain stays cheap.
     """
 
     cache_s = 0.25
 
-    def __init__(self) -> None:
+    def __init__(self, state: SharedState | None = None, key: str = "outbox:breaker") -> None:
+        self.state: SharedState = state if state is not None else ProcessState()
+        self.key = key
         self._until = 0.0
         self._reason = ""
         self._checked = 0.0
         self._lock = threading.Lock()
 
-    # shared-state hooks ------------------------------------------------------------------
     def _read(self) -> tuple[float, str] | None:
-        return None
+        raw = self.state.get(self.key)
+        if not raw:
+            return None
+        data = json.loads(raw)
+        return float(data["until"]), str(data.get("reason", ""))
 
-    def _write(self, until: float, reason: str) -> None:
-        pass
-
-    def _clear(self) -> None:
-        pass
-
-    # public --------------------------------------------------------------------------------
     def open_for(self, now: float | None = None) -> float:
         """Seconds until claims may resume; 0 when closed."""
         now = time.time() if now is None else now
@@ -76,7 +74,7 @@ class Breaker:
         try:
             shared = self._read()
             if shared is None or shared[0] < until:
-                self._write(until, reason)
+                self.state.set(self.key, json.dumps({"until": until, "reason": reason}), until - time.time())
         except Exception as exc:
             log.warning("outbox breaker: cannot share state (this process pauses alone): %s", exc)
         return until
@@ -85,71 +83,9 @@ class Breaker:
         with self._lock:
             self._until, self._reason, self._checked = 0.0, "", 0.0
         try:
-            self._clear()
+            self.state.delete(self.key)
         except Exception as exc:
             log.warning("outbox breaker: cannot clear shared state: %s", exc)
-
-
-class LocalBreaker(Breaker):
-    """State in this process only (tests; the in-memory Celery broker runs in one process)."""
-
-
-class RedisBreaker(Breaker):
-    """State in a key of Celery's Redis broker, with a TTL: every worker on every host
-    sees it, and it closes by itself when the key expires."""
-
-    def __init__(self, url: str, key: str) -> None:
-        super().__init__()
-        import redis  # the redis extra; Celery's Redis transport needs it anyway
-
-        self.key = key
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-
-    def _read(self) -> tuple[float, str] | None:
-        raw = self.client.get(self.key)
-        if not raw:
-            return None
-        data = json.loads(raw)
-        return float(data["until"]), str(data.get("reason", ""))
-
-    def _write(self, until: float, reason: str) -> None:
-        ttl_ms = max(1, int((until - time.time()) * 1000))
-        self.client.set(self.key, json.dumps({"until": until, "reason": reason}), px=ttl_ms)
-
-    def _clear(self) -> None:
-        self.client.delete(self.key)
-
-
-class FileBreaker(Breaker):
-    """State in a small file: shared by the worker processes of one host. Used when
-    Celery's broker is not Redis; other hosts find out when their own publishes fail
-    (and the rows they release wait out the pause anyway)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def _read(self) -> tuple[float, str] | None:
-        try:
-            with open(self.path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except FileNotFoundError:
-            return None
-        except ValueError:  # caught mid-replace or damaged: ignore
-            return None
-        return float(data["until"]), str(data.get("reason", ""))
-
-    def _write(self, until: float, reason: str) -> None:
-        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"until": until, "reason": reason}, fh)
-        os.replace(tmp, self.path)
-
-    def _clear(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def breaker_key(database_url: str, table: str, publish_url: str, exchange: str) -> str:
@@ -159,15 +95,8 @@ def breaker_key(database_url: str, table: str, publish_url: str, exchange: str) 
 
 
 def make_breaker(celery_broker_url: str, key: str) -> Breaker:
-    """Redis when Celery's broker is Redis, else a file in the temp directory, else local."""
-    if celery_broker_url.startswith(("redis://", "rediss://")):
-        try:
-            return RedisBreaker(celery_broker_url, key)
-        except ImportError:
-            pass
-    if celery_broker_url.startswith("memory://"):
-        return LocalBreaker()
-    return FileBreaker(os.path.join(tempfile.gettempdir(), key.replace(":", "-") + ".json"))
+    """Shared through the task runner's broker URL (``open_shared_state``)."""
+    return Breaker(open_shared_state(celery_broker_url), key)
 
 
 # -- per-route back-pressure -------------------------------------------------------------------
@@ -184,37 +113,31 @@ class RouteGate:
     ``paused(route)`` says how long it still waits; the relay releases (no attempt spent) the
     rows of a paused route with that delay, without sending them.
 
-    The state is a map route -> (until, step). Subclasses share it between processes (one
-    Redis hash, a file); each process caches the shared map for ``cache_s``.
+    The state is a map route -> (until, step), shared through ``state`` as the fields of
+    ``key`` (kept while any route was refused recently); each process caches it for ``cache_s``.
     """
 
     cache_s = 0.25
 
-    def __init__(self) -> None:
+    def __init__(self, state: SharedState | None = None, key: str = "outbox:routes") -> None:
+        self.state: SharedState = state if state is not None else ProcessState()
+        self.key = key
         self._routes: dict[str, tuple[float, float]] = {}
         self._checked = 0.0
         self._lock = threading.Lock()
 
-    # shared-state hooks ------------------------------------------------------------------
-    def _read(self) -> dict[str, tuple[float, float]] | None:
-        return None
-
-    def _write(self, route: str, until: float, step: float, keep_s: float) -> None:
-        pass
-
-    # public --------------------------------------------------------------------------------
     def _current(self, now: float) -> dict[str, tuple[float, float]]:
         with self._lock:
             if now - self._checked >= self.cache_s:
                 self._checked = now
                 try:
-                    shared = self._read()
+                    shared = {route: json.loads(value) for route, value in self.state.get_fields(self.key).items()}
                 except Exception as exc:  # the shared store is down: decide locally
                     log.debug("outbox route gate: cannot read shared state: %s", exc)
-                    shared = None
-                for route, (until, step) in (shared or {}).items():
+                    shared = {}
+                for route, (until, step) in shared.items():
                     if until > self._routes.get(route, (0.0, 0.0))[0]:
-                        self._routes[route] = (until, step)
+                        self._routes[route] = (float(until), float(step))
             return self._routes
 
     def paused(self, route: str, now: float | None = None) -> float:
@@ -244,73 +167,15 @@ class RouteGate:
             for old in [r for r, (u, st) in self._routes.items() if u + 2 * st < now]:
                 del self._routes[old]
         try:
-            self._write(route, until, step, keep_s=3 * max_s)
+            self.state.set_field(self.key, route, json.dumps([until, step]), until - time.time() + 3 * max_s)
         except Exception as exc:
             log.warning("outbox route gate: cannot share state (this process pauses the route alone): %s", exc)
         return step, True
 
 
-class RedisRouteGate(RouteGate):
-    """One Redis hash (route -> [until, step]) next to the breaker's key, with a TTL that
-    every refusal extends: all workers on all hosts pause a refused route together."""
-
-    def __init__(self, url: str, key: str) -> None:
-        super().__init__()
-        import redis
-
-        self.key = key
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-
-    def _read(self) -> dict[str, tuple[float, float]] | None:
-        raw = self.client.hgetall(self.key)
-        found = {}
-        for route, value in raw.items():
-            until, step = json.loads(value)
-            found[route.decode("utf-8", "replace")] = (float(until), float(step))
-        return found
-
-    def _write(self, route: str, until: float, step: float, keep_s: float) -> None:
-        pipe = self.client.pipeline()
-        pipe.hset(self.key, route, json.dumps([until, step]))
-        pipe.pexpire(self.key, max(1, int((until - time.time() + keep_s) * 1000)))
-        pipe.execute()
-
-
-class FileRouteGate(RouteGate):
-    """The map in a small JSON file: the worker processes of one host."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def _read(self) -> dict[str, tuple[float, float]] | None:
-        try:
-            with open(self.path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (FileNotFoundError, ValueError):
-            return None
-        return {route: (float(v[0]), float(v[1])) for route, v in data.items()}
-
-    def _write(self, route: str, until: float, step: float, keep_s: float) -> None:
-        data = {r: [u, st] for r, (u, st) in (self._read() or {}).items() if u + keep_s > time.time()}
-        data[route] = [until, step]
-        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, self.path)
-
-
 def make_route_gate(celery_broker_url: str, key: str) -> RouteGate:
-    """Shared like the breaker: Redis when Celery's broker is Redis, else a file, else local."""
-    key = key + ":routes"
-    if celery_broker_url.startswith(("redis://", "rediss://")):
-        try:
-            return RedisRouteGate(celery_broker_url, key)
-        except ImportError:
-            pass
-    if celery_broker_url.startswith("memory://"):
-        return RouteGate()
-    return FileRouteGate(os.path.join(tempfile.gettempdir(), key.replace(":", "-") + ".json"))
+    """Shared like the breaker, under the breaker's key + ``:routes``."""
+    return RouteGate(open_shared_state(celery_broker_url), key + ":routes")
 
 
 # -- outages, logged like an operator wants ----------------------------------------------------
@@ -323,28 +188,31 @@ class Outage:
     the traceback when there is one). ``ok()`` after failures logs one INFO line with how long
     it lasted. ``ok()`` costs nothing while there is no outage.
 
-    Workers share the announcement (subclasses): only the process that first sees the
-    outage warns, and only the first to see it end says so. The shared flag expires after
-    ``remind_s``, so an outage that goes on is announced again that often.
+    Workers share the announcement through ``state``: only the process that first sees the
+    outage warns (it sets ``key``), and only the first to see it end says so (it deletes
+    ``key``). The key expires after ``remind_s``, so an outage that goes on is announced
+    again that often.
     """
 
     remind_s = 600.0
 
-    def __init__(self, what: str, where: str, meanwhile: str, logger: logging.Logger | None = None) -> None:
+    def __init__(self, what: str, where: str, meanwhile: str, logger: logging.Logger | None = None,
+                 state: SharedState | None = None, key: str = "outbox:outage") -> None:
         self.what, self.where, self.meanwhile = what, where, meanwhile
         self.log = logger or log
+        self.state: SharedState = state if state is not None else ProcessState()
+        self.key = key
         self._since: float | None = None
         self._failures = 0
         self._lock = threading.Lock()
 
-    # shared-state hooks ------------------------------------------------------------------
     def _begin(self) -> bool:
         """True when this process is the first to report the outage."""
-        return True
+        return self.state.set_if_absent(self.key, "1", self.remind_s)
 
     def _end(self) -> bool:
         """True when this process is the first to report its end."""
-        return True
+        return self.state.delete(self.key)
 
     @property
     def down(self) -> bool:
@@ -391,58 +259,11 @@ class Outage:
             self.log.debug("outbox: %s reachable again from this process after %d failures", self.what, failures)
 
 
-class RedisOutage(Outage):
-    def __init__(self, url: str, key: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        import redis
-
-        self.key = key
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-
-    def _begin(self) -> bool:
-        return bool(self.client.set(self.key, b"1", nx=True, px=int(self.remind_s * 1000)))
-
-    def _end(self) -> bool:
-        return bool(self.client.delete(self.key))
-
-
-class FileOutage(Outage):
-    def __init__(self, path: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.path = path
-
-    def _begin(self) -> bool:
-        try:
-            if time.time() - os.path.getmtime(self.path) > self.remind_s:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        try:
-            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-            return True
-        except FileExistsError:
-            return False
-
-    def _end(self) -> bool:
-        try:
-            os.unlink(self.path)
-            return True
-        except FileNotFoundError:
-            return False
-
-
 def make_outage(celery_broker_url: str, key: str, what: str, where: str, meanwhile: str,
                 logger: logging.Logger | None = None) -> Outage:
-    """Shared like the breaker: Redis when Celery's broker is Redis, else a file, else local."""
-    key = f"{key}:outage:{what.replace(' ', '-')}"
-    if celery_broker_url.startswith(("redis://", "rediss://")):
-        try:
-            return RedisOutage(celery_broker_url, key, what, where, meanwhile, logger)
-        except ImportError:
-            pass
-    if celery_broker_url.startswith("memory://"):
-        return Outage(what, where, meanwhile, logger)
-    return FileOutage(os.path.join(tempfile.gettempdir(), key.replace(":", "-")), what, where, meanwhile, logger)
+    """Shared like the breaker, under the breaker's key + ``:outage:<what>``."""
+    return Outage(what, where, meanwhile, logger, open_shared_state(celery_broker_url),
+                  f"{key}:outage:{what.replace(' ', '-')}")
 
 
 # -- coalesced claim requests ----------------------------------------------------------------
@@ -453,92 +274,33 @@ class Coalescer:
     Whoever wants a claim soon (a publish task that just freed its aggregates, a claim
     that came back full, a post-commit wake-up) calls ``acquire``; only the first caller
     gets True and sends the claim task, which calls ``clear`` as it starts, so requests
-    made while it runs lead to exactly one more claim. The token expires after ``ttl_s``
-    in case that claim task is lost; beat's ticks carry on regardless.
+    made while it runs lead to exactly one more claim. The token (``key`` in ``state``)
+    expires after ``ttl_s`` in case that claim task is lost; beat's ticks carry on regardless.
     """
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, state: SharedState | None = None,
+                 key: str = "outbox:claim-requested") -> None:
         self.ttl_s = ttl_s
-        self._lock = threading.Lock()
-        self._held_until = 0.0
-
-    def acquire(self) -> bool:
-        with self._lock:
-            now = time.time()
-            if self._held_until > now:
-                return False
-            self._held_until = now + self.ttl_s
-            return True
-
-    def clear(self) -> None:
-        with self._lock:
-            self._held_until = 0.0
-
-
-class RedisCoalescer(Coalescer):
-    def __init__(self, url: str, key: str, ttl_s: float) -> None:
-        super().__init__(ttl_s)
-        import redis
-
+        self.state: SharedState = state if state is not None else ProcessState()
         self.key = key
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
 
     def acquire(self) -> bool:
         try:
-            return bool(self.client.set(self.key, b"1", nx=True, px=max(1, int(self.ttl_s * 1000))))
-        except Exception as exc:  # Redis is Celery's broker: if it is down, sending fails anyway
+            return self.state.set_if_absent(self.key, "1", self.ttl_s)
+        except Exception as exc:  # the state lives in the runner's broker: if it is down, sending fails anyway
             log.debug("outbox: claim request token unavailable (%s); requesting anyway", exc)
             return True
 
     def clear(self) -> None:
         try:
-            self.client.delete(self.key)
+            self.state.delete(self.key)
         except Exception as exc:
             log.debug("outbox: cannot clear the claim request token: %s", exc)
 
 
-class FileCoalescer(Coalescer):
-    """The token is a file created exclusively; one older than ``ttl_s`` is stale."""
-
-    def __init__(self, path: str, ttl_s: float) -> None:
-        super().__init__(ttl_s)
-        self.path = path
-
-    def acquire(self) -> bool:
-        for _ in range(2):
-            try:
-                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-                return True
-            except FileExistsError:
-                try:
-                    if time.time() - os.path.getmtime(self.path) < self.ttl_s:
-                        return False
-                    os.unlink(self.path)  # stale: its claim was lost
-                except FileNotFoundError:
-                    pass
-            except OSError as exc:
-                log.debug("outbox: claim request token unavailable (%s); requesting anyway", exc)
-                return True
-        return False
-
-    def clear(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
 def make_coalescer(celery_broker_url: str, key: str, ttl_s: float) -> Coalescer:
-    """Shared like the breaker: Redis when Celery's broker is Redis, else a file, else local."""
-    key = key + ":claim-requested"
-    if celery_broker_url.startswith(("redis://", "rediss://")):
-        try:
-            return RedisCoalescer(celery_broker_url, key, ttl_s)
-        except ImportError:
-            pass
-    if celery_broker_url.startswith("memory://"):
-        return Coalescer(ttl_s)
-    return FileCoalescer(os.path.join(tempfile.gettempdir(), key.replace(":", "-")), ttl_s)
+    """Shared like the breaker, under the breaker's key + ``:claim-requested``."""
+    return Coalescer(ttl_s, open_shared_state(celery_broker_url), key + ":claim-requested")
 
 
 def make_relay_outage(which: str, settings: Any, options: Any, shared_url: str,

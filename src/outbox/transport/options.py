@@ -8,22 +8,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..config import DATABASE_BROKER_SCHEME as SCHEME  # the URL scheme prefix: ``outboxdb+postgresql://...``
+from ..config import TRANSPORT_PREFIX, TRANSPORT_SETTINGS
 from ..errors import ConfigError
-
-#: Setting -> (transport option, type, lower bound, upper bound).
-TRANSPORT_SETTINGS: dict[str, tuple[str, type, float, float]] = {
-    "OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S": ("visibility_timeout", float, 1.0, 30 * 86_400.0),
-    "OUTBOX_TRANSPORT_POLLING_INTERVAL_S": ("polling_interval", float, 0.01, 60.0),
-    "OUTBOX_TRANSPORT_RECEIVE_BATCH": ("receive_batch", int, 1, 1000),
-    "OUTBOX_TRANSPORT_QUEUE_TABLE": ("queue_table", str, 0, 0),
-}
 
 
 def transport_options(*sources: Mapping[str, Any], visibility_timeout: float) -> dict[str, Any]:
     """kombu transport options from the first source that sets each OUTBOX_TRANSPORT_*
     name; ``visibility_timeout`` is the default when none does."""
     unknown = [k for source in sources for k in source
-               if k.startswith("OUTBOX_TRANSPORT_") and k not in TRANSPORT_SETTINGS]
+               if k.startswith(TRANSPORT_PREFIX) and k not in TRANSPORT_SETTINGS]
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]} (known: {', '.join(TRANSPORT_SETTINGS)})")
     options: dict[str, Any] = {"visibility_timeout": visibility_timeout, "polling_interval": 1.0}

@@ -1,0 +1,53 @@
+"""Commands' failures as one line on stderr and exit status 1, passwords masked: the
+decorator of every ``outbox`` command, ``outbox pipeline``'s too."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import click
+
+from .errors import OutboxError
+from .redact import redact
+
+
+def _one_line(text: str, first_line: bool) -> str:
+    if first_line:  # Spark's errors run to pages: the first line says what failed
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return (lines[0] if lines else "")[:300]
+    return " ".join(text.split())
+
+
+def one_line_errors(command: Callable[..., Any] | None = None, *,
+                    explain: Callable[[Exception], str | None] | None = None,
+                    first_line: bool = False) -> Any:
+    """Turn any failure of ``command`` into ``error: ...`` on stderr and exit status 1.
+
+    ``explain`` may put a driver error in the user's terms (None: it cannot);
+    ``first_line`` keeps only an error's first line."""
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(command)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return command(*args, **kwargs)
+            except (click.exceptions.Exit, click.ClickException, click.Abort):
+                raise
+            except OutboxError as exc:
+                click.echo(redact(f"error: {_one_line(str(exc), first_line)}"), err=True)
+            except Exception as exc:  # driver errors: explained when we can, else the type in one line
+                hint = None
+                if explain is not None:
+                    try:
+                        hint = explain(exc)
+                    except Exception:  # explaining must never hide the original error
+                        hint = None
+                detail = _one_line(str(exc), first_line) or type(exc).__name__
+                click.echo(redact(f"error: {hint}" if hint else f"error: {type(exc).__name__}: {detail}"), err=True)
+            sys.exit(1)
+        return wrapper
+    return decorate if command is None else decorate(command)
+
+
+__all__ = ["one_line_errors"]

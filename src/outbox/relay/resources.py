@@ -1,0 +1,125 @@
+"""What a relay worker process holds, for every task runner (``outbox.worker`` for Celery,
+``outbox.dramatiq``): why per process and per thread, docs/relay.md, "Worker processes"."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..config import RelayOptions, Settings
+from ..publisher import KombuPublisher, Publisher
+from ..store import OutboxStore
+from .settle import Fallback, Settler
+from .sizing import ClaimSizer
+from .shared import (Breaker, Coalescer, Outage, RouteGate, breaker_key, make_breaker, make_coalescer,
+                     make_relay_outage, make_route_gate)
+
+log = logging.getLogger("outbox.relay")
+
+#: What the holder is made from, read when a process first needs it: the relay's settings,
+#: its options, the task runner's broker URL (where the shared state lives) and the key of
+#: the claim queue's one claim-request token (``outbox.names.claim_request_key``).
+Config = Callable[[], "tuple[Settings, RelayOptions, str, str]"]
+
+
+@dataclass
+class Resources:
+    """One thread's connections: never shared between threads, never inherited over fork."""
+
+    pid: int
+    store: OutboxStore
+    publisher: Publisher
+    settler: Settler
+    #: Claims sized by bytes (docs/relay.md, "Memory: claims sized by bytes").
+    sizer: ClaimSizer
+
+
+@dataclass
+class Shared:
+    """One process's objects over the shared state (``relay.shared``)."""
+
+    pid: int
+    breaker: Breaker
+    coalescer: Coalescer
+    routes: RouteGate
+    outages: dict[str, Outage] = field(default_factory=dict)
+
+    def outage(self, which: str) -> Outage:
+        """The outage log of ``which`` ("database" or "destination broker")."""
+        return self.outages[which]
+
+
+class ResourceHolder:
+    """The store, publisher, settler and claim sizer of each thread, and the breaker, claim coalescer,
+    route gate and outage logs of the process; made on first use, made afresh in a forked
+    child, closed together."""
+
+    def __init__(self, config: Config, fallback: Fallback, logger: logging.Logger | None = None) -> None:
+        self._config = config
+        self._fallback = fallback
+        self._log = logger or log
+        self._local = threading.local()
+        self._made: list[Resources] = []
+        #: Inherited over fork() (e.g. the main process's in-process claim made them): kept
+        #: referenced, never used or closed, so no finalizer closes the parent's connections.
+        self._inherited: list[Resources] = []
+        self._shared: Shared | None = None
+        self._lock = threading.Lock()
+
+    def resources(self) -> Resources:
+        """This thread's store, publisher and settler."""
+        r: Resources | None = getattr(self._local, "resources", None)
+        if r is None or r.pid != os.getpid():
+            settings, options, _, _ = self._config()
+            store = OutboxStore.from_settings(settings)
+            publisher = KombuPublisher.from_settings(settings, max_message_bytes=options.max_message_bytes)
+            r = Resources(os.getpid(), store, publisher, Settler(store, self._fallback),
+                          ClaimSizer.at_start(settings.max_payload_bytes))
+            self._local.resources = r
+            with self._lock:
+                self._made.append(r)
+        return r
+
+    def shared(self) -> Shared:
+        """This process's breaker, coalescer, route gate and outage logs."""
+        with self._lock:
+            if self._shared is None or self._shared.pid != os.getpid():
+                settings, options, url, claim_key = self._config()
+                key = breaker_key(settings.database_url, settings.table, settings.publish_url, settings.exchange)
+                self._shared = Shared(os.getpid(), make_breaker(url, key),
+                                      make_coalescer(url, claim_key, options.claim_request_ttl_s),
+                                      make_route_gate(url, key),
+                                      {which: make_relay_outage(which, settings, options, url, self._log)
+                                       for which in ("database", "destination broker")})
+            return self._shared
+
+    def outage(self, which: str) -> Outage:
+        return self.shared().outage(which)
+
+    def close(self) -> None:
+        """Close what this process made (every thread's connections) and forget it all."""
+        with self._lock:
+            mine = [r for r in self._made if r.pid == os.getpid()]
+            self._made.clear()
+            self._shared = None
+            self._local = threading.local()
+        for r in mine:
+            for closable in (r.publisher, r.store):
+                try:
+                    closable.close()
+                except Exception:  # closing after a failure may fail again
+                    self._log.debug("outbox: error closing %r", closable, exc_info=True)
+
+    def forget(self) -> None:
+        """In a forked child: stop using what was inherited, without closing it (it is the parent's)."""
+        with self._lock:
+            self._inherited.extend(self._made)
+            self._made.clear()
+            self._shared = None
+            self._local = threading.local()
+
+
+__all__ = ["ResourceHolder", "Resources", "Shared", "Config"]

@@ -1,0 +1,227 @@
+"""The storage under the state the relay's processes share (docs/relay.md, "Shared state"):
+a few primitives with expiry, kept in Redis, in files of one directory, or in the process.
+
+The policies over it (breaker, route gate, outage log, coalescer) are in ``relay.shared``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from typing import Any, Protocol
+
+
+class SharedState(Protocol):
+    """Keys with a time to live. A key is a string, or a map of fields (one TTL for the map)."""
+
+    def get(self, key: str) -> str | None:
+        """The value of ``key``; None when it is absent or expired."""
+
+    def set(self, key: str, value: str, ttl_s: float) -> None:
+        """Write ``key``; it expires ``ttl_s`` from now."""
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float) -> bool:
+        """Write ``key`` only if no live value is there, atomically: True for the one caller that wrote it."""
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True when a live value was there."""
+
+    def get_fields(self, key: str) -> dict[str, str]:
+        """The fields of the map ``key``; empty when it is absent or expired."""
+
+    def set_field(self, key: str, field: str, value: str, ttl_s: float) -> None:
+        """Write one field of the map ``key``, leaving the others; the whole map expires ``ttl_s`` from now."""
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class ProcessState:
+    """In this process only (tests; Celery's in-memory broker runs in one process)."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+
+    def _live(self, key: str, now: float) -> Any:
+        item = self._items.get(key)
+        if item is not None and item[0] <= now:
+            del self._items[key]
+            return None
+        return None if item is None else item[1]
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            value = self._live(key, time.time())
+        return value if isinstance(value, str) else None
+
+    def set(self, key: str, value: str, ttl_s: float) -> None:
+        with self._lock:
+            self._items[key] = (time.time() + ttl_s, value)
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float) -> bool:
+        with self._lock:
+            now = time.time()
+            if self._live(key, now) is not None:
+                return False
+            self._items[key] = (now + ttl_s, value)
+            return True
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            found = self._live(key, time.time()) is not None
+            self._items.pop(key, None)
+        return found
+
+    def get_fields(self, key: str) -> dict[str, str]:
+        with self._lock:
+            value = self._live(key, time.time())
+        return dict(value) if isinstance(value, dict) else {}
+
+    def set_field(self, key: str, field: str, value: str, ttl_s: float) -> None:
+        with self._lock:
+            now = time.time()
+            fields = self._live(key, now)
+            fields = dict(fields) if isinstance(fields, dict) else {}
+            fields[field] = value
+            self._items[key] = (now + ttl_s, fields)
+
+
+class RedisState:
+    """In Redis (the task runner's broker): every worker on every host; Redis expires the keys."""
+
+    def __init__(self, url: str) -> None:
+        import redis  # the redis extra; Celery's and Dramatiq's Redis brokers need it anyway
+
+        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+    def get(self, key: str) -> str | None:
+        raw = self.client.get(key)
+        return None if raw is None else raw.decode("utf-8", "replace")
+
+    def set(self, key: str, value: str, ttl_s: float) -> None:
+        self.client.set(key, value, px=_ms(ttl_s))
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float) -> bool:
+        return bool(self.client.set(key, value, nx=True, px=_ms(ttl_s)))
+
+    def delete(self, key: str) -> bool:
+        return bool(self.client.delete(key))
+
+    def get_fields(self, key: str) -> dict[str, str]:
+        return {f.decode("utf-8", "replace"): v.decode("utf-8", "replace")
+                for f, v in self.client.hgetall(key).items()}
+
+    def set_field(self, key: str, field: str, value: str, ttl_s: float) -> None:
+        pipe = self.client.pipeline()
+        pipe.hset(key, field, value)
+        pipe.pexpire(key, _ms(ttl_s))
+        pipe.execute()
+
+
+class FileState:
+    """One small JSON file per key in ``directory``: the worker processes of one host.
+
+    A file holds ``{"expires": <time>, "value": ...}``. Writes go to a temporary file that
+    is then renamed over the key (``set``) or hard-linked to it (``set_if_absent``: the link
+    fails if the key exists), so a reader never sees half a file.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.directory, re.sub(r"[^A-Za-z0-9._-]", "-", key))
+
+    def _read(self, key: str) -> Any:
+        try:
+            with open(self.path(key), encoding="utf-8") as fh:
+                data = json.load(fh)
+            if float(data["expires"]) > time.time():
+                return data["value"]
+        except FileNotFoundError:
+            pass
+        except (ValueError, KeyError, TypeError):  # damaged: as good as absent
+            pass
+        return None
+
+    def _staged(self, key: str, value: Any, ttl_s: float) -> str:
+        tmp = f"{self.path(key)}.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"expires": time.time() + ttl_s, "value": value}, fh)
+        return tmp
+
+    def get(self, key: str) -> str | None:
+        value = self._read(key)
+        return value if isinstance(value, str) else None
+
+    def set(self, key: str, value: Any, ttl_s: float) -> None:
+        os.replace(self._staged(key, value, ttl_s), self.path(key))
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float) -> bool:
+        tmp = self._staged(key, value, ttl_s)
+        try:
+            for _ in range(2):
+                try:
+                    os.link(tmp, self.path(key))
+                    return True
+                except FileExistsError:
+                    if self._read(key) is not None:
+                        return False
+                    self._unlink(key)  # expired: its holder is gone
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def _unlink(self, key: str) -> bool:
+        try:
+            os.unlink(self.path(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def delete(self, key: str) -> bool:
+        live = self._read(key) is not None
+        return self._unlink(key) and live
+
+    def get_fields(self, key: str) -> dict[str, str]:
+        value = self._read(key)
+        return dict(value) if isinstance(value, dict) else {}
+
+    def set_field(self, key: str, field: str, value: str, ttl_s: float) -> None:
+        # Read, change, replace: two processes writing at once may lose one field, which
+        # then lives on in the process that wrote it (each process keeps its own copy).
+        fields = self.get_fields(key)
+        fields[field] = value
+        self.set(key, fields, ttl_s)
+
+
+_redis: dict[tuple[int, str], RedisState] = {}
+_redis_lock = threading.Lock()
+
+
+def open_shared_state(url: str) -> SharedState:
+    """Where the state lives, chosen from the task runner's broker URL: Redis when it is
+    Redis (one client per process and URL, so one connection pool), the process for
+    ``memory://`` (a new one each call, as nothing outside it could share it), else files
+    in the temp directory (one host)."""
+    if url.startswith(("redis://", "rediss://")):
+        try:
+            with _redis_lock:
+                key = (os.getpid(), url)
+                if key not in _redis:
+                    _redis[key] = RedisState(url)
+                return _redis[key]
+        except ImportError:
+            pass
+    if url.startswith("memory://"):
+        return ProcessState()
+    return FileState(tempfile.gettempdir())
+
+
+__all__ = ["SharedState", "ProcessState", "RedisState", "FileState", "open_shared_state"]

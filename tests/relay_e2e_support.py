@@ -1,0 +1,512 @@
+"""What the end-to-end tests share (tests/test_relay_e2e.py, tests/test_recovery_e2e.py and
+the other ``*_e2e`` tests): real ``celery -A outbox worker`` / ``beat`` processes (or the
+Dramatiq runner, tests/runners.py), Redis as Celery's broker, RabbitMQ as the destination,
+and the outbox on SQLite (a file), PostgreSQL and MariaDB/MySQL. Each test gets its own
+outbox table (dropped afterwards), its own exchange and queues on RabbitMQ and its own key
+prefix on Redis, so runs never see each other. Test modules import the fixtures by name.
+
+Skipped when a service is not reachable, unless OUTBOX_REQUIRE_SERVICES is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from outbox import Status, enqueue
+from outbox.engines.sqlite import sqlite_path
+from outbox.store import OutboxStore
+
+from runners import CELERY as CELERY_RUNNER, RUNNERS
+from services import AMQP_URL, MYSQL_URL, POSTGRES_URL, REDIS_URL, require
+
+
+CELERY = str(Path(sys.executable).parent / "celery")
+
+
+#: The engines the relay is run against end to end (SQL Server: tests/test_mssql_live.py).
+DB_KINDS = ["sqlite", "postgresql", "mysql"]
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+class Procs:
+    """Relay processes of one test: every one is killed (with its children) at teardown."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str], runner: Any = CELERY_RUNNER) -> None:
+        self.tmp_path = tmp_path
+        self.env = env
+        self.runner = runner  # tests/runners.py: Celery or Dramatiq
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopped: set[str] = set()  # stopped on purpose: their exit is not a failure
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """``celery -A outbox <args>``."""
+        return self.spawn(name, [CELERY, "-A", "outbox", *args], env=env)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.tmp_path / f"{name}.log", "wb")
+        proc = subprocess.Popen(argv, cwd=self.tmp_path, env={**self.env, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def worker(self, name: str, concurrency: int = 2, queues: str | None = None, **env: str) -> subprocess.Popen[bytes]:
+        """A worker of this test's runner; ``queues``: the relay queues it consumes (default: all)."""
+        return self.runner.worker(self, name, concurrency, queues, **env)
+
+    def tasks_in_hand(self, name: str, task: str = "outbox.publish") -> set[str]:
+        """Ids of ``task`` the worker has received (reserved or running) and not finished."""
+        return self.runner.tasks_in_hand(self.log(name), task)
+
+    def beat(self) -> subprocess.Popen[bytes]:
+        """The runner's scheduler: Celery's beat, or outbox-dramatiq-scheduler."""
+        return self.runner.scheduler(self)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, name: str, timeout: float = 30.0) -> int:
+        """A warm shutdown: SIGTERM to the main process only, as a supervisor or
+        ``celery multi stop`` sends it; returns the exit code."""
+        proc = self.procs[name]
+        self.stopped.add(name)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=timeout)
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None and proc.returncode != -signal.SIGKILL and name not in self.stopped:
+                raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-4000:]}")
+
+    def stop_all(self) -> None:
+        """At teardown the test has made its checks: no need for a graceful (and slower)
+        warm shutdown. Kill every process group (pool children too) and reap them."""
+        for name in self.procs:
+            self.kill(name, signal.SIGKILL)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def base_env(outbox: "Outbox", **settings: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_"))}
+    env.update({**outbox.env(), "PYTHONUNBUFFERED": "1"})
+    env.update(settings)
+    return env
+
+
+@pytest.fixture
+def procs_factory(tmp_path: Path) -> Iterator[Any]:
+    """List it after the outbox fixture, so the relay stops before the table is dropped."""
+    made: list[Procs] = []
+
+    def make(env: dict[str, str], runner: Any = CELERY_RUNNER) -> Procs:
+        p = Procs(tmp_path, env, runner)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.stop_all()
+    prefixes = {p.env.get("OUTBOX_TEST_REDIS_PREFIX") for p in made} - {None}
+    if prefixes:
+        import redis
+        client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        for prefix in prefixes:
+            for key in client.scan_iter(match=f"{prefix}*"):
+                client.delete(key)
+
+
+# -- RabbitMQ ----------------------------------------------------------------------------------
+
+class Destination:
+    """A unique topic exchange with one queue bound to ``bindings`` (default: everything),
+    and what arrived on it. With ``dead_letter=True`` also a unique dead-letter exchange
+    with a queue bound to everything; what arrives there is in ``dead``."""
+
+    def __init__(self, bindings: tuple[str, ...] = ("#",), dead_letter: bool = False) -> None:
+        from kombu import Connection, Exchange, Queue, binding
+
+        tag = uuid.uuid4().hex[:10]
+        self.exchange_name = f"outbox-test-{tag}"
+        self.conn = Connection(AMQP_URL, connect_timeout=5)
+        self.channel = self.conn.channel()
+        self.exchange = Exchange(self.exchange_name, type="topic", durable=True)
+        self.queue = Queue(f"outbox-test-q-{tag}", bindings=[binding(self.exchange, routing_key=key)
+                                                             for key in bindings],
+                           durable=False, auto_delete=False)
+        self.exchange(self.channel).declare()
+        self.queue(self.channel).declare()
+        self.messages: list[Any] = []
+        self.dead: list[Any] = []
+        self.consumers = [self.conn.Consumer(self.queue, callbacks=[self._on_message], accept=None, no_ack=False)]
+        self.dead_exchange_name: str | None = None
+        self.dead_exchange = self.dead_queue = None
+        if dead_letter:
+            self.dead_exchange_name = f"outbox-test-dlx-{tag}"
+            self.dead_exchange = Exchange(self.dead_exchange_name, type="topic", durable=True)
+            self.dead_queue = Queue(f"outbox-test-dlq-{tag}", self.dead_exchange, routing_key="#", durable=False,
+                                    auto_delete=False)
+            self.dead_exchange(self.channel).declare()
+            self.dead_queue(self.channel).declare()
+            self.consumers.append(self.conn.Consumer(self.dead_queue, callbacks=[self._on_dead], accept=None,
+                                                     no_ack=False))
+        for consumer in self.consumers:
+            consumer.consume()
+
+    def _on_message(self, body: Any, message: Any) -> None:
+        self.messages.append(message)
+        message.ack()
+
+    def _on_dead(self, body: Any, message: Any) -> None:
+        self.dead.append(message)
+        message.ack()
+
+    def wait_for(self, predicate: Any, timeout: float, procs: Procs | None = None) -> bool:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                return False
+            if procs is not None:
+                procs.check_alive()
+            try:
+                self.conn.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
+            except OSError:  # socket.timeout on older Pythons
+                pass
+        return True
+
+    def arrivals(self) -> list[tuple[int, str, Any]]:
+        return [(int(m.headers["outbox_id"]), str(m.headers["aggregate_id"]), m) for m in self.messages]
+
+    def arrived(self) -> set[int]:
+        return {int(m.headers["outbox_id"]) for m in self.messages}
+
+    def close(self) -> None:
+        try:
+            for consumer in self.consumers:
+                consumer.cancel()
+            self.queue(self.channel).delete()
+            self.exchange(self.channel).delete()
+            if self.dead_exchange is not None:
+                self.dead_queue(self.channel).delete()
+                self.dead_exchange(self.channel).delete()
+        finally:
+            self.conn.release()
+
+
+def require_relay_services() -> None:
+    require("RabbitMQ", "127.0.0.1", 5672)
+    require("Redis", "127.0.0.1", 6379)
+
+
+@pytest.fixture
+def destination() -> Iterator[Destination]:
+    require_relay_services()
+    d = Destination()
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def dead_letter_destination() -> Iterator[Destination]:
+    """A destination whose queue is bound only for ``orders.#``, plus a dead-letter exchange."""
+    require_relay_services()
+    d = Destination(bindings=("orders.#",), dead_letter=True)
+    yield d
+    d.close()
+
+
+def relay_env(tmp_path: Path, destination: Destination, outbox: "Outbox", runner: Any = CELERY_RUNNER,
+              **settings: str) -> dict[str, str]:
+    """Settings for workers and beat: Redis (db of REDIS_URL, a key prefix of our own) as
+    Celery's broker, set through a Celery config module as users would, and as Dramatiq's
+    broker (the prefix as its namespace) for the Dramatiq runner."""
+    prefix = f"outbox-test-{uuid.uuid4().hex[:10]}:"
+    (tmp_path / "relayconf.py").write_text(
+        f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
+    return base_env(outbox, **{**runner.env(REDIS_URL, prefix), "OUTBOX_PUBLISH_URL": AMQP_URL, "OUTBOX_EXCHANGE": destination.exchange_name,
+                               "OUTBOX_CELERY_BROKER_URL": REDIS_URL, "CELERY_CONFIG_MODULE": "relayconf",
+                               "OUTBOX_TEST_REDIS_PREFIX": prefix,
+                               # The caller's PYTHONPATH after the config module's: the relay
+                               # under test is the one the test process imports.
+                               "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path),
+                                                                        os.environ.get("PYTHONPATH")) if p),
+                               **settings})
+
+
+# -- the outbox --------------------------------------------------------------------------------
+
+class Outbox:
+    """The outbox of one test: a table of its own on one engine, dropped at teardown."""
+
+    def __init__(self, kind: str, tmp_path: Path) -> None:
+        if kind == "sqlite":
+            self.url = f"sqlite:///{tmp_path / 'outbox.db'}"
+        elif kind == "postgresql":
+            require("PostgreSQL", "127.0.0.1", 5432)
+            self.url = POSTGRES_URL
+        elif kind == "mysql":
+            require("MariaDB/MySQL", "127.0.0.1", 3306)
+            self.url = MYSQL_URL
+        else:
+            raise ValueError(kind)
+        self.kind = kind
+        self.table = f"outbox_e2e_{uuid.uuid4().hex[:10]}"
+        self.store = OutboxStore(self.url, table=self.table)
+        self.store.migrate()
+
+    def env(self) -> dict[str, str]:
+        return {"OUTBOX_DATABASE_URL": self.url, "OUTBOX_TABLE": self.table}
+
+    @contextmanager
+    def writer(self) -> Iterator[Any]:
+        """A plain DB-API connection playing the application that enqueues."""
+        if self.kind == "sqlite":
+            conn = sqlite3.connect(sqlite_path(self.url), timeout=30)
+        else:
+            conn = self.store.engine.connect(self.url)
+        try:
+            yield conn
+        finally:
+            try:
+                conn.rollback()
+            finally:
+                conn.close()
+
+    def add(self, conn: Any, aggregate: str, n: int, *, topic: str | None = None, payload: Any = None,
+            **kw: Any) -> int:
+        return enqueue(conn, topic=topic or f"orders.{aggregate}.changed", aggregate_type="order",
+                       aggregate_id=aggregate, table=self.table,
+                       payload=payload if payload is not None else {"aggregate": aggregate, "n": n, "text": "grüße"},
+                       **kw)
+
+    def rows(self) -> dict[int, dict[str, Any]]:
+        with self.store.transaction() as cursor:
+            found = self.store.engine.execute(
+                cursor, f"SELECT id, status, attempts, last_error, processed_at FROM {self.store.engine.table}"
+            ).fetchall()
+        return {int(r[0]): {"status": int(r[1]), "attempts": int(r[2]), "last_error": r[3],
+                            "processed_at": self.store.engine.to_datetime(r[4])} for r in found}
+
+    def statuses(self) -> dict[int, int]:
+        return {id: row["status"] for id, row in self.rows().items()}
+
+    def status_counts(self) -> dict[str, int]:
+        values = list(self.statuses().values())
+        return {Status(s).name: values.count(s) for s in set(values)}
+
+    def max_attempts(self) -> int:
+        with self.store.transaction() as cursor:
+            found = self.store.engine.execute(cursor, f"SELECT MAX(attempts) FROM {self.store.engine.table}")
+            return int(found.fetchone()[0] or 0)
+
+    def drop(self) -> None:
+        try:
+            with self.store.transaction() as cursor:
+                self.store.engine.execute(cursor, f"DROP TABLE IF EXISTS {self.store.engine.table}")
+        finally:
+            self.store.close()
+
+
+@pytest.fixture(params=sorted(RUNNERS))
+def runner(request: pytest.FixtureRequest) -> Any:
+    """The task runner of a shared scenario (tests/runners.py): each runs on both."""
+    if request.param == "dramatiq":
+        pytest.importorskip("dramatiq")
+    return RUNNERS[request.param]
+
+
+@pytest.fixture(params=DB_KINDS)
+def outbox(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outbox]:
+    o = Outbox(request.param, tmp_path)
+    yield o
+    o.drop()
+
+
+@pytest.fixture
+def sqlite_outbox(tmp_path: Path) -> Iterator[Outbox]:
+    o = Outbox("sqlite", tmp_path)
+    yield o
+    o.drop()
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def check_order(arrivals: list[tuple[int, str, Any]], expected: dict[str, list[int]]) -> None:
+    """Per aggregate, the first arrivals come in id order, and every event arrived: no
+    event before its predecessors, none missing, none from an aggregate not expected
+    (rolled-back events use aggregates of their own)."""
+    first: dict[str, list[int]] = {}
+    seen: set[int] = set()
+    for outbox_id, aggregate, _ in arrivals:
+        if outbox_id in seen:
+            continue  # at-least-once: a duplicate after a crash is allowed
+        seen.add(outbox_id)
+        first.setdefault(aggregate, []).append(outbox_id)
+    for aggregate, ids in expected.items():
+        assert first.get(aggregate) == ids, f"aggregate {aggregate}: arrived {first.get(aggregate)}, expected {ids}"
+    assert set(first) == set(expected), f"unexpected aggregates arrived: {set(first) - set(expected)}"
+
+
+def check_contract(message: Any, outbox_id: int, aggregate: str, body: Any, headers: dict[str, Any], key: str,
+                   attempt: int = 1) -> None:
+    """Body and headers of one published message, as the contract says."""
+    assert message.content_type == "application/json"
+    assert message.properties.get("delivery_mode") == 2
+    assert json.loads(message.body) == body
+    h = message.headers
+    assert h["outbox_id"] == outbox_id and h["aggregate_id"] == aggregate
+    assert h["topic"] == f"orders.{aggregate}.changed" == message.delivery_info["routing_key"]
+    assert h["aggregate_type"] == "order" and h["attempt"] == attempt
+    assert h["partition_key"] == key
+    assert isinstance(h["message_id"], str) and h["message_id"] == message.properties.get("message_id")
+    assert h["created_at"].endswith("Z")
+    for name, value in headers.items():
+        assert h[name] == value
+
+
+# -- a broker outage: a proxy the test cuts ----------------------------------------------------
+
+class Proxy:
+    """A TCP proxy in front of RabbitMQ that the test can cut (every connection dropped,
+    new ones closed at once) and restore."""
+
+    def __init__(self, target: tuple[str, int] = ("127.0.0.1", 5672), delay: float = 0.0) -> None:
+        import socket
+
+        self.target = target
+        self.delay = delay  # added to everything the broker sends back: a slow network path
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.up = True
+        self.closed = False
+        self.sockets: list[Any] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.up:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.sockets += [client, upstream]
+            for a, b, delay in ((client, upstream, 0.0), (upstream, client, self.delay)):
+                threading.Thread(target=self._pump, args=(a, b, delay), daemon=True).start()
+
+    def _pump(self, src: Any, dst: Any, delay: float = 0.0) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if delay:
+                    time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        import socket
+
+        self.up = False
+        with self.lock:
+            for s in self.sockets:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+            self.sockets.clear()
+
+    def restore(self) -> None:
+        self.up = True
+
+    def close(self) -> None:
+        self.closed = True
+        self.cut()
+        self.listener.close()
+
+
+# -- Celery's Redis queues ---------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def redis_client() -> Any:
+    import redis
+
+    return redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+
+
+def celery_queue_keys(env: dict[str, str], queue: str) -> list[bytes]:
+    """The Redis lists holding ``queue``'s messages for the relay run with ``env`` (its
+    key prefix; kombu keeps a list per priority step, the plain name for the default)."""
+    client = redis_client()
+    prefix = env["OUTBOX_TEST_REDIS_PREFIX"]
+    return [k for k in client.scan_iter(match=f"{prefix}{queue}*") if client.type(k) == b"list"]
+
+
+def queued_celery_messages(env: dict[str, str], queue: str) -> int:
+    return sum(redis_client().llen(key) for key in celery_queue_keys(env, queue))
+
+
+def lose_celery_messages(env: dict[str, str], queue: str) -> int:
+    """Delete every message waiting in ``queue`` of Celery's broker (a broker that lost
+    them: a Redis failover, a flushed key); returns how many there were."""
+    client, lost = redis_client(), 0
+    for key in celery_queue_keys(env, queue):
+        lost += client.llen(key)
+        client.delete(key)
+    return lost

@@ -1,0 +1,320 @@
+"""Claiming (``outbox.relay.handle_claim`` and what sizes it), without Celery: per-aggregate
+chains packed into publish tasks, the inline publish of small and backlog claims, the byte
+budget and claim sizing, and what holds claims back (the publish queue's length, the breaker,
+a failed dispatch). Helpers and fixtures: tests/relay_support.py."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox import Status
+from outbox.model import OutboxMessage
+from outbox.relay import Breaker, ClaimSizer, RelayOptions, handle_claim, plan_tasks
+from outbox.store import OutboxStore
+
+from relay_support import Collect, add, rows, run_python, status_of
+from relay_support import conn, store  # noqa: F401 - fixtures used by name
+from services import REDIS_URL, reachable
+
+
+def test_claim_dispatches_every_row_in_per_aggregate_chains(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 3)
+    b = add(conn, "b", 2)
+    c = add(conn, "c", 1)
+    a += add(conn, "a", 2)
+    sent = Collect()
+    before = time.time()
+    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=4))
+    assert outcome.claimed == outcome.dispatched == 8 and outcome.released == 0
+    assert not outcome.full and not outcome.more
+    chains = {chain[0].aggregate_id: [m.id for m in chain] for chain in sent.chains}
+    assert chains == {"a": a, "b": b, "c": c}
+    # Chains are packed into tasks of about task_rows rows, oldest chain first, never split.
+    assert [sum(len(ch) for ch in task) for task, _ in sent.tasks] == [5, 3]
+    assert [ch[0].aggregate_id for ch in sent.tasks[0][0]] == ["a"]
+    # The deadline is inside the lease.
+    assert all(before + 0.8 * 60 - 1 <= deadline <= time.time() + 0.8 * 60 for _, deadline in sent.tasks)
+    assert set(status_of(store).values()) == {Status.CLAIMED}
+
+
+def test_a_small_claim_is_published_by_the_claim_itself(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 2)
+    b = add(conn, "b", 1)
+    sent, here = Collect(), Collect()
+    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=1),
+                           publish_inline=here)
+    assert outcome.inline and outcome.claimed == outcome.dispatched == 3 and not outcome.more
+    assert sent.tasks == []  # no hop through Celery's broker
+    assert len(here.tasks) == 1 and [[m.id for m in chain] for chain in here.chains] == [a, b]
+
+
+def test_a_full_or_larger_claim_still_goes_out_as_publish_tasks(store: OutboxStore,
+                                                                conn: sqlite3.Connection) -> None:
+    add(conn, "a", 3)
+    add(conn, "b", 3)
+    for batch_size, options in ((3, RelayOptions()),  # full: a backlog, every process gets work
+                                (100, RelayOptions(inline_rows=2)),  # more rows than inline_rows
+                                (100, RelayOptions(inline_rows=0))):  # turned off
+        sent, here = Collect(), Collect()
+        outcome = handle_claim(store, sent, batch_size=batch_size, lease_s=60.0, options=options,
+                               publish_inline=here)
+        assert not outcome.inline and here.tasks == []
+        assert outcome.dispatched == sum(len(c) for c in sent.chains) == outcome.claimed > 0
+        for chain in sent.chains:
+            store.release([m.id for m in chain], chain[0].lease)
+
+
+def test_a_backlog_claim_publishes_its_first_share_itself_after_asking_for_the_next_claim(
+        store: OutboxStore, conn: sqlite3.Connection) -> None:
+    for name in "abcdef":
+        add(conn, name, 1)
+    events: list[str] = []
+    sent, here = Collect(), Collect()
+
+    def inline(chains: list[list[OutboxMessage]], deadline: float) -> None:
+        events.append("publish here")
+        here(chains, deadline)
+
+    outcome = handle_claim(store, sent, batch_size=6, lease_s=60.0, options=RelayOptions(task_rows=2),
+                           publish_inline=inline, claim_again=lambda: events.append("claim again"))
+    assert outcome.full and outcome.more and outcome.inline
+    # The next claim is asked for once this one has committed and dispatched, before its own publish.
+    assert events == ["claim again", "publish here"]
+    assert len(here.tasks) == 1 and sum(len(c) for c in here.chains) == 2  # the first task's share
+    assert len(sent.tasks) == 2 and outcome.tasks == 2  # the rest goes out as publish tasks
+    assert outcome.dispatched == outcome.claimed == 6
+    assert [c[0].aggregate_id for c in here.chains + sent.chains] == list("abcdef")  # oldest work first
+
+    # A claim that is not full asks for nothing before publishing; inline rows 0 turns it all off.
+    add(conn, "g", 1)
+    events.clear()
+    small = handle_claim(store, Collect(), batch_size=6, lease_s=60.0, publish_inline=inline,
+                         claim_again=lambda: events.append("claim again"))
+    assert small.inline and not small.more and events == ["publish here"]
+    add(conn, "h", 1)
+    off = Collect()
+    outcome = handle_claim(store, off, batch_size=6, lease_s=60.0, options=RelayOptions(inline_rows=0),
+                           publish_inline=inline, claim_again=lambda: events.append("claim again"))
+    assert not outcome.inline and len(off.tasks) == 1
+
+
+def test_full_batch_asks_for_more(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    add(conn, "a", 5)
+    add(conn, "b", 5)
+    sent = Collect()
+    first = handle_claim(store, sent, batch_size=6, lease_s=60.0)
+    assert first.full and first.more
+    second = handle_claim(store, sent, batch_size=6, lease_s=60.0)
+    # Only what is not blocked behind a claimed row may come next: nothing, here.
+    assert second.claimed == 0 and not second.more
+
+
+# -- the byte budget and claim sizing ----------------------------------------------------------
+
+def test_byte_budget_releases_the_rest_of_the_batch(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    big = {"blob": "x" * 4000}
+    a = add(conn, "a", 3, payload=big)
+    b = add(conn, "b", 3, payload=big)
+    sent = Collect()
+    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0,
+                           options=RelayOptions(max_batch_bytes=3 * 4300, task_rows=100))
+    assert outcome.trimmed and outcome.more
+    assert [m.id for m in sent.chains[0]] == a and len(sent.chains) == 1
+    assert outcome.dispatched == 3 and outcome.released == 3
+    state = rows(store)
+    assert all(state[i]["status"] == Status.PENDING and state[i]["attempts"] == 0 for i in b)
+    # The released aggregate is claimable again at once.
+    assert [m.id for m in store.claim(100).messages] == b
+
+
+def test_byte_budget_cuts_a_chain_and_always_sends_the_first_row(store: OutboxStore,
+                                                                conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 3, payload={"blob": "y" * 10_000})
+    sent = Collect()
+    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(max_batch_bytes=1000))
+    assert [m.id for m in sent.chains[0]] == a[:1]
+    assert outcome.released == 2
+    # The tail waits behind its claimed head: nothing of "a" can be claimed now.
+    assert store.claim(100).messages == []
+
+
+def test_claims_after_large_rows_ask_for_what_fits_the_byte_budget(store: OutboxStore,
+                                                                    conn: sqlite3.Connection) -> None:
+    # Without sizing, every claim would read 100 large rows to send 3 on and release the
+    # rest: memory and reads grow with the batch, not the budget (docs/relay.md, "Memory").
+    big = {"blob": "x" * 4000}
+    for k in range(10):
+        add(conn, f"a{k}", 1, payload=big)
+    options = RelayOptions(max_batch_bytes=3 * 4300, task_rows=100)
+    sizer = ClaimSizer()
+    sent = Collect()
+    first = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=options, sizer=sizer)
+    assert first.claimed == 10 and first.released == 7 and first.more  # nothing known yet: the whole batch
+    assert sizer.rows(100, options.max_batch_bytes) == 3
+    second = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=options, sizer=sizer)
+    # Asked for the 3 rows that fit: none released, and "full" against what was asked, so drain mode goes on.
+    assert second.claimed == second.dispatched == 3 and second.released == 0 and second.more
+
+
+def test_claim_sizer_follows_large_rows_at_once_and_small_rows_by_halves() -> None:
+    def msgs(size: int, n: int) -> list[OutboxMessage]:
+        from datetime import datetime, timezone
+        return [OutboxMessage(i, f"m{i}", "t", "order", "a", None, "x" * size, {}, None, 0,
+                              datetime.now(timezone.utc), "L") for i in range(n)]
+
+    sizer = ClaimSizer()
+    assert sizer.rows(100, 8_000_000) == 100
+    sizer.observe(msgs(1_000_000 - 256, 4))
+    assert sizer.rows(100, 8_000_000) == 8
+    sizer.observe([])  # an empty claim teaches nothing
+    assert sizer.rows(100, 8_000_000) == 8
+    sizer.observe(msgs(0, 8))  # 256 bytes a row: half way back
+    assert sizer.rows(100, 8_000_000) == 15
+    for _ in range(10):
+        sizer.observe(msgs(0, 15))
+    assert sizer.rows(100, 8_000_000) == 100
+    sizer.observe(msgs(100_000_000, 1))
+    assert sizer.rows(100, 8_000_000) == 1  # the first row always goes
+
+
+def test_a_process_first_claims_as_if_rows_were_as_large_as_allowed() -> None:
+    sizer = ClaimSizer.at_start(1_048_576)
+    assert sizer.rows(100, 8 * 1024 * 1024) == 7
+    claims = 0
+    while sizer.rows(100, 8 * 1024 * 1024) < 100:
+        from datetime import datetime, timezone
+        sizer.observe([OutboxMessage(1, "m", "t", "order", "a", None, "{}", {}, None, 0, datetime.now(timezone.utc), "L")])
+        claims += 1
+    assert claims <= 5  # small rows: the full batch again within a few claims
+
+
+def test_plan_tasks_packs_without_splitting_chains() -> None:
+    def msgs(agg: str, ids: list[int]) -> list[OutboxMessage]:
+        from datetime import datetime, timezone
+        return [OutboxMessage(i, f"m{i}", "t", "order", agg, None, "{}", {}, None, 0,
+                              datetime.now(timezone.utc), "L") for i in ids]
+    chains = [msgs("a", [1, 2, 3]), msgs("b", [4]), msgs("c", [5, 6]), msgs("d", [7])]
+    tasks, over = plan_tasks(chains, task_rows=3, max_bytes=10**9)
+    assert [[[m.id for m in ch] for ch in t] for t in tasks] == [[[1, 2, 3]], [[4], [5, 6]], [[7]]]
+    assert over == []
+    tasks, over = plan_tasks(chains, task_rows=1, max_bytes=10**9)
+    assert len(tasks) == 4  # task_rows=1: one task per chain
+
+
+# -- what holds claims back --------------------------------------------------------------------
+
+def test_claims_hold_back_while_the_publish_queue_is_full(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 2)
+    sent = Collect()
+    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(max_queued_tasks=4),
+                           queued=lambda: 4)
+    assert outcome.saturated and outcome.claimed == 0 and sent.tasks == []
+    assert all(status_of(store)[i] == Status.PENDING for i in ids)
+    # An unknown queue length does not stop the relay.
+    assert handle_claim(store, sent, batch_size=100, lease_s=60.0, queued=lambda: None).claimed == 2
+
+
+def test_claims_pause_while_the_breaker_is_open(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    add(conn, "a", 2)
+    breaker = Breaker()
+    breaker.trip(30, "backpressure: test")
+    outcome = handle_claim(store, Collect(), batch_size=100, lease_s=60.0, breaker=breaker)
+    assert outcome.paused > 29 and outcome.claimed == 0
+    breaker.reset()
+    assert handle_claim(store, Collect(), batch_size=100, lease_s=60.0, breaker=breaker).claimed == 2
+
+
+def test_failed_dispatch_releases_the_rows_without_spending_attempts(store: OutboxStore,
+                                                                     conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 2)
+    b = add(conn, "b", 2)
+    calls: list[Any] = []
+
+    def dispatch(chains: Any, deadline: float) -> None:
+        calls.append(chains)
+        if len(calls) == 2:
+            raise ConnectionError("Celery's broker is down")
+
+    outcome = handle_claim(store, dispatch, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=1))
+    assert outcome.error and not outcome.more
+    assert outcome.dispatched == 2 and outcome.released == 2
+    state = rows(store)
+    assert [state[i]["status"] for i in a] == [Status.CLAIMED] * 2
+    assert [(state[i]["status"], state[i]["attempts"]) for i in b] == [(Status.PENDING, 0)] * 2
+
+
+# -- the publish queue's length (in a subprocess: a fresh app each time) -----------------------
+
+def test_publish_queue_length_and_coalesced_claim_requests_on_redis(tmp_path: Path) -> None:
+    """What bounds rows in flight (the publish queue's length) and what coalesces drain-mode
+    claims (one requested claim at a time), against Celery's real Redis broker."""
+    if not reachable("127.0.0.1", 6379):
+        pytest.skip("Redis is not reachable on 127.0.0.1:6379")
+    import uuid
+    prefix = f"outbox-unit-{uuid.uuid4().hex[:8]}:"
+    (tmp_path / "qconf.py").write_text(f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
+    code = f"""
+import redis
+import outbox.tasks as t
+from outbox.relay import PUBLISH_QUEUE, CLAIM_QUEUE
+seen = [t.queued_publish_tasks()]
+for _ in range(3):
+    t.publish.apply_async(kwargs={{"chains": [], "deadline": 0}}, queue=PUBLISH_QUEUE)
+seen.append(t.queued_publish_tasks())
+requests = [t.request_claim(), t.request_claim(), t.request_claim()]
+with t.app.pool.acquire(block=True) as conn:
+    claims = conn.default_channel._size(CLAIM_QUEUE)
+t.coalescer().clear()
+requests.append(t.request_claim())
+r = redis.Redis.from_url({REDIS_URL!r})
+for key in r.keys({prefix!r} + "*"):
+    r.delete(key)
+t.coalescer().clear()
+print(seen, requests, claims)
+"""
+    done = run_python(code, tmp_path, OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="qconf",
+                      PYTHONPATH=str(tmp_path), OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[0, 3] [True, False, False, True] 1"
+
+
+def test_only_a_claim_after_a_backlog_reads_the_publish_queue_length(tmp_path: Path) -> None:
+    """The in-flight bound costs a round trip to Celery's broker; a process reads the
+    publish queue's length before a claim only when its previous claim met a backlog (its
+    first claim too), so live traffic skips it."""
+    code = """
+import os, sqlite3
+import outbox.tasks as t
+from outbox import enqueue
+reads = []
+def counting():
+    reads.append(1)
+    return 0
+t.queued_publish_tasks = counting
+store = t.resources().store
+store.migrate()
+conn = sqlite3.connect(os.environ["DB_PATH"])
+def add(n):
+    for i in range(n):
+        enqueue(conn, topic="t", aggregate_type="a", aggregate_id=f"a{i}", payload={"i": i})
+    conn.commit()
+seen = []
+for rows in (1, 1, 2, 1, 1):      # batch size 2: the third claim comes back full
+    add(rows)
+    before = len(reads)
+    t.claim()
+    seen.append(len(reads) - before)
+print(*seen)
+"""
+    done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_BATCH_SIZE="2",
+                      DB_PATH=str(tmp_path / "o.db"))
+    assert done.returncode == 0, done.stderr
+    # first claim: checked (nothing known yet); small claims: not; after the full one: checked
+    # once, by the claim its task makes next in the same drain slice (it publishes its full
+    # batch itself, then claims again: docs/relay.md), which comes back empty
+    assert done.stdout.split() == ["1", "0", "1", "0", "0"]

@@ -1,0 +1,334 @@
+"""What a publish task does with each outcome (``outbox.relay.handle_chain``,
+``handle_publish``), without Celery: published prefixes done, retriable failures backed off,
+poison and exhausted rows dead and dead-lettered, back-pressure and fatal failures opening the
+breaker, late writes fenced by the lease, deadlines, and store writes handed to the fallback.
+Helpers and fixtures: tests/relay_support.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytest
+
+from outbox import Status
+from outbox.model import OutboxMessage
+from outbox.publisher import ChainResult, FailureKind
+from outbox.relay import (Breaker, RelayOptions, Settler, apply_fallback, handle_chain, handle_claim,
+                          handle_publish, retry_delay, still_held)
+from outbox.store import OutboxStore
+
+from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, status_of
+from relay_support import conn, store  # noqa: F401 - fixtures used by name
+
+
+# -- publishing a chain ------------------------------------------------------------------------
+
+def test_published_chain_is_done(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 3)
+    publisher = ScriptedPublisher()
+    [chain] = claim_chains(store)
+    outcome = handle_chain(store, publisher, chain)
+    assert outcome.published == ids and outcome.failed_id is None
+    assert [m.id for m in publisher.sent] == ids
+    assert all(status_of(store)[i] == Status.DONE for i in ids)
+
+
+def test_a_publish_task_delivered_again_skips_chains_its_lease_no_longer_holds(
+        store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """The first run released chain a (a warm shutdown) and published chain b; a new
+    claim now holds a. The second delivery must publish neither."""
+    a, b, c = add(conn, "a", 2), add(conn, "b", 2), add(conn, "c", 2)
+    chains = claim_chains(store)
+    by_aggregate = {chain[0].aggregate_id: chain for chain in chains}
+    lease = chains[0][0].lease
+    store.release(a, lease)
+    store.mark_done(b, lease)
+    reclaimed = store.claim(100)
+    assert sorted(m.id for m in reclaimed.messages) == a
+    assert still_held(store, chains) == [by_aggregate["c"]]
+    assert store.held(a + b + c, lease) == set(c)
+    assert store.held(a, reclaimed.lease) == set(a)
+
+
+def test_retriable_failure_acks_prefix_fails_k_and_releases_the_rest(store: OutboxStore,
+                                                                   conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 4)
+    publisher = ScriptedPublisher({ids[1]: FailureKind.RETRIABLE})
+    [chain] = claim_chains(store)
+    options = RelayOptions(backoff_base_s=10, backoff_max_s=100)
+    outcome = handle_chain(store, publisher, chain, options=options, rng=lambda: 1.0)
+    assert outcome.published == ids[:1] and outcome.failed_id == ids[1] and outcome.kind == "retriable"
+    state = rows(store)
+    assert state[ids[0]]["status"] == Status.DONE
+    assert (state[ids[1]]["status"], state[ids[1]]["attempts"]) == (Status.FAILED, 1)
+    assert "retriable" in state[ids[1]]["last_error"] and state[ids[1]]["next_retry_at"] is not None
+    assert [(state[i]["status"], state[i]["attempts"]) for i in ids[2:]] == [(Status.PENDING, 0)] * 2
+    # The aggregate waits for the failed event: nothing is claimable until its retry is due.
+    assert store.claim(100).messages == []
+
+
+def test_retry_time_follows_the_back_off(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 1)
+    publisher = ScriptedPublisher({ids[0]: FailureKind.RETRIABLE})
+    [chain] = claim_chains(store)
+    handle_chain(store, publisher, chain, options=RelayOptions(backoff_base_s=0.2, backoff_max_s=0.2))
+    assert store.claim(100).messages == []
+    time.sleep(0.25)
+    [again] = store.claim(100).messages
+    assert again.id == ids[0] and again.attempt == 2
+
+
+def test_poison_goes_dead_at_once_and_the_aggregate_moves_on(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 3)
+    publisher = ScriptedPublisher({ids[1]: FailureKind.POISON})
+    [chain] = claim_chains(store)
+    outcome = handle_chain(store, publisher, chain)
+    assert outcome.dead and outcome.kind == "poison"
+    state = rows(store)
+    assert (state[ids[0]]["status"], state[ids[1]]["status"], state[ids[2]]["status"]) == (
+        Status.DONE, Status.DEAD, Status.PENDING)
+    assert state[ids[2]]["attempts"] == 0
+    assert [(m.id, "poison" in err) for m, err in publisher.dead] == [(ids[1], True)]
+    [rest] = claim_chains(store)
+    assert [m.id for m in rest] == ids[2:]
+
+
+def test_last_retriable_attempt_goes_dead_and_is_dead_lettered(store: OutboxStore,
+                                                                conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 2)
+    publisher = ScriptedPublisher({ids[0]: FailureKind.RETRIABLE}, sticky=True)
+    options = RelayOptions(backoff_base_s=0.01, backoff_max_s=0.01)
+    for attempt in range(1, 4):
+        time.sleep(0.05)
+        [chain] = claim_chains(store)
+        assert chain[0].id == ids[0] and chain[0].attempt == attempt
+        outcome = handle_chain(store, publisher, chain, options=options)
+    assert outcome.dead  # max_attempts=3
+    assert status_of(store)[ids[0]] == Status.DEAD
+    assert [m.id for m, _ in publisher.dead] == [ids[0]]
+    [rest] = claim_chains(store)
+    assert [m.id for m in rest] == ids[1:]
+
+
+def test_rows_dead_on_lease_expiry_go_to_the_dead_letter_exchange(tmp_path: Path,
+                                                                   conn: sqlite3.Connection) -> None:
+    """A row whose lease expires with no attempts left goes dead inside ``store.claim``
+    (``Claim.dead``): the claim path sends it to the dead-letter exchange, and still
+    dispatches the live rows; the rest of that row's aggregate follows on the next claim."""
+    store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=200, max_attempts=1)
+    try:
+        [a1] = add(conn, "a", 1)
+        lost = store.claim(1)  # a worker that took a1 and died
+        assert [m.id for m in lost.messages] == [a1]
+        a_rest = add(conn, "a", 2)
+        b = add(conn, "b", 1)
+        time.sleep(0.3)
+        publisher, sent = ScriptedPublisher(), Collect()
+        outcome = handle_claim(store, sent, batch_size=100, lease_s=0.2, publisher=publisher)
+        assert outcome.dead == 1 and outcome.claimed == outcome.dispatched == 1
+        assert [(m.id, m.aggregate_id) for m, _ in publisher.dead] == [(a1, "a")]
+        [(_, error)] = publisher.dead
+        assert error.startswith("lease_expired: lease expired") and "no attempts left" in error
+        # The rows behind the dead one wait for the next claim (the store's rule on every
+        # engine); other aggregates are dispatched at once.
+        assert [[m.id for m in chain] for chain in sent.chains] == [b]
+        state = rows(store)
+        assert state[a1]["status"] == Status.DEAD and "lease expired" in state[a1]["last_error"]
+        assert handle_claim(store, sent, batch_size=100, lease_s=0.2, publisher=publisher).dead == 0
+        assert [[m.id for m in chain] for chain in sent.chains] == [b, a_rest]
+        assert len(publisher.dead) == 1 and publisher.sent == []  # a claim publishes only dead-letter copies
+    finally:
+        store.close()
+
+
+def test_a_claim_of_only_dead_rows_still_dead_letters_them_best_effort(tmp_path: Path,
+                                                                       conn: sqlite3.Connection) -> None:
+    store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=100, max_attempts=1)
+    try:
+        ids = add(conn, "a", 1) + add(conn, "b", 1)
+        store.claim(10)
+        time.sleep(0.2)
+        publisher = ScriptedPublisher()
+        outcome = handle_claim(store, Collect(), batch_size=10, lease_s=0.1, publisher=publisher)
+        assert (outcome.claimed, outcome.dead) == (0, 2)
+        assert [m.id for m, _ in publisher.dead] == ids
+        # Without a publisher (or with one whose dead-letter publish blows up) the rows are
+        # dead in the table all the same, which stays the record of truth.
+        ids2 = add(conn, "c", 1)
+        store.claim(10)
+        time.sleep(0.2)
+
+        class Broken(ScriptedPublisher):
+            def publish_dead(self, message: OutboxMessage, error: str) -> None:
+                raise ConnectionError("dead-letter broker down")
+
+        assert handle_claim(store, Collect(), batch_size=10, lease_s=0.1, publisher=Broken()).dead == 1
+        assert status_of(store)[ids2[0]] == Status.DEAD
+        assert handle_claim(store, Collect(), batch_size=10, lease_s=0.1).dead == 0
+    finally:
+        store.close()
+
+
+def test_backpressure_releases_without_attempt_and_opens_the_breaker(store: OutboxStore,
+                                                                      conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 3)
+    other = add(conn, "b", 1)
+    publisher = ScriptedPublisher({ids[1]: FailureKind.BACKPRESSURE})
+    breaker = Breaker()
+    chains = claim_chains(store)
+    outcome = handle_chain(store, publisher, chains[0], options=RelayOptions(breaker_s=30), breaker=breaker)
+    assert outcome.kind == "backpressure" and outcome.released == ids[1:]
+    state = rows(store)
+    assert state[ids[0]]["status"] == Status.DONE
+    assert [(state[i]["status"], state[i]["attempts"]) for i in ids[1:]] == [(Status.PENDING, 0)] * 2
+    assert state[ids[1]]["next_retry_at"] is not None  # they wait out the pause
+    assert breaker.open_for() > 29 and breaker.reason.startswith("backpressure")
+    # Chains already in hand are not even tried while it is open: released, no attempt.
+    skipped = handle_chain(store, publisher, chains[1], breaker=breaker)
+    assert skipped.skipped and status_of(store)[other[0]] == Status.PENDING
+    assert [m.id for m in publisher.sent] == ids[:1]
+    # And claims stop.
+    assert handle_claim(store, Collect(), batch_size=100, lease_s=60, breaker=breaker).paused > 0
+
+
+def test_fatal_stops_claims_for_long_with_a_clear_message(store: OutboxStore, conn: sqlite3.Connection,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    ids = add(conn, "a", 2)
+    publisher = ScriptedPublisher({ids[0]: FailureKind.FATAL})
+    breaker = Breaker()
+    [chain] = claim_chains(store)
+    with caplog.at_level(logging.CRITICAL, logger="outbox.relay"):
+        outcome = handle_chain(store, publisher, chain, options=RelayOptions(fatal_pause_s=300), breaker=breaker)
+    assert outcome.kind == "fatal"
+    assert breaker.open_for() > 290 and breaker.reason.startswith("fatal")
+    assert any("FATAL" in r.getMessage() and f"outbox_id={ids[0]}" in r.getMessage() for r in caplog.records)
+    assert [(r["status"], r["attempts"]) for r in rows(store).values()] == [(Status.PENDING, 0)] * 2
+    # A later back-pressure trip never shortens the fatal pause.
+    breaker.trip(1, "backpressure: short")
+    assert breaker.open_for() > 290 and breaker.reason.startswith("fatal")
+
+
+def test_a_publisher_that_raises_counts_against_the_head(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 2)
+    [chain] = claim_chains(store)
+    outcome = handle_chain(store, ScriptedPublisher(raises=RuntimeError("boom")), chain)
+    assert outcome.failed_id == ids[0] and outcome.kind == "retriable"
+    state = rows(store)
+    assert (state[ids[0]]["status"], state[ids[0]]["attempts"]) == (Status.FAILED, 1)
+    assert "boom" in state[ids[0]]["last_error"]
+    assert state[ids[1]]["status"] == Status.PENDING
+
+
+def test_only_a_true_prefix_is_acked(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 3)
+
+    class Liar(ScriptedPublisher):
+        def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+            return ChainResult((messages[0].id, messages[2].id))  # skips the second: not a prefix
+
+    [chain] = claim_chains(store)
+    outcome = handle_chain(store, Liar(), chain)
+    assert outcome.published == ids[:1]
+    assert [status_of(store)[i] for i in ids] == [Status.DONE, Status.PENDING, Status.PENDING]
+
+
+def test_late_acks_are_fenced_by_the_lease(tmp_path: Path, conn: sqlite3.Connection) -> None:
+    short = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=100, max_attempts=5)
+    a = add(conn, "a", 1)
+    b = add(conn, "b", 1)
+    old = claim_chains(short)
+    time.sleep(0.25)
+    new = claim_chains(short)  # the lease expired: another worker took the rows
+    assert [c[0].id for c in new] == a + b and new[0][0].lease != old[0][0].lease and new[0][0].attempt == 2
+    publisher = ScriptedPublisher({b[0]: FailureKind.RETRIABLE})
+    for chain in old:  # the first worker was only slow: its writes are refused
+        handle_chain(short, publisher, chain)
+    state = rows(short)
+    assert [(state[i]["status"], state[i]["lease"]) for i in a + b] == [(Status.CLAIMED, new[0][0].lease)] * 2
+    for chain in new:
+        handle_chain(short, ScriptedPublisher(), chain)
+    assert [status_of(short)[i] for i in a + b] == [Status.DONE] * 2
+    short.close()
+
+
+def test_publish_task_past_its_deadline_leaves_rows_to_the_lease(store: OutboxStore,
+                                                                  conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 2)
+    publisher = ScriptedPublisher()
+    chains = claim_chains(store)
+    outcomes = handle_publish(store, publisher, chains, deadline=time.time() - 1)
+    assert outcomes[0].skipped and publisher.sent == []
+    assert [status_of(store)[i] for i in ids] == [Status.CLAIMED] * 2
+
+
+class CountingStore:
+    """Passes every call to the store, counting the ``mark_done`` calls."""
+
+    def __init__(self, store: OutboxStore) -> None:
+        self.store = store
+        self.done_calls: list[list[int]] = []
+
+    def mark_done(self, ids: Sequence[int], lease: str) -> Any:
+        self.done_calls.append(list(ids))
+        return self.store.mark_done(ids, lease)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_publish_task_marks_its_published_prefixes_done_in_one_write(store: OutboxStore,
+                                                                       conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 3)
+    b = add(conn, "b", 2)
+    c = add(conn, "c", 1)
+    chains = claim_chains(store)
+    counting = CountingStore(store)
+    publisher = ScriptedPublisher({a[1]: FailureKind.RETRIABLE})
+    outcomes = handle_publish(counting, publisher, chains, deadline=time.time() + 60)
+    assert counting.done_calls == [[a[0]] + b + c]  # one write for the whole task
+    assert [o.published for o in outcomes] == [[a[0]], b, c]
+    assert outcomes[0].failed_id == a[1] and outcomes[0].released == [a[2]]
+    states = status_of(store)
+    assert [states[i] for i in a] == [Status.DONE, Status.FAILED, Status.PENDING]
+    assert all(states[i] == Status.DONE for i in b + c)
+
+
+# -- store writes that fail go to the ack queue's tasks ----------------------------------------
+
+def test_failed_store_writes_are_handed_to_the_fallback(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    ids = add(conn, "a", 3)
+    [chain] = claim_chains(store)
+
+    class DownStore:
+        def __getattr__(self, name: str) -> Any:
+            def fail(*args: Any, **kwargs: Any) -> Any:
+                raise ConnectionError("database down")
+            return fail
+
+    handed: list[tuple[str, dict[str, Any]]] = []
+    settler = Settler(DownStore(), lambda op, kwargs: handed.append((op, json.loads(json.dumps(kwargs)))))
+    publisher = ScriptedPublisher({ids[1]: FailureKind.POISON})
+    handle_chain(store, publisher, chain, settler=settler)
+    assert [op for op, _ in handed] == ["done", "failed", "release"]
+    assert publisher.dead == []  # dead-lettering waits until the row really is dead
+    # The fallback tasks apply them later, on the real store (JSON round trip included).
+    for op, kwargs in handed:
+        apply_fallback(store, publisher, op, kwargs)
+    assert [status_of(store)[i] for i in ids] == [Status.DONE, Status.DEAD, Status.PENDING]
+    assert [m.id for m, _ in publisher.dead] == [ids[1]]
+
+
+# -- the back-off ------------------------------------------------------------------------------
+
+def test_retry_delay_is_exponential_capped_and_jittered() -> None:
+    assert retry_delay(1, 1.0, 60, rng=lambda: 0.0) == timedelta(seconds=0.5)
+    assert retry_delay(1, 1.0, 60, rng=lambda: 1.0) == timedelta(seconds=1)
+    assert retry_delay(4, 1.0, 60, rng=lambda: 1.0) == timedelta(seconds=8)
+    assert retry_delay(30, 1.0, 60, rng=lambda: 1.0) == timedelta(seconds=60)
+    assert retry_delay(30, 1.0, 60, rng=lambda: 0.0) == timedelta(seconds=30)

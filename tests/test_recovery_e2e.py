@@ -1,0 +1,334 @@
+"""End to end, nothing lost when things fail: a worker SIGKILLed mid-run, a lost claim,
+publish tasks lost in Celery's broker, acks that never land (and are fenced when late), a
+broker outage, and a warm shutdown that finishes the tasks in hand. Real ``celery -A outbox
+worker`` / ``beat`` processes (and Dramatiq's, tests/runners.py) on SQLite, PostgreSQL and
+MariaDB/MySQL; helpers and fixtures: tests/relay_e2e_support.py.
+
+Skipped when a service is not reachable, unless OUTBOX_REQUIRE_SERVICES is set.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from outbox import Status
+
+from relay_e2e_support import (
+    Destination,
+    Outbox,
+    Proxy,
+    check_order,
+    lose_celery_messages,
+    queued_celery_messages,
+    relay_env,
+    wait_until,
+)
+from relay_e2e_support import (  # noqa: F401 - fixtures used by name
+    destination,
+    outbox,
+    procs_factory,
+    runner,
+    sqlite_outbox,
+)
+
+
+# -- a worker killed, a claim lost -------------------------------------------------------------
+
+def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Destination, outbox: Outbox, runner: Any,
+                                               procs_factory: Any) -> None:
+    """Two workers (four processes) relay while writers commit (and roll back); one worker
+    is SIGKILLed with its pool while it holds publish tasks, like a machine that died.
+    Every committed event arrives, in order per aggregate (duplicates allowed), none rolled
+    back does, and the rows it held come back through the lease (attempt 2).
+
+    w1 reaches RabbitMQ through a proxy that delays every reply by 15 ms, so each wave of
+    confirms of its publish tasks takes that long and the kill lands while it holds leased
+    rows rather than between two tasks. Batches of 10 over 8 aggregates come back full and
+    are packed into 3-row tasks: the claim publishes the first itself and sends the others
+    as publish tasks, so the kill finds both kinds in hand."""
+    proxy = Proxy(delay=0.015)
+    try:
+        procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_BATCH_SIZE="10",
+                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="2000",
+                                        OUTBOX_RELAY_TASK_ROWS="3"), runner)
+        procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
+        procs.worker("w2")
+        procs.beat()
+        aggregates = [f"k-{i}" for i in range(8)]
+        expected: dict[str, list[int]] = {a: [] for a in aggregates}
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                with outbox.writer() as conn:
+                    n = 0
+                    while not stop.is_set():
+                        ids = [outbox.add(conn, aggregate, n) for aggregate in aggregates]
+                        conn.commit()
+                        for aggregate, outbox_id in zip(aggregates, ids):
+                            expected[aggregate].append(outbox_id)
+                        if n % 3 == 0:
+                            outbox.add(conn, "rolled-back", n)
+                            outbox.add(conn, aggregates[n % len(aggregates)], n)
+                            conn.rollback()
+                        n += 1
+                        time.sleep(0.03)
+            except BaseException as exc:  # reported by the test, not lost in the thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        try:
+            destination.wait_for(lambda: len(destination.messages) >= 50, timeout=20, procs=procs)
+            assert len(destination.messages) >= 50, procs.log("w1")[-3000:]
+            # Kill w1 (main process and pool children) while it holds publish tasks.
+            assert wait_until(lambda: bool(procs.tasks_in_hand("w1")), timeout=10, interval=0.005), (
+                procs.log("w1")[-3000:])
+            procs.kill("w1")
+            destination.wait_for(lambda: False, timeout=1.0)  # writers go on after the kill
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+        assert not errors, errors
+        total = sum(len(ids) for ids in expected.values())
+        destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=30)
+        arrivals = destination.arrivals()
+        assert len(destination.arrived()) == total, (
+            f"{len(destination.arrived())} of {total} arrived\n{procs.log('w2')[-3000:]}")
+        check_order(arrivals, expected)
+        # The rows w1 held were recovered by their lease alone, an attempt counted.
+        assert max(m.headers["attempt"] for _, _, m in arrivals) >= 2, "w1 held nothing when it was killed"
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=15), (
+            outbox.status_counts())
+        assert len(outbox.statuses()) == total  # nothing rolled back was ever stored
+    finally:
+        proxy.close()
+
+
+def test_rows_of_a_lost_claim_come_back_with_the_lease(tmp_path: Path, destination: Destination, outbox: Outbox,
+                                                        procs_factory: Any) -> None:
+    """A claimer that leased rows and vanished (its task lost, its worker gone): the rows
+    wait for the lease, hold back their aggregate meanwhile, and are then relayed in order
+    with the attempt counted; other aggregates are never held up."""
+    with outbox.writer() as conn:
+        x1, x2 = outbox.add(conn, "x", 1), outbox.add(conn, "x", 2)
+        y1 = outbox.add(conn, "y", 1)
+        x3 = outbox.add(conn, "x", 3)
+        conn.commit()
+    lost = outbox.store.claim(2)  # the lease of a worker that will never acknowledge
+    assert [m.id for m in lost.messages] == [x1, x2]
+    leased_at = time.monotonic()
+    procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2",
+                                    OUTBOX_CLAIM_TIMEOUT_MS="6000"))
+    procs.worker("w1")
+    procs.beat()
+    destination.wait_for(lambda: len(destination.messages) >= 4, timeout=30, procs=procs)
+    arrivals = [(outbox_id, m.headers["attempt"]) for outbox_id, _, m in destination.arrivals()]
+    assert [a[0] for a in arrivals] == [y1, x1, x2, x3], procs.log("w1")[-3000:]
+    assert dict(arrivals) == {y1: 1, x1: 2, x2: 2, x3: 1}
+    assert time.monotonic() - leased_at >= 6.0
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10)
+
+
+# -- a broker outage ---------------------------------------------------------------------------
+
+def test_broker_outage_pauses_claims_and_loses_nothing(tmp_path: Path, destination: Destination,
+                                                       sqlite_outbox: Outbox, procs_factory: Any) -> None:
+    outbox = sqlite_outbox
+    proxy = Proxy()
+    try:
+        procs = procs_factory(relay_env(
+            tmp_path, destination, outbox, OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//",
+            OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_RELAY_BREAKER_S="1.0"))
+        procs.worker("w1")
+        procs.beat()
+        aggregates = [f"o-{i}" for i in range(4)]
+        expected: dict[str, list[int]] = {a: [] for a in aggregates}
+
+        def write(rounds: range) -> None:
+            with outbox.writer() as conn:
+                for n in rounds:
+                    for aggregate in aggregates:
+                        expected[aggregate].append(outbox.add(conn, aggregate, n))
+                    conn.commit()
+
+        write(range(5))
+        destination.wait_for(lambda: len(destination.messages) >= 20, timeout=20, procs=procs)
+        assert len(destination.messages) == 20, procs.log("w1")[-3000:]
+
+        proxy.cut()
+        write(range(5, 10))
+        time.sleep(3.0)  # the relay tries, fails, pauses, probes again...
+        destination.wait_for(lambda: False, timeout=0.2)
+        assert len(destination.messages) == 20  # nothing got through the cut
+        during = outbox.statuses()
+        assert Status.FAILED not in during.values() and Status.DEAD not in during.values(), during
+        log = procs.log("w1")
+        # One warning for the outage (docs/relay.md, "Outages in the log"), not one per probe.
+        assert log.count("destination broker unreachable") == 1, log[-3000:]
+
+        proxy.restore()
+        total = sum(len(ids) for ids in expected.values())
+        destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=20, procs=procs)
+        arrivals = destination.arrivals()
+        assert len(destination.arrived()) == total, procs.log("w1")[-3000:]
+        check_order(arrivals, expected)
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10)
+        assert outbox.max_attempts() == 0  # the outage spent no attempt
+    finally:
+        proxy.close()
+
+
+# -- lost Celery messages: the lease recovers them ---------------------------------------------
+
+def test_publish_tasks_lost_in_celerys_broker_come_back_with_the_lease(
+        tmp_path: Path, destination: Destination, outbox: Outbox, procs_factory: Any) -> None:
+    """A claim dispatched publish tasks and Celery's broker lost them before any worker
+    took them. Nothing else knows about those rows: they stay claimed until the lease
+    expires, then the next claim relays them in order, the lost delivery counted."""
+    with outbox.writer() as conn:
+        expected = {"a": [outbox.add(conn, "a", n) for n in range(3)],
+                    "b": [outbox.add(conn, "b", n) for n in range(2)]}
+        conn.commit()
+    # Inline publishing off: the claim must send its rows on as publish tasks.
+    env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2", OUTBOX_CLAIM_TIMEOUT_MS="3000",
+                    OUTBOX_RELAY_INLINE_ROWS="0")
+    procs = procs_factory(env)
+    procs.worker("claimer", concurrency=1, queues="outbox.claim")  # nobody consumes outbox.publish yet
+    procs.beat()
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.CLAIMED}, timeout=20), (
+        outbox.status_counts(), procs.log("claimer")[-3000:])
+    assert wait_until(lambda: queued_celery_messages(env, "outbox.publish") > 0, timeout=10)
+    leased_at = time.monotonic()
+    assert lose_celery_messages(env, "outbox.publish") >= 1
+    procs.worker("w1")
+    destination.wait_for(lambda: len(destination.messages) >= 5, timeout=30, procs=procs)
+    assert time.monotonic() - leased_at >= 2.0, "rows came back before their lease expired"
+    arrivals = destination.arrivals()
+    check_order(arrivals, expected)
+    assert len(arrivals) == 5, [a[0] for a in arrivals]
+    # Rows behind a recovered head start chains of their own (one lost delivery each).
+    assert {m.headers["attempt"] for _, _, m in arrivals} == {2}
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10), outbox.status_counts()
+
+
+REFUSE_DONE_TRIGGER = {
+    "sqlite": ["CREATE TRIGGER {name} BEFORE UPDATE OF status ON {table} WHEN NEW.status = 2 "
+               "BEGIN SELECT RAISE(ABORT, 'test: mark_done refused'); END"],
+    "postgresql": ["CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS "
+                   "$$ BEGIN RAISE EXCEPTION 'test: mark_done refused'; END $$",
+                   "CREATE TRIGGER {name} BEFORE UPDATE ON {table} FOR EACH ROW WHEN (NEW.status = 2) "
+                   "EXECUTE FUNCTION {name}()"],
+    "mysql": ["CREATE TRIGGER {name} BEFORE UPDATE ON {table} FOR EACH ROW BEGIN IF NEW.status = 2 THEN "
+              "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'test: mark_done refused'; END IF; END"],
+}
+
+
+DROP_DONE_TRIGGER = {
+    "sqlite": ["DROP TRIGGER {name}"],
+    "postgresql": ["DROP TRIGGER {name} ON {table}", "DROP FUNCTION {name}()"],
+    "mysql": ["DROP TRIGGER {name}"],
+}
+
+
+def run_ddl(outbox: Outbox, statements: list[str]) -> None:
+    name = f"{outbox.table}_refuse_done"
+    with outbox.store.transaction() as cursor:
+        for sql in statements:
+            outbox.store.engine.execute(cursor, sql.format(name=name, table=outbox.store.engine.table))
+
+
+def test_acks_that_never_land_are_recovered_by_the_lease_and_fenced_when_late(
+        tmp_path: Path, destination: Destination, outbox: Outbox, procs_factory: Any) -> None:
+    """The database refuses ``mark_done`` (a trigger) after the events were published, so
+    the publish task hands its acks to the ``outbox.ack`` queue, which nobody consumes in
+    time. The rows are recovered by the lease alone: claimed again, published again
+    (duplicates, attempt 2, in order) and done. When the old acks finally run, their lease
+    is gone: they change nothing and say so."""
+    with outbox.writer() as conn:
+        expected = {"a": [outbox.add(conn, "a", n) for n in range(3)], "b": [outbox.add(conn, "b", 0)]}
+        conn.commit()
+    run_ddl(outbox, REFUSE_DONE_TRIGGER[outbox.kind])
+    env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2", OUTBOX_CLAIM_TIMEOUT_MS="3000")
+    procs = procs_factory(env)
+    procs.worker("w1", queues="outbox.claim,outbox.publish")  # the acks wait: nobody consumes outbox.ack
+    procs.beat()
+    destination.wait_for(lambda: len(destination.messages) >= 4, timeout=30, procs=procs)
+    assert wait_until(lambda: queued_celery_messages(env, "outbox.ack") >= 1, timeout=10), procs.log("w1")[-3000:]
+    assert "handing it to the ack queue" in procs.log("w1")
+    assert set(outbox.statuses().values()) == {Status.CLAIMED}
+    run_ddl(outbox, DROP_DONE_TRIGGER[outbox.kind])
+
+    destination.wait_for(lambda: len(destination.messages) >= 8, timeout=30, procs=procs)
+    arrivals = destination.arrivals()
+    check_order(arrivals, expected)
+    first, again = arrivals[:4], arrivals[4:]
+    assert {m.headers["attempt"] for _, _, m in first} == {1}
+    assert {m.headers["attempt"] for _, _, m in again} == {2}
+    assert sorted(a[0] for a in again) == sorted(a[0] for a in first)
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10), outbox.status_counts()
+    done_at = {id: row["processed_at"] for id, row in outbox.rows().items()}
+
+    procs.worker("acks", concurrency=1, queues="outbox.ack")  # the late acks run now
+    assert wait_until(lambda: queued_celery_messages(env, "outbox.ack") == 0
+                      and "no longer holds" in procs.log("acks"), timeout=20), procs.log("acks")[-3000:]
+    assert {id: row["processed_at"] for id, row in outbox.rows().items()} == done_at
+    assert len(destination.messages) == 8
+
+
+# -- a warm shutdown ---------------------------------------------------------------------------
+
+def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_lease(
+        tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, runner: Any, procs_factory: Any) -> None:
+    """SIGTERM to a worker's main process (what a deploy does): it stops claiming, the
+    publish tasks it holds finish and settle their rows, and it exits cleanly. Another
+    worker relays the rest at once: nothing waits for a lease, no attempt is spent, no
+    event is sent twice.
+
+    w1 reaches RabbitMQ through a proxy that delays every reply by 50 ms, so a task of one
+    10-event chain takes about half a second and the signal lands while it is running."""
+    outbox = sqlite_outbox
+    with outbox.writer() as conn:
+        expected = {f"k-{i}": [outbox.add(conn, f"k-{i}", n) for n in range(10)] for i in range(8)}
+        conn.commit()
+    proxy = Proxy(delay=0.05)
+    try:
+        # Inline publishing off: a full claim would publish its share itself, and this test is
+        # about publish tasks in hand (a claim task in hand finishes like any running task).
+        procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_BATCH_SIZE="10",
+                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="300000",
+                                        OUTBOX_RELAY_INLINE_ROWS="0"), runner)
+        procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
+        procs.beat()
+        assert wait_until(lambda: bool(procs.tasks_in_hand("w1")), timeout=20, interval=0.01), (
+            procs.log("w1")[-3000:])
+        in_hand = procs.tasks_in_hand("w1")
+        # Up to 30 s more than the tasks in hand: billiard's wait for unread results
+        # (docs/relay.md, "Graceful shutdown").
+        returncode = procs.stop("w1", timeout=90)
+        log_w1 = procs.log("w1")
+        assert returncode == 0, log_w1[-3000:]
+        assert "claims stop" in log_w1
+        # A task w1 had received but no pool process had started yet when the signal landed
+        # goes back to Celery's queue (the warm shutdown restores it) and w2 runs it.
+        restored = [t for t in in_hand if not runner.succeeded(log_w1, t)]
+        assert not restored or "Restoring" in log_w1, log_w1[-3000:]
+
+        procs.worker("w2")
+        total = sum(len(ids) for ids in expected.values())
+        # Well inside the 300 s lease: anything left to it would time this out.
+        destination.wait_for(lambda: len(destination.messages) >= total, timeout=60, procs=procs)
+        for task_id in restored:
+            assert wait_until(lambda: runner.succeeded(procs.log("w2"), task_id), timeout=10), (
+                procs.log("w2")[-3000:])
+        arrivals = destination.arrivals()
+        check_order(arrivals, expected)
+        assert len(arrivals) == total, "an event was sent twice"
+        assert {m.headers["attempt"] for _, _, m in arrivals} == {1}
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10)
+    finally:
+        proxy.close()

@@ -1,0 +1,161 @@
+"""The shared-state primitives (``outbox.relay.state``), the same tests over every backend:
+in the process, in files of a directory, in a real Redis; and the breaker shared through
+them. The other policies over them (route gate, outage log, coalescer) are tested in
+tests/test_route_backpressure.py, tests/test_claim.py and tests/test_wake.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from outbox.relay import (Breaker, FileState, ProcessState, RedisState, SharedState, make_coalescer,
+                          open_shared_state)
+
+from services import REDIS_URL, reachable, require
+
+
+@pytest.fixture(params=["process", "file", "redis"])
+def state(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SharedState]:
+    if request.param == "process":
+        yield ProcessState()
+    elif request.param == "file":
+        yield FileState(str(tmp_path))
+    else:
+        require("Redis", "127.0.0.1", 6379)
+        yield RedisState(REDIS_URL)
+
+
+@pytest.fixture
+def key() -> str:
+    return f"outbox-test:{uuid.uuid4().hex[:12]}"
+
+
+def test_set_get_delete(state: SharedState, key: str) -> None:
+    assert state.get(key) is None
+    state.set(key, "one", 30)
+    assert state.get(key) == "one"
+    state.set(key, "two", 30)
+    assert state.get(key) == "two"
+    assert state.delete(key) is True
+    assert state.get(key) is None
+    assert state.delete(key) is False
+
+
+def test_values_expire(state: SharedState, key: str) -> None:
+    state.set(key, "soon gone", 0.2)
+    assert state.set_if_absent(key + ":nx", "x", 0.2) is True
+    state.set_field(key + ":map", "f", "v", 0.2)
+    time.sleep(0.3)
+    assert state.get(key) is None
+    assert state.get_fields(key + ":map") == {}
+    assert state.delete(key + ":nx") is False  # expired: nothing live to delete
+    assert state.set_if_absent(key + ":nx", "again", 30) is True
+    state.delete(key + ":nx")
+
+
+def test_set_if_absent_lets_one_caller_in(state: SharedState, key: str) -> None:
+    assert state.set_if_absent(key, "first", 30) is True
+    assert state.set_if_absent(key, "second", 30) is False
+    assert state.get(key) == "first"
+    assert state.delete(key) is True
+    assert state.set_if_absent(key, "third", 30) is True
+    state.delete(key)
+
+
+def test_set_if_absent_is_atomic_across_threads(state: SharedState, key: str) -> None:
+    wins: list[bool] = []
+    start = threading.Barrier(8)
+
+    def race() -> None:
+        start.wait()
+        wins.append(state.set_if_absent(key, threading.current_thread().name, 30))
+
+    threads = [threading.Thread(target=race) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins) == [False] * 7 + [True]
+    state.delete(key)
+
+
+def test_map_fields_are_written_one_at_a_time(state: SharedState, key: str) -> None:
+    assert state.get_fields(key) == {}
+    state.set_field(key, "orders.a", "1", 30)
+    state.set_field(key, "orders.b", "2", 30)
+    state.set_field(key, "orders.a", "3", 30)
+    assert state.get_fields(key) == {"orders.a": "3", "orders.b": "2"}
+    assert state.delete(key) is True
+    assert state.get_fields(key) == {}
+
+
+def _acquire(url: str, directory: str, key: str, wins: "multiprocessing.Queue[bool]") -> None:
+    state = FileState(directory) if url == "file" else open_shared_state(url)
+    wins.put(state.set_if_absent(key, "x", 30))
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_file_and_redis_are_shared_between_processes(backend: str, tmp_path: Path, key: str) -> None:
+    if backend == "redis":
+        require("Redis", "127.0.0.1", 6379)
+    url = REDIS_URL if backend == "redis" else "file"
+    wins: "multiprocessing.Queue[bool]" = multiprocessing.get_context("spawn").Queue()
+    procs = [multiprocessing.get_context("spawn").Process(target=_acquire, args=(url, str(tmp_path), key, wins))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert sorted(wins.get(timeout=5) for _ in procs) == [False, False, True]
+    state = FileState(str(tmp_path)) if backend == "file" else RedisState(REDIS_URL)
+    assert state.delete(key) is True
+
+
+def test_the_url_chooses_the_backend(tmp_path: Path) -> None:
+    assert isinstance(open_shared_state("memory://"), ProcessState)
+    assert isinstance(open_shared_state("amqp://guest@localhost//"), FileState)
+    assert isinstance(open_shared_state("redis://127.0.0.1:6379/7"), RedisState)
+    # Two objects of one URL share a token (files of one host); memory:// keeps one per object.
+    key = f"outbox-test:{uuid.uuid4().hex[:12]}"
+    one, two = make_coalescer("amqp://x//", key, 30), make_coalescer("amqp://x//", key, 30)
+    assert one.acquire() is True and two.acquire() is False
+    one.clear()
+    assert two.acquire() is True
+    two.clear()
+    assert make_coalescer("memory://", key, 30).acquire() and make_coalescer("memory://", key, 30).acquire()
+
+
+# -- the breaker, shared between instances -------------------------------------------------
+
+def test_file_breaker_is_shared_between_instances(tmp_path: Path) -> None:
+    one, two = Breaker(FileState(str(tmp_path)), "outbox:breaker:t"), Breaker(FileState(str(tmp_path)), "outbox:breaker:t")
+    assert one.open_for() == 0 and two.open_for() == 0
+    one.trip(30, "backpressure: down")
+    two._checked = 0  # skip the read cache
+    assert two.open_for() > 29 and two.reason == "backpressure: down"
+    two.reset()
+    one._until, one._checked = 0, 0
+    assert one.open_for() == 0
+
+
+def test_redis_breaker_is_shared_and_expires() -> None:
+    if not reachable("127.0.0.1", 6379):
+        pytest.skip("Redis is not reachable on 127.0.0.1:6379")
+    import uuid
+
+    key = f"outbox:breaker:test-{uuid.uuid4().hex}"
+    one, two = Breaker(RedisState(REDIS_URL), key), Breaker(RedisState(REDIS_URL), key)
+    try:
+        one.trip(0.5, "backpressure: down")
+        assert 0 < two.open_for() <= 0.5 and two.reason == "backpressure: down"
+        time.sleep(0.6)
+        three = Breaker(RedisState(REDIS_URL), key)
+        assert three.open_for() == 0 and one.state.client.get(key) is None
+    finally:
+        one.reset()

@@ -1,0 +1,153 @@
+"""The relay's worker around the logic: stopping (a warm shutdown seen by publish tasks and,
+through the main process's marker file, by pool children), the Celery app and its schedule,
+settings from their sources and an invalid one stopping the worker, and messages surviving
+the trip through Celery. Helpers and fixtures: tests/relay_support.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from outbox import Status
+from outbox.errors import ConfigError
+from outbox.relay import (ACK_QUEUE, CLAIM_QUEUE, CLAIM_TASK, PUBLISH_QUEUE, PURGE_QUEUE, PURGE_TASK, RelayOptions,
+                          handle_publish, message_from_dict, message_to_dict)
+from outbox.store import OutboxStore
+
+from relay_support import PYTHON, ScriptedPublisher, add, claim_chains, rows, run_python
+from relay_support import conn, store  # noqa: F401 - fixtures used by name
+
+
+# -- stopping ----------------------------------------------------------------------------------
+
+def test_publish_task_started_while_stopping_releases_its_chains(store: OutboxStore,
+                                                                 conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 2)
+    b = add(conn, "b", 1)
+    publisher = ScriptedPublisher()
+    chains = claim_chains(store)
+    outcomes = handle_publish(store, publisher, chains, deadline=time.time() + 60, stopping=lambda: True)
+    assert publisher.sent == [] and all(o.skipped for o in outcomes)
+    assert {i: (r["status"], r["attempts"]) for i, r in rows(store).items()} == {
+        i: (Status.PENDING, 0) for i in a + b}
+
+
+def test_pool_children_see_the_shutdown_through_the_main_process_marker(tmp_path: Path) -> None:
+    """Celery signals a warm shutdown to the main process only; a prefork child learns of
+    it from the marker file its parent leaves, and then neither claims nor publishes."""
+    code = """
+import os, tempfile
+from celery import signals
+import outbox.tasks as t
+tempfile.tempdir = os.environ["TMPDIR_FOR_TEST"]
+signals.worker_process_init.send(sender=None)   # as in a pool child: the parent is our parent
+before = t.stopping()
+marker = t._stopping_marker(os.getppid())
+marker.touch()                                   # what the parent's worker_shutting_down leaves
+during = (t.stopping(), t.claim(), t.request_claim())
+marker.unlink()
+print(before, *during, t.stopping())
+"""
+    done = run_python(code, tmp_path, TMPDIR_FOR_TEST=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "{'stopped':", "True}", "False", "False"]
+
+
+def test_the_main_process_leaves_and_removes_the_marker(tmp_path: Path) -> None:
+    code = """
+import os, tempfile
+from celery import signals
+import outbox.tasks as t
+tempfile.tempdir = os.environ["TMPDIR_FOR_TEST"]
+marker = t._stopping_marker(os.getpid())
+marker.touch()                                   # left by an earlier process with this pid
+signals.worker_init.send(sender=None)
+started = marker.exists()
+signals.worker_shutting_down.send(sender=None, sig="TERM", how="Warm", exitcode=0)
+print(started, marker.exists(), t.stopping())
+signals.worker_shutdown.send(sender=None)
+print(marker.exists())
+"""
+    done = run_python(code, tmp_path, TMPDIR_FOR_TEST=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "False"]
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+def test_relay_options_from_settings_sources() -> None:
+    from outbox.publisher import DEFAULT_MAX_MESSAGE_BYTES
+    assert RelayOptions().max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES
+    assert RelayOptions.from_sources({"OUTBOX_RELAY_MAX_MESSAGE_BYTES": "2048"}).max_message_bytes == 2048
+    options = RelayOptions.from_sources({"OUTBOX_RELAY_TASK_ROWS": 7}, {"OUTBOX_RELAY_TASK_ROWS": "9",
+                                                                      "OUTBOX_RELAY_BREAKER_S": "2.5"})
+    assert (options.task_rows, options.breaker_s) == (7, 2.5)
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_MAX_QUEUED_TASKS"):
+        RelayOptions.from_sources({"OUTBOX_RELAY_MAX_QUEUED_TASKS": "many"})
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_BREAKER_S"):
+        RelayOptions.from_sources({"OUTBOX_RELAY_BREAKER_S": "0"})
+    assert RelayOptions.from_sources({"OUTBOX_RELAY_INLINE_ROWS": "0"}).inline_rows == 0  # 0 = off
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_INLINE_ROWS.*>= 0"):
+        RelayOptions.from_sources({"OUTBOX_RELAY_INLINE_ROWS": "-1"})
+
+
+# -- the Celery app and the schedule (in a subprocess: a fresh app each time) ------------------
+
+def test_celery_finds_the_app_from_any_directory_and_beat_uses_the_schedule(tmp_path: Path) -> None:
+    code = """
+import json
+from celery.app.utils import find_app
+import beat_schedule
+app = find_app("outbox")
+import outbox.celery
+assert app is outbox.celery.app, app
+print(json.dumps({"beat": app.conf.beat_schedule, "queues": [q.name for q in app.conf.task_queues],
+                  "routes": app.conf.task_routes, "broker": app.conf.broker_url,
+                  "prefetch": app.conf.worker_prefetch_multiplier, "pool": app.conf.worker_pool,
+                  "expected": beat_schedule.build_schedule()}))
+"""
+    done = run_python(code, tmp_path, OUTBOX_CLAIM_INTERVAL_S="0.5", OUTBOX_RELAY_PURGE_INTERVAL_S="120",
+                      OUTBOX_CELERY_BROKER_URL="redis://127.0.0.1:6379/14")
+    assert done.returncode == 0, done.stderr
+    conf = json.loads(done.stdout)
+    assert conf["beat"] == conf["expected"]
+    assert conf["beat"]["outbox-claim"] == {"task": CLAIM_TASK, "schedule": 0.5,
+                                            "options": {"queue": CLAIM_QUEUE, "expires": 0.5}}
+    assert conf["beat"]["outbox-purge"]["task"] == PURGE_TASK and conf["beat"]["outbox-purge"]["schedule"] == 120
+    assert conf["queues"] == [CLAIM_QUEUE, PUBLISH_QUEUE, ACK_QUEUE, PURGE_QUEUE]
+    assert conf["broker"] == "redis://127.0.0.1:6379/14" and conf["prefetch"] == 1
+    assert conf["routes"]["outbox.fail"] == {"queue": ACK_QUEUE}
+
+
+def test_celery_config_keys_override_the_environment(tmp_path: Path) -> None:
+    (tmp_path / "relayconf.py").write_text("OUTBOX_BATCH_SIZE = 7\nOUTBOX_RELAY_TASK_ROWS = 3\n")
+    code = """
+import outbox.celery as c
+print(c.relay_settings().batch_size, c.relay_options().task_rows, c.app.conf.worker_pool)
+"""
+    done = run_python(code, tmp_path, OUTBOX_BATCH_SIZE="5", OUTBOX_RELAY_TASK_ROWS="9",
+                      CELERY_CONFIG_MODULE="relayconf", PYTHONPATH=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["7", "3", "threads"]  # memory:// broker next to SQLite: threads
+
+
+def test_an_invalid_setting_stops_the_worker_with_one_line(tmp_path: Path) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") or k.startswith("OUTBOX_TEST_")}
+    done = subprocess.run([str(Path(PYTHON).parent / "celery"), "-A", "outbox", "worker"], cwd=tmp_path,
+                          env={**clean, "OUTBOX_CLAIM_TIMEOUT_MS": "99999999999"}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("outbox: invalid configuration: OUTBOX_CLAIM_TIMEOUT_MS")
+    assert "Traceback" not in done.stderr
+
+
+def test_messages_survive_the_trip_through_celery(store: OutboxStore, conn: sqlite3.Connection) -> None:
+    add(conn, "a", 1, payload={"ü": [1, 2.5, None]}, headers={"tenant": "t1"}, key="pk")
+    [message] = store.claim(10).messages
+    assert message_from_dict(json.loads(json.dumps(message_to_dict(message)))) == message
