@@ -81,7 +81,8 @@ def rabbit() -> Iterator[dict[str, Any]]:
     already full with ``x-overflow: reject-publish``, so the broker nacks what goes there."""
     require("RabbitMQ", *amqp_hostport())
     name = f"pipelined-test-{uuid.uuid4().hex[:10]}"
-    conn = Connection(AMQP_URL, connect_timeout=3)
+    # Confirmed, so the filler is queued before the relay publishes.
+    conn = Connection(AMQP_URL, connect_timeout=3, transport_options={"confirm_publish": True})
     channel = conn.channel()
     exchange = Exchange(name, type="topic", durable=True)
     dead_exchange = Exchange(f"{name}-dead", type="topic", durable=True)
