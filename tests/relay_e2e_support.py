@@ -11,6 +11,7 @@ Skipped when a service is not reachable, unless OUTBOX_REQUIRE_SERVICES is set.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import pytest
 
@@ -332,6 +333,87 @@ class Outbox:
                 self.store.engine.execute(cursor, f"DROP TABLE IF EXISTS {self.store.engine.table}")
         finally:
             self.store.close()
+
+
+class Written(NamedTuple):
+    """One committed event of a Writer: its aggregate, its round and when it was committed."""
+
+    aggregate: str
+    n: int
+    at: float
+
+
+class Writer:
+    """The application writing while the relay runs, round after round on one connection of
+    ``outbox``: round ``n`` commits one event (payload ``n``) on each of its aggregates in one
+    transaction, then, every ``rollback_every``-th round, writes one event on an aggregate of
+    its own ("rolled-back") and one on a live aggregate and rolls them back, then sleeps
+    ``pace`` seconds. What it committed is in ``expected`` (ids per aggregate, in commit
+    order, after the ids of a backlog passed in) and ``written`` (by id).
+
+    ``aggregates``: the same every round, or a function of the round. ``topic``: the topic of
+    an aggregate's events (default: ``Outbox.add``'s). ``write(rounds)`` writes in the calling
+    thread; as a context manager it writes in a thread of its own (up to ``rounds`` rounds,
+    default until the block ends), stops and joins it on exit and asserts it raised nothing.
+    """
+
+    def __init__(self, outbox: Outbox, aggregates: Sequence[str] | Callable[[int], Sequence[str]], *,
+                 rollback_every: int = 0, pace: float = 0.0, rounds: int | None = None,
+                 topic: Callable[[str], str] | None = None,
+                 expected: dict[str, list[int]] | None = None) -> None:
+        self.outbox = outbox
+        self.aggregates = aggregates if callable(aggregates) else (lambda n: aggregates)
+        self.rollback_every = rollback_every
+        self.pace = pace
+        self.rounds = rounds
+        self.topic = topic
+        self.expected: dict[str, list[int]] = expected if expected is not None else {}
+        if not callable(aggregates):
+            for aggregate in aggregates:
+                self.expected.setdefault(aggregate, [])
+        self.written: dict[int, Written] = {}
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread: threading.Thread | None = None
+
+    def write(self, rounds: Iterable[int]) -> None:
+        """Rounds ``rounds`` (their numbers are the payloads), until the writer is stopped."""
+        with self.outbox.writer() as conn:
+            for n in rounds:
+                if self.stop.is_set():
+                    break
+                live = self.aggregates(n)
+                ids = [self.outbox.add(conn, aggregate, n, topic=self.topic(aggregate) if self.topic else None)
+                       for aggregate in live]
+                conn.commit()
+                at = time.time()
+                for aggregate, outbox_id in zip(live, ids):
+                    self.expected.setdefault(aggregate, []).append(outbox_id)
+                    self.written[outbox_id] = Written(aggregate, n, at)
+                if self.rollback_every and n % self.rollback_every == 0:
+                    self.outbox.add(conn, "rolled-back", n)
+                    self.outbox.add(conn, live[n % len(live)], n)  # never published either
+                    conn.rollback()
+                if self.pace:
+                    time.sleep(self.pace)
+
+    def _run(self) -> None:
+        try:
+            self.write(range(self.rounds) if self.rounds is not None else itertools.count())
+        except BaseException as exc:  # reported by the test, not lost in the thread
+            self.errors.append(exc)
+
+    def __enter__(self) -> "Writer":
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop.set()
+        assert self.thread is not None
+        self.thread.join(timeout=10)
+        if exc_info[0] is None:
+            assert not self.errors, self.errors
 
 
 @pytest.fixture(params=sorted(RUNNERS))

@@ -10,7 +10,6 @@ Helpers (processes, outboxes, the TCP proxy) come from tests/relay_e2e_support.p
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,9 +20,9 @@ import pytest
 from outbox import Status
 
 from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
-from relay_e2e_support import (Destination, Outbox, Procs, Proxy, base_env, celery_queue_keys, check_order,  # noqa: F401
-                            destination, procs_factory, redis_client, relay_env, require_relay_services,
-                            sqlite_outbox, wait_until)
+from relay_e2e_support import (Destination, Outbox, Procs, Proxy, Writer, base_env, celery_queue_keys,  # noqa: F401
+                            check_order, destination, procs_factory, redis_client, relay_env,
+                            require_relay_services, sqlite_outbox, wait_until)
 
 
 def lines_with(log: str, text: str) -> list[str]:
@@ -127,30 +126,13 @@ def test_a_full_queue_slows_only_its_own_route(tmp_path: Path, two_routes: TwoRo
     assert wait_until(lambda: destination.queued_a() == 3, timeout=30), procs.log("w1")[-3000:]
 
     # Live traffic on B (and more on A) while A refuses.
-    written_b: dict[int, float] = {}
-    expected_b: dict[str, list[int]] = {}
-    stop = threading.Event()
-
-    def writer() -> None:
-        with outbox.writer() as conn:
-            n = 0
-            while not stop.is_set() and n < 40:
-                b = outbox.add(conn, f"b-{n % 4}", n, topic="orders.b")
-                a = outbox.add(conn, f"a-{n % 5}", 100 + n, topic="orders.a")
-                conn.commit()
-                written_b[b] = time.time()
-                expected_b.setdefault(f"b-{n % 4}", []).append(b)
-                expected_a[f"a-{n % 5}"].append(a)
-                n += 1
-                time.sleep(0.15)
-
-    thread = threading.Thread(target=writer)
-    thread.start()
-    try:
+    with Writer(outbox, lambda n: [f"b-{n % 4}", f"a-{n % 5}"], topic=lambda aggregate: f"orders.{aggregate[0]}",
+                rounds=40, pace=0.15, expected=expected_a) as writer:
         destination.pump(8.0)
-    finally:
-        stop.set()
-        thread.join()
+    # writer.expected: A's backlog, then the live events of both routes.
+    expected_a, expected_b = ({a: ids for a, ids in writer.expected.items() if a.startswith(route)}
+                              for route in ("a-", "b-"))
+    written_b = {i: w.at for i, w in writer.written.items() if w.aggregate.startswith("b-")}
     assert destination.wait_for(lambda: len(destination.arrived["b"]) >= len(written_b), timeout=20, procs=procs), (
         len(destination.arrived["b"]), len(written_b), procs.log("w1")[-3000:])
     latencies = [at - written_b[i] for i, _, at, _ in destination.arrived["b"]]

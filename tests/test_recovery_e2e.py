@@ -9,7 +9,6 @@ Skipped when a service is not reachable, unless OUTBOX_REQUIRE_SERVICES is set.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from relay_e2e_support import (
     Destination,
     Outbox,
     Proxy,
+    Writer,
     check_order,
     lose_celery_messages,
     queued_celery_messages,
@@ -57,32 +57,7 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
         procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
         procs.worker("w2")
         procs.beat()
-        aggregates = [f"k-{i}" for i in range(8)]
-        expected: dict[str, list[int]] = {a: [] for a in aggregates}
-        stop = threading.Event()
-        errors: list[BaseException] = []
-
-        def write() -> None:
-            try:
-                with outbox.writer() as conn:
-                    n = 0
-                    while not stop.is_set():
-                        ids = [outbox.add(conn, aggregate, n) for aggregate in aggregates]
-                        conn.commit()
-                        for aggregate, outbox_id in zip(aggregates, ids):
-                            expected[aggregate].append(outbox_id)
-                        if n % 3 == 0:
-                            outbox.add(conn, "rolled-back", n)
-                            outbox.add(conn, aggregates[n % len(aggregates)], n)
-                            conn.rollback()
-                        n += 1
-                        time.sleep(0.03)
-            except BaseException as exc:  # reported by the test, not lost in the thread
-                errors.append(exc)
-
-        thread = threading.Thread(target=write)
-        thread.start()
-        try:
+        with Writer(outbox, [f"k-{i}" for i in range(8)], rollback_every=3, pace=0.03) as writer:
             destination.wait_for(lambda: len(destination.messages) >= 50, timeout=20, procs=procs)
             assert len(destination.messages) >= 50, procs.log("w1")[-3000:]
             # Kill w1 (main process and pool children) while it holds publish tasks.
@@ -90,11 +65,7 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
                 procs.log("w1")[-3000:])
             procs.kill("w1")
             destination.wait_for(lambda: False, timeout=1.0)  # writers go on after the kill
-        finally:
-            stop.set()
-            thread.join(timeout=10)
-        assert not errors, errors
-        total = sum(len(ids) for ids in expected.values())
+        expected, total = writer.expected, len(writer.written)
         destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=30)
         arrivals = destination.arrivals()
         assert len(destination.arrived()) == total, (
@@ -146,22 +117,13 @@ def test_broker_outage_pauses_claims_and_loses_nothing(tmp_path: Path, destinati
             OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_RELAY_BREAKER_S="1.0"))
         procs.worker("w1")
         procs.beat()
-        aggregates = [f"o-{i}" for i in range(4)]
-        expected: dict[str, list[int]] = {a: [] for a in aggregates}
-
-        def write(rounds: range) -> None:
-            with outbox.writer() as conn:
-                for n in rounds:
-                    for aggregate in aggregates:
-                        expected[aggregate].append(outbox.add(conn, aggregate, n))
-                    conn.commit()
-
-        write(range(5))
+        writer = Writer(outbox, [f"o-{i}" for i in range(4)])
+        writer.write(range(5))
         destination.wait_for(lambda: len(destination.messages) >= 20, timeout=20, procs=procs)
         assert len(destination.messages) == 20, procs.log("w1")[-3000:]
 
         proxy.cut()
-        write(range(5, 10))
+        writer.write(range(5, 10))
         time.sleep(3.0)  # the relay tries, fails, pauses, probes again...
         destination.wait_for(lambda: False, timeout=0.2)
         assert len(destination.messages) == 20  # nothing got through the cut
@@ -172,11 +134,11 @@ def test_broker_outage_pauses_claims_and_loses_nothing(tmp_path: Path, destinati
         assert log.count("destination broker unreachable") == 1, log[-3000:]
 
         proxy.restore()
-        total = sum(len(ids) for ids in expected.values())
+        total = len(writer.written)
         destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=20, procs=procs)
         arrivals = destination.arrivals()
         assert len(destination.arrived()) == total, procs.log("w1")[-3000:]
-        check_order(arrivals, expected)
+        check_order(arrivals, writer.expected)
         assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10)
         assert outbox.max_attempts() == 0  # the outage spent no attempt
     finally:

@@ -12,13 +12,12 @@ in-memory test needs no service at all.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from outbox import Status
 
-from relay_e2e_support import Destination, Outbox, base_env, check_contract, check_order, relay_env, wait_until
+from relay_e2e_support import Destination, Outbox, Writer, base_env, check_contract, check_order, relay_env, wait_until
 from relay_e2e_support import (  # noqa: F401 - fixtures used by name
     dead_letter_destination,
     destination,
@@ -54,17 +53,9 @@ def test_worker_and_beat_relay_every_event_in_order(tmp_path: Path, destination:
     procs.beat()
 
     # Live writes while the relay runs, each commit followed by a rolled-back transaction.
-    with outbox.writer() as conn:
-        for n in range(12, 20):
-            for aggregate in aggregates[:3]:
-                outbox_id = outbox.add(conn, aggregate, n)
-                expected[aggregate].append(outbox_id)
-                rows[outbox_id] = {"aggregate": aggregate, "n": n, "headers": {}}
-            conn.commit()
-            outbox.add(conn, "rolled-back", n)
-            outbox.add(conn, aggregates[0], n)  # rolled back with it: never published
-            conn.rollback()
-            time.sleep(0.05)
+    writer = Writer(outbox, aggregates[:3], rollback_every=1, pace=0.05, expected=expected)
+    writer.write(range(12, 20))
+    rows.update({i: {"aggregate": w.aggregate, "n": w.n, "headers": {}} for i, w in writer.written.items()})
 
     total = sum(len(ids) for ids in expected.values())
     destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=40, procs=procs)

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -31,7 +30,8 @@ from outbox import Status
 from outbox.engines import engine_for_url
 from outbox.engines.queue_factory import queue_tables
 from services import AMQP_URL
-from relay_e2e_support import CELERY, DB_KINDS, Destination, Outbox, Procs, base_env, check_order, require, wait_until
+from relay_e2e_support import (CELERY, DB_KINDS, Destination, Outbox, Procs, Writer, base_env, check_order, require,
+                               wait_until)
 from relay_e2e_support import outbox  # noqa: F401 - the fixture, used by name
 
 
@@ -281,42 +281,14 @@ def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(
         procs.worker("w1")
         procs.worker("w2")
         procs.beat()
-        aggregates = [f"k-{i}" for i in range(6)]
-        expected: dict[str, list[int]] = {a: [] for a in aggregates}
-        stop = threading.Event()
-        errors: list[BaseException] = []
-
-        def write() -> None:
-            try:
-                with outbox.writer() as conn:
-                    n = 0
-                    while not stop.is_set():
-                        ids = [outbox.add(conn, aggregate, n) for aggregate in aggregates]
-                        conn.commit()
-                        for aggregate, outbox_id in zip(aggregates, ids):
-                            expected[aggregate].append(outbox_id)
-                        if n % 4 == 0:
-                            outbox.add(conn, "rolled-back", n)
-                            conn.rollback()
-                        n += 1
-                        time.sleep(0.05)
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=write)
-        thread.start()
-        try:
+        with Writer(outbox, [f"k-{i}" for i in range(6)], rollback_every=4, pace=0.05) as writer:
             destination.wait_for(lambda: len(destination.messages) >= 40, timeout=60, procs=procs)
             assert len(destination.messages) >= 40, procs.log("w1")[-3000:]
             assert wait_until(lambda: any(mark in procs.log("w1") for mark in (
                 "Task outbox.publish[", "Task outbox.claim[", "outbox claimed")), timeout=30), procs.log("w1")[-3000:]
             procs.kill("w1")  # main process and pool children, whatever they hold
             destination.wait_for(lambda: False, timeout=2.0)
-        finally:
-            stop.set()
-            thread.join(timeout=10)
-        assert not errors, errors
-        total = sum(len(ids) for ids in expected.values())
+        expected, total = writer.expected, len(writer.written)
         destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=60, procs=procs)
         assert len(destination.arrived()) == total, (
             f"{len(destination.arrived())} of {total} arrived\n{procs.log('w2')[-3000:]}")
