@@ -1,7 +1,8 @@
 """Publishing claimed rows to the destination broker, in per-aggregate chains, so that what
 reaches the broker is always a prefix of each chain (docs/publisher.md). ``contract``,
-``message`` (building, poison checks), ``failures`` (classification), ``kombu_publisher``
-(the mechanism). Every name keeps its ``outbox.publisher`` import path."""
+``message`` (building, poison checks), ``failures`` (classification), ``waves`` (the
+chains' progress through waves, without I/O), ``kombu_publisher`` (the mechanism),
+``frames`` (its AMQP frames). Every name keeps its ``outbox.publisher`` import path."""
 
 from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES,
                        OVERTAKEN_BY_HEADER, OVERTAKEN_COUNT_HEADER, overtaken_headers,

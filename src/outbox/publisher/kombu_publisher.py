@@ -19,16 +19,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, UNROUTABLE_POLICIES, ChainResult, FailureKind,
-                       Overtaken, Pipelined, Publisher, PublishFailure)
+                       Pipelined, Publisher, PublishFailure)
 from .failures import _connection_lost, failure_from
 from .frames import PublishFrames
-from .message import _encoding_problem, build_headers, checked_headers, encode_body, poison_check
+from .message import _encoding_problem, build_headers, encode_body, poison_check
+from .waves import RETURNED, ChainProgress, Wave, next_wave, settle_wave
 
 
 # -- the kombu publisher -----------------------------------------------------------------------
-
-#: A wave verdict: the broker returned the message (no queue bound for its routing key).
-_RETURNED = "returned"
 
 #: A wave's frames are written once this much payload is waiting: one write for a wave of
 #: ordinary events, and large payloads never held twice for the whole wave (memory bound).
@@ -42,63 +40,6 @@ def refused_by_route(routing_key: str, exchange: str) -> PublishFailure:
     return PublishFailure(FailureKind.BACKPRESSURE,
                           f"the broker refused the message (basic.nack): a queue bound for routing key "
                           f"{routing_key!r} on exchange {exchange!r} is full or unavailable", route=routing_key)
-
-
-#: At most this many events of one pipelined chain are sent before their confirms are
-#: collected (docs/relay.md, "Pipelined chains").
-PIPELINE_WINDOW = 1000
-
-
-class _ChainProgress:
-    """How far one chain of a ``publish_chains`` call has got."""
-
-    def __init__(self, chain: list[OutboxMessage]) -> None:
-        self.chain = chain
-        self.position = 0
-        self.published: list[int] = []
-        self.unroutable: list[int] = []
-        self.overtaken: list[Overtaken] = []
-        self.failure: PublishFailure | None = None
-
-    @property
-    def next(self) -> OutboxMessage:
-        return self.chain[self.position]
-
-    @property
-    def going(self) -> bool:
-        return self.failure is None and self.position < len(self.chain)
-
-    def window(self, pipelined: Pipelined | None) -> list[OutboxMessage]:
-        """The events this chain sends in the next wave: the next one alone (strict), or,
-        when it opted in to pipelining, it and the opted-in events right after it (up to
-        ``PIPELINE_WINDOW``); a strict event is sent only once everything before it is
-        confirmed."""
-        first = self.next
-        if pipelined is None or not pipelined(first):
-            return [first]
-        end, limit = self.position + 1, min(len(self.chain), self.position + PIPELINE_WINDOW)
-        while end < limit and pipelined(self.chain[end]):
-            end += 1
-        return self.chain[self.position:end]
-
-    def advance(self, unroutable: bool = False) -> None:
-        self.published.append(self.next.id)
-        if unroutable:
-            self.unroutable.append(self.next.id)
-        self.position += 1
-
-    def overtake(self, failure: PublishFailure, delivered_after: list[int]) -> None:
-        """The next event failed but later ones of its window were confirmed: pass it."""
-        self.overtaken.append(Overtaken(self.next.id, failure, tuple(delivered_after)))
-        self.position += 1
-
-    def stop(self, failure: PublishFailure) -> None:
-        self.failure = failure
-
-    def result(self) -> ChainResult:
-        failed_id = self.next.id if self.failure is not None else None
-        return ChainResult(tuple(self.published), failed_id, self.failure, tuple(self.unroutable),
-                           tuple(self.overtaken))
 
 
 class KombuPublisher(Publisher):
@@ -212,132 +153,57 @@ class KombuPublisher(Publisher):
     def _publish_waves(self, chains: list[list[OutboxMessage]],
                        pipelined: Pipelined | None = None) -> list[ChainResult]:
         """Publish several chains (different aggregates) in waves: the next unsent event of
-        every chain still going, back to back, then wait until the broker has confirmed (or
-        returned, or nacked) every one of them; repeat. Within a chain this is stop-and-wait,
-        so what reaches the broker is a prefix of each chain; across chains the round trips
-        are shared, so a task costs as many round trips as its longest chain has events.
+        every chain still going (``next_wave``), back to back, then wait until the broker has
+        confirmed (or returned, or nacked) every one of them (``_send_wave``), and advance or
+        stop each chain by its verdicts (``settle_wave``); repeat. Within a chain this is
+        stop-and-wait, so what reaches the broker is a prefix of each chain; across chains the
+        round trips are shared, so a task costs as many round trips as its longest chain has
+        events. The bookkeeping is in ``outbox.publisher.waves``; this loop does the I/O.
 
         A chain whose next event opted in to pipelining (``pipelined``) sends a window of
-        events in one wave instead (``_ChainProgress.window``); an event of the window the
-        broker did not take while later ones were confirmed is overtaken (``_take``):
-        docs/relay.md, "Pipelined chains"."""
-        waves = [_ChainProgress(chain) for chain in chains]
-        going = [w for w in waves if w.chain]
+        events in one wave instead (``ChainProgress.window``); an event of the window the
+        broker did not take while later ones were confirmed is overtaken
+        (``waves.apply_verdicts``): docs/relay.md, "Pipelined chains"."""
+        progress = [ChainProgress(chain) for chain in chains]
+        going = [chain for chain in progress if chain.chain]
         reused = self._usable()  # a connection from an earlier call, maybe dead since
         refused: dict[str, PublishFailure] = {}  # routing key -> its nack
         while going:
-            wave: list[tuple[_ChainProgress, list[OutboxMessage]]] = []
-            messages: list[OutboxMessage] = []
-            headers: list[dict[str, Any]] = []
-            for w in going:
-                sent: list[OutboxMessage] = []
-                for message in w.window(pipelined):
-                    if sent and message.topic in refused:
-                        break  # sent alone next, where it stops on its refused route
-                    event_headers, poisoned = checked_headers(message, self.max_message_bytes)
-                    if poisoned is not None:
-                        if not sent:
-                            w.stop(poisoned)
-                        break  # a poison event stops its chain when it is next, never overtaken
-                    sent.append(message)
-                    headers.append(event_headers)
-                if sent:
-                    wave.append((w, sent))
-                    messages.extend(sent)
-            if not wave:
+            wave = next_wave(going, pipelined, refused, self.max_message_bytes)
+            if not wave.windows:
                 break
             try:
                 self._ready()
-                outcomes = self._send_wave(messages, headers)
+                verdicts = self._send_wave(wave.messages, wave.headers)
             except Exception as exc:  # noqa: BLE001 - nothing of this wave is known to be on the broker
-                if (self._returned or self._nacked) and any(len(sent) > 1 for _, sent in wave):
-                    # The one reorder pipelining cannot settle: docs/relay.md, "Pipelined chains".
-                    log.error("outbox publisher connection failed while a pipelined window awaited its confirms, "
-                              "after the broker had refused %d of its events (returned message ids: %s): their "
-                              "retry may arrive after later events of their chain",
-                              len(self._returned) + len(self._nacked), sorted(self._returned) or "none")
-                self._discard()
-                failure = failure_from(exc)
+                failure = self._wave_lost(wave, exc)
                 if reused and _connection_lost(exc):
                     # Most likely a connection that died while idle: replace it once and send
                     # the wave again (its events may arrive twice: at-least-once, still a prefix).
                     reused = False
                     log.info("publisher connection was lost (%s); reconnecting once", failure.reason)
                     continue
-                for w, _ in wave:
-                    w.stop(failure)
+                wave.stop(failure)
                 break
             reused = False  # the connection just worked: a later error is not staleness
-            broker_wide: PublishFailure | None = None
-            at = 0
-            for w, sent in wave:
-                problem = self._take(w, sent, outcomes[at:at + len(sent)], refused)
-                at += len(sent)
-                broker_wide = broker_wide or problem
-            going = [w for w, _ in wave if w.going]
-            if broker_wide is not None:
-                # The connection failed mid-wave (transports without confirms): send nothing more;
-                # every chain still going stops at its next event for the same reason.
-                for w in going:
-                    w.stop(broker_wide)
-                going = []
-            if refused:
-                # A queue of these routes refuses messages: chains whose next event goes the
-                # same way stop there (the relay releases them, no attempt spent); chains of
-                # other routes carry on.
-                for w in going:
-                    if w.next.topic in refused:
-                        w.stop(refused[w.next.topic])
-                going = [w for w in going if w.going]
-        return [w.result() for w in waves]
+            going = settle_wave(wave, verdicts, refused, unroutable=self.unroutable, exchange=self.exchange)
+        return [chain.result() for chain in progress]
 
-    def _take(self, w: _ChainProgress, sent: list[OutboxMessage], verdicts: list[Any],
-              refused: dict[str, PublishFailure]) -> PublishFailure | None:
-        """Apply the broker's verdicts on the events ``w`` sent in one wave, in order: a
-        confirmed event advances the chain; a failed one stops it, unless a later event of
-        the same window was confirmed, which overtook it (``w.overtake``). Records refused
-        routes; returns a broker-wide failure, if any."""
-        failures: list[PublishFailure | None] = []
-        for message, problem in zip(sent, verdicts):
-            if problem is None:
-                failures.append(None)
-            elif problem == _RETURNED and self.unroutable == "drop":
-                log.warning("outbox event %s (%s) was unroutable and is dropped (unroutable='drop')",
-                            message.id, message.topic)
-                failures.append(None)
-            elif problem == _RETURNED:
-                failures.append(PublishFailure(
-                    FailureKind.RETRIABLE,
-                    f"unroutable: no queue bound for routing key {message.topic!r} on exchange {self.exchange!r}"))
-            else:
-                failures.append(problem)
-        # Events that may sit in some queue: confirmed ones, and nacked ones (a nack means one
-        # queue refused it; others bound for its routing key may have taken it). A returned
-        # event reached no queue; a poison one was never sent.
-        reached = [i for i, (failure, problem) in enumerate(zip(failures, verdicts))
-                   if (failure is None and problem != _RETURNED)
-                   or (failure is not None and problem != _RETURNED and failure.route is not None)]
-        broker_wide: PublishFailure | None = None
-        for index, (message, failure) in enumerate(zip(sent, failures)):
-            if failure is None:
-                w.advance(unroutable=verdicts[index] == _RETURNED)
-                continue
-            if verdicts[index] == _RETURNED or failure.kind is FailureKind.POISON:
-                pass  # an unroutable or poison event stops (or is overtaken in) its own chain only
-            elif failure.route is not None:
-                refused[failure.route] = failure
-            else:
-                broker_wide = failure
-            if reached and reached[-1] > index:
-                w.overtake(failure, [sent[i].id for i in reached if i > index])
-            else:
-                w.stop(failure)
-                break
-        return broker_wide
+    def _wave_lost(self, wave: Wave, exc: Exception) -> PublishFailure:
+        """The connection failed while ``wave`` was sent or awaited its verdicts: drop the
+        connection and return the failure. Logs the one reorder pipelining cannot settle
+        when it may have happened (docs/relay.md, "Pipelined chains")."""
+        if (self._returned or self._nacked) and wave.pipelined:
+            log.error("outbox publisher connection failed while a pipelined window awaited its confirms, "
+                      "after the broker had refused %d of its events (returned message ids: %s): their "
+                      "retry may arrive after later events of their chain",
+                      len(self._returned) + len(self._nacked), sorted(self._returned) or "none")
+        self._discard()
+        return failure_from(exc)
 
     def _send_wave(self, messages: list[OutboxMessage], headers: list[dict[str, Any]]) -> list[Any]:
         """Send ``messages`` and wait for the broker's verdict on each: ``None`` (confirmed),
-        ``_RETURNED`` (unroutable) or a ``PublishFailure`` (nacked). Raises when the
+        ``RETURNED`` (unroutable) or a ``PublishFailure`` (nacked). Raises when the
         connection fails: then nothing of the wave is known to have arrived.
 
         Without confirms (virtual transports) each send is its own verdict, so an exception
@@ -369,7 +235,7 @@ class KombuPublisher(Publisher):
             elif tag in self._nacked:
                 verdicts.append(refused_by_route(message.topic, self.exchange))
             elif message.message_id in self._returned:
-                verdicts.append(_RETURNED)
+                verdicts.append(RETURNED)
             else:
                 verdicts.append(None)
         self._nacked.clear()
