@@ -413,7 +413,7 @@ if __name__ == "__main__":
 # -- profiling --------------------------------------------------------------------------------------
 
 def _frame_name(frame: str) -> str:
-    """'handle_chain (outbox/relay.py:512)' -> 'relay.py:handle_chain'."""
+    """'handle_chain (outbox/relay/publish.py:52)' -> 'publish.py:handle_chain'."""
     name, _, where = frame.partition(" (")
     path = where.rstrip(")").rsplit(":", 1)[0]
     return f"{Path(path).name}:{name}"
@@ -423,17 +423,18 @@ def _frame_name(frame: str) -> str:
 #: (checked from the leaf up, so the innermost known activity is charged).
 _BUCKETS = [
     # pool processes: the publish path
-    ("amqp: wait for the wave's confirms", ("publisher.py:_await_confirms",)),
-    ("amqp: send (frame encoding, socket)", ("channel.py:_basic_publish",)),
+    ("amqp: wait for the wave's confirms", ("kombu_publisher.py:_await_confirms",)),
+    ("amqp: send (frame encoding, socket)", ("kombu_publisher.py:_send_frames", "frames.py:",
+                                             "channel.py:_basic_publish")),
     ("db: mark_done", ("store.py:mark_done",)),
     ("db: release / mark_failed", ("store.py:release", "store.py:mark_failed")),
     ("db: claim", ("store.py:claim",)),
     ("celery: send task (Redis)", ("task.py:apply_async", "base.py:send_task")),
-    ("redis: wake token / breaker / queue depth", ("relay.py:acquire", "relay.py:clear", "relay.py:open_for",
-                                                   "tasks.py:queued_publish_tasks", "wake.py:")),
-    ("publisher: headers, checks, kombu", ("publisher.py:checked_headers", "publisher.py:build_headers",
-                                           "messaging.py:publish", "publisher.py:_publish_waves")),
-    ("task args (dicts -> messages)", ("relay.py:message_from_dict", "relay.py:message_to_dict")),
+    ("redis: wake token / breaker / queue depth", ("shared.py:", "tasks.py:queued_publish_tasks",
+                                                   "wake.py:")),
+    ("publisher: headers, checks, wave bookkeeping", ("message.py:checked_headers", "message.py:build_headers",
+                                                      "waves.py:", "kombu_publisher.py:_publish_waves")),
+    ("task args (dicts -> messages)", ("model.py:message_from_dict", "model.py:message_to_dict")),
     ("logging", ("__init__.py:info", "__init__.py:debug", "__init__.py:warning", "__init__.py:_log")),
     ("celery: rest of the task", ("trace.py:trace_task", "trace.py:fast_trace_task")),
     ("pool: idle, waiting for a task", ("pool.py:workloop", "pool.py:receive")),
@@ -441,6 +442,8 @@ _BUCKETS = [
     ("parent: epoll wait (idle)", ("eventio.py:poll",)),
     ("kombu Redis transport (BRPOP, LPUSH, ack, QoS)", ("redis.py:",)),
     ("parent: pool IPC (asynpool)", ("asynpool.py:",)),
+    ("parent: wake subscriber, in-process claim, hand-off threads", ("handoff.py:", "listen.py:",
+                                                                     "worker.py:_claim_in_process")),
 ]
 
 
