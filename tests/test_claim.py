@@ -1,7 +1,8 @@
 """Claiming (``outbox.relay.handle_claim`` and what sizes it), without Celery: per-aggregate
 chains packed into publish tasks, the inline publish of small and backlog claims, the byte
 budget and claim sizing, and what holds claims back (the publish queue's length, the breaker,
-a failed dispatch). Helpers and fixtures: tests/relay_support.py."""
+a failed dispatch), and the drain slice a claim task runs on every runner. Helpers and
+fixtures: tests/relay_support.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import pytest
 
 from outbox import Status
 from outbox.model import OutboxMessage
-from outbox.relay import Breaker, ClaimSizer, RelayOptions, handle_claim, plan_tasks
+from outbox.relay import (Backlog, Breaker, ClaimOutcome, ClaimSizer, Outage, RelayOptions, drain_slice,
+                          handle_claim, handle_publish, plan_tasks)
 from outbox.store import OutboxStore
 
-from relay_support import Collect, add, rows, run_python, status_of
+from relay_support import Collect, ScriptedPublisher, add, rows, run_python, status_of
 from relay_support import conn, store  # noqa: F401 - fixtures used by name
 from services import REDIS_URL, reachable
 
@@ -246,6 +248,94 @@ def test_failed_dispatch_releases_the_rows_without_spending_attempts(store: Outb
     state = rows(store)
     assert [state[i]["status"] for i in a] == [Status.CLAIMED] * 2
     assert [(state[i]["status"], state[i]["attempts"]) for i in b] == [(Status.PENDING, 0)] * 2
+
+
+# -- drain slices (relay.drain_slice, the claim task's body on Celery and on Dramatiq) ------------
+
+class Slice:
+    """What a runner gives ``drain_slice``: a publish here that settles through the real store
+    (``handle_publish`` with a scripted publisher), a "claim soon" request, and their order."""
+
+    def __init__(self, store: OutboxStore) -> None:
+        self.store, self.publisher, self.sent = store, ScriptedPublisher(), Collect()
+        self.events: list[Any] = []
+        self.outage = Outage("the database", "sqlite", "claims wait")
+        self.backlog = Backlog()
+
+    def publish_here(self, chains: list[list[OutboxMessage]], deadline: float) -> None:
+        self.events.append([m.id for chain in chains for m in chain])
+        handle_publish(self.store, self.publisher, chains, deadline=deadline)
+
+    def request_claim(self) -> bool:
+        self.events.append("claim soon")
+        return True
+
+    def run(self, batch_size: int = 2, **kw: Any) -> ClaimOutcome | None:
+        args: dict[str, Any] = dict(batch_size=batch_size, lease_s=60.0, options=RelayOptions(), breaker=None,
+                                    queued=None, backlog=self.backlog, settler=None, publisher=self.publisher,
+                                    sizer=None, publish_here=self.publish_here, request_claim=self.request_claim,
+                                    stopping=lambda: False, outage=self.outage)
+        return drain_slice(self.store, self.sent, **{**args, **kw})
+
+
+def test_a_drain_slice_publishes_each_full_claims_share_here_and_claims_again(
+        store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """One claim task drains a backlog batch after batch, in order, with no publish task and
+    one "claim soon" at its start (before its first publish) and one after its last."""
+    a = add(conn, "a", 7)
+    here = Slice(store)
+    outcome = here.run()
+    assert outcome is not None and outcome.inline and outcome.claimed == 1 and not outcome.more
+    assert here.events == ["claim soon", a[0:2], a[2:4], a[4:6], a[6:], "claim soon"]
+    assert here.sent.tasks == []  # every batch was published here
+    assert [m.id for m in here.publisher.sent] == a  # in order
+    assert len({m.lease for m in here.publisher.sent}) == 4  # four claims in one slice
+    assert set(status_of(store).values()) == {Status.DONE}
+    assert not here.backlog.met  # the last claim was small: the next one skips the queue's length
+
+
+def test_a_drain_slice_ends_with_its_time_when_stopping_or_when_the_breaker_opens(
+        store: OutboxStore, conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 8)
+    for kw, share in (({"slice_s": 0.0}, a[0:2]), ({"stopping": lambda: True}, a[2:4])):
+        here = Slice(store)
+        assert here.run(**kw) is not None
+        # One claim, its share published here; then the next claim soon, as after any publish.
+        assert here.events == ["claim soon", share, "claim soon"]
+        assert here.backlog.met  # that claim was full: the next reads the publish queue's length
+    # The breaker opens during a share: the next claim of the slice claims nothing, and
+    # nobody asks for a claim while the breaker is open.
+    breaker, here = Breaker(), Slice(store)
+
+    def publish_then_trip(chains: list[list[OutboxMessage]], deadline: float) -> None:
+        Slice.publish_here(here, chains, deadline)
+        breaker.trip(30, "backpressure: test")
+
+    outcome = here.run(breaker=breaker, publish_here=publish_then_trip)
+    assert outcome is not None and outcome.paused > 0 and outcome.claimed == 0
+    assert here.events == ["claim soon", a[4:6]]
+
+
+def test_in_the_main_process_a_full_claim_publishes_nothing_itself_and_makes_no_slice(
+        store: OutboxStore, conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 8)
+    here = Slice(store)
+    outcome = here.run(in_main=True)
+    assert outcome is not None and outcome.more and not outcome.inline
+    assert [[m.id for m in chain] for chain in here.sent.chains] == [a[0:2]]  # a publish task
+    assert here.events == ["claim soon"]  # the next claim goes to the pool through the token
+
+
+def test_a_drain_slice_reports_a_refused_claim_as_a_database_outage(store: OutboxStore,
+                                                                   conn: sqlite3.Connection) -> None:
+    a = add(conn, "a", 3)
+    here = Slice(store)
+    assert here.run(slice_s=0.0) is not None and here.backlog.met
+    conn.execute(f"DROP TABLE {store.engine.table}")
+    conn.commit()
+    assert here.run() is None  # no traceback: the outage says it once
+    assert here.outage.down and here.backlog.met  # what the last claim that ran met is kept
+    assert here.events == ["claim soon", a[0:2], "claim soon"]  # the failed claim asked for nothing
 
 
 # -- the publish queue's length (in a subprocess: a fresh app each time) -----------------------

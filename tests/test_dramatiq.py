@@ -1,10 +1,11 @@
 """The Dramatiq front-end's own parts (the relay end to end on Dramatiq runs in
 tests/test_relay_e2e.py and tests/test_recovery_e2e.py, on both runners): its settings, the post-commit wake sending
-a Dramatiq message, and the scheduler's leader lock on real Redis and RabbitMQ."""
+a Dramatiq message, the claim actor's drain slice, and the scheduler's leader lock on real Redis and RabbitMQ."""
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -145,6 +146,46 @@ def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path
     assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 2
     conn.close()
     store.close()
+
+
+# -- the claim actor's drain slice -----------------------------------------------------------------
+
+_DRAIN = """
+import json, os, sqlite3
+import outbox.dramatiq as d
+from outbox import enqueue
+from outbox.dramatiq_broker import queue_length
+from outbox.relay import CLAIM_QUEUE, PUBLISH_QUEUE
+from relay_support import ScriptedPublisher
+r = d.resources()
+r.store.migrate()
+r.publisher = ScriptedPublisher()
+conn = sqlite3.connect(os.environ["DB_PATH"])
+ids = [enqueue(conn, topic="t.x", aggregate_type="a", aggregate_id="1", payload={"n": n}) for n in range(7)]
+conn.commit()
+d.claim()
+sent = r.publisher.sent
+print(json.dumps({"ids": ids, "sent": [m.id for m in sent], "claims": len({m.lease for m in sent}),
+                  "publish": queue_length(d.broker, PUBLISH_QUEUE), "claim": queue_length(d.broker, CLAIM_QUEUE)}))
+"""
+
+
+def test_a_dramatiq_claim_publishes_its_share_here_and_claims_again_within_its_slice(
+        tmp_path: Path, redis_namespace: Any) -> None:
+    """The claim actor runs the Celery task's drain slice (``relay.drain_slice``): a backlog
+    of one aggregate, batch 2, is drained by one claim message, four claims each publishing
+    its batch itself, in order, with no publish message and one coalesced claim request."""
+    from relay_support import run_python
+
+    ns, client = redis_namespace
+    tests = str(Path(__file__).resolve().parent)
+    done = run_python(_DRAIN, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_BATCH_SIZE="2",
+                      OUTBOX_DRAMATIQ_BROKER_URL=REDIS_URL, OUTBOX_DRAMATIQ_NAMESPACE=ns, DB_PATH=str(tmp_path / "o.db"),
+                      PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["sent"] == out["ids"] and out["claims"] == 4
+    assert out["publish"] == 0 and out["claim"] == 1
 
 
 # -- the scheduler's leader lock -------------------------------------------------------------------

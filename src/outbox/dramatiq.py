@@ -20,9 +20,9 @@ from .config import Settings, load_settings, metrics_options
 from .errors import ConfigError
 from .redact import install_filter, redact
 from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
-                    PURGE_QUEUE, PURGE_TASK, RELEASE_TASK, ClaimFailed, RelayOptions, ResourceHolder, Resources,
-                    apply_fallback, handle_claim, handle_publish, message_from_dict, message_to_dict, purge_expired,
-                    still_held)
+                    PURGE_QUEUE, PURGE_TASK, RELEASE_TASK, Backlog, RelayOptions, ResourceHolder, Resources,
+                    after_publish, apply_fallback, drain_slice, handle_publish, message_from_dict, message_to_dict,
+                    purge_expired, still_held)
 from .names import claim_request_key
 from .relay.resources import Shared
 from .wake import clear_token  # the writer-side API sits below this entry point
@@ -66,9 +66,8 @@ TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
 # (``_fallback`` sends through the actors declared below.)
 _held = ResourceHolder(lambda: (SETTINGS, OPTIONS, BROKER_URL, claim_request_key(BROKER_URL, NAMESPACE)),
                        lambda op, kwargs: _fallback(op, kwargs), log)
-#: Did this process's last claim meet a backlog? Only then does the next claim read the
-#: publish queue's length first (see outbox.tasks).
-_backlog = True
+#: Did this process's last claim meet a backlog (``relay.Backlog``)?
+_backlog = Backlog()
 
 
 def shared() -> Shared:
@@ -201,10 +200,10 @@ def request_claim() -> bool:
 @dramatiq.actor(actor_name=CLAIM_TASK, queue_name=CLAIM_QUEUE, broker=broker, max_retries=0,
                 time_limit=TIME_LIMIT_MS)
 def claim(requested: bool = False, token: str | None = None, expires_at: float | None = None) -> None:
-    """Claim a batch and send its chains on as publish messages (drain mode as in
-    ``outbox.tasks.claim``: a full claim and every finished publish request the next).
-    Returns None: nobody reads a relay actor's result (the outcome is in the table)."""
-    global _backlog
+    """Claim a batch and send its chains on as publish messages, publishing a small batch or
+    a backlog's first share here, in drain slices (drain mode as in ``outbox.tasks.claim``: a
+    full claim and every finished publish request the next). Returns None: nobody reads a
+    relay actor's result (the outcome is in the table)."""
     if requested:
         shared().coalescer.clear()
     if token:  # a post-commit wake-up (outbox.wake): the next commit may ask again
@@ -215,28 +214,18 @@ def claim(requested: bool = False, token: str | None = None, expires_at: float |
     if stopping():
         return
     r, s = resources(), shared()
-    try:
-        outcome = handle_claim(r.store, _dispatch, batch_size=SETTINGS.batch_size, lease_s=LEASE_S,
-                               options=OPTIONS, breaker=s.breaker,
-                               queued=queued_publish_tasks if _backlog else None, settler=r.settler,
-                               publisher=r.publisher, publish_inline=_publish_chains, sizer=r.sizer)
-    except ClaimFailed as exc:
-        s.outage("database").failed(exc.cause)  # one warning per outage, not a traceback per tick
-        return
-    s.outage("database").ok()
-    _backlog = outcome.backlog
-    if outcome.more:
-        request_claim()
+    # Drain slices, as on Celery (docs/relay.md, "Drain slices"): written once in relay.drain.
+    drain_slice(r.store, _dispatch, batch_size=SETTINGS.batch_size, lease_s=LEASE_S, options=OPTIONS,
+                breaker=s.breaker, queued=queued_publish_tasks, backlog=_backlog, settler=r.settler,
+                publisher=r.publisher, sizer=r.sizer, publish_here=_publish_here, request_claim=request_claim,
+                stopping=stopping, outage=s.outage("database"))
 
 
-def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any]:
+def _publish_here(chains: list[list[Any]], deadline: float | None) -> list[Any]:
+    """Publish chains in this process: the publish message's work, and a claim's own share."""
     r, s = resources(), shared()
-    outcomes = handle_publish(r.store, r.publisher, chains, deadline=deadline, options=OPTIONS,
-                              breaker=s.breaker, settler=r.settler, stopping=stopping, routes=s.routes,
-                              outage=s.outage("destination broker"))
-    if s.breaker.open_for() == 0:
-        request_claim()  # drain mode: these aggregates may have more rows now
-    return outcomes
+    return handle_publish(r.store, r.publisher, chains, deadline=deadline, options=OPTIONS, breaker=s.breaker,
+                          settler=r.settler, stopping=stopping, routes=s.routes, outage=s.outage("destination broker"))
 
 
 @dramatiq.actor(actor_name=PUBLISH_TASK, queue_name=PUBLISH_QUEUE, broker=broker, max_retries=0,
@@ -247,7 +236,8 @@ def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -
     # message delivered again after its first run released or settled the rows must not
     # publish rows another claim may hold now (docs/relay.md, "Graceful shutdown").
     messages = [[message_from_dict(d) for d in chain] for chain in chains]
-    _publish_chains(still_held(resources().store, messages), deadline)
+    _publish_here(still_held(resources().store, messages), deadline)
+    after_publish(shared().breaker, request_claim)
 
 
 @dramatiq.actor(actor_name=ACK_TASK, queue_name=ACK_QUEUE, broker=broker, **_SETTLE)

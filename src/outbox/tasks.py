@@ -7,16 +7,14 @@ to scale and route them".
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict
 from typing import Any
 
 from .celery_app import app
 from .config import relay_options, relay_settings
 from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
-from .relay import (ClaimFailed, apply_fallback, handle_claim, handle_publish, message_from_dict, message_to_dict,
-                    purge_expired,
-                    still_held)
+from .relay import (DRAIN_SLICE_S, Backlog, after_publish, apply_fallback, drain_slice, handle_publish,
+                    message_from_dict, message_to_dict, purge_expired, still_held)
 from . import wake as _wake
 # The worker's per-process wiring, re-exported: ``outbox.tasks.resources`` and the rest
 # keep working. ``claim`` looks ``queued_publish_tasks`` and ``request_claim`` up here.
@@ -25,10 +23,8 @@ from .worker import (STOPPING, _stopping_marker, breaker, claiming_in_process, c
 
 log = logging.getLogger("outbox.tasks")
 
-#: Did this process's last claim meet a backlog? Only then does its next claim read the
-#: publish queue's length first (a round trip to Celery's broker): a backlog is bounded
-#: by that check, and live traffic, which never fills the queue, skips it.
-_backlog = True
+#: Did this process's last claim meet a backlog (``relay.Backlog``)?
+_backlog = Backlog()
 
 
 def _dispatch(chains: list[list[Any]], deadline: float) -> None:
@@ -62,44 +58,19 @@ def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
         _wake.clear_token(token)
     if stopping():
         return {"stopped": True}
-    global _backlog
-    settings, options = relay_settings(), relay_options()
+    settings = relay_settings()
     r = resources()
-    # Drain slices: while claims come back full and publish here, claim again in this task
-    # (no Celery round trip per batch), for at most DRAIN_SLICE_S: docs/relay.md, "A backlog
-    # claim publishes its first share itself". Not in the worker's main process (the
-    # in-process claim): a backlog it meets goes to the pool processes, so all of them work.
-    in_main = claiming_in_process()
-    ends, first = time.monotonic() + DRAIN_SLICE_S, True
-    while True:
-        try:
-            outcome = handle_claim(r.store, _dispatch, batch_size=settings.batch_size,
-                                   lease_s=settings.claim_timeout_ms / 1000.0, options=options, breaker=breaker(),
-                                   queued=queued_publish_tasks if _backlog else None, settler=r.settler,
-                                   publisher=r.publisher, publish_inline=_publish_here,
-                                   claim_again=None if in_main else request_claim if first else _nothing,
-                                   sizer=r.sizer)
-        except ClaimFailed as exc:
-            # The database is down or refusing: one warning per outage, not a traceback per tick.
-            outage("database").failed(exc.cause)
-            return {"database_unavailable": True}  # the error is in the outage's log lines, once
-        outage("database").ok()
-        _backlog, first = outcome.backlog, False
-        if not (outcome.more and outcome.inline) or in_main or stopping() or time.monotonic() >= ends:
-            break
-    if outcome.inline:
-        _published_here()
-    elif outcome.more:
-        request_claim()
+    # Drain slices (docs/relay.md, "Drain slices"), written once in relay.drain. Not in the
+    # worker's main process (the in-process claim): a backlog it meets goes to the pool.
+    outcome = drain_slice(r.store, _dispatch, batch_size=settings.batch_size,
+                          lease_s=settings.claim_timeout_ms / 1000.0, options=relay_options(), breaker=breaker(),
+                          queued=queued_publish_tasks, backlog=_backlog, settler=r.settler, publisher=r.publisher,
+                          sizer=r.sizer, publish_here=_publish_here, request_claim=request_claim,
+                          stopping=stopping, outage=outage("database"), in_main=claiming_in_process(),
+                          slice_s=DRAIN_SLICE_S)
+    if outcome is None:  # the database is down or refusing: the error is in the outage's log lines, once
+        return {"database_unavailable": True}
     return asdict(outcome)
-
-
-#: How long one claim task may go on claiming and publishing a backlog itself.
-DRAIN_SLICE_S = 1.0
-
-
-def _nothing() -> None:
-    """``claim_again`` of a drain slice's later claims: the first one asked already."""
 
 
 def _publish_here(chains: list[list[Any]], deadline: float | None) -> list[Any]:
@@ -110,15 +81,10 @@ def _publish_here(chains: list[list[Any]], deadline: float | None) -> list[Any]:
                           outage=outage("destination broker"))
 
 
-def _published_here() -> None:
-    if breaker().open_for() == 0:
-        request_claim()  # drain mode: these aggregates may have more rows now
-
-
 def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any]:
     """Publish chains, then ask for a claim (their aggregates may have more rows now)."""
     outcomes = _publish_here(chains, deadline)
-    _published_here()
+    after_publish(breaker(), request_claim)
     return outcomes
 
 

@@ -1,13 +1,14 @@
 """The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``claim``,
-``publish`` (the failure policy), ``settle`` (store writes), ``shared`` (breaker, route
-gate, outage log, coalescer) over ``state`` (Redis, files or the process), ``resources``
-(what a worker process holds). Every name keeps its ``outbox.relay`` import path."""
+``drain`` (a claim task's drain slice), ``publish`` (the failure policy), ``settle`` (store
+writes), ``shared`` (breaker, route gate, outage log, coalescer) over ``state`` (Redis, files
+or the process), ``resources`` (what a worker process holds). Every name keeps its ``outbox.relay`` import path."""
 
 from ..config import MAX_OPTION_S, RelayOptions
 from ..model import message_from_dict, message_to_dict
 from ..names import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
                      PURGE_QUEUE, PURGE_TASK, QUEUES, RELEASE_TASK)
 from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
+from .drain import DRAIN_SLICE_S, Backlog, after_publish, drain_slice
 from .publish import (BACKPRESSURE, FATAL, POISON, RETRIABLE, ChainOutcome, handle_chain, handle_publish,
                       still_held)
 from .resources import ResourceHolder, Resources
@@ -24,7 +25,8 @@ __all__ = [
     "Breaker", "breaker_key", "make_breaker", "RouteGate", "make_route_gate",
     "Outage", "make_outage", "ClaimFailed", "Coalescer", "make_coalescer",
     "StoreLike", "Fallback", "Settler", "ChainOutcome", "handle_chain", "handle_publish", "still_held",
-    "ClaimOutcome", "ClaimSizer", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback", "send_dead",
+    "ClaimOutcome", "ClaimSizer", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback",
+    "DRAIN_SLICE_S", "Backlog", "after_publish", "drain_slice", "send_dead",
     "make_relay_outage", "purge_expired", "ResourceHolder", "Resources",
     "RETRIABLE", "BACKPRESSURE", "POISON", "FATAL", "LEASE_EXPIRED",
     "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",

@@ -94,7 +94,7 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
                  queued: Callable[[], int | None] | None = None,
                  settler: Settler | None = None, now: Callable[[], float] = time.time,
                  publisher: PublisherLike | None = None, publish_inline: Dispatch | None = None,
-                 claim_again: Callable[[], None] | None = None,
+                 claim_again: Callable[[], object] | None = None,
                  sizer: ClaimSizer | None = None) -> ClaimOutcome:
     """One claim: lease a batch and dispatch its chains as publish tasks.
 
