@@ -14,6 +14,8 @@ Modules:
   (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat.
 * ``bench.hot``     one hot aggregate (10,000 events) drained strict and pipelined by a real
   worker: the ratio of the opt-in pipelined mode (``python -m bench.hot``).
+* ``bench.lease``   the store's lease-and-settle cycle alone on PostgreSQL: events/s, WAL bytes
+  per event, HOT updates (``python -m bench.lease``).
 * ``bench.live``    commit-to-arrival latency at a fixed write rate, with and without the
   post-commit wake.
 * ``bench.loop``    the baseline loop as a subprocess entry point.

@@ -45,8 +45,11 @@ def _child(database_url: str, amqp_url: str, table: str, exchange: str, batch: i
     conn = _amqp_connection(amqp_url)
     ch, state = confirm_channel(conn)
     db = psycopg.connect(database_url, autocommit=False)
-    select = (f"SELECT {_HEADER_COLUMNS} FROM {table} WHERE status = 0 ORDER BY id LIMIT %s "
-              "FOR UPDATE SKIP LOCKED")
+    # ``processed_at IS NULL``: the predicate of the table's partial index on open rows, so
+    # the loop reads that index as the relay's claim does (docs/relay.md, "The lease is a HOT
+    # update on PostgreSQL").
+    select = (f"SELECT {_HEADER_COLUMNS} FROM {table} WHERE status = 0 AND processed_at IS NULL ORDER BY id "
+              "LIMIT %s FOR UPDATE SKIP LOCKED")
     done = f"UPDATE {table} SET status = 2, processed_at = now() WHERE id = ANY(%s)"
     print("ready", flush=True)
     sys.stdin.readline()

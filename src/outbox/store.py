@@ -324,7 +324,7 @@ class OutboxStore:
         the metrics' refresh calls it between claims and must not hold one up."""
         engine = self.engine
         sql = (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {engine.now} "
-               f"FROM {engine.table} WHERE status IN (0, 1, 3)")
+               f"FROM {engine.table} WHERE {engine.open_rows()}")
         with self.transaction() as cursor:
             in_flight, backlog, oldest, db_now = engine.execute(cursor, sql).fetchone()
         lag = 0.0
@@ -338,7 +338,7 @@ class OutboxStore:
                 cursor, f"SELECT status, COUNT(*) FROM {self.engine.table} GROUP BY status").fetchall()
             oldest = self.engine.execute(
                 cursor, f"SELECT MIN(created_at), {self.engine.now} FROM {self.engine.table} "
-                "WHERE status IN (0, 1, 3)").fetchone()
+                f"WHERE {self.engine.open_rows()}").fetchone()
             return counts, oldest[0], oldest[1]
 
         counts, oldest, now = self._run("stats", work)

@@ -133,11 +133,18 @@ class Engine(ABC):
         cursor.execute(self.sql(text), tuple(params))
         return cursor
 
+    def open_rows(self, alias: str = "") -> str:
+        """The open rows (pending, claimed, failed): what the claim's partial indexes hold.
+        An engine whose indexes say it another way returns their predicate too, so that
+        every query on open rows can use them (PostgreSQL: docs/relay.md, "The lease is a
+        HOT update on PostgreSQL")."""
+        return f"{alias}status IN (0, 1, 3)"
+
     def eligible(self) -> str:
         """Rows a claim may take: pending and due, failed and due, or claimed with an
         expired lease. Takes one parameter: the lease length in ms (negated)."""
         return (
-            "status IN (0, 1, 3) AND ("
+            f"{self.open_rows()} AND ("
             f"(status = 0 AND (next_retry_at IS NULL OR next_retry_at <= {self.now}))"
             f" OR (status = 3 AND next_retry_at <= {self.now})"
             f" OR (status = 1 AND claimed_at < {self.now_plus_ms()}))"
@@ -253,7 +260,7 @@ class Engine(ABC):
         if not aggregates:
             return {}
         ids = [c.id for c in candidates]
-        sql = (f"SELECT aggregate_id, MIN(id) FROM {self.table} WHERE status IN (0, 1, 3) "
+        sql = (f"SELECT aggregate_id, MIN(id) FROM {self.table} WHERE {self.open_rows()} "
                f"AND aggregate_id IN ({', '.join('?' * len(aggregates))}) AND id < ? "
                f"AND id NOT IN ({', '.join('?' * len(ids))}) GROUP BY aggregate_id")
         rows = self.execute(cursor, sql, [*aggregates, max(ids), *ids]).fetchall()
