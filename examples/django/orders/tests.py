@@ -7,6 +7,7 @@ import json
 from django.contrib.auth.models import User
 from django.db import connection
 from django.test import TestCase, TransactionTestCase
+from django.utils import timezone
 
 from outbox.contrib.django.models import OutboxEvent, Status
 
@@ -38,7 +39,11 @@ def make_row(status, error=None, attempts=0):
 
     outbox_id = enqueue(connection, topic="orders.created", aggregate_type="order", aggregate_id=f"a{status}",
                         payload={"status": status})
-    OutboxEvent.objects.filter(id=outbox_id).update(status=status, last_error=error, attempts=attempts)
+    # A done or dead row has its processed_at: the table's CHECK holds the two together
+    # (docs/relay.md, "The lease is a HOT update on PostgreSQL").
+    settled = status in (Status.DONE, Status.DEAD)
+    OutboxEvent.objects.filter(id=outbox_id).update(status=status, last_error=error, attempts=attempts,
+                                                    processed_at=timezone.now() if settled else None)
     return outbox_id
 
 
