@@ -19,8 +19,10 @@ enqueue+commit p50): in every variant each writer leaves every ``PLAIN_EVERY``-t
 *plain*: the same row, enqueued and committed the same way, but with no wake call and (listen
 variant) no ``pg_notify``. Plain and woken commits interleave in the same threads at the same
 time, so ``writer_wake_p50_ms - writer_plain_p50_ms`` is what the wake costs the caller in the
-same conditions. The commit-to-arrival figures (``p50_ms``...) are over every commit; the
-``woken_*`` ones over the woken commits only.
+same conditions. A writer's last commit is never plain (``plain_commit``; why:
+docs/benchmarks.md, "Live latency"). The commit-to-arrival figures (``p50_ms``...) are over
+every commit; the ``woken_*`` ones over the woken commits only; ``slowest`` lists the slowest
+events and when they were committed (``--events``: every event).
 
 ``python -m bench.live --seconds 5`` runs the variants on their own (it starts its own worker
 and beat; ``--help``).
@@ -38,8 +40,17 @@ from .common import CpuWindow, Destination, Run, aggregate_name, check_order, lo
 #: Every this many commits of a writer, one is plain (no wake, no NOTIFY): the baseline of
 #: the writer-side figure, measured in the same run and threads.
 PLAIN_EVERY = 4
+#: The slowest events reported (id, aggregate, when after the first due commit, latency).
+SLOWEST = 10
 
 _plain = threading.local()
+
+
+def plain_commit(k: int, commits: int) -> bool:
+    """Whether a writer's ``k``-th commit (0-based, of ``commits``) is plain: every
+    ``PLAIN_EVERY``-th, except the writer's last one, which nothing after it would wake
+    (docs/benchmarks.md, "Live latency")."""
+    return k % PLAIN_EVERY == PLAIN_EVERY - 1 and k < commits - 1
 
 
 def _install_plain_switch() -> None:
@@ -98,7 +109,8 @@ class Writer(threading.Thread):
         total = int(self.rate * self.duration)
         try:
             with pg_connect(self.run_.postgres_url) as conn:
-                for i in range(self.index, total, self.writers):
+                mine = range(self.index, total, self.writers)
+                for k, i in enumerate(mine):
                     due = self.t0 + i / self.rate
                     delay = due - time.perf_counter()
                     if delay > 0:
@@ -106,7 +118,7 @@ class Writer(threading.Thread):
                     elif delay < -0.005:
                         self.late += 1
                     aggregate = aggregate_name(i % self.aggregates)
-                    plain = (i // self.writers) % PLAIN_EVERY == PLAIN_EVERY - 1
+                    plain = plain_commit(k, len(mine))
                     _plain.on = plain
                     started = time.perf_counter()
                     outbox_id = enqueue(conn, topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
@@ -131,7 +143,7 @@ class Writer(threading.Thread):
 
 def run_live(run: Run, destination: Destination, variant: str, rate: float, duration: float,
              aggregates: int = 100, writers: int = 2, cpu_groups: dict[str, Any] | None = None,
-             alive: Callable[[], None] | None = None) -> dict[str, Any]:
+             alive: Callable[[], None] | None = None, keep_events: bool = False) -> dict[str, Any]:
     if aggregates % writers:
         raise ValueError("aggregates must be a multiple of writers (one writer per aggregate)")
     wake, wake_name = resolve_wake() if variant == "wake" else (None, None)
@@ -143,6 +155,7 @@ def run_live(run: Run, destination: Destination, variant: str, rate: float, dura
     window = CpuWindow(cpu_groups or {})
     window.start()
     t0 = time.perf_counter() + 0.2
+    t0_epoch = time.time() + (t0 - time.perf_counter())  # to line events up with the worker's log
     threads = [Writer(run, k, writers, rate, duration, aggregates, t0, wake) for k in range(writers)]
     for t in threads:
         t.start()
@@ -170,6 +183,11 @@ def run_live(run: Run, destination: Destination, variant: str, rate: float, dura
     woken_ms = [(first[i] - committed) * 1000.0 for i, _, committed in commits if i in first and i in woken]
     write_wake_ms = [1000.0 * s for t in threads for s in t.write_wake_s]
     write_plain_ms = [1000.0 * s for t in threads for s in t.write_plain_s]
+    # Every event: (outbox id, aggregate, commit returned at, seconds after t0, latency ms,
+    # woken?), commit order: which events were slow, and when in the run.
+    events = sorted(((i, aggregate, committed - t0, (first[i] - committed) * 1000.0 if i in first else None,
+                      i in woken) for i, aggregate, committed in commits), key=lambda e: e[2])
+    slowest = sorted((e for e in events if e[3] is not None), key=lambda e: -e[3])[:SLOWEST]
     result = {
         "variant": variant, "wake_api": wake_name, "rate": rate, "duration_s": duration, "writers": writers,
         "committed": len(commits), "achieved_rate": len(commits) / wrote_for if wrote_for > 0 else 0.0,
@@ -186,7 +204,13 @@ def run_live(run: Run, destination: Destination, variant: str, rate: float, dura
         "writer_wake_p50_ms": percentile(write_wake_ms, 0.50), "writer_wake_p99_ms": percentile(write_wake_ms, 0.99),
         "writer_plain_p50_ms": percentile(write_plain_ms, 0.50),
         "writer_plain_p99_ms": percentile(write_plain_ms, 0.99),
+        "slowest": [{"id": i, "aggregate": a, "at_s": round(at, 4), "ms": round(ms, 2), "woken": w}
+                    for i, a, at, ms, w in slowest],
     }
+    if keep_events:
+        result["t0_epoch"] = t0_epoch
+        result["events"] = [{"id": i, "aggregate": a, "at_s": round(at, 4), "ms": ms, "woken": w}
+                            for i, a, at, ms, w in events]
     result["writer_added_p50_ms"] = result["writer_wake_p50_ms"] - result["writer_plain_p50_ms"]
     result["writer_added_p99_ms"] = result["writer_wake_p99_ms"] - result["writer_plain_p99_ms"]
     log(f"live {variant:6s}: {result['committed']} commits at {result['achieved_rate']:.0f}/s, "
@@ -200,6 +224,9 @@ def run_live(run: Run, destination: Destination, variant: str, rate: float, dura
         f"{result['writer_plain_p99_ms']:.2f} ms plain (1 commit in {PLAIN_EVERY}): adds "
         f"{result['writer_added_p50_ms']:+.2f} ms p50, {result['writer_added_p99_ms']:+.2f} ms p99; woken commits "
         f"arrive p50 {result['woken_p50_ms']:.1f} ms p99 {result['woken_p99_ms']:.1f} ms")
+    log(f"live {variant:6s}: slowest: " + ", ".join(
+        f"{e['ms']:.0f} ms (id {e['id']} at {e['at_s']:.2f} s{'' if e['woken'] else ', plain'})"
+        for e in result["slowest"][:5]))
     return result
 
 
@@ -251,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra environment of the worker (repeatable)")
     p.add_argument("--profile", action="store_true", help="py-spy --idle on the worker during the first wake run")
     p.add_argument("--json", type=Path, help="also write every figure to this file")
+    p.add_argument("--events", action="store_true", help="with --json: every event's latency and commit time too")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     require_services()
@@ -283,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                     spies = drain.start_spies(run, relay.worker_pids(), args.seconds + 2, "live")
                 try:
                     r = run_live(run, destination, kind, args.rate, args.seconds, args.aggregates, args.writers,
-                                 cpu_groups=drain.cpu_groups(relay), alive=relay.check_alive)
+                                 cpu_groups=drain.cpu_groups(relay), alive=relay.check_alive,
+                                 keep_events=args.events)
                 finally:
                     set_listen(False)
                 if spies is not None:
