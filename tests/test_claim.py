@@ -294,6 +294,24 @@ def test_a_drain_slice_publishes_each_full_claims_share_here_and_claims_again(
     assert not here.backlog.met  # the last claim was small: the next one skips the queue's length
 
 
+def test_over_several_aggregates_every_full_claim_of_a_slice_asks_for_the_next_claim(
+        store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """A backlog spread over aggregates: each full claim asks for a claim before its publish
+    (coalesced by the runner), so another process whose slice ended early, on a claim that
+    lost its chains to a concurrent one, gets work again before this slice ends. Over one
+    aggregate only the slice's first claim asks (the test above): nobody else could take
+    the chain this process holds."""
+    ids = {name: [] for name in "abcd"}
+    for _ in range(2):
+        for name in "abcd":
+            ids[name] += add(conn, name)
+    here = Slice(store)
+    outcome = here.run(batch_size=4)
+    assert outcome is not None and outcome.claimed == 0 and not outcome.more  # the backlog is gone
+    assert here.events == ["claim soon", ids["a"] + ids["b"], "claim soon", ids["c"] + ids["d"]]
+    assert set(status_of(store).values()) == {Status.DONE}
+
+
 def test_a_drain_slice_ends_with_its_time_when_stopping_or_when_the_breaker_opens(
         store: OutboxStore, conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 8)

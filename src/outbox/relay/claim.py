@@ -39,6 +39,7 @@ class ClaimOutcome:
     error: str | None = None  # dispatching failed (Celery's broker)
     dead: int = 0  # rows the claim found with an expired lease and no attempts left (went dead)
     inline: bool = False  # the claim was small: its rows went to ``publish_inline``, not to a publish task
+    chains: int = 0  # aggregates (chains) in the batch: one means the backlog's head is one aggregate
 
     @property
     def more(self) -> bool:
@@ -155,7 +156,9 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
         return outcome
     settler = settler or Settler(store)
     deadline = claimed_at + lease_s * options.lease_safety
-    tasks, over = plan_tasks(split_chains(claim.messages), options.task_rows, options.max_batch_bytes)
+    chains = split_chains(claim.messages)
+    outcome.chains = len(chains)
+    tasks, over = plan_tasks(chains, options.task_rows, options.max_batch_bytes)
     outcome.trimmed = bool(over)
     if (publish_inline is not None and not outcome.full and not over
             and outcome.claimed <= options.inline_rows):

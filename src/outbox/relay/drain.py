@@ -36,7 +36,8 @@ def after_publish(breaker: Breaker | None, request_claim: Callable[[], object]) 
 
 
 def _nothing() -> None:
-    """``claim_again`` of a slice's later claims: the slice's first claim asked already."""
+    """``claim_again`` of a slice's later claims after a one-chain claim: the slice's first
+    claim asked already, and nobody else can take a chain this process holds."""
 
 
 def drain_slice(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease_s: float, options: RelayOptions,
@@ -51,26 +52,30 @@ def drain_slice(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease_
     ``after_publish``, else after a full claim ``request_claim()``.
 
     The slice's first claim asks for the next claim (``claim_again``) before publishing its
-    share, so other processes drain alongside; the later ones need not ask again. ``in_main``
+    share, so other processes drain alongside; a later one asks too when the claim before it
+    took several chains (coalesced: a no-op while a requested claim still waits), so a
+    process whose own slice ended early, on a claim that lost its chains to a concurrent
+    claim, gets work again (docs/relay.md, "Drain slices"). ``in_main``
     (the Celery worker's main process, the in-process claim): no share and no slice, the
     backlog goes to the pool (docs/waking-and-metrics.md, "The in-process claim").
 
     ``queued`` is read only while ``backlog`` says the last claim met one. Returns the last
     claim's outcome, or None when the store refused the claim (``ClaimFailed``: reported to
     ``outage``, once per outage, instead of a traceback per tick)."""
-    ends, first = clock() + slice_s, True
+    ends, ask = clock() + slice_s, request_claim
     while True:
         try:
             outcome = handle_claim(store, dispatch, batch_size=batch_size, lease_s=lease_s, options=options,
                                    breaker=breaker, queued=queued if backlog.met else None, settler=settler,
                                    publisher=publisher, publish_inline=publish_here,
-                                   claim_again=None if in_main else request_claim if first else _nothing,
+                                   claim_again=None if in_main else ask,
                                    sizer=sizer)
         except ClaimFailed as exc:
             outage.failed(exc.cause)
             return None
         outage.ok()
-        backlog.met, first = outcome.backlog, False
+        backlog.met = outcome.backlog
+        ask = request_claim if outcome.chains > 1 else _nothing
         if not (outcome.more and outcome.inline) or in_main or stopping() or clock() >= ends:
             break
     if outcome.inline:
