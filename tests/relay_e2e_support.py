@@ -496,6 +496,8 @@ class Proxy:
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(64)
         self.port = self.listener.getsockname()[1]
+        #: RabbitMQ's URL through this proxy (the target must be RabbitMQ for it to mean anything).
+        self.amqp_url = f"amqp://guest:guest@127.0.0.1:{self.port}//"
         self.up = True
         self.closed = False
         self.sockets: list[Any] = []

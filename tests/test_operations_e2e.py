@@ -237,7 +237,7 @@ def test_destination_outage_logs_one_warning_and_one_recovery_line(tmp_path: Pat
     proxy = Proxy()
     try:
         procs = procs_factory(relay_env(
-            tmp_path, destination, outbox, OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//",
+            tmp_path, destination, outbox, OUTBOX_PUBLISH_URL=proxy.amqp_url,
             OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_RELAY_BREAKER_S="0.5"))
         procs.worker("w1")
         procs.beat()

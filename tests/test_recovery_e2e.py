@@ -54,7 +54,7 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
         procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_BATCH_SIZE="10",
                                         OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="2000",
                                         OUTBOX_RELAY_TASK_ROWS="3"), runner)
-        procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
+        procs.worker("w1", OUTBOX_PUBLISH_URL=proxy.amqp_url)
         procs.worker("w2")
         procs.beat()
         with Writer(outbox, [f"k-{i}" for i in range(8)], rollback_every=3, pace=0.03) as writer:
@@ -113,7 +113,7 @@ def test_broker_outage_pauses_claims_and_loses_nothing(tmp_path: Path, destinati
     proxy = Proxy()
     try:
         procs = procs_factory(relay_env(
-            tmp_path, destination, outbox, OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//",
+            tmp_path, destination, outbox, OUTBOX_PUBLISH_URL=proxy.amqp_url,
             OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_RELAY_BREAKER_S="1.0"))
         procs.worker("w1")
         procs.beat()
@@ -264,7 +264,7 @@ def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_le
         procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_BATCH_SIZE="10",
                                         OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="300000",
                                         OUTBOX_RELAY_INLINE_ROWS="0"), runner)
-        procs.worker("w1", OUTBOX_PUBLISH_URL=f"amqp://guest:guest@127.0.0.1:{proxy.port}//")
+        procs.worker("w1", OUTBOX_PUBLISH_URL=proxy.amqp_url)
         procs.beat()
         assert wait_until(lambda: bool(procs.tasks_in_hand("w1")), timeout=20, interval=0.01), (
             procs.log("w1")[-3000:])

@@ -119,9 +119,9 @@ class PostgresEngine(Engine):
         ]
         # Tables made before the lease was a HOT update (docs/relay.md, "The lease is a HOT
         # update on PostgreSQL"): the open rows' test written on processed_at and kept equal to
-        # the status test by a CHECK (rows that break it are mended first), the two partial
-        # indexes rebuilt on it, and the fill factor set unless the table has one already.
-        check = self.index_name("open").replace("ix_", "ck_", 1)
+        # the status test by a CHECK (rows that break it are mended first), the three partial
+        # indexes rebuilt on processed_at, and the fill factor set unless the table has one already.
+        check = f"ck_{self.table_name}_open"
         has_check = ("SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(?) AND conname = ?",
                      [self.qualify(self.table_name), check])
         steps += [
