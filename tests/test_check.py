@@ -126,3 +126,34 @@ def test_hint_for_a_missing_driver_in_the_check(module: str) -> None:
 
     assert 'pip install "outbox-relay[postgres]"' in _error(ModuleNotFoundError(f"No module named {module!r}",
                                                                                  name=module))
+
+
+def test_check_tests_the_database_broker_it_will_really_use(tmp_path: Path) -> None:
+    """The documented database broker (``outboxdb://``, ``outboxdb+<URL>``) is checked as
+    the worker would use it: once printed ``KeyError: 'No such transport: outboxdb'``."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    OutboxStore(url).migrate()
+    own = check({"OUTBOX_DATABASE_URL": url, "OUTBOX_CELERY_BROKER_URL": "outboxdb://"}, tmp_path)
+    assert "KeyError" not in own.stdout + own.stderr
+    assert lines(own)["celery broker"] == "ok" and "the database as Celery's broker" in own.stdout
+    named = check({"OUTBOX_DATABASE_URL": url, "OUTBOX_CELERY_BROKER_URL": f"outboxdb+{url}"}, tmp_path)
+    assert lines(named)["celery broker"] == "ok", named.stdout
+    require("PostgreSQL", "127.0.0.1", 5432)
+    down = check({"OUTBOX_DATABASE_URL": url,
+                  "OUTBOX_CELERY_BROKER_URL": "outboxdb+postgresql://u:pw@127.0.0.1:1/test"}, tmp_path)
+    assert down.returncode == 1 and lines(down)["celery broker"] == "FAIL"
+    assert "unreachable" in down.stdout and ":pw@" not in down.stdout
+
+
+def test_check_tests_dramatiqs_broker_when_dramatiq_is_the_runner(tmp_path: Path) -> None:
+    """With OUTBOX_DRAMATIQ_BROKER_URL set, the report checks Dramatiq's broker, not
+    Celery's Redis (which a Dramatiq deployment may not have)."""
+    require("Redis", "127.0.0.1", 6379)
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    OutboxStore(url).migrate()
+    up = check({"OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": REDIS_URL}, tmp_path)
+    states = lines(up)
+    assert states["dramatiq broker"] == "ok" and "celery broker" not in states, up.stdout
+    down = check({"OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": "redis://:pw@127.0.0.1:1/0"}, tmp_path)
+    assert down.returncode == 1 and lines(down)["dramatiq broker"] == "FAIL"
+    assert "OUTBOX_DRAMATIQ_BROKER_URL" in down.stdout and ":pw@" not in down.stdout

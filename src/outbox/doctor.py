@@ -8,7 +8,10 @@ skipped when an earlier one it depends on failed:
 2. database: a connection opens (a missing driver names the extra to install);
 3. table: exists with every column of the contract; indexes: the ones ``outbox migrate``
    creates are all there;
-4. Celery broker: reachable (``memory://`` is in-process only: a warning);
+4. the task runner's broker, the one the runner configured will really use: Dramatiq's
+   (``OUTBOX_DRAMATIQ_BROKER_URL``) when it is set, else Celery's, including the database
+   as Celery's broker (``outboxdb``: its scheme registered first, then a connection to its
+   database and its queue tables); reachable (``memory://`` is in-process only: a warning);
 5. destination broker: reachable, and the exchange exists;
 6. a queue bound to the exchange: on Redis the bindings are readable (kombu keeps them in
    a set per exchange); AMQP 0-9-1 cannot list bindings without the management plugin, so
@@ -22,7 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import Settings, load_settings
+from .config import ConfigError, Settings, dramatiq_settings, load_settings
 from .engines.describe import describe_database, expected_index_names, index_names, mask_url, missing_driver_hint
 from .store import OutboxStore
 
@@ -107,15 +110,50 @@ def check_celery_broker(settings: Settings, broker_url: str | None = None) -> Re
     if url.startswith("memory://"):
         detail = "memory:// (in-process: one `celery -A outbox worker` runs the schedule itself; no separate beat)"
         return Result("celery broker", OK if settings.database_url.startswith("sqlite") else WARN, detail)
+    if url.startswith("outboxdb"):
+        return _check_database_broker(settings, url)
+    return _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL")
+
+
+def check_dramatiq_broker(url: str) -> Result:
+    """Dramatiq's broker (its Redis or RabbitMQ broker): reachable. kombu's transports of the
+    same schemes make the connection, so the check needs nothing of Dramatiq installed."""
+    return _reachable("dramatiq broker", url, "set OUTBOX_DRAMATIQ_BROKER_URL")
+
+
+def _reachable(name: str, url: str, fix: str) -> Result:
     conn = _broker(url)
     try:
         conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)
-        return Result("celery broker", OK, f"{mask_url(url)} reachable")
+        return Result(name, OK, f"{mask_url(url)} reachable")
     except Exception as exc:
-        return Result("celery broker", FAIL, f"{mask_url(url)} unreachable: {_error(exc)} "
-                      "(set OUTBOX_CELERY_BROKER_URL)")
+        return Result(name, FAIL, f"{mask_url(url)} unreachable: {_error(exc)} ({fix})")
     finally:
         conn.release()
+
+
+def _check_database_broker(settings: Settings, url: str) -> Result:
+    """The database as Celery's broker: the database it names (``outboxdb://`` alone: the
+    outbox's own) answers. Its queue tables need no check: every worker creates them."""
+    from .transport import register
+    from .transport.channel import database_url_of
+
+    register()
+    name = "celery broker"
+    rest = url.split("+", 1)[1] if url.startswith("outboxdb+") else ""
+    try:
+        database_url = database_url_of(rest) if rest else settings.database_url
+    except Exception as exc:
+        return Result(name, FAIL, f"{mask_url(url)}: {_error(exc)} (set OUTBOX_CELERY_BROKER_URL)")
+    store = OutboxStore(database_url, table=settings.table, schema=settings.schema)
+    try:
+        store.connection()
+    except Exception as exc:
+        return Result(name, FAIL, f"{mask_url(url)} unreachable: {_error(exc)} (set OUTBOX_CELERY_BROKER_URL)")
+    finally:
+        store.close()
+    return Result(name, OK, f"{mask_url(url)}: the database as Celery's broker, "
+                  f"{describe_database(database_url)} reachable (the first worker creates its queue tables)")
 
 
 def check_destination(settings: Settings) -> list[Result]:
@@ -180,19 +218,25 @@ def run_checks(environ: dict[str, str] | None = None, *,
         settings = settings_loader() if settings_loader else load_settings(environ=environ)
         from .config import RelayOptions
         RelayOptions.from_sources(environ)
-    except Exception as exc:
+        dramatiq = dramatiq_settings(environ)
+    except ConfigError as exc:
         return [Result("configuration", FAIL, str(exc))]
+    if settings.broker_url.startswith("outboxdb"):
+        from .transport import register
+
+        register()  # before the URL is shown: kombu parses it by its scheme
+    runner = (f"dramatiq broker {mask_url(dramatiq.broker_url)}" if dramatiq
+              else f"celery broker {mask_url(settings.broker_url)}")
     results = [Result("configuration", OK, f"database {describe_database(settings.database_url)}, "
-                      f"exchange {settings.exchange!r}, publish to {mask_url(settings.publish_url)}, "
-                      f"celery broker {mask_url(settings.broker_url)}")]
+                      f"exchange {settings.exchange!r}, publish to {mask_url(settings.publish_url)}, {runner}")]
     if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:
         results.append(Result("database url", WARN, "OUTBOX_DATABASE_URL is not set: using ./outbox.db "
                               "in the current directory"))
-    if not settings.celery_broker_url and not settings.database_url.startswith("sqlite"):
+    if not dramatiq and not settings.celery_broker_url and not settings.database_url.startswith("sqlite"):
         results.append(Result("celery broker url", WARN, f"OUTBOX_CELERY_BROKER_URL is not set: using "
                               f"{settings.broker_url}; workers, beat and web processes must all use the same one"))
     results += check_database(settings)
-    results.append(check_celery_broker(settings))
+    results.append(check_dramatiq_broker(dramatiq.broker_url) if dramatiq else check_celery_broker(settings))
     results += check_destination(settings)
     return results
 
@@ -206,5 +250,6 @@ def report(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Result", "run_checks", "report", "check_database", "check_celery_broker", "check_destination",
+__all__ = ["Result", "run_checks", "report", "check_database", "check_celery_broker", "check_dramatiq_broker",
+           "check_destination",
            "CONTRACT_COLUMNS", "OK", "WARN", "FAIL"]
