@@ -124,7 +124,7 @@ def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
 def test_hint_for_a_missing_driver_in_the_check(module: str) -> None:
     from outbox.doctor import _error
 
-    assert 'pip install "outbox-relay[postgres]"' in _error(ModuleNotFoundError(f"No module named {module!r}",
+    assert 'pip install "<outbox-relay checkout>[postgres]"' in _error(ModuleNotFoundError(f"No module named {module!r}",
                                                                                  name=module))
 
 

@@ -98,6 +98,18 @@ def test_missing_driver_hint_names_the_extra() -> None:
     from outbox.engines.describe import missing_driver_hint
 
     hint = missing_driver_hint(ModuleNotFoundError("No module named 'pymysql'", name="pymysql"))
-    assert hint is not None and 'pip install "outbox-relay[mysql]"' in hint
+    assert hint is not None and 'pip install "<outbox-relay checkout>[mysql]"' in hint
+    assert '"outbox-relay[mysql] @ git+' in hint and "not on PyPI" in hint
     assert missing_driver_hint(ImportError("libodbc.so.2: cannot open shared object file")) is not None
     assert missing_driver_hint(ValueError("x")) is None
+
+
+def test_pyodbc_without_unixodbc_names_the_system_library_not_pip() -> None:
+    """pyodbc installed, libodbc missing: its ImportError names the module pyodbc, and the
+    hint once said "pyodbc is not installed: pip install ...", which fixes nothing."""
+    from outbox.engines.describe import missing_driver_hint
+
+    exc = ImportError("libodbc.so.2: cannot open shared object file: No such file or directory", name="pyodbc")
+    hint = missing_driver_hint(exc)
+    assert hint is not None and "unixodbc" in hint and "ODBC driver" in hint
+    assert "pip install" not in hint and "not installed" not in hint.split("cannot load")[0]

@@ -74,3 +74,26 @@ def test_the_readme_command_table_lists_every_command_and_option() -> None:
         for param in command.params:
             if isinstance(param, click.Option):
                 assert any(opt in table for opt in param.opts), f"README lacks {param.opts} of `{line}`"
+
+
+def _help_texts(command: click.Command, prefix: tuple[str, ...] = ()) -> list[str]:
+    ctx = click.Context(command, info_name=" ".join(("outbox", *prefix)))
+    texts = [command.get_help(ctx)]
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            texts += _help_texts(sub, (*prefix, name))
+    return texts
+
+
+def test_every_install_line_names_a_checkout_or_a_git_url() -> None:
+    """The package is not on PyPI: ``pip install "outbox-relay[x]"`` would fetch whatever
+    someone registered under that name. Docs, examples, ``--help`` and the package's own
+    messages say ``<checkout>[x]`` or ``outbox-relay[x] @ git+<URL>``."""
+    bare = re.compile(r"""pip install ['"]?outbox-relay(\[[^\]]*\])?(?!\S*\s*@\s*git\+)""")
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "src").rglob("*.py")),
+             *sorted((ROOT / "examples").rglob("*.py")), *sorted((ROOT / "examples").rglob("*.md")),
+             *sorted((ROOT / "worker").rglob("*")), ROOT / "Makefile", ROOT / "docker-compose.yml"]
+    found = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in files if path.is_file()
+             for m in bare.finditer(path.read_text(errors="replace"))]
+    found += [f"--help: {m.group(0)}" for text in _help_texts(main) for m in bare.finditer(text)]
+    assert not found, found

@@ -95,7 +95,8 @@ def test_the_wheel_alone_runs_the_cli_on_the_embedded_default(dist: dict[str, Pa
                                               "OUTBOX_DATABASE_URL": "postgresql://app:pw@127.0.0.1:5432/app"})
     assert missing.returncode == 1
     assert missing.stderr.strip().splitlines()[-1].startswith(
-        'error: the PostgreSQL driver (psycopg) is not installed: pip install "outbox-relay[postgres]"'), missing.stderr
+        'error: the PostgreSQL driver (psycopg) is not installed: pip install "<outbox-relay checkout>[postgres]"'
+    ), missing.stderr
 
 
 def test_postgres_extra_alone_runs_the_worker_and_beat_on_the_default_redis_broker(

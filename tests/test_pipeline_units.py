@@ -163,5 +163,5 @@ def test_cli_without_pyspark(monkeypatch: pytest.MonkeyPatch, tmp_path: object) 
                              env={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path}/x.db"})
     assert out.exit_code == 1
     assert out.output.strip().splitlines()[-1].startswith('error: the pipeline needs PySpark 4 and Java 17: '
-                                                          'pip install "outbox-relay[spark]"')
+                                                          'pip install "<outbox-relay checkout>[spark]"')
     reset_settings()

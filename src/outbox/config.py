@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, install_hint
 from .redact import redact, register_url
 
 log = logging.getLogger("outbox.config")
@@ -300,7 +300,7 @@ def _django_settings() -> Mapping[str, Any]:
     except ImportError:
         if os.environ.get("DJANGO_SETTINGS_MODULE"):
             _warn_once("DJANGO_SETTINGS_MODULE is set but Django is not installed: its settings are not read "
-                       '(pip install "outbox-relay[django]")')
+                       f"({install_hint('django')})")
         return {}
     try:
         if not dj.configured and not os.environ.get("DJANGO_SETTINGS_MODULE"):

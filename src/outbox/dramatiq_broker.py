@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from .config import DramatiqSettings, dramatiq_settings
-from .errors import ConfigError
+from .errors import ConfigError, install_hint
 
 URL_SETTING = "OUTBOX_DRAMATIQ_BROKER_URL"
 
@@ -70,8 +70,8 @@ def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
         # confirm_delivery: a send (a claim's publish message) returns once RabbitMQ has it.
         return RabbitmqBroker(url=url, middleware=middleware, confirm_delivery=True)
     except ImportError as exc:
-        raise ConfigError(f"{URL_SETTING} needs Dramatiq with its broker: pip install "
-                          f"\"outbox-relay[dramatiq]\" ({exc})") from None
+        raise ConfigError(f"{URL_SETTING} needs Dramatiq with its broker: {install_hint('dramatiq')} "
+                          f"({exc})") from None
 
 
 def queue_length(broker: Any, queue: str) -> int | None:

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def install_hint(extra: str) -> str:
+    """How to install an extra, said the same way everywhere. The package is not on PyPI,
+    so a bare PyPI requirement for "outbox-relay" would fetch whatever someone registered
+    under that name: every hint names a checkout or a Git URL (README, "Install")."""
+    return (f'pip install "<outbox-relay checkout>[{extra}]" or "outbox-relay[{extra}] @ git+<repository URL>" '
+            "(not on PyPI)")
+
+
 class OutboxError(Exception):
     """Base class of every error raised by outbox-relay."""
 

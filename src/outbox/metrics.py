@@ -1,4 +1,4 @@
-"""Prometheus metrics of the relay (opt-in, ``pip install "outbox-relay[metrics]"``): the
+"""Prometheus metrics of the relay (opt-in: the ``metrics`` extra): the
 metrics, their options and prefork's multiprocess mode, docs/waking-and-metrics.md, "Metrics".
 
 Every call is a no-op while metrics are off, so the relay calls them unconditionally."""
@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Any, Iterable
 
 from .config import metrics_options
+from .errors import install_hint
 
 log = logging.getLogger("outbox.metrics")
 
@@ -77,7 +78,7 @@ def active() -> Metrics | None:
                     _state = Metrics() if configured_port() else False
                 except ImportError:
                     log.warning("outbox metrics: OUTBOX_RELAY_METRICS_PORT is set but prometheus_client is not "
-                                "installed (pip install 'outbox-relay[metrics]'); metrics are off")
+                                f"installed ({install_hint('metrics')}); metrics are off")
                     _state = False
                 except Exception as exc:
                     log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)

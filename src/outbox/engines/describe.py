@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from . import kind_of_url
+from ..errors import install_hint
 from .base import Engine
 
 #: Driver module -> (engine, the extra that installs it).
@@ -59,13 +60,16 @@ def missing_driver_hint(exc: BaseException) -> str | None:
     if not isinstance(exc, ImportError):
         return None
     module = (getattr(exc, "name", None) or "").split(".", 1)[0]
+    # Checked first: pyodbc is installed but cannot load the system's ODBC driver manager,
+    # which no pip install fixes.
+    if "libodbc" in str(exc):
+        return ("pyodbc is installed but cannot load libodbc (unixODBC): install the system's unixodbc "
+                "(Debian/Ubuntu: apt-get install unixodbc) and an ODBC driver for SQL Server (Microsoft's "
+                "ODBC Driver 18, or FreeTDS's tdsodbc with TDS_Version=7.4); "
+                "or use mssql+mssqlpython://, which bundles its driver")
     if module in DRIVER_EXTRAS:
         engine, extra = DRIVER_EXTRAS[module]
-        return (f"the {engine} driver ({module}) is not installed: "
-                f'pip install "outbox-relay[{extra}]" (or add {extra} to the extras you install)')
-    if "libodbc" in str(exc):
-        return ("pyodbc cannot load libodbc: install the system's unixodbc and an ODBC driver "
-                "(Microsoft's ODBC Driver 18 for SQL Server, or FreeTDS's tdsodbc)")
+        return f"the {engine} driver ({module}) is not installed: {install_hint(extra)}"
     return None
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ..errors import StoreError
+from ..errors import StoreError, install_hint
 from ..model import NewEvent
 from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine
 
@@ -481,8 +481,8 @@ class MssqlEngine(Engine):
             try:
                 import mssql_python
             except ImportError:
-                raise StoreError("OUTBOX_DATABASE_URL asks for mssql-python: pip install "
-                                 "'outbox-relay[mssql-python]'") from None
+                raise StoreError("OUTBOX_DATABASE_URL asks for mssql-python: "
+                                 + install_hint("mssql-python")) from None
             conn = mssql_python.connect(target.connection_string, autocommit=False)
         else:
             import pyodbc  # imported here: importing it needs unixODBC installed

@@ -38,7 +38,8 @@ master_option = click.option("--master", default=None, metavar="URL",
 def pipeline() -> None:
     """The data pipeline on Apache Spark: archive, report and replay the outbox's history.
 
-    Needs the spark extra (pip install "outbox-relay[spark]": PySpark 4, Java 17).
+    Needs the spark extra (PySpark 4; Java 17): pip install "<outbox-relay checkout>[spark]"
+    (the package is not on PyPI: install from a checkout or git+URL, README "Install").
     The database is OUTBOX_DATABASE_URL / OUTBOX_TABLE / OUTBOX_SCHEMA. See docs/pipeline.md.
     """
 

@@ -15,6 +15,7 @@ import re
 import sys
 from typing import Any
 
+from ..errors import install_hint
 from .common import PipelineError
 
 #: Options the jobs rely on, applied to new and existing sessions alike.
@@ -41,7 +42,7 @@ def import_pyspark() -> Any:
         import pyspark  # noqa: F401
         import pyarrow  # noqa: F401  (the Python data source hands rows to the JVM as Arrow)
     except ImportError as exc:
-        raise PipelineError(f"the pipeline needs PySpark 4 and Java 17: pip install \"outbox-relay[spark]\" "
+        raise PipelineError(f"the pipeline needs PySpark 4 and Java 17: {install_hint('spark')} "
                             f"({exc})") from None
     return pyspark
 
