@@ -2,11 +2,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# `make demo` needs only the base install (SQLite and Celery's in-memory broker); `make test`
+# adds the `dev` extra (every driver, PySpark, Django, the browser tests' Selenium, ...).
+BASE   := $(VENV)/.installed-base
 STAMP  := $(VENV)/.installed-dev
 
 .PHONY: demo test bench install lint clean
 
-demo: $(STAMP)          ## the whole pipeline on the embedded SQLite default
+demo: $(BASE)           ## the whole pipeline on the embedded SQLite default (base install only)
 	$(BIN)/outbox demo
 
 test: $(STAMP)          ## the test suite (services it cannot reach are skipped, or fail under OUTBOX_REQUIRE_SERVICES)
@@ -18,10 +21,14 @@ bench: $(STAMP)         ## benchmarks; they print ratios against a baseline meas
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	@touch $(BASE)
+
+$(STAMP): $(BASE)
 	$(BIN)/pip install -q -e ".[dev]"
 	@touch $(STAMP)
 

@@ -67,6 +67,10 @@ def test_the_sdist_and_wheel_hold_the_package_the_schedule_and_the_django_app(di
         next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert 'Requires-Dist: kombu[redis]>=5.3; extra == "redis"' in metadata
     assert 'Requires-Dist: kombu[redis]>=5.3; extra == "postgres"' in metadata
+    # The flask extra brings what examples/flask imports and docs/flask.md runs (SQLAlchemy,
+    # `alembic upgrade head`, Flask-SQLAlchemy's db.session): it once brought Flask alone.
+    for requirement in ("Flask>=3.0", "SQLAlchemy>=2.0", "Flask-SQLAlchemy>=3.1", "alembic>=1.12"):
+        assert f'Requires-Dist: {requirement}; extra == "flask"' in metadata, requirement
     with tarfile.open(dist["sdist"]) as sdist:
         members = {m.name.split("/", 1)[1] for m in sdist.getmembers() if "/" in m.name}
     assert {"pyproject.toml", "README.md", "beat_schedule.py", "src/outbox/cli.py"} <= members
