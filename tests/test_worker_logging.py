@@ -34,6 +34,10 @@ def test_an_idle_worker_and_beat_are_quiet_at_info_and_log_a_heartbeat(
     procs.beat()
     assert wait_until(lambda: " ready." in procs.log("w1") and "beat: Starting" in procs.log("beat"), timeout=60), (
         f"worker or beat did not start\n--- worker\n{procs.log('w1')[-3000:]}\n--- beat\n{procs.log('beat')[-3000:]}")
+    # The banner names Celery's broker by the URL it was given: no class path of the transport
+    # that drops garbage (outbox.celery_redis), no masked password where there is none.
+    banner = next((line for line in procs.log("w1").splitlines() if ".> transport:" in line), "")
+    assert banner.split("transport:", 1)[-1].strip() == procs.env["OUTBOX_CELERY_BROKER_URL"], banner
     # Let beat send its first ticks, then count what an idle window adds.
     time.sleep(2)
     worker_before, beat_before = len(info_lines(procs.log("w1"))), len(info_lines(procs.log("beat")))

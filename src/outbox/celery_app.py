@@ -23,7 +23,7 @@ from .redact import redact
 
 log = logging.getLogger("outbox.celery")
 
-app = Celery("outbox", include=["outbox.tasks"])
+app = Celery("outbox", include=["outbox.tasks"], amqp="outbox.celery_redis:AMQP")
 
 # The one configuration reader (``outbox.config``) reads this app's OUTBOX_* config keys.
 use_conf(lambda: app.conf)
@@ -73,7 +73,7 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
     if broker_url.startswith("redis://"):
         # kombu's Redis transport, made to drop a message it cannot decode instead of
         # stopping the worker (outbox.celery_redis). The URL is read exactly as before.
-        config["broker_transport"] = "outbox.celery_redis:Transport"
+        config["broker_transport"] = "outbox.celery_redis:Transport"  # celery_redis.TRANSPORT_PATH
     elif broker_url.startswith("outboxdb"):
         # The database as Celery's broker (docs/transport.md). Imported only here, so a
         # worker on any other broker imports nothing of it (this runs before Celery
