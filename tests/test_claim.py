@@ -6,6 +6,7 @@ fixtures: tests/relay_support.py."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -386,7 +387,8 @@ t.coalescer().clear()
 print(seen, requests, claims)
 """
     done = run_python(code, tmp_path, OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="qconf",
-                      PYTHONPATH=str(tmp_path), OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+                      PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+                      OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "[0, 3] [True, False, False, True] 1"
 

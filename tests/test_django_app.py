@@ -27,9 +27,14 @@ EXAMPLE = ROOT / "examples" / "django"
 BIN = Path(sys.executable).parent
 
 
+def pythonpath(*dirs: Path) -> str:
+    """``dirs`` first, then this interpreter's PYTHONPATH (the sources under test)."""
+    return os.pathsep.join([*map(str, dirs), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def run(args: list[str], env: dict[str, str], cwd: Path = EXAMPLE, timeout: float = 180) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_", "DATABASE_"))}
-    result = subprocess.run(args, cwd=cwd, env={**clean, "PYTHONPATH": str(EXAMPLE), **env}, capture_output=True,
+    result = subprocess.run(args, cwd=cwd, env={**clean, "PYTHONPATH": pythonpath(EXAMPLE), **env}, capture_output=True,
                             text=True, timeout=timeout)
     return result
 
@@ -140,6 +145,9 @@ def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_datab
     # manage.py's own --settings is manage.py's, not the outbox command's.
     settings_flag = {k: v for k, v in env.items() if k != "DJANGO_SETTINGS_MODULE"}
     assert '"pending": 0' in ok(manage("outbox_status", "--settings=shop.settings", "--json", env=settings_flag))
+    # Django's standard options are accepted as by every management command (-v 2 was refused).
+    for standard in (["-v", "2"], ["-v2"], ["--verbosity=0"], ["--traceback"], ["--no-color"], ["--skip-checks"]):
+        assert '"pending": 0' in ok(manage("outbox_status", *standard, "--json", env=env)), standard
     assert "no dead rows" in ok(manage("outbox_dead", "list", env=env))
     check = manage("outbox_check", env=env)
     assert "[ok  ] table" in check.stdout and "[ok  ] indexes" in check.stdout, check.stdout + check.stderr
@@ -171,7 +179,7 @@ def test_the_cli_and_the_worker_read_outbox_settings_from_django(tmp_path: Path)
         "from shop.settings import *  # noqa\n"
         f"DATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', 'NAME': {str(tmp_path / 'd.db')!r}}}}}\n"
         "OUTBOX_EXCHANGE = 'from-django'\nOUTBOX_BATCH_SIZE = 7\n")
-    env = {"DJANGO_SETTINGS_MODULE": "mysettings", "PYTHONPATH": f"{tmp_path}{os.pathsep}{EXAMPLE}"}
+    env = {"DJANGO_SETTINGS_MODULE": "mysettings", "PYTHONPATH": pythonpath(tmp_path, EXAMPLE)}
     probe = ("from outbox.celery import app, relay_settings\ns = relay_settings()\n"
              "print(s.database_url, s.exchange, s.batch_size, app.conf.broker_url)\n")
     out = ok(run([sys.executable, "-c", probe], env=env, cwd=tmp_path))
@@ -211,7 +219,7 @@ def test_an_order_posted_to_the_django_view_arrives_on_rabbitmq(tmp_path: Path) 
         with open(log, "wb") as out:
             worker = subprocess.Popen([str(BIN / "celery"), "-A", "outbox", "worker", "-c", "1", "--loglevel=INFO",
                                        "--without-mingle", "--without-gossip"],
-                                      cwd=tmp_path, env={**clean, "PYTHONPATH": str(EXAMPLE), **env},
+                                      cwd=tmp_path, env={**clean, "PYTHONPATH": pythonpath(EXAMPLE), **env},
                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         arrived = destination.wait_for(lambda: len(destination.messages) >= 3, timeout=60)
         assert arrived, f"{len(destination.messages)} of 3 arrived\n--- worker\n{log.read_text()[-4000:]}"

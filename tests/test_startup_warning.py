@@ -33,7 +33,8 @@ print("started")
 def start(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_"))}
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                            env={**clean, "PYTHONPATH": str(ROOT / "examples" / "django"), **env})
+                            env={**clean, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "examples" / "django"),
+                                                                                  os.environ.get("PYTHONPATH")])), **env})
     assert result.returncode == 0 and "started" in result.stdout, result.stdout + result.stderr
     return result
 

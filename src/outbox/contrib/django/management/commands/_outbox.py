@@ -63,8 +63,11 @@ class OutboxCommand(BaseCommand):
             raise CommandError(errors[-1][len("error: "):] if errors else f"exit status {code}", returncode=code)
 
 
-#: Options manage.py itself acts on before running any command; not the outbox command's.
-_DJANGO_OPTIONS = ("--settings", "--pythonpath")
+#: Django's standard options (every management command takes them): manage.py acts on
+#: --settings and --pythonpath before running any command; the others are accepted and
+#: have nothing to change in the outbox commands, whose output is their own.
+_DJANGO_VALUE_OPTIONS = ("--settings", "--pythonpath", "--verbosity", "-v")
+_DJANGO_FLAGS = ("--traceback", "--no-color", "--force-color", "--skip-checks")
 
 
 def _without_django_options(args: list[str]) -> list[str]:
@@ -73,9 +76,13 @@ def _without_django_options(args: list[str]) -> list[str]:
     for arg in args:
         if skip:
             skip = False
-        elif arg in _DJANGO_OPTIONS:
+        elif arg in _DJANGO_VALUE_OPTIONS:
             skip = True
-        elif not arg.startswith(tuple(f"{o}=" for o in _DJANGO_OPTIONS)):
+        elif arg in _DJANGO_FLAGS or arg.startswith(tuple(f"{o}=" for o in _DJANGO_VALUE_OPTIONS)):
+            continue
+        elif arg.startswith("-v") and arg[2:].isdigit():  # -v2
+            continue
+        else:
             kept.append(arg)
     return kept
 
