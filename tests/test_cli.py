@@ -82,6 +82,22 @@ def test_status_before_migrate_says_to_migrate(tmp_path: Path) -> None:
             'error: table "never_migrated" missing: run `outbox migrate` (it creates the table and its indexes)')
 
 
+def test_migrate_says_what_it_changed(tmp_path: Path) -> None:
+    """It once said "migrated" whatever happened; docs/flask.md promises that after an
+    Alembic revision it finds nothing to change."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    env = {"OUTBOX_DATABASE_URL": url}
+    assert "created the table and its indexes" in ok(run("migrate", env=env)).stdout
+    assert ok(run("migrate", env=env)).stdout.strip().endswith("nothing to change")
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        conn.execute('DROP INDEX "ix_outbox_claim_ready"')
+    repaired = ok(run("migrate", env=env)).stdout
+    assert "repaired (added ix_outbox_claim_ready)" in repaired, repaired
+    assert ok(run("migrate", env=env)).stdout.strip().endswith("nothing to change")
+
+
 def test_mask_url() -> None:
     from outbox.engines.describe import mask_url
 

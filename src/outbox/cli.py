@@ -84,8 +84,17 @@ def migrate(native_json: bool) -> None:
     When OUTBOX_CELERY_BROKER_URL selects the database broker (outboxdb+...), its queue
     tables are created or repaired too (docs/transport.md)."""
     store = _store()
-    store.migrate(native_json=native_json)
-    click.echo(f"migrated {store.engine.table} on {store.engine.name}")
+    before = store.schema_state()
+    repaired = store.migrate(native_json=native_json)
+    after = store.schema_state()
+    where = f"{store.engine.table} on {store.engine.name}"
+    if before is None:
+        click.echo(f"migrated {where}: created the table and its indexes")
+    elif before != after or repaired:
+        added = sorted(after[0] - before[0]) + sorted(after[1] - before[1]) if after else []
+        click.echo(f"migrated {where}: repaired" + (f" (added {', '.join(added)})" if added else ""))
+    else:
+        click.echo(f"migrated {where}: nothing to change")
     broker_url = get_settings().broker_url
     from .transport import is_transport_url, migrate_queue_tables
     if is_transport_url(broker_url):

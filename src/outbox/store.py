@@ -21,6 +21,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 
 from .config import Settings, get_settings
 from .engines import Engine, engine_for_url
+from .engines.describe import index_names
 from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
 from .errors import StoreError
 from .events import MAX_ERROR_UNITS, fit_utf16
@@ -33,15 +34,19 @@ T = TypeVar("T")
 TRANSIENT_RETRIES = 5
 
 
-def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -> None:
+def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -> int:
     """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate`` and
-    the Django app's migration (on Django's own connection) create the same schema."""
+    the Django app's migration (on Django's own connection) create the same schema.
+    Returns how many guarded steps ran (their probe found the change not yet made)."""
+    ran = 0
     for step in engine.migration(native_json=native_json):
         if isinstance(step, tuple):
             (probe, params), step = step
             if engine.execute(cursor, probe, params).fetchone() is not None:
                 continue
+            ran += 1
         engine.execute(cursor, step)
+    return ran
 
 
 class OutboxStore:
@@ -133,9 +138,22 @@ class OutboxStore:
         raise StoreError(f"{operation} did not run")  # unreachable: tenacity re-raises
 
     # -- schema ----------------------------------------------------------------
-    def migrate(self, native_json: bool = False) -> None:
-        """Create or repair the table and its indexes. Safe to run any number of times."""
-        self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json))
+    def migrate(self, native_json: bool = False) -> int:
+        """Create or repair the table and its indexes. Safe to run any number of times.
+        Returns how many guarded repair steps ran (``apply_migration``)."""
+        return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json))
+
+    def schema_state(self) -> tuple[frozenset[str], frozenset[str]] | None:
+        """The table's columns and index names, or None when the table does not exist:
+        what ``outbox migrate`` compares before and after to say what it changed."""
+        try:
+            with self.transaction() as cursor:
+                self.engine.execute(cursor, f"SELECT * FROM {self.engine.table} WHERE 1 = 0")
+                columns = frozenset(str(d[0]).lower() for d in cursor.description)
+        except Exception:  # noqa: BLE001 - a missing table is what this asks about
+            return None
+        with self.transaction() as cursor:
+            return columns, frozenset(index_names(self.engine, cursor))
 
     # -- relay operations --------------------------------------------------------
     def claim(self, batch: int) -> Claim:
