@@ -62,6 +62,10 @@ def relay(command: str, tmp_path: Path, env: dict[str, str]) -> subprocess.Compl
     ("OUTBOX_PUBLISH_URL", "rabbit", "OUTBOX_PUBLISH_URL='rabbit' is not a broker URL"),
     ("OUTBOX_CELERY_BROKER_URL", "reddis://h:6379/0", "unknown broker transport 'reddis'"),
     ("OUTBOX_EXCHANGE", "amq.topic", "names starting with 'amq.' are reserved"),
+    ("OUTBOX_EXCHANGE", "", "OUTBOX_EXCHANGE is set but empty"),  # once silently meant 'outbox'
+    ("OUTBOX_EXCHANGE", "  ", "OUTBOX_EXCHANGE is set but empty"),
+    ("OUTBOX_CELERY_BROKER_URL", "outbxdb://", "did you mean 'outboxdb'?"),  # the database broker is known
+    ("OUTBOX_PUBLISH_URL", "outboxdb://", "is Celery's broker on the database, not a destination"),
     ("OUTBOX_DEAD_LETTER_EXCHANGE", "x" * 256, "is longer than 255 bytes"),
 ])
 def test_every_setting_is_validated(name: str, value: str, fragment: str) -> None:

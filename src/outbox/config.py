@@ -86,7 +86,7 @@ class Settings:
         if self.schema is not None:
             validate_identifier(self.schema, "OUTBOX_SCHEMA")
         validate_database_url(self.database_url)
-        validate_kombu_url(self.publish_url, "OUTBOX_PUBLISH_URL")
+        validate_kombu_url(self.publish_url, "OUTBOX_PUBLISH_URL", database_broker=False)
         if self.celery_broker_url:
             validate_kombu_url(self.celery_broker_url, "OUTBOX_CELERY_BROKER_URL")
         if not self.exchange:
@@ -179,10 +179,11 @@ def validate_exchange(name: str, setting: str) -> str:
     return name
 
 
-def validate_kombu_url(url: str, setting: str) -> str:
-    """A URL whose scheme kombu knows (``amqp://``, ``redis://``, ``memory://``, ...).
-    Otherwise kombu raises ``KeyError`` only when the first connection is made, which
-    would look like a broker failure rather than the configuration error it is."""
+def validate_kombu_url(url: str, setting: str, *, database_broker: bool = True) -> str:
+    """A URL whose scheme kombu knows (``amqp://``, ``redis://``, ``memory://``, ...), and for
+    Celery's broker (``database_broker``) the package's own ``outboxdb``, which is no
+    destination. Otherwise kombu raises ``KeyError`` only when the first connection is made,
+    which would look like a broker failure rather than the configuration error it is."""
     from kombu.transport import TRANSPORT_ALIASES  # kombu comes with Celery, a core dependency
 
     shown = redact(repr(url))
@@ -190,11 +191,15 @@ def validate_kombu_url(url: str, setting: str) -> str:
         raise ConfigError(f"{setting}={shown} is not a broker URL (expected e.g. amqp://user:pass@host//)")
     scheme = url.split("://", 1)[0]
     transport = scheme.split("+", 1)[0]
-    if transport not in TRANSPORT_ALIASES and transport != DATABASE_BROKER_SCHEME:
-        close = difflib.get_close_matches(transport, TRANSPORT_ALIASES, n=1)
+    known = {k for k in TRANSPORT_ALIASES if k.islower()} - {DATABASE_BROKER_SCHEME}
+    if database_broker:
+        known.add(DATABASE_BROKER_SCHEME)
+    if transport not in known:
+        close = difflib.get_close_matches(transport, sorted(known), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{setting}={shown}: unknown broker transport {scheme!r}{hint} "
-                          f"(known: {', '.join(sorted(k for k in TRANSPORT_ALIASES if k.islower()))})")
+        what = ("is Celery's broker on the database, not a destination"
+                if transport == DATABASE_BROKER_SCHEME else f"unknown broker transport {scheme!r}{hint}")
+        raise ConfigError(f"{setting}={shown}: {what} (known: {', '.join(sorted(known))})")
     return url
 
 
@@ -422,6 +427,10 @@ def warn_unknown_environment(environ: Mapping[str, str] | None = None) -> list[s
     return warned
 
 
+#: Settings whose empty value is an error rather than "unset" (``load_settings``).
+NOT_EMPTY = ("OUTBOX_EXCHANGE",)
+
+
 def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Build validated ``Settings``; raise ``ConfigError`` naming the first bad setting.
 
@@ -432,6 +441,11 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
         warn_unknown_environment(environ)
     sources: list[Mapping[str, Any]] = [overrides or {}, environ, _django_settings()]
     values: dict[str, Any] = {}
+    for name in NOT_EMPTY:
+        # Empty means unset elsewhere; here it would silently mean the default name.
+        if any(isinstance(s.get(name), str) and not s[name].strip() for s in sources[:2]):
+            raise ConfigError(f"{name} is set but empty: unset it for the default ({Settings.exchange!r}) or name "
+                              "an exchange (AMQP's nameless default exchange cannot route by topic)")
     for name, (field, kind) in _SETTINGS.items():
         for source in sources:
             if name in source and source[name] not in (None, ""):
