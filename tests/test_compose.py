@@ -23,7 +23,8 @@ from outbox.config import SETTING_NAMES, load_settings
 from outbox.relay import RelayOptions
 
 ROOT = Path(__file__).resolve().parent.parent
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+COMPOSE_TEXT = (ROOT / "docker-compose.yml").read_text()
+COMPOSE = yaml.safe_load(COMPOSE_TEXT)
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 DOCKERFILE = (ROOT / "worker" / "Dockerfile").read_text()
 ENTRYPOINT = ROOT / "worker" / "entrypoint.sh"
@@ -63,8 +64,43 @@ def service_env(name: str) -> dict[str, str]:
 def test_every_service_the_stack_needs_is_there() -> None:
     assert set(SERVICES) >= {"mssql", "mssql-init", "redis", "rabbitmq", "migrate", "worker", "beat", "web"}
     assert SERVICES["mssql"]["image"].startswith("mcr.microsoft.com/mssql/server:2022")
-    assert "management" in SERVICES["rabbitmq"]["image"] and "15672:15672" in SERVICES["rabbitmq"]["ports"]
+    assert "management" in SERVICES["rabbitmq"]["image"]
     assert SERVICES["redis"]["image"].startswith("redis:")
+
+
+def test_host_ports_stay_off_a_developers_own_services() -> None:
+    """Every published port is on 127.0.0.1, set by a variable, and its default is not the
+    service's usual port: the stack once took 1433, 6379, 5672 and 15672 from the host,
+    clashing with a developer's own Redis and RabbitMQ."""
+    usual = {"1433", "6379", "5672", "15672"}
+    for name, service in SERVICES.items():
+        for mapping in service.get("ports", []):
+            match = re.fullmatch(r"127\.0\.0\.1:\$\{([A-Z_]+_HOST_PORT):-(\d+)\}:(\d+)", mapping)
+            assert match, f"{name}: {mapping!r} is not 127.0.0.1:${{NAME_HOST_PORT:-default}}:port"
+            assert match.group(2) not in usual, f"{name}: default host port {match.group(2)} clashes"
+            assert match.group(1) in COMPOSE_TEXT.split("services:", 1)[0], f"{match.group(1)} is not documented"
+    assert "15672" in " ".join(SERVICES["rabbitmq"]["ports"])  # the management UI is still published
+
+
+def test_the_example_queue_is_bound_before_the_worker_starts() -> None:
+    """Nothing bound a queue, so the shop's first event was unroutable: a one-shot binds
+    shop.orders to the exchange on the destination broker, and the worker waits for it."""
+    bind = SERVICES["bind-queue"]
+    code = bind["command"][2]
+    assert bind["command"][:2] == ["python", "-c"] and bind["restart"] == "no"
+    compile(code, "bind-queue", "exec")
+    assert "os.environ['OUTBOX_EXCHANGE']" in code and "os.environ['OUTBOX_PUBLISH_URL']" in code
+    assert "routing_key='orders.#'" in code and "durable=True" in code
+    assert SERVICES["worker"]["depends_on"]["bind-queue"]["condition"] == "service_completed_successfully"
+    assert service_env("bind-queue")["OUTBOX_PUBLISH_URL"].startswith("amqp://")
+
+
+def test_worker_and_beat_have_healthchecks_that_can_fail() -> None:
+    worker = SERVICES["worker"]["healthcheck"]["test"]
+    assert worker[0] == "CMD-SHELL" and "celery -A outbox inspect ping" in worker[1] and "$$HOSTNAME" in worker[1]
+    beat = SERVICES["beat"]["healthcheck"]["test"]
+    # The schedule file is rewritten every 3 minutes while beat ticks; older than 5 fails.
+    assert beat[0] == "CMD-SHELL" and "$$BEAT_SCHEDULE_FILE" in beat[1] and "-mmin -5" in beat[1]
 
 
 def test_dependencies_exist_and_wait_for_health_or_completion() -> None:
