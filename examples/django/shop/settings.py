@@ -67,3 +67,11 @@ def _database(url: str) -> dict:
 
 
 DATABASES = {"default": _database(os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"))}
+
+# The relay's settings, like any Django setting (the environment wins; README.md here).
+# Celery's broker: the web process wakes the relay through it right after each commit, so it
+# must be the workers' own. Left unset with the SQLite default, one `celery -A outbox worker`
+# relays on its own (Celery's in-process broker) and the web process says once that it
+# cannot wake it: events then go out on beat's next tick.
+OUTBOX_CELERY_BROKER_URL = os.environ.get("SHOP_CELERY_BROKER_URL")  # e.g. redis://127.0.0.1:6379/0
+OUTBOX_PUBLISH_URL = os.environ.get("SHOP_PUBLISH_URL")  # e.g. amqp://guest:guest@127.0.0.1:5672//
