@@ -68,6 +68,8 @@ class AdminTests(TestCase):
         detail = self.client.get(f"/admin/outbox/outboxevent/{self.dead}/change/")
         self.assertEqual(detail.status_code, 200)
         self.assertContains(detail, "unroutable")
+        # No key was given: the partition key is the aggregate id, and the page says so (not "-").
+        self.assertContains(detail, f"a{Status.DEAD} (the aggregate id: no key given)")
 
     def test_requeue_action_makes_dead_rows_pending_and_leaves_others(self):
         response = self.client.post("/admin/outbox/outboxevent/", {

@@ -22,8 +22,19 @@ class OutboxEventAdmin(admin.ModelAdmin):
     actions = ["requeue_dead"]
     list_per_page = 100
 
+    def get_fields(self, request: Any, obj: Any = None) -> list[str]:
+        # The stored partition_key is empty when the event had no key: it is then the
+        # aggregate id (the published partition_key header), which the page says.
+        return ["partition" if f.name == "partition_key" else f.name for f in OutboxEvent._meta.fields]
+
     def get_readonly_fields(self, request: Any, obj: Any = None) -> list[str]:
-        return [f.name for f in OutboxEvent._meta.fields]
+        return self.get_fields(request, obj)
+
+    @admin.display(description="partition key")
+    def partition(self, obj: OutboxEvent) -> str:
+        if obj.partition_key is not None:
+            return obj.partition_key
+        return f"{obj.aggregate_id} (the aggregate id: no key given)"
 
     @admin.display(description="last error")
     def error(self, obj: OutboxEvent) -> str:
