@@ -165,3 +165,26 @@ def test_cli_without_pyspark(monkeypatch: pytest.MonkeyPatch, tmp_path: object) 
     assert out.output.strip().splitlines()[-1].startswith('error: the pipeline needs PySpark 4 and Java 17: '
                                                           'pip install "<outbox-relay checkout>[spark]"')
     reset_settings()
+
+
+def test_the_reports_legends_never_cover_a_bar() -> None:
+    """The legends sat inside the plot, over the tallest bars; they are beside it now."""
+    pytest.importorskip("matplotlib")
+    from outbox.pipeline.report import figures
+
+    days = [{"day": f"2026-11-{d:02d}", "delivered": 900 + d, "dead": d, "pending": 2} for d in range(1, 15)]
+    topics = [{"topic": f"orders.t{n}", "latency_p50_s": 0.5 + n, "latency_p95_s": 2.0 + n, "latency_p99_s": 9.0 + n}
+              for n in range(6)]
+    report = {"days": days, "topics": topics, "totals": {"attempts_histogram": [{"attempts": 1, "rows": 5}]}}
+    checked = 0
+    for name, figure in figures(report).items():
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        for ax in figure.axes:
+            legend = ax.get_legend()
+            if legend is None:
+                continue
+            box, plot = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+            assert box.x0 >= plot.x1 or box.x1 <= plot.x0 or box.y0 >= plot.y1 or box.y1 <= plot.y0, name
+            checked += 1
+    assert checked == 2  # events per day and latency carry a legend

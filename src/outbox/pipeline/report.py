@@ -137,11 +137,22 @@ def _png(figure: Any) -> str:
 
 def charts(report: dict[str, Any]) -> dict[str, str]:
     """The report's charts as base64 PNG, drawn off-screen (Agg)."""
+    return {name: _png(figure) for name, figure in figures(report).items()}
+
+
+def _legend_beside(ax: Any) -> Any:
+    """The legend to the right of the plot, where it can never cover a bar (the saved
+    figure's tight bounding box takes it in)."""
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's charts as matplotlib figures (Agg), by name."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out: dict[str, str] = {}
+    out: dict[str, Any] = {}
     per_day: dict[str, dict[str, int]] = {}
     for d in report["days"]:
         slot = per_day.setdefault(d["day"], {"delivered": 0, "dead": 0, "pending": 0})
@@ -156,9 +167,9 @@ def charts(report: dict[str, Any]) -> dict[str, str]:
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_title("Events per day (UTC) by outcome")
     ax.set_ylabel("events")
-    ax.legend()
+    _legend_beside(ax)
     ax.tick_params(axis="x", rotation=45)
-    out["events_per_day"] = _png(fig)
+    out["events_per_day"] = fig
 
     topics = [t for t in report["topics"] if t["latency_p50_s"] is not None]
     fig, ax = plt.subplots(figsize=(9, 3.6))
@@ -170,8 +181,8 @@ def charts(report: dict[str, Any]) -> dict[str, str]:
     ax.set_xticks(range(len(topics)), [t["topic"] for t in topics])
     ax.set_title("Created-to-processed latency of delivered events")
     ax.set_ylabel("seconds")
-    ax.legend()
-    out["latency"] = _png(fig)
+    _legend_beside(ax)
+    out["latency"] = fig
 
     fig, ax = plt.subplots(figsize=(9, 3.2))
     hist = report["totals"]["attempts_histogram"]
@@ -179,7 +190,7 @@ def charts(report: dict[str, Any]) -> dict[str, str]:
     ax.set_title("Attempts per event")
     ax.set_xlabel("attempts")
     ax.set_ylabel("events")
-    out["attempts"] = _png(fig)
+    out["attempts"] = fig
     return out
 
 
