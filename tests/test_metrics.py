@@ -202,6 +202,16 @@ def test_the_refresher_reads_the_gauges_with_no_claim_and_keeps_them_when_readin
     assert not refresher._thread.is_alive()
 
 
+@pytest.mark.parametrize("raw", ["0", "-1", "inf", "soon"])
+def test_a_refresh_interval_that_is_not_a_positive_number_is_refused(raw: str) -> None:
+    from outbox.config import MetricsOptions
+    from outbox.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_METRICS_REFRESH_S="):
+        MetricsOptions.from_sources({"OUTBOX_RELAY_METRICS_REFRESH_S": raw})
+    assert MetricsOptions.from_sources({"OUTBOX_RELAY_METRICS_REFRESH_S": "0.5"}).refresh_s == 0.5
+
+
 def test_everything_is_a_no_op_when_metrics_are_off(make_store: Any, monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     store = make_store("off.db")

@@ -708,7 +708,8 @@ class MetricsOptions:
                 raise ConfigError(f"OUTBOX_RELAY_METRICS_PORT={raw('port')!r} is not a port number")
         refresh_s = _parse("OUTBOX_RELAY_METRICS_REFRESH_S", raw("refresh_s"), float)
         if refresh_s is not None and not 0 < refresh_s < float("inf"):
-            raise ConfigError(f"OUTBOX_RELAY_METRICS_REFRESH_S={raw('refresh_s')!r} must be a number of seconds above 0")
+            raise ConfigError(f"OUTBOX_RELAY_METRICS_REFRESH_S={raw('refresh_s')!r} must be a number of seconds "
+                              "above 0")
         return cls(port=port, addr=str(raw("addr") or cls.addr),
                    refresh_s=cls.refresh_s if refresh_s is None else refresh_s)
 

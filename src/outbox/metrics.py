@@ -382,5 +382,5 @@ def on_worker_ready(store_factory: Callable[[], Any] | None = None) -> None:
 
 
 __all__ = ["Metrics", "active", "enable", "disable", "reset", "claimed", "chain", "dead", "refresh", "serve",
-           "GaugeRefresher", "start_refresher", "stop_refresher", "FAILURE_KINDS", "stop_serving", "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init",
-           "on_worker_ready"]
+           "stop_serving", "GaugeRefresher", "start_refresher", "stop_refresher", "FAILURE_KINDS",
+           "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init", "on_worker_ready"]
