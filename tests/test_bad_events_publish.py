@@ -4,8 +4,10 @@ real stores on every engine, no Celery (``relay.handle_claim`` / ``handle_publis
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
+from dataclasses import replace
 from typing import Any, Iterator
 
 import pytest
@@ -23,6 +25,7 @@ from test_publisher import amqp_hostport, make_message, raw_body
 
 LONG_TOPIC = "orders." + "é" * 150  # 157 characters: fits the column; 307 bytes: no routing key
 LONG_NAME = "x-" + "n" * 300  # a header name of 302 bytes
+LONG_ID = "\U0001F600" * 64  # 64 characters: fits VARCHAR(64); 256 bytes: no message_id property
 
 
 @pytest.fixture
@@ -55,6 +58,10 @@ def broker() -> Iterator[dict[str, Any]]:
             exchange(channel).delete()
     finally:
         conn.release()
+
+
+def errors_of(store: OutboxStore, id: int) -> tuple:
+    return row(store, id, "status, attempts, last_error")
 
 
 def chains() -> list[list[OutboxMessage]]:
@@ -96,11 +103,12 @@ def test_an_encoder_error_at_send_is_poison_for_that_event_alone(broker: dict[st
 
 def test_bad_rows_go_dead_with_their_reason_and_copies_while_the_rest_is_delivered(
         store: OutboxStore, writer: Any, broker: dict[str, Any]) -> None:
-    """Rows tampered in the table: a header name AMQP cannot carry and a topic too long for
-    a routing key (decodable, not publishable: POISON at publish), headers that are not an
+    """Rows tampered in the table (written by other code): a header name AMQP cannot carry,
+    a topic too long for a routing key and a message id too long for the message_id
+    property (decodable, not publishable: POISON at publish), headers that are not an
     object (undecodable: dead at claim). Each goes dead alone with its reason, gets a
-    dead-letter copy when one can be encoded, and every other row is delivered on its first
-    attempt, in order per aggregate."""
+    dead-letter copy (the long topic and message id replaced, their values in headers), and
+    every other row is delivered on its first attempt, in order per aggregate."""
     def add(aggregate: str, n: int) -> list[int]:
         ids = [enqueue(writer, topic=f"orders.{aggregate}", aggregate_type="order", aggregate_id=aggregate,
                        payload={"n": i}, headers={"tenant": "acme"}, table=store.engine.table_name) for i in range(n)]
@@ -111,9 +119,12 @@ def test_bad_rows_go_dead_with_their_reason_and_copies_while_the_rest_is_deliver
     b = add("b", 2)
     c = add("c", 2)
     d = add("d", 2)
+    e = add("e", 2) if store.engine.name != "mssql" else []  # NVARCHAR(64) holds at most 192 bytes of UTF-8
     tamper(store, a[1], "headers", json.dumps({LONG_NAME: 1}))
     tamper(store, c[0], "topic", LONG_TOPIC)
     tamper(store, d[0], "headers", '["not", "an", "object"]')
+    if e:
+        tamper(store, e[0], "message_id", LONG_ID)
 
     with KombuPublisher(AMQP_URL, broker["exchange"], dead_letter_exchange=broker["dead"]) as publisher:
         def dispatch(task: list[list[OutboxMessage]], deadline: float) -> None:
@@ -122,7 +133,7 @@ def test_bad_rows_go_dead_with_their_reason_and_copies_while_the_rest_is_deliver
         for _ in range(3):  # the rows released behind a poison event go on the next claim
             handle_claim(store, dispatch, batch_size=100, lease_s=60, publisher=publisher)
 
-    innocent = [a[0], a[2], *b, c[1], d[1]]
+    innocent = [a[0], a[2], *b, c[1], d[1], *e[1:]]
     live = broker["live"]()
     assert sorted(m.headers["outbox_id"] for m in live) == sorted(innocent)
     assert all(m.headers["attempt"] == 1 for m in live)
@@ -140,8 +151,23 @@ def test_bad_rows_go_dead_with_their_reason_and_copies_while_the_rest_is_deliver
         "undecodable row: headers are not a JSON object (a JSON list)")
 
     copies = {m.headers["outbox_id"]: m for m in broker["dead_letters"]()}
-    # c0's topic cannot be a routing key on the dead-letter exchange either: no copy (logged).
-    assert sorted(copies) == sorted([a[1], d[0]])
+    # Every dead row has its copy: c0's topic cannot be a routing key, nor e0's message id a
+    # message_id property, on the dead-letter exchange either (they used to get none).
+    assert sorted(copies) == sorted([a[1], c[0], d[0], *e[:1]])
+    unroutable = copies[c[0]]
+    assert unroutable.delivery_info["routing_key"] == "outbox.dead.unroutable"
+    assert unroutable.headers["topic"] == LONG_TOPIC and unroutable.headers["tenant"] == "acme"
+    assert json.loads(raw_body(unroutable)) == {"n": 0}  # only the routing key had to change
+    assert unroutable.headers["x-outbox-error"].startswith("poison: routing key (topic) 'orders.ééé")
+    assert unroutable.headers["x-outbox-replaced"].startswith(
+        "routing key 'outbox.dead.unroutable': the topic is 307 bytes in UTF-8, above AMQP's 255")
+    if e:
+        assert errors_of(store, e[0])[:2] == (Status.DEAD, 1)
+        long_id = copies[e[0]]
+        assert long_id.headers["message_id"] == LONG_ID and long_id.delivery_info["routing_key"] == "orders.e"
+        assert long_id.properties["message_id"] == "sha256:" + hashlib.sha256(LONG_ID.encode()).hexdigest()
+        assert long_id.headers["x-outbox-replaced"].startswith("message_id property 'sha256:")
+        assert json.loads(raw_body(long_id)) == {"n": 0}
     stub = copies[a[1]]
     assert raw_body(stub) == b"" and LONG_NAME not in stub.headers and "tenant" not in stub.headers
     assert stub.headers["x-outbox-error"].startswith("poison: header name")
@@ -150,3 +176,15 @@ def test_bad_rows_go_dead_with_their_reason_and_copies_while_the_rest_is_deliver
     assert json.loads(raw_body(undecodable)) == {"n": 0}  # what could be decoded rides along
     assert undecodable.headers["x-outbox-error"] == "undecodable row: headers are not a JSON object (a JSON list)"
     assert undecodable.headers["aggregate_id"] == "d" and undecodable.delivery_info["routing_key"] == "orders.d"
+
+
+def test_carriable_ids_replace_only_what_amqp_cannot_carry() -> None:
+    from outbox.publisher.message import UNROUTABLE_DEAD_KEY, carriable_ids
+
+    fine = make_message(1, aggregate_id="a")
+    assert carriable_ids(fine) == (fine, None)
+    both = replace(make_message(2, LONG_TOPIC, aggregate_id="a"), message_id=LONG_ID)
+    copy, said = carriable_ids(both)
+    assert copy.topic == UNROUTABLE_DEAD_KEY and copy.message_id.startswith("sha256:") and len(copy.message_id) == 71
+    assert said is not None and "the topic is 307 bytes" in said and "the message id is 256 bytes" in said
+    assert (copy.payload, copy.aggregate_id, copy.id) == (both.payload, both.aggregate_id, both.id)

@@ -367,17 +367,61 @@ def test_monitoring_scrapes_the_workers_metrics_port_and_the_dashboard_uses_real
         assert SERVICES[name]["profiles"] == ["monitoring"]
         for volume in SERVICES[name]["volumes"]:
             assert (ROOT / volume.split(":")[0]).exists(), volume
-    source = (ROOT / "src" / "outbox" / "metrics.py").read_text()
-    declared = set(re.findall(r'(?:Counter|Gauge|Histogram)\("(outbox_[a-z_]+)"', source))
-    kinds = {metric: kind for kind, metric in re.findall(r'(Counter|Gauge|Histogram)\("(outbox_[a-z_]+)"', source)}
     dashboard = json.loads((ROOT / "worker" / "monitoring" / "grafana" / "dashboards" / "outbox.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert exprs
     for expr in exprs:
-        for used in re.findall(r"outbox_[a-z_]+", expr):
-            base = re.sub(r"_(total|bucket|sum|count)$", "", used)
-            assert base in declared, f"the dashboard queries {used}, which outbox.metrics does not export"
-            if used.endswith("_total"):
-                assert kinds[base] == "Counter", used
-            if used.endswith("_bucket"):
-                assert kinds[base] == "Histogram", used
+        check_metric_names(expr, "the dashboard")
+
+
+def declared_metrics() -> dict[str, str]:
+    """outbox.metrics' metrics: name -> Counter, Gauge or Histogram."""
+    source = (ROOT / "src" / "outbox" / "metrics.py").read_text()
+    return {metric: kind for kind, metric in re.findall(r'(Counter|Gauge|Histogram)\("(outbox_[a-z_]+)"', source)}
+
+
+def check_metric_names(expr: str, where: str) -> None:
+    """Every metric ``expr`` names is exported, with a suffix its type has; a gauge (a
+    database-wide figure every worker reads) is never summed over the workers."""
+    kinds = declared_metrics()
+    names = re.findall(r"outbox_[a-z_]+", expr)
+    assert names, f"{where}: {expr} names no outbox metric"
+    for used in names:
+        base = re.sub(r"_(total|bucket|sum|count)$", "", used)
+        if base not in kinds:
+            base = used
+        assert base in kinds, f"{where} queries {used}, which outbox.metrics does not export"
+        if used.endswith("_total"):
+            assert kinds[base] == "Counter", used
+        if used.endswith(("_bucket", "_count", "_sum")):
+            assert kinds[base] == "Histogram", used
+        if kinds[base] == "Gauge":
+            assert not re.search(rf"sum\s*(by\s*\([^)]*\)\s*)?\(\s*{used}\b", expr), (
+                f"{where}: {expr} multiplies a database-wide gauge by the number of workers (use max)")
+
+
+def test_the_alert_rules_are_loaded_and_name_only_real_metrics() -> None:
+    """promtool is not installed here: the rules' structure as Prometheus reads it, and
+    each expression's metrics against outbox.metrics."""
+    prometheus = yaml.safe_load((ROOT / "worker" / "monitoring" / "prometheus.yml").read_text())
+    (rule_file,) = prometheus["rule_files"]
+    mounts = dict(v.split(":")[1::-1] for v in SERVICES["prometheus"]["volumes"])  # container path -> source
+    source = ROOT / mounts[rule_file]
+    rules = yaml.safe_load(source.read_text())
+    assert set(rules) == {"groups"}
+    alerts: dict[str, str] = {}
+    for group in rules["groups"]:
+        assert set(group) == {"name", "rules"} and group["name"] and group["rules"]
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
+            assert re.fullmatch(r"[A-Z][A-Za-z0-9]+", rule["alert"]) and rule["alert"] not in alerts, rule
+            assert isinstance(rule["expr"], str) and rule["expr"].count("(") == rule["expr"].count(")"), rule
+            assert re.fullmatch(r"\d+[smh]", str(rule.get("for", "0s"))), rule
+            assert rule["labels"]["severity"] in ("critical", "warning"), rule
+            assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule
+            check_metric_names(rule["expr"], f"alert {rule['alert']}")
+            alerts[rule["alert"]] = rule["expr"]
+    # What an operator needs: the relay stopped, lag over N s, dead events rising.
+    assert "outbox_claim_seconds_count" in alerts["OutboxRelayStopped"]
+    assert re.search(r"outbox_oldest_undelivered_age_seconds\) > \d+", alerts["OutboxLagHigh"])
+    assert "increase(outbox_dead_total" in alerts["OutboxDeadEventsRising"]

@@ -263,7 +263,7 @@ def _free_port() -> int:
 def test_a_dramatiq_worker_serves_the_relays_metrics(tmp_path: Path, destination: Any, sqlite_outbox: Any,
                                                       procs_factory: Any) -> None:
     """MetricsMiddleware: with OUTBOX_RELAY_METRICS_PORT the worker serves the same
-    metrics as the Celery worker, counting what it relayed."""
+    metrics as the Celery worker, counting what it relayed, and reads the gauges."""
     import urllib.request
 
     port = _free_port()
@@ -278,15 +278,21 @@ def test_a_dramatiq_worker_serves_the_relays_metrics(tmp_path: Path, destination
     assert destination.wait_for(lambda: set(ids) <= destination.arrived(), timeout=30, procs=procs), (
         procs.log("w1")[-3000:])
 
-    def published() -> float:
+    def sample(name: str) -> float:
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
         except OSError:
             return -1.0
-        lines = [line for line in text.splitlines() if line.startswith("outbox_published_total ")]
+        lines = [line for line in text.splitlines() if line.startswith(name + " ")]
         return float(lines[0].split()[1]) if lines else -1.0
 
+    def published() -> float:
+        return sample("outbox_published_total")
+
     assert wait_until(lambda: published() == 5.0, timeout=15), (published(), procs.log("w1")[-3000:])
+    # The gauges are read on their own schedule (every 5 s by default), not by claims.
+    assert wait_until(lambda: sample("outbox_gauges_read_timestamp_seconds") > 0
+                      and sample("outbox_backlog") == 0, timeout=15), procs.log("w1")[-3000:]
     assert "outbox metrics: serving" in procs.log("w1")
 
 

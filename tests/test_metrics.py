@@ -110,8 +110,8 @@ def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: Collect
     assert outcome.claimed == 6
     assert value(registry, "outbox_claimed_total") == 6
     assert value(registry, "outbox_claim_seconds_count") == 1
-    # The gauges were read when the claim started: six open rows, none leased yet.
-    assert value(registry, "outbox_backlog") == 6 and value(registry, "outbox_in_flight") == 0
+    # A claim never reads the gauges (the refresher thread does): it must not wait on them.
+    assert value(registry, "outbox_backlog") == 0 and value(registry, "outbox_gauges_read_timestamp_seconds") == 0
 
     publisher = Publisher({b[0]: FailureKind.RETRIABLE, c[0]: FailureKind.POISON})
     handle_publish(store, publisher, sent.chains)
@@ -153,6 +153,63 @@ def test_lag_is_the_age_of_the_oldest_open_row(registry: CollectorRegistry, make
     metrics.refresh(store, force=True)
     assert 1.0 <= value(registry, "outbox_lag_seconds") < 30
     assert value(registry, "outbox_backlog") == 2
+
+
+def wait_for(check: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_every_failure_kind_reads_zero_before_its_first_failure(registry: CollectorRegistry) -> None:
+    assert set(metrics.FAILURE_KINDS) == {kind.value for kind in FailureKind}
+    for kind in FailureKind:
+        assert registry.get_sample_value("outbox_failed_total", {"kind": kind.value}) == 0, kind
+
+
+def test_the_refresher_reads_the_gauges_with_no_claim_and_keeps_them_when_reading_fails(
+        registry: CollectorRegistry, make_store: Any, tmp_path: Path) -> None:
+    """No claim runs at all: the refresher thread alone moves the gauges. When the table
+    cannot be read, the last values stay and the oldest row's age goes on rising."""
+    make_store("refresher.db")
+    db = str(tmp_path / "refresher.db")
+    add(db, "a", 3)
+    refresher = metrics.GaugeRefresher(lambda: OutboxStore(f"sqlite:///{db}"), 0.1)
+    refresher.start()
+    try:
+        assert wait_for(lambda: value(registry, "outbox_backlog") == 3, 10)
+        first = value(registry, "outbox_oldest_undelivered_age_seconds")
+        assert wait_for(lambda: value(registry, "outbox_oldest_undelivered_age_seconds") >= first + 1.0, 10)
+        assert value(registry, "outbox_lag_seconds") >= first + 0.9  # read again and again
+        assert abs(value(registry, "outbox_gauges_read_timestamp_seconds") - time.time()) < 5
+
+        conn = sqlite3.connect(db, timeout=30)
+        conn.execute("ALTER TABLE outbox RENAME TO outbox_away")  # every reading fails from now on
+        conn.commit()
+        conn.close()
+        assert wait_for(lambda: value(registry, "outbox_oldest_undelivered_age_seconds")
+                        >= value(registry, "outbox_lag_seconds") + 1.0, 10)
+        read_at, lag = value(registry, "outbox_gauges_read_timestamp_seconds"), value(registry, "outbox_lag_seconds")
+        time.sleep(0.3)
+        assert value(registry, "outbox_backlog") == 3  # the last values stay
+        assert (value(registry, "outbox_gauges_read_timestamp_seconds"), value(registry, "outbox_lag_seconds")) == (
+            read_at, lag)
+    finally:
+        refresher.stop()
+    assert not refresher._thread.is_alive()
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "inf", "soon"])
+def test_a_refresh_interval_that_is_not_a_positive_number_is_refused(raw: str) -> None:
+    from outbox.config import MetricsOptions
+    from outbox.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="OUTBOX_RELAY_METRICS_REFRESH_S="):
+        MetricsOptions.from_sources({"OUTBOX_RELAY_METRICS_REFRESH_S": raw})
+    assert MetricsOptions.from_sources({"OUTBOX_RELAY_METRICS_REFRESH_S": "0.5"}).refresh_s == 0.5
 
 
 def test_everything_is_a_no_op_when_metrics_are_off(make_store: Any, monkeypatch: pytest.MonkeyPatch,
@@ -270,4 +327,33 @@ def test_a_prefork_worker_serves_the_sum_over_its_pool(tmp_path: Path, destinati
     assert got["outbox_event_age_seconds_count"] == 20
     assert got["outbox_claim_seconds_count"] >= 1
     assert "outbox_lag_seconds" in got and "outbox_in_flight" in got
+    for kind in FailureKind:  # the main process's zeros, summed with the children's
+        assert got[f'outbox_failed_total{{kind="{kind.value}"}}'] == 0, text
+    store.close()
+
+
+def test_the_gauges_move_while_no_claim_runs(tmp_path: Path, destination: Destination, workers: Workers) -> None:
+    """Beat stopped (no beat process, a one-hour tick) and no wake-up: rows wait and no
+    claim runs, yet the worker's endpoint shows them waiting, longer at each scrape (the
+    gauges used to be read only by claims, so they read 0 here)."""
+    db = tmp_path / "outbox.db"
+    store = OutboxStore(f"sqlite:///{db}")
+    store.migrate()
+    port = free_port()
+    env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_METRICS_PORT=str(port),
+                      OUTBOX_RELAY_METRICS_ADDR="127.0.0.1", OUTBOX_RELAY_METRICS_REFRESH_S="0.2",
+                      OUTBOX_CLAIM_INTERVAL_S="3600", OUTBOX_RELAY_WAKE="0",
+                      OUTBOX_RELAY_IN_PROCESS_CLAIM="0")  # no wake subscriber, so no claim at start-up
+    log = workers.start(env, "-c", "1")
+    add(str(db), "waiting", 5)  # committed without a wake-up
+
+    def gauge(name: str) -> float:
+        return samples(scrape(port)).get(name, -1.0)
+
+    assert wait_for(lambda: gauge("outbox_backlog") == 5, 20), (scrape(port), log.read_text(errors="replace")[-3000:])
+    first = gauge("outbox_oldest_undelivered_age_seconds")
+    assert first >= 0
+    assert wait_for(lambda: gauge("outbox_oldest_undelivered_age_seconds") >= first + 1.0, 20), scrape(port)
+    assert gauge("outbox_in_flight") == 0 and gauge("outbox_claim_seconds_count") == 0  # no claim ran
+    assert open_rows(store) == (0, 5)
     store.close()

@@ -264,6 +264,26 @@ def test_an_autocommit_enqueue_releases_its_lock(store: OutboxStore, url: str) -
         conn.close()
 
 
+def test_the_gauges_read_through_an_open_enqueue_transaction(store: OutboxStore, url: str, writer: Any) -> None:
+    """Issue 20, item 10: with RCSI off a plain read of the open rows waits for an
+    uncommitted enqueue (up to the session's lock timeout, 30 s); the metrics' gauges read
+    WITH (READUNCOMMITTED) and never wait. A lock timeout of 1 s on the gauges' session
+    would turn any wait into error 1222, which ``gauges`` (no retry) raises."""
+    add(writer, store, "committed")
+    writer.commit()
+    open_conn = store.engine.connect(url)
+    try:
+        add(open_conn, store, "uncommitted")  # its transaction stays open
+        cursor = store.connection().cursor()
+        cursor.execute("SET LOCK_TIMEOUT 1000")
+        cursor.close()
+        in_flight, backlog, lag = store.gauges()
+    finally:
+        open_conn.rollback()
+        open_conn.close()
+    assert in_flight == 0 and backlog in (1, 2) and lag >= 0  # the uncommitted row may be counted
+
+
 # -- schema: filtered probe index, definitions, collation, escalation, concurrent migrate -------------
 
 def test_indexes_match_their_definitions_and_escalation_is_off(store: OutboxStore) -> None:

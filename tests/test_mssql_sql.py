@@ -972,3 +972,14 @@ def test_error_numbers_are_read_where_pyodbc_puts_them() -> None:
                                       "column (2628) (SQLExecDirectW)")
     assert error_numbers(str(permanent.args[1])) == {2628}
     assert not MssqlEngine().is_transient(permanent)
+
+
+def test_the_gauges_read_without_shared_locks(no_sqlglot_fallbacks: None) -> None:
+    """Issue 20, item 10: with RCSI off a plain read waits for every uncommitted enqueue
+    (up to the 30 s lock timeout); the metrics' gauges read through them."""
+    for engine in (MssqlEngine(), MssqlEngine(table="events_out", schema="messaging")):
+        tree = parse_one(engine.gauges_sql())
+        assert isinstance(tree, exp.Select)
+        (ref,) = outbox_refs(tree, engine)
+        assert hints(ref) == {"READUNCOMMITTED"}
+        assert "status IN (0, 1, 3)" in engine.gauges_sql()

@@ -686,3 +686,40 @@ def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, dest
         time.sleep(0.1)
     assert destination.count() == out["count"]
     store.close()
+
+
+EXIT_AT_ONCE_SCRIPT = r"""
+import logging, sqlite3, sys
+sys.modules["django"] = None  # installed without the django extra (see the test's docstring)
+logging.basicConfig(level=logging.WARNING)
+import outbox
+conn = sqlite3.connect(sys.argv[1], timeout=30)
+with outbox.transaction(conn):
+    outbox_id = outbox.enqueue(conn, topic="orders.changed", aggregate_type="order", aggregate_id="exit",
+                               payload={"n": 1})
+print(outbox_id)
+"""
+
+
+@pytest.mark.parametrize("in_process", ["1", "0"], ids=["subscribed", "claim-message"])
+def test_a_script_that_exits_right_after_its_commit_still_wakes_the_relay(tmp_path: Path, destination: Destination,
+                                                                           workers: Workers, in_process: str) -> None:
+    """The wake of a process that ends at once is sent by the at-exit flush, while the
+    interpreter is shutting down. The wake thread must then do no first-time work that
+    Python refuses at exit: without Django (whose import happened to load it earlier),
+    the first wake imported redis, whose import registers an exit hook, and the wake was
+    lost with `RuntimeError: can't register atexit after shutdown`. No beat, so only
+    that wake can make the worker claim the row."""
+    db = tmp_path / "outbox.db"
+    store = OutboxStore(f"sqlite:///{db}")
+    store.migrate()
+    env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30",
+                      OUTBOX_CLAIM_INTERVAL_S="3600", OUTBOX_RELAY_IN_PROCESS_CLAIM=in_process)
+    workers.start(env, "-c", "1")
+    done = subprocess.run([PYTHON, "-c", EXIT_AT_ONCE_SCRIPT, str(db)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "RuntimeError" not in done.stderr and "cannot wake" not in done.stderr, done.stderr[-4000:]
+    outbox_id = int(done.stdout.strip().splitlines()[-1])
+    assert wait_done(store, [outbox_id], 20) < 20  # the lease and the token's TTL are 30 s: the wake did it
+    store.close()

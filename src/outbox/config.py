@@ -700,7 +700,7 @@ class MetricsOptions:
     port: int | None = None
     #: The address the endpoint binds.
     addr: str = "0.0.0.0"
-    #: A claim refreshes the gauges (one query) at most this often per worker process.
+    #: Each worker reads the gauges (one query, in its own thread) every this many seconds.
     refresh_s: float = 5.0
 
     @classmethod
@@ -721,6 +721,9 @@ class MetricsOptions:
             if not 0 < port < 65536:
                 raise ConfigError(f"OUTBOX_RELAY_METRICS_PORT={raw('port')!r} is not a port number")
         refresh_s = _parse("OUTBOX_RELAY_METRICS_REFRESH_S", raw("refresh_s"), float)
+        if refresh_s is not None and not 0 < refresh_s < float("inf"):
+            raise ConfigError(f"OUTBOX_RELAY_METRICS_REFRESH_S={raw('refresh_s')!r} must be a number of seconds "
+                              "above 0")
         return cls(port=port, addr=str(raw("addr") or cls.addr),
                    refresh_s=cls.refresh_s if refresh_s is None else refresh_s)
 

@@ -25,6 +25,7 @@ from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUB
                     purge_expired, still_held)
 from .names import claim_request_key
 from .relay.resources import Shared
+from .store import OutboxStore
 from .wake import clear_token  # the writer-side API sits below this entry point
 
 log = logging.getLogger("outbox.dramatiq")
@@ -146,6 +147,7 @@ class MetricsMiddleware(Middleware):
                 return
             log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
                      " (multiprocess)" if _metrics.multiprocess_mode() else "")
+            _metrics.start_refresher(lambda: OutboxStore.from_settings(SETTINGS))  # the gauges' own schedule
         except Exception as exc:  # metrics must never stop the relay
             log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
             _metrics.disable()

@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .config import metrics_options
 from .errors import install_hint
@@ -24,6 +24,11 @@ log = logging.getLogger("outbox.metrics")
 CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PUBLISH_BUCKETS = CLAIM_BUCKETS
 AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+#: The values of ``outbox.publisher.FailureKind`` (a lower layer cannot import it; a test
+#: checks they match): ``outbox_failed_total{kind}`` starts at 0 for each.
+FAILURE_KINDS = ("retriable", "poison", "backpressure", "fatal")
+#: A failed reading of the gauges is logged as a warning at most this often.
+WARN_EVERY_S = 60.0
 
 
 class Metrics:
@@ -37,13 +42,21 @@ class Metrics:
         self.claimed = Counter("outbox_claimed", "Rows leased by claims", registry=r)
         self.published = Counter("outbox_published", "Events confirmed by the broker", registry=r)
         self.failed = Counter("outbox_failed", "Failed deliveries by failure kind", ["kind"], registry=r)
+        for kind in FAILURE_KINDS:  # each kind reads 0, not "no data", before its first failure
+            self.failed.labels(kind=kind)
         self.dead = Counter("outbox_dead", "Rows that went dead", registry=r)
         self.in_flight = Gauge("outbox_in_flight", "Rows currently claimed (leased, not settled)",
                                multiprocess_mode="mostrecent", registry=r)
         self.backlog = Gauge("outbox_backlog", "Open rows: pending, claimed or failed",
                              multiprocess_mode="mostrecent", registry=r)
-        self.lag = Gauge("outbox_lag_seconds", "Age of the oldest open row", multiprocess_mode="mostrecent",
-                         registry=r)
+        self.lag = Gauge("outbox_lag_seconds", "Age of the oldest open row at the last reading",
+                         multiprocess_mode="mostrecent", registry=r)
+        self.oldest_age = Gauge("outbox_oldest_undelivered_age_seconds",
+                                "Age of the oldest undelivered (open) row, rising on while readings fail",
+                                multiprocess_mode="mostrecent", registry=r)
+        self.read_at = Gauge("outbox_gauges_read_timestamp_seconds",
+                             "Unix time of the last successful reading of the gauges",
+                             multiprocess_mode="mostrecent", registry=r)
         self.claim_seconds = Histogram("outbox_claim_seconds", "Duration of one claim", buckets=CLAIM_BUCKETS,
                                        registry=r)
         self.publish_seconds = Histogram("outbox_publish_seconds", "Duration of publishing one chain",
@@ -53,6 +66,9 @@ class Metrics:
         self.refresh_s = metrics_options().refresh_s
         self._refreshed = 0.0
         self._refresh_lock = threading.Lock()
+        #: (monotonic time, oldest row's age) of the last successful reading.
+        self._last_read: tuple[float, float] | None = None
+        self._warned = -WARN_EVERY_S
 
 
 # -- on / off -----------------------------------------------------------------------------------
@@ -161,7 +177,10 @@ def dead(m: Metrics, count: int = 1) -> None:
 
 @_guard
 def refresh(m: Metrics, store: Any, force: bool = False) -> None:
-    """Update the gauges from the open rows, at most every ``refresh_s`` per process."""
+    """Read the gauges from the open rows (``store.gauges()``, one query), at most every
+    ``refresh_s`` per process unless ``force``. The refresher thread calls it, never a
+    claim. A failed reading keeps the last values, except the oldest undelivered row's
+    age, which goes on rising from the last reading (docs/waking-and-metrics.md, "Metrics")."""
     now = time.monotonic()
     if not force and now - m._refreshed < m.refresh_s:
         return
@@ -172,12 +191,99 @@ def refresh(m: Metrics, store: Any, force: bool = False) -> None:
         gauges = getattr(store, "gauges", None)  # a stand-in store may have none
         if gauges is None:
             return
-        in_flight, backlog, lag = gauges()
+        try:
+            in_flight, backlog, lag = gauges()
+        except Exception as exc:
+            _reading_failed(m, now, exc)
+            return
+        m._last_read = (now, lag)
         m.in_flight.set(in_flight)
         m.backlog.set(backlog)
         m.lag.set(lag)
+        m.oldest_age.set(lag)
+        m.read_at.set(time.time())
     finally:
         m._refresh_lock.release()
+
+
+def _reading_failed(m: Metrics, now: float, exc: Exception) -> None:
+    if m._last_read is not None and m._last_read[1] > 0:  # rows were waiting: they still are, older
+        read_at, age = m._last_read
+        m.oldest_age.set(age + (now - read_at))
+    if now - m._warned >= WARN_EVERY_S:
+        m._warned = now
+        log.warning("outbox metrics: cannot read the gauges (%s: %s); they keep their last values, and "
+                    "outbox_oldest_undelivered_age_seconds rises on", type(exc).__name__, " ".join(str(exc).split()))
+    else:
+        log.debug("outbox metrics: cannot read the gauges (%s: %s)", type(exc).__name__, exc)
+
+
+# -- the refresher: the gauges on their own schedule ------------------------------------------------
+
+class GaugeRefresher:
+    """A daemon thread that reads the gauges every ``interval_s`` with its own store
+    (``store_factory()``, made on first use): the gauges move whether or not claims run
+    (beat stopped, a breaker open, claims failing), and a claim never waits for them. One
+    per worker (the process that serves the metrics): one query per interval per worker."""
+
+    def __init__(self, store_factory: Callable[[], Any], interval_s: float) -> None:
+        self.store_factory = store_factory
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outbox-metrics-gauges", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        store = None
+        try:
+            while not self._stop.is_set():
+                if store is None:
+                    try:
+                        store = self.store_factory()
+                    except Exception as exc:  # e.g. a missing driver: said once per interval at DEBUG
+                        log.debug("outbox metrics: no store for the gauges: %s", exc)
+                if store is not None:
+                    refresh(store, force=True)
+                self._stop.wait(self.interval_s)
+        finally:
+            if store is not None:
+                try:
+                    store.close()
+                except Exception:
+                    pass
+
+
+_refresher: GaugeRefresher | None = None
+
+
+def start_refresher(store_factory: Callable[[], Any]) -> GaugeRefresher | None:
+    """Start this process's refresher (once; None while metrics are off). The worker
+    starts it with the endpoint; an embedding application that serves the metrics itself
+    calls it with a function returning an ``OutboxStore``."""
+    global _refresher
+    m = active()
+    if m is None:
+        return None
+    with _state_lock:
+        if _refresher is None:
+            _refresher = GaugeRefresher(store_factory, m.refresh_s)
+            _refresher.start()
+        return _refresher
+
+
+def stop_refresher() -> None:
+    global _refresher
+    with _state_lock:
+        refresher, _refresher = _refresher, None
+    if refresher is not None:
+        refresher.stop()
 
 
 # -- serving ---------------------------------------------------------------------------------------
@@ -227,7 +333,9 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
 
 
 def stop_serving() -> None:
+    """Stop the endpoint and the refresher."""
     global _server, _own_dir
+    stop_refresher()
     if _server is not None:
         try:
             _server.shutdown()
@@ -256,8 +364,9 @@ def on_worker_init() -> None:
         disable()
 
 
-def on_worker_ready() -> None:
-    """worker_ready: serve the metrics (a port in use must not stop the relay)."""
+def on_worker_ready(store_factory: Callable[[], Any] | None = None) -> None:
+    """worker_ready: serve the metrics (a port in use must not stop the relay), and read
+    the gauges on their own schedule from ``store_factory()``'s store."""
     try:
         options = metrics_options()
         port, addr = options.port, options.addr
@@ -268,8 +377,11 @@ def on_worker_ready() -> None:
                  " (multiprocess)" if multiprocess_mode() else "")
     except Exception as exc:
         log.error("outbox metrics: cannot serve (%s: %s)", type(exc).__name__, exc)
+        return
+    if store_factory is not None:
+        start_refresher(store_factory)
 
 
 __all__ = ["Metrics", "active", "enable", "disable", "reset", "claimed", "chain", "dead", "refresh", "serve",
-           "stop_serving", "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init",
-           "on_worker_ready"]
+           "stop_serving", "GaugeRefresher", "start_refresher", "stop_refresher", "FAILURE_KINDS",
+           "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init", "on_worker_ready"]

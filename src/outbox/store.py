@@ -338,13 +338,12 @@ class OutboxStore:
     def gauges(self) -> tuple[int, int, float]:
         """``(in_flight, backlog, lag_s)`` over the open rows, in one query on the claim
         index: rows claimed, rows open (pending, claimed, failed), the age of the oldest
-        open row by the database clock (0 when there is none). One attempt, no retry:
-        the metrics' refresh calls it between claims and must not hold one up."""
+        open row by the database clock (0 when there is none). One attempt, no retry, no
+        lock waited for: the metrics' refresher thread calls it and keeps its last values
+        when it fails."""
         engine = self.engine
-        sql = (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {engine.now} "
-               f"FROM {engine.table} WHERE {engine.open_rows()}")
         with self.transaction() as cursor:
-            in_flight, backlog, oldest, db_now = engine.execute(cursor, sql).fetchone()
+            in_flight, backlog, oldest, db_now = engine.execute(cursor, engine.gauges_sql()).fetchone()
         lag = 0.0
         if oldest is not None:
             lag = max(0.0, (engine.to_datetime(db_now) - engine.to_datetime(oldest)).total_seconds())

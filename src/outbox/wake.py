@@ -136,6 +136,31 @@ class _Plan:
                                              relay_options().claim_request_ttl_s)
         return self._coalescer
 
+    def prepare(self) -> None:
+        """Load, in the caller's thread, the modules and client objects the wake thread will
+        use (no connection, no socket I/O), so that a process that ends right after its commit
+        still sends its wake: once the interpreter is exiting, a first import that registers
+        an exit hook fails (``can't register atexit after shutdown``), and a short script's
+        wake runs exactly then (docs/waking-and-metrics.md, "Post-commit wake-up")."""
+        if self.kind == "memory":
+            return
+        "localhost".encode("idna")  # the codec a connection to a host name loads
+        if self.kind == "redis":
+            _redis(self.broker_url)
+            self.coalescer()
+        if self.runner == "dramatiq":
+            from . import dramatiq_broker
+
+            dramatiq_broker.sender()
+            dramatiq_broker.message(CLAIM_TASK, CLAIM_QUEUE, {})
+            return
+        from .celery_app import app
+
+        for lazy in ("amqp", "producer_pool", "AsyncResult", "backend", "events"):  # built on first use
+            getattr(app, lazy)
+        app.amqp.router  # noqa: B018
+        app.connection_for_write().transport  # noqa: B018
+
 
 _plan: _Plan | None = None
 _plan_lock = threading.Lock()
@@ -163,8 +188,10 @@ def _current_plan() -> _Plan:
         url = str(app.conf.broker_url or "")
         key_prefix = str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
         runner = "celery"
+    plan = _Plan(url, key_prefix, options, runner)
+    plan.prepare()
     with _plan_lock:
-        plan = _plan = _Plan(url, key_prefix, options, runner)
+        _plan = plan
     return plan
 
 

@@ -271,7 +271,14 @@ def _ready(**_: Any) -> None:
             _listen.start_subscriber(url, wake_channel(url, prefix), claim_runner.request)
     except Exception as exc:  # writers then send claim messages, as when no worker listens
         log.error("outbox: wake-up subscriber not started (%s: %s)", type(exc).__name__, exc)
-    _metrics.on_worker_ready()
+    _metrics.on_worker_ready(_gauge_store)
+
+
+def _gauge_store() -> Any:
+    """The metrics refresher's own store (``outbox.metrics.GaugeRefresher``)."""
+    from .store import OutboxStore
+
+    return OutboxStore.from_settings(relay_settings())
 
 
 @signals.worker_shutdown.connect

@@ -62,6 +62,9 @@ class Engine(ABC):
     #: Appended to the candidate scan of the generic claim (row locks, skip locked).
     lock_candidates: ClassVar[str] = ""
     default_schema: ClassVar[str | None] = None
+    #: The table hint of a read that takes no shared lock, for an engine whose plain read
+    #: can wait on a writer's lock (the metrics' gauges: ``gauges_sql``).
+    unlocked_read: ClassVar[str] = ""
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         # Names reach SQL text: only plain identifiers, on every path (settings, enqueue's
@@ -139,6 +142,13 @@ class Engine(ABC):
         every query on open rows can use them (PostgreSQL: docs/relay.md, "The lease is a
         HOT update on PostgreSQL")."""
         return f"{alias}status IN (0, 1, 3)"
+
+    def gauges_sql(self) -> str:
+        """The metrics' gauges in one query on the open rows: rows claimed, rows open, the
+        oldest open row's ``created_at``, the database clock. It never waits for a lock (an
+        uncommitted enqueue must not stall it): docs/waking-and-metrics.md, "Metrics"."""
+        return (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {self.now} "
+                f"FROM {self.table}{self.unlocked_read} WHERE {self.open_rows()}")
 
     def eligible(self) -> str:
         """Rows a claim may take: pending and due, failed and due, or claimed with an

@@ -395,6 +395,9 @@ class MssqlEngine(Engine):
     placeholder = "?"
     default_schema: ClassVar[str | None] = "dbo"
     now: ClassVar[str] = "SYSUTCDATETIME()"
+    #: With RCSI off a plain read waits for every uncommitted enqueue (issue 20, item 10);
+    #: the gauges may count a row that then rolls back.
+    unlocked_read: ClassVar[str] = " WITH (READUNCOMMITTED)"
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         super().__init__(table=table, schema=schema)

@@ -22,7 +22,7 @@ from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, UNROUT
                        Pipelined, Publisher, PublishFailure)
 from .failures import _connection_lost, failure_from
 from .frames import PublishFrames
-from .message import _encoding_problem, build_headers, encode_body, poison_check
+from .message import _encoding_problem, build_headers, carriable_ids, encode_body, poison_check
 from .waves import RETURNED, ChainProgress, Wave, next_wave, settle_wave
 
 
@@ -108,9 +108,14 @@ class KombuPublisher(Publisher):
         A row that cannot be published itself (a POISON row: too large, headers not
         encodable) is sent as a stub with an empty body (and without the caller's headers
         when those are what cannot be encoded), and ``x-outbox-omitted`` saying why; the
-        full row stays in the table."""
+        full row stays in the table. A topic or message id AMQP cannot carry (over 255 bytes)
+        is replaced (``message.carriable_ids``: routing key ``outbox.dead.unroutable``), the
+        originals kept in the ``topic`` and ``message_id`` headers, ``x-outbox-replaced``
+        saying what was replaced."""
         if self.dead_letter_exchange is None:
             return None
+        original = message
+        message, replaced = carriable_ids(message)
         poisoned = poison_check(message, self.max_message_bytes)
         omitted = None
         if poisoned is not None:
@@ -128,6 +133,9 @@ class KombuPublisher(Publisher):
         headers["x-outbox-error"] = (error or "")[:MAX_ERROR_HEADER_CHARS]
         if omitted is not None:
             headers["x-outbox-omitted"] = omitted[:MAX_ERROR_HEADER_CHARS]
+        if replaced is not None:
+            headers.update(topic=original.topic, message_id=original.message_id)
+            headers["x-outbox-replaced"] = replaced[:MAX_ERROR_HEADER_CHARS]
         with self._lock:
             try:
                 self._ready()

@@ -3,8 +3,10 @@ byte is sent (docs/publisher.md, "Headers")."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -12,6 +14,11 @@ from ..model import OutboxMessage
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 from .contract import DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES, FailureKind, PublishFailure
+
+
+#: The routing key of a dead-letter copy whose row's topic cannot be a routing key (over
+#: 255 bytes of UTF-8): docs/relay.md, "Dead-letter exchange".
+UNROUTABLE_DEAD_KEY = "outbox.dead.unroutable"
 
 
 # -- message building (pure) ---------------------------------------------------------------
@@ -40,6 +47,34 @@ def build_headers(message: OutboxMessage) -> dict[str, Any]:
     if message.trace_id:
         headers["traceparent"] = message.trace_id
     return headers
+
+
+def _shortstr_bytes(text: Any) -> int:
+    """How many bytes ``text`` takes as an AMQP short string (0 for a non-string)."""
+    return len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+
+
+def carriable_ids(message: OutboxMessage) -> tuple[OutboxMessage, str | None]:
+    """For a dead-letter copy: ``message`` with a topic and a message id AMQP can carry (a
+    routing key and the ``message_id`` property are short strings, at most 255 bytes), and
+    what was replaced, or None. An over-long topic becomes ``UNROUTABLE_DEAD_KEY``, an
+    over-long message id ``sha256:<hex digest of it>``; the publisher puts the originals in
+    the ``topic`` and ``message_id`` headers (header values have no such limit)."""
+    changes: dict[str, str] = {}
+    said: list[str] = []
+    topic_bytes, id_bytes = _shortstr_bytes(message.topic), _shortstr_bytes(message.message_id)
+    if topic_bytes > MAX_SHORTSTR_BYTES:
+        changes["topic"] = UNROUTABLE_DEAD_KEY
+        said.append(f"routing key {UNROUTABLE_DEAD_KEY!r}: the topic is {topic_bytes} bytes in UTF-8, above "
+                    f"AMQP's {MAX_SHORTSTR_BYTES} (the topic header holds it)")
+    if id_bytes > MAX_SHORTSTR_BYTES:
+        digest = hashlib.sha256(message.message_id.encode("utf-8", "surrogatepass")).hexdigest()
+        changes["message_id"] = f"sha256:{digest}"
+        said.append(f"message_id property {changes['message_id']!r}: the message id is {id_bytes} bytes in UTF-8, "
+                    f"above AMQP's {MAX_SHORTSTR_BYTES} (the message_id header holds it)")
+    if not changes:
+        return message, None
+    return replace(message, **changes), "; ".join(said)
 
 
 def encode_body(message: OutboxMessage) -> bytes:

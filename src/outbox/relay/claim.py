@@ -124,8 +124,7 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     when recent rows were large, so it reads about ``options.max_batch_bytes`` instead of
     reading a whole batch and releasing most of it (docs/relay.md, "Memory").
     """
-    outcome = ClaimOutcome()
-    metrics.refresh(store)  # the in-flight and lag gauges, at most every few seconds
+    outcome = ClaimOutcome()  # the gauges are read by the metrics' own thread, never by a claim
     if breaker is not None:
         outcome.paused = breaker.open_for()
         if outcome.paused > 0:
