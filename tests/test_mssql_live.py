@@ -25,6 +25,7 @@ import re
 import threading
 import time
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -33,6 +34,8 @@ import pytest
 import test_store_conformance as _conformance
 from conftest import mssql_url
 from outbox import enqueue
+from outbox.errors import EnqueueError
+from outbox.events import prepare_event
 from outbox.engines.mssql import INDEXES, MssqlEngine, parse_target
 from outbox.store import OutboxStore
 from test_concurrency import test_racing_claimers_keep_order_and_never_double_claim as _racing_claimers
@@ -262,6 +265,172 @@ def test_an_autocommit_enqueue_releases_its_lock(store: OutboxStore, url: str) -
         assert add(conn, store, "a", "autocommit-1") == made
     finally:
         conn.close()
+
+
+# -- the enqueue at any isolation, its lock's key, never a session lock (issue 20 items 1-3) ------------
+
+def outcome(call: Any) -> Any:
+    """The call's result, or the exception it raised (for threads)."""
+    try:
+        return call()
+    except BaseException as exc:  # surfaced by the test
+        return exc
+
+
+def test_a_read_uncommitted_caller_waits_for_an_uncommitted_row_and_inserts_after_its_rollback(
+        store: OutboxStore, url: str) -> None:
+    """Issue 20 item 1: at READ UNCOMMITTED the lookup returned another transaction's
+    uncommitted row and inserted nothing; when that transaction rolled back, the event was lost."""
+    holder, caller = store.engine.connect(url), store.engine.connect(url)
+    results: list[Any] = []
+    try:
+        caller.cursor().execute("SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+        add(holder, store, "a", "ru-1")  # uncommitted
+        thread = threading.Thread(target=lambda: results.append(outcome(lambda: add(caller, store, "b", "ru-1"))))
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive() and not results, results  # waits instead of taking the holder's row
+        holder.rollback()
+        thread.join(timeout=30)
+        assert results and isinstance(results[0], int), results
+        caller.commit()
+    finally:
+        holder.close()
+        caller.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table} WHERE message_id = N'ru-1' AND id = ?",
+                  [results[0]]) == 1
+
+
+def test_a_snapshot_caller_finds_a_row_committed_after_its_snapshot_began(store: OutboxStore, url: str) -> None:
+    """Issue 20 item 1: at SNAPSHOT the lookups missed a row committed after the snapshot
+    began (a duplicate-key error, or no id); READCOMMITTEDLOCK reads the committed row."""
+    run_admin(url, "ALTER DATABASE CURRENT SET ALLOW_SNAPSHOT_ISOLATION ON")
+    caller, other = store.engine.connect(url), store.engine.connect(url)
+    try:
+        cursor = caller.cursor()
+        cursor.execute("SET TRANSACTION ISOLATION LEVEL SNAPSHOT")
+        cursor.execute(f"SELECT COUNT(*) FROM {store.engine.table}").fetchall()  # the snapshot starts here
+        first = add(other, store, "a", "snap-1")
+        other.commit()
+        assert add(caller, store, "b", "snap-1") == first
+        caller.commit()
+    finally:
+        caller.close()
+        other.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table} WHERE message_id = N'snap-1'") == 1
+
+
+def lock_resource(store: OutboxStore, conn: Any, message_id: str) -> str:
+    """The application lock resource the enqueue batch computes for ``message_id``: the
+    batch's own statements up to the resource, then a SELECT of it."""
+    engine: MssqlEngine = store.engine  # type: ignore[assignment]
+    statements = engine.insert_statements()
+    upto = next(i for i, s in enumerate(statements) if s.startswith("SET @lock_resource"))
+    event = replace(prepare_event(topic="t", aggregate_type="o", aggregate_id="a", payload={}), message_id=message_id)
+    cursor = conn.cursor()
+    engine.execute(cursor, "\n".join(statements[:upto + 1] + ["SELECT @lock_resource;"]), engine.event_params(event))
+    while cursor.description is None:
+        assert cursor.nextset()
+    resource = cursor.fetchone()[0]
+    conn.rollback()
+    return str(resource)
+
+
+def test_the_lock_key_is_equal_for_ids_the_unique_index_finds_equal(store: OutboxStore, url: str,
+                                                                     make_store: Any) -> None:
+    """Issue 20 item 2: the key hashed the exact bytes, so `m1` and `m1 ` (equal to the
+    index) took two locks. Now: equal under the column's collation, equal key."""
+    conn = store.engine.connect(url)
+    try:
+        assert lock_resource(store, conn, "m1") == lock_resource(store, conn, "m1 ")
+        assert lock_resource(store, conn, "m1") != lock_resource(store, conn, "M1")  # BIN2: two ids
+        assert lock_resource(store, conn, "m1") != lock_resource(store, conn, "m2")
+    finally:
+        conn.close()
+    name = f"outbox_ci_{uuid.uuid4().hex[:8]}"
+    seed = OutboxStore(url, table=name)
+    with seed.transaction() as cursor:
+        seed.engine.execute(cursor, f"CREATE TABLE [dbo].[{name}] (id BIGINT IDENTITY(1,1) NOT NULL PRIMARY KEY, "
+                            "message_id NVARCHAR(64) COLLATE SQL_Latin1_General_CP1_CI_AS NOT NULL, topic NVARCHAR(255) "
+                            "NOT NULL, aggregate_type NVARCHAR(255) NOT NULL, aggregate_id NVARCHAR(255) NOT NULL, "
+                            "partition_key NVARCHAR(255) NULL, payload NVARCHAR(MAX) NOT NULL, headers NVARCHAR(MAX) "
+                            "NOT NULL DEFAULT N'{}', trace_id NVARCHAR(255) NULL, status TINYINT NOT NULL DEFAULT 0, "
+                            "attempts INT NOT NULL DEFAULT 0, claimed_at DATETIME2(3) NULL, next_retry_at DATETIME2(3) "
+                            "NULL, created_at DATETIME2(3) NOT NULL DEFAULT SYSUTCDATETIME(), processed_at "
+                            "DATETIME2(3) NULL)")
+    seed.close()
+    ci = make_store(table=name)
+    conn = ci.engine.connect(url)
+    try:
+        assert lock_resource(ci, conn, "Order-1") == lock_resource(ci, conn, "order-1 ")
+    finally:
+        conn.close()
+
+
+def test_m1_and_m1_with_a_trailing_space_at_once_store_one_row_and_raise_nothing(store: OutboxStore,
+                                                                                  url: str) -> None:
+    """Issue 20 item 2: `enqueue` refuses `m1 `; the engine, given it anyway, serializes it
+    with `m1` (one lock) and returns the first one's row instead of raising 2601."""
+    first, second = store.engine.connect(url), store.engine.connect(url)
+    with pytest.raises(EnqueueError, match="whitespace"):
+        add(first, store, "a", "m1 ")
+    results: list[Any] = []
+    padded = replace(prepare_event(topic="t", aggregate_type="o", aggregate_id="b", payload={}), message_id="m1 ")
+    try:
+        held = add(first, store, "a", "m1")  # uncommitted
+
+        def racer() -> None:
+            cursor = second.cursor()
+            results.append(outcome(lambda: store.engine.insert_event(cursor, padded)))
+            second.commit()
+
+        thread = threading.Thread(target=racer)
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive() and not results
+        first.commit()
+        thread.join(timeout=30)
+        assert results == [held], results
+    finally:
+        first.close()
+        second.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table}") == 1
+
+
+@pytest.mark.parametrize("xact_abort", ["OFF", "ON"])
+@pytest.mark.parametrize("how", ["error", "client timeout"])
+def test_no_application_lock_outlives_an_aborted_autocommit_enqueue(store: OutboxStore, url: str,
+                                                                     xact_abort: str, how: str) -> None:
+    """Issue 20 item 3: on an autocommit connection the lock was the session's, released by
+    a later statement of the batch; a batch cut short between the two (here a trigger that
+    throws, or one that outlasts the client's query timeout) leaked it for the life of the
+    connection, and every later enqueue of that id waited. Now it is a transaction's."""
+    t = store.engine.table
+    trigger = f"[dbo].[tr_{store.engine.table_name}_abort]"
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"CREATE TRIGGER {trigger} ON {t} AFTER INSERT AS BEGIN SET NOCOUNT ON; "
+                             "IF EXISTS (SELECT 1 FROM inserted WHERE message_id LIKE N'boom%') "
+                             "THROW 50000, N'boom', 1; "
+                             "IF EXISTS (SELECT 1 FROM inserted WHERE message_id LIKE N'slow%') "
+                             "WAITFOR DELAY '00:00:05'; END")
+    conn = admin_connection(url)  # autocommit: no transaction open when the batch starts
+    try:
+        cursor = conn.cursor()
+        cursor.execute(f"SET XACT_ABORT {xact_abort}")
+        if how == "client timeout":
+            conn.timeout = 1
+        with pytest.raises(Exception):
+            add(conn, store, "a", "boom-1" if how == "error" else "slow-1")
+        conn.timeout = 0
+        cursor.execute("SELECT @@TRANCOUNT, (SELECT COUNT(*) FROM sys.dm_tran_locks WHERE request_session_id = @@SPID "
+                       "AND resource_type = N'APPLICATION')")
+        assert tuple(cursor.fetchone()) == (0, 0)
+        cursor.execute("SELECT @@OPTIONS & 16384")
+        assert bool(cursor.fetchone()[0]) is (xact_abort == "ON")  # the caller's setting, untouched
+        assert add(conn, store, "a", "fine-1") > 0
+    finally:
+        conn.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {t} WHERE message_id LIKE N'boom%' OR message_id LIKE N'slow%'") == 0
 
 
 # -- schema: filtered probe index, definitions, collation, escalation, concurrent migrate -------------

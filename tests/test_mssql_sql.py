@@ -266,10 +266,22 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
 
 
 def test_no_statement_manages_transactions_or_isolation(recorded: Any) -> None:
-    _, log = recorded
+    """Only the enqueue batch begins and commits a transaction, and only its own: when the
+    caller has none (issue 20 item 3). Nothing sets an isolation level or rolls back."""
+    engine, log = recorded
     forbidden = re.compile(r"\b(BEGIN\s+TRAN|COMMIT|ROLLBACK|SAVE\s+TRAN|ISOLATION\s+LEVEL)", re.IGNORECASE)
     for sql, _ in log:
+        if sql == engine.insert_batch():
+            continue
         assert not forbidden.search(sql), sql
+    statements = engine.insert_statements()
+    managing = [s for s in statements if forbidden.search(s)]
+    assert len(managing) == 2, managing
+    begin, commit = managing
+    assert begin.startswith("IF @id IS NULL AND @@TRANCOUNT = 0\nBEGIN") and "SET @own_transaction = 1;" in begin
+    assert "BEGIN TRANSACTION;" in begin and "COMMIT" not in begin
+    assert commit.startswith("IF @own_transaction = 1") and "COMMIT TRANSACTION" in commit
+    assert "ROLLBACK" not in engine.insert_batch() and "ISOLATION" not in engine.insert_batch()
 
 
 # -- the claim ------------------------------------------------------------------------------
@@ -343,26 +355,102 @@ def test_insert_takes_no_key_range_locks_and_serializes_only_the_same_message_id
     engine = MssqlEngine(table="events_out", schema="messaging")
     statements = engine.insert_statements()
     batch = engine.insert_batch()
-    for forbidden in ("HOLDLOCK", "UPDLOCK", "SERIALIZABLE", "IGNORE_DUP_KEY", "XACT_ABORT", "BEGIN TRY", "COMMIT;"):
+    for forbidden in ("HOLDLOCK", "UPDLOCK", "SERIALIZABLE", "IGNORE_DUP_KEY", "XACT_ABORT", "BEGIN TRY"):
         assert forbidden not in batch, forbidden
-    for statement in statements:
-        for ref in outbox_refs(parse_one(statement), engine):
-            assert hints(ref) <= {"READCOMMITTEDLOCK"}, statement
-    lock = next(s for s in statements if "sp_getapplock" in s)
-    assert lock.startswith("IF @id IS NULL") and "@LockOwner = @lock_owner" in lock
-    owner = next(s for s in statements if s.startswith("SET @lock_owner"))
-    assert "WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session'" in owner
-    # The fast-path probe comes first: it opens the driver's implicit transaction.
-    assert statements.index(owner) > statements.index(
-        "SELECT @id = id FROM [messaging].[events_out] WHERE message_id = @message_id;")
+    lookup = next(s for s in statements if s.startswith("SELECT @id = o.id"))
+    lock = next(s for s in statements if "@LockMode = N'Exclusive'" in s)
+    assert lock.startswith("IF @id IS NULL") and statements.index(lock) > statements.index(lookup)
     resource = next(s for s in statements if s.startswith("SET @lock_resource"))
-    assert "HASHBYTES('SHA2_256', N'[messaging].[events_out]|' + @message_id)" in resource
+    assert "HASHBYTES('SHA2_256', N'[messaging].[events_out]|' + CONVERT(NVARCHAR(11), @lock_key))" in resource
     insert = next(s for s in statements if "INSERT INTO" in s)
     assert insert.startswith("IF @id IS NULL AND @lock_result >= 0")
+    assert statements.index(insert) > statements.index(lock)
     assert "OUTPUT inserted.id INTO @ids" in insert
-    release = next(s for s in statements if "sp_releaseapplock" in s)
-    assert "@lock_owner = N'Session'" in release and statements.index(release) > statements.index(insert)
     assert placeholders(batch) == len(engine.INSERT_COLUMNS.split(","))
+
+
+def test_insert_reads_the_table_with_readcommittedlock_whatever_the_callers_isolation(
+        no_sqlglot_fallbacks: None) -> None:
+    """Issue 20 item 1: the fast-path lookup and the final one read at the caller's level:
+    at READ UNCOMMITTED the lookup returned another transaction's uncommitted row (lost
+    when it rolled back); at SNAPSHOT it missed a newer committed row and the insert raised
+    2601. Every reference to the table now carries READCOMMITTEDLOCK, and nothing else."""
+    engine = MssqlEngine(table="events_out", schema="messaging")
+    refs = [(statement, ref) for statement in engine.insert_statements()
+            for ref in outbox_refs(parse_one(statement), engine)]
+    assert len(refs) == 4  # the lookup, the insert's target and its NOT EXISTS, the final lookup
+    reads = [(statement, ref) for statement, ref in refs if not isinstance(ref.parent, exp.Schema)]
+    assert len(reads) == 3  # all but the INSERT's target
+    for statement, ref in reads:
+        assert hints(ref) == {"READCOMMITTEDLOCK"}, statement
+
+
+def test_the_enqueue_lock_key_is_what_the_unique_index_compares(no_sqlglot_fallbacks: None) -> None:
+    """Issue 20 item 2: the key was a SHA-256 of the exact message id, but the unique index
+    compares with SQL Server's equality (trailing spaces ignored; case too on a hand-made
+    case-insensitive column): ``m1`` and ``m1 `` took different locks and the second raised
+    2601 into the caller's transaction. The key is now CHECKSUM of the id in the column's
+    own collation (COALESCE with the column: the column's implicit collation wins over the
+    variable's), which is equal for every two values the ``=`` operator finds equal."""
+    engine = MssqlEngine()
+    statements = engine.insert_statements()
+    lookup = next(s for s in statements if s.startswith("SELECT @id = o.id"))
+    tree = parse_one(lookup)
+    (checksum,) = [f for f in tree.find_all(exp.Anonymous) if f.name.upper() == "CHECKSUM"]
+    (coalesce,) = checksum.expressions
+    assert isinstance(coalesce, exp.Coalesce)
+    assert [arg.sql("tsql") for arg in (coalesce.this, *coalesce.expressions)] == ["o.message_id", "@message_id"]
+    assert checksum.parent.sql("tsql") == "@lock_key = CHECKSUM(COALESCE(o.message_id, @message_id))"
+    (ref,) = outbox_refs(tree, engine)
+    join = ref.parent
+    assert isinstance(join, exp.Join) and join.side == "LEFT" and ref.alias == "o"
+    assert "@message_id" not in next(s for s in statements if s.startswith("SET @lock_resource"))
+    assert "HASHBYTES('SHA2_256', N'[dbo].[outbox]|' + @message_id)" not in engine.insert_batch()
+
+
+def test_the_enqueue_lock_is_never_owned_by_the_session(no_sqlglot_fallbacks: None) -> None:
+    """Issue 20 item 3: on an autocommit connection the lock was session-owned and released
+    by a later statement of the batch; an error or a client timeout in between leaked it for
+    the life of a pooled connection. Now every lock is transaction-owned: with no
+    transaction open, the batch opens its own around the lock and the insert."""
+    engine = MssqlEngine()
+    statements = engine.insert_statements()
+    batch = engine.insert_batch()
+    assert "Session" not in batch and "sp_releaseapplock" not in batch
+    locks = [s for s in statements if "sp_getapplock" in s]
+    assert len(locks) == 2 and all("@LockOwner = N'Transaction'" in s for s in locks)
+    begin = next(s for s in statements if "BEGIN TRANSACTION" in s)
+    lock = next(s for s in statements if "@LockMode = N'Exclusive'" in s)
+    insert = next(s for s in statements if "INSERT INTO" in s)
+    commit = next(s for s in statements if "COMMIT TRANSACTION" in s)
+    lookup = next(s for s in statements if s.startswith("SELECT @id = o.id"))
+    order = [statements.index(s) for s in (lookup, begin, lock, insert, commit)]
+    assert order == sorted(order)
+    # The marker that tells insert_event's clean-up the open transaction is the batch's own.
+    assert f"@Resource = N'{engine.OWN_TRANSACTION_LOCK}', @LockMode = N'Shared', @LockOwner = N'Transaction'" in begin
+    parse_one(engine.end_own_transaction_sql())
+
+
+class _CutShortCursor(RecordingCursor):
+    """The insert batch raises, as after a client timeout."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
+        super().execute(sql, params)
+        if "INSERT INTO" in sql:
+            raise TimeoutError("HYT00 Query timeout expired")
+        return self
+
+
+def test_a_cut_short_enqueue_rolls_back_only_a_transaction_of_its_own() -> None:
+    engine = MssqlEngine()
+    log: list[tuple[str, tuple]] = []
+    event = prepare_event(topic="t", aggregate_type="order", aggregate_id="a", payload={"p": 1}, message_id="m-9")
+    with pytest.raises(TimeoutError):
+        engine.insert_event(_CutShortCursor(log), event)
+    assert [sql for sql, _ in log] == [engine.insert_batch(), engine.end_own_transaction_sql()]
+    cleanup = engine.end_own_transaction_sql()
+    assert f"APPLOCK_MODE(N'public', N'{engine.OWN_TRANSACTION_LOCK}', N'Transaction') <> N'NoLock'" in cleanup
+    assert cleanup.index("IF @@TRANCOUNT > 0") < cleanup.index("APPLOCK_MODE") < cleanup.index("ROLLBACK")
 
 
 def test_insert_reports_a_refused_lock_clearly() -> None:

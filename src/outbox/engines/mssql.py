@@ -724,49 +724,70 @@ class MssqlEngine(Engine):
                                 "to an index of the whole history): run `outbox migrate`")
         return problems
 
-    # -- write side (the caller's transaction: never commit, never raise on a duplicate) --
+    # -- write side (the caller's transaction: never commit it, never raise on a duplicate) --
+    #: A shared application lock the insert batch takes only in a transaction it opened
+    #: itself (the caller had none): its presence tells ``insert_event``'s clean-up that
+    #: the open transaction is the batch's own, never the caller's.
+    OWN_TRANSACTION_LOCK = "outbox enqueue: own transaction"
+
     def insert_statements(self) -> list[str]:
-        """Insert unless the message_id is stored, then return the row's id.
+        """Insert unless the message_id is stored, then return the row's id
+        (docs/sqlserver.md, "Enqueue: no key-range locks").
 
         No key-range locks: the duplicate probe is a plain seek of the unique
         message_id index. Two enqueues of the *same* message_id are serialized by an
-        application lock on a hash of (table, message_id), owned by the caller's
-        transaction, so the second waits for the first to commit and then finds its
-        row; enqueues of different ids never wait for each other, whatever the gap
-        between their keys. Without an open transaction (autocommit), the session owns
-        the lock and the batch releases it once its insert has committed.
+        application lock owned by a transaction, so the second waits for the first to
+        commit and then finds its row; enqueues of different ids never wait for each
+        other, whatever the gap between their keys. The lock's key is a CHECKSUM of the
+        message id in the column's own collation, which is equal for every two ids the
+        unique index finds equal (trailing spaces; case on a case-insensitive column).
 
-        So no duplicate-key error can reach the caller's transaction, and XACT_ABORT
-        is left as the caller set it. Values go into typed variables first, so a None
-        binds without a type guess, and long payloads reach NVARCHAR(MAX) variables.
-        The result is (id, lock result); the id is NULL only when the lock was refused.
+        Both reads of the table use READCOMMITTEDLOCK, so a caller at READ UNCOMMITTED
+        waits for an uncommitted row instead of returning its id, and one at SNAPSHOT
+        sees a row committed after its snapshot instead of inserting a duplicate.
+
+        The lock is never owned by the session: with no transaction open (an autocommit
+        connection) the batch opens its own around the lock and the insert, and commits
+        it. So no duplicate-key error can reach the caller's transaction, no lock can
+        outlive it, and XACT_ABORT is left as the caller set it. Values go into typed
+        variables first, so a None binds without a type guess, and long payloads reach
+        NVARCHAR(MAX) variables. The result is (id, lock result); the id is NULL only
+        when the lock was refused.
         """
         t = self.table
         values = ", ".join(f"@{c.strip()}" for c in self.INSERT_COLUMNS.split(","))
         inserted = (f"INSERT INTO {t} ({self.INSERT_COLUMNS})\n    OUTPUT inserted.id INTO @ids\n    SELECT {values}\n"
                     f"    WHERE NOT EXISTS (SELECT 1 FROM {t} WITH (READCOMMITTEDLOCK) "
                     "WHERE message_id = @message_id)")
+        own_lock = _nstr(self.OWN_TRANSACTION_LOCK)
         return [
             "DECLARE @nocount INT = @@OPTIONS & 512;",
             "SET NOCOUNT ON;",
             "DECLARE @message_id NVARCHAR(64) = ?, @topic NVARCHAR(255) = ?, @aggregate_type NVARCHAR(255) = ?, "
             "@aggregate_id NVARCHAR(255) = ?, @partition_key NVARCHAR(255) = ?, @payload NVARCHAR(MAX) = ?, "
             "@headers NVARCHAR(MAX) = ?, @trace_id NVARCHAR(255) = ?;",
-            "DECLARE @id BIGINT, @lock_result INT = 0, @lock_owner NVARCHAR(32), @lock_resource NVARCHAR(255);",
+            "DECLARE @id BIGINT, @lock_key INT, @lock_result INT = 0, @own_transaction BIT = 0, "
+            "@lock_resource NVARCHAR(255);",
             "DECLARE @ids TABLE (id BIGINT NOT NULL);",
-            # The common case, a new id: one seek, no lock. A SELECT from the table also
-            # opens the driver's implicit transaction, so @@TRANCOUNT below is the truth.
-            f"SELECT @id = id FROM {t} WHERE message_id = @message_id;",
-            "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
+            # The common case, a new id: one seek, no application lock. The same statement
+            # computes the lock's key: COALESCE with the column gives @message_id the
+            # column's collation, and CHECKSUM is equal for values that compare equal in
+            # it. Reading the table also opens the driver's implicit transaction (autocommit
+            # off), so @@TRANCOUNT below is the truth.
+            f"SELECT @id = o.id, @lock_key = CHECKSUM(COALESCE(o.message_id, @message_id))\n"
+            f"FROM (SELECT 1 AS one) AS d LEFT JOIN {t} AS o WITH (READCOMMITTEDLOCK) ON o.message_id = @message_id;",
             f"SET @lock_resource = N'outbox:' + CONVERT(NVARCHAR(64), HASHBYTES('SHA2_256', {_nstr(t + '|')} "
-            "+ @message_id), 2);",
+            "+ CONVERT(NVARCHAR(11), @lock_key)), 2);",
+            # No transaction open (an autocommit connection): open one, so the lock below is
+            # owned by a transaction that ends with this batch, however the batch ends.
+            f"IF @id IS NULL AND @@TRANCOUNT = 0\nBEGIN\n    SET @own_transaction = 1;\n    BEGIN TRANSACTION;\n"
+            f"    EXEC sp_getapplock @Resource = {own_lock}, @LockMode = N'Shared', @LockOwner = N'Transaction';\nEND;",
             _if("@id IS NULL", "EXEC @lock_result = sp_getapplock @Resource = @lock_resource, "
-                "@LockMode = N'Exclusive', @LockOwner = @lock_owner"),
+                "@LockMode = N'Exclusive', @LockOwner = N'Transaction'"),
             _if("@id IS NULL AND @lock_result >= 0", inserted),
-            _if("@id IS NULL AND @lock_result >= 0 AND @lock_owner = N'Session'",
-                "EXEC sp_releaseapplock @Resource = @lock_resource, @LockOwner = N'Session'"),
+            _if("@own_transaction = 1", "COMMIT TRANSACTION"),
             "SET @id = COALESCE(@id, (SELECT TOP (1) id FROM @ids), "
-            f"(SELECT id FROM {t} WHERE message_id = @message_id));",
+            f"(SELECT id FROM {t} WITH (READCOMMITTEDLOCK) WHERE message_id = @message_id));",
             _if("@nocount = 0", "SET NOCOUNT OFF"),
             "SELECT @id AS id, @lock_result AS lock_result;",
         ]
@@ -774,13 +795,28 @@ class MssqlEngine(Engine):
     def insert_batch(self) -> str:
         return "\n".join(self.insert_statements())
 
+    def end_own_transaction_sql(self) -> str:
+        """Roll back the transaction the insert batch opened for itself, if the batch was
+        cut short before its COMMIT (a client timeout, with XACT_ABORT off); never the
+        caller's transaction, which never holds ``OWN_TRANSACTION_LOCK``."""
+        return ("IF @@TRANCOUNT > 0\nBEGIN\n"
+                f"    IF APPLOCK_MODE(N'public', {_nstr(self.OWN_TRANSACTION_LOCK)}, N'Transaction') <> N'NoLock'\n"
+                "    BEGIN\n        ROLLBACK TRANSACTION;\n    END;\nEND;")
+
     #: What sp_getapplock's negative results mean.
     LOCK_RESULTS = {-1: "timed out (the session's LOCK_TIMEOUT)", -2: "was cancelled",
                     -3: "was chosen as a deadlock victim", -999: "failed (parameter or call error)"}
 
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
-        self.execute(cursor, self.insert_batch(), self.event_params(event))
-        outbox_id, lock_result = _result_rows(cursor)[0]
+        try:
+            self.execute(cursor, self.insert_batch(), self.event_params(event))
+            outbox_id, lock_result = _result_rows(cursor)[0]
+        except BaseException:
+            try:
+                self.execute(cursor, self.end_own_transaction_sql())
+            except Exception:  # the connection is gone: so is the transaction
+                pass
+            raise
         if outbox_id is None:
             reason = self.LOCK_RESULTS.get(int(lock_result or -999), f"returned {lock_result}")
             raise StoreError(f"enqueue of message_id {event.message_id!r}: the lock that serializes enqueues of "
