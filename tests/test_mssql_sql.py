@@ -292,16 +292,64 @@ def test_claim_locks_candidates_and_probes_without_readpast(schema: str | None, 
     engine = MssqlEngine(table=table, schema=schema)
     statements = engine.claim_statements()
     scan = next(s for s in statements if s.startswith("INSERT INTO @cand"))
-    probe = next(s for s in statements if s.startswith("INSERT INTO @chain"))
+    probe = next(s for s in statements if s.startswith("INSERT INTO @agg"))
     scan_refs = outbox_refs(parse_one(scan), engine)
     assert len(scan_refs) == 1 and hints(scan_refs[0]) == LOCK_HINTS
     probe_refs = outbox_refs(parse_one(probe), engine)
-    assert probe_refs and all(hints(ref) == {"READCOMMITTEDLOCK"} for ref in probe_refs)
+    assert len(probe_refs) == 1 and hints(probe_refs[0]) == {"READCOMMITTEDLOCK", "FORCESEEK"}
     # READPAST appears nowhere else in the batch.
     assert engine.claim_batch().count("READPAST") == 1
     update = parse_one(next(s for s in statements if s.startswith("UPDATE")))
     assert isinstance(update, exp.Update)
     assert "INTO @out" in update.sql("tsql")  # OUTPUT ... INTO a table variable, never bare OUTPUT
+
+
+def test_the_claim_is_linear_in_a_hot_aggregates_window(no_sqlglot_fallbacks: None) -> None:
+    """Issue 20 item 9: the probe ran per candidate and read the k-1 earlier rows of the
+    k-th candidate of a hot aggregate, and rules 2 and 3 were self-joins of @cand doing the
+    same (about 8 million probe rows per claim at batch 1,000; past the query timeout at
+    10,000). Now: one TOP (1) probe per aggregate of @cand, pinned to a seek of the agg_open
+    index; the rules are running sums over one read of @cand (no self-join); the batch cut
+    is one numbering pass over @chain (no join)."""
+    engine = MssqlEngine()
+    statements = engine.claim_statements()
+    probe = parse_one(next(s for s in statements if s.startswith("INSERT INTO @agg")))
+    (ref,) = outbox_refs(probe, engine)
+    (forceseek,) = [h for hint in ref.args["hints"] for h in hint.expressions if h.name.upper() == "FORCESEEK"]
+    assert forceseek.sql("tsql").upper() == "FORCESEEK([IX_OUTBOX_AGG_OPEN](AGGREGATE_ID))"
+    walk = ref.find_ancestor(exp.Select)  # the correlated scalar subquery: TOP (1) in id order
+    assert walk.args["limit"].expression.sql("tsql") == "1" and walk.args["order"].sql("tsql") == "ORDER BY e.id"
+    assert "e.aggregate_id = g.aggregate_id AND e.id < g.last_id" in walk.sql("tsql")
+    outer = walk.parent.find_ancestor(exp.Select)
+    source = outer.args.get("from_") or outer.args["from"]  # the key's name differs across sqlglot versions
+    assert source.this.alias == "g"  # over FROM (... GROUP BY aggregate_id) AS g: once per aggregate
+    assert source.this.this.args["group"].sql("tsql") == "GROUP BY aggregate_id"
+    assert sorted(t.name for t in probe.find_all(exp.Table) if t.name != engine.table_name) == ["agg", "cand", "cand"]
+    chain = parse_one(next(s for s in statements if s.startswith("INSERT INTO @chain")))
+    assert sorted(t.name for t in chain.find_all(exp.Table)) == ["agg", "cand", "chain"]  # each once, no self-join
+    windows = [w.sql("tsql") for w in chain.find_all(exp.Window)]
+    assert len(windows) == 2 and all("ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW" in w for w in windows)
+    keep = parse_one(next(s for s in statements if s.startswith("WITH ranked")))
+    assert isinstance(keep, exp.Delete) and [t.name for t in keep.find_all(exp.Table)].count("ranked") == 1
+    assert "JOIN" not in keep.sql("tsql").upper() and " IN (" not in keep.sql("tsql").upper()
+
+
+def test_the_probe_falls_back_to_any_seek_when_its_index_is_missing() -> None:
+    """A table that has not been migrated yet (start-up warns) keeps claiming: naming a
+    missing index in FORCESEEK would fail every claim (error 308)."""
+    store, conn = recording_store(None, "outbox", 160)  # the recording finds no index definition
+    store.claim(10)
+    engine = store.engine
+    assert engine.probe_index is False  # type: ignore[attr-defined]
+    claim = next(sql for sql, _ in conn.log if sql.startswith("DECLARE @nocount"))
+    assert "WITH (READCOMMITTEDLOCK, FORCESEEK)" in claim and "ix_outbox_agg_open" not in claim
+    present, conn = recording_store(None, "outbox", 160, answers={"AND i.name = N'ix_outbox_agg_open'": [(1,)]})
+    present.claim(10)
+    claim = next(sql for sql, _ in conn.log if sql.startswith("DECLARE @nocount"))
+    assert "FORCESEEK ([ix_outbox_agg_open] (aggregate_id))" in claim
+    assert sum("AND i.name = N'ix_outbox_agg_open'" in sql for sql, _ in conn.log) == 1  # read once
+    present.claim(10)
+    assert sum("AND i.name = N'ix_outbox_agg_open'" in sql for sql, _ in conn.log) == 1
 
 
 def test_claim_returns_message_columns_in_order_and_binds_in_placeholder_order() -> None:
@@ -583,7 +631,7 @@ def test_ordering_probe_index_is_filtered_on_open_rows_and_replaces_the_old_one(
     ddl = spec.ddl("[ix]", engine.table)
     assert ddl == f"CREATE NONCLUSTERED INDEX [ix] ON [dbo].[outbox] (aggregate_id, id) WHERE {OPEN_ROWS}"
     assert "INCLUDE" not in ddl  # a claim (status 0 -> 1) does not write to it
-    assert f"e.{OPEN_ROWS}" in engine.chain_select()  # the literal predicate the filter must match
+    assert f"e.{OPEN_ROWS}" in engine.probe_select()  # the literal predicate the filter must match
     assert engine.eligible().startswith(f"{OPEN_ROWS} AND (")  # the claim scan matches claim_ready's filter
     text = "\n".join(b[1] if isinstance(b, tuple) else b for b in engine.migration())
     assert ("IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'ix_outbox_agg_id_id' "
@@ -656,30 +704,71 @@ def test_table_definition_matches_the_contract() -> None:
 
 # -- the chain rule, run on SQLite against plan_claim --------------------------------------------
 
-def run_chain_select(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],
-                     max_attempts: int) -> tuple[list[int], list[int]]:
-    """Run the claim's chain statement on SQLite: ``@cand`` becomes a table, the probe
-    hint goes (SQLite has no locks to hint), ``@max_attempts`` is a named parameter in
-    SQLite too, and ``[dbo].[outbox]`` is an attached database's table."""
+def sqlite_text(sql: str) -> str:
+    """A claim statement in SQLite's dialect: table variables become tables, the probe's
+    hints go (SQLite has no locks to hint and one index choice), ``TOP (1) ... ORDER BY
+    e.id`` becomes ``LIMIT 1``; ``@max_attempts`` is a named parameter in SQLite too, and
+    ``[dbo].[outbox]`` an attached database's table."""
+    for variable in ("@cand", "@agg", "@chain"):
+        sql = sql.replace(variable, variable[1:])
+    start = sql.find(" WITH (READCOMMITTEDLOCK")
+    if start >= 0:
+        depth, end = 0, start + len(" WITH ")
+        for end in range(end, len(sql)):
+            depth += {"(": 1, ")": -1}.get(sql[end], 0)
+            if depth == 0:
+                break
+        sql = sql[:start] + sql[end + 1:]
+    sql = sql.replace("TOP (1) ", "").replace("ORDER BY e.id)", "ORDER BY e.id LIMIT 1)")
+    assert "WITH (" not in sql and "TOP" not in sql, sql
+    return sql
+
+
+def run_claim_rule(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],
+                   max_attempts: int, batch: int | None = None) -> tuple[list[int], list[int]]:
+    """Run the claim's probe and chain statements (and, given ``batch``, its cut to the
+    batch) on SQLite over ``rows`` of which ``candidate_ids`` were locked."""
+    statements = engine.claim_statements()
+    probe = next(s for s in statements if s.startswith("INSERT INTO @agg"))
+    chain = next(s for s in statements if s.startswith("INSERT INTO @chain"))
+    keep = next(s for s in statements if s.startswith("WITH ranked AS ("))
     db = sqlite3.connect(":memory:")
     db.execute("ATTACH DATABASE ':memory:' AS dbo")
     db.execute("CREATE TABLE dbo.outbox (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
     db.execute("CREATE TABLE cand (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
+    db.execute("CREATE TABLE agg (aggregate_id TEXT PRIMARY KEY, head INT NOT NULL, blocker INT)")
+    db.execute("CREATE TABLE chain (id INTEGER PRIMARY KEY, head INT NOT NULL, dead INT NOT NULL)")
     db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
     db.executemany("INSERT INTO cand VALUES (?, ?, ?, ?)", [r for r in rows if r[0] in candidate_ids])
-    sql = engine.chain_select().replace("@cand", "cand").replace(" WITH (READCOMMITTEDLOCK)", "")
-    assert "WITH (" not in sql
-    chosen = db.execute(sql, {"max_attempts": max_attempts}).fetchall()
+    db.execute(sqlite_text(probe).rstrip(";"))
+    db.execute(sqlite_text(chain).rstrip(";"), {"max_attempts": max_attempts})
+    if batch is not None:
+        # SQLite deletes from tables only: the CTE's numbering, then the same cut by id.
+        ranked = keep[len("WITH ranked AS ("):keep.index(")\nDELETE FROM ranked")]
+        assert keep.endswith("DELETE FROM ranked WHERE n > @batch;")
+        db.execute(f"DELETE FROM chain WHERE id IN (SELECT id FROM ({sqlite_text(ranked)}) WHERE n > :batch)",
+                   {"batch": batch})
+    chosen = db.execute("SELECT id, dead FROM chain").fetchall()
     return sorted(i for i, dead in chosen if not dead), sorted(i for i, dead in chosen if dead)
 
 
-def plan(rows: list[tuple[int, str, int, int]], candidate_ids: set[int], max_attempts: int) -> tuple[list, list]:
-    candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+def run_chain_select(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],
+                     max_attempts: int) -> tuple[list[int], list[int]]:
+    return run_claim_rule(engine, rows, candidate_ids, max_attempts)
+
+
+def blockers_of(rows: list[tuple[int, str, int, int]], candidate_ids: set[int]) -> dict[str, int]:
+    """``plan_claim``'s ``first_blocker``: each aggregate's smallest open id outside the candidates."""
     blockers: dict[str, int] = {}
     for id_, aggregate, status, _ in rows:
         if status in (0, 1, 3) and id_ not in candidate_ids:
             blockers[aggregate] = min(blockers.get(aggregate, id_), id_)
-    result = plan_claim(candidates, blockers, max_attempts)
+    return blockers
+
+
+def plan(rows: list[tuple[int, str, int, int]], candidate_ids: set[int], max_attempts: int) -> tuple[list, list]:
+    candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+    result = plan_claim(candidates, blockers_of(rows, candidate_ids), max_attempts)
     return sorted(result.claim_ids), sorted(result.dead_ids)
 
 
@@ -695,33 +784,75 @@ def test_chain_rule_matches_plan_claim_on_random_outboxes() -> None:
 
 
 def test_the_claim_keeps_whole_chains_oldest_first_up_to_the_batch_as_plan_claim() -> None:
-    """The statement after the chain rule (``DELETE FROM @chain``: keep ``@batch`` rows of
-    the window, whole chains, oldest first), run on SQLite after the chain rule, against
-    ``plan_claim(limit=batch)``. ``TOP (@batch)`` becomes SQLite's ``LIMIT``."""
+    """The statement after the chain rule (keep ``@batch`` rows of the window, whole
+    chains, oldest first), run on SQLite after the probe and the chain rule, against
+    ``plan_claim(limit=batch)``, with rows outside the window blocking too."""
     engine = MssqlEngine()
-    keep = next(s for s in engine.claim_statements() if s.startswith("DELETE FROM @chain"))
-    keep = (keep.replace("@chain", "chain").replace("@cand", "cand").replace("TOP (@batch) ", "")
-            .replace("k.id);", "k.id LIMIT :batch);"))
     rng = random.Random(20261123)
     for _ in range(300):
-        rows = [(i, rng.choice("abcd"), rng.choice([0, 0, 0, 0, 1, 3]), rng.randint(0, 4))
+        rows = [(i, rng.choice("abcd"), rng.choice([0, 0, 0, 0, 1, 2, 3, 4]), rng.randint(0, 4))
                 for i in range(1, rng.randint(2, 16))]
-        everything = {r[0] for r in rows}
+        candidate_ids = {r[0] for r in rows if r[2] in (0, 1, 3) and rng.random() < 0.85}
         batch = rng.randint(1, 8)
-        db = sqlite3.connect(":memory:")
-        db.execute("ATTACH DATABASE ':memory:' AS dbo")
-        db.execute("CREATE TABLE dbo.outbox (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
-        db.execute("CREATE TABLE cand (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
-        db.execute("CREATE TABLE chain (id INTEGER PRIMARY KEY, dead INT)")
-        db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
-        db.executemany("INSERT INTO cand VALUES (?, ?, ?, ?)", rows)
-        chain_sql = engine.chain_select().replace("@cand", "cand").replace(" WITH (READCOMMITTEDLOCK)", "")
-        db.execute(f"INSERT INTO chain (id, dead) {chain_sql}", {"max_attempts": 3})
-        db.execute(keep, {"batch": batch})
-        chosen = db.execute("SELECT id, dead FROM chain").fetchall()
-        got = (sorted(i for i, dead in chosen if not dead), sorted(i for i, dead in chosen if dead))
-        result = plan_claim([Candidate(*r) for r in rows], {}, 3, limit=batch)
-        assert got == (sorted(result.claim_ids), sorted(result.dead_ids)), (rows, batch)
+        candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+        result = plan_claim(candidates, blockers_of(rows, candidate_ids), 3, limit=batch)
+        assert run_claim_rule(engine, rows, candidate_ids, 3, batch) == (
+            sorted(result.claim_ids), sorted(result.dead_ids)), (rows, candidate_ids, batch)
+
+
+def model_claim(rows: list[tuple[int, str, int, int]], candidate_ids: set[int], max_attempts: int,
+                batch: int) -> tuple[tuple[list[int], list[int]], int]:
+    """The SQL Server claim's steps in Python, one for one: ``@agg`` (per aggregate its
+    head, and the TOP (1) walk of the aggregate's open rows below its last candidate,
+    stopping at the first non-candidate), the running sums of ``chain_select``, the cut to
+    ``batch`` by (head, id). Returns the (claimed, dead) ids and the rows the walks read."""
+    candidates = sorted((r for r in rows if r[0] in candidate_ids), key=lambda r: r[0])
+    open_rows = sorted((r for r in rows if r[2] in (0, 1, 3)), key=lambda r: (r[1], r[0]))  # agg_open's order
+    agg: dict[str, tuple[int, int | None]] = {}
+    read = 0
+    for aggregate in {r[1] for r in candidates}:
+        ids = [r[0] for r in candidates if r[1] == aggregate]
+        head, last = min(ids), max(ids)
+        blocker = None
+        for id_, _, _, _ in (r for r in open_rows if r[1] == aggregate and r[0] < last):
+            read += 1
+            if id_ not in candidate_ids:
+                blocker = id_
+                break
+        agg[aggregate] = (head, blocker)
+    chain: list[tuple[int, int, int]] = []
+    for aggregate, (head, blocker) in agg.items():
+        cut = dead_before = 0
+        for id_, _, status, attempts in (r for r in candidates if r[1] == aggregate):
+            dead = int(status == 1 and attempts + 1 >= max_attempts)
+            cut += int(status != 0 and id_ > head)
+            if (blocker is None or id_ < blocker) and cut == 0 and dead_before == 0:
+                chain.append((head, id_, dead))
+            dead_before += dead
+    kept = sorted(chain)[:batch]
+    return (sorted(i for _, i, d in kept if not d), sorted(i for _, i, d in kept if d)), read
+
+
+def test_a_python_model_of_the_claim_matches_plan_claim_and_reads_linearly() -> None:
+    """Issue 20 item 9: the same steps as the statements, over random outboxes with hot
+    aggregates, pick what ``plan_claim`` picks; and the probes read at most one row per
+    candidate plus one per aggregate (the blocker), where the old probe read k-1 rows for
+    the k-th candidate of an aggregate."""
+    rng = random.Random(2026_11_24)
+    for _ in range(500):
+        aggregates = rng.choice(["a", "ab", "abcdef"])
+        rows = [(i, rng.choice(aggregates), rng.choice([0, 0, 0, 0, 0, 1, 2, 3, 4]), rng.randint(0, 4))
+                for i in range(1, rng.randint(2, 120))]
+        candidate_ids = {r[0] for r in rows if r[2] in (0, 1, 3) and rng.random() < 0.9}
+        batch = rng.randint(1, 60)
+        picked, read = model_claim(rows, candidate_ids, 3, batch)
+        candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+        result = plan_claim(candidates, blockers_of(rows, candidate_ids), 3, limit=batch)
+        assert picked == (sorted(result.claim_ids), sorted(result.dead_ids)), (rows, candidate_ids, batch)
+        assert read <= len(candidate_ids) + len({c.aggregate_id for c in candidates})
+    hot = [(i, "hot", 0, 0) for i in range(1, 4001)]
+    picked, read = model_claim(hot, set(range(1, 4001)), 3, 1000)
+    assert picked == (list(range(1, 1001)), []) and read == 3999  # the old probe: 3999 * 4000 / 2
 
 
 @pytest.mark.parametrize("rows, expected", [
@@ -908,12 +1039,18 @@ def test_claim_declares_its_table_variable_in_the_columns_collation() -> None:
     assert f"COLLATE {ID_COLLATION}" in MssqlEngine().claim_batch()  # our own table's collation by default
 
 
-def test_chain_statement_table_variable_is_indexed_for_its_self_joins(no_sqlglot_fallbacks: None) -> None:
-    """Fault 6: @cand's self-joins (same aggregate, earlier id) seek (aggregate_id, id)."""
-    declare = next(s for s in MssqlEngine().claim_statements() if s.startswith("DECLARE @cand"))
+def test_the_claims_table_variables_are_keyed_for_their_reads(no_sqlglot_fallbacks: None) -> None:
+    """@cand: the probe's anti-join seeks its id key, the per-aggregate GROUP BY and the
+    rules' running sums read its (aggregate_id, id) key in order; @agg is joined by
+    aggregate; @chain is cut by id."""
+    statements = MssqlEngine().claim_statements()
+    declare = next(s for s in statements if s.startswith("DECLARE @cand"))
     assert "id BIGINT NOT NULL PRIMARY KEY" in declare and "UNIQUE (aggregate_id, id)" in declare
-    parse_one(declare)
-    assert "INDEX " not in declare  # inline INDEX needs SQL Server 2014; UNIQUE works on 2012
+    agg = next(s for s in statements if s.startswith("DECLARE @agg"))
+    assert "aggregate_id NVARCHAR(255) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY" in agg
+    for statement in (declare, agg, next(s for s in statements if s.startswith("DECLARE @chain"))):
+        parse_one(statement)
+        assert "INDEX " not in statement  # inline INDEX needs SQL Server 2014; UNIQUE works on 2012
 
 
 def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.LogCaptureFixture) -> None:
