@@ -32,7 +32,7 @@ from sqlglot import exp
 
 from outbox.chains import Candidate, plan_claim
 from outbox.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
-from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_PARAMS_PER_STATEMENT, INDEXES,
+from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT, INDEXES,
                                   MIGRATE_LOCK_TIMEOUT_MS, OPEN_ROWS, OPEN_ROWS_NORMALIZED, SQL_BIGINT, SQL_INTEGER,
                                   SQL_WLONGVARCHAR, SQL_WVARCHAR, TRANSIENT_ERRORS, MssqlEngine, filter_sql,
                                   input_sizes, normalize_filter, odbc_connection_string, parse_target)
@@ -71,11 +71,12 @@ class RecordingCursor:
         self.rows = self._answer(sql)
         # Every fenced write "applies" to all its rows, so the store logs no stale leases.
         id_lists = [json.loads(p) for p in params if isinstance(p, str) and p.startswith("[")]
-        ints = [p for p in params if isinstance(p, int)]
         if id_lists:
             self.rowcount = len(id_lists[0])
-        elif "id IN (?" in sql:
-            self.rowcount = sql.count("?") - (len(params) - len(ints)) - (2 if "CASE WHEN ? > 0" in sql else 0)
+        elif "id IN (?" in sql:  # the parameters inside the list: distinct ids (a padded list repeats one)
+            before = sql[:sql.index("id IN (?")].count("?")
+            inside = sql[sql.index("id IN (?"):].split(")", 1)[0].count("?")
+            self.rowcount = len(set(params[before:before + inside]))
         else:
             self.rowcount = 1
         self.description = [("col",)] if self.rows or sql.lstrip().upper().startswith(("SELECT", "DECLARE")) else None
@@ -952,6 +953,28 @@ def test_id_lists_below_level_130_are_chunked_parameter_lists() -> None:
         engine.ids_in(list(range(ID_PARAMS_PER_STATEMENT + 1)))
     engine.compat_level = 130
     assert engine.id_chunks(list(range(5000))) == [list(range(5000))]
+
+
+def test_id_lists_below_level_130_are_padded_to_a_few_sizes() -> None:
+    """Issue 20 item 11: below 130 every id-list length was its own statement text, so its
+    own plan (up to 2,000 per statement kind). The lists are padded to seven sizes by
+    repeating the last id, which matches nothing more and counts no row twice."""
+    engine = MssqlEngine()
+    engine.compat_level = 110
+    texts = set()
+    for count in [*range(1, 70), 255, 256, 257, 1023, 1024, 1025, 1999, ID_PARAMS_PER_STATEMENT]:
+        ids = list(range(1000, 1000 + count))
+        cond, params = engine.ids_in(ids)
+        texts.add(cond)
+        assert cond.count("?") == len(params) in ID_LIST_SIZES and len(params) < 4 * count + 4
+        assert params[:count] == ids and set(params) == set(ids)
+    assert len(texts) == len(ID_LIST_SIZES) == 7
+    assert engine.ids_in([7, 9, 8]) == ("id IN (?, ?, ?, ?)", [7, 9, 8, 8])
+    # Through the store: three acks are one statement of four parameters, and three rows applied.
+    store, conn = recording_store(None, "outbox", 110)
+    assert store.mark_done([1, 2, 3], "L" * 32).applied == 3
+    sql, params = conn.log[-1]
+    assert "id IN (?, ?, ?, ?)" in sql and list(params) == [1, 2, 3, 3, "L" * 32]
 
 
 @pytest.mark.parametrize("level, statements", [(110, 2), (120, 2), (130, 1), (160, 1)])

@@ -59,6 +59,10 @@ MIN_LEVEL = 110
 #: Ids per statement when OPENJSON is missing: below SQL Server's 2,100 parameters
 #: per statement, with room for the statement's own (lease, delay).
 ID_PARAMS_PER_STATEMENT = 2000
+#: Without OPENJSON each id-list length is a statement text, so a plan, of its own: the
+#: lists are padded to the next of these sizes (at most four times the ids, seven
+#: plans per statement kind); docs/sqlserver.md, "Versions and compatibility levels".
+ID_LIST_SIZES = (1, 4, 16, 64, 256, 1024, ID_PARAMS_PER_STATEMENT)
 
 #: Session defaults, overridable per URL (``?lock_timeout_ms=...&query_timeout_s=...``).
 DEFAULT_LOCK_TIMEOUT_MS = 30_000
@@ -442,7 +446,10 @@ class MssqlEngine(Engine):
 
     def ids_in(self, ids: Sequence[int]) -> tuple[str, list[Any]]:
         """``id IN (...)``: one JSON parameter expanded by OPENJSON at level 130 and
-        later (any count); below, one parameter per id (see ``id_chunks``)."""
+        later (any count); below, one parameter per id (see ``id_chunks``), the list
+        padded to the next of ``ID_LIST_SIZES`` by repeating its last id. A repeated
+        value changes nothing an ``IN`` list matches (or a row count), and unlike a
+        "never matching" pad value it needs no assumption about which ids exist."""
         if not ids:
             return "1 = 0", []
         ids = [int(i) for i in ids]
@@ -451,7 +458,9 @@ class MssqlEngine(Engine):
         if len(ids) > ID_PARAMS_PER_STATEMENT:
             raise StoreError(f"{len(ids)} ids in one statement: split them with id_chunks() "
                              f"(compatibility level {self.compat_level} has no OPENJSON)")
-        return f"id IN ({', '.join('?' * len(ids))})", ids
+        size = next(size for size in ID_LIST_SIZES if size >= len(ids))
+        padded = ids + [ids[-1]] * (size - len(ids))
+        return f"id IN ({', '.join('?' * size)})", padded
 
     def purge_chunk_sql(self) -> str:
         """Delete at most ``?`` done rows processed more than ``?`` seconds plus ``?``
