@@ -92,3 +92,18 @@ def test_fit_utf16_never_splits_a_pair_and_cleans_what_no_database_stores() -> N
     assert cut == "a😀😀..." and utf16_units(cut) == 8
     assert utf16_units(fit_utf16("😀" * 5000)) <= 4000
     assert fit_utf16("nul\x00 and \udc00 lone") == "nul\ufffd and \ufffd lone"
+
+
+# -- message ids with whitespace at either end (issue 20 item 2) -------------------------------
+
+@pytest.mark.parametrize("message_id", ["m1 ", " m1", "m1\t", "\u00a0m1", "m1\n", "m1\u3000"])
+def test_a_message_id_with_whitespace_at_either_end_is_refused(message_id: str) -> None:
+    """SQL Server's unique index ignores trailing spaces: ``m1 `` was silently merged into
+    ``m1`` there and kept apart on PostgreSQL. Now refused on every engine, naming why."""
+    with pytest.raises(EnqueueError, match=r"message_id .* starts or ends with whitespace.*trailing spaces"):
+        prepare_event(payload={}, topic="t", aggregate_type="o", aggregate_id="a", message_id=message_id)
+
+
+def test_whitespace_inside_a_message_id_is_kept() -> None:
+    assert prepare_event(payload={}, topic="t", aggregate_type="o", aggregate_id="a",
+                         message_id="order 42 created").message_id == "order 42 created"

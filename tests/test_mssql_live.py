@@ -25,6 +25,7 @@ import re
 import threading
 import time
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -33,6 +34,8 @@ import pytest
 import test_store_conformance as _conformance
 from conftest import mssql_url
 from outbox import enqueue
+from outbox.errors import EnqueueError
+from outbox.events import prepare_event
 from outbox.engines.mssql import INDEXES, MssqlEngine, parse_target
 from outbox.store import OutboxStore
 from test_concurrency import test_racing_claimers_keep_order_and_never_double_claim as _racing_claimers
@@ -284,6 +287,172 @@ def test_the_gauges_read_through_an_open_enqueue_transaction(store: OutboxStore,
     assert in_flight == 0 and backlog in (1, 2) and lag >= 0  # the uncommitted row may be counted
 
 
+# -- the enqueue at any isolation, its lock's key, never a session lock (issue 20 items 1-3) ------------
+
+def outcome(call: Any) -> Any:
+    """The call's result, or the exception it raised (for threads)."""
+    try:
+        return call()
+    except BaseException as exc:  # surfaced by the test
+        return exc
+
+
+def test_a_read_uncommitted_caller_waits_for_an_uncommitted_row_and_inserts_after_its_rollback(
+        store: OutboxStore, url: str) -> None:
+    """Issue 20 item 1: at READ UNCOMMITTED the lookup returned another transaction's
+    uncommitted row and inserted nothing; when that transaction rolled back, the event was lost."""
+    holder, caller = store.engine.connect(url), store.engine.connect(url)
+    results: list[Any] = []
+    try:
+        caller.cursor().execute("SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+        add(holder, store, "a", "ru-1")  # uncommitted
+        thread = threading.Thread(target=lambda: results.append(outcome(lambda: add(caller, store, "b", "ru-1"))))
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive() and not results, results  # waits instead of taking the holder's row
+        holder.rollback()
+        thread.join(timeout=30)
+        assert results and isinstance(results[0], int), results
+        caller.commit()
+    finally:
+        holder.close()
+        caller.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table} WHERE message_id = N'ru-1' AND id = ?",
+                  [results[0]]) == 1
+
+
+def test_a_snapshot_caller_finds_a_row_committed_after_its_snapshot_began(store: OutboxStore, url: str) -> None:
+    """Issue 20 item 1: at SNAPSHOT the lookups missed a row committed after the snapshot
+    began (a duplicate-key error, or no id); READCOMMITTEDLOCK reads the committed row."""
+    run_admin(url, "ALTER DATABASE CURRENT SET ALLOW_SNAPSHOT_ISOLATION ON")
+    caller, other = store.engine.connect(url), store.engine.connect(url)
+    try:
+        cursor = caller.cursor()
+        cursor.execute("SET TRANSACTION ISOLATION LEVEL SNAPSHOT")
+        cursor.execute(f"SELECT COUNT(*) FROM {store.engine.table}").fetchall()  # the snapshot starts here
+        first = add(other, store, "a", "snap-1")
+        other.commit()
+        assert add(caller, store, "b", "snap-1") == first
+        caller.commit()
+    finally:
+        caller.close()
+        other.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table} WHERE message_id = N'snap-1'") == 1
+
+
+def lock_resource(store: OutboxStore, conn: Any, message_id: str) -> str:
+    """The application lock resource the enqueue batch computes for ``message_id``: the
+    batch's own statements up to the resource, then a SELECT of it."""
+    engine: MssqlEngine = store.engine  # type: ignore[assignment]
+    statements = engine.insert_statements()
+    upto = next(i for i, s in enumerate(statements) if s.startswith("SET @lock_resource"))
+    event = replace(prepare_event(topic="t", aggregate_type="o", aggregate_id="a", payload={}), message_id=message_id)
+    cursor = conn.cursor()
+    engine.execute(cursor, "\n".join(statements[:upto + 1] + ["SELECT @lock_resource;"]), engine.event_params(event))
+    while cursor.description is None:
+        assert cursor.nextset()
+    resource = cursor.fetchone()[0]
+    conn.rollback()
+    return str(resource)
+
+
+def test_the_lock_key_is_equal_for_ids_the_unique_index_finds_equal(store: OutboxStore, url: str,
+                                                                     make_store: Any) -> None:
+    """Issue 20 item 2: the key hashed the exact bytes, so `m1` and `m1 ` (equal to the
+    index) took two locks. Now: equal under the column's collation, equal key."""
+    conn = store.engine.connect(url)
+    try:
+        assert lock_resource(store, conn, "m1") == lock_resource(store, conn, "m1 ")
+        assert lock_resource(store, conn, "m1") != lock_resource(store, conn, "M1")  # BIN2: two ids
+        assert lock_resource(store, conn, "m1") != lock_resource(store, conn, "m2")
+    finally:
+        conn.close()
+    name = f"outbox_ci_{uuid.uuid4().hex[:8]}"
+    seed = OutboxStore(url, table=name)
+    with seed.transaction() as cursor:
+        seed.engine.execute(cursor, f"CREATE TABLE [dbo].[{name}] (id BIGINT IDENTITY(1,1) NOT NULL PRIMARY KEY, "
+                            "message_id NVARCHAR(64) COLLATE SQL_Latin1_General_CP1_CI_AS NOT NULL, topic NVARCHAR(255) "
+                            "NOT NULL, aggregate_type NVARCHAR(255) NOT NULL, aggregate_id NVARCHAR(255) NOT NULL, "
+                            "partition_key NVARCHAR(255) NULL, payload NVARCHAR(MAX) NOT NULL, headers NVARCHAR(MAX) "
+                            "NOT NULL DEFAULT N'{}', trace_id NVARCHAR(255) NULL, status TINYINT NOT NULL DEFAULT 0, "
+                            "attempts INT NOT NULL DEFAULT 0, claimed_at DATETIME2(3) NULL, next_retry_at DATETIME2(3) "
+                            "NULL, created_at DATETIME2(3) NOT NULL DEFAULT SYSUTCDATETIME(), processed_at "
+                            "DATETIME2(3) NULL)")
+    seed.close()
+    ci = make_store(table=name)
+    conn = ci.engine.connect(url)
+    try:
+        assert lock_resource(ci, conn, "Order-1") == lock_resource(ci, conn, "order-1 ")
+    finally:
+        conn.close()
+
+
+def test_m1_and_m1_with_a_trailing_space_at_once_store_one_row_and_raise_nothing(store: OutboxStore,
+                                                                                  url: str) -> None:
+    """Issue 20 item 2: `enqueue` refuses `m1 `; the engine, given it anyway, serializes it
+    with `m1` (one lock) and returns the first one's row instead of raising 2601."""
+    first, second = store.engine.connect(url), store.engine.connect(url)
+    with pytest.raises(EnqueueError, match="whitespace"):
+        add(first, store, "a", "m1 ")
+    results: list[Any] = []
+    padded = replace(prepare_event(topic="t", aggregate_type="o", aggregate_id="b", payload={}), message_id="m1 ")
+    try:
+        held = add(first, store, "a", "m1")  # uncommitted
+
+        def racer() -> None:
+            cursor = second.cursor()
+            results.append(outcome(lambda: store.engine.insert_event(cursor, padded)))
+            second.commit()
+
+        thread = threading.Thread(target=racer)
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive() and not results
+        first.commit()
+        thread.join(timeout=30)
+        assert results == [held], results
+    finally:
+        first.close()
+        second.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {store.engine.table}") == 1
+
+
+@pytest.mark.parametrize("xact_abort", ["OFF", "ON"])
+@pytest.mark.parametrize("how", ["error", "client timeout"])
+def test_no_application_lock_outlives_an_aborted_autocommit_enqueue(store: OutboxStore, url: str,
+                                                                     xact_abort: str, how: str) -> None:
+    """Issue 20 item 3: on an autocommit connection the lock was the session's, released by
+    a later statement of the batch; a batch cut short between the two (here a trigger that
+    throws, or one that outlasts the client's query timeout) leaked it for the life of the
+    connection, and every later enqueue of that id waited. Now it is a transaction's."""
+    t = store.engine.table
+    trigger = f"[dbo].[tr_{store.engine.table_name}_abort]"
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"CREATE TRIGGER {trigger} ON {t} AFTER INSERT AS BEGIN SET NOCOUNT ON; "
+                             "IF EXISTS (SELECT 1 FROM inserted WHERE message_id LIKE N'boom%') "
+                             "THROW 50000, N'boom', 1; "
+                             "IF EXISTS (SELECT 1 FROM inserted WHERE message_id LIKE N'slow%') "
+                             "WAITFOR DELAY '00:00:05'; END")
+    conn = admin_connection(url)  # autocommit: no transaction open when the batch starts
+    try:
+        cursor = conn.cursor()
+        cursor.execute(f"SET XACT_ABORT {xact_abort}")
+        if how == "client timeout":
+            conn.timeout = 1
+        with pytest.raises(Exception):
+            add(conn, store, "a", "boom-1" if how == "error" else "slow-1")
+        conn.timeout = 0
+        cursor.execute("SELECT @@TRANCOUNT, (SELECT COUNT(*) FROM sys.dm_tran_locks WHERE request_session_id = @@SPID "
+                       "AND resource_type = N'APPLICATION')")
+        assert tuple(cursor.fetchone()) == (0, 0)
+        cursor.execute("SELECT @@OPTIONS & 16384")
+        assert bool(cursor.fetchone()[0]) is (xact_abort == "ON")  # the caller's setting, untouched
+        assert add(conn, store, "a", "fine-1") > 0
+    finally:
+        conn.close()
+    assert scalar(store, f"SELECT COUNT(*) FROM {t} WHERE message_id LIKE N'boom%' OR message_id LIKE N'slow%'") == 0
+
+
 # -- schema: filtered probe index, definitions, collation, escalation, concurrent migrate -------------
 
 def test_indexes_match_their_definitions_and_escalation_is_off(store: OutboxStore) -> None:
@@ -446,6 +615,144 @@ def test_every_compatibility_level_from_110(databases: dict[str, str], level: in
 @pytest.mark.slow
 def test_racing_claimers_keep_order_and_never_double_claim_on_sql_server(make_store: Any, url: str) -> None:
     _racing_claimers(make_store, url, "mssql")
+
+
+# -- the claim over a hot aggregate: linear, and its plans pinned (issue 20 item 9) ----------------------
+
+def load_hot_aggregate(store: OutboxStore, count: int, aggregate: str = "hot", first: int = 0) -> None:
+    """``count`` pending rows of one aggregate in one set-based INSERT (enqueue one by one
+    would take minutes)."""
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"INSERT INTO {store.engine.table} (message_id, topic, aggregate_type, "
+                             "aggregate_id, payload, headers) SELECT CONCAT(?, N'-', n), N't', N'o', ?, N'{\"n\":1}', "
+                             "N'{}' FROM (SELECT TOP (?) ? + ROW_NUMBER() OVER (ORDER BY (SELECT NULL)) AS n "
+                             "FROM sys.all_columns AS a CROSS JOIN sys.all_columns AS b) AS numbers ORDER BY n",
+                             [aggregate, aggregate, count, first])
+
+
+@pytest.mark.slow
+def test_racing_claimers_on_one_hot_aggregate_of_40000_rows_at_batch_10000(make_store: Any) -> None:
+    """Issue 20 item 9: the probe read k-1 rows for the k-th candidate of a hot aggregate,
+    so a claim at batch 10,000 over a 40,000-row aggregate passed the 300 s query timeout.
+    Three claimers race over it: each claim takes the next 10,000 rows in order, none twice,
+    and the claims' times are printed (no timed assertion: the query timeout is the bound)."""
+    store = make_store(claim_timeout_ms=600_000)
+    load_hot_aggregate(store, 40_000)
+    lock = threading.Lock()
+    claims: list[tuple[float, list[int]]] = []  # (seconds, ids) in commit order
+    errors: list[BaseException] = []
+
+    def claimer() -> None:
+        mine = OutboxStore(store.url, table=store.engine.table_name, claim_timeout_ms=600_000)
+        deadline = time.monotonic() + 1500  # liveness only: each claim is bounded by the query timeout
+        try:
+            while time.monotonic() < deadline:
+                started = time.monotonic()
+                claim = mine.claim(10_000)
+                took = time.monotonic() - started
+                if claim.messages:
+                    with lock:  # before mark_done: no other claim can take the next rows until then
+                        claims.append((took, [m.id for m in claim.messages]))
+                    assert mine.mark_done([m.id for m in claim.messages], claim.lease).ok
+                elif scalar(mine, f"SELECT COUNT(*) FROM {mine.engine.table} WHERE status <> 2") == 0:
+                    return
+                else:
+                    time.sleep(0.05)  # another claimer holds the aggregate's head
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            mine.close()
+
+    threads = [threading.Thread(target=claimer) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=1800)
+    assert errors == [] and not any(thread.is_alive() for thread in threads), errors
+    print("\nclaims of a 40,000-row hot aggregate at batch 10,000: "
+          + ", ".join(f"{len(ids)} rows in {took:.2f} s" for took, ids in claims))
+    every = [int(r[0]) for r in store_rows(store, "SELECT id FROM {t} ORDER BY id")]
+    # Every row once, and in claim order each claim is the aggregate's next rows in id order.
+    assert [i for _, ids in claims for i in ids] == every and len(every) == 40_000
+    assert all(len(ids) == 10_000 for _, ids in claims)
+
+
+def store_rows(store: OutboxStore, sql: str) -> list[tuple]:
+    with store.transaction() as cursor:
+        return [tuple(r) for r in store.engine.execute(cursor, sql.format(t=store.engine.table)).fetchall()]
+
+
+SHOWPLAN = "{http://schemas.microsoft.com/sqlserver/2004/07/showplan}"
+
+
+def cached_plans(store: OutboxStore, marker: str) -> list[tuple[int, str]]:
+    """(execution count, plan XML) of each cached statement of this table's claim batch
+    that starts with ``marker``."""
+    name = store.engine.table
+    try:
+        with store.transaction() as cursor:
+            rows = store.engine.execute(
+                cursor, "SELECT qs.execution_count, qp.query_plan, SUBSTRING(st.text, "
+                "qs.statement_start_offset / 2 + 1, 200) FROM sys.dm_exec_query_stats AS qs "
+                "CROSS APPLY sys.dm_exec_sql_text(qs.sql_handle) AS st "
+                "CROSS APPLY sys.dm_exec_text_query_plan(qs.plan_handle, qs.statement_start_offset, "
+                "qs.statement_end_offset) AS qp WHERE st.text LIKE ? AND st.text LIKE N'%DECLARE @cand%'",
+                [f"%{name.replace('[', '[[]')}%"]).fetchall()
+    except Exception as exc:  # the login may lack VIEW SERVER STATE
+        pytest.skip(f"cannot read the plan cache: {exc}")
+    return [(int(count), str(plan)) for count, plan, text in rows if str(text).lstrip().startswith(marker)]
+
+
+def table_operators(plan_xml: str, table: str) -> list[tuple[str, str]]:
+    """(physical operator, index) of every plan operator that reads or writes ``table``."""
+    import xml.etree.ElementTree as ElementTree
+    root = ElementTree.fromstring(plan_xml)
+    parents = {child: parent for parent in root.iter() for child in parent}
+    found = []
+    for obj in root.iter(f"{SHOWPLAN}Object"):
+        if obj.get("Table") != f"[{table}]":
+            continue
+        node = parents.get(obj)
+        while node is not None and node.tag != f"{SHOWPLAN}RelOp":
+            node = parents.get(node)
+        if node is not None:
+            found.append((node.get("PhysicalOp", ""), obj.get("Index", "")))
+    return found
+
+
+def test_the_probe_plan_stays_a_seek_of_agg_open_after_a_large_then_a_one_row_claim(make_store: Any) -> None:
+    """Issue 20 item 9: with table variable deferred compilation the first claim's row
+    count decides the cached plan of every later claim. After a claim of 5,000 rows and
+    one of a single row, the cached probe reads the table only by seeks of agg_open, and
+    the update only by clustered seeks (never a scan of the history)."""
+    store = make_store()
+    load_hot_aggregate(store, 5_000)
+    load_hot_aggregate(store, 2_000, aggregate="done-history", first=10_000)
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 2, processed_at = SYSUTCDATETIME() "
+                             "WHERE aggregate_id = N'done-history'")
+    table = store.engine.table_name
+    index = f"[{store.engine.index_name('agg_open')}]"
+
+    def check_cached_plans() -> None:
+        probes = cached_plans(store, "INSERT INTO @agg")
+        assert probes, "the probe's plan is not in the cache"
+        for _, plan in probes:
+            operators = table_operators(plan, table)
+            assert operators and all(op == ("Index Seek", index) for op in operators), operators
+        for _, plan in cached_plans(store, "UPDATE o SET"):
+            reads = [op for op, _ in table_operators(plan, table)
+                     if not any(word in op for word in ("Update", "Insert", "Delete"))]
+            assert reads and all(op == "Clustered Index Seek" for op in reads), reads
+
+    large = store.claim(5_000)  # compiles the batch for 5,000 candidates
+    assert len(large.messages) == 5_000
+    assert store.mark_done([m.id for m in large.messages], large.lease).ok
+    check_cached_plans()
+    load_hot_aggregate(store, 1, aggregate="single", first=20_000)
+    small = store.claim(1)  # runs the cached plans (or a recompiled one) for one candidate
+    assert len(small.messages) == 1
+    check_cached_plans()
 
 
 # -- the other driver ---------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from sqlglot import exp
 
 from outbox.chains import Candidate, plan_claim
 from outbox.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
-from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_PARAMS_PER_STATEMENT, INDEXES,
+from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT, INDEXES,
                                   MIGRATE_LOCK_TIMEOUT_MS, OPEN_ROWS, OPEN_ROWS_NORMALIZED, SQL_BIGINT, SQL_INTEGER,
                                   SQL_WLONGVARCHAR, SQL_WVARCHAR, TRANSIENT_ERRORS, MssqlEngine, filter_sql,
                                   input_sizes, normalize_filter, odbc_connection_string, parse_target)
@@ -71,11 +71,12 @@ class RecordingCursor:
         self.rows = self._answer(sql)
         # Every fenced write "applies" to all its rows, so the store logs no stale leases.
         id_lists = [json.loads(p) for p in params if isinstance(p, str) and p.startswith("[")]
-        ints = [p for p in params if isinstance(p, int)]
         if id_lists:
             self.rowcount = len(id_lists[0])
-        elif "id IN (?" in sql:
-            self.rowcount = sql.count("?") - (len(params) - len(ints)) - (2 if "CASE WHEN ? > 0" in sql else 0)
+        elif "id IN (?" in sql:  # the parameters inside the list: distinct ids (a padded list repeats one)
+            before = sql[:sql.index("id IN (?")].count("?")
+            inside = sql[sql.index("id IN (?"):].split(")", 1)[0].count("?")
+            self.rowcount = len(set(params[before:before + inside]))
         else:
             self.rowcount = 1
         self.description = [("col",)] if self.rows or sql.lstrip().upper().startswith(("SELECT", "DECLARE")) else None
@@ -266,10 +267,22 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
 
 
 def test_no_statement_manages_transactions_or_isolation(recorded: Any) -> None:
-    _, log = recorded
+    """Only the enqueue batch begins and commits a transaction, and only its own: when the
+    caller has none (issue 20 item 3). Nothing sets an isolation level or rolls back."""
+    engine, log = recorded
     forbidden = re.compile(r"\b(BEGIN\s+TRAN|COMMIT|ROLLBACK|SAVE\s+TRAN|ISOLATION\s+LEVEL)", re.IGNORECASE)
     for sql, _ in log:
+        if sql == engine.insert_batch():
+            continue
         assert not forbidden.search(sql), sql
+    statements = engine.insert_statements()
+    managing = [s for s in statements if forbidden.search(s)]
+    assert len(managing) == 2, managing
+    begin, commit = managing
+    assert begin.startswith("IF @id IS NULL AND @@TRANCOUNT = 0\nBEGIN") and "SET @own_transaction = 1;" in begin
+    assert "BEGIN TRANSACTION;" in begin and "COMMIT" not in begin
+    assert commit.startswith("IF @own_transaction = 1") and "COMMIT TRANSACTION" in commit
+    assert "ROLLBACK" not in engine.insert_batch() and "ISOLATION" not in engine.insert_batch()
 
 
 # -- the claim ------------------------------------------------------------------------------
@@ -280,16 +293,64 @@ def test_claim_locks_candidates_and_probes_without_readpast(schema: str | None, 
     engine = MssqlEngine(table=table, schema=schema)
     statements = engine.claim_statements()
     scan = next(s for s in statements if s.startswith("INSERT INTO @cand"))
-    probe = next(s for s in statements if s.startswith("INSERT INTO @chain"))
+    probe = next(s for s in statements if s.startswith("INSERT INTO @agg"))
     scan_refs = outbox_refs(parse_one(scan), engine)
     assert len(scan_refs) == 1 and hints(scan_refs[0]) == LOCK_HINTS
     probe_refs = outbox_refs(parse_one(probe), engine)
-    assert probe_refs and all(hints(ref) == {"READCOMMITTEDLOCK"} for ref in probe_refs)
+    assert len(probe_refs) == 1 and hints(probe_refs[0]) == {"READCOMMITTEDLOCK", "FORCESEEK"}
     # READPAST appears nowhere else in the batch.
     assert engine.claim_batch().count("READPAST") == 1
     update = parse_one(next(s for s in statements if s.startswith("UPDATE")))
     assert isinstance(update, exp.Update)
     assert "INTO @out" in update.sql("tsql")  # OUTPUT ... INTO a table variable, never bare OUTPUT
+
+
+def test_the_claim_is_linear_in_a_hot_aggregates_window(no_sqlglot_fallbacks: None) -> None:
+    """Issue 20 item 9: the probe ran per candidate and read the k-1 earlier rows of the
+    k-th candidate of a hot aggregate, and rules 2 and 3 were self-joins of @cand doing the
+    same (about 8 million probe rows per claim at batch 1,000; past the query timeout at
+    10,000). Now: one TOP (1) probe per aggregate of @cand, pinned to a seek of the agg_open
+    index; the rules are running sums over one read of @cand (no self-join); the batch cut
+    is one numbering pass over @chain (no join)."""
+    engine = MssqlEngine()
+    statements = engine.claim_statements()
+    probe = parse_one(next(s for s in statements if s.startswith("INSERT INTO @agg")))
+    (ref,) = outbox_refs(probe, engine)
+    (forceseek,) = [h for hint in ref.args["hints"] for h in hint.expressions if h.name.upper() == "FORCESEEK"]
+    assert forceseek.sql("tsql").upper() == "FORCESEEK([IX_OUTBOX_AGG_OPEN](AGGREGATE_ID))"
+    walk = ref.find_ancestor(exp.Select)  # the correlated scalar subquery: TOP (1) in id order
+    assert walk.args["limit"].expression.sql("tsql") == "1" and walk.args["order"].sql("tsql") == "ORDER BY e.id"
+    assert "e.aggregate_id = g.aggregate_id AND e.id < g.last_id" in walk.sql("tsql")
+    outer = walk.parent.find_ancestor(exp.Select)
+    source = outer.args.get("from_") or outer.args["from"]  # the key's name differs across sqlglot versions
+    assert source.this.alias == "g"  # over FROM (... GROUP BY aggregate_id) AS g: once per aggregate
+    assert source.this.this.args["group"].sql("tsql") == "GROUP BY aggregate_id"
+    assert sorted(t.name for t in probe.find_all(exp.Table) if t.name != engine.table_name) == ["agg", "cand", "cand"]
+    chain = parse_one(next(s for s in statements if s.startswith("INSERT INTO @chain")))
+    assert sorted(t.name for t in chain.find_all(exp.Table)) == ["agg", "cand", "chain"]  # each once, no self-join
+    windows = [w.sql("tsql") for w in chain.find_all(exp.Window)]
+    assert len(windows) == 2 and all("ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW" in w for w in windows)
+    keep = parse_one(next(s for s in statements if s.startswith("WITH ranked")))
+    assert isinstance(keep, exp.Delete) and [t.name for t in keep.find_all(exp.Table)].count("ranked") == 1
+    assert "JOIN" not in keep.sql("tsql").upper() and " IN (" not in keep.sql("tsql").upper()
+
+
+def test_the_probe_falls_back_to_any_seek_when_its_index_is_missing() -> None:
+    """A table that has not been migrated yet (start-up warns) keeps claiming: naming a
+    missing index in FORCESEEK would fail every claim (error 308)."""
+    store, conn = recording_store(None, "outbox", 160)  # the recording finds no index definition
+    store.claim(10)
+    engine = store.engine
+    assert engine.probe_index is False  # type: ignore[attr-defined]
+    claim = next(sql for sql, _ in conn.log if sql.startswith("DECLARE @nocount"))
+    assert "WITH (READCOMMITTEDLOCK, FORCESEEK)" in claim and "ix_outbox_agg_open" not in claim
+    present, conn = recording_store(None, "outbox", 160, answers={"AND i.name = N'ix_outbox_agg_open'": [(1,)]})
+    present.claim(10)
+    claim = next(sql for sql, _ in conn.log if sql.startswith("DECLARE @nocount"))
+    assert "FORCESEEK ([ix_outbox_agg_open] (aggregate_id))" in claim
+    assert sum("AND i.name = N'ix_outbox_agg_open'" in sql for sql, _ in conn.log) == 1  # read once
+    present.claim(10)
+    assert sum("AND i.name = N'ix_outbox_agg_open'" in sql for sql, _ in conn.log) == 1
 
 
 def test_claim_returns_message_columns_in_order_and_binds_in_placeholder_order() -> None:
@@ -343,26 +404,102 @@ def test_insert_takes_no_key_range_locks_and_serializes_only_the_same_message_id
     engine = MssqlEngine(table="events_out", schema="messaging")
     statements = engine.insert_statements()
     batch = engine.insert_batch()
-    for forbidden in ("HOLDLOCK", "UPDLOCK", "SERIALIZABLE", "IGNORE_DUP_KEY", "XACT_ABORT", "BEGIN TRY", "COMMIT;"):
+    for forbidden in ("HOLDLOCK", "UPDLOCK", "SERIALIZABLE", "IGNORE_DUP_KEY", "XACT_ABORT", "BEGIN TRY"):
         assert forbidden not in batch, forbidden
-    for statement in statements:
-        for ref in outbox_refs(parse_one(statement), engine):
-            assert hints(ref) <= {"READCOMMITTEDLOCK"}, statement
-    lock = next(s for s in statements if "sp_getapplock" in s)
-    assert lock.startswith("IF @id IS NULL") and "@LockOwner = @lock_owner" in lock
-    owner = next(s for s in statements if s.startswith("SET @lock_owner"))
-    assert "WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session'" in owner
-    # The fast-path probe comes first: it opens the driver's implicit transaction.
-    assert statements.index(owner) > statements.index(
-        "SELECT @id = id FROM [messaging].[events_out] WHERE message_id = @message_id;")
+    lookup = next(s for s in statements if s.startswith("SELECT @id = o.id"))
+    lock = next(s for s in statements if "@LockMode = N'Exclusive'" in s)
+    assert lock.startswith("IF @id IS NULL") and statements.index(lock) > statements.index(lookup)
     resource = next(s for s in statements if s.startswith("SET @lock_resource"))
-    assert "HASHBYTES('SHA2_256', N'[messaging].[events_out]|' + @message_id)" in resource
+    assert "HASHBYTES('SHA2_256', N'[messaging].[events_out]|' + CONVERT(NVARCHAR(11), @lock_key))" in resource
     insert = next(s for s in statements if "INSERT INTO" in s)
     assert insert.startswith("IF @id IS NULL AND @lock_result >= 0")
+    assert statements.index(insert) > statements.index(lock)
     assert "OUTPUT inserted.id INTO @ids" in insert
-    release = next(s for s in statements if "sp_releaseapplock" in s)
-    assert "@lock_owner = N'Session'" in release and statements.index(release) > statements.index(insert)
     assert placeholders(batch) == len(engine.INSERT_COLUMNS.split(","))
+
+
+def test_insert_reads_the_table_with_readcommittedlock_whatever_the_callers_isolation(
+        no_sqlglot_fallbacks: None) -> None:
+    """Issue 20 item 1: the fast-path lookup and the final one read at the caller's level:
+    at READ UNCOMMITTED the lookup returned another transaction's uncommitted row (lost
+    when it rolled back); at SNAPSHOT it missed a newer committed row and the insert raised
+    2601. Every reference to the table now carries READCOMMITTEDLOCK, and nothing else."""
+    engine = MssqlEngine(table="events_out", schema="messaging")
+    refs = [(statement, ref) for statement in engine.insert_statements()
+            for ref in outbox_refs(parse_one(statement), engine)]
+    assert len(refs) == 4  # the lookup, the insert's target and its NOT EXISTS, the final lookup
+    reads = [(statement, ref) for statement, ref in refs if not isinstance(ref.parent, exp.Schema)]
+    assert len(reads) == 3  # all but the INSERT's target
+    for statement, ref in reads:
+        assert hints(ref) == {"READCOMMITTEDLOCK"}, statement
+
+
+def test_the_enqueue_lock_key_is_what_the_unique_index_compares(no_sqlglot_fallbacks: None) -> None:
+    """Issue 20 item 2: the key was a SHA-256 of the exact message id, but the unique index
+    compares with SQL Server's equality (trailing spaces ignored; case too on a hand-made
+    case-insensitive column): ``m1`` and ``m1 `` took different locks and the second raised
+    2601 into the caller's transaction. The key is now CHECKSUM of the id in the column's
+    own collation (COALESCE with the column: the column's implicit collation wins over the
+    variable's), which is equal for every two values the ``=`` operator finds equal."""
+    engine = MssqlEngine()
+    statements = engine.insert_statements()
+    lookup = next(s for s in statements if s.startswith("SELECT @id = o.id"))
+    tree = parse_one(lookup)
+    (checksum,) = [f for f in tree.find_all(exp.Anonymous) if f.name.upper() == "CHECKSUM"]
+    (coalesce,) = checksum.expressions
+    assert isinstance(coalesce, exp.Coalesce)
+    assert [arg.sql("tsql") for arg in (coalesce.this, *coalesce.expressions)] == ["o.message_id", "@message_id"]
+    assert checksum.parent.sql("tsql") == "@lock_key = CHECKSUM(COALESCE(o.message_id, @message_id))"
+    (ref,) = outbox_refs(tree, engine)
+    join = ref.parent
+    assert isinstance(join, exp.Join) and join.side == "LEFT" and ref.alias == "o"
+    assert "@message_id" not in next(s for s in statements if s.startswith("SET @lock_resource"))
+    assert "HASHBYTES('SHA2_256', N'[dbo].[outbox]|' + @message_id)" not in engine.insert_batch()
+
+
+def test_the_enqueue_lock_is_never_owned_by_the_session(no_sqlglot_fallbacks: None) -> None:
+    """Issue 20 item 3: on an autocommit connection the lock was session-owned and released
+    by a later statement of the batch; an error or a client timeout in between leaked it for
+    the life of a pooled connection. Now every lock is transaction-owned: with no
+    transaction open, the batch opens its own around the lock and the insert."""
+    engine = MssqlEngine()
+    statements = engine.insert_statements()
+    batch = engine.insert_batch()
+    assert "Session" not in batch and "sp_releaseapplock" not in batch
+    locks = [s for s in statements if "sp_getapplock" in s]
+    assert len(locks) == 2 and all("@LockOwner = N'Transaction'" in s for s in locks)
+    begin = next(s for s in statements if "BEGIN TRANSACTION" in s)
+    lock = next(s for s in statements if "@LockMode = N'Exclusive'" in s)
+    insert = next(s for s in statements if "INSERT INTO" in s)
+    commit = next(s for s in statements if "COMMIT TRANSACTION" in s)
+    lookup = next(s for s in statements if s.startswith("SELECT @id = o.id"))
+    order = [statements.index(s) for s in (lookup, begin, lock, insert, commit)]
+    assert order == sorted(order)
+    # The marker that tells insert_event's clean-up the open transaction is the batch's own.
+    assert f"@Resource = N'{engine.OWN_TRANSACTION_LOCK}', @LockMode = N'Shared', @LockOwner = N'Transaction'" in begin
+    parse_one(engine.end_own_transaction_sql())
+
+
+class _CutShortCursor(RecordingCursor):
+    """The insert batch raises, as after a client timeout."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
+        super().execute(sql, params)
+        if "INSERT INTO" in sql:
+            raise TimeoutError("HYT00 Query timeout expired")
+        return self
+
+
+def test_a_cut_short_enqueue_rolls_back_only_a_transaction_of_its_own() -> None:
+    engine = MssqlEngine()
+    log: list[tuple[str, tuple]] = []
+    event = prepare_event(topic="t", aggregate_type="order", aggregate_id="a", payload={"p": 1}, message_id="m-9")
+    with pytest.raises(TimeoutError):
+        engine.insert_event(_CutShortCursor(log), event)
+    assert [sql for sql, _ in log] == [engine.insert_batch(), engine.end_own_transaction_sql()]
+    cleanup = engine.end_own_transaction_sql()
+    assert f"APPLOCK_MODE(N'public', N'{engine.OWN_TRANSACTION_LOCK}', N'Transaction') <> N'NoLock'" in cleanup
+    assert cleanup.index("IF @@TRANCOUNT > 0") < cleanup.index("APPLOCK_MODE") < cleanup.index("ROLLBACK")
 
 
 def test_insert_reports_a_refused_lock_clearly() -> None:
@@ -495,7 +632,7 @@ def test_ordering_probe_index_is_filtered_on_open_rows_and_replaces_the_old_one(
     ddl = spec.ddl("[ix]", engine.table)
     assert ddl == f"CREATE NONCLUSTERED INDEX [ix] ON [dbo].[outbox] (aggregate_id, id) WHERE {OPEN_ROWS}"
     assert "INCLUDE" not in ddl  # a claim (status 0 -> 1) does not write to it
-    assert f"e.{OPEN_ROWS}" in engine.chain_select()  # the literal predicate the filter must match
+    assert f"e.{OPEN_ROWS}" in engine.probe_select()  # the literal predicate the filter must match
     assert engine.eligible().startswith(f"{OPEN_ROWS} AND (")  # the claim scan matches claim_ready's filter
     text = "\n".join(b[1] if isinstance(b, tuple) else b for b in engine.migration())
     assert ("IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'ix_outbox_agg_id_id' "
@@ -568,30 +705,71 @@ def test_table_definition_matches_the_contract() -> None:
 
 # -- the chain rule, run on SQLite against plan_claim --------------------------------------------
 
-def run_chain_select(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],
-                     max_attempts: int) -> tuple[list[int], list[int]]:
-    """Run the claim's chain statement on SQLite: ``@cand`` becomes a table, the probe
-    hint goes (SQLite has no locks to hint), ``@max_attempts`` is a named parameter in
-    SQLite too, and ``[dbo].[outbox]`` is an attached database's table."""
+def sqlite_text(sql: str) -> str:
+    """A claim statement in SQLite's dialect: table variables become tables, the probe's
+    hints go (SQLite has no locks to hint and one index choice), ``TOP (1) ... ORDER BY
+    e.id`` becomes ``LIMIT 1``; ``@max_attempts`` is a named parameter in SQLite too, and
+    ``[dbo].[outbox]`` an attached database's table."""
+    for variable in ("@cand", "@agg", "@chain"):
+        sql = sql.replace(variable, variable[1:])
+    start = sql.find(" WITH (READCOMMITTEDLOCK")
+    if start >= 0:
+        depth, end = 0, start + len(" WITH ")
+        for end in range(end, len(sql)):
+            depth += {"(": 1, ")": -1}.get(sql[end], 0)
+            if depth == 0:
+                break
+        sql = sql[:start] + sql[end + 1:]
+    sql = sql.replace("TOP (1) ", "").replace("ORDER BY e.id)", "ORDER BY e.id LIMIT 1)")
+    assert "WITH (" not in sql and "TOP" not in sql, sql
+    return sql
+
+
+def run_claim_rule(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],
+                   max_attempts: int, batch: int | None = None) -> tuple[list[int], list[int]]:
+    """Run the claim's probe and chain statements (and, given ``batch``, its cut to the
+    batch) on SQLite over ``rows`` of which ``candidate_ids`` were locked."""
+    statements = engine.claim_statements()
+    probe = next(s for s in statements if s.startswith("INSERT INTO @agg"))
+    chain = next(s for s in statements if s.startswith("INSERT INTO @chain"))
+    keep = next(s for s in statements if s.startswith("WITH ranked AS ("))
     db = sqlite3.connect(":memory:")
     db.execute("ATTACH DATABASE ':memory:' AS dbo")
     db.execute("CREATE TABLE dbo.outbox (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
     db.execute("CREATE TABLE cand (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
+    db.execute("CREATE TABLE agg (aggregate_id TEXT PRIMARY KEY, head INT NOT NULL, blocker INT)")
+    db.execute("CREATE TABLE chain (id INTEGER PRIMARY KEY, head INT NOT NULL, dead INT NOT NULL)")
     db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
     db.executemany("INSERT INTO cand VALUES (?, ?, ?, ?)", [r for r in rows if r[0] in candidate_ids])
-    sql = engine.chain_select().replace("@cand", "cand").replace(" WITH (READCOMMITTEDLOCK)", "")
-    assert "WITH (" not in sql
-    chosen = db.execute(sql, {"max_attempts": max_attempts}).fetchall()
+    db.execute(sqlite_text(probe).rstrip(";"))
+    db.execute(sqlite_text(chain).rstrip(";"), {"max_attempts": max_attempts})
+    if batch is not None:
+        # SQLite deletes from tables only: the CTE's numbering, then the same cut by id.
+        ranked = keep[len("WITH ranked AS ("):keep.index(")\nDELETE FROM ranked")]
+        assert keep.endswith("DELETE FROM ranked WHERE n > @batch;")
+        db.execute(f"DELETE FROM chain WHERE id IN (SELECT id FROM ({sqlite_text(ranked)}) WHERE n > :batch)",
+                   {"batch": batch})
+    chosen = db.execute("SELECT id, dead FROM chain").fetchall()
     return sorted(i for i, dead in chosen if not dead), sorted(i for i, dead in chosen if dead)
 
 
-def plan(rows: list[tuple[int, str, int, int]], candidate_ids: set[int], max_attempts: int) -> tuple[list, list]:
-    candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+def run_chain_select(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],
+                     max_attempts: int) -> tuple[list[int], list[int]]:
+    return run_claim_rule(engine, rows, candidate_ids, max_attempts)
+
+
+def blockers_of(rows: list[tuple[int, str, int, int]], candidate_ids: set[int]) -> dict[str, int]:
+    """``plan_claim``'s ``first_blocker``: each aggregate's smallest open id outside the candidates."""
     blockers: dict[str, int] = {}
     for id_, aggregate, status, _ in rows:
         if status in (0, 1, 3) and id_ not in candidate_ids:
             blockers[aggregate] = min(blockers.get(aggregate, id_), id_)
-    result = plan_claim(candidates, blockers, max_attempts)
+    return blockers
+
+
+def plan(rows: list[tuple[int, str, int, int]], candidate_ids: set[int], max_attempts: int) -> tuple[list, list]:
+    candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+    result = plan_claim(candidates, blockers_of(rows, candidate_ids), max_attempts)
     return sorted(result.claim_ids), sorted(result.dead_ids)
 
 
@@ -607,33 +785,75 @@ def test_chain_rule_matches_plan_claim_on_random_outboxes() -> None:
 
 
 def test_the_claim_keeps_whole_chains_oldest_first_up_to_the_batch_as_plan_claim() -> None:
-    """The statement after the chain rule (``DELETE FROM @chain``: keep ``@batch`` rows of
-    the window, whole chains, oldest first), run on SQLite after the chain rule, against
-    ``plan_claim(limit=batch)``. ``TOP (@batch)`` becomes SQLite's ``LIMIT``."""
+    """The statement after the chain rule (keep ``@batch`` rows of the window, whole
+    chains, oldest first), run on SQLite after the probe and the chain rule, against
+    ``plan_claim(limit=batch)``, with rows outside the window blocking too."""
     engine = MssqlEngine()
-    keep = next(s for s in engine.claim_statements() if s.startswith("DELETE FROM @chain"))
-    keep = (keep.replace("@chain", "chain").replace("@cand", "cand").replace("TOP (@batch) ", "")
-            .replace("k.id);", "k.id LIMIT :batch);"))
     rng = random.Random(20261123)
     for _ in range(300):
-        rows = [(i, rng.choice("abcd"), rng.choice([0, 0, 0, 0, 1, 3]), rng.randint(0, 4))
+        rows = [(i, rng.choice("abcd"), rng.choice([0, 0, 0, 0, 1, 2, 3, 4]), rng.randint(0, 4))
                 for i in range(1, rng.randint(2, 16))]
-        everything = {r[0] for r in rows}
+        candidate_ids = {r[0] for r in rows if r[2] in (0, 1, 3) and rng.random() < 0.85}
         batch = rng.randint(1, 8)
-        db = sqlite3.connect(":memory:")
-        db.execute("ATTACH DATABASE ':memory:' AS dbo")
-        db.execute("CREATE TABLE dbo.outbox (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
-        db.execute("CREATE TABLE cand (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
-        db.execute("CREATE TABLE chain (id INTEGER PRIMARY KEY, dead INT)")
-        db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
-        db.executemany("INSERT INTO cand VALUES (?, ?, ?, ?)", rows)
-        chain_sql = engine.chain_select().replace("@cand", "cand").replace(" WITH (READCOMMITTEDLOCK)", "")
-        db.execute(f"INSERT INTO chain (id, dead) {chain_sql}", {"max_attempts": 3})
-        db.execute(keep, {"batch": batch})
-        chosen = db.execute("SELECT id, dead FROM chain").fetchall()
-        got = (sorted(i for i, dead in chosen if not dead), sorted(i for i, dead in chosen if dead))
-        result = plan_claim([Candidate(*r) for r in rows], {}, 3, limit=batch)
-        assert got == (sorted(result.claim_ids), sorted(result.dead_ids)), (rows, batch)
+        candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+        result = plan_claim(candidates, blockers_of(rows, candidate_ids), 3, limit=batch)
+        assert run_claim_rule(engine, rows, candidate_ids, 3, batch) == (
+            sorted(result.claim_ids), sorted(result.dead_ids)), (rows, candidate_ids, batch)
+
+
+def model_claim(rows: list[tuple[int, str, int, int]], candidate_ids: set[int], max_attempts: int,
+                batch: int) -> tuple[tuple[list[int], list[int]], int]:
+    """The SQL Server claim's steps in Python, one for one: ``@agg`` (per aggregate its
+    head, and the TOP (1) walk of the aggregate's open rows below its last candidate,
+    stopping at the first non-candidate), the running sums of ``chain_select``, the cut to
+    ``batch`` by (head, id). Returns the (claimed, dead) ids and the rows the walks read."""
+    candidates = sorted((r for r in rows if r[0] in candidate_ids), key=lambda r: r[0])
+    open_rows = sorted((r for r in rows if r[2] in (0, 1, 3)), key=lambda r: (r[1], r[0]))  # agg_open's order
+    agg: dict[str, tuple[int, int | None]] = {}
+    read = 0
+    for aggregate in {r[1] for r in candidates}:
+        ids = [r[0] for r in candidates if r[1] == aggregate]
+        head, last = min(ids), max(ids)
+        blocker = None
+        for id_, _, _, _ in (r for r in open_rows if r[1] == aggregate and r[0] < last):
+            read += 1
+            if id_ not in candidate_ids:
+                blocker = id_
+                break
+        agg[aggregate] = (head, blocker)
+    chain: list[tuple[int, int, int]] = []
+    for aggregate, (head, blocker) in agg.items():
+        cut = dead_before = 0
+        for id_, _, status, attempts in (r for r in candidates if r[1] == aggregate):
+            dead = int(status == 1 and attempts + 1 >= max_attempts)
+            cut += int(status != 0 and id_ > head)
+            if (blocker is None or id_ < blocker) and cut == 0 and dead_before == 0:
+                chain.append((head, id_, dead))
+            dead_before += dead
+    kept = sorted(chain)[:batch]
+    return (sorted(i for _, i, d in kept if not d), sorted(i for _, i, d in kept if d)), read
+
+
+def test_a_python_model_of_the_claim_matches_plan_claim_and_reads_linearly() -> None:
+    """Issue 20 item 9: the same steps as the statements, over random outboxes with hot
+    aggregates, pick what ``plan_claim`` picks; and the probes read at most one row per
+    candidate plus one per aggregate (the blocker), where the old probe read k-1 rows for
+    the k-th candidate of an aggregate."""
+    rng = random.Random(2026_11_24)
+    for _ in range(500):
+        aggregates = rng.choice(["a", "ab", "abcdef"])
+        rows = [(i, rng.choice(aggregates), rng.choice([0, 0, 0, 0, 0, 1, 2, 3, 4]), rng.randint(0, 4))
+                for i in range(1, rng.randint(2, 120))]
+        candidate_ids = {r[0] for r in rows if r[2] in (0, 1, 3) and rng.random() < 0.9}
+        batch = rng.randint(1, 60)
+        picked, read = model_claim(rows, candidate_ids, 3, batch)
+        candidates = [Candidate(*r) for r in rows if r[0] in candidate_ids]
+        result = plan_claim(candidates, blockers_of(rows, candidate_ids), 3, limit=batch)
+        assert picked == (sorted(result.claim_ids), sorted(result.dead_ids)), (rows, candidate_ids, batch)
+        assert read <= len(candidate_ids) + len({c.aggregate_id for c in candidates})
+    hot = [(i, "hot", 0, 0) for i in range(1, 4001)]
+    picked, read = model_claim(hot, set(range(1, 4001)), 3, 1000)
+    assert picked == (list(range(1, 1001)), []) and read == 3999  # the old probe: 3999 * 4000 / 2
 
 
 @pytest.mark.parametrize("rows, expected", [
@@ -735,6 +955,28 @@ def test_id_lists_below_level_130_are_chunked_parameter_lists() -> None:
     assert engine.id_chunks(list(range(5000))) == [list(range(5000))]
 
 
+def test_id_lists_below_level_130_are_padded_to_a_few_sizes() -> None:
+    """Issue 20 item 11: below 130 every id-list length was its own statement text, so its
+    own plan (up to 2,000 per statement kind). The lists are padded to seven sizes by
+    repeating the last id, which matches nothing more and counts no row twice."""
+    engine = MssqlEngine()
+    engine.compat_level = 110
+    texts = set()
+    for count in [*range(1, 70), 255, 256, 257, 1023, 1024, 1025, 1999, ID_PARAMS_PER_STATEMENT]:
+        ids = list(range(1000, 1000 + count))
+        cond, params = engine.ids_in(ids)
+        texts.add(cond)
+        assert cond.count("?") == len(params) in ID_LIST_SIZES and len(params) < 4 * count + 4
+        assert params[:count] == ids and set(params) == set(ids)
+    assert len(texts) == len(ID_LIST_SIZES) == 7
+    assert engine.ids_in([7, 9, 8]) == ("id IN (?, ?, ?, ?)", [7, 9, 8, 8])
+    # Through the store: three acks are one statement of four parameters, and three rows applied.
+    store, conn = recording_store(None, "outbox", 110)
+    assert store.mark_done([1, 2, 3], "L" * 32).applied == 3
+    sql, params = conn.log[-1]
+    assert "id IN (?, ?, ?, ?)" in sql and list(params) == [1, 2, 3, 3, "L" * 32]
+
+
 @pytest.mark.parametrize("level, statements", [(110, 2), (120, 2), (130, 1), (160, 1)])
 def test_acks_and_requeues_over_the_parameter_limit_at_every_level(level: int, statements: int) -> None:
     """Through the store: 3,000 ids are one OPENJSON statement at 130+, two parameter
@@ -820,12 +1062,18 @@ def test_claim_declares_its_table_variable_in_the_columns_collation() -> None:
     assert f"COLLATE {ID_COLLATION}" in MssqlEngine().claim_batch()  # our own table's collation by default
 
 
-def test_chain_statement_table_variable_is_indexed_for_its_self_joins(no_sqlglot_fallbacks: None) -> None:
-    """Fault 6: @cand's self-joins (same aggregate, earlier id) seek (aggregate_id, id)."""
-    declare = next(s for s in MssqlEngine().claim_statements() if s.startswith("DECLARE @cand"))
+def test_the_claims_table_variables_are_keyed_for_their_reads(no_sqlglot_fallbacks: None) -> None:
+    """@cand: the probe's anti-join seeks its id key, the per-aggregate GROUP BY and the
+    rules' running sums read its (aggregate_id, id) key in order; @agg is joined by
+    aggregate; @chain is cut by id."""
+    statements = MssqlEngine().claim_statements()
+    declare = next(s for s in statements if s.startswith("DECLARE @cand"))
     assert "id BIGINT NOT NULL PRIMARY KEY" in declare and "UNIQUE (aggregate_id, id)" in declare
-    parse_one(declare)
-    assert "INDEX " not in declare  # inline INDEX needs SQL Server 2014; UNIQUE works on 2012
+    agg = next(s for s in statements if s.startswith("DECLARE @agg"))
+    assert "aggregate_id NVARCHAR(255) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY" in agg
+    for statement in (declare, agg, next(s for s in statements if s.startswith("DECLARE @chain"))):
+        parse_one(statement)
+        assert "INDEX " not in statement  # inline INDEX needs SQL Server 2014; UNIQUE works on 2012
 
 
 def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.LogCaptureFixture) -> None:

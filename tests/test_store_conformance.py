@@ -96,6 +96,7 @@ BAD_INPUT = [
     ({"aggregate_id": "a" * 256}, "aggregate_id is 256"),
     ({"aggregate_type": ""}, "aggregate_type must not be empty"),
     ({"message_id": "m" * 65}, "message_id is 65"),
+    ({"message_id": "m1 "}, "message_id 'm1 ' starts or ends with whitespace"),  # issue 20 item 2
     ({"key": "k" * 256}, "key is 256"),
     ({"headers": {"h": {"nested": 1}}}, "header 'h'"),
     ({"headers": ["not", "a", "mapping"]}, "headers must be a mapping"),

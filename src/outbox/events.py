@@ -18,6 +18,10 @@ What is checked, and why, field by field:
 * No text may hold a NUL character (PostgreSQL's text and JSON types refuse it and abort
   the caller's transaction) or a lone surrogate (not Unicode text: every driver fails to
   encode it).
+* A ``message_id`` may not start or end with whitespace. SQL Server's equality ignores
+  trailing spaces, so ``m1`` and ``m1 `` would be one message there and two on the other
+  engines; refusing both ends everywhere keeps the idempotency key the same on every engine
+  (docs/sqlserver.md, "Enqueue: no key-range locks").
 
 Every error names the field, and is raised before anything reaches the database, so the
 caller's transaction is untouched.
@@ -136,6 +140,18 @@ def _text(name: str, value: Any, limit: int, *, required: bool = True,
     return value
 
 
+def _message_id(value: Any) -> str:
+    """A message id: a text column, and no whitespace at either end (SQL Server's equality
+    ignores trailing spaces: see the module docstring)."""
+    text: str = _text("message_id", value, MAX_MESSAGE_ID,  # type: ignore[assignment]
+                      amqp_bytes="the message_id property")
+    if text != text.strip():
+        raise EnqueueError(f"message_id {text!r} starts or ends with whitespace, which is refused on every engine: "
+                           "SQL Server compares ids ignoring trailing spaces, so 'm1 ' and 'm1' would be one "
+                           "message there and two elsewhere")
+    return text
+
+
 def _check_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     """Flat headers AMQP can carry: names of 1 to 255 UTF-8 bytes, values that are
     strings, finite numbers (integers within signed 64 bits), booleans or None."""
@@ -197,8 +213,7 @@ def prepare_event(
     if message_id is None:
         message_id = str(uuid.uuid4())
     return NewEvent(
-        message_id=_text("message_id", message_id, MAX_MESSAGE_ID,  # type: ignore[arg-type]
-                         amqp_bytes="the message_id property"),
+        message_id=_message_id(message_id),
         topic=_text("topic", topic, MAX_TOPIC, amqp_bytes="a routing key"),  # type: ignore[arg-type]
         aggregate_type=_text("aggregate_type", aggregate_type, MAX_AGGREGATE),  # type: ignore[arg-type]
         aggregate_id=_text("aggregate_id", aggregate_id, MAX_AGGREGATE),  # type: ignore[arg-type]
