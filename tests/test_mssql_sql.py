@@ -251,7 +251,9 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
     sent = [sql for sql, _ in log]
     t = engine.table
     for needle in (engine.insert_batch(), engine.claim_batch(), engine.mark_failed_sql(),
-                   engine.purge_chunk_sql(), engine.requeue_sql("1 = 1"),
+                   engine.purge_chunk_sql(),
+                   # requeue_dead(): a chunk of dead rows at a time (issue 20 item 7)
+                   engine.limit(f"SELECT id, topic FROM {t} WHERE status = 4 AND id > ? AND 1 = 1 ORDER BY id"),
                    f"SELECT status, COUNT(*) FROM {t} GROUP BY status"):
         assert needle in sent, needle
     assert any(s.startswith(f"UPDATE {t} SET status = 2") for s in sent)  # mark_done

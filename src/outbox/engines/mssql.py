@@ -390,6 +390,40 @@ def _is_ddl(text: str) -> bool:
     return text.startswith(FILTERED_INDEX_OPTIONS)
 
 
+def migration_lock_statements(resource: str, table_literal: str, table: str) -> list[str]:
+    """The first batch of a migration: an exclusive ``sp_getapplock`` on ``resource``, so two
+    migrations of the same tables (two deploy jobs, workers creating the broker's queue
+    tables at start-up) run one after the other; the second waits for the first to commit
+    and then finds everything in place. The lock belongs to the migration's transaction
+    when one is open (released at commit); a driver in implicit-transaction mode may not
+    have opened it yet, and then the session owns the lock until the last batch
+    (``migration_unlock_statements``) releases it."""
+    return [
+        "DECLARE @lock_owner NVARCHAR(32), @lock_result INT;",
+        # A SELECT from a table opens the driver's implicit transaction (EXEC does not).
+        f"SELECT @lock_result = COUNT(*) FROM sys.objects WHERE object_id = OBJECT_ID({table_literal});",
+        "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
+        f"EXEC @lock_result = sp_getapplock @Resource = {_nstr(resource)}, "
+        f"@LockMode = N'Exclusive', @LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};",
+        _if("@lock_result < 0", "RAISERROR(N'outbox migrate: another outbox migrate of %s held the migration "
+            "lock for too long (sp_getapplock returned %d); run it again when that one has finished', 16, 1, "
+            f"{_nstr(table)}, @lock_result)"),
+    ]
+
+
+def migration_unlock_statements(resource: str) -> list[str]:
+    """The last batch of a migration: release a session-owned migration lock (a
+    transaction-owned one goes with the commit)."""
+    return [_if(f"APPLOCK_MODE(N'public', {_nstr(resource)}, N'Session') <> N'NoLock'",
+                f"EXEC sp_releaseapplock @Resource = {_nstr(resource)}, @LockOwner = N'Session'")]
+
+
+def lock_escalation_off(table: str, table_literal: str) -> str:
+    """Turn lock escalation off (docs/sqlserver.md, "Lock escalation"), guarded by the catalog."""
+    return _if(f"EXISTS (SELECT 1 FROM sys.tables WHERE object_id = OBJECT_ID({table_literal}) "
+               "AND lock_escalation_desc <> N'DISABLE')", f"ALTER TABLE {table} SET (LOCK_ESCALATION = DISABLE)")
+
+
 class MssqlEngine(Engine):
     name = "mssql"
     placeholder = "?"
@@ -635,24 +669,8 @@ class MssqlEngine(Engine):
         lease_token CHAR(32) NULL,
         {constraint('pk')} PRIMARY KEY CLUSTERED (id)
     )"""
-        # Two `outbox migrate` at once: the second waits here for the first to commit.
-        # The lock belongs to the migration's transaction when one is open (released at
-        # commit); a driver in implicit-transaction mode may not have opened it yet, and
-        # then the session owns the lock until the last step releases it.
-        lock = [
-            "DECLARE @lock_owner NVARCHAR(32), @lock_result INT;",
-            # A SELECT from a table opens the driver's implicit transaction (EXEC does not).
-            f"SELECT @lock_result = COUNT(*) FROM sys.objects WHERE object_id = OBJECT_ID({table_literal});",
-            "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
-            f"EXEC @lock_result = sp_getapplock @Resource = {_nstr(self.migration_lock_resource())}, "
-            f"@LockMode = N'Exclusive', @LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};",
-            _if("@lock_result < 0", "RAISERROR(N'outbox migrate: another outbox migrate of %s held the migration "
-                "lock for too long (sp_getapplock returned %d); run it again when that one has finished', 16, 1, "
-                f"{_nstr(t)}, @lock_result)"),
-        ]
-        unlock = [_if(f"APPLOCK_MODE(N'public', {_nstr(self.migration_lock_resource())}, N'Session') <> N'NoLock'",
-                      f"EXEC sp_releaseapplock @Resource = {_nstr(self.migration_lock_resource())}, "
-                      "@LockOwner = N'Session'")]
+        lock = migration_lock_statements(self.migration_lock_resource(), table_literal, t)
+        unlock = migration_unlock_statements(self.migration_lock_resource())
         steps: list[Any] = [
             lock,
             # CREATE SCHEMA must be the only statement of its batch, hence dynamic SQL.
@@ -683,9 +701,7 @@ class MssqlEngine(Engine):
             steps.append([_if(f"NOT {self._index_exists(spec.suffix)}", spec.ddl(index, t))])
         # Claims, purge chunks and requeue-all may lock more than 5,000 rows; escalation
         # to a table lock would stop every enqueuer until they commit.
-        steps.append([_if(f"EXISTS (SELECT 1 FROM sys.tables WHERE object_id = OBJECT_ID({table_literal}) "
-                          "AND lock_escalation_desc <> N'DISABLE')",
-                          f"ALTER TABLE {t} SET (LOCK_ESCALATION = DISABLE)")])
+        steps.append([lock_escalation_off(t, table_literal)])
         steps.append(unlock)
         return steps
 
