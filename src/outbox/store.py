@@ -36,8 +36,10 @@ REQUEUE_CHUNK = 1000
 
 
 def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -> None:
-    """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate`` and
-    the Django app's migration (on Django's own connection) create the same schema."""
+    """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate``, the
+    Django app's migration (on Django's own connection) and Alembic's create the same schema.
+    What the steps may use is read from ``cursor``'s own connection first."""
+    engine.read_server(cursor)
     for step in engine.migration(native_json=native_json):
         if isinstance(step, tuple):
             (probe, params), step = step
