@@ -11,7 +11,7 @@ from outbox.events import prepare_event
 from outbox.store import OutboxStore
 
 
-def dead_rows(store: OutboxStore, topics: list[str], permanent: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+def dead_rows(store: OutboxStore, topics: list[str], permanent: frozenset[int] = frozenset()) -> list[int]:
     """One dead row per topic given (in order); the positions in ``permanent`` carry a
     permanent reason (poison)."""
     ids = []
@@ -57,7 +57,7 @@ def statuses(store: OutboxStore) -> dict[int, int]:
 def test_requeue_all_runs_in_chunks_and_keeps_the_report(store: OutboxStore) -> None:
     topics = ["orders.paid", "orders.created", "orders.big"] * 9  # 27 rows
     permanent = {2, 5, 8}  # three orders.big rows are poison
-    ids = dead_rows(store, topics, permanent)
+    ids = dead_rows(store, topics, frozenset(permanent))
     seen = spy(store)
     result = store.requeue(None, chunk=5)
     assert result.requeued == {"orders.big": 6, "orders.created": 9, "orders.paid": 9}
@@ -73,7 +73,7 @@ def test_requeue_all_runs_in_chunks_and_keeps_the_report(store: OutboxStore) -> 
 
 
 def test_forced_requeue_all_and_requeue_dead_run_in_chunks(store: OutboxStore) -> None:
-    ids = dead_rows(store, ["t.a", "t.b"] * 6, permanent={0})
+    ids = dead_rows(store, ["t.a", "t.b"] * 6, permanent=frozenset({0}))
     seen = spy(store)
     assert store.requeue(None, force=True, chunk=4).requeued == {"t.a": 6, "t.b": 6}
     assert [n for op, n in seen if op == "requeue"] == [4, 4, 4]

@@ -731,9 +731,10 @@ class MssqlEngine(Engine):
             # A table made before the server had ISJSON (or by another script) gets its
             # JSON checks now, WITH NOCHECK: checking the existing rows would scan the
             # whole table under a schema lock that stops every enqueuer, and one bad row
-            # would abort the migration (docs/sqlserver.md, "JSON checks"). Sent through
-            # sp_executesql like CREATE SCHEMA: the T-SQL parser the tests check every
-            # statement with does not know the WITH NOCHECK form, so they check its text.
+            # would abort the migration (docs/sqlserver.md, "JSON checks on an existing
+            # table"). Sent through sp_executesql like CREATE SCHEMA: the T-SQL parser the
+            # tests check every statement with does not know the WITH NOCHECK form, so
+            # they check its text.
             for column in ("payload", "headers"):
                 ck = q(f"ck_{name}_{column}_json")
                 steps.append([_if(
