@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,37 @@ def test_migrate_replaces_the_id_keyed_receive_index(db_url: str) -> None:
     finally:
         conn.close()
         drop(db_url, table)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_worker_survives_its_broker_database_going_away(kind: str, tmp_path: Path) -> None:
+    """A real ``celery worker`` on the database broker, its database reached through a TCP
+    proxy that the test cuts for a few seconds (a restart, a failover): the worker must
+    reconnect and run the next task. Before, the driver's error (not among the transport
+    CLASS's connection_errors, which is where Celery's consumer looks) stopped the worker."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from relay_e2e_support import Proxy, wait_until
+    from test_transport_celery import TaskApp
+
+    app = TaskApp(kind, tmp_path)
+    direct = urlsplit(app.db_url)
+    proxy = Proxy(target=(direct.hostname or "127.0.0.1", direct.port or (5432 if kind == "postgresql" else 3306)))
+    try:
+        proxied = urlunsplit(direct._replace(netloc=direct.netloc.replace(f":{direct.port}", f":{proxy.port}")))
+        app.env["TAPP_BROKER"] = f"outboxdb+{proxied}"  # the worker's broker goes through the proxy
+        record = app.task("record")  # this process sends directly
+        worker = app.worker("w1")
+        record.delay(1)
+        assert wait_until(lambda: len(app.lines("record")) == 1, timeout=60), app.log("w1")[-3000:]
+        proxy.cut()
+        time.sleep(4)  # several idle polls fail, past the transport's own retries
+        assert worker.poll() is None, app.log("w1")[-3000:]
+        proxy.restore()
+        record.delay(2)
+        assert wait_until(lambda: len(app.lines("record")) == 2, timeout=90), app.log("w1")[-3000:]
+        assert worker.poll() is None, app.log("w1")[-3000:]
+        assert "Unrecoverable error" not in app.log("w1")
+    finally:
+        proxy.close()
+        app.close()
