@@ -603,7 +603,7 @@ def test_a_mssql_python_broker_reconnects_after_its_session_is_killed_and_its_da
         q = conn.SimpleQueue("outage")
         q.put(1)
         db = conn.default_channel.db
-        spid = db.run(lambda qt, c: c.execute("SELECT @@SPID").fetchone()[0])
+        spid = db.run(lambda qt, c: qt.run(c, "SELECT @@SPID").fetchone()[0])
         run_admin(mssql_url(), f"KILL {int(spid)}")  # the server ends the broker's session
         q.put(2)
         got = [q.get(block=True, timeout=20), q.get(block=True, timeout=20)]
