@@ -13,7 +13,9 @@ The module creates databases of its own, never tempdb:
   Server out when run on its own) and the SQL Server checks below run in both,
   through this module's ``url`` fixture, which overrides conftest's.
 - ``levels``: its compatibility level is switched between 110, 120 and 130 to
-  prove acks, requeues and the migration work without OPENJSON/ISJSON.
+  prove acks, requeues and the migration work without OPENJSON (ISJSON exists at
+  every level from SQL Server 2016: issue 20 item 4).
+- ``outage``: taken offline and back by the broker-outage check (issue 20 item 6).
 
 Everything is dropped at the end of the module.
 """
@@ -582,9 +584,15 @@ def test_every_compatibility_level_from_110(databases: dict[str, str], level: in
         store.migrate()
         store.migrate()
         assert store.engine.compat_level == level  # type: ignore[attr-defined]
+        version = scalar(store, "SELECT CAST(PARSENAME(CAST(SERVERPROPERTY('ProductVersion') AS NVARCHAR(128)), 4) "
+                         "AS INT)")
+        edition = scalar(store, "SELECT CAST(SERVERPROPERTY('EngineEdition') AS INT)")
+        # Issue 20 item 4: ISJSON follows the server (2016+, Azure SQL), not the level.
+        assert store.engine.has_isjson is (version >= 13 or edition in (5, 8, 9))  # type: ignore[attr-defined]
+        assert store.engine.has_json is (level >= 130)  # type: ignore[attr-defined]
         checks = scalar(store, "SELECT COUNT(*) FROM sys.check_constraints WHERE parent_object_id = OBJECT_ID(?) "
                         "AND definition LIKE N'%isjson%'", [store.engine.table])
-        assert checks == (2 if level >= 130 else 0)
+        assert checks == (2 if store.engine.has_isjson else 0)  # type: ignore[attr-defined]
         writer = store.engine.connect(url)
         try:
             ids = [add(writer, store, f"agg-{i % 50}") for i in range(2500)]
@@ -789,3 +797,275 @@ def test_mssql_python_driver_round_trip(databases: dict[str, str]) -> None:
             store.engine.execute(cursor, f"IF OBJECT_ID(N'{store.engine.table}', N'U') IS NOT NULL "
                                  f"DROP TABLE {store.engine.table}")
         store.close()
+
+
+# -- issue 20 items 4, 5, 6, 7, 8, 12: deployments -----------------------------------------------------------
+
+def mssql_python_url(base: str) -> str:
+    """``base`` (a pyodbc URL) for mssql-python: the same server, login and database."""
+    if "://" not in base:
+        pytest.skip("OUTBOX_TEST_MSSQL_URL is a raw ODBC string; the mssql-python URL is built from a URL")
+    pytest.importorskip("mssql_python")
+    _scheme, rest = base.split("://", 1)
+    path, _, query = rest.partition("?")
+    kept = "&".join(p for p in query.split("&") if p and not p.lower().startswith("driver="))
+    return f"mssql+mssqlpython://{path}" + (f"?{kept}" if kept else "")
+
+
+def drop_queue_tables(url: str, table: str) -> None:
+    run_admin(url, *(f"IF OBJECT_ID(N'[dbo].[{name}]', N'U') IS NOT NULL DROP TABLE [dbo].[{name}]"
+                     for name in (table, f"{table}_binding")))
+
+
+def start_broker_worker(broker_url: str, table: str, start: Any, errors: Any) -> None:
+    """What a worker process does first with the database broker: connect, which creates
+    the queue tables."""
+    from kombu import Connection
+    import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
+    try:
+        start.wait()
+        with Connection(broker_url, transport_options={"queue_table": table}) as conn:
+            conn.connect()
+            conn.default_channel  # noqa: B018 - opens the channel, as a consumer does
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        errors.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_three_broker_workers_starting_at_once_on_an_empty_database(url: str) -> None:
+    """Item 5: every worker creates the queue tables at start-up; three at once on an empty
+    database raced to CREATE TABLE / INDEX (2714, 1913) before the migration applock."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    for _round in range(3):
+        table = f"kq_{uuid.uuid4().hex[:10]}"
+        start, errors = ctx.Barrier(3), ctx.Queue()
+        workers = [ctx.Process(target=start_broker_worker, args=(f"outboxdb+{url}", table, start, errors))
+                   for _ in range(3)]
+        try:
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(120)
+            failures = []
+            while not errors.empty():
+                failures.append(errors.get())
+            assert not failures and [w.exitcode for w in workers] == [0, 0, 0], failures
+            store = OutboxStore(url)
+            try:
+                # Item 5 too: no escalation to a table lock that would block send_task.
+                assert scalar(store, "SELECT lock_escalation_desc FROM sys.tables WHERE object_id = OBJECT_ID(?)",
+                              [f"[dbo].[{table}]"]) == "DISABLE"
+                assert scalar(store, "SELECT COUNT(*) FROM sys.indexes WHERE object_id = OBJECT_ID(?) AND name = ?",
+                              [f"[dbo].[{table}]", f"ix_{table}_ready"]) == 1
+            finally:
+                store.close()
+        finally:
+            drop_queue_tables(url, table)
+
+
+def test_the_lease_seeks_visible_rows_past_a_head_of_delayed_ones(url: str) -> None:
+    """Item 12: 2,000 delayed rows (Celery retries) at the head of a queue: the lease's plan
+    seeks the ready index, with no sort, and takes the one visible row."""
+    from outbox.transport.channel import Database
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    db = Database(url, table, None, create=True)
+    try:
+        def fill(qt: Any, cursor: Any) -> None:
+            for _ in range(2000):
+                qt.put(cursor, "q", "{}", "b", delay_ms=3_600_000)
+            qt.put(cursor, "q", "{}", "visible")
+        db.run(fill)
+        rows = db.run(lambda qt, c: qt.lease(c, "q", 10, 60_000, "r" * 32))
+        assert [r.body for r in rows] == ["visible"]
+        conn = db.engine.connect(url)
+        try:
+            cursor = conn.cursor()
+            cursor.execute("SET SHOWPLAN_XML ON")
+            cursor.execute(f"SELECT TOP (10) id FROM {db.qt.table} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, "
+                           "ROWLOCK) WHERE queue = ? AND visible_at <= SYSUTCDATETIME() AND (expires_at IS NULL OR "
+                           "expires_at > SYSUTCDATETIME()) ORDER BY visible_at, id", ("q",))
+            plan = str(cursor.fetchone()[0])
+            cursor.execute("SET SHOWPLAN_XML OFF")
+        finally:
+            conn.rollback()
+            conn.close()
+        assert db.qt.index_name("ready") in plan and 'PhysicalOp="Sort"' not in plan
+    finally:
+        db.close()
+        drop_queue_tables(url, table)
+
+
+@pytest.fixture
+def outage_database() -> Iterator[tuple[str, str]]:
+    """A database of its own that a test may take offline: (its pyodbc URL, its name)."""
+    base = mssql_url()
+    name = f"outbox_live_outage_{uuid.uuid4().hex[:8]}"
+    try:
+        run_admin(base, f"CREATE DATABASE [{name}]")
+    except Exception as exc:
+        pytest.skip(f"cannot create a database for the outage check: {exc}")
+    try:
+        yield url_for_database(base, name), name
+    finally:
+        try:
+            run_admin(base, f"ALTER DATABASE [{name}] SET ONLINE", f"ALTER DATABASE [{name}] SET SINGLE_USER WITH "
+                      "ROLLBACK IMMEDIATE", f"DROP DATABASE [{name}]")
+        except Exception as exc:
+            logging.getLogger(__name__).warning("could not drop test database %s: %s", name, exc)
+
+
+def test_a_mssql_python_broker_reconnects_after_its_session_is_killed_and_its_database_is_down(
+        outage_database: tuple[str, str]) -> None:
+    """Item 6: with ``outboxdb+mssql+mssqlpython://``, a killed session and a database that is
+    down for a while are connection errors kombu and Celery recognise (reconnect), never
+    an error that stops the worker; once the database is back, messages flow again."""
+    from kombu import Connection
+    from kombu.exceptions import OperationalError as KombuOperationalError
+    import outbox.transport  # noqa: F401
+    pyodbc_url, name = outage_database
+    url = mssql_python_url(pyodbc_url)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    conn = Connection(f"outboxdb+{url}", transport_options={"queue_table": table, "polling_interval": 0.2})
+    try:
+        q = conn.SimpleQueue("outage")
+        q.put(1)
+        db = conn.default_channel.db
+        spid = db.run(lambda qt, c: qt.run(c, "SELECT @@SPID").fetchone()[0])
+        run_admin(mssql_url(), f"KILL {int(spid)}")  # the server ends the broker's session
+        q.put(2)
+        got = [q.get(block=True, timeout=20), q.get(block=True, timeout=20)]
+        assert [m.payload for m in got] == [1, 2]
+        for m in got:
+            m.ack()
+        run_admin(mssql_url(), f"ALTER DATABASE [{name}] SET OFFLINE WITH ROLLBACK IMMEDIATE")
+        with pytest.raises(Exception) as raised:
+            q.put(3)
+        # What Celery's consumer reconnects on (kombu wraps its connection errors as its own).
+        assert isinstance(raised.value, (*conn.recoverable_connection_errors, KombuOperationalError)), raised.value
+        run_admin(mssql_url(), f"ALTER DATABASE [{name}] SET ONLINE")
+        deadline = time.monotonic() + 60
+        while True:  # reconnect as the worker does, until the database is back
+            try:
+                q.put(4)
+                break
+            except Exception as exc:
+                assert isinstance(exc, (*conn.recoverable_connection_errors, KombuOperationalError)), exc
+                assert time.monotonic() < deadline, f"the database did not come back: {exc}"
+                time.sleep(1)
+        assert q.get(block=True, timeout=20).payload == 4
+        q.close()
+    finally:
+        conn.release()
+        try:
+            drop_queue_tables(pyodbc_url, table)
+        except Exception:
+            pass
+
+
+def test_contrib_migrations_and_admin_requeue_probe_their_connection(databases: dict[str, str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 4: Alembic's create_outbox_table and the Django admin's requeue run on a caller's
+    connection: at level 120 on a 2016+ server the table gets its ISJSON checks (the
+    function exists at every level) and a requeue of 2,500 ids goes without OPENJSON."""
+    from outbox.contrib.alembic import create_outbox_table
+    from outbox.contrib.django.schema import requeue_dead
+    url = databases["levels"]
+    run_admin(url, f"ALTER DATABASE [{DATABASES['levels']}] SET COMPATIBILITY_LEVEL = 120")
+    table = f"outbox_contrib_{uuid.uuid4().hex[:6]}"
+    raw = MssqlEngine().connect(url)
+
+    class Op:
+        def get_bind(self) -> Any:
+            return raw
+
+    class DjangoConnection:
+        vendor = "microsoft"
+        connection = raw
+
+        def ensure_connection(self) -> None:
+            pass
+
+    store = OutboxStore(url, table=table)
+    try:
+        create_outbox_table(Op(), table=table)
+        raw.commit()
+        version = scalar(store, "SELECT CAST(PARSENAME(CAST(SERVERPROPERTY('ProductVersion') AS NVARCHAR(128)), 4) "
+                         "AS INT)")
+        checks = scalar(store, "SELECT COUNT(*) FROM sys.check_constraints WHERE parent_object_id = OBJECT_ID(?) "
+                        "AND definition LIKE N'%isjson%'", [store.engine.table])
+        assert checks == (2 if version >= 13 else 0)
+        writer = store.engine.connect(url)
+        try:
+            ids = [add(writer, store, f"a{i % 9}") for i in range(2500)]
+            writer.commit()
+        finally:
+            writer.close()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 4, processed_at = SYSUTCDATETIME()")
+        from outbox.config import reset_settings
+        monkeypatch.setenv("OUTBOX_TABLE", table)  # the admin's table comes from the settings
+        reset_settings()
+        assert requeue_dead(DjangoConnection(), ids) == 2500
+        raw.commit()
+        assert store.stats().counts["pending"] == 2500
+    finally:
+        raw.close()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"IF OBJECT_ID(N'{store.engine.table}', N'U') IS NOT NULL "
+                                 f"DROP TABLE {store.engine.table}")
+        store.close()
+        run_admin(url, f"ALTER DATABASE [{DATABASES['levels']}] SET COMPATIBILITY_LEVEL = 130")
+
+
+def test_json_checks_join_a_table_with_a_bad_row_without_checking_it(make_store: Any, url: str) -> None:
+    """Item 8: the checks are added WITH NOCHECK (not trusted): a non-JSON row already in the
+    table neither aborts the migration nor blocks it for a scan, and the claim still takes
+    that row (its UPDATE sets no JSON column, so the check is not evaluated) and buries it."""
+    store = make_store()
+    if not store.engine.has_isjson:
+        pytest.skip("this server has no ISJSON")
+    t, name = store.engine.table, store.engine.table_name
+    with store.transaction() as cursor:
+        for column in ("payload", "headers"):
+            store.engine.execute(cursor, f"ALTER TABLE {t} DROP CONSTRAINT [ck_{name}_{column}_json]")
+        store.engine.execute(cursor, f"INSERT INTO {t} (message_id, topic, aggregate_type, aggregate_id, payload) "
+                             "VALUES (N'bad-1', N't', N'o', N'a', N'not json')")
+    store.migrate()
+    assert scalar(store, "SELECT COUNT(*) FROM sys.check_constraints WHERE parent_object_id = OBJECT_ID(?) "
+                  "AND definition LIKE N'%isjson%' AND is_not_trusted = 1", [t]) == 2
+    claim = store.claim(10)
+    assert [m.message_id for m in claim.dead] == ["bad-1"] and claim.messages == []
+    with pytest.raises(Exception, match="(?i)check constraint"):
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"INSERT INTO {t} (message_id, topic, aggregate_type, aggregate_id, payload) "
+                                 "VALUES (N'bad-2', N't', N'o', N'a', N'still not json')")
+
+
+def test_requeue_all_runs_in_short_chunks_on_sql_server(store: OutboxStore, writer: Any) -> None:
+    """Item 7: 2,500 dead rows requeued 1,000 per transaction; no transaction ever holds more
+    than a chunk's row locks on the table (its clustered keys, counted in sys.dm_tran_locks
+    from inside each chunk)."""
+    for i in range(2500):
+        add(writer, store, f"d{i % 13}")
+    writer.commit()
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 4, processed_at = SYSUTCDATETIME()")
+    locks: list[int] = []
+    execute = store.engine.execute
+
+    def counting(cursor: Any, text: str, params: Any = ()) -> Any:
+        result = execute(cursor, text, params)
+        if text.startswith("UPDATE") and "status = 0, attempts = 0" in text:
+            locks.append(int(execute(cursor, "SELECT COUNT(*) FROM sys.dm_tran_locks WHERE request_session_id = "
+                                     "@@SPID AND resource_type = N'KEY' AND resource_associated_entity_id IN "
+                                     "(SELECT hobt_id FROM sys.partitions WHERE object_id = OBJECT_ID(?) "
+                                     "AND index_id = 1)", [store.engine.table]).fetchone()[0]))
+        return result
+
+    store.engine.execute = counting  # type: ignore[method-assign]
+    try:
+        assert store.requeue(None).requeued == {"t": 2500}
+    finally:
+        store.engine.execute = execute  # type: ignore[method-assign]
+    assert len(locks) == 3 and max(locks) <= 1000 and locks[-1] <= 500
+    assert store.stats().counts["pending"] == 2500

@@ -252,7 +252,9 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
     sent = [sql for sql, _ in log]
     t = engine.table
     for needle in (engine.insert_batch(), engine.claim_batch(), engine.mark_failed_sql(),
-                   engine.purge_chunk_sql(), engine.requeue_sql("1 = 1"),
+                   engine.purge_chunk_sql(),
+                   # requeue_dead(): a chunk of dead rows at a time (issue 20 item 7)
+                   engine.limit(f"SELECT id, topic FROM {t} WHERE status = 4 AND id > ? AND 1 = 1 ORDER BY id"),
                    f"SELECT status, COUNT(*) FROM {t} GROUP BY status"):
         assert needle in sent, needle
     assert any(s.startswith(f"UPDATE {t} SET status = 2") for s in sent)  # mark_done
@@ -525,6 +527,7 @@ def test_insert_binds_event_params_and_long_payloads_as_nvarchar_max() -> None:
 
 def test_id_lists_are_one_json_parameter_expanded_by_openjson() -> None:
     engine = MssqlEngine()
+    engine.compat_level = 130  # as read from the connection (issue 20 item 4: never assumed)
     cond, params = engine.ids_in(list(range(1, 5001)))
     assert cond == "id IN (SELECT CAST([value] AS BIGINT) FROM OPENJSON(?))"
     assert len(params) == 1 and json.loads(params[0]) == list(range(1, 5001))
@@ -564,6 +567,7 @@ def test_every_migration_step_is_guarded_and_sets_filtered_index_options(
         schema: str | None, table: str, level: int, native_json: bool, no_sqlglot_fallbacks: None) -> None:
     engine = MssqlEngine(table=table, schema=schema)
     engine.compat_level = level
+    engine.server_version = 16 if level >= 130 else 12  # ISJSON follows the version (issue 20 item 4)
     steps = engine.migration_steps(native_json=native_json)
     batches = engine.migration(native_json=native_json)
     assert len(steps) == len(batches)
@@ -586,8 +590,8 @@ def test_every_migration_step_is_guarded_and_sets_filtered_index_options(
         name = engine.index_name(spec.suffix)
         assert (f"IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'{name}' "
                 f"AND object_id = OBJECT_ID(N'[{s}].[{table}]'))") in text
-    # Fault 1: no ISJSON below level 130 (the function does not exist there).
-    assert ("ISJSON" in text) is (level >= 130 and not native_json)
+    # Fault 1: no ISJSON before SQL Server 2016 (the function does not exist there).
+    assert ("ISJSON" in text) is (engine.server_version >= 13 and not native_json)
     assert ("payload JSON NOT NULL" in text) is native_json
     # Fault 6: lock escalation off, guarded by the catalog.
     assert f"ALTER TABLE [{s}].[{table}] SET (LOCK_ESCALATION = DISABLE)" in text
@@ -1006,7 +1010,7 @@ class _FakeDriver:
 
     def connect(self, connection_string: str, autocommit: bool) -> RecordingConnection:
         assert autocommit is False
-        conn = RecordingConnection({"SELECT compatibility_level": [(self.level,)] if self.level else [],
+        conn = RecordingConnection({"SELECT compatibility_level": [(self.level, 16, 3)] if self.level else [],
                                     "SELECT OBJECT_ID(": [(None,)]})
         conn.connection_string = connection_string  # type: ignore[attr-defined]
         self.connections.append(conn)
@@ -1024,7 +1028,7 @@ def test_connect_sets_session_options_and_reads_the_level_once_per_connection(
     session, _ = conn.log[0]
     assert parse_one("SET LOCK_TIMEOUT 5000")  # each piece parses (the batch is checked below)
     for option in ("SET NOCOUNT OFF;", "SET XACT_ABORT ON;", "SET LOCK_TIMEOUT 5000;", "SET DEADLOCK_PRIORITY LOW;",
-                   FILTERED_INDEX_OPTIONS, "SELECT compatibility_level FROM sys.databases WHERE name = DB_NAME();"):
+                   FILTERED_INDEX_OPTIONS, "SELECT compatibility_level, ", "FROM sys.databases WHERE name = DB_NAME();"):
         assert option in session
     assert "ISOLATION" not in session and session.index("SET NOCOUNT OFF") < session.index("SELECT")
     assert engine.compat_level == 120 and not engine.has_json
@@ -1078,7 +1082,7 @@ def test_the_claims_table_variables_are_keyed_for_their_reads(no_sqlglot_fallbac
 
 def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.LogCaptureFixture) -> None:
     conn = RecordingConnection({
-        "SELECT compatibility_level": [(150,)],
+        "SELECT compatibility_level": [(150, 16, 3)],
         "SELECT OBJECT_ID(": [(12345,)],
         "SELECT name, collation_name FROM sys.columns": [("message_id", "Latin1_General_100_BIN2"),
                                                          ("aggregate_id", "SQL_Latin1_General_CP1_CI_AS")],

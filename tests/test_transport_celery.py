@@ -82,8 +82,9 @@ class TaskApp:
         self.tmp_path = tmp_path
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_"))}
         self.env.update({"TAPP_BROKER": f"outboxdb+{self.db_url}", "TAPP_TABLE": self.table,
-                         "TAPP_OUT": str(self.out), "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
-                         "PYTHONUNBUFFERED": "1"})
+                         "TAPP_OUT": str(self.out), "PYTHONUNBUFFERED": "1",
+                         # the app's module first, then the caller's path (a worktree's src/)
+                         "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)})
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         sys.path.insert(0, str(tmp_path))
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("TAPP_")})

@@ -118,7 +118,7 @@ def test_lease_skips_held_rows_locks_what_it_takes_and_outputs_into_a_table_vari
     assert len(refs) == 1
     assert {v.name.upper() for h in refs[0].args.get("hints") or [] for v in h.expressions} == {
         "READCOMMITTEDLOCK", "READPAST", "UPDLOCK", "ROWLOCK"}
-    assert "ORDER BY id" in update and "TOP (@limit)" in update
+    assert "ORDER BY visible_at, id" in update and "TOP (@limit)" in update  # the ready index's order
     assert "OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.deliveries INTO @out" \
         in update
     statements = qt.lease_statements()
@@ -135,10 +135,11 @@ def test_migration_steps_are_guarded_one_object_each(qt: MssqlQueueTables, no_sq
         body = [e for e in guarded.args["true"].expressions if not isinstance(e, exp.EndStatement)]
         assert len(body) == 1, step
         made.append(type(body[0]).__name__)
-    assert made == ["ExecuteSql", "Create", "Create", "Create", "Create", "Create"]
+    assert made == ["ExecuteSql", "Create", "Create", "Drop", "Create", "Create", "Create", "Alter"]
     text = "\n".join(qt.migration())
     assert "PRIMARY KEY CLUSTERED (id)" in text and "id BIGINT IDENTITY(1,1) NOT NULL" in text
-    assert "(queue, id) INCLUDE (visible_at, expires_at)" in text
+    assert "(queue, visible_at, id) INCLUDE (expires_at)" in text
+    assert f"DROP INDEX [ix_celery_q_receive] ON {qt.table}" in text  # the (queue, id) index it replaced
     assert "(expires_at) WHERE expires_at IS NOT NULL" in text
     assert "UNIQUE NONCLUSTERED INDEX" in text
-    assert qt.required_indexes() == ["ix_celery_q_receive", "ix_celery_q_expires"]
+    assert qt.required_indexes() == ["ix_celery_q_ready", "ix_celery_q_expires"]

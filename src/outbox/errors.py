@@ -30,3 +30,10 @@ class StoreError(OutboxError):
 
 class UnsupportedConnection(OutboxError, TypeError):
     """``enqueue`` was handed an object that is not a connection we know how to use."""
+
+
+class BrokerDatabaseUnavailable(OutboxError):
+    """The database behind the ``outboxdb`` broker cannot be reached (a restart, a failover,
+    a dropped connection) after the transport's own retries. It is one of the transport
+    class's ``connection_errors``, so kombu and Celery reconnect instead of stopping the
+    worker, whichever driver raised the original error (kept as ``__cause__``)."""

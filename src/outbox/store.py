@@ -32,12 +32,16 @@ T = TypeVar("T")
 
 #: Attempts for one operation when the database reports a transient error.
 TRANSIENT_RETRIES = 5
+#: Dead rows requeued per short transaction by ``requeue(None)`` / ``requeue_dead(None)``.
+REQUEUE_CHUNK = 1000
 
 
 def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -> int:
-    """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate`` and
-    the Django app's migration (on Django's own connection) create the same schema.
-    Returns how many guarded steps ran (their probe found the change not yet made)."""
+    """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate``, the
+    Django app's migration (on Django's own connection) and Alembic's create the same schema.
+    What the steps may use is read from ``cursor``'s own connection first. Returns how many
+    guarded steps ran (their probe found the change not yet made)."""
+    engine.read_server(cursor)
     ran = 0
     for step in engine.migration(native_json=native_json):
         if isinstance(step, tuple):
@@ -375,50 +379,76 @@ class OutboxStore:
         return [DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], self.engine.to_datetime(r[7]))
                 for r in rows]
 
-    def requeue_dead(self, ids: Sequence[int] | None = None) -> int:
-        """Make dead rows pending again with a fresh attempt budget. ``None`` means all.
-        Unconditional; ``requeue`` is the checked form the command line uses."""
+    def requeue_dead(self, ids: Sequence[int] | None = None, *, chunk: int = REQUEUE_CHUNK) -> int:
+        """Make dead rows pending again with a fresh attempt budget. ``None`` means all,
+        ``chunk`` rows per short transaction (see ``requeue``). Unconditional; ``requeue`` is
+        the checked form the command line uses."""
+        if ids is None:
+            return sum(self._requeue_all("1 = 1", [], chunk).values())
+
         def work(cursor: Any) -> int:
-            if ids is None:
-                return self.engine.execute(cursor, self.engine.requeue_sql("1 = 1")).rowcount
             return sum(self.engine.execute(cursor, self.engine.requeue_sql(cond), params).rowcount
                        for cond, params in map(self.engine.ids_in, self.engine.id_chunks(list(ids))))
         return self._run("requeue_dead", work)
 
-    def requeue(self, ids: Sequence[int] | None = None, *, force: bool = False) -> RequeueResult:
+    def _requeue_all(self, cond: str, params: list[Any], chunk: int) -> dict[str, int]:
+        """Requeue every dead row matching ``cond``, in id order, ``chunk`` rows per short
+        transaction (as ``purge_done`` deletes): one statement over every dead row would
+        lock them all at once, past the lock limits of small servers and Azure SQL, while
+        blocking the claims of every aggregate it touches (docs/sqlserver.md, "Lock
+        escalation"). Returns the rows requeued per topic."""
+        if chunk <= 0:
+            raise ValueError("chunk must be positive")
+        engine, t = self.engine, self.engine.table
+        select = engine.limit(f"SELECT id, topic FROM {t} WHERE status = 4 AND id > ? AND {cond} ORDER BY id")
+        counts: dict[str, int] = {}
+        after = 0
+
+        def work(cursor: Any) -> list[tuple[int, str]]:
+            rows = [(int(r[0]), str(r[1])) for r in engine.execute(cursor, select, [after, *params, chunk]).fetchall()]
+            for part in engine.id_chunks([r[0] for r in rows]) if rows else []:
+                ids_cond, ids_params = engine.ids_in(part)
+                engine.execute(cursor, engine.requeue_sql(ids_cond), ids_params)
+            return rows
+
+        while True:
+            rows = self._run("requeue", work)
+            for _, topic in rows:
+                counts[topic] = counts.get(topic, 0) + 1
+            if len(rows) < chunk:
+                return dict(sorted(counts.items()))
+            after = rows[-1][0]
+
+    def requeue(self, ids: Sequence[int] | None = None, *, force: bool = False,
+                chunk: int = REQUEUE_CHUNK) -> RequeueResult:
         """Make dead rows pending again with a fresh attempt budget, reporting per topic.
 
         A row whose recorded reason is permanent (``engines.base.PERMANENT_ERROR_PREFIXES``:
         undecodable, poison) would only fail again, so it stays dead unless ``force``.
-        ``ids=None`` requeues every other dead row and counts the ones kept. With explicit
-        ids it is all or nothing: an id that does not exist, is not dead, or is permanent
-        (without ``force``) is reported and nothing is requeued."""
+        ``ids=None`` requeues every other dead row, ``chunk`` rows per short transaction in
+        id order, and counts the ones kept. With explicit ids it is all or nothing: an id
+        that does not exist, is not dead, or is permanent (without ``force``) is reported
+        and nothing is requeued."""
         t = self.engine.table
         permanent = "(" + " OR ".join("last_error LIKE ?" for _ in PERMANENT_ERROR_PREFIXES) + ")"
         permanent_params = [prefix + "%" for prefix in PERMANENT_ERROR_PREFIXES]
 
-        def per_topic(cursor: Any, cond: str, params: list[Any]) -> dict[str, int]:
-            rows = self.engine.execute(cursor, f"SELECT topic, COUNT(*) FROM {t} WHERE status = 4 AND {cond} "
-                                       "GROUP BY topic", params).fetchall()
-            return {str(r[0]): int(r[1]) for r in sorted(rows, key=lambda r: str(r[0]))}
-
-        def requeue_all(cursor: Any) -> RequeueResult:
-            kept: dict[str, int] = {}
-            cond, params = "1 = 1", []
-            if not force:
-                kept = per_topic(cursor, permanent, permanent_params)
-                cond, params = f"(last_error IS NULL OR NOT {permanent})", permanent_params
-            counts = per_topic(cursor, cond, params)
-            if counts:
-                self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
-            return RequeueResult(requeued=counts, permanent=kept)
+        if ids is None:
+            if force:
+                return RequeueResult(requeued=self._requeue_all("1 = 1", [], chunk))
+            kept = self._run("requeue", lambda cursor: self.engine.execute(
+                cursor, f"SELECT topic, COUNT(*) FROM {t} WHERE status = 4 AND {permanent} GROUP BY topic",
+                permanent_params).fetchall())
+            requeued = self._requeue_all(f"(last_error IS NULL OR NOT {permanent})", permanent_params, chunk)
+            return RequeueResult(requeued=requeued,
+                                 permanent={str(r[0]): int(r[1]) for r in sorted(kept, key=lambda r: str(r[0]))})
 
         def requeue_ids(cursor: Any) -> RequeueResult:
             wanted = sorted(set(int(i) for i in ids or ()))
-            cond, params = self.engine.ids_in(wanted)
-            rows = self.engine.execute(
+            chunks = [self.engine.ids_in(part) for part in self.engine.id_chunks(wanted)]
+            rows = [row for cond, params in chunks for row in self.engine.execute(
                 cursor, "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, "
-                f"processed_at, status FROM {t} WHERE {cond}", params).fetchall()
+                f"processed_at, status FROM {t} WHERE {cond}", params).fetchall()]
             found = {int(r[0]): r for r in rows}
             missing = [i for i in wanted if i not in found]
             not_dead = {i: int(r[8]) for i, r in found.items() if int(r[8]) != Status.DEAD}
@@ -430,9 +460,9 @@ class OutboxStore:
             counts: dict[str, int] = {}
             for r in found.values():
                 counts[str(r[2])] = counts.get(str(r[2]), 0) + 1
-            if wanted:
-                self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
+            for cond, params in chunks:
+                if params:
+                    self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
             return RequeueResult(requeued=dict(sorted(counts.items())))
 
-        return self._run("requeue", requeue_all if ids is None else requeue_ids)
-
+        return self._run("requeue", requeue_ids)

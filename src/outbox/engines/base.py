@@ -170,6 +170,12 @@ class Engine(ABC):
     def connect(self, url: str) -> Any:
         """Open a DB-API connection for the relay's own, short transactions."""
 
+    def read_server(self, cursor: Any) -> None:
+        """Learn, from the connection ``cursor`` runs on, what the SQL built next may use
+        (SQL Server: OPENJSON and ISJSON). The engine's own connections do this at connect;
+        a caller's connection (a Django or Alembic migration, the Django admin) is probed
+        here first. Nothing to learn on most engines."""
+
     def cursor_for(self, conn: Any) -> Any:
         """A cursor on the caller's connection that yields plain tuples."""
         return conn.cursor()

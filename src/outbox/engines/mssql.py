@@ -17,9 +17,13 @@ read ``rowcount``, which a server-wide NOCOUNT would turn into -1), ``XACT_ABORT
 ON`` (an error or a client timeout never leaves a transaction open holding
 locks), a ``LOCK_TIMEOUT``, ``DEADLOCK_PRIORITY LOW`` (the relay, which retries,
 is the deadlock victim rather than the application) and the ANSI options that
-filtered indexes need. The same round trip reads the database's compatibility
-level: below 130 there is no OPENJSON or ISJSON, so id lists become chunked
-parameter lists and the migration leaves the ISJSON checks out.
+filtered indexes need. The same round trip reads what the server offers
+(``read_server``): the database's compatibility level (below 130 there is no
+OPENJSON, so id lists become chunked parameter lists) and the server's version
+(ISJSON exists at every level from SQL Server 2016 and on Azure SQL; without it the
+migration leaves the JSON checks out). Connections the engine does not open (the
+Django migration and admin, Alembic) are probed the same way before any SQL that
+depends on it is built.
 
 A batch that changes rows before its result set starts with ``SET NOCOUNT ON``
 (after saving the session's setting), so the first result set the driver sees is
@@ -52,8 +56,18 @@ DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 #: Exact, case-sensitive comparison for id-like columns (and index seeks on them).
 ID_COLLATION = "Latin1_General_100_BIN2"
 
-#: OPENJSON and ISJSON need this database compatibility level (SQL Server 2016).
+#: OPENJSON needs this database compatibility level (SQL Server 2016's). ISJSON does not:
+#: it exists at every level from SQL Server 2016 on (JSON_VERSION), and on Azure SQL.
 JSON_LEVEL = 130
+#: The first major version with ISJSON (SQL Server 2016 is 13).
+JSON_VERSION = 13
+#: SERVERPROPERTY('EngineEdition') of Azure SQL Database (5), Managed Instance (8) and
+#: Azure SQL Edge (9): they have ISJSON, but the first two report ProductVersion 12.
+AZURE_EDITIONS = frozenset({5, 8, 9})
+#: One round trip: what the connection's database and server offer (``read_server``).
+SERVER_SQL = ("SELECT compatibility_level, "
+              "CAST(PARSENAME(CAST(SERVERPROPERTY('ProductVersion') AS NVARCHAR(128)), 4) AS INT), "
+              "CAST(SERVERPROPERTY('EngineEdition') AS INT) FROM sys.databases WHERE name = DB_NAME();")
 #: The oldest level the engine supports: SQL Server 2012 (OFFSET/FETCH, THROW-free T-SQL).
 MIN_LEVEL = 110
 #: Ids per statement when OPENJSON is missing: below SQL Server's 2,100 parameters
@@ -395,6 +409,46 @@ def _is_ddl(text: str) -> bool:
     return text.startswith(FILTERED_INDEX_OPTIONS)
 
 
+def migration_lock_statements(resource: str, table_literal: str, table: str) -> list[str]:
+    """The first batch of a migration: an exclusive ``sp_getapplock`` on ``resource``, so two
+    migrations of the same tables (two deploy jobs, workers creating the broker's queue
+    tables at start-up) run one after the other; the second waits for the first to commit
+    and then finds everything in place. The lock belongs to the migration's transaction
+    when one is open (released at commit); a driver in implicit-transaction mode may not
+    have opened it yet, and then the session owns the lock until the last batch
+    (``migration_unlock_statements``) releases it."""
+    return [
+        "DECLARE @lock_owner NVARCHAR(32), @lock_result INT;",
+        # A SELECT from a table opens the driver's implicit transaction (EXEC does not).
+        f"SELECT @lock_result = COUNT(*) FROM sys.objects WHERE object_id = OBJECT_ID({table_literal});",
+        "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
+        f"EXEC @lock_result = sp_getapplock @Resource = {_nstr(resource)}, "
+        f"@LockMode = N'Exclusive', @LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};",
+        _if("@lock_result < 0", "RAISERROR(N'outbox migrate: another outbox migrate of %s held the migration "
+            "lock for too long (sp_getapplock returned %d); run it again when that one has finished', 16, 1, "
+            f"{_nstr(table)}, @lock_result)"),
+    ]
+
+
+def migration_unlock_statements(resource: str) -> list[str]:
+    """The last batch of a migration: release a session-owned migration lock (a
+    transaction-owned one goes with the commit)."""
+    return [_if(f"APPLOCK_MODE(N'public', {_nstr(resource)}, N'Session') <> N'NoLock'",
+                f"EXEC sp_releaseapplock @Resource = {_nstr(resource)}, @LockOwner = N'Session'")]
+
+
+def lock_escalation_off(table: str, table_literal: str) -> str:
+    """Turn lock escalation off (docs/sqlserver.md, "Lock escalation"), guarded by the catalog."""
+    return _if(f"EXISTS (SELECT 1 FROM sys.tables WHERE object_id = OBJECT_ID({table_literal}) "
+               "AND lock_escalation_desc <> N'DISABLE')", f"ALTER TABLE {table} SET (LOCK_ESCALATION = DISABLE)")
+
+
+def add_json_check_sql(table: str, constraint: str, column: str) -> str:
+    """Add an ISJSON check to an existing table without checking its rows (WITH NOCHECK):
+    new and updated values are checked, the constraint is marked not trusted."""
+    return f"ALTER TABLE {table} WITH NOCHECK ADD CONSTRAINT {constraint} CHECK (ISJSON({column}) = 1)"
+
+
 class MssqlEngine(Engine):
     name = "mssql"
     placeholder = "?"
@@ -406,9 +460,12 @@ class MssqlEngine(Engine):
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         super().__init__(table=table, schema=schema)
-        #: The database's compatibility level, read at connect; None until then
-        #: (SQL text built before any connection assumes OPENJSON exists).
+        #: The database's compatibility level, the server's major version and engine
+        #: edition, read from a connection (``read_server``); None until then, and SQL
+        #: built before then uses neither OPENJSON nor ISJSON.
         self.compat_level: int | None = None
+        self.server_version: int | None = None
+        self.engine_edition: int | None = None
         #: The aggregate_id column's collation, read at the first claim.
         self.id_collation: str | None = None
         #: Whether the ordering probe's index is there as defined, read at the first claim;
@@ -419,8 +476,16 @@ class MssqlEngine(Engine):
 
     @property
     def has_json(self) -> bool:
-        """OPENJSON/ISJSON are there (compatibility level 130 or later)."""
-        return self.compat_level is None or self.compat_level >= JSON_LEVEL
+        """OPENJSON is there: the database's compatibility level, as read from a
+        connection, is 130 or later."""
+        return self.compat_level is not None and self.compat_level >= JSON_LEVEL
+
+    @property
+    def has_isjson(self) -> bool:
+        """ISJSON is there: SQL Server 2016 or later (at any compatibility level) or Azure
+        SQL, as read from a connection."""
+        return ((self.server_version is not None and self.server_version >= JSON_VERSION)
+                or self.engine_edition in AZURE_EDITIONS)
 
     # -- names and SQL text ------------------------------------------------------
     def quote(self, identifier: str) -> str:
@@ -489,8 +554,7 @@ class MssqlEngine(Engine):
         The isolation level is left alone on purpose: the claim's table hints give the
         locking it needs on locking and RCSI databases."""
         return (f"SET NOCOUNT OFF; SET XACT_ABORT ON; SET LOCK_TIMEOUT {int(lock_timeout_ms)}; "
-                f"SET DEADLOCK_PRIORITY LOW; {FILTERED_INDEX_OPTIONS}\n"
-                "SELECT compatibility_level FROM sys.databases WHERE name = DB_NAME();")
+                f"SET DEADLOCK_PRIORITY LOW; {FILTERED_INDEX_OPTIONS}\n{SERVER_SQL}")
 
     def connect(self, url: str) -> Any:
         target = parse_target(url)
@@ -515,19 +579,12 @@ class MssqlEngine(Engine):
         return conn
 
     def setup_session(self, conn: Any, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> None:
-        """Set the session options, read the compatibility level (once per connection)
+        """Set the session options, read what the server offers (once per connection)
         and, once per engine, check the table and log what is wrong with it."""
         cursor = conn.cursor()
         try:
             rows = _result_rows(cursor.execute(self.session_sql(lock_timeout_ms)))
-            level = int(rows[0][0]) if rows and rows[0][0] is not None else MIN_LEVEL
-            if level < MIN_LEVEL:
-                raise StoreError(f"SQL Server database compatibility level {level} is not supported "
-                                 f"(the engine needs {MIN_LEVEL}, SQL Server 2012, or later)")
-            if level < JSON_LEVEL and self.compat_level != level:
-                log.info("SQL Server compatibility level %d has no OPENJSON/ISJSON: id lists are sent as "
-                         "parameter lists of at most %d ids per statement", level, ID_PARAMS_PER_STATEMENT)
-            self.compat_level = level
+            self._learn_server(rows[0] if rows else None)
             if not self._checked:
                 self._checked = True
                 for problem in self.schema_problems(cursor):
@@ -535,6 +592,30 @@ class MssqlEngine(Engine):
         finally:
             cursor.close()
         conn.commit()  # the catalog reads opened a transaction; SET options outlive it
+
+    def read_server(self, cursor: Any) -> None:
+        """Probe the connection ``cursor`` runs on (one the engine did not open: a Django
+        or Alembic migration, the Django admin) for what the SQL built next may use:
+        OPENJSON (the compatibility level) and ISJSON (the version)."""
+        self._learn_server(self.execute(cursor, SERVER_SQL).fetchone())
+
+    def _learn_server(self, row: Sequence[Any] | None) -> None:
+        if row is None:  # no answer: keep what is known (unknown means neither function)
+            return
+        level, version, edition = (None if v is None else int(v) for v in row[:3])
+        if level is not None and level < MIN_LEVEL:
+            raise StoreError(f"SQL Server database compatibility level {level} is not supported "
+                             f"(the engine needs {MIN_LEVEL}, SQL Server 2012, or later)")
+        known = (self.compat_level, self.server_version, self.engine_edition)
+        self.compat_level, self.server_version, self.engine_edition = level, version, edition
+        if known == (level, version, edition):
+            return
+        if not self.has_json:
+            log.info("SQL Server compatibility level %s has no OPENJSON: id lists are sent as parameter lists "
+                     "of at most %d ids per statement", level, ID_PARAMS_PER_STATEMENT)
+        if not self.has_isjson:
+            log.info("SQL Server %s (engine edition %s) has no ISJSON: the table is made without its JSON checks "
+                     "(enqueue validates the JSON in any case)", version, edition)
 
     def execute(self, cursor: Any, text: str, params: Sequence[Any] = ()) -> Any:
         """Bind parameters with stable declared types (one plan per statement, not per
@@ -619,7 +700,7 @@ class MssqlEngine(Engine):
         t, q, name = self.table, self.quote, self.table_name
         table_literal = self._table_literal()
         schema = self.schema or "dbo"
-        checked_json = not native_json and self.has_json
+        checked_json = not native_json and self.has_isjson
 
         def constraint(kind: str, column: str = "") -> str:
             return "CONSTRAINT " + q("_".join(filter(None, (kind, name, column))))
@@ -652,24 +733,8 @@ class MssqlEngine(Engine):
         lease_token CHAR(32) NULL,
         {constraint('pk')} PRIMARY KEY CLUSTERED (id)
     )"""
-        # Two `outbox migrate` at once: the second waits here for the first to commit.
-        # The lock belongs to the migration's transaction when one is open (released at
-        # commit); a driver in implicit-transaction mode may not have opened it yet, and
-        # then the session owns the lock until the last step releases it.
-        lock = [
-            "DECLARE @lock_owner NVARCHAR(32), @lock_result INT;",
-            # A SELECT from a table opens the driver's implicit transaction (EXEC does not).
-            f"SELECT @lock_result = COUNT(*) FROM sys.objects WHERE object_id = OBJECT_ID({table_literal});",
-            "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
-            f"EXEC @lock_result = sp_getapplock @Resource = {_nstr(self.migration_lock_resource())}, "
-            f"@LockMode = N'Exclusive', @LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};",
-            _if("@lock_result < 0", "RAISERROR(N'outbox migrate: another outbox migrate of %s held the migration "
-                "lock for too long (sp_getapplock returned %d); run it again when that one has finished', 16, 1, "
-                f"{_nstr(t)}, @lock_result)"),
-        ]
-        unlock = [_if(f"APPLOCK_MODE(N'public', {_nstr(self.migration_lock_resource())}, N'Session') <> N'NoLock'",
-                      f"EXEC sp_releaseapplock @Resource = {_nstr(self.migration_lock_resource())}, "
-                      "@LockOwner = N'Session'")]
+        lock = migration_lock_statements(self.migration_lock_resource(), table_literal, t)
+        unlock = migration_unlock_statements(self.migration_lock_resource())
         steps: list[Any] = [
             lock,
             # CREATE SCHEMA must be the only statement of its batch, hence dynamic SQL.
@@ -680,15 +745,20 @@ class MssqlEngine(Engine):
               for column, ddl in (("last_error", "NVARCHAR(4000) NULL"), ("lease_token", "CHAR(32) NULL"))),
         ]
         if checked_json:
-            # A table made below level 130 (or by another script) gets its JSON checks
-            # once the database can evaluate ISJSON.
+            # A table made before the server had ISJSON (or by another script) gets its
+            # JSON checks now, WITH NOCHECK: checking the existing rows would scan the
+            # whole table under a schema lock that stops every enqueuer, and one bad row
+            # would abort the migration (docs/sqlserver.md, "JSON checks on an existing
+            # table"). Sent through sp_executesql like CREATE SCHEMA: the T-SQL parser the
+            # tests check every statement with does not know the WITH NOCHECK form, so
+            # they check its text.
             for column in ("payload", "headers"):
                 ck = q(f"ck_{name}_{column}_json")
                 steps.append([_if(
                     f"OBJECT_ID({_nstr((self.quote(schema) + '.' + ck))}, N'C') IS NULL AND EXISTS (SELECT 1 FROM "
                     f"sys.columns WHERE object_id = OBJECT_ID({table_literal}) AND name = {_nstr(column)} "
                     "AND system_type_id = 231)",
-                    f"ALTER TABLE {t} ADD CONSTRAINT {ck} CHECK (ISJSON({column}) = 1)")])
+                    f"EXEC sp_executesql {_nstr(add_json_check_sql(t, ck, column))}")])
         for suffix in RETIRED_INDEXES:
             steps.append([_if(self._index_exists(suffix), f"DROP INDEX {q(self.index_name(suffix))} ON {t}")])
         for spec in INDEXES:
@@ -700,9 +770,7 @@ class MssqlEngine(Engine):
             steps.append([_if(f"NOT {self._index_exists(spec.suffix)}", spec.ddl(index, t))])
         # Claims, purge chunks and requeue-all may lock more than 5,000 rows; escalation
         # to a table lock would stop every enqueuer until they commit.
-        steps.append([_if(f"EXISTS (SELECT 1 FROM sys.tables WHERE object_id = OBJECT_ID({table_literal}) "
-                          "AND lock_escalation_desc <> N'DISABLE')",
-                          f"ALTER TABLE {t} SET (LOCK_ESCALATION = DISABLE)")])
+        steps.append([lock_escalation_off(t, table_literal)])
         steps.append(unlock)
         return steps
 

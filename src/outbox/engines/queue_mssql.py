@@ -8,7 +8,8 @@ back through ``OUTPUT ... INTO`` a table variable (a bare OUTPUT fails on tables
 with triggers). The batch saves and restores NOCOUNT as ``mssql.py`` explains.
 
 The message table is clustered on ``id``, the seeds' 2016 design: inserts go to
-the end, the receive index is ``(queue, id)``. The 2024 design moved hot queues to
+the end, the receive index is ``(queue, visible_at, id)`` (``queues.READY_INDEX``).
+The 2024 design moved hot queues to
 a heap with a non-clustered index against last-page latch contention; that is a
 measured trade-off we could not measure here (no SQL Server), and heaps do not
 give back pages emptied by singleton DELETEs, which a queue does all day. See
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .mssql import FILTERED_INDEX_OPTIONS, _if, _nstr, _result_rows
-from .queues import MAX_NAME, MessageRow, QueueTables, to_rows
+from .mssql import (FILTERED_INDEX_OPTIONS, _if, _nstr, _result_rows, lock_escalation_off,
+                    migration_lock_statements, migration_unlock_statements)
+from .queues import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 #: Names compare exactly, as on the other engines (default collations ignore case).
 NAME_COLLATION = "Latin1_General_100_BIN2"
@@ -65,7 +67,11 @@ class MssqlQueueTables(QueueTables):
         created_at DATETIME2(3) NOT NULL {constraint('df', self.table_name, 'created_at')} DEFAULT SYSUTCDATETIME(),
         {constraint('pk', self.table_name)} PRIMARY KEY CLUSTERED (id)
     )"""),
-            index(t, "receive", "NONCLUSTERED INDEX {index} ON {t} (queue, id) INCLUDE (visible_at, expires_at)"),
+            # The receive index (queues.READY_INDEX): seeks a queue's visible rows, in lease order.
+            index(t, READY_INDEX, "NONCLUSTERED INDEX {index} ON {t} (queue, visible_at, id) INCLUDE (expires_at)"),
+            _if(f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {_nstr(self.index_name(RETIRED_RECEIVE_INDEX))} "
+                f"AND object_id = OBJECT_ID({_nstr(t)}))",
+                f"DROP INDEX {q(self.index_name(RETIRED_RECEIVE_INDEX))} ON {t}"),
             index(t, "expires", "NONCLUSTERED INDEX {index} ON {t} (expires_at) WHERE expires_at IS NOT NULL"),
             _if(f"OBJECT_ID({_nstr(b)}, N'U') IS NULL", f"""CREATE TABLE {b} (
         id BIGINT IDENTITY(1,1) NOT NULL,
@@ -77,8 +83,27 @@ class MssqlQueueTables(QueueTables):
         {constraint('pk', self.binding_name)} PRIMARY KEY CLUSTERED (id)
     )"""),
             index(b, "binding", "UNIQUE NONCLUSTERED INDEX {index} ON {t} (exchange, routing_key, queue)"),
+            # An unbounded purge (or a deep lease) must not escalate to a table lock that
+            # blocks send_task in business transactions, as on the outbox table.
+            lock_escalation_off(t, _nstr(t)),
         ]
         return [f"{FILTERED_INDEX_OPTIONS}\n{step}" for step in steps]
+
+    def migration_lock_batch(self) -> str:
+        return FILTERED_INDEX_OPTIONS + "\n" + "\n".join(
+            migration_lock_statements(self.migration_lock_name(), _nstr(self.table), self.table))
+
+    def migration_unlock_batch(self) -> str:
+        return FILTERED_INDEX_OPTIONS + "\n" + "\n".join(migration_unlock_statements(self.migration_lock_name()))
+
+    def lock_migration(self, cursor: Any) -> None:
+        # Workers starting together on an empty database would otherwise race to CREATE
+        # TABLE / INDEX (errors 2714, 1913): serialized as `outbox migrate` serializes the
+        # outbox table (mssql.migration_lock_statements).
+        self.run(cursor, self.migration_lock_batch())
+
+    def unlock_migration(self, cursor: Any) -> None:
+        self.run(cursor, self.migration_unlock_batch())
 
     def existing_indexes_sql(self) -> tuple[str, list[Any]]:
         return ("SELECT name FROM sys.indexes WHERE object_id = OBJECT_ID(?) AND name IS NOT NULL", [self.table])
@@ -98,7 +123,7 @@ class MssqlQueueTables(QueueTables):
     FROM {t} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK)
     WHERE queue = @queue AND visible_at <= SYSUTCDATETIME()
       AND (expires_at IS NULL OR expires_at > SYSUTCDATETIME())
-    ORDER BY id)
+    ORDER BY {RECEIVE_ORDER})
 UPDATE leased SET
     visible_at = DATEADD(MILLISECOND, @vis_ms, DATEADD(SECOND, @vis_s, SYSUTCDATETIME())),
     receipt = @receipt,

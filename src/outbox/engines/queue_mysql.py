@@ -9,9 +9,11 @@ COMMITTED transaction. Names use a binary collation: queue ``a`` is not ``A``.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
-from .queues import MAX_NAME, MessageRow, QueueTables, to_rows
+from ..errors import StoreError
+from .queues import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 
 class MysqlQueueTables(QueueTables):
@@ -27,6 +29,7 @@ class MysqlQueueTables(QueueTables):
                     "AND table_name = ? AND index_name = ?", [*schema_params, table, index])
 
         name = f"VARCHAR({MAX_NAME}) NOT NULL"
+        retired = index_exists(self.table_name, self.index_name(RETIRED_RECEIVE_INDEX))
         steps: list[Any] = [f"CREATE DATABASE IF NOT EXISTS {q(engine.schema)}"] if engine.schema else []
         steps += [
             f"""CREATE TABLE IF NOT EXISTS {self.table} (
@@ -40,8 +43,11 @@ class MysqlQueueTables(QueueTables):
                 deliveries INT NOT NULL DEFAULT 0,
                 created_at DATETIME(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)
             ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
-            (index_exists(self.table_name, self.index_name("receive")),
-             f"CREATE INDEX {q(self.index_name('receive'))} ON {self.table} (queue, id, visible_at)"),
+            (index_exists(self.table_name, self.index_name(READY_INDEX)),
+             f"CREATE INDEX {q(self.index_name(READY_INDEX))} ON {self.table} (queue, visible_at, id)"),
+            # The retired receive index: dropped when it exists (the probe finds no row then).
+            ((f"SELECT 1 FROM DUAL WHERE NOT EXISTS ({retired[0]})", retired[1]),
+             f"DROP INDEX {q(self.index_name(RETIRED_RECEIVE_INDEX))} ON {self.table}"),
             (index_exists(self.table_name, self.index_name("expires")),
              f"CREATE INDEX {q(self.index_name('expires'))} ON {self.table} (expires_at)"),
             f"""CREATE TABLE IF NOT EXISTS {self.bindings} (
@@ -56,6 +62,25 @@ class MysqlQueueTables(QueueTables):
         ]
         return steps
 
+    #: Seconds a migration waits for another one (GET_LOCK).
+    MIGRATION_LOCK_TIMEOUT_S = 600
+
+    def migration_lock_key(self) -> str:
+        # GET_LOCK names stop at 64 characters: a digest of the table's name.
+        return "outbox migrate " + hashlib.sha1(self.table.encode()).hexdigest()
+
+    def lock_migration(self, cursor: Any) -> None:
+        # DDL commits on its own in MySQL, so the lock is the session's (GET_LOCK) and
+        # unlock_migration releases it. Concurrent CREATE INDEX fails with 1061.
+        got = self.run(cursor, "SELECT GET_LOCK(?, ?)",
+                       [self.migration_lock_key(), self.MIGRATION_LOCK_TIMEOUT_S]).fetchone()
+        if not got or got[0] != 1:
+            raise StoreError(f"outbox migrate: another migration of {self.table} held the migration lock for "
+                             f"{self.MIGRATION_LOCK_TIMEOUT_S} s; run it again when that one has finished")
+
+    def unlock_migration(self, cursor: Any) -> None:
+        self.run(cursor, "SELECT RELEASE_LOCK(?)", [self.migration_lock_key()]).fetchall()
+
     def existing_indexes_sql(self) -> tuple[str, list[Any]]:
         schema = "DATABASE()" if not self.engine.schema else "?"
         return (f"SELECT DISTINCT index_name FROM information_schema.statistics WHERE table_schema = {schema} "
@@ -69,7 +94,7 @@ class MysqlQueueTables(QueueTables):
 
     def scan_sql(self) -> str:
         return (f"SELECT id, queue, headers, body, deliveries FROM {self.table} "
-                f"WHERE queue = ? AND {self.visible()} ORDER BY id LIMIT ?{self.lock_rows}")
+                f"WHERE queue = ? AND {self.visible()} ORDER BY {RECEIVE_ORDER} LIMIT ?{self.lock_rows}")
 
     def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
         rows = self.run(cursor, self.scan_sql(), [queue, limit]).fetchall()

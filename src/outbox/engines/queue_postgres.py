@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .queues import MAX_NAME, QueueTables, Waiter
+from .queues import MAX_NAME, READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables, Waiter
 
 
 class ListenWaiter(Waiter):
@@ -52,9 +52,10 @@ class PostgresQueueTables(QueueTables):
                 deliveries INTEGER NOT NULL DEFAULT 0,
                 created_at TIMESTAMPTZ(3) NOT NULL DEFAULT now()
             )""",
-            # The receive scan: one queue, in id order, visibility checked in the index.
-            f"CREATE INDEX IF NOT EXISTS {q(self.index_name('receive'))} ON {t} (queue, id) "
-            "INCLUDE (visible_at, expires_at)",
+            # The receive scan: one queue's visible rows, longest visible first (queues.READY_INDEX).
+            f"CREATE INDEX IF NOT EXISTS {q(self.index_name(READY_INDEX))} ON {t} (queue, visible_at, id) "
+            "INCLUDE (expires_at)",
+            f"DROP INDEX IF EXISTS {self.engine.qualify(self.index_name(RETIRED_RECEIVE_INDEX))}",
             f"CREATE INDEX IF NOT EXISTS {q(self.index_name('expires'))} ON {t} (expires_at) "
             "WHERE expires_at IS NOT NULL",
             f"""CREATE TABLE IF NOT EXISTS {b} (
@@ -67,6 +68,11 @@ class PostgresQueueTables(QueueTables):
             )""",
             f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('binding'))} ON {b} (exchange, routing_key, queue)",
         ]
+
+    def lock_migration(self, cursor: Any) -> None:
+        # Concurrent CREATE TABLE IF NOT EXISTS fails on PostgreSQL (a unique violation in
+        # pg_type or pg_class): one migration at a time, the lock held until the commit.
+        self.run(cursor, "SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_name()])
 
     def wake_channel(self) -> str:
         """The NOTIFY channel of this queue table (identifiers stop at 63 bytes)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .queues import QueueTables
+from .queues import READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables
 from .sqlite import _NOW
 
 
@@ -31,7 +31,8 @@ class SqliteQueueTables(QueueTables):
                 deliveries INTEGER NOT NULL DEFAULT 0,
                 created_at TEXT NOT NULL DEFAULT ({_NOW})
             )""",
-            f"CREATE INDEX IF NOT EXISTS {self.index_ref('receive')} ON {table} (queue, id, visible_at)",
+            f"CREATE INDEX IF NOT EXISTS {self.index_ref(READY_INDEX)} ON {table} (queue, visible_at, id)",
+            f"DROP INDEX IF EXISTS {self.index_ref(RETIRED_RECEIVE_INDEX)}",
             f"CREATE INDEX IF NOT EXISTS {self.index_ref('expires')} ON {table} (expires_at) "
             "WHERE expires_at IS NOT NULL",
             f"""CREATE TABLE IF NOT EXISTS {self.bindings} (

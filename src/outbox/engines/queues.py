@@ -12,6 +12,14 @@ from typing import Any, NamedTuple, Sequence
 from .base import Engine
 
 DEFAULT_QUEUE_TABLE = "outbox_queue"
+#: The receive index (``ix_<table>_ready``): (queue, visible_at, id), so the lease and the
+#: idle probe seek a queue's visible rows and never read past its delayed (eta, Celery
+#: retries) and leased rows (docs/transport.md, "Table layout"). It replaced
+#: ``ix_<table>_receive`` on (queue, id), which migrations drop.
+READY_INDEX, RETIRED_RECEIVE_INDEX = "ready", "receive"
+#: The lease's order, which the ready index serves without a sort: the longest visible first,
+#: which for undelayed sends is the send order (ties by id).
+RECEIVE_ORDER = "visible_at, id"
 #: Longest queue, exchange and routing key name the tables hold.
 MAX_NAME = 255
 
@@ -63,7 +71,7 @@ class QueueTables:
 
     def required_indexes(self) -> list[str]:
         """Indexes the transport checks for at start-up (a warning names each missing one)."""
-        return [self.index_name("receive"), self.index_name("expires")]
+        return [self.index_name(READY_INDEX), self.index_name("expires")]
 
     def after_ms(self) -> str:
         """The database clock plus a non-negative number of milliseconds (``after_params``)."""
@@ -84,14 +92,35 @@ class QueueTables:
         """Guarded, idempotent steps (see ``Engine.migration`` for the item forms)."""
         raise NotImplementedError
 
+    def lock_migration(self, cursor: Any) -> None:
+        """Wait until no other migration of these tables runs (every worker creates them at
+        start-up, so several race on an empty database): engines whose concurrent DDL can
+        fail take a lock here that lasts until ``unlock_migration`` or the commit."""
+
+    def unlock_migration(self, cursor: Any) -> None:
+        """Release what ``lock_migration`` took, where the commit does not."""
+
     def migrate(self, cursor: Any) -> None:
-        """Run ``migration()``: create or repair both tables and their indexes."""
-        for step in self.migration():
-            if isinstance(step, tuple):
-                (probe, params), step = step
-                if self.run(cursor, probe, params).fetchone() is not None:
-                    continue
-            self.run(cursor, step)
+        """Run ``migration()``: create or repair both tables and their indexes, one
+        migration at a time (``lock_migration``)."""
+        self.lock_migration(cursor)
+        try:
+            for step in self.migration():
+                if isinstance(step, tuple):
+                    (probe, params), step = step
+                    if self.run(cursor, probe, params).fetchone() is not None:
+                        continue
+                self.run(cursor, step)
+        except BaseException:
+            try:
+                self.unlock_migration(cursor)
+            except Exception:  # the connection may be gone; the original error tells why
+                pass
+            raise
+        self.unlock_migration(cursor)
+
+    def migration_lock_name(self) -> str:
+        return f"outbox migrate {self.table}"
 
     def existing_indexes_sql(self) -> tuple[str, list[Any]]:
         """A query listing the names of the message table's indexes."""
@@ -141,11 +170,11 @@ class QueueTables:
         t = self.table
         return (f"UPDATE {t} SET visible_at = {self.after_ms()}, receipt = ?, deliveries = deliveries + 1 "
                 f"WHERE id IN (SELECT id FROM {t} WHERE queue = ? AND {self.visible()} "
-                f"ORDER BY id LIMIT ?{self.lock_rows}) "
+                f"ORDER BY {RECEIVE_ORDER} LIMIT ?{self.lock_rows}) "
                 "RETURNING id, queue, headers, body, deliveries")
 
     def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
-        """Lease up to ``limit`` rows of ``queue``, oldest first."""
+        """Lease up to ``limit`` rows of ``queue``, the longest visible first (``RECEIVE_ORDER``)."""
         params = [*self.after_params(visibility_ms), receipt, queue, limit]
         return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
 
@@ -156,13 +185,18 @@ class QueueTables:
         """Delete a received message; 0 when its lease ran out and someone else holds it."""
         return self.run(cursor, self.ack_sql(), [id, receipt]).rowcount
 
-    def release_sql(self) -> str:
-        return (f"UPDATE {self.table} SET visible_at = {self.after_ms()}, receipt = NULL "
-                "WHERE id = ? AND receipt = ?")
+    def release_sql(self, delayed: bool = True) -> str:
+        """Visible again after ``after_ms``, or (not ``delayed``) at once and in its old place:
+        ``visible_at`` back to the send time, which is where an undelayed send put it."""
+        visible = self.after_ms() if delayed else "created_at"
+        return f"UPDATE {self.table} SET visible_at = {visible}, receipt = NULL WHERE id = ? AND receipt = ?"
 
     def release(self, cursor: Any, id: int, receipt: str, delay_ms: int = 0) -> int:
-        """Make a received message deliverable again (after ``delay_ms``)."""
-        return self.run(cursor, self.release_sql(), [*self.after_params(delay_ms), id, receipt]).rowcount
+        """Make a received message deliverable again (after ``delay_ms``; at once, it keeps
+        its place in the queue)."""
+        if delay_ms > 0:
+            return self.run(cursor, self.release_sql(), [*self.after_params(delay_ms), id, receipt]).rowcount
+        return self.run(cursor, self.release_sql(delayed=False), [id, receipt]).rowcount
 
     def size(self, cursor: Any, queue: str) -> int:
         """Messages waiting (delayed ones included, leased ones not: AMQP's message count)."""
@@ -217,4 +251,5 @@ def to_rows(rows: Sequence[Sequence[Any]]) -> list[MessageRow]:
     return out
 
 
-__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "to_rows"]
+__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "READY_INDEX",
+           "RETIRED_RECEIVE_INDEX", "RECEIVE_ORDER", "to_rows"]

@@ -40,10 +40,10 @@ from typing import Any, Callable, TypeVar
 
 from kombu.transport import virtual
 
-from ..engines import engine_for_url, kind_of_url
+from ..engines import engine_for_url, kind_of_url, mssql_driver
 from ..engines.queue_factory import queue_tables
 from ..engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables
-from ..errors import ConfigError
+from ..errors import BrokerDatabaseUnavailable, ConfigError
 from .options import SCHEME
 
 log = logging.getLogger("outbox.transport")
@@ -470,11 +470,13 @@ class Database:
                         raise
                     # A dropped connection, a server restart, a deadlock victim: start
                     # again on a fresh connection. (A send whose commit was cut off may
-                    # then be stored twice: at least once.) Out of retries, the error is
-                    # one of the transport's connection_errors and kombu reconnects.
+                    # then be stored twice: at least once.) Out of retries, it is raised as
+                    # BrokerDatabaseUnavailable, one of the Transport class's
+                    # connection_errors whatever the driver: kombu and Celery reconnect.
                     self._drop_connection()
                     if attempt == self.RETRIES:
-                        raise
+                        raise BrokerDatabaseUnavailable(
+                            f"outboxdb: the broker's database is unavailable ({type(exc).__name__}: {exc})") from exc
             log.info("outboxdb: retrying after a transient database error (attempt %d)", attempt + 1)
             time.sleep(0.05 * 2 ** attempt * random.uniform(0.5, 1.5))
         raise AssertionError("unreachable")
@@ -493,8 +495,10 @@ class Database:
         self._drop_connection()
 
 
-def _driver_errors(kind: str) -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(connection errors, channel errors) of the engine's driver, for kombu's retry logic."""
+def _driver_errors(url: str) -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(connection errors, channel errors) of the driver ``url`` selects, for kombu's retry
+    logic (``mssql+mssqlpython://`` raises mssql-python's classes, not pyodbc's)."""
+    kind = kind_of_url(url)
     try:
         if kind == "sqlite":
             import sqlite3
@@ -505,6 +509,9 @@ def _driver_errors(kind: str) -> tuple[tuple[type[BaseException], ...], tuple[ty
         if kind == "mysql":
             import pymysql
             return (pymysql.err.OperationalError, pymysql.err.InterfaceError), (pymysql.err.DatabaseError,)
+        if kind == "mssql" and mssql_driver(url) == "mssql_python":
+            import mssql_python
+            return (mssql_python.OperationalError, mssql_python.InterfaceError), (mssql_python.DatabaseError,)
         if kind == "mssql":
             import pyodbc
             return (pyodbc.OperationalError, pyodbc.InterfaceError), (pyodbc.DatabaseError,)
@@ -517,6 +524,11 @@ class Transport(virtual.Transport):
     """``outboxdb+<database URL>``: Celery's broker on the database's queue tables."""
 
     Channel = Channel
+    #: kombu's Connection reads these from the CLASS (``get_transport_cls()``), and Celery
+    #: decides from them whether a broker error means "reconnect" or "stop the worker".
+    #: The driver is known only per URL, so ``Database.run`` raises every lost connection
+    #: as BrokerDatabaseUnavailable; the instance adds the URL's driver classes too.
+    connection_errors = virtual.Transport.connection_errors + (BrokerDatabaseUnavailable,)
     can_parse_url = True
     driver_type = "sql"
     driver_name = SCHEME
@@ -531,9 +543,8 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.database_url = database_url_of(client.hostname)
-        kind = kind_of_url(self.database_url)
-        conn_errors, chan_errors = _driver_errors(kind)
-        self.connection_errors = virtual.Transport.connection_errors + conn_errors
+        conn_errors, chan_errors = _driver_errors(self.database_url)
+        self.connection_errors = type(self).connection_errors + conn_errors
         self.channel_errors = virtual.Transport.channel_errors + chan_errors
         options = client.transport_options
         self.polling_interval_min = float(options.get("polling_interval_min", self.polling_interval_min))

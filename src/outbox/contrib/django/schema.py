@@ -32,12 +32,14 @@ def create_table(connection: Any) -> None:
 
 
 def requeue_dead(connection: Any, ids: list[int]) -> int:
-    """The store's requeue statement on Django's connection (the admin action)."""
+    """The store's requeue statement on Django's connection (the admin action): id lists
+    as that connection's server takes them (probed first), as many statements as needed."""
     engine, raw = engine_for(connection)
-    cond, params = engine.ids_in(ids)
     cursor = engine.cursor_for(raw)
     try:
-        return int(engine.execute(cursor, engine.requeue_sql(cond), params).rowcount)
+        engine.read_server(cursor)
+        return sum(int(engine.execute(cursor, engine.requeue_sql(cond), params).rowcount)
+                   for cond, params in map(engine.ids_in, engine.id_chunks(ids)))
     finally:
         cursor.close()
 

@@ -1,0 +1,92 @@
+"""``outbox dead requeue --all`` in id-ordered chunks, one short transaction each (issue 20
+item 7), on every engine: the per-topic report and the refusal of permanent rows stay
+as they were, and no statement requeues more than one chunk."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from outbox import Status
+from outbox.events import prepare_event
+from outbox.store import OutboxStore
+
+
+def dead_rows(store: OutboxStore, topics: list[str], permanent: frozenset[int] = frozenset()) -> list[int]:
+    """One dead row per topic given (in order); the positions in ``permanent`` carry a
+    permanent reason (poison)."""
+    ids = []
+    with store.transaction() as cursor:
+        for n, topic in enumerate(topics):
+            event = prepare_event(topic=topic, aggregate_type="o", aggregate_id=f"a{n % 7}", payload={"n": n})
+            ids.append(store.engine.insert_event(cursor, event))
+    with store.transaction() as cursor:
+        for n, id in enumerate(ids):
+            reason = "poison: too big" if n in permanent else "retriable: no queue bound"
+            store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 4, attempts = 3, "
+                                 f"processed_at = {store.engine.now}, last_error = ? WHERE id = ?", [reason, id])
+    return ids
+
+
+def spy(store: OutboxStore) -> list[tuple[str, int]]:
+    """(operation, rows changed by each requeue UPDATE) as the store runs them on the real
+    database: ``("txn", 0)`` marks each transaction the store opens."""
+    seen: list[tuple[str, int]] = []
+    run, execute = store._run, store.engine.execute
+
+    def counting_run(operation: str, work: Any) -> Any:
+        seen.append(("txn", 0))
+        return run(operation, work)
+
+    def counting_execute(cursor: Any, text: str, params: Any = ()) -> Any:
+        result = execute(cursor, text, params)
+        if text.startswith("UPDATE") and "status = 0, attempts = 0" in text:
+            seen.append(("requeue", result.rowcount))
+        return result
+
+    store._run = counting_run  # type: ignore[method-assign]
+    store.engine.execute = counting_execute  # type: ignore[method-assign]
+    return seen
+
+
+def statuses(store: OutboxStore) -> dict[int, int]:
+    with store.transaction() as cursor:
+        rows = store.engine.execute(cursor, f"SELECT id, status FROM {store.engine.table}").fetchall()
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
+def test_requeue_all_runs_in_chunks_and_keeps_the_report(store: OutboxStore) -> None:
+    topics = ["orders.paid", "orders.created", "orders.big"] * 9  # 27 rows
+    permanent = {2, 5, 8}  # three orders.big rows are poison
+    ids = dead_rows(store, topics, frozenset(permanent))
+    seen = spy(store)
+    result = store.requeue(None, chunk=5)
+    assert result.requeued == {"orders.big": 6, "orders.created": 9, "orders.paid": 9}
+    assert result.permanent == {"orders.big": 3}
+    updates = [n for op, n in seen if op == "requeue"]
+    # 24 rows in chunks of 5: 5 full chunks and one of 4, each in its own transaction
+    # (plus the one that counts the kept rows).
+    assert updates == [5, 5, 5, 5, 4]
+    assert sum(1 for op, _ in seen if op == "txn") == 1 + 5
+    now = statuses(store)
+    assert [now[ids[n]] for n in sorted(permanent)] == [Status.DEAD] * 3
+    assert all(now[id] == Status.PENDING for n, id in enumerate(ids) if n not in permanent)
+
+
+def test_forced_requeue_all_and_requeue_dead_run_in_chunks(store: OutboxStore) -> None:
+    ids = dead_rows(store, ["t.a", "t.b"] * 6, permanent=frozenset({0}))
+    seen = spy(store)
+    assert store.requeue(None, force=True, chunk=4).requeued == {"t.a": 6, "t.b": 6}
+    assert [n for op, n in seen if op == "requeue"] == [4, 4, 4]
+    assert set(statuses(store).values()) == {Status.PENDING}
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 4, "
+                               f"processed_at = {store.engine.now}")
+    seen.clear()
+    assert store.requeue_dead(chunk=5) == len(ids)
+    assert [n for op, n in seen if op == "requeue"] == [5, 5, 2]
+    assert set(statuses(store).values()) == {Status.PENDING}
+
+
+def test_requeue_all_with_nothing_dead_reports_nothing(store: OutboxStore) -> None:
+    assert store.requeue(None).requeued == {}
+    assert store.requeue_dead() == 0

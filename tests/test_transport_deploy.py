@@ -1,0 +1,212 @@
+"""The ``outboxdb`` broker when a deployment starts or its database goes away (issue 20
+items 5, 6, 12), on live SQLite, PostgreSQL and MariaDB:
+
+- a lost database is one of the Transport CLASS's connection errors, since kombu and
+  Celery read them from the class and stop a worker on any other error;
+- the driver's own error classes follow the URL's driver (mssql-python's, not pyodbc's);
+- workers creating the queue tables at the same moment on an empty database all start;
+- the receive statement skips delayed and leased rows at a queue's head through its
+  index, and a requeued message keeps its place.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kombu import Connection
+from kombu.exceptions import OperationalError as KombuOperationalError
+
+import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
+from conftest import engine_url
+from outbox.engines import engine_for_url
+from outbox.engines.queue_factory import queue_tables
+from outbox.errors import BrokerDatabaseUnavailable
+from outbox.transport.channel import Database, Transport
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_lost_database_is_a_connection_error_of_the_transport_class() -> None:
+    """Celery's consumer restarts the broker connection only for ``conninfo.connection_errors``,
+    which kombu reads from the transport class: a driver error raised as itself (the
+    instance-level list) stopped the worker at the first database restart."""
+    url = f"outboxdb+postgresql://postgres@127.0.0.1:{free_port()}/test"  # nothing listens there
+    conn = Connection(url, transport_options={"queue_table": "kq_unused"})
+    assert BrokerDatabaseUnavailable in conn.connection_errors
+    transport = conn.transport
+    db = transport.database("kq_unused", None, create=True)
+    with pytest.raises(Exception) as raised:
+        db.run(lambda qt, c: None)
+    assert isinstance(raised.value, conn.recoverable_connection_errors)
+    assert isinstance(raised.value, BrokerDatabaseUnavailable)
+    assert type(raised.value.__cause__).__module__.startswith("psycopg")
+    # kombu itself: a recoverable error, raised as its own OperationalError after retrying.
+    with pytest.raises(KombuOperationalError, match="broker's database is unavailable"):
+        conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
+    conn.release()
+
+
+def test_driver_error_classes_follow_the_urls_driver() -> None:
+    mssql_python = pytest.importorskip("mssql_python")
+    transport = Connection("outboxdb+mssql+mssqlpython://u:p@127.0.0.1:1/db").transport
+    assert isinstance(transport, Transport)
+    assert mssql_python.OperationalError in transport.connection_errors
+    assert mssql_python.InterfaceError in transport.connection_errors
+    assert mssql_python.DatabaseError in transport.channel_errors
+    assert BrokerDatabaseUnavailable in transport.connection_errors
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mysql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return engine_url(request.param, tmp_path)
+
+
+def drop(db_url: str, table: str, schema: str | None = None) -> None:
+    engine = engine_for_url(db_url, schema=schema)
+    conn = engine.connect(db_url)
+    try:
+        cursor = engine.cursor_for(conn)
+        for name in (table, f"{table}_binding"):
+            engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(name)}")
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def start_worker(db_url: str, table: str, start: Any, errors: Any) -> None:
+    """What a worker process does first: connect, which creates the queue tables."""
+    db = Database(db_url, table, None, create=True)
+    try:
+        start.wait()
+        db.run(lambda qt, c: None)
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        db.close()
+
+
+def test_workers_starting_together_on_an_empty_database_all_create_the_tables(db_url: str) -> None:
+    """Every worker creates the queue tables at start-up: six processes racing on an empty
+    database must all start (PostgreSQL's concurrent CREATE TABLE IF NOT EXISTS fails with a
+    unique violation on pg_type unless the migrations are serialized)."""
+    ctx = multiprocessing.get_context("fork")
+    for _round in range(3):
+        table = f"kq_{uuid.uuid4().hex[:10]}"
+        start, errors = ctx.Barrier(6), ctx.Queue()
+        workers = [ctx.Process(target=start_worker, args=(db_url, table, start, errors)) for _ in range(6)]
+        try:
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(60)
+            assert [w.exitcode for w in workers] == [0] * 6
+            failures = []
+            while not errors.empty():
+                failures.append(errors.get())
+            assert not failures, failures
+        finally:
+            drop(db_url, table)
+
+
+def lease_ids(db: Database, queue: str, limit: int) -> list[int]:
+    return [r.id for r in db.run(lambda qt, c: qt.lease(c, queue, limit, 60_000, uuid.uuid4().hex))]
+
+
+def test_receive_orders_by_visibility_and_a_requeued_message_keeps_its_place(db_url: str) -> None:
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    db = Database(db_url, table, None, create=True)
+    try:
+        def put(delay_ms: int = 0) -> int:
+            def work(qt: Any, c: Any) -> int:
+                qt.put(c, "q", "{}", "b", delay_ms=delay_ms)
+                return int(qt.run(c, f"SELECT MAX(id) FROM {qt.table}").fetchone()[0])
+            return db.run(work)
+
+        delayed = [put(3_600_000) for _ in range(3)]  # a head of delayed rows (Celery retries)
+        first, second, third = put(), put(), put()
+        assert lease_ids(db, "q", 1) == [first]
+        rows = db.run(lambda qt, c: qt.lease(c, "q", 1, 60_000, "r" * 32))
+        assert [r.id for r in rows] == [second]
+        assert db.run(lambda qt, c: qt.release(c, second, "r" * 32)) == 1
+        assert lease_ids(db, "q", 5) == [second, third]  # back in its place, ahead of third
+        assert not set(delayed) & set(lease_ids(db, "q", 5))
+        names = {str(r[0]).lower() for r in db.run(lambda qt, c: qt.run(c, *qt.existing_indexes_sql()).fetchall())}
+        assert db.qt.index_name("ready").lower() in names
+        assert db.qt.index_name("receive").lower() not in names
+        assert db.run(lambda qt, c: qt.missing_indexes(c)) == []
+    finally:
+        db.close()
+        drop(db_url, table)
+
+
+def test_migrate_replaces_the_id_keyed_receive_index(db_url: str) -> None:
+    """A table made by an earlier release has ``ix_<table>_receive`` on (queue, id): migrate
+    drops it and creates the visibility-keyed index."""
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    engine = engine_for_url(db_url)
+    qt = queue_tables(engine, table)
+    conn = engine.connect(db_url)
+    try:
+        cursor = engine.cursor_for(conn)
+        qt.migrate(cursor)
+        conn.commit()
+        ready = engine.quote(qt.index_name("ready"))
+        on = "" if engine.name == "postgresql" or engine.name == "sqlite" else f" ON {qt.table}"
+        engine.execute(cursor, f"DROP INDEX {ready}{on}")
+        engine.execute(cursor, f"CREATE INDEX {engine.quote(qt.index_name('receive'))} ON {qt.table} (queue, id)")
+        conn.commit()
+        assert qt.missing_indexes(cursor) == [qt.index_name("ready")]
+        conn.commit()
+        qt.migrate(cursor)
+        conn.commit()
+        sql, params = qt.existing_indexes_sql()
+        names = {str(r[0]).lower() for r in engine.execute(cursor, sql, params).fetchall()}
+        assert qt.index_name("ready").lower() in names and qt.index_name("receive").lower() not in names
+        conn.commit()
+    finally:
+        conn.close()
+        drop(db_url, table)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_worker_survives_its_broker_database_going_away(kind: str, tmp_path: Path) -> None:
+    """A real ``celery worker`` on the database broker, its database reached through a TCP
+    proxy that the test cuts for a few seconds (a restart, a failover): the worker must
+    reconnect and run the next task. Before, the driver's error (not among the transport
+    CLASS's connection_errors, which is where Celery's consumer looks) stopped the worker."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from relay_e2e_support import Proxy, wait_until
+    from test_transport_celery import TaskApp
+
+    app = TaskApp(kind, tmp_path)
+    direct = urlsplit(app.db_url)
+    proxy = Proxy(target=(direct.hostname or "127.0.0.1", direct.port or (5432 if kind == "postgresql" else 3306)))
+    try:
+        proxied = urlunsplit(direct._replace(netloc=direct.netloc.replace(f":{direct.port}", f":{proxy.port}")))
+        app.env["TAPP_BROKER"] = f"outboxdb+{proxied}"  # the worker's broker goes through the proxy
+        record = app.task("record")  # this process sends directly
+        worker = app.worker("w1")
+        record.delay(1)
+        assert wait_until(lambda: len(app.lines("record")) == 1, timeout=60), app.log("w1")[-3000:]
+        proxy.cut()
+        time.sleep(4)  # several idle polls fail, past the transport's own retries
+        assert worker.poll() is None, app.log("w1")[-3000:]
+        proxy.restore()
+        record.delay(2)
+        assert wait_until(lambda: len(app.lines("record")) == 2, timeout=90), app.log("w1")[-3000:]
+        assert worker.poll() is None, app.log("w1")[-3000:]
+        assert "Unrecoverable error" not in app.log("w1")
+    finally:
+        proxy.close()
+        app.close()
