@@ -107,6 +107,18 @@ def test_mysql_sockets_find_a_silent_server_within_the_tcp_timeout() -> None:
         assert (options[socket.TCP_KEEPIDLE], options[socket.TCP_KEEPINTVL], options[socket.TCP_KEEPCNT]) == (5, 1, 3)
 
 
+def test_pymysql_read_and_write_timeouts_come_from_the_url_only_when_asked() -> None:
+    from outbox.engines.mysql import pymysql_kwargs
+
+    assert "read_timeout" not in pymysql_kwargs("mysql://root@db/app")
+    kwargs = pymysql_kwargs("mysql://root@db/app?read_timeout=30&write_timeout=20&tcp_timeout_s=4")
+    assert (kwargs["read_timeout"], kwargs["write_timeout"]) == (30, 20)
+    with pytest.raises(ValueError, match="OUTBOX_DATABASE_URL: read_timeout='soon' is not a whole number"):
+        pymysql_kwargs("mysql://root@db/app?read_timeout=soon")
+    with pytest.raises(ValueError, match="write_timeout=0 must be at least 1 second"):
+        pymysql_kwargs("mysql://root@db/app?write_timeout=0")
+
+
 def test_a_connection_the_mysql_server_ended_for_inactivity_is_retried() -> None:
     import pymysql
 
@@ -226,6 +238,35 @@ def test_a_pipeline_read_goes_on_when_the_server_ended_its_connection_between_pa
         assert [first.num_rows, *(batch.num_rows for batch in rest)] == [2, 2, 1]
         assert len(opened) >= 2 and opened[-1] is not reader
     finally:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+
+
+def test_the_postgres_claim_commits_by_itself_and_leaves_the_connection_as_it_found_it() -> None:
+    """The claim runs alone (autocommit): committed when it returns, with no transaction left
+    open and autocommit off again; inside a transaction left open it joins that instead."""
+    from psycopg.pq import TransactionStatus
+
+    from outbox import enqueue
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    table = f"bounds_alone_{int(time.time() * 1000) % 10**9}"
+    store, other = OutboxStore(POSTGRES_URL, table=table), OutboxStore(POSTGRES_URL, table=table)
+    store.migrate()
+    try:
+        with store.transaction() as cursor:
+            for n in range(2):
+                enqueue(cursor.connection, topic="t", aggregate_type="a", aggregate_id=str(n), payload={}, table=table)
+        conn = store.connection()
+        assert len(store.claim(1).messages) == 1
+        assert not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
+        assert other.stats().counts["claimed"] == 1
+        conn.execute("SELECT 1")  # a transaction someone left open
+        assert len(store.claim(1).messages) == 1  # joined it, then the store committed it
+        assert conn.info.transaction_status == TransactionStatus.IDLE and other.stats().counts["claimed"] == 2
+    finally:
+        other.close()
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
         store.close()

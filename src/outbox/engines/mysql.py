@@ -40,6 +40,15 @@ def pymysql_kwargs(url: str) -> dict[str, Any]:
     }
     if "unix_socket" in options:
         kwargs["unix_socket"] = options.pop("unix_socket")
+    for name in ("read_timeout", "write_timeout"):  # PyMySQL's client-side timeouts, off unless given
+        if name in options:
+            try:
+                kwargs[name] = int(options[name])
+            except ValueError:
+                raise ValueError(f"OUTBOX_DATABASE_URL: {name}={options[name]!r} is not a whole number of "
+                                 "seconds") from None
+            if kwargs[name] <= 0:
+                raise ValueError(f"OUTBOX_DATABASE_URL: {name}={kwargs[name]} must be at least 1 second")
     return kwargs
 
 

@@ -102,6 +102,11 @@ class PostgresEngine(Engine):
 
     @contextmanager
     def statement_alone(self, conn: Any) -> Iterator[None]:
+        from psycopg.pq import TransactionStatus
+
+        if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
+            yield  # a transaction the caller left open: the statement joins it
+            return
         conn.autocommit = True  # a client-side switch in psycopg 3: no round trip
         try:
             yield
