@@ -270,3 +270,15 @@ def test_the_postgres_claim_commits_by_itself_and_leaves_the_connection_as_it_fo
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
         store.close()
+
+
+def test_a_mysql_server_that_refuses_the_connection_is_the_drivers_transient_error() -> None:
+    import pymysql
+
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    engine = MysqlEngine()
+    with pytest.raises(pymysql.err.OperationalError) as info:
+        engine.connect(f"mysql://root@127.0.0.1:{port}/app")
+    assert info.value.args[0] == 2003 and engine.is_transient(info.value)

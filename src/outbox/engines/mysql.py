@@ -4,7 +4,8 @@ MySQL has no UPDATE ... RETURNING and will not let an UPDATE read its own table 
 a subquery, so the claim is the generic plan from ``Engine.claim``: one locking
 scan (``FOR UPDATE SKIP LOCKED``), one probe, one UPDATE, one read, in a single
 short READ COMMITTED transaction. Id-like columns use a binary collation so
-``Order-1`` and ``order-1`` stay two aggregates and two message ids.
+``Order-1`` and ``order-1`` stay two aggregates and two message ids. Every session bounds
+its transactions' life (``session_sql``, ``bounded_socket``; docs/relay.md, "A network cut").
 """
 
 from __future__ import annotations
@@ -108,9 +109,16 @@ class MysqlEngine(Engine):
         bounds = session_bounds(url)
         conn = pymysql.connect(**kwargs, autocommit=False, connect_timeout=CONNECT_TIMEOUT_S, defer_connect=True,
                                init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        # Our own socket, so that a silent server is found by TCP (PyMySQL sets no keepalive times).
-        conn.connect(None if "unix_socket" in kwargs else
-                     bounded_socket(kwargs["host"], kwargs["port"], bounds["tcp_timeout_s"]))
+        sock = None
+        if "unix_socket" not in kwargs:
+            # Our own socket, so that a silent server is found by TCP (PyMySQL sets no keepalive
+            # times); a refusal is the error PyMySQL itself raises (2003, transient).
+            try:
+                sock = bounded_socket(kwargs["host"], kwargs["port"], bounds["tcp_timeout_s"])
+            except OSError as exc:
+                raise pymysql.err.OperationalError(
+                    2003, f"Can't connect to MySQL server on {kwargs['host']!r} ({exc})") from exc
+        conn.connect(sock)
         try:
             with conn.cursor() as cursor:
                 cursor.execute(session_sql(conn.get_server_info(), **bounds))

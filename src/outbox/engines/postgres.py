@@ -4,7 +4,9 @@ The claim is one statement: lock the oldest eligible rows with
 ``FOR UPDATE SKIP LOCKED``, keep the per-aggregate chains the ordering rule allows
 (see ``outbox.chains``), update them and return them. Partial indexes keep the
 claim scan and the ordering probe on open rows only, however many done rows the
-retention window holds.
+retention window holds. The claim runs alone (autocommit), so claim and COMMIT are one
+round trip, and every session bounds its transactions' life (``connect``; docs/relay.md,
+"A network cut").
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ def connect_params(url: str) -> dict[str, Any]:
     connect timeout. A parameter written in the URL wins."""
     from psycopg.conninfo import conninfo_to_dict
 
-    idle, interval, count = tcp_keepalive(session_bounds(url)["tcp_timeout_s"])
+    tcp_timeout_s = session_bounds(url)["tcp_timeout_s"]
+    idle, interval, count = tcp_keepalive(tcp_timeout_s)
     params: dict[str, Any] = dict(conninfo_to_dict(libpq_url(url)))
     defaults = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1, "keepalives_idle": idle,
                 "keepalives_interval": interval, "keepalives_count": count,
-                "tcp_user_timeout": session_bounds(url)["tcp_timeout_s"] * 1000}
+                "tcp_user_timeout": tcp_timeout_s * 1000}
     for name, value in defaults.items():
         params.setdefault(name, value)
     return params
