@@ -79,7 +79,6 @@ def test_a_cut_between_the_claim_and_its_commit_holds_no_aggregate_for_long(
             procs.worker("cut", concurrency=1, OUTBOX_DATABASE_URL=proxy.url_for(outbox.url))
             procs.beat()
             assert stall.began.wait(60), f"the stalled worker never claimed\n{procs.log('cut')[-3000:]}"
-            assert not destination.messages, "the stalled worker's claim was its first"
             procs.worker("direct", concurrency=2)
             assert wait_until(lambda: " ready." in procs.log("direct"), timeout=60), procs.log("direct")[-3000:]
             start, end = time.time(), stall.began_at + CUT_S
