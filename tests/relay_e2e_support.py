@@ -163,6 +163,8 @@ class Destination:
         self.exchange(self.channel).declare()
         self.queue(self.channel).declare()
         self.messages: list[Any] = []
+        #: outbox_id -> when it first arrived (``time.time()``).
+        self.arrived_at: dict[int, float] = {}
         self.dead: list[Any] = []
         self.consumers = [self.conn.Consumer(self.queue, callbacks=[self._on_message], accept=None, no_ack=False)]
         self.dead_exchange_name: str | None = None
@@ -181,6 +183,8 @@ class Destination:
 
     def _on_message(self, body: Any, message: Any) -> None:
         self.messages.append(message)
+        if "outbox_id" in (message.headers or {}):
+            self.arrived_at.setdefault(int(message.headers["outbox_id"]), time.time())
         message.ack()
 
     def _on_dead(self, body: Any, message: Any) -> None:
@@ -480,11 +484,76 @@ def check_contract(message: Any, outbox_id: int, aggregate: str, body: Any, head
         assert h[name] == value
 
 
-# -- a broker outage: a proxy the test cuts ----------------------------------------------------
+# -- a proxy the test cuts or stalls ----------------------------------------------------------
+
+def postgres_answer_end(answer: bytes) -> int | None:
+    """Where the server's answer to one query ends in ``answer`` (PostgreSQL's protocol: a
+    message is a type byte and a 4-byte length; an answer ends with ReadyForQuery, ``Z``),
+    or None while it goes on."""
+    at = 0
+    while at + 5 <= len(answer):
+        end = at + 1 + int.from_bytes(answer[at + 1:at + 5], "big")
+        if end > len(answer):
+            return None
+        if answer[at:at + 1] == b"Z":
+            return end
+        at = end
+    return None
+
+
+def mysql_answer_end(answer: bytes) -> int | None:
+    """The same for MySQL/MariaDB's protocol (a packet is a 3-byte length, a sequence byte
+    and the payload): an OK or error packet, or a result set, which ends with its second EOF
+    packet (PyMySQL does not ask for CLIENT_DEPRECATE_EOF), or None while it goes on."""
+    at, eofs = 0, 0
+    while at + 4 <= len(answer):
+        size = int.from_bytes(answer[at:at + 3], "little")
+        end = at + 4 + size
+        if end > len(answer):
+            return None
+        first = answer[at + 4] if size else None
+        if at == 0 and first in (0x00, 0xFF) or first == 0xFF:
+            return end
+        if first == 0xFE and size < 9:
+            eofs += 1
+            if eofs == 2:
+                return end
+        at = end
+    return None
+
+
+#: A database's wire protocol for ``Proxy.stall_after``, by the port it listens on.
+ANSWER_ENDS: dict[int, Callable[[bytes], int | None]] = {5432: postgres_answer_end, 3306: mysql_answer_end}
+
+
+class Stall:
+    """A one-shot stall of ``Proxy.stall_after``: which connection it took, when it began."""
+
+    def __init__(self, marker: bytes, seconds: float, answer_end: Callable[[bytes], int | None]) -> None:
+        self.marker = marker
+        self.seconds = seconds
+        self.answer_end = answer_end
+        self.link: Link | None = None
+        self.began = threading.Event()
+        self.began_at = 0.0
+        self.until = 0.0
+
+
+class Link:
+    """One proxied connection: where it stands in a stall (``Proxy.stall_after``)."""
+
+    def __init__(self) -> None:
+        #: "" (not the stalled one), "sent" (the marker went out), "frozen" (the server's
+        #: answer passed: nothing passes now, either way), "over".
+        self.phase = ""
+        self.tail = b""  # the end of the client's last chunk: a marker cut in two is still found
+        self.answer = b""  # what the server sent since the marker
+
 
 class Proxy:
-    """A TCP proxy in front of RabbitMQ that the test can cut (every connection dropped,
-    new ones closed at once) and restore."""
+    """A TCP proxy in front of RabbitMQ or a database that the test can cut (every connection
+    dropped, new ones closed at once) and restore, or stall at an exact step of the protocol
+    (``stall_after``)."""
 
     def __init__(self, target: tuple[str, int] = ("127.0.0.1", 5672), delay: float = 0.0) -> None:
         import socket
@@ -502,7 +571,24 @@ class Proxy:
         self.closed = False
         self.sockets: list[Any] = []
         self.lock = threading.Lock()
+        self.stall: Stall | None = None
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def url_for(self, url: str) -> str:
+        """``url`` (a database URL naming the target's port) through this proxy."""
+        port = f":{self.target[1]}/"
+        assert port in url, f"{url} does not name port {self.target[1]}"
+        return url.replace(port, f":{self.port}/", 1)
+
+    def stall_after(self, marker: bytes, seconds: float) -> Stall:
+        """Arm a one-shot stall, a network cut at an exact step: on the first connection whose
+        client sends ``marker`` (the text of a statement), the server's whole answer to it
+        passes, then nothing more either way (not even the server closing the connection)
+        for ``seconds``; then what was held goes on. The proxy reads the database's protocol
+        (``ANSWER_ENDS``) to find where the answer ends. The returned ``Stall`` says when the
+        stall began (``began``, ``began_at``)."""
+        self.stall = Stall(marker, seconds, ANSWER_ENDS[self.target[1]])
+        return self.stall
 
     def _accept(self) -> None:
         import socket
@@ -517,23 +603,66 @@ class Proxy:
                 continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
             except OSError:
                 client.close()
                 continue
             with self.lock:
                 self.sockets += [client, upstream]
-            for a, b, delay in ((client, upstream, 0.0), (upstream, client, self.delay)):
-                threading.Thread(target=self._pump, args=(a, b, delay), daemon=True).start()
+            link = Link()
+            for a, b, delay, upward in ((client, upstream, 0.0, True), (upstream, client, self.delay, False)):
+                threading.Thread(target=self._pump, args=(a, b, delay, link, upward), daemon=True).start()
 
-    def _pump(self, src: Any, dst: Any, delay: float = 0.0) -> None:
+    def _passing(self, link: Link, data: bytes, upward: bool) -> int:
+        """How many bytes of ``data`` (going up, client to server, or down) pass before the
+        stall; ``len(data)`` where none applies. Moves ``link`` along its stall."""
+        stall = self.stall
+        if stall is None:
+            return len(data)
+        with self.lock:
+            if link.phase == "frozen":
+                return 0
+            if upward:
+                if stall.link is None and stall.marker in link.tail + data:
+                    stall.link, link.phase = link, "sent"
+                link.tail = data[-len(stall.marker):]
+                return len(data)
+            if link.phase != "sent":
+                return len(data)
+            before = len(link.answer)
+            link.answer += data
+            end = stall.answer_end(link.answer)
+            if end is None:
+                return len(data)
+            link.phase = "frozen"
+            stall.began_at, stall.until = time.time(), time.monotonic() + stall.seconds
+            stall.began.set()
+            return end - before
+
+    def _hold(self, link: Link) -> None:
+        """While ``link`` is frozen, wait for its stall to end."""
+        stall = self.stall
+        if stall is None or link.phase != "frozen":
+            return
+        while time.monotonic() < stall.until and not self.closed:
+            time.sleep(0.05)
+        link.phase = "over"
+
+    def _pump(self, src: Any, dst: Any, delay: float = 0.0, link: Link | None = None, upward: bool = True) -> None:
         try:
             while True:
                 data = src.recv(65536)
+                passing = len(data) if link is None else self._passing(link, data, upward)
+                if delay and data:
+                    time.sleep(delay)
+                if passing:
+                    dst.sendall(data[:passing])
+                if link is not None:
+                    self._hold(link)  # an end of stream is held too
                 if not data:
                     break
-                if delay:
-                    time.sleep(delay)
-                dst.sendall(data)
+                if passing < len(data):
+                    dst.sendall(data[passing:])
         except OSError:
             pass
         finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from outbox.cli import main
-from outbox.config import SETTING_NAMES
+from outbox.config import SESSION_BOUNDS, SETTING_NAMES
 from outbox.relay import RelayOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +51,13 @@ def test_the_configuration_reference_lists_every_setting_and_relay_option() -> N
     for f in fields(RelayOptions):
         name = f"OUTBOX_RELAY_{f.name.upper()}"
         assert f"| `{name}` |" in relay_doc, f"docs/relay.md's options table lacks {name}"
+
+
+def test_the_session_bounds_are_documented_with_their_defaults_and_ranges() -> None:
+    relay_doc = (ROOT / "docs" / "relay.md").read_text()
+    for name, (default, low, high) in SESSION_BOUNDS.items():
+        assert f"| `{name}` | {default} | {low}–{high} |" in relay_doc, f"docs/relay.md's bounds table lacks {name}"
+        assert f"`{name}`" in README, f"README lacks {name}"
 
 
 def commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], click.Command]]:

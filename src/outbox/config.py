@@ -18,6 +18,7 @@ import re
 import threading
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from .errors import ConfigError, install_hint
 from .redact import redact, register_url
@@ -40,6 +41,52 @@ TRANSPORT_SETTINGS: dict[str, tuple[str, type, float, float]] = {
     "OUTBOX_TRANSPORT_RECEIVE_BATCH": ("receive_batch", int, 1, 1000),
     "OUTBOX_TRANSPORT_QUEUE_TABLE": ("queue_table", str, 0, 0),
 }
+#: Bounds on the life of every relay transaction and connection (docs/relay.md, "A network
+#: cut"): query parameters of a PostgreSQL or MySQL/MariaDB OUTBOX_DATABASE_URL that the
+#: engines read themselves at connect (never passed to the driver): name -> (default, lower
+#: bound, upper bound), in seconds. Read through ``session_bounds``.
+SESSION_BOUNDS: dict[str, tuple[int, int, int]] = {
+    # The server ends a relay session left idle inside a transaction this long (its client
+    # stalled or cut off between two statements or before its COMMIT), and its locks with it.
+    "idle_transaction_timeout_s": (5, 1, 3_600),
+    # A peer that stopped answering is found by TCP (keepalives, unacknowledged data) within
+    # about this long: by the server for a session blocked sending, by the client waiting.
+    "tcp_timeout_s": (10, 2, 3_600),
+}
+#: The schemes (before any +driver) whose engines read SESSION_BOUNDS.
+SESSION_BOUND_SCHEMES = ("postgresql", "postgres", "mysql", "mariadb")
+
+
+def session_bounds(url: str) -> dict[str, int]:
+    """The SESSION_BOUNDS of a database URL: its query parameters over the defaults. A value
+    that is not a whole number of seconds within the bounds is a ``ConfigError`` naming
+    OUTBOX_DATABASE_URL and the parameter."""
+    given = {k: v for k, v in parse_qsl(urlsplit(url).query, keep_blank_values=True) if k in SESSION_BOUNDS}
+    bounds: dict[str, int] = {}
+    for name, (default, low, high) in SESSION_BOUNDS.items():
+        if name not in given:
+            bounds[name] = default
+            continue
+        try:
+            value = int(given[name].strip())
+        except ValueError:
+            raise ConfigError(f"OUTBOX_DATABASE_URL: {name}={given[name]!r} is not a whole number of seconds") from None
+        if not low <= value <= high:
+            raise ConfigError(f"OUTBOX_DATABASE_URL: {name}={value} must be between {low} and {high} seconds")
+        bounds[name] = value
+    return bounds
+
+
+def without_session_bounds(url: str) -> str:
+    """The URL with the SESSION_BOUNDS parameters taken out, for the driver."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if not any(k in SESSION_BOUNDS for k, _ in query):
+        return url
+    kept = [(k, v) for k, v in query if k not in SESSION_BOUNDS]
+    return urlunsplit(parts._replace(query=urlencode(kept, quote_via=quote)))
+
+
 #: The URL scheme of the package's own database broker (``outboxdb+postgresql://...``):
 #: a known transport even before ``outbox.transport`` registers it with kombu.
 DATABASE_BROKER_SCHEME = "outboxdb"
@@ -163,6 +210,8 @@ def validate_database_url(url: str) -> str:
         if scheme.split("+", 1)[0] not in DATABASE_SCHEMES:
             raise ConfigError(f"OUTBOX_DATABASE_URL={shown}: unsupported database {scheme!r} "
                               "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
+        if scheme.split("+", 1)[0] in SESSION_BOUND_SCHEMES:
+            session_bounds(url)
     elif "driver=" not in url.lower():
         raise ConfigError(f"OUTBOX_DATABASE_URL={shown} looks like an ODBC connection string without DRIVER=")
     return url
@@ -793,5 +842,6 @@ def wake_options() -> WakeOptions:
 __all__ = ["Settings", "load_settings", "get_settings", "reset_settings", "validate_identifier",
            "validate_database_url", "validate_kombu_url", "warn_unknown_environment", "unknown_environment",
            "known_names", "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES", "RelayOptions", "MAX_OPTION_S",
+           "SESSION_BOUNDS", "session_bounds", "without_session_bounds",
            "use_conf", "conf_keys", "relay_settings", "relay_options", "extra_setting",
            "flag", "MetricsOptions", "metrics_options", "WakeOptions", "wake_options"]

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -95,13 +95,17 @@ class OutboxStore:
                 pass
 
     @contextmanager
-    def transaction(self) -> Iterator[Any]:
+    def transaction(self, *, alone: bool = False) -> Iterator[Any]:
         """A cursor inside one short transaction: committed on success, rolled back
-        (and the connection dropped if it broke) on error."""
+        (and the connection dropped if it broke) on error. ``alone``: the block runs single
+        statements, each atomic by itself, which the engine may then run as transactions of
+        their own, one round trip each (``Engine.statement_alone``; docs/relay.md, "A network
+        cut")."""
         conn = self.connection()
         cursor = conn.cursor()
         try:
-            yield cursor
+            with self.engine.statement_alone(conn) if alone else nullcontext():
+                yield cursor
             conn.commit()
         except BaseException as exc:
             try:
@@ -118,8 +122,9 @@ class OutboxStore:
             except Exception:
                 pass
 
-    def _run(self, operation: str, work: Callable[[Any], T]) -> T:
-        """Run ``work(cursor)`` in a transaction, retrying transient errors."""
+    def _run(self, operation: str, work: Callable[[Any], T], *, alone: bool = False) -> T:
+        """Run ``work(cursor)`` in a transaction (``alone``: see ``transaction``), retrying
+        transient errors."""
         def before_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             # DEBUG: the caller reports what finally happened (an outage is logged once).
@@ -137,7 +142,7 @@ class OutboxStore:
         )
         for attempt in retrying:
             with attempt:
-                with self.transaction() as cursor:
+                with self.transaction(alone=alone) as cursor:
                     return work(cursor)
         raise StoreError(f"{operation} did not run")  # unreachable: tenacity re-raises
 
@@ -169,7 +174,7 @@ class OutboxStore:
         def work(cursor: Any) -> list[tuple]:
             return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts)
 
-        rows = self._run("claim", work)
+        rows = self._run("claim", work, alone=self.engine.one_statement_claim)
         status_at = len(rows[0]) - 1 if rows else 0
         messages: list[OutboxMessage] = []
         dead: list[OutboxMessage] = []
@@ -258,11 +263,13 @@ class OutboxStore:
         if not ids:
             return FenceResult(0, 0)
 
+        chunks = self.engine.id_chunks(ids)
+
         def work(cursor: Any) -> int:
             return sum(self.engine.execute(cursor, self.engine.mark_done_sql(cond), [*params, lease]).rowcount
-                       for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)))
+                       for cond, params in map(self.engine.ids_in, chunks))
 
-        return self._fenced("mark_done", ids, lease, self._run("mark_done", work))
+        return self._fenced("mark_done", ids, lease, self._run("mark_done", work, alone=len(chunks) == 1))
 
     def mark_failed(self, id: int, lease: str, error: str, retry_in: timedelta | None = None,
                     *, dead: bool = False) -> FailResult:
@@ -302,12 +309,14 @@ class OutboxStore:
             return FenceResult(0, 0)
         delay_ms = int(delay.total_seconds() * 1000) if delay else 0
 
+        chunks = self.engine.id_chunks(ids)
+
         def work(cursor: Any) -> int:
             return sum(self.engine.execute(cursor, self.engine.release_sql(cond),
                                            [delay_ms, delay_ms, *params, lease]).rowcount
-                       for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)))
+                       for cond, params in map(self.engine.ids_in, chunks))
 
-        return self._fenced("release", ids, lease, self._run("release", work))
+        return self._fenced("release", ids, lease, self._run("release", work, alone=len(chunks) == 1))
 
     def _fenced(self, operation: str, ids: list[int], lease: str, applied: int) -> FenceResult:
         result = FenceResult(requested=len(ids), applied=applied)
@@ -333,7 +342,8 @@ class OutboxStore:
         total = 0
         while total < max_rows:
             deleted = self._run("purge_done", lambda cursor: self.engine.execute(
-                cursor, self.engine.purge_chunk_sql(), self.engine.purge_params(older_ms, batch)).rowcount)
+                cursor, self.engine.purge_chunk_sql(), self.engine.purge_params(older_ms, batch)).rowcount,
+                alone=True)
             total += max(deleted, 0)
             if deleted < batch:
                 break

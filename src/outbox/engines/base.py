@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 from ..chains import Candidate, plan_claim
 from ..config import validate_identifier
@@ -40,6 +41,16 @@ PERMANENT_ERROR_PREFIXES = (UNDECODABLE_PREFIX, POISON_PREFIX)
 def is_permanent_error(error: str | None) -> bool:
     """Does this ``last_error`` say that a requeue alone cannot help?"""
     return bool(error) and str(error).startswith(PERMANENT_ERROR_PREFIXES)
+
+
+def tcp_keepalive(tcp_timeout_s: int) -> tuple[int, int, int]:
+    """``(idle, interval, count)`` in seconds: TCP keepalive probes that find a silent peer
+    in at most ``tcp_timeout_s`` (idle + interval * count), for the PostgreSQL and MySQL
+    engines' sockets (``config.SESSION_BOUNDS``)."""
+    idle = max(1, tcp_timeout_s // 2)
+    rest = max(1, tcp_timeout_s - idle)
+    count = min(3, rest)
+    return idle, rest // count, count
 
 
 class UndecodableRow(ValueError):
@@ -168,7 +179,21 @@ class Engine(ABC):
     # -- connections and errors ----------------------------------------------
     @abstractmethod
     def connect(self, url: str) -> Any:
-        """Open a DB-API connection for the relay's own, short transactions."""
+        """Open a DB-API connection for the relay's own, short transactions, with the
+        bounds on their life the engine can set (docs/relay.md, "A network cut")."""
+
+    #: Is the claim one statement, which the server can run as a transaction of its own
+    #: (``statement_alone``)? Then claim and COMMIT are one round trip, and no moment exists
+    #: when the claim's locks wait for the client's COMMIT (docs/relay.md, "A network cut").
+    one_statement_claim: ClassVar[bool] = False
+
+    @contextmanager
+    def statement_alone(self, conn: Any) -> Iterator[None]:
+        """Each statement the block runs on ``conn`` is a transaction of its own, committed
+        by the server as it ends (autocommit), where the driver can do it for free; the
+        caller runs only single statements that must be atomic alone. Here: unchanged (the
+        block's statements share the caller's transaction)."""
+        yield
 
     def read_server(self, cursor: Any) -> None:
         """Learn, from the connection ``cursor`` runs on, what the SQL built next may use

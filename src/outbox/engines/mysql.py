@@ -4,21 +4,28 @@ MySQL has no UPDATE ... RETURNING and will not let an UPDATE read its own table 
 a subquery, so the claim is the generic plan from ``Engine.claim``: one locking
 scan (``FOR UPDATE SKIP LOCKED``), one probe, one UPDATE, one read, in a single
 short READ COMMITTED transaction. Id-like columns use a binary collation so
-``Order-1`` and ``order-1`` stay two aggregates and two message ids.
+``Order-1`` and ``order-1`` stay two aggregates and two message ids. Every session bounds
+its transactions' life (``session_sql``, ``bounded_socket``; docs/relay.md, "A network cut").
 """
 
 from __future__ import annotations
 
+import socket
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from ..config import session_bounds
 from ..model import NewEvent
-from .base import Engine
+from .base import Engine, tcp_keepalive
 
 #: Deadlock, lock wait timeout, server gone away, lost connection, cannot connect,
-#: query interrupted by shutdown.
-_TRANSIENT_CODES = {1213, 1205, 2006, 2013, 2003, 2055, 1053}
-_DISCONNECT_CODES = {2006, 2013, 2003, 2055}
+#: query interrupted by shutdown, a connection the server ended for inactivity (MySQL 8.0.24+
+#: says so, 4031; see ``session_sql``).
+_TRANSIENT_CODES = {1213, 1205, 2006, 2013, 2003, 2055, 1053, 4031}
+_DISCONNECT_CODES = {2006, 2013, 2003, 2055, 4031}
+
+#: Seconds a connection attempt may take.
+CONNECT_TIMEOUT_S = 10
 
 
 def pymysql_kwargs(url: str) -> dict[str, Any]:
@@ -34,7 +41,54 @@ def pymysql_kwargs(url: str) -> dict[str, Any]:
     }
     if "unix_socket" in options:
         kwargs["unix_socket"] = options.pop("unix_socket")
+    for name in ("read_timeout", "write_timeout"):  # PyMySQL's client-side timeouts, off unless given
+        if name in options:
+            try:
+                kwargs[name] = int(options[name])
+            except ValueError:
+                raise ValueError(f"OUTBOX_DATABASE_URL: {name}={options[name]!r} is not a whole number of "
+                                 "seconds") from None
+            if kwargs[name] <= 0:
+                raise ValueError(f"OUTBOX_DATABASE_URL: {name}={kwargs[name]} must be at least 1 second")
     return kwargs
+
+
+def bounded_socket(host: str, port: int, tcp_timeout_s: int) -> socket.socket:
+    """A TCP connection to the server whose keepalives and ``TCP_USER_TIMEOUT`` find a silent
+    server within ``tcp_timeout_s`` (where the platform has the options: Linux has all)."""
+    sock = socket.create_connection((host, port), CONNECT_TIMEOUT_S)
+    try:
+        for level, option, value in socket_options(tcp_timeout_s):
+            sock.setsockopt(level, option, value)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def socket_options(tcp_timeout_s: int) -> list[tuple[int, int, int]]:
+    """``setsockopt`` arguments of ``bounded_socket`` (those this platform knows)."""
+    idle, interval, count = tcp_keepalive(tcp_timeout_s)
+    wanted = [(socket.IPPROTO_TCP, "TCP_NODELAY", 1), (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+              (socket.IPPROTO_TCP, "TCP_KEEPIDLE", idle), (socket.IPPROTO_TCP, "TCP_KEEPINTVL", interval),
+              (socket.IPPROTO_TCP, "TCP_KEEPCNT", count),
+              (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", tcp_timeout_s * 1000)]
+    return [(level, getattr(socket, name), value) for level, name, value in wanted if hasattr(socket, name)]
+
+
+def session_sql(server_info: str, idle_transaction_timeout_s: int, tcp_timeout_s: int) -> str:
+    """The session bounds of a relay connection (docs/relay.md, "A network cut"). The server
+    ends a session left idle inside a transaction after ``idle_transaction_timeout_s``:
+    MariaDB has ``idle_transaction_timeout`` (10.3+); MySQL has no such variable, so there
+    ``wait_timeout`` ends any session idle that long (the store reconnects at the next use).
+    A session stuck reading a statement or sending a result gives up after ``tcp_timeout_s``
+    (``net_read_timeout``, ``net_write_timeout``), and so does a wait for a row lock
+    (``innodb_lock_wait_timeout``: its holder is either working or ended within the bounds)."""
+    idle = int(idle_transaction_timeout_s)
+    tcp = int(tcp_timeout_s)
+    ended_idle = "idle_transaction_timeout" if "mariadb" in server_info.lower() else "wait_timeout"
+    return (f"SET SESSION {ended_idle} = {idle}, SESSION net_read_timeout = {tcp}, "
+            f"SESSION net_write_timeout = {tcp}, SESSION innodb_lock_wait_timeout = {tcp}")
 
 
 class MysqlEngine(Engine):
@@ -51,8 +105,28 @@ class MysqlEngine(Engine):
 
     def connect(self, url: str) -> Any:
         import pymysql
-        return pymysql.connect(**pymysql_kwargs(url), autocommit=False,
+        kwargs = pymysql_kwargs(url)
+        bounds = session_bounds(url)
+        conn = pymysql.connect(**kwargs, autocommit=False, connect_timeout=CONNECT_TIMEOUT_S, defer_connect=True,
                                init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        sock = None
+        if "unix_socket" not in kwargs:
+            # Our own socket, so that a silent server is found by TCP (PyMySQL sets no keepalive
+            # times); a refusal is the error PyMySQL itself raises (2003, transient).
+            try:
+                sock = bounded_socket(kwargs["host"], kwargs["port"], bounds["tcp_timeout_s"])
+            except OSError as exc:
+                raise pymysql.err.OperationalError(
+                    2003, f"Can't connect to MySQL server on {kwargs['host']!r} ({exc})") from exc
+        conn.connect(sock)
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(session_sql(conn.get_server_info(), **bounds))
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def cursor_for(self, conn: Any) -> Any:
         import pymysql.cursors

@@ -4,24 +4,69 @@ The claim is one statement: lock the oldest eligible rows with
 ``FOR UPDATE SKIP LOCKED``, keep the per-aggregate chains the ordering rule allows
 (see ``outbox.chains``), update them and return them. Partial indexes keep the
 claim scan and the ordering probe on open rows only, however many done rows the
-retention window holds.
+retention window holds. The claim runs alone (autocommit), so claim and COMMIT are one
+round trip, and every session bounds its transactions' life (``connect``; docs/relay.md,
+"A network cut").
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from contextlib import contextmanager
+from typing import Any, ClassVar, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
+from ..config import session_bounds, without_session_bounds
 from ..model import NewEvent
-from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine
+from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine, tcp_keepalive
 
-_TRANSIENT_SQLSTATES = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03"}
+#: 25P03: the server ended the session, idle in a transaction too long (``session_settings``);
+#: 57P05: idle too long outside one (a server's ``idle_session_timeout``). Both end the
+#: connection: the transaction was rolled back, the operation starts again on a new one.
+_ENDED_SQLSTATES = {"25P03", "57P05"}
+_TRANSIENT_SQLSTATES = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03", *_ENDED_SQLSTATES}
+
+#: Seconds a connection attempt may take (libpq ``connect_timeout``) unless the URL says.
+CONNECT_TIMEOUT_S = 10
 
 
 def libpq_url(url: str) -> str:
-    """``postgresql+psycopg://...`` -> ``postgresql://...`` (libpq knows no driver suffix)."""
-    parts = urlsplit(url)
+    """``postgresql+psycopg://...`` -> ``postgresql://...`` (libpq knows no driver suffix),
+    without the engine's own parameters (``config.SESSION_BOUNDS``), which libpq would refuse."""
+    parts = urlsplit(without_session_bounds(url))
     return urlunsplit(("postgresql",) + tuple(parts[1:]))
+
+
+def connect_params(url: str) -> dict[str, Any]:
+    """libpq's connection parameters for a relay connection: the URL's, plus client-side
+    bounds it does not set itself (docs/relay.md, "A network cut"): TCP keepalives and
+    ``tcp_user_timeout`` that find a silent server within ``tcp_timeout_s``, and a
+    connect timeout. A parameter written in the URL wins."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    tcp_timeout_s = session_bounds(url)["tcp_timeout_s"]
+    idle, interval, count = tcp_keepalive(tcp_timeout_s)
+    params: dict[str, Any] = dict(conninfo_to_dict(libpq_url(url)))
+    defaults = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1, "keepalives_idle": idle,
+                "keepalives_interval": interval, "keepalives_count": count,
+                "tcp_user_timeout": tcp_timeout_s * 1000}
+    for name, value in defaults.items():
+        params.setdefault(name, value)
+    return params
+
+
+def session_settings(url: str, server_version: int) -> dict[str, str]:
+    """What each relay session sets on the server (``set_config``): the server ends a
+    session idle in a transaction after ``idle_transaction_timeout_s`` (its locks go with
+    it), and finds a silent client by TCP within ``tcp_timeout_s`` (keepalives; unacknowledged
+    data, from PostgreSQL 12). On a Unix socket the TCP settings are accepted and unused."""
+    bounds = session_bounds(url)
+    idle, interval, count = tcp_keepalive(bounds["tcp_timeout_s"])
+    settings = {"idle_in_transaction_session_timeout": f"{bounds['idle_transaction_timeout_s'] * 1000}",
+                "tcp_keepalives_idle": str(idle), "tcp_keepalives_interval": str(interval),
+                "tcp_keepalives_count": str(count)}
+    if server_version >= 120000:
+        settings["tcp_user_timeout"] = str(bounds["tcp_timeout_s"] * 1000)
+    return settings
 
 
 class PostgresEngine(Engine):
@@ -43,7 +88,36 @@ class PostgresEngine(Engine):
 
     def connect(self, url: str) -> Any:
         import psycopg
-        return psycopg.connect(libpq_url(url), autocommit=False)
+        conn = psycopg.connect(**connect_params(url), autocommit=True)
+        try:
+            settings = session_settings(url, conn.info.server_version)
+            conn.execute("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings),
+                         [v for item in settings.items() for v in item])
+            conn.autocommit = False
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    #: The claim is one statement (docs/relay.md, "A network cut"): run alone, it commits
+    #: as it ends, in one round trip, and its locks never wait for a COMMIT.
+    one_statement_claim: ClassVar[bool] = True
+
+    @contextmanager
+    def statement_alone(self, conn: Any) -> Iterator[None]:
+        from psycopg.pq import TransactionStatus
+
+        if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
+            yield  # a transaction the caller left open: the statement joins it
+            return
+        conn.autocommit = True  # a client-side switch in psycopg 3: no round trip
+        try:
+            yield
+        finally:
+            try:
+                conn.autocommit = False
+            except Exception:  # a broken connection: the store drops it
+                pass
 
     supports_notify: ClassVar[bool] = True
 
@@ -57,7 +131,7 @@ class PostgresEngine(Engine):
         import psycopg
         from psycopg import sql
 
-        conn = psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=5)
+        conn = psycopg.connect(**{**connect_params(url), "connect_timeout": 5}, autocommit=True)
         try:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         except BaseException:
@@ -78,6 +152,8 @@ class PostgresEngine(Engine):
     def is_disconnect(self, exc: BaseException) -> bool:
         import psycopg
         state = getattr(exc, "sqlstate", None)
+        if state in _ENDED_SQLSTATES:
+            return True
         if isinstance(exc, psycopg.OperationalError) and (state is None or state.startswith("08")):
             return True
         return isinstance(exc, psycopg.InterfaceError)

@@ -18,8 +18,8 @@ class ListenWaiter(Waiter):
 
     def __init__(self, url: str, channel: str) -> None:
         import psycopg
-        from .postgres import libpq_url
-        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        from .postgres import connect_params
+        self.conn = psycopg.connect(**connect_params(url), autocommit=True)
         self.conn.execute(f'LISTEN "{channel}"')
 
     def wait(self, timeout: float) -> bool:

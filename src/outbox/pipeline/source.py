@@ -169,10 +169,20 @@ class OutboxReader(DataSourceReader):
         query = OutboxQuery(self.options)
         conn = query.engine.connect(query.url)
         try:
-            cursor = conn.cursor()
             after = partition.lo - 1
             while True:
-                rows = query.page(cursor, after, partition.hi, self.fetch_size)
+                try:
+                    rows = query.page(conn.cursor(), after, partition.hi, self.fetch_size)
+                except Exception as exc:
+                    # A connection the server ended while Spark took the last page (MySQL
+                    # ends idle relay sessions: docs/relay.md, "A network cut"), or another
+                    # transient error: the page is read again on a new connection, once;
+                    # pages are keyed by id.
+                    if not (query.engine.is_disconnect(exc) or query.engine.is_transient(exc)):
+                        raise
+                    conn.close()
+                    conn = query.engine.connect(query.url)
+                    rows = query.page(conn.cursor(), after, partition.hi, self.fetch_size)
                 conn.rollback()  # end the read transaction between pages: no long snapshot held
                 if rows:
                     yield query.to_batch(rows)

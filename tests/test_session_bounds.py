@@ -1,0 +1,284 @@
+"""The bounds on every relay transaction's life (docs/relay.md, "A network cut"): the URL
+parameters and what each engine makes of them at connect (pure), then, on the real servers,
+that a relay session carries them and that the server ends a transaction left idle.
+The network cut itself, end to end: tests/test_network_cut_e2e.py."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from outbox.config import SESSION_BOUNDS, load_settings, session_bounds, without_session_bounds
+from outbox.engines import engine_for_url
+from outbox.engines.base import tcp_keepalive
+from outbox.engines.mysql import MysqlEngine, session_sql, socket_options
+from outbox.engines.postgres import PostgresEngine, connect_params, libpq_url, session_settings
+from outbox.errors import ConfigError
+from outbox.store import OutboxStore
+
+from services import MYSQL_URL, POSTGRES_URL, require
+
+PG = "postgresql://app:secret@db.example:5432/app"
+
+
+# -- the URL parameters ------------------------------------------------------------------------
+
+def test_the_bounds_default_to_seconds_and_the_url_overrides_them() -> None:
+    assert session_bounds(PG) == {"idle_transaction_timeout_s": 5, "tcp_timeout_s": 10}
+    assert session_bounds(PG + "?idle_transaction_timeout_s=30&sslmode=require") == {
+        "idle_transaction_timeout_s": 30, "tcp_timeout_s": 10}
+    assert {name: default for name, (default, _, _) in SESSION_BOUNDS.items()} == session_bounds(PG)
+
+
+@pytest.mark.parametrize("query, problem", [
+    ("idle_transaction_timeout_s=abc", "idle_transaction_timeout_s='abc' is not a whole number of seconds"),
+    ("idle_transaction_timeout_s=0", "idle_transaction_timeout_s=0 must be between 1 and 3600 seconds"),
+    ("tcp_timeout_s=1", "tcp_timeout_s=1 must be between 2 and 3600 seconds"),
+    ("tcp_timeout_s=99999", "tcp_timeout_s=99999 must be between 2 and 3600 seconds"),
+])
+def test_a_bad_bound_stops_start_up_naming_the_setting_and_the_parameter(query: str, problem: str) -> None:
+    for url in (f"{PG}?{query}", f"mysql://root@db/app?{query}"):
+        with pytest.raises(ConfigError) as info:
+            load_settings(environ={"OUTBOX_DATABASE_URL": url})
+        assert str(info.value) == f"OUTBOX_DATABASE_URL: {problem}"
+
+
+def test_the_driver_never_sees_the_engines_own_parameters() -> None:
+    url = PG + "?idle_transaction_timeout_s=7&options=-c%20search_path%3Dapp&tcp_timeout_s=4"
+    assert without_session_bounds(url) == PG + "?options=-c%20search_path%3Dapp"
+    assert without_session_bounds(PG + "?sslmode=require") == PG + "?sslmode=require"  # untouched
+    assert libpq_url("postgresql+psycopg://app@db/app?tcp_timeout_s=4") == "postgresql://app@db/app"
+
+
+@pytest.mark.parametrize("seconds", range(2, 121))
+def test_keepalive_probes_find_a_silent_peer_within_the_tcp_timeout(seconds: int) -> None:
+    idle, interval, count = tcp_keepalive(seconds)
+    assert min(idle, interval, count) >= 1
+    assert seconds * 0.7 <= idle + interval * count <= seconds
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------------
+
+def test_postgres_connections_carry_client_side_tcp_bounds_unless_the_url_sets_them() -> None:
+    params = connect_params(PG + "?tcp_timeout_s=10&idle_transaction_timeout_s=5")
+    assert params == {"user": "app", "password": "secret", "host": "db.example", "port": "5432", "dbname": "app",
+                      "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 1,
+                      "keepalives_count": 3, "tcp_user_timeout": 10000}
+    own = connect_params(PG + "?keepalives_idle=60&connect_timeout=3")
+    assert own["keepalives_idle"] == "60" and own["connect_timeout"] == "3" and own["keepalives_count"] == 3
+
+
+def test_postgres_sessions_end_idle_transactions_and_silent_clients_on_the_server() -> None:
+    assert session_settings(PG, 150000) == {
+        "idle_in_transaction_session_timeout": "5000", "tcp_keepalives_idle": "5",
+        "tcp_keepalives_interval": "1", "tcp_keepalives_count": "3", "tcp_user_timeout": "10000"}
+    # tcp_user_timeout came with PostgreSQL 12: not asked of an older server.
+    assert "tcp_user_timeout" not in session_settings(PG + "?idle_transaction_timeout_s=2", 110000)
+    assert session_settings(PG + "?idle_transaction_timeout_s=2", 110000)[
+        "idle_in_transaction_session_timeout"] == "2000"
+
+
+def test_the_postgres_claim_alone_commits_itself_and_an_ended_session_is_retried() -> None:
+    import psycopg
+
+    engine = PostgresEngine()
+    assert engine.one_statement_claim and not MysqlEngine().one_statement_claim
+    ended = psycopg.errors.IdleInTransactionSessionTimeout("terminating connection due to idle-in-transaction timeout")
+    assert engine.is_transient(ended) and engine.is_disconnect(ended)
+
+
+# -- MySQL and MariaDB ---------------------------------------------------------------------------
+
+def test_mysql_and_mariadb_sessions_end_idle_transactions_each_their_way() -> None:
+    assert session_sql("10.11.19-MariaDB-0+deb12u1", 5, 10) == (
+        "SET SESSION idle_transaction_timeout = 5, SESSION net_read_timeout = 10, "
+        "SESSION net_write_timeout = 10, SESSION innodb_lock_wait_timeout = 10")
+    # MySQL has no idle-transaction timeout: an idle session ends, the store reconnects.
+    assert session_sql("8.0.36", 5, 10).startswith("SET SESSION wait_timeout = 5, ")
+
+
+def test_mysql_sockets_find_a_silent_server_within_the_tcp_timeout() -> None:
+    options = {option: value for _, option, value in socket_options(10)}
+    assert options[socket.SO_KEEPALIVE] == 1 and options[socket.TCP_NODELAY] == 1
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+        assert options[socket.TCP_USER_TIMEOUT] == 10000
+        assert (options[socket.TCP_KEEPIDLE], options[socket.TCP_KEEPINTVL], options[socket.TCP_KEEPCNT]) == (5, 1, 3)
+
+
+def test_pymysql_read_and_write_timeouts_come_from_the_url_only_when_asked() -> None:
+    from outbox.engines.mysql import pymysql_kwargs
+
+    assert "read_timeout" not in pymysql_kwargs("mysql://root@db/app")
+    kwargs = pymysql_kwargs("mysql://root@db/app?read_timeout=30&write_timeout=20&tcp_timeout_s=4")
+    assert (kwargs["read_timeout"], kwargs["write_timeout"]) == (30, 20)
+    with pytest.raises(ValueError, match="OUTBOX_DATABASE_URL: read_timeout='soon' is not a whole number"):
+        pymysql_kwargs("mysql://root@db/app?read_timeout=soon")
+    with pytest.raises(ValueError, match="write_timeout=0 must be at least 1 second"):
+        pymysql_kwargs("mysql://root@db/app?write_timeout=0")
+
+
+def test_a_connection_the_mysql_server_ended_for_inactivity_is_retried() -> None:
+    import pymysql
+
+    ended = pymysql.err.OperationalError(4031, "The client was disconnected by the server because of inactivity.")
+    assert MysqlEngine().is_transient(ended) and MysqlEngine().is_disconnect(ended)
+
+
+# -- on the servers ----------------------------------------------------------------------------
+
+SERVERS = {"postgresql": (POSTGRES_URL, 5432), "mysql": (MYSQL_URL, 3306)}
+
+
+def with_bounds(url: str, **bounds: int) -> str:
+    return url + ("&" if "?" in url else "?") + "&".join(f"{k}={v}" for k, v in bounds.items())
+
+
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_the_server_ends_a_relay_transaction_left_idle_and_its_locks_with_it(kind: str) -> None:
+    """A relay connection that stops in the middle of a transaction holding a row lock (its
+    client stalled, or the network cut) loses the transaction after idle_transaction_timeout_s;
+    the lock is free again, and the store's next operation runs on a new connection."""
+    url, port = SERVERS[kind]
+    require(kind, "127.0.0.1", port)
+    table = f"bounds_{int(time.time() * 1000) % 10**9}"
+    store = OutboxStore(with_bounds(url, idle_transaction_timeout_s=1), table=table)
+    store.migrate()
+    other = OutboxStore(url, table=table)
+    try:
+        from outbox import enqueue
+
+        with store.transaction() as cursor:
+            enqueue(cursor.connection, topic="t", aggregate_type="a", aggregate_id="1", payload={}, table=table)
+        lock = f"SELECT id FROM {store.engine.table} WHERE id = 1 FOR UPDATE"
+        conn = store.connection()
+        cursor = store.engine.cursor_for(conn)
+        store.engine.execute(cursor, lock).fetchall()  # a transaction left open, holding row 1
+        time.sleep(2.5)
+        nowait = lock + (" NOWAIT" if kind == "postgresql" else " SKIP LOCKED")
+        with other.transaction() as free:
+            assert [tuple(r) for r in store.engine.execute(free, nowait).fetchall()] == [(1,)], (
+                "the idle transaction still holds row 1")
+        assert store.stats().counts["pending"] == 1  # the store reconnects by itself
+    finally:
+        other.close()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+
+
+def test_a_postgres_relay_session_carries_its_bounds_on_the_server() -> None:
+    require("PostgreSQL", "127.0.0.1", 5432)
+    engine = engine_for_url(POSTGRES_URL)
+    conn = engine.connect(with_bounds(POSTGRES_URL, idle_transaction_timeout_s=7, tcp_timeout_s=4))
+    try:
+        rows = conn.execute("SELECT name, setting FROM pg_settings WHERE name IN ('idle_in_transaction_session_"
+                            "timeout', 'tcp_user_timeout', 'tcp_keepalives_idle')").fetchall()
+        assert dict(rows) == {"idle_in_transaction_session_timeout": "7000", "tcp_user_timeout": "4000",
+                              "tcp_keepalives_idle": "2"}
+        assert not conn.autocommit  # the relay's transactions stay explicit; the claim runs alone
+    finally:
+        conn.close()
+
+
+def test_a_mariadb_relay_session_carries_its_bounds_on_the_server() -> None:
+    require("MariaDB/MySQL", "127.0.0.1", 3306)
+    engine = engine_for_url(MYSQL_URL)
+    conn = engine.connect(with_bounds(MYSQL_URL, idle_transaction_timeout_s=7, tcp_timeout_s=4))
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SHOW SESSION VARIABLES WHERE variable_name IN ('idle_transaction_timeout', 'wait_timeout', "
+                       "'net_write_timeout', 'innodb_lock_wait_timeout')")
+        found = dict(cursor.fetchall())
+        mariadb = "mariadb" in conn.get_server_info().lower()
+        assert found[("idle_transaction_timeout" if mariadb else "wait_timeout")] == "7"
+        assert found["net_write_timeout"] == found["innodb_lock_wait_timeout"] == "4"
+        sock = conn._sock  # the keepalive socket the engine made
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 4000
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_a_pipeline_read_goes_on_when_the_server_ended_its_connection_between_pages(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MySQL ends a relay session idle for idle_transaction_timeout_s (it has no idle-transaction
+    timeout), which can fall while Spark takes a page: the next page is read on a new connection.
+    Here the reader's session is ended from outside between two pages."""
+    pytest.importorskip("pyspark")
+    from outbox import enqueue
+    from outbox.pipeline.source import IdRange, OutboxReader
+
+    url, port = SERVERS[kind]
+    require(kind, "127.0.0.1", port)
+    table = f"bounds_read_{int(time.time() * 1000) % 10**9}"
+    store = OutboxStore(url, table=table)
+    store.migrate()
+    engine_class = type(store.engine)
+    opened: list = []
+    connect = engine_class.connect
+    monkeypatch.setattr(engine_class, "connect", lambda self, u: opened.append(connect(self, u)) or opened[-1])
+    try:
+        with store.transaction() as cursor:
+            for n in range(5):
+                enqueue(cursor.connection, topic="t", aggregate_type="a", aggregate_id="1", payload={"n": n},
+                        table=table)
+        pages = OutboxReader({"url": url, "table": table, "fetch_size": "2"}).read(IdRange(1, 5))
+        first = next(pages)
+        reader = opened[-1]
+        with store.transaction() as cursor:  # end the reader's session
+            if kind == "postgresql":
+                store.engine.execute(cursor, "SELECT pg_terminate_backend(?)", [reader.info.backend_pid]).fetchall()
+            else:
+                store.engine.execute(cursor, f"KILL CONNECTION {int(reader.thread_id())}")
+        rest = list(pages)
+        assert [first.num_rows, *(batch.num_rows for batch in rest)] == [2, 2, 1]
+        assert len(opened) >= 2 and opened[-1] is not reader
+    finally:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+
+
+def test_the_postgres_claim_commits_by_itself_and_leaves_the_connection_as_it_found_it() -> None:
+    """The claim runs alone (autocommit): committed when it returns, with no transaction left
+    open and autocommit off again; inside a transaction left open it joins that instead."""
+    from psycopg.pq import TransactionStatus
+
+    from outbox import enqueue
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    table = f"bounds_alone_{int(time.time() * 1000) % 10**9}"
+    store, other = OutboxStore(POSTGRES_URL, table=table), OutboxStore(POSTGRES_URL, table=table)
+    store.migrate()
+    try:
+        with store.transaction() as cursor:
+            for n in range(2):
+                enqueue(cursor.connection, topic="t", aggregate_type="a", aggregate_id=str(n), payload={}, table=table)
+        conn = store.connection()
+        assert len(store.claim(1).messages) == 1
+        assert not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
+        assert other.stats().counts["claimed"] == 1
+        conn.execute("SELECT 1")  # a transaction someone left open
+        assert len(store.claim(1).messages) == 1  # joined it, then the store committed it
+        assert conn.info.transaction_status == TransactionStatus.IDLE and other.stats().counts["claimed"] == 2
+    finally:
+        other.close()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+
+
+def test_a_mysql_server_that_refuses_the_connection_is_the_drivers_transient_error() -> None:
+    import pymysql
+
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    engine = MysqlEngine()
+    with pytest.raises(pymysql.err.OperationalError) as info:
+        engine.connect(f"mysql://root@127.0.0.1:{port}/app")
+    assert info.value.args[0] == 2003 and engine.is_transient(info.value)
