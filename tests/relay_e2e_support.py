@@ -331,6 +331,7 @@ class Outbox:
         try:
             with self.store.transaction() as cursor:
                 self.store.engine.execute(cursor, f"DROP TABLE IF EXISTS {self.store.engine.table}")
+                self.store.engine.execute(cursor, f"DROP TABLE IF EXISTS {self.store.engine.holders}")
         finally:
             self.store.close()
 

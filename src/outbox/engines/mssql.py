@@ -686,8 +686,20 @@ class MssqlEngine(Engine):
         steps.append([_if(f"EXISTS (SELECT 1 FROM sys.tables WHERE object_id = OBJECT_ID({table_literal}) "
                           "AND lock_escalation_desc <> N'DISABLE')",
                           f"ALTER TABLE {t} SET (LOCK_ESCALATION = DISABLE)")])
+        steps.append([_if(f"OBJECT_ID({_nstr(self.holders)}, N'U') IS NULL",
+                          f"CREATE TABLE {self.holders} ({self.holders_columns()})")])
         steps.append(unlock)
         return steps
+
+    def holders_columns(self) -> str:
+        return (f"holder_id CHAR(16) COLLATE {ID_COLLATION} NOT NULL "
+                f"CONSTRAINT {self.quote('pk_' + self.holders_name)} PRIMARY KEY, "
+                "host NVARCHAR(255) NOT NULL, pid INT NOT NULL, "
+                "started_at DATETIME2(3) NOT NULL, beat_at DATETIME2(3) NOT NULL")
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        state, message = _error_fields(exc)
+        return state == "42S02" or 208 in error_numbers(message)  # Invalid object name
 
     def migration(self, native_json: bool = False) -> list[Any]:
         """One batch per object, each guarded on its own, so re-running repairs a partial
