@@ -145,6 +145,13 @@ def test_a_publish_task_in_another_process_adopts_the_rows_it_publishes(store: O
     assert row(store, b_ids[1], "attempts")[0] == 0
     # Adoption refuses rows the old lease no longer holds.
     assert publisher_store.adopt(b_ids, claim.lease, publisher_store.new_lease()) == set()
+    # A task that starts past its deadline adopts nothing: it leaves the rows to their lease.
+    c_ids = add(writer, store, "c", 1)
+    late = claimer_store.claim(10)
+    c_chain = [m for m in late.messages if m.aggregate_id == "c"]
+    assert [m.id for m in c_chain] == c_ids
+    assert still_held(publisher_store, [c_chain], deadline=1.0, now=lambda: 2.0) == [c_chain]
+    assert row(store, c_ids[0], "lease_token")[0].strip() == late.lease
     for s in (claimer_store, publisher_store):
         s.close()
 
@@ -199,3 +206,22 @@ def test_without_a_holders_table_the_relay_runs_on_the_lease_and_says_so_once(
     beat.stop()
     store.migrate()  # creates it: the heartbeat goes on from there
     assert store.beat(me, SILENT_MS).recreated
+
+
+def test_rows_adopted_by_a_live_process_stay_with_it_when_their_claimer_is_lost(
+        store: OutboxStore, writer: Any) -> None:
+    ids = add(writer, store, "a", 2)
+    claimer, publisher = new_holder(), new_holder()
+    claimer_store, publisher_store = twin(store, claimer), twin(store, publisher)
+    claimer_store.beat(claimer, SILENT_MS)
+    claim = claimer_store.claim(10)
+    [chain] = still_held(publisher_store, [claim.messages], check_own=False)
+    time.sleep(SILENT_MS / 1000 + 0.3)
+    [silent] = publisher_store.beat(publisher, SILENT_MS).silent
+    assert silent.holder == claimer
+    taken = publisher_store.take_over(silent, SILENT_MS)
+    assert taken is not None and taken.rows == 0  # nothing of the claimer's is left to take
+    assert store.claim(10).messages == []
+    assert publisher_store.mark_done(ids, chain[0].lease).applied == 2
+    for s in (claimer_store, publisher_store):
+        s.close()

@@ -238,7 +238,7 @@ def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -
     # delivered again after its first run released or settled the rows must not publish
     # rows another claim may hold now (docs/relay.md, "Graceful shutdown").
     messages = [[message_from_dict(d) for d in chain] for chain in chains]
-    _publish_here(still_held(resources().store, messages), deadline)
+    _publish_here(still_held(resources().store, messages, deadline=deadline), deadline)
     after_publish(shared().breaker, request_claim)
 
 

@@ -93,7 +93,7 @@ def publish(self: Any, chains: list[list[dict[str, Any]]], deadline: float | Non
     messages = [[message_from_dict(d) for d in chain] for chain in chains]
     # Rows another process claimed are adopted first (one fenced statement); rows of this
     # process's own lease are checked only on a second delivery (docs/relay.md, "Lost workers").
-    messages = still_held(resources().store, messages,
+    messages = still_held(resources().store, messages, deadline=deadline,
                           check_own=bool((self.request.delivery_info or {}).get("redelivered")))
     outcomes = _publish_chains(messages, deadline)
     return {"published": sum(len(o.published) for o in outcomes),

@@ -126,7 +126,8 @@ def _hold_paused_routes(chains: list[list[OutboxMessage]], routes: RouteGate | N
 
 
 def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
-               check_own: bool = True) -> list[Sequence[OutboxMessage]]:
+               check_own: bool = True, deadline: float | None = None,
+               now: Callable[[], float] = time.time) -> list[Sequence[OutboxMessage]]:
     """The chains whose rows their lease still holds, every row of them, ready to publish here.
 
     Rows leased by another process than this one (the store's ``holder_id``: the claim ran
@@ -139,7 +140,12 @@ def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
     them twice, and out of order (docs/relay.md, "Graceful shutdown").
 
     A chain not held in full is skipped; rows of it that were just adopted are released (no
-    attempt spent), so they wait behind their aggregate instead of for a lease."""
+    attempt spent), so they wait behind their aggregate instead of for a lease.
+
+    Past ``deadline`` nothing is checked or adopted (adopting starts the lease again): the
+    chains are returned as they are, and ``handle_publish`` leaves them to their lease."""
+    if deadline is not None and now() > deadline:
+        return list(chains)
     holder = getattr(store, "holder_id", None)
     by_lease: dict[str, list[int]] = {}
     for chain in chains:
