@@ -22,6 +22,8 @@ Modules:
 * ``bench.memory``  peak RSS of every worker process draining a backlog with 1 MB payloads
   mixed in (issue 11, target 7).
 * ``bench.rawloop`` the raw unordered 2-process loop of issue 11, the drain's baseline.
+* ``bench.takeover`` one of two workers SIGKILLed mid-drain: the longest stand-still of any
+  aggregate after the kill, next to the fault-free drain (``python -m bench.takeover``).
 * ``bench.transport`` the database as Celery's broker (``outboxdb``) against Redis and kombu's
   SQLAlchemy transport (``python -m bench.transport``; figures in ``docs/transport.md``).
 """

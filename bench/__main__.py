@@ -19,8 +19,10 @@ Phases, in order (each can be skipped with ``--skip``; optional ones are left ou
                 or through Celery) with its own worker; the wake's cost to the writer (target 6);
 5. ``memory``   a backlog with 1 MB payloads mixed in (1 in 20), peak RSS of every worker
                 process (``bench.memory``, target 7);
-6. ``profile``  py-spy on the worker while draining (where the time goes; optional);
-7. ``tuning``   the worker with other settings (optional).
+6. ``takeover`` two workers, one SIGKILLed mid-drain: the longest stand-still of any aggregate
+                after the kill next to the fault-free drain's (``bench.takeover``, issue 19);
+7. ``profile``  py-spy on the worker while draining (where the time goes; optional);
+8. ``tuning``   the worker with other settings (optional).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any, Callable
 from .common import (PY_SPY, Destination, Run, create_table, drop_table, flush_redis, log,
                      machine_facts, require_services, to_json, wait_quiet)
 
-PHASES = ("confirm", "drain", "hot", "live", "memory", "profile", "tuning")
+PHASES = ("confirm", "drain", "hot", "live", "memory", "takeover", "profile", "tuning")
 #: Phases left out of ``--quick`` (and first to go when the time budget is short).
 OPTIONAL = ("profile", "tuning")
 
@@ -309,6 +311,12 @@ def summary(results: dict[str, Any]) -> str:
         lines.append("  peak RSS: " + ", ".join(
             f"{p['role']} {max(p['max_rss_mb'], p['peak_hwm_mb'])} MB (idle {p['idle_rss_mb']})"
             for p in mem["per_process"]))
+    lost = results.get("takeover")
+    if lost:
+        lines += ["", f"lost worker ({lost['events']} events over {lost['aggregates']} aggregates, one of two workers "
+                      f"SIGKILLed): longest stand-still {fmt(lost['longest_stand_still_s'], 2)} s (median "
+                      f"{fmt(lost['lost_worker']['median_stand_still_s'], 2)} s); fault-free drain: longest "
+                      f"{fmt(lost['fault_free_longest_stand_still_s'], 2)} s"]
     prof = results.get("profile")
     if prof:
         lines += ["", f"profile (py-spy --idle, {prof['events']} events, {fmt(prof.get('events_per_s'))} ev/s sampled):"]
@@ -371,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     create_table(run)
     destination = Destination(run)
     relay = None
-    from . import confirm, drain, live, memory
+    from . import confirm, drain, live, memory, takeover
 
     def quiet(phase: str) -> None:
         """Other sessions may share this machine: start each phase on an idle machine if
@@ -455,6 +463,16 @@ def main(argv: list[str] | None = None) -> int:
                 results["memory"] = memory.run_memory(run, destination, relay_factory, args.memory_events, 100,
                                                       big_every=args.big_every, big_bytes=args.big_bytes,
                                                       timeout=max(60.0, min(300.0, remaining() / 2)))
+
+        if "takeover" not in args.skip:
+            if remaining() < 60:
+                skip("takeover", "time budget")
+            else:
+                stop_relay()
+                quiet("takeover")
+                # Its own table, exchange, consumer and workers (two, one of them killed).
+                results["takeover"] = takeover.run_takeover(min(args.events, 12_000), 40,
+                                                            concurrency=args.concurrency)
 
         if "profile" not in args.skip:
             if not os.path.exists(PY_SPY):

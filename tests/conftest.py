@@ -84,6 +84,7 @@ def docker_unavailable() -> str | None:
 def drop_table(store: OutboxStore) -> None:
     with store.transaction() as cursor:
         store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.table}")
+        store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.holders}")
 
 
 @pytest.fixture(autouse=True)

@@ -165,6 +165,7 @@ class Destination:
         self.messages: list[Any] = []
         #: outbox_id -> when it first arrived (``time.time()``).
         self.arrived_at: dict[int, float] = {}
+        self.received_at: list[float] = []  # time.monotonic() of each message's arrival here
         self.dead: list[Any] = []
         self.consumers = [self.conn.Consumer(self.queue, callbacks=[self._on_message], accept=None, no_ack=False)]
         self.dead_exchange_name: str | None = None
@@ -185,6 +186,7 @@ class Destination:
         self.messages.append(message)
         if "outbox_id" in (message.headers or {}):
             self.arrived_at.setdefault(int(message.headers["outbox_id"]), time.time())
+        self.received_at.append(time.monotonic())
         message.ack()
 
     def _on_dead(self, body: Any, message: Any) -> None:
@@ -335,6 +337,7 @@ class Outbox:
         try:
             with self.store.transaction() as cursor:
                 self.store.engine.execute(cursor, f"DROP TABLE IF EXISTS {self.store.engine.table}")
+                self.store.engine.execute(cursor, f"DROP TABLE IF EXISTS {self.store.engine.holders}")
         finally:
             self.store.close()
 
@@ -465,6 +468,29 @@ def check_order(arrivals: list[tuple[int, str, Any]], expected: dict[str, list[i
     for aggregate, ids in expected.items():
         assert first.get(aggregate) == ids, f"aggregate {aggregate}: arrived {first.get(aggregate)}, expected {ids}"
     assert set(first) == set(expected), f"unexpected aggregates arrived: {set(first) - set(expected)}"
+
+
+def longest_stand_still(destination: Destination, since: float) -> tuple[float, str]:
+    """The longest time any aggregate waited (by ``time.monotonic()``) between two first
+    arrivals of its events, or from ``since`` to its first arrival after it, over the
+    aggregates with events arriving after ``since``; with the aggregate that waited it.
+    Meaningful once every event arrived."""
+    first: dict[int, float] = {}
+    times: dict[str, list[float]] = {}
+    for (outbox_id, aggregate, _), at in zip(destination.arrivals(), destination.received_at):
+        if outbox_id not in first:
+            first[outbox_id] = at
+            times.setdefault(aggregate, []).append(at)
+    longest, which = 0.0, ""
+    for aggregate, ats in times.items():
+        later = [t for t in ats if t >= since]
+        if not later:
+            continue  # done before ``since``
+        points = [since, *later]
+        gap = max(b - a for a, b in zip(points, points[1:]))
+        if gap > longest:
+            longest, which = gap, aggregate
+    return longest, which
 
 
 def check_contract(message: Any, outbox_id: int, aggregate: str, body: Any, headers: dict[str, Any], key: str,

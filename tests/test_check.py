@@ -44,7 +44,21 @@ def test_check_on_the_embedded_default_fails_before_migrate_and_passes_after(tmp
     assert after.returncode == 0, after.stdout + after.stderr
     states = lines(after)
     assert states["table"] == "ok" and states["indexes"] == "ok" and states["celery broker"] == "ok"
+    assert states["holders"] == "ok"
     assert states["destination"] == "warn"  # memory:// reaches no consumer outside the worker
+
+
+def test_check_warns_when_the_holders_table_is_missing(tmp_path: Path) -> None:
+    """An upgrade not migrated yet: the relay works on the lease alone, which the check says."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    with store.transaction() as cursor:
+        cursor.execute('DROP TABLE "outbox_holders"')
+    store.close()
+    result = check({"OUTBOX_DATABASE_URL": url}, tmp_path)
+    assert result.returncode == 0 and lines(result)["holders"] == "warn", result.stdout
+    assert "outbox_holders" in result.stdout and "run `outbox migrate`" in result.stdout
 
 
 def test_check_reports_a_bad_setting_and_a_missing_index(tmp_path: Path) -> None:

@@ -122,6 +122,18 @@ def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_datab
     ok(manage("migrate", "--noinput", env=env))
     url = outbox_url(database)
     django_schema = schema_of(url, "outbox")
+    # The holders table (docs/relay.md, "Lost workers"): 0002 makes it where 0001 ran before it existed.
+    holders_schema = schema_of(url, "outbox_holders")
+    assert holders_schema
+    ok(manage("migrate", "outbox", "0001", "--noinput", env=env))
+    drop = OutboxStore(url, table="outbox")
+    try:
+        with drop.transaction() as cursor:
+            cursor.execute('DROP TABLE "outbox_holders"')
+    finally:
+        drop.close()
+    assert "Applying outbox.0002_holders... OK" in ok(manage("migrate", "--noinput", env=env))
+    assert schema_of(url, "outbox_holders") == holders_schema
     # The store's own migrate on the same database finds nothing to change ...
     migrated = run([str(BIN / "outbox"), "migrate"], env=env, cwd=tmp_path)
     ok(migrated)

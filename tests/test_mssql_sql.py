@@ -38,6 +38,7 @@ from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_LIST_
                                   input_sizes, normalize_filter, odbc_connection_string, parse_target)
 from outbox.errors import ConfigError, StoreError
 from outbox.events import prepare_event
+from outbox.model import Holder, SilentHolder
 from outbox.store import OutboxStore
 
 URL = "mssql+pyodbc://relay:secret@db.example:1433/app?driver=ODBC+Driver+18+for+SQL+Server"
@@ -79,6 +80,8 @@ class RecordingCursor:
             self.rowcount = len(set(params[before:before + inside]))
         else:
             self.rowcount = 1
+        if "SET beat_at" in sql:
+            self.rowcount = 0  # a holder's first beat: its record is inserted
         self.description = [("col",)] if self.rows or sql.lstrip().upper().startswith(("SELECT", "DECLARE")) else None
         return self
 
@@ -94,6 +97,8 @@ class RecordingCursor:
             return [(None, datetime(2024, 1, 1))]
         if sql.startswith("SELECT status FROM"):
             return [(3,)]
+        if sql.startswith("SELECT COUNT(*), MIN(claimed_at)"):
+            return [(2, datetime(2024, 1, 1), datetime(2024, 1, 1, 0, 0, 5))]
         return []
 
     def nextset(self) -> bool:
@@ -164,6 +169,13 @@ def every_statement(schema: str | None, table: str,
     store.dead_list(limit=10, after_id=3)
     store.requeue_dead()
     store.requeue_dead([8, 9])
+    # Lost workers (docs/relay.md): a heartbeat, a takeover, an adoption, a graceful exit.
+    holder = Holder("0123456789abcdef", "host-1", 42)
+    store.holder_id = holder.holder_id
+    store.beat(holder, 3000)
+    store.take_over(SilentHolder(Holder("fedcba9876543210", "host-2", 7), 4.0), 3000)
+    store.adopt([1, 2], claim.lease, store.new_lease())
+    store.drop_holder(holder.holder_id)
     return engine, conn.log
 
 
@@ -260,6 +272,13 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
     assert any(s.startswith(f"UPDATE {t} SET status = 2") for s in sent)  # mark_done
     assert any(s.startswith(f"UPDATE {t} SET status = 0, claimed_at") for s in sent)  # release
     assert any(s.endswith("OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY") for s in sent)  # dead_list
+    for needle in (engine.silent_holders_sql(), engine.drop_silent_holder_sql(), engine.held_by_sql(),
+                   engine.end_leases_sql(), engine.drop_holder_sql()):
+        assert needle in sent, needle
+    h = engine.holders
+    assert any(s.startswith(f"UPDATE {h} SET beat_at") for s in sent)
+    assert any(s.startswith(f"INSERT INTO {h} (holder_id") for s in sent)
+    assert any(s.startswith(f"UPDATE {t} SET lease_token = ?, claimed_at") for s in sent)  # adopt
     for native_json in (False, True):
         for step in engine.migration(native_json=native_json):
             if isinstance(step, tuple):  # ((definition probe, params), repair): no row -> repair runs

@@ -428,7 +428,7 @@ OTHER_NAMES = (
     "OUTBOX_RELAY_PIPELINED_TOPICS", "OUTBOX_RELAY_PIPELINED_AGGREGATE_TYPES",
     "OUTBOX_RELAY_WAKE", "OUTBOX_RELAY_LISTEN", "OUTBOX_RELAY_LISTEN_CHANNEL", "OUTBOX_RELAY_IN_PROCESS_CLAIM",
     "OUTBOX_RELAY_METRICS_PORT", "OUTBOX_RELAY_METRICS_ADDR", "OUTBOX_RELAY_METRICS_REFRESH_S",
-    "OUTBOX_RELAY_HEARTBEAT_S",
+    "OUTBOX_RELAY_HEARTBEAT_S", "OUTBOX_RELAY_HOLDER_TIMEOUT_S",
     "OUTBOX_SPARK_MASTER", "OUTBOX_SPARK_SHUFFLE_PARTITIONS", "OUTBOX_SPARK_LOG_LEVEL", "OUTBOX_SPARK_UI",
     "OUTBOX_PIPELINE_CRASH_AT",
     *TRANSPORT_SETTINGS,
@@ -585,6 +585,10 @@ class RelayOptions:
     #: Every this many seconds a worker logs one INFO line: alive, the backlog per status
     #: and the age of the oldest undelivered row (``outbox.worker_logging``).
     heartbeat_s: float = 300.0
+    #: A relay worker process whose liveness record has not been refreshed for this long is
+    #: taken for lost: the leases of the rows it holds end at once (docs/relay.md, "Lost
+    #: workers"). Each process refreshes its record every third of it.
+    holder_timeout_s: float = 3.0
     #: Chains of events whose topic matches one of these ``fnmatch`` patterns (or whose
     #: aggregate type is one of ``pipelined_aggregate_types``) are pipelined: sent without
     #: waiting for each confirm, with a weaker ordering guarantee (docs/relay.md,

@@ -7,7 +7,8 @@ skipped when an earlier one it depends on failed:
 1. configuration: every OUTBOX_* setting parses and validates (relay tuning included);
 2. database: a connection opens (a missing driver names the extra to install);
 3. table: exists with every column of the contract; indexes: the ones ``outbox migrate``
-   creates are all there;
+   creates are all there; holders: the worker processes' liveness table is there (a
+   warning when not: lost workers are then noticed only when their lease expires);
 4. the task runner's broker, the one the runner configured will really use: Dramatiq's
    (``OUTBOX_DRAMATIQ_BROKER_URL``) when it is set, else Celery's, including the database
    as Celery's broker (``outboxdb``: its scheme registered first, then a connection to its
@@ -89,9 +90,21 @@ def check_database(settings: Settings) -> list[Result]:
             results.append(Result("indexes", FAIL, f"missing {', '.join(missing_ix)}: run `outbox migrate`"))
         else:
             results.append(Result("indexes", OK, ", ".join(sorted(expected_index_names(store.engine)))))
+        results.append(_check_holders(store))
         return results
     finally:
         store.close()
+
+
+def _check_holders(store: OutboxStore) -> Result:
+    """The holders table (docs/relay.md, "Lost workers"): its absence slows recovery, no more."""
+    try:
+        with store.transaction() as cursor:
+            count = store.engine.execute(cursor, f"SELECT COUNT(*) FROM {store.engine.holders}").fetchone()[0]
+    except Exception as exc:
+        return Result("holders", WARN, f"{store.engine.holders} is missing ({_error(exc)}): a lost worker's rows "
+                      "wait for their lease (OUTBOX_CLAIM_TIMEOUT_MS) instead of seconds; run `outbox migrate`")
+    return Result("holders", OK, f"{store.engine.holders}: {int(count)} relay worker processes recorded")
 
 
 def _missing_columns(store: OutboxStore) -> list[str]:

@@ -66,7 +66,7 @@ TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
 
 # (``_fallback`` sends through the actors declared below.)
 _held = ResourceHolder(lambda: (SETTINGS, OPTIONS, BROKER_URL, claim_request_key(BROKER_URL, NAMESPACE)),
-                       lambda op, kwargs: _fallback(op, kwargs), log)
+                       lambda op, kwargs: _fallback(op, kwargs), log, on_takeover=lambda: request_claim())
 #: Did this process's last claim meet a backlog (``relay.Backlog``)?
 _backlog = Backlog()
 
@@ -93,6 +93,7 @@ class OutboxMiddleware(Middleware):
     def after_process_boot(self, broker: Any) -> None:
         install_filter(logging.getLogger())  # no password in any log line
         STOPPING.clear()
+        _held.start()  # this process's liveness record (docs/relay.md, "Lost workers")
 
     def after_worker_boot(self, broker: Any, worker: Any) -> None:
         """A restarted worker lifts a fatal pause: the operator has presumably fixed the
@@ -233,12 +234,13 @@ def _publish_here(chains: list[list[Any]], deadline: float | None) -> list[Any]:
 @dramatiq.actor(actor_name=PUBLISH_TASK, queue_name=PUBLISH_QUEUE, broker=broker, max_retries=0,
                 time_limit=TIME_LIMIT_MS)
 def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> None:
-    # Every delivery checks that the lease still holds the rows (``still_held``, one query):
-    # Dramatiq's Redis broker cannot tell a redelivered message from a first one, and a
-    # message delivered again after its first run released or settled the rows must not
-    # publish rows another claim may hold now (docs/relay.md, "Graceful shutdown").
+    # Every delivery checks that the lease still holds the rows (``still_held``, one query,
+    # which adopts rows another process claimed: docs/relay.md, "Lost workers"): Dramatiq's
+    # Redis broker cannot tell a redelivered message from a first one, and a message
+    # delivered again after its first run released or settled the rows must not publish
+    # rows another claim may hold now (docs/relay.md, "Graceful shutdown").
     messages = [[message_from_dict(d) for d in chain] for chain in chains]
-    _publish_here(still_held(resources().store, messages), deadline)
+    _publish_here(still_held(resources().store, messages, deadline=deadline), deadline)
     after_publish(shared().breaker, request_claim)
 
 

@@ -147,6 +147,42 @@ class RequeueResult:
         return not (self.refused or self.missing or self.not_dead)
 
 
+@dataclass(frozen=True)
+class Holder:
+    """A relay worker process as its liveness record names it (docs/relay.md, "Lost workers")."""
+
+    holder_id: str
+    host: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class SilentHolder:
+    """A holder whose last beat is older than the holder timeout: ``silent_s`` seconds ago."""
+
+    holder: Holder
+    silent_s: float
+
+
+@dataclass(frozen=True)
+class Beat:
+    """What one heartbeat found: whether this holder's record was missing (it was presumed
+    lost and taken over, or never written), and the holders gone silent."""
+
+    recreated: bool
+    silent: list[SilentHolder] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """The rows of a silent holder whose leases ``OutboxStore.take_over`` ended: how many, and
+    how long the oldest of them had been held (seconds, database clock; 0 when none)."""
+
+    holder: SilentHolder
+    rows: int
+    held_s: float
+
+
 # -- the message codec: a claimed message as JSON-safe data (what publish tasks carry) ----------
 
 def message_to_dict(message: OutboxMessage) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import uuid
 from contextlib import contextmanager, nullcontext
@@ -25,7 +26,8 @@ from .engines.describe import index_names
 from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
 from .errors import StoreError
 from .events import MAX_ERROR_UNITS, fit_utf16
-from .model import Claim, DeadRow, FailResult, FenceResult, OutboxMessage, RequeueResult, Stats, Status
+from .model import (Beat, Claim, DeadRow, FailResult, FenceResult, Holder, OutboxMessage, RequeueResult,
+                    SilentHolder, Stats, Status, Takeover)
 
 log = logging.getLogger("outbox.store")
 T = TypeVar("T")
@@ -64,6 +66,10 @@ class OutboxStore:
         self.engine: Engine = engine_for_url(url, table=table, schema=schema)
         self.claim_timeout_ms = claim_timeout_ms
         self.max_attempts = max_attempts
+        #: The relay worker process this store leases for (``relay.holders``): its id is the
+        #: first half of every lease token the store makes, so the rows say which process
+        #: holds them. None: tokens are random (docs/relay.md, "Lost workers").
+        self.holder_id: str | None = None
         self._local = threading.local()
 
     @classmethod
@@ -169,7 +175,7 @@ class OutboxStore:
         """Lease up to ``batch`` rows: whole per-aggregate chains, oldest first."""
         if batch <= 0:
             raise ValueError("batch must be positive")
-        lease = uuid.uuid4().hex
+        lease = self.new_lease()
 
         def work(cursor: Any) -> list[tuple]:
             return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts)
@@ -236,6 +242,80 @@ class OutboxStore:
                 log.error("outbox cannot release rows %s behind an undecodable row (%s); the lease recovers them",
                           [m.id for m in behind], exc)
         return [m for m in messages if not (m.aggregate_id in held and m.id > held[m.aggregate_id])]
+
+    def new_lease(self) -> str:
+        """A lease token: 32 hex characters, the first 16 this store's holder id when it has one."""
+        return self.holder_id + secrets.token_hex(8) if self.holder_id else uuid.uuid4().hex
+
+    def adopt(self, ids: Sequence[int], lease: str, new_lease: str) -> set[int]:
+        """Move rows from ``lease`` to ``new_lease`` (this process's), in one statement fenced
+        by the old lease; their lease starts again now. Returns the ids moved: those ``lease``
+        still held. A publish task run by another process than the one that claimed its rows
+        adopts them before publishing (docs/relay.md, "Lost workers")."""
+        ids = list(ids)
+        if not ids:
+            return set()
+
+        def work(cursor: Any) -> set[int]:
+            moved = sum(self.engine.execute(cursor, self.engine.adopt_sql(cond), [new_lease, *params, lease]).rowcount
+                        for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)))
+            if moved == len(ids):
+                return set(ids)
+            found: set[int] = set()
+            for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)):
+                rows = self.engine.execute(
+                    cursor, f"SELECT id FROM {self.engine.table} WHERE {cond} AND lease_token = ? AND status = 1",
+                    [*params, new_lease]).fetchall()
+                found.update(int(r[0]) for r in rows)
+            return found
+
+        return self._run("adopt", work)
+
+    # -- holders: the relay's worker processes (docs/relay.md, "Lost workers") ------------
+    def beat(self, holder: Holder, silent_after_ms: int) -> Beat:
+        """One heartbeat of ``holder``, one short transaction: refresh its ``beat_at`` (insert
+        its record if it is missing), and list the other holders silent for longer than
+        ``silent_after_ms``, by the database clock."""
+        engine = self.engine
+
+        def work(cursor: Any) -> Beat:
+            engine.begin(cursor)
+            recreated = engine.beat(cursor, holder.holder_id, holder.host[:255], holder.pid)
+            rows = engine.execute(cursor, engine.silent_holders_sql(),
+                                  [holder.holder_id, -int(silent_after_ms)]).fetchall()
+            return Beat(recreated, [SilentHolder(Holder(str(r[0]).strip(), str(r[1]), int(r[2])),
+                                                 self._seconds(r[3], r[4])) for r in rows])
+
+        return self._run("beat", work)
+
+    def take_over(self, silent: SilentHolder, silent_after_ms: int) -> Takeover | None:
+        """End the leases of a silent holder, in one transaction: delete its record if it is
+        still silent, and only then move ``claimed_at`` of the rows it holds back past the
+        lease, so the next claim takes them (``attempts + 1``, a new token: the lost holder's
+        late writes are fenced off). None when another process took it over first, or it beat
+        again meanwhile."""
+        engine, prefix = self.engine, silent.holder.holder_id + "%"
+
+        def work(cursor: Any) -> Takeover | None:
+            engine.begin(cursor)
+            gone = engine.execute(cursor, engine.drop_silent_holder_sql(),
+                                  [silent.holder.holder_id, -int(silent_after_ms)]).rowcount
+            if gone != 1:
+                return None
+            count, oldest, now = engine.execute(cursor, engine.held_by_sql(), [prefix]).fetchone()
+            if count:
+                engine.execute(cursor, engine.end_leases_sql(), [-(self.claim_timeout_ms + 1000), prefix])
+            return Takeover(silent, int(count or 0), self._seconds(oldest, now) if oldest is not None else 0.0)
+
+        return self._run("take_over", work)
+
+    def drop_holder(self, holder_id: str) -> None:
+        """Delete a holder's record: its process is ending, having settled or released its rows."""
+        self._run("drop_holder", lambda cursor: self.engine.execute(cursor, self.engine.drop_holder_sql(),
+                                                                    [holder_id]).rowcount)
+
+    def _seconds(self, earlier: Any, later: Any) -> float:
+        return max(0.0, (self.engine.to_datetime(later) - self.engine.to_datetime(earlier)).total_seconds())
 
     def held(self, ids: Sequence[int], lease: str) -> set[int]:
         """The ids among ``ids`` that ``lease`` still holds (claimed, not yet settled or

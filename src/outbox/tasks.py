@@ -91,8 +91,10 @@ def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any
 @app.task(name=PUBLISH_TASK, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
 def publish(self: Any, chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
     messages = [[message_from_dict(d) for d in chain] for chain in chains]
-    if (self.request.delivery_info or {}).get("redelivered"):
-        messages = still_held(resources().store, messages)  # a second delivery: docs/relay.md
+    # Rows another process claimed are adopted first (one fenced statement); rows of this
+    # process's own lease are checked only on a second delivery (docs/relay.md, "Lost workers").
+    messages = still_held(resources().store, messages, deadline=deadline,
+                          check_own=bool((self.request.delivery_info or {}).get("redelivered")))
     outcomes = _publish_chains(messages, deadline)
     return {"published": sum(len(o.published) for o in outcomes),
             "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}

@@ -82,7 +82,8 @@ def _fallback(operation: str, kwargs: dict[str, Any]) -> None:
     app.send_task(_FALLBACK_TASKS[operation], kwargs=kwargs, queue=ACK_QUEUE)
 
 
-_held = ResourceHolder(_config, _fallback, log)
+# ``request_claim`` is defined below: after a lost worker's rows were taken over, claim soon.
+_held = ResourceHolder(_config, _fallback, log, on_takeover=lambda: request_claim())
 
 
 def resources() -> Resources:
@@ -208,6 +209,7 @@ def _process_init(**_: Any) -> None:
     _held.forget()
     STOPPING.clear()
     _parent_pid = os.getppid()
+    _held.start()  # this pool process's liveness record (docs/relay.md, "Lost workers")
 
 
 @signals.worker_process_shutdown.connect

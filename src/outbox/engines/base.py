@@ -8,6 +8,7 @@ set ``placeholder`` and ``sql()`` rewrites the text once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -59,6 +60,19 @@ class UndecodableRow(ValueError):
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
+#: Characters of a holder id (a relay worker process: docs/relay.md, "Lost workers"): 16 hex
+#: characters, the first half of every lease token that process makes.
+HOLDER_ID_CHARS = 16
+
+
+def holders_table_name(table: str) -> str:
+    """The holders table of an outbox table: ``<table>_holders``, shortened with a hash of the
+    table's name when that would pass 63 characters (the longest identifier every engine takes)."""
+    name = f"{table}_holders"
+    if len(name) <= 63:
+        return name
+    return f"{table[:46]}_{hashlib.sha1(table.encode()).hexdigest()[:8]}_holders"
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
@@ -86,6 +100,9 @@ class Engine(ABC):
         self.table_name = table
         self.schema = schema or self.default_schema
         self.table = self.qualify(table)
+        #: The liveness records of the relay's worker processes (docs/relay.md, "Lost workers").
+        self.holders_name = holders_table_name(table)
+        self.holders = self.qualify(self.holders_name)
 
     # -- names ---------------------------------------------------------------
     def quote(self, identifier: str) -> str:
@@ -215,6 +232,11 @@ class Engine(ABC):
     def is_disconnect(self, exc: BaseException) -> bool:
         return False
 
+    def is_missing_table(self, exc: BaseException) -> bool:
+        """The statement named a table that does not exist (the holders table of a deployment
+        that was not migrated since it came: docs/relay.md, "Lost workers")."""
+        return False
+
     def to_datetime(self, value: Any) -> datetime | None:
         """Database timestamps are UTC; return them as aware datetimes."""
         if value is None:
@@ -233,6 +255,16 @@ class Engine(ABC):
         An item is either SQL that guards itself (IF NOT EXISTS) or a pair
         ``((probe_sql, probe_params), sql)``: ``sql`` runs only when the probe finds
         no row, for engines whose DDL has no IF NOT EXISTS form."""
+
+    def holders_migration(self) -> list[Any]:
+        """The holders table (docs/relay.md, "Lost workers"), as ``migration`` items; each
+        engine's ``migration`` ends with them. This form suits engines with
+        ``CREATE TABLE IF NOT EXISTS``; ``holders_columns`` gives the types."""
+        return [f"CREATE TABLE IF NOT EXISTS {self.holders} ({self.holders_columns()})"]
+
+    def holders_columns(self) -> str:
+        return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INTEGER NOT NULL, "
+                f"started_at TIMESTAMP NOT NULL, beat_at TIMESTAMP NOT NULL")
 
     # -- write side (runs in the caller's transaction: never commit here) -------
     @abstractmethod
@@ -458,6 +490,49 @@ class Engine(ABC):
 
     def purge_params(self, older_than_ms: int, batch: int) -> list[Any]:
         return [-older_than_ms, batch]
+
+    # -- holders: liveness of the relay's worker processes (docs/relay.md, "Lost workers") --
+    def beat(self, cursor: Any, holder_id: str, host: str, pid: int) -> bool:
+        """Refresh a holder's ``beat_at``, inserting its record if it is missing (then True)."""
+        if self.execute(cursor, f"UPDATE {self.holders} SET beat_at = {self.now} WHERE holder_id = ?",
+                        [holder_id]).rowcount:
+            return False
+        self.execute(cursor, f"INSERT INTO {self.holders} (holder_id, host, pid, started_at, beat_at) "
+                     f"VALUES (?, ?, ?, {self.now}, {self.now})", [holder_id, host, pid])
+        return True
+
+    def silent_holders_sql(self) -> str:
+        """Holders other than ``?`` whose last beat is older than ``?`` ms (negated), with
+        the database clock: (holder_id, host, pid, beat_at, now)."""
+        return (f"SELECT holder_id, host, pid, beat_at, {self.now} FROM {self.holders} "
+                f"WHERE holder_id <> ? AND beat_at < {self.now_plus_ms()} ORDER BY beat_at")
+
+    def drop_silent_holder_sql(self) -> str:
+        """Delete holder ``?`` if its last beat is still older than ``?`` ms (negated): of
+        several processes that found it silent, one deletes it and takes its rows over."""
+        return f"DELETE FROM {self.holders} WHERE holder_id = ? AND beat_at < {self.now_plus_ms()}"
+
+    def held_by_sql(self) -> str:
+        """Count and oldest ``claimed_at`` of the open rows held under a lease of holder
+        ``?`` (a LIKE prefix), with the database clock."""
+        return (f"SELECT COUNT(*), MIN(claimed_at), {self.now} FROM {self.table} "
+                f"WHERE {self.open_rows()} AND status = 1 AND lease_token LIKE ?")
+
+    def end_leases_sql(self) -> str:
+        """Move ``claimed_at`` of the rows held under a lease of holder ``?`` (a LIKE prefix)
+        to now plus ``?`` ms (negated, past the lease): the claim sees their lease expired.
+        The first parameter is the milliseconds."""
+        return (f"UPDATE {self.table} SET claimed_at = {self.now_plus_ms()} "
+                f"WHERE {self.open_rows()} AND status = 1 AND lease_token LIKE ?")
+
+    def drop_holder_sql(self) -> str:
+        return f"DELETE FROM {self.holders} WHERE holder_id = ?"
+
+    def adopt_sql(self, cond: str) -> str:
+        """Re-token rows to a new lease (the adopting process's), fenced by the old one; the
+        lease starts again now. Parameters: the new token, the ids, the old token."""
+        return (f"UPDATE {self.table} SET lease_token = ?, claimed_at = {self.now} "
+                f"WHERE {cond} AND lease_token = ? AND status = 1")
 
     def requeue_sql(self, cond: str) -> str:
         return (f"UPDATE {self.table} SET status = 0, attempts = 0, next_retry_at = NULL, claimed_at = NULL, "

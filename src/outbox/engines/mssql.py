@@ -771,8 +771,20 @@ class MssqlEngine(Engine):
         # Claims, purge chunks and requeue-all may lock more than 5,000 rows; escalation
         # to a table lock would stop every enqueuer until they commit.
         steps.append([lock_escalation_off(t, table_literal)])
+        steps.append([_if(f"OBJECT_ID({_nstr(self.holders)}, N'U') IS NULL",
+                          f"CREATE TABLE {self.holders} ({self.holders_columns()})")])
         steps.append(unlock)
         return steps
+
+    def holders_columns(self) -> str:
+        return (f"holder_id CHAR(16) COLLATE {ID_COLLATION} NOT NULL "
+                f"CONSTRAINT {self.quote('pk_' + self.holders_name)} PRIMARY KEY, "
+                "host NVARCHAR(255) NOT NULL, pid INT NOT NULL, "
+                "started_at DATETIME2(3) NOT NULL, beat_at DATETIME2(3) NOT NULL")
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        state, message = _error_fields(exc)
+        return state == "42S02" or 208 in error_numbers(message)  # Invalid object name
 
     def migration(self, native_json: bool = False) -> list[Any]:
         """One batch per object, each guarded on its own, so re-running repairs a partial

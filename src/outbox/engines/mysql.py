@@ -193,7 +193,26 @@ class MysqlEngine(Engine):
                             ("done_processed_at", "INDEX {name} ON {t} (status, processed_at)")):
             name = self.index_name(suffix)
             steps.append((index_exists(name), "CREATE " + ddl.format(name=q(name), t=t)))
-        return steps
+        return steps + self.holders_migration()
+
+    def holders_migration(self) -> list[Any]:
+        return [f"CREATE TABLE IF NOT EXISTS {self.holders} ({self.holders_columns()}) "
+                "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"]
+
+    def holders_columns(self) -> str:
+        return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INT NOT NULL, "
+                "started_at DATETIME(3) NOT NULL, beat_at DATETIME(3) NOT NULL")
+
+    def beat(self, cursor: Any, holder_id: str, host: str, pid: int) -> bool:
+        # An UPDATE that changes nothing (the same millisecond) counts 0 rows on MySQL, so the
+        # generic "update, else insert" would insert twice: one upsert, 1 row when inserted.
+        return self.execute(cursor, f"INSERT INTO {self.holders} (holder_id, host, pid, started_at, beat_at) "
+                            f"VALUES (?, ?, ?, {self.now}, {self.now}) "
+                            f"ON DUPLICATE KEY UPDATE beat_at = {self.now}", [holder_id, host, pid]).rowcount == 1
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        import pymysql
+        return isinstance(exc, pymysql.err.MySQLError) and self._code(exc) == 1146  # ER_NO_SUCH_TABLE
 
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
         # On a duplicate message_id, LAST_INSERT_ID(id) hands back the stored row's

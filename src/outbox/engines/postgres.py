@@ -219,7 +219,14 @@ class PostgresEngine(Engine):
                          [self.schema, name])
             steps += [(on_status, f"DROP INDEX {self.qualify(name)}"),
                       f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}"]
-        return steps
+        return steps + self.holders_migration()
+
+    def holders_columns(self) -> str:
+        return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INTEGER NOT NULL, "
+                "started_at TIMESTAMPTZ(3) NOT NULL, beat_at TIMESTAMPTZ(3) NOT NULL")
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        return getattr(exc, "sqlstate", None) == "42P01"  # undefined_table
 
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
         self.execute(cursor, f"INSERT INTO {self.table} ({self.INSERT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "

@@ -88,7 +88,15 @@ class SqliteEngine(Engine):
             "WHERE status IN (0, 1, 3)",
             f"CREATE INDEX IF NOT EXISTS {self.index_ref('done_processed_at')} ON {self.table_name_only()} "
             "(status, processed_at)",
+            *self.holders_migration(),
         ]
+
+    def holders_columns(self) -> str:
+        return ("holder_id TEXT NOT NULL PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, "
+                "started_at TEXT NOT NULL, beat_at TEXT NOT NULL")
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
 
     def table_name_only(self) -> str:
         return self.quote(self.table_name)

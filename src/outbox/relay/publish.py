@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
 
@@ -125,20 +125,60 @@ def _hold_paused_routes(chains: list[list[OutboxMessage]], routes: RouteGate | N
     return split
 
 
-def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]]) -> list[Sequence[OutboxMessage]]:
-    """The chains whose rows their lease still holds, every row of them. A publish task that
-    is delivered a second time (its first run released or settled the rows, but its
-    acknowledgement never reached the broker) must not publish rows that another claim may
-    now hold: that would send them twice, and out of order. docs/relay.md, "Graceful shutdown"."""
+def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
+               check_own: bool = True, deadline: float | None = None,
+               now: Callable[[], float] = time.time) -> list[Sequence[OutboxMessage]]:
+    """The chains whose rows their lease still holds, every row of them, ready to publish here.
+
+    Rows leased by another process than this one (the store's ``holder_id``: the claim ran
+    elsewhere) are *adopted*: moved to a lease of this process in one fenced statement
+    (``OutboxStore.adopt``) and returned under it, so that a process lost after it claimed them
+    is not taken for their holder (docs/relay.md, "Lost workers"). Rows of this process's own
+    leases are checked (``OutboxStore.held``) when ``check_own``: a publish task delivered a
+    second time (its first run released or settled the rows, but its acknowledgement never
+    reached the broker) must not publish rows another claim may hold now; that would send
+    them twice, and out of order (docs/relay.md, "Graceful shutdown").
+
+    A chain not held in full is skipped; rows of it that were just adopted are released (no
+    attempt spent), so they wait behind their aggregate instead of for a lease.
+
+    Past ``deadline`` nothing is checked or adopted (adopting starts the lease again): the
+    chains are returned as they are, and ``handle_publish`` leaves them to their lease."""
+    if deadline is not None and now() > deadline:
+        return list(chains)
+    holder = getattr(store, "holder_id", None)
     by_lease: dict[str, list[int]] = {}
     for chain in chains:
         for message in chain:
             by_lease.setdefault(message.lease, []).append(message.id)
-    held = set().union(*(store.held(ids, lease) for lease, ids in by_lease.items())) if by_lease else set()
-    kept = [chain for chain in chains if all(m.id in held for m in chain)]
+    held: set[int] = set()
+    adopted: dict[str, str] = {}  # old lease -> this process's new lease
+    for lease, ids in by_lease.items():
+        if holder and not lease.startswith(holder):
+            adopted[lease] = store.new_lease()
+            held |= store.adopt(ids, lease, adopted[lease])
+        elif check_own:
+            held |= store.held(ids, lease)
+        else:
+            held.update(ids)
+    kept: list[Sequence[OutboxMessage]] = []
+    orphans: dict[str, list[int]] = {}
+    for chain in chains:
+        if all(m.id in held for m in chain):
+            kept.append([replace(m, lease=adopted[m.lease]) if m.lease in adopted else m for m in chain])
+            continue
+        for m in chain:
+            if m.id in held and m.lease in adopted:
+                orphans.setdefault(adopted[m.lease], []).append(m.id)
     if len(kept) < len(chains):
-        log.info("outbox publish task delivered again: %d of %d chains no longer held by their lease, skipped",
-                 len(chains) - len(kept), len(chains))
+        log.info("outbox publish task: %d of %d chains no longer held by their lease (settled, released, or "
+                 "taken over), skipped", len(chains) - len(kept), len(chains))
+    for lease, ids in orphans.items():
+        try:
+            store.release(ids, lease)
+        except Exception as exc:  # noqa: BLE001 - then they wait for the lease
+            log.error("outbox cannot release rows %s of a chain no longer held in full (%s); the lease recovers "
+                      "them", ids, exc)
     return kept
 
 

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import RelayOptions, Settings
+from ..model import Holder
 from ..publisher import KombuPublisher, Publisher
 from ..store import OutboxStore
+from .holders import Heartbeat, new_holder
 from .settle import Fallback, Settler
 from .sizing import ClaimSizer
 from .shared import (Breaker, Coalescer, Outage, RouteGate, breaker_key, make_breaker, make_coalescer,
@@ -54,13 +56,19 @@ class Shared:
 
 class ResourceHolder:
     """The store, publisher, settler and claim sizer of each thread, and the breaker, claim coalescer,
-    route gate and outage logs of the process; made on first use, made afresh in a forked
-    child, closed together."""
+    route gate and outage logs of the process, and the process's holder id and heartbeat
+    (docs/relay.md, "Lost workers"); made on first use, made afresh in a forked child, closed
+    together. ``on_takeover`` is called when the heartbeat took rows of a lost process over
+    (the runner's coalesced claim request)."""
 
-    def __init__(self, config: Config, fallback: Fallback, logger: logging.Logger | None = None) -> None:
+    def __init__(self, config: Config, fallback: Fallback, logger: logging.Logger | None = None,
+                 on_takeover: Callable[[], object] = lambda: None) -> None:
         self._config = config
         self._fallback = fallback
         self._log = logger or log
+        self._on_takeover = on_takeover
+        self._heartbeat: Heartbeat | None = None
+        self._inherited_beats: list[Heartbeat] = []  # kept referenced, like ``_inherited``
         self._local = threading.local()
         self._made: list[Resources] = []
         #: Inherited over fork() (e.g. the main process's in-process claim made them): kept
@@ -75,6 +83,7 @@ class ResourceHolder:
         if r is None or r.pid != os.getpid():
             settings, options, _, _ = self._config()
             store = OutboxStore.from_settings(settings)
+            store.holder_id = self.holder().holder_id  # lease tokens name this process
             publisher = KombuPublisher.from_settings(settings, max_message_bytes=options.max_message_bytes)
             r = Resources(os.getpid(), store, publisher, Settler(store, self._fallback),
                           ClaimSizer.at_start(settings.max_payload_bytes))
@@ -82,6 +91,26 @@ class ResourceHolder:
             with self._lock:
                 self._made.append(r)
         return r
+
+    def holder(self) -> Holder:
+        """This process as a holder; its heartbeat starts on first use (in each process)."""
+        with self._lock:
+            beat = self._heartbeat
+            if beat is None or beat.holder.pid != os.getpid():
+                settings, options, _, _ = self._config()
+                beat = Heartbeat(OutboxStore.from_settings(settings), new_holder(), options.holder_timeout_s,
+                                 self._on_takeover, self._log)
+                self._heartbeat = beat
+                beat.start()
+            return beat.holder
+
+    def start(self) -> None:
+        """Start this process's heartbeat now rather than at its first task (a worker
+        process that has just started), so it may take lost processes over sooner."""
+        try:
+            self.holder()
+        except Exception as exc:  # never keep a worker from starting over this: the first task retries
+            self._log.warning("outbox: heartbeat not started (%s: %s)", type(exc).__name__, exc)
 
     def shared(self) -> Shared:
         """This process's breaker, coalescer, route gate and outage logs."""
@@ -106,6 +135,9 @@ class ResourceHolder:
             self._made.clear()
             self._shared = None
             self._local = threading.local()
+            beat, self._heartbeat = self._heartbeat, None
+        if beat is not None and beat.holder.pid == os.getpid():
+            beat.stop()  # a graceful exit: the record goes, nothing is left to take over
         for r in mine:
             for closable in (r.publisher, r.store):
                 try:
@@ -120,6 +152,9 @@ class ResourceHolder:
             self._made.clear()
             self._shared = None
             self._local = threading.local()
+            if self._heartbeat is not None:  # the parent's: its thread did not come over the fork
+                self._inherited_beats.append(self._heartbeat)
+            self._heartbeat = None
 
 
 __all__ = ["ResourceHolder", "Resources", "Shared", "Config"]

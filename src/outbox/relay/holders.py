@@ -1,0 +1,154 @@
+"""Lost workers: each relay worker process's liveness record (its *holder*) and the heartbeat
+that keeps it fresh and takes over the rows of holders gone silent. Why, and what a crash
+costs: docs/relay.md, "Lost workers"."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Callable
+
+from ..model import Holder, SilentHolder
+from ..store import OutboxStore
+
+log = logging.getLogger("outbox.relay")
+
+
+def new_holder(pid: int | None = None) -> Holder:
+    """This process as a holder: a fresh id of 16 hex characters, the host name and the pid."""
+    return Holder(secrets.token_hex(8), socket.gethostname()[:255] or "?", pid or os.getpid())
+
+
+class Heartbeat:
+    """Every ``timeout_s / 3`` seconds, one short transaction on a connection of its own
+    (``OutboxStore.beat``): refresh this holder's ``beat_at`` and list the holders silent for
+    longer than ``timeout_s``; then take each over (``OutboxStore.take_over``) and, when rows
+    came back, call ``on_takeover`` (a coalesced claim request) so they move at once.
+
+    Guard against false deaths: this process takes nothing over unless its own beats have
+    succeeded, each within ``timeout_s`` of the one before, for longer than ``timeout_s``.
+    After a database outage (or a stall that held every beat up) nobody takes over until
+    every live holder has had time to beat again.
+
+    ``tick(now)`` is one round, callable without the thread (the tests drive it)."""
+
+    def __init__(self, store: OutboxStore, holder: Holder, timeout_s: float,
+                 on_takeover: Callable[[], object] = lambda: None, logger: logging.Logger | None = None) -> None:
+        self.store = store
+        self.holder = holder
+        self.timeout_s = timeout_s
+        self.interval_s = timeout_s / 3
+        self.on_takeover = on_takeover
+        self.log = logger or log
+        #: Monotonic time since which every beat succeeded in time; None after a failure.
+        self.healthy_since: float | None = None
+        self.last_beat: float | None = None
+        self.beats = 0
+        self.missing_table = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def timeout_ms(self) -> int:
+        return int(self.timeout_s * 1000)
+
+    # -- one round -------------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> int:
+        """Beat once; take over the silent holders if this process may. Returns the rows
+        taken over."""
+        now = time.monotonic() if now is None else now
+        try:
+            beat = self.store.beat(self.holder, self.timeout_ms)
+        except Exception as exc:  # noqa: BLE001 - the database's outage is logged by the relay's tasks
+            self.healthy_since = None
+            if self.store.engine.is_missing_table(exc):
+                if not self.missing_table:
+                    self.log.warning(
+                        "outbox: table %s is missing: lost worker processes are noticed only when their lease "
+                        "(OUTBOX_CLAIM_TIMEOUT_MS) expires. Run `outbox migrate` to create it", self.store.engine.holders)
+                self.missing_table = True
+            else:
+                self.log.debug("outbox heartbeat of holder %s failed: %s: %s", self.holder.holder_id,
+                               type(exc).__name__, exc)
+            return 0
+        if self.missing_table:
+            self.log.info("outbox: table %s is there now; lost worker processes are taken over", self.store.engine.holders)
+            self.missing_table = False
+        if self.healthy_since is None or self.last_beat is None or now - self.last_beat > self.timeout_s:
+            self.healthy_since = now  # the first beat, or one after a gap: start counting again
+        self.last_beat = now
+        if beat.recreated and self.beats:
+            self.log.warning("outbox: this worker process (holder %s, pid %d) was silent for longer than "
+                             "OUTBOX_RELAY_HOLDER_TIMEOUT_S=%g and was presumed lost; rows it held were taken over, "
+                             "and its late writes to them are refused", self.holder.holder_id, self.holder.pid,
+                             self.timeout_s)
+        self.beats += 1
+        if not beat.silent or now - self.healthy_since <= self.timeout_s:
+            return 0
+        return sum(self._take_over(silent) for silent in beat.silent)
+
+    def _take_over(self, silent: SilentHolder) -> int:
+        try:
+            done = self.store.take_over(silent, self.timeout_ms)
+        except Exception as exc:  # noqa: BLE001 - the next beat tries again
+            self.log.debug("outbox: cannot take over holder %s: %s: %s", silent.holder.holder_id,
+                           type(exc).__name__, exc)
+            return 0
+        if done is None:  # another process did, or it beat again
+            return 0
+        h = silent.holder
+        if not done.rows:
+            self.log.info("outbox: worker process lost (holder %s, host %s, pid %d, silent for %.1f s); it held no "
+                          "rows", h.holder_id, h.host, h.pid, silent.silent_s)
+            return 0
+        self.log.warning("outbox: took over %d rows of a lost worker process (holder %s, host %s, pid %d): silent "
+                         "for %.1f s, rows held for %.1f s; claimable again now, an attempt counted",
+                         done.rows, h.holder_id, h.host, h.pid, silent.silent_s, done.held_s)
+        try:
+            self.on_takeover()
+        except Exception as exc:  # noqa: BLE001 - beat's next tick claims them anyway
+            self.log.debug("outbox: claim request after a takeover failed: %s", exc)
+        return done.rows
+
+    # -- the thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="outbox-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.tick()
+            # A deployment not migrated yet: look again now and then, not every second.
+            if self._stop.wait(30.0 if self.missing_table else self.interval_s):
+                break
+        self._finish()
+
+    def stop(self, drop: bool = True) -> None:
+        """Stop beating and, with ``drop``, delete this holder's record (a graceful exit:
+        nothing left to take over); the heartbeat's connection is closed."""
+        self._drop = drop
+        self._stop.set()
+        thread = self._thread
+        if thread is None:
+            self._finish()
+        elif thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    _drop = True
+
+    def _finish(self) -> None:
+        """In the heartbeat's thread (its connection is that thread's): the record, then the connection."""
+        if self._drop and self.beats:
+            try:
+                self.store.drop_holder(self.holder.holder_id)
+            except Exception as exc:  # noqa: BLE001 - then it is taken over, holding nothing
+                self.log.debug("outbox: cannot delete holder %s: %s", self.holder.holder_id, exc)
+        self.store.close()
+
+
+__all__ = ["Heartbeat", "new_holder"]

@@ -1,0 +1,227 @@
+"""Lost workers (docs/relay.md, "Lost workers"), run for real on every engine: lease tokens
+name the process that holds them, a holder gone silent has its leases ended at once (the
+fence intact), a publish task adopts rows claimed by another process, and the heartbeat's
+guard against false deaths. The end-to-end drill: tests/test_takeover_e2e.py."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+import pytest
+
+from outbox import Status
+from outbox.model import Holder
+from outbox.relay import still_held
+from outbox.relay.holders import Heartbeat, new_holder
+from outbox.store import OutboxStore
+
+from test_store_conformance import add, row, statuses
+
+SILENT_MS = 300  # a holder timeout short enough to wait out in a test
+
+
+def twin(store: OutboxStore, holder: Holder | None = None) -> OutboxStore:
+    """Another process's store on the same table, leasing for ``holder``."""
+    other = OutboxStore(store.url, table=store.engine.table_name, schema=store.engine.schema,
+                        claim_timeout_ms=store.claim_timeout_ms, max_attempts=store.max_attempts)
+    if holder is not None:
+        other.holder_id = holder.holder_id
+    return other
+
+
+def holders(store: OutboxStore) -> set[str]:
+    with store.transaction() as cursor:
+        rows = store.engine.execute(cursor, f"SELECT holder_id FROM {store.engine.holders}").fetchall()
+    return {str(r[0]).strip() for r in rows}
+
+
+def test_lease_tokens_carry_the_holder_id(store: OutboxStore, writer: Any) -> None:
+    add(writer, store, "a", 2)
+    plain = store.claim(1)
+    assert re.fullmatch(r"[0-9a-f]{32}", plain.lease)
+    holder = new_holder()
+    assert re.fullmatch(r"[0-9a-f]{16}", holder.holder_id)
+    store.holder_id = holder.holder_id
+    mine = store.claim(5)
+    assert [m.id for m in mine.messages] == [] or mine.lease.startswith(holder.holder_id)
+    add(writer, store, "b", 1)
+    claim = store.claim(5)
+    assert claim.lease.startswith(holder.holder_id) and len(claim.lease) == 32
+    assert row(store, claim.messages[0].id, "lease_token")[0].strip() == claim.lease
+
+
+def test_migrate_creates_the_holders_table_and_is_idempotent(store: OutboxStore) -> None:
+    store.migrate()
+    store.migrate()
+    holder = new_holder()
+    assert store.beat(holder, SILENT_MS).recreated  # the first beat writes the record
+    assert not store.beat(holder, SILENT_MS).recreated
+    assert holders(store) == {holder.holder_id}
+    store.drop_holder(holder.holder_id)
+    assert holders(store) == set()
+
+
+def test_a_silent_holder_is_taken_over_at_once_and_its_late_writes_are_refused(
+        store: OutboxStore, writer: Any) -> None:
+    """Lost: a process that claimed rows and stopped beating. Its rows are claimable at once
+    (with a lease of a minute), attempts + 1; a live holder's rows stay where they are; the
+    lost holder's late mark_done changes nothing."""
+    a_ids, b_ids = add(writer, store, "a", 2), add(writer, store, "b", 2)
+    lost, live = new_holder(), new_holder()
+    lost_store, live_store = twin(store, lost), twin(store, live)
+    lost_store.beat(lost, SILENT_MS)
+    live_store.beat(live, SILENT_MS)
+    lost_claim = lost_store.claim(2)
+    assert [m.id for m in lost_claim.messages] == a_ids
+    live_claim = live_store.claim(2)
+    assert [m.id for m in live_claim.messages] == b_ids
+    assert store.claim(10).messages == []  # nothing claimable: both leases run for a minute
+
+    time.sleep(SILENT_MS / 1000 + 0.3)
+    beat = live_store.beat(live, SILENT_MS)
+    assert [s.holder for s in beat.silent] == [lost]
+    assert beat.silent[0].silent_s >= SILENT_MS / 1000
+    taken = live_store.take_over(beat.silent[0], SILENT_MS)
+    assert taken is not None and taken.rows == 2 and taken.held_s >= SILENT_MS / 1000
+    assert live_store.take_over(beat.silent[0], SILENT_MS) is None  # one process takes it over
+    assert holders(store) == {live.holder_id}
+
+    # Expired rows come back one at a time per aggregate (the head first), an attempt counted.
+    again = store.claim(10)
+    assert [m.id for m in again.messages] == a_ids[:1]
+    assert again.messages[0].attempts == 1
+    assert row(store, a_ids[0], "attempts, status, last_error")[:2] == (1, Status.CLAIMED)
+    # The fence: the lost holder's late acknowledgement of a re-claimed row is refused.
+    assert lost_store.mark_done(a_ids[:1], lost_claim.lease).applied == 0
+    assert statuses(store)[a_ids[0]] == Status.CLAIMED
+    # The live holder's rows were never touched.
+    assert row(store, b_ids[0], "lease_token")[0].strip() == live_claim.lease
+    assert live_store.mark_done(b_ids, live_claim.lease).applied == 2
+    for s in (lost_store, live_store):
+        s.close()
+
+
+def test_a_holder_that_beats_again_is_not_taken_over(store: OutboxStore, writer: Any) -> None:
+    add(writer, store, "a", 1)
+    slow, other = new_holder(), new_holder()
+    slow_store, other_store = twin(store, slow), twin(store, other)
+    slow_store.beat(slow, SILENT_MS)
+    claim = slow_store.claim(1)
+    time.sleep(SILENT_MS / 1000 + 0.3)
+    [silent] = other_store.beat(other, SILENT_MS).silent
+    slow_store.beat(slow, SILENT_MS)  # alive after all, just before the takeover
+    assert other_store.take_over(silent, SILENT_MS) is None
+    assert slow_store.mark_done([m.id for m in claim.messages], claim.lease).applied == 1
+    for s in (slow_store, other_store):
+        s.close()
+
+
+def test_a_publish_task_in_another_process_adopts_the_rows_it_publishes(store: OutboxStore, writer: Any) -> None:
+    """The claimer's lease moves to the publishing process in one fenced statement: the
+    claimer's late writes are refused, the adopter's apply, and a chain no longer held in full
+    is skipped, the rows of it that were adopted given back (pending, no attempt)."""
+    a_ids, b_ids = add(writer, store, "a", 2), add(writer, store, "b", 3)
+    claimer, publisher = new_holder(), new_holder()
+    claimer_store, publisher_store = twin(store, claimer), twin(store, publisher)
+    claim = claimer_store.claim(10)
+    chains = {m.aggregate_id: [] for m in claim.messages}
+    for m in claim.messages:
+        chains[m.aggregate_id].append(m)
+    # b's head was settled meanwhile (e.g. a first run of this task): b is not held in full.
+    claimer_store.mark_done(b_ids[:1], claim.lease)
+
+    kept = still_held(publisher_store, [chains["a"], chains["b"]], check_own=False)
+    assert [[m.id for m in chain] for chain in kept] == [a_ids]
+    lease = kept[0][0].lease
+    assert lease.startswith(publisher.holder_id) and lease != claim.lease and len(lease) == 32
+    assert row(store, a_ids[0], "lease_token")[0].strip() == lease
+    assert claimer_store.mark_done(a_ids, claim.lease).applied == 0  # fenced off
+    assert publisher_store.mark_done(a_ids, lease).applied == 2
+    # b's adopted tail went back to pending without spending an attempt.
+    assert [statuses(store)[i] for i in b_ids] == [Status.DONE, Status.PENDING, Status.PENDING]
+    assert row(store, b_ids[1], "attempts")[0] == 0
+    # Adoption refuses rows the old lease no longer holds.
+    assert publisher_store.adopt(b_ids, claim.lease, publisher_store.new_lease()) == set()
+    # A task that starts past its deadline adopts nothing: it leaves the rows to their lease.
+    c_ids = add(writer, store, "c", 1)
+    late = claimer_store.claim(10)
+    c_chain = [m for m in late.messages if m.aggregate_id == "c"]
+    assert [m.id for m in c_chain] == c_ids
+    assert still_held(publisher_store, [c_chain], deadline=1.0, now=lambda: 2.0) == [c_chain]
+    assert row(store, c_ids[0], "lease_token")[0].strip() == late.lease
+    for s in (claimer_store, publisher_store):
+        s.close()
+
+
+def test_the_heartbeat_takes_over_only_after_beating_steadily_for_longer_than_the_timeout(
+        store: OutboxStore, writer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The guard against false deaths: after its own beats failed or stalled (a database
+    outage that silenced everybody), a process takes nobody over until it has beaten, each
+    beat within the timeout of the last, for longer than the timeout."""
+    add(writer, store, "a", 3)
+    lost = new_holder()
+    lost_store = twin(store, lost)
+    lost_store.beat(lost, SILENT_MS)
+    claim = lost_store.claim(10)
+    time.sleep(SILENT_MS / 1000 + 0.3)
+
+    requested: list[bool] = []
+    me = new_holder()
+    beat = Heartbeat(twin(store, me), me, SILENT_MS / 1000, on_takeover=lambda: requested.append(True))
+    assert beat.tick(now=100.0) == 0  # the first beat: not steady for long enough yet
+    assert beat.tick(now=100.2) == 0
+    assert beat.tick(now=100.9) == 0  # 0.7 s since the last: a gap, counting starts again
+    assert beat.tick(now=101.1) == 0  # steady for 0.2 s only
+    assert holders(store) == {lost.holder_id, me.holder_id} and not requested
+    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+        assert beat.tick(now=101.35) == 3  # steady for 0.45 s > 0.3 s
+    assert requested == [True]
+    [line] = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+    assert (f"took over 3 rows of a lost worker process (holder {lost.holder_id}, host {lost.host}, "
+            f"pid {lost.pid}): silent for") in line and "rows held for" in line
+    assert [m.id for m in store.claim(10).messages] == [claim.messages[0].id]
+    beat.stop()
+    assert holders(store) == set()  # a graceful exit deletes the record
+    lost_store.close()
+
+
+def test_without_a_holders_table_the_relay_runs_on_the_lease_and_says_so_once(
+        store: OutboxStore, writer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"DROP TABLE {store.engine.holders}")
+    me = new_holder()
+    beat = Heartbeat(twin(store, me), me, SILENT_MS / 1000)
+    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+        for now in (1.0, 1.1, 1.2):
+            assert beat.tick(now=now) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "outbox migrate" in warnings[0] and store.engine.holders_name in warnings[0]
+    add(writer, store, "a", 1)
+    store.holder_id = me.holder_id
+    claim = store.claim(10)
+    assert len(claim.messages) == 1 and store.mark_done([claim.messages[0].id], claim.lease).applied == 1
+    beat.stop()
+    store.migrate()  # creates it: the heartbeat goes on from there
+    assert store.beat(me, SILENT_MS).recreated
+
+
+def test_rows_adopted_by_a_live_process_stay_with_it_when_their_claimer_is_lost(
+        store: OutboxStore, writer: Any) -> None:
+    ids = add(writer, store, "a", 2)
+    claimer, publisher = new_holder(), new_holder()
+    claimer_store, publisher_store = twin(store, claimer), twin(store, publisher)
+    claimer_store.beat(claimer, SILENT_MS)
+    claim = claimer_store.claim(10)
+    [chain] = still_held(publisher_store, [claim.messages], check_own=False)
+    time.sleep(SILENT_MS / 1000 + 0.3)
+    [silent] = publisher_store.beat(publisher, SILENT_MS).silent
+    assert silent.holder == claimer
+    taken = publisher_store.take_over(silent, SILENT_MS)
+    assert taken is not None and taken.rows == 0  # nothing of the claimer's is left to take
+    assert store.claim(10).messages == []
+    assert publisher_store.mark_done(ids, chain[0].lease).applied == 2
+    for s in (claimer_store, publisher_store):
+        s.close()
