@@ -13,33 +13,15 @@ recording cursor; the live checks are in test_mssql_live.py.
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import pytest
-import sqlglot
 from sqlglot import exp
 
+from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
 from outbox.engines.mssql import FILTERED_INDEX_OPTIONS, MIGRATE_LOCK_TIMEOUT_MS, MssqlEngine
 from outbox.engines.queue_factory import queue_tables
 from outbox.engines.queue_mssql import MssqlQueueTables
-
-
-@pytest.fixture
-def no_sqlglot_fallbacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """sqlglot returns an opaque Command for syntax it does not understand: any such
-    warning fails the test, so "it parses" means something."""
-    with caplog.at_level(logging.WARNING, logger="sqlglot"):
-        yield
-    fallbacks = [r.getMessage() for r in caplog.records if r.name.startswith("sqlglot")]
-    assert not fallbacks, fallbacks
-
-
-def parse_one(sql: str) -> exp.Expression:
-    parsed = sqlglot.parse(sql, read="tsql")
-    assert len(parsed) == 1 and parsed[0] is not None, sql
-    assert not list(parsed[0].find_all(exp.Command)), f"sqlglot did not understand part of:\n{sql}"
-    return parsed[0]
 
 
 def parse_batch(batch: str, statements: Sequence[str]) -> None:

@@ -24,12 +24,13 @@ import sqlite3
 import subprocess
 import sys
 from datetime import datetime, timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import pytest
 import sqlglot
 from sqlglot import exp
 
+from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
 from outbox.chains import Candidate, plan_claim
 from outbox.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
 from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT, INDEXES,
@@ -190,24 +191,6 @@ def recorded(request: pytest.FixtureRequest) -> tuple[MssqlEngine, list[tuple[st
 def placeholders(sql: str) -> int:
     """``?`` outside string literals."""
     return re.sub(r"N?'(?:[^']|'')*'", "", sql).count("?")
-
-
-@pytest.fixture
-def no_sqlglot_fallbacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """sqlglot logs and returns an opaque Command for syntax it does not understand;
-    that would make "parses" meaningless, so any such warning fails the test."""
-    with caplog.at_level(logging.WARNING, logger="sqlglot"):
-        yield
-    fallbacks = [r.getMessage() for r in caplog.records if r.name.startswith("sqlglot")]
-    assert not fallbacks, fallbacks
-
-
-def parse_one(sql: str) -> exp.Expression:
-    """Exactly one T-SQL statement, fully understood."""
-    parsed = sqlglot.parse(sql, read="tsql")
-    assert len(parsed) == 1 and parsed[0] is not None, sql
-    assert not list(parsed[0].find_all(exp.Command)), f"sqlglot did not understand part of:\n{sql}"
-    return parsed[0]
 
 
 def statements_of(engine: MssqlEngine, sql: str) -> list[str]:

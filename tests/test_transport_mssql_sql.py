@@ -7,14 +7,14 @@ code are in test_transport_tables.py and test_transport_kombu.py (OUTBOX_TEST_MS
 
 from __future__ import annotations
 
-import logging
 import re
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import pytest
 import sqlglot
 from sqlglot import exp
 
+from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
 from outbox.engines.mssql import FILTERED_INDEX_OPTIONS, MssqlEngine
 from outbox.engines.queue_mssql import MssqlQueueTables
 from outbox.engines.queue_factory import queue_tables
@@ -73,21 +73,6 @@ def record_everything(qt: MssqlQueueTables) -> list[tuple[str, tuple]]:
 
 def placeholders(sql: str) -> int:
     return re.sub(r"N?'(?:[^']|'')*'", "", sql).count("?")
-
-
-@pytest.fixture
-def no_sqlglot_fallbacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    with caplog.at_level(logging.WARNING, logger="sqlglot"):
-        yield
-    fallbacks = [r.getMessage() for r in caplog.records if r.name.startswith("sqlglot")]
-    assert not fallbacks, fallbacks
-
-
-def parse_one(sql: str) -> exp.Expression:
-    parsed = sqlglot.parse(sql, read="tsql")
-    assert len(parsed) == 1 and parsed[0] is not None, sql
-    assert not list(parsed[0].find_all(exp.Command)), f"sqlglot did not understand part of:\n{sql}"
-    return parsed[0]
 
 
 def test_every_statement_binds_its_placeholders_and_parses(qt: MssqlQueueTables, no_sqlglot_fallbacks: None) -> None:
