@@ -222,3 +222,25 @@ def test_dramatiq_actors_use_their_outboxs_queues_and_forward_another_outboxs_me
     assert out["forwarded"] == 2 and out["pending_after_foreign"] == 1  # handed on, not run
     assert out["requested"] is True and out["ours"] == 1
     assert done.stderr.count("refused a outbox.claim task of outbox 'other-outbox'") == 1
+
+
+def test_outbox_queues_prints_the_names_a_workers_q_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+    from outbox.config import reset_settings
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://db/shop")
+    monkeypatch.setenv("OUTBOX_TABLE", "orders")
+    reset_settings()
+    try:
+        q = Queues(default_namespace("postgresql://db/shop", "orders"))
+        assert CliRunner().invoke(main, ["queues", "publish"]).output == f"{q.publish}\n"
+        assert CliRunner().invoke(main, ["queues", "claim", "ack", "purge"]).output == f"{q.claim},{q.ack},{q.purge}\n"
+        assert CliRunner().invoke(main, ["queues"]).output == ",".join(q.all) + "\n"
+        monkeypatch.setenv("OUTBOX_NAMESPACE", "bad name")
+        reset_settings()
+        bad = CliRunner().invoke(main, ["queues"])
+        assert bad.exit_code == 1 and "OUTBOX_NAMESPACE='bad name'" in bad.output
+    finally:
+        reset_settings()
