@@ -33,7 +33,7 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
     """The ``beat_schedule`` for ``settings`` (``outbox.config.Settings``) and relay
     ``options`` (``outbox.config.RelayOptions``); both default to the environment's."""
     from outbox.config import RelayOptions, get_settings
-    from outbox.names import CLAIM_TASK, OUTBOX_ARG, PURGE_TASK
+    from outbox.names import CLAIM_TASK, TASK_OUTBOX_ARG, PURGE_TASK
 
     settings = settings or get_settings()
     if options is None:
@@ -42,7 +42,7 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
     claim_every = float(settings.claim_interval_s)
     purge_every = float(options.purge_interval_s)
     # Each tick goes to this outbox's queue and names it (docs/relay.md, "Several outboxes on one broker").
-    queues, named = settings.queues, {OUTBOX_ARG: settings.outbox_namespace}
+    queues, named = settings.queues, {TASK_OUTBOX_ARG: settings.outbox_namespace}
     return {
         CLAIM_ENTRY: {
             "task": CLAIM_TASK,

@@ -18,7 +18,7 @@ from kombu import Exchange, Queue
 
 from .config import RelayOptions, Settings, conf_keys, relay_options, relay_settings, use_conf
 from .errors import ConfigError
-from .names import CLAIM_TASK, OUTBOX_ARG, PUBLISH_TASK, Queues
+from .names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
 from .redact import redact
 
 log = logging.getLogger("outbox.celery")
@@ -112,10 +112,10 @@ app.add_defaults(_defaults)
 def send_relay_task(task: str, kwargs: dict[str, Any] | None = None, namespace: str | None = None,
                     **options: Any) -> Any:
     """Send one of the relay's tasks to its outbox's queue, naming the outbox in the task
-    (``OUTBOX_ARG``: a worker of another outbox refuses it, see ``outbox.tasks``). Every relay
+    (``TASK_OUTBOX_ARG``: a worker of another outbox refuses it, see ``outbox.tasks``). Every relay
     task is sent through here. ``namespace``: the outbox (default: this process's)."""
     namespace = namespace or relay_settings().outbox_namespace
-    return app.send_task(task, kwargs={**(kwargs or {}), OUTBOX_ARG: namespace},
+    return app.send_task(task, kwargs={**(kwargs or {}), TASK_OUTBOX_ARG: namespace},
                          queue=Queues(namespace).for_task(task), **options)
 
 

@@ -23,7 +23,7 @@ from .redact import install_filter, redact
 from .relay import (ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Backlog,
                     ForeignTasks, Queues, RelayOptions, ResourceHolder, Resources, after_publish, apply_fallback,
                     drain_slice, handle_publish, message_from_dict, message_to_dict, purge_expired, still_held)
-from .names import OUTBOX_ARG, claim_request_key
+from .names import TASK_OUTBOX_ARG, claim_request_key
 from .relay.resources import Shared
 from .wake import clear_token  # the writer-side API sits below this entry point
 
@@ -170,12 +170,12 @@ _SETTLE = dict(max_retries=10, min_backoff=500, max_backoff=30_000)
 
 
 def _fallback(operation: str, kwargs: dict[str, Any]) -> None:
-    {"done": ack, "failed": fail, "release": release}[operation].send(**kwargs, **{OUTBOX_ARG: OUTBOX_NAMESPACE})
+    {"done": ack, "failed": fail, "release": release}[operation].send(**kwargs, **{TASK_OUTBOX_ARG: OUTBOX_NAMESPACE})
 
 
 def _dispatch(chains: list[list[Any]], deadline: float) -> None:
     publish.send(chains=[[message_to_dict(m) for m in chain] for chain in chains], deadline=deadline,
-                 **{OUTBOX_ARG: OUTBOX_NAMESPACE})
+                 **{TASK_OUTBOX_ARG: OUTBOX_NAMESPACE})
 
 
 #: Messages naming another outbox that reached this process (``relay.ForeignTasks``).
@@ -183,16 +183,16 @@ _foreign = ForeignTasks(log)
 
 
 def _only_ours(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """An actor that runs only messages naming this outbox (``OUTBOX_ARG``); one naming another
+    """An actor that runs only messages naming this outbox (``TASK_OUTBOX_ARG``); one naming another
     is sent on to that outbox's queue, not run (docs/relay.md, "Several outboxes on one broker")."""
     def wrap(body: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(body)
         def run(*args: Any, **kwargs: Any) -> None:
-            named = kwargs.pop(OUTBOX_ARG, None)
+            named = kwargs.pop(TASK_OUTBOX_ARG, None)
             if _foreign.belongs(named, OUTBOX_NAMESPACE):
                 return body(*args, **kwargs)
             _foreign.refuse(task, named, OUTBOX_NAMESPACE, lambda other: broker.enqueue(_broker.message(
-                task, Queues(other).for_task(task), {**kwargs, OUTBOX_ARG: other}, args=args)))
+                task, Queues(other).for_task(task), {**kwargs, TASK_OUTBOX_ARG: other}, args=args)))
             return None
         return run
     return wrap
@@ -215,7 +215,7 @@ def request_claim() -> bool:
     if not gate.acquire():
         return False
     try:
-        broker.enqueue(_broker.message(CLAIM_TASK, QUEUES.claim, {"requested": True, OUTBOX_ARG: OUTBOX_NAMESPACE},
+        broker.enqueue(_broker.message(CLAIM_TASK, QUEUES.claim, {"requested": True, TASK_OUTBOX_ARG: OUTBOX_NAMESPACE},
                                        OPTIONS.claim_request_ttl_s))
     except Exception as exc:
         gate.clear()

@@ -23,7 +23,7 @@ RELEASE_TASK = "outbox.release"
 PURGE_TASK = "outbox.purge"
 
 #: The task keyword argument that names the outbox a task belongs to (its namespace).
-OUTBOX_ARG = "outbox"
+TASK_OUTBOX_ARG = "outbox"
 
 #: Which queue kind each task goes to: ``<namespace>.<kind>``.
 KINDS = ("claim", "publish", "ack", "purge")
@@ -141,5 +141,5 @@ def wake_channel(broker_url: str, key_prefix: str, namespace: str) -> str:
 
 
 __all__ = ["wake_channel", "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
-           "CLAIM_REQUEST_PREFIX", "claim_request_key", "OUTBOX_ARG", "KINDS", "TASK_KINDS", "LEGACY_NAMESPACE",
+           "CLAIM_REQUEST_PREFIX", "claim_request_key", "TASK_OUTBOX_ARG", "KINDS", "TASK_KINDS", "LEGACY_NAMESPACE",
            "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "database_identity", "default_namespace", "Queues"]

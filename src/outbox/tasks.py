@@ -12,7 +12,7 @@ from typing import Any
 
 from .celery_app import app, send_relay_task
 from .config import relay_options, relay_settings
-from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
+from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
 from .relay import (DRAIN_SLICE_S, Backlog, ForeignTasks, after_publish, apply_fallback, drain_slice,
                     handle_publish, message_from_dict, message_to_dict, purge_expired, still_held)
 from . import wake as _wake
@@ -42,16 +42,16 @@ _foreign = ForeignTasks(log)
 
 
 class RelayTask(app.Task):  # type: ignore[name-defined,misc]
-    """Every relay task: it runs only when it names this worker's outbox (``OUTBOX_ARG``);
+    """Every relay task: it runs only when it names this worker's outbox (``TASK_OUTBOX_ARG``);
     one naming another outbox is forwarded to that outbox's queue, not run (docs/relay.md,
     "Several outboxes on one broker")."""
 
-    #: Celery checks the keyword arguments of a send against the body's signature; ``OUTBOX_ARG``
+    #: Celery checks the keyword arguments of a send against the body's signature; ``TASK_OUTBOX_ARG``
     #: is not the body's (``__call__`` takes it off), so that check is off for relay tasks.
     typing = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        named = kwargs.pop(OUTBOX_ARG, None)
+        named = kwargs.pop(TASK_OUTBOX_ARG, None)
         ours = relay_settings().outbox_namespace
         if _foreign.belongs(named, ours):
             return super().__call__(*args, **kwargs)

@@ -35,7 +35,7 @@ EXIT_FLUSH_S = 1.0
 # ``extra_setting`` and ``flag`` moved to ``outbox.config`` (the one reader); kept importable here.
 from .config import extra_setting, flag, relay_options, relay_settings, wake_options  # noqa: E402,F401
 from .handoff import HandOff  # noqa: E402
-from .names import CLAIM_REQUEST_PREFIX, CLAIM_TASK, OUTBOX_ARG, claim_request_key, wake_channel  # noqa: E402
+from .names import CLAIM_REQUEST_PREFIX, CLAIM_TASK, TASK_OUTBOX_ARG, claim_request_key, wake_channel  # noqa: E402
 
 #: Prefix of the claim-request tokens: a claim deletes only keys that start with it.
 TOKEN_PREFIX = CLAIM_REQUEST_PREFIX
@@ -194,7 +194,7 @@ def _send(requested: bool) -> bool:
     settings = relay_settings()
     if dramatiq_broker.configured():
         try:
-            dramatiq_broker.send(CLAIM_TASK, settings.queues.claim, {**kwargs, OUTBOX_ARG: settings.outbox_namespace},
+            dramatiq_broker.send(CLAIM_TASK, settings.queues.claim, {**kwargs, TASK_OUTBOX_ARG: settings.outbox_namespace},
                                  max_age_s=relay_options().claim_request_ttl_s)
             return True
         except Exception as exc:
