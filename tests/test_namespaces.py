@@ -244,3 +244,11 @@ def test_outbox_queues_prints_the_names_a_workers_q_needs(monkeypatch: pytest.Mo
         assert bad.exit_code == 1 and "OUTBOX_NAMESPACE='bad name'" in bad.output
     finally:
         reset_settings()
+
+
+def test_outbox_check_names_the_namespace(tmp_path: Path) -> None:
+    from outbox.doctor import run_checks
+
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_NAMESPACE": "shop-orders"}
+    [configuration] = [r for r in run_checks(env) if r.name == "configuration"]
+    assert "outbox namespace 'shop-orders' (queues shop-orders.claim, ...)" in configuration.detail

@@ -184,7 +184,8 @@ def run_checks(environ: dict[str, str] | None = None, *,
         return [Result("configuration", FAIL, str(exc))]
     results = [Result("configuration", OK, f"database {describe_database(settings.database_url)}, "
                       f"exchange {settings.exchange!r}, publish to {mask_url(settings.publish_url)}, "
-                      f"celery broker {mask_url(settings.broker_url)}")]
+                      f"celery broker {mask_url(settings.broker_url)}, "
+                      f"outbox namespace {settings.outbox_namespace!r} (queues {settings.queues.claim}, ...)")]
     if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:
         results.append(Result("database url", WARN, "OUTBOX_DATABASE_URL is not set: using ./outbox.db "
                               "in the current directory"))
