@@ -1,6 +1,7 @@
 """Two outboxes on one broker (docs/relay.md, "Several outboxes on one broker"): two relays of
-different tables, A and B, share one Redis key space as Celery's broker and one RabbitMQ vhost,
-each with its own destination exchange, while both applications write. Neither waits for the
+different tables, A and B, share one Redis key space as Celery's broker (or, a second run,
+RabbitMQ's vhost as Celery's broker too) and one RabbitMQ vhost, each with its own destination
+exchange, while both applications write. Neither waits for the
 other, and no event reaches the other's exchange. Then the last line of defence: a task that
 names another outbox, put straight into A's queue, is not run by A's worker but handed to B's
 queue, where B's worker runs it.
@@ -20,6 +21,7 @@ import pytest
 
 from outbox import Status
 
+from services import AMQP_URL
 from relay_e2e_support import (Destination, Outbox, Procs, Writer, check_order, queued_celery_messages,
                                relay_env, require_relay_services, wait_until)
 
@@ -41,9 +43,9 @@ class TimedDestination(Destination):
 
 
 class Relay:
-    """One outbox's relay (worker + beat) in a directory of its own, its destination and writer."""
+    """One outbox's relay (worker + beat) in a directory of its own, and its destination."""
 
-    def __init__(self, name: str, root: Path, prefix: str) -> None:
+    def __init__(self, name: str, root: Path, prefix: str, celery_broker: str) -> None:
         self.name = name
         self.dir = root / name
         self.dir.mkdir()
@@ -56,6 +58,8 @@ class Relay:
         # One Celery key space for both relays, as on one Redis database: the same key prefix.
         (self.dir / "relayconf.py").write_text(f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
         self.env["OUTBOX_TEST_REDIS_PREFIX"] = prefix
+        if celery_broker == "amqp":  # Celery's broker in the destinations' vhost too
+            self.env["OUTBOX_CELERY_BROKER_URL"] = AMQP_URL
         self.procs = Procs(self.dir, self.env)
 
     def aggregates(self, n: int = 4) -> list[str]:
@@ -71,17 +75,28 @@ class Relay:
 
     def close(self) -> None:
         self.procs.stop_all()
+        if self.env["OUTBOX_CELERY_BROKER_URL"] == AMQP_URL:  # the relay's queues on RabbitMQ
+            from kombu import Connection
+
+            from outbox.config import load_settings
+            with Connection(AMQP_URL, connect_timeout=5) as conn:
+                channel = conn.channel()
+                for queue in load_settings(environ=self.env).queues.all:
+                    channel.queue_delete(queue)
+                    channel.exchange_delete(queue)
         self.destination.close()
         self.outbox.drop()
 
 
-@pytest.fixture
-def two_relays(tmp_path: Path) -> Iterator[tuple[Relay, Relay]]:
+@pytest.fixture(params=["redis"])
+def two_relays(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Relay, Relay]]:
+    """Two relays on one Celery broker: one Redis key space (``params``: or RabbitMQ, the
+    destinations' vhost, for the test that asks for it with ``indirect``)."""
     require_relay_services()
     prefix = f"outbox-test-{uuid.uuid4().hex[:10]}:"
     relays: list[Relay] = []
     try:
-        relays = [Relay("a", tmp_path, prefix), Relay("b", tmp_path, prefix)]
+        relays = [Relay("a", tmp_path, prefix, request.param), Relay("b", tmp_path, prefix, request.param)]
         yield relays[0], relays[1]
     finally:
         for relay in relays:
@@ -102,6 +117,7 @@ def drain(*destinations: Destination, seconds: float) -> None:
             d.wait_for(lambda: False, timeout=0.1)
 
 
+@pytest.mark.parametrize("two_relays", ["redis", "amqp"], indirect=True)
 def test_two_relays_on_one_broker_neither_wait_for_nor_leak_into_each_other(
         two_relays: tuple[Relay, Relay]) -> None:
     a, b = two_relays
@@ -146,10 +162,12 @@ def test_a_task_naming_another_outbox_is_handed_to_its_queue_not_run(two_relays:
 
     a, b = two_relays
     with b.outbox.writer() as conn:
-        ids = [b.outbox.add(conn, "b-0", n) for n in range(2)]
+        expected = {"b-0": [b.outbox.add(conn, "b-0", n) for n in range(2)], "b-1": [b.outbox.add(conn, "b-1", 0)]}
         conn.commit()
+    ids = set(expected["b-0"] + expected["b-1"])
     claim = b.outbox.store.claim(10)
-    assert [m.id for m in claim.messages] == ids
+    assert {m.id for m in claim.messages} == ids
+    chains = [[m for m in claim.messages if m.aggregate_id == aggregate] for aggregate in expected]
     a_queues, b_ns = load_settings(environ=a.env).queues, load_settings(environ=b.env).outbox_namespace
     assert b_ns != a_queues.namespace
 
@@ -158,9 +176,9 @@ def test_a_task_naming_another_outbox_is_handed_to_its_queue_not_run(two_relays:
     sender = Celery(broker=a.env["OUTBOX_CELERY_BROKER_URL"],
                     broker_transport_options={"global_keyprefix": a.env["OUTBOX_TEST_REDIS_PREFIX"]})
     try:
-        for message in claim.messages:  # two tasks, one chain of one row each
-            sender.send_task("outbox.publish", kwargs={"chains": [[message_to_dict(message)]], "deadline": None,
-                                                       "outbox": b_ns}, queue=a_queues.publish)
+        for chain in chains:  # two tasks, one chain (aggregate) each
+            sender.send_task("outbox.publish", kwargs={"chains": [[message_to_dict(m) for m in chain]],
+                                                       "deadline": None, "outbox": b_ns}, queue=a_queues.publish)
         b_publish = load_settings(environ=b.env).queues.publish
         assert wait_until(lambda: queued_celery_messages(b.env, b_publish) == 2, timeout=30), a.procs.log("worker")
     finally:
@@ -175,8 +193,8 @@ def test_a_task_naming_another_outbox_is_handed_to_its_queue_not_run(two_relays:
     assert set(b.outbox.statuses().values()) == {Status.CLAIMED}
 
     b.start(beat=False)
-    b.destination.wait_for(lambda: b.destination.arrived() == set(ids), timeout=30, procs=b.procs)
-    check_order(b.destination.arrivals(), {"b-0": ids})
+    b.destination.wait_for(lambda: b.destination.arrived() == ids, timeout=30, procs=b.procs)
+    check_order(b.destination.arrivals(), expected)
     assert wait_until(lambda: set(b.outbox.statuses().values()) == {Status.DONE}, timeout=10), (
         b.outbox.status_counts())
     a.destination.wait_for(lambda: False, timeout=0.5)
