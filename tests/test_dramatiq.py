@@ -168,7 +168,8 @@ conn.commit()
 d.claim()
 sent = r.publisher.sent
 print(json.dumps({"ids": ids, "sent": [m.id for m in sent], "claims": len({m.lease for m in sent}),
-                  "publish": queue_length(d.broker, d.QUEUES.publish), "claim": queue_length(d.broker, d.QUEUES.claim)}))
+                  "publish": queue_length(d.broker, d.QUEUES.publish),
+                  "claim": queue_length(d.broker, d.QUEUES.claim)}))
 """
 
 

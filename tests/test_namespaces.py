@@ -195,7 +195,7 @@ requested = d.request_claim()
 print(json.dumps({"queues": list(d.QUEUES.all), "namespace": d.OUTBOX_NAMESPACE,
                   "forwarded": queue_length(d.broker, other.claim), "ours": queue_length(d.broker, d.QUEUES.claim),
                   "pending_after_foreign": pending_after_foreign, "requested": requested,
-                  "actor_queues": sorted({a.queue_name for a in map(d.broker.get_actor, d.broker.get_declared_actors())})}))
+                  "actor_queues": sorted({d.broker.get_actor(a).queue_name for a in d.broker.get_declared_actors()})}))
 """
 
 
@@ -209,7 +209,8 @@ def test_dramatiq_actors_use_their_outboxs_queues_and_forward_another_outboxs_me
     try:
         done = run_python(_DRAMATIQ, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
                           OUTBOX_DRAMATIQ_BROKER_URL=REDIS_URL, OUTBOX_DRAMATIQ_NAMESPACE=ns,
-                          DB_PATH=str(tmp_path / "o.db"), PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+                          DB_PATH=str(tmp_path / "o.db"),
+                          PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     finally:
         client = redis.Redis.from_url(REDIS_URL)
         for key in client.scan_iter(match=f"{ns}*"):

@@ -1,6 +1,6 @@
 """Two outboxes on one broker (docs/relay.md, "Several outboxes on one broker"): two relays of
 different tables, A and B, share one Redis key space as Celery's broker (or, a second run,
-RabbitMQ's vhost as Celery's broker too) and one RabbitMQ vhost, each with its own destination
+RabbitMQ's vhost as Celery's broker too; a third, Redis as Dramatiq's broker) and one RabbitMQ vhost, each with its own destination
 exchange, while both applications write. Neither waits for the
 other, and no event reaches the other's exchange. Then the last line of defence: a task that
 names another outbox, put straight into A's queue, is not run by A's worker but handed to B's
@@ -21,7 +21,8 @@ import pytest
 
 from outbox import Status
 
-from services import AMQP_URL
+from runners import CELERY, DRAMATIQ
+from services import AMQP_URL, REDIS_URL
 from relay_e2e_support import (Destination, Outbox, Procs, Writer, check_order, queued_celery_messages,
                                relay_env, require_relay_services, wait_until)
 
@@ -45,7 +46,7 @@ class TimedDestination(Destination):
 class Relay:
     """One outbox's relay (worker + beat) in a directory of its own, and its destination."""
 
-    def __init__(self, name: str, root: Path, prefix: str, celery_broker: str) -> None:
+    def __init__(self, name: str, root: Path, prefix: str, broker: str) -> None:
         self.name = name
         self.dir = root / name
         self.dir.mkdir()
@@ -53,14 +54,15 @@ class Relay:
         self.destination = TimedDestination()
         # Inline publishing off: every claimed row travels in a publish task through the shared
         # broker (with it on, a small claim publishes its rows itself and never meets the other relay).
-        self.env = relay_env(self.dir, self.destination, self.outbox, OUTBOX_CLAIM_INTERVAL_S="1",
+        self.runner = DRAMATIQ if broker == "dramatiq" else CELERY
+        self.env = relay_env(self.dir, self.destination, self.outbox, self.runner, OUTBOX_CLAIM_INTERVAL_S="1",
                              OUTBOX_RELAY_INLINE_ROWS="0")
         # One Celery key space for both relays, as on one Redis database: the same key prefix.
         (self.dir / "relayconf.py").write_text(f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
-        self.env["OUTBOX_TEST_REDIS_PREFIX"] = prefix
-        if celery_broker == "amqp":  # Celery's broker in the destinations' vhost too
+        self.env.update({"OUTBOX_TEST_REDIS_PREFIX": prefix, **self.runner.env(REDIS_URL, prefix)})
+        if broker == "amqp":  # Celery's broker in the destinations' vhost too
             self.env["OUTBOX_CELERY_BROKER_URL"] = AMQP_URL
-        self.procs = Procs(self.dir, self.env)
+        self.procs = Procs(self.dir, self.env, self.runner)
 
     def aggregates(self, n: int = 4) -> list[str]:
         return [f"{self.name}-{i}" for i in range(n)]
@@ -71,7 +73,7 @@ class Relay:
             self.procs.beat()
 
     def ready(self) -> bool:
-        return " ready." in self.procs.log("worker")
+        return (" ready." if self.runner is CELERY else "ready for action") in self.procs.log("worker")
 
     def close(self) -> None:
         self.procs.stop_all()
@@ -90,20 +92,22 @@ class Relay:
 
 @pytest.fixture(params=["redis"])
 def two_relays(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Relay, Relay]]:
-    """Two relays on one Celery broker: one Redis key space (``params``: or RabbitMQ, the
-    destinations' vhost, for the test that asks for it with ``indirect``)."""
+    """Two relays on one task runner's broker: one Redis key space for Celery (``params``: or
+    RabbitMQ, the destinations' vhost, or Redis for Dramatiq, for the test that asks for it
+    with ``indirect``)."""
     require_relay_services()
     prefix = f"outbox-test-{uuid.uuid4().hex[:10]}:"
     relays: list[Relay] = []
     try:
         relays = [Relay("a", tmp_path, prefix, request.param), Relay("b", tmp_path, prefix, request.param)]
+        if request.param == "dramatiq":
+            pytest.importorskip("dramatiq")
         yield relays[0], relays[1]
     finally:
         for relay in relays:
             relay.close()
         import redis
 
-        from services import REDIS_URL
         client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
         for key in client.scan_iter(match=f"{prefix}*"):
             client.delete(key)
@@ -117,7 +121,7 @@ def drain(*destinations: Destination, seconds: float) -> None:
             d.wait_for(lambda: False, timeout=0.1)
 
 
-@pytest.mark.parametrize("two_relays", ["redis", "amqp"], indirect=True)
+@pytest.mark.parametrize("two_relays", ["redis", "amqp", "dramatiq"], indirect=True)
 def test_two_relays_on_one_broker_neither_wait_for_nor_leak_into_each_other(
         two_relays: tuple[Relay, Relay]) -> None:
     a, b = two_relays
@@ -184,7 +188,8 @@ def test_a_task_naming_another_outbox_is_handed_to_its_queue_not_run(two_relays:
     finally:
         sender.close()
     def refusals() -> list[str]:
-        return [line for line in a.procs.log("worker").splitlines() if "refused a outbox.publish task of outbox" in line]
+        return [line for line in a.procs.log("worker").splitlines()
+                if "refused a outbox.publish task of outbox" in line]
 
     assert wait_until(lambda: len(refusals()) >= 1 and a.procs.log("worker").count("succeeded") >= 2, timeout=10)
     assert len(refusals()) == 1 and b_ns in refusals()[0], a.procs.log("worker")[-3000:]

@@ -587,8 +587,8 @@ class Workers:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=5)
-        drop_redis_keys(self.prefix, *{wake.token_for(REDIS_URL, self.prefix, load_settings(environ=env).outbox_namespace)
-                                       for env in self.envs})
+        namespaces = {load_settings(environ=env).outbox_namespace for env in self.envs}
+        drop_redis_keys(self.prefix, *{wake.token_for(REDIS_URL, self.prefix, ns) for ns in namespaces})
 
 
 @pytest.fixture

@@ -135,7 +135,8 @@ import outbox.celery as c
 print(c.relay_settings().batch_size, c.relay_options().task_rows, c.app.conf.worker_pool)
 """
     done = run_python(code, tmp_path, OUTBOX_BATCH_SIZE="5", OUTBOX_RELAY_TASK_ROWS="9",
-                      CELERY_CONFIG_MODULE="relayconf", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+                      CELERY_CONFIG_MODULE="relayconf",
+                      PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["7", "3", "threads"]  # memory:// broker next to SQLite: threads
 

@@ -800,7 +800,8 @@ def wake_options() -> WakeOptions:
 
 
 __all__ = ["Settings", "load_settings", "get_settings", "reset_settings", "validate_identifier",
-           "validate_database_url", "validate_kombu_url", "validate_namespace", "warn_unknown_environment", "unknown_environment",
+           "validate_database_url", "validate_kombu_url", "validate_namespace", "warn_unknown_environment",
+           "unknown_environment",
            "known_names", "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES", "RelayOptions", "MAX_OPTION_S",
            "use_conf", "conf_keys", "relay_settings", "relay_options", "extra_setting",
            "flag", "MetricsOptions", "metrics_options", "WakeOptions", "wake_options"]

@@ -296,6 +296,7 @@ def purge(expires_at: float | None = None) -> None:
         purge_expired(resources().store, SETTINGS.retention_days, shared().outage("database"), log)
 
 
-__all__ = ["OUTBOX_NAMESPACE", "QUEUES", "broker", "claim", "publish", "ack", "fail", "release", "purge", "request_claim", "resources",
+__all__ = ["OUTBOX_NAMESPACE", "QUEUES",
+           "broker", "claim", "publish", "ack", "fail", "release", "purge", "request_claim", "resources",
            "close_resources", "shared", "stopping", "STOPPING", "OutboxMiddleware", "MetricsMiddleware",
            "queued_publish_tasks"]

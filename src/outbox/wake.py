@@ -194,7 +194,8 @@ def _send(requested: bool) -> bool:
     settings = relay_settings()
     if dramatiq_broker.configured():
         try:
-            dramatiq_broker.send(CLAIM_TASK, settings.queues.claim, {**kwargs, TASK_OUTBOX_ARG: settings.outbox_namespace},
+            dramatiq_broker.send(CLAIM_TASK, settings.queues.claim,
+                                 {**kwargs, TASK_OUTBOX_ARG: settings.outbox_namespace},
                                  max_age_s=relay_options().claim_request_ttl_s)
             return True
         except Exception as exc:

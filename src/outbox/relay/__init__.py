@@ -1,6 +1,7 @@
 """The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``claim``,
 ``drain`` (a claim task's drain slice), ``publish`` (the failure policy), ``settle`` (store
-writes), ``foreign`` (a task of another outbox), ``shared`` (breaker, route gate, outage log, coalescer) over ``state`` (Redis, files
+writes), ``foreign`` (a task of another outbox),
+``shared`` (breaker, route gate, outage log, coalescer) over ``state`` (Redis, files
 or the process), ``resources`` (what a worker process holds). Every name keeps its ``outbox.relay`` import path."""
 
 from ..config import MAX_OPTION_S, RelayOptions
