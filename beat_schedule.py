@@ -33,7 +33,7 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
     """The ``beat_schedule`` for ``settings`` (``outbox.config.Settings``) and relay
     ``options`` (``outbox.config.RelayOptions``); both default to the environment's."""
     from outbox.config import RelayOptions, get_settings
-    from outbox.names import CLAIM_QUEUE, CLAIM_TASK, PURGE_QUEUE, PURGE_TASK
+    from outbox.names import CLAIM_TASK, TASK_OUTBOX_ARG, PURGE_TASK
 
     settings = settings or get_settings()
     if options is None:
@@ -41,16 +41,20 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
         options = RelayOptions.from_sources(os.environ)
     claim_every = float(settings.claim_interval_s)
     purge_every = float(options.purge_interval_s)
+    # Each tick goes to this outbox's queue and names it (docs/relay.md, "Several outboxes on one broker").
+    queues, named = settings.queues, {TASK_OUTBOX_ARG: settings.outbox_namespace}
     return {
         CLAIM_ENTRY: {
             "task": CLAIM_TASK,
             "schedule": claim_every,
-            "options": {"queue": CLAIM_QUEUE, "expires": claim_every},
+            "kwargs": named,
+            "options": {"queue": queues.claim, "expires": claim_every},
         },
         PURGE_ENTRY: {
             "task": PURGE_TASK,
             "schedule": purge_every,
-            "options": {"queue": PURGE_QUEUE, "expires": purge_every},
+            "kwargs": named,
+            "options": {"queue": queues.purge, "expires": purge_every},
         },
     }
 

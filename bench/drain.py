@@ -161,6 +161,9 @@ class Sampler(threading.Thread):
         self.interval = interval
         self.db_every = db_every
         self.redis = redis.Redis.from_url(relay.run.redis_url, socket_timeout=2)
+        from outbox.config import load_settings
+
+        self.publish_queue = load_settings(environ=relay.run.outbox_env()).queues.publish
         self.stop_event = threading.Event()
         self.rss_max: dict[int, int] = {}
         self.rss_last: dict[int, int] = {}
@@ -182,7 +185,7 @@ class Sampler(threading.Thread):
                     self.role.setdefault(pid, "parent" if pid == parent else "child")
                     self.rss_last[pid] = kb
                     self.rss_max[pid] = max(kb, self.rss_max.get(pid, 0))
-                depth = redis_llen(self.redis, "outbox.publish")
+                depth = redis_llen(self.redis, self.publish_queue)
                 if depth is not None:
                     self.queue_max = max(self.queue_max, depth)
                 if self.samples % self.db_every == 0:

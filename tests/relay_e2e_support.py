@@ -729,6 +729,19 @@ def redis_client() -> Any:
     return redis.Redis.from_url(REDIS_URL, socket_timeout=5)
 
 
+def relay_queue(env: dict[str, str], kind: str) -> str:
+    """The name of the relay's ``kind`` queue ("claim", "publish", "ack", "purge") for the outbox
+    of ``env`` (each outbox has its own: ``outbox.names.Queues``)."""
+    from outbox.config import load_settings
+
+    return getattr(load_settings(environ=env).queues, kind)
+
+
+def relay_queues(env: dict[str, str], *kinds: str) -> str:
+    """A worker's ``-Q``: the outbox's queues of ``kinds``, comma-separated."""
+    return ",".join(relay_queue(env, kind) for kind in kinds)
+
+
 def celery_queue_keys(env: dict[str, str], queue: str) -> list[bytes]:
     """The Redis lists holding ``queue``'s messages for the relay run with ``env`` (its
     key prefix; kombu keeps a list per priority step, the plain name for the default)."""

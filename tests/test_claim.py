@@ -370,14 +370,15 @@ def test_publish_queue_length_and_coalesced_claim_requests_on_redis(tmp_path: Pa
     code = f"""
 import redis
 import outbox.tasks as t
-from outbox.relay import PUBLISH_QUEUE, CLAIM_QUEUE
+from outbox.config import relay_settings
+queues = relay_settings().queues
 seen = [t.queued_publish_tasks()]
 for _ in range(3):
-    t.publish.apply_async(kwargs={{"chains": [], "deadline": 0}}, queue=PUBLISH_QUEUE)
+    t.publish.apply_async(kwargs={{"chains": [], "deadline": 0}}, queue=queues.publish)
 seen.append(t.queued_publish_tasks())
 requests = [t.request_claim(), t.request_claim(), t.request_claim()]
 with t.app.pool.acquire(block=True) as conn:
-    claims = conn.default_channel._size(CLAIM_QUEUE)
+    claims = conn.default_channel._size(queues.claim)
 t.coalescer().clear()
 requests.append(t.request_claim())
 r = redis.Redis.from_url({REDIS_URL!r})
@@ -386,6 +387,7 @@ for key in r.keys({prefix!r} + "*"):
 t.coalescer().clear()
 print(seen, requests, claims)
 """
+    import os
     done = run_python(code, tmp_path, OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="qconf",
                       PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
                       OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")

@@ -26,7 +26,8 @@ from outbox.config import dramatiq_settings  # noqa: E402
 from outbox.dramatiq_broker import configured, expired, message  # noqa: E402
 from outbox.dramatiq_scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run  # noqa: E402
 from outbox.errors import ConfigError  # noqa: E402
-from outbox.relay import CLAIM_QUEUE, CLAIM_TASK, PURGE_TASK  # noqa: E402
+from outbox.config import relay_settings  # noqa: E402
+from outbox.relay import CLAIM_TASK, PURGE_TASK  # noqa: E402
 from outbox.store import OutboxStore  # noqa: E402
 
 from services import AMQP_URL, REDIS_URL, require  # noqa: E402
@@ -74,8 +75,8 @@ def test_dramatiq_is_the_runner_only_when_its_broker_is_set(monkeypatch: pytest.
 
 
 def test_a_message_expires_after_its_max_age() -> None:
-    m = message(CLAIM_TASK, CLAIM_QUEUE, {"token": "t"}, max_age_s=0.2)
-    assert (m.actor_name, m.queue_name, m.kwargs["token"]) == (CLAIM_TASK, CLAIM_QUEUE, "t")
+    m = message(CLAIM_TASK, "ns.claim", {"token": "t"}, max_age_s=0.2)
+    assert (m.actor_name, m.queue_name, m.kwargs["token"]) == (CLAIM_TASK, "ns.claim", "t")
     assert not expired(m.kwargs["expires_at"])
     time.sleep(0.3)
     assert expired(m.kwargs["expires_at"]) and not expired(None)
@@ -110,7 +111,7 @@ def redis_namespace(monkeypatch: pytest.MonkeyPatch) -> Any:
     wake._reset_for_tests()
     for key in client.scan_iter(match=f"{ns}*"):
         client.delete(key)
-    client.delete(wake.token_for(REDIS_URL, ns))
+    client.delete(wake.token_for(REDIS_URL, ns, relay_settings().outbox_namespace))
 
 
 def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path, redis_namespace: Any) -> None:
@@ -124,26 +125,28 @@ def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path
             outbox.enqueue(conn, topic="t.x", aggregate_type="a", aggregate_id="1", payload={"n": n},
                            table="outbox_wake")
         wake.flush()
-    assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 1
-    [encoded] = client.hvals(f"{ns}:{CLAIM_QUEUE}.msgs")
+    settings = relay_settings()  # the outbox this process writes to: its queue, named in the message
+    claim_queue = settings.queues.claim
+    assert client.llen(f"{ns}:{claim_queue}") == 1
+    [encoded] = client.hvals(f"{ns}:{claim_queue}.msgs")
     sent = json.loads(encoded)
-    assert sent["actor_name"] == CLAIM_TASK and sent["queue_name"] == CLAIM_QUEUE
-    assert sent["kwargs"]["requested"] is True
+    assert sent["actor_name"] == CLAIM_TASK and sent["queue_name"] == claim_queue
+    assert sent["kwargs"]["requested"] is True and sent["kwargs"]["outbox"] == settings.outbox_namespace
     assert sent["kwargs"]["expires_at"] > time.time()
-    token = wake.token_for(REDIS_URL, ns)
+    token = wake.token_for(REDIS_URL, ns, settings.outbox_namespace)
     assert client.exists(token)  # the one token, which the worker's claim clears as it starts
     client.delete(token)
     with outbox.transaction(conn):
         outbox.enqueue(conn, topic="t.x", aggregate_type="a", aggregate_id="1", payload={}, table="outbox_wake")
     wake.flush()
-    assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 2
+    assert client.llen(f"{ns}:{claim_queue}") == 2
     # A rolled-back transaction wakes nobody.
     with pytest.raises(RuntimeError):
         with outbox.transaction(conn):
             client.delete(token)
             raise RuntimeError("rolled back")
     wake.flush()
-    assert client.llen(f"{ns}:{CLAIM_QUEUE}") == 2
+    assert client.llen(f"{ns}:{claim_queue}") == 2
     conn.close()
     store.close()
 
@@ -155,7 +158,6 @@ import json, os, sqlite3
 import outbox.dramatiq as d
 from outbox import enqueue
 from outbox.dramatiq_broker import queue_length
-from outbox.relay import CLAIM_QUEUE, PUBLISH_QUEUE
 from relay_support import ScriptedPublisher
 r = d.resources()
 r.store.migrate()
@@ -166,7 +168,8 @@ conn.commit()
 d.claim()
 sent = r.publisher.sent
 print(json.dumps({"ids": ids, "sent": [m.id for m in sent], "claims": len({m.lease for m in sent}),
-                  "publish": queue_length(d.broker, PUBLISH_QUEUE), "claim": queue_length(d.broker, CLAIM_QUEUE)}))
+                  "publish": queue_length(d.broker, d.QUEUES.publish),
+                  "claim": queue_length(d.broker, d.QUEUES.claim)}))
 """
 
 
@@ -228,10 +231,10 @@ def test_a_dead_schedulers_redis_lock_expires() -> None:
 def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
     """Two schedulers run side by side for 2.5 s with a 0.25 s claim tick: the ticks sent
     are those of one scheduler, not twice as many."""
-    locks = _locks(kind, lock_name("url", "ns", f"db-{uuid.uuid4().hex}", "t"))
+    locks = _locks(kind, lock_name("url", "ns", f"outbox.t.{uuid.uuid4().hex[:8]}"))
     sent: list[tuple[int, str]] = []
     stop = threading.Event()
-    entries = [(CLAIM_TASK, CLAIM_QUEUE, 0.25, 0.25), (PURGE_TASK, "outbox.purge", 3600.0, 3600.0)]
+    entries = [(CLAIM_TASK, "ns.claim", 0.25, 0.25, {"outbox": "ns"}), (PURGE_TASK, "ns.purge", 3600.0, 3600.0, {})]
     threads = [threading.Thread(target=run, args=(stop, entries, lock),
                                 kwargs={"send": lambda actor, queue, kwargs, max_age_s, i=i: sent.append((i, actor))})
                for i, lock in enumerate(locks)]

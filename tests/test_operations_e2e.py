@@ -22,7 +22,7 @@ from outbox import Status
 from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
 from relay_e2e_support import (Destination, Outbox, Procs, Proxy, Writer, base_env, celery_queue_keys,  # noqa: F401
                             check_order, destination, procs_factory, redis_client, relay_env,
-                            require_relay_services, sqlite_outbox, wait_until)
+                            relay_queue, require_relay_services, sqlite_outbox, wait_until)
 
 
 def lines_with(log: str, text: str) -> list[str]:
@@ -332,7 +332,8 @@ def test_garbage_on_celerys_redis_queue_is_dropped_and_the_worker_relays_on(
                b'{"body": "!!!", "content-encoding": "utf-8", "content-type": "application/json", '
                b'"headers": {}, "properties": {"delivery_tag": "x", "body_encoding": "base64", '
                b'"delivery_info": {"exchange": "", "routing_key": "outbox.claim"}}}']
-    for queue in ("outbox.claim", "outbox.publish"):
+    queues = (relay_queue(env, "claim"), relay_queue(env, "publish"))
+    for queue in queues:
         for item in garbage:
             client.lpush(f"{prefix}{queue}", item)
 
@@ -342,7 +343,7 @@ def test_garbage_on_celerys_redis_queue_is_dropped_and_the_worker_relays_on(
     destination.wait_for(lambda: len(destination.arrived()) >= 5, timeout=30, procs=procs)
     assert destination.arrived() == set(first + later), procs.log("w1")[-3000:]
     procs.check_alive()
-    assert wait_until(lambda: sum(client.llen(k) for q in ("outbox.claim", "outbox.publish")
+    assert wait_until(lambda: sum(client.llen(k) for q in queues
                                   for k in celery_queue_keys(env, q)) == 0, timeout=10)
     # The events may arrive before the garbage is read (a small claim publishes in place), and
     # the drop is logged after the read: wait for the log lines, then read the log.

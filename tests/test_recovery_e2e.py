@@ -24,6 +24,8 @@ from relay_e2e_support import (
     lose_celery_messages,
     queued_celery_messages,
     relay_env,
+    relay_queue,
+    relay_queues,
     wait_until,
 )
 from relay_e2e_support import (  # noqa: F401 - fixtures used by name
@@ -160,13 +162,13 @@ def test_publish_tasks_lost_in_celerys_broker_come_back_with_the_lease(
     env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2", OUTBOX_CLAIM_TIMEOUT_MS="3000",
                     OUTBOX_RELAY_INLINE_ROWS="0")
     procs = procs_factory(env)
-    procs.worker("claimer", concurrency=1, queues="outbox.claim")  # nobody consumes outbox.publish yet
+    procs.worker("claimer", concurrency=1, queues=relay_queue(env, "claim"))  # nobody consumes the publish queue yet
     procs.beat()
     assert wait_until(lambda: set(outbox.statuses().values()) == {Status.CLAIMED}, timeout=20), (
         outbox.status_counts(), procs.log("claimer")[-3000:])
-    assert wait_until(lambda: queued_celery_messages(env, "outbox.publish") > 0, timeout=10)
+    assert wait_until(lambda: queued_celery_messages(env, relay_queue(env, "publish")) > 0, timeout=10)
     leased_at = time.monotonic()
-    assert lose_celery_messages(env, "outbox.publish") >= 1
+    assert lose_celery_messages(env, relay_queue(env, "publish")) >= 1
     procs.worker("w1")
     destination.wait_for(lambda: len(destination.messages) >= 5, timeout=30, procs=procs)
     assert time.monotonic() - leased_at >= 2.0, "rows came back before their lease expired"
@@ -207,7 +209,7 @@ def run_ddl(outbox: Outbox, statements: list[str]) -> None:
 def test_acks_that_never_land_are_recovered_by_the_lease_and_fenced_when_late(
         tmp_path: Path, destination: Destination, outbox: Outbox, procs_factory: Any) -> None:
     """The database refuses ``mark_done`` (a trigger) after the events were published, so
-    the publish task hands its acks to the ``outbox.ack`` queue, which nobody consumes in
+    the publish task hands its acks to the outbox's ack queue, which nobody consumes in
     time. The rows are recovered by the lease alone: claimed again, published again
     (duplicates, attempt 2, in order) and done. When the old acks finally run, their lease
     is gone: they change nothing and say so."""
@@ -217,10 +219,11 @@ def test_acks_that_never_land_are_recovered_by_the_lease_and_fenced_when_late(
     run_ddl(outbox, REFUSE_DONE_TRIGGER[outbox.kind])
     env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2", OUTBOX_CLAIM_TIMEOUT_MS="3000")
     procs = procs_factory(env)
-    procs.worker("w1", queues="outbox.claim,outbox.publish")  # the acks wait: nobody consumes outbox.ack
+    procs.worker("w1", queues=relay_queues(env, "claim", "publish"))  # the acks wait: nobody consumes the ack queue
     procs.beat()
     destination.wait_for(lambda: len(destination.messages) >= 4, timeout=30, procs=procs)
-    assert wait_until(lambda: queued_celery_messages(env, "outbox.ack") >= 1, timeout=10), procs.log("w1")[-3000:]
+    assert wait_until(lambda: queued_celery_messages(env, relay_queue(env, "ack")) >= 1, timeout=10), (
+        procs.log("w1")[-3000:])
     assert "handing it to the ack queue" in procs.log("w1")
     assert set(outbox.statuses().values()) == {Status.CLAIMED}
     run_ddl(outbox, DROP_DONE_TRIGGER[outbox.kind])
@@ -235,8 +238,8 @@ def test_acks_that_never_land_are_recovered_by_the_lease_and_fenced_when_late(
     assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10), outbox.status_counts()
     done_at = {id: row["processed_at"] for id, row in outbox.rows().items()}
 
-    procs.worker("acks", concurrency=1, queues="outbox.ack")  # the late acks run now
-    assert wait_until(lambda: queued_celery_messages(env, "outbox.ack") == 0
+    procs.worker("acks", concurrency=1, queues=relay_queue(env, "ack"))  # the late acks run now
+    assert wait_until(lambda: queued_celery_messages(env, relay_queue(env, "ack")) == 0
                       and "no longer holds" in procs.log("acks"), timeout=20), procs.log("acks")[-3000:]
     assert {id: row["processed_at"] for id, row in outbox.rows().items()} == done_at
     assert len(destination.messages) == 8

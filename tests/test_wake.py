@@ -29,7 +29,8 @@ import pytest
 import outbox
 import outbox.wake as wake
 from outbox import enqueue
-from outbox.config import reset_settings
+from outbox.config import load_settings, reset_settings
+from outbox.names import default_namespace
 from outbox.store import OutboxStore
 
 from services import AMQP_URL, REDIS_URL, require
@@ -237,10 +238,11 @@ from django.db import transaction
 import outbox.wake
 from outbox.celery import app
 from outbox.contrib.django import enqueue
-from outbox.relay import CLAIM_QUEUE
+from outbox.config import relay_settings
 from outbox.store import OutboxStore
 
 OutboxStore("sqlite:///" + db).migrate()
+CLAIM_QUEUE = relay_settings().queues.claim
 
 def claims():
     outbox.wake.flush()  # the hand-off thread has sent what it was asked to
@@ -282,6 +284,11 @@ print(json.dumps(out))
 """
 
 
+def token_of(prefix: str, database_url: str, table: str = "outbox") -> str:
+    """The claim-request token of the outbox ``table`` of ``database_url`` under Celery key ``prefix``."""
+    return wake.token_for(REDIS_URL, prefix, default_namespace(database_url, table))
+
+
 def redis_prefix(tmp_path: Path) -> str:
     prefix = f"outbox-wake-test-{uuid.uuid4().hex[:10]}:"
     (tmp_path / "wakeconf.py").write_text(f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
@@ -307,15 +314,17 @@ def test_django_wake_sends_one_claim_per_burst_on_redis(tmp_path: Path) -> None:
                          OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="wakeconf",
                          PYTHONPATH=pythonpath(tmp_path), OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'django.db'}")
     finally:
-        drop_redis_keys(prefix, wake.token_for(REDIS_URL, prefix))
+        drop_redis_keys(prefix, token_of(prefix, f"sqlite:///{tmp_path / 'django.db'}"))
     assert out["inside"] == 0
     assert out["after_commit"] == 1
     assert out["after_burst"] == 1  # coalesced: the claim already queued will see them
     assert out["after_rollback"] == 1
     assert out["after_claim_started"] == 2  # once the claim started, the next commit asks again
-    assert out["task"] == "outbox.claim" and out["token"] == wake.token_for(REDIS_URL, prefix)
+    assert out["task"] == "outbox.claim" and out["token"] == token_of(prefix, f"sqlite:///{tmp_path / 'django.db'}")
     assert out["worker_token"] == out["token"]  # one token: the writer's and the worker's
-    assert out["kwargs"] == {"requested": True}  # the claim clears the worker's coalescer, i.e. that token
+    # The claim clears the worker's coalescer, i.e. that token; it names its outbox.
+    assert out["kwargs"] == {"requested": True,
+                             "outbox": default_namespace(f"sqlite:///{tmp_path / 'django.db'}", "outbox")}
 
 
 # -- SQLAlchemy sessions and Flask -----------------------------------------------------------------
@@ -447,8 +456,9 @@ REDIS_COALESCE_SCRIPT = r"""
 import json
 import outbox.wake as w
 from outbox.celery import app
-from outbox.relay import CLAIM_QUEUE
+from outbox.config import relay_settings
 from outbox.worker import coalescer, request_claim
+CLAIM_QUEUE = relay_settings().queues.claim
 
 def claims():
     w.flush()
@@ -473,7 +483,7 @@ def test_request_claim_coalesces_a_burst_on_redis(tmp_path: Path) -> None:
                          CELERY_CONFIG_MODULE="wakeconf", PYTHONPATH=pythonpath(tmp_path),
                          OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
     finally:
-        drop_redis_keys(prefix, wake.token_for(REDIS_URL, prefix))
+        drop_redis_keys(prefix, token_of(prefix, f"sqlite:///{tmp_path / 'o.db'}"))
     runs = out.pop("runs")
     assert out == {"burst": [True] * 10, "queued": 1, "drain_mode": False, "after_clear": 2, "again": True}
     assert 2 <= runs <= 11  # the hand-off thread ran once per batch of requests
@@ -539,6 +549,7 @@ class Workers:
         self.tmp_path = tmp_path
         self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
         self.prefix = redis_prefix(tmp_path)
+        self.envs: list[dict[str, str]] = []
 
     def env(self, destination: Destination, **settings: str) -> dict[str, str]:
         return clean_env(OUTBOX_PUBLISH_URL=AMQP_URL, OUTBOX_EXCHANGE=destination.exchange_name,
@@ -554,6 +565,7 @@ class Workers:
                                     cwd=self.tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.procs.append((proc, log))
+        self.envs.append(env)
         deadline = time.monotonic() + 60
         while " ready." not in log.read_text(errors="replace"):
             assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
@@ -575,7 +587,8 @@ class Workers:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=5)
-        drop_redis_keys(self.prefix, wake.token_for(REDIS_URL, self.prefix))
+        namespaces = {load_settings(environ=env).outbox_namespace for env in self.envs}
+        drop_redis_keys(self.prefix, *{wake.token_for(REDIS_URL, self.prefix, ns) for ns in namespaces})
 
 
 @pytest.fixture

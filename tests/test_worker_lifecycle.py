@@ -16,8 +16,8 @@ import pytest
 
 from outbox import Status
 from outbox.errors import ConfigError
-from outbox.relay import (ACK_QUEUE, CLAIM_QUEUE, CLAIM_TASK, PUBLISH_QUEUE, PURGE_QUEUE, PURGE_TASK, RelayOptions,
-                          handle_publish, message_from_dict, message_to_dict)
+from outbox.names import Queues, default_namespace
+from outbox.relay import CLAIM_TASK, PURGE_TASK, RelayOptions, handle_publish, message_from_dict, message_to_dict
 from outbox.store import OutboxStore
 
 from relay_support import PYTHON, ScriptedPublisher, add, claim_chains, rows, run_python
@@ -110,19 +110,22 @@ assert app is outbox.celery.app, app
 print(json.dumps({"beat": app.conf.beat_schedule, "queues": [q.name for q in app.conf.task_queues],
                   "routes": app.conf.task_routes, "broker": app.conf.broker_url,
                   "prefetch": app.conf.worker_prefetch_multiplier, "pool": app.conf.worker_pool,
-                  "expected": beat_schedule.build_schedule()}))
+                  "expected": beat_schedule.build_schedule(),
+                  "namespace": outbox.celery_app.relay_settings().outbox_namespace}))
 """
     done = run_python(code, tmp_path, OUTBOX_CLAIM_INTERVAL_S="0.5", OUTBOX_RELAY_PURGE_INTERVAL_S="120",
                       OUTBOX_CELERY_BROKER_URL="redis://127.0.0.1:6379/14")
     assert done.returncode == 0, done.stderr
     conf = json.loads(done.stdout)
     assert conf["beat"] == conf["expected"]
-    assert conf["beat"]["outbox-claim"] == {"task": CLAIM_TASK, "schedule": 0.5,
-                                            "options": {"queue": CLAIM_QUEUE, "expires": 0.5}}
+    queues = Queues(conf["namespace"])  # this outbox's (outbox.names)
+    assert conf["namespace"] == default_namespace(f"sqlite:///{tmp_path / 'outbox.db'}", "outbox")
+    assert conf["beat"]["outbox-claim"] == {"task": CLAIM_TASK, "schedule": 0.5, "kwargs": {"outbox": queues.namespace},
+                                            "options": {"queue": queues.claim, "expires": 0.5}}
     assert conf["beat"]["outbox-purge"]["task"] == PURGE_TASK and conf["beat"]["outbox-purge"]["schedule"] == 120
-    assert conf["queues"] == [CLAIM_QUEUE, PUBLISH_QUEUE, ACK_QUEUE, PURGE_QUEUE]
+    assert conf["queues"] == [queues.claim, queues.publish, queues.ack, queues.purge]
     assert conf["broker"] == "redis://127.0.0.1:6379/14" and conf["prefetch"] == 1
-    assert conf["routes"]["outbox.fail"] == {"queue": ACK_QUEUE}
+    assert conf["routes"]["outbox.fail"] == {"queue": queues.ack}
 
 
 def test_celery_config_keys_override_the_environment(tmp_path: Path) -> None:
@@ -132,7 +135,8 @@ import outbox.celery as c
 print(c.relay_settings().batch_size, c.relay_options().task_rows, c.app.conf.worker_pool)
 """
     done = run_python(code, tmp_path, OUTBOX_BATCH_SIZE="5", OUTBOX_RELAY_TASK_ROWS="9",
-                      CELERY_CONFIG_MODULE="relayconf", PYTHONPATH=str(tmp_path))
+                      CELERY_CONFIG_MODULE="relayconf",
+                      PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["7", "3", "threads"]  # memory:// broker next to SQLite: threads
 

@@ -1,6 +1,6 @@
 """The relay's Celery app and its configuration (``celery -A outbox`` loads it through
 ``outbox.celery``). Why the settings below are what they are: docs/relay.md,
-"The Celery app"; the queues: ``outbox.names``.
+"The Celery app"; the queues, one set per outbox: ``outbox.names``.
 
 This module defines no task and connects no signal: the tasks are in ``outbox.tasks``,
 the per-process wiring in ``outbox.worker``.
@@ -18,7 +18,7 @@ from kombu import Exchange, Queue
 
 from .config import RelayOptions, Settings, conf_keys, relay_options, relay_settings, use_conf
 from .errors import ConfigError
-from .names import CLAIM_QUEUE, CLAIM_TASK, PUBLISH_TASK, QUEUES, ROUTES
+from .names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
 from .redact import redact
 
 log = logging.getLogger("outbox.celery")
@@ -40,6 +40,7 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
     broker_url = settings.broker_url
     lease_s = settings.claim_timeout_ms / 1000.0
     in_memory = broker_url.startswith("memory://")
+    queues = settings.queues  # this outbox's own (docs/relay.md, "Several outboxes on one broker")
     config: dict[str, Any] = {
         "broker_url": broker_url,
         "broker_connection_retry_on_startup": True,
@@ -50,9 +51,9 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         # Nobody waits for a relay task's result: the outcome is in the outbox table.
         "task_ignore_result": True,
         "result_backend": None,
-        "task_queues": [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in QUEUES],
-        "task_default_queue": CLAIM_QUEUE,
-        "task_routes": {task: {"queue": queue} for task, queue in ROUTES.items()},
+        "task_queues": [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in queues.all],
+        "task_default_queue": queues.claim,
+        "task_routes": {task: {"queue": queue} for task, queue in queues.routes.items()},
         # Prefetch 1: a publish task carries up to a batch of rows whose lease is already
         # running. Prefetching more would park leased rows in one busy worker's buffer
         # (late, and costing memory) while other processes sit idle.
@@ -108,4 +109,14 @@ def _defaults() -> dict[str, Any]:
 app.add_defaults(_defaults)
 
 
-__all__ = ["app", "celery_config", "load_beat_schedule", "relay_settings", "relay_options"]
+def send_relay_task(task: str, kwargs: dict[str, Any] | None = None, namespace: str | None = None,
+                    **options: Any) -> Any:
+    """Send one of the relay's tasks to its outbox's queue, naming the outbox in the task
+    (``TASK_OUTBOX_ARG``: a worker of another outbox refuses it, see ``outbox.tasks``). Every relay
+    task is sent through here. ``namespace``: the outbox (default: this process's)."""
+    namespace = namespace or relay_settings().outbox_namespace
+    return app.send_task(task, kwargs={**(kwargs or {}), TASK_OUTBOX_ARG: namespace},
+                         queue=Queues(namespace).for_task(task), **options)
+
+
+__all__ = ["app", "celery_config", "send_relay_task", "load_beat_schedule", "relay_settings", "relay_options"]

@@ -2,7 +2,7 @@
 
 kombu's Redis channel pops a message with ``BRPOP`` and decodes its JSON envelope inside
 the worker's event loop. Bytes that are not a kombu envelope (anything ``LPUSH``ed onto
-``outbox.claim`` by hand, a stray producer, a truncated write) raise ``JSONDecodeError``
+a relay queue (``<namespace>.claim``) by hand, a stray producer, a truncated write) raise ``JSONDecodeError``
 (or ``KeyError`` for JSON that is not an envelope) out of that loop, and Celery stops the
 worker: "Unrecoverable error". Celery's own ``on_decode_error`` only covers a bad *body*
 inside a good envelope, which is decoded later.

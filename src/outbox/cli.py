@@ -14,6 +14,7 @@ import click
 from .config import get_settings
 from .engines.describe import describe_database, missing_driver_hint
 from .model import Status
+from .names import KINDS
 from .oneline import one_line_errors as _one_line_errors
 from .redact import install_filter
 from .store import OutboxStore
@@ -118,6 +119,17 @@ def status(as_json: bool) -> None:
         click.echo(f"{name:>8}: {count}")
     age = "-" if stats.oldest_pending_age_s is None else f"{stats.oldest_pending_age_s:.1f}s"
     click.echo(f"oldest undelivered: {age}")
+
+
+@main.command()
+@click.argument("kinds", nargs=-1, type=click.Choice(KINDS))
+@one_line_errors
+def queues(kinds: tuple[str, ...]) -> None:
+    """This outbox's queue names on the task runner's broker, comma-separated (for a worker's
+    -Q): KINDS of claim, publish, ack, purge, all by default. They derive from OUTBOX_TABLE,
+    OUTBOX_SCHEMA and OUTBOX_DATABASE_URL, or OUTBOX_NAMESPACE when set."""
+    names = get_settings().queues
+    click.echo(",".join(getattr(names, kind) for kind in (kinds or KINDS)))
 
 
 @main.group()

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from .errors import ConfigError, install_hint
+from .names import MAX_NAMESPACE, Queues, default_namespace, valid_namespace
 from .redact import redact, register_url
 
 log = logging.getLogger("outbox.config")
@@ -125,6 +126,10 @@ class Settings:
     #: set, the relay's purge deletes nothing: only the archive job deletes, and only
     #: rows it has archived.
     archive_uri: str | None = None
+    #: OUTBOX_NAMESPACE: what names this outbox's queues, claim-request token and wake
+    #: channel on a shared broker; None derives it from the table, schema and database
+    #: (``names``: docs/relay.md, "Several outboxes on one broker").
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
         for url in (self.database_url, self.publish_url, self.celery_broker_url):
@@ -133,6 +138,8 @@ class Settings:
         if self.schema is not None:
             validate_identifier(self.schema, "OUTBOX_SCHEMA")
         validate_database_url(self.database_url)
+        if self.namespace is not None:
+            validate_namespace(self.namespace)
         validate_kombu_url(self.publish_url, "OUTBOX_PUBLISH_URL", database_broker=False)
         if self.celery_broker_url:
             validate_kombu_url(self.celery_broker_url, "OUTBOX_CELERY_BROKER_URL")
@@ -156,6 +163,16 @@ class Settings:
         """With every password masked: settings end up in logs and tracebacks."""
         shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__dataclass_fields__)
         return redact(f"Settings({shown})")
+
+    @property
+    def outbox_namespace(self) -> str:
+        """OUTBOX_NAMESPACE, else the one derived from the outbox's identity."""
+        return self.namespace or default_namespace(self.database_url, self.table, self.schema)
+
+    @property
+    def queues(self) -> Queues:
+        """This outbox's queues on the task runner's broker."""
+        return Queues(self.outbox_namespace)
 
     @property
     def broker_url(self) -> str:
@@ -183,6 +200,7 @@ _SETTINGS: dict[str, tuple[str, type]] = {
     "OUTBOX_RETENTION_DAYS": ("retention_days", float),
     "OUTBOX_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
     "OUTBOX_ARCHIVE_URI": ("archive_uri", str),
+    "OUTBOX_NAMESPACE": ("namespace", str),
 }
 
 SETTING_NAMES = tuple(_SETTINGS)
@@ -215,6 +233,14 @@ def validate_database_url(url: str) -> str:
     elif "driver=" not in url.lower():
         raise ConfigError(f"OUTBOX_DATABASE_URL={shown} looks like an ODBC connection string without DRIVER=")
     return url
+
+
+def validate_namespace(name: str, setting: str = "OUTBOX_NAMESPACE") -> str:
+    """What names an outbox's queues (``<namespace>.claim``...): Dramatiq's rule for queue names."""
+    if not valid_namespace(name):
+        raise ConfigError(f"{setting}={name!r} must be 1 to {MAX_NAMESPACE} letters, digits or _ . -, "
+                          "starting with a letter or _")
+    return name
 
 
 def validate_exchange(name: str, setting: str) -> str:
@@ -844,7 +870,8 @@ def wake_options() -> WakeOptions:
 
 
 __all__ = ["Settings", "load_settings", "get_settings", "reset_settings", "validate_identifier",
-           "validate_database_url", "validate_kombu_url", "warn_unknown_environment", "unknown_environment",
+           "validate_database_url", "validate_kombu_url", "validate_namespace", "warn_unknown_environment",
+           "unknown_environment",
            "known_names", "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES", "RelayOptions", "MAX_OPTION_S",
            "SESSION_BOUNDS", "session_bounds", "without_session_bounds",
            "use_conf", "conf_keys", "relay_settings", "relay_options", "extra_setting",

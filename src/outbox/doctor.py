@@ -241,7 +241,8 @@ def run_checks(environ: dict[str, str] | None = None, *,
     runner = (f"dramatiq broker {mask_url(dramatiq.broker_url)}" if dramatiq
               else f"celery broker {mask_url(settings.broker_url)}")
     results = [Result("configuration", OK, f"database {describe_database(settings.database_url)}, "
-                      f"exchange {settings.exchange!r}, publish to {mask_url(settings.publish_url)}, {runner}")]
+                      f"exchange {settings.exchange!r}, publish to {mask_url(settings.publish_url)}, {runner}, "
+                      f"outbox namespace {settings.outbox_namespace!r} (queues {settings.queues.claim}, ...)")]
     if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:
         results.append(Result("database url", WARN, "OUTBOX_DATABASE_URL is not set: using ./outbox.db "
                               "in the current directory"))

@@ -5,11 +5,12 @@ Importing it installs Dramatiq's global broker: import it in relay worker proces
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import dramatiq
 from dramatiq.middleware import Middleware
@@ -19,11 +20,10 @@ from . import metrics as _metrics
 from .config import Settings, load_settings, metrics_options
 from .errors import ConfigError
 from .redact import install_filter, redact
-from .relay import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
-                    PURGE_QUEUE, PURGE_TASK, RELEASE_TASK, Backlog, RelayOptions, ResourceHolder, Resources,
-                    after_publish, apply_fallback, drain_slice, handle_publish, message_from_dict, message_to_dict,
-                    purge_expired, still_held)
-from .names import claim_request_key
+from .relay import (ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Backlog,
+                    ForeignTasks, Queues, RelayOptions, ResourceHolder, Resources, after_publish, apply_fallback,
+                    drain_slice, handle_publish, message_from_dict, message_to_dict, purge_expired, still_held)
+from .names import TASK_OUTBOX_ARG, claim_request_key
 from .relay.resources import Shared
 from .store import OutboxStore
 from .wake import clear_token  # the writer-side API sits below this entry point
@@ -56,6 +56,10 @@ except ConfigError as exc:
         raise SystemExit(redact(f"outbox: invalid configuration: {exc}")) from None
     raise
 
+#: This outbox's namespace and queues on Dramatiq's broker (docs/dramatiq.md; not to be confused
+#: with NAMESPACE, the Redis key prefix of Dramatiq's RedisBroker).
+OUTBOX_NAMESPACE = SETTINGS.outbox_namespace
+QUEUES = SETTINGS.queues
 LEASE_S = SETTINGS.claim_timeout_ms / 1000.0
 #: A claim or publish message running past its lease is interrupted (Dramatiq's
 #: TimeLimit): its rows come back with the lease anyway.
@@ -65,7 +69,8 @@ TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
 # -- per-process, per-thread resources (relay.ResourceHolder) ----------------------------------
 
 # (``_fallback`` sends through the actors declared below.)
-_held = ResourceHolder(lambda: (SETTINGS, OPTIONS, BROKER_URL, claim_request_key(BROKER_URL, NAMESPACE)),
+_held = ResourceHolder(lambda: (SETTINGS, OPTIONS, BROKER_URL, claim_request_key(BROKER_URL, NAMESPACE,
+                                                                                  OUTBOX_NAMESPACE)),
                        lambda op, kwargs: _fallback(op, kwargs), log, on_takeover=lambda: request_claim())
 #: Did this process's last claim meet a backlog (``relay.Backlog``)?
 _backlog = Backlog()
@@ -168,17 +173,38 @@ _SETTLE = dict(max_retries=10, min_backoff=500, max_backoff=30_000)
 
 
 def _fallback(operation: str, kwargs: dict[str, Any]) -> None:
-    {"done": ack, "failed": fail, "release": release}[operation].send(**kwargs)
+    {"done": ack, "failed": fail, "release": release}[operation].send(**kwargs, **{TASK_OUTBOX_ARG: OUTBOX_NAMESPACE})
 
 
 def _dispatch(chains: list[list[Any]], deadline: float) -> None:
-    publish.send(chains=[[message_to_dict(m) for m in chain] for chain in chains], deadline=deadline)
+    publish.send(chains=[[message_to_dict(m) for m in chain] for chain in chains], deadline=deadline,
+                 **{TASK_OUTBOX_ARG: OUTBOX_NAMESPACE})
+
+
+#: Messages naming another outbox that reached this process (``relay.ForeignTasks``).
+_foreign = ForeignTasks(log)
+
+
+def _only_ours(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """An actor that runs only messages naming this outbox (``TASK_OUTBOX_ARG``); one naming another
+    is sent on to that outbox's queue, not run (docs/relay.md, "Several outboxes on one broker")."""
+    def wrap(body: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(body)
+        def run(*args: Any, **kwargs: Any) -> None:
+            named = kwargs.pop(TASK_OUTBOX_ARG, None)
+            if _foreign.belongs(named, OUTBOX_NAMESPACE):
+                return body(*args, **kwargs)
+            _foreign.refuse(task, named, OUTBOX_NAMESPACE, lambda other: broker.enqueue(_broker.message(
+                task, Queues(other).for_task(task), {**kwargs, TASK_OUTBOX_ARG: other}, args=args)))
+            return None
+        return run
+    return wrap
 
 
 def queued_publish_tasks() -> int | None:
-    """Messages waiting in the publish queue of Dramatiq's broker; None when unknown."""
+    """Messages waiting in this outbox's publish queue on Dramatiq's broker; None when unknown."""
     try:
-        return _broker.queue_length(broker, PUBLISH_QUEUE)
+        return _broker.queue_length(broker, QUEUES.publish)
     except Exception as exc:
         log.debug("outbox: cannot read the publish queue's length: %s", exc)
         return None
@@ -192,7 +218,8 @@ def request_claim() -> bool:
     if not gate.acquire():
         return False
     try:
-        broker.enqueue(_broker.message(CLAIM_TASK, CLAIM_QUEUE, {"requested": True}, OPTIONS.claim_request_ttl_s))
+        broker.enqueue(_broker.message(CLAIM_TASK, QUEUES.claim, {"requested": True, TASK_OUTBOX_ARG: OUTBOX_NAMESPACE},
+                                       OPTIONS.claim_request_ttl_s))
     except Exception as exc:
         gate.clear()
         log.warning("outbox: cannot request a claim (%s); the next tick will claim", exc)
@@ -200,8 +227,9 @@ def request_claim() -> bool:
     return True
 
 
-@dramatiq.actor(actor_name=CLAIM_TASK, queue_name=CLAIM_QUEUE, broker=broker, max_retries=0,
+@dramatiq.actor(actor_name=CLAIM_TASK, queue_name=QUEUES.claim, broker=broker, max_retries=0,
                 time_limit=TIME_LIMIT_MS)
+@_only_ours(CLAIM_TASK)
 def claim(requested: bool = False, token: str | None = None, expires_at: float | None = None) -> None:
     """Claim a batch and send its chains on as publish messages, publishing a small batch or
     a backlog's first share here, in drain slices (drain mode as in ``outbox.tasks.claim``: a
@@ -231,8 +259,9 @@ def _publish_here(chains: list[list[Any]], deadline: float | None) -> list[Any]:
                           settler=r.settler, stopping=stopping, routes=s.routes, outage=s.outage("destination broker"))
 
 
-@dramatiq.actor(actor_name=PUBLISH_TASK, queue_name=PUBLISH_QUEUE, broker=broker, max_retries=0,
+@dramatiq.actor(actor_name=PUBLISH_TASK, queue_name=QUEUES.publish, broker=broker, max_retries=0,
                 time_limit=TIME_LIMIT_MS)
+@_only_ours(PUBLISH_TASK)
 def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> None:
     # Every delivery checks that the lease still holds the rows (``still_held``, one query,
     # which adopts rows another process claimed: docs/relay.md, "Lost workers"): Dramatiq's
@@ -244,29 +273,34 @@ def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -
     after_publish(shared().breaker, request_claim)
 
 
-@dramatiq.actor(actor_name=ACK_TASK, queue_name=ACK_QUEUE, broker=broker, **_SETTLE)
+@dramatiq.actor(actor_name=ACK_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
+@_only_ours(ACK_TASK)
 def ack(ids: list[int], lease: str) -> None:
     apply_fallback(resources().store, None, "done", {"ids": ids, "lease": lease}).applied
 
 
-@dramatiq.actor(actor_name=FAIL_TASK, queue_name=ACK_QUEUE, broker=broker, **_SETTLE)
+@dramatiq.actor(actor_name=FAIL_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
+@_only_ours(FAIL_TASK)
 def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False) -> None:
     r = resources()
     apply_fallback(r.store, r.publisher, "failed",
                    {"message": message, "error": error, "retry_in_s": retry_in_s, "dead": dead})
 
 
-@dramatiq.actor(actor_name=RELEASE_TASK, queue_name=ACK_QUEUE, broker=broker, **_SETTLE)
+@dramatiq.actor(actor_name=RELEASE_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
+@_only_ours(RELEASE_TASK)
 def release(ids: list[int], lease: str, delay_s: float | None = None) -> None:
     apply_fallback(resources().store, None, "release", {"ids": ids, "lease": lease, "delay_s": delay_s})
 
 
-@dramatiq.actor(actor_name=PURGE_TASK, queue_name=PURGE_QUEUE, broker=broker, max_retries=0)
+@dramatiq.actor(actor_name=PURGE_TASK, queue_name=QUEUES.purge, broker=broker, max_retries=0)
+@_only_ours(PURGE_TASK)
 def purge(expires_at: float | None = None) -> None:
     if not _broker.expired(expires_at):
         purge_expired(resources().store, SETTINGS.retention_days, shared().outage("database"), log)
 
 
-__all__ = ["broker", "claim", "publish", "ack", "fail", "release", "purge", "request_claim", "resources",
+__all__ = ["OUTBOX_NAMESPACE", "QUEUES",
+           "broker", "claim", "publish", "ack", "fail", "release", "purge", "request_claim", "resources",
            "close_resources", "shared", "stopping", "STOPPING", "OutboxMiddleware", "MetricsMiddleware",
            "queued_publish_tasks"]

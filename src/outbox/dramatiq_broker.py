@@ -85,7 +85,8 @@ def queue_length(broker: Any, queue: str) -> int | None:
     return None
 
 
-def message(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | None = None) -> Any:
+def message(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | None = None,
+            args: tuple[Any, ...] = ()) -> Any:
     """A Dramatiq message for ``actor`` on ``queue``. ``max_age_s``: the message carries
     ``expires_at`` (epoch seconds) and the actor drops it when it arrives later than that
     (a stale tick or claim request). Not Dramatiq's AgeLimit: that logs a warning per
@@ -94,7 +95,7 @@ def message(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | N
 
     if max_age_s:
         kwargs = {**kwargs, "expires_at": time.time() + max_age_s}
-    return Message(queue_name=queue, actor_name=actor, args=(), kwargs=kwargs, options={})
+    return Message(queue_name=queue, actor_name=actor, args=tuple(args), kwargs=kwargs, options={})
 
 
 def expired(expires_at: float | None) -> bool:

@@ -28,8 +28,9 @@ LOCK_TTL_S = 10.0
 LOCK_CHECK_S = 1.0
 
 
-def lock_name(url: str, namespace: str, database_url: str, table: str) -> str:
-    return hashlib.sha1(f"{url}|{namespace}|{database_url}|{table}".encode()).hexdigest()[:16]
+def lock_name(url: str, namespace: str, outbox_namespace: str) -> str:
+    """One leader per (Dramatiq broker, its key namespace, outbox)."""
+    return hashlib.sha1(f"{url}|{namespace}|{outbox_namespace}".encode()).hexdigest()[:16]
 
 
 class RedisLock:
@@ -120,16 +121,17 @@ def make_lock(url: str, name: str) -> Any:
     return RedisLock(url, name) if _broker.is_redis(url) else RabbitLock(url, name)
 
 
-def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, str, float, float]]:
-    """``(actor, queue, every_s, max_age_s)`` of each entry of ``beat_schedule`` (the one
-    definition of the relay's schedule, shared with Celery's beat)."""
+def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, str, float, float, dict[str, Any]]]:
+    """``(actor, queue, every_s, max_age_s, kwargs)`` of each entry of ``beat_schedule`` (the one
+    definition of the relay's schedule, shared with Celery's beat; ``kwargs`` name the outbox)."""
     import beat_schedule
 
-    return [(entry["task"], entry["options"]["queue"], float(entry["schedule"]), float(entry["options"]["expires"]))
-            for entry in beat_schedule.build_schedule(settings, options).values()]
+    return [(entry["task"], entry["options"]["queue"], float(entry["schedule"]), float(entry["options"]["expires"]),
+             dict(entry.get("kwargs") or {})) for entry in beat_schedule.build_schedule(settings, options).values()]
 
 
-def run(stop: threading.Event, entries: list[tuple[str, str, float, float]], lock: Any, send: Any = None) -> None:
+def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any,
+        send: Any = None) -> None:
     """Send each entry every ``every_s`` until ``stop`` is set, while holding ``lock``.
     ``send(actor, queue, kwargs, max_age_s)`` defaults to ``outbox.dramatiq_broker.send``.
     A new leader sends the first entry (the claim tick) at once and the others after one
@@ -150,10 +152,10 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float]], loc
                 log.warning("outbox scheduler: lost the lead; standing by")
         wait_until = next_lock
         if leading:
-            for i, (actor, queue, every_s, max_age_s) in enumerate(entries):
+            for i, (actor, queue, every_s, max_age_s, kwargs) in enumerate(entries):
                 if now >= due[i]:
                     try:
-                        send(actor, queue, {}, max_age_s=max_age_s)
+                        send(actor, queue, kwargs, max_age_s=max_age_s)
                     except Exception as exc:  # Dramatiq's broker is down: the next one is sent
                         log.warning("outbox scheduler: cannot send %s (%s: %s)", actor, type(exc).__name__,
                                     redact(str(exc)))
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    lock = make_lock(url, lock_name(url, ns, settings.database_url, settings.table))
+    lock = make_lock(url, lock_name(url, ns, settings.outbox_namespace))
     log.info("outbox scheduler: Dramatiq broker %s, waiting for the lead", redact(url))
     run(stop, schedule_entries(settings, options), lock)
     log.info("outbox scheduler: stopped")

@@ -1,13 +1,19 @@
-"""The names the relay's processes agree on: Celery task names and queue names.
+"""The names the relay's processes agree on: Celery task names, and the names of what a relay
+puts on a shared broker (queues, the claim-request token, the wake channel), all per outbox.
 
-A leaf module (it imports nothing of the package), so the Celery app, the schedule, the tasks, the
-wake-up client and the tests all take the names from one place. Why each task has its
-own queue: docs/relay.md, "Tasks and queues".
+A leaf module (it imports nothing of the package), so the Celery app, the schedule, the tasks,
+the wake-up client and the tests all take the names from one place. Why each task has its
+own queue: docs/relay.md, "Tasks and queues"; why every name carries the outbox's namespace
+and how the default is derived: docs/relay.md, "Several outboxes on one broker".
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 CLAIM_TASK = "outbox.claim"
 PUBLISH_TASK = "outbox.publish"
@@ -16,41 +22,124 @@ FAIL_TASK = "outbox.fail"
 RELEASE_TASK = "outbox.release"
 PURGE_TASK = "outbox.purge"
 
-CLAIM_QUEUE = "outbox.claim"
-PUBLISH_QUEUE = "outbox.publish"
-ACK_QUEUE = "outbox.ack"
-PURGE_QUEUE = "outbox.purge"
-QUEUES = (CLAIM_QUEUE, PUBLISH_QUEUE, ACK_QUEUE, PURGE_QUEUE)
+#: The task keyword argument that names the outbox a task belongs to (its namespace).
+TASK_OUTBOX_ARG = "outbox"
 
-#: Which queue each task is routed to.
-ROUTES = {
-    CLAIM_TASK: CLAIM_QUEUE,
-    PUBLISH_TASK: PUBLISH_QUEUE,
-    ACK_TASK: ACK_QUEUE,
-    FAIL_TASK: ACK_QUEUE,
-    RELEASE_TASK: ACK_QUEUE,
-    PURGE_TASK: PURGE_QUEUE,
+#: Which queue kind each task goes to: ``<namespace>.<kind>``.
+KINDS = ("claim", "publish", "ack", "purge")
+TASK_KINDS = {
+    CLAIM_TASK: "claim",
+    PUBLISH_TASK: "publish",
+    ACK_TASK: "ack",
+    FAIL_TASK: "ack",
+    RELEASE_TASK: "ack",
+    PURGE_TASK: "purge",
 }
+
+#: The namespace whose queues are the names of earlier versions (``outbox.claim``, ...).
+LEGACY_NAMESPACE = "outbox"
+#: What OUTBOX_NAMESPACE may hold: Dramatiq's rule for queue names (the strictest of the
+#: brokers), and short enough that every name made from it fits RabbitMQ's 255 bytes.
+NAMESPACE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9._-]*")
+MAX_NAMESPACE = 100
+
+
+def valid_namespace(name: object) -> bool:
+    return isinstance(name, str) and len(name) <= MAX_NAMESPACE and NAMESPACE_RE.fullmatch(name) is not None
+
+
+def database_identity(database_url: str) -> str:
+    """Which database a URL names, without its driver, user, password or options: host, port
+    and database name as written (``postgresql+psycopg://u:p@db:5432/app?x=1`` ->
+    ``db:5432/app``), a SQLite file's absolute path, or an ODBC string's server and database."""
+    if "://" not in database_url:  # a raw ODBC connection string
+        return _odbc_identity(database_url)
+    parts = urlsplit(database_url)
+    if parts.scheme.split("+", 1)[0].lower() == "sqlite":
+        path = unquote(database_url.split("://", 1)[1].split("?", 1)[0])
+        path = path[1:] if path.startswith("/") else path
+        return path if path in ("", ":memory:") else os.path.abspath(path)
+    query = dict(parse_qsl(parts.query))
+    if not parts.hostname and "odbc_connect" in query:
+        return _odbc_identity(query["odbc_connect"])
+    host = (parts.hostname or "").lower()
+    port = f":{parts.port}" if parts.port else ""
+    return f"{host}{port}{parts.path}"
+
+
+def _odbc_identity(odbc: str) -> str:
+    fields = {k.strip().lower(): v.strip() for k, _, v in (p.partition("=") for p in odbc.split(";"))}
+    server = fields.get("server", "").lower()
+    return f"{server}/{fields.get('database', fields.get('initial catalog', ''))}"
+
+
+def default_namespace(database_url: str, table: str, schema: str | None = None) -> str:
+    """The namespace of an outbox when OUTBOX_NAMESPACE is unset: ``outbox.[<schema>.]<table>.<h>``,
+    ``h`` a short digest of its database (``database_identity``). Two outboxes differing in
+    table, schema or database get different names; every process of one outbox (writers,
+    workers, beat) gets the same one as long as they name its database alike."""
+    digest = hashlib.sha1(database_identity(database_url).encode()).hexdigest()[:8]
+    where = f"{schema}.{table}" if schema else table
+    return f"outbox.{where}.{digest}"
+
+
+@dataclass(frozen=True)
+class Queues:
+    """The queues of one outbox on the task runner's broker: ``<namespace>.claim``, ``.publish``,
+    ``.ack``, ``.purge``."""
+
+    namespace: str
+
+    @property
+    def claim(self) -> str:
+        return f"{self.namespace}.claim"
+
+    @property
+    def publish(self) -> str:
+        return f"{self.namespace}.publish"
+
+    @property
+    def ack(self) -> str:
+        return f"{self.namespace}.ack"
+
+    @property
+    def purge(self) -> str:
+        return f"{self.namespace}.purge"
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return tuple(f"{self.namespace}.{kind}" for kind in KINDS)
+
+    def for_task(self, task: str) -> str:
+        """The queue ``task`` (a task name above) is routed to."""
+        return f"{self.namespace}.{TASK_KINDS[task]}"
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Task name -> queue."""
+        return {task: self.for_task(task) for task in TASK_KINDS}
+
 
 #: Prefix of the claim-request token (``claim_request_key``): a claim message's token is
 #: only deleted when its name starts with it.
 CLAIM_REQUEST_PREFIX = "outbox:wake:"
 
 
-def claim_request_key(broker_url: str, key_prefix: str = "") -> str:
-    """The name of the one coalesced "claim soon" token of a claim queue, i.e. of a task
-    runner's broker URL and key prefix (Celery's ``global_keyprefix``, Dramatiq's namespace).
-    Writers' wake-ups, the LISTEN thread and drain mode take the same token
-    (docs/waking-and-metrics.md, "One claim request")."""
-    digest = hashlib.sha1(f"{broker_url}|{key_prefix}".encode()).hexdigest()[:16]
+def claim_request_key(broker_url: str, key_prefix: str, namespace: str) -> str:
+    """The name of the one coalesced "claim soon" token of an outbox's claim queue, i.e. of a
+    task runner's broker URL, key prefix (Celery's ``global_keyprefix``, Dramatiq's
+    namespace) and the outbox's namespace. Writers' wake-ups, the LISTEN thread and drain
+    mode take the same token (docs/waking-and-metrics.md, "One claim request")."""
+    digest = hashlib.sha1(f"{broker_url}|{key_prefix}|{namespace}".encode()).hexdigest()[:16]
     return f"{CLAIM_REQUEST_PREFIX}{digest}"
 
 
-def wake_channel(broker_url: str, key_prefix: str = "") -> str:
-    """The Redis pub/sub channel on which writers wake the workers of a claim queue (the
-    workers' main processes SUBSCRIBE; docs/waking-and-metrics.md)."""
-    return f"{claim_request_key(broker_url, key_prefix)}:notify"
+def wake_channel(broker_url: str, key_prefix: str, namespace: str) -> str:
+    """The Redis pub/sub channel on which writers wake the workers of an outbox's claim queue
+    (the workers' main processes SUBSCRIBE; docs/waking-and-metrics.md)."""
+    return f"{claim_request_key(broker_url, key_prefix, namespace)}:notify"
 
 
 __all__ = ["wake_channel", "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
-           "CLAIM_REQUEST_PREFIX", "claim_request_key", "CLAIM_QUEUE", "PUBLISH_QUEUE", "ACK_QUEUE", "PURGE_QUEUE", "QUEUES", "ROUTES"]
+           "CLAIM_REQUEST_PREFIX", "claim_request_key", "TASK_OUTBOX_ARG", "KINDS", "TASK_KINDS", "LEGACY_NAMESPACE",
+           "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "database_identity", "default_namespace", "Queues"]

@@ -10,11 +10,11 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
-from .celery_app import app
+from .celery_app import app, send_relay_task
 from .config import relay_options, relay_settings
-from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
-from .relay import (DRAIN_SLICE_S, Backlog, after_publish, apply_fallback, drain_slice, handle_publish,
-                    message_from_dict, message_to_dict, purge_expired, still_held)
+from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
+from .relay import (DRAIN_SLICE_S, Backlog, ForeignTasks, after_publish, apply_fallback, drain_slice,
+                    handle_publish, message_from_dict, message_to_dict, purge_expired, still_held)
 from . import wake as _wake
 # The worker's per-process wiring, re-exported: ``outbox.tasks.resources`` and the rest
 # keep working. ``claim`` looks ``queued_publish_tasks`` and ``request_claim`` up here.
@@ -28,20 +28,44 @@ _backlog = Backlog()
 
 
 def _dispatch(chains: list[list[Any]], deadline: float) -> None:
-    publish.apply_async(
-        kwargs={"chains": [[message_to_dict(m) for m in chain] for chain in chains], "deadline": deadline},
-        queue=PUBLISH_QUEUE,
+    send_relay_task(
+        PUBLISH_TASK,
+        {"chains": [[message_to_dict(m) for m in chain] for chain in chains], "deadline": deadline},
         retry=True, retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1},
     )
 
 
 # -- tasks -------------------------------------------------------------------------------
 
+#: Tasks naming another outbox that reached this process (``relay.ForeignTasks``).
+_foreign = ForeignTasks(log)
+
+
+class RelayTask(app.Task):  # type: ignore[name-defined,misc]
+    """Every relay task: it runs only when it names this worker's outbox (``TASK_OUTBOX_ARG``);
+    one naming another outbox is forwarded to that outbox's queue, not run (docs/relay.md,
+    "Several outboxes on one broker")."""
+
+    #: Celery checks the keyword arguments of a send against the body's signature; ``TASK_OUTBOX_ARG``
+    #: is not the body's (``__call__`` takes it off), so that check is off for relay tasks.
+    typing = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        named = kwargs.pop(TASK_OUTBOX_ARG, None)
+        ours = relay_settings().outbox_namespace
+        if _foreign.belongs(named, ours):
+            return super().__call__(*args, **kwargs)
+        done = _foreign.refuse(self.name, named, ours, lambda other: send_relay_task(
+            self.name, kwargs, namespace=other, args=args, expires=self.request.expires))
+        return {"refused": named, done: True}
+
+
+
 #: ``outbox.tasks.wake()``: the worker's coalesced claim request (``outbox.worker``).
 wake = request_claim
 
 
-@app.task(name=CLAIM_TASK, ignore_result=True, acks_late=False)
+@app.task(name=CLAIM_TASK, base=RelayTask, ignore_result=True, acks_late=False)
 def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
     """Claim a batch and dispatch it as publish tasks.
 
@@ -88,7 +112,7 @@ def _publish_chains(chains: list[list[Any]], deadline: float | None) -> list[Any
     return outcomes
 
 
-@app.task(name=PUBLISH_TASK, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
+@app.task(name=PUBLISH_TASK, base=RelayTask, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
 def publish(self: Any, chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
     messages = [[message_from_dict(d) for d in chain] for chain in chains]
     # Rows another process claimed are adopted first (one fenced statement); rows of this
@@ -104,24 +128,24 @@ _SETTLE = dict(ignore_result=True, acks_late=True, reject_on_worker_lost=True, a
                retry_backoff=0.5, retry_backoff_max=30, retry_jitter=True, max_retries=10)
 
 
-@app.task(name=ACK_TASK, **_SETTLE)
+@app.task(name=ACK_TASK, base=RelayTask, **_SETTLE)
 def ack(ids: list[int], lease: str) -> int:
     return apply_fallback(resources().store, None, "done", {"ids": ids, "lease": lease}).applied
 
 
-@app.task(name=FAIL_TASK, **_SETTLE)
+@app.task(name=FAIL_TASK, base=RelayTask, **_SETTLE)
 def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False) -> bool:
     r = resources()
     return apply_fallback(r.store, r.publisher, "failed",
                           {"message": message, "error": error, "retry_in_s": retry_in_s, "dead": dead}).applied
 
 
-@app.task(name=RELEASE_TASK, **_SETTLE)
+@app.task(name=RELEASE_TASK, base=RelayTask, **_SETTLE)
 def release(ids: list[int], lease: str, delay_s: float | None = None) -> int:
     return apply_fallback(resources().store, None, "release", {"ids": ids, "lease": lease, "delay_s": delay_s}).applied
 
 
-@app.task(name=PURGE_TASK, ignore_result=True)
+@app.task(name=PURGE_TASK, base=RelayTask, ignore_result=True)
 def purge() -> int:
     return purge_expired(resources().store, relay_settings().retention_days, outage("database"), log)
 

@@ -33,9 +33,9 @@ EXIT_FLUSH_S = 1.0
 
 
 # ``extra_setting`` and ``flag`` moved to ``outbox.config`` (the one reader); kept importable here.
-from .config import extra_setting, flag, relay_options, wake_options  # noqa: E402,F401
+from .config import extra_setting, flag, relay_options, relay_settings, wake_options  # noqa: E402,F401
 from .handoff import HandOff  # noqa: E402
-from .names import CLAIM_QUEUE, CLAIM_REQUEST_PREFIX, CLAIM_TASK, claim_request_key, wake_channel  # noqa: E402
+from .names import CLAIM_REQUEST_PREFIX, CLAIM_TASK, TASK_OUTBOX_ARG, claim_request_key, wake_channel  # noqa: E402
 
 #: Prefix of the claim-request tokens: a claim deletes only keys that start with it.
 TOKEN_PREFIX = CLAIM_REQUEST_PREFIX
@@ -104,20 +104,23 @@ class _Throttle:
         send()
 
 
-def token_for(broker_url: str, key_prefix: str = "") -> str:
-    """The Redis key of the claim queue's one claim-request token (``make_coalescer`` over
-    ``outbox.names.claim_request_key``): the key a wake-up takes and a claim clears."""
-    return f"{claim_request_key(broker_url, key_prefix)}:claim-requested"
+def token_for(broker_url: str, key_prefix: str, namespace: str) -> str:
+    """The Redis key of an outbox's claim queue's one claim-request token (``make_coalescer``
+    over ``outbox.names.claim_request_key``): the key a wake-up takes and a claim clears."""
+    return f"{claim_request_key(broker_url, key_prefix, namespace)}:claim-requested"
 
 
 class _Plan:
     """How this process wakes the relay; computed once per process and options."""
 
-    def __init__(self, broker_url: str, key_prefix: str = "", options: Any = None, runner: str = "celery") -> None:
+    def __init__(self, broker_url: str, key_prefix: str = "", options: Any = None, runner: str = "celery",
+                 namespace: str = "") -> None:
         self.broker_url = broker_url
         self.runner = runner
+        #: The outbox this process writes to: its queues, token and channel (``outbox.names``).
+        self.namespace = namespace or relay_settings().outbox_namespace
         #: Where Celery workers SUBSCRIBE for wake-ups (Redis; Dramatiq workers do not).
-        self.channel = wake_channel(broker_url, key_prefix) if runner == "celery" else None
+        self.channel = wake_channel(broker_url, key_prefix, self.namespace) if runner == "celery" else None
         self.key_prefix = key_prefix
         self.options = options
         self.pid = os.getpid()
@@ -132,7 +135,8 @@ class _Plan:
         if self._coalescer is None:
             from .relay import make_coalescer
 
-            self._coalescer = make_coalescer(self.broker_url, claim_request_key(self.broker_url, self.key_prefix),
+            self._coalescer = make_coalescer(self.broker_url,
+                                             claim_request_key(self.broker_url, self.key_prefix, self.namespace),
                                              relay_options().claim_request_ttl_s)
         return self._coalescer
 
@@ -152,7 +156,7 @@ class _Plan:
             from . import dramatiq_broker
 
             dramatiq_broker.sender()
-            dramatiq_broker.message(CLAIM_TASK, CLAIM_QUEUE, {})
+            dramatiq_broker.message(CLAIM_TASK, relay_settings().queues.claim, {})
             return
         from .celery_app import app
 
@@ -214,20 +218,22 @@ def _send(requested: bool) -> bool:
     from . import dramatiq_broker
 
     kwargs = {"requested": True} if requested else {}
+    settings = relay_settings()
     if dramatiq_broker.configured():
         try:
-            dramatiq_broker.send(CLAIM_TASK, CLAIM_QUEUE, kwargs, max_age_s=relay_options().claim_request_ttl_s)
+            dramatiq_broker.send(CLAIM_TASK, settings.queues.claim,
+                                 {**kwargs, TASK_OUTBOX_ARG: settings.outbox_namespace},
+                                 max_age_s=relay_options().claim_request_ttl_s)
             return True
         except Exception as exc:
             _failed("sending a claim", exc)
             return False
-    from .celery_app import app
+    from .celery_app import send_relay_task
 
     try:
-        app.send_task(CLAIM_TASK, kwargs=kwargs, queue=CLAIM_QUEUE,
-                      expires=relay_options().claim_request_ttl_s, retry=True,
-                      retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
-                                    "interval_max": 0.1})
+        send_relay_task(CLAIM_TASK, kwargs, expires=relay_options().claim_request_ttl_s, retry=True,
+                        retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
+                                      "interval_max": 0.1})
         return True
     except Exception as exc:
         _failed("sending a claim", exc)

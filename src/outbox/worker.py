@@ -13,11 +13,10 @@ from typing import Any
 
 from celery import signals
 
-from .celery_app import app
+from .celery_app import app, send_relay_task
 from .config import RelayOptions, Settings, relay_options, relay_settings, wake_options
 from .handoff import HandOff
-from .names import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, RELEASE_TASK,
-                    claim_request_key, wake_channel)
+from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, RELEASE_TASK, claim_request_key, wake_channel
 from .redact import install_filter
 from .relay import Breaker, Coalescer, Outage, ResourceHolder, Resources, RouteGate
 from . import listen as _listen, metrics as _metrics, worker_logging as _worker_logging
@@ -61,10 +60,10 @@ def _claim_queue() -> tuple[str, str]:
 
 
 def claim_queue_key() -> tuple[str, str]:
-    """Celery's broker URL and the name of its claim queue's one "claim soon" token (the key
-    writers' wake-ups take too: ``outbox.names.claim_request_key``)."""
+    """Celery's broker URL and the name of this outbox's claim queue's one "claim soon" token
+    (the key writers' wake-ups take too: ``outbox.names.claim_request_key``)."""
     url, prefix = _claim_queue()
-    return url, claim_request_key(url, prefix)
+    return url, claim_request_key(url, prefix, relay_settings().outbox_namespace)
 
 
 def _config() -> tuple[Settings, RelayOptions, str, str]:
@@ -79,7 +78,7 @@ _FALLBACK_TASKS = {"done": ACK_TASK, "failed": FAIL_TASK, "release": RELEASE_TAS
 
 
 def _fallback(operation: str, kwargs: dict[str, Any]) -> None:
-    app.send_task(_FALLBACK_TASKS[operation], kwargs=kwargs, queue=ACK_QUEUE)
+    send_relay_task(_FALLBACK_TASKS[operation], kwargs)
 
 
 # ``request_claim`` is defined below: after a lost worker's rows were taken over, claim soon.
@@ -120,7 +119,8 @@ def close_resources() -> None:
 # -- Celery's broker, as claims use it ---------------------------------------------------------
 
 def queued_publish_tasks() -> int | None:
-    """Messages waiting in the publish queue of Celery's broker; None when unknown."""
+    """Messages waiting in this outbox's publish queue on Celery's broker; None when unknown."""
+    queue = relay_settings().queues.publish
     try:
         with app.pool.acquire(block=True, timeout=2.0) as conn:
             channel = conn.default_channel
@@ -129,9 +129,9 @@ def queued_publish_tasks() -> int | None:
                 # kombu's virtual transports (Redis, memory, SQS...): their passive
                 # queue_declare reports a drained Redis list, or any list under a
                 # global_keyprefix, as missing; the size itself is right.
-                return int(size(PUBLISH_QUEUE))
+                return int(size(queue))
             try:
-                return int(channel.queue_declare(queue=PUBLISH_QUEUE, passive=True).message_count)
+                return int(channel.queue_declare(queue=queue, passive=True).message_count)
             except Exception as exc:
                 conn.close()  # AMQP closes the channel on NOT_FOUND; start afresh next time
                 if type(exc).__name__ == "NotFound":
@@ -154,8 +154,7 @@ def request_claim() -> bool:
     if not gate.acquire():
         return False
     try:
-        app.send_task(CLAIM_TASK, kwargs={"requested": True}, queue=CLAIM_QUEUE,
-                      expires=relay_options().claim_request_ttl_s)
+        send_relay_task(CLAIM_TASK, {"requested": True}, expires=relay_options().claim_request_ttl_s)
     except Exception as exc:
         gate.clear()
         log.warning("outbox: cannot request a claim (%s); the next tick will claim", exc)
@@ -257,6 +256,9 @@ def _ready(**_: Any) -> None:
             b.reset()
     except Exception as exc:  # never keep a worker from starting over this
         log.warning("outbox: cannot check the circuit breaker at start-up: %s", exc)
+    settings = relay_settings()
+    log.info("outbox: relaying outbox %s (table %s) on queues %s", settings.outbox_namespace, settings.table,
+             ", ".join(settings.queues.all))
     _start_embedded_beat()
     try:
         in_process = wake_options().in_process_claim
@@ -270,7 +272,8 @@ def _ready(**_: Any) -> None:
     try:
         if in_process:
             url, prefix = _claim_queue()
-            _listen.start_subscriber(url, wake_channel(url, prefix), claim_runner.request)
+            _listen.start_subscriber(url, wake_channel(url, prefix, relay_settings().outbox_namespace),
+                                     claim_runner.request)
     except Exception as exc:  # writers then send claim messages, as when no worker listens
         log.error("outbox: wake-up subscriber not started (%s: %s)", type(exc).__name__, exc)
     _metrics.on_worker_ready(_gauge_store)

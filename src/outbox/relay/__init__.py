@@ -1,13 +1,14 @@
 """The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``claim``,
 ``drain`` (a claim task's drain slice), ``publish`` (the failure policy), ``settle`` (store
-writes), ``shared`` (breaker, route gate, outage log, coalescer) over ``state`` (Redis, files
+writes), ``foreign`` (a task of another outbox),
+``shared`` (breaker, route gate, outage log, coalescer) over ``state`` (Redis, files
 or the process), ``resources`` (what a worker process holds). Every name keeps its ``outbox.relay`` import path."""
 
 from ..config import MAX_OPTION_S, RelayOptions
 from ..model import message_from_dict, message_to_dict
-from ..names import (ACK_QUEUE, ACK_TASK, CLAIM_QUEUE, CLAIM_TASK, FAIL_TASK, PUBLISH_QUEUE, PUBLISH_TASK,
-                     PURGE_QUEUE, PURGE_TASK, QUEUES, RELEASE_TASK)
+from ..names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Queues
 from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
+from .foreign import ForeignTasks
 from .drain import DRAIN_SLICE_S, Backlog, after_publish, drain_slice
 from .publish import (BACKPRESSURE, FATAL, POISON, RETRIABLE, ChainOutcome, handle_chain, handle_publish,
                       still_held)
@@ -30,5 +31,5 @@ __all__ = [
     "make_relay_outage", "purge_expired", "ResourceHolder", "Resources",
     "RETRIABLE", "BACKPRESSURE", "POISON", "FATAL", "LEASE_EXPIRED",
     "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
-    "CLAIM_QUEUE", "PUBLISH_QUEUE", "ACK_QUEUE", "PURGE_QUEUE", "QUEUES",
+    "Queues", "ForeignTasks",
 ]

@@ -117,7 +117,7 @@ class ResourceHolder:
         with self._lock:
             if self._shared is None or self._shared.pid != os.getpid():
                 settings, options, url, claim_key = self._config()
-                key = breaker_key(settings.database_url, settings.table, settings.publish_url, settings.exchange)
+                key = breaker_key(settings.outbox_namespace, settings.publish_url, settings.exchange)
                 self._shared = Shared(os.getpid(), make_breaker(url, key),
                                       make_coalescer(url, claim_key, options.claim_request_ttl_s),
                                       make_route_gate(url, key),

@@ -88,9 +88,10 @@ class Breaker:
             log.warning("outbox breaker: cannot clear shared state: %s", exc)
 
 
-def breaker_key(database_url: str, table: str, publish_url: str, exchange: str) -> str:
-    """One breaker per (outbox table, destination): relays of other outboxes are unaffected."""
-    digest = hashlib.sha1(f"{database_url}|{table}|{publish_url}|{exchange}".encode()).hexdigest()[:16]
+def breaker_key(namespace: str, publish_url: str, exchange: str) -> str:
+    """One breaker per (outbox, destination): relays of other outboxes are unaffected. The
+    outbox is its namespace (``Settings.outbox_namespace``: table, schema and database)."""
+    digest = hashlib.sha1(f"{namespace}|{publish_url}|{exchange}".encode()).hexdigest()[:16]
     return f"outbox:breaker:{digest}"
 
 
@@ -310,7 +311,7 @@ def make_relay_outage(which: str, settings: Any, options: Any, shared_url: str,
     runner (outbox.worker for Celery, outbox.dramatiq) makes its outage logs here."""
     from ..redact import redact
 
-    key = breaker_key(settings.database_url, settings.table, settings.publish_url, settings.exchange)
+    key = breaker_key(settings.outbox_namespace, settings.publish_url, settings.exchange)
     if which == "database":
         where = redact(settings.database_url)
         meanwhile = ("Claims fail and are retried every tick; nothing is lost (rows in flight finish or "

@@ -1,0 +1,255 @@
+"""Each outbox's own names on a shared broker (``outbox.names``; docs/relay.md, "Several outboxes
+on one broker"): the default namespace and OUTBOX_NAMESPACE (pure), the refusal of a task naming
+another outbox (``relay.ForeignTasks``, and the Celery task class over it), the database broker's
+queues of two outboxes in one database, and Dramatiq's actors (a real Redis). The two relays
+on one Redis and one vhost, end to end: tests/test_namespaces_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.config import RelayOptions, load_settings
+from outbox.errors import ConfigError
+from outbox.names import (CLAIM_TASK, FAIL_TASK, LEGACY_NAMESPACE, MAX_NAMESPACE, PUBLISH_TASK, Queues,
+                          claim_request_key, database_identity, default_namespace, wake_channel)
+from outbox.relay import ForeignTasks, breaker_key
+
+from relay_support import run_python
+from services import REDIS_URL, require
+
+
+# -- the default namespace (pure) -------------------------------------------------------------------
+
+def test_the_same_database_written_differently_gives_the_same_namespace() -> None:
+    """Driver, user, password and options do not name the database: every process of one outbox
+    (a web app as one user, the relay as another) lands on the same queues."""
+    same = ["postgresql://app:secret@db:5432/shop", "postgresql+psycopg://relay:other@DB:5432/shop?sslmode=require",
+            "postgres://db:5432/shop"]
+    assert len({default_namespace(url, "outbox") for url in same}) == 1
+    assert database_identity(same[0]) == "db:5432/shop"
+
+
+@pytest.mark.parametrize("other", [
+    ("postgresql://db:5432/shop", "orders", None),       # another table
+    ("postgresql://db:5432/shop", "outbox", "billing"),  # another schema
+    ("postgresql://db:5432/crm", "outbox", None),        # another database
+    ("postgresql://db2:5432/shop", "outbox", None),      # another server
+    ("postgresql://db:5433/shop", "outbox", None),       # another port
+])
+def test_outboxes_that_differ_in_table_schema_or_database_get_different_namespaces(other: tuple[Any, ...]) -> None:
+    assert default_namespace("postgresql://db:5432/shop", "outbox") != default_namespace(*other)
+
+
+def test_the_namespace_reads_as_the_outbox_and_fits_every_broker() -> None:
+    ns = default_namespace("mssql+pyodbc://u:p@sql:1433/app?driver=ODBC+Driver+18", "o" * 63, "s" * 63)
+    assert ns.startswith(f"outbox.{'s' * 63}.{'o' * 63}.") and len(ns) <= 150
+    q = Queues(ns)
+    assert q.all == (q.claim, q.publish, q.ack, q.purge) == tuple(f"{ns}.{k}" for k in ("claim", "publish", "ack",
+                                                                                          "purge"))
+    assert all(len(name) <= 255 for name in q.all)  # RabbitMQ's limit; the database broker's column
+    assert q.for_task(FAIL_TASK) == q.ack and q.routes[PUBLISH_TASK] == q.publish
+
+
+def test_sqlite_files_and_odbc_strings_name_their_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert database_identity("sqlite:///outbox.db") == str(tmp_path / "outbox.db")
+    assert database_identity(f"sqlite:///{tmp_path / 'outbox.db'}") == str(tmp_path / "outbox.db")
+    odbc = "DRIVER={ODBC Driver 18 for SQL Server};SERVER=Sql,1433;DATABASE=app;UID=u;PWD=secret"
+    assert database_identity(odbc) == "sql,1433/app" and "secret" not in default_namespace(odbc, "outbox")
+    assert database_identity(f"mssql+pyodbc:///?odbc_connect={odbc}") == "sql,1433/app"
+
+
+def test_outbox_namespace_overrides_the_default_and_can_keep_the_old_names() -> None:
+    env = {"OUTBOX_DATABASE_URL": "postgresql://db/shop", "OUTBOX_TABLE": "orders"}
+    assert load_settings(environ=env).outbox_namespace == default_namespace("postgresql://db/shop", "orders")
+    assert load_settings(environ={**env, "OUTBOX_NAMESPACE": "shop-orders"}).queues.claim == "shop-orders.claim"
+    legacy = load_settings(environ={**env, "OUTBOX_NAMESPACE": LEGACY_NAMESPACE}).queues
+    assert legacy.all == ("outbox.claim", "outbox.publish", "outbox.ack", "outbox.purge")  # the names before 19
+
+
+@pytest.mark.parametrize("bad", ["has space", "1starts-with-digit", "colon:s", "x" * (MAX_NAMESPACE + 1), "ünï"])
+def test_a_bad_outbox_namespace_is_a_configuration_error_naming_it(bad: str) -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_NAMESPACE"):
+        load_settings(environ={"OUTBOX_NAMESPACE": bad})
+
+
+def test_token_channel_and_breaker_are_per_outbox() -> None:
+    url = "redis://127.0.0.1:6379/0"
+    assert claim_request_key(url, "", "a") != claim_request_key(url, "", "b")
+    assert wake_channel(url, "", "a") != wake_channel(url, "", "b")
+    assert breaker_key("a", "amqp://x//", "events") != breaker_key("b", "amqp://x//", "events")
+
+
+def test_the_schedule_sends_each_tick_to_its_outboxs_queue_naming_it() -> None:
+    import beat_schedule
+
+    settings = load_settings(environ={"OUTBOX_DATABASE_URL": "postgresql://db/shop", "OUTBOX_TABLE": "orders"})
+    schedule = beat_schedule.build_schedule(settings, RelayOptions())
+    for entry, queue in ((beat_schedule.CLAIM_ENTRY, settings.queues.claim),
+                         (beat_schedule.PURGE_ENTRY, settings.queues.purge)):
+        assert schedule[entry]["options"]["queue"] == queue
+        assert schedule[entry]["kwargs"] == {"outbox": settings.outbox_namespace}
+
+
+# -- refusing a task of another outbox (pure) -------------------------------------------------------
+
+def test_a_foreign_task_is_forwarded_to_its_outbox_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    foreign, forwarded = ForeignTasks(logging.getLogger("test.foreign")), []
+    assert foreign.belongs("mine", "mine") and foreign.belongs(None, "mine")  # None: a task of an earlier version
+    assert not foreign.belongs("theirs", "mine")
+    with caplog.at_level(logging.WARNING, logger="test.foreign"):
+        for _ in range(3):
+            assert foreign.refuse(PUBLISH_TASK, "theirs", "mine", forwarded.append) == "forwarded"
+        assert foreign.refuse(CLAIM_TASK, "others", "mine", forwarded.append) == "forwarded"
+    assert forwarded == ["theirs", "theirs", "theirs", "others"]  # none lost
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "'theirs'" in lines[0] and "'others'" in lines[1]
+
+
+def test_a_task_naming_no_possible_outbox_is_dropped_with_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    foreign, forwarded = ForeignTasks(logging.getLogger("test.foreign")), []
+    with caplog.at_level(logging.WARNING, logger="test.foreign"):
+        assert foreign.refuse(CLAIM_TASK, "no such:name", "mine", forwarded.append) == "dropped"
+        assert foreign.refuse(CLAIM_TASK, 42, "mine", forwarded.append) == "dropped"
+    assert forwarded == [] and len(caplog.records) == 2
+
+
+def test_the_celery_task_runs_its_own_outboxs_task_and_forwards_another(tmp_path: Path) -> None:
+    """In a worker process's task class (``outbox.tasks.RelayTask``): a purge naming this outbox
+    runs; one naming another is sent to that outbox's purge queue and not run."""
+    code = """
+import json
+import outbox.tasks as t
+ran, sent = [], []
+t.purge_expired = lambda *a, **k: ran.append(1) or 0
+t.send_relay_task = lambda task, kwargs, namespace=None, **o: sent.append([task, namespace, o.get("args")])
+ours = t.relay_settings().outbox_namespace
+mine = t.purge(outbox=ours)
+theirs = t.purge(outbox="other-outbox")
+print(json.dumps({"ran": len(ran), "sent": sent, "theirs": theirs, "ours": ours}))
+"""
+    done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["ran"] == 1 and out["sent"] == [["outbox.purge", "other-outbox", []]]
+    assert out["theirs"] == {"refused": "other-outbox", "forwarded": True}
+    assert "refused a outbox.purge task of outbox 'other-outbox'" in done.stderr
+
+
+# -- the database broker: two outboxes in one database ----------------------------------------------
+
+def test_two_outboxes_on_the_database_broker_keep_to_their_own_queues(tmp_path: Path) -> None:
+    """Both relays' Celery apps on ``outboxdb+sqlite`` of one file (one set of queue tables):
+    each outbox's tasks land in its own queues only, so neither worker can take the other's."""
+    from celery import Celery
+
+    from outbox.celery_app import celery_config
+
+    broker = f"outboxdb+sqlite:///{tmp_path / 'broker.db'}"
+    apps, settings = {}, {}
+    for name in ("a", "b"):
+        settings[name] = load_settings(environ={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'shop.db'}",
+                                                "OUTBOX_TABLE": f"outbox_{name}", "OUTBOX_CELERY_BROKER_URL": broker})
+        apps[name] = Celery(f"relay_{name}")
+        apps[name].conf.update(celery_config(settings[name], RelayOptions()))
+    assert set(settings["a"].queues.all).isdisjoint(settings["b"].queues.all)
+    for task in (CLAIM_TASK, PUBLISH_TASK, FAIL_TASK):
+        apps["a"].send_task(task, kwargs={"outbox": settings["a"].outbox_namespace})
+    apps["b"].send_task(CLAIM_TASK, kwargs={"outbox": settings["b"].outbox_namespace})
+    with apps["b"].connection_for_read() as conn:
+        channel = conn.default_channel
+        sizes = {name: {q: channel._size(q) for q in s.queues.all} for name, s in settings.items()}
+        message = channel._get(settings["b"].queues.claim)
+    a, b = settings["a"].queues, settings["b"].queues
+    assert sizes["a"] == {a.claim: 1, a.publish: 1, a.ack: 1, a.purge: 0}
+    assert sizes["b"] == {b.claim: 1, b.publish: 0, b.ack: 0, b.purge: 0}
+    assert message["headers"]["task"] == CLAIM_TASK
+
+
+# -- Dramatiq -----------------------------------------------------------------------------------------
+
+_DRAMATIQ = """
+import json, os, sqlite3
+import outbox.dramatiq as d
+from outbox import enqueue
+from outbox.dramatiq_broker import queue_length
+from outbox.names import Queues
+r = d.resources()
+r.store.migrate()
+conn = sqlite3.connect(os.environ["DB_PATH"])
+enqueue(conn, topic="t.x", aggregate_type="a", aggregate_id="1", payload={})
+conn.commit()
+other = Queues("other-outbox")
+d.claim(outbox="other-outbox")  # not ours: sent to the other outbox's claim queue, not run
+d.claim(outbox="other-outbox")
+pending_after_foreign = r.store.stats().counts["pending"]
+requested = d.request_claim()
+print(json.dumps({"queues": list(d.QUEUES.all), "namespace": d.OUTBOX_NAMESPACE,
+                  "forwarded": queue_length(d.broker, other.claim), "ours": queue_length(d.broker, d.QUEUES.claim),
+                  "pending_after_foreign": pending_after_foreign, "requested": requested,
+                  "actor_queues": sorted({d.broker.get_actor(a).queue_name for a in d.broker.get_declared_actors()})}))
+"""
+
+
+def test_dramatiq_actors_use_their_outboxs_queues_and_forward_another_outboxs_messages(tmp_path: Path) -> None:
+    pytest.importorskip("dramatiq")
+    require("Redis", "127.0.0.1", 6379)
+    import redis
+
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    tests = str(Path(__file__).resolve().parent)
+    try:
+        done = run_python(_DRAMATIQ, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
+                          OUTBOX_DRAMATIQ_BROKER_URL=REDIS_URL, OUTBOX_DRAMATIQ_NAMESPACE=ns,
+                          DB_PATH=str(tmp_path / "o.db"),
+                          PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(match=f"{ns}*"):
+            client.delete(key)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    expected = Queues(default_namespace(f"sqlite:///{tmp_path / 'o.db'}", "outbox"))
+    assert out["namespace"] == expected.namespace and out["queues"] == list(expected.all)
+    assert out["actor_queues"] == sorted(set(expected.all))
+    assert out["forwarded"] == 2 and out["pending_after_foreign"] == 1  # handed on, not run
+    assert out["requested"] is True and out["ours"] == 1
+    assert done.stderr.count("refused a outbox.claim task of outbox 'other-outbox'") == 1
+
+
+def test_outbox_queues_prints_the_names_a_workers_q_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+    from outbox.config import reset_settings
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://db/shop")
+    monkeypatch.setenv("OUTBOX_TABLE", "orders")
+    reset_settings()
+    try:
+        q = Queues(default_namespace("postgresql://db/shop", "orders"))
+        assert CliRunner().invoke(main, ["queues", "publish"]).output == f"{q.publish}\n"
+        assert CliRunner().invoke(main, ["queues", "claim", "ack", "purge"]).output == f"{q.claim},{q.ack},{q.purge}\n"
+        assert CliRunner().invoke(main, ["queues"]).output == ",".join(q.all) + "\n"
+        monkeypatch.setenv("OUTBOX_NAMESPACE", "bad name")
+        reset_settings()
+        bad = CliRunner().invoke(main, ["queues"])
+        assert bad.exit_code == 1 and "OUTBOX_NAMESPACE='bad name'" in bad.output
+    finally:
+        reset_settings()
+
+
+def test_outbox_check_names_the_namespace(tmp_path: Path) -> None:
+    from outbox.doctor import run_checks
+
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_NAMESPACE": "shop-orders"}
+    [configuration] = [r for r in run_checks(env) if r.name == "configuration"]
+    assert "outbox namespace 'shop-orders' (queues shop-orders.claim, ...)" in configuration.detail
