@@ -253,3 +253,24 @@ def test_outbox_check_names_the_namespace(tmp_path: Path) -> None:
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_NAMESPACE": "shop-orders"}
     [configuration] = [r for r in run_checks(env) if r.name == "configuration"]
     assert "outbox namespace 'shop-orders' (queues shop-orders.claim, ...)" in configuration.detail
+
+
+def test_a_worker_consuming_none_of_its_outboxs_queues_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A deployment upgraded from the fixed ``outbox.*`` names with ``-Q outbox.publish``
+    would relay nothing, silently: the worker says so at start, once, as an error."""
+    from outbox import worker
+    from outbox.celery_app import app
+    from outbox.config import relay_settings
+
+    settings = relay_settings()
+    monkeypatch.setattr(app.amqp.queues, "_consume_from", {"outbox.publish": None})  # what -Q sets
+    with caplog.at_level("ERROR", logger="outbox"):
+        worker._warn_foreign_queues(settings)
+    assert any("consumes outbox.publish, none of outbox" in r.getMessage() and "OUTBOX_NAMESPACE=outbox" in
+               r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    monkeypatch.setattr(app.amqp.queues, "_consume_from", {settings.queues.publish: None})
+    with caplog.at_level("ERROR", logger="outbox"):
+        worker._warn_foreign_queues(settings)
+    assert not caplog.records  # one of its own queues: nothing to say

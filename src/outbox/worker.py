@@ -244,6 +244,19 @@ def _init(**_: Any) -> None:
     _metrics.on_worker_init()
 
 
+def _warn_foreign_queues(settings: Any) -> None:
+    """A worker started with ``-Q`` naming none of its outbox's queues relays nothing: the
+    classic case is a deployment upgraded from the fixed ``outbox.*`` names (README,
+    "Upgrade note"). Said once, at start, as an error."""
+    selected = app.amqp.queues.consume_from  # set by -Q; None: every queue of the app
+    if not selected or set(selected) & set(settings.queues.all):
+        return
+    log.error("outbox: this worker consumes %s, none of outbox %s's queues (%s): it relays nothing. Use "
+              "`-Q \"$(outbox queues)\"` (or no -Q); after an upgrade from the fixed outbox.* names, "
+              "OUTBOX_NAMESPACE=outbox keeps them (README, \"Upgrade note\")", ", ".join(sorted(selected)),
+              settings.outbox_namespace, ", ".join(settings.queues.all))
+
+
 @signals.worker_ready.connect
 def _ready(**_: Any) -> None:
     """A restarted worker lifts a fatal pause: the operator has presumably fixed the
@@ -259,6 +272,7 @@ def _ready(**_: Any) -> None:
     settings = relay_settings()
     log.info("outbox: relaying outbox %s (table %s) on queues %s", settings.outbox_namespace, settings.table,
              ", ".join(settings.queues.all))
+    _warn_foreign_queues(settings)
     _start_embedded_beat()
     try:
         in_process = wake_options().in_process_claim
