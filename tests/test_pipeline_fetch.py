@@ -103,3 +103,24 @@ def test_sqlite_times_written_by_others_still_parse(store: OutboxStore, url: str
     arrow = read_all({**base, "reader": "arrow"})
     assert arrow.equals(read_all({**base, "reader": "driver"}))
     assert str(arrow.column("claimed_at")[0].as_py()) == "2026-11-14 10:00:00.250000+00:00"
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_a_missing_arrow_reader_is_named(store: OutboxStore, url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "connectorx" else real(name, *a))
+    with pytest.raises(ValueError, match=r"reads sqlite with connectorx, which is not installed: .*\[spark\].*reader=driver"):
+        OutboxQuery({"url": url, "table": store.engine.table_name})
+    assert OutboxQuery({"url": url, "table": store.engine.table_name, "reader": "driver"}).fetch is None
+
+
+def test_mysql_over_a_unix_socket_reads_through_the_driver() -> None:
+    """connectorx speaks TCP only: a socket URL takes the driver path instead of failing."""
+    from outbox.engines import engine_for_url
+    from outbox.pipeline.fetch import arrow_fetch
+
+    socket_url = "mysql://app@localhost/app?unix_socket=/run/mysqld/mysqld.sock"
+    assert arrow_fetch(socket_url, engine_for_url(socket_url), "arrow") is None
+    tcp_url = "mysql://app@db:3306/app"
+    assert arrow_fetch(tcp_url, engine_for_url(tcp_url), "arrow") is not None

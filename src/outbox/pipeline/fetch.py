@@ -19,11 +19,13 @@ database therefore compares the very same values as on the driver path.
 
 from __future__ import annotations
 
+import importlib.util
 from datetime import datetime
 from typing import Any, Callable
 from urllib.parse import quote
 
 from ..engines.base import Engine
+from ..errors import install_hint
 
 #: ``reader`` option values: ``arrow`` (the engine's Arrow reader, the default where
 #: there is one) and ``driver`` (the engine's Python driver: the fallback, and SQL Server's path).
@@ -35,10 +37,15 @@ class ArrowFetch:
     statement (its own transaction: nothing is held between pages), ``close``."""
 
     engine_name = ""
-    install = ""
+    #: The importable module this reader needs (installed by the ``spark`` extra).
+    module = ""
 
     def __init__(self, url: str, engine: Engine) -> None:
         self.url, self.engine = url, engine
+
+    def usable(self) -> bool:
+        """False when this URL needs something the reader cannot do (the driver path reads it)."""
+        return True
 
     def literal(self, value: Any) -> str:
         raise NotImplementedError
@@ -55,7 +62,7 @@ class ArrowFetch:
 
 class PostgresFetch(ArrowFetch):
     engine_name = "postgresql"
-    install = "adbc-driver-postgresql"
+    module = "adbc_driver_postgresql"
 
     def literal(self, value: Any) -> str:
         if isinstance(value, datetime):
@@ -84,7 +91,7 @@ class ConnectorxFetch(ArrowFetch):
     """connectorx opens a connection per ``read_sql`` call: one page, one connection,
     one transaction."""
 
-    install = "connectorx"
+    module = "connectorx"
 
     def cx_url(self) -> str:
         raise NotImplementedError
@@ -97,6 +104,10 @@ class ConnectorxFetch(ArrowFetch):
 
 class MysqlFetch(ConnectorxFetch):
     engine_name = "mysql"
+
+    def usable(self) -> bool:
+        from ..engines.mysql import pymysql_kwargs
+        return "unix_socket" not in pymysql_kwargs(self.url)  # connectorx speaks TCP only
 
     def literal(self, value: Any) -> str:
         from pymysql.converters import escape_item
@@ -138,7 +149,15 @@ def arrow_fetch(url: str, engine: Engine, reader: str) -> ArrowFetch | None:
         raise ValueError(f"the outbox data source's 'reader' option must be one of {', '.join(READERS)}, "
                          f"not {reader!r}")
     factory = ARROW_FETCH.get(engine.name)
-    return factory(url, engine) if factory is not None and reader == "arrow" else None
+    if factory is None or reader != "arrow":
+        return None
+    fetch = factory(url, engine)
+    if not fetch.usable():
+        return None
+    if importlib.util.find_spec(fetch.module) is None:
+        raise ValueError(f"the outbox data source reads {engine.name} with {fetch.module}, which is not installed: "
+                         f"{install_hint('spark')}; or set the option reader=driver")
+    return fetch
 
 
 def to_source_schema(table: Any, schema: Any, to_datetime: Callable[[Any], Any]) -> Any:
