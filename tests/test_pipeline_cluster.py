@@ -26,7 +26,7 @@ from outbox.store import OutboxStore
 from services import POSTGRES_URL, require
 from test_pipeline_support import DAY_MS, mixed_rows, seed, spark, table_ids  # noqa: F401
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # JVMs of their own; CI runs them
 
 
 def _free_port() -> int:

@@ -1,9 +1,13 @@
 """Shared by the pipeline tests (tests/test_pipeline_*.py): the one Spark session of
 the test run and the seeding helpers. Holds no tests itself.
 
-The Spark session is session-scoped and local[2] with a couple of shuffle
-partitions and no UI; every pipeline test module imports the fixture from here,
-and ``getOrCreate`` hands all of them the same session.
+The Spark session is session-scoped and local[2] with one shuffle partition, no
+UI and a JVM tuned for short jobs (C1 compiler only, serial GC: the suite's jobs
+last seconds, so full JIT compilation never pays back); every pipeline test module
+imports the fixture from here, and ``getOrCreate`` hands all of them the same
+session. The cases that start processes of their own (a cluster, ``spark-submit``,
+a killed CLI run) are marked ``slow``: ``pytest -m "not slow"`` leaves them out of a
+quick local run, and ``make test`` (CI) runs them all.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from outbox.store import OutboxStore
 
 REQUIRE = bool(os.environ.get("OUTBOX_REQUIRE_SERVICES"))
 DAY_MS = 86_400_000
+
+#: The test JVM's options: tiered compilation stopped at C1 and the serial collector,
+#: which start and finish the suite's many small jobs with less CPU than the defaults.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 #: The engines the pipeline tests run on (SQL Server joins when OUTBOX_TEST_MSSQL_URL is set).
 PIPELINE_ENGINES = ["sqlite", "postgresql", "mysql", "mssql"]
@@ -50,9 +58,10 @@ def spark() -> Iterator[Any]:
     if active is None:
         (SparkSession.builder.master("local[2]").appName("outbox-tests")
          .config("spark.ui.enabled", "false")
-         .config("spark.sql.shuffle.partitions", "2")
+         .config("spark.sql.shuffle.partitions", "1")
          .config("spark.default.parallelism", "2")
          .config("spark.driver.memory", "768m")
+         .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
          .getOrCreate())
     session = spark_session()  # the jobs' settings on the test session
     yield session

@@ -16,8 +16,11 @@ completes in order. The copy carries ``x-outbox-replay-of`` (the original messag
 id) in its headers, and the original's ``trace_id``.
 
 The rows are validated exactly as ``enqueue`` validates them and written with the
-engine's own column list, but a batch at a time (``executemany``) rather than one
-``enqueue`` call per row: replay is a bulk load.
+engine's own column list, but a batch at a time rather than one ``enqueue`` call per
+row: replay is a bulk load. How a batch is written is the one per-engine part
+(``BULK_WRITERS``): ``COPY ... FROM STDIN`` on PostgreSQL, one multi-row INSERT on
+MySQL/MariaDB, ``executemany`` elsewhere (SQLite's runs in C; SQL Server's driver
+batches it). Each keeps the batch's order, so new ids follow the original order.
 """
 
 from __future__ import annotations
@@ -81,15 +84,60 @@ def insert_sql(engine: Any) -> str:
     return f"INSERT INTO {engine.table} ({engine.INSERT_COLUMNS}, created_at) VALUES ({marks}, {engine.now})"
 
 
+def _executemany(engine: Any, cursor: Any, rows: list[list[Any]]) -> None:
+    cursor.executemany(engine.sql(insert_sql(engine)), rows)
+
+
+def _copy(engine: Any, cursor: Any, rows: list[list[Any]]) -> None:
+    """PostgreSQL: ``COPY FROM STDIN`` in the batch's order; ``created_at`` is the
+    column's default, ``now()``, exactly what the INSERT writes."""
+    with cursor.copy(f"COPY {engine.table} ({engine.INSERT_COLUMNS}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(row)
+
+
+#: A multi-row INSERT stays under this many bytes of values (MariaDB's default
+#: ``max_allowed_packet`` is 16 MB; an event's payload is capped by OUTBOX_MAX_PAYLOAD_BYTES).
+MULTI_ROW_BYTES = 4 * 2**20
+
+
+def _multi_row_insert(engine: Any, cursor: Any, rows: list[list[Any]]) -> None:
+    """MySQL/MariaDB: one ``INSERT ... VALUES (...), (...)`` per few MB of rows, in the
+    batch's order (PyMySQL's own ``executemany`` rewrite cannot take ``created_at``'s
+    ``UTC_TIMESTAMP(3)`` and would send one statement per row)."""
+    one = "(" + ", ".join(["%s"] * len(engine.INSERT_COLUMNS.split(","))) + f", {engine.now})"
+    head = f"INSERT INTO {engine.table} ({engine.INSERT_COLUMNS}, created_at) VALUES "
+    chunk: list[list[Any]] = []
+    size = 0
+
+    def send() -> None:
+        cursor.execute(head + ", ".join([one] * len(chunk)), [v for row in chunk for v in row])
+    for row in rows:
+        row_size = sum(len(v) for v in row if isinstance(v, str))
+        if chunk and size + row_size > MULTI_ROW_BYTES:
+            send()
+            chunk, size = [], 0
+        chunk.append(row)
+        size += row_size
+    if chunk:
+        send()
+
+
+#: How each engine writes a batch of new rows (default: ``executemany``).
+BULK_WRITERS: dict[str, Callable[[Any, Any, list[list[Any]]], None]] = {
+    "postgresql": _copy, "mysql": _multi_row_insert,
+}
+
+
 def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max_payload_bytes: int,
                        crash_after_batches: int | None) -> Callable[[Iterator[Any]], Iterator[Any]]:
     """The task body (``mapInArrow``): write this partition's events in order,
     ``batch`` per transaction; yields one record batch (events seen, newly written).
 
     Each event is validated exactly as ``enqueue`` validates it (``prepare_event``);
-    a batch then skips the message ids already stored and writes the rest with one
-    ``executemany`` (a multi-row INSERT on PyMySQL, a pipeline on psycopg) in the
-    batch's order, so ids still follow the original order. Two replays of the same
+    a batch then skips the message ids already stored and writes the rest with the
+    engine's bulk writer (``BULK_WRITERS``) in the batch's order, so ids still follow
+    the original order. Two replays of the same
     events at the same moment could collide on the unique message id: the losing
     task fails on the duplicate key and Spark's retry finds those rows stored."""
     def run(batches_in: Iterator[Any]) -> Iterator[Any]:
@@ -97,7 +145,7 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
 
         store = OutboxStore(url, table=table, schema=schema)
         engine = store.engine
-        sql = engine.sql(insert_sql(engine))
+        write = BULK_WRITERS.get(engine.name, _executemany)
         seen = written = batches = 0
         pending: list[Any] = []
 
@@ -119,7 +167,7 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
                                                              ids).fetchall()}
                 missing = [engine.event_params(e) for e in events if e.message_id not in existing]
                 if missing:
-                    cursor.executemany(sql, missing)
+                    write(engine, cursor, missing)
                 return len(missing)
             return store._run("replay", work)
 

@@ -7,11 +7,16 @@ by keyset (``id > last ORDER BY id``, ``fetch_size`` rows per statement), so no
 statement holds more than a page and a partition restarts cleanly if Spark retries
 it. Status, processing-time and creation-time filters are part of the SQL.
 
+Each page is fetched by the engine's reader (``fetch.py``): straight into Arrow on
+PostgreSQL (ADBC), MySQL/MariaDB and SQLite (connectorx), through the engine's
+Python driver on SQL Server.
+
 Options: ``url`` (required), ``table`` (default ``outbox``), ``schema``,
 ``statuses`` (``2,4``), ``processed_before`` / ``created_since`` (a driver-native
 timestamp encoded by ``common.encode_native``, so the bound compares exactly as the
 database compares its own values), ``min_id`` / ``max_id``, ``partitions``
-(default 4), ``fetch_size`` (default 5000).
+(default 4), ``fetch_size`` (default 5000), ``reader`` (``arrow``, the default, or
+``driver``: the engine's Python driver).
 
 Where a JDBC driver is installed, ``spark.read.jdbc`` with ``partitionColumn=id``
 is the alternative read path (docs/pipeline.md); the jobs use this source.
@@ -26,6 +31,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..engines import Engine, engine_for_url
 from .common import SOURCE_SCHEMA_DDL, decode_native
+from .fetch import ArrowFetch, arrow_fetch, to_source_schema
 
 _TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
 
@@ -68,6 +74,7 @@ class OutboxQuery:
         self.url = options["url"]
         self.engine: Engine = engine_for_url(self.url, table=options.get("table") or "outbox",
                                              schema=options.get("schema") or None)
+        self.fetch: ArrowFetch | None = arrow_fetch(self.url, self.engine, options.get("reader") or "arrow")
         conditions, params = [], []
         statuses = [int(s) for s in (options.get("statuses") or "").split(",") if s.strip()]
         if statuses:
@@ -99,6 +106,22 @@ class OutboxQuery:
 
     def page(self, cursor: Any, after: int, hi: int, size: int) -> list[tuple]:
         return self.engine.execute(cursor, self.page_sql(), [after, hi, *self.params, size]).fetchall()
+
+    def inline_page_sql(self, after: int, hi: int, size: int) -> str:
+        """``page_sql`` with its values written in as literals, for the Arrow readers
+        (which bind none; ``fetch.py`` says why the comparisons stay the database's own)."""
+        assert self.fetch is not None
+        values = [str(int(after)), str(int(hi)), *(self.fetch.literal(v) for v in self.params), str(int(size))]
+        pieces = self.page_sql().split("?")
+        if len(pieces) != len(values) + 1:
+            raise ValueError(f"the table name {self.engine.table} holds a '?': use reader=driver")
+        return "".join(piece + value for piece, value in zip(pieces, values)) + pieces[-1]
+
+    def arrow_page(self, handle: Any, after: int, hi: int, size: int) -> Any:
+        """One page as an Arrow table in the source's schema, no Python row objects."""
+        assert self.fetch is not None
+        table = self.fetch.page(handle, self.inline_page_sql(after, hi, size))
+        return to_source_schema(table, ARROW_SCHEMA(), self.engine.to_datetime)
 
     def to_batch(self, rows: list[tuple]) -> Any:
         """One page as an Arrow record batch, built column by column: Spark takes it
@@ -167,6 +190,9 @@ class OutboxReader(DataSourceReader):
         if partition.hi < partition.lo:
             return
         query = OutboxQuery(self.options)
+        if query.fetch is not None:
+            yield from self._read_arrow(query, partition)
+            return
         conn = query.engine.connect(query.url)
         try:
             after = partition.lo - 1
@@ -191,3 +217,19 @@ class OutboxReader(DataSourceReader):
                 after = int(rows[-1][0])
         finally:
             conn.close()
+
+    def _read_arrow(self, query: OutboxQuery, partition: IdRange) -> Iterator[Any]:
+        """The same keyset pages through the engine's Arrow reader; each page is its
+        own statement and transaction, and only one page is held at a time."""
+        assert query.fetch is not None
+        handle = query.fetch.open()
+        try:
+            after = partition.lo - 1
+            while True:
+                table = query.arrow_page(handle, after, partition.hi, self.fetch_size)
+                yield from table.to_batches()
+                if table.num_rows < self.fetch_size:
+                    break
+                after = int(table.column("id")[-1].as_py())
+        finally:
+            query.fetch.close(handle)

@@ -1,0 +1,182 @@
+"""How the ``outbox`` data source fetches one keyset page, per engine: straight into
+Arrow where a library does that without Python row objects, through the engine's
+Python driver where none can be had (docs/pipeline.md, "Which reader each engine uses").
+
+| engine | reader | why |
+| --- | --- | --- |
+| PostgreSQL | ADBC (``adbc-driver-postgresql``) | a page is ``COPY (SELECT ...) TO STDOUT`` in binary, decoded in C |
+| MySQL/MariaDB | connectorx | the binary protocol decoded in Rust |
+| SQLite | connectorx | columns typed by their declaration (ADBC's SQLite driver guesses them from the first rows and fails on a late non-NULL) |
+| SQL Server | the engine's driver (pyodbc or mssql-python) | nothing to measure against here |
+
+The Arrow readers take no bound parameters on these paths (COPY has none; connectorx
+takes none), so the page's values are written into the SQL as literals, each exactly
+as the Python driver itself sends it: psycopg sends a ``datetime`` as its ISO text
+typed ``timestamptz`` (aware) or ``timestamp`` (naive), PyMySQL escapes every value
+into the statement text, and a SQLite time is a string compared as a string. The
+database therefore compares the very same values as on the driver path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from datetime import datetime
+from typing import Any, Callable
+from urllib.parse import quote
+
+from ..engines.base import Engine
+from ..errors import install_hint
+
+#: ``reader`` option values: ``arrow`` (the engine's Arrow reader, the default where
+#: there is one) and ``driver`` (the engine's Python driver: the fallback, and SQL Server's path).
+READERS = ("arrow", "driver")
+
+
+class ArrowFetch:
+    """One engine's Arrow reader: ``open`` a handle for a partition, ``page`` runs one
+    statement (its own transaction: nothing is held between pages), ``close``."""
+
+    engine_name = ""
+    #: The importable module this reader needs (installed by the ``spark`` extra).
+    module = ""
+
+    def __init__(self, url: str, engine: Engine) -> None:
+        self.url, self.engine = url, engine
+
+    def usable(self) -> bool:
+        """False when this URL needs something the reader cannot do (the driver path reads it)."""
+        return True
+
+    def literal(self, value: Any) -> str:
+        raise NotImplementedError
+
+    def open(self) -> Any:
+        return None
+
+    def page(self, handle: Any, sql: str) -> Any:
+        raise NotImplementedError
+
+    def close(self, handle: Any) -> None:
+        return None
+
+
+class PostgresFetch(ArrowFetch):
+    engine_name = "postgresql"
+    module = "adbc_driver_postgresql"
+
+    def literal(self, value: Any) -> str:
+        if isinstance(value, datetime):
+            return f"'{value.isoformat()}'::{'timestamptz' if value.tzinfo else 'timestamp'}"
+        if isinstance(value, str):
+            return "'" + value.replace("'", "''") + "'"
+        raise TypeError(f"no PostgreSQL literal for a {type(value).__name__}")
+
+    def open(self) -> Any:
+        import adbc_driver_postgresql.dbapi as adbc
+
+        from ..engines.postgres import libpq_url
+        # Autocommit: each page is its own statement and transaction (no snapshot held between pages).
+        return adbc.connect(libpq_url(self.url), autocommit=True)
+
+    def page(self, handle: Any, sql: str) -> Any:
+        with handle.cursor() as cursor:
+            cursor.execute(sql)  # no parameters: the driver reads the result with binary COPY
+            return cursor.fetch_arrow_table()
+
+    def close(self, handle: Any) -> None:
+        handle.close()
+
+
+class ConnectorxFetch(ArrowFetch):
+    """connectorx opens a connection per ``read_sql`` call: one page, one connection,
+    one transaction."""
+
+    module = "connectorx"
+
+    def cx_url(self) -> str:
+        raise NotImplementedError
+
+    def page(self, handle: Any, sql: str) -> Any:
+        import connectorx
+
+        return connectorx.read_sql(self.cx_url(), sql, return_type="arrow")
+
+
+class MysqlFetch(ConnectorxFetch):
+    engine_name = "mysql"
+
+    def usable(self) -> bool:
+        from ..engines.mysql import pymysql_kwargs
+        return "unix_socket" not in pymysql_kwargs(self.url)  # connectorx speaks TCP only
+
+    def literal(self, value: Any) -> str:
+        from pymysql.converters import escape_item
+        return str(escape_item(value, "utf8mb4"))  # exactly PyMySQL's own rendering of a bound value
+
+    def cx_url(self) -> str:
+        from ..engines.mysql import pymysql_kwargs
+
+        kw = pymysql_kwargs(self.url)
+        auth = quote(kw["user"], safe="") + (":" + quote(kw["password"], safe="") if kw["password"] else "")
+        return f"mysql://{auth}@{kw['host']}:{kw['port']}/{kw['database'] or ''}"
+
+
+class SqliteFetch(ConnectorxFetch):
+    engine_name = "sqlite"
+
+    def literal(self, value: Any) -> str:
+        if isinstance(value, str):  # SQLite's times are text and compare as text
+            return "'" + value.replace("'", "''") + "'"
+        raise TypeError(f"no SQLite literal for a {type(value).__name__}")
+
+    def cx_url(self) -> str:
+        from pathlib import Path
+
+        from ..engines.sqlite import sqlite_path
+        return "sqlite://" + quote(str(Path(sqlite_path(self.url)).resolve()))
+
+
+#: The per-engine table: engines without an entry read through their Python driver.
+ARROW_FETCH: dict[str, Callable[[str, Engine], ArrowFetch]] = {
+    "postgresql": PostgresFetch, "mysql": MysqlFetch, "sqlite": SqliteFetch,
+}
+
+
+def arrow_fetch(url: str, engine: Engine, reader: str) -> ArrowFetch | None:
+    """The Arrow reader for ``engine``, or None for the driver path (``reader=driver``,
+    or an engine with no Arrow reader)."""
+    if reader not in READERS:
+        raise ValueError(f"the outbox data source's 'reader' option must be one of {', '.join(READERS)}, "
+                         f"not {reader!r}")
+    factory = ARROW_FETCH.get(engine.name)
+    if factory is None or reader != "arrow":
+        return None
+    fetch = factory(url, engine)
+    if not fetch.usable():
+        return None
+    if importlib.util.find_spec(fetch.module) is None:
+        raise ValueError(f"the outbox data source reads {engine.name} with {fetch.module}, which is not installed: "
+                         f"{install_hint('spark')}; or set the option reader=driver")
+    return fetch
+
+
+def to_source_schema(table: Any, schema: Any, to_datetime: Callable[[Any], Any]) -> Any:
+    """A fetched page as the source's Arrow schema: columns renamed by position, then
+    cast (SMALLINT status to INT, naive UTC timestamps to UTC, SQLite's text times
+    parsed; a time text Arrow cannot parse goes through the engine's own parser)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = table.rename_columns(schema.names)
+    arrays = []
+    for field, column in zip(schema, table.columns):
+        if pa.types.is_timestamp(field.type) and (pa.types.is_string(column.type)
+                                                   or pa.types.is_large_string(column.type)):
+            try:
+                column = pc.cast(column, pa.timestamp("us"))
+            except pa.ArrowInvalid:
+                column = pa.array([to_datetime(v) for v in column.to_pylist()], field.type)
+        elif pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+            column = pc.cast(column, pa.string())
+        arrays.append(pc.cast(column, field.type))
+    return pa.Table.from_arrays(arrays, schema=schema)

@@ -1,0 +1,126 @@
+"""The ``outbox`` data source's readers on real databases, without Spark: the Arrow
+reader of each engine (ADBC on PostgreSQL, connectorx on MySQL/MariaDB and SQLite)
+returns exactly what the Python-driver path returns, with the same time bounds
+compared by the database, one page per transaction, and no Python driver cursor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from outbox.pipeline.common import encode_native
+from outbox.pipeline.fetch import ARROW_FETCH
+from outbox.pipeline.source import OutboxQuery, OutboxReader
+from outbox.store import OutboxStore
+from test_pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
+
+pa = pytest.importorskip("pyarrow")
+
+
+@pytest.fixture(params=PIPELINE_ENGINES)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def read_all(options: dict[str, str]) -> Any:
+    reader = OutboxReader(options)
+    batches = [batch for part in reader.partitions() for batch in reader.read(part)]
+    from outbox.pipeline.source import ARROW_SCHEMA
+    return pa.Table.from_batches(batches, schema=ARROW_SCHEMA()).sort_by("id")
+
+
+def row_time(store: OutboxStore, id_: int, column: str) -> Any:
+    """A row's timestamp exactly as the driver returns it (the archive's cut-off form)."""
+    with store.transaction() as cursor:
+        return store.engine.execute(cursor, f"SELECT {column} FROM {store.engine.table} WHERE id = ?",
+                                    [id_]).fetchone()[0]
+
+
+def test_arrow_reader_returns_what_the_driver_returns(store: OutboxStore, url: str) -> None:
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    # Bounds equal to rows' own times (row 3: 8 days old; row 1: 9 days old): those rows
+    # are in (<=, >=), as the database compares its own values.
+    bound_id = ids[3]
+    base = {"url": url, "table": store.engine.table_name, "statuses": "2,4", "partitions": "3", "fetch_size": "4",
+            "processed_before": encode_native(row_time(store, bound_id, "processed_at")),
+            "created_since": encode_native(row_time(store, ids[1], "created_at"))}
+    driver = read_all({**base, "reader": "driver"})
+    arrow = read_all({**base, "reader": "arrow"})
+    assert {bound_id, ids[1]} <= set(arrow.column("id").to_pylist())
+    assert arrow.equals(driver), (arrow.slice(0, 1).to_pylist(), driver.slice(0, 1).to_pylist())
+    assert arrow.num_rows < len(ids)  # the filters are applied, not everything read
+
+
+def test_the_arrow_path_opens_no_driver_connection(store: OutboxStore, url: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages come straight into Arrow: the engine's Python driver is never used to read."""
+    if store.engine.name not in ARROW_FETCH:
+        pytest.skip(f"{store.engine.name} reads through its Python driver (docs/pipeline.md)")
+    ids = seed(store, [Row("t", f"a{i}") for i in range(7)])
+
+    def no_driver(self: Any, url: str) -> Any:
+        raise AssertionError("the Python driver was used to read a page")
+    monkeypatch.setattr(type(store.engine), "connect", no_driver)
+    got = read_all({"url": url, "table": store.engine.table_name, "min_id": str(min(ids)),
+                    "max_id": str(max(ids)), "fetch_size": "3", "partitions": "2"})
+    assert got.column("id").to_pylist() == sorted(ids)
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_no_transaction_stays_open_between_pages(store: OutboxStore, url: str) -> None:
+    """While a partition waits between pages (Spark busy with the last batch), its
+    connection holds no transaction: no snapshot pinned on a busy outbox."""
+    ids = seed(store, [Row("t", f"a{i}") for i in range(6)])
+    reader = OutboxReader({"url": url, "table": store.engine.table_name, "fetch_size": "2", "partitions": "1",
+                           "min_id": str(min(ids)), "max_id": str(max(ids))})
+    pages = reader.read(reader.partitions()[0])
+    first = next(pages)
+    assert first.num_rows == 2
+    with store.transaction() as cursor:
+        open_tx = store.engine.execute(
+            cursor, "SELECT COUNT(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' "
+            "AND query LIKE ?", [f"%{store.engine.table_name}%"]).fetchone()[0]
+    assert open_tx == 0
+    assert sum(batch.num_rows for batch in pages) == 4
+
+
+def test_bad_reader_option_is_named(store: OutboxStore, url: str) -> None:
+    with pytest.raises(ValueError, match="'reader' option must be one of arrow, driver, not 'jdbc'"):
+        OutboxQuery({"url": url, "table": store.engine.table_name, "reader": "jdbc"})
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_sqlite_times_written_by_others_still_parse(store: OutboxStore, url: str) -> None:
+    """A time text Arrow's parser refuses (an ISO offset, as another writer may store)
+    goes through the engine's own parser: the same instant as on the driver path."""
+    ids = seed(store, [Row("t", "a", age_ms=DAY_MS)])
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"UPDATE {store.engine.table} SET claimed_at = ? WHERE id = ?",
+                             ["2026-11-14T10:00:00.250+00:00", ids[0]])
+    base = {"url": url, "table": store.engine.table_name}
+    arrow = read_all({**base, "reader": "arrow"})
+    assert arrow.equals(read_all({**base, "reader": "driver"}))
+    assert str(arrow.column("claimed_at")[0].as_py()) == "2026-11-14 10:00:00.250000+00:00"
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_a_missing_arrow_reader_is_named(store: OutboxStore, url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "connectorx" else real(name, *a))
+    with pytest.raises(ValueError, match=r"reads sqlite with connectorx, which is not installed: .*\[spark\].*reader=driver"):
+        OutboxQuery({"url": url, "table": store.engine.table_name})
+    assert OutboxQuery({"url": url, "table": store.engine.table_name, "reader": "driver"}).fetch is None
+
+
+def test_mysql_over_a_unix_socket_reads_through_the_driver() -> None:
+    """connectorx speaks TCP only: a socket URL takes the driver path instead of failing."""
+    from outbox.engines import engine_for_url
+    from outbox.pipeline.fetch import arrow_fetch
+
+    socket_url = "mysql://app@localhost/app?unix_socket=/run/mysqld/mysqld.sock"
+    assert arrow_fetch(socket_url, engine_for_url(socket_url), "arrow") is None
+    tcp_url = "mysql://app@db:3306/app"
+    assert arrow_fetch(tcp_url, engine_for_url(tcp_url), "arrow") is not None
