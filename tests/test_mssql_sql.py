@@ -121,6 +121,7 @@ class RecordingConnection:
         self.sizes: list[Any] = []
         self.answers = answers or {}
         self.commits = 0
+        self.autocommit = False  # the relay's connections: pyodbc and mssql-python take it
         self.timeout = 0
 
     def cursor(self) -> RecordingCursor:
@@ -197,8 +198,9 @@ def statements_of(engine: MssqlEngine, sql: str) -> list[str]:
     """The statements a batch was built from (a single statement is its own list)."""
     if sql == engine.insert_batch():
         return engine.insert_statements()
-    if sql == engine.claim_batch():
-        return engine.claim_statements()
+    for own in (False, True):
+        if sql == engine.claim_batch(own):
+            return engine.claim_statements(own)
     if sql.startswith(FILTERED_INDEX_OPTIONS):
         options = [s.strip() + ";" for s in FILTERED_INDEX_OPTIONS.split(";") if s.strip()]
         for native_json in (False, True):
@@ -246,7 +248,7 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
     engine, log = recorded
     sent = [sql for sql, _ in log]
     t = engine.table
-    for needle in (engine.insert_batch(), engine.claim_batch(), engine.mark_failed_sql(),
+    for needle in (engine.insert_batch(), engine.claim_batch(own_transaction=True), engine.mark_failed_sql(),
                    engine.purge_chunk_sql(),
                    # requeue_dead(): a chunk of dead rows at a time (issue 20 item 7)
                    engine.limit(f"SELECT id, topic FROM {t} WHERE status = 4 AND id > ? AND 1 = 1 ORDER BY id"),
@@ -271,14 +273,17 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
 
 
 def test_no_statement_manages_transactions_or_isolation(recorded: Any) -> None:
-    """Only the enqueue batch begins and commits a transaction, and only its own: when the
-    caller has none (issue 20 item 3). Nothing sets an isolation level or rolls back."""
+    """Only the enqueue batch and the claim run alone begin and commit a transaction, and
+    only their own: the enqueue's when the caller has none (issue 20 item 3), the claim's
+    when the store runs it alone (issue 19 item 2: ``test_the_claim_commits_in_its_own_batch_
+    when_run_alone``). Nothing sets an isolation level or rolls back."""
     engine, log = recorded
     forbidden = re.compile(r"\b(BEGIN\s+TRAN|COMMIT|ROLLBACK|SAVE\s+TRAN|ISOLATION\s+LEVEL)", re.IGNORECASE)
     for sql, _ in log:
-        if sql == engine.insert_batch():
+        if sql in (engine.insert_batch(), engine.claim_batch(own_transaction=True)):
             continue
         assert not forbidden.search(sql), sql
+    assert not re.search(r"ROLLBACK|ISOLATION", engine.claim_batch(own_transaction=True))
     statements = engine.insert_statements()
     managing = [s for s in statements if forbidden.search(s)]
     assert len(managing) == 2, managing
@@ -382,7 +387,33 @@ def test_claim_through_the_store_hands_back_messages() -> None:
     assert message.payload == '{"n":1}' and message.headers == {"h": "v"}
     assert message.created_at.tzinfo is not None  # naive DATETIME2 read as UTC
     sql, params = conn.log[-1]
-    assert sql == store.engine.claim_batch() and params[3] == claim.lease
+    # The store runs the claim alone (autocommit): the batch commits its own transaction.
+    assert sql == store.engine.claim_batch(own_transaction=True) and params[3] == claim.lease
+    assert conn.autocommit is False  # put back after the claim
+
+
+def test_the_claim_commits_in_its_own_batch_when_run_alone(no_sqlglot_fallbacks: None) -> None:
+    """Issue 19 item 2: claim and COMMIT in one round trip. Run alone (autocommit), the batch
+    opens its transaction after XACT_ABORT is on and commits it right after the UPDATE,
+    before the result is sent: a client cut while reading it holds no lock. In a caller's
+    transaction it neither begins nor commits one."""
+    engine = MssqlEngine()
+    own = engine.claim_statements(own_transaction=True)
+    plain = engine.claim_statements()
+    assert [s for s in own if s not in ("BEGIN TRANSACTION;", "COMMIT TRANSACTION;")] == plain
+    assert not any("TRANSACTION" in s and s.startswith(("BEGIN", "COMMIT")) for s in plain)
+    begin, commit = own.index("BEGIN TRANSACTION;"), own.index("COMMIT TRANSACTION;")
+    assert own.index("SET XACT_ABORT ON;") < begin < own.index(next(s for s in own if s.startswith("INSERT INTO @cand")))
+    update = next(i for i, s in enumerate(own) if s.startswith("UPDATE o SET"))
+    assert commit == update + 1 and commit < own.index(next(s for s in own if "FROM @out" in s))
+    for statement in own:
+        parse_one(statement) if not statement.startswith("IF ") else None
+    assert MssqlEngine.one_statement_claim
+    conn = RecordingConnection()
+    conn.autocommit = False  # type: ignore[attr-defined]
+    with engine.statement_alone(conn):
+        assert conn.autocommit is True  # type: ignore[attr-defined]
+    assert conn.autocommit is False  # type: ignore[attr-defined]
 
 
 def test_batches_with_results_silence_rowcounts_first_and_restore_them_before_the_result(

@@ -42,8 +42,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..errors import StoreError, install_hint
@@ -593,6 +594,28 @@ class MssqlEngine(Engine):
             cursor.close()
         conn.commit()  # the catalog reads opened a transaction; SET options outlive it
 
+    #: The claim is one batch that, run alone, opens and commits its own transaction
+    #: (``claim_statements(own_transaction=True)``): one round trip, and its locks never
+    #: wait for the client's COMMIT (docs/relay.md, "A network cut").
+    one_statement_claim: ClassVar[bool] = True
+
+    @contextmanager
+    def statement_alone(self, conn: Any) -> Iterator[None]:
+        """Autocommit for the block (pyodbc and mssql-python both take ``conn.autocommit``).
+        The store runs it with no transaction of its own open, so the switch commits
+        nothing; a connection already in autocommit is left as it is."""
+        if getattr(conn, "autocommit", False) is True:
+            yield
+            return
+        conn.autocommit = True
+        try:
+            yield
+        finally:
+            try:
+                conn.autocommit = False
+            except Exception:  # a broken connection: the store drops it
+                pass
+
     def read_server(self, cursor: Any) -> None:
         """Probe the connection ``cursor`` runs on (one the engine did not open: a Django
         or Alembic migration, the Django admin) for what the SQL built next may use:
@@ -986,12 +1009,16 @@ FROM (
 ) AS r
 WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 0"""
 
-    def claim_statements(self) -> list[str]:
+    def claim_statements(self, own_transaction: bool = False) -> list[str]:
         """The claim, one statement per item; run as one batch. Parameters: ``claim_params``.
 
-        No BEGIN TRAN/COMMIT here: with autocommit off the driver has a transaction
-        open already (an explicit one would nest), the U locks live until the store
-        commits it, and XACT_ABORT makes any error roll the whole claim back.
+        ``own_transaction`` (the relay's claim, run on an autocommit connection by
+        ``statement_alone``): the batch opens its transaction and commits it right after the
+        UPDATE, so claim and COMMIT are one round trip and no moment exists when the
+        claim's locks wait for the client (docs/relay.md, "A network cut"). Without it (a
+        caller's open transaction) there is no BEGIN TRAN/COMMIT: the driver has a
+        transaction open already (an explicit one would nest) and the caller commits.
+        Either way XACT_ABORT makes any error roll the whole claim back.
         ``@cand.aggregate_id`` and ``@agg.aggregate_id`` take the table column's
         collation: two different column collations in one comparison fail with error 468.
         """
@@ -1004,6 +1031,7 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
             "DECLARE @nocount INT = @@OPTIONS & 512, @xact_abort INT = @@OPTIONS & 16384;",
             "SET NOCOUNT ON;",
             "SET XACT_ABORT ON;",
+            *(["BEGIN TRANSACTION;"] if own_transaction else []),
             "DECLARE @batch INT = ?, @window INT = ?, @max_attempts INT = ?, @lease CHAR(32) = ?, "
             "@lease_error NVARCHAR(4000) = ?;",
             f"DECLARE @cand TABLE (id BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {collation} "
@@ -1037,13 +1065,14 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
     lease_token = CASE WHEN ch.dead = 1 THEN NULL ELSE @lease END
 OUTPUT {output} INTO @out
 FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
+            *(["COMMIT TRANSACTION;"] if own_transaction else []),
             _if("@xact_abort = 0", "SET XACT_ABORT OFF"),
             _if("@nocount = 0", "SET NOCOUNT OFF"),
             f"SELECT {out_columns} FROM @out ORDER BY id;",
         ]
 
-    def claim_batch(self) -> str:
-        return "\n".join(self.claim_statements())
+    def claim_batch(self, own_transaction: bool = False) -> str:
+        return "\n".join(self.claim_statements(own_transaction))
 
     def claim_params(self, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[Any]:
         # The DECLARE's five, then eligible()'s lease cutoff (the only other ?).
@@ -1062,14 +1091,18 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
                 self.id_collation = str(row[0])
         if self.probe_index is None:
             self.probe_index = self.execute(cursor, self.index_matches(self.PROBE_INDEX)).fetchone() is not None
+        own = getattr(getattr(cursor, "connection", None), "autocommit", False) is True  # statement_alone
         try:
-            self.execute(cursor, self.claim_batch(), self.claim_params(batch, lease, timeout_ms, max_attempts))
+            self.execute(cursor, self.claim_batch(own), self.claim_params(batch, lease, timeout_ms, max_attempts))
             return _result_rows(cursor)
         except BaseException:
             # An error can end the batch before it restores the session options; put
-            # back the relay connection's own (see session_sql).
+            # back the relay connection's own (see session_sql). On an autocommit
+            # connection the driver's rollback does nothing: a transaction the batch opened
+            # and an interrupt left behind is rolled back here.
             try:
-                cursor.execute("SET XACT_ABORT ON; SET NOCOUNT OFF;")
+                cursor.execute(("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION; " if own else "")
+                               + "SET XACT_ABORT ON; SET NOCOUNT OFF;")
             except Exception:
                 pass
             raise
