@@ -1069,3 +1069,58 @@ def test_requeue_all_runs_in_short_chunks_on_sql_server(store: OutboxStore, writ
         store.engine.execute = execute  # type: ignore[method-assign]
     assert len(locks) == 3 and max(locks) <= 1000 and locks[-1] <= 500
     assert store.stats().counts["pending"] == 2500
+
+
+def test_late_acks_of_expired_leases_wait_for_a_claim_held_open_and_never_deadlock(make_store: Any,
+                                                                                   url: str) -> None:
+    """Issue 20: a claim that holds its transaction open (a caller's transaction here; the
+    relay's own claim commits inside its batch) while late acknowledgements of the expired
+    leases it took over retry: they wait for its locks and are refused once it commits,
+    none is chosen as a deadlock victim (1205), and the claim's lease keeps every row."""
+    store = make_store(claim_timeout_ms=1000)
+    writer = store.engine.connect(url)
+    try:
+        for n in range(40):
+            add(writer, store, f"agg-{n % 8}")
+        writer.commit()
+    finally:
+        writer.close()
+    first = store.claim(40)
+    ids = [m.id for m in first.messages]
+    assert len(ids) == 40
+    time.sleep(1.5)  # the lease expires
+    holder = store.engine.connect(url)
+    lease = uuid.uuid4().hex
+    outcomes: list[Any] = []
+    lock = threading.Lock()
+
+    def late_acks(part: list[int]) -> None:
+        mine = OutboxStore(store.url, table=store.engine.table_name, claim_timeout_ms=1000)
+        try:
+            for call in (lambda: mine.mark_done(part, first.lease), lambda: mine.release(part, first.lease),
+                         lambda: mine.mark_failed(part[0], first.lease, "late", timedelta(seconds=1))):
+                result = outcome(call)
+                with lock:
+                    outcomes.append(result)
+        finally:
+            mine.close()
+
+    try:
+        cursor = holder.cursor()
+        taken = store.engine.claim(cursor, 40, lease, 1000, 5)  # held open: not committed yet
+        assert len(taken) == 40
+        threads = [threading.Thread(target=late_acks, args=(ids[i::4],)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(2.0)  # the acknowledgements wait on the claim's locks
+        holder.commit()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        holder.close()
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    assert not [e for e in errors if "1205" in str(e) or "deadlock" in str(e).lower()], errors
+    assert errors == [] and len(outcomes) == 12, outcomes
+    assert all(not getattr(o, "ok", getattr(o, "applied", False)) for o in outcomes), outcomes  # all refused
+    held = scalar(store, f"SELECT COUNT(*) FROM {store.engine.table} WHERE status = 1 AND lease_token = ?", [lease])
+    assert held == 40
