@@ -14,7 +14,10 @@ import sys
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import AMQP as CeleryAMQP
+from kombu import Connection as KombuConnection
 from kombu import Exchange, Queue
+from kombu.utils.url import as_url
 
 from .config import RelayOptions, Settings, conf_keys, relay_options, relay_settings, use_conf
 from .errors import ConfigError
@@ -23,7 +26,31 @@ from .redact import redact
 
 log = logging.getLogger("outbox.celery")
 
-app = Celery("outbox", include=["outbox.tasks"], amqp="outbox.celery_redis:AMQP")
+#: kombu's Redis transport made to drop garbage instead of stopping the worker
+#: (``outbox.celery_redis``), Celery's transport for a ``redis://`` broker URL.
+REDIS_TRANSPORT = "outbox.celery_redis:Transport"
+
+
+class Connection(KombuConnection):
+    """kombu's connection, which names a transport given by class path by that path
+    (``outbox.celery_redis:Transport://:**@host``, the worker's banner included): shown
+    here as the URL the user gave, a password masked only where there is one."""
+
+    def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
+        if self.transport_cls != REDIS_TRANSPORT:
+            return super().as_uri(include_password, mask, *args, **kwargs)
+        return as_url("redis", self.hostname or "localhost", self.port, self.userid or None, self.password or None,
+                      self.virtual_host, sanitize=not include_password, mask=mask)
+
+
+class AMQP(CeleryAMQP):
+    """Celery's connection factory, with the connection above."""
+
+    Connection = Connection
+    BrokerConnection = Connection
+
+
+app = Celery("outbox", include=["outbox.tasks"], amqp=AMQP)
 
 # The one configuration reader (``outbox.config``) reads this app's OUTBOX_* config keys.
 use_conf(lambda: app.conf)
@@ -74,7 +101,7 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
     if broker_url.startswith("redis://"):
         # kombu's Redis transport, made to drop a message it cannot decode instead of
         # stopping the worker (outbox.celery_redis). The URL is read exactly as before.
-        config["broker_transport"] = "outbox.celery_redis:Transport"  # celery_redis.TRANSPORT_PATH
+        config["broker_transport"] = REDIS_TRANSPORT
     elif broker_url.startswith("outboxdb"):
         # The database as Celery's broker (docs/transport.md). Imported only here, so a
         # worker on any other broker imports nothing of it (this runs before Celery

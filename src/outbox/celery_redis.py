@@ -14,10 +14,8 @@ which is all garbage deserves. The relay never loses work this way: a claim tick
 publish task is recovered by the next tick or by the rows' lease.
 
 ``outbox.celery`` selects this transport (``broker_transport``) when Celery's broker URL is
-``redis://``; the URL and every Redis transport option work as with kombu's own. Its
-``AMQP`` (Celery's connection factory, the app's ``amqp``) shows that URL as the user gave
-it, password masked only when there is one: kombu would name a transport set this way by
-its class path (``outbox.celery_redis:Transport://:**@host``), in the worker's banner too.
+``redis://``; the URL and every Redis transport option work as with kombu's own (the
+app shows it as that URL: ``outbox.celery_app.Connection``).
 """
 
 from __future__ import annotations
@@ -25,10 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.app.amqp import AMQP as CeleryAMQP
-from kombu import Connection as KombuConnection
 from kombu.transport import redis as kombu_redis
-from kombu.utils.url import as_url
 
 log = logging.getLogger("outbox.celery")
 
@@ -52,21 +47,4 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-#: How ``broker_transport`` names this transport (``outbox.celery_app``).
-TRANSPORT_PATH = f"{__name__}:Transport"
-
-
-class Connection(KombuConnection):
-    def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
-        if self.transport_cls != TRANSPORT_PATH:
-            return super().as_uri(include_password, mask, *args, **kwargs)
-        return as_url("redis", self.hostname or "localhost", self.port, self.userid or None, self.password or None,
-                      self.virtual_host, sanitize=not include_password, mask=mask)
-
-
-class AMQP(CeleryAMQP):
-    Connection = Connection
-    BrokerConnection = Connection
-
-
-__all__ = ["Transport", "TRANSPORT_PATH", "Connection", "AMQP", "Channel", "DECODE_ERRORS"]
+__all__ = ["Transport", "Channel", "DECODE_ERRORS"]
