@@ -77,17 +77,22 @@ class Relay:
 
     def close(self) -> None:
         self.procs.stop_all()
-        if self.env["OUTBOX_CELERY_BROKER_URL"] == AMQP_URL:  # the relay's queues on RabbitMQ
-            from kombu import Connection
+        try:
+            if self.env["OUTBOX_CELERY_BROKER_URL"] == AMQP_URL:  # the relay's queues on RabbitMQ
+                from kombu import Connection
 
-            from outbox.config import load_settings
-            with Connection(AMQP_URL, connect_timeout=5) as conn:
-                channel = conn.channel()
-                for queue in load_settings(environ=self.env).queues.all:
-                    channel.queue_delete(queue)
-                    channel.exchange_delete(queue)
-        self.destination.close()
-        self.outbox.drop()
+                from outbox.config import load_settings
+                with Connection(AMQP_URL, connect_timeout=5) as conn:
+                    for queue in load_settings(environ=self.env).queues.all:
+                        channel = conn.channel()  # a channel each: a missing queue closes its channel
+                        try:
+                            channel.queue_delete(queue)
+                            channel.exchange_delete(queue)
+                        except Exception:  # noqa: BLE001 - never declared: nothing to delete
+                            pass
+        finally:
+            self.destination.close()
+            self.outbox.drop()
 
 
 @pytest.fixture(params=["redis"])
@@ -104,6 +109,10 @@ def two_relays(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple
             pytest.importorskip("dramatiq")
         yield relays[0], relays[1]
     finally:
+        # Every relay's processes die first, whatever the cleanup of another raises (a relay
+        # left running would outlive the test, consuming the shared broker).
+        for relay in relays:
+            relay.procs.stop_all()
         for relay in relays:
             relay.close()
         import redis
