@@ -166,15 +166,18 @@ def _base_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def run_celery(src: Path, engine: str, tests: Iterable[str], redis_url: str, workdir: Path,
-               timeout: float = 3600) -> Outcome:
+               timeout: float = 3600, putlocks: bool = True) -> Outcome:
     """Celery's integration tests ``tests`` (node ids relative to its sdist) with the
-    broker ``outboxdb+<engine>`` and a Redis result backend."""
+    broker ``outboxdb+<engine>`` and a Redis result backend; ``putlocks=False`` sets
+    ``worker_pool_putlocks = False`` (docs/transport.md, "Put locks")."""
     table = f"cs_{uuid.uuid4().hex[:10]}"
     workdir.mkdir(parents=True, exist_ok=True)
     url = database_url(engine, workdir)
     # Celery's conftest reads overrides from <rootdir>/integration-tests-config.json.
-    (workdir / "integration-tests-config.json").write_text(json.dumps(
-        {"broker_transport_options": {"queue_table": table}}))
+    config: dict[str, Any] = {"broker_transport_options": {"queue_table": table}}
+    if not putlocks:
+        config["worker_pool_putlocks"] = False
+    (workdir / "integration-tests-config.json").write_text(json.dumps(config))
     env = _base_env({"TEST_BROKER": f"outboxdb+{url}", "TEST_BACKEND": redis_url})
     try:
         return _pytest(["-p", "outbox.transport", "-p", "celery.contrib.pytest", f"--rootdir={workdir}", *tests],
@@ -226,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="only the tests the project's suite runs")
     parser.add_argument("--celery-tests", nargs="+", default=None,
                         help=f"Celery node ids (default: the files {', '.join(CELERY_FILES)})")
+    parser.add_argument("--no-putlocks", action="store_true", help="Celery's worker with worker_pool_putlocks = False")
     parser.add_argument("--redis-url", default=os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/14"),
                         help="Celery's result backend")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
@@ -233,24 +237,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     src = sources(args.cache)
-    celery_tests = args.celery_tests or list(QUICK_CELERY if args.quick else CELERY_FILES)
+    # One run per Celery file (its own session worker), so each file gets its own line.
+    celery_runs = [[t] for t in args.celery_tests] if args.celery_tests else (
+        [list(QUICK_CELERY)] if args.quick else [[f] for f in CELERY_FILES])
     kombu_tests = list(QUICK_KOMBU) if args.quick else []
     report: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="outbox-suites-") as tmp:
         for engine in args.engine:
-            for suite in args.suite:
-                workdir = Path(tmp) / f"{suite}-{engine}"
+            runs = [("celery", tests) for tests in celery_runs] if "celery" in args.suite else []
+            runs += [("kombu", kombu_tests)] if "kombu" in args.suite else []
+            for n, (suite, tests) in enumerate(runs):
+                workdir = Path(tmp) / f"{suite}-{engine}-{n}"
                 if suite == "celery":
-                    outcome = run_celery(src["celery"], engine, celery_tests, args.redis_url, workdir)
+                    outcome = run_celery(src["celery"], engine, tests, args.redis_url, workdir,
+                                         putlocks=not args.no_putlocks)
+                    label = f"celery {Path(tests[0].split('::')[0]).name if len(tests) == 1 else '(quick)'}"
                 else:
-                    outcome = run_kombu(src["kombu"], engine, kombu_tests, workdir)
-                print(f"{suite:6} on {engine:10}: {outcome.summary()} in {outcome.seconds:.0f} s", flush=True)
+                    outcome = run_kombu(src["kombu"], engine, tests, workdir)
+                    label = "kombu base classes"
+                print(f"{label} on {engine}: {outcome.summary()} in {outcome.seconds:.0f} s", flush=True)
                 for name in outcome.failed:
                     print(f"    failed: {name}")
                 if outcome.returncode not in (0, 1):
                     print("    pytest exited %d:\n%s" % (outcome.returncode, outcome.output[-3000:]))
-                report[f"{suite}/{engine}"] = {"passed": len(outcome.passed), "failed": outcome.failed,
-                                               "skipped": outcome.skipped, "seconds": round(outcome.seconds)}
+                report[f"{label} on {engine}"] = {"passed": len(outcome.passed), "failed": outcome.failed,
+                                                  "skipped": outcome.skipped, "seconds": round(outcome.seconds)}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
