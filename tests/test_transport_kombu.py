@@ -337,6 +337,9 @@ def test_bad_urls_and_options_fail_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="visibility_timeout"):
         with Connection(url, transport_options={"visibility_timeout": 0}) as conn:
             conn.default_channel
+    with pytest.raises(ConfigError, match="control_polling_interval=0.0 must be > 0"):
+        with Connection(url, transport_options={"control_polling_interval": 0}) as conn:
+            conn.default_channel
     with Connection(url) as conn:
         with pytest.raises(ValueError, match="(exchange|queue) name is 300 characters"):
             conn.SimpleQueue("q" * 300).put(1)

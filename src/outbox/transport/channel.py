@@ -15,7 +15,11 @@ adds to the virtual transport, and why:
 - **Native delays.** A message whose Celery ``eta`` header lies ahead is stored
   invisible until then: no worker holds it in memory, none redelivers it early.
   ``expiration`` (per-message TTL) becomes ``expires_at``: never delivered after it,
-  purged in chunks by the receive loop.
+  purged in chunks by the receive loop; except a Celery task's ``expires``, which the
+  worker must see to mark the task REVOKED.
+- **Prompt remote control.** Where sends wake nobody, the idle back-off stops short
+  while kombu's pidbox queues are consumed, and after an idle spell control messages are
+  delivered before tasks (a revoke beats the task sent after it).
 - **Adaptive polling.** One probe per poll covers every consumed queue; while
   messages flow the loop polls again at once, when idle it backs off (doubling,
   with jitter against herds of workers polling in step) up to ``polling_interval``.
@@ -628,7 +632,7 @@ class Transport(virtual.Transport):
 
     def _ceiling(self) -> float:
         """The idle back-off ceiling: ``polling_interval``, shorter while remote control is
-        consumed on a table whose sends wake nobody (docs/transport.md, "Remote control")."""
+        consumed on a table whose sends wake nobody (docs/transport.md, "Control commands and events")."""
         ceiling = float(self.polling_interval)
         control = [q for q in self._consumed_queues() if _is_control_queue(q)]
         if not control or all(db.wakes_on_send() for db in self._databases.values()):
