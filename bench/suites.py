@@ -12,7 +12,7 @@ into ``--cache`` (default ``~/.cache/outbox-relay/suites``) and runs, per engine
 - **kombu** its transport-agnostic base classes (``t/integration/common.py``) bound to
   this transport by ``bench/suites_kombu.py``, as kombu binds them to its own.
 
-The full run takes about 30 minutes (the canvas file alone about 20); ``--quick`` runs the
+The full run takes about 20 minutes per engine, most of it the canvas file; ``--quick`` runs the
 few tests ``tests/test_transport_suites.py`` runs in the project's suite. Each engine's
 run has queue tables of its own, dropped afterwards. Nothing here asserts: it prints
 passed/failed/skipped per suite and engine, and the failing tests (``--json`` writes them).

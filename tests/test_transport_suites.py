@@ -4,7 +4,7 @@ PostgreSQL, MariaDB and SQLite: a few chosen ones (``bench.suites.QUICK_CELERY``
 sdists of the installed versions (fetched once with pip into ~/.cache/outbox-relay/suites).
 Celery's run as Celery runs them against any broker: its test app, its session worker
 (prefork), a Redis result backend, no reruns. The full files: ``python -m bench.suites``
-(about 30 minutes; docs/transport.md, "What Celery's and kombu's suites show")."""
+(about 20 minutes per engine; docs/transport.md, "What Celery's and kombu's suites show")."""
 
 from __future__ import annotations
 
