@@ -15,6 +15,7 @@ The process harness (Procs, Outbox, Destination) is the relay's e2e one.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from conftest import engine_url
 from outbox import Status
 from outbox.engines import engine_for_url
 from outbox.engines.queue_factory import queue_tables
-from services import AMQP_URL
+from services import AMQP_URL, REDIS_URL
 from relay_e2e_support import (CELERY, DB_KINDS, Destination, Outbox, Procs, Writer, base_env, check_order, require,
                                wait_until)
 from relay_e2e_support import outbox  # noqa: F401 - the fixture, used by name
@@ -41,13 +42,13 @@ import os, time
 import outbox.transport  # registers outboxdb+...
 from celery import Celery
 
-app = Celery(__name__, broker=os.environ["TAPP_BROKER"])
+app = Celery(__name__, broker=os.environ["TAPP_BROKER"], backend=os.environ.get("TAPP_BACKEND") or None)
 app.conf.update(
     broker_transport_options={"queue_table": os.environ["TAPP_TABLE"], "visibility_timeout": 4,
-                              "polling_interval": 0.2},
+                              "polling_interval": float(os.environ.get("TAPP_POLL", "0.2"))},
     task_acks_late=True, task_reject_on_worker_lost=False, worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True, task_serializer="json", accept_content=["json"],
-    worker_hijack_root_logger=False)
+    worker_hijack_root_logger=False, worker_pool_putlocks=os.environ.get("TAPP_PUTLOCKS", "1") == "1")
 OUT = os.environ["TAPP_OUT"]
 
 
@@ -61,6 +62,11 @@ def record(n):
     note(f"record {n} {os.getpid()} {time.time():.3f}")
 
 
+@app.task
+def nap(seconds):
+    time.sleep(seconds)
+
+
 @app.task(bind=True)
 def slow(self, n):
     redelivered = bool(self.request.delivery_info.get("redelivered"))
@@ -72,7 +78,7 @@ def slow(self, n):
 
 
 class TaskApp:
-    def __init__(self, kind: str, tmp_path: Path) -> None:
+    def __init__(self, kind: str, tmp_path: Path, **env: str) -> None:
         self.db_url = engine_url(kind, tmp_path)
         self.table = f"cq_{uuid.uuid4().hex[:10]}"
         self.out = tmp_path / "out.txt"
@@ -84,7 +90,8 @@ class TaskApp:
         self.env.update({"TAPP_BROKER": f"outboxdb+{self.db_url}", "TAPP_TABLE": self.table,
                          "TAPP_OUT": str(self.out), "PYTHONUNBUFFERED": "1",
                          # the app's module first, then the caller's path (a worktree's src/)
-                         "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)})
+                         "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p),
+                         "TAPP_BACKEND": "", "TAPP_POLL": "0.2", "TAPP_PUTLOCKS": "1", **env})
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         sys.path.insert(0, str(tmp_path))
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("TAPP_")})
@@ -252,6 +259,57 @@ def test_transactional_send_runs_the_task_only_if_the_transaction_commits(task_a
         conn.commit()
     finally:
         conn.close()
+
+
+@pytest.fixture(params=["sqlite", "mysql"])  # the engines without wake-ups (PostgreSQL: tests/test_transport_suites.py)
+def backed_app(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskApp]:
+    """The test app with a Redis result backend, the transport's default idle ceiling
+    (polling_interval 1 s) and put locks off (docs/transport.md, "Remote control")."""
+    require("Redis", "127.0.0.1", 6379)
+    app = TaskApp(request.param, tmp_path, TAPP_BACKEND=REDIS_URL, TAPP_POLL="1.0", TAPP_PUTLOCKS="0")
+    yield app
+    app.close()
+
+
+def test_expiry_remote_control_and_revoke_work_with_celerys_defaults(backed_app: TaskApp) -> None:
+    from celery.exceptions import TaskRevokedError
+
+    a = backed_app
+    record, nap = a.task("record"), a.task("nap")
+    # `expires` (Celery also sends it as the message's expiration): the expired task
+    # still reaches the worker, which marks it REVOKED in the result backend.
+    expired = record.apply_async((1,), expires=1)
+    time.sleep(1.5)
+    a.worker("w1", concurrency=1)
+    with pytest.raises(TaskRevokedError):
+        expired.get(timeout=30)
+    assert expired.state == "REVOKED" and not a.lines("record")
+
+    # Remote control within Celery's default 1 s reply timeout, from an idle worker
+    # (polling at most every polling_interval = 1 s for tasks) on every engine.
+    for attempt in range(4):
+        time.sleep(2.0 if attempt == 0 else random.uniform(0.3, 1.2))  # idle: back-off at its ceiling
+        replies = a.app.control.inspect(limit=1).ping()  # timeout=1.0, Celery's default
+        assert replies and list(replies.values()) == [{"ok": "pong"}], (attempt, a.log("w1")[-2000:])
+
+    # A revoke sent just before its task wins the race with it.
+    for n in range(3):
+        time.sleep(1.2)
+        task_id = uuid.uuid4().hex
+        a.app.control.revoke(task_id)
+        revoked = record.apply_async((100 + n,), task_id=task_id)
+        with pytest.raises(TaskRevokedError):
+            revoked.get(timeout=30)
+        assert not a.lines("record"), (n, a.log("w1")[-3000:])
+
+    # With worker_pool_putlocks off, a busy pool does not hold up remote control.
+    nap.delay(3)
+    waiting = record.apply_async((200,))  # received, then waits for the only pool process
+    assert wait_until(lambda: "nap" in a.log("w1") and "record" in a.log("w1").split("nap", 1)[-1],
+                      timeout=15), a.log("w1")[-2000:]
+    replies = a.app.control.inspect(limit=1).ping()
+    assert replies and list(replies.values()) == [{"ok": "pong"}], a.log("w1")[-2000:]
+    assert waiting.get(timeout=30) is None and [x[1] for x in a.lines("record")] == ["200"]
 
 
 # -- the outbox relay on the database broker --------------------------------------------------------

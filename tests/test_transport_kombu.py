@@ -130,6 +130,38 @@ def test_expired_message_is_never_delivered(broker: Broker) -> None:
         q.close()
 
 
+def test_a_celery_task_with_expires_is_delivered_after_it_for_the_worker_to_revoke(broker: Broker) -> None:
+    """Celery 5.7 sends ``expires`` also as the message's expiration; the worker, not the
+    broker, must see the expired task (it marks it REVOKED), as on Redis."""
+    with broker.connect() as conn:
+        q = conn.SimpleQueue("celery-expires")
+        past = (datetime.now(timezone.utc) - timedelta(seconds=1)).isoformat()
+        q.put({"task": True}, headers={"task": "proj.add", "id": "t1", "expires": past}, expiration=0.05)
+        time.sleep(0.3)
+        m = get(q)
+        assert m.headers["expires"] == past
+        m.ack()
+        q.close()
+
+
+def test_publish_arguments_json_cannot_encode_are_dropped_not_fatal(broker: Broker) -> None:
+    """kombu turns unknown publish keyword arguments into message properties; like
+    py-amqp, the transport drops the ones it cannot encode instead of failing the send."""
+    class Signal:  # what Celery's own integration tests pass through apply_async
+        pass
+
+    with broker.connect() as conn:
+        queue = Queue("odd-properties", Exchange("odd-properties"), "odd")
+        Producer(conn.channel()).publish({"n": 1}, exchange=queue.exchange, routing_key="odd", declare=[queue],
+                                         signal=Signal(), note="kept")
+        q = conn.SimpleQueue(queue)
+        m = get(q)
+        assert m.payload == {"n": 1}
+        assert m.properties.get("note") == "kept" and "signal" not in m.properties
+        m.ack()
+        q.close()
+
+
 KILLED_RECEIVER = """
 import os, sys, signal
 import outbox.transport
@@ -304,6 +336,9 @@ def test_bad_urls_and_options_fail_with_a_clear_error(tmp_path: Path) -> None:
     url = f"outboxdb+sqlite:///{tmp_path / 'x.db'}"
     with pytest.raises(ConfigError, match="visibility_timeout"):
         with Connection(url, transport_options={"visibility_timeout": 0}) as conn:
+            conn.default_channel
+    with pytest.raises(ConfigError, match="control_polling_interval=0.0 must be > 0"):
+        with Connection(url, transport_options={"control_polling_interval": 0}) as conn:
             conn.default_channel
     with Connection(url) as conn:
         with pytest.raises(ValueError, match="(exchange|queue) name is 300 characters"):

@@ -36,6 +36,7 @@ class ListenWaiter(Waiter):
 
 class PostgresQueueTables(QueueTables):
     lock_rows = " FOR UPDATE SKIP LOCKED"
+    wakes_on_send = True
 
     def migration(self) -> list[Any]:
         t, b, q = self.table, self.bindings, self.engine.quote

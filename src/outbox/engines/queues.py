@@ -57,6 +57,8 @@ class QueueTables:
 
     #: Appended to the per-queue lease scan (row locks that skip held rows).
     lock_rows: str = ""
+    #: True where ``open_waiter`` gives a wake-up on every send (idle receivers need not poll fast).
+    wakes_on_send: bool = False
 
     def __init__(self, engine: Engine, table: str = DEFAULT_QUEUE_TABLE) -> None:
         self.engine = engine

@@ -15,7 +15,11 @@ adds to the virtual transport, and why:
 - **Native delays.** A message whose Celery ``eta`` header lies ahead is stored
   invisible until then: no worker holds it in memory, none redelivers it early.
   ``expiration`` (per-message TTL) becomes ``expires_at``: never delivered after it,
-  purged in chunks by the receive loop.
+  purged in chunks by the receive loop; except a Celery task's ``expires``, which the
+  worker must see to mark the task REVOKED.
+- **Prompt remote control.** Where sends wake nobody, the idle back-off stops short
+  while kombu's pidbox queues are consumed, and after an idle spell control messages are
+  delivered before tasks (a revoke beats the task sent after it).
 - **Adaptive polling.** One probe per poll covers every consumed queue; while
   messages flow the loop polls again at once, when idle it backs off (doubling,
   with jitter against herds of workers polling in step) up to ``polling_interval``.
@@ -95,11 +99,48 @@ def _ttl_ms(properties: dict[str, Any]) -> int | None:
         raise ValueError(f"message expiration must be milliseconds, got {expiration!r}") from None
 
 
+def _celery_expires(headers: dict[str, Any] | None) -> bool:
+    """A Celery task message with ``expires``: Celery 5.7 also sends it as the message's
+    ``expiration``, but such a task must reach a worker, which marks it REVOKED in the
+    result backend (as on Redis, which ignores ``expiration``). docs/transport.md, "Delays
+    and expiry"."""
+    return bool(headers) and bool(headers.get("task")) and headers.get("expires") not in (None, "")
+
+
+def _encode_envelope(envelope: dict[str, Any]) -> str:
+    """The envelope as JSON. Properties JSON cannot encode (unknown publish keyword
+    arguments that kombu turns into properties, such as a Signal) are dropped with a
+    debug line, as py-amqp drops properties it does not know; headers must encode."""
+    try:
+        return json.dumps(envelope)
+    except (TypeError, ValueError):
+        pass
+    properties = {}
+    for key, value in (envelope.get("properties") or {}).items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            log.debug("outboxdb: dropping message property %r: not JSON-encodable (%s)", key, type(value).__name__)
+            continue
+        properties[key] = value
+    return json.dumps({**envelope, "properties": properties})
+
+
 def _check_name(kind: str, name: str) -> None:
     """Names are stored in VARCHAR(MAX_NAME) columns: refuse longer ones clearly."""
     if len(name) > MAX_NAME:
         raise ValueError(f"outboxdb: {kind} name is {len(name)} characters, the queue tables hold at most "
                          f"{MAX_NAME}: {name[:40]!r}...")
+
+
+def _is_control_queue(queue: str) -> bool:
+    """kombu's pidbox queues (Celery's remote control): ``<node>.<app>.pidbox`` on a
+    worker, ``<id>.reply.<app>.pidbox`` on a client awaiting replies."""
+    return queue.endswith(".pidbox")
+
+
+def _is_reply_queue(queue: str) -> bool:
+    return ".reply." in queue and queue.endswith(".pidbox")
 
 
 def _split_tag(delivery_tag: str) -> tuple[int, str]:
@@ -191,11 +232,12 @@ class Channel(virtual.Channel):
     def _insert(self, qt: QueueTables, cursor: Any, queue: str, message: dict[str, Any]) -> None:
         _check_name("queue", queue)
         envelope = {k: v for k, v in message.items() if k != "body"}
-        ttl = _ttl_ms(envelope.get("properties") or {})
+        headers = envelope.get("headers")
+        ttl = None if _celery_expires(headers) else _ttl_ms(envelope.get("properties") or {})
         if ttl is None:
             ttl = self._queue_ttl.get(queue)
-        qt.put(cursor, queue, json.dumps(envelope), message.get("body"),
-               delay_ms=_eta_delay_ms(envelope.get("headers")), ttl_ms=ttl)
+        qt.put(cursor, queue, _encode_envelope(envelope), message.get("body"),
+               delay_ms=_eta_delay_ms(headers), ttl_ms=ttl)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
         """A copy for every queue bound to the exchange, in one transaction."""
@@ -417,6 +459,10 @@ class Database:
             self._waiter_retry_at = time.monotonic() + 1.0
             return False
 
+    def wakes_on_send(self) -> bool:
+        """Sends wake this table's idle receivers now (PostgreSQL with a working LISTEN)."""
+        return bool(self.wake) and self.qt.wakes_on_send and time.monotonic() >= self._waiter_retry_at
+
     def _close_waiter(self) -> None:
         waiter, self._waiter = self._waiter, None
         if waiter is not None and self._waiter_pid == os.getpid():
@@ -536,6 +582,11 @@ class Transport(virtual.Transport):
     polling_interval = 1.0
     #: First back-off step after an empty poll (seconds); it doubles up to polling_interval.
     polling_interval_min = 0.01
+    #: The idle ceiling while a remote-control (pidbox) queue is consumed and sends do not
+    #: wake receivers (every engine but PostgreSQL): Celery's replies are awaited 1 s.
+    control_polling_interval = 0.25
+    #: The idle ceiling while a reply queue of remote control is consumed (a client awaiting replies).
+    reply_polling_interval = 0.05
 
     implements = virtual.Transport.implements.extend(
         asynchronous=False, exchange_type=frozenset(["direct", "topic", "fanout"]), heartbeats=False)
@@ -551,7 +602,13 @@ class Transport(virtual.Transport):
         if not (0 < self.polling_interval_min <= float(self.polling_interval) <= 60):
             raise ConfigError("outboxdb transport options: need 0 < polling_interval_min <= polling_interval <= 60 "
                               f"(got {self.polling_interval_min!r} and {self.polling_interval!r})")
+        self.control_polling_interval = float(options.get("control_polling_interval",
+                                                          self.control_polling_interval))
+        if not (0 < self.control_polling_interval <= 60):
+            raise ConfigError("outboxdb transport option control_polling_interval="
+                              f"{self.control_polling_interval!r} must be > 0 and at most 60 (seconds)")
         self._sleep = self.polling_interval_min
+        self._control_first = False
         self._next_poll = 0.0
         self._databases: dict[tuple[str, str | None], Database] = {}
 
@@ -578,7 +635,38 @@ class Transport(virtual.Transport):
             return False
         for ch in consuming:
             ch._busy = True
+        self._control_first = True
         return True
+
+    def _consumed_queues(self) -> set[str]:
+        return {q for ch in self.channels if getattr(ch, "_consumers", None) for q in ch._active_queues}
+
+    def _ceiling(self) -> float:
+        """The idle back-off ceiling: ``polling_interval``, shorter while remote control is
+        consumed on a table whose sends wake nobody (docs/transport.md, "Control commands and events")."""
+        ceiling = float(self.polling_interval)
+        control = [q for q in self._consumed_queues() if _is_control_queue(q)]
+        if not control or all(db.wakes_on_send() for db in self._databases.values()):
+            return ceiling
+        if any(_is_reply_queue(q) for q in control):
+            return min(ceiling, self.reply_polling_interval)
+        return min(ceiling, self.control_polling_interval)
+
+    def _drain_control_first(self) -> bool:
+        """After an idle spell, deliver what waits in remote-control queues before any task:
+        a revoke sent just before its task reaches the worker first. True if one did."""
+        if not self._control_first:
+            return False
+        self._control_first = False
+        for channel in self.channels:
+            queues = getattr(channel, "_active_queues", None)
+            if getattr(channel, "_consumers", None) and queues and all(_is_control_queue(q) for q in queues):
+                try:
+                    channel.drain_events(callback=self._deliver)
+                    return True
+                except Empty:
+                    pass
+        return False
 
     def _idle_wait(self, pause: float) -> bool:
         """Sleep ``pause`` seconds, or less when a send wakes the (single) queue table."""
@@ -608,6 +696,8 @@ class Transport(virtual.Transport):
         started = time.monotonic()
         while True:
             now = time.monotonic()
+            ceiling = self._ceiling()
+            self._next_poll = min(self._next_poll, now + ceiling * 1.25)  # a consumer that just came needs it
             if now < self._next_poll:
                 left = None if timeout is None else started + timeout - now
                 if left is not None and left <= 0:
@@ -619,15 +709,16 @@ class Transport(virtual.Transport):
             try:
                 if not self._probe_idle_channels():
                     raise Empty()
-                self.cycle.get(self._deliver, timeout=timeout)
+                if not self._drain_control_first():
+                    self.cycle.get(self._deliver, timeout=timeout)
             except Empty:
                 if self._prefetch_full():
                     # Not idle: the prefetch window is full and acks (from the pool's
                     # threads) will open it soon. Look again shortly, without backing off.
                     self._next_poll = time.monotonic() + self.polling_interval_min
                 else:
-                    self._next_poll = time.monotonic() + self._sleep * random.uniform(0.75, 1.25)
-                    self._sleep = min(self._sleep * 2, float(self.polling_interval))
+                    self._next_poll = time.monotonic() + min(self._sleep, ceiling) * random.uniform(0.75, 1.25)
+                    self._sleep = min(self._sleep * 2, ceiling)
                 if timeout is not None and time.monotonic() - started >= timeout:
                     raise socket.timeout()
             else:
