@@ -204,6 +204,20 @@ class Engine(ABC):
     #: when the claim's locks wait for the client's COMMIT (docs/relay.md, "A network cut").
     one_statement_claim: ClassVar[bool] = False
 
+    @staticmethod
+    @contextmanager
+    def autocommit(conn: Any) -> Iterator[None]:
+        """``conn.autocommit`` on for the block and off again after it (a client-side
+        attribute of psycopg 3, pyodbc and mssql-python): what ``statement_alone`` uses."""
+        conn.autocommit = True
+        try:
+            yield
+        finally:
+            try:
+                conn.autocommit = False
+            except Exception:  # a broken connection: the store drops it
+                pass
+
     @contextmanager
     def statement_alone(self, conn: Any) -> Iterator[None]:
         """Each statement the block runs on ``conn`` is a transaction of its own, committed

@@ -607,14 +607,8 @@ class MssqlEngine(Engine):
         if getattr(conn, "autocommit", False) is True:
             yield
             return
-        conn.autocommit = True
-        try:
+        with self.autocommit(conn):
             yield
-        finally:
-            try:
-                conn.autocommit = False
-            except Exception:  # a broken connection: the store drops it
-                pass
 
     def read_server(self, cursor: Any) -> None:
         """Probe the connection ``cursor`` runs on (one the engine did not open: a Django

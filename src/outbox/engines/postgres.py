@@ -110,14 +110,8 @@ class PostgresEngine(Engine):
         if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
             yield  # a transaction the caller left open: the statement joins it
             return
-        conn.autocommit = True  # a client-side switch in psycopg 3: no round trip
-        try:
+        with self.autocommit(conn):  # a client-side switch in psycopg 3: no round trip
             yield
-        finally:
-            try:
-                conn.autocommit = False
-            except Exception:  # a broken connection: the store drops it
-                pass
 
     supports_notify: ClassVar[bool] = True
 
