@@ -60,7 +60,6 @@ class RelayTask(app.Task):  # type: ignore[name-defined,misc]
         return {"refused": named, done: True}
 
 
-
 #: ``outbox.tasks.wake()``: the worker's coalesced claim request (``outbox.worker``).
 wake = request_claim
 

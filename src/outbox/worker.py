@@ -248,7 +248,7 @@ def _warn_foreign_queues(settings: Any) -> None:
     """A worker started with ``-Q`` naming none of its outbox's queues relays nothing: the
     classic case is a deployment upgraded from the fixed ``outbox.*`` names (README,
     "Upgrade note"). Said once, at start, as an error."""
-    selected = app.amqp.queues.consume_from  # set by -Q; None: every queue of the app
+    selected = app.amqp.queues.consume_from  # -Q's selection; without -Q every queue of the app
     if not selected or set(selected) & set(settings.queues.all):
         return
     log.error("outbox: this worker consumes %s, none of outbox %s's queues (%s): it relays nothing. Use "
