@@ -259,15 +259,7 @@ class OutboxStore:
         def work(cursor: Any) -> set[int]:
             moved = sum(self.engine.execute(cursor, self.engine.adopt_sql(cond), [new_lease, *params, lease]).rowcount
                         for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)))
-            if moved == len(ids):
-                return set(ids)
-            found: set[int] = set()
-            for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)):
-                rows = self.engine.execute(
-                    cursor, f"SELECT id FROM {self.engine.table} WHERE {cond} AND lease_token = ? AND status = 1",
-                    [*params, new_lease]).fetchall()
-                found.update(int(r[0]) for r in rows)
-            return found
+            return set(ids) if moved == len(ids) else self._held_by(cursor, ids, new_lease)
 
         return self._run("adopt", work)
 
@@ -324,17 +316,17 @@ class OutboxStore:
         ids = list(ids)
         if not ids:
             return set()
+        return self._run("held", lambda cursor: self._held_by(cursor, ids, lease))
 
-        def work(cursor: Any) -> set[int]:
-            found: set[int] = set()
-            for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)):
-                rows = self.engine.execute(
-                    cursor, f"SELECT id FROM {self.engine.table} WHERE {cond} AND lease_token = ? AND status = 1",
-                    [*params, lease]).fetchall()
-                found.update(int(r[0]) for r in rows)
-            return found
-
-        return self._run("held", work)
+    def _held_by(self, cursor: Any, ids: list[int], lease: str) -> set[int]:
+        """``held``'s query, in the caller's transaction (``adopt`` reads it after moving rows)."""
+        found: set[int] = set()
+        for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)):
+            rows = self.engine.execute(
+                cursor, f"SELECT id FROM {self.engine.table} WHERE {cond} AND lease_token = ? AND status = 1",
+                [*params, lease]).fetchall()
+            found.update(int(r[0]) for r in rows)
+        return found
 
     def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult:
         """Mark published rows done, in one statement. Rows no longer held by
@@ -440,7 +432,7 @@ class OutboxStore:
             in_flight, backlog, oldest, db_now = engine.execute(cursor, engine.gauges_sql()).fetchone()
         lag = 0.0
         if oldest is not None:
-            lag = max(0.0, (engine.to_datetime(db_now) - engine.to_datetime(oldest)).total_seconds())
+            lag = self._seconds(oldest, db_now)
         return int(in_flight or 0), int(backlog or 0), lag
 
     def stats(self) -> Stats:
@@ -458,7 +450,7 @@ class OutboxStore:
             by_name[Status(int(status)).name.lower()] = int(count)
         age = None
         if oldest is not None:
-            age = max(0.0, (self.engine.to_datetime(now) - self.engine.to_datetime(oldest)).total_seconds())
+            age = self._seconds(oldest, now)
         return Stats(counts=by_name, oldest_pending_age_s=age, dead=by_name["dead"])
 
     def dead_list(self, limit: int = 100, after_id: int = 0) -> list[DeadRow]:
