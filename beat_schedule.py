@@ -30,10 +30,10 @@ PURGE_ENTRY = "outbox-purge"
 
 
 def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[str, Any]]:
-    """The ``beat_schedule`` for ``settings`` (``outbox.config.Settings``) and relay
-    ``options`` (``outbox.config.RelayOptions``); both default to the environment's."""
-    from outbox.config import RelayOptions, get_settings
-    from outbox.names import CLAIM_TASK, TASK_OUTBOX_ARG, PURGE_TASK
+    """The ``beat_schedule`` for ``settings`` (``outbox.core.config.Settings``) and relay
+    ``options`` (``outbox.core.config.RelayOptions``); both default to the environment's."""
+    from outbox.core.config import RelayOptions, get_settings
+    from outbox.core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PURGE_TASK
 
     settings = settings or get_settings()
     if options is None:

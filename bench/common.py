@@ -302,7 +302,7 @@ def pg_connect(url: str) -> Any:
 
 
 def create_table(run: Run) -> None:
-    from outbox.store import OutboxStore
+    from outbox.storage.store import OutboxStore
 
     store = OutboxStore(run.postgres_url, table=run.table)
     try:
@@ -331,7 +331,7 @@ def aggregate_name(i: int) -> str:
 def make_event(n: int, aggregate: str, blob: str | None = None) -> Any:
     """A realistic event: ~200 bytes of JSON payload, two caller headers; with ``blob``, the
     payload also carries that string (the memory phase's large events)."""
-    from outbox.events import prepare_event
+    from outbox.domain.events import prepare_event
 
     payload = {"orderId": aggregate, "n": n, "state": "confirmed", "amount": "129.90",
                "currency": "EUR", "lines": [{"sku": f"SKU-{n % 97:05d}", "qty": 1 + n % 3}],

@@ -43,7 +43,7 @@ from .common import Destination, Run, _amqp_connection, confirm_channel, log, ma
 
 
 def _messages(count: int, aggregates: int = 100) -> list[Any]:
-    from outbox.model import OutboxMessage
+    from outbox.core.model import OutboxMessage
 
     now = datetime.now(timezone.utc)
     out = []

@@ -161,7 +161,7 @@ class Sampler(threading.Thread):
         self.interval = interval
         self.db_every = db_every
         self.redis = redis.Redis.from_url(relay.run.redis_url, socket_timeout=2)
-        from outbox.config import load_settings
+        from outbox.core.config import load_settings
 
         self.publish_queue = load_settings(environ=relay.run.outbox_env()).queues.publish
         self.stop_event = threading.Event()

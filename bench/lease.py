@@ -21,7 +21,7 @@ from .common import POSTGRES_URL, log
 def run_cycle(events: int, aggregates: int, batch: int = 100) -> dict[str, Any]:
     import psycopg
 
-    from outbox.store import OutboxStore
+    from outbox.storage.store import OutboxStore
 
     table = f"bench_lease_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:

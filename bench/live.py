@@ -10,7 +10,7 @@ Variants (same worker, same beat, same rate and duration):
   also reported on its own.
 * ``poll``: no wake at all; beat's claim tick every OUTBOX_CLAIM_INTERVAL_S (and the relay's
   drain mode, which chains claims after publish tasks) deliver. This is the baseline.
-* ``listen`` (when ``outbox.listen`` exists and ``--listen`` is on): PostgreSQL
+* ``listen`` (when ``outbox.relay.listen`` exists and ``--listen`` is on): PostgreSQL
   LISTEN/NOTIFY, writers' ``enqueue`` adds a ``pg_notify`` and the worker listens; needs a
   worker started with OUTBOX_RELAY_LISTEN=1.
 
@@ -236,7 +236,7 @@ def set_listen(enabled: bool) -> None:
         os.environ["OUTBOX_RELAY_LISTEN"] = "1"
     else:
         os.environ.pop("OUTBOX_RELAY_LISTEN", None)
-    from outbox.config import reset_settings
+    from outbox.core.config import reset_settings
 
     reset_settings()
 

@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(so the caller can read this process's and its PostgreSQL backend's CPU)")
     args = parser.parse_args(argv)
 
-    from outbox.chains import split_chains
+    from outbox.domain.chains import split_chains
     from outbox.publisher import KombuPublisher
-    from outbox.store import OutboxStore
+    from outbox.storage.store import OutboxStore
 
     store = OutboxStore(args.database_url, table=args.table)
     publisher = KombuPublisher(args.publish_url, args.exchange)

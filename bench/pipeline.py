@@ -146,7 +146,7 @@ def jdbc_source(kind: str, store: Any, url: str) -> tuple[str, dict[str, str], s
         # jdbc:mysql: so that Spark picks its MySQL dialect (backquoted names); Connector/J 2.x accepts it.
         return ("jdbc:mysql://127.0.0.1:3306/test", {"user": "root", "driver": "org.mariadb.jdbc.Driver",
                                                        "fetchsize": "5000"}, plain)
-    from outbox.engines.sqlite import sqlite_path
+    from outbox.storage.engines.sqlite import sqlite_path
     return (f"jdbc:sqlite:{sqlite_path(url)}", {"driver": "org.sqlite.JDBC", "fetchsize": "5000"}, plain)
 
 
@@ -157,7 +157,7 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
 
     from outbox.pipeline.archive import Archiver
     from outbox.pipeline.replay import run_replay
-    from outbox.store import OutboxStore
+    from outbox.storage.store import OutboxStore
 
     tag = uuid.uuid4().hex[:8]
     stores = {name: OutboxStore(url, table=f"outbox_bp_{name}_{tag}")

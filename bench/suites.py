@@ -205,7 +205,7 @@ def run_kombu(src: Path, engine: str, tests: Iterable[str], workdir: Path, timeo
 
 
 def drop_tables(url: str, table: str) -> None:
-    from outbox.engines import engine_for_url
+    from outbox.storage.engines import engine_for_url
     engine = engine_for_url(url)
     try:
         conn = engine.connect(url)

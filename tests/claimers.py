@@ -12,8 +12,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from outbox.chains import split_chains
-from outbox.store import OutboxStore
+from outbox.domain.chains import split_chains
+from outbox.storage.store import OutboxStore
 
 
 def run_claimer(url: str, table: str, seconds: float, seed: int, batch_max: int = 8,

@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from outbox.config import reset_settings  # noqa: E402
-from outbox.store import OutboxStore  # noqa: E402
+from outbox.core.config import reset_settings  # noqa: E402
+from outbox.storage.store import OutboxStore  # noqa: E402
 from services import MSSQL_URL, MYSQL_URL, POSTGRES_URL, require  # noqa: E402
 
 ENGINES = ["sqlite", "postgresql", "mysql", "mssql"]
@@ -139,7 +139,7 @@ def writer(store: OutboxStore, url: str) -> Iterator[Any]:
     """A plain DB-API connection playing the application that enqueues."""
     if store.engine.name == "sqlite":  # an application's connection: implicit transactions
         import sqlite3
-        from outbox.engines.sqlite import sqlite_path
+        from outbox.storage.engines.sqlite import sqlite_path
         conn = sqlite3.connect(sqlite_path(url), timeout=30)
     else:
         conn = store.engine.connect(url)

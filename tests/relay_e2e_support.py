@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 import pytest
 
 from outbox import Status, enqueue
-from outbox.engines.sqlite import sqlite_path
-from outbox.store import OutboxStore
+from outbox.storage.engines.sqlite import sqlite_path
+from outbox.storage.store import OutboxStore
 
 from runners import CELERY as CELERY_RUNNER, RUNNERS
 from services import AMQP_URL, MYSQL_URL, POSTGRES_URL, REDIS_URL, require
@@ -731,8 +731,8 @@ def redis_client() -> Any:
 
 def relay_queue(env: dict[str, str], kind: str) -> str:
     """The name of the relay's ``kind`` queue ("claim", "publish", "ack", "purge") for the outbox
-    of ``env`` (each outbox has its own: ``outbox.names.Queues``)."""
-    from outbox.config import load_settings
+    of ``env`` (each outbox has its own: ``outbox.core.names.Queues``)."""
+    from outbox.core.config import load_settings
 
     return getattr(load_settings(environ=env).queues, kind)
 

@@ -16,10 +16,10 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 from outbox import enqueue
-from outbox.model import OutboxMessage
+from outbox.core.model import OutboxMessage
 from outbox.publisher import ChainResult, FailureKind, PublishFailure
-from outbox.chains import split_chains
-from outbox.store import OutboxStore
+from outbox.domain.chains import split_chains
+from outbox.storage.store import OutboxStore
 
 
 PYTHON = sys.executable

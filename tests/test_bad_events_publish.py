@@ -14,10 +14,10 @@ import pytest
 from kombu import Connection, Exchange, Queue
 
 from outbox import Status, enqueue
-from outbox.model import OutboxMessage
+from outbox.core.model import OutboxMessage
 from outbox.publisher import FailureKind, KombuPublisher
 from outbox.relay import handle_claim, handle_publish
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, require
 from test_bad_rows import row, tamper

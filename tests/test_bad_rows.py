@@ -17,11 +17,11 @@ from typing import Any, Iterator
 import pytest
 
 from outbox import EnqueueError, Status, enqueue
-from outbox.engines import engine_class
-from outbox.engines.base import PERMANENT_ERROR_PREFIXES, UndecodableRow, is_permanent_error
-from outbox.errors import ConfigError
-from outbox.events import MAX_ERROR_UNITS, utf16_units
-from outbox.store import OutboxStore
+from outbox.storage.engines import engine_class
+from outbox.storage.engines.base import PERMANENT_ERROR_PREFIXES, UndecodableRow, is_permanent_error
+from outbox.core.errors import ConfigError
+from outbox.domain.events import MAX_ERROR_UNITS, utf16_units
+from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, require
 

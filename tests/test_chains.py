@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from outbox.chains import Candidate, plan_claim, split_chains
-from outbox.model import OutboxMessage, Status
+from outbox.domain.chains import Candidate, plan_claim, split_chains
+from outbox.core.model import OutboxMessage, Status
 
 P, C, F = Status.PENDING, Status.CLAIMED, Status.FAILED
 

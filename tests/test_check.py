@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
 
@@ -136,7 +136,7 @@ def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("module", ["psycopg"])
 def test_hint_for_a_missing_driver_in_the_check(module: str) -> None:
-    from outbox.doctor import _error
+    from outbox.commands.doctor import _error
 
     assert 'pip install "<outbox-relay checkout>[postgres]"' in _error(ModuleNotFoundError(f"No module named {module!r}",
                                                                                  name=module))

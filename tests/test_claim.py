@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from outbox import Status
-from outbox.model import OutboxMessage
+from outbox.core.model import OutboxMessage
 from outbox.relay import (Backlog, Breaker, ClaimOutcome, ClaimSizer, Outage, RelayOptions, drain_slice,
                           handle_claim, handle_publish, plan_tasks)
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from relay_support import Collect, ScriptedPublisher, add, rows, run_python, status_of
 from relay_support import conn, store  # noqa: F401 - fixtures used by name
@@ -370,7 +370,7 @@ def test_publish_queue_length_and_coalesced_claim_requests_on_redis(tmp_path: Pa
     code = f"""
 import redis
 import outbox.tasks as t
-from outbox.config import relay_settings
+from outbox.core.config import relay_settings
 queues = relay_settings().queues
 seen = [t.queued_publish_tasks()]
 for _ in range(3):

@@ -99,7 +99,7 @@ def test_migrate_says_what_it_changed(tmp_path: Path) -> None:
 
 
 def test_mask_url() -> None:
-    from outbox.engines.describe import mask_url
+    from outbox.storage.engines.describe import mask_url
 
     assert mask_url("postgresql://app:pw@db:5432/app") == "postgresql://app:***@db:5432/app"
     assert mask_url("postgresql://app@db/app") == "postgresql://app@db/app"
@@ -111,7 +111,7 @@ def test_mask_url() -> None:
 
 
 def test_missing_driver_hint_names_the_extra() -> None:
-    from outbox.engines.describe import missing_driver_hint
+    from outbox.storage.engines.describe import missing_driver_hint
 
     hint = missing_driver_hint(ModuleNotFoundError("No module named 'pymysql'", name="pymysql"))
     assert hint is not None and 'pip install "<outbox-relay checkout>[mysql]"' in hint
@@ -123,7 +123,7 @@ def test_missing_driver_hint_names_the_extra() -> None:
 def test_pyodbc_without_unixodbc_names_the_system_library_not_pip() -> None:
     """pyodbc installed, libodbc missing: its ImportError names the module pyodbc, and the
     hint once said "pyodbc is not installed: pip install ...", which fixes nothing."""
-    from outbox.engines.describe import missing_driver_hint
+    from outbox.storage.engines.describe import missing_driver_hint
 
     exc = ImportError("libodbc.so.2: cannot open shared object file: No such file or directory", name="pyodbc")
     hint = missing_driver_hint(exc)

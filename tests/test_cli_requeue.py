@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from outbox import Status, enqueue
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from test_bad_rows import tamper
 from test_cli import run

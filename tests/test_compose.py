@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from outbox.config import SETTING_NAMES, load_settings
+from outbox.core.config import SETTING_NAMES, load_settings
 from outbox.relay import RelayOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,7 +165,7 @@ def test_every_setting_is_one_the_package_reads_and_is_valid() -> None:
         assert settings.publish_url.startswith("amqp://") and "@rabbitmq:5672" in settings.publish_url
         RelayOptions.from_sources(env)
     # The driver the URL names is the one the image installs.
-    from outbox.engines.mssql import odbc_connection_string
+    from outbox.storage.engines.mssql import odbc_connection_string
 
     odbc = odbc_connection_string(service_env("worker")["OUTBOX_DATABASE_URL"])
     assert "DRIVER={ODBC Driver 18 for SQL Server}" in odbc and "TrustServerCertificate=yes" in odbc
@@ -184,8 +184,8 @@ def test_the_web_app_uses_the_outbox_database_through_djangos_settings() -> None
     db = shop_settings._database(env["DATABASE_URL"])
     assert db["ENGINE"] == "mssql" and db["NAME"] == "shop" and db["HOST"] == "mssql"
     assert db["OPTIONS"] == {"driver": "ODBC Driver 18 for SQL Server", "extra_params": "TrustServerCertificate=yes"}
-    from outbox.config import django_database_url
-    from outbox.engines.mssql import odbc_connection_string
+    from outbox.core.config import django_database_url
+    from outbox.storage.engines.mssql import odbc_connection_string
 
     # Derived from DATABASES or given as OUTBOX_DATABASE_URL: the same connection.
     assert odbc_connection_string(django_database_url(db)) == odbc_connection_string(env["OUTBOX_DATABASE_URL"])
@@ -375,7 +375,7 @@ def test_monitoring_scrapes_the_workers_metrics_port_and_the_dashboard_uses_real
 
 
 def declared_metrics() -> dict[str, str]:
-    """outbox.metrics' metrics: name -> Counter, Gauge or Histogram."""
+    """outbox.relay.metrics' metrics: name -> Counter, Gauge or Histogram."""
     source = (ROOT / "src" / "outbox" / "metrics.py").read_text()
     return {metric: kind for kind, metric in re.findall(r'(Counter|Gauge|Histogram)\("(outbox_[a-z_]+)"', source)}
 
@@ -390,7 +390,7 @@ def check_metric_names(expr: str, where: str) -> None:
         base = re.sub(r"_(total|bucket|sum|count)$", "", used)
         if base not in kinds:
             base = used
-        assert base in kinds, f"{where} queries {used}, which outbox.metrics does not export"
+        assert base in kinds, f"{where} queries {used}, which outbox.relay.metrics does not export"
         if used.endswith("_total"):
             assert kinds[base] == "Counter", used
         if used.endswith(("_bucket", "_count", "_sum")):
@@ -402,7 +402,7 @@ def check_metric_names(expr: str, where: str) -> None:
 
 def test_the_alert_rules_are_loaded_and_name_only_real_metrics() -> None:
     """promtool is not installed here: the rules' structure as Prometheus reads it, and
-    each expression's metrics against outbox.metrics."""
+    each expression's metrics against outbox.relay.metrics."""
     prometheus = yaml.safe_load((ROOT / "worker" / "monitoring" / "prometheus.yml").read_text())
     (rule_file,) = prometheus["rule_files"]
     mounts = dict(v.split(":")[1::-1] for v in SERVICES["prometheus"]["volumes"])  # container path -> source

@@ -20,7 +20,7 @@ import pytest
 
 from claimers import run_claimer
 from outbox import Status, enqueue
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 SECONDS = float(os.environ.get("OUTBOX_TEST_RACE_SECONDS", "8"))
 HOT = [f"hot-{i}" for i in range(4)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.config import load_settings
-from outbox.errors import ConfigError
+from outbox.core.config import load_settings
+from outbox.core.errors import ConfigError
 
 
 def test_defaults_match_the_contract() -> None:

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, POSTGRES_URL, REQUIRE, require
 
@@ -249,7 +249,7 @@ def test_an_order_posted_to_the_django_view_arrives_on_rabbitmq(tmp_path: Path) 
 
 
 def test_django_database_url() -> None:
-    from outbox.config import django_database_url
+    from outbox.core.config import django_database_url
 
     assert django_database_url({"ENGINE": "django.db.backends.sqlite3", "NAME": "/srv/db.sqlite3"}) == (
         "sqlite:////srv/db.sqlite3")

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from outbox.cli import main
-from outbox.config import SESSION_BOUNDS, SETTING_NAMES
+from outbox.core.config import SESSION_BOUNDS, SETTING_NAMES
 from outbox.relay import RelayOptions
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,14 +21,14 @@ pytest.importorskip("dramatiq")
 
 import outbox  # noqa: E402
 from outbox import wake  # noqa: E402
-from outbox.config import known_names, validate_dramatiq_broker_url, validate_dramatiq_namespace  # noqa: E402
-from outbox.config import dramatiq_settings  # noqa: E402
+from outbox.core.config import known_names, validate_dramatiq_broker_url, validate_dramatiq_namespace  # noqa: E402
+from outbox.core.config import dramatiq_settings  # noqa: E402
 from outbox.dramatiq_broker import configured, expired, message  # noqa: E402
 from outbox.dramatiq_scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run  # noqa: E402
-from outbox.errors import ConfigError  # noqa: E402
-from outbox.config import relay_settings  # noqa: E402
+from outbox.core.errors import ConfigError  # noqa: E402
+from outbox.core.config import relay_settings  # noqa: E402
 from outbox.relay import CLAIM_TASK, PURGE_TASK  # noqa: E402
-from outbox.store import OutboxStore  # noqa: E402
+from outbox.storage.store import OutboxStore  # noqa: E402
 
 from services import AMQP_URL, REDIS_URL, require  # noqa: E402
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from outbox import UnsupportedConnection, enqueue
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -46,7 +46,7 @@ def test_sqlalchemy_session_and_connection(store: OutboxStore, url: str) -> None
 def test_django_connection(store: OutboxStore, url: str, tmp_path: Path) -> None:
     pytest.importorskip("django")
     from django.conf import settings
-    from outbox.engines.sqlite import sqlite_path
+    from outbox.storage.engines.sqlite import sqlite_path
 
     if not settings.configured:
         settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",

@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from outbox import EnqueueError
-from outbox.events import prepare_event
+from outbox.domain.events import prepare_event
 
 BASE = {"topic": "orders.created", "aggregate_type": "order", "aggregate_id": "42"}
 
@@ -86,7 +86,7 @@ def test_the_largest_values_that_fit_everywhere_are_accepted() -> None:
 
 
 def test_fit_utf16_never_splits_a_pair_and_cleans_what_no_database_stores() -> None:
-    from outbox.events import fit_utf16, utf16_units
+    from outbox.domain.events import fit_utf16, utf16_units
     assert fit_utf16("short") == "short"
     cut = fit_utf16("a" + "😀" * 10, 8)
     assert cut == "a😀😀..." and utf16_units(cut) == 8

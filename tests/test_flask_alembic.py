@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, require
 from test_django_app import _renamed, database, schema_of  # noqa: F401  (the database fixture)

@@ -3,7 +3,7 @@
 Pure source analysis (``ast``): every ``import`` of a package module, at module level or
 inside a function, is an arrow. The layers are written here once, top to bottom
 (docs/design.md, "Layers", explains them); a module must sit in one, may import only
-modules of lower layers (or, inside one package such as ``outbox.engines``, modules
+modules of lower layers (or, inside one package such as ``outbox.storage.engines``, modules
 of the same layer), and the graph must have no cycle. A new module fails the test until it is
 placed, which is the point: someone decides where it belongs.
 """
@@ -16,29 +16,48 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 
-#: Top to bottom. ``pkg.*`` places every module of a package.
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("Django management commands", ("outbox.contrib.django.management", "outbox.contrib.django.management.*")),
-    ("command line", ("outbox.cli",)),
-    ("demo, checks, data pipeline and framework helpers", ("outbox.demo", "outbox.doctor", "outbox.pipeline",
-                                                            "outbox.pipeline.*", "outbox.contrib", "outbox.contrib.*")),
-    ("commands' one-line errors", ("outbox.oneline",)),
-    ("package face, `celery -A outbox`, `dramatiq outbox.dramatiq` and its scheduler",
-     ("outbox", "outbox.celery", "outbox.dramatiq", "outbox.dramatiq_scheduler")),
-    ("task bodies", ("outbox.tasks",)),
-    ("writer-side API", ("outbox.enqueue", "outbox.wake")),
-    ("worker process wiring", ("outbox.worker",)),
-    ("task runner apps: Celery's app, Dramatiq's broker", ("outbox.celery_app", "outbox.celery_redis",
-                                                          "outbox.dramatiq_broker")),
-    ("schedule, Celery's database broker", ("beat_schedule", "outbox.transport", "outbox.transport.*")),
-    ("relay logic and worker services", ("outbox.relay", "outbox.relay.*", "outbox.listen", "outbox.worker_logging")),
-    ("publisher, store, metrics", ("outbox.publisher", "outbox.publisher.*", "outbox.store", "outbox.metrics")),
-    ("engines", ("outbox.engines", "outbox.engines.*")),
-    ("domain", ("outbox.events", "outbox.chains")),
-    ("configuration", ("outbox.config",)),
-    ("model and names", ("outbox.model", "outbox.names", "outbox.errors", "outbox.redact", "outbox.tracing",
-                         "outbox.handoff")),
+#: The wings, top to bottom, each with its layers top to bottom. ``pkg.*`` places every module
+#: of a package. A module may import modules of lower layers, in its wing or below it.
+WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
+    ("entry points", [
+        ("Django management commands", ("outbox.contrib.django.management", "outbox.contrib.django.management.*")),
+        ("command line", ("outbox.cli",)),
+        ("demo, checks, data pipeline and framework helpers",
+         ("outbox.commands", "outbox.commands.demo", "outbox.commands.doctor", "outbox.pipeline", "outbox.pipeline.*",
+          "outbox.contrib", "outbox.contrib.*")),
+        ("commands' one-line errors", ("outbox.commands.oneline",)),
+    ]),
+    ("runners", [
+        ("package face, `celery -A outbox`, `dramatiq outbox.dramatiq` and its scheduler",
+         ("outbox", "outbox.celery", "outbox.dramatiq", "outbox.dramatiq_scheduler")),
+        ("task bodies", ("outbox.tasks",)),
+        ("writer-side API", ("outbox.enqueue", "outbox.wake")),
+        ("worker process wiring", ("outbox.worker",)),
+        ("task runner apps: Celery's app, Dramatiq's broker", ("outbox.celery_app", "outbox.celery_redis",
+                                                              "outbox.dramatiq_broker")),
+        ("schedule", ("beat_schedule",)),
+    ]),
+    ("relay", [
+        ("relay logic and worker services", ("outbox.relay", "outbox.relay.*", "outbox.worker_logging")),
+        ("publisher", ("outbox.publisher", "outbox.publisher.*")),
+    ]),
+    ("storage", [
+        ("Celery's database broker", ("outbox.transport", "outbox.transport.*")),
+        ("store and engines", ("outbox.storage", "outbox.storage.*")),
+    ]),
+    ("domain", [
+        ("events and chains", ("outbox.domain", "outbox.domain.*")),
+    ]),
+    ("foundation", [
+        ("configuration", ("outbox.core.config",)),
+        ("model and names", ("outbox.core", "outbox.core.model", "outbox.core.names", "outbox.core.errors",
+                             "outbox.core.redact", "outbox.core.tracing", "outbox.core.handoff")),
+    ]),
 ]
+
+#: Every layer, top to bottom, named ``wing: layer``.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [(f"{wing}: {name}", patterns)
+                                             for wing, layers in WINGS for name, patterns in layers]
 
 
 def module_files() -> dict[str, Path]:
@@ -93,7 +112,7 @@ def layer_of(module: str) -> int | None:
 
 
 def family(module: str) -> str:
-    """The package of the package's top level a module belongs to (``outbox.engines``)."""
+    """The package of the package's top level a module belongs to (``outbox.storage.engines``)."""
     return ".".join(module.split(".")[:2])
 
 
@@ -110,7 +129,7 @@ def test_imports_run_downward() -> None:
             there = layer_of(target)
             if here is None or there is None:
                 continue
-            # Inside one package (``outbox.engines``, ``outbox.contrib``...) modules of one
+            # Inside one package (``outbox.storage.engines``, ``outbox.contrib``...) modules of one
             # layer may use each other; the cycle test still holds them.
             siblings = here == there and family(module) == family(target) != "outbox"
             if there <= here and not siblings:
@@ -148,5 +167,5 @@ def test_the_checker_sees_lazy_and_relative_imports() -> None:
     upward import cannot hide from the checks above."""
     g = graph()
     assert "beat_schedule" in g["outbox.celery_app"]  # imported inside a function
-    assert "outbox.relay" in g["outbox.tasks"] and "outbox.names" in g["outbox.tasks"]
-    assert "outbox.engines.base" in g["outbox.engines.postgres"]
+    assert "outbox.relay" in g["outbox.tasks"] and "outbox.core.names" in g["outbox.tasks"]
+    assert "outbox.storage.engines.base" in g["outbox.storage.engines.postgres"]

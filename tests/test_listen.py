@@ -1,4 +1,4 @@
-"""PostgreSQL LISTEN/NOTIFY (``outbox.listen``): the channel, the writer's NOTIFY inside its
+"""PostgreSQL LISTEN/NOTIFY (``outbox.relay.listen``): the channel, the writer's NOTIFY inside its
 transaction, the listener thread and its reconnects, and a real worker that claims in its
 main process when notified (no beat). Helpers shared with tests/test_wake.py."""
 
@@ -12,9 +12,9 @@ from typing import Any, Iterator
 import pytest
 
 from outbox import enqueue
-from outbox.config import reset_settings
-from outbox.listen import Listener, Subscriber, channel_for, notify_channel
-from outbox.store import OutboxStore
+from outbox.core.config import reset_settings
+from outbox.relay.listen import Listener, Subscriber, channel_for, notify_channel
+from outbox.storage.store import OutboxStore
 
 from services import POSTGRES_URL, REDIS_URL, require
 from test_wake import Destination, Workers, destination, event, wait_done, workers  # noqa: F401

@@ -1,4 +1,4 @@
-"""Prometheus metrics (``outbox.metrics``): the relay's functions against a real SQLite
+"""Prometheus metrics (``outbox.relay.metrics``): the relay's functions against a real SQLite
 store, read back from prometheus_client's registry; the HTTP endpoint; and a real prefork
 worker serving the sum over its pool processes."""
 
@@ -20,10 +20,10 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from outbox import enqueue, metrics  # noqa: E402
-from outbox.model import OutboxMessage  # noqa: E402
+from outbox.core.model import OutboxMessage  # noqa: E402
 from outbox.publisher import ChainResult, FailureKind, PublishFailure  # noqa: E402
 from outbox.relay import RelayOptions, handle_claim, handle_publish  # noqa: E402
-from outbox.store import OutboxStore  # noqa: E402
+from outbox.storage.store import OutboxStore  # noqa: E402
 
 from test_wake import PYTHON, Destination, Workers, destination, wait_done, workers  # noqa: E402,F401
 
@@ -204,8 +204,8 @@ def test_the_refresher_reads_the_gauges_with_no_claim_and_keeps_them_when_readin
 
 @pytest.mark.parametrize("raw", ["0", "-1", "inf", "soon"])
 def test_a_refresh_interval_that_is_not_a_positive_number_is_refused(raw: str) -> None:
-    from outbox.config import MetricsOptions
-    from outbox.errors import ConfigError
+    from outbox.core.config import MetricsOptions
+    from outbox.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="OUTBOX_RELAY_METRICS_REFRESH_S="):
         MetricsOptions.from_sources({"OUTBOX_RELAY_METRICS_REFRESH_S": raw})

@@ -19,9 +19,9 @@ import pytest
 from sqlglot import exp
 
 from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
-from outbox.engines.mssql import FILTERED_INDEX_OPTIONS, MIGRATE_LOCK_TIMEOUT_MS, MssqlEngine
-from outbox.engines.queue_factory import queue_tables
-from outbox.engines.queue_mssql import MssqlQueueTables
+from outbox.storage.engines.mssql import FILTERED_INDEX_OPTIONS, MIGRATE_LOCK_TIMEOUT_MS, MssqlEngine
+from outbox.storage.engines.queue_factory import queue_tables
+from outbox.storage.engines.queue_mssql import MssqlQueueTables
 
 
 def parse_batch(batch: str, statements: Sequence[str]) -> None:
@@ -224,7 +224,7 @@ def test_openjson_follows_the_level_and_isjson_the_version(row: tuple, openjson:
 
 
 def test_the_server_probe_parses_and_rides_on_the_session_batch(no_sqlglot_fallbacks: None) -> None:
-    from outbox.engines.mssql import SERVER_SQL
+    from outbox.storage.engines.mssql import SERVER_SQL
     tree = parse_one(SERVER_SQL)
     assert isinstance(tree, exp.Select) and len(tree.expressions) == 3
     assert "SERVERPROPERTY('ProductVersion')" in SERVER_SQL and "SERVERPROPERTY('EngineEdition')" in SERVER_SQL
@@ -283,7 +283,7 @@ def test_requeue_of_explicit_ids_over_2000_below_level_130() -> None:
     below level 130 (no OPENJSON, 2,100 parameters at most)."""
     from datetime import datetime
 
-    from outbox.store import OutboxStore
+    from outbox.storage.store import OutboxStore
     ids = list(range(1, 3001))
     rows = [(i, f"m-{i}", "t.a" if i % 2 else "t.b", "o", "a", 3, "retriable: x", datetime(2024, 1, 1), 4)
             for i in ids]
@@ -305,7 +305,7 @@ def test_requeue_of_explicit_ids_over_2000_below_level_130() -> None:
 def test_json_checks_are_added_to_an_existing_table_with_nocheck(no_sqlglot_fallbacks: None) -> None:
     """Checking every existing row would scan the table under a schema lock (every enqueuer
     waits) and one bad row would abort the migration: the checks are added WITH NOCHECK."""
-    from outbox.engines.mssql import add_json_check_sql
+    from outbox.storage.engines.mssql import add_json_check_sql
     engine = MssqlEngine(table="events_out", schema="messaging")
     engine.read_server(Cursor({SERVER_ANSWER: [(110, 15, 3)]}))
     steps = [s for s in engine.migration_steps() if not isinstance(s, tuple) and "ck_events_out_payload_json" in

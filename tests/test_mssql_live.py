@@ -36,10 +36,10 @@ import pytest
 import test_store_conformance as _conformance
 from conftest import mssql_url
 from outbox import enqueue
-from outbox.errors import EnqueueError
-from outbox.events import prepare_event
-from outbox.engines.mssql import INDEXES, MssqlEngine, parse_target
-from outbox.store import OutboxStore
+from outbox.core.errors import EnqueueError
+from outbox.domain.events import prepare_event
+from outbox.storage.engines.mssql import INDEXES, MssqlEngine, parse_target
+from outbox.storage.store import OutboxStore
 from test_concurrency import test_racing_claimers_keep_order_and_never_double_claim as _racing_claimers
 
 #: The store conformance suite, collected here a second time so it runs in this
@@ -534,7 +534,7 @@ def test_a_table_made_by_another_script_in_the_database_collation_works(make_sto
     assert [m.id for m in claim.messages] == ids
     assert store.mark_done(ids, claim.lease).ok
     fresh = OutboxStore(url, table=name)
-    with caplog.at_level(logging.WARNING, logger="outbox.engines.mssql"):
+    with caplog.at_level(logging.WARNING, logger="outbox.storage.engines.mssql"):
         fresh.connection()
     fresh.close()
     if "_BIN" not in collation.upper() and "_CS" not in collation.upper():
@@ -1002,7 +1002,7 @@ def test_contrib_migrations_and_admin_requeue_probe_their_connection(databases: 
             writer.close()
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 4, processed_at = SYSUTCDATETIME()")
-        from outbox.config import reset_settings
+        from outbox.core.config import reset_settings
         monkeypatch.setenv("OUTBOX_TABLE", table)  # the admin's table comes from the settings
         reset_settings()
         assert requeue_dead(DjangoConnection(), ids) == 2500

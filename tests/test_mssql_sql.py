@@ -6,7 +6,7 @@ as in production), then: the ``?`` count must equal the parameter count, sqlglot
 T-SQL parser must accept it without falling back to an opaque ``Command``, and the
 locking hints the claim depends on must sit on the right table references. The
 claim's chain rule is portable SQL, so it also runs on SQLite against
-``outbox.chains.plan_claim``, the rule's reference implementation.
+``outbox.domain.chains.plan_claim``, the rule's reference implementation.
 
 One sqlglot limitation shapes these checks: in a multi-statement batch, sqlglot's
 ``IF`` swallows every statement after it into its block. Batches are therefore
@@ -31,16 +31,16 @@ import sqlglot
 from sqlglot import exp
 
 from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
-from outbox.chains import Candidate, plan_claim
-from outbox.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
-from outbox.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT, INDEXES,
+from outbox.domain.chains import Candidate, plan_claim
+from outbox.storage.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
+from outbox.storage.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT, INDEXES,
                                   MIGRATE_LOCK_TIMEOUT_MS, OPEN_ROWS, OPEN_ROWS_NORMALIZED, SQL_BIGINT, SQL_INTEGER,
                                   SQL_WLONGVARCHAR, SQL_WVARCHAR, TRANSIENT_ERRORS, MssqlEngine, filter_sql,
                                   input_sizes, normalize_filter, odbc_connection_string, parse_target)
-from outbox.errors import ConfigError, StoreError
-from outbox.events import prepare_event
-from outbox.model import Holder, SilentHolder
-from outbox.store import OutboxStore
+from outbox.core.errors import ConfigError, StoreError
+from outbox.domain.events import prepare_event
+from outbox.core.model import Holder, SilentHolder
+from outbox.storage.store import OutboxStore
 
 URL = "mssql+pyodbc://relay:secret@db.example:1433/app?driver=ODBC+Driver+18+for+SQL+Server"
 LOCK_HINTS = {"READCOMMITTEDLOCK", "READPAST", "UPDLOCK", "ROWLOCK"}
@@ -970,7 +970,7 @@ def test_transient_and_disconnect_errors(exc: BaseException, transient: bool, di
 
 
 def test_importing_the_engine_does_not_import_pyodbc() -> None:
-    code = "import sys, outbox.engines.mssql; sys.exit('pyodbc' in sys.modules)"
+    code = "import sys, outbox.storage.engines.mssql; sys.exit('pyodbc' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -1122,7 +1122,7 @@ def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.Log
         "SELECT 1 WHERE EXISTS": [(1,)],  # the retired index is still there
     })
     engine = MssqlEngine()
-    with caplog.at_level(logging.WARNING, logger="outbox.engines.mssql"):
+    with caplog.at_level(logging.WARNING, logger="outbox.storage.engines.mssql"):
         engine.setup_session(conn)
         engine.setup_session(conn)  # checked once per engine
     messages = [r.getMessage() for r in caplog.records]
@@ -1180,7 +1180,7 @@ def test_engine_options_are_read_from_the_url_and_never_reach_the_driver() -> No
 
 
 def test_mssql_python_is_chosen_by_url_and_has_no_driver_keyword() -> None:
-    from outbox.engines import engine_for_url, kind_of_url, mssql_driver
+    from outbox.storage.engines import engine_for_url, kind_of_url, mssql_driver
     url = "mssql+mssqlpython://relay:s%40cret@db.example:1433/app?TrustServerCertificate=yes&lock_timeout_ms=100"
     target = parse_target(url)
     assert target.driver == "mssql_python" and target.lock_timeout_ms == 100
@@ -1205,7 +1205,7 @@ def test_the_mssql_python_connection_string_is_one_the_driver_accepts() -> None:
 
 
 def test_enqueue_accepts_an_mssql_python_connection() -> None:
-    from outbox.engines import unwrap_connection
+    from outbox.storage.engines import unwrap_connection
     fake = type("Connection", (), {"__module__": "mssql_python.connection"})()
     assert unwrap_connection(fake) == ("mssql", fake)
 
@@ -1248,7 +1248,7 @@ def test_mssql_python_errors_are_classified_by_sqlstate_and_message() -> None:
 
 
 def test_error_numbers_are_read_where_pyodbc_puts_them() -> None:
-    from outbox.engines.mssql import error_numbers
+    from outbox.storage.engines.mssql import error_numbers
     assert error_numbers("[40001] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Transaction (Process ID 52) "
                          "was deadlocked. (1205) (SQLExecDirectW)") == {1205}
     assert error_numbers("[HY000] Lock request time out period exceeded. (1222); [01000] Statement terminated. "

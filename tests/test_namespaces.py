@@ -1,4 +1,4 @@
-"""Each outbox's own names on a shared broker (``outbox.names``; docs/relay.md, "Several outboxes
+"""Each outbox's own names on a shared broker (``outbox.core.names``; docs/relay.md, "Several outboxes
 on one broker"): the default namespace and OUTBOX_NAMESPACE (pure), the refusal of a task naming
 another outbox (``relay.ForeignTasks``, and the Celery task class over it), the database broker's
 queues of two outboxes in one database, and Dramatiq's actors (a real Redis). The two relays
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from outbox.config import RelayOptions, load_settings
-from outbox.errors import ConfigError
-from outbox.names import (CLAIM_TASK, FAIL_TASK, LEGACY_NAMESPACE, MAX_NAMESPACE, PUBLISH_TASK, Queues,
+from outbox.core.config import RelayOptions, load_settings
+from outbox.core.errors import ConfigError
+from outbox.core.names import (CLAIM_TASK, FAIL_TASK, LEGACY_NAMESPACE, MAX_NAMESPACE, PUBLISH_TASK, Queues,
                           claim_request_key, database_identity, default_namespace, wake_channel)
 from outbox.relay import ForeignTasks, breaker_key
 
@@ -181,7 +181,7 @@ import json, os, sqlite3
 import outbox.dramatiq as d
 from outbox import enqueue
 from outbox.dramatiq_broker import queue_length
-from outbox.names import Queues
+from outbox.core.names import Queues
 r = d.resources()
 r.store.migrate()
 conn = sqlite3.connect(os.environ["DB_PATH"])
@@ -229,7 +229,7 @@ def test_outbox_queues_prints_the_names_a_workers_q_needs(monkeypatch: pytest.Mo
     from click.testing import CliRunner
 
     from outbox.cli import main
-    from outbox.config import reset_settings
+    from outbox.core.config import reset_settings
 
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://db/shop")
     monkeypatch.setenv("OUTBOX_TABLE", "orders")
@@ -248,7 +248,7 @@ def test_outbox_queues_prints_the_names_a_workers_q_needs(monkeypatch: pytest.Mo
 
 
 def test_outbox_check_names_the_namespace(tmp_path: Path) -> None:
-    from outbox.doctor import run_checks
+    from outbox.commands.doctor import run_checks
 
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_NAMESPACE": "shop-orders"}
     [configuration] = [r for r in run_checks(env) if r.name == "configuration"]
@@ -261,7 +261,7 @@ def test_a_worker_consuming_none_of_its_outboxs_queues_says_so(monkeypatch: pyte
     would relay nothing, silently: the worker says so at start, once, as an error."""
     from outbox import worker
     from outbox.celery_app import app
-    from outbox.config import relay_settings
+    from outbox.core.config import relay_settings
 
     settings = relay_settings()
     monkeypatch.setattr(app.amqp.queues, "_consume_from", {"outbox.publish": None})  # what -Q sets

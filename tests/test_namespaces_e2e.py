@@ -81,7 +81,7 @@ class Relay:
             if self.env["OUTBOX_CELERY_BROKER_URL"] == AMQP_URL:  # the relay's queues on RabbitMQ
                 from kombu import Connection
 
-                from outbox.config import load_settings
+                from outbox.core.config import load_settings
                 with Connection(AMQP_URL, connect_timeout=5) as conn:
                     for queue in load_settings(environ=self.env).queues.all:
                         channel = conn.channel()  # a channel each: a missing queue closes its channel
@@ -170,8 +170,8 @@ def test_a_task_naming_another_outbox_is_handed_to_its_queue_not_run(two_relays:
     them to B's publish queue; B's worker, started later, publishes them to B's exchange."""
     from celery import Celery
 
-    from outbox.config import load_settings
-    from outbox.model import message_to_dict
+    from outbox.core.config import load_settings
+    from outbox.core.model import message_to_dict
 
     a, b = two_relays
     with b.outbox.writer() as conn:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 from test_pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed, spark, table_ids, table_rows  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
@@ -127,7 +127,7 @@ def invoke(args: list[str], env: dict[str, str]) -> Any:
     from click.testing import CliRunner
 
     from outbox.cli import main
-    from outbox.config import reset_settings
+    from outbox.core.config import reset_settings
 
     reset_settings()
     try:
@@ -211,7 +211,7 @@ def test_purge_task_respects_archiving(store: OutboxStore, url: str, tmp_path: P
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The relay's beat-driven purge task, configured like a deployment."""
     from outbox import tasks
-    from outbox.config import reset_settings
+    from outbox.core.config import reset_settings
 
     ids = seed(store, mixed_rows())
     for name, value in _cli_env(store, url, OUTBOX_ARCHIVE_URI=str(tmp_path / "a")).items():

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from outbox.events import prepare_event
+from outbox.domain.events import prepare_event
 from outbox.pipeline import replay
 from outbox.pipeline.replay import BULK_WRITERS, _executemany
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 from test_pipeline_support import PIPELINE_ENGINES
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import pytest
 
 from outbox.pipeline.archive import read_archive
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 from services import POSTGRES_URL, require
 from test_pipeline_support import DAY_MS, mixed_rows, seed, spark, table_ids  # noqa: F401
 

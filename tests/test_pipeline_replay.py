@@ -13,7 +13,7 @@ import pytest
 
 from outbox.pipeline.archive import Archiver
 from outbox.pipeline.replay import REPLAY_HEADER, replay_message_id, run_replay
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 from test_pipeline_archive import invoke
 from test_pipeline_support import DAY_MS, Row, seed, spark  # noqa: F401
 from services import POSTGRES_URL, require

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 from outbox import enqueue
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 REQUIRE = bool(os.environ.get("OUTBOX_REQUIRE_SERVICES"))
 DAY_MS = 86_400_000

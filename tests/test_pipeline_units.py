@@ -11,7 +11,7 @@ import pytest
 import sqlglot
 from sqlglot import exp
 
-from outbox.engines.mssql import MssqlEngine
+from outbox.storage.engines.mssql import MssqlEngine
 from outbox.pipeline.common import (PipelineError, archive_uri, decode_native, encode_native, parse_duration,
                                     parse_point_in_time, range_chunks)
 
@@ -154,7 +154,7 @@ def test_cli_without_pyspark(monkeypatch: pytest.MonkeyPatch, tmp_path: object) 
     from click.testing import CliRunner
 
     from outbox.cli import main
-    from outbox.config import reset_settings
+    from outbox.core.config import reset_settings
 
     monkeypatch.setitem(sys.modules, "pyspark", None)  # import pyspark -> ImportError
     reset_settings()

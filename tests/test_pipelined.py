@@ -16,12 +16,12 @@ import pytest
 from kombu import Connection, Exchange, Queue
 
 from outbox import Status, enqueue
-from outbox.config import RelayOptions, load_settings
-from outbox.errors import ConfigError
+from outbox.core.config import RelayOptions, load_settings
+from outbox.core.errors import ConfigError
 from outbox.publisher import OVERTAKEN_BY_HEADER, OVERTAKEN_COUNT_HEADER, FailureKind, KombuPublisher
 from outbox.relay import handle_publish
-from outbox.chains import split_chains
-from outbox.store import OutboxStore
+from outbox.domain.chains import split_chains
+from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, require
 from test_publisher import amqp_hostport

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 
 from outbox import enqueue
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from services import POSTGRES_URL, require
 

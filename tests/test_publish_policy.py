@@ -17,11 +17,11 @@ from typing import Any, Sequence
 import pytest
 
 from outbox import Status
-from outbox.model import OutboxMessage
+from outbox.core.model import OutboxMessage
 from outbox.publisher import ChainResult, FailureKind
 from outbox.relay import (Breaker, RelayOptions, Settler, apply_fallback, handle_chain, handle_claim,
                           handle_publish, retry_delay, still_held)
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, status_of
 from relay_support import conn, store  # noqa: F401 - fixtures used by name

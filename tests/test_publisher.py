@@ -18,8 +18,8 @@ from amqp import exceptions as amqp_exc
 from kombu import Connection, Exchange, Queue
 from kombu.exceptions import OperationalError
 
-from outbox.config import load_settings
-from outbox.model import OutboxMessage
+from outbox.core.config import load_settings
+from outbox.core.model import OutboxMessage
 from outbox.publisher import (
     checked_headers,
     DEFAULT_MAX_MESSAGE_BYTES,

@@ -13,7 +13,7 @@ from amqp.method_framing import frame_writer
 from amqp.serialization import dumps
 from kombu import Connection, Producer
 
-from outbox.model import OutboxMessage
+from outbox.core.model import OutboxMessage
 from outbox.publisher import KombuPublisher, build_headers, encode_body
 from outbox.publisher.frames import PublishFrames
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from outbox import Status
-from outbox.events import prepare_event
-from outbox.store import OutboxStore
+from outbox.domain.events import prepare_event
+from outbox.storage.store import OutboxStore
 
 
 def dead_rows(store: OutboxStore, topics: list[str], permanent: frozenset[int] = frozenset()) -> list[int]:

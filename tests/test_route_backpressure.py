@@ -14,11 +14,11 @@ from typing import Sequence
 import pytest
 
 from outbox import Status, enqueue
-from outbox.chains import split_chains
-from outbox.model import OutboxMessage
+from outbox.domain.chains import split_chains
+from outbox.core.model import OutboxMessage
 from outbox.publisher import ChainResult, FailureKind, KombuPublisher, PublishFailure, refused_by_route
 from outbox.relay import Breaker, FileState, Outage, RedisState, RelayOptions, RouteGate, handle_publish
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from relay_support import conn, store  # noqa: F401 - fixtures used by name
 from services import AMQP_URL, REDIS_URL, require

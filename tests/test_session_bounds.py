@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from outbox.config import SESSION_BOUNDS, load_settings, session_bounds, without_session_bounds
-from outbox.engines import engine_for_url
-from outbox.engines.base import tcp_keepalive
-from outbox.engines.mysql import MysqlEngine, session_sql, socket_options
-from outbox.engines.postgres import PostgresEngine, connect_params, libpq_url, session_settings
-from outbox.errors import ConfigError
-from outbox.store import OutboxStore
+from outbox.core.config import SESSION_BOUNDS, load_settings, session_bounds, without_session_bounds
+from outbox.storage.engines import engine_for_url
+from outbox.storage.engines.base import tcp_keepalive
+from outbox.storage.engines.mysql import MysqlEngine, session_sql, socket_options
+from outbox.storage.engines.postgres import PostgresEngine, connect_params, libpq_url, session_settings
+from outbox.core.errors import ConfigError
+from outbox.storage.store import OutboxStore
 
 from services import MYSQL_URL, POSTGRES_URL, require
 
@@ -108,7 +108,7 @@ def test_mysql_sockets_find_a_silent_server_within_the_tcp_timeout() -> None:
 
 
 def test_pymysql_read_and_write_timeouts_come_from_the_url_only_when_asked() -> None:
-    from outbox.engines.mysql import pymysql_kwargs
+    from outbox.storage.engines.mysql import pymysql_kwargs
 
     assert "read_timeout" not in pymysql_kwargs("mysql://root@db/app")
     kwargs = pymysql_kwargs("mysql://root@db/app?read_timeout=30&write_timeout=20&tcp_timeout_s=4")

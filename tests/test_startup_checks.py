@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from outbox.config import OTHER_NAMES, known_names, load_settings, unknown_environment
-from outbox.errors import ConfigError
-from outbox.redact import RedactingFilter, redact, register_url
+from outbox.core.config import OTHER_NAMES, known_names, load_settings, unknown_environment
+from outbox.core.errors import ConfigError
+from outbox.core.redact import RedactingFilter, redact, register_url
 from outbox.relay import RelayOptions
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "outbox"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from outbox import EnqueueError, Status, enqueue
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 
 def add(writer: Any, store: OutboxStore, aggregate: str, count: int = 1, commit: bool = True,

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from outbox import Status
-from outbox.model import Holder
+from outbox.core.model import Holder
 from outbox.relay import still_held
 from outbox.relay.holders import Heartbeat, new_holder
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from test_store_conformance import add, row, statuses
 

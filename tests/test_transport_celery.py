@@ -28,8 +28,8 @@ import pytest
 
 from conftest import engine_url
 from outbox import Status
-from outbox.engines import engine_for_url
-from outbox.engines.queue_factory import queue_tables
+from outbox.storage.engines import engine_for_url
+from outbox.storage.engines.queue_factory import queue_tables
 from services import AMQP_URL, REDIS_URL
 from relay_e2e_support import (CELERY, DB_KINDS, Destination, Outbox, Procs, Writer, base_env, check_order, require,
                                wait_until)
@@ -230,7 +230,7 @@ def test_transactional_send_runs_the_task_only_if_the_transaction_commits(task_a
     engine = engine_for_url(a.db_url)
     if engine.name == "sqlite":  # an application's connection: implicit transactions
         import sqlite3
-        from outbox.engines.sqlite import sqlite_path
+        from outbox.storage.engines.sqlite import sqlite_path
         conn = sqlite3.connect(sqlite_path(a.db_url), timeout=30)
     else:
         conn = engine.connect(a.db_url)
@@ -361,7 +361,7 @@ def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(
         assert "redis" not in (banner + procs.log("beat")).lower()
     finally:
         procs.stop_all()
-        engine = outbox.store.engine
-        with outbox.store.transaction() as cursor:
+        engine = outbox.storage.store.engine
+        with outbox.storage.store.transaction() as cursor:
             for table in (queue_table, f"{queue_table}_binding"):
                 engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(table)}")

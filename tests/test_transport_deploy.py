@@ -24,9 +24,9 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
 from conftest import engine_url
-from outbox.engines import engine_for_url
-from outbox.engines.queue_factory import queue_tables
-from outbox.errors import BrokerDatabaseUnavailable
+from outbox.storage.engines import engine_for_url
+from outbox.storage.engines.queue_factory import queue_tables
+from outbox.core.errors import BrokerDatabaseUnavailable
 from outbox.transport.channel import Database, Transport
 
 

@@ -22,8 +22,8 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
 from conftest import engine_url
-from outbox.engines import engine_for_url
-from outbox.errors import ConfigError
+from outbox.storage.engines import engine_for_url
+from outbox.core.errors import ConfigError
 
 KINDS = ["sqlite", "postgresql", "mysql", "mssql"]
 

@@ -29,9 +29,9 @@ import pytest
 import outbox
 import outbox.wake as wake
 from outbox import enqueue
-from outbox.config import load_settings, reset_settings
-from outbox.names import default_namespace
-from outbox.store import OutboxStore
+from outbox.core.config import load_settings, reset_settings
+from outbox.core.names import default_namespace
+from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, REDIS_URL, require
 
@@ -144,7 +144,7 @@ django.setup()
 from django.db import connection, transaction
 import outbox.wake
 from outbox.contrib.django import enqueue
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 store = OutboxStore("sqlite:///" + db)
 store.migrate()
@@ -238,8 +238,8 @@ from django.db import transaction
 import outbox.wake
 from outbox.celery import app
 from outbox.contrib.django import enqueue
-from outbox.config import relay_settings
-from outbox.store import OutboxStore
+from outbox.core.config import relay_settings
+from outbox.storage.store import OutboxStore
 
 OutboxStore("sqlite:///" + db).migrate()
 CLAIM_QUEUE = relay_settings().queues.claim
@@ -456,7 +456,7 @@ REDIS_COALESCE_SCRIPT = r"""
 import json
 import outbox.wake as w
 from outbox.celery import app
-from outbox.config import relay_settings
+from outbox.core.config import relay_settings
 from outbox.worker import coalescer, request_claim
 CLAIM_QUEUE = relay_settings().queues.claim
 
@@ -631,7 +631,7 @@ for name in ("connect", "connect_ex", "send", "sendall", "sendto", "sendmsg", "r
 socket.socket = RecordingSocket
 
 import outbox
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 db = sys.argv[1]
 store = OutboxStore("sqlite:///" + db)

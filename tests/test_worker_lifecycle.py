@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from outbox import Status
-from outbox.errors import ConfigError
-from outbox.names import Queues, default_namespace
+from outbox.core.errors import ConfigError
+from outbox.core.names import Queues, default_namespace
 from outbox.relay import CLAIM_TASK, PURGE_TASK, RelayOptions, handle_publish, message_from_dict, message_to_dict
-from outbox.store import OutboxStore
+from outbox.storage.store import OutboxStore
 
 from relay_support import PYTHON, ScriptedPublisher, add, claim_chains, rows, run_python
 from relay_support import conn, store  # noqa: F401 - fixtures used by name
@@ -118,7 +118,7 @@ print(json.dumps({"beat": app.conf.beat_schedule, "queues": [q.name for q in app
     assert done.returncode == 0, done.stderr
     conf = json.loads(done.stdout)
     assert conf["beat"] == conf["expected"]
-    queues = Queues(conf["namespace"])  # this outbox's (outbox.names)
+    queues = Queues(conf["namespace"])  # this outbox's (outbox.core.names)
     assert conf["namespace"] == default_namespace(f"sqlite:///{tmp_path / 'outbox.db'}", "outbox")
     assert conf["beat"]["outbox-claim"] == {"task": CLAIM_TASK, "schedule": 0.5, "kwargs": {"outbox": queues.namespace},
                                             "options": {"queue": queues.claim, "expires": 0.5}}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from outbox.model import Stats
+from outbox.core.model import Stats
 from outbox.relay import CLAIM_TASK, PUBLISH_TASK
 from outbox.worker_logging import TickFilter, heartbeat_line
 
@@ -108,7 +108,7 @@ def test_heartbeat_line() -> None:
 
 @pytest.mark.parametrize("interval", ["0", "-1", "soon"])
 def test_a_bad_heartbeat_interval_is_a_configuration_error(interval: str) -> None:
-    from outbox.errors import ConfigError
+    from outbox.core.errors import ConfigError
     from outbox.relay import RelayOptions
 
     with pytest.raises(ConfigError, match="OUTBOX_RELAY_HEARTBEAT_S"):

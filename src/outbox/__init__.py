@@ -10,9 +10,9 @@ Relay side: ``celery -A outbox worker`` and ``celery -A outbox beat``.
 """
 
 from .enqueue import enqueue
-from .errors import ConfigError, EnqueueError, OutboxError, StoreError, UnsupportedConnection
-from .model import Status
-from .store import OutboxStore
+from .core.errors import ConfigError, EnqueueError, OutboxError, StoreError, UnsupportedConnection
+from .core.model import Status
+from .storage.store import OutboxStore
 from .wake import transaction
 
 __all__ = ["enqueue", "EnqueueError", "ConfigError", "OutboxError", "StoreError", "UnsupportedConnection",

@@ -7,7 +7,7 @@ the app (``outbox.celery_app``), the worker's wiring (``outbox.worker``) and the
 from __future__ import annotations
 
 from .celery_app import app, celery_config, load_beat_schedule
-from .config import relay_options, relay_settings
+from .core.config import relay_options, relay_settings
 # The worker's wiring (per-process resources, every Celery signal) and the task bodies:
 # loaded with the app, so `celery -A outbox worker|beat` has them all.
 from . import worker as _worker, tasks as _tasks  # noqa: F401,E402

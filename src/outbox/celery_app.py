@@ -1,6 +1,6 @@
 """The relay's Celery app and its configuration (``celery -A outbox`` loads it through
 ``outbox.celery``). Why the settings below are what they are: docs/relay.md,
-"The Celery app"; the queues, one set per outbox: ``outbox.names``.
+"The Celery app"; the queues, one set per outbox: ``outbox.core.names``.
 
 This module defines no task and connects no signal: the tasks are in ``outbox.tasks``,
 the per-process wiring in ``outbox.worker``.
@@ -19,10 +19,10 @@ from kombu import Connection as KombuConnection
 from kombu import Exchange, Queue
 from kombu.utils.url import as_url
 
-from .config import RelayOptions, Settings, conf_keys, relay_options, relay_settings, use_conf
-from .errors import ConfigError
-from .names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
-from .redact import redact
+from .core.config import RelayOptions, Settings, conf_keys, relay_options, relay_settings, use_conf
+from .core.errors import ConfigError
+from .core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
+from .core.redact import redact
 
 log = logging.getLogger("outbox.celery")
 
@@ -52,7 +52,7 @@ class AMQP(CeleryAMQP):
 
 app = Celery("outbox", include=["outbox.tasks"], amqp=AMQP)
 
-# The one configuration reader (``outbox.config``) reads this app's OUTBOX_* config keys.
+# The one configuration reader (``outbox.core.config``) reads this app's OUTBOX_* config keys.
 use_conf(lambda: app.conf)
 
 

@@ -11,13 +11,13 @@ from datetime import timedelta
 
 import click
 
-from .config import get_settings
-from .engines.describe import describe_database, missing_driver_hint
-from .model import Status
-from .names import KINDS
-from .oneline import one_line_errors as _one_line_errors
-from .redact import install_filter
-from .store import OutboxStore
+from .core.config import get_settings
+from .storage.engines.describe import describe_database, missing_driver_hint
+from .core.model import Status
+from .core.names import KINDS
+from .commands.oneline import one_line_errors as _one_line_errors
+from .core.redact import install_filter
+from .storage.store import OutboxStore
 
 #: The store the running command opened, so an error can be explained (missing table).
 _opened: list[OutboxStore] = []
@@ -57,7 +57,7 @@ def _explain(exc: Exception) -> str | None:
     return None
 
 
-#: Every command's failure as one line, driver errors explained (``outbox.oneline``).
+#: Every command's failure as one line, driver errors explained (``outbox.commands.oneline``).
 one_line_errors = functools.partial(_one_line_errors, explain=_explain)
 
 
@@ -73,7 +73,7 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
     install_filter()  # passwords never reach stderr, whatever logs them
     # Configuration warnings (settings that are ignored) are shown even without -v.
-    logging.getLogger("outbox.config").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("outbox.core.config").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 @main.command()
@@ -219,7 +219,7 @@ def check() -> None:
     reachable, table and indexes as `outbox migrate` makes them, Celery's broker and the
     destination reachable, and a queue bound to the exchange (what AMQP lets us see).
     Exits 1 when a check fails; warnings alone exit 0."""
-    from .doctor import FAIL, report, run_checks
+    from .commands.doctor import FAIL, report, run_checks
 
     results = run_checks()
     click.echo(report(results))
@@ -235,7 +235,7 @@ def demo(timeout: float, keep: bool) -> None:
     """Run the whole pipeline on the embedded default (SQLite, in-memory brokers, an
     in-process Celery worker) and check that every committed event arrives in order.
     Its temporary files are removed at the end (unless --keep)."""
-    from .demo import run_demo
+    from .commands.demo import run_demo
     if not run_demo(timeout_s=timeout, keep=keep):
         raise click.ClickException("the demo's checks failed")
 

@@ -16,16 +16,16 @@ import dramatiq
 from dramatiq.middleware import Middleware
 
 from . import dramatiq_broker as _broker
-from . import metrics as _metrics
-from .config import Settings, load_settings, metrics_options
-from .errors import ConfigError
-from .redact import install_filter, redact
+from .relay import metrics as _metrics
+from .core.config import Settings, load_settings, metrics_options
+from .core.errors import ConfigError
+from .core.redact import install_filter, redact
 from .relay import (ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Backlog,
                     ForeignTasks, Queues, RelayOptions, ResourceHolder, Resources, after_publish, apply_fallback,
                     drain_slice, handle_publish, message_from_dict, message_to_dict, purge_expired, still_held)
-from .names import TASK_OUTBOX_ARG, claim_request_key
+from .core.names import TASK_OUTBOX_ARG, claim_request_key
 from .relay.resources import Shared
-from .store import OutboxStore
+from .storage.store import OutboxStore
 from .wake import clear_token  # the writer-side API sits below this entry point
 
 log = logging.getLogger("outbox.dramatiq")
@@ -133,7 +133,7 @@ class OutboxMiddleware(Middleware):
 
 
 class MetricsMiddleware(Middleware):
-    """The relay's metrics (``outbox.metrics``): on when OUTBOX_RELAY_METRICS_PORT is set.
+    """The relay's metrics (``outbox.relay.metrics``): on when OUTBOX_RELAY_METRICS_PORT is set.
     Each worker process records its own; the process that binds the port serves them
     (the sum over all processes when PROMETHEUS_MULTIPROC_DIR is set, see docs/dramatiq.md)."""
 

@@ -8,7 +8,7 @@ django-dramatiq sends a post-commit wake from here (``outbox.wake``), and so doe
 scheduler (``outbox.dramatiq_scheduler``). Sending only needs the actor's and queue's
 *names* (``outbox.relay``'s constants), not the actors themselves.
 
-Settings (``outbox.config.dramatiq_settings``: environment, then Django settings):
+Settings (``outbox.core.config.dramatiq_settings``: environment, then Django settings):
 
 * ``OUTBOX_DRAMATIQ_BROKER_URL``: ``redis://...`` (Dramatiq's RedisBroker) or
   ``amqp://...`` (its RabbitmqBroker). Setting it makes Dramatiq the configured runner:
@@ -24,14 +24,14 @@ import threading
 import time
 from typing import Any
 
-from .config import DramatiqSettings, dramatiq_settings
-from .errors import ConfigError, install_hint
+from .core.config import DramatiqSettings, dramatiq_settings
+from .core.errors import ConfigError, install_hint
 
 URL_SETTING = "OUTBOX_DRAMATIQ_BROKER_URL"
 
 
 def settings(required: bool = False) -> DramatiqSettings | None:
-    """The Dramatiq settings (``outbox.config.dramatiq_settings``); None when unset."""
+    """The Dramatiq settings (``outbox.core.config.dramatiq_settings``); None when unset."""
     return dramatiq_settings(required=required)
 
 

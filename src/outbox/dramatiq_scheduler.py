@@ -15,9 +15,9 @@ import uuid
 from typing import Any
 
 from . import dramatiq_broker as _broker
-from .config import load_settings
-from .errors import ConfigError
-from .redact import install_filter, redact
+from .core.config import load_settings
+from .core.errors import ConfigError
+from .core.redact import install_filter, redact
 from .relay import RelayOptions
 
 log = logging.getLogger("outbox.dramatiq_scheduler")

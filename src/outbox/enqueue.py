@@ -7,12 +7,12 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Mapping
 
-from .config import get_settings, validate_identifier
-from .engines import Engine, engine_class, unwrap_connection
-from .errors import ConfigError, EnqueueError
-from .events import prepare_event
-from .listen import notify_channel
-from .tracing import current_traceparent
+from .core.config import get_settings, validate_identifier
+from .storage.engines import Engine, engine_class, unwrap_connection
+from .core.errors import ConfigError, EnqueueError
+from .domain.events import prepare_event
+from .relay.listen import notify_channel
+from .core.tracing import current_traceparent
 
 
 @lru_cache(maxsize=32)

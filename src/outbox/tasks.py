@@ -11,8 +11,8 @@ from dataclasses import asdict
 from typing import Any
 
 from .celery_app import app, send_relay_task
-from .config import relay_options, relay_settings
-from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
+from .core.config import relay_options, relay_settings
+from .core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
 from .relay import (DRAIN_SLICE_S, Backlog, ForeignTasks, after_publish, apply_fallback, drain_slice,
                     handle_publish, message_from_dict, message_to_dict, purge_expired, still_held)
 from . import wake as _wake

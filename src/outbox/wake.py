@@ -32,10 +32,10 @@ WARN_EVERY_S = 60.0
 EXIT_FLUSH_S = 1.0
 
 
-# ``extra_setting`` and ``flag`` moved to ``outbox.config`` (the one reader); kept importable here.
-from .config import extra_setting, flag, relay_options, relay_settings, wake_options  # noqa: E402,F401
-from .handoff import HandOff  # noqa: E402
-from .names import CLAIM_REQUEST_PREFIX, CLAIM_TASK, TASK_OUTBOX_ARG, claim_request_key, wake_channel  # noqa: E402
+# ``extra_setting`` and ``flag`` moved to ``outbox.core.config`` (the one reader); kept importable here.
+from .core.config import extra_setting, flag, relay_options, relay_settings, wake_options  # noqa: E402,F401
+from .core.handoff import HandOff  # noqa: E402
+from .core.names import CLAIM_REQUEST_PREFIX, CLAIM_TASK, TASK_OUTBOX_ARG, claim_request_key, wake_channel  # noqa: E402
 
 #: Prefix of the claim-request tokens: a claim deletes only keys that start with it.
 TOKEN_PREFIX = CLAIM_REQUEST_PREFIX
@@ -106,7 +106,7 @@ class _Throttle:
 
 def token_for(broker_url: str, key_prefix: str, namespace: str) -> str:
     """The Redis key of an outbox's claim queue's one claim-request token (``make_coalescer``
-    over ``outbox.names.claim_request_key``): the key a wake-up takes and a claim clears."""
+    over ``outbox.core.names.claim_request_key``): the key a wake-up takes and a claim clears."""
     return f"{claim_request_key(broker_url, key_prefix, namespace)}:claim-requested"
 
 
@@ -117,7 +117,7 @@ class _Plan:
                  namespace: str = "") -> None:
         self.broker_url = broker_url
         self.runner = runner
-        #: The outbox this process writes to: its queues, token and channel (``outbox.names``).
+        #: The outbox this process writes to: its queues, token and channel (``outbox.core.names``).
         self.namespace = namespace or relay_settings().outbox_namespace
         #: Where Celery workers SUBSCRIBE for wake-ups (Redis; Dramatiq workers do not).
         self.channel = wake_channel(broker_url, key_prefix, self.namespace) if runner == "celery" else None
@@ -275,7 +275,7 @@ def wake_now() -> bool:
         return False
 
 
-#: This process's hand-off thread (``outbox.handoff``): ``request_claim`` only flags it.
+#: This process's hand-off thread (``outbox.core.handoff``): ``request_claim`` only flags it.
 _handoff = HandOff(lambda: wake_now(), "outbox-wake")
 
 

@@ -14,12 +14,13 @@ from typing import Any
 from celery import signals
 
 from .celery_app import app, send_relay_task
-from .config import RelayOptions, Settings, relay_options, relay_settings, wake_options
-from .handoff import HandOff
-from .names import ACK_TASK, CLAIM_TASK, FAIL_TASK, RELEASE_TASK, claim_request_key, wake_channel
-from .redact import install_filter
+from .core.config import RelayOptions, Settings, relay_options, relay_settings, wake_options
+from .core.handoff import HandOff
+from .core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, RELEASE_TASK, claim_request_key, wake_channel
+from .core.redact import install_filter
 from .relay import Breaker, Coalescer, Outage, ResourceHolder, Resources, RouteGate
-from . import listen as _listen, metrics as _metrics, worker_logging as _worker_logging
+from . import worker_logging as _worker_logging
+from .relay import listen as _listen, metrics as _metrics
 
 log = logging.getLogger("outbox.tasks")
 
@@ -61,7 +62,7 @@ def _claim_queue() -> tuple[str, str]:
 
 def claim_queue_key() -> tuple[str, str]:
     """Celery's broker URL and the name of this outbox's claim queue's one "claim soon" token
-    (the key writers' wake-ups take too: ``outbox.names.claim_request_key``)."""
+    (the key writers' wake-ups take too: ``outbox.core.names.claim_request_key``)."""
     url, prefix = _claim_queue()
     return url, claim_request_key(url, prefix, relay_settings().outbox_namespace)
 
@@ -194,7 +195,7 @@ claim_runner = HandOff(_claim_in_process, "outbox-claim")
 @signals.after_setup_logger.connect
 @signals.after_setup_task_logger.connect
 def _mask_secrets_in_logs(logger: logging.Logger | None = None, **_: Any) -> None:
-    """Every line the worker and beat log goes through ``outbox.redact``."""
+    """Every line the worker and beat log goes through ``outbox.core.redact``."""
     install_filter(logging.getLogger())
     if logger is not None:
         install_filter(logger)
@@ -294,8 +295,8 @@ def _ready(**_: Any) -> None:
 
 
 def _gauge_store() -> Any:
-    """The metrics refresher's own store (``outbox.metrics.GaugeRefresher``)."""
-    from .store import OutboxStore
+    """The metrics refresher's own store (``outbox.relay.metrics.GaugeRefresher``)."""
+    from .storage.store import OutboxStore
 
     return OutboxStore.from_settings(relay_settings())
 

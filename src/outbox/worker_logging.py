@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from celery import signals
 
-from .names import CLAIM_TASK
+from .core.names import CLAIM_TASK
 
 log = logging.getLogger("outbox.heartbeat")
 
@@ -117,7 +117,7 @@ class Heartbeat:
         self._stop.set()
 
     def beat_once(self, ticks: int | None) -> None:
-        from .store import OutboxStore
+        from .storage.store import OutboxStore
 
         store = OutboxStore.from_settings(self.settings)
         try:

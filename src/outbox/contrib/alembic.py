@@ -10,7 +10,7 @@ In a revision of your Alembic environment::
     def downgrade():
         pass                           # keep the table (and its events); drop it by hand
 
-It runs the relay's own guarded DDL (``outbox.store.apply_migration``) on the migration's
+It runs the relay's own guarded DDL (``outbox.storage.store.apply_migration``) on the migration's
 connection, inside Alembic's transaction where the database allows DDL in one: the table,
 its JSON checks and filtered indexes, and its holders table (docs/relay.md, "Lost workers")
 are exactly what ``outbox migrate`` makes, on every engine, and ``outbox migrate`` afterwards finds nothing to do. Table and schema are
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import get_settings
-from ..engines import engine_class, unwrap_connection
-from ..store import apply_migration
+from ..core.config import get_settings
+from ..storage.engines import engine_class, unwrap_connection
+from ..storage.store import apply_migration
 
 
 def create_outbox_table(op: Any = None, *, table: str | None = None, schema: str | None = None,

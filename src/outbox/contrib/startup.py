@@ -20,7 +20,7 @@ _warned = False
 
 def wake_problem() -> str | None:
     """Why wake-ups from this process cannot reach the relay, or None."""
-    from ..config import load_settings, wake_options
+    from ..core.config import load_settings, wake_options
 
     if not wake_options().wake:
         return None  # turned off on purpose

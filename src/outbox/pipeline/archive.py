@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
-from ..engines.base import Engine
-from ..store import OutboxStore
+from ..storage.engines.base import Engine
+from ..storage.store import OutboxStore
 from .common import ARCHIVE_SCHEMA_DDL, PipelineError, archive_uri, decode_native, encode_native, range_chunks
 from .fs import ArchiveFS
 

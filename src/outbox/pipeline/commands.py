@@ -10,13 +10,13 @@ import json
 
 import click
 
-from ..config import get_settings
-from ..oneline import one_line_errors
-from ..store import OutboxStore
+from ..core.config import get_settings
+from ..commands.oneline import one_line_errors
+from ..storage.store import OutboxStore
 from .common import crash_hook_from_env, parse_duration
 
 
-#: One line per failure, its first line only: Spark's errors run to pages (``outbox.oneline``).
+#: One line per failure, its first line only: Spark's errors run to pages (``outbox.commands.oneline``).
 _errors = one_line_errors(first_line=True)
 
 

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from ..errors import OutboxError
+from ..core.errors import OutboxError
 
 
 class PipelineError(OutboxError):

@@ -24,8 +24,8 @@ from datetime import datetime
 from typing import Any, Callable
 from urllib.parse import quote
 
-from ..engines.base import Engine
-from ..errors import install_hint
+from ..storage.engines.base import Engine
+from ..core.errors import install_hint
 
 #: ``reader`` option values: ``arrow`` (the engine's Arrow reader, the default where
 #: there is one) and ``driver`` (the engine's Python driver: the fallback, and SQL Server's path).
@@ -74,7 +74,7 @@ class PostgresFetch(ArrowFetch):
     def open(self) -> Any:
         import adbc_driver_postgresql.dbapi as adbc
 
-        from ..engines.postgres import libpq_url
+        from ..storage.engines.postgres import libpq_url
         # Autocommit: each page is its own statement and transaction (no snapshot held between pages).
         return adbc.connect(libpq_url(self.url), autocommit=True)
 
@@ -106,7 +106,7 @@ class MysqlFetch(ConnectorxFetch):
     engine_name = "mysql"
 
     def usable(self) -> bool:
-        from ..engines.mysql import pymysql_kwargs
+        from ..storage.engines.mysql import pymysql_kwargs
         return "unix_socket" not in pymysql_kwargs(self.url)  # connectorx speaks TCP only
 
     def literal(self, value: Any) -> str:
@@ -114,7 +114,7 @@ class MysqlFetch(ConnectorxFetch):
         return str(escape_item(value, "utf8mb4"))  # exactly PyMySQL's own rendering of a bound value
 
     def cx_url(self) -> str:
-        from ..engines.mysql import pymysql_kwargs
+        from ..storage.engines.mysql import pymysql_kwargs
 
         kw = pymysql_kwargs(self.url)
         auth = quote(kw["user"], safe="") + (":" + quote(kw["password"], safe="") if kw["password"] else "")
@@ -132,7 +132,7 @@ class SqliteFetch(ConnectorxFetch):
     def cx_url(self) -> str:
         from pathlib import Path
 
-        from ..engines.sqlite import sqlite_path
+        from ..storage.engines.sqlite import sqlite_path
         return "sqlite://" + quote(str(Path(sqlite_path(self.url)).resolve()))
 
 

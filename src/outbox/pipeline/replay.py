@@ -30,9 +30,9 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
-from ..config import get_settings
-from ..events import prepare_event
-from ..store import OutboxStore
+from ..core.config import get_settings
+from ..domain.events import prepare_event
+from ..storage.store import OutboxStore
 from .archive import check_table, read_archive
 from .common import PipelineError
 

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from ..store import OutboxStore
+from ..storage.store import OutboxStore
 from .archive import check_table, db_cutoff, read_archive
 from .common import PipelineError, archive_uri, encode_native, local_path
 

@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any
 
-from ..errors import install_hint
+from ..core.errors import install_hint
 from .common import PipelineError
 
 #: Options the jobs rely on, applied to new and existing sessions alike.

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from ..engines import Engine, engine_for_url
+from ..storage.engines import Engine, engine_for_url
 from .common import SOURCE_SCHEMA_DDL, decode_native
 from .fetch import ArrowFetch, arrow_fetch, to_source_schema
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from ..model import OutboxMessage
+from ..core.model import OutboxMessage
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 

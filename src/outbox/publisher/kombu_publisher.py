@@ -10,12 +10,12 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ..errors import ConfigError
-from ..model import OutboxMessage
-from ..redact import redact
+from ..core.errors import ConfigError
+from ..core.model import OutboxMessage
+from ..core.redact import redact
 
 if TYPE_CHECKING:
-    from ..config import Settings
+    from ..core.config import Settings
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, UNROUTABLE_POLICIES, ChainResult, FailureKind,

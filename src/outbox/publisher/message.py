@@ -10,7 +10,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
-from ..model import OutboxMessage
+from ..core.model import OutboxMessage
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 from .contract import DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES, FailureKind, PublishFailure

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model import OutboxMessage
+from ..core.model import OutboxMessage
 from .contract import ChainResult, FailureKind, Overtaken, Pipelined, PublishFailure
 from .message import checked_headers
 

@@ -4,9 +4,9 @@ writes), ``foreign`` (a task of another outbox),
 ``shared`` (breaker, route gate, outage log, coalescer) over ``state`` (Redis, files
 or the process), ``resources`` (what a worker process holds). Every name keeps its ``outbox.relay`` import path."""
 
-from ..config import MAX_OPTION_S, RelayOptions
-from ..model import message_from_dict, message_to_dict
-from ..names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Queues
+from ..core.config import MAX_OPTION_S, RelayOptions
+from ..core.model import message_from_dict, message_to_dict
+from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Queues
 from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
 from .foreign import ForeignTasks
 from .drain import DRAIN_SLICE_S, Backlog, after_publish, drain_slice

@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from ..chains import split_chains
-from ..config import RelayOptions
-from ..engines.base import LEASE_EXPIRED_ERROR
-from ..model import OutboxMessage
+from ..domain.chains import split_chains
+from ..core.config import RelayOptions
+from ..storage.engines.base import LEASE_EXPIRED_ERROR
+from ..core.model import OutboxMessage
 from ..publisher import PublisherLike
-from .. import metrics
+from . import metrics
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
 from .settle import Settler, StoreLike, send_dead

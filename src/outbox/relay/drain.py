@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config import RelayOptions
+from ..core.config import RelayOptions
 from ..publisher import PublisherLike
 from .claim import ClaimFailed, ClaimOutcome, Dispatch, handle_claim
 from .settle import Settler, StoreLike

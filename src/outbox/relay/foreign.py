@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ..names import valid_namespace
+from ..core.names import valid_namespace
 
 
 class ForeignTasks:

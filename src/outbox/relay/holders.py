@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Callable
 
-from ..model import Holder, SilentHolder
-from ..store import OutboxStore
+from ..core.model import Holder, SilentHolder
+from ..storage.store import OutboxStore
 
 log = logging.getLogger("outbox.relay")
 

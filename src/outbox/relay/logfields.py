@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..model import OutboxMessage
+from ..core.model import OutboxMessage
 
 
 def describe(message: OutboxMessage) -> str:

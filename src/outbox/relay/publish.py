@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
 
-from ..config import RelayOptions
-from ..model import OutboxMessage
+from ..core.config import RelayOptions
+from ..core.model import OutboxMessage
 from ..publisher import FailureKind, Overtaken, PublisherLike, overtaken_headers
-from .. import metrics
+from . import metrics
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
 from .logfields import describe, log_extra

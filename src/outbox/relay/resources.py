@@ -9,10 +9,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..config import RelayOptions, Settings
-from ..model import Holder
+from ..core.config import RelayOptions, Settings
+from ..core.model import Holder
 from ..publisher import KombuPublisher, Publisher
-from ..store import OutboxStore
+from ..storage.store import OutboxStore
 from .holders import Heartbeat, new_holder
 from .settle import Fallback, Settler
 from .sizing import ClaimSizer
@@ -23,7 +23,7 @@ log = logging.getLogger("outbox.relay")
 
 #: What the holder is made from, read when a process first needs it: the relay's settings,
 #: its options, the task runner's broker URL (where the shared state lives) and the key of
-#: the claim queue's one claim-request token (``outbox.names.claim_request_key``).
+#: the claim queue's one claim-request token (``outbox.core.names.claim_request_key``).
 Config = Callable[[], "tuple[Settings, RelayOptions, str, str]"]
 
 

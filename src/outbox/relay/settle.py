@@ -9,9 +9,9 @@ import random
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from ..model import FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
+from ..core.model import FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
 from ..publisher import PublisherLike
-from .. import metrics
+from . import metrics
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
 from .logfields import describe, log_extra

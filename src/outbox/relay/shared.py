@@ -220,7 +220,7 @@ class Outage:
         return self._since is not None
 
     def failed(self, error: BaseException | str) -> None:
-        from ..redact import redact
+        from ..core.redact import redact
 
         detail = redact(f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error)
         detail = " ".join(detail.split())
@@ -309,7 +309,7 @@ def make_relay_outage(which: str, settings: Any, options: Any, shared_url: str,
     """The outage log of ``which`` ("database" or "destination broker") for ``settings``,
     shared through ``shared_url`` (the task runner's broker) like the breaker; every task
     runner (outbox.worker for Celery, outbox.dramatiq) makes its outage logs here."""
-    from ..redact import redact
+    from ..core.redact import redact
 
     key = breaker_key(settings.outbox_namespace, settings.publish_url, settings.exchange)
     if which == "database":

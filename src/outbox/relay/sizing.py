@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..model import OutboxMessage
+from ..core.model import OutboxMessage
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The kombu transport on queue tables: ``outboxdb+<database URL>`` as Celery's broker.
 
 Built on ``kombu.transport.virtual`` (kombu's base for brokers that are not AMQP),
-with the SQL in ``outbox.engines.queues`` and its engine modules. What this module
+with the SQL in ``outbox.storage.engines.queues`` and its engine modules. What this module
 adds to the virtual transport, and why:
 
 - **Leases instead of delete-on-receive.** ``_get``/``drain_events`` lease rows
@@ -44,10 +44,10 @@ from typing import Any, Callable, TypeVar
 
 from kombu.transport import virtual
 
-from ..engines import engine_for_url, kind_of_url, mssql_driver
-from ..engines.queue_factory import queue_tables
-from ..engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables
-from ..errors import BrokerDatabaseUnavailable, ConfigError
+from ..storage.engines import engine_for_url, kind_of_url, mssql_driver
+from ..storage.engines.queue_factory import queue_tables
+from ..storage.engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables
+from ..core.errors import BrokerDatabaseUnavailable, ConfigError
 from .options import SCHEME
 
 log = logging.getLogger("outbox.transport")
@@ -64,7 +64,7 @@ def database_url_of(hostname: str | None) -> str:
     transport sees it; a bare ``outboxdb://`` means the outbox's own database
     (OUTBOX_DATABASE_URL)."""
     if not hostname or hostname.startswith(f"{SCHEME}:") or "://" not in hostname and "=" not in hostname:
-        from ..config import get_settings
+        from ..core.config import get_settings
         return get_settings().database_url
     try:
         kind_of_url(hostname)

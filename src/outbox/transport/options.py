@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..config import DATABASE_BROKER_SCHEME as SCHEME  # the URL scheme prefix: ``outboxdb+postgresql://...``
-from ..config import TRANSPORT_PREFIX, TRANSPORT_SETTINGS
-from ..errors import ConfigError
+from ..core.config import DATABASE_BROKER_SCHEME as SCHEME  # the URL scheme prefix: ``outboxdb+postgresql://...``
+from ..core.config import TRANSPORT_PREFIX, TRANSPORT_SETTINGS
+from ..core.errors import ConfigError
 
 
 def transport_options(*sources: Mapping[str, Any], visibility_timeout: float) -> dict[str, Any]:

@@ -21,9 +21,9 @@ import uuid
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-from ..engines import engine_class, unwrap_connection
-from ..engines.queue_factory import queue_tables
-from ..engines.queues import DEFAULT_QUEUE_TABLE
+from ..storage.engines import engine_class, unwrap_connection
+from ..storage.engines.queue_factory import queue_tables
+from ..storage.engines.queues import DEFAULT_QUEUE_TABLE
 from .channel import _eta_delay_ms
 
 

@@ -1,7 +1,7 @@
 """The outbox table on a Django connection, with the relay's own DDL.
 
 The Django migration calls ``create_table``: it runs the same guarded statements as
-``outbox migrate`` (``outbox.store.apply_migration``) on the connection being migrated, so
+``outbox migrate`` (``outbox.storage.store.apply_migration``) on the connection being migrated, so
 the table, its JSON checks and its filtered indexes are identical whichever created them,
 and ``outbox migrate`` afterwards finds nothing to do.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import get_settings, load_settings
-from ...engines import Engine, engine_class, unwrap_connection
-from ...store import apply_migration
+from ...core.config import get_settings, load_settings
+from ...storage.engines import Engine, engine_class, unwrap_connection
+from ...storage.store import apply_migration
 
 
 def engine_for(connection: Any) -> tuple[Engine, Any]:

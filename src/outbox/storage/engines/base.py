@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
-from ..chains import Candidate, plan_claim
-from ..config import validate_identifier
-from ..events import text_problem
-from ..model import NewEvent, OutboxMessage
+from ...domain.chains import Candidate, plan_claim
+from ...core.config import validate_identifier
+from ...domain.events import text_problem
+from ...core.model import NewEvent, OutboxMessage
 
 #: Columns handed to the relay, in this order, by every claim implementation.
 MESSAGE_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
@@ -287,7 +287,7 @@ class Engine(ABC):
 
     def insert_event_and_notify(self, cursor: Any, event: NewEvent, channel: str) -> int:
         """``insert_event`` and ``notify(channel)`` in the cursor's transaction (LISTEN/NOTIFY
-        on: ``outbox.listen``). Engines that can, do both in one statement."""
+        on: ``outbox.relay.listen``). Engines that can, do both in one statement."""
         outbox_id = self.insert_event(cursor, event)
         self.notify(cursor, channel)
         return outbox_id
@@ -314,7 +314,7 @@ class Engine(ABC):
         like MESSAGE_COLUMNS (rows whose status is not 1 went dead instead).
 
         This generic version plans the chains in Python over a locked candidate set
-        (see ``outbox.chains``); engines with a one-statement form override it."""
+        (see ``outbox.domain.chains``); engines with a one-statement form override it."""
         self.begin(cursor)
         scan = self.limit(
             f"SELECT id, aggregate_id, status, attempts FROM {self.table} WHERE {self.eligible()} ORDER BY id"

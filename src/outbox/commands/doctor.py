@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import ConfigError, Settings, dramatiq_settings, load_settings
-from .engines.describe import describe_database, expected_index_names, index_names, mask_url, missing_driver_hint
-from .store import OutboxStore
+from ..core.config import ConfigError, Settings, dramatiq_settings, load_settings
+from ..storage.engines.describe import describe_database, expected_index_names, index_names, mask_url, missing_driver_hint
+from ..storage.store import OutboxStore
 
 #: The columns of the contract (docs: "The table"), all read by a probe query.
 CONTRACT_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key", "payload",
@@ -148,8 +148,8 @@ def _reachable(name: str, url: str, fix: str) -> Result:
 def _check_database_broker(settings: Settings, url: str) -> Result:
     """The database as Celery's broker: the database it names (``outboxdb://`` alone: the
     outbox's own) answers. Its queue tables need no check: every worker creates them."""
-    from .transport import register
-    from .transport.channel import database_url_of
+    from ..transport import register
+    from ..transport.channel import database_url_of
 
     register()
     name = "celery broker"
@@ -229,13 +229,13 @@ def run_checks(environ: dict[str, str] | None = None, *,
     environ = dict(os.environ if environ is None else environ)
     try:
         settings = settings_loader() if settings_loader else load_settings(environ=environ)
-        from .config import RelayOptions
+        from ..core.config import RelayOptions
         RelayOptions.from_sources(environ)
         dramatiq = dramatiq_settings(environ)
     except ConfigError as exc:
         return [Result("configuration", FAIL, str(exc))]
     if settings.broker_url.startswith("outboxdb"):
-        from .transport import register
+        from ..transport import register
 
         register()  # before the URL is shown: kombu parses it by its scheme
     runner = (f"dramatiq broker {mask_url(dramatiq.broker_url)}" if dramatiq

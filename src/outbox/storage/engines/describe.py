@@ -3,7 +3,7 @@ masked (every ``outbox`` command names the database it used), the package to ins
 a driver is missing, and the indexes a table has (``outbox check``).
 
 Kept apart from the engine classes because none of it is on the relay's hot path; it is
-engine-specific, so it lives under ``outbox.engines`` like everything else that is.
+engine-specific, so it lives under ``outbox.storage.engines`` like everything else that is.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from . import kind_of_url
-from ..errors import install_hint
+from ...core.errors import install_hint
 from .base import Engine
 
 #: Driver module -> (engine, the extra that installs it).

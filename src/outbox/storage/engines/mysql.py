@@ -14,8 +14,8 @@ import socket
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ..config import session_bounds
-from ..model import NewEvent
+from ...core.config import session_bounds
+from ...core.model import NewEvent
 from .base import Engine, tcp_keepalive
 
 #: Deadlock, lock wait timeout, server gone away, lost connection, cannot connect,

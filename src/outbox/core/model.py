@@ -20,7 +20,7 @@ class Status(enum.IntEnum):
 
 @dataclass(frozen=True)
 class NewEvent:
-    """A validated event, ready to be inserted. Built by ``outbox.events.prepare_event``."""
+    """A validated event, ready to be inserted. Built by ``outbox.domain.events.prepare_event``."""
 
     message_id: str
     topic: str

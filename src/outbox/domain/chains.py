@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any, Iterable, Sequence, TypeVar
 
-from .model import OutboxMessage, Status
+from ..core.model import OutboxMessage, Status
 
 
 @dataclass(frozen=True)

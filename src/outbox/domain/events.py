@@ -35,8 +35,8 @@ import re
 import uuid
 from typing import Any, Mapping
 
-from .errors import EnqueueError
-from .model import NewEvent
+from ..core.errors import EnqueueError
+from ..core.model import NewEvent
 
 #: Column widths; the same on every engine. Each is checked in code points and in UTF-16
 #: code units (SQL Server's NVARCHAR counts those).

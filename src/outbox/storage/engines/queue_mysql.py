@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from ..errors import StoreError
+from ...core.errors import StoreError
 from .queues import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 

@@ -2,7 +2,7 @@
 
 The claim is one statement: lock the oldest eligible rows with
 ``FOR UPDATE SKIP LOCKED``, keep the per-aggregate chains the ordering rule allows
-(see ``outbox.chains``), update them and return them. Partial indexes keep the
+(see ``outbox.domain.chains``), update them and return them. Partial indexes keep the
 claim scan and the ordering probe on open rows only, however many done rows the
 retention window holds. The claim runs alone (autocommit), so claim and COMMIT are one
 round trip, and every session bounds its transactions' life (``connect``; docs/relay.md,
@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
-from ..config import session_bounds, without_session_bounds
-from ..model import NewEvent
+from ...core.config import session_bounds, without_session_bounds
+from ...core.model import NewEvent
 from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine, tcp_keepalive
 
 #: 25P03: the server ended the session, idle in a transaction too long (``session_settings``);
@@ -245,7 +245,7 @@ class PostgresEngine(Engine):
         return int(row[0])
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
-        # The rule of outbox.chains.plan_claim in one statement; its shape and why each step
+        # The rule of outbox.domain.chains.plan_claim in one statement; its shape and why each step
         # costs what it does: docs/relay.md, "Claim windows".
         # win: the window, read without locks; free: the first ``batch`` heads (OFFSET 0 keeps
         # the probe above the sort; a scalar probe, one index descent per head, never a hash

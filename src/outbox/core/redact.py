@@ -10,7 +10,7 @@ Passwords reach text in three ways, and ``redact`` covers each:
 * a fragment of a URL, quoted by a driver that could not parse it (libpq's
   ``invalid percent-encoded token: "s3cr%t@db/app"`` echoes only the part after the
   user name). No pattern finds those, so every password of a configured URL is
-  *registered* (``register_url``, done by ``outbox.config`` for every URL setting it
+  *registered* (``register_url``, done by ``outbox.core.config`` for every URL setting it
   loads) and replaced wherever it appears, raw or percent-decoded.
 
 ``RedactingFilter`` applies ``redact`` to every log record (message, arguments and

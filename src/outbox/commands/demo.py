@@ -73,9 +73,9 @@ def _run(workdir: Path, say: Callable[[str], None], timeout_s: float) -> bool:
                        "OUTBOX_CELERY_BROKER_URL": "memory://", "OUTBOX_CLAIM_INTERVAL_S": "0.2"})
     from kombu import Connection, Exchange, Queue
 
-    from .celery import app
-    from .config import reset_settings
-    from .store import OutboxStore
+    from ..celery import app
+    from ..core.config import reset_settings
+    from ..storage.store import OutboxStore
 
     reset_settings()
     store = OutboxStore.from_settings()

@@ -4,7 +4,7 @@ operator's view of everything below.
 
 The claim is one batch on the relay's connection: lock the oldest eligible rows
 with ``READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK`` into a table variable,
-keep the per-aggregate chains the ordering rule allows (see ``outbox.chains``; one
+keep the per-aggregate chains the ordering rule allows (see ``outbox.domain.chains``; one
 probe per aggregate, its plan pinned: docs/sqlserver.md, "The claim's statements and
 their plans"), update them and hand them back through ``OUTPUT ... INTO`` a table variable (a
 bare ``OUTPUT`` fails on tables with triggers). The batch never opens or commits a
@@ -47,11 +47,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ..errors import StoreError, install_hint
-from ..model import NewEvent
+from ...core.errors import StoreError, install_hint
+from ...core.model import NewEvent
 from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine
 
-log = logging.getLogger("outbox.engines.mssql")
+log = logging.getLogger("outbox.storage.engines.mssql")
 
 DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 #: Exact, case-sensitive comparison for id-like columns (and index seeks on them).
@@ -945,7 +945,7 @@ class MssqlEngine(Engine):
         """One row per aggregate of ``@cand``: its first candidate (``head``) and its
         *blocker*, the first open row of the aggregate before its last candidate that is
         not a candidate (NULL: none). Rule 1 of ``chain_select`` needs nothing else, as in
-        ``outbox.chains.plan_claim`` (its ``first_blocker``) and the PostgreSQL claim.
+        ``outbox.domain.chains.plan_claim`` (its ``first_blocker``) and the PostgreSQL claim.
 
         One probe per aggregate, a ``TOP (1)`` walk of the agg_open index in id order
         that stops at the first row outside ``@cand``: linear in the window, where a probe
@@ -973,7 +973,7 @@ FROM (SELECT aggregate_id, MIN(id) AS head, MAX(id) AS last_id FROM @cand GROUP 
 
     def chain_select(self) -> str:
         """``(id, head, dead)`` of the candidates in ``@cand`` this claim takes, given
-        ``@agg`` (``probe_select``): exactly the rule of ``outbox.chains.plan_claim``.
+        ``@agg`` (``probe_select``): exactly the rule of ``outbox.domain.chains.plan_claim``.
         A candidate is taken when
 
         1. its aggregate has no blocker before it (an open row outside ``@cand``: held by

@@ -1,4 +1,4 @@
-"""Picking the queue tables of an engine (``outbox.engines.queues``): a module of its own,
+"""Picking the queue tables of an engine (``outbox.storage.engines.queues``): a module of its own,
 above the engine modules ``queue_<engine>.py``, so that they import the contract and the
 contract never imports them back."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import ConfigError
+from ...core.errors import ConfigError
 from .base import Engine
 from .queues import DEFAULT_QUEUE_TABLE, QueueTables
 

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import click
 
-from .errors import OutboxError
-from .redact import redact
+from ..core.errors import OutboxError
+from ..core.redact import redact
 
 
 def _one_line(text: str, first_line: bool) -> str:

@@ -15,10 +15,10 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
-from .config import metrics_options
-from .errors import install_hint
+from ..core.config import metrics_options
+from ..core.errors import install_hint
 
-log = logging.getLogger("outbox.metrics")
+log = logging.getLogger("outbox.relay.metrics")
 
 #: Histogram buckets (seconds).
 CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError, UnsupportedConnection
+from ...core.errors import ConfigError, UnsupportedConnection
 from .base import Engine
 
 

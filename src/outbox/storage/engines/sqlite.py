@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, ClassVar
 
-from ..model import NewEvent
+from ...core.model import NewEvent
 from .base import Engine
 
 BUSY_TIMEOUT_S = 30.0

@@ -24,7 +24,7 @@ from .errors import ConfigError, install_hint
 from .names import MAX_NAMESPACE, Queues, default_namespace, valid_namespace
 from .redact import redact, register_url
 
-log = logging.getLogger("outbox.config")
+log = logging.getLogger("outbox.core.config")
 
 #: Above this the lease is almost certainly a typo (30 days written as ms), and on
 #: SQL Server it would overflow the INT bound to DATEADD(MILLISECOND, ...).
@@ -133,7 +133,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         for url in (self.database_url, self.publish_url, self.celery_broker_url):
-            register_url(url)  # masked wherever it shows up from now on (outbox.redact)
+            register_url(url)  # masked wherever it shows up from now on (outbox.core.redact)
         validate_identifier(self.table, "OUTBOX_TABLE")
         if self.schema is not None:
             validate_identifier(self.schema, "OUTBOX_SCHEMA")
@@ -210,7 +210,7 @@ def _looks_like_odbc(url: str) -> bool:
     return "=" in url and ";" in url
 
 
-#: Database URL schemes the engines (``outbox.engines.kind_of_url``) accept, before any
+#: Database URL schemes the engines (``outbox.storage.engines.kind_of_url``) accept, before any
 #: ``+driver`` suffix. Checked here too so that every process (CLI, worker, beat) refuses
 #: an unknown database at start-up, not at its first claim.
 DATABASE_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "mssql", "sqlserver")
@@ -407,7 +407,7 @@ def _warn_once(message: str) -> None:
         _warned.add(message)
         import logging
 
-        logging.getLogger("outbox.config").warning("outbox: %s", message)
+        logging.getLogger("outbox.core.config").warning("outbox: %s", message)
 
 
 #: Django ENGINE (its last dotted part) -> URL scheme of OUTBOX_DATABASE_URL.
@@ -443,7 +443,7 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
 
 
 #: Every other OUTBOX_* name the package reads: the relay's tuning options
-#: (``outbox.config.RelayOptions``) and the wake-up, LISTEN and metrics options. A test
+#: (``outbox.core.config.RelayOptions``) and the wake-up, LISTEN and metrics options. A test
 #: checks this list against the source, so a new option cannot be forgotten here.
 OTHER_NAMES = (
     "OUTBOX_RELAY_TASK_ROWS", "OUTBOX_RELAY_INLINE_ROWS", "OUTBOX_RELAY_MAX_QUEUED_TASKS",
@@ -772,7 +772,7 @@ def extra_setting(name: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class MetricsOptions:
-    """The relay's Prometheus metrics (``outbox.metrics``; docs/waking-and-metrics.md):
+    """The relay's Prometheus metrics (``outbox.relay.metrics``; docs/waking-and-metrics.md):
     ``OUTBOX_RELAY_METRICS_<FIELD>``, read like ``extra_setting``."""
 
     #: Serve ``/metrics`` on this port; None (unset, empty or 0): metrics are off.
@@ -808,7 +808,7 @@ class MetricsOptions:
 
 
 def metrics_options() -> MetricsOptions:
-    """The metrics options, read on each call (``outbox.metrics`` decides once per process)."""
+    """The metrics options, read on each call (``outbox.relay.metrics`` decides once per process)."""
     return MetricsOptions.from_sources({f"OUTBOX_RELAY_METRICS_{f.name.upper()}": extra_setting(
         f"OUTBOX_RELAY_METRICS_{f.name.upper()}") for f in fields(MetricsOptions)})
 
@@ -835,7 +835,7 @@ def flag(name: str, default: bool = False) -> bool:
 
 @dataclass(frozen=True)
 class WakeOptions:
-    """The options of ``outbox.wake`` and ``outbox.listen``, read once with the precedence
+    """The options of ``outbox.wake`` and ``outbox.relay.listen``, read once with the precedence
     above (``extra_setting``) and kept in the one cache."""
 
     #: OUTBOX_RELAY_WAKE: post-commit wake-ups in this process.

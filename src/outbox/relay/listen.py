@@ -14,9 +14,9 @@ import random
 import threading
 from typing import Any, Callable, Iterator
 
-from .config import wake_options
+from ..core.config import wake_options
 
-log = logging.getLogger("outbox.listen")
+log = logging.getLogger("outbox.relay.listen")
 
 #: Longest PostgreSQL identifier (NAMEDATALEN - 1).
 MAX_CHANNEL = 63
@@ -27,7 +27,7 @@ def channel_for(table: str, schema: str | None = None, override: Any = None) -> 
     the table's name."""
     override = override if override is not None else wake_options().listen_channel
     if override:
-        from .config import validate_identifier
+        from ..core.config import validate_identifier
 
         return validate_identifier(str(override).strip(), "OUTBOX_RELAY_LISTEN_CHANNEL")
     name = f"outbox_{schema}_{table}" if schema else f"outbox_{table}"
@@ -44,8 +44,8 @@ def listen_enabled() -> bool:
 
 def notify_channel(kind: str, table: str, schema: str | None) -> str | None:
     """The channel ``enqueue`` notifies on, or None (not PostgreSQL, or LISTEN off). The
-    options are read once (``outbox.config.wake_options``, again after ``reset_settings``)."""
-    from .engines import engine_class
+    options are read once (``outbox.core.config.wake_options``, again after ``reset_settings``)."""
+    from ..storage.engines import engine_class
 
     if not engine_class(kind).supports_notify:
         return None
@@ -93,7 +93,7 @@ class Listener(threading.Thread):
             log.exception("outbox listen: wake-up callback failed")
 
     def _connect(self) -> Any:
-        from .engines import engine_class, kind_of_url
+        from ..storage.engines import engine_class, kind_of_url
 
         return engine_class(kind_of_url(self.url)).listen_connection(self.url, self.channel)
 
@@ -167,7 +167,7 @@ class _Subscription:
 
 class Subscriber(Listener):
     """The worker's ear for writers' wake-ups on a Redis Celery broker: SUBSCRIBE on the
-    claim queue's wake channel (``outbox.names.wake_channel``); writers PUBLISH there and
+    claim queue's wake channel (``outbox.core.names.wake_channel``); writers PUBLISH there and
     fall back to a claim message when nobody listens (docs/waking-and-metrics.md)."""
 
     def __init__(self, url: str, channel: str, on_notify: Callable[[], Any], **kwargs: Any) -> None:
@@ -215,7 +215,7 @@ def start_listener(settings: Any, on_notify: Callable[[], Any]) -> Listener | No
     """Start this worker's listener when OUTBOX_RELAY_LISTEN is on and the outbox of
     ``settings`` is on PostgreSQL; return it (or None). ``on_notify``: the worker's
     in-process claim (or its coalesced ``request_claim``)."""
-    from .engines import engine_class, kind_of_url
+    from ..storage.engines import engine_class, kind_of_url
 
     if not listen_enabled():
         return None

@@ -4,7 +4,7 @@ The store owns its connections (one per thread, opened lazily and re-opened afte
 a fork, as Celery's prefork pool requires), runs every operation as its own short
 transaction, and retries transient failures (deadlock victim, lock timeout,
 dropped connection) with tenacity. Everything engine-specific lives in
-``outbox.engines``; nothing here branches on the engine.
+``outbox.storage.engines``; nothing here branches on the engine.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from .config import Settings, get_settings
+from ..core.config import Settings, get_settings
 from .engines import Engine, engine_for_url
 from .engines.describe import index_names
 from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
-from .errors import StoreError
-from .events import MAX_ERROR_UNITS, fit_utf16
-from .model import (Beat, Claim, DeadRow, FailResult, FenceResult, Holder, OutboxMessage, RequeueResult,
+from ..core.errors import StoreError
+from ..domain.events import MAX_ERROR_UNITS, fit_utf16
+from ..core.model import (Beat, Claim, DeadRow, FailResult, FenceResult, Holder, OutboxMessage, RequeueResult,
                     SilentHolder, Stats, Status, Takeover)
 
-log = logging.getLogger("outbox.store")
+log = logging.getLogger("outbox.storage.store")
 T = TypeVar("T")
 
 #: Attempts for one operation when the database reports a transient error.

@@ -1,0 +1,1 @@
+"""The foundation: settings, names, the row model, errors, redaction, tracing."""

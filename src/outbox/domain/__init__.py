@@ -1,0 +1,1 @@
+"""The domain: events (validation, encoding) and per-aggregate chains."""

@@ -1,0 +1,1 @@
+"""Storage: the store over one table and the per-engine modules."""
