@@ -33,7 +33,7 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
     """The ``beat_schedule`` for ``settings`` (``outbox.core.config.Settings``) and relay
     ``options`` (``outbox.core.config.RelayOptions``); both default to the environment's."""
     from outbox.core.config import RelayOptions, get_settings
-    from outbox.core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PURGE_TASK
+    from outbox.core.names import CLAIM_TASK, PURGE_TASK, TASK_OUTBOX_ARG
 
     settings = settings or get_settings()
     if options is None:

@@ -35,12 +35,24 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .common import (PY_SPY, Destination, Run, create_table, drop_table, flush_redis, log,
-                     machine_facts, require_services, to_json, wait_quiet)
+from .common import (
+    PY_SPY,
+    Destination,
+    Run,
+    create_table,
+    drop_table,
+    flush_redis,
+    log,
+    machine_facts,
+    require_services,
+    to_json,
+    wait_quiet,
+)
 
 PHASES = ("confirm", "drain", "hot", "live", "memory", "takeover", "profile", "tuning")
 #: Phases left out of ``--quick`` (and first to go when the time budget is short).

@@ -6,6 +6,7 @@ Everything here talks to 127.0.0.1 only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -16,9 +17,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 POSTGRES_URL = os.environ.get("OUTBOX_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 AMQP_URL = os.environ.get("OUTBOX_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -114,7 +116,7 @@ def flush_redis(url: str) -> int:
 def redis_llen(client: Any, key: str) -> int | None:
     try:
         return int(client.llen(key))
-    except Exception:
+    except Exception:  # noqa: BLE001 - a depth the sampler cannot read is None
         return None
 
 
@@ -203,17 +205,13 @@ class Destination:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                try:
+                with contextlib.suppress(TimeoutError):
                     conn.drain_events(timeout=0.2)
-                except socket.timeout:
-                    pass
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - reported by check()
             self._error = exc
         finally:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the consumer is done
                 conn.close()
-            except Exception:
-                pass
 
     def check(self) -> None:
         if self._error is not None:
@@ -359,13 +357,12 @@ def load_backlog(run: Run, events: int, aggregates: int, big_every: int = 0,
     cols = "message_id, topic, aggregate_type, aggregate_id, partition_key, payload, headers, trace_id"
     blob = random_blob(max(0, big_bytes - 300)) if big_every > 0 else None
     with pg_connect(run.postgres_url) as conn:
-        with conn.cursor() as cur:
-            with cur.copy(f"COPY {run.table} ({cols}) FROM STDIN") as copy:
-                for n in range(events):
-                    big = blob if big_every > 0 and n % big_every == big_every - 1 else None
-                    e = make_event(n, aggregate_name(n % aggregates), big)
-                    copy.write_row((e.message_id, e.topic, e.aggregate_type, e.aggregate_id, e.partition_key,
-                                    e.payload_json, e.headers_json, e.trace_id))
+        with conn.cursor() as cur, cur.copy(f"COPY {run.table} ({cols}) FROM STDIN") as copy:
+            for n in range(events):
+                big = blob if big_every > 0 and n % big_every == big_every - 1 else None
+                e = make_event(n, aggregate_name(n % aggregates), big)
+                copy.write_row((e.message_id, e.topic, e.aggregate_type, e.aggregate_id, e.partition_key,
+                                e.payload_json, e.headers_json, e.trace_id))
         # Read before the commit: a relay already running claims rows as soon as they are
         # visible, and those would be missing from the expected order (then reported as
         # "unexpected" arrivals although nothing was out of order).
@@ -496,7 +493,7 @@ class CpuWindow:
         elapsed = time.monotonic() - self._t0
         procs1 = cpu_by_process()
         sys1 = system_cpu()
-        used: dict[str, float] = {name: 0.0 for name in self.groups}
+        used: dict[str, float] = dict.fromkeys(self.groups, 0.0)
         used["other"] = 0.0
         other: dict[str, float] = {}
         for pid, (comm, cpu) in procs1.items():
@@ -568,22 +565,14 @@ def wait_quiet(max_busy: float = 0.25, window: float = 1.0, timeout: float = 60.
 def stop_process_group(proc: subprocess.Popen[Any], grace: float = 10.0) -> None:
     """SIGTERM the process group we started, then SIGKILL what is left of it."""
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def percentile(values: Sequence[float], q: float) -> float:

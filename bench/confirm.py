@@ -36,8 +36,9 @@ import json
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 from .common import Destination, Run, _amqp_connection, confirm_channel, log, make_event
 
@@ -45,7 +46,7 @@ from .common import Destination, Run, _amqp_connection, confirm_channel, log, ma
 def _messages(count: int, aggregates: int = 100) -> list[Any]:
     from outbox.core.model import OutboxMessage
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     out = []
     for n in range(count):
         e = make_event(n, f"agg-{n % aggregates:03d}")
@@ -58,6 +59,7 @@ def _messages(count: int, aggregates: int = 100) -> list[Any]:
 
 def _amqp_messages(messages: list[Any]) -> list[Any]:
     import amqp
+
     from outbox.publisher import build_headers, encode_body
 
     return [amqp.Message(encode_body(m), application_headers=build_headers(m), delivery_mode=2,

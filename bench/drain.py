@@ -27,9 +27,27 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .common import (CELERY, PY_SPY, CpuWindow, Destination, Run, check_order, cpu_seconds, lease_recovered, log,
-                     load_backlog, pg_connect, process_tree, redis_llen, rss_kb, service_groups, status_counts,
-                     stop_process_group, truncate_table, wait_all_done)
+from .common import (
+    CELERY,
+    PY_SPY,
+    CpuWindow,
+    Destination,
+    Run,
+    check_order,
+    cpu_seconds,
+    lease_recovered,
+    load_backlog,
+    log,
+    pg_connect,
+    process_tree,
+    redis_llen,
+    rss_kb,
+    service_groups,
+    status_counts,
+    stop_process_group,
+    truncate_table,
+    wait_all_done,
+)
 from .rawloop import run_raw_loop
 
 
@@ -112,12 +130,9 @@ class Relay:
                                 str(self.dir / "beat-schedule")) if beat else None
 
     def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        out = open(self.dir / f"{name}.log", "ab")
-        try:
+        with open(self.dir / f"{name}.log", "ab") as out:
             return subprocess.Popen([CELERY, "-A", "outbox", *args], cwd=self.dir, env=self.env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            out.close()
 
     def log_tail(self, name: str = "worker", chars: int = 3000) -> str:
         try:
@@ -193,7 +208,7 @@ class Sampler(threading.Thread):
                         claimed = conn.execute(
                             f"SELECT COUNT(*) FROM {self.relay.run.table} WHERE status = 1").fetchone()[0]
                         self.claimed_max = max(self.claimed_max, int(claimed))
-                    except Exception:  # noqa: BLE001 - a sample lost is no failure
+                    except Exception:  # noqa: BLE001, S110 - a sample lost is no failure
                         pass
                 self.samples += 1
                 self.stop_event.wait(self.interval)

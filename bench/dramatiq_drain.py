@@ -40,12 +40,9 @@ class DramatiqRelay(Relay):
         self.beat = self._spawn("beat", [str(BIN / "outbox-dramatiq-scheduler"), f"--loglevel={loglevel}"])
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        out = open(self.dir / f"dramatiq-{name}.log", "ab")
-        try:
+        with open(self.dir / f"dramatiq-{name}.log", "ab") as out:
             return subprocess.Popen(argv, cwd=self.dir, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        finally:
-            out.close()
 
     def log_tail(self, name: str = "worker", chars: int = 3000) -> str:
         try:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .common import CpuWindow, Destination, Run, aggregate_name, check_order, log, percentile, pg_connect
 

@@ -13,10 +13,21 @@ docs/relay.md, "Memory: claims sized by bytes", and docs/benchmarks.md, "Memory 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from .common import (Destination, Run, check_order, load_backlog, log, process_tree, rss_kb, status_counts,
-                     truncate_table, wait_all_done)
+from .common import (
+    Destination,
+    Run,
+    check_order,
+    load_backlog,
+    log,
+    process_tree,
+    rss_kb,
+    status_counts,
+    truncate_table,
+    wait_all_done,
+)
 from .drain import arrival_rate
 
 TARGET_MB = 256.0

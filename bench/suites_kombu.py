@@ -13,8 +13,14 @@ import os
 
 import kombu
 import pytest
-from t.integration.common import (BaseEventLoop, BaseExchangeTypes, BaseMessage, BasePriority, BaseTimeToLive,
-                                  BasicFunctionality)
+from t.integration.common import (
+    BaseEventLoop,
+    BaseExchangeTypes,
+    BaseMessage,
+    BasePriority,
+    BaseTimeToLive,
+    BasicFunctionality,
+)
 
 import outbox.transport  # noqa: F401 - registers outboxdb+...
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
-import os
 import statistics
 import subprocess
 import tempfile
@@ -31,8 +31,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import (CELERY, Destination, Run, check_order, create_table, drop_table, flush_redis, load_backlog,
-                     log, process_tree, require_services, stop_process_group, to_json, truncate_table)
+from .common import (
+    CELERY,
+    Destination,
+    Run,
+    check_order,
+    create_table,
+    drop_table,
+    flush_redis,
+    load_backlog,
+    log,
+    process_tree,
+    require_services,
+    stop_process_group,
+    to_json,
+    truncate_table,
+)
 from .drain import arrival_rate
 
 TAKEOVER = re.compile(r"took over (\d+) rows of a lost worker process \(holder (\w+).*silent for ([\d.]+) s, "

@@ -27,8 +27,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .common import CELERY, POSTGRES_URL, REDIS_URL, log, pg_connect, reachable
 
@@ -92,7 +93,7 @@ class Brokers:
             client = redis.Redis.from_url(REDIS_URL)
             for key in client.scan_iter(match=f"{self.redis_prefix}*"):
                 client.delete(key)
-        except Exception as exc:  # the run's figures are printed already
+        except Exception as exc:  # noqa: BLE001 - the run's figures are printed already
             log(f"redis cleanup failed: {exc}")
         with pg_connect(POSTGRES_URL) as conn:
             conn.autocommit = True
@@ -100,8 +101,9 @@ class Brokers:
 
 
 def kombu_phase(url: str, options: dict[str, Any], messages: int) -> dict[str, float]:
-    import outbox.transport  # noqa: F401
     from kombu import Connection
+
+    import outbox.transport  # noqa: F401
 
     name = f"bench-{uuid.uuid4().hex[:8]}"
     with Connection(url, transport_options=options) as conn:
@@ -141,7 +143,7 @@ def celery_phase(name: str, url: str, options: dict[str, Any], tasks: int, laten
     for _ in range(tasks):
         noop.delay(0.0)
     result: dict[str, Any] = {"send_per_s": tasks / (time.perf_counter() - started)}
-    logf = open(workdir / "worker.log", "wb")
+    logf = open(workdir / "worker.log", "wb")  # noqa: SIM115 - closed with the worker, in the finally below
     worker = subprocess.Popen([CELERY, "-A", module, "worker", "-c", "2", "--loglevel=INFO", "--without-mingle",
                                "--without-gossip", "--without-heartbeat"], cwd=workdir, env=env, stdout=logf,
                               stderr=subprocess.STDOUT, start_new_session=True)
@@ -154,7 +156,7 @@ def celery_phase(name: str, url: str, options: dict[str, Any], tasks: int, laten
         for _ in range(latency_samples):
             before = len(lines())
             noop.delay(time.time())
-            wait(lambda: len(lines()) > before, 30, "latency sample")
+            wait(lambda: len(lines()) > before, 30, "latency sample")  # noqa: B023 - wait() calls it at once, inside this iteration
             sent, ran = map(float, lines()[-1].split())
             latencies.append((ran - sent) * 1000)
             time.sleep(0.3)

@@ -11,12 +11,12 @@ from datetime import timedelta
 
 import click
 
+from .commands.oneline import one_line_errors as _one_line_errors
 from .core.config import get_settings
-from .storage.engines.describe import describe_database, missing_driver_hint
 from .core.model import Status
 from .core.names import KINDS
-from .commands.oneline import one_line_errors as _one_line_errors
 from .core.redact import install_filter
+from .storage.engines.describe import describe_database, missing_driver_hint
 from .storage.store import OutboxStore
 
 #: The store the running command opened, so an error can be explained (missing table).
@@ -43,14 +43,14 @@ def _explain(exc: Exception) -> str | None:
     store.close()
     try:
         store.connection()
-    except Exception as connect_error:
+    except Exception as connect_error:  # noqa: BLE001 - whatever fails to connect is the explanation
         hint = missing_driver_hint(connect_error)
         detail = " ".join(str(connect_error).split()) or type(connect_error).__name__
         return hint or f"cannot connect to the database: {type(connect_error).__name__}: {detail}"
     try:
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"SELECT id FROM {store.engine.table} WHERE 1 = 0")
-    except Exception:
+    except Exception:  # noqa: BLE001 - the probe query failing means the table is not there
         return f"table {store.engine.table} missing: run `outbox migrate` (it creates the table and its indexes)"
     finally:
         store.close()
@@ -100,6 +100,7 @@ def migrate(native_json: bool) -> None:
     from .transport import is_transport_url, migrate_queue_tables
     if is_transport_url(broker_url):
         import os
+
         from .transport.options import transport_options
         table = transport_options(os.environ, visibility_timeout=1.0).get("queue_table")
         tables = migrate_queue_tables(broker_url, table=table)

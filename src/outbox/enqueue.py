@@ -4,15 +4,16 @@ touching the database when the input is bad."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any
 
 from .core.config import get_settings, validate_identifier
-from .storage.engines import Engine, engine_class, unwrap_connection
 from .core.errors import ConfigError, EnqueueError
+from .core.tracing import current_traceparent
 from .domain.events import prepare_event
 from .relay.listen import notify_channel
-from .core.tracing import current_traceparent
+from .storage.engines import Engine, engine_class, unwrap_connection
 
 
 @lru_cache(maxsize=32)

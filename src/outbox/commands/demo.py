@@ -20,8 +20,8 @@ import sqlite3
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ORDERS = ("order-1", "order-2", "order-3")
 STEPS = ("created", "paid", "packed", "shipped")
@@ -106,8 +106,8 @@ def _run(workdir: Path, say: Callable[[str], None], timeout_s: float) -> bool:
                 tasks.request_claim()
                 continue
             body = message.body if isinstance(message.body, str) else message.body.decode()
-            arrivals.append((message.headers["aggregate_id"], {**json.loads(body), **{
-                "topic": message.headers["topic"], "attempt": message.headers["attempt"]}}))
+            arrivals.append((message.headers["aggregate_id"], {**json.loads(body), 
+                "topic": message.headers["topic"], "attempt": message.headers["attempt"]}))
             say(f"  broker <- {message.headers['topic']:<16} {message.headers['aggregate_id']} "
                 f"outbox_id={message.headers['outbox_id']} attempt={message.headers['attempt']}")
             message.ack()

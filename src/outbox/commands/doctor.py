@@ -22,12 +22,20 @@ skipped when an earlier one it depends on failed:
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..core.config import ConfigError, Settings, dramatiq_settings, load_settings
-from ..storage.engines.describe import describe_database, expected_index_names, index_names, mask_url, missing_driver_hint
+from ..storage.engines.describe import (
+    describe_database,
+    expected_index_names,
+    index_names,
+    mask_url,
+    missing_driver_hint,
+)
 from ..storage.store import OutboxStore
 
 #: The columns of the contract (docs: "The table"), all read by a probe query.
@@ -212,10 +220,8 @@ def _check_binding(conn: Any, exchange: str) -> Result:
                           f"it (durable topic) and bind your consumers' queues before the first event "
                           f"({_error(exc)})")
         finally:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the check's result is already decided
                 channel.close()
-            except Exception:
-                pass
         return Result(name, WARN, f"exchange {exchange!r} exists (topic). AMQP cannot list its bindings: check "
                       f"`rabbitmqctl list_bindings source_name routing_key destination_name` or the management "
                       f"UI (Exchanges -> {exchange}); an event no queue is bound for is retried as unroutable "

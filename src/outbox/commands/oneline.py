@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -36,12 +37,12 @@ def one_line_errors(command: Callable[..., Any] | None = None, *,
                 raise
             except OutboxError as exc:
                 click.echo(redact(f"error: {_one_line(str(exc), first_line)}"), err=True)
-            except Exception as exc:  # driver errors: explained when we can, else the type in one line
+            except Exception as exc:  # noqa: BLE001 - driver errors: explained when we can, else the type in one line
                 hint = None
                 if explain is not None:
                     try:
                         hint = explain(exc)
-                    except Exception:  # explaining must never hide the original error
+                    except Exception:  # noqa: BLE001 - explaining must never hide the original error
                         hint = None
                 detail = _one_line(str(exc), first_line) or type(exc).__name__
                 click.echo(redact(f"error: {hint}" if hint else f"error: {type(exc).__name__}: {detail}"), err=True)

@@ -46,7 +46,7 @@ def warn_if_wake_cannot_work(where: str) -> str | None:
     global _warned
     try:
         problem = wake_problem()
-    except (Exception, SystemExit) as exc:  # an invalid configuration is reported where it is used
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - an invalid configuration is reported where it is used
         log.debug("outbox: cannot tell whether wake-ups work: %s", exc)
         return None
     if problem and not _warned:

@@ -91,7 +91,7 @@ class RedactingFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             message = record.getMessage()
-        except Exception:  # a broken format string: let logging report it as usual
+        except Exception:  # noqa: BLE001 - a broken format string: let logging report it as usual
             return True
         clean = redact(message)
         if clean != message or record.args:

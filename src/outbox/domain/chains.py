@@ -11,9 +11,10 @@ killing workers is retried alone and cannot drag the rest of its aggregate down.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from ..core.model import OutboxMessage, Status
 

@@ -33,7 +33,8 @@ import json
 import math
 import re
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..core.errors import EnqueueError
 from ..core.model import NewEvent
@@ -92,7 +93,7 @@ def fit_utf16(text: str, limit: int = MAX_ERROR_UNITS) -> str:
     if utf16_units(clean) <= limit:
         return clean
     budget, units, cut = limit - 3, 0, 0
-    for cut, ch in enumerate(clean):
+    for cut, ch in enumerate(clean):  # noqa: B007 - cut is read after the loop
         width = 2 if ord(ch) > 0xFFFF else 1
         if units + width > budget:
             break

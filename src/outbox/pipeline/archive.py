@@ -28,9 +28,10 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from ..storage.engines.base import Engine
 from ..storage.store import OutboxStore
@@ -91,7 +92,7 @@ def check_table(store: OutboxStore) -> None:
     """Fail with one clear line when the outbox table is not there."""
     try:
         store._run("check table", lambda c: store.engine.execute(c, check_table_sql(store.engine)).fetchall())
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure to read becomes one PipelineError line
         raise PipelineError(f"cannot read the outbox table {store.engine.table} on {store.engine.name}: "
                             f"{' '.join(str(exc).split())[:200]}") from None
 
@@ -137,7 +138,7 @@ class Archiver:
         check_table(self.store)
         try:
             self.fs.check_writable()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure to write becomes one PipelineError line
             raise PipelineError(f"cannot write to the archive {self.root}: "
                                 f"{' '.join(str(exc).split())[:200]}") from None
         recovered = self.recover()
@@ -151,7 +152,7 @@ class Archiver:
             self.progress(f"nothing to archive: no {'done or dead' if include_dead else 'done'} rows "
                           f"processed before {cutoff_dt.isoformat()}")
             return result
-        run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
+        run_id = f"{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
         result.run_id = run_id
         self.progress(f"run {run_id}: archiving {count} row(s) processed before {cutoff_dt.isoformat()} "
                       f"(ids {lo}..{hi}) to {self.root}")
@@ -170,7 +171,7 @@ class Archiver:
             "run_id": run_id, "version": 1, "engine": self.engine.name, "table": self.engine.table_name,
             "schema": self.engine.schema, "statuses": statuses, "cutoff": cutoff_dt.isoformat(),
             "cutoff_native": encode_native(cutoff), "rows": rows, "id_ranges": ranges, "files": files,
-            "committed_at": datetime.now(timezone.utc).isoformat(),
+            "committed_at": datetime.now(UTC).isoformat(),
         }
         self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json"), json.dumps(manifest))
         self.on_step("committed")
@@ -220,7 +221,7 @@ class Archiver:
         self.on_step("deleted")
         run_id = manifest["run_id"]
         self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.deleted"), json.dumps(
-            {"run_id": run_id, "deleted": deleted, "at": datetime.now(timezone.utc).isoformat()}))
+            {"run_id": run_id, "deleted": deleted, "at": datetime.now(UTC).isoformat()}))
         self.progress(f"run {run_id}: deleted {deleted} archived row(s) from the outbox")
         return deleted
 
@@ -252,7 +253,8 @@ class Archiver:
         sql = delete_sql(engine, manifest["statuses"])
         total = 0
         for n, (lo, hi) in enumerate(range_chunks(manifest["id_ranges"], self.delete_chunk)):
-            deleted = self.store._run("archive delete", lambda c: engine.execute(c, sql, [lo, hi, cutoff]).rowcount)
+            deleted = self.store._run("archive delete",  # the lambda runs at once, inside this iteration
+                                      lambda c: engine.execute(c, sql, [lo, hi, cutoff]).rowcount)  # noqa: B023
             total += max(deleted, 0)
             if n == 0:
                 self.on_step("deleted-chunk")

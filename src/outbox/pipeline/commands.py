@@ -10,11 +10,10 @@ import json
 
 import click
 
-from ..core.config import get_settings
 from ..commands.oneline import one_line_errors
+from ..core.config import get_settings
 from ..storage.store import OutboxStore
 from .common import crash_hook_from_env, parse_duration
-
 
 #: One line per failure, its first line only: Spark's errors run to pages (``outbox.commands.oneline``).
 _errors = one_line_errors(first_line=True)

@@ -7,9 +7,10 @@ import json
 import os
 import re
 import signal
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from ..core.errors import OutboxError
 
@@ -54,7 +55,7 @@ def parse_point_in_time(text: str, option: str, now: datetime) -> datetime:
     except (AttributeError, ValueError):
         raise PipelineError(f"{option}: {text!r} is neither a duration (<n>s|m|h|d) nor an ISO-8601 "
                             "date/time") from None
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def archive_uri(target: str) -> str:

@@ -20,12 +20,13 @@ database therefore compares the very same values as on the driver path.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import quote
 
-from ..storage.engines.base import Engine
 from ..core.errors import install_hint
+from ..storage.engines.base import Engine
 
 #: ``reader`` option values: ``arrow`` (the engine's Arrow reader, the default where
 #: there is one) and ``driver`` (the engine's Python driver: the fallback, and SQL Server's path).

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
 
 from ..core.config import get_settings
 from ..domain.events import prepare_event
@@ -232,4 +233,4 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
 
 
 def utc_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)

@@ -21,9 +21,9 @@ import base64
 import html
 import io
 import json
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 from ..storage.store import OutboxStore
 from .archive import check_table, db_cutoff, read_archive
@@ -118,7 +118,7 @@ def _compute(spark: Any, frame: Any, sources: dict[str, Any]) -> dict[str, Any]:
     histogram = [{"attempts": int(r["attempts"]), "rows": int(r["n"])} for r in sql(
         "SELECT attempts, COUNT(*) AS n FROM outbox_report_rows GROUP BY attempts ORDER BY attempts").collect()]
     return {
-        "generated_at": datetime.now(timezone.utc).isoformat(),
+        "generated_at": datetime.now(UTC).isoformat(),
         "sources": {**sources, "live_rows": origin.get(0, 0), "archive_rows": origin.get(1, 0)},
         "totals": {**totals, "attempts_histogram": histogram},
         "days": days,

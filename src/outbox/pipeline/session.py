@@ -39,8 +39,8 @@ def check_master(master: str) -> str:
 
 def import_pyspark() -> Any:
     try:
-        import pyspark  # noqa: F401
         import pyarrow  # noqa: F401  (the Python data source hands rows to the JVM as Arrow)
+        import pyspark
     except ImportError as exc:
         raise PipelineError(f"the pipeline needs PySpark 4 and Java 17: {install_hint('spark')} "
                             f"({exc})") from None
@@ -71,7 +71,7 @@ def spark_session(master: str | None = None, app_name: str = "outbox-pipeline") 
             builder = builder.config(key, value)
         try:
             active = builder.getOrCreate()
-        except Exception as exc:  # no Java, a bad master URL
+        except Exception as exc:  # noqa: BLE001 - no Java, a bad master URL
             raise PipelineError(f"cannot start Spark{' on ' + master if master else ''}: "
                                 f"{' '.join(str(exc).split())[:300]}") from None
         active.sparkContext.setLogLevel(os.environ.get("OUTBOX_SPARK_LOG_LEVEL", "ERROR"))

@@ -25,7 +25,8 @@ is the alternative read path (docs/pipeline.md); the jobs use this source.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
@@ -36,7 +37,7 @@ from .fetch import ArrowFetch, arrow_fetch, to_source_schema
 _TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
 
 
-def ARROW_SCHEMA() -> Any:  # noqa: N802 (a constant, built lazily: pyarrow is imported in the tasks)
+def ARROW_SCHEMA() -> Any:
     """``SOURCE_SCHEMA_DDL`` as Arrow types."""
     import pyarrow as pa
     ts = pa.timestamp("us", tz="UTC")
@@ -55,7 +56,7 @@ class OutboxDataSource(DataSource):
     def schema(self) -> str:
         return SOURCE_SCHEMA_DDL
 
-    def reader(self, schema: Any) -> "OutboxReader":
+    def reader(self, schema: Any) -> OutboxReader:
         return OutboxReader(dict(self.options))
 
 

@@ -10,7 +10,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..core.model import Holder, SilentHolder
 from ..storage.store import OutboxStore

@@ -8,11 +8,13 @@ each (re)connect. What each costs and guarantees: docs/waking-and-metrics.md,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import random
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..core.config import wake_options
 
@@ -103,7 +105,7 @@ class Listener(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 self._conn = self._connect()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the listener thread retries whatever the connect raised
                 failures += 1
                 (log.warning if failures == 1 else log.debug)(
                     "outbox listen: cannot LISTEN on %s (%s: %s); retrying in %.1f s",
@@ -127,17 +129,15 @@ class Listener(threading.Thread):
                         self._fire()
                         if self._stop_event.is_set():
                             break
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the listener thread must survive a lost connection: it reconnects
                 if not self._stop_event.is_set():
                     failures = 1
                     log.warning("outbox listen: connection lost (%s: %s); reconnecting", type(exc).__name__, exc)
             finally:
                 self.ready.clear()
                 self.backend_pid = None
-                try:
+                with contextlib.suppress(Exception):  # best effort: the connection is being dropped
                     self._conn.close()
-                except Exception:
-                    pass
                 self._conn = None
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 from .state import ProcessState, SharedState, open_shared_state
 
-
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
 
 
@@ -53,7 +52,7 @@ class Breaker:
                 self._checked = now
                 try:
                     shared = self._read()
-                except Exception as exc:  # the shared store is down: decide locally
+                except Exception as exc:  # noqa: BLE001 - the shared store is down: decide locally
                     log.debug("outbox breaker: cannot read shared state: %s", exc)
                     shared = None
                 if shared is not None and shared[0] > self._until:
@@ -75,7 +74,7 @@ class Breaker:
             shared = self._read()
             if shared is None or shared[0] < until:
                 self.state.set(self.key, json.dumps({"until": until, "reason": reason}), until - time.time())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any error of the shared store: pause alone
             log.warning("outbox breaker: cannot share state (this process pauses alone): %s", exc)
         return until
 
@@ -84,7 +83,7 @@ class Breaker:
             self._until, self._reason, self._checked = 0.0, "", 0.0
         try:
             self.state.delete(self.key)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any error of the shared store: logged, local state cleared
             log.warning("outbox breaker: cannot clear shared state: %s", exc)
 
 
@@ -133,7 +132,7 @@ class RouteGate:
                 self._checked = now
                 try:
                     shared = {route: json.loads(value) for route, value in self.state.get_fields(self.key).items()}
-                except Exception as exc:  # the shared store is down: decide locally
+                except Exception as exc:  # noqa: BLE001 - the shared store is down: decide locally
                     log.debug("outbox route gate: cannot read shared state: %s", exc)
                     shared = {}
                 for route, (until, step) in shared.items():
@@ -169,7 +168,7 @@ class RouteGate:
                 del self._routes[old]
         try:
             self.state.set_field(self.key, route, json.dumps([until, step]), until - time.time() + 3 * max_s)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any error of the shared store: pause alone
             log.warning("outbox route gate: cannot share state (this process pauses the route alone): %s", exc)
         return step, True
 
@@ -233,7 +232,7 @@ class Outage:
         if first:
             try:
                 announce = self._begin()
-            except Exception:  # the shared flag is unreachable: say it here
+            except Exception:  # noqa: BLE001 - the shared flag is unreachable: say it here
                 announce = True
         if announce:
             self.log.warning("outbox: %s unreachable (%s): %s. %s", self.what, self.where, detail, self.meanwhile)
@@ -251,7 +250,7 @@ class Outage:
             return
         try:
             announce = self._end()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the shared flag is unreachable: say it here
             announce = True
         if announce:
             self.log.info("outbox: %s reachable again (%s) after %.1f s", self.what, self.where,
@@ -288,14 +287,14 @@ class Coalescer:
     def acquire(self) -> bool:
         try:
             return self.state.set_if_absent(self.key, "1", self.ttl_s)
-        except Exception as exc:  # the state lives in the runner's broker: if it is down, sending fails anyway
+        except Exception as exc:  # noqa: BLE001 - the runner's broker holds the token: if it is down, sending fails too
             log.debug("outbox: claim request token unavailable (%s); requesting anyway", exc)
             return True
 
     def clear(self) -> None:
         try:
             self.state.delete(self.key)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any error of the shared store: the token expires by itself
             log.debug("outbox: cannot clear the claim request token: %s", exc)
 
 

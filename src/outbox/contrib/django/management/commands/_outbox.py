@@ -78,9 +78,7 @@ def _without_django_options(args: list[str]) -> list[str]:
             skip = False
         elif arg in _DJANGO_VALUE_OPTIONS:
             skip = True
-        elif arg in _DJANGO_FLAGS or arg.startswith(tuple(f"{o}=" for o in _DJANGO_VALUE_OPTIONS)):
-            continue
-        elif arg.startswith("-v") and arg[2:].isdigit():  # -v2
+        elif arg in _DJANGO_FLAGS or arg.startswith(tuple(f"{o}=" for o in _DJANGO_VALUE_OPTIONS)) or arg.startswith("-v") and arg[2:].isdigit():
             continue
         else:
             kept.append(arg)
