@@ -9,7 +9,7 @@ from __future__ import annotations
 
 def current_traceparent() -> str | None:
     try:
-        from opentelemetry import trace  # type: ignore[import-not-found]
+        from opentelemetry import trace
     except ImportError:
         return None
     context = trace.get_current_span().get_span_context()

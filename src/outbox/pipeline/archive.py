@@ -145,6 +145,7 @@ class Archiver:
         statuses = [DONE_STATUS, DEAD_STATUS] if include_dead else [DONE_STATUS]
         cutoff = db_cutoff(self.store, older_than)
         cutoff_dt = self.engine.to_datetime(cutoff)
+        assert cutoff_dt is not None  # the database's clock always answers
         count, lo, hi = self.store._run("count", lambda c: self.engine.execute(
             c, candidates_sql(self.engine, statuses), [cutoff]).fetchone())
         result = ArchiveResult(run_id=None, cutoff=cutoff_dt, recovered=recovered)

@@ -55,7 +55,8 @@ def report_frame(spark: Any, store: OutboxStore | None, archive: str | None, sin
     from pyspark.sql import functions as F
 
     cols = ["id", "topic", "status", "attempts", "created_at", "processed_at", "last_error"]
-    frames, sources = [], {"archive": None, "table": None}
+    frames: list[Any] = []
+    sources: dict[str, Any] = {"archive": None, "table": None}
     since_dt = None
     if store is not None:
         check_table(store)

@@ -176,7 +176,7 @@ class OutboxReader(DataSourceReader):
                 conn.rollback()
             finally:
                 conn.close()
-            if found_lo is None:
+            if found_lo is None or found_hi is None:
                 return [IdRange(1, 0)]  # nothing matches: one empty partition
             lo = found_lo if lo is None else max(lo, found_lo)
             hi = found_hi if hi is None else min(hi, found_hi)

@@ -41,6 +41,11 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def _text(raw: bytes | str) -> str:
+    """A Redis reply as text (the client does not decode, so bytes in practice)."""
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+
+
 class ProcessState:
     """In this process only (tests; Celery's in-memory broker runs in one process)."""
 
@@ -102,7 +107,7 @@ class RedisState:
 
     def get(self, key: str) -> str | None:
         raw = self.client.get(key)
-        return None if raw is None else raw.decode("utf-8", "replace")
+        return None if raw is None else _text(raw)
 
     def set(self, key: str, value: str, ttl_s: float) -> None:
         self.client.set(key, value, px=_ms(ttl_s))
@@ -114,8 +119,7 @@ class RedisState:
         return bool(self.client.delete(key))
 
     def get_fields(self, key: str) -> dict[str, str]:
-        return {f.decode("utf-8", "replace"): v.decode("utf-8", "replace")
-                for f, v in self.client.hgetall(key).items()}
+        return {_text(f): _text(v) for f, v in self.client.hgetall(key).items()}
 
     def set_field(self, key: str, field: str, value: str, ttl_s: float) -> None:
         pipe = self.client.pipeline()

@@ -8,7 +8,7 @@ from django.db import migrations, models
 from outbox.contrib.django.schema import table_name
 
 
-def create_outbox_table(apps, schema_editor):  # type: ignore[no-untyped-def]
+def create_outbox_table(apps, schema_editor):
     from outbox.contrib.django.schema import create_table
 
     create_table(schema_editor.connection)

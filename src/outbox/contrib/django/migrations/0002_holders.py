@@ -7,7 +7,7 @@ leaves the table in place."""
 from django.db import migrations
 
 
-def create_holders_table(apps, schema_editor):  # type: ignore[no-untyped-def]
+def create_holders_table(apps, schema_editor):
     from outbox.contrib.django.schema import create_table
 
     create_table(schema_editor.connection)

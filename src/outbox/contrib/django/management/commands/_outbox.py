@@ -29,7 +29,7 @@ class OutboxCommand(BaseCommand):
             options.outbox_args = list(rest)
             return options
 
-        parser.parse_args = parse_args  # type: ignore[method-assign]
+        parser.parse_args = parse_args
         return parser
 
     def run_from_argv(self, argv: list[str]) -> None:
