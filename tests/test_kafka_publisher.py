@@ -197,3 +197,33 @@ def test_the_publish_url_selects_the_publisher() -> None:
                                                  "OUTBOX_DEAD_LETTER_EXCHANGE": "dead"}))
     assert isinstance(kafka, KafkaPublisher) and kafka.dead_letter_topic == "dead"
     assert type(publisher_for(load_settings(environ={"OUTBOX_PUBLISH_URL": "memory://"}))).__name__ == "KombuPublisher"
+
+
+# -- outbox check ------------------------------------------------------------------------------
+
+def test_outbox_check_on_kafka(kafka_bootstrap: str, tmp_path) -> None:
+    from outbox.commands.doctor import FAIL, OK, run_checks
+
+    topic, dead = create_topic(kafka_bootstrap), create_topic(kafka_bootstrap)
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://{kafka_bootstrap}",
+           "OUTBOX_DEAD_LETTER_EXCHANGE": dead}
+    results = {r.name: r for r in run_checks(env, probe_topic=topic)}
+    assert results["destination"].state == OK and "reachable: 1 broker(s)" in results["destination"].detail
+    assert results["kafka topics"].state == OK and f"dead-letter topic {dead!r} exists" in results["kafka topics"].detail
+    assert results["kafka probe"].state == OK
+    [probe] = consume(kafka_bootstrap, topic, 1)
+    assert dict(probe.headers())["x-outbox-probe"] == b"true"
+    missing = {r.name: r for r in run_checks({**env, "OUTBOX_DEAD_LETTER_EXCHANGE": "no-such-dead"})}
+    assert missing["kafka topics"].state == FAIL and "'no-such-dead'" in missing["kafka topics"].detail
+    bad = run_checks({**env, "OUTBOX_KAFKA_SECURITY_PROTOCOL": "tls"})
+    assert bad[0].name == "configuration" and bad[0].state == FAIL and "OUTBOX_KAFKA_SECURITY_PROTOCOL" in bad[0].detail
+
+
+def test_outbox_check_on_an_unreachable_kafka(tmp_path) -> None:
+    pytest.importorskip("confluent_kafka")
+    from outbox.commands.doctor import FAIL, run_checks
+    from kafka_support import free_port
+
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://127.0.0.1:{free_port()}"}
+    [destination] = [r for r in run_checks(env) if r.name == "destination"]
+    assert destination.state == FAIL and "unreachable" in destination.detail

@@ -412,10 +412,22 @@ class KafkaPublisher(Publisher):
                               exc)
 
 
+def probe_message(topic: str) -> OutboxMessage:
+    """The message ``outbox check --probe TOPIC`` produces (header ``x-outbox-probe``)."""
+    from datetime import datetime, timezone
+    from uuid import uuid4
+
+    return OutboxMessage(id=0, message_id=f"outbox-check-{uuid4()}", topic=topic, aggregate_type="outbox.check",
+                         aggregate_id="outbox-check", partition_key=None, payload='{"probe": true}',
+                         headers={"x-outbox-probe": True}, trace_id=None, attempts=0,
+                         created_at=datetime.now(timezone.utc), lease="")
+
+
 def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
                  timeout: float = 5.0) -> tuple[int, set[str]]:
     """For ``outbox check``: the number of brokers and the topics in the cluster's metadata
     (raises ``KafkaException`` when unreachable)."""
+    _kafka()  # a ConfigError naming the extra when confluent-kafka is missing
     from confluent_kafka.admin import AdminClient
 
     config = {k: v for k, v in options.producer_config(url).items()
@@ -424,4 +436,5 @@ def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
     return len(metadata.brokers), {name for name, t in metadata.topics.items() if t.error is None}
 
 
-__all__ = ["KafkaPublisher", "KafkaOptions", "kafka_kind", "kafka_headers", "chain_result", "topic_status"]
+__all__ = ["KafkaPublisher", "KafkaOptions", "kafka_kind", "kafka_headers", "chain_result", "topic_status",
+           "probe_message"]
