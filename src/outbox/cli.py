@@ -214,15 +214,17 @@ def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
 
 
 @main.command()
+@click.option("--probe", "probe_topic", metavar="TOPIC", default=None,
+              help="Kafka only: also produce one probe message to TOPIC (header x-outbox-probe; consumers see it).")
 @one_line_errors
-def check() -> None:
+def check(probe_topic: str | None) -> None:
     """Check that this deployment can relay, in one report: configuration, database
     reachable, table and indexes as `outbox migrate` makes them, Celery's broker and the
-    destination reachable, and a queue bound to the exchange (what AMQP lets us see).
-    Exits 1 when a check fails; warnings alone exit 0."""
+    destination reachable, and a queue bound to the exchange (what AMQP lets us see; on
+    Kafka, the topics). Exits 1 when a check fails; warnings alone exit 0."""
     from .commands.doctor import FAIL, report, run_checks
 
-    results = run_checks()
+    results = run_checks(probe_topic=probe_topic)
     click.echo(report(results))
     if any(r.state == FAIL for r in results):
         sys.exit(1)

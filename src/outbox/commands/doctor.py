@@ -13,7 +13,8 @@ skipped when an earlier one it depends on failed:
    (``OUTBOX_DRAMATIQ_BROKER_URL``) when it is set, else Celery's, including the database
    as Celery's broker (``outboxdb``: its scheme registered first, then a connection to its
    database and its queue tables); reachable (``memory://`` is in-process only: a warning);
-5. destination broker: reachable, and the exchange exists;
+5. destination broker: reachable, and the exchange exists; on Kafka, the cluster answers and the
+   topics the relay needs exist or may be created, and a probe message if asked (``--probe``);
 6. a queue bound to the exchange: on Redis the bindings are readable (kombu keeps them in
    a set per exchange); AMQP 0-9-1 cannot list bindings without the management plugin, so
    there the report says what to check by hand. An exchange that does not exist has no
@@ -177,11 +178,14 @@ def _check_database_broker(settings: Settings, url: str) -> Result:
                   f"{describe_database(database_url)} reachable (the first worker creates its queue tables)")
 
 
-def check_destination(settings: Settings) -> list[Result]:
+def check_destination(settings: Settings, kafka: Any = None, probe_topic: str | None = None) -> list[Result]:
+    """The destination broker; on Kafka ``kafka`` holds the OUTBOX_KAFKA_* options."""
     url, exchange = settings.publish_url, settings.exchange
     if url.startswith("memory://"):
         return [Result("destination", WARN, "OUTBOX_PUBLISH_URL is memory://, which exists only inside the "
                        "worker process: events reach no consumer. Set it to your broker (amqp://..., redis://...)")]
+    if url.startswith("kafka://"):
+        return check_kafka(settings, kafka, probe_topic)
     conn = _broker(url)
     try:
         try:
@@ -193,6 +197,43 @@ def check_destination(settings: Settings) -> list[Result]:
         return results
     finally:
         conn.release()
+
+
+def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None = None) -> list[Result]:
+    """Kafka: the cluster answers; the topics the relay needs exist, or the brokers may create
+    them; with ``probe_topic``, one probe message produced there as the relay would."""
+    from ..publisher.kafka import KafkaOptions, KafkaPublisher, probe_message, topic_status
+
+    url = settings.publish_url
+    options = options or KafkaOptions()
+    try:
+        brokers, topics = topic_status(url, options, timeout=CONNECT_TIMEOUT_S)
+    except ConfigError as exc:
+        return [Result("destination", FAIL, str(exc))]
+    except Exception as exc:
+        return [Result("destination", FAIL, f"{mask_url(url)} unreachable: {_error(exc)}")]
+    results = [Result("destination", OK, f"{mask_url(url)} reachable: {brokers} broker(s), {len(topics)} topic(s)")]
+    name = "kafka topics"
+    dead = settings.dead_letter_exchange
+    if options.auto_create_topics:
+        results.append(Result(name, WARN, "OUTBOX_KAFKA_AUTO_CREATE_TOPICS is on: a missing topic is left to the "
+                              "brokers (auto.create.topics.enable), with their default partitions"))
+    elif dead is not None and dead not in topics:
+        results.append(Result(name, FAIL, f"the dead-letter topic {dead!r} (OUTBOX_DEAD_LETTER_EXCHANGE) does not "
+                              "exist: create it"))
+    else:
+        results.append(Result(name, OK, f"each event goes to the Kafka topic {options.topic_template!r}, which must "
+                              "exist: a missing one stops the relay (FATAL) until it is created"
+                              + (f"; dead-letter topic {dead!r} exists" if dead else "")))
+    if probe_topic is not None:
+        with KafkaPublisher(url, options=options) as publisher:
+            result = publisher.publish_chain([probe_message(probe_topic)])
+        topic = options.topic_of(probe_message(probe_topic))
+        results.append(Result("kafka probe", OK, f"one probe message (header x-outbox-probe) delivered to {topic!r}")
+                       if result.ok else
+                       Result("kafka probe", FAIL, f"probe to {topic!r} not delivered: {result.failure.reason}"
+                              if result.failure else f"probe to {topic!r} not delivered"))
+    return results
 
 
 def _check_binding(conn: Any, exchange: str) -> Result:
@@ -230,14 +271,19 @@ def _check_binding(conn: Any, exchange: str) -> Result:
 
 
 def run_checks(environ: dict[str, str] | None = None, *,
-               settings_loader: Callable[[], Settings] | None = None) -> list[Result]:
-    """Every check, in order; later checks are skipped when configuration fails."""
+               settings_loader: Callable[[], Settings] | None = None, probe_topic: str | None = None) -> list[Result]:
+    """Every check, in order; later checks are skipped when configuration fails.
+    ``probe_topic``: on Kafka, also produce one probe message there."""
     environ = dict(os.environ if environ is None else environ)
+    kafka = None
     try:
         settings = settings_loader() if settings_loader else load_settings(environ=environ)
         from ..core.config import RelayOptions
         RelayOptions.from_sources(environ)
         dramatiq = dramatiq_settings(environ)
+        if settings.publish_url.startswith("kafka://"):
+            from ..publisher.kafka import KafkaOptions
+            kafka = KafkaOptions.from_sources(environ)
     except ConfigError as exc:
         return [Result("configuration", FAIL, str(exc))]
     if settings.broker_url.startswith("outboxdb"):
@@ -257,7 +303,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
                               f"{settings.broker_url}; workers, beat and web processes must all use the same one"))
     results += check_database(settings)
     results.append(check_dramatiq_broker(dramatiq.broker_url) if dramatiq else check_celery_broker(settings))
-    results += check_destination(settings)
+    results += check_destination(settings, kafka, probe_topic)
     return results
 
 
@@ -271,5 +317,5 @@ def report(results: list[Result]) -> str:
 
 
 __all__ = ["Result", "run_checks", "report", "check_database", "check_celery_broker", "check_dramatiq_broker",
-           "check_destination",
+           "check_destination", "check_kafka",
            "CONTRACT_COLUMNS", "OK", "WARN", "FAIL"]

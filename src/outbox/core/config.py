@@ -42,6 +42,28 @@ TRANSPORT_SETTINGS: dict[str, tuple[str, type, float, float]] = {
     "OUTBOX_TRANSPORT_RECEIVE_BATCH": ("receive_batch", int, 1, 1000),
     "OUTBOX_TRANSPORT_QUEUE_TABLE": ("queue_table", str, 0, 0),
 }
+#: Prefix of the Kafka destination's settings (``outbox.publisher.kafka``; docs/destinations.md).
+KAFKA_PREFIX = "OUTBOX_KAFKA_"
+#: The Kafka destination's settings: name -> (librdkafka property, or None for what the
+#: publisher does itself; type; default). Declared here, where ``known_names`` sees them;
+#: read and validated by ``outbox.publisher.kafka.KafkaOptions``. SASL credentials come
+#: from OUTBOX_PUBLISH_URL's user and password (masked like every URL).
+KAFKA_SETTINGS: dict[str, tuple[str | None, type, Any]] = {
+    # The Kafka topic of an event: a template over {topic} and {aggregate_type}.
+    "OUTBOX_KAFKA_TOPIC_TEMPLATE": (None, str, "{topic}"),
+    # Off: an event whose Kafka topic does not exist is a FATAL error; on: the broker's
+    # auto-creation is left to make it.
+    "OUTBOX_KAFKA_AUTO_CREATE_TOPICS": (None, bool, False),
+    "OUTBOX_KAFKA_SECURITY_PROTOCOL": ("security.protocol", str, "plaintext"),
+    "OUTBOX_KAFKA_SASL_MECHANISM": ("sasl.mechanism", str, None),
+    "OUTBOX_KAFKA_SSL_CA_LOCATION": ("ssl.ca.location", str, None),
+    "OUTBOX_KAFKA_SSL_CERTIFICATE_LOCATION": ("ssl.certificate.location", str, None),
+    "OUTBOX_KAFKA_SSL_KEY_LOCATION": ("ssl.key.location", str, None),
+    # Larger messages are POISON (the client refuses them; match the topic's max.message.bytes).
+    "OUTBOX_KAFKA_MESSAGE_MAX_BYTES": ("message.max.bytes", int, 1_000_000),
+    # How long a message may wait for its delivery report before it counts as not delivered.
+    "OUTBOX_KAFKA_DELIVERY_TIMEOUT_S": (None, float, 15.0),
+}
 #: Bounds on the life of every relay transaction and connection (docs/relay.md, "A network
 #: cut"): query parameters of a PostgreSQL or MySQL/MariaDB OUTBOX_DATABASE_URL that the
 #: engines read themselves at connect (never passed to the driver): name -> (default, lower
@@ -140,7 +162,7 @@ class Settings:
         validate_database_url(self.database_url)
         if self.namespace is not None:
             validate_namespace(self.namespace)
-        validate_kombu_url(self.publish_url, "OUTBOX_PUBLISH_URL", database_broker=False)
+        validate_publish_url(self.publish_url)
         if self.celery_broker_url:
             validate_kombu_url(self.celery_broker_url, "OUTBOX_CELERY_BROKER_URL")
         if not self.exchange:
@@ -275,6 +297,36 @@ def validate_kombu_url(url: str, setting: str, *, database_broker: bool = True) 
         what = ("is Celery's broker on the database, not a destination"
                 if transport == DATABASE_BROKER_SCHEME else f"unknown broker transport {scheme!r}{hint}")
         raise ConfigError(f"{setting}={shown}: {what} (known: {', '.join(sorted(known))})")
+    return url
+
+
+#: The destinations OUTBOX_PUBLISH_URL may name (docs/destinations.md): kombu's AMQP, Redis
+#: and in-memory transports, and Kafka (``outbox.publisher.kafka``). Every one works end to
+#: end; kombu knows more transports, which are refused because nothing tests them here.
+DESTINATION_SCHEMES = ("amqp", "amqps", "pyamqp", "redis", "rediss", "memory", "kafka")
+
+
+def validate_publish_url(url: str, setting: str = "OUTBOX_PUBLISH_URL") -> str:
+    """A URL of a supported destination (``DESTINATION_SCHEMES``); a ``kafka://`` URL lists
+    its bootstrap servers as ``host:port[,host:port...]``."""
+    shown = redact(repr(url))
+    if "://" not in url:
+        raise ConfigError(f"{setting}={shown} is not a broker URL (expected e.g. amqp://user:pass@host//)")
+    scheme, rest = url.split("://", 1)
+    transport = scheme.split("+", 1)[0]
+    if transport not in DESTINATION_SCHEMES:
+        close = difflib.get_close_matches(transport, DESTINATION_SCHEMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        what = ("is Celery's broker on the database, not a destination"
+                if transport == DATABASE_BROKER_SCHEME else f"unknown broker transport {scheme!r}{hint}")
+        raise ConfigError(f"{setting}={shown}: {what} (known: {', '.join(DESTINATION_SCHEMES)})")
+    if transport == "kafka":
+        servers = rest.rsplit("@", 1)[-1].split("/", 1)[0].split("?", 1)[0]
+        for server in servers.split(","):
+            host, _, port = server.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"{setting}={shown}: {server!r} is not host:port "
+                                  "(expected kafka://host:port[,host:port...])")
     return url
 
 
@@ -457,7 +509,7 @@ OTHER_NAMES = (
     "OUTBOX_RELAY_HEARTBEAT_S", "OUTBOX_RELAY_HOLDER_TIMEOUT_S",
     "OUTBOX_SPARK_MASTER", "OUTBOX_SPARK_SHUFFLE_PARTITIONS", "OUTBOX_SPARK_LOG_LEVEL", "OUTBOX_SPARK_UI",
     "OUTBOX_PIPELINE_CRASH_AT",
-    *TRANSPORT_SETTINGS,
+    *TRANSPORT_SETTINGS, *KAFKA_SETTINGS,
     # The Dramatiq front-end (outbox.dramatiq, docs/dramatiq.md).
     "OUTBOX_DRAMATIQ_BROKER_URL", "OUTBOX_DRAMATIQ_NAMESPACE",
 )
@@ -528,9 +580,10 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
                 break
     # OUTBOX_RELAY_* keys tune the relay (``RelayOptions`` below, which reads and
     # validates them itself); they may sit next to these settings in the same config.
-    # OUTBOX_TRANSPORT_* keys likewise belong to the database broker (``outbox.transport``).
+    # OUTBOX_TRANSPORT_* keys likewise belong to the database broker (``outbox.transport``),
+    # OUTBOX_KAFKA_* keys to the Kafka destination (``outbox.publisher.kafka``).
     unknown = [k for k in (overrides or {}) if k.startswith("OUTBOX_") and k not in _SETTINGS
-               and not k.startswith((RELAY_PREFIX, TRANSPORT_PREFIX))]
+               and not k.startswith((RELAY_PREFIX, TRANSPORT_PREFIX, KAFKA_PREFIX))]
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]} (known: {', '.join(_SETTINGS)})")
     return Settings(**{k: v for k, v in values.items() if v is not None})
@@ -870,7 +923,7 @@ def wake_options() -> WakeOptions:
 
 
 __all__ = ["Settings", "load_settings", "get_settings", "reset_settings", "validate_identifier",
-           "validate_database_url", "validate_kombu_url", "validate_namespace", "warn_unknown_environment",
+           "validate_database_url", "validate_kombu_url", "validate_publish_url", "validate_namespace", "warn_unknown_environment",
            "unknown_environment",
            "known_names", "MAX_CLAIM_TIMEOUT_MS", "SETTING_NAMES", "RelayOptions", "MAX_OPTION_S",
            "SESSION_BOUNDS", "session_bounds", "without_session_bounds",

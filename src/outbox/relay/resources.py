@@ -11,7 +11,8 @@ from typing import Callable
 
 from ..core.config import RelayOptions, Settings
 from ..core.model import Holder
-from ..publisher import KombuPublisher, Publisher
+from ..publisher import Publisher
+from ..publisher.select import publisher_for
 from ..storage.store import OutboxStore
 from .holders import Heartbeat, new_holder
 from .settle import Fallback, Settler
@@ -84,7 +85,7 @@ class ResourceHolder:
             settings, options, _, _ = self._config()
             store = OutboxStore.from_settings(settings)
             store.holder_id = self.holder().holder_id  # lease tokens name this process
-            publisher = KombuPublisher.from_settings(settings, max_message_bytes=options.max_message_bytes)
+            publisher = publisher_for(settings, max_message_bytes=options.max_message_bytes)
             r = Resources(os.getpid(), store, publisher, Settler(store, self._fallback),
                           ClaimSizer.at_start(settings.max_payload_bytes))
             self._local.resources = r

