@@ -19,10 +19,10 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from outbox import enqueue, metrics  # noqa: E402
+from outbox import enqueue  # noqa: E402
 from outbox.core.model import OutboxMessage  # noqa: E402
 from outbox.publisher import FailureKind  # noqa: E402
-from outbox.relay import RelayContext, RelayOptions, handle_claim, handle_publish  # noqa: E402
+from outbox.relay import RelayContext, RelayOptions, handle_claim, handle_publish, metrics  # noqa: E402
 from outbox.storage.store import OutboxStore  # noqa: E402
 
 from relay_support import ScriptedPublisher  # noqa: E402

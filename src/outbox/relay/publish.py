@@ -69,24 +69,24 @@ def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]
     publisher = relay.publisher
     if publisher is None:
         raise ValueError("handle_publish needs a RelayContext with a publisher")
-    chains = [list(chain) for chain in chains if chain]
-    if not chains:
+    batch = [list(chain) for chain in chains if chain]
+    if not batch:
         return []
-    skipped = _skip_all(relay, chains, deadline)
+    skipped = _skip_all(relay, batch, deadline)
     if skipped is not None:
         return skipped
-    split = _hold_paused_routes(chains, relay.routes, relay.now())
+    split = _hold_paused_routes(batch, relay.routes, relay.now())
     reports, elapsed = _send(publisher, relay, [part for part, _, _ in split])
     done: dict[str, list[int]] = {}
     settled = [_settle_published(relay, chain, part, report, elapsed, done)
-               for chain, (part, _, _), report in zip(chains, split, reports)]
+               for chain, (part, _, _), report in zip(batch, split, reports)]
     for lease, ids in done.items():
         relay.settler.done(ids, lease)
     broker_down = any(r is not None and r.kind == BACKPRESSURE and r.route is None for r in reports)
     if relay.outage is not None and done and not broker_down:
         relay.outage.ok()
     refused: dict[str, float] = {}  # routes refused by this task: each paused once
-    for chain, (part, held, wait), report, (outcome, prefix) in zip(chains, split, reports, settled):
+    for chain, (part, held, wait), report, (outcome, prefix) in zip(batch, split, reports, settled):
         if prefix < len(part):
             assert report is not None  # a part was sent
             _settle_stopped(relay, chain[prefix:], report, outcome, refused)
