@@ -16,7 +16,6 @@ from .settle import Settler, StoreLike
 from .shared import Breaker, Outage, RouteGate
 from .sizing import ClaimSizer
 
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
