@@ -11,13 +11,13 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import pytest
 
 from outbox import enqueue
 from outbox.core.model import OutboxMessage
-from outbox.publisher import ChainResult, FailureKind, PublishFailure
+from outbox.publisher import ChainResult, FailureKind, Pipelined, Publisher, PublishFailure
 from outbox.domain.chains import split_chains
 from outbox.storage.store import OutboxStore
 
@@ -63,9 +63,9 @@ def status_of(store: OutboxStore) -> dict[int, int]:
     return {id: r["status"] for id, r in rows(store).items()}
 
 
-class ScriptedPublisher:
-    """Publishes in memory; ``failures`` maps an outbox id to the failure kind it gets
-    (once, or every time with ``sticky``)."""
+class ScriptedPublisher(Publisher):
+    """Publishes in memory, chain after chain; ``failures`` maps an outbox id to the failure
+    kind it gets (once, or every time with ``sticky``)."""
 
     def __init__(self, failures: dict[int, FailureKind] | None = None, sticky: bool = False,
                  raises: Exception | None = None) -> None:
@@ -74,6 +74,10 @@ class ScriptedPublisher:
         self.raises = raises
         self.sent: list[OutboxMessage] = []
         self.dead: list[tuple[OutboxMessage, str]] = []
+
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
+                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+        return [self.publish_chain(chain) for chain in chains]
 
     def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
         if self.raises is not None:
@@ -89,7 +93,8 @@ class ScriptedPublisher:
             published.append(m.id)
         return ChainResult(tuple(published))
 
-    def publish_dead(self, message: OutboxMessage, error: str) -> None:
+    def publish_dead(self, message: OutboxMessage, error: str, *,
+                     headers: Mapping[str, Any] | None = None) -> None:
         self.dead.append((message, error))
         return None
 

@@ -16,7 +16,7 @@ from kombu import Connection, Exchange, Queue
 from outbox import Status, enqueue
 from outbox.core.model import OutboxMessage
 from outbox.publisher import FailureKind, KombuPublisher
-from outbox.relay import handle_claim, handle_publish
+from outbox.relay import RelayContext, handle_claim, handle_publish
 from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, require
@@ -128,10 +128,10 @@ def test_bad_rows_go_dead_with_their_reason_and_copies_while_the_rest_is_deliver
 
     with KombuPublisher(AMQP_URL, broker["exchange"], dead_letter_exchange=broker["dead"]) as publisher:
         def dispatch(task: list[list[OutboxMessage]], deadline: float) -> None:
-            handle_publish(store, publisher, task)
+            handle_publish(RelayContext(store, publisher), task)
 
         for _ in range(3):  # the rows released behind a poison event go on the next claim
-            handle_claim(store, dispatch, batch_size=100, lease_s=60, publisher=publisher)
+            handle_claim(RelayContext(store, publisher=publisher), dispatch, batch_size=100, lease_s=60)
 
     innocent = [a[0], a[2], *b, c[1], d[1], *e[1:]]
     live = broker["live"]()

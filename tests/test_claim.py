@@ -16,7 +16,7 @@ import pytest
 
 from outbox import Status
 from outbox.core.model import OutboxMessage
-from outbox.relay import (Backlog, Breaker, ClaimOutcome, ClaimSizer, Outage, RelayOptions, drain_slice,
+from outbox.relay import (Backlog, Breaker, ClaimOutcome, ClaimSizer, Outage, RelayContext, RelayOptions, drain_slice,
                           handle_claim, handle_publish, plan_tasks)
 from outbox.storage.store import OutboxStore
 
@@ -32,7 +32,7 @@ def test_claim_dispatches_every_row_in_per_aggregate_chains(store: OutboxStore, 
     a += add(conn, "a", 2)
     sent = Collect()
     before = time.time()
-    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=4))
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=4)), sent, batch_size=100, lease_s=60.0)
     assert outcome.claimed == outcome.dispatched == 8 and outcome.released == 0
     assert not outcome.full and not outcome.more
     chains = {chain[0].aggregate_id: [m.id for m in chain] for chain in sent.chains}
@@ -49,7 +49,7 @@ def test_a_small_claim_is_published_by_the_claim_itself(store: OutboxStore, conn
     a = add(conn, "a", 2)
     b = add(conn, "b", 1)
     sent, here = Collect(), Collect()
-    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=1),
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=1)), sent, batch_size=100, lease_s=60.0,
                            publish_inline=here)
     assert outcome.inline and outcome.claimed == outcome.dispatched == 3 and not outcome.more
     assert sent.tasks == []  # no hop through Celery's broker
@@ -64,7 +64,7 @@ def test_a_full_or_larger_claim_still_goes_out_as_publish_tasks(store: OutboxSto
                                 (100, RelayOptions(inline_rows=2)),  # more rows than inline_rows
                                 (100, RelayOptions(inline_rows=0))):  # turned off
         sent, here = Collect(), Collect()
-        outcome = handle_claim(store, sent, batch_size=batch_size, lease_s=60.0, options=options,
+        outcome = handle_claim(RelayContext(store, options=options), sent, batch_size=batch_size, lease_s=60.0,
                                publish_inline=here)
         assert not outcome.inline and here.tasks == []
         assert outcome.dispatched == sum(len(c) for c in sent.chains) == outcome.claimed > 0
@@ -83,7 +83,7 @@ def test_a_backlog_claim_publishes_its_first_share_itself_after_asking_for_the_n
         events.append("publish here")
         here(chains, deadline)
 
-    outcome = handle_claim(store, sent, batch_size=6, lease_s=60.0, options=RelayOptions(task_rows=2),
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=2)), sent, batch_size=6, lease_s=60.0,
                            publish_inline=inline, claim_again=lambda: events.append("claim again"))
     assert outcome.full and outcome.more and outcome.inline
     # The next claim is asked for once this one has committed and dispatched, before its own publish.
@@ -96,12 +96,12 @@ def test_a_backlog_claim_publishes_its_first_share_itself_after_asking_for_the_n
     # A claim that is not full asks for nothing before publishing; inline rows 0 turns it all off.
     add(conn, "g", 1)
     events.clear()
-    small = handle_claim(store, Collect(), batch_size=6, lease_s=60.0, publish_inline=inline,
+    small = handle_claim(RelayContext(store), Collect(), batch_size=6, lease_s=60.0, publish_inline=inline,
                          claim_again=lambda: events.append("claim again"))
     assert small.inline and not small.more and events == ["publish here"]
     add(conn, "h", 1)
     off = Collect()
-    outcome = handle_claim(store, off, batch_size=6, lease_s=60.0, options=RelayOptions(inline_rows=0),
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(inline_rows=0)), off, batch_size=6, lease_s=60.0,
                            publish_inline=inline, claim_again=lambda: events.append("claim again"))
     assert not outcome.inline and len(off.tasks) == 1
 
@@ -110,9 +110,9 @@ def test_full_batch_asks_for_more(store: OutboxStore, conn: sqlite3.Connection) 
     add(conn, "a", 5)
     add(conn, "b", 5)
     sent = Collect()
-    first = handle_claim(store, sent, batch_size=6, lease_s=60.0)
+    first = handle_claim(RelayContext(store), sent, batch_size=6, lease_s=60.0)
     assert first.full and first.more
-    second = handle_claim(store, sent, batch_size=6, lease_s=60.0)
+    second = handle_claim(RelayContext(store), sent, batch_size=6, lease_s=60.0)
     # Only what is not blocked behind a claimed row may come next: nothing, here.
     assert second.claimed == 0 and not second.more
 
@@ -124,8 +124,8 @@ def test_byte_budget_releases_the_rest_of_the_batch(store: OutboxStore, conn: sq
     a = add(conn, "a", 3, payload=big)
     b = add(conn, "b", 3, payload=big)
     sent = Collect()
-    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0,
-                           options=RelayOptions(max_batch_bytes=3 * 4300, task_rows=100))
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(max_batch_bytes=3 * 4300, task_rows=100)), sent,
+                           batch_size=100, lease_s=60.0)
     assert outcome.trimmed and outcome.more
     assert [m.id for m in sent.chains[0]] == a and len(sent.chains) == 1
     assert outcome.dispatched == 3 and outcome.released == 3
@@ -139,7 +139,8 @@ def test_byte_budget_cuts_a_chain_and_always_sends_the_first_row(store: OutboxSt
                                                                 conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 3, payload={"blob": "y" * 10_000})
     sent = Collect()
-    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(max_batch_bytes=1000))
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(max_batch_bytes=1000)), sent, batch_size=100,
+                           lease_s=60.0)
     assert [m.id for m in sent.chains[0]] == a[:1]
     assert outcome.released == 2
     # The tail waits behind its claimed head: nothing of "a" can be claimed now.
@@ -156,10 +157,10 @@ def test_claims_after_large_rows_ask_for_what_fits_the_byte_budget(store: Outbox
     options = RelayOptions(max_batch_bytes=3 * 4300, task_rows=100)
     sizer = ClaimSizer()
     sent = Collect()
-    first = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=options, sizer=sizer)
+    first = handle_claim(RelayContext(store, options=options, sizer=sizer), sent, batch_size=100, lease_s=60.0)
     assert first.claimed == 10 and first.released == 7 and first.more  # nothing known yet: the whole batch
     assert sizer.rows(100, options.max_batch_bytes) == 3
-    second = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=options, sizer=sizer)
+    second = handle_claim(RelayContext(store, options=options, sizer=sizer), sent, batch_size=100, lease_s=60.0)
     # Asked for the 3 rows that fit: none released, and "full" against what was asked, so drain mode goes on.
     assert second.claimed == second.dispatched == 3 and second.released == 0 and second.more
 
@@ -214,22 +215,22 @@ def test_plan_tasks_packs_without_splitting_chains() -> None:
 def test_claims_hold_back_while_the_publish_queue_is_full(store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 2)
     sent = Collect()
-    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(max_queued_tasks=4),
-                           queued=lambda: 4)
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(max_queued_tasks=4)), sent, batch_size=100,
+                           lease_s=60.0, queued=lambda: 4)
     assert outcome.saturated and outcome.claimed == 0 and sent.tasks == []
     assert all(status_of(store)[i] == Status.PENDING for i in ids)
     # An unknown queue length does not stop the relay.
-    assert handle_claim(store, sent, batch_size=100, lease_s=60.0, queued=lambda: None).claimed == 2
+    assert handle_claim(RelayContext(store), sent, batch_size=100, lease_s=60.0, queued=lambda: None).claimed == 2
 
 
 def test_claims_pause_while_the_breaker_is_open(store: OutboxStore, conn: sqlite3.Connection) -> None:
     add(conn, "a", 2)
     breaker = Breaker()
     breaker.trip(30, "backpressure: test")
-    outcome = handle_claim(store, Collect(), batch_size=100, lease_s=60.0, breaker=breaker)
+    outcome = handle_claim(RelayContext(store, breaker=breaker), Collect(), batch_size=100, lease_s=60.0)
     assert outcome.paused > 29 and outcome.claimed == 0
     breaker.reset()
-    assert handle_claim(store, Collect(), batch_size=100, lease_s=60.0, breaker=breaker).claimed == 2
+    assert handle_claim(RelayContext(store, breaker=breaker), Collect(), batch_size=100, lease_s=60.0).claimed == 2
 
 
 def test_failed_dispatch_releases_the_rows_without_spending_attempts(store: OutboxStore,
@@ -243,7 +244,8 @@ def test_failed_dispatch_releases_the_rows_without_spending_attempts(store: Outb
         if len(calls) == 2:
             raise ConnectionError("Celery's broker is down")
 
-    outcome = handle_claim(store, dispatch, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=1))
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=1)), dispatch, batch_size=100,
+                           lease_s=60.0)
     assert outcome.error and not outcome.more
     assert outcome.dispatched == 2 and outcome.released == 2
     state = rows(store)
@@ -265,7 +267,7 @@ class Slice:
 
     def publish_here(self, chains: list[list[OutboxMessage]], deadline: float) -> None:
         self.events.append([m.id for chain in chains for m in chain])
-        handle_publish(self.store, self.publisher, chains, deadline=deadline)
+        handle_publish(RelayContext(self.store, self.publisher), chains, deadline=deadline)
 
     def request_claim(self) -> bool:
         self.events.append("claim soon")

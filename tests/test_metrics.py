@@ -11,7 +11,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import pytest
 
@@ -20,12 +20,12 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from outbox import enqueue  # noqa: E402
-from outbox.relay import metrics  # noqa: E402
 from outbox.core.model import OutboxMessage  # noqa: E402
-from outbox.publisher import ChainResult, FailureKind, PublishFailure  # noqa: E402
-from outbox.relay import RelayOptions, handle_claim, handle_publish  # noqa: E402
+from outbox.publisher import FailureKind  # noqa: E402
+from outbox.relay import RelayContext, RelayOptions, handle_claim, handle_publish, metrics  # noqa: E402
 from outbox.storage.store import OutboxStore  # noqa: E402
 
+from relay_support import ScriptedPublisher  # noqa: E402
 from test_wake import PYTHON, Destination, Workers, destination, wait_done, workers  # noqa: E402,F401
 
 
@@ -63,25 +63,6 @@ def add(db: str, aggregate: str, count: int = 1) -> list[int]:
         conn.close()
 
 
-class Publisher:
-    """Publishes in memory; ``failures`` maps an outbox id to the failure it gets."""
-
-    def __init__(self, failures: dict[int, FailureKind]) -> None:
-        self.failures = failures
-
-    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
-        done: list[int] = []
-        for m in messages:
-            if m.id in self.failures:
-                kind = self.failures[m.id]
-                return ChainResult(tuple(done), m.id, PublishFailure(kind, f"scripted {kind.value}"))
-            done.append(m.id)
-        return ChainResult(tuple(done))
-
-    def publish_dead(self, message: OutboxMessage, error: str) -> None:
-        return None
-
-
 class Collect:
     def __init__(self) -> None:
         self.chains: list[list[OutboxMessage]] = []
@@ -107,15 +88,15 @@ def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: Collect
     db = str(tmp_path / "outbox.db")
     a, b, c = add(db, "a", 3), add(db, "b", 2), add(db, "c", 1)
     sent = Collect()
-    outcome = handle_claim(store, sent, batch_size=100, lease_s=60.0, options=RelayOptions(task_rows=1))
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=1)), sent, batch_size=100, lease_s=60.0)
     assert outcome.claimed == 6
     assert value(registry, "outbox_claimed_total") == 6
     assert value(registry, "outbox_claim_seconds_count") == 1
     # A claim never reads the gauges (the refresher thread does): it must not wait on them.
     assert value(registry, "outbox_backlog") == 0 and value(registry, "outbox_gauges_read_timestamp_seconds") == 0
 
-    publisher = Publisher({b[0]: FailureKind.RETRIABLE, c[0]: FailureKind.POISON})
-    handle_publish(store, publisher, sent.chains)
+    publisher = ScriptedPublisher({b[0]: FailureKind.RETRIABLE, c[0]: FailureKind.POISON}, sticky=True)
+    handle_publish(RelayContext(store, publisher), sent.chains)
     assert value(registry, "outbox_published_total") == 3  # a's three; b stopped at its head, c is poison
     assert value(registry, "outbox_failed_total", kind="retriable") == 1
     assert value(registry, "outbox_failed_total", kind="poison") == 1
@@ -126,7 +107,7 @@ def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: Collect
     assert 0 <= value(registry, "outbox_event_age_seconds_sum") < 60
 
     d = add(db, "d", 1)
-    handle_claim(store, Collect(), batch_size=100, lease_s=60.0)  # leases d; b waits for its retry
+    handle_claim(RelayContext(store), Collect(), batch_size=100, lease_s=60.0)  # leases d; b waits for its retry
     metrics.refresh(store, force=True)
     in_flight, backlog = open_rows(store)
     assert (in_flight, backlog) == (1, 3)  # d leased; b's two rows open
@@ -141,7 +122,7 @@ def test_rows_that_go_dead_on_lease_expiry_are_counted(registry: CollectorRegist
     add(str(tmp_path / "expiry.db"), "x", 1)
     assert len(store.claim(10).messages) == 1  # leased, then the worker "dies"
     time.sleep(0.2)
-    handle_claim(store, Collect(), batch_size=10, lease_s=0.05)
+    handle_claim(RelayContext(store), Collect(), batch_size=10, lease_s=0.05)
     assert value(registry, "outbox_dead_total") == 1
 
 
@@ -223,7 +204,7 @@ def test_everything_is_a_no_op_when_metrics_are_off(make_store: Any, monkeypatch
         metrics.chain([], 0.1, "retriable")
         metrics.dead()
         metrics.refresh(store, force=True)
-        handle_claim(store, Collect(), batch_size=10, lease_s=60.0)
+        handle_claim(RelayContext(store), Collect(), batch_size=10, lease_s=60.0)
 
         monkeypatch.setenv("OUTBOX_RELAY_METRICS_PORT", "9999")
         monkeypatch.setitem(__import__("sys").modules, "prometheus_client", None)  # not installed
@@ -251,7 +232,7 @@ def test_metrics_never_break_the_relay(registry: CollectorRegistry, make_store: 
 
     monkeypatch.setattr(active.claimed, "inc", broken)
     monkeypatch.setattr(active.backlog, "set", broken)
-    outcome = handle_claim(store, Collect(), batch_size=10, lease_s=60.0)
+    outcome = handle_claim(RelayContext(store), Collect(), batch_size=10, lease_s=60.0)
     assert outcome.claimed == 1
 
 

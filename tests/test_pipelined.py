@@ -19,7 +19,7 @@ from outbox import Status, enqueue
 from outbox.core.config import RelayOptions, load_settings
 from outbox.core.errors import ConfigError
 from outbox.publisher import OVERTAKEN_BY_HEADER, OVERTAKEN_COUNT_HEADER, FailureKind, KombuPublisher
-from outbox.relay import handle_publish
+from outbox.relay import RelayContext, handle_publish
 from outbox.domain.chains import split_chains
 from outbox.storage.store import OutboxStore
 
@@ -145,7 +145,8 @@ class CountingPublisher(KombuPublisher):
 def publish(store: OutboxStore, rabbit: dict[str, Any], options: RelayOptions) -> tuple[Any, CountingPublisher]:
     publisher = CountingPublisher(AMQP_URL, rabbit["exchange"], dead_letter_exchange=rabbit["dead_exchange"])
     try:
-        outcomes = handle_publish(store, publisher, split_chains(store.claim(100).messages), options=options)
+        outcomes = handle_publish(RelayContext(store, publisher, options=options),
+                                  split_chains(store.claim(100).messages))
     finally:
         publisher.close()
     assert len(outcomes) == 1

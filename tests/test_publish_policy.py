@@ -12,14 +12,14 @@ import sqlite3
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import pytest
 
 from outbox import Status
 from outbox.core.model import OutboxMessage
 from outbox.publisher import ChainResult, FailureKind
-from outbox.relay import (Breaker, RelayOptions, Settler, apply_fallback, handle_chain, handle_claim,
+from outbox.relay import (Breaker, RelayContext, RelayOptions, Settler, apply_fallback, handle_chain, handle_claim,
                           handle_publish, retry_delay, still_held)
 from outbox.storage.store import OutboxStore
 
@@ -33,7 +33,7 @@ def test_published_chain_is_done(store: OutboxStore, conn: sqlite3.Connection) -
     ids = add(conn, "a", 3)
     publisher = ScriptedPublisher()
     [chain] = claim_chains(store)
-    outcome = handle_chain(store, publisher, chain)
+    outcome = handle_chain(RelayContext(store, publisher), chain)
     assert outcome.published == ids and outcome.failed_id is None
     assert [m.id for m in publisher.sent] == ids
     assert all(status_of(store)[i] == Status.DONE for i in ids)
@@ -62,7 +62,7 @@ def test_retriable_failure_acks_prefix_fails_k_and_releases_the_rest(store: Outb
     publisher = ScriptedPublisher({ids[1]: FailureKind.RETRIABLE})
     [chain] = claim_chains(store)
     options = RelayOptions(backoff_base_s=10, backoff_max_s=100)
-    outcome = handle_chain(store, publisher, chain, options=options, rng=lambda: 1.0)
+    outcome = handle_chain(RelayContext(store, publisher, options=options, rng=lambda: 1.0), chain)
     assert outcome.published == ids[:1] and outcome.failed_id == ids[1] and outcome.kind == "retriable"
     state = rows(store)
     assert state[ids[0]]["status"] == Status.DONE
@@ -77,7 +77,7 @@ def test_retry_time_follows_the_back_off(store: OutboxStore, conn: sqlite3.Conne
     ids = add(conn, "a", 1)
     publisher = ScriptedPublisher({ids[0]: FailureKind.RETRIABLE})
     [chain] = claim_chains(store)
-    handle_chain(store, publisher, chain, options=RelayOptions(backoff_base_s=0.2, backoff_max_s=0.2))
+    handle_chain(RelayContext(store, publisher, options=RelayOptions(backoff_base_s=0.2, backoff_max_s=0.2)), chain)
     assert store.claim(100).messages == []
     time.sleep(0.25)
     [again] = store.claim(100).messages
@@ -88,7 +88,7 @@ def test_poison_goes_dead_at_once_and_the_aggregate_moves_on(store: OutboxStore,
     ids = add(conn, "a", 3)
     publisher = ScriptedPublisher({ids[1]: FailureKind.POISON})
     [chain] = claim_chains(store)
-    outcome = handle_chain(store, publisher, chain)
+    outcome = handle_chain(RelayContext(store, publisher), chain)
     assert outcome.dead and outcome.kind == "poison"
     state = rows(store)
     assert (state[ids[0]]["status"], state[ids[1]]["status"], state[ids[2]]["status"]) == (
@@ -108,7 +108,7 @@ def test_last_retriable_attempt_goes_dead_and_is_dead_lettered(store: OutboxStor
         time.sleep(0.05)
         [chain] = claim_chains(store)
         assert chain[0].id == ids[0] and chain[0].attempt == attempt
-        outcome = handle_chain(store, publisher, chain, options=options)
+        outcome = handle_chain(RelayContext(store, publisher, options=options), chain)
     assert outcome.dead  # max_attempts=3
     assert status_of(store)[ids[0]] == Status.DEAD
     assert [m.id for m, _ in publisher.dead] == [ids[0]]
@@ -130,7 +130,7 @@ def test_rows_dead_on_lease_expiry_go_to_the_dead_letter_exchange(tmp_path: Path
         b = add(conn, "b", 1)
         time.sleep(0.3)
         publisher, sent = ScriptedPublisher(), Collect()
-        outcome = handle_claim(store, sent, batch_size=100, lease_s=0.2, publisher=publisher)
+        outcome = handle_claim(RelayContext(store, publisher=publisher), sent, batch_size=100, lease_s=0.2)
         assert outcome.dead == 1 and outcome.claimed == outcome.dispatched == 1
         assert [(m.id, m.aggregate_id) for m, _ in publisher.dead] == [(a1, "a")]
         [(_, error)] = publisher.dead
@@ -140,7 +140,7 @@ def test_rows_dead_on_lease_expiry_go_to_the_dead_letter_exchange(tmp_path: Path
         assert [[m.id for m in chain] for chain in sent.chains] == [b]
         state = rows(store)
         assert state[a1]["status"] == Status.DEAD and "lease expired" in state[a1]["last_error"]
-        assert handle_claim(store, sent, batch_size=100, lease_s=0.2, publisher=publisher).dead == 0
+        assert handle_claim(RelayContext(store, publisher=publisher), sent, batch_size=100, lease_s=0.2).dead == 0
         assert [[m.id for m in chain] for chain in sent.chains] == [b, a_rest]
         assert len(publisher.dead) == 1 and publisher.sent == []  # a claim publishes only dead-letter copies
     finally:
@@ -155,7 +155,7 @@ def test_a_claim_of_only_dead_rows_still_dead_letters_them_best_effort(tmp_path:
         store.claim(10)
         time.sleep(0.2)
         publisher = ScriptedPublisher()
-        outcome = handle_claim(store, Collect(), batch_size=10, lease_s=0.1, publisher=publisher)
+        outcome = handle_claim(RelayContext(store, publisher=publisher), Collect(), batch_size=10, lease_s=0.1)
         assert (outcome.claimed, outcome.dead) == (0, 2)
         assert [m.id for m, _ in publisher.dead] == ids
         # Without a publisher (or with one whose dead-letter publish blows up) the rows are
@@ -165,12 +165,13 @@ def test_a_claim_of_only_dead_rows_still_dead_letters_them_best_effort(tmp_path:
         time.sleep(0.2)
 
         class Broken(ScriptedPublisher):
-            def publish_dead(self, message: OutboxMessage, error: str) -> None:
+            def publish_dead(self, message: OutboxMessage, error: str, *,
+                             headers: Mapping[str, Any] | None = None) -> None:
                 raise ConnectionError("dead-letter broker down")
 
-        assert handle_claim(store, Collect(), batch_size=10, lease_s=0.1, publisher=Broken()).dead == 1
+        assert handle_claim(RelayContext(store, publisher=Broken()), Collect(), batch_size=10, lease_s=0.1).dead == 1
         assert status_of(store)[ids2[0]] == Status.DEAD
-        assert handle_claim(store, Collect(), batch_size=10, lease_s=0.1).dead == 0
+        assert handle_claim(RelayContext(store), Collect(), batch_size=10, lease_s=0.1).dead == 0
     finally:
         store.close()
 
@@ -182,7 +183,8 @@ def test_backpressure_releases_without_attempt_and_opens_the_breaker(store: Outb
     publisher = ScriptedPublisher({ids[1]: FailureKind.BACKPRESSURE})
     breaker = Breaker()
     chains = claim_chains(store)
-    outcome = handle_chain(store, publisher, chains[0], options=RelayOptions(breaker_s=30), breaker=breaker)
+    outcome = handle_chain(RelayContext(store, publisher, options=RelayOptions(breaker_s=30), breaker=breaker),
+                           chains[0])
     assert outcome.kind == "backpressure" and outcome.released == ids[1:]
     state = rows(store)
     assert state[ids[0]]["status"] == Status.DONE
@@ -190,11 +192,11 @@ def test_backpressure_releases_without_attempt_and_opens_the_breaker(store: Outb
     assert state[ids[1]]["next_retry_at"] is not None  # they wait out the pause
     assert breaker.open_for() > 29 and breaker.reason.startswith("backpressure")
     # Chains already in hand are not even tried while it is open: released, no attempt.
-    skipped = handle_chain(store, publisher, chains[1], breaker=breaker)
+    skipped = handle_chain(RelayContext(store, publisher, breaker=breaker), chains[1])
     assert skipped.skipped and status_of(store)[other[0]] == Status.PENDING
     assert [m.id for m in publisher.sent] == ids[:1]
     # And claims stop.
-    assert handle_claim(store, Collect(), batch_size=100, lease_s=60, breaker=breaker).paused > 0
+    assert handle_claim(RelayContext(store, breaker=breaker), Collect(), batch_size=100, lease_s=60).paused > 0
 
 
 def test_fatal_stops_claims_for_long_with_a_clear_message(store: OutboxStore, conn: sqlite3.Connection,
@@ -204,7 +206,8 @@ def test_fatal_stops_claims_for_long_with_a_clear_message(store: OutboxStore, co
     breaker = Breaker()
     [chain] = claim_chains(store)
     with caplog.at_level(logging.CRITICAL, logger="outbox.relay"):
-        outcome = handle_chain(store, publisher, chain, options=RelayOptions(fatal_pause_s=300), breaker=breaker)
+        outcome = handle_chain(RelayContext(store, publisher, options=RelayOptions(fatal_pause_s=300), breaker=breaker),
+                               chain)
     assert outcome.kind == "fatal"
     assert breaker.open_for() > 290 and breaker.reason.startswith("fatal")
     assert any("FATAL" in r.getMessage() and f"outbox_id={ids[0]}" in r.getMessage() for r in caplog.records)
@@ -217,7 +220,7 @@ def test_fatal_stops_claims_for_long_with_a_clear_message(store: OutboxStore, co
 def test_a_publisher_that_raises_counts_against_the_head(store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 2)
     [chain] = claim_chains(store)
-    outcome = handle_chain(store, ScriptedPublisher(raises=RuntimeError("boom")), chain)
+    outcome = handle_chain(RelayContext(store, ScriptedPublisher(raises=RuntimeError("boom"))), chain)
     assert outcome.failed_id == ids[0] and outcome.kind == "retriable"
     state = rows(store)
     assert (state[ids[0]]["status"], state[ids[0]]["attempts"]) == (Status.FAILED, 1)
@@ -233,7 +236,7 @@ def test_only_a_true_prefix_is_acked(store: OutboxStore, conn: sqlite3.Connectio
             return ChainResult((messages[0].id, messages[2].id))  # skips the second: not a prefix
 
     [chain] = claim_chains(store)
-    outcome = handle_chain(store, Liar(), chain)
+    outcome = handle_chain(RelayContext(store, Liar()), chain)
     assert outcome.published == ids[:1]
     assert [status_of(store)[i] for i in ids] == [Status.DONE, Status.PENDING, Status.PENDING]
 
@@ -248,11 +251,11 @@ def test_late_acks_are_fenced_by_the_lease(tmp_path: Path, conn: sqlite3.Connect
     assert [c[0].id for c in new] == a + b and new[0][0].lease != old[0][0].lease and new[0][0].attempt == 2
     publisher = ScriptedPublisher({b[0]: FailureKind.RETRIABLE})
     for chain in old:  # the first worker was only slow: its writes are refused
-        handle_chain(short, publisher, chain)
+        handle_chain(RelayContext(short, publisher), chain)
     state = rows(short)
     assert [(state[i]["status"], state[i]["lease"]) for i in a + b] == [(Status.CLAIMED, new[0][0].lease)] * 2
     for chain in new:
-        handle_chain(short, ScriptedPublisher(), chain)
+        handle_chain(RelayContext(short, ScriptedPublisher()), chain)
     assert [status_of(short)[i] for i in a + b] == [Status.DONE] * 2
     short.close()
 
@@ -262,7 +265,7 @@ def test_publish_task_past_its_deadline_leaves_rows_to_the_lease(store: OutboxSt
     ids = add(conn, "a", 2)
     publisher = ScriptedPublisher()
     chains = claim_chains(store)
-    outcomes = handle_publish(store, publisher, chains, deadline=time.time() - 1)
+    outcomes = handle_publish(RelayContext(store, publisher), chains, deadline=time.time() - 1)
     assert outcomes[0].skipped and publisher.sent == []
     assert [status_of(store)[i] for i in ids] == [Status.CLAIMED] * 2
 
@@ -290,7 +293,7 @@ def test_a_publish_task_marks_its_published_prefixes_done_in_one_write(store: Ou
     chains = claim_chains(store)
     counting = CountingStore(store)
     publisher = ScriptedPublisher({a[1]: FailureKind.RETRIABLE})
-    outcomes = handle_publish(counting, publisher, chains, deadline=time.time() + 60)
+    outcomes = handle_publish(RelayContext(counting, publisher), chains, deadline=time.time() + 60)
     assert counting.done_calls == [[a[0]] + b + c]  # one write for the whole task
     assert [o.published for o in outcomes] == [[a[0]], b, c]
     assert outcomes[0].failed_id == a[1] and outcomes[0].released == [a[2]]
@@ -314,7 +317,7 @@ def test_failed_store_writes_are_handed_to_the_fallback(store: OutboxStore, conn
     handed: list[tuple[str, dict[str, Any]]] = []
     settler = Settler(DownStore(), lambda op, kwargs: handed.append((op, json.loads(json.dumps(kwargs)))))
     publisher = ScriptedPublisher({ids[1]: FailureKind.POISON})
-    handle_chain(store, publisher, chain, settler=settler)
+    handle_chain(RelayContext(store, publisher, settler=settler), chain)
     assert [op for op, _ in handed] == ["done", "failed", "release"]
     assert publisher.dead == []  # dead-lettering waits until the row really is dead
     # The fallback tasks apply them later, on the real store (JSON round trip included).

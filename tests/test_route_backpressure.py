@@ -16,8 +16,9 @@ import pytest
 from outbox import Status, enqueue
 from outbox.domain.chains import split_chains
 from outbox.core.model import OutboxMessage
-from outbox.publisher import ChainResult, FailureKind, KombuPublisher, PublishFailure, refused_by_route
-from outbox.relay import Breaker, FileState, Outage, RedisState, RelayOptions, RouteGate, handle_publish
+from outbox.publisher import (ChainResult, FailureKind, KombuPublisher, Pipelined, Publisher, PublishFailure,
+                              refused_by_route)
+from outbox.relay import Breaker, FileState, Outage, RedisState, RelayContext, RelayOptions, RouteGate, handle_publish
 from outbox.storage.store import OutboxStore
 
 from relay_support import conn, store  # noqa: F401 - fixtures used by name
@@ -39,7 +40,7 @@ def rows(store: OutboxStore) -> dict[int, tuple[int, int, bool]]:
         return {int(r[0]): (int(r[1]), int(r[2]), r[3] is not None) for r in found.fetchall()}
 
 
-class RefusingPublisher:
+class RefusingPublisher(Publisher):
     """Publishes in memory, except that every event of a route in ``full`` is nacked, as
     RabbitMQ nacks a message a full ``reject-publish`` queue refuses."""
 
@@ -48,7 +49,8 @@ class RefusingPublisher:
         self.sent: list[int] = []
         self.calls = 0
 
-    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]]) -> list[ChainResult]:
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
+                       pipelined: Pipelined | None = None) -> list[ChainResult]:
         self.calls += 1
         results = []
         for chain in chains:
@@ -63,9 +65,6 @@ class RefusingPublisher:
             results.append(ChainResult(tuple(published), chain[len(published)].id if failure else None, failure))
         return results
 
-    def publish_dead(self, message: OutboxMessage, error: str) -> None:
-        return None
-
     def close(self) -> None:
         pass
 
@@ -79,8 +78,8 @@ def test_a_refused_route_pauses_alone_without_attempts_or_breaker(store: OutboxS
     breaker, routes = Breaker(), RouteGate()
     options = RelayOptions(route_pause_s=20, route_pause_max_s=60)
     with caplog.at_level(logging.DEBUG, logger="outbox.relay"):
-        outcomes = handle_publish(store, publisher, split_chains(store.claim(100).messages), options=options,
-                                  breaker=breaker, routes=routes)
+        outcomes = handle_publish(RelayContext(store, publisher, options=options, breaker=breaker, routes=routes),
+                                  split_chains(store.claim(100).messages))
     assert breaker.open_for() == 0  # claims go on
     assert 19 < routes.paused("orders.a") <= 20 and routes.paused("orders.b") == 0
     state = rows(store)
@@ -98,8 +97,8 @@ def test_a_refused_route_pauses_alone_without_attempts_or_breaker(store: OutboxS
         conn.execute(f"UPDATE outbox SET next_retry_at = NULL")
     more_b = add(conn, "b2", ["orders.b"])
     publisher.full.clear()
-    handle_publish(store, publisher, split_chains(store.claim(100).messages), options=options, breaker=breaker,
-                   routes=routes)
+    handle_publish(RelayContext(store, publisher, options=options, breaker=breaker, routes=routes),
+                   split_chains(store.claim(100).messages))
     state = rows(store)
     assert state[more_b[0]][0] == Status.DONE
     assert all(state[i] == (Status.PENDING, 0, True) for i in a + mixed[1:])

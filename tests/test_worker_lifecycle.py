@@ -17,7 +17,8 @@ import pytest
 from outbox import Status
 from outbox.core.errors import ConfigError
 from outbox.core.names import Queues, default_namespace
-from outbox.relay import CLAIM_TASK, PURGE_TASK, RelayOptions, handle_publish, message_from_dict, message_to_dict
+from outbox.relay import (CLAIM_TASK, PURGE_TASK, RelayContext, RelayOptions, handle_publish, message_from_dict,
+                          message_to_dict)
 from outbox.storage.store import OutboxStore
 
 from relay_support import PYTHON, ScriptedPublisher, add, claim_chains, rows, run_python
@@ -32,7 +33,7 @@ def test_publish_task_started_while_stopping_releases_its_chains(store: OutboxSt
     b = add(conn, "b", 1)
     publisher = ScriptedPublisher()
     chains = claim_chains(store)
-    outcomes = handle_publish(store, publisher, chains, deadline=time.time() + 60, stopping=lambda: True)
+    outcomes = handle_publish(RelayContext(store, publisher, stopping=lambda: True), chains, deadline=time.time() + 60)
     assert publisher.sent == [] and all(o.skipped for o in outcomes)
     assert {i: (r["status"], r["attempts"]) for i, r in rows(store).items()} == {
         i: (Status.PENDING, 0) for i in a + b}

@@ -1,4 +1,5 @@
-"""The values that cross the store boundary: status codes, claimed messages, results."""
+"""The values that cross the store boundary: status codes, claimed messages, results, and
+the failure kinds a publisher reports and the relay settles by."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ class Status(enum.IntEnum):
     DONE = 2
     FAILED = 3  # waiting for its retry at next_retry_at
     DEAD = 4
+
+
+class FailureKind(enum.StrEnum):
+    """What the relay should do about an event that was not published (docs/relay.md,
+    "Failure kinds"). A ``StrEnum``: it prints as its value (``poison``), which is what
+    ``last_error`` and the metrics record."""
+
+    RETRIABLE = "retriable"
+    BACKPRESSURE = "backpressure"
+    POISON = "poison"
+    FATAL = "fatal"
 
 
 @dataclass(frozen=True)

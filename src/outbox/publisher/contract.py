@@ -1,16 +1,15 @@
-"""The publisher's contract: ``Publisher``, its results, the failure kinds, the limits
-(docs/publisher.md)."""
+"""The publisher's contract: ``Publisher`` (what a destination implements), its results,
+the limits (docs/publisher.md). ``FailureKind`` lives in ``core.model``."""
 
 from __future__ import annotations
 
-import enum
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from ..core.model import OutboxMessage
+from ..core.model import FailureKind, OutboxMessage
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 
@@ -37,16 +36,6 @@ RESERVED_HEADERS = frozenset({
 })
 
 UNROUTABLE_POLICIES = ("fail", "drop")
-
-
-class FailureKind(enum.StrEnum):
-    """What the relay should do about an event that was not published. A ``StrEnum``: it
-    prints as its value (``poison``), which is what ``last_error`` and the metrics record."""
-
-    RETRIABLE = "retriable"
-    BACKPRESSURE = "backpressure"
-    POISON = "poison"
-    FATAL = "fatal"
 
 
 @dataclass(frozen=True)
@@ -94,7 +83,7 @@ Pipelined = Callable[[OutboxMessage], bool]
 
 @dataclass(frozen=True)
 class ChainResult:
-    """The outcome of one ``publish_chain`` call.
+    """The outcome of one chain of a ``publish_chains`` call.
 
     ``published`` is always a prefix of the chain's ids, in order. When the chain stopped
     early, ``failed_id`` is the id of the first event that was not published (the one right
@@ -116,44 +105,37 @@ class ChainResult:
         return self.failure is None
 
 
-class PublisherLike(Protocol):
-    """What the relay needs of a publisher (``Publisher`` and any stand-in with these
-    methods): the relay calls ``publish_chains`` when the object has it."""
-
-    def publish_chain(self, messages: Sequence[OutboxMessage]) -> "ChainResult": ...
-
-    def publish_dead(self, message: OutboxMessage, error: str) -> "PublishFailure | None": ...
-
-
 class Publisher(ABC):
-    """Sends chains of outbox messages to the destination broker.
+    """What a destination implements, and all the relay calls on it (docs/publisher.md,
+    "The contract"): ``publish_chains`` and ``close``; ``publish_dead`` when the
+    destination has a dead-letter place.
 
     Implementations never raise for a publishing problem: they report it in the result so
     the relay always learns exactly which prefix reached the broker.
     """
 
     @abstractmethod
-    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
-        """Publish ``messages`` (one aggregate, id order) so that a prefix reaches the broker."""
-
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
                        pipelined: Pipelined | None = None) -> list[ChainResult]:
         """Publish several chains (of different aggregates), one result per chain, in order.
 
-        The prefix promise holds per chain; chains are independent of each other, so an
-        implementation may interleave them to share broker round trips. Events for which
-        ``pipelined`` is true may be sent without waiting for the confirms of the events
-        before them (docs/relay.md, "Pipelined chains"); an implementation may ignore it
-        (strict is always allowed). This default publishes the chains one after the other."""
-        return [self.publish_chain(chain) for chain in chains]
+        Each chain (one aggregate, id order) reaches the broker as a prefix; chains are
+        independent of each other, so an implementation may interleave them to share broker
+        round trips. Events for which ``pipelined`` is true may be sent without waiting for
+        the confirms of the events before them (docs/relay.md, "Pipelined chains"); an
+        implementation may ignore it (strict is always allowed)."""
+
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+        """Publish one chain: ``publish_chains`` of that chain alone."""
+        return self.publish_chains([messages])[0]
 
     def publish_dead(self, message: OutboxMessage, error: str, *,
                      headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
         """Send a copy of a dead row to the dead-letter exchange, if the publisher has one,
         with ``headers`` added to it (the pipelined ``x-outbox-overtaken-*`` ones).
 
-        Returns ``None`` on success and when dead-letter publishing is not configured. It is
-        best effort: the dead row in the table stays the record of truth.
+        Returns ``None`` on success and when dead-letter publishing is not configured (this
+        default). It is best effort: the dead row in the table stays the record of truth.
         """
         return None
 
@@ -167,3 +149,8 @@ class Publisher(ABC):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+#: TEMPORARY, until the runners branch is merged: ``relay/drain.py`` still imports the old
+#: name. ``Publisher`` is the one contract.
+PublisherLike = Publisher

@@ -91,9 +91,6 @@ class KombuPublisher(Publisher):
         return f"<KombuPublisher {maybe_sanitize_url(self.url)} exchange={self.exchange!r}>"
 
     # -- public API ----------------------------------------------------------------
-    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
-        return self.publish_chains([messages])[0]
-
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
                        pipelined: Pipelined | None = None) -> list[ChainResult]:
         with self._lock:

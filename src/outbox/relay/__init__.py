@@ -1,17 +1,20 @@
-"""The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``claim``,
-``drain`` (a claim task's drain slice), ``publish`` (the failure policy), ``settle`` (store
-writes), ``foreign`` (a task of another outbox),
+"""The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``context``
+(the collaborators, one argument), ``claim``, ``drain`` (a claim task's drain slice),
+``publish`` (sending, the trusted prefix, settling), ``policy`` (the failure policy),
+``settle`` (store writes), ``foreign`` (a task of another outbox),
 ``shared`` (breaker, route gate, outage log, coalescer) over ``state`` (Redis, files
 or the process), ``resources`` (what a worker process holds). Every name keeps its ``outbox.relay`` import path."""
 
 from ..core.config import MAX_OPTION_S, RelayOptions
 from ..core.model import message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Queues
+from .context import RelayContext
 from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
 from .foreign import ForeignTasks
 from .drain import DRAIN_SLICE_S, Backlog, after_publish, drain_slice
+from .policy import STOP_POLICY
 from .publish import (BACKPRESSURE, FATAL, POISON, RETRIABLE, ChainOutcome, handle_chain, handle_publish,
-                      still_held)
+                      still_held, trusted_prefix)
 from .resources import ResourceHolder, Resources
 from .settle import (MAX_RETRY_S, Fallback, Settler, StoreLike, apply_fallback, purge_expired, retry_delay,
                      send_dead)
@@ -25,6 +28,7 @@ __all__ = [
     "SharedState", "ProcessState", "RedisState", "FileState", "open_shared_state",
     "Breaker", "breaker_key", "make_breaker", "RouteGate", "make_route_gate",
     "Outage", "make_outage", "ClaimFailed", "Coalescer", "make_coalescer",
+    "RelayContext", "STOP_POLICY", "trusted_prefix",
     "StoreLike", "Fallback", "Settler", "ChainOutcome", "handle_chain", "handle_publish", "still_held",
     "ClaimOutcome", "ClaimSizer", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback",
     "DRAIN_SLICE_S", "Backlog", "after_publish", "drain_slice", "send_dead",

@@ -7,17 +7,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from ..core.model import Claim, OutboxMessage
 from ..domain.chains import split_chains
-from ..core.config import RelayOptions
+from ..publisher import Publisher
 from ..storage.engines.base import LEASE_EXPIRED_ERROR
-from ..core.model import OutboxMessage
-from ..publisher import PublisherLike
 from . import metrics
+from .context import RelayContext, old_calls
+from .settle import send_dead
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
-from .settle import Settler, StoreLike, send_dead
-from .shared import Breaker
-from .sizing import ClaimSizer
 
 
 #: The error kind recorded on a dead-letter copy of a row that went dead on lease expiry.
@@ -90,13 +88,10 @@ def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
 Dispatch = Callable[[list[list[OutboxMessage]], float], None]
 
 
-def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease_s: float,
-                 options: RelayOptions = RelayOptions(), breaker: Breaker | None = None,
-                 queued: Callable[[], int | None] | None = None,
-                 settler: Settler | None = None, now: Callable[[], float] = time.time,
-                 publisher: PublisherLike | None = None, publish_inline: Dispatch | None = None,
-                 claim_again: Callable[[], object] | None = None,
-                 sizer: ClaimSizer | None = None) -> ClaimOutcome:
+@old_calls(takes_publisher=False)
+def handle_claim(relay: RelayContext, dispatch: Dispatch, *, batch_size: int, lease_s: float,
+                 queued: Callable[[], int | None] | None = None, publish_inline: Dispatch | None = None,
+                 claim_again: Callable[[], object] | None = None) -> ClaimOutcome:
     """One claim: lease a batch and dispatch its chains as publish tasks.
 
     A small claim (not full, at most ``options.inline_rows`` rows, within the byte budget)
@@ -110,8 +105,8 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
 
     Rows the claim turned dead (an expired lease with no attempts left: the row keeps
     killing or losing its workers) are sent to the dead-letter exchange through
-    ``publisher.publish_dead`` (a no-op unless one is configured), after the batch has
-    been dispatched so the live rows do not wait on it.
+    ``relay.publisher`` (when there is one), after the batch has been dispatched so the
+    live rows do not wait on it.
 
     Nothing is claimed while the breaker is open, or while ``queued()`` (publish tasks
     waiting in Celery's broker) is at ``options.max_queued_tasks``: that is what bounds
@@ -120,86 +115,107 @@ def handle_claim(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease
     needs ``queued`` (the caller may pass None after a small claim: live traffic then
     saves that round trip to Celery's broker).
 
-    With a ``sizer`` (one per process), the claim asks for fewer rows than ``batch_size``
-    when recent rows were large, so it reads about ``options.max_batch_bytes`` instead of
-    reading a whole batch and releasing most of it (docs/relay.md, "Memory").
+    With a ``relay.sizer``, the claim asks for fewer rows than ``batch_size`` when recent
+    rows were large, so it reads about ``options.max_batch_bytes`` instead of reading a
+    whole batch and releasing most of it (docs/relay.md, "Memory").
     """
     outcome = ClaimOutcome()  # the gauges are read by the metrics' own thread, never by a claim
-    if breaker is not None:
-        outcome.paused = breaker.open_for()
+    if _held_back(relay, queued, outcome):
+        return outcome
+    claimed_at = relay.now()
+    claim = _claim(relay, batch_size, outcome)
+    if claim.messages:
+        deadline = claimed_at + lease_s * relay.options.lease_safety
+        _hand_on(relay, claim, deadline, dispatch, publish_inline, claim_again, outcome)
+    _dead_letter_expired(relay.publisher, claim.dead, claim.dead_errors)
+    return outcome
+
+
+def _held_back(relay: RelayContext, queued: Callable[[], int | None] | None, outcome: ClaimOutcome) -> bool:
+    """Whether this claim must not run: the breaker is open, or too many publish tasks wait."""
+    if relay.breaker is not None:
+        outcome.paused = relay.breaker.open_for()
         if outcome.paused > 0:
             # DEBUG: an outage is announced once (``Outage``), not on every tick.
-            log.debug("outbox claims paused for %.1f s more (%s)", outcome.paused, breaker.reason)
-            return outcome
+            log.debug("outbox claims paused for %.1f s more (%s)", outcome.paused, relay.breaker.reason)
+            return True
     if queued is not None:
         depth = queued()
-        if depth is not None and depth >= options.max_queued_tasks:
+        if depth is not None and depth >= relay.options.max_queued_tasks:
             outcome.saturated = True
-            log.debug("outbox claim held back: %d publish tasks queued (max %d)", depth, options.max_queued_tasks)
-            return outcome
+            log.debug("outbox claim held back: %d publish tasks queued (max %d)", depth,
+                      relay.options.max_queued_tasks)
+            return True
+    return False
 
-    claimed_at, started = now(), time.perf_counter()
-    rows = sizer.rows(batch_size, options.max_batch_bytes) if sizer is not None else batch_size
+
+def _claim(relay: RelayContext, batch_size: int, outcome: ClaimOutcome) -> Claim:
+    """Lease a batch (sized by bytes with a sizer) and count it in ``outcome``."""
+    started = time.perf_counter()
+    rows = relay.sizer.rows(batch_size, relay.options.max_batch_bytes) if relay.sizer is not None else batch_size
     try:
-        claim = store.claim(rows)
+        claim = relay.store.claim(rows)
     except Exception as exc:
         raise ClaimFailed(exc) from exc
     metrics.claimed(claim, time.perf_counter() - started)
-    if sizer is not None:
-        sizer.observe(claim.messages)
+    if relay.sizer is not None:
+        relay.sizer.observe(claim.messages)
     outcome.claimed = len(claim.messages)
     outcome.full = outcome.claimed >= rows
     outcome.dead = len(claim.dead)
-    if not claim.messages:
-        _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
-        return outcome
-    settler = settler or Settler(store)
-    deadline = claimed_at + lease_s * options.lease_safety
+    return claim
+
+
+def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispatch,
+             publish_inline: Dispatch | None, claim_again: Callable[[], object] | None,
+             outcome: ClaimOutcome) -> None:
+    """Hand the claimed chains on: all published here (a small claim), or dispatched in
+    publish tasks, the first one kept here (a backlog, with ``claim_again``)."""
+    options = relay.options
     chains = split_chains(claim.messages)
     outcome.chains = len(chains)
     tasks, over = plan_tasks(chains, options.task_rows, options.max_batch_bytes)
     outcome.trimmed = bool(over)
-    if (publish_inline is not None and not outcome.full and not over
-            and outcome.claimed <= options.inline_rows):
-        chains = [chain for task in tasks for chain in task]
+    if publish_inline is not None and not outcome.full and not over and outcome.claimed <= options.inline_rows:
         log.info("outbox claimed %d rows lease=%s: publishing them here", outcome.claimed, claim.lease)
         outcome.inline = True
         outcome.dispatched = outcome.claimed
-        publish_inline(chains, deadline)
-        _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
-        return outcome
+        publish_inline([chain for task in tasks for chain in task], deadline)
+        return
     # A backlog's first share stays here (no hop through Celery's broker), the rest goes out.
-    share = tasks[0] if (publish_inline is not None and claim_again is not None and options.inline_rows > 0
-                         and tasks) else None
-    if share is not None:
-        tasks = tasks[1:]
-    for index, task in enumerate(tasks):
-        try:
-            dispatch(task, deadline)
-        except Exception as exc:
-            # Celery's broker refused the task: give back its rows and every later one.
-            unsent = [m for pending in tasks[index:] for chain in pending for m in chain]
-            log.error("outbox cannot dispatch publish tasks (%s: %s); releasing %d rows",
-                      type(exc).__name__, exc, len(unsent))
-            outcome.error = f"{type(exc).__name__}: {exc}"
-            over = unsent + over
-            break
-        outcome.tasks += 1
-        outcome.dispatched += sum(len(chain) for chain in task)
+    keep_share = publish_inline is not None and claim_again is not None and options.inline_rows > 0
+    share = tasks.pop(0) if keep_share and tasks else None
+    over = _dispatch_all(dispatch, tasks, deadline, outcome) + over
     if over:
-        settler.release(over)
+        relay.settler.release(over)
         outcome.released = len(over)
     log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks, %d published here, %d released",
              outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks,
              sum(len(chain) for chain in share or ()), outcome.released)
     if share is not None:
+        assert publish_inline is not None and claim_again is not None
         if outcome.more:
             claim_again()  # the next claim runs in another process while this one publishes
         outcome.inline = True
         outcome.dispatched += sum(len(chain) for chain in share)
         publish_inline(share, deadline)
-    _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
-    return outcome
+
+
+def _dispatch_all(dispatch: Dispatch, tasks: list[list[list[OutboxMessage]]], deadline: float,
+                  outcome: ClaimOutcome) -> list[OutboxMessage]:
+    """Dispatch the publish tasks in order; the rows of the first one the runner's broker
+    refuses and of every later one are returned, to be released."""
+    for index, task in enumerate(tasks):
+        try:
+            dispatch(task, deadline)
+        except Exception as exc:
+            log.error("outbox cannot dispatch publish tasks (%s: %s); releasing %d rows",
+                      type(exc).__name__, exc, sum(len(chain) for pending in tasks[index:] for chain in pending))
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            return [m for pending in tasks[index:] for chain in pending for m in chain]
+        outcome.tasks += 1
+        outcome.dispatched += sum(len(chain) for chain in task)
+    return []
 
 
 class ClaimFailed(Exception):
@@ -211,13 +227,11 @@ class ClaimFailed(Exception):
         self.cause = cause
 
 
-def _dead_letter_expired(publisher: PublisherLike, dead: Sequence[OutboxMessage],
+def _dead_letter_expired(publisher: Publisher | None, dead: Sequence[OutboxMessage],
                          errors: Mapping[int, str] | None = None) -> None:
     """Best effort, like every dead-letter copy: the dead row in the table stays the record.
     ``errors`` holds the reason of rows that went dead for another cause than their lease
     (undecodable rows: the copy carries what could be decoded)."""
-    if publisher is None:
-        return
     for message in dead:
         error = (errors or {}).get(message.id) or (f"{LEASE_EXPIRED}: {LEASE_EXPIRED_ERROR} "
                                                    f"(attempts: {message.attempts}, no attempts left)")

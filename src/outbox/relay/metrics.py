@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 
 from ..core.config import metrics_options
 from ..core.errors import install_hint
+from ..core.model import Claim, FailureKind, OutboxMessage
 
 log = logging.getLogger("outbox.relay.metrics")
 
@@ -24,9 +25,8 @@ log = logging.getLogger("outbox.relay.metrics")
 CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PUBLISH_BUCKETS = CLAIM_BUCKETS
 AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
-#: The values of ``outbox.publisher.FailureKind`` (a lower layer cannot import it; a test
-#: checks they match): ``outbox_failed_total{kind}`` starts at 0 for each.
-FAILURE_KINDS = ("retriable", "poison", "backpressure", "fatal")
+#: ``outbox_failed_total{kind}`` starts at 0 for each.
+FAILURE_KINDS = tuple(kind.value for kind in FailureKind)
 #: A failed reading of the gauges is logged as a warning at most this often.
 WARN_EVERY_S = 60.0
 
@@ -141,17 +141,17 @@ def _guard(fn: Any) -> Any:
 
 
 @_guard
-def claimed(m: Metrics, claim: Any, seconds: float) -> None:
+def claimed(m: Metrics, claim: Claim, seconds: float) -> None:
     """A claim returned: its rows, its duration, and the rows it found dead."""
     m.claim_seconds.observe(seconds)
-    m.claimed.inc(len(getattr(claim, "messages", ()) or ()))
-    dead = len(getattr(claim, "dead", ()) or ())
+    m.claimed.inc(len(claim.messages))
+    dead = len(claim.dead)
     if dead:
         m.dead.inc(dead)
 
 
 @_guard
-def chain(m: Metrics, published: Iterable[Any], seconds: float, failed_kind: str | None) -> None:
+def chain(m: Metrics, published: Iterable[OutboxMessage], seconds: float, failed_kind: str | None) -> None:
     """One chain went through the publisher: its confirmed prefix, how long it took, and
     the failure kind of the event that stopped it (None when the whole chain went)."""
     m.publish_seconds.observe(seconds)
@@ -159,7 +159,7 @@ def chain(m: Metrics, published: Iterable[Any], seconds: float, failed_kind: str
     count = 0
     for message in published:
         count += 1
-        created = getattr(message, "created_at", None)
+        created = message.created_at
         if isinstance(created, datetime):
             if created.tzinfo is None:
                 created = created.replace(tzinfo=timezone.utc)

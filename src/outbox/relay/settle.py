@@ -9,12 +9,12 @@ import random
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from ..core.model import FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
-from ..publisher import PublisherLike
+from ..core.model import Claim, FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
+from ..publisher import Publisher, PublishFailure
 from . import metrics
+from .logfields import describe, log_extra
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
-from .logfields import describe, log_extra
 
 
 #: ``OutboxStore.mark_failed`` accepts retry times up to a day.
@@ -31,13 +31,15 @@ def retry_delay(attempt: int, base_s: float, max_s: float, rng: Callable[[], flo
 # -- store writes, with a fallback ------------------------------------------------------------
 
 class StoreLike(Protocol):
-    def claim(self, batch: int) -> Any: ...
+    def claim(self, batch: int) -> Claim: ...
     def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult: ...
     def mark_failed(self, id: int, lease: str, error: str, retry_in: timedelta | None = None,
                     *, dead: bool = False) -> FailResult: ...
     def release(self, ids: Sequence[int], lease: str, delay: timedelta | None = None) -> FenceResult: ...
     def held(self, ids: Sequence[int], lease: str) -> set[int]: ...
-    # Lost workers (docs/relay.md): a store that leases for a process adopts others' rows.
+    # Lost workers (docs/relay.md): a store that leases for a process (``holder_id``, None
+    # when it does not) adopts others' rows.
+    holder_id: str | None
     def new_lease(self) -> str: ...
     def adopt(self, ids: Sequence[int], lease: str, new_lease: str) -> set[int]: ...
 
@@ -105,23 +107,26 @@ class Settler:
 
 # -- publishing one chain --------------------------------------------------------------------
 
-def send_dead(publisher: PublisherLike, message: OutboxMessage, error: str,
+def send_dead(publisher: Publisher | None, message: OutboxMessage, error: str,
               headers: Mapping[str, Any] | None = None) -> None:
-    """Best effort: the dead row in the table stays the record of truth. ``headers`` are
-    added to the copy (a publisher stand-in without them is called as before)."""
+    """Send the dead-letter copy of a dead row, with ``headers`` added to it; without a
+    publisher, nothing. Best effort: the dead row in the table stays the record of truth."""
+    if publisher is None:
+        return
+    problem: PublishFailure | Exception | None
     try:
-        problem = (publisher.publish_dead(message, error, headers=headers) if headers
-                   else publisher.publish_dead(message, error))
+        problem = publisher.publish_dead(message, error, headers=headers)
     except Exception as exc:
         problem = exc
     if problem is not None:
-        log.error("outbox dead-letter publish failed %s error=%r", describe(message),
-                  getattr(problem, "reason", str(problem)), extra=log_extra(message, "dead_letter_failed"))
+        reason = problem.reason if isinstance(problem, PublishFailure) else str(problem)
+        log.error("outbox dead-letter publish failed %s error=%r", describe(message), reason,
+                  extra=log_extra(message, "dead_letter_failed"))
 
 
 # -- failed writes handed to the ack queue ---------------------------------------------------
 
-def apply_fallback(store: StoreLike, publisher: PublisherLike, operation: str, kwargs: Mapping[str, Any]) -> Any:
+def apply_fallback(store: StoreLike, publisher: Publisher | None, operation: str, kwargs: Mapping[str, Any]) -> Any:
     """What the ack/fail/release tasks do with a write the publish task could not make.
     Raises on failure, so the task retries."""
     if operation == "done":
@@ -137,7 +142,7 @@ def apply_fallback(store: StoreLike, publisher: PublisherLike, operation: str, k
                                    dead=bool(kwargs.get("dead")))
         if result.applied and result.dead:
             metrics.dead()
-        if result.applied and result.dead and publisher is not None:
+        if result.applied and result.dead:
             send_dead(publisher, message, kwargs["error"], kwargs.get("dead_headers"))
         return result
     raise ValueError(f"unknown operation {operation!r}")

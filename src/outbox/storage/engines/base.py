@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 from ...domain.chains import Candidate, plan_claim
 from ...core.config import validate_identifier
 from ...domain.events import text_problem
-from ...core.model import NewEvent, OutboxMessage
+from ...core.model import FailureKind, NewEvent, OutboxMessage
 
 #: Columns handed to the relay, in this order, by every claim implementation.
 MESSAGE_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
@@ -29,10 +29,9 @@ LEASE_EXPIRED_ERROR = "lease expired: the worker holding this row was lost befor
 #: ``last_error`` of a row the claim could not decode (a NULL or malformed column, JSON
 #: that is not JSON): it goes dead at once, alone (``OutboxStore.claim``).
 UNDECODABLE_PREFIX = "undecodable row: "
-#: ``last_error`` of a row the publisher refused as POISON: the relay records
-#: ``"<kind>: <reason>"`` and ``publisher.FailureKind.POISON`` is ``"poison"`` (not
-#: encodable, over AMQP's or the broker's limits).
-POISON_PREFIX = "poison: "
+#: ``last_error`` of a row the publisher refused as POISON (not encodable, over AMQP's or
+#: the broker's limits): the relay records ``"<kind>: <reason>"``.
+POISON_PREFIX = f"{FailureKind.POISON}: "
 #: The one definition of a *permanent* reason: a dead row whose ``last_error`` starts with
 #: one of these fails again the same way when requeued as it is, so ``outbox dead
 #: requeue`` refuses it unless forced (after the row or the limit was fixed).
