@@ -99,9 +99,8 @@ def migrate(native_json: bool) -> None:
     broker_url = get_settings().broker_url
     from .transport import is_transport_url, migrate_queue_tables
     if is_transport_url(broker_url):
-        import os
         from .transport.options import transport_options
-        table = transport_options(os.environ, visibility_timeout=1.0).get("queue_table")
+        table = transport_options(visibility_timeout=1.0).get("queue_table")
         tables = migrate_queue_tables(broker_url, table=table)
         click.echo(f"migrated {tables.table} and {tables.bindings} (Celery's broker) on {tables.engine.name}")
 

@@ -11,6 +11,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from ..core.config import pipeline_options
 from ..core.errors import OutboxError
 
 
@@ -109,13 +110,9 @@ def decode_native(text: str) -> Any:
 
 
 # -- crash injection -----------------------------------------------------------------------
-#: Set to a step name (see ``archive.STEPS``) to SIGKILL the process at that step:
-#: how the tests prove a crash anywhere loses and duplicates nothing.
-CRASH_ENV = "OUTBOX_PIPELINE_CRASH_AT"
-
-
 def crash_hook_from_env() -> Callable[[str], None] | None:
-    wanted = os.environ.get(CRASH_ENV)
+    """OUTBOX_PIPELINE_CRASH_AT (``config.PipelineOptions.crash_at``) as a hook, or None."""
+    wanted = pipeline_options().crash_at
     if not wanted:
         return None
 
