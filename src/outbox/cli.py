@@ -67,8 +67,9 @@ one_line_errors = functools.partial(_one_line_errors, explain=_explain)
 def main(verbose: bool) -> None:
     """outbox-relay: relay rows of a transactional outbox table to a message broker.
 
-    Configured by OUTBOX_* environment variables (see the README); the database is
-    OUTBOX_DATABASE_URL (default sqlite:///outbox.db).
+    Configured by OUTBOX_* environment variables, or Django settings when
+    DJANGO_SETTINGS_MODULE is set, the environment first (README, "Configuration");
+    the database is OUTBOX_DATABASE_URL (default sqlite:///outbox.db).
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
     install_filter()  # passwords never reach stderr, whatever logs them
