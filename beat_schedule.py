@@ -2,7 +2,7 @@
 
 The Celery app (``outbox.celery``) imports this module and installs ``build_schedule``'s
 result as its ``beat_schedule``, computed from the OUTBOX_* settings once they are known
-(environment, Celery config keys). The module is installed as a top-level module with the
+(Celery config keys, environment, Django settings: the one order). The module is installed as a top-level module with the
 package, so ``import beat_schedule`` works from any directory; a ``beat_schedule.py`` in the
 directory beat is started from comes first on ``sys.path`` and replaces it.
 
@@ -31,14 +31,13 @@ PURGE_ENTRY = "outbox-purge"
 
 def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[str, Any]]:
     """The ``beat_schedule`` for ``settings`` (``outbox.core.config.Settings``) and relay
-    ``options`` (``outbox.core.config.RelayOptions``); both default to the environment's."""
-    from outbox.core.config import RelayOptions, get_settings
-    from outbox.core.names import CLAIM_TASK, PURGE_TASK, TASK_OUTBOX_ARG
+    ``options`` (``outbox.core.config.RelayOptions``); both default to the process's, read in
+    the one order (docs/design.md, "Settings")."""
+    from outbox.core.config import get_settings, relay_options
+    from outbox.core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PURGE_TASK
 
     settings = settings or get_settings()
-    if options is None:
-        import os
-        options = RelayOptions.from_sources(os.environ)
+    options = options or relay_options()
     claim_every = float(settings.claim_interval_s)
     purge_every = float(options.purge_interval_s)
     # Each tick goes to this outbox's queue and names it (docs/relay.md, "Several outboxes on one broker").

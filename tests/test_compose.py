@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from dataclasses import fields
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from outbox.core.config import SETTING_NAMES, load_settings
+from outbox.core.config import known_names, load_settings
 from outbox.relay import RelayOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,12 +43,9 @@ def env_file(path: Path) -> dict[str, str]:
 
 
 def known_outbox_names() -> set[str]:
-    """Every OUTBOX_* name the package reads: the contract's settings, the relay's options,
-    and the names of wake-ups, LISTEN and metrics (found as string literals in the code)."""
-    names = set(SETTING_NAMES) | {f"OUTBOX_RELAY_{f.name.upper()}" for f in fields(RelayOptions)}
-    for source in (ROOT / "src" / "outbox").rglob("*.py"):
-        names |= set(re.findall(r"[\"'](OUTBOX_RELAY_[A-Z0-9_]*[A-Z0-9])[\"']", source.read_text()))
-    return names
+    """Every OUTBOX_* name the package reads: the names its option families declare
+    (the contract's settings, the relay's options, wake-ups, LISTEN, metrics, ...)."""
+    return set(known_names())
 
 
 def service_env(name: str) -> dict[str, str]:
@@ -376,7 +372,7 @@ def test_monitoring_scrapes_the_workers_metrics_port_and_the_dashboard_uses_real
 
 def declared_metrics() -> dict[str, str]:
     """outbox.relay.metrics' metrics: name -> Counter, Gauge or Histogram."""
-    source = (ROOT / "src" / "outbox" / "metrics.py").read_text()
+    source = (ROOT / "src" / "outbox" / "relay" / "metrics.py").read_text()
     return {metric: kind for kind, metric in re.findall(r'(Counter|Gauge|Histogram)\("(outbox_[a-z_]+)"', source)}
 
 

@@ -82,3 +82,80 @@ def test_dead_letter_exchange_is_off_by_default_and_reaches_the_publisher() -> N
 def test_dead_letter_exchange_must_differ_from_the_exchange() -> None:
     with pytest.raises(ConfigError, match="OUTBOX_DEAD_LETTER_EXCHANGE='ev' must differ from OUTBOX_EXCHANGE"):
         load_settings(environ={"OUTBOX_EXCHANGE": "ev", "OUTBOX_DEAD_LETTER_EXCHANGE": "ev"})
+
+
+# -- one declaration, one reader, one order (issue 21) ------------------------------------------
+
+def test_every_family_reads_celery_conf_over_environment_over_django_over_default() -> None:
+    from outbox.core.config import FAMILIES
+
+    for family in FAMILIES:
+        for name, (f, how) in family.declared().items():
+            if how.kind != "int":
+                continue
+            low = int(max(3, how.minimum or 0, (how.above or 0) + 1))  # three values within the bounds
+            conf, env, django = {name: low}, {name: str(low + 1)}, {name: low + 2}
+            assert getattr(family.from_sources(conf, env, django), f.name) == low
+            assert getattr(family.from_sources({}, env, django), f.name) == low + 1
+            assert getattr(family.from_sources({}, {name: ""}, django), f.name) == low + 2  # empty is unset
+            assert getattr(family.from_sources({}, {}, {}), f.name) == f.default
+
+
+def test_the_process_order_is_built_once_with_the_registered_celery_conf(monkeypatch: pytest.MonkeyPatch) -> None:
+    from outbox.core.config import get_settings, relay_options, relay_settings, reset_settings, use_conf
+
+    monkeypatch.setenv("OUTBOX_RELAY_TASK_ROWS", "9")
+    monkeypatch.setenv("OUTBOX_BATCH_SIZE", "8")
+    try:
+        use_conf(lambda: {"OUTBOX_RELAY_TASK_ROWS": 3, "broker_url": "memory://"})
+        assert relay_options().task_rows == 3 and get_settings().batch_size == 8
+        assert relay_settings() is get_settings()  # one reading, whoever asks
+        monkeypatch.setenv("OUTBOX_BATCH_SIZE", "7")
+        assert get_settings().batch_size == 8  # read once per process...
+        reset_settings()
+        assert get_settings().batch_size == 7  # ...until forgotten
+        use_conf(None)  # Dramatiq and the CLI: no Celery conf, the same order otherwise
+        assert relay_options().task_rows == 9
+        use_conf(lambda: {"OUTBOX_RELAY_TASKROWS": 3})
+        with pytest.raises(ConfigError, match="unknown setting OUTBOX_RELAY_TASKROWS"):
+            relay_options()
+    finally:
+        use_conf(None)
+        reset_settings()
+
+
+def test_known_names_are_the_declared_names_each_declared_once() -> None:
+    from outbox.core.config import FAMILIES, known_names
+
+    declared = [name for family in FAMILIES for name in family.names()]
+    assert len(declared) == len(set(declared)) == len(known_names())
+    assert set(declared) == set(known_names())
+    assert {"OUTBOX_SPARK_MASTER", "OUTBOX_PIPELINE_CRASH_AT", "OUTBOX_TRANSPORT_RECEIVE_BATCH",
+            "OUTBOX_RELAY_METRICS_PORT", "OUTBOX_RELAY_WAKE", "OUTBOX_DRAMATIQ_BROKER_URL"} <= set(declared)
+
+
+@pytest.mark.parametrize("name,value,fragment", [
+    ("OUTBOX_SPARK_MASTER", "lokal[*]", "OUTBOX_SPARK_MASTER='lokal[*]' is not a Spark master URL"),
+    ("OUTBOX_SPARK_SHUFFLE_PARTITIONS", "many", "OUTBOX_SPARK_SHUFFLE_PARTITIONS='many' is not an integer"),
+    ("OUTBOX_SPARK_LOG_LEVEL", "LOUD", "OUTBOX_SPARK_LOG_LEVEL='LOUD' is not a Spark log level"),
+    ("OUTBOX_SPARK_UI", "perhaps", "OUTBOX_SPARK_UI='perhaps' is not a boolean"),
+])
+def test_spark_settings_are_validated_naming_the_setting(name: str, value: str, fragment: str) -> None:
+    from outbox.core.config import PipelineOptions
+
+    with pytest.raises(ConfigError) as caught:
+        PipelineOptions.from_sources({name: value})
+    assert fragment in str(caught.value)
+    options = PipelineOptions.from_sources({"OUTBOX_SPARK_MASTER": "local[2]", "OUTBOX_SPARK_LOG_LEVEL": "warn"})
+    assert (options.master, options.log_level, options.shuffle_partitions, options.ui) == ("local[2]", "WARN", 8, False)
+
+
+def test_transport_options_become_kombu_options() -> None:
+    from outbox.transport.options import transport_options
+
+    assert transport_options({}, visibility_timeout=120.0) == {"visibility_timeout": 120.0, "polling_interval": 1.0}
+    assert transport_options({"OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S": "10", "OUTBOX_TRANSPORT_QUEUE_TABLE": "q"},
+                             visibility_timeout=120.0) == {"visibility_timeout": 10.0, "polling_interval": 1.0,
+                                                           "queue_table": "q"}
+    with pytest.raises(ConfigError, match="OUTBOX_TRANSPORT_RECEIVE_BATCH='0' must be >= 1"):
+        transport_options({"OUTBOX_TRANSPORT_RECEIVE_BATCH": "0"}, visibility_timeout=1.0)

@@ -49,7 +49,9 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
         ("events and chains", ("outbox.domain", "outbox.domain.*")),
     ]),
     ("foundation", [
-        ("configuration", ("outbox.core.config",)),
+        ("configuration: the option families and the one order", ("outbox.core.config",)),
+        ("the option reader, the sources, the validators", ("outbox.core.options", "outbox.core.sources",
+                                                             "outbox.core.checks")),
         ("model and names", ("outbox.core", "outbox.core.model", "outbox.core.names", "outbox.core.errors",
                              "outbox.core.redact", "outbox.core.tracing", "outbox.core.handoff")),
     ]),

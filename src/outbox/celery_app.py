@@ -19,7 +19,7 @@ from kombu import Connection as KombuConnection
 from kombu import Exchange, Queue
 from kombu.utils.url import as_url
 
-from .core.config import RelayOptions, Settings, conf_keys, relay_options, relay_settings, use_conf
+from .core.config import RelayOptions, Settings, relay_options, relay_settings, use_conf
 from .core.errors import ConfigError
 from .core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
 from .core.redact import redact
@@ -112,8 +112,7 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         from .transport.options import transport_options
 
         register()
-        config["broker_transport_options"] = transport_options(
-            conf_keys(), os.environ, visibility_timeout=max(120.0, 2 * lease_s))
+        config["broker_transport_options"] = transport_options(visibility_timeout=max(120.0, 2 * lease_s))
     if in_memory:
         # One process: threads share the in-memory broker, prefork children would not.
         config["worker_pool"] = "threads"

@@ -67,8 +67,9 @@ one_line_errors = functools.partial(_one_line_errors, explain=_explain)
 def main(verbose: bool) -> None:
     """outbox-relay: relay rows of a transactional outbox table to a message broker.
 
-    Configured by OUTBOX_* environment variables (see the README); the database is
-    OUTBOX_DATABASE_URL (default sqlite:///outbox.db).
+    Configured by OUTBOX_* environment variables, or Django settings when
+    DJANGO_SETTINGS_MODULE is set, the environment first (README, "Configuration");
+    the database is OUTBOX_DATABASE_URL (default sqlite:///outbox.db).
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
     install_filter()  # passwords never reach stderr, whatever logs them
@@ -99,10 +100,8 @@ def migrate(native_json: bool) -> None:
     broker_url = get_settings().broker_url
     from .transport import is_transport_url, migrate_queue_tables
     if is_transport_url(broker_url):
-        import os
-
         from .transport.options import transport_options
-        table = transport_options(os.environ, visibility_timeout=1.0).get("queue_table")
+        table = transport_options(visibility_timeout=1.0).get("queue_table")
         tables = migrate_queue_tables(broker_url, table=table)
         click.echo(f"migrated {tables.table} and {tables.bindings} (Celery's broker) on {tables.engine.name}")
 

@@ -17,7 +17,7 @@ from dramatiq.middleware import Middleware
 
 from . import dramatiq_broker as _broker
 from .relay import metrics as _metrics
-from .core.config import Settings, load_settings, metrics_options
+from .core.config import Settings, get_settings, metrics_options, relay_options
 from .core.errors import ConfigError
 from .core.redact import install_filter, redact
 from .relay import (ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Backlog,
@@ -41,8 +41,7 @@ def stopping() -> bool:
 # -- configuration, read once at import -------------------------------------------------------
 
 def _load() -> tuple[Settings, RelayOptions, str, str]:
-    settings = load_settings()
-    options = RelayOptions.from_sources(os.environ)
+    settings, options = get_settings(), relay_options()
     dramatiq_settings = _broker.settings(required=True)
     assert dramatiq_settings is not None
     return settings, options, dramatiq_settings.broker_url, dramatiq_settings.namespace

@@ -8,7 +8,7 @@ django-dramatiq sends a post-commit wake from here (``outbox.wake``), and so doe
 scheduler (``outbox.dramatiq_scheduler``). Sending only needs the actor's and queue's
 *names* (``outbox.relay``'s constants), not the actors themselves.
 
-Settings (``outbox.core.config.dramatiq_settings``: environment, then Django settings):
+Settings (``outbox.core.config.DramatiqSettings``, read in the one order of README, "Configuration"):
 
 * ``OUTBOX_DRAMATIQ_BROKER_URL``: ``redis://...`` (Dramatiq's RedisBroker) or
   ``amqp://...`` (its RabbitmqBroker). Setting it makes Dramatiq the configured runner:

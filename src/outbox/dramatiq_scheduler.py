@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import os
 import signal
 import sys
 import threading
@@ -15,7 +14,7 @@ import uuid
 from typing import Any
 
 from . import dramatiq_broker as _broker
-from .core.config import load_settings
+from .core.config import get_settings, relay_options
 from .core.errors import ConfigError
 from .core.redact import install_filter, redact
 from .relay import RelayOptions
@@ -177,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     install_filter(logging.getLogger())
     logging.getLogger("pika").setLevel(logging.WARNING)  # Dramatiq's RabbitMQ client narrates each connect
     try:
-        settings = load_settings()
-        options = RelayOptions.from_sources(os.environ)
+        settings, options = get_settings(), relay_options()
         dramatiq_settings = _broker.settings(required=True)
         assert dramatiq_settings is not None
         url, ns = dramatiq_settings.broker_url, dramatiq_settings.namespace

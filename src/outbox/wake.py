@@ -32,8 +32,7 @@ WARN_EVERY_S = 60.0
 EXIT_FLUSH_S = 1.0
 
 
-# ``extra_setting`` and ``flag`` moved to ``outbox.core.config`` (the one reader); kept importable here.
-from .core.config import extra_setting, flag, relay_options, relay_settings, wake_options  # noqa: E402,F401
+from .core.config import relay_options, relay_settings, wake_options  # noqa: E402
 from .core.handoff import HandOff  # noqa: E402
 from .core.names import CLAIM_REQUEST_PREFIX, CLAIM_TASK, TASK_OUTBOX_ARG, claim_request_key, wake_channel  # noqa: E402
 
@@ -453,4 +452,4 @@ def _reset_for_tests() -> None:
 
 __all__ = ["request_claim", "wake", "wake_now", "flush", "wake_after_commit", "register_after_commit", "transaction",
            "clear_token", "token_for",
-           "extra_setting", "flag", "LOCAL_WINDOW_S", "TOKEN_PREFIX"]
+           "LOCAL_WINDOW_S", "TOKEN_PREFIX"]

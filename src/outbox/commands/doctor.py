@@ -202,7 +202,8 @@ def check_destination(settings: Settings, kafka: Any = None, probe_topic: str | 
 def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None = None) -> list[Result]:
     """Kafka: the cluster answers; the topics the relay needs exist, or the brokers may create
     them; with ``probe_topic``, one probe message produced there as the relay would."""
-    from ..publisher.kafka import KafkaOptions, KafkaPublisher, probe_message, topic_status
+    from ..core.config import KafkaOptions
+    from ..publisher.kafka import KafkaPublisher, probe_message, topic_status, topic_of
 
     url = settings.publish_url
     options = options or KafkaOptions()
@@ -228,7 +229,7 @@ def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None
     if probe_topic is not None:
         with KafkaPublisher(url, options=options) as publisher:
             result = publisher.publish_chain([probe_message(probe_topic)])
-        topic = options.topic_of(probe_message(probe_topic))
+        topic = topic_of(options, probe_message(probe_topic))
         results.append(Result("kafka probe", OK, f"one probe message (header x-outbox-probe) delivered to {topic!r}")
                        if result.ok else
                        Result("kafka probe", FAIL, f"probe to {topic!r} not delivered: {result.failure.reason}"
@@ -282,7 +283,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
         RelayOptions.from_sources(environ)
         dramatiq = dramatiq_settings(environ)
         if settings.publish_url.startswith("kafka://"):
-            from ..publisher.kafka import KafkaOptions
+            from ..core.config import KafkaOptions
             kafka = KafkaOptions.from_sources(environ)
     except ConfigError as exc:
         return [Result("configuration", FAIL, str(exc))]

@@ -20,11 +20,11 @@ _warned = False
 
 def wake_problem() -> str | None:
     """Why wake-ups from this process cannot reach the relay, or None."""
-    from ..core.config import load_settings, wake_options
+    from ..core.config import get_settings, wake_options
 
     if not wake_options().wake:
         return None  # turned off on purpose
-    settings = load_settings()
+    settings = get_settings()
     from .. import dramatiq_broker
 
     if dramatiq_broker.configured():

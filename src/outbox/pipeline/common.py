@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from ..core.config import pipeline_options
 from ..core.errors import OutboxError
 
 
@@ -110,13 +111,9 @@ def decode_native(text: str) -> Any:
 
 
 # -- crash injection -----------------------------------------------------------------------
-#: Set to a step name (see ``archive.STEPS``) to SIGKILL the process at that step:
-#: how the tests prove a crash anywhere loses and duplicates nothing.
-CRASH_ENV = "OUTBOX_PIPELINE_CRASH_AT"
-
-
 def crash_hook_from_env() -> Callable[[str], None] | None:
-    wanted = os.environ.get(CRASH_ENV)
+    """OUTBOX_PIPELINE_CRASH_AT (``config.PipelineOptions.crash_at``) as a hook, or None."""
+    wanted = pipeline_options().crash_at
     if not wanted:
         return None
 

@@ -11,10 +11,11 @@ inference (a topic called ``2024`` stays a string), and few shuffle partitions
 from __future__ import annotations
 
 import os
-import re
 import sys
 from typing import Any
 
+from ..core.checks import valid_spark_master
+from ..core.config import pipeline_options
 from ..core.errors import install_hint
 from .common import PipelineError
 
@@ -26,12 +27,9 @@ JOB_CONF = {
 }
 
 
-_MASTER = re.compile(r"^(local(\[(\*|\d+)(,\s*\d+)?\])?|yarn|(spark|k8s|mesos)://\S+)$")
-
-
 def check_master(master: str) -> str:
     """Spark's master URL forms; anything else fails before a JVM is started."""
-    if not _MASTER.match(master):
+    if not valid_spark_master(master):
         raise PipelineError(f"--master {master!r} is not a Spark master URL "
                             "(local[*], local[N], spark://host:port, yarn, k8s://https://host:port)")
     return master
@@ -54,7 +52,8 @@ def spark_session(master: str | None = None, app_name: str = "outbox-pipeline") 
 
     active = SparkSession.getActiveSession()
     if active is None:
-        master = master or os.environ.get("OUTBOX_SPARK_MASTER") or None
+        options = pipeline_options()  # OUTBOX_SPARK_*, validated where they are declared
+        master = master or options.master
         if master is not None:
             check_master(master)
         if master is None or master.startswith("local"):
@@ -65,8 +64,8 @@ def spark_session(master: str | None = None, app_name: str = "outbox-pipeline") 
         builder = SparkSession.builder.appName(app_name)
         if master:
             builder = builder.master(master)
-        builder = (builder.config("spark.ui.enabled", os.environ.get("OUTBOX_SPARK_UI", "false"))
-                   .config("spark.sql.shuffle.partitions", os.environ.get("OUTBOX_SPARK_SHUFFLE_PARTITIONS", "8")))
+        builder = (builder.config("spark.ui.enabled", "true" if options.ui else "false")
+                   .config("spark.sql.shuffle.partitions", str(options.shuffle_partitions)))
         for key, value in JOB_CONF.items():
             builder = builder.config(key, value)
         try:
@@ -74,7 +73,7 @@ def spark_session(master: str | None = None, app_name: str = "outbox-pipeline") 
         except Exception as exc:  # noqa: BLE001 - no Java, a bad master URL
             raise PipelineError(f"cannot start Spark{' on ' + master if master else ''}: "
                                 f"{' '.join(str(exc).split())[:300]}") from None
-        active.sparkContext.setLogLevel(os.environ.get("OUTBOX_SPARK_LOG_LEVEL", "ERROR"))
+        active.sparkContext.setLogLevel(options.log_level)
     for key, value in JOB_CONF.items():
         active.conf.set(key, value)
     register_source(active)

@@ -15,11 +15,11 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from urllib.parse import unquote
 
-from ..core.config import KAFKA_SETTINGS, extra_setting
+from ..core.config import KafkaOptions, kafka_options
 from ..core.errors import ConfigError, install_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
@@ -34,9 +34,6 @@ log = logging.getLogger("outbox.publisher")  # one logger for the whole publishe
 
 #: Kafka's legal topic names.
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_SECURITY_PROTOCOLS = ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl")
-_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
-_TEMPLATE_FIELDS = ("topic", "aggregate_type")
 
 
 def _kafka() -> Any:
@@ -48,96 +45,30 @@ def _kafka() -> Any:
     return confluent_kafka
 
 
-@dataclass(frozen=True)
-class KafkaOptions:
-    """The OUTBOX_KAFKA_* settings (``core.config.KAFKA_SETTINGS``), validated."""
+def producer_config(options: KafkaOptions, url: str) -> dict[str, Any]:
+    """librdkafka's configuration for ``url`` (``kafka://[user:password@]host:port,...``)."""
+    rest = url.split("://", 1)[1]
+    userinfo, _, servers = rest.rpartition("@")
+    config: dict[str, Any] = {
+        "bootstrap.servers": servers.split("/", 1)[0].split("?", 1)[0],
+        "enable.idempotence": True,  # implies acks=all and in-order retries per partition
+        "acks": "all",
+        "message.timeout.ms": int(options.delivery_timeout_s * 1000),
+        "socket.connection.setup.timeout.ms": max(1000, int(options.delivery_timeout_s * 1000)),
+    }
+    config.update(options.librdkafka())
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        config["sasl.username"], config["sasl.password"] = unquote(user), unquote(password)
+        config.setdefault("sasl.mechanism", "PLAIN")
+        if options.security_protocol == "plaintext":
+            config["security.protocol"] = "sasl_ssl"  # credentials are never sent in clear by default
+    return config
 
-    topic_template: str = "{topic}"
-    auto_create_topics: bool = False
-    security_protocol: str = "plaintext"
-    sasl_mechanism: str | None = None
-    ssl_ca_location: str | None = None
-    ssl_certificate_location: str | None = None
-    ssl_key_location: str | None = None
-    message_max_bytes: int = 1_000_000
-    delivery_timeout_s: float = 15.0
 
-    def __post_init__(self) -> None:
-        try:
-            self.topic_template.format(topic="t", aggregate_type="a")
-            names = {m.group(1) for m in re.finditer(r"\{([^{}]*)\}", self.topic_template)}
-            unknown = names - set(_TEMPLATE_FIELDS)
-        except (KeyError, IndexError, ValueError) as exc:
-            unknown = {str(exc)}
-        if unknown or not self.topic_template:
-            raise ConfigError(f"OUTBOX_KAFKA_TOPIC_TEMPLATE={self.topic_template!r}: only {{topic}} and "
-                              "{aggregate_type} may be used (e.g. 'prod.{topic}')")
-        if self.security_protocol not in _SECURITY_PROTOCOLS:
-            raise ConfigError(f"OUTBOX_KAFKA_SECURITY_PROTOCOL={self.security_protocol!r}: expected one of "
-                              f"{', '.join(_SECURITY_PROTOCOLS)}")
-        if self.sasl_mechanism is not None and self.sasl_mechanism not in _SASL_MECHANISMS:
-            raise ConfigError(f"OUTBOX_KAFKA_SASL_MECHANISM={self.sasl_mechanism!r}: expected one of "
-                              f"{', '.join(_SASL_MECHANISMS)}")
-        if not 1000 <= self.message_max_bytes <= 1_000_000_000:
-            raise ConfigError(f"OUTBOX_KAFKA_MESSAGE_MAX_BYTES={self.message_max_bytes!r} must be between 1000 "
-                              "and 1000000000")
-        if not 0.1 <= self.delivery_timeout_s <= 3600:
-            raise ConfigError(f"OUTBOX_KAFKA_DELIVERY_TIMEOUT_S={self.delivery_timeout_s!r} must be between 0.1 "
-                              "and 3600 seconds")
-
-    @classmethod
-    def from_sources(cls, *sources: Mapping[str, Any]) -> "KafkaOptions":
-        """Read each OUTBOX_KAFKA_* name from the first source that has it (all when none
-        is given: Celery config keys, the environment, Django settings)."""
-        values: dict[str, Any] = {}
-        for name, (_, kind, _default) in KAFKA_SETTINGS.items():
-            raw = (next((s[name] for s in sources if s.get(name) not in (None, "")), None) if sources
-                   else extra_setting(name))
-            if raw is None:
-                continue
-            field = name[len("OUTBOX_KAFKA_"):].lower()
-            text = str(raw).strip()
-            try:
-                if kind is bool:
-                    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                        raise ValueError
-                    values[field] = text.lower() in ("1", "true", "yes", "on")
-                else:
-                    values[field] = kind(text)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not {'a boolean (use 1 or 0)' if kind is bool else kind.__name__}"
-                                  ) from None
-        if "security_protocol" in values:
-            values["security_protocol"] = values["security_protocol"].lower()
-        if "sasl_mechanism" in values:
-            values["sasl_mechanism"] = values["sasl_mechanism"].upper()
-        return cls(**values)
-
-    def producer_config(self, url: str) -> dict[str, Any]:
-        """librdkafka's configuration for ``url`` (``kafka://[user:password@]host:port,...``)."""
-        rest = url.split("://", 1)[1]
-        userinfo, _, servers = rest.rpartition("@")
-        config: dict[str, Any] = {
-            "bootstrap.servers": servers.split("/", 1)[0].split("?", 1)[0],
-            "enable.idempotence": True,  # implies acks=all and in-order retries per partition
-            "acks": "all",
-            "message.timeout.ms": int(self.delivery_timeout_s * 1000),
-            "socket.connection.setup.timeout.ms": max(1000, int(self.delivery_timeout_s * 1000)),
-        }
-        for name, (prop, _, _) in KAFKA_SETTINGS.items():
-            value = getattr(self, name[len("OUTBOX_KAFKA_"):].lower())
-            if prop is not None and value is not None:
-                config[prop] = value
-        if userinfo:
-            user, _, password = userinfo.partition(":")
-            config["sasl.username"], config["sasl.password"] = unquote(user), unquote(password)
-            config.setdefault("sasl.mechanism", "PLAIN")
-            if self.security_protocol == "plaintext":
-                config["security.protocol"] = "sasl_ssl"  # credentials are never sent in clear by default
-        return config
-
-    def topic_of(self, message: OutboxMessage) -> str:
-        return self.topic_template.format(topic=message.topic, aggregate_type=message.aggregate_type)
+def topic_of(options: KafkaOptions, message: OutboxMessage) -> str:
+    """The Kafka topic of ``message`` (OUTBOX_KAFKA_TOPIC_TEMPLATE)."""
+    return options.topic_template.format(topic=message.topic, aggregate_type=message.aggregate_type)
 
 
 # -- failure classification (pure) --------------------------------------------------------------
@@ -203,7 +134,7 @@ class KafkaPublisher(Publisher):
         self.options = options or KafkaOptions()
         self.dead_letter_topic = dead_letter_topic or None
         self.max_message_bytes = max_message_bytes
-        self._config = self.options.producer_config(url)
+        self._config = producer_config(self.options, url)
         self._lock = threading.RLock()
         self._producer: Any = None
         self._pid: int | None = None
@@ -215,7 +146,7 @@ class KafkaPublisher(Publisher):
         """Build from ``Settings`` and OUTBOX_KAFKA_*; OUTBOX_DEAD_LETTER_EXCHANGE names the
         dead-letter topic."""
         options.setdefault("dead_letter_topic", settings.dead_letter_exchange)
-        options.setdefault("options", KafkaOptions.from_sources())
+        options.setdefault("options", kafka_options())
         return cls(settings.publish_url, **options)
 
     def __repr__(self) -> str:
@@ -292,7 +223,7 @@ class KafkaPublisher(Publisher):
         """Hand the chain's events to the producer in order; stop at the first one that cannot
         go (nothing after it is sent, so what reaches the broker stays a prefix)."""
         for i, message in enumerate(chain):
-            topic = self.options.topic_of(message)
+            topic = topic_of(self.options, message)
             problem = self._refusal(message, topic)
             if problem is None:
                 problem = self._produce(producer, message, topic, row, i, {})
@@ -430,11 +361,11 @@ def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
     _kafka()  # a ConfigError naming the extra when confluent-kafka is missing
     from confluent_kafka.admin import AdminClient
 
-    config = {k: v for k, v in options.producer_config(url).items()
+    config = {k: v for k, v in producer_config(options, url).items()
               if k not in ("enable.idempotence", "acks", "message.timeout.ms", "message.max.bytes")}
     metadata = AdminClient(config).list_topics(timeout=timeout)
     return len(metadata.brokers), {name for name, t in metadata.topics.items() if t.error is None}
 
 
-__all__ = ["KafkaPublisher", "KafkaOptions", "kafka_kind", "kafka_headers", "chain_result", "topic_status",
+__all__ = ["KafkaPublisher", "producer_config", "topic_of", "kafka_kind", "kafka_headers", "chain_result", "topic_status",
            "probe_message"]

@@ -1,0 +1,265 @@
+"""The validators of setting values: each checks one value and raises a ``ConfigError`` that
+names the setting. The declarations (``outbox.core.config``) point at them; the reader
+(``outbox.core.options``) calls them."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+from .errors import ConfigError
+from .names import MAX_NAMESPACE, valid_namespace
+from .redact import redact, register_url
+
+#: Above this the lease is almost certainly a typo (30 days written as ms), and on
+#: SQL Server it would overflow the INT bound to DATEADD(MILLISECOND, ...).
+MAX_CLAIM_TIMEOUT_MS = 86_400_000
+
+#: Bounds on the life of every relay transaction and connection (docs/relay.md, "A network
+#: cut"): query parameters of a PostgreSQL or MySQL/MariaDB OUTBOX_DATABASE_URL that the
+#: engines read themselves at connect (never passed to the driver): name -> (default, lower
+#: bound, upper bound), in seconds. Read through ``session_bounds``.
+SESSION_BOUNDS: dict[str, tuple[int, int, int]] = {
+    # The server ends a relay session left idle inside a transaction this long (its client
+    # stalled or cut off between two statements or before its COMMIT), and its locks with it.
+    "idle_transaction_timeout_s": (5, 1, 3_600),
+    # A peer that stopped answering is found by TCP (keepalives, unacknowledged data) within
+    # about this long: by the server for a session blocked sending, by the client waiting.
+    "tcp_timeout_s": (10, 2, 3_600),
+}
+#: The schemes (before any +driver) whose engines read SESSION_BOUNDS.
+SESSION_BOUND_SCHEMES = ("postgresql", "postgres", "mysql", "mariadb")
+
+
+def session_bounds(url: str) -> dict[str, int]:
+    """The SESSION_BOUNDS of a database URL: its query parameters over the defaults. A value
+    that is not a whole number of seconds within the bounds is a ``ConfigError`` naming
+    OUTBOX_DATABASE_URL and the parameter."""
+    given = {k: v for k, v in parse_qsl(urlsplit(url).query, keep_blank_values=True) if k in SESSION_BOUNDS}
+    bounds: dict[str, int] = {}
+    for name, (default, low, high) in SESSION_BOUNDS.items():
+        if name not in given:
+            bounds[name] = default
+            continue
+        try:
+            value = int(given[name].strip())
+        except ValueError:
+            raise ConfigError(f"OUTBOX_DATABASE_URL: {name}={given[name]!r} is not a whole number of seconds") from None
+        if not low <= value <= high:
+            raise ConfigError(f"OUTBOX_DATABASE_URL: {name}={value} must be between {low} and {high} seconds")
+        bounds[name] = value
+    return bounds
+
+
+def without_session_bounds(url: str) -> str:
+    """The URL with the SESSION_BOUNDS parameters taken out, for the driver."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if not any(k in SESSION_BOUNDS for k, _ in query):
+        return url
+    kept = [(k, v) for k, v in query if k not in SESSION_BOUNDS]
+    return urlunsplit(parts._replace(query=urlencode(kept, quote_via=quote)))
+
+
+#: The URL scheme of the package's own database broker (``outboxdb+postgresql://...``):
+#: a known transport even before ``outbox.transport`` registers it with kombu.
+DATABASE_BROKER_SCHEME = "outboxdb"
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def validate_identifier(value: str, setting: str) -> str:
+    """Table and schema names reach SQL text, so only plain identifiers pass."""
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise ConfigError(
+            f"{setting}={value!r} is not a valid identifier "
+            "(letters, digits and underscores, not starting with a digit, at most 63 characters)"
+        )
+    return value
+
+
+def _looks_like_odbc(url: str) -> bool:
+    return "=" in url and ";" in url
+
+
+#: Database URL schemes the engines (``outbox.storage.engines.kind_of_url``) accept, before any
+#: ``+driver`` suffix. Checked here too so that every process (CLI, worker, beat) refuses
+#: an unknown database at start-up, not at its first claim.
+DATABASE_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "mssql", "sqlserver")
+
+
+def validate_database_url(url: str, setting: str = "OUTBOX_DATABASE_URL") -> str:
+    """A URL of a supported database (``scheme[+driver]://...``) or a raw ODBC connection
+    string (``DRIVER=...;SERVER=...``). The value is quoted with its password masked."""
+    shown = redact(repr(url))
+    if not url or ("://" not in url and not _looks_like_odbc(url)):
+        raise ConfigError(f"{setting}={shown} is not a database URL "
+                          "(expected sqlite:///path, postgresql://..., mysql://... or mssql+pyodbc://...)")
+    if "://" in url:
+        scheme = url.split("://", 1)[0].lower()
+        if scheme.split("+", 1)[0] not in DATABASE_SCHEMES:
+            raise ConfigError(f"{setting}={shown}: unsupported database {scheme!r} "
+                              "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
+        if scheme.split("+", 1)[0] in SESSION_BOUND_SCHEMES:
+            session_bounds(url)
+    elif "driver=" not in url.lower():
+        raise ConfigError(f"{setting}={shown} looks like an ODBC connection string without DRIVER=")
+    return url
+
+
+def validate_namespace(name: str, setting: str = "OUTBOX_NAMESPACE") -> str:
+    """What names an outbox's queues (``<namespace>.claim``...): Dramatiq's rule for queue names."""
+    if not valid_namespace(name):
+        raise ConfigError(f"{setting}={name!r} must be 1 to {MAX_NAMESPACE} letters, digits or _ . -, "
+                          "starting with a letter or _")
+    return name
+
+
+def validate_exchange(name: str, setting: str) -> str:
+    """AMQP carries an exchange name as a short string (at most 255 bytes), and RabbitMQ
+    refuses to declare names starting with ``amq.`` (ACCESS_REFUSED): either would only
+    show up at the first publish, as a fatal error."""
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        raise ConfigError(f"{setting}={name[:40]!r}... is longer than 255 bytes")
+    if name.startswith("amq."):
+        raise ConfigError(f"{setting}={name!r}: names starting with 'amq.' are reserved by the broker")
+    return name
+
+
+def validate_kombu_url(url: str, setting: str, *, database_broker: bool = True) -> str:
+    """A URL whose scheme kombu knows (``amqp://``, ``redis://``, ``memory://``, ...), and for
+    Celery's broker (``database_broker``) the package's own ``outboxdb``, which is no
+    destination. Otherwise kombu raises ``KeyError`` only when the first connection is made,
+    which would look like a broker failure rather than the configuration error it is."""
+    from kombu.transport import TRANSPORT_ALIASES  # kombu comes with Celery, a core dependency
+
+    shown = redact(repr(url))
+    if "://" not in url:
+        raise ConfigError(f"{setting}={shown} is not a broker URL (expected e.g. amqp://user:pass@host//)")
+    scheme = url.split("://", 1)[0]
+    transport = scheme.split("+", 1)[0]
+    known = {k for k in TRANSPORT_ALIASES if k.islower()} - {DATABASE_BROKER_SCHEME}
+    if database_broker:
+        known.add(DATABASE_BROKER_SCHEME)
+    if transport not in known:
+        close = difflib.get_close_matches(transport, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        what = ("is Celery's broker on the database, not a destination"
+                if transport == DATABASE_BROKER_SCHEME else f"unknown broker transport {scheme!r}{hint}")
+        raise ConfigError(f"{setting}={shown}: {what} (known: {', '.join(sorted(known))})")
+    return url
+
+
+#: The destinations OUTBOX_PUBLISH_URL may name (docs/destinations.md): kombu's AMQP, Redis
+#: and in-memory transports, and Kafka (``outbox.publisher.kafka``). Every one works end to
+#: end; kombu knows more transports, which are refused because nothing tests them here.
+DESTINATION_SCHEMES = ("amqp", "amqps", "pyamqp", "redis", "rediss", "memory", "kafka")
+
+
+def validate_publish_url(url: str, setting: str = "OUTBOX_PUBLISH_URL") -> str:
+    """A URL of a supported destination (``DESTINATION_SCHEMES``); a ``kafka://`` URL lists
+    its bootstrap servers as ``host:port[,host:port...]``."""
+    shown = redact(repr(url))
+    if "://" not in url:
+        raise ConfigError(f"{setting}={shown} is not a broker URL (expected e.g. amqp://user:pass@host//)")
+    scheme, rest = url.split("://", 1)
+    transport = scheme.split("+", 1)[0]
+    if transport not in DESTINATION_SCHEMES:
+        close = difflib.get_close_matches(transport, DESTINATION_SCHEMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        what = ("is Celery's broker on the database, not a destination"
+                if transport == DATABASE_BROKER_SCHEME else f"unknown broker transport {scheme!r}{hint}")
+        raise ConfigError(f"{setting}={shown}: {what} (known: {', '.join(DESTINATION_SCHEMES)})")
+    if transport == "kafka":
+        servers = rest.rsplit("@", 1)[-1].split("/", 1)[0].split("?", 1)[0]
+        for server in servers.split(","):
+            host, _, port = server.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"{setting}={shown}: {server!r} is not host:port "
+                                  "(expected kafka://host:port[,host:port...])")
+    return url
+
+
+#: The fields an OUTBOX_KAFKA_TOPIC_TEMPLATE may use.
+KAFKA_TEMPLATE_FIELDS = ("topic", "aggregate_type")
+KAFKA_SECURITY_PROTOCOLS = ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl")
+KAFKA_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def validate_kafka_topic_template(template: str, setting: str = "OUTBOX_KAFKA_TOPIC_TEMPLATE") -> str:
+    try:
+        template.format(topic="t", aggregate_type="a")
+        unknown = {m.group(1) for m in re.finditer(r"\{([^{}]*)\}", template)} - set(KAFKA_TEMPLATE_FIELDS)
+    except (KeyError, IndexError, ValueError) as exc:
+        unknown = {str(exc)}
+    if unknown:
+        raise ConfigError(f"{setting}={template!r}: only {{topic}} and {{aggregate_type}} may be used "
+                          "(e.g. 'prod.{topic}')")
+    return template
+
+
+def validate_kafka_security_protocol(value: str, setting: str = "OUTBOX_KAFKA_SECURITY_PROTOCOL") -> str:
+    if value.lower() not in KAFKA_SECURITY_PROTOCOLS:
+        raise ConfigError(f"{setting}={value!r}: expected one of {', '.join(KAFKA_SECURITY_PROTOCOLS)}")
+    return value.lower()
+
+
+def validate_kafka_sasl_mechanism(value: str, setting: str = "OUTBOX_KAFKA_SASL_MECHANISM") -> str:
+    if value.upper() not in KAFKA_SASL_MECHANISMS:
+        raise ConfigError(f"{setting}={value!r}: expected one of {', '.join(KAFKA_SASL_MECHANISMS)}")
+    return value.upper()
+
+
+#: Dramatiq's broker URL schemes: its Redis broker and its RabbitMQ broker.
+DRAMATIQ_SCHEMES = ("redis", "rediss", "amqp", "amqps")
+
+
+def validate_dramatiq_broker_url(url: str, setting: str = "OUTBOX_DRAMATIQ_BROKER_URL") -> str:
+    """OUTBOX_DRAMATIQ_BROKER_URL: ``redis://`` (Dramatiq's RedisBroker) or ``amqp://``
+    (its RabbitmqBroker). Checked at start-up, so a typo is a configuration error naming
+    the setting rather than a connection failure in a worker thread."""
+    shown = redact(repr(url))
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(f"{setting}={shown} is not a broker URL (expected redis://host:6379/0 or "
+                          "amqp://user:pass@host:5672/)")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in DRAMATIQ_SCHEMES:
+        close = difflib.get_close_matches(scheme, DRAMATIQ_SCHEMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{setting}={shown}: Dramatiq has no broker for {scheme!r}{hint} "
+                          f"(known: {', '.join(DRAMATIQ_SCHEMES)})")
+    register_url(url)
+    return url
+
+
+def validate_dramatiq_namespace(name: str, setting: str = "OUTBOX_DRAMATIQ_NAMESPACE") -> str:
+    """The Redis key namespace of Dramatiq's queues (RedisBroker ``namespace``)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,100}", name or ""):
+        raise ConfigError(f"{setting}={name!r} must be 1 to 100 letters, digits or _ . : -")
+    return name
+
+
+_SPARK_MASTER = re.compile(r"^(local(\[(\*|\d+)(,\s*\d+)?\])?|yarn|(spark|k8s|mesos)://\S+)$")
+
+
+def valid_spark_master(master: str) -> bool:
+    """Spark's master URL forms: local[*], local[N], spark://host:port, yarn, k8s://..., mesos://..."""
+    return bool(_SPARK_MASTER.match(master))
+
+
+def validate_spark_master(master: str, setting: str = "OUTBOX_SPARK_MASTER") -> str:
+    if not valid_spark_master(master):
+        raise ConfigError(f"{setting}={master!r} is not a Spark master URL "
+                          "(local[*], local[N], spark://host:port, yarn, k8s://https://host:port)")
+    return master
+
+
+#: Spark's log levels (``SparkContext.setLogLevel``).
+SPARK_LOG_LEVELS = ("ALL", "DEBUG", "ERROR", "FATAL", "INFO", "OFF", "TRACE", "WARN")
+
+
+def validate_spark_log_level(level: str, setting: str = "OUTBOX_SPARK_LOG_LEVEL") -> str:
+    if level.upper() not in SPARK_LOG_LEVELS:
+        raise ConfigError(f"{setting}={level!r} is not a Spark log level (one of {', '.join(SPARK_LOG_LEVELS)})")
+    return level.upper()

@@ -1,0 +1,129 @@
+"""Where settings come from, and what was read from them: the Celery app's OUTBOX_* config
+keys (registered by ``outbox.celery_app`` with ``use_conf``), the environment, Django's
+settings; and the one per-process cache of what was read (``cached``; ``reset`` empties it).
+The order itself is built in ``outbox.core.config.current_sources`` (docs/design.md, "Settings")."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Iterable, Mapping
+from urllib.parse import quote
+
+from .errors import ConfigError, install_hint
+
+log = logging.getLogger("outbox.core.config")
+
+#: Returns the Celery app's configuration (a mapping); registered by ``outbox.celery_app``.
+_conf_source: Callable[[], Mapping[str, Any]] | None = None
+
+
+def use_conf(source: Callable[[], Mapping[str, Any]] | None) -> None:
+    """Register where the relay's Celery config keys come from (``outbox.celery_app`` does);
+    what was read before is forgotten."""
+    global _conf_source
+    with _lock:
+        _conf_source = source
+        _cache.clear()
+
+
+def conf_keys() -> dict[str, Any]:
+    """OUTBOX_* keys present in the registered Celery configuration."""
+    source = _conf_source
+    if source is None:
+        return {}
+    conf = source()
+    return {key: conf[key] for key in list(conf.keys()) if isinstance(key, str) and key.startswith("OUTBOX_")}
+
+
+#: The one cache of what was read, by key (the sources, then each option family).
+_cache: dict[Any, Any] = {}
+_lock = threading.RLock()
+
+
+def cached(key: Any, build: Callable[[], Any]) -> Any:
+    """What ``build`` returned the first time ``key`` was asked for in this process."""
+    with _lock:
+        if key not in _cache:
+            _cache[key] = build()
+        return _cache[key]
+
+
+def reset() -> None:
+    """Forget everything read (tests, and processes that change their environment)."""
+    with _lock:
+        _cache.clear()
+
+
+def django_settings(names: Iterable[str]) -> Mapping[str, Any]:
+    """The settings ``names`` from Django's settings: in a Django process, and also in `outbox ...` and
+    `celery -A outbox ...` when DJANGO_SETTINGS_MODULE is set (the settings module is then
+    imported; Django itself is not set up). Without OUTBOX_DATABASE_URL there, the URL is
+    derived from the settings module's ``DATABASES["default"]``, so the relay uses the
+    project's database."""
+    try:
+        from django.conf import settings as dj  # type: ignore[import-not-found]
+    except ImportError:
+        if os.environ.get("DJANGO_SETTINGS_MODULE"):
+            _warn_once("DJANGO_SETTINGS_MODULE is set but Django is not installed: its settings are not read "
+                       f"({install_hint('django')})")
+        return {}
+    try:
+        if not dj.configured and not os.environ.get("DJANGO_SETTINGS_MODULE"):
+            return {}
+        values = {name: getattr(dj, name) for name in names if hasattr(dj, name)}
+        databases = getattr(dj, "DATABASES", None) or {}
+    except ImportError as exc:  # DJANGO_SETTINGS_MODULE names a module that does not import
+        raise ConfigError(f"DJANGO_SETTINGS_MODULE={os.environ.get('DJANGO_SETTINGS_MODULE')!r} cannot be "
+                          f"imported: {exc}") from None
+    except Exception:  # Django present but not set up: not our configuration source
+        return {}
+    # Only for a project's settings module: a process that calls settings.configure() by
+    # hand (scripts, tests) keeps the relay's own default unless it sets OUTBOX_DATABASE_URL.
+    if not values.get("OUTBOX_DATABASE_URL") and "default" in databases and getattr(dj, "SETTINGS_MODULE", None):
+        values["OUTBOX_DATABASE_URL"] = django_database_url(databases["default"])
+    return values
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("outbox: %s", message)
+
+
+#: Django ENGINE (its last dotted part) -> URL scheme of OUTBOX_DATABASE_URL.
+_DJANGO_SCHEMES = {"sqlite3": "sqlite", "postgresql": "postgresql", "postgresql_psycopg2": "postgresql",
+                   "postgis": "postgresql", "mysql": "mysql", "mssql": "mssql+pyodbc"}
+
+
+def django_database_url(database: Mapping[str, Any]) -> str | None:
+    """OUTBOX_DATABASE_URL for one entry of Django's DATABASES, or None for an engine the
+    relay does not support (then the default applies, as without Django)."""
+    engine = str(database.get("ENGINE") or "")
+    scheme = _DJANGO_SCHEMES.get(engine.rsplit(".", 1)[-1])
+    if scheme is None:
+        return None
+    name = str(database.get("NAME") or "")
+    if scheme == "sqlite":
+        return f"sqlite:///{name}" if name else None
+    user, password = str(database.get("USER") or ""), str(database.get("PASSWORD") or "")
+    auth = quote(user, safe="") + (":" + quote(password, safe="") if password else "") + ("@" if user else "")
+    host, port = str(database.get("HOST") or "127.0.0.1"), str(database.get("PORT") or "")
+    url = f"{scheme}://{auth}{host}{':' + port if port else ''}/{quote(name, safe='')}"
+    if scheme.startswith("mssql"):  # mssql-django: OPTIONS driver and extra_params ("k=v;k=v")
+        options = database.get("OPTIONS") or {}
+        query = [("driver", str(options.get("driver") or "ODBC Driver 18 for SQL Server"))]
+        for item in str(options.get("extra_params") or "").split(";"):
+            key, sep, value = item.partition("=")
+            if sep and key.strip():
+                query.append((key.strip(), value.strip()))
+        url += "?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query)
+    return url
+
+
+
+__all__ = ["use_conf", "conf_keys", "cached", "reset", "django_settings", "django_database_url"]
