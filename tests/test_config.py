@@ -159,3 +159,16 @@ def test_transport_options_become_kombu_options() -> None:
                                                            "queue_table": "q"}
     with pytest.raises(ConfigError, match="OUTBOX_TRANSPORT_RECEIVE_BATCH='0' must be >= 1"):
         transport_options({"OUTBOX_TRANSPORT_RECEIVE_BATCH": "0"}, visibility_timeout=1.0)
+
+
+def test_database_broker_alternates_are_refused_naming_the_way_to_fail_over() -> None:
+    """kombu cannot switch to a ``outboxdb+...`` alternate (issue 26): refused at start-up,
+    not at the first failover."""
+    url = "outboxdb+postgresql://u:secret@db1/test;outboxdb+postgresql://u:secret@db2/test"
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={"OUTBOX_CELERY_BROKER_URL": url})
+    text = str(caught.value)
+    assert "OUTBOX_CELERY_BROKER_URL" in text and "alternate broker URLs" in text and "Failover" in text
+    assert "secret" not in text
+    # Alternates of other transports are kombu's own business and stay accepted.
+    assert load_settings(environ={"OUTBOX_CELERY_BROKER_URL": "redis://h1:6379/0;redis://h2:6379/0"})

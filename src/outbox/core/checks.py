@@ -148,6 +148,11 @@ def validate_kombu_url(url: str, setting: str, *, database_broker: bool = True) 
         what = ("is Celery's broker on the database, not a destination"
                 if transport == DATABASE_BROKER_SCHEME else f"unknown broker transport {scheme!r}{hint}")
         raise ConfigError(f"{setting}={shown}: {what} (known: {', '.join(sorted(known))})")
+    if transport == DATABASE_BROKER_SCHEME and ";" in url:
+        # kombu switches to an alternate by parsing it without its transport+ prefix, so a
+        # failover would die on "No such transport"; the database's own failover is the way.
+        raise ConfigError(f"{setting}={shown}: alternate broker URLs (';') are not supported by outboxdb; name "
+                          "one database endpoint that fails over itself (docs/transport.md, \"Failover\")")
     return url
 
 

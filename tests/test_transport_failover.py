@@ -1,0 +1,51 @@
+"""What failover the database broker supports (docs/transport.md, "Failover"): one URL naming
+an endpoint that fails over by itself. On PostgreSQL, libpq's multi-host URL with
+``target_session_attrs=read-write`` goes to the first host that answers as a primary: here the
+first host refuses connections (a failed primary) and the transport carries on on the second."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from urllib.parse import urlsplit
+
+from kombu import Connection
+
+import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
+from outbox.storage.engines import engine_for_url
+from services import POSTGRES_URL, require
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_multi_host_postgresql_url_fails_over_to_the_host_that_answers() -> None:
+    require("PostgreSQL", "127.0.0.1", 5432)
+    parts = urlsplit(POSTGRES_URL)
+    user = f"{parts.username}@" if parts.username else ""
+    hosts = f"127.0.0.1:{_closed_port()},{parts.hostname}:{parts.port or 5432}"
+    db_url = f"postgresql://{user}{hosts}{parts.path}?target_session_attrs=read-write"
+    table = f"kf_{uuid.uuid4().hex[:10]}"
+    try:
+        with Connection(f"outboxdb+{db_url}", transport_options={"queue_table": table}) as conn:
+            queue = conn.SimpleQueue(f"failover-{table}")
+            queue.put({"n": 1})
+            message = queue.get(timeout=10)
+            assert message.payload == {"n": 1}
+            message.ack()
+            queue.close()
+    finally:
+        engine = engine_for_url(POSTGRES_URL)
+        raw = engine.connect(POSTGRES_URL)
+        try:
+            cursor = engine.cursor_for(raw)
+            for name in (table, f"{table}_binding"):
+                engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(name)}")
+            raw.commit()
+        finally:
+            raw.close()
+
