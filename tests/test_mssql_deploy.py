@@ -20,8 +20,8 @@ from sqlglot import exp
 
 from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
 from outbox.storage.engines.mssql import FILTERED_INDEX_OPTIONS, MIGRATE_LOCK_TIMEOUT_MS, MssqlEngine
-from outbox.storage.engines.queue_factory import queue_tables
-from outbox.storage.engines.queue_mssql import MssqlQueueTables
+from outbox.transport.tables import queue_tables
+from outbox.transport.tables.mssql import MssqlQueueTables
 
 
 def parse_batch(batch: str, statements: Sequence[str]) -> None:

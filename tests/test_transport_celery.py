@@ -29,7 +29,7 @@ import pytest
 from conftest import engine_url
 from outbox import Status
 from outbox.storage.engines import engine_for_url
-from outbox.storage.engines.queue_factory import queue_tables
+from outbox.transport.tables import queue_tables
 from services import AMQP_URL, REDIS_URL
 from relay_e2e_support import (CELERY, DB_KINDS, Destination, Outbox, Procs, Writer, base_env, check_order, require,
                                wait_until)

@@ -25,7 +25,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
 from conftest import engine_url
 from outbox.storage.engines import engine_for_url
-from outbox.storage.engines.queue_factory import queue_tables
+from outbox.transport.tables import queue_tables
 from outbox.core.errors import BrokerDatabaseUnavailable
 from outbox.transport.channel import Database, Transport
 

@@ -16,8 +16,8 @@ from sqlglot import exp
 
 from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
 from outbox.storage.engines.mssql import FILTERED_INDEX_OPTIONS, MssqlEngine
-from outbox.storage.engines.queue_mssql import MssqlQueueTables
-from outbox.storage.engines.queue_factory import queue_tables
+from outbox.transport.tables.mssql import MssqlQueueTables
+from outbox.transport.tables import queue_tables
 
 
 class RecordingCursor:

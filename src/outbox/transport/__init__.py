@@ -52,7 +52,7 @@ def is_transport_url(url: str | None) -> bool:
 
 def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:
     """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``)."""
-    from ..storage.engines.queues import DEFAULT_QUEUE_TABLE
+    from .tables.base import DEFAULT_QUEUE_TABLE
     from .channel import Database, database_url_of
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
     db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)

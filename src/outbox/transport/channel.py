@@ -1,7 +1,7 @@
 """The kombu transport on queue tables: ``outboxdb+<database URL>`` as Celery's broker.
 
 Built on ``kombu.transport.virtual`` (kombu's base for brokers that are not AMQP),
-with the SQL in ``outbox.storage.engines.queues`` and its engine modules. What this module
+with the SQL in ``outbox.transport.tables.base`` and its engine modules. What this module
 adds to the virtual transport, and why:
 
 - **Leases instead of delete-on-receive.** ``_get``/``drain_events`` lease rows
@@ -45,8 +45,8 @@ from typing import Any, Callable, TypeVar
 from kombu.transport import virtual
 
 from ..storage.engines import engine_for_url, kind_of_url, mssql_driver
-from ..storage.engines.queue_factory import queue_tables
-from ..storage.engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables
+from .tables import queue_tables
+from .tables.base import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
 from .options import SCHEME
 

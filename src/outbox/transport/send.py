@@ -22,8 +22,8 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from ..storage.engines import engine_class, unwrap_connection
-from ..storage.engines.queue_factory import queue_tables
-from ..storage.engines.queues import DEFAULT_QUEUE_TABLE
+from .tables import queue_tables
+from .tables.base import DEFAULT_QUEUE_TABLE
 from .channel import _eta_delay_ms
 
 

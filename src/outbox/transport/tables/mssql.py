@@ -5,10 +5,10 @@ The lease is one batch: a CTE takes the queue's oldest visible rows with
 lock only what is read, and READCOMMITTEDLOCK so READPAST is allowed on
 READ_COMMITTED_SNAPSHOT databases such as Azure SQL), updates them, and hands them
 back through ``OUTPUT ... INTO`` a table variable (a bare OUTPUT fails on tables
-with triggers). The batch saves and restores NOCOUNT as ``mssql.py`` explains.
+with triggers). The batch saves and restores NOCOUNT as ``outbox.storage.engines.mssql`` explains.
 
 The message table is clustered on ``id``, the seeds' 2016 design: inserts go to
-the end, the receive index is ``(queue, visible_at, id)`` (``queues.READY_INDEX``).
+the end, the receive index is ``(queue, visible_at, id)`` (``base.READY_INDEX``).
 The 2024 design moved hot queues to
 a heap with a non-clustered index against last-page latch contention; that is a
 measured trade-off we could not measure here (no SQL Server), and heaps do not
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .mssql import (FILTERED_INDEX_OPTIONS, _if, _nstr, _result_rows, lock_escalation_off,
+from ...storage.engines.mssql import (FILTERED_INDEX_OPTIONS, _if, _nstr, _result_rows, lock_escalation_off,
                     migration_lock_statements, migration_unlock_statements)
-from .queues import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
+from .base import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 #: Names compare exactly, as on the other engines (default collations ignore case).
 NAME_COLLATION = "Latin1_General_100_BIN2"
@@ -67,7 +67,7 @@ class MssqlQueueTables(QueueTables):
         created_at DATETIME2(3) NOT NULL {constraint('df', self.table_name, 'created_at')} DEFAULT SYSUTCDATETIME(),
         {constraint('pk', self.table_name)} PRIMARY KEY CLUSTERED (id)
     )"""),
-            # The receive index (queues.READY_INDEX): seeks a queue's visible rows, in lease order.
+            # The receive index (base.READY_INDEX): seeks a queue's visible rows, in lease order.
             index(t, READY_INDEX, "NONCLUSTERED INDEX {index} ON {t} (queue, visible_at, id) INCLUDE (expires_at)"),
             _if(f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {_nstr(self.index_name(RETIRED_RECEIVE_INDEX))} "
                 f"AND object_id = OBJECT_ID({_nstr(t)}))",
