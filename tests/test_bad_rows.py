@@ -52,7 +52,7 @@ def allow_null(store: OutboxStore, column: str) -> None:
     """Drop the NOT NULL of ``column``, as a table made by another script might lack it."""
     e = store.engine
     if e.name == "mssql":
-        pytest.skip("the SQL Server claim's table variable declares aggregate_id NOT NULL (engines/mssql.py)")
+        pytest.skip("the SQL Server claim's table variable declares aggregate_id NOT NULL (engines/mssql/sql.py)")
     with store.transaction() as cursor:
         if e.name == "postgresql":
             e.execute(cursor, f"ALTER TABLE {e.table} ALTER COLUMN {column} DROP NOT NULL")
