@@ -42,8 +42,9 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
         ("publisher", ("outbox.publisher", "outbox.publisher.*")),
     ]),
     ("storage", [
-        ("Celery's database broker", ("outbox.transport", "outbox.transport.channel", "outbox.transport.options",
-                                      "outbox.transport.send")),
+        ("Celery's database broker", ("outbox.transport", "outbox.transport.channel", "outbox.transport.send")),
+        ("the broker's database and messages", ("outbox.transport.database", "outbox.transport.messages",
+                                                "outbox.transport.options")),
         ("the broker's queue tables", ("outbox.transport.tables", "outbox.transport.tables.*")),
         ("store and engines", ("outbox.storage", "outbox.storage.*")),
     ]),

@@ -866,7 +866,7 @@ def test_three_broker_workers_starting_at_once_on_an_empty_database(url: str) ->
 def test_the_lease_seeks_visible_rows_past_a_head_of_delayed_ones(url: str) -> None:
     """Item 12: 2,000 delayed rows (Celery retries) at the head of a queue: the lease's plan
     seeks the ready index, with no sort, and takes the one visible row."""
-    from outbox.transport.channel import Database
+    from outbox.transport.database import Database
     table = f"kq_{uuid.uuid4().hex[:10]}"
     db = Database(url, table, None, create=True)
     try:

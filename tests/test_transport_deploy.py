@@ -27,7 +27,8 @@ from conftest import engine_url
 from outbox.storage.engines import engine_for_url
 from outbox.transport.tables import queue_tables
 from outbox.core.errors import BrokerDatabaseUnavailable
-from outbox.transport.channel import Database, Transport
+from outbox.transport.channel import Transport
+from outbox.transport.database import Database
 
 
 def free_port() -> int:

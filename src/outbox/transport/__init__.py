@@ -27,7 +27,7 @@ TRANSPORT_PATH = "outbox.transport.channel:Transport"
 #: Names served lazily: importing this package (``outbox migrate``, ``outbox.celery`` on the
 #: outboxdb broker) stays cheap and imports nothing of kombu's virtual transport until a
 #: connection needs it, as kombu's own transports are loaded.
-_LAZY = {"Transport": "channel", "Channel": "channel", "QoS": "channel", "database_url_of": "channel",
+_LAZY = {"Transport": "channel", "Channel": "channel", "QoS": "channel", "database_url_of": "database",
          "send_task": "send", "SendError": "send"}
 
 
@@ -53,7 +53,7 @@ def is_transport_url(url: str | None) -> bool:
 def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:
     """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``)."""
     from .tables.base import DEFAULT_QUEUE_TABLE
-    from .channel import Database, database_url_of
+    from .database import Database, database_url_of
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
     db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)
     try:
