@@ -18,7 +18,8 @@ import pytest
 
 from outbox import EnqueueError, Status, enqueue
 from outbox.storage.engines import engine_class
-from outbox.storage.engines.base import PERMANENT_ERROR_PREFIXES, UndecodableRow, is_permanent_error
+from outbox.storage.engines.base import PERMANENT_ERROR_PREFIXES, is_permanent_error
+from outbox.storage.engines.rows import UndecodableRow
 from outbox.core.errors import ConfigError
 from outbox.domain.events import MAX_ERROR_UNITS, utf16_units
 from outbox.storage.store import OutboxStore
