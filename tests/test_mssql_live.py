@@ -40,6 +40,7 @@ from outbox.core.errors import EnqueueError
 from outbox.domain.events import prepare_event
 from outbox.storage.engines.mssql import INDEXES, MssqlEngine, parse_target
 from outbox.storage.store import OutboxStore
+from outbox.transport import drop_queue_tables
 from test_concurrency import test_racing_claimers_keep_order_and_never_double_claim as _racing_claimers
 
 #: The store conformance suite, collected here a second time so it runs in this
@@ -810,11 +811,6 @@ def mssql_python_url(base: str) -> str:
     path, _, query = rest.partition("?")
     kept = "&".join(p for p in query.split("&") if p and not p.lower().startswith("driver="))
     return f"mssql+mssqlpython://{path}" + (f"?{kept}" if kept else "")
-
-
-def drop_queue_tables(url: str, table: str) -> None:
-    run_admin(url, *(f"IF OBJECT_ID(N'[dbo].[{name}]', N'U') IS NOT NULL DROP TABLE [dbo].[{name}]"
-                     for name in (table, f"{table}_binding")))
 
 
 def start_broker_worker(broker_url: str, table: str, start: Any, errors: Any) -> None:

@@ -41,8 +41,7 @@ class Tables:
             raise
 
     def drop(self) -> None:
-        for table in (self.qt.table, self.qt.bindings):
-            self.tx(lambda c, t=table: self.engine.execute(c, f"DROP TABLE IF EXISTS {t}"))
+        self.tx(self.qt.drop)
         self.conn.close()
 
 

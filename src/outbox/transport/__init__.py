@@ -63,8 +63,24 @@ def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: s
         db.close()
 
 
+def drop_queue_tables(database_url: str, table: str | None = None, *, schema: str | None = None) -> None:
+    """Drop the queue tables (messages and bindings) in ``database_url`` if they exist: the
+    tests and benchmarks clean up with it."""
+    from ..storage.connections import Connections
+    from ..storage.engines import engine_for_url
+    from .tables import queue_tables
+    from .tables.base import DEFAULT_QUEUE_TABLE
+    engine = engine_for_url(database_url, schema=schema)
+    qt = queue_tables(engine, table or DEFAULT_QUEUE_TABLE)
+    connections = Connections(engine, database_url)
+    try:
+        connections.run("drop queue tables", qt.drop, attempts=1)
+    finally:
+        connections.drop()
+
+
 register()
 
 __all__ = ["Transport", "Channel", "QoS", "send_task", "SendError", "register", "is_transport_url",
-           "migrate_queue_tables", "SCHEME",
+           "migrate_queue_tables", "drop_queue_tables", "SCHEME",
            "TRANSPORT_PATH"]

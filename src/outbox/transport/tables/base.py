@@ -94,6 +94,15 @@ class QueueTables:
         """Guarded, idempotent steps (see ``Engine.migration`` for the item forms)."""
         raise NotImplementedError
 
+    def drop_table_sql(self, table: str) -> str:
+        """Drop ``table`` (qualified) if it exists."""
+        return f"DROP TABLE IF EXISTS {table}"
+
+    def drop(self, cursor: Any) -> None:
+        """Drop both tables if they exist (``outbox.transport.drop_queue_tables``)."""
+        for table in (self.table, self.bindings):
+            self.run(cursor, self.drop_table_sql(table))
+
     def lock_migration(self, cursor: Any) -> None:
         """Wait until no other migration of these tables runs (every worker creates them at
         start-up, so several race on an empty database): engines whose concurrent DDL can

@@ -40,6 +40,10 @@ class MssqlQueueTables(QueueTables):
         seconds, millis = divmod(max(int(ms), 0), 1000)
         return [millis, seconds]
 
+    def drop_table_sql(self, table: str) -> str:
+        # DROP TABLE IF EXISTS needs SQL Server 2016; the engine supports 2012.
+        return if_(f"OBJECT_ID({nstr(table)}, N'U') IS NOT NULL", f"DROP TABLE {table}")
+
     def migration(self) -> list[str]:
         q, schema = self.engine.quote, self.engine.schema or "dbo"
         name = f"NVARCHAR({MAX_NAME}) COLLATE {NAME_COLLATION} NOT NULL"
