@@ -46,7 +46,9 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
         ("the broker's database and messages", ("outbox.transport.database", "outbox.transport.messages",
                                                 "outbox.transport.options")),
         ("the broker's queue tables", ("outbox.transport.tables", "outbox.transport.tables.*")),
-        ("store and engines", ("outbox.storage", "outbox.storage.*")),
+        ("the store", ("outbox.storage", "outbox.storage.store")),
+        ("connections", ("outbox.storage.connections",)),
+        ("engines", ("outbox.storage.engines", "outbox.storage.engines.*")),
     ]),
     ("domain", [
         ("events and chains", ("outbox.domain", "outbox.domain.*")),
