@@ -18,7 +18,8 @@ import pytest
 
 from outbox import EnqueueError, Status, enqueue
 from outbox.storage.engines import engine_class
-from outbox.storage.engines.base import PERMANENT_ERROR_PREFIXES, UndecodableRow, is_permanent_error
+from outbox.storage.engines.base import PERMANENT_ERROR_PREFIXES, is_permanent_error
+from outbox.storage.engines.rows import UndecodableRow
 from outbox.core.errors import ConfigError
 from outbox.domain.events import MAX_ERROR_UNITS, utf16_units
 from outbox.storage.store import OutboxStore
@@ -52,7 +53,7 @@ def allow_null(store: OutboxStore, column: str) -> None:
     """Drop the NOT NULL of ``column``, as a table made by another script might lack it."""
     e = store.engine
     if e.name == "mssql":
-        pytest.skip("the SQL Server claim's table variable declares aggregate_id NOT NULL (engines/mssql.py)")
+        pytest.skip("the SQL Server claim's table variable declares aggregate_id NOT NULL (engines/mssql/sql.py)")
     with store.transaction() as cursor:
         if e.name == "postgresql":
             e.execute(cursor, f"ALTER TABLE {e.table} ALTER COLUMN {column} DROP NOT NULL")

@@ -42,8 +42,13 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
         ("publisher", ("outbox.publisher", "outbox.publisher.*")),
     ]),
     ("storage", [
-        ("Celery's database broker", ("outbox.transport", "outbox.transport.*")),
-        ("store and engines", ("outbox.storage", "outbox.storage.*")),
+        ("Celery's database broker", ("outbox.transport", "outbox.transport.channel", "outbox.transport.send")),
+        ("the broker's database and messages", ("outbox.transport.database", "outbox.transport.messages",
+                                                "outbox.transport.options")),
+        ("the broker's queue tables", ("outbox.transport.tables", "outbox.transport.tables.*")),
+        ("the store", ("outbox.storage", "outbox.storage.store")),
+        ("connections", ("outbox.storage.connections",)),
+        ("engines", ("outbox.storage.engines", "outbox.storage.engines.*")),
     ]),
     ("domain", [
         ("events and chains", ("outbox.domain", "outbox.domain.*")),

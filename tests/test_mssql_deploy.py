@@ -18,10 +18,11 @@ from typing import Any, Sequence
 import pytest
 from sqlglot import exp
 
+from fake_dbapi import RecordingCursor
 from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
 from outbox.storage.engines.mssql import FILTERED_INDEX_OPTIONS, MIGRATE_LOCK_TIMEOUT_MS, MssqlEngine
-from outbox.storage.engines.queue_factory import queue_tables
-from outbox.storage.engines.queue_mssql import MssqlQueueTables
+from outbox.transport.tables import queue_tables
+from outbox.transport.tables.mssql import MssqlQueueTables
 
 
 def parse_batch(batch: str, statements: Sequence[str]) -> None:
@@ -33,35 +34,6 @@ def parse_batch(batch: str, statements: Sequence[str]) -> None:
             parse_one(option.strip() + ";")
     for statement in statements:
         parse_one(statement)
-
-
-class Cursor:
-    """Records what reaches the driver and answers from ``answers`` (needle -> rows)."""
-
-    def __init__(self, answers: dict[str, list[tuple]] | None = None) -> None:
-        self.log: list[tuple[str, tuple]] = []
-        self.answers = answers or {}
-        self.rows: list[tuple] = []
-        self.description: Any = None
-        self.rowcount = 1
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> "Cursor":
-        self.log.append((sql, tuple(params)))
-        self.rows = next((rows for needle, rows in self.answers.items() if needle in sql), [])
-        self.description = [("c",)] if self.rows or sql.lstrip().upper().startswith("SELECT") else None
-        return self
-
-    def nextset(self) -> bool:
-        return False
-
-    def fetchall(self) -> list[tuple]:
-        return list(self.rows)
-
-    def fetchone(self) -> tuple | None:
-        return self.rows[0] if self.rows else None
-
-    def close(self) -> None:
-        pass
 
 
 # -- item 5: the queue tables' migration ---------------------------------------------------------
@@ -77,7 +49,7 @@ def test_queue_migration_runs_under_the_migration_applock(qt: MssqlQueueTables, 
     """Workers starting together on an empty database each create the queue tables: the
     first batch takes the same exclusive applock `outbox migrate` takes for the outbox
     table (on the queue table's own resource), the last releases a session-owned one."""
-    cursor = Cursor()
+    cursor = RecordingCursor()
     qt.migrate(cursor)
     sent = [sql for sql, _ in cursor.log]
     assert sent[0] == qt.migration_lock_batch() and sent[-1] == qt.migration_unlock_batch()
@@ -103,10 +75,10 @@ def test_queue_migration_runs_under_the_migration_applock(qt: MssqlQueueTables, 
 
 
 def test_a_failed_queue_migration_still_releases_the_lock(qt: MssqlQueueTables) -> None:
-    cursor = Cursor()
+    cursor = RecordingCursor()
     original = cursor.execute
 
-    def failing(sql: str, params: Sequence[Any] = ()) -> Cursor:
+    def failing(sql: str, params: Sequence[Any] = ()) -> RecordingCursor:
         if "CREATE TABLE" in sql:
             original(sql, params)
             raise RuntimeError("2714: There is already an object named ...")
@@ -151,7 +123,7 @@ def test_receive_index_is_keyed_on_visibility_and_replaces_the_id_keyed_one(
 
 
 def test_a_requeued_message_keeps_its_place(qt: MssqlQueueTables, no_sqlglot_fallbacks: None) -> None:
-    cursor = Cursor()
+    cursor = RecordingCursor()
     qt.release(cursor, 7, "r" * 32)
     qt.release(cursor, 7, "r" * 32, delay_ms=1500)
     (at_once, p1), (delayed, p2) = cursor.log
@@ -175,10 +147,10 @@ class RawConnection:
 
     def __init__(self, answers: dict[str, list[tuple]]) -> None:
         self.answers = answers
-        self.cursors: list[Cursor] = []
+        self.cursors: list[RecordingCursor] = []
 
-    def cursor(self) -> Cursor:
-        self.cursors.append(Cursor(self.answers))
+    def cursor(self) -> RecordingCursor:
+        self.cursors.append(RecordingCursor(answers=self.answers))
         return self.cursors[-1]
 
     @property
@@ -217,7 +189,7 @@ class DjangoConnection:
 def test_openjson_follows_the_level_and_isjson_the_version(row: tuple, openjson: bool, isjson: bool) -> None:
     engine = MssqlEngine()
     assert not engine.has_json and not engine.has_isjson  # unknown: neither is assumed
-    cursor = Cursor({SERVER_ANSWER: [row]})
+    cursor = RecordingCursor(answers={SERVER_ANSWER: [row]})
     engine.read_server(cursor)
     assert (engine.has_json, engine.has_isjson) == (openjson, isjson)
     assert (engine.compat_level, engine.server_version, engine.engine_edition) == row
@@ -307,7 +279,7 @@ def test_json_checks_are_added_to_an_existing_table_with_nocheck(no_sqlglot_fall
     waits) and one bad row would abort the migration: the checks are added WITH NOCHECK."""
     from outbox.storage.engines.mssql import add_json_check_sql
     engine = MssqlEngine(table="events_out", schema="messaging")
-    engine.read_server(Cursor({SERVER_ANSWER: [(110, 15, 3)]}))
+    engine.read_server(RecordingCursor(answers={SERVER_ANSWER: [(110, 15, 3)]}))
     steps = [s for s in engine.migration_steps() if not isinstance(s, tuple) and "ck_events_out_payload_json" in
              "".join(s) and "sp_executesql" in "".join(s)]
     assert len(steps) == 1

@@ -40,6 +40,7 @@ from outbox.core.errors import EnqueueError
 from outbox.domain.events import prepare_event
 from outbox.storage.engines.mssql import INDEXES, MssqlEngine, parse_target
 from outbox.storage.store import OutboxStore
+from outbox.transport import drop_queue_tables
 from test_concurrency import test_racing_claimers_keep_order_and_never_double_claim as _racing_claimers
 
 #: The store conformance suite, collected here a second time so it runs in this
@@ -812,11 +813,6 @@ def mssql_python_url(base: str) -> str:
     return f"mssql+mssqlpython://{path}" + (f"?{kept}" if kept else "")
 
 
-def drop_queue_tables(url: str, table: str) -> None:
-    run_admin(url, *(f"IF OBJECT_ID(N'[dbo].[{name}]', N'U') IS NOT NULL DROP TABLE [dbo].[{name}]"
-                     for name in (table, f"{table}_binding")))
-
-
 def start_broker_worker(broker_url: str, table: str, start: Any, errors: Any) -> None:
     """What a worker process does first with the database broker: connect, which creates
     the queue tables."""
@@ -866,7 +862,7 @@ def test_three_broker_workers_starting_at_once_on_an_empty_database(url: str) ->
 def test_the_lease_seeks_visible_rows_past_a_head_of_delayed_ones(url: str) -> None:
     """Item 12: 2,000 delayed rows (Celery retries) at the head of a queue: the lease's plan
     seeks the ready index, with no sort, and takes the one visible row."""
-    from outbox.transport.channel import Database
+    from outbox.transport.database import Database
     table = f"kq_{uuid.uuid4().hex[:10]}"
     db = Database(url, table, None, create=True)
     try:

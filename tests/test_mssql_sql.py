@@ -30,6 +30,7 @@ import pytest
 import sqlglot
 from sqlglot import exp
 
+from fake_dbapi import RecordingConnection, RecordingCursor
 from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
 from outbox.domain.chains import Candidate, plan_claim
 from outbox.storage.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
@@ -50,28 +51,31 @@ CLAIMED_ROW = (7, "m-7", "orders.created", "order", "42", None, '{"n":1}', '{"h"
 
 # -- recording fakes ------------------------------------------------------------------
 
-class RecordingCursor:
-    """Records (sql, params) and answers the few reads the store makes. ``sizes``
-    records what ``setinputsizes`` declared for each statement."""
+def store_answer(sql: str) -> list[tuple]:
+    """The few reads the store makes, answered."""
+    if "FROM @out" in sql:
+        return [CLAIMED_ROW]
+    if sql.rstrip().endswith("SELECT @id AS id, @lock_result AS lock_result;"):
+        return [(42, 0)]
+    if sql.startswith("SELECT MIN(created_at)"):
+        return [(None, datetime(2024, 1, 1))]
+    if sql.startswith("SELECT status FROM"):
+        return [(3,)]
+    if sql.startswith("SELECT COUNT(*), MIN(claimed_at)"):
+        return [(2, datetime(2024, 1, 1), datetime(2024, 1, 1, 0, 0, 5))]
+    return []
 
-    def __init__(self, log: list[tuple[str, tuple]], sizes: list | None = None,
+
+class StoreCursor(RecordingCursor):
+    """Answers the few reads the store makes (``store_answer``), and every fenced write
+    "applies" to all its rows, so the store logs no stale leases."""
+
+    def __init__(self, log: list[tuple[str, tuple]] | None = None, sizes: list | None = None,
                  answers: dict[str, list[tuple]] | None = None) -> None:
-        self.log = log
-        self.sizes = sizes if sizes is not None else []
-        self.answers = answers or {}
-        self.rows: list[tuple] = []
-        self.description: Any = None
-        self.rowcount = 0
-        self._declared: Any = None
+        super().__init__(log, sizes, answers, default=store_answer)
 
-    def setinputsizes(self, sizes: Any) -> None:
-        self._declared = sizes
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
-        self.log.append((sql, tuple(params)))
-        self.sizes.append(self._declared)
-        self.rows = self._answer(sql)
-        # Every fenced write "applies" to all its rows, so the store logs no stale leases.
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> "StoreCursor":
+        super().execute(sql, params)
         id_lists = [json.loads(p) for p in params if isinstance(p, str) and p.startswith("[")]
         if id_lists:
             self.rowcount = len(id_lists[0])
@@ -83,66 +87,17 @@ class RecordingCursor:
             self.rowcount = 1
         if "SET beat_at" in sql:
             self.rowcount = 0  # a holder's first beat: its record is inserted
-        self.description = [("col",)] if self.rows or sql.lstrip().upper().startswith(("SELECT", "DECLARE")) else None
         return self
 
-    def _answer(self, sql: str) -> list[tuple]:
-        for needle, rows in self.answers.items():
-            if needle in sql:
-                return rows
-        if "FROM @out" in sql:
-            return [CLAIMED_ROW]
-        if sql.rstrip().endswith("SELECT @id AS id, @lock_result AS lock_result;"):
-            return [(42, 0)]
-        if sql.startswith("SELECT MIN(created_at)"):
-            return [(None, datetime(2024, 1, 1))]
-        if sql.startswith("SELECT status FROM"):
-            return [(3,)]
-        if sql.startswith("SELECT COUNT(*), MIN(claimed_at)"):
-            return [(2, datetime(2024, 1, 1), datetime(2024, 1, 1, 0, 0, 5))]
-        return []
 
-    def nextset(self) -> bool:
-        return False
-
-    def fetchall(self) -> list[tuple]:
-        return list(self.rows)
-
-    def fetchone(self) -> tuple | None:
-        return self.rows[0] if self.rows else None
-
-    def close(self) -> None:
-        pass
-
-
-class RecordingConnection:
-    def __init__(self, answers: dict[str, list[tuple]] | None = None) -> None:
-        self.log: list[tuple[str, tuple]] = []
-        self.sizes: list[Any] = []
-        self.answers = answers or {}
-        self.commits = 0
-        self.autocommit = False  # the relay's connections: pyodbc and mssql-python take it
-        self.timeout = 0
-
-    def cursor(self) -> RecordingCursor:
-        cursor = RecordingCursor(self.log, self.sizes, self.answers)
-        cursor.connection = self  # type: ignore[attr-defined]
-        return cursor
-
-    def commit(self) -> None:
-        self.commits += 1
-
-    def rollback(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+class StoreConnection(RecordingConnection):
+    cursor_class = StoreCursor
 
 
 def recording_store(schema: str | None, table: str, compat_level: int | None = None,
                     answers: dict[str, list[tuple]] | None = None) -> tuple[OutboxStore, RecordingConnection]:
     store = OutboxStore(URL, table=table, schema=schema, claim_timeout_ms=30_000, max_attempts=5)
-    conn = RecordingConnection(answers)
+    conn = StoreConnection(answers)
     store.engine.connect = lambda url: conn  # type: ignore[method-assign]
     store.engine.compat_level = compat_level  # type: ignore[attr-defined]
     return store, conn
@@ -409,7 +364,7 @@ def test_the_claim_commits_in_its_own_batch_when_run_alone(no_sqlglot_fallbacks:
     for statement in own:
         parse_one(statement) if not statement.startswith("IF ") else None
     assert MssqlEngine.one_statement_claim
-    conn = RecordingConnection()
+    conn = StoreConnection()
     conn.autocommit = False  # type: ignore[attr-defined]
     with engine.statement_alone(conn):
         assert conn.autocommit is True  # type: ignore[attr-defined]
@@ -515,10 +470,10 @@ def test_the_enqueue_lock_is_never_owned_by_the_session(no_sqlglot_fallbacks: No
     parse_one(engine.end_own_transaction_sql())
 
 
-class _CutShortCursor(RecordingCursor):
+class _CutShortCursor(StoreCursor):
     """The insert batch raises, as after a client timeout."""
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> "StoreCursor":
         super().execute(sql, params)
         if "INSERT INTO" in sql:
             raise TimeoutError("HYT00 Query timeout expired")
@@ -539,7 +494,7 @@ def test_a_cut_short_enqueue_rolls_back_only_a_transaction_of_its_own() -> None:
 
 def test_insert_reports_a_refused_lock_clearly() -> None:
     engine = MssqlEngine()
-    conn = RecordingConnection({"SELECT @id AS id, @lock_result": [(None, -1)]})
+    conn = StoreConnection({"SELECT @id AS id, @lock_result": [(None, -1)]})
     event = prepare_event(topic="t", aggregate_type="order", aggregate_id="a", payload={"p": 1}, message_id="m-9")
     with pytest.raises(StoreError, match=r"message_id 'm-9'.*timed out"):
         engine.insert_event(conn.cursor(), event)
@@ -547,7 +502,7 @@ def test_insert_reports_a_refused_lock_clearly() -> None:
 
 def test_insert_binds_event_params_and_long_payloads_as_nvarchar_max() -> None:
     engine = MssqlEngine()
-    conn = RecordingConnection()
+    conn = StoreConnection()
     event = prepare_event(topic="t", aggregate_type="order", aggregate_id="a", payload={"p": "y" * 9000},
                           message_id="m-2")
     assert engine.insert_event(conn.cursor(), event) == 42
@@ -650,7 +605,7 @@ def test_migration_is_serialized_by_an_application_lock() -> None:
     assert len(last) == 1 and f"APPLOCK_MODE(N'public', {resource}, N'Session') <> N'NoLock'" in last[0]
     assert f"EXEC sp_releaseapplock @Resource = {resource}, @LockOwner = N'Session'" in last[0]
     # Migration batches run without the client's query timeout (see MssqlEngine.execute).
-    conn = RecordingConnection()
+    conn = StoreConnection()
     conn.timeout = 300
     seen: list[int] = []
     cursor = conn.cursor()
@@ -1043,7 +998,7 @@ class _FakeDriver:
 
     def connect(self, connection_string: str, autocommit: bool) -> RecordingConnection:
         assert autocommit is False
-        conn = RecordingConnection({"SELECT compatibility_level": [(self.level, 16, 3)] if self.level else [],
+        conn = StoreConnection({"SELECT compatibility_level": [(self.level, 16, 3)] if self.level else [],
                                     "SELECT OBJECT_ID(": [(None,)]})
         conn.connection_string = connection_string  # type: ignore[attr-defined]
         self.connections.append(conn)
@@ -1114,7 +1069,7 @@ def test_the_claims_table_variables_are_keyed_for_their_reads(no_sqlglot_fallbac
 
 
 def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.LogCaptureFixture) -> None:
-    conn = RecordingConnection({
+    conn = StoreConnection({
         "SELECT compatibility_level": [(150, 16, 3)],
         "SELECT OBJECT_ID(": [(12345,)],
         "SELECT name, collation_name FROM sys.columns": [("message_id", "Latin1_General_100_BIN2"),
@@ -1149,7 +1104,7 @@ def test_input_sizes_do_not_depend_on_string_length() -> None:
 def test_every_statement_declares_stable_parameter_types() -> None:
     """Two enqueues whose strings differ in length bind identically: one plan."""
     engine = MssqlEngine()
-    conn = RecordingConnection()
+    conn = StoreConnection()
     for n in (1, 40):
         event = prepare_event(topic="t" * n, aggregate_type="order", aggregate_id="a" * n, payload={"p": 1},
                               message_id=f"m-{n}")

@@ -29,7 +29,8 @@ import pytest
 from conftest import engine_url
 from outbox import Status
 from outbox.storage.engines import engine_for_url
-from outbox.storage.engines.queue_factory import queue_tables
+from outbox.transport import drop_queue_tables
+from outbox.transport.tables import queue_tables
 from services import AMQP_URL, REDIS_URL
 from relay_e2e_support import (CELERY, DB_KINDS, Destination, Outbox, Procs, Writer, base_env, check_order, require,
                                wait_until)
@@ -134,15 +135,7 @@ class TaskApp:
         self.app.close()
         sys.path.remove(str(self.tmp_path))
         sys.modules.pop(self.module, None)
-        engine = engine_for_url(self.db_url)
-        conn = engine.connect(self.db_url)
-        try:
-            cursor = engine.cursor_for(conn)
-            for table in (self.table, f"{self.table}_binding"):
-                engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(table)}")
-            conn.commit()
-        finally:
-            conn.close()
+        drop_queue_tables(self.db_url, self.table)
 
     def queue_rows(self) -> list[tuple]:
         """(receipt, visible in the future?) of every row in the app's default queue."""
@@ -361,7 +354,4 @@ def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(
         assert "redis" not in (banner + procs.log("beat")).lower()
     finally:
         procs.stop_all()
-        engine = outbox.storage.store.engine
-        with outbox.storage.store.transaction() as cursor:
-            for table in (queue_table, f"{queue_table}_binding"):
-                engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(table)}")
+        drop_queue_tables(outbox.url, queue_table)

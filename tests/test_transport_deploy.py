@@ -25,9 +25,11 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
 from conftest import engine_url
 from outbox.storage.engines import engine_for_url
-from outbox.storage.engines.queue_factory import queue_tables
+from outbox.transport.tables import queue_tables
 from outbox.core.errors import BrokerDatabaseUnavailable
-from outbox.transport.channel import Database, Transport
+from outbox.transport.channel import Transport
+from outbox.transport.database import Database
+from outbox.transport import drop_queue_tables
 
 
 def free_port() -> int:
@@ -71,18 +73,6 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return engine_url(request.param, tmp_path)
 
 
-def drop(db_url: str, table: str, schema: str | None = None) -> None:
-    engine = engine_for_url(db_url, schema=schema)
-    conn = engine.connect(db_url)
-    try:
-        cursor = engine.cursor_for(conn)
-        for name in (table, f"{table}_binding"):
-            engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(name)}")
-        conn.commit()
-    finally:
-        conn.close()
-
-
 def start_worker(db_url: str, table: str, start: Any, errors: Any) -> None:
     """What a worker process does first: connect, which creates the queue tables."""
     db = Database(db_url, table, None, create=True)
@@ -115,7 +105,7 @@ def test_workers_starting_together_on_an_empty_database_all_create_the_tables(db
                 failures.append(errors.get())
             assert not failures, failures
         finally:
-            drop(db_url, table)
+            drop_queue_tables(db_url, table)
 
 
 def lease_ids(db: Database, queue: str, limit: int) -> list[int]:
@@ -146,7 +136,7 @@ def test_receive_orders_by_visibility_and_a_requeued_message_keeps_its_place(db_
         assert db.run(lambda qt, c: qt.missing_indexes(c)) == []
     finally:
         db.close()
-        drop(db_url, table)
+        drop_queue_tables(db_url, table)
 
 
 def test_migrate_replaces_the_id_keyed_receive_index(db_url: str) -> None:
@@ -175,7 +165,7 @@ def test_migrate_replaces_the_id_keyed_receive_index(db_url: str) -> None:
         conn.commit()
     finally:
         conn.close()
-        drop(db_url, table)
+        drop_queue_tables(db_url, table)
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])

@@ -11,8 +11,7 @@ from urllib.parse import urlsplit
 
 from kombu import Connection
 
-import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
-from outbox.storage.engines import engine_for_url
+from outbox.transport import drop_queue_tables  # importing it registers the outboxdb scheme
 from services import POSTGRES_URL, require
 
 
@@ -39,13 +38,5 @@ def test_a_multi_host_postgresql_url_fails_over_to_the_host_that_answers() -> No
             message.ack()
             queue.close()
     finally:
-        engine = engine_for_url(POSTGRES_URL)
-        raw = engine.connect(POSTGRES_URL)
-        try:
-            cursor = engine.cursor_for(raw)
-            for name in (table, f"{table}_binding"):
-                engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(name)}")
-            raw.commit()
-        finally:
-            raw.close()
+        drop_queue_tables(POSTGRES_URL, table)
 

@@ -24,6 +24,7 @@ import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
 from conftest import engine_url
 from outbox.storage.engines import engine_for_url
 from outbox.core.errors import ConfigError
+from outbox.transport import drop_queue_tables
 
 KINDS = ["sqlite", "postgresql", "mysql", "mssql"]
 
@@ -39,15 +40,7 @@ class Broker:
         return Connection(self.url, transport_options={**self.options, **options})
 
     def drop(self) -> None:
-        engine = engine_for_url(self.db_url)
-        conn = engine.connect(self.db_url)
-        try:
-            cursor = engine.cursor_for(conn)
-            for table in (self.table, f"{self.table}_binding"):
-                engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(table)}")
-            conn.commit()
-        finally:
-            conn.close()
+        drop_queue_tables(self.db_url, self.table)
 
 
 @pytest.fixture(params=KINDS)

@@ -8,39 +8,21 @@ code are in test_transport_tables.py and test_transport_kombu.py (OUTBOX_TEST_MS
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
 
 import pytest
 import sqlglot
 from sqlglot import exp
 
+from fake_dbapi import RecordingCursor
 from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
 from outbox.storage.engines.mssql import FILTERED_INDEX_OPTIONS, MssqlEngine
-from outbox.storage.engines.queue_mssql import MssqlQueueTables
-from outbox.storage.engines.queue_factory import queue_tables
+from outbox.transport.tables.mssql import MssqlQueueTables
+from outbox.transport.tables import queue_tables
 
 
-class RecordingCursor:
-    def __init__(self) -> None:
-        self.log: list[tuple[str, tuple]] = []
-        self.description: Any = None
-        self.rowcount = 1
-        self.rows: list[tuple] = []
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
-        self.log.append((sql, tuple(params)))
-        self.rows = [(1, "q", "{}", "body", 1)] if "FROM @out" in sql else [(0, "", "", None)]
-        self.description = [("c",)]
-        return self
-
-    def nextset(self) -> bool:
-        return False
-
-    def fetchall(self) -> list[tuple]:
-        return self.rows
-
-    def fetchone(self) -> tuple:
-        return self.rows[0]
+def lease_answers(sql: str) -> list[tuple]:
+    """A leased message for the lease batch, a row of zeros for everything else."""
+    return [(1, "q", "{}", "body", 1)] if "FROM @out" in sql else [(0, "", "", None)]
 
 
 @pytest.fixture(params=[None, "messaging"], ids=["dbo", "messaging"])
@@ -51,7 +33,7 @@ def qt(request: pytest.FixtureRequest) -> MssqlQueueTables:
 
 
 def record_everything(qt: MssqlQueueTables) -> list[tuple[str, tuple]]:
-    c = RecordingCursor()
+    c = RecordingCursor(default=lease_answers)
     qt.put(c, "celery", '{"properties": {}}', "Ym9keQ==")
     qt.put(c, "celery", "{}", None, delay_ms=40 * 24 * 3600 * 1000, ttl_ms=5000)  # 40 days: over INT ms
     qt.probe(c, ["celery", "outbox.claim", "w1@host.celery.pidbox"])

@@ -1,4 +1,4 @@
-"""The queue tables' SQL (``outbox.storage.engines.queues``) on live engines: DDL that repairs
+"""The queue tables' SQL (``outbox.transport.tables.base``) on live engines: DDL that repairs
 itself, FIFO leases, fenced ack/release, delay, expiry, lease expiry, disjoint
 concurrent receivers. Each test has tables of its own."""
 
@@ -14,8 +14,8 @@ import pytest
 
 from conftest import engine_url
 from outbox.storage.engines import engine_for_url
-from outbox.storage.engines.queue_factory import queue_tables
-from outbox.storage.engines.queues import QueueTables
+from outbox.transport.tables import queue_tables
+from outbox.transport.tables.base import QueueTables
 
 KINDS = ["sqlite", "postgresql", "mysql", "mssql"]
 
@@ -41,8 +41,7 @@ class Tables:
             raise
 
     def drop(self) -> None:
-        for table in (self.qt.table, self.qt.bindings):
-            self.tx(lambda c, t=table: self.engine.execute(c, f"DROP TABLE IF EXISTS {t}"))
+        self.tx(self.qt.drop)
         self.conn.close()
 
 

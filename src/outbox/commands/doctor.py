@@ -158,7 +158,7 @@ def _check_database_broker(settings: Settings, url: str) -> Result:
     """The database as Celery's broker: the database it names (``outboxdb://`` alone: the
     outbox's own) answers. Its queue tables need no check: every worker creates them."""
     from ..transport import register
-    from ..transport.channel import database_url_of
+    from ..transport.database import database_url_of
 
     register()
     name = "celery broker"

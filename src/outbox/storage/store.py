@@ -1,30 +1,24 @@
 """``OutboxStore``: the one store contract the relay talks to, whatever the engine.
 
-The store owns its connections (one per thread, opened lazily and re-opened after
-a fork, as Celery's prefork pool requires), runs every operation as its own short
-transaction, and retries transient failures (deadlock victim, lock timeout,
-dropped connection) with tenacity. Everything engine-specific lives in
+The store runs every operation as its own short transaction on its own connections,
+retrying transient failures (deadlock victim, lock timeout, dropped connection): the
+lifecycle of ``outbox.storage.connections``. Everything engine-specific lives in
 ``outbox.storage.engines``; nothing here branches on the engine.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import threading
 import uuid
-from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Sequence, TypeVar
-
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 from ..core.config import Settings, get_settings
+from .connections import Connections
 from .engines import Engine, engine_for_url
 from .engines.describe import index_names
 from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
-from ..core.errors import StoreError
 from ..domain.events import MAX_ERROR_UNITS, fit_utf16
 from ..core.model import (Beat, Claim, DeadRow, FailResult, FenceResult, Holder, OutboxMessage, RequeueResult,
                     SilentHolder, Stats, Status, Takeover)
@@ -70,7 +64,7 @@ class OutboxStore:
         #: first half of every lease token the store makes, so the rows say which process
         #: holds them. None: tokens are random (docs/relay.md, "Lost workers").
         self.holder_id: str | None = None
-        self._local = threading.local()
+        self._connections = Connections(self.engine, url)
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> "OutboxStore":
@@ -82,75 +76,23 @@ class OutboxStore:
     def __repr__(self) -> str:
         return f"OutboxStore({self.engine.name}, table={self.engine.table})"
 
-    # -- connections -----------------------------------------------------------
+    # -- connections (storage.connections: one per thread and process, short transactions,
+    # transient retries, dropped on disconnect) -------------------------------------------
     def connection(self) -> Any:
         """This thread's connection, opened on first use and after a fork."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None or self._local.pid != os.getpid():
-            conn = self.engine.connect(self.url)
-            self._local.conn, self._local.pid = conn, os.getpid()
-        return conn
+        return self._connections.get()
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None and self._local.pid == os.getpid():
-            try:
-                conn.close()
-            except Exception:  # closing a broken connection may itself fail
-                pass
+        self._connections.drop()
 
-    @contextmanager
-    def transaction(self, *, alone: bool = False) -> Iterator[Any]:
-        """A cursor inside one short transaction: committed on success, rolled back
-        (and the connection dropped if it broke) on error. ``alone``: the block runs single
-        statements, each atomic by itself, which the engine may then run as transactions of
-        their own, one round trip each (``Engine.statement_alone``; docs/relay.md, "A network
-        cut")."""
-        conn = self.connection()
-        cursor = conn.cursor()
-        try:
-            with self.engine.statement_alone(conn) if alone else nullcontext():
-                yield cursor
-            conn.commit()
-        except BaseException as exc:
-            try:
-                conn.rollback()
-            except Exception:
-                self.close()
-            else:
-                if self.engine.is_disconnect(exc):
-                    self.close()
-            raise
-        finally:
-            try:
-                cursor.close()
-            except Exception:
-                pass
+    def transaction(self, *, alone: bool = False) -> ContextManager[Any]:
+        """A cursor inside one short transaction (``Connections.transaction``)."""
+        return self._connections.transaction(alone=alone)
 
     def _run(self, operation: str, work: Callable[[Any], T], *, alone: bool = False) -> T:
-        """Run ``work(cursor)`` in a transaction (``alone``: see ``transaction``), retrying
-        transient errors."""
-        def before_retry(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            # DEBUG: the caller reports what finally happened (an outage is logged once).
-            log.debug("outbox %s: transient database error, retrying (attempt %d): %s",
-                      operation, state.attempt_number, exc)
-            if exc is not None and self.engine.is_disconnect(exc):
-                self.close()
-
-        retrying = Retrying(
-            retry=retry_if_exception(self.engine.is_transient),
-            stop=stop_after_attempt(TRANSIENT_RETRIES),
-            wait=wait_random_exponential(multiplier=0.05, max=2.0),
-            before_sleep=before_retry,
-            reraise=True,
-        )
-        for attempt in retrying:
-            with attempt:
-                with self.transaction(alone=alone) as cursor:
-                    return work(cursor)
-        raise StoreError(f"{operation} did not run")  # unreachable: tenacity re-raises
+        """Run ``work(cursor)`` in a transaction (``alone``: see ``Connections.transaction``),
+        retrying transient errors."""
+        return self._connections.run(operation, work, attempts=TRANSIENT_RETRIES, alone=alone)
 
     # -- schema ----------------------------------------------------------------
     def migrate(self, native_json: bool = False) -> int:

@@ -27,7 +27,7 @@ TRANSPORT_PATH = "outbox.transport.channel:Transport"
 #: Names served lazily: importing this package (``outbox migrate``, ``outbox.celery`` on the
 #: outboxdb broker) stays cheap and imports nothing of kombu's virtual transport until a
 #: connection needs it, as kombu's own transports are loaded.
-_LAZY = {"Transport": "channel", "Channel": "channel", "QoS": "channel", "database_url_of": "channel",
+_LAZY = {"Transport": "channel", "Channel": "channel", "QoS": "channel", "database_url_of": "database",
          "send_task": "send", "SendError": "send"}
 
 
@@ -52,8 +52,8 @@ def is_transport_url(url: str | None) -> bool:
 
 def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:
     """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``)."""
-    from ..storage.engines.queues import DEFAULT_QUEUE_TABLE
-    from .channel import Database, database_url_of
+    from .tables.base import DEFAULT_QUEUE_TABLE
+    from .database import Database, database_url_of
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
     db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)
     try:
@@ -63,8 +63,24 @@ def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: s
         db.close()
 
 
+def drop_queue_tables(database_url: str, table: str | None = None, *, schema: str | None = None) -> None:
+    """Drop the queue tables (messages and bindings) in ``database_url`` if they exist: the
+    tests and benchmarks clean up with it."""
+    from ..storage.connections import Connections
+    from ..storage.engines import engine_for_url
+    from .tables import queue_tables
+    from .tables.base import DEFAULT_QUEUE_TABLE
+    engine = engine_for_url(database_url, schema=schema)
+    qt = queue_tables(engine, table or DEFAULT_QUEUE_TABLE)
+    connections = Connections(engine, database_url)
+    try:
+        connections.run("drop queue tables", qt.drop, attempts=1)
+    finally:
+        connections.drop()
+
+
 register()
 
 __all__ = ["Transport", "Channel", "QoS", "send_task", "SendError", "register", "is_transport_url",
-           "migrate_queue_tables", "SCHEME",
+           "migrate_queue_tables", "drop_queue_tables", "SCHEME",
            "TRANSPORT_PATH"]

@@ -1,7 +1,7 @@
 """The kombu transport on queue tables: ``outboxdb+<database URL>`` as Celery's broker.
 
 Built on ``kombu.transport.virtual`` (kombu's base for brokers that are not AMQP),
-with the SQL in ``outbox.storage.engines.queues`` and its engine modules. What this module
+with the SQL in ``outbox.transport.tables.base`` and its engine modules. What this module
 adds to the virtual transport, and why:
 
 - **Leases instead of delete-on-receive.** ``_get``/``drain_events`` lease rows
@@ -25,127 +25,33 @@ adds to the virtual transport, and why:
   with jitter against herds of workers polling in step) up to ``polling_interval``.
 - **Batches.** A poll leases up to what the prefetch window allows (capped by
   ``receive_batch``) in one statement per queue.
+
+The database connection and its retries are ``transport.database``; what a stored message
+looks like (envelope, delays, expiry, delivery tags) is ``transport.messages``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import socket
-import threading
 import time
 import uuid
 from collections import OrderedDict
-from datetime import datetime, timezone
 from queue import Empty
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from kombu.transport import virtual
 
-from ..storage.engines import engine_for_url, kind_of_url, mssql_driver
-from ..storage.engines.queue_factory import queue_tables
-from ..storage.engines.queues import DEFAULT_QUEUE_TABLE, MAX_NAME, MessageRow, QueueTables
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
+from .database import Database, database_url_of, driver_errors
+from .messages import (celery_expires, check_name, encode_envelope, eta_delay_ms, is_control_queue, is_reply_queue,
+                       split_tag, ttl_ms)
 from .options import SCHEME
+from .tables.base import DEFAULT_QUEUE_TABLE, MessageRow, QueueTables
 
 log = logging.getLogger("outbox.transport")
-T = TypeVar("T")
-
-
-#: Tables already migrated/checked in this process: (database URL, table).
-_prepared: set[tuple[str, str]] = set()
-_prepared_lock = threading.Lock()
-
-
-def database_url_of(hostname: str | None) -> str:
-    """The database URL behind a broker URL. kombu strips ``outboxdb+`` before the
-    transport sees it; a bare ``outboxdb://`` means the outbox's own database
-    (OUTBOX_DATABASE_URL)."""
-    if not hostname or hostname.startswith(f"{SCHEME}:") or "://" not in hostname and "=" not in hostname:
-        from ..core.config import get_settings
-        return get_settings().database_url
-    try:
-        kind_of_url(hostname)
-    except ConfigError as exc:
-        detail = str(exc).split(": ", 1)[-1]
-        raise ConfigError(f"Celery broker URL {SCHEME}+...: {detail}") from None
-    return hostname
-
-
-def _eta_delay_ms(headers: dict[str, Any] | None) -> int:
-    """Milliseconds until a Celery message's ``eta`` (protocol 2 header), 0 if none."""
-    eta = (headers or {}).get("eta")
-    if not eta:
-        return 0
-    try:
-        when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
-    except (TypeError, ValueError):
-        log.warning("outboxdb: ignoring unparseable eta %r", eta)
-        return 0
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return max(int((when - datetime.now(timezone.utc)).total_seconds() * 1000), 0)
-
-
-def _ttl_ms(properties: dict[str, Any]) -> int | None:
-    expiration = properties.get("expiration")
-    if expiration in (None, ""):
-        return None
-    try:
-        return max(int(float(expiration)), 0)
-    except (TypeError, ValueError):
-        raise ValueError(f"message expiration must be milliseconds, got {expiration!r}") from None
-
-
-def _celery_expires(headers: dict[str, Any] | None) -> bool:
-    """A Celery task message with ``expires``: Celery 5.7 also sends it as the message's
-    ``expiration``, but such a task must reach a worker, which marks it REVOKED in the
-    result backend (as on Redis, which ignores ``expiration``). docs/transport.md, "Delays
-    and expiry"."""
-    return bool(headers) and bool(headers.get("task")) and headers.get("expires") not in (None, "")
-
-
-def _encode_envelope(envelope: dict[str, Any]) -> str:
-    """The envelope as JSON. Properties JSON cannot encode (unknown publish keyword
-    arguments that kombu turns into properties, such as a Signal) are dropped with a
-    debug line, as py-amqp drops properties it does not know; headers must encode."""
-    try:
-        return json.dumps(envelope)
-    except (TypeError, ValueError):
-        pass
-    properties = {}
-    for key, value in (envelope.get("properties") or {}).items():
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            log.debug("outboxdb: dropping message property %r: not JSON-encodable (%s)", key, type(value).__name__)
-            continue
-        properties[key] = value
-    return json.dumps({**envelope, "properties": properties})
-
-
-def _check_name(kind: str, name: str) -> None:
-    """Names are stored in VARCHAR(MAX_NAME) columns: refuse longer ones clearly."""
-    if len(name) > MAX_NAME:
-        raise ValueError(f"outboxdb: {kind} name is {len(name)} characters, the queue tables hold at most "
-                         f"{MAX_NAME}: {name[:40]!r}...")
-
-
-def _is_control_queue(queue: str) -> bool:
-    """kombu's pidbox queues (Celery's remote control): ``<node>.<app>.pidbox`` on a
-    worker, ``<id>.reply.<app>.pidbox`` on a client awaiting replies."""
-    return queue.endswith(".pidbox")
-
-
-def _is_reply_queue(queue: str) -> bool:
-    return ".reply." in queue and queue.endswith(".pidbox")
-
-
-def _split_tag(delivery_tag: str) -> tuple[int, str]:
-    row_id, _, receipt = str(delivery_tag).partition(".")
-    return int(row_id), receipt
 
 
 class QoS(virtual.QoS):
@@ -230,14 +136,14 @@ class Channel(virtual.Channel):
         self.db.run(lambda qt, c: self._insert(qt, c, queue, message))
 
     def _insert(self, qt: QueueTables, cursor: Any, queue: str, message: dict[str, Any]) -> None:
-        _check_name("queue", queue)
+        check_name("queue", queue)
         envelope = {k: v for k, v in message.items() if k != "body"}
         headers = envelope.get("headers")
-        ttl = None if _celery_expires(headers) else _ttl_ms(envelope.get("properties") or {})
+        ttl = None if celery_expires(headers) else ttl_ms(envelope.get("properties") or {})
         if ttl is None:
             ttl = self._queue_ttl.get(queue)
-        qt.put(cursor, queue, _encode_envelope(envelope), message.get("body"),
-               delay_ms=_eta_delay_ms(headers), ttl_ms=ttl)
+        qt.put(cursor, queue, encode_envelope(envelope), message.get("body"),
+               delay_ms=eta_delay_ms(headers), ttl_ms=ttl)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
         """A copy for every queue bound to the exchange, in one transaction."""
@@ -251,7 +157,7 @@ class Channel(virtual.Channel):
     # -- routing -----------------------------------------------------------------------
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str | None, queue: str) -> None:
         for kind, value in (("exchange", exchange), ("routing key", routing_key), ("queue", queue)):
-            _check_name(kind, value or "")
+            check_name(kind, value or "")
         ttl = self._queue_ttl.get(queue)
         self.db.run(lambda qt, c: qt.bind(c, exchange, routing_key or "", pattern or "", queue, ttl))
         self._binding_cache.pop(exchange, None)
@@ -387,7 +293,7 @@ class Channel(virtual.Channel):
         return payload
 
     def _settle(self, delivery_tag: str, requeue: bool) -> None:
-        row_id, receipt = _split_tag(delivery_tag)
+        row_id, receipt = split_tag(delivery_tag)
         if requeue:
             changed = self.db.run(lambda qt, c: qt.release(c, row_id, receipt))
         else:
@@ -410,160 +316,6 @@ class Channel(virtual.Channel):
         purged = self.db.run(lambda qt, c: qt.purge_expired(c, int(self.expired_purge_batch)))
         if purged:
             log.info("outboxdb: purged %d expired message(s)", purged)
-
-
-class Database:
-    """One DB-API connection per process for a transport, shared by its channels
-    under a lock (acks may come from pool threads). Each ``run`` is one short
-    transaction; transient errors (deadlock victim, lock timeout) are retried, a
-    dropped connection is closed and re-raised for kombu to reconnect."""
-
-    RETRIES = 3
-
-    def __init__(self, url: str, table: str, schema: str | None, create: bool, wake: bool = True) -> None:
-        self.url = url
-        self.engine = engine_for_url(url, schema=schema)
-        self.qt = queue_tables(self.engine, table)
-        self.create = create
-        self.wake = wake
-        self._lock = threading.RLock()
-        self._conn: Any = None
-        self._pid = 0
-        self._waiter: Any = None
-        self._waiter_pid = 0
-        self._waiter_retry_at = 0.0
-
-    def wait(self, timeout: float) -> bool:
-        """Idle: block until a send wakes us (PostgreSQL LISTEN) or ``timeout`` passes.
-        Engines without wake-ups, and a waiter that failed, sleep instead."""
-        waiter = self._waiter if self._waiter_pid == os.getpid() else None
-        if waiter is None and self.wake and time.monotonic() >= self._waiter_retry_at:
-            try:
-                self.connection()  # tables exist before anyone listens
-                waiter = self.qt.open_waiter(self.url)
-            except Exception as exc:
-                log.warning("outboxdb: cannot listen for wake-ups (%s); polling only for a while", exc)
-                self._waiter_retry_at = time.monotonic() + 30.0
-                waiter = None
-            self._waiter, self._waiter_pid = waiter, os.getpid()
-            if waiter is None and not self._waiter_retry_at:
-                self.wake = False  # this engine has none: stop asking
-        if waiter is None:
-            time.sleep(timeout)
-            return False
-        try:
-            return waiter.wait(timeout)
-        except Exception as exc:
-            log.warning("outboxdb: wake-up connection lost (%s); reconnecting", exc)
-            self._close_waiter()
-            self._waiter_retry_at = time.monotonic() + 1.0
-            return False
-
-    def wakes_on_send(self) -> bool:
-        """Sends wake this table's idle receivers now (PostgreSQL with a working LISTEN)."""
-        return bool(self.wake) and self.qt.wakes_on_send and time.monotonic() >= self._waiter_retry_at
-
-    def _close_waiter(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and self._waiter_pid == os.getpid():
-            waiter.close()
-
-    def connection(self) -> Any:
-        if self._conn is None or self._pid != os.getpid():
-            self._conn, self._pid = self.engine.connect(self.url), os.getpid()
-            self._transaction(self.qt.session_setup)
-            self._prepare()
-        return self._conn
-
-    def _prepare(self) -> None:
-        """Create (or only check) the tables once per process, and warn about every
-        index the receive loop or the purge needs that is missing."""
-        key = (self.url, self.qt.table)
-        with _prepared_lock:
-            if key in _prepared:
-                return
-            if self.create:
-                self._transaction(self.qt.migrate)
-            missing = self._transaction(self.qt.missing_indexes)
-            for name in missing:
-                log.warning("outboxdb: index %s on %s is missing; receiving and purging will scan the table. "
-                            "Run `outbox migrate` (with OUTBOX_CELERY_BROKER_URL set) to create it.",
-                            name, self.qt.table)
-            _prepared.add(key)
-
-    def _transaction(self, work: Callable[[Any], T]) -> T:
-        conn = self._conn
-        cursor = self.engine.cursor_for(conn)
-        try:
-            result = work(cursor)
-            conn.commit()
-            return result
-        except BaseException:
-            try:
-                conn.rollback()
-            except Exception:
-                pass
-            raise
-
-    def run(self, work: Callable[[QueueTables, Any], T]) -> T:
-        for attempt in range(self.RETRIES + 1):
-            with self._lock:
-                try:
-                    self.connection()
-                    return self._transaction(lambda cursor: work(self.qt, cursor))
-                except Exception as exc:
-                    if not (self.engine.is_disconnect(exc) or self.engine.is_transient(exc)):
-                        raise
-                    # A dropped connection, a server restart, a deadlock victim: start
-                    # again on a fresh connection. (A send whose commit was cut off may
-                    # then be stored twice: at least once.) Out of retries, it is raised as
-                    # BrokerDatabaseUnavailable, one of the Transport class's
-                    # connection_errors whatever the driver: kombu and Celery reconnect.
-                    self._drop_connection()
-                    if attempt == self.RETRIES:
-                        raise BrokerDatabaseUnavailable(
-                            f"outboxdb: the broker's database is unavailable ({type(exc).__name__}: {exc})") from exc
-            log.info("outboxdb: retrying after a transient database error (attempt %d)", attempt + 1)
-            time.sleep(0.05 * 2 ** attempt * random.uniform(0.5, 1.5))
-        raise AssertionError("unreachable")
-
-    def _drop_connection(self) -> None:
-        with self._lock:
-            conn, self._conn = self._conn, None
-            if conn is not None and self._pid == os.getpid():
-                try:
-                    conn.close()
-                except Exception:
-                    pass
-
-    def close(self) -> None:
-        self._close_waiter()
-        self._drop_connection()
-
-
-def _driver_errors(url: str) -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(connection errors, channel errors) of the driver ``url`` selects, for kombu's retry
-    logic (``mssql+mssqlpython://`` raises mssql-python's classes, not pyodbc's)."""
-    kind = kind_of_url(url)
-    try:
-        if kind == "sqlite":
-            import sqlite3
-            return (sqlite3.OperationalError,), (sqlite3.DatabaseError,)
-        if kind == "postgresql":
-            import psycopg
-            return (psycopg.OperationalError, psycopg.InterfaceError), (psycopg.DatabaseError,)
-        if kind == "mysql":
-            import pymysql
-            return (pymysql.err.OperationalError, pymysql.err.InterfaceError), (pymysql.err.DatabaseError,)
-        if kind == "mssql" and mssql_driver(url) == "mssql_python":
-            import mssql_python
-            return (mssql_python.OperationalError, mssql_python.InterfaceError), (mssql_python.DatabaseError,)
-        if kind == "mssql":
-            import pyodbc
-            return (pyodbc.OperationalError, pyodbc.InterfaceError), (pyodbc.DatabaseError,)
-    except ImportError:
-        pass
-    return (), ()
 
 
 class Transport(virtual.Transport):
@@ -594,7 +346,7 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.database_url = database_url_of(client.hostname)
-        conn_errors, chan_errors = _driver_errors(self.database_url)
+        conn_errors, chan_errors = driver_errors(self.database_url)
         self.connection_errors = type(self).connection_errors + conn_errors
         self.channel_errors = virtual.Transport.channel_errors + chan_errors
         options = client.transport_options
@@ -645,10 +397,10 @@ class Transport(virtual.Transport):
         """The idle back-off ceiling: ``polling_interval``, shorter while remote control is
         consumed on a table whose sends wake nobody (docs/transport.md, "Control commands and events")."""
         ceiling = float(self.polling_interval)
-        control = [q for q in self._consumed_queues() if _is_control_queue(q)]
+        control = [q for q in self._consumed_queues() if is_control_queue(q)]
         if not control or all(db.wakes_on_send() for db in self._databases.values()):
             return ceiling
-        if any(_is_reply_queue(q) for q in control):
+        if any(is_reply_queue(q) for q in control):
             return min(ceiling, self.reply_polling_interval)
         return min(ceiling, self.control_polling_interval)
 
@@ -660,7 +412,7 @@ class Transport(virtual.Transport):
         self._control_first = False
         for channel in self.channels:
             queues = getattr(channel, "_active_queues", None)
-            if getattr(channel, "_consumers", None) and queues and all(_is_control_queue(q) for q in queues):
+            if getattr(channel, "_consumers", None) and queues and all(is_control_queue(q) for q in queues):
                 try:
                     channel.drain_events(callback=self._deliver)
                     return True

@@ -22,9 +22,9 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from ..storage.engines import engine_class, unwrap_connection
-from ..storage.engines.queue_factory import queue_tables
-from ..storage.engines.queues import DEFAULT_QUEUE_TABLE
-from .channel import _eta_delay_ms
+from .tables import queue_tables
+from .tables.base import DEFAULT_QUEUE_TABLE
+from .messages import eta_delay_ms
 
 
 class SendError(ValueError):
@@ -59,7 +59,7 @@ def send_task(conn: Any, app: Any, name: str, args: Sequence[Any] = (), kwargs: 
                                   expires=expires)
     envelope, body = _envelope(app, message, exchange, routing_key)
     cursor = engine.cursor_for(dbapi)
-    tables.put(cursor, queue_name, json.dumps(envelope), body, delay_ms=_eta_delay_ms(envelope["headers"]))
+    tables.put(cursor, queue_name, json.dumps(envelope), body, delay_ms=eta_delay_ms(envelope["headers"]))
     return task_id
 
 

@@ -2,14 +2,14 @@
 contract for every engine (docs/transport.md, "Table layout": one table, its columns, why).
 
 Receiving is a lease (visible_at, receipt); ack and release are fenced by the receipt. Engine
-modules ``queue_<engine>.py`` subclass ``QueueTables`` with only what differs;
-``queue_factory.queue_tables`` picks one. Every time is the database's clock (UTC)."""
+modules (``outbox.transport.tables.<engine>``) subclass ``QueueTables`` with only what differs;
+``outbox.transport.tables.queue_tables`` picks one. Every time is the database's clock (UTC)."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-from .base import Engine
+from ...storage.engines.base import Engine
 
 DEFAULT_QUEUE_TABLE = "outbox_queue"
 #: The receive index (``ix_<table>_ready``): (queue, visible_at, id), so the lease and the
@@ -93,6 +93,15 @@ class QueueTables:
     def migration(self) -> list[Any]:
         """Guarded, idempotent steps (see ``Engine.migration`` for the item forms)."""
         raise NotImplementedError
+
+    def drop_table_sql(self, table: str) -> str:
+        """Drop ``table`` (qualified) if it exists."""
+        return f"DROP TABLE IF EXISTS {table}"
+
+    def drop(self, cursor: Any) -> None:
+        """Drop both tables if they exist (``outbox.transport.drop_queue_tables``)."""
+        for table in (self.table, self.bindings):
+            self.run(cursor, self.drop_table_sql(table))
 
     def lock_migration(self, cursor: Any) -> None:
         """Wait until no other migration of these tables runs (every worker creates them at

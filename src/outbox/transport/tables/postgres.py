@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .queues import MAX_NAME, READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables, Waiter
+from .base import MAX_NAME, READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables, Waiter
 
 
 class ListenWaiter(Waiter):
@@ -18,7 +18,7 @@ class ListenWaiter(Waiter):
 
     def __init__(self, url: str, channel: str) -> None:
         import psycopg
-        from .postgres import connect_params
+        from ...storage.engines.postgres import connect_params
         self.conn = psycopg.connect(**connect_params(url), autocommit=True)
         self.conn.execute(f'LISTEN "{channel}"')
 
@@ -53,7 +53,7 @@ class PostgresQueueTables(QueueTables):
                 deliveries INTEGER NOT NULL DEFAULT 0,
                 created_at TIMESTAMPTZ(3) NOT NULL DEFAULT now()
             )""",
-            # The receive scan: one queue's visible rows, longest visible first (queues.READY_INDEX).
+            # The receive scan: one queue's visible rows, longest visible first (base.READY_INDEX).
             f"CREATE INDEX IF NOT EXISTS {q(self.index_name(READY_INDEX))} ON {t} (queue, visible_at, id) "
             "INCLUDE (expires_at)",
             f"DROP INDEX IF EXISTS {self.engine.qualify(self.index_name(RETIRED_RECEIVE_INDEX))}",

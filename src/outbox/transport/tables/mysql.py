@@ -13,7 +13,7 @@ import hashlib
 from typing import Any
 
 from ...core.errors import StoreError
-from .queues import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
+from .base import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 
 class MysqlQueueTables(QueueTables):

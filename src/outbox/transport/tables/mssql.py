@@ -5,10 +5,10 @@ The lease is one batch: a CTE takes the queue's oldest visible rows with
 lock only what is read, and READCOMMITTEDLOCK so READPAST is allowed on
 READ_COMMITTED_SNAPSHOT databases such as Azure SQL), updates them, and hands them
 back through ``OUTPUT ... INTO`` a table variable (a bare OUTPUT fails on tables
-with triggers). The batch saves and restores NOCOUNT as ``mssql.py`` explains.
+with triggers). The batch saves and restores NOCOUNT as ``outbox.storage.engines.mssql`` explains.
 
 The message table is clustered on ``id``, the seeds' 2016 design: inserts go to
-the end, the receive index is ``(queue, visible_at, id)`` (``queues.READY_INDEX``).
+the end, the receive index is ``(queue, visible_at, id)`` (``base.READY_INDEX``).
 The 2024 design moved hot queues to
 a heap with a non-clustered index against last-page latch contention; that is a
 measured trade-off we could not measure here (no SQL Server), and heaps do not
@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .mssql import (FILTERED_INDEX_OPTIONS, _if, _nstr, _result_rows, lock_escalation_off,
-                    migration_lock_statements, migration_unlock_statements)
-from .queues import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
+from ...storage.engines.mssql.driver import result_rows
+from ...storage.engines.mssql.schema import (FILTERED_INDEX_OPTIONS, if_, lock_escalation_off,
+                                             migration_lock_statements, migration_unlock_statements, nstr)
+from .base import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 #: Names compare exactly, as on the other engines (default collations ignore case).
 NAME_COLLATION = "Latin1_General_100_BIN2"
@@ -39,14 +40,18 @@ class MssqlQueueTables(QueueTables):
         seconds, millis = divmod(max(int(ms), 0), 1000)
         return [millis, seconds]
 
+    def drop_table_sql(self, table: str) -> str:
+        # DROP TABLE IF EXISTS needs SQL Server 2016; the engine supports 2012.
+        return if_(f"OBJECT_ID({nstr(table)}, N'U') IS NOT NULL", f"DROP TABLE {table}")
+
     def migration(self) -> list[str]:
         q, schema = self.engine.quote, self.engine.schema or "dbo"
         name = f"NVARCHAR({MAX_NAME}) COLLATE {NAME_COLLATION} NOT NULL"
 
         def index(table: str, suffix: str, ddl: str) -> str:
             index_name = self.index_name(suffix)
-            return _if(f"NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = {_nstr(index_name)} "
-                       f"AND object_id = OBJECT_ID({_nstr(table)}))",
+            return if_(f"NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = {nstr(index_name)} "
+                       f"AND object_id = OBJECT_ID({nstr(table)}))",
                        f"CREATE {ddl.format(index=q(index_name), t=table)}")
 
         def constraint(kind: str, table: str, column: str = "") -> str:
@@ -54,8 +59,8 @@ class MssqlQueueTables(QueueTables):
 
         t, b = self.table, self.bindings
         steps = [
-            _if(f"SCHEMA_ID({_nstr(schema)}) IS NULL", f"EXEC sp_executesql {_nstr('CREATE SCHEMA ' + q(schema))}"),
-            _if(f"OBJECT_ID({_nstr(t)}, N'U') IS NULL", f"""CREATE TABLE {t} (
+            if_(f"SCHEMA_ID({nstr(schema)}) IS NULL", f"EXEC sp_executesql {nstr('CREATE SCHEMA ' + q(schema))}"),
+            if_(f"OBJECT_ID({nstr(t)}, N'U') IS NULL", f"""CREATE TABLE {t} (
         id BIGINT IDENTITY(1,1) NOT NULL,
         queue {name},
         headers NVARCHAR(MAX) NOT NULL,
@@ -67,13 +72,13 @@ class MssqlQueueTables(QueueTables):
         created_at DATETIME2(3) NOT NULL {constraint('df', self.table_name, 'created_at')} DEFAULT SYSUTCDATETIME(),
         {constraint('pk', self.table_name)} PRIMARY KEY CLUSTERED (id)
     )"""),
-            # The receive index (queues.READY_INDEX): seeks a queue's visible rows, in lease order.
+            # The receive index (base.READY_INDEX): seeks a queue's visible rows, in lease order.
             index(t, READY_INDEX, "NONCLUSTERED INDEX {index} ON {t} (queue, visible_at, id) INCLUDE (expires_at)"),
-            _if(f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {_nstr(self.index_name(RETIRED_RECEIVE_INDEX))} "
-                f"AND object_id = OBJECT_ID({_nstr(t)}))",
+            if_(f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {nstr(self.index_name(RETIRED_RECEIVE_INDEX))} "
+                f"AND object_id = OBJECT_ID({nstr(t)}))",
                 f"DROP INDEX {q(self.index_name(RETIRED_RECEIVE_INDEX))} ON {t}"),
             index(t, "expires", "NONCLUSTERED INDEX {index} ON {t} (expires_at) WHERE expires_at IS NOT NULL"),
-            _if(f"OBJECT_ID({_nstr(b)}, N'U') IS NULL", f"""CREATE TABLE {b} (
+            if_(f"OBJECT_ID({nstr(b)}, N'U') IS NULL", f"""CREATE TABLE {b} (
         id BIGINT IDENTITY(1,1) NOT NULL,
         exchange {name},
         routing_key {name},
@@ -85,13 +90,13 @@ class MssqlQueueTables(QueueTables):
             index(b, "binding", "UNIQUE NONCLUSTERED INDEX {index} ON {t} (exchange, routing_key, queue)"),
             # An unbounded purge (or a deep lease) must not escalate to a table lock that
             # blocks send_task in business transactions, as on the outbox table.
-            lock_escalation_off(t, _nstr(t)),
+            lock_escalation_off(t, nstr(t)),
         ]
         return [f"{FILTERED_INDEX_OPTIONS}\n{step}" for step in steps]
 
     def migration_lock_batch(self) -> str:
         return FILTERED_INDEX_OPTIONS + "\n" + "\n".join(
-            migration_lock_statements(self.migration_lock_name(), _nstr(self.table), self.table))
+            migration_lock_statements(self.migration_lock_name(), nstr(self.table), self.table))
 
     def migration_unlock_batch(self) -> str:
         return FILTERED_INDEX_OPTIONS + "\n" + "\n".join(migration_unlock_statements(self.migration_lock_name()))
@@ -129,7 +134,7 @@ UPDATE leased SET
     receipt = @receipt,
     deliveries = deliveries + 1
 OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.deliveries INTO @out;""",
-            _if("@nocount = 0", "SET NOCOUNT OFF"),
+            if_("@nocount = 0", "SET NOCOUNT OFF"),
             "SELECT id, queue, headers, body, deliveries FROM @out ORDER BY id;",
         ]
 
@@ -139,7 +144,7 @@ OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.de
     def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
         params = [limit, queue, receipt, *self.after_params(visibility_ms)]
         self.run(cursor, self.lease_batch(), params)
-        return to_rows(_result_rows(cursor))
+        return to_rows(result_rows(cursor))
 
     def probe_sql(self, count: int) -> str:
         # READPAST: a row another receiver is leasing right now is not news to this one.

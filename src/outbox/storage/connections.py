@@ -1,0 +1,132 @@
+"""One connection lifecycle for everything that opens its own database connections: the store
+(``OutboxStore``) and the database broker (``outbox.transport``).
+
+- **Per thread and process.** A connection is opened on first use and again after a fork (a
+  connection is never shared with a child process, which Celery's prefork pool would do).
+  The store keeps one per thread; the broker keeps one per process, shared by its channels
+  under a lock (acks come from the pool's threads).
+- **Short transactions.** Each unit of work is one transaction: committed when it returns,
+  rolled back when it raises.
+- **Transient retries.** A deadlock victim, a lock timeout, a dropped connection: the work
+  runs again, on a fresh connection if the old one is gone, with a short random exponential
+  wait (``RETRY_WAIT``), at most ``attempts`` times; then the last error is raised.
+- **Drop on disconnect.** A connection whose error says it is gone, or whose rollback fails,
+  is closed and forgotten; the next use opens another.
+
+What an error means is the engine's (``Engine.is_transient``, ``Engine.is_disconnect``); what
+the caller does once the retries are spent is the caller's (the broker raises it as
+``BrokerDatabaseUnavailable`` for kombu to reconnect).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator, TypeVar
+
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from .engines import Engine
+
+log = logging.getLogger("outbox.storage.connections")
+T = TypeVar("T")
+
+#: The wait before each retry: random, up to 0.05 s doubling per attempt, at most 2 s.
+RETRY_WAIT = wait_random_exponential(multiplier=0.05, max=2.0)
+
+
+class Connections:
+    """The connections ``engine`` opens to ``url``: one per thread (``per_thread``) or one per
+    process shared under a lock. ``on_connect(conn)`` runs once on each new connection
+    (the broker's session set-up and table check)."""
+
+    def __init__(self, engine: Engine, url: str, *, per_thread: bool = True,
+                 on_connect: Callable[[Any], None] | None = None) -> None:
+        self.engine = engine
+        self.url = url
+        self.on_connect = on_connect
+        self._slot: Any = threading.local() if per_thread else SimpleNamespace()
+        #: Held around each use of a shared connection; a per-thread one needs none.
+        self._lock: Any = nullcontext() if per_thread else threading.RLock()
+
+    def get(self) -> Any:
+        """This thread's (or process's) connection, opened on first use and after a fork."""
+        with self._lock:
+            conn = getattr(self._slot, "conn", None)
+            if conn is None or self._slot.pid != os.getpid():
+                conn = self.engine.connect(self.url)
+                self._slot.conn, self._slot.pid = conn, os.getpid()
+                if self.on_connect is not None:
+                    self.on_connect(conn)
+            return conn
+
+    def drop(self) -> None:
+        """Close and forget the connection (one inherited from a parent process is only
+        forgotten: it is the parent's to close)."""
+        with self._lock:
+            conn = getattr(self._slot, "conn", None)
+            self._slot.conn = None
+            if conn is not None and self._slot.pid == os.getpid():
+                try:
+                    conn.close()
+                except Exception:  # closing a broken connection may itself fail
+                    pass
+
+    @contextmanager
+    def transaction(self, *, alone: bool = False) -> Iterator[Any]:
+        """A cursor inside one short transaction: committed on success, rolled back (and
+        the connection dropped if it broke) on error. ``alone``: the block runs single
+        statements, each atomic by itself, which the engine may then run as transactions of
+        their own, one round trip each (``Engine.statement_alone``; docs/relay.md, "A network
+        cut")."""
+        with self._lock:
+            with self.transaction_on(self.get(), alone=alone) as cursor:
+                yield cursor
+
+    @contextmanager
+    def transaction_on(self, conn: Any, *, alone: bool = False) -> Iterator[Any]:
+        """``transaction`` on ``conn`` itself: for ``on_connect``, which runs while ``get`` is
+        still opening the connection."""
+        cursor = self.engine.cursor_for(conn)
+        try:
+            with self.engine.statement_alone(conn) if alone else nullcontext():
+                yield cursor
+            conn.commit()
+        except BaseException as exc:
+            try:
+                conn.rollback()
+            except Exception:
+                self.drop()
+            else:
+                if self.engine.is_disconnect(exc):
+                    self.drop()
+            raise
+        finally:
+            try:
+                cursor.close()
+            except Exception:
+                pass
+
+    def retryable(self, exc: BaseException) -> bool:
+        """Worth running the work again: a transient error, a dropped connection."""
+        return self.engine.is_transient(exc) or self.engine.is_disconnect(exc)
+
+    def run(self, operation: str, work: Callable[[Any], T], *, attempts: int, alone: bool = False) -> T:
+        """``work(cursor)`` in a transaction (``alone``: see ``transaction``), run again on a
+        retryable error, ``attempts`` times in all; then the last error is raised."""
+        def before_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            # DEBUG: the caller reports what finally happened (an outage is logged once).
+            log.debug("outbox %s: transient database error, retrying (attempt %d): %s",
+                      operation, state.attempt_number, exc)
+
+        retrying = Retrying(retry=retry_if_exception(self.retryable), stop=stop_after_attempt(attempts),
+                            wait=RETRY_WAIT, before_sleep=before_retry, reraise=True)
+        for attempt in retrying:
+            with attempt:
+                with self.transaction(alone=alone) as cursor:
+                    return work(cursor)
+        raise AssertionError("unreachable: tenacity re-raises the last error")

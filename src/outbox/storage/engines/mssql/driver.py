@@ -1,0 +1,284 @@
+"""SQL Server's drivers: reading the URL into what to connect to (``parse_target``), opening a
+connection with pyodbc or mssql-python (``open_connection``), what their errors mean
+(``is_transient``, ``is_disconnect``, ``is_missing_table``), and the types parameters bind as
+(``input_sizes``). No SQL text: that is ``schema`` and ``sql``; the package's docstring is the
+overview."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ....core.errors import StoreError, install_hint
+
+DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
+
+#: Session defaults, overridable per URL (``?lock_timeout_ms=...&query_timeout_s=...``).
+DEFAULT_LOCK_TIMEOUT_MS = 30_000
+DEFAULT_QUERY_TIMEOUT_S = 300
+#: URL query parameters the engine reads itself; never passed on to the driver.
+ENGINE_OPTIONS = ("lock_timeout_ms", "query_timeout_s")
+
+#: URL scheme suffix -> driver module. ``mssql://`` and raw ODBC strings use pyodbc.
+DRIVERS = {"": "pyodbc", "pyodbc": "pyodbc", "mssqlpython": "mssql_python", "mssql_python": "mssql_python"}
+
+#: SQLSTATEs of a lost or unusable connection, and the other transient ones
+#: (40001 = deadlock victim; HYT00/HYT01 = query/connection timeout).
+_DISCONNECT_STATES = frozenset({"08S01", "08001", "08003", "08004"})
+_TRANSIENT_STATES = _DISCONNECT_STATES | {"40001", "HYT00", "HYT01"}
+
+#: SQL Server / Azure SQL error numbers worth a retry, and why.
+TRANSIENT_ERRORS = {
+    1205: "deadlock victim",
+    1222: "lock request timeout (LOCK_TIMEOUT)",
+    4060: "cannot open database (Azure SQL failover or database in transition)",
+    4221: "login to a readable secondary failed while it changes role",
+    10053: "transport-level error (connection aborted)",
+    10054: "transport-level error (connection reset)",
+    10060: "network timeout",
+    10928: "Azure SQL resource limit reached (workers, sessions)",
+    10929: "Azure SQL resource guarantee: server too busy",
+    40143: "Azure SQL could not initialize the connection",
+    40197: "Azure SQL error processing the request (reconfiguration, failover)",
+    40501: "Azure SQL service busy",
+    40613: "Azure SQL database not currently available",
+    49918: "Azure SQL: not enough resources to process the request",
+    49919: "Azure SQL: too many create or update operations in progress",
+    49920: "Azure SQL: too many operations in progress",
+    233: "no process on the other end of the pipe (connection dropped)",
+    64: "network name no longer available (connection dropped)",
+}
+#: Error numbers after which the connection itself is gone or unusable.
+DISCONNECT_ERRORS = frozenset({4060, 10053, 10054, 10060, 40143, 40197, 40613, 233, 64})
+
+#: mssql-python reports no native error number, only the message text: these phrases
+#: identify the errors above in SQL Server's message catalogue.
+_TRANSIENT_PHRASES = (
+    "deadlock victim", "lock request time out period exceeded", "is not currently available",
+    "the service is currently busy", "the service has encountered an error processing your request",
+    "not enough resources to process request", "too many create or update operations in progress",
+    "too many operations in progress", "cannot open database", "transport-level error",
+    "limit for the database is", "the server is currently too busy",
+)
+#: The phrases among those whose connection is gone (their numbers are in DISCONNECT_ERRORS).
+_DISCONNECT_PHRASES = ("is not currently available", "the service has encountered an error processing your request",
+                       "cannot open database", "transport-level error")
+#: mssql-python names an exception's SQLSTATE in words (its driver_error); back to codes.
+_MSSQL_PYTHON_STATES = {
+    "Serialization failure": "40001", "Timeout expired": "HYT00", "Connection timeout expired": "HYT01",
+    "Communication link failure": "08S01", "Client unable to establish connection": "08001",
+    "Connection not open": "08003", "Server rejected the connection": "08004",
+}
+
+#: ODBC SQL types for setinputsizes (the same numbers in pyodbc and mssql-python).
+SQL_WVARCHAR, SQL_WLONGVARCHAR, SQL_INTEGER, SQL_BIGINT = -9, -10, 4, -5
+#: Strings up to this many UTF-16 units bind as NVARCHAR(4000), longer ones as
+#: NVARCHAR(MAX): each driver's own switch to streaming (pyodbc streams past 4000
+#: bytes, mssql-python past 4000 units), so the declared size never changes how the
+#: driver sends the value.
+INLINE_UNITS = {"pyodbc": 2000, "mssql_python": 4000}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to connect: the driver module, its connection string, and the
+    engine's own session options."""
+
+    driver: str
+    connection_string: str
+    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS
+    query_timeout_s: int = DEFAULT_QUERY_TIMEOUT_S
+
+
+def _odbc_value(value: str) -> str:
+    """Brace a value that ODBC would otherwise split or trim (``}`` doubles inside)."""
+    if any(ch in value for ch in ";{}=") or value != value.strip():
+        return "{" + value.replace("}", "}}") + "}"
+    return value
+
+
+def driver_of_url(url: str) -> str:
+    """The driver module a SQL Server URL asks for: ``mssql+pyodbc://`` (and plain
+    ``mssql://``, raw ODBC strings) -> pyodbc, ``mssql+mssqlpython://`` -> mssql_python."""
+    if "://" not in url:
+        return "pyodbc"
+    scheme = url.split("://", 1)[0].lower()
+    suffix = scheme.split("+", 1)[1] if "+" in scheme else ""
+    if suffix not in DRIVERS:
+        raise ValueError(f"unsupported SQL Server driver {suffix!r} in {scheme}:// "
+                         "(use mssql+pyodbc:// or mssql+mssqlpython://)")
+    return DRIVERS[suffix]
+
+
+def _int_option(name: str, value: str, low: int, high: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"OUTBOX_DATABASE_URL: {name} must be an integer, got {value!r}") from None
+    if not low <= number <= high:
+        raise ValueError(f"OUTBOX_DATABASE_URL: {name} must be between {low} and {high}, got {number}")
+    return number
+
+
+def parse_target(url: str) -> Target:
+    """Turn ``OUTBOX_DATABASE_URL`` into a ``Target``.
+
+    Accepts ``mssql+pyodbc://user:pass@host:1433/db?driver=...&Encrypt=yes`` (user,
+    password and query are URL-decoded; every query parameter but ``driver`` and the
+    engine's own ``lock_timeout_ms`` / ``query_timeout_s`` is passed on as a
+    connection-string keyword), ``mssql+pyodbc:///?odbc_connect=<urlencoded>``, a raw
+    ODBC connection string (returned unchanged), and ``mssql+mssqlpython://...``,
+    whose connection string has no DRIVER (mssql-python bundles its own).
+    """
+    if "://" not in url:
+        if "=" in url and ";" in url:
+            return Target("pyodbc", url)
+        raise ValueError("not a SQL Server URL or ODBC connection string "
+                         "(expected mssql+pyodbc://user:pass@host:1433/db?driver=...)")
+    parts = urlsplit(url)
+    if parts.scheme.split("+", 1)[0].lower() not in ("mssql", "sqlserver"):
+        raise ValueError(f"not a SQL Server URL: scheme {parts.scheme!r}")
+    driver = driver_of_url(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    options = {k.lower(): v for k, v in query if k.lower() in ENGINE_OPTIONS}
+    lock_ms = _int_option("lock_timeout_ms", options["lock_timeout_ms"], -1, 86_400_000) \
+        if "lock_timeout_ms" in options else DEFAULT_LOCK_TIMEOUT_MS
+    query_s = _int_option("query_timeout_s", options["query_timeout_s"], 0, 86_400) \
+        if "query_timeout_s" in options else DEFAULT_QUERY_TIMEOUT_S
+    query = [(k, v) for k, v in query if k.lower() not in ENGINE_OPTIONS]
+
+    def target(connection_string: str) -> Target:
+        return Target(driver, connection_string, lock_ms, query_s)
+
+    for key, value in query:
+        if key.lower() == "odbc_connect":
+            return target(value)  # parse_qsl has already decoded it
+    keywords: dict[str, tuple[str, str]] = {}  # upper-cased keyword -> (keyword, value)
+
+    def put(key: str, value: str) -> None:
+        keywords[key.upper()] = (key, value)
+
+    if driver == "pyodbc":
+        odbc_driver = next((v for k, v in query if k.lower() == "driver"), DEFAULT_DRIVER)
+        put("DRIVER", "{" + odbc_driver.strip("{}").replace("}", "}}") + "}")
+    elif any(k.lower() == "driver" for k, _ in query):
+        raise ValueError("OUTBOX_DATABASE_URL: mssql+mssqlpython:// takes no driver= "
+                         "(mssql-python bundles its own ODBC driver)")
+    if parts.hostname:
+        host = unquote(parts.hostname)  # a named instance may come as host%5CINSTANCE
+        put("SERVER", f"{host},{parts.port}" if parts.port else host)
+    database = unquote(parts.path.lstrip("/"))
+    if database:
+        put("DATABASE", database)
+    if parts.username:
+        put("UID", unquote(parts.username))
+        put("PWD", unquote(parts.password or ""))
+    for key, value in query:
+        if key.lower() != "driver":
+            put(key, value)
+    return target(";".join(f"{key}={value if key.upper() == 'DRIVER' else _odbc_value(value)}"
+                           for key, value in keywords.values()) + ";")
+
+
+def odbc_connection_string(url: str) -> str:
+    """The connection string of ``parse_target`` (kept for callers that only need it)."""
+    return parse_target(url).connection_string
+
+
+def _error_fields(exc: BaseException) -> tuple[str | None, str]:
+    """(SQLSTATE, message) of a pyodbc or mssql-python error, recognised by class
+    module so this works (and is testable) where a driver cannot load; (None, '')
+    for anything else."""
+    modules = {cls.__module__.split(".", 1)[0] for cls in type(exc).__mro__}
+    if "pyodbc" in modules:
+        args = exc.args
+        state = args[0] if args and isinstance(args[0], str) else None
+        return state, " ".join(str(a) for a in args)
+    if "mssql_python" in modules:
+        described = str(getattr(exc, "driver_error", "") or "")
+        state = _MSSQL_PYTHON_STATES.get(described)
+        if state is None:
+            found = re.search(r"SQLSTATE code: (\w{5})", described)
+            state = found.group(1) if found else None
+        return state, f"{described} {getattr(exc, 'ddbc_error', '') or ''} {exc}"
+    return None, ""
+
+
+def error_numbers(message: str) -> set[int]:
+    """Native error numbers in a pyodbc message: each diagnostic record ends with its
+    number in parentheses, followed by the ODBC function, the next record or the end
+    (``... deadlock victim. (1205) (SQLExecDirectW)``); a number inside the text, as
+    in ``nvarchar(64)``, is not one."""
+    return {int(n) for n in re.findall(r"\((\d{1,6})\)(?=\s*(?:\(SQL\w*\)|;|$))", message)}
+
+
+def result_rows(cursor: Any) -> list[tuple]:
+    """Rows of the batch's first result set. The batches set NOCOUNT ON, but stepping
+    over anything before it guards against "No results. Previous SQL was not a query"."""
+    while cursor.description is None:
+        if not cursor.nextset():
+            raise StoreError("SQL Server batch returned no result set")
+    return [tuple(row) for row in cursor.fetchall()]
+
+
+def utf16_len(text: str) -> int:
+    """Length in UTF-16 code units, the unit NVARCHAR(n) counts."""
+    return len(text) + sum(1 for ch in text if ord(ch) > 0xFFFF)
+
+
+def input_sizes(params: Sequence[Any], inline_units: int = 2000) -> list[tuple[int, int, int]] | None:
+    """Declared types for ``cursor.setinputsizes``: every string as NVARCHAR(4000), or
+    NVARCHAR(MAX) past ``inline_units`` UTF-16 units, and None as NVARCHAR(4000) (pyodbc would
+    otherwise declare each string by its own length, and mssql-python an ASCII one
+    as VARCHAR(length): a plan per length); integers as INT or BIGINT by range.
+    None when a parameter of another type leaves the decision to the driver."""
+    sizes: list[tuple[int, int, int]] = []
+    for value in params:
+        if isinstance(value, bool):
+            return None
+        if value is None:
+            sizes.append((SQL_WVARCHAR, 4000, 0))
+        elif isinstance(value, str):
+            sizes.append((SQL_WVARCHAR, 4000, 0) if utf16_len(value) <= inline_units else (SQL_WLONGVARCHAR, 0, 0))
+        elif isinstance(value, int):
+            sizes.append((SQL_INTEGER, 0, 0) if -2**31 <= value < 2**31 else (SQL_BIGINT, 0, 0))
+        else:
+            return None
+    return sizes
+
+
+def open_connection(target: Target) -> Any:
+    """A DB-API connection to ``target`` with autocommit off: the driver opens a transaction
+    at the first statement and the store commits it."""
+    if target.driver == "mssql_python":
+        try:
+            import mssql_python
+        except ImportError:
+            raise StoreError("OUTBOX_DATABASE_URL asks for mssql-python: "
+                             + install_hint("mssql-python")) from None
+        return mssql_python.connect(target.connection_string, autocommit=False)
+    import pyodbc  # imported here: importing it needs unixODBC installed
+    return pyodbc.connect(target.connection_string, autocommit=False)
+
+
+def is_transient(exc: BaseException) -> bool:
+    state, message = _error_fields(exc)
+    if state is None and not message:
+        return False
+    lowered = message.lower()
+    return (state in _TRANSIENT_STATES or bool(error_numbers(message) & TRANSIENT_ERRORS.keys())
+            or any(phrase in lowered for phrase in _TRANSIENT_PHRASES))
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    state, message = _error_fields(exc)
+    lowered = message.lower()
+    return (state in _DISCONNECT_STATES or bool(error_numbers(message) & DISCONNECT_ERRORS)
+            or any(phrase in lowered for phrase in _DISCONNECT_PHRASES))
+
+
+def is_missing_table(exc: BaseException) -> bool:
+    state, message = _error_fields(exc)
+    return state == "42S02" or 208 in error_numbers(message)  # Invalid object name

@@ -1,0 +1,149 @@
+"""``MssqlEngine``: SQL Server's connections. Each relay connection gets the session options
+the engine relies on and reads what the server offers in one round trip (the package's
+docstring explains both); statements bind with stable declared types; errors are classified
+by ``driver``. The SQL itself is ``sql`` and ``schema``."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, ClassVar, Iterator, Sequence
+
+from ....core.errors import StoreError
+from . import driver
+from .driver import DEFAULT_LOCK_TIMEOUT_MS, INLINE_UNITS, input_sizes, open_connection, parse_target, result_rows
+from .schema import FILTERED_INDEX_OPTIONS
+from .sql import ID_PARAMS_PER_STATEMENT, MssqlStatements
+
+log = logging.getLogger("outbox.storage.engines.mssql")
+
+#: One round trip: what the connection's database and server offer (``read_server``).
+SERVER_SQL = ("SELECT compatibility_level, "
+              "CAST(PARSENAME(CAST(SERVERPROPERTY('ProductVersion') AS NVARCHAR(128)), 4) AS INT), "
+              "CAST(SERVERPROPERTY('EngineEdition') AS INT) FROM sys.databases WHERE name = DB_NAME();")
+#: The oldest level the engine supports: SQL Server 2012 (OFFSET/FETCH, THROW-free T-SQL).
+MIN_LEVEL = 110
+
+
+def _is_ddl(text: str) -> bool:
+    """Migration batches (they all start with the filtered-index options): they run
+    without the query timeout, bounded by the lock timeout and the migration lock."""
+    return text.startswith(FILTERED_INDEX_OPTIONS)
+
+
+class MssqlEngine(MssqlStatements):
+    name = "mssql"
+    placeholder = "?"
+    default_schema: ClassVar[str | None] = "dbo"
+    now: ClassVar[str] = "SYSUTCDATETIME()"
+    #: With RCSI off a plain read waits for every uncommitted enqueue (issue 20, item 10);
+    #: the gauges may count a row that then rolls back.
+    unlocked_read: ClassVar[str] = " WITH (READUNCOMMITTED)"
+
+    # -- connections and errors ----------------------------------------------------
+    @staticmethod
+    def session_sql(lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> str:
+        """The session options the engine relies on, then the compatibility level.
+        The isolation level is left alone on purpose: the claim's table hints give the
+        locking it needs on locking and RCSI databases."""
+        return (f"SET NOCOUNT OFF; SET XACT_ABORT ON; SET LOCK_TIMEOUT {int(lock_timeout_ms)}; "
+                f"SET DEADLOCK_PRIORITY LOW; {FILTERED_INDEX_OPTIONS}\n{SERVER_SQL}")
+
+    def connect(self, url: str) -> Any:
+        target = parse_target(url)
+        conn = open_connection(target)
+        try:
+            conn.timeout = target.query_timeout_s
+            self.setup_session(conn, target.lock_timeout_ms)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def setup_session(self, conn: Any, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> None:
+        """Set the session options, read what the server offers (once per connection)
+        and, once per engine, check the table and log what is wrong with it."""
+        cursor = conn.cursor()
+        try:
+            rows = result_rows(cursor.execute(self.session_sql(lock_timeout_ms)))
+            self._learn_server(rows[0] if rows else None)
+            if not self._checked:
+                self._checked = True
+                for problem in self.schema_problems(cursor):
+                    log.warning("outbox table %s: %s", self.table, problem)
+        finally:
+            cursor.close()
+        conn.commit()  # the catalog reads opened a transaction; SET options outlive it
+
+    #: The claim is one batch that, run alone, opens and commits its own transaction
+    #: (``claim_statements(own_transaction=True)``): one round trip, and its locks never
+    #: wait for the client's COMMIT (docs/relay.md, "A network cut").
+    one_statement_claim: ClassVar[bool] = True
+
+    @contextmanager
+    def statement_alone(self, conn: Any) -> Iterator[None]:
+        """Autocommit for the block (pyodbc and mssql-python both take ``conn.autocommit``).
+        The store runs it with no transaction of its own open, so the switch commits
+        nothing; a connection already in autocommit is left as it is."""
+        if getattr(conn, "autocommit", False) is True:
+            yield
+            return
+        with self.autocommit(conn):
+            yield
+
+    def read_server(self, cursor: Any) -> None:
+        """Probe the connection ``cursor`` runs on (one the engine did not open: a Django
+        or Alembic migration, the Django admin) for what the SQL built next may use:
+        OPENJSON (the compatibility level) and ISJSON (the version)."""
+        self._learn_server(self.execute(cursor, SERVER_SQL).fetchone())
+
+    def _learn_server(self, row: Sequence[Any] | None) -> None:
+        if row is None:  # no answer: keep what is known (unknown means neither function)
+            return
+        level, version, edition = (None if v is None else int(v) for v in row[:3])
+        if level is not None and level < MIN_LEVEL:
+            raise StoreError(f"SQL Server database compatibility level {level} is not supported "
+                             f"(the engine needs {MIN_LEVEL}, SQL Server 2012, or later)")
+        known = (self.compat_level, self.server_version, self.engine_edition)
+        self.compat_level, self.server_version, self.engine_edition = level, version, edition
+        if known == (level, version, edition):
+            return
+        if not self.has_json:
+            log.info("SQL Server compatibility level %s has no OPENJSON: id lists are sent as parameter lists "
+                     "of at most %d ids per statement", level, ID_PARAMS_PER_STATEMENT)
+        if not self.has_isjson:
+            log.info("SQL Server %s (engine edition %s) has no ISJSON: the table is made without its JSON checks "
+                     "(enqueue validates the JSON in any case)", version, edition)
+
+    def execute(self, cursor: Any, text: str, params: Sequence[Any] = ()) -> Any:
+        """Bind parameters with stable declared types (one plan per statement, not per
+        string length), and run migration batches without the query timeout."""
+        params = tuple(params)
+        if hasattr(cursor, "setinputsizes"):
+            module = type(cursor).__module__.split(".", 1)[0]
+            sizes = input_sizes(params, INLINE_UNITS.get(module, 2000)) if params else None
+            # pyodbc keeps sizes until they are replaced: clear them for other statements.
+            if sizes is not None or module == "pyodbc":
+                cursor.setinputsizes(sizes)
+        if not _is_ddl(text):
+            cursor.execute(text, params)
+            return cursor
+        conn = getattr(cursor, "connection", None)
+        saved = getattr(conn, "timeout", None)
+        if saved:
+            conn.timeout = 0
+        try:
+            cursor.execute(text, params)
+        finally:
+            if saved:
+                conn.timeout = saved
+        return cursor
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return driver.is_transient(exc)
+
+    def is_disconnect(self, exc: BaseException) -> bool:
+        return driver.is_disconnect(exc)
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        return driver.is_missing_table(exc)

@@ -1,0 +1,347 @@
+"""SQL Server's schema: T-SQL text helpers, the indexes the engine relies on as data
+(``IndexSpec``), and ``MssqlSchema``, the migration (guarded batches that repair a partial
+deployment under one migration lock) and the start-up check of an existing table. The
+package's docstring is the overview; docs/sqlserver.md the operator's view."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..base import Engine
+
+#: Exact, case-sensitive comparison for id-like columns (and index seeks on them).
+ID_COLLATION = "Latin1_General_100_BIN2"
+
+#: OPENJSON needs this database compatibility level (SQL Server 2016's). ISJSON does not:
+#: it exists at every level from SQL Server 2016 on (JSON_VERSION), and on Azure SQL.
+JSON_LEVEL = 130
+#: The first major version with ISJSON (SQL Server 2016 is 13).
+JSON_VERSION = 13
+#: SERVERPROPERTY('EngineEdition') of Azure SQL Database (5), Managed Instance (8) and
+#: Azure SQL Edge (9): they have ISJSON, but the first two report ProductVersion 12.
+AZURE_EDITIONS = frozenset({5, 8, 9})
+#: How long a second ``outbox migrate`` waits for the first one (sp_getapplock).
+MIGRATE_LOCK_TIMEOUT_MS = 600_000
+
+#: Modifying or indexing a table with a filtered index needs these (error 1934 otherwise).
+#: ODBC drivers set most of them; tools that run the migration elsewhere may not.
+FILTERED_INDEX_OPTIONS = ("SET QUOTED_IDENTIFIER ON; SET ANSI_NULLS ON; SET ANSI_PADDING ON; "
+                          "SET ANSI_WARNINGS ON; SET ARITHABORT ON; SET CONCAT_NULL_YIELDS_NULL ON; "
+                          "SET NUMERIC_ROUNDABORT OFF;")
+
+#: The predicate of every index over open rows, written exactly as the claim scan,
+#: the ordering probe and the stats queries write it, so the optimizer matches them.
+OPEN_ROWS = "status IN (0, 1, 3)"
+#: Characters dropped from a filter before comparing it: SQL Server stores the filter
+#: as ``([status]=(0) OR [status]=(1) OR [status]=(3))``.
+FILTER_NOISE = ("[", "]", "(", ")", " ")
+#: The forms ``OPEN_ROWS`` may take in sys.indexes.filter_definition, normalized.
+OPEN_ROWS_NORMALIZED = ("status=0orstatus=1orstatus=3", "statusin0,1,3")
+
+
+def nstr(text: str) -> str:
+    """A T-SQL Unicode string literal."""
+    return "N'" + text.replace("'", "''") + "'"
+
+
+def if_(condition: str, statement: str) -> str:
+    """``IF ... BEGIN ... END``: the block makes the end of the guarded statement
+    explicit for readers and for parsers (sqlglot reads a bare ``IF c SET ...`` wrong)."""
+    return f"IF {condition}\nBEGIN\n    {statement};\nEND;"
+
+
+def normalize_filter(definition: str) -> str:
+    """A filter definition without brackets, parentheses and spaces, lower case:
+    what ``filter_sql`` computes in T-SQL."""
+    for noise in FILTER_NOISE:
+        definition = definition.replace(noise, "")
+    return definition.lower()
+
+
+def filter_sql(column: str) -> str:
+    """``normalize_filter`` as a T-SQL expression over ``column``."""
+    for noise in FILTER_NOISE:
+        column = f"REPLACE({column}, {nstr(noise)}, N'')"
+    return f"LOWER({column})"
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """One index the engine relies on, as data: the migration creates it from this,
+    and the definition check compares the catalog against it (keys in order,
+    included columns, filter, uniqueness), not only its name."""
+
+    suffix: str
+    keys: tuple[str, ...]
+    include: tuple[str, ...] = ()
+    filtered: bool = False  # WHERE OPEN_ROWS
+    unique: bool = False
+    why: str = ""
+
+    def ddl(self, name: str, table: str) -> str:
+        text = (f"CREATE {'UNIQUE ' if self.unique else ''}NONCLUSTERED INDEX {name} ON {table} "
+                f"({', '.join(self.keys)})")
+        if self.include:
+            text += f" INCLUDE ({', '.join(self.include)})"
+        if self.filtered:
+            text += f" WHERE {OPEN_ROWS}"
+        return text
+
+
+INDEXES = (
+    IndexSpec("message_id", ("message_id",), unique=True,
+              why="one row per message_id; the enqueue's duplicate probe seeks it"),
+    IndexSpec("agg_open", ("aggregate_id", "id"), filtered=True,
+              why="the ordering probe: earlier open rows of an aggregate, never its done history; "
+                  "status is not included, so a claim (0 -> 1) does not write to it"),
+    IndexSpec("claim_ready", ("id",), ("aggregate_id", "status", "attempts", "claimed_at", "next_retry_at"),
+              filtered=True, why="the claim scan over open rows only, covering eligible()"),
+    IndexSpec("done_processed_at", ("status", "processed_at"), why="purge: oldest done rows first"),
+    IndexSpec("open_created_at", ("created_at",), ("status",), filtered=True,
+              why="outbox status and the metrics gauges: oldest open row and counts of open rows"),
+)
+#: Indexes of earlier releases that a migration drops (their job moved to another index).
+RETIRED_INDEXES = ("agg_id_id",)
+
+
+def migration_lock_statements(resource: str, table_literal: str, table: str) -> list[str]:
+    """The first batch of a migration: an exclusive ``sp_getapplock`` on ``resource``, so two
+    migrations of the same tables (two deploy jobs, workers creating the broker's queue
+    tables at start-up) run one after the other; the second waits for the first to commit
+    and then finds everything in place. The lock belongs to the migration's transaction
+    when one is open (released at commit); a driver in implicit-transaction mode may not
+    have opened it yet, and then the session owns the lock until the last batch
+    (``migration_unlock_statements``) releases it."""
+    return [
+        "DECLARE @lock_owner NVARCHAR(32), @lock_result INT;",
+        # A SELECT from a table opens the driver's implicit transaction (EXEC does not).
+        f"SELECT @lock_result = COUNT(*) FROM sys.objects WHERE object_id = OBJECT_ID({table_literal});",
+        "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
+        f"EXEC @lock_result = sp_getapplock @Resource = {nstr(resource)}, "
+        f"@LockMode = N'Exclusive', @LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};",
+        if_("@lock_result < 0", "RAISERROR(N'outbox migrate: another outbox migrate of %s held the migration "
+            "lock for too long (sp_getapplock returned %d); run it again when that one has finished', 16, 1, "
+            f"{nstr(table)}, @lock_result)"),
+    ]
+
+
+def migration_unlock_statements(resource: str) -> list[str]:
+    """The last batch of a migration: release a session-owned migration lock (a
+    transaction-owned one goes with the commit)."""
+    return [if_(f"APPLOCK_MODE(N'public', {nstr(resource)}, N'Session') <> N'NoLock'",
+                f"EXEC sp_releaseapplock @Resource = {nstr(resource)}, @LockOwner = N'Session'")]
+
+
+def lock_escalation_off(table: str, table_literal: str) -> str:
+    """Turn lock escalation off (docs/sqlserver.md, "Lock escalation"), guarded by the catalog."""
+    return if_(f"EXISTS (SELECT 1 FROM sys.tables WHERE object_id = OBJECT_ID({table_literal}) "
+               "AND lock_escalation_desc <> N'DISABLE')", f"ALTER TABLE {table} SET (LOCK_ESCALATION = DISABLE)")
+
+
+def add_json_check_sql(table: str, constraint: str, column: str) -> str:
+    """Add an ISJSON check to an existing table without checking its rows (WITH NOCHECK):
+    new and updated values are checked, the constraint is marked not trusted."""
+    return f"ALTER TABLE {table} WITH NOCHECK ADD CONSTRAINT {constraint} CHECK (ISJSON({column}) = 1)"
+
+
+class MssqlSchema(Engine):
+    """The table, its indexes and the holders table on SQL Server; what the SQL built next
+    may use (``has_json``, ``has_isjson``), as read from a connection."""
+
+    def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
+        super().__init__(table=table, schema=schema)
+        #: The database's compatibility level, the server's major version and engine
+        #: edition, read from a connection (``read_server``); None until then, and SQL
+        #: built before then uses neither OPENJSON nor ISJSON.
+        self.compat_level: int | None = None
+        self.server_version: int | None = None
+        self.engine_edition: int | None = None
+        #: The aggregate_id column's collation, read at the first claim.
+        self.id_collation: str | None = None
+        #: Whether the ordering probe's index is there as defined, read at the first claim;
+        #: None until then (SQL text built before assumes it is). Without it the probe is
+        #: still a seek, of whatever index the optimizer picks, rather than an error.
+        self.probe_index: bool | None = None
+        self._checked = False
+
+    @property
+    def has_json(self) -> bool:
+        """OPENJSON is there: the database's compatibility level, as read from a
+        connection, is 130 or later."""
+        return self.compat_level is not None and self.compat_level >= JSON_LEVEL
+
+    @property
+    def has_isjson(self) -> bool:
+        """ISJSON is there: SQL Server 2016 or later (at any compatibility level) or Azure
+        SQL, as read from a connection."""
+        return ((self.server_version is not None and self.server_version >= JSON_VERSION)
+                or self.engine_edition in AZURE_EDITIONS)
+
+    # -- names and SQL text ------------------------------------------------------
+    def quote(self, identifier: str) -> str:
+        return "[" + identifier.replace("]", "]]") + "]"
+
+    # -- schema ----------------------------------------------------------------------
+    def _table_literal(self) -> str:
+        return nstr(self.table)
+
+    def index_matches(self, spec: IndexSpec) -> str:
+        """A query returning a row when the index exists with exactly ``spec``'s
+        definition: uniqueness, filter, key columns in order (ascending), the included
+        columns, and nothing else."""
+        t = self._table_literal()
+        name = nstr(self.index_name(spec.suffix))
+        filter_normalized = filter_sql("i.filter_definition")
+        if spec.filtered:
+            filter_ok = (f"i.has_filter = 1 AND {filter_normalized} IN "
+                         f"({', '.join(nstr(f) for f in OPEN_ROWS_NORMALIZED)})")
+        else:
+            filter_ok = "i.has_filter = 0"
+
+        def column(condition: str) -> str:
+            return ("EXISTS (SELECT 1 FROM sys.index_columns AS ic INNER JOIN sys.columns AS c "
+                    "ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
+                    f"WHERE ic.object_id = i.object_id AND ic.index_id = i.index_id AND {condition})")
+
+        checks = [f"i.is_unique = {1 if spec.unique else 0}", filter_ok,
+                  "(SELECT COUNT(*) FROM sys.index_columns AS n WHERE n.object_id = i.object_id "
+                  f"AND n.index_id = i.index_id) = {len(spec.keys) + len(spec.include)}"]
+        checks += [column(f"ic.key_ordinal = {position} AND ic.is_descending_key = 0 AND c.name = {nstr(key)}")
+                   for position, key in enumerate(spec.keys, start=1)]
+        checks += [column(f"ic.is_included_column = 1 AND c.name = {nstr(col)}") for col in spec.include]
+        return (f"SELECT 1 FROM sys.indexes AS i WHERE i.object_id = OBJECT_ID({t}) AND i.name = {name} AND "
+                + " AND ".join(checks))
+
+    def _index_exists(self, suffix: str) -> str:
+        return (f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {nstr(self.index_name(suffix))} "
+                f"AND object_id = OBJECT_ID({self._table_literal()}))")
+
+    def migration_lock_resource(self) -> str:
+        return f"outbox migrate {self.table}"
+
+    def migration_steps(self, native_json: bool = False) -> list[Any]:
+        """The migration as items of statements: a list of statements (run as one
+        batch), or ``((probe, params), statements)`` run only when the probe finds no
+        row. ``migration()`` joins each into the batch that is sent."""
+        t, q, name = self.table, self.quote, self.table_name
+        table_literal = self._table_literal()
+        schema = self.schema or "dbo"
+        checked_json = not native_json and self.has_isjson
+
+        def constraint(kind: str, column: str = "") -> str:
+            return "CONSTRAINT " + q("_".join(filter(None, (kind, name, column))))
+
+        def json_column(column: str, default: str = "") -> str:
+            if native_json:  # SQL Server 2025 / Azure SQL: the type itself validates
+                return f"{column} JSON NOT NULL{default}"
+            check = f" {constraint('ck', column + '_json')} CHECK (ISJSON({column}) = 1)" if checked_json else ""
+            return f"{column} NVARCHAR(MAX) NOT NULL{default}{check}"
+
+        headers_default = f" {constraint('df', 'headers')} DEFAULT N'{{}}'"
+        create_table = f"""CREATE TABLE {t} (
+        id BIGINT IDENTITY(1,1) NOT NULL,
+        message_id NVARCHAR(64) COLLATE {ID_COLLATION} NOT NULL,
+        topic NVARCHAR(255) NOT NULL,
+        aggregate_type NVARCHAR(255) NOT NULL,
+        aggregate_id NVARCHAR(255) COLLATE {ID_COLLATION} NOT NULL,
+        partition_key NVARCHAR(255) NULL,
+        {json_column('payload')},
+        {json_column('headers', headers_default)},
+        trace_id NVARCHAR(255) NULL,
+        status TINYINT NOT NULL {constraint('df', 'status')} DEFAULT 0
+            {constraint('ck', 'status')} CHECK (status BETWEEN 0 AND 4),
+        attempts INT NOT NULL {constraint('df', 'attempts')} DEFAULT 0,
+        claimed_at DATETIME2(3) NULL,
+        next_retry_at DATETIME2(3) NULL,
+        created_at DATETIME2(3) NOT NULL {constraint('df', 'created_at')} DEFAULT SYSUTCDATETIME(),
+        processed_at DATETIME2(3) NULL,
+        last_error NVARCHAR(4000) NULL,
+        lease_token CHAR(32) NULL,
+        {constraint('pk')} PRIMARY KEY CLUSTERED (id)
+    )"""
+        lock = migration_lock_statements(self.migration_lock_resource(), table_literal, t)
+        unlock = migration_unlock_statements(self.migration_lock_resource())
+        steps: list[Any] = [
+            lock,
+            # CREATE SCHEMA must be the only statement of its batch, hence dynamic SQL.
+            [if_(f"SCHEMA_ID({nstr(schema)}) IS NULL",
+                 f"EXEC sp_executesql {nstr('CREATE SCHEMA ' + q(schema))}")],
+            [if_(f"OBJECT_ID({table_literal}, N'U') IS NULL", create_table)],
+            # Columns added after the first release: repaired on tables an older script made.
+            *([if_(f"COL_LENGTH({table_literal}, {nstr(column)}) IS NULL", f"ALTER TABLE {t} ADD {column} {ddl}")]
+              for column, ddl in (("last_error", "NVARCHAR(4000) NULL"), ("lease_token", "CHAR(32) NULL"))),
+        ]
+        if checked_json:
+            # A table made before the server had ISJSON (or by another script) gets its
+            # JSON checks now, WITH NOCHECK: checking the existing rows would scan the
+            # whole table under a schema lock that stops every enqueuer, and one bad row
+            # would abort the migration (docs/sqlserver.md, "JSON checks on an existing
+            # table"). Sent through sp_executesql like CREATE SCHEMA: the T-SQL parser the
+            # tests check every statement with does not know the WITH NOCHECK form, so
+            # they check its text.
+            for column in ("payload", "headers"):
+                ck = q(f"ck_{name}_{column}_json")
+                steps.append([if_(
+                    f"OBJECT_ID({nstr((self.quote(schema) + '.' + ck))}, N'C') IS NULL AND EXISTS (SELECT 1 FROM "
+                    f"sys.columns WHERE object_id = OBJECT_ID({table_literal}) AND name = {nstr(column)} "
+                    "AND system_type_id = 231)",
+                    f"EXEC sp_executesql {nstr(add_json_check_sql(t, ck, column))}")])
+        for suffix in RETIRED_INDEXES:
+            steps.append([if_(self._index_exists(suffix), f"DROP INDEX {q(self.index_name(suffix))} ON {t}")])
+        for spec in INDEXES:
+            index = q(self.index_name(spec.suffix))
+            # An index whose definition differs is dropped here and made again by the
+            # next step, inside the migration's transaction: nobody sees the gap.
+            steps.append(((self.index_matches(spec), []),
+                          [if_(self._index_exists(spec.suffix), f"DROP INDEX {index} ON {t}")]))
+            steps.append([if_(f"NOT {self._index_exists(spec.suffix)}", spec.ddl(index, t))])
+        # Claims, purge chunks and requeue-all may lock more than 5,000 rows; escalation
+        # to a table lock would stop every enqueuer until they commit.
+        steps.append([lock_escalation_off(t, table_literal)])
+        steps.append([if_(f"OBJECT_ID({nstr(self.holders)}, N'U') IS NULL",
+                          f"CREATE TABLE {self.holders} ({self.holders_columns()})")])
+        steps.append(unlock)
+        return steps
+
+    def holders_columns(self) -> str:
+        return (f"holder_id CHAR(16) COLLATE {ID_COLLATION} NOT NULL "
+                f"CONSTRAINT {self.quote('pk_' + self.holders_name)} PRIMARY KEY, "
+                "host NVARCHAR(255) NOT NULL, pid INT NOT NULL, "
+                "started_at DATETIME2(3) NOT NULL, beat_at DATETIME2(3) NOT NULL")
+
+    def migration(self, native_json: bool = False) -> list[Any]:
+        """One batch per object, each guarded on its own, so re-running repairs a partial
+        deployment. Each batch starts with the SET options filtered indexes need."""
+        def batch(statements: list[str]) -> str:
+            return FILTERED_INDEX_OPTIONS + "\n" + "\n".join(statements)
+        return [((step[0], batch(step[1])) if isinstance(step, tuple) else batch(step))
+                for step in self.migration_steps(native_json)]
+
+    def schema_problems(self, cursor: Any) -> list[str]:
+        """What start-up finds wrong with an existing table, each with what to do:
+        id columns that compare case-insensitively, and indexes that are missing,
+        retired or defined differently (``outbox migrate`` repairs those)."""
+        t = self._table_literal()
+        exists = self.execute(cursor, f"SELECT OBJECT_ID({t}, N'U')").fetchone()
+        if not exists or exists[0] is None:
+            return []
+        problems = []
+        rows = self.execute(cursor, f"SELECT name, collation_name FROM sys.columns WHERE object_id = OBJECT_ID({t}) "
+                            "AND name IN (N'message_id', N'aggregate_id')").fetchall()
+        for column, collation in rows:
+            if collation and not (collation.upper().endswith(("_BIN", "_BIN2")) or "_CS" in collation.upper()):
+                problems.append(
+                    f"column {column} uses the case-insensitive collation {collation}: ids that differ only in case "
+                    f"are one {'message' if column == 'message_id' else 'aggregate'}. The relay works with it; "
+                    f"to match the other engines convert it to {ID_COLLATION} (docs/sqlserver.md)")
+        for spec in INDEXES:
+            if self.execute(cursor, self.index_matches(spec)).fetchone() is None:
+                problems.append(f"index {self.index_name(spec.suffix)} is missing or defined differently "
+                                f"({spec.why}): run `outbox migrate`")
+        for suffix in RETIRED_INDEXES:
+            if self.execute(cursor, f"SELECT 1 WHERE {self._index_exists(suffix)}").fetchone() is not None:
+                problems.append(f"index {self.index_name(suffix)} is retired (it makes every claim and ack write "
+                                "to an index of the whole history): run `outbox migrate`")
+        return problems
+

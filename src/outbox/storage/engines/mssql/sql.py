@@ -1,0 +1,355 @@
+"""SQL Server's statements: clock arithmetic, id lists (OPENJSON or padded parameter lists),
+purge, the write side's insert batch and the claim batch, on ``MssqlStatements``. The
+package's docstring explains the claim and the write side; the T-SQL is checked by sqlglot in
+tests/test_mssql_sql.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from ....core.errors import StoreError
+from ....core.model import NewEvent
+from ..base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
+from .driver import result_rows
+from .schema import ID_COLLATION, INDEXES, OPEN_ROWS, MssqlSchema, if_, nstr
+
+#: Ids per statement when OPENJSON is missing: below SQL Server's 2,100 parameters
+#: per statement, with room for the statement's own (lease, delay).
+ID_PARAMS_PER_STATEMENT = 2000
+#: Without OPENJSON each id-list length is a statement text, so a plan, of its own: the
+#: lists are padded to the next of these sizes (at most four times the ids, seven
+#: plans per statement kind); docs/sqlserver.md, "Versions and compatibility levels".
+ID_LIST_SIZES = (1, 4, 16, 64, 256, 1024, ID_PARAMS_PER_STATEMENT)
+
+#: The result columns' types, for the claim's table variable (payload/headers as text
+#: whether the columns are NVARCHAR(MAX) or the native json type).
+_MESSAGE_TYPES = {
+    "id": "BIGINT NOT NULL PRIMARY KEY", "message_id": "NVARCHAR(64)", "topic": "NVARCHAR(255)",
+    "aggregate_type": "NVARCHAR(255)", "aggregate_id": "NVARCHAR(255)", "partition_key": "NVARCHAR(255)",
+    "payload": "NVARCHAR(MAX)", "headers": "NVARCHAR(MAX)", "trace_id": "NVARCHAR(255)", "attempts": "INT",
+    "created_at": "DATETIME2(3)", "status": "TINYINT",
+}
+
+
+class MssqlStatements(MssqlSchema):
+    """The SQL text that differs on SQL Server, and the two batches run with it (insert, claim)."""
+
+    def now_plus_ms(self) -> str:
+        # The parameter binds as INT; leases and retry delays are capped at 24 hours.
+        return "DATEADD(MILLISECOND, ?, SYSUTCDATETIME())"
+
+    def payload_column(self) -> str:
+        return "CAST(payload AS NVARCHAR(MAX))"  # also right for the native json type
+
+    def headers_column(self) -> str:
+        return "CAST(headers AS NVARCHAR(MAX))"
+
+    def limit(self, select: str) -> str:
+        return f"{select} OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY"
+
+    def id_chunks(self, ids: Sequence[int]) -> list[list[int]]:
+        """One list with OPENJSON; otherwise lists of at most ID_PARAMS_PER_STATEMENT,
+        so no statement passes SQL Server's 2,100-parameter limit."""
+        ids = [int(i) for i in ids]
+        if self.has_json or len(ids) <= ID_PARAMS_PER_STATEMENT:
+            return [ids]
+        return [ids[i:i + ID_PARAMS_PER_STATEMENT] for i in range(0, len(ids), ID_PARAMS_PER_STATEMENT)]
+
+    def ids_in(self, ids: Sequence[int]) -> tuple[str, list[Any]]:
+        """``id IN (...)``: one JSON parameter expanded by OPENJSON at level 130 and
+        later (any count); below, one parameter per id (see ``id_chunks``), the list
+        padded to the next of ``ID_LIST_SIZES`` by repeating its last id. A repeated
+        value changes nothing an ``IN`` list matches (or a row count), and unlike a
+        "never matching" pad value it needs no assumption about which ids exist."""
+        if not ids:
+            return "1 = 0", []
+        ids = [int(i) for i in ids]
+        if self.has_json:
+            return "id IN (SELECT CAST([value] AS BIGINT) FROM OPENJSON(?))", [json.dumps(ids)]
+        if len(ids) > ID_PARAMS_PER_STATEMENT:
+            raise StoreError(f"{len(ids)} ids in one statement: split them with id_chunks() "
+                             f"(compatibility level {self.compat_level} has no OPENJSON)")
+        size = next(size for size in ID_LIST_SIZES if size >= len(ids))
+        padded = ids + [ids[-1]] * (size - len(ids))
+        return f"id IN ({', '.join('?' * size)})", padded
+
+    def purge_chunk_sql(self) -> str:
+        """Delete at most ``?`` done rows processed more than ``?`` seconds plus ``?``
+        milliseconds ago. Seconds and leftover milliseconds, because an INT of
+        milliseconds overflows at ~24.8 days and retention is usually 30-90 days.
+
+        The CTE is ``DELETE TOP (?)`` with an order: oldest first, straight off the
+        (status, processed_at) index without a sort. READPAST skips rows another
+        transaction holds; on READ_COMMITTED_SNAPSHOT databases (Azure SQL's default)
+        it is only allowed together with READCOMMITTEDLOCK."""
+        return (f"WITH doomed AS (SELECT TOP (?) id FROM {self.table} WITH (READCOMMITTEDLOCK, ROWLOCK, READPAST) "
+                "WHERE status = 2 AND processed_at < DATEADD(SECOND, -?, DATEADD(MILLISECOND, -?, SYSUTCDATETIME())) "
+                "ORDER BY processed_at) DELETE FROM doomed")
+
+    def purge_params(self, older_than_ms: int, batch: int) -> list[Any]:
+        seconds, millis = divmod(max(older_than_ms, 0), 1000)
+        return [batch, seconds, millis]
+
+    # -- write side (the caller's transaction: never commit it, never raise on a duplicate) --
+    #: A shared application lock the insert batch takes only in a transaction it opened
+    #: itself (the caller had none): its presence tells ``insert_event``'s clean-up that
+    #: the open transaction is the batch's own, never the caller's.
+    OWN_TRANSACTION_LOCK = "outbox enqueue: own transaction"
+
+    def insert_statements(self) -> list[str]:
+        """Insert unless the message_id is stored, then return the row's id
+        (docs/sqlserver.md, "Enqueue: no key-range locks").
+
+        No key-range locks: the duplicate probe is a plain seek of the unique
+        message_id index. Two enqueues of the *same* message_id are serialized by an
+        application lock owned by a transaction, so the second waits for the first to
+        commit and then finds its row; enqueues of different ids never wait for each
+        other, whatever the gap between their keys. The lock's key is a CHECKSUM of the
+        message id in the column's own collation, which is equal for every two ids the
+        unique index finds equal (trailing spaces; case on a case-insensitive column).
+
+        Both reads of the table use READCOMMITTEDLOCK, so a caller at READ UNCOMMITTED
+        waits for an uncommitted row instead of returning its id, and one at SNAPSHOT
+        sees a row committed after its snapshot instead of inserting a duplicate.
+
+        The lock is never owned by the session: with no transaction open (an autocommit
+        connection) the batch opens its own around the lock and the insert, and commits
+        it. So no duplicate-key error can reach the caller's transaction, no lock can
+        outlive it, and XACT_ABORT is left as the caller set it. Values go into typed
+        variables first, so a None binds without a type guess, and long payloads reach
+        NVARCHAR(MAX) variables. The result is (id, lock result); the id is NULL only
+        when the lock was refused.
+        """
+        t = self.table
+        values = ", ".join(f"@{c.strip()}" for c in self.INSERT_COLUMNS.split(","))
+        inserted = (f"INSERT INTO {t} ({self.INSERT_COLUMNS})\n    OUTPUT inserted.id INTO @ids\n    SELECT {values}\n"
+                    f"    WHERE NOT EXISTS (SELECT 1 FROM {t} WITH (READCOMMITTEDLOCK) "
+                    "WHERE message_id = @message_id)")
+        own_lock = nstr(self.OWN_TRANSACTION_LOCK)
+        return [
+            "DECLARE @nocount INT = @@OPTIONS & 512;",
+            "SET NOCOUNT ON;",
+            "DECLARE @message_id NVARCHAR(64) = ?, @topic NVARCHAR(255) = ?, @aggregate_type NVARCHAR(255) = ?, "
+            "@aggregate_id NVARCHAR(255) = ?, @partition_key NVARCHAR(255) = ?, @payload NVARCHAR(MAX) = ?, "
+            "@headers NVARCHAR(MAX) = ?, @trace_id NVARCHAR(255) = ?;",
+            "DECLARE @id BIGINT, @lock_key INT, @lock_result INT = 0, @own_transaction BIT = 0, "
+            "@lock_resource NVARCHAR(255);",
+            "DECLARE @ids TABLE (id BIGINT NOT NULL);",
+            # The common case, a new id: one seek, no application lock. The same statement
+            # computes the lock's key: COALESCE with the column gives @message_id the
+            # column's collation, and CHECKSUM is equal for values that compare equal in
+            # it. Reading the table also opens the driver's implicit transaction (autocommit
+            # off), so @@TRANCOUNT below is the truth.
+            f"SELECT @id = o.id, @lock_key = CHECKSUM(COALESCE(o.message_id, @message_id))\n"
+            f"FROM (SELECT 1 AS one) AS d LEFT JOIN {t} AS o WITH (READCOMMITTEDLOCK) ON o.message_id = @message_id;",
+            f"SET @lock_resource = N'outbox:' + CONVERT(NVARCHAR(64), HASHBYTES('SHA2_256', {nstr(t + '|')} "
+            "+ CONVERT(NVARCHAR(11), @lock_key)), 2);",
+            # No transaction open (an autocommit connection): open one, so the lock below is
+            # owned by a transaction that ends with this batch, however the batch ends.
+            f"IF @id IS NULL AND @@TRANCOUNT = 0\nBEGIN\n    SET @own_transaction = 1;\n    BEGIN TRANSACTION;\n"
+            f"    EXEC sp_getapplock @Resource = {own_lock}, @LockMode = N'Shared', @LockOwner = N'Transaction';\nEND;",
+            if_("@id IS NULL", "EXEC @lock_result = sp_getapplock @Resource = @lock_resource, "
+                "@LockMode = N'Exclusive', @LockOwner = N'Transaction'"),
+            if_("@id IS NULL AND @lock_result >= 0", inserted),
+            if_("@own_transaction = 1", "COMMIT TRANSACTION"),
+            "SET @id = COALESCE(@id, (SELECT TOP (1) id FROM @ids), "
+            f"(SELECT id FROM {t} WITH (READCOMMITTEDLOCK) WHERE message_id = @message_id));",
+            if_("@nocount = 0", "SET NOCOUNT OFF"),
+            "SELECT @id AS id, @lock_result AS lock_result;",
+        ]
+
+    def insert_batch(self) -> str:
+        return "\n".join(self.insert_statements())
+
+    def end_own_transaction_sql(self) -> str:
+        """Roll back the transaction the insert batch opened for itself, if the batch was
+        cut short before its COMMIT (a client timeout, with XACT_ABORT off); never the
+        caller's transaction, which never holds ``OWN_TRANSACTION_LOCK``."""
+        return ("IF @@TRANCOUNT > 0\nBEGIN\n"
+                f"    IF APPLOCK_MODE(N'public', {nstr(self.OWN_TRANSACTION_LOCK)}, N'Transaction') <> N'NoLock'\n"
+                "    BEGIN\n        ROLLBACK TRANSACTION;\n    END;\nEND;")
+
+    #: What sp_getapplock's negative results mean.
+    LOCK_RESULTS = {-1: "timed out (the session's LOCK_TIMEOUT)", -2: "was cancelled",
+                    -3: "was chosen as a deadlock victim", -999: "failed (parameter or call error)"}
+
+    def insert_event(self, cursor: Any, event: NewEvent) -> int:
+        try:
+            self.execute(cursor, self.insert_batch(), self.event_params(event))
+            outbox_id, lock_result = result_rows(cursor)[0]
+        except BaseException:
+            try:
+                self.execute(cursor, self.end_own_transaction_sql())
+            except Exception:  # the connection is gone: so is the transaction
+                pass
+            raise
+        if outbox_id is None:
+            reason = self.LOCK_RESULTS.get(int(lock_result or -999), f"returned {lock_result}")
+            raise StoreError(f"enqueue of message_id {event.message_id!r}: the lock that serializes enqueues of "
+                             f"the same message_id {reason}; the caller's transaction is unchanged")
+        return int(outbox_id)
+
+    # -- claim -------------------------------------------------------------------------
+    #: The ordering probe's index, which the probe is pinned to (``FORCESEEK``).
+    PROBE_INDEX = next(spec for spec in INDEXES if spec.suffix == "agg_open")
+
+    def probe_select(self) -> str:
+        """One row per aggregate of ``@cand``: its first candidate (``head``) and its
+        *blocker*, the first open row of the aggregate before its last candidate that is
+        not a candidate (NULL: none). Rule 1 of ``chain_select`` needs nothing else, as in
+        ``outbox.domain.chains.plan_claim`` (its ``first_blocker``) and the PostgreSQL claim.
+
+        One probe per aggregate, a ``TOP (1)`` walk of the agg_open index in id order
+        that stops at the first row outside ``@cand``: linear in the window, where a probe
+        per candidate read k-1 rows for the k-th candidate of a hot aggregate. The walk
+        is pinned to a seek of agg_open (``FORCESEEK``; docs/sqlserver.md, "The claim's
+        plans"), and its ``status IN (0, 1, 3)`` is written exactly as that index's
+        filter, so it never reads an aggregate's done history.
+
+        The probe reads with READCOMMITTEDLOCK and never READPAST. A competitor's U lock
+        is compatible with S, so the probe sees the competitor's locked earlier rows
+        (still pending, or claimed once it commits) and they block; READPAST would skip
+        them and let a later row overtake them (docs/design.md, "Why the probe treats
+        every non-candidate open row as blocking"). The probe runs in a statement of its
+        own, while this claim holds only U locks, so a probe waiting on a competitor's
+        UPDATE can never close a deadlock cycle.
+        """
+        index = self.quote(self.index_name(self.PROBE_INDEX.suffix))
+        seek = f"FORCESEEK ({index} ({self.PROBE_INDEX.keys[0]}))" if self.probe_index is not False else "FORCESEEK"
+        return f"""SELECT g.aggregate_id, g.head, (
+        SELECT TOP (1) e.id FROM {self.table} AS e WITH (READCOMMITTEDLOCK, {seek})
+        WHERE e.aggregate_id = g.aggregate_id AND e.id < g.last_id AND e.{OPEN_ROWS}
+          AND NOT EXISTS (SELECT 1 FROM @cand AS k WHERE k.id = e.id)
+        ORDER BY e.id)
+FROM (SELECT aggregate_id, MIN(id) AS head, MAX(id) AS last_id FROM @cand GROUP BY aggregate_id) AS g"""
+
+    def chain_select(self) -> str:
+        """``(id, head, dead)`` of the candidates in ``@cand`` this claim takes, given
+        ``@agg`` (``probe_select``): exactly the rule of ``outbox.domain.chains.plan_claim``.
+        A candidate is taken when
+
+        1. its aggregate has no blocker before it (an open row outside ``@cand``: held by
+           another claimer, not yet due, a live lease: each blocks what follows);
+        2. no candidate of its aggregate up to and including it is other than pending,
+           except the aggregate's first (an expired lease or a due retry may start a
+           chain; one further along ends the chain there);
+        3. no earlier candidate of its aggregate goes dead (an expired lease out of
+           attempts goes dead instead, and the rows behind it wait for the next claim).
+
+        Rules 2 and 3 are running sums per aggregate in id order (``ROWS UNBOUNDED
+        PRECEDING``: one pass), not self-joins of ``@cand`` that compared every candidate
+        with every earlier one.
+        """
+        goes_dead = "c.status = 1 AND c.attempts + 1 >= @max_attempts"
+        return f"""SELECT r.id, r.head, r.dead
+FROM (
+    SELECT f.id, f.head, f.blocker, f.dead,
+           SUM(f.late) OVER (PARTITION BY f.head ORDER BY f.id ROWS UNBOUNDED PRECEDING) AS cut,
+           SUM(f.dead) OVER (PARTITION BY f.head ORDER BY f.id ROWS UNBOUNDED PRECEDING) - f.dead AS dead_before
+    FROM (
+        SELECT c.id, a.head, a.blocker,
+               CASE WHEN {goes_dead} THEN 1 ELSE 0 END AS dead,
+               CASE WHEN c.status <> 0 AND c.id > a.head THEN 1 ELSE 0 END AS late
+        FROM @cand AS c INNER JOIN @agg AS a ON a.aggregate_id = c.aggregate_id
+    ) AS f
+) AS r
+WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 0"""
+
+    def claim_statements(self, own_transaction: bool = False) -> list[str]:
+        """The claim, one statement per item; run as one batch. Parameters: ``claim_params``.
+
+        ``own_transaction`` (the relay's claim, run on an autocommit connection by
+        ``statement_alone``): the batch opens its transaction and commits it right after the
+        UPDATE, so claim and COMMIT are one round trip and no moment exists when the
+        claim's locks wait for the client (docs/relay.md, "A network cut"). Without it (a
+        caller's open transaction) there is no BEGIN TRAN/COMMIT: the driver has a
+        transaction open already (an explicit one would nest) and the caller commits.
+        Either way XACT_ABORT makes any error roll the whole claim back.
+        ``@cand.aggregate_id`` and ``@agg.aggregate_id`` take the table column's
+        collation: two different column collations in one comparison fail with error 468.
+        """
+        t = self.table
+        out_columns = ", ".join(MESSAGE_COLUMNS)
+        output = ", ".join(f"CAST(inserted.{c} AS NVARCHAR(MAX))" if c in ("payload", "headers")
+                           else f"inserted.{c}" for c in MESSAGE_COLUMNS)
+        collation = self.id_collation or ID_COLLATION
+        return [
+            "DECLARE @nocount INT = @@OPTIONS & 512, @xact_abort INT = @@OPTIONS & 16384;",
+            "SET NOCOUNT ON;",
+            "SET XACT_ABORT ON;",
+            *(["BEGIN TRANSACTION;"] if own_transaction else []),
+            "DECLARE @batch INT = ?, @window INT = ?, @max_attempts INT = ?, @lease CHAR(32) = ?, "
+            "@lease_error NVARCHAR(4000) = ?;",
+            f"DECLARE @cand TABLE (id BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {collation} "
+            "NOT NULL, status TINYINT NOT NULL, attempts INT NOT NULL, UNIQUE (aggregate_id, id));",
+            f"DECLARE @agg TABLE (aggregate_id NVARCHAR(255) COLLATE {collation} NOT NULL PRIMARY KEY, "
+            "head BIGINT NOT NULL, blocker BIGINT NULL);",
+            "DECLARE @chain TABLE (id BIGINT NOT NULL PRIMARY KEY, head BIGINT NOT NULL, dead BIT NOT NULL);",
+            # Declared in MESSAGE_COLUMNS order: OUTPUT ... INTO @out fills it by position.
+            "DECLARE @out TABLE (" + ", ".join(f"{c} {_MESSAGE_TYPES[c]}" for c in MESSAGE_COLUMNS) + ");",
+            f"INSERT INTO @cand (id, aggregate_id, status, attempts)\n"
+            f"SELECT TOP (@window) id, aggregate_id, status, attempts\n"
+            f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK)\n"
+            f"WHERE {self.eligible()}\nORDER BY id;",
+            f"INSERT INTO @agg (aggregate_id, head, blocker)\n{self.probe_select()};",
+            f"INSERT INTO @chain (id, head, dead)\n{self.chain_select()};",
+            # Keep @batch rows of the window's chains: whole chains, oldest chain first
+            # (Engine.claim_window; a chain's first row is its aggregate's head); the other
+            # candidates' U locks go with the transaction. One numbering pass, no join.
+            "WITH ranked AS (SELECT id, ROW_NUMBER() OVER (ORDER BY head, id) AS n FROM @chain)\n"
+            "DELETE FROM ranked WHERE n > @batch;",
+            # SET expressions read the row as it was before this UPDATE, so every CASE
+            # sees the old status and attempts. FORCESEEK: one clustered seek per chosen
+            # row, whatever row count the plan was compiled for.
+            f"""UPDATE o SET
+    attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
+    status = CASE WHEN ch.dead = 1 THEN 4 ELSE 1 END,
+    processed_at = CASE WHEN ch.dead = 1 THEN SYSUTCDATETIME() ELSE NULL END,
+    last_error = CASE WHEN o.status = 1 THEN @lease_error ELSE o.last_error END,
+    claimed_at = SYSUTCDATETIME(),
+    next_retry_at = NULL,
+    lease_token = CASE WHEN ch.dead = 1 THEN NULL ELSE @lease END
+OUTPUT {output} INTO @out
+FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
+            *(["COMMIT TRANSACTION;"] if own_transaction else []),
+            if_("@xact_abort = 0", "SET XACT_ABORT OFF"),
+            if_("@nocount = 0", "SET NOCOUNT OFF"),
+            f"SELECT {out_columns} FROM @out ORDER BY id;",
+        ]
+
+    def claim_batch(self, own_transaction: bool = False) -> str:
+        return "\n".join(self.claim_statements(own_transaction))
+
+    def claim_params(self, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[Any]:
+        # The DECLARE's five, then eligible()'s lease cutoff (the only other ?).
+        return [batch, self.claim_window(batch), max_attempts, lease, LEASE_EXPIRED_ERROR, -timeout_ms]
+
+    def collation_sql(self) -> str:
+        return (f"SELECT collation_name FROM sys.columns WHERE object_id = OBJECT_ID({self._table_literal()}) "
+                "AND name = N'aggregate_id'")
+
+    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
+        """Lease up to ``batch`` rows in the open transaction (the store commits);
+        rows whose status is 4 went dead instead."""
+        if self.id_collation is None:
+            row = self.execute(cursor, self.collation_sql()).fetchone()
+            if row and row[0]:
+                self.id_collation = str(row[0])
+        if self.probe_index is None:
+            self.probe_index = self.execute(cursor, self.index_matches(self.PROBE_INDEX)).fetchone() is not None
+        own = getattr(getattr(cursor, "connection", None), "autocommit", False) is True  # statement_alone
+        try:
+            self.execute(cursor, self.claim_batch(own), self.claim_params(batch, lease, timeout_ms, max_attempts))
+            return result_rows(cursor)
+        except BaseException:
+            # An error can end the batch before it restores the session options; put
+            # back the relay connection's own (see session_sql). On an autocommit
+            # connection the driver's rollback does nothing: a transaction the batch opened
+            # and an interrupt left behind is rolled back here.
+            try:
+                cursor.execute(("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION; " if own else "")
+                               + "SET XACT_ABORT ON; SET NOCOUNT OFF;")
+            except Exception:
+                pass
+            raise
