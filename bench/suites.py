@@ -44,6 +44,8 @@ ROOT = HERE.parent
 DEFAULT_CACHE = Path.home() / ".cache" / "outbox-relay" / "suites"
 
 ENGINES = ("postgresql", "mysql", "sqlite")
+#: The baseline: Celery's suite with Redis as its broker, run the same way in the same environment.
+BASELINE = "redis"
 DATABASE_URLS = {
     "postgresql": os.environ.get("OUTBOX_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"),
     "mysql": os.environ.get("OUTBOX_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test"),
@@ -173,19 +175,26 @@ def run_celery(src: Path, engine: str, tests: Iterable[str], redis_url: str, wor
     ``worker_pool_putlocks = False`` (docs/transport.md, "Put locks")."""
     table = f"cs_{uuid.uuid4().hex[:10]}"
     workdir.mkdir(parents=True, exist_ok=True)
-    url = database_url(engine, workdir)
     # Celery's conftest reads overrides from <rootdir>/integration-tests-config.json.
-    config: dict[str, Any] = {"broker_transport_options": {"queue_table": table}}
+    config: dict[str, Any] = {}
+    if engine == BASELINE:  # Redis as the broker: the next database of the result backend's server
+        base, _, db = redis_url.rpartition("/")
+        broker = f"{base}/{(int(db or 0) + 1) % 16}"
+    else:
+        url = database_url(engine, workdir)
+        broker = f"outboxdb+{url}"
+        config["broker_transport_options"] = {"queue_table": table}
     if not putlocks:
         config["worker_pool_putlocks"] = False
     (workdir / "integration-tests-config.json").write_text(json.dumps(config))
-    env = _base_env({"TEST_BROKER": f"outboxdb+{url}", "TEST_BACKEND": redis_url})
+    env = _base_env({"TEST_BROKER": broker, "TEST_BACKEND": redis_url})
     try:
         return _pytest(["-p", "outbox.transport", "-p", "celery.contrib.pytest", f"--rootdir={workdir}", *tests],
                        src, env,
                        workdir / f"celery-{engine}.xml", timeout)
     finally:
-        drop_tables(url, table)
+        if engine != BASELINE:
+            drop_tables(url, table)
 
 
 def run_kombu(src: Path, engine: str, tests: Iterable[str], workdir: Path, timeout: float = 1800) -> Outcome:
@@ -217,7 +226,8 @@ def drop_tables(url: str, table: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.suites", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engine", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--engine", nargs="+", choices=(*ENGINES, BASELINE), default=list(ENGINES),
+                        help=f"{BASELINE!r}: Celery's suite with Redis as its broker, the baseline")
     parser.add_argument("--suite", nargs="+", choices=("celery", "kombu"), default=["celery", "kombu"])
     parser.add_argument("--quick", action="store_true", help="only the tests the project's suite runs")
     parser.add_argument("--celery-tests", nargs="+", default=None,
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="outbox-suites-") as tmp:
         for engine in args.engine:
             runs = [("celery", tests) for tests in celery_runs] if "celery" in args.suite else []
-            runs += [("kombu", kombu_tests)] if "kombu" in args.suite else []
+            runs += [("kombu", kombu_tests)] if "kombu" in args.suite and engine != BASELINE else []
             for n, (suite, tests) in enumerate(runs):
                 workdir = Path(tmp) / f"{suite}-{engine}-{n}"
                 if suite == "celery":
