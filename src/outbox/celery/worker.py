@@ -13,14 +13,14 @@ from typing import Any
 
 from celery import signals
 
-from .celery_app import app, send_relay_task
-from .core.config import RelayOptions, Settings, relay_options, relay_settings, wake_options
-from .core.handoff import HandOff
-from .core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, RELEASE_TASK, claim_request_key, wake_channel
-from .core.redact import install_filter
-from .relay import Breaker, Coalescer, Outage, ResourceHolder, Resources, RouteGate
+from .application import app, send_relay_task
+from ..core.config import RelayOptions, Settings, relay_options, relay_settings, wake_options
+from ..core.handoff import HandOff
+from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, RELEASE_TASK, claim_request_key, wake_channel
+from ..core.redact import install_filter
+from ..relay import Breaker, Coalescer, Outage, ResourceHolder, Resources, RouteGate
 from . import worker_logging as _worker_logging
-from .relay import listen as _listen, metrics as _metrics
+from ..relay import listen as _listen, metrics as _metrics
 
 log = logging.getLogger("outbox.tasks")
 
@@ -146,7 +146,7 @@ def queued_publish_tasks() -> int | None:
 def request_claim() -> bool:
     """Ask for a claim soon, coalesced: while one requested claim has not started yet,
     further requests are no-ops. The one "claim soon" of a worker process: drain mode
-    (``outbox.tasks``), notifications with the in-process claim off, and post-commit
+    (``outbox.celery.tasks``), notifications with the in-process claim off, and post-commit
     wake-ups made in a worker use it. Asked from inside the in-process claim, the next
     claim runs in-process too (docs/waking-and-metrics.md, "The in-process claim")."""
     if stopping():
@@ -296,7 +296,7 @@ def _ready(**_: Any) -> None:
 
 def _gauge_store() -> Any:
     """The metrics refresher's own store (``outbox.relay.metrics.GaugeRefresher``)."""
-    from .storage.store import OutboxStore
+    from ..storage.store import OutboxStore
 
     return OutboxStore.from_settings(relay_settings())
 
@@ -314,7 +314,7 @@ def _shutdown(**_: Any) -> None:
     _metrics.stop_serving()
 
 
-# Idle workers and beat are quiet at INFO and log a heartbeat instead (outbox.worker_logging,
+# Idle workers and beat are quiet at INFO and log a heartbeat instead (outbox.celery.worker_logging,
 # which connects its own worker_ready / worker_shutdown / beat_init handlers here).
 _worker_logging.install(relay_settings, relay_options)
 

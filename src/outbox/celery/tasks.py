@@ -1,5 +1,5 @@
 """The relay's Celery task bodies: claim, publish, ack, fail, release, purge. The logic is in
-``outbox.relay``, the per-process wiring and every signal in ``outbox.worker``. Each task,
+``outbox.relay``, the per-process wiring and every signal in ``outbox.celery.worker``. Each task,
 its queue and why it is acknowledged when it is: docs/relay.md, "Tasks, queues, and how
 to scale and route them".
 """
@@ -10,13 +10,13 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
-from .celery_app import app, send_relay_task
-from .core.config import relay_options, relay_settings
-from .core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
-from .relay import (DRAIN_SLICE_S, Backlog, ForeignTasks, after_publish, apply_fallback, drain_slice,
+from .application import app, send_relay_task
+from ..core.config import relay_options, relay_settings
+from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
+from ..relay import (DRAIN_SLICE_S, Backlog, ForeignTasks, after_publish, apply_fallback, drain_slice,
                     handle_publish, message_from_dict, message_to_dict, purge_expired, still_held)
-from . import wake as _wake
-# The worker's per-process wiring, re-exported: ``outbox.tasks.resources`` and the rest
+from .. import wake as _wake
+# The worker's per-process wiring, re-exported: ``outbox.celery.tasks.resources`` and the rest
 # keep working. ``claim`` looks ``queued_publish_tasks`` and ``request_claim`` up here.
 from .worker import (STOPPING, _stopping_marker, breaker, claiming_in_process, close_resources,  # noqa: F401
                      coalescer, outage, queued_publish_tasks, request_claim, resources, route_gate, stopping)
@@ -60,7 +60,7 @@ class RelayTask(app.Task):  # type: ignore[name-defined,misc]
         return {"refused": named, done: True}
 
 
-#: ``outbox.tasks.wake()``: the worker's coalesced claim request (``outbox.worker``).
+#: ``outbox.celery.tasks.wake()``: the worker's coalesced claim request (``outbox.celery.worker``).
 wake = request_claim
 
 

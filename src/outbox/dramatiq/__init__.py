@@ -1,5 +1,5 @@
 """The relay on Dramatiq: ``dramatiq outbox.dramatiq``, actors wrapping ``outbox.relay`` as
-``outbox.tasks`` does for Celery, and their middleware (docs/dramatiq.md: actors, middleware).
+``outbox.celery.tasks`` does for Celery, and their middleware (docs/dramatiq.md: actors, middleware).
 
 Importing it installs Dramatiq's global broker: import it in relay worker processes only."""
 
@@ -15,18 +15,18 @@ from typing import Any, Callable
 import dramatiq
 from dramatiq.middleware import Middleware
 
-from . import dramatiq_broker as _broker
-from .relay import metrics as _metrics
-from .core.config import Settings, load_settings, metrics_options
-from .core.errors import ConfigError
-from .core.redact import install_filter, redact
-from .relay import (ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Backlog,
+from .. import dramatiq_broker as _broker
+from ..relay import metrics as _metrics
+from ..core.config import Settings, load_settings, metrics_options
+from ..core.errors import ConfigError
+from ..core.redact import install_filter, redact
+from ..relay import (ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Backlog,
                     ForeignTasks, Queues, RelayOptions, ResourceHolder, Resources, after_publish, apply_fallback,
                     drain_slice, handle_publish, message_from_dict, message_to_dict, purge_expired, still_held)
-from .core.names import TASK_OUTBOX_ARG, claim_request_key
-from .relay.resources import Shared
-from .storage.store import OutboxStore
-from .wake import clear_token  # the writer-side API sits below this entry point
+from ..core.names import TASK_OUTBOX_ARG, claim_request_key
+from ..relay.resources import Shared
+from ..storage.store import OutboxStore
+from ..wake import clear_token  # the writer-side API sits below this entry point
 
 log = logging.getLogger("outbox.dramatiq")
 
@@ -211,7 +211,7 @@ def queued_publish_tasks() -> int | None:
 
 
 def request_claim() -> bool:
-    """Ask for a claim soon, coalesced (drain mode; see ``outbox.tasks.request_claim``)."""
+    """Ask for a claim soon, coalesced (drain mode; see ``outbox.celery.tasks.request_claim``)."""
     if stopping():
         return False
     gate = shared().coalescer
@@ -232,7 +232,7 @@ def request_claim() -> bool:
 @_only_ours(CLAIM_TASK)
 def claim(requested: bool = False, token: str | None = None, expires_at: float | None = None) -> None:
     """Claim a batch and send its chains on as publish messages, publishing a small batch or
-    a backlog's first share here, in drain slices (drain mode as in ``outbox.tasks.claim``: a
+    a backlog's first share here, in drain slices (drain mode as in ``outbox.celery.tasks.claim``: a
     full claim and every finished publish request the next). Returns None: nobody reads a
     relay actor's result (the outcome is in the table)."""
     if requested:
