@@ -407,7 +407,7 @@ reads = []
 def counting():
     reads.append(1)
     return 0
-t.queued_publish_tasks = counting
+t.relay().runner.queued_publish_tasks = counting
 store = t.resources().store
 store.migrate()
 conn = sqlite3.connect(os.environ["DB_PATH"])

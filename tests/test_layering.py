@@ -30,12 +30,13 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
     ("runners", [
         ("package face, `celery -A outbox`, `dramatiq outbox.dramatiq` and its scheduler",
          ("outbox", "outbox.celery", "outbox.dramatiq", "outbox.dramatiq_scheduler")),
-        ("task bodies", ("outbox.celery.tasks",)),
+        ("Celery's task bodies", ("outbox.celery.tasks",)),
+        ("Celery's worker process wiring", ("outbox.celery.worker",)),
+        ("each runner as the relay's Runner", ("outbox.celery.runner", "outbox.dramatiq.runner")),
         ("writer-side API", ("outbox.enqueue", "outbox.wake")),
-        ("worker process wiring", ("outbox.celery.worker",)),
-        ("task runner apps: Celery's app, Dramatiq's broker", ("outbox.celery.application", "outbox.celery.redis_transport",
-                                                              "outbox.celery.worker_logging",
-                                                              "outbox.dramatiq_broker")),
+        ("task runner apps: Celery's app, its Redis transport and logging; Dramatiq's broker",
+         ("outbox.celery.application", "outbox.celery.redis_transport", "outbox.celery.worker_logging",
+          "outbox.dramatiq_broker")),
         ("schedule", ("beat_schedule",)),
     ]),
     ("relay", [
@@ -168,5 +169,5 @@ def test_the_checker_sees_lazy_and_relative_imports() -> None:
     upward import cannot hide from the checks above."""
     g = graph()
     assert "beat_schedule" in g["outbox.celery.application"]  # imported inside a function
-    assert "outbox.relay" in g["outbox.celery.tasks"] and "outbox.core.names" in g["outbox.celery.tasks"]
+    assert "outbox.relay.service" in g["outbox.celery.worker"] and "outbox.core.names" in g["outbox.celery.tasks"]
     assert "outbox.storage.engines.base" in g["outbox.storage.engines.postgres"]
