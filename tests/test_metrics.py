@@ -19,7 +19,8 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from outbox import enqueue, metrics  # noqa: E402
+from outbox import enqueue  # noqa: E402
+from outbox.relay import metrics  # noqa: E402
 from outbox.core.model import OutboxMessage  # noqa: E402
 from outbox.publisher import ChainResult, FailureKind, PublishFailure  # noqa: E402
 from outbox.relay import RelayOptions, handle_claim, handle_publish  # noqa: E402
