@@ -361,7 +361,7 @@ def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(
         assert "redis" not in (banner + procs.log("beat")).lower()
     finally:
         procs.stop_all()
-        engine = outbox.storage.store.engine
-        with outbox.storage.store.transaction() as cursor:
+        engine = outbox.store.engine
+        with outbox.store.transaction() as cursor:
             for table in (queue_table, f"{queue_table}_binding"):
                 engine.execute(cursor, f"DROP TABLE IF EXISTS {engine.qualify(table)}")
