@@ -11,7 +11,7 @@ Entries:
 * ``outbox-claim``: a claim tick every OUTBOX_CLAIM_INTERVAL_S. Each tick expires after one
   interval, so when workers are down or busy the ticks never pile up in Celery's broker:
   a worker drops a tick it receives late. While there is a backlog, claims follow the
-  completion of publish tasks at once (drain mode, see ``outbox.tasks.claim``), so the
+  completion of publish tasks at once (drain mode, see ``outbox.celery.tasks.claim``), so the
   interval bounds latency only when the outbox is quiet; the post-commit wake-up
   (``outbox.wake.request_claim``) brings that down too.
 * ``outbox-purge``: deletes done rows older than OUTBOX_RETENTION_DAYS, every

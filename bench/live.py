@@ -5,7 +5,7 @@ consumer (both clocks are this process's ``perf_counter``).
 Variants (same worker, same beat, same rate and duration):
 
 * ``wake``: the writer calls the post-commit wake right after each commit
-  (``outbox.wake.request_claim`` when that module exists, else ``outbox.tasks.wake``); the
+  (``outbox.wake.request_claim`` when that module exists, else ``outbox.celery.tasks.wake``); the
   call's own cost is part of the latency (it runs before the next event is written) and is
   also reported on its own.
 * ``poll``: no wake at all; beat's claim tick every OUTBOX_CLAIM_INTERVAL_S (and the relay's
@@ -81,9 +81,9 @@ def resolve_wake() -> tuple[Callable[[], Any], str]:
             return fn, "outbox.wake.request_claim"
     except ImportError:
         pass
-    from outbox.tasks import wake
+    from outbox.celery.tasks import wake
 
-    return wake, "outbox.tasks.wake"
+    return wake, "outbox.celery.tasks.wake"
 
 
 class Writer(threading.Thread):

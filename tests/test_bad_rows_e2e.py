@@ -43,7 +43,7 @@ def test_a_tampered_row_goes_dead_alone_and_the_rest_is_delivered_on_the_first_a
     tampered = '{"tenant": ' if outbox.kind == "sqlite" else '["tenant", "acme"]'
     reason = ("undecodable row: headers are not valid JSON: " if outbox.kind == "sqlite"
               else "undecodable row: headers are not a JSON object (a JSON list)")
-    tamper(outbox.storage.store, bad, "headers", tampered)
+    tamper(outbox.store, bad, "headers", tampered)
     total = sum(len(ids) for ids in expected.values())
 
     procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_BATCH_SIZE="10",

@@ -371,7 +371,7 @@ def test_publish_queue_length_and_coalesced_claim_requests_on_redis(tmp_path: Pa
     (tmp_path / "qconf.py").write_text(f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
     code = f"""
 import redis
-import outbox.tasks as t
+import outbox.celery.tasks as t
 from outbox.core.config import relay_settings
 queues = relay_settings().queues
 seen = [t.queued_publish_tasks()]
@@ -403,13 +403,13 @@ def test_only_a_claim_after_a_backlog_reads_the_publish_queue_length(tmp_path: P
     first claim too), so live traffic skips it."""
     code = """
 import os, sqlite3
-import outbox.tasks as t
+import outbox.celery.tasks as t
 from outbox import enqueue
 reads = []
 def counting():
     reads.append(1)
     return 0
-t.queued_publish_tasks = counting
+t.relay().runner.queued_publish_tasks = counting
 store = t.resources().store
 store.migrate()
 conn = sqlite3.connect(os.environ["DB_PATH"])

@@ -30,15 +30,17 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
     ("runners", [
         ("package face, `celery -A outbox`, `dramatiq outbox.dramatiq` and its scheduler",
          ("outbox", "outbox.celery", "outbox.dramatiq", "outbox.dramatiq_scheduler")),
-        ("task bodies", ("outbox.tasks",)),
+        ("Celery's task bodies", ("outbox.celery.tasks",)),
+        ("Celery's worker process wiring", ("outbox.celery.worker",)),
+        ("each runner as the relay's Runner", ("outbox.celery.runner", "outbox.dramatiq.runner")),
         ("writer-side API", ("outbox.enqueue", "outbox.wake")),
-        ("worker process wiring", ("outbox.worker",)),
-        ("task runner apps: Celery's app, Dramatiq's broker", ("outbox.celery_app", "outbox.celery_redis",
-                                                              "outbox.dramatiq_broker")),
+        ("task runner apps: Celery's app, its Redis transport and logging; Dramatiq's broker",
+         ("outbox.celery.application", "outbox.celery.redis_transport", "outbox.celery.worker_logging",
+          "outbox.dramatiq_broker")),
         ("schedule", ("beat_schedule",)),
     ]),
     ("relay", [
-        ("relay logic and worker services", ("outbox.relay", "outbox.relay.*", "outbox.worker_logging")),
+        ("relay logic and worker services", ("outbox.relay", "outbox.relay.*")),
         ("publisher", ("outbox.publisher", "outbox.publisher.*")),
     ]),
     ("storage", [
@@ -173,6 +175,6 @@ def test_the_checker_sees_lazy_and_relative_imports() -> None:
     """The analysis itself: a function-level relative import is an arrow, so a lazy
     upward import cannot hide from the checks above."""
     g = graph()
-    assert "beat_schedule" in g["outbox.celery_app"]  # imported inside a function
-    assert "outbox.relay" in g["outbox.tasks"] and "outbox.core.names" in g["outbox.tasks"]
+    assert "beat_schedule" in g["outbox.celery.application"]  # imported inside a function
+    assert "outbox.relay.service" in g["outbox.celery.worker"] and "outbox.core.names" in g["outbox.celery.tasks"]
     assert "outbox.storage.engines.base" in g["outbox.storage.engines.postgres"]

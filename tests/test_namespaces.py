@@ -123,13 +123,14 @@ def test_a_task_naming_no_possible_outbox_is_dropped_with_one_line(caplog: pytes
 
 
 def test_the_celery_task_runs_its_own_outboxs_task_and_forwards_another(tmp_path: Path) -> None:
-    """In a worker process's task class (``outbox.tasks.RelayTask``): a purge naming this outbox
+    """In a worker process's task class (``outbox.celery.tasks.RelayTask``): a purge naming this outbox
     runs; one naming another is sent to that outbox's purge queue and not run."""
     code = """
 import json
-import outbox.tasks as t
+import outbox.celery.tasks as t
+import outbox.relay.service as service
 ran, sent = [], []
-t.purge_expired = lambda *a, **k: ran.append(1) or 0
+service.purge_expired = lambda *a, **k: ran.append(1) or 0
 t.send_relay_task = lambda task, kwargs, namespace=None, **o: sent.append([task, namespace, o.get("args")])
 ours = t.relay_settings().outbox_namespace
 mine = t.purge(outbox=ours)
@@ -151,7 +152,7 @@ def test_two_outboxes_on_the_database_broker_keep_to_their_own_queues(tmp_path: 
     each outbox's tasks land in its own queues only, so neither worker can take the other's."""
     from celery import Celery
 
-    from outbox.celery_app import celery_config
+    from outbox.celery.application import celery_config
 
     broker = f"outboxdb+sqlite:///{tmp_path / 'broker.db'}"
     apps, settings = {}, {}
@@ -259,8 +260,8 @@ def test_a_worker_consuming_none_of_its_outboxs_queues_says_so(monkeypatch: pyte
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """A deployment upgraded from the fixed ``outbox.*`` names with ``-Q outbox.publish``
     would relay nothing, silently: the worker says so at start, once, as an error."""
-    from outbox import worker
-    from outbox.celery_app import app
+    from outbox.celery import worker
+    from outbox.celery.application import app
     from outbox.core.config import relay_settings
 
     settings = relay_settings()

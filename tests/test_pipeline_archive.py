@@ -210,7 +210,7 @@ def test_purge_never_deletes_unarchived_rows_while_archiving(spark: Any, make_st
 def test_purge_task_respects_archiving(store: OutboxStore, url: str, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The relay's beat-driven purge task, configured like a deployment."""
-    from outbox import tasks
+    from outbox.celery import tasks
     from outbox.core.config import reset_settings
 
     ids = seed(store, mixed_rows())

@@ -92,7 +92,7 @@ def test_rows_of_a_lost_claim_come_back_with_the_lease(tmp_path: Path, destinati
         y1 = outbox.add(conn, "y", 1)
         x3 = outbox.add(conn, "x", 3)
         conn.commit()
-    lost = outbox.storage.store.claim(2)  # the lease of a worker that will never acknowledge
+    lost = outbox.store.claim(2)  # the lease of a worker that will never acknowledge
     assert [m.id for m in lost.messages] == [x1, x2]
     leased_at = time.monotonic()
     procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2",
@@ -201,9 +201,9 @@ DROP_DONE_TRIGGER = {
 
 def run_ddl(outbox: Outbox, statements: list[str]) -> None:
     name = f"{outbox.table}_refuse_done"
-    with outbox.storage.store.transaction() as cursor:
+    with outbox.store.transaction() as cursor:
         for sql in statements:
-            outbox.storage.store.engine.execute(cursor, sql.format(name=name, table=outbox.storage.store.engine.table))
+            outbox.store.engine.execute(cursor, sql.format(name=name, table=outbox.store.engine.table))
 
 
 def test_acks_that_never_land_are_recovered_by_the_lease_and_fenced_when_late(

@@ -34,8 +34,8 @@ AGGREGATES = [f"agg-{i}" for i in range(30)]
 
 def holders_of_group(outbox: Outbox, pgid: int) -> list[str]:
     """The holder ids of the processes of group ``pgid`` (a worker and its pool)."""
-    engine = outbox.storage.store.engine
-    with outbox.storage.store.transaction() as cursor:
+    engine = outbox.store.engine
+    with outbox.store.transaction() as cursor:
         rows = engine.execute(cursor, f"SELECT holder_id, pid FROM {engine.holders}").fetchall()
     return [str(h).strip() for h, pid in rows if _group_of(int(pid)) == pgid]
 
@@ -44,9 +44,9 @@ def rows_held_by(outbox: Outbox, holders: list[str]) -> int:
     """Rows leased by these holders (a lease token starts with its holder's id)."""
     if not holders:
         return 0
-    engine = outbox.storage.store.engine
+    engine = outbox.store.engine
     where = " OR ".join("lease_token LIKE ?" for _ in holders)
-    with outbox.storage.store.transaction() as cursor:
+    with outbox.store.transaction() as cursor:
         return int(engine.execute(cursor, f"SELECT COUNT(*) FROM {engine.table} WHERE status = 1 AND ({where})",
                                   [h + "%" for h in holders]).fetchone()[0])
 

@@ -268,7 +268,7 @@ try:
 except RuntimeError:
     pass
 out["after_rollback"] = claims()
-from outbox.worker import coalescer
+from outbox.celery.worker import coalescer
 coalescer().clear()  # what the worker's claim does as it starts (the same token)
 with transaction.atomic():
     add()
@@ -457,7 +457,7 @@ import json
 import outbox.wake as w
 from outbox.celery import app
 from outbox.core.config import relay_settings
-from outbox.worker import coalescer, request_claim
+from outbox.celery.worker import coalescer, request_claim
 CLAIM_QUEUE = relay_settings().queues.claim
 
 def claims():

@@ -45,7 +45,7 @@ def test_pool_children_see_the_shutdown_through_the_main_process_marker(tmp_path
     code = """
 import os, tempfile
 from celery import signals
-import outbox.tasks as t
+import outbox.celery.tasks as t
 tempfile.tempdir = os.environ["TMPDIR_FOR_TEST"]
 signals.worker_process_init.send(sender=None)   # as in a pool child: the parent is our parent
 before = t.stopping()
@@ -64,7 +64,7 @@ def test_the_main_process_leaves_and_removes_the_marker(tmp_path: Path) -> None:
     code = """
 import os, tempfile
 from celery import signals
-import outbox.tasks as t
+import outbox.celery.tasks as t
 tempfile.tempdir = os.environ["TMPDIR_FOR_TEST"]
 marker = t._stopping_marker(os.getpid())
 marker.touch()                                   # left by an earlier process with this pid
@@ -112,7 +112,7 @@ print(json.dumps({"beat": app.conf.beat_schedule, "queues": [q.name for q in app
                   "routes": app.conf.task_routes, "broker": app.conf.broker_url,
                   "prefetch": app.conf.worker_prefetch_multiplier, "pool": app.conf.worker_pool,
                   "expected": beat_schedule.build_schedule(),
-                  "namespace": outbox.celery_app.relay_settings().outbox_namespace}))
+                  "namespace": outbox.celery.application.relay_settings().outbox_namespace}))
 """
     done = run_python(code, tmp_path, OUTBOX_CLAIM_INTERVAL_S="0.5", OUTBOX_RELAY_PURGE_INTERVAL_S="120",
                       OUTBOX_CELERY_BROKER_URL="redis://127.0.0.1:6379/14")

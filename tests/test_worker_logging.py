@@ -14,7 +14,7 @@ import pytest
 
 from outbox.core.model import Stats
 from outbox.relay import CLAIM_TASK, PUBLISH_TASK
-from outbox.worker_logging import TickFilter, heartbeat_line
+from outbox.celery.worker_logging import TickFilter, heartbeat_line
 
 from relay_e2e_support import Destination, Outbox, destination, procs_factory, relay_env, sqlite_outbox, wait_until  # noqa: F401
 
@@ -35,7 +35,7 @@ def test_an_idle_worker_and_beat_are_quiet_at_info_and_log_a_heartbeat(
     assert wait_until(lambda: " ready." in procs.log("w1") and "beat: Starting" in procs.log("beat"), timeout=60), (
         f"worker or beat did not start\n--- worker\n{procs.log('w1')[-3000:]}\n--- beat\n{procs.log('beat')[-3000:]}")
     # The banner names Celery's broker by the URL it was given: no class path of the transport
-    # that drops garbage (outbox.celery_redis), no masked password where there is none.
+    # that drops garbage (outbox.celery.redis_transport), no masked password where there is none.
     banner = next((line for line in procs.log("w1").splitlines() if ".> transport:" in line), "")
     assert banner.split("transport:", 1)[-1].strip() == procs.env["OUTBOX_CELERY_BROKER_URL"], banner
     # Let beat send its first ticks, then count what an idle window adds.

@@ -63,7 +63,7 @@ def clear_token(token: str, broker_url: str | None = None) -> None:
         return
     try:
         if broker_url is None:
-            from .celery_app import app
+            from .celery.application import app
 
             broker_url = str(app.conf.broker_url)
         _redis(broker_url).delete(token)
@@ -130,7 +130,7 @@ class _Plan:
 
     def coalescer(self) -> Any:
         """The claim queue's one token (Redis), the same object type and key as the
-        worker's ``outbox.worker.coalescer``; made on first use, in the hand-off thread."""
+        worker's ``outbox.celery.worker.coalescer``; made on first use, in the hand-off thread."""
         if self._coalescer is None:
             from .relay import make_coalescer
 
@@ -157,7 +157,7 @@ class _Plan:
             dramatiq_broker.sender()
             dramatiq_broker.message(CLAIM_TASK, relay_settings().queues.claim, {})
             return
-        from .celery_app import app
+        from .celery.application import app
 
         for lazy in ("amqp", "producer_pool", "AsyncResult", "backend", "events"):  # built on first use
             getattr(app, lazy)
@@ -186,7 +186,7 @@ def _current_plan() -> _Plan:
         # Dramatiq is the configured runner (OUTBOX_DRAMATIQ_BROKER_URL): wake through it.
         url, key_prefix, runner = dramatiq.broker_url, dramatiq.namespace, "dramatiq"
     else:
-        from .celery_app import app
+        from .celery.application import app
 
         url = str(app.conf.broker_url or "")
         key_prefix = str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
@@ -227,7 +227,7 @@ def _send(requested: bool) -> bool:
         except Exception as exc:
             _failed("sending a claim", exc)
             return False
-    from .celery_app import send_relay_task
+    from .celery.application import send_relay_task
 
     try:
         send_relay_task(CLAIM_TASK, kwargs, expires=relay_options().claim_request_ttl_s, retry=True,
@@ -245,7 +245,7 @@ def wake_now() -> bool:
     try:
         if time.monotonic() < _paused_until:
             return False
-        worker = sys.modules.get("outbox.worker")  # loaded only where a worker may run
+        worker = sys.modules.get("outbox.celery.worker")  # loaded only where a worker may run
         if worker is not None and worker.in_worker():
             return bool(worker.request_claim())
         plan = _current_plan()
@@ -314,7 +314,7 @@ def request_claim() -> bool:
     try:
         if time.monotonic() < _paused_until or not wake_options().wake:
             return False
-        worker = sys.modules.get("outbox.worker")
+        worker = sys.modules.get("outbox.celery.worker")
         if not (worker is not None and worker.in_worker()) and _current_plan().kind == "memory":
             if not _memory_noted:
                 _memory_noted = True

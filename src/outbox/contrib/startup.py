@@ -30,7 +30,7 @@ def wake_problem() -> str | None:
     if dramatiq_broker.configured():
         dramatiq_broker.settings()  # Dramatiq is the runner: wakes go to its (validated) broker
         return None
-    from ..celery_app import app
+    from ..celery.application import app
 
     broker = str(app.conf.broker_url or settings.broker_url)
     if broker.startswith("memory://"):

@@ -2,7 +2,7 @@
 requests, so that whoever requests it never waits and never does its I/O.
 
 The writer's post-commit wake (``outbox.wake``) and the worker's in-process claim
-(``outbox.worker``) are both this. Why, and what it guarantees: docs/waking-and-metrics.md,
+(``outbox.celery.worker``) are both this. Why, and what it guarantees: docs/waking-and-metrics.md,
 "Post-commit wake-up" and "The in-process claim".
 """
 

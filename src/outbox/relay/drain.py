@@ -1,4 +1,4 @@
-"""A claim task's drain slice, written once for every task runner (``outbox.tasks`` for
+"""A claim task's drain slice, written once for every task runner (``outbox.celery.tasks`` for
 Celery, ``outbox.dramatiq``): while claims come back full and publish their first share
 here, claim again in the same task, for at most a slice (docs/relay.md, "Drain slices")."""
 

@@ -178,7 +178,7 @@ class Subscriber(Listener):
         return _Subscription(self.url, self.channel)
 
 
-# -- the worker's listeners (started and stopped by ``outbox.worker``) ------------------------
+# -- the worker's listeners (started and stopped by ``outbox.celery.worker``) ------------------------
 
 #: The running listeners of this process: "listen" (PostgreSQL) and "subscribe" (Redis).
 _running: dict[str, Listener] = {}

@@ -348,7 +348,7 @@ def stop_serving() -> None:
         _own_dir = None
 
 
-# -- called by ``outbox.worker`` on the worker's signals -----------------------------------------
+# -- called by ``outbox.celery.worker`` on the worker's signals -----------------------------------------
 
 def on_worker_init() -> None:
     """worker_init (main process, before the pool forks): decide, set up multiprocess

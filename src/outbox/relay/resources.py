@@ -1,4 +1,4 @@
-"""What a relay worker process holds, for every task runner (``outbox.worker`` for Celery,
+"""What a relay worker process holds, for every task runner (``outbox.celery.worker`` for Celery,
 ``outbox.dramatiq``): why per process and per thread, docs/relay.md, "Worker processes"."""
 
 from __future__ import annotations

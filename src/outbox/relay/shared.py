@@ -307,7 +307,7 @@ def make_relay_outage(which: str, settings: Any, options: Any, shared_url: str,
                       logger: logging.Logger | None = None) -> Outage:
     """The outage log of ``which`` ("database" or "destination broker") for ``settings``,
     shared through ``shared_url`` (the task runner's broker) like the breaker; every task
-    runner (outbox.worker for Celery, outbox.dramatiq) makes its outage logs here."""
+    runner (outbox.celery.worker for Celery, outbox.dramatiq) makes its outage logs here."""
     from ..core.redact import redact
 
     key = breaker_key(settings.outbox_namespace, settings.publish_url, settings.exchange)

@@ -2,8 +2,8 @@
 ``outbox.celery``). Why the settings below are what they are: docs/relay.md,
 "The Celery app"; the queues, one set per outbox: ``outbox.core.names``.
 
-This module defines no task and connects no signal: the tasks are in ``outbox.tasks``,
-the per-process wiring in ``outbox.worker``.
+This module defines no task and connects no signal: the tasks are in ``outbox.celery.tasks``,
+the per-process wiring in ``outbox.celery.worker``.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from kombu import Connection as KombuConnection
 from kombu import Exchange, Queue
 from kombu.utils.url import as_url
 
-from .core.config import RelayOptions, Settings, relay_options, relay_settings, use_conf
-from .core.errors import ConfigError
-from .core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
-from .core.redact import redact
+from ..core.config import RelayOptions, Settings, relay_options, relay_settings, use_conf
+from ..core.errors import ConfigError
+from ..core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
+from ..core.redact import redact
 
 log = logging.getLogger("outbox.celery")
 
 #: kombu's Redis transport made to drop garbage instead of stopping the worker
-#: (``outbox.celery_redis``), Celery's transport for a ``redis://`` broker URL.
-REDIS_TRANSPORT = "outbox.celery_redis:Transport"
+#: (``outbox.celery.redis_transport``), Celery's transport for a ``redis://`` broker URL.
+REDIS_TRANSPORT = "outbox.celery.redis_transport:Transport"
 
 
 class Connection(KombuConnection):
     """kombu's connection, which names a transport given by class path by that path
-    (``outbox.celery_redis:Transport://:**@host``, the worker's banner included): shown
+    (``outbox.celery.redis_transport:Transport://:**@host``, the worker's banner included): shown
     here as the URL the user gave, a password masked only where there is one."""
 
     def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
@@ -50,7 +50,7 @@ class AMQP(CeleryAMQP):
     BrokerConnection = Connection
 
 
-app = Celery("outbox", include=["outbox.tasks"], amqp=AMQP)
+app = Celery("outbox", include=["outbox.celery.tasks"], amqp=AMQP)
 
 # The one configuration reader (``outbox.core.config``) reads this app's OUTBOX_* config keys.
 use_conf(lambda: app.conf)
@@ -85,7 +85,7 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         # running. Prefetching more would park leased rows in one busy worker's buffer
         # (late, and costing memory) while other processes sit idle.
         "worker_prefetch_multiplier": 1,
-        # acks_late and reject_on_worker_lost are set per task in outbox.tasks, where the
+        # acks_late and reject_on_worker_lost are set per task in outbox.celery.tasks, where the
         # reasons are given. Correctness never rests on Celery's ack: rows are settled in
         # the table, fenced by the lease. So a task running when the connection to Celery's
         # broker drops is allowed to finish its chain rather than be cancelled halfway.
@@ -100,7 +100,7 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
     }
     if broker_url.startswith("redis://"):
         # kombu's Redis transport, made to drop a message it cannot decode instead of
-        # stopping the worker (outbox.celery_redis). The URL is read exactly as before.
+        # stopping the worker (outbox.celery.redis_transport). The URL is read exactly as before.
         config["broker_transport"] = REDIS_TRANSPORT
     elif broker_url.startswith("outboxdb"):
         # The database as Celery's broker (docs/transport.md). Imported only here, so a
@@ -108,8 +108,8 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         # connects, so the outboxdb scheme is registered in time). A publish task may run
         # up to its time limit (the lease) before it is acked: the visibility timeout must
         # outlast that, or the message would be delivered again while it runs.
-        from .transport import register
-        from .transport.options import transport_options
+        from ..transport import register
+        from ..transport.options import transport_options
 
         register()
         config["broker_transport_options"] = transport_options(visibility_timeout=max(120.0, 2 * lease_s))
@@ -138,7 +138,7 @@ app.add_defaults(_defaults)
 def send_relay_task(task: str, kwargs: dict[str, Any] | None = None, namespace: str | None = None,
                     **options: Any) -> Any:
     """Send one of the relay's tasks to its outbox's queue, naming the outbox in the task
-    (``TASK_OUTBOX_ARG``: a worker of another outbox refuses it, see ``outbox.tasks``). Every relay
+    (``TASK_OUTBOX_ARG``: a worker of another outbox refuses it, see ``outbox.celery.tasks``). Every relay
     task is sent through here. ``namespace``: the outbox (default: this process's)."""
     namespace = namespace or relay_settings().outbox_namespace
     return app.send_task(task, kwargs={**(kwargs or {}), TASK_OUTBOX_ARG: namespace},

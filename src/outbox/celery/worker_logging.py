@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from celery import signals
 
-from .core.names import CLAIM_TASK
+from ..core.names import CLAIM_TASK
 
 log = logging.getLogger("outbox.heartbeat")
 
@@ -117,7 +117,7 @@ class Heartbeat:
         self._stop.set()
 
     def beat_once(self, ticks: int | None) -> None:
-        from .storage.store import OutboxStore
+        from ..storage.store import OutboxStore
 
         store = OutboxStore.from_settings(self.settings)
         try:
@@ -189,7 +189,7 @@ def _stop_heartbeat(**_: Any) -> None:
 
 
 def install(settings: Callable[[], Any], options: Callable[[], Any]) -> None:
-    """Called once by ``outbox.worker`` with its getters of the relay's settings and
+    """Called once by ``outbox.celery.worker`` with its getters of the relay's settings and
     options: the filter now (beat and worker), the heartbeat when a worker is ready."""
     global _sources
     _sources = (settings, options)

@@ -15,7 +15,7 @@ publish task is recovered by the next tick or by the rows' lease.
 
 ``outbox.celery`` selects this transport (``broker_transport``) when Celery's broker URL is
 ``redis://``; the URL and every Redis transport option work as with kombu's own (the
-app shows it as that URL: ``outbox.celery_app.Connection``).
+app shows it as that URL: ``outbox.celery.application.Connection``).
 """
 
 from __future__ import annotations

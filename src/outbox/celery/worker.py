@@ -1,4 +1,4 @@
-"""The relay worker's process wiring: its resources (``relay.ResourceHolder``), the
+"""The relay worker's process wiring: its relay (``relay.service.Relay``), the
 shutdown flag, and every Celery signal the package connects (docs/relay.md, "Worker processes").
 """
 
@@ -13,14 +13,16 @@ from typing import Any
 
 from celery import signals
 
-from .celery_app import app, send_relay_task
-from .core.config import RelayOptions, Settings, relay_options, relay_settings, wake_options
-from .core.handoff import HandOff
-from .core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, RELEASE_TASK, claim_request_key, wake_channel
-from .core.redact import install_filter
-from .relay import Breaker, Coalescer, Outage, ResourceHolder, Resources, RouteGate
+from .application import app
+from .runner import CeleryRunner, claim_queue
+from ..core.config import relay_options, relay_settings, wake_options
+from ..core.handoff import HandOff
+from ..core.names import CLAIM_TASK, claim_request_key, wake_channel
+from ..core.redact import install_filter
+from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
+from ..relay.service import Relay
 from . import worker_logging as _worker_logging
-from .relay import listen as _listen, metrics as _metrics
+from ..relay import listen as _listen, metrics as _metrics
 
 log = logging.getLogger("outbox.tasks")
 
@@ -53,114 +55,70 @@ def stopping() -> bool:
     return _parent_pid is not None and _stopping_marker(_parent_pid).exists()
 
 
-# -- per-process, per-thread resources (relay.ResourceHolder) ---------------------------------
+# -- the process's relay (outbox.relay.service.Relay) -------------------------------------------
 
-def _claim_queue() -> tuple[str, str]:
-    url = str(app.conf.broker_url or relay_settings().broker_url)
-    return url, str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
+_relay: Relay | None = None
+_relay_lock = threading.Lock()
+
+
+def relay() -> Relay:
+    """This process's relay, built on first use from the settings and options Celery's app reads."""
+    global _relay
+    with _relay_lock:
+        if _relay is None:
+            _relay = Relay(relay_settings(), relay_options(), CeleryRunner(stopping), log)
+        return _relay
 
 
 def claim_queue_key() -> tuple[str, str]:
     """Celery's broker URL and the name of this outbox's claim queue's one "claim soon" token
     (the key writers' wake-ups take too: ``outbox.core.names.claim_request_key``)."""
-    url, prefix = _claim_queue()
+    url, prefix = claim_queue()
     return url, claim_request_key(url, prefix, relay_settings().outbox_namespace)
-
-
-def _config() -> tuple[Settings, RelayOptions, str, str]:
-    """The relay's settings and options, Celery's broker URL (where shared state lives) and
-    the claim queue's claim-request token."""
-    url, claim_key = claim_queue_key()
-    return relay_settings(), relay_options(), url, claim_key
-
-
-#: The settling task that takes over a store write a publish task could not make.
-_FALLBACK_TASKS = {"done": ACK_TASK, "failed": FAIL_TASK, "release": RELEASE_TASK}
-
-
-def _fallback(operation: str, kwargs: dict[str, Any]) -> None:
-    send_relay_task(_FALLBACK_TASKS[operation], kwargs)
-
-
-# ``request_claim`` is defined below: after a lost worker's rows were taken over, claim soon.
-_held = ResourceHolder(_config, _fallback, log, on_takeover=lambda: request_claim())
 
 
 def resources() -> Resources:
     """This thread's store, publisher and settler."""
-    return _held.resources()
+    return relay().resources()
 
 
 def breaker() -> Breaker:
     """One breaker per process (shared beyond it through Redis or a file)."""
-    return _held.shared().breaker
+    return relay().breaker()
 
 
 def coalescer() -> Coalescer:
     """The claim queue's one claim-request token, as this process holds it (shared beyond it
     like the breaker, and with the writers that wake the relay)."""
-    return _held.shared().coalescer
+    return relay().shared().coalescer
 
 
 def route_gate() -> RouteGate:
     """The paused routes (per-route back-pressure), shared beyond the process like the breaker."""
-    return _held.shared().routes
+    return relay().shared().routes
 
 
 def outage(which: str) -> Outage:
     """The outage log of ``which`` ("database" or "destination broker"): one warning when it
     starts, one line when it ends, announced by one process of all the workers."""
-    return _held.outage(which)
+    return relay().outage(which)
 
 
 def close_resources() -> None:
-    _held.close()
+    if _relay is not None:
+        _relay.close()
 
-
-# -- Celery's broker, as claims use it ---------------------------------------------------------
 
 def queued_publish_tasks() -> int | None:
     """Messages waiting in this outbox's publish queue on Celery's broker; None when unknown."""
-    queue = relay_settings().queues.publish
-    try:
-        with app.pool.acquire(block=True, timeout=2.0) as conn:
-            channel = conn.default_channel
-            size = getattr(channel, "_size", None)
-            if callable(size):
-                # kombu's virtual transports (Redis, memory, SQS...): their passive
-                # queue_declare reports a drained Redis list, or any list under a
-                # global_keyprefix, as missing; the size itself is right.
-                return int(size(queue))
-            try:
-                return int(channel.queue_declare(queue=queue, passive=True).message_count)
-            except Exception as exc:
-                conn.close()  # AMQP closes the channel on NOT_FOUND; start afresh next time
-                if type(exc).__name__ == "NotFound":
-                    return 0
-                raise
-    except Exception as exc:
-        log.debug("outbox: cannot read the publish queue's length: %s", exc)
-        return None
+    return relay().runner.queued_publish_tasks()
 
 
 def request_claim() -> bool:
-    """Ask for a claim soon, coalesced: while one requested claim has not started yet,
-    further requests are no-ops. The one "claim soon" of a worker process: drain mode
-    (``outbox.tasks``), notifications with the in-process claim off, and post-commit
-    wake-ups made in a worker use it. Asked from inside the in-process claim, the next
-    claim runs in-process too (docs/waking-and-metrics.md, "The in-process claim")."""
-    if stopping():
-        return False
-    gate = coalescer()
-    if not gate.acquire():
-        return False
-    try:
-        send_relay_task(CLAIM_TASK, {"requested": True}, expires=relay_options().claim_request_ttl_s)
-    except Exception as exc:
-        gate.clear()
-        log.warning("outbox: cannot request a claim (%s); the next tick will claim", exc)
-        return False
-    return True
+    """Ask for a claim soon, coalesced (``Relay.request_claim``). Asked from inside the
+    in-process claim, the next claim runs in-process too (docs/waking-and-metrics.md, "The
+    in-process claim")."""
+    return relay().request_claim()
 
 
 #: Set in the thread while the in-process claim runs.
@@ -206,10 +164,11 @@ def _process_init(**_: Any) -> None:
     # Stop using what was inherited over fork() (the main process's in-process claim made
     # it), without closing it: it is the parent's.
     global _parent_pid
-    _held.forget()
+    if _relay is not None:
+        _relay.forget()
     STOPPING.clear()
     _parent_pid = os.getppid()
-    _held.start()  # this pool process's liveness record (docs/relay.md, "Lost workers")
+    relay().start()  # this pool process's liveness record (docs/relay.md, "Lost workers")
 
 
 @signals.worker_process_shutdown.connect
@@ -260,16 +219,9 @@ def _warn_foreign_queues(settings: Any) -> None:
 
 @signals.worker_ready.connect
 def _ready(**_: Any) -> None:
-    """A restarted worker lifts a fatal pause: the operator has presumably fixed the
-    configuration, and if not, the first chain trips it again. Then the optional services
-    start: the schedule (in-memory broker), the LISTEN thread, the metrics endpoint."""
-    try:
-        b = breaker()
-        if b.open_for() > 0 and b.reason.startswith("fatal"):
-            log.warning("outbox: lifting the fatal pause left by an earlier run (%s)", b.reason)
-            b.reset()
-    except Exception as exc:  # never keep a worker from starting over this
-        log.warning("outbox: cannot check the circuit breaker at start-up: %s", exc)
+    """A restarted worker lifts a fatal pause (``Relay.lift_fatal_pause``). Then the optional
+    services start: the schedule (in-memory broker), the LISTEN thread, the metrics endpoint."""
+    relay().lift_fatal_pause()
     settings = relay_settings()
     log.info("outbox: relaying outbox %s (table %s) on queues %s", settings.outbox_namespace, settings.table,
              ", ".join(settings.queues.all))
@@ -286,7 +238,7 @@ def _ready(**_: Any) -> None:
         log.error("outbox listen: not started (%s: %s); claims rely on beat's ticks", type(exc).__name__, exc)
     try:
         if in_process:
-            url, prefix = _claim_queue()
+            url, prefix = claim_queue()
             _listen.start_subscriber(url, wake_channel(url, prefix, relay_settings().outbox_namespace),
                                      claim_runner.request)
     except Exception as exc:  # writers then send claim messages, as when no worker listens
@@ -296,7 +248,7 @@ def _ready(**_: Any) -> None:
 
 def _gauge_store() -> Any:
     """The metrics refresher's own store (``outbox.relay.metrics.GaugeRefresher``)."""
-    from .storage.store import OutboxStore
+    from ..storage.store import OutboxStore
 
     return OutboxStore.from_settings(relay_settings())
 
@@ -314,7 +266,7 @@ def _shutdown(**_: Any) -> None:
     _metrics.stop_serving()
 
 
-# Idle workers and beat are quiet at INFO and log a heartbeat instead (outbox.worker_logging,
+# Idle workers and beat are quiet at INFO and log a heartbeat instead (outbox.celery.worker_logging,
 # which connects its own worker_ready / worker_shutdown / beat_init handlers here).
 _worker_logging.install(relay_settings, relay_options)
 
@@ -353,6 +305,6 @@ def _stop_embedded_beat() -> None:
         _embedded_beat = None
 
 
-__all__ = ["STOPPING", "stopping", "in_worker", "resources", "close_resources", "breaker",
+__all__ = ["STOPPING", "stopping", "in_worker", "relay", "resources", "close_resources", "breaker",
            "coalescer", "claim_queue_key", "claim_runner", "claiming_in_process", "route_gate", "outage", "queued_publish_tasks",
            "request_claim"]

@@ -1,0 +1,70 @@
+"""The relay's runner on Celery (``outbox.relay.runner.Runner``): relay tasks sent with
+``send_relay_task``, the publish queue's length read on Celery's broker, the claim-request token
+named from Celery's broker URL and key prefix."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from ..core.config import relay_settings
+from ..core.names import PUBLISH_TASK, claim_request_key
+from ..wake import clear_token
+from .application import app, send_relay_task
+
+log = logging.getLogger("outbox.tasks")
+
+#: Send options per task beyond the queue: a publish task carries leased rows, so its send is retried.
+SEND_OPTIONS: dict[str, dict[str, Any]] = {
+    PUBLISH_TASK: {"retry": True,
+                   "retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}},
+}
+
+
+def claim_queue() -> tuple[str, str]:
+    """Celery's broker URL and its key prefix (``global_keyprefix``)."""
+    url = str(app.conf.broker_url or relay_settings().broker_url)
+    return url, str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
+
+
+class CeleryRunner:
+    """Celery as the relay's runner; ``stopping`` is the worker's shutdown flag (``outbox.celery.worker``)."""
+
+    def __init__(self, stopping: Callable[[], bool]) -> None:
+        self.stopping = stopping
+        self.broker_url, self.key_prefix = claim_queue()
+        self.claim_key = claim_request_key(self.broker_url, self.key_prefix, relay_settings().outbox_namespace)
+
+    def send(self, task: str, kwargs: dict[str, Any], expires_s: float | None = None) -> None:
+        options = dict(SEND_OPTIONS.get(task, {}))
+        if expires_s is not None:
+            options["expires"] = expires_s
+        send_relay_task(task, kwargs, **options)
+
+    def queued_publish_tasks(self) -> int | None:
+        queue = relay_settings().queues.publish
+        try:
+            with app.pool.acquire(block=True, timeout=2.0) as conn:
+                channel = conn.default_channel
+                size = getattr(channel, "_size", None)
+                if callable(size):
+                    # kombu's virtual transports (Redis, memory, SQS...): their passive
+                    # queue_declare reports a drained Redis list, or any list under a
+                    # global_keyprefix, as missing; the size itself is right.
+                    return int(size(queue))
+                try:
+                    return int(channel.queue_declare(queue=queue, passive=True).message_count)
+                except Exception as exc:
+                    conn.close()  # AMQP closes the channel on NOT_FOUND; start afresh next time
+                    if type(exc).__name__ == "NotFound":
+                        return 0
+                    raise
+        except Exception as exc:
+            log.debug("outbox: cannot read the publish queue's length: %s", exc)
+            return None
+
+    def clear_token(self, token: str) -> None:
+        clear_token(token, self.broker_url)
+
+
+__all__ = ["CeleryRunner", "claim_queue", "SEND_OPTIONS"]

@@ -1,0 +1,177 @@
+"""One relay per worker process, under either task runner: ``Relay`` is built from the relay's
+settings and options and the process's ``Runner`` (``relay.runner``), owns what the process holds
+(``relay.resources``: each thread's store, publisher, settler and claim sizer; the process's breaker,
+claim coalescer, route gate, outage logs and heartbeat) and runs the relay tasks' bodies over them.
+The task and actor modules (``outbox.celery.tasks``, ``outbox.dramatiq``) are one-line calls into it
+(docs/relay.md, "Worker processes")."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any
+
+from ..core.config import RelayOptions, Settings
+from ..core.model import message_from_dict, message_to_dict
+from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, RELEASE_TASK
+from .drain import DRAIN_SLICE_S, Backlog, after_publish, drain_slice
+from .foreign import ForeignTasks
+from .publish import handle_publish, still_held
+from .resources import ResourceHolder, Resources, Shared
+from .runner import Runner
+from .settle import apply_fallback, purge_expired
+from .shared import Breaker, Outage
+
+#: The settling task that takes over a store write a publish could not make.
+FALLBACK_TASKS = {"done": ACK_TASK, "failed": FAIL_TASK, "release": RELEASE_TASK}
+
+
+class Relay:
+    """The relay of one worker process: its collaborators, made on first use (per thread where a
+    connection is involved, afresh in a forked child) and closed together, and the bodies of the
+    claim, publish, settling and purge tasks."""
+
+    def __init__(self, settings: Settings, options: RelayOptions, runner: Runner, logger: logging.Logger) -> None:
+        self.settings = settings
+        self.options = options
+        self.runner = runner
+        self.log = logger
+        self.lease_s = settings.claim_timeout_ms / 1000.0
+        #: Did this process's last claim meet a backlog (``relay.drain.Backlog``)?
+        self.backlog = Backlog()
+        #: Tasks naming another outbox that reached this process (``relay.foreign``).
+        self.foreign = ForeignTasks(logger)
+        # After a lost worker's rows were taken over, claim soon.
+        self.held = ResourceHolder(self._config, self._fallback, logger, on_takeover=self.request_claim)
+
+    # -- what the process holds -------------------------------------------------------------
+
+    def _config(self) -> tuple[Settings, RelayOptions, str, str]:
+        return self.settings, self.options, self.runner.broker_url, self.runner.claim_key
+
+    def resources(self) -> Resources:
+        """This thread's store, publisher, settler and claim sizer."""
+        return self.held.resources()
+
+    def shared(self) -> Shared:
+        """This process's breaker, claim coalescer, route gate and outage logs."""
+        return self.held.shared()
+
+    def breaker(self) -> Breaker:
+        return self.shared().breaker
+
+    def outage(self, which: str) -> Outage:
+        """The outage log of ``which`` ("database" or "destination broker")."""
+        return self.shared().outage(which)
+
+    def stopping(self) -> bool:
+        return self.runner.stopping()
+
+    def start(self) -> None:
+        """A worker process starts: its liveness record now (docs/relay.md, "Lost workers")."""
+        self.held.start()
+
+    def forget(self) -> None:
+        """In a forked child: stop using what was inherited, without closing it (it is the parent's)."""
+        self.held.forget()
+
+    def close(self) -> None:
+        self.held.close()
+
+    def lift_fatal_pause(self) -> None:
+        """A restarted worker lifts a fatal pause: the operator has presumably fixed the
+        configuration, and if not, the first chain trips it again."""
+        try:
+            breaker = self.breaker()
+            if breaker.open_for() > 0 and breaker.reason.startswith("fatal"):
+                self.log.warning("outbox: lifting the fatal pause left by an earlier run (%s)", breaker.reason)
+                breaker.reset()
+        except Exception as exc:  # never keep a worker from starting over this
+            self.log.warning("outbox: cannot check the circuit breaker at start-up: %s", exc)
+
+    # -- sending through the runner ---------------------------------------------------------
+
+    def _fallback(self, operation: str, kwargs: dict[str, Any]) -> None:
+        self.runner.send(FALLBACK_TASKS[operation], kwargs)
+
+    def _dispatch(self, chains: list[list[Any]], deadline: float) -> None:
+        self.runner.send(PUBLISH_TASK, {"chains": [[message_to_dict(m) for m in chain] for chain in chains],
+                                        "deadline": deadline})
+
+    def request_claim(self) -> bool:
+        """Ask for a claim soon, coalesced: while one requested claim has not started yet,
+        further requests are no-ops. The one "claim soon" of a worker process: drain mode,
+        a takeover, notifications and post-commit wake-ups made in a worker use it."""
+        if self.stopping():
+            return False
+        gate = self.shared().coalescer
+        if not gate.acquire():
+            return False
+        try:
+            self.runner.send(CLAIM_TASK, {"requested": True}, expires_s=self.options.claim_request_ttl_s)
+        except Exception as exc:
+            gate.clear()
+            self.log.warning("outbox: cannot request a claim (%s); the next tick will claim", exc)
+            return False
+        return True
+
+    # -- the tasks' bodies -------------------------------------------------------------------
+
+    def claim(self, requested: bool = False, token: str | None = None, *, expired: bool = False,
+              in_main: bool = False) -> dict[str, Any]:
+        """Claim a batch and dispatch it as publish tasks, in drain slices (``relay.drain``):
+        a full claim and every finished publish request the next, coalesced; a claim that finds
+        the publish queue full claims nothing; beat's tick is the safety net. ``requested``: it
+        held the claim-request token, cleared as it starts; ``expired``: it came too late and
+        only clears its token; ``in_main``: the Celery worker's in-process claim."""
+        if requested:
+            self.shared().coalescer.clear()
+        if token:  # a post-commit wake-up of an earlier version (outbox.wake)
+            self.runner.clear_token(token)
+        if expired:
+            self.log.debug("outbox: dropped a claim that arrived after it expired")
+            return {"expired": True}
+        if self.stopping():
+            return {"stopped": True}
+        r, s = self.resources(), self.shared()
+        outcome = drain_slice(r.store, self._dispatch, batch_size=self.settings.batch_size, lease_s=self.lease_s,
+                              options=self.options, breaker=s.breaker, queued=self.runner.queued_publish_tasks,
+                              backlog=self.backlog, settler=r.settler, publisher=r.publisher, sizer=r.sizer,
+                              publish_here=self.publish_here, request_claim=self.request_claim,
+                              stopping=self.stopping, outage=s.outage("database"), in_main=in_main,
+                              slice_s=DRAIN_SLICE_S)
+        if outcome is None:  # the database is down or refusing: the error is in the outage's log lines, once
+            return {"database_unavailable": True}
+        return asdict(outcome)
+
+    def publish_here(self, chains: list[list[Any]], deadline: float | None) -> list[Any]:
+        """Publish chains in this process: the publish task's work, and a claim's own share."""
+        r, s = self.resources(), self.shared()
+        return handle_publish(r.store, r.publisher, chains, deadline=deadline, options=self.options,
+                              breaker=s.breaker, settler=r.settler, stopping=self.stopping, routes=s.routes,
+                              outage=s.outage("destination broker"))
+
+    def publish(self, chains: list[list[dict[str, Any]]], deadline: float | None = None,
+                check_own: bool = True) -> dict[str, Any]:
+        """A publish task: the chains whose rows the lease still holds (rows another process
+        claimed are adopted; this process's own are checked when ``check_own``: docs/relay.md,
+        "Lost workers"), published here; then a claim soon (their aggregates may have more rows)."""
+        messages = [[message_from_dict(d) for d in chain] for chain in chains]
+        outcomes = self.publish_here(still_held(self.resources().store, messages, deadline=deadline,
+                                                check_own=check_own), deadline)
+        after_publish(self.breaker(), self.request_claim)
+        return {"published": sum(len(o.published) for o in outcomes),
+                "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}
+
+    def settle(self, operation: str, **kwargs: Any) -> Any:
+        """An ack, fail or release task: the store write a publish could not make
+        (``relay.settle.apply_fallback``); raises on failure, so the task retries."""
+        r = self.resources()
+        return apply_fallback(r.store, r.publisher if operation == "failed" else None, operation, kwargs).applied
+
+    def purge(self) -> int:
+        return purge_expired(self.resources().store, self.settings.retention_days, self.outage("database"),
+                             self.log)
+
+
+__all__ = ["Relay", "FALLBACK_TASKS"]
