@@ -5,57 +5,14 @@ mid-run and started again: nothing lost, per-aggregate order of first arrivals h
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from outbox import Status
 
-from kafka_support import tansu  # noqa: F401  (fixture)
+from kafka_support import Reader, tansu  # noqa: F401  (fixture)
 from relay_e2e_support import base_env, check_order, procs_factory, sqlite_outbox, wait_until  # noqa: F401
-
-
-class Reader(threading.Thread):
-    """Reads every partition of ``topic`` from the start (assigned, not joined) until stopped."""
-
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        super().__init__(daemon=True)
-        self.bootstrap, self.topic = bootstrap, topic
-        self.arrivals: list[tuple[int, str, Any]] = []
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        from confluent_kafka import Consumer, TopicPartition
-
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"e2e-{uuid.uuid4().hex}",
-                             "enable.auto.commit": False, "auto.offset.reset": "earliest"})
-        try:
-            partitions: list[int] = []
-            while not partitions and not self._done.is_set():
-                try:
-                    found = consumer.list_topics(self.topic, timeout=2).topics.get(self.topic)
-                    partitions = sorted(found.partitions) if found is not None and found.error is None else []
-                except Exception:  # noqa: BLE001 - the broker may be down or the topic not made yet
-                    pass
-                if not partitions:
-                    time.sleep(0.2)
-            consumer.assign([TopicPartition(self.topic, p, 0) for p in partitions])
-            while not self._done.is_set():
-                message = consumer.poll(0.2)
-                if message is not None and message.error() is None:
-                    headers = {k: v.decode() for k, v in message.headers() or []}
-                    self.arrivals.append((int(headers["outbox_id"]), headers["aggregate_id"],
-                                          json.loads(message.value())))
-        finally:
-            consumer.close()
-
-    def stop(self) -> list[tuple[int, str, Any]]:
-        self._done.set()
-        self.join(10)
-        return self.arrivals
 
 
 def test_celery_worker_relays_to_kafka_through_a_broker_restart(tmp_path: Path, sqlite_outbox: Any, tansu: Any,

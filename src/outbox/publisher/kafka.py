@@ -191,6 +191,13 @@ class ClientLog:
         self.down = False
 
 
+#: Delivery errors after which the producer is made anew (besides fatal ones: fenced, unknown
+#: producer id): a message timed out may leave the idempotent producer's state stale, e.g.
+#: retrying forever against a broker that restarted without its producer ids
+#: (docs/destinations.md, "Failures").
+_RENEW = ("_MSG_TIMED_OUT", "UNKNOWN_PRODUCER_ID", "OUT_OF_ORDER_SEQUENCE_NUMBER", "INVALID_PRODUCER_EPOCH")
+
+
 #: A delivery verdict not yet known (the slot of an event produced, awaiting its report).
 _PENDING = object()
 #: The event was not handed to the producer (an earlier event of its chain stopped it).
@@ -360,8 +367,8 @@ class KafkaPublisher(Publisher):
             row[i] = None if error is None else _failure(error, f" (topic {topic!r})")
             if error is None:
                 self._client_log.ok()
-            if error is not None and error.fatal():
-                self._producer = None  # a fenced or fatal idempotent producer: a new one next time
+            elif error.fatal() or error.name() in _RENEW:
+                self._producer = None  # a new producer (a new producer id) next time
 
         row[i] = _PENDING
         for waited in (False, True):
