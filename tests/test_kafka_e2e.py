@@ -1,7 +1,9 @@
-"""The relay end to end on Kafka: a real Celery worker (SQLite outbox, the worker running the
-schedule itself) publishing to Tansu (tests/kafka_support.py) while a consumer reads. A
-backlog and live writes, a poison event (too large for Kafka) dead alone, the broker stopped
-mid-run and started again: nothing lost, per-aggregate order of first arrivals held."""
+"""The relay end to end on Kafka: real workers (SQLite outbox) publishing to Tansu
+(tests/kafka_support.py) while a consumer reads every partition, on both runners: a Celery
+worker running the schedule itself (Celery's broker in memory), and Dramatiq's worker and
+scheduler (Redis as its broker). A backlog and later writes, a poison event (too large for
+Kafka) dead alone, the broker stopped mid-run and started again: nothing lost, per-aggregate
+order of first arrivals held. A worker SIGKILLed: tests/test_kafka_recovery_e2e.py."""
 
 from __future__ import annotations
 
@@ -12,11 +14,27 @@ from typing import Any
 from outbox import Status
 
 from kafka_support import Reader, tansu  # noqa: F401  (fixture)
-from relay_e2e_support import base_env, check_order, procs_factory, sqlite_outbox, wait_until  # noqa: F401
+from relay_e2e_support import base_env, check_order, relay_env, require_relay_services, wait_until
+from relay_e2e_support import procs_factory, runner, sqlite_outbox  # noqa: F401 - fixtures used by name
 
 
-def test_celery_worker_relays_to_kafka_through_a_broker_restart(tmp_path: Path, sqlite_outbox: Any, tansu: Any,
-                                                               procs_factory: Any) -> None:
+def start_relay(procs_factory: Any, runner: Any, tmp_path: Path, outbox: Any, **settings: str) -> Any:
+    """Celery: one worker running the schedule itself on Celery's in-memory broker (SQLite's
+    default); Dramatiq: a worker and the scheduler on Redis."""
+    if runner.name == "celery":
+        procs = procs_factory(base_env(outbox, **settings))
+        procs.start("w1", "worker", "--loglevel=INFO", "-c", "2", "--without-mingle", "--without-gossip",
+                    "--without-heartbeat")
+        return procs
+    require_relay_services()
+    procs = procs_factory(relay_env(tmp_path, None, outbox, runner, **settings), runner)
+    procs.worker("w1")
+    procs.beat()
+    return procs
+
+
+def test_the_relay_reaches_kafka_through_a_broker_restart(tmp_path: Path, sqlite_outbox: Any, tansu: Any,
+                                                          runner: Any, procs_factory: Any) -> None:
     outbox = sqlite_outbox
     topic = "orders"
     expected: dict[str, list[int]] = {}
@@ -33,12 +51,10 @@ def test_celery_worker_relays_to_kafka_through_a_broker_restart(tmp_path: Path, 
     with outbox.writer() as conn:
         poison = outbox.add(conn, "poisoned", 0, topic=topic, payload={"blob": "x" * 5000})
         conn.commit()
-    procs = procs_factory(base_env(outbox, OUTBOX_PUBLISH_URL=tansu.url, OUTBOX_CLAIM_INTERVAL_S="0.2",
-                                   OUTBOX_BATCH_SIZE="20", OUTBOX_KAFKA_AUTO_CREATE_TOPICS="1",
-                                   OUTBOX_KAFKA_MESSAGE_MAX_BYTES="4000", OUTBOX_KAFKA_DELIVERY_TIMEOUT_S="2",
-                                   OUTBOX_RELAY_BREAKER_S="1"))
-    procs.start("w1", "worker", "--loglevel=INFO", "-c", "2", "--without-mingle", "--without-gossip",
-                "--without-heartbeat")
+    procs = start_relay(procs_factory, runner, tmp_path, outbox, OUTBOX_PUBLISH_URL=tansu.url,
+                        OUTBOX_CLAIM_INTERVAL_S="0.2", OUTBOX_BATCH_SIZE="20", OUTBOX_KAFKA_AUTO_CREATE_TOPICS="1",
+                        OUTBOX_KAFKA_MESSAGE_MAX_BYTES="4000", OUTBOX_KAFKA_DELIVERY_TIMEOUT_S="2",
+                        OUTBOX_RELAY_BREAKER_S="1")
     first = Reader(tansu.bootstrap, topic)
     first.start()
     total = sum(map(len, expected.values()))
