@@ -403,7 +403,7 @@ class KafkaPublisher(Publisher):
                 for row in rows:
                     row[:] = [timeout if v is _PENDING else v for v in row]
                 return
-            producer.poll(min(remaining, 0.5))
+            producer.flush(min(remaining, 0.5))  # flush, not poll: sends at once, not after linger.ms
         broker = self._broker_failure()
         if broker is not None and broker.kind is FailureKind.FATAL:
             for row in rows:  # e.g. authentication failed: the timeouts it caused say less
