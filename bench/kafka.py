@@ -7,7 +7,8 @@ same broker, same run.
                  delivery report;
 2. ``publisher`` the relay's publishing path alone: ``KafkaPublisher.publish_chains`` over the
                  same events in claim-sized batches (``--batch-size`` rows, one chain per
-                 aggregate), in this process, no database;
+                 aggregate), in this process, no database; 1 and 2 in ``--rounds`` interleaved
+                 rounds, the median of each kept;
 3. ``drain``     the relay: ``celery -A outbox worker -c 2`` + beat (PostgreSQL, Redis as
                  Celery's broker) draining the same backlog to Kafka; events/s from the first
                  to the last arrival at a consumer reading every partition, the order rule checked;
@@ -239,8 +240,14 @@ def run_publisher(broker: Broker, events: int, aggregates: int, partitions: int,
             "batch_size": batch_size}
 
 
+def median(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median rate, the rates of every round beside it."""
+    ordered = sorted(results, key=lambda r: r["events_per_s"])
+    return {**ordered[len(ordered) // 2], "rounds_events_per_s": [round(r["events_per_s"]) for r in results]}
+
+
 def run_kafka(events: int = 20_000, aggregates: int = 100, *, partitions: int = 3, batch_size: int = 100,
-              concurrency: int = 2, rabbitmq: bool = True, timeout: float = 300.0) -> dict[str, Any]:
+              concurrency: int = 2, rabbitmq: bool = True, rounds: int = 3, timeout: float = 300.0) -> dict[str, Any]:
     """Every measurement of this module in one run; returns them and the ratios."""
     from . import drain
 
@@ -253,11 +260,15 @@ def run_kafka(events: int = 20_000, aggregates: int = 100, *, partitions: int = 
                               "machine": machine_facts(run)}
     create_table(run)
     try:
-        log(f"kafka: raw idempotent producer, {events} events over {aggregates} aggregates")
-        result["raw"] = run_raw(broker, events, aggregates, partitions)
-        log(f"kafka: raw producer {result['raw']['events_per_s']:.0f} ev/s")
-        result["publisher"] = run_publisher(broker, events, aggregates, partitions, batch_size)
-        log(f"kafka: publishing path {result['publisher']['events_per_s']:.0f} ev/s")
+        log(f"kafka: raw idempotent producer and publishing path, {events} events over {aggregates} aggregates, "
+            f"{rounds} interleaved rounds")
+        raws, paths = [], []
+        for _ in range(rounds):  # interleaved, the median kept: both see the same machine
+            raws.append(run_raw(broker, events, aggregates, partitions))
+            paths.append(run_publisher(broker, events, aggregates, partitions, batch_size))
+            log(f"kafka: raw producer {raws[-1]['events_per_s']:.0f} ev/s, publishing path "
+                f"{paths[-1]['events_per_s']:.0f} ev/s")
+        result["raw"], result["publisher"] = median(raws), median(paths)
         topic = broker.create_topic(partitions)
         destination = KafkaDestination(broker.bootstrap, topic, partitions)
         try:
@@ -298,9 +309,10 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
     drained = r["drain"]
     lines = [f"Kafka ({r['broker']}; {r['events']} events over {r['aggregates']} aggregates, {r['partitions']} "
              f"partitions, idempotent producer, acks=all):",
-             f"  raw producer loop       {r['raw']['events_per_s']:>9,.0f} ev/s",
+             f"  raw producer loop       {r['raw']['events_per_s']:>9,.0f} ev/s  (median of rounds "
+             f"{r['raw']['rounds_events_per_s']})",
              f"  publishing path         {r['publisher']['events_per_s']:>9,.0f} ev/s  x{r['publisher_vs_raw']:.2f} "
-             f"of raw (batches of {r['batch_size']}, no database)",
+             f"of raw (batches of {r['batch_size']}, no database; rounds {r['publisher']['rounds_events_per_s']})",
              f"  relay drain (Celery -c {r['concurrency']}) {drained['events_per_s']:>9,.0f} ev/s  "
              f"x{r['drain_vs_raw']:.2f} of raw (order ok={drained['order']['ok']}, duplicates "
              f"{drained['order']['duplicates']}, complete={drained['complete']})"]
@@ -316,11 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aggregates", type=int, default=100, help="aggregates of the backlog (100)")
     parser.add_argument("--partitions", type=int, default=3, help="partitions of the topic (3)")
     parser.add_argument("--batch-size", type=int, default=100, help="OUTBOX_BATCH_SIZE, and the publisher's batches")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of raw and publisher (3)")
     parser.add_argument("--no-rabbitmq", dest="rabbitmq", action="store_false", help="skip the RabbitMQ drain")
     parser.add_argument("--json", type=Path, default=None, help="also write the full result here")
     args = parser.parse_args(argv)
     result = run_kafka(args.events, args.aggregates, partitions=args.partitions, batch_size=args.batch_size,
-                       rabbitmq=args.rabbitmq)
+                       rabbitmq=args.rabbitmq, rounds=args.rounds)
     if args.json is not None:
         args.json.write_text(to_json(result))
     m = result["machine"]
