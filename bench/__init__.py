@@ -1,6 +1,7 @@
 """Benchmarks of the outbox relay (``python -m bench``, ``make bench``).
 
-Everything runs against services on 127.0.0.1 only (PostgreSQL, Redis, RabbitMQ), is bounded
+Everything runs against services on 127.0.0.1 only (PostgreSQL, Redis, RabbitMQ; Kafka: a Tansu
+process the bench starts), is bounded
 in count and time, and cleans up after itself (a per-run table, exchange and queue, a spare
 Redis db). Figures are printed as ratios to a baseline measured in the same run: nothing is a
 timed assertion. See ``docs/benchmarks.md`` for the figures and what they mean.
@@ -14,6 +15,8 @@ Modules:
   (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat.
 * ``bench.hot``     one hot aggregate (10,000 events) drained strict and pipelined by a real
   worker: the ratio of the opt-in pipelined mode (``python -m bench.hot``).
+* ``bench.kafka``   issue 24: the relay's drain to Kafka (Tansu by default) against a raw
+  idempotent confluent-kafka producer and the same drain to RabbitMQ (``python -m bench.kafka``).
 * ``bench.lease``   the store's lease-and-settle cycle alone on PostgreSQL: events/s, WAL bytes
   per event, HOT updates (``python -m bench.lease``).
 * ``bench.live``    commit-to-arrival latency at a fixed write rate, with and without the

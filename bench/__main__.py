@@ -21,8 +21,11 @@ Phases, in order (each can be skipped with ``--skip``; optional ones are left ou
                 process (``bench.memory``, target 7);
 6. ``takeover`` two workers, one SIGKILLed mid-drain: the longest stand-still of any aggregate
                 after the kill next to the fault-free drain's (``bench.takeover``, issue 19);
-7. ``profile``  py-spy on the worker while draining (where the time goes; optional);
-8. ``tuning``   the worker with other settings (optional).
+7. ``kafka``    issue 24: the relay's drain to Kafka (Tansu, or OUTBOX_BENCH_KAFKA_URL) against a raw
+                idempotent confluent-kafka producer sending the same events, and against the same
+                drain to RabbitMQ (``bench.kafka``; skipped when confluent-kafka or Tansu is missing);
+8. ``profile``  py-spy on the worker while draining (where the time goes; optional);
+9. ``tuning``   the worker with other settings (optional).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from .common import (
     wait_quiet,
 )
 
-PHASES = ("confirm", "drain", "hot", "live", "memory", "takeover", "profile", "tuning")
+PHASES = ("confirm", "drain", "hot", "live", "memory", "takeover", "kafka", "profile", "tuning")
 #: Phases left out of ``--quick`` (and first to go when the time budget is short).
 OPTIONAL = ("profile", "tuning")
 
@@ -329,6 +332,10 @@ def summary(results: dict[str, Any]) -> str:
                       f"SIGKILLed): longest stand-still {fmt(lost['longest_stand_still_s'], 2)} s (median "
                       f"{fmt(lost['lost_worker']['median_stand_still_s'], 2)} s); fault-free drain: longest "
                       f"{fmt(lost['fault_free_longest_stand_still_s'], 2)} s"]
+    if results.get("kafka"):
+        from .kafka import summary_lines
+
+        lines += ["", *summary_lines(results["kafka"])]
     prof = results.get("profile")
     if prof:
         lines += ["", f"profile (py-spy --idle, {prof['events']} events, {fmt(prof.get('events_per_s'))} ev/s sampled):"]
@@ -391,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     create_table(run)
     destination = Destination(run)
     relay = None
-    from . import confirm, drain, live, memory, takeover
+    from . import confirm, drain, kafka, live, memory, takeover
 
     def quiet(phase: str) -> None:
         """Other sessions may share this machine: start each phase on an idle machine if
@@ -485,6 +492,21 @@ def main(argv: list[str] | None = None) -> int:
                 # Its own table, exchange, consumer and workers (two, one of them killed).
                 results["takeover"] = takeover.run_takeover(min(args.events, 12_000), 40,
                                                             concurrency=args.concurrency)
+
+        if "kafka" not in args.skip:
+            if remaining() < 120:
+                skip("kafka", "time budget")
+            else:
+                stop_relay()
+                quiet("kafka")
+                try:
+                    # Its own table, topics, consumers and workers; a broker of its own unless
+                    # OUTBOX_BENCH_KAFKA_URL names one.
+                    results["kafka"] = kafka.run_kafka(args.events, 100, batch_size=args.batch_size,
+                                                       concurrency=args.concurrency,
+                                                       timeout=max(60.0, min(300.0, remaining() / 4)))
+                except ImportError as exc:
+                    skip("kafka", f"{exc.name} is not installed (the dev extra has confluent-kafka and Tansu)")
 
         if "profile" not in args.skip:
             if not os.path.exists(PY_SPY):

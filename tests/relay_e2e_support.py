@@ -249,15 +249,17 @@ def dead_letter_destination() -> Iterator[Destination]:
     d.close()
 
 
-def relay_env(tmp_path: Path, destination: Destination, outbox: "Outbox", runner: Any = CELERY_RUNNER,
+def relay_env(tmp_path: Path, destination: Destination | None, outbox: "Outbox", runner: Any = CELERY_RUNNER,
               **settings: str) -> dict[str, str]:
     """Settings for workers and beat: Redis (db of REDIS_URL, a key prefix of our own) as
     Celery's broker, set through a Celery config module as users would, and as Dramatiq's
-    broker (the prefix as its namespace) for the Dramatiq runner."""
+    broker (the prefix as its namespace) for the Dramatiq runner. ``destination`` None: the
+    caller's ``OUTBOX_PUBLISH_URL`` names another destination (Kafka)."""
     prefix = f"outbox-test-{uuid.uuid4().hex[:10]}:"
     (tmp_path / "relayconf.py").write_text(
         f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
-    return base_env(outbox, **{**runner.env(REDIS_URL, prefix), "OUTBOX_PUBLISH_URL": AMQP_URL, "OUTBOX_EXCHANGE": destination.exchange_name,
+    return base_env(outbox, **{**runner.env(REDIS_URL, prefix), "OUTBOX_PUBLISH_URL": AMQP_URL,
+                               **({"OUTBOX_EXCHANGE": destination.exchange_name} if destination else {}),
                                "OUTBOX_CELERY_BROKER_URL": REDIS_URL, "CELERY_CONFIG_MODULE": "relayconf",
                                "OUTBOX_TEST_REDIS_PREFIX": prefix,
                                # The caller's PYTHONPATH after the config module's: the relay

@@ -1,65 +1,40 @@
-"""The relay end to end on Kafka: a real Celery worker (SQLite outbox, the worker running the
-schedule itself) publishing to Tansu (tests/kafka_support.py) while a consumer reads. A
-backlog and live writes, a poison event (too large for Kafka) dead alone, the broker stopped
-mid-run and started again: nothing lost, per-aggregate order of first arrivals held."""
+"""The relay end to end on Kafka: real workers (SQLite outbox) publishing to Tansu
+(tests/kafka_support.py) while a consumer reads every partition, on both runners: a Celery
+worker running the schedule itself (Celery's broker in memory), and Dramatiq's worker and
+scheduler (Redis as its broker). A backlog and later writes, a poison event (too large for
+Kafka) dead alone, the broker stopped mid-run and started again: nothing lost, per-aggregate
+order of first arrivals held. A worker SIGKILLed: tests/test_kafka_recovery_e2e.py."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from outbox import Status
 
-from kafka_support import tansu  # noqa: F401  (fixture)
-from relay_e2e_support import base_env, check_order, procs_factory, sqlite_outbox, wait_until  # noqa: F401
+from kafka_support import Reader, tansu  # noqa: F401  (fixture)
+from relay_e2e_support import base_env, check_order, relay_env, require_relay_services, wait_until
+from relay_e2e_support import procs_factory, runner, sqlite_outbox  # noqa: F401 - fixtures used by name
 
 
-class Reader(threading.Thread):
-    """Reads every partition of ``topic`` from the start (assigned, not joined) until stopped."""
-
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        super().__init__(daemon=True)
-        self.bootstrap, self.topic = bootstrap, topic
-        self.arrivals: list[tuple[int, str, Any]] = []
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        from confluent_kafka import Consumer, TopicPartition
-
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"e2e-{uuid.uuid4().hex}",
-                             "enable.auto.commit": False, "auto.offset.reset": "earliest"})
-        try:
-            partitions: list[int] = []
-            while not partitions and not self._done.is_set():
-                try:
-                    found = consumer.list_topics(self.topic, timeout=2).topics.get(self.topic)
-                    partitions = sorted(found.partitions) if found is not None and found.error is None else []
-                except Exception:  # noqa: BLE001 - the broker may be down or the topic not made yet
-                    pass
-                if not partitions:
-                    time.sleep(0.2)
-            consumer.assign([TopicPartition(self.topic, p, 0) for p in partitions])
-            while not self._done.is_set():
-                message = consumer.poll(0.2)
-                if message is not None and message.error() is None:
-                    headers = {k: v.decode() for k, v in message.headers() or []}
-                    self.arrivals.append((int(headers["outbox_id"]), headers["aggregate_id"],
-                                          json.loads(message.value())))
-        finally:
-            consumer.close()
-
-    def stop(self) -> list[tuple[int, str, Any]]:
-        self._done.set()
-        self.join(10)
-        return self.arrivals
+def start_relay(procs_factory: Any, runner: Any, tmp_path: Path, outbox: Any, **settings: str) -> Any:
+    """Celery: one worker running the schedule itself on Celery's in-memory broker (SQLite's
+    default); Dramatiq: a worker and the scheduler on Redis."""
+    if runner.name == "celery":
+        procs = procs_factory(base_env(outbox, **settings))
+        procs.start("w1", "worker", "--loglevel=INFO", "-c", "2", "--without-mingle", "--without-gossip",
+                    "--without-heartbeat")
+        return procs
+    require_relay_services()
+    procs = procs_factory(relay_env(tmp_path, None, outbox, runner, **settings), runner)
+    procs.worker("w1")
+    procs.beat()
+    return procs
 
 
-def test_celery_worker_relays_to_kafka_through_a_broker_restart(tmp_path: Path, sqlite_outbox: Any, tansu: Any,
-                                                               procs_factory: Any) -> None:
+def test_the_relay_reaches_kafka_through_a_broker_restart(tmp_path: Path, sqlite_outbox: Any, tansu: Any,
+                                                          runner: Any, procs_factory: Any) -> None:
     outbox = sqlite_outbox
     topic = "orders"
     expected: dict[str, list[int]] = {}
@@ -76,12 +51,10 @@ def test_celery_worker_relays_to_kafka_through_a_broker_restart(tmp_path: Path, 
     with outbox.writer() as conn:
         poison = outbox.add(conn, "poisoned", 0, topic=topic, payload={"blob": "x" * 5000})
         conn.commit()
-    procs = procs_factory(base_env(outbox, OUTBOX_PUBLISH_URL=tansu.url, OUTBOX_CLAIM_INTERVAL_S="0.2",
-                                   OUTBOX_BATCH_SIZE="20", OUTBOX_KAFKA_AUTO_CREATE_TOPICS="1",
-                                   OUTBOX_KAFKA_MESSAGE_MAX_BYTES="4000", OUTBOX_KAFKA_DELIVERY_TIMEOUT_S="2",
-                                   OUTBOX_RELAY_BREAKER_S="1"))
-    procs.start("w1", "worker", "--loglevel=INFO", "-c", "2", "--without-mingle", "--without-gossip",
-                "--without-heartbeat")
+    procs = start_relay(procs_factory, runner, tmp_path, outbox, OUTBOX_PUBLISH_URL=tansu.url,
+                        OUTBOX_CLAIM_INTERVAL_S="0.2", OUTBOX_BATCH_SIZE="20", OUTBOX_KAFKA_AUTO_CREATE_TOPICS="1",
+                        OUTBOX_KAFKA_MESSAGE_MAX_BYTES="4000", OUTBOX_KAFKA_DELIVERY_TIMEOUT_S="2",
+                        OUTBOX_RELAY_BREAKER_S="1")
     first = Reader(tansu.bootstrap, topic)
     first.start()
     total = sum(map(len, expected.values()))

@@ -5,6 +5,7 @@ the failures mapped onto ``FailureKind``; plus the pure parts (options, results)
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime, timezone
 
 import pytest
@@ -228,3 +229,30 @@ def test_outbox_check_on_an_unreachable_kafka(tmp_path) -> None:
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://127.0.0.1:{free_port()}"}
     [destination] = [r for r in run_checks(env) if r.name == "destination"]
     assert destination.state == FAIL and "unreachable" in destination.detail
+
+
+def test_connection_failures_are_logged_once_per_outage(tansu, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """librdkafka logs a connection failure at every reconnect while the broker is down: the
+    first of an outage at WARNING, the rest at DEBUG, and a new outage warns again."""
+    topic = create_topic(tansu.bootstrap)
+
+    def failures() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "outbox.publisher.kafka" and r.getMessage().startswith("FAIL ")]
+
+    caplog.set_level(logging.DEBUG, logger="outbox.publisher.kafka")
+    with publisher(tansu.bootstrap, delivery_timeout_s=3.0) as pub:
+        assert pub.publish_chain([event(1, topic)]).ok
+        for outage in (1, 2):
+            caplog.clear()
+            tansu.stop()
+            assert pub.publish_chain([event(10 + outage, topic)]).failure is not None
+            levels = [r.levelno for r in failures()]
+            assert levels.count(logging.WARNING) == 1, levels  # (a disconnection is at INFO)
+            assert levels.count(logging.DEBUG) >= 2 and not {logging.ERROR, logging.CRITICAL} & set(levels), levels
+            tansu.start()
+            create_topic(tansu.bootstrap, topic)  # memory storage: the restart lost it
+            for _ in range(3):  # the first send after a restart may meet UNKNOWN_PRODUCER_ID
+                if pub.publish_chain([event(20 + outage, topic)]).ok:
+                    break
+            else:
+                pytest.fail("the publisher did not recover")

@@ -101,6 +101,34 @@ def kafka_headers(headers: Mapping[str, Any]) -> list[tuple[str, bytes]]:
             for name, value in headers.items()]
 
 
+class ClientLog:
+    """librdkafka's log lines (the producer's ``logger``), with its connection failures
+    throttled: while a broker is down librdkafka logs one (facility FAIL, at ERROR) at every
+    reconnect, about once a second per broker. The first of an outage goes out at WARNING,
+    the rest at DEBUG until a delivery succeeds again (``ok()``), like the relay's ``Outage``
+    (docs/destinations.md, "Failures"). Other lines pass through, redacted."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.down = False
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        text = redact(fmt % args if args else fmt)
+        if level >= logging.WARNING and text.startswith("FAIL "):
+            level, self.down = (logging.DEBUG if self.down else logging.WARNING), True
+        self.logger.log(level, "%s", text)
+
+    def ok(self) -> None:
+        self.down = False
+
+
+#: Delivery errors after which the producer is made anew (besides fatal ones: fenced, unknown
+#: producer id): a message timed out may leave the idempotent producer's state stale, e.g.
+#: retrying forever against a broker that restarted without its producer ids
+#: (docs/destinations.md, "Failures").
+_RENEW = ("_MSG_TIMED_OUT", "UNKNOWN_PRODUCER_ID", "OUT_OF_ORDER_SEQUENCE_NUMBER", "INVALID_PRODUCER_EPOCH")
+
+
 #: A delivery verdict not yet known (the slot of an event produced, awaiting its report).
 _PENDING = object()
 #: The event was not handed to the producer (an earlier event of its chain stopped it).
@@ -140,6 +168,7 @@ class KafkaPublisher(Publisher):
         self._pid: int | None = None
         self._topics: set[str] = set()
         self._broker_error: Any = None  # the last error librdkafka reported for the client as a whole
+        self._client_log = ClientLog(logging.getLogger("outbox.publisher.kafka"))
 
     @classmethod
     def from_settings(cls, settings: "Settings", **options: Any) -> "KafkaPublisher":
@@ -267,8 +296,10 @@ class KafkaPublisher(Publisher):
 
         def delivered(error: Any, _msg: Any) -> None:
             row[i] = None if error is None else _failure(error, f" (topic {topic!r})")
-            if error is not None and error.fatal():
-                self._producer = None  # a fenced or fatal idempotent producer: a new one next time
+            if error is None:
+                self._client_log.ok()
+            elif error.fatal() or error.name() in _RENEW:
+                self._producer = None  # a new producer (a new producer id) next time
 
         row[i] = _PENDING
         for waited in (False, True):
@@ -303,7 +334,7 @@ class KafkaPublisher(Publisher):
                 for row in rows:
                     row[:] = [timeout if v is _PENDING else v for v in row]
                 return
-            producer.poll(min(remaining, 0.5))
+            producer.flush(min(remaining, 0.5))  # flush, not poll: sends at once, not after linger.ms
         broker = self._broker_failure()
         if broker is not None and broker.kind is FailureKind.FATAL:
             for row in rows:  # e.g. authentication failed: the timeouts it caused say less
@@ -326,7 +357,7 @@ class KafkaPublisher(Publisher):
         if self._producer is None or self._pid != os.getpid():
             kafka = _kafka()
             self._producer = kafka.Producer({**self._config, "error_cb": self._on_error,
-                                             "logger": logging.getLogger("outbox.publisher.kafka")})
+                                             "logger": self._client_log})
             self._pid = os.getpid()
             self._topics = set()
         return self._producer
