@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any
 
-from .core.config import DramatiqSettings, dramatiq_settings
-from .core.errors import ConfigError, install_hint
+from ..core.config import DramatiqSettings, dramatiq_settings
+from ..core.errors import ConfigError, install_hint
 
 URL_SETTING = "OUTBOX_DRAMATIQ_BROKER_URL"
 
