@@ -23,7 +23,7 @@ import outbox  # noqa: E402
 from outbox import wake  # noqa: E402
 from outbox.core.config import known_names, validate_dramatiq_broker_url, validate_dramatiq_namespace  # noqa: E402
 from outbox.core.config import dramatiq_settings  # noqa: E402
-from outbox.dramatiq.broker import configured, expired, message  # noqa: E402
+from outbox.dramatiq.brokers import configured, expired, message  # noqa: E402
 from outbox.dramatiq.scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run  # noqa: E402
 from outbox.core.errors import ConfigError  # noqa: E402
 from outbox.core.config import relay_settings  # noqa: E402
@@ -157,7 +157,7 @@ _DRAIN = """
 import json, os, sqlite3
 import outbox.dramatiq as d
 from outbox import enqueue
-from outbox.dramatiq.broker import queue_length
+from outbox.dramatiq.brokers import queue_length
 from relay_support import ScriptedPublisher
 r = d.resources()
 r.store.migrate()

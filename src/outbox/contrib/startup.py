@@ -25,7 +25,7 @@ def wake_problem() -> str | None:
     if not wake_options().wake:
         return None  # turned off on purpose
     settings = get_settings()
-    from ..dramatiq import broker as dramatiq_broker
+    from ..dramatiq import brokers as dramatiq_broker
 
     if dramatiq_broker.configured():
         dramatiq_broker.settings()  # Dramatiq is the runner: wakes go to its (validated) broker

@@ -4,11 +4,11 @@
   global broker;
 * ``runner``: the relay's runner on Dramatiq (``outbox.relay.runner.Runner``); ``waker``: the
   writer-side wake through Dramatiq;
-* ``broker``: Dramatiq's broker from the settings, and sending without touching the global broker;
+* ``brokers``: Dramatiq's broker from the settings, and sending without touching the global broker;
 * ``scheduler``: ``outbox-dramatiq-scheduler``, beat's ticks for Dramatiq.
 
 Importing the package or a submodule other than ``actors`` installs nothing: a Django process whose
-global broker is django-dramatiq's sends its wakes through ``broker`` and keeps its own. The actors
+global broker is django-dramatiq's sends its wakes through ``brokers`` and keeps its own. The actors
 load on the first read of one of the names below, or at once when Dramatiq's command line names this
 package as its broker (``dramatiq outbox.dramatiq``): that command imports the package and takes
 Dramatiq's global broker, reading no attribute.

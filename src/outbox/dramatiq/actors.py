@@ -15,7 +15,7 @@ from typing import Any, Callable
 import dramatiq
 from dramatiq.middleware import Middleware
 
-from . import broker as _broker
+from . import brokers as _broker
 from ..relay import metrics as _metrics
 from ..core.config import RelayOptions, Settings, get_settings, metrics_options, relay_options
 from ..core.errors import ConfigError

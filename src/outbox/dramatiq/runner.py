@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Any
 
-from . import broker as _broker
+from . import brokers as _broker
 from ..core.names import TASK_OUTBOX_ARG, Queues, claim_request_key
 from ..wake import clear_token
 
