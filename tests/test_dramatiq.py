@@ -29,6 +29,7 @@ from outbox.core.errors import ConfigError  # noqa: E402
 from outbox.core.config import relay_settings  # noqa: E402
 from outbox.relay import CLAIM_TASK, PURGE_TASK  # noqa: E402
 from outbox.storage.store import OutboxStore  # noqa: E402
+from outbox.relay.waker import token_for  # noqa: E402
 
 from services import AMQP_URL, REDIS_URL, require  # noqa: E402
 
@@ -111,7 +112,7 @@ def redis_namespace(monkeypatch: pytest.MonkeyPatch) -> Any:
     wake._reset_for_tests()
     for key in client.scan_iter(match=f"{ns}*"):
         client.delete(key)
-    client.delete(wake.token_for(REDIS_URL, ns, relay_settings().outbox_namespace))
+    client.delete(token_for(REDIS_URL, ns, relay_settings().outbox_namespace))
 
 
 def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path, redis_namespace: Any) -> None:
@@ -133,7 +134,7 @@ def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path
     assert sent["actor_name"] == CLAIM_TASK and sent["queue_name"] == claim_queue
     assert sent["kwargs"]["requested"] is True and sent["kwargs"]["outbox"] == settings.outbox_namespace
     assert sent["kwargs"]["expires_at"] > time.time()
-    token = wake.token_for(REDIS_URL, ns, settings.outbox_namespace)
+    token = token_for(REDIS_URL, ns, settings.outbox_namespace)
     assert client.exists(token)  # the one token, which the worker's claim clears as it starts
     client.delete(token)
     with outbox.transaction(conn):
