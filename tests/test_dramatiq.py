@@ -23,12 +23,13 @@ import outbox  # noqa: E402
 from outbox import wake  # noqa: E402
 from outbox.core.config import known_names, validate_dramatiq_broker_url, validate_dramatiq_namespace  # noqa: E402
 from outbox.core.config import dramatiq_settings  # noqa: E402
-from outbox.dramatiq_broker import configured, expired, message  # noqa: E402
-from outbox.dramatiq_scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run  # noqa: E402
+from outbox.dramatiq.brokers import configured, expired, message  # noqa: E402
+from outbox.dramatiq.scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run  # noqa: E402
 from outbox.core.errors import ConfigError  # noqa: E402
 from outbox.core.config import relay_settings  # noqa: E402
 from outbox.relay import CLAIM_TASK, PURGE_TASK  # noqa: E402
 from outbox.storage.store import OutboxStore  # noqa: E402
+from outbox.relay.waker import token_for  # noqa: E402
 
 from services import AMQP_URL, REDIS_URL, require  # noqa: E402
 
@@ -111,7 +112,7 @@ def redis_namespace(monkeypatch: pytest.MonkeyPatch) -> Any:
     wake._reset_for_tests()
     for key in client.scan_iter(match=f"{ns}*"):
         client.delete(key)
-    client.delete(wake.token_for(REDIS_URL, ns, relay_settings().outbox_namespace))
+    client.delete(token_for(REDIS_URL, ns, relay_settings().outbox_namespace))
 
 
 def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path, redis_namespace: Any) -> None:
@@ -133,7 +134,7 @@ def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path
     assert sent["actor_name"] == CLAIM_TASK and sent["queue_name"] == claim_queue
     assert sent["kwargs"]["requested"] is True and sent["kwargs"]["outbox"] == settings.outbox_namespace
     assert sent["kwargs"]["expires_at"] > time.time()
-    token = wake.token_for(REDIS_URL, ns, settings.outbox_namespace)
+    token = token_for(REDIS_URL, ns, settings.outbox_namespace)
     assert client.exists(token)  # the one token, which the worker's claim clears as it starts
     client.delete(token)
     with outbox.transaction(conn):
@@ -157,7 +158,7 @@ _DRAIN = """
 import json, os, sqlite3
 import outbox.dramatiq as d
 from outbox import enqueue
-from outbox.dramatiq_broker import queue_length
+from outbox.dramatiq.brokers import queue_length
 from relay_support import ScriptedPublisher
 r = d.resources()
 r.store.migrate()

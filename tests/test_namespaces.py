@@ -181,7 +181,7 @@ _DRAMATIQ = """
 import json, os, sqlite3
 import outbox.dramatiq as d
 from outbox import enqueue
-from outbox.dramatiq_broker import queue_length
+from outbox.dramatiq.brokers import queue_length
 from outbox.core.names import Queues
 r = d.resources()
 r.store.migrate()

@@ -57,7 +57,7 @@ def fresh_venv(path: Path, requirement: str) -> Path:
 
 def test_the_sdist_and_wheel_hold_the_package_the_schedule_and_the_django_app(dist: dict[str, Path]) -> None:
     names = zipfile.ZipFile(dist["wheel"]).namelist()
-    for required in ("beat_schedule.py", "outbox/__init__.py", "outbox/cli.py", "outbox/celery.py",
+    for required in ("beat_schedule.py", "outbox/__init__.py", "outbox/cli.py", "outbox/celery/__init__.py",
                      "outbox/storage/engines/mssql/__init__.py", "outbox/contrib/django/apps.py",
                      "outbox/contrib/django/migrations/0001_initial.py",
                      "outbox/contrib/django/management/commands/outbox_migrate.py"):

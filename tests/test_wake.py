@@ -31,6 +31,7 @@ import outbox.wake as wake
 from outbox import enqueue
 from outbox.core.config import load_settings, reset_settings
 from outbox.core.names import default_namespace
+from outbox.relay.waker import Throttle, token_for
 from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, REDIS_URL, require
@@ -277,7 +278,7 @@ import base64
 with app.pool.acquire(block=True) as conn:
     message = conn.default_channel._get(CLAIM_QUEUE)
 out["kwargs"] = json.loads(base64.b64decode(message["body"]))[1]
-out["token"] = outbox.wake._current_plan().coalescer().key
+out["token"] = outbox.wake._current_waker().coalescer().key
 out["worker_token"] = coalescer().key
 out["task"] = message["headers"]["task"]
 print(json.dumps(out))
@@ -286,7 +287,7 @@ print(json.dumps(out))
 
 def token_of(prefix: str, database_url: str, table: str = "outbox") -> str:
     """The claim-request token of the outbox ``table`` of ``database_url`` under Celery key ``prefix``."""
-    return wake.token_for(REDIS_URL, prefix, default_namespace(database_url, table))
+    return token_for(REDIS_URL, prefix, default_namespace(database_url, table))
 
 
 def redis_prefix(tmp_path: Path) -> str:
@@ -415,7 +416,7 @@ def test_request_claim_is_off_when_disabled_and_never_raises(monkeypatch: pytest
     def explode() -> Any:
         raise AssertionError("must not be reached")
 
-    monkeypatch.setattr(wake, "_current_plan", explode)
+    monkeypatch.setattr(wake, "_current_waker", explode)
     monkeypatch.setenv("OUTBOX_RELAY_WAKE", "0")
     reset_settings()
     assert wake.request_claim() is False
@@ -431,15 +432,17 @@ def test_request_claim_is_off_when_disabled_and_never_raises(monkeypatch: pytest
 
 
 def test_request_claim_skips_an_in_memory_broker_without_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wake, "_current_plan", lambda: wake._Plan("memory://"))
+    from outbox.celery.waker import CeleryWaker
+
+    monkeypatch.setattr(wake, "_current_waker", lambda: CeleryWaker("memory://"))
     sent: list[Any] = []
-    monkeypatch.setattr(wake, "_send", lambda requested: sent.append(requested) or True)
+    monkeypatch.setattr(CeleryWaker, "send_claim", lambda self, requested: sent.append(requested))
     runs = wake._handoff.runs
     assert wake.request_claim() is False and wake.flush() and sent == [] and wake._handoff.runs == runs
 
 
 def test_local_throttle_sends_once_then_once_more_after_the_window() -> None:
-    throttle = wake._Throttle(0.1)
+    throttle = Throttle(0.1)
     sent: list[float] = []
     start = time.monotonic()
     results = [throttle.request(lambda: sent.append(time.monotonic() - start) or True) for _ in range(20)]
@@ -588,7 +591,7 @@ class Workers:
                 pass
             proc.wait(timeout=5)
         namespaces = {load_settings(environ=env).outbox_namespace for env in self.envs}
-        drop_redis_keys(self.prefix, *{wake.token_for(REDIS_URL, self.prefix, ns) for ns in namespaces})
+        drop_redis_keys(self.prefix, *{token_for(REDIS_URL, self.prefix, ns) for ns in namespaces})
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ directory, and asks it for ``app``.
 
 * ``application``: the Celery app, its configuration and ``send_relay_task``;
 * ``redis_transport``: kombu's Redis transport made to drop garbage;
-* ``runner``: the relay's runner on Celery (``outbox.relay.runner.Runner``) and the writer-side wake;
+* ``runner``: the relay's runner on Celery (``outbox.relay.runner.Runner``); ``waker``: the
+  writer-side wake through Celery (``outbox.relay.waker.Waker``);
 * ``worker``: the worker process's relay (``outbox.relay.service.Relay``) and every Celery signal;
 * ``tasks``: the task bodies; ``worker_logging``: quiet idle workers and their heartbeat line.
 

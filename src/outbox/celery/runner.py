@@ -9,8 +9,9 @@ from typing import Any, Callable
 
 from ..core.config import relay_settings
 from ..core.names import PUBLISH_TASK, claim_request_key
-from ..wake import clear_token
+from ..relay.waker import clear_token
 from .application import app, send_relay_task
+from .waker import claim_queue
 
 log = logging.getLogger("outbox.tasks")
 
@@ -19,12 +20,6 @@ SEND_OPTIONS: dict[str, dict[str, Any]] = {
     PUBLISH_TASK: {"retry": True,
                    "retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}},
 }
-
-
-def claim_queue() -> tuple[str, str]:
-    """Celery's broker URL and its key prefix (``global_keyprefix``)."""
-    url = str(app.conf.broker_url or relay_settings().broker_url)
-    return url, str((app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
 
 
 class CeleryRunner:
@@ -67,4 +62,4 @@ class CeleryRunner:
         clear_token(token, self.broker_url)
 
 
-__all__ = ["CeleryRunner", "claim_queue", "SEND_OPTIONS"]
+__all__ = ["CeleryRunner", "SEND_OPTIONS"]

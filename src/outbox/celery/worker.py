@@ -14,7 +14,8 @@ from typing import Any
 from celery import signals
 
 from .application import app
-from .runner import CeleryRunner, claim_queue
+from .runner import CeleryRunner
+from .waker import claim_queue
 from ..core.config import relay_options, relay_settings, wake_options
 from ..core.handoff import HandOff
 from ..core.names import CLAIM_TASK, claim_request_key, wake_channel
@@ -22,7 +23,7 @@ from ..core.redact import install_filter
 from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
 from ..relay.service import Relay
 from . import worker_logging as _worker_logging
-from ..relay import listen as _listen, metrics as _metrics
+from ..relay import listen as _listen, metrics as _metrics, waker as _waker
 
 log = logging.getLogger("outbox.tasks")
 
@@ -33,14 +34,12 @@ STOPPING = threading.Event()
 #: In a prefork pool child: the pid of the worker's main process, which is the one that
 #: receives the shutdown signal and tells its children through a marker file.
 _parent_pid: int | None = None
-#: Set while an outbox Celery worker runs in this process (worker_init .. worker_shutdown):
-#: a post-commit wake-up in this process then uses ``request_claim`` below.
-_in_worker = False
 
 
 def in_worker() -> bool:
-    """True while a relay worker runs in this process."""
-    return _in_worker
+    """True while a relay worker runs in this process (worker_init .. worker_shutdown): a
+    post-commit wake-up in this process then uses ``request_claim`` below (``outbox.relay.waker``)."""
+    return _waker.in_process_claim is not None
 
 
 def _stopping_marker(main_pid: int) -> Path:
@@ -198,8 +197,7 @@ def _remove_stopping_marker() -> None:
 
 @signals.worker_init.connect
 def _init(**_: Any) -> None:
-    global _in_worker
-    _in_worker = True
+    _waker.in_process_claim = lambda: request_claim()  # post-commit wakes here skip the broker
     _remove_stopping_marker()  # one left by an earlier process with this pid
     _metrics.on_worker_init()
 
@@ -255,8 +253,7 @@ def _gauge_store() -> Any:
 
 @signals.worker_shutdown.connect
 def _shutdown(**_: Any) -> None:
-    global _in_worker
-    _in_worker = False
+    _waker.in_process_claim = None
     _remove_stopping_marker()
     _listen.stop_listener()
     _listen.stop_subscriber()

@@ -91,7 +91,7 @@ def _run(workdir: Path, say: Callable[[str], None], timeout_s: float) -> bool:
 
     from celery.contrib.testing.worker import start_worker
 
-    from .. import tasks
+    from ..celery import tasks
 
     arrivals: list[tuple[str, dict]] = []
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"):

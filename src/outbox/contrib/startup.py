@@ -25,10 +25,10 @@ def wake_problem() -> str | None:
     if not wake_options().wake:
         return None  # turned off on purpose
     settings = get_settings()
-    from .. import dramatiq_broker
+    from ..dramatiq import brokers
 
-    if dramatiq_broker.configured():
-        dramatiq_broker.settings()  # Dramatiq is the runner: wakes go to its (validated) broker
+    if brokers.configured():
+        brokers.settings()  # Dramatiq is the runner: wakes go to its (validated) broker
         return None
     from ..celery.application import app
 

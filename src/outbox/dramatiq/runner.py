@@ -7,9 +7,9 @@ import logging
 import threading
 from typing import Any
 
-from .. import dramatiq_broker as _broker
+from . import brokers as _broker
 from ..core.names import TASK_OUTBOX_ARG, Queues, claim_request_key
-from ..wake import clear_token
+from ..relay.waker import clear_token
 
 log = logging.getLogger("outbox.dramatiq")
 

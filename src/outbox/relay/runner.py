@@ -1,6 +1,7 @@
 """What the relay needs from its task runner, written once: ``Runner``. Celery's
 (``outbox.celery.runner``) and Dramatiq's (``outbox.dramatiq.runner``) implement it; the
-relay (``outbox.relay.service.Relay``) knows no runner beyond it."""
+relay (``outbox.relay.service.Relay``) knows no runner beyond it. The writer side of a runner,
+how a committing process asks for a claim, is ``outbox.relay.waker.Waker``."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class Runner(Protocol):
         """True once this worker is shutting down: no new claims, no new chains."""
 
     def clear_token(self, token: str) -> None:
-        """Delete a claim-request token named in a claim message (``outbox.wake.clear_token``)."""
+        """Delete a claim-request token named in a claim message (``outbox.relay.waker.clear_token``)."""
 
 
 __all__ = ["Runner"]

@@ -13,13 +13,13 @@ import time
 import uuid
 from typing import Any
 
-from . import dramatiq_broker as _broker
-from .core.config import get_settings, relay_options
-from .core.errors import ConfigError
-from .core.redact import install_filter, redact
-from .relay import RelayOptions
+from . import brokers as _broker
+from ..core.config import get_settings, relay_options
+from ..core.errors import ConfigError
+from ..core.redact import install_filter, redact
+from ..relay import RelayOptions
 
-log = logging.getLogger("outbox.dramatiq_scheduler")
+log = logging.getLogger("outbox.dramatiq.scheduler")
 
 #: How long a leader lock outlives its holder's last renewal.
 LOCK_TTL_S = 10.0
@@ -132,7 +132,7 @@ def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, st
 def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any,
         send: Any = None) -> None:
     """Send each entry every ``every_s`` until ``stop`` is set, while holding ``lock``.
-    ``send(actor, queue, kwargs, max_age_s)`` defaults to ``outbox.dramatiq_broker.send``.
+    ``send(actor, queue, kwargs, max_age_s)`` defaults to ``outbox.dramatiq.brokers.send``.
     A new leader sends the first entry (the claim tick) at once and the others after one
     interval, like beat."""
     send = send or _broker.send

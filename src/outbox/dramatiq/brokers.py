@@ -1,11 +1,10 @@
 """Dramatiq's broker for the relay, without side effects: reading the settings, making a
 broker, and sending a relay message from a process that is not a Dramatiq worker.
 
-Kept apart from ``outbox.dramatiq`` (the worker module, which declares the actors and
-installs its broker as Dramatiq's global broker) because the senders live in
-processes that must keep their own global broker: a Django web process set up by
-django-dramatiq sends a post-commit wake from here (``outbox.wake``), and so does the
-scheduler (``outbox.dramatiq_scheduler``). Sending only needs the actor's and queue's
+Kept apart from ``outbox.dramatiq.actors`` (which declares the actors and installs its broker
+as Dramatiq's global broker) because the senders live in processes that must keep their own
+global broker: a Django web process set up by django-dramatiq sends a post-commit wake from
+here (``outbox.dramatiq.waker``), and so does the scheduler (``outbox.dramatiq.scheduler``). Sending only needs the actor's and queue's
 *names* (``outbox.relay``'s constants), not the actors themselves.
 
 Settings (``outbox.core.config.DramatiqSettings``, read in the one order of README, "Configuration"):
@@ -24,8 +23,8 @@ import threading
 import time
 from typing import Any
 
-from .core.config import DramatiqSettings, dramatiq_settings
-from .core.errors import ConfigError, install_hint
+from ..core.config import DramatiqSettings, dramatiq_settings
+from ..core.errors import ConfigError, install_hint
 
 URL_SETTING = "OUTBOX_DRAMATIQ_BROKER_URL"
 

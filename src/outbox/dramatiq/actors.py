@@ -1,0 +1,231 @@
+"""The relay's actors on Dramatiq, what ``dramatiq outbox.dramatiq`` runs: actors calling the process's
+relay (``outbox.relay.service.Relay``) as ``outbox.celery.tasks`` does for Celery, and their middleware
+(docs/dramatiq.md: actors, middleware).
+
+Importing it installs Dramatiq's global broker: only relay worker processes load it (``outbox.dramatiq``)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+import dramatiq
+from dramatiq.middleware import Middleware
+
+from . import brokers as _broker
+from ..relay import metrics as _metrics
+from ..core.config import RelayOptions, Settings, get_settings, metrics_options, relay_options
+from ..core.errors import ConfigError
+from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, TASK_OUTBOX_ARG, Queues
+from ..core.redact import install_filter, redact
+from ..relay.resources import Resources, Shared
+from ..relay.service import Relay
+from ..storage.store import OutboxStore
+from .runner import DramatiqRunner
+
+log = logging.getLogger("outbox.dramatiq")
+
+# -- configuration, read once at import -------------------------------------------------------
+
+def _load() -> tuple[Settings, RelayOptions, str, str]:
+    settings, options = get_settings(), relay_options()
+    dramatiq_settings = _broker.settings(required=True)
+    assert dramatiq_settings is not None
+    return settings, options, dramatiq_settings.broker_url, dramatiq_settings.namespace
+
+
+try:
+    SETTINGS, OPTIONS, BROKER_URL, NAMESPACE = _load()
+except ConfigError as exc:
+    if os.path.basename(sys.argv[0] or "").startswith("dramatiq"):
+        # `dramatiq outbox.dramatiq`: one clear line and a non-zero exit, no traceback.
+        raise SystemExit(redact(f"outbox: invalid configuration: {exc}")) from None
+    raise
+
+#: This outbox's namespace and queues on Dramatiq's broker (docs/dramatiq.md; not to be confused
+#: with NAMESPACE, the Redis key prefix of Dramatiq's RedisBroker).
+OUTBOX_NAMESPACE = SETTINGS.outbox_namespace
+QUEUES = SETTINGS.queues
+LEASE_S = SETTINGS.claim_timeout_ms / 1000.0
+#: A claim or publish message running past its lease is interrupted (Dramatiq's
+#: TimeLimit): its rows come back with the lease anyway.
+TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
+
+
+# -- the broker and the process's relay (outbox.relay.service.Relay) -----------------------------
+
+broker = _broker.make_broker(BROKER_URL, NAMESPACE)  # Dramatiq's default middleware, plus ours (below)
+relay = Relay(SETTINGS, OPTIONS, DramatiqRunner(broker, BROKER_URL, NAMESPACE, OUTBOX_NAMESPACE), log)
+#: Set when this worker process starts shutting down: no new claims, no new chains.
+STOPPING = relay.runner.stopping_flag
+
+
+def stopping() -> bool:
+    return relay.stopping()
+
+
+def shared() -> Shared:
+    """The process's breaker, claim coalescer, route gate and outage logs, shared with the
+    other workers through Dramatiq's Redis (or a file when the broker is RabbitMQ)."""
+    return relay.shared()
+
+
+def resources() -> Resources:
+    return relay.resources()
+
+
+def close_resources() -> None:
+    relay.close()
+
+
+def queued_publish_tasks() -> int | None:
+    """Messages waiting in this outbox's publish queue on Dramatiq's broker; None when unknown."""
+    return relay.runner.queued_publish_tasks()
+
+
+def request_claim() -> bool:
+    """Ask for a claim soon, coalesced (``Relay.request_claim``)."""
+    return relay.request_claim()
+
+
+# -- middleware -----------------------------------------------------------------------------
+
+class OutboxMiddleware(Middleware):
+    """Start-up and shutdown of the relay in a Dramatiq worker process."""
+
+    def after_process_boot(self, broker: Any) -> None:
+        install_filter(logging.getLogger())  # no password in any log line
+        STOPPING.clear()
+        relay.start()  # this process's liveness record (docs/relay.md, "Lost workers")
+
+    def after_worker_boot(self, broker: Any, worker: Any) -> None:
+        relay.lift_fatal_pause()
+
+    def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        STOPPING.set()
+        log.info("outbox: worker shutting down, claims stop; publish messages in hand finish, "
+                 "messages not yet started release their rows or go back to the queue")
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        close_resources()
+
+    # One line as each publish message starts and ends, like Celery's "Task ... received"
+    # and "succeeded" lines: what is in hand when a worker stops or dies.
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        if message.actor_name == PUBLISH_TASK:
+            log.info("outbox: %s[%s] started", message.actor_name, message.message_id)
+
+    def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
+        if message.actor_name == PUBLISH_TASK:
+            log.info("outbox: %s[%s] %s", message.actor_name, message.message_id,
+                     "failed" if exception is not None else "succeeded")
+
+
+class MetricsMiddleware(Middleware):
+    """The relay's metrics (``outbox.relay.metrics``): on when OUTBOX_RELAY_METRICS_PORT is set.
+    Each worker process records its own; the process that binds the port serves them
+    (the sum over all processes when PROMETHEUS_MULTIPROC_DIR is set, see docs/dramatiq.md)."""
+
+    def after_process_boot(self, broker: Any) -> None:
+        try:
+            options = metrics_options()
+            port, addr = options.port, options.addr
+            if port is None:
+                return
+            _metrics.reset()
+            if _metrics.active() is None:
+                return
+            try:
+                _metrics.serve(port, addr)
+            except OSError as exc:  # another worker process of this host serves them
+                log.info("outbox metrics: port %d is taken (%s); another process serves", port, exc)
+                return
+            log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
+                     " (multiprocess)" if _metrics.multiprocess_mode() else "")
+            _metrics.start_refresher(lambda: OutboxStore.from_settings(SETTINGS))  # the gauges' own schedule
+        except Exception as exc:  # metrics must never stop the relay
+            log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
+            _metrics.disable()
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        _metrics.stop_serving()
+
+
+# -- the actors --------------------------------------------------------------------------------
+
+broker.add_middleware(OutboxMiddleware())
+broker.add_middleware(MetricsMiddleware())
+dramatiq.set_broker(broker)
+
+_SETTLE = dict(max_retries=10, min_backoff=500, max_backoff=30_000)
+
+
+def _only_ours(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """An actor that runs only messages naming this outbox (``TASK_OUTBOX_ARG``); one naming another
+    is sent on to that outbox's queue, not run (docs/relay.md, "Several outboxes on one broker")."""
+    def wrap(body: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(body)
+        def run(*args: Any, **kwargs: Any) -> None:
+            named = kwargs.pop(TASK_OUTBOX_ARG, None)
+            if relay.foreign.belongs(named, OUTBOX_NAMESPACE):
+                return body(*args, **kwargs)
+            relay.foreign.refuse(task, named, OUTBOX_NAMESPACE, lambda other: broker.enqueue(_broker.message(
+                task, Queues(other).for_task(task), {**kwargs, TASK_OUTBOX_ARG: other}, args=args)))
+            return None
+        return run
+    return wrap
+
+
+@dramatiq.actor(actor_name=CLAIM_TASK, queue_name=QUEUES.claim, broker=broker, max_retries=0,
+                time_limit=TIME_LIMIT_MS)
+@_only_ours(CLAIM_TASK)
+def claim(requested: bool = False, token: str | None = None, expires_at: float | None = None) -> None:
+    """Claim a batch and send its chains on as publish messages (``Relay.claim``, as on Celery).
+    Returns None: nobody reads a relay actor's result (the outcome is in the table)."""
+    relay.claim(requested, token, expired=_broker.expired(expires_at))
+
+
+@dramatiq.actor(actor_name=PUBLISH_TASK, queue_name=QUEUES.publish, broker=broker, max_retries=0,
+                time_limit=TIME_LIMIT_MS)
+@_only_ours(PUBLISH_TASK)
+def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -> None:
+    # Every delivery checks that the lease still holds the rows, this process's own included:
+    # Dramatiq's Redis broker cannot tell a redelivered message from a first one, and a message
+    # delivered again after its first run released or settled the rows must not publish rows
+    # another claim may hold now (docs/relay.md, "Graceful shutdown").
+    relay.publish(chains, deadline, check_own=True)
+
+
+@dramatiq.actor(actor_name=ACK_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
+@_only_ours(ACK_TASK)
+def ack(ids: list[int], lease: str) -> None:
+    relay.settle("done", ids=ids, lease=lease)
+
+
+@dramatiq.actor(actor_name=FAIL_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
+@_only_ours(FAIL_TASK)
+def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False) -> None:
+    relay.settle("failed", message=message, error=error, retry_in_s=retry_in_s, dead=dead)
+
+
+@dramatiq.actor(actor_name=RELEASE_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
+@_only_ours(RELEASE_TASK)
+def release(ids: list[int], lease: str, delay_s: float | None = None) -> None:
+    relay.settle("release", ids=ids, lease=lease, delay_s=delay_s)
+
+
+@dramatiq.actor(actor_name=PURGE_TASK, queue_name=QUEUES.purge, broker=broker, max_retries=0)
+@_only_ours(PURGE_TASK)
+def purge(expires_at: float | None = None) -> None:
+    if not _broker.expired(expires_at):
+        relay.purge()
+
+
+__all__ = ["OUTBOX_NAMESPACE", "QUEUES", "relay",
+           "broker", "claim", "publish", "ack", "fail", "release", "purge", "request_claim", "resources",
+           "close_resources", "shared", "stopping", "STOPPING", "OutboxMiddleware", "MetricsMiddleware",
+           "queued_publish_tasks"]
