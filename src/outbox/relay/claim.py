@@ -83,8 +83,8 @@ def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
     return tasks, over
 
 
-#: ``dispatch(chains, deadline)`` sends one publish task.
-Dispatch = Callable[[list[list[OutboxMessage]], float], None]
+#: ``dispatch(chains, deadline)`` sends one publish task (or publishes here); what it returns is not read.
+Dispatch = Callable[[list[list[OutboxMessage]], float], object]
 
 
 def handle_claim(relay: RelayContext, dispatch: Dispatch, *, batch_size: int, lease_s: float,

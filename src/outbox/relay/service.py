@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Sequence
 
 from ..core.config import RelayOptions, Settings
-from ..core.model import message_from_dict, message_to_dict
+from ..core.model import OutboxMessage, message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, RELEASE_TASK
 from .context import RelayContext
 from .drain import DRAIN_SLICE_S, Backlog, Drain, after_publish, drain_slice
 from .foreign import ForeignTasks
 from .hooks import RelayHooks
-from .publish import handle_publish, still_held
+from .publish import ChainOutcome, handle_publish, still_held
 from .resources import ResourceHolder, Resources, Shared
 from .runner import Runner
 from .settle import apply_fallback, purge_expired
@@ -156,7 +156,7 @@ class Relay:
             return {"database_unavailable": True}
         return asdict(outcome)
 
-    def publish_here(self, chains: list[list[Any]], deadline: float | None) -> list[Any]:
+    def publish_here(self, chains: Sequence[Sequence[OutboxMessage]], deadline: float | None) -> list[ChainOutcome]:
         """Publish chains in this process: the publish task's work, and a claim's own share."""
         return handle_publish(self.context(), chains, deadline=deadline)
 
