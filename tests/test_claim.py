@@ -16,8 +16,8 @@ import pytest
 
 from outbox import Status
 from outbox.core.model import OutboxMessage
-from outbox.relay import (Backlog, Breaker, ClaimOutcome, ClaimSizer, Outage, RelayContext, RelayOptions, drain_slice,
-                          handle_claim, handle_publish, plan_tasks)
+from outbox.relay import (Backlog, Breaker, ClaimOutcome, ClaimSizer, Drain, Outage, RelayContext, RelayOptions,
+                          drain_slice, handle_claim, handle_publish, plan_tasks)
 from outbox.storage.store import OutboxStore
 
 from relay_support import Collect, ScriptedPublisher, add, rows, run_python, status_of
@@ -273,12 +273,11 @@ class Slice:
         self.events.append("claim soon")
         return True
 
-    def run(self, batch_size: int = 2, **kw: Any) -> ClaimOutcome | None:
-        args: dict[str, Any] = dict(batch_size=batch_size, lease_s=60.0, options=RelayOptions(), breaker=None,
-                                    queued=None, backlog=self.backlog, settler=None, publisher=self.publisher,
-                                    sizer=None, publish_here=self.publish_here, request_claim=self.request_claim,
-                                    stopping=lambda: False, outage=self.outage)
-        return drain_slice(self.store, self.sent, **{**args, **kw})
+    def run(self, batch_size: int = 2, breaker: Breaker | None = None, stopping: Any = lambda: False,
+            publish_here: Any = None, **kw: Any) -> ClaimOutcome | None:
+        relay = RelayContext(self.store, self.publisher, options=RelayOptions(), breaker=breaker, stopping=stopping)
+        drain = Drain(self.sent, publish_here or self.publish_here, self.request_claim, self.outage, self.backlog)
+        return drain_slice(relay, drain, batch_size=batch_size, lease_s=60.0, **kw)
 
 
 def test_a_drain_slice_publishes_each_full_claims_share_here_and_claims_again(

@@ -1,4 +1,4 @@
-"""Prometheus metrics (``outbox.relay.metrics``): the relay's functions against a real SQLite
+"""Prometheus metrics (``outbox.relay.metrics``): the relay's hooks and functions against a real SQLite
 store, read back from prometheus_client's registry; the HTTP endpoint; and a real prefork
 worker serving the sum over its pool processes."""
 
@@ -26,6 +26,9 @@ from outbox.relay import RelayContext, RelayOptions, handle_claim, handle_publis
 from outbox.storage.store import OutboxStore  # noqa: E402
 
 from relay_support import ScriptedPublisher  # noqa: E402
+
+#: The relay reports through its hooks; the runners install these when metrics are on.
+HOOKS = metrics.PrometheusHooks()
 from test_wake import PYTHON, Destination, Workers, destination, wait_done, workers  # noqa: E402,F401
 
 
@@ -88,7 +91,7 @@ def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: Collect
     db = str(tmp_path / "outbox.db")
     a, b, c = add(db, "a", 3), add(db, "b", 2), add(db, "c", 1)
     sent = Collect()
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=1)), sent, batch_size=100, lease_s=60.0)
+    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=1), hooks=HOOKS), sent, batch_size=100, lease_s=60.0)
     assert outcome.claimed == 6
     assert value(registry, "outbox_claimed_total") == 6
     assert value(registry, "outbox_claim_seconds_count") == 1
@@ -96,7 +99,7 @@ def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: Collect
     assert value(registry, "outbox_backlog") == 0 and value(registry, "outbox_gauges_read_timestamp_seconds") == 0
 
     publisher = ScriptedPublisher({b[0]: FailureKind.RETRIABLE, c[0]: FailureKind.POISON}, sticky=True)
-    handle_publish(RelayContext(store, publisher), sent.chains)
+    handle_publish(RelayContext(store, publisher, hooks=HOOKS), sent.chains)
     assert value(registry, "outbox_published_total") == 3  # a's three; b stopped at its head, c is poison
     assert value(registry, "outbox_failed_total", kind="retriable") == 1
     assert value(registry, "outbox_failed_total", kind="poison") == 1
@@ -107,7 +110,7 @@ def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: Collect
     assert 0 <= value(registry, "outbox_event_age_seconds_sum") < 60
 
     d = add(db, "d", 1)
-    handle_claim(RelayContext(store), Collect(), batch_size=100, lease_s=60.0)  # leases d; b waits for its retry
+    handle_claim(RelayContext(store, hooks=HOOKS), Collect(), batch_size=100, lease_s=60.0)  # leases d; b waits for its retry
     metrics.refresh(store, force=True)
     in_flight, backlog = open_rows(store)
     assert (in_flight, backlog) == (1, 3)  # d leased; b's two rows open
@@ -122,7 +125,7 @@ def test_rows_that_go_dead_on_lease_expiry_are_counted(registry: CollectorRegist
     add(str(tmp_path / "expiry.db"), "x", 1)
     assert len(store.claim(10).messages) == 1  # leased, then the worker "dies"
     time.sleep(0.2)
-    handle_claim(RelayContext(store), Collect(), batch_size=10, lease_s=0.05)
+    handle_claim(RelayContext(store, hooks=HOOKS), Collect(), batch_size=10, lease_s=0.05)
     assert value(registry, "outbox_dead_total") == 1
 
 
@@ -204,7 +207,7 @@ def test_everything_is_a_no_op_when_metrics_are_off(make_store: Any, monkeypatch
         metrics.chain([], 0.1, "retriable")
         metrics.dead()
         metrics.refresh(store, force=True)
-        handle_claim(RelayContext(store), Collect(), batch_size=10, lease_s=60.0)
+        handle_claim(RelayContext(store, hooks=HOOKS), Collect(), batch_size=10, lease_s=60.0)
 
         monkeypatch.setenv("OUTBOX_RELAY_METRICS_PORT", "9999")
         monkeypatch.setitem(__import__("sys").modules, "prometheus_client", None)  # not installed
@@ -232,7 +235,7 @@ def test_metrics_never_break_the_relay(registry: CollectorRegistry, make_store: 
 
     monkeypatch.setattr(active.claimed, "inc", broken)
     monkeypatch.setattr(active.backlog, "set", broken)
-    outcome = handle_claim(RelayContext(store), Collect(), batch_size=10, lease_s=60.0)
+    outcome = handle_claim(RelayContext(store, hooks=HOOKS), Collect(), batch_size=10, lease_s=60.0)
     assert outcome.claimed == 1
 
 

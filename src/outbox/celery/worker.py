@@ -65,7 +65,7 @@ def relay() -> Relay:
     global _relay
     with _relay_lock:
         if _relay is None:
-            _relay = Relay(relay_settings(), relay_options(), CeleryRunner(stopping), log)
+            _relay = Relay(relay_settings(), relay_options(), CeleryRunner(stopping), log, _metrics.relay_hooks())
         return _relay
 
 

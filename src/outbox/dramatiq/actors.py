@@ -58,7 +58,8 @@ TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
 # -- the broker and the process's relay (outbox.relay.service.Relay) -----------------------------
 
 broker = _broker.make_broker(BROKER_URL, NAMESPACE)  # Dramatiq's default middleware, plus ours (below)
-relay = Relay(SETTINGS, OPTIONS, DramatiqRunner(broker, BROKER_URL, NAMESPACE, OUTBOX_NAMESPACE), log)
+relay = Relay(SETTINGS, OPTIONS, DramatiqRunner(broker, BROKER_URL, NAMESPACE, OUTBOX_NAMESPACE), log,
+              _metrics.relay_hooks())  # PrometheusHooks when metrics are on
 #: Set when this worker process starts shutting down: no new claims, no new chains.
 STOPPING = relay.runner.stopping_flag
 

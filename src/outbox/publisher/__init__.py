@@ -7,13 +7,13 @@ chains' progress through waves, without I/O), ``kombu_publisher`` (the mechanism
 from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES,
                        OVERTAKEN_BY_HEADER, OVERTAKEN_COUNT_HEADER, overtaken_headers,
                        RESERVED_HEADERS, UNROUTABLE_POLICIES, ChainResult, FailureKind, Overtaken, Pipelined, Publisher,
-                       PublisherLike, PublishFailure)
+                       PublishFailure)
 from .failures import _connection_lost, classify, failure_from  # noqa: F401  (_connection_lost: tests)
 from .message import build_headers, checked_headers, encode_body, iso_utc, poison_check
 from .kombu_publisher import KombuPublisher, refused_by_route
 
 __all__ = [
-    "Publisher", "PublisherLike", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind", "Overtaken",
+    "Publisher", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind", "Overtaken",
     "Pipelined",
     "classify", "failure_from", "poison_check", "checked_headers", "build_headers", "encode_body", "iso_utc",
     "refused_by_route", "RESERVED_HEADERS", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "MAX_SHORTSTR_BYTES",

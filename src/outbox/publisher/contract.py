@@ -150,7 +150,3 @@ class Publisher(ABC):
                  tb: TracebackType | None) -> None:
         self.close()
 
-
-#: TEMPORARY, until the runners branch is merged: ``relay/drain.py`` still imports the old
-#: name. ``Publisher`` is the one contract.
-PublisherLike = Publisher

@@ -1,5 +1,5 @@
 """The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``context``
-(the collaborators, one argument), ``claim``, ``drain`` (a claim task's drain slice),
+(the collaborators, one argument), ``hooks`` (what it reports), ``claim``, ``drain`` (a claim task's drain slice),
 ``publish`` (sending, the trusted prefix, settling), ``policy`` (the failure policy),
 ``settle`` (store writes), ``foreign`` (a task of another outbox),
 ``shared`` (breaker, route gate, outage log, coalescer) over ``state`` (Redis, files
@@ -11,7 +11,8 @@ from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TA
 from .context import RelayContext
 from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
 from .foreign import ForeignTasks
-from .drain import DRAIN_SLICE_S, Backlog, after_publish, drain_slice
+from .drain import DRAIN_SLICE_S, Backlog, Drain, after_publish, drain_slice
+from .hooks import RelayHooks
 from .policy import STOP_POLICY
 from .publish import (BACKPRESSURE, FATAL, POISON, RETRIABLE, ChainOutcome, handle_chain, handle_publish,
                       still_held, trusted_prefix)
@@ -31,7 +32,7 @@ __all__ = [
     "RelayContext", "STOP_POLICY", "trusted_prefix",
     "StoreLike", "Fallback", "Settler", "ChainOutcome", "handle_chain", "handle_publish", "still_held",
     "ClaimOutcome", "ClaimSizer", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback",
-    "DRAIN_SLICE_S", "Backlog", "after_publish", "drain_slice", "send_dead",
+    "DRAIN_SLICE_S", "Backlog", "Drain", "RelayHooks", "after_publish", "drain_slice", "send_dead",
     "make_relay_outage", "purge_expired", "ResourceHolder", "Resources",
     "RETRIABLE", "BACKPRESSURE", "POISON", "FATAL", "LEASE_EXPIRED",
     "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",

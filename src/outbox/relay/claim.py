@@ -11,8 +11,7 @@ from ..core.model import Claim, OutboxMessage
 from ..domain.chains import split_chains
 from ..publisher import Publisher
 from ..storage.engines.base import LEASE_EXPIRED_ERROR
-from . import metrics
-from .context import RelayContext, old_calls
+from .context import RelayContext
 from .settle import send_dead
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
@@ -84,11 +83,10 @@ def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
     return tasks, over
 
 
-#: ``dispatch(chains, deadline)`` sends one publish task.
-Dispatch = Callable[[list[list[OutboxMessage]], float], None]
+#: ``dispatch(chains, deadline)`` sends one publish task (or publishes here); what it returns is not read.
+Dispatch = Callable[[list[list[OutboxMessage]], float], object]
 
 
-@old_calls(takes_publisher=False)
 def handle_claim(relay: RelayContext, dispatch: Dispatch, *, batch_size: int, lease_s: float,
                  queued: Callable[[], int | None] | None = None, publish_inline: Dispatch | None = None,
                  claim_again: Callable[[], object] | None = None) -> ClaimOutcome:
@@ -157,7 +155,7 @@ def _claim(relay: RelayContext, batch_size: int, outcome: ClaimOutcome) -> Claim
         claim = relay.store.claim(rows)
     except Exception as exc:
         raise ClaimFailed(exc) from exc
-    metrics.claimed(claim, time.perf_counter() - started)
+    relay.hooks.after_claim(claim, time.perf_counter() - started)
     if relay.sizer is not None:
         relay.sizer.observe(claim.messages)
     outcome.claimed = len(claim.messages)

@@ -4,19 +4,17 @@
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Callable
 
 from ..core.config import RelayOptions
 from ..publisher import Publisher
+from .hooks import RelayHooks
 from .settle import Settler, StoreLike
 from .shared import Breaker, Outage, RouteGate
 from .sizing import ClaimSizer
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _never() -> bool:
@@ -27,8 +25,8 @@ def _never() -> bool:
 class RelayContext:
     """What the relay works with. Only ``store`` is required: the rest is off or a default
     when not given (no breaker, no route pauses, no outage log, no claim sizing, never
-    stopping). ``publisher`` is needed to publish; a claim without one dead-letters nothing.
-    ``settler`` defaults to one on ``store`` with no fallback."""
+    stopping, no hooks). ``publisher`` is needed to publish; a claim without one dead-letters
+    nothing. ``settler`` defaults to one on ``store`` with no fallback."""
 
     store: StoreLike
     publisher: Publisher | None = None
@@ -41,30 +39,9 @@ class RelayContext:
     stopping: Callable[[], bool] = _never  # the worker is shutting down: publish nothing
     now: Callable[[], float] = time.time  # wall clock, for deadlines and route pauses
     rng: Callable[[], float] = random.random  # the back-off's jitter
+    hooks: RelayHooks = field(default_factory=RelayHooks)  # what the relay reports (``relay.hooks``)
 
     def __post_init__(self) -> None:
         if self.settler is None:
             self.settler = Settler(self.store)
 
-
-#: The context's fields an old-style call passes as keywords.
-_FIELDS = ("publisher", "options", "settler", "breaker", "routes", "outage", "sizer", "stopping", "now", "rng")
-
-
-def old_calls(takes_publisher: bool) -> Callable[[_F], _F]:
-    """TEMPORARY, until the runners branch is merged: ``drain.py``, ``tasks.py`` and
-    ``dramatiq.py`` still call ``handle_claim(store, dispatch, options=..., ...)`` and
-    ``handle_publish(store, publisher, chains, ...)``; this builds their context. Remove it
-    with those calls."""
-    def wrap(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def call(first: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(first, RelayContext):
-                return fn(first, *args, **kwargs)
-            if takes_publisher:
-                kwargs["publisher"], *args = args  # type: ignore[assignment]
-            given = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
-            relay = RelayContext(first, **{name: value for name, value in given.items() if value is not None})
-            return fn(relay, *args, **kwargs)
-        return call  # type: ignore[return-value]
-    return wrap

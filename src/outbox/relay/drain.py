@@ -8,12 +8,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..core.config import RelayOptions
-from ..publisher import PublisherLike
 from .claim import ClaimFailed, ClaimOutcome, Dispatch, handle_claim
-from .settle import Settler, StoreLike
+from .context import RelayContext
 from .shared import Breaker, Outage
-from .sizing import ClaimSizer
 
 #: How long one claim task may go on claiming and publishing a backlog itself.
 DRAIN_SLICE_S = 1.0
@@ -40,16 +37,27 @@ def _nothing() -> None:
     claim asked already, and nobody else can take a chain this process holds."""
 
 
-def drain_slice(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease_s: float, options: RelayOptions,
-                breaker: Breaker | None, queued: Callable[[], int | None] | None, backlog: Backlog,
-                settler: Settler | None, publisher: PublisherLike | None, sizer: ClaimSizer | None,
-                publish_here: Dispatch, request_claim: Callable[[], object], stopping: Callable[[], bool],
-                outage: Outage, in_main: bool = False, slice_s: float = DRAIN_SLICE_S,
-                clock: Callable[[], float] = time.monotonic) -> ClaimOutcome | None:
+@dataclass
+class Drain:
+    """What a claim task's slice works with besides the context (``RelayContext``): the
+    runner's ways of sending work on (``dispatch`` a publish task, ``publish_here``, a
+    coalesced ``request_claim``, the publish queue's length ``queued``) and the process's
+    ``backlog`` flag and the database's outage log. ``Relay.claim`` makes one per claim task."""
+
+    dispatch: Dispatch
+    publish_here: Dispatch
+    request_claim: Callable[[], object]
+    outage: Outage
+    backlog: Backlog
+    queued: Callable[[], int | None] | None = None
+
+
+def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: float, in_main: bool = False,
+                slice_s: float = DRAIN_SLICE_S, clock: Callable[[], float] = time.monotonic) -> ClaimOutcome | None:
     """The claim task's body: one claim (``handle_claim``), then more while each came back
     full and published its share here, until ``slice_s`` has passed, the runner is
-    ``stopping()``, or a claim is not full. Then drain mode: after a publish here
-    ``after_publish``, else after a full claim ``request_claim()``.
+    ``relay.stopping()``, or a claim is not full. Then drain mode: after a publish here
+    ``after_publish``, else after a full claim ``drain.request_claim()``.
 
     The slice's first claim asks for the next claim (``claim_again``) before publishing its
     share, so other processes drain alongside; a later one asks too when the claim before it
@@ -59,27 +67,25 @@ def drain_slice(store: StoreLike, dispatch: Dispatch, *, batch_size: int, lease_
     (the Celery worker's main process, the in-process claim): no share and no slice, the
     backlog goes to the pool (docs/waking-and-metrics.md, "The in-process claim").
 
-    ``queued`` is read only while ``backlog`` says the last claim met one. Returns the last
-    claim's outcome, or None when the store refused the claim (``ClaimFailed``: reported to
-    ``outage``, once per outage, instead of a traceback per tick)."""
-    ends, ask = clock() + slice_s, request_claim
+    ``drain.queued`` is read only while ``drain.backlog`` says the last claim met one. Returns
+    the last claim's outcome, or None when the store refused the claim (``ClaimFailed``:
+    reported to ``drain.outage``, once per outage, instead of a traceback per tick)."""
+    ends, ask = clock() + slice_s, drain.request_claim
     while True:
         try:
-            outcome = handle_claim(store, dispatch, batch_size=batch_size, lease_s=lease_s, options=options,
-                                   breaker=breaker, queued=queued if backlog.met else None, settler=settler,
-                                   publisher=publisher, publish_inline=publish_here,
-                                   claim_again=None if in_main else ask,
-                                   sizer=sizer)
+            outcome = handle_claim(relay, drain.dispatch, batch_size=batch_size, lease_s=lease_s,
+                                   queued=drain.queued if drain.backlog.met else None,
+                                   publish_inline=drain.publish_here, claim_again=None if in_main else ask)
         except ClaimFailed as exc:
-            outage.failed(exc.cause)
+            drain.outage.failed(exc.cause)
             return None
-        outage.ok()
-        backlog.met = outcome.backlog
-        ask = request_claim if outcome.chains > 1 else _nothing
-        if not (outcome.more and outcome.inline) or in_main or stopping() or clock() >= ends:
+        drain.outage.ok()
+        drain.backlog.met = outcome.backlog
+        ask = drain.request_claim if outcome.chains > 1 else _nothing
+        if not (outcome.more and outcome.inline) or in_main or relay.stopping() or clock() >= ends:
             break
     if outcome.inline:
-        after_publish(breaker, request_claim)
+        after_publish(relay.breaker, drain.request_claim)
     elif outcome.more:
-        request_claim()
+        drain.request_claim()
     return outcome

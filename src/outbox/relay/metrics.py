@@ -1,7 +1,9 @@
 """Prometheus metrics of the relay (opt-in: the ``metrics`` extra): the
 metrics, their options and prefork's multiprocess mode, docs/waking-and-metrics.md, "Metrics".
 
-Every call is a no-op while metrics are off, so the relay calls them unconditionally."""
+The relay reports through its hooks (``relay.hooks.RelayHooks``); ``PrometheusHooks`` turns
+them into these metrics, and the runners install it when metrics are on (``relay_hooks``).
+Every call is a no-op while metrics are off."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import tempfile
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from ..core.config import metrics_options
 from ..core.errors import install_hint
 from ..core.model import Claim, FailureKind, OutboxMessage
+from .hooks import RelayHooks
 
 log = logging.getLogger("outbox.relay.metrics")
 
@@ -218,6 +221,31 @@ def _reading_failed(m: Metrics, now: float, exc: Exception) -> None:
         log.debug("outbox metrics: cannot read the gauges (%s: %s)", type(exc).__name__, exc)
 
 
+# -- the relay's hooks -----------------------------------------------------------------------------
+
+class PrometheusHooks(RelayHooks):
+    """The relay's events (``RelayHooks``) as the metrics above: each a no-op while metrics are off."""
+
+    def after_claim(self, claim: Claim, seconds: float) -> None:
+        claimed(claim, seconds)
+
+    def after_chain(self, published: Sequence[OutboxMessage], seconds: float, failed_kind: str | None) -> None:
+        chain(published, seconds, failed_kind)
+
+    def after_dead(self, count: int = 1) -> None:
+        dead(count)
+
+
+def relay_hooks() -> RelayHooks:
+    """The hooks a runner gives its relay: ``PrometheusHooks`` when OUTBOX_RELAY_METRICS_PORT is
+    set (an invalid value included: the worker's start-up says why metrics are off), else none."""
+    try:
+        on = configured_port() is not None
+    except Exception:  # noqa: BLE001 - reported by ``active()`` when the worker starts the metrics
+        on = True
+    return PrometheusHooks() if on else RelayHooks()
+
+
 # -- the refresher: the gauges on their own schedule ------------------------------------------------
 
 class GaugeRefresher:
@@ -384,4 +412,5 @@ def on_worker_ready(store_factory: Callable[[], Any] | None = None) -> None:
 
 __all__ = ["Metrics", "active", "enable", "disable", "reset", "claimed", "chain", "dead", "refresh", "serve",
            "stop_serving", "GaugeRefresher", "start_refresher", "stop_refresher", "FAILURE_KINDS",
-           "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init", "on_worker_ready"]
+           "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init", "on_worker_ready",
+           "PrometheusHooks", "relay_hooks"]

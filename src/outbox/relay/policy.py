@@ -9,7 +9,6 @@ from datetime import timedelta
 from typing import Callable, NamedTuple
 
 from ..core.model import FailureKind, OutboxMessage
-from . import metrics
 from .context import RelayContext
 from .logfields import describe, log_extra
 from .settle import retry_delay, send_dead
@@ -58,7 +57,7 @@ def _poison(relay: RelayContext, stop: Stopped) -> Settled:
               extra=log_extra(failing, "dead"))
     result = relay.settler.failed(failing, stop.error, None, dead=True)
     if result is not None and result.applied:
-        metrics.dead()
+        relay.hooks.after_dead()
         send_dead(relay.publisher, failing, stop.error)
     relay.settler.release(stop.after)
     return Settled(stop.after, dead=True)
@@ -72,7 +71,7 @@ def _retriable(relay: RelayContext, stop: Stopped) -> Settled:
     result = relay.settler.failed(failing, stop.error, retry_in)
     dead = bool(result and result.dead)
     if dead:
-        metrics.dead()
+        relay.hooks.after_dead()
         log.error("outbox event goes dead after its last attempt %s attempt=%d error=%r", describe(failing),
                   failing.attempt, stop.reason, extra=log_extra(failing, "dead"))
         send_dead(relay.publisher, failing, stop.error)

@@ -12,8 +12,7 @@ from typing import Callable, Collection, Iterable, Sequence
 
 from ..core.model import FailureKind, OutboxMessage
 from ..publisher import ChainResult, Overtaken, Publisher, overtaken_headers
-from . import metrics
-from .context import RelayContext, old_calls
+from .context import RelayContext
 from .logfields import describe, log_extra
 from .policy import STOP_POLICY, Stopped
 from .settle import StoreLike, send_dead
@@ -41,7 +40,6 @@ class ChainOutcome:
     overtaken: list[int] = field(default_factory=list)
 
 
-@old_calls(takes_publisher=True)
 def handle_chain(relay: RelayContext, messages: Sequence[OutboxMessage]) -> ChainOutcome:
     """Publish one chain (one aggregate, id order, one lease) and settle its rows: a publish
     task of one chain (see ``handle_publish``)."""
@@ -49,7 +47,6 @@ def handle_chain(relay: RelayContext, messages: Sequence[OutboxMessage]) -> Chai
     return outcomes[0] if outcomes else ChainOutcome()
 
 
-@old_calls(takes_publisher=True)
 def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]], *,
                    deadline: float | None = None) -> list[ChainOutcome]:
     """Publish the chains of one publish task together (``Publisher.publish_chains``) and
@@ -208,7 +205,7 @@ def _settle_published(relay: RelayContext, chain: list[OutboxMessage], part: lis
                   published, ids, published[:taken])
     outcome = ChainOutcome(published=published[:taken])
     failed_kind = report.kind.value if report.kind is not None and prefix < len(ids) else None
-    metrics.chain([m for m in chain[:prefix] if m.id not in overtaken], elapsed, failed_kind)
+    relay.hooks.after_chain([m for m in chain[:prefix] if m.id not in overtaken], elapsed, failed_kind)
     # Overtaken events go dead before the events that overtook them are marked done:
     # should this process die in between, nothing is left to be published again behind them.
     debug = log.isEnabledFor(logging.DEBUG)  # describe() per event costs more than the check
@@ -237,7 +234,7 @@ def _bury_overtaken(relay: RelayContext, message: OutboxMessage, overtaken: Over
               extra=log_extra(message, "overtaken"))
     result = relay.settler.failed(message, error, None, dead=True, dead_headers=overtaken_headers(overtaken))
     if result is not None and result.applied:
-        metrics.dead()
+        relay.hooks.after_dead()
         send_dead(relay.publisher, message, error, overtaken_headers(overtaken))
 
 

@@ -1,7 +1,8 @@
 """One relay per worker process, under either task runner: ``Relay`` is built from the relay's
-settings and options and the process's ``Runner`` (``relay.runner``), owns what the process holds
-(``relay.resources``: each thread's store, publisher, settler and claim sizer; the process's breaker,
-claim coalescer, route gate, outage logs and heartbeat) and runs the relay tasks' bodies over them.
+settings and options, the process's ``Runner`` (``relay.runner``) and its hooks (``relay.hooks``),
+owns what the process holds (``relay.resources``: each thread's store, publisher, settler and claim
+sizer; the process's breaker, claim coalescer, route gate, outage logs and heartbeat), hands them to
+the relay's logic as one ``RelayContext`` and runs the relay tasks' bodies over them.
 The task and actor modules (``outbox.celery.tasks``, ``outbox.dramatiq``) are one-line calls into it
 (docs/relay.md, "Worker processes")."""
 
@@ -9,14 +10,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Sequence
 
 from ..core.config import RelayOptions, Settings
-from ..core.model import message_from_dict, message_to_dict
+from ..core.model import OutboxMessage, message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, RELEASE_TASK
-from .drain import DRAIN_SLICE_S, Backlog, after_publish, drain_slice
+from .context import RelayContext
+from .drain import DRAIN_SLICE_S, Backlog, Drain, after_publish, drain_slice
 from .foreign import ForeignTasks
-from .publish import handle_publish, still_held
+from .hooks import RelayHooks
+from .publish import ChainOutcome, handle_publish, still_held
 from .resources import ResourceHolder, Resources, Shared
 from .runner import Runner
 from .settle import apply_fallback, purge_expired
@@ -31,11 +34,15 @@ class Relay:
     connection is involved, afresh in a forked child) and closed together, and the bodies of the
     claim, publish, settling and purge tasks."""
 
-    def __init__(self, settings: Settings, options: RelayOptions, runner: Runner, logger: logging.Logger) -> None:
+    def __init__(self, settings: Settings, options: RelayOptions, runner: Runner, logger: logging.Logger,
+                 hooks: RelayHooks | None = None) -> None:
         self.settings = settings
         self.options = options
         self.runner = runner
         self.log = logger
+        #: What the relay reports (``relay.hooks``): the runners install ``PrometheusHooks``
+        #: when metrics are on.
+        self.hooks = hooks if hooks is not None else RelayHooks()
         self.lease_s = settings.claim_timeout_ms / 1000.0
         #: Did this process's last claim meet a backlog (``relay.drain.Backlog``)?
         self.backlog = Backlog()
@@ -56,6 +63,14 @@ class Relay:
     def shared(self) -> Shared:
         """This process's breaker, claim coalescer, route gate and outage logs."""
         return self.held.shared()
+
+    def context(self) -> RelayContext:
+        """This thread's collaborators as one argument for the relay's logic: the thread's
+        store, publisher, settler and sizer, the process's breaker, route gate and the
+        destination broker's outage log, the runner's stopping flag and the hooks."""
+        r, s = self.resources(), self.shared()
+        return RelayContext(r.store, r.publisher, self.options, r.settler, s.breaker, s.routes,
+                            s.outage("destination broker"), r.sizer, self.stopping, hooks=self.hooks)
 
     def breaker(self) -> Breaker:
         return self.shared().breaker
@@ -133,23 +148,17 @@ class Relay:
             return {"expired": True}
         if self.stopping():
             return {"stopped": True}
-        r, s = self.resources(), self.shared()
-        outcome = drain_slice(r.store, self._dispatch, batch_size=self.settings.batch_size, lease_s=self.lease_s,
-                              options=self.options, breaker=s.breaker, queued=self.runner.queued_publish_tasks,
-                              backlog=self.backlog, settler=r.settler, publisher=r.publisher, sizer=r.sizer,
-                              publish_here=self.publish_here, request_claim=self.request_claim,
-                              stopping=self.stopping, outage=s.outage("database"), in_main=in_main,
-                              slice_s=DRAIN_SLICE_S)
+        drain = Drain(self._dispatch, self.publish_here, self.request_claim, self.outage("database"), self.backlog,
+                      self.runner.queued_publish_tasks)
+        outcome = drain_slice(self.context(), drain, batch_size=self.settings.batch_size, lease_s=self.lease_s,
+                              in_main=in_main, slice_s=DRAIN_SLICE_S)
         if outcome is None:  # the database is down or refusing: the error is in the outage's log lines, once
             return {"database_unavailable": True}
         return asdict(outcome)
 
-    def publish_here(self, chains: list[list[Any]], deadline: float | None) -> list[Any]:
+    def publish_here(self, chains: Sequence[Sequence[OutboxMessage]], deadline: float | None) -> list[ChainOutcome]:
         """Publish chains in this process: the publish task's work, and a claim's own share."""
-        r, s = self.resources(), self.shared()
-        return handle_publish(r.store, r.publisher, chains, deadline=deadline, options=self.options,
-                              breaker=s.breaker, settler=r.settler, stopping=self.stopping, routes=s.routes,
-                              outage=s.outage("destination broker"))
+        return handle_publish(self.context(), chains, deadline=deadline)
 
     def publish(self, chains: list[list[dict[str, Any]]], deadline: float | None = None,
                 check_own: bool = True) -> dict[str, Any]:
@@ -167,7 +176,8 @@ class Relay:
         """An ack, fail or release task: the store write a publish could not make
         (``relay.settle.apply_fallback``); raises on failure, so the task retries."""
         r = self.resources()
-        return apply_fallback(r.store, r.publisher if operation == "failed" else None, operation, kwargs).applied
+        return apply_fallback(r.store, r.publisher if operation == "failed" else None, operation, kwargs,
+                              self.hooks).applied
 
     def purge(self) -> int:
         return purge_expired(self.resources().store, self.settings.retention_days, self.outage("database"),

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..core.model import Claim, FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
 from ..publisher import Publisher, PublishFailure
-from . import metrics
+from .hooks import RelayHooks
 from .logfields import describe, log_extra
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
@@ -126,9 +126,10 @@ def send_dead(publisher: Publisher | None, message: OutboxMessage, error: str,
 
 # -- failed writes handed to the ack queue ---------------------------------------------------
 
-def apply_fallback(store: StoreLike, publisher: Publisher | None, operation: str, kwargs: Mapping[str, Any]) -> Any:
+def apply_fallback(store: StoreLike, publisher: Publisher | None, operation: str, kwargs: Mapping[str, Any],
+                   hooks: RelayHooks | None = None) -> Any:
     """What the ack/fail/release tasks do with a write the publish task could not make.
-    Raises on failure, so the task retries."""
+    Raises on failure, so the task retries. A row that goes dead is reported to ``hooks``."""
     if operation == "done":
         return store.mark_done(kwargs["ids"], kwargs["lease"])
     if operation == "release":
@@ -141,8 +142,8 @@ def apply_fallback(store: StoreLike, publisher: Publisher | None, operation: str
                                    timedelta(seconds=retry) if retry is not None else None,
                                    dead=bool(kwargs.get("dead")))
         if result.applied and result.dead:
-            metrics.dead()
-        if result.applied and result.dead:
+            if hooks is not None:
+                hooks.after_dead()
             send_dead(publisher, message, kwargs["error"], kwargs.get("dead_headers"))
         return result
     raise ValueError(f"unknown operation {operation!r}")
