@@ -108,8 +108,9 @@ def test_every_install_line_names_a_checkout_or_a_git_url() -> None:
 
 #: A pointer to a section of a page: `docs/relay.md, "Lost workers"`, `[relay.md](relay.md), "Lost
 #: workers"` or `relay.md "Lost workers"`, possibly broken over a comment's lines.
-POINTER = re.compile(r'(?<![\w/-])(?:docs/)?([\w-]+)\.md(?:\]\([^)]*\))?\)?(?:,?[ \t]+|,|[ \t]*\n[ \t]*(?:#:?|//)?[ \t]*)'
-                     r'"([^"\n]+(?:\n[ \t]*(?:#:?|//)?[ \t]*[^"\n]+)?)"')
+POINTER = re.compile(r'(?<![\w/-])(?:docs/)?([\w-]+)\.md(?:\]\([^)]*\))?\)?'  # the page, maybe a link
+                     r'(?:,?[ \t]+|,|[ \t]*\n[ \t]*(?:#:?|//)?[ \t]*)'  # then a comma, a space or a new line
+                     r'"([^"\n]+(?:\n[ \t]*(?:#:?|//)?[ \t]*[^"\n]+)?)"')  # the section, at most two lines
 
 
 def _sections(page: Path) -> list[str]:
