@@ -319,7 +319,7 @@ def create_table(run: Run) -> None:
 def drop_table(run: Run) -> None:
     with pg_connect(run.postgres_url) as conn:
         conn.execute(f"DROP TABLE IF EXISTS {run.table}")
-        conn.execute(f"DROP TABLE IF EXISTS {run.table}_holders")  # docs/relay.md, "Lost workers"
+        conn.execute(f"DROP TABLE IF EXISTS {run.table}_holders")  # docs/internals.md, "Lost workers"
         conn.commit()
 
 

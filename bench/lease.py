@@ -1,7 +1,7 @@
 """The store's lease-and-settle cycle on PostgreSQL, without publishing: one process claims
 ``--batch`` rows and marks them done until a backlog of ``--events`` rows is drained, over
 each spread of aggregates. Prints events/s, WAL bytes per event and the share of updates
-that were HOT (docs/relay.md, "The lease is a HOT update on PostgreSQL").
+that were HOT (docs/internals.md, "The lease is a HOT update on PostgreSQL").
 
 ``python -m bench.lease`` measures the code it imports; to compare two versions, run it
 once with each on ``PYTHONPATH`` (the table is made by the imported ``outbox migrate``).

@@ -46,7 +46,7 @@ def _child(database_url: str, amqp_url: str, table: str, exchange: str, batch: i
     ch, state = confirm_channel(conn)
     db = psycopg.connect(database_url, autocommit=False)
     # ``processed_at IS NULL``: the predicate of the table's partial index on open rows, so
-    # the loop reads that index as the relay's claim does (docs/relay.md, "The lease is a HOT
+    # the loop reads that index as the relay's claim does (docs/internals.md, "The lease is a HOT
     # update on PostgreSQL").
     select = (f"SELECT {_HEADER_COLUMNS} FROM {table} WHERE status = 0 AND processed_at IS NULL ORDER BY id "
               "LIMIT %s FOR UPDATE SKIP LOCKED")

@@ -1,6 +1,6 @@
 """A lost worker: the longest stand-still of any aggregate after one worker's process group is
 SIGKILLed mid-drain (a node lost, no restart), next to the fault-free drain of the same run
-(docs/relay.md, "Lost workers").
+(docs/internals.md, "Lost workers").
 
 Two ``celery -A outbox worker -c 2`` (prefork) and one beat on PostgreSQL, default settings
 (a lease of 60 s, a holder timeout of 3 s), a backlog of ``--events`` over ``--aggregates``:

@@ -429,5 +429,5 @@ print(*seen)
     assert done.returncode == 0, done.stderr
     # first claim: checked (nothing known yet); small claims: not; after the full one: checked
     # once, by the claim its task makes next in the same drain slice (it publishes its full
-    # batch itself, then claims again: docs/relay.md), which comes back empty
+    # batch itself, then claims again: docs/internals.md), which comes back empty
     assert done.stdout.split() == ["1", "0", "1", "0", "0"]

@@ -122,7 +122,7 @@ def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_datab
     ok(manage("migrate", "--noinput", env=env))
     url = outbox_url(database)
     django_schema = schema_of(url, "outbox")
-    # The holders table (docs/relay.md, "Lost workers"): 0002 makes it where 0001 ran before it existed.
+    # The holders table (docs/internals.md, "Lost workers"): 0002 makes it where 0001 ran before it existed.
     holders_schema = schema_of(url, "outbox_holders")
     assert holders_schema
     ok(manage("migrate", "outbox", "0001", "--noinput", env=env))

@@ -104,3 +104,38 @@ def test_every_install_line_names_a_checkout_or_a_git_url() -> None:
              for m in bare.finditer(path.read_text(errors="replace"))]
     found += [f"--help: {m.group(0)}" for text in _help_texts(main) for m in bare.finditer(text)]
     assert not found, found
+
+
+#: A pointer to a section of a page: `docs/relay.md, "Lost workers"`, `[relay.md](relay.md), "Lost
+#: workers"` or `relay.md "Lost workers"`, possibly broken over a comment's lines.
+POINTER = re.compile(r'(?<![\w/-])(?:docs/)?([\w-]+)\.md(?:\]\([^)]*\))?\)?'  # the page, maybe a link
+                     r'(?:,?[ \t]+|,|[ \t]*\n[ \t]*(?:#:?|//)?[ \t]*)'  # then a comma, a space or a new line
+                     r'"([^"\n]+(?:\n[ \t]*(?:#:?|//)?[ \t]*[^"\n]+)?)"')  # the section, at most two lines
+
+
+def _sections(page: Path) -> list[str]:
+    """A page's headings, and the bold words that open a paragraph or an item (`**Failures**`)."""
+    text = page.read_text()
+    found = re.findall(r"^#{1,4} (.+)$", text, re.MULTILINE)
+    found += re.findall(r"^(?:- )?\*\*([^*]+)\*\*", text, re.MULTILINE)
+    return [re.sub(r"\s+", " ", s).strip().lower() for s in found]
+
+
+def test_every_pointer_to_a_section_names_one_that_exists() -> None:
+    """`docs/X.md, "Section"` in the code, the docs and the README names a heading of that page
+    (or a paragraph's bold opening; part of one is enough: "Pipelined chains" for "Pipelined
+    chains (opt-in)")."""
+    files = [ROOT / "README.md", ROOT / "beat_schedule.py", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "src").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
+             *sorted((ROOT / "bench").rglob("*.py")), *sorted((ROOT / "examples").rglob("*.py"))]
+    files.remove(Path(__file__).resolve())  # its own examples above
+    stale = []
+    for path in files:
+        for m in POINTER.finditer(path.read_text()):
+            page = ROOT / "README.md" if m.group(1) == "README" else ROOT / "docs" / f"{m.group(1)}.md"
+            if not page.exists():
+                continue
+            section = re.sub(r"\s+(?:(?:#:?|//)\s+)?", " ", m.group(2)).strip()
+            if not any(section.lower() in s for s in _sections(page)):
+                stale.append(f"{path.relative_to(ROOT)}: {m.group(1)}.md, \"{section}\"")
+    assert not stale, stale

@@ -2,7 +2,7 @@
 
 Pure source analysis (``ast``): every ``import`` of a package module, at module level or
 inside a function, is an arrow. The layers are written here once, top to bottom
-(docs/design.md, "Layers", explains them); a module must sit in one, may import only
+(docs/design.md, "Layout", explains them); a module must sit in one, may import only
 modules of lower layers (or, inside one package such as ``outbox.storage.engines``, modules
 of the same layer), and the graph must have no cycle. A new module fails the test until it is
 placed, which is the point: someone decides where it belongs.

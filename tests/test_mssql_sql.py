@@ -126,7 +126,7 @@ def every_statement(schema: str | None, table: str,
     store.dead_list(limit=10, after_id=3)
     store.requeue_dead()
     store.requeue_dead([8, 9])
-    # Lost workers (docs/relay.md): a heartbeat, a takeover, an adoption, a graceful exit.
+    # Lost workers (docs/internals.md): a heartbeat, a takeover, an adoption, a graceful exit.
     holder = Holder("0123456789abcdef", "host-1", 42)
     store.holder_id = holder.holder_id
     store.beat(holder, 3000)

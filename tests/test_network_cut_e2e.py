@@ -72,7 +72,7 @@ def test_a_cut_between_the_claim_and_its_commit_holds_no_aggregate_for_long(
         backlog = Writer(outbox, AGGREGATES)
         backlog.write(range(30))  # 600 rows: the stalled worker's first claim takes 100 of them
         # A short lease: the rows of a claim that did commit come back within seconds (the
-        # lease's own length is the business of docs/relay.md, "How to size the lease").
+        # lease's own length is the business of docs/relay.md, "What a crash costs, and how to size the lease").
         procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_TIMEOUT_MS="4000"))
         stall = proxy.stall_after(MARKERS[outbox.kind], CUT_S)
         with Writer(outbox, AGGREGATES, pace=0.2, expected=backlog.expected) as live:

@@ -1,4 +1,4 @@
-"""PostgreSQL: the lease is a HOT update (docs/relay.md, "The lease is a HOT update on
+"""PostgreSQL: the lease is a HOT update (docs/internals.md, "The lease is a HOT update on
 PostgreSQL"). The open rows' partial indexes are written on ``processed_at IS NULL``, which
 a lease does not change, and the table keeps room in its pages; a CHECK keeps that test
 equal to the status test, and ``outbox migrate`` moves a table made before."""

@@ -66,7 +66,7 @@ def test_worker_and_beat_relay_every_event_in_order(tmp_path: Path, destination:
     check_order(arrivals, expected)
     assert len(arrivals) == total  # no crash here: no duplicates either
     # The backlog's full claims published their first share themselves, on either runner
-    # (docs/relay.md, "A backlog claim publishes its first share itself", "Drain slices").
+    # (docs/internals.md, "A backlog claim publishes its first share itself", "Drain slices").
     # Dramatiq's worker processes hand their log lines to the main process through a pipe: the
     # line may reach the log file a moment after the events reached the broker.
     shared_line = r"outbox claimed \d+ rows lease=\S+: \d+ in \d+ publish tasks, [1-9]\d* published here"

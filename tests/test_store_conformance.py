@@ -169,7 +169,7 @@ def test_claim_is_oldest_first_across_aggregates_and_honours_the_batch(store: Ou
     a2 = add(writer, store, "a")
     c1 = add(writer, store, "c")
     # The oldest row comes first, with its chain: a claim scans a window of candidates
-    # wider than its batch and keeps whole chains, oldest chain first (docs/relay.md,
+    # wider than its batch and keeps whole chains, oldest chain first (docs/internals.md,
     # "Claim windows"), so over few aggregates it leaves the others to a concurrent claimer.
     assert claimed_ids(store, 2) == a1 + a2
     assert claimed_ids(store, 2) == b1 + c1

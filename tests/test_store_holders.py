@@ -1,4 +1,4 @@
-"""Lost workers (docs/relay.md, "Lost workers"), run for real on every engine: lease tokens
+"""Lost workers (docs/internals.md, "Lost workers"), run for real on every engine: lease tokens
 name the process that holds them, a holder gone silent has its leases ended at once (the
 fence intact), a publish task adopts rows claimed by another process, and the heartbeat's
 guard against false deaths. The end-to-end drill: tests/test_takeover_e2e.py."""

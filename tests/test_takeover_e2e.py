@@ -1,4 +1,4 @@
-"""End to end, a lost worker does not freeze the outbox (docs/relay.md, "Lost workers"): two
+"""End to end, a lost worker does not freeze the outbox (docs/internals.md, "Lost workers"): two
 workers drain a backlog over 30 aggregates while a writer goes on; one worker's whole process
 group is SIGKILLed mid-drain (a node lost, no restart). With the default lease of a minute,
 the rows it held come back within seconds: every event arrives, in order per aggregate, the
@@ -27,7 +27,7 @@ from relay_e2e_support import destination, procs_factory  # noqa: F401 - fixture
 from runners import CELERY, DRAMATIQ
 
 #: A generous bound on any aggregate's stand-still after the kill: the lease is 60 s, the
-#: holder timeout 3 s (docs/relay.md, "Lost workers", has the measured figures).
+#: holder timeout 3 s (docs/relay.md, "What a crash costs, and how to size the lease", has the measured figures).
 STAND_STILL_BOUND_S = 20.0
 AGGREGATES = [f"agg-{i}" for i in range(30)]
 

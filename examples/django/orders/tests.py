@@ -40,7 +40,7 @@ def make_row(status, error=None, attempts=0):
     outbox_id = enqueue(connection, topic="orders.created", aggregate_type="order", aggregate_id=f"a{status}",
                         payload={"status": status})
     # A done or dead row has its processed_at: the table's CHECK holds the two together
-    # (docs/relay.md, "The lease is a HOT update on PostgreSQL").
+    # (docs/internals.md, "The lease is a HOT update on PostgreSQL").
     settled = status in (Status.DONE, Status.DEAD)
     OutboxEvent.objects.filter(id=outbox_id).update(status=status, last_error=error, attempts=attempts,
                                                     processed_at=timezone.now() if settled else None)

@@ -1,6 +1,6 @@
 """The relay's Celery app and its configuration (``celery -A outbox`` loads it through
 ``outbox.celery``). Why the settings below are what they are: docs/relay.md,
-"The Celery app"; the queues, one set per outbox: ``outbox.core.names``.
+"Tasks, queues, and how to scale and route them"; the queues, one set per outbox: ``outbox.core.names``.
 
 This module defines no task and connects no signal: the tasks are in ``outbox.celery.tasks``,
 the per-process wiring in ``outbox.celery.worker``.

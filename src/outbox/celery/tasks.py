@@ -51,7 +51,7 @@ def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
 
 @app.task(name=PUBLISH_TASK, base=RelayTask, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=False)
 def publish(self: Any, chains: list[list[dict[str, Any]]], deadline: float | None = None) -> dict[str, Any]:
-    # Rows of this process's own lease are checked only on a second delivery (docs/relay.md, "Lost workers").
+    # Rows of this process's own lease are checked only on a second delivery (docs/internals.md, "Lost workers").
     return relay().publish(chains, deadline, check_own=bool((self.request.delivery_info or {}).get("redelivered")))
 
 

@@ -1,5 +1,5 @@
 """The relay worker's process wiring: its relay (``relay.service.Relay``), the
-shutdown flag, and every Celery signal the package connects (docs/relay.md, "Worker processes").
+shutdown flag, and every Celery signal the package connects (docs/internals.md, "Worker processes").
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def _process_init(**_: Any) -> None:
         _relay.forget()
     STOPPING.clear()
     _parent_pid = os.getppid()
-    relay().start()  # this pool process's liveness record (docs/relay.md, "Lost workers")
+    relay().start()  # this pool process's liveness record (docs/internals.md, "Lost workers")
 
 
 @signals.worker_process_shutdown.connect

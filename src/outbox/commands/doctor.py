@@ -106,7 +106,7 @@ def check_database(settings: Settings) -> list[Result]:
 
 
 def _check_holders(store: OutboxStore) -> Result:
-    """The holders table (docs/relay.md, "Lost workers"): its absence slows recovery, no more."""
+    """The holders table (docs/internals.md, "Lost workers"): its absence slows recovery, no more."""
     try:
         with store.transaction() as cursor:
             count = store.engine.execute(cursor, f"SELECT COUNT(*) FROM {store.engine.holders}").fetchone()[0]

@@ -12,7 +12,7 @@ In a revision of your Alembic environment::
 
 It runs the relay's own guarded DDL (``outbox.storage.store.apply_migration``) on the migration's
 connection, inside Alembic's transaction where the database allows DDL in one: the table,
-its JSON checks and filtered indexes, and its holders table (docs/relay.md, "Lost workers")
+its JSON checks and filtered indexes, and its holders table (docs/internals.md, "Lost workers")
 are exactly what ``outbox migrate`` makes, on every engine, and ``outbox migrate`` afterwards finds nothing to do. Table and schema are
 OUTBOX_TABLE / OUTBOX_SCHEMA (or the ``table`` / ``schema`` arguments).
 """

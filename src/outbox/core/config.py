@@ -106,7 +106,7 @@ class Settings(Options):
 SETTING_NAMES = Settings.names()
 
 
-# -- the relay's tuning options (OUTBOX_RELAY_*: docs/relay.md, "Options") ---------------------
+# -- the relay's tuning options (OUTBOX_RELAY_*: docs/relay.md, "`OUTBOX_RELAY_*` options") ---
 
 @dataclass(frozen=True)
 class RelayOptions(Options):
@@ -159,7 +159,7 @@ class RelayOptions(Options):
     #: and the age of the oldest undelivered row (``outbox.worker_logging``).
     heartbeat_s: float = option(300.0, "float", above=0, maximum=MAX_OPTION_S)
     #: A relay worker process whose liveness record has not been refreshed for this long is
-    #: taken for lost: the leases of the rows it holds end at once (docs/relay.md, "Lost
+    #: taken for lost: the leases of the rows it holds end at once (docs/internals.md, "Lost
     #: workers"). Each process refreshes its record every third of it.
     holder_timeout_s: float = option(3.0, "float", above=0, maximum=MAX_OPTION_S)
     #: Chains of events whose topic matches one of these ``fnmatch`` patterns (or whose

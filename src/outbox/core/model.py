@@ -22,7 +22,7 @@ class Status(enum.IntEnum):
 
 class FailureKind(enum.StrEnum):
     """What the relay should do about an event that was not published (docs/relay.md,
-    "Failure kinds"). A ``StrEnum``: it prints as its value (``poison``), which is what
+    "Failure policy"). A ``StrEnum``: it prints as its value (``poison``), which is what
     ``last_error`` and the metrics record."""
 
     RETRIABLE = "retriable"
@@ -162,7 +162,7 @@ class RequeueResult:
 
 @dataclass(frozen=True)
 class Holder:
-    """A relay worker process as its liveness record names it (docs/relay.md, "Lost workers")."""
+    """A relay worker process as its liveness record names it (docs/internals.md, "Lost workers")."""
 
     holder_id: str
     host: str

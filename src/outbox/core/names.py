@@ -3,7 +3,8 @@ puts on a shared broker (queues, the claim-request token, the wake channel), all
 
 A leaf module (it imports nothing of the package), so the Celery app, the schedule, the tasks,
 the wake-up client and the tests all take the names from one place. Why each task has its
-own queue: docs/relay.md, "Tasks and queues"; why every name carries the outbox's namespace
+own queue: docs/relay.md, "Tasks, queues, and how to scale and route them"; why every name
+carries the outbox's namespace
 and how the default is derived: docs/relay.md, "Several outboxes on one broker".
 """
 

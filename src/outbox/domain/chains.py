@@ -43,7 +43,7 @@ def plan_claim(candidates: Sequence[Candidate], first_blocker: dict[str, int], m
     aggregate that is *not* among the candidates. ``limit`` caps the rows picked
     (claimed and dead): whole chains, the chain with the oldest first row first, the
     last one cut (a prefix of a chain is still a chain). The candidates may be a window
-    wider than the limit (docs/relay.md, "Claim windows").
+    wider than the limit (docs/internals.md, "Claim windows").
     """
     plan = ClaimPlan()
     room = len(candidates) if limit is None else limit

@@ -1,6 +1,6 @@
 """How the ``outbox`` data source fetches one keyset page, per engine: straight into
 Arrow where a library does that without Python row objects, through the engine's
-Python driver where none can be had (docs/pipeline.md, "Which reader each engine uses").
+Python driver where none can be had (docs/pipeline.md, "How the jobs read the outbox").
 
 | engine | reader | why |
 | --- | --- | --- |

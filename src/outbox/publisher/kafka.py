@@ -74,7 +74,7 @@ def topic_of(options: KafkaOptions, message: OutboxMessage) -> str:
 # -- failure classification (pure) --------------------------------------------------------------
 
 def kafka_kind(error: Any) -> FailureKind:
-    """Map a ``KafkaError`` onto the relay's policy (docs/destinations.md, "Kafka failures")."""
+    """Map a ``KafkaError`` onto the relay's policy (docs/destinations.md, "Failures")."""
     from confluent_kafka import KafkaError as E
 
     code = error.code()

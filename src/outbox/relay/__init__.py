@@ -1,4 +1,4 @@
-"""The relay's logic, free of Celery (docs/relay.md, "How a row travels"): ``context``
+"""The relay's logic, free of Celery (docs/design.md, "How a row travels"): ``context``
 (the collaborators, one argument), ``hooks`` (what it reports), ``claim``, ``drain`` (a claim task's drain slice),
 ``publish`` (sending, the trusted prefix, settling), ``policy`` (the failure policy),
 ``settle`` (store writes), ``foreign`` (a task of another outbox),

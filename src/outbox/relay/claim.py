@@ -1,4 +1,4 @@
-"""Claiming a batch and handing its chains on (docs/relay.md, "How a row travels")."""
+"""Claiming a batch and handing its chains on (docs/design.md, "How a row travels")."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def handle_claim(relay: RelayContext, dispatch: Dispatch, *, batch_size: int, le
     backlog (a full claim) is dispatched, so every publish process gets work; when
     ``claim_again`` is given too, its first publish task is published here instead, and
     ``claim_again()`` (the next claim, drain mode) is asked for as soon as the claim has
-    committed and the rest is dispatched, before that publish: docs/relay.md, "Drain mode
+    committed and the rest is dispatched, before that publish: docs/internals.md, "Drain mode
     and coalesced claims".
 
     Rows the claim turned dead (an expired lease with no attempts left: the row keeps

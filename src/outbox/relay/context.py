@@ -1,6 +1,6 @@
 """``RelayContext``: the collaborators a claim and a publish share, held once per process
 (or per thread, where the store and publisher are per thread) and handed to
-``handle_claim`` and ``handle_publish`` as one argument (docs/relay.md, "How a row travels")."""
+``handle_claim`` and ``handle_publish`` as one argument (docs/design.md, "How a row travels")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A claim task's drain slice, written once for every task runner (``outbox.celery.tasks`` for
 Celery, ``outbox.dramatiq``): while claims come back full and publish their first share
-here, claim again in the same task, for at most a slice (docs/relay.md, "Drain slices")."""
+here, claim again in the same task, for at most a slice (docs/internals.md, "Drain slices")."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     share, so other processes drain alongside; a later one asks too when the claim before it
     took several chains (coalesced: a no-op while a requested claim still waits), so a
     process whose own slice ended early, on a claim that lost its chains to a concurrent
-    claim, gets work again (docs/relay.md, "Drain slices"). ``in_main``
+    claim, gets work again (docs/internals.md, "Drain slices"). ``in_main``
     (the Celery worker's main process, the in-process claim): no share and no slice, the
     backlog goes to the pool (docs/waking-and-metrics.md, "The in-process claim").
 

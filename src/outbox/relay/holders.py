@@ -1,6 +1,6 @@
 """Lost workers: each relay worker process's liveness record (its *holder*) and the heartbeat
 that keeps it fresh and takes over the rows of holders gone silent. Why, and what a crash
-costs: docs/relay.md, "Lost workers"."""
+costs: docs/internals.md, "Lost workers"."""
 
 from __future__ import annotations
 

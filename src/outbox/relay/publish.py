@@ -289,7 +289,7 @@ def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
     Rows leased by another process than this one (the store's ``holder_id``: the claim ran
     elsewhere) are *adopted*: moved to a lease of this process in one fenced statement
     (``OutboxStore.adopt``) and returned under it, so that a process lost after it claimed them
-    is not taken for their holder (docs/relay.md, "Lost workers"). Rows of this process's own
+    is not taken for their holder (docs/internals.md, "Lost workers"). Rows of this process's own
     leases are checked (``OutboxStore.held``) when ``check_own``: a publish task delivered a
     second time (its first run released or settled the rows, but its acknowledgement never
     reached the broker) must not publish rows another claim may hold now; that would send

@@ -1,5 +1,5 @@
 """What a relay worker process holds, for every task runner (``outbox.celery.worker`` for Celery,
-``outbox.dramatiq``): why per process and per thread, docs/relay.md, "Worker processes"."""
+``outbox.dramatiq``): why per process and per thread, docs/internals.md, "Worker processes"."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Shared:
 class ResourceHolder:
     """The store, publisher, settler and claim sizer of each thread, and the breaker, claim coalescer,
     route gate and outage logs of the process, and the process's holder id and heartbeat
-    (docs/relay.md, "Lost workers"); made on first use, made afresh in a forked child, closed
+    (docs/internals.md, "Lost workers"); made on first use, made afresh in a forked child, closed
     together. ``on_takeover`` is called when the heartbeat took rows of a lost process over
     (the runner's coalesced claim request)."""
 

@@ -4,7 +4,7 @@ owns what the process holds (``relay.resources``: each thread's store, publisher
 sizer; the process's breaker, claim coalescer, route gate, outage logs and heartbeat), hands them to
 the relay's logic as one ``RelayContext`` and runs the relay tasks' bodies over them.
 The task and actor modules (``outbox.celery.tasks``, ``outbox.dramatiq``) are one-line calls into it
-(docs/relay.md, "Worker processes")."""
+(docs/internals.md, "Worker processes")."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class Relay:
         return self.runner.stopping()
 
     def start(self) -> None:
-        """A worker process starts: its liveness record now (docs/relay.md, "Lost workers")."""
+        """A worker process starts: its liveness record now (docs/internals.md, "Lost workers")."""
         self.held.start()
 
     def forget(self) -> None:
@@ -163,7 +163,7 @@ class Relay:
     def publish(self, chains: list[list[dict[str, Any]]], deadline: float | None = None,
                 check_own: bool = True) -> dict[str, Any]:
         """A publish task: the chains whose rows the lease still holds (rows another process
-        claimed are adopted; this process's own are checked when ``check_own``: docs/relay.md,
+        claimed are adopted; this process's own are checked when ``check_own``: docs/internals.md,
         "Lost workers"), published here; then a claim soon (their aggregates may have more rows)."""
         messages = [[message_from_dict(d) for d in chain] for chain in chains]
         outcomes = self.publish_here(still_held(self.resources().store, messages, deadline=deadline,

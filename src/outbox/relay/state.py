@@ -1,4 +1,4 @@
-"""The storage under the state the relay's processes share (docs/relay.md, "Shared state"):
+"""The storage under the state the relay's processes share (docs/internals.md, "Shared state"):
 a few primitives with expiry, kept in Redis, in files of one directory, or in the process.
 
 The policies over it (breaker, route gate, outage log, coalescer) are in ``relay.shared``.

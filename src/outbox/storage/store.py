@@ -62,7 +62,7 @@ class OutboxStore:
         self.max_attempts = max_attempts
         #: The relay worker process this store leases for (``relay.holders``): its id is the
         #: first half of every lease token the store makes, so the rows say which process
-        #: holds them. None: tokens are random (docs/relay.md, "Lost workers").
+        #: holds them. None: tokens are random (docs/internals.md, "Lost workers").
         self.holder_id: str | None = None
         self._connections = Connections(self.engine, url)
 
@@ -193,7 +193,7 @@ class OutboxStore:
         """Move rows from ``lease`` to ``new_lease`` (this process's), in one statement fenced
         by the old lease; their lease starts again now. Returns the ids moved: those ``lease``
         still held. A publish task run by another process than the one that claimed its rows
-        adopts them before publishing (docs/relay.md, "Lost workers")."""
+        adopts them before publishing (docs/internals.md, "Lost workers")."""
         ids = list(ids)
         if not ids:
             return set()
@@ -205,7 +205,7 @@ class OutboxStore:
 
         return self._run("adopt", work)
 
-    # -- holders: the relay's worker processes (docs/relay.md, "Lost workers") ------------
+    # -- holders: the relay's worker processes (docs/internals.md, "Lost workers") ------------
     def beat(self, holder: Holder, silent_after_ms: int) -> Beat:
         """One heartbeat of ``holder``, one short transaction: refresh its ``beat_at`` (insert
         its record if it is missing), and list the other holders silent for longer than

@@ -52,7 +52,7 @@ def tcp_keepalive(tcp_timeout_s: int) -> tuple[int, int, int]:
     return idle, rest // count, count
 
 
-#: Characters of a holder id (a relay worker process: docs/relay.md, "Lost workers"): 16 hex
+#: Characters of a holder id (a relay worker process: docs/internals.md, "Lost workers"): 16 hex
 #: characters, the first half of every lease token that process makes.
 HOLDER_ID_CHARS = 16
 
@@ -88,7 +88,7 @@ class Engine(ABC):
         self.table_name = table
         self.schema = schema or self.default_schema
         self.table = self.qualify(table)
-        #: The liveness records of the relay's worker processes (docs/relay.md, "Lost workers").
+        #: The liveness records of the relay's worker processes (docs/internals.md, "Lost workers").
         self.holders_name = holders_table_name(table)
         self.holders = self.qualify(self.holders_name)
 
@@ -155,7 +155,7 @@ class Engine(ABC):
     def open_rows(self, alias: str = "") -> str:
         """The open rows (pending, claimed, failed): what the claim's partial indexes hold.
         An engine whose indexes say it another way returns their predicate too, so that
-        every query on open rows can use them (PostgreSQL: docs/relay.md, "The lease is a
+        every query on open rows can use them (PostgreSQL: docs/internals.md, "The lease is a
         HOT update on PostgreSQL")."""
         return f"{alias}status IN (0, 1, 3)"
 
@@ -236,7 +236,7 @@ class Engine(ABC):
 
     def is_missing_table(self, exc: BaseException) -> bool:
         """The statement named a table that does not exist (the holders table of a deployment
-        that was not migrated since it came: docs/relay.md, "Lost workers")."""
+        that was not migrated since it came: docs/internals.md, "Lost workers")."""
         return False
 
     def to_datetime(self, value: Any) -> datetime | None:
@@ -259,7 +259,7 @@ class Engine(ABC):
         no row, for engines whose DDL has no IF NOT EXISTS form."""
 
     def holders_migration(self) -> list[Any]:
-        """The holders table (docs/relay.md, "Lost workers"), as ``migration`` items; each
+        """The holders table (docs/internals.md, "Lost workers"), as ``migration`` items; each
         engine's ``migration`` ends with them. This form suits engines with
         ``CREATE TABLE IF NOT EXISTS``; ``holders_columns`` gives the types."""
         return [f"CREATE TABLE IF NOT EXISTS {self.holders} ({self.holders_columns()})"]
@@ -289,7 +289,7 @@ class Engine(ABC):
     # -- claim ---------------------------------------------------------------
     #: A claim locks this many times ``batch`` candidates and keeps ``batch`` rows of them,
     #: whole chains, oldest chain first: over few aggregates it takes several rows of some
-    #: aggregates and leaves the others to a concurrent claimer (docs/relay.md, "Claim
+    #: aggregates and leaves the others to a concurrent claimer (docs/internals.md, "Claim
     #: windows").
     CLAIM_WINDOW: ClassVar[int] = 4
 
@@ -379,7 +379,7 @@ class Engine(ABC):
     def purge_params(self, older_than_ms: int, batch: int) -> list[Any]:
         return [-older_than_ms, batch]
 
-    # -- holders: liveness of the relay's worker processes (docs/relay.md, "Lost workers") --
+    # -- holders: liveness of the relay's worker processes (docs/internals.md, "Lost workers") --
     def beat(self, cursor: Any, holder_id: str, host: str, pid: int) -> bool:
         """Refresh a holder's ``beat_at``, inserting its record if it is missing (then True)."""
         if self.execute(cursor, f"UPDATE {self.holders} SET beat_at = {self.now} WHERE holder_id = ?",

@@ -153,11 +153,11 @@ class PostgresEngine(Engine):
         return isinstance(exc, psycopg.InterfaceError)
 
     #: Free space left in each page of the table for the lease's HOT update
-    #: (docs/relay.md, "The lease is a HOT update on PostgreSQL").
+    #: (docs/internals.md, "The lease is a HOT update on PostgreSQL").
     FILLFACTOR: ClassVar[int] = 50
 
     def open_rows(self, alias: str = "") -> str:
-        # The partial indexes' predicate, which the lease does not change (docs/relay.md,
+        # The partial indexes' predicate, which the lease does not change (docs/internals.md,
         # "The lease is a HOT update on PostgreSQL"); a CHECK keeps it equal to the status test.
         return f"{alias}processed_at IS NULL AND {alias}status IN (0, 1, 3)"
 
@@ -187,7 +187,7 @@ class PostgresEngine(Engine):
             f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lease_token VARCHAR(32) NULL",
             f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('message_id'))} ON {t} (message_id)",
         ]
-        # Tables made before the lease was a HOT update (docs/relay.md, "The lease is a HOT
+        # Tables made before the lease was a HOT update (docs/internals.md, "The lease is a HOT
         # update on PostgreSQL"): the open rows' test written on processed_at and kept equal to
         # the status test by a CHECK (rows that break it are mended first), the three partial
         # indexes rebuilt on processed_at, and the fill factor set unless the table has one already.
@@ -246,7 +246,7 @@ class PostgresEngine(Engine):
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
         # The rule of outbox.domain.chains.plan_claim in one statement; its shape and why each step
-        # costs what it does: docs/relay.md, "Claim windows".
+        # costs what it does: docs/internals.md, "Claim windows".
         # win: the window, read without locks; free: the first ``batch`` heads (OFFSET 0 keeps
         # the probe above the sort; a scalar probe, one index descent per head, never a hash
         # join over the table) with no open row before them; pick: ``batch`` rows, whole
@@ -260,7 +260,7 @@ class PostgresEngine(Engine):
         chain_of = 'aggregate_id COLLATE "C", CASE WHEN aggregate_id IS NULL THEN id END'
         returning = ", ".join(f"o.{c}" + ("::text" if c in ("payload", "headers") else "") for c in MESSAGE_COLUMNS)
         # The integers are written into the text, not bound: one generic plan per connection
-        # (docs/relay.md, "Claim windows").
+        # (docs/internals.md, "Claim windows").
         eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
         window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
         sql = f"""

@@ -1,5 +1,5 @@
 """Creates the relay's holders table (``<OUTBOX_TABLE>_holders``: one liveness record per relay
-worker process, docs/relay.md "Lost workers") on databases whose outbox table 0001 made before
+worker process, docs/internals.md "Lost workers") on databases whose outbox table 0001 made before
 it existed. It runs the same guarded DDL as 0001 and ``outbox migrate``
 (``outbox.contrib.django.schema.create_table``), which leaves what exists alone. Reversing
 leaves the table in place."""

@@ -204,7 +204,7 @@ class MssqlStatements(MssqlSchema):
         that stops at the first row outside ``@cand``: linear in the window, where a probe
         per candidate read k-1 rows for the k-th candidate of a hot aggregate. The walk
         is pinned to a seek of agg_open (``FORCESEEK``; docs/sqlserver.md, "The claim's
-        plans"), and its ``status IN (0, 1, 3)`` is written exactly as that index's
+        statements and their plans"), and its ``status IN (0, 1, 3)`` is written exactly as that index's
         filter, so it never reads an aggregate's done history.
 
         The probe reads with READCOMMITTEDLOCK and never READPAST. A competitor's U lock
