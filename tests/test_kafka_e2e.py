@@ -14,8 +14,7 @@ from typing import Any
 
 from outbox import Status
 
-from kafka_support import tansu  # noqa: F401  (fixture)
-from relay_e2e_support import base_env, check_order, procs_factory, sqlite_outbox, wait_until  # noqa: F401
+from relay_e2e_support import base_env, check_order, wait_until
 
 
 class Reader(threading.Thread):

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import pytest
 
 import test_store_conformance as _conformance
-from conftest import mssql_url
+from engine_support import mssql_url
 from outbox import enqueue
 from outbox.core.errors import EnqueueError
 from outbox.domain.events import prepare_event

@@ -14,7 +14,7 @@ import pytest
 
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
 from outbox.storage.store import OutboxStore
-from test_pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed, spark, table_ids, table_rows  # noqa: F401
+from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed, table_ids, table_rows
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -18,7 +18,7 @@ import pytest
 from outbox.pipeline.archive import Archiver
 from outbox.pipeline.report import run_report
 from outbox.storage.store import OutboxStore
-from test_pipeline_support import DAY_MS, Row, mixed_rows, seed, spark  # noqa: F401
+from pipeline_support import DAY_MS, Row, mixed_rows, seed
 
 pytestmark = pytest.mark.timeout(600)
 

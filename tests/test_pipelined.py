@@ -25,7 +25,7 @@ from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, require
 from test_publisher import amqp_hostport
-from relay_e2e_support import Destination, Outbox, check_order, procs_factory, relay_env, require_relay_services  # noqa: F401
+from relay_e2e_support import Destination, Outbox, check_order, relay_env, require_relay_services
 
 PIPELINED = RelayOptions(pipelined_topics=("orders.*", "nobody.*"))
 

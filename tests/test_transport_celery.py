@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import engine_url
+from engine_support import engine_url
 from outbox import Status
 from outbox.storage.engines import engine_for_url
 from outbox.transport import drop_queue_tables
@@ -34,7 +34,6 @@ from outbox.transport.tables import queue_tables
 from services import AMQP_URL, REDIS_URL
 from relay_e2e_support import (CELERY, DB_KINDS, Destination, Outbox, Procs, Writer, base_env, check_order, require,
                                wait_until)
-from relay_e2e_support import outbox  # noqa: F401 - the fixture, used by name
 
 
 APP = '''

@@ -23,7 +23,7 @@ from kombu import Connection
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
-from conftest import engine_url
+from engine_support import engine_url
 from outbox.storage.engines import engine_for_url
 from outbox.transport.tables import queue_tables
 from outbox.core.errors import BrokerDatabaseUnavailable

@@ -3,9 +3,9 @@ the test run and the seeding helpers. Holds no tests itself.
 
 The Spark session is session-scoped and local[2] with one shuffle partition, no
 UI and a JVM tuned for short jobs (C1 compiler only, serial GC: the suite's jobs
-last seconds, so full JIT compilation never pays back); every pipeline test module
-imports the fixture from here, and ``getOrCreate`` hands all of them the same
-session. The cases that start processes of their own (a cluster, ``spark-submit``,
+last seconds, so full JIT compilation never pays back); a pytest plugin (registered
+in tests/conftest.py), so every pipeline test module finds the fixture by name, and
+``getOrCreate`` hands all of them the same session. The cases that start processes of their own (a cluster, ``spark-submit``,
 a killed CLI run) are marked ``slow``: ``pytest -m "not slow"`` leaves them out of a
 quick local run, and ``make test`` (CI) runs them all.
 """
