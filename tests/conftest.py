@@ -23,6 +23,9 @@ pytest_plugins = [
     "kafka_support",       # tansu, kafka_bootstrap: a Kafka-protocol broker
     "tsql_support",        # no_sqlglot_fallbacks: T-SQL checked by sqlglot
     "pipeline_support",    # spark: the pipeline's Spark session
+    "publisher_support",   # broker: an exchange and a dead-letter one on RabbitMQ
+    "app_support",         # database: the example apps' database of a test's own
+    "wake_support",        # counting_destination, workers: Celery workers woken only after commit
 ]
 
 

@@ -1,7 +1,9 @@
 """The outbox's stores on every engine (a pytest plugin, registered in tests/conftest.py):
 ``kind`` runs a test once per engine, ``store`` gives it a migrated store on a table of
 its own (dropped afterwards), ``writer`` the application's connection to it. Test modules
-import the helpers (``engine_url``, ``mssql_url``) from here; fixtures are found by name."""
+find the fixtures by name and import the helpers: ``engine_url`` and ``mssql_url``, and
+rows written as the application would (``add``), read (``row``, ``statuses``) and
+tampered with raw SQL (``tamper``)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
-from outbox.storage.store import OutboxStore
 from services import MSSQL_URL, MYSQL_URL, POSTGRES_URL, require
+
+from outbox import enqueue
+from outbox.storage.store import OutboxStore
 
 ENGINES = ["sqlite", "postgresql", "mysql", "mssql"]
 
@@ -126,6 +129,7 @@ def writer(store: OutboxStore, url: str) -> Iterator[Any]:
     """A plain DB-API connection playing the application that enqueues."""
     if store.engine.name == "sqlite":  # an application's connection: implicit transactions
         import sqlite3
+
         from outbox.storage.engines.sqlite import sqlite_path
         conn = sqlite3.connect(sqlite_path(url), timeout=30)
     else:
@@ -135,3 +139,66 @@ def writer(store: OutboxStore, url: str) -> Iterator[Any]:
         conn.rollback()
     finally:
         conn.close()
+
+
+# -- rows: written as the application would, read and tampered with raw SQL -------------------
+
+def add(writer: Any, store: OutboxStore, aggregate: str, count: int = 1, commit: bool = True,
+        **kw: Any) -> list[int]:
+    ids = [enqueue(writer, topic=kw.pop("topic", "orders.created") if i == 0 else "orders.created",
+                   aggregate_type="order", aggregate_id=aggregate, payload=kw.get("payload", {"n": i}),
+                   message_id=kw.get("message_id"), headers=kw.get("headers"), key=kw.get("key"),
+                   table=store.engine.table_name)
+           for i in range(count)]
+    if commit:
+        writer.commit()
+    return ids
+
+
+def statuses(store: OutboxStore) -> dict[int, int]:
+    with store.transaction() as cursor:
+        rows = store.engine.execute(cursor, f"SELECT id, status FROM {store.engine.table}").fetchall()
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
+def row(store: OutboxStore, id: int, columns: str) -> tuple:
+    with store.transaction() as cursor:
+        return tuple(store.engine.execute(
+            cursor, f"SELECT {columns} FROM {store.engine.table} WHERE id = ?", [id]).fetchone())
+
+
+def allow_null(store: OutboxStore, column: str) -> None:
+    """Drop the NOT NULL of ``column``, as a table made by another script might lack it."""
+    e = store.engine
+    if e.name == "mssql":
+        pytest.skip("the SQL Server claim's table variable declares aggregate_id NOT NULL (engines/mssql/sql.py)")
+    with store.transaction() as cursor:
+        if e.name == "postgresql":
+            e.execute(cursor, f"ALTER TABLE {e.table} ALTER COLUMN {column} DROP NOT NULL")
+        elif e.name == "mysql":
+            e.execute(cursor, f"ALTER TABLE {e.table} MODIFY {column} VARCHAR(255) NULL")
+        else:  # SQLite cannot drop a NOT NULL: rewrite the table's definition in place
+            cursor.execute("PRAGMA writable_schema = ON")
+            cursor.execute("UPDATE sqlite_master SET sql = replace(sql, ?, ?) WHERE type = 'table' AND name = ?",
+                           (f"{column} TEXT NOT NULL", f"{column} TEXT NULL", e.table_name))
+            version = cursor.execute("PRAGMA schema_version").fetchone()[0]
+            cursor.execute(f"PRAGMA schema_version = {int(version) + 1}")
+            cursor.execute("PRAGMA writable_schema = OFF")
+    store.close()  # new connections read the new definition
+
+
+def tamper(store: OutboxStore, id: int, column: str, value: str | None) -> None:
+    """Overwrite one column of one row with raw SQL, past the table's JSON checks where the
+    engine allows that (SQLite's CHECK, SQL Server's constraints; PostgreSQL's jsonb and
+    MySQL's JSON types refuse invalid JSON whatever one does)."""
+    e = store.engine
+    if value is None:
+        allow_null(store, column)
+    with store.transaction() as cursor:
+        if e.name == "sqlite":
+            cursor.execute("PRAGMA ignore_check_constraints = ON")
+        elif e.name == "mssql":
+            e.execute(cursor, f"ALTER TABLE {e.table} NOCHECK CONSTRAINT ALL")
+        e.execute(cursor, f"UPDATE {e.table} SET {column} = ? WHERE id = ?", [value, id])
+        if e.name == "sqlite":
+            cursor.execute("PRAGMA ignore_check_constraints = OFF")

@@ -148,3 +148,17 @@ def mixed_rows() -> list[Row]:
                     last_error="poison: payload rejected"))                            # dead, old
     rows.append(Row("orders.created", "o7", status=0, age_ms=9 * DAY_MS, latency_ms=None))  # pending, old
     return rows
+
+
+def invoke(args: list[str], env: dict[str, str]) -> Any:
+    """Run the ``outbox`` command in-process (on the suite's Spark session) with ``env``."""
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+    from outbox.core.config import reset_settings
+
+    reset_settings()
+    try:
+        return CliRunner().invoke(main, args, env=env)
+    finally:
+        reset_settings()

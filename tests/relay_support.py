@@ -3,7 +3,7 @@ tests/test_worker_lifecycle.py): a real SQLite store in a file, and a scripted i
 publisher standing in for the broker (pure logic only; the real publisher and broker are
 exercised end to end in test_relay_e2e.py and test_recovery_e2e.py). A pytest plugin
 (tests/conftest.py registers it): its fixtures are found by name, its helpers imported.
-``sqlite_store`` is not conftest's engine-parametrized ``store``: one SQLite file, the
+``sqlite_store`` is not engine_support's engine-parametrized ``store``: one SQLite file, the
 default table, which ``conn`` (the application's connection) writes to."""
 
 from __future__ import annotations

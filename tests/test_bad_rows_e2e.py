@@ -14,7 +14,7 @@ from typing import Any
 
 from outbox import Status
 
-from test_bad_rows import tamper
+from engine_support import tamper
 from relay_e2e_support import Destination, Outbox, check_order, relay_env, wait_until
 
 

@@ -388,7 +388,6 @@ for key in r.keys({prefix!r} + "*"):
 t.coalescer().clear()
 print(seen, requests, claims)
 """
-    import os
     done = run_python(code, tmp_path, OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="qconf",
                       PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
                       OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")

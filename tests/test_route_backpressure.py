@@ -21,8 +21,8 @@ from outbox.publisher import (ChainResult, FailureKind, KombuPublisher, Pipeline
 from outbox.relay import Breaker, FileState, Outage, RedisState, RelayContext, RelayOptions, RouteGate, handle_publish
 from outbox.storage.store import OutboxStore
 
+from publisher_support import make_message
 from services import AMQP_URL, REDIS_URL, require
-
 
 
 def add(conn: sqlite3.Connection, aggregate: str, topics: Sequence[str]) -> list[int]:
@@ -167,8 +167,6 @@ def test_an_outage_is_announced_by_one_worker_through_redis(caplog: pytest.LogCa
 def test_unknown_publish_transport_is_fatal_not_retriable() -> None:
     """kombu raises KeyError for a scheme it does not know: a configuration error, which
     stops claims (FATAL) instead of spending every event's attempts."""
-    from test_publisher import make_message
-
     with KombuPublisher("amqpx://guest:Secr3tPass@127.0.0.1//", "ex") as publisher:
         result = publisher.publish_chain([make_message(1)])
     assert result.failure is not None and result.failure.kind is FailureKind.FATAL
@@ -179,8 +177,6 @@ def test_unknown_publish_transport_is_fatal_not_retriable() -> None:
 
 def test_rabbitmq_a_full_queue_stops_only_the_chains_of_its_route() -> None:
     from kombu import Connection, Exchange, Queue
-
-    from test_publisher import make_message
 
     require("RabbitMQ", "127.0.0.1", 5672)
     name = f"outbox-test-{uuid.uuid4().hex[:10]}"
@@ -218,8 +214,6 @@ def test_rabbitmq_a_full_queue_stops_only_the_chains_of_its_route() -> None:
 def test_a_connection_failure_is_broker_wide(tmp_path: Path) -> None:
     """Nothing listens on the port: back-pressure of the whole broker (no route), which
     the relay answers with the breaker."""
-    from test_publisher import make_message
-
     with KombuPublisher("amqp://guest:guest@127.0.0.1:1//", "ex", connect_timeout=0.5, connect_retries=0) as p:
         result = p.publish_chain([make_message(1)])
     assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE

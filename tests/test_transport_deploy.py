@@ -177,7 +177,7 @@ def test_a_worker_survives_its_broker_database_going_away(kind: str, tmp_path: P
     from urllib.parse import urlsplit, urlunsplit
 
     from relay_e2e_support import Proxy, wait_until
-    from test_transport_celery import TaskApp
+    from transport_support import TaskApp
 
     app = TaskApp(kind, tmp_path)
     direct = urlsplit(app.db_url)
