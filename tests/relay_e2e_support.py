@@ -3,7 +3,8 @@ the other ``*_e2e`` tests): real ``celery -A outbox worker`` / ``beat`` processe
 Dramatiq runner, tests/runners.py), Redis as Celery's broker, RabbitMQ as the destination,
 and the outbox on SQLite (a file), PostgreSQL and MariaDB/MySQL. Each test gets its own
 outbox table (dropped afterwards), its own exchange and queues on RabbitMQ and its own key
-prefix on Redis, so runs never see each other. Test modules import the fixtures by name.
+prefix on Redis, so runs never see each other. A pytest plugin (registered in
+tests/conftest.py): test modules find its fixtures by name and import its helpers.
 
 Skipped when a service is not reachable, unless OUTBOX_REQUIRE_SERVICES is set.
 """

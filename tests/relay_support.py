@@ -1,8 +1,10 @@
 """What the relay's pure-logic tests share (tests/test_claim.py, tests/test_publish_policy.py,
 tests/test_worker_lifecycle.py): a real SQLite store in a file, and a scripted in-memory
 publisher standing in for the broker (pure logic only; the real publisher and broker are
-exercised end to end in test_relay_e2e.py and test_recovery_e2e.py). Test modules import
-the fixtures by name."""
+exercised end to end in test_relay_e2e.py and test_recovery_e2e.py). A pytest plugin
+(tests/conftest.py registers it): its fixtures are found by name, its helpers imported.
+``sqlite_store`` is not engine_support's engine-parametrized ``store``: one SQLite file, the
+default table, which ``conn`` (the application's connection) writes to."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ PYTHON = sys.executable
 # -- fixtures ----------------------------------------------------------------------------------
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[OutboxStore]:
+def sqlite_store(tmp_path: Path) -> Iterator[OutboxStore]:
     s = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=60_000, max_attempts=3)
     s.migrate()
     yield s
@@ -36,7 +38,7 @@ def store(tmp_path: Path) -> Iterator[OutboxStore]:
 
 
 @pytest.fixture
-def conn(tmp_path: Path, store: OutboxStore) -> Iterator[sqlite3.Connection]:
+def conn(tmp_path: Path, sqlite_store: OutboxStore) -> Iterator[sqlite3.Connection]:
     c = sqlite3.connect(tmp_path / "outbox.db", timeout=30)
     yield c
     c.close()

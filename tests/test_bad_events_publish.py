@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-from kombu import Connection, Exchange, Queue
 
 from outbox import Status, enqueue
 from outbox.core.model import OutboxMessage
@@ -19,45 +17,13 @@ from outbox.publisher import FailureKind, KombuPublisher
 from outbox.relay import RelayContext, handle_claim, handle_publish
 from outbox.storage.store import OutboxStore
 
-from services import AMQP_URL, require
-from test_bad_rows import row, tamper
-from test_publisher import amqp_hostport, make_message, raw_body
+from engine_support import row, tamper
+from publisher_support import make_message, raw_body
+from services import AMQP_URL
 
 LONG_TOPIC = "orders." + "é" * 150  # 157 characters: fits the column; 307 bytes: no routing key
 LONG_NAME = "x-" + "n" * 300  # a header name of 302 bytes
 LONG_ID = "\U0001F600" * 64  # 64 characters: fits VARCHAR(64); 256 bytes: no message_id property
-
-
-@pytest.fixture
-def broker() -> Iterator[dict[str, Any]]:
-    """A unique topic exchange with a queue for everything, and a dead-letter exchange with
-    a queue for everything; deleted afterwards."""
-    require("RabbitMQ", *amqp_hostport())
-    tag = uuid.uuid4().hex[:10]
-    conn = Connection(AMQP_URL, connect_timeout=3)
-    channel = conn.channel()
-    names = {"exchange": f"outbox-test-{tag}", "dead": f"outbox-test-{tag}-dead"}
-    exchanges, queues = [], []
-    for key, name in names.items():
-        exchange = Exchange(name, type="topic", durable=True)
-        exchange(channel).declare()
-        queue = Queue(f"{name}-q", exchange=exchange, routing_key="#", exclusive=True, auto_delete=True)(channel)
-        queue.declare()
-        exchanges.append(exchange)
-        queues.append(queue)
-
-    def drain(index: int) -> list[Any]:
-        got = []
-        while (message := queues[index].get(no_ack=True)) is not None:
-            got.append(message)
-        return got
-
-    yield {**names, "live": lambda: drain(0), "dead_letters": lambda: drain(1)}
-    try:
-        for exchange in exchanges:
-            exchange(channel).delete()
-    finally:
-        conn.release()
 
 
 def errors_of(store: OutboxStore, id: int) -> tuple:

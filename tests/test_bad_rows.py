@@ -9,10 +9,7 @@ only fail again.
 
 from __future__ import annotations
 
-import json
-import uuid
-from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -24,7 +21,7 @@ from outbox.core.errors import ConfigError
 from outbox.domain.events import MAX_ERROR_UNITS, utf16_units
 from outbox.storage.store import OutboxStore
 
-from services import AMQP_URL, require
+from engine_support import row, statuses, tamper
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -35,55 +32,6 @@ def add(writer: Any, store: OutboxStore, aggregate: str, count: int = 1, **kw: A
            for i in range(count)]
     writer.commit()
     return ids
-
-
-def row(store: OutboxStore, id: int, columns: str) -> tuple:
-    with store.transaction() as cursor:
-        return tuple(store.engine.execute(
-            cursor, f"SELECT {columns} FROM {store.engine.table} WHERE id = ?", [id]).fetchone())
-
-
-def statuses(store: OutboxStore) -> dict[int, int]:
-    with store.transaction() as cursor:
-        rows = store.engine.execute(cursor, f"SELECT id, status FROM {store.engine.table}").fetchall()
-    return {int(r[0]): int(r[1]) for r in rows}
-
-
-def allow_null(store: OutboxStore, column: str) -> None:
-    """Drop the NOT NULL of ``column``, as a table made by another script might lack it."""
-    e = store.engine
-    if e.name == "mssql":
-        pytest.skip("the SQL Server claim's table variable declares aggregate_id NOT NULL (engines/mssql/sql.py)")
-    with store.transaction() as cursor:
-        if e.name == "postgresql":
-            e.execute(cursor, f"ALTER TABLE {e.table} ALTER COLUMN {column} DROP NOT NULL")
-        elif e.name == "mysql":
-            e.execute(cursor, f"ALTER TABLE {e.table} MODIFY {column} VARCHAR(255) NULL")
-        else:  # SQLite cannot drop a NOT NULL: rewrite the table's definition in place
-            cursor.execute("PRAGMA writable_schema = ON")
-            cursor.execute("UPDATE sqlite_master SET sql = replace(sql, ?, ?) WHERE type = 'table' AND name = ?",
-                           (f"{column} TEXT NOT NULL", f"{column} TEXT NULL", e.table_name))
-            version = cursor.execute("PRAGMA schema_version").fetchone()[0]
-            cursor.execute(f"PRAGMA schema_version = {int(version) + 1}")
-            cursor.execute("PRAGMA writable_schema = OFF")
-    store.close()  # new connections read the new definition
-
-
-def tamper(store: OutboxStore, id: int, column: str, value: str | None) -> None:
-    """Overwrite one column of one row with raw SQL, past the table's JSON checks where the
-    engine allows that (SQLite's CHECK, SQL Server's constraints; PostgreSQL's jsonb and
-    MySQL's JSON types refuse invalid JSON whatever one does)."""
-    e = store.engine
-    if value is None:
-        allow_null(store, column)
-    with store.transaction() as cursor:
-        if e.name == "sqlite":
-            cursor.execute("PRAGMA ignore_check_constraints = ON")
-        elif e.name == "mssql":
-            e.execute(cursor, f"ALTER TABLE {e.table} NOCHECK CONSTRAINT ALL")
-        e.execute(cursor, f"UPDATE {e.table} SET {column} = ? WHERE id = ?", [value, id])
-        if e.name == "sqlite":
-            cursor.execute("PRAGMA ignore_check_constraints = OFF")
 
 
 #: (case, column, raw value, the reason recorded, engines whose column type cannot hold it)

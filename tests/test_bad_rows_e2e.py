@@ -14,17 +14,8 @@ from typing import Any
 
 from outbox import Status
 
-from test_bad_rows import tamper
-from relay_e2e_support import (  # noqa: F401 - fixtures used by name
-    Destination,
-    Outbox,
-    check_order,
-    dead_letter_destination,
-    outbox,
-    procs_factory,
-    relay_env,
-    wait_until,
-)
+from engine_support import tamper
+from relay_e2e_support import Destination, Outbox, check_order, relay_env, wait_until
 
 
 def test_a_tampered_row_goes_dead_alone_and_the_rest_is_delivered_on_the_first_attempt(

@@ -21,18 +21,17 @@ from outbox.relay import (Backlog, Breaker, ClaimOutcome, ClaimSizer, Drain, Out
 from outbox.storage.store import OutboxStore
 
 from relay_support import Collect, ScriptedPublisher, add, rows, run_python, status_of
-from relay_support import conn, store  # noqa: F401 - fixtures used by name
 from services import REDIS_URL, reachable
 
 
-def test_claim_dispatches_every_row_in_per_aggregate_chains(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_claim_dispatches_every_row_in_per_aggregate_chains(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 3)
     b = add(conn, "b", 2)
     c = add(conn, "c", 1)
     a += add(conn, "a", 2)
     sent = Collect()
     before = time.time()
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=4)), sent, batch_size=100, lease_s=60.0)
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(task_rows=4)), sent, batch_size=100, lease_s=60.0)
     assert outcome.claimed == outcome.dispatched == 8 and outcome.released == 0
     assert not outcome.full and not outcome.more
     chains = {chain[0].aggregate_id: [m.id for m in chain] for chain in sent.chains}
@@ -42,21 +41,21 @@ def test_claim_dispatches_every_row_in_per_aggregate_chains(store: OutboxStore, 
     assert [ch[0].aggregate_id for ch in sent.tasks[0][0]] == ["a"]
     # The deadline is inside the lease.
     assert all(before + 0.8 * 60 - 1 <= deadline <= time.time() + 0.8 * 60 for _, deadline in sent.tasks)
-    assert set(status_of(store).values()) == {Status.CLAIMED}
+    assert set(status_of(sqlite_store).values()) == {Status.CLAIMED}
 
 
-def test_a_small_claim_is_published_by_the_claim_itself(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_a_small_claim_is_published_by_the_claim_itself(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 2)
     b = add(conn, "b", 1)
     sent, here = Collect(), Collect()
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=1)), sent, batch_size=100, lease_s=60.0,
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(task_rows=1)), sent, batch_size=100, lease_s=60.0,
                            publish_inline=here)
     assert outcome.inline and outcome.claimed == outcome.dispatched == 3 and not outcome.more
     assert sent.tasks == []  # no hop through Celery's broker
     assert len(here.tasks) == 1 and [[m.id for m in chain] for chain in here.chains] == [a, b]
 
 
-def test_a_full_or_larger_claim_still_goes_out_as_publish_tasks(store: OutboxStore,
+def test_a_full_or_larger_claim_still_goes_out_as_publish_tasks(sqlite_store: OutboxStore,
                                                                 conn: sqlite3.Connection) -> None:
     add(conn, "a", 3)
     add(conn, "b", 3)
@@ -64,16 +63,16 @@ def test_a_full_or_larger_claim_still_goes_out_as_publish_tasks(store: OutboxSto
                                 (100, RelayOptions(inline_rows=2)),  # more rows than inline_rows
                                 (100, RelayOptions(inline_rows=0))):  # turned off
         sent, here = Collect(), Collect()
-        outcome = handle_claim(RelayContext(store, options=options), sent, batch_size=batch_size, lease_s=60.0,
+        outcome = handle_claim(RelayContext(sqlite_store, options=options), sent, batch_size=batch_size, lease_s=60.0,
                                publish_inline=here)
         assert not outcome.inline and here.tasks == []
         assert outcome.dispatched == sum(len(c) for c in sent.chains) == outcome.claimed > 0
         for chain in sent.chains:
-            store.release([m.id for m in chain], chain[0].lease)
+            sqlite_store.release([m.id for m in chain], chain[0].lease)
 
 
 def test_a_backlog_claim_publishes_its_first_share_itself_after_asking_for_the_next_claim(
-        store: OutboxStore, conn: sqlite3.Connection) -> None:
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     for name in "abcdef":
         add(conn, name, 1)
     events: list[str] = []
@@ -83,7 +82,7 @@ def test_a_backlog_claim_publishes_its_first_share_itself_after_asking_for_the_n
         events.append("publish here")
         here(chains, deadline)
 
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=2)), sent, batch_size=6, lease_s=60.0,
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(task_rows=2)), sent, batch_size=6, lease_s=60.0,
                            publish_inline=inline, claim_again=lambda: events.append("claim again"))
     assert outcome.full and outcome.more and outcome.inline
     # The next claim is asked for once this one has committed and dispatched, before its own publish.
@@ -96,58 +95,58 @@ def test_a_backlog_claim_publishes_its_first_share_itself_after_asking_for_the_n
     # A claim that is not full asks for nothing before publishing; inline rows 0 turns it all off.
     add(conn, "g", 1)
     events.clear()
-    small = handle_claim(RelayContext(store), Collect(), batch_size=6, lease_s=60.0, publish_inline=inline,
+    small = handle_claim(RelayContext(sqlite_store), Collect(), batch_size=6, lease_s=60.0, publish_inline=inline,
                          claim_again=lambda: events.append("claim again"))
     assert small.inline and not small.more and events == ["publish here"]
     add(conn, "h", 1)
     off = Collect()
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(inline_rows=0)), off, batch_size=6, lease_s=60.0,
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(inline_rows=0)), off, batch_size=6, lease_s=60.0,
                            publish_inline=inline, claim_again=lambda: events.append("claim again"))
     assert not outcome.inline and len(off.tasks) == 1
 
 
-def test_full_batch_asks_for_more(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_full_batch_asks_for_more(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     add(conn, "a", 5)
     add(conn, "b", 5)
     sent = Collect()
-    first = handle_claim(RelayContext(store), sent, batch_size=6, lease_s=60.0)
+    first = handle_claim(RelayContext(sqlite_store), sent, batch_size=6, lease_s=60.0)
     assert first.full and first.more
-    second = handle_claim(RelayContext(store), sent, batch_size=6, lease_s=60.0)
+    second = handle_claim(RelayContext(sqlite_store), sent, batch_size=6, lease_s=60.0)
     # Only what is not blocked behind a claimed row may come next: nothing, here.
     assert second.claimed == 0 and not second.more
 
 
 # -- the byte budget and claim sizing ----------------------------------------------------------
 
-def test_byte_budget_releases_the_rest_of_the_batch(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_byte_budget_releases_the_rest_of_the_batch(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     big = {"blob": "x" * 4000}
     a = add(conn, "a", 3, payload=big)
     b = add(conn, "b", 3, payload=big)
     sent = Collect()
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(max_batch_bytes=3 * 4300, task_rows=100)), sent,
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(max_batch_bytes=3 * 4300, task_rows=100)), sent,
                            batch_size=100, lease_s=60.0)
     assert outcome.trimmed and outcome.more
     assert [m.id for m in sent.chains[0]] == a and len(sent.chains) == 1
     assert outcome.dispatched == 3 and outcome.released == 3
-    state = rows(store)
+    state = rows(sqlite_store)
     assert all(state[i]["status"] == Status.PENDING and state[i]["attempts"] == 0 for i in b)
     # The released aggregate is claimable again at once.
-    assert [m.id for m in store.claim(100).messages] == b
+    assert [m.id for m in sqlite_store.claim(100).messages] == b
 
 
-def test_byte_budget_cuts_a_chain_and_always_sends_the_first_row(store: OutboxStore,
+def test_byte_budget_cuts_a_chain_and_always_sends_the_first_row(sqlite_store: OutboxStore,
                                                                 conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 3, payload={"blob": "y" * 10_000})
     sent = Collect()
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(max_batch_bytes=1000)), sent, batch_size=100,
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(max_batch_bytes=1000)), sent, batch_size=100,
                            lease_s=60.0)
     assert [m.id for m in sent.chains[0]] == a[:1]
     assert outcome.released == 2
     # The tail waits behind its claimed head: nothing of "a" can be claimed now.
-    assert store.claim(100).messages == []
+    assert sqlite_store.claim(100).messages == []
 
 
-def test_claims_after_large_rows_ask_for_what_fits_the_byte_budget(store: OutboxStore,
+def test_claims_after_large_rows_ask_for_what_fits_the_byte_budget(sqlite_store: OutboxStore,
                                                                     conn: sqlite3.Connection) -> None:
     # Without sizing, every claim would read 100 large rows to send 3 on and release the
     # rest: memory and reads grow with the batch, not the budget (docs/relay.md, "Memory").
@@ -157,10 +156,10 @@ def test_claims_after_large_rows_ask_for_what_fits_the_byte_budget(store: Outbox
     options = RelayOptions(max_batch_bytes=3 * 4300, task_rows=100)
     sizer = ClaimSizer()
     sent = Collect()
-    first = handle_claim(RelayContext(store, options=options, sizer=sizer), sent, batch_size=100, lease_s=60.0)
+    first = handle_claim(RelayContext(sqlite_store, options=options, sizer=sizer), sent, batch_size=100, lease_s=60.0)
     assert first.claimed == 10 and first.released == 7 and first.more  # nothing known yet: the whole batch
     assert sizer.rows(100, options.max_batch_bytes) == 3
-    second = handle_claim(RelayContext(store, options=options, sizer=sizer), sent, batch_size=100, lease_s=60.0)
+    second = handle_claim(RelayContext(sqlite_store, options=options, sizer=sizer), sent, batch_size=100, lease_s=60.0)
     # Asked for the 3 rows that fit: none released, and "full" against what was asked, so drain mode goes on.
     assert second.claimed == second.dispatched == 3 and second.released == 0 and second.more
 
@@ -212,28 +211,28 @@ def test_plan_tasks_packs_without_splitting_chains() -> None:
 
 # -- what holds claims back --------------------------------------------------------------------
 
-def test_claims_hold_back_while_the_publish_queue_is_full(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_claims_hold_back_while_the_publish_queue_is_full(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 2)
     sent = Collect()
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(max_queued_tasks=4)), sent, batch_size=100,
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(max_queued_tasks=4)), sent, batch_size=100,
                            lease_s=60.0, queued=lambda: 4)
     assert outcome.saturated and outcome.claimed == 0 and sent.tasks == []
-    assert all(status_of(store)[i] == Status.PENDING for i in ids)
+    assert all(status_of(sqlite_store)[i] == Status.PENDING for i in ids)
     # An unknown queue length does not stop the relay.
-    assert handle_claim(RelayContext(store), sent, batch_size=100, lease_s=60.0, queued=lambda: None).claimed == 2
+    assert handle_claim(RelayContext(sqlite_store), sent, batch_size=100, lease_s=60.0, queued=lambda: None).claimed == 2
 
 
-def test_claims_pause_while_the_breaker_is_open(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_claims_pause_while_the_breaker_is_open(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     add(conn, "a", 2)
     breaker = Breaker()
     breaker.trip(30, "backpressure: test")
-    outcome = handle_claim(RelayContext(store, breaker=breaker), Collect(), batch_size=100, lease_s=60.0)
+    outcome = handle_claim(RelayContext(sqlite_store, breaker=breaker), Collect(), batch_size=100, lease_s=60.0)
     assert outcome.paused > 29 and outcome.claimed == 0
     breaker.reset()
-    assert handle_claim(RelayContext(store, breaker=breaker), Collect(), batch_size=100, lease_s=60.0).claimed == 2
+    assert handle_claim(RelayContext(sqlite_store, breaker=breaker), Collect(), batch_size=100, lease_s=60.0).claimed == 2
 
 
-def test_failed_dispatch_releases_the_rows_without_spending_attempts(store: OutboxStore,
+def test_failed_dispatch_releases_the_rows_without_spending_attempts(sqlite_store: OutboxStore,
                                                                      conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 2)
     b = add(conn, "b", 2)
@@ -244,11 +243,11 @@ def test_failed_dispatch_releases_the_rows_without_spending_attempts(store: Outb
         if len(calls) == 2:
             raise ConnectionError("Celery's broker is down")
 
-    outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=1)), dispatch, batch_size=100,
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(task_rows=1)), dispatch, batch_size=100,
                            lease_s=60.0)
     assert outcome.error and not outcome.more
     assert outcome.dispatched == 2 and outcome.released == 2
-    state = rows(store)
+    state = rows(sqlite_store)
     assert [state[i]["status"] for i in a] == [Status.CLAIMED] * 2
     assert [(state[i]["status"], state[i]["attempts"]) for i in b] == [(Status.PENDING, 0)] * 2
 
@@ -281,23 +280,23 @@ class Slice:
 
 
 def test_a_drain_slice_publishes_each_full_claims_share_here_and_claims_again(
-        store: OutboxStore, conn: sqlite3.Connection) -> None:
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     """One claim task drains a backlog batch after batch, in order, with no publish task and
     one "claim soon" at its start (before its first publish) and one after its last."""
     a = add(conn, "a", 7)
-    here = Slice(store)
+    here = Slice(sqlite_store)
     outcome = here.run()
     assert outcome is not None and outcome.inline and outcome.claimed == 1 and not outcome.more
     assert here.events == ["claim soon", a[0:2], a[2:4], a[4:6], a[6:], "claim soon"]
     assert here.sent.tasks == []  # every batch was published here
     assert [m.id for m in here.publisher.sent] == a  # in order
     assert len({m.lease for m in here.publisher.sent}) == 4  # four claims in one slice
-    assert set(status_of(store).values()) == {Status.DONE}
+    assert set(status_of(sqlite_store).values()) == {Status.DONE}
     assert not here.backlog.met  # the last claim was small: the next one skips the queue's length
 
 
 def test_over_several_aggregates_every_full_claim_of_a_slice_asks_for_the_next_claim(
-        store: OutboxStore, conn: sqlite3.Connection) -> None:
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     """A backlog spread over aggregates: each full claim asks for a claim before its publish
     (coalesced by the runner), so another process whose slice ended early, on a claim that
     lost its chains to a concurrent one, gets work again before this slice ends. Over one
@@ -307,25 +306,25 @@ def test_over_several_aggregates_every_full_claim_of_a_slice_asks_for_the_next_c
     for _ in range(2):
         for name in "abcd":
             ids[name] += add(conn, name)
-    here = Slice(store)
+    here = Slice(sqlite_store)
     outcome = here.run(batch_size=4)
     assert outcome is not None and outcome.claimed == 0 and not outcome.more  # the backlog is gone
     assert here.events == ["claim soon", ids["a"] + ids["b"], "claim soon", ids["c"] + ids["d"]]
-    assert set(status_of(store).values()) == {Status.DONE}
+    assert set(status_of(sqlite_store).values()) == {Status.DONE}
 
 
 def test_a_drain_slice_ends_with_its_time_when_stopping_or_when_the_breaker_opens(
-        store: OutboxStore, conn: sqlite3.Connection) -> None:
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 8)
     for kw, share in (({"slice_s": 0.0}, a[0:2]), ({"stopping": lambda: True}, a[2:4])):
-        here = Slice(store)
+        here = Slice(sqlite_store)
         assert here.run(**kw) is not None
         # One claim, its share published here; then the next claim soon, as after any publish.
         assert here.events == ["claim soon", share, "claim soon"]
         assert here.backlog.met  # that claim was full: the next reads the publish queue's length
     # The breaker opens during a share: the next claim of the slice claims nothing, and
     # nobody asks for a claim while the breaker is open.
-    breaker, here = Breaker(), Slice(store)
+    breaker, here = Breaker(), Slice(sqlite_store)
 
     def publish_then_trip(chains: list[list[OutboxMessage]], deadline: float) -> None:
         Slice.publish_here(here, chains, deadline)
@@ -337,21 +336,21 @@ def test_a_drain_slice_ends_with_its_time_when_stopping_or_when_the_breaker_open
 
 
 def test_in_the_main_process_a_full_claim_publishes_nothing_itself_and_makes_no_slice(
-        store: OutboxStore, conn: sqlite3.Connection) -> None:
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 8)
-    here = Slice(store)
+    here = Slice(sqlite_store)
     outcome = here.run(in_main=True)
     assert outcome is not None and outcome.more and not outcome.inline
     assert [[m.id for m in chain] for chain in here.sent.chains] == [a[0:2]]  # a publish task
     assert here.events == ["claim soon"]  # the next claim goes to the pool through the token
 
 
-def test_a_drain_slice_reports_a_refused_claim_as_a_database_outage(store: OutboxStore,
+def test_a_drain_slice_reports_a_refused_claim_as_a_database_outage(sqlite_store: OutboxStore,
                                                                    conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 3)
-    here = Slice(store)
+    here = Slice(sqlite_store)
     assert here.run(slice_s=0.0) is not None and here.backlog.met
-    conn.execute(f"DROP TABLE {store.engine.table}")
+    conn.execute(f"DROP TABLE {sqlite_store.engine.table}")
     conn.commit()
     assert here.run() is None  # no traceback: the outage says it once
     assert here.outage.down and here.backlog.met  # what the last claim that ran met is kept
@@ -388,7 +387,6 @@ for key in r.keys({prefix!r} + "*"):
 t.coalescer().clear()
 print(seen, requests, claims)
 """
-    import os
     done = run_python(code, tmp_path, OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="qconf",
                       PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
                       OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")

@@ -9,12 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_support import run
+
 from outbox import enqueue
-
-
-def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "outbox.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=60)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

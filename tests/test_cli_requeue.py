@@ -12,8 +12,8 @@ import pytest
 from outbox import Status, enqueue
 from outbox.storage.store import OutboxStore
 
-from test_bad_rows import tamper
-from test_cli import run
+from cli_support import run
+from engine_support import tamper
 
 
 @pytest.fixture

@@ -7,18 +7,16 @@ uses databases of its own."""
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
 import sys
-import uuid
 from pathlib import Path
-from typing import Any, Iterator
 
 import pytest
 
 from outbox.storage.store import OutboxStore
 
-from services import AMQP_URL, POSTGRES_URL, REQUIRE, require
+from app_support import renamed, schema_of
+from services import AMQP_URL, REQUIRE, require
 
 pytest.importorskip("django")
 
@@ -49,28 +47,6 @@ def manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return run([sys.executable, "manage.py", *args], env=env)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
-    """DATABASE_URL of a database of this test's own (dropped afterwards)."""
-    if request.param == "sqlite":
-        yield {"DATABASE_URL": f"sqlite:///{tmp_path / 'shop.db'}", "kind": "sqlite"}
-        return
-    require("PostgreSQL", "127.0.0.1", 5432)
-    import psycopg
-
-    name = f"outbox_dj_{uuid.uuid4().hex[:10]}"
-    admin_url = POSTGRES_URL.rsplit("/", 1)[0] + "/postgres"
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield {"DATABASE_URL": POSTGRES_URL.rsplit("/", 1)[0] + f"/{name}", "DJANGO_TEST_DATABASE_NAME": f"test_{name}",
-               "kind": "postgresql"}
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            conn.execute(f'DROP DATABASE IF EXISTS "test_{name}" WITH (FORCE)')
-
-
 def env_of(database: dict[str, str], **extra: str) -> dict[str, str]:
     return {**{k: v for k, v in database.items() if k != "kind"}, "DJANGO_SETTINGS_MODULE": "shop.settings", **extra}
 
@@ -92,28 +68,6 @@ def test_djangos_test_runner_creates_the_table_and_the_app_works(database: dict[
             assert "skipped" not in out, out
     else:
         assert "Ran 5 tests" in out, out
-
-
-def schema_of(url: str, table: str) -> Any:
-    """What a table is made of, in the catalog's own words."""
-    if url.startswith("sqlite"):
-        conn = sqlite3.connect(url.split("sqlite:///", 1)[1])
-        try:
-            return sorted(conn.execute("SELECT type, name, sql FROM sqlite_master WHERE tbl_name = ?",
-                                       (table,)).fetchall())
-        finally:
-            conn.close()
-    import psycopg
-
-    with psycopg.connect(url) as conn:
-        columns = conn.execute("SELECT column_name, data_type, is_nullable, column_default FROM "
-                               "information_schema.columns WHERE table_name = %s ORDER BY column_name",
-                               (table,)).fetchall()
-        indexes = conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = %s ORDER BY indexname",
-                               (table,)).fetchall()
-        checks = conn.execute("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %s::regclass "
-                              "ORDER BY 1", (table,)).fetchall()
-    return columns, indexes, checks
 
 
 def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_database(
@@ -150,7 +104,7 @@ def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_datab
         with store.transaction() as cursor:
             cursor.execute('DROP TABLE IF EXISTS "outbox_store_made"')
         store.close()
-    assert _renamed(store_schema, "outbox_store_made", "outbox") == django_schema
+    assert renamed(store_schema, "outbox_store_made", "outbox") == django_schema
     # The management commands mirror the CLI.
     status = ok(manage("outbox_status", "--json", env=env))
     assert '"pending": 0' in status
@@ -175,15 +129,6 @@ def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_datab
     assert 'status: {"counts": {' in called and "purge refused:" in called and "--batch" in called, called
     bad = manage("outbox_purge", "--batch", "0", env=env)
     assert bad.returncode == 2 and "--batch" in bad.stderr
-
-
-def _renamed(schema: Any, old: str, new: str) -> Any:
-    if isinstance(schema, str):
-        return schema.replace(old, new)
-    if isinstance(schema, (list, tuple)):
-        items = [_renamed(item, old, new) for item in schema]
-        return sorted(items) if isinstance(schema, list) else tuple(items)
-    return schema
 
 
 def test_the_cli_and_the_worker_read_outbox_settings_from_django(tmp_path: Path) -> None:

@@ -252,7 +252,7 @@ def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
 
 # -- the relay's metrics from a Dramatiq worker ---------------------------------------------------
 
-from relay_e2e_support import destination, procs_factory, relay_env, sqlite_outbox, wait_until  # noqa: E402,F401
+from relay_e2e_support import relay_env, wait_until  # noqa: E402
 from runners import DRAMATIQ  # noqa: E402
 
 

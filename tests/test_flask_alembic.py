@@ -17,8 +17,8 @@ import pytest
 
 from outbox.storage.store import OutboxStore
 
+from app_support import renamed, schema_of
 from services import AMQP_URL, require
-from test_django_app import _renamed, database, schema_of  # noqa: F401  (the database fixture)
 
 pytest.importorskip("alembic")
 pytest.importorskip("flask")
@@ -49,7 +49,7 @@ def test_alembic_upgrade_creates_the_stores_table(database: dict[str, str], tmp_
     store = OutboxStore(url, table="outbox_store_made")
     try:
         store.migrate()
-        assert _renamed(schema_of(url, "outbox_store_made"), "outbox_store_made", "outbox") == made_by_alembic
+        assert renamed(schema_of(url, "outbox_store_made"), "outbox_store_made", "outbox") == made_by_alembic
     finally:
         with store.transaction() as cursor:
             cursor.execute('DROP TABLE IF EXISTS "outbox_store_made"')

@@ -13,9 +13,8 @@ from typing import Any
 
 from outbox import Status
 
-from kafka_support import Reader, tansu  # noqa: F401  (fixture)
+from kafka_support import Reader
 from relay_e2e_support import base_env, check_order, relay_env, require_relay_services, wait_until
-from relay_e2e_support import procs_factory, runner, sqlite_outbox  # noqa: F401 - fixtures used by name
 
 
 def start_relay(procs_factory: Any, runner: Any, tmp_path: Path, outbox: Any, **settings: str) -> Any:

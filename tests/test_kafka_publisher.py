@@ -17,7 +17,7 @@ from outbox.core.config import KafkaOptions
 from outbox.publisher.kafka import KafkaPublisher, chain_result, kafka_headers, producer_config
 from outbox.publisher.select import publisher_for
 
-from kafka_support import consume, create_topic, kafka_bootstrap, tansu  # noqa: F401  (fixtures)
+from kafka_support import consume, create_topic
 
 CREATED = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
 

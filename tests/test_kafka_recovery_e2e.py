@@ -17,7 +17,6 @@ from outbox import Status
 
 from kafka_support import Reader, Tansu, create_topic, free_port, tansu_or_skip
 from relay_e2e_support import Outbox, Proxy, Writer, check_order, relay_env, require_relay_services, wait_until
-from relay_e2e_support import procs_factory, runner, sqlite_outbox  # noqa: F401 - fixtures used by name
 
 
 @pytest.fixture

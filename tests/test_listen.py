@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -17,7 +17,7 @@ from outbox.relay.listen import Listener, Subscriber, channel_for, notify_channe
 from outbox.storage.store import OutboxStore
 
 from services import POSTGRES_URL, REDIS_URL, require
-from test_wake import Destination, Workers, destination, event, wait_done, workers  # noqa: F401
+from wake_support import CountingDestination, Workers, event, wait_done
 
 
 # -- PostgreSQL LISTEN/NOTIFY --------------------------------------------------------------------
@@ -155,11 +155,11 @@ def test_no_notification_when_listen_is_off(store: OutboxStore, url: str) -> Non
 
 
 @pytest.mark.parametrize("kind", ["postgresql"])
-def test_listen_drives_a_real_worker_without_beat(store: OutboxStore, url: str, destination: Destination,
+def test_listen_drives_a_real_worker_without_beat(store: OutboxStore, url: str, counting_destination: CountingDestination,
                                                   workers: Workers, monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain ``enqueue`` + commit, no wake call, no beat: only the worker's LISTEN thread
     can make it claim."""
-    env = workers.env(destination, OUTBOX_DATABASE_URL=url, OUTBOX_TABLE=store.engine.table_name,
+    env = workers.env(counting_destination, OUTBOX_DATABASE_URL=url, OUTBOX_TABLE=store.engine.table_name,
                       OUTBOX_RELAY_LISTEN="1", OUTBOX_CLAIM_INTERVAL_S="3600")
     log = workers.start(env, "-c", "2")
     deadline = time.monotonic() + 20
@@ -178,7 +178,7 @@ def test_listen_drives_a_real_worker_without_beat(store: OutboxStore, url: str, 
         conn.rollback()
     finally:
         conn.close()
-    assert destination.count() == 3
+    assert counting_destination.count() == 3
     # The worker's main process claimed them itself (the in-process claim), no Celery hop.
     assert "INFO/MainProcess] outbox claimed 1 rows" in log.read_text(errors="replace")
 

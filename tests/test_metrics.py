@@ -26,10 +26,10 @@ from outbox.relay import RelayContext, RelayOptions, handle_claim, handle_publis
 from outbox.storage.store import OutboxStore  # noqa: E402
 
 from relay_support import ScriptedPublisher  # noqa: E402
+from wake_support import PYTHON, CountingDestination, Workers, wait_done  # noqa: E402
 
 #: The relay reports through its hooks; the runners install these when metrics are on.
 HOOKS = metrics.PrometheusHooks()
-from test_wake import PYTHON, Destination, Workers, destination, wait_done, workers  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -287,13 +287,13 @@ print(json.dumps(ids))
 """
 
 
-def test_a_prefork_worker_serves_the_sum_over_its_pool(tmp_path: Path, destination: Destination,
+def test_a_prefork_worker_serves_the_sum_over_its_pool(tmp_path: Path, counting_destination: CountingDestination,
                                                        workers: Workers) -> None:
     db = tmp_path / "outbox.db"
     store = OutboxStore(f"sqlite:///{db}")
     store.migrate()
     port = free_port()
-    env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_METRICS_PORT=str(port),
+    env = workers.env(counting_destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_METRICS_PORT=str(port),
                       OUTBOX_RELAY_METRICS_ADDR="127.0.0.1", OUTBOX_RELAY_METRICS_REFRESH_S="0.1",
                       OUTBOX_CLAIM_INTERVAL_S="3600")
     log = workers.start(env, "-c", "2", "--pool", "prefork")
@@ -317,7 +317,7 @@ def test_a_prefork_worker_serves_the_sum_over_its_pool(tmp_path: Path, destinati
     store.close()
 
 
-def test_the_gauges_move_while_no_claim_runs(tmp_path: Path, destination: Destination, workers: Workers) -> None:
+def test_the_gauges_move_while_no_claim_runs(tmp_path: Path, counting_destination: CountingDestination, workers: Workers) -> None:
     """Beat stopped (no beat process, a one-hour tick) and no wake-up: rows wait and no
     claim runs, yet the worker's endpoint shows them waiting, longer at each scrape (the
     gauges used to be read only by claims, so they read 0 here)."""
@@ -325,7 +325,7 @@ def test_the_gauges_move_while_no_claim_runs(tmp_path: Path, destination: Destin
     store = OutboxStore(f"sqlite:///{db}")
     store.migrate()
     port = free_port()
-    env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_METRICS_PORT=str(port),
+    env = workers.env(counting_destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_METRICS_PORT=str(port),
                       OUTBOX_RELAY_METRICS_ADDR="127.0.0.1", OUTBOX_RELAY_METRICS_REFRESH_S="0.2",
                       OUTBOX_CLAIM_INTERVAL_S="3600", OUTBOX_RELAY_WAKE="0",
                       OUTBOX_RELAY_IN_PROCESS_CLAIM="0")  # no wake subscriber, so no claim at start-up

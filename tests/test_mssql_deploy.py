@@ -19,7 +19,7 @@ import pytest
 from sqlglot import exp
 
 from fake_dbapi import RecordingCursor
-from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
+from tsql_support import parse_one
 from outbox.storage.engines.mssql import FILTERED_INDEX_OPTIONS, MIGRATE_LOCK_TIMEOUT_MS, MssqlEngine
 from outbox.transport.tables import queue_tables
 from outbox.transport.tables.mssql import MssqlQueueTables

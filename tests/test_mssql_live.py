@@ -2,16 +2,16 @@
 
 Set ``OUTBOX_TEST_MSSQL_URL`` to a login that may create databases (for example
 ``mssql+pyodbc://sa:Passw0rd!@127.0.0.1:1433/master?driver=ODBC+Driver+18+for+SQL+Server&TrustServerCertificate=yes``;
-where a Docker engine answers, ``tests/conftest.py`` starts a container instead).
+where a Docker engine answers, ``tests/engine_support.py`` starts a container instead).
 Without either, every test here skips, saying why.
 
 The module creates databases of its own, never tempdb:
 
 - ``rcsi`` and ``locking``: READ_COMMITTED_SNAPSHOT ON (Azure SQL's default) and
   OFF. The shared store conformance suite (``tests/test_store_conformance.py``),
-  the racing-claimers test of ``tests/test_concurrency.py`` (which leaves SQL
-  Server out when run on its own) and the SQL Server checks below run in both,
-  through this module's ``url`` fixture, which overrides conftest's.
+  the racing claimers of ``tests/test_concurrency.py`` (``claimers.race_claimers``,
+  which that module runs without SQL Server) and the SQL Server checks below run in both,
+  through this module's ``url`` fixture, which overrides tests/engine_support.py's.
 - ``levels``: its compatibility level is switched between 110, 120 and 130 to
   prove acks, requeues and the migration work without OPENJSON (ISJSON exists at
   every level from SQL Server 2016: issue 20 item 4).
@@ -34,14 +34,14 @@ from typing import Any, Iterator
 import pytest
 
 import test_store_conformance as _conformance
-from conftest import mssql_url
+from claimers import race_claimers
+from engine_support import mssql_url
 from outbox import enqueue
 from outbox.core.errors import EnqueueError
 from outbox.domain.events import prepare_event
 from outbox.storage.engines.mssql import INDEXES, MssqlEngine, parse_target
 from outbox.storage.store import OutboxStore
 from outbox.transport import drop_queue_tables
-from test_concurrency import test_racing_claimers_keep_order_and_never_double_claim as _racing_claimers
 
 #: The store conformance suite, collected here a second time so it runs in this
 #: module's databases (RCSI on and off) with this module's ``url`` and ``kind``.
@@ -623,7 +623,7 @@ def test_every_compatibility_level_from_110(databases: dict[str, str], level: in
 
 @pytest.mark.slow
 def test_racing_claimers_keep_order_and_never_double_claim_on_sql_server(make_store: Any, url: str) -> None:
-    _racing_claimers(make_store, url, "mssql")
+    race_claimers(make_store, url)
 
 
 # -- the claim over a hot aggregate: linear, and its plans pinned (issue 20 item 9) ----------------------

@@ -31,7 +31,7 @@ import sqlglot
 from sqlglot import exp
 
 from fake_dbapi import RecordingConnection, RecordingCursor
-from tsql_support import no_sqlglot_fallbacks, parse_one  # noqa: F401  (a fixture and a helper)
+from tsql_support import parse_one
 from outbox.domain.chains import Candidate, plan_claim
 from outbox.storage.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
 from outbox.storage.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT, INDEXES,

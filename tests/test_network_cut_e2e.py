@@ -24,7 +24,6 @@ import pytest
 from outbox import Status
 
 from relay_e2e_support import Destination, Outbox, Proxy, Writer, Written, check_order, relay_env, wait_until
-from relay_e2e_support import destination, procs_factory  # noqa: F401 - fixtures used by name
 
 #: How long the cut lasts.
 CUT_S = 30.0

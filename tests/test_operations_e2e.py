@@ -19,10 +19,9 @@ import pytest
 
 from outbox import Status
 
-from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
-from relay_e2e_support import (Destination, Outbox, Procs, Proxy, Writer, base_env, celery_queue_keys,  # noqa: F401
-                            check_order, destination, procs_factory, redis_client, relay_env,
-                            relay_queue, require_relay_services, sqlite_outbox, wait_until)
+from services import AMQP_URL, require
+from relay_e2e_support import (Destination, Outbox, Procs, Proxy, Writer, celery_queue_keys, check_order,
+                               redis_client, relay_env, relay_queue, require_relay_services, wait_until)
 
 
 def lines_with(log: str, text: str) -> list[str]:

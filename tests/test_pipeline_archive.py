@@ -14,7 +14,7 @@ import pytest
 
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
 from outbox.storage.store import OutboxStore
-from test_pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed, spark, table_ids, table_rows  # noqa: F401
+from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, invoke, mixed_rows, seed, table_ids, table_rows
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -120,20 +120,6 @@ def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path
     assert Counter(plain_parquet_ids(spark, root)) == Counter({i: 1 for i in old_done})
     assert table_ids(store) == set(ids) - old_done
     assert not list((root / "_staging").glob("*"))
-
-
-def invoke(args: list[str], env: dict[str, str]) -> Any:
-    """Run the ``outbox`` command in-process (on the suite's Spark session) with ``env``."""
-    from click.testing import CliRunner
-
-    from outbox.cli import main
-    from outbox.core.config import reset_settings
-
-    reset_settings()
-    try:
-        return CliRunner().invoke(main, args, env=env)
-    finally:
-        reset_settings()
 
 
 def _cli_env(store: OutboxStore, url: str, **extra: str) -> dict[str, str]:

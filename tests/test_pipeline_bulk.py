@@ -12,7 +12,7 @@ from outbox.domain.events import prepare_event
 from outbox.pipeline import replay
 from outbox.pipeline.replay import BULK_WRITERS, _executemany
 from outbox.storage.store import OutboxStore
-from test_pipeline_support import PIPELINE_ENGINES
+from pipeline_support import PIPELINE_ENGINES
 
 
 @pytest.fixture(params=PIPELINE_ENGINES)

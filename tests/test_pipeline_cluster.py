@@ -24,7 +24,7 @@ import pytest
 from outbox.pipeline.archive import read_archive
 from outbox.storage.store import OutboxStore
 from services import POSTGRES_URL, require
-from test_pipeline_support import DAY_MS, mixed_rows, seed, spark, table_ids  # noqa: F401
+from pipeline_support import DAY_MS, mixed_rows, seed, table_ids
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # JVMs of their own; CI runs them
 

@@ -13,7 +13,7 @@ from outbox.pipeline.common import encode_native
 from outbox.pipeline.fetch import ARROW_FETCH
 from outbox.pipeline.source import OutboxQuery, OutboxReader
 from outbox.storage.store import OutboxStore
-from test_pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
+from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
 
 pa = pytest.importorskip("pyarrow")
 

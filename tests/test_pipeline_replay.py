@@ -14,8 +14,7 @@ import pytest
 from outbox.pipeline.archive import Archiver
 from outbox.pipeline.replay import REPLAY_HEADER, replay_message_id, run_replay
 from outbox.storage.store import OutboxStore
-from test_pipeline_archive import invoke
-from test_pipeline_support import DAY_MS, Row, seed, spark  # noqa: F401
+from pipeline_support import DAY_MS, Row, invoke, seed
 from services import POSTGRES_URL, require
 
 pytestmark = pytest.mark.timeout(600)

@@ -18,7 +18,7 @@ import pytest
 from outbox.pipeline.archive import Archiver
 from outbox.pipeline.report import run_report
 from outbox.storage.store import OutboxStore
-from test_pipeline_support import DAY_MS, Row, mixed_rows, seed, spark  # noqa: F401
+from pipeline_support import DAY_MS, Row, invoke, mixed_rows, seed
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -204,8 +204,6 @@ def test_report_html_renders_in_a_headless_browser(spark: Any, store: OutboxStor
 ])
 def test_report_bad_arguments(spark: Any, store: OutboxStore, url: str, tmp_path: Path, args: list[str],
                               message: str) -> None:
-    from test_pipeline_archive import invoke
-
     seed(store, report_rows()[:3])
     full = ["pipeline", "report", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "r")])
     out = invoke(full, {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
@@ -217,8 +215,6 @@ def test_report_bad_arguments(spark: Any, store: OutboxStore, url: str, tmp_path
 
 @pytest.mark.parametrize("kind", ["sqlite"])
 def test_report_command_line(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
-    from test_pipeline_archive import invoke
-
     seed(store, report_rows())
     out = invoke(["pipeline", "report", "--since", "30d", "--out", str(tmp_path / "r")],
                  {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})

@@ -24,8 +24,8 @@ from outbox.domain.chains import split_chains
 from outbox.storage.store import OutboxStore
 
 from services import AMQP_URL, require
-from test_publisher import amqp_hostport
-from relay_e2e_support import Destination, Outbox, check_order, procs_factory, relay_env, require_relay_services  # noqa: F401
+from publisher_support import amqp_hostport
+from relay_e2e_support import Destination, Outbox, check_order, relay_env, require_relay_services
 
 PIPELINED = RelayOptions(pipelined_topics=("orders.*", "nobody.*"))
 
@@ -70,7 +70,7 @@ def test_bad_pipelined_values_name_the_setting(value: Any) -> None:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def kind(request: pytest.FixtureRequest) -> str:
-    """The store (conftest's ``store`` and ``writer``, a table per test) on these engines."""
+    """The store (engine_support's ``store`` and ``writer``, a table per test) on these engines."""
     return request.param
 
 

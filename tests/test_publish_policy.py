@@ -24,95 +24,94 @@ from outbox.relay import (Breaker, RelayContext, RelayOptions, Settler, apply_fa
 from outbox.storage.store import OutboxStore
 
 from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, status_of
-from relay_support import conn, store  # noqa: F401 - fixtures used by name
 
 
 # -- publishing a chain ------------------------------------------------------------------------
 
-def test_published_chain_is_done(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_published_chain_is_done(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 3)
     publisher = ScriptedPublisher()
-    [chain] = claim_chains(store)
-    outcome = handle_chain(RelayContext(store, publisher), chain)
+    [chain] = claim_chains(sqlite_store)
+    outcome = handle_chain(RelayContext(sqlite_store, publisher), chain)
     assert outcome.published == ids and outcome.failed_id is None
     assert [m.id for m in publisher.sent] == ids
-    assert all(status_of(store)[i] == Status.DONE for i in ids)
+    assert all(status_of(sqlite_store)[i] == Status.DONE for i in ids)
 
 
 def test_a_publish_task_delivered_again_skips_chains_its_lease_no_longer_holds(
-        store: OutboxStore, conn: sqlite3.Connection) -> None:
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     """The first run released chain a (a warm shutdown) and published chain b; a new
     claim now holds a. The second delivery must publish neither."""
     a, b, c = add(conn, "a", 2), add(conn, "b", 2), add(conn, "c", 2)
-    chains = claim_chains(store)
+    chains = claim_chains(sqlite_store)
     by_aggregate = {chain[0].aggregate_id: chain for chain in chains}
     lease = chains[0][0].lease
-    store.release(a, lease)
-    store.mark_done(b, lease)
-    reclaimed = store.claim(100)
+    sqlite_store.release(a, lease)
+    sqlite_store.mark_done(b, lease)
+    reclaimed = sqlite_store.claim(100)
     assert sorted(m.id for m in reclaimed.messages) == a
-    assert still_held(store, chains) == [by_aggregate["c"]]
-    assert store.held(a + b + c, lease) == set(c)
-    assert store.held(a, reclaimed.lease) == set(a)
+    assert still_held(sqlite_store, chains) == [by_aggregate["c"]]
+    assert sqlite_store.held(a + b + c, lease) == set(c)
+    assert sqlite_store.held(a, reclaimed.lease) == set(a)
 
 
-def test_retriable_failure_acks_prefix_fails_k_and_releases_the_rest(store: OutboxStore,
+def test_retriable_failure_acks_prefix_fails_k_and_releases_the_rest(sqlite_store: OutboxStore,
                                                                    conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 4)
     publisher = ScriptedPublisher({ids[1]: FailureKind.RETRIABLE})
-    [chain] = claim_chains(store)
+    [chain] = claim_chains(sqlite_store)
     options = RelayOptions(backoff_base_s=10, backoff_max_s=100)
-    outcome = handle_chain(RelayContext(store, publisher, options=options, rng=lambda: 1.0), chain)
+    outcome = handle_chain(RelayContext(sqlite_store, publisher, options=options, rng=lambda: 1.0), chain)
     assert outcome.published == ids[:1] and outcome.failed_id == ids[1] and outcome.kind == "retriable"
-    state = rows(store)
+    state = rows(sqlite_store)
     assert state[ids[0]]["status"] == Status.DONE
     assert (state[ids[1]]["status"], state[ids[1]]["attempts"]) == (Status.FAILED, 1)
     assert "retriable" in state[ids[1]]["last_error"] and state[ids[1]]["next_retry_at"] is not None
     assert [(state[i]["status"], state[i]["attempts"]) for i in ids[2:]] == [(Status.PENDING, 0)] * 2
     # The aggregate waits for the failed event: nothing is claimable until its retry is due.
-    assert store.claim(100).messages == []
+    assert sqlite_store.claim(100).messages == []
 
 
-def test_retry_time_follows_the_back_off(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_retry_time_follows_the_back_off(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 1)
     publisher = ScriptedPublisher({ids[0]: FailureKind.RETRIABLE})
-    [chain] = claim_chains(store)
-    handle_chain(RelayContext(store, publisher, options=RelayOptions(backoff_base_s=0.2, backoff_max_s=0.2)), chain)
-    assert store.claim(100).messages == []
+    [chain] = claim_chains(sqlite_store)
+    handle_chain(RelayContext(sqlite_store, publisher, options=RelayOptions(backoff_base_s=0.2, backoff_max_s=0.2)), chain)
+    assert sqlite_store.claim(100).messages == []
     time.sleep(0.25)
-    [again] = store.claim(100).messages
+    [again] = sqlite_store.claim(100).messages
     assert again.id == ids[0] and again.attempt == 2
 
 
-def test_poison_goes_dead_at_once_and_the_aggregate_moves_on(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_poison_goes_dead_at_once_and_the_aggregate_moves_on(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 3)
     publisher = ScriptedPublisher({ids[1]: FailureKind.POISON})
-    [chain] = claim_chains(store)
-    outcome = handle_chain(RelayContext(store, publisher), chain)
+    [chain] = claim_chains(sqlite_store)
+    outcome = handle_chain(RelayContext(sqlite_store, publisher), chain)
     assert outcome.dead and outcome.kind == "poison"
-    state = rows(store)
+    state = rows(sqlite_store)
     assert (state[ids[0]]["status"], state[ids[1]]["status"], state[ids[2]]["status"]) == (
         Status.DONE, Status.DEAD, Status.PENDING)
     assert state[ids[2]]["attempts"] == 0
     assert [(m.id, "poison" in err) for m, err in publisher.dead] == [(ids[1], True)]
-    [rest] = claim_chains(store)
+    [rest] = claim_chains(sqlite_store)
     assert [m.id for m in rest] == ids[2:]
 
 
-def test_last_retriable_attempt_goes_dead_and_is_dead_lettered(store: OutboxStore,
+def test_last_retriable_attempt_goes_dead_and_is_dead_lettered(sqlite_store: OutboxStore,
                                                                 conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 2)
     publisher = ScriptedPublisher({ids[0]: FailureKind.RETRIABLE}, sticky=True)
     options = RelayOptions(backoff_base_s=0.01, backoff_max_s=0.01)
     for attempt in range(1, 4):
         time.sleep(0.05)
-        [chain] = claim_chains(store)
+        [chain] = claim_chains(sqlite_store)
         assert chain[0].id == ids[0] and chain[0].attempt == attempt
-        outcome = handle_chain(RelayContext(store, publisher, options=options), chain)
+        outcome = handle_chain(RelayContext(sqlite_store, publisher, options=options), chain)
     assert outcome.dead  # max_attempts=3
-    assert status_of(store)[ids[0]] == Status.DEAD
+    assert status_of(sqlite_store)[ids[0]] == Status.DEAD
     assert [m.id for m, _ in publisher.dead] == [ids[0]]
-    [rest] = claim_chains(store)
+    [rest] = claim_chains(sqlite_store)
     assert [m.id for m in rest] == ids[1:]
 
 
@@ -176,69 +175,69 @@ def test_a_claim_of_only_dead_rows_still_dead_letters_them_best_effort(tmp_path:
         store.close()
 
 
-def test_backpressure_releases_without_attempt_and_opens_the_breaker(store: OutboxStore,
+def test_backpressure_releases_without_attempt_and_opens_the_breaker(sqlite_store: OutboxStore,
                                                                       conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 3)
     other = add(conn, "b", 1)
     publisher = ScriptedPublisher({ids[1]: FailureKind.BACKPRESSURE})
     breaker = Breaker()
-    chains = claim_chains(store)
-    outcome = handle_chain(RelayContext(store, publisher, options=RelayOptions(breaker_s=30), breaker=breaker),
+    chains = claim_chains(sqlite_store)
+    outcome = handle_chain(RelayContext(sqlite_store, publisher, options=RelayOptions(breaker_s=30), breaker=breaker),
                            chains[0])
     assert outcome.kind == "backpressure" and outcome.released == ids[1:]
-    state = rows(store)
+    state = rows(sqlite_store)
     assert state[ids[0]]["status"] == Status.DONE
     assert [(state[i]["status"], state[i]["attempts"]) for i in ids[1:]] == [(Status.PENDING, 0)] * 2
     assert state[ids[1]]["next_retry_at"] is not None  # they wait out the pause
     assert breaker.open_for() > 29 and breaker.reason.startswith("backpressure")
     # Chains already in hand are not even tried while it is open: released, no attempt.
-    skipped = handle_chain(RelayContext(store, publisher, breaker=breaker), chains[1])
-    assert skipped.skipped and status_of(store)[other[0]] == Status.PENDING
+    skipped = handle_chain(RelayContext(sqlite_store, publisher, breaker=breaker), chains[1])
+    assert skipped.skipped and status_of(sqlite_store)[other[0]] == Status.PENDING
     assert [m.id for m in publisher.sent] == ids[:1]
     # And claims stop.
-    assert handle_claim(RelayContext(store, breaker=breaker), Collect(), batch_size=100, lease_s=60).paused > 0
+    assert handle_claim(RelayContext(sqlite_store, breaker=breaker), Collect(), batch_size=100, lease_s=60).paused > 0
 
 
-def test_fatal_stops_claims_for_long_with_a_clear_message(store: OutboxStore, conn: sqlite3.Connection,
+def test_fatal_stops_claims_for_long_with_a_clear_message(sqlite_store: OutboxStore, conn: sqlite3.Connection,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     ids = add(conn, "a", 2)
     publisher = ScriptedPublisher({ids[0]: FailureKind.FATAL})
     breaker = Breaker()
-    [chain] = claim_chains(store)
+    [chain] = claim_chains(sqlite_store)
     with caplog.at_level(logging.CRITICAL, logger="outbox.relay"):
-        outcome = handle_chain(RelayContext(store, publisher, options=RelayOptions(fatal_pause_s=300), breaker=breaker),
+        outcome = handle_chain(RelayContext(sqlite_store, publisher, options=RelayOptions(fatal_pause_s=300), breaker=breaker),
                                chain)
     assert outcome.kind == "fatal"
     assert breaker.open_for() > 290 and breaker.reason.startswith("fatal")
     assert any("FATAL" in r.getMessage() and f"outbox_id={ids[0]}" in r.getMessage() for r in caplog.records)
-    assert [(r["status"], r["attempts"]) for r in rows(store).values()] == [(Status.PENDING, 0)] * 2
+    assert [(r["status"], r["attempts"]) for r in rows(sqlite_store).values()] == [(Status.PENDING, 0)] * 2
     # A later back-pressure trip never shortens the fatal pause.
     breaker.trip(1, "backpressure: short")
     assert breaker.open_for() > 290 and breaker.reason.startswith("fatal")
 
 
-def test_a_publisher_that_raises_counts_against_the_head(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_a_publisher_that_raises_counts_against_the_head(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 2)
-    [chain] = claim_chains(store)
-    outcome = handle_chain(RelayContext(store, ScriptedPublisher(raises=RuntimeError("boom"))), chain)
+    [chain] = claim_chains(sqlite_store)
+    outcome = handle_chain(RelayContext(sqlite_store, ScriptedPublisher(raises=RuntimeError("boom"))), chain)
     assert outcome.failed_id == ids[0] and outcome.kind == "retriable"
-    state = rows(store)
+    state = rows(sqlite_store)
     assert (state[ids[0]]["status"], state[ids[0]]["attempts"]) == (Status.FAILED, 1)
     assert "boom" in state[ids[0]]["last_error"]
     assert state[ids[1]]["status"] == Status.PENDING
 
 
-def test_only_a_true_prefix_is_acked(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_only_a_true_prefix_is_acked(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 3)
 
     class Liar(ScriptedPublisher):
         def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
             return ChainResult((messages[0].id, messages[2].id))  # skips the second: not a prefix
 
-    [chain] = claim_chains(store)
-    outcome = handle_chain(RelayContext(store, Liar()), chain)
+    [chain] = claim_chains(sqlite_store)
+    outcome = handle_chain(RelayContext(sqlite_store, Liar()), chain)
     assert outcome.published == ids[:1]
-    assert [status_of(store)[i] for i in ids] == [Status.DONE, Status.PENDING, Status.PENDING]
+    assert [status_of(sqlite_store)[i] for i in ids] == [Status.DONE, Status.PENDING, Status.PENDING]
 
 
 def test_late_acks_are_fenced_by_the_lease(tmp_path: Path, conn: sqlite3.Connection) -> None:
@@ -260,14 +259,14 @@ def test_late_acks_are_fenced_by_the_lease(tmp_path: Path, conn: sqlite3.Connect
     short.close()
 
 
-def test_publish_task_past_its_deadline_leaves_rows_to_the_lease(store: OutboxStore,
+def test_publish_task_past_its_deadline_leaves_rows_to_the_lease(sqlite_store: OutboxStore,
                                                                   conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 2)
     publisher = ScriptedPublisher()
-    chains = claim_chains(store)
-    outcomes = handle_publish(RelayContext(store, publisher), chains, deadline=time.time() - 1)
+    chains = claim_chains(sqlite_store)
+    outcomes = handle_publish(RelayContext(sqlite_store, publisher), chains, deadline=time.time() - 1)
     assert outcomes[0].skipped and publisher.sent == []
-    assert [status_of(store)[i] for i in ids] == [Status.CLAIMED] * 2
+    assert [status_of(sqlite_store)[i] for i in ids] == [Status.CLAIMED] * 2
 
 
 class CountingStore:
@@ -285,28 +284,28 @@ class CountingStore:
         return getattr(self.store, name)
 
 
-def test_a_publish_task_marks_its_published_prefixes_done_in_one_write(store: OutboxStore,
+def test_a_publish_task_marks_its_published_prefixes_done_in_one_write(sqlite_store: OutboxStore,
                                                                        conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 3)
     b = add(conn, "b", 2)
     c = add(conn, "c", 1)
-    chains = claim_chains(store)
-    counting = CountingStore(store)
+    chains = claim_chains(sqlite_store)
+    counting = CountingStore(sqlite_store)
     publisher = ScriptedPublisher({a[1]: FailureKind.RETRIABLE})
     outcomes = handle_publish(RelayContext(counting, publisher), chains, deadline=time.time() + 60)
     assert counting.done_calls == [[a[0]] + b + c]  # one write for the whole task
     assert [o.published for o in outcomes] == [[a[0]], b, c]
     assert outcomes[0].failed_id == a[1] and outcomes[0].released == [a[2]]
-    states = status_of(store)
+    states = status_of(sqlite_store)
     assert [states[i] for i in a] == [Status.DONE, Status.FAILED, Status.PENDING]
     assert all(states[i] == Status.DONE for i in b + c)
 
 
 # -- store writes that fail go to the ack queue's tasks ----------------------------------------
 
-def test_failed_store_writes_are_handed_to_the_fallback(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_failed_store_writes_are_handed_to_the_fallback(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 3)
-    [chain] = claim_chains(store)
+    [chain] = claim_chains(sqlite_store)
 
     class DownStore:
         def __getattr__(self, name: str) -> Any:
@@ -317,13 +316,13 @@ def test_failed_store_writes_are_handed_to_the_fallback(store: OutboxStore, conn
     handed: list[tuple[str, dict[str, Any]]] = []
     settler = Settler(DownStore(), lambda op, kwargs: handed.append((op, json.loads(json.dumps(kwargs)))))
     publisher = ScriptedPublisher({ids[1]: FailureKind.POISON})
-    handle_chain(RelayContext(store, publisher, settler=settler), chain)
+    handle_chain(RelayContext(sqlite_store, publisher, settler=settler), chain)
     assert [op for op, _ in handed] == ["done", "failed", "release"]
     assert publisher.dead == []  # dead-lettering waits until the row really is dead
     # The fallback tasks apply them later, on the real store (JSON round trip included).
     for op, kwargs in handed:
-        apply_fallback(store, publisher, op, kwargs)
-    assert [status_of(store)[i] for i in ids] == [Status.DONE, Status.DEAD, Status.PENDING]
+        apply_fallback(sqlite_store, publisher, op, kwargs)
+    assert [status_of(sqlite_store)[i] for i in ids] == [Status.DONE, Status.DEAD, Status.PENDING]
     assert [m.id for m, _ in publisher.dead] == [ids[1]]
 
 

@@ -19,7 +19,6 @@ from kombu import Connection, Exchange, Queue
 from kombu.exceptions import OperationalError
 
 from outbox.core.config import load_settings
-from outbox.core.model import OutboxMessage
 from outbox.publisher import (
     checked_headers,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -32,22 +31,10 @@ from outbox.publisher import (
     failure_from,
     poison_check,
 )
+from publisher_support import amqp_hostport, make_message, raw_body
 from services import AMQP_URL, require
 
 REDIS_PUBLISH_URL = os.environ.get("OUTBOX_TEST_PUBLISH_REDIS_URL", "redis://127.0.0.1:6379/15")
-CREATED = datetime(2024, 5, 1, 12, 30, 45, 123000, tzinfo=timezone.utc)
-
-
-def make_message(id: int, topic: str = "orders.created", *, aggregate_id: str = "42", payload: str | None = None,
-                 headers: dict[str, Any] | None = None, trace_id: str | None = None, attempts: int = 0,
-                 partition_key: str | None = None, created_at: datetime = CREATED) -> OutboxMessage:
-    return OutboxMessage(
-        id=id, message_id=f"msg-{id}-{uuid.uuid4().hex[:6]}", topic=topic, aggregate_type="order",
-        aggregate_id=aggregate_id, partition_key=partition_key,
-        payload=payload if payload is not None else json.dumps({"orderId": aggregate_id, "seq": id}),
-        headers=headers or {}, trace_id=trace_id, attempts=attempts, created_at=created_at, lease="lease-1")
-
-
 # -- headers -------------------------------------------------------------------------------
 
 def test_headers_carry_the_contract_fields() -> None:
@@ -229,17 +216,6 @@ def test_constructor_validation() -> None:
 
 
 # -- RabbitMQ -------------------------------------------------------------------------------
-
-def raw_body(message: Any) -> bytes:
-    """The bytes on the wire: py-amqp decodes bodies that declare a content_encoding."""
-    body = message.body
-    return body if isinstance(body, bytes) else body.encode(message.content_encoding)
-
-
-def amqp_hostport() -> tuple[str, int]:
-    parts = urlsplit(AMQP_URL)
-    return parts.hostname or "127.0.0.1", parts.port or 5672
-
 
 @pytest.fixture
 def rabbit() -> Iterator[dict[str, Any]]:

@@ -18,8 +18,7 @@ from outbox.publisher import KombuPublisher, build_headers, encode_body
 from outbox.publisher.frames import PublishFrames
 
 from services import AMQP_URL
-from test_bad_events_publish import broker  # noqa: F401  (the fixture: an exchange and a dead-letter one)
-from test_publisher import make_message, raw_body
+from publisher_support import make_message, raw_body
 
 UNICODE_HEADERS = {"tenant": "acmé ✓", "名前": "値", "x-emoji": "🚀"}
 EVERY_VALUE = {"s": "v", "i": 7, "neg": -2147483647, "min32": -2147483648, "big": 2**40, "yes": True, "no": False,

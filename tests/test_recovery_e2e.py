@@ -28,13 +28,6 @@ from relay_e2e_support import (
     relay_queues,
     wait_until,
 )
-from relay_e2e_support import (  # noqa: F401 - fixtures used by name
-    destination,
-    outbox,
-    procs_factory,
-    runner,
-    sqlite_outbox,
-)
 
 
 # -- a worker killed, a claim lost -------------------------------------------------------------

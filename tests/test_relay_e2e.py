@@ -19,14 +19,6 @@ from typing import Any
 from outbox import Status
 
 from relay_e2e_support import Destination, Outbox, Writer, base_env, check_contract, check_order, relay_env, wait_until
-from relay_e2e_support import (  # noqa: F401 - fixtures used by name
-    dead_letter_destination,
-    destination,
-    outbox,
-    procs_factory,
-    runner,
-    sqlite_outbox,
-)
 
 
 def test_worker_and_beat_relay_every_event_in_order(tmp_path: Path, destination: Destination, outbox: Outbox, runner: Any,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine_support import statuses
+
 from outbox import Status
 from outbox.domain.events import prepare_event
 from outbox.storage.store import OutboxStore
@@ -46,12 +48,6 @@ def spy(store: OutboxStore) -> list[tuple[str, int]]:
     store._run = counting_run  # type: ignore[method-assign]
     store.engine.execute = counting_execute  # type: ignore[method-assign]
     return seen
-
-
-def statuses(store: OutboxStore) -> dict[int, int]:
-    with store.transaction() as cursor:
-        rows = store.engine.execute(cursor, f"SELECT id, status FROM {store.engine.table}").fetchall()
-    return {int(r[0]): int(r[1]) for r in rows}
 
 
 def test_requeue_all_runs_in_chunks_and_keeps_the_report(store: OutboxStore) -> None:

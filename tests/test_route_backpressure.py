@@ -21,9 +21,8 @@ from outbox.publisher import (ChainResult, FailureKind, KombuPublisher, Pipeline
 from outbox.relay import Breaker, FileState, Outage, RedisState, RelayContext, RelayOptions, RouteGate, handle_publish
 from outbox.storage.store import OutboxStore
 
-from relay_support import conn, store  # noqa: F401 - fixtures used by name
+from publisher_support import make_message
 from services import AMQP_URL, REDIS_URL, require
-
 
 
 def add(conn: sqlite3.Connection, aggregate: str, topics: Sequence[str]) -> list[int]:
@@ -69,7 +68,7 @@ class RefusingPublisher(Publisher):
         pass
 
 
-def test_a_refused_route_pauses_alone_without_attempts_or_breaker(store: OutboxStore, conn: sqlite3.Connection,
+def test_a_refused_route_pauses_alone_without_attempts_or_breaker(sqlite_store: OutboxStore, conn: sqlite3.Connection,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     a = add(conn, "a", ["orders.a", "orders.a"])
     b = add(conn, "b", ["orders.b", "orders.b"])
@@ -78,11 +77,11 @@ def test_a_refused_route_pauses_alone_without_attempts_or_breaker(store: OutboxS
     breaker, routes = Breaker(), RouteGate()
     options = RelayOptions(route_pause_s=20, route_pause_max_s=60)
     with caplog.at_level(logging.DEBUG, logger="outbox.relay"):
-        outcomes = handle_publish(RelayContext(store, publisher, options=options, breaker=breaker, routes=routes),
-                                  split_chains(store.claim(100).messages))
+        outcomes = handle_publish(RelayContext(sqlite_store, publisher, options=options, breaker=breaker, routes=routes),
+                                  split_chains(sqlite_store.claim(100).messages))
     assert breaker.open_for() == 0  # claims go on
     assert 19 < routes.paused("orders.a") <= 20 and routes.paused("orders.b") == 0
-    state = rows(store)
+    state = rows(sqlite_store)
     assert [state[i][0] for i in b] == [Status.DONE] * 2
     assert state[mixed[0]][0] == Status.DONE  # the prefix before the refused route went
     for i in a + mixed[1:]:
@@ -97,9 +96,9 @@ def test_a_refused_route_pauses_alone_without_attempts_or_breaker(store: OutboxS
         conn.execute(f"UPDATE outbox SET next_retry_at = NULL")
     more_b = add(conn, "b2", ["orders.b"])
     publisher.full.clear()
-    handle_publish(RelayContext(store, publisher, options=options, breaker=breaker, routes=routes),
-                   split_chains(store.claim(100).messages))
-    state = rows(store)
+    handle_publish(RelayContext(sqlite_store, publisher, options=options, breaker=breaker, routes=routes),
+                   split_chains(sqlite_store.claim(100).messages))
+    state = rows(sqlite_store)
     assert state[more_b[0]][0] == Status.DONE
     assert all(state[i] == (Status.PENDING, 0, True) for i in a + mixed[1:])
     assert not set(a) & set(publisher.sent)
@@ -168,8 +167,6 @@ def test_an_outage_is_announced_by_one_worker_through_redis(caplog: pytest.LogCa
 def test_unknown_publish_transport_is_fatal_not_retriable() -> None:
     """kombu raises KeyError for a scheme it does not know: a configuration error, which
     stops claims (FATAL) instead of spending every event's attempts."""
-    from test_publisher import make_message
-
     with KombuPublisher("amqpx://guest:Secr3tPass@127.0.0.1//", "ex") as publisher:
         result = publisher.publish_chain([make_message(1)])
     assert result.failure is not None and result.failure.kind is FailureKind.FATAL
@@ -180,8 +177,6 @@ def test_unknown_publish_transport_is_fatal_not_retriable() -> None:
 
 def test_rabbitmq_a_full_queue_stops_only_the_chains_of_its_route() -> None:
     from kombu import Connection, Exchange, Queue
-
-    from test_publisher import make_message
 
     require("RabbitMQ", "127.0.0.1", 5672)
     name = f"outbox-test-{uuid.uuid4().hex[:10]}"
@@ -219,8 +214,6 @@ def test_rabbitmq_a_full_queue_stops_only_the_chains_of_its_route() -> None:
 def test_a_connection_failure_is_broker_wide(tmp_path: Path) -> None:
     """Nothing listens on the port: back-pressure of the whole broker (no route), which
     the relay answers with the breaker."""
-    from test_publisher import make_message
-
     with KombuPublisher("amqp://guest:guest@127.0.0.1:1//", "ex", connect_timeout=0.5, connect_retries=0) as p:
         result = p.publish_chain([make_message(1)])
     assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE

@@ -9,33 +9,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from engine_support import add, row, statuses
 
 from outbox import EnqueueError, Status, enqueue
 from outbox.storage.store import OutboxStore
-
-
-def add(writer: Any, store: OutboxStore, aggregate: str, count: int = 1, commit: bool = True,
-        **kw: Any) -> list[int]:
-    ids = [enqueue(writer, topic=kw.pop("topic", "orders.created") if i == 0 else "orders.created",
-                   aggregate_type="order", aggregate_id=aggregate, payload=kw.get("payload", {"n": i}),
-                   message_id=kw.get("message_id"), headers=kw.get("headers"), key=kw.get("key"),
-                   table=store.engine.table_name)
-           for i in range(count)]
-    if commit:
-        writer.commit()
-    return ids
-
-
-def statuses(store: OutboxStore) -> dict[int, int]:
-    with store.transaction() as cursor:
-        rows = store.engine.execute(cursor, f"SELECT id, status FROM {store.engine.table}").fetchall()
-    return {int(r[0]): int(r[1]) for r in rows}
-
-
-def row(store: OutboxStore, id: int, columns: str) -> tuple:
-    with store.transaction() as cursor:
-        return tuple(store.engine.execute(
-            cursor, f"SELECT {columns} FROM {store.engine.table} WHERE id = ?", [id]).fetchone())
 
 
 def claimed_ids(store: OutboxStore, batch: int = 100) -> list[int]:

@@ -18,7 +18,7 @@ from outbox.relay import still_held
 from outbox.relay.holders import Heartbeat, new_holder
 from outbox.storage.store import OutboxStore
 
-from test_store_conformance import add, row, statuses
+from engine_support import add, row, statuses
 
 SILENT_MS = 300  # a holder timeout short enough to wait out in a test
 

@@ -23,7 +23,6 @@ from outbox import Status
 
 from relay_e2e_support import (Destination, Outbox, Proxy, Writer, check_order, longest_stand_still, relay_env,
                                require_relay_services, wait_until)
-from relay_e2e_support import destination, procs_factory  # noqa: F401 - fixtures used by name
 from runners import CELERY, DRAMATIQ
 
 #: A generous bound on any aggregate's stand-still after the kill: the lease is 60 s, the

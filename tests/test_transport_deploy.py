@@ -23,7 +23,7 @@ from kombu import Connection
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
-from conftest import engine_url
+from engine_support import engine_url
 from outbox.storage.engines import engine_for_url
 from outbox.transport.tables import queue_tables
 from outbox.core.errors import BrokerDatabaseUnavailable
@@ -177,7 +177,7 @@ def test_a_worker_survives_its_broker_database_going_away(kind: str, tmp_path: P
     from urllib.parse import urlsplit, urlunsplit
 
     from relay_e2e_support import Proxy, wait_until
-    from test_transport_celery import TaskApp
+    from transport_support import TaskApp
 
     app = TaskApp(kind, tmp_path)
     direct = urlsplit(app.db_url)

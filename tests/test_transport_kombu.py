@@ -21,7 +21,7 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
-from conftest import engine_url
+from engine_support import engine_url
 from outbox.storage.engines import engine_for_url
 from outbox.core.errors import ConfigError
 from outbox.transport import drop_queue_tables

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import engine_url
+from engine_support import engine_url
 from services import REDIS_URL, REQUIRE, require
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from conftest import engine_url
+from engine_support import engine_url
 from outbox.storage.engines import engine_for_url
 from outbox.transport.tables import queue_tables
 from outbox.transport.tables.base import QueueTables

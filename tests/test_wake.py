@@ -13,14 +13,9 @@ only a wake-up (or a notification) can make them claim.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sqlite3
 import subprocess
-import sys
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,30 +24,17 @@ import pytest
 import outbox
 import outbox.wake as wake
 from outbox import enqueue
-from outbox.core.config import load_settings, reset_settings
+from outbox.core.config import reset_settings
 from outbox.core.names import default_namespace
 from outbox.relay.waker import Throttle, token_for
 from outbox.storage.store import OutboxStore
 
-from services import AMQP_URL, REDIS_URL, require
-
-PYTHON = sys.executable
-CELERY = str(Path(sys.executable).parent / "celery")
+from services import REDIS_URL, require
+from wake_support import (PYTHON, CountingDestination, Workers, clean_env, drop_redis_keys, event, pythonpath,
+                          redis_prefix, wait_done)
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-def clean_env(**settings: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OUTBOX_", "CELERY_", "PROMETHEUS_")) or k.startswith("OUTBOX_TEST_")}
-    env.update({"PYTHONUNBUFFERED": "1"}, **settings)
-    return env
-
-
-def pythonpath(*dirs: Path | str) -> str:
-    """``dirs`` first, then this interpreter's PYTHONPATH (the sources under test)."""
-    return os.pathsep.join([*map(str, dirs), *filter(None, [os.environ.get("PYTHONPATH")])])
-
 
 def run_python(code: str, cwd: Path, *args: str, timeout: float = 120, **settings: str) -> Any:
     """Run ``code`` in a fresh interpreter; return the JSON it printed last."""
@@ -97,10 +79,6 @@ def recorder(sqlite_db: Path, monkeypatch: pytest.MonkeyPatch) -> Recorder:
     r = Recorder(sqlite_db)
     monkeypatch.setattr(wake, "request_claim", r)
     return r
-
-
-def event(n: int = 0, aggregate: str = "a") -> dict[str, Any]:
-    return {"topic": "orders.changed", "aggregate_type": "order", "aggregate_id": aggregate, "payload": {"n": n}}
 
 
 # -- outbox.transaction on a DB-API connection ----------------------------------------------------
@@ -288,22 +266,6 @@ print(json.dumps(out))
 def token_of(prefix: str, database_url: str, table: str = "outbox") -> str:
     """The claim-request token of the outbox ``table`` of ``database_url`` under Celery key ``prefix``."""
     return token_for(REDIS_URL, prefix, default_namespace(database_url, table))
-
-
-def redis_prefix(tmp_path: Path) -> str:
-    prefix = f"outbox-wake-test-{uuid.uuid4().hex[:10]}:"
-    (tmp_path / "wakeconf.py").write_text(f"broker_transport_options = {{'global_keyprefix': {prefix!r}}}\n")
-    return prefix
-
-
-def drop_redis_keys(prefix: str, *keys: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
-    for key in client.scan_iter(match=f"{prefix}*"):
-        client.delete(key)
-    for key in keys:
-        client.delete(key)
 
 
 def test_django_wake_sends_one_claim_per_burst_on_redis(tmp_path: Path) -> None:
@@ -510,111 +472,6 @@ print(json.dumps({"first": first, "second": second, "took": took, "runs": w._han
 
 # -- real workers, no beat: only a wake-up or a notification makes them claim -------------------------
 
-class Destination:
-    """A unique topic exchange on RabbitMQ with one queue bound to '#'."""
-
-    def __init__(self) -> None:
-        from kombu import Connection, Exchange, Queue
-
-        tag = uuid.uuid4().hex[:10]
-        self.exchange_name = f"outbox-wake-{tag}"
-        self.conn = Connection(AMQP_URL, connect_timeout=5)
-        self.channel = self.conn.channel()
-        self.exchange = Exchange(self.exchange_name, type="topic", durable=True)
-        self.queue = Queue(f"outbox-wake-q-{tag}", self.exchange, routing_key="#", durable=False)
-        self.exchange(self.channel).declare()
-        self.queue(self.channel).declare()
-
-    def count(self) -> int:
-        return int(self.queue(self.channel).queue_declare(passive=True).message_count)
-
-    def close(self) -> None:
-        try:
-            self.queue(self.channel).delete()
-            self.exchange(self.channel).delete()
-        finally:
-            self.conn.release()
-
-
-@pytest.fixture
-def destination() -> Iterator[Destination]:
-    require("RabbitMQ", "127.0.0.1", 5672)
-    require("Redis", "127.0.0.1", 6379)
-    d = Destination()
-    yield d
-    d.close()
-
-
-class Workers:
-    """``celery -A outbox worker`` processes of one test, killed (with their pools) at the end."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
-        self.prefix = redis_prefix(tmp_path)
-        self.envs: list[dict[str, str]] = []
-
-    def env(self, destination: Destination, **settings: str) -> dict[str, str]:
-        return clean_env(OUTBOX_PUBLISH_URL=AMQP_URL, OUTBOX_EXCHANGE=destination.exchange_name,
-                         OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="wakeconf",
-                         PYTHONPATH=pythonpath(self.tmp_path), **settings)
-
-    def start(self, env: dict[str, str], *args: str) -> Path:
-        log = self.tmp_path / f"worker-{len(self.procs)}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([CELERY, "-A", "outbox", "worker", "--loglevel=INFO", "--without-mingle",
-                                     "--without-gossip", "--without-heartbeat", "-n",
-                                     f"wake-{uuid.uuid4().hex[:6]}@%h", *args],
-                                    cwd=self.tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self.procs.append((proc, log))
-        self.envs.append(env)
-        deadline = time.monotonic() + 60
-        while " ready." not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
-            assert time.monotonic() < deadline, "worker not ready:\n" + log.read_text(errors="replace")[-4000:]
-            time.sleep(0.1)
-        return log
-
-    def stop(self) -> None:
-        for proc, _ in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc, _ in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=5)
-        namespaces = {load_settings(environ=env).outbox_namespace for env in self.envs}
-        drop_redis_keys(self.prefix, *{token_for(REDIS_URL, self.prefix, ns) for ns in namespaces})
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    w = Workers(tmp_path)
-    yield w
-    w.stop()
-
-
-def wait_done(store: OutboxStore, ids: list[int], timeout: float) -> float:
-    """Seconds until every row in ``ids`` is done (or ``timeout`` has passed)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        with store.transaction() as cursor:
-            cond, params = store.engine.ids_in(ids)
-            done = store.engine.execute(
-                cursor, f"SELECT COUNT(*) FROM {store.engine.table} WHERE status = 2 AND {cond}", params).fetchone()[0]
-        if int(done) == len(ids):
-            return time.monotonic() - start
-        time.sleep(0.02)
-    return float("inf")
-
-
 WRITER_SCRIPT = r"""
 import json, socket, sqlite3, sys, threading, time
 
@@ -677,7 +534,7 @@ print(json.dumps({"rounds": rounds, "burst": wait(burst), "count": 15, "caller_i
 
 
 @pytest.mark.parametrize("in_process", ["1", "0"], ids=["subscribed", "claim-message"])
-def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, destination: Destination,
+def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, counting_destination: CountingDestination,
                                                             workers: Workers, in_process: str) -> None:
     """No beat and a 30 s token TTL: each commit can only be relayed promptly if its wake
     reaches the worker: through the wake channel its main process subscribes to, or (in-process
@@ -686,7 +543,7 @@ def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, dest
     db = tmp_path / "outbox.db"
     store = OutboxStore(f"sqlite:///{db}")
     store.migrate()
-    env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30",
+    env = workers.env(counting_destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30",
                       OUTBOX_CLAIM_INTERVAL_S="3600", OUTBOX_RELAY_IN_PROCESS_CLAIM=in_process)
     workers.start(env, "-c", "2")
     done = subprocess.run([PYTHON, "-c", WRITER_SCRIPT, str(db)], cwd=tmp_path, env=env, capture_output=True,
@@ -698,9 +555,9 @@ def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, dest
     assert out["burst"] is not None and out["burst"] < 5, out
     assert out["caller_io"] == 0 and out["wake_thread_io"] > 0, out  # the caller only handed the wake off
     deadline = time.monotonic() + 10
-    while destination.count() < out["count"] and time.monotonic() < deadline:
+    while counting_destination.count() < out["count"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert destination.count() == out["count"]
+    assert counting_destination.count() == out["count"]
     store.close()
 
 
@@ -718,7 +575,7 @@ print(outbox_id)
 
 
 @pytest.mark.parametrize("in_process", ["1", "0"], ids=["subscribed", "claim-message"])
-def test_a_script_that_exits_right_after_its_commit_still_wakes_the_relay(tmp_path: Path, destination: Destination,
+def test_a_script_that_exits_right_after_its_commit_still_wakes_the_relay(tmp_path: Path, counting_destination: CountingDestination,
                                                                            workers: Workers, in_process: str) -> None:
     """The wake of a process that ends at once is sent by the at-exit flush, while the
     interpreter is shutting down. The wake thread must then do no first-time work that
@@ -729,7 +586,7 @@ def test_a_script_that_exits_right_after_its_commit_still_wakes_the_relay(tmp_pa
     db = tmp_path / "outbox.db"
     store = OutboxStore(f"sqlite:///{db}")
     store.migrate()
-    env = workers.env(destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30",
+    env = workers.env(counting_destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30",
                       OUTBOX_CLAIM_INTERVAL_S="3600", OUTBOX_RELAY_IN_PROCESS_CLAIM=in_process)
     workers.start(env, "-c", "1")
     done = subprocess.run([PYTHON, "-c", EXIT_AT_ONCE_SCRIPT, str(db)], cwd=tmp_path, env=env, capture_output=True,

@@ -22,20 +22,19 @@ from outbox.relay import (CLAIM_TASK, PURGE_TASK, RelayContext, RelayOptions, ha
 from outbox.storage.store import OutboxStore
 
 from relay_support import PYTHON, ScriptedPublisher, add, claim_chains, rows, run_python
-from relay_support import conn, store  # noqa: F401 - fixtures used by name
 
 
 # -- stopping ----------------------------------------------------------------------------------
 
-def test_publish_task_started_while_stopping_releases_its_chains(store: OutboxStore,
+def test_publish_task_started_while_stopping_releases_its_chains(sqlite_store: OutboxStore,
                                                                  conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 2)
     b = add(conn, "b", 1)
     publisher = ScriptedPublisher()
-    chains = claim_chains(store)
-    outcomes = handle_publish(RelayContext(store, publisher, stopping=lambda: True), chains, deadline=time.time() + 60)
+    chains = claim_chains(sqlite_store)
+    outcomes = handle_publish(RelayContext(sqlite_store, publisher, stopping=lambda: True), chains, deadline=time.time() + 60)
     assert publisher.sent == [] and all(o.skipped for o in outcomes)
-    assert {i: (r["status"], r["attempts"]) for i, r in rows(store).items()} == {
+    assert {i: (r["status"], r["attempts"]) for i, r in rows(sqlite_store).items()} == {
         i: (Status.PENDING, 0) for i in a + b}
 
 
@@ -152,7 +151,7 @@ def test_an_invalid_setting_stops_the_worker_with_one_line(tmp_path: Path) -> No
     assert "Traceback" not in done.stderr
 
 
-def test_messages_survive_the_trip_through_celery(store: OutboxStore, conn: sqlite3.Connection) -> None:
+def test_messages_survive_the_trip_through_celery(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     add(conn, "a", 1, payload={"ü": [1, 2.5, None]}, headers={"tenant": "t1"}, key="pk")
-    [message] = store.claim(10).messages
+    [message] = sqlite_store.claim(10).messages
     assert message_from_dict(json.loads(json.dumps(message_to_dict(message)))) == message

@@ -16,7 +16,7 @@ from outbox.core.model import Stats
 from outbox.relay import CLAIM_TASK, PUBLISH_TASK
 from outbox.celery.worker_logging import TickFilter, heartbeat_line
 
-from relay_e2e_support import Destination, Outbox, destination, procs_factory, relay_env, sqlite_outbox, wait_until  # noqa: F401
+from relay_e2e_support import Destination, Outbox, relay_env, wait_until
 
 IDLE_WINDOW_S = 10.0
 HEARTBEAT_S = 3.0

@@ -3,9 +3,9 @@ the test run and the seeding helpers. Holds no tests itself.
 
 The Spark session is session-scoped and local[2] with one shuffle partition, no
 UI and a JVM tuned for short jobs (C1 compiler only, serial GC: the suite's jobs
-last seconds, so full JIT compilation never pays back); every pipeline test module
-imports the fixture from here, and ``getOrCreate`` hands all of them the same
-session. The cases that start processes of their own (a cluster, ``spark-submit``,
+last seconds, so full JIT compilation never pays back); a pytest plugin (registered
+in tests/conftest.py), so every pipeline test module finds the fixture by name, and
+``getOrCreate`` hands all of them the same session. The cases that start processes of their own (a cluster, ``spark-submit``,
 a killed CLI run) are marked ``slow``: ``pytest -m "not slow"`` leaves them out of a
 quick local run, and ``make test`` (CI) runs them all.
 """
@@ -148,3 +148,17 @@ def mixed_rows() -> list[Row]:
                     last_error="poison: payload rejected"))                            # dead, old
     rows.append(Row("orders.created", "o7", status=0, age_ms=9 * DAY_MS, latency_ms=None))  # pending, old
     return rows
+
+
+def invoke(args: list[str], env: dict[str, str]) -> Any:
+    """Run the ``outbox`` command in-process (on the suite's Spark session) with ``env``."""
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+    from outbox.core.config import reset_settings
+
+    reset_settings()
+    try:
+        return CliRunner().invoke(main, args, env=env)
+    finally:
+        reset_settings()

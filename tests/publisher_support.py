@@ -1,0 +1,73 @@
+"""What the publisher tests share (tests/test_publisher.py, test_publisher_frames.py,
+test_bad_events_publish.py, ...): messages as a claim would hand them over, the RabbitMQ
+broker's address, and the bytes a message carried. A pytest plugin (registered in
+tests/conftest.py): test modules find the ``broker`` fixture by name and import the helpers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+import pytest
+from kombu import Connection, Exchange, Queue
+from services import AMQP_URL, require
+
+from outbox.core.model import OutboxMessage
+
+CREATED = datetime(2024, 5, 1, 12, 30, 45, 123000, tzinfo=timezone.utc)
+
+
+def make_message(id: int, topic: str = "orders.created", *, aggregate_id: str = "42", payload: str | None = None,
+                 headers: dict[str, Any] | None = None, trace_id: str | None = None, attempts: int = 0,
+                 partition_key: str | None = None, created_at: datetime = CREATED) -> OutboxMessage:
+    return OutboxMessage(
+        id=id, message_id=f"msg-{id}-{uuid.uuid4().hex[:6]}", topic=topic, aggregate_type="order",
+        aggregate_id=aggregate_id, partition_key=partition_key,
+        payload=payload if payload is not None else json.dumps({"orderId": aggregate_id, "seq": id}),
+        headers=headers or {}, trace_id=trace_id, attempts=attempts, created_at=created_at, lease="lease-1")
+
+
+def raw_body(message: Any) -> bytes:
+    """The bytes on the wire: py-amqp decodes bodies that declare a content_encoding."""
+    body = message.body
+    return body if isinstance(body, bytes) else body.encode(message.content_encoding)
+
+
+def amqp_hostport() -> tuple[str, int]:
+    parts = urlsplit(AMQP_URL)
+    return parts.hostname or "127.0.0.1", parts.port or 5672
+
+
+@pytest.fixture
+def broker() -> Iterator[dict[str, Any]]:
+    """A unique topic exchange with a queue for everything, and a dead-letter exchange with
+    a queue for everything; deleted afterwards."""
+    require("RabbitMQ", *amqp_hostport())
+    tag = uuid.uuid4().hex[:10]
+    conn = Connection(AMQP_URL, connect_timeout=3)
+    channel = conn.channel()
+    names = {"exchange": f"outbox-test-{tag}", "dead": f"outbox-test-{tag}-dead"}
+    exchanges, queues = [], []
+    for key, name in names.items():
+        exchange = Exchange(name, type="topic", durable=True)
+        exchange(channel).declare()
+        queue = Queue(f"{name}-q", exchange=exchange, routing_key="#", exclusive=True, auto_delete=True)(channel)
+        queue.declare()
+        exchanges.append(exchange)
+        queues.append(queue)
+
+    def drain(index: int) -> list[Any]:
+        got = []
+        while (message := queues[index].get(no_ack=True)) is not None:
+            got.append(message)
+        return got
+
+    yield {**names, "live": lambda: drain(0), "dead_letters": lambda: drain(1)}
+    try:
+        for exchange in exchanges:
+            exchange(channel).delete()
+    finally:
+        conn.release()
