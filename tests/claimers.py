@@ -142,5 +142,5 @@ def check_no_double_hold(holds: list[tuple[int, int, int]]) -> None:
         by_id[id].append((start, end))
     for id, spans in by_id.items():
         spans.sort()
-        for (s1, e1), (s2, _) in zip(spans, spans[1:]):
+        for (_s1, e1), (s2, _) in zip(spans, spans[1:]):
             assert s2 >= e1, f"row {id} was held by two live leases at once"

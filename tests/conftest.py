@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from outbox.core.config import reset_settings  # noqa: E402
+from outbox.core.config import reset_settings
 
 pytest_plugins = [
     "engine_support",      # kind, url, make_store, store, writer: a store per test on every engine

@@ -8,8 +8,9 @@ tampered with raw SQL (``tamper``)."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from services import MSSQL_URL, MYSQL_URL, POSTGRES_URL, require

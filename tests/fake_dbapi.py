@@ -4,7 +4,8 @@ tests/test_mssql_deploy.py, tests/test_transport_mssql_sql.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 Rows = list[tuple]
 
@@ -29,7 +30,7 @@ class RecordingCursor:
     def setinputsizes(self, sizes: Any) -> None:
         self._declared = sizes
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> "RecordingCursor":
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> RecordingCursor:
         self.log.append((sql, tuple(params)))
         self.sizes.append(self._declared)
         found = next((rows for needle, rows in self.answers.items() if needle in sql), None)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import pytest
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Iterator
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -17,7 +18,7 @@ from services import AMQP_URL, require
 
 from outbox.core.model import OutboxMessage
 
-CREATED = datetime(2024, 5, 1, 12, 30, 45, 123000, tzinfo=timezone.utc)
+CREATED = datetime(2024, 5, 1, 12, 30, 45, 123000, tzinfo=UTC)
 
 
 def make_message(id: int, topic: str = "orders.created", *, aggregate_id: str = "42", payload: str | None = None,
@@ -51,7 +52,7 @@ def broker() -> Iterator[dict[str, Any]]:
     channel = conn.channel()
     names = {"exchange": f"outbox-test-{tag}", "dead": f"outbox-test-{tag}-dead"}
     exchanges, queues = [], []
-    for key, name in names.items():
+    for _key, name in names.items():
         exchange = Exchange(name, type="topic", durable=True)
         exchange(channel).declare()
         queue = Queue(f"{name}-q", exchange=exchange, routing_key="#", exclusive=True, auto_delete=True)(channel)

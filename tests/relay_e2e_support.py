@@ -22,19 +22,19 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import pytest
+from runners import CELERY as CELERY_RUNNER
+from runners import RUNNERS
+from services import AMQP_URL, MYSQL_URL, POSTGRES_URL, REDIS_URL, require
 
 from outbox import Status, enqueue
 from outbox.storage.engines.sqlite import sqlite_path
 from outbox.storage.store import OutboxStore
-
-from runners import CELERY as CELERY_RUNNER, RUNNERS
-from services import AMQP_URL, MYSQL_URL, POSTGRES_URL, REDIS_URL, require
-
 
 CELERY = str(Path(sys.executable).parent / "celery")
 
@@ -81,10 +81,8 @@ class Procs:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def stop(self, name: str, timeout: float = 30.0) -> int:
         """A warm shutdown: SIGTERM to the main process only, as a supervisor or
@@ -108,13 +106,11 @@ class Procs:
         for name in self.procs:
             self.kill(name, signal.SIGKILL)
         for proc in self.procs.values():
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
 
 
-def base_env(outbox: "Outbox", **settings: str) -> dict[str, str]:
+def base_env(outbox: Outbox, **settings: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_"))}
     env.update({**outbox.env(), "PYTHONUNBUFFERED": "1"})
     env.update(settings)
@@ -250,7 +246,7 @@ def dead_letter_destination() -> Iterator[Destination]:
     d.close()
 
 
-def relay_env(tmp_path: Path, destination: Destination | None, outbox: "Outbox", runner: Any = CELERY_RUNNER,
+def relay_env(tmp_path: Path, destination: Destination | None, outbox: Outbox, runner: Any = CELERY_RUNNER,
               **settings: str) -> dict[str, str]:
     """Settings for workers and beat: Redis (db of REDIS_URL, a key prefix of our own) as
     Celery's broker, set through a Celery config module as users would, and as Dramatiq's
@@ -413,7 +409,7 @@ class Writer:
         except BaseException as exc:  # reported by the test, not lost in the thread
             self.errors.append(exc)
 
-    def __enter__(self) -> "Writer":
+    def __enter__(self) -> Writer:
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
         return self
@@ -696,10 +692,8 @@ class Proxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with suppress(OSError):
                     s.close()
-                except OSError:
-                    pass
 
     def cut(self) -> None:
         import socket
@@ -707,10 +701,8 @@ class Proxy:
         self.up = False
         with self.lock:
             for s in self.sockets:
-                try:
+                with suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 s.close()
             self.sockets.clear()
 

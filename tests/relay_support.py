@@ -12,17 +12,17 @@ import os
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import pytest
 
 from outbox import enqueue
 from outbox.core.model import OutboxMessage
-from outbox.publisher import ChainResult, FailureKind, Pipelined, Publisher, PublishFailure
 from outbox.domain.chains import split_chains
+from outbox.publisher import ChainResult, FailureKind, Pipelined, Publisher, PublishFailure
 from outbox.storage.store import OutboxStore
-
 
 PYTHON = sys.executable
 

@@ -10,16 +10,15 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from engine_support import row, tamper
+from publisher_support import make_message, raw_body
+from services import AMQP_URL
 
 from outbox import Status, enqueue
 from outbox.core.model import OutboxMessage
 from outbox.publisher import FailureKind, KombuPublisher
 from outbox.relay import RelayContext, handle_claim, handle_publish
 from outbox.storage.store import OutboxStore
-
-from engine_support import row, tamper
-from publisher_support import make_message, raw_body
-from services import AMQP_URL
 
 LONG_TOPIC = "orders." + "é" * 150  # 157 characters: fits the column; 307 bytes: no routing key
 LONG_NAME = "x-" + "n" * 300  # a header name of 302 bytes

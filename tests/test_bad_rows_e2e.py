@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from outbox import Status
-
 from engine_support import tamper
 from relay_e2e_support import Destination, Outbox, check_order, relay_env, wait_until
+
+from outbox import Status
 
 
 def test_a_tampered_row_goes_dead_alone_and_the_rest_is_delivered_on_the_first_attempt(

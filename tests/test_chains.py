@@ -3,10 +3,10 @@ split of a claimed batch into chains."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-from outbox.domain.chains import Candidate, plan_claim, split_chains
 from outbox.core.model import OutboxMessage, Status
+from outbox.domain.chains import Candidate, plan_claim, split_chains
 
 P, C, F = Status.PENDING, Status.CLAIMED, Status.FAILED
 
@@ -51,7 +51,7 @@ def test_a_limit_keeps_whole_chains_oldest_chain_first_and_cuts_the_last() -> No
 
 def message(id: int, agg: str) -> OutboxMessage:
     return OutboxMessage(id, f"m{id}", "t", "x", agg, None, "{}", {}, None, 0,
-                         datetime.now(timezone.utc), "lease")
+                         datetime.now(UTC), "lease")
 
 
 def test_split_chains_groups_by_aggregate_in_id_order_oldest_chain_first() -> None:

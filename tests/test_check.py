@@ -10,10 +10,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
 
 from outbox.storage.store import OutboxStore
-
-from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
 
 
 def check(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:

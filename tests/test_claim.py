@@ -9,19 +9,31 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
 import pytest
+from relay_support import Collect, ScriptedPublisher, add, rows, run_python, status_of
+from services import REDIS_URL, reachable
 
 from outbox import Status
 from outbox.core.model import OutboxMessage
-from outbox.relay import (Backlog, Breaker, ClaimOutcome, ClaimSizer, Drain, Outage, RelayContext, RelayOptions,
-                          drain_slice, handle_claim, handle_publish, plan_tasks)
+from outbox.relay import (
+    Backlog,
+    Breaker,
+    ClaimOutcome,
+    ClaimSizer,
+    Drain,
+    Outage,
+    RelayContext,
+    RelayOptions,
+    drain_slice,
+    handle_claim,
+    handle_publish,
+    plan_tasks,
+)
 from outbox.storage.store import OutboxStore
-
-from relay_support import Collect, ScriptedPublisher, add, rows, run_python, status_of
-from services import REDIS_URL, reachable
 
 
 def test_claim_dispatches_every_row_in_per_aggregate_chains(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
@@ -166,9 +178,9 @@ def test_claims_after_large_rows_ask_for_what_fits_the_byte_budget(sqlite_store:
 
 def test_claim_sizer_follows_large_rows_at_once_and_small_rows_by_halves() -> None:
     def msgs(size: int, n: int) -> list[OutboxMessage]:
-        from datetime import datetime, timezone
+        from datetime import datetime
         return [OutboxMessage(i, f"m{i}", "t", "order", "a", None, "x" * size, {}, None, 0,
-                              datetime.now(timezone.utc), "L") for i in range(n)]
+                              datetime.now(UTC), "L") for i in range(n)]
 
     sizer = ClaimSizer()
     assert sizer.rows(100, 8_000_000) == 100
@@ -190,17 +202,17 @@ def test_a_process_first_claims_as_if_rows_were_as_large_as_allowed() -> None:
     assert sizer.rows(100, 8 * 1024 * 1024) == 7
     claims = 0
     while sizer.rows(100, 8 * 1024 * 1024) < 100:
-        from datetime import datetime, timezone
-        sizer.observe([OutboxMessage(1, "m", "t", "order", "a", None, "{}", {}, None, 0, datetime.now(timezone.utc), "L")])
+        from datetime import datetime
+        sizer.observe([OutboxMessage(1, "m", "t", "order", "a", None, "{}", {}, None, 0, datetime.now(UTC), "L")])
         claims += 1
     assert claims <= 5  # small rows: the full batch again within a few claims
 
 
 def test_plan_tasks_packs_without_splitting_chains() -> None:
     def msgs(agg: str, ids: list[int]) -> list[OutboxMessage]:
-        from datetime import datetime, timezone
+        from datetime import datetime
         return [OutboxMessage(i, f"m{i}", "t", "order", agg, None, "{}", {}, None, 0,
-                              datetime.now(timezone.utc), "L") for i in ids]
+                              datetime.now(UTC), "L") for i in ids]
     chains = [msgs("a", [1, 2, 3]), msgs("b", [4]), msgs("c", [5, 6]), msgs("d", [7])]
     tasks, over = plan_tasks(chains, task_rows=3, max_bytes=10**9)
     assert [[[m.id for m in ch] for ch in t] for t in tasks] == [[[1, 2, 3]], [[4], [5, 6]], [[7]]]

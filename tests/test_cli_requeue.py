@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_support import run
+from engine_support import tamper
 
 from outbox import Status, enqueue
 from outbox.storage.store import OutboxStore
-
-from cli_support import run
-from engine_support import tamper
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ as the image runs it (an unprivileged user, a read-only working directory)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -11,9 +12,10 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -293,8 +295,9 @@ def test_the_entrypoint_runs_migrate_worker_and_beat_unprivileged_in_a_read_only
 
     require("RabbitMQ", "127.0.0.1", 5672)
     require("Redis", "127.0.0.1", 6379)
-    from outbox import enqueue
     from relay_e2e_support import Destination, wait_until
+
+    from outbox import enqueue
 
     app, state = readonly_app["app"], readonly_app["state"]
     entry = str(app / "entrypoint.sh")
@@ -339,10 +342,8 @@ def test_the_entrypoint_runs_migrate_worker_and_beat_unprivileged_in_a_read_only
         import signal
 
         for proc in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait(timeout=10)
         destination.close()
         import redis

@@ -12,11 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from outbox.storage.store import OutboxStore
-
 from app_support import renamed, schema_of
 from services import AMQP_URL, REQUIRE, require
+
+from outbox.storage.store import OutboxStore
 
 pytest.importorskip("django")
 

@@ -19,19 +19,23 @@ import pytest
 
 pytest.importorskip("dramatiq")
 
-import outbox  # noqa: E402
-from outbox import wake  # noqa: E402
-from outbox.core.config import known_names, validate_dramatiq_broker_url, validate_dramatiq_namespace  # noqa: E402
-from outbox.core.config import dramatiq_settings  # noqa: E402
-from outbox.dramatiq.brokers import configured, expired, message  # noqa: E402
-from outbox.dramatiq.scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run  # noqa: E402
-from outbox.core.errors import ConfigError  # noqa: E402
-from outbox.core.config import relay_settings  # noqa: E402
-from outbox.relay import CLAIM_TASK, PURGE_TASK  # noqa: E402
-from outbox.storage.store import OutboxStore  # noqa: E402
-from outbox.relay.waker import token_for  # noqa: E402
+from services import AMQP_URL, REDIS_URL, require
 
-from services import AMQP_URL, REDIS_URL, require  # noqa: E402
+import outbox
+from outbox import wake
+from outbox.core.config import (
+    dramatiq_settings,
+    known_names,
+    relay_settings,
+    validate_dramatiq_broker_url,
+    validate_dramatiq_namespace,
+)
+from outbox.core.errors import ConfigError
+from outbox.dramatiq.brokers import configured, expired, message
+from outbox.dramatiq.scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run
+from outbox.relay import CLAIM_TASK, PURGE_TASK
+from outbox.relay.waker import token_for
+from outbox.storage.store import OutboxStore
 
 BIN = Path(sys.executable).parent
 
@@ -142,10 +146,9 @@ def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path
     wake.flush()
     assert client.llen(f"{ns}:{claim_queue}") == 2
     # A rolled-back transaction wakes nobody.
-    with pytest.raises(RuntimeError):
-        with outbox.transaction(conn):
-            client.delete(token)
-            raise RuntimeError("rolled back")
+    with pytest.raises(RuntimeError), outbox.transaction(conn):
+        client.delete(token)
+        raise RuntimeError("rolled back")
     wake.flush()
     assert client.llen(f"{ns}:{claim_queue}") == 2
     conn.close()

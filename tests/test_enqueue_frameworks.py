@@ -46,6 +46,7 @@ def test_sqlalchemy_session_and_connection(store: OutboxStore, url: str) -> None
 def test_django_connection(store: OutboxStore, url: str, tmp_path: Path) -> None:
     pytest.importorskip("django")
     from django.conf import settings
+
     from outbox.storage.engines.sqlite import sqlite_path
 
     if not settings.configured:
@@ -58,10 +59,9 @@ def test_django_connection(store: OutboxStore, url: str, tmp_path: Path) -> None
     table = store.engine.table_name
     with transaction.atomic():
         kept = enqueue(connection, topic="t", aggregate_type="o", aggregate_id="d", payload={"a": 1}, table=table)
-    with pytest.raises(RuntimeError):
-        with transaction.atomic():
-            enqueue(connection, topic="t", aggregate_type="o", aggregate_id="d", payload={"a": 2}, table=table)
-            raise RuntimeError("roll back")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        enqueue(connection, topic="t", aggregate_type="o", aggregate_id="d", payload={"a": 2}, table=table)
+        raise RuntimeError("roll back")
     connection.close()
     assert [m.id for m in store.claim(10).messages] == [kept]
 

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from outbox.storage.store import OutboxStore
-
 from app_support import renamed, schema_of
 from services import AMQP_URL, require
+
+from outbox.storage.store import OutboxStore
 
 pytest.importorskip("alembic")
 pytest.importorskip("flask")
@@ -77,14 +76,14 @@ def test_an_order_posted_to_the_flask_view_arrives_on_rabbitmq(tmp_path: Path) -
     log = tmp_path / "worker.log"
     try:
         run([str(BIN / "alembic"), "-c", str(EXAMPLE / "alembic.ini"), "upgrade", "head"], env=env, cwd=tmp_path)
-        post = ("import json, sys\nsys.path.insert(0, %r)\nfrom app import app, Order, Session\n"
+        post = (f"import json, sys\nsys.path.insert(0, {str(EXAMPLE)!r})\nfrom app import app, Order, Session\n"
                 "c = app.test_client()\n"
                 "for i in range(3):\n"
                 "    r = c.post('/orders', json={'customer': f'c{i}', 'total_cents': i})\n"
                 "    assert r.status_code == 201, r.data\n"
                 "r = c.post('/orders', json={'customer': 'x', 'fail': True})\n"
                 "assert r.status_code == 409\n"
-                "assert Session().query(Order).count() == 3\nprint('posted')\n") % str(EXAMPLE)
+                "assert Session().query(Order).count() == 3\nprint('posted')\n")
         assert "posted" in run([sys.executable, "-c", post], env=env, cwd=tmp_path).stdout
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_"))}
         with open(log, "wb") as out:

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from outbox import Status
-
 from kafka_support import Reader
 from relay_e2e_support import base_env, check_order, relay_env, require_relay_services, wait_until
+
+from outbox import Status
 
 
 def start_relay(procs_factory: Any, runner: Any, tmp_path: Path, outbox: Any, **settings: str) -> Any:

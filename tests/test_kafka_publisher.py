@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
+from kafka_support import consume, create_topic
 
-from outbox.core.config import ConfigError, load_settings
+from outbox.core.config import ConfigError, KafkaOptions, load_settings
 from outbox.core.model import OutboxMessage
 from outbox.publisher import FailureKind, PublishFailure
-from outbox.core.config import KafkaOptions
 from outbox.publisher.kafka import KafkaPublisher, chain_result, kafka_headers, producer_config
 from outbox.publisher.select import publisher_for
 
-from kafka_support import consume, create_topic
-
-CREATED = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
+CREATED = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
 
 
 def event(id_: int, topic: str, aggregate: str = "a1", payload: str | None = None, **extra: object) -> OutboxMessage:
@@ -109,7 +107,7 @@ def test_illegal_topic_name_is_poison(kafka_bootstrap: str) -> None:
     assert "not a legal Kafka topic name" in result.failure.reason
 
 
-def test_broker_down_is_backpressure_and_the_publisher_recovers(tansu) -> None:  # noqa: F811
+def test_broker_down_is_backpressure_and_the_publisher_recovers(tansu) -> None:
     topic = create_topic(tansu.bootstrap)
     with publisher(tansu.bootstrap, delivery_timeout_s=2.0) as pub:
         assert pub.publish_chain([event(1, topic)]).published == (1,)
@@ -223,15 +221,16 @@ def test_outbox_check_on_kafka(kafka_bootstrap: str, tmp_path) -> None:
 
 def test_outbox_check_on_an_unreachable_kafka(tmp_path) -> None:
     pytest.importorskip("confluent_kafka")
-    from outbox.commands.doctor import FAIL, run_checks
     from kafka_support import free_port
+
+    from outbox.commands.doctor import FAIL, run_checks
 
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://127.0.0.1:{free_port()}"}
     [destination] = [r for r in run_checks(env) if r.name == "destination"]
     assert destination.state == FAIL and "unreachable" in destination.detail
 
 
-def test_connection_failures_are_logged_once_per_outage(tansu, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+def test_connection_failures_are_logged_once_per_outage(tansu, caplog: pytest.LogCaptureFixture) -> None:
     """librdkafka logs a connection failure at every reconnect while the broker is down: the
     first of an outage at WARNING, the rest at DEBUG, and a new outage warns again."""
     topic = create_topic(tansu.bootstrap)

@@ -8,15 +8,15 @@ Celery's and Dramatiq's broker: Redis (OUTBOX_TEST_REDIS_URL); the outbox: SQLit
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
-from outbox import Status
-
 from kafka_support import Reader, Tansu, create_topic, free_port, tansu_or_skip
 from relay_e2e_support import Outbox, Proxy, Writer, check_order, relay_env, require_relay_services, wait_until
+
+from outbox import Status
 
 
 @pytest.fixture

@@ -7,18 +7,16 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
+from services import POSTGRES_URL, REDIS_URL, require
+from wake_support import CountingDestination, Workers, event, wait_done
 
 from outbox import enqueue
 from outbox.core.config import reset_settings
 from outbox.relay.listen import Listener, Subscriber, channel_for, notify_channel
 from outbox.storage.store import OutboxStore
-
-from services import POSTGRES_URL, REDIS_URL, require
-from wake_support import CountingDestination, Workers, event, wait_done
-
 
 # -- PostgreSQL LISTEN/NOTIFY --------------------------------------------------------------------
 

@@ -10,23 +10,23 @@ import sqlite3
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 pytest.importorskip("prometheus_client")
 
-from prometheus_client import CollectorRegistry  # noqa: E402
+from prometheus_client import CollectorRegistry
+from relay_support import ScriptedPublisher
+from wake_support import PYTHON, CountingDestination, Workers, wait_done
 
-from outbox import enqueue  # noqa: E402
-from outbox.core.model import OutboxMessage  # noqa: E402
-from outbox.publisher import FailureKind  # noqa: E402
-from outbox.relay import RelayContext, RelayOptions, handle_claim, handle_publish, metrics  # noqa: E402
-from outbox.storage.store import OutboxStore  # noqa: E402
-
-from relay_support import ScriptedPublisher  # noqa: E402
-from wake_support import PYTHON, CountingDestination, Workers, wait_done  # noqa: E402
+from outbox import enqueue
+from outbox.core.model import OutboxMessage
+from outbox.publisher import FailureKind
+from outbox.relay import RelayContext, RelayOptions, handle_claim, handle_publish, metrics
+from outbox.storage.store import OutboxStore
 
 #: The relay reports through its hooks; the runners install these when metrics are on.
 HOOKS = metrics.PrometheusHooks()
@@ -89,7 +89,7 @@ def open_rows(store: OutboxStore) -> tuple[int, int]:
 def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: CollectorRegistry, make_store: Any) -> None:
     store = make_store(max_attempts=3)
     db = str(tmp_path / "outbox.db")
-    a, b, c = add(db, "a", 3), add(db, "b", 2), add(db, "c", 1)
+    _a, b, c = add(db, "a", 3), add(db, "b", 2), add(db, "c", 1)
     sent = Collect()
     outcome = handle_claim(RelayContext(store, options=RelayOptions(task_rows=1), hooks=HOOKS), sent, batch_size=100, lease_s=60.0)
     assert outcome.claimed == 6

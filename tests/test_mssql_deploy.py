@@ -13,13 +13,14 @@ recording cursor; the live checks are in test_mssql_live.py.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
-from sqlglot import exp
-
 from fake_dbapi import RecordingCursor
+from sqlglot import exp
 from tsql_support import parse_one
+
 from outbox.storage.engines.mssql import FILTERED_INDEX_OPTIONS, MIGRATE_LOCK_TIMEOUT_MS, MssqlEngine
 from outbox.transport.tables import queue_tables
 from outbox.transport.tables.mssql import MssqlQueueTables

@@ -22,20 +22,22 @@ Everything is dropped at the end of the module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 import test_store_conformance as _conformance
 from claimers import race_claimers
 from engine_support import mssql_url
+
 from outbox import enqueue
 from outbox.core.errors import EnqueueError
 from outbox.domain.events import prepare_event
@@ -442,7 +444,7 @@ def test_no_application_lock_outlives_an_aborted_autocommit_enqueue(store: Outbo
         cursor.execute(f"SET XACT_ABORT {xact_abort}")
         if how == "client timeout":
             conn.timeout = 1
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - an error or a client timeout: the driver raises either
             add(conn, store, "a", "boom-1" if how == "error" else "slow-1")
         conn.timeout = 0
         cursor.execute("SELECT @@TRANCOUNT, (SELECT COUNT(*) FROM sys.dm_tran_locks WHERE request_session_id = @@SPID "
@@ -817,13 +819,14 @@ def start_broker_worker(broker_url: str, table: str, start: Any, errors: Any) ->
     """What a worker process does first with the database broker: connect, which creates
     the queue tables."""
     from kombu import Connection
+
     import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
     try:
         start.wait()
         with Connection(broker_url, transport_options={"queue_table": table}) as conn:
             conn.connect()
             conn.default_channel  # noqa: B018 - opens the channel, as a consumer does
-    except Exception as exc:  # noqa: BLE001 - reported by the test
+    except Exception as exc:
         errors.put(f"{type(exc).__name__}: {exc}")
 
 
@@ -917,6 +920,7 @@ def test_a_mssql_python_broker_reconnects_after_its_session_is_killed_and_its_da
     an error that stops the worker; once the database is back, messages flow again."""
     from kombu import Connection
     from kombu.exceptions import OperationalError as KombuOperationalError
+
     import outbox.transport  # noqa: F401
     pyodbc_url, name = outage_database
     url = mssql_python_url(pyodbc_url)
@@ -952,10 +956,8 @@ def test_a_mssql_python_broker_reconnects_after_its_session_is_killed_and_its_da
         q.close()
     finally:
         conn.release()
-        try:
+        with contextlib.suppress(Exception):
             drop_queue_tables(pyodbc_url, table)
-        except Exception:
-            pass
 
 
 def test_contrib_migrations_and_admin_requeue_probe_their_connection(databases: dict[str, str],
@@ -1031,10 +1033,9 @@ def test_json_checks_join_a_table_with_a_bad_row_without_checking_it(make_store:
                   "AND definition LIKE N'%isjson%' AND is_not_trusted = 1", [t]) == 2
     claim = store.claim(10)
     assert [m.message_id for m in claim.dead] == ["bad-1"] and claim.messages == []
-    with pytest.raises(Exception, match="(?i)check constraint"):
-        with store.transaction() as cursor:
-            store.engine.execute(cursor, f"INSERT INTO {t} (message_id, topic, aggregate_type, aggregate_id, payload) "
-                                 "VALUES (N'bad-2', N't', N'o', N'a', N'still not json')")
+    with pytest.raises(Exception, match="(?i)check constraint"), store.transaction() as cursor:
+        store.engine.execute(cursor, f"INSERT INTO {t} (message_id, topic, aggregate_type, aggregate_id, payload) "
+                             "VALUES (N'bad-2', N't', N'o', N'a', N'still not json')")
 
 
 def test_requeue_all_runs_in_short_chunks_on_sql_server(store: OutboxStore, writer: Any) -> None:

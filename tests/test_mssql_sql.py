@@ -23,24 +23,42 @@ import re
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 import sqlglot
-from sqlglot import exp
-
 from fake_dbapi import RecordingConnection, RecordingCursor
+from sqlglot import exp
 from tsql_support import parse_one
-from outbox.domain.chains import Candidate, plan_claim
-from outbox.storage.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
-from outbox.storage.engines.mssql import (FILTERED_INDEX_OPTIONS, ID_COLLATION, ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT, INDEXES,
-                                  MIGRATE_LOCK_TIMEOUT_MS, OPEN_ROWS, OPEN_ROWS_NORMALIZED, SQL_BIGINT, SQL_INTEGER,
-                                  SQL_WLONGVARCHAR, SQL_WVARCHAR, TRANSIENT_ERRORS, MssqlEngine, filter_sql,
-                                  input_sizes, normalize_filter, odbc_connection_string, parse_target)
+
 from outbox.core.errors import ConfigError, StoreError
-from outbox.domain.events import prepare_event
 from outbox.core.model import Holder, SilentHolder
+from outbox.domain.chains import Candidate, plan_claim
+from outbox.domain.events import prepare_event
+from outbox.storage.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
+from outbox.storage.engines.mssql import (
+    FILTERED_INDEX_OPTIONS,
+    ID_COLLATION,
+    ID_LIST_SIZES,
+    ID_PARAMS_PER_STATEMENT,
+    INDEXES,
+    MIGRATE_LOCK_TIMEOUT_MS,
+    OPEN_ROWS,
+    OPEN_ROWS_NORMALIZED,
+    SQL_BIGINT,
+    SQL_INTEGER,
+    SQL_WLONGVARCHAR,
+    SQL_WVARCHAR,
+    TRANSIENT_ERRORS,
+    MssqlEngine,
+    filter_sql,
+    input_sizes,
+    normalize_filter,
+    odbc_connection_string,
+    parse_target,
+)
 from outbox.storage.store import OutboxStore
 
 URL = "mssql+pyodbc://relay:secret@db.example:1433/app?driver=ODBC+Driver+18+for+SQL+Server"
@@ -74,7 +92,7 @@ class StoreCursor(RecordingCursor):
                  answers: dict[str, list[tuple]] | None = None) -> None:
         super().__init__(log, sizes, answers, default=store_answer)
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> "StoreCursor":
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
         super().execute(sql, params)
         id_lists = [json.loads(p) for p in params if isinstance(p, str) and p.startswith("[")]
         if id_lists:
@@ -473,7 +491,7 @@ def test_the_enqueue_lock_is_never_owned_by_the_session(no_sqlglot_fallbacks: No
 class _CutShortCursor(StoreCursor):
     """The insert batch raises, as after a client timeout."""
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> "StoreCursor":
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
         super().execute(sql, params)
         if "INSERT INTO" in sql:
             raise TimeoutError("HYT00 Query timeout expired")
@@ -707,7 +725,7 @@ def sqlite_text(sql: str) -> str:
     start = sql.find(" WITH (READCOMMITTEDLOCK")
     if start >= 0:
         depth, end = 0, start + len(" WITH ")
-        for end in range(end, len(sql)):
+        for end in range(end, len(sql)):  # noqa: B020 - ``end`` ends where the hint's parenthesis closes
             depth += {"(": 1, ")": -1}.get(sql[end], 0)
             if depth == 0:
                 break

@@ -15,16 +15,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from outbox.core.config import RelayOptions, load_settings
-from outbox.core.errors import ConfigError
-from outbox.core.names import (CLAIM_TASK, FAIL_TASK, LEGACY_NAMESPACE, MAX_NAMESPACE, PUBLISH_TASK, Queues,
-                          claim_request_key, database_identity, default_namespace, wake_channel)
-from outbox.relay import ForeignTasks, breaker_key
-
 from relay_support import run_python
 from services import REDIS_URL, require
 
+from outbox.core.config import RelayOptions, load_settings
+from outbox.core.errors import ConfigError
+from outbox.core.names import (
+    CLAIM_TASK,
+    FAIL_TASK,
+    LEGACY_NAMESPACE,
+    MAX_NAMESPACE,
+    PUBLISH_TASK,
+    Queues,
+    claim_request_key,
+    database_identity,
+    default_namespace,
+    wake_channel,
+)
+from outbox.relay import ForeignTasks, breaker_key
 
 # -- the default namespace (pure) -------------------------------------------------------------------
 

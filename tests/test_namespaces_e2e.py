@@ -14,17 +14,26 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
-from outbox import Status
-
+from relay_e2e_support import (
+    Destination,
+    Outbox,
+    Procs,
+    Writer,
+    check_order,
+    queued_celery_messages,
+    relay_env,
+    require_relay_services,
+    wait_until,
+)
 from runners import CELERY, DRAMATIQ
 from services import AMQP_URL, REDIS_URL
-from relay_e2e_support import (Destination, Outbox, Procs, Writer, check_order, queued_celery_messages,
-                               relay_env, require_relay_services, wait_until)
+
+from outbox import Status
 
 #: Generous: on one broker with global names B's events waited up to 58 s (issue 19, item 3);
 #: with a 1 s tick and post-commit wake-ups an event takes well under a second.
@@ -88,7 +97,7 @@ class Relay:
                         try:
                             channel.queue_delete(queue)
                             channel.exchange_delete(queue)
-                        except Exception:  # noqa: BLE001 - never declared: nothing to delete
+                        except Exception:
                             pass
         finally:
             self.destination.close()
@@ -159,7 +168,7 @@ def test_two_relays_on_one_broker_neither_wait_for_nor_leak_into_each_other(
         assert waits[slowest] < LIVENESS_S, (
             f"{relay.name}: event {slowest} waited {waits[slowest]:.1f} s "
             f"({sum(1 for s in waits.values() if s >= LIVENESS_S)} of {len(waits)} waited {LIVENESS_S:g} s or more)")
-        assert wait_until(lambda: set(relay.outbox.statuses().values()) == {Status.DONE}, timeout=10), (
+        assert wait_until(lambda relay=relay: set(relay.outbox.statuses().values()) == {Status.DONE}, timeout=10), (
             relay.outbox.status_counts())
 
 

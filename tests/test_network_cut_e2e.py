@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import pytest
+from relay_e2e_support import Destination, Outbox, Proxy, Writer, Written, check_order, relay_env, wait_until
 
 from outbox import Status
-
-from relay_e2e_support import Destination, Outbox, Proxy, Writer, Written, check_order, relay_env, wait_until
 
 #: How long the cut lasts.
 CUT_S = 30.0

@@ -9,19 +9,32 @@ Helpers (processes, outboxes, the TCP proxy) come from tests/relay_e2e_support.p
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from relay_e2e_support import (
+    Destination,
+    Outbox,
+    Procs,
+    Proxy,
+    Writer,
+    celery_queue_keys,
+    check_order,
+    redis_client,
+    relay_env,
+    relay_queue,
+    require_relay_services,
+    wait_until,
+)
+from services import AMQP_URL, require
 
 from outbox import Status
-
-from services import AMQP_URL, require
-from relay_e2e_support import (Destination, Outbox, Procs, Proxy, Writer, celery_queue_keys, check_order,
-                               redis_client, relay_env, relay_queue, require_relay_services, wait_until)
 
 
 def lines_with(log: str, text: str) -> list[str]:
@@ -70,10 +83,8 @@ class TwoRoutes:
     def pump(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(TimeoutError, OSError):
                 self.conn.drain_events(timeout=0.1)
-            except (TimeoutError, OSError):
-                pass
 
     def wait_for(self, predicate: Any, timeout: float, procs: Procs) -> bool:
         deadline = time.monotonic() + timeout

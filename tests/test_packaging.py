@@ -8,6 +8,7 @@ its dependencies from the machine's package index and cache).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,7 +19,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from services import REDIS_URL, reachable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,10 +192,8 @@ def test_following_the_readme_literally_delivers_on_postgres_redis_and_rabbitmq(
         assert 'orders.created {"orderId": "42"}' in arrived
     finally:
         for proc in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait(timeout=10)
         cleanup = (f"import psycopg, redis\nfrom kombu import Connection, Exchange, Queue\n"
                    f"with psycopg.connect({POSTGRES_URL!r}, autocommit=True) as c:\n"

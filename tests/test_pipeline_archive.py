@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, invoke, mixed_rows, seed, table_ids, table_rows
 
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
 from outbox.storage.store import OutboxStore
-from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, invoke, mixed_rows, seed, table_ids, table_rows
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -112,12 +112,12 @@ def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path
     if STEPS.index(step) >= STEPS.index("committed"):
         assert committed == old_done
     # the pipeline's readers see exactly the committed runs, even mid-crash
-    assert Counter(archived_ids(spark, root)) == Counter({i: 1 for i in committed})
+    assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(committed, 1))
 
     result = Archiver(spark, store, str(root), delete_chunk=3).run(timedelta(days=7))
     assert (len(result.recovered) == 1) == (STEPS.index(step) >= STEPS.index("committed"))
-    assert Counter(archived_ids(spark, root)) == Counter({i: 1 for i in old_done})
-    assert Counter(plain_parquet_ids(spark, root)) == Counter({i: 1 for i in old_done})
+    assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
+    assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert table_ids(store) == set(ids) - old_done
     assert not list((root / "_staging").glob("*"))
 
@@ -150,7 +150,7 @@ def test_sigkill_between_commit_and_delete(spark: Any, store: OutboxStore, url: 
 
     result = Archiver(spark, store, str(root)).run(timedelta(days=7))
     assert len(result.recovered) == 1 and result.archived == 0
-    assert Counter(plain_parquet_ids(spark, root)) == Counter({i: 1 for i in old_done})
+    assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert table_ids(store) == set(ids) - old_done
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pipeline_support import PIPELINE_ENGINES
 
 from outbox.domain.events import prepare_event
 from outbox.pipeline import replay
 from outbox.pipeline.replay import BULK_WRITERS, _executemany
 from outbox.storage.store import OutboxStore
-from pipeline_support import PIPELINE_ENGINES
 
 
 @pytest.fixture(params=PIPELINE_ENGINES)

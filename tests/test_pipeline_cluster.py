@@ -16,15 +16,16 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from pipeline_support import DAY_MS, mixed_rows, seed, table_ids
+from services import POSTGRES_URL, require
 
 from outbox.pipeline.archive import read_archive
 from outbox.storage.store import OutboxStore
-from services import POSTGRES_URL, require
-from pipeline_support import DAY_MS, mixed_rows, seed, table_ids
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # JVMs of their own; CI runs them
 
@@ -104,7 +105,7 @@ def test_archive_on_a_standalone_cluster(spark: Any, cluster: str, tmp_path: Pat
         assert summary["archived"] == summary["deleted"] == len(old_done)
         assert table_ids(store) == set(ids) - old_done
         assert Counter(r["id"] for r in read_archive(spark, str(root)).select("id").collect()) == \
-            Counter({i: 1 for i in old_done})
+            Counter(dict.fromkeys(old_done, 1))
         # the tasks ran in the worker's executor, not in the driver
         executor_logs = list((tmp_path / "work").rglob("stderr"))
         assert executor_logs, "the worker launched no executor"

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
 
 from outbox.pipeline.common import encode_native
 from outbox.pipeline.fetch import ARROW_FETCH
 from outbox.pipeline.source import OutboxQuery, OutboxReader
 from outbox.storage.store import OutboxStore
-from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
 
 pa = pytest.importorskip("pyarrow")
 
@@ -117,8 +117,8 @@ def test_a_missing_arrow_reader_is_named(store: OutboxStore, url: str, monkeypat
 
 def test_mysql_over_a_unix_socket_reads_through_the_driver() -> None:
     """connectorx speaks TCP only: a socket URL takes the driver path instead of failing."""
-    from outbox.storage.engines import engine_for_url
     from outbox.pipeline.fetch import arrow_fetch
+    from outbox.storage.engines import engine_for_url
 
     socket_url = "mysql://app@localhost/app?unix_socket=/run/mysqld/mysqld.sock"
     assert arrow_fetch(socket_url, engine_for_url(socket_url), "arrow") is None

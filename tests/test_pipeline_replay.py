@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import timedelta
+from datetime import UTC, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pipeline_support import DAY_MS, Row, invoke, seed
+from services import POSTGRES_URL, require
 
 from outbox.pipeline.archive import Archiver
 from outbox.pipeline.replay import REPLAY_HEADER, replay_message_id, run_replay
 from outbox.storage.store import OutboxStore
-from pipeline_support import DAY_MS, Row, invoke, seed
-from services import POSTGRES_URL, require
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -73,7 +73,7 @@ def assert_replayed_in_order(store: OutboxStore, per_aggregate: dict[str, list[s
 def test_replay_in_order_and_once(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
     root, per_aggregate = archived(spark, store, tmp_path)
     # a crash half-way: every task fails after its first committed batch of 2 ...
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - Spark wraps the crash in its own error types
         run_replay(spark, archive=str(root), target=store, batch=2, partitions=3, crash_after_batches=1)
     partial = replayed(store)
     assert 0 < sum(len(v) for v in partial.values()) < 36
@@ -121,8 +121,8 @@ def test_replay_filters_and_dry_run(spark: Any, store: OutboxStore, url: str, tm
 
 
 def _ago(ms: int) -> Any:
-    from datetime import datetime, timezone
-    return datetime.now(timezone.utc) - timedelta(milliseconds=ms)
+    from datetime import datetime
+    return datetime.now(UTC) - timedelta(milliseconds=ms)
 
 
 @pytest.mark.parametrize("kind", ["sqlite"])

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pipeline_support import DAY_MS, Row, invoke, mixed_rows, seed
 
 from outbox.pipeline.archive import Archiver
 from outbox.pipeline.report import run_report
 from outbox.storage.store import OutboxStore
-from pipeline_support import DAY_MS, Row, invoke, mixed_rows, seed
 
 pytestmark = pytest.mark.timeout(600)
 

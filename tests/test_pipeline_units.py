@@ -5,15 +5,22 @@ sqlglot's T-SQL dialect (no SQL Server runs here)."""
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlglot
 from sqlglot import exp
 
+from outbox.pipeline.common import (
+    PipelineError,
+    archive_uri,
+    decode_native,
+    encode_native,
+    parse_duration,
+    parse_point_in_time,
+    range_chunks,
+)
 from outbox.storage.engines.mssql import MssqlEngine
-from outbox.pipeline.common import (PipelineError, archive_uri, decode_native, encode_native, parse_duration,
-                                    parse_point_in_time, range_chunks)
 
 
 @pytest.mark.parametrize(("text", "want"), [("7d", timedelta(days=7)), ("90m", timedelta(minutes=90)),
@@ -29,11 +36,11 @@ def test_bad_durations_name_the_option(text: str) -> None:
 
 
 def test_points_in_time() -> None:
-    now = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)
+    now = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
     assert parse_point_in_time("2d", "--since", now) == now - timedelta(days=2)
-    assert parse_point_in_time("2026-11-01", "--since", now) == datetime(2026, 11, 1, tzinfo=timezone.utc)
+    assert parse_point_in_time("2026-11-01", "--since", now) == datetime(2026, 11, 1, tzinfo=UTC)
     assert parse_point_in_time("2026-11-01T10:00+02:00", "--since", now) == datetime(2026, 11, 1, 8,
-                                                                                   tzinfo=timezone.utc)
+                                                                                   tzinfo=UTC)
     with pytest.raises(PipelineError, match="--until: 'soon' is neither a duration"):
         parse_point_in_time("soon", "--until", now)
 
@@ -48,7 +55,7 @@ def test_range_chunks_cover_each_id_once() -> None:
 
 @pytest.mark.parametrize("value", ["2026-11-23 10:56:29.766",
                                    datetime(2026, 11, 23, 10, 56, 29, 756000),
-                                   datetime(2026, 11, 23, 10, 56, 29, 718340, tzinfo=timezone.utc)])
+                                   datetime(2026, 11, 23, 10, 56, 29, 718340, tzinfo=UTC)])
 def test_native_values_cross_processes_unchanged(value: object) -> None:
     back = decode_native(encode_native(value))
     assert back == value and type(back) is type(value)

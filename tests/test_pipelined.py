@@ -9,23 +9,23 @@ import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from kombu import Connection, Exchange, Queue
+from publisher_support import amqp_hostport
+from relay_e2e_support import Destination, Outbox, check_order, relay_env, require_relay_services
+from services import AMQP_URL, require
 
 from outbox import Status, enqueue
 from outbox.core.config import RelayOptions, load_settings
 from outbox.core.errors import ConfigError
+from outbox.domain.chains import split_chains
 from outbox.publisher import OVERTAKEN_BY_HEADER, OVERTAKEN_COUNT_HEADER, FailureKind, KombuPublisher
 from outbox.relay import RelayContext, handle_publish
-from outbox.domain.chains import split_chains
 from outbox.storage.store import OutboxStore
-
-from services import AMQP_URL, require
-from publisher_support import amqp_hostport
-from relay_e2e_support import Destination, Outbox, check_order, relay_env, require_relay_services
 
 PIPELINED = RelayOptions(pipelined_topics=("orders.*", "nobody.*"))
 

@@ -6,14 +6,14 @@ equal to the status test, and ``outbox migrate`` moves a table made before."""
 from __future__ import annotations
 
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from services import POSTGRES_URL, require
 
 from outbox import enqueue
 from outbox.storage.store import OutboxStore
-
-from services import POSTGRES_URL, require
 
 psycopg = pytest.importorskip("psycopg")
 

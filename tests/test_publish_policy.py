@@ -10,21 +10,30 @@ import json
 import logging
 import sqlite3
 import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import pytest
+from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, status_of
 
 from outbox import Status
 from outbox.core.model import OutboxMessage
 from outbox.publisher import ChainResult, FailureKind
-from outbox.relay import (Breaker, RelayContext, RelayOptions, Settler, apply_fallback, handle_chain, handle_claim,
-                          handle_publish, retry_delay, still_held)
+from outbox.relay import (
+    Breaker,
+    RelayContext,
+    RelayOptions,
+    Settler,
+    apply_fallback,
+    handle_chain,
+    handle_claim,
+    handle_publish,
+    retry_delay,
+    still_held,
+)
 from outbox.storage.store import OutboxStore
-
-from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, status_of
-
 
 # -- publishing a chain ------------------------------------------------------------------------
 

@@ -9,30 +9,31 @@ import json
 import os
 import socket
 import uuid
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 from amqp import exceptions as amqp_exc
 from kombu import Connection, Exchange, Queue
 from kombu.exceptions import OperationalError
+from publisher_support import amqp_hostport, make_message, raw_body
+from services import AMQP_URL, require
 
 from outbox.core.config import load_settings
 from outbox.publisher import (
-    checked_headers,
     DEFAULT_MAX_MESSAGE_BYTES,
     ChainResult,
     FailureKind,
     KombuPublisher,
     Publisher,
     build_headers,
+    checked_headers,
     classify,
     failure_from,
     poison_check,
 )
-from publisher_support import amqp_hostport, make_message, raw_body
-from services import AMQP_URL, require
 
 REDIS_PUBLISH_URL = os.environ.get("OUTBOX_TEST_PUBLISH_REDIS_URL", "redis://127.0.0.1:6379/15")
 # -- headers -------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ def test_the_cheap_header_size_bound_holds_for_every_kind_of_header_value() -> N
     limit: check that bound against the real encoder on flat headers of every value kind
     enqueue accepts (the worst case is many small integers)."""
     import random
+
     from amqp.serialization import dumps as amqp_dumps
 
     rng = random.Random(7)
@@ -131,7 +133,7 @@ def test_the_cheap_header_size_bound_holds_for_every_kind_of_header_value() -> N
     (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), FailureKind.BACKPRESSURE),
     (ConnectionResetError(errno.ECONNRESET, "reset"), FailureKind.BACKPRESSURE),
     (BrokenPipeError(errno.EPIPE, "broken pipe"), FailureKind.BACKPRESSURE),
-    (socket.timeout("timed out"), FailureKind.BACKPRESSURE),
+    (TimeoutError("timed out"), FailureKind.BACKPRESSURE),
     (socket.gaierror(-2, "Name or service not known"), FailureKind.BACKPRESSURE),
     (OSError("Server unexpectedly closed connection"), FailureKind.BACKPRESSURE),
     (OperationalError("[Errno 111] Connection refused"), FailureKind.BACKPRESSURE),
@@ -192,7 +194,7 @@ def test_only_a_lost_connection_is_retried_transparently() -> None:
     assert _connection_lost(OSError("Server unexpectedly closed connection"))
     assert _connection_lost(amqp_exc.RecoverableConnectionError("basic_publish: connection closed"))
     assert not _connection_lost(wrapped(amqp_exc.RecoverableConnectionError("basic_publish: timed out"),
-                                        socket.timeout("timed out")))
+                                        TimeoutError("timed out")))
     assert not _connection_lost(amqp_exc.MessageNacked())
     assert not _connection_lost(amqp_exc.AccessRefused(403, "ACCESS_REFUSED"))
 

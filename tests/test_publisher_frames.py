@@ -12,13 +12,12 @@ import pytest
 from amqp.method_framing import frame_writer
 from amqp.serialization import dumps
 from kombu import Connection, Producer
+from publisher_support import make_message, raw_body
+from services import AMQP_URL
 
 from outbox.core.model import OutboxMessage
 from outbox.publisher import KombuPublisher, build_headers, encode_body
 from outbox.publisher.frames import PublishFrames
-
-from services import AMQP_URL
-from publisher_support import make_message, raw_body
 
 UNICODE_HEADERS = {"tenant": "acmé ✓", "名前": "値", "x-emoji": "🚀"}
 EVERY_VALUE = {"s": "v", "i": 7, "neg": -2147483647, "min32": -2147483648, "big": 2**40, "yes": True, "no": False,

@@ -13,8 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from outbox import Status
-
 from relay_e2e_support import (
     Destination,
     Outbox,
@@ -29,6 +27,7 @@ from relay_e2e_support import (
     wait_until,
 )
 
+from outbox import Status
 
 # -- a worker killed, a claim lost -------------------------------------------------------------
 
@@ -281,7 +280,7 @@ def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_le
         # Well inside the 300 s lease: anything left to it would time this out.
         destination.wait_for(lambda: len(destination.messages) >= total, timeout=60, procs=procs)
         for task_id in restored:
-            assert wait_until(lambda: runner.succeeded(procs.log("w2"), task_id), timeout=10), (
+            assert wait_until(lambda task_id=task_id: runner.succeeded(procs.log("w2"), task_id), timeout=10), (
                 procs.log("w2")[-3000:])
         arrivals = destination.arrivals()
         check_order(arrivals, expected)

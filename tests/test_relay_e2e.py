@@ -16,9 +16,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from outbox import Status
-
 from relay_e2e_support import Destination, Outbox, Writer, base_env, check_contract, check_order, relay_env, wait_until
+
+from outbox import Status
 
 
 def test_worker_and_beat_relay_every_event_in_order(tmp_path: Path, destination: Destination, outbox: Outbox, runner: Any,

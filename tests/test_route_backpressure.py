@@ -8,21 +8,27 @@ from __future__ import annotations
 import logging
 import sqlite3
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
-
-from outbox import Status, enqueue
-from outbox.domain.chains import split_chains
-from outbox.core.model import OutboxMessage
-from outbox.publisher import (ChainResult, FailureKind, KombuPublisher, Pipelined, Publisher, PublishFailure,
-                              refused_by_route)
-from outbox.relay import Breaker, FileState, Outage, RedisState, RelayContext, RelayOptions, RouteGate, handle_publish
-from outbox.storage.store import OutboxStore
-
 from publisher_support import make_message
 from services import AMQP_URL, REDIS_URL, require
+
+from outbox import Status, enqueue
+from outbox.core.model import OutboxMessage
+from outbox.domain.chains import split_chains
+from outbox.publisher import (
+    ChainResult,
+    FailureKind,
+    KombuPublisher,
+    Pipelined,
+    Publisher,
+    PublishFailure,
+    refused_by_route,
+)
+from outbox.relay import Breaker, FileState, Outage, RedisState, RelayContext, RelayOptions, RouteGate, handle_publish
+from outbox.storage.store import OutboxStore
 
 
 def add(conn: sqlite3.Connection, aggregate: str, topics: Sequence[str]) -> list[int]:
@@ -93,7 +99,7 @@ def test_a_refused_route_pauses_alone_without_attempts_or_breaker(sqlite_store: 
     # While the route is paused, its events are not even sent: released again with the
     # remaining pause, and the other routes flow.
     with conn:
-        conn.execute(f"UPDATE outbox SET next_retry_at = NULL")
+        conn.execute("UPDATE outbox SET next_retry_at = NULL")
     more_b = add(conn, "b2", ["orders.b"])
     publisher.full.clear()
     handle_publish(RelayContext(sqlite_store, publisher, options=options, breaker=breaker, routes=routes),

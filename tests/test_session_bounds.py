@@ -9,16 +9,15 @@ import socket
 import time
 
 import pytest
+from services import MYSQL_URL, POSTGRES_URL, require
 
 from outbox.core.config import SESSION_BOUNDS, load_settings, session_bounds, without_session_bounds
+from outbox.core.errors import ConfigError
 from outbox.storage.engines import engine_for_url
 from outbox.storage.engines.base import tcp_keepalive
 from outbox.storage.engines.mysql import MysqlEngine, session_sql, socket_options
 from outbox.storage.engines.postgres import PostgresEngine, connect_params, libpq_url, session_settings
-from outbox.core.errors import ConfigError
 from outbox.storage.store import OutboxStore
-
-from services import MYSQL_URL, POSTGRES_URL, require
 
 PG = "postgresql://app:secret@db.example:5432/app"
 

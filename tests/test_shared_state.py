@@ -9,15 +9,13 @@ import multiprocessing
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
-from outbox.relay import (Breaker, FileState, ProcessState, RedisState, SharedState, make_coalescer,
-                          open_shared_state)
-
 from services import REDIS_URL, reachable, require
+
+from outbox.relay import Breaker, FileState, ProcessState, RedisState, SharedState, make_coalescer, open_shared_state
 
 
 @pytest.fixture(params=["process", "file", "redis"])
@@ -95,7 +93,7 @@ def test_map_fields_are_written_one_at_a_time(state: SharedState, key: str) -> N
     assert state.get_fields(key) == {}
 
 
-def _acquire(url: str, directory: str, key: str, wins: "multiprocessing.Queue[bool]") -> None:
+def _acquire(url: str, directory: str, key: str, wins: multiprocessing.Queue[bool]) -> None:
     state = FileState(directory) if url == "file" else open_shared_state(url)
     wins.put(state.set_if_absent(key, "x", 30))
 
@@ -105,7 +103,7 @@ def test_file_and_redis_are_shared_between_processes(backend: str, tmp_path: Pat
     if backend == "redis":
         require("Redis", "127.0.0.1", 6379)
     url = REDIS_URL if backend == "redis" else "file"
-    wins: "multiprocessing.Queue[bool]" = multiprocessing.get_context("spawn").Queue()
+    wins: multiprocessing.Queue[bool] = multiprocessing.get_context("spawn").Queue()
     procs = [multiprocessing.get_context("spawn").Process(target=_acquire, args=(url, str(tmp_path), key, wins))
              for _ in range(3)]
     for p in procs:

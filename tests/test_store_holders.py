@@ -11,14 +11,13 @@ import time
 from typing import Any
 
 import pytest
+from engine_support import add, row, statuses
 
 from outbox import Status
 from outbox.core.model import Holder
 from outbox.relay import still_held
 from outbox.relay.holders import Heartbeat, new_holder
 from outbox.storage.store import OutboxStore
-
-from engine_support import add, row, statuses
 
 SILENT_MS = 300  # a holder timeout short enough to wait out in a test
 

@@ -18,12 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relay_e2e_support import (
+    Destination,
+    Outbox,
+    Proxy,
+    Writer,
+    check_order,
+    longest_stand_still,
+    relay_env,
+    require_relay_services,
+    wait_until,
+)
+from runners import CELERY, DRAMATIQ
 
 from outbox import Status
-
-from relay_e2e_support import (Destination, Outbox, Proxy, Writer, check_order, longest_stand_still, relay_env,
-                               require_relay_services, wait_until)
-from runners import CELERY, DRAMATIQ
 
 #: A generous bound on any aggregate's stand-still after the kill: the lease is 60 s, the
 #: holder timeout 3 s (docs/relay.md, "What a crash costs, and how to size the lease", has the measured figures).

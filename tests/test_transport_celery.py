@@ -19,18 +19,28 @@ import random
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
+from relay_e2e_support import (
+    CELERY,
+    DB_KINDS,
+    Destination,
+    Outbox,
+    Procs,
+    Writer,
+    base_env,
+    check_order,
+    require,
+    wait_until,
+)
+from services import AMQP_URL, REDIS_URL
+from transport_support import TaskApp
 
 from outbox import Status
 from outbox.storage.engines import engine_for_url
 from outbox.transport import drop_queue_tables
-from services import AMQP_URL, REDIS_URL
-from relay_e2e_support import (CELERY, DB_KINDS, Destination, Outbox, Procs, Writer, base_env, check_order, require,
-                               wait_until)
-from transport_support import TaskApp
 
 
 @pytest.fixture(params=DB_KINDS + ["mssql"])  # SQL Server: with OUTBOX_TEST_MSSQL_URL
@@ -104,6 +114,7 @@ def test_transactional_send_runs_the_task_only_if_the_transaction_commits(task_a
     engine = engine_for_url(a.db_url)
     if engine.name == "sqlite":  # an application's connection: implicit transactions
         import sqlite3
+
         from outbox.storage.engines.sqlite import sqlite_path
         conn = sqlite3.connect(sqlite_path(a.db_url), timeout=30)
     else:

@@ -19,17 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_support import engine_url
 from kombu import Connection
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
-from engine_support import engine_url
-from outbox.storage.engines import engine_for_url
-from outbox.transport.tables import queue_tables
 from outbox.core.errors import BrokerDatabaseUnavailable
+from outbox.storage.engines import engine_for_url
+from outbox.transport import drop_queue_tables
 from outbox.transport.channel import Transport
 from outbox.transport.database import Database
-from outbox.transport import drop_queue_tables
+from outbox.transport.tables import queue_tables
 
 
 def free_port() -> int:
@@ -79,7 +79,7 @@ def start_worker(db_url: str, table: str, start: Any, errors: Any) -> None:
     try:
         start.wait()
         db.run(lambda qt, c: None)
-    except Exception as exc:  # noqa: BLE001 - reported by the test
+    except Exception as exc:
         errors.put(f"{type(exc).__name__}: {exc}")
     finally:
         db.close()

@@ -10,9 +10,9 @@ import uuid
 from urllib.parse import urlsplit
 
 from kombu import Connection
+from services import POSTGRES_URL, require
 
 from outbox.transport import drop_queue_tables  # importing it registers the outboxdb scheme
-from services import POSTGRES_URL, require
 
 
 def _closed_port() -> int:

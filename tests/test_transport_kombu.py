@@ -7,23 +7,25 @@ own queue tables (transport option ``queue_table``)."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from queue import Empty
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from engine_support import engine_url
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
-from engine_support import engine_url
-from outbox.storage.engines import engine_for_url
 from outbox.core.errors import ConfigError
+from outbox.storage.engines import engine_for_url
 from outbox.transport import drop_queue_tables
 
 KINDS = ["sqlite", "postgresql", "mysql", "mssql"]
@@ -95,7 +97,7 @@ def test_fifo_within_a_queue(broker: Broker) -> None:
 def test_celery_eta_is_stored_invisible_until_due(broker: Broker) -> None:
     with broker.connect() as conn:
         q = conn.SimpleQueue("delayed")
-        eta = (datetime.now(timezone.utc) + timedelta(seconds=2)).isoformat()
+        eta = (datetime.now(UTC) + timedelta(seconds=2)).isoformat()
         q.put({"later": True}, headers={"eta": eta})
         q.put({"now": True})
         started = time.monotonic()
@@ -128,7 +130,7 @@ def test_a_celery_task_with_expires_is_delivered_after_it_for_the_worker_to_revo
     broker, must see the expired task (it marks it REVOKED), as on Redis."""
     with broker.connect() as conn:
         q = conn.SimpleQueue("celery-expires")
-        past = (datetime.now(timezone.utc) - timedelta(seconds=1)).isoformat()
+        past = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
         q.put({"task": True}, headers={"task": "proj.add", "id": "t1", "expires": past}, expiration=0.05)
         time.sleep(0.3)
         m = get(q)
@@ -221,10 +223,8 @@ def test_concurrent_consumers_never_get_the_same_message(broker: Broker) -> None
                     idle_since = time.monotonic()
                     while time.monotonic() - idle_since < 2.0:
                         before = len(seen[slot])
-                        try:
+                        with contextlib.suppress(TimeoutError, OSError):
                             conn.drain_events(timeout=0.5)
-                        except (TimeoutError, OSError):
-                            pass
                         if len(seen[slot]) != before:
                             idle_since = time.monotonic()
         except BaseException as exc:
@@ -312,10 +312,8 @@ def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
                 thread.start()
                 deadline = time.monotonic() + 60
                 while len(got) < 3 and time.monotonic() < deadline:
-                    try:
+                    with contextlib.suppress(TimeoutError, OSError):
                         conn.drain_events(timeout=10)
-                    except (TimeoutError, OSError):
-                        pass
                 thread.join()
         latencies = [g - s for g, s in zip(got, sent)]
         assert len(latencies) == 3 and max(latencies) < 1.0, latencies
@@ -327,15 +325,14 @@ def test_bad_urls_and_options_fail_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unsupported database URL scheme 'oracle'"):
         Connection("outboxdb+oracle://u@h/db").connect()
     url = f"outboxdb+sqlite:///{tmp_path / 'x.db'}"
-    with pytest.raises(ConfigError, match="visibility_timeout"):
-        with Connection(url, transport_options={"visibility_timeout": 0}) as conn:
-            conn.default_channel
-    with pytest.raises(ConfigError, match="control_polling_interval=0.0 must be > 0"):
-        with Connection(url, transport_options={"control_polling_interval": 0}) as conn:
-            conn.default_channel
-    with Connection(url) as conn:
-        with pytest.raises(ValueError, match="(exchange|queue) name is 300 characters"):
-            conn.SimpleQueue("q" * 300).put(1)
+    with pytest.raises(ConfigError, match="visibility_timeout"), \
+            Connection(url, transport_options={"visibility_timeout": 0}) as conn:
+        _ = conn.default_channel
+    with pytest.raises(ConfigError, match="control_polling_interval=0.0 must be > 0"), \
+            Connection(url, transport_options={"control_polling_interval": 0}) as conn:
+        _ = conn.default_channel
+    with Connection(url) as conn, pytest.raises(ValueError, match="(exchange|queue) name is 300 characters"):
+        conn.SimpleQueue("q" * 300).put(1)
 
 
 def test_a_connection_killed_by_the_server_is_replaced_without_losing_a_message(tmp_path: Path) -> None:

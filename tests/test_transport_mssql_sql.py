@@ -11,13 +11,13 @@ import re
 
 import pytest
 import sqlglot
-from sqlglot import exp
-
 from fake_dbapi import RecordingCursor
+from sqlglot import exp
 from tsql_support import parse_one
+
 from outbox.storage.engines.mssql import FILTERED_INDEX_OPTIONS, MssqlEngine
-from outbox.transport.tables.mssql import MssqlQueueTables
 from outbox.transport.tables import queue_tables
+from outbox.transport.tables.mssql import MssqlQueueTables
 
 
 def lease_answers(sql: str) -> list[tuple]:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from engine_support import engine_url
 from services import REDIS_URL, REQUIRE, require
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from engine_support import engine_url
+
 from outbox.storage.engines import engine_for_url
 from outbox.transport.tables import queue_tables
 from outbox.transport.tables.base import QueueTables
@@ -176,7 +177,7 @@ def test_concurrent_receivers_never_lease_the_same_row(tables: Tables) -> None:
                         return
                     continue
                 seen[slot].extend(r.id for r, _ in got)
-                t.tx(lambda c: [t.qt.ack(c, r.id, rc) for r, rc in got], conn)
+                t.tx(lambda c, got=got: [t.qt.ack(c, r.id, rc) for r, rc in got], conn)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
         finally:

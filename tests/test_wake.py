@@ -16,10 +16,23 @@ import json
 import sqlite3
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from services import REDIS_URL, require
+from wake_support import (
+    PYTHON,
+    CountingDestination,
+    Workers,
+    clean_env,
+    drop_redis_keys,
+    event,
+    pythonpath,
+    redis_prefix,
+    wait_done,
+)
 
 import outbox
 import outbox.wake as wake
@@ -28,11 +41,6 @@ from outbox.core.config import reset_settings
 from outbox.core.names import default_namespace
 from outbox.relay.waker import Throttle, token_for
 from outbox.storage.store import OutboxStore
-
-from services import REDIS_URL, require
-from wake_support import (PYTHON, CountingDestination, Workers, clean_env, drop_redis_keys, event, pythonpath,
-                          redis_prefix, wait_done)
-
 
 # -- helpers -------------------------------------------------------------------------------------
 
@@ -93,10 +101,9 @@ def test_transaction_commits_then_wakes_once(sqlite_db: Path, recorder: Recorder
             assert recorder.calls == []
         assert recorder.calls == [3]  # one wake, after the commit made all three visible
 
-        with pytest.raises(RuntimeError):
-            with outbox.transaction(conn):
-                enqueue(conn, **event(9))
-                raise RuntimeError("business failure")
+        with pytest.raises(RuntimeError), outbox.transaction(conn):
+            enqueue(conn, **event(9))
+            raise RuntimeError("business failure")
         assert recorder.calls == [3] and count_rows(sqlite_db) == 3  # rolled back, no wake
     finally:
         conn.close()
@@ -328,7 +335,8 @@ def test_flask_extension_wakes_after_the_request_commits(sqlite_db: Path, record
     sqlalchemy = pytest.importorskip("sqlalchemy")
     from sqlalchemy.orm import scoped_session, sessionmaker
 
-    from outbox.contrib.flask import Outbox, current, enqueue as flask_enqueue
+    from outbox.contrib.flask import Outbox, current
+    from outbox.contrib.flask import enqueue as flask_enqueue
 
     engine = sqlalchemy.create_engine(f"sqlite:///{sqlite_db}")
     db_session = scoped_session(sessionmaker(engine))

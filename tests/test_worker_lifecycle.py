@@ -13,16 +13,21 @@ import time
 from pathlib import Path
 
 import pytest
+from relay_support import PYTHON, ScriptedPublisher, add, claim_chains, rows, run_python
 
 from outbox import Status
 from outbox.core.errors import ConfigError
 from outbox.core.names import Queues, default_namespace
-from outbox.relay import (CLAIM_TASK, PURGE_TASK, RelayContext, RelayOptions, handle_publish, message_from_dict,
-                          message_to_dict)
+from outbox.relay import (
+    CLAIM_TASK,
+    PURGE_TASK,
+    RelayContext,
+    RelayOptions,
+    handle_publish,
+    message_from_dict,
+    message_to_dict,
+)
 from outbox.storage.store import OutboxStore
-
-from relay_support import PYTHON, ScriptedPublisher, add, claim_chains, rows, run_python
-
 
 # -- stopping ----------------------------------------------------------------------------------
 
@@ -34,8 +39,7 @@ def test_publish_task_started_while_stopping_releases_its_chains(sqlite_store: O
     chains = claim_chains(sqlite_store)
     outcomes = handle_publish(RelayContext(sqlite_store, publisher, stopping=lambda: True), chains, deadline=time.time() + 60)
     assert publisher.sent == [] and all(o.skipped for o in outcomes)
-    assert {i: (r["status"], r["attempts"]) for i, r in rows(sqlite_store).items()} == {
-        i: (Status.PENDING, 0) for i in a + b}
+    assert {i: (r["status"], r["attempts"]) for i, r in rows(sqlite_store).items()} == dict.fromkeys(a + b, (Status.PENDING, 0))
 
 
 def test_pool_children_see_the_shutdown_through_the_main_process_marker(tmp_path: Path) -> None:

@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relay_e2e_support import Destination, Outbox, relay_env, wait_until
 
+from outbox.celery.worker_logging import TickFilter, heartbeat_line
 from outbox.core.model import Stats
 from outbox.relay import CLAIM_TASK, PUBLISH_TASK
-from outbox.celery.worker_logging import TickFilter, heartbeat_line
-
-from relay_e2e_support import Destination, Outbox, relay_env, wait_until
 
 IDLE_WINDOW_S = 10.0
 HEARTBEAT_S = 3.0
@@ -68,8 +67,8 @@ def test_an_idle_worker_and_beat_are_quiet_at_info_and_log_a_heartbeat(
         conn.commit()
     assert destination.wait_for(lambda: len(destination.arrived()) >= 30, timeout=60, procs=procs), context
     # A heartbeat after the delivery reports an empty backlog again.
-    assert wait_until(lambda: "backlog pending=0" in [l for l in info_lines(procs.log("w1"))
-                                                      if "heartbeat" in l][-1], timeout=30)
+    assert wait_until(lambda: "backlog pending=0" in [line for line in info_lines(procs.log("w1"))
+                                                      if "heartbeat" in line][-1], timeout=30)
 
 
 def _record(name: str, msg: str, args: Any, level: int = logging.INFO) -> logging.LogRecord:

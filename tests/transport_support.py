@@ -4,6 +4,7 @@ written to a fresh module per test, with its workers as child processes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -105,10 +106,8 @@ class TaskApp:
         return [line.split() for line in self.out.read_text().splitlines() if line.startswith(prefix + " ")]
 
     def kill(self, name: str) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.procs[name].pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.procs[name].wait(10)
 
     def close(self) -> None:

@@ -6,14 +6,16 @@ its fixtures (``counting_destination``, ``workers``) by name and import its help
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from services import AMQP_URL, REDIS_URL, require
@@ -132,14 +134,10 @@ class Workers:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc, _ in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait(timeout=5)
         namespaces = {load_settings(environ=env).outbox_namespace for env in self.envs}
         drop_redis_keys(self.prefix, *{token_for(REDIS_URL, self.prefix, ns) for ns in namespaces})
