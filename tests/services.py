@@ -37,3 +37,11 @@ def require(name: str, host: str, port: int) -> None:
     if REQUIRE:
         pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
     pytest.skip(message)
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on now (bound, then released): for a server a test
+    starts, or for a URL that must find nothing there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("dramatiq")
 
-from services import AMQP_URL, REDIS_URL, require
+from services import AMQP_URL, REDIS_URL, free_port, require
 
 import outbox
 from outbox import wake
@@ -259,21 +259,13 @@ from relay_e2e_support import relay_env, wait_until  # noqa: E402
 from runners import DRAMATIQ  # noqa: E402
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_dramatiq_worker_serves_the_relays_metrics(tmp_path: Path, destination: Any, sqlite_outbox: Any,
                                                       procs_factory: Any) -> None:
     """MetricsMiddleware: with OUTBOX_RELAY_METRICS_PORT the worker serves the same
     metrics as the Celery worker, counting what it relayed, and reads the gauges."""
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     with sqlite_outbox.writer() as conn:
         ids = [sqlite_outbox.add(conn, "m", n) for n in range(5)]
         conn.commit()

@@ -5,7 +5,6 @@ worker serving the sum over its pool processes."""
 from __future__ import annotations
 
 import json
-import socket
 import sqlite3
 import subprocess
 import time
@@ -20,6 +19,7 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client import CollectorRegistry
 from relay_support import ScriptedPublisher
+from services import free_port
 from wake_support import PYTHON, CountingDestination, Workers, wait_done
 
 from outbox import enqueue
@@ -237,12 +237,6 @@ def test_metrics_never_break_the_relay(registry: CollectorRegistry, make_store: 
     monkeypatch.setattr(active.backlog, "set", broken)
     outcome = handle_claim(RelayContext(store, hooks=HOOKS), Collect(), batch_size=10, lease_s=60.0)
     assert outcome.claimed == 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,12 @@ from typing import Any
 
 import pytest
 from pipeline_support import DAY_MS, mixed_rows, seed, table_ids
-from services import POSTGRES_URL, require
+from services import POSTGRES_URL, free_port, require
 
 from outbox.pipeline.archive import read_archive
 from outbox.storage.store import OutboxStore
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # JVMs of their own; CI runs them
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _spark_home() -> Path:
@@ -49,7 +42,7 @@ def cluster(tmp_path: Path) -> Iterator[str]:
         pytest.skip(f"this PySpark installation has no {spark_class}")
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
            "SPARK_HOME": str(_spark_home())}
-    port, ui, worker_ui = _free_port(), _free_port(), _free_port()
+    port, ui, worker_ui = free_port(), free_port(), free_port()
     logs = tmp_path / "cluster-logs"
     logs.mkdir()
     procs = [subprocess.Popen([str(spark_class), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",

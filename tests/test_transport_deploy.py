@@ -12,7 +12,6 @@ items 5, 6, 12), on live SQLite, PostgreSQL and MariaDB:
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from engine_support import engine_url
 from kombu import Connection
 from kombu.exceptions import OperationalError as KombuOperationalError
+from services import free_port
 
 import outbox.transport  # noqa: F401  (registers the outboxdb scheme)
 from outbox.core.errors import BrokerDatabaseUnavailable
@@ -30,12 +30,6 @@ from outbox.transport import drop_queue_tables
 from outbox.transport.channel import Transport
 from outbox.transport.database import Database
 from outbox.transport.tables import queue_tables
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_lost_database_is_a_connection_error_of_the_transport_class() -> None:

@@ -5,28 +5,20 @@ first host refuses connections (a failed primary) and the transport carries on o
 
 from __future__ import annotations
 
-import socket
 import uuid
 from urllib.parse import urlsplit
 
 from kombu import Connection
-from services import POSTGRES_URL, require
+from services import POSTGRES_URL, free_port, require
 
 from outbox.transport import drop_queue_tables  # importing it registers the outboxdb scheme
-
-
-def _closed_port() -> int:
-    """A local port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_multi_host_postgresql_url_fails_over_to_the_host_that_answers() -> None:
     require("PostgreSQL", "127.0.0.1", 5432)
     parts = urlsplit(POSTGRES_URL)
     user = f"{parts.username}@" if parts.username else ""
-    hosts = f"127.0.0.1:{_closed_port()},{parts.hostname}:{parts.port or 5432}"
+    hosts = f"127.0.0.1:{free_port()},{parts.hostname}:{parts.port or 5432}"
     db_url = f"postgresql://{user}{hosts}{parts.path}?target_session_attrs=read-write"
     table = f"kf_{uuid.uuid4().hex[:10]}"
     try:

@@ -8,7 +8,6 @@ Celery's run as Celery runs them against any broker: its test app, its session w
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,7 @@ import pytest
 from engine_support import engine_url
 from services import REDIS_URL, REQUIRE, require
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import suites  # noqa: E402 - after the path
+from bench import suites
 
 
 @pytest.fixture(scope="module")
