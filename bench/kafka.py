@@ -32,9 +32,10 @@ import tempfile
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .common import (
     Arrivals,
@@ -167,7 +168,7 @@ def messages(events: int, aggregates: int, topic: str) -> list[Any]:
     """The backlog's events (``bench.common.load_backlog``'s; ids 1..n) as the relay claims them."""
     from outbox.core.model import OutboxMessage
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     out = []
     for n in range(events):
         e = make_event(n, aggregate_name(n % aggregates))

@@ -16,8 +16,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from .core.config import dramatiq_settings, wake_options
 from .core.handoff import HandOff

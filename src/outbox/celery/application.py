@@ -21,7 +21,7 @@ from kombu.utils.url import as_url
 
 from ..core.config import RelayOptions, Settings, relay_options, relay_settings, use_conf
 from ..core.errors import ConfigError
-from ..core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
+from ..core.names import CLAIM_TASK, PUBLISH_TASK, TASK_OUTBOX_ARG, Queues
 from ..core.redact import redact
 
 log = logging.getLogger("outbox.celery")

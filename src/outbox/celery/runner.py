@@ -5,7 +5,8 @@ named from Celery's broker URL and key prefix."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..core.config import relay_settings
 from ..core.names import PUBLISH_TASK, claim_request_key

@@ -9,12 +9,26 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .application import app, send_relay_task
 from ..core.config import relay_settings
-from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
+from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, TASK_OUTBOX_ARG
+from .application import app, send_relay_task
+
 # The worker's per-process wiring, re-exported: ``outbox.celery.tasks.resources`` and the rest keep working.
-from .worker import (STOPPING, _stopping_marker, breaker, claiming_in_process, close_resources,  # noqa: F401
-                     coalescer, outage, queued_publish_tasks, relay, request_claim, resources, route_gate, stopping)
+from .worker import (  # noqa: F401
+    STOPPING,
+    _stopping_marker,
+    breaker,
+    claiming_in_process,
+    close_resources,
+    coalescer,
+    outage,
+    queued_publish_tasks,
+    relay,
+    request_claim,
+    resources,
+    route_gate,
+    stopping,
+)
 
 log = logging.getLogger("outbox.tasks")
 

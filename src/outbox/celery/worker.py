@@ -13,17 +13,19 @@ from typing import Any
 
 from celery import signals
 
-from .application import app
-from .runner import CeleryRunner
-from .waker import claim_queue
 from ..core.config import relay_options, relay_settings, wake_options
 from ..core.handoff import HandOff
 from ..core.names import CLAIM_TASK, claim_request_key, wake_channel
 from ..core.redact import install_filter
 from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
+from ..relay import listen as _listen
+from ..relay import metrics as _metrics
+from ..relay import waker as _waker
 from ..relay.service import Relay
 from . import worker_logging as _worker_logging
-from ..relay import listen as _listen, metrics as _metrics, waker as _waker
+from .application import app
+from .runner import CeleryRunner
+from .waker import claim_queue
 
 log = logging.getLogger("outbox.tasks")
 

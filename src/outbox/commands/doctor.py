@@ -203,7 +203,7 @@ def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None
     """Kafka: the cluster answers; the topics the relay needs exist, or the brokers may create
     them; with ``probe_topic``, one probe message produced there as the relay would."""
     from ..core.config import KafkaOptions
-    from ..publisher.kafka import KafkaPublisher, probe_message, topic_status, topic_of
+    from ..publisher.kafka import KafkaPublisher, probe_message, topic_of, topic_status
 
     url = settings.publish_url
     options = options or KafkaOptions()

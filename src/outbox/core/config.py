@@ -15,15 +15,31 @@ import difflib
 import fnmatch
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
-from .checks import (DATABASE_BROKER_SCHEME, DATABASE_SCHEMES, MAX_CLAIM_TIMEOUT_MS, SESSION_BOUNDS,
-                     session_bounds, validate_database_url, validate_dramatiq_broker_url,
-                     validate_dramatiq_namespace, validate_exchange, validate_identifier,
-                     validate_kafka_sasl_mechanism, validate_kafka_security_protocol, validate_kafka_topic_template,
-                     validate_kombu_url, validate_namespace, validate_publish_url, validate_spark_log_level,
-                     validate_spark_master, without_session_bounds)
+from .checks import (
+    DATABASE_BROKER_SCHEME,
+    DATABASE_SCHEMES,
+    MAX_CLAIM_TIMEOUT_MS,
+    SESSION_BOUNDS,
+    session_bounds,
+    validate_database_url,
+    validate_dramatiq_broker_url,
+    validate_dramatiq_namespace,
+    validate_exchange,
+    validate_identifier,
+    validate_kafka_sasl_mechanism,
+    validate_kafka_security_protocol,
+    validate_kafka_topic_template,
+    validate_kombu_url,
+    validate_namespace,
+    validate_publish_url,
+    validate_spark_log_level,
+    validate_spark_master,
+    without_session_bounds,
+)
 from .errors import ConfigError
 from .names import Queues, default_namespace
 from .options import Options, Sources, option

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 from urllib.parse import quote
 
 from .errors import ConfigError, install_hint

@@ -10,20 +10,30 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import dramatiq
 from dramatiq.middleware import Middleware
 
-from . import brokers as _broker
-from ..relay import metrics as _metrics
 from ..core.config import RelayOptions, Settings, get_settings, metrics_options, relay_options
 from ..core.errors import ConfigError
-from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, TASK_OUTBOX_ARG, Queues
+from ..core.names import (
+    ACK_TASK,
+    CLAIM_TASK,
+    FAIL_TASK,
+    PUBLISH_TASK,
+    PURGE_TASK,
+    RELEASE_TASK,
+    TASK_OUTBOX_ARG,
+    Queues,
+)
 from ..core.redact import install_filter, redact
+from ..relay import metrics as _metrics
 from ..relay.resources import Resources, Shared
 from ..relay.service import Relay
 from ..storage.store import OutboxStore
+from . import brokers as _broker
 from .runner import DramatiqRunner
 
 log = logging.getLogger("outbox.dramatiq")

@@ -7,9 +7,9 @@ import logging
 import threading
 from typing import Any
 
-from . import brokers as _broker
 from ..core.names import TASK_OUTBOX_ARG, Queues, claim_request_key
 from ..relay.waker import clear_token
+from . import brokers as _broker
 
 log = logging.getLogger("outbox.dramatiq")
 

@@ -13,11 +13,11 @@ import time
 import uuid
 from typing import Any
 
-from . import brokers as _broker
 from ..core.config import get_settings, relay_options
 from ..core.errors import ConfigError
 from ..core.redact import install_filter, redact
 from ..relay import RelayOptions
+from . import brokers as _broker
 
 log = logging.getLogger("outbox.dramatiq.scheduler")
 

@@ -15,16 +15,26 @@ import os
 import re
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from datetime import UTC
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from ..core.config import KafkaOptions, kafka_options
 from ..core.errors import ConfigError, install_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
-from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, ChainResult, FailureKind, Overtaken,
-                       Pipelined, Publisher, PublishFailure)
+from .contract import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_ERROR_HEADER_CHARS,
+    ChainResult,
+    FailureKind,
+    Overtaken,
+    Pipelined,
+    Publisher,
+    PublishFailure,
+)
 from .message import build_headers, encode_body
 
 if TYPE_CHECKING:
@@ -171,7 +181,7 @@ class KafkaPublisher(Publisher):
         self._client_log = ClientLog(logging.getLogger("outbox.publisher.kafka"))
 
     @classmethod
-    def from_settings(cls, settings: "Settings", **options: Any) -> "KafkaPublisher":
+    def from_settings(cls, settings: Settings, **options: Any) -> KafkaPublisher:
         """Build from ``Settings`` and OUTBOX_KAFKA_*; OUTBOX_DEAD_LETTER_EXCHANGE names the
         dead-letter topic."""
         options.setdefault("dead_letter_topic", settings.dead_letter_exchange)
@@ -243,7 +253,7 @@ class KafkaPublisher(Publisher):
             if self._producer is not None and self._pid == os.getpid():
                 try:
                     self._producer.flush(min(self.options.delivery_timeout_s, 5.0))
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.debug("error flushing the Kafka producer", exc_info=True)
             self._producer, self._pid = None, None
 
@@ -376,13 +386,13 @@ class KafkaPublisher(Publisher):
 
 def probe_message(topic: str) -> OutboxMessage:
     """The message ``outbox check --probe TOPIC`` produces (header ``x-outbox-probe``)."""
-    from datetime import datetime, timezone
+    from datetime import datetime
     from uuid import uuid4
 
     return OutboxMessage(id=0, message_id=f"outbox-check-{uuid4()}", topic=topic, aggregate_type="outbox.check",
                          aggregate_id="outbox-check", partition_key=None, payload='{"probe": true}',
                          headers={"x-outbox-probe": True}, trace_id=None, attempts=0,
-                         created_at=datetime.now(timezone.utc), lease="")
+                         created_at=datetime.now(UTC), lease="")
 
 
 def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,

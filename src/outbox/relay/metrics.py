@@ -14,8 +14,9 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 from ..core.config import metrics_options
 from ..core.errors import install_hint
@@ -158,14 +159,14 @@ def chain(m: Metrics, published: Iterable[OutboxMessage], seconds: float, failed
     """One chain went through the publisher: its confirmed prefix, how long it took, and
     the failure kind of the event that stopped it (None when the whole chain went)."""
     m.publish_seconds.observe(seconds)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     count = 0
     for message in published:
         count += 1
         created = message.created_at
         if isinstance(created, datetime):
             if created.tzinfo is None:
-                created = created.replace(tzinfo=timezone.utc)
+                created = created.replace(tzinfo=UTC)
             m.event_age.observe(max(0.0, (now - created).total_seconds()))
     if count:
         m.published.inc(count)

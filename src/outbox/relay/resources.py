@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..core.config import RelayOptions, Settings
 from ..core.model import Holder
@@ -16,9 +16,18 @@ from ..publisher.select import publisher_for
 from ..storage.store import OutboxStore
 from .holders import Heartbeat, new_holder
 from .settle import Fallback, Settler
+from .shared import (
+    Breaker,
+    Coalescer,
+    Outage,
+    RouteGate,
+    breaker_key,
+    make_breaker,
+    make_coalescer,
+    make_relay_outage,
+    make_route_gate,
+)
 from .sizing import ClaimSizer
-from .shared import (Breaker, Coalescer, Outage, RouteGate, breaker_key, make_breaker, make_coalescer,
-                     make_relay_outage, make_route_gate)
 
 log = logging.getLogger("outbox.relay")
 

@@ -9,8 +9,9 @@ The task and actor modules (``outbox.celery.tasks``, ``outbox.dramatiq``) are on
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import Any
 
 from ..core.config import RelayOptions, Settings
 from ..core.model import OutboxMessage, message_from_dict, message_to_dict

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from ..core.model import Claim, FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
 from ..publisher import Publisher, PublishFailure

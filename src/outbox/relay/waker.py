@@ -14,7 +14,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..core.config import relay_options, relay_settings
 from ..core.names import CLAIM_REQUEST_PREFIX, claim_request_key

@@ -11,17 +11,30 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Sequence, TypeVar
+from typing import Any, ContextManager, TypeVar
 
 from ..core.config import Settings, get_settings
+from ..core.model import (
+    Beat,
+    Claim,
+    DeadRow,
+    FailResult,
+    FenceResult,
+    Holder,
+    OutboxMessage,
+    RequeueResult,
+    SilentHolder,
+    Stats,
+    Status,
+    Takeover,
+)
+from ..domain.events import MAX_ERROR_UNITS, fit_utf16
 from .connections import Connections
 from .engines import Engine, engine_for_url
-from .engines.describe import index_names
 from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
-from ..domain.events import MAX_ERROR_UNITS, fit_utf16
-from ..core.model import (Beat, Claim, DeadRow, FailResult, FenceResult, Holder, OutboxMessage, RequeueResult,
-                    SilentHolder, Stats, Status, Takeover)
+from .engines.describe import index_names
 
 log = logging.getLogger("outbox.storage.store")
 T = TypeVar("T")
@@ -67,7 +80,7 @@ class OutboxStore:
         self._connections = Connections(self.engine, url)
 
     @classmethod
-    def from_settings(cls, settings: Settings | None = None) -> "OutboxStore":
+    def from_settings(cls, settings: Settings | None = None) -> OutboxStore:
         s = settings or get_settings()
         return cls(s.database_url, table=s.table, schema=s.schema,
                    claim_timeout_ms=s.claim_timeout_ms, max_attempts=s.max_attempts,

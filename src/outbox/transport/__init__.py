@@ -52,8 +52,8 @@ def is_transport_url(url: str | None) -> bool:
 
 def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:
     """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``)."""
-    from .tables.base import DEFAULT_QUEUE_TABLE
     from .database import Database, database_url_of
+    from .tables.base import DEFAULT_QUEUE_TABLE
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
     db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)
     try:

@@ -35,19 +35,27 @@ from __future__ import annotations
 import json
 import logging
 import random
-import socket
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from queue import Empty
-from typing import Any, Callable
+from typing import Any
 
 from kombu.transport import virtual
 
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
 from .database import Database, database_url_of, driver_errors
-from .messages import (celery_expires, check_name, encode_envelope, eta_delay_ms, is_control_queue, is_reply_queue,
-                       split_tag, ttl_ms)
+from .messages import (
+    celery_expires,
+    check_name,
+    encode_envelope,
+    eta_delay_ms,
+    is_control_queue,
+    is_reply_queue,
+    split_tag,
+    ttl_ms,
+)
 from .options import SCHEME
 from .tables.base import DEFAULT_QUEUE_TABLE, MessageRow, QueueTables
 
@@ -427,7 +435,7 @@ class Transport(virtual.Transport):
         time.sleep(pause)
         return False
 
-    def establish_connection(self) -> "Transport":
+    def establish_connection(self) -> Transport:
         conn = super().establish_connection()
         for channel in self._avail_channels:
             channel.db.run(lambda qt, c: None)  # connect now: bad URLs and credentials fail at start-up
@@ -453,7 +461,7 @@ class Transport(virtual.Transport):
             if now < self._next_poll:
                 left = None if timeout is None else started + timeout - now
                 if left is not None and left <= 0:
-                    raise socket.timeout()
+                    raise TimeoutError()
                 pause = self._next_poll - now if left is None else min(self._next_poll - now, left)
                 if self._idle_wait(pause):
                     self._sleep, self._next_poll = self.polling_interval_min, 0.0  # woken by a send
@@ -472,7 +480,7 @@ class Transport(virtual.Transport):
                     self._next_poll = time.monotonic() + min(self._sleep, ceiling) * random.uniform(0.75, 1.25)
                     self._sleep = min(self._sleep * 2, ceiling)
                 if timeout is not None and time.monotonic() - started >= timeout:
-                    raise socket.timeout()
+                    raise TimeoutError()
             else:
                 self._sleep, self._next_poll = self.polling_interval_min, 0.0
                 return

@@ -9,7 +9,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
 from ..storage.connections import Connections

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
-from typing import Any, ClassVar, Iterable, Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any, ClassVar
 
-from ...domain.chains import Candidate, plan_claim
 from ...core.config import validate_identifier
 from ...core.model import FailureKind, NewEvent, OutboxMessage
+from ...domain.chains import Candidate, plan_claim
 from . import rows
 
 #: Columns handed to the relay, in this order, by every claim implementation.
@@ -246,8 +247,8 @@ class Engine(ABC):
         if isinstance(value, str):
             value = datetime.fromisoformat(value)
         if value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc)
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
 
     # -- schema --------------------------------------------------------------
     @abstractmethod
@@ -266,7 +267,7 @@ class Engine(ABC):
 
     def holders_columns(self) -> str:
         return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INTEGER NOT NULL, "
-                f"started_at TIMESTAMP NOT NULL, beat_at TIMESTAMP NOT NULL")
+                "started_at TIMESTAMP NOT NULL, beat_at TIMESTAMP NOT NULL")
 
     # -- write side (runs in the caller's transaction: never commit here) -------
     @abstractmethod

@@ -7,7 +7,8 @@ modules (``outbox.transport.tables.<engine>``) subclass ``QueueTables`` with onl
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from ...storage.engines.base import Engine
 
@@ -158,7 +159,7 @@ class QueueTables:
     def session_setup(self, cursor: Any) -> None:
         """Run once on each new connection of the transport (engine-specific tuning)."""
 
-    def open_waiter(self, url: str) -> "Waiter | None":
+    def open_waiter(self, url: str) -> Waiter | None:
         """Something an idle receiver can block on until a message may have arrived
         (PostgreSQL's LISTEN), or None: the receiver then sleeps between polls."""
         return None

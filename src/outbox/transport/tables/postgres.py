@@ -18,6 +18,7 @@ class ListenWaiter(Waiter):
 
     def __init__(self, url: str, channel: str) -> None:
         import psycopg
+
         from ...storage.engines.postgres import connect_params
         self.conn = psycopg.connect(**connect_params(url), autocommit=True)
         self.conn.execute(f'LISTEN "{channel}"')

@@ -6,8 +6,9 @@ by ``driver``. The SQL itself is ``sql`` and ``schema``."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar
 
 from ....core.errors import StoreError
 from . import driver

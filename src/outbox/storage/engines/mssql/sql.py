@@ -6,7 +6,8 @@ tests/test_mssql_sql.py."""
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ....core.errors import StoreError
 from ....core.model import NewEvent
