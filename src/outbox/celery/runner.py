@@ -55,7 +55,7 @@ class CeleryRunner:
                     if type(exc).__name__ == "NotFound":
                         return 0
                     raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a best-effort reading: None means unknown
             log.debug("outbox: cannot read the publish queue's length: %s", exc)
             return None
 

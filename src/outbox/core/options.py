@@ -73,7 +73,7 @@ class Sources:
         return any(isinstance(layer.get(name), str) and not layer[name].strip() for layer in self.layers)
 
 
-O = TypeVar("O", bound="Options")
+OptionsT = TypeVar("OptionsT", bound="Options")
 
 
 class Options:
@@ -99,7 +99,7 @@ class Options:
         return tuple(cls.declared())
 
     @classmethod
-    def from_sources(cls: type[O], *sources: Mapping[str, Any] | Sources | None) -> O:
+    def from_sources(cls: type[OptionsT], *sources: Mapping[str, Any] | Sources | None) -> OptionsT:
         """Every field from the first source that sets its setting, else its default."""
         found = Sources(*sources)
         values: dict[str, Any] = {}

@@ -78,7 +78,7 @@ def django_settings(names: Iterable[str]) -> Mapping[str, Any]:
     except ImportError as exc:  # DJANGO_SETTINGS_MODULE names a module that does not import
         raise ConfigError(f"DJANGO_SETTINGS_MODULE={os.environ.get('DJANGO_SETTINGS_MODULE')!r} cannot be "
                           f"imported: {exc}") from None
-    except Exception:  # Django present but not set up: not our configuration source
+    except Exception:  # noqa: BLE001 - Django present but not set up: not our configuration source
         return {}
     # Only for a project's settings module: a process that calls settings.configure() by
     # hand (scripts, tests) keeps the relay's own default unless it sets OUTBOX_DATABASE_URL.

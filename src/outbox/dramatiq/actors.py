@@ -158,7 +158,7 @@ class MetricsMiddleware(Middleware):
             log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
                      " (multiprocess)" if _metrics.multiprocess_mode() else "")
             _metrics.start_refresher(lambda: OutboxStore.from_settings(SETTINGS))  # the gauges' own schedule
-        except Exception as exc:  # metrics must never stop the relay
+        except Exception as exc:  # noqa: BLE001 - metrics must never stop the relay
             log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
             _metrics.disable()
 
@@ -172,7 +172,7 @@ broker.add_middleware(OutboxMiddleware())
 broker.add_middleware(MetricsMiddleware())
 dramatiq.set_broker(broker)
 
-_SETTLE = dict(max_retries=10, min_backoff=500, max_backoff=30_000)
+_SETTLE = {"max_retries": 10, "min_backoff": 500, "max_backoff": 30_000}
 
 
 def _only_ours(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 from ..core.errors import ConfigError
 from ..core.redact import redact
+from .contract import MAX_ERROR_HEADER_CHARS, FailureKind, PublishFailure
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
-from .contract import MAX_ERROR_HEADER_CHARS, FailureKind, PublishFailure
 
 # -- error classification (pure) -------------------------------------------------------------
 

@@ -154,7 +154,7 @@ def chain_result(ids: Sequence[int], verdicts: Sequence[Any]) -> ChainResult:
     overtaken = tuple(Overtaken(ids[i], verdicts[i], tuple(ids[j] for j in delivered if j > i))
                       for i in range(last) if verdicts[i] is not None)
     published = tuple(ids[i] for i in delivered)
-    rest = [i for i in range(last + 1, len(ids))]
+    rest = list(range(last + 1, len(ids)))
     if not rest:
         return ChainResult(published, overtaken=overtaken)
     failure = next((verdicts[i] for i in rest if isinstance(verdicts[i], PublishFailure)), None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -17,7 +18,6 @@ from ..core.redact import redact
 if TYPE_CHECKING:
     from ..core.config import Settings
 
-log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 from .contract import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_ERROR_HEADER_CHARS,
@@ -32,6 +32,8 @@ from .failures import _connection_lost, failure_from
 from .frames import PublishFrames
 from .message import _encoding_problem, build_headers, carriable_ids, encode_body, poison_check
 from .waves import RETURNED, ChainProgress, Wave, next_wave, settle_wave
+
+log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 
 # -- the kombu publisher -----------------------------------------------------------------------
 
@@ -412,16 +414,14 @@ class KombuPublisher(Publisher):
         if connection is None:
             raise RecoverableConnectionError("basic_publish: connection closed")
         if connection.client_properties.get("capabilities", {}).get("connection.blocked", False):
-            try:
+            with contextlib.suppress(TimeoutError):
                 connection.drain_events(timeout=0)
-            except TimeoutError:
-                pass
         transport = connection.transport
         try:
             with transport.having_timeout(self.confirm_timeout):
                 transport.write(b"".join(frames))
-        except TimeoutError:
-            raise RecoverableConnectionError("basic_publish: timed out")
+        except TimeoutError as exc:
+            raise RecoverableConnectionError("basic_publish: timed out") from exc
         connection.bytes_sent += 1
 
     def _discard(self) -> None:

@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..core.model import OutboxMessage
+from .contract import DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES, FailureKind, PublishFailure
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
-from .contract import DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES, FailureKind, PublishFailure
 
 #: The routing key of a dead-letter copy whose row's topic cannot be a routing key (over
 #: 255 bytes of UTF-8): docs/relay.md, "Dead-letter exchange".

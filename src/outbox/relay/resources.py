@@ -119,7 +119,7 @@ class ResourceHolder:
         process that has just started), so it may take lost processes over sooner."""
         try:
             self.holder()
-        except Exception as exc:  # never keep a worker from starting over this: the first task retries
+        except Exception as exc:  # noqa: BLE001 - never keep a worker from starting over this: the first task retries
             self._log.warning("outbox: heartbeat not started (%s: %s)", type(exc).__name__, exc)
 
     def shared(self) -> Shared:
@@ -152,7 +152,7 @@ class ResourceHolder:
             for closable in (r.publisher, r.store):
                 try:
                     closable.close()
-                except Exception:  # closing after a failure may fail again
+                except Exception:  # noqa: BLE001 - closing after a failure may fail again
                     self._log.debug("outbox: error closing %r", closable, exc_info=True)
 
     def forget(self) -> None:

@@ -74,7 +74,7 @@ class Connections:
                 try:
                     conn.close()
                 except Exception:  # closing a broken connection may itself fail
-                    pass
+                    log.debug("outbox: error closing a dropped connection", exc_info=True)
 
     @contextmanager
     def transaction(self, *, alone: bool = False) -> Iterator[Any]:
@@ -98,7 +98,7 @@ class Connections:
         except BaseException as exc:
             try:
                 conn.rollback()
-            except Exception:
+            except Exception:  # noqa: BLE001 - a rollback that fails for any reason drops the connection
                 self.drop()
             else:
                 if self.engine.is_disconnect(exc):
@@ -108,7 +108,7 @@ class Connections:
             try:
                 cursor.close()
             except Exception:
-                pass
+                log.debug("outbox: error closing a cursor", exc_info=True)
 
     def retryable(self, exc: BaseException) -> bool:
         """Worth running the work again: a transient error, a dropped connection."""

@@ -12,8 +12,9 @@ import logging
 import secrets
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, ContextManager, TypeVar
+from typing import Any, TypeVar
 
 from ..core.config import Settings, get_settings
 from ..core.model import (
@@ -98,7 +99,7 @@ class OutboxStore:
     def close(self) -> None:
         self._connections.drop()
 
-    def transaction(self, *, alone: bool = False) -> ContextManager[Any]:
+    def transaction(self, *, alone: bool = False) -> AbstractContextManager[Any]:
         """A cursor inside one short transaction (``Connections.transaction``)."""
         return self._connections.transaction(alone=alone)
 
@@ -481,7 +482,7 @@ class OutboxStore:
                                  permanent={str(r[0]): int(r[1]) for r in sorted(kept, key=lambda r: str(r[0]))})
 
         def requeue_ids(cursor: Any) -> RequeueResult:
-            wanted = sorted(set(int(i) for i in ids or ()))
+            wanted = sorted({int(i) for i in ids or ()})
             chunks = [self.engine.ids_in(part) for part in self.engine.id_chunks(wanted)]
             rows = [row for cond, params in chunks for row in self.engine.execute(
                 cursor, "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, "

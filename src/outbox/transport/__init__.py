@@ -47,7 +47,7 @@ def register() -> None:
 
 def is_transport_url(url: str | None) -> bool:
     """True for broker URLs that select this transport."""
-    return bool(url) and (url.startswith(f"{SCHEME}+") or url.startswith(f"{SCHEME}://"))  # type: ignore[union-attr]
+    return bool(url) and (url.startswith((f"{SCHEME}+", f"{SCHEME}://")))  # type: ignore[union-attr]
 
 
 def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:

@@ -86,7 +86,7 @@ class QoS(virtual.QoS):
             tag, message = self._delivered.popitem()
             try:
                 self.channel._settle(tag, requeue=True)
-            except Exception as exc:  # reported by restore_unacked_once
+            except Exception as exc:  # noqa: BLE001 - reported by restore_unacked_once
                 errors.append((exc, message))
         return errors
 
@@ -283,9 +283,11 @@ class Channel(virtual.Channel):
             if len(got) >= limit:
                 break
             receipt = uuid.uuid4().hex
-            rows = self.db.run(lambda qt, c: qt.lease(c, queue, limit - len(got), visibility_ms, receipt))
-            if rows and queue in self._no_ack_queues:
-                self.db.run(lambda qt, c: [qt.ack(c, r.id, receipt) for r in rows])  # no_ack: consumed on receipt
+            wanted = limit - len(got)
+            rows = self.db.run(lambda qt, c, queue=queue, wanted=wanted, receipt=receipt:
+                               qt.lease(c, queue, wanted, visibility_ms, receipt))
+            if rows and queue in self._no_ack_queues:  # no_ack: consumed on receipt
+                self.db.run(lambda qt, c, rows=rows, receipt=receipt: [qt.ack(c, r.id, receipt) for r in rows])
             got.extend((queue, self._payload(row, receipt)) for row in rows)
         self._busy = bool(got)
         return got
@@ -480,7 +482,7 @@ class Transport(virtual.Transport):
                     self._next_poll = time.monotonic() + min(self._sleep, ceiling) * random.uniform(0.75, 1.25)
                     self._sleep = min(self._sleep * 2, ceiling)
                 if timeout is not None and time.monotonic() - started >= timeout:
-                    raise TimeoutError()
+                    raise TimeoutError() from None
             else:
                 self._sleep, self._next_poll = self.polling_interval_min, 0.0
                 return

@@ -7,9 +7,12 @@ never wait for each other; the statement runs in autocommit-sized transactions.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .base import MAX_NAME, READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables, Waiter
+
+log = logging.getLogger("outbox.transport.tables")
 
 
 class ListenWaiter(Waiter):
@@ -32,7 +35,7 @@ class ListenWaiter(Waiter):
         try:
             self.conn.close()
         except Exception:
-            pass
+            log.debug("outboxdb: error closing the wake-up connection", exc_info=True)
 
 
 class PostgresQueueTables(QueueTables):
