@@ -44,7 +44,7 @@ def _choose_waker(options: Any) -> Waker:
     if dramatiq is not None:
         from .dramatiq.waker import DramatiqWaker
 
-        return DramatiqWaker(dramatiq.broker_url, dramatiq.namespace, options)
+        return DramatiqWaker(dramatiq.url, dramatiq.namespace, options)
     from .celery.waker import CeleryWaker
 
     return CeleryWaker.from_app(options)

@@ -39,7 +39,9 @@ class Connection(KombuConnection):
     def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
         if self.transport_cls != REDIS_TRANSPORT:
             return super().as_uri(include_password, mask, *args, **kwargs)
-        return as_url("redis", self.hostname or "localhost", self.port, self.userid or None, self.password or None,
+        # kombu's type comment on as_url says str and int where its defaults (and these) may be None.
+        user, password = self.userid or None, self.password or None
+        return as_url("redis", self.hostname or "localhost", self.port, user, password,  # type: ignore[arg-type]
                       self.virtual_host, sanitize=not include_password, mask=mask)
 
 

@@ -33,7 +33,7 @@ from .worker import (  # noqa: F401
 log = logging.getLogger("outbox.tasks")
 
 
-class RelayTask(app.Task):  # type: ignore[name-defined,misc]
+class RelayTask(app.Task):
     """Every relay task: it runs only when it names this worker's outbox (``TASK_OUTBOX_ARG``);
     one naming another outbox is forwarded to that outbox's queue, not run (docs/relay.md,
     "Several outboxes on one broker")."""

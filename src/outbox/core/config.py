@@ -240,6 +240,12 @@ class DramatiqSettings(Options):
     #: The Redis key namespace of Dramatiq's queues.
     namespace: str = option("dramatiq", "str", check=validate_dramatiq_namespace)
 
+    @property
+    def url(self) -> str:
+        """``broker_url``, known to be set: ``dramatiq_settings()`` returns these settings only then."""
+        assert self.broker_url is not None
+        return self.broker_url
+
 
 @dataclass(frozen=True)
 class TransportOptions(Options):
@@ -257,7 +263,7 @@ class TransportOptions(Options):
     def kombu(self) -> dict[str, Any]:
         """The options that are set, by their kombu names."""
         return {how.key: getattr(self, f.name) for f, how in self.declared().values()
-                if getattr(self, f.name) is not None}
+                if how.key is not None and getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def django_settings(names: Iterable[str]) -> Mapping[str, Any]:
     derived from the settings module's ``DATABASES["default"]``, so the relay uses the
     project's database."""
     try:
-        from django.conf import settings as dj  # type: ignore[import-not-found]
+        from django.conf import settings as dj
     except ImportError:
         if os.environ.get("DJANGO_SETTINGS_MODULE"):
             _warn_once("DJANGO_SETTINGS_MODULE is set but Django is not installed: its settings are not read "

@@ -44,7 +44,7 @@ def _load() -> tuple[Settings, RelayOptions, str, str]:
     settings, options = get_settings(), relay_options()
     dramatiq_settings = _broker.settings(required=True)
     assert dramatiq_settings is not None
-    return settings, options, dramatiq_settings.broker_url, dramatiq_settings.namespace
+    return settings, options, dramatiq_settings.url, dramatiq_settings.namespace
 
 
 try:
@@ -68,10 +68,10 @@ TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
 # -- the broker and the process's relay (outbox.relay.service.Relay) -----------------------------
 
 broker = _broker.make_broker(BROKER_URL, NAMESPACE)  # Dramatiq's default middleware, plus ours (below)
-relay = Relay(SETTINGS, OPTIONS, DramatiqRunner(broker, BROKER_URL, NAMESPACE, OUTBOX_NAMESPACE), log,
-              _metrics.relay_hooks())  # PrometheusHooks when metrics are on
+runner = DramatiqRunner(broker, BROKER_URL, NAMESPACE, OUTBOX_NAMESPACE)
+relay = Relay(SETTINGS, OPTIONS, runner, log, _metrics.relay_hooks())  # PrometheusHooks when metrics are on
 #: Set when this worker process starts shutting down: no new claims, no new chains.
-STOPPING = relay.runner.stopping_flag
+STOPPING = runner.stopping_flag
 
 
 def stopping() -> bool:
@@ -172,7 +172,7 @@ broker.add_middleware(OutboxMiddleware())
 broker.add_middleware(MetricsMiddleware())
 dramatiq.set_broker(broker)
 
-_SETTLE = {"max_retries": 10, "min_backoff": 500, "max_backoff": 30_000}
+_SETTLE: dict[str, Any] = {"max_retries": 10, "min_backoff": 500, "max_backoff": 30_000}
 
 
 def _only_ours(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:

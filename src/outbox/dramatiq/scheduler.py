@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         settings, options = get_settings(), relay_options()
         dramatiq_settings = _broker.settings(required=True)
         assert dramatiq_settings is not None
-        url, ns = dramatiq_settings.broker_url, dramatiq_settings.namespace
+        url, ns = dramatiq_settings.url, dramatiq_settings.namespace
     except ConfigError as exc:
         print(redact(f"outbox: invalid configuration: {exc}"), file=sys.stderr)
         return 2

@@ -258,7 +258,7 @@ class KafkaPublisher(Publisher):
             self._producer, self._pid = None, None
 
     # -- producing -----------------------------------------------------------------
-    def _produce_chain(self, producer: Any, chain: list[OutboxMessage], row: list[Any], c: int) -> None:
+    def _produce_chain(self, producer: Any, chain: Sequence[OutboxMessage], row: list[Any], c: int) -> None:
         """Hand the chain's events to the producer in order; stop at the first one that cannot
         go (nothing after it is sent, so what reaches the broker stays a prefix)."""
         for i, message in enumerate(chain):

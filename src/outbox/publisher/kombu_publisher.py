@@ -263,7 +263,7 @@ class KombuPublisher(Publisher):
         one per ``_WRITE_BYTES`` of payload (docs/publisher.md, "Fast path"). Raises when the
         connection fails."""
         tags: list[int | PublishFailure] = []
-        frames: list[bytes] = []
+        frames: list[bytes | memoryview] = []
         pending = 0
         for m, h in zip(messages, headers):
             try:
@@ -388,7 +388,7 @@ class KombuPublisher(Publisher):
         return 0
 
     def _frames(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *,
-                mandatory: bool) -> list[bytes]:
+                mandatory: bool) -> list[bytes | memoryview]:
         """The frames of one message (py-amqp only), from the encoder of its exchange and
         ``mandatory`` flag on the current channel. Raises what py-amqp's encoder would."""
         encoder = self._encoders.get((exchange, mandatory))
@@ -404,7 +404,7 @@ class KombuPublisher(Publisher):
         self._unconfirmed.add(self._next_tag)
         return self._next_tag
 
-    def _write(self, frames: list[bytes]) -> None:
+    def _write(self, frames: list[bytes | memoryview]) -> None:
         """Write frames in one go on py-amqp's connection, the way ``Channel.basic_publish``
         does: frames waiting from the broker (``connection.blocked``, a close) are read
         first, and a write timeout is a ``RecoverableConnectionError``."""

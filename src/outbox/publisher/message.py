@@ -59,7 +59,7 @@ def carriable_ids(message: OutboxMessage) -> tuple[OutboxMessage, str | None]:
     what was replaced, or None. An over-long topic becomes ``UNROUTABLE_DEAD_KEY``, an
     over-long message id ``sha256:<hex digest of it>``; the publisher puts the originals in
     the ``topic`` and ``message_id`` headers (header values have no such limit)."""
-    changes: dict[str, str] = {}
+    changes: dict[str, Any] = {}
     said: list[str] = []
     topic_bytes, id_bytes = _shortstr_bytes(message.topic), _shortstr_bytes(message.message_id)
     if topic_bytes > MAX_SHORTSTR_BYTES:

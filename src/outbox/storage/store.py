@@ -263,7 +263,10 @@ class OutboxStore:
                                                                     [holder_id]).rowcount)
 
     def _seconds(self, earlier: Any, later: Any) -> float:
-        return max(0.0, (self.engine.to_datetime(later) - self.engine.to_datetime(earlier)).total_seconds())
+        """Seconds from ``earlier`` to ``later``, two database timestamps (never None), at least 0."""
+        start, end = self.engine.to_datetime(earlier), self.engine.to_datetime(later)
+        assert start is not None and end is not None
+        return max(0.0, (end - start).total_seconds())
 
     def held(self, ids: Sequence[int], lease: str) -> set[int]:
         """The ids among ``ids`` that ``lease`` still holds (claimed, not yet settled or

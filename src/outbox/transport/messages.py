@@ -46,7 +46,7 @@ def celery_expires(headers: dict[str, Any] | None) -> bool:
     ``expiration``, but such a task must reach a worker, which marks it REVOKED in the
     result backend (as on Redis, which ignores ``expiration``). docs/transport.md, "Delays
     and expiry"."""
-    return bool(headers) and bool(headers.get("task")) and headers.get("expires") not in (None, "")
+    return headers is not None and bool(headers.get("task")) and headers.get("expires") not in (None, "")
 
 
 def encode_envelope(envelope: dict[str, Any]) -> str:
