@@ -3,7 +3,7 @@ dataclasses whose fields name their setting, type, default, bounds and validator
 accessors that read them in the one order, once per process.
 
 The order, the same for every name and every process (docs/design.md, "Settings"): the Celery
-app's OUTBOX_* config keys (explicit overrides, when ``outbox.celery_app`` registered them),
+app's OUTBOX_* config keys (explicit overrides, when ``outbox.celery.application`` registered them),
 the environment, Django settings, the defaults. ``reset_settings`` forgets what was read.
 The reader: ``outbox.core.options``; the sources and the cache: ``outbox.core.sources``; the
 validators: ``outbox.core.checks``.

@@ -1,5 +1,5 @@
 """Where settings come from, and what was read from them: the Celery app's OUTBOX_* config
-keys (registered by ``outbox.celery_app`` with ``use_conf``), the environment, Django's
+keys (registered by ``outbox.celery.application`` with ``use_conf``), the environment, Django's
 settings; and the one per-process cache of what was read (``cached``; ``reset`` empties it).
 The order itself is built in ``outbox.core.config.current_sources`` (docs/design.md, "Settings")."""
 
@@ -16,12 +16,12 @@ from .errors import ConfigError, install_hint
 
 log = logging.getLogger("outbox.core.config")
 
-#: Returns the Celery app's configuration (a mapping); registered by ``outbox.celery_app``.
+#: Returns the Celery app's configuration (a mapping); registered by ``outbox.celery.application``.
 _conf_source: Callable[[], Mapping[str, Any]] | None = None
 
 
 def use_conf(source: Callable[[], Mapping[str, Any]] | None) -> None:
-    """Register where the relay's Celery config keys come from (``outbox.celery_app`` does);
+    """Register where the relay's Celery config keys come from (``outbox.celery.application`` does);
     what was read before is forgotten."""
     global _conf_source
     with _lock:

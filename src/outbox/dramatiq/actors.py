@@ -110,7 +110,7 @@ class OutboxMiddleware(Middleware):
     def after_process_boot(self, broker: Any) -> None:
         install_filter(logging.getLogger())  # no password in any log line
         STOPPING.clear()
-        relay.start()  # this process's liveness record (docs/relay.md, "Lost workers")
+        relay.start()  # this process's liveness record (docs/internals.md, "Lost workers")
 
     def after_worker_boot(self, broker: Any, worker: Any) -> None:
         relay.lift_fatal_pause()
