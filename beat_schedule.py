@@ -34,7 +34,7 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
     ``options`` (``outbox.core.config.RelayOptions``); both default to the process's, read in
     the one order (docs/design.md, "Settings")."""
     from outbox.core.config import get_settings, relay_options
-    from outbox.core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PURGE_TASK
+    from outbox.core.names import CLAIM_TASK, PURGE_TASK, TASK_OUTBOX_ARG
 
     settings = settings or get_settings()
     options = options or relay_options()

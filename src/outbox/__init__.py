@@ -9,9 +9,9 @@ Write side::
 Relay side: ``celery -A outbox worker`` and ``celery -A outbox beat``.
 """
 
-from .enqueue import enqueue
 from .core.errors import ConfigError, EnqueueError, OutboxError, StoreError, UnsupportedConnection
 from .core.model import Status
+from .enqueue import enqueue
 from .storage.store import OutboxStore
 from .wake import transaction
 

@@ -16,8 +16,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from .core.config import dramatiq_settings, wake_options
 from .core.handoff import HandOff
@@ -43,7 +44,7 @@ def _choose_waker(options: Any) -> Waker:
     if dramatiq is not None:
         from .dramatiq.waker import DramatiqWaker
 
-        return DramatiqWaker(dramatiq.broker_url, dramatiq.namespace, options)
+        return DramatiqWaker(dramatiq.url, dramatiq.namespace, options)
     from .celery.waker import CeleryWaker
 
     return CeleryWaker.from_app(options)
@@ -93,7 +94,7 @@ def wake_now() -> bool:
         if in_process is not None:
             return bool(in_process())
         return _current_waker().wake(_failed)
-    except (Exception, SystemExit) as exc:  # never raises
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - never raises
         _failed("sending the request", exc)
         return False
 
@@ -122,7 +123,7 @@ def _flush_at_exit() -> None:
     try:
         flush(EXIT_FLUSH_S)  # best effort: beat's tick delivers what does not go out
     except Exception:
-        pass
+        log.debug("outbox: flushing wake-ups at exit failed", exc_info=True)
 
 
 def request_claim() -> bool:
@@ -146,7 +147,7 @@ def request_claim() -> bool:
             return False
         _handoff.request()
         return True
-    except (Exception, SystemExit) as exc:  # never into the caller, whose transaction has committed
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - never into the caller, whose transaction has committed
         # (SystemExit: the relay's app exits on an invalid configuration under a `celery` command)
         _failed("preparing the request", exc)
         return False
@@ -203,7 +204,7 @@ def register_after_commit(conn: Any) -> bool:
             return True
         try:
             conn.on_commit(_call_request_claim, robust=True)
-        except Exception as exc:  # manual transaction management: no on-commit hook
+        except Exception as exc:  # noqa: BLE001 - manual transaction management: no on-commit hook
             log.debug("outbox: no on-commit hook on Django connection %r (%s)", conn.alias, exc)
             return False
         return True

@@ -21,7 +21,7 @@ from kombu.utils.url import as_url
 
 from ..core.config import RelayOptions, Settings, relay_options, relay_settings, use_conf
 from ..core.errors import ConfigError
-from ..core.names import CLAIM_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, Queues
+from ..core.names import CLAIM_TASK, PUBLISH_TASK, TASK_OUTBOX_ARG, Queues
 from ..core.redact import redact
 
 log = logging.getLogger("outbox.celery")
@@ -39,7 +39,9 @@ class Connection(KombuConnection):
     def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
         if self.transport_cls != REDIS_TRANSPORT:
             return super().as_uri(include_password, mask, *args, **kwargs)
-        return as_url("redis", self.hostname or "localhost", self.port, self.userid or None, self.password or None,
+        # kombu's type comment on as_url says str and int where its defaults (and these) may be None.
+        user, password = self.userid or None, self.password or None
+        return as_url("redis", self.hostname or "localhost", self.port, user, password,  # type: ignore[arg-type]
                       self.virtual_host, sanitize=not include_password, mask=mask)
 
 

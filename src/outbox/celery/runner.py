@@ -5,7 +5,8 @@ named from Celery's broker URL and key prefix."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..core.config import relay_settings
 from ..core.names import PUBLISH_TASK, claim_request_key
@@ -54,7 +55,7 @@ class CeleryRunner:
                     if type(exc).__name__ == "NotFound":
                         return 0
                     raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a best-effort reading: None means unknown
             log.debug("outbox: cannot read the publish queue's length: %s", exc)
             return None
 

@@ -9,17 +9,31 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .application import app, send_relay_task
 from ..core.config import relay_settings
-from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, TASK_OUTBOX_ARG, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK
+from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, TASK_OUTBOX_ARG
+from .application import app, send_relay_task
+
 # The worker's per-process wiring, re-exported: ``outbox.celery.tasks.resources`` and the rest keep working.
-from .worker import (STOPPING, _stopping_marker, breaker, claiming_in_process, close_resources,  # noqa: F401
-                     coalescer, outage, queued_publish_tasks, relay, request_claim, resources, route_gate, stopping)
+from .worker import (  # noqa: F401
+    STOPPING,
+    _stopping_marker,
+    breaker,
+    claiming_in_process,
+    close_resources,
+    coalescer,
+    outage,
+    queued_publish_tasks,
+    relay,
+    request_claim,
+    resources,
+    route_gate,
+    stopping,
+)
 
 log = logging.getLogger("outbox.tasks")
 
 
-class RelayTask(app.Task):  # type: ignore[name-defined,misc]
+class RelayTask(app.Task):
     """Every relay task: it runs only when it names this worker's outbox (``TASK_OUTBOX_ARG``);
     one naming another outbox is forwarded to that outbox's queue, not run (docs/relay.md,
     "Several outboxes on one broker")."""
@@ -55,8 +69,8 @@ def publish(self: Any, chains: list[list[dict[str, Any]]], deadline: float | Non
     return relay().publish(chains, deadline, check_own=bool((self.request.delivery_info or {}).get("redelivered")))
 
 
-_SETTLE = dict(ignore_result=True, acks_late=True, reject_on_worker_lost=True, autoretry_for=(Exception,),
-               retry_backoff=0.5, retry_backoff_max=30, retry_jitter=True, max_retries=10)
+_SETTLE = {"ignore_result": True, "acks_late": True, "reject_on_worker_lost": True, "autoretry_for": (Exception,),
+           "retry_backoff": 0.5, "retry_backoff_max": 30, "retry_jitter": True, "max_retries": 10}
 
 
 @app.task(name=ACK_TASK, base=RelayTask, **_SETTLE)

@@ -30,7 +30,7 @@ class CeleryWaker(Waker):
         self.channel = wake_channel(broker_url, key_prefix, self.namespace)
 
     @classmethod
-    def from_app(cls, options: Any = None) -> "CeleryWaker":
+    def from_app(cls, options: Any = None) -> CeleryWaker:
         return cls(*claim_queue(), options)
 
     def send_claim(self, requested: bool) -> None:

@@ -4,6 +4,7 @@ shutdown flag, and every Celery signal the package connects (docs/internals.md, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -13,17 +14,20 @@ from typing import Any
 
 from celery import signals
 
-from .application import app
-from .runner import CeleryRunner
-from .waker import claim_queue
 from ..core.config import relay_options, relay_settings, wake_options
+from ..core.errors import ConfigError
 from ..core.handoff import HandOff
 from ..core.names import CLAIM_TASK, claim_request_key, wake_channel
 from ..core.redact import install_filter
 from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
+from ..relay import listen as _listen
+from ..relay import metrics as _metrics
+from ..relay import waker as _waker
 from ..relay.service import Relay
 from . import worker_logging as _worker_logging
-from ..relay import listen as _listen, metrics as _metrics, waker as _waker
+from .application import app
+from .runner import CeleryRunner
+from .waker import claim_queue
 
 log = logging.getLogger("outbox.tasks")
 
@@ -189,10 +193,8 @@ def _shutting_down(**_: Any) -> None:
 
 
 def _remove_stopping_marker() -> None:
-    try:
+    with contextlib.suppress(OSError):
         _stopping_marker(os.getpid()).unlink(missing_ok=True)
-    except OSError:
-        pass
 
 
 @signals.worker_init.connect
@@ -227,19 +229,19 @@ def _ready(**_: Any) -> None:
     _start_embedded_beat()
     try:
         in_process = wake_options().in_process_claim
-    except Exception as exc:  # an invalid option: say so, and wake through claim messages
+    except ConfigError as exc:  # an invalid option: say so, and wake through claim messages
         log.error("outbox: %s; notifications become claim messages", exc)
         in_process = False
     try:
         _listen.start_listener(relay_settings(), claim_runner.request if in_process else request_claim)
-    except Exception as exc:  # never keep the worker from running: polling still delivers
+    except Exception as exc:  # noqa: BLE001 - never keep the worker from running: polling still delivers
         log.error("outbox listen: not started (%s: %s); claims rely on beat's ticks", type(exc).__name__, exc)
     try:
         if in_process:
             url, prefix = claim_queue()
             _listen.start_subscriber(url, wake_channel(url, prefix, relay_settings().outbox_namespace),
                                      claim_runner.request)
-    except Exception as exc:  # writers then send claim messages, as when no worker listens
+    except Exception as exc:  # noqa: BLE001 - writers then send claim messages, as when no worker listens
         log.error("outbox: wake-up subscriber not started (%s: %s)", type(exc).__name__, exc)
     _metrics.on_worker_ready(_gauge_store)
 

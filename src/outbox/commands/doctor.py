@@ -203,7 +203,7 @@ def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None
     """Kafka: the cluster answers; the topics the relay needs exist, or the brokers may create
     them; with ``probe_topic``, one probe message produced there as the relay would."""
     from ..core.config import KafkaOptions
-    from ..publisher.kafka import KafkaPublisher, probe_message, topic_status, topic_of
+    from ..publisher.kafka import KafkaPublisher, probe_message, topic_of, topic_status
 
     url = settings.publish_url
     options = options or KafkaOptions()
@@ -291,7 +291,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
         from ..transport import register
 
         register()  # before the URL is shown: kombu parses it by its scheme
-    runner = (f"dramatiq broker {mask_url(dramatiq.broker_url)}" if dramatiq
+    runner = (f"dramatiq broker {mask_url(dramatiq.url)}" if dramatiq
               else f"celery broker {mask_url(settings.broker_url)}")
     results = [Result("configuration", OK, f"database {describe_database(settings.database_url)}, "
                       f"exchange {settings.exchange!r}, publish to {mask_url(settings.publish_url)}, {runner}, "
@@ -303,7 +303,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
         results.append(Result("celery broker url", WARN, f"OUTBOX_CELERY_BROKER_URL is not set: using "
                               f"{settings.broker_url}; workers, beat and web processes must all use the same one"))
     results += check_database(settings)
-    results.append(check_dramatiq_broker(dramatiq.broker_url) if dramatiq else check_celery_broker(settings))
+    results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings))
     results += check_destination(settings, kafka, probe_topic)
     return results
 

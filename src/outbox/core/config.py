@@ -15,15 +15,31 @@ import difflib
 import fnmatch
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
-from .checks import (DATABASE_BROKER_SCHEME, DATABASE_SCHEMES, MAX_CLAIM_TIMEOUT_MS, SESSION_BOUNDS,
-                     session_bounds, validate_database_url, validate_dramatiq_broker_url,
-                     validate_dramatiq_namespace, validate_exchange, validate_identifier,
-                     validate_kafka_sasl_mechanism, validate_kafka_security_protocol, validate_kafka_topic_template,
-                     validate_kombu_url, validate_namespace, validate_publish_url, validate_spark_log_level,
-                     validate_spark_master, without_session_bounds)
+from .checks import (
+    DATABASE_BROKER_SCHEME,
+    DATABASE_SCHEMES,
+    MAX_CLAIM_TIMEOUT_MS,
+    SESSION_BOUNDS,
+    session_bounds,
+    validate_database_url,
+    validate_dramatiq_broker_url,
+    validate_dramatiq_namespace,
+    validate_exchange,
+    validate_identifier,
+    validate_kafka_sasl_mechanism,
+    validate_kafka_security_protocol,
+    validate_kafka_topic_template,
+    validate_kombu_url,
+    validate_namespace,
+    validate_publish_url,
+    validate_spark_log_level,
+    validate_spark_master,
+    without_session_bounds,
+)
 from .errors import ConfigError
 from .names import Queues, default_namespace
 from .options import Options, Sources, option
@@ -224,6 +240,12 @@ class DramatiqSettings(Options):
     #: The Redis key namespace of Dramatiq's queues.
     namespace: str = option("dramatiq", "str", check=validate_dramatiq_namespace)
 
+    @property
+    def url(self) -> str:
+        """``broker_url``, known to be set: ``dramatiq_settings()`` returns these settings only then."""
+        assert self.broker_url is not None
+        return self.broker_url
+
 
 @dataclass(frozen=True)
 class TransportOptions(Options):
@@ -241,7 +263,7 @@ class TransportOptions(Options):
     def kombu(self) -> dict[str, Any]:
         """The options that are set, by their kombu names."""
         return {how.key: getattr(self, f.name) for f, how in self.declared().values()
-                if getattr(self, f.name) is not None}
+                if how.key is not None and getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ raises a ``ConfigError`` naming the setting. The families themselves: ``outbox.c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, Callable, ClassVar, Mapping, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from .errors import ConfigError
 
@@ -57,7 +58,7 @@ class Sources:
     None or an empty string) gives its value. Layers are mappings (a Celery config's OUTBOX_*
     keys, ``os.environ``, Django settings) or other ``Sources``."""
 
-    def __init__(self, *layers: "Mapping[str, Any] | Sources | None") -> None:
+    def __init__(self, *layers: Mapping[str, Any] | Sources | None) -> None:
         self.layers: list[Mapping[str, Any]] = []
         for layer in layers:
             if isinstance(layer, Sources):
@@ -72,7 +73,7 @@ class Sources:
         return any(isinstance(layer.get(name), str) and not layer[name].strip() for layer in self.layers)
 
 
-O = TypeVar("O", bound="Options")
+OptionsT = TypeVar("OptionsT", bound="Options")
 
 
 class Options:
@@ -98,7 +99,7 @@ class Options:
         return tuple(cls.declared())
 
     @classmethod
-    def from_sources(cls: type[O], *sources: "Mapping[str, Any] | Sources | None") -> O:
+    def from_sources(cls: type[OptionsT], *sources: Mapping[str, Any] | Sources | None) -> OptionsT:
         """Every field from the first source that sets its setting, else its default."""
         found = Sources(*sources)
         values: dict[str, Any] = {}

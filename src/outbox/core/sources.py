@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 from urllib.parse import quote
 
 from .errors import ConfigError, install_hint
@@ -63,7 +64,7 @@ def django_settings(names: Iterable[str]) -> Mapping[str, Any]:
     derived from the settings module's ``DATABASES["default"]``, so the relay uses the
     project's database."""
     try:
-        from django.conf import settings as dj  # type: ignore[import-not-found]
+        from django.conf import settings as dj
     except ImportError:
         if os.environ.get("DJANGO_SETTINGS_MODULE"):
             _warn_once("DJANGO_SETTINGS_MODULE is set but Django is not installed: its settings are not read "
@@ -77,7 +78,7 @@ def django_settings(names: Iterable[str]) -> Mapping[str, Any]:
     except ImportError as exc:  # DJANGO_SETTINGS_MODULE names a module that does not import
         raise ConfigError(f"DJANGO_SETTINGS_MODULE={os.environ.get('DJANGO_SETTINGS_MODULE')!r} cannot be "
                           f"imported: {exc}") from None
-    except Exception:  # Django present but not set up: not our configuration source
+    except Exception:  # noqa: BLE001 - Django present but not set up: not our configuration source
         return {}
     # Only for a project's settings module: a process that calls settings.configure() by
     # hand (scripts, tests) keeps the relay's own default unless it sets OUTBOX_DATABASE_URL.

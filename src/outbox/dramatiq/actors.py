@@ -10,20 +10,30 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import dramatiq
 from dramatiq.middleware import Middleware
 
-from . import brokers as _broker
-from ..relay import metrics as _metrics
 from ..core.config import RelayOptions, Settings, get_settings, metrics_options, relay_options
 from ..core.errors import ConfigError
-from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, TASK_OUTBOX_ARG, Queues
+from ..core.names import (
+    ACK_TASK,
+    CLAIM_TASK,
+    FAIL_TASK,
+    PUBLISH_TASK,
+    PURGE_TASK,
+    RELEASE_TASK,
+    TASK_OUTBOX_ARG,
+    Queues,
+)
 from ..core.redact import install_filter, redact
+from ..relay import metrics as _metrics
 from ..relay.resources import Resources, Shared
 from ..relay.service import Relay
 from ..storage.store import OutboxStore
+from . import brokers as _broker
 from .runner import DramatiqRunner
 
 log = logging.getLogger("outbox.dramatiq")
@@ -34,7 +44,7 @@ def _load() -> tuple[Settings, RelayOptions, str, str]:
     settings, options = get_settings(), relay_options()
     dramatiq_settings = _broker.settings(required=True)
     assert dramatiq_settings is not None
-    return settings, options, dramatiq_settings.broker_url, dramatiq_settings.namespace
+    return settings, options, dramatiq_settings.url, dramatiq_settings.namespace
 
 
 try:
@@ -58,10 +68,10 @@ TIME_LIMIT_MS = int(max(10.0, LEASE_S) * 1000)
 # -- the broker and the process's relay (outbox.relay.service.Relay) -----------------------------
 
 broker = _broker.make_broker(BROKER_URL, NAMESPACE)  # Dramatiq's default middleware, plus ours (below)
-relay = Relay(SETTINGS, OPTIONS, DramatiqRunner(broker, BROKER_URL, NAMESPACE, OUTBOX_NAMESPACE), log,
-              _metrics.relay_hooks())  # PrometheusHooks when metrics are on
+runner = DramatiqRunner(broker, BROKER_URL, NAMESPACE, OUTBOX_NAMESPACE)
+relay = Relay(SETTINGS, OPTIONS, runner, log, _metrics.relay_hooks())  # PrometheusHooks when metrics are on
 #: Set when this worker process starts shutting down: no new claims, no new chains.
-STOPPING = relay.runner.stopping_flag
+STOPPING = runner.stopping_flag
 
 
 def stopping() -> bool:
@@ -148,7 +158,7 @@ class MetricsMiddleware(Middleware):
             log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
                      " (multiprocess)" if _metrics.multiprocess_mode() else "")
             _metrics.start_refresher(lambda: OutboxStore.from_settings(SETTINGS))  # the gauges' own schedule
-        except Exception as exc:  # metrics must never stop the relay
+        except Exception as exc:  # noqa: BLE001 - metrics must never stop the relay
             log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
             _metrics.disable()
 
@@ -162,7 +172,7 @@ broker.add_middleware(OutboxMiddleware())
 broker.add_middleware(MetricsMiddleware())
 dramatiq.set_broker(broker)
 
-_SETTLE = dict(max_retries=10, min_backoff=500, max_backoff=30_000)
+_SETTLE: dict[str, Any] = {"max_retries": 10, "min_backoff": 500, "max_backoff": 30_000}
 
 
 def _only_ours(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:

@@ -57,7 +57,7 @@ def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
         if is_redis(url):
             from dramatiq.brokers.redis import RedisBroker
 
-            class _RelayRedisBroker(RedisBroker):  # type: ignore[misc,valid-type]
+            class _RelayRedisBroker(RedisBroker):
                 """RedisBroker whose idle consumers poll at least every REDIS_IDLE_POLL_MS."""
 
                 def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Any:
@@ -109,12 +109,12 @@ def sender() -> Any:
     """This process's sending broker (no middleware, never the global broker)."""
     s = settings(required=True)
     assert s is not None
-    key = (os.getpid(), s.broker_url, s.namespace)
+    key = (os.getpid(), s.url, s.namespace)
     with _senders_lock:
         made = _senders.get(key)
         if made is None:
             _senders.clear()  # a parent's, after fork
-            made = _senders[key] = make_broker(s.broker_url, s.namespace, middleware=[])
+            made = _senders[key] = make_broker(s.url, s.namespace, middleware=[])
         return made
 
 

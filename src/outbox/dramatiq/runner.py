@@ -7,9 +7,9 @@ import logging
 import threading
 from typing import Any
 
-from . import brokers as _broker
 from ..core.names import TASK_OUTBOX_ARG, Queues, claim_request_key
 from ..relay.waker import clear_token
+from . import brokers as _broker
 
 log = logging.getLogger("outbox.dramatiq")
 
@@ -34,7 +34,7 @@ class DramatiqRunner:
     def queued_publish_tasks(self) -> int | None:
         try:
             return _broker.queue_length(self.broker, self.queues.publish)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a best-effort reading: None means unknown
             log.debug("outbox: cannot read the publish queue's length: %s", exc)
             return None
 

@@ -13,11 +13,11 @@ import time
 import uuid
 from typing import Any
 
-from . import brokers as _broker
 from ..core.config import get_settings, relay_options
 from ..core.errors import ConfigError
 from ..core.redact import install_filter, redact
 from ..relay import RelayOptions
+from . import brokers as _broker
 
 log = logging.getLogger("outbox.dramatiq.scheduler")
 
@@ -55,7 +55,7 @@ class RedisLock:
             if self.held and self.client.eval(self._RENEW, 1, self.key, self.me, self.ttl_ms):
                 return True
             self.held = bool(self.client.set(self.key, self.me, nx=True, px=self.ttl_ms))
-        except Exception as exc:  # Redis down: nobody ticks, which the workers survive
+        except Exception as exc:  # noqa: BLE001 - Redis down: nobody ticks, which the workers survive
             log.warning("outbox scheduler: cannot reach the lock (%s); not ticking", exc)
             self.held = False
         return self.held
@@ -65,7 +65,7 @@ class RedisLock:
             if self.held:
                 self.client.eval(self._RELEASE, 1, self.key, self.me)
         except Exception:
-            pass
+            log.debug("outbox scheduler: cannot release the lock", exc_info=True)
         self.held = False
 
 
@@ -86,7 +86,7 @@ class RabbitLock:
                 self.conn.drain_events(timeout=0.01)
             except TimeoutError:
                 pass
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any error of the lock's connection gives the lock up
                 log.warning("outbox scheduler: lost the lock's connection (%s)", exc)
                 self.release()
             else:
@@ -97,12 +97,12 @@ class RabbitLock:
         try:
             conn.connect()
             conn.default_channel.queue_declare(queue=self.queue, exclusive=True, auto_delete=True)
-        except Exception as exc:  # RESOURCE_LOCKED: another scheduler leads
+        except Exception as exc:  # noqa: BLE001 - RESOURCE_LOCKED: another scheduler leads
             log.debug("outbox scheduler: lock held elsewhere (%s)", exc)
             try:
                 conn.release()
             except Exception:
-                pass
+                log.debug("outbox scheduler: error releasing a refused connection", exc_info=True)
             return False
         self.conn = conn
         return True
@@ -112,7 +112,7 @@ class RabbitLock:
             try:
                 self.conn.release()
             except Exception:
-                pass
+                log.debug("outbox scheduler: error releasing the lock's connection", exc_info=True)
         self.conn = None
 
 
@@ -155,7 +155,7 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
                 if now >= due[i]:
                     try:
                         send(actor, queue, kwargs, max_age_s=max_age_s)
-                    except Exception as exc:  # Dramatiq's broker is down: the next one is sent
+                    except Exception as exc:  # noqa: BLE001 - Dramatiq's broker is down: the next one is sent
                         log.warning("outbox scheduler: cannot send %s (%s: %s)", actor, type(exc).__name__,
                                     redact(str(exc)))
                     due[i] = now + every_s
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         settings, options = get_settings(), relay_options()
         dramatiq_settings = _broker.settings(required=True)
         assert dramatiq_settings is not None
-        url, ns = dramatiq_settings.broker_url, dramatiq_settings.namespace
+        url, ns = dramatiq_settings.url, dramatiq_settings.namespace
     except ConfigError as exc:
         print(redact(f"outbox: invalid configuration: {exc}"), file=sys.stderr)
         return 2

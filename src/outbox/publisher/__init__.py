@@ -4,13 +4,26 @@ reaches the broker is always a prefix of each chain (docs/publisher.md). ``contr
 chains' progress through waves, without I/O), ``kombu_publisher`` (the mechanism),
 ``frames`` (its AMQP frames). Every name keeps its ``outbox.publisher`` import path."""
 
-from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES,
-                       OVERTAKEN_BY_HEADER, OVERTAKEN_COUNT_HEADER, overtaken_headers,
-                       RESERVED_HEADERS, UNROUTABLE_POLICIES, ChainResult, FailureKind, Overtaken, Pipelined, Publisher,
-                       PublishFailure)
+from .contract import (
+                       DEFAULT_MAX_MESSAGE_BYTES,
+                       MAX_ERROR_HEADER_CHARS,
+                       MAX_HEADER_BYTES,
+                       MAX_SHORTSTR_BYTES,
+                       OVERTAKEN_BY_HEADER,
+                       OVERTAKEN_COUNT_HEADER,
+                       RESERVED_HEADERS,
+                       UNROUTABLE_POLICIES,
+                       ChainResult,
+                       FailureKind,
+                       Overtaken,
+                       Pipelined,
+                       Publisher,
+                       PublishFailure,
+                       overtaken_headers,
+)
 from .failures import _connection_lost, classify, failure_from  # noqa: F401  (_connection_lost: tests)
-from .message import build_headers, checked_headers, encode_body, iso_utc, poison_check
 from .kombu_publisher import KombuPublisher, refused_by_route
+from .message import build_headers, checked_headers, encode_body, iso_utc, poison_check
 
 __all__ = [
     "Publisher", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind", "Overtaken",

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from ..core.model import FailureKind, OutboxMessage
 
@@ -143,7 +144,7 @@ class Publisher(ABC):
     def close(self) -> None:
         """Release the broker connection. The publisher reconnects if used again."""
 
-    def __enter__(self) -> "Publisher":
+    def __enter__(self) -> Publisher:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

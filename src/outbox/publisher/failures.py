@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..core.errors import ConfigError
 from ..core.redact import redact
-
-log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 from .contract import MAX_ERROR_HEADER_CHARS, FailureKind, PublishFailure
 
+log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 
 # -- error classification (pure) -------------------------------------------------------------
 

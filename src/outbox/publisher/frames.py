@@ -57,7 +57,8 @@ class PublishFrames:
                 self._methods[routing_key] = frame
         return frame
 
-    def publish(self, routing_key: str, headers: dict[str, Any], message_id: str, body: bytes) -> list[bytes]:
+    def publish(self, routing_key: str, headers: dict[str, Any], message_id: str,
+                body: bytes) -> list[bytes | memoryview]:
         """The frames of one message, as parts to be joined: method, content header, body
         frames (none for an empty body, several for a body above ``frame_max - 8``, as
         py-amqp does). Raises what py-amqp's encoder would raise for the same message."""
@@ -65,9 +66,9 @@ class PublishFrames:
         mid = shortstr(message_id)
         size = len(body)
         header_size = 12 + len(self._constant_properties) + len(table) + 2 + len(mid)
-        parts = [self.method(routing_key),
-                 pack(">BHIHHQ", 2, self.channel_id, header_size, 60, 0, size),
-                 self._constant_properties, table, _PERSISTENT_PRIORITY_0, mid, _FRAME_END]
+        parts: list[bytes | memoryview] = [  # a large body's frames are slices of it, not copies
+            self.method(routing_key), pack(">BHIHHQ", 2, self.channel_id, header_size, 60, 0, size),
+            self._constant_properties, table, _PERSISTENT_PRIORITY_0, mid, _FRAME_END]
         if size <= self.chunk:
             if size:
                 parts += (self._body_head, pack(">I", size), body, _FRAME_END)

@@ -15,16 +15,26 @@ import os
 import re
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from datetime import UTC
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from ..core.config import KafkaOptions, kafka_options
 from ..core.errors import ConfigError, install_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
-from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, ChainResult, FailureKind, Overtaken,
-                       Pipelined, Publisher, PublishFailure)
+from .contract import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_ERROR_HEADER_CHARS,
+    ChainResult,
+    FailureKind,
+    Overtaken,
+    Pipelined,
+    Publisher,
+    PublishFailure,
+)
 from .message import build_headers, encode_body
 
 if TYPE_CHECKING:
@@ -144,7 +154,7 @@ def chain_result(ids: Sequence[int], verdicts: Sequence[Any]) -> ChainResult:
     overtaken = tuple(Overtaken(ids[i], verdicts[i], tuple(ids[j] for j in delivered if j > i))
                       for i in range(last) if verdicts[i] is not None)
     published = tuple(ids[i] for i in delivered)
-    rest = [i for i in range(last + 1, len(ids))]
+    rest = list(range(last + 1, len(ids)))
     if not rest:
         return ChainResult(published, overtaken=overtaken)
     failure = next((verdicts[i] for i in rest if isinstance(verdicts[i], PublishFailure)), None)
@@ -171,7 +181,7 @@ class KafkaPublisher(Publisher):
         self._client_log = ClientLog(logging.getLogger("outbox.publisher.kafka"))
 
     @classmethod
-    def from_settings(cls, settings: "Settings", **options: Any) -> "KafkaPublisher":
+    def from_settings(cls, settings: Settings, **options: Any) -> KafkaPublisher:
         """Build from ``Settings`` and OUTBOX_KAFKA_*; OUTBOX_DEAD_LETTER_EXCHANGE names the
         dead-letter topic."""
         options.setdefault("dead_letter_topic", settings.dead_letter_exchange)
@@ -243,12 +253,12 @@ class KafkaPublisher(Publisher):
             if self._producer is not None and self._pid == os.getpid():
                 try:
                     self._producer.flush(min(self.options.delivery_timeout_s, 5.0))
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.debug("error flushing the Kafka producer", exc_info=True)
             self._producer, self._pid = None, None
 
     # -- producing -----------------------------------------------------------------
-    def _produce_chain(self, producer: Any, chain: list[OutboxMessage], row: list[Any], c: int) -> None:
+    def _produce_chain(self, producer: Any, chain: Sequence[OutboxMessage], row: list[Any], c: int) -> None:
         """Hand the chain's events to the producer in order; stop at the first one that cannot
         go (nothing after it is sent, so what reaches the broker stays a prefix)."""
         for i, message in enumerate(chain):
@@ -376,13 +386,13 @@ class KafkaPublisher(Publisher):
 
 def probe_message(topic: str) -> OutboxMessage:
     """The message ``outbox check --probe TOPIC`` produces (header ``x-outbox-probe``)."""
-    from datetime import datetime, timezone
+    from datetime import datetime
     from uuid import uuid4
 
     return OutboxMessage(id=0, message_id=f"outbox-check-{uuid4()}", topic=topic, aggregate_type="outbox.check",
                          aggregate_id="outbox-check", partition_key=None, payload='{"probe": true}',
                          headers={"x-outbox-probe": True}, trace_id=None, attempts=0,
-                         created_at=datetime.now(timezone.utc), lease="")
+                         created_at=datetime.now(UTC), lease="")
 
 
 def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import socket
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError
 from ..core.model import OutboxMessage
@@ -17,14 +18,22 @@ from ..core.redact import redact
 if TYPE_CHECKING:
     from ..core.config import Settings
 
-log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
-from .contract import (DEFAULT_MAX_MESSAGE_BYTES, MAX_ERROR_HEADER_CHARS, UNROUTABLE_POLICIES, ChainResult, FailureKind,
-                       Pipelined, Publisher, PublishFailure)
+from .contract import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_ERROR_HEADER_CHARS,
+    UNROUTABLE_POLICIES,
+    ChainResult,
+    FailureKind,
+    Pipelined,
+    Publisher,
+    PublishFailure,
+)
 from .failures import _connection_lost, failure_from
 from .frames import PublishFrames
 from .message import _encoding_problem, build_headers, carriable_ids, encode_body, poison_check
 from .waves import RETURNED, ChainProgress, Wave, next_wave, settle_wave
 
+log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 
 # -- the kombu publisher -----------------------------------------------------------------------
 
@@ -80,7 +89,7 @@ class KombuPublisher(Publisher):
         self._encoders: dict[tuple[str, bool], PublishFrames] = {}  # per channel: (exchange, mandatory)
 
     @classmethod
-    def from_settings(cls, settings: "Settings", **options: Any) -> "KombuPublisher":
+    def from_settings(cls, settings: Settings, **options: Any) -> KombuPublisher:
         """Build from ``Settings``; options not (yet) in the settings may be passed in."""
         options.setdefault("dead_letter_exchange", getattr(settings, "dead_letter_exchange", None))
         options.setdefault("unroutable", getattr(settings, "publish_unroutable", None) or "fail")
@@ -150,7 +159,7 @@ class KombuPublisher(Publisher):
             if self._conn is not None and self._pid == os.getpid():
                 try:
                     self._conn.release()
-                except Exception:  # noqa: BLE001 - closing a broken connection
+                except Exception:
                     log.debug("error closing the publisher connection", exc_info=True)
             self._forget()
 
@@ -218,7 +227,7 @@ class KombuPublisher(Publisher):
             for message, event_headers in zip(messages, headers):
                 try:
                     self._send(message, event_headers, self.exchange, mandatory=False)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     poisoned = self._poisoned(message, event_headers)
                     if poisoned is not None:
                         verdicts.append(poisoned)
@@ -254,12 +263,12 @@ class KombuPublisher(Publisher):
         one per ``_WRITE_BYTES`` of payload (docs/publisher.md, "Fast path"). Raises when the
         connection fails."""
         tags: list[int | PublishFailure] = []
-        frames: list[bytes] = []
+        frames: list[bytes | memoryview] = []
         pending = 0
         for m, h in zip(messages, headers):
             try:
                 frames += self._frames(m, h, exchange, mandatory=mandatory)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 poisoned = self._poisoned(m, h)
                 if poisoned is None:
                     raise
@@ -379,7 +388,7 @@ class KombuPublisher(Publisher):
         return 0
 
     def _frames(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *,
-                mandatory: bool) -> list[bytes]:
+                mandatory: bool) -> list[bytes | memoryview]:
         """The frames of one message (py-amqp only), from the encoder of its exchange and
         ``mandatory`` flag on the current channel. Raises what py-amqp's encoder would."""
         encoder = self._encoders.get((exchange, mandatory))
@@ -395,7 +404,7 @@ class KombuPublisher(Publisher):
         self._unconfirmed.add(self._next_tag)
         return self._next_tag
 
-    def _write(self, frames: list[bytes]) -> None:
+    def _write(self, frames: list[bytes | memoryview]) -> None:
         """Write frames in one go on py-amqp's connection, the way ``Channel.basic_publish``
         does: frames waiting from the broker (``connection.blocked``, a close) are read
         first, and a write timeout is a ``RecoverableConnectionError``."""
@@ -405,16 +414,14 @@ class KombuPublisher(Publisher):
         if connection is None:
             raise RecoverableConnectionError("basic_publish: connection closed")
         if connection.client_properties.get("capabilities", {}).get("connection.blocked", False):
-            try:
+            with contextlib.suppress(TimeoutError):
                 connection.drain_events(timeout=0)
-            except socket.timeout:
-                pass
         transport = connection.transport
         try:
             with transport.having_timeout(self.confirm_timeout):
                 transport.write(b"".join(frames))
-        except (socket.timeout, TimeoutError):
-            raise RecoverableConnectionError("basic_publish: timed out")
+        except TimeoutError as exc:
+            raise RecoverableConnectionError("basic_publish: timed out") from exc
         connection.bytes_sent += 1
 
     def _discard(self) -> None:
@@ -423,7 +430,7 @@ class KombuPublisher(Publisher):
         if self._conn is not None and self._pid == os.getpid():
             try:
                 self._conn.collect()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("error discarding the publisher connection", exc_info=True)
         self._forget()
 

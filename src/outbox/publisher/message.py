@@ -7,14 +7,13 @@ import hashlib
 import json
 import logging
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from ..core.model import OutboxMessage
-
-log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 from .contract import DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, MAX_SHORTSTR_BYTES, FailureKind, PublishFailure
 
+log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 
 #: The routing key of a dead-letter copy whose row's topic cannot be a routing key (over
 #: 255 bytes of UTF-8): docs/relay.md, "Dead-letter exchange".
@@ -27,8 +26,8 @@ def iso_utc(moment: datetime) -> str:
     """ISO-8601 in UTC with a ``Z``; naive datetimes are taken to be UTC already (the store's
     convention)."""
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def build_headers(message: OutboxMessage) -> dict[str, Any]:
@@ -60,7 +59,7 @@ def carriable_ids(message: OutboxMessage) -> tuple[OutboxMessage, str | None]:
     what was replaced, or None. An over-long topic becomes ``UNROUTABLE_DEAD_KEY``, an
     over-long message id ``sha256:<hex digest of it>``; the publisher puts the originals in
     the ``topic`` and ``message_id`` headers (header values have no such limit)."""
-    changes: dict[str, str] = {}
+    changes: dict[str, Any] = {}
     said: list[str] = []
     topic_bytes, id_bytes = _shortstr_bytes(message.topic), _shortstr_bytes(message.message_id)
     if topic_bytes > MAX_SHORTSTR_BYTES:

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ..core.config import Settings
 
 
-def publisher_for(settings: "Settings", **options: Any) -> Publisher:
+def publisher_for(settings: Settings, **options: Any) -> Publisher:
     """The publisher of ``settings.publish_url``; ``options`` as both publishers take them
     (``max_message_bytes``)."""
     if settings.publish_url.split("://", 1)[0] == "kafka":

@@ -173,7 +173,7 @@ def apply_verdicts(chain: ChainProgress, sent: list[OutboxMessage], verdicts: li
     failures = [_failure(message, verdict, unroutable, exchange) for message, verdict in zip(sent, verdicts)]
     reached = _reached(failures, verdicts)
     broker_wide: PublishFailure | None = None
-    for index, (message, failure) in enumerate(zip(sent, failures)):
+    for index, (_message, failure) in enumerate(zip(sent, failures)):
         if failure is None:
             chain.advance(unroutable=verdicts[index] == RETURNED)
             continue

@@ -8,20 +8,38 @@ or the process), ``resources`` (what a worker process holds). Every name keeps i
 from ..core.config import MAX_OPTION_S, RelayOptions
 from ..core.model import message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Queues
-from .context import RelayContext
 from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
-from .foreign import ForeignTasks
+from .context import RelayContext
 from .drain import DRAIN_SLICE_S, Backlog, Drain, after_publish, drain_slice
+from .foreign import ForeignTasks
 from .hooks import RelayHooks
 from .policy import STOP_POLICY
-from .publish import (BACKPRESSURE, FATAL, POISON, RETRIABLE, ChainOutcome, handle_chain, handle_publish,
-                      still_held, trusted_prefix)
+from .publish import (
+                      BACKPRESSURE,
+                      FATAL,
+                      POISON,
+                      RETRIABLE,
+                      ChainOutcome,
+                      handle_chain,
+                      handle_publish,
+                      still_held,
+                      trusted_prefix,
+)
 from .resources import ResourceHolder, Resources
-from .settle import (MAX_RETRY_S, Fallback, Settler, StoreLike, apply_fallback, purge_expired, retry_delay,
-                     send_dead)
+from .settle import MAX_RETRY_S, Fallback, Settler, StoreLike, apply_fallback, purge_expired, retry_delay, send_dead
+from .shared import (
+                      Breaker,
+                      Coalescer,
+                      Outage,
+                      RouteGate,
+                      breaker_key,
+                      make_breaker,
+                      make_coalescer,
+                      make_outage,
+                      make_relay_outage,
+                      make_route_gate,
+)
 from .sizing import ClaimSizer
-from .shared import (Breaker, Coalescer, Outage, RouteGate, breaker_key, make_breaker, make_coalescer, make_outage,
-                     make_relay_outage, make_route_gate)
 from .state import FileState, ProcessState, RedisState, SharedState, open_shared_state
 
 __all__ = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from ..core.model import Claim, OutboxMessage
 from ..domain.chains import split_chains
@@ -206,7 +206,7 @@ def _dispatch_all(dispatch: Dispatch, tasks: list[list[list[OutboxMessage]]], de
     for index, task in enumerate(tasks):
         try:
             dispatch(task, deadline)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the runner's broker raises, the rows are released
             log.error("outbox cannot dispatch publish tasks (%s: %s); releasing %d rows",
                       type(exc).__name__, exc, sum(len(chain) for pending in tasks[index:] for chain in pending))
             outcome.error = f"{type(exc).__name__}: {exc}"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..core.config import RelayOptions
 from ..publisher import Publisher

@@ -5,8 +5,8 @@ here, claim again in the same task, for at most a slice (docs/internals.md, "Dra
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .claim import ClaimFailed, ClaimOutcome, Dispatch, handle_claim
 from .context import RelayContext

@@ -14,8 +14,9 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 from ..core.config import metrics_options
 from ..core.errors import install_hint
@@ -99,7 +100,7 @@ def active() -> Metrics | None:
                     log.warning("outbox metrics: OUTBOX_RELAY_METRICS_PORT is set but prometheus_client is not "
                                 f"installed ({install_hint('metrics')}); metrics are off")
                     _state = False
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - metrics must never stop the relay
                     log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
                     _state = False
             state = _state
@@ -158,14 +159,14 @@ def chain(m: Metrics, published: Iterable[OutboxMessage], seconds: float, failed
     """One chain went through the publisher: its confirmed prefix, how long it took, and
     the failure kind of the event that stopped it (None when the whole chain went)."""
     m.publish_seconds.observe(seconds)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     count = 0
     for message in published:
         count += 1
         created = message.created_at
         if isinstance(created, datetime):
             if created.tzinfo is None:
-                created = created.replace(tzinfo=timezone.utc)
+                created = created.replace(tzinfo=UTC)
             m.event_age.observe(max(0.0, (now - created).total_seconds()))
     if count:
         m.published.inc(count)
@@ -196,7 +197,7 @@ def refresh(m: Metrics, store: Any, force: bool = False) -> None:
             return
         try:
             in_flight, backlog, lag = gauges()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed reading is reported, never raised into the relay
             _reading_failed(m, now, exc)
             return
         m._last_read = (now, lag)
@@ -275,7 +276,7 @@ class GaugeRefresher:
                 if store is None:
                     try:
                         store = self.store_factory()
-                    except Exception as exc:  # e.g. a missing driver: said once per interval at DEBUG
+                    except Exception as exc:  # noqa: BLE001 - e.g. a missing driver: said once per interval at DEBUG
                         log.debug("outbox metrics: no store for the gauges: %s", exc)
                 if store is not None:
                     refresh(store, force=True)
@@ -285,7 +286,7 @@ class GaugeRefresher:
                 try:
                     store.close()
                 except Exception:
-                    pass
+                    log.debug("outbox metrics: error closing the gauges' store", exc_info=True)
 
 
 _refresher: GaugeRefresher | None = None
@@ -321,7 +322,7 @@ _own_dir: str | None = None
 
 
 def multiprocess_mode() -> bool:
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))  # noqa: SIM112 - prometheus_client's older name, still honoured
 
 
 def prepare_multiprocess() -> None:
@@ -369,7 +370,7 @@ def stop_serving() -> None:
             _server.shutdown()
             _server.server_close()
         except Exception:
-            pass
+            log.debug("outbox metrics: error stopping the metrics server", exc_info=True)
         _server = None
     if _own_dir is not None:
         shutil.rmtree(_own_dir, ignore_errors=True)
@@ -387,7 +388,7 @@ def on_worker_init() -> None:
         prepare_multiprocess()
         reset()
         active()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - metrics must never stop the relay
         log.error("outbox metrics: off (%s: %s)", type(exc).__name__, exc)
         disable()
 
@@ -403,7 +404,7 @@ def on_worker_ready(store_factory: Callable[[], Any] | None = None) -> None:
         serve(port, addr)
         log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
                  " (multiprocess)" if multiprocess_mode() else "")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - metrics must never stop the relay
         log.error("outbox metrics: cannot serve (%s: %s)", type(exc).__name__, exc)
         return
     if store_factory is not None:

@@ -4,9 +4,10 @@ behind it, one rule per ``FailureKind`` in ``STOP_POLICY`` (docs/relay.md, "Fail
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from ..core.model import FailureKind, OutboxMessage
 from .context import RelayContext

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Callable, Collection, Iterable, Sequence
 
 from ..core.model import FailureKind, OutboxMessage
 from ..publisher import ChainResult, Overtaken, Publisher, overtaken_headers

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..core.config import RelayOptions, Settings
 from ..core.model import Holder
@@ -16,9 +16,18 @@ from ..publisher.select import publisher_for
 from ..storage.store import OutboxStore
 from .holders import Heartbeat, new_holder
 from .settle import Fallback, Settler
+from .shared import (
+    Breaker,
+    Coalescer,
+    Outage,
+    RouteGate,
+    breaker_key,
+    make_breaker,
+    make_coalescer,
+    make_relay_outage,
+    make_route_gate,
+)
 from .sizing import ClaimSizer
-from .shared import (Breaker, Coalescer, Outage, RouteGate, breaker_key, make_breaker, make_coalescer,
-                     make_relay_outage, make_route_gate)
 
 log = logging.getLogger("outbox.relay")
 
@@ -110,7 +119,7 @@ class ResourceHolder:
         process that has just started), so it may take lost processes over sooner."""
         try:
             self.holder()
-        except Exception as exc:  # never keep a worker from starting over this: the first task retries
+        except Exception as exc:  # noqa: BLE001 - never keep a worker from starting over this: the first task retries
             self._log.warning("outbox: heartbeat not started (%s: %s)", type(exc).__name__, exc)
 
     def shared(self) -> Shared:
@@ -143,7 +152,7 @@ class ResourceHolder:
             for closable in (r.publisher, r.store):
                 try:
                     closable.close()
-                except Exception:  # closing after a failure may fail again
+                except Exception:  # noqa: BLE001 - closing after a failure may fail again
                     self._log.debug("outbox: error closing %r", closable, exc_info=True)
 
     def forget(self) -> None:

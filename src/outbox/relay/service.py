@@ -9,8 +9,9 @@ The task and actor modules (``outbox.celery.tasks``, ``outbox.dramatiq``) are on
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import Any
 
 from ..core.config import RelayOptions, Settings
 from ..core.model import OutboxMessage, message_from_dict, message_to_dict
@@ -101,7 +102,7 @@ class Relay:
             if breaker.open_for() > 0 and breaker.reason.startswith("fatal"):
                 self.log.warning("outbox: lifting the fatal pause left by an earlier run (%s)", breaker.reason)
                 breaker.reset()
-        except Exception as exc:  # never keep a worker from starting over this
+        except Exception as exc:  # noqa: BLE001 - never keep a worker from starting over this
             self.log.warning("outbox: cannot check the circuit breaker at start-up: %s", exc)
 
     # -- sending through the runner ---------------------------------------------------------
@@ -124,7 +125,7 @@ class Relay:
             return False
         try:
             self.runner.send(CLAIM_TASK, {"requested": True}, expires_s=self.options.claim_request_ttl_s)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a claim request is best effort: the next tick claims
             gate.clear()
             self.log.warning("outbox: cannot request a claim (%s); the next tick will claim", exc)
             return False

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from ..core.model import Claim, FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
 from ..publisher import Publisher, PublishFailure
@@ -68,13 +69,13 @@ class Settler:
     def _run(self, operation: str, kwargs: dict[str, Any], call: Callable[[], Any]) -> Any:
         try:
             return call()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - settling never raises: the fallback or the lease recovers the rows
             log.error("outbox %s failed (%s: %s); %s", operation, type(exc).__name__, exc,
                       "handing it to the ack queue" if self.fallback else "the lease will recover the rows")
             if self.fallback is not None:
                 try:
                     self.fallback(operation, kwargs)
-                except Exception as again:
+                except Exception as again:  # noqa: BLE001 - best effort: the lease recovers the rows
                     log.error("outbox %s: fallback failed too (%s); the lease will recover the rows",
                               operation, again)
             return None
@@ -116,7 +117,7 @@ def send_dead(publisher: Publisher | None, message: OutboxMessage, error: str,
     problem: PublishFailure | Exception | None
     try:
         problem = publisher.publish_dead(message, error, headers=headers)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - best effort: the dead row in the table is the record
         problem = exc
     if problem is not None:
         reason = problem.reason if isinstance(problem, PublishFailure) else str(problem)

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..core.model import OutboxMessage
 
@@ -20,7 +20,7 @@ class ClaimSizer:
     row_bytes: float = 0.0
 
     @classmethod
-    def at_start(cls, max_payload_bytes: int) -> "ClaimSizer":
+    def at_start(cls, max_payload_bytes: int) -> ClaimSizer:
         """A process's sizer before its first claim: rows assumed as large as the writers
         may make them, so a worker started on a backlog of large rows (restarted after
         running out of memory, say) does not read a whole batch of them at once. Small

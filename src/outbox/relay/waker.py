@@ -14,7 +14,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..core.config import relay_options, relay_settings
 from ..core.names import CLAIM_REQUEST_PREFIX, claim_request_key
@@ -55,7 +56,7 @@ def clear_token(token: str, broker_url: str) -> None:
         return
     try:
         redis_client(broker_url).delete(token)
-    except Exception as exc:  # it expires by itself
+    except Exception as exc:  # noqa: BLE001 - it expires by itself
         log.debug("outbox: cannot clear wake token %s: %s", token, exc)
 
 
@@ -154,7 +155,7 @@ class Waker:
         try:
             self.send_claim(requested)
             return True
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported through failed(): a wake-up never raises
             failed("sending a claim", exc)
             return False
 
@@ -167,7 +168,7 @@ class Waker:
                 try:
                     if redis_client(self.broker_url).publish(self.channel, b"") > 0:
                         return True
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - reported through failed(): a wake-up never raises
                     failed("notifying the workers", exc)
                     return False
             gate = self.coalescer()

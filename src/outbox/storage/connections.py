@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
@@ -73,7 +74,7 @@ class Connections:
                 try:
                     conn.close()
                 except Exception:  # closing a broken connection may itself fail
-                    pass
+                    log.debug("outbox: error closing a dropped connection", exc_info=True)
 
     @contextmanager
     def transaction(self, *, alone: bool = False) -> Iterator[Any]:
@@ -82,9 +83,8 @@ class Connections:
         statements, each atomic by itself, which the engine may then run as transactions of
         their own, one round trip each (``Engine.statement_alone``; docs/relay.md, "A network
         cut")."""
-        with self._lock:
-            with self.transaction_on(self.get(), alone=alone) as cursor:
-                yield cursor
+        with self._lock, self.transaction_on(self.get(), alone=alone) as cursor:
+            yield cursor
 
     @contextmanager
     def transaction_on(self, conn: Any, *, alone: bool = False) -> Iterator[Any]:
@@ -98,7 +98,7 @@ class Connections:
         except BaseException as exc:
             try:
                 conn.rollback()
-            except Exception:
+            except Exception:  # noqa: BLE001 - a rollback that fails for any reason drops the connection
                 self.drop()
             else:
                 if self.engine.is_disconnect(exc):
@@ -108,7 +108,7 @@ class Connections:
             try:
                 cursor.close()
             except Exception:
-                pass
+                log.debug("outbox: error closing a cursor", exc_info=True)
 
     def retryable(self, exc: BaseException) -> bool:
         """Worth running the work again: a transient error, a dropped connection."""
@@ -126,7 +126,6 @@ class Connections:
         retrying = Retrying(retry=retry_if_exception(self.retryable), stop=stop_after_attempt(attempts),
                             wait=RETRY_WAIT, before_sleep=before_retry, reraise=True)
         for attempt in retrying:
-            with attempt:
-                with self.transaction(alone=alone) as cursor:
-                    return work(cursor)
+            with attempt, self.transaction(alone=alone) as cursor:
+                return work(cursor)
         raise AssertionError("unreachable: tenacity re-raises the last error")

@@ -11,17 +11,31 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from ..core.config import Settings, get_settings
+from ..core.model import (
+    Beat,
+    Claim,
+    DeadRow,
+    FailResult,
+    FenceResult,
+    Holder,
+    OutboxMessage,
+    RequeueResult,
+    SilentHolder,
+    Stats,
+    Status,
+    Takeover,
+)
+from ..domain.events import MAX_ERROR_UNITS, fit_utf16
 from .connections import Connections
 from .engines import Engine, engine_for_url
-from .engines.describe import index_names
 from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
-from ..domain.events import MAX_ERROR_UNITS, fit_utf16
-from ..core.model import (Beat, Claim, DeadRow, FailResult, FenceResult, Holder, OutboxMessage, RequeueResult,
-                    SilentHolder, Stats, Status, Takeover)
+from .engines.describe import index_names
 
 log = logging.getLogger("outbox.storage.store")
 T = TypeVar("T")
@@ -67,7 +81,7 @@ class OutboxStore:
         self._connections = Connections(self.engine, url)
 
     @classmethod
-    def from_settings(cls, settings: Settings | None = None) -> "OutboxStore":
+    def from_settings(cls, settings: Settings | None = None) -> OutboxStore:
         s = settings or get_settings()
         return cls(s.database_url, table=s.table, schema=s.schema,
                    claim_timeout_ms=s.claim_timeout_ms, max_attempts=s.max_attempts,
@@ -85,7 +99,7 @@ class OutboxStore:
     def close(self) -> None:
         self._connections.drop()
 
-    def transaction(self, *, alone: bool = False) -> ContextManager[Any]:
+    def transaction(self, *, alone: bool = False) -> AbstractContextManager[Any]:
         """A cursor inside one short transaction (``Connections.transaction``)."""
         return self._connections.transaction(alone=alone)
 
@@ -249,7 +263,10 @@ class OutboxStore:
                                                                     [holder_id]).rowcount)
 
     def _seconds(self, earlier: Any, later: Any) -> float:
-        return max(0.0, (self.engine.to_datetime(later) - self.engine.to_datetime(earlier)).total_seconds())
+        """Seconds from ``earlier`` to ``later``, two database timestamps (never None), at least 0."""
+        start, end = self.engine.to_datetime(earlier), self.engine.to_datetime(later)
+        assert start is not None and end is not None
+        return max(0.0, (end - start).total_seconds())
 
     def held(self, ids: Sequence[int], lease: str) -> set[int]:
         """The ids among ``ids`` that ``lease`` still holds (claimed, not yet settled or
@@ -468,7 +485,7 @@ class OutboxStore:
                                  permanent={str(r[0]): int(r[1]) for r in sorted(kept, key=lambda r: str(r[0]))})
 
         def requeue_ids(cursor: Any) -> RequeueResult:
-            wanted = sorted(set(int(i) for i in ids or ()))
+            wanted = sorted({int(i) for i in ids or ()})
             chunks = [self.engine.ids_in(part) for part in self.engine.id_chunks(wanted)]
             rows = [row for cond, params in chunks for row in self.engine.execute(
                 cursor, "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, "

@@ -47,13 +47,13 @@ def register() -> None:
 
 def is_transport_url(url: str | None) -> bool:
     """True for broker URLs that select this transport."""
-    return bool(url) and (url.startswith(f"{SCHEME}+") or url.startswith(f"{SCHEME}://"))  # type: ignore[union-attr]
+    return bool(url) and (url.startswith((f"{SCHEME}+", f"{SCHEME}://")))  # type: ignore[union-attr]
 
 
 def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:
     """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``)."""
-    from .tables.base import DEFAULT_QUEUE_TABLE
     from .database import Database, database_url_of
+    from .tables.base import DEFAULT_QUEUE_TABLE
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
     db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)
     try:

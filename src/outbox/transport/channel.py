@@ -35,19 +35,27 @@ from __future__ import annotations
 import json
 import logging
 import random
-import socket
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from queue import Empty
-from typing import Any, Callable
+from typing import Any
 
 from kombu.transport import virtual
 
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
 from .database import Database, database_url_of, driver_errors
-from .messages import (celery_expires, check_name, encode_envelope, eta_delay_ms, is_control_queue, is_reply_queue,
-                       split_tag, ttl_ms)
+from .messages import (
+    celery_expires,
+    check_name,
+    encode_envelope,
+    eta_delay_ms,
+    is_control_queue,
+    is_reply_queue,
+    split_tag,
+    ttl_ms,
+)
 from .options import SCHEME
 from .tables.base import DEFAULT_QUEUE_TABLE, MessageRow, QueueTables
 
@@ -58,6 +66,10 @@ class QoS(virtual.QoS):
     """Prefetch accounting from kombu, settlement in the table: ack deletes the row,
     reject deletes it or (requeue) makes it visible again, both fenced by the lease's
     receipt, so a late ack for a lease that ran out changes nothing."""
+
+    # kombu declares these None on the class (mypy infers that type) and sets them in __init__.
+    _delivered: OrderedDict[str, Any]  # type: ignore[assignment]
+    _dirty: set[str]  # type: ignore[assignment]
 
     def ack(self, delivery_tag: str) -> None:
         if delivery_tag in self._delivered and delivery_tag not in self._dirty:
@@ -73,12 +85,12 @@ class QoS(virtual.QoS):
         """Warm shutdown, channel close: hand every unsettled message back at once
         (rather than leaving it to the visibility timeout)."""
         self._flush()
-        errors = []
+        errors: list[tuple[Exception, Any]] = []
         while self._delivered:
             tag, message = self._delivered.popitem()
             try:
                 self.channel._settle(tag, requeue=True)
-            except Exception as exc:  # reported by restore_unacked_once
+            except Exception as exc:  # noqa: BLE001 - reported by restore_unacked_once
                 errors.append((exc, message))
         return errors
 
@@ -107,7 +119,8 @@ class Channel(virtual.Channel):
     #: Wake idle receivers at once on a send where the engine can (PostgreSQL LISTEN/NOTIFY).
     wake: bool = True
 
-    from_transport_options = virtual.Channel.from_transport_options + (
+    # kombu's own tuple is inferred as exactly its two names; ours extends it.
+    from_transport_options: tuple[str, ...] = virtual.Channel.from_transport_options + (  # type: ignore[assignment]
         "visibility_timeout", "receive_batch", "queue_table", "queue_schema", "create_tables",
         "expired_purge_interval", "expired_purge_batch", "binding_cache_ttl", "wake")
 
@@ -274,13 +287,16 @@ class Channel(virtual.Channel):
         for queue in order:
             if len(got) >= limit:
                 break
-            receipt = uuid.uuid4().hex
-            rows = self.db.run(lambda qt, c: qt.lease(c, queue, limit - len(got), visibility_ms, receipt))
-            if rows and queue in self._no_ack_queues:
-                self.db.run(lambda qt, c: [qt.ack(c, r.id, receipt) for r in rows])  # no_ack: consumed on receipt
-            got.extend((queue, self._payload(row, receipt)) for row in rows)
+            got.extend(self._lease_queue(queue, limit - len(got), visibility_ms))
         self._busy = bool(got)
         return got
+
+    def _lease_queue(self, queue: str, limit: int, visibility_ms: int) -> list[tuple[str, dict[str, Any]]]:
+        receipt = uuid.uuid4().hex
+        rows = self.db.run(lambda qt, c: qt.lease(c, queue, limit, visibility_ms, receipt))
+        if rows and queue in self._no_ack_queues:
+            self.db.run(lambda qt, c: [qt.ack(c, r.id, receipt) for r in rows])  # no_ack: consumed on receipt
+        return [(queue, self._payload(row, receipt)) for row in rows]
 
     def _payload(self, row: MessageRow, receipt: str) -> dict[str, Any]:
         payload = json.loads(row.headers)
@@ -322,11 +338,14 @@ class Transport(virtual.Transport):
     """``outboxdb+<database URL>``: Celery's broker on the database's queue tables."""
 
     Channel = Channel
+    # kombu declares these None on the class (mypy infers that type) and sets them in __init__.
+    channels: list[Any]  # type: ignore[assignment]
+    cycle: Any  # kombu's FairCycle
     #: kombu's Connection reads these from the CLASS (``get_transport_cls()``), and Celery
     #: decides from them whether a broker error means "reconnect" or "stop the worker".
     #: The driver is known only per URL, so ``Database.run`` raises every lost connection
     #: as BrokerDatabaseUnavailable; the instance adds the URL's driver classes too.
-    connection_errors = virtual.Transport.connection_errors + (BrokerDatabaseUnavailable,)
+    connection_errors: tuple[Any, ...] = virtual.Transport.connection_errors + (BrokerDatabaseUnavailable,)
     can_parse_url = True
     driver_type = "sql"
     driver_name = SCHEME
@@ -427,7 +446,7 @@ class Transport(virtual.Transport):
         time.sleep(pause)
         return False
 
-    def establish_connection(self) -> "Transport":
+    def establish_connection(self) -> Transport:
         conn = super().establish_connection()
         for channel in self._avail_channels:
             channel.db.run(lambda qt, c: None)  # connect now: bad URLs and credentials fail at start-up
@@ -438,7 +457,8 @@ class Transport(virtual.Transport):
         for db in self._databases.values():
             db.close()
 
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+    # kombu's base Transport types it drain_events(connection, **kwargs); this is virtual.Transport's.
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:  # type: ignore[override]
         """Deliver what one poll finds. While nothing comes, wait between polls, the
         wait doubling from ``polling_interval_min`` to ``polling_interval`` with ±25%
         jitter (so workers do not poll in step); a send wakes the wait where the engine
@@ -453,7 +473,7 @@ class Transport(virtual.Transport):
             if now < self._next_poll:
                 left = None if timeout is None else started + timeout - now
                 if left is not None and left <= 0:
-                    raise socket.timeout()
+                    raise TimeoutError()
                 pause = self._next_poll - now if left is None else min(self._next_poll - now, left)
                 if self._idle_wait(pause):
                     self._sleep, self._next_poll = self.polling_interval_min, 0.0  # woken by a send
@@ -472,7 +492,7 @@ class Transport(virtual.Transport):
                     self._next_poll = time.monotonic() + min(self._sleep, ceiling) * random.uniform(0.75, 1.25)
                     self._sleep = min(self._sleep * 2, ceiling)
                 if timeout is not None and time.monotonic() - started >= timeout:
-                    raise socket.timeout()
+                    raise TimeoutError() from None
             else:
                 self._sleep, self._next_poll = self.polling_interval_min, 0.0
                 return

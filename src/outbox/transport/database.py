@@ -9,7 +9,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
 from ..storage.connections import Connections
@@ -70,7 +71,7 @@ class Database:
             try:
                 self.connection()  # tables exist before anyone listens
                 waiter = self.qt.open_waiter(self.url)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure to listen: polling only for a while
                 log.warning("outboxdb: cannot listen for wake-ups (%s); polling only for a while", exc)
                 self._waiter_retry_at = time.monotonic() + 30.0
                 waiter = None
@@ -82,7 +83,7 @@ class Database:
             return False
         try:
             return waiter.wait(timeout)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of the waiter: reconnect
             log.warning("outboxdb: wake-up connection lost (%s); reconnecting", exc)
             self._close_waiter()
             self._waiter_retry_at = time.monotonic() + 1.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .tables.base import MAX_NAME
@@ -27,8 +27,8 @@ def eta_delay_ms(headers: dict[str, Any] | None) -> int:
         log.warning("outboxdb: ignoring unparseable eta %r", eta)
         return 0
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return max(int((when - datetime.now(timezone.utc)).total_seconds() * 1000), 0)
+        when = when.replace(tzinfo=UTC)
+    return max(int((when - datetime.now(UTC)).total_seconds() * 1000), 0)
 
 
 def ttl_ms(properties: dict[str, Any]) -> int | None:
@@ -46,7 +46,7 @@ def celery_expires(headers: dict[str, Any] | None) -> bool:
     ``expiration``, but such a task must reach a worker, which marks it REVOKED in the
     result backend (as on Redis, which ignores ``expiration``). docs/transport.md, "Delays
     and expiry"."""
-    return bool(headers) and bool(headers.get("task")) and headers.get("expires") not in (None, "")
+    return headers is not None and bool(headers.get("task")) and headers.get("expires") not in (None, "")
 
 
 def encode_envelope(envelope: dict[str, Any]) -> str:

@@ -5,7 +5,8 @@ Other Celery apps pass ``broker_transport_options`` directly."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..core.config import DATABASE_BROKER_SCHEME as SCHEME  # the URL scheme prefix: ``outboxdb+postgresql://...``
 from ..core.config import TransportOptions, current

@@ -18,13 +18,14 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..storage.engines import engine_class, unwrap_connection
+from .messages import eta_delay_ms
 from .tables import queue_tables
 from .tables.base import DEFAULT_QUEUE_TABLE
-from .messages import eta_delay_ms
 
 
 class SendError(ValueError):

@@ -9,15 +9,19 @@ set ``placeholder`` and ``sql()`` rewrites the text once.
 from __future__ import annotations
 
 import hashlib
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
-from typing import Any, ClassVar, Iterable, Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any, ClassVar
 
-from ...domain.chains import Candidate, plan_claim
 from ...core.config import validate_identifier
 from ...core.model import FailureKind, NewEvent, OutboxMessage
+from ...domain.chains import Candidate, plan_claim
 from . import rows
+
+log = logging.getLogger("outbox.storage.engines")
 
 #: Columns handed to the relay, in this order, by every claim implementation.
 MESSAGE_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
@@ -204,7 +208,7 @@ class Engine(ABC):
             try:
                 conn.autocommit = False
             except Exception:  # a broken connection: the store drops it
-                pass
+                log.debug("outbox: cannot restore autocommit off", exc_info=True)
 
     @contextmanager
     def statement_alone(self, conn: Any) -> Iterator[None]:
@@ -214,7 +218,7 @@ class Engine(ABC):
         block's statements share the caller's transaction)."""
         yield
 
-    def read_server(self, cursor: Any) -> None:
+    def read_server(self, cursor: Any) -> None:  # noqa: B027 - a hook: most engines learn nothing
         """Learn, from the connection ``cursor`` runs on, what the SQL built next may use
         (SQL Server: OPENJSON and ISJSON). The engine's own connections do this at connect;
         a caller's connection (a Django or Alembic migration, the Django admin) is probed
@@ -224,7 +228,7 @@ class Engine(ABC):
         """A cursor on the caller's connection that yields plain tuples."""
         return conn.cursor()
 
-    def begin(self, cursor: Any) -> None:
+    def begin(self, cursor: Any) -> None:  # noqa: B027 - a hook: most drivers open the transaction themselves
         """Start a write transaction (drivers that open one implicitly need nothing)."""
 
     @abstractmethod
@@ -246,8 +250,8 @@ class Engine(ABC):
         if isinstance(value, str):
             value = datetime.fromisoformat(value)
         if value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc)
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
 
     # -- schema --------------------------------------------------------------
     @abstractmethod
@@ -266,7 +270,7 @@ class Engine(ABC):
 
     def holders_columns(self) -> str:
         return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INTEGER NOT NULL, "
-                f"started_at TIMESTAMP NOT NULL, beat_at TIMESTAMP NOT NULL")
+                "started_at TIMESTAMP NOT NULL, beat_at TIMESTAMP NOT NULL")
 
     # -- write side (runs in the caller's transaction: never commit here) -------
     @abstractmethod

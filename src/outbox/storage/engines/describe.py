@@ -13,8 +13,8 @@ import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from . import kind_of_url
 from ...core.errors import install_hint
+from . import kind_of_url
 from .base import Engine
 
 #: Driver module -> (engine, the extra that installs it).

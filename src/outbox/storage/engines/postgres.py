@@ -11,8 +11,9 @@ round trip, and every session bounds its transactions' life (``connect``; docs/r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from ...core.config import session_bounds, without_session_bounds

@@ -7,8 +7,9 @@ event never hurts another"). Engines differ only in how a timestamp comes back
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 from ...core.model import OutboxMessage
 from ...domain.events import text_problem
@@ -21,7 +22,7 @@ class UndecodableRow(ValueError):
     """A claimed row that does not decode into an ``OutboxMessage`` (``Engine.to_message``)."""
 
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _reject_constant(name: str) -> Any:

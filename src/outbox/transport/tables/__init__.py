@@ -11,7 +11,6 @@ from ...core.errors import ConfigError
 from ...storage.engines.base import Engine
 from .base import DEFAULT_QUEUE_TABLE, QueueTables
 
-
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
 

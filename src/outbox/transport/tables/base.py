@@ -7,9 +7,13 @@ modules (``outbox.transport.tables.<engine>``) subclass ``QueueTables`` with onl
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import logging
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from ...storage.engines.base import Engine
+
+log = logging.getLogger("outbox.transport.tables")
 
 DEFAULT_QUEUE_TABLE = "outbox_queue"
 #: The receive index (``ix_<table>_ready``): (queue, visible_at, id), so the lease and the
@@ -126,7 +130,7 @@ class QueueTables:
             try:
                 self.unlock_migration(cursor)
             except Exception:  # the connection may be gone; the original error tells why
-                pass
+                log.debug("outboxdb: cannot unlock the migration", exc_info=True)
             raise
         self.unlock_migration(cursor)
 
@@ -158,7 +162,7 @@ class QueueTables:
     def session_setup(self, cursor: Any) -> None:
         """Run once on each new connection of the transport (engine-specific tuning)."""
 
-    def open_waiter(self, url: str) -> "Waiter | None":
+    def open_waiter(self, url: str) -> Waiter | None:
         """Something an idle receiver can block on until a message may have arrived
         (PostgreSQL's LISTEN), or None: the receiver then sleeps between polls."""
         return None

@@ -24,8 +24,14 @@ from __future__ import annotations
 from typing import Any
 
 from ...storage.engines.mssql.driver import result_rows
-from ...storage.engines.mssql.schema import (FILTERED_INDEX_OPTIONS, if_, lock_escalation_off,
-                                             migration_lock_statements, migration_unlock_statements, nstr)
+from ...storage.engines.mssql.schema import (
+    FILTERED_INDEX_OPTIONS,
+    if_,
+    lock_escalation_off,
+    migration_lock_statements,
+    migration_unlock_statements,
+    nstr,
+)
 from .base import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 #: Names compare exactly, as on the other engines (default collations ignore case).

@@ -7,9 +7,12 @@ never wait for each other; the statement runs in autocommit-sized transactions.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .base import MAX_NAME, READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables, Waiter
+
+log = logging.getLogger("outbox.transport.tables")
 
 
 class ListenWaiter(Waiter):
@@ -18,6 +21,7 @@ class ListenWaiter(Waiter):
 
     def __init__(self, url: str, channel: str) -> None:
         import psycopg
+
         from ...storage.engines.postgres import connect_params
         self.conn = psycopg.connect(**connect_params(url), autocommit=True)
         self.conn.execute(f'LISTEN "{channel}"')
@@ -31,7 +35,7 @@ class ListenWaiter(Waiter):
         try:
             self.conn.close()
         except Exception:
-            pass
+            log.debug("outboxdb: error closing the wake-up connection", exc_info=True)
 
 
 class PostgresQueueTables(QueueTables):

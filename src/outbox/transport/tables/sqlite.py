@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables
 from ...storage.engines.sqlite import _NOW
+from .base import READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables
 
 
 class SqliteQueueTables(QueueTables):

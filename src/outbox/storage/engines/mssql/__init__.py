@@ -42,15 +42,46 @@ from __future__ import annotations
 # The engine's names keep their ``outbox.storage.engines.mssql`` path: the package is one face
 # over its modules (``driver``: connecting and errors; ``schema``: DDL and migration; ``sql``:
 # the statements; ``engine``: the engine, its connections and sessions).
-from .driver import (DEFAULT_DRIVER, DEFAULT_LOCK_TIMEOUT_MS, DEFAULT_QUERY_TIMEOUT_S, DISCONNECT_ERRORS, DRIVERS,
-                     INLINE_UNITS, SQL_BIGINT, SQL_INTEGER, SQL_WLONGVARCHAR, SQL_WVARCHAR, TRANSIENT_ERRORS, Target,
-                     driver_of_url, error_numbers, input_sizes, odbc_connection_string, parse_target, result_rows,
-                     utf16_len)
+from .driver import (
+                     DEFAULT_DRIVER,
+                     DEFAULT_LOCK_TIMEOUT_MS,
+                     DEFAULT_QUERY_TIMEOUT_S,
+                     DISCONNECT_ERRORS,
+                     DRIVERS,
+                     INLINE_UNITS,
+                     SQL_BIGINT,
+                     SQL_INTEGER,
+                     SQL_WLONGVARCHAR,
+                     SQL_WVARCHAR,
+                     TRANSIENT_ERRORS,
+                     Target,
+                     driver_of_url,
+                     error_numbers,
+                     input_sizes,
+                     odbc_connection_string,
+                     parse_target,
+                     result_rows,
+                     utf16_len,
+)
 from .engine import MIN_LEVEL, SERVER_SQL, MssqlEngine
-from .schema import (FILTERED_INDEX_OPTIONS, ID_COLLATION, INDEXES, MIGRATE_LOCK_TIMEOUT_MS, OPEN_ROWS,
-                     OPEN_ROWS_NORMALIZED, RETIRED_INDEXES, IndexSpec, add_json_check_sql, filter_sql, if_,
-                     lock_escalation_off, migration_lock_statements, migration_unlock_statements, normalize_filter,
-                     nstr)
+from .schema import (
+                     FILTERED_INDEX_OPTIONS,
+                     ID_COLLATION,
+                     INDEXES,
+                     MIGRATE_LOCK_TIMEOUT_MS,
+                     OPEN_ROWS,
+                     OPEN_ROWS_NORMALIZED,
+                     RETIRED_INDEXES,
+                     IndexSpec,
+                     add_json_check_sql,
+                     filter_sql,
+                     if_,
+                     lock_escalation_off,
+                     migration_lock_statements,
+                     migration_unlock_statements,
+                     normalize_filter,
+                     nstr,
+)
 from .sql import ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT
 
 __all__ = ["DEFAULT_DRIVER", "DEFAULT_LOCK_TIMEOUT_MS", "DEFAULT_QUERY_TIMEOUT_S", "DISCONNECT_ERRORS", "DRIVERS",

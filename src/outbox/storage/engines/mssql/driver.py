@@ -7,8 +7,9 @@ overview."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ....core.errors import StoreError, install_hint

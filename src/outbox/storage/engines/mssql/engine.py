@@ -6,8 +6,9 @@ by ``driver``. The SQL itself is ``sql`` and ``schema``."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar
 
 from ....core.errors import StoreError
 from . import driver
@@ -125,18 +126,16 @@ class MssqlEngine(MssqlStatements):
             # pyodbc keeps sizes until they are replaced: clear them for other statements.
             if sizes is not None or module == "pyodbc":
                 cursor.setinputsizes(sizes)
-        if not _is_ddl(text):
+        conn = getattr(cursor, "connection", None) if _is_ddl(text) else None
+        saved = getattr(conn, "timeout", None)
+        if conn is None or not saved:
             cursor.execute(text, params)
             return cursor
-        conn = getattr(cursor, "connection", None)
-        saved = getattr(conn, "timeout", None)
-        if saved:
-            conn.timeout = 0
+        conn.timeout = 0
         try:
             cursor.execute(text, params)
         finally:
-            if saved:
-                conn.timeout = saved
+            conn.timeout = saved
         return cursor
 
     def is_transient(self, exc: BaseException) -> bool:

@@ -283,7 +283,7 @@ class MssqlSchema(Engine):
             for column in ("payload", "headers"):
                 ck = q(f"ck_{name}_{column}_json")
                 steps.append([if_(
-                    f"OBJECT_ID({nstr((self.quote(schema) + '.' + ck))}, N'C') IS NULL AND EXISTS (SELECT 1 FROM "
+                    f"OBJECT_ID({nstr(self.quote(schema) + '.' + ck)}, N'C') IS NULL AND EXISTS (SELECT 1 FROM "
                     f"sys.columns WHERE object_id = OBJECT_ID({table_literal}) AND name = {nstr(column)} "
                     "AND system_type_id = 231)",
                     f"EXEC sp_executesql {nstr(add_json_check_sql(t, ck, column))}")])

@@ -6,13 +6,17 @@ tests/test_mssql_sql.py."""
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+import logging
+from collections.abc import Sequence
+from typing import Any
 
 from ....core.errors import StoreError
 from ....core.model import NewEvent
 from ..base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
 from .driver import result_rows
 from .schema import ID_COLLATION, INDEXES, OPEN_ROWS, MssqlSchema, if_, nstr
+
+log = logging.getLogger("outbox.storage.engines.mssql")
 
 #: Ids per statement when OPENJSON is missing: below SQL Server's 2,100 parameters
 #: per statement, with room for the statement's own (lease, delay).
@@ -182,7 +186,7 @@ class MssqlStatements(MssqlSchema):
             try:
                 self.execute(cursor, self.end_own_transaction_sql())
             except Exception:  # the connection is gone: so is the transaction
-                pass
+                log.debug("outbox: cannot end the insert's own transaction", exc_info=True)
             raise
         if outbox_id is None:
             reason = self.LOCK_RESULTS.get(int(lock_result or -999), f"returned {lock_result}")
@@ -351,5 +355,5 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
                 cursor.execute(("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION; " if own else "")
                                + "SET XACT_ABORT ON; SET NOCOUNT OFF;")
             except Exception:
-                pass
+                log.debug("outbox: cannot reset the session after an error", exc_info=True)
             raise
