@@ -322,7 +322,8 @@ _own_dir: str | None = None
 
 
 def multiprocess_mode() -> bool:
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))  # noqa: SIM112 - prometheus_client's older name, still honoured
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+                or os.environ.get("prometheus_multiproc_dir"))  # noqa: SIM112 - prometheus_client's older name
 
 
 def prepare_multiprocess() -> None:
