@@ -8,8 +8,13 @@ timed assertion. See ``docs/benchmarks.md`` for the figures and what they mean.
 
 Modules:
 
-* ``bench.common``  services, per-run names, the RabbitMQ destination (consumer thread),
-  the PostgreSQL table, process sampling (RSS, CPU), machine and version facts.
+* ``bench.common``  the shared pieces in one import (the four modules below), the end of a
+  phase (``teardown``), machine and version facts.
+* ``bench.services`` the services on 127.0.0.1, per-run names (``Run``), the log line.
+* ``bench.destination`` the RabbitMQ destination: exchange, queue and consumer thread
+  (``Arrivals``, shared with ``bench.kafka``), the ordering rule checked on arrival.
+* ``bench.backlog`` the PostgreSQL outbox table: create, load (realistic events), count, drop.
+* ``bench.procs``   process sampling from ``/proc`` (trees, RSS, CPU per group), stopping groups.
 * ``bench.confirm`` publisher micro-benchmark: stop-and-wait confirms vs none, pipelined, tx.
 * ``bench.drain``   backlog drain: in-process claim -> publish_chain -> mark_done loop
   (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat.

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from .common import Destination, Run, _amqp_connection, confirm_channel, log, make_event
+from .common import Destination, Run, amqp_connection, confirm_channel, log, make_event
 
 
 def _messages(count: int, aggregates: int = 100) -> list[Any]:
@@ -109,7 +109,7 @@ def raw_waves(run: Run, messages: list[Any], wave: int, prebuilt: bool = False) 
     """Raw py-amqp waves: ``wave`` messages back to back (persistent, mandatory), then read
     until every one of them is acked. Without ``prebuilt`` each ``amqp.Message`` is built
     from its row inside the clock, as any relay loop has to."""
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch = conn.channel()
         ch.confirm_select()
@@ -177,7 +177,7 @@ def kombu_stop_and_wait_parallel(run: Run, messages: list[Any], threads: int = 2
 
 
 def raw_stop_and_wait(run: Run, messages: list[Any]) -> tuple[int, float]:
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch = conn.channel()
         ch.confirm_select()
@@ -196,7 +196,7 @@ def raw_stop_and_wait(run: Run, messages: list[Any]) -> tuple[int, float]:
 
 
 def pipelined_confirm_chain(run: Run, messages: list[Any], chain: int) -> tuple[int, float]:
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch, state = confirm_channel(conn)
         msgs = _amqp_messages(messages)
@@ -217,7 +217,7 @@ def pipelined_confirm_chain(run: Run, messages: list[Any], chain: int) -> tuple[
 
 
 def tx_chain(run: Run, messages: list[Any], chain: int) -> tuple[int, float]:
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch = conn.channel()
         ch.tx_select()
@@ -233,7 +233,7 @@ def tx_chain(run: Run, messages: list[Any], chain: int) -> tuple[int, float]:
 
 
 def no_confirm(run: Run, messages: list[Any]) -> tuple[int, float]:
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch = conn.channel()
         msgs = _amqp_messages(messages)
