@@ -29,6 +29,8 @@ Modules:
 * ``bench.loop``    the baseline loop as a subprocess entry point.
 * ``bench.memory``  peak RSS of every worker process draining a backlog with 1 MB payloads
   mixed in (issue 11, target 7).
+* ``bench.profiling`` py-spy on the worker's processes during a drain, summarised by where the
+  time goes (the ``profile`` phase, ``bench.live --profile``).
 * ``bench.rawloop`` the raw unordered 2-process loop of issue 11, the drain's baseline.
 * ``bench.takeover`` one of two workers SIGKILLed mid-drain: the longest stand-still of any
   aggregate after the kill, next to the fault-free drain (``python -m bench.takeover``).

@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     create_table(run)
     destination = Destination(run)
     relay = None
-    from . import confirm, drain, kafka, live, memory, takeover
+    from . import confirm, drain, kafka, live, memory, profiling, takeover
 
     def quiet(phase: str) -> None:
         """Other sessions may share this machine: start each phase on an idle machine if
@@ -518,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
                 relay = relay_factory()
                 relay.wait_ready(args.concurrency)
                 quiet("profile")
-                results["profile"] = drain.profile_drain(run, destination, relay, args.profile_events, 100,
-                                                         timeout=min(240.0, remaining() / 3))
+                results["profile"] = profiling.profile_drain(run, destination, relay, args.profile_events, 100,
+                                                             timeout=min(240.0, remaining() / 3))
 
         if "tuning" not in args.skip:
             results["tuning"] = {}
