@@ -13,7 +13,7 @@ aggregate's rows), no lease, no Celery: the ceiling the ordered relay is compare
 
 ``run_raw_loop`` (called by ``bench.drain`` and ``python -m bench``) starts the processes
 (``python -m bench.rawloop child ...``), starts them all at once, and returns events/s and
-the CPU every process group used while they ran (``bench.procs.CpuWindow``), per event, plus each
+the CPU every process group used while they ran (``common.CpuWindow``), per event, plus each
 loop process's busy fraction (its own CPU over its wall time). ``python -m bench.rawloop``
 runs it alone on a fresh table and backlog.
 """
