@@ -31,6 +31,7 @@ Modules:
   mixed in (issue 11, target 7).
 * ``bench.profiling`` py-spy on the worker's processes during a drain, summarised by where the
   time goes (the ``profile`` phase, ``bench.live --profile``).
+* ``bench.report``  the report of ``python -m bench``: issue 11's targets, verdicts, the summary.
 * ``bench.rawloop`` the raw unordered 2-process loop of issue 11, the drain's baseline.
 * ``bench.takeover`` one of two workers SIGKILLed mid-drain: the longest stand-still of any
   aggregate after the kill, next to the fault-free drain (``python -m bench.takeover``).
