@@ -3,8 +3,11 @@ realistic events), count and drop."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 from .services import Run
@@ -55,6 +58,25 @@ def make_event(n: int, aggregate: str, blob: str | None = None) -> Any:
         payload["attachment"] = blob
     return prepare_event(topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
                          payload=payload, headers={"x-tenant": "acme", "x-source": "bench"})
+
+
+def claimed_messages(events: int, aggregates: int, topic: str | None = None,
+                     lease: str | None = None) -> list[Any]:
+    """The events of a backlog (``load_backlog``'s; ids 1..n) as the relay claims them, for
+    the publisher benchmarks: ``topic`` instead of ``make_event``'s, ``lease`` on every
+    message (default: a fresh one each)."""
+    from outbox.core.model import OutboxMessage
+
+    now = datetime.now(UTC)
+    out = []
+    for n in range(events):
+        e = make_event(n, aggregate_name(n % aggregates))
+        out.append(OutboxMessage(id=n + 1, message_id=e.message_id, topic=topic or e.topic,
+                                 aggregate_type=e.aggregate_type, aggregate_id=e.aggregate_id,
+                                 partition_key=e.partition_key, payload=e.payload_json,
+                                 headers=json.loads(e.headers_json), trace_id=None, attempts=0, created_at=now,
+                                 lease=lease or uuid.uuid4().hex))
+    return out
 
 
 def random_blob(size: int) -> str:

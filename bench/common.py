@@ -16,6 +16,7 @@ from typing import Any
 
 from .backlog import (
     aggregate_name,
+    claimed_messages,
     create_table,
     drop_table,
     lease_recovered,
@@ -60,12 +61,12 @@ from .services import (
 
 __all__ = [
     "AMQP_URL", "CELERY", "CLK_TCK", "POSTGRES_URL", "PY_SPY", "REDIS_URL", "Arrivals", "CpuWindow",
-    "Destination", "Run", "aggregate_name", "amqp_connection", "check_order", "children", "confirm_channel",
-    "cpu_by_process", "cpu_seconds", "create_table", "drop_table", "flush_redis", "lease_recovered",
-    "load_backlog", "log", "machine_facts", "make_event", "parent_pid", "percentile", "pg_connect",
-    "process_tree", "random_blob", "reachable", "redis_llen", "require_services", "rss_kb", "service_groups",
-    "status_counts", "stop_process_group", "system_cpu", "teardown", "to_json", "truncate_table",
-    "wait_all_done", "wait_quiet",
+    "Destination", "Run", "aggregate_name", "amqp_connection", "check_order", "children", "claimed_messages",
+    "confirm_channel", "cpu_by_process", "cpu_seconds", "create_table", "drop_table", "flush_redis",
+    "lease_recovered", "load_backlog", "log", "machine_facts", "make_event", "parent_pid", "percentile",
+    "pg_connect", "process_tree", "random_blob", "reachable", "redis_llen", "require_services", "rss_kb",
+    "service_groups", "status_counts", "stop_process_group", "system_cpu", "teardown", "to_json",
+    "truncate_table", "wait_all_done", "wait_quiet",
 ]
 
 

@@ -32,29 +32,12 @@ real consumer would:
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
-from .common import Destination, Run, amqp_connection, confirm_channel, log, make_event
-
-
-def _messages(count: int, aggregates: int = 100) -> list[Any]:
-    from outbox.core.model import OutboxMessage
-
-    now = datetime.now(UTC)
-    out = []
-    for n in range(count):
-        e = make_event(n, f"agg-{n % aggregates:03d}")
-        out.append(OutboxMessage(id=n + 1, message_id=e.message_id, topic=e.topic, aggregate_type=e.aggregate_type,
-                                 aggregate_id=e.aggregate_id, partition_key=e.partition_key, payload=e.payload_json,
-                                 headers=json.loads(e.headers_json), trace_id=None, attempts=0, created_at=now,
-                                 lease=uuid.uuid4().hex))
-    return out
+from .common import Destination, Run, amqp_connection, claimed_messages, confirm_channel, log
 
 
 def _amqp_messages(messages: list[Any]) -> list[Any]:
@@ -256,7 +239,7 @@ def run_confirm_bench(run: Run, destination: Destination, count: int, chain: int
     entry ``kombu_waves_task{wave}`` then holds ``vs_raw_waves`` (``vs_raw_waves_prebuilt``):
     its rate over raw py-amqp's, and ``cpu_vs_raw_waves``: its publishing thread's CPU per
     event over raw py-amqp's (issue 11, speed target 2)."""
-    messages = _messages(count + 2)
+    messages = claimed_messages(count + 2, 100)
     relay, raw, prebuilt = f"kombu_waves_task{wave}", f"raw_waves{wave}", f"raw_waves{wave}_prebuilt"
     paired: list[tuple[str, Callable[[], Any]]] = [
         (relay, lambda: kombu_waves(run, messages, wave)),
