@@ -383,19 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also drain with the relay imported from DIR (e.g. before=/work/main/src), same run")
     args = p.parse_args(argv)
     require_services()
-    prefix = args.prefix
-
-    class _Run(Run):
-        @property
-        def exchange(self) -> str:
-            return f"{prefix}-{self.tag}"
-
-        @property
-        def queue(self) -> str:
-            return f"{prefix}-q-{self.tag}"
-
-    run = _Run(redis_url=args.redis_url, batch_size=args.batch_size,
-               workdir=Path(tempfile.mkdtemp(prefix="outbox-drain-")))
+    run = Run(redis_url=args.redis_url, batch_size=args.batch_size, prefix=args.prefix,
+              workdir=Path(tempfile.mkdtemp(prefix="outbox-drain-")))
     env = dict(item.split("=", 1) for item in args.env)
     flush_redis(run.redis_url)
     create_table(run)

@@ -55,6 +55,8 @@ class Run:
     batch_size: int = 100
     claim_interval_s: float = 1.0
     workdir: Path = field(default_factory=lambda: Path("/tmp"))
+    #: The RabbitMQ exchange is ``<prefix>-<tag>``, its queue ``<prefix>-q-<tag>``.
+    prefix: str = "outbox-bench"
 
     @property
     def table(self) -> str:
@@ -62,11 +64,11 @@ class Run:
 
     @property
     def exchange(self) -> str:
-        return f"outbox-bench-{self.tag}"
+        return f"{self.prefix}-{self.tag}"
 
     @property
     def queue(self) -> str:
-        return f"outbox-bench-q-{self.tag}"
+        return f"{self.prefix}-q-{self.tag}"
 
     def outbox_env(self, **extra: str) -> dict[str, str]:
         """The OUTBOX_* settings of the relay under test (worker, beat, and this process's wake)."""
