@@ -8,8 +8,13 @@ timed assertion. See ``docs/benchmarks.md`` for the figures and what they mean.
 
 Modules:
 
-* ``bench.common``  services, per-run names, the RabbitMQ destination (consumer thread),
-  the PostgreSQL table, process sampling (RSS, CPU), machine and version facts.
+* ``bench.common``  the shared pieces in one import (the four modules below), the end of a
+  phase (``teardown``), machine and version facts.
+* ``bench.services`` the services on 127.0.0.1, per-run names (``Run``), the log line.
+* ``bench.destination`` the RabbitMQ destination: exchange, queue and consumer thread
+  (``Arrivals``, shared with ``bench.kafka``), the ordering rule checked on arrival.
+* ``bench.backlog`` the PostgreSQL outbox table: create, load (realistic events), count, drop.
+* ``bench.procs``   process sampling from ``/proc`` (trees, RSS, CPU per group), stopping groups.
 * ``bench.confirm`` publisher micro-benchmark: stop-and-wait confirms vs none, pipelined, tx.
 * ``bench.drain``   backlog drain: in-process claim -> publish_chain -> mark_done loop
   (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat.
@@ -24,6 +29,9 @@ Modules:
 * ``bench.loop``    the baseline loop as a subprocess entry point.
 * ``bench.memory``  peak RSS of every worker process draining a backlog with 1 MB payloads
   mixed in (issue 11, target 7).
+* ``bench.profiling`` py-spy on the worker's processes during a drain, summarised by where the
+  time goes (the ``profile`` phase, ``bench.live --profile``).
+* ``bench.report``  the report of ``python -m bench``: issue 11's targets, verdicts, the summary.
 * ``bench.rawloop`` the raw unordered 2-process loop of issue 11, the drain's baseline.
 * ``bench.takeover`` one of two workers SIGKILLed mid-drain: the longest stand-still of any
   aggregate after the kill, next to the fault-free drain (``python -m bench.takeover``).

@@ -32,29 +32,12 @@ real consumer would:
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
-from .common import Destination, Run, _amqp_connection, confirm_channel, log, make_event
-
-
-def _messages(count: int, aggregates: int = 100) -> list[Any]:
-    from outbox.core.model import OutboxMessage
-
-    now = datetime.now(UTC)
-    out = []
-    for n in range(count):
-        e = make_event(n, f"agg-{n % aggregates:03d}")
-        out.append(OutboxMessage(id=n + 1, message_id=e.message_id, topic=e.topic, aggregate_type=e.aggregate_type,
-                                 aggregate_id=e.aggregate_id, partition_key=e.partition_key, payload=e.payload_json,
-                                 headers=json.loads(e.headers_json), trace_id=None, attempts=0, created_at=now,
-                                 lease=uuid.uuid4().hex))
-    return out
+from .common import Destination, Run, amqp_connection, claimed_messages, confirm_channel, log
 
 
 def _amqp_messages(messages: list[Any]) -> list[Any]:
@@ -109,7 +92,7 @@ def raw_waves(run: Run, messages: list[Any], wave: int, prebuilt: bool = False) 
     """Raw py-amqp waves: ``wave`` messages back to back (persistent, mandatory), then read
     until every one of them is acked. Without ``prebuilt`` each ``amqp.Message`` is built
     from its row inside the clock, as any relay loop has to."""
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch = conn.channel()
         ch.confirm_select()
@@ -177,7 +160,7 @@ def kombu_stop_and_wait_parallel(run: Run, messages: list[Any], threads: int = 2
 
 
 def raw_stop_and_wait(run: Run, messages: list[Any]) -> tuple[int, float]:
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch = conn.channel()
         ch.confirm_select()
@@ -196,7 +179,7 @@ def raw_stop_and_wait(run: Run, messages: list[Any]) -> tuple[int, float]:
 
 
 def pipelined_confirm_chain(run: Run, messages: list[Any], chain: int) -> tuple[int, float]:
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch, state = confirm_channel(conn)
         msgs = _amqp_messages(messages)
@@ -217,7 +200,7 @@ def pipelined_confirm_chain(run: Run, messages: list[Any], chain: int) -> tuple[
 
 
 def tx_chain(run: Run, messages: list[Any], chain: int) -> tuple[int, float]:
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch = conn.channel()
         ch.tx_select()
@@ -233,7 +216,7 @@ def tx_chain(run: Run, messages: list[Any], chain: int) -> tuple[int, float]:
 
 
 def no_confirm(run: Run, messages: list[Any]) -> tuple[int, float]:
-    conn = _amqp_connection(run.amqp_url)
+    conn = amqp_connection(run.amqp_url)
     try:
         ch = conn.channel()
         msgs = _amqp_messages(messages)
@@ -256,7 +239,7 @@ def run_confirm_bench(run: Run, destination: Destination, count: int, chain: int
     entry ``kombu_waves_task{wave}`` then holds ``vs_raw_waves`` (``vs_raw_waves_prebuilt``):
     its rate over raw py-amqp's, and ``cpu_vs_raw_waves``: its publishing thread's CPU per
     event over raw py-amqp's (issue 11, speed target 2)."""
-    messages = _messages(count + 2)
+    messages = claimed_messages(count + 2, 100)
     relay, raw, prebuilt = f"kombu_waves_task{wave}", f"raw_waves{wave}", f"raw_waves{wave}_prebuilt"
     paired: list[tuple[str, Callable[[], Any]]] = [
         (relay, lambda: kombu_waves(run, messages, wave)),

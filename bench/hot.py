@@ -18,7 +18,7 @@ from typing import Any
 from .common import Destination, Run, create_table, drop_table, flush_redis, log, require_services, to_json
 from .drain import Relay, run_celery_drain
 
-#: The topic of ``common.make_event``'s events, opted in to pipelining for the second pass.
+#: The topic of ``bench.backlog.make_event``'s events, opted in to pipelining for the second pass.
 PIPELINED_TOPICS = "orders.*"
 TARGET = 5.0
 

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
     from pathlib import Path
 
-    from . import drain
+    from . import drain, profiling
     from .common import create_table, flush_redis, require_services, teardown, to_json
 
     p = argparse.ArgumentParser(prog="python -m bench.live", description=__doc__,
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 set_listen(listen)
                 spies = None
                 if args.profile and variant not in results:
-                    spies = drain.start_spies(run, relay.worker_pids(), args.seconds + 2, "live")
+                    spies = profiling.start_spies(run, relay.worker_pids(), args.seconds + 2, "live")
                 try:
                     r = run_live(run, destination, kind, args.rate, args.seconds, args.aggregates, args.writers,
                                  cpu_groups=drain.cpu_groups(relay), alive=relay.check_alive,
@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     set_listen(False)
                 if spies is not None:
-                    r["profiles"] = drain.collect_spies(relay, spies)
-                    drain.log_profiles("profile live", r["profiles"])
+                    r["profiles"] = profiling.collect_spies(relay, spies)
+                    profiling.log_profiles("profile live", r["profiles"])
                 results.setdefault(variant, []).append(r)
     finally:
         teardown(run, destination, relay)

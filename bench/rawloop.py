@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from .common import CpuWindow, _amqp_connection, confirm_channel, log, service_groups
+from .common import CpuWindow, amqp_connection, confirm_channel, log, service_groups
 
 #: Headers carried by every raw message: the ones the bench consumer reads, plus the other
 #: reserved headers the relay sends (so the messages cost the broker about the same).
@@ -42,7 +42,7 @@ def _child(database_url: str, amqp_url: str, table: str, exchange: str, batch: i
     import amqp
     import psycopg
 
-    conn = _amqp_connection(amqp_url)
+    conn = amqp_connection(amqp_url)
     ch, state = confirm_channel(conn)
     db = psycopg.connect(database_url, autocommit=False)
     # ``processed_at IS NULL``: the predicate of the table's partial index on open rows, so

@@ -1,0 +1,145 @@
+"""The PostgreSQL outbox table of a bench run: create, load (one COPY transaction of
+realistic events), count and drop."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from .services import Run
+
+
+def pg_connect(url: str) -> Any:
+    import psycopg
+
+    return psycopg.connect(url, autocommit=False)
+
+
+def create_table(run: Run) -> None:
+    from outbox.storage.store import OutboxStore
+
+    store = OutboxStore(run.postgres_url, table=run.table)
+    try:
+        store.migrate()
+    finally:
+        store.close()
+
+
+def drop_table(run: Run) -> None:
+    with pg_connect(run.postgres_url) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {run.table}")
+        conn.execute(f"DROP TABLE IF EXISTS {run.table}_holders")  # docs/internals.md, "Lost workers"
+        conn.commit()
+
+
+def truncate_table(run: Run) -> None:
+    with pg_connect(run.postgres_url) as conn:
+        conn.execute(f"TRUNCATE {run.table}")
+        conn.commit()
+
+
+def aggregate_name(i: int) -> str:
+    return f"agg-{i:03d}"
+
+
+def make_event(n: int, aggregate: str, blob: str | None = None) -> Any:
+    """A realistic event: ~200 bytes of JSON payload, two caller headers; with ``blob``, the
+    payload also carries that string (the memory phase's large events)."""
+    from outbox.domain.events import prepare_event
+
+    payload = {"orderId": aggregate, "n": n, "state": "confirmed", "amount": "129.90",
+               "currency": "EUR", "lines": [{"sku": f"SKU-{n % 97:05d}", "qty": 1 + n % 3}],
+               "note": "benchmark event with a payload of typical size"}
+    if blob is not None:
+        payload["attachment"] = blob
+    return prepare_event(topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
+                         payload=payload, headers={"x-tenant": "acme", "x-source": "bench"})
+
+
+def claimed_messages(events: int, aggregates: int, topic: str | None = None,
+                     lease: str | None = None) -> list[Any]:
+    """The events of a backlog (``load_backlog``'s; ids 1..n) as the relay claims them, for
+    the publisher benchmarks: ``topic`` instead of ``make_event``'s, ``lease`` on every
+    message (default: a fresh one each)."""
+    from outbox.core.model import OutboxMessage
+
+    now = datetime.now(UTC)
+    out = []
+    for n in range(events):
+        e = make_event(n, aggregate_name(n % aggregates))
+        out.append(OutboxMessage(id=n + 1, message_id=e.message_id, topic=topic or e.topic,
+                                 aggregate_type=e.aggregate_type, aggregate_id=e.aggregate_id,
+                                 partition_key=e.partition_key, payload=e.payload_json,
+                                 headers=json.loads(e.headers_json), trace_id=None, attempts=0, created_at=now,
+                                 lease=lease or uuid.uuid4().hex))
+    return out
+
+
+def random_blob(size: int) -> str:
+    """``size`` characters of base64 text from random bytes: JSON needs no escaping for it and
+    PostgreSQL's TOAST compression gains little, like a real attachment."""
+    import base64
+
+    return base64.b64encode(os.urandom(size * 3 // 4 + 3)).decode("ascii")[:size]
+
+
+def load_backlog(run: Run, events: int, aggregates: int, big_every: int = 0,
+                 big_bytes: int = 0) -> dict[str, list[int]]:
+    """Insert ``events`` rows round-robin over ``aggregates`` in ONE transaction (COPY), so the
+    whole backlog becomes visible at once. Returns the expected per-aggregate id order.
+    With ``big_every`` > 0, every ``big_every``-th event carries a payload of about
+    ``big_bytes`` bytes (the rest stay ~200 bytes)."""
+    cols = "message_id, topic, aggregate_type, aggregate_id, partition_key, payload, headers, trace_id"
+    blob = random_blob(max(0, big_bytes - 300)) if big_every > 0 else None
+    with pg_connect(run.postgres_url) as conn:
+        with conn.cursor() as cur, cur.copy(f"COPY {run.table} ({cols}) FROM STDIN") as copy:
+            for n in range(events):
+                big = blob if big_every > 0 and n % big_every == big_every - 1 else None
+                e = make_event(n, aggregate_name(n % aggregates), big)
+                copy.write_row((e.message_id, e.topic, e.aggregate_type, e.aggregate_id, e.partition_key,
+                                e.payload_json, e.headers_json, e.trace_id))
+        # Read before the commit: a relay already running claims rows as soon as they are
+        # visible, and those would be missing from the expected order (then reported as
+        # "unexpected" arrivals although nothing was out of order).
+        rows = conn.execute(f"SELECT id, aggregate_id FROM {run.table} ORDER BY id").fetchall()
+        conn.commit()
+        conn.execute(f"ANALYZE {run.table}")
+        conn.commit()
+        try:  # flush the load now, so its writeback does not land in the measurement
+            conn.execute("CHECKPOINT")
+            conn.commit()
+        except Exception:  # noqa: BLE001 - needs a superuser; only a noise reduction
+            conn.rollback()
+    os.sync()
+    expected: dict[str, list[int]] = {}
+    for outbox_id, aggregate in rows:
+        expected.setdefault(aggregate, []).append(int(outbox_id))
+    return expected
+
+
+def status_counts(run: Run) -> dict[int, int]:
+    with pg_connect(run.postgres_url) as conn:
+        rows = conn.execute(f"SELECT status, COUNT(*) FROM {run.table} GROUP BY status").fetchall()
+        conn.commit()
+    return {int(s): int(c) for s, c in rows}
+
+
+def lease_recovered(run: Run) -> int:
+    """Rows that needed a second delivery (attempts > 0): a lost task, recovered by the lease."""
+    with pg_connect(run.postgres_url) as conn:
+        n = conn.execute(f"SELECT COUNT(*) FROM {run.table} WHERE attempts > 0").fetchone()[0]
+        conn.commit()
+    return int(n)
+
+
+def wait_all_done(run: Run, timeout: float) -> dict[int, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = status_counts(run)
+        if set(counts) <= {2} or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.2)
