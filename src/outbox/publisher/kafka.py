@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC
 from typing import TYPE_CHECKING, Any
@@ -106,19 +106,22 @@ def _failure(error: Any, where: str = "") -> PublishFailure:
 
 
 def _header_bytes(value: Any) -> bytes:
-    """A header value as Kafka carries it: a string as UTF-8, anything else as JSON text (an
-    ``int``'s JSON is its ``str``, written here without ``json.dumps``)."""
-    kind = type(value)
-    if kind is str:
-        return value.encode("utf-8")
-    if kind is int:
+    """A header value that is not a ``str`` as Kafka carries it: JSON text (an ``int``'s JSON
+    is its ``str``, written here without ``json.dumps``)."""
+    if type(value) is int:
         return str(value).encode("ascii")
     return json.dumps(value).encode("ascii")
 
 
+def _header_list(items: Iterable[tuple[str, Any]]) -> list[tuple[str, bytes]]:
+    """Headers as Kafka carries them: a string as UTF-8 (inline: most values are), anything
+    else as JSON text."""
+    return [(name, value.encode("utf-8") if type(value) is str else _header_bytes(value)) for name, value in items]
+
+
 def kafka_headers(headers: Mapping[str, Any]) -> list[tuple[str, bytes]]:
     """The AMQP path's headers as Kafka headers: strings as UTF-8, other values as JSON text."""
-    return [(name, _header_bytes(value)) for name, value in headers.items()]
+    return _header_list(headers.items())
 
 
 def event_headers(message: OutboxMessage, extra: Mapping[str, Any] | None = None) -> list[tuple[str, bytes]]:
@@ -129,9 +132,7 @@ def event_headers(message: OutboxMessage, extra: Mapping[str, Any] | None = None
     caller = message.headers
     if extra or (caller and not reserved.keys().isdisjoint(caller)):
         return kafka_headers({**(caller or {}), **reserved, **(extra or {})})
-    if caller:
-        return [(name, _header_bytes(value)) for name, value in (*caller.items(), *reserved.items())]
-    return [(name, _header_bytes(value)) for name, value in reserved.items()]
+    return _header_list((*caller.items(), *reserved.items()) if caller else reserved.items())
 
 
 class ClientLog:
