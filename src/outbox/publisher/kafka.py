@@ -173,7 +173,7 @@ def chain_result(ids: Sequence[int], verdicts: Sequence[Any]) -> ChainResult:
     """One chain's result from its events' verdicts (None: delivered, a ``PublishFailure``,
     or ``_NOT_SENT``): the delivered prefix, and an event that failed while later ones were
     delivered is overtaken (docs/relay.md, "Pipelined chains")."""
-    if all(v is None for v in verdicts):  # the common case
+    if verdicts.count(None) == len(verdicts):  # the common case: all delivered
         return ChainResult(tuple(ids))
     delivered = [i for i, v in enumerate(verdicts) if v is None]
     last = delivered[-1] if delivered else -1
