@@ -106,16 +106,18 @@ def _failure(error: Any, where: str = "") -> PublishFailure:
 
 
 def _header_bytes(value: Any) -> bytes:
-    """A header value that is not a ``str`` as Kafka carries it: JSON text (an ``int``'s JSON
-    is its ``str``, written here without ``json.dumps``)."""
+    """A header value as Kafka carries it: a string (a ``str`` subclass too, e.g. a
+    ``StrEnum``) as UTF-8, anything else as JSON text (an ``int``'s JSON is its ``str``,
+    written here without ``json.dumps``)."""
     if type(value) is int:
         return str(value).encode("ascii")
+    if isinstance(value, str):
+        return value.encode("utf-8")
     return json.dumps(value).encode("ascii")
 
 
 def _header_list(items: Iterable[tuple[str, Any]]) -> list[tuple[str, bytes]]:
-    """Headers as Kafka carries them: a string as UTF-8 (inline: most values are), anything
-    else as JSON text."""
+    """Headers as Kafka carries them (``_header_bytes``; a plain ``str`` inline: most values are)."""
     return [(name, value.encode("utf-8") if type(value) is str else _header_bytes(value)) for name, value in items]
 
 
@@ -447,5 +449,5 @@ def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
     return len(metadata.brokers), {name for name, t in metadata.topics.items() if t.error is None}
 
 
-__all__ = ["KafkaPublisher", "producer_config", "topic_of", "kafka_kind", "kafka_headers", "chain_result", "topic_status",
-           "probe_message"]
+__all__ = ["KafkaPublisher", "producer_config", "topic_of", "kafka_kind", "kafka_headers", "event_headers",
+           "chain_result", "topic_status", "probe_message"]
