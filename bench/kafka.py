@@ -4,7 +4,9 @@ same broker, same run.
 1. ``raw``       one idempotent producer (``enable.idempotence``, acks=all) in a loop: every
                  event produced (the key, value and headers the relay sends, built before the
                  clock starts), then flushed; events/s from the first produce to the last
-                 delivery report;
+                 delivery report; and the same loop flushed after every ``--batch-size``
+                 events: the wait for delivery reports that a claim-sized batch needs, and
+                 so the ceiling of a publisher that reports each batch's fate;
 2. ``publisher`` the relay's publishing path alone: ``KafkaPublisher.publish_chains`` over the
                  same events in claim-sized batches (``--batch-size`` rows, one chain per
                  aggregate), in this process, no database; 1 and 2 in ``--rounds`` interleaved
@@ -169,8 +171,9 @@ def batches(items: list[Any], size: int) -> Iterator[list[list[Any]]]:
 
 # -- the measurements ------------------------------------------------------------------------------
 
-def run_raw(broker: Broker, events: int, aggregates: int, partitions: int) -> dict[str, Any]:
-    """The baseline: a bare idempotent producer, nothing else."""
+def run_raw(broker: Broker, events: int, aggregates: int, partitions: int, wait_every: int = 0) -> dict[str, Any]:
+    """The baseline: a bare idempotent producer, nothing else; with ``wait_every``, flushed
+    after every that many events (the wait for delivery reports a claim-sized batch needs)."""
     from confluent_kafka import Producer
 
     from outbox.publisher.kafka import kafka_headers
@@ -192,7 +195,7 @@ def run_raw(broker: Broker, events: int, aggregates: int, partitions: int) -> di
     producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
     producer.flush(10)
     started = time.perf_counter()
-    for value, key, headers in prepared:
+    for n, (value, key, headers) in enumerate(prepared, 1):
         while True:
             try:
                 producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
@@ -200,28 +203,42 @@ def run_raw(broker: Broker, events: int, aggregates: int, partitions: int) -> di
             except BufferError:
                 producer.poll(0.05)
         producer.poll(0)
+        if wait_every and n % wait_every == 0:
+            producer.flush(60)
     left = producer.flush(60)
     seconds = time.perf_counter() - started
     delivered_n = len(prepared) - left - len(failed)
     return {"events": len(prepared), "delivered": delivered_n, "seconds": seconds, "events_per_s": delivered_n / seconds,
-            "errors": [str(e) for e in failed[:3]]}
+            "errors": [str(e) for e in failed[:3]], "wait_every": wait_every}
 
 
 def run_publisher(broker: Broker, events: int, aggregates: int, partitions: int, batch_size: int) -> dict[str, Any]:
-    """The relay's publishing path alone: ``publish_chains`` per claim-sized batch."""
+    """The relay's publishing path alone: ``publish_chains`` per claim-sized batch; the time
+    spent waiting for delivery reports (``KafkaPublisher._await``) is told apart from the rest
+    (building, checking and producing the events, in Python and librdkafka)."""
     from outbox.publisher.kafka import KafkaPublisher
 
     topic = broker.create_topic(partitions)
     items = messages(events, aggregates, topic)
-    published = 0
+    published, waits = 0, []
     with KafkaPublisher(broker.url) as publisher:
         publisher.publish_chain(items[:1])  # connected, the topic's metadata known
+        await_reports = publisher._await
+
+        def timed(producer: Any, rows: list[list[Any]]) -> None:
+            t = time.perf_counter()
+            await_reports(producer, rows)
+            waits.append(time.perf_counter() - t)
+
+        publisher._await = timed  # type: ignore[method-assign]
         started = time.perf_counter()
         for chains in batches(items[1:], batch_size):
             published += sum(len(r.published) for r in publisher.publish_chains(chains))
         seconds = time.perf_counter() - started
+    waited = sum(waits)
     return {"events": events - 1, "delivered": published, "seconds": seconds, "events_per_s": published / seconds,
-            "batch_size": batch_size}
+            "batch_size": batch_size, "wait_ms_per_batch": waited / len(waits) * 1000,
+            "us_per_event_besides_wait": (seconds - waited) / (events - 1) * 1e6}
 
 
 def median(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -246,13 +263,14 @@ def run_kafka(events: int = 20_000, aggregates: int = 100, *, partitions: int = 
     try:
         log(f"kafka: raw idempotent producer and publishing path, {events} events over {aggregates} aggregates, "
             f"{rounds} interleaved rounds")
-        raws, paths = [], []
-        for _ in range(rounds):  # interleaved, the median kept: both see the same machine
+        raws, waits, paths = [], [], []
+        for _ in range(rounds):  # interleaved, the median kept: all three see the same machine
             raws.append(run_raw(broker, events, aggregates, partitions))
+            waits.append(run_raw(broker, events, aggregates, partitions, wait_every=batch_size))
             paths.append(run_publisher(broker, events, aggregates, partitions, batch_size))
-            log(f"kafka: raw producer {raws[-1]['events_per_s']:.0f} ev/s, publishing path "
-                f"{paths[-1]['events_per_s']:.0f} ev/s")
-        result["raw"], result["publisher"] = median(raws), median(paths)
+            log(f"kafka: raw producer {raws[-1]['events_per_s']:.0f} ev/s, waiting every {batch_size} "
+                f"{waits[-1]['events_per_s']:.0f} ev/s, publishing path {paths[-1]['events_per_s']:.0f} ev/s")
+        result["raw"], result["raw_waiting"], result["publisher"] = median(raws), median(waits), median(paths)
         topic = broker.create_topic(partitions)
         destination = KafkaDestination(broker.bootstrap, topic, partitions)
         try:
@@ -282,6 +300,8 @@ def run_kafka(events: int = 20_000, aggregates: int = 100, *, partitions: int = 
         flush_redis(run.redis_url)
     raw = result["raw"]["events_per_s"]
     result["publisher_vs_raw"] = result["publisher"]["events_per_s"] / raw
+    result["raw_waiting_vs_raw"] = result["raw_waiting"]["events_per_s"] / raw
+    result["publisher_vs_raw_waiting"] = result["publisher"]["events_per_s"] / result["raw_waiting"]["events_per_s"]
     result["drain_vs_raw"] = result["drain"]["events_per_s"] / raw
     if "rabbitmq" in result:
         result["drain_vs_rabbitmq"] = result["drain"]["events_per_s"] / result["rabbitmq"]["events_per_s"]
@@ -295,8 +315,15 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
              f"partitions, idempotent producer, acks=all):",
              f"  raw producer loop       {r['raw']['events_per_s']:>9,.0f} ev/s  (median of rounds "
              f"{r['raw']['rounds_events_per_s']})",
+             f"  raw, waiting every {r['batch_size']:<4} {r['raw_waiting']['events_per_s']:>9,.0f} ev/s  "
+             f"x{r['raw_waiting_vs_raw']:.2f} of raw (a flush per batch: the publishing path's ceiling; rounds "
+             f"{r['raw_waiting']['rounds_events_per_s']})",
              f"  publishing path         {r['publisher']['events_per_s']:>9,.0f} ev/s  x{r['publisher_vs_raw']:.2f} "
-             f"of raw (batches of {r['batch_size']}, no database; rounds {r['publisher']['rounds_events_per_s']})",
+             f"of raw, x{r['publisher_vs_raw_waiting']:.2f} of waiting raw (batches of {r['batch_size']}, no database; "
+             f"rounds {r['publisher']['rounds_events_per_s']})",
+             f"    of which: waiting for delivery reports {r['publisher']['wait_ms_per_batch']:.2f} ms a batch, the rest "
+             f"{r['publisher']['us_per_event_besides_wait']:.1f} us an event (the raw loop: "
+             f"{1e6 / r['raw']['events_per_s']:.1f} us an event in all)",
              f"  relay drain (Celery -c {r['concurrency']}) {drained['events_per_s']:>9,.0f} ev/s  "
              f"x{r['drain_vs_raw']:.2f} of raw (order ok={drained['order']['ok']}, duplicates "
              f"{drained['order']['duplicates']}, complete={drained['complete']})"]

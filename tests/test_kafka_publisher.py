@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -13,8 +14,8 @@ from kafka_support import consume, create_topic
 
 from outbox.core.config import ConfigError, KafkaOptions, load_settings
 from outbox.core.model import OutboxMessage
-from outbox.publisher import FailureKind, PublishFailure
-from outbox.publisher.kafka import KafkaPublisher, chain_result, kafka_headers, producer_config
+from outbox.publisher import FailureKind, PublishFailure, build_headers
+from outbox.publisher.kafka import KafkaPublisher, chain_result, event_headers, kafka_headers, producer_config
 from outbox.publisher.select import publisher_for
 
 CREATED = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
@@ -153,6 +154,19 @@ def test_chain_result_is_the_delivered_prefix_and_marks_overtaken_events() -> No
 def test_headers_are_utf8_strings_and_json_for_other_values() -> None:
     assert kafka_headers({"a": "é", "n": 3, "b": True, "z": None}) == [
         ("a", "é".encode()), ("n", b"3"), ("b", b"true"), ("z", b"null")]
+
+
+def test_event_headers_are_the_amqp_headers_as_kafka_headers() -> None:
+    plain = event(7, "t", trace_id="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    clashing = replace(plain, headers={"x-big": 2**70, "attempt": "mine", "f": 1.5, "b": False, "x-tenant": "é",
+                                       "kind": FailureKind.POISON})
+    naive = replace(plain, headers={}, trace_id=None, created_at=CREATED.replace(tzinfo=None), partition_key="p")
+    for message in (plain, clashing, naive):
+        assert event_headers(message) == kafka_headers(build_headers(message))
+        extra = {"x-outbox-error": "boom", "topic": "over"}
+        assert event_headers(message, extra) == kafka_headers({**build_headers(message), **extra})
+    assert dict(event_headers(clashing))["attempt"] == b"1" and dict(event_headers(clashing))["kind"] == b"poison"
+    assert dict(event_headers(naive))["partition_key"] == b"p"
 
 
 def test_producer_config_is_idempotent_and_takes_sasl_from_the_url() -> None:

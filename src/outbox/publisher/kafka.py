@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,7 @@ from .contract import (
     Publisher,
     PublishFailure,
 )
-from .message import build_headers, encode_body
+from .message import encode_body, reserved_headers
 
 if TYPE_CHECKING:
     from ..core.config import Settings
@@ -105,10 +105,36 @@ def _failure(error: Any, where: str = "") -> PublishFailure:
     return PublishFailure(kafka_kind(error), reason)
 
 
+def _header_bytes(value: Any) -> bytes:
+    """A header value as Kafka carries it: a string (a ``str`` subclass too, e.g. a
+    ``StrEnum``) as UTF-8, anything else as JSON text (an ``int``'s JSON is its ``str``,
+    written here without ``json.dumps``)."""
+    if type(value) is int:
+        return str(value).encode("ascii")
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return json.dumps(value).encode("ascii")
+
+
+def _header_list(items: Iterable[tuple[str, Any]]) -> list[tuple[str, bytes]]:
+    """Headers as Kafka carries them (``_header_bytes``; a plain ``str`` inline: most values are)."""
+    return [(name, value.encode("utf-8") if type(value) is str else _header_bytes(value)) for name, value in items]
+
+
 def kafka_headers(headers: Mapping[str, Any]) -> list[tuple[str, bytes]]:
     """The AMQP path's headers as Kafka headers: strings as UTF-8, other values as JSON text."""
-    return [(name, value.encode("utf-8") if isinstance(value, str) else json.dumps(value).encode("ascii"))
-            for name, value in headers.items()]
+    return _header_list(headers.items())
+
+
+def event_headers(message: OutboxMessage, extra: Mapping[str, Any] | None = None) -> list[tuple[str, bytes]]:
+    """``kafka_headers(build_headers(message) | extra)``, built without the merged dict when no
+    name is both the caller's and reserved (the common case: the order is then the same, the
+    caller's first)."""
+    reserved = reserved_headers(message)
+    caller = message.headers
+    if extra or (caller and not reserved.keys().isdisjoint(caller)):
+        return kafka_headers({**(caller or {}), **reserved, **(extra or {})})
+    return _header_list((*caller.items(), *reserved.items()) if caller else reserved.items())
 
 
 class ClientLog:
@@ -149,6 +175,8 @@ def chain_result(ids: Sequence[int], verdicts: Sequence[Any]) -> ChainResult:
     """One chain's result from its events' verdicts (None: delivered, a ``PublishFailure``,
     or ``_NOT_SENT``): the delivered prefix, and an event that failed while later ones were
     delivered is overtaken (docs/relay.md, "Pipelined chains")."""
+    if verdicts.count(None) == len(verdicts):  # the common case: all delivered
+        return ChainResult(tuple(ids))
     delivered = [i for i, v in enumerate(verdicts) if v is None]
     last = delivered[-1] if delivered else -1
     overtaken = tuple(Overtaken(ids[i], verdicts[i], tuple(ids[j] for j in delivered if j > i))
@@ -177,6 +205,7 @@ class KafkaPublisher(Publisher):
         self._producer: Any = None
         self._pid: int | None = None
         self._topics: set[str] = set()
+        self._legal_topics: set[str] = set()  # names _TOPIC matched
         self._broker_error: Any = None  # the last error librdkafka reported for the client as a whole
         self._client_log = ClientLog(logging.getLogger("outbox.publisher.kafka"))
 
@@ -236,11 +265,9 @@ class KafkaPublisher(Publisher):
             row: list[Any] = [_NOT_SENT]
             try:
                 producer = self._ready()
-                size = len(encode_body(message))
-                if size > self.max_message_bytes:
-                    return PublishFailure(FailureKind.POISON, f"message size {size} bytes is above the maximum of "
-                                          f"{self.max_message_bytes} bytes")
-                failure = self._produce(producer, message, self.dead_letter_topic or "", row, 0, extra)
+                value = encode_body(message)
+                failure = self._size_refusal(len(value)) or self._produce(
+                    producer, message, self.dead_letter_topic or "", value, event_headers(message, extra), row, 0)
                 if failure is not None:
                     return failure
                 self._await(producer, [row])
@@ -260,28 +287,42 @@ class KafkaPublisher(Publisher):
     # -- producing -----------------------------------------------------------------
     def _produce_chain(self, producer: Any, chain: Sequence[OutboxMessage], row: list[Any], c: int) -> None:
         """Hand the chain's events to the producer in order; stop at the first one that cannot
-        go (nothing after it is sent, so what reaches the broker stays a prefix)."""
+        go (nothing after it is sent, so what reaches the broker stays a prefix). Each event's
+        body is encoded once, for the checks and to be sent."""
+        template = self.options.topic_template
         for i, message in enumerate(chain):
-            topic = topic_of(self.options, message)
-            problem = self._refusal(message, topic)
+            topic = message.topic if template == "{topic}" else topic_of(self.options, message)
+            problem = self._topic_refusal(topic)
             if problem is None:
-                problem = self._produce(producer, message, topic, row, i, {})
+                try:
+                    value = encode_body(message)
+                except UnicodeError as exc:
+                    problem = PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
+                else:
+                    problem = self._size_refusal(len(value)) or self._missing_topic(topic) or self._produce(
+                        producer, message, topic, value, event_headers(message), row, i)
             if problem is not None:
                 row[i] = problem
                 return
 
-    def _refusal(self, message: OutboxMessage, topic: str) -> PublishFailure | None:
-        """Why ``message`` must not be produced to ``topic`` (before any byte is sent), or None."""
+    def _topic_refusal(self, topic: str) -> PublishFailure | None:
+        """Why no event may be produced to ``topic``: not a legal Kafka topic name."""
+        if topic in self._legal_topics:
+            return None
         if not _TOPIC.match(topic):
             return PublishFailure(FailureKind.POISON, f"{topic[:60]!r} is not a legal Kafka topic name "
                                   "(letters, digits, '.', '_', '-'; at most 249)")
-        try:
-            size = len(encode_body(message))
-        except UnicodeError as exc:
-            return PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
+        if len(self._legal_topics) < 10_000:  # a bound, should topics be made per aggregate
+            self._legal_topics.add(topic)
+        return None
+
+    def _size_refusal(self, size: int) -> PublishFailure | None:
         if size > self.max_message_bytes:
             return PublishFailure(FailureKind.POISON,
                                   f"message size {size} bytes is above the maximum of {self.max_message_bytes} bytes")
+        return None
+
+    def _missing_topic(self, topic: str) -> PublishFailure | None:
         if not self.options.auto_create_topics and not self._topic_exists(topic):
             return PublishFailure(FailureKind.FATAL, f"Kafka topic {topic!r} does not exist: create it, or set "
                                   "OUTBOX_KAFKA_AUTO_CREATE_TOPICS=1 when the brokers create topics themselves")
@@ -294,15 +335,11 @@ class KafkaPublisher(Publisher):
             self._topics = {name for name, t in metadata.topics.items() if t.error is None}
         return topic in self._topics
 
-    def _produce(self, producer: Any, message: OutboxMessage, topic: str, row: list[Any], i: int,
-                 extra: Mapping[str, Any]) -> PublishFailure | None:
+    def _produce(self, producer: Any, message: OutboxMessage, topic: str, value: bytes,
+                 headers: list[tuple[str, bytes]], row: list[Any], i: int) -> PublishFailure | None:
         """Produce one event; its delivery report fills ``row[i]``. A refusal by the client
         (too large, queue full after a short wait) is returned instead."""
-        from confluent_kafka import KafkaException
-
-        headers = build_headers(message)
-        headers.update(extra)
-        key = headers["partition_key"]
+        key = message.partition_key if message.partition_key is not None else message.aggregate_id
 
         def delivered(error: Any, _msg: Any) -> None:
             row[i] = None if error is None else _failure(error, f" (topic {topic!r})")
@@ -314,8 +351,8 @@ class KafkaPublisher(Publisher):
         row[i] = _PENDING
         for waited in (False, True):
             try:
-                producer.produce(topic, value=encode_body(message), key=str(key).encode("utf-8"),
-                                 headers=kafka_headers(headers), on_delivery=delivered)
+                producer.produce(topic, value=value, key=str(key).encode("utf-8"), headers=headers,
+                                 on_delivery=delivered)
                 producer.poll(0)
                 return None
             except BufferError:  # the local queue is full: serve delivery reports, once
@@ -323,7 +360,11 @@ class KafkaPublisher(Publisher):
                     row[i] = _NOT_SENT
                     return PublishFailure(FailureKind.BACKPRESSURE, "the Kafka producer's local queue is full")
                 producer.poll(min(1.0, self.options.delivery_timeout_s))
-            except KafkaException as exc:
+            except Exception as exc:
+                from confluent_kafka import KafkaException  # imported here: only a refusal needs it
+
+                if not isinstance(exc, KafkaException):
+                    raise
                 row[i] = _NOT_SENT
                 return _failure(exc.args[0], f" (event {message.id}, topic {topic!r})")
         return None  # pragma: no cover
@@ -408,5 +449,5 @@ def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
     return len(metadata.brokers), {name for name, t in metadata.topics.items() if t.error is None}
 
 
-__all__ = ["KafkaPublisher", "producer_config", "topic_of", "kafka_kind", "kafka_headers", "chain_result", "topic_status",
-           "probe_message"]
+__all__ = ["KafkaPublisher", "producer_config", "topic_of", "kafka_kind", "kafka_headers", "event_headers",
+           "chain_result", "topic_status", "probe_message"]

@@ -25,15 +25,14 @@ UNROUTABLE_DEAD_KEY = "outbox.dead.unroutable"
 def iso_utc(moment: datetime) -> str:
     """ISO-8601 in UTC with a ``Z``; naive datetimes are taken to be UTC already (the store's
     convention)."""
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
+    if moment.tzinfo is None or moment.tzinfo is UTC:  # the common cases, without converting
+        return moment.replace(tzinfo=None).isoformat(timespec="milliseconds") + "Z"
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def build_headers(message: OutboxMessage) -> dict[str, Any]:
-    """The headers of the published message: the caller's, then the reserved ones on top."""
-    headers: dict[str, Any] = dict(message.headers or {})
-    headers.update({
+def reserved_headers(message: OutboxMessage) -> dict[str, Any]:
+    """The headers the relay sets on every published message (they win over the caller's)."""
+    headers = {
         "message_id": message.message_id,
         "outbox_id": message.id,
         "topic": message.topic,
@@ -42,9 +41,16 @@ def build_headers(message: OutboxMessage) -> dict[str, Any]:
         "partition_key": message.partition_key if message.partition_key is not None else message.aggregate_id,
         "attempt": message.attempt,
         "created_at": iso_utc(message.created_at),
-    })
+    }
     if message.trace_id:
         headers["traceparent"] = message.trace_id
+    return headers
+
+
+def build_headers(message: OutboxMessage) -> dict[str, Any]:
+    """The headers of the published message: the caller's, then the reserved ones on top."""
+    headers: dict[str, Any] = dict(message.headers or {})
+    headers.update(reserved_headers(message))
     return headers
 
 
