@@ -30,7 +30,6 @@ import json
 import os
 import socket
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -109,38 +108,29 @@ class KafkaDestination(Arrivals):
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
         super().__init__()
         self.bootstrap, self.topic, self.partitions = bootstrap, topic, partitions
-        self._thread = threading.Thread(target=self._consume, name="bench-kafka-consumer", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(15):
-            raise RuntimeError(f"bench Kafka consumer did not start: {self._error}")
+        self._start_consumer("bench-kafka-consumer", ready_timeout=15)
 
     def _consume(self) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
         arrivals, clock = self.arrivals, time.perf_counter
-        try:
+
+        def open_consumer() -> Any:
             consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
                                  "enable.auto.commit": False, "fetch.wait.max.ms": 10})
             consumer.assign([TopicPartition(self.topic, p, 0) for p in range(self.partitions)])
-        except BaseException as exc:  # noqa: BLE001 - reported by the constructor
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            while not self._stop.is_set():
-                for message in consumer.consume(1000, 0.2):
-                    if message.error() is None:
-                        h = dict(message.headers() or [])
-                        arrivals.append((clock(), int(h["outbox_id"]), h["aggregate_id"].decode()))
-        except BaseException as exc:  # noqa: BLE001 - reported by check()
-            self._error = exc
-        finally:
-            consumer.close()
+            return consumer
+
+        def poll(consumer: Any) -> None:
+            for message in consumer.consume(1000, 0.2):
+                if message.error() is None:
+                    h = dict(message.headers() or [])
+                    arrivals.append((clock(), int(h["outbox_id"]), h["aggregate_id"].decode()))
+
+        self._serve(open_consumer, poll, lambda consumer: consumer.close())
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._stop_consumer()
 
 
 # -- the events ------------------------------------------------------------------------------------
