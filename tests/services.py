@@ -8,9 +8,12 @@ must never turn green by skipping everything.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+
+# Probing a port is the benchmarks' too: written once there (the repository root is on the
+# tests' path, tests/conftest.py).
+from bench.services import free_port, reachable  # noqa: F401 - free_port is re-exported for the tests
 
 POSTGRES_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 MYSQL_URL = os.environ.get("OUTBOX_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
@@ -21,14 +24,6 @@ AMQP_URL = os.environ.get("OUTBOX_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:
 REQUIRE = bool(os.environ.get("OUTBOX_REQUIRE_SERVICES"))
 
 
-def reachable(host: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def require(name: str, host: str, port: int) -> None:
     """Skip (or, under OUTBOX_REQUIRE_SERVICES, fail) when ``name`` is not listening."""
     if reachable(host, port):
@@ -37,11 +32,3 @@ def require(name: str, host: str, port: int) -> None:
     if REQUIRE:
         pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
     pytest.skip(message)
-
-
-def free_port() -> int:
-    """A local TCP port nothing listens on now (bound, then released): for a server a test
-    starts, or for a URL that must find nothing there."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -1,6 +1,7 @@
-"""``RelayContext``: the collaborators a claim and a publish share, held once per process
-(or per thread, where the store and publisher are per thread) and handed to
-``handle_claim`` and ``handle_publish`` as one argument (docs/design.md, "How a row travels")."""
+"""``RelayContext``: the collaborators a claim and a publish share, handed to ``handle_claim``
+and ``handle_publish`` as one argument. A worker's ``Relay`` builds one per task from what its
+thread holds (the thread's store and publisher, the process's breaker and route gate): a
+few references, no I/O (docs/design.md, "How a row travels")."""
 
 from __future__ import annotations
 
