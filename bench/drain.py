@@ -47,6 +47,7 @@ from .common import (
     wait_all_done,
 )
 from .rawloop import run_raw_loop
+from .services import free_port
 
 
 def arrival_rate(arrivals: list[tuple[float, int, str]], events: int) -> dict[str, Any]:
@@ -120,7 +121,9 @@ class Relay:
         self.run = run
         self.concurrency = concurrency
         self.dir = run.workdir
-        self.env = run.child_env(**env)
+        #: The worker serves its metrics here: ``claims()`` reads how many claims came back empty.
+        self.metrics_port = int(env.pop("OUTBOX_RELAY_METRICS_PORT", 0) or free_port())
+        self.env = run.child_env(**env, OUTBOX_RELAY_METRICS_PORT=str(self.metrics_port))
         self.worker = self._start("worker", "worker", "-P", "prefork", "-c", str(concurrency),
                                   "-n", f"bench-{run.tag}@%h", f"--loglevel={loglevel}", "--without-mingle",
                                   "--without-gossip", "--without-heartbeat")
@@ -137,6 +140,24 @@ class Relay:
             return (self.dir / f"{name}.log").read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+    def claims(self) -> dict[str, float]:
+        """The worker's claims so far and how many of them leased no row (its metrics:
+        ``outbox_claim_seconds_count``, ``outbox_empty_claims_total``); {} if unreadable."""
+        import urllib.request
+
+        wanted = {"outbox_claim_seconds_count": "claims", "outbox_empty_claims_total": "empty"}
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as page:
+                text = page.read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            name, _, number = line.partition(" ")
+            if name in wanted:
+                out[wanted[name]] = float(number)
+        return out
 
     def check_alive(self) -> None:
         for name, proc in (("worker", self.worker), ("beat", self.beat)):
@@ -253,6 +274,7 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
     window.start()
     pids = relay.worker_pids()
     cpu0 = {pid: cpu_seconds(pid) for pid in pids}
+    claims0 = relay.claims()
     started = time.monotonic()
     started_perf = time.perf_counter()
     expected = load_backlog(run, events, aggregates)
@@ -260,6 +282,7 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
     cpu = window.stop()
     busy = process_busy(relay, cpu0, time.monotonic() - started)
     memory = sampler.stop()
+    claims = {k: v - claims0.get(k, 0) for k, v in relay.claims().items()}
     arrivals = list(destination.arrivals)
     counts = wait_all_done(run, timeout=30 if reached else 75)
     if not reached:  # late rows (a lost task comes back with its lease): did they get there?
@@ -269,7 +292,9 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
               **arrival_rate(arrivals, events),
               "wall_s_from_load": time.monotonic() - started, "order": check_order(arrivals, expected),
               "memory": memory, "cpu": cpu, "cpu_us_per_event": cpu_per_event(cpu, events), "table": counts,
-              "busy": busy, "worker_cpu_us_per_event": cpu_per_event(cpu, events).get("worker")}
+              "busy": busy, "worker_cpu_us_per_event": cpu_per_event(cpu, events).get("worker"),
+              "claims": claims.get("claims"), "empty_claims": claims.get("empty"),
+              "empty_claim_share": claims["empty"] / claims["claims"] if claims.get("claims") and "empty" in claims else None}
     if not reached:
         result["worker_log_tail"] = relay.log_tail()
     if not reached:
@@ -284,6 +309,9 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
         + f" (machine busy {100 * cpu['machine_busy']:.0f}%); CPU us/event "
         + ", ".join(f"{k} {v}" for k, v in result["cpu_us_per_event"].items()))
     log(f"{label}: busy (CPU / drain wall time) " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()))
+    if result["empty_claim_share"] is not None:
+        log(f"{label}: {result['claims']:.0f} claims, {result['empty_claims']:.0f} empty "
+            f"(share {result['empty_claim_share']:.3f}; target 0 while claimable chains exist)")
     return result, relay
 
 

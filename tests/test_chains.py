@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from outbox.core.model import OutboxMessage, Status
-from outbox.domain.chains import Candidate, plan_claim, split_chains
+from outbox.domain.chains import Candidate, keep_locked, plan_claim, split_chains
 
 P, C, F = Status.PENDING, Status.CLAIMED, Status.FAILED
 
@@ -47,6 +47,19 @@ def test_a_limit_keeps_whole_chains_oldest_chain_first_and_cuts_the_last() -> No
     assert plan_claim(window, {}, 10, limit=5).claim_ids == [1, 2, 4, 5, 7]
     assert plan_claim(window, {"a": 0}, 10, limit=5).claim_ids == [2, 3, 5, 6, 8]
     assert plan_claim(window, {}, 10, limit=100).claim_ids == list(range(1, 10))
+
+
+def test_a_claim_keeps_of_each_planned_chain_the_prefix_it_locked() -> None:
+    # Planned over a window read without locks; then locked with SKIP LOCKED. A chain whose
+    # head another claim holds is left whole; a chain whose middle row could not be locked
+    # keeps the rows before it; a dead row is kept only if locked.
+    window = [cand(1, "a"), cand(2, "b"), cand(3, "c", C, 2), cand(4, "a"), cand(5, "b"), cand(7, "d"),
+              cand(8, "b")]
+    plan = plan_claim(window, {}, 3)
+    assert (plan.claim_ids, plan.dead_ids) == ([1, 2, 4, 5, 7, 8], [3])
+    kept = keep_locked(plan, window, locked=[2, 4, 8, 3, 7])  # a's head and b's 5 held elsewhere
+    assert (kept.claim_ids, kept.dead_ids) == ([2, 7], [3])
+    assert keep_locked(plan, window, locked=[1, 2, 4, 5, 7, 8]).dead_ids == []
 
 
 def message(id: int, agg: str) -> OutboxMessage:

@@ -117,6 +117,9 @@ def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: Collect
     assert value(registry, "outbox_in_flight") == 1 and value(registry, "outbox_backlog") == 3
     assert value(registry, "outbox_lag_seconds") >= 0
     assert value(registry, "outbox_claimed_total") == 7 and d
+    assert value(registry, "outbox_empty_claims_total") == 0
+    handle_claim(RelayContext(store, hooks=HOOKS), Collect(), batch_size=100, lease_s=60.0)  # all held or waiting
+    assert value(registry, "outbox_empty_claims_total") == 1 and value(registry, "outbox_claim_seconds_count") == 3
 
 
 def test_rows_that_go_dead_on_lease_expiry_are_counted(registry: CollectorRegistry, make_store: Any,

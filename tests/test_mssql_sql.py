@@ -277,11 +277,23 @@ def test_claim_locks_candidates_and_probes_without_readpast(schema: str | None, 
     scan = next(s for s in statements if s.startswith("INSERT INTO @cand"))
     probe = next(s for s in statements if s.startswith("INSERT INTO @agg"))
     scan_refs = outbox_refs(parse_one(scan), engine)
-    assert len(scan_refs) == 1 and hints(scan_refs[0]) == LOCK_HINTS
+    assert len(scan_refs) == 1 and hints(scan_refs[0]) == LOCK_HINTS | {"FORCESEEK"}
     probe_refs = outbox_refs(parse_one(probe), engine)
     assert len(probe_refs) == 1 and hints(probe_refs[0]) == {"READCOMMITTEDLOCK", "FORCESEEK"}
-    # READPAST appears nowhere else in the batch.
-    assert engine.claim_batch().count("READPAST") == 1
+    # The chains are chosen first: the window read without update locks, the free heads
+    # locked skipping those another claim holds; READPAST is in those reads only, never in
+    # a probe (the window's probe reads as the candidates' does).
+    window = next(s for s in statements if s.startswith("INSERT INTO @win"))
+    (window_ref,) = outbox_refs(parse_one(window), engine)
+    assert hints(window_ref) == {"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}
+    heads = next(s for s in statements if s.startswith("INSERT INTO @held"))
+    (heads_ref,) = outbox_refs(parse_one(heads), engine)
+    assert hints(heads_ref) == LOCK_HINTS | {"FORCESEEK"} and "SELECT TOP (@heads) o.id FROM @free" in heads
+    assert heads.rstrip(";").endswith("ORDER BY f.head")  # @free's key order: no sort over every head
+    free = next(s for s in statements if s.startswith("INSERT INTO @free"))
+    (free_ref,) = outbox_refs(parse_one(free), engine)
+    assert hints(free_ref) == {"READCOMMITTEDLOCK", "FORCESEEK"} and "FROM @win" in free
+    assert engine.claim_batch().count("READPAST") == 3
     update = parse_one(next(s for s in statements if s.startswith("UPDATE")))
     assert isinstance(update, exp.Update)
     assert "INTO @out" in update.sql("tsql")  # OUTPUT ... INTO a table variable, never bare OUTPUT
@@ -343,12 +355,12 @@ def test_claim_returns_message_columns_in_order_and_binds_in_placeholder_order()
     assert [c.split()[0] for c in re.split(r",\s*(?![^()]*\))", declared)] == list(MESSAGE_COLUMNS)
     params = engine.claim_params(batch=50, lease="L" * 32, timeout_ms=30_000, max_attempts=5)
     assert params == [50, 50 * engine.CLAIM_WINDOW, 5, "L" * 32, LEASE_EXPIRED_ERROR, -30_000]
-    # The DECLARE binds the first five by name; eligible()'s lease cutoff is the sixth.
+    # The DECLARE binds all six by name; eligible()'s lease cutoff, the sixth, is used three times.
     batch = engine.claim_batch()
     declare = next(s for s in statements if s.startswith("DECLARE @batch"))
     assert re.findall(r"@(\w+) [A-Z]+(?:\(\d+\))? = \?", declare) == ["batch", "window", "max_attempts", "lease",
-                                                                           "lease_error"]
-    assert batch.index(declare) < batch.index("DATEADD(MILLISECOND, ?")
+                                                                           "lease_error", "expired_ms"]
+    assert batch.count("DATEADD(MILLISECOND, @expired_ms, SYSUTCDATETIME())") == 3
     assert placeholders(batch) == len(params)
 
 

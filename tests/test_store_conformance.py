@@ -166,6 +166,25 @@ def test_a_claim_window_leaves_blocked_aggregates_to_their_holder(store: OutboxS
     assert second == sorted(ids["c"] + ids["d"])
 
 
+def test_a_claim_running_beside_another_takes_other_chains(make_store: Any, writer: Any, kind: str) -> None:
+    """Two claims that overlap in time take disjoint chains, and the later one is not empty
+    while other aggregates wait: it skips the chains the other claim holds instead of
+    colliding on their heads (docs/internals.md, "Claim windows")."""
+    if kind == "sqlite":
+        pytest.skip("SQLite has one writer: its claims run one after the other and cannot overlap")
+    first, second = make_store(table="outbox_overlap"), make_store(table="outbox_overlap")
+    ids: dict[str, list[int]] = {name: [] for name in "abcdefgh"}
+    for _ in range(3):
+        for name in ids:
+            ids[name] += add(writer, first, name)
+    with first.transaction() as cursor:  # the first claim's statement has not committed yet
+        held = sorted(int(r[0]) for r in first.engine.claim(cursor, 6, first.new_lease(), 60_000, 3))
+        assert held == sorted(ids["a"] + ids["b"])
+        beside = claimed_ids(second, 6)
+        assert beside == sorted(ids["c"] + ids["d"])
+    assert claimed_ids(second, 6) == sorted(ids["e"] + ids["f"])
+
+
 def test_a_live_lease_blocks_the_rest_of_its_aggregate(store: OutboxStore, writer: Any) -> None:
     head = add(writer, store, "a")
     assert claimed_ids(store) == head

@@ -34,6 +34,13 @@ class ClaimPlan:
     dead_ids: list[int] = field(default_factory=list)
 
 
+def chain_key(row: Candidate) -> Any:
+    """The chain a candidate belongs to: its aggregate. A NULL aggregate_id (a table whose
+    column allows it) equals nothing, as in SQL: each such row is a chain of its own, which
+    the store then finds undecodable."""
+    return row.aggregate_id if row.aggregate_id is not None else (None, row.id)
+
+
 def plan_claim(candidates: Sequence[Candidate], first_blocker: dict[str, int], max_attempts: int,
                limit: int | None = None) -> ClaimPlan:
     """Pick the chains to claim.
@@ -49,10 +56,7 @@ def plan_claim(candidates: Sequence[Candidate], first_blocker: dict[str, int], m
     room = len(candidates) if limit is None else limit
     by_aggregate: dict[Any, list[Candidate]] = {}
     for row in sorted(candidates, key=lambda r: r.id):
-        # A NULL aggregate_id (a table whose column allows it) equals nothing, as in SQL:
-        # each such row is a chain of its own, which the store then finds undecodable.
-        key = row.aggregate_id if row.aggregate_id is not None else (None, row.id)
-        by_aggregate.setdefault(key, []).append(row)
+        by_aggregate.setdefault(chain_key(row), []).append(row)
     for aggregate, rows in by_aggregate.items():  # in the order of each aggregate's first candidate
         blocker = first_blocker.get(aggregate) if isinstance(aggregate, str) else None
         for position, row in enumerate(rows):
@@ -70,6 +74,26 @@ def plan_claim(candidates: Sequence[Candidate], first_blocker: dict[str, int], m
             plan.claim_ids.append(row.id)
     plan.claim_ids.sort()
     return plan
+
+
+def keep_locked(plan: ClaimPlan, candidates: Sequence[Candidate], locked: Iterable[int]) -> ClaimPlan:
+    """What a claim keeps of ``plan`` once it has locked the rows ``locked`` (a plan made
+    over a window read without locks): per chain, its rows up to the first one it could not
+    lock (another claim holds it, or it changed since the window was read), so a chain whose
+    head another claim holds is left to that claim whole; a dead row only if locked
+    (docs/internals.md, "Claim windows")."""
+    locked = set(locked)
+    key = {row.id: chain_key(row) for row in candidates}
+    kept = ClaimPlan(dead_ids=[i for i in plan.dead_ids if i in locked])
+    broken: set[Any] = set()
+    for i in sorted(plan.claim_ids):
+        if key[i] in broken:
+            continue
+        if i in locked:
+            kept.claim_ids.append(i)
+        else:
+            broken.add(key[i])
+    return kept
 
 
 T = TypeVar("T", bound=OutboxMessage)

@@ -44,6 +44,7 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.claimed = Counter("outbox_claimed", "Rows leased by claims", registry=r)
+        self.empty_claims = Counter("outbox_empty_claims", "Claims that leased no row", registry=r)
         self.published = Counter("outbox_published", "Events confirmed by the broker", registry=r)
         self.failed = Counter("outbox_failed", "Failed deliveries by failure kind", ["kind"], registry=r)
         for kind in FAILURE_KINDS:  # each kind reads 0, not "no data", before its first failure
@@ -149,6 +150,8 @@ def claimed(m: Metrics, claim: Claim, seconds: float) -> None:
     """A claim returned: its rows, its duration, and the rows it found dead."""
     m.claim_seconds.observe(seconds)
     m.claimed.inc(len(claim.messages))
+    if not claim.messages and not claim.dead:
+        m.empty_claims.inc()
     dead = len(claim.dead)
     if dead:
         m.dead.inc(dead)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from ...core.config import validate_identifier
 from ...core.model import FailureKind, NewEvent, OutboxMessage
-from ...domain.chains import Candidate, plan_claim
+from ...domain.chains import Candidate, ClaimPlan, chain_key, keep_locked, plan_claim
 from . import rows
 
 log = logging.getLogger("outbox.storage.engines")
@@ -305,17 +305,21 @@ class Engine(ABC):
         """Lease up to ``batch`` rows inside the open transaction; return rows shaped
         like MESSAGE_COLUMNS (rows whose status is not 1 went dead instead).
 
-        This generic version plans the chains in Python over a locked candidate set
-        (see ``outbox.domain.chains``); engines with a one-statement form override it."""
+        This generic version reads a window of candidates, plans the chains in Python
+        (``outbox.domain.chains``) and, where claims can overlap, locks what it planned
+        (``_lock_chains``); engines with a one-statement form override it."""
         self.begin(cursor)
         scan = self.limit(
-            f"SELECT id, aggregate_id, status, attempts FROM {self.table} WHERE {self.eligible()} ORDER BY id"
-        ) + self.lock_candidates
+            f"SELECT id, aggregate_id, status, attempts FROM {self.table} WHERE {self.eligible()} ORDER BY id")
         rows = self.execute(cursor, scan, [-timeout_ms, self.claim_window(batch)]).fetchall()
         candidates = [Candidate(int(r[0]), r[1], int(r[2]), int(r[3])) for r in rows]
         if not candidates:
             return []
-        plan = plan_claim(candidates, self._first_blockers(cursor, candidates), max_attempts, limit=batch)
+        blockers = self._first_blockers(cursor, candidates)
+        if self.lock_candidates:
+            plan = self._lock_chains(cursor, candidates, blockers, max_attempts, batch, timeout_ms)
+        else:  # one writer at a time (SQLite): claims cannot overlap, the plan is final
+            plan = plan_claim(candidates, blockers, max_attempts, limit=batch)
         if plan.dead_ids:
             cond, params = self.ids_in(plan.dead_ids)
             self.execute(cursor, f"UPDATE {self.table} SET status = 4, processed_at = {self.now}, "
@@ -331,6 +335,34 @@ class Engine(ABC):
         cond, params = self.ids_in(sorted(plan.claim_ids + plan.dead_ids))
         return self.execute(cursor, f"SELECT {self.message_select()} FROM {self.table} WHERE {cond} ORDER BY id",
                             params).fetchall()
+
+    def _lock_chains(self, cursor: Any, candidates: Sequence[Candidate], blockers: dict[str, int],
+                     max_attempts: int, batch: int, timeout_ms: int) -> ClaimPlan:
+        """Lock the planned chains (``lock_candidates``: SKIP LOCKED) and keep what this
+        claim locked (``keep_locked``). Chains another claim holds are left to it and the
+        plan is made once more over the window's other aggregates, so two claims that
+        overlap in time take disjoint chains instead of the later one coming back empty
+        (docs/internals.md, "Claim windows")."""
+        taken, pool = ClaimPlan(), list(candidates)
+        for _ in range(2):
+            plan = plan_claim(pool, blockers, max_attempts, limit=batch - len(taken.claim_ids) - len(taken.dead_ids))
+            planned = plan.claim_ids + plan.dead_ids
+            if not planned:
+                break
+            status = {c.id: c.status for c in pool}
+            cond, params = self.ids_in(planned)
+            rows = self.execute(cursor, f"SELECT id, status FROM {self.table} WHERE {cond} AND {self.eligible()}"
+                                + self.lock_candidates, [*params, -timeout_ms]).fetchall()
+            locked = {int(r[0]) for r in rows if int(r[1]) == status[int(r[0])]}  # unchanged since the window
+            kept = keep_locked(plan, pool, locked)
+            taken.claim_ids += kept.claim_ids
+            taken.dead_ids += kept.dead_ids
+            if len(locked) == len(planned):
+                break
+            tried = {chain_key(c) for c in pool if c.id in set(planned)}
+            pool = [c for c in pool if chain_key(c) not in tried]
+        taken.claim_ids.sort()
+        return taken
 
     def _first_blockers(self, cursor: Any, candidates: Sequence[Candidate]) -> dict[str, int]:
         # A NULL aggregate_id (only on a table whose column allows it) equals nothing in

@@ -273,10 +273,21 @@ class PostgresEngine(Engine):
                 SELECT h.head FROM (SELECT id AS head, aggregate_id FROM win WHERE id = head ORDER BY id OFFSET 0) h
                 WHERE (SELECT e.id FROM {t} e WHERE e.aggregate_id = h.aggregate_id AND e.id < h.head
                        AND {self.open_rows("e.")} ORDER BY e.aggregate_id DESC, e.id DESC LIMIT 1) IS NULL
-                LIMIT {batch}
+                LIMIT {window}
+            ),
+            need AS (
+                SELECT COUNT(*) AS heads FROM (
+                    SELECT SUM(COUNT(*)) OVER (ORDER BY w.head ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+                               AS before
+                    FROM win w WHERE w.head IN (SELECT head FROM free) GROUP BY w.head) s
+                WHERE COALESCE(s.before, 0) < {batch}
+            ),
+            held AS MATERIALIZED (
+                SELECT h.id FROM {t} h WHERE h.id IN (SELECT head FROM free) AND {eligible}
+                ORDER BY h.id LIMIT (SELECT heads FROM need) FOR UPDATE OF h SKIP LOCKED
             ),
             pick AS MATERIALIZED (
-                SELECT id, head FROM win WHERE head IN (SELECT head FROM free) ORDER BY head, id LIMIT {batch}
+                SELECT id, head FROM win WHERE head IN (SELECT id FROM held) ORDER BY head, id LIMIT {batch}
             ),
             cand AS MATERIALIZED (
                 SELECT c.id, c.aggregate_id, c.status, c.attempts, p.head FROM pick p JOIN {t} c ON c.id = p.id

@@ -198,7 +198,7 @@ class MssqlStatements(MssqlSchema):
     #: The ordering probe's index, which the probe is pinned to (``FORCESEEK``).
     PROBE_INDEX = next(spec for spec in INDEXES if spec.suffix == "agg_open")
 
-    def probe_select(self) -> str:
+    def probe_select(self, source: str = "@cand") -> str:
         """One row per aggregate of ``@cand``: its first candidate (``head``) and its
         *blocker*, the first open row of the aggregate before its last candidate that is
         not a candidate (NULL: none). Rule 1 of ``chain_select`` needs nothing else, as in
@@ -218,15 +218,18 @@ class MssqlStatements(MssqlSchema):
         every non-candidate open row as blocking"). The probe runs in a statement of its
         own, while this claim holds only U locks, so a probe waiting on a competitor's
         UPDATE can never close a deadlock cycle.
+
+        ``source`` is ``@cand`` (the locked candidates) or, to choose which chains to lock,
+        ``@win`` (the window read without update locks: ``claim_statements``).
         """
         index = self.quote(self.index_name(self.PROBE_INDEX.suffix))
         seek = f"FORCESEEK ({index} ({self.PROBE_INDEX.keys[0]}))" if self.probe_index is not False else "FORCESEEK"
         return f"""SELECT g.aggregate_id, g.head, (
         SELECT TOP (1) e.id FROM {self.table} AS e WITH (READCOMMITTEDLOCK, {seek})
         WHERE e.aggregate_id = g.aggregate_id AND e.id < g.last_id AND e.{OPEN_ROWS}
-          AND NOT EXISTS (SELECT 1 FROM @cand AS k WHERE k.id = e.id)
+          AND NOT EXISTS (SELECT 1 FROM {source} AS k WHERE k.id = e.id)
         ORDER BY e.id)
-FROM (SELECT aggregate_id, MIN(id) AS head, MAX(id) AS last_id FROM @cand GROUP BY aggregate_id) AS g"""
+FROM (SELECT aggregate_id, MIN(id) AS head, MAX(id) AS last_id FROM {source} GROUP BY aggregate_id) AS g"""
 
     def chain_select(self) -> str:
         """``(id, head, dead)`` of the candidates in ``@cand`` this claim takes, given
@@ -274,6 +277,7 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
         collation: two different column collations in one comparison fail with error 468.
         """
         t = self.table
+        eligible = self.eligible().replace("?", "@expired_ms")  # one parameter, three uses
         out_columns = ", ".join(MESSAGE_COLUMNS)
         output = ", ".join(f"CAST(inserted.{c} AS NVARCHAR(MAX))" if c in ("payload", "headers")
                            else f"inserted.{c}" for c in MESSAGE_COLUMNS)
@@ -284,18 +288,46 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
             "SET XACT_ABORT ON;",
             *(["BEGIN TRANSACTION;"] if own_transaction else []),
             "DECLARE @batch INT = ?, @window INT = ?, @max_attempts INT = ?, @lease CHAR(32) = ?, "
-            "@lease_error NVARCHAR(4000) = ?;",
-            f"DECLARE @cand TABLE (id BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {collation} "
-            "NOT NULL, status TINYINT NOT NULL, attempts INT NOT NULL, UNIQUE (aggregate_id, id));",
+            "@lease_error NVARCHAR(4000) = ?, @expired_ms INT = ?, @heads INT;",
+            *(f"DECLARE {name} TABLE (id BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {collation} "
+              "NOT NULL, status TINYINT NOT NULL, attempts INT NOT NULL, UNIQUE (aggregate_id, id));"
+              for name in ("@win", "@cand")),
+            # @free is kept in head order (its key) so the heads are locked oldest first, a seek
+            # each, and TOP stops at the batch's need without sorting (locking) every head.
+            f"DECLARE @free TABLE (head BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {collation} "
+            "NOT NULL UNIQUE, blocker BIGINT NULL);",
             f"DECLARE @agg TABLE (aggregate_id NVARCHAR(255) COLLATE {collation} NOT NULL PRIMARY KEY, "
             "head BIGINT NOT NULL, blocker BIGINT NULL);",
+            "DECLARE @held TABLE (id BIGINT NOT NULL PRIMARY KEY);",
             "DECLARE @chain TABLE (id BIGINT NOT NULL PRIMARY KEY, head BIGINT NOT NULL, dead BIT NOT NULL);",
             # Declared in MESSAGE_COLUMNS order: OUTPUT ... INTO @out fills it by position.
             "DECLARE @out TABLE (" + ", ".join(f"{c} {_MESSAGE_TYPES[c]}" for c in MESSAGE_COLUMNS) + ");",
-            f"INSERT INTO @cand (id, aggregate_id, status, attempts)\n"
+            # Choose the chains (docs/sqlserver.md, "The claim's statements and their plans"):
+            # the window read without update locks, its free heads (no open row before them),
+            # and as many of them as the batch needs, locked, skipping heads another claim
+            # holds (READPAST), so two claims that overlap take disjoint chains.
+            f"INSERT INTO @win (id, aggregate_id, status, attempts)\n"
             f"SELECT TOP (@window) id, aggregate_id, status, attempts\n"
-            f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK)\n"
-            f"WHERE {self.eligible()}\nORDER BY id;",
+            f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\n"
+            f"WHERE {eligible}\nORDER BY id;",
+            f"INSERT INTO @free (aggregate_id, head, blocker)\n{self.probe_select('@win')};",
+            "DELETE FROM @free WHERE blocker < head;",
+            "SELECT @heads = COUNT(*) FROM (\n"
+            "    SELECT SUM(c.n) OVER (ORDER BY c.head ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before\n"
+            "    FROM (SELECT f.head, COUNT(*) AS n FROM @free AS f INNER JOIN @win AS w\n"
+            "          ON w.aggregate_id = f.aggregate_id GROUP BY f.head) AS c\n"
+            ") AS s WHERE COALESCE(s.before, 0) < @batch;",
+            f"INSERT INTO @held (id)\n"
+            f"SELECT TOP (@heads) o.id FROM @free AS f\n"
+            f"INNER JOIN {t} AS o WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK, FORCESEEK) ON o.id = f.head\n"
+            f"WHERE {eligible}\n"
+            f"ORDER BY f.head;",
+            # Lock the held chains' rows of the window; the rule below runs on what was locked.
+            f"INSERT INTO @cand (id, aggregate_id, status, attempts)\n"
+            f"SELECT o.id, o.aggregate_id, o.status, o.attempts\n"
+            f"FROM {t} AS o WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK, FORCESEEK)\n"
+            f"WHERE o.id IN (SELECT w.id FROM @win AS w INNER JOIN @free AS f ON f.aggregate_id = w.aggregate_id\n"
+            f"               INNER JOIN @held AS h ON h.id = f.head) AND {eligible};",
             f"INSERT INTO @agg (aggregate_id, head, blocker)\n{self.probe_select()};",
             f"INSERT INTO @chain (id, head, dead)\n{self.chain_select()};",
             # Keep @batch rows of the window's chains: whole chains, oldest chain first
@@ -326,7 +358,7 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
         return "\n".join(self.claim_statements(own_transaction))
 
     def claim_params(self, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[Any]:
-        # The DECLARE's five, then eligible()'s lease cutoff (the only other ?).
+        # The DECLARE's six, the last one eligible()'s lease cutoff.
         return [batch, self.claim_window(batch), max_attempts, lease, LEASE_EXPIRED_ERROR, -timeout_ms]
 
     def collation_sql(self) -> str:
