@@ -732,7 +732,7 @@ def sqlite_text(sql: str) -> str:
     hints go (SQLite has no locks to hint and one index choice), ``TOP (1) ... ORDER BY
     e.id`` becomes ``LIMIT 1``; ``@max_attempts`` is a named parameter in SQLite too, and
     ``[dbo].[outbox]`` an attached database's table."""
-    for variable in ("@cand", "@agg", "@chain"):
+    for variable in ("@cand", "@agg", "@chain", "@win", "@free", "@plan"):
         sql = sql.replace(variable, variable[1:])
     start = sql.find(" WITH (READCOMMITTEDLOCK")
     if start >= 0:
@@ -773,6 +773,74 @@ def run_claim_rule(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], c
                    {"batch": batch})
     chosen = db.execute("SELECT id, dead FROM chain").fetchall()
     return sorted(i for i, dead in chosen if not dead), sorted(i for i, dead in chosen if dead)
+
+
+def choose_and_claim(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], held_elsewhere: set[int],
+                     batch: int) -> tuple[tuple[list[int], list[int]], set[int]]:
+    """The claim's first phase on SQLite: ``@win`` (every open row counts as eligible, the
+    oldest ``CLAIM_WINDOW * batch``), the probe over it into ``@free``, the DELETE of blocked
+    heads and the count ``@heads``, run as written; the two locking reads modelled in Python
+    as READPAST makes them behave: rows in ``held_elsewhere`` (another claim's U locks) are
+    skipped, ``TOP (@heads)`` counts the heads it got, in head order. Then the rule on what was
+    locked (``run_claim_rule``). Returns the claim and the ids it locked."""
+    statements = engine.claim_statements()
+    free_probe = next(s for s in statements if s.startswith("INSERT INTO @free"))
+    would_be = next(s for s in statements if s.startswith("INSERT INTO @plan"))
+    drop_unplanned = next(s for s in statements if s.startswith("DELETE FROM @free"))
+    count = next(s for s in statements if s.startswith("SELECT @heads = COUNT(DISTINCT r.head) FROM ("))
+    window = sorted(r for r in rows if r[2] in (0, 1, 3))[:engine.claim_window(batch)]
+    db = sqlite3.connect(":memory:")
+    db.execute("ATTACH DATABASE ':memory:' AS dbo")
+    db.execute("CREATE TABLE dbo.outbox (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
+    db.execute("CREATE TABLE win (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
+    db.execute("CREATE TABLE free (head INTEGER PRIMARY KEY, aggregate_id TEXT UNIQUE, blocker INT)")
+    db.execute("CREATE TABLE plan (id INTEGER PRIMARY KEY, head INT NOT NULL, dead INT NOT NULL)")
+    db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
+    db.executemany("INSERT INTO win VALUES (?, ?, ?, ?)", window)
+    db.execute(sqlite_text(free_probe).rstrip(";"))
+    db.execute(sqlite_text(would_be).rstrip(";"), {"max_attempts": 3})
+    db.execute(sqlite_text(drop_unplanned).rstrip(";"))
+    (heads,) = db.execute(sqlite_text(count.replace("SELECT @heads = ", "SELECT ")).rstrip(";").replace("@batch", ":batch"),
+                          {"batch": batch}).fetchone()
+    free = [head for (head,) in db.execute("SELECT head FROM free ORDER BY head")]
+    held = [head for head in free if head not in held_elsewhere][:heads]  # TOP (@heads), READPAST
+    planned = db.execute("SELECT id, head FROM plan ORDER BY head, id").fetchall()
+    picked = [i for i, head in planned if head in held][:batch]  # the IN list's TOP (@batch)
+    locked = {i for i in picked if i not in held_elsewhere}  # READPAST
+    return run_claim_rule(engine, rows, locked, 3, batch), locked
+
+
+def test_claims_that_overlap_take_disjoint_chains_and_keep_the_rule() -> None:
+    """Another claim holds some chains (U locks on a prefix of each): this claim skips them
+    and takes others, never comes back empty while its window has a free chain nobody
+    holds, and what it takes is exactly ``plan_claim`` over what it locked. With nothing
+    held elsewhere it takes what ``plan_claim`` over the whole window takes, as the claim
+    that locked its whole window did."""
+    engine = MssqlEngine()
+    rng = random.Random(2026_11_25)
+    for _ in range(300):
+        aggregates = rng.choice(["ab", "abcdef", "abcdefghijkl"])
+        rows = [(i, rng.choice(aggregates), rng.choice([0, 0, 0, 0, 0, 1, 2, 3, 4]), rng.randint(0, 4))
+                for i in range(1, rng.randint(2, 60))]
+        batch = rng.randint(1, 12)
+        window = sorted(r for r in rows if r[2] in (0, 1, 3))[:engine.claim_window(batch)]
+        whole = plan_claim([Candidate(*r) for r in window], blockers_of(rows, {r[0] for r in window}), 3, limit=batch)
+        (claimed, dead), _ = choose_and_claim(engine, rows, set(), batch)
+        assert (claimed, dead) == (sorted(whole.claim_ids), sorted(whole.dead_ids)), (rows, batch)
+        # Another claim holds a prefix of some window chains.
+        held_elsewhere: set[int] = set()
+        for aggregate in rng.sample(sorted({r[1] for r in window}), k=rng.randint(0, len({r[1] for r in window}))):
+            ids = [r[0] for r in window if r[1] == aggregate]
+            held_elsewhere |= set(ids[:rng.randint(1, len(ids))])
+        (claimed, dead), locked = choose_and_claim(engine, rows, held_elsewhere, batch)
+        assert not (set(claimed) | set(dead)) & held_elsewhere
+        rule = plan_claim([Candidate(*r) for r in rows if r[0] in locked], blockers_of(rows, locked), 3, limit=batch)
+        assert (claimed, dead) == (sorted(rule.claim_ids), sorted(rule.dead_ids))
+        untouched = {r[1] for r in window} - {r[1] for r in window if r[0] in held_elsewhere}
+        free_chain = plan_claim([Candidate(*r) for r in window if r[1] in untouched],
+                                blockers_of(rows, {r[0] for r in window if r[1] in untouched}), 3, limit=batch)
+        if free_chain.claim_ids or free_chain.dead_ids:
+            assert claimed or dead, (rows, held_elsewhere, batch)
 
 
 def run_chain_select(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],

@@ -4,6 +4,7 @@ and SQL Server when one is reachable). Each rule of the claim is pinned here."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from datetime import timedelta
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from engine_support import add, row, statuses
 
 from outbox import EnqueueError, Status, enqueue
+from outbox.domain.chains import Candidate, plan_claim
 from outbox.storage.store import OutboxStore
 
 
@@ -183,6 +185,52 @@ def test_a_claim_running_beside_another_takes_other_chains(make_store: Any, writ
         beside = claimed_ids(second, 6)
         assert beside == sorted(ids["c"] + ids["d"])
     assert claimed_ids(second, 6) == sorted(ids["e"] + ids["f"])
+
+
+#: (status, how the row stands) of the random outboxes below: eligible or not, open or not.
+STATES = {"pending": (0, None), "expired": (1, "claimed_at = {past}"), "live": (1, "claimed_at = {now}"),
+          "done": (2, "processed_at = {now}"), "due": (3, "next_retry_at = {past}"),
+          "not due": (3, "next_retry_at = {future}"), "dead": (4, "processed_at = {now}")}
+
+
+def test_the_claim_takes_what_plan_claim_takes_over_its_window_on_random_outboxes(make_store: Any,
+                                                                                   writer: Any) -> None:
+    """The claim's statement (one per engine) against the rule in Python, on random tables:
+    pending rows, expired and live leases, due and not-due retries, done and dead rows, over
+    few or many aggregates; the claim takes ``plan_claim`` over its window (the oldest
+    ``CLAIM_WINDOW * batch`` eligible rows), whole chains, oldest first, the rows that go
+    dead included (docs/internals.md, "Claim windows")."""
+    rng = random.Random(2026_11_25)
+    for round_ in range(25):
+        store = make_store(max_attempts=3, claim_timeout_ms=60_000)
+        e = store.engine
+        aggregates = rng.choice(["ab", "abcdefgh"])
+        states: dict[int, tuple[str, str, int]] = {}
+        for _ in range(rng.randint(5, 30)):
+            aggregate = rng.choice(aggregates)
+            (new_id,) = add(writer, store, aggregate)
+            state = rng.choice(["pending"] * 5 + list(STATES))
+            states[new_id] = (aggregate, state, rng.randint(0, 3))
+        with store.transaction() as cursor:
+            for id_, (_, state, attempts) in states.items():
+                status, also = STATES[state]
+                times = {"past": e.now_plus_ms().replace("?", "-3600000"), "now": e.now,
+                         "future": e.now_plus_ms().replace("?", "3600000")}
+                extra = ", " + also.format(**times) if also else ""
+                e.execute(cursor, f"UPDATE {e.table} SET status = ?, attempts = ?{extra} WHERE id = ?",
+                          [status, attempts, id_])
+        eligible = [i for i in sorted(states) if states[i][1] in ("pending", "expired", "due")]
+        batch = rng.randint(1, 8)
+        window = eligible[:e.claim_window(batch)]
+        blockers: dict[str, int] = {}
+        for i in sorted(states):
+            if states[i][1] in ("pending", "expired", "live", "due", "not due") and i not in window:
+                blockers.setdefault(states[i][0], i)
+        expected = plan_claim([Candidate(i, states[i][0], STATES[states[i][1]][0], states[i][2]) for i in window],
+                              blockers, 3, limit=batch)
+        claim = store.claim(batch)
+        got = (sorted(m.id for m in claim.messages), sorted(m.id for m in claim.dead))
+        assert got == (sorted(expected.claim_ids), sorted(expected.dead_ids)), repr((round_, states, batch))
 
 
 def test_a_live_lease_blocks_the_rest_of_its_aggregate(store: OutboxStore, writer: Any) -> None:

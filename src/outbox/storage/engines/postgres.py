@@ -247,17 +247,17 @@ class PostgresEngine(Engine):
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
         # The rule of outbox.domain.chains.plan_claim in one statement; its shape and why each step
-        # costs what it does: docs/internals.md, "Claim windows".
-        # win: the window, read without locks; free: the first ``batch`` heads (OFFSET 0 keeps
-        # the probe above the sort; a scalar probe, one index descent per head, never a hash
-        # join over the table) with no open row before them; pick: ``batch`` rows, whole
-        # chains, oldest chain first; cand: those locked. On cand: (1) ``blocker``, the first
-        # open row between head and last candidate that is not a candidate; (2) a non-pending
-        # candidate other than the aggregate's first ends the chain; (3) nothing behind one
-        # that goes dead. (2) and (3) are running flags (window functions) over cand.
+        # costs what it does: docs/internals.md, "Claim windows" (and "Claims that overlap take
+        # disjoint chains"). win: the window, read without locks; free: its heads (OFFSET 0
+        # keeps the probe above the sort; a scalar probe, one index descent per head, never a
+        # hash join over the table) with no open row before them; w_chain: the rule over the
+        # window as if every row were ours, cut to ``batch`` rows, whole chains, oldest first;
+        # held: as many heads as that plan has, locked, skipping heads another claim holds;
+        # pick: the held chains' rows in w_chain, ``batch`` of them; cand: those locked, and the
+        # rule again on them (c_chain), which is what is claimed.
         t = self.table
         # A NULL aggregate_id (a hand-made table) equals nothing: each such row is a chain of
-        # its own. From ``pick`` on, a chain is named by its head (an integer: cheap to sort).
+        # its own. From ``win`` on, a chain is named by its head (an integer: cheap to sort).
         chain_of = 'aggregate_id COLLATE "C", CASE WHEN aggregate_id IS NULL THEN id END'
         returning = ", ".join(f"o.{c}" + ("::text" if c in ("payload", "headers") else "") for c in MESSAGE_COLUMNS)
         # The integers are written into the text, not bound: one generic plan per connection
@@ -266,57 +266,28 @@ class PostgresEngine(Engine):
         window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
         sql = f"""
             WITH win AS MATERIALIZED (
-                SELECT id, aggregate_id, MIN(id) OVER (PARTITION BY {chain_of}) AS head FROM (
-                    SELECT id, aggregate_id FROM {t} WHERE {eligible} ORDER BY id LIMIT {window}) w
+                SELECT id, aggregate_id, status, attempts, MIN(id) OVER (PARTITION BY {chain_of}) AS head FROM (
+                    SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible} ORDER BY id LIMIT {window}) w
             ),
             free AS MATERIALIZED (
                 SELECT h.head FROM (SELECT id AS head, aggregate_id FROM win WHERE id = head ORDER BY id OFFSET 0) h
                 WHERE (SELECT e.id FROM {t} e WHERE e.aggregate_id = h.aggregate_id AND e.id < h.head
                        AND {self.open_rows("e.")} ORDER BY e.aggregate_id DESC, e.id DESC LIMIT 1) IS NULL
-                LIMIT {window}
             ),
-            need AS (
-                SELECT COUNT(*) AS heads FROM (
-                    SELECT SUM(COUNT(*)) OVER (ORDER BY w.head ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-                               AS before
-                    FROM win w WHERE w.head IN (SELECT head FROM free) GROUP BY w.head) s
-                WHERE COALESCE(s.before, 0) < {batch}
-            ),
+            {self._chain_rule("w", "(SELECT * FROM win WHERE head IN (SELECT head FROM free))", max_attempts)},
+            plan AS (SELECT head FROM w_chain ORDER BY head, id LIMIT {batch}),
             held AS MATERIALIZED (
                 SELECT h.id FROM {t} h WHERE h.id IN (SELECT head FROM free) AND {eligible}
-                ORDER BY h.id LIMIT (SELECT heads FROM need) FOR UPDATE OF h SKIP LOCKED
+                ORDER BY h.id LIMIT (SELECT COUNT(DISTINCT head) FROM plan) FOR UPDATE OF h SKIP LOCKED
             ),
             pick AS MATERIALIZED (
-                SELECT id, head FROM win WHERE head IN (SELECT id FROM held) ORDER BY head, id LIMIT {batch}
+                SELECT id, head FROM w_chain WHERE head IN (SELECT id FROM held) ORDER BY head, id LIMIT {batch}
             ),
             cand AS MATERIALIZED (
                 SELECT c.id, c.aggregate_id, c.status, c.attempts, p.head FROM pick p JOIN {t} c ON c.id = p.id
                 WHERE {eligible} FOR UPDATE OF c SKIP LOCKED
             ),
-            flag AS (
-                SELECT id, head, status = 1 AND attempts + 1 >= {max_attempts} AS dead,
-                       status <> 0 AND id > MIN(id) OVER (PARTITION BY head) AS late
-                FROM cand
-            ),
-            run AS (
-                SELECT id, head, dead, BOOL_OR(late) OVER w AS cut,
-                       COALESCE(BOOL_OR(dead) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false)
-                           AS after_dead
-                FROM flag WINDOW w AS (PARTITION BY head ORDER BY id)
-            ),
-            blocker AS MATERIALIZED (
-                SELECT a.head, (
-                    SELECT e.id FROM {t} e WHERE e.aggregate_id = a.aggregate_id AND {self.open_rows("e.")}
-                      AND e.id >= a.head AND e.id < a.last AND e.id NOT IN (SELECT id FROM cand)
-                    ORDER BY e.aggregate_id, e.id LIMIT 1) AS first_id
-                FROM (SELECT head, MIN(aggregate_id) AS aggregate_id, MAX(id) AS last FROM cand
-                      WHERE aggregate_id IS NOT NULL GROUP BY head) a
-                WHERE a.last > a.head
-            ),
-            chain AS (
-                SELECT r.id, r.dead FROM run r LEFT JOIN blocker b ON b.head = r.head
-                WHERE (b.first_id IS NULL OR r.id < b.first_id) AND NOT r.cut AND NOT r.after_dead
-            )
+            {self._chain_rule("c", "cand", max_attempts)}
             UPDATE {t} o SET
                 attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
                 status = CASE WHEN chain.dead THEN 4 ELSE 1 END,
@@ -324,6 +295,40 @@ class PostgresEngine(Engine):
                 last_error = CASE WHEN o.status = 1 THEN ? ELSE o.last_error END,
                 claimed_at = now(), next_retry_at = NULL,
                 lease_token = CASE WHEN chain.dead THEN NULL ELSE ? END
-            FROM chain WHERE o.id = chain.id
+            FROM c_chain chain WHERE o.id = chain.id
             RETURNING {returning}"""
         return self.execute(cursor, sql, [LEASE_EXPIRED_ERROR, lease]).fetchall()
+
+    def _chain_rule(self, prefix: str, rows: str, max_attempts: int) -> str:
+        """The rule of ``plan_claim`` over ``rows`` (id, aggregate_id, status, attempts, head),
+        as CTEs named ``<prefix>_...``, ending in ``<prefix>_chain`` (id, head, dead): (1)
+        ``blocker``, the first open row between a chain's head and its last row that is not
+        one of ``rows`` (rows before the head were checked by ``free``, in the same snapshot;
+        a chain of one row needs no walk); (2) a non-pending row other than the head ends the
+        chain; (3) nothing behind a row that goes dead. (2) and (3) are running flags (window
+        functions), not self-joins."""
+        t, p = self.table, prefix
+        return f"""{p}_flag AS (
+                SELECT id, head, status = 1 AND attempts + 1 >= {max_attempts} AS dead,
+                       status <> 0 AND id > MIN(id) OVER (PARTITION BY head) AS late
+                FROM {rows} r
+            ),
+            {p}_run AS (
+                SELECT id, head, dead, BOOL_OR(late) OVER w AS cut,
+                       COALESCE(BOOL_OR(dead) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false)
+                           AS after_dead
+                FROM {p}_flag WINDOW w AS (PARTITION BY head ORDER BY id)
+            ),
+            {p}_blocker AS MATERIALIZED (
+                SELECT a.head, (
+                    SELECT e.id FROM {t} e WHERE e.aggregate_id = a.aggregate_id AND {self.open_rows("e.")}
+                      AND e.id >= a.head AND e.id < a.last AND e.id NOT IN (SELECT id FROM {rows} k)
+                    ORDER BY e.aggregate_id, e.id LIMIT 1) AS first_id
+                FROM (SELECT head, MIN(aggregate_id) AS aggregate_id, MAX(id) AS last FROM {rows} r
+                      WHERE aggregate_id IS NOT NULL GROUP BY head) a
+                WHERE a.last > a.head
+            ),
+            {p}_chain AS (
+                SELECT r.id, r.head, r.dead FROM {p}_run r LEFT JOIN {p}_blocker b ON b.head = r.head
+                WHERE (b.first_id IS NULL OR r.id < b.first_id) AND NOT r.cut AND NOT r.after_dead
+            )"""

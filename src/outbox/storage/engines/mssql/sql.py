@@ -231,7 +231,7 @@ class MssqlStatements(MssqlSchema):
         ORDER BY e.id)
 FROM (SELECT aggregate_id, MIN(id) AS head, MAX(id) AS last_id FROM {source} GROUP BY aggregate_id) AS g"""
 
-    def chain_select(self) -> str:
+    def chain_select(self, cand: str = "@cand", agg: str = "@agg") -> str:
         """``(id, head, dead)`` of the candidates in ``@cand`` this claim takes, given
         ``@agg`` (``probe_select``): exactly the rule of ``outbox.domain.chains.plan_claim``.
         A candidate is taken when
@@ -258,7 +258,7 @@ FROM (
         SELECT c.id, a.head, a.blocker,
                CASE WHEN {goes_dead} THEN 1 ELSE 0 END AS dead,
                CASE WHEN c.status <> 0 AND c.id > a.head THEN 1 ELSE 0 END AS late
-        FROM @cand AS c INNER JOIN @agg AS a ON a.aggregate_id = c.aggregate_id
+        FROM {cand} AS c INNER JOIN {agg} AS a ON a.aggregate_id = c.aggregate_id
     ) AS f
 ) AS r
 WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 0"""
@@ -299,35 +299,36 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
             f"DECLARE @agg TABLE (aggregate_id NVARCHAR(255) COLLATE {collation} NOT NULL PRIMARY KEY, "
             "head BIGINT NOT NULL, blocker BIGINT NULL);",
             "DECLARE @held TABLE (id BIGINT NOT NULL PRIMARY KEY);",
-            "DECLARE @chain TABLE (id BIGINT NOT NULL PRIMARY KEY, head BIGINT NOT NULL, dead BIT NOT NULL);",
+            *(f"DECLARE {name} TABLE (id BIGINT NOT NULL PRIMARY KEY, head BIGINT NOT NULL, dead BIT NOT NULL);"
+              for name in ("@plan", "@chain")),
             # Declared in MESSAGE_COLUMNS order: OUTPUT ... INTO @out fills it by position.
             "DECLARE @out TABLE (" + ", ".join(f"{c} {_MESSAGE_TYPES[c]}" for c in MESSAGE_COLUMNS) + ");",
             # Choose the chains (docs/sqlserver.md, "The claim's statements and their plans"):
-            # the window read without update locks, its free heads (no open row before them),
-            # and as many of them as the batch needs, locked, skipping heads another claim
-            # holds (READPAST), so two claims that overlap take disjoint chains.
+            # the window read without update locks; the rule over it as if every row were
+            # ours (@plan); as many of its heads as the batch takes, locked oldest first,
+            # skipping heads another claim holds (READPAST), so two claims that overlap take
+            # disjoint chains; then the held chains' rows of @plan, locked.
             f"INSERT INTO @win (id, aggregate_id, status, attempts)\n"
             f"SELECT TOP (@window) id, aggregate_id, status, attempts\n"
             f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\n"
             f"WHERE {eligible}\nORDER BY id;",
             f"INSERT INTO @free (aggregate_id, head, blocker)\n{self.probe_select('@win')};",
-            "DELETE FROM @free WHERE blocker < head;",
-            "SELECT @heads = COUNT(*) FROM (\n"
-            "    SELECT SUM(c.n) OVER (ORDER BY c.head ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before\n"
-            "    FROM (SELECT f.head, COUNT(*) AS n FROM @free AS f INNER JOIN @win AS w\n"
-            "          ON w.aggregate_id = f.aggregate_id GROUP BY f.head) AS c\n"
-            ") AS s WHERE COALESCE(s.before, 0) < @batch;",
+            f"INSERT INTO @plan (id, head, dead)\n{self.chain_select('@win', '@free')};",
+            "DELETE FROM @free WHERE head NOT IN (SELECT p.head FROM @plan AS p);",
+            "SELECT @heads = COUNT(DISTINCT r.head) FROM (\n"
+            "    SELECT head, ROW_NUMBER() OVER (ORDER BY head, id) AS n FROM @plan) AS r\n"
+            "WHERE r.n <= @batch;",
             f"INSERT INTO @held (id)\n"
             f"SELECT TOP (@heads) o.id FROM @free AS f\n"
             f"INNER JOIN {t} AS o WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK, FORCESEEK) ON o.id = f.head\n"
             f"WHERE {eligible}\n"
             f"ORDER BY f.head;",
-            # Lock the held chains' rows of the window; the rule below runs on what was locked.
+            # Lock the held chains' rows; the rule below runs again on what was locked.
             f"INSERT INTO @cand (id, aggregate_id, status, attempts)\n"
             f"SELECT o.id, o.aggregate_id, o.status, o.attempts\n"
             f"FROM {t} AS o WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK, FORCESEEK)\n"
-            f"WHERE o.id IN (SELECT w.id FROM @win AS w INNER JOIN @free AS f ON f.aggregate_id = w.aggregate_id\n"
-            f"               INNER JOIN @held AS h ON h.id = f.head) AND {eligible};",
+            f"WHERE o.id IN (SELECT TOP (@batch) p.id FROM @plan AS p INNER JOIN @held AS h ON h.id = p.head\n"
+            f"               ORDER BY p.head, p.id) AND {eligible};",
             f"INSERT INTO @agg (aggregate_id, head, blocker)\n{self.probe_select()};",
             f"INSERT INTO @chain (id, head, dead)\n{self.chain_select()};",
             # Keep @batch rows of the window's chains: whole chains, oldest chain first
