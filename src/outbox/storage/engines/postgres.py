@@ -274,14 +274,14 @@ class PostgresEngine(Engine):
                 WHERE (SELECT e.id FROM {t} e WHERE e.aggregate_id = h.aggregate_id AND e.id < h.head
                        AND {self.open_rows("e.")} ORDER BY e.aggregate_id DESC, e.id DESC LIMIT 1) IS NULL
             ),
-            {self._chain_rule("w", "(SELECT * FROM win WHERE head IN (SELECT head FROM free))", max_attempts)},
+            {self._chain_rule("w", "(SELECT * FROM win WHERE head = ANY (ARRAY(SELECT head FROM free)))", max_attempts)},
             plan AS (SELECT head FROM w_chain ORDER BY head, id LIMIT {batch}),
             held AS MATERIALIZED (
                 SELECT h.id FROM {t} h WHERE h.id IN (SELECT head FROM free) AND {eligible}
                 ORDER BY h.id LIMIT (SELECT COUNT(DISTINCT head) FROM plan) FOR UPDATE OF h SKIP LOCKED
             ),
             pick AS MATERIALIZED (
-                SELECT id, head FROM w_chain WHERE head IN (SELECT id FROM held) ORDER BY head, id LIMIT {batch}
+                SELECT id, head FROM w_chain WHERE head = ANY (ARRAY(SELECT id FROM held)) ORDER BY head, id LIMIT {batch}
             ),
             cand AS MATERIALIZED (
                 SELECT c.id, c.aggregate_id, c.status, c.attempts, p.head FROM pick p JOIN {t} c ON c.id = p.id
