@@ -12,8 +12,8 @@ Phases, in order (each can be skipped with ``--skip``; optional ones are left ou
                 10,000 aggregates, each against the raw unordered 2-process loop
                 (``bench.rawloop``) on the same backlog (target 1); the worker's CPU per
                 event (target 3) and each pool child's busy fraction (target 4);
-3. ``hot``      10,000 events on one aggregate: strict ordering against the opt-in
-                pipelined mode (``bench.hot``, target 5);
+3. ``hot``      10,000 events on one aggregate: the raw loop, strict ordering and the
+                opt-in pipelined mode (``bench.hot``; issue 25: pipelined >= 0.9x the raw loop);
 4. ``live``     commit-to-arrival latency at 200 events/s, each variant of ``bench.live.VARIANTS``
                 (the wake, polling only, LISTEN/NOTIFY; claims in the worker's main process
                 or through Celery) with its own worker; the wake's cost to the writer (target 6);

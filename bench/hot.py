@@ -2,7 +2,9 @@
 ``celery -A outbox worker -c 2`` (Redis as Celery's broker, RabbitMQ destination with a
 consumer that checks the order), once strict (the default: one confirm round trip per
 event) and once pipelined (``OUTBOX_RELAY_PIPELINED_TOPICS``, docs/relay.md "Pipelined
-chains"), in the same run. Prints events/s of each and their ratio (target: >= 5x).
+chains"), in the same run as the raw unordered loop (``bench.rawloop``) over the same
+backlog. Prints events/s of each, pipelined over the raw loop (issue 25's target: >= 0.9)
+and pipelined over strict.
 
     python -m bench.hot [--events 10000] [--batch-size 100]
 """
@@ -15,12 +17,26 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .common import Destination, Run, create_table, drop_table, flush_redis, log, require_services, to_json
+from .common import (
+    Destination,
+    Run,
+    create_table,
+    drop_table,
+    flush_redis,
+    load_backlog,
+    log,
+    require_services,
+    to_json,
+    truncate_table,
+)
 from .drain import Relay, run_celery_drain
+from .rawloop import run_raw_loop
 
 #: The topic of ``bench.backlog.make_event``'s events, opted in to pipelining for the second pass.
 PIPELINED_TOPICS = "orders.*"
-TARGET = 5.0
+#: Issue 25: the pipelined drain of one hot aggregate against the raw unordered loop. (Issue
+#: 11's ">= 5x strict" asked for more than the machine has: 5x strict is 1.9x the raw loop.)
+TARGET = 0.9
 
 
 def _drain(run: Run, destination: Destination, events: int, label: str, timeout: float,
@@ -57,6 +73,12 @@ def run_hot(events: int = 10_000, *, batch_size: int | None = None, concurrency:
     create_table(run)
     destination = Destination(run)
     try:
+        truncate_table(run)
+        load_backlog(run, events, 1)
+        log(f"raw loop: {events} events on one aggregate")
+        raw = run_raw_loop(run.postgres_url, run.amqp_url, run.table, run.exchange, concurrency, run.batch_size,
+                           timeout=timeout)
+        destination.wait_for(events, timeout=30, idle_timeout=5)
         strict = _drain(run, destination, events, "hot aggregate, strict", timeout, concurrency)
         pipelined = _drain(run, destination, events, "hot aggregate, pipelined", timeout, concurrency,
                            OUTBOX_RELAY_PIPELINED_TOPICS=PIPELINED_TOPICS)
@@ -66,13 +88,15 @@ def run_hot(events: int = 10_000, *, batch_size: int | None = None, concurrency:
             drop_table(run)
             flush_redis(run.redis_url)
     ratio = pipelined["events_per_s"] / strict["events_per_s"] if strict["events_per_s"] else 0.0
-    result = {"events": events, "batch_size": run.batch_size,
+    to_raw = pipelined["events_per_s"] / raw["events_per_s"] if raw["events_per_s"] else 0.0
+    result = {"events": events, "batch_size": run.batch_size, "raw_events_per_s": raw["events_per_s"],
               "strict_events_per_s": strict["events_per_s"], "pipelined_events_per_s": pipelined["events_per_s"],
-              "ratio": ratio, "target": TARGET, "met": ratio >= TARGET,
+              "ratio": ratio, "pipelined_to_raw": to_raw, "target": TARGET, "met": to_raw >= TARGET,
               "order_ok": bool(strict["order"]["ok"] and pipelined["order"]["ok"]),
-              "strict": strict, "pipelined": pipelined}
-    log(f"hot aggregate ({events} events, batch {run.batch_size}): strict {strict['events_per_s']:.0f} ev/s, "
-        f"pipelined {pipelined['events_per_s']:.0f} ev/s, ratio {ratio:.1f}x (target >= {TARGET:g}x), "
+              "raw": raw, "strict": strict, "pipelined": pipelined}
+    log(f"hot aggregate ({events} events, batch {run.batch_size}): raw loop {raw['events_per_s']:.0f} ev/s, "
+        f"strict {strict['events_per_s']:.0f} ev/s, pipelined {pipelined['events_per_s']:.0f} ev/s: "
+        f"pipelined x{to_raw:.2f} of the raw loop (target >= {TARGET:g}), x{ratio:.1f} of strict, "
         f"order ok={result['order_ok']}")
     return result
 
@@ -87,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     result = run_hot(args.events, batch_size=args.batch_size, concurrency=args.concurrency)
     if args.json is not None:
         args.json.write_text(to_json(result))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("strict", "pipelined")}))
-    print(f"hot aggregate: strict {result['strict_events_per_s']:.0f} ev/s, pipelined "
-          f"{result['pipelined_events_per_s']:.0f} ev/s, ratio {result['ratio']:.1f}x (target >= {TARGET:g}x)")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("raw", "strict", "pipelined")}))
+    print(f"hot aggregate: raw loop {result['raw_events_per_s']:.0f} ev/s, strict {result['strict_events_per_s']:.0f} "
+          f"ev/s, pipelined {result['pipelined_events_per_s']:.0f} ev/s: pipelined x{result['pipelined_to_raw']:.2f} "
+          f"of the raw loop (target >= {TARGET:g})")
     return 0 if result["order_ok"] else 1
 
 
