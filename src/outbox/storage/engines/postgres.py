@@ -277,8 +277,9 @@ class PostgresEngine(Engine):
             {self._chain_rule("w", "(SELECT * FROM win WHERE head = ANY (ARRAY(SELECT head FROM free)))", max_attempts)},
             plan AS (SELECT head FROM w_chain ORDER BY head, id LIMIT {batch}),
             held AS MATERIALIZED (
-                SELECT h.id FROM {t} h WHERE h.id IN (SELECT head FROM free) AND {eligible}
-                ORDER BY h.id LIMIT (SELECT COUNT(DISTINCT head) FROM plan) FOR UPDATE OF h SKIP LOCKED
+                SELECT h.id FROM (SELECT head FROM free ORDER BY head) f
+                CROSS JOIN LATERAL (SELECT id FROM {t} WHERE id = f.head AND {eligible} FOR UPDATE SKIP LOCKED) h
+                LIMIT (SELECT COUNT(DISTINCT head) FROM plan)
             ),
             pick AS MATERIALIZED (
                 SELECT id, head FROM w_chain WHERE head = ANY (ARRAY(SELECT id FROM held)) ORDER BY head, id LIMIT {batch}
