@@ -420,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(engines) > 1:  # one engine after the other, each a run of its own (the last option given wins)
         rest, status = list(sys.argv[1:] if argv is None else argv), 0
         for name in engines:
-            json_file = ["--json", str(args.json.with_name(f"{args.json.stem}-{name}{args.json.suffix}"))]
-            status = max(status, main([*rest, "--engine", name, *(json_file if args.json else [])]))
+            json_file = ["--json", str(args.json.with_name(f"{args.json.stem}-{name}{args.json.suffix}"))] \
+                if args.json else []
+            status = max(status, main([*rest, "--engine", name, *json_file]))
         return status
     run = Run(redis_url=args.redis_url, batch_size=args.batch_size, prefix=args.prefix, engine=engines[0],
               workdir=Path(tempfile.mkdtemp(prefix="outbox-drain-")))
