@@ -13,11 +13,15 @@ Modules:
 * ``bench.services`` the services on 127.0.0.1, per-run names (``Run``), the log line.
 * ``bench.destination`` the RabbitMQ destination: exchange, queue and consumer thread
   (``Arrivals``, shared with ``bench.kafka``), the ordering rule checked on arrival.
-* ``bench.backlog`` the PostgreSQL outbox table: create, load (realistic events), count, drop.
+* ``bench.backlog`` the run's outbox table (PostgreSQL unless ``Run.engine`` says otherwise):
+  create, load (realistic events), count, drop.
+* ``bench.engines`` what differs per database (PostgreSQL, MariaDB/MySQL, SQLite): connecting,
+  loading a backlog, the raw loop's SQL (``python -m bench.drain --engine``).
 * ``bench.procs``   process sampling from ``/proc`` (trees, RSS, CPU per group), stopping groups.
 * ``bench.confirm`` publisher micro-benchmark: stop-and-wait confirms vs none, pipelined, tx.
 * ``bench.drain``   backlog drain: in-process claim -> publish_chain -> mark_done loop
-  (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat.
+  (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat; ``python -m
+  bench.drain [--engine ...]``: the raw loop against the relay, on PostgreSQL, MariaDB or SQLite.
 * ``bench.hot``     one hot aggregate (10,000 events) drained strict and pipelined by a real
   worker: the ratio of the opt-in pipelined mode (``python -m bench.hot``).
 * ``bench.kafka``   issue 24: the relay's drain to Kafka (Tansu by default) against a raw

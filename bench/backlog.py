@@ -1,5 +1,6 @@
-"""The PostgreSQL outbox table of a bench run: create, load (one COPY transaction of
-realistic events), count and drop."""
+"""The outbox table of a bench run, on the run's engine (``Run.engine``; what differs per
+engine: ``bench.engines``): create, load (one transaction of realistic events: ``COPY`` on
+PostgreSQL), count and drop."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 import os
 import time
 import uuid
+from contextlib import closing
 from datetime import UTC, datetime
 from typing import Any
 
+from .engines import engine, query
 from .services import Run
 
 
@@ -19,10 +22,25 @@ def pg_connect(url: str) -> Any:
     return psycopg.connect(url, autocommit=False)
 
 
+def connect(run: Run) -> Any:
+    """A connection to the run's database, autocommit off (``bench.engines``)."""
+    return engine(run.engine).connect(run.database_url)
+
+
+def _write(run: Run, *statements: str) -> None:
+    """``statements`` in one transaction on the run's database."""
+    spec = engine(run.engine)
+    with closing(connect(run)) as conn:
+        spec.begin(conn)
+        for statement in statements:
+            query(conn, statement)
+        conn.commit()
+
+
 def create_table(run: Run) -> None:
     from outbox.storage.store import OutboxStore
 
-    store = OutboxStore(run.postgres_url, table=run.table)
+    store = OutboxStore(run.database_url, table=run.table)
     try:
         store.migrate()
     finally:
@@ -30,16 +48,12 @@ def create_table(run: Run) -> None:
 
 
 def drop_table(run: Run) -> None:
-    with pg_connect(run.postgres_url) as conn:
-        conn.execute(f"DROP TABLE IF EXISTS {run.table}")
-        conn.execute(f"DROP TABLE IF EXISTS {run.table}_holders")  # docs/internals.md, "Lost workers"
-        conn.commit()
+    # The holders table too: docs/internals.md, "Lost workers".
+    _write(run, f"DROP TABLE IF EXISTS {run.table}", f"DROP TABLE IF EXISTS {run.table}_holders")
 
 
 def truncate_table(run: Run) -> None:
-    with pg_connect(run.postgres_url) as conn:
-        conn.execute(f"TRUNCATE {run.table}")
-        conn.commit()
+    _write(run, engine(run.engine).truncate(run.table))
 
 
 def aggregate_name(i: int) -> str:
@@ -89,51 +103,67 @@ def random_blob(size: int) -> str:
 
 def load_backlog(run: Run, events: int, aggregates: int, big_every: int = 0,
                  big_bytes: int = 0) -> dict[str, list[int]]:
-    """Insert ``events`` rows round-robin over ``aggregates`` in ONE transaction (COPY), so the
+    """Insert ``events`` rows round-robin over ``aggregates`` in ONE transaction (PostgreSQL:
+    COPY; elsewhere ``executemany`` in chunks), so the
     whole backlog becomes visible at once. Returns the expected per-aggregate id order.
     With ``big_every`` > 0, every ``big_every``-th event carries a payload of about
     ``big_bytes`` bytes (the rest stay ~200 bytes)."""
-    cols = "message_id, topic, aggregate_type, aggregate_id, partition_key, payload, headers, trace_id"
     blob = random_blob(max(0, big_bytes - 300)) if big_every > 0 else None
-    with pg_connect(run.postgres_url) as conn:
-        with conn.cursor() as cur, cur.copy(f"COPY {run.table} ({cols}) FROM STDIN") as copy:
-            for n in range(events):
-                big = blob if big_every > 0 and n % big_every == big_every - 1 else None
-                e = make_event(n, aggregate_name(n % aggregates), big)
-                copy.write_row((e.message_id, e.topic, e.aggregate_type, e.aggregate_id, e.partition_key,
-                                e.payload_json, e.headers_json, e.trace_id))
+    spec = engine(run.engine)
+
+    def rows() -> Any:
+        for n in range(events):
+            big = blob if big_every > 0 and n % big_every == big_every - 1 else None
+            e = make_event(n, aggregate_name(n % aggregates), big)
+            yield (e.message_id, e.topic, e.aggregate_type, e.aggregate_id, e.partition_key, e.payload_json,
+                   e.headers_json, e.trace_id)
+
+    with closing(connect(run)) as conn:
+        spec.begin(conn)
+        spec.load(conn, run.table, rows())
         # Read before the commit: a relay already running claims rows as soon as they are
         # visible, and those would be missing from the expected order (then reported as
         # "unexpected" arrivals although nothing was out of order).
-        rows = conn.execute(f"SELECT id, aggregate_id FROM {run.table} ORDER BY id").fetchall()
+        ids = query(conn, f"SELECT id, aggregate_id FROM {run.table} ORDER BY id")
         conn.commit()
-        conn.execute(f"ANALYZE {run.table}")
-        conn.commit()
-        try:  # flush the load now, so its writeback does not land in the measurement
-            conn.execute("CHECKPOINT")
+        for statement in spec.analyze(run.table):
+            query(conn, statement)
             conn.commit()
-        except Exception:  # noqa: BLE001 - needs a superuser; only a noise reduction
-            conn.rollback()
+        spec.flush(conn)  # flush the load now, so its writeback does not land in the measurement
     os.sync()
     expected: dict[str, list[int]] = {}
-    for outbox_id, aggregate in rows:
+    for outbox_id, aggregate in ids:
         expected.setdefault(aggregate, []).append(int(outbox_id))
     return expected
 
 
-def status_counts(run: Run) -> dict[int, int]:
-    with pg_connect(run.postgres_url) as conn:
-        rows = conn.execute(f"SELECT status, COUNT(*) FROM {run.table} GROUP BY status").fetchall()
+def _read(run: Run, text: str) -> list[tuple[Any, ...]]:
+    with closing(connect(run)) as conn:
+        rows = query(conn, text)
         conn.commit()
+    return rows
+
+
+def status_counts(run: Run) -> dict[int, int]:
+    rows = _read(run, f"SELECT status, COUNT(*) FROM {run.table} GROUP BY status")
     return {int(s): int(c) for s, c in rows}
+
+
+def rows_claimed(conn: Any, run: Run) -> int:
+    """Rows claimed (leased, status 1) now, read on ``conn`` (``connect(run)``) in a
+    transaction of its own."""
+    try:
+        n = query(conn, f"SELECT COUNT(*) FROM {run.table} WHERE status = 1")[0][0]
+        conn.commit()
+    except BaseException:
+        conn.rollback()  # so the next read does not find an aborted transaction
+        raise
+    return int(n)
 
 
 def lease_recovered(run: Run) -> int:
     """Rows that needed a second delivery (attempts > 0): a lost task, recovered by the lease."""
-    with pg_connect(run.postgres_url) as conn:
-        n = conn.execute(f"SELECT COUNT(*) FROM {run.table} WHERE attempts > 0").fetchone()[0]
-        conn.commit()
-    return int(n)
+    return int(_read(run, f"SELECT COUNT(*) FROM {run.table} WHERE attempts > 0")[0][0])
 
 
 def wait_all_done(run: Run, timeout: float) -> dict[int, int]:

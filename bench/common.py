@@ -1,6 +1,6 @@
 """The shared pieces of the benchmarks in one import: the services and per-run names
-(``bench.services``), the RabbitMQ destination (``bench.destination``), the PostgreSQL table
-(``bench.backlog``), process sampling (``bench.procs``), plus the end of a phase
+(``bench.services``), the RabbitMQ destination (``bench.destination``), the outbox table
+(``bench.backlog``, on the run's engine), process sampling (``bench.procs``), plus the end of a phase
 (``teardown``) and the facts about the machine and versions a report starts with.
 
 Everything here talks to 127.0.0.1 only.

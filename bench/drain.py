@@ -1,4 +1,5 @@
-"""Backlog drain: N committed events over A aggregates on PostgreSQL, relayed to RabbitMQ.
+"""Backlog drain: N committed events over A aggregates on PostgreSQL (``--engine``: or
+MariaDB/MySQL or SQLite, ``bench.engines``), relayed to RabbitMQ.
 
 * ``run_baseline``: the plain in-process loop (``bench.loop``) in a subprocess.
 * ``Relay``: one real ``celery -A outbox worker --concurrency 2`` (prefork) and one
@@ -17,6 +18,7 @@ The same drain with py-spy attached: ``bench.profiling``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .backlog import connect, rows_claimed
 from .common import (
     CELERY,
     CpuWindow,
@@ -36,7 +39,6 @@ from .common import (
     lease_recovered,
     load_backlog,
     log,
-    pg_connect,
     process_tree,
     redis_llen,
     rss_kb,
@@ -81,7 +83,7 @@ def run_baseline(run: Run, destination: Destination, events: int, aggregates: in
     truncate_table(run)
     expected = load_backlog(run, events, aggregates)
     destination.reset()
-    cmd = [sys.executable, "-m", "bench.loop", "--database-url", run.postgres_url, "--table", run.table,
+    cmd = [sys.executable, "-m", "bench.loop", "--database-url", run.database_url, "--table", run.table,
            "--publish-url", run.amqp_url, "--exchange", run.exchange, "--batch", str(run.batch_size),
            "--ack", ack, "--max-seconds", str(timeout), "--hold"]
     log(f"baseline loop (ack per {ack}): {events} events over {aggregates} aggregates")
@@ -207,8 +209,7 @@ class Sampler(threading.Thread):
         self.samples = 0
 
     def run(self) -> None:
-        conn = pg_connect(self.relay.run.postgres_url)
-        conn.autocommit = True
+        conn = connect(self.relay.run)
         try:
             while not self.stop_event.is_set():
                 parent = self.relay.worker.pid
@@ -223,12 +224,8 @@ class Sampler(threading.Thread):
                 if depth is not None:
                     self.queue_max = max(self.queue_max, depth)
                 if self.samples % self.db_every == 0:
-                    try:
-                        claimed = conn.execute(
-                            f"SELECT COUNT(*) FROM {self.relay.run.table} WHERE status = 1").fetchone()[0]
-                        self.claimed_max = max(self.claimed_max, int(claimed))
-                    except Exception:  # noqa: BLE001, S110 - a sample lost is no failure
-                        pass
+                    with contextlib.suppress(Exception):  # a sample lost is no failure
+                        self.claimed_max = max(self.claimed_max, rows_claimed(conn, self.relay.run))
                 self.samples += 1
                 self.stop_event.wait(self.interval)
         finally:
@@ -351,7 +348,7 @@ def compare_with_raw_loop(run: Run, destination: Destination, relay_factory: Any
         truncate_table(run)
         load_backlog(run, events, aggregates)
         log(f"raw loop: {events} events over {aggregates} aggregates")
-        raw = run_raw_loop(run.postgres_url, run.amqp_url, run.table, run.exchange, processes, run.batch_size,
+        raw = run_raw_loop(run.database_url, run.amqp_url, run.table, run.exchange, processes, run.batch_size,
                            timeout=timeout)
         destination.wait_for(events, timeout=30, idle_timeout=5)
         raw["arrived"] = destination.unique()
@@ -370,13 +367,13 @@ def compare_with_raw_loop(run: Run, destination: Destination, relay_factory: Any
                                     "worker_cpu_us_per_event": other["worker_cpu_us_per_event"],
                                     "busy": other["busy"], "order_ok": other["order"]["ok"], "result": other}
         ratio = drained["events_per_s"] / raw["events_per_s"] if raw["events_per_s"] else float("nan")
-        out[str(aggregates)] = {"aggregates": aggregates, "raw": raw, "relay": drained, "ratio": ratio,
+        out[str(aggregates)] = {"engine": run.engine, "aggregates": aggregates, "raw": raw, "relay": drained, "ratio": ratio,
                                 "raw_events_per_s": raw["events_per_s"], "relay_events_per_s": drained["events_per_s"],
                                 "worker_cpu_us_per_event": drained["worker_cpu_us_per_event"],
                                 "raw_loop_cpu_us_per_event": raw["loop_cpu_us_per_event"], "busy": drained["busy"],
                                 "others": other_results}
     for aggregates, r in out.items():
-        log(f"ordered drain over {aggregates} aggregates: relay {r['relay_events_per_s']:.0f} ev/s, raw loop "
+        log(f"ordered drain on {run.engine} over {aggregates} aggregates: relay {r['relay_events_per_s']:.0f} ev/s, raw loop "
             f"{r['raw_events_per_s']:.0f} ev/s: x{r['ratio']:.2f} (target >= 1.0, issue 25); relay-worker CPU "
             f"{r['worker_cpu_us_per_event']} us/event (target <= 150; raw loop {r['raw_loop_cpu_us_per_event']}); "
             f"busy " + ", ".join(f"{k} {v:.2f}" for k, v in r["busy"].items())
@@ -395,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from .common import create_table, flush_redis, require_services, teardown, to_json
+    from .engines import engine_names
 
     p = argparse.ArgumentParser(prog="python -m bench.drain", description=compare_with_raw_loop.__doc__)
     p.add_argument("--events", type=int, default=20_000)
@@ -407,11 +405,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--loglevel", default="WARNING", help="the worker's log level")
     p.add_argument("--keep", action="store_true", help="keep the work directory (worker and beat logs)")
+    p.add_argument("--engine", default="postgresql",
+                   help="the database of the backlog, the raw loop and the relay: postgresql, mysql or sqlite, "
+                        "or a comma-separated list, drained one after the other (bench.engines; --json FILE then "
+                        "writes FILE-<engine>.json per engine)")
     p.add_argument("--compare-src", action="append", default=[], metavar="LABEL=DIR",
                    help="also drain with the relay imported from DIR (e.g. before=/work/main/src), same run")
     args = p.parse_args(argv)
-    require_services()
-    run = Run(redis_url=args.redis_url, batch_size=args.batch_size, prefix=args.prefix,
+    try:
+        engines = engine_names(args.engine)
+    except ValueError as exc:
+        p.error(str(exc))
+    require_services(engines)
+    if len(engines) > 1:  # one engine after the other, each a run of its own (the last option given wins)
+        rest, status = list(sys.argv[1:] if argv is None else argv), 0
+        for name in engines:
+            json_file = ["--json", str(args.json.with_name(f"{args.json.stem}-{name}{args.json.suffix}"))] \
+                if args.json else []
+            status = max(status, main([*rest, "--engine", name, *json_file]))
+        return status
+    run = Run(redis_url=args.redis_url, batch_size=args.batch_size, prefix=args.prefix, engine=engines[0],
               workdir=Path(tempfile.mkdtemp(prefix="outbox-drain-")))
     env = dict(item.split("=", 1) for item in args.env)
     flush_redis(run.redis_url)

@@ -142,6 +142,7 @@ def service_groups() -> dict[str, Any]:
     return {
         "bench (consumer, writers, loop)": lambda pid, comm: pid == me or parent_pid(pid) == me,
         "postgres": lambda pid, comm: comm.startswith("postgres"),
+        "mariadb": lambda pid, comm: comm.startswith(("mariadbd", "mysqld")),
         "rabbitmq": lambda pid, comm: comm.startswith(("beam", "erl", "epmd", "inet_gethost", "1_scheduler",
                                                        "2_scheduler", "dirty")),
         "redis": lambda pid, comm: comm.startswith("redis"),

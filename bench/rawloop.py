@@ -10,6 +10,9 @@ with nothing of the product in the way. ``processes`` OS processes, each looping
 
 until a SELECT comes back empty. No ordering rule (two processes may interleave an
 aggregate's rows), no lease, no Celery: the ceiling the ordered relay is compared with.
+On PostgreSQL and MariaDB/MySQL alike; on SQLite the transaction is ``BEGIN IMMEDIATE``
+and the SELECT locks nothing (the one write lock is the process's until COMMIT, so the
+processes take turns). The engine follows the database URL (``bench.engines``).
 
 ``run_raw_loop`` (called by ``bench.drain`` and ``python -m bench``) starts the processes
 (``python -m bench.rawloop child ...``), starts them all at once, and returns events/s and
@@ -29,28 +32,20 @@ import time
 from typing import Any
 
 from .common import CpuWindow, amqp_connection, confirm_channel, log, service_groups
-
-#: Headers carried by every raw message: the ones the bench consumer reads, plus the other
-#: reserved headers the relay sends (so the messages cost the broker about the same).
-_HEADER_COLUMNS = "id, message_id, topic, aggregate_type, aggregate_id, partition_key, payload::text, headers::text"
+from .engines import ENGINES, engine_of_url
 
 
 def _child(database_url: str, amqp_url: str, table: str, exchange: str, batch: int) -> int:
     """One loop process: prints ``ready``, waits for a line on stdin, drains, prints its
     result as JSON, then waits for another line (so the caller can read the CPU of this
-    process and its PostgreSQL backend before they go away)."""
+    process and its database backend before they go away)."""
     import amqp
-    import psycopg
 
     conn = amqp_connection(amqp_url)
     ch, state = confirm_channel(conn)
-    db = psycopg.connect(database_url, autocommit=False)
-    # ``processed_at IS NULL``: the predicate of the table's partial index on open rows, so
-    # the loop reads that index as the relay's claim does (docs/internals.md, "The lease is a HOT
-    # update on PostgreSQL").
-    select = (f"SELECT {_HEADER_COLUMNS} FROM {table} WHERE status = 0 AND processed_at IS NULL ORDER BY id "
-              "LIMIT %s FOR UPDATE SKIP LOCKED")
-    done = f"UPDATE {table} SET status = 2, processed_at = now() WHERE id = ANY(%s)"
+    spec = engine_of_url(database_url)
+    db = spec.connect(database_url)
+    select = spec.raw_select(table)
     print("ready", flush=True)
     sys.stdin.readline()
     tag = published = waves = 0
@@ -58,7 +53,9 @@ def _child(database_url: str, amqp_url: str, table: str, exchange: str, batch: i
     cpu0, t0 = os.times(), time.perf_counter()
     while True:
         a = time.perf_counter()
-        with db.cursor() as cur:
+        spec.begin(db)
+        cur = db.cursor()
+        try:
             cur.execute(select, (batch,))
             rows = cur.fetchall()
             b = time.perf_counter()
@@ -80,7 +77,9 @@ def _child(database_url: str, amqp_url: str, table: str, exchange: str, batch: i
                 conn.drain_events(timeout=15)
             d = time.perf_counter()
             t_ack += d - c
-            cur.execute(done, ([r[0] for r in rows],))
+            cur.execute(*spec.raw_done(table, [r[0] for r in rows]))
+        finally:
+            cur.close()
         db.commit()
         t_done += time.perf_counter() - d
         published += len(rows)
@@ -99,7 +98,8 @@ def _child(database_url: str, amqp_url: str, table: str, exchange: str, batch: i
 
 def run_raw_loop(database_url: str, amqp_url: str, table: str, exchange: str, processes: int = 2,
                  batch: int = 100, timeout: float = 600.0) -> dict[str, Any]:
-    """Drain ``table``'s pending rows with the raw loop in ``processes`` processes.
+    """Drain ``table``'s pending rows with the raw loop in ``processes`` processes, on the
+    database of ``database_url`` (PostgreSQL, MariaDB/MySQL or SQLite).
 
     Returns ``events_per_s`` (rows published over the wall time from "go" to the last
     process done), ``per_process`` (each process's own result, with ``busy`` = its CPU
@@ -135,7 +135,7 @@ def run_raw_loop(database_url: str, amqp_url: str, table: str, exchange: str, pr
             if time.monotonic() > deadline:
                 raise RuntimeError("raw loop timed out")
         wall = time.perf_counter() - started
-        cpu = window.stop()  # before the processes (and their PostgreSQL backends) go away
+        cpu = window.stop()  # before the processes (and their database backends) go away
         for p in procs:
             assert p.stdin is not None
             p.stdin.write("bye\n")
@@ -174,24 +174,31 @@ def main(argv: list[str] | None = None) -> int:
     alone.add_argument("--aggregates", type=int, default=100)
     alone.add_argument("--processes", type=int, default=2)
     alone.add_argument("--batch", type=int, default=100)
+    alone.add_argument("--engine", default="postgresql", choices=sorted(ENGINES),
+                       help="the database (bench.engines; default postgresql)")
     args = parser.parse_args(argv)
     if args.command == "child":
         return _child(args.database_url, args.amqp_url, args.table, args.exchange, args.batch)
     if args.command == "run":
+        import shutil
+        import tempfile
+        from pathlib import Path
+
         from .common import Destination, Run, create_table, drop_table, load_backlog, to_json
 
-        run = Run()
+        run = Run(engine=args.engine, workdir=Path(tempfile.mkdtemp(prefix="outbox-rawloop-")))
         create_table(run)
         destination = Destination(run)
         try:
             load_backlog(run, args.events, args.aggregates)
-            result = run_raw_loop(run.postgres_url, run.amqp_url, run.table, run.exchange, args.processes, args.batch)
+            result = run_raw_loop(run.database_url, run.amqp_url, run.table, run.exchange, args.processes, args.batch)
             destination.wait_for(args.events, timeout=30, idle_timeout=5)
             result["arrived"] = destination.unique()
             print(to_json({k: v for k, v in result.items() if k != "cpu"}))
         finally:
             destination.close()
             drop_table(run)
+            shutil.rmtree(run.workdir, ignore_errors=True)
         return 0
     parser.print_help()
     return 2

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 POSTGRES_URL = os.environ.get("OUTBOX_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+MYSQL_URL = os.environ.get("OUTBOX_BENCH_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
 AMQP_URL = os.environ.get("OUTBOX_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 #: A spare Redis db for Celery's broker: flushed before and after a run.
 REDIS_URL = os.environ.get("OUTBOX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/13")
@@ -43,8 +44,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def require_services() -> None:
-    missing = [name for name, port in (("PostgreSQL", 5432), ("Redis", 6379), ("RabbitMQ", 5672))
+def require_services(engines: Sequence[str] = ("postgresql",)) -> None:
+    """The services a run needs: Redis, RabbitMQ and the database of each of ``engines``
+    (``bench.engines``; SQLite needs none)."""
+    from .engines import engine
+
+    databases = [engine(name).service for name in engines]
+    missing = [name for name, port in (*(s for s in databases if s), ("Redis", 6379), ("RabbitMQ", 5672))
                if not reachable("127.0.0.1", port)]
     if missing:
         raise SystemExit(f"bench: not reachable on 127.0.0.1: {', '.join(missing)}")
@@ -58,6 +64,10 @@ class Run:
 
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     postgres_url: str = POSTGRES_URL
+    mysql_url: str = MYSQL_URL
+    #: The database of the backlog and of the relay under test: "postgresql", "mysql" or
+    #: "sqlite" (``bench.engines``; ``database_url``).
+    engine: str = "postgresql"
     amqp_url: str = AMQP_URL
     redis_url: str = REDIS_URL
     batch_size: int = 100
@@ -78,10 +88,17 @@ class Run:
     def queue(self) -> str:
         return f"{self.prefix}-q-{self.tag}"
 
+    @property
+    def database_url(self) -> str:
+        """The URL of ``engine``'s database (SQLite: a file in ``workdir``)."""
+        from .engines import engine
+
+        return engine(self.engine).database_url(self)
+
     def outbox_env(self, **extra: str) -> dict[str, str]:
         """The OUTBOX_* settings of the relay under test (worker, beat, and this process's wake)."""
         return {
-            "OUTBOX_DATABASE_URL": self.postgres_url,
+            "OUTBOX_DATABASE_URL": self.database_url,
             "OUTBOX_TABLE": self.table,
             "OUTBOX_PUBLISH_URL": self.amqp_url,
             "OUTBOX_EXCHANGE": self.exchange,
