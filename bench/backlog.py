@@ -161,6 +161,20 @@ def rows_claimed(conn: Any, run: Run) -> int:
     return int(n)
 
 
+def claimable(conn: Any, run: Run) -> bool:
+    """Whether a claim could take a chain now: some pending row has no open row before it in
+    its aggregate (its head is free). Read on ``conn`` in a transaction of its own."""
+    t = run.table
+    try:
+        rows = query(conn, f"SELECT 1 FROM {t} o WHERE o.status = 0 AND NOT EXISTS (SELECT 1 FROM {t} e "
+                           "WHERE e.aggregate_id = o.aggregate_id AND e.id < o.id AND e.status IN (0, 1, 3)) LIMIT 1")
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+    return bool(rows)
+
+
 def lease_recovered(run: Run) -> int:
     """Rows that needed a second delivery (attempts > 0): a lost task, recovered by the lease."""
     return int(_read(run, f"SELECT COUNT(*) FROM {run.table} WHERE attempts > 0")[0][0])
