@@ -326,9 +326,10 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
             # Lock the held chains' rows; the rule below runs again on what was locked.
             f"INSERT INTO @cand (id, aggregate_id, status, attempts)\n"
             f"SELECT o.id, o.aggregate_id, o.status, o.attempts\n"
-            f"FROM {t} AS o WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK, FORCESEEK)\n"
-            f"WHERE o.id IN (SELECT TOP (@batch) p.id FROM @plan AS p INNER JOIN @held AS h ON h.id = p.head\n"
-            f"               ORDER BY p.head, p.id) AND {eligible};",
+            f"FROM (SELECT TOP (@batch) p.id FROM @plan AS p INNER JOIN @held AS h ON h.id = p.head\n"
+            f"      ORDER BY p.head, p.id) AS k\n"
+            f"INNER JOIN {t} AS o WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK, FORCESEEK) ON o.id = k.id\n"
+            f"WHERE {eligible};",
             f"INSERT INTO @agg (aggregate_id, head, blocker)\n{self.probe_select()};",
             f"INSERT INTO @chain (id, head, dead)\n{self.chain_select()};",
             # Keep @batch rows of the window's chains: whole chains, oldest chain first
