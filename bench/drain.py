@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                         "writes FILE-<engine>.json per engine)")
     p.add_argument("--compare-src", action="append", default=[], metavar="LABEL=DIR",
                    help="also drain with the relay imported from DIR (e.g. before=/work/main/src), same run")
+    p.add_argument("--rtt-ms", type=float, default=0.0,
+                   help="a round trip of this many ms to the database and RabbitMQ for everyone (bench.latency's "
+                        "proxies): the relay where round trips, not cores, bound a worker")
     args = p.parse_args(argv)
     try:
         engines = engine_names(args.engine)
@@ -440,6 +443,15 @@ def main(argv: list[str] | None = None) -> int:
         return status
     run = Run(redis_url=args.redis_url, batch_size=args.batch_size, prefix=args.prefix, engine=engines[0],
               workdir=Path(tempfile.mkdtemp(prefix="outbox-drain-")))
+    proxies = None
+    if args.rtt_ms > 0:
+        from .latency import DelayProxies
+
+        proxies = DelayProxies(args.rtt_ms)
+        run.postgres_url, run.mysql_url, run.amqp_url = (proxies.url(u) for u in (run.postgres_url, run.mysql_url,
+                                                                                    run.amqp_url))
+        log(f"round trip to the database and RabbitMQ: +{args.rtt_ms:g} ms (proxies: {run.postgres_url}, "
+            f"{run.amqp_url})")
     env = dict(item.split("=", 1) for item in args.env)
     flush_redis(run.redis_url)
     create_table(run)
@@ -459,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(to_json(results))
     finally:
         teardown(run, destination, relay)
+        if proxies is not None:
+            proxies.close()
         if args.keep:
             log(f"logs kept in {run.workdir}")
         else:

@@ -1,0 +1,89 @@
+"""A database and a broker at a distance: TCP proxies on 127.0.0.1 that hold every chunk of
+data for half a round trip each way, so a bench run can measure the relay where round
+trips, not the machine's cores, bound a worker (``python -m bench.drain --rtt-ms``).
+
+One asyncio loop in a daemon thread serves every proxy of a run; each connection's two
+directions keep their order (a chunk leaves ``one_way_s`` after it arrived, and never
+before the chunk ahead of it). The proxy's own CPU is small next to the drain's: it copies
+chunks, it does not parse them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+
+class DelayProxies:
+    """``url(original)`` -> the same URL through a proxy holding each chunk ``rtt_ms / 2``."""
+
+    def __init__(self, rtt_ms: float) -> None:
+        self.one_way_s = rtt_ms / 2000.0
+        self.loop = asyncio.new_event_loop()
+        self.servers: list[asyncio.base_events.Server] = []
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-delay-proxies", daemon=True)
+        self.thread.start()
+
+    def url(self, original: str) -> str:
+        """Start a proxy to ``original``'s host and port; return ``original`` pointing at it."""
+        parts = urlsplit(original)
+        host, port = parts.hostname or "127.0.0.1", parts.port
+        if port is None:
+            raise ValueError(f"a delayed URL needs an explicit port: {original!r}")
+        server = asyncio.run_coroutine_threadsafe(self._serve(host, port), self.loop).result(timeout=10)
+        self.servers.append(server)
+        local_port = server.sockets[0].getsockname()[1]
+        netloc = parts.netloc.rsplit("@", 1)
+        hostport = f"127.0.0.1:{local_port}"
+        return urlunsplit(parts._replace(netloc=f"{netloc[0]}@{hostport}" if len(netloc) == 2 else hostport))
+
+    async def _serve(self, host: str, port: int) -> asyncio.base_events.Server:
+        async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                up_reader, up_writer = await asyncio.open_connection(host, port)
+            except OSError:
+                writer.close()
+                return
+            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+
+        return await asyncio.start_server(connected, "127.0.0.1", 0)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Copy ``reader`` to ``writer``, each chunk ``one_way_s`` after it arrived, in order."""
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def send() -> None:
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    break
+                wait = due - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(send())
+        try:
+            while data := await reader.read(65536):
+                queue.put_nowait((time.monotonic() + self.one_way_s, data))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            queue.put_nowait((0.0, b""))
+            with contextlib.suppress(ConnectionError, OSError):
+                await sender
+            writer.close()
+
+    def close(self) -> None:
+        async def stop(servers: list[Any]) -> None:
+            for server in servers:
+                server.close()
+
+        asyncio.run_coroutine_threadsafe(stop(self.servers), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
