@@ -89,15 +89,24 @@ class ClaimAhead:
                 self._made.append(made)
         return made[1].submit(lambda: work(self._store()))
 
+    def _close_store(self) -> None:
+        close = getattr(self._store(), "close", None)
+        if close is not None:
+            close()
+
     def close(self) -> None:
-        """Stop this process's claim-ahead threads once their claim (if any) has returned;
-        the caller closes their stores (``Relay.close``)."""
+        """Stop this process's claim-ahead threads once their claim (if any) has returned,
+        each closing its store's connection first (a store keeps one per thread: only the
+        thread itself can close its own)."""
         with self._lock:
             mine = [executor for pid, executor in self._made if pid == os.getpid()]
             self._made = [made for made in self._made if made[0] != os.getpid()]
             self._local = threading.local()
         for executor in mine:
+            closed = executor.submit(self._close_store)
             executor.shutdown(wait=True)
+            if closed.exception() is not None:
+                log.debug("outbox: error closing a claim-ahead thread's store", exc_info=closed.exception())
 
 
 def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: float, in_main: bool = False,
@@ -134,13 +143,13 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
         while True:
             try:
                 claimed = ahead.take() if ahead is not None else None
-                queued = drain.queued if drain.backlog.met else None
+                made_ahead, queued = claimed is not None, drain.queued if drain.backlog.met else None
                 if claimed is not None and claimed.empty:
-                    if outcome is not None and ahead is not None and ahead.closing:
-                        break  # the slice ends on the last claim handed on
+                    if ahead is not None and ahead.closing:
+                        break  # the slice ends on the last claim it handed on
                     # It lost every chain to claims that held them then (this slice's own
                     # included, free now): claim here; the in-flight bound was read for it.
-                    claimed, queued = None, None
+                    claimed, made_ahead, queued = None, False, None
                 if claimed is None:
                     claimed = take_claim(relay, batch_size=batch_size, lease_s=lease_s, queued=queued)
             except ClaimFailed as exc:
@@ -151,7 +160,10 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
                               claim_again=None if in_main else ask, before_share=None if ahead is None else ahead.start)
             drain.backlog.met = outcome.backlog
             ask = drain.request_claim if outcome.chains > 1 else _nothing
-            if not (outcome.more and outcome.inline) or in_main or relay.stopping() or clock() >= ends:
+            # A claim made ahead that came back short may have met this slice's own chains
+            # leased, not the end of the backlog: the next turn claims here to know.
+            go_on = outcome.inline and (outcome.more or (made_ahead and outcome.claimed > 0 and outcome.error is None))
+            if not go_on or in_main or relay.stopping() or clock() >= ends:
                 if ahead is None or not ahead.pending:
                     break
                 ahead.closing = True  # hand the claim made ahead on, then end
