@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory (worker and beat logs)")
     p.add_argument("--compare-src", action="append", default=[], metavar="LABEL=DIR",
                    help="also drain with the relay imported from DIR (e.g. before=/work/main/src), same run")
+    p.add_argument("--compare-env", action="append", default=[], metavar="LABEL=NAME=VALUE",
+                   help="also drain with this run's relay and NAME=VALUE in its environment (e.g. "
+                        "off=OUTBOX_RELAY_CLAIM_AHEAD=false), same run; repeat a label to set several")
     args = p.parse_args(argv)
     require_services()
     run = Run(redis_url=args.redis_url, batch_size=args.batch_size, prefix=args.prefix,
@@ -397,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                                  **{**env, "PYTHONPATH": path})
 
         others = {label: other(src) for label, src in (item.split("=", 1) for item in args.compare_src)}
+        variants: dict[str, dict[str, str]] = {}
+        for label, name, value in (item.split("=", 2) for item in args.compare_env):
+            variants.setdefault(label, {})[name] = value
+        for label, extra in variants.items():
+            others[label] = lambda extra=extra: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel,
+                                                      **{**env, **extra})
         results, relay = compare_with_raw_loop(
             run, destination, lambda: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel, **env), args.events,
             tuple(int(x) for x in args.spreads.split(",")), processes=args.concurrency, others=others)

@@ -99,6 +99,7 @@ class Slice:
         self.made: list[Future[Claimed]] = []
         self.runs_ahead = ClaimAhead(lambda: store)  # a store keeps one connection per thread
         self.on_publish: Callable[[list[int]], None] = lambda ids: None
+        self.claim_ahead = True  # OUTBOX_RELAY_CLAIM_AHEAD
 
     def ahead(self, work: Callable[[StoreLike], Claimed]) -> Future[Claimed]:
         future = self.runs_ahead(work)
@@ -106,7 +107,8 @@ class Slice:
         return future
 
     def context(self) -> RelayContext:
-        return RelayContext(self.store, self.publisher, options=RelayOptions(), breaker=self.breaker,
+        return RelayContext(self.store, self.publisher, options=RelayOptions(claim_ahead=self.claim_ahead),
+                            breaker=self.breaker,
                             stopping=lambda: self.stopping, hooks=self.claims)
 
     def publish_here(self, chains: list[list[OutboxMessage]], deadline: float) -> None:
@@ -169,6 +171,16 @@ def test_one_aggregate_makes_no_claim_ahead(store: OutboxStore, broker: dict[str
     assert here.run(batch_size=4, slice_s=30.0) is not None
     assert arrived(broker) == ids
     assert here.made == [] and here.claims.ahead() == []
+
+
+def test_with_the_option_off_the_slice_claims_after_each_batch(store: OutboxStore, broker: dict[str, Any]) -> None:
+    ids = add(store, aggregates=6, per_aggregate=4)
+    here = Slice(store, broker)
+    here.claim_ahead = False  # the default
+    assert here.run(batch_size=4, slice_s=30.0) is not None
+    assert here.made == [] and here.claims.ahead() == []
+    sent = arrived(broker)
+    assert all(sent[name] == ids[name][:len(sent[name])] for name in sent)
 
 
 @pytest.mark.parametrize("how", ["stopping", "breaker"])
