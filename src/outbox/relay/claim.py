@@ -134,8 +134,8 @@ class Claimed:
 
     @property
     def empty(self) -> bool:
-        """The claim ran and found nothing: no row to publish, none gone dead."""
-        return self.claim is not None and not self.claim.messages and not self.claim.dead
+        """The claim ran and leased no row to publish (it may have found rows gone dead)."""
+        return self.claim is not None and not self.claim.messages
 
 
 def take_claim(relay: RelayContext, *, batch_size: int, lease_s: float,

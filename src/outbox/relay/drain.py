@@ -145,6 +145,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
                 claimed = ahead.take() if ahead is not None else None
                 made_ahead, queued = claimed is not None, drain.queued if drain.backlog.met else None
                 if claimed is not None and claimed.empty:
+                    hand_on(relay, claimed, drain.dispatch)  # dead-letters the rows it found dead, if any
                     if ahead is not None and ahead.closing:
                         break  # the slice ends on the last claim it handed on
                     # It lost every chain to claims that held them then (this slice's own
