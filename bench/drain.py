@@ -428,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtt-ms", type=float, default=0.0,
                    help="a round trip of this many ms to the database and RabbitMQ for everyone (bench.latency's "
                         "proxies): the relay where round trips, not cores, bound a worker")
+    p.add_argument("--compare-env", action="append", default=[], metavar="LABEL=NAME=VALUE",
+                   help="also drain with this run's relay and NAME=VALUE in its environment (e.g. "
+                        "off=OUTBOX_RELAY_CLAIM_AHEAD=false), same run; repeat a label to set several")
     args = p.parse_args(argv)
     try:
         engines = engine_names(args.engine)
@@ -464,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
                                  **{**env, "PYTHONPATH": path})
 
         others = {label: other(src) for label, src in (item.split("=", 1) for item in args.compare_src)}
+        variants: dict[str, dict[str, str]] = {}
+        for label, name, value in (item.split("=", 2) for item in args.compare_env):
+            variants.setdefault(label, {})[name] = value
+        for label, extra in variants.items():
+            others[label] = lambda extra=extra: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel,
+                                                      **{**env, **extra})
         results, relay = compare_with_raw_loop(
             run, destination, lambda: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel, **env), args.events,
             tuple(int(x) for x in args.spreads.split(",")), processes=args.concurrency, others=others)

@@ -66,21 +66,24 @@ def _group_of(pid: int) -> int | None:
 
 
 @pytest.fixture(params=[("celery", "sqlite"), ("celery", "postgresql"), ("celery", "mysql"),
-                        ("dramatiq", "postgresql")], ids=lambda p: "-".join(p))
+                        ("dramatiq", "postgresql"), ("celery", "postgresql", "claim-ahead")], ids=lambda p: "-".join(p))
 def setup(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    runner_name, kind = request.param
+    """The runner, the outbox and the workers' extra settings: "claim-ahead" turns on
+    OUTBOX_RELAY_CLAIM_AHEAD, so rows claimed ahead are among those the lost worker held."""
+    runner_name, kind, *extra = request.param
     if runner_name == "dramatiq":
         pytest.importorskip("dramatiq")
     require_relay_services()
     outbox = Outbox(kind, tmp_path)
-    yield (CELERY if runner_name == "celery" else DRAMATIQ), outbox
+    env = {"OUTBOX_RELAY_CLAIM_AHEAD": "true"} if "claim-ahead" in extra else {}
+    yield (CELERY if runner_name == "celery" else DRAMATIQ), outbox, env
     outbox.drop()
 
 
 def test_a_lost_worker_stalls_no_aggregate_for_the_lease(tmp_path: Path, destination: Destination, setup: Any,
                                                          procs_factory: Any, request: pytest.FixtureRequest) -> None:
-    runner, outbox = setup
-    procs = procs_factory(relay_env(tmp_path, destination, outbox, runner), runner)
+    runner, outbox, env = setup
+    procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, **env), runner)
     writer = Writer(outbox, AGGREGATES, pace=0.05)
     writer.write(range(100))  # the backlog: 3,000 events
     # w1 reaches RabbitMQ through a proxy that delays each reply by 20 ms: a wave of confirms

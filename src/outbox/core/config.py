@@ -143,6 +143,11 @@ class RelayOptions(Options):
     #: Rows in flight are then bounded by about (max_queued_tasks + worker processes)
     #: x rows per task (at most OUTBOX_BATCH_SIZE).
     max_queued_tasks: int = option(16, "int", above=0)
+    #: A drain slice claims its next batch on a helper thread (its own database connection)
+    #: while it publishes the current one, instead of after it (docs/internals.md, "Drain
+    #: slices"). Off (the default: no gain measured on the benchmark machine, docs/benchmarks.md):
+    #: claim, publish, settle, then claim again, one after the other.
+    claim_ahead: bool = option(False, "bool")
     #: Bytes (payload + ~256 per row) one claimed batch may send on as publish tasks;
     #: the rest of the batch is released at once. The first row always goes.
     max_batch_bytes: int = option(8 * 1024 * 1024, "int", above=0)

@@ -8,9 +8,19 @@ or the process), ``resources`` (what a worker process holds). Every name keeps i
 from ..core.config import MAX_OPTION_S, RelayOptions
 from ..core.model import message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, Queues
-from .claim import LEASE_EXPIRED, ClaimFailed, ClaimOutcome, Dispatch, handle_claim, plan_tasks
+from .claim import (
+                      LEASE_EXPIRED,
+                      Claimed,
+                      ClaimFailed,
+                      ClaimOutcome,
+                      Dispatch,
+                      hand_on,
+                      handle_claim,
+                      plan_tasks,
+                      take_claim,
+)
 from .context import RelayContext
-from .drain import DRAIN_SLICE_S, Backlog, Drain, after_publish, drain_slice
+from .drain import DRAIN_SLICE_S, Ahead, Backlog, ClaimAhead, Drain, after_publish, drain_slice
 from .foreign import ForeignTasks
 from .hooks import RelayHooks
 from .policy import STOP_POLICY
@@ -50,6 +60,7 @@ __all__ = [
     "RelayContext", "STOP_POLICY", "trusted_prefix",
     "StoreLike", "Fallback", "Settler", "ChainOutcome", "handle_chain", "handle_publish", "still_held",
     "ClaimOutcome", "ClaimSizer", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback",
+    "Claimed", "take_claim", "hand_on", "Ahead", "ClaimAhead",
     "DRAIN_SLICE_S", "Backlog", "Drain", "RelayHooks", "after_publish", "drain_slice", "send_dead",
     "make_relay_outage", "purge_expired", "ResourceHolder", "Resources",
     "RETRIABLE", "BACKPRESSURE", "POISON", "FATAL", "LEASE_EXPIRED",

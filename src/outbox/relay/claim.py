@@ -90,7 +90,8 @@ Dispatch = Callable[[list[list[OutboxMessage]], float], object]
 def handle_claim(relay: RelayContext, dispatch: Dispatch, *, batch_size: int, lease_s: float,
                  queued: Callable[[], int | None] | None = None, publish_inline: Dispatch | None = None,
                  claim_again: Callable[[], object] | None = None) -> ClaimOutcome:
-    """One claim: lease a batch and dispatch its chains as publish tasks.
+    """One claim: lease a batch and dispatch its chains as publish tasks (``take_claim``,
+    then ``hand_on``).
 
     A small claim (not full, at most ``options.inline_rows`` rows, within the byte budget)
     goes to ``publish_inline(chains, deadline)`` instead, when given: the claim task
@@ -117,14 +118,52 @@ def handle_claim(relay: RelayContext, dispatch: Dispatch, *, batch_size: int, le
     rows were large, so it reads about ``options.max_batch_bytes`` instead of reading a
     whole batch and releasing most of it (docs/relay.md, "Memory").
     """
+    claimed = take_claim(relay, batch_size=batch_size, lease_s=lease_s, queued=queued)
+    return hand_on(relay, claimed, dispatch, publish_inline=publish_inline, claim_again=claim_again)
+
+
+@dataclass
+class Claimed:
+    """A claim made and not handed on yet: what ``take_claim`` returns and ``hand_on``
+    takes. ``claim`` is None when nothing was claimed (the breaker or the in-flight bound held
+    it back: ``outcome`` says which); ``deadline`` is when publishing its rows must stop."""
+
+    outcome: ClaimOutcome
+    claim: Claim | None = None
+    deadline: float = 0.0
+
+    @property
+    def empty(self) -> bool:
+        """The claim ran and leased no row to publish (it may have found rows gone dead)."""
+        return self.claim is not None and not self.claim.messages
+
+
+def take_claim(relay: RelayContext, *, batch_size: int, lease_s: float,
+               queued: Callable[[], int | None] | None = None) -> Claimed:
+    """The first half of ``handle_claim``: unless held back (the breaker, ``queued()``), lease
+    a batch through ``relay.store``. Raises ``ClaimFailed`` when the store refuses. A drain
+    slice runs it on its claim-ahead thread, with that thread's store (docs/internals.md,
+    "Drain slices")."""
     outcome = ClaimOutcome()  # the gauges are read by the metrics' own thread, never by a claim
     if _held_back(relay, queued, outcome):
-        return outcome
+        return Claimed(outcome)
     claimed_at = relay.now()
     claim = _claim(relay, batch_size, outcome)
+    return Claimed(outcome, claim, claimed_at + lease_s * relay.options.lease_safety)
+
+
+def hand_on(relay: RelayContext, claimed: Claimed, dispatch: Dispatch, *, publish_inline: Dispatch | None = None,
+            claim_again: Callable[[], object] | None = None,
+            before_share: Callable[[ClaimOutcome], object] | None = None) -> ClaimOutcome:
+    """The second half of ``handle_claim``: hand a claim's chains on (dispatched, or published
+    here through ``publish_inline``) and dead-letter the rows it found dead. ``before_share``
+    is called with the outcome just before a backlog's first share is published here (after
+    ``claim_again``): where a drain slice starts its next claim ahead."""
+    outcome, claim = claimed.outcome, claimed.claim
+    if claim is None:
+        return outcome
     if claim.messages:
-        deadline = claimed_at + lease_s * relay.options.lease_safety
-        _hand_on(relay, claim, deadline, dispatch, publish_inline, claim_again, outcome)
+        _hand_on(relay, claim, claimed.deadline, dispatch, publish_inline, claim_again, outcome, before_share)
     _dead_letter_expired(relay.publisher, claim.dead, claim.dead_errors)
     return outcome
 
@@ -166,7 +205,7 @@ def _claim(relay: RelayContext, batch_size: int, outcome: ClaimOutcome) -> Claim
 
 def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispatch,
              publish_inline: Dispatch | None, claim_again: Callable[[], object] | None,
-             outcome: ClaimOutcome) -> None:
+             outcome: ClaimOutcome, before_share: Callable[[ClaimOutcome], object] | None = None) -> None:
     """Hand the claimed chains on: all published here (a small claim), or dispatched in
     publish tasks, the first one kept here (a backlog, with ``claim_again``)."""
     options = relay.options
@@ -194,6 +233,8 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
         assert publish_inline is not None and claim_again is not None
         if outcome.more:
             claim_again()  # the next claim runs in another process while this one publishes
+            if before_share is not None:
+                before_share(outcome)  # and this process's next one on its claim-ahead thread
         outcome.inline = True
         outcome.dispatched += sum(len(chain) for chain in share)
         publish_inline(share, deadline)

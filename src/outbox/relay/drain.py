@@ -4,13 +4,20 @@ here, claim again in the same task, for at most a slice (docs/internals.md, "Dra
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
-from .claim import ClaimFailed, ClaimOutcome, Dispatch, handle_claim
+from .claim import Claimed, ClaimFailed, ClaimOutcome, Dispatch, hand_on, take_claim
 from .context import RelayContext
+from .settle import StoreLike
 from .shared import Breaker, Outage
+
+log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
 
 #: How long one claim task may go on claiming and publishing a backlog itself.
 DRAIN_SLICE_S = 1.0
@@ -37,12 +44,19 @@ def _nothing() -> None:
     claim asked already, and nobody else can take a chain this process holds."""
 
 
+#: ``ahead(work)`` runs ``work(store)`` on the calling thread's claim-ahead thread, with
+#: that thread's own store, and returns its future (``ClaimAhead``).
+Ahead = Callable[[Callable[[StoreLike], Claimed]], "Future[Claimed]"]
+
+
 @dataclass
 class Drain:
     """What a claim task's slice works with besides the context (``RelayContext``): the
     runner's ways of sending work on (``dispatch`` a publish task, ``publish_here``, a
-    coalesced ``request_claim``, the publish queue's length ``queued``) and the process's
-    ``backlog`` flag and the database's outage log. ``Relay.claim`` makes one per claim task."""
+    coalesced ``request_claim``, the publish queue's length ``queued``), the process's
+    ``backlog`` flag and the database's outage log, and where the slice's next claim runs
+    while it publishes (``ahead``: none, claims one after the other). ``Relay.claim`` makes
+    one per claim task."""
 
     dispatch: Dispatch
     publish_here: Dispatch
@@ -50,6 +64,49 @@ class Drain:
     outage: Outage
     backlog: Backlog
     queued: Callable[[], int | None] | None = None
+    ahead: Ahead | None = None
+
+
+class ClaimAhead:
+    """The claim-ahead threads of one process: one per thread that drains (a Celery pool
+    process has one; a Dramatiq worker one per worker thread), made on its first claim ahead,
+    each claiming through its own store, ``store()`` called on it (the runner's per-thread
+    store: ``Relay.resources``). A thread made before a fork is the parent's: the child
+    makes its own. docs/internals.md, "Drain slices"."""
+
+    def __init__(self, store: Callable[[], StoreLike]) -> None:
+        self._store = store
+        self._local = threading.local()
+        self._made: list[tuple[int, ThreadPoolExecutor]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, work: Callable[[StoreLike], Claimed]) -> Future[Claimed]:
+        made: tuple[int, ThreadPoolExecutor] | None = getattr(self._local, "executor", None)
+        if made is None or made[0] != os.getpid():
+            made = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="outbox-claim-ahead"))
+            self._local.executor = made
+            with self._lock:
+                self._made.append(made)
+        return made[1].submit(lambda: work(self._store()))
+
+    def _close_store(self) -> None:
+        close = getattr(self._store(), "close", None)
+        if close is not None:
+            close()
+
+    def close(self) -> None:
+        """Stop this process's claim-ahead threads once their claim (if any) has returned,
+        each closing its store's connection first (a store keeps one per thread: only the
+        thread itself can close its own)."""
+        with self._lock:
+            mine = [executor for pid, executor in self._made if pid == os.getpid()]
+            self._made = [made for made in self._made if made[0] != os.getpid()]
+            self._local = threading.local()
+        for executor in mine:
+            closed = executor.submit(self._close_store)
+            executor.shutdown(wait=True)
+            if closed.exception() is not None:
+                log.debug("outbox: error closing a claim-ahead thread's store", exc_info=closed.exception())
 
 
 def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: float, in_main: bool = False,
@@ -67,25 +124,108 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     (the Celery worker's main process, the in-process claim): no share and no slice, the
     backlog goes to the pool (docs/waking-and-metrics.md, "The in-process claim").
 
+    With ``drain.ahead`` and ``options.claim_ahead``, a full claim of several chains starts
+    the slice's next claim on the claim-ahead thread before publishing its share, and the
+    next turn of the loop hands that claim on instead of claiming; a claim made ahead that
+    found nothing is followed by a claim here (the chains this process held are free now).
+    A claim made ahead is always handed on before the slice returns: published, or released
+    by ``handle_publish`` when the worker is stopping or the breaker opened, or, should the
+    slice raise, released here.
+
     ``drain.queued`` is read only while ``drain.backlog`` says the last claim met one. Returns
     the last claim's outcome, or None when the store refused the claim (``ClaimFailed``:
     reported to ``drain.outage``, once per outage, instead of a traceback per tick)."""
     ends, ask = clock() + slice_s, drain.request_claim
-    while True:
-        try:
-            outcome = handle_claim(relay, drain.dispatch, batch_size=batch_size, lease_s=lease_s,
-                                   queued=drain.queued if drain.backlog.met else None,
-                                   publish_inline=drain.publish_here, claim_again=None if in_main else ask)
-        except ClaimFailed as exc:
-            drain.outage.failed(exc.cause)
-            return None
-        drain.outage.ok()
-        drain.backlog.met = outcome.backlog
-        ask = drain.request_claim if outcome.chains > 1 else _nothing
-        if not (outcome.more and outcome.inline) or in_main or relay.stopping() or clock() >= ends:
-            break
+    ahead = _Ahead(relay, drain, batch_size, lease_s, ends, clock) if (
+        drain.ahead is not None and relay.options.claim_ahead and not in_main) else None
+    outcome: ClaimOutcome | None = None
+    try:
+        while True:
+            try:
+                claimed = ahead.take() if ahead is not None else None
+                made_ahead, queued = claimed is not None, drain.queued if drain.backlog.met else None
+                if claimed is not None and claimed.empty:
+                    hand_on(relay, claimed, drain.dispatch)  # dead-letters the rows it found dead, if any
+                    if ahead is not None and ahead.closing:
+                        break  # the slice ends on the last claim it handed on
+                    # It lost every chain to claims that held them then (this slice's own
+                    # included, free now): claim here; the in-flight bound was read for it.
+                    claimed, made_ahead, queued = None, False, None
+                if claimed is None:
+                    claimed = take_claim(relay, batch_size=batch_size, lease_s=lease_s, queued=queued)
+            except ClaimFailed as exc:
+                drain.outage.failed(exc.cause)
+                return None
+            drain.outage.ok()
+            outcome = hand_on(relay, claimed, drain.dispatch, publish_inline=drain.publish_here,
+                              claim_again=None if in_main else ask, before_share=None if ahead is None else ahead.start)
+            drain.backlog.met = outcome.backlog
+            ask = drain.request_claim if outcome.chains > 1 else _nothing
+            # A claim made ahead that came back short may have met this slice's own chains
+            # leased, not the end of the backlog: the next turn claims here to know.
+            go_on = outcome.inline and (outcome.more or (made_ahead and outcome.claimed > 0 and outcome.error is None))
+            if not go_on or in_main or relay.stopping() or clock() >= ends:
+                if ahead is None or not ahead.pending:
+                    break
+                ahead.closing = True  # hand the claim made ahead on, then end
+            elif ahead is not None and ahead.closing:
+                break
+    finally:
+        if ahead is not None:
+            ahead.abandon()
+    assert outcome is not None  # the loop ran once at least
     if outcome.inline:
         after_publish(relay.breaker, drain.request_claim)
     elif outcome.more:
         drain.request_claim()
     return outcome
+
+
+class _Ahead:
+    """A drain slice's next claim, made on the claim-ahead thread while the slice publishes."""
+
+    def __init__(self, relay: RelayContext, drain: Drain, batch_size: int, lease_s: float, ends: float,
+                 clock: Callable[[], float]) -> None:
+        self.relay, self.drain, self.batch_size, self.lease_s = relay, drain, batch_size, lease_s
+        self.ends, self.clock = ends, clock
+        self.future: Future[Claimed] | None = None
+        self.closing = False  # the slice ends once the claim made ahead is handed on
+
+    @property
+    def pending(self) -> bool:
+        return self.future is not None
+
+    def start(self, outcome: ClaimOutcome) -> None:
+        """Called before a full claim's share is published: claim the next batch ahead, unless
+        the slice ends after this share anyway, the claim is one chain (nobody else can take a
+        chain this process holds, so a claim now would come back empty), or the in-flight bound
+        holds claims back (the breaker is checked by the claim itself, on the thread)."""
+        relay, drain = self.relay, self.drain
+        if self.closing or outcome.chains <= 1 or relay.stopping() or self.clock() >= self.ends:
+            return
+        if drain.queued is not None:
+            depth = drain.queued()
+            if depth is not None and depth >= relay.options.max_queued_tasks:
+                return  # the next turn claims here, and is held back there
+        assert drain.ahead is not None
+        batch_size, lease_s = self.batch_size, self.lease_s
+        self.future = drain.ahead(lambda store: take_claim(replace(relay, store=store), batch_size=batch_size,
+                                                           lease_s=lease_s))
+
+    def take(self) -> Claimed | None:
+        """The claim made ahead (waiting for it), or None when none was started. Raises
+        ``ClaimFailed`` as a claim here would."""
+        future, self.future = self.future, None
+        return None if future is None else future.result()
+
+    def abandon(self) -> None:
+        """The slice is leaving with a claim made ahead still in hand (it raised): release its
+        rows, no attempt spent, rather than leave them to their lease."""
+        try:
+            claimed = self.take()
+        except Exception:  # noqa: BLE001 - a claim that failed leased nothing
+            return
+        if claimed is not None and claimed.claim is not None and claimed.claim.messages:
+            log.warning("outbox drain slice ended with a claim made ahead in hand: releasing its %d rows",
+                        len(claimed.claim.messages))
+            self.relay.settler.release(claimed.claim.messages)

@@ -17,7 +17,7 @@ from ..core.config import RelayOptions, Settings
 from ..core.model import OutboxMessage, message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, RELEASE_TASK
 from .context import RelayContext
-from .drain import DRAIN_SLICE_S, Backlog, Drain, after_publish, drain_slice
+from .drain import DRAIN_SLICE_S, Backlog, ClaimAhead, Drain, after_publish, drain_slice
 from .foreign import ForeignTasks
 from .hooks import RelayHooks
 from .publish import ChainOutcome, handle_publish, still_held
@@ -51,6 +51,8 @@ class Relay:
         self.foreign = ForeignTasks(logger)
         # After a lost worker's rows were taken over, claim soon.
         self.held = ResourceHolder(self._config, self._fallback, logger, on_takeover=self.request_claim)
+        #: Where a drain slice's next claim runs while it publishes (``relay.drain.ClaimAhead``).
+        self.ahead = ClaimAhead(lambda: self.resources().store)
 
     # -- what the process holds -------------------------------------------------------------
 
@@ -92,6 +94,7 @@ class Relay:
         self.held.forget()
 
     def close(self) -> None:
+        self.ahead.close()  # its threads' stores are closed with the others'
         self.held.close()
 
     def lift_fatal_pause(self) -> None:
@@ -150,7 +153,7 @@ class Relay:
         if self.stopping():
             return {"stopped": True}
         drain = Drain(self._dispatch, self.publish_here, self.request_claim, self.outage("database"), self.backlog,
-                      self.runner.queued_publish_tasks)
+                      self.runner.queued_publish_tasks, self.ahead)
         outcome = drain_slice(self.context(), drain, batch_size=self.settings.batch_size, lease_s=self.lease_s,
                               in_main=in_main, slice_s=DRAIN_SLICE_S)
         if outcome is None:  # the database is down or refusing: the error is in the outage's log lines, once
