@@ -23,6 +23,9 @@ class DelayProxies:
 
     def __init__(self, rtt_ms: float) -> None:
         self.one_way_s = rtt_ms / 2000.0
+        #: Chunks forwarded, per proxied port and direction ("up" to the server, "down" back):
+        #: each is one write the client or the server made, so a count of round trips' halves.
+        self.chunks: dict[tuple[int, str], int] = {}
         self.loop = asyncio.new_event_loop()
         self.servers: list[asyncio.base_events.Server] = []
         self.thread = threading.Thread(target=self.loop.run_forever, name="bench-delay-proxies", daemon=True)
@@ -48,11 +51,11 @@ class DelayProxies:
             except OSError:
                 writer.close()
                 return
-            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+            await asyncio.gather(self._pump(reader, up_writer, (port, "up")), self._pump(up_reader, writer, (port, "down")))
 
         return await asyncio.start_server(connected, "127.0.0.1", 0)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: tuple[int, str]) -> None:
         """Copy ``reader`` to ``writer``, each chunk ``one_way_s`` after it arrived, in order."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -70,6 +73,7 @@ class DelayProxies:
         sender = asyncio.ensure_future(send())
         try:
             while data := await reader.read(65536):
+                self.chunks[key] = self.chunks.get(key, 0) + 1
                 queue.put_nowait((time.monotonic() + self.one_way_s, data))
         except (ConnectionError, OSError):
             pass
