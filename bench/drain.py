@@ -448,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
               workdir=Path(tempfile.mkdtemp(prefix="outbox-drain-")))
     proxies = None
     if args.rtt_ms > 0:
-        from .latency import DelayProxies
+        from .latency import ProxyProcess
 
-        proxies = DelayProxies(args.rtt_ms)
+        proxies = ProxyProcess(args.rtt_ms, [run.postgres_url, run.mysql_url, run.amqp_url])
         run.postgres_url, run.mysql_url, run.amqp_url = (proxies.url(u) for u in (run.postgres_url, run.mysql_url,
                                                                                     run.amqp_url))
         log(f"round trip to the database and RabbitMQ: +{args.rtt_ms:g} ms (proxies: {run.postgres_url}, "

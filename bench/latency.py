@@ -2,16 +2,20 @@
 data for half a round trip each way, so a bench run can measure the relay where round
 trips, not the machine's cores, bound a worker (``python -m bench.drain --rtt-ms``).
 
-One asyncio loop in a daemon thread serves every proxy of a run; each connection's two
-directions keep their order (a chunk leaves ``one_way_s`` after it arrived, and never
-before the chunk ahead of it). The proxy's own CPU is small next to the drain's: it copies
-chunks, it does not parse them.
+One asyncio loop serves every proxy of a run, in a process of its own (``ProxyProcess``:
+in the bench's process its loop would wait for the GIL behind the bench's consumer and add
+that wait to every round trip); each connection's two directions keep their order (a chunk
+leaves ``one_way_s`` after it arrived, and never before the chunk ahead of it). The proxy's
+own CPU is small next to the drain's: it copies chunks, it does not parse them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -91,3 +95,50 @@ class DelayProxies:
         asyncio.run_coroutine_threadsafe(stop(self.servers), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+
+
+class ProxyProcess:
+    """``DelayProxies`` in a process of its own (``python -m bench.latency``): ``url(original)``
+    as there; ``chunks()`` reads its counters; ``close()`` ends it."""
+
+    def __init__(self, rtt_ms: float, urls: list[str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.latency", str(rtt_ms), *urls],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("bench.latency: the proxy process did not start")
+        self.urls: dict[str, str] = json.loads(line)
+
+    def url(self, original: str) -> str:
+        return self.urls[original]
+
+    def chunks(self) -> dict[str, int]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("chunks\n")
+        self.proc.stdin.flush()
+        return dict(json.loads(self.proc.stdout.readline()))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m bench.latency RTT_MS URL...``: print {url: proxied url} as one JSON line,
+    then answer each ``chunks`` line on stdin with the counters; end at end of input."""
+    proxies = DelayProxies(float(argv[0]))
+    print(json.dumps({url: proxies.url(url) for url in argv[1:]}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "chunks":
+            print(json.dumps({f"{port} {way}": n for (port, way), n in proxies.chunks.items()}), flush=True)
+    proxies.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
