@@ -21,10 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .services import Run
+
+class Run(Protocol):
+    """What an engine reads of a bench run (``bench.services.Run``, which imports this module)."""
+
+    postgres_url: str
+    mysql_url: str
+    workdir: Path
+    tag: str
 
 #: The columns a backlog row fills (``make_event``'s fields), in this order.
 LOAD_COLUMNS = ("message_id", "topic", "aggregate_type", "aggregate_id", "partition_key", "payload", "headers",
