@@ -158,6 +158,24 @@ def test_replay_into_another_database(history_archive: tuple[Path, dict[str, lis
 
 
 @pytest.mark.parametrize("kind", ["sqlite"])
+def test_replay_refuses_a_bad_row_before_writing(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """An archived row ``enqueue`` would refuse (here an empty topic, set behind the
+    write side's back) fails the replay with the row and the problem named; its batch
+    writes nothing."""
+    ids = seed(store, history()[:6])
+    with store.transaction() as c:
+        store.engine.execute(c, f"UPDATE {store.engine.table} SET topic = ' ' WHERE id = ?", [ids[3]])
+        bad_message_id = store.engine.execute(c, f"SELECT message_id FROM {store.engine.table} WHERE id = ?",
+                                              [ids[3]]).fetchone()[0]
+    root = tmp_path / "archive"
+    assert Archiver(spark, store, str(root)).run(timedelta(days=7)).archived == 6
+    with pytest.raises(Exception, match=rf"archived event id {ids[3]} \(message_id '{bad_message_id}'\) cannot be "
+                                        "replayed: topic must not be empty"):
+        run_replay(spark, archive=str(root), target=store, batch=100, partitions=1)
+    assert replayed(store) == {}
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
 @pytest.mark.parametrize(("extra", "message"), [
     (["--topic", "nope"], "unknown topic 'nope': the archive holds orders.created, payments.settled"),
     (["--since", "yesterday"], "--since: 'yesterday' is neither a duration"),
