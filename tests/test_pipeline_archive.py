@@ -182,7 +182,8 @@ def _cli_env(store: OutboxStore, url: str, **extra: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_requeued_dead_row_is_not_deleted(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
-    """A dead row archived, then requeued before the delete: the live row stays."""
+    """A dead row archived, then requeued before the delete: the live row stays; once
+    delivered it is archived again, and the archive's readers give its later copy."""
     rows = [Row("orders.created", "a", status=4, attempts=2, last_error="boom"),
             Row("orders.created", "b", status=2)]
     dead_id, done_id = seed(store, rows)
@@ -195,6 +196,17 @@ def test_requeued_dead_row_is_not_deleted(spark: Any, store: OutboxStore, tmp_pa
         timedelta(days=7), include_dead=True)
     assert (result.archived, result.deleted, result.kept) == (2, 1, 1)
     assert table_ids(store) == {dead_id}
+
+    # delivered since, it is archived again: the archive then holds the id in two runs,
+    # and its readers give one row, the later run's
+    with store.transaction() as c:
+        store.engine.execute(c, f"UPDATE {store.engine.table} SET status = 2, processed_at = "
+                             f"{store.engine.now_plus_ms()} WHERE id = ?", [-8 * DAY_MS, dead_id])
+    again = Archiver(spark, store, str(tmp_path / "a")).run(timedelta(days=7))
+    assert (again.archived, again.deleted) == (1, 1) and table_ids(store) == set()
+    assert len(plain_parquet_ids(spark, tmp_path / "a")) == 3
+    got = {r["id"]: r["status"] for r in read_archive(spark, str(tmp_path / "a")).collect()}
+    assert got == {dead_id: 2, done_id: 2}
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])

@@ -50,7 +50,7 @@ from ..domain.events import (
     text_problem,
 )
 from ..storage.store import OutboxStore
-from .archive import check_table, read_archive
+from .archive import archive_frame, check_table
 from .common import PipelineError
 
 #: Fixed forever: changing it would make a re-run enqueue everything again.
@@ -158,12 +158,14 @@ def prepare_batch(cols: dict[str, list[Any]], max_payload_bytes: int) -> list[Ne
 
 def select_events(spark: Any, archive: str, *, topic: str | None = None, aggregate_type: str | None = None,
                   aggregate_id: str | None = None, since: datetime | None = None,
-                  until: datetime | None = None) -> Any:
+                  until: datetime | None = None) -> tuple[Any, bool]:
+    """The archived events to replay, and whether reading them picked one row per id
+    (then they are worth caching: the counts, the sample and the writing read them)."""
     from pyspark.sql import functions as F
 
     if since and until and since >= until:
         raise PipelineError(f"--since ({since.isoformat()}) must be before --until ({until.isoformat()})")
-    events = read_archive(spark, archive)
+    events, deduplicated = archive_frame(spark, archive)
     if topic is not None:
         known = sorted(r["topic"] for r in events.select("topic").distinct().collect())
         if topic not in known:
@@ -179,7 +181,7 @@ def select_events(spark: Any, archive: str, *, topic: str | None = None, aggrega
     if until is not None:
         events = events.where(F.col("created_at") < F.lit(until))
     return events.select("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
-                         "payload", "headers", "trace_id")
+                         "payload", "headers", "trace_id"), deduplicated
 
 
 def existing_sql(table: str, count: int) -> str:
@@ -320,8 +322,10 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
     say = progress or (lambda message: None)
     if batch < 1:
         raise PipelineError("--batch must be at least 1")
-    events = select_events(spark, archive, topic=topic, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
-                           since=since, until=until).cache()
+    events, deduplicated = select_events(spark, archive, topic=topic, aggregate_type=aggregate_type,
+                                         aggregate_id=aggregate_id, since=since, until=until)
+    if deduplicated:
+        events = events.cache()
     try:
         counts = {r["topic"]: int(r["count"]) for r in events.groupBy("topic").count().orderBy("topic").collect()}
         total = sum(counts.values())
