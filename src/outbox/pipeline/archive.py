@@ -303,7 +303,7 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
     committed run still in staging (a crash mid-publish, where a rename that copies, as
     on object stores, can leave a file in both places). Otherwise every id is in one
     file of one run (each run's verify checked its ids are distinct), and the archive is
-    read as is, with no shuffle of every row by id (docs/pipeline.md, "Replay")."""
+    read as is, with no shuffle of every row by id (docs/pipeline.md, "Guarantees")."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
