@@ -17,6 +17,7 @@ import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +31,22 @@ DAY_MS = 86_400_000
 #: The test JVM's options: tiered compilation stopped at C1 and the serial collector,
 #: which start and finish the suite's many small jobs with less CPU than the defaults.
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+def spark_process_env(tmp_path: Path) -> dict[str, str]:
+    """The environment for Spark processes a test starts (a CLI run, ``spark-submit``,
+    a standalone master and worker): loopback, this interpreter for the Python
+    workers, and a ``SPARK_CONF_DIR`` giving the drivers and executors the suite's JVM
+    options and no UI (``SPARK_DAEMON_JAVA_OPTS`` the same to a master and worker)."""
+    conf = tmp_path / "spark-conf"
+    conf.mkdir(exist_ok=True)
+    (conf / "spark-defaults.conf").write_text(
+        f"spark.driver.extraJavaOptions {JVM_OPTIONS}\n"
+        f"spark.executor.extraJavaOptions {JVM_OPTIONS}\n"
+        "spark.ui.enabled false\n"
+        "spark.ui.showConsoleProgress false\n")
+    return {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
+            "SPARK_CONF_DIR": str(conf), "SPARK_DAEMON_JAVA_OPTS": JVM_OPTIONS}
+
 
 #: The engines the pipeline tests run on (SQL Server joins when OUTBOX_TEST_MSSQL_URL is set).
 PIPELINE_ENGINES = ["sqlite", "postgresql", "mysql", "mssql"]

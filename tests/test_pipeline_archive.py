@@ -1,6 +1,6 @@
 """``outbox pipeline archive`` on real databases with the suite's one Spark session:
-the round trip, crashes at every step (in-process and a real SIGKILL), re-runs, the
-purge guard and bad arguments."""
+the round trip, crashes at every step, re-runs, the purge guard and bad arguments.
+(A real SIGKILLed archive process: tests/test_pipeline_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -31,6 +31,19 @@ class Crash(BaseException):
 def crash_at(step: str) -> Any:
     def hook(name: str) -> None:
         if name == step:
+            raise Crash(step)
+    return hook
+
+
+def crash_in_its_own_run(step: str) -> Any:
+    """``crash_at`` for a run's own steps only, not for the recovery of an earlier run
+    it does first (which passes the steps from ``published-one`` on as well)."""
+    own: list[str] = []
+
+    def hook(name: str) -> None:
+        if name == "staged":
+            own.append(name)
+        if name == step and own:
             raise Crash(step)
     return hook
 
@@ -84,38 +97,79 @@ def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path) -> N
     assert table_ids(store) == set(ids) - old_done - old_dead
 
 
-#: Every step on SQLite; on the servers the one between delete chunks (a committed
-#: run half deleted: the recovery path every step after the commit goes through).
-#: The steps whose recovery path another case already takes are ``slow`` (CI runs them).
-QUICK_STEPS = ("staged", "committed", "deleted-chunk")
-CRASH_CASES = [pytest.param("sqlite", step, marks=() if step in QUICK_STEPS else pytest.mark.slow)
-               for step in STEPS] + [(kind, "deleted-chunk") for kind in ("postgresql", "mysql", "mssql")]
+def committed_ids(root: Path) -> set[int]:
+    """Every id some committed run of the archive holds (its manifests' id runs)."""
+    committed: set[int] = set()
+    for manifest in (root / "_manifest").glob("*.json"):
+        for first, last in json.loads(manifest.read_text())["id_ranges"]:
+            committed |= set(range(first, last + 1))
+    return committed
 
 
-@pytest.mark.parametrize(("kind", "step"), CRASH_CASES)
-def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path: Path, step: str,
-                                        kind: str) -> None:
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """A crash at each step in turn, one run after another on one outbox: each run
+    first recovers what the crash before it left (finishes a committed run, drops an
+    uncommitted staging), then archives the rows aged since and crashes at the next
+    step; a last clean run finishes everything. After every crash, a row is gone from
+    the outbox only if a committed run holds it, and the readers see exactly the
+    committed runs; at the end every old done row is archived exactly once."""
+    root = tmp_path / "archive"
+    all_ids: set[int] = set()
+    old_done: set[int] = set()
+    for n, step in enumerate(STEPS):
+        rows = mixed_rows()  # new rows aged past the cut-off for this run to archive
+        ids = seed(store, rows, start=100 * n)
+        all_ids |= set(ids)
+        old_done |= {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+        archived_before = committed_ids(root)
+
+        with pytest.raises(Crash):
+            Archiver(spark, store, str(root), on_step=crash_in_its_own_run(step),
+                     delete_chunk=3).run(timedelta(days=7))
+        committed = committed_ids(root)
+        assert set(all_ids) - table_ids(store) <= committed, step
+        if STEPS.index(step) >= STEPS.index("committed"):
+            assert committed == old_done, step  # this run committed every row not archived before it
+        else:
+            assert committed == archived_before, step
+        # the run recovered the crash before it: every earlier committed run finished, no
+        # staging left but (at most) this run's own
+        manifests = sorted(p.stem for p in (root / "_manifest").glob("*.json"))
+        finished = {p.stem for p in (root / "_manifest").glob("*.deleted")}
+        assert set(manifests[:-1]) <= finished if STEPS.index(step) >= STEPS.index("committed") \
+            else set(manifests) <= finished, step
+        assert len(list((root / "_staging").glob("*"))) <= 1, step
+        # the pipeline's readers see exactly the committed runs, even mid-crash
+        assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(committed, 1)), step
+
+    result = Archiver(spark, store, str(root), delete_chunk=3).run(timedelta(days=7))
+    assert len(result.recovered) == 1 and result.archived == 0  # the last crash ("deleted") had committed
+    assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
+    assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
+    assert table_ids(store) == all_ids - old_done
+    assert not list((root / "_staging").glob("*"))
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql", "mssql"])
+def test_crash_between_delete_chunks_then_rerun(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """On the servers, the crash between delete chunks (a committed run half deleted:
+    the recovery path every step after the commit goes through)."""
     rows = mixed_rows()
     ids = seed(store, rows)
     old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
     root = tmp_path / "archive"
 
     with pytest.raises(Crash):
-        Archiver(spark, store, str(root), on_step=crash_at(step), delete_chunk=3).run(timedelta(days=7))
-    # whatever the crash left: a row is gone from the outbox only if a committed run holds it
-    gone = set(ids) - table_ids(store)
-    committed: set[int] = set()
-    for manifest in (root / "_manifest").glob("*.json"):
-        for first, last in json.loads(manifest.read_text())["id_ranges"]:
-            committed |= set(range(first, last + 1))
-    assert gone <= committed
-    if STEPS.index(step) >= STEPS.index("committed"):
-        assert committed == old_done
-    # the pipeline's readers see exactly the committed runs, even mid-crash
+        Archiver(spark, store, str(root), on_step=crash_at("deleted-chunk"), delete_chunk=3).run(timedelta(days=7))
+    committed = committed_ids(root)
+    assert committed == old_done
+    assert 0 < len(set(ids) - table_ids(store)) < len(old_done)  # half deleted
+    assert set(ids) - table_ids(store) <= committed
     assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(committed, 1))
 
     result = Archiver(spark, store, str(root), delete_chunk=3).run(timedelta(days=7))
-    assert (len(result.recovered) == 1) == (STEPS.index(step) >= STEPS.index("committed"))
+    assert len(result.recovered) == 1 and result.archived == 0
     assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert table_ids(store) == set(ids) - old_done
@@ -126,37 +180,10 @@ def _cli_env(store: OutboxStore, url: str, **extra: str) -> dict[str, str]:
     return {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name, **extra}
 
 
-@pytest.mark.slow  # its own Spark JVM
-@pytest.mark.parametrize("kind", ["sqlite"])
-def test_sigkill_between_commit_and_delete(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
-    """A real ``outbox pipeline archive`` process, killed with SIGKILL right after its
-    commit (its own Spark JVM dies with it); the next run finishes the job."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    rows = mixed_rows()
-    ids = seed(store, rows)
-    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
-    root = tmp_path / "archive"
-    env = {**os.environ, **_cli_env(store, url, OUTBOX_PIPELINE_CRASH_AT="committed")}
-    proc = subprocess.run([sys.executable, "-m", "outbox.cli", "pipeline", "archive", "--older-than", "7d",
-                           "--to", str(root), "--master", "local[1]"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert table_ids(store) == set(ids)  # killed before the delete: everything still there
-    assert len(list((root / "_manifest").glob("*.json"))) == 1
-
-    result = Archiver(spark, store, str(root)).run(timedelta(days=7))
-    assert len(result.recovered) == 1 and result.archived == 0
-    assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
-    assert table_ids(store) == set(ids) - old_done
-
-
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_requeued_dead_row_is_not_deleted(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
-    """A dead row archived, then requeued before the delete: the live row stays."""
+    """A dead row archived, then requeued before the delete: the live row stays; once
+    delivered it is archived again, and the archive's readers give its later copy."""
     rows = [Row("orders.created", "a", status=4, attempts=2, last_error="boom"),
             Row("orders.created", "b", status=2)]
     dead_id, done_id = seed(store, rows)
@@ -169,6 +196,17 @@ def test_requeued_dead_row_is_not_deleted(spark: Any, store: OutboxStore, tmp_pa
         timedelta(days=7), include_dead=True)
     assert (result.archived, result.deleted, result.kept) == (2, 1, 1)
     assert table_ids(store) == {dead_id}
+
+    # delivered since, it is archived again: the archive then holds the id in two runs,
+    # and its readers give one row, the later run's
+    with store.transaction() as c:
+        store.engine.execute(c, f"UPDATE {store.engine.table} SET status = 2, processed_at = "
+                             f"{store.engine.now_plus_ms()} WHERE id = ?", [-8 * DAY_MS, dead_id])
+    again = Archiver(spark, store, str(tmp_path / "a")).run(timedelta(days=7))
+    assert (again.archived, again.deleted) == (1, 1) and table_ids(store) == set()
+    assert len(plain_parquet_ids(spark, tmp_path / "a")) == 3
+    got = {r["id"]: r["status"] for r in read_archive(spark, str(tmp_path / "a")).collect()}
+    assert got == {dead_id: 2, done_id: 2}
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])

@@ -1,8 +1,11 @@
-"""Scale-out proof: ``outbox pipeline archive --master spark://...`` against a real
-standalone Spark cluster started from the PySpark installation itself (a master and
-one worker on 127.0.0.1). The driver is a separate ``outbox`` process; the executor
-is a JVM the worker launches, with its own Python workers, so the job cannot lean on
-driver-local state: the executors read the database and write the Parquet files."""
+"""Spark processes of their own. Scale-out proof: ``outbox pipeline archive --master
+spark://...`` against a real standalone Spark cluster started from the PySpark
+installation itself (a master and one worker on 127.0.0.1). The driver is a separate
+``outbox`` process; the executor is a JVM the worker launches, with its own Python
+workers, so the job cannot lean on driver-local state: the executors read the
+database and write the Parquet files. That process is SIGKILLed right after its
+commit, the crash a real deployment can meet, and the next run finishes its job. And
+the job under ``spark-submit`` with the package shipped as a wheel."""
 
 from __future__ import annotations
 
@@ -16,14 +19,15 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pipeline_support import DAY_MS, mixed_rows, seed, table_ids
+from pipeline_support import DAY_MS, mixed_rows, seed, spark_process_env, table_ids
 from services import POSTGRES_URL, free_port, require
 
-from outbox.pipeline.archive import read_archive
+from outbox.pipeline.archive import Archiver, read_archive
 from outbox.storage.store import OutboxStore
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # JVMs of their own; CI runs them
@@ -40,8 +44,7 @@ def cluster(tmp_path: Path) -> Iterator[str]:
     spark_class = _spark_home() / "bin" / "spark-class"
     if not spark_class.exists():
         pytest.skip(f"this PySpark installation has no {spark_class}")
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
-           "SPARK_HOME": str(_spark_home())}
+    env = {**spark_process_env(tmp_path), "SPARK_HOME": str(_spark_home())}
     port, ui, worker_ui = free_port(), free_port(), free_port()
     logs = tmp_path / "cluster-logs"
     logs.mkdir()
@@ -79,7 +82,10 @@ def cluster(tmp_path: Path) -> Iterator[str]:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def test_archive_on_a_standalone_cluster(spark: Any, cluster: str, tmp_path: Path) -> None:
+def test_archive_on_a_standalone_cluster_killed_after_commit(spark: Any, cluster: str, tmp_path: Path) -> None:
+    """A real ``outbox pipeline archive --master spark://...`` process whose tasks run
+    in the worker's executor, killed with SIGKILL right after its commit (its Spark
+    JVM dies with it, the cluster ends its executor); the next run finishes the job."""
     require("PostgreSQL", "127.0.0.1", 5432)
     store = OutboxStore(POSTGRES_URL, table=f"outbox_c{uuid.uuid4().hex[:10]}")
     store.migrate()
@@ -88,20 +94,29 @@ def test_archive_on_a_standalone_cluster(spark: Any, cluster: str, tmp_path: Pat
         ids = seed(store, rows)
         old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
         root = tmp_path / "archive"
-        env = {**os.environ, "OUTBOX_DATABASE_URL": POSTGRES_URL, "OUTBOX_TABLE": store.engine.table_name,
-               "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+        env = {**spark_process_env(tmp_path), "OUTBOX_DATABASE_URL": POSTGRES_URL,
+               "OUTBOX_TABLE": store.engine.table_name, "OUTBOX_PIPELINE_CRASH_AT": "committed"}
         proc = subprocess.run([sys.executable, "-m", "outbox.cli", "pipeline", "archive", "--older-than", "7d",
                                "--to", str(root), "--master", cluster, "--partitions", "3", "--json"],
                               env=env, capture_output=True, text=True, timeout=400)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        summary = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert summary["archived"] == summary["deleted"] == len(old_done)
-        assert table_ids(store) == set(ids) - old_done
-        assert Counter(r["id"] for r in read_archive(spark, str(root)).select("id").collect()) == \
-            Counter(dict.fromkeys(old_done, 1))
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         # the tasks ran in the worker's executor, not in the driver
         executor_logs = list((tmp_path / "work").rglob("stderr"))
         assert executor_logs, "the worker launched no executor"
+        # killed before the delete: everything still there, the run committed with every old done row
+        assert table_ids(store) == set(ids)
+        manifests = list((root / "_manifest").glob("*.json"))
+        assert len(manifests) == 1 and not list((root / "_manifest").glob("*.deleted"))
+        committed = json.loads(manifests[0].read_text())
+        assert committed["rows"] == len(old_done) and committed["id_ranges"] == [[min(old_done), max(old_done)]]
+
+        result = Archiver(spark, store, str(root)).run(timedelta(days=7))
+        assert len(result.recovered) == 1 and result.archived == 0
+        assert Counter(r["id"] for r in read_archive(spark, str(root)).select("id").collect()) == \
+            Counter(dict.fromkeys(old_done, 1))
+        assert Counter(r["id"] for r in spark.read.parquet(str(root)).select("id").collect()) == \
+            Counter(dict.fromkeys(old_done, 1))
+        assert table_ids(store) == set(ids) - old_done
     finally:
         with store.transaction() as c:
             store.engine.execute(c, f"DROP TABLE IF EXISTS {store.engine.table}")
@@ -125,10 +140,9 @@ def test_archive_under_spark_submit(spark: Any, tmp_path: Path) -> None:
     rows = mixed_rows()
     ids = seed(store, rows)
     old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
-    env = {**os.environ, "OUTBOX_DATABASE_URL": store.url, "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable}
+    env = {**spark_process_env(tmp_path), "OUTBOX_DATABASE_URL": store.url}
     proc = subprocess.run([str(_spark_home() / "bin" / "spark-submit"), "--master", "local[1]",
-                           "--conf", "spark.ui.enabled=false", "--py-files", str(wheel), submit.__file__,
+                           "--py-files", str(wheel), submit.__file__,
                            "archive", "--older-than", "7d", "--to", str(tmp_path / "archive"), "--json"],
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

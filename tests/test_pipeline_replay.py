@@ -47,6 +47,20 @@ def archived(spark: Any, store: OutboxStore, tmp_path: Path) -> tuple[Path, dict
     return root, per_aggregate
 
 
+@pytest.fixture(scope="module")
+def history_archive(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[str]]]:
+    """``archived`` once for the module, from a SQLite outbox of its own: the archive
+    the SQLite cases below replay from, each into its own empty table (replay only
+    reads an archive)."""
+    tmp = tmp_path_factory.mktemp("history")
+    source = OutboxStore(f"sqlite:///{tmp / 'source.db'}", table="outbox")
+    source.migrate()
+    try:
+        return archived(spark, source, tmp)
+    finally:
+        source.close()
+
+
 def replayed(store: OutboxStore) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     """Rows now in the table, per aggregate, in id order: (message_id, headers)."""
     with store.transaction() as c:
@@ -93,8 +107,9 @@ def test_replay_in_order_and_once(spark: Any, store: OutboxStore, tmp_path: Path
 
 
 @pytest.mark.parametrize("kind", ["sqlite"])
-def test_replay_filters_and_dry_run(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
-    root, per_aggregate = archived(spark, store, tmp_path)
+def test_replay_filters_and_dry_run(spark: Any, store: OutboxStore, url: str,
+                                   history_archive: tuple[Path, dict[str, list[str]]]) -> None:
+    root, per_aggregate = history_archive
     env = {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name}
 
     out = invoke(["pipeline", "replay", "--from", str(root), "--dry-run"], env)
@@ -125,10 +140,9 @@ def _ago(ms: int) -> Any:
     return datetime.now(UTC) - timedelta(milliseconds=ms)
 
 
-@pytest.mark.parametrize("kind", ["sqlite"])
-def test_replay_into_another_database(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+def test_replay_into_another_database(history_archive: tuple[Path, dict[str, list[str]]]) -> None:
     require("PostgreSQL", "127.0.0.1", 5432)
-    root, per_aggregate = archived(spark, store, tmp_path)
+    root, per_aggregate = history_archive
     target = OutboxStore(POSTGRES_URL, table=f"outbox_r{uuid.uuid4().hex[:10]}")
     target.migrate()
     try:
@@ -144,14 +158,32 @@ def test_replay_into_another_database(spark: Any, store: OutboxStore, tmp_path: 
 
 
 @pytest.mark.parametrize("kind", ["sqlite"])
+def test_replay_refuses_a_bad_row_before_writing(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """An archived row ``enqueue`` would refuse (here an empty topic, set behind the
+    write side's back) fails the replay with the row and the problem named; its batch
+    writes nothing."""
+    ids = seed(store, history()[:6])
+    with store.transaction() as c:
+        store.engine.execute(c, f"UPDATE {store.engine.table} SET topic = ' ' WHERE id = ?", [ids[3]])
+        bad_message_id = store.engine.execute(c, f"SELECT message_id FROM {store.engine.table} WHERE id = ?",
+                                              [ids[3]]).fetchone()[0]
+    root = tmp_path / "archive"
+    assert Archiver(spark, store, str(root)).run(timedelta(days=7)).archived == 6
+    with pytest.raises(Exception, match=rf"archived event id {ids[3]} \(message_id '{bad_message_id}'\) cannot be "
+                                        "replayed: topic must not be empty"):
+        run_replay(spark, archive=str(root), target=store, batch=100, partitions=1)
+    assert replayed(store) == {}
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
 @pytest.mark.parametrize(("extra", "message"), [
     (["--topic", "nope"], "unknown topic 'nope': the archive holds orders.created, payments.settled"),
     (["--since", "yesterday"], "--since: 'yesterday' is neither a duration"),
     (["--since", "1d", "--until", "2d"], "must be before --until"),
 ])
-def test_replay_bad_arguments(spark: Any, store: OutboxStore, url: str, tmp_path: Path, extra: list[str],
-                              message: str) -> None:
-    root, _ = archived(spark, store, tmp_path)
+def test_replay_bad_arguments(spark: Any, store: OutboxStore, url: str, extra: list[str], message: str,
+                              history_archive: tuple[Path, dict[str, list[str]]]) -> None:
+    root, _ = history_archive
     out = invoke(["pipeline", "replay", "--from", str(root), *extra],
                  {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
     assert out.exit_code == 1

@@ -78,6 +78,87 @@ def test_replay_ids_are_deterministic_and_short() -> None:
     assert replay_message_id(original) == replay_message_id(original) == str(uuid.uuid5(REPLAY_NAMESPACE, original))
     assert replay_message_id(original) != replay_message_id(original[:-1])
     assert len(replay_message_id(original)) == 36
+    for name in ("", "m-1", "ünïcødé ✓ 😀", "tab\tand \\ quote \"", "é" * 64):
+        assert replay_message_id(name) == str(uuid.uuid5(REPLAY_NAMESPACE, name))
+
+
+def _archived(rows: list[dict]) -> dict[str, list]:
+    """Archived events (what replay's tasks receive), column by column."""
+    columns = ["id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key", "payload",
+               "headers", "trace_id"]
+    return {c: [r.get(c) for r in rows] for c in columns}
+
+
+def _row(n: int, **over: object) -> dict:
+    row = {"id": n, "message_id": f"m-{n}", "topic": f"orders.t{n % 3}", "aggregate_type": "order",
+           "aggregate_id": f"a{n % 4}", "partition_key": None if n % 2 else f"k{n}", "payload": f'{{"n": {n}}}',
+           "headers": '{"x-seq": 1}' if n % 3 else None, "trace_id": None if n % 5 else f"t{n}"}
+    row.update(over)
+    return row
+
+
+#: Archived rows whose JSON, text or headers take the less common paths.
+ODD_ROWS = [
+    _row(1, payload='{"b": 1, "a": [1.5, "ü", null, true], "c": {"d": "\\u00e9\\n"}}'),  # spaces, escapes
+    _row(2, payload='[1, 2, {"x": "😀"}]', headers='{"a": "b", "c": 2.5, "d": null, "e": false}'),
+    _row(3, message_id="ünïcødé-😀", headers="{}"),
+    _row(4, headers='{"x-outbox-replay-of": "older", "z": 1}'),  # a replay of a replay
+    _row(5, aggregate_id="a b", topic="t" * 255, payload='{"s": "%s"}' % ("x" * 200)),
+    _row(6, message_id='quote " and \\ backslash', headers='{"k": "line\\nbreak"}'),
+]
+
+
+def test_prepare_batch_writes_what_prepare_event_writes() -> None:
+    """Replay's batch validation gives, event by event, exactly ``prepare_event``'s result."""
+    pytest.importorskip("pyspark")
+    import json
+
+    from outbox.domain.events import prepare_event
+    from outbox.pipeline.replay import REPLAY_HEADER, prepare_batch, replay_message_id
+
+    rows = [_row(n) for n in range(7, 40)] + ODD_ROWS
+    got = prepare_batch(_archived(rows), 1 << 20)
+    want = []
+    for r in rows:
+        headers = json.loads(r["headers"]) if r["headers"] else {}
+        headers[REPLAY_HEADER] = r["message_id"]
+        want.append(prepare_event(topic=r["topic"], aggregate_type=r["aggregate_type"], aggregate_id=r["aggregate_id"],
+                                  payload=json.loads(r["payload"]), headers=headers, key=r["partition_key"],
+                                  message_id=replay_message_id(r["message_id"]), trace_id=r["trace_id"],
+                                  max_payload_bytes=1 << 20))
+    assert got == want
+
+
+@pytest.mark.parametrize(("bad", "problem"), [
+    ({"topic": " "}, "topic must not be empty"),
+    ({"topic": "t" * 256}, "topic is 256 characters long; the limit is 255"),
+    ({"aggregate_id": "a\x00b"}, "aggregate_id contains a NUL character"),
+    ({"partition_key": "k" * 200 + "😀" * 55}, "UTF-16 code units long"),
+    ({"trace_id": ""}, None),  # optional and empty: accepted, as enqueue accepts it
+    ({"payload": '"text"'}, "payload must be a JSON object or array, got str"),
+    ({"payload": '{"n": NaN}'}, "payload is not valid JSON"),
+    ({"payload": '{"n": '}, "Expecting value"),
+    ({"payload": '{"s": "a\\u0000b"}'}, "payload contains a NUL character"),
+    ({"payload": '{"s": "%s"}' % ("x" * 100)}, "payload is 108 bytes; OUTBOX_MAX_PAYLOAD_BYTES allows 100"),
+    ({"headers": '["a"]'}, "headers must be a mapping, got list"),
+    ({"headers": '{"h": {"nested": 1}}'}, "header 'h' must be a string, number, boolean or None"),
+    ({"headers": '{"h": "%s"}' % ("x" * 70_000)}, "headers are larger than 65536 bytes"),
+    ({"message_id": "m\x00"}, "header 'x-outbox-replay-of': its value contains a NUL character"),
+    ({"headers": '{"x-outbox-replay-of": 1, "h": NaN}'}, "NaN and infinity are not JSON"),
+])
+def test_prepare_batch_refuses_a_bad_row_by_name(bad: dict, problem: str | None) -> None:
+    pytest.importorskip("pyspark")
+    from outbox.pipeline.replay import prepare_batch
+
+    rows = [_row(n) for n in range(1, 6)] + [_row(6, **bad)] + [_row(n) for n in range(7, 9)]
+    if problem is None:
+        assert len(prepare_batch(_archived(rows), 100)) == 8
+        return
+    with pytest.raises(PipelineError) as caught:
+        prepare_batch(_archived(rows), 100)
+    message = str(caught.value)
+    assert message.startswith(f"archived event id 6 (message_id {rows[5]['message_id']!r}) cannot be replayed: ")
+    assert problem in message, message
 
 
 def _tsql(sql: str, params: int) -> exp.Expression:

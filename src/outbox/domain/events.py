@@ -143,6 +143,11 @@ def _text(name: str, value: Any, limit: int, *, required: bool = True,
     return value
 
 
+#: ``_text`` and ``_check_headers`` for code that validates many events at once (replay
+#: checks each distinct value of a column once): the very same checks, by name.
+check_text = _text
+
+
 def _message_id(value: Any) -> str:
     """A message id: a text column, and no whitespace at either end (SQL Server's equality
     ignores trailing spaces: see the module docstring)."""
@@ -183,6 +188,24 @@ def _check_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     return checked
 
 
+check_headers = _check_headers
+
+#: What ``json.dumps(..., ensure_ascii=False)`` writes for a string (CPython's C encoder):
+#: lets a caller append one string member to JSON that ``dump_json`` wrote.
+encode_json_string = json.encoder.encode_basestring
+
+
+def payload_json_problem(payload_json: str, max_payload_bytes: int) -> str | None:
+    """What ``prepare_event`` refuses in a payload's JSON text once written (a NUL
+    escape, the size), or None."""
+    if "\\u0000" in payload_json and _NUL_ESCAPE.search(payload_json):
+        return "payload contains a NUL character (\\u0000), which PostgreSQL's JSON cannot store"
+    size = len(payload_json) if payload_json.isascii() else len(payload_json.encode("utf-8"))
+    if size > max_payload_bytes:
+        return f"payload is {size} bytes; OUTBOX_MAX_PAYLOAD_BYTES allows {max_payload_bytes}"
+    return None
+
+
 def prepare_event(
     *,
     topic: str,
@@ -201,11 +224,9 @@ def prepare_event(
     if not isinstance(payload, (dict, list)):
         raise EnqueueError(f"payload must be a JSON object or array, got {type(payload).__name__}")
     payload_json = dump_json(payload, "payload")
-    if _NUL_ESCAPE.search(payload_json):
-        raise EnqueueError("payload contains a NUL character (\\u0000), which PostgreSQL's JSON cannot store")
-    size = len(payload_json.encode("utf-8"))
-    if size > max_payload_bytes:
-        raise EnqueueError(f"payload is {size} bytes; OUTBOX_MAX_PAYLOAD_BYTES allows {max_payload_bytes}")
+    problem = payload_json_problem(payload_json, max_payload_bytes)
+    if problem:
+        raise EnqueueError(problem)
     if headers is None:
         headers = {}
     if not isinstance(headers, Mapping):

@@ -294,6 +294,16 @@ def read_archive(spark: Any, location: str) -> Any:
     included when a run committed but was not published yet), one row per outbox id
     (when a row was archived twice, e.g. dead, requeued and archived again when done,
     the later run wins)."""
+    return archive_frame(spark, location)[0]
+
+
+def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
+    """``read_archive``'s DataFrame, and whether it had to pick one row per id. It does
+    only when some id can be there twice: two committed runs whose id runs overlap, or a
+    committed run still in staging (a crash mid-publish, where a rename that copies, as
+    on object stores, can leave a file in both places). Otherwise every id is in one
+    file of one run (each run's verify checked its ids are distinct), and the archive is
+    read as is, with no shuffle of every row by id (docs/pipeline.md, "Guarantees")."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -315,9 +325,13 @@ def read_archive(spark: Any, location: str) -> Any:
         if [f for f in fs.list_files(path) if f.endswith(".parquet") and not f.startswith("_")]:
             frames.append(spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", base).parquet(path))
     if not frames:
-        return spark.createDataFrame([], ARCHIVE_SCHEMA_DDL)
+        return spark.createDataFrame([], ARCHIVE_SCHEMA_DDL), False
     frame = frames[0]
     for other in frames[1:]:
         frame = frame.unionByName(other)
+    ranges = sorted((int(first), int(last)) for m in manifests for first, last in m["id_ranges"])
+    overlap = any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:]))
+    if not overlap and len(paths) == 1 and paths[0][0] == root:
+        return frame, False
     latest = Window.partitionBy("id").orderBy(F.col("archive_run").desc())
-    return frame.withColumn("_n", F.row_number().over(latest)).where("_n = 1").drop("_n")
+    return frame.withColumn("_n", F.row_number().over(latest)).where("_n = 1").drop("_n"), True

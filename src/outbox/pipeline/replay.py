@@ -15,8 +15,8 @@ order, what a crash leaves behind is a prefix of every aggregate, which the re-r
 completes in order. The copy carries ``x-outbox-replay-of`` (the original message
 id) in its headers, and the original's ``trace_id``.
 
-The rows are validated exactly as ``enqueue`` validates them and written with the
-engine's own column list, but a batch at a time rather than one ``enqueue`` call per
+The rows are validated exactly as ``enqueue`` validates them (``prepare_batch``: the
+same checks, each distinct value once) and written with the engine's own column list, but a batch at a time rather than one ``enqueue`` call per
 row: replay is a bulk load. How a batch is written is the one per-engine part
 (``BULK_WRITERS``): ``COPY ... FROM STDIN`` on PostgreSQL, one multi-row INSERT on
 MySQL/MariaDB, ``executemany`` elsewhere (SQLite's runs in C; SQL Server's driver
@@ -25,6 +25,7 @@ batches it). Each keeps the batch's order, so new ids follow the original order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Callable, Iterator
@@ -32,9 +33,24 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..core.config import get_settings
-from ..domain.events import prepare_event
+from ..core.errors import EnqueueError
+from ..core.model import NewEvent
+from ..domain.events import (
+    MAX_AGGREGATE,
+    MAX_HEADERS_BYTES,
+    MAX_KEY,
+    MAX_TOPIC,
+    MAX_TRACE_ID,
+    check_headers,
+    check_text,
+    dump_json,
+    encode_json_string,
+    payload_json_problem,
+    prepare_event,
+    text_problem,
+)
 from ..storage.store import OutboxStore
-from .archive import check_table, read_archive
+from .archive import archive_frame, check_table
 from .common import PipelineError
 
 #: Fixed forever: changing it would make a re-run enqueue everything again.
@@ -43,18 +59,113 @@ REPLAY_HEADER = "x-outbox-replay-of"
 SAMPLE = 5
 
 
+_NAMESPACE_BYTES = REPLAY_NAMESPACE.bytes
+
+
 def replay_message_id(original: str) -> str:
-    return str(uuid.uuid5(REPLAY_NAMESPACE, original))
+    """``str(uuid.uuid5(REPLAY_NAMESPACE, original))``, computed without building a
+    ``UUID`` (replay derives one per event): SHA-1 of namespace and name, the first 16
+    bytes with the version (5) and RFC 4122 variant bits set."""
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + original.encode("utf-8")).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50
+    digest[8] = (digest[8] & 0x3F) | 0x80
+    h = digest.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+#: The text columns of an event, as ``prepare_event`` checks them: (column, name in
+#: errors, limit, required, what AMQP carries it as).
+_TEXT_COLUMNS = (("topic", "topic", MAX_TOPIC, True, "a routing key"),
+                 ("aggregate_type", "aggregate_type", MAX_AGGREGATE, True, None),
+                 ("aggregate_id", "aggregate_id", MAX_AGGREGATE, True, None),
+                 ("partition_key", "key", MAX_KEY, False, None),
+                 ("trace_id", "trace_id", MAX_TRACE_ID, False, None))
+_REPLAY_MEMBER = "," + encode_json_string(REPLAY_HEADER) + ":"
+
+
+def prepare_batch(cols: dict[str, list[Any]], max_payload_bytes: int) -> list[NewEvent]:
+    """A batch of archived events (``cols``: column name -> values, in order) as new
+    events, validated and serialised exactly as ``prepare_event`` does it for each, at a
+    fraction of the cost (docs/pipeline.md, "Replay"): each distinct value of a text
+    column is checked once, each distinct archived headers text is parsed and checked
+    once and the replay header appended to its JSON as text; only the payload is parsed
+    and written per event. A row that cannot be enqueued raises ``PipelineError``
+    naming its archived id and message id and the problem, before anything of the
+    batch is written."""
+    ids, originals = cols["id"], cols["message_id"]
+
+    def refuse(i: int, problem: object) -> PipelineError:
+        return PipelineError(f"archived event id {ids[i]} (message_id {originals[i]!r}) cannot be replayed: "
+                             f"{problem}")
+
+    for i, original in enumerate(originals):
+        if not isinstance(original, str):
+            raise refuse(i, "the archived message_id is missing")
+    for column, name, limit, required, amqp in _TEXT_COLUMNS:
+        values = cols[column]
+        for value in set(values):
+            try:
+                check_text(name, value, limit, required=required, amqp_bytes=amqp)
+            except EnqueueError as exc:
+                raise refuse(values.index(value), exc) from None
+    heads: dict[str | None, str | None] = {}  # archived headers text -> its JSON without the closing brace
+    for text in set(cols["headers"]):
+        try:
+            headers = json.loads(text) if text else {}
+            if not isinstance(headers, dict):
+                raise EnqueueError(f"headers must be a mapping, got {type(headers).__name__}")
+            # (a copy that already carries the replay header: each row through prepare_event)
+            heads[text] = None if REPLAY_HEADER in headers else dump_json(check_headers(headers), "headers")[:-1]
+        except (EnqueueError, ValueError) as exc:
+            raise refuse(cols["headers"].index(text), exc) from None
+    events = []
+    for i, (original, payload_text, headers_text) in enumerate(zip(originals, cols["payload"], cols["headers"])):
+        head = heads[headers_text]
+        try:
+            if head is None:
+                headers = json.loads(headers_text) if headers_text else {}
+                headers[REPLAY_HEADER] = original
+                events.append(prepare_event(
+                    topic=cols["topic"][i], aggregate_type=cols["aggregate_type"][i],
+                    aggregate_id=cols["aggregate_id"][i], payload=json.loads(payload_text), headers=headers,
+                    key=cols["partition_key"][i], message_id=replay_message_id(original),
+                    trace_id=cols["trace_id"][i], max_payload_bytes=max_payload_bytes))
+                continue
+            payload = json.loads(payload_text)
+            if not isinstance(payload, (dict, list)):
+                raise EnqueueError(f"payload must be a JSON object or array, got {type(payload).__name__}")
+            payload_json = dump_json(payload, "payload")
+            problem = payload_json_problem(payload_json, max_payload_bytes)
+            # the original message id is the replay header's value: checked as a header value is
+            if problem is None and not (original.isascii() and "\x00" not in original):
+                problem = text_problem(original)
+                problem = problem and f"header {REPLAY_HEADER!r}: its value {problem}"
+            if problem:
+                raise EnqueueError(problem)
+            headers_json = (head + _REPLAY_MEMBER if len(head) > 1 else head + _REPLAY_MEMBER[1:]) \
+                + encode_json_string(original) + "}"
+            if (len(headers_json) if headers_json.isascii() else len(headers_json.encode("utf-8"))) \
+                    > MAX_HEADERS_BYTES:
+                raise EnqueueError(f"headers are larger than {MAX_HEADERS_BYTES} bytes")
+        except (EnqueueError, ValueError) as exc:  # ValueError: JSON that does not parse
+            raise refuse(i, exc) from None
+        # the new message id is a uuid5: 36 ASCII characters, valid by construction
+        events.append(NewEvent(replay_message_id(original), cols["topic"][i], cols["aggregate_type"][i],
+                               cols["aggregate_id"][i], cols["partition_key"][i], payload_json, headers_json,
+                               cols["trace_id"][i]))
+    return events
 
 
 def select_events(spark: Any, archive: str, *, topic: str | None = None, aggregate_type: str | None = None,
                   aggregate_id: str | None = None, since: datetime | None = None,
-                  until: datetime | None = None) -> Any:
+                  until: datetime | None = None) -> tuple[Any, bool]:
+    """The archived events to replay, and whether reading them picked one row per id
+    (then they are worth caching: the counts, the sample and the writing read them)."""
     from pyspark.sql import functions as F
 
     if since and until and since >= until:
         raise PipelineError(f"--since ({since.isoformat()}) must be before --until ({until.isoformat()})")
-    events = read_archive(spark, archive)
+    events, deduplicated = archive_frame(spark, archive)
     if topic is not None:
         known = sorted(r["topic"] for r in events.select("topic").distinct().collect())
         if topic not in known:
@@ -70,12 +181,27 @@ def select_events(spark: Any, archive: str, *, topic: str | None = None, aggrega
     if until is not None:
         events = events.where(F.col("created_at") < F.lit(until))
     return events.select("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
-                         "payload", "headers", "trace_id")
+                         "payload", "headers", "trace_id"), deduplicated
 
 
 def existing_sql(table: str, count: int) -> str:
     """Which of ``count`` message ids (``?`` each) are already stored."""
     return f"SELECT message_id FROM {table} WHERE message_id IN ({', '.join('?' * count)})"
+
+
+def _existing_in_list(engine: Any, cursor: Any, ids: list[str]) -> set[str]:
+    return {row[0] for row in engine.execute(cursor, existing_sql(engine.table, len(ids)), ids).fetchall()}
+
+
+def _existing_any(engine: Any, cursor: Any, ids: list[str]) -> set[str]:
+    """PostgreSQL: the ids as one array parameter (``= ANY``), a statement the driver
+    parses once instead of an ``IN`` list of a thousand placeholders per batch."""
+    return {row[0] for row in engine.execute(cursor, f"SELECT message_id FROM {engine.table} "
+                                             "WHERE message_id = ANY(?)", [ids]).fetchall()}
+
+
+#: Which of a batch's message ids are already stored, per engine (default: an ``IN`` list).
+EXISTING: dict[str, Callable[[Any, Any, list[str]], set[str]]] = {"postgresql": _existing_any}
 
 
 def insert_sql(engine: Any) -> str:
@@ -135,7 +261,7 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
     """The task body (``mapInArrow``): write this partition's events in order,
     ``batch`` per transaction; yields one record batch (events seen, newly written).
 
-    Each event is validated exactly as ``enqueue`` validates it (``prepare_event``);
+    Each event is validated exactly as ``enqueue`` validates it (``prepare_batch``);
     a batch then skips the message ids already stored and writes the rest with the
     engine's bulk writer (``BULK_WRITERS``) in the batch's order, so ids still follow
     the original order. Two replays of the same
@@ -147,25 +273,16 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
         store = OutboxStore(url, table=table, schema=schema)
         engine = store.engine
         write = BULK_WRITERS.get(engine.name, _executemany)
+        existing_of = EXISTING.get(engine.name, _existing_in_list)
         seen = written = batches = 0
-        pending: list[Any] = []
 
-        def flush() -> int:
-            events = []
-            for r in pending:
-                headers = json.loads(r["headers"]) if r["headers"] else {}
-                headers[REPLAY_HEADER] = r["message_id"]
-                events.append(prepare_event(topic=r["topic"], aggregate_type=r["aggregate_type"],
-                                            aggregate_id=r["aggregate_id"], payload=json.loads(r["payload"]),
-                                            headers=headers, key=r["partition_key"],
-                                            message_id=replay_message_id(r["message_id"]),
-                                            trace_id=r["trace_id"], max_payload_bytes=max_payload_bytes))
+        def flush(rows: Any) -> int:
+            events = prepare_batch({name: rows.column(name).to_pylist() for name in rows.column_names},
+                                   max_payload_bytes)
 
             def work(cursor: Any) -> int:
                 engine.begin(cursor)
-                ids = [e.message_id for e in events]
-                existing = {row[0] for row in engine.execute(cursor, existing_sql(engine.table, len(ids)),
-                                                             ids).fetchall()}
+                existing = existing_of(engine, cursor, [e.message_id for e in events])
                 missing = [engine.event_params(e) for e in events if e.message_id not in existing]
                 if missing:
                     write(engine, cursor, missing)
@@ -173,17 +290,20 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
             return store._run("replay", work)
 
         try:
-            rows = (row for record_batch in batches_in for row in record_batch.to_pylist())
-            for row in rows:
-                pending.append(row)
-                if len(pending) >= batch:
-                    seen, written = seen + len(pending), written + flush()
-                    pending.clear()
+            pending: list[Any] = []  # record batches not written yet, ``buffered`` rows
+            buffered = 0
+            for record_batch in batches_in:
+                pending.append(record_batch)
+                buffered += record_batch.num_rows
+                while buffered >= batch:
+                    rows = pa.Table.from_batches(pending)
+                    seen, written = seen + batch, written + flush(rows.slice(0, batch))
+                    pending, buffered = rows.slice(batch).to_batches(), buffered - batch
                     batches += 1
                     if crash_after_batches is not None and batches >= crash_after_batches:
                         raise RuntimeError(f"injected crash after {batches} replay batch(es)")
-            if pending:
-                seen, written = seen + len(pending), written + flush()
+            if buffered:
+                seen, written = seen + buffered, written + flush(pa.Table.from_batches(pending))
         finally:
             store.close()
         yield pa.RecordBatch.from_pydict({"seen": [seen], "written": [written]},
@@ -202,8 +322,10 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
     say = progress or (lambda message: None)
     if batch < 1:
         raise PipelineError("--batch must be at least 1")
-    events = select_events(spark, archive, topic=topic, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
-                           since=since, until=until).cache()
+    events, deduplicated = select_events(spark, archive, topic=topic, aggregate_type=aggregate_type,
+                                         aggregate_id=aggregate_id, since=since, until=until)
+    if deduplicated:
+        events = events.cache()
     try:
         counts = {r["topic"]: int(r["count"]) for r in events.groupBy("topic").count().orderBy("topic").collect()}
         total = sum(counts.values())
