@@ -248,9 +248,9 @@ class PostgresEngine(Engine):
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
         # The rule of outbox.domain.chains.plan_claim in one statement; its shape and why each step
         # costs what it does: docs/internals.md, "Claim windows" (and "Claims that overlap take
-        # disjoint chains"). win: the window, read without locks; free: its heads (OFFSET 0
-        # keeps the probe above the sort; a scalar probe, one index descent per head, never a
-        # hash join over the table) with no open row before them; w_chain: the rule over the
+        # disjoint chains"). win: the window, read without locks; free: up to twice the batch
+        # of its heads (OFFSET 0 keeps the probe above the sort; a scalar probe, one index
+        # descent per head, never a hash join over the table) with no open row before them; w_chain: the rule over the
         # window as if every row were ours, cut to ``batch`` rows, whole chains, oldest first;
         # held: as many heads as that plan has, locked, skipping heads another claim holds;
         # pick: the held chains' rows in w_chain, ``batch`` of them; cand: those locked, and the
@@ -273,6 +273,7 @@ class PostgresEngine(Engine):
                 SELECT h.head FROM (SELECT id AS head, aggregate_id FROM win WHERE id = head ORDER BY id OFFSET 0) h
                 WHERE (SELECT e.id FROM {t} e WHERE e.aggregate_id = h.aggregate_id AND e.id < h.head
                        AND {self.open_rows("e.")} ORDER BY e.aggregate_id DESC, e.id DESC LIMIT 1) IS NULL
+                LIMIT {2 * batch}
             ),
             {self._chain_rule("w", "(SELECT * FROM win WHERE head = ANY (ARRAY(SELECT head FROM free)))", max_attempts)},
             plan AS (SELECT head FROM w_chain ORDER BY head, id LIMIT {batch}),
