@@ -359,7 +359,8 @@ class Engine(ABC):
             taken.dead_ids += kept.dead_ids
             if len(locked) == len(planned):
                 break
-            tried = {chain_key(c) for c in pool if c.id in set(planned)}
+            planned_ids = set(planned)
+            tried = {chain_key(c) for c in pool if c.id in planned_ids}
             pool = [c for c in pool if chain_key(c) not in tried]
         taken.claim_ids.sort()
         return taken
