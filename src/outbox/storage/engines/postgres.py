@@ -250,11 +250,11 @@ class PostgresEngine(Engine):
         # costs what it does: docs/internals.md, "Claim windows" (and "Claims that overlap take
         # disjoint chains"). win: the window, read without locks; free: up to twice the batch
         # of its heads (OFFSET 0 keeps the probe above the sort; a scalar probe, one index
-        # descent per head, never a hash join over the table) with no open row before them; w_chain: the rule over the
-        # window as if every row were ours, cut to ``batch`` rows, whole chains, oldest first;
-        # held: as many heads as that plan has, locked, skipping heads another claim holds;
-        # pick: the held chains' rows in w_chain, ``batch`` of them; cand: those locked, and the
-        # rule again on them (c_chain), which is what is claimed.
+        # descent per head, never a hash join over the table) with no open row before them;
+        # w_rows/w_chain: the rule over their rows as if every row were ours; plan: that cut to
+        # ``batch`` rows, whole chains, oldest first; held: as many heads as the plan has, locked,
+        # skipping heads another claim holds; pick: the held chains' rows in w_chain, ``batch``
+        # of them; cand: those locked, and the rule again on them (c_chain): what is claimed.
         t = self.table
         # A NULL aggregate_id (a hand-made table) equals nothing: each such row is a chain of
         # its own. From ``win`` on, a chain is named by its head (an integer: cheap to sort).
@@ -275,7 +275,8 @@ class PostgresEngine(Engine):
                        AND {self.open_rows("e.")} ORDER BY e.aggregate_id DESC, e.id DESC LIMIT 1) IS NULL
                 LIMIT {2 * batch}
             ),
-            {self._chain_rule("w", "(SELECT * FROM win WHERE head = ANY (ARRAY(SELECT head FROM free)))", max_attempts)},
+            w_rows AS MATERIALIZED (SELECT w.* FROM win w JOIN free f ON f.head = w.head),
+            {self._chain_rule("w", "w_rows", f"NOT ({eligible})", max_attempts)},
             plan AS (SELECT head FROM w_chain ORDER BY head, id LIMIT {batch}),
             held AS MATERIALIZED (
                 SELECT h.id FROM (SELECT head FROM free ORDER BY head) f
@@ -289,7 +290,7 @@ class PostgresEngine(Engine):
                 SELECT c.id, c.aggregate_id, c.status, c.attempts, p.head FROM pick p JOIN {t} c ON c.id = p.id
                 WHERE {eligible} FOR UPDATE OF c SKIP LOCKED
             ),
-            {self._chain_rule("c", "cand", max_attempts)}
+            {self._chain_rule("c", "cand", "e.id NOT IN (SELECT id FROM cand)", max_attempts)}
             UPDATE {t} o SET
                 attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
                 status = CASE WHEN chain.dead THEN 4 ELSE 1 END,
@@ -301,36 +302,27 @@ class PostgresEngine(Engine):
             RETURNING {returning}"""
         return self.execute(cursor, sql, [LEASE_EXPIRED_ERROR, lease]).fetchall()
 
-    def _chain_rule(self, prefix: str, rows: str, max_attempts: int) -> str:
-        """The rule of ``plan_claim`` over ``rows`` (id, aggregate_id, status, attempts, head),
-        as CTEs named ``<prefix>_...``, ending in ``<prefix>_chain`` (id, head, dead): (1)
-        ``blocker``, the first open row between a chain's head and its last row that is not
-        one of ``rows`` (rows before the head were checked by ``free``, in the same snapshot;
-        a chain of one row needs no walk); (2) a non-pending row other than the head ends the
-        chain; (3) nothing behind a row that goes dead. (2) and (3) are running flags (window
-        functions), not self-joins."""
-        t, p = self.table, prefix
-        return f"""{p}_flag AS (
-                SELECT id, head, status = 1 AND attempts + 1 >= {max_attempts} AS dead,
-                       status <> 0 AND id > MIN(id) OVER (PARTITION BY head) AS late
-                FROM {rows} r
-            ),
-            {p}_run AS (
-                SELECT id, head, dead, BOOL_OR(late) OVER w AS cut,
-                       COALESCE(BOOL_OR(dead) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false)
-                           AS after_dead
-                FROM {p}_flag WINDOW w AS (PARTITION BY head ORDER BY id)
-            ),
-            {p}_blocker AS MATERIALIZED (
-                SELECT a.head, (
-                    SELECT e.id FROM {t} e WHERE e.aggregate_id = a.aggregate_id AND {self.open_rows("e.")}
-                      AND e.id >= a.head AND e.id < a.last AND e.id NOT IN (SELECT id FROM {rows} k)
-                    ORDER BY e.aggregate_id, e.id LIMIT 1) AS first_id
-                FROM (SELECT head, MIN(aggregate_id) AS aggregate_id, MAX(id) AS last FROM {rows} r
-                      WHERE aggregate_id IS NOT NULL GROUP BY head) a
-                WHERE a.last > a.head
+    def _chain_rule(self, prefix: str, rows: str, outside: str, max_attempts: int) -> str:
+        """The rule of ``plan_claim`` over ``rows`` (id, aggregate_id, status, attempts, head:
+        the chain's first row in ``rows``), as CTEs named ``<prefix>_...``, ending in
+        ``<prefix>_chain`` (id, head, dead). A chain ends before the first of: (1) an open row
+        between its head and its last row that is not one of ``rows`` (``outside``, a condition
+        on ``e``; rows before the head were checked by ``free``, in the same snapshot; a chain
+        of one row needs no walk); (2) a non-pending row other than the head; (3) the row after
+        one that goes dead. ``<prefix>_cut`` holds only the chains that end early: over a
+        plain backlog it is empty, and no row of ``rows`` is sorted for the rule."""
+        t, p, dead = self.table, prefix, f"status = 1 AND attempts + 1 >= {max_attempts}"
+        return f"""{p}_cut AS MATERIALIZED (
+                SELECT head, stop FROM (SELECT head, LEAST(
+                    CASE WHEN MAX(id) > head AND MIN(aggregate_id) IS NOT NULL THEN (
+                        SELECT e.id FROM {t} e WHERE e.aggregate_id = MIN(r.aggregate_id) AND {self.open_rows("e.")}
+                          AND e.id > r.head AND e.id < MAX(r.id) AND {outside}
+                        ORDER BY e.aggregate_id, e.id LIMIT 1) END,
+                    MIN(id) FILTER (WHERE status <> 0 AND id > head),
+                    MIN(id) FILTER (WHERE {dead}) + 1) AS stop
+                FROM {rows} r GROUP BY head) s WHERE stop IS NOT NULL
             ),
             {p}_chain AS (
-                SELECT r.id, r.head, r.dead FROM {p}_run r LEFT JOIN {p}_blocker b ON b.head = r.head
-                WHERE (b.first_id IS NULL OR r.id < b.first_id) AND NOT r.cut AND NOT r.after_dead
+                SELECT r.id, r.head, r.status = 1 AND r.attempts + 1 >= {max_attempts} AS dead FROM {rows} r
+                WHERE NOT EXISTS (SELECT 1 FROM {p}_cut c WHERE c.head = r.head AND r.id >= c.stop)
             )"""
