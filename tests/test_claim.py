@@ -285,9 +285,12 @@ class Slice:
         return True
 
     def run(self, batch_size: int = 2, breaker: Breaker | None = None, stopping: Any = lambda: False,
-            publish_here: Any = None, **kw: Any) -> ClaimOutcome | None:
-        relay = RelayContext(self.store, self.publisher, options=RelayOptions(), breaker=breaker, stopping=stopping)
-        drain = Drain(self.sent, publish_here or self.publish_here, self.request_claim, self.outage, self.backlog)
+            publish_here: Any = None, options: RelayOptions | None = None, queued: Any = None,
+            **kw: Any) -> ClaimOutcome | None:
+        relay = RelayContext(self.store, self.publisher, options=options or RelayOptions(), breaker=breaker,
+                             stopping=stopping)
+        drain = Drain(self.sent, publish_here or self.publish_here, self.request_claim, self.outage, self.backlog,
+                      queued=queued)
         return drain_slice(relay, drain, batch_size=batch_size, lease_s=60.0, **kw)
 
 
@@ -333,7 +336,9 @@ def test_a_drain_slice_ends_with_its_time_when_stopping_or_when_the_breaker_open
         assert here.run(**kw) is not None
         # One claim, its share published here; then the next claim soon, as after any publish.
         assert here.events == ["claim soon", share, "claim soon"]
-        assert here.backlog.met  # that claim was full: the next reads the publish queue's length
+        # That claim was full, but published here whole: it added nothing to the publish
+        # queue, so the next claim skips reading its length.
+        assert not here.backlog.met
     # The breaker opens during a share: the next claim of the slice claims nothing, and
     # nobody asks for a claim while the breaker is open.
     breaker, here = Breaker(), Slice(sqlite_store)
@@ -345,6 +350,38 @@ def test_a_drain_slice_ends_with_its_time_when_stopping_or_when_the_breaker_open
     outcome = here.run(breaker=breaker, publish_here=publish_then_trip)
     assert outcome is not None and outcome.paused > 0 and outcome.claimed == 0
     assert here.events == ["claim soon", a[4:6]]
+
+
+def test_only_a_claim_that_sent_publish_tasks_on_makes_the_next_read_the_publish_queue(
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """The in-flight bound is the publish queue's length, a round trip to Celery's broker: read
+    before a claim only when the last one sent publish tasks on (or was held back). A full
+    claim published here whole added nothing to that queue."""
+    ids = {name: [] for name in "abcd"}
+    for _ in range(3):
+        for name in "abcd":
+            ids[name] += add(conn, name)
+    reads: list[int] = []
+
+    def queued() -> int:
+        reads.append(len(here.events))
+        return 0
+
+    here = Slice(sqlite_store)
+    # Publish tasks of one row: a full claim of two chains keeps one here, sends one on.
+    options = RelayOptions(task_rows=1, inline_rows=1)
+    here.backlog.met = False
+    outcome = here.run(batch_size=4, options=options, queued=queued, slice_s=0.0)
+    assert outcome is not None and outcome.full and outcome.tasks == 1
+    assert reads == [] and here.backlog.met  # not read before it; read before the next one
+    here.run(batch_size=4, options=options, queued=queued, slice_s=0.0)
+    assert len(reads) == 1
+    # The same backlog's claims published here whole (a share holds the whole claim):
+    # the queue is never read again.
+    reads.clear()
+    here.backlog.met = False
+    outcome = here.run(batch_size=4, queued=queued)
+    assert outcome is not None and here.sent.tasks and reads == []
 
 
 def test_in_the_main_process_a_full_claim_publishes_nothing_itself_and_makes_no_slice(
@@ -361,11 +398,13 @@ def test_a_drain_slice_reports_a_refused_claim_as_a_database_outage(sqlite_store
                                                                    conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 3)
     here = Slice(sqlite_store)
-    assert here.run(slice_s=0.0) is not None and here.backlog.met
+    here.backlog.met = True
+    assert here.run(slice_s=0.0) is not None and not here.backlog.met
+    here.backlog.met = True
     conn.execute(f"DROP TABLE {sqlite_store.engine.table}")
     conn.commit()
     assert here.run() is None  # no traceback: the outage says it once
-    assert here.outage.down and here.backlog.met  # what the last claim that ran met is kept
+    assert here.outage.down and here.backlog.met  # a claim that did not run changes nothing
     assert here.events == ["claim soon", a[0:2], "claim soon"]  # the failed claim asked for nothing
 
 
@@ -408,8 +447,8 @@ print(seen, requests, claims)
 
 def test_only_a_claim_after_a_backlog_reads_the_publish_queue_length(tmp_path: Path) -> None:
     """The in-flight bound costs a round trip to Celery's broker; a process reads the
-    publish queue's length before a claim only when its previous claim met a backlog (its
-    first claim too), so live traffic skips it."""
+    publish queue's length before a claim only when its previous claim met a backlog and sent
+    publish tasks on (its first claim too), so live traffic skips it."""
     code = """
 import os, sqlite3
 import outbox.celery.tasks as t
@@ -437,7 +476,8 @@ print(*seen)
     done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_BATCH_SIZE="2",
                       DB_PATH=str(tmp_path / "o.db"))
     assert done.returncode == 0, done.stderr
-    # first claim: checked (nothing known yet); small claims: not; after the full one: checked
-    # once, by the claim its task makes next in the same drain slice (it publishes its full
-    # batch itself, then claims again: docs/internals.md), which comes back empty
-    assert done.stdout.split() == ["1", "0", "1", "0", "0"]
+    # first claim: checked (nothing known yet); small claims: not; the full one published its
+    # batch itself (one share: it sent no publish task on), so the claim its slice makes next
+    # is not checked either (docs/internals.md, "Drain slices"); a claim that sends publish
+    # tasks on: test_only_a_claim_that_sent_publish_tasks_on_makes_the_next_read_the_publish_queue
+    assert done.stdout.split() == ["1", "0", "0", "0", "0"]

@@ -45,9 +45,11 @@ class ClaimOutcome:
 
     @property
     def backlog(self) -> bool:
-        """The claim met a backlog (full, cut, or held back by the in-flight bound): the
-        next claim should check the publish queue's length before claiming."""
-        return self.full or self.trimmed or self.saturated
+        """The claim met a backlog and sent publish tasks on (full or cut, with tasks), or was
+        held back by the in-flight bound: the next claim should check the publish queue's
+        length before claiming. A full claim published here whole added nothing to that queue:
+        the next skips the round trip (docs/internals.md, "Drain slices")."""
+        return (self.full or self.trimmed) and self.tasks > 0 or self.saturated
 
 
 def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
