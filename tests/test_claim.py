@@ -481,3 +481,25 @@ print(*seen)
     # is not checked either (docs/internals.md, "Drain slices"); a claim that sends publish
     # tasks on: test_only_a_claim_that_sent_publish_tasks_on_makes_the_next_read_the_publish_queue
     assert done.stdout.split() == ["1", "0", "0", "0", "0"]
+
+
+def test_a_relay_process_claims_with_the_window_of_outbox_relay_claim_window(tmp_path: Path) -> None:
+    """``OUTBOX_RELAY_CLAIM_WINDOW`` reaches the store a relay process claims through, and its
+    default is the engines' own (docs/internals.md, "Claim windows")."""
+    from outbox.core.config import RelayOptions
+    from outbox.storage.engines.base import Engine
+
+    assert RelayOptions().claim_window == Engine.CLAIM_WINDOW
+    code = """
+import outbox.celery.tasks as t
+store = t.resources().store
+print(store.engine.window, store.engine.claim_window(10))
+"""
+    for env, expected in (({}, f"{Engine.CLAIM_WINDOW} {Engine.CLAIM_WINDOW * 10}"),
+                          ({"OUTBOX_RELAY_CLAIM_WINDOW": "5"}, "5 50")):
+        done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", **env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == expected
+    refused = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
+                         OUTBOX_RELAY_CLAIM_WINDOW="0")
+    assert refused.returncode != 0 and "OUTBOX_RELAY_CLAIM_WINDOW" in refused.stderr

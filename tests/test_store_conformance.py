@@ -175,6 +175,8 @@ def test_a_claim_running_beside_another_takes_other_chains(make_store: Any, writ
     if kind == "sqlite":
         pytest.skip("SQLite has one writer: its claims run one after the other and cannot overlap")
     first, second = make_store(table="outbox_overlap"), make_store(table="outbox_overlap")
+    for store in (first, second):
+        store.use_claim_window(4)  # windows of 24 rows: every aggregate's three rows in them
     ids: dict[str, list[int]] = {name: [] for name in "abcdefgh"}
     for _ in range(3):
         for name in ids:
@@ -203,6 +205,7 @@ def test_the_claim_takes_what_plan_claim_takes_over_its_window_on_random_outboxe
     rng = random.Random(2026_11_25)
     for round_ in range(25):
         store = make_store(max_attempts=3, claim_timeout_ms=60_000)
+        store.use_claim_window(rng.choice([1, 2, 4]))  # OUTBOX_RELAY_CLAIM_WINDOW
         e = store.engine
         aggregates = rng.choice(["ab", "abcdefgh"])
         states: dict[int, tuple[str, str, int]] = {}

@@ -148,6 +148,12 @@ class RelayOptions(Options):
     #: slices"). Off (the default: no gain measured on the benchmark machine, docs/benchmarks.md):
     #: claim, publish, settle, then claim again, one after the other.
     claim_ahead: bool = option(False, "bool")
+    #: A claim reads this many times OUTBOX_BATCH_SIZE eligible rows (its window) and takes
+    #: OUTBOX_BATCH_SIZE of them, whole chains, oldest first: over fewer aggregates than the
+    #: window, each claim takes this many rows of each of its aggregates and leaves the
+    #: rest to others. One confirm round trip per row of a chain: set it to the number of
+    #: claims that run at once (docs/internals.md, "Claim windows"). Default: the engines'.
+    claim_window: int = option(2, "int", above=0, maximum=16)
     #: Bytes (payload + ~256 per row) one claimed batch may send on as publish tasks;
     #: the rest of the batch is released at once. The first row always goes.
     max_batch_bytes: int = option(8 * 1024 * 1024, "int", above=0)

@@ -127,6 +127,13 @@ class OutboxStore:
             return columns, frozenset(index_names(self.engine, cursor))
 
     # -- relay operations --------------------------------------------------------
+    def use_claim_window(self, factor: int) -> None:
+        """Claims read ``factor`` times their batch of eligible rows (``Engine.claim_window``;
+        the relay's ``OUTBOX_RELAY_CLAIM_WINDOW``: docs/internals.md, "Claim windows")."""
+        if factor <= 0:
+            raise ValueError("the claim window must be positive")
+        self.engine.window = int(factor)
+
     def claim(self, batch: int) -> Claim:
         """Lease up to ``batch`` rows: whole per-aggregate chains, oldest first."""
         if batch <= 0:

@@ -291,15 +291,17 @@ class Engine(ABC):
     INSERT_COLUMNS = "message_id, topic, aggregate_type, aggregate_id, partition_key, payload, headers, trace_id"
 
     # -- claim ---------------------------------------------------------------
-    #: A claim locks this many times ``batch`` candidates and keeps ``batch`` rows of them,
+    #: A claim reads this many times ``batch`` candidates and keeps ``batch`` rows of them,
     #: whole chains, oldest chain first: over few aggregates it takes several rows of some
     #: aggregates and leaves the others to a concurrent claimer (docs/internals.md, "Claim
-    #: windows").
-    CLAIM_WINDOW: ClassVar[int] = 4
+    #: windows"). The default of ``window``, which the relay sets from
+    #: ``OUTBOX_RELAY_CLAIM_WINDOW`` (``OutboxStore.use_claim_window``).
+    CLAIM_WINDOW: ClassVar[int] = 2
+    window: int = CLAIM_WINDOW
 
     def claim_window(self, batch: int) -> int:
-        """How many candidates a claim of ``batch`` rows scans and locks."""
-        return batch * self.CLAIM_WINDOW
+        """How many candidates a claim of ``batch`` rows reads."""
+        return batch * self.window
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
         """Lease up to ``batch`` rows inside the open transaction; return rows shaped
