@@ -122,3 +122,26 @@ def test_migrate_moves_a_table_made_before_and_mends_rows_that_break_the_rule(ta
         assert admin.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
                              [table]).fetchone()[0] == ["fillfactor=90"]
         store.close()
+
+
+def test_the_lease_commits_lazily_and_the_done_mark_durably(table: str) -> None:
+    """The claim statement turns ``synchronous_commit`` off for its own transaction only: a
+    server crash may forget the last leases (their rows are published again, as after a lost
+    worker), never a done mark, which commits durably and so flushes every lease before it
+    (docs/internals.md, "The lease commits lazily on PostgreSQL")."""
+    store = OutboxStore(POSTGRES_URL, table=table)
+    store.migrate()
+    add(table, aggregates=3, per_aggregate=2)
+    with psycopg.connect(POSTGRES_URL) as conn:
+        cursor = conn.cursor()
+        assert cursor.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        lease = uuid.uuid4().hex
+        rows = store.engine.claim(cursor, 100, lease, 60_000, 10)
+        assert len(rows) == 6
+        assert cursor.execute("SHOW synchronous_commit").fetchone() == ("off",)  # this transaction's commit
+        conn.commit()
+        assert cursor.execute("SHOW synchronous_commit").fetchone() == ("on",)  # and no later one
+        cond, params = store.engine.ids_in([r[0] for r in rows])
+        assert store.engine.execute(cursor, store.engine.mark_done_sql(cond), [*params, lease]).rowcount == 6
+        assert cursor.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        conn.commit()

@@ -255,6 +255,8 @@ class PostgresEngine(Engine):
         # ``batch`` rows, whole chains, oldest first; held: as many heads as the plan has, locked,
         # skipping heads another claim holds; pick: the held chains' rows in w_chain, ``batch``
         # of them; cand: those locked, and the rule again on them (c_chain): what is claimed.
+        # lazy: the lease commits without waiting for the WAL flush (docs/internals.md, "The
+        # lease commits lazily on PostgreSQL").
         t = self.table
         # A NULL aggregate_id (a hand-made table) equals nothing: each such row is a chain of
         # its own. From ``win`` on, a chain is named by its head (an integer: cheap to sort).
@@ -290,7 +292,8 @@ class PostgresEngine(Engine):
                 SELECT c.id, c.aggregate_id, c.status, c.attempts, p.head FROM pick p JOIN {t} c ON c.id = p.id
                 WHERE {eligible} FOR UPDATE OF c SKIP LOCKED
             ),
-            {self._chain_rule("c", "cand", "e.id NOT IN (SELECT id FROM cand)", max_attempts)}
+            {self._chain_rule("c", "cand", "e.id NOT IN (SELECT id FROM cand)", max_attempts)},
+            lazy AS (SELECT set_config('synchronous_commit', 'off', true) AS commit_mode)
             UPDATE {t} o SET
                 attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
                 status = CASE WHEN chain.dead THEN 4 ELSE 1 END,
@@ -298,7 +301,7 @@ class PostgresEngine(Engine):
                 last_error = CASE WHEN o.status = 1 THEN ? ELSE o.last_error END,
                 claimed_at = now(), next_retry_at = NULL,
                 lease_token = CASE WHEN chain.dead THEN NULL ELSE ? END
-            FROM c_chain chain WHERE o.id = chain.id
+            FROM c_chain chain CROSS JOIN lazy WHERE o.id = chain.id
             RETURNING {returning}"""
         return self.execute(cursor, sql, [LEASE_EXPIRED_ERROR, lease]).fetchall()
 
