@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -399,6 +400,18 @@ def compare_with_raw_loop(run: Run, destination: Destination, relay_factory: Any
     return out, relay
 
 
+def log_medians(engine: str, rounds: list[dict[str, Any]]) -> None:
+    """Each spread's relay / raw loop ratio (and every other relay's) over ``rounds`` of
+    ``compare_with_raw_loop``: every round's, then the median."""
+    for spread in rounds[0]:
+        ratios = {"relay": [r[spread]["ratio"] for r in rounds]}
+        for label in rounds[0][spread]["others"]:
+            ratios[label] = [r[spread]["others"][label]["ratio"] for r in rounds]
+        for label, values in ratios.items():
+            log(f"{engine}, {spread} aggregates, {label} / raw loop over {len(values)} rounds: "
+                + ", ".join(f"x{v:.2f}" for v in values) + f"; median x{statistics.median(values):.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.drain``: the relay against the raw loop on two spreads, same run."""
     import argparse
@@ -431,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-env", action="append", default=[], metavar="LABEL=NAME=VALUE",
                    help="also drain with this run's relay and NAME=VALUE in its environment (e.g. "
                         "off=OUTBOX_RELAY_CLAIM_AHEAD=false), same run; repeat a label to set several")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the whole comparison this many times and print each ratio's median (on a shared "
+                        "machine one pass can swing by a third; --json then holds every round)")
     args = p.parse_args(argv)
     try:
         engines = engine_names(args.engine)
@@ -473,11 +489,19 @@ def main(argv: list[str] | None = None) -> int:
         for label, extra in variants.items():
             others[label] = lambda extra=extra: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel,
                                                       **{**env, **extra})
-        results, relay = compare_with_raw_loop(
-            run, destination, lambda: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel, **env), args.events,
-            tuple(int(x) for x in args.spreads.split(",")), processes=args.concurrency, others=others)
+        rounds: list[dict[str, Any]] = []
+        for number in range(1, args.rounds + 1):
+            if args.rounds > 1:
+                log(f"round {number} of {args.rounds}")
+            results, relay = compare_with_raw_loop(
+                run, destination, lambda: Relay(run, concurrency=args.concurrency, loglevel=args.loglevel, **env),
+                args.events, tuple(int(x) for x in args.spreads.split(",")), processes=args.concurrency,
+                others=others)
+            rounds.append(results)
+        if args.rounds > 1:
+            log_medians(run.engine, rounds)
         if args.json:
-            args.json.write_text(to_json(results))
+            args.json.write_text(to_json(results if args.rounds == 1 else {"rounds": rounds}))
     finally:
         teardown(run, destination, relay)
         if proxies is not None:
