@@ -328,6 +328,43 @@ def test_over_several_aggregates_every_full_claim_of_a_slice_asks_for_the_next_c
     assert set(status_of(sqlite_store).values()) == {Status.DONE}
 
 
+def test_after_finding_a_claim_requested_already_a_slice_skips_asking_for_a_moment(
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """A request that found a claim requested and not started yet (the coalescer said no)
+    means every process is busy: the slice's next claims skip the round trip for
+    ``ASK_QUIET_S`` instead of asking again at every claim."""
+    for _ in range(3):
+        for name in "abcd":
+            add(conn, name)
+
+    class Busy(Slice):
+        def request_claim(self) -> bool:
+            self.events.append("claim soon")
+            return False  # a requested claim still waits
+
+    now = [100.0]
+    here = Busy(sqlite_store)
+    outcome = here.run(batch_size=4, clock=lambda: now[0])  # the clock stands still: always within the quiet
+    assert outcome is not None and outcome.claimed == 0
+    shares = [e for e in here.events if e != "claim soon"]
+    assert len(shares) >= 3, here.events  # several full claims of several chains each
+    # The first claim asked and heard "requested already"; the later ones did not ask; the
+    # slice's end asks once more, as after any publish (``after_publish``).
+    assert here.events[0] == "claim soon" and "claim soon" not in here.events[1:-1], here.events
+
+    def ticking() -> float:  # every reading 1 s later: never within the quiet
+        now[0] += 1.0
+        return now[0]
+
+    for _ in range(3):
+        for name in "abcd":
+            add(conn, name)
+    again = Busy(sqlite_store)
+    again.run(batch_size=4, clock=ticking, slice_s=1_000.0)
+    asks = [i for i, e in enumerate(again.events) if e == "claim soon"]
+    assert len(asks) >= len([e for e in again.events if e != "claim soon"])  # one per full claim
+
+
 def test_a_drain_slice_ends_with_its_time_when_stopping_or_when_the_breaker_opens(
         sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 8)

@@ -21,6 +21,9 @@ log = logging.getLogger("outbox.relay")  # one logger for the whole relay packag
 
 #: How long one claim task may go on claiming and publishing a backlog itself.
 DRAIN_SLICE_S = 1.0
+#: After a slice's request for a claim found one already requested and not started yet, its
+#: next claims skip asking (a round trip to the runner's broker) for this long.
+ASK_QUIET_S = 0.05
 
 
 @dataclass
@@ -118,9 +121,10 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
 
     The slice's first claim asks for the next claim (``claim_again``) before publishing its
     share, so other processes drain alongside; a later one asks too when the claim before it
-    took several chains (coalesced: a no-op while a requested claim still waits), so a
-    process whose own slice ended early, on a claim that lost its chains to a concurrent
-    claim, gets work again (docs/internals.md, "Drain slices"). ``in_main``
+    took several chains (coalesced: a no-op while a requested claim still waits; after such a
+    no-op the slice's claims skip asking for ``ASK_QUIET_S``), so a process whose own slice
+    ended early, on a claim that lost its chains to a concurrent claim, gets work again
+    (docs/internals.md, "Drain slices"). ``in_main``
     (the Celery worker's main process, the in-process claim): no share and no slice, the
     backlog goes to the pool (docs/waking-and-metrics.md, "The in-process claim").
 
@@ -135,7 +139,14 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     ``drain.queued`` is read only while ``drain.backlog`` says the last claim met one. Returns
     the last claim's outcome, or None when the store refused the claim (``ClaimFailed``:
     reported to ``drain.outage``, once per outage, instead of a traceback per tick)."""
-    ends, ask = clock() + slice_s, drain.request_claim
+    ends, quiet_until = clock() + slice_s, 0.0
+
+    def ask_unless_requested() -> None:
+        nonlocal quiet_until
+        if clock() >= quiet_until and drain.request_claim() is False:
+            quiet_until = clock() + ASK_QUIET_S
+
+    ask: Callable[[], object] = ask_unless_requested
     ahead = _Ahead(relay, drain, batch_size, lease_s, ends, clock) if (
         drain.ahead is not None and relay.options.claim_ahead and not in_main) else None
     outcome: ClaimOutcome | None = None
@@ -160,7 +171,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
             outcome = hand_on(relay, claimed, drain.dispatch, publish_inline=drain.publish_here,
                               claim_again=None if in_main else ask, before_share=None if ahead is None else ahead.start)
             drain.backlog.met = outcome.backlog
-            ask = drain.request_claim if outcome.chains > 1 else _nothing
+            ask = ask_unless_requested if outcome.chains > 1 else _nothing
             # A claim made ahead that came back short may have met this slice's own chains
             # leased, not the end of the backlog: the next turn claims here to know.
             go_on = outcome.inline and (outcome.more or (made_ahead and outcome.claimed > 0 and outcome.error is None))
