@@ -69,7 +69,7 @@ def cluster(tmp_path: Path, spark_jvm_options: str) -> Iterator[str]:
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 pytest.skip("the standalone Spark cluster did not start: "
                             + (logs / "master.log").read_text()[-500:] + (logs / "worker.log").read_text()[-500:])
-            time.sleep(1)
+            time.sleep(0.2)  # the worker registers a few seconds in; each poll is one small request
         yield master
     finally:
         for p in procs:
