@@ -18,7 +18,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,25 +51,35 @@ def cluster(tmp_path: Path, spark_jvm_options: str) -> Iterator[str]:
     procs = [subprocess.Popen([str(spark_class), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                                "--port", str(port), "--webui-port", str(ui)], env=env, start_new_session=True,
                               stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT)]
+
+    def alive_workers() -> int | None:
+        """The master's count of live workers; None while it does not answer yet."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as response:
+                return int(json.load(response).get("aliveworkers", 0))
+        except OSError:
+            return None
+
+    def wait_for(ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 120
+        while not ready():
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                pytest.skip("the standalone Spark cluster did not start: "
+                            + "".join((logs / f"{n}.log").read_text()[-500:] for n in ("master", "worker")
+                                      if (logs / f"{n}.log").exists()))
+            time.sleep(0.2)
+
     try:
         master = f"spark://127.0.0.1:{port}"
+        # The worker only once the master answers: a worker that finds no master retries
+        # its registration after 5-15 s (Spark's fixed, fuzzed interval), not sooner.
+        wait_for(lambda: alive_workers() is not None)
         procs.append(subprocess.Popen([str(spark_class), "org.apache.spark.deploy.worker.Worker", "--host",
                                        "127.0.0.1", "--cores", "1", "--memory", "1G", "--webui-port", str(worker_ui),
                                        "--work-dir", str(tmp_path / "work"), master], env=env,
                                       start_new_session=True, stdout=open(logs / "worker.log", "w"),
                                       stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as response:
-                    if json.load(response).get("aliveworkers", 0) >= 1:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                pytest.skip("the standalone Spark cluster did not start: "
-                            + (logs / "master.log").read_text()[-500:] + (logs / "worker.log").read_text()[-500:])
-            time.sleep(0.2)  # the worker registers a few seconds in; each poll is one small request
+        wait_for(lambda: (alive_workers() or 0) >= 1)
         yield master
     finally:
         for p in procs:
