@@ -41,7 +41,7 @@ DAY_MS = 86_400_000
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 #: JDK unified logging off for CDS: a JVM that cannot use the archive (another JDK, another
-#: class path: Spark's launcher JVMs) says so on stdout, where the CLI's JSON goes.
+#: class path) would say so on stdout, where the CLI's JSON goes.
 CDS_QUIET = "-Xlog:cds*=off -Xlog:class+path=off"
 
 
@@ -71,8 +71,8 @@ def spark_jvm_options(request: pytest.FixtureRequest) -> str:
     """``JVM_OPTIONS`` for every Spark JVM of the run, with the class-data sharing
     archive when one exists (a JVM whose JDK or class path does not match it starts
     without, as if it were not there). The run that finds none has its session's JVM
-    write it on exit (the ``spark`` fixture's teardown: a few seconds, once); Spark
-    JVMs start about twice as fast from it (docs/pipeline.md, "Tests")."""
+    write it on exit (the ``spark`` fixture's teardown: 10-20 s, once); Spark JVMs
+    start and run their first jobs faster from it (figures: docs/pipeline.md, "Tests")."""
     archive = cds_archive(request.config)
     if archive is None or not archive.is_file():
         return JVM_OPTIONS
