@@ -61,9 +61,10 @@ def cds_archive(config: pytest.Config) -> Path | None:
         jars = Path(pyspark.__file__).parent / "jars"
         key = "|".join([str(java), str(java.stat().st_mtime_ns), pyspark.__version__, str(jars),
                         str(jars.stat().st_mtime_ns), JVM_OPTIONS])
-    except (ImportError, OSError):
+        directory = Path(cache.mkdir("spark-cds"))
+    except (ImportError, OSError):  # no PySpark, no Java, a cache it cannot write to
         return None
-    return Path(cache.mkdir("spark-cds")) / f"spark-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
+    return directory / f"spark-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
 
 
 @pytest.fixture(scope="session")
