@@ -8,12 +8,20 @@ in tests/conftest.py), so every pipeline test module finds the fixture by name, 
 ``getOrCreate`` hands all of them the same session. The cases that start processes of their own (a cluster, ``spark-submit``,
 a killed CLI run) are marked ``slow``: ``pytest -m "not slow"`` leaves them out of a
 quick local run, and ``make test`` (CI) runs them all.
+
+Every Spark JVM of the suite (the session, and the drivers, executors, master and
+worker the slow cases start) runs Spark's one class path, so all of them can start
+from one class-data sharing archive (JDK 17's dynamic AppCDS: the classes a Spark JVM
+loads, parsed and verified once, then mapped into each JVM): see ``spark_jvm_options``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,20 +40,69 @@ DAY_MS = 86_400_000
 #: which start and finish the suite's many small jobs with less CPU than the defaults.
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
-def spark_process_env(tmp_path: Path) -> dict[str, str]:
+#: JDK unified logging off for CDS: a JVM that cannot use the archive (another JDK, another
+#: class path) would say so on stdout, where the CLI's JSON goes.
+CDS_QUIET = "-Xlog:cds*=off -Xlog:class+path=off"
+
+
+def cds_archive(config: pytest.Config) -> Path | None:
+    """Where this Java and PySpark installation's class-data sharing archive lives (it
+    may not exist yet), in pytest's cache: ``.pytest_cache/d/spark-cds/``. None when
+    the cache is off (``-p no:cacheprovider``), when OUTBOX_TEST_SPARK_CDS is ``0``, or
+    without PySpark or Java (the ``spark`` fixture then skips on its own)."""
+    cache = getattr(config, "cache", None)
+    if cache is None or os.environ.get("OUTBOX_TEST_SPARK_CDS", "1") == "0":
+        return None
+    java = Path(os.environ["JAVA_HOME"]) / "bin" / "java" if os.environ.get("JAVA_HOME") else None
+    java = java if java is not None and java.exists() else Path(shutil.which("java") or "/nonexistent")
+    try:
+        import pyspark
+        java = java.resolve(strict=True)
+        jars = Path(pyspark.__file__).parent / "jars"
+        key = "|".join([str(java), str(java.stat().st_mtime_ns), pyspark.__version__, str(jars),
+                        str(jars.stat().st_mtime_ns), JVM_OPTIONS])
+        directory = Path(cache.mkdir("spark-cds"))
+    except (ImportError, OSError):  # no PySpark, no Java, a cache it cannot write to
+        return None
+    return directory / f"spark-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
+
+
+@pytest.fixture(scope="session")
+def spark_jvm_options(request: pytest.FixtureRequest) -> str:
+    """``JVM_OPTIONS`` for every Spark JVM of the run, with the class-data sharing
+    archive when one exists (a JVM whose JDK or class path does not match it starts
+    without, as if it were not there). The run that finds none has its session's JVM
+    write it on exit (the ``spark`` fixture's teardown: 10-20 s, once); Spark JVMs
+    start and run their first jobs faster from it (figures: docs/pipeline.md, "Tests")."""
+    archive = cds_archive(request.config)
+    if archive is None or not archive.is_file():
+        return JVM_OPTIONS
+    return f"{JVM_OPTIONS} -XX:SharedArchiveFile={archive} {CDS_QUIET}"
+
+
+def spark_conf(jvm_options: str) -> dict[str, str]:
+    """The Spark settings of the processes a test starts: the JVM options for drivers
+    and executors, no UI, no progress bar."""
+    return {"spark.driver.extraJavaOptions": jvm_options, "spark.executor.extraJavaOptions": jvm_options,
+            "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"}
+
+
+def spark_submit_conf(jvm_options: str) -> list[str]:
+    """``spark_conf`` as ``spark-submit`` arguments."""
+    return [arg for key, value in spark_conf(jvm_options).items() for arg in ("--conf", f"{key}={value}")]
+
+
+def spark_process_env(jvm_options: str) -> dict[str, str]:
     """The environment for Spark processes a test starts (a CLI run, ``spark-submit``,
     a standalone master and worker): loopback, this interpreter for the Python
-    workers, and a ``SPARK_CONF_DIR`` giving the drivers and executors the suite's JVM
-    options and no UI (``SPARK_DAEMON_JAVA_OPTS`` the same to a master and worker)."""
-    conf = tmp_path / "spark-conf"
-    conf.mkdir(exist_ok=True)
-    (conf / "spark-defaults.conf").write_text(
-        f"spark.driver.extraJavaOptions {JVM_OPTIONS}\n"
-        f"spark.executor.extraJavaOptions {JVM_OPTIONS}\n"
-        "spark.ui.enabled false\n"
-        "spark.ui.showConsoleProgress false\n")
+    workers, ``spark_conf`` for a PySpark driver (``PYSPARK_SUBMIT_ARGS``; a
+    ``spark-submit`` gets ``spark_submit_conf`` on its command line) and the JVM
+    options for a master and worker (``SPARK_DAEMON_JAVA_OPTS``). No ``SPARK_CONF_DIR``:
+    a directory of a test's own on the class path would keep the JVMs from the
+    class-data sharing archive, which is valid for one class path only."""
+    submit_args = " ".join(shlex.quote(arg) for arg in spark_submit_conf(jvm_options))
     return {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
-            "SPARK_CONF_DIR": str(conf), "SPARK_DAEMON_JAVA_OPTS": JVM_OPTIONS}
+            "PYSPARK_SUBMIT_ARGS": f"{submit_args} pyspark-shell", "SPARK_DAEMON_JAVA_OPTS": jvm_options}
 
 
 #: The engines the pipeline tests run on (SQL Server joins when OUTBOX_TEST_MSSQL_URL is set).
@@ -59,7 +116,7 @@ def _unavailable(reason: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
+def spark(request: pytest.FixtureRequest, spark_jvm_options: str) -> Iterator[Any]:
     try:
         import pyarrow  # noqa: F401
         import pyspark  # noqa: F401
@@ -69,20 +126,52 @@ def spark() -> Iterator[Any]:
         _unavailable("no Java runtime (java not on PATH, JAVA_HOME unset)")
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     from outbox.pipeline.session import spark_session
+    archive = cds_archive(request.config)
+    dump = None  # no archive yet: this session's JVM writes it when it exits
+    if archive is not None and spark_jvm_options == JVM_OPTIONS:
+        dump = archive.with_name(f"{archive.stem}.{os.getpid()}.tmp")
     active = SparkSession.getActiveSession()
     if active is None:
+        options = spark_jvm_options if dump is None else f"{JVM_OPTIONS} -XX:ArchiveClassesAtExit={dump} {CDS_QUIET}"
         (SparkSession.builder.master("local[2]").appName("outbox-tests")
          .config("spark.ui.enabled", "false")
+         .config("spark.ui.showConsoleProgress", "false")
          .config("spark.sql.shuffle.partitions", "1")
          .config("spark.default.parallelism", "2")
          .config("spark.driver.memory", "768m")
-         .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+         .config("spark.driver.extraJavaOptions", options)
          .getOrCreate())
+    else:
+        dump = None  # not this fixture's JVM
     session = spark_session()  # the jobs' settings on the test session
     yield session
+    if archive is not None and dump is not None:
+        _write_cds_archive(SparkContext, session, dump, archive)
+
+
+def _write_cds_archive(context: Any, session: Any, dump: Path, archive: Path) -> None:
+    """End the session's JVM the way it ends at exit (its stdin closed), so that it
+    writes its classes to ``dump`` now, while pytest waits, and move that into place."""
+    gateway = context._gateway
+    proc = getattr(gateway, "proc", None)
+    session.stop()
+    if proc is None or proc.stdin is None:
+        return
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    context._gateway = context._jvm = None
+    if dump.is_file() and dump.stat().st_size > 0:
+        os.replace(dump, archive)
+    else:
+        dump.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pipeline_support import DAY_MS, mixed_rows, seed, spark_process_env, table_ids
+from pipeline_support import DAY_MS, mixed_rows, seed, spark_process_env, spark_submit_conf, table_ids
 from services import POSTGRES_URL, free_port, require
 
 from outbox.pipeline.archive import Archiver, read_archive
@@ -39,37 +39,47 @@ def _spark_home() -> Path:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[str]:
+def cluster(tmp_path: Path, spark_jvm_options: str) -> Iterator[str]:
     """A standalone master and one worker (1 core, 1 GB); yields the master URL."""
     spark_class = _spark_home() / "bin" / "spark-class"
     if not spark_class.exists():
         pytest.skip(f"this PySpark installation has no {spark_class}")
-    env = {**spark_process_env(tmp_path), "SPARK_HOME": str(_spark_home())}
+    env = {**spark_process_env(spark_jvm_options), "SPARK_HOME": str(_spark_home())}
     port, ui, worker_ui = free_port(), free_port(), free_port()
     logs = tmp_path / "cluster-logs"
     logs.mkdir()
     procs = [subprocess.Popen([str(spark_class), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                                "--port", str(port), "--webui-port", str(ui)], env=env, start_new_session=True,
                               stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT)]
+
+    def alive_workers() -> int | None:
+        """The master's count of live workers; None while it does not answer yet."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as response:
+                return int(json.load(response).get("aliveworkers", 0))
+        except OSError:
+            return None
+
+    def wait_for(ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 120
+        while not ready():
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                pytest.skip("the standalone Spark cluster did not start: "
+                            + "".join((logs / f"{n}.log").read_text()[-500:] for n in ("master", "worker")
+                                      if (logs / f"{n}.log").exists()))
+            time.sleep(0.2)
+
     try:
         master = f"spark://127.0.0.1:{port}"
+        # The worker only once the master answers: a worker that finds no master retries
+        # its registration after 5-15 s (Spark's fixed, fuzzed interval), not sooner.
+        wait_for(lambda: alive_workers() is not None)
         procs.append(subprocess.Popen([str(spark_class), "org.apache.spark.deploy.worker.Worker", "--host",
                                        "127.0.0.1", "--cores", "1", "--memory", "1G", "--webui-port", str(worker_ui),
                                        "--work-dir", str(tmp_path / "work"), master], env=env,
                                       start_new_session=True, stdout=open(logs / "worker.log", "w"),
                                       stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as response:
-                    if json.load(response).get("aliveworkers", 0) >= 1:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                pytest.skip("the standalone Spark cluster did not start: "
-                            + (logs / "master.log").read_text()[-500:] + (logs / "worker.log").read_text()[-500:])
-            time.sleep(1)
+        wait_for(lambda: (alive_workers() or 0) >= 1)
         yield master
     finally:
         for p in procs:
@@ -82,7 +92,8 @@ def cluster(tmp_path: Path) -> Iterator[str]:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def test_archive_on_a_standalone_cluster_killed_after_commit(spark: Any, cluster: str, tmp_path: Path) -> None:
+def test_archive_on_a_standalone_cluster_killed_after_commit(spark: Any, spark_jvm_options: str, cluster: str,
+                                                             tmp_path: Path) -> None:
     """A real ``outbox pipeline archive --master spark://...`` process whose tasks run
     in the worker's executor, killed with SIGKILL right after its commit (its Spark
     JVM dies with it, the cluster ends its executor); the next run finishes the job."""
@@ -94,7 +105,7 @@ def test_archive_on_a_standalone_cluster_killed_after_commit(spark: Any, cluster
         ids = seed(store, rows)
         old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
         root = tmp_path / "archive"
-        env = {**spark_process_env(tmp_path), "OUTBOX_DATABASE_URL": POSTGRES_URL,
+        env = {**spark_process_env(spark_jvm_options), "OUTBOX_DATABASE_URL": POSTGRES_URL,
                "OUTBOX_TABLE": store.engine.table_name, "OUTBOX_PIPELINE_CRASH_AT": "committed"}
         proc = subprocess.run([sys.executable, "-m", "outbox.cli", "pipeline", "archive", "--older-than", "7d",
                                "--to", str(root), "--master", cluster, "--partitions", "3", "--json"],
@@ -123,7 +134,7 @@ def test_archive_on_a_standalone_cluster_killed_after_commit(spark: Any, cluster
         store.close()
 
 
-def test_archive_under_spark_submit(spark: Any, tmp_path: Path) -> None:
+def test_archive_under_spark_submit(spark: Any, spark_jvm_options: str, tmp_path: Path) -> None:
     """``spark-submit`` with the package as a wheel in ``--py-files`` and the entry
     script ``outbox/pipeline/submit.py``: the command docs/pipeline.md gives."""
     from outbox.pipeline import submit
@@ -140,8 +151,9 @@ def test_archive_under_spark_submit(spark: Any, tmp_path: Path) -> None:
     rows = mixed_rows()
     ids = seed(store, rows)
     old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
-    env = {**spark_process_env(tmp_path), "OUTBOX_DATABASE_URL": store.url}
+    env = {**spark_process_env(spark_jvm_options), "OUTBOX_DATABASE_URL": store.url}
     proc = subprocess.run([str(_spark_home() / "bin" / "spark-submit"), "--master", "local[1]",
+                           *spark_submit_conf(spark_jvm_options),
                            "--py-files", str(wheel), submit.__file__,
                            "archive", "--older-than", "7d", "--to", str(tmp_path / "archive"), "--json"],
                           env=env, capture_output=True, text=True, timeout=400)
