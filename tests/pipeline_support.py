@@ -47,11 +47,14 @@ CDS_QUIET = "-Xlog:cds*=off -Xlog:class+path=off"
 
 def cds_archive(config: pytest.Config) -> Path | None:
     """Where this Java and PySpark installation's class-data sharing archive lives (it
-    may not exist yet), in pytest's cache: ``.pytest_cache/d/spark-cds/``. None when
-    the cache is off (``-p no:cacheprovider``), when OUTBOX_TEST_SPARK_CDS is ``0``, or
+    may not exist yet): in OUTBOX_TEST_SPARK_CDS_DIR when set (``.ci/run`` keeps it
+    outside the clone, so the next CI run on the machine starts from it), else in pytest's
+    cache, ``.pytest_cache/d/spark-cds/``. None when the cache is off (``-p
+    no:cacheprovider``, and no directory given), when OUTBOX_TEST_SPARK_CDS is ``0``, or
     without PySpark or Java (the ``spark`` fixture then skips on its own)."""
     cache = getattr(config, "cache", None)
-    if cache is None or os.environ.get("OUTBOX_TEST_SPARK_CDS", "1") == "0":
+    given = os.environ.get("OUTBOX_TEST_SPARK_CDS_DIR")
+    if (cache is None and not given) or os.environ.get("OUTBOX_TEST_SPARK_CDS", "1") == "0":
         return None
     java = Path(os.environ["JAVA_HOME"]) / "bin" / "java" if os.environ.get("JAVA_HOME") else None
     java = java if java is not None and java.exists() else Path(shutil.which("java") or "/nonexistent")
@@ -61,7 +64,11 @@ def cds_archive(config: pytest.Config) -> Path | None:
         jars = Path(pyspark.__file__).parent / "jars"
         key = "|".join([str(java), str(java.stat().st_mtime_ns), pyspark.__version__, str(jars),
                         str(jars.stat().st_mtime_ns), JVM_OPTIONS])
-        directory = Path(cache.mkdir("spark-cds"))
+        if given:
+            directory = Path(given)
+            directory.mkdir(parents=True, exist_ok=True)
+        else:
+            directory = Path(cache.mkdir("spark-cds"))
     except (ImportError, OSError):  # no PySpark, no Java, a cache it cannot write to
         return None
     return directory / f"spark-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
