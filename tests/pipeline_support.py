@@ -177,6 +177,9 @@ def _write_cds_archive(context: Any, session: Any, dump: Path, archive: Path) ->
     context._gateway = context._jvm = None
     if dump.is_file() and dump.stat().st_size > 0:
         os.replace(dump, archive)
+        for stale in archive.parent.glob("spark-*.jsa"):  # one archive kept (about 200 MB each)
+            if stale != archive:
+                stale.unlink(missing_ok=True)
     else:
         dump.unlink(missing_ok=True)
 
