@@ -49,7 +49,7 @@ class ClaimOutcome:
         held back by the in-flight bound: the next claim should check the publish queue's
         length before claiming. A full claim published here whole added nothing to that queue:
         the next skips the round trip (docs/internals.md, "Drain slices")."""
-        return (self.full or self.trimmed) and self.tasks > 0 or self.saturated
+        return ((self.full or self.trimmed) and self.tasks > 0) or self.saturated
 
 
 def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,

@@ -326,6 +326,6 @@ class PostgresEngine(Engine):
                 FROM {rows} r GROUP BY head) s WHERE stop IS NOT NULL
             ),
             {p}_chain AS (
-                SELECT r.id, r.head, r.status = 1 AND r.attempts + 1 >= {max_attempts} AS dead FROM {rows} r
+                SELECT id, head, {dead} AS dead FROM {rows} r
                 WHERE NOT EXISTS (SELECT 1 FROM {p}_cut c WHERE c.head = r.head AND r.id >= c.stop)
             )"""
