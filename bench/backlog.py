@@ -8,6 +8,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import closing
 from datetime import UTC, datetime
 from typing import Any
@@ -101,6 +102,17 @@ def random_blob(size: int) -> str:
     return base64.b64encode(os.urandom(size * 3 // 4 + 3)).decode("ascii")[:size]
 
 
+def backlog_rows(events: int, aggregates: int, big_every: int = 0, big_bytes: int = 0) -> Iterator[tuple[Any, ...]]:
+    """The backlog's rows (``engines.LOAD_COLUMNS``): ``make_event`` round-robin over
+    ``aggregates``; with ``big_every`` > 0, every ``big_every``-th payload about ``big_bytes``."""
+    blob = random_blob(max(0, big_bytes - 300)) if big_every > 0 else None
+    for n in range(events):
+        big = blob if big_every > 0 and n % big_every == big_every - 1 else None
+        e = make_event(n, aggregate_name(n % aggregates), big)
+        yield (e.message_id, e.topic, e.aggregate_type, e.aggregate_id, e.partition_key, e.payload_json,
+               e.headers_json, e.trace_id)
+
+
 def load_backlog(run: Run, events: int, aggregates: int, big_every: int = 0,
                  big_bytes: int = 0) -> dict[str, list[int]]:
     """Insert ``events`` rows round-robin over ``aggregates`` in ONE transaction (PostgreSQL:
@@ -108,19 +120,10 @@ def load_backlog(run: Run, events: int, aggregates: int, big_every: int = 0,
     whole backlog becomes visible at once. Returns the expected per-aggregate id order.
     With ``big_every`` > 0, every ``big_every``-th event carries a payload of about
     ``big_bytes`` bytes (the rest stay ~200 bytes)."""
-    blob = random_blob(max(0, big_bytes - 300)) if big_every > 0 else None
     spec = engine(run.engine)
-
-    def rows() -> Any:
-        for n in range(events):
-            big = blob if big_every > 0 and n % big_every == big_every - 1 else None
-            e = make_event(n, aggregate_name(n % aggregates), big)
-            yield (e.message_id, e.topic, e.aggregate_type, e.aggregate_id, e.partition_key, e.payload_json,
-                   e.headers_json, e.trace_id)
-
     with closing(connect(run)) as conn:
         spec.begin(conn)
-        spec.load(conn, run.table, rows())
+        spec.load(conn, run.table, backlog_rows(events, aggregates, big_every, big_bytes))
         # Read before the commit: a relay already running claims rows as soon as they are
         # visible, and those would be missing from the expected order (then reported as
         # "unexpected" arrivals although nothing was out of order).

@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import uuid
 from typing import Any
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
@@ -32,17 +31,19 @@ def measure(url: str, table: str, events: int, aggregates: int, batch: int, repe
 
     from outbox.storage.store import OutboxStore
 
+    from .backlog import backlog_rows
+    from .engines import engine
+
     store = OutboxStore(url, table=table)
     store.migrate()
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f"TRUNCATE {table}")
-        columns = "message_id, topic, aggregate_type, aggregate_id, partition_key, payload, headers"
-        with conn.cursor().copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
-            for n in range(events):
-                aggregate = f"agg-{n % aggregates:05d}"
-                copy.write_row((uuid.uuid4().hex, "orders.changed", "order", aggregate, aggregate,
-                                json.dumps({"n": n, "note": "x" * 150}), '{"x-tenant": "acme"}'))
-        conn.execute(f"ANALYZE {table}")
+    spec = engine("postgresql")
+    with psycopg.connect(url) as conn:  # the drain benchmarks' backlog, loaded as they load it
+        conn.execute(spec.truncate(table))
+        spec.load(conn, table, backlog_rows(events, aggregates))
+        conn.commit()
+        for statement in spec.analyze(table):
+            conn.execute(statement)
+        conn.commit()
     for _ in range(5):
         claim = store.claim(batch)
         store.mark_done([m.id for m in claim.messages], claim.lease)
