@@ -170,15 +170,24 @@ class Engine(ABC):
         return (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {self.now} "
                 f"FROM {self.table}{self.unlocked_read} WHERE {self.open_rows()}")
 
+    def eligible_branches(self) -> list[tuple[int, str]]:
+        """``eligible()`` per status: (status, the condition on the row's other columns);
+        only the claimed rows' condition takes the parameter (the lease length in ms, negated)."""
+        return [(0, f"(next_retry_at IS NULL OR next_retry_at <= {self.now})"),
+                (3, f"next_retry_at <= {self.now}"),
+                (1, f"claimed_at < {self.now_plus_ms()}")]
+
     def eligible(self) -> str:
         """Rows a claim may take: pending and due, failed and due, or claimed with an
         expired lease. Takes one parameter: the lease length in ms (negated)."""
-        return (
-            f"{self.open_rows()} AND ("
-            f"(status = 0 AND (next_retry_at IS NULL OR next_retry_at <= {self.now}))"
-            f" OR (status = 3 AND next_retry_at <= {self.now})"
-            f" OR (status = 1 AND claimed_at < {self.now_plus_ms()}))"
-        )
+        branches = " OR ".join(f"(status = {status} AND {cond})" for status, cond in self.eligible_branches())
+        return f"{self.open_rows()} AND ({branches})"
+
+    def open_rows_source(self) -> str:
+        """The table as the generic claim's reads of open rows name it (``FROM ...``): an
+        engine whose planner must be told to read them through the open rows' index adds
+        its hint here."""
+        return self.table
 
     def message_select(self) -> str:
         cols = [c if c not in ("payload", "headers") else
@@ -311,9 +320,7 @@ class Engine(ABC):
         (``outbox.domain.chains``) and, where claims can overlap, locks what it planned
         (``_lock_chains``); engines with a one-statement form override it."""
         self.begin(cursor)
-        scan = self.limit(
-            f"SELECT id, aggregate_id, status, attempts FROM {self.table} WHERE {self.eligible()} ORDER BY id")
-        rows = self.execute(cursor, scan, [-timeout_ms, self.claim_window(batch)]).fetchall()
+        rows = self.window_rows(cursor, timeout_ms, self.claim_window(batch))
         candidates = [Candidate(int(r[0]), r[1], int(r[2]), int(r[3])) for r in rows]
         if not candidates:
             return []
@@ -337,6 +344,14 @@ class Engine(ABC):
         cond, params = self.ids_in(sorted(plan.claim_ids + plan.dead_ids))
         return self.execute(cursor, f"SELECT {self.message_select()} FROM {self.table} WHERE {cond} ORDER BY id",
                             params).fetchall()
+
+    def window_rows(self, cursor: Any, timeout_ms: int, size: int) -> list[tuple]:
+        """The generic claim's window: the ``size`` oldest eligible rows, as (id, aggregate_id,
+        status, attempts)."""
+        scan = self.limit(
+            f"SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} WHERE {self.eligible()} "
+            "ORDER BY id")
+        return list(self.execute(cursor, scan, [-timeout_ms, size]).fetchall())
 
     def _lock_chains(self, cursor: Any, candidates: Sequence[Candidate], blockers: dict[str, int],
                      max_attempts: int, batch: int, timeout_ms: int) -> ClaimPlan:
@@ -374,7 +389,7 @@ class Engine(ABC):
         if not aggregates:
             return {}
         ids = [c.id for c in candidates]
-        sql = (f"SELECT aggregate_id, MIN(id) FROM {self.table} WHERE {self.open_rows()} "
+        sql = (f"SELECT aggregate_id, MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} "
                f"AND aggregate_id IN ({', '.join('?' * len(aggregates))}) AND id < ? "
                f"AND id NOT IN ({', '.join('?' * len(ids))}) GROUP BY aggregate_id")
         rows = self.execute(cursor, sql, [*aggregates, max(ids), *ids]).fetchall()
