@@ -168,7 +168,7 @@ class Engine(ABC):
         oldest open row's ``created_at``, the database clock. It never waits for a lock (an
         uncommitted enqueue must not stall it): docs/waking-and-metrics.md, "Metrics"."""
         return (f"SELECT COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(*), MIN(created_at), {self.now} "
-                f"FROM {self.table}{self.unlocked_read} WHERE {self.open_rows()}")
+                f"FROM {self.open_rows_source()}{self.unlocked_read} WHERE {self.open_rows()}")
 
     def eligible_branches(self) -> list[tuple[int, str]]:
         """``eligible()`` per status: (status, the condition on the row's other columns);
