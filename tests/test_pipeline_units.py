@@ -11,6 +11,7 @@ import pytest
 import sqlglot
 from sqlglot import exp
 
+from outbox.pipeline.archive import id_runs
 from outbox.pipeline.common import (
     PipelineError,
     archive_uri,
@@ -51,6 +52,29 @@ def test_range_chunks_cover_each_id_once() -> None:
     assert chunks == [(1, 3), (4, 6), (7, 7), (10, 10), (12, 14), (15, 15)]
     covered = [i for lo, hi in chunks for i in range(lo, hi + 1)]
     assert covered == [i for lo, hi in ranges for i in range(lo, hi + 1)]
+
+
+def edges(ids: list[int]) -> list[tuple[int, int | None, int | None]]:
+    """What ``archive.EDGES_SQL`` selects from these ids, computed here by its definition."""
+    order = sorted(ids)
+    rows = [(i, order[n - 1] if n else None, order[n + 1] if n + 1 < len(order) else None)
+            for n, i in enumerate(order)]
+    return [(i, p, q) for i, p, q in rows if p is None or q is None or i != p + 1 or q != i + 1]
+
+
+@pytest.mark.parametrize("ids", [[], [5], [1, 2, 3], [3, 1, 2, 7, 9, 10, 11, 20], list(range(100, 200, 2)),
+                                 [4, 5, 6, 8, 9, 1000]])
+def test_id_runs_are_the_ids_gaps_and_islands(ids: list[int]) -> None:
+    rows, ranges = id_runs(edges(ids))
+    assert rows == len(ids)
+    assert [i for first, last in ranges for i in range(first, last + 1)] == sorted(ids)
+    assert all(a[1] + 1 < b[0] for a, b in zip(ranges, ranges[1:]))  # runs are maximal: a gap between two
+
+
+@pytest.mark.parametrize("ids", [[5, 5], [1, 2, 3, 3, 4], [1, 2, 3, 4, 4], [7, 7, 7, 8], [1, 2, 9, 10, 2]])
+def test_id_runs_refuse_an_id_twice(ids: list[int]) -> None:
+    with pytest.raises(ValueError, match="twice"):
+        id_runs(edges(ids))
 
 
 @pytest.mark.parametrize("value", ["2026-11-23 10:56:29.766",
