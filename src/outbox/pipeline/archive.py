@@ -224,6 +224,7 @@ class Archiver:
         options = {"url": self.store.url, "table": self.engine.table_name, "schema": self.engine.schema or "",
                    "statuses": ",".join(map(str, statuses)), "processed_before": encode_native(cutoff),
                    "min_id": str(lo), "max_id": str(hi), "partitions": str(self.partitions),
+                   "split": "topic",  # a file per topic and date, not per task too (docs/pipeline.md, "Layout")
                    **self.source_options}
         frame = (self.spark.read.format("outbox").options(**options).load()
                  .withColumn("archive_run", F.lit(run_id))

@@ -15,8 +15,9 @@ Options: ``url`` (required), ``table`` (default ``outbox``), ``schema``,
 ``statuses`` (``2,4``), ``processed_before`` / ``created_since`` (a driver-native
 timestamp encoded by ``common.encode_native``, so the bound compares exactly as the
 database compares its own values), ``min_id`` / ``max_id``, ``partitions``
-(default 4), ``fetch_size`` (default 5000), ``reader`` (``arrow``, the default, or
-``driver``: the engine's Python driver).
+(default 4), ``split`` (``id``, the default: equal id ranges; ``topic``: each task
+reads whole topics, see ``topic_partitions``), ``fetch_size`` (default 5000), ``reader``
+(``arrow``, the default, or ``driver``: the engine's Python driver).
 
 Where a JDBC driver is installed, ``spark.read.jdbc`` with ``partitionColumn=id``
 is the alternative read path (docs/pipeline.md); the jobs use this source.
@@ -61,15 +62,51 @@ class OutboxDataSource(DataSource):
 
 
 class IdRange(InputPartition):
-    def __init__(self, lo: int, hi: int) -> None:
-        super().__init__((lo, hi))
-        self.lo, self.hi = lo, hi
+    """The ids ``lo..hi``, and only rows of ``topics`` when that is not empty."""
+
+    def __init__(self, lo: int, hi: int, topics: tuple[str, ...] = ()) -> None:
+        super().__init__((lo, hi, topics))
+        self.lo, self.hi, self.topics = lo, hi, topics
+
+
+#: Above this many topics, ``split=topic`` falls back to id ranges (a task's ``IN`` list
+#: stays well under SQL Server's 2,100 parameters).
+MAX_SPLIT_TOPICS = 1000
+
+
+def topic_partitions(groups: list[tuple[str, int, int, int]], count: int) -> list[IdRange]:
+    """``split=topic``: tasks that each read whole topics (docs/pipeline.md, "Layout",
+    says why). ``groups``: (topic, rows, first id, last id) per topic. A topic holding
+    more than a task's share (``rows / count``) gets tasks of its own, over equal id
+    ranges of its span; the other topics are packed, largest first, into the
+    least-loaded of the remaining ``count`` tasks. Every row belongs to exactly one
+    task: its topic is in one task's list, or in one of its own topic's id ranges."""
+    if not groups:
+        return [IdRange(1, 0)]
+    share = -(-sum(n for _, n, _, _ in groups) // max(1, count))
+    parts, small = [], []
+    for topic, n, lo, hi in groups:
+        if n > share:
+            pieces = -(-n // share)
+            step = -(-(hi - lo + 1) // pieces)
+            parts += [IdRange(a, min(hi, a + step - 1), (topic,)) for a in range(lo, hi + 1, step)]
+        else:
+            small.append((topic, n, lo, hi))
+    bins: list[tuple[int, list[str], int, int]] = []
+    for topic, n, lo, hi in sorted(small, key=lambda g: (-g[1], g[0])):
+        if len(bins) < max(1, count - len(parts)):
+            bins.append((n, [topic], lo, hi))
+            continue
+        i = min(range(len(bins)), key=lambda j: bins[j][0])
+        load, topics, first, last = bins[i]
+        bins[i] = (load + n, [*topics, topic], min(first, lo), max(last, hi))
+    return parts + [IdRange(first, last, tuple(sorted(topics))) for _, topics, first, last in bins]
 
 
 class OutboxQuery:
     """The SQL of one read, shared by the planner (bounds) and the partitions (pages)."""
 
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], topics: tuple[str, ...] = ()) -> None:
         if not options.get("url"):
             raise ValueError("the outbox data source needs the 'url' option")
         self.url = options["url"]
@@ -86,6 +123,9 @@ class OutboxQuery:
         if options.get("created_since"):
             conditions.append("created_at >= ?")
             params.append(decode_native(options["created_since"]))
+        if topics:
+            conditions.append(f"topic IN ({', '.join('?' for _ in topics)})")
+            params.extend(topics)
         self.where = " AND ".join(conditions) or "1 = 1"
         self.params = params
         e = self.engine
@@ -100,6 +140,11 @@ class OutboxQuery:
         """One page of a partition: ``?`` after-id, ``?`` last id, the filters, ``?`` rows."""
         return self.engine.limit(f"SELECT {self.columns} FROM {self.engine.table} "
                                  f"WHERE id > ? AND id <= ? AND {self.where} ORDER BY id")
+
+    def topics_sql(self) -> str:
+        """Rows and id bounds per topic; ``?`` first and ``?`` last id after the filters."""
+        return (f"SELECT topic, COUNT(*), MIN(id), MAX(id) FROM {self.engine.table} "
+                f"WHERE {self.where} AND id >= ? AND id <= ? GROUP BY topic")
 
     def bounds(self, cursor: Any) -> tuple[int | None, int | None]:
         row = self.engine.execute(cursor, self.bounds_sql(), self.params).fetchone()
@@ -162,10 +207,13 @@ class OutboxReader(DataSourceReader):
         self.options = options
         self.partition_count = max(1, int(options.get("partitions") or 4))
         self.fetch_size = max(1, int(options.get("fetch_size") or 5000))
+        if (options.get("split") or "id") not in ("id", "topic"):
+            raise ValueError(f"the outbox data source's split is 'id' or 'topic', not {options['split']!r}")
 
     def partitions(self) -> list[IdRange]:
         """Equal id ranges between the lowest and highest matching id (asked of the
-        database once, here, unless ``min_id``/``max_id`` are given)."""
+        database once, here, unless ``min_id``/``max_id`` are given); with
+        ``split=topic``, ``topic_partitions`` of the rows per topic (one more query)."""
         lo = int(self.options["min_id"]) if self.options.get("min_id") else None
         hi = int(self.options["max_id"]) if self.options.get("max_id") else None
         if lo is None or hi is None:
@@ -182,6 +230,17 @@ class OutboxReader(DataSourceReader):
             hi = found_hi if hi is None else min(hi, found_hi)
         if hi < lo:
             return [IdRange(1, 0)]
+        if (self.options.get("split") or "id") == "topic":
+            query = OutboxQuery(self.options)
+            conn = query.engine.connect(query.url)
+            try:
+                groups = [(str(t), int(n), int(a), int(b)) for t, n, a, b in query.engine.execute(
+                    conn.cursor(), query.topics_sql(), [*query.params, lo, hi]).fetchall()]
+                conn.rollback()
+            finally:
+                conn.close()
+            if len(groups) <= MAX_SPLIT_TOPICS:
+                return topic_partitions(groups, self.partition_count)
         span = hi - lo + 1
         n = min(self.partition_count, span)
         step = -(-span // n)
@@ -190,7 +249,7 @@ class OutboxReader(DataSourceReader):
     def read(self, partition: IdRange) -> Iterator[Any]:  # type: ignore[override]
         if partition.hi < partition.lo:
             return
-        query = OutboxQuery(self.options)
+        query = OutboxQuery(self.options, partition.topics)
         if query.fetch is not None:
             yield from self._read_arrow(query, partition)
             return
