@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import sqlglot
@@ -20,6 +21,7 @@ from outbox.pipeline.common import (
     parse_duration,
     parse_point_in_time,
     range_chunks,
+    topic_tasks,
 )
 from outbox.storage.engines.mssql import MssqlEngine
 
@@ -75,6 +77,38 @@ def test_id_runs_are_the_ids_gaps_and_islands(ids: list[int]) -> None:
 def test_id_runs_refuse_an_id_twice(ids: list[int]) -> None:
     with pytest.raises(ValueError, match="twice"):
         id_runs(edges(ids))
+
+
+@pytest.mark.parametrize(("spec", "count"), [
+    ({"a": 10, "b": 10, "c": 10, "d": 10, "e": 10}, 4),   # even topics, more than tasks
+    ({"huge": 90, "x": 3, "y": 4, "z": 3}, 4),             # one topic bigger than a task's share
+    ({"only": 50}, 4),
+    ({f"t{i}": 1 + i % 7 for i in range(40)}, 3),          # many small topics
+    ({"a": 5, "b": 5}, 1),
+])
+def test_topic_tasks_give_each_row_one_task(spec: dict[str, int], count: int) -> None:
+    rows, next_id = [], 100
+    for n in range(max(spec.values())):  # topics interleaved by id, as an outbox's are
+        for topic, size in spec.items():
+            if n < size:
+                rows.append((next_id, topic))
+                next_id += 3
+    groups = [(t, sum(1 for _, x in rows if x == t), min(i for i, x in rows if x == t),
+               max(i for i, x in rows if x == t)) for t in spec]
+    tasks = topic_tasks(groups, count)
+
+    def holds(task: tuple[int, int, tuple[Any, ...]], id_: int, topic: str) -> bool:
+        lo, hi, pieces = task
+        return lo <= id_ <= hi and any(t == topic and (a is None or a <= id_ <= b) for t, a, b in pieces)
+    for id_, topic in rows:
+        assert sum(1 for task in tasks if holds(task, id_, topic)) == 1, (id_, topic)
+    assert len(tasks) <= count
+    assert all(sum(1 for _, first, _ in pieces if first is not None) <= 2 for _, _, pieces in tasks)
+    assert sum(len(pieces) for _, _, pieces in tasks) <= len(spec) + count - 1
+    share = -(-len(rows) // count)
+    loads = [sum(1 for id_, topic in rows if holds(task, id_, topic)) for task in tasks]
+    assert max(loads) <= 2 * share, loads  # cut by id span: about, not exactly, a task's share
+    assert topic_tasks([], count) == []
 
 
 @pytest.mark.parametrize("value", ["2026-11-23 10:56:29.766",

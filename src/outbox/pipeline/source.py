@@ -15,8 +15,9 @@ Options: ``url`` (required), ``table`` (default ``outbox``), ``schema``,
 ``statuses`` (``2,4``), ``processed_before`` / ``created_since`` (a driver-native
 timestamp encoded by ``common.encode_native``, so the bound compares exactly as the
 database compares its own values), ``min_id`` / ``max_id``, ``partitions``
-(default 4), ``split`` (``id``, the default: equal id ranges; ``topic``: each task
-reads whole topics, see ``topic_partitions``), ``fetch_size`` (default 5000), ``reader``
+(default 4), ``split`` (``id``, the default: equal id ranges; ``topic``: tasks of
+about equal rows that each read whole topics but for the one it starts and the one it
+ends with, see ``common.topic_tasks``), ``fetch_size`` (default 5000), ``reader``
 (``arrow``, the default, or ``driver``: the engine's Python driver).
 
 Where a JDBC driver is installed, ``spark.read.jdbc`` with ``partitionColumn=id``
@@ -32,7 +33,7 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..storage.engines import Engine, engine_for_url
-from .common import SOURCE_SCHEMA_DDL, decode_native
+from .common import SOURCE_SCHEMA_DDL, Piece, decode_native, topic_tasks
 from .fetch import ArrowFetch, arrow_fetch, to_source_schema
 
 _TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
@@ -62,51 +63,22 @@ class OutboxDataSource(DataSource):
 
 
 class IdRange(InputPartition):
-    """The ids ``lo..hi``, and only rows of ``topics`` when that is not empty."""
+    """The ids ``lo..hi``; with ``pieces`` (``split=topic``), only rows of those topic pieces."""
 
-    def __init__(self, lo: int, hi: int, topics: tuple[str, ...] = ()) -> None:
-        super().__init__((lo, hi, topics))
-        self.lo, self.hi, self.topics = lo, hi, topics
+    def __init__(self, lo: int, hi: int, pieces: tuple[Piece, ...] = ()) -> None:
+        super().__init__((lo, hi, pieces))
+        self.lo, self.hi, self.pieces = lo, hi, pieces
 
 
 #: Above this many topics, ``split=topic`` falls back to id ranges (a task's ``IN`` list
-#: stays well under SQL Server's 2,100 parameters).
+#: stays well under SQL Server's 2,100 parameters on the driver path).
 MAX_SPLIT_TOPICS = 1000
-
-
-def topic_partitions(groups: list[tuple[str, int, int, int]], count: int) -> list[IdRange]:
-    """``split=topic``: tasks that each read whole topics (docs/pipeline.md, "Layout",
-    says why). ``groups``: (topic, rows, first id, last id) per topic. A topic holding
-    more than a task's share (``rows / count``) gets tasks of its own, over equal id
-    ranges of its span; the other topics are packed, largest first, into the
-    least-loaded of the remaining ``count`` tasks. Every row belongs to exactly one
-    task: its topic is in one task's list, or in one of its own topic's id ranges."""
-    if not groups:
-        return [IdRange(1, 0)]
-    share = -(-sum(n for _, n, _, _ in groups) // max(1, count))
-    parts, small = [], []
-    for topic, n, lo, hi in groups:
-        if n > share:
-            pieces = -(-n // share)
-            step = -(-(hi - lo + 1) // pieces)
-            parts += [IdRange(a, min(hi, a + step - 1), (topic,)) for a in range(lo, hi + 1, step)]
-        else:
-            small.append((topic, n, lo, hi))
-    bins: list[tuple[int, list[str], int, int]] = []
-    for topic, n, lo, hi in sorted(small, key=lambda g: (-g[1], g[0])):
-        if len(bins) < max(1, count - len(parts)):
-            bins.append((n, [topic], lo, hi))
-            continue
-        i = min(range(len(bins)), key=lambda j: bins[j][0])
-        load, topics, first, last = bins[i]
-        bins[i] = (load + n, [*topics, topic], min(first, lo), max(last, hi))
-    return parts + [IdRange(first, last, tuple(sorted(topics))) for _, topics, first, last in bins]
 
 
 class OutboxQuery:
     """The SQL of one read, shared by the planner (bounds) and the partitions (pages)."""
 
-    def __init__(self, options: dict[str, str], topics: tuple[str, ...] = ()) -> None:
+    def __init__(self, options: dict[str, str], pieces: tuple[Piece, ...] = ()) -> None:
         if not options.get("url"):
             raise ValueError("the outbox data source needs the 'url' option")
         self.url = options["url"]
@@ -123,9 +95,14 @@ class OutboxQuery:
         if options.get("created_since"):
             conditions.append("created_at >= ?")
             params.append(decode_native(options["created_since"]))
-        if topics:
-            conditions.append(f"topic IN ({', '.join('?' for _ in topics)})")
-            params.extend(topics)
+        if pieces:
+            whole = [topic for topic, first, _ in pieces if first is None]
+            parts = [piece for piece in pieces if piece[1] is not None]
+            terms = [f"topic IN ({', '.join('?' for _ in whole)})"] if whole else []
+            terms += ["(topic = ? AND id >= ? AND id <= ?)"] * len(parts)
+            conditions.append(f"({' OR '.join(terms)})")
+            params.extend(whole)
+            params.extend(value for piece in parts for value in piece)
         self.where = " AND ".join(conditions) or "1 = 1"
         self.params = params
         e = self.engine
@@ -157,7 +134,8 @@ class OutboxQuery:
         """``page_sql`` with its values written in as literals, for the Arrow readers
         (which bind none; ``fetch.py`` says why the comparisons stay the database's own)."""
         assert self.fetch is not None
-        values = [str(int(after)), str(int(hi)), *(self.fetch.literal(v) for v in self.params), str(int(size))]
+        values = [str(int(after)), str(int(hi)),
+                  *(str(v) if isinstance(v, int) else self.fetch.literal(v) for v in self.params), str(int(size))]
         pieces = self.page_sql().split("?")
         if len(pieces) != len(values) + 1:
             raise ValueError(f"the table name {self.engine.table} holds a '?': use reader=driver")
@@ -213,7 +191,7 @@ class OutboxReader(DataSourceReader):
     def partitions(self) -> list[IdRange]:
         """Equal id ranges between the lowest and highest matching id (asked of the
         database once, here, unless ``min_id``/``max_id`` are given); with
-        ``split=topic``, ``topic_partitions`` of the rows per topic (one more query)."""
+        ``split=topic``, ``common.topic_tasks`` of the rows per topic (one more query)."""
         lo = int(self.options["min_id"]) if self.options.get("min_id") else None
         hi = int(self.options["max_id"]) if self.options.get("max_id") else None
         if lo is None or hi is None:
@@ -239,8 +217,10 @@ class OutboxReader(DataSourceReader):
                 conn.rollback()
             finally:
                 conn.close()
+            if not groups:
+                return [IdRange(1, 0)]
             if len(groups) <= MAX_SPLIT_TOPICS:
-                return topic_partitions(groups, self.partition_count)
+                return [IdRange(*task) for task in topic_tasks(groups, self.partition_count)]
         span = hi - lo + 1
         n = min(self.partition_count, span)
         step = -(-span // n)
@@ -249,7 +229,7 @@ class OutboxReader(DataSourceReader):
     def read(self, partition: IdRange) -> Iterator[Any]:  # type: ignore[override]
         if partition.hi < partition.lo:
             return
-        query = OutboxQuery(self.options, partition.topics)
+        query = OutboxQuery(self.options, partition.pieces)
         if query.fetch is not None:
             yield from self._read_arrow(query, partition)
             return
