@@ -18,7 +18,9 @@ In one run (default ``--rows 200000``, a few minutes on a shared 2-core machine)
 Printed: rows/s of each (the best of ``--repeat`` alternating runs), the
 ratios read/jdbc (target >= 1.0), archive/read (>= 0.8; also the archive's own stage
 step against its whole run, with the seconds at which it passed each step) and
-replay/insert (>= 1.0), and the peak RSS of the Spark JVM and of the Python workers,
+replay/insert (>= 1.0), the CPU seconds the Spark JVM and its Python workers used in
+each run (less swayed by the neighbours' load than the wall time; the database's own
+work is not in it), and the peak RSS of the Spark JVM and of the Python workers,
 sampled from /proc every 0.2 s. Nothing here asserts a time.
 """
 
@@ -45,6 +47,7 @@ JARS = {"postgresql": "/usr/share/java/postgresql.jar", "mysql": "/usr/share/jav
 #: Debian's xerial driver loads the system's libsqlitejdbc.so from here.
 JNI_DIR = "/usr/lib/x86_64-linux-gnu/jni"
 PAGE = os.sysconf("SC_PAGE_SIZE")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class RssSampler:
@@ -122,14 +125,39 @@ def fill(store: Any, rows: int) -> None:
                           FROM g""", (rows,))
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds used so far by this process's descendants (the Spark JVM and its
+    Python workers; a worker that ended counts in its parent's children times)."""
+    me, parents, cpu = os.getpid(), {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        parents[int(pid)] = int(fields[1])
+        cpu[int(pid)] = sum(int(f) for f in fields[11:15]) / CLK_TCK
+    total = 0.0
+    for pid, seconds in cpu.items():
+        p, depth = parents.get(pid), 0
+        while p and p != me and depth < 10:
+            p, depth = parents.get(p), depth + 1
+        if p == me:
+            total += seconds
+    return total
+
+
 def timed(label: str, rows: int, work: Any, results: dict[str, Any]) -> Any:
     with RssSampler() as sampler:
+        cpu = tree_cpu_s()
         start = time.perf_counter()
         value = work()
         elapsed = time.perf_counter() - start
+        cpu = tree_cpu_s() - cpu
     results[label] = {"rows": rows, "seconds": round(elapsed, 2), "rows_per_s": round(rows / elapsed),
-                      **sampler.peak}
-    log(f"{label}: {rows} rows in {elapsed:.1f} s = {rows / elapsed:,.0f} rows/s; peak RSS {sampler.peak}")
+                      "spark_cpu_s": round(cpu, 2), **sampler.peak}
+    log(f"{label}: {rows} rows in {elapsed:.1f} s = {rows / elapsed:,.0f} rows/s; Spark CPU {cpu:.2f} s; "
+        f"peak RSS {sampler.peak}")
     return value
 
 
