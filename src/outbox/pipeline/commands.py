@@ -52,7 +52,7 @@ def pipeline() -> None:
 @click.option("--delete-chunk", default=1000, show_default=True, type=click.IntRange(1, 100_000),
               help="Ids per DELETE statement.")
 @click.option("--partitions", default=4, show_default=True, type=click.IntRange(1, 10_000),
-              help="Id ranges read in parallel.")
+              help="Tasks reading in parallel, each whole topics (one cut at each end).")
 @master_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run's summary as JSON.")
 @_errors
