@@ -11,7 +11,9 @@ In one run (default ``--rows 200000``, a few minutes on a shared 2-core machine)
              source's Python-driver path (``reader=driver``, the fallback);
 2. on PostgreSQL and MariaDB: ``archive`` (the whole ``Archiver`` run: stage, verify,
    commit, publish, delete) against the read alone, alternating ``--repeat`` times, each
-   archive run on a table freshly filled with the same rows; ``replay`` of that archive into an
+   archive run on a table freshly filled with the same rows and read once, untimed, so
+   that its pages are as warm as the read's table is (``--cold-archive``: not read
+   first); ``replay`` of that archive into an
    empty table against ``insert``, a plain bulk INSERT of the same rows (``executemany``,
    1,000 rows per transaction).
 
@@ -277,14 +279,18 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         Archiver(spark, stores["warm"], warm_archive, partitions=args.partitions).run(timedelta(days=1))
         run_replay(spark, archive=warm_archive, target=stores["warmreplay"], batch=1000, partitions=args.partitions)
         # The archive alternates with the read --repeat times too, each run on a table
-        # freshly filled with the same rows (it deletes what it archived), and keeps its
-        # best run, as the reads do.
+        # freshly filled with the same rows (it deletes what it archived) and read once
+        # (unless --cold-archive), and keeps its best run, as the reads do.
         for n in range(args.repeat):
             trial = {}
             timed(f"{kind} read", args.rows, source_path, trial)
             empty(stores["arch"])
             fill(stores["arch"], args.rows)
             settle(stores["arch"])
+            if not args.cold_archive:  # read once, untimed: the table as warm as src is for its best read
+                (spark.read.format("outbox").options(url=url, table=stores["arch"].engine.table_name, statuses="2",
+                                                     partitions=str(args.partitions)).load()
+                 .write.mode("overwrite").parquet(str(work / f"{kind}-warm-arch")))
             clock = StepClock()
             archiver = Archiver(spark, stores["arch"], str(work / f"{kind}-archive-{n}"), partitions=args.partitions,
                                 delete_chunk=5000, on_step=clock)
@@ -352,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fetch-size", type=int, default=5000, help="the outbox source's rows per page")
     p.add_argument("--full", default="postgresql,mysql",
                    help="engines that also run archive, replay and the bulk INSERT (comma-separated)")
+    p.add_argument("--cold-archive", action="store_true",
+                   help="run each archive on its freshly filled table without reading it once first")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
