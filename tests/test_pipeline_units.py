@@ -240,6 +240,11 @@ def test_pipeline_sql_parses_as_tsql() -> None:
     assert bounds.find(exp.Where) is not None
     page = _tsql(query.page_sql(), 3 + len(query.params))
     assert "FETCH NEXT" in page.sql(dialect="tsql").upper() and "CAST(payload AS NVARCHAR(MAX))" in query.page_sql()
+    _tsql(query.topics_sql(), 2 + len(query.params))
+    pieces = OutboxQuery({"url": "mssql+pyodbc://u:p@h:1433/db?driver=FreeTDS", "table": "outbox", "schema": "dbo",
+                          "statuses": "2"}, (("a", None, None), ("b", None, None), ("c", 10, 20)))
+    assert len(pieces.params) == 5
+    _tsql(pieces.page_sql(), 3 + len(pieces.params))
     _tsql(check_table_sql(engine), 0)
     _tsql(candidates_sql(engine, [2, 4]), 1)
     delete = _tsql(delete_sql(engine, [2]), 3)

@@ -6,8 +6,9 @@ One run, step by step (each step is safe to crash in; see docs/pipeline.md):
    files, delete its rows) and drop the staging of runs that never committed;
 2. **cut-off** on the database clock, ``now - older_than``, kept as the driver's own
    value so every later comparison is the database's own comparison;
-3. **stage**: the executors read id ranges through the ``outbox`` data source and
-   write Parquet, partitioned ``topic=/date=``, under ``_staging/<run>/``;
+3. **stage**: the executors read the rows through the ``outbox`` data source, each
+   task whole topics (``split=topic``), and write Parquet, partitioned
+   ``topic=/date=``, under ``_staging/<run>/``;
 4. **verify**: read the staged ids back, in id order, and turn them into
    ``[first, last]`` runs (an id there twice, or outside the bounds, fails the run);
 5. **commit**: write ``_manifest/<run>.json`` (the id runs, the cut-off, the files).
