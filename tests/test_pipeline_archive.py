@@ -187,6 +187,26 @@ def stage_by_hand(spark: Any, staging: Path, ids_by_topic: dict[str, list[int]],
      .partitionBy("topic", "date").mode("append" if append else "errorifexists").parquet(str(staging)))
 
 
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_split_by_topic_archives_what_id_ranges_do_in_fewer_files(spark: Any, make_store: Any,
+                                                                   tmp_path: Path) -> None:
+    """The stage's ``split=topic`` (the default) and ``split=id`` archive the same rows
+    once each; with three interleaved topics and two tasks, id ranges write a file per
+    task and topic (6), whole topics at most one per topic plus one cut (4)."""
+    rows = [Row(f"t.{i % 3}", f"a{i % 5}") for i in range(30)]
+    files = {}
+    for split in ("topic", "id"):
+        store = make_store()
+        ids = seed(store, rows)
+        root = tmp_path / split
+        result = Archiver(spark, store, str(root), partitions=2, source_options={"split": split}).run(
+            timedelta(days=7))
+        assert (result.archived, result.deleted) == (30, 30) and table_ids(store) == set()
+        assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(ids, 1))
+        files[split] = len(list(root.glob("topic=*/date=*/*.parquet")))
+    assert files == {"topic": 4, "id": 6}
+
+
 @pytest.mark.parametrize("kind", ["sqlite"])
 def test_verify_gives_the_runs_and_refuses_an_id_staged_twice(spark: Any, store: OutboxStore,
                                                               tmp_path: Path) -> None:
