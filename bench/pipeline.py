@@ -10,15 +10,19 @@ In one run (default ``--rows 200000``, a few minutes on a shared 2-core machine)
              ``libxerial-sqlite-jdbc-java``), and, on PostgreSQL, ``driver``: the data
              source's Python-driver path (``reader=driver``, the fallback);
 2. on PostgreSQL and MariaDB: ``archive`` (the whole ``Archiver`` run: stage, verify,
-   commit, publish, delete) against the read alone; ``replay`` of that archive into an
+   commit, publish, delete) against the read alone, alternating ``--repeat`` times, each
+   archive run on a table freshly filled with the same rows and read once, untimed, so
+   that its pages are as warm as the read's table is (``--cold-archive``: not read
+   first); ``replay`` of that archive into an
    empty table against ``insert``, a plain bulk INSERT of the same rows (``executemany``,
    1,000 rows per transaction).
 
-Printed: rows/s of each (the reads, and replay and insert: the best of ``--repeat``
-alternating runs), the
+Printed: rows/s of each (the best of ``--repeat`` alternating runs), the
 ratios read/jdbc (target >= 1.0), archive/read (>= 0.8; also the archive's own stage
 step against its whole run, with the seconds at which it passed each step) and
-replay/insert (>= 1.0), and the peak RSS of the Spark JVM and of the Python workers,
+replay/insert (>= 1.0), the CPU seconds the Spark JVM and its Python workers used in
+each run (less swayed by the neighbours' load than the wall time; the database's own
+work is not in it), and the peak RSS of the Spark JVM and of the Python workers,
 sampled from /proc every 0.2 s. Nothing here asserts a time.
 """
 
@@ -45,6 +49,7 @@ JARS = {"postgresql": "/usr/share/java/postgresql.jar", "mysql": "/usr/share/jav
 #: Debian's xerial driver loads the system's libsqlitejdbc.so from here.
 JNI_DIR = "/usr/lib/x86_64-linux-gnu/jni"
 PAGE = os.sysconf("SC_PAGE_SIZE")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class RssSampler:
@@ -122,15 +127,64 @@ def fill(store: Any, rows: int) -> None:
                           FROM g""", (rows,))
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds used so far by this process's descendants (the Spark JVM and its
+    Python workers; a worker that ended counts in its parent's children times)."""
+    me, parents, cpu = os.getpid(), {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        parents[int(pid)] = int(fields[1])
+        cpu[int(pid)] = sum(int(f) for f in fields[11:15]) / CLK_TCK
+    total = 0.0
+    for pid, seconds in cpu.items():
+        p, depth = parents.get(pid), 0
+        while p and p != me and depth < 10:
+            p, depth = parents.get(p), depth + 1
+        if p == me:
+            total += seconds
+    return total
+
+
 def timed(label: str, rows: int, work: Any, results: dict[str, Any]) -> Any:
     with RssSampler() as sampler:
+        cpu = tree_cpu_s()
         start = time.perf_counter()
         value = work()
         elapsed = time.perf_counter() - start
+        cpu = tree_cpu_s() - cpu
     results[label] = {"rows": rows, "seconds": round(elapsed, 2), "rows_per_s": round(rows / elapsed),
-                      **sampler.peak}
-    log(f"{label}: {rows} rows in {elapsed:.1f} s = {rows / elapsed:,.0f} rows/s; peak RSS {sampler.peak}")
+                      "spark_cpu_s": round(cpu, 2), **sampler.peak}
+    log(f"{label}: {rows} rows in {elapsed:.1f} s = {rows / elapsed:,.0f} rows/s; Spark CPU {cpu:.2f} s; "
+        f"peak RSS {sampler.peak}")
     return value
+
+
+class StepClock:
+    """The seconds since ``start()`` at which an archive run passed each step."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        self.steps[name] = round(time.perf_counter() - self.started, 2)
+
+
+def keep_best(figures: dict[str, Any], trial: dict[str, Any]) -> None:
+    """Keep each label's fastest run in ``figures``, counting the runs."""
+    for label, run in trial.items():
+        best = figures.get(label)
+        if best is None or run["seconds"] < best["seconds"]:
+            figures[label] = {**run, "runs": (best or {}).get("runs", 0) + 1}
+        else:
+            best["runs"] += 1
 
 
 def jdbc_source(kind: str, store: Any, url: str) -> tuple[str, dict[str, str], str]:
@@ -162,20 +216,29 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
 
     tag = uuid.uuid4().hex[:8]
     stores = {name: OutboxStore(url, table=f"outbox_bp_{name}_{tag}")
-              for name in ("src", "replay", "insert", "warm", "warmreplay")}
+              for name in ("src", "arch", "replay", "insert", "warm", "warmreplay")}
     figures: dict[str, Any] = {}
     results[kind] = figures
     try:
         for store in stores.values():
             store.migrate()
         src = stores["src"]
+
+        def empty(store: Any) -> None:
+            with store.transaction() as c:
+                store.engine.execute(c, f"{'DELETE FROM' if kind == 'sqlite' else 'TRUNCATE TABLE'} "
+                                     f"{store.engine.table}")
+
+        def settle(store: Any) -> None:
+            if kind == "postgresql":  # set the hint bits now, or the first reader pays for them
+                conn = store.engine.connect(url)
+                conn.autocommit = True
+                conn.execute(f"VACUUM ANALYZE {store.engine.table}")
+                conn.close()
+
         log(f"{kind}: filling {src.engine.table} with {args.rows} rows")
         fill(src, args.rows)
-        if kind == "postgresql":  # set the hint bits now, or the first reader pays for them
-            conn = src.engine.connect(url)
-            conn.autocommit = True
-            conn.execute(f"VACUUM ANALYZE {src.engine.table}")
-            conn.close()
+        settle(src)
         with src.transaction() as c:
             lo, hi = src.engine.execute(c, f"SELECT MIN(id), MAX(id) FROM {src.engine.table}").fetchone()
         jdbc_url, props, columns = jdbc_source(kind, src, url)
@@ -206,11 +269,7 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
             for label, path in paths.items():
                 trial: dict[str, Any] = {}
                 timed(label, args.rows, path, trial)
-                best = figures.get(label)
-                if best is None or trial[label]["seconds"] < best["seconds"]:
-                    figures[label] = {**trial[label], "runs": (best or {}).get("runs", 0) + 1}
-                else:
-                    best["runs"] += 1
+                keep_best(figures, trial)
         figures["read_vs_jdbc"] = round(figures[f"{kind} read"]["rows_per_s"] / figures[f"{kind} jdbc"]["rows_per_s"], 2)
         if not full:
             return
@@ -219,18 +278,28 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         warm_archive = str(work / f"{kind}-warm-archive")
         Archiver(spark, stores["warm"], warm_archive, partitions=args.partitions).run(timedelta(days=1))
         run_replay(spark, archive=warm_archive, target=stores["warmreplay"], batch=1000, partitions=args.partitions)
-        archive = str(work / f"{kind}-archive")
-        steps: dict[str, float] = {}
-        started = time.perf_counter()
-
-        def step(name: str) -> None:
-            steps[name] = round(time.perf_counter() - started, 2)
-        timed(f"{kind} archive", args.rows, lambda: Archiver(spark, src, archive, partitions=args.partitions,
-                                                             delete_chunk=5000, on_step=step).run(timedelta(days=1)),
-              figures)
-        started_at = figures[f"{kind} archive"]["seconds"]
-        figures["archive_steps_s"] = {**steps, "end": started_at}  # seconds since the run began, per step
-        log(f"{kind} archive: seconds at each step {figures['archive_steps_s']}")
+        # The archive alternates with the read --repeat times too, each run on a table
+        # freshly filled with the same rows (it deletes what it archived) and read once
+        # (unless --cold-archive), and keeps its best run, as the reads do.
+        for n in range(args.repeat):
+            trial = {}
+            timed(f"{kind} read", args.rows, source_path, trial)
+            empty(stores["arch"])
+            fill(stores["arch"], args.rows)
+            settle(stores["arch"])
+            if not args.cold_archive:  # read once, untimed: the table as warm as src is for its best read
+                (spark.read.format("outbox").options(url=url, table=stores["arch"].engine.table_name, statuses="2",
+                                                     partitions=str(args.partitions)).load()
+                 .write.mode("overwrite").parquet(str(work / f"{kind}-warm-arch")))
+            clock = StepClock()
+            archiver = Archiver(spark, stores["arch"], str(work / f"{kind}-archive-{n}"), partitions=args.partitions,
+                                delete_chunk=5000, on_step=clock)
+            clock.start()
+            timed(f"{kind} archive", args.rows, lambda: archiver.run(timedelta(days=1)), trial)  # noqa: B023
+            trial[f"{kind} archive"]["steps_s"] = {**clock.steps, "end": trial[f"{kind} archive"]["seconds"]}
+            log(f"{kind} archive: seconds at each step {trial[f'{kind} archive']['steps_s']}")
+            keep_best(figures, trial)
+        archive = str(work / f"{kind}-archive-0")
         import pyarrow.parquet as pq
         table = pq.read_table(str(work / f"{kind}-read"), columns=[
             "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key", "payload", "headers", "trace_id"])
@@ -249,11 +318,6 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
                 cursor.close()
                 conn.commit()
 
-        def empty(store: Any) -> None:
-            with store.transaction() as c:
-                store.engine.execute(c, f"{'DELETE FROM' if kind == 'sqlite' else 'TRUNCATE TABLE'} "
-                                     f"{store.engine.table}")
-
         # Replay and the plain INSERT alternate --repeat times, each into an empty table,
         # and each keeps its best run (as the reads do: a neighbour's burst should not
         # decide the ratio).
@@ -262,19 +326,15 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
             timed(f"{kind} replay", args.rows, lambda: run_replay(spark, archive=archive, target=stores["replay"],
                                                                   batch=1000, partitions=args.partitions), trial)
             timed(f"{kind} insert", len(rows), bulk_insert, trial)
-            for label in (f"{kind} replay", f"{kind} insert"):
-                best = figures.get(label)
-                if best is None or trial[label]["seconds"] < best["seconds"]:
-                    figures[label] = {**trial[label], "runs": (best or {}).get("runs", 0) + 1}
-                else:
-                    best["runs"] += 1
+            keep_best(figures, trial)
             if n + 1 < args.repeat:
                 empty(stores["replay"])
                 empty(target)
         figures["archive_vs_read"] = round(figures[f"{kind} archive"]["rows_per_s"]
                                            / figures[f"{kind} read"]["rows_per_s"], 2)
-        # The same question inside the one archive run: its own read (stage) against the whole run.
-        figures["archive_stage_share"] = round(steps["staged"] / figures["archive_steps_s"]["end"], 2)
+        # The same question inside the best archive run: its own read (stage) against the whole run.
+        best_steps = figures[f"{kind} archive"]["steps_s"]
+        figures["archive_stage_share"] = round(best_steps["staged"] / best_steps["end"], 2)
         figures["replay_vs_insert"] = round(figures[f"{kind} replay"]["rows_per_s"]
                                             / figures[f"{kind} insert"]["rows_per_s"], 2)
     finally:
@@ -298,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fetch-size", type=int, default=5000, help="the outbox source's rows per page")
     p.add_argument("--full", default="postgresql,mysql",
                    help="engines that also run archive, replay and the bulk INSERT (comma-separated)")
+    p.add_argument("--cold-archive", action="store_true",
+                   help="run each archive on its freshly filled table without reading it once first")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

@@ -14,6 +14,7 @@ import pytest
 from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, invoke, mixed_rows, seed, table_ids, table_rows
 
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
+from outbox.pipeline.common import ARCHIVE_SCHEMA_DDL, PipelineError
 from outbox.storage.store import OutboxStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -173,6 +174,88 @@ def test_crash_between_delete_chunks_then_rerun(spark: Any, store: OutboxStore, 
     assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert table_ids(store) == set(ids) - old_done
+    assert not list((root / "_staging").glob("*"))
+
+
+def stage_by_hand(spark: Any, staging: Path, ids_by_topic: dict[str, list[int]], append: bool = False) -> None:
+    """Staged files as the stage writes them (``topic=/date=``), one file per topic."""
+    fields = [f.split(" ")[0] for f in ARCHIVE_SCHEMA_DDL.split(", ")]
+    rows = [tuple({"id": i, "message_id": f"m{i}", "topic": topic, "status": 2, "attempts": 0,
+                   "archive_run": "r", "date": "2026-11-15"}.get(name) for name in fields)
+            for topic, ids in ids_by_topic.items() for i in ids]
+    (spark.createDataFrame(rows, ARCHIVE_SCHEMA_DDL).repartition(len(ids_by_topic), "topic").write
+     .partitionBy("topic", "date").mode("append" if append else "errorifexists").parquet(str(staging)))
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_split_by_topic_archives_what_id_ranges_do_in_fewer_files(spark: Any, make_store: Any,
+                                                                   tmp_path: Path) -> None:
+    """The stage's ``split=topic`` (the default) and ``split=id`` archive the same rows
+    once each; with three interleaved topics and two tasks, id ranges write a file per
+    task and topic (6), whole topics at most one per topic plus one cut (4)."""
+    rows = [Row(f"t.{i % 3}", f"a{i % 5}") for i in range(30)]
+    files = {}
+    for split in ("topic", "id"):
+        store = make_store()
+        ids = seed(store, rows)
+        root = tmp_path / split
+        result = Archiver(spark, store, str(root), partitions=2, source_options={"split": split}).run(
+            timedelta(days=7))
+        assert (result.archived, result.deleted) == (30, 30) and table_ids(store) == set()
+        assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(ids, 1))
+        files[split] = len(list(root.glob("topic=*/date=*/*.parquet")))
+    assert files == {"topic": 4, "id": 6}
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_verify_gives_the_runs_and_refuses_an_id_staged_twice(spark: Any, store: OutboxStore,
+                                                              tmp_path: Path) -> None:
+    """The verify step on staged files written by hand: interleaved topics with gaps
+    give the ids' runs; the same id in two files, or an id outside the run's bounds,
+    fail it (so the run never commits)."""
+    archiver = Archiver(spark, store, str(tmp_path / "archive"))
+    staging = tmp_path / "staging"
+    by_topic = {"t.a": [1, 3, 5, 6, 7, 10], "t.b": [2, 4, 8, 12, 13], "t.c": [20]}
+    stage_by_hand(spark, staging, by_topic)
+    rows, ranges = archiver._verify(staging.as_uri(), 1, 20)
+    assert (rows, ranges) == (12, [[1, 8], [10, 10], [12, 13], [20, 20]])
+    with pytest.raises(PipelineError, match="outside 2..20; nothing was committed"):
+        archiver._verify(staging.as_uri(), 2, 20)
+    with pytest.raises(PipelineError, match="outside 1..19; nothing was committed"):
+        archiver._verify(staging.as_uri(), 1, 19)
+
+    stage_by_hand(spark, staging, {"t.d": [6]}, append=True)  # id 6 again, in another file
+    with pytest.raises(PipelineError, match="holds id 6 twice; nothing was committed"):
+        archiver._verify(staging.as_uri(), 1, 20)
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_a_run_whose_verify_fails_commits_and_deletes_nothing(spark: Any, store: OutboxStore, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage that wrote an id twice (here: one file added after the real stage): the
+    run stops at verify, with no manifest and no row deleted; the next run, with the
+    stage as it is, archives every row once."""
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+    real_stage = Archiver._stage
+
+    def stage_twice(self: Archiver, staging: str, *args: Any) -> None:
+        real_stage(self, staging, *args)
+        stage_by_hand(spark, Path(staging.removeprefix("file:").removeprefix("//")), {"zz": [min(old_done)]},
+                      append=True)
+
+    monkeypatch.setattr(Archiver, "_stage", stage_twice)
+    with pytest.raises(PipelineError, match=f"holds id {min(old_done)} twice; nothing was committed"):
+        Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert not list((root / "_manifest").glob("*.json"))
+    assert table_ids(store) == set(ids)
+    monkeypatch.undo()
+
+    result = Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert (result.archived, result.deleted) == (len(old_done), len(old_done))
+    assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert not list((root / "_staging").glob("*"))
 
 

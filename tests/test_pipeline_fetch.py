@@ -12,7 +12,7 @@ from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
 
 from outbox.pipeline.common import encode_native
 from outbox.pipeline.fetch import ARROW_FETCH
-from outbox.pipeline.source import OutboxQuery, OutboxReader
+from outbox.pipeline.source import ARROW_SCHEMA, OutboxQuery, OutboxReader
 from outbox.storage.store import OutboxStore
 
 pa = pytest.importorskip("pyarrow")
@@ -26,7 +26,6 @@ def kind(request: pytest.FixtureRequest) -> str:
 def read_all(options: dict[str, str]) -> Any:
     reader = OutboxReader(options)
     batches = [batch for part in reader.partitions() for batch in reader.read(part)]
-    from outbox.pipeline.source import ARROW_SCHEMA
     return pa.Table.from_batches(batches, schema=ARROW_SCHEMA()).sort_by("id")
 
 
@@ -84,6 +83,29 @@ def test_no_transaction_stays_open_between_pages(store: OutboxStore, url: str) -
             "AND query LIKE ?", [f"%{store.engine.table_name}%"]).fetchone()[0]
     assert open_tx == 0
     assert sum(batch.num_rows for batch in pages) == 4
+
+
+def test_split_by_topic_reads_every_row_once(store: OutboxStore, url: str) -> None:
+    """``split=topic``: each task reads only its topic pieces (whole topics, a topic cut
+    by id where a task is full), and all tasks together read exactly what ``split=id``
+    reads, on both readers."""
+    rows = [Row("big.topic", f"b{i}") for i in range(14)] + [Row("it's.quoted", "q"), Row("small", "s")]
+    rows += [Row(f"t.{i % 3}", f"a{i}") for i in range(9)]
+    rows += [Row("pending", "p", status=0, latency_ms=None)]
+    ids = seed(store, rows)
+    base = {"url": url, "table": store.engine.table_name, "statuses": "2", "partitions": "3", "fetch_size": "4"}
+    by_id = read_all(base)
+    for reader in ("arrow", "driver"):
+        options = {**base, "split": "topic", "reader": reader}
+        split = OutboxReader(options)
+        parts = split.partitions()
+        assert len(parts) == 3 and any(first is not None for p in parts for _, first, _ in p.pieces)  # a cut
+        for part in parts:
+            got = pa.Table.from_batches(list(split.read(part)), schema=ARROW_SCHEMA())
+            for id_, topic in zip(got.column("id").to_pylist(), got.column("topic").to_pylist()):
+                assert any(t == topic and (a is None or a <= id_ <= b) for t, a, b in part.pieces), (id_, topic)
+        assert read_all(options).equals(by_id), reader
+    assert by_id.column("id").to_pylist() == sorted(i for i, r in zip(ids, rows) if r.status == 2)
 
 
 def test_bad_reader_option_is_named(store: OutboxStore, url: str) -> None:

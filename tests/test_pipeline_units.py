@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import sqlglot
 from sqlglot import exp
 
+from outbox.pipeline.archive import id_runs
 from outbox.pipeline.common import (
     PipelineError,
     archive_uri,
@@ -19,6 +21,7 @@ from outbox.pipeline.common import (
     parse_duration,
     parse_point_in_time,
     range_chunks,
+    topic_tasks,
 )
 from outbox.storage.engines.mssql import MssqlEngine
 
@@ -51,6 +54,61 @@ def test_range_chunks_cover_each_id_once() -> None:
     assert chunks == [(1, 3), (4, 6), (7, 7), (10, 10), (12, 14), (15, 15)]
     covered = [i for lo, hi in chunks for i in range(lo, hi + 1)]
     assert covered == [i for lo, hi in ranges for i in range(lo, hi + 1)]
+
+
+def edges(ids: list[int]) -> list[tuple[int, int | None, int | None]]:
+    """What ``archive.EDGES_SQL`` selects from these ids, computed here by its definition."""
+    order = sorted(ids)
+    rows = [(i, order[n - 1] if n else None, order[n + 1] if n + 1 < len(order) else None)
+            for n, i in enumerate(order)]
+    return [(i, p, q) for i, p, q in rows if p is None or q is None or i != p + 1 or q != i + 1]
+
+
+@pytest.mark.parametrize("ids", [[], [5], [1, 2, 3], [3, 1, 2, 7, 9, 10, 11, 20], list(range(100, 200, 2)),
+                                 [4, 5, 6, 8, 9, 1000]])
+def test_id_runs_are_the_ids_gaps_and_islands(ids: list[int]) -> None:
+    rows, ranges = id_runs(edges(ids))
+    assert rows == len(ids)
+    assert [i for first, last in ranges for i in range(first, last + 1)] == sorted(ids)
+    assert all(a[1] + 1 < b[0] for a, b in zip(ranges, ranges[1:]))  # runs are maximal: a gap between two
+
+
+@pytest.mark.parametrize("ids", [[5, 5], [1, 2, 3, 3, 4], [1, 2, 3, 4, 4], [7, 7, 7, 8], [1, 2, 9, 10, 2]])
+def test_id_runs_refuse_an_id_twice(ids: list[int]) -> None:
+    with pytest.raises(ValueError, match="twice"):
+        id_runs(edges(ids))
+
+
+@pytest.mark.parametrize(("spec", "count"), [
+    ({"a": 10, "b": 10, "c": 10, "d": 10, "e": 10}, 4),   # even topics, more than tasks
+    ({"huge": 90, "x": 3, "y": 4, "z": 3}, 4),             # one topic bigger than a task's share
+    ({"only": 50}, 4),
+    ({f"t{i}": 1 + i % 7 for i in range(40)}, 3),          # many small topics
+    ({"a": 5, "b": 5}, 1),
+])
+def test_topic_tasks_give_each_row_one_task(spec: dict[str, int], count: int) -> None:
+    rows, next_id = [], 100
+    for n in range(max(spec.values())):  # topics interleaved by id, as an outbox's are
+        for topic, size in spec.items():
+            if n < size:
+                rows.append((next_id, topic))
+                next_id += 3
+    groups = [(t, sum(1 for _, x in rows if x == t), min(i for i, x in rows if x == t),
+               max(i for i, x in rows if x == t)) for t in spec]
+    tasks = topic_tasks(groups, count)
+
+    def holds(task: tuple[int, int, tuple[Any, ...]], id_: int, topic: str) -> bool:
+        lo, hi, pieces = task
+        return lo <= id_ <= hi and any(t == topic and (a is None or a <= id_ <= b) for t, a, b in pieces)
+    for id_, topic in rows:
+        assert sum(1 for task in tasks if holds(task, id_, topic)) == 1, (id_, topic)
+    assert len(tasks) <= count
+    assert all(sum(1 for _, first, _ in pieces if first is not None) <= 2 for _, _, pieces in tasks)
+    assert sum(len(pieces) for _, _, pieces in tasks) <= len(spec) + count - 1
+    share = -(-len(rows) // count)
+    loads = [sum(1 for id_, topic in rows if holds(task, id_, topic)) for task in tasks]
+    assert max(loads) <= 2 * share, loads  # cut by id span: about, not exactly, a task's share
+    assert topic_tasks([], count) == []
 
 
 @pytest.mark.parametrize("value", ["2026-11-23 10:56:29.766",
@@ -182,6 +240,11 @@ def test_pipeline_sql_parses_as_tsql() -> None:
     assert bounds.find(exp.Where) is not None
     page = _tsql(query.page_sql(), 3 + len(query.params))
     assert "FETCH NEXT" in page.sql(dialect="tsql").upper() and "CAST(payload AS NVARCHAR(MAX))" in query.page_sql()
+    _tsql(query.topics_sql(), 2 + len(query.params))
+    pieces = OutboxQuery({"url": "mssql+pyodbc://u:p@h:1433/db?driver=FreeTDS", "table": "outbox", "schema": "dbo",
+                          "statuses": "2"}, (("a", None, None), ("b", None, None), ("c", 10, 20)))
+    assert len(pieces.params) == 5
+    _tsql(pieces.page_sql(), 3 + len(pieces.params))
     _tsql(check_table_sql(engine), 0)
     _tsql(candidates_sql(engine, [2, 4]), 1)
     delete = _tsql(delete_sql(engine, [2]), 3)

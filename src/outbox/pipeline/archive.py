@@ -6,10 +6,11 @@ One run, step by step (each step is safe to crash in; see docs/pipeline.md):
    files, delete its rows) and drop the staging of runs that never committed;
 2. **cut-off** on the database clock, ``now - older_than``, kept as the driver's own
    value so every later comparison is the database's own comparison;
-3. **stage**: the executors read id ranges through the ``outbox`` data source and
-   write Parquet, partitioned ``topic=/date=``, under ``_staging/<run>/``;
-4. **verify**: read the staged files back, count rows and distinct ids, and turn the
-   ids into ``[first, last]`` runs;
+3. **stage**: the executors read the rows through the ``outbox`` data source, each
+   task whole topics (``split=topic``), and write Parquet, partitioned
+   ``topic=/date=``, under ``_staging/<run>/``;
+4. **verify**: read the staged ids back, in id order, and turn them into
+   ``[first, last]`` runs (an id there twice, or outside the bounds, fails the run);
 5. **commit**: write ``_manifest/<run>.json`` (the id runs, the cut-off, the files).
    This file is the commit point: before it the run never happened, after it the
    run is finished by whoever comes next;
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -48,6 +49,19 @@ STAGING_DIR = "_staging"
 DONE_STATUS, DEAD_STATUS = 2, 4
 
 Hook = Callable[[str], None]
+
+#: Columns whose values are distinct row by row: Parquet's writer would try a dictionary
+#: for each of them in every file before falling back to plain values (docs/pipeline.md,
+#: "Layout", says what that cost).
+UNIQUE_COLUMNS = ("id", "message_id", "payload", "trace_id", "claimed_at", "next_retry_at", "created_at",
+                  "processed_at")
+
+#: The ids that begin or end a run of consecutive ids, or repeat the id before them,
+#: with their neighbours in id order: one sort of the ids, no grouping.
+EDGES_SQL = (
+    "SELECT id, prev, next FROM (SELECT id, LAG(id) OVER (ORDER BY id) AS prev, "
+    "LEAD(id) OVER (ORDER BY id) AS next FROM {view}) "
+    "WHERE prev IS NULL OR next IS NULL OR id <> prev + 1 OR next <> id + 1")
 
 
 @dataclass
@@ -105,6 +119,29 @@ def db_cutoff(store: OutboxStore, older_than: timedelta) -> Any:
         return now - older_than
     ms = int(older_than.total_seconds() * 1000)
     return store._run("clock", lambda c: engine.execute(c, f"SELECT {engine.now_plus_ms()}", [-ms]).fetchone()[0])
+
+
+def id_runs(edges: Iterable[tuple[int, int | None, int | None]]) -> tuple[int, list[list[int]]]:
+    """``EDGES_SQL``'s rows (an id, the ids before and after it in id order) -> the row
+    count and the ``[first, last]`` runs of consecutive ids ("gaps and islands": every
+    id not right after the one before it starts a run, every id not right before the
+    one after it ends one, so the rows strictly inside a run are never read). Raises
+    ValueError when an id is there twice (it equals the id before it)."""
+    rows, ranges, first = 0, [], None
+    for id_, prev, nxt in sorted(edges, key=lambda edge: edge[0]):
+        if prev is not None and int(prev) == id_:
+            raise ValueError(f"holds id {id_} twice")
+        if prev is None or int(prev) != id_ - 1:
+            first = id_
+        if nxt is None or int(nxt) != id_ + 1:
+            if first is None:
+                raise ValueError(f"has no start for the run ending at id {id_}")
+            ranges.append([first, id_])
+            rows += id_ - first + 1
+            first = None
+    if first is not None:
+        raise ValueError(f"has no end for the run starting at id {first}")
+    return rows, ranges
 
 
 class Archiver:
@@ -188,29 +225,26 @@ class Archiver:
         options = {"url": self.store.url, "table": self.engine.table_name, "schema": self.engine.schema or "",
                    "statuses": ",".join(map(str, statuses)), "processed_before": encode_native(cutoff),
                    "min_id": str(lo), "max_id": str(hi), "partitions": str(self.partitions),
+                   "split": "topic",  # a file per topic and date, not per task too (docs/pipeline.md, "Layout")
                    **self.source_options}
         frame = (self.spark.read.format("outbox").options(**options).load()
                  .withColumn("archive_run", F.lit(run_id))
                  .withColumn("date", F.date_format("created_at", "yyyy-MM-dd")))
-        frame.write.partitionBy("topic", "date").mode("errorifexists").parquet(staging)
+        writer = frame.write.partitionBy("topic", "date").mode("errorifexists")
+        for column in UNIQUE_COLUMNS:  # no dictionary attempt per file (docs/pipeline.md, "Layout")
+            writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
+        writer.parquet(staging)
 
     def _verify(self, staging: str, lo: int, hi: int) -> tuple[int, list[list[int]]]:
-        """Read the staged files back in one pass: the id runs ("gaps and islands":
-        ``id - row_number`` is constant along a run of consecutive ids) with their row
-        counts. A run whose count differs from its width, or runs that overlap, mean
-        an id was staged twice."""
+        """Read the staged ids back in one pass and turn them into ``[first, last]`` runs
+        of consecutive ids with their row count (docs/pipeline.md, step 4)."""
         staged = self.spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", staging).parquet(staging)
-        staged.createOrReplaceTempView("outbox_staged")
-        runs = self.spark.sql(
-            "SELECT MIN(id) AS first, MAX(id) AS last, COUNT(*) AS n FROM "
-            "(SELECT id, id - ROW_NUMBER() OVER (ORDER BY id) AS island FROM outbox_staged) "
-            "GROUP BY island ORDER BY first").collect()
-        ranges = [[int(r["first"]), int(r["last"])] for r in runs]
-        rows = sum(int(r["n"]) for r in runs)
-        widths_ok = all(int(r["n"]) == int(r["last"]) - int(r["first"]) + 1 for r in runs)
-        disjoint = all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))
-        if not (widths_ok and disjoint):
-            raise PipelineError(f"staged archive {staging} holds an id twice; nothing was committed")
+        staged.select("id").createOrReplaceTempView("outbox_staged")
+        edges = self.spark.sql(EDGES_SQL.format(view="outbox_staged")).collect()
+        try:
+            rows, ranges = id_runs((int(r["id"]), r["prev"], r["next"]) for r in edges)
+        except ValueError as exc:
+            raise PipelineError(f"staged archive {staging} {exc}; nothing was committed") from None
         if ranges and (ranges[0][0] < lo or ranges[-1][1] > hi):
             raise PipelineError(f"staged archive {staging} holds ids outside {lo}..{hi}; nothing was committed")
         return rows, ranges

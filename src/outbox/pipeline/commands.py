@@ -52,12 +52,15 @@ def pipeline() -> None:
 @click.option("--delete-chunk", default=1000, show_default=True, type=click.IntRange(1, 100_000),
               help="Ids per DELETE statement.")
 @click.option("--partitions", default=4, show_default=True, type=click.IntRange(1, 10_000),
-              help="Id ranges read in parallel.")
+              help="Tasks reading in parallel.")
+@click.option("--split", type=click.Choice(["topic", "id"]), default="topic", show_default=True,
+              help="What a task reads: whole topics (fewer files; the database walks the ids once per task) "
+                   "or an id range (a file per task, topic and date).")
 @master_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run's summary as JSON.")
 @_errors
 def archive(older_than: str | None, include_dead: bool, to: str | None, delete_chunk: int, partitions: int,
-            master: str | None, as_json: bool) -> None:
+            split: str, master: str | None, as_json: bool) -> None:
     """Move done (and, with --include-dead, dead) rows older than the cut-off into a
     Parquet archive partitioned by topic and date, then delete exactly those rows.
     Idempotent: a re-run after a crash at any point neither duplicates nor skips."""
@@ -74,7 +77,8 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
     try:
         spark = spark_session(master, "outbox-archive")
         result = Archiver(spark, store, target, on_step=crash_hook_from_env(), delete_chunk=delete_chunk,
-                          partitions=partitions, progress=_progress).run(delta, include_dead=include_dead)
+                          partitions=partitions, progress=_progress,
+                          source_options={"split": split}).run(delta, include_dead=include_dead)
     finally:
         store.close()
     if as_json:

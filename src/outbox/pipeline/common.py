@@ -90,6 +90,45 @@ def range_chunks(ranges: Sequence[Sequence[int]], chunk: int) -> Iterator[tuple[
             lo = hi + 1
 
 
+#: One piece of a ``split=topic`` task: a topic, whole (``None, None``) or its ids ``first..last``.
+Piece = tuple[str, int | None, int | None]
+
+
+def topic_tasks(groups: Sequence[tuple[str, int, int, int]], count: int) -> list[tuple[int, int, tuple[Piece, ...]]]:
+    """The outbox source's ``split=topic``: ``count`` tasks ``(first id, last id, pieces)``
+    of about equal rows, each reading whole topics but for at most one topic it starts
+    with and one it ends with (docs/pipeline.md, "How the jobs read the outbox", says
+    why). ``groups``: (topic, rows, first id, last id) per topic. The topics, in name
+    order, fill the tasks one after the other, each task up to its share of the rows
+    (``rows / count``); a topic that overflows a task is cut at the id its share
+    reaches, estimated from the topic's id span, and goes on in the next task (so at
+    most ``topics + count - 1`` pieces). Every row belongs to exactly one piece: a
+    topic's pieces cut its id span into disjoint ranges."""
+    share = max(1, -(-sum(n for _, n, _, _ in groups) // max(1, count)))
+    tasks: list[tuple[int, int, tuple[Piece, ...]]] = []
+    pieces: list[Piece] = []
+    load, first, last = 0, 0, 0
+    for topic, n, lo, hi in sorted(groups):
+        start, left = lo, n
+        while left > 0:
+            if left <= share - load:
+                pieces.append((topic, None, None) if start == lo else (topic, start, hi))
+                end, load, left = hi, load + left, 0
+            else:
+                room = share - load
+                end = max(start, min(hi - 1, start + (hi - start + 1) * room // left - 1))
+                pieces.append((topic, start, end))
+                load, left = share, left - room
+            first, last = (start, end) if len(pieces) == 1 else (min(first, start), max(last, end))
+            start = end + 1
+            if load >= share:
+                tasks.append((first, last, tuple(pieces)))
+                pieces, load = [], 0
+    if pieces:
+        tasks.append((first, last, tuple(pieces)))
+    return tasks
+
+
 # -- driver-native values ----------------------------------------------------------------
 def encode_native(value: Any) -> str:
     """A database value as the driver returned it (a timestamp: ``str`` on SQLite,

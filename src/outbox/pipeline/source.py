@@ -15,8 +15,10 @@ Options: ``url`` (required), ``table`` (default ``outbox``), ``schema``,
 ``statuses`` (``2,4``), ``processed_before`` / ``created_since`` (a driver-native
 timestamp encoded by ``common.encode_native``, so the bound compares exactly as the
 database compares its own values), ``min_id`` / ``max_id``, ``partitions``
-(default 4), ``fetch_size`` (default 5000), ``reader`` (``arrow``, the default, or
-``driver``: the engine's Python driver).
+(default 4), ``split`` (``id``, the default: equal id ranges; ``topic``: tasks of
+about equal rows that each read whole topics but for the one it starts and the one it
+ends with, see ``common.topic_tasks``), ``fetch_size`` (default 5000), ``reader``
+(``arrow``, the default, or ``driver``: the engine's Python driver).
 
 Where a JDBC driver is installed, ``spark.read.jdbc`` with ``partitionColumn=id``
 is the alternative read path (docs/pipeline.md); the jobs use this source.
@@ -31,7 +33,7 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..storage.engines import Engine, engine_for_url
-from .common import SOURCE_SCHEMA_DDL, decode_native
+from .common import SOURCE_SCHEMA_DDL, Piece, decode_native, topic_tasks
 from .fetch import ArrowFetch, arrow_fetch, to_source_schema
 
 _TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
@@ -61,15 +63,22 @@ class OutboxDataSource(DataSource):
 
 
 class IdRange(InputPartition):
-    def __init__(self, lo: int, hi: int) -> None:
-        super().__init__((lo, hi))
-        self.lo, self.hi = lo, hi
+    """The ids ``lo..hi``; with ``pieces`` (``split=topic``), only rows of those topic pieces."""
+
+    def __init__(self, lo: int, hi: int, pieces: tuple[Piece, ...] = ()) -> None:
+        super().__init__((lo, hi, pieces))
+        self.lo, self.hi, self.pieces = lo, hi, pieces
+
+
+#: Above this many topics, ``split=topic`` falls back to id ranges (a task's ``IN`` list
+#: stays well under SQL Server's 2,100 parameters on the driver path).
+MAX_SPLIT_TOPICS = 1000
 
 
 class OutboxQuery:
     """The SQL of one read, shared by the planner (bounds) and the partitions (pages)."""
 
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], pieces: tuple[Piece, ...] = ()) -> None:
         if not options.get("url"):
             raise ValueError("the outbox data source needs the 'url' option")
         self.url = options["url"]
@@ -86,6 +95,14 @@ class OutboxQuery:
         if options.get("created_since"):
             conditions.append("created_at >= ?")
             params.append(decode_native(options["created_since"]))
+        if pieces:
+            whole = [topic for topic, first, _ in pieces if first is None]
+            parts = [piece for piece in pieces if piece[1] is not None]
+            terms = [f"topic IN ({', '.join('?' for _ in whole)})"] if whole else []
+            terms += ["(topic = ? AND id >= ? AND id <= ?)"] * len(parts)
+            conditions.append(f"({' OR '.join(terms)})")
+            params.extend(whole)
+            params.extend(value for piece in parts for value in piece)
         self.where = " AND ".join(conditions) or "1 = 1"
         self.params = params
         e = self.engine
@@ -101,6 +118,11 @@ class OutboxQuery:
         return self.engine.limit(f"SELECT {self.columns} FROM {self.engine.table} "
                                  f"WHERE id > ? AND id <= ? AND {self.where} ORDER BY id")
 
+    def topics_sql(self) -> str:
+        """Rows and id bounds per topic; ``?`` first and ``?`` last id after the filters."""
+        return (f"SELECT topic, COUNT(*), MIN(id), MAX(id) FROM {self.engine.table} "
+                f"WHERE {self.where} AND id >= ? AND id <= ? GROUP BY topic")
+
     def bounds(self, cursor: Any) -> tuple[int | None, int | None]:
         row = self.engine.execute(cursor, self.bounds_sql(), self.params).fetchone()
         return (None, None) if row is None or row[0] is None else (int(row[0]), int(row[1]))
@@ -112,7 +134,8 @@ class OutboxQuery:
         """``page_sql`` with its values written in as literals, for the Arrow readers
         (which bind none; ``fetch.py`` says why the comparisons stay the database's own)."""
         assert self.fetch is not None
-        values = [str(int(after)), str(int(hi)), *(self.fetch.literal(v) for v in self.params), str(int(size))]
+        values = [str(int(after)), str(int(hi)),
+                  *(str(v) if isinstance(v, int) else self.fetch.literal(v) for v in self.params), str(int(size))]
         pieces = self.page_sql().split("?")
         if len(pieces) != len(values) + 1:
             raise ValueError(f"the table name {self.engine.table} holds a '?': use reader=driver")
@@ -162,10 +185,13 @@ class OutboxReader(DataSourceReader):
         self.options = options
         self.partition_count = max(1, int(options.get("partitions") or 4))
         self.fetch_size = max(1, int(options.get("fetch_size") or 5000))
+        if (options.get("split") or "id") not in ("id", "topic"):
+            raise ValueError(f"the outbox data source's split is 'id' or 'topic', not {options['split']!r}")
 
     def partitions(self) -> list[IdRange]:
         """Equal id ranges between the lowest and highest matching id (asked of the
-        database once, here, unless ``min_id``/``max_id`` are given)."""
+        database once, here, unless ``min_id``/``max_id`` are given); with
+        ``split=topic``, ``common.topic_tasks`` of the rows per topic (one more query)."""
         lo = int(self.options["min_id"]) if self.options.get("min_id") else None
         hi = int(self.options["max_id"]) if self.options.get("max_id") else None
         if lo is None or hi is None:
@@ -182,6 +208,19 @@ class OutboxReader(DataSourceReader):
             hi = found_hi if hi is None else min(hi, found_hi)
         if hi < lo:
             return [IdRange(1, 0)]
+        if (self.options.get("split") or "id") == "topic":
+            query = OutboxQuery(self.options)
+            conn = query.engine.connect(query.url)
+            try:
+                groups = [(str(t), int(n), int(a), int(b)) for t, n, a, b in query.engine.execute(
+                    conn.cursor(), query.topics_sql(), [*query.params, lo, hi]).fetchall()]
+                conn.rollback()
+            finally:
+                conn.close()
+            if not groups:
+                return [IdRange(1, 0)]
+            if len(groups) <= MAX_SPLIT_TOPICS:
+                return [IdRange(*task) for task in topic_tasks(groups, self.partition_count)]
         span = hi - lo + 1
         n = min(self.partition_count, span)
         step = -(-span // n)
@@ -190,7 +229,7 @@ class OutboxReader(DataSourceReader):
     def read(self, partition: IdRange) -> Iterator[Any]:  # type: ignore[override]
         if partition.hi < partition.lo:
             return
-        query = OutboxQuery(self.options)
+        query = OutboxQuery(self.options, partition.pieces)
         if query.fetch is not None:
             yield from self._read_arrow(query, partition)
             return
