@@ -276,7 +276,9 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         # Warm the archive and replay up too (their queries' first run in the JVM), as the reads were.
         fill(stores["warm"], 5000)
         warm_archive = str(work / f"{kind}-warm-archive")
-        Archiver(spark, stores["warm"], warm_archive, partitions=args.partitions).run(timedelta(days=1))
+        split = {"split": args.split}
+        Archiver(spark, stores["warm"], warm_archive, partitions=args.partitions, source_options=split).run(
+            timedelta(days=1))
         run_replay(spark, archive=warm_archive, target=stores["warmreplay"], batch=1000, partitions=args.partitions)
         # The archive alternates with the read --repeat times too, each run on a table
         # freshly filled with the same rows (it deletes what it archived) and read once
@@ -293,7 +295,7 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
                  .write.mode("overwrite").parquet(str(work / f"{kind}-warm-arch")))
             clock = StepClock()
             archiver = Archiver(spark, stores["arch"], str(work / f"{kind}-archive-{n}"), partitions=args.partitions,
-                                delete_chunk=5000, on_step=clock)
+                                delete_chunk=5000, on_step=clock, source_options=split)
             clock.start()
             timed(f"{kind} archive", args.rows, lambda: archiver.run(timedelta(days=1)), trial)  # noqa: B023
             trial[f"{kind} archive"]["steps_s"] = {**clock.steps, "end": trial[f"{kind} archive"]["seconds"]}
@@ -351,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--split", choices=("id", "topic"), default="id",
+                   help="what each task of the archive's stage reads (outbox pipeline archive --split)")
     p.add_argument("--master", default="local[2]")
     p.add_argument("--engines", default="postgresql,mysql,sqlite", help="comma-separated")
     p.add_argument("--repeat", type=int, default=3,

@@ -190,7 +190,7 @@ def stage_by_hand(spark: Any, staging: Path, ids_by_topic: dict[str, list[int]],
 @pytest.mark.parametrize("kind", ["postgresql"])
 def test_split_by_topic_archives_what_id_ranges_do_in_fewer_files(spark: Any, make_store: Any,
                                                                    tmp_path: Path) -> None:
-    """The stage's ``split=topic`` (the default) and ``split=id`` archive the same rows
+    """The stage's ``split=topic`` and ``split=id`` (the default) archive the same rows
     once each; with three interleaved topics and two tasks, id ranges write a file per
     task and topic (6), whole topics at most one per topic plus one cut (4)."""
     rows = [Row(f"t.{i % 3}", f"a{i % 5}") for i in range(30)]

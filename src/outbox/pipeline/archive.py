@@ -7,7 +7,7 @@ One run, step by step (each step is safe to crash in; see docs/pipeline.md):
 2. **cut-off** on the database clock, ``now - older_than``, kept as the driver's own
    value so every later comparison is the database's own comparison;
 3. **stage**: the executors read the rows through the ``outbox`` data source, each
-   task whole topics (``split=topic``), and write Parquet, partitioned
+   task an id range (``split=id``; ``split=topic``: whole topics), and write Parquet, partitioned
    ``topic=/date=``, under ``_staging/<run>/``;
 4. **verify**: read the staged ids back, in id order, and turn them into
    ``[first, last]`` runs (an id there twice, or outside the bounds, fails the run);
@@ -225,7 +225,7 @@ class Archiver:
         options = {"url": self.store.url, "table": self.engine.table_name, "schema": self.engine.schema or "",
                    "statuses": ",".join(map(str, statuses)), "processed_before": encode_native(cutoff),
                    "min_id": str(lo), "max_id": str(hi), "partitions": str(self.partitions),
-                   "split": "topic",  # a file per topic and date, not per task too (docs/pipeline.md, "Layout")
+                   "split": "id",  # split=topic: fewer files, more database work (docs/pipeline.md, "Layout")
                    **self.source_options}
         frame = (self.spark.read.format("outbox").options(**options).load()
                  .withColumn("archive_run", F.lit(run_id))

@@ -53,9 +53,9 @@ def pipeline() -> None:
               help="Ids per DELETE statement.")
 @click.option("--partitions", default=4, show_default=True, type=click.IntRange(1, 10_000),
               help="Tasks reading in parallel.")
-@click.option("--split", type=click.Choice(["topic", "id"]), default="topic", show_default=True,
-              help="What a task reads: whole topics (fewer files; the database walks the ids once per task) "
-                   "or an id range (a file per task, topic and date).")
+@click.option("--split", type=click.Choice(["topic", "id"]), default="id", show_default=True,
+              help="What a task reads: an id range (a file per task, topic and date) or whole topics "
+                   "(fewer files; the database walks the ids once per task).")
 @master_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run's summary as JSON.")
 @_errors
