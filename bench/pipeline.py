@@ -156,10 +156,13 @@ def timed(label: str, rows: int, work: Any, results: dict[str, Any]) -> Any:
         value = work()
         elapsed = time.perf_counter() - start
         cpu = tree_cpu_s() - cpu
+    # Negative when a Spark process that had used CPU ended unreaped during the run (an idle
+    # Python worker, typically in a phase without Spark): not measured then.
+    spark_cpu = round(cpu, 2) if cpu >= 0 else None
     results[label] = {"rows": rows, "seconds": round(elapsed, 2), "rows_per_s": round(rows / elapsed),
-                      "spark_cpu_s": round(cpu, 2), **sampler.peak}
-    log(f"{label}: {rows} rows in {elapsed:.1f} s = {rows / elapsed:,.0f} rows/s; Spark CPU {cpu:.2f} s; "
-        f"peak RSS {sampler.peak}")
+                      "spark_cpu_s": spark_cpu, **sampler.peak}
+    log(f"{label}: {rows} rows in {elapsed:.1f} s = {rows / elapsed:,.0f} rows/s; "
+        f"Spark CPU {'not measured' if spark_cpu is None else f'{spark_cpu:.2f} s'}; peak RSS {sampler.peak}")
     return value
 
 
