@@ -151,6 +151,48 @@ def test_chain_result_is_the_delivered_prefix_and_marks_overtaken_events() -> No
     assert [(o.id, o.delivered_after) for o in overtaken.overtaken] == [(2, (3,))]
 
 
+class FatalOnFlush:
+    """A producer whose ``flush`` fails as confluent-kafka's does on a fatal error of the
+    idempotent producer (seen after a broker restart: OUT_OF_ORDER_SEQUENCE_NUMBER): by
+    setting the bare ``KafkaError`` as the raised object, from C, which ``except Exception``
+    does not catch. Produced events get no delivery report."""
+
+    def __init__(self) -> None:
+        self.produced = 0
+
+    def produce(self, topic: str, **kwargs: object) -> None:
+        self.produced += 1
+
+    def poll(self, timeout: float = 0) -> int:
+        return 0
+
+    def flush(self, timeout: float = 0) -> int:
+        import ctypes
+
+        from confluent_kafka import KafkaError
+
+        error = KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, "sequence desynchronization", fatal=True)
+        ctypes.pythonapi.PyErr_SetObject(ctypes.py_object(KafkaError), ctypes.py_object(error))
+        return 0  # pragma: no cover - the call above raises
+
+
+def test_a_fatal_producer_error_is_a_failure_and_the_producer_is_made_anew() -> None:
+    pub = KafkaPublisher("kafka://127.0.0.1:1", options=KafkaOptions(auto_create_topics=True),
+                         dead_letter_topic="outbox.dead")
+    broken = FatalOnFlush()
+    pub._producer, pub._pid = broken, __import__("os").getpid()
+    results = pub.publish_chains([[event(1, "t"), event(2, "t")], [event(3, "t", aggregate="a2")]])
+    assert broken.produced == 3
+    assert [r.published for r in results] == [(), ()]
+    assert [r.failed_id for r in results] == [1, 3]
+    assert all(r.failure is not None and r.failure.kind is FailureKind.RETRIABLE
+               and "OUT_OF_ORDER_SEQUENCE_NUMBER" in r.failure.reason for r in results)
+    assert pub._producer is None  # the next publish makes a new producer (a new producer id)
+    pub._producer, pub._pid = broken, __import__("os").getpid()
+    failure = pub.publish_dead(event(4, "t"), "boom")  # the dead-letter path too
+    assert failure is not None and failure.kind is FailureKind.RETRIABLE and pub._producer is None
+
+
 def test_headers_are_utf8_strings_and_json_for_other_values() -> None:
     assert kafka_headers({"a": "é", "n": 3, "b": True, "z": None}) == [
         ("a", "é".encode()), ("n", b"3"), ("b", b"true"), ("z", b"null")]

@@ -13,12 +13,13 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
 from ..core.config import KafkaOptions, kafka_options
@@ -44,6 +45,7 @@ log = logging.getLogger("outbox.publisher")  # one logger for the whole publishe
 
 #: Kafka's legal topic names.
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_T = TypeVar("_T")
 
 
 def _kafka() -> Any:
@@ -231,13 +233,15 @@ class KafkaPublisher(Publisher):
         chains = [list(chain) for chain in chains]
         with self._lock:
             verdicts = [[_NOT_SENT] * len(chain) for chain in chains]
-            try:
+
+            def send() -> None:
                 producer = self._ready()
                 for c, chain in enumerate(chains):
                     self._produce_chain(producer, chain, verdicts[c], c)
                 self._await(producer, verdicts)
-            except Exception as exc:  # noqa: BLE001 - reported, never raised
-                failure = self._unexpected(exc)
+
+            failure = self._guarded(send)
+            if failure is not None:
                 for row in verdicts:
                     for i, v in enumerate(row):
                         if v is _PENDING or v is _NOT_SENT:
@@ -263,25 +267,31 @@ class KafkaPublisher(Publisher):
     def _send_one(self, message: OutboxMessage, extra: dict[str, Any]) -> PublishFailure | None:
         with self._lock:
             row: list[Any] = [_NOT_SENT]
-            try:
+
+            def send() -> PublishFailure | None:
                 producer = self._ready()
                 value = encode_body(message)
-                failure = self._size_refusal(len(value)) or self._produce(
+                refused = self._size_refusal(len(value)) or self._produce(
                     producer, message, self.dead_letter_topic or "", value, event_headers(message, extra), row, 0)
-                if failure is not None:
-                    return failure
-                self._await(producer, [row])
-            except Exception as exc:  # noqa: BLE001 - reported, never raised
-                return self._unexpected(exc)
+                if refused is None:
+                    self._await(producer, [row])
+                return refused
+
+            failure = self._guarded(send)
+            if failure is not None:
+                return failure
         return row[0] if isinstance(row[0], PublishFailure) else None
 
     def close(self) -> None:
         with self._lock:
-            if self._producer is not None and self._pid == os.getpid():
-                try:
-                    self._producer.flush(min(self.options.delivery_timeout_s, 5.0))
-                except Exception:
-                    log.debug("error flushing the Kafka producer", exc_info=True)
+            producer = self._producer
+            if producer is not None and self._pid == os.getpid():
+                def flush() -> None:
+                    producer.flush(min(self.options.delivery_timeout_s, 5.0))
+
+                failure = self._guarded(flush)
+                if failure is not None:
+                    log.debug("error flushing the Kafka producer: %s", failure.reason)
             self._producer, self._pid = None, None
 
     # -- producing -----------------------------------------------------------------
@@ -413,10 +423,27 @@ class KafkaPublisher(Publisher):
             self._topics = set()
         return self._producer
 
-    def _unexpected(self, exc: Exception) -> PublishFailure:
-        from confluent_kafka import KafkaException
+    def _guarded(self, work: Callable[[], _T]) -> _T | PublishFailure:
+        """``work()``, or the failure it raised, never raised further (a worker thread must
+        not die of a publish). confluent-kafka raises a fatal error of the producer (e.g. an
+        idempotent producer out of sequence after a broker lost its state) from ``flush`` or
+        ``poll`` as the bare ``KafkaError``, which is no ``Exception`` subclass: only a bare
+        ``except`` catches it (docs/destinations.md, "Failures")."""
+        try:
+            return work()
+        except Exception as exc:  # noqa: BLE001 - reported, never raised
+            return self._unexpected(exc)
+        except BaseException:  # interpreter exit, KeyboardInterrupt: not ours to keep
+            raise
+        except:  # noqa: E722 - the fatal KafkaError
+            return self._unexpected(sys.exc_info()[1])
 
-        self._producer = None
+    def _unexpected(self, exc: Any) -> PublishFailure:
+        from confluent_kafka import KafkaError, KafkaException
+
+        self._producer = None  # a new producer (a new producer id) next time
+        if isinstance(exc, KafkaError):
+            return _failure(exc)
         if isinstance(exc, KafkaException) and exc.args:
             return _failure(exc.args[0])
         if isinstance(exc, ConfigError):
