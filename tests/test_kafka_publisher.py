@@ -302,8 +302,11 @@ def test_connection_failures_are_logged_once_per_outage(tansu, caplog: pytest.Lo
             tansu.stop()
             assert pub.publish_chain([event(10 + outage, topic)]).failure is not None
             levels = [r.levelno for r in failures()]
-            assert levels.count(logging.WARNING) == 1, levels  # (a disconnection is at INFO)
-            assert levels.count(logging.DEBUG) >= 2 and not {logging.ERROR, logging.CRITICAL} & set(levels), levels
+            # One WARNING, the later failures at DEBUG (a disconnection is at INFO). How many
+            # later ones there are is librdkafka's: it reconnects with a growing backoff, to the
+            # bootstrap address and to the broker, and leaves out repeats of the same error.
+            assert levels.count(logging.WARNING) == 1, levels
+            assert levels.count(logging.DEBUG) >= 1 and not {logging.ERROR, logging.CRITICAL} & set(levels), levels
             tansu.start()
             create_topic(tansu.bootstrap, topic)  # memory storage: the restart lost it
             for _ in range(3):  # the first send after a restart may meet UNKNOWN_PRODUCER_ID
