@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -180,7 +181,7 @@ def test_a_fatal_producer_error_is_a_failure_and_the_producer_is_made_anew() -> 
     pub = KafkaPublisher("kafka://127.0.0.1:1", options=KafkaOptions(auto_create_topics=True),
                          dead_letter_topic="outbox.dead")
     broken = FatalOnFlush()
-    pub._producer, pub._pid = broken, __import__("os").getpid()
+    pub._producer, pub._pid = broken, os.getpid()
     results = pub.publish_chains([[event(1, "t"), event(2, "t")], [event(3, "t", aggregate="a2")]])
     assert broken.produced == 3
     assert [r.published for r in results] == [(), ()]
@@ -188,7 +189,7 @@ def test_a_fatal_producer_error_is_a_failure_and_the_producer_is_made_anew() -> 
     assert all(r.failure is not None and r.failure.kind is FailureKind.RETRIABLE
                and "OUT_OF_ORDER_SEQUENCE_NUMBER" in r.failure.reason for r in results)
     assert pub._producer is None  # the next publish makes a new producer (a new producer id)
-    pub._producer, pub._pid = broken, __import__("os").getpid()
+    pub._producer, pub._pid = broken, os.getpid()
     failure = pub.publish_dead(event(4, "t"), "boom")  # the dead-letter path too
     assert failure is not None and failure.kind is FailureKind.RETRIABLE and pub._producer is None
 

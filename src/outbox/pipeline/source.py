@@ -27,8 +27,8 @@ is the alternative read path (docs/pipeline.md); the jobs use this source.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
@@ -37,6 +37,7 @@ from .common import SOURCE_SCHEMA_DDL, Piece, decode_native, topic_tasks
 from .fetch import ArrowFetch, arrow_fetch, to_source_schema
 
 _TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
+_T = TypeVar("_T")
 
 
 def ARROW_SCHEMA() -> Any:
@@ -185,8 +186,9 @@ class OutboxReader(DataSourceReader):
         self.options = options
         self.partition_count = max(1, int(options.get("partitions") or 4))
         self.fetch_size = max(1, int(options.get("fetch_size") or 5000))
-        if (options.get("split") or "id") not in ("id", "topic"):
-            raise ValueError(f"the outbox data source's split is 'id' or 'topic', not {options['split']!r}")
+        self.split = options.get("split") or "id"
+        if self.split not in ("id", "topic"):
+            raise ValueError(f"the outbox data source's split is 'id' or 'topic', not {self.split!r}")
 
     def partitions(self) -> list[IdRange]:
         """Equal id ranges between the lowest and highest matching id (asked of the
@@ -194,29 +196,20 @@ class OutboxReader(DataSourceReader):
         ``split=topic``, ``common.topic_tasks`` of the rows per topic (one more query)."""
         lo = int(self.options["min_id"]) if self.options.get("min_id") else None
         hi = int(self.options["max_id"]) if self.options.get("max_id") else None
+        query: OutboxQuery | None = None  # made only when the database is asked
         if lo is None or hi is None:
             query = OutboxQuery(self.options)
-            conn = query.engine.connect(query.url)
-            try:
-                found_lo, found_hi = query.bounds(conn.cursor())
-                conn.rollback()
-            finally:
-                conn.close()
+            found_lo, found_hi = self._ask(query, query.bounds)
             if found_lo is None or found_hi is None:
                 return [IdRange(1, 0)]  # nothing matches: one empty partition
             lo = found_lo if lo is None else max(lo, found_lo)
             hi = found_hi if hi is None else min(hi, found_hi)
         if hi < lo:
             return [IdRange(1, 0)]
-        if (self.options.get("split") or "id") == "topic":
-            query = OutboxQuery(self.options)
-            conn = query.engine.connect(query.url)
-            try:
-                groups = [(str(t), int(n), int(a), int(b)) for t, n, a, b in query.engine.execute(
-                    conn.cursor(), query.topics_sql(), [*query.params, lo, hi]).fetchall()]
-                conn.rollback()
-            finally:
-                conn.close()
+        if self.split == "topic":
+            planner, first, last = query or OutboxQuery(self.options), lo, hi
+            groups = [(str(t), int(n), int(a), int(b)) for t, n, a, b in self._ask(planner, lambda cursor: (
+                planner.engine.execute(cursor, planner.topics_sql(), [*planner.params, first, last]).fetchall()))]
             if not groups:
                 return [IdRange(1, 0)]
             if len(groups) <= MAX_SPLIT_TOPICS:
@@ -225,6 +218,17 @@ class OutboxReader(DataSourceReader):
         n = min(self.partition_count, span)
         step = -(-span // n)
         return [IdRange(start, min(hi, start + step - 1)) for start in range(lo, hi + 1, step)]
+
+    @staticmethod
+    def _ask(query: OutboxQuery, work: Callable[[Any], _T]) -> _T:
+        """``work(cursor)`` on a connection of its own, for planning: read, roll back, close."""
+        conn = query.engine.connect(query.url)
+        try:
+            result = work(conn.cursor())
+            conn.rollback()
+            return result
+        finally:
+            conn.close()
 
     def read(self, partition: IdRange) -> Iterator[Any]:  # type: ignore[override]
         if partition.hi < partition.lo:
