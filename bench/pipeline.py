@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import POSTGRES_URL, log
+from .procs import cpu_seconds, process_tree
 
 MYSQL_URL = os.environ.get("OUTBOX_BENCH_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 JARS = {"postgresql": "/usr/share/java/postgresql.jar", "mysql": "/usr/share/java/mariadb-java-client.jar",
@@ -49,7 +50,6 @@ JARS = {"postgresql": "/usr/share/java/postgresql.jar", "mysql": "/usr/share/jav
 #: Debian's xerial driver loads the system's libsqlitejdbc.so from here.
 JNI_DIR = "/usr/lib/x86_64-linux-gnu/jni"
 PAGE = os.sysconf("SC_PAGE_SIZE")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class RssSampler:
@@ -130,23 +130,8 @@ def fill(store: Any, rows: int) -> None:
 def tree_cpu_s() -> float:
     """CPU seconds used so far by this process's descendants (the Spark JVM and its
     Python workers; a worker that ended counts in its parent's children times)."""
-    me, parents, cpu = os.getpid(), {}, {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        parents[int(pid)] = int(fields[1])
-        cpu[int(pid)] = sum(int(f) for f in fields[11:15]) / CLK_TCK
-    total = 0.0
-    for pid, seconds in cpu.items():
-        p, depth = parents.get(pid), 0
-        while p and p != me and depth < 10:
-            p, depth = parents.get(p), depth + 1
-        if p == me:
-            total += seconds
-    return total
+    me = os.getpid()
+    return sum(cpu_seconds(pid, reaped=True) or 0.0 for pid in process_tree(me) if pid != me)
 
 
 def timed(label: str, rows: int, work: Any, results: dict[str, Any]) -> Any:

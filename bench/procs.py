@@ -50,14 +50,15 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int | None:
     return None
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of one process, in seconds."""
+def cpu_seconds(pid: int, reaped: bool = False) -> float | None:
+    """utime + stime of one process, in seconds; with ``reaped``, plus those of its
+    children that ended and were waited for (cutime + cstime)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return sum(int(f) for f in fields[11:15 if reaped else 13]) / CLK_TCK
 
 
 def cpu_by_process() -> dict[int, tuple[str, float]]:
