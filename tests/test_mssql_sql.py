@@ -319,7 +319,7 @@ def test_the_claim_is_linear_in_a_hot_aggregates_window(no_sqlglot_fallbacks: No
     source = outer.args.get("from_") or outer.args["from"]  # the key's name differs across sqlglot versions
     assert source.this.alias == "g"  # over FROM (... GROUP BY aggregate_id) AS g: once per aggregate
     assert source.this.this.args["group"].sql("tsql") == "GROUP BY aggregate_id"
-    assert sorted(t.name for t in probe.find_all(exp.Table) if t.name != engine.table_name) == ["agg", "cand", "cand"]
+    assert sorted(t.name for t in probe.find_all(exp.Table) if t.name != engine.table_name) == ["agg", "behind", "cand", "cand"]
     chain = parse_one(next(s for s in statements if s.startswith("INSERT INTO @chain")))
     assert sorted(t.name for t in chain.find_all(exp.Table)) == ["agg", "cand", "chain"]  # each once, no self-join
     windows = [w.sql("tsql") for w in chain.find_all(exp.Window)]
@@ -354,12 +354,14 @@ def test_claim_returns_message_columns_in_order_and_binds_in_placeholder_order()
     declared = re.search(r"DECLARE @out TABLE \((.*)\);", engine.claim_batch()).group(1)
     assert [c.split()[0] for c in re.split(r",\s*(?![^()]*\))", declared)] == list(MESSAGE_COLUMNS)
     params = engine.claim_params(batch=50, lease="L" * 32, timeout_ms=30_000, max_attempts=5)
-    assert params == [50, 50 * engine.CLAIM_WINDOW, 5, "L" * 32, LEASE_EXPIRED_ERROR, -30_000]
-    # The DECLARE binds all six by name; eligible()'s lease cutoff, the sixth, is used three times.
+    assert params == [50, 50 * engine.CLAIM_WINDOW, 5, "L" * 32, LEASE_EXPIRED_ERROR, -30_000, "[]"]
+    assert engine.claim_params(50, "L" * 32, 30_000, 5, behind=[9, 3, 9])[-1] == "[3, 9]"
+    # The DECLARE binds all seven by name; eligible()'s lease cutoff, the sixth, is used three times.
     batch = engine.claim_batch()
     declare = next(s for s in statements if s.startswith("DECLARE @batch"))
-    assert re.findall(r"@(\w+) [A-Z]+(?:\(\d+\))? = \?", declare) == ["batch", "window", "max_attempts", "lease",
-                                                                           "lease_error", "expired_ms"]
+    assert re.findall(r"@(\w+) [A-Z]+(?:\((?:\d+|MAX)\))? = \?", declare) == ["batch", "window", "max_attempts", "lease",
+                                                                           "lease_error", "expired_ms",
+                                                                           "behind_ids"]
     assert batch.count("DATEADD(MILLISECOND, @expired_ms, SYSUTCDATETIME())") == 3
     assert placeholders(batch) == len(params)
 
@@ -732,7 +734,7 @@ def sqlite_text(sql: str) -> str:
     hints go (SQLite has no locks to hint and one index choice), ``TOP (1) ... ORDER BY
     e.id`` becomes ``LIMIT 1``; ``@max_attempts`` is a named parameter in SQLite too, and
     ``[dbo].[outbox]`` an attached database's table."""
-    for variable in ("@cand", "@agg", "@chain", "@win", "@free", "@plan"):
+    for variable in ("@cand", "@agg", "@chain", "@win", "@free", "@plan", "@behind"):
         sql = sql.replace(variable, variable[1:])
     start = sql.find(" WITH (READCOMMITTEDLOCK")
     if start >= 0:
@@ -748,9 +750,11 @@ def sqlite_text(sql: str) -> str:
 
 
 def run_claim_rule(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], candidate_ids: set[int],
-                   max_attempts: int, batch: int | None = None) -> tuple[list[int], list[int]]:
+                   max_attempts: int, batch: int | None = None,
+                   behind: Sequence[int] = ()) -> tuple[list[int], list[int]]:
     """Run the claim's probe and chain statements (and, given ``batch``, its cut to the
-    batch) on SQLite over ``rows`` of which ``candidate_ids`` were locked."""
+    batch) on SQLite over ``rows`` of which ``candidate_ids`` were locked, the claim's
+    ``behind`` rows in ``@behind``."""
     statements = engine.claim_statements()
     probe = next(s for s in statements if s.startswith("INSERT INTO @agg"))
     chain = next(s for s in statements if s.startswith("INSERT INTO @chain"))
@@ -761,8 +765,10 @@ def run_claim_rule(engine: MssqlEngine, rows: list[tuple[int, str, int, int]], c
     db.execute("CREATE TABLE cand (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
     db.execute("CREATE TABLE agg (aggregate_id TEXT PRIMARY KEY, head INT NOT NULL, blocker INT)")
     db.execute("CREATE TABLE chain (id INTEGER PRIMARY KEY, head INT NOT NULL, dead INT NOT NULL)")
+    db.execute("CREATE TABLE behind (id INTEGER PRIMARY KEY)")
     db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
     db.executemany("INSERT INTO cand VALUES (?, ?, ?, ?)", [r for r in rows if r[0] in candidate_ids])
+    db.executemany("INSERT INTO behind VALUES (?)", [(i,) for i in behind])
     db.execute(sqlite_text(probe).rstrip(";"))
     db.execute(sqlite_text(chain).rstrip(";"), {"max_attempts": max_attempts})
     if batch is not None:
@@ -795,6 +801,7 @@ def choose_and_claim(engine: MssqlEngine, rows: list[tuple[int, str, int, int]],
     db.execute("CREATE TABLE win (id INTEGER PRIMARY KEY, aggregate_id TEXT, status INT, attempts INT)")
     db.execute("CREATE TABLE free (head INTEGER PRIMARY KEY, aggregate_id TEXT UNIQUE, blocker INT)")
     db.execute("CREATE TABLE plan (id INTEGER PRIMARY KEY, head INT NOT NULL, dead INT NOT NULL)")
+    db.execute("CREATE TABLE behind (id INTEGER PRIMARY KEY)")
     db.executemany("INSERT INTO dbo.outbox VALUES (?, ?, ?, ?)", rows)
     db.executemany("INSERT INTO win VALUES (?, ?, ?, ?)", window)
     db.execute(sqlite_text(free_probe).rstrip(";"))
@@ -962,6 +969,25 @@ def test_chain_rule_cases(rows: list[tuple[int, str, int, int]], expected: tuple
 def test_a_row_held_by_another_claimer_blocks_its_aggregate() -> None:
     rows = [(1, "a", 0, 0), (2, "a", 0, 0), (3, "b", 0, 0)]
     assert run_chain_select(MssqlEngine(), rows, {2, 3}, 3) == ([3], [])  # 1 was skipped by READPAST
+
+
+def test_rows_the_claim_is_behind_do_not_block_their_aggregate(no_sqlglot_fallbacks: None) -> None:
+    """The claim's ``behind`` (``Engine.claim``): a drain slice's own rows, published before
+    the claim's, are no blockers; every other open row still is."""
+    rows = [(1, "a", 1, 1), (2, "a", 1, 1), (3, "a", 1, 1), (4, "a", 0, 0), (5, "a", 0, 0), (6, "b", 0, 0)]
+    engine = MssqlEngine()
+    assert run_claim_rule(engine, rows, {4, 5, 6}, 3) == ([6], [])
+    assert run_claim_rule(engine, rows, {4, 5, 6}, 3, behind=[1, 2]) == ([6], [])
+    assert run_claim_rule(engine, rows, {4, 5, 6}, 3, behind=[1, 2, 3]) == ([4, 5, 6], [])
+    # The list arrives as one JSON parameter, expanded by OPENJSON where there is one; below
+    # level 130 it stays empty (the claim is as before: its own rows block).
+    engine.compat_level = 130
+    expand = "INSERT INTO @behind (id) SELECT DISTINCT CAST([value] AS BIGINT) FROM OPENJSON(@behind_ids);"
+    assert expand in engine.claim_statements()
+    for statement in engine.claim_statements(own_transaction=True):
+        parse_one(statement)  # every statement parses as T-SQL, the expansion included
+    engine.compat_level = 120
+    assert expand not in engine.claim_statements()
 
 
 # -- connection strings and errors ---------------------------------------------------------------

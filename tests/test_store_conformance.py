@@ -201,7 +201,9 @@ def test_the_claim_takes_what_plan_claim_takes_over_its_window_on_random_outboxe
     pending rows, expired and live leases, due and not-due retries, done and dead rows, over
     few or many aggregates; the claim takes ``plan_claim`` over its window (the oldest
     ``CLAIM_WINDOW * batch`` eligible rows), whole chains, oldest first, the rows that go
-    dead included (docs/internals.md, "Claim windows")."""
+    dead included (docs/internals.md, "Claim windows"). In half the rounds the claim names
+    rows ``behind`` (a drain slice's own rows, published before the claim's: docs/internals.md,
+    "Claims that continue a chain"): those are no blockers."""
     rng = random.Random(2026_11_25)
     for round_ in range(25):
         store = make_store(max_attempts=3, claim_timeout_ms=60_000)
@@ -225,15 +227,33 @@ def test_the_claim_takes_what_plan_claim_takes_over_its_window_on_random_outboxe
         eligible = [i for i in sorted(states) if states[i][1] in ("pending", "expired", "due")]
         batch = rng.randint(1, 8)
         window = eligible[:e.claim_window(batch)]
+        behind = sorted(i for i in states if rng.random() < 0.4) if round_ % 2 else []
         blockers: dict[str, int] = {}
         for i in sorted(states):
-            if states[i][1] in ("pending", "expired", "live", "due", "not due") and i not in window:
+            if states[i][1] in ("pending", "expired", "live", "due", "not due") and i not in window + behind:
                 blockers.setdefault(states[i][0], i)
         expected = plan_claim([Candidate(i, states[i][0], STATES[states[i][1]][0], states[i][2]) for i in window],
                               blockers, 3, limit=batch)
-        claim = store.claim(batch)
+        claim = store.claim(batch, behind=behind)
         got = (sorted(m.id for m in claim.messages), sorted(m.id for m in claim.dead))
         assert got == (sorted(expected.claim_ids), sorted(expected.dead_ids)), repr((round_, states, batch))
+
+
+def test_a_claim_continues_the_chains_of_the_rows_it_is_behind(store: OutboxStore, writer: Any) -> None:
+    """``behind``: the rows a drain slice publishes before its next claim's (docs/internals.md,
+    "Claims that continue a chain"). They do not block the rows after them; every other open
+    row still does, this claimer's own included when not named."""
+    ids = add(writer, store, "a", 9)
+    first = store.claim(3)
+    assert [m.id for m in first.messages] == ids[:3]
+    assert claimed_ids(store) == []  # held by a live lease
+    assert [m.id for m in store.claim(3, behind=ids[:2]).messages] == []  # ids[2] still blocks
+    second = store.claim(3, behind=ids[:3])
+    assert [m.id for m in second.messages] == ids[3:6]
+    assert {m.lease for m in second.messages} == {second.lease} != {first.lease}
+    # Behind both leases: the rest; behind the second only: nothing, the first blocks.
+    assert [m.id for m in store.claim(9, behind=ids[3:6]).messages] == []
+    assert [m.id for m in store.claim(9, behind=ids[:6]).messages] == ids[6:]
 
 
 def test_a_live_lease_blocks_the_rest_of_its_aggregate(store: OutboxStore, writer: Any) -> None:

@@ -134,14 +134,16 @@ class OutboxStore:
             raise ValueError("the claim window must be positive")
         self.engine.window = int(factor)
 
-    def claim(self, batch: int) -> Claim:
-        """Lease up to ``batch`` rows: whole per-aggregate chains, oldest first."""
+    def claim(self, batch: int, *, behind: Sequence[int] = ()) -> Claim:
+        """Lease up to ``batch`` rows: whole per-aggregate chains, oldest first. ``behind``:
+        rows the caller holds and will have published before any row of this claim; they do
+        not block the rows after them (``Engine.claim``)."""
         if batch <= 0:
             raise ValueError("batch must be positive")
         lease = self.new_lease()
 
         def work(cursor: Any) -> list[tuple]:
-            return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts)
+            return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind)
 
         rows = self._run("claim", work, alone=self.engine.one_statement_claim)
         status_at = len(rows[0]) - 1 if rows else 0

@@ -312,9 +312,15 @@ class Engine(ABC):
         """How many candidates a claim of ``batch`` rows reads."""
         return batch * self.window
 
-    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
+    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
+              behind: Sequence[int] = ()) -> list[tuple]:
         """Lease up to ``batch`` rows inside the open transaction; return rows shaped
         like MESSAGE_COLUMNS (rows whose status is not 1 went dead instead).
+
+        ``behind``: rows the caller holds and publishes before this claim's rows (a drain
+        slice's share being published while its next claim is made): they do not block a
+        chain, so the claim may take the rows that follow them in their aggregates
+        (docs/internals.md, "Claims that continue a chain"). Every other open row blocks.
 
         This generic version reads a window of candidates, plans the chains in Python
         (``outbox.domain.chains``) and, where claims can overlap, locks what it planned
@@ -324,7 +330,7 @@ class Engine(ABC):
         candidates = [Candidate(int(r[0]), r[1], int(r[2]), int(r[3])) for r in rows]
         if not candidates:
             return []
-        blockers = self._first_blockers(cursor, candidates)
+        blockers = self._first_blockers(cursor, candidates, behind)
         if self.lock_candidates:
             plan = self._lock_chains(cursor, candidates, blockers, max_attempts, batch, timeout_ms)
         else:  # one writer at a time (SQLite): claims cannot overlap, the plan is final
@@ -382,17 +388,19 @@ class Engine(ABC):
         taken.claim_ids.sort()
         return taken
 
-    def _first_blockers(self, cursor: Any, candidates: Sequence[Candidate]) -> dict[str, int]:
+    def _first_blockers(self, cursor: Any, candidates: Sequence[Candidate],
+                        behind: Sequence[int] = ()) -> dict[str, int]:
         # A NULL aggregate_id (only on a table whose column allows it) equals nothing in
         # SQL, so such a row has no earlier rows; it is claimed, then found undecodable.
         aggregates = sorted({c.aggregate_id for c in candidates if c.aggregate_id is not None})
         if not aggregates:
             return {}
-        ids = [c.id for c in candidates]
+        last = max(c.id for c in candidates)
+        ids = [c.id for c in candidates] + [int(i) for i in behind if int(i) < last]  # neither blocks
         sql = (f"SELECT aggregate_id, MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} "
                f"AND aggregate_id IN ({', '.join('?' * len(aggregates))}) AND id < ? "
                f"AND id NOT IN ({', '.join('?' * len(ids))}) GROUP BY aggregate_id")
-        rows = self.execute(cursor, sql, [*aggregates, max(ids), *ids]).fetchall()
+        rows = self.execute(cursor, sql, [*aggregates, last, *ids]).fetchall()
         return {r[0]: int(r[1]) for r in rows}
 
     def to_message(self, row: Sequence[Any], lease: str) -> OutboxMessage:

@@ -11,7 +11,7 @@ round trip, and every session bounds its transactions' life (``connect``; docs/r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
@@ -245,12 +245,14 @@ class PostgresEngine(Engine):
                                [event.message_id]).fetchone()
         return int(row[0])
 
-    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
+    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
+              behind: Sequence[int] = ()) -> list[tuple]:
         # The rule of outbox.domain.chains.plan_claim in one statement; its shape and why each step
         # costs what it does: docs/internals.md, "Claim windows" (and "Claims that overlap take
         # disjoint chains"). win: the window, read without locks; free: up to twice the batch
         # of its heads (OFFSET 0 keeps the probe above the sort; a scalar probe, one index
-        # descent per head, never a hash join over the table) with no open row before them;
+        # descent per head, never a hash join over the table) with no open row before them
+        # other than ``behind`` (this process's own, published first: Engine.claim);
         # w_rows/w_chain: the rule over their rows as if every row were ours; plan: that cut to
         # ``batch`` rows, whole chains, oldest first; held: as many heads as the plan has, locked,
         # skipping heads another claim holds; pick: the held chains' rows in w_chain, ``batch``
@@ -266,6 +268,7 @@ class PostgresEngine(Engine):
         # (docs/internals.md, "Claim windows").
         eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
         window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
+        not_behind, behind_ids = "e.id <> ALL (?::bigint[])", [int(i) for i in behind]  # bound three times
         sql = f"""
             WITH win AS MATERIALIZED (
                 SELECT id, aggregate_id, status, attempts, MIN(id) OVER (PARTITION BY {chain_of}) AS head FROM (
@@ -274,11 +277,11 @@ class PostgresEngine(Engine):
             free AS MATERIALIZED (
                 SELECT h.head FROM (SELECT id AS head, aggregate_id FROM win WHERE id = head ORDER BY id OFFSET 0) h
                 WHERE (SELECT e.id FROM {t} e WHERE e.aggregate_id = h.aggregate_id AND e.id < h.head
-                       AND {self.open_rows("e.")} ORDER BY e.aggregate_id DESC, e.id DESC LIMIT 1) IS NULL
+                       AND {self.open_rows("e.")} AND {not_behind} ORDER BY e.aggregate_id DESC, e.id DESC LIMIT 1) IS NULL
                 LIMIT {2 * batch}
             ),
             w_rows AS MATERIALIZED (SELECT w.* FROM win w JOIN free f ON f.head = w.head),
-            {self._chain_rule("w", "w_rows", f"NOT ({eligible})", max_attempts)},
+            {self._chain_rule("w", "w_rows", f"NOT ({eligible}) AND {not_behind}", max_attempts)},
             plan AS (SELECT head FROM w_chain ORDER BY head, id LIMIT {batch}),
             held AS MATERIALIZED (
                 SELECT h.id FROM (SELECT head FROM free ORDER BY head) f
@@ -292,7 +295,7 @@ class PostgresEngine(Engine):
                 SELECT c.id, c.aggregate_id, c.status, c.attempts, p.head FROM pick p JOIN {t} c ON c.id = p.id
                 WHERE {eligible} FOR UPDATE OF c SKIP LOCKED
             ),
-            {self._chain_rule("c", "cand", "e.id NOT IN (SELECT id FROM cand)", max_attempts)},
+            {self._chain_rule("c", "cand", f"e.id NOT IN (SELECT id FROM cand) AND {not_behind}", max_attempts)},
             lazy AS (SELECT set_config('synchronous_commit', 'off', true) AS commit_mode)
             UPDATE {t} o SET
                 attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
@@ -303,7 +306,7 @@ class PostgresEngine(Engine):
                 lease_token = CASE WHEN chain.dead THEN NULL ELSE ? END
             FROM c_chain chain CROSS JOIN lazy WHERE o.id = chain.id
             RETURNING {returning}"""
-        return self.execute(cursor, sql, [LEASE_EXPIRED_ERROR, lease]).fetchall()
+        return self.execute(cursor, sql, [behind_ids, behind_ids, behind_ids, LEASE_EXPIRED_ERROR, lease]).fetchall()
 
     def _chain_rule(self, prefix: str, rows: str, outside: str, max_attempts: int) -> str:
         """The rule of ``plan_claim`` over ``rows`` (id, aggregate_id, status, attempts, head:

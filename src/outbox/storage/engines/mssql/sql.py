@@ -220,7 +220,8 @@ class MssqlStatements(MssqlSchema):
         UPDATE can never close a deadlock cycle.
 
         ``source`` is ``@cand`` (the locked candidates) or, to choose which chains to lock,
-        ``@win`` (the window read without update locks: ``claim_statements``).
+        ``@win`` (the window read without update locks: ``claim_statements``). Rows in
+        ``@behind`` (the claim's ``behind``: ``Engine.claim``) are no blockers either.
         """
         index = self.quote(self.index_name(self.PROBE_INDEX.suffix))
         seek = f"FORCESEEK ({index} ({self.PROBE_INDEX.keys[0]}))" if self.probe_index is not False else "FORCESEEK"
@@ -228,6 +229,7 @@ class MssqlStatements(MssqlSchema):
         SELECT TOP (1) e.id FROM {self.table} AS e WITH (READCOMMITTEDLOCK, {seek})
         WHERE e.aggregate_id = g.aggregate_id AND e.id < g.last_id AND e.{OPEN_ROWS}
           AND NOT EXISTS (SELECT 1 FROM {source} AS k WHERE k.id = e.id)
+          AND NOT EXISTS (SELECT 1 FROM @behind AS b WHERE b.id = e.id)
         ORDER BY e.id)
 FROM (SELECT aggregate_id, MIN(id) AS head, MAX(id) AS last_id FROM {source} GROUP BY aggregate_id) AS g"""
 
@@ -288,7 +290,13 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
             "SET XACT_ABORT ON;",
             *(["BEGIN TRANSACTION;"] if own_transaction else []),
             "DECLARE @batch INT = ?, @window INT = ?, @max_attempts INT = ?, @lease CHAR(32) = ?, "
-            "@lease_error NVARCHAR(4000) = ?, @expired_ms INT = ?, @heads INT;",
+            "@lease_error NVARCHAR(4000) = ?, @expired_ms INT = ?, @behind_ids NVARCHAR(MAX) = ?, @heads INT;",
+            # The claim's ``behind`` rows (a JSON array of ids): no blockers (probe_select).
+            # Without OPENJSON (compatibility level below 130) the list stays empty: this
+            # process's own rows then block as everyone's do, as before ``behind`` existed.
+            "DECLARE @behind TABLE (id BIGINT NOT NULL PRIMARY KEY);",
+            *(["INSERT INTO @behind (id) SELECT DISTINCT CAST([value] AS BIGINT) FROM OPENJSON(@behind_ids);"]
+              if self.has_json else []),
             *(f"DECLARE {name} TABLE (id BIGINT NOT NULL PRIMARY KEY, aggregate_id NVARCHAR(255) COLLATE {collation} "
               "NOT NULL, status TINYINT NOT NULL, attempts INT NOT NULL, UNIQUE (aggregate_id, id));"
               for name in ("@win", "@cand")),
@@ -359,17 +367,20 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
     def claim_batch(self, own_transaction: bool = False) -> str:
         return "\n".join(self.claim_statements(own_transaction))
 
-    def claim_params(self, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[Any]:
-        # The DECLARE's six, the last one eligible()'s lease cutoff.
-        return [batch, self.claim_window(batch), max_attempts, lease, LEASE_EXPIRED_ERROR, -timeout_ms]
+    def claim_params(self, batch: int, lease: str, timeout_ms: int, max_attempts: int,
+                     behind: Sequence[int] = ()) -> list[Any]:
+        # The DECLARE's seven: the sixth is eligible()'s lease cutoff, the last ``behind``.
+        return [batch, self.claim_window(batch), max_attempts, lease, LEASE_EXPIRED_ERROR, -timeout_ms,
+                json.dumps(sorted({int(i) for i in behind}))]
 
     def collation_sql(self) -> str:
         return (f"SELECT collation_name FROM sys.columns WHERE object_id = OBJECT_ID({self._table_literal()}) "
                 "AND name = N'aggregate_id'")
 
-    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int) -> list[tuple]:
+    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
+              behind: Sequence[int] = ()) -> list[tuple]:
         """Lease up to ``batch`` rows in the open transaction (the store commits);
-        rows whose status is 4 went dead instead."""
+        rows whose status is 4 went dead instead. ``behind``: ``Engine.claim``."""
         if self.id_collation is None:
             row = self.execute(cursor, self.collation_sql()).fetchone()
             if row and row[0]:
@@ -378,7 +389,8 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
             self.probe_index = self.execute(cursor, self.index_matches(self.PROBE_INDEX)).fetchone() is not None
         own = getattr(getattr(cursor, "connection", None), "autocommit", False) is True  # statement_alone
         try:
-            self.execute(cursor, self.claim_batch(own), self.claim_params(batch, lease, timeout_ms, max_attempts))
+            self.execute(cursor, self.claim_batch(own),
+                         self.claim_params(batch, lease, timeout_ms, max_attempts, behind))
             return result_rows(cursor)
         except BaseException:
             # An error can end the batch before it restores the session options; put
