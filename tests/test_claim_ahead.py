@@ -1,8 +1,9 @@
 """A drain slice's claim made ahead (``relay.drain_slice`` with ``Drain.ahead``, docs/internals.md,
 "Drain slices"), on real PostgreSQL and RabbitMQ: the next claim runs on the claim-ahead thread,
-with its own connection, while the slice publishes the current batch; it never takes a row
-behind a row the current batch holds, and its rows are published in order, or released
-when the slice stops, the breaker opens or the slice raises, never left to their lease."""
+with its own connection, while the slice publishes the current batch, behind that batch's
+share (it may continue the share's chains: "Claims that continue a chain"); its rows are
+published in order, or released when the share before them was not published whole, the
+slice stops, the breaker opens or the slice raises, never left to their lease."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from outbox.publisher.kombu_publisher import KombuPublisher
 from outbox.relay import (
     Backlog,
     Breaker,
+    ChainOutcome,
     ClaimAhead,
     Claimed,
     ClaimOutcome,
@@ -100,6 +102,8 @@ class Slice:
         self.runs_ahead = ClaimAhead(lambda: store)  # a store keeps one connection per thread
         self.on_publish: Callable[[list[int]], None] = lambda ids: None
         self.claim_ahead = True  # OUTBOX_RELAY_CLAIM_AHEAD
+        #: Rows the next publish leaves out and releases, as a chain stopped by a failure does.
+        self.cut: set[int] = set()
 
     def ahead(self, work: Callable[[StoreLike], Claimed]) -> Future[Claimed]:
         future = self.runs_ahead(work)
@@ -111,13 +115,18 @@ class Slice:
                             breaker=self.breaker,
                             stopping=lambda: self.stopping, hooks=self.claims)
 
-    def publish_here(self, chains: list[list[OutboxMessage]], deadline: float) -> None:
+    def publish_here(self, chains: list[list[OutboxMessage]], deadline: float) -> list[ChainOutcome]:
         for future in self.made:
             future.exception()  # wait for it
         ids = [m.id for chain in chains for m in chain]
         self.events.append(ids)
-        handle_publish(self.context(), chains, deadline=deadline)
+        cut, self.cut = [m for chain in chains for m in chain if m.id in self.cut], set()
+        outcomes = handle_publish(self.context(), [[m for m in chain if m not in cut] for chain in chains],
+                                  deadline=deadline)
+        if cut:
+            self.store.release([m.id for m in cut], cut[0].lease)
         self.on_publish(ids)
+        return outcomes
 
     def request_claim(self) -> None:
         self.events.append("claim soon")
@@ -156,21 +165,47 @@ def test_the_next_claim_runs_ahead_on_its_own_thread_and_every_row_arrives_in_or
     ahead = here.claims.ahead()
     assert ahead and any(messages for messages in ahead)  # claims made ahead took rows
     # Each claim made ahead ran while the claim before it was leased and not yet published
-    # (publish_here waited for it): it took no aggregate that claim held.
+    # (publish_here waited for it): of an aggregate that claim held, it took only later rows.
     for (_, before), (thread, after) in zip(here.claims.seen, here.claims.seen[1:]):
         if thread.startswith(AHEAD_THREAD):
-            assert not {m.aggregate_id for m in before} & {m.aggregate_id for m in after}, (before, after)
+            for name in {m.aggregate_id for m in before} & {m.aggregate_id for m in after}:
+                assert max(m.id for m in before if m.aggregate_id == name) < min(
+                    m.id for m in after if m.aggregate_id == name), (before, after)
     assert all(len({m.lease for m in messages}) <= 1 for _, messages in here.claims.seen)
 
 
-def test_one_aggregate_makes_no_claim_ahead(store: OutboxStore, broker: dict[str, Any]) -> None:
-    """A claim of one chain: nobody else can take the chain this process holds, so a claim made
-    ahead would come back empty; the slice claims after each batch, as without claim-ahead."""
-    ids = add(store, aggregates=1, per_aggregate=9)
+def test_a_hot_aggregate_is_claimed_ahead_behind_the_batch_being_published(
+        store: OutboxStore, broker: dict[str, Any]) -> None:
+    """A claim of one chain: the claim made ahead takes the chain's next rows while this batch
+    is published (behind it), so the slice never waits for a claim, and order holds."""
+    ids = add(store, aggregates=1, per_aggregate=13)
     here = Slice(store, broker)
     assert here.run(batch_size=4, slice_s=30.0) is not None
     assert arrived(broker) == ids
-    assert here.made == [] and here.claims.ahead() == []
+    ahead = here.claims.ahead()
+    assert [[m.id for m in messages] for messages in ahead[:2]] == [ids["a0"][4:8], ids["a0"][8:12]]
+    assert {status for status, _ in table_rows(store).values()} == {Status.DONE}
+
+
+def test_rows_claimed_behind_a_chain_that_was_not_published_whole_are_released(
+        store: OutboxStore, broker: dict[str, Any]) -> None:
+    """The share's chain of a0 stops early (its last row released, as a failure does): the
+    claim made ahead behind it holds a0's next rows, which must not overtake the released one.
+    They are released too, no attempt spent; a1's rows claimed ahead go out; then a0 resumes
+    in order."""
+    ids = add(store, aggregates=2, per_aggregate=6)
+    store.use_claim_window(1)  # a claim of 6 reads 6 rows: a0's and a1's next 3 each
+    here = Slice(store, broker)
+    here.cut = {ids["a0"][2]}  # the first share holds a0's and a1's first 3 rows each
+    assert here.run(batch_size=6, slice_s=30.0) is not None
+    first, ahead = here.claims.seen[0][1], here.claims.ahead()
+    assert sorted(m.id for m in first) == sorted(ids["a0"][:3] + ids["a1"][:3])
+    assert sorted(m.id for m in ahead[0]) == sorted(ids["a0"][3:] + ids["a1"][3:])  # behind the share
+    published_second = here.events[3]  # "claim soon", share 1, "claim soon", share 2
+    assert sorted(published_second) == ids["a1"][3:]  # a0's rows claimed ahead were released
+    assert arrived(broker) == ids  # a0 resumed from its released row: every row once, in order
+    assert {status for status, _ in table_rows(store).values()} == {Status.DONE}
+    assert {attempts for _, attempts in table_rows(store).values()} == {0}, table_rows(store)  # releases spent none
 
 
 def test_with_the_option_off_the_slice_claims_after_each_batch(store: OutboxStore, broker: dict[str, Any]) -> None:

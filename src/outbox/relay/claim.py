@@ -141,26 +141,30 @@ class Claimed:
 
 
 def take_claim(relay: RelayContext, *, batch_size: int, lease_s: float,
-               queued: Callable[[], int | None] | None = None) -> Claimed:
+               queued: Callable[[], int | None] | None = None, behind: Sequence[int] = ()) -> Claimed:
     """The first half of ``handle_claim``: unless held back (the breaker, ``queued()``), lease
     a batch through ``relay.store``. Raises ``ClaimFailed`` when the store refuses. A drain
-    slice runs it on its claim-ahead thread, with that thread's store (docs/internals.md,
-    "Drain slices")."""
+    slice runs it on its claim-ahead thread, with that thread's store, ``behind`` the share it
+    is publishing (``OutboxStore.claim``; docs/internals.md, "Drain slices")."""
     outcome = ClaimOutcome()  # the gauges are read by the metrics' own thread, never by a claim
     if _held_back(relay, queued, outcome):
         return Claimed(outcome)
     claimed_at = relay.now()
-    claim = _claim(relay, batch_size, outcome)
+    claim = _claim(relay, batch_size, outcome, behind)
     return Claimed(outcome, claim, claimed_at + lease_s * relay.options.lease_safety)
+
+
+#: ``before_share(outcome, share)``: called just before a backlog's first share is published here.
+BeforeShare = Callable[[ClaimOutcome, list[list[OutboxMessage]]], object]
 
 
 def hand_on(relay: RelayContext, claimed: Claimed, dispatch: Dispatch, *, publish_inline: Dispatch | None = None,
             claim_again: Callable[[], object] | None = None,
-            before_share: Callable[[ClaimOutcome], object] | None = None) -> ClaimOutcome:
+            before_share: BeforeShare | None = None) -> ClaimOutcome:
     """The second half of ``handle_claim``: hand a claim's chains on (dispatched, or published
     here through ``publish_inline``) and dead-letter the rows it found dead. ``before_share``
-    is called with the outcome just before a backlog's first share is published here (after
-    ``claim_again``): where a drain slice starts its next claim ahead."""
+    is called with the outcome and the share just before a backlog's first share is published
+    here (after ``claim_again``): where a drain slice starts its next claim ahead."""
     outcome, claim = claimed.outcome, claimed.claim
     if claim is None:
         return outcome
@@ -188,12 +192,12 @@ def _held_back(relay: RelayContext, queued: Callable[[], int | None] | None, out
     return False
 
 
-def _claim(relay: RelayContext, batch_size: int, outcome: ClaimOutcome) -> Claim:
+def _claim(relay: RelayContext, batch_size: int, outcome: ClaimOutcome, behind: Sequence[int] = ()) -> Claim:
     """Lease a batch (sized by bytes with a sizer) and count it in ``outcome``."""
     started = time.perf_counter()
     rows = relay.sizer.rows(batch_size, relay.options.max_batch_bytes) if relay.sizer is not None else batch_size
     try:
-        claim = relay.store.claim(rows)
+        claim = relay.store.claim(rows, behind=behind)
     except Exception as exc:
         raise ClaimFailed(exc) from exc
     relay.hooks.after_claim(claim, time.perf_counter() - started)
@@ -207,7 +211,7 @@ def _claim(relay: RelayContext, batch_size: int, outcome: ClaimOutcome) -> Claim
 
 def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispatch,
              publish_inline: Dispatch | None, claim_again: Callable[[], object] | None,
-             outcome: ClaimOutcome, before_share: Callable[[ClaimOutcome], object] | None = None) -> None:
+             outcome: ClaimOutcome, before_share: BeforeShare | None = None) -> None:
     """Hand the claimed chains on: all published here (a small claim), or dispatched in
     publish tasks, the first one kept here (a backlog, with ``claim_again``)."""
     options = relay.options
@@ -236,7 +240,7 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
         if outcome.more:
             claim_again()  # the next claim runs in another process while this one publishes
             if before_share is not None:
-                before_share(outcome)  # and this process's next one on its claim-ahead thread
+                before_share(outcome, share)  # and this process's next one on its claim-ahead thread
         outcome.inline = True
         outcome.dispatched += sum(len(chain) for chain in share)
         publish_inline(share, deadline)

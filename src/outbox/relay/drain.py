@@ -8,10 +8,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from ..core.model import OutboxMessage
 from .claim import Claimed, ClaimFailed, ClaimOutcome, Dispatch, hand_on, take_claim
 from .context import RelayContext
 from .settle import StoreLike
@@ -149,6 +150,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     ask: Callable[[], object] = ask_unless_requested
     ahead = _Ahead(relay, drain, batch_size, lease_s, ends, clock) if (
         drain.ahead is not None and relay.options.claim_ahead and not in_main) else None
+    publish_here = drain.publish_here if ahead is None else ahead.publishing(drain.publish_here)
     outcome: ClaimOutcome | None = None
     try:
         while True:
@@ -168,7 +170,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
                 drain.outage.failed(exc.cause)
                 return None
             drain.outage.ok()
-            outcome = hand_on(relay, claimed, drain.dispatch, publish_inline=drain.publish_here,
+            outcome = hand_on(relay, claimed, drain.dispatch, publish_inline=publish_here,
                               claim_again=None if in_main else ask, before_share=None if ahead is None else ahead.start)
             drain.backlog.met = outcome.backlog
             ask = ask_unless_requested if outcome.chains > 1 else _nothing
@@ -192,8 +194,22 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     return outcome
 
 
+def unfinished(chains: Sequence[Sequence[OutboxMessage]], results: object) -> set[str]:
+    """The aggregates of ``chains`` not published whole, by the outcomes ``results`` (one
+    ``ChainOutcome`` per chain, as ``handle_publish`` returns them); all of them when the
+    outcomes are not that (nothing is known of them)."""
+    aggregates = [chain[0].aggregate_id for chain in chains if chain]
+    if not isinstance(results, list) or len(results) != len(chains):
+        return set(aggregates)
+    return {chain[0].aggregate_id for chain, result in zip(chains, results)
+            if chain and not {m.id for m in chain} <= set(getattr(result, "published", ()))}
+
+
 class _Ahead:
-    """A drain slice's next claim, made on the claim-ahead thread while the slice publishes."""
+    """A drain slice's next claim, made on the claim-ahead thread while the slice publishes:
+    ``behind`` the share being published, so it may continue that share's chains (a hot
+    aggregate's next batch included); rows of a chain whose share was not published whole
+    are released when it is taken (docs/internals.md, "Claims that continue a chain")."""
 
     def __init__(self, relay: RelayContext, drain: Drain, batch_size: int, lease_s: float, ends: float,
                  clock: Callable[[], float]) -> None:
@@ -201,18 +217,18 @@ class _Ahead:
         self.ends, self.clock = ends, clock
         self.future: Future[Claimed] | None = None
         self.closing = False  # the slice ends once the claim made ahead is handed on
+        self.unfinished: set[str] = set()  # aggregates of the share the claim made ahead is behind
 
     @property
     def pending(self) -> bool:
         return self.future is not None
 
-    def start(self, outcome: ClaimOutcome) -> None:
-        """Called before a full claim's share is published: claim the next batch ahead, unless
-        the slice ends after this share anyway, the claim is one chain (nobody else can take a
-        chain this process holds, so a claim now would come back empty), or the in-flight bound
-        holds claims back (the breaker is checked by the claim itself, on the thread)."""
+    def start(self, outcome: ClaimOutcome, share: list[list[OutboxMessage]]) -> None:
+        """Called before a full claim's share is published: claim the next batch ahead, behind
+        that share, unless the slice ends after this share anyway or the in-flight bound holds
+        claims back (the breaker is checked by the claim itself, on the thread)."""
         relay, drain = self.relay, self.drain
-        if self.closing or outcome.chains <= 1 or relay.stopping() or self.clock() >= self.ends:
+        if self.closing or relay.stopping() or self.clock() >= self.ends:
             return
         if drain.queued is not None:
             depth = drain.queued()
@@ -220,14 +236,42 @@ class _Ahead:
                 return  # the next turn claims here, and is held back there
         assert drain.ahead is not None
         batch_size, lease_s = self.batch_size, self.lease_s
+        behind = [m.id for chain in share for m in chain]
         self.future = drain.ahead(lambda store: take_claim(replace(relay, store=store), batch_size=batch_size,
-                                                           lease_s=lease_s))
+                                                           lease_s=lease_s, behind=behind))
+
+    def publishing(self, publish_here: Dispatch) -> Dispatch:
+        """``publish_here`` that notes which chains of the share a claim made ahead is behind
+        were not published whole."""
+        def publish(chains: list[list[OutboxMessage]], deadline: float) -> object:
+            results = publish_here(chains, deadline)
+            if self.future is not None:  # the share this slice's claim made ahead is behind
+                self.unfinished = unfinished(chains, results)
+            return results
+        return publish
 
     def take(self) -> Claimed | None:
-        """The claim made ahead (waiting for it), or None when none was started. Raises
+        """The claim made ahead (waiting for it), or None when none was started, without the
+        rows of aggregates whose share before them was not published whole: those are
+        released (no attempt spent), to be claimed again after the rows before them. Raises
         ``ClaimFailed`` as a claim here would."""
         future, self.future = self.future, None
-        return None if future is None else future.result()
+        if future is None:
+            return None
+        claimed = future.result()
+        claim = claimed.claim
+        stopped, self.unfinished = self.unfinished, set()
+        if claim is None or not stopped:
+            return claimed
+        behind = [m for m in claim.messages if m.aggregate_id in stopped]
+        if not behind:
+            return claimed
+        log.info("outbox claim made ahead: releasing %d rows of %d aggregates whose rows before them were not "
+                 "all published", len(behind), len({m.aggregate_id for m in behind}))
+        self.relay.settler.release(behind)
+        claimed.outcome.released += len(behind)
+        kept = [m for m in claim.messages if m.aggregate_id not in stopped]
+        return replace(claimed, claim=replace(claim, messages=kept))
 
     def abandon(self) -> None:
         """The slice is leaving with a claim made ahead still in hand (it raised): release its
