@@ -101,7 +101,7 @@ class Slice:
         self.made: list[Future[Claimed]] = []
         self.runs_ahead = ClaimAhead(lambda: store)  # a store keeps one connection per thread
         self.on_publish: Callable[[list[int]], None] = lambda ids: None
-        self.claim_ahead = True  # OUTBOX_RELAY_CLAIM_AHEAD
+        self.claim_ahead = "on"  # OUTBOX_RELAY_CLAIM_AHEAD
         #: Rows the next publish leaves out and releases, as a chain stopped by a failure does.
         self.cut: set[int] = set()
 
@@ -174,12 +174,14 @@ def test_the_next_claim_runs_ahead_on_its_own_thread_and_every_row_arrives_in_or
     assert all(len({m.lease for m in messages}) <= 1 for _, messages in here.claims.seen)
 
 
+@pytest.mark.parametrize("mode", ["on", "auto"])
 def test_a_hot_aggregate_is_claimed_ahead_behind_the_batch_being_published(
-        store: OutboxStore, broker: dict[str, Any]) -> None:
+        store: OutboxStore, broker: dict[str, Any], mode: str) -> None:
     """A claim of one chain: the claim made ahead takes the chain's next rows while this batch
     is published (behind it), so the slice never waits for a claim, and order holds."""
     ids = add(store, aggregates=1, per_aggregate=13)
     here = Slice(store, broker)
+    here.claim_ahead = mode
     assert here.run(batch_size=4, slice_s=30.0) is not None
     assert arrived(broker) == ids
     ahead = here.claims.ahead()
@@ -208,10 +210,14 @@ def test_rows_claimed_behind_a_chain_that_was_not_published_whole_are_released(
     assert {attempts for _, attempts in table_rows(store).values()} == {0}, table_rows(store)  # releases spent none
 
 
-def test_with_the_option_off_the_slice_claims_after_each_batch(store: OutboxStore, broker: dict[str, Any]) -> None:
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_off_or_auto_over_several_chains_the_slice_claims_after_each_batch(
+        store: OutboxStore, broker: dict[str, Any], mode: str) -> None:
+    """Off, or auto (the default) when claims take several chains: other processes claim
+    alongside, no claim is made ahead."""
     ids = add(store, aggregates=6, per_aggregate=4)
     here = Slice(store, broker)
-    here.claim_ahead = False  # the default
+    here.claim_ahead = mode
     assert here.run(batch_size=4, slice_s=30.0) is not None
     assert here.made == [] and here.claims.ahead() == []
     sent = arrived(broker)

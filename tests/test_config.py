@@ -172,3 +172,15 @@ def test_database_broker_alternates_are_refused_naming_the_way_to_fail_over() ->
     assert "secret" not in text
     # Alternates of other transports are kombu's own business and stay accepted.
     assert load_settings(environ={"OUTBOX_CELERY_BROKER_URL": "redis://h1:6379/0;redis://h2:6379/0"})
+
+
+def test_claim_ahead_takes_auto_on_off_and_the_boolean_spellings() -> None:
+    """OUTBOX_RELAY_CLAIM_AHEAD was a boolean: its spellings still work (true is on)."""
+    from outbox.core.config import RelayOptions
+
+    assert RelayOptions.from_sources({}).claim_ahead == "auto"
+    for given, mode in (("auto", "auto"), ("ON", "on"), ("true", "on"), (True, "on"), ("1", "on"),
+                        ("off", "off"), ("false", "off"), (False, "off"), ("0", "off")):
+        assert RelayOptions.from_sources({"OUTBOX_RELAY_CLAIM_AHEAD": given}).claim_ahead == mode, given
+    with pytest.raises(ConfigError, match=r"OUTBOX_RELAY_CLAIM_AHEAD='sometimes': expected auto, on"):
+        RelayOptions.from_sources({"OUTBOX_RELAY_CLAIM_AHEAD": "sometimes"})

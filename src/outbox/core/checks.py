@@ -264,6 +264,19 @@ def validate_spark_master(master: str, setting: str = "OUTBOX_SPARK_MASTER") -> 
 SPARK_LOG_LEVELS = ("ALL", "DEBUG", "ERROR", "FATAL", "INFO", "OFF", "TRACE", "WARN")
 
 
+#: OUTBOX_RELAY_CLAIM_AHEAD's modes, and the boolean spellings each one also takes.
+CLAIM_AHEAD_MODES = {"auto": ("auto",), "on": ("on", "1", "true", "yes", "always"),
+                     "off": ("off", "0", "false", "no", "never")}
+
+
+def validate_claim_ahead(value: str, setting: str = "OUTBOX_RELAY_CLAIM_AHEAD") -> str:
+    text = value.strip().lower()
+    mode = next((mode for mode, spellings in CLAIM_AHEAD_MODES.items() if text in spellings), None)
+    if mode is None:
+        raise ConfigError(f"{setting}={value!r}: expected auto, on (or true) or off (or false)")
+    return mode
+
+
 def validate_spark_log_level(level: str, setting: str = "OUTBOX_SPARK_LOG_LEVEL") -> str:
     if level.upper() not in SPARK_LOG_LEVELS:
         raise ConfigError(f"{setting}={level!r} is not a Spark log level (one of {', '.join(SPARK_LOG_LEVELS)})")

@@ -25,6 +25,7 @@ from .checks import (
     MAX_CLAIM_TIMEOUT_MS,
     SESSION_BOUNDS,
     session_bounds,
+    validate_claim_ahead,
     validate_database_url,
     validate_dramatiq_broker_url,
     validate_dramatiq_namespace,
@@ -144,10 +145,11 @@ class RelayOptions(Options):
     #: x rows per task (at most OUTBOX_BATCH_SIZE).
     max_queued_tasks: int = option(16, "int", above=0)
     #: A drain slice claims its next batch on a helper thread (its own database connection)
-    #: while it publishes the current one, instead of after it (docs/internals.md, "Drain
-    #: slices"). Off (the default: no gain measured on the benchmark machine, docs/benchmarks.md):
-    #: claim, publish, settle, then claim again, one after the other.
-    claim_ahead: bool = option(False, "bool")
+    #: while it publishes the current one, behind it, instead of after it (docs/internals.md,
+    #: "Drain slices"). auto (the default): after a claim of one chain only (a hot aggregate,
+    #: which no other process can help drain); on: after every full claim; off: claim,
+    #: publish, settle, then claim again, one after the other.
+    claim_ahead: str = option("auto", "str", check=validate_claim_ahead)
     #: A claim reads this many times OUTBOX_BATCH_SIZE eligible rows (its window) and takes
     #: OUTBOX_BATCH_SIZE of them, whole chains, oldest first: over fewer aggregates than the
     #: window, each claim takes this many rows of each of its aggregates and leaves the

@@ -149,7 +149,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
 
     ask: Callable[[], object] = ask_unless_requested
     ahead = _Ahead(relay, drain, batch_size, lease_s, ends, clock) if (
-        drain.ahead is not None and relay.options.claim_ahead and not in_main) else None
+        drain.ahead is not None and relay.options.claim_ahead != "off" and not in_main) else None
     publish_here = drain.publish_here if ahead is None else ahead.publishing(drain.publish_here)
     outcome: ClaimOutcome | None = None
     try:
@@ -225,10 +225,14 @@ class _Ahead:
 
     def start(self, outcome: ClaimOutcome, share: list[list[OutboxMessage]]) -> None:
         """Called before a full claim's share is published: claim the next batch ahead, behind
-        that share, unless the slice ends after this share anyway or the in-flight bound holds
-        claims back (the breaker is checked by the claim itself, on the thread)."""
+        that share, unless the slice ends after this share anyway, the in-flight bound holds
+        claims back (the breaker is checked by the claim itself, on the thread), or the claim
+        took several chains with ``options.claim_ahead`` at auto (other processes claim
+        alongside then: docs/internals.md, "Claims that continue a chain")."""
         relay, drain = self.relay, self.drain
         if self.closing or relay.stopping() or self.clock() >= self.ends:
+            return
+        if relay.options.claim_ahead == "auto" and outcome.chains > 1:
             return
         if drain.queued is not None:
             depth = drain.queued()
