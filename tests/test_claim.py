@@ -199,13 +199,24 @@ def test_claim_sizer_follows_large_rows_at_once_and_small_rows_by_halves() -> No
 
 def test_a_process_first_claims_as_if_rows_were_as_large_as_allowed() -> None:
     sizer = ClaimSizer.at_start(1_048_576)
+    from datetime import datetime
+
+    def rows(size: int, n: int) -> list[OutboxMessage]:
+        return [OutboxMessage(1, "m", "t", "order", "a", None, "x" * size, {}, None, 0, datetime.now(UTC), "L")] * n
+
     assert sizer.rows(100, 8 * 1024 * 1024) == 7
-    claims = 0
-    while sizer.rows(100, 8 * 1024 * 1024) < 100:
-        from datetime import datetime
-        sizer.observe([OutboxMessage(1, "m", "t", "order", "a", None, "{}", {}, None, 0, datetime.now(UTC), "L")])
-        claims += 1
-    assert claims <= 5  # small rows: the full batch again within a few claims
+    sizer.observe([])  # a claim that found nothing teaches nothing
+    assert sizer.rows(100, 8 * 1024 * 1024) == 7
+    sizer.observe(rows(2, 7))  # the first rows read replace the assumption: the full batch next
+    assert sizer.rows(100, 8 * 1024 * 1024) == 100
+    sizer.observe(rows(1_000_000 - 256, 2))  # then as before: large rows followed at once,
+    assert sizer.rows(100, 8 * 1024 * 1024) == 8
+    sizer.observe(rows(2, 8))  # small ones by halves
+    assert sizer.rows(100, 8 * 1024 * 1024) == 16
+    # A worker started on large rows keeps its claims small.
+    large = ClaimSizer.at_start(1_048_576)
+    large.observe(rows(1_000_000, 7))
+    assert large.rows(100, 8 * 1024 * 1024) == 8
 
 
 def test_plan_tasks_packs_without_splitting_chains() -> None:

@@ -18,14 +18,17 @@ class ClaimSizer:
     next claim read ``OUTBOX_BATCH_SIZE`` large rows."""
 
     row_bytes: float = 0.0
+    #: ``row_bytes`` is an assumption, not an observation: the first claim's rows replace it.
+    assumed: bool = False
 
     @classmethod
     def at_start(cls, max_payload_bytes: int) -> ClaimSizer:
         """A process's sizer before its first claim: rows assumed as large as the writers
         may make them, so a worker started on a backlog of large rows (restarted after
-        running out of memory, say) does not read a whole batch of them at once. Small
-        rows bring the claims back to the full batch within a few claims."""
-        return cls(float(max_payload_bytes + 256))
+        running out of memory, say) does not read a whole batch of them at once. The first
+        claim that returns rows replaces the assumption with what it read: small rows bring
+        the next claim back to the full batch."""
+        return cls(float(max_payload_bytes + 256), assumed=True)
 
     def rows(self, batch_size: int, max_bytes: int) -> int:
         """Rows to ask for: ``batch_size``, or fewer when that many recent rows would not
@@ -38,4 +41,5 @@ class ClaimSizer:
         if not messages:
             return
         mean = sum(m.size for m in messages) / len(messages)
-        self.row_bytes = mean if mean >= self.row_bytes else (self.row_bytes + mean) / 2
+        self.row_bytes = mean if mean >= self.row_bytes or self.assumed else (self.row_bytes + mean) / 2
+        self.assumed = False
