@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..core.model import OutboxMessage
 from .claim import Claimed, ClaimFailed, ClaimOutcome, Dispatch, hand_on, take_claim
 from .context import RelayContext
-from .settle import StoreLike
+from .settle import Settler, StoreLike, done_marks_by
 from .shared import Breaker, Outage
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
@@ -49,8 +50,8 @@ def _nothing() -> None:
 
 
 #: ``ahead(work)`` runs ``work(store)`` on the calling thread's claim-ahead thread, with
-#: that thread's own store, and returns its future (``ClaimAhead``).
-Ahead = Callable[[Callable[[StoreLike], Claimed]], "Future[Claimed]"]
+#: that thread's own store, and returns its future (``ClaimAhead``): a claim, or a done mark.
+Ahead = Callable[[Callable[[StoreLike], Any]], "Future[Any]"]
 
 
 @dataclass
@@ -84,7 +85,7 @@ class ClaimAhead:
         self._made: list[tuple[int, ThreadPoolExecutor]] = []
         self._lock = threading.Lock()
 
-    def __call__(self, work: Callable[[StoreLike], Claimed]) -> Future[Claimed]:
+    def __call__(self, work: Callable[[StoreLike], Any]) -> Future[Any]:
         made: tuple[int, ThreadPoolExecutor] | None = getattr(self._local, "executor", None)
         if made is None or made[0] != os.getpid():
             made = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="outbox-claim-ahead"))
@@ -165,6 +166,8 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
                     # included, free now): claim here; the in-flight bound was read for it.
                     claimed, made_ahead, queued = None, False, None
                 if claimed is None:
+                    if ahead is not None:
+                        ahead.settled()  # this slice's done marks first: its chains are free then
                     claimed = take_claim(relay, batch_size=batch_size, lease_s=lease_s, queued=queued)
             except ClaimFailed as exc:
                 drain.outage.failed(exc.cause)
@@ -185,6 +188,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
                 break
     finally:
         if ahead is not None:
+            ahead.settled()
             ahead.abandon()
     assert outcome is not None  # the loop ran once at least
     if outcome.inline:
@@ -218,6 +222,7 @@ class _Ahead:
         self.future: Future[Claimed] | None = None
         self.closing = False  # the slice ends once the claim made ahead is handed on
         self.unfinished: set[str] = set()  # aggregates of the share the claim made ahead is behind
+        self.marks: list[Future[Any]] = []  # done marks handed to the claim-ahead thread
 
     @property
     def pending(self) -> bool:
@@ -245,14 +250,29 @@ class _Ahead:
                                                            lease_s=lease_s, behind=behind))
 
     def publishing(self, publish_here: Dispatch) -> Dispatch:
-        """``publish_here`` that notes which chains of the share a claim made ahead is behind
-        were not published whole."""
+        """``publish_here`` that, for the share a claim made ahead is behind, hands its done
+        marks to the claim-ahead thread (queued after that claim: the slice publishes the
+        claim's rows meanwhile) and notes which of its chains were not published whole."""
         def publish(chains: list[list[OutboxMessage]], deadline: float) -> object:
-            results = publish_here(chains, deadline)
-            if self.future is not None:  # the share this slice's claim made ahead is behind
-                self.unfinished = unfinished(chains, results)
+            if self.future is None:
+                return publish_here(chains, deadline)
+            with done_marks_by(self._mark_done):
+                results = publish_here(chains, deadline)
+            self.unfinished = unfinished(chains, results)
             return results
         return publish
+
+    def _mark_done(self, ids: list[int], lease: str) -> None:
+        assert self.drain.ahead is not None
+        fallback = self.relay.settler.fallback
+        self.marks.append(self.drain.ahead(lambda store: Settler(store, fallback).done(ids, lease)))
+
+    def settled(self) -> None:
+        """Wait for the done marks handed to the claim-ahead thread (``Settler.done`` never
+        raises: a mark that fails goes to the fallback, or is left to the lease)."""
+        marks, self.marks = self.marks, []
+        for mark in marks:
+            mark.exception()
 
     def take(self) -> Claimed | None:
         """The claim made ahead (waiting for it), or None when none was started, without the

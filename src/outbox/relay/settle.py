@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -49,6 +51,20 @@ class StoreLike(Protocol):
 #: retry it later (the ack queue's tasks). Operations: "done", "failed", "release".
 Fallback = Callable[[str, dict[str, Any]], None]
 
+_handing = threading.local()  # this thread's ``done_marks_by``
+
+
+@contextmanager
+def done_marks_by(submit: Callable[[list[int], str], object]) -> Iterator[None]:
+    """Inside the block, this thread's ``Settler.done`` hands each done mark to
+    ``submit(ids, lease)`` instead of writing it: a drain slice's claim-ahead thread writes
+    it while the slice publishes on (docs/internals.md, "Claims that continue a chain")."""
+    _handing.submit = submit
+    try:
+        yield
+    finally:
+        _handing.submit = None
+
 
 class Settler:
     """Applies a chain's outcome to the store: ``mark_done``, ``mark_failed``, ``release``.
@@ -81,9 +97,14 @@ class Settler:
             return None
 
     def done(self, ids: Sequence[int], lease: str) -> FenceResult | None:
+        """None: the write failed and went to the fallback, or was handed on (``done_marks_by``)."""
         ids = list(ids)
         if not ids:
             return FenceResult(0, 0)
+        submit = getattr(_handing, "submit", None)
+        if submit is not None:
+            submit(ids, lease)
+            return None
         return self._run("done", {"ids": ids, "lease": lease}, lambda: self.store.mark_done(ids, lease))
 
     def failed(self, message: OutboxMessage, error: str, retry_in: timedelta | None,
