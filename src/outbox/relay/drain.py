@@ -130,13 +130,14 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     (the Celery worker's main process, the in-process claim): no share and no slice, the
     backlog goes to the pool (docs/waking-and-metrics.md, "The in-process claim").
 
-    With ``drain.ahead`` and ``options.claim_ahead``, a full claim of several chains starts
-    the slice's next claim on the claim-ahead thread before publishing its share, and the
-    next turn of the loop hands that claim on instead of claiming; a claim made ahead that
-    found nothing is followed by a claim here (the chains this process held are free now).
-    A claim made ahead is always handed on before the slice returns: published, or released
-    by ``handle_publish`` when the worker is stopping or the breaker opened, or, should the
-    slice raise, released here.
+    With ``drain.ahead`` and ``options.claim_ahead`` (not off; at auto, after a claim of one
+    chain only), a full claim starts the slice's next claim on the claim-ahead thread,
+    behind its share, before publishing the share, whose done marks then go to that thread
+    too; the next turn of the loop hands that claim on instead of claiming (``_Ahead``). A
+    claim made ahead that found nothing is followed by a claim here, once the done marks
+    are written. A claim made ahead is always handed on before the slice returns:
+    published, or released by ``handle_publish`` when the worker is stopping or the breaker
+    opened, or, should the slice raise, released here.
 
     ``drain.queued`` is read only while ``drain.backlog`` says the last claim met one. Returns
     the last claim's outcome, or None when the store refused the claim (``ClaimFailed``:
