@@ -234,7 +234,8 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         def source_path(last: int = int(hi), out: str = "read", reader: str = "arrow") -> None:
             (spark.read.format("outbox").options(url=url, table=src.engine.table_name, statuses="2", reader=reader,
                                                   partitions=str(args.partitions), max_id=str(last),
-                                                  fetch_size=str(args.fetch_size)).load()
+                                                  **({"fetch_size": str(args.fetch_size)} if args.fetch_size else {}))
+             .load()
              .write.mode("overwrite").parquet(str(work / f"{kind}-{out}")))
 
         def jdbc_path(last: int = int(hi), out: str = "jdbc") -> None:
@@ -347,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engines", default="postgresql,mysql,sqlite", help="comma-separated")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each read path, and of replay and insert, alternating; the best is kept")
-    p.add_argument("--fetch-size", type=int, default=5000, help="the outbox source's rows per page")
+    p.add_argument("--fetch-size", type=int, default=None,
+                   help="the outbox source's rows per page at most (default: the source's own)")
     p.add_argument("--full", default="postgresql,mysql",
                    help="engines that also run archive, replay and the bulk INSERT (comma-separated)")
     p.add_argument("--cold-archive", action="store_true",

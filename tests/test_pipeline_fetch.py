@@ -146,3 +146,40 @@ def test_mysql_over_a_unix_socket_reads_through_the_driver() -> None:
     assert arrow_fetch(socket_url, engine_for_url(socket_url), "arrow") is None
     tcp_url = "mysql://app@db:3306/app"
     assert arrow_fetch(tcp_url, engine_for_url(tcp_url), "arrow") is not None
+
+
+def test_arrow_pages_are_sized_by_bytes_after_a_small_first_page(store: OutboxStore, url: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Arrow reader's first page is at most ``FIRST_PAGE_ROWS`` (nothing known of the
+    rows yet); each next one holds about ``page_bytes`` at the last page's bytes per row,
+    at least one row and at most ``fetch_size``: large rows make short pages, and every
+    row is read once, in order, whatever the sizes."""
+    if store.engine.name not in ARROW_FETCH:
+        pytest.skip(f"{store.engine.name} reads through its Python driver (docs/pipeline.md)")
+    ids = seed(store, [Row("t", f"a{i}") for i in range(11)])
+    pages: list[tuple[int, int]] = []  # (rows asked for, rows read)
+    page = OutboxQuery.arrow_page
+
+    def counted(self: OutboxQuery, handle: Any, after: int, hi: int, size: int) -> Any:
+        table = page(self, handle, after, hi, size)
+        pages.append((size, table.num_rows))
+        return table
+
+    monkeypatch.setattr(OutboxQuery, "arrow_page", counted)
+    base = {"url": url, "table": store.engine.table_name, "partitions": "1", "fetch_size": "4"}
+    for page_bytes, asked in (("1", [4, 1, 1, 1, 1, 1, 1, 1, 1]), (None, [4, 4, 4])):
+        pages.clear()
+        got = read_all({**base, **({"page_bytes": page_bytes} if page_bytes else {})})
+        assert got.column("id").to_pylist() == sorted(ids)
+        assert [size for size, _ in pages] == asked, pages
+        assert sum(rows for _, rows in pages) == len(ids)
+
+
+def test_the_next_page_holds_about_the_byte_budget() -> None:
+    from outbox.pipeline.source import ARROW_PAGE_ROWS, DRIVER_PAGE_ROWS, PAGE_BYTES, next_page_rows
+
+    assert next_page_rows(100 * 1_048_576, 100, ARROW_PAGE_ROWS, PAGE_BYTES) == 32  # 1 MiB rows
+    assert next_page_rows(200 * 1000, 1000, ARROW_PAGE_ROWS, PAGE_BYTES) == ARROW_PAGE_ROWS  # small rows: the cap
+    assert next_page_rows(64 * 1_048_576, 1, ARROW_PAGE_ROWS, PAGE_BYTES) == 1  # a row over the budget still goes
+    assert OutboxReader({"url": "sqlite:///x.db"}).fetch_size == ARROW_PAGE_ROWS
+    assert OutboxReader({"url": "sqlite:///x.db", "reader": "driver"}).fetch_size == DRIVER_PAGE_ROWS

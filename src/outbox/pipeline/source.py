@@ -17,8 +17,10 @@ timestamp encoded by ``common.encode_native``, so the bound compares exactly as 
 database compares its own values), ``min_id`` / ``max_id``, ``partitions``
 (default 4), ``split`` (``id``, the default: equal id ranges; ``topic``: tasks of
 about equal rows that each read whole topics but for the one it starts and the one it
-ends with, see ``common.topic_tasks``), ``fetch_size`` (default 5000), ``reader``
-(``arrow``, the default, or ``driver``: the engine's Python driver).
+ends with, see ``common.topic_tasks``), ``fetch_size`` (rows per page at most: 50,000
+with an Arrow reader, 5,000 with the Python driver), ``page_bytes`` (an Arrow reader's
+pages after the first hold about this many bytes: 32 MiB by default; ``next_page_rows``),
+``reader`` (``arrow``, the default, or ``driver``: the engine's Python driver).
 
 Where a JDBC driver is installed, ``spark.read.jdbc`` with ``partitionColumn=id``
 is the alternative read path (docs/pipeline.md); the jobs use this source.
@@ -181,11 +183,29 @@ def _json_text(value: Any) -> str | None:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))  # a driver that decoded JSON
 
 
+#: Rows per page at most: an Arrow reader's pages hold no Python row objects, and fewer,
+#: larger statements read faster (docs/pipeline.md, "How the jobs read the table");
+#: the Python driver makes an object per value, so its pages stay small.
+ARROW_PAGE_ROWS, DRIVER_PAGE_ROWS = 50_000, 5_000
+#: An Arrow reader's first page (nothing is known of the rows' size yet) and its byte budget.
+FIRST_PAGE_ROWS, PAGE_BYTES = 1_000, 32 * 1024 * 1024
+
+
+def next_page_rows(table_bytes: int, table_rows: int, most: int, budget: int) -> int:
+    """Rows of the next page: about ``budget`` bytes at the last page's bytes per row,
+    at most ``most``, at least one."""
+    per_row = max(1.0, table_bytes / max(1, table_rows))
+    return max(1, min(most, int(budget // per_row)))
+
+
 class OutboxReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.options = options
         self.partition_count = max(1, int(options.get("partitions") or 4))
-        self.fetch_size = max(1, int(options.get("fetch_size") or 5000))
+        self.arrow = (options.get("reader") or "arrow") == "arrow"  # an Arrow reader, where the engine has one
+        default_rows = ARROW_PAGE_ROWS if self.arrow else DRIVER_PAGE_ROWS
+        self.fetch_size = max(1, int(options.get("fetch_size") or default_rows))
+        self.page_bytes = max(1, int(options.get("page_bytes") or PAGE_BYTES))
         self.split = options.get("split") or "id"
         if self.split not in ("id", "topic"):
             raise ValueError(f"the outbox data source's split is 'id' or 'topic', not {self.split!r}")
@@ -264,16 +284,19 @@ class OutboxReader(DataSourceReader):
 
     def _read_arrow(self, query: OutboxQuery, partition: IdRange) -> Iterator[Any]:
         """The same keyset pages through the engine's Arrow reader; each page is its
-        own statement and transaction, and only one page is held at a time."""
+        own statement and transaction, and only one page is held at a time. The first page
+        is small; each next one holds about ``page_bytes`` at the last page's bytes per row
+        (up to ``fetch_size`` rows), so large payloads make short pages."""
         assert query.fetch is not None
         handle = query.fetch.open()
         try:
-            after = partition.lo - 1
+            after, size = partition.lo - 1, min(self.fetch_size, FIRST_PAGE_ROWS)
             while True:
-                table = query.arrow_page(handle, after, partition.hi, self.fetch_size)
+                table = query.arrow_page(handle, after, partition.hi, size)
                 yield from table.to_batches()
-                if table.num_rows < self.fetch_size:
+                if table.num_rows < size:
                     break
                 after = int(table.column("id")[-1].as_py())
+                size = next_page_rows(table.nbytes, table.num_rows, self.fetch_size, self.page_bytes)
         finally:
             query.fetch.close(handle)
