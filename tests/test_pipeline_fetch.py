@@ -181,5 +181,8 @@ def test_the_next_page_holds_about_the_byte_budget() -> None:
     assert next_page_rows(100 * 1_048_576, 100, ARROW_PAGE_ROWS, PAGE_BYTES) == 32  # 1 MiB rows
     assert next_page_rows(200 * 1000, 1000, ARROW_PAGE_ROWS, PAGE_BYTES) == ARROW_PAGE_ROWS  # small rows: the cap
     assert next_page_rows(64 * 1_048_576, 1, ARROW_PAGE_ROWS, PAGE_BYTES) == 1  # a row over the budget still goes
-    assert OutboxReader({"url": "sqlite:///x.db"}).fetch_size == ARROW_PAGE_ROWS
-    assert OutboxReader({"url": "sqlite:///x.db", "reader": "driver"}).fetch_size == DRIVER_PAGE_ROWS
+    # The Python driver's pages stay small (an object per value): for reader=driver and for
+    # an engine with no Arrow reader (SQL Server), unless fetch_size says otherwise.
+    assert OutboxReader({"url": "sqlite:///x.db"}).page_rows(arrow=True) == ARROW_PAGE_ROWS
+    assert OutboxReader({"url": "sqlite:///x.db"}).page_rows(arrow=False) == DRIVER_PAGE_ROWS
+    assert OutboxReader({"url": "sqlite:///x.db", "fetch_size": "7"}).page_rows(arrow=False) == 7

@@ -202,9 +202,7 @@ class OutboxReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.options = options
         self.partition_count = max(1, int(options.get("partitions") or 4))
-        self.arrow = (options.get("reader") or "arrow") == "arrow"  # an Arrow reader, where the engine has one
-        default_rows = ARROW_PAGE_ROWS if self.arrow else DRIVER_PAGE_ROWS
-        self.fetch_size = max(1, int(options.get("fetch_size") or default_rows))
+        self.fetch_size = max(1, int(options["fetch_size"])) if options.get("fetch_size") else None
         self.page_bytes = max(1, int(options.get("page_bytes") or PAGE_BYTES))
         self.split = options.get("split") or "id"
         if self.split not in ("id", "topic"):
@@ -250,6 +248,10 @@ class OutboxReader(DataSourceReader):
         finally:
             conn.close()
 
+    def page_rows(self, arrow: bool) -> int:
+        """Rows per page at most: ``fetch_size`` when given, else the reader's own default."""
+        return self.fetch_size or (ARROW_PAGE_ROWS if arrow else DRIVER_PAGE_ROWS)
+
     def read(self, partition: IdRange) -> Iterator[Any]:  # type: ignore[override]
         if partition.hi < partition.lo:
             return
@@ -257,12 +259,13 @@ class OutboxReader(DataSourceReader):
         if query.fetch is not None:
             yield from self._read_arrow(query, partition)
             return
+        size = self.page_rows(arrow=False)  # the engine's Python driver (no Arrow reader for it)
         conn = query.engine.connect(query.url)
         try:
             after = partition.lo - 1
             while True:
                 try:
-                    rows = query.page(conn.cursor(), after, partition.hi, self.fetch_size)
+                    rows = query.page(conn.cursor(), after, partition.hi, size)
                 except Exception as exc:
                     # A connection the server ended while Spark took the last page (MySQL
                     # ends idle relay sessions: docs/relay.md, "A network cut"), or another
@@ -272,11 +275,11 @@ class OutboxReader(DataSourceReader):
                         raise
                     conn.close()
                     conn = query.engine.connect(query.url)
-                    rows = query.page(conn.cursor(), after, partition.hi, self.fetch_size)
+                    rows = query.page(conn.cursor(), after, partition.hi, size)
                 conn.rollback()  # end the read transaction between pages: no long snapshot held
                 if rows:
                     yield query.to_batch(rows)
-                if len(rows) < self.fetch_size:
+                if len(rows) < size:
                     break
                 after = int(rows[-1][0])
         finally:
@@ -290,13 +293,14 @@ class OutboxReader(DataSourceReader):
         assert query.fetch is not None
         handle = query.fetch.open()
         try:
-            after, size = partition.lo - 1, min(self.fetch_size, FIRST_PAGE_ROWS)
+            most = self.page_rows(arrow=True)
+            after, size = partition.lo - 1, min(most, FIRST_PAGE_ROWS)
             while True:
                 table = query.arrow_page(handle, after, partition.hi, size)
                 yield from table.to_batches()
                 if table.num_rows < size:
                     break
                 after = int(table.column("id")[-1].as_py())
-                size = next_page_rows(table.nbytes, table.num_rows, self.fetch_size, self.page_bytes)
+                size = next_page_rows(table.nbytes, table.num_rows, most, self.page_bytes)
         finally:
             query.fetch.close(handle)
