@@ -184,7 +184,7 @@ def _json_text(value: Any) -> str | None:
 
 
 #: Rows per page at most: an Arrow reader's pages hold no Python row objects, and fewer,
-#: larger statements read faster (docs/pipeline.md, "How the jobs read the table");
+#: larger statements read faster (docs/pipeline.md, "How the jobs read the outbox");
 #: the Python driver makes an object per value, so its pages stay small.
 ARROW_PAGE_ROWS, DRIVER_PAGE_ROWS = 50_000, 5_000
 #: An Arrow reader's first page (nothing is known of the rows' size yet) and its byte budget.
