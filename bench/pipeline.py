@@ -234,7 +234,8 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         def source_path(last: int = int(hi), out: str = "read", reader: str = "arrow") -> None:
             (spark.read.format("outbox").options(url=url, table=src.engine.table_name, statuses="2", reader=reader,
                                                   partitions=str(args.partitions), max_id=str(last),
-                                                  **({"fetch_size": str(args.fetch_size)} if args.fetch_size else {}))
+                                                  **({"fetch_size": str(args.fetch_size)} if args.fetch_size else {}),
+                                                  **({"page_bytes": str(args.page_bytes)} if args.page_bytes else {}))
              .load()
              .write.mode("overwrite").parquet(str(work / f"{kind}-{out}")))
 
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="runs of each read path, and of replay and insert, alternating; the best is kept")
     p.add_argument("--fetch-size", type=int, default=None,
                    help="the outbox source's rows per page at most (default: the source's own)")
+    p.add_argument("--page-bytes", type=int, default=None,
+                   help="the outbox source's bytes per page after the first (default: the source's own)")
     p.add_argument("--full", default="postgresql,mysql",
                    help="engines that also run archive, replay and the bulk INSERT (comma-separated)")
     p.add_argument("--cold-archive", action="store_true",
@@ -378,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     spark = spark_session()
     work = Path(tempfile.mkdtemp(prefix="outbox-bench-pipeline-"))
     results: dict[str, Any] = {"rows": args.rows, "partitions": args.partitions, "master": args.master,
-                               "repeat": args.repeat, "fetch_size": args.fetch_size}
+                               "repeat": args.repeat, "fetch_size": args.fetch_size,
+                               "page_bytes": args.page_bytes}
     urls = {"postgresql": POSTGRES_URL, "mysql": MYSQL_URL, "sqlite": f"sqlite:///{work / 'bench.db'}"}
     full = {e.strip() for e in args.full.split(",")}
     try:
