@@ -308,6 +308,10 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
               "empty_while_claimable": memory["empty_while_claimable"] if "empty" in claims else None}
     if not reached:
         result["worker_log_tail"] = relay.log_tail()
+    if result["order"]["unexpected"]:
+        loaded = [i for ids in expected.values() for i in ids]
+        log(f"{label}: {result['order']['unexpected']} unexpected ids arrived, from {result['order']['unexpected_ids']} "
+            f"(this load: {min(loaded)}..{max(loaded)})")
     if not reached:
         log(f"{label}: INCOMPLETE: {result['arrived']}/{events} within the wait; table {counts}, "
             f"{result['lease_recovered']} rows recovered by lease expiry; order {result['order']}")
@@ -361,8 +365,12 @@ def compare_with_raw_loop(run: Run, destination: Destination, relay_factory: Any
     relay: Relay | None = None
     for aggregates in spreads:
         truncate_table(run)
-        load_backlog(run, events, aggregates)
-        log(f"raw loop: {events} events over {aggregates} aggregates")
+        raw_ids = sorted(i for ids in load_backlog(run, events, aggregates).values() for i in ids)
+        log(f"raw loop: {events} events over {aggregates} aggregates (ids {raw_ids[0]}..{raw_ids[-1]})")
+        # The arrivals of the relay's pass before are still recorded: without this reset the
+        # wait below counts them and returns at once, and the raw loop's messages that the
+        # consumer has not read yet arrive in the next pass as unexpected ids.
+        destination.reset()
         raw = run_raw_loop(run.database_url, run.amqp_url, run.table, run.exchange, processes, run.batch_size,
                            timeout=timeout)
         destination.wait_for(events, timeout=30, idle_timeout=5)
