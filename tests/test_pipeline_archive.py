@@ -217,8 +217,9 @@ def test_verify_gives_the_runs_and_refuses_an_id_staged_twice(spark: Any, store:
     staging = tmp_path / "staging"
     by_topic = {"t.a": [1, 3, 5, 6, 7, 10], "t.b": [2, 4, 8, 12, 13], "t.c": [20]}
     stage_by_hand(spark, staging, by_topic)
-    rows, ranges = archiver._verify(staging.as_uri(), 1, 20)
+    rows, ranges, files = archiver._verify(staging.as_uri(), 1, 20)
     assert (rows, ranges) == (12, [[1, 8], [10, 10], [12, 13], [20, 20]])
+    assert files == sorted(str(f.relative_to(staging)) for f in staging.glob("topic=*/date=*/*.parquet"))
     with pytest.raises(PipelineError, match="outside 2..20; nothing was committed"):
         archiver._verify(staging.as_uri(), 2, 20)
     with pytest.raises(PipelineError, match="outside 1..19; nothing was committed"):
