@@ -226,9 +226,12 @@ class Archiver:
                    "min_id": str(lo), "max_id": str(hi), "partitions": str(self.partitions),
                    "split": "id",  # split=topic: fewer files, more database work (docs/pipeline.md, "Layout")
                    **self.source_options}
+        # ``date`` is a DATE: its directory name is the same yyyy-MM-dd (UTC session) a
+        # formatted string would give, but the writer sorts and compares an int per row
+        # instead of a string made per row (docs/pipeline.md, "Measured").
         frame = (self.spark.read.format("outbox").options(**options).load()
                  .withColumn("archive_run", F.lit(run_id))
-                 .withColumn("date", F.date_format("created_at", "yyyy-MM-dd")))
+                 .withColumn("date", F.to_date("created_at")))
         writer = frame.write.partitionBy("topic", "date").mode("errorifexists")
         for column in UNIQUE_COLUMNS:  # no dictionary attempt per file (docs/pipeline.md, "Layout")
             writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
