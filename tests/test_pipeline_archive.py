@@ -211,14 +211,16 @@ def test_split_by_topic_archives_what_id_ranges_do_in_fewer_files(spark: Any, ma
 def test_verify_gives_the_runs_and_refuses_an_id_staged_twice(spark: Any, store: OutboxStore,
                                                               tmp_path: Path) -> None:
     """The verify step on staged files written by hand: interleaved topics with gaps
-    give the ids' runs; the same id in two files, or an id outside the run's bounds,
-    fail it (so the run never commits)."""
+    give the ids' runs, and the files it read (the manifest's list) are the staged
+    files; the same id in two files, or an id outside the run's bounds, fail it (so the
+    run never commits)."""
     archiver = Archiver(spark, store, str(tmp_path / "archive"))
     staging = tmp_path / "staging"
-    by_topic = {"t.a": [1, 3, 5, 6, 7, 10], "t.b": [2, 4, 8, 12, 13], "t.c": [20]}
+    by_topic = {"t.a": [1, 3, 5, 6, 7, 10], "t/b 50% ü": [2, 4, 8, 12, 13], "t.c": [20]}  # escaped directory names
     stage_by_hand(spark, staging, by_topic)
-    rows, ranges = archiver._verify(staging.as_uri(), 1, 20)
+    rows, ranges, files = archiver._verify(staging.as_uri(), 1, 20)
     assert (rows, ranges) == (12, [[1, 8], [10, 10], [12, 13], [20, 20]])
+    assert files == sorted(str(f.relative_to(staging)) for f in staging.glob("topic=*/date=*/*.parquet"))
     with pytest.raises(PipelineError, match="outside 2..20; nothing was committed"):
         archiver._verify(staging.as_uri(), 2, 20)
     with pytest.raises(PipelineError, match="outside 1..19; nothing was committed"):

@@ -197,14 +197,13 @@ class Archiver:
         staging = self.fs.uri(STAGING_DIR, run_id)
         self._stage(staging, run_id, statuses, cutoff, int(lo), int(hi))
         self.on_step("staged")
-        rows, ranges = self._verify(staging, int(lo), int(hi))
+        rows, ranges, files = self._verify(staging, int(lo), int(hi))
         if rows > count:
             raise PipelineError(f"run {run_id}: staged {rows} rows but only {count} matched; nothing was committed")
         if rows < count:
             self.progress(f"run {run_id}: {count - rows} row(s) changed while reading (requeued); "
                           "they stay in the outbox")
         self.on_step("verified")
-        files = [f for f in self.fs.list_files(staging) if f.endswith(".parquet")]
         manifest = {
             "run_id": run_id, "version": 1, "engine": self.engine.name, "table": self.engine.table_name,
             "schema": self.engine.schema, "statuses": statuses, "cutoff": cutoff_dt.isoformat(),
@@ -227,18 +226,24 @@ class Archiver:
                    "min_id": str(lo), "max_id": str(hi), "partitions": str(self.partitions),
                    "split": "id",  # split=topic: fewer files, more database work (docs/pipeline.md, "Layout")
                    **self.source_options}
+        # ``date`` is a DATE: its directory name is the same yyyy-MM-dd (UTC session) a
+        # formatted string would give, but the writer sorts and compares an int per row
+        # instead of a string made per row (docs/pipeline.md, "Measured").
         frame = (self.spark.read.format("outbox").options(**options).load()
                  .withColumn("archive_run", F.lit(run_id))
-                 .withColumn("date", F.date_format("created_at", "yyyy-MM-dd")))
+                 .withColumn("date", F.to_date("created_at")))
         writer = frame.write.partitionBy("topic", "date").mode("errorifexists")
         for column in UNIQUE_COLUMNS:  # no dictionary attempt per file (docs/pipeline.md, "Layout")
             writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
         writer.parquet(staging)
 
-    def _verify(self, staging: str, lo: int, hi: int) -> tuple[int, list[list[int]]]:
+    def _verify(self, staging: str, lo: int, hi: int) -> tuple[int, list[list[int]], list[str]]:
         """Read the staged ids back in one pass and turn them into ``[first, last]`` runs
-        of consecutive ids with their row count (docs/pipeline.md, step 4)."""
+        of consecutive ids with their row count (docs/pipeline.md, step 4); also the
+        staged files, relative to ``staging``: the very files whose ids were verified,
+        as Spark listed them for this read (no second listing of the staging tree)."""
         staged = self.spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", staging).parquet(staging)
+        files = [f for f in self.fs.relative(staging, staged.inputFiles()) if f.endswith(".parquet")]
         staged.select("id").createOrReplaceTempView("outbox_staged")
         edges = self.spark.sql(EDGES_SQL.format(view="outbox_staged")).collect()
         try:
@@ -247,7 +252,7 @@ class Archiver:
             raise PipelineError(f"staged archive {staging} {exc}; nothing was committed") from None
         if ranges and (ranges[0][0] < lo or ranges[-1][1] > hi):
             raise PipelineError(f"staged archive {staging} holds ids outside {lo}..{hi}; nothing was committed")
-        return rows, ranges
+        return rows, ranges, files
 
     # -- finishing and recovery ----------------------------------------------------------------
     def _finish(self, manifest: dict[str, Any]) -> int:

@@ -8,7 +8,9 @@ metadata operations; the executors write the Parquet files.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 
 class ArchiveFS:
@@ -52,6 +54,17 @@ class ArchiveFS:
             path = iterator.next().getPath().toUri().getPath()
             found.append(path[len(base):] if path.startswith(base) else path)
         return sorted(found)
+
+    def relative(self, uri: str, files: Iterable[str]) -> list[str]:
+        """``files``, URIs under ``uri`` as Spark names a read's input files, as paths
+        relative to ``uri``, sorted: what ``list_files`` gives for them, with no listing
+        (and no JVM call per file) of its own."""
+        base = self.fs.makeQualified(self._p(uri)).toUri().getPath().rstrip("/") + "/"
+        paths = [unquote(urlsplit(f).path) for f in files]
+        outside = [p for p in paths if not p.startswith(base)]
+        if outside:
+            raise ValueError(f"{outside[0]} is not under {uri}")
+        return sorted(p[len(base):] for p in paths)
 
     def rename(self, src: str, dst: str) -> bool:
         parent = self._p(dst).getParent()
