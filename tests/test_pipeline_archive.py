@@ -64,7 +64,7 @@ def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path) -> N
     before = table_rows(store)
     old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
     old_dead = {i for i, r in zip(ids, rows) if r.status == 4}
-    root = tmp_path / "archive"
+    root = tmp_path / "my archive ü%20"  # a plain path, written where it says (not percent-encoded)
 
     result = Archiver(spark, store, str(root), delete_chunk=5).run(timedelta(days=7))
     assert (result.archived, result.deleted, result.kept) == (len(old_done), len(old_done), 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from outbox.pipeline.common import (
     archive_uri,
     decode_native,
     encode_native,
+    local_path,
     parse_duration,
     parse_point_in_time,
     range_chunks,
@@ -121,10 +123,13 @@ def test_native_values_cross_processes_unchanged(value: object) -> None:
         assert (back.tzinfo is None) == (value.tzinfo is None)
 
 
-def test_archive_locations(tmp_path: object) -> None:
+def test_archive_locations(tmp_path: Path) -> None:
     assert archive_uri("s3a://bucket/outbox/") == "s3a://bucket/outbox"
     assert archive_uri("hdfs://nn:8020/a") == "hdfs://nn:8020/a"
     assert archive_uri("relative/dir").startswith("file:///")
+    spaced = tmp_path / "my archive ü%20"
+    assert archive_uri(str(spaced)) == f"file://{spaced}"
+    assert local_path(archive_uri(str(spaced))) == spaced
     with pytest.raises(PipelineError):
         archive_uri("  ")
 

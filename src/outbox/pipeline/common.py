@@ -61,13 +61,14 @@ def parse_point_in_time(text: str, option: str, now: datetime) -> datetime:
 
 def archive_uri(target: str) -> str:
     """A URI Spark and Hadoop understand: ``scheme://...`` unchanged, a plain path
-    made absolute as ``file:`` (a driver-local directory; on a cluster use a shared
-    filesystem or an object store)."""
+    made absolute as ``file://`` (a driver-local directory; on a cluster use a shared
+    filesystem or an object store), not percent-encoded: Hadoop reads a path string as
+    it stands, so ``Path.as_uri()``'s ``my%20dir`` would be a directory named so."""
     if not target or not target.strip():
         raise PipelineError("the archive location is empty")
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", target) or target.startswith("file:"):
         return target.rstrip("/")
-    return Path(target).expanduser().resolve().as_uri()
+    return "file://" + str(Path(target).expanduser().resolve())
 
 
 def local_path(uri: str) -> Path | None:
