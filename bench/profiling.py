@@ -40,6 +40,10 @@ def _frame_name(frame: str) -> str:
 #: Buckets for "where did a publish-worker process spend its time", first match on the stack wins
 #: (checked from the leaf up, so the innermost known activity is charged).
 _BUCKETS = [
+    # every worker process: the lost-worker heartbeat's own thread (docs/internals.md, "Lost
+    # workers"), idle in its wait nearly always; py-spy --idle samples it as often as the
+    # thread doing the work, so without this bucket half of each process was "other"
+    ("heartbeat thread (mostly idle)", ("holders.py:Heartbeat._run",)),
     # pool processes: the publish path
     ("amqp: wait for the wave's confirms", ("kombu_publisher.py:_await_confirms",)),
     ("amqp: send (frame encoding, socket)", ("kombu_publisher.py:_send_frames", "frames.py:",
