@@ -27,6 +27,11 @@ class ArchiveFS:
     def _p(self, uri: str) -> Any:
         return self._Path(uri)
 
+    def _base(self, uri: str) -> str:
+        """``uri``'s path as its filesystem qualifies it, with a trailing slash: the prefix
+        that ``list_files`` and ``relative`` cut off the paths under it."""
+        return self.fs.makeQualified(self._p(uri)).toUri().getPath().rstrip("/") + "/"
+
     def exists(self, uri: str) -> bool:
         return bool(self.fs.exists(self._p(uri)))
 
@@ -47,7 +52,7 @@ class ArchiveFS:
         """Paths of every file under ``uri``, relative to it, sorted."""
         if not self.exists(uri):
             return []
-        base = self.fs.makeQualified(self._p(uri)).toUri().getPath().rstrip("/") + "/"
+        base = self._base(uri)
         found = []
         iterator = self.fs.listFiles(self._p(uri), True)
         while iterator.hasNext():
@@ -59,7 +64,7 @@ class ArchiveFS:
         """``files``, URIs under ``uri`` as Spark names a read's input files, as paths
         relative to ``uri``, sorted: what ``list_files`` gives for them, with no listing
         (and no JVM call per file) of its own."""
-        base = self.fs.makeQualified(self._p(uri)).toUri().getPath().rstrip("/") + "/"
+        base = self._base(uri)
         paths = [unquote(urlsplit(f).path) for f in files]
         outside = [p for p in paths if not p.startswith(base)]
         if outside:
