@@ -140,6 +140,12 @@ def load_backlog(run: Run, events: int, aggregates: int, big_every: int = 0,
     return expected
 
 
+def id_range(expected: dict[str, list[int]]) -> str:
+    """``first..last`` of the ids of a load (``load_backlog``'s expected order), for logs."""
+    ids = [i for per_aggregate in expected.values() for i in per_aggregate]
+    return f"{min(ids)}..{max(ids)}"
+
+
 def _read(run: Run, text: str) -> list[tuple[Any, ...]]:
     with closing(connect(run)) as conn:
         rows = query(conn, text)

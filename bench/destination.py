@@ -202,7 +202,7 @@ def check_order(arrivals: Sequence[tuple[float, int, str]], expected: dict[str, 
         if inversions:
             violations.append(f"{aggregate}: {inversions} out-of-order arrivals")
         missing += len(want - set(got))
-    strays = sorted(seen - {i for ids in expected.values() for i in ids})
+    strays = seen - {i for ids in expected.values() for i in ids}
     return {"ok": not violations and missing == 0 and not strays, "violations": violations[:5],
             "violating_aggregates": len(violations), "missing": missing, "unexpected": len(strays),
-            "unexpected_ids": (strays[0], strays[-1]) if strays else None, "duplicates": duplicates}
+            "unexpected_ids": (min(strays), max(strays)) if strays else None, "duplicates": duplicates}

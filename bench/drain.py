@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .backlog import claimable, connect, rows_claimed
+from .backlog import claimable, connect, id_range, rows_claimed
 from .common import (
     CELERY,
     CpuWindow,
@@ -309,9 +309,8 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
     if not reached:
         result["worker_log_tail"] = relay.log_tail()
     if result["order"]["unexpected"]:
-        loaded = [i for ids in expected.values() for i in ids]
         log(f"{label}: {result['order']['unexpected']} unexpected ids arrived, from {result['order']['unexpected_ids']} "
-            f"(this load: {min(loaded)}..{max(loaded)})")
+            f"(this load: {id_range(expected)})")
     if not reached:
         log(f"{label}: INCOMPLETE: {result['arrived']}/{events} within the wait; table {counts}, "
             f"{result['lease_recovered']} rows recovered by lease expiry; order {result['order']}")
@@ -365,8 +364,8 @@ def compare_with_raw_loop(run: Run, destination: Destination, relay_factory: Any
     relay: Relay | None = None
     for aggregates in spreads:
         truncate_table(run)
-        raw_ids = sorted(i for ids in load_backlog(run, events, aggregates).values() for i in ids)
-        log(f"raw loop: {events} events over {aggregates} aggregates (ids {raw_ids[0]}..{raw_ids[-1]})")
+        loaded = id_range(load_backlog(run, events, aggregates))
+        log(f"raw loop: {events} events over {aggregates} aggregates (ids {loaded})")
         # The arrivals of the relay's pass before are still recorded: without this reset the
         # wait below counts them and returns at once, and the raw loop's messages that the
         # consumer has not read yet arrive in the next pass as unexpected ids.
