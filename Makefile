@@ -6,6 +6,8 @@ BIN    := $(VENV)/bin
 # adds the `dev` extra (every driver, PySpark, Django, the browser tests' Selenium, ...).
 BASE   := $(VENV)/.installed-base
 STAMP  := $(VENV)/.installed-dev
+# pytest-xdist workers for `make test` (docs/design.md, "The test suite"); 0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench install lint clean
 
@@ -13,7 +15,7 @@ demo: $(BASE)           ## the whole pipeline on the embedded SQLite default (ba
 	$(BIN)/outbox demo
 
 test: $(STAMP)          ## the test suite (services it cannot reach are skipped, or fail under OUTBOX_REQUIRE_SERVICES)
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)         ## benchmarks; they print ratios against a baseline measured in the same run
 	$(BIN)/pip install -q "py-spy>=0.3"   # the profile phase; not needed by the tests

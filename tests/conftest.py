@@ -58,3 +58,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         except OSError:
             continue
         report.sections.append((f"child log {log.relative_to(tmp)} (last 6000 characters)", text[-6000:]))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``), every test
+    that runs Spark goes to one worker: one Spark session and one JVM for them all, as in a
+    serial run, instead of one per worker (docs/design.md, "The test suite")."""
+    for item in items:
+        if {"spark", "spark_jvm_options"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("spark"))

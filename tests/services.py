@@ -7,7 +7,12 @@ must never turn green by skipping everything.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +37,21 @@ def require(name: str, host: str, port: int) -> None:
     if REQUIRE:
         pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
     pytest.skip(message)
+
+
+#: The repository the suite runs from: what the packaging tests build.
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def building_the_package() -> Iterator[None]:
+    """Held while a test builds the package from ``ROOT`` (an sdist, a wheel): setuptools
+    writes its ``build/`` and ``*.egg-info`` in the tree, so two builds at once (two
+    pytest-xdist workers) break each other. A lock file beside the tree, never in it."""
+    lock = Path(os.environ.get("TMPDIR", "/tmp")) / f"outbox-relay-build-{hashlib.sha256(bytes(ROOT)).hexdigest()[:12]}.lock"
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 import yaml
+from services import ROOT, building_the_package
 
 from outbox.core.config import known_names, load_settings
 from outbox.relay import RelayOptions
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_TEXT = (ROOT / "docker-compose.yml").read_text()
 COMPOSE = yaml.safe_load(COMPOSE_TEXT)
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
@@ -265,9 +265,10 @@ def image_bin() -> Iterator[Path]:
     base.chmod(0o755)
     try:
         subprocess.run([python, "-m", "venv", str(base / "venv")], check=True, timeout=120)
-        result = subprocess.run([str(base / "venv" / "bin" / "python"), "-m", "pip", "install", "-q",
-                                 "--disable-pip-version-check", f"{ROOT}[redis]"], capture_output=True, text=True,
-                                timeout=600, cwd=base)
+        with building_the_package():  # pip builds the wheel in the tree
+            result = subprocess.run([str(base / "venv" / "bin" / "python"), "-m", "pip", "install", "-q",
+                                     "--disable-pip-version-check", f"{ROOT}[redis]"], capture_output=True,
+                                    text=True, timeout=600, cwd=base)
         assert result.returncode == 0, result.stdout + result.stderr
         yield base / "venv" / "bin"
     finally:

@@ -19,11 +19,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from services import REDIS_URL, reachable
+from services import REDIS_URL, ROOT, building_the_package, reachable
 
-ROOT = Path(__file__).resolve().parent.parent
-
-pytestmark = [pytest.mark.packaging, pytest.mark.timeout(600)]
+# One pytest-xdist worker for the module: the sdist and wheel are built once (``dist``).
+pytestmark = [pytest.mark.packaging, pytest.mark.timeout(600), pytest.mark.xdist_group("packaging")]
 
 
 def run(args: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> str:
@@ -42,7 +41,8 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """sdist and wheel, the wheel built from the sdist (``python -m build``'s default), so a
     file missing from the sdist fails here rather than on a user's machine."""
     out = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], cwd=out)
+    with building_the_package():
+        run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], cwd=out)
     wheels, sdists = list(out.glob("*.whl")), list(out.glob("*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, list(out.iterdir())
     return {"wheel": wheels[0], "sdist": sdists[0]}

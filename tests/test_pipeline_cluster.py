@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from pipeline_support import DAY_MS, mixed_rows, seed, spark_process_env, spark_submit_conf, table_ids
-from services import POSTGRES_URL, free_port, require
+from services import POSTGRES_URL, ROOT, building_the_package, free_port, require
 
 from outbox.pipeline.archive import Archiver, read_archive
 from outbox.storage.store import OutboxStore
@@ -140,9 +140,9 @@ def test_archive_under_spark_submit(spark: Any, spark_jvm_options: str, tmp_path
     from outbox.pipeline import submit
 
     wheels = tmp_path / "dist"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-                            "-w", str(wheels), str(Path(__file__).parent.parent)],
-                           capture_output=True, text=True, timeout=300)
+    with building_the_package():
+        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+                               capture_output=True, text=True, timeout=300)
     if built.returncode != 0:
         pytest.skip(f"cannot build the wheel here: {built.stderr.strip()[-300:]}")
     wheel = next(wheels.glob("outbox_relay-*.whl"))

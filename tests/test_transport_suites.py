@@ -17,6 +17,9 @@ from services import REDIS_URL, REQUIRE, require
 
 from bench import suites
 
+#: One pytest-xdist worker for the module: the sdists are fetched into one cache once (``sources``).
+pytestmark = pytest.mark.xdist_group("suites")
+
 
 @pytest.fixture(scope="module")
 def sources() -> dict[str, Path]:
