@@ -285,7 +285,8 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
                  .write.mode("overwrite").parquet(str(work / f"{kind}-warm-arch")))
             clock = StepClock()
             archiver = Archiver(spark, stores["arch"], str(work / f"{kind}-archive-{n}"), partitions=args.partitions,
-                                delete_chunk=5000, on_step=clock, source_options=split)
+                                delete_chunk=5000, delete_connections=args.delete_connections, on_step=clock,
+                                source_options=split)
             clock.start()
             timed(f"{kind} archive", args.rows, lambda: archiver.run(timedelta(days=1)), trial)  # noqa: B023
             trial[f"{kind} archive"]["steps_s"] = {**clock.steps, "end": trial[f"{kind} archive"]["seconds"]}
@@ -346,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--split", choices=("id", "topic"), default="id",
                    help="what each task of the archive's stage reads (outbox pipeline archive --split)")
     p.add_argument("--master", default="local[2]")
+    p.add_argument("--delete-connections", type=int, default=2,
+                   help="the archive's --delete-connections (the CLI's default: 2)")
     p.add_argument("--engines", default="postgresql,mysql,sqlite", help="comma-separated")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each read path, and of replay and insert, alternating; the best is kept")

@@ -5,6 +5,7 @@ the round trip, crashes at every step, re-runs, the purge guard and bad argument
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -150,6 +151,32 @@ def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path
     assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert table_ids(store) == all_ids - old_done
     assert not list((root / "_staging").glob("*"))
+
+
+def test_the_delete_runs_on_several_connections_where_the_engine_has_concurrent_writers(
+        spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its first chunk alone, the delete spreads the chunks over ``delete_connections``
+    threads, each on its own connection (the store keeps one per thread), closed at the
+    end; SQLite, one writer at a time, deletes on the calling thread only."""
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    threads: list[str] = []
+    run = store._run
+
+    def noting(operation: str, work: Any, **kw: Any) -> Any:
+        if operation == "archive delete":
+            threads.append(threading.current_thread().name)
+        return run(operation, work, **kw)
+    monkeypatch.setattr(store, "_run", noting)
+
+    result = Archiver(spark, store, str(tmp_path / "a"), delete_chunk=1, delete_connections=3).run(timedelta(days=7))
+    assert (result.archived, result.deleted) == (len(old_done), len(old_done))
+    assert table_ids(store) == set(ids) - old_done
+    assert threads[0] == threading.current_thread().name  # the first chunk, alone
+    lanes = set(threads[1:])
+    assert len(lanes) == (1 if store.engine.name == "sqlite" else 3), Counter(threads)
+    assert not [t for t in threading.enumerate() if t.name.startswith("outbox-archive-delete")]
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "mysql", "mssql"])

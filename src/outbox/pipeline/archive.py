@@ -15,8 +15,9 @@ One run, step by step (each step is safe to crash in; see docs/pipeline.md):
    This file is the commit point: before it the run never happened, after it the
    run is finished by whoever comes next;
 6. **publish**: move the staged files into the archive's ``topic=/date=`` tree;
-7. **delete** exactly the committed ids, in chunks, and only rows still done/dead
-   and processed before the cut-off (a dead row requeued since is left alone);
+7. **delete** exactly the committed ids, in chunks (on several connections where the
+   engine has concurrent writers), and only rows still done/dead and processed before
+   the cut-off (a dead row requeued since is left alone);
 8. mark the run finished: ``_manifest/<run>.deleted``.
 
 A re-run after a crash anywhere neither duplicates nor skips: rows are deleted only
@@ -29,7 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -146,15 +148,18 @@ def id_runs(edges: Iterable[tuple[int, int | None, int | None]]) -> tuple[int, l
 
 class Archiver:
     def __init__(self, spark: Any, store: OutboxStore, to: str, *, on_step: Hook | None = None,
-                 delete_chunk: int = 1000, partitions: int = 4, progress: Callable[[str], None] | None = None,
-                 source_options: dict[str, str] | None = None) -> None:
+                 delete_chunk: int = 1000, delete_connections: int = 2, partitions: int = 4,
+                 progress: Callable[[str], None] | None = None, source_options: dict[str, str] | None = None) -> None:
         if delete_chunk < 1:
             raise PipelineError("--delete-chunk must be at least 1")
+        if delete_connections < 1:
+            raise PipelineError("--delete-connections must be at least 1")
         self.spark = spark
         self.store = store
         self.root = archive_uri(to)
         self.on_step = on_step or _noop
         self.delete_chunk = delete_chunk
+        self.delete_connections = delete_connections
         self.partitions = partitions
         self.progress = progress or (lambda message: log.info("%s", message))
         self.source_options = source_options or {}
@@ -287,17 +292,39 @@ class Archiver:
     def _delete(self, manifest: dict[str, Any]) -> int:
         """Delete the committed ids in chunks of consecutive ids: only rows still in an
         archived status and processed before the run's cut-off (so never a row that
-        changed after it was read)."""
+        changed after it was read). The first chunk alone, then the rest on up to
+        ``delete_connections`` connections at once where the engine has concurrent
+        writers: the chunks are disjoint id ranges, so they never wait for each other
+        (docs/pipeline.md, step 7)."""
         engine = self.engine
-        cutoff = decode_native(manifest["cutoff_native"])
         sql = delete_sql(engine, manifest["statuses"])
-        total = 0
-        for n, (lo, hi) in enumerate(range_chunks(manifest["id_ranges"], self.delete_chunk)):
-            deleted = self.store._run("archive delete",  # the lambda runs at once, inside this iteration
-                                      lambda c: engine.execute(c, sql, [lo, hi, cutoff]).rowcount)  # noqa: B023
-            total += max(deleted, 0)
-            if n == 0:
-                self.on_step("deleted-chunk")
+        cutoff = decode_native(manifest["cutoff_native"])
+        chunks = list(range_chunks(manifest["id_ranges"], self.delete_chunk))
+        if not chunks:
+            return 0
+        total = self._delete_chunks(chunks[:1], sql, cutoff, close=False)
+        self.on_step("deleted-chunk")
+        rest = chunks[1:]
+        lanes = min(self.delete_connections if engine.concurrent_writes else 1, len(rest))
+        if lanes <= 1:
+            return total + self._delete_chunks(rest, sql, cutoff, close=False)
+        with ThreadPoolExecutor(lanes, thread_name_prefix="outbox-archive-delete") as pool:
+            done = [pool.submit(self._delete_chunks, rest[lane::lanes], sql, cutoff, close=True)
+                    for lane in range(lanes)]
+            return total + sum(future.result() for future in done)
+
+    def _delete_chunks(self, chunks: Sequence[tuple[int, int]], sql: str, cutoff: Any, *, close: bool) -> int:
+        """Delete ``chunks``, one transaction each, on this thread's connection (closed at
+        the end when ``close``: a lane's thread is not reused)."""
+        engine, total = self.engine, 0
+        try:
+            for lo, hi in chunks:
+                deleted = self.store._run("archive delete",  # the lambda runs at once, inside this iteration
+                                          lambda c: engine.execute(c, sql, [lo, hi, cutoff]).rowcount)  # noqa: B023
+                total += max(deleted, 0)
+        finally:
+            if close:
+                self.store.close()
         return total
 
     def recover(self) -> list[str]:

@@ -51,6 +51,8 @@ def pipeline() -> None:
               help="Archive location: a directory, file://, hdfs://, s3a://... (default: OUTBOX_ARCHIVE_URI).")
 @click.option("--delete-chunk", default=1000, show_default=True, type=click.IntRange(1, 100_000),
               help="Ids per DELETE statement.")
+@click.option("--delete-connections", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="Connections deleting chunks at once (SQLite: one, whatever this says).")
 @click.option("--partitions", default=4, show_default=True, type=click.IntRange(1, 10_000),
               help="Tasks reading in parallel.")
 @click.option("--split", type=click.Choice(["topic", "id"]), default="id", show_default=True,
@@ -59,8 +61,8 @@ def pipeline() -> None:
 @master_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run's summary as JSON.")
 @_errors
-def archive(older_than: str | None, include_dead: bool, to: str | None, delete_chunk: int, partitions: int,
-            split: str, master: str | None, as_json: bool) -> None:
+def archive(older_than: str | None, include_dead: bool, to: str | None, delete_chunk: int,
+            delete_connections: int, partitions: int, split: str, master: str | None, as_json: bool) -> None:
     """Move done (and, with --include-dead, dead) rows older than the cut-off into a
     Parquet archive partitioned by topic and date, then delete exactly those rows.
     Idempotent: a re-run after a crash at any point neither duplicates nor skips."""
@@ -77,7 +79,7 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
     try:
         spark = spark_session(master, "outbox-archive")
         result = Archiver(spark, store, target, on_step=crash_hook_from_env(), delete_chunk=delete_chunk,
-                          partitions=partitions, progress=_progress,
+                          delete_connections=delete_connections, partitions=partitions, progress=_progress,
                           source_options={"split": split}).run(delta, include_dead=include_dead)
     finally:
         store.close()

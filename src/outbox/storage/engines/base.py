@@ -299,6 +299,10 @@ class Engine(ABC):
 
     INSERT_COLUMNS = "message_id, topic, aggregate_type, aggregate_id, partition_key, payload, headers, trace_id"
 
+    #: Whether several connections can write the table at once without waiting for each
+    #: other (the archive deletes disjoint id ranges on several: docs/pipeline.md, step 7).
+    concurrent_writes: ClassVar[bool] = True
+
     # -- claim ---------------------------------------------------------------
     #: A claim reads this many times ``batch`` candidates and keeps ``batch`` rows of them,
     #: whole chains, oldest chain first: over few aggregates it takes several rows of some

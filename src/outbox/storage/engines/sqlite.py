@@ -33,6 +33,7 @@ def sqlite_path(url: str) -> str:
 class SqliteEngine(Engine):
     name = "sqlite"
     now: ClassVar[str] = _NOW
+    concurrent_writes: ClassVar[bool] = False  # one writer at a time, whatever the connections
 
     def qualify(self, name: str) -> str:
         # A schema on SQLite is an attached database; "main" is the file itself.
