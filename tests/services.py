@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,7 +49,8 @@ def building_the_package() -> Iterator[None]:
     """Held while a test builds the package from ``ROOT`` (an sdist, a wheel): setuptools
     writes its ``build/`` and ``*.egg-info`` in the tree, so two builds at once (two
     pytest-xdist workers) break each other. A lock file beside the tree, never in it."""
-    lock = Path(os.environ.get("TMPDIR", "/tmp")) / f"outbox-relay-build-{hashlib.sha256(bytes(ROOT)).hexdigest()[:12]}.lock"
+    tag = hashlib.sha256(bytes(ROOT)).hexdigest()[:12]
+    lock = Path(tempfile.gettempdir()) / f"outbox-relay-build-{tag}.lock"
     with lock.open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
