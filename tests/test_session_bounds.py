@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
+from relay_support import run_python
 from services import MYSQL_URL, POSTGRES_URL, require
 
 from outbox.core.config import SESSION_BOUNDS, load_settings, session_bounds, without_session_bounds
@@ -283,3 +285,33 @@ def test_a_mysql_server_that_refuses_the_connection_is_the_drivers_transient_err
     with pytest.raises(pymysql.err.OperationalError) as info:
         engine.connect(f"mysql://root@127.0.0.1:{port}/app")
     assert info.value.args[0] == 2003 and engine.is_transient(info.value)
+
+
+# -- commits that do not wait for the disk (docs/relay.md) --------------------------------------
+
+def test_the_relays_own_postgresql_sessions_commit_without_waiting_and_no_other_does(tmp_path: Path) -> None:
+    """A relay process's store (``OUTBOX_RELAY_ASYNC_COMMIT``, default true) runs its sessions
+    with ``synchronous_commit`` off; a plain store (the CLI's, an application's) keeps the
+    server's setting, and so does the relay with the option false."""
+    require("PostgreSQL", "127.0.0.1", 5432)
+    code = """
+import os
+import outbox.celery.tasks as t
+from outbox.storage.store import OutboxStore
+def setting(store):
+    with store.transaction() as c:
+        return store.engine.execute(c, "SHOW synchronous_commit").fetchone()[0]
+relay = t.resources().store
+plain = OutboxStore(os.environ["OUTBOX_DATABASE_URL"])
+print(setting(relay), setting(plain))
+"""
+    for env, expected in (({}, "off on"), ({"OUTBOX_RELAY_ASYNC_COMMIT": "false"}, "on on")):
+        done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=POSTGRES_URL, **env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == expected, env
+
+
+def test_engines_without_a_session_setting_commit_as_before(tmp_path: Path) -> None:
+    sqlite = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}")
+    assert sqlite.commit_without_waiting() is False
+    assert MysqlEngine.async_commit_sql is None and PostgresEngine.async_commit_sql is not None

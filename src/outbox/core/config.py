@@ -156,6 +156,12 @@ class RelayOptions(Options):
     #: rest to others. One confirm round trip per row of a chain: set it to the number of
     #: claims that run at once (docs/internals.md, "Claim windows"). Default: the engines'.
     claim_window: int = option(2, "int", above=0, maximum=16)
+    #: The relay's own writes (leases, done marks, failures) commit without waiting for the
+    #: disk where the engine allows it for one session (PostgreSQL: ``synchronous_commit``
+    #: off). A database crash then loses at most the last fraction of a second of them,
+    #: and those rows are delivered again; order holds (docs/relay.md, "Commits that do not
+    #: wait for the disk"). false: every relay commit waits for the disk.
+    async_commit: bool = option(True, "bool")
     #: Bytes (payload + ~256 per row) one claimed batch may send on as publish tasks;
     #: the rest of the batch is released at once. The first row always goes.
     max_batch_bytes: int = option(8 * 1024 * 1024, "int", above=0)

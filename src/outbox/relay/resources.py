@@ -95,6 +95,8 @@ class ResourceHolder:
             store = OutboxStore.from_settings(settings)
             store.holder_id = self.holder().holder_id  # lease tokens name this process
             store.use_claim_window(options.claim_window)
+            if options.async_commit:
+                store.commit_without_waiting()
             publisher = publisher_for(settings, max_message_bytes=options.max_message_bytes)
             r = Resources(os.getpid(), store, publisher, Settler(store, self._fallback),
                           ClaimSizer.at_start(settings.max_payload_bytes))

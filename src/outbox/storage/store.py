@@ -99,6 +99,21 @@ class OutboxStore:
     def close(self) -> None:
         self._connections.drop()
 
+    def commit_without_waiting(self) -> bool:
+        """From now on, each connection this store opens commits without waiting for the
+        disk, where the engine can (``Engine.async_commit_sql``): the relay's own writes,
+        never an application's (docs/relay.md, "Commits that do not wait for the disk").
+        Returns whether the engine can. Call it before the store's first connection."""
+        sql = self.engine.async_commit_sql
+        if sql is None:
+            return False
+
+        def relax(conn: Any) -> None:
+            with self._connections.transaction_on(conn) as cursor:
+                self.engine.execute(cursor, sql)
+        self._connections.on_connect = relax
+        return True
+
     def transaction(self, *, alone: bool = False) -> AbstractContextManager[Any]:
         """A cursor inside one short transaction (``Connections.transaction``)."""
         return self._connections.transaction(alone=alone)

@@ -302,6 +302,10 @@ class Engine(ABC):
     #: Whether several connections can write the table at once without waiting for each
     #: other (the archive deletes disjoint id ranges on several: docs/pipeline.md, step 7).
     concurrent_writes: ClassVar[bool] = True
+    #: A statement after which this session's commits return before they are durable (the
+    #: relay's own writes: docs/relay.md, "Commits that do not wait for the disk"), or None
+    #: where the engine has no such setting for one session.
+    async_commit_sql: ClassVar[str | None] = None
 
     # -- claim ---------------------------------------------------------------
     #: A claim reads this many times ``batch`` candidates and keeps ``batch`` rows of them,

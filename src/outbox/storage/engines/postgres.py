@@ -74,6 +74,7 @@ class PostgresEngine(Engine):
     name = "postgresql"
     placeholder = "%s"
     now: ClassVar[str] = "now()"
+    async_commit_sql: ClassVar[str | None] = "SET synchronous_commit TO off"
 
     def now_plus_ms(self) -> str:
         return "(now() + ? * interval '1 millisecond')"
