@@ -40,7 +40,7 @@ def require(name: str, host: str, port: int) -> None:
     pytest.skip(message)
 
 
-#: The repository the suite runs from: what the packaging tests build.
+#: The repository the suite runs from (its docs, examples and sources; what the packaging tests build).
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 from app_support import renamed, schema_of
-from services import AMQP_URL, REQUIRE, require
+from services import AMQP_URL, REQUIRE, ROOT, require
 
 from outbox.storage.store import OutboxStore
 
 pytest.importorskip("django")
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "django"
 BIN = Path(sys.executable).parent
 

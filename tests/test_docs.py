@@ -9,12 +9,12 @@ from dataclasses import fields
 from pathlib import Path
 
 import click
+from services import ROOT
 
 from outbox.cli import main
 from outbox.core.config import SESSION_BOUNDS, SETTING_NAMES
 from outbox.relay import RelayOptions
 
-ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 

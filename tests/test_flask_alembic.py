@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 from app_support import renamed, schema_of
-from services import AMQP_URL, require
+from services import AMQP_URL, ROOT, require
 
 from outbox.storage.store import OutboxStore
 
 pytest.importorskip("alembic")
 pytest.importorskip("flask")
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "flask"
 BIN = Path(sys.executable).parent
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from services import ROOT
+
 SRC = ROOT / "src"
 
 #: The wings, top to bottom, each with its layers top to bottom. ``pkg.*`` places every module
