@@ -374,6 +374,8 @@ def compare_with_raw_loop(run: Run, destination: Destination, relay_factory: Any
                            timeout=timeout)
         destination.wait_for(events, timeout=30, idle_timeout=5)
         raw["arrived"] = destination.unique()
+        raw["arrival"] = arrival_rate(list(destination.arrivals), events)
+        log(f"raw loop, at the consumer: {raw['arrival']['events_per_s']:.0f} ev/s first-to-last arrival")
         drained, relay = run_celery_drain(run, destination, relay_factory, events, aggregates, timeout=timeout,
                                           relay=relay, label=f"relay, {aggregates} aggregates")
         relay.stop()  # a running relay (beat ticks) would claim the next raw loop's rows
