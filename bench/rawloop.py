@@ -155,7 +155,7 @@ def run_raw_loop(database_url: str, amqp_url: str, table: str, exchange: str, pr
     log(f"raw loop ({processes} processes, waves of {batch}): {published} events in {wall:.2f}s = "
         f"{result['events_per_s']:.0f} ev/s; loop CPU {result['loop_cpu_us_per_event']:.0f} us/event; "
         f"busy {result['busy']}")
-    log(f"raw loop: cores used " + ", ".join(f"{k} {v:.2f}" for k, v in cpu["cores_used"].items())
+    log("raw loop: cores used " + ", ".join(f"{k} {v:.2f}" for k, v in cpu["cores_used"].items())
         + f" (machine busy {100 * cpu['machine_busy']:.0f}%); CPU us/event "
         + ", ".join(f"{k} {v}" for k, v in per_event.items()))
     return result

@@ -5,10 +5,12 @@ compared by the database, one page per transaction, and no Python driver cursor.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
 from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
+from services import POSTGRES_URL
 
 from outbox.pipeline.common import encode_native
 from outbox.pipeline.fetch import ARROW_FETCH
@@ -65,6 +67,46 @@ def test_the_arrow_path_opens_no_driver_connection(store: OutboxStore, url: str,
     got = read_all({"url": url, "table": store.engine.table_name, "min_id": str(min(ids)),
                     "max_id": str(max(ids)), "fetch_size": "3", "partitions": "2"})
     assert got.column("id").to_pylist() == sorted(ids)
+
+
+def on_postgresql(sql: str, params: list[Any]) -> list[tuple]:
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        return admin.execute(sql, params).fetchall()
+
+
+def connections_named(name: str) -> list[tuple]:
+    """(pid, backend start, transaction start) of the server's connections called ``name``."""
+    return on_postgresql("SELECT pid, backend_start, xact_start FROM pg_stat_activity WHERE application_name = %s",
+                         [name])
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_a_process_reads_its_partitions_on_one_kept_connection(store: OutboxStore, url: str) -> None:
+    """ADBC's connect reads the type catalogue (about 80 ms): a process (a Spark Python worker,
+    reused from task to task) keeps one connection per URL between partitions. It holds no
+    transaction while kept, a kept connection the server ended is replaced, and one whose
+    partition was abandoned mid-read is closed, not kept."""
+    ids = seed(store, [Row("t", f"a{i}") for i in range(9)])
+    name = f"outbox-fetch-{uuid.uuid4().hex[:8]}"
+    named = f"{url}{'&' if '?' in url else '?'}application_name={name}"
+    options = {"url": named, "table": store.engine.table_name, "partitions": "3", "fetch_size": "2",
+               "min_id": str(min(ids)), "max_id": str(max(ids))}
+    assert read_all(options).column("id").to_pylist() == sorted(ids)
+    kept = connections_named(name)
+    assert len(kept) == 1 and kept[0][2] is None  # one connection for three partitions, no transaction open
+    assert read_all(options).num_rows == len(ids)
+    assert connections_named(name) == kept  # the same connection again
+    on_postgresql("SELECT pg_terminate_backend(%s)", [kept[0][0]])
+    assert read_all(options).num_rows == len(ids)  # the ended one is found out and replaced
+    again = connections_named(name)
+    assert len(again) == 1 and again[0][0] != kept[0][0]
+    reader = OutboxReader(options)
+    pages = reader.read(reader.partitions()[0])
+    assert next(pages).num_rows == 2
+    pages.close()  # Spark stopped reading the partition
+    assert connections_named(name) == []
 
 
 @pytest.mark.parametrize("kind", ["postgresql"])

@@ -19,7 +19,9 @@ database therefore compares the very same values as on the driver path.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -58,10 +60,28 @@ class ArrowFetch:
         raise NotImplementedError
 
     def close(self, handle: Any) -> None:
+        """The partition was read whole: the handle may be kept for the next."""
         return None
+
+    def discard(self, handle: Any) -> None:
+        """The partition's read ended in an error, or was abandoned: never keep the handle."""
+        self.close(handle)
+
+
+#: The ADBC connection each process keeps per URL between the partitions it reads
+#: (``PostgresFetch``): (process id, URL) -> connection. A Spark Python worker reads one
+#: partition at a time and is reused for the next, so each worker connects once instead of
+#: once per partition (docs/pipeline.md, "How the jobs read the outbox").
+_KEPT: dict[tuple[int, str], Any] = {}
 
 
 class PostgresFetch(ArrowFetch):
+    """ADBC, one connection kept per process (``_KEPT``): connecting reads the server's type
+    catalogue, about 80 ms, more than a small partition's whole read. A kept connection
+    holds no transaction (autocommit: each page is its own statement) and is checked with
+    one round trip before it is used again; one that fails the check, or whose partition
+    ended in an error, is closed, never kept."""
+
     engine_name = "postgresql"
     module = "adbc_driver_postgresql"
 
@@ -76,6 +96,15 @@ class PostgresFetch(ArrowFetch):
         import adbc_driver_postgresql.dbapi as adbc
 
         from ..storage.engines.postgres import libpq_url
+        kept = _KEPT.pop((os.getpid(), self.url), None)  # taken: no other task of the process shares it
+        if kept is not None:
+            try:
+                with kept.cursor() as cursor:
+                    cursor.execute("SELECT 1")
+                    cursor.fetchall()
+                return kept
+            except Exception:  # noqa: BLE001 - a connection the server or the network ended: open another
+                self.discard(kept)
         # Autocommit: each page is its own statement and transaction (no snapshot held between pages).
         return adbc.connect(libpq_url(self.url), autocommit=True)
 
@@ -85,7 +114,15 @@ class PostgresFetch(ArrowFetch):
             return cursor.fetch_arrow_table()
 
     def close(self, handle: Any) -> None:
-        handle.close()
+        key = (os.getpid(), self.url)
+        if key in _KEPT:
+            handle.close()
+        else:
+            _KEPT[key] = handle
+
+    def discard(self, handle: Any) -> None:
+        with contextlib.suppress(Exception):  # it may be broken already
+            handle.close()
 
 
 class ConnectorxFetch(ArrowFetch):

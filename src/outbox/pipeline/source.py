@@ -302,5 +302,7 @@ class OutboxReader(DataSourceReader):
                     break
                 after = int(table.column("id")[-1].as_py())
                 size = next_page_rows(table.nbytes, table.num_rows, most, self.page_bytes)
-        finally:
-            query.fetch.close(handle)
+        except BaseException:  # an error, or Spark stopped reading (GeneratorExit)
+            query.fetch.discard(handle)
+            raise
+        query.fetch.close(handle)
