@@ -340,6 +340,8 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
 
 
 def main(argv: list[str] | None = None) -> None:
+    from outbox.pipeline.common import DELETE_CONNECTIONS
+
     p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=200_000)
@@ -347,8 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--split", choices=("id", "topic"), default="id",
                    help="what each task of the archive's stage reads (outbox pipeline archive --split)")
     p.add_argument("--master", default="local[2]")
-    p.add_argument("--delete-connections", type=int, default=2,
-                   help="the archive's --delete-connections (the CLI's default: 2)")
+    p.add_argument("--delete-connections", type=int, default=DELETE_CONNECTIONS,
+                   help=f"the archive's --delete-connections (the CLI's default: {DELETE_CONNECTIONS})")
     p.add_argument("--engines", default="postgresql,mysql,sqlite", help="comma-separated")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each read path, and of replay and insert, alternating; the best is kept")

@@ -38,7 +38,16 @@ from typing import Any
 
 from ..storage.engines.base import Engine
 from ..storage.store import OutboxStore
-from .common import ARCHIVE_SCHEMA_DDL, PipelineError, archive_uri, decode_native, encode_native, range_chunks
+from .common import (
+    ARCHIVE_SCHEMA_DDL,
+    DELETE_CHUNK,
+    DELETE_CONNECTIONS,
+    PipelineError,
+    archive_uri,
+    decode_native,
+    encode_native,
+    range_chunks,
+)
 from .fs import ArchiveFS
 
 log = logging.getLogger("outbox.pipeline.archive")
@@ -148,7 +157,7 @@ def id_runs(edges: Iterable[tuple[int, int | None, int | None]]) -> tuple[int, l
 
 class Archiver:
     def __init__(self, spark: Any, store: OutboxStore, to: str, *, on_step: Hook | None = None,
-                 delete_chunk: int = 1000, delete_connections: int = 2, partitions: int = 4,
+                 delete_chunk: int = DELETE_CHUNK, delete_connections: int = DELETE_CONNECTIONS, partitions: int = 4,
                  progress: Callable[[str], None] | None = None, source_options: dict[str, str] | None = None) -> None:
         if delete_chunk < 1:
             raise PipelineError("--delete-chunk must be at least 1")

@@ -13,7 +13,7 @@ import click
 from ..commands.oneline import one_line_errors
 from ..core.config import get_settings
 from ..storage.store import OutboxStore
-from .common import crash_hook_from_env, parse_duration
+from .common import DELETE_CHUNK, DELETE_CONNECTIONS, crash_hook_from_env, parse_duration
 
 #: One line per failure, its first line only: Spark's errors run to pages (``outbox.commands.oneline``).
 _errors = one_line_errors(first_line=True)
@@ -49,9 +49,9 @@ def pipeline() -> None:
 @click.option("--include-dead", is_flag=True, help="Archive (and delete) dead rows too, not only done ones.")
 @click.option("--to", "to", default=None, metavar="DIR_OR_URI",
               help="Archive location: a directory, file://, hdfs://, s3a://... (default: OUTBOX_ARCHIVE_URI).")
-@click.option("--delete-chunk", default=1000, show_default=True, type=click.IntRange(1, 100_000),
+@click.option("--delete-chunk", default=DELETE_CHUNK, show_default=True, type=click.IntRange(1, 100_000),
               help="Ids per DELETE statement.")
-@click.option("--delete-connections", default=2, show_default=True, type=click.IntRange(1, 64),
+@click.option("--delete-connections", default=DELETE_CONNECTIONS, show_default=True, type=click.IntRange(1, 64),
               help="Connections deleting chunks at once (SQLite: one, whatever this says).")
 @click.option("--partitions", default=4, show_default=True, type=click.IntRange(1, 10_000),
               help="Tasks reading in parallel.")

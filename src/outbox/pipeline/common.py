@@ -31,6 +31,12 @@ SOURCE_SCHEMA_DDL = (
     "last_error STRING"
 )
 
+#: The archive's delete, by default (``outbox pipeline archive --delete-chunk`` and
+#: ``--delete-connections``; docs/pipeline.md, step 7): ids per DELETE statement, and
+#: connections deleting chunks at once where the engine has concurrent writers.
+DELETE_CHUNK = 1000
+DELETE_CONNECTIONS = 2
+
 #: The archive's files hold the source columns plus the run that archived each row;
 #: ``topic`` and ``date`` come from the directory names.
 ARCHIVE_SCHEMA_DDL = SOURCE_SCHEMA_DDL + ", archive_run STRING, date STRING"
