@@ -5,6 +5,7 @@ compared by the database, one page per transaction, and no Python driver cursor.
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -100,6 +101,9 @@ def test_a_process_reads_its_partitions_on_one_kept_connection(store: OutboxStor
     assert connections_named(name) == kept  # the same connection again
     on_postgresql("SELECT pg_terminate_backend(%s)", [kept[0][0]])
     assert read_all(options).num_rows == len(ids)  # the ended one is found out and replaced
+    deadline = time.monotonic() + 5  # the ended backend leaves pg_stat_activity as it exits
+    while kept[0][0] in {pid for pid, _, _ in connections_named(name)} and time.monotonic() < deadline:
+        time.sleep(0.05)
     again = connections_named(name)
     assert len(again) == 1 and again[0][0] != kept[0][0]
     reader = OutboxReader(options)
