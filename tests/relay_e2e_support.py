@@ -597,7 +597,15 @@ class Proxy:
         self.sockets: list[Any] = []
         self.lock = threading.Lock()
         self.stall: Stall | None = None
+        #: Set: nothing the target sends reaches the clients (``hold_replies``).
+        self.holding = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold_replies(self) -> None:
+        """From now on keep back everything the target sends (RabbitMQ's confirms, say), on
+        every connection, while what the clients send still goes through: a client that waits
+        for an answer waits until the proxy is closed."""
+        self.holding.set()
 
     def url_for(self, url: str) -> str:
         """``url`` (a database URL naming the target's port) through this proxy."""
@@ -680,6 +688,8 @@ class Proxy:
                 passing = len(data) if link is None else self._passing(link, data, upward)
                 if delay and data:
                     time.sleep(delay)
+                while not upward and self.holding.is_set() and not self.closed:
+                    time.sleep(0.01)
                 if passing:
                     dst.sendall(data[:passing])
                 if link is not None:

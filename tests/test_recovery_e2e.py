@@ -38,11 +38,12 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
     Every committed event arrives, in order per aggregate (duplicates allowed), none rolled
     back does, and the rows it held come back through the lease (attempt 2).
 
-    w1 reaches RabbitMQ through a proxy that delays every reply by 15 ms, so each wave of
-    confirms of its publish tasks takes that long and the kill lands while it holds leased
-    rows rather than between two tasks. Batches of 10 over 8 aggregates come back full and
-    are packed into 3-row tasks: the claim publishes the first itself and sends the others
-    as publish tasks, so the kill finds both kinds in hand."""
+    w1 reaches RabbitMQ through a proxy that delays every reply by 15 ms. Once it holds
+    publish tasks, the proxy keeps RabbitMQ's replies back, so its publishes wait for their
+    confirms: the kill surely lands while it holds leased rows, not between two tasks (on a
+    loaded machine 15 ms was not always enough). Batches of 10 over 8 aggregates come back
+    full and are packed into 3-row tasks: the claim publishes the first itself and sends the
+    others as publish tasks, so the kill finds both kinds in hand."""
     proxy = Proxy(delay=0.015)
     try:
         procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_BATCH_SIZE="10",
@@ -57,6 +58,8 @@ def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path, destination: Dest
             # Kill w1 (main process and pool children) while it holds publish tasks.
             assert wait_until(lambda: bool(procs.tasks_in_hand("w1")), timeout=10, interval=0.005), (
                 procs.log("w1")[-3000:])
+            proxy.hold_replies()
+            time.sleep(0.5)  # more than a claim interval: whatever w1 publishes now waits for its confirms
             procs.kill("w1")
             destination.wait_for(lambda: False, timeout=1.0)  # writers go on after the kill
         expected, total = writer.expected, len(writer.written)
