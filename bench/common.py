@@ -35,6 +35,7 @@ from .procs import (
     children,
     cpu_by_process,
     cpu_seconds,
+    cpu_summary,
     parent_pid,
     process_tree,
     rss_kb,
@@ -62,7 +63,7 @@ from .services import (
 __all__ = [
     "AMQP_URL", "CELERY", "CLK_TCK", "POSTGRES_URL", "PY_SPY", "REDIS_URL", "Arrivals", "CpuWindow",
     "Destination", "Run", "aggregate_name", "amqp_connection", "check_order", "children", "claimed_messages",
-    "confirm_channel", "cpu_by_process", "cpu_seconds", "create_table", "drop_table", "flush_redis",
+    "confirm_channel", "cpu_by_process", "cpu_seconds", "cpu_summary", "create_table", "drop_table", "flush_redis",
     "lease_recovered", "load_backlog", "log", "machine_facts", "make_event", "parent_pid", "percentile",
     "pg_connect", "process_tree", "random_blob", "reachable", "redis_llen", "require_services", "rss_kb",
     "service_groups", "status_counts", "stop_process_group", "system_cpu", "teardown", "to_json",

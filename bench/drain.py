@@ -37,6 +37,7 @@ from .common import (
     Run,
     check_order,
     cpu_seconds,
+    cpu_summary,
     lease_recovered,
     load_backlog,
     log,
@@ -319,9 +320,7 @@ def run_celery_drain(run: Run, destination: Destination, relay_factory: Any, eve
         f"order ok={result['order']['ok']}, dups={result['order']['duplicates']}); max worker RSS "
         f"{memory['max_rss_mb']} MB; publish queue max {memory['publish_queue_max']}, "
         f"rows claimed max {memory['rows_claimed_max']}")
-    log(f"{label}: cores used " + ", ".join(f"{k} {v:.2f}" for k, v in cpu["cores_used"].items())
-        + f" (machine busy {100 * cpu['machine_busy']:.0f}%); CPU us/event "
-        + ", ".join(f"{k} {v}" for k, v in result["cpu_us_per_event"].items()))
+    log(f"{label}: {cpu_summary(cpu, result['cpu_us_per_event'])}")
     log(f"{label}: busy (CPU / drain wall time) " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()))
     if result["empty_claim_share"] is not None:
         log(f"{label}: {result['claims']:.0f} claims, {result['empty_claims']:.0f} empty "

@@ -127,6 +127,14 @@ class CpuWindow:
                 "unattributed_cores": round(unattributed / elapsed, 3) if elapsed > 0 else 0.0}
 
 
+def cpu_summary(cpu: dict[str, Any], per_event: dict[str, float]) -> str:
+    """One log line of ``CpuWindow.stop()``'s figures: cores used per group, the machine's
+    busy share, and ``per_event`` (CPU microseconds per event per group)."""
+    return ("cores used " + ", ".join(f"{k} {v:.2f}" for k, v in cpu["cores_used"].items())
+            + f" (machine busy {100 * cpu['machine_busy']:.0f}%); CPU us/event "
+            + ", ".join(f"{k} {v}" for k, v in per_event.items()))
+
+
 def parent_pid(pid: int) -> int | None:
     try:
         text = Path(f"/proc/{pid}/stat").read_text()

@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from .common import CpuWindow, amqp_connection, confirm_channel, log, service_groups
+from .common import CpuWindow, amqp_connection, confirm_channel, cpu_summary, log, service_groups
 from .engines import ENGINES, engine_of_url
 
 
@@ -155,9 +155,7 @@ def run_raw_loop(database_url: str, amqp_url: str, table: str, exchange: str, pr
     log(f"raw loop ({processes} processes, waves of {batch}): {published} events in {wall:.2f}s = "
         f"{result['events_per_s']:.0f} ev/s; loop CPU {result['loop_cpu_us_per_event']:.0f} us/event; "
         f"busy {result['busy']}")
-    log("raw loop: cores used " + ", ".join(f"{k} {v:.2f}" for k, v in cpu["cores_used"].items())
-        + f" (machine busy {100 * cpu['machine_busy']:.0f}%); CPU us/event "
-        + ", ".join(f"{k} {v}" for k, v in per_event.items()))
+    log(f"raw loop: {cpu_summary(cpu, per_event)}")
     return result
 
 
