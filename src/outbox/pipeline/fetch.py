@@ -74,11 +74,12 @@ class ArrowFetch:
 #: partition at a time and is reused for the next, so each worker connects once instead of
 #: once per partition (docs/pipeline.md, "How the jobs read the outbox").
 _KEPT: dict[tuple[int, str], Any] = {}
-_AT_EXIT: list[Any] = []  # ``_close_kept`` once registered with atexit
 
 
+@atexit.register
 def _close_kept() -> None:
-    """Close this process's kept connections (at exit)."""
+    """At exit, close this process's kept connections: a process that ends normally says
+    goodbye to the server."""
     for key in [key for key in _KEPT if key[0] == os.getpid()]:
         with contextlib.suppress(Exception):
             _KEPT.pop(key).close()
@@ -126,10 +127,8 @@ class PostgresFetch(ArrowFetch):
         key = (os.getpid(), self.url)
         if key in _KEPT:
             handle.close()
-            return
-        if not _AT_EXIT:
-            _AT_EXIT.append(atexit.register(_close_kept))  # a process that ends normally says goodbye
-        _KEPT[key] = handle
+        else:
+            _KEPT[key] = handle
 
     def discard(self, handle: Any) -> None:
         with contextlib.suppress(Exception):  # it may be broken already
