@@ -83,6 +83,14 @@ def connections_named(name: str) -> list[tuple]:
                          [name])
 
 
+def gone(name: str, pid: int) -> None:
+    """Wait (5 s at most) for the backend ``pid`` to leave pg_stat_activity: a backend whose
+    connection was closed or ended is listed until its process has exited."""
+    deadline = time.monotonic() + 5
+    while pid in {row[0] for row in connections_named(name)} and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("kind", ["postgresql"])
 def test_a_process_reads_its_partitions_on_one_kept_connection(store: OutboxStore, url: str) -> None:
     """ADBC's connect reads the type catalogue (about 80 ms): a process (a Spark Python worker,
@@ -101,15 +109,14 @@ def test_a_process_reads_its_partitions_on_one_kept_connection(store: OutboxStor
     assert connections_named(name) == kept  # the same connection again
     on_postgresql("SELECT pg_terminate_backend(%s)", [kept[0][0]])
     assert read_all(options).num_rows == len(ids)  # the ended one is found out and replaced
-    deadline = time.monotonic() + 5  # the ended backend leaves pg_stat_activity as it exits
-    while kept[0][0] in {pid for pid, _, _ in connections_named(name)} and time.monotonic() < deadline:
-        time.sleep(0.05)
+    gone(name, kept[0][0])
     again = connections_named(name)
     assert len(again) == 1 and again[0][0] != kept[0][0]
     reader = OutboxReader(options)
     pages = reader.read(reader.partitions()[0])
     assert next(pages).num_rows == 2
     pages.close()  # Spark stopped reading the partition
+    gone(name, again[0][0])
     assert connections_named(name) == []
 
 
