@@ -299,6 +299,29 @@ def test_claim_locks_candidates_and_probes_without_readpast(schema: str | None, 
     assert "INTO @out" in update.sql("tsql")  # OUTPUT ... INTO a table variable, never bare OUTPUT
 
 
+@pytest.mark.parametrize("own_transaction", [False, True])
+def test_a_claim_that_reads_past_blocked_rows_binds_alike_and_only_chooses_with_readpast(
+        own_transaction: bool, no_sqlglot_fallbacks: None) -> None:
+    """``skip_blocked`` (``Engine.claim``): only ``@win`` changes. It reads up to
+    ``BLOCKED_SCAN`` windows of eligible rows and keeps those whose aggregate's first open
+    row (``@behind`` left out) is eligible, a TOP (1) seek on the ordering probe's index
+    that reads past locked rows: it only chooses the window, the probes and locks after it
+    are those of every claim. Same parameters as the plain claim."""
+    engine = MssqlEngine(table="outbox")
+    plain = engine.claim_statements(own_transaction)
+    past = engine.claim_statements(own_transaction, skip_blocked=True)
+    assert [s for s in past if not s.startswith("INSERT INTO @win")] == [
+        s for s in plain if not s.startswith("INSERT INTO @win")]
+    params = engine.claim_params(10, "f" * 32, 60_000, 3, [7])
+    assert engine.claim_batch(own_transaction, skip_blocked=True).count("?") == len(params)
+    window = next(s for s in past if s.startswith("INSERT INTO @win"))
+    scan_ref, probe_ref = outbox_refs(parse_one(window), engine)
+    assert hints(scan_ref) == {"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}
+    assert hints(probe_ref) == {"READCOMMITTEDLOCK", "READPAST", "FORCESEEK"}
+    assert f"TOP (@window * {engine.BLOCKED_SCAN})" in window and "SELECT TOP (1) e.status" in window
+    assert "FROM @behind AS b WHERE b.id = e.id" in window and window.rstrip(";").endswith("ORDER BY s.id")
+
+
 def test_the_claim_is_linear_in_a_hot_aggregates_window(no_sqlglot_fallbacks: None) -> None:
     """Issue 20 item 9: the probe ran per candidate and read the k-1 earlier rows of the
     k-th candidate of a hot aggregate, and rules 2 and 3 were self-joins of @cand doing the

@@ -205,7 +205,7 @@ def test_the_claim_takes_what_plan_claim_takes_over_its_window_on_random_outboxe
     rows ``behind`` (a drain slice's own rows, published before the claim's: docs/internals.md,
     "Claims that continue a chain"): those are no blockers."""
     rng = random.Random(2026_11_25)
-    for round_ in range(25):
+    for round_ in range(60):
         store = make_store(max_attempts=3, claim_timeout_ms=60_000)
         store.use_claim_window(rng.choice([1, 2, 4]))  # OUTBOX_RELAY_CLAIM_WINDOW
         e = store.engine
@@ -234,6 +234,23 @@ def test_the_claim_takes_what_plan_claim_takes_over_its_window_on_random_outboxe
                 blockers.setdefault(states[i][0], i)
         expected = plan_claim([Candidate(i, states[i][0], STATES[states[i][1]][0], states[i][2]) for i in window],
                               blockers, 3, limit=batch)
+        if not expected.claim_ids and not expected.dead_ids:
+            # Nothing to take in the window: the claim reads past the rows of aggregates whose
+            # first open row (``behind`` left out) it may not take (Engine.unblocked), up to
+            # BLOCKED_SCAN windows of eligible rows.
+            first: dict[str, str] = {}
+            for i in sorted(states):
+                if states[i][1] in ("pending", "expired", "live", "due", "not due") and i not in behind:
+                    first.setdefault(states[i][0], states[i][1])
+            scanned = eligible[:e.claim_window(batch) * e.BLOCKED_SCAN]
+            window = [i for i in scanned if first[states[i][0]] in ("pending", "expired", "due")][
+                :e.claim_window(batch)]
+            blockers = {}
+            for i in sorted(states):
+                if states[i][1] in ("pending", "expired", "live", "due", "not due") and i not in window + behind:
+                    blockers.setdefault(states[i][0], i)
+            expected = plan_claim([Candidate(i, states[i][0], STATES[states[i][1]][0], states[i][2])
+                                   for i in window], blockers, 3, limit=batch)
         claim = store.claim(batch, behind=behind)
         got = (sorted(m.id for m in claim.messages), sorted(m.id for m in claim.dead))
         assert got == (sorted(expected.claim_ids), sorted(expected.dead_ids)), repr((round_, states, batch))
@@ -290,6 +307,30 @@ def test_head_blocked_by_a_failed_row_until_its_retry_is_due(store: OutboxStore,
     assert result.applied and not result.dead
     assert claimed_ids(store) == other  # a's tail waits behind the failed head
     assert statuses(store)[ids[0]] == Status.FAILED
+
+
+def test_rows_queued_behind_a_waiting_head_do_not_hide_the_other_aggregates(make_store: Any, writer: Any) -> None:
+    """More rows than a claim window queued behind one head that waits (a retry not due
+    yet; another worker's live lease) must not stall every other aggregate: a claim whose
+    window held nothing it could take reads past them (docs/internals.md, "Claim
+    windows"). Before, every claim came back empty until the retry was due."""
+    store = make_store(table="outbox_stall")
+    batch = 2
+    window = store.engine.claim_window(batch)
+    (a1,) = add(writer, store, "a")
+    claim = store.claim(1)
+    assert store.mark_failed(a1, claim.lease, "broker said no", timedelta(hours=1)).applied
+    add(writer, store, "a", 2 * window)
+    (b1,) = add(writer, store, "b")
+    assert claimed_ids(store, batch) == [b1]
+    # A hot aggregate whose head another worker holds, with a window's worth and more behind.
+    (c1,) = add(writer, store, "c")
+    holder = make_store(table="outbox_stall")
+    assert [m.id for m in holder.claim(1).messages] == [c1]
+    add(writer, store, "c", 2 * window)
+    d = add(writer, store, "d", 2)
+    assert claimed_ids(store, batch) == d
+    assert statuses(store)[a1] == Status.FAILED and statuses(store)[c1] == Status.CLAIMED
 
 
 def test_a_due_retry_starts_a_chain_with_attempts_counted(store: OutboxStore, writer: Any) -> None:

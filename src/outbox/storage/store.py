@@ -157,10 +157,18 @@ class OutboxStore:
             raise ValueError("batch must be positive")
         lease = self.new_lease()
 
-        def work(cursor: Any) -> list[tuple]:
+        def work(cursor: Any, skip_blocked: bool = False) -> list[tuple]:
+            if skip_blocked:
+                return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind,
+                                         skip_blocked=True)
             return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind)
 
         rows = self._run("claim", work, alone=self.engine.one_statement_claim)
+        if not rows:
+            # The window may have held only rows queued behind heads that wait (a retry not
+            # due, another worker's lease): read past them (docs/internals.md, "Claim windows").
+            rows = self._run("claim", lambda cursor: work(cursor, skip_blocked=True),
+                             alone=self.engine.one_statement_claim)
         status_at = len(rows[0]) - 1 if rows else 0
         messages: list[OutboxMessage] = []
         dead: list[OutboxMessage] = []

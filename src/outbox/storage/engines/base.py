@@ -189,6 +189,25 @@ class Engine(ABC):
         its hint here."""
         return self.table
 
+    #: How far past a window of blocked rows a ``skip_blocked`` claim reads: this many
+    #: windows' worth of eligible rows at most, so its cost stays bounded however many rows
+    #: wait behind one head (docs/internals.md, "Claim windows").
+    BLOCKED_SCAN = 8
+
+    def unblocked(self, row: str, behind: Sequence[int]) -> tuple[str, list[Any]]:
+        """A condition on the window's row ``row`` (an alias), and its parameters: the first
+        open row of its aggregate, ``behind`` rows left out, is one a claim may take now (it
+        is ``row`` itself, or an older row of its chain). A claim whose window found nothing
+        to take reads it again with this condition (``Engine.claim``'s ``skip_blocked``), so
+        rows queued behind a head that waits (a retry not due yet, a row released with a
+        delay, another worker's lease) cannot fill the window and hide every other aggregate
+        (docs/internals.md, "Claim windows"). A row without an aggregate is a chain of its
+        own. Takes eligible()'s parameter first, then ``behind``'s ids."""
+        skip = f" AND e.id NOT IN ({', '.join('?' * len(behind))})" if behind else ""
+        probe = (f"SELECT {self.eligible()} FROM {self.table} e WHERE e.aggregate_id = {row}.aggregate_id "
+                 f"AND {self.open_rows('e.')}{skip} ORDER BY e.id LIMIT 1")  # bare names: e's
+        return f"({row}.aggregate_id IS NULL OR ({probe}))", [int(i) for i in behind]
+
     def message_select(self) -> str:
         cols = [c if c not in ("payload", "headers") else
                 (self.payload_column() if c == "payload" else self.headers_column()) for c in MESSAGE_COLUMNS]
@@ -321,7 +340,7 @@ class Engine(ABC):
         return batch * self.window
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
-              behind: Sequence[int] = ()) -> list[tuple]:
+              behind: Sequence[int] = (), skip_blocked: bool = False) -> list[tuple]:
         """Lease up to ``batch`` rows inside the open transaction; return rows shaped
         like MESSAGE_COLUMNS (rows whose status is not 1 went dead instead).
 
@@ -329,12 +348,15 @@ class Engine(ABC):
         slice's share being published while its next claim is made): they do not block a
         chain, so the claim may take the rows that follow them in their aggregates
         (docs/internals.md, "Claims that continue a chain"). Every other open row blocks.
+        ``skip_blocked``: the window holds only rows of aggregates whose first open row may
+        be taken now (``unblocked``): ``OutboxStore.claim`` asks for it when a claim found
+        nothing to take.
 
         This generic version reads a window of candidates, plans the chains in Python
         (``outbox.domain.chains``) and, where claims can overlap, locks what it planned
         (``_lock_chains``); engines with a one-statement form override it."""
         self.begin(cursor)
-        rows = self.window_rows(cursor, timeout_ms, self.claim_window(batch))
+        rows = self.window_rows(cursor, timeout_ms, self.claim_window(batch), behind if skip_blocked else None)
         candidates = [Candidate(int(r[0]), r[1], int(r[2]), int(r[3])) for r in rows]
         if not candidates:
             return []
@@ -359,13 +381,20 @@ class Engine(ABC):
         return self.execute(cursor, f"SELECT {self.message_select()} FROM {self.table} WHERE {cond} ORDER BY id",
                             params).fetchall()
 
-    def window_rows(self, cursor: Any, timeout_ms: int, size: int) -> list[tuple]:
+    def window_rows(self, cursor: Any, timeout_ms: int, size: int,
+                    unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
         """The generic claim's window: the ``size`` oldest eligible rows, as (id, aggregate_id,
-        status, attempts)."""
+        status, attempts); with ``unblocked_behind`` (a claim's ``behind``, for
+        ``skip_blocked``) only ``unblocked`` ones."""
         scan = self.limit(
             f"SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} WHERE {self.eligible()} "
             "ORDER BY id")
-        return list(self.execute(cursor, scan, [-timeout_ms, size]).fetchall())
+        if unblocked_behind is None:
+            return list(self.execute(cursor, scan, [-timeout_ms, size]).fetchall())
+        cond, ids = self.unblocked("w", unblocked_behind)
+        past = self.limit(f"SELECT id, aggregate_id, status, attempts FROM ({scan}) w WHERE {cond} ORDER BY id")
+        return list(self.execute(cursor, past, [-timeout_ms, size * self.BLOCKED_SCAN, -timeout_ms, *ids,
+                                                size]).fetchall())
 
     def _lock_chains(self, cursor: Any, candidates: Sequence[Candidate], blockers: dict[str, int],
                      max_attempts: int, batch: int, timeout_ms: int) -> ClaimPlan:

@@ -11,6 +11,7 @@ its transactions' life (``session_sql``, ``bounded_socket``; docs/relay.md, "A n
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -109,14 +110,24 @@ class MysqlEngine(Engine):
     def open_rows_source(self) -> str:
         return f"{self.table} FORCE INDEX ({self.quote(self.index_name('claim_ready'))})"
 
-    def window_rows(self, cursor: Any, timeout_ms: int, size: int) -> list[tuple]:
+    def window_rows(self, cursor: Any, timeout_ms: int, size: int,
+                    unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
         # One branch per status, each read in id order from its own range of the index
         # and stopped after ``size`` rows; then the oldest ``size`` of them.
+        # skip_blocked: each branch reads up to BLOCKED_SCAN windows and keeps ``unblocked`` rows.
+        scan, past, past_params = size, "", []
+        if unblocked_behind is not None:
+            text, ids = self.unblocked("w", unblocked_behind)
+            scan, past, past_params = size * self.BLOCKED_SCAN, f" WHERE {text}", [-timeout_ms, *ids]
         branches, params = [], []
         for status, cond in self.eligible_branches():
-            branches.append(f"(SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} "
-                            f"WHERE status = {status} AND {cond} ORDER BY id LIMIT ?)")
-            params += [-timeout_ms] * cond.count("?") + [size]
+            read = (f"SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} "
+                    f"WHERE status = {status} AND {cond} ORDER BY id LIMIT ?")
+            params += [-timeout_ms] * cond.count("?") + [scan]
+            if past:
+                read = f"SELECT * FROM ({read}) w{past} ORDER BY id LIMIT ?"
+                params += [*past_params, size]
+            branches.append(f"({read})")
         sql = " UNION ALL ".join(branches) + " ORDER BY id LIMIT ?"
         return list(self.execute(cursor, sql, [*params, size]).fetchall())
 

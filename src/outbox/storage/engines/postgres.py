@@ -247,7 +247,7 @@ class PostgresEngine(Engine):
         return int(row[0])
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
-              behind: Sequence[int] = ()) -> list[tuple]:
+              behind: Sequence[int] = (), skip_blocked: bool = False) -> list[tuple]:
         # The rule of outbox.domain.chains.plan_claim in one statement; its shape and why each step
         # costs what it does: docs/internals.md, "Claim windows" (and "Claims that overlap take
         # disjoint chains"). win: the window, read without locks; free: up to twice the batch
@@ -270,10 +270,17 @@ class PostgresEngine(Engine):
         eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
         window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
         not_behind, behind_ids = "e.id <> ALL (?::bigint[])", [int(i) for i in behind]  # bound three times
+        # skip_blocked: only rows whose aggregate's first open row may be taken now (Engine.unblocked).
+        scan = f"SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible} ORDER BY id LIMIT {window}"
+        if skip_blocked:  # up to BLOCKED_SCAN windows, keeping the rows of unblocked aggregates
+            scan = (f"""SELECT * FROM (SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible}
+                    ORDER BY id LIMIT {window * self.BLOCKED_SCAN}) s WHERE s.aggregate_id IS NULL OR (
+                    SELECT {eligible} FROM {t} e WHERE e.aggregate_id = s.aggregate_id AND {self.open_rows("e.")}
+                    AND {not_behind} ORDER BY e.aggregate_id, e.id LIMIT 1) ORDER BY id LIMIT {window}""")
         sql = f"""
             WITH win AS MATERIALIZED (
                 SELECT id, aggregate_id, status, attempts, MIN(id) OVER (PARTITION BY {chain_of}) AS head FROM (
-                    SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible} ORDER BY id LIMIT {window}) w
+                    {scan}) w
             ),
             free AS MATERIALIZED (
                 SELECT h.head FROM (SELECT id AS head, aggregate_id FROM win WHERE id = head ORDER BY id OFFSET 0) h
@@ -307,7 +314,8 @@ class PostgresEngine(Engine):
                 lease_token = CASE WHEN chain.dead THEN NULL ELSE ? END
             FROM c_chain chain CROSS JOIN lazy WHERE o.id = chain.id
             RETURNING {returning}"""
-        return self.execute(cursor, sql, [behind_ids, behind_ids, behind_ids, LEASE_EXPIRED_ERROR, lease]).fetchall()
+        return self.execute(cursor, sql, [*([behind_ids] if skip_blocked else []), behind_ids, behind_ids, behind_ids,
+                                          LEASE_EXPIRED_ERROR, lease]).fetchall()
 
     def _chain_rule(self, prefix: str, rows: str, outside: str, max_attempts: int) -> str:
         """The rule of ``plan_claim`` over ``rows`` (id, aggregate_id, status, attempts, head:

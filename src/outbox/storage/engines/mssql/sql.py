@@ -265,7 +265,34 @@ FROM (
 ) AS r
 WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 0"""
 
-    def claim_statements(self, own_transaction: bool = False) -> list[str]:
+    def window_insert(self, eligible: str, skip_blocked: bool = False) -> str:
+        """``@win``: the ``@window`` oldest eligible rows, read without update locks, skipping
+        rows other claims lock (READPAST). ``skip_blocked`` (``Engine.claim``): up to
+        ``BLOCKED_SCAN`` windows of them, keeping only rows of aggregates whose first open
+        row, ``@behind`` left out, may be taken now (``Engine.unblocked``). That probe reads
+        past locked rows too: it only chooses the window, and the probes and locks after it
+        decide what is claimed (``probe_select``)."""
+        t = self.table
+        read = f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\nWHERE {eligible}\nORDER BY id"
+        if not skip_blocked:
+            return f"INSERT INTO @win (id, aggregate_id, status, attempts)\nSELECT TOP (@window) id, aggregate_id, status, attempts\n{read};"
+        index = self.quote(self.index_name(self.PROBE_INDEX.suffix))
+        seek = f"FORCESEEK ({index} ({self.PROBE_INDEX.keys[0]}))" if self.probe_index is not False else "FORCESEEK"
+        return f"""INSERT INTO @win (id, aggregate_id, status, attempts)
+SELECT TOP (@window) s.id, s.aggregate_id, s.status, s.attempts
+FROM (SELECT TOP (@window * {self.BLOCKED_SCAN}) id, aggregate_id, status, attempts
+{read}) AS s
+WHERE NOT EXISTS (
+    SELECT 1 FROM (
+        SELECT TOP (1) e.status, e.next_retry_at, e.claimed_at
+        FROM {t} AS e WITH (READCOMMITTEDLOCK, READPAST, {seek})
+        WHERE e.aggregate_id = s.aggregate_id AND e.{OPEN_ROWS}
+          AND NOT EXISTS (SELECT 1 FROM @behind AS b WHERE b.id = e.id)
+        ORDER BY e.id) AS f
+    WHERE NOT ({eligible}))
+ORDER BY s.id;"""
+
+    def claim_statements(self, own_transaction: bool = False, skip_blocked: bool = False) -> list[str]:
         """The claim, one statement per item; run as one batch. Parameters: ``claim_params``.
 
         ``own_transaction`` (the relay's claim, run on an autocommit connection by
@@ -316,10 +343,7 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
             # ours (@plan); as many of its heads as the batch takes, locked oldest first,
             # skipping heads another claim holds (READPAST), so two claims that overlap take
             # disjoint chains; then the held chains' rows of @plan, locked.
-            f"INSERT INTO @win (id, aggregate_id, status, attempts)\n"
-            f"SELECT TOP (@window) id, aggregate_id, status, attempts\n"
-            f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\n"
-            f"WHERE {eligible}\nORDER BY id;",
+            self.window_insert(eligible, skip_blocked),
             f"INSERT INTO @free (aggregate_id, head, blocker)\n{self.probe_select('@win')};",
             f"INSERT INTO @plan (id, head, dead)\n{self.chain_select('@win', '@free')};",
             "DELETE FROM @free WHERE head NOT IN (SELECT p.head FROM @plan AS p);",
@@ -364,8 +388,8 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
             f"SELECT {out_columns} FROM @out ORDER BY id;",
         ]
 
-    def claim_batch(self, own_transaction: bool = False) -> str:
-        return "\n".join(self.claim_statements(own_transaction))
+    def claim_batch(self, own_transaction: bool = False, skip_blocked: bool = False) -> str:
+        return "\n".join(self.claim_statements(own_transaction, skip_blocked))
 
     def claim_params(self, batch: int, lease: str, timeout_ms: int, max_attempts: int,
                      behind: Sequence[int] = ()) -> list[Any]:
@@ -378,9 +402,9 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
                 "AND name = N'aggregate_id'")
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
-              behind: Sequence[int] = ()) -> list[tuple]:
+              behind: Sequence[int] = (), skip_blocked: bool = False) -> list[tuple]:
         """Lease up to ``batch`` rows in the open transaction (the store commits);
-        rows whose status is 4 went dead instead. ``behind``: ``Engine.claim``."""
+        rows whose status is 4 went dead instead. ``behind``, ``skip_blocked``: ``Engine.claim``."""
         if self.id_collation is None:
             row = self.execute(cursor, self.collation_sql()).fetchone()
             if row and row[0]:
@@ -389,7 +413,7 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
             self.probe_index = self.execute(cursor, self.index_matches(self.PROBE_INDEX)).fetchone() is not None
         own = getattr(getattr(cursor, "connection", None), "autocommit", False) is True  # statement_alone
         try:
-            self.execute(cursor, self.claim_batch(own),
+            self.execute(cursor, self.claim_batch(own, skip_blocked),
                          self.claim_params(batch, lease, timeout_ms, max_attempts, behind))
             return result_rows(cursor)
         except BaseException:
