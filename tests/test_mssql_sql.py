@@ -566,6 +566,42 @@ def test_insert_binds_event_params_and_long_payloads_as_nvarchar_max() -> None:
     assert "@payload NVARCHAR(MAX) = ?" in sql and "@headers NVARCHAR(MAX) = ?" in sql
 
 
+def test_taking_over_a_lost_holders_rows_reads_past_other_locks(no_sqlglot_fallbacks: None) -> None:
+    """The rows of a lost holder are nobody's locks: counting them and ending their leases
+    read past what others lock (an uncommitted enqueue, a claim's UPDATE) instead of
+    waiting for it. The UPDATE examines every open row (no index holds ``lease_token``),
+    and without READPAST its update locks waited on each lock held there."""
+    engine = MssqlEngine()
+    (count_ref,) = outbox_refs(parse_one(engine.held_by_sql()), engine)
+    assert hints(count_ref) == {"READCOMMITTEDLOCK", "READPAST"}
+    (update_ref,) = outbox_refs(parse_one(engine.end_leases_sql()), engine)
+    assert hints(update_ref) == {"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}
+    assert engine.end_leases_sql().count("?") == 2 and engine.held_by_sql().count("?") == 1
+
+
+class _PyodbcLikeCursor(RecordingCursor):
+    """A recording cursor the engine takes for pyodbc's, whose declared sizes outlive the
+    statement they were declared for; ``executemany`` records the sizes in force."""
+
+    __module__ = "pyodbc"
+
+    def executemany(self, sql: str, rows: Any) -> None:
+        self.log.append((sql, tuple(map(tuple, rows))))
+        self.sizes.append(self._declared)
+
+
+def test_replays_rows_bind_their_own_values_not_the_last_statements_sizes() -> None:
+    """Replay checks a batch's message ids (``execute``: every id declared NVARCHAR(4000))
+    and then writes the rows with ``executemany``: pyodbc applied those declared sizes to
+    every row, so a payload past 4,000 UTF-16 units was refused as truncated."""
+    engine = MssqlEngine()
+    cursor = _PyodbcLikeCursor([], [])
+    engine.execute(cursor, "SELECT message_id FROM t WHERE message_id IN (?, ?)", ["a", "b"])
+    assert cursor.sizes[-1] is not None
+    engine.executemany(cursor, "INSERT INTO t (payload) VALUES (?)", [["x" * 9000], ["y"]])
+    assert cursor.sizes[-1] is None and cursor.log[-1][1] == (("x" * 9000,), ("y",))
+
+
 # -- acknowledgements and housekeeping ----------------------------------------------------
 
 def test_id_lists_are_one_json_parameter_expanded_by_openjson() -> None:

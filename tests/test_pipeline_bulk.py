@@ -82,3 +82,34 @@ def test_mysql_batch_is_one_statement(store: OutboxStore) -> None:
         counts.append(int(cursor.fetchone()[1]))
     store._run("bulk", work)
     assert counts[1] - counts[0] == 1
+
+
+class _CountingCursor:
+    """A real cursor that also counts the placeholders of each statement it runs."""
+
+    def __init__(self, cursor: Any, counts: list[int]) -> None:
+        self._cursor, self._counts = cursor, counts
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        self._counts.append(len(params))
+        self._cursor.execute(sql, params)
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cursor, name)
+
+
+def test_the_already_stored_check_asks_at_most_a_thousand_ids_a_statement(store: OutboxStore) -> None:
+    """Replay's check of a batch's message ids (``--batch`` up to 10,000): an ``IN`` list
+    of one parameter per id is cut into statements of ``EXISTING_CHUNK`` ids (SQL Server
+    takes at most 2,100 parameters), and still finds every stored id."""
+    rows = events(store.engine, 3)
+    write(store, _executemany, rows)
+    ids = [f"absent-{i}" for i in range(2500)]
+    ids[10], ids[1500], ids[2499] = "m-0", "m-1", "m-2"
+    counts: list[int] = []
+
+    def work(cursor: Any) -> set[str]:
+        return replay._existing_in_list(store.engine, _CountingCursor(cursor, counts), ids)
+    assert store._run("check", work) == {"m-0", "m-1", "m-2"}
+    assert counts == [1000, 1000, 500]

@@ -184,13 +184,21 @@ def select_events(spark: Any, archive: str, *, topic: str | None = None, aggrega
                          "payload", "headers", "trace_id"), deduplicated
 
 
+#: Message ids per "already stored?" statement: SQL Server takes at most 2,100 parameters.
+EXISTING_CHUNK = 1000
+
+
 def existing_sql(table: str, count: int) -> str:
     """Which of ``count`` message ids (``?`` each) are already stored."""
     return f"SELECT message_id FROM {table} WHERE message_id IN ({', '.join('?' * count)})"
 
 
 def _existing_in_list(engine: Any, cursor: Any, ids: list[str]) -> set[str]:
-    return {row[0] for row in engine.execute(cursor, existing_sql(engine.table, len(ids)), ids).fetchall()}
+    found: set[str] = set()
+    for start in range(0, len(ids), EXISTING_CHUNK):
+        chunk = ids[start:start + EXISTING_CHUNK]
+        found.update(row[0] for row in engine.execute(cursor, existing_sql(engine.table, len(chunk)), chunk).fetchall())
+    return found
 
 
 def _existing_any(engine: Any, cursor: Any, ids: list[str]) -> set[str]:
@@ -212,7 +220,7 @@ def insert_sql(engine: Any) -> str:
 
 
 def _executemany(engine: Any, cursor: Any, rows: list[list[Any]]) -> None:
-    cursor.executemany(engine.sql(insert_sql(engine)), rows)
+    engine.executemany(cursor, insert_sql(engine), rows)
 
 
 def _copy(engine: Any, cursor: Any, rows: list[list[Any]]) -> None:

@@ -156,6 +156,11 @@ class Engine(ABC):
         cursor.execute(self.sql(text), tuple(params))
         return cursor
 
+    def executemany(self, cursor: Any, text: str, rows: Sequence[Sequence[Any]]) -> Any:
+        """``text`` once per row of ``rows`` (the driver's ``executemany``)."""
+        cursor.executemany(self.sql(text), rows)
+        return cursor
+
     def open_rows(self, alias: str = "") -> str:
         """The open rows (pending, claimed, failed): what the claim's partial indexes hold.
         An engine whose indexes say it another way returns their predicate too, so that

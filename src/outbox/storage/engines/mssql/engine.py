@@ -138,6 +138,15 @@ class MssqlEngine(MssqlStatements):
             conn.timeout = saved
         return cursor
 
+    def executemany(self, cursor: Any, text: str, rows: Sequence[Sequence[Any]]) -> Any:
+        """Each row binds its own values: pyodbc would apply the sizes the cursor's last
+        ``execute`` declared (``input_sizes``) to every row, so a payload past 4,000 UTF-16
+        units went as NVARCHAR(4000) and was refused as truncated."""
+        if hasattr(cursor, "setinputsizes") and type(cursor).__module__.split(".", 1)[0] == "pyodbc":
+            cursor.setinputsizes(None)
+        cursor.executemany(text, rows)
+        return cursor
+
     def is_transient(self, exc: BaseException) -> bool:
         return driver.is_transient(exc)
 
