@@ -236,7 +236,7 @@ def test_the_claim_takes_what_plan_claim_takes_over_its_window_on_random_outboxe
                               blockers, 3, limit=batch)
         if not expected.claim_ids and not expected.dead_ids:
             # Nothing to take in the window: the claim reads past the rows of aggregates whose
-            # first open row (``behind`` left out) it may not take (Engine.unblocked), up to
+            # first open row (``behind`` left out) it may not take (Engine.unblocked_rows), up to
             # BLOCKED_SCAN windows of eligible rows.
             first: dict[str, str] = {}
             for i in sorted(states):
@@ -331,6 +331,24 @@ def test_rows_queued_behind_a_waiting_head_do_not_hide_the_other_aggregates(make
     d = add(writer, store, "d", 2)
     assert claimed_ids(store, batch) == d
     assert statuses(store)[a1] == Status.FAILED and statuses(store)[c1] == Status.CLAIMED
+
+
+def test_a_paused_routes_tails_do_not_hide_the_other_aggregates(store: OutboxStore, writer: Any) -> None:
+    """Many aggregates whose heads were released with a delay (a paused route's), each with
+    rows queued behind, nearly ``BLOCKED_SCAN`` windows of them, older than one row of
+    another aggregate: a claim takes that row, and only it."""
+    batch = 2
+    window = store.engine.claim_window(batch)
+    heads = [add(writer, store, f"r{k}")[0] for k in range(4)]
+    claim = store.claim(4)
+    assert sorted(m.id for m in claim.messages) == heads
+    assert store.release(heads, claim.lease, timedelta(hours=1)).applied == 4
+    per = (store.engine.BLOCKED_SCAN - 1) * window // 4
+    for k in range(4):
+        add(writer, store, f"r{k}", per)
+    (other,) = add(writer, store, "s")
+    assert claimed_ids(store, batch) == [other]
+    assert claimed_ids(store, batch) == []  # the paused heads still wait
 
 
 def test_a_due_retry_starts_a_chain_with_attempts_counted(store: OutboxStore, writer: Any) -> None:

@@ -196,22 +196,8 @@ class Engine(ABC):
 
     #: How far past a window of blocked rows a ``skip_blocked`` claim reads: this many
     #: windows' worth of eligible rows at most, so its cost stays bounded however many rows
-    #: wait behind one head (docs/internals.md, "Claim windows").
-    BLOCKED_SCAN = 8
-
-    def unblocked(self, row: str, behind: Sequence[int]) -> tuple[str, list[Any]]:
-        """A condition on the window's row ``row`` (an alias), and its parameters: the first
-        open row of its aggregate, ``behind`` rows left out, is one a claim may take now (it
-        is ``row`` itself, or an older row of its chain). A claim whose window found nothing
-        to take reads it again with this condition (``Engine.claim``'s ``skip_blocked``), so
-        rows queued behind a head that waits (a retry not due yet, a row released with a
-        delay, another worker's lease) cannot fill the window and hide every other aggregate
-        (docs/internals.md, "Claim windows"). A row without an aggregate is a chain of its
-        own. Takes eligible()'s parameter first, then ``behind``'s ids."""
-        skip = f" AND e.id NOT IN ({', '.join('?' * len(behind))})" if behind else ""
-        probe = (f"SELECT {self.eligible()} FROM {self.table} e WHERE e.aggregate_id = {row}.aggregate_id "
-                 f"AND {self.open_rows('e.')}{skip} ORDER BY e.id LIMIT 1")  # bare names: e's
-        return f"({row}.aggregate_id IS NULL OR ({probe}))", [int(i) for i in behind]
+    #: wait behind waiting heads (docs/internals.md, "Claim windows").
+    BLOCKED_SCAN = 64
 
     def message_select(self) -> str:
         cols = [c if c not in ("payload", "headers") else
@@ -353,9 +339,9 @@ class Engine(ABC):
         slice's share being published while its next claim is made): they do not block a
         chain, so the claim may take the rows that follow them in their aggregates
         (docs/internals.md, "Claims that continue a chain"). Every other open row blocks.
-        ``skip_blocked``: the window holds only rows of aggregates whose first open row may
-        be taken now (``unblocked``): ``OutboxStore.claim`` asks for it when a claim found
-        nothing to take.
+        ``skip_blocked``: the window is read from ``BLOCKED_SCAN`` windows of eligible rows,
+        keeping only the rows of unblocked aggregates (``unblocked_rows``): ``OutboxStore.claim``
+        asks for it when a claim found nothing to take.
 
         This generic version reads a window of candidates, plans the chains in Python
         (``outbox.domain.chains``) and, where claims can overlap, locks what it planned
@@ -390,16 +376,37 @@ class Engine(ABC):
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
         """The generic claim's window: the ``size`` oldest eligible rows, as (id, aggregate_id,
         status, attempts); with ``unblocked_behind`` (a claim's ``behind``, for
-        ``skip_blocked``) only ``unblocked`` ones."""
+        ``skip_blocked``) the first ``size`` of ``unblocked_rows`` in ``BLOCKED_SCAN`` windows."""
         scan = self.limit(
             f"SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} WHERE {self.eligible()} "
             "ORDER BY id")
         if unblocked_behind is None:
             return list(self.execute(cursor, scan, [-timeout_ms, size]).fetchall())
-        cond, ids = self.unblocked("w", unblocked_behind)
-        past = self.limit(f"SELECT id, aggregate_id, status, attempts FROM ({scan}) w WHERE {cond} ORDER BY id")
-        return list(self.execute(cursor, past, [-timeout_ms, size * self.BLOCKED_SCAN, -timeout_ms, *ids,
-                                                size]).fetchall())
+        rows = list(self.execute(cursor, scan, [-timeout_ms, size * self.BLOCKED_SCAN]).fetchall())
+        return self.unblocked_rows(cursor, rows, timeout_ms, unblocked_behind)[:size]
+
+    def unblocked_rows(self, cursor: Any, rows: list[tuple], timeout_ms: int, behind: Sequence[int]) -> list[tuple]:
+        """Of window ``rows`` (id, aggregate_id, ...), those of *unblocked* aggregates: whose
+        first open row, ``behind`` left out, a claim may take now (it is the row itself, or
+        an older row of its chain). A claim whose window found nothing to take reads it again
+        keeping only those (``Engine.claim``'s ``skip_blocked``), so rows queued behind heads
+        that wait (a retry not due yet, a row released with a delay, another worker's live
+        lease) cannot fill the window and hide every other aggregate (docs/internals.md,
+        "Claim windows"). A row without an aggregate is a chain of its own. One statement
+        finds each aggregate's first open row, one more which of those are eligible."""
+        aggregates = sorted({r[1] for r in rows if r[1] is not None})
+        if not aggregates:
+            return rows
+        first = self.execute(
+            cursor, f"SELECT MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} "
+            f"AND aggregate_id IN ({', '.join('?' * len(aggregates))})"
+            + (f" AND id NOT IN ({', '.join('?' * len(behind))})" if behind else "") + " GROUP BY aggregate_id",
+            [*aggregates, *map(int, behind)]).fetchall()
+        heads = [int(r[0]) for r in first]
+        ready = {r[0] for r in self.execute(
+            cursor, f"SELECT aggregate_id FROM {self.table} WHERE id IN ({', '.join('?' * len(heads))}) "
+            f"AND {self.eligible()}", [*heads, -timeout_ms]).fetchall()} if heads else set()
+        return [r for r in rows if r[1] is None or r[1] in ready]
 
     def _lock_chains(self, cursor: Any, candidates: Sequence[Candidate], blockers: dict[str, int],
                      max_attempts: int, batch: int, timeout_ms: int) -> ClaimPlan:

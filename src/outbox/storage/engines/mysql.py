@@ -114,22 +114,18 @@ class MysqlEngine(Engine):
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
         # One branch per status, each read in id order from its own range of the index
         # and stopped after ``size`` rows; then the oldest ``size`` of them.
-        # skip_blocked: each branch reads up to BLOCKED_SCAN windows and keeps ``unblocked`` rows.
-        scan, past, past_params = size, "", []
-        if unblocked_behind is not None:
-            text, ids = self.unblocked("w", unblocked_behind)
-            scan, past, past_params = size * self.BLOCKED_SCAN, f" WHERE {text}", [-timeout_ms, *ids]
+        # skip_blocked: BLOCKED_SCAN windows read, then only rows of unblocked aggregates kept.
+        scan = size if unblocked_behind is None else size * self.BLOCKED_SCAN
         branches, params = [], []
         for status, cond in self.eligible_branches():
-            read = (f"SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} "
-                    f"WHERE status = {status} AND {cond} ORDER BY id LIMIT ?")
+            branches.append(f"(SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} "
+                            f"WHERE status = {status} AND {cond} ORDER BY id LIMIT ?)")
             params += [-timeout_ms] * cond.count("?") + [scan]
-            if past:
-                read = f"SELECT * FROM ({read}) w{past} ORDER BY id LIMIT ?"
-                params += [*past_params, size]
-            branches.append(f"({read})")
         sql = " UNION ALL ".join(branches) + " ORDER BY id LIMIT ?"
-        return list(self.execute(cursor, sql, [*params, size]).fetchall())
+        rows = list(self.execute(cursor, sql, [*params, scan]).fetchall())
+        if unblocked_behind is None:
+            return rows
+        return self.unblocked_rows(cursor, rows, timeout_ms, unblocked_behind)[:size]
 
     def connect(self, url: str) -> Any:
         import pymysql

@@ -270,15 +270,22 @@ class PostgresEngine(Engine):
         eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
         window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
         not_behind, behind_ids = "e.id <> ALL (?::bigint[])", [int(i) for i in behind]  # bound three times
-        # skip_blocked: only rows whose aggregate's first open row may be taken now (Engine.unblocked).
-        scan = f"SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible} ORDER BY id LIMIT {window}"
-        if skip_blocked:  # up to BLOCKED_SCAN windows, keeping the rows of unblocked aggregates
-            scan = (f"""SELECT * FROM (SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible}
-                    ORDER BY id LIMIT {window * self.BLOCKED_SCAN}) s WHERE s.aggregate_id IS NULL OR (
-                    SELECT {eligible} FROM {t} e WHERE e.aggregate_id = s.aggregate_id AND {self.open_rows("e.")}
-                    AND {not_behind} ORDER BY e.aggregate_id, e.id LIMIT 1) ORDER BY id LIMIT {window}""")
+        scan, past = f"SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible} ORDER BY id LIMIT {window}", ""
+        if skip_blocked:  # Engine.unblocked_rows: BLOCKED_SCAN windows read, one probe per aggregate in them
+            past = f"""scan AS MATERIALIZED (
+                SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible} ORDER BY id
+                LIMIT {window * self.BLOCKED_SCAN}
+            ),
+            ready AS MATERIALIZED (
+                SELECT a.aggregate_id FROM (SELECT DISTINCT aggregate_id FROM scan) a
+                WHERE (SELECT {eligible} FROM {t} e WHERE e.aggregate_id = a.aggregate_id AND {self.open_rows("e.")}
+                       AND {not_behind} ORDER BY e.aggregate_id, e.id LIMIT 1)
+            ),
+            """
+            scan = ("SELECT * FROM scan WHERE aggregate_id IS NULL OR aggregate_id IN (SELECT aggregate_id FROM ready) "
+                    f"ORDER BY id LIMIT {window}")
         sql = f"""
-            WITH win AS MATERIALIZED (
+            WITH {past}win AS MATERIALIZED (
                 SELECT id, aggregate_id, status, attempts, MIN(id) OVER (PARTITION BY {chain_of}) AS head FROM (
                     {scan}) w
             ),
