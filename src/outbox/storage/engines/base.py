@@ -397,11 +397,12 @@ class Engine(ABC):
         aggregates = sorted({r[1] for r in rows if r[1] is not None})
         if not aggregates:
             return rows
+        last = max(int(r[0]) for r in rows)  # a first open row is at most its aggregate's row read
         first = self.execute(
-            cursor, f"SELECT MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} "
+            cursor, f"SELECT MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} AND id <= ? "
             f"AND aggregate_id IN ({', '.join('?' * len(aggregates))})"
             + (f" AND id NOT IN ({', '.join('?' * len(behind))})" if behind else "") + " GROUP BY aggregate_id",
-            [*aggregates, *map(int, behind)]).fetchall()
+            [last, *aggregates, *map(int, behind)]).fetchall()
         heads = [int(r[0]) for r in first]
         ready = {r[0] for r in self.execute(
             cursor, f"SELECT aggregate_id FROM {self.table} WHERE id IN ({', '.join('?' * len(heads))}) "
