@@ -110,6 +110,28 @@ def test_a_refused_route_pauses_alone_without_attempts_or_breaker(sqlite_store: 
     assert not set(a) & set(publisher.sent)
 
 
+def test_a_refused_routes_long_chain_does_not_hold_the_other_routes_back(sqlite_store: OutboxStore,
+                                                                         conn: sqlite3.Connection) -> None:
+    """One aggregate of a refused route with more rows than a claim window: its claimed
+    prefix is released with the pause, and the rest of it, still pending, fills every
+    window from then on. The other routes must flow meanwhile: a claim that found nothing
+    reads past those rows (docs/internals.md, "Claim windows"). Before, every claim came
+    back empty until the pause ended."""
+    hot = add(conn, "hot", ["orders.a"] * (3 * sqlite_store.engine.claim_window(100)))
+    other = add(conn, "b", ["orders.b"])
+    publisher = RefusingPublisher({"orders.a"})
+    context = RelayContext(sqlite_store, publisher, options=RelayOptions(route_pause_s=20, route_pause_max_s=60),
+                           breaker=Breaker(), routes=RouteGate())
+    first = sqlite_store.claim(100).messages
+    assert [m.id for m in first] == hot[:100]  # the oldest chain, cut at the batch
+    handle_publish(context, split_chains(first))
+    assert rows(sqlite_store)[hot[0]] == (Status.PENDING, 0, True)  # released until the pause ends
+    second = sqlite_store.claim(100).messages
+    assert [m.id for m in second] == other
+    handle_publish(context, split_chains(second))
+    assert rows(sqlite_store)[other[0]][0] == Status.DONE and publisher.sent == other
+
+
 def test_route_pause_grows_while_refused_and_resets_after_a_quiet_spell() -> None:
     gate = RouteGate()
     assert gate.refuse("r", 1.0, 8.0, now=100.0) == (1.0, True)
