@@ -158,10 +158,8 @@ class OutboxStore:
         lease = self.new_lease()
 
         def work(cursor: Any, skip_blocked: bool = False) -> list[tuple]:
-            if skip_blocked:
-                return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind,
-                                         skip_blocked=True)
-            return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind)
+            return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind,
+                                     skip_blocked=skip_blocked)
 
         rows = self._run("claim", work, alone=self.engine.one_statement_claim)
         if not rows:
