@@ -82,6 +82,11 @@ class Engine(ABC):
     #: The table hint of a read that takes no shared lock, for an engine whose plain read
     #: can wait on a writer's lock (the metrics' gauges: ``gauges_sql``).
     unlocked_read: ClassVar[str] = ""
+    #: The table hints of the statements that count and end a lost holder's leases
+    #: (``held_by_sql``, ``end_leases_sql``), for an engine whose reads and updates would
+    #: wait on locks others hold on rows the lost holder does not: read past them.
+    past_locks_read: ClassVar[str] = ""
+    past_locks_update: ClassVar[str] = ""
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         # Names reach SQL text: only plain identifiers, on every path (settings, enqueue's
@@ -515,14 +520,14 @@ class Engine(ABC):
     def held_by_sql(self) -> str:
         """Count and oldest ``claimed_at`` of the open rows held under a lease of holder
         ``?`` (a LIKE prefix), with the database clock."""
-        return (f"SELECT COUNT(*), MIN(claimed_at), {self.now} FROM {self.table} "
+        return (f"SELECT COUNT(*), MIN(claimed_at), {self.now} FROM {self.table}{self.past_locks_read} "
                 f"WHERE {self.open_rows()} AND status = 1 AND lease_token LIKE ?")
 
     def end_leases_sql(self) -> str:
         """Move ``claimed_at`` of the rows held under a lease of holder ``?`` (a LIKE prefix)
         to now plus ``?`` ms (negated, past the lease): the claim sees their lease expired.
         The first parameter is the milliseconds."""
-        return (f"UPDATE {self.table} SET claimed_at = {self.now_plus_ms()} "
+        return (f"UPDATE {self.table}{self.past_locks_update} SET claimed_at = {self.now_plus_ms()} "
                 f"WHERE {self.open_rows()} AND status = 1 AND lease_token LIKE ?")
 
     def drop_holder_sql(self) -> str:

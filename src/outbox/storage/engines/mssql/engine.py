@@ -40,6 +40,12 @@ class MssqlEngine(MssqlStatements):
     #: With RCSI off a plain read waits for every uncommitted enqueue (issue 20, item 10);
     #: the gauges may count a row that then rolls back.
     unlocked_read: ClassVar[str] = " WITH (READUNCOMMITTED)"
+    #: A lost holder's rows (docs/internals.md, "Lost workers") are nobody's locks: counting
+    #: them and ending their leases read past rows others lock (an uncommitted enqueue, a
+    #: claim's UPDATE) instead of waiting; READPAST needs READCOMMITTEDLOCK under RCSI. The
+    #: UPDATE examines every open row (no index holds lease_token).
+    past_locks_read: ClassVar[str] = " WITH (READCOMMITTEDLOCK, READPAST)"
+    past_locks_update: ClassVar[str] = " WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)"
 
     # -- connections and errors ----------------------------------------------------
     @staticmethod

@@ -78,19 +78,6 @@ class MssqlStatements(MssqlSchema):
         padded = ids + [ids[-1]] * (size - len(ids))
         return f"id IN ({', '.join('?' * size)})", padded
 
-    # A lost holder's rows (docs/internals.md, "Lost workers"): nobody holds their row locks
-    # any more, so these read past rows that others lock (an uncommitted enqueue, a claim's
-    # UPDATE) instead of waiting for them; READPAST needs READCOMMITTEDLOCK under RCSI. The
-    # UPDATE examines every open row (no index holds lease_token), which without READPAST
-    # waited on each of those locks.
-    def held_by_sql(self) -> str:
-        return (f"SELECT COUNT(*), MIN(claimed_at), {self.now} FROM {self.table} WITH (READCOMMITTEDLOCK, READPAST) "
-                f"WHERE {self.open_rows()} AND status = 1 AND lease_token LIKE ?")
-
-    def end_leases_sql(self) -> str:
-        return (f"UPDATE {self.table} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK) SET claimed_at = {self.now_plus_ms()} "
-                f"WHERE {self.open_rows()} AND status = 1 AND lease_token LIKE ?")
-
     def purge_chunk_sql(self) -> str:
         """Delete at most ``?`` done rows processed more than ``?`` seconds plus ``?``
         milliseconds ago. Seconds and leftover milliseconds, because an INT of
