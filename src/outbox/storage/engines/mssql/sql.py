@@ -198,6 +198,13 @@ class MssqlStatements(MssqlSchema):
     #: The ordering probe's index, which the probe is pinned to (``FORCESEEK``).
     PROBE_INDEX = next(spec for spec in INDEXES if spec.suffix == "agg_open")
 
+    def probe_seek(self) -> str:
+        """The probes' seek hint: on ``PROBE_INDEX`` by its first key, or any seek when that
+        index was found missing (``probe_index`` False)."""
+        if self.probe_index is False:
+            return "FORCESEEK"
+        return f"FORCESEEK ({self.quote(self.index_name(self.PROBE_INDEX.suffix))} ({self.PROBE_INDEX.keys[0]}))"
+
     def probe_select(self, source: str = "@cand") -> str:
         """One row per aggregate of ``@cand``: its first candidate (``head``) and its
         *blocker*, the first open row of the aggregate before its last candidate that is
@@ -223,8 +230,7 @@ class MssqlStatements(MssqlSchema):
         ``@win`` (the window read without update locks: ``claim_statements``). Rows in
         ``@behind`` (the claim's ``behind``: ``Engine.claim``) are no blockers either.
         """
-        index = self.quote(self.index_name(self.PROBE_INDEX.suffix))
-        seek = f"FORCESEEK ({index} ({self.PROBE_INDEX.keys[0]}))" if self.probe_index is not False else "FORCESEEK"
+        seek = self.probe_seek()
         return f"""SELECT g.aggregate_id, g.head, (
         SELECT TOP (1) e.id FROM {self.table} AS e WITH (READCOMMITTEDLOCK, {seek})
         WHERE e.aggregate_id = g.aggregate_id AND e.id < g.last_id AND e.{OPEN_ROWS}
@@ -280,8 +286,7 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
         read = f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\nWHERE {eligible}\nORDER BY id"
         if not skip_blocked:
             return f"INSERT INTO @win (id, aggregate_id, status, attempts)\nSELECT TOP (@window) id, aggregate_id, status, attempts\n{read};"
-        index = self.quote(self.index_name(self.PROBE_INDEX.suffix))
-        seek = f"FORCESEEK ({index} ({self.PROBE_INDEX.keys[0]}))" if self.probe_index is not False else "FORCESEEK"
+        seek = self.probe_seek()
         return f"""INSERT INTO @win (id, aggregate_id, status, attempts)
 SELECT TOP (@window) s.id, s.aggregate_id, s.status, s.attempts
 FROM (SELECT TOP (@window * {self.BLOCKED_SCAN}) id, aggregate_id, status, attempts
