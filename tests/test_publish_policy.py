@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, status_of
+from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, run_python, status_of
 
 from outbox import Status
 from outbox.core.model import OutboxMessage
@@ -333,6 +333,62 @@ def test_failed_store_writes_are_handed_to_the_fallback(sqlite_store: OutboxStor
         apply_fallback(sqlite_store, publisher, op, kwargs)
     assert [status_of(sqlite_store)[i] for i in ids] == [Status.DONE, Status.DEAD, Status.PENDING]
     assert [m.id for m, _ in publisher.dead] == [ids[1]]
+
+
+_FALLBACK_TASKS_RUN = """
+import json, os, sqlite3, sys
+sys.path.insert(0, os.environ["TESTS"])
+from relay_support import add, claim_chains, status_of
+from outbox.relay.settle import Settler
+from outbox.storage.store import OutboxStore
+
+store = OutboxStore(os.environ["OUTBOX_DATABASE_URL"], claim_timeout_ms=60_000)
+store.migrate()
+ids = add(sqlite3.connect(os.environ["DB"], timeout=30), "a", 3)
+[chain] = claim_chains(store)
+
+class DownStore:
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise ConnectionError("database down")
+        return fail
+
+handed = []
+settler = Settler(DownStore(), lambda op, kwargs: handed.append((op, json.loads(json.dumps(kwargs)))))
+settler.done([chain[0].id], chain[0].lease)
+# What publish.py hands on for an event of a pipelined chain that later events overtook.
+settler.failed(chain[1], "overtaken", None, dead=True, dead_headers={"x-outbox-overtaken-by": [chain[2].id]})
+settler.release([chain[2]])
+if os.environ["RUNNER"] == "celery":
+    import outbox.celery.tasks as t
+    tasks = {"done": t.ack, "failed": t.fail, "release": t.release}
+    for op, kwargs in handed:
+        tasks[op].apply(kwargs=kwargs, throw=True)
+else:
+    import outbox.dramatiq.actors as a
+    actors = {"done": a.ack, "failed": a.fail, "release": a.release}
+    for op, kwargs in handed:
+        actors[op].fn(**kwargs)
+states = status_of(store)
+print(json.dumps({"handed": [[op, sorted(kwargs)] for op, kwargs in handed], "states": [states[i] for i in ids]}))
+"""
+
+
+@pytest.mark.parametrize("runner", ["celery", "dramatiq"])
+def test_every_write_handed_to_the_ack_queue_runs_as_its_task(tmp_path: Path, runner: str) -> None:
+    """The kwargs the Settler hands on (dead_headers included) are what each runner's ack,
+    fail and release task bodies take: the task runs and the row gets its mark."""
+    if runner == "dramatiq":
+        pytest.importorskip("dramatiq")
+    db = tmp_path / "outbox.db"
+    done = run_python(_FALLBACK_TASKS_RUN, tmp_path, RUNNER=runner, DB=str(db), TESTS=str(Path(__file__).parent),
+                      OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_DRAMATIQ_BROKER_URL="redis://127.0.0.1:6379/15")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["handed"] == [["done", ["ids", "lease"]],
+                             ["failed", ["dead", "dead_headers", "error", "message", "retry_in_s"]],
+                             ["release", ["delay_s", "ids", "lease"]]]
+    assert out["states"] == [Status.DONE, Status.DEAD, Status.PENDING]
 
 
 # -- the back-off ------------------------------------------------------------------------------

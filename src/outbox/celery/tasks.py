@@ -79,8 +79,10 @@ def ack(ids: list[int], lease: str) -> int:
 
 
 @app.task(name=FAIL_TASK, base=RelayTask, **_SETTLE)
-def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False) -> bool:
-    return relay().settle("failed", message=message, error=error, retry_in_s=retry_in_s, dead=dead)
+def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False,
+         dead_headers: dict[str, Any] | None = None) -> bool:
+    return relay().settle("failed", message=message, error=error, retry_in_s=retry_in_s, dead=dead,
+                          dead_headers=dead_headers)
 
 
 @app.task(name=RELEASE_TASK, base=RelayTask, **_SETTLE)

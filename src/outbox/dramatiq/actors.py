@@ -219,8 +219,9 @@ def ack(ids: list[int], lease: str) -> None:
 
 @dramatiq.actor(actor_name=FAIL_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
 @_only_ours(FAIL_TASK)
-def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False) -> None:
-    relay.settle("failed", message=message, error=error, retry_in_s=retry_in_s, dead=dead)
+def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False,
+         dead_headers: dict[str, Any] | None = None) -> None:
+    relay.settle("failed", message=message, error=error, retry_in_s=retry_in_s, dead=dead, dead_headers=dead_headers)
 
 
 @dramatiq.actor(actor_name=RELEASE_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
