@@ -75,6 +75,40 @@ def test_an_undecodable_row_goes_dead_alone_and_the_batch_flows(store: OutboxSto
     assert store.claim(100).messages == []
 
 
+@pytest.mark.parametrize("column", ["topic", "aggregate_id"])
+def test_sqlite_text_that_is_not_utf8_goes_dead_alone(store: OutboxStore, writer: Any, column: str) -> None:
+    """SQLite stores any bytes in a TEXT column; a value that is not UTF-8 failed the
+    driver's whole fetch, so every claim failed while the row was among the oldest."""
+    if store.engine.name != "sqlite":
+        pytest.skip("only SQLite's TEXT holds bytes that are not UTF-8")
+    a1, bad, a3 = add(writer, store, "a", 3)
+    b1, b2 = add(writer, store, "b", 2)
+    with store.transaction() as cursor:
+        cursor.execute(f"UPDATE {store.engine.table} SET {column} = CAST(X'6F72646572FF' AS TEXT) WHERE id = ?",
+                       (bad,))
+    claim = store.claim(100)
+    assert [m.id for m in claim.messages] == [a1, a3, b1, b2]
+    assert [m.id for m in claim.dead] == [bad]
+    assert claim.dead_errors[bad].startswith(f"undecodable row: {column} "), claim.dead_errors[bad]
+    assert row(store, bad, "status")[0] == Status.DEAD
+    assert store.mark_done([a1, a3, b1, b2], claim.lease).ok
+    assert store.claim(100).messages == []
+
+
+def test_sqlite_attempts_that_are_not_a_number_do_not_fail_the_claim(store: OutboxStore, writer: Any) -> None:
+    """SQLite's INTEGER column holds text too; the claim counts it as 0 attempts (its UPDATE
+    stores ``attempts + 0``, an integer) instead of failing every claim."""
+    if store.engine.name != "sqlite":
+        pytest.skip("only SQLite's INTEGER column holds text")
+    a1, bad = add(writer, store, "a", 2)
+    (b1,) = add(writer, store, "b")
+    with store.transaction() as cursor:
+        cursor.execute(f"UPDATE {store.engine.table} SET attempts = 'n/a' WHERE id = ?", (bad,))
+    claim = store.claim(100)
+    assert [(m.id, m.attempt) for m in claim.messages] == [(a1, 1), (bad, 1), (b1, 1)]
+    assert claim.dead == []
+
+
 def test_to_message_names_every_problem_of_a_row(store: OutboxStore) -> None:
     good = (1, "m-1", "t", "order", "a", None, '{"x":1}', '{"h":"v"}', None, 0, "2024-01-01 00:00:00", 1)
     assert store.engine.to_message(good, "lease").headers == {"h": "v"}

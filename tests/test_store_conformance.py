@@ -333,6 +333,24 @@ def test_rows_queued_behind_a_waiting_head_do_not_hide_the_other_aggregates(make
     assert statuses(store)[a1] == Status.FAILED and statuses(store)[c1] == Status.CLAIMED
 
 
+def test_aggregate_ids_that_differ_by_trailing_spaces_are_two_aggregates(make_store: Any, writer: Any) -> None:
+    """The relay tells aggregates apart by their exact ids; an engine whose collation
+    compares 'x' and 'x ' equal (MySQL's PAD SPACE) must not let one stand in for the
+    other: a row of 'x' is never claimed while an earlier row of 'x' is open
+    (docs/internals.md, "Aggregate ids compare exactly"). Before, MariaDB's claim took x3
+    while x2 was in flight under another lease."""
+    store, other = make_store(table="outbox_pad"), make_store(table="outbox_pad")
+    (p1,) = add(writer, store, "x ")
+    x2, x3 = add(writer, store, "x", 2)
+    first = store.claim(2)
+    assert [(m.id, m.aggregate_id) for m in first.messages] == [(p1, "x "), (x2, "x")]
+    assert claimed_ids(other, 10) == []
+    assert store.mark_done([p1], first.lease).ok
+    assert claimed_ids(other, 10) == []  # x2 is still open
+    assert store.mark_done([x2], first.lease).ok
+    assert claimed_ids(other, 10) == [x3]
+
+
 def test_a_paused_routes_tails_do_not_hide_the_other_aggregates(store: OutboxStore, writer: Any) -> None:
     """Many aggregates whose heads were released with a delay (a paused route's), each with
     rows queued behind, nearly ``BLOCKED_SCAN`` windows of them, older than one row of

@@ -112,6 +112,13 @@ class Engine(ABC):
     def index_name(self, suffix: str) -> str:
         return f"ix_{self.table_name}_{suffix}"
 
+    def exact(self, column: str) -> str:
+        """``column`` as a ``GROUP BY`` that tells apart every two different values, as the
+        relay's Python does: an engine whose collation compares ``'x'`` and ``'x '`` equal
+        (MySQL's PAD SPACE) groups by the bytes (docs/internals.md, "Aggregate ids compare
+        exactly")."""
+        return column
+
     # -- notifications (docs/waking-and-metrics.md, "LISTEN/NOTIFY") -----------
     #: Can the engine deliver a notification at commit (NOTIFY) to a listener?
     supports_notify: ClassVar[bool] = False
@@ -353,7 +360,7 @@ class Engine(ABC):
         (``_lock_chains``); engines with a one-statement form override it."""
         self.begin(cursor)
         rows = self.window_rows(cursor, timeout_ms, self.claim_window(batch), behind if skip_blocked else None)
-        candidates = [Candidate(int(r[0]), r[1], int(r[2]), int(r[3])) for r in rows]
+        candidates = [Candidate(int(r[0]), r[1], int(r[2]), _count(r[3])) for r in rows]
         if not candidates:
             return []
         blockers = self._first_blockers(cursor, candidates, behind)
@@ -399,20 +406,21 @@ class Engine(ABC):
         lease) cannot fill the window and hide every other aggregate (docs/internals.md,
         "Claim windows"). A row without an aggregate is a chain of its own. One statement
         finds each aggregate's first open row, one more which of those are eligible."""
-        aggregates = sorted({r[1] for r in rows if r[1] is not None})
+        aggregates = sorted({r[1] for r in rows if r[1] is not None and _bindable(r[1])})
         if not aggregates:
             return rows
         last = max(int(r[0]) for r in rows)  # a first open row is at most its aggregate's row read
         first = self.execute(
             cursor, f"SELECT MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} AND id <= ? "
             f"AND aggregate_id IN ({', '.join('?' * len(aggregates))})"
-            + (f" AND id NOT IN ({', '.join('?' * len(behind))})" if behind else "") + " GROUP BY aggregate_id",
+            + (f" AND id NOT IN ({', '.join('?' * len(behind))})" if behind else "")
+            + f" GROUP BY {self.exact('aggregate_id')}",
             [last, *aggregates, *map(int, behind)]).fetchall()
         heads = [int(r[0]) for r in first]
         ready = {r[0] for r in self.execute(
             cursor, f"SELECT aggregate_id FROM {self.table} WHERE id IN ({', '.join('?' * len(heads))}) "
             f"AND {self.eligible()}", [*heads, -timeout_ms]).fetchall()} if heads else set()
-        return [r for r in rows if r[1] is None or r[1] in ready]
+        return [r for r in rows if r[1] is None or r[1] in ready or not _bindable(r[1])]
 
     def _lock_chains(self, cursor: Any, candidates: Sequence[Candidate], blockers: dict[str, int],
                      max_attempts: int, batch: int, timeout_ms: int) -> ClaimPlan:
@@ -446,15 +454,17 @@ class Engine(ABC):
     def _first_blockers(self, cursor: Any, candidates: Sequence[Candidate],
                         behind: Sequence[int] = ()) -> dict[str, int]:
         # A NULL aggregate_id (only on a table whose column allows it) equals nothing in
-        # SQL, so such a row has no earlier rows; it is claimed, then found undecodable.
-        aggregates = sorted({c.aggregate_id for c in candidates if c.aggregate_id is not None})
+        # SQL, so such a row has no earlier rows; it is claimed, then found undecodable. So
+        # is one that cannot be sent back as a parameter (``_bindable``).
+        aggregates = sorted({c.aggregate_id for c in candidates if c.aggregate_id is not None
+                             and _bindable(c.aggregate_id)})
         if not aggregates:
             return {}
         last = max(c.id for c in candidates)
         ids = [c.id for c in candidates] + [int(i) for i in behind if int(i) < last]  # neither blocks
-        sql = (f"SELECT aggregate_id, MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} "
+        sql = (f"SELECT MIN(aggregate_id), MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} "
                f"AND aggregate_id IN ({', '.join('?' * len(aggregates))}) AND id < ? "
-               f"AND id NOT IN ({', '.join('?' * len(ids))}) GROUP BY aggregate_id")
+               f"AND id NOT IN ({', '.join('?' * len(ids))}) GROUP BY {self.exact('aggregate_id')}")
         rows = self.execute(cursor, sql, [*aggregates, last, *ids]).fetchall()
         return {r[0]: int(r[1]) for r in rows}
 
@@ -548,3 +558,26 @@ def first(rows: Iterable[Sequence[Any]]) -> Any:
     for row in rows:
         return row[0]
     return None
+
+
+def _count(value: Any) -> int:
+    """A window row's ``attempts``: SQLite's columns hold any type, and a row whose
+    ``attempts`` is not an integer must not fail every claim (the claim's UPDATE stores
+    ``attempts + 0``, which SQLite makes an integer, 0 for text)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _bindable(text: str) -> bool:
+    """Can ``text`` go back to the database as a parameter? Not with a lone surrogate,
+    which is how a value that is not UTF-8 reads on SQLite (``SqliteEngine.connect``): such
+    a row is claimed without its aggregate's ordering check and found undecodable."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

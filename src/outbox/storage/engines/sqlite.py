@@ -30,6 +30,10 @@ def sqlite_path(url: str) -> str:
     return rest or ":memory:"
 
 
+def _lenient_text(value: bytes) -> str:
+    return value.decode("utf-8", "surrogateescape")
+
+
 class SqliteEngine(Engine):
     name = "sqlite"
     now: ClassVar[str] = _NOW
@@ -45,6 +49,9 @@ class SqliteEngine(Engine):
     def connect(self, url: str) -> sqlite3.Connection:
         conn = sqlite3.connect(sqlite_path(url), timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False)
+        # A TEXT value that is not UTF-8 reads with lone surrogates instead of failing the
+        # whole fetch: the claim then buries that row alone (docs/relay.md, "Bad rows").
+        conn.text_factory = _lenient_text
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
