@@ -554,9 +554,11 @@ ANSWER_ENDS: dict[int, Callable[[bytes], int | None]] = {5432: postgres_answer_e
 class Stall:
     """A one-shot stall of ``Proxy.stall_after``: which connection it took, when it began."""
 
-    def __init__(self, marker: bytes, seconds: float, answer_end: Callable[[bytes], int | None]) -> None:
+    def __init__(self, marker: bytes, seconds: float, answer_end: Callable[[bytes], int | None],
+                 drop_answer: bool = False) -> None:
         self.marker = marker
         self.seconds = seconds
+        self.drop_answer = drop_answer  # Proxy.drop_answer_after
         self.answer_end = answer_end
         self.link: Link | None = None
         self.began = threading.Event()
@@ -623,6 +625,14 @@ class Proxy:
         self.stall = Stall(marker, seconds, ANSWER_ENDS[self.target[1]])
         return self.stall
 
+    def drop_answer_after(self, marker: bytes) -> Stall:
+        """Arm a one-shot cut that loses an answer: on the first connection whose client
+        sends ``marker``, the statement reaches the server, which runs it (and commits it, in
+        autocommit or for a COMMIT), but none of its answer reaches the client: once the
+        answer is complete the connection is closed both ways."""
+        self.stall = Stall(marker, 0.0, ANSWER_ENDS[self.target[1]], drop_answer=True)
+        return self.stall
+
     def _accept(self) -> None:
         import socket
 
@@ -653,7 +663,7 @@ class Proxy:
         if stall is None:
             return len(data)
         with self.lock:
-            if link.phase == "frozen":
+            if link.phase in ("frozen", "dropped"):
                 return 0
             if upward:
                 if stall.link is None and stall.marker in link.tail + data:
@@ -665,6 +675,12 @@ class Proxy:
             before = len(link.answer)
             link.answer += data
             end = stall.answer_end(link.answer)
+            if stall.drop_answer:
+                if end is not None:
+                    link.phase = "dropped"  # _pump closes the connection
+                    stall.began_at = time.time()
+                    stall.began.set()
+                return 0
             if end is None:
                 return len(data)
             link.phase = "frozen"
@@ -682,6 +698,8 @@ class Proxy:
         link.phase = "over"
 
     def _pump(self, src: Any, dst: Any, delay: float = 0.0, link: Link | None = None, upward: bool = True) -> None:
+        import socket
+
         try:
             while True:
                 data = src.recv(65536)
@@ -694,6 +712,11 @@ class Proxy:
                     dst.sendall(data[:passing])
                 if link is not None:
                     self._hold(link)  # an end of stream is held too
+                if link is not None and link.phase == "dropped":
+                    for s in (src, dst):  # shutdown: the other pump, blocked in recv, wakes up
+                        with suppress(OSError):
+                            s.shutdown(socket.SHUT_RDWR)
+                    break
                 if not data:
                     break
                 if passing < len(data):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from relay_e2e_support import Proxy
 from relay_support import run_python
 from services import MYSQL_URL, POSTGRES_URL, require
 
@@ -167,6 +168,45 @@ def test_the_server_ends_a_relay_transaction_left_idle_and_its_locks_with_it(kin
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
         store.close()
+
+
+#: The statement after which a claim is committed on the server, per engine: PostgreSQL's
+#: claim is one statement run alone; the generic claim's COMMIT (PyMySQL's COM_QUERY).
+CLAIM_COMMITS = {"postgresql": b"FOR UPDATE OF c SKIP LOCKED", "mysql": b"\x03COMMIT"}
+
+
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_a_claim_whose_answer_was_lost_after_it_committed_returns_what_it_took(kind: str) -> None:
+    """The connection drops after the server committed a claim and before its answer
+    arrived: the store runs the claim again on a new connection, and that run returns the
+    rows the first one leased instead of claiming others and leaving those held by a lease
+    nobody knows for the whole claim timeout (docs/relay.md, "A network cut")."""
+    from outbox import enqueue
+
+    url, port = SERVERS[kind]
+    require(kind, "127.0.0.1", port)
+    table = f"lost_{int(time.time() * 1000) % 10**9}"
+    proxy = Proxy(("127.0.0.1", port))
+    store = OutboxStore(proxy.url_for(url), table=table, claim_timeout_ms=600_000)
+    store.migrate()
+    other = OutboxStore(url, table=table)
+    try:
+        with other.transaction() as cursor:
+            for aggregate in ("a", "a", "a", "b"):
+                enqueue(cursor.connection, topic="t", aggregate_type="x", aggregate_id=aggregate, payload={},
+                        table=table)
+        cut = proxy.drop_answer_after(CLAIM_COMMITS[kind])
+        claim = store.claim(10)
+        assert cut.began.is_set(), "the claim's answer was not cut"
+        assert [m.id for m in claim.messages] == [1, 2, 3, 4]
+        assert other.claim(10).messages == []  # nothing left held by another lease
+        assert store.mark_done([1, 2, 3, 4], claim.lease).applied == 4
+    finally:
+        other.close()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+        proxy.close()
 
 
 def test_a_postgres_relay_session_carries_its_bounds_on_the_server() -> None:

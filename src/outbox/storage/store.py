@@ -157,16 +157,28 @@ class OutboxStore:
             raise ValueError("batch must be positive")
         lease = self.new_lease()
 
-        def work(cursor: Any, skip_blocked: bool = False) -> list[tuple]:
-            return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind,
-                                     skip_blocked=skip_blocked)
+        def work(skip_blocked: bool) -> Callable[[Any], list[tuple]]:
+            runs = 0
 
-        rows = self._run("claim", work, alone=self.engine.one_statement_claim)
+            def run(cursor: Any) -> list[tuple]:
+                # ``_run`` runs this again after a dropped connection, but the run whose answer
+                # was lost may have committed (an autocommit claim; a COMMIT whose reply never
+                # came): what its lease holds is then the claim (docs/relay.md, "A network cut").
+                nonlocal runs
+                runs += 1
+                if runs > 1:
+                    taken = self.engine.leased_rows(cursor, lease)
+                    if taken:
+                        return taken
+                return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind,
+                                         skip_blocked=skip_blocked)
+            return run
+
+        rows = self._run("claim", work(False), alone=self.engine.one_statement_claim)
         if not rows:
             # The window may have held only rows queued behind heads that wait (a retry not
             # due, another worker's lease): read past them (docs/internals.md, "Claim windows").
-            rows = self._run("claim", lambda cursor: work(cursor, skip_blocked=True),
-                             alone=self.engine.one_statement_claim)
+            rows = self._run("claim", work(True), alone=self.engine.one_statement_claim)
         status_at = len(rows[0]) - 1 if rows else 0
         messages: list[OutboxMessage] = []
         dead: list[OutboxMessage] = []

@@ -384,6 +384,13 @@ class Engine(ABC):
         return self.execute(cursor, f"SELECT {self.message_select()} FROM {self.table} WHERE {cond} ORDER BY id",
                             params).fetchall()
 
+    def leased_rows(self, cursor: Any, lease: str) -> list[tuple]:
+        """The rows ``lease`` holds, shaped like a claim's (MESSAGE_COLUMNS): what a claim
+        whose answer was lost after it committed took (``OutboxStore.claim``)."""
+        return list(self.execute(
+            cursor, f"SELECT {self.message_select()} FROM {self.table}{self.past_locks_read} "
+            f"WHERE {self.open_rows()} AND status = 1 AND lease_token = ? ORDER BY id", [lease]).fetchall())
+
     def window_rows(self, cursor: Any, timeout_ms: int, size: int,
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
         """The generic claim's window: the ``size`` oldest eligible rows, as (id, aggregate_id,
