@@ -219,10 +219,34 @@ def test_fatal_stops_claims_for_long_with_a_clear_message(sqlite_store: OutboxSt
     assert outcome.kind == "fatal"
     assert breaker.open_for() > 290 and breaker.reason.startswith("fatal")
     assert any("FATAL" in r.getMessage() and f"outbox_id={ids[0]}" in r.getMessage() for r in caplog.records)
-    assert [(r["status"], r["attempts"]) for r in rows(sqlite_store).values()] == [(Status.PENDING, 0)] * 2
+    # Released with no delay: the breaker stops the claims, and once a restart lifts the
+    # pause (the settings fixed) the rows are claimable at once, not 300 s later.
+    assert [(r["status"], r["attempts"], r["next_retry_at"]) for r in rows(sqlite_store).values()] == [
+        (Status.PENDING, 0, None)] * 2
     # A later back-pressure trip never shortens the fatal pause.
     breaker.trip(1, "backpressure: short")
     assert breaker.open_for() > 290 and breaker.reason.startswith("fatal")
+    # Publish tasks already queued when it opened hand their rows back the same way.
+    [chain] = claim_chains(sqlite_store)
+    skipped = handle_publish(RelayContext(sqlite_store, publisher, breaker=breaker), [chain])
+    assert [o.released for o in skipped] == [ids]
+    assert [r["next_retry_at"] for r in rows(sqlite_store).values()] == [None, None]
+    breaker.reset()  # what a restarted worker does (Relay.lift_fatal_pause)
+    assert [m.id for m in sqlite_store.claim(10).messages] == ids
+
+
+def test_backpressure_pauses_hold_the_rows_until_the_pause_ends(sqlite_store: OutboxStore,
+                                                               conn: sqlite3.Connection) -> None:
+    """Unlike a fatal pause, a broker's back-pressure releases the rows not due before the
+    pause ends, so workers that do not share the breaker do not hammer the broker."""
+    ids = add(conn, "a", 2)
+    breaker = Breaker()
+    breaker.trip(30, "backpressure: broker blocked")
+    [chain] = claim_chains(sqlite_store)
+    skipped = handle_publish(RelayContext(sqlite_store, ScriptedPublisher(), breaker=breaker), [chain])
+    assert [o.released for o in skipped] == [ids]
+    assert all(r["next_retry_at"] is not None for r in rows(sqlite_store).values())
+    assert sqlite_store.claim(10).messages == []
 
 
 def test_a_publisher_that_raises_counts_against_the_head(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:

@@ -107,13 +107,17 @@ def _fatal(relay: RelayContext, stop: Stopped) -> Settled:
                  "this breaker; fix the destination broker settings (OUTBOX_PUBLISH_URL, "
                  "OUTBOX_EXCHANGE, credentials, permissions) and restart the workers. %s",
                  stop.reason, pause, describe(stop.failing), extra=log_extra(stop.failing, "fatal"))
-    return _trip_breaker(relay, stop, pause)
+    return _trip_breaker(relay, stop, pause, hold_rows=False)
 
 
-def _trip_breaker(relay: RelayContext, stop: Stopped, pause: float) -> Settled:
+def _trip_breaker(relay: RelayContext, stop: Stopped, pause: float, hold_rows: bool = True) -> Settled:
+    """Open the breaker for ``pause`` and release the rest. Rows of a fatal pause are
+    released with no delay when a breaker stops the claims: a restart lifts the pause once
+    the settings are fixed, and must find them claimable (docs/relay.md, "Circuit breaker")."""
     if relay.breaker is not None:
         relay.breaker.trip(pause, stop.error)
-    relay.settler.release(stop.rest, timedelta(seconds=pause))
+    held = hold_rows or relay.breaker is None
+    relay.settler.release(stop.rest, timedelta(seconds=pause) if held else None)
     return Settled(stop.rest)
 
 

@@ -105,9 +105,11 @@ def _skip_all(relay: RelayContext, chains: list[list[OutboxMessage]],
         return [ChainOutcome(skipped=True) for _ in chains]
     pause = relay.breaker.open_for() if relay.breaker is not None else 0.0
     if pause > 0 or relay.stopping():
-        # The broker is down, or this worker is shutting down: hand the rows straight back.
+        # The broker is down, or this worker is shutting down: hand the rows straight back
+        # (a fatal pause's with no delay: policy._trip_breaker).
+        delay = timedelta(seconds=pause) if pause > 0 and not relay.breaker.fatal else None  # type: ignore[union-attr]
         for chain in chains:
-            relay.settler.release(chain, timedelta(seconds=pause) if pause > 0 else None)
+            relay.settler.release(chain, delay)
         return [ChainOutcome(skipped=True, released=[m.id for m in chain]) for chain in chains]
     return None
 

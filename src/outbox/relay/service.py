@@ -102,7 +102,7 @@ class Relay:
         configuration, and if not, the first chain trips it again."""
         try:
             breaker = self.breaker()
-            if breaker.open_for() > 0 and breaker.reason.startswith("fatal"):
+            if breaker.open_for() > 0 and breaker.fatal:
                 self.log.warning("outbox: lifting the fatal pause left by an earlier run (%s)", breaker.reason)
                 breaker.reset()
         except Exception as exc:  # noqa: BLE001 - never keep a worker from starting over this

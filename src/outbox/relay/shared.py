@@ -63,6 +63,11 @@ class Breaker:
     def reason(self) -> str:
         return self._reason
 
+    @property
+    def fatal(self) -> bool:
+        """Opened by a fatal publishing error (an operator must act), not by back-pressure."""
+        return self._reason.startswith("fatal")
+
     def trip(self, seconds: float, reason: str, now: float | None = None) -> float:
         now = time.time() if now is None else now
         until = now + seconds
