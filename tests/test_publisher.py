@@ -487,8 +487,10 @@ def test_memory_transport() -> None:
         chain = [make_message(1), make_message(2, "orders.paid"), make_message(3, "nobody.listens")]
         with KombuPublisher("memory://", name) as publisher:
             result = publisher.publish_chain(chain)
-        # no returns on virtual transports: the unroutable one is dropped silently
-        assert result == ChainResult(published=(1, 2, 3))
+        # no returns on virtual transports: the publisher reads the bindings itself, and an
+        # event none of them routes is unroutable, as on AMQP (not dropped and counted done)
+        assert result.published == (1, 2) and result.failed_id == 3
+        assert result.failure is not None and result.failure.reason.startswith("unroutable: ")
         got = []
         while (message := queue.get(no_ack=True)) is not None:
             got.append(message)
@@ -526,6 +528,36 @@ def test_redis_transport() -> None:
             queue.delete()
             client = channel.client
             client.delete(f"_kombu.binding.{name}")
+
+
+def test_redis_unroutable_event_stops_the_chain_as_on_rabbitmq() -> None:
+    """Redis (kombu's virtual exchanges) drops a message no binding routes without a word:
+    before, such an event was counted published and marked done, and lost."""
+    parts = urlsplit(REDIS_PUBLISH_URL)
+    require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
+    name = f"outbox-redis-{uuid.uuid4().hex[:8]}"
+    with Connection(REDIS_PUBLISH_URL) as conn:
+        channel = conn.channel()
+        try:
+            chain = [make_message(1), make_message(2, "nobody.listens"), make_message(3)]
+            with KombuPublisher(REDIS_PUBLISH_URL, name) as publisher:
+                unbound = publisher.publish_chain(chain)  # no queue bound at all
+                assert unbound.published == () and unbound.failed_id == 1
+                exchange = Exchange(name, type="topic", durable=True)
+                queue = Queue(f"{name}-q", exchange=exchange, routing_key="orders.#")(channel)
+                queue.declare()
+                result = publisher.publish_chain(chain)
+                assert result.published == (1,) and result.failed_id == 2
+                assert result.failure is not None and result.failure.kind is FailureKind.RETRIABLE
+                assert result.failure.reason.startswith("unroutable: no queue bound for routing key 'nobody.listens'")
+            with KombuPublisher(REDIS_PUBLISH_URL, name, unroutable="drop") as publisher:
+                assert publisher.publish_chain(chain) == ChainResult(published=(1, 2, 3), unroutable=(2,))
+            got = []
+            while (message := queue.get(no_ack=True)) is not None:
+                got.append(message)
+            assert [m.headers["outbox_id"] for m in got] == [1, 1, 3]
+        finally:
+            channel.client.delete(f"_kombu.binding.{name}", f"{name}-q")
 
 
 def test_rabbitmq_dead_letter_copy_of_a_poison_row_is_a_stub(rabbit: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -223,8 +223,12 @@ class KombuPublisher(Publisher):
         Without confirms (virtual transports) each send is its own verdict, so an exception
         stops the wave there and the events sent before it count as published."""
         if not self._confirms:
+            routed = self._routed()
             verdicts: list[Any] = []
             for message, event_headers in zip(messages, headers):
+                if not routed(message.topic):
+                    verdicts.append(RETURNED)
+                    continue
                 try:
                     self._send(message, event_headers, self.exchange, mandatory=False)
                 except Exception as exc:
@@ -255,6 +259,16 @@ class KombuPublisher(Publisher):
         self._nacked.clear()
         self._returned.clear()
         return verdicts
+
+    def _routed(self) -> Callable[[str], bool]:
+        """Does a binding of the exchange take this routing key? A virtual transport (Redis)
+        drops a message no binding routes without a word, where AMQP returns a mandatory
+        one; so the exchange's bindings are read once per wave and an event they do not
+        route counts as returned (unroutable, docs/destinations.md, "Redis")."""
+        channel = self._channel
+        table = channel.get_table(self.exchange)
+        kind = channel.typeof(self.exchange)
+        return lambda key: bool(kind.lookup(table, self.exchange, key, None))
 
     def _send_frames(self, messages: Sequence[OutboxMessage], headers: Sequence[dict[str, Any]], exchange: str, *,
                      mandatory: bool) -> list[int | PublishFailure]:
