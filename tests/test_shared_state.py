@@ -157,3 +157,17 @@ def test_redis_breaker_is_shared_and_expires() -> None:
         assert three.open_for() == 0 and one.state.client.get(key) is None
     finally:
         one.reset()
+
+
+def test_a_pause_shared_by_a_host_whose_clock_runs_ahead_lasts_no_longer_than_itself(state: SharedState,
+                                                                                     key: str) -> None:
+    """Pauses are shared as the instant they end; a host whose clock is 120 s ahead tripped
+    a 5 s pause, which another host read as 125 s (and released its rows for as long).
+    Each pause now lasts at most its own length on every host."""
+    from outbox.relay import RouteGate
+
+    ahead = time.time() + 120
+    Breaker(state, key).trip(5, "backpressure: blocked", now=ahead)
+    assert 4 < Breaker(state, key).open_for() <= 5
+    RouteGate(state, key + ":routes").refuse("orders.created", 2, 60, now=ahead)
+    assert 1 < RouteGate(state, key + ":routes").paused("orders.created") <= 2

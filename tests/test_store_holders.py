@@ -132,8 +132,8 @@ def test_a_publish_task_in_another_process_adopts_the_rows_it_publishes(store: O
     # b's head was settled meanwhile (e.g. a first run of this task): b is not held in full.
     claimer_store.mark_done(b_ids[:1], claim.lease)
 
-    kept = still_held(publisher_store, [chains["a"], chains["b"]], check_own=False)
-    assert [[m.id for m in chain] for chain in kept] == [a_ids]
+    kept, renewed = still_held(publisher_store, [chains["a"], chains["b"]], check_own=False)
+    assert [[m.id for m in chain] for chain in kept] == [a_ids] and renewed
     lease = kept[0][0].lease
     assert lease.startswith(publisher.holder_id) and lease != claim.lease and len(lease) == 32
     assert row(store, a_ids[0], "lease_token")[0].strip() == lease
@@ -144,13 +144,20 @@ def test_a_publish_task_in_another_process_adopts_the_rows_it_publishes(store: O
     assert row(store, b_ids[1], "attempts")[0] == 0
     # Adoption refuses rows the old lease no longer holds.
     assert publisher_store.adopt(b_ids, claim.lease, publisher_store.new_lease()) == set()
-    # A task that starts past its deadline adopts nothing: it leaves the rows to their lease.
+    # Past its deadline a task leaves its own process's rows to their lease...
     c_ids = add(writer, store, "c", 1)
     late = claimer_store.claim(10)
     c_chain = [m for m in late.messages if m.aggregate_id == "c"]
     assert [m.id for m in c_chain] == c_ids
-    assert still_held(publisher_store, [c_chain], deadline=1.0, now=lambda: 2.0) == [c_chain]
+    assert still_held(claimer_store, [c_chain], deadline=1.0, now=lambda: 2.0) == ([c_chain], False)
     assert row(store, c_ids[0], "lease_token")[0].strip() == late.lease
+    # ...but adopts another process's, as ever: the adoption is fenced by the old lease and
+    # starts it again, and the deadline was set on the claimer's clock, which may run ahead
+    # of this host's (a publishing host 2 s behind skipped every task: each row spent its
+    # attempts unpublished and went dead).
+    [adopted], renewed = still_held(publisher_store, [c_chain], deadline=1.0, now=lambda: 2.0)
+    assert renewed and [m.id for m in adopted] == c_ids and adopted[0].lease.startswith(publisher.holder_id)
+    assert row(store, c_ids[0], "lease_token")[0].strip() == adopted[0].lease
     for s in (claimer_store, publisher_store):
         s.close()
 
@@ -214,7 +221,7 @@ def test_rows_adopted_by_a_live_process_stay_with_it_when_their_claimer_is_lost(
     claimer_store, publisher_store = twin(store, claimer), twin(store, publisher)
     claimer_store.beat(claimer, SILENT_MS)
     claim = claimer_store.claim(10)
-    [chain] = still_held(publisher_store, [claim.messages], check_own=False)
+    [chain] = still_held(publisher_store, [claim.messages], check_own=False).chains
     time.sleep(SILENT_MS / 1000 + 0.3)
     [silent] = publisher_store.beat(publisher, SILENT_MS).silent
     assert silent.holder == claimer

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import NamedTuple
 
 from ..core.model import FailureKind, OutboxMessage
 from ..publisher import ChainResult, Overtaken, Publisher, overtaken_headers
@@ -283,9 +284,17 @@ def _hold_paused_routes(chains: list[list[OutboxMessage]], routes: RouteGate | N
     return split
 
 
+class Held(NamedTuple):
+    """What ``still_held`` found: the chains to publish, and whether their leases were
+    adopted, which started them again now (by the database's clock): the publish task's
+    deadline, set on the claiming host's clock, then no longer applies."""
+    chains: list[Sequence[OutboxMessage]]
+    renewed: bool = False
+
+
 def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
                check_own: bool = True, deadline: float | None = None,
-               now: Callable[[], float] = time.time) -> list[Sequence[OutboxMessage]]:
+               now: Callable[[], float] = time.time) -> Held:
     """The chains whose rows their lease still holds, every row of them, ready to publish here.
 
     Rows leased by another process than this one (the store's ``holder_id``: the claim ran
@@ -300,10 +309,16 @@ def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
     A chain not held in full is skipped; rows of it that were just adopted are released (no
     attempt spent), so they wait behind their aggregate instead of for a lease.
 
-    Past ``deadline`` nothing is checked or adopted (adopting starts the lease again): the
-    chains are returned as they are, and ``handle_publish`` leaves them to their lease."""
+    Past ``deadline`` chains of this process's own leases are returned as they are, and
+    ``handle_publish`` leaves them to their lease; another process's are adopted as ever: the
+    adoption is fenced by their old lease and starts it again, and ``deadline`` was set on the
+    claiming host's clock, which may run ahead of this one's (docs/internals.md, "Lost workers")."""
     if deadline is not None and now() > deadline:
-        return list(chains)
+        holder = store.holder_id
+        others = [chain for chain in chains if holder and not chain[0].lease.startswith(holder)]
+        if not others:
+            return Held(list(chains))
+        chains = others  # this process's own are left to their lease
     held, adopted = _hold_or_adopt(store, chains, check_own)
     kept: list[Sequence[OutboxMessage]] = []
     orphans: dict[str, list[int]] = {}
@@ -323,7 +338,7 @@ def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
         except Exception as exc:  # noqa: BLE001 - then they wait for the lease
             log.error("outbox cannot release rows %s of a chain no longer held in full (%s); the lease recovers "
                       "them", ids, exc)
-    return kept
+    return Held(kept, renewed=bool(adopted))
 
 
 def _hold_or_adopt(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]],

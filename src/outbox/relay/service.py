@@ -9,6 +9,7 @@ The task and actor modules (``outbox.celery.tasks``, ``outbox.dramatiq``) are on
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -170,8 +171,10 @@ class Relay:
         claimed are adopted; this process's own are checked when ``check_own``: docs/internals.md,
         "Lost workers"), published here; then a claim soon (their aggregates may have more rows)."""
         messages = [[message_from_dict(d) for d in chain] for chain in chains]
-        outcomes = self.publish_here(still_held(self.resources().store, messages, deadline=deadline,
-                                                check_own=check_own), deadline)
+        held = still_held(self.resources().store, messages, deadline=deadline, check_own=check_own)
+        if held.renewed:  # adopted: the lease started again now (publish.Held)
+            deadline = time.time() + self.lease_s * self.options.lease_safety
+        outcomes = self.publish_here(held.chains, deadline)
         after_publish(self.breaker(), self.request_claim)
         return {"published": sum(len(o.published) for o in outcomes),
                 "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}

@@ -37,12 +37,17 @@ class Breaker:
         self._checked = 0.0
         self._lock = threading.Lock()
 
-    def _read(self) -> tuple[float, str] | None:
+    def _read(self, now: float) -> tuple[float, str] | None:
+        """The shared pause: its end, never further than its length from ``now`` (the host
+        that tripped it may have a clock ahead of this one: docs/relay.md, "Circuit breaker")."""
         raw = self.state.get(self.key)
         if not raw:
             return None
         data = json.loads(raw)
-        return float(data["until"]), str(data.get("reason", ""))
+        until = float(data["until"])
+        if "seconds" in data:
+            until = min(until, now + float(data["seconds"]))
+        return until, str(data.get("reason", ""))
 
     def open_for(self, now: float | None = None) -> float:
         """Seconds until claims may resume; 0 when closed."""
@@ -51,7 +56,7 @@ class Breaker:
             if self._until <= now and now - self._checked >= self.cache_s:
                 self._checked = now
                 try:
-                    shared = self._read()
+                    shared = self._read(now)
                 except Exception as exc:  # noqa: BLE001 - the shared store is down: decide locally
                     log.debug("outbox breaker: cannot read shared state: %s", exc)
                     shared = None
@@ -76,9 +81,10 @@ class Breaker:
                 self._until, self._reason = until, reason
             until, reason = self._until, self._reason
         try:
-            shared = self._read()
+            shared = self._read(now)
             if shared is None or shared[0] < until:
-                self.state.set(self.key, json.dumps({"until": until, "reason": reason}), until - time.time())
+                self.state.set(self.key, json.dumps({"until": until, "reason": reason, "seconds": until - now}),
+                               until - time.time())
         except Exception as exc:  # noqa: BLE001 - any error of the shared store: pause alone
             log.warning("outbox breaker: cannot share state (this process pauses alone): %s", exc)
         return until
@@ -141,8 +147,9 @@ class RouteGate:
                     log.debug("outbox route gate: cannot read shared state: %s", exc)
                     shared = {}
                 for route, (until, step) in shared.items():
+                    until = min(float(until), now + float(step))  # a clock ahead of ours: as Breaker._read
                     if until > self._routes.get(route, (0.0, 0.0))[0]:
-                        self._routes[route] = (float(until), float(step))
+                        self._routes[route] = (until, float(step))
             return self._routes
 
     def paused(self, route: str, now: float | None = None) -> float:
