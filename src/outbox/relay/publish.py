@@ -108,7 +108,8 @@ def _skip_all(relay: RelayContext, chains: list[list[OutboxMessage]],
     if pause > 0 or relay.stopping():
         # The broker is down, or this worker is shutting down: hand the rows straight back
         # (a fatal pause's with no delay: policy._trip_breaker).
-        delay = timedelta(seconds=pause) if pause > 0 and not relay.breaker.fatal else None  # type: ignore[union-attr]
+        fatal = relay.breaker is not None and relay.breaker.fatal
+        delay = timedelta(seconds=pause) if pause > 0 and not fatal else None
         for chain in chains:
             relay.settler.release(chain, delay)
         return [ChainOutcome(skipped=True, released=[m.id for m in chain]) for chain in chains]
