@@ -54,7 +54,7 @@ def _explain(exc: Exception) -> str | None:
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"SELECT id FROM {store.engine.table} WHERE 1 = 0")
     except Exception:  # noqa: BLE001 - the probe query failing means the table is not there
-        return f"table {store.engine.table} missing: run `outbox migrate` (it creates the table and its indexes)"
+        return store.engine.missing_table_hint()
     finally:
         store.close()
     return None
