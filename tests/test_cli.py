@@ -145,3 +145,14 @@ def test_purge_refuses_a_retention_the_setting_refuses(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "o.db") as conn:
         assert conn.execute("SELECT count(*) FROM outbox WHERE status = 2").fetchone() == (1,)
     assert "purged 0 done row(s) older than 0.5 day(s)" in ok(run("purge", "--older-than-days", "0.5", env=env)).stdout
+
+
+def test_a_database_url_set_but_empty_is_an_error_and_creates_nothing(tmp_path: Path) -> None:
+    """It once meant ./outbox.db, silently, and `outbox check` no longer warned about it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    for args in (("migrate",), ("check",)):
+        result = subprocess.run([sys.executable, "-m", "outbox.cli", *args], capture_output=True, text=True,
+                                cwd=tmp_path, timeout=60, env={**env, "OUTBOX_DATABASE_URL": ""})
+        assert result.returncode == 1, result
+        assert "OUTBOX_DATABASE_URL is set but empty: unset it for the default" in result.stdout + result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -64,6 +64,11 @@ def relay(command: str, tmp_path: Path, env: dict[str, str]) -> subprocess.Compl
     ("OUTBOX_EXCHANGE", "amq.topic", "names starting with 'amq.' are reserved"),
     ("OUTBOX_EXCHANGE", "", "OUTBOX_EXCHANGE is set but empty"),  # once silently meant 'outbox'
     ("OUTBOX_EXCHANGE", "  ", "OUTBOX_EXCHANGE is set but empty"),
+    # Once silently the defaults: ./outbox.db (and `outbox check` no longer warned), memory://.
+    ("OUTBOX_DATABASE_URL", "", "OUTBOX_DATABASE_URL is set but empty: unset it for the default"),
+    ("OUTBOX_DATABASE_URL", " ", "OUTBOX_DATABASE_URL is set but empty"),
+    ("OUTBOX_PUBLISH_URL", "", "OUTBOX_PUBLISH_URL is set but empty: unset it for the default (memory://"),
+    ("OUTBOX_CELERY_BROKER_URL", "", "OUTBOX_CELERY_BROKER_URL is set but empty: unset it for the default"),
     ("OUTBOX_CELERY_BROKER_URL", "outbxdb://", "did you mean 'outboxdb'?"),  # the database broker is known
     ("OUTBOX_PUBLISH_URL", "outboxdb://", "is Celery's broker on the database, not a destination"),
     ("OUTBOX_DEAD_LETTER_EXCHANGE", "x" * 256, "is longer than 255 bytes"),

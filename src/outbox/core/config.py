@@ -62,17 +62,23 @@ class Settings(Options):
 
     SHOW_GIVEN: ClassVar[bool] = False  # errors quote the value read: OUTBOX_RETENTION_DAYS=-2.0
 
-    database_url: str = option("sqlite:///outbox.db", "str", check=validate_database_url)
+    database_url: str = option("sqlite:///outbox.db", "str", check=validate_database_url, empty_error=(
+        "unset it for the default (sqlite:///outbox.db, a file in the current directory) or give the "
+        "database's URL"))
     table: str = option("outbox", "str", check=validate_identifier)
     schema: str | None = option(None, "str", check=validate_identifier)
-    publish_url: str = option("memory://", "str", check=validate_publish_url)
+    publish_url: str = option("memory://", "str", check=validate_publish_url, empty_error=(
+        "unset it for the default (memory://, in-process: nothing leaves the process) or give the "
+        "destination's URL"))
     exchange: str = option("outbox", "str", check=validate_exchange, empty_error=(
         "unset it for the default ('outbox') or name an exchange (AMQP's nameless default exchange cannot "
         "route by topic)"))
     #: Durable topic exchange that receives a copy of every row that goes dead (with the
     #: error in ``x-outbox-error``); None (the default) turns dead-letter publishing off.
     dead_letter_exchange: str | None = option(None, "str", check=validate_exchange)
-    celery_broker_url: str | None = option(None, "str", check=validate_kombu_url)
+    celery_broker_url: str | None = option(None, "str", check=validate_kombu_url, empty_error=(
+        "unset it for the default (memory:// on SQLite, else redis://127.0.0.1:6379/0) or give Celery's "
+        "broker URL"))
     batch_size: int = option(100, "int", above=0, maximum=10_000)
     claim_timeout_ms: int = option(60_000, "int", above=0, maximum=MAX_CLAIM_TIMEOUT_MS)
     max_attempts: int = option(10, "int", above=0, maximum=1_000)
