@@ -223,6 +223,54 @@ def test_worker_and_beat_refuse_bad_settings_with_one_line(tmp_path: Path, comma
     assert output.strip().splitlines()[-1].startswith(message), output[-3000:]
 
 
+#: Options read beyond the settings, which a relay once met only in its tasks (a traceback every
+#: claim tick) or logged as "metrics: off": now validated at start-up (``relay_families``).
+LATE_OPTIONS = [
+    ("OUTBOX_KAFKA_SECURITY_PROTOCOL", "bogus",
+     "outbox: invalid configuration: OUTBOX_KAFKA_SECURITY_PROTOCOL='bogus': expected one of plaintext"),
+    ("OUTBOX_RELAY_METRICS_PORT", "notaport",
+     "outbox: invalid configuration: OUTBOX_RELAY_METRICS_PORT='notaport' is not a port number"),
+]
+KAFKA_URL = "kafka://127.0.0.1:9"
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+@pytest.mark.parametrize("setting,value,message", LATE_OPTIONS, ids=["kafka", "metrics"])
+def test_worker_and_beat_refuse_bad_kafka_and_metrics_options(tmp_path: Path, command: str, setting: str,
+                                                              value: str, message: str) -> None:
+    redis_url = require_redis()
+    env = clean_env(**{"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_CELERY_BROKER_URL": redis_url,
+                       "OUTBOX_PUBLISH_URL": KAFKA_URL, setting: value})
+    result = relay(command, tmp_path, env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith(message), output[-3000:]
+
+
+@pytest.mark.parametrize("setting,value,message", LATE_OPTIONS, ids=["kafka", "metrics"])
+def test_the_dramatiq_worker_and_scheduler_refuse_bad_kafka_and_metrics_options(
+        tmp_path: Path, setting: str, value: str, message: str) -> None:
+    env = clean_env(**{"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                       "OUTBOX_DRAMATIQ_BROKER_URL": "redis://127.0.0.1:9/0", "OUTBOX_PUBLISH_URL": KAFKA_URL,
+                       setting: value})
+    bin_dir = Path(sys.executable).parent
+    worker = subprocess.run([str(bin_dir / "dramatiq"), "outbox.dramatiq", "-p", "1", "-t", "1"], env=env,
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert worker.returncode != 0 and message in worker.stdout + worker.stderr, worker.stderr[-2000:]
+    scheduler = subprocess.run([str(bin_dir / "outbox-dramatiq-scheduler")], env=env, capture_output=True,
+                               text=True, timeout=60, cwd=tmp_path)
+    assert scheduler.returncode == 2 and message in scheduler.stderr, scheduler.stderr
+
+
+def test_kafka_options_are_not_read_for_another_destination(tmp_path: Path) -> None:
+    from outbox.core.config import relay_families
+
+    assert "KafkaOptions" not in [f.__name__ for f in relay_families(load_settings(environ={}))]
+    assert "KafkaOptions" in [f.__name__ for f in relay_families(load_settings(
+        environ={"OUTBOX_PUBLISH_URL": KAFKA_URL}))]
+
+
 def test_worker_and_beat_warn_about_unknown_outbox_names(tmp_path: Path) -> None:
     """One line per unknown name, at start-up; the bad setting then stops it, so the test
     does not have to run a relay."""

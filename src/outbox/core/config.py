@@ -448,6 +448,25 @@ def metrics_options() -> MetricsOptions:
     return MetricsOptions.from_sources(current_sources())
 
 
+def relay_families(settings: Settings) -> tuple[type[Options], ...]:
+    """The option families a relay process reads beyond ``Settings``: what its start-up
+    (``startup_options``) and ``outbox check`` validate, so that a bad value stops it there
+    instead of failing every task (README, "Configuration"). The OUTBOX_KAFKA_* options
+    only when the destination is Kafka."""
+    kafka = (KafkaOptions,) if settings.publish_url.startswith("kafka://") else ()
+    return (RelayOptions, MetricsOptions, *kafka)
+
+
+def startup_options() -> tuple[Settings, RelayOptions]:
+    """The settings and relay options of a relay process (worker, beat, the Dramatiq front-end
+    and its scheduler), with every family it reads validated now (``relay_families``):
+    ``ConfigError`` names the first bad setting."""
+    settings = get_settings()
+    for family in relay_families(settings):
+        current(family)
+    return settings, relay_options()
+
+
 def reset_settings() -> None:
     """Forget everything read (tests, and processes that change their environment)."""
     reset()
@@ -481,7 +500,7 @@ def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: boo
 __all__ = ["Settings", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
-           "pipeline_options", "dramatiq_settings", "current_sources", "current", "reset_settings", "use_conf",
+           "pipeline_options", "dramatiq_settings", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
            "conf_keys", "known_names", "unknown_environment", "warn_unknown_environment", "refuse_unknown",
            "SESSION_BOUNDS", "session_bounds", "without_session_bounds", "validate_identifier",
            "validate_database_url", "validate_kombu_url", "validate_namespace", "validate_dramatiq_broker_url",

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from ..core.config import get_settings, relay_options
+from ..core.config import startup_options
 from ..core.errors import ConfigError
 from ..core.redact import install_filter, redact
 from ..relay import RelayOptions
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     install_filter(logging.getLogger())
     logging.getLogger("pika").setLevel(logging.WARNING)  # Dramatiq's RabbitMQ client narrates each connect
     try:
-        settings, options = get_settings(), relay_options()
+        settings, options = startup_options()
         dramatiq_settings = _broker.settings(required=True)
         assert dramatiq_settings is not None
         url, ns = dramatiq_settings.url, dramatiq_settings.namespace
