@@ -88,6 +88,16 @@ def test_check_reports_what_would_stop_a_relays_start_up(tmp_path: Path, setting
     assert message in result.stdout
 
 
+def test_check_against_an_unreachable_kafka_is_one_report_line(tmp_path: Path) -> None:
+    """librdkafka once wrote ~100 raw lines (one per reconnect) on stderr while the check waited."""
+    pytest.importorskip("confluent_kafka")
+    result = check({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                    "OUTBOX_PUBLISH_URL": "kafka://127.0.0.1:9"}, tmp_path)
+    assert result.returncode == 1 and lines(result)["destination"] == "FAIL"
+    assert "kafka://127.0.0.1:9 unreachable" in result.stdout
+    assert "rdkafka" not in result.stderr and "rdkafka" not in result.stdout, result.stderr[-2000:]
+
+
 def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
     require("PostgreSQL", "127.0.0.1", 5432)
     require("RabbitMQ", "127.0.0.1", 5672)
