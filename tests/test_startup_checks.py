@@ -283,3 +283,16 @@ def test_worker_and_beat_warn_about_unknown_outbox_names(tmp_path: Path) -> None
         warnings = [line for line in text.splitlines() if "unknown environment variable" in line]
         assert warnings == ["outbox: unknown environment variable OUTBOX_CLAIM_INTERVALS is ignored "
                             "(did you mean OUTBOX_CLAIM_INTERVAL_S?)"], text[-3000:]
+
+
+def test_the_dramatiq_scheduler_refuses_an_unknown_log_level(capsys: pytest.CaptureFixture[str]) -> None:
+    """--loglevel garbage once ended in logging's traceback."""
+    from outbox.dramatiq.scheduler import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--loglevel", "garbage"])
+    assert stopped.value.code == 2
+    assert "argument --loglevel: invalid choice: 'GARBAGE' (choose from 'DEBUG', 'INFO'" in capsys.readouterr().err
+    # Any case is a level: the scheduler gets past it, to the configuration (no Dramatiq broker here).
+    assert main(["--loglevel", "debug"]) == 2
+    assert "OUTBOX_DRAMATIQ_BROKER_URL is not set" in capsys.readouterr().err

@@ -164,15 +164,20 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
     lock.release()
 
 
+#: What ``--loglevel`` accepts (``logging``'s level names).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="outbox-dramatiq-scheduler",
         description="Send the relay's claim ticks and purges to Dramatiq's broker "
                     "(OUTBOX_DRAMATIQ_BROKER_URL) for `dramatiq outbox.dramatiq` workers. Run one or "
                     "more: a leader lock (Redis key or RabbitMQ exclusive queue) lets only one tick.")
-    parser.add_argument("--loglevel", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--loglevel", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="logging level, any case (default INFO)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_filter(logging.getLogger())
     logging.getLogger("pika").setLevel(logging.WARNING)  # Dramatiq's RabbitMQ client narrates each connect
     try:
