@@ -296,3 +296,36 @@ def test_the_dramatiq_scheduler_refuses_an_unknown_log_level(capsys: pytest.Capt
     # Any case is a level: the scheduler gets past it, to the configuration (no Dramatiq broker here).
     assert main(["--loglevel", "debug"]) == 2
     assert "OUTBOX_DRAMATIQ_BROKER_URL is not set" in capsys.readouterr().err
+
+
+#: A user's module of the same name, which comes first on sys.path from its directory.
+SHADOW = "SCHEDULE = {'nightly': 1}\n"
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_a_users_beat_schedule_module_is_named_not_a_missing_attribute(tmp_path: Path, command: str) -> None:
+    """`celery -A outbox worker` once died with "module 'beat_schedule' has no attribute 'build_schedule'"
+    (the project's directory on PYTHONPATH, as a Django project has it)."""
+    redis_url = require_redis()
+    (tmp_path / "beat_schedule.py").write_text(SHADOW)
+    env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_CELERY_BROKER_URL=redis_url)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = relay(command, tmp_path, env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        f"outbox: invalid configuration: {tmp_path / 'beat_schedule.py'} shadows the relay's schedule (the top-level "
+        "module beat_schedule installed with outbox-relay) and has no build_schedule(settings, options): rename it"
+    ), output[-3000:]
+
+
+def test_the_dramatiq_scheduler_names_a_shadowing_beat_schedule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from outbox.dramatiq.scheduler import main
+
+    (tmp_path / "beat_schedule.py").write_text(SHADOW)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "beat_schedule", raising=False)
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", "redis://127.0.0.1:9/0")
+    assert main([]) == 2
+    assert f"{tmp_path / 'beat_schedule.py'} shadows the relay's schedule" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from ..core.config import RelayOptions, Settings, relay_options, relay_settings,
 from ..core.errors import ConfigError
 from ..core.names import CLAIM_TASK, PUBLISH_TASK, TASK_OUTBOX_ARG, Queues
 from ..core.redact import redact
+from ..schedule import load_beat_schedule
 
 log = logging.getLogger("outbox.celery")
 
@@ -56,13 +57,6 @@ app = Celery("outbox", include=["outbox.celery.tasks"], amqp=AMQP)
 
 # The one configuration reader (``outbox.core.config``) reads this app's OUTBOX_* config keys.
 use_conf(lambda: app.conf)
-
-
-def load_beat_schedule(settings: Settings, options: RelayOptions) -> dict[str, Any]:
-    """The schedule, from the top-level ``beat_schedule`` module (the one definition)."""
-    import beat_schedule
-
-    return beat_schedule.build_schedule(settings, options)
 
 
 def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
