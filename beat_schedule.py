@@ -3,8 +3,8 @@
 The Celery app (``outbox.celery``) imports this module and installs ``build_schedule``'s
 result as its ``beat_schedule``, computed from the OUTBOX_* settings once they are known
 (Celery config keys, environment, Django settings: the one order). The module is installed as a top-level module with the
-package, so ``import beat_schedule`` works from any directory; a ``beat_schedule.py`` in the
-directory beat is started from comes first on ``sys.path`` and replaces it.
+package, so ``import beat_schedule`` works from any directory; a ``beat_schedule.py`` earlier
+on ``sys.path`` replaces it, and is refused without ``build_schedule`` (``outbox.schedule``).
 
 Entries:
 

@@ -75,6 +75,29 @@ def test_check_reports_a_bad_setting_and_a_missing_index(tmp_path: Path) -> None
     assert "missing ix_outbox_claim_ready" in result.stdout
 
 
+@pytest.mark.parametrize("setting,value,message", [
+    ("OUTBOX_KAFKA_SECURITY_PROTOCOL", "bogus", "OUTBOX_KAFKA_SECURITY_PROTOCOL='bogus': expected one of"),
+    ("OUTBOX_RELAY_METRICS_PORT", "notaport", "OUTBOX_RELAY_METRICS_PORT='notaport' is not a port number"),
+], ids=["kafka", "metrics"])
+def test_check_reports_what_would_stop_a_relays_start_up(tmp_path: Path, setting: str, value: str,
+                                                          message: str) -> None:
+    """The metrics port once passed the check (the worker only logged "metrics: off")."""
+    result = check({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                    "OUTBOX_PUBLISH_URL": "kafka://127.0.0.1:9", setting: value}, tmp_path)
+    assert result.returncode == 1 and lines(result) == {"configuration": "FAIL"}, result.stdout
+    assert message in result.stdout
+
+
+def test_check_against_an_unreachable_kafka_is_one_report_line(tmp_path: Path) -> None:
+    """librdkafka once wrote ~100 raw lines (one per reconnect) on stderr while the check waited."""
+    pytest.importorskip("confluent_kafka")
+    result = check({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                    "OUTBOX_PUBLISH_URL": "kafka://127.0.0.1:9"}, tmp_path)
+    assert result.returncode == 1 and lines(result)["destination"] == "FAIL"
+    assert "kafka://127.0.0.1:9 unreachable" in result.stdout
+    assert "rdkafka" not in result.stderr and "rdkafka" not in result.stdout, result.stderr[-2000:]
+
+
 def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
     require("PostgreSQL", "127.0.0.1", 5432)
     require("RabbitMQ", "127.0.0.1", 5672)

@@ -126,3 +126,33 @@ def test_pyodbc_without_unixodbc_names_the_system_library_not_pip() -> None:
     hint = missing_driver_hint(exc)
     assert hint is not None and "unixodbc" in hint and "ODBC driver" in hint
     assert "pip install" not in hint and "not installed" not in hint.split("cannot load")[0]
+
+
+def test_purge_refuses_a_retention_the_setting_refuses(tmp_path: Path) -> None:
+    """--older-than-days -1 once purged every done row, fresh ones too, and nan raised a bare
+    ValueError: the option follows OUTBOX_RETENTION_DAYS's rule, and nothing is deleted."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    ok(run("migrate", env=env))
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        enqueue(conn, topic="t", aggregate_type="o", aggregate_id="1", payload={"a": 1})
+        conn.execute("UPDATE outbox SET status = 2, processed_at = strftime('%Y-%m-%d %H:%M:%f', 'now')")
+    for given, problem in (("-1", "--older-than-days=-1.0 must be >= 0"),
+                           ("nan", "--older-than-days=nan must be a finite number"),
+                           ("inf", "--older-than-days=inf must be a finite number")):
+        result = run("purge", "--older-than-days", given, env=env)
+        assert result.returncode == 2, result
+        assert result.stderr.strip().splitlines()[-1] == f"Error: {problem} (the rule of OUTBOX_RETENTION_DAYS)"
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        assert conn.execute("SELECT count(*) FROM outbox WHERE status = 2").fetchone() == (1,)
+    assert "purged 0 done row(s) older than 0.5 day(s)" in ok(run("purge", "--older-than-days", "0.5", env=env)).stdout
+
+
+def test_a_database_url_set_but_empty_is_an_error_and_creates_nothing(tmp_path: Path) -> None:
+    """It once meant ./outbox.db, silently, and `outbox check` no longer warned about it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    for args in (("migrate",), ("check",)):
+        result = subprocess.run([sys.executable, "-m", "outbox.cli", *args], capture_output=True, text=True,
+                                cwd=tmp_path, timeout=60, env={**env, "OUTBOX_DATABASE_URL": ""})
+        assert result.returncode == 1, result
+        assert "OUTBOX_DATABASE_URL is set but empty: unset it for the default" in result.stdout + result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -74,7 +74,8 @@ def commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[tup
 def test_the_readme_command_table_lists_every_command_and_option() -> None:
     table = README.split("## Command line", 1)[1].split("```", 2)[1]
     for path, command in commands(main):
-        if path[0] == "pipeline":  # the Spark jobs have their own docs
+        if path[0] == "pipeline":  # listed as one group; the Spark jobs have their own docs
+            assert "\noutbox pipeline " in table, "README's command table lacks `outbox pipeline`"
             continue
         line = f"outbox {' '.join(path)}"
         assert line in table, f"README's command table lacks `{line}`"
@@ -139,3 +140,24 @@ def test_every_pointer_to_a_section_names_one_that_exists() -> None:
             if not any(section.lower() in s for s in _sections(page)):
                 stale.append(f"{path.relative_to(ROOT)}: {m.group(1)}.md, \"{section}\"")
     assert not stale, stale
+
+
+def test_the_flask_quick_start_points_the_relay_at_the_examples_database() -> None:
+    """docs/flask.md's quick start once wrote events to shop.db while `outbox status` and the
+    workers read ./outbox.db."""
+    app = (ROOT / "examples" / "flask" / "app.py").read_text()
+    default = re.search(r'os\.environ\.get\("DATABASE_URL", "([^"]+)"\)', app)
+    assert default is not None
+    export = f"export OUTBOX_DATABASE_URL={default.group(1)}"
+    assert export in (ROOT / "docs" / "flask.md").read_text() and export in app
+    assert f"sqlalchemy.url = {default.group(1)}" in (ROOT / "examples" / "flask" / "alembic.ini").read_text()
+
+
+def test_the_dramatiq_page_says_which_broker_outbox_check_checks() -> None:
+    from outbox.commands import doctor
+
+    # What the check does (tests/test_check.py runs it), and what the page says it does.
+    assert "Dramatiq's (``OUTBOX_DRAMATIQ_BROKER_URL``) when it is set" in " ".join((doctor.__doc__ or "").split())
+    page = " ".join((ROOT / "docs" / "dramatiq.md").read_text().split())
+    assert "`outbox check`'s broker checks read Celery's settings" not in page
+    assert "with `OUTBOX_DRAMATIQ_BROKER_URL` set, Dramatiq's broker" in page

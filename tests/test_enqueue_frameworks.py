@@ -78,3 +78,24 @@ def test_validation_runs_before_the_connection_is_touched() -> None:
     from outbox import EnqueueError
     with pytest.raises(EnqueueError):
         enqueue(Exploding(), topic="", aggregate_type="o", aggregate_id="1", payload={})
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_a_cursor_is_refused_naming_what_to_pass(writer: Any) -> None:
+    """A cursor once failed with AttributeError: 'Cursor' object has no attribute 'cursor'."""
+    cursor = writer.cursor()
+    with pytest.raises(UnsupportedConnection, match=r"enqueue needs the connection, not a cursor: got .*Cursor; "
+                                                    r"pass the cursor's connection \(cursor.connection\)"):
+        enqueue(cursor, topic="t", aggregate_type="o", aggregate_id="1", payload={})
+    cursor.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_a_missing_table_says_to_migrate_and_keeps_the_drivers_error(writer: Any, store: OutboxStore) -> None:
+    from outbox import StoreError
+
+    with pytest.raises(StoreError) as raised:
+        enqueue(writer, topic="t", aggregate_type="o", aggregate_id="1", payload={}, table="never_migrated")
+    assert str(raised.value) == ("enqueue: table " + store.engine.quote("never_migrated") + " missing: run "
+                                 "`outbox migrate` (it creates the table and its indexes)")
+    assert raised.value.__cause__ is not None and store.engine.is_missing_table(raised.value.__cause__)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +109,36 @@ def test_a_message_id_with_whitespace_at_either_end_is_refused(message_id: str) 
 def test_whitespace_inside_a_message_id_is_kept() -> None:
     assert prepare_event(payload={}, topic="t", aggregate_type="o", aggregate_id="a",
                          message_id="order 42 created").message_id == "order 42 created"
+
+
+KEY_LOSSES = [
+    # json.dumps wrote these as "1", "null": PostgreSQL kept {"1": "b", "null": "d"}.
+    ({1: "a", "1": "b", None: "d"}, r"payload has the key 1 \(int\)"),
+    ({"ok": 1, False: 0}, r"payload has the key False \(bool\)"),
+    ({"a": [{"b": {2.5: 1}}]}, r"payload\['a'\]\[0\]\['b'\] has the key 2.5 \(float\)"),
+    ([{"x": ({None: 1},)}], r"payload\[0\]\['x'\]\[0\] has the key None \(NoneType\)"),
+]
+
+
+@pytest.mark.parametrize("payload,where", KEY_LOSSES, ids=["top", "bool", "nested", "array"])
+def test_a_payload_key_that_is_not_a_string_is_refused_naming_its_path(payload: object, where: str) -> None:
+    with pytest.raises(EnqueueError, match=where + ": JSON object keys must be strings"):
+        prepare_event(payload=payload, **BASE)
+
+
+def test_header_names_that_are_not_strings_are_refused() -> None:
+    with pytest.raises(EnqueueError, match="header names must be non-empty strings, got 1"):
+        prepare_event(payload={}, headers={1: "a"}, **BASE)
+
+
+def test_a_key_problem_reaches_no_database(tmp_path: Path) -> None:
+    """enqueue refuses it before any SQL: the caller's transaction holds nothing."""
+    from outbox import enqueue
+    from outbox.storage.store import OutboxStore
+
+    OutboxStore(f"sqlite:///{tmp_path / 'o.db'}").migrate()
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        with pytest.raises(EnqueueError, match="has the key 1"):
+            enqueue(conn, payload={"ok": {1: "x"}}, **BASE)
+        assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
+        assert not conn.in_transaction

@@ -64,6 +64,11 @@ def relay(command: str, tmp_path: Path, env: dict[str, str]) -> subprocess.Compl
     ("OUTBOX_EXCHANGE", "amq.topic", "names starting with 'amq.' are reserved"),
     ("OUTBOX_EXCHANGE", "", "OUTBOX_EXCHANGE is set but empty"),  # once silently meant 'outbox'
     ("OUTBOX_EXCHANGE", "  ", "OUTBOX_EXCHANGE is set but empty"),
+    # Once silently the defaults: ./outbox.db (and `outbox check` no longer warned), memory://.
+    ("OUTBOX_DATABASE_URL", "", "OUTBOX_DATABASE_URL is set but empty: unset it for the default"),
+    ("OUTBOX_DATABASE_URL", " ", "OUTBOX_DATABASE_URL is set but empty"),
+    ("OUTBOX_PUBLISH_URL", "", "OUTBOX_PUBLISH_URL is set but empty: unset it for the default (memory://"),
+    ("OUTBOX_CELERY_BROKER_URL", "", "OUTBOX_CELERY_BROKER_URL is set but empty: unset it for the default"),
     ("OUTBOX_CELERY_BROKER_URL", "outbxdb://", "did you mean 'outboxdb'?"),  # the database broker is known
     ("OUTBOX_PUBLISH_URL", "outboxdb://", "is Celery's broker on the database, not a destination"),
     ("OUTBOX_DEAD_LETTER_EXCHANGE", "x" * 256, "is longer than 255 bytes"),
@@ -218,6 +223,54 @@ def test_worker_and_beat_refuse_bad_settings_with_one_line(tmp_path: Path, comma
     assert output.strip().splitlines()[-1].startswith(message), output[-3000:]
 
 
+#: Options read beyond the settings, which a relay once met only in its tasks (a traceback every
+#: claim tick) or logged as "metrics: off": now validated at start-up (``relay_families``).
+LATE_OPTIONS = [
+    ("OUTBOX_KAFKA_SECURITY_PROTOCOL", "bogus",
+     "outbox: invalid configuration: OUTBOX_KAFKA_SECURITY_PROTOCOL='bogus': expected one of plaintext"),
+    ("OUTBOX_RELAY_METRICS_PORT", "notaport",
+     "outbox: invalid configuration: OUTBOX_RELAY_METRICS_PORT='notaport' is not a port number"),
+]
+KAFKA_URL = "kafka://127.0.0.1:9"
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+@pytest.mark.parametrize("setting,value,message", LATE_OPTIONS, ids=["kafka", "metrics"])
+def test_worker_and_beat_refuse_bad_kafka_and_metrics_options(tmp_path: Path, command: str, setting: str,
+                                                              value: str, message: str) -> None:
+    redis_url = require_redis()
+    env = clean_env(**{"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_CELERY_BROKER_URL": redis_url,
+                       "OUTBOX_PUBLISH_URL": KAFKA_URL, setting: value})
+    result = relay(command, tmp_path, env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith(message), output[-3000:]
+
+
+@pytest.mark.parametrize("setting,value,message", LATE_OPTIONS, ids=["kafka", "metrics"])
+def test_the_dramatiq_worker_and_scheduler_refuse_bad_kafka_and_metrics_options(
+        tmp_path: Path, setting: str, value: str, message: str) -> None:
+    env = clean_env(**{"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                       "OUTBOX_DRAMATIQ_BROKER_URL": "redis://127.0.0.1:9/0", "OUTBOX_PUBLISH_URL": KAFKA_URL,
+                       setting: value})
+    bin_dir = Path(sys.executable).parent
+    worker = subprocess.run([str(bin_dir / "dramatiq"), "outbox.dramatiq", "-p", "1", "-t", "1"], env=env,
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert worker.returncode != 0 and message in worker.stdout + worker.stderr, worker.stderr[-2000:]
+    scheduler = subprocess.run([str(bin_dir / "outbox-dramatiq-scheduler")], env=env, capture_output=True,
+                               text=True, timeout=60, cwd=tmp_path)
+    assert scheduler.returncode == 2 and message in scheduler.stderr, scheduler.stderr
+
+
+def test_kafka_options_are_not_read_for_another_destination(tmp_path: Path) -> None:
+    from outbox.core.config import relay_families
+
+    assert "KafkaOptions" not in [f.__name__ for f in relay_families(load_settings(environ={}))]
+    assert "KafkaOptions" in [f.__name__ for f in relay_families(load_settings(
+        environ={"OUTBOX_PUBLISH_URL": KAFKA_URL}))]
+
+
 def test_worker_and_beat_warn_about_unknown_outbox_names(tmp_path: Path) -> None:
     """One line per unknown name, at start-up; the bad setting then stops it, so the test
     does not have to run a relay."""
@@ -230,3 +283,49 @@ def test_worker_and_beat_warn_about_unknown_outbox_names(tmp_path: Path) -> None
         warnings = [line for line in text.splitlines() if "unknown environment variable" in line]
         assert warnings == ["outbox: unknown environment variable OUTBOX_CLAIM_INTERVALS is ignored "
                             "(did you mean OUTBOX_CLAIM_INTERVAL_S?)"], text[-3000:]
+
+
+def test_the_dramatiq_scheduler_refuses_an_unknown_log_level(capsys: pytest.CaptureFixture[str]) -> None:
+    """--loglevel garbage once ended in logging's traceback."""
+    from outbox.dramatiq.scheduler import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--loglevel", "garbage"])
+    assert stopped.value.code == 2
+    assert "argument --loglevel: invalid choice: 'GARBAGE' (choose from 'DEBUG', 'INFO'" in capsys.readouterr().err
+    # Any case is a level: the scheduler gets past it, to the configuration (no Dramatiq broker here).
+    assert main(["--loglevel", "debug"]) == 2
+    assert "OUTBOX_DRAMATIQ_BROKER_URL is not set" in capsys.readouterr().err
+
+
+#: A user's module of the same name, which comes first on sys.path from its directory.
+SHADOW = "SCHEDULE = {'nightly': 1}\n"
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_a_users_beat_schedule_module_is_named_not_a_missing_attribute(tmp_path: Path, command: str) -> None:
+    """`celery -A outbox worker` once died with "module 'beat_schedule' has no attribute 'build_schedule'"
+    (the project's directory on PYTHONPATH, as a Django project has it)."""
+    redis_url = require_redis()
+    (tmp_path / "beat_schedule.py").write_text(SHADOW)
+    env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_CELERY_BROKER_URL=redis_url)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = relay(command, tmp_path, env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        f"outbox: invalid configuration: {tmp_path / 'beat_schedule.py'} shadows the relay's schedule (the top-level "
+        "module beat_schedule installed with outbox-relay) and has no build_schedule(settings, options): rename it"
+    ), output[-3000:]
+
+
+def test_the_dramatiq_scheduler_names_a_shadowing_beat_schedule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from outbox.dramatiq.scheduler import main
+
+    (tmp_path / "beat_schedule.py").write_text(SHADOW)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "beat_schedule", raising=False)
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", "redis://127.0.0.1:9/0")
+    assert main([]) == 2
+    assert f"{tmp_path / 'beat_schedule.py'} shadows the relay's schedule" in capsys.readouterr().err

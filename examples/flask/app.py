@@ -5,6 +5,10 @@ session transaction; the relay is woken right after commit. Schema by Alembic
 
     DATABASE_URL=postgresql+psycopg://app@db/shop OUTBOX_DATABASE_URL=postgresql://app@db/shop \\
         flask --app app run
+
+On the default SQLite database, the relay must read it too (its own default is ./outbox.db):
+
+    export OUTBOX_DATABASE_URL=sqlite:///shop.db
 """
 
 from __future__ import annotations

@@ -8,13 +8,16 @@ import json
 import logging
 import sys
 from datetime import timedelta
+from typing import Any
 
 import click
 
 from .commands.oneline import one_line_errors as _one_line_errors
-from .core.config import get_settings
+from .core.config import Settings, get_settings
+from .core.errors import ConfigError
 from .core.model import Status
 from .core.names import KINDS
+from .core.options import Options, coerce
 from .core.redact import install_filter
 from .storage.engines.describe import describe_database, missing_driver_hint
 from .storage.store import OutboxStore
@@ -51,10 +54,27 @@ def _explain(exc: Exception) -> str | None:
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"SELECT id FROM {store.engine.table} WHERE 1 = 0")
     except Exception:  # noqa: BLE001 - the probe query failing means the table is not there
-        return f"table {store.engine.table} missing: run `outbox migrate` (it creates the table and its indexes)"
+        return store.engine.missing_table_hint()
     finally:
         store.close()
     return None
+
+
+class SettingValue(click.ParamType):
+    """An option that stands in for a setting, read by the setting's own rule (type, bounds,
+    validator: ``outbox.core.options.coerce``), so the two accept the same values."""
+
+    def __init__(self, family: type[Options], setting: str) -> None:
+        self.setting = setting
+        self.how = family.declared()[setting][1]
+        self.name = self.how.kind
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        shown = param.opts[0] if param is not None else self.setting
+        try:
+            return coerce(self.how, shown, value, show_given=False)
+        except ConfigError as exc:
+            raise click.UsageError(f"{exc} (the rule of {self.setting})", ctx) from None
 
 
 #: Every command's failure as one line, driver errors explained (``outbox.commands.oneline``).
@@ -196,7 +216,7 @@ def dead_requeue(ids: tuple[int, ...], everything: bool, force: bool) -> None:
 
 
 @main.command()
-@click.option("--older-than-days", type=float, default=None,
+@click.option("--older-than-days", type=SettingValue(Settings, "OUTBOX_RETENTION_DAYS"), default=None,
               help="Retention in days (default: OUTBOX_RETENTION_DAYS).")
 @click.option("--batch", default=1000, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--max-rows", default=100_000, show_default=True, type=click.IntRange(1))

@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from .core.config import get_settings, validate_identifier
-from .core.errors import ConfigError, EnqueueError
+from .core.errors import ConfigError, EnqueueError, StoreError
 from .core.tracing import current_traceparent
 from .domain.events import prepare_event
 from .relay.listen import notify_channel
@@ -45,6 +45,10 @@ def enqueue(
 
     ``table`` and ``schema`` (default: ``OUTBOX_TABLE`` / ``OUTBOX_SCHEMA``) are checked
     exactly like those settings: plain identifiers only, since they reach SQL text.
+
+    ``conn`` is a connection, never a cursor (``UnsupportedConnection``). A missing outbox
+    table is a ``StoreError`` that says to run ``outbox migrate``, the driver's error as
+    its ``__cause__``.
     """
     settings = get_settings()
     try:
@@ -63,5 +67,9 @@ def enqueue(
         if channel:  # PostgreSQL delivers the notification at commit, and only then
             return engine.insert_event_and_notify(cursor, event, channel)
         return engine.insert_event(cursor, event)
+    except Exception as exc:
+        if engine.is_missing_table(exc):  # read from the error alone: no query on the hot path
+            raise StoreError(f"enqueue: {engine.missing_table_hint()}") from exc
+        raise
     finally:
         cursor.close()

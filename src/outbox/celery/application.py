@@ -19,10 +19,11 @@ from kombu import Connection as KombuConnection
 from kombu import Exchange, Queue
 from kombu.utils.url import as_url
 
-from ..core.config import RelayOptions, Settings, relay_options, relay_settings, use_conf
+from ..core.config import RelayOptions, Settings, relay_options, relay_settings, startup_options, use_conf
 from ..core.errors import ConfigError
 from ..core.names import CLAIM_TASK, PUBLISH_TASK, TASK_OUTBOX_ARG, Queues
 from ..core.redact import redact
+from ..schedule import load_beat_schedule
 
 log = logging.getLogger("outbox.celery")
 
@@ -56,13 +57,6 @@ app = Celery("outbox", include=["outbox.celery.tasks"], amqp=AMQP)
 
 # The one configuration reader (``outbox.core.config``) reads this app's OUTBOX_* config keys.
 use_conf(lambda: app.conf)
-
-
-def load_beat_schedule(settings: Settings, options: RelayOptions) -> dict[str, Any]:
-    """The schedule, from the top-level ``beat_schedule`` module (the one definition)."""
-    import beat_schedule
-
-    return beat_schedule.build_schedule(settings, options)
 
 
 def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
@@ -126,7 +120,7 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
 
 def _defaults() -> dict[str, Any]:
     try:
-        return celery_config(relay_settings(), relay_options())
+        return celery_config(*startup_options())
     except ConfigError as exc:
         if os.path.basename(sys.argv[0] or "").startswith("celery"):
             # `celery -A outbox worker|beat`: one clear line and a non-zero exit, no traceback.

@@ -4,7 +4,8 @@ Each check says ``ok``, ``warn`` (works, but probably not what you meant) or ``F
 (events will not arrive), with the fix in the same line. The checks, in order, each
 skipped when an earlier one it depends on failed:
 
-1. configuration: every OUTBOX_* setting parses and validates (relay tuning included);
+1. configuration: every OUTBOX_* setting parses and validates, with every option family a relay
+   process validates at its start-up (``relay_families``: relay tuning, metrics, Kafka);
 2. database: a connection opens (a missing driver names the extra to install);
 3. table: exists with every column of the contract; indexes: the ones ``outbox migrate``
    creates are all there; holders: the worker processes' liveness table is there (a
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.config import ConfigError, Settings, dramatiq_settings, load_settings
+from ..core.config import ConfigError, KafkaOptions, Settings, dramatiq_settings, load_settings, relay_families
 from ..storage.engines.describe import (
     describe_database,
     expected_index_names,
@@ -276,15 +277,11 @@ def run_checks(environ: dict[str, str] | None = None, *,
     """Every check, in order; later checks are skipped when configuration fails.
     ``probe_topic``: on Kafka, also produce one probe message there."""
     environ = dict(os.environ if environ is None else environ)
-    kafka = None
     try:
         settings = settings_loader() if settings_loader else load_settings(environ=environ)
-        from ..core.config import RelayOptions
-        RelayOptions.from_sources(environ)
+        read = {family: family.from_sources(environ) for family in relay_families(settings)}
+        kafka = read.get(KafkaOptions)
         dramatiq = dramatiq_settings(environ)
-        if settings.publish_url.startswith("kafka://"):
-            from ..core.config import KafkaOptions
-            kafka = KafkaOptions.from_sources(environ)
     except ConfigError as exc:
         return [Result("configuration", FAIL, str(exc))]
     if settings.broker_url.startswith("outboxdb"):

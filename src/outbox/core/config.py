@@ -62,17 +62,23 @@ class Settings(Options):
 
     SHOW_GIVEN: ClassVar[bool] = False  # errors quote the value read: OUTBOX_RETENTION_DAYS=-2.0
 
-    database_url: str = option("sqlite:///outbox.db", "str", check=validate_database_url)
+    database_url: str = option("sqlite:///outbox.db", "str", check=validate_database_url, empty_error=(
+        "unset it for the default (sqlite:///outbox.db, a file in the current directory) or give the "
+        "database's URL"))
     table: str = option("outbox", "str", check=validate_identifier)
     schema: str | None = option(None, "str", check=validate_identifier)
-    publish_url: str = option("memory://", "str", check=validate_publish_url)
+    publish_url: str = option("memory://", "str", check=validate_publish_url, empty_error=(
+        "unset it for the default (memory://, in-process: nothing leaves the process) or give the "
+        "destination's URL"))
     exchange: str = option("outbox", "str", check=validate_exchange, empty_error=(
         "unset it for the default ('outbox') or name an exchange (AMQP's nameless default exchange cannot "
         "route by topic)"))
     #: Durable topic exchange that receives a copy of every row that goes dead (with the
     #: error in ``x-outbox-error``); None (the default) turns dead-letter publishing off.
     dead_letter_exchange: str | None = option(None, "str", check=validate_exchange)
-    celery_broker_url: str | None = option(None, "str", check=validate_kombu_url)
+    celery_broker_url: str | None = option(None, "str", check=validate_kombu_url, empty_error=(
+        "unset it for the default (memory:// on SQLite, else redis://127.0.0.1:6379/0) or give Celery's "
+        "broker URL"))
     batch_size: int = option(100, "int", above=0, maximum=10_000)
     claim_timeout_ms: int = option(60_000, "int", above=0, maximum=MAX_CLAIM_TIMEOUT_MS)
     max_attempts: int = option(10, "int", above=0, maximum=1_000)
@@ -442,6 +448,25 @@ def metrics_options() -> MetricsOptions:
     return MetricsOptions.from_sources(current_sources())
 
 
+def relay_families(settings: Settings) -> tuple[type[Options], ...]:
+    """The option families a relay process reads beyond ``Settings``: what its start-up
+    (``startup_options``) and ``outbox check`` validate, so that a bad value stops it there
+    instead of failing every task (README, "Configuration"). The OUTBOX_KAFKA_* options
+    only when the destination is Kafka."""
+    kafka = (KafkaOptions,) if settings.publish_url.startswith("kafka://") else ()
+    return (RelayOptions, MetricsOptions, *kafka)
+
+
+def startup_options() -> tuple[Settings, RelayOptions]:
+    """The settings and relay options of a relay process (worker, beat, the Dramatiq front-end
+    and its scheduler), with every family it reads validated now (``relay_families``):
+    ``ConfigError`` names the first bad setting."""
+    settings = get_settings()
+    for family in relay_families(settings):
+        current(family)
+    return settings, relay_options()
+
+
 def reset_settings() -> None:
     """Forget everything read (tests, and processes that change their environment)."""
     reset()
@@ -475,7 +500,7 @@ def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: boo
 __all__ = ["Settings", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
-           "pipeline_options", "dramatiq_settings", "current_sources", "current", "reset_settings", "use_conf",
+           "pipeline_options", "dramatiq_settings", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
            "conf_keys", "known_names", "unknown_environment", "warn_unknown_environment", "refuse_unknown",
            "SESSION_BOUNDS", "session_bounds", "without_session_bounds", "validate_identifier",
            "validate_database_url", "validate_kombu_url", "validate_namespace", "validate_dramatiq_broker_url",

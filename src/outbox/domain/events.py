@@ -18,6 +18,12 @@ What is checked, and why, field by field:
 * No text may hold a NUL character (PostgreSQL's text and JSON types refuse it and abort
   the caller's transaction) or a lone surrogate (not Unicode text: every driver fails to
   encode it).
+* Every JSON object key in the payload, at any depth, must be a string. ``json.dumps``
+  writes an ``int``, ``float``, ``bool`` or ``None`` key as text, silently: ``{1: "a",
+  "1": "b"}`` becomes two ``"1"`` members, of which the database keeps one, and the
+  consumer never sees the key the caller wrote. The walk runs after ``dump_json`` (which
+  has refused cycles and over-deep nesting) and visits only containers' keys and values,
+  and builds the key's path only once it found one (``non_str_key_path``).
 * A ``message_id`` may not start or end with whitespace. SQL Server's equality ignores
   trailing spaces, so ``m1`` and ``m1 `` would be one message there and two on the other
   engines; refusing both ends everywhere keeps the idempotency key the same on every engine
@@ -114,6 +120,42 @@ def dump_json(value: Any, what: str) -> str:
     except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
         raise EnqueueError(f"{what} is not valid JSON: {exc}") from None
     return text
+
+
+#: What ``json.dumps`` writes as a JSON object or array.
+_CONTAINERS = (dict, list, tuple)
+
+
+def _non_str_key(value: Any) -> list[Any] | None:
+    """The path (keys and indexes, innermost last) to the first object key that is not a
+    string, or None; ``value`` is a dict, list or tuple that ``json.dumps`` wrote (no cycle)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return [key]
+            if isinstance(item, _CONTAINERS):
+                inner = _non_str_key(item)
+                if inner is not None:
+                    return [key, *inner]
+    else:
+        for index, item in enumerate(value):
+            if isinstance(item, _CONTAINERS):
+                inner = _non_str_key(item)
+                if inner is not None:
+                    return [index, *inner]
+    return None
+
+
+def non_str_key_problem(value: Any, what: str) -> str | None:
+    """Why ``value``'s JSON would lose an object key (a key that is not a string), naming
+    its path, or None (module docstring)."""
+    path = _non_str_key(value)
+    if path is None:
+        return None
+    *parents, key = path
+    where = what + "".join(f"[{step!r}]" for step in parents)
+    return (f"{where} has the key {key!r} ({type(key).__name__}): JSON object keys must be strings "
+            f"(JSON would write it as text, and it could overwrite another key)")
 
 
 def _text(name: str, value: Any, limit: int, *, required: bool = True,
@@ -224,7 +266,7 @@ def prepare_event(
     if not isinstance(payload, (dict, list)):
         raise EnqueueError(f"payload must be a JSON object or array, got {type(payload).__name__}")
     payload_json = dump_json(payload, "payload")
-    problem = payload_json_problem(payload_json, max_payload_bytes)
+    problem = payload_json_problem(payload_json, max_payload_bytes) or non_str_key_problem(payload, "payload")
     if problem:
         raise EnqueueError(problem)
     if headers is None:

@@ -16,7 +16,7 @@ from typing import Any
 import dramatiq
 from dramatiq.middleware import Middleware
 
-from ..core.config import RelayOptions, Settings, get_settings, metrics_options, relay_options
+from ..core.config import RelayOptions, Settings, metrics_options, startup_options
 from ..core.errors import ConfigError
 from ..core.names import (
     ACK_TASK,
@@ -41,7 +41,7 @@ log = logging.getLogger("outbox.dramatiq")
 # -- configuration, read once at import -------------------------------------------------------
 
 def _load() -> tuple[Settings, RelayOptions, str, str]:
-    settings, options = get_settings(), relay_options()
+    settings, options = startup_options()
     dramatiq_settings = _broker.settings(required=True)
     assert dramatiq_settings is not None
     return settings, options, dramatiq_settings.url, dramatiq_settings.namespace

@@ -13,10 +13,11 @@ import time
 import uuid
 from typing import Any
 
-from ..core.config import get_settings, relay_options
+from ..core.config import startup_options
 from ..core.errors import ConfigError
 from ..core.redact import install_filter, redact
 from ..relay import RelayOptions
+from ..schedule import load_beat_schedule
 from . import brokers as _broker
 
 log = logging.getLogger("outbox.dramatiq.scheduler")
@@ -123,10 +124,8 @@ def make_lock(url: str, name: str) -> Any:
 def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, str, float, float, dict[str, Any]]]:
     """``(actor, queue, every_s, max_age_s, kwargs)`` of each entry of ``beat_schedule`` (the one
     definition of the relay's schedule, shared with Celery's beat; ``kwargs`` name the outbox)."""
-    import beat_schedule
-
     return [(entry["task"], entry["options"]["queue"], float(entry["schedule"]), float(entry["options"]["expires"]),
-             dict(entry.get("kwargs") or {})) for entry in beat_schedule.build_schedule(settings, options).values()]
+             dict(entry.get("kwargs") or {})) for entry in load_beat_schedule(settings, options).values()]
 
 
 def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any,
@@ -164,22 +163,28 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
     lock.release()
 
 
+#: What ``--loglevel`` accepts (``logging``'s level names).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="outbox-dramatiq-scheduler",
         description="Send the relay's claim ticks and purges to Dramatiq's broker "
                     "(OUTBOX_DRAMATIQ_BROKER_URL) for `dramatiq outbox.dramatiq` workers. Run one or "
                     "more: a leader lock (Redis key or RabbitMQ exclusive queue) lets only one tick.")
-    parser.add_argument("--loglevel", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--loglevel", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="logging level, any case (default INFO)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_filter(logging.getLogger())
     logging.getLogger("pika").setLevel(logging.WARNING)  # Dramatiq's RabbitMQ client narrates each connect
     try:
-        settings, options = get_settings(), relay_options()
+        settings, options = startup_options()
         dramatiq_settings = _broker.settings(required=True)
         assert dramatiq_settings is not None
         url, ns = dramatiq_settings.url, dramatiq_settings.namespace
+        entries = schedule_entries(settings, options)
     except ConfigError as exc:
         print(redact(f"outbox: invalid configuration: {exc}"), file=sys.stderr)
         return 2
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     lock = make_lock(url, lock_name(url, ns, settings.outbox_namespace))
     log.info("outbox scheduler: Dramatiq broker %s, waiting for the lead", redact(url))
-    run(stop, schedule_entries(settings, options), lock)
+    run(stop, entries, lock)
     log.info("outbox scheduler: stopped")
     return 0
 

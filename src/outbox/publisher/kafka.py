@@ -470,8 +470,11 @@ def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
     _kafka()  # a ConfigError naming the extra when confluent-kafka is missing
     from confluent_kafka.admin import AdminClient
 
-    config = {k: v for k, v in producer_config(options, url).items()
-              if k not in ("enable.idempotence", "acks", "message.timeout.ms", "message.max.bytes")}
+    config: dict[str, Any] = {k: v for k, v in producer_config(options, url).items()
+                              if k not in ("enable.idempotence", "acks", "message.timeout.ms", "message.max.bytes")}
+    # librdkafka's own lines through the log, throttled (ClientLog), not raw on stderr: an
+    # unreachable cluster would print one per reconnect while the check waits.
+    config["logger"] = ClientLog(log)
     metadata = AdminClient(config).list_topics(timeout=timeout)
     return len(metadata.brokers), {name for name, t in metadata.topics.items() if t.error is None}
 

@@ -86,6 +86,10 @@ def unwrap_connection(conn: Any) -> tuple[str, Any]:
             f"enqueue needs an open DB-API connection (sqlite3, psycopg, PyMySQL, pyodbc, mssql-python), "
             "a Django connection "
             f"or a SQLAlchemy Connection/Session; got {type(conn).__module__}.{type(conn).__name__}")
+    if not hasattr(conn, "cursor"):  # a DB-API cursor: refused, not unwrapped (README, "Write side")
+        raise UnsupportedConnection(
+            f"enqueue needs the connection, not a cursor: got {type(conn).__module__}.{type(conn).__name__}; "
+            "pass the cursor's connection (cursor.connection)")
     return kind, conn
 
 

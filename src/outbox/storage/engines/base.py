@@ -274,6 +274,10 @@ class Engine(ABC):
         that was not migrated since it came: docs/internals.md, "Lost workers")."""
         return False
 
+    def missing_table_hint(self) -> str:
+        """What to do when the outbox table is missing: what ``enqueue`` and the CLI say."""
+        return f"table {self.table} missing: run `outbox migrate` (it creates the table and its indexes)"
+
     def to_datetime(self, value: Any) -> datetime | None:
         """Database timestamps are UTC; return them as aware datetimes."""
         if value is None:
