@@ -175,6 +175,26 @@ def test_an_outage_logs_one_warning_and_one_end_line(caplog: pytest.LogCaptureFi
     assert "database reachable again" in next(r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
 
 
+def test_a_claim_on_a_missing_table_says_to_migrate_not_that_the_database_is_down(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker pointed at a table that does not exist (OUTBOX_TABLE misspelt, `outbox
+    migrate` not run) logged "database unreachable": the claim now says what to do."""
+    from outbox.core.errors import StoreError
+    from outbox.storage.store import OutboxStore
+
+    store = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}", table="nosuch")
+    try:
+        with pytest.raises(StoreError, match="table \"nosuch\" missing: run `outbox migrate`") as raised:
+            store.claim(10)
+    finally:
+        store.close()
+    logger = logging.getLogger("outbox.test.outage")
+    with caplog.at_level(logging.WARNING, logger="outbox.test.outage"):
+        Outage("database", "sqlite:///o.db", "Claims retry every tick.", logger).failed(raised.value)
+    assert caplog.records[0].getMessage().startswith(
+        'outbox: database cannot be used (sqlite:///o.db): StoreError: table "nosuch" missing: run `outbox migrate`')
+
+
 def test_an_outage_is_announced_by_one_worker_through_redis(caplog: pytest.LogCaptureFixture) -> None:
     require("Redis", "127.0.0.1", 6379)
     key = f"outbox-test-{uuid.uuid4().hex[:10]}:outage"

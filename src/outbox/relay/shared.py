@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from ..core.errors import OutboxError
 from .state import ProcessState, SharedState, open_shared_state
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
@@ -247,7 +248,9 @@ class Outage:
             except Exception:  # noqa: BLE001 - the shared flag is unreachable: say it here
                 announce = True
         if announce:
-            self.log.warning("outbox: %s unreachable (%s): %s. %s", self.what, self.where, detail, self.meanwhile)
+            # One of ours (a table missing, say) names its cause: it is not a network failure.
+            state = "cannot be used" if isinstance(error, OutboxError) else "unreachable"
+            self.log.warning("outbox: %s %s (%s): %s. %s", self.what, state, self.where, detail, self.meanwhile)
         else:
             self.log.debug("outbox: %s still unreachable (%s): %s", self.what, self.where, detail,
                            exc_info=error if isinstance(error, BaseException) else None)

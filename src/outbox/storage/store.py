@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from ..core.config import Settings, get_settings
+from ..core.errors import StoreError
 from ..core.model import (
     Beat,
     Claim,
@@ -174,11 +175,16 @@ class OutboxStore:
                                          skip_blocked=skip_blocked)
             return run
 
-        rows = self._run("claim", work(False), alone=self.engine.one_statement_claim)
-        if not rows:
-            # The window may have held only rows queued behind heads that wait (a retry not
-            # due, another worker's lease): read past them (docs/internals.md, "Claim windows").
-            rows = self._run("claim", work(True), alone=self.engine.one_statement_claim)
+        try:
+            rows = self._run("claim", work(False), alone=self.engine.one_statement_claim)
+            if not rows:
+                # The window may have held only rows queued behind heads that wait (a retry not
+                # due, another worker's lease): read past them (docs/internals.md, "Claim windows").
+                rows = self._run("claim", work(True), alone=self.engine.one_statement_claim)
+        except Exception as exc:
+            if self.engine.is_missing_table(exc):  # not an outage: an operator must act
+                raise StoreError(self.engine.missing_table_hint()) from exc
+            raise
         status_at = len(rows[0]) - 1 if rows else 0
         messages: list[OutboxMessage] = []
         dead: list[OutboxMessage] = []
