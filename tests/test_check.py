@@ -164,6 +164,33 @@ def test_hint_for_a_missing_driver_in_the_check(module: str) -> None:
                                                                                  name=module))
 
 
+def test_a_redis_url_without_the_redis_extra_names_the_extra_in_the_report_and_the_worker(tmp_path: Path) -> None:
+    """Without the `redis` extra, kombu's Redis transport fails to import: the check aborted
+    with a bare `ModuleNotFoundError`, and the worker's CRITICAL line named no extra."""
+    code = """
+import sys
+sys.modules["redis"] = None  # what a base install without the extra has: no redis package
+from outbox.commands.doctor import report, run_checks
+from outbox.core.errors import ConfigError
+from outbox.publisher.kombu_publisher import KombuPublisher
+print(report(run_checks()))
+try:
+    KombuPublisher("redis://127.0.0.1:6379/5", "outbox")._ready()
+except ConfigError as exc:
+    print("publisher:", exc)
+"""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**clean, "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                               "OUTBOX_PUBLISH_URL": "redis://127.0.0.1:6379/5"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    hint = 'the redis extra is not installed'
+    [destination] = [line for line in done.stdout.splitlines() if line.startswith("[FAIL] destination:")]
+    assert hint in destination and '[redis]"' in destination
+    [publisher] = [line for line in done.stdout.splitlines() if line.startswith("publisher:")]
+    assert "OUTBOX_PUBLISH_URL=" in publisher and hint in publisher
+
+
 def test_check_tests_the_database_broker_it_will_really_use(tmp_path: Path) -> None:
     """The documented database broker (``outboxdb://``, ``outboxdb+<URL>``) is checked as
     the worker would use it: once printed ``KeyError: 'No such transport: outboxdb'``."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.config import ConfigError, KafkaOptions, Settings, dramatiq_settings, load_settings, relay_families
+from ..core.errors import transport_hint
 from ..storage.engines.describe import (
     describe_database,
     expected_index_names,
@@ -66,9 +67,17 @@ def _error(exc: BaseException) -> str:
 
 
 def _broker(url: str) -> Any:
+    """kombu's connection to ``url``; a ConfigError naming the extra when its transport's
+    library is missing."""
     from kombu import Connection
 
-    return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options={"max_retries": 1})
+    try:
+        return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options={"max_retries": 1})
+    except Exception as exc:
+        hint = transport_hint(url)
+        if hint is None and not isinstance(exc, ImportError):
+            raise
+        raise ConfigError(hint or _error(exc)) from exc
 
 
 def check_database(settings: Settings) -> list[Result]:
@@ -145,7 +154,10 @@ def check_dramatiq_broker(url: str) -> Result:
 
 
 def _reachable(name: str, url: str, fix: str) -> Result:
-    conn = _broker(url)
+    try:
+        conn = _broker(url)
+    except ConfigError as exc:
+        return Result(name, FAIL, f"{mask_url(url)}: {exc}")
     try:
         conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)
         return Result(name, OK, f"{mask_url(url)} reachable")
@@ -187,7 +199,10 @@ def check_destination(settings: Settings, kafka: Any = None, probe_topic: str | 
                        "worker process: events reach no consumer. Set it to your broker (amqp://..., redis://...)")]
     if url.startswith("kafka://"):
         return check_kafka(settings, kafka, probe_topic)
-    conn = _broker(url)
+    try:
+        conn = _broker(url)
+    except ConfigError as exc:
+        return [Result("destination", FAIL, f"{mask_url(url)}: {exc}")]
     try:
         try:
             conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)

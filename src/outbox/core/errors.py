@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 
 def install_hint(extra: str) -> str:
     """How to install an extra, said the same way everywhere. The package is not on PyPI,
@@ -9,6 +11,23 @@ def install_hint(extra: str) -> str:
     under that name: every hint names a checkout or a Git URL (README, "Install")."""
     return (f'pip install "<outbox-relay checkout>[{extra}]" or "outbox-relay[{extra}] @ git+<repository URL>" '
             "(not on PyPI)")
+
+
+#: The library kombu's transport needs for a URL scheme, and the extra that installs it.
+TRANSPORT_EXTRAS = {"redis": ("redis", "redis"), "rediss": ("redis", "redis")}
+
+
+def transport_hint(url: str) -> str | None:
+    """When kombu's transport for ``url`` cannot work because its library is missing: the
+    extra to install, in one line (kombu then fails with whatever it tripped on first)."""
+    module, extra = TRANSPORT_EXTRAS.get(url.split("://", 1)[0].lower(), (None, None))
+    if module is None or extra is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"the {extra} extra is not installed ({type(exc).__name__}: {exc}): {install_hint(extra)}"
+    return None
 
 
 class OutboxError(Exception):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, transport_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
 
@@ -320,11 +320,15 @@ class KombuPublisher(Publisher):
             try:
                 conn = Connection(self.url, connect_timeout=self.connect_timeout)
                 driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
-            except (KeyError, ImportError, ValueError) as exc:
-                # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError when the
-                # transport's library is missing: configuration errors, not a broker failure.
+            except Exception as exc:
+                # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError (or
+                # AttributeError) when the transport's library is missing: configuration
+                # errors, not a broker failure.
+                hint = transport_hint(self.url)
+                if hint is None and not isinstance(exc, (KeyError, ImportError, ValueError)):
+                    raise
                 raise ConfigError(redact(f"OUTBOX_PUBLISH_URL={self.url!r} cannot be used: "
-                                         f"{type(exc).__name__}: {exc}")) from exc
+                                         + (hint or f"{type(exc).__name__}: {exc}"))) from exc
             self._confirms = driver == "py-amqp"
             self._conn, self._pid = conn, os.getpid()
         if self._producer is not None and self._conn.connected:
