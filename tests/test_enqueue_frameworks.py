@@ -99,3 +99,42 @@ def test_a_missing_table_says_to_migrate_and_keeps_the_drivers_error(writer: Any
     assert str(raised.value) == ("enqueue: table " + store.engine.quote("never_migrated") + " missing: run "
                                  "`outbox migrate` (it creates the table and its indexes)")
     assert raised.value.__cause__ is not None and store.engine.is_missing_table(raised.value.__cause__)
+
+
+def test_an_autocommit_connection_is_named_once_in_a_warning(writer: Any, store: OutboxStore,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """With autocommit on there is no transaction to share: the row commits by itself,
+    which the README's promise (the event commits or vanishes with the business change)
+    does not cover; enqueue says so once, and not inside the caller's own transaction."""
+    import logging
+    import sys
+
+    write_side = sys.modules["outbox.enqueue"]  # the module: the package's `enqueue` is the function
+
+    def event() -> None:
+        enqueue(writer, topic="t", aggregate_type="o", aggregate_id="1", payload={}, table=store.engine.table_name)
+
+    write_side._warn_autocommit.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="outbox.enqueue"):
+        event()  # the connection's own transaction
+        writer.commit()
+        kind = store.engine.name
+        if kind == "sqlite":
+            writer.isolation_level = None
+        elif kind == "postgresql":
+            writer.autocommit = True
+        else:
+            writer.autocommit(True)
+        event()
+        event()
+        if kind == "postgresql":
+            with writer.transaction():  # the caller's transaction, on an autocommit connection
+                event()
+        else:
+            writer.cursor().execute("BEGIN")
+            event()
+            writer.commit()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "outbox.enqueue"]
+    assert len(warnings) == 1 and "connection is in autocommit mode, so the event was committed by itself" in warnings[0]
+    assert store.stats().counts["pending"] == 4
+    write_side._warn_autocommit.cache_clear()

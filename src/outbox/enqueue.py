@@ -4,6 +4,7 @@ touching the database when the input is bad."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
@@ -15,10 +16,21 @@ from .domain.events import prepare_event
 from .relay.listen import notify_channel
 from .storage.engines import Engine, engine_class, unwrap_connection
 
+log = logging.getLogger("outbox.enqueue")
+
 
 @lru_cache(maxsize=32)
 def _engine(kind: str, table: str, schema: str | None) -> Engine:
     return engine_class(kind)(table=table, schema=schema)
+
+
+@lru_cache(maxsize=8)
+def _warn_autocommit(connection_type: str) -> None:
+    """Once per process and connection type: the event committed on its own."""
+    log.warning("outbox enqueue: the %s connection is in autocommit mode, so the event was committed by "
+                "itself, not with your business change; enqueue inside a transaction (Django: "
+                "transaction.atomic(); SQLAlchemy: a Session or engine.begin()) (README, 'Write side')",
+                connection_type)
 
 
 def enqueue(
@@ -61,6 +73,8 @@ def enqueue(
                           trace_id=current_traceparent(), max_payload_bytes=settings.max_payload_bytes)
     kind, raw = unwrap_connection(conn)
     engine = _engine(kind, table, schema)
+    if engine.commits_each_statement(raw):
+        _warn_autocommit(f"{type(raw).__module__}.{type(raw).__name__}")
     cursor = engine.cursor_for(raw)
     try:
         channel = notify_channel(kind, engine.table_name, engine.schema)  # None unless OUTBOX_RELAY_LISTEN

@@ -259,6 +259,12 @@ class Engine(ABC):
         """A cursor on the caller's connection that yields plain tuples."""
         return conn.cursor()
 
+    def commits_each_statement(self, conn: Any) -> bool:
+        """Is the caller's connection in autocommit mode, so that ``enqueue`` commits the
+        event by itself instead of with the caller's transaction? (psycopg, pyodbc,
+        mssql-python: ``autocommit``.) Asked before the insert."""
+        return getattr(conn, "autocommit", False) is True
+
     def begin(self, cursor: Any) -> None:  # noqa: B027 - a hook: most drivers open the transaction themselves
         """Start a write transaction (drivers that open one implicitly need nothing)."""
 

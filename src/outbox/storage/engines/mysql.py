@@ -159,6 +159,10 @@ class MysqlEngine(Engine):
         import pymysql.cursors
         return conn.cursor(pymysql.cursors.Cursor)  # tuples, whatever the caller's default
 
+    def commits_each_statement(self, conn: Any) -> bool:
+        # PyMySQL's mode, unless the caller's own BEGIN is open (the server's IN_TRANS flag).
+        return getattr(conn, "autocommit_mode", False) is True and not getattr(conn, "server_status", 0) & 1
+
     def _code(self, exc: BaseException) -> int | None:
         args = getattr(exc, "args", ())
         return args[0] if args and isinstance(args[0], int) else None

@@ -115,6 +115,11 @@ class PostgresEngine(Engine):
         with self.autocommit(conn):  # a client-side switch in psycopg 3: no round trip
             yield
 
+    def commits_each_statement(self, conn: Any) -> bool:
+        from psycopg.pq import TransactionStatus  # IDLE: not inside the caller's conn.transaction()
+
+        return bool(conn.autocommit) and conn.info.transaction_status == TransactionStatus.IDLE
+
     supports_notify: ClassVar[bool] = True
 
     def notify(self, cursor: Any, channel: str) -> None:

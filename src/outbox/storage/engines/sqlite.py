@@ -57,6 +57,11 @@ class SqliteEngine(Engine):
         conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
         return conn
 
+    def commits_each_statement(self, conn: Any) -> bool:
+        # isolation_level None: no implicit BEGIN, so outside the caller's own BEGIN each
+        # statement commits by itself.
+        return conn.isolation_level is None and not conn.in_transaction
+
     def begin(self, cursor: Any) -> None:
         # IMMEDIATE takes the write lock up front, so the read that plans a claim
         # cannot be overtaken by another process's write.
