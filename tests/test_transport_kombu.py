@@ -125,6 +125,19 @@ def test_expired_message_is_never_delivered(broker: Broker) -> None:
         q.close()
 
 
+def test_a_countdown_longer_than_the_queues_message_ttl_is_still_delivered(broker: Broker) -> None:
+    """The TTL counts from when the message becomes visible: a task retried with a countdown
+    longer than its queue's TTL used to expire before it was due and was purged unseen."""
+    with broker.connect(expired_purge_interval=0.1) as conn:
+        q = conn.SimpleQueue(Queue("short-ttl", Exchange("short-ttl"), "short-ttl", message_ttl=0.5))
+        eta = (datetime.now(UTC) + timedelta(seconds=1.5)).isoformat()
+        q.put({"later": True}, headers={"eta": eta})
+        m = get(q, timeout=15)
+        assert m.payload == {"later": True}
+        m.ack()
+        q.close()
+
+
 def test_a_celery_task_with_expires_is_delivered_after_it_for_the_worker_to_revoke(broker: Broker) -> None:
     """Celery 5.7 sends ``expires`` also as the message's expiration; the worker, not the
     broker, must see the expired task (it marks it REVOKED), as on Redis."""

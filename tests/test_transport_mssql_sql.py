@@ -73,7 +73,7 @@ def test_delays_split_into_seconds_so_long_countdowns_do_not_overflow(qt: MssqlQ
     log = record_everything(qt)
     sql, params = log[1]
     assert "DATEADD(MILLISECOND, ?, DATEADD(SECOND, ?, SYSUTCDATETIME()))" in sql
-    assert params[3:5] == (0, 40 * 24 * 3600) and params[5:] == (0, 5)
+    assert params[3:5] == (0, 40 * 24 * 3600) and params[5:] == (0, 40 * 24 * 3600 + 5)  # TTL from the due time
     assert max(p for p in params if isinstance(p, int)) < 2**31
 
 

@@ -152,12 +152,18 @@ class QueueTables:
         return (f"INSERT INTO {self.table} (queue, headers, body, visible_at, expires_at) "
                 f"VALUES (?, ?, ?, {self.after_ms()}, {expires})")
 
-    def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
-            ttl_ms: int | None = None) -> None:
+    def put_params(self, queue: str, headers: str, body: str | None, delay_ms: int,
+                   ttl_ms: int | None) -> list[Any]:
+        """``put_sql``'s parameters. The TTL counts from when the message becomes visible, so
+        a delayed message outlives its delay (docs/transport.md, "Delays and expiry")."""
         params = [queue, headers, body, *self.after_params(delay_ms)]
         if ttl_ms is not None:
-            params += self.after_params(ttl_ms)
-        self.run(cursor, self.put_sql(ttl_ms is not None), params)
+            params += self.after_params(max(int(delay_ms), 0) + ttl_ms)
+        return params
+
+    def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
+            ttl_ms: int | None = None) -> None:
+        self.run(cursor, self.put_sql(ttl_ms is not None), self.put_params(queue, headers, body, delay_ms, ttl_ms))
 
     def session_setup(self, cursor: Any) -> None:
         """Run once on each new connection of the transport (engine-specific tuning)."""
