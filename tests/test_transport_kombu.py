@@ -213,6 +213,25 @@ def test_closing_a_connection_hands_unacked_messages_back_at_once(broker: Broker
         q.close()
 
 
+def test_size_purge_and_delete_if_empty_count_messages_whose_lease_ran_out(broker: Broker) -> None:
+    """A message whose receiver's lease ran out is waiting again: counted and purged; and a
+    queue holding only leased messages is not empty (they come back if their receiver dies)."""
+    with broker.connect() as conn, broker.connect(visibility_timeout=0.5) as brief, broker.connect() as holder:
+        q = conn.SimpleQueue("lapsed")
+        q.put("a")
+        q.put("b")
+        assert Queue("lapsed")(brief.default_channel).get().payload == "a"  # leased for 0.5 s, never settled
+        assert q.qsize() == 1
+        time.sleep(1.0)
+        assert q.qsize() == 2
+        assert q.clear() == 2
+        q.put("c")
+        held = Queue("lapsed")(holder.default_channel).get()
+        conn.default_channel.queue_delete("lapsed", if_empty=True)  # not empty: c is leased
+        held.requeue()
+        assert get(q).payload == "c"
+
+
 def test_concurrent_consumers_never_get_the_same_message(broker: Broker) -> None:
     total = 120
     with broker.connect() as conn:

@@ -42,6 +42,7 @@ def record_everything(qt: MssqlQueueTables) -> list[tuple[str, tuple]]:
     qt.release(c, 1, "r" * 32)
     qt.release(c, 1, "r" * 32, delay_ms=1500)
     qt.size(c, "celery")
+    qt.holds_any(c, "celery")
     qt.purge(c, "celery")
     qt.purge_expired(c, 500)
     qt.delete_queue(c, "celery")

@@ -228,8 +228,8 @@ class Channel(virtual.Channel):
         return self.db.run(lambda qt, c: qt.purge(c, queue))
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any) -> None:
-        if if_empty and self._size(queue):
-            return
+        if if_empty and self.db.run(lambda qt, c: qt.holds_any(c, queue)):
+            return  # leased messages too: a receiver that dies or requeues hands them back
         self.db.run(lambda qt, c: qt.delete_queue(c, queue))
         self.state.queue_bindings_delete(queue)
         self._binding_cache.clear()
