@@ -71,28 +71,51 @@ class QoS(virtual.QoS):
     _delivered: OrderedDict[str, Any]  # type: ignore[assignment]
     _dirty: set[str]  # type: ignore[assignment]
 
+    def __init__(self, channel: Any, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        #: Tags a close left to their lease (``restore_unacked``): their ack or reject still settles.
+        self._left_leased: set[str] = set()
+
+    def _unsettled(self, delivery_tag: str) -> bool:
+        """Is ``delivery_tag``'s row still ours to settle? Delivered and not acked yet, or
+        left to its lease by a close (taken from that set here, so it settles once)."""
+        try:
+            self._left_leased.remove(delivery_tag)
+            return True
+        except KeyError:
+            return delivery_tag in self._delivered and delivery_tag not in self._dirty
+
     def ack(self, delivery_tag: str) -> None:
-        if delivery_tag in self._delivered and delivery_tag not in self._dirty:
+        if self._unsettled(delivery_tag):
             self.channel._settle(delivery_tag, requeue=False)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if delivery_tag in self._delivered and delivery_tag not in self._dirty:
+        if self._unsettled(delivery_tag):
             self.channel._settle(delivery_tag, requeue=requeue)
         self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list:
-        """Warm shutdown, channel close: hand every unsettled message back at once
-        (rather than leaving it to the visibility timeout)."""
+        """Warm shutdown, channel close: hand every unsettled message back at once (rather
+        than leaving it to the visibility timeout); except after the broker's database was
+        lost, when the messages are left leased and their late acks still settle them
+        (docs/transport.md, "Guarantees")."""
         self._flush()
-        errors: list[tuple[Exception, Any]] = []
+        left = 0
         while self._delivered:
-            tag, message = self._delivered.popitem()
-            try:
-                self.channel._settle(tag, requeue=True)
-            except Exception as exc:  # noqa: BLE001 - reported by restore_unacked_once
-                errors.append((exc, message))
-        return errors
+            tag, _ = self._delivered.popitem()
+            if self.channel.db.available:
+                try:
+                    self.channel._settle(tag, requeue=True)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the row stays leased either way
+                    log.warning("outboxdb: cannot hand back message %s (%s)", split_tag(tag)[0], exc)
+            self._left_leased.add(tag)
+            left += 1
+        if left:
+            log.warning("outboxdb: %d unacked message(s) left leased: settled by their ack if it comes, "
+                        "else delivered again after visibility_timeout=%ss", left, self.channel.visibility_timeout)
+        return []
 
 
 class Channel(virtual.Channel):
