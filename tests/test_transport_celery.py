@@ -207,6 +207,22 @@ def destination() -> Iterator[Destination]:
     d.close()
 
 
+def test_celery_turns_events_gossip_and_mingle_off_on_this_transport(tmp_path: Path) -> None:
+    """What docs/transport.md says of `-E`, heartbeats, gossip and mingle ("Celery's events
+    are off on this transport"), as Celery decides it for this transport's driver_type."""
+    from celery import Celery
+    from celery.worker.consumer.gossip import Gossip
+    from celery.worker.consumer.mingle import Mingle
+
+    app = Celery("events_off", broker=f"outboxdb+sqlite:///{tmp_path / 'broker.db'}")
+    try:
+        with app.connection_for_write() as conn:
+            assert app.events.Dispatcher(conn, enabled=True).enabled is False  # -E, heartbeats
+            assert conn.transport.driver_type not in Gossip.compatible_transports | Mingle.compatible_transports
+    finally:
+        app.close()
+
+
 def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(
         tmp_path: Path, destination: Destination, outbox: Outbox) -> None:
     queue_table = f"rq_{uuid.uuid4().hex[:10]}"
