@@ -354,6 +354,48 @@ def test_a_queues_message_ttl_applies_to_messages_routed_by_other_connections(br
         m.ack()
 
 
+def test_an_auto_delete_queue_goes_with_its_last_consumer(broker: Broker) -> None:
+    """As on AMQP: when the last consumer of an auto-delete queue cancels (or its channel
+    closes), the queue goes, bindings and messages; it kept taking a copy of every fanout
+    message for ever (Celery's reply and broadcast queues)."""
+    fan = Exchange("ad-fan", type="fanout")
+    with broker.connect() as consumer, broker.connect() as sender:
+        producer = Producer(sender.default_channel)
+        got: list[Any] = []
+        with Consumer(consumer, [Queue("ad.inbox", fan, auto_delete=True)],
+                      callbacks=[lambda body, message: (got.append(body), message.ack())]):
+            producer.publish({"n": 1}, exchange=fan, declare=[fan])
+            consumer.drain_events(timeout=10)
+        assert got == [{"n": 1}]
+        producer.publish({"n": 2}, exchange=fan)
+        db = sender.default_channel.db
+        assert db.run(lambda qt, c: qt.table_bindings(c, "ad-fan")) == []
+        assert db.run(lambda qt, c: qt.holds_any(c, "ad.inbox")) is False
+
+
+def test_a_control_command_sent_to_a_killed_worker_is_not_run_by_the_next_of_its_name(broker: Broker) -> None:
+    """A worker killed without closing leaves its remote-control queue bound (auto-delete,
+    Celery's default, not exclusive). A command broadcast meanwhile (a shutdown) lands there;
+    the next worker of that name must not run it once its ``expires`` passed before that
+    worker began consuming. A command sent to the live worker still runs."""
+    from kombu.pidbox import Mailbox
+
+    mailbox = Mailbox("ctl", type="fanout", queue_exclusive=False, queue_ttl=300)
+    ran: list[str] = []
+    handlers = {"shutdown": lambda state, **kwargs: ran.append("shutdown")}
+    with broker.connect() as killed, broker.connect() as client, broker.connect() as restarted:
+        mailbox(killed).get_queue("w1@h")(killed.default_channel).declare()  # bound, then never cancelled
+        mailbox(client)._broadcast("shutdown", timeout=0.2)
+        time.sleep(0.5)
+        mailbox(restarted).Node("w1@h", handlers=handlers, channel=restarted.default_channel).listen()
+        with contextlib.suppress(TimeoutError, OSError):
+            restarted.drain_events(timeout=1.5)
+        assert ran == []
+        mailbox(client)._broadcast("shutdown", timeout=5)
+        restarted.drain_events(timeout=10)
+        assert ran == ["shutdown"]
+
+
 def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
     """With a 5 s idle ceiling, a send still reaches an idle, blocked consumer at once:
     LISTEN/NOTIFY (polling alone would take seconds after a few idle seconds)."""
