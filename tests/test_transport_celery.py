@@ -197,6 +197,33 @@ def test_expiry_remote_control_and_revoke_work_with_celerys_defaults(backed_app:
     assert waiting.get(timeout=30) is None and [x[1] for x in a.lines("record")] == ["200"]
 
 
+@pytest.mark.parametrize("stop", ["shutdown", "sigkill"])
+def test_a_shutdown_sent_while_a_worker_is_down_is_not_run_by_its_next_start(stop: str, tmp_path: Path) -> None:
+    """`celery control shutdown` while the worker w1 is down (stopped cleanly, or killed)
+    must not stop the next w1: its control queue goes with a clean stop, and a command that
+    expired before the new worker began consuming is not run. Before, the command waited in
+    the queue (bound for ever, kept for its 300 s TTL) and the next w1 ran it at start."""
+    a = TaskApp("mysql", tmp_path)
+    try:
+        record = a.task("record")
+        a.worker("w1")
+        record.delay(1)
+        assert wait_until(lambda: len(a.lines("record")) == 1, timeout=60), a.log("w1")[-3000:]
+        if stop == "sigkill":
+            a.kill("w1")
+        else:
+            a.celery("control", "shutdown", "-t", "2")
+            assert a.procs["w1"].wait(30) == 0, a.log("w1")[-3000:]
+        a.celery("control", "shutdown", "-t", "1")  # nobody listens
+        a.worker("w1")
+        record.delay(2)
+        assert wait_until(lambda: len(a.lines("record")) == 2, timeout=60), a.log("w1")[-3000:]
+        time.sleep(2.0)  # the control consumer has polled its queue several times by now
+        assert a.procs["w1"].poll() is None, a.log("w1")[-3000:]
+    finally:
+        a.close()
+
+
 # -- the outbox relay on the database broker --------------------------------------------------------
 
 @pytest.fixture
@@ -205,6 +232,22 @@ def destination() -> Iterator[Destination]:
     d = Destination()
     yield d
     d.close()
+
+
+def test_celery_turns_events_gossip_and_mingle_off_on_this_transport(tmp_path: Path) -> None:
+    """What docs/transport.md says of `-E`, heartbeats, gossip and mingle ("Celery's events
+    are off on this transport"), as Celery decides it for this transport's driver_type."""
+    from celery import Celery
+    from celery.worker.consumer.gossip import Gossip
+    from celery.worker.consumer.mingle import Mingle
+
+    app = Celery("events_off", broker=f"outboxdb+sqlite:///{tmp_path / 'broker.db'}")
+    try:
+        with app.connection_for_write() as conn:
+            assert app.events.Dispatcher(conn, enabled=True).enabled is False  # -E, heartbeats
+            assert conn.transport.driver_type not in Gossip.compatible_transports | Mingle.compatible_transports
+    finally:
+        app.close()
 
 
 def test_relay_with_the_database_as_celerys_broker_survives_a_killed_worker(

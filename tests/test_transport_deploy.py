@@ -194,3 +194,32 @@ def test_a_worker_survives_its_broker_database_going_away(kind: str, tmp_path: P
     finally:
         proxy.close()
         app.close()
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_an_acks_late_task_running_through_a_database_outage_runs_once(kind: str, tmp_path: Path) -> None:
+    """A real worker's broker database goes away (a TCP proxy cut) while its acks_late task
+    runs: the worker's polls fail past the transport's retries, Celery closes the connection
+    and reconnects. The task's ack, when it finishes, must still delete its message; before,
+    the close forgot the message, the ack skipped the table, and the task ran again after the
+    visibility timeout (4 s here)."""
+    from relay_e2e_support import Proxy, wait_until
+    from transport_support import TaskApp
+
+    app = TaskApp(kind, tmp_path)
+    proxy = Proxy(target=("127.0.0.1", 5432 if kind == "postgresql" else 3306))
+    try:
+        app.env["TAPP_BROKER"] = f"outboxdb+{proxy.url_for(app.db_url)}"  # the worker's broker goes through the proxy
+        app.worker("w1")
+        app.task("noted_nap").delay(1, 3.0)
+        assert wait_until(lambda: app.lines("nap"), timeout=60), app.log("w1")[-3000:]
+        proxy.cut()
+        time.sleep(1.5)  # the idle polls fail past the transport's retries: Celery reconnects
+        proxy.restore()
+        time.sleep(8.0)  # the task ends at 3 s, its lease at 4 s: a lost ack runs it again by now
+        assert len(app.lines("nap")) == 1, app.log("w1")[-3000:]
+        assert app.queue_rows() == [], app.log("w1")[-3000:]
+    finally:
+        proxy.close()
+        app.close()
+

@@ -125,6 +125,19 @@ def test_expired_message_is_never_delivered(broker: Broker) -> None:
         q.close()
 
 
+def test_a_countdown_longer_than_the_queues_message_ttl_is_still_delivered(broker: Broker) -> None:
+    """The TTL counts from when the message becomes visible: a task retried with a countdown
+    longer than its queue's TTL used to expire before it was due and was purged unseen."""
+    with broker.connect(expired_purge_interval=0.1) as conn:
+        q = conn.SimpleQueue(Queue("short-ttl", Exchange("short-ttl"), "short-ttl", message_ttl=0.5))
+        eta = (datetime.now(UTC) + timedelta(seconds=1.5)).isoformat()
+        q.put({"later": True}, headers={"eta": eta})
+        m = get(q, timeout=15)
+        assert m.payload == {"later": True}
+        m.ack()
+        q.close()
+
+
 def test_a_celery_task_with_expires_is_delivered_after_it_for_the_worker_to_revoke(broker: Broker) -> None:
     """Celery 5.7 sends ``expires`` also as the message's expiration; the worker, not the
     broker, must see the expired task (it marks it REVOKED), as on Redis."""
@@ -198,6 +211,61 @@ def test_closing_a_connection_hands_unacked_messages_back_at_once(broker: Broker
         assert m.payload == "x" and m.delivery_info["redelivered"] is True
         m.ack()
         q.close()
+
+
+def test_size_purge_and_delete_if_empty_count_messages_whose_lease_ran_out(broker: Broker) -> None:
+    """A message whose receiver's lease ran out is waiting again: counted and purged; and a
+    queue holding only leased messages is not empty (they come back if their receiver dies)."""
+    with broker.connect() as conn, broker.connect(visibility_timeout=0.5) as brief, broker.connect() as holder:
+        q = conn.SimpleQueue("lapsed")
+        q.put("a")
+        q.put("b")
+        assert Queue("lapsed")(brief.default_channel).get().payload == "a"  # leased for 0.5 s, never settled
+        assert q.qsize() == 1
+        time.sleep(1.0)
+        assert q.qsize() == 2
+        assert q.clear() == 2
+        q.put("c")
+        held = Queue("lapsed")(holder.default_channel).get()
+        conn.default_channel.queue_delete("lapsed", if_empty=True)  # not empty: c is leased
+        held.requeue()
+        assert get(q).payload == "c"
+
+
+@pytest.mark.parametrize("back_before_close", [False, True], ids=["closed-while-down", "closed-when-back"])
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_late_ack_after_a_database_outage_settles_the_message(kind: str, back_before_close: bool,
+                                                                 tmp_path: Path) -> None:
+    """The broker's database goes away (a TCP proxy cut, past the transport's retries) while
+    an acks_late task runs; Celery then closes the connection (``collect``, as its consumer
+    does) and reconnects. The message stays leased to the running task, nobody else gets it,
+    and the task's late ack on the old channel deletes it: before, the close dropped its tag
+    (requeueing it if the database was back), the ack skipped the table, and it ran again."""
+    from relay_e2e_support import Proxy
+
+    direct = engine_url(kind, tmp_path)
+    proxy = Proxy(target=("127.0.0.1", 5432 if kind == "postgresql" else 3306))
+    broker = Broker(proxy.url_for(direct))
+    try:
+        worker = broker.connect(visibility_timeout=3600)
+        q = worker.SimpleQueue("outage")
+        q.put("task")
+        running = get(q)
+        proxy.cut()
+        with pytest.raises(worker.connection_errors):
+            q.qsize()
+        if back_before_close:
+            proxy.restore()
+        worker.collect()
+        proxy.restore()
+        with broker.connect() as other:
+            with pytest.raises(Empty):
+                other.SimpleQueue("outage").get(block=True, timeout=1.0)  # still leased to the running task
+            running.ack()
+            assert other.default_channel.db.run(lambda qt, c: qt.holds_any(c, "outage")) is False
+    finally:
+        proxy.close()
+        drop_queue_tables(direct, broker.table)
 
 
 def test_concurrent_consumers_never_get_the_same_message(broker: Broker) -> None:
@@ -284,6 +352,48 @@ def test_a_queues_message_ttl_applies_to_messages_routed_by_other_connections(br
         m = get(sq)
         assert m.payload == {"n": 2}
         m.ack()
+
+
+def test_an_auto_delete_queue_goes_with_its_last_consumer(broker: Broker) -> None:
+    """As on AMQP: when the last consumer of an auto-delete queue cancels (or its channel
+    closes), the queue goes, bindings and messages; it kept taking a copy of every fanout
+    message for ever (Celery's reply and broadcast queues)."""
+    fan = Exchange("ad-fan", type="fanout")
+    with broker.connect() as consumer, broker.connect() as sender:
+        producer = Producer(sender.default_channel)
+        got: list[Any] = []
+        with Consumer(consumer, [Queue("ad.inbox", fan, auto_delete=True)],
+                      callbacks=[lambda body, message: (got.append(body), message.ack())]):
+            producer.publish({"n": 1}, exchange=fan, declare=[fan])
+            consumer.drain_events(timeout=10)
+        assert got == [{"n": 1}]
+        producer.publish({"n": 2}, exchange=fan)
+        db = sender.default_channel.db
+        assert db.run(lambda qt, c: qt.table_bindings(c, "ad-fan")) == []
+        assert db.run(lambda qt, c: qt.holds_any(c, "ad.inbox")) is False
+
+
+def test_a_control_command_sent_to_a_killed_worker_is_not_run_by_the_next_of_its_name(broker: Broker) -> None:
+    """A worker killed without closing leaves its remote-control queue bound (auto-delete,
+    Celery's default, not exclusive). A command broadcast meanwhile (a shutdown) lands there;
+    the next worker of that name must not run it once its ``expires`` passed before that
+    worker began consuming. A command sent to the live worker still runs."""
+    from kombu.pidbox import Mailbox
+
+    mailbox = Mailbox("ctl", type="fanout", queue_exclusive=False, queue_ttl=300)
+    ran: list[str] = []
+    handlers = {"shutdown": lambda state, **kwargs: ran.append("shutdown")}
+    with broker.connect() as killed, broker.connect() as client, broker.connect() as restarted:
+        mailbox(killed).get_queue("w1@h")(killed.default_channel).declare()  # bound, then never cancelled
+        mailbox(client)._broadcast("shutdown", timeout=0.2)
+        time.sleep(0.5)
+        mailbox(restarted).Node("w1@h", handlers=handlers, channel=restarted.default_channel).listen()
+        with contextlib.suppress(TimeoutError, OSError):
+            restarted.drain_events(timeout=1.5)
+        assert ran == []
+        mailbox(client)._broadcast("shutdown", timeout=5)
+        restarted.drain_events(timeout=10)
+        assert ran == ["shutdown"]
 
 
 def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ def record_everything(qt: MssqlQueueTables) -> list[tuple[str, tuple]]:
     qt.release(c, 1, "r" * 32)
     qt.release(c, 1, "r" * 32, delay_ms=1500)
     qt.size(c, "celery")
+    qt.holds_any(c, "celery")
     qt.purge(c, "celery")
     qt.purge_expired(c, 500)
     qt.delete_queue(c, "celery")
@@ -73,7 +74,7 @@ def test_delays_split_into_seconds_so_long_countdowns_do_not_overflow(qt: MssqlQ
     log = record_everything(qt)
     sql, params = log[1]
     assert "DATEADD(MILLISECOND, ?, DATEADD(SECOND, ?, SYSUTCDATETIME()))" in sql
-    assert params[3:5] == (0, 40 * 24 * 3600) and params[5:] == (0, 5)
+    assert params[3:5] == (0, 40 * 24 * 3600) and params[5:] == (0, 40 * 24 * 3600 + 5)  # TTL from the due time
     assert max(p for p in params if isinstance(p, int)) < 2**31
 
 

@@ -146,6 +146,17 @@ def test_expired_message_is_never_delivered_and_purged_in_chunks(tables: Tables)
     assert t.tx(lambda c: t.qt.purge_expired(c, 3)) == 0
 
 
+def test_a_delayed_messages_ttl_counts_from_when_it_becomes_visible(tables: Tables) -> None:
+    """A countdown longer than the queue's message TTL: the message must not expire before
+    it is due (it did: both counted from the send, and the purge deleted it unseen)."""
+    t = tables
+    put(t, "a", "due in 2 s, lives 1 s more", delay_ms=2000, ttl_ms=1000)
+    put(t, "a", "due in 0.2 s, lives 0.2 s more", delay_ms=200, ttl_ms=200)
+    time.sleep(2.1)
+    assert [r.body for r, _ in lease(t, "a")] == ["due in 2 s, lives 1 s more"]
+    assert t.tx(lambda c: t.qt.purge_expired(c, 10)) == 1  # the other one expired 0.4 s after its send
+
+
 def test_bindings_are_stored_once(tables: Tables) -> None:
     t = tables
     for _ in range(2):

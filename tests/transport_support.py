@@ -51,6 +51,12 @@ def nap(seconds):
     time.sleep(seconds)
 
 
+@app.task
+def noted_nap(n, seconds):
+    note(f"nap {n} {os.getpid()} {time.time():.3f}")
+    time.sleep(seconds)
+
+
 @app.task(bind=True)
 def slow(self, n):
     redelivered = bool(self.request.delivery_info.get("redelivered"))

@@ -71,28 +71,51 @@ class QoS(virtual.QoS):
     _delivered: OrderedDict[str, Any]  # type: ignore[assignment]
     _dirty: set[str]  # type: ignore[assignment]
 
+    def __init__(self, channel: Any, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        #: Tags a close left to their lease (``restore_unacked``): their ack or reject still settles.
+        self._left_leased: set[str] = set()
+
+    def _unsettled(self, delivery_tag: str) -> bool:
+        """Is ``delivery_tag``'s row still ours to settle? Delivered and not acked yet, or
+        left to its lease by a close (taken from that set here, so it settles once)."""
+        try:
+            self._left_leased.remove(delivery_tag)
+            return True
+        except KeyError:
+            return delivery_tag in self._delivered and delivery_tag not in self._dirty
+
     def ack(self, delivery_tag: str) -> None:
-        if delivery_tag in self._delivered and delivery_tag not in self._dirty:
+        if self._unsettled(delivery_tag):
             self.channel._settle(delivery_tag, requeue=False)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if delivery_tag in self._delivered and delivery_tag not in self._dirty:
+        if self._unsettled(delivery_tag):
             self.channel._settle(delivery_tag, requeue=requeue)
         self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list:
-        """Warm shutdown, channel close: hand every unsettled message back at once
-        (rather than leaving it to the visibility timeout)."""
+        """Warm shutdown, channel close: hand every unsettled message back at once (rather
+        than leaving it to the visibility timeout); except after the broker's database was
+        lost, when the messages are left leased and their late acks still settle them
+        (docs/transport.md, "Guarantees")."""
         self._flush()
-        errors: list[tuple[Exception, Any]] = []
+        left = 0
         while self._delivered:
-            tag, message = self._delivered.popitem()
-            try:
-                self.channel._settle(tag, requeue=True)
-            except Exception as exc:  # noqa: BLE001 - reported by restore_unacked_once
-                errors.append((exc, message))
-        return errors
+            tag, _ = self._delivered.popitem()
+            if self.channel.db.available:
+                try:
+                    self.channel._settle(tag, requeue=True)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the row stays leased either way
+                    log.warning("outboxdb: cannot hand back message %s (%s)", split_tag(tag)[0], exc)
+            self._left_leased.add(tag)
+            left += 1
+        if left:
+            log.warning("outboxdb: %d unacked message(s) left leased: settled by their ack if it comes, "
+                        "else delivered again after visibility_timeout=%ss", left, self.channel.visibility_timeout)
+        return []
 
 
 class Channel(virtual.Channel):
@@ -127,6 +150,10 @@ class Channel(virtual.Channel):
     def __init__(self, connection: Any, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self._no_ack_queues: set[str] = set()
+        #: Auto-delete and exclusive queues declared here: deleted when their last consumer here goes.
+        self._auto_delete: set[str] = set()
+        #: Remote-control queue -> when this channel began consuming it (``_sent_to_an_earlier_consumer``).
+        self._consuming_since: dict[str, float] = {}
         self._binding_cache: dict[str, tuple[float, list]] = {}
         #: Queue -> x-message-ttl (ms): from this process's declarations and from bindings read.
         self._queue_ttl: dict[str, int] = {}
@@ -210,6 +237,8 @@ class Channel(virtual.Channel):
         ttl = (kwargs.get("arguments") or {}).get("x-message-ttl")
         if ttl is not None:
             self._queue_ttl[queue] = max(int(float(ttl)), 0)
+        if kwargs.get("auto_delete") or kwargs.get("exclusive"):
+            self._auto_delete.add(queue)
 
     def prepare_queue_arguments(self, arguments: dict | None, **kwargs: Any) -> dict:
         """kombu's ``Queue(message_ttl=seconds)`` as AMQP's ``x-message-ttl`` (ms)."""
@@ -228,8 +257,8 @@ class Channel(virtual.Channel):
         return self.db.run(lambda qt, c: qt.purge(c, queue))
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any) -> None:
-        if if_empty and self._size(queue):
-            return
+        if if_empty and self.db.run(lambda qt, c: qt.holds_any(c, queue)):
+            return  # leased messages too: a receiver that dies or requeues hands them back
         self.db.run(lambda qt, c: qt.delete_queue(c, queue))
         self.state.queue_bindings_delete(queue)
         self._binding_cache.clear()
@@ -238,13 +267,26 @@ class Channel(virtual.Channel):
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         if no_ack:
             self._no_ack_queues.add(queue)
+        if is_control_queue(queue):
+            self._consuming_since.setdefault(queue, time.time())
         return super().basic_consume(queue, no_ack, *args, **kwargs)
 
     def basic_cancel(self, consumer_tag: str) -> None:
+        """The last consumer of a queue here gone: an auto-delete or exclusive queue declared
+        here is deleted, bindings and messages, unless the database is lost (docs/transport.md,
+        "Auto-delete and exclusive queues go with their last consumer")."""
         queue = self._tag_to_queue.get(consumer_tag)
         super().basic_cancel(consumer_tag)
-        if queue is not None and queue not in self._tag_to_queue.values():
-            self._no_ack_queues.discard(queue)
+        if queue is None or queue in self._tag_to_queue.values():
+            return
+        self._no_ack_queues.discard(queue)
+        self._consuming_since.pop(queue, None)
+        if queue in self._auto_delete and self.db.available:
+            self._auto_delete.discard(queue)
+            try:
+                self.queue_delete(queue)
+            except Exception as exc:  # noqa: BLE001 - a cancel (a close) must not fail on it
+                log.warning("outboxdb: cannot delete auto-delete queue %s (%s)", queue, exc)
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         message = super().basic_get(queue, no_ack=no_ack, **kwargs)
@@ -294,9 +336,27 @@ class Channel(virtual.Channel):
     def _lease_queue(self, queue: str, limit: int, visibility_ms: int) -> list[tuple[str, dict[str, Any]]]:
         receipt = uuid.uuid4().hex
         rows = self.db.run(lambda qt, c: qt.lease(c, queue, limit, visibility_ms, receipt))
-        if rows and queue in self._no_ack_queues:
+        no_ack = queue in self._no_ack_queues
+        if rows and no_ack:
             self.db.run(lambda qt, c: [qt.ack(c, r.id, receipt) for r in rows])  # no_ack: consumed on receipt
-        return [(queue, self._payload(row, receipt)) for row in rows]
+        got = []
+        for row in rows:
+            payload = self._payload(row, receipt)
+            if self._sent_to_an_earlier_consumer(queue, payload):
+                log.info("outboxdb: dropped a remote-control command sent to %s before this consumer began", queue)
+                if not no_ack:
+                    self._settle(payload["properties"]["delivery_tag"], requeue=False)
+                continue
+            got.append((queue, payload))
+        return got
+
+    def _sent_to_an_earlier_consumer(self, queue: str, payload: dict[str, Any]) -> bool:
+        """A remote-control command whose ``expires`` (the send plus the client's timeout) passed
+        before this channel began consuming its queue: sent to a consumer gone since, not run
+        (docs/transport.md, "Auto-delete and exclusive queues go with their last consumer")."""
+        since = self._consuming_since.get(queue)
+        expires = (payload.get("headers") or {}).get("expires")
+        return since is not None and isinstance(expires, int | float) and 0 < expires < since
 
     def _payload(self, row: MessageRow, receipt: str) -> dict[str, Any]:
         payload = json.loads(row.headers)

@@ -62,6 +62,8 @@ class Database:
         self._waiter: Any = None
         self._waiter_pid = 0
         self._waiter_retry_at = 0.0
+        #: False from a ``run`` that ran out of retries until one succeeds (``QoS.restore_unacked``).
+        self.available = True
 
     def wait(self, timeout: float) -> bool:
         """Idle: block until a send wakes us (PostgreSQL LISTEN) or ``timeout`` passes.
@@ -130,13 +132,16 @@ class Database:
         retries, the error is raised as BrokerDatabaseUnavailable, one of the Transport
         class's connection_errors whatever the driver: kombu and Celery reconnect."""
         try:
-            return self.connections.run("broker", lambda cursor: work(self.qt, cursor), attempts=self.RETRIES + 1)
+            result = self.connections.run("broker", lambda cursor: work(self.qt, cursor), attempts=self.RETRIES + 1)
         except Exception as exc:
             if not self.connections.retryable(exc):
                 raise
             self.connections.drop()
+            self.available = False
             raise BrokerDatabaseUnavailable(
                 f"outboxdb: the broker's database is unavailable ({type(exc).__name__}: {exc})") from exc
+        self.available = True
+        return result
 
     def close(self) -> None:
         self._close_waiter()

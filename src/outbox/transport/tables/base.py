@@ -152,12 +152,18 @@ class QueueTables:
         return (f"INSERT INTO {self.table} (queue, headers, body, visible_at, expires_at) "
                 f"VALUES (?, ?, ?, {self.after_ms()}, {expires})")
 
-    def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
-            ttl_ms: int | None = None) -> None:
+    def put_params(self, queue: str, headers: str, body: str | None, delay_ms: int,
+                   ttl_ms: int | None) -> list[Any]:
+        """``put_sql``'s parameters. The TTL counts from when the message becomes visible, so
+        a delayed message outlives its delay (docs/transport.md, "Delays and expiry")."""
         params = [queue, headers, body, *self.after_params(delay_ms)]
         if ttl_ms is not None:
-            params += self.after_params(ttl_ms)
-        self.run(cursor, self.put_sql(ttl_ms is not None), params)
+            params += self.after_params(max(int(delay_ms), 0) + ttl_ms)
+        return params
+
+    def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
+            ttl_ms: int | None = None) -> None:
+        self.run(cursor, self.put_sql(ttl_ms is not None), self.put_params(queue, headers, body, delay_ms, ttl_ms))
 
     def session_setup(self, cursor: Any) -> None:
         """Run once on each new connection of the transport (engine-specific tuning)."""
@@ -213,14 +219,23 @@ class QueueTables:
             return self.run(cursor, self.release_sql(), [*self.after_params(delay_ms), id, receipt]).rowcount
         return self.run(cursor, self.release_sql(delayed=False), [id, receipt]).rowcount
 
+    def waiting(self) -> str:
+        """Rows no receiver holds: never leased, or their lease ran out (deliverable again)."""
+        return f"(receipt IS NULL OR visible_at <= {self.engine.now})"
+
     def size(self, cursor: Any, queue: str) -> int:
         """Messages waiting (delayed ones included, leased ones not: AMQP's message count)."""
-        return int(self.run(cursor, f"SELECT COUNT(*) FROM {self.table} WHERE queue = ? AND receipt IS NULL",
+        return int(self.run(cursor, f"SELECT COUNT(*) FROM {self.table} WHERE queue = ? AND {self.waiting()}",
                             [queue]).fetchone()[0])
+
+    def holds_any(self, cursor: Any, queue: str) -> bool:
+        """Does any row carry ``queue``'s name, leased ones included (``queue_delete(if_empty)``)?"""
+        return bool(self.run(cursor, f"SELECT CASE WHEN EXISTS (SELECT 1 FROM {self.table} WHERE queue = ?) "
+                             "THEN 1 ELSE 0 END", [queue]).fetchone()[0])
 
     def purge(self, cursor: Any, queue: str) -> int:
         """Delete the messages waiting in ``queue`` (leased ones stay with their receivers)."""
-        return self.run(cursor, f"DELETE FROM {self.table} WHERE queue = ? AND receipt IS NULL",
+        return self.run(cursor, f"DELETE FROM {self.table} WHERE queue = ? AND {self.waiting()}",
                         [queue]).rowcount
 
     def purge_expired_sql(self) -> str:

@@ -101,10 +101,8 @@ class PostgresQueueTables(QueueTables):
 
     def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
             ttl_ms: int | None = None) -> None:
-        params = [queue, headers, body, *self.after_params(delay_ms)]
-        if ttl_ms is not None:
-            params += self.after_params(ttl_ms)
-        self.run(cursor, self.put_sql(ttl_ms is not None), [*params, self.wake_channel()])
+        self.run(cursor, self.put_sql(ttl_ms is not None),
+                 [*self.put_params(queue, headers, body, delay_ms, ttl_ms), self.wake_channel()])
 
     def open_waiter(self, url: str) -> Waiter:
         return ListenWaiter(url, self.wake_channel())
