@@ -1345,7 +1345,8 @@ def test_the_mssql_python_connection_string_is_one_the_driver_accepts() -> None:
 
 def test_enqueue_accepts_an_mssql_python_connection() -> None:
     from outbox.storage.engines import unwrap_connection
-    fake = type("Connection", (), {"__module__": "mssql_python.connection"})()
+    # Named as the driver names it, with a cursor() as it has (a cursor object has none).
+    fake = type("Connection", (), {"__module__": "mssql_python.connection", "cursor": lambda self: None})()
     assert unwrap_connection(fake) == ("mssql", fake)
 
 
