@@ -75,6 +75,16 @@ def test_check_reports_a_bad_setting_and_a_missing_index(tmp_path: Path) -> None
     assert "missing ix_outbox_claim_ready" in result.stdout
 
 
+def test_a_probe_asked_of_a_destination_that_is_not_kafka_is_said_to_do_nothing(tmp_path: Path) -> None:
+    """`--probe` was silently ignored on AMQP and Redis."""
+    from outbox.commands.doctor import run_checks
+
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": "memory://"}
+    [probe] = [r for r in run_checks(env, probe_topic="orders.created") if r.name == "probe"]
+    assert probe.state == "warn" and "--probe orders.created applies to a Kafka destination only" in probe.detail
+    assert not [r for r in run_checks(env) if r.name == "probe"]
+
+
 @pytest.mark.parametrize("setting,value,message", [
     ("OUTBOX_KAFKA_SECURITY_PROTOCOL", "bogus", "OUTBOX_KAFKA_SECURITY_PROTOCOL='bogus': expected one of"),
     ("OUTBOX_RELAY_METRICS_PORT", "notaport", "OUTBOX_RELAY_METRICS_PORT='notaport' is not a port number"),

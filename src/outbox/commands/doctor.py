@@ -317,6 +317,9 @@ def run_checks(environ: dict[str, str] | None = None, *,
     results += check_database(settings)
     results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings))
     results += check_destination(settings, kafka, probe_topic)
+    if probe_topic and kafka is None:
+        results.append(Result("probe", WARN, f"--probe {probe_topic} applies to a Kafka destination only: "
+                              "nothing was sent"))
     return results
 
 
