@@ -71,6 +71,24 @@ def test_an_idle_worker_and_beat_are_quiet_at_info_and_log_a_heartbeat(
                                                       if "heartbeat" in line][-1], timeout=30)
 
 
+def test_a_worker_that_gets_no_claim_tick_says_beat_is_missing(
+        tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, procs_factory: Any) -> None:
+    """Started without beat, a worker on a real Celery broker delivered what was there at
+    start and then nothing more, the only hint a heartbeat's `0 claim ticks` 5 minutes
+    later. It now says so once, after ten claim intervals (at least 10 s)."""
+    procs = procs_factory(relay_env(tmp_path, destination, sqlite_outbox, OUTBOX_CLAIM_INTERVAL_S="0.5"))
+    procs.worker("w1")
+    warning = "outbox: no claim tick has reached this worker in the 10 s since it started: run `celery -A outbox beat`"
+    assert wait_until(lambda: warning in procs.log("w1"), timeout=60), procs.log("w1")[-3000:]
+    procs.beat()  # with beat there, the worker's check sees ticks: nothing is said
+    procs.worker("w2")
+    assert wait_until(lambda: "outbox heartbeat: alive" in procs.log("w2"), timeout=60), procs.log("w2")[-3000:]
+    time.sleep(12)
+    procs.check_alive()
+    assert "no claim tick has reached" not in procs.log("w2"), procs.log("w2")[-3000:]
+    assert procs.log("w1").count("no claim tick has reached") == 1
+
+
 def _record(name: str, msg: str, args: Any, level: int = logging.INFO) -> logging.LogRecord:
     return logging.LogRecord(name, level, __file__, 1, msg, args, None)
 

@@ -56,6 +56,7 @@ class TickFilter(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.ticks = 0  # received by this worker
+        self.received = 0  # the same, never reset (Heartbeat's check that beat is there)
         self.sent = 0  # sent by this beat
         self._lock = threading.Lock()
 
@@ -68,6 +69,7 @@ class TickFilter(logging.Filter):
                     self.sent += 1
                 else:
                     self.ticks += 1
+                    self.received += 1
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
     def take_ticks(self) -> int:
@@ -102,20 +104,40 @@ def heartbeat_line(stats: Any, ticks: int | None = None) -> str:
     return line
 
 
+#: A worker that has received no claim tick this many claim intervals (at least
+#: ``NO_TICKS_MIN_S``) after it was ready says so, once: beat is not running, or sends to
+#: another Celery broker (docs/operations.md).
+NO_TICKS_INTERVALS, NO_TICKS_MIN_S = 10, 10.0
+
+
 class Heartbeat:
     """A daemon thread in the worker's main process; ``stop`` ends it at once."""
 
     def __init__(self, interval_s: float, settings: Any) -> None:
         self.interval_s = interval_s
         self.settings = settings
+        self.ticks_due_s = max(NO_TICKS_MIN_S, NO_TICKS_INTERVALS * settings.claim_interval_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outbox-heartbeat", daemon=True)
+        self._no_ticks = threading.Timer(self.ticks_due_s, self.warn_without_ticks)
+        self._no_ticks.daemon = True
 
     def start(self) -> None:
         self._thread.start()
+        self._no_ticks.start()
+
+    def warn_without_ticks(self) -> None:
+        # Ticks are counted from Celery's INFO lines: below INFO there is nothing to count.
+        if self._stop.is_set() or tick_filter.received or not logging.getLogger(
+                "celery.worker.strategy").isEnabledFor(logging.INFO):
+            return
+        log.warning("outbox: no claim tick has reached this worker in the %.0f s since it started: run "
+                    "`celery -A outbox beat` (exactly one per outbox) with this worker's OUTBOX_CELERY_BROKER_URL; "
+                    "until then new events wait for a post-commit wake-up (docs/operations.md)", self.ticks_due_s)
 
     def stop(self) -> None:
         self._stop.set()
+        self._no_ticks.cancel()
 
     def beat_once(self, ticks: int | None) -> None:
         from ..storage.store import OutboxStore
