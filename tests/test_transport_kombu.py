@@ -213,6 +213,59 @@ def test_closing_a_connection_hands_unacked_messages_back_at_once(broker: Broker
         q.close()
 
 
+def test_a_row_that_is_not_a_message_is_dropped_alone(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged row (headers not JSON) failed every poll that leased it, with the rest of
+    its batch left leased and unseen for the visibility timeout, again every timeout."""
+    import logging
+
+    with broker.connect(visibility_timeout=3600) as conn:
+        q = conn.SimpleQueue("damaged")
+        for n in range(3):
+            q.put({"n": n})
+        engine = engine_for_url(broker.db_url)
+        db = engine.connect(broker.db_url)
+        try:
+            cursor = db.cursor()
+            ids = sorted(r[0] for r in engine.execute(cursor, f"SELECT id FROM {engine.qualify(broker.table)}"))
+            engine.execute(cursor, f"UPDATE {engine.qualify(broker.table)} SET headers = ? WHERE id = ?",
+                           ["{oops", ids[1]])
+            db.commit()
+        finally:
+            db.close()
+        received = []
+        consumer = Consumer(conn.default_channel, [Queue("damaged")], accept=["json"], prefetch_count=10,
+                            callbacks=[lambda body, message: (received.append(body), message.ack())])
+        with caplog.at_level(logging.ERROR, logger="outbox.transport"), consumer:
+            deadline = time.monotonic() + 10
+            while len(received) < 2 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.5)
+        assert received == [{"n": 0}, {"n": 2}]
+        assert any(f"message {ids[1]} of queue damaged cannot be decoded" in r.getMessage() for r in caplog.records)
+        assert q.qsize() == 0
+        q.close()
+
+
+def test_a_callback_that_raises_hands_the_rest_of_its_batch_back(broker: Broker) -> None:
+    with broker.connect(visibility_timeout=3600) as conn:
+        q = conn.SimpleQueue("raising")
+        for n in range(3):
+            q.put({"n": n})
+
+        def explode(body: Any, message: Any) -> None:
+            raise RuntimeError("consumer bug")
+
+        consumer = Consumer(conn.default_channel, [Queue("raising")], accept=["json"], prefetch_count=10,
+                            callbacks=[explode])
+        with consumer, pytest.raises(RuntimeError, match="consumer bug"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.5)
+        assert q.qsize() == 2  # the two after the failed one are waiting again, not leased for an hour
+        q.close()
+
+
 def test_size_purge_and_delete_if_empty_count_messages_whose_lease_ran_out(broker: Broker) -> None:
     """A message whose receiver's lease ran out is waiting again: counted and purged; and a
     queue holding only leased messages is not empty (they come back if their receiver dies)."""

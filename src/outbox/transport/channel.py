@@ -32,6 +32,7 @@ looks like (envelope, delays, expiry, delivery tags) is ``transport.messages``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -312,8 +313,15 @@ class Channel(virtual.Channel):
         rows = self._lease(list(self._active_queues), max(limit, 1))
         if not rows:
             raise Empty()
-        for queue, payload in rows:
-            callback(payload, queue)
+        for index, (queue, payload) in enumerate(rows):
+            try:
+                callback(payload, queue)
+            except BaseException:
+                # The rest of the batch would stay leased, unseen, for the visibility timeout.
+                for _, rest in rows[index + 1:]:
+                    with contextlib.suppress(Exception):
+                        self._settle(rest["properties"]["delivery_tag"], requeue=True)
+                raise
 
     def _lease(self, queues: list[str], limit: int) -> list[tuple[str, dict[str, Any]]]:
         if not queues:
@@ -341,7 +349,15 @@ class Channel(virtual.Channel):
             self.db.run(lambda qt, c: [qt.ack(c, r.id, receipt) for r in rows])  # no_ack: consumed on receipt
         got = []
         for row in rows:
-            payload = self._payload(row, receipt)
+            try:
+                payload = self._payload(row, receipt)
+            except ValueError as exc:  # not JSON: no message this transport wrote (docs/transport.md, "Guarantees")
+                log.error("outboxdb: message %s of queue %s cannot be decoded (%s: %s; headers %r): deleted, as "
+                          "Celery acks a message it cannot decode", row.id, queue, type(exc).__name__, exc,
+                          str(row.headers)[:200])
+                if not no_ack:
+                    self._settle(f"{row.id}.{receipt}", requeue=False)
+                continue
             if self._sent_to_an_earlier_consumer(queue, payload):
                 log.info("outboxdb: dropped a remote-control command sent to %s before this consumer began", queue)
                 if not no_ack:
