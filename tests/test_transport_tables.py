@@ -225,3 +225,26 @@ def test_postgresql_sends_commit_durably_while_receives_commit_asynchronously(tm
         assert t.tx(lambda c: (t.qt.ack(c, row.id, receipt), setting(c))[1]) == "off"
     finally:
         t.drop()
+
+
+def test_a_connection_whose_set_up_failed_is_not_kept(tmp_path: Path) -> None:
+    """``Connections`` kept a new connection whose ``on_connect`` (the broker's session
+    set-up and table check) raised, and every later call used it without that set-up."""
+    from outbox.storage.connections import Connections
+    from outbox.storage.engines import engine_for_url
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    set_up: list[Any] = []
+
+    def on_connect(conn: Any) -> None:
+        set_up.append(conn)
+        if len(set_up) == 1:
+            raise RuntimeError("set-up refused")
+
+    connections = Connections(engine_for_url(url), url, per_thread=False, on_connect=on_connect)
+    with pytest.raises(RuntimeError, match="set-up refused"):
+        connections.get()
+    conn = connections.get()
+    assert len(set_up) == 2 and conn is set_up[1]  # connected again, and set up
+    assert connections.get() is conn and len(set_up) == 2
+    connections.drop()

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -59,9 +59,16 @@ class Connections:
             conn = getattr(self._slot, "conn", None)
             if conn is None or self._slot.pid != os.getpid():
                 conn = self.engine.connect(self.url)
-                self._slot.conn, self._slot.pid = conn, os.getpid()
                 if self.on_connect is not None:
-                    self.on_connect(conn)
+                    try:
+                        self.on_connect(conn)
+                    except BaseException:
+                        # Kept, it would serve every later call without its set-up (a
+                        # session's lock timeout, say): the next call connects again.
+                        with suppress(Exception):
+                            conn.close()
+                        raise
+                self._slot.conn, self._slot.pid = conn, os.getpid()
             return conn
 
     def drop(self) -> None:
