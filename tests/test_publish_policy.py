@@ -32,6 +32,7 @@ from outbox.relay import (
     handle_publish,
     retry_delay,
     still_held,
+    still_held_when_reachable,
 )
 from outbox.storage.store import OutboxStore
 
@@ -332,6 +333,37 @@ def test_a_publish_task_marks_its_published_prefixes_done_in_one_write(sqlite_st
     states = status_of(sqlite_store)
     assert [states[i] for i in a] == [Status.DONE, Status.FAILED, Status.PENDING]
     assert all(states[i] == Status.DONE for i in b + c)
+
+
+def test_a_publish_task_asks_again_through_a_short_database_outage(sqlite_store: OutboxStore,
+                                                                   conn: sqlite3.Connection) -> None:
+    """A publish task whose "still held?" read failed raised at once, leaving its rows leased
+    to this live process until the lease ran out; it now asks again until its deadline
+    is near, or the worker stops."""
+    ids = add(conn, "a", 2)
+    [chain] = claim_chains(sqlite_store)
+
+    class Away:
+        def __init__(self, failures: int) -> None:
+            self.failures, self.holder_id = failures, sqlite_store.holder_id
+
+        def held(self, ids: Any, lease: str) -> set[int]:
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("database restarting")
+            return sqlite_store.held(ids, lease)
+
+    failed: list[BaseException] = []
+    slept: list[float] = []
+    held = still_held_when_reachable(Away(2), [chain], deadline=time.time() + 60, failed=failed.append,
+                                     sleep=slept.append)
+    assert [[m.id for m in c] for c in held.chains] == [ids] and len(failed) == 2 and slept == [0.5, 0.5]
+    with pytest.raises(ConnectionError):  # too close to the deadline: the lease recovers the rows
+        still_held_when_reachable(Away(99), [chain], deadline=time.time() + 0.2, sleep=slept.append)
+    with pytest.raises(ConnectionError):  # stopping: nothing to wait for
+        still_held_when_reachable(Away(99), [chain], deadline=time.time() + 60, stopping=lambda: True,
+                                  sleep=slept.append)
+    assert slept == [0.5, 0.5]
 
 
 # -- store writes that fail go to the ack queue's tasks ----------------------------------------

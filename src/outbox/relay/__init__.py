@@ -33,6 +33,7 @@ from .publish import (
                       handle_chain,
                       handle_publish,
                       still_held,
+                      still_held_when_reachable,
                       trusted_prefix,
 )
 from .resources import ResourceHolder, Resources
@@ -58,7 +59,7 @@ __all__ = [
     "Breaker", "breaker_key", "make_breaker", "RouteGate", "make_route_gate",
     "Outage", "make_outage", "ClaimFailed", "Coalescer", "make_coalescer",
     "RelayContext", "STOP_POLICY", "trusted_prefix",
-    "StoreLike", "Fallback", "Settler", "ChainOutcome", "handle_chain", "handle_publish", "still_held",
+    "StoreLike", "Fallback", "Settler", "ChainOutcome", "handle_chain", "handle_publish", "still_held", "still_held_when_reachable",
     "ClaimOutcome", "ClaimSizer", "plan_tasks", "Dispatch", "handle_claim", "apply_fallback",
     "Claimed", "take_claim", "hand_on", "Ahead", "ClaimAhead",
     "DRAIN_SLICE_S", "Backlog", "Drain", "RelayHooks", "after_publish", "drain_slice", "send_dead",

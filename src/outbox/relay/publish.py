@@ -342,6 +342,31 @@ def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
     return Held(kept, renewed=bool(adopted))
 
 
+#: How often ``still_held_when_reachable`` asks again while the database is away.
+HELD_RETRY_S = 0.5
+
+
+def still_held_when_reachable(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
+                              check_own: bool = True, deadline: float | None = None,
+                              stopping: Callable[[], bool] = lambda: False,
+                              failed: Callable[[BaseException], object] = lambda exc: None,
+                              now: Callable[[], float] = time.time,
+                              sleep: Callable[[float], object] = time.sleep) -> Held:
+    """``still_held``, asked again every ``HELD_RETRY_S`` while the database refuses (each
+    failure to ``failed``, the outage log) until ``deadline`` is near or the worker stops.
+    Raising at once left every row of the task leased to this live process, so its
+    aggregates stood still until the lease ran out, long after a short outage had ended
+    (docs/relay.md, "Outages in the log")."""
+    while True:
+        try:
+            return still_held(store, chains, check_own=check_own, deadline=deadline, now=now)
+        except Exception as exc:
+            failed(exc)
+            if deadline is None or now() + HELD_RETRY_S >= deadline or stopping():
+                raise
+            sleep(HELD_RETRY_S)
+
+
 def _hold_or_adopt(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]],
                    check_own: bool) -> tuple[set[int], dict[str, str]]:
     """The ids still held, this process's leases checked (when ``check_own``) and other

@@ -21,7 +21,7 @@ from .context import RelayContext
 from .drain import DRAIN_SLICE_S, Backlog, ClaimAhead, Drain, after_publish, drain_slice
 from .foreign import ForeignTasks
 from .hooks import RelayHooks
-from .publish import ChainOutcome, handle_publish, still_held
+from .publish import ChainOutcome, handle_publish, still_held_when_reachable
 from .resources import ResourceHolder, Resources, Shared
 from .runner import Runner
 from .settle import apply_fallback, purge_expired
@@ -171,7 +171,8 @@ class Relay:
         claimed are adopted; this process's own are checked when ``check_own``: docs/internals.md,
         "Lost workers"), published here; then a claim soon (their aggregates may have more rows)."""
         messages = [[message_from_dict(d) for d in chain] for chain in chains]
-        held = still_held(self.resources().store, messages, deadline=deadline, check_own=check_own)
+        held = still_held_when_reachable(self.resources().store, messages, deadline=deadline, check_own=check_own,
+                                         stopping=self.stopping, failed=self.outage("database").failed)
         if held.renewed:  # adopted: the lease started again now (publish.Held)
             deadline = time.time() + self.lease_s * self.options.lease_safety
         outcomes = self.publish_here(held.chains, deadline)
