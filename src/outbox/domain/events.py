@@ -23,7 +23,7 @@ What is checked, and why, field by field:
   "1": "b"}`` becomes two ``"1"`` members, of which the database keeps one, and the
   consumer never sees the key the caller wrote. The walk runs after ``dump_json`` (which
   has refused cycles and over-deep nesting) and visits only containers' keys and values,
-  and builds the key's path only once it found one (``non_str_key_path``).
+  and builds the key's path only once it found one (``non_str_key_problem``).
 * A ``message_id`` may not start or end with whitespace. SQL Server's equality ignores
   trailing spaces, so ``m1`` and ``m1 `` would be one message there and two on the other
   engines; refusing both ends everywhere keeps the idempotency key the same on every engine

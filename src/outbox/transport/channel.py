@@ -54,6 +54,7 @@ from .messages import (
     eta_delay_ms,
     is_control_queue,
     is_reply_queue,
+    make_tag,
     split_tag,
     ttl_ms,
 )
@@ -356,7 +357,7 @@ class Channel(virtual.Channel):
                           "Celery acks a message it cannot decode", row.id, queue, type(exc).__name__, exc,
                           str(row.headers)[:200])
                 if not no_ack:
-                    self._settle(f"{row.id}.{receipt}", requeue=False)
+                    self._settle(make_tag(row.id, receipt), requeue=False)
                 continue
             if self._sent_to_an_earlier_consumer(queue, payload):
                 log.info("outboxdb: dropped a remote-control command sent to %s before this consumer began", queue)
@@ -378,7 +379,7 @@ class Channel(virtual.Channel):
         payload = json.loads(row.headers)
         payload["body"] = row.body
         properties = payload.setdefault("properties", {})
-        properties["delivery_tag"] = f"{row.id}.{receipt}"  # unique per lease; ack/reject parse it
+        properties["delivery_tag"] = make_tag(row.id, receipt)  # ack/reject parse it (split_tag)
         info = properties.setdefault("delivery_info", {})
         info["redelivered"] = row.deliveries > 1
         payload["redelivered"] = row.deliveries > 1

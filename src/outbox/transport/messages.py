@@ -85,6 +85,11 @@ def is_reply_queue(queue: str) -> bool:
     return ".reply." in queue and queue.endswith(".pidbox")
 
 
+def make_tag(row_id: int, receipt: str) -> str:
+    """A message's delivery tag: its row and the lease's receipt (unique per lease)."""
+    return f"{row_id}.{receipt}"
+
+
 def split_tag(delivery_tag: str) -> tuple[int, str]:
     row_id, _, receipt = str(delivery_tag).partition(".")
     return int(row_id), receipt

@@ -104,12 +104,12 @@ class MysqlEngine(Engine):
     def now_plus_ms(self) -> str:
         return "TIMESTAMPADD(MICROSECOND, ? * 1000, UTC_TIMESTAMP(3))"
 
-    # The claim reads open rows through ``claim_ready`` (status, id) only: without these,
-    # its reads walked every done row kept for the retention period, per claim
-    # (docs/internals.md, "Claims on MySQL and MariaDB read open rows only").
     def exact(self, column: str) -> str:
         return f"CAST({column} AS BINARY)"  # utf8mb4_bin pads: 'x' = 'x ' (Engine.exact)
 
+    # The claim reads open rows through ``claim_ready`` (status, id) only: without these,
+    # its reads walked every done row kept for the retention period, per claim
+    # (docs/internals.md, "Claims on MySQL and MariaDB read open rows only").
     def open_rows_source(self) -> str:
         return f"{self.table} FORCE INDEX ({self.quote(self.index_name('claim_ready'))})"
 

@@ -126,12 +126,7 @@ class MssqlEngine(MssqlStatements):
         """Bind parameters with stable declared types (one plan per statement, not per
         string length), and run migration batches without the query timeout."""
         params = tuple(params)
-        if hasattr(cursor, "setinputsizes"):
-            module = type(cursor).__module__.split(".", 1)[0]
-            sizes = input_sizes(params, INLINE_UNITS.get(module, 2000)) if params else None
-            # pyodbc keeps sizes until they are replaced: clear them for other statements.
-            if sizes is not None or module == "pyodbc":
-                cursor.setinputsizes(sizes)
+        self._declare_sizes(cursor, params)
         conn = getattr(cursor, "connection", None) if _is_ddl(text) else None
         saved = getattr(conn, "timeout", None)
         if conn is None or not saved:
@@ -148,10 +143,20 @@ class MssqlEngine(MssqlStatements):
         """Each row binds its own values: pyodbc would apply the sizes the cursor's last
         ``execute`` declared (``input_sizes``) to every row, so a payload past 4,000 UTF-16
         units went as NVARCHAR(4000) and was refused as truncated."""
-        if hasattr(cursor, "setinputsizes") and type(cursor).__module__.split(".", 1)[0] == "pyodbc":
-            cursor.setinputsizes(None)
+        self._declare_sizes(cursor, ())
         cursor.executemany(text, rows)
         return cursor
+
+    @staticmethod
+    def _declare_sizes(cursor: Any, params: tuple) -> None:
+        """Declare ``params``' types on the cursor (``input_sizes``); with none to declare,
+        clear pyodbc's, which it keeps from the last statement until they are replaced."""
+        if not hasattr(cursor, "setinputsizes"):
+            return
+        module = type(cursor).__module__.split(".", 1)[0]
+        sizes = input_sizes(params, INLINE_UNITS.get(module, 2000)) if params else None
+        if sizes is not None or module == "pyodbc":
+            cursor.setinputsizes(sizes)
 
     def is_transient(self, exc: BaseException) -> bool:
         return driver.is_transient(exc)
