@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_support import add
 
 from outbox import UnsupportedConnection, enqueue
 from outbox.storage.store import OutboxStore
@@ -138,3 +139,81 @@ def test_an_autocommit_connection_is_named_once_in_a_warning(writer: Any, store:
     assert len(warnings) == 1 and "connection is in autocommit mode, so the event was committed by itself" in warnings[0]
     assert store.stats().counts["pending"] == 4
     write_side._warn_autocommit.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_a_sqlalchemy_connection_with_no_transaction_yet_commits_the_event(store: OutboxStore, url: str) -> None:
+    """SQLAlchemy 2 begins a Connection's transaction at its first execute(); enqueue's insert
+    does not go through execute(), so an enqueue on a fresh Connection left SQLAlchemy
+    believing no transaction was open: conn.commit() did nothing and closing the connection
+    rolled the event back, with its id already returned. enqueue begins it, as execute() would."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+
+    engine = sqlalchemy.create_engine(sqlalchemy_url(url))
+    table = store.engine.table_name
+    try:
+        with engine.connect() as connection:
+            assert not connection.in_transaction()
+            kept = enqueue(connection, topic="t", aggregate_type="o", aggregate_id="c", payload={"a": 1}, table=table)
+            assert connection.in_transaction()
+            connection.commit()
+        with engine.connect() as connection:
+            enqueue(connection, topic="t", aggregate_type="o", aggregate_id="c", payload={"a": 2}, table=table)
+            connection.rollback()
+        with engine.connect() as connection:  # the business change after the event: one transaction
+            also = enqueue(connection, topic="t", aggregate_type="o", aggregate_id="c", payload={"a": 3}, table=table)
+            connection.execute(sqlalchemy.text("SELECT 1"))
+            connection.commit()
+    finally:
+        engine.dispose()
+    assert [m.id for m in store.claim(10).messages] == [kept, also]
+
+
+def test_django_on_psycopg2_is_refused_naming_psycopg_3() -> None:
+    """Django's PostgreSQL backend runs on psycopg2 when psycopg 3 is missing; enqueue (which
+    speaks psycopg 3) failed there on a missing attribute or module. Now it says what to
+    install, before any SQL."""
+    psycopg2_connection = type("connection", (), {"__module__": "psycopg2.extensions"})
+
+    class DjangoWrapper:  # what unwrap_connection reads of django.db.backends' DatabaseWrapper
+        vendor = "postgresql"
+        connection = psycopg2_connection()
+
+        def ensure_connection(self) -> None:
+            pass
+
+    with pytest.raises(UnsupportedConnection, match="runs on psycopg2.*install psycopg 3"):
+        enqueue(DjangoWrapper(), topic="t", aggregate_type="o", aggregate_id="1", payload={})
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_a_table_an_older_release_made_says_to_migrate_on_claim_and_on_enqueue(writer: Any, store: OutboxStore) -> None:
+    """A table that lacks a column this release uses (made by an older release or another
+    script, never migrated since): the relay's claim and the enqueue raise a StoreError
+    saying to run `outbox migrate`, the driver's error as its cause. Before, both raised the
+    driver's bare error, which the relay's outage line called the database "unreachable"."""
+    from outbox import StoreError
+
+    e = store.engine
+
+    def drop(column: str) -> None:
+        with store.transaction() as cursor:
+            e.execute(cursor, f"ALTER TABLE {e.table} DROP COLUMN {column}")
+        store.close()
+
+    for column in ("lease_token", "last_error"):  # the columns releases added after the first
+        drop(column)
+    add(writer, store, "1")
+    with pytest.raises(StoreError, match=r"lacks a column this release uses .*: run `outbox migrate`") as raised:
+        store.claim(10)
+    assert raised.value.__cause__ is not None and e.is_missing_column(raised.value.__cause__)
+    store.migrate()
+    assert [m.aggregate_id for m in store.claim(10).messages] == ["1"]
+
+    with store.transaction() as cursor:  # SQLite cannot drop a column an index names
+        e.execute(cursor, f"DROP INDEX {e.qualify(e.index_name('agg_id_id'))}" + (f" ON {e.table}"
+                  if e.name == "mysql" else ""))
+    drop("trace_id")
+    with pytest.raises(StoreError, match=r"lacks a column this release uses .*`outbox check` names") as raised:
+        enqueue(writer, topic="t", aggregate_type="o", aggregate_id="1", payload={}, table=e.table_name)
+    assert raised.value.__cause__ is not None and e.is_missing_column(raised.value.__cause__)

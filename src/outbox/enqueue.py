@@ -4,15 +4,19 @@ touching the database when the input is bad."""
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
 from .core.config import get_settings, validate_identifier
 from .core.errors import ConfigError, EnqueueError, StoreError
+from .core.model import NewEvent, OutboxMessage
 from .core.tracing import current_traceparent
-from .domain.events import prepare_event
+from .domain.events import MAX_HEADERS_BYTES, prepare_event
 from .relay.listen import notify_channel
 from .storage.engines import Engine, engine_class, unwrap_connection
 
@@ -22,6 +26,34 @@ log = logging.getLogger("outbox.enqueue")
 @lru_cache(maxsize=32)
 def _engine(kind: str, table: str, schema: str | None) -> Engine:
     return engine_class(kind)(table=table, schema=schema)
+
+
+#: What the relay's own headers (``message_id``, ``outbox_id``, ``topic``, ... ``traceparent``:
+#: docs/publisher.md, "Headers") take at most in the published AMQP header table, with the
+#: longest values their columns hold.
+RESERVED_HEADERS_MAX_BYTES = 5 * 1024
+
+
+def published_headers_problem(event: NewEvent) -> str | None:
+    """Why the publisher would refuse ``event``'s headers as POISON, every time (the AMQP
+    header table of the caller's headers and the relay's own, over 64 KiB), or None.
+    Headers whose JSON is well under the limit cannot be (the publisher's own bound, in
+    ``publisher.message.checked_headers``); only larger ones are encoded here, exactly as
+    the publisher will, with the longest ``outbox_id`` and ``attempt`` they can have."""
+    text = event.headers_json
+    size = len(text) if text.isascii() else len(text.encode("utf-8"))
+    if 2 * size + 64 + RESERVED_HEADERS_MAX_BYTES <= MAX_HEADERS_BYTES:
+        return None
+    from .publisher.message import checked_headers  # the publisher's verdict, not a copy of it
+
+    stand_in = OutboxMessage(
+        id=2 ** 63 - 1, message_id=event.message_id, topic=event.topic, aggregate_type=event.aggregate_type,
+        aggregate_id=event.aggregate_id, partition_key=event.partition_key, payload="", headers=json.loads(text),
+        trace_id=event.trace_id, attempts=2 ** 31 - 2, created_at=datetime.now(UTC), lease="")
+    failure = checked_headers(stand_in, sys.maxsize)[1]
+    if failure is None:
+        return None
+    return f"headers: {failure.reason} (the relay's own headers included): the publisher would refuse the event"
 
 
 @lru_cache(maxsize=8)
@@ -71,6 +103,9 @@ def enqueue(
     event = prepare_event(topic=topic, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
                           payload=payload, headers=headers, key=key, message_id=message_id,
                           trace_id=current_traceparent(), max_payload_bytes=settings.max_payload_bytes)
+    problem = published_headers_problem(event)
+    if problem:
+        raise EnqueueError(problem)
     kind, raw = unwrap_connection(conn)
     engine = _engine(kind, table, schema)
     if engine.commits_each_statement(raw):
@@ -82,8 +117,9 @@ def enqueue(
             return engine.insert_event_and_notify(cursor, event, channel)
         return engine.insert_event(cursor, event)
     except Exception as exc:
-        if engine.is_missing_table(exc):  # read from the error alone: no query on the hot path
-            raise StoreError(f"enqueue: {engine.missing_table_hint()}") from exc
+        hint = engine.schema_error_hint(exc)  # read from the error alone: no query on the hot path
+        if hint is not None:
+            raise StoreError(f"enqueue: {hint}") from exc
         raise
     finally:
         cursor.close()

@@ -53,14 +53,23 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -
     What the steps may use is read from ``cursor``'s own connection first. Returns how many
     guarded steps ran (their probe found the change not yet made)."""
     engine.read_server(cursor)
+    engine.lock_migration(cursor)  # one migration of the table at a time (Engine.lock_migration)
     ran = 0
-    for step in engine.migration(native_json=native_json):
-        if isinstance(step, tuple):
-            (probe, params), step = step
-            if engine.execute(cursor, probe, params).fetchone() is not None:
-                continue
-            ran += 1
-        engine.execute(cursor, step)
+    try:
+        for step in engine.migration(native_json=native_json):
+            if isinstance(step, tuple):
+                (probe, params), step = step
+                if engine.execute(cursor, probe, params).fetchone() is not None:
+                    continue
+                ran += 1
+            engine.execute(cursor, step)
+    except BaseException:
+        try:
+            engine.unlock_migration(cursor)
+        except Exception:  # the connection may be gone; the original error tells why
+            log.debug("outbox: cannot unlock the migration", exc_info=True)
+        raise
+    engine.unlock_migration(cursor)
     return ran
 
 
@@ -182,8 +191,9 @@ class OutboxStore:
                 # due, another worker's lease): read past them (docs/internals.md, "Claim windows").
                 rows = self._run("claim", work(True), alone=self.engine.one_statement_claim)
         except Exception as exc:
-            if self.engine.is_missing_table(exc):  # not an outage: an operator must act
-                raise StoreError(self.engine.missing_table_hint()) from exc
+            hint = self.engine.schema_error_hint(exc)  # not an outage: an operator must act
+            if hint is not None:
+                raise StoreError(hint) from exc
             raise
         status_at = len(rows[0]) - 1 if rows else 0
         messages: list[OutboxMessage] = []

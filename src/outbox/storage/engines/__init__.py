@@ -69,6 +69,12 @@ def unwrap_connection(conn: Any) -> tuple[str, Any]:
         conn = conn.connection()
     # SQLAlchemy Connection -> the pooled DB-API connection it runs on.
     if type(conn).__module__.startswith("sqlalchemy") and hasattr(conn, "connection"):
+        # The insert bypasses conn.execute(), so SQLAlchemy would not know a transaction is
+        # open: a later conn.commit() would do nothing and the pool's reset on close would
+        # roll the event back. Begin as conn.execute() would (autobegin), so it does.
+        in_transaction = getattr(conn, "in_transaction", None)
+        if callable(in_transaction) and not in_transaction():
+            conn.begin()
         raw = conn.connection
         conn = getattr(raw, "dbapi_connection", None) or getattr(raw, "driver_connection", raw)
     # Django's DatabaseWrapper.
@@ -78,7 +84,12 @@ def unwrap_connection(conn: Any) -> tuple[str, Any]:
         if kind is None:
             raise UnsupportedConnection(f"Django database vendor {vendor!r} is not supported")
         conn.ensure_connection()
-        return kind, conn.connection
+        raw = conn.connection
+        if type(raw).__module__.startswith("psycopg2"):  # Django's fallback when psycopg (3) is missing
+            raise UnsupportedConnection(
+                "Django's PostgreSQL connection runs on psycopg2, which enqueue does not support: install "
+                "psycopg 3 (the postgres extra), which Django then uses instead")
+        return kind, raw
     root = type(conn).__module__.split(".", 1)[0]
     kind = _MODULE_KINDS.get(root)
     if kind is None:

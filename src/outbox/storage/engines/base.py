@@ -284,6 +284,23 @@ class Engine(ABC):
         """What to do when the outbox table is missing: what ``enqueue`` and the CLI say."""
         return f"table {self.table} missing: run `outbox migrate` (it creates the table and its indexes)"
 
+    def is_missing_column(self, exc: BaseException) -> bool:
+        """The statement named a column the table lacks: a table made by an older release
+        (or another script) that ``outbox migrate`` has not brought up to date."""
+        return False
+
+    def schema_error_hint(self, exc: BaseException) -> str | None:
+        """What to do about ``exc`` when it says the schema is not this release's (a table
+        or a column missing), or None for any other error: what ``enqueue`` and the
+        relay's claim raise as a ``StoreError``, the driver's error as its cause."""
+        if self.is_missing_table(exc):
+            return self.missing_table_hint()
+        if self.is_missing_column(exc):
+            return (f"table {self.table} lacks a column this release uses (made by an older release or another "
+                    "script): run `outbox migrate`, which adds the columns releases added; `outbox check` names "
+                    f"what is missing ({type(exc).__name__}: {' '.join(str(exc).split())})")
+        return None
+
     def to_datetime(self, value: Any) -> datetime | None:
         """Database timestamps are UTC; return them as aware datetimes."""
         if value is None:
@@ -302,6 +319,21 @@ class Engine(ABC):
         An item is either SQL that guards itself (IF NOT EXISTS) or a pair
         ``((probe_sql, probe_params), sql)``: ``sql`` runs only when the probe finds
         no row, for engines whose DDL has no IF NOT EXISTS form."""
+
+    def migration_lock_resource(self) -> str:
+        """The name of the lock that lets one migration of this table run at a time."""
+        return f"outbox migrate {self.table}"
+
+    def lock_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: SQLite and SQL Server need none here
+        """Wait until no other migration of this table runs, before ``migration()``'s first
+        step. Two at once (every replica's start-up, a deploy job beside ``manage.py
+        migrate``) would both find a step not yet made and both make it; the second then
+        fails (a duplicate table, column or constraint). The lock lasts until
+        ``unlock_migration`` or the commit. SQLite's writer lock serializes them already;
+        SQL Server's migration takes its lock in its first batch."""
+
+    def unlock_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: most locks go with the commit
+        """Release what ``lock_migration`` took, where the commit does not."""
 
     def holders_migration(self) -> list[Any]:
         """The holders table (docs/internals.md, "Lost workers"), as ``migration`` items; each

@@ -10,12 +10,15 @@ its transactions' life (``session_sql``, ``bounded_socket``; docs/relay.md, "A n
 
 from __future__ import annotations
 
+import hashlib
+import re
 import socket
 from collections.abc import Sequence
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ...core.config import session_bounds
+from ...core.errors import EnqueueError, StoreError
 from ...core.model import NewEvent
 from .base import Engine, tcp_keepalive
 
@@ -27,6 +30,17 @@ _DISCONNECT_CODES = {2006, 2013, 2003, 2055, 4031}
 
 #: Seconds a connection attempt may take.
 CONNECT_TIMEOUT_S = 10
+#: Seconds a migration waits for another one (GET_LOCK).
+MIGRATION_LOCK_TIMEOUT_S = 600
+
+#: A character outside the Basic Multilingual Plane: four bytes in UTF-8, which only a
+#: utf8mb4 connection carries (``MysqlEngine.insert_event``).
+_ASTRAL = re.compile("[\U00010000-\U0010FFFF]")
+
+
+def _is_mysqldb(conn: Any) -> bool:
+    """A mysqlclient (``MySQLdb``) connection, Django's default MySQL driver, rather than PyMySQL's."""
+    return type(conn).__module__.split(".", 1)[0] == "MySQLdb"
 
 
 def pymysql_kwargs(url: str) -> dict[str, Any]:
@@ -156,16 +170,30 @@ class MysqlEngine(Engine):
         return conn
 
     def cursor_for(self, conn: Any) -> Any:
+        # Tuples, whatever the caller's default; each driver's own cursor class (a PyMySQL
+        # cursor on a mysqlclient connection builds broken SQL).
+        if _is_mysqldb(conn):
+            import MySQLdb.cursors
+            return conn.cursor(MySQLdb.cursors.Cursor)
         import pymysql.cursors
-        return conn.cursor(pymysql.cursors.Cursor)  # tuples, whatever the caller's default
+        return conn.cursor(pymysql.cursors.Cursor)
 
     def commits_each_statement(self, conn: Any) -> bool:
+        if _is_mysqldb(conn):
+            # mysqlclient shows the server's autocommit flag but not its IN_TRANS flag, so a
+            # BEGIN of the caller's on an autocommit connection is not seen here.
+            return bool(conn.get_autocommit())
         # PyMySQL's mode, unless the caller's own BEGIN is open (the server's IN_TRANS flag).
         return getattr(conn, "autocommit_mode", False) is True and not getattr(conn, "server_status", 0) & 1
 
     def _code(self, exc: BaseException) -> int | None:
         args = getattr(exc, "args", ())
         return args[0] if args and isinstance(args[0], int) else None
+
+    @staticmethod
+    def _driver_error(exc: BaseException) -> bool:
+        """An error of either driver a caller's connection may be (PyMySQL, mysqlclient)."""
+        return type(exc).__module__.split(".", 1)[0] in ("pymysql", "MySQLdb")
 
     def is_transient(self, exc: BaseException) -> bool:
         import pymysql
@@ -242,10 +270,46 @@ class MysqlEngine(Engine):
                             f"ON DUPLICATE KEY UPDATE beat_at = {self.now}", [holder_id, host, pid]).rowcount == 1
 
     def is_missing_table(self, exc: BaseException) -> bool:
-        import pymysql
-        return isinstance(exc, pymysql.err.MySQLError) and self._code(exc) == 1146  # ER_NO_SUCH_TABLE
+        return self._driver_error(exc) and self._code(exc) == 1146  # ER_NO_SUCH_TABLE
+
+    def is_missing_column(self, exc: BaseException) -> bool:
+        return self._driver_error(exc) and self._code(exc) == 1054  # ER_BAD_FIELD_ERROR
+
+    def lock_migration(self, cursor: Any) -> None:
+        # DDL commits on its own in MySQL, so the lock is the session's (GET_LOCK) and
+        # unlock_migration releases it. GET_LOCK names stop at 64 characters: a digest.
+        got = self.execute(cursor, "SELECT GET_LOCK(?, ?)",
+                           [self._migration_lock_key(), MIGRATION_LOCK_TIMEOUT_S]).fetchone()
+        if not got or got[0] != 1:
+            raise StoreError(f"outbox migrate: another migration of {self.table} held the migration lock for "
+                             f"{MIGRATION_LOCK_TIMEOUT_S} s; run it again when that one has finished")
+
+    def unlock_migration(self, cursor: Any) -> None:
+        self.execute(cursor, "SELECT RELEASE_LOCK(?)", [self._migration_lock_key()]).fetchall()
+
+    def _migration_lock_key(self) -> str:
+        return "outbox migrate " + hashlib.sha1(self.migration_lock_resource().encode()).hexdigest()
+
+    def _check_charset(self, cursor: Any, event: NewEvent) -> None:
+        """Refuse, before the insert, an event with a character of four UTF-8 bytes (an
+        emoji) on a connection whose character set is not utf8mb4 (``charset="utf8"``, which
+        is utf8mb3; Django's default before 5.2): the server cannot read it, and refuses the
+        row in strict mode or, without it, stores ``?`` for it, so two message ids that
+        differ only there become one and the second event is dropped as a duplicate."""
+        texts = (event.message_id, event.topic, event.aggregate_type, event.aggregate_id, event.partition_key,
+                 event.trace_id, event.headers_json, event.payload_json)
+        if not any(text and not text.isascii() and _ASTRAL.search(text) for text in texts):
+            return
+        charsets = self.execute(cursor, "SELECT @@character_set_client, @@character_set_connection").fetchone()
+        wrong = sorted({str(c) for c in charsets if str(c).lower() != "utf8mb4"})
+        if wrong:
+            raise EnqueueError(f"the event has characters of four UTF-8 bytes (such as emoji), which this MySQL "
+                               f"connection's character set {', '.join(wrong)} cannot carry: the server would refuse "
+                               "the row or store '?' for them. Connect with charset='utf8mb4' (Django: "
+                               "DATABASES OPTIONS {'charset': 'utf8mb4'})")
 
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
+        self._check_charset(cursor, event)
         # On a duplicate message_id, LAST_INSERT_ID(id) hands back the stored row's
         # id and nothing is written: no error reaches the caller's transaction.
         self.execute(cursor, f"INSERT INTO {self.table} ({self.INSERT_COLUMNS}, created_at) "

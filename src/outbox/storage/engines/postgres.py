@@ -222,12 +222,20 @@ class PostgresEngine(Engine):
                       f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}"]
         return steps + self.holders_migration()
 
+    def lock_migration(self, cursor: Any) -> None:
+        # Concurrent CREATE TABLE / INDEX IF NOT EXISTS fail on PostgreSQL (a unique violation
+        # in pg_type or pg_class), as do two ADD CONSTRAINTs: held until the migration commits.
+        self.execute(cursor, "SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_resource()]).fetchall()
+
     def holders_columns(self) -> str:
         return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INTEGER NOT NULL, "
                 "started_at TIMESTAMPTZ(3) NOT NULL, beat_at TIMESTAMPTZ(3) NOT NULL")
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return getattr(exc, "sqlstate", None) == "42P01"  # undefined_table
+
+    def is_missing_column(self, exc: BaseException) -> bool:
+        return getattr(exc, "sqlstate", None) == "42703"  # undefined_column
 
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
         self.execute(cursor, f"INSERT INTO {self.table} ({self.INSERT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "

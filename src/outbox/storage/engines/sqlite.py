@@ -72,8 +72,13 @@ class SqliteEngine(Engine):
         return isinstance(exc, sqlite3.OperationalError) and (
             "locked" in str(exc) or "busy" in str(exc))
 
-    def migration(self, native_json: bool = False) -> list[str]:
+    def migration(self, native_json: bool = False) -> list[Any]:
         t = self.table
+
+        def column_exists(column: str) -> tuple[str, list[Any]]:
+            return ("SELECT 1 FROM pragma_table_info(?, ?) WHERE name = ?",
+                    [self.table_name, self.schema or "main", column])
+
         return [
             f"""CREATE TABLE IF NOT EXISTS {t} (
                 id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -94,6 +99,10 @@ class SqliteEngine(Engine):
                 last_error TEXT NULL,
                 lease_token TEXT NULL
             )""",
+            # The columns the other engines' tables gained after their first release, repaired
+            # here too on a table another script made.
+            *((column_exists(column), f"ALTER TABLE {t} ADD COLUMN {column} TEXT NULL")
+              for column in ("last_error", "lease_token")),
             f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('message_id')} ON {self.table_name_only()} (message_id)",
             f"CREATE INDEX IF NOT EXISTS {self.index_ref('agg_id_id')} ON {self.table_name_only()} (aggregate_id, id) "
             "WHERE status IN (0, 1, 3)",
@@ -110,6 +119,11 @@ class SqliteEngine(Engine):
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
+
+    def is_missing_column(self, exc: BaseException) -> bool:
+        # A read or update says "no such column"; an insert "table ... has no column named".
+        return isinstance(exc, sqlite3.OperationalError) and (
+            "no such column" in str(exc) or "has no column named" in str(exc))
 
     def table_name_only(self) -> str:
         return self.quote(self.table_name)

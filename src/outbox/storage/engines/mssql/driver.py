@@ -283,3 +283,8 @@ def is_disconnect(exc: BaseException) -> bool:
 def is_missing_table(exc: BaseException) -> bool:
     state, message = _error_fields(exc)
     return state == "42S02" or 208 in error_numbers(message)  # Invalid object name
+
+
+def is_missing_column(exc: BaseException) -> bool:
+    state, message = _error_fields(exc)
+    return state == "42S22" or 207 in error_numbers(message)  # Invalid column name

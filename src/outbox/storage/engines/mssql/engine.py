@@ -166,3 +166,6 @@ class MssqlEngine(MssqlStatements):
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return driver.is_missing_table(exc)
+
+    def is_missing_column(self, exc: BaseException) -> bool:
+        return driver.is_missing_column(exc)

@@ -217,9 +217,6 @@ class MssqlSchema(Engine):
         return (f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {nstr(self.index_name(suffix))} "
                 f"AND object_id = OBJECT_ID({self._table_literal()}))")
 
-    def migration_lock_resource(self) -> str:
-        return f"outbox migrate {self.table}"
-
     def migration_steps(self, native_json: bool = False) -> list[Any]:
         """The migration as items of statements: a list of statements (run as one
         batch), or ``((probe, params), statements)`` run only when the probe finds no

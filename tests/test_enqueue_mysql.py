@@ -1,0 +1,100 @@
+"""``enqueue`` on the MySQL/MariaDB connections applications hold: PyMySQL with a character
+set other than utf8mb4 (``charset="utf8"`` is utf8mb3, Django's default before 5.2) and
+mysqlclient (``MySQLdb``, Django's default MySQL driver)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from outbox import EnqueueError, StoreError, enqueue
+from outbox.storage.store import OutboxStore, apply_migration
+
+EMOJI_A, EMOJI_B = "\U0001F600", "\U0001F601"
+
+
+def mysql_kwargs(url: str) -> dict[str, Any]:
+    from outbox.storage.engines.mysql import pymysql_kwargs
+
+    kwargs = pymysql_kwargs(url)
+    kwargs.pop("charset")
+    return kwargs
+
+
+def stored(store: OutboxStore) -> list[tuple]:
+    with store.transaction() as cursor:
+        rows = store.engine.execute(
+            cursor, f"SELECT message_id, aggregate_id, payload FROM {store.engine.table} ORDER BY id").fetchall()
+    return [(r[0], r[1], json.loads(r[2])) for r in rows]
+
+
+@pytest.mark.parametrize("kind", ["mysql"])
+@pytest.mark.parametrize("sql_mode", ["strict", "not strict"])
+def test_four_byte_characters_on_a_utf8mb3_connection_are_refused_before_the_insert(
+        store: OutboxStore, url: str, sql_mode: str) -> None:
+    """A utf8mb3 connection cannot carry a character of four UTF-8 bytes. In strict mode the
+    server refused the row with a driver error; without it (sql_mode='') it stored '?' for
+    each such character: two message ids that differ only there became one, and the second
+    event was dropped as a duplicate of the first, its id returned. Now both are an
+    EnqueueError before anything is written, and the caller's transaction goes on."""
+    import pymysql
+
+    conn = pymysql.connect(**mysql_kwargs(url), charset="utf8", autocommit=False)
+    table = store.engine.table_name
+    try:
+        if sql_mode == "not strict":
+            conn.cursor().execute("SET SESSION sql_mode = ''")
+        for emoji in (EMOJI_A, EMOJI_B):
+            with pytest.raises(EnqueueError, match="character set utf8mb3 cannot carry.*charset='utf8mb4'"):
+                enqueue(conn, topic="t", aggregate_type="o", aggregate_id="a", message_id=f"m-{emoji}",
+                        payload={"name": f"caf\u00e9 {emoji}"}, table=table)
+        with pytest.raises(EnqueueError, match="four UTF-8 bytes"):  # anywhere: here in a header value
+            enqueue(conn, topic="t", aggregate_type="o", aggregate_id="a", payload={}, headers={"x": EMOJI_A},
+                    table=table)
+        kept = enqueue(conn, topic="t", aggregate_type="o", aggregate_id="a", message_id="m-plain",
+                       payload={"name": "caf\u00e9"}, table=table)  # three bytes at most: fine on utf8mb3
+        conn.commit()
+    finally:
+        conn.close()
+    assert stored(store) == [("m-plain", "a", {"name": "café"})]
+    assert kept == 1
+
+    conn = pymysql.connect(**mysql_kwargs(url), charset="utf8mb4", autocommit=False)
+    try:
+        ids = [enqueue(conn, topic="t", aggregate_type="o", aggregate_id=f"a-{emoji}", message_id=f"m-{emoji}",
+                       payload={"name": emoji}, table=table) for emoji in (EMOJI_A, EMOJI_B)]
+        conn.commit()
+    finally:
+        conn.close()
+    assert len(set(ids)) == 2
+    assert [r[0] for r in stored(store)] == ["m-plain", f"m-{EMOJI_A}", f"m-{EMOJI_B}"]
+
+
+@pytest.mark.parametrize("kind", ["mysql"])
+def test_a_mysqlclient_connection_enqueues_and_migrates(store: OutboxStore, url: str) -> None:
+    """mysqlclient (``MySQLdb``) is Django's default MySQL driver. enqueue handed it PyMySQL's
+    cursor class, which built broken SQL (error 1064), and the Django migration failed with
+    AttributeError '_result'. Now each driver gets its own cursor: the event, a duplicate
+    message_id (the stored row's id, nothing written), the missing-table hint and the
+    migration all work on it."""
+    mysqldb = pytest.importorskip("MySQLdb")
+
+    conn = mysqldb.connect(**mysql_kwargs(url), charset="utf8mb4")
+    table = store.engine.table_name
+    try:
+        first = enqueue(conn, topic="t", aggregate_type="o", aggregate_id="a", message_id="m-1",
+                        payload={"emoji": EMOJI_A}, table=table)
+        again = enqueue(conn, topic="t", aggregate_type="o", aggregate_id="a", message_id="m-1", payload={},
+                        table=table)
+        conn.commit()
+        with pytest.raises(StoreError, match="run `outbox migrate`"):
+            enqueue(conn, topic="t", aggregate_type="o", aggregate_id="a", payload={}, table=table + "_none")
+        cursor = store.engine.cursor_for(conn)
+        assert apply_migration(store.engine, cursor) == 0  # the Django migration's path: nothing to repair
+        cursor.close()
+    finally:
+        conn.close()
+    assert first == again
+    assert stored(store) == [("m-1", "a", {"emoji": EMOJI_A})]
