@@ -387,3 +387,41 @@ def test_missing_table_and_missing_target(spark: Any, store: OutboxStore, url: s
     assert not (tmp_path / "a").exists()  # nothing created for a job that cannot run
     out = invoke(["pipeline", "archive", "--older-than", "1d"], env=_cli_env(store, url))
     assert out.exit_code == 2 and "--to" in out.output
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_a_publish_cut_short_after_a_copy_is_finished_by_the_next_run(spark: Any, store: OutboxStore,
+                                                                       tmp_path: Path) -> None:
+    """On an object store a rename is a copy, then a delete of the source: a run killed
+    between the two leaves a committed file both in staging and in the archive tree
+    (docs/pipeline.md, "Running on a cluster": the publish step is idempotent and finished
+    by the next run). The next run finishes it: the staged copy goes, the rows are deleted,
+    every row is in the archive once. It used to stop with "already exists; the archive was
+    changed by hand", and so did every run after it."""
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+    with pytest.raises(Crash):
+        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+    manifest = json.loads(next((root / "_manifest").glob("*.json")).read_text())
+    staging = root / "_staging" / manifest["run_id"]
+    first = manifest["files"][0]
+    (root / first).parent.mkdir(parents=True, exist_ok=True)
+    (root / first).write_bytes((staging / first).read_bytes())  # copied, the source not deleted yet
+
+    result = Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert result.recovered == [manifest["run_id"]]
+    assert table_ids(store) == set(ids) - old_done
+    assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
+    assert not staging.exists()
+
+    # a file of another size where the run's file goes is not the run's copy: it is refused
+    seed(store, rows[:3], start=500)
+    with pytest.raises(Crash):
+        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+    manifest = json.loads(max((root / "_manifest").glob("*.json")).read_text())
+    (root / manifest["files"][0]).parent.mkdir(parents=True, exist_ok=True)
+    (root / manifest["files"][0]).write_bytes(b"not the staged file")
+    with pytest.raises(PipelineError, match="already exists; the archive was changed by hand"):
+        Archiver(spark, store, str(root)).run(timedelta(days=7))

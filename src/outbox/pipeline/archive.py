@@ -281,15 +281,21 @@ class Archiver:
 
     def _publish(self, manifest: dict[str, Any]) -> None:
         """Move a committed run's files from staging into the archive tree. Each move
-        is skipped when already done, so a crash half-way is finished by the next run."""
+        is skipped when already done, so a crash half-way is finished by the next run.
+        On an object store a rename is a copy and then a delete: a run stopped between
+        the two left the file in both places, and the staged one is then only removed
+        (the archive's copy is the run's own file when it has the staged file's length:
+        the names carry the write's unique id)."""
         run_id = manifest["run_id"]
         staging = self.fs.uri(STAGING_DIR, run_id)
         for i, rel in enumerate(manifest["files"]):
             src, dst = f"{staging}/{rel}", self.fs.uri(rel)
             if self.fs.exists(src):
                 if self.fs.exists(dst):
-                    raise PipelineError(f"run {run_id}: {dst} already exists; the archive was changed by hand")
-                if not self.fs.rename(src, dst):
+                    if self.fs.length(dst) != self.fs.length(src):
+                        raise PipelineError(f"run {run_id}: {dst} already exists; the archive was changed by hand")
+                    self.fs.delete(src, recursive=False)  # copied by a publish cut short before its delete
+                elif not self.fs.rename(src, dst):
                     raise PipelineError(f"run {run_id}: could not move {src} to {dst}")
             elif not self.fs.exists(dst):
                 raise PipelineError(f"run {run_id}: committed file {rel} is missing from the archive")
