@@ -387,3 +387,68 @@ def test_missing_table_and_missing_target(spark: Any, store: OutboxStore, url: s
     assert not (tmp_path / "a").exists()  # nothing created for a job that cannot run
     out = invoke(["pipeline", "archive", "--older-than", "1d"], env=_cli_env(store, url))
     assert out.exit_code == 2 and "--to" in out.output
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_a_publish_cut_short_after_a_copy_is_finished_by_the_next_run(spark: Any, store: OutboxStore,
+                                                                       tmp_path: Path) -> None:
+    """On an object store a rename is a copy, then a delete of the source: a run killed
+    between the two leaves a committed file both in staging and in the archive tree
+    (docs/pipeline.md, "Running on a cluster": the publish step is idempotent and finished
+    by the next run). The next run finishes it: the staged copy goes, the rows are deleted,
+    every row is in the archive once. It used to stop with "already exists; the archive was
+    changed by hand", and so did every run after it."""
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+    with pytest.raises(Crash):
+        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+    manifest = json.loads(next((root / "_manifest").glob("*.json")).read_text())
+    staging = root / "_staging" / manifest["run_id"]
+    first = manifest["files"][0]
+    (root / first).parent.mkdir(parents=True, exist_ok=True)
+    (root / first).write_bytes((staging / first).read_bytes())  # copied, the source not deleted yet
+
+    result = Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert result.recovered == [manifest["run_id"]]
+    assert table_ids(store) == set(ids) - old_done
+    assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
+    assert not staging.exists()
+
+    # a file of another size where the run's file goes is not the run's copy: it is refused
+    seed(store, rows[:3], start=500)
+    with pytest.raises(Crash):
+        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+    manifest = json.loads(max((root / "_manifest").glob("*.json")).read_text())
+    (root / manifest["files"][0]).parent.mkdir(parents=True, exist_ok=True)
+    (root / manifest["files"][0]).write_bytes(b"not the staged file")
+    with pytest.raises(PipelineError, match="already exists; the archive was changed by hand"):
+        Archiver(spark, store, str(root)).run(timedelta(days=7))
+
+
+def test_an_unfinished_run_of_another_database_is_not_finished_on_this_one(spark: Any, tmp_path: Path) -> None:
+    """Two outboxes with the same table name in two databases, one archive location (one
+    OUTBOX_ARCHIVE_URI for every service): a run of the first that committed but did not
+    delete must not be finished by the second's next run, which used to delete the second
+    database's rows in the first one's id ranges, rows no run had archived."""
+    stores = [OutboxStore(f"sqlite:///{tmp_path / name}.db", table="outbox") for name in ("orders", "billing")]
+    try:
+        for store in stores:
+            store.migrate()
+        rows = mixed_rows()
+        ids = [seed(store, rows) for store in stores]
+        old_done = {i for i, r in zip(ids[1], rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+        root = tmp_path / "archive"
+        with pytest.raises(Crash):
+            Archiver(spark, stores[0], str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+        with pytest.raises(PipelineError, match="unfinished run .* of table 'outbox' in another database"):
+            Archiver(spark, stores[1], str(root)).run(timedelta(days=7))
+        assert table_ids(stores[1]) == set(ids[1])  # nothing of the second database deleted
+        # the first finishes its own run; the second, archived elsewhere, keeps its rows apart
+        assert Archiver(spark, stores[0], str(root)).run(timedelta(days=7)).recovered
+        result = Archiver(spark, stores[1], str(tmp_path / "billing-archive")).run(timedelta(days=7))
+        assert result.archived == len(old_done) and table_ids(stores[1]) == set(ids[1]) - old_done
+    finally:
+        for store in stores:
+            store.close()

@@ -29,14 +29,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
+from ..storage.engines import engine_for_url
 from ..storage.engines.base import Engine
+from ..storage.engines.describe import mask_url
+from ..storage.engines.sqlite import sqlite_path
 from ..storage.store import OutboxStore
 from .common import (
     ARCHIVE_SCHEMA_DDL,
@@ -111,6 +116,22 @@ def delete_sql(engine: Engine, statuses: list[int]) -> str:
     archived status and processed before the run's cut-off (``?``)."""
     return (f"DELETE FROM {engine.table} WHERE id >= ? AND id <= ? "
             f"AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
+
+
+def database_of(url: str) -> str:
+    """The database ``url`` names, to tell two outboxes' runs apart in one archive: the
+    engine, host, port and database, without user, password or options (SQLite: the file's
+    absolute path; a URL naming no host, such as an ODBC connection string: the whole URL,
+    password masked)."""
+    engine = engine_for_url(url)
+    if engine.name == "sqlite":
+        path = sqlite_path(url)
+        return f"sqlite:///{os.path.abspath(path) if path != ':memory:' else path}"
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return mask_url(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{engine.name}://{parts.hostname.lower()}{port}{parts.path.rstrip('/')}"
 
 
 def check_table(store: OutboxStore) -> None:
@@ -219,7 +240,8 @@ class Archiver:
                           "they stay in the outbox")
         self.on_step("verified")
         manifest = {
-            "run_id": run_id, "version": 1, "engine": self.engine.name, "table": self.engine.table_name,
+            "run_id": run_id, "version": 1, "engine": self.engine.name, "database": database_of(self.store.url),
+            "table": self.engine.table_name,
             "schema": self.engine.schema, "statuses": statuses, "cutoff": cutoff_dt.isoformat(),
             "cutoff_native": encode_native(cutoff), "rows": rows, "id_ranges": ranges, "files": files,
             "committed_at": datetime.now(UTC).isoformat(),
@@ -281,15 +303,21 @@ class Archiver:
 
     def _publish(self, manifest: dict[str, Any]) -> None:
         """Move a committed run's files from staging into the archive tree. Each move
-        is skipped when already done, so a crash half-way is finished by the next run."""
+        is skipped when already done, so a crash half-way is finished by the next run.
+        On an object store a rename is a copy and then a delete: a run stopped between
+        the two left the file in both places, and the staged one is then only removed
+        (the archive's copy is the run's own file when it has the staged file's length:
+        the names carry the write's unique id)."""
         run_id = manifest["run_id"]
         staging = self.fs.uri(STAGING_DIR, run_id)
         for i, rel in enumerate(manifest["files"]):
             src, dst = f"{staging}/{rel}", self.fs.uri(rel)
             if self.fs.exists(src):
                 if self.fs.exists(dst):
-                    raise PipelineError(f"run {run_id}: {dst} already exists; the archive was changed by hand")
-                if not self.fs.rename(src, dst):
+                    if self.fs.length(dst) != self.fs.length(src):
+                        raise PipelineError(f"run {run_id}: {dst} already exists; the archive was changed by hand")
+                    self.fs.delete(src, recursive=False)  # copied by a publish cut short before its delete
+                elif not self.fs.rename(src, dst):
                     raise PipelineError(f"run {run_id}: could not move {src} to {dst}")
             elif not self.fs.exists(dst):
                 raise PipelineError(f"run {run_id}: committed file {rel} is missing from the archive")
@@ -342,8 +370,16 @@ class Archiver:
         committed = {n[:-len(".json")] for n in names if n.endswith(".json") and not n.startswith(".")}
         finished = {n[:-len(".deleted")] for n in names if n.endswith(".deleted")}
         recovered = []
+        database = database_of(self.store.url)
         for run_id in sorted(committed - finished):
             manifest = json.loads(self.fs.read_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json")))
+            # A committed run's deletes belong to its own outbox: finished on another one they
+            # would delete that outbox's rows in the run's id ranges, rows no run archived.
+            # (A manifest written before "database" was recorded is taken as this database's.)
+            if manifest.get("database", database) != database:
+                raise PipelineError(f"the archive {self.root} has an unfinished run {run_id} of table "
+                                    f"{manifest.get('table')!r} in another database ({manifest['database']}); "
+                                    "finish it by archiving that outbox first (an archive holds one outbox)")
             if manifest.get("table") != self.engine.table_name or manifest.get("schema") != self.engine.schema:
                 raise PipelineError(f"the archive {self.root} has an unfinished run {run_id} of table "
                                     f"{manifest.get('table')!r}; finish it by archiving that table first")

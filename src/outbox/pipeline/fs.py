@@ -35,6 +35,10 @@ class ArchiveFS:
     def exists(self, uri: str) -> bool:
         return bool(self.fs.exists(self._p(uri)))
 
+    def length(self, uri: str) -> int:
+        """The size in bytes of the file at ``uri``."""
+        return int(self.fs.getFileStatus(self._p(uri)).getLen())
+
     def mkdirs(self, uri: str) -> None:
         self.fs.mkdirs(self._p(uri))
 

@@ -8,12 +8,14 @@ writes through the store (``OutboxStore`` transactions with its transient-error
 retries, the engine's insert columns) in transactions of ``batch`` events.
 
 Every replayed event gets a new message id derived from the original one,
-``uuid5(REPLAY_NAMESPACE, original message_id)``. Enqueueing a message id that is
-already stored writes nothing, so a re-run, or a run after a crash half-way,
-enqueues nothing twice; and because each task commits its aggregates' events in
-order, what a crash leaves behind is a prefix of every aggregate, which the re-run
-completes in order. The copy carries ``x-outbox-replay-of`` (the original message
-id) in its headers, and the original's ``trace_id``.
+``uuid5(REPLAY_NAMESPACE, original message_id)``; an archived event that is itself an
+earlier replay's copy derives from that copy's original (``replay_root``), so an event
+and its copies are replayed once, under one message id. Enqueueing a message id that is
+already stored, or that came earlier in the same batch, writes nothing, so a re-run, or
+a run after a crash half-way, enqueues nothing twice; and because each task commits its
+aggregates' events in order, what a crash leaves behind is a prefix of every aggregate,
+which the re-run completes in order. The copy carries ``x-outbox-replay-of`` (the
+original message id) in its headers, and the original's ``trace_id``.
 
 The rows are validated exactly as ``enqueue`` validates them (``prepare_batch``: the
 same checks, each distinct value once) and written with the engine's own column list, but a batch at a time rather than one ``enqueue`` call per
@@ -73,6 +75,28 @@ def replay_message_id(original: str) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+def replay_root(message_id: str, headers: Any) -> str:
+    """The message id an archived event's copies derive from: its own, unless the event is
+    itself a replay's copy (its ``x-outbox-replay-of`` header names an original whose
+    ``replay_message_id`` is the event's message id), whose copies are then the copies of
+    that original. So an archive that holds an event and a copy a replay made of it (a
+    replay's copies are delivered and archived like any row) replays the event once, under
+    the copy's message id, however many replays came before."""
+    root = headers.get(REPLAY_HEADER) if isinstance(headers, dict) else None
+    return root if isinstance(root, str) and replay_message_id(root) == message_id else message_id
+
+
+def new_message_id(message_id: str, headers_text: str | None) -> str:
+    """The message id replay gives an archived event (its headers as archived, JSON text)."""
+    if not headers_text or REPLAY_HEADER not in headers_text:
+        return replay_message_id(message_id)
+    try:
+        headers = json.loads(headers_text)
+    except ValueError:
+        headers = None
+    return replay_message_id(replay_root(message_id, headers))
+
+
 #: The text columns of an event, as ``prepare_event`` checks them: (column, name in
 #: errors, limit, required, what AMQP carries it as).
 _TEXT_COLUMNS = (("topic", "topic", MAX_TOPIC, True, "a routing key"),
@@ -124,11 +148,12 @@ def prepare_batch(cols: dict[str, list[Any]], max_payload_bytes: int) -> list[Ne
         try:
             if head is None:
                 headers = json.loads(headers_text) if headers_text else {}
-                headers[REPLAY_HEADER] = original
+                root = replay_root(original, headers)  # a copy of an earlier replay: its original's
+                headers[REPLAY_HEADER] = root
                 events.append(prepare_event(
                     topic=cols["topic"][i], aggregate_type=cols["aggregate_type"][i],
                     aggregate_id=cols["aggregate_id"][i], payload=json.loads(payload_text), headers=headers,
-                    key=cols["partition_key"][i], message_id=replay_message_id(original),
+                    key=cols["partition_key"][i], message_id=replay_message_id(root),
                     trace_id=cols["trace_id"][i], max_payload_bytes=max_payload_bytes))
                 continue
             payload = json.loads(payload_text)
@@ -290,8 +315,15 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
 
             def work(cursor: Any) -> int:
                 engine.begin(cursor)
-                existing = existing_of(engine, cursor, [e.message_id for e in events])
-                missing = [engine.event_params(e) for e in events if e.message_id not in existing]
+                # Stored already, or earlier in this batch (one message id under two archived
+                # ids: an event and a replay's copy of it, or a message id enqueued again once
+                # its first row had left the table): written once, as enqueue stores one row.
+                taken = existing_of(engine, cursor, [e.message_id for e in events])
+                missing = []
+                for e in events:
+                    if e.message_id not in taken:
+                        taken.add(e.message_id)
+                        missing.append(engine.event_params(e))
                 if missing:
                     write(engine, cursor, missing)
                 return len(missing)
@@ -338,7 +370,7 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
         counts = {r["topic"]: int(r["count"]) for r in events.groupBy("topic").count().orderBy("topic").collect()}
         total = sum(counts.values())
         sample = [{"id": r["id"], "topic": r["topic"], "aggregate": f"{r['aggregate_type']}/{r['aggregate_id']}",
-                   "message_id": r["message_id"], "new_message_id": replay_message_id(r["message_id"])}
+                   "message_id": r["message_id"], "new_message_id": new_message_id(r["message_id"], r["headers"])}
                   for r in events.orderBy("id").limit(SAMPLE).collect()]
         result: dict[str, Any] = {"dry_run": dry_run, "events": total, "per_topic": counts, "sample": sample,
                                   "written": 0, "already_present": 0}

@@ -24,7 +24,7 @@ from .hooks import RelayHooks
 from .publish import ChainOutcome, handle_publish, still_held_when_reachable
 from .resources import ResourceHolder, Resources, Shared
 from .runner import Runner
-from .settle import apply_fallback, purge_expired
+from .settle import apply_fallback, purge_budget, purge_expired
 from .shared import Breaker, Outage
 
 #: The settling task that takes over a store write a publish could not make.
@@ -189,7 +189,7 @@ class Relay:
 
     def purge(self) -> int:
         return purge_expired(self.resources().store, self.settings.retention_days, self.outage("database"),
-                             self.log)
+                             self.log, budget_s=purge_budget(self.options.purge_interval_s))
 
 
 __all__ = ["Relay", "FALLBACK_TASKS"]

@@ -171,12 +171,26 @@ def apply_fallback(store: StoreLike, publisher: Publisher | None, operation: str
     raise ValueError(f"unknown operation {operation!r}")
 
 
+#: The longest one run of the relay's purge goes on deleting (``purge_budget``): its chunks are
+#: short transactions each, so the time only bounds how long a worker process is busy with it.
+PURGE_RUN_S = 300.0
+
+
+def purge_budget(interval_s: float) -> float:
+    """How long a purge run may delete: half the purge interval (so runs never overlap), at
+    most ``PURGE_RUN_S``."""
+    return min(PURGE_RUN_S, interval_s / 2)
+
+
 def purge_expired(store: StoreLike, retention_days: float, outage: Any = None,
-                  logger: logging.Logger | None = None) -> int:
-    """The purge job of every task runner: delete done rows older than ``retention_days``.
-    A database outage is logged once through ``outage`` and the next run purges."""
+                  logger: logging.Logger | None = None, budget_s: float = PURGE_RUN_S) -> int:
+    """The purge job of every task runner: delete done rows older than ``retention_days``,
+    until none is left or ``budget_s`` seconds have passed (no row cap: the rows done since
+    the last run must all go, or the table grows for ever under a steady load; docs/relay.md,
+    "Purge"). A database outage is logged once through ``outage`` and the next run purges."""
     try:
-        deleted = store.purge_done(timedelta(days=retention_days))  # type: ignore[attr-defined]
+        deleted = store.purge_done(timedelta(days=retention_days), max_rows=None,  # type: ignore[attr-defined]
+                                   max_seconds=budget_s)
     except Exception as exc:
         if outage is None:
             raise

@@ -8,8 +8,10 @@ lifecycle of ``outbox.storage.connections``. Everything engine-specific lives in
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -415,10 +417,15 @@ class OutboxStore:
         return result
 
     # -- housekeeping ------------------------------------------------------------
-    def purge_done(self, older_than: timedelta, batch: int = 1000, max_rows: int = 100_000) -> int:
+    def purge_done(self, older_than: timedelta, batch: int = 1000, max_rows: int | None = 100_000, *,
+                   max_seconds: float | None = None) -> int:
         """Delete done rows processed longer ago than ``older_than``, ``batch`` rows
-        per short transaction. ``max_rows`` is a soft cap: the loop stops after the
-        chunk that reaches it. Dead rows are never purged.
+        per short transaction, oldest ids first, each chunk starting where the last one
+        ended (``Engine.purge_chunk``). ``max_rows`` is a soft cap: the loop stops after
+        the chunk that reaches it (None: no cap). ``max_seconds`` bounds the run's time:
+        no chunk starts after it, and a run it stops with old done rows left logs a
+        warning (the relay's purge: until caught up or its time is up, docs/relay.md,
+        "Purge"). Dead rows are never purged.
 
         While archiving is configured (``archive_uri``) nothing is deleted here: a
         purge cannot know which rows the archive holds, so ``outbox pipeline archive``
@@ -427,16 +434,26 @@ class OutboxStore:
             log.info("outbox purge skipped: archiving is configured (OUTBOX_ARCHIVE_URI=%s); "
                      "`outbox pipeline archive` deletes rows once they are archived", self.archive_uri)
             return 0
+        if batch <= 0:
+            raise ValueError("batch must be positive")
         older_ms = int(older_than.total_seconds() * 1000)
-        total = 0
-        while total < max_rows:
-            deleted = self._run("purge_done", lambda cursor: self.engine.execute(
-                cursor, self.engine.purge_chunk_sql(), self.engine.purge_params(older_ms, batch)).rowcount,
-                alone=True)
-            total += max(deleted, 0)
-            if deleted < batch:
+        started = time.monotonic()
+        total = chunks = 0
+        after: int | None = 0  # ids start at 1
+        while after is not None and (max_rows is None or total < max_rows):
+            if max_seconds is not None and chunks and time.monotonic() - started >= max_seconds:
+                log.warning("outbox purge: stopped after %.0f s with done rows older than %s left (%d deleted "
+                            "this run); the next run carries on. A purge that stops so every run cannot keep "
+                            "up: run it more often (OUTBOX_RELAY_PURGE_INTERVAL_S)", max_seconds, older_than,
+                            total)
                 break
+            deleted, after = self._run("purge_done", functools.partial(self._purge_chunk, older_ms, batch, after),
+                                       alone=True)
+            total, chunks = total + deleted, chunks + 1
         return total
+
+    def _purge_chunk(self, older_ms: int, batch: int, after: int, cursor: Any) -> tuple[int, int | None]:
+        return self.engine.purge_chunk(cursor, older_ms, batch, after)
 
     def gauges(self) -> tuple[int, int, float]:
         """``(in_flight, backlog, lag_s)`` over the open rows, in one query on the claim

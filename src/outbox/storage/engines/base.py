@@ -547,13 +547,33 @@ class Engine(ABC):
                 f"WHERE {cond} AND lease_token = ? AND status = 1")
 
     # -- housekeeping ----------------------------------------------------------
-    def purge_chunk_sql(self) -> str:
-        """Delete at most ``?`` done rows processed before now minus ``?`` ms."""
-        return (f"DELETE FROM {self.table} WHERE id IN (SELECT id FROM {self.table} "
-                f"WHERE status = 2 AND processed_at < {self.now_plus_ms()} ORDER BY id LIMIT ?)")
+    def purge_chunk(self, cursor: Any, older_than_ms: int, batch: int, after: int) -> tuple[int, int | None]:
+        """Delete the next chunk of the purge: the first ``batch`` done rows after id ``after``
+        (in id order) processed before now minus ``older_than_ms``. Returns the rows deleted
+        and the id the next chunk starts after, or None when no such row is left.
 
-    def purge_params(self, older_than_ms: int, batch: int) -> list[Any]:
-        return [-older_than_ms, batch]
+        Two statements, each atomic alone: the chunk's id range, then a DELETE of that range
+        that tests status and age again, so it never takes a row that is not done and old.
+        Each chunk starts where the last one ended (keyset), so a purge reads the rows it
+        keeps (dead rows, which are never purged; recent done rows) once per run instead of
+        once per chunk: it used to start every chunk at the lowest id, and on PostgreSQL each
+        chunk then walked every older dead row again (docs/relay.md, "Purge")."""
+        first, last, found = self.execute(cursor, self.purge_range_sql(), [-older_than_ms, after, batch]).fetchone()
+        if not found:
+            return 0, None
+        deleted = self.execute(cursor, self.purge_delete_sql(), [int(first), int(last), -older_than_ms]).rowcount
+        return max(int(deleted), 0), int(last) if int(found) >= batch else None
+
+    def purge_range_sql(self) -> str:
+        """The first and last id and the count of the next ``?`` (last) done rows after id ``?``
+        processed before now plus ``?`` ms (negative): one purge chunk."""
+        return (f"SELECT MIN(id), MAX(id), COUNT(*) FROM (SELECT id FROM {self.table} WHERE status = 2 "
+                f"AND processed_at < {self.now_plus_ms()} AND id > ? ORDER BY id LIMIT ?) doomed")
+
+    def purge_delete_sql(self) -> str:
+        """Delete the done rows with ids ``?`` to ``?`` processed before now plus ``?`` ms (negative)."""
+        return (f"DELETE FROM {self.table} WHERE id >= ? AND id <= ? AND status = 2 "
+                f"AND processed_at < {self.now_plus_ms()}")
 
     # -- holders: liveness of the relay's worker processes (docs/internals.md, "Lost workers") --
     def beat(self, cursor: Any, holder_id: str, host: str, pid: int) -> bool:

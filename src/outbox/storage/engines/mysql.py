@@ -206,11 +206,6 @@ class MysqlEngine(Engine):
         return isinstance(exc, pymysql.err.InterfaceError) or (
             isinstance(exc, pymysql.err.MySQLError) and self._code(exc) in _DISCONNECT_CODES)
 
-    def purge_chunk_sql(self) -> str:
-        # MySQL rejects LIMIT inside an IN subquery; single-table DELETE takes it directly.
-        return (f"DELETE FROM {self.table} WHERE status = 2 AND processed_at < {self.now_plus_ms()} "
-                "ORDER BY id LIMIT ?")
-
     def migration(self, native_json: bool = False) -> list[Any]:
         t, q = self.table, self.quote
         schema = "DATABASE()" if not self.schema else "?"

@@ -95,6 +95,14 @@ class MssqlStatements(MssqlSchema):
         seconds, millis = divmod(max(older_than_ms, 0), 1000)
         return [batch, seconds, millis]
 
+    def purge_chunk(self, cursor: Any, older_than_ms: int, batch: int, after: int) -> tuple[int, int | None]:
+        """One statement (``purge_chunk_sql``): the seek on (status, processed_at) reads only
+        done rows, so no chunk walks the rows the purge keeps and none needs to start after
+        the last one (``after`` is handed back while a full chunk says more may be left)."""
+        deleted = max(int(self.execute(cursor, self.purge_chunk_sql(), self.purge_params(older_than_ms, batch))
+                          .rowcount), 0)
+        return deleted, after if deleted >= batch else None
+
     # -- write side (the caller's transaction: never commit it, never raise on a duplicate) --
     #: A shared application lock the insert batch takes only in a transaction it opened
     #: itself (the caller had none): its presence tells ``insert_event``'s clean-up that

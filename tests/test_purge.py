@@ -1,0 +1,99 @@
+"""The purge of done rows (``OutboxStore.purge_done``, the relay's ``purge_expired``): it keeps
+up with any steady load, its chunks walk the table once per run, and it never takes a row
+that is not done and past the retention (docs/relay.md, "Purge")."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.domain.events import prepare_event
+from outbox.relay.settle import PURGE_RUN_S, purge_budget, purge_expired
+from outbox.storage.store import OutboxStore
+
+DAY_MS = 86_400_000
+
+
+def rows_aged(store: OutboxStore, statuses: list[int], days: float = 10) -> list[int]:
+    """One row per status given, in order; done and dead ones processed ``days`` ago."""
+    engine, ids = store.engine, []
+    with store.transaction() as cursor:
+        for n, _ in enumerate(statuses):
+            event = prepare_event(topic="t", aggregate_type="o", aggregate_id=f"a{n % 3}", payload={"n": n})
+            ids.append(engine.insert_event(cursor, event))
+    with store.transaction() as cursor:
+        for id_, status in zip(ids, statuses):
+            if status in (2, 4):
+                engine.execute(cursor, f"UPDATE {engine.table} SET status = ?, processed_at = {engine.now_plus_ms()} "
+                               "WHERE id = ?", [status, -int(days * DAY_MS), id_])
+            elif status:
+                engine.execute(cursor, f"UPDATE {engine.table} SET status = ? WHERE id = ?", [status, id_])
+    return ids
+
+
+def left(store: OutboxStore) -> dict[int, int]:
+    with store.transaction() as cursor:
+        return {int(r[0]): int(r[1]) for r in store.engine.execute(
+            cursor, f"SELECT id, status FROM {store.engine.table}").fetchall()}
+
+
+def test_a_purge_chunk_starts_where_the_last_ended_and_takes_only_old_done_rows(store: OutboxStore) -> None:
+    """Old done rows between dead, pending, claimed, failed and recent done rows, purged two
+    at a time: exactly the old done rows go, and each chunk starts after the last id the
+    one before it reached (never again from the lowest id, past every dead row)."""
+    statuses = [4, 4, 2, 0, 2, 2, 4, 3, 2, 1, 2, 4, 2]
+    ids = rows_aged(store, statuses)
+    recent = rows_aged(store, [2, 2], days=1)
+    starts: list[int] = []
+    chunk = store.engine.purge_chunk
+
+    def noting(cursor: Any, older_than_ms: int, batch: int, after: int) -> Any:
+        starts.append(after)
+        return chunk(cursor, older_than_ms, batch, after)
+    store.engine.purge_chunk = noting  # type: ignore[method-assign]
+
+    assert store.purge_done(timedelta(days=7), batch=2) == statuses.count(2)
+    kept = {i: s for i, s in zip(ids, statuses) if s != 2} | dict.fromkeys(recent, 2)
+    assert left(store) == kept
+    if store.engine.name != "mssql":  # one statement there, a seek on (status, processed_at)
+        done = [i for i, s in zip(ids, statuses) if s == 2]
+        assert starts == [0, *done[1::2]]  # each chunk after the last id of the one before
+
+
+def test_the_relays_purge_takes_every_row_past_the_retention_however_many(tmp_path: Path) -> None:
+    """The relay's purge ran 100 chunks of 1,000 rows and stopped: at the default hourly
+    interval, an outbox done at more than about 28 events a second grew for ever. Now it
+    deletes until no row past the retention is left (or its time is up)."""
+    store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}")
+    store.migrate()
+    conn = store.connection()
+    conn.execute("BEGIN")
+    conn.executemany(f"INSERT INTO {store.engine.table} (message_id, topic, aggregate_type, aggregate_id, payload, "
+                     "status, processed_at) VALUES (?, 't', 'o', 'a', '{}', 2, "
+                     "strftime('%Y-%m-%d %H:%M:%f', 'now', '-8 days'))", [(f"m{i}",) for i in range(150_000)])
+    conn.execute("COMMIT")
+    kept = rows_aged(store, [4, 0, 3]) + rows_aged(store, [2], days=1)
+    try:
+        assert purge_expired(store, 7.0) == 150_000
+        assert sorted(left(store)) == kept
+    finally:
+        store.close()
+
+
+def test_a_purge_stops_when_its_time_is_up_and_says_so(store: OutboxStore, caplog: pytest.LogCaptureFixture) -> None:
+    ids = rows_aged(store, [2] * 5)
+    with caplog.at_level(logging.WARNING, logger="outbox.storage.store"):
+        assert store.purge_done(timedelta(days=7), batch=2, max_rows=None, max_seconds=0) == 2  # one chunk
+    assert "stopped after 0 s with done rows older than 7 days, 0:00:00 left" in caplog.text
+    assert sorted(left(store)) == ids[2:]
+    assert store.purge_done(timedelta(days=7), batch=2, max_rows=None, max_seconds=60) == 3
+    assert left(store) == {}
+
+
+def test_the_relays_purge_budget_is_half_its_interval_at_most_five_minutes() -> None:
+    assert purge_budget(3600.0) == PURGE_RUN_S == 300.0
+    assert purge_budget(60.0) == 30.0
