@@ -170,3 +170,90 @@ def test_a_missing_kafka_topic_stops_the_relay_with_one_critical_line_and_a_rest
     check_order(arrivals, writer.expected)
     assert "lifting the fatal pause" in procs.log("w2") or runner.name == "celery"
     assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=15), outbox.status_counts()
+
+
+# -- Kafka unreachable, at start-up or mid-drain ------------------------------------------------------
+
+def _start_kafka_relay(procs_factory: Any, runner: Any, tmp_path: Path, outbox: Outbox, name: str = "w1",
+                       concurrency: int = 2, **settings: str) -> Any:
+    """Celery: one worker of two threads running the schedule itself on its in-memory broker;
+    Dramatiq: a worker of ``concurrency`` processes and the scheduler, on Redis."""
+    if runner.name == "celery":
+        procs = procs_factory(base_env(outbox, **settings))
+        procs.start(name, "worker", "--loglevel=INFO", "-c", "2", "--without-mingle", "--without-gossip",
+                    "--without-heartbeat")
+        return procs
+    procs = procs_factory(relay_env(tmp_path, None, outbox, runner, **settings), runner)
+    procs.worker(name, concurrency=concurrency)
+    procs.beat()
+    return procs
+
+
+@pytest.mark.parametrize("when", ["at_start", "mid_drain"])
+@pytest.mark.parametrize("runner_name", sorted(RUNNERS))
+def test_kafka_unreachable_for_a_while_loses_nothing_keeps_order_and_says_so_once(
+        tmp_path: Path, sqlite_outbox: Outbox, runner_name: str, when: str, procs_factory: Any) -> None:
+    """Tansu behind a proxy the test cuts (every connection dropped, new ones
+    accepted and closed at once: what a load balancer in front of a restarting broker does),
+    either before the workers start or while they drain a backlog with live writes going on.
+    The cut lasts until the relay has met it and 3 s more. Every committed event arrives once
+    the proxy is back, per aggregate in commit order on
+    one partition, every row is done, no attempt is spent (BACKPRESSURE: the breaker pauses
+    the claims), and the log says it in one line for the outage and one when it ends. The
+    client's own lines are throttled: librdkafka logs every dropped connection (at INFO,
+    several a second, handed over in a burst at the next poll); before, a 5 s cut put about a
+    hundred of them in the log, now one per producer."""
+    from kafka_support import Reader, Tansu, create_topic, free_port, tansu_or_skip
+    from relay_e2e_support import check_order
+
+    outbox, runner, topic = sqlite_outbox, RUNNERS[runner_name], "orders"
+    port = free_port()
+    proxy = Proxy(target=("127.0.0.1", port))
+    tansu = Tansu(tansu_or_skip(), port, tmp_path / "tansu.log", advertised_port=proxy.port)
+    tansu.start()
+    try:
+        create_topic(f"127.0.0.1:{port}", topic)
+        writer = Writer(outbox, [f"k-{i}" for i in range(8)], topic=lambda _: topic, pace=0.02)
+        writer.write(range(30))
+        if when == "at_start":
+            proxy.cut()
+        procs = _start_kafka_relay(procs_factory, runner, tmp_path, outbox, OUTBOX_PUBLISH_URL=tansu.url,
+                                   OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_BATCH_SIZE="20", OUTBOX_RELAY_TASK_ROWS="5",
+                                   OUTBOX_KAFKA_DELIVERY_TIMEOUT_S="2", OUTBOX_RELAY_BREAKER_S="1")
+        reader = Reader(tansu.bootstrap, topic)
+        if when == "mid_drain":
+            reader.start()
+            assert wait_until(lambda: len(reader.arrivals) >= 60, timeout=30), procs.log("w1")[-3000:]
+        with writer:
+            if when == "mid_drain":
+                proxy.cut()
+            assert wait_until(lambda: "destination broker unreachable" in procs.log("w1"), timeout=30), (
+                procs.log("w1")[-3000:])
+            time.sleep(3.0)  # claims paused, probing every second
+            assert outbox.max_attempts() == 0
+            proxy.restore()
+            time.sleep(1.0)
+        if when == "at_start":
+            reader.start()
+        total = len(writer.written)
+        arrived = lambda: {a[0] for a in reader.arrivals}  # noqa: E731
+        assert wait_until(lambda: len(arrived()) >= total, timeout=60), (
+            f"{len(arrived())} of {total}, missing {sorted(set(writer.written) - arrived())[:20]}\n"
+            f"{procs.log('w1')[-3000:]}")
+        arrivals = reader.stop()
+        procs.check_alive()
+    finally:
+        tansu.stop()
+        proxy.close()
+    check_order(arrivals, writer.expected)
+    partitions: dict[str, set[int]] = {}
+    for _, aggregate, message in arrivals:
+        partitions.setdefault(aggregate, set()).add(message.partition())
+    assert all(len(p) == 1 for p in partitions.values()), partitions
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=15), outbox.status_counts()
+    assert outbox.max_attempts() == 0  # the outage spent no attempt
+    log = procs.log("w1")
+    assert log.count("destination broker unreachable") == 1, log[-5000:]
+    assert log.count("destination broker reachable again") == 1, log[-5000:]
+    client_lines = [line for line in log.splitlines() if "FAIL [rdkafka#producer" in line]
+    assert len(client_lines) <= 10, "\n".join(client_lines[:40])

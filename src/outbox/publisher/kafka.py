@@ -144,20 +144,28 @@ class ClientLog:
     throttled: while a broker is down librdkafka logs one (facility FAIL, at ERROR) at every
     reconnect, about once a second per broker. The first of an outage goes out at WARNING,
     the rest at DEBUG until a delivery succeeds again (``ok()``), like the relay's ``Outage``
-    (docs/destinations.md, "Failures"). Other lines pass through, redacted."""
+    (docs/destinations.md, "Failures"). A broker that accepts connections and drops them at
+    once (a load balancer or proxy whose broker is gone) gives FAIL lines at INFO instead
+    ("Disconnected ... in state APIVERSION_QUERY"), several a second, handed over in a burst
+    at the next poll: the first of those goes out at INFO, the rest at DEBUG until ``ok()``
+    (a 5 s cut gave a hundred INFO lines). Other lines pass through, redacted."""
 
     def __init__(self, logger: logging.Logger) -> None:
         self.logger = logger
         self.down = False
+        self.dropping = False  # an INFO-level FAIL line was logged since the last delivery
 
     def log(self, level: int, fmt: str, *args: Any) -> None:
         text = redact(fmt % args if args else fmt)
-        if level >= logging.WARNING and text.startswith("FAIL "):
-            level, self.down = (logging.DEBUG if self.down else logging.WARNING), True
+        if text.startswith("FAIL "):
+            if level >= logging.WARNING:
+                level, self.down = (logging.DEBUG if self.down else logging.WARNING), True
+            elif level == logging.INFO:
+                level, self.dropping = (logging.DEBUG if self.dropping else logging.INFO), True
         self.logger.log(level, "%s", text)
 
     def ok(self) -> None:
-        self.down = False
+        self.down = self.dropping = False
 
 
 #: Delivery errors after which the producer is made anew (besides fatal ones: fenced, unknown
