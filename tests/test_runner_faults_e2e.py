@@ -115,6 +115,66 @@ def test_the_dramatiq_scheduler_ticks_again_as_soon_as_its_broker_is_back_and_sa
     assert log.count("WARNING") <= 3, log  # the outage, the lead lost (Redis), the lock's connection (RabbitMQ)
 
 
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_dramatiq_workers_ride_out_their_broker_going_away_mid_drain(
+        tmp_path: Path, destination: Any, sqlite_outbox: Outbox, kind: str, procs_factory: Any) -> None:
+    """A Dramatiq worker (two processes) and the scheduler drain a backlog with live writes
+    while Dramatiq's broker, behind a proxy, is cut for 6 s: Redis (which also holds the
+    relay's shared breaker and tokens), or RabbitMQ as Dramatiq's broker and the destination
+    at once (one RabbitMQ restarting). Claims that cannot send their publish messages release
+    the rows; the consumers reconnect by themselves. Every committed event arrives, in order
+    per aggregate, and every row is done: nothing is left leased."""
+    from relay_e2e_support import check_order
+
+    outbox = sqlite_outbox
+    proxy = Proxy(target=("127.0.0.1", 6379 if kind == "redis" else 5672))
+    env = relay_env(tmp_path, destination, outbox, RUNNERS["dramatiq"], OUTBOX_BATCH_SIZE="10",
+                    OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="5000", OUTBOX_RELAY_TASK_ROWS="3",
+                    OUTBOX_RELAY_BREAKER_S="1")
+    if kind == "redis":
+        env["OUTBOX_DRAMATIQ_BROKER_URL"] = REDIS_URL.replace(":6379/", f":{proxy.port}/")
+    else:  # pika's URL: the default virtual host is "/" after the port, not kombu's "//"
+        env["OUTBOX_DRAMATIQ_BROKER_URL"] = f"amqp://guest:guest@127.0.0.1:{proxy.port}/"
+        env["OUTBOX_PUBLISH_URL"] = proxy.amqp_url
+    try:
+        procs = procs_factory(env, RUNNERS["dramatiq"])
+        writer = Writer(outbox, [f"k-{i}" for i in range(8)], rollback_every=3, pace=0.02)
+        writer.write(range(30))
+        procs.worker("w1")
+        procs.beat()
+        destination.wait_for(lambda: len(destination.messages) >= 40, timeout=30, procs=procs)
+        with writer:
+            proxy.cut()
+            time.sleep(6.0)
+            proxy.restore()
+            time.sleep(1.0)
+        total = len(writer.written)
+        destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=60, procs=procs)
+        assert len(destination.arrived()) == total, (
+            f"{len(destination.arrived())} of {total}\n{procs.log('w1')[-3000:]}")
+        check_order(destination.arrivals(), writer.expected)
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=15), (
+            outbox.status_counts())
+    finally:
+        proxy.close()
+        if kind == "rabbitmq":
+            _delete_dramatiq_queues(env)
+
+
+def _delete_dramatiq_queues(env: dict[str, str]) -> None:
+    """The durable queues Dramatiq's RabbitMQ broker declared for ``env``'s outbox."""
+    from kombu import Connection
+
+    with Connection(AMQP_URL, connect_timeout=5) as conn:
+        for kind in ("claim", "publish", "ack", "purge"):
+            queue = relay_queue(env, kind)
+            for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+                try:
+                    conn.default_channel.queue_delete(queue=name)
+                except Exception:
+                    conn.close()
+
+
 # -- a Kafka topic that does not exist ------------------------------------------------------------
 
 @pytest.mark.parametrize("runner_name", sorted(RUNNERS))
