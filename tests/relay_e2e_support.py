@@ -651,6 +651,11 @@ class Proxy:
                 client.close()
                 continue
             with self.lock:
+                if not self.up:  # cut while this one was connecting: it must not outlive the cut
+                    for s in (client, upstream):
+                        with suppress(OSError):
+                            s.close()
+                    continue
                 self.sockets += [client, upstream]
             link = Link()
             for a, b, delay, upward in ((client, upstream, 0.0, True), (upstream, client, self.delay, False)):

@@ -317,3 +317,55 @@ def test_kafka_unreachable_for_a_while_loses_nothing_keeps_order_and_says_so_onc
     assert log.count("destination broker reachable again") == 1, log[-5000:]
     client_lines = [line for line in log.splitlines() if "FAIL [rdkafka#producer" in line]
     assert len(client_lines) <= 10, "\n".join(client_lines[:40])
+
+
+@pytest.mark.parametrize("runner_name", sorted(RUNNERS))
+def test_a_kafka_broker_that_hangs_for_several_leases_spends_no_attempt(
+        tmp_path: Path, sqlite_outbox: Outbox, runner_name: str, procs_factory: Any) -> None:
+    """Tansu behind a proxy that, once events flow, keeps back everything Tansu sends (a
+    broker that hangs: connections open, no answer) for 20 s, with a lease of 4 s and the
+    default delivery timeout (15 s). A publish gives up within its part of the lease (3.2 s,
+    ``KafkaPublisher.wait_s``), releases its rows with no attempt spent and opens the breaker.
+    Before, it waited 20 s (the delivery timeout and a margin; a topic check as long again):
+    its rows' lease ran out first and every claim took them again with an attempt spent, or
+    Dramatiq's time limit (10 s) killed the claim mid-publish, so the hang sent events dead
+    after OUTBOX_MAX_ATTEMPTS (3 here). Once the broker answers, every event arrives in order."""
+    from kafka_support import Reader, Tansu, create_topic, free_port, tansu_or_skip
+    from relay_e2e_support import check_order
+
+    outbox, runner, topic = sqlite_outbox, RUNNERS[runner_name], "orders"
+    port = free_port()
+    proxy = Proxy(target=("127.0.0.1", port))
+    tansu = Tansu(tansu_or_skip(), port, tmp_path / "tansu.log", advertised_port=proxy.port)
+    tansu.start()
+    try:
+        create_topic(f"127.0.0.1:{port}", topic)
+        writer = Writer(outbox, [f"k-{i}" for i in range(4)], topic=lambda _: topic)
+        writer.write(range(5))
+        procs = _start_kafka_relay(procs_factory, runner, tmp_path, outbox, OUTBOX_PUBLISH_URL=tansu.url,
+                                   OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="4000",
+                                   OUTBOX_MAX_ATTEMPTS="3", OUTBOX_RELAY_BREAKER_S="1")
+        reader = Reader(f"127.0.0.1:{port}", topic)  # straight to Tansu: the reader is not held
+        reader.start()
+        assert wait_until(lambda: len(reader.arrivals) >= 20, timeout=30), procs.log("w1")[-3000:]
+        proxy.hold_replies()
+        writer.write(range(5, 10))
+        time.sleep(20.0)
+        assert Status.DEAD not in outbox.statuses().values(), outbox.status_counts()
+        assert outbox.max_attempts() == 0, outbox.status_counts()
+        proxy.holding.clear()
+        proxy.cut()  # the held connections go; new ones are answered
+        proxy.restore()
+        total = len(writer.written)
+        assert wait_until(lambda: len({a[0] for a in reader.arrivals}) >= total, timeout=60), (
+            procs.log("w1")[-3000:])
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=30), (
+            outbox.status_counts())
+        arrivals = reader.stop()
+        procs.check_alive()
+    finally:
+        tansu.stop()
+        proxy.close()
+    check_order(arrivals, writer.expected)
+    assert outbox.max_attempts() == 0
+    assert procs.log("w1").count("destination broker unreachable") == 1
