@@ -369,3 +369,112 @@ def test_a_kafka_broker_that_hangs_for_several_leases_spends_no_attempt(
     check_order(arrivals, writer.expected)
     assert outbox.max_attempts() == 0
     assert procs.log("w1").count("destination broker unreachable") == 1
+
+
+# -- Celery on RabbitMQ, and the Redis destination, going away mid-drain ---------------------------------
+
+@pytest.mark.parametrize("destination_too", [False, True], ids=["broker", "broker-and-destination"])
+def test_celery_on_rabbitmq_rides_out_rabbitmq_going_away_mid_drain(
+        tmp_path: Path, destination: Any, sqlite_outbox: Outbox, destination_too: bool, procs_factory: Any) -> None:
+    """Two Celery workers (prefork, two processes each) and beat with RabbitMQ as Celery's
+    broker, behind a proxy cut for 6 s while they drain a backlog with live writes (a
+    RabbitMQ restart as the clients see it); with ``destination_too`` the destination is
+    that RabbitMQ as well. The workers reconnect by themselves (Celery's consumer retries
+    every 2, 4, 6 s; publish tasks whose acks were lost come back with ``redelivered`` and
+    check their lease first): every committed event arrives, in order per aggregate, every
+    row is done, and no worker exits."""
+    from relay_e2e_support import check_order
+
+    outbox = sqlite_outbox
+    proxy = Proxy()
+    try:
+        env = relay_env(tmp_path, destination, outbox, RUNNERS["celery"], OUTBOX_BATCH_SIZE="10",
+                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="5000", OUTBOX_RELAY_TASK_ROWS="3",
+                        OUTBOX_RELAY_BREAKER_S="1", OUTBOX_CELERY_BROKER_URL=proxy.amqp_url)
+        if destination_too:
+            env["OUTBOX_PUBLISH_URL"] = proxy.amqp_url
+        procs = procs_factory(env, RUNNERS["celery"])
+        writer = Writer(outbox, [f"k-{i}" for i in range(8)], rollback_every=3, pace=0.02)
+        writer.write(range(30))
+        procs.worker("w1")
+        procs.worker("w2")
+        procs.beat()
+        destination.wait_for(lambda: len(destination.messages) >= 40, timeout=30, procs=procs)
+        with writer:
+            proxy.cut()
+            time.sleep(6.0)
+            proxy.restore()
+            time.sleep(2.0)
+        total = len(writer.written)
+        destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=90, procs=procs)
+        assert len(destination.arrived()) == total, (
+            f"{len(destination.arrived())} of {total}\\n{procs.log('w1')[-3000:]}")
+        check_order(destination.arrivals(), writer.expected)
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=20), (
+            outbox.status_counts())
+        procs.check_alive()
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("runner_name", sorted(RUNNERS))
+def test_the_redis_destination_going_away_mid_drain_loses_nothing(
+        tmp_path: Path, sqlite_outbox: Outbox, runner_name: str, procs_factory: Any) -> None:
+    """The destination is Redis (kombu's transport: no confirms, a send that returned counts
+    as delivered) behind a proxy cut for 6 s mid-drain with live writes, on both runners
+    (their own broker is the test's Redis, not cut). Claims pause on the broker outage and
+    resume: every committed event reaches the bound queue, in order per aggregate, every row
+    is done, no attempt is spent, and the outage is logged once."""
+    from kombu import Connection, Exchange, Queue
+    from relay_e2e_support import check_order
+
+    outbox, runner = sqlite_outbox, RUNNERS[runner_name]
+    proxy = Proxy(target=("127.0.0.1", 6379))
+    tag = uuid.uuid4().hex[:10]
+    url = REDIS_URL.rsplit("/", 1)[0] + "/13"  # a database of its own: the runners' broker is REDIS_URL's
+    exchange = Exchange(f"outbox-test-{tag}", type="topic")
+    queue = Queue(f"outbox-test-q-{tag}", exchange, routing_key="#")
+    conn = Connection(url)
+    queue(conn.default_channel).declare()
+    arrived: list[tuple[int, str, Any]] = []
+
+    def drain() -> int:
+        with conn.SimpleQueue(queue) as simple:
+            while True:
+                try:
+                    message = simple.get(block=True, timeout=0.2)
+                except simple.Empty:
+                    break
+                arrived.append((int(message.headers["outbox_id"]), message.headers["aggregate_id"], message))
+                message.ack()
+        return len({a[0] for a in arrived})
+
+    try:
+        env = relay_env(tmp_path, None, outbox, runner, OUTBOX_BATCH_SIZE="10", OUTBOX_EXCHANGE=exchange.name,
+                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_CLAIM_TIMEOUT_MS="5000", OUTBOX_RELAY_TASK_ROWS="3",
+                        OUTBOX_RELAY_BREAKER_S="1", OUTBOX_PUBLISH_URL=url.replace(":6379/", f":{proxy.port}/"))
+        procs = procs_factory(env, runner)
+        writer = Writer(outbox, [f"k-{i}" for i in range(8)], rollback_every=3, pace=0.02)
+        writer.write(range(30))
+        procs.worker("w1")
+        procs.beat()
+        assert wait_until(lambda: drain() >= 40, timeout=30), procs.log("w1")[-3000:]
+        with writer:
+            proxy.cut()
+            assert wait_until(lambda: "destination broker unreachable" in procs.log("w1"), timeout=20), (
+                procs.log("w1")[-3000:])
+            time.sleep(4.0)
+            proxy.restore()
+            time.sleep(1.0)
+        total = len(writer.written)
+        assert wait_until(lambda: drain() >= total, timeout=60), f"{drain()} of {total}\\n{procs.log('w1')[-3000:]}"
+        check_order(arrived, writer.expected)
+        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=15), (
+            outbox.status_counts())
+        assert outbox.max_attempts() == 0
+        assert procs.log("w1").count("destination broker unreachable") == 1, procs.log("w1")[-5000:]
+        procs.check_alive()
+    finally:
+        proxy.close()
+        queue(conn.default_channel).delete()
+        conn.release()
