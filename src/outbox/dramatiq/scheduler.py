@@ -93,12 +93,15 @@ class RedisLock:
 
 
 class RabbitLock:
-    """Leader lock in RabbitMQ: an exclusive queue, held by one connection at a time."""
+    """Leader lock in RabbitMQ: an exclusive queue, held by one connection at a time.
+    ``outage``: where an unreachable RabbitMQ is reported (default: a WARNING when the lock's
+    connection is lost, DEBUG while it cannot be made again)."""
 
-    def __init__(self, url: str, name: str) -> None:
+    def __init__(self, url: str, name: str, outage: Outage | None = None) -> None:
         self.url = url
         self.queue = f"outbox.scheduler.{name}"
         self.conn: Any = None
+        self.outage = outage
 
     def hold(self) -> bool:
         from kombu import Connection
@@ -110,7 +113,10 @@ class RabbitLock:
             except TimeoutError:
                 pass
             except Exception as exc:  # noqa: BLE001 - any error of the lock's connection gives the lock up
-                log.warning("outbox scheduler: lost the lock's connection (%s)", exc)
+                if self.outage is not None:
+                    self.outage.failed(exc)
+                else:
+                    log.warning("outbox scheduler: lost the lock's connection (%s)", exc)
                 self.release()
             else:
                 return True
@@ -120,13 +126,21 @@ class RabbitLock:
         try:
             conn.connect()
             conn.default_channel.queue_declare(queue=self.queue, exclusive=True, auto_delete=True)
-        except Exception as exc:  # noqa: BLE001 - RESOURCE_LOCKED: another scheduler leads
-            log.debug("outbox scheduler: lock held elsewhere (%s)", exc)
+        except Exception as exc:  # noqa: BLE001 - RESOURCE_LOCKED: another scheduler leads; else unreachable
+            locked = type(exc).__name__ == "ResourceLocked"
+            if self.outage is not None and not locked:
+                self.outage.failed(exc)
+            else:
+                log.debug("outbox scheduler: lock held elsewhere (%s)", exc)
+                if self.outage is not None:
+                    self.outage.ok()
             try:
                 conn.release()
             except Exception:
                 log.debug("outbox scheduler: error releasing a refused connection", exc_info=True)
             return False
+        if self.outage is not None:
+            self.outage.ok()
         self.conn = conn
         return True
 
@@ -140,7 +154,7 @@ class RabbitLock:
 
 
 def make_lock(url: str, name: str, outage: Outage | None = None) -> Any:
-    return RedisLock(url, name, outage=outage) if _broker.is_redis(url) else RabbitLock(url, name)
+    return RedisLock(url, name, outage=outage) if _broker.is_redis(url) else RabbitLock(url, name, outage)
 
 
 def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, str, float, float, dict[str, Any]]]:
