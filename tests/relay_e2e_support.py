@@ -651,6 +651,11 @@ class Proxy:
                 client.close()
                 continue
             with self.lock:
+                if not self.up:  # cut while this one was connecting: it must not outlive the cut
+                    for s in (client, upstream):
+                        with suppress(OSError):
+                            s.close()
+                    continue
                 self.sockets += [client, upstream]
             link = Link()
             for a, b, delay, upward in ((client, upstream, 0.0, True), (upstream, client, self.delay, False)):
@@ -724,7 +729,13 @@ class Proxy:
         except OSError:
             pass
         finally:
+            # shutdown before close: the other pump may be blocked in recv() on one of these,
+            # and Linux sends no FIN for a socket closed under a blocked recv(). The server
+            # would then keep that connection (and, on RabbitMQ, its exclusive queues) open
+            # until its heartbeat gave up, however the test cut the proxy.
             for s in (src, dst):
+                with suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
                 with suppress(OSError):
                     s.close()
 

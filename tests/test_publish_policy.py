@@ -236,6 +236,24 @@ def test_fatal_stops_claims_for_long_with_a_clear_message(sqlite_store: OutboxSt
     assert [m.id for m in sqlite_store.claim(10).messages] == ids
 
 
+def test_a_fatal_error_every_chain_meets_is_logged_once_per_pause(sqlite_store: OutboxStore, conn: sqlite3.Connection,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Every chain of a task meets the same FATAL error (a missing Kafka topic, bad
+    credentials): one CRITICAL line for the pause, the other chains at DEBUG; all the rows
+    released, no attempt spent. tests/test_runner_faults_e2e.py runs it with real workers."""
+    ids = add(conn, "a") + add(conn, "b") + add(conn, "c")
+    publisher = ScriptedPublisher(dict.fromkeys(ids, FailureKind.FATAL))
+    breaker = Breaker()
+    with caplog.at_level(logging.DEBUG, logger="outbox.relay"):
+        handle_publish(RelayContext(sqlite_store, publisher, options=RelayOptions(fatal_pause_s=300), breaker=breaker),
+                       claim_chains(sqlite_store))
+    fatal = [r.levelno for r in caplog.records if "FATAL publishing error" in r.getMessage()]
+    assert fatal == [logging.CRITICAL, logging.DEBUG, logging.DEBUG]
+    assert breaker.open_for() > 290 and breaker.fatal
+    assert [(r["status"], r["attempts"]) for r in rows(sqlite_store).values()] == [(Status.PENDING, 0)] * 3
+    assert breaker.opens(300, "fatal: again") is False and breaker.opens(5, "backpressure: other") is True
+
+
 def test_backpressure_pauses_hold_the_rows_until_the_pause_ends(sqlite_store: OutboxStore,
                                                                conn: sqlite3.Connection) -> None:
     """Unlike a fatal pause, a broker's back-pressure releases the rows not due before the

@@ -17,6 +17,7 @@ from ..core.config import startup_options
 from ..core.errors import ConfigError
 from ..core.redact import install_filter, redact
 from ..relay import RelayOptions
+from ..relay.shared import Outage
 from ..schedule import load_beat_schedule
 from . import brokers as _broker
 
@@ -33,15 +34,25 @@ def lock_name(url: str, namespace: str, outbox_namespace: str) -> str:
     return hashlib.sha1(f"{url}|{namespace}|{outbox_namespace}".encode()).hexdigest()[:16]
 
 
+def broker_outage(url: str) -> Outage:
+    """The scheduler's outage log of Dramatiq's broker (``relay.shared.Outage``, this process
+    only): one WARNING when it becomes unreachable, the sends and lock checks that fail after
+    it at DEBUG, one INFO line when it answers again."""
+    return Outage("Dramatiq's broker", redact(url),
+                  "No claim tick or purge is sent until it answers; the leader keeps its lock "
+                  "or takes it again then", log)
+
+
 class RedisLock:
-    """Leader lock in Redis: SET NX PX, renewed by its holder only (compare and extend)."""
+    """Leader lock in Redis: SET NX PX, renewed by its holder only (compare and extend).
+    ``outage``: where an unreachable Redis is reported (default: a WARNING each time)."""
 
     _RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
               "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
     _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
                 "return redis.call('del', KEYS[1]) else return 0 end")
 
-    def __init__(self, url: str, name: str, ttl_s: float = LOCK_TTL_S) -> None:
+    def __init__(self, url: str, name: str, ttl_s: float = LOCK_TTL_S, outage: Outage | None = None) -> None:
         import redis
 
         self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
@@ -49,16 +60,27 @@ class RedisLock:
         self.me = uuid.uuid4().hex
         self.ttl_ms = int(ttl_s * 1000)
         self.held = False
+        self.outage = outage
 
     def hold(self) -> bool:
-        """Take or renew the lock; True while this scheduler is the leader."""
+        """Take or renew the lock; True while this scheduler is the leader. The renewal is
+        tried first even when the last check failed: a Redis that was unreachable for less
+        than the TTL still holds this scheduler's own key, which SET NX would refuse it until
+        the key expired (no tick for up to ``LOCK_TTL_S`` after every short outage)."""
         try:
-            if self.held and self.client.eval(self._RENEW, 1, self.key, self.me, self.ttl_ms):
-                return True
-            self.held = bool(self.client.set(self.key, self.me, nx=True, px=self.ttl_ms))
+            if self.client.eval(self._RENEW, 1, self.key, self.me, self.ttl_ms):
+                self.held = True
+            else:
+                self.held = bool(self.client.set(self.key, self.me, nx=True, px=self.ttl_ms))
         except Exception as exc:  # noqa: BLE001 - Redis down: nobody ticks, which the workers survive
-            log.warning("outbox scheduler: cannot reach the lock (%s); not ticking", exc)
+            if self.outage is not None:
+                self.outage.failed(exc)
+            else:
+                log.warning("outbox scheduler: cannot reach the lock (%s); not ticking", exc)
             self.held = False
+        else:
+            if self.outage is not None:
+                self.outage.ok()
         return self.held
 
     def release(self) -> None:
@@ -71,12 +93,15 @@ class RedisLock:
 
 
 class RabbitLock:
-    """Leader lock in RabbitMQ: an exclusive queue, held by one connection at a time."""
+    """Leader lock in RabbitMQ: an exclusive queue, held by one connection at a time.
+    ``outage``: where an unreachable RabbitMQ is reported (default: a WARNING when the lock's
+    connection is lost, DEBUG while it cannot be made again)."""
 
-    def __init__(self, url: str, name: str) -> None:
+    def __init__(self, url: str, name: str, outage: Outage | None = None) -> None:
         self.url = url
         self.queue = f"outbox.scheduler.{name}"
         self.conn: Any = None
+        self.outage = outage
 
     def hold(self) -> bool:
         from kombu import Connection
@@ -88,7 +113,10 @@ class RabbitLock:
             except TimeoutError:
                 pass
             except Exception as exc:  # noqa: BLE001 - any error of the lock's connection gives the lock up
-                log.warning("outbox scheduler: lost the lock's connection (%s)", exc)
+                if self.outage is not None:
+                    self.outage.failed(exc)
+                else:
+                    log.warning("outbox scheduler: lost the lock's connection (%s)", exc)
                 self.release()
             else:
                 return True
@@ -98,13 +126,21 @@ class RabbitLock:
         try:
             conn.connect()
             conn.default_channel.queue_declare(queue=self.queue, exclusive=True, auto_delete=True)
-        except Exception as exc:  # noqa: BLE001 - RESOURCE_LOCKED: another scheduler leads
-            log.debug("outbox scheduler: lock held elsewhere (%s)", exc)
+        except Exception as exc:  # noqa: BLE001 - RESOURCE_LOCKED: another scheduler leads; else unreachable
+            locked = type(exc).__name__ == "ResourceLocked"
+            if self.outage is not None and not locked:
+                self.outage.failed(exc)
+            else:
+                log.debug("outbox scheduler: lock held elsewhere (%s)", exc)
+                if self.outage is not None:
+                    self.outage.ok()
             try:
                 conn.release()
             except Exception:
                 log.debug("outbox scheduler: error releasing a refused connection", exc_info=True)
             return False
+        if self.outage is not None:
+            self.outage.ok()
         self.conn = conn
         return True
 
@@ -117,8 +153,8 @@ class RabbitLock:
         self.conn = None
 
 
-def make_lock(url: str, name: str) -> Any:
-    return RedisLock(url, name) if _broker.is_redis(url) else RabbitLock(url, name)
+def make_lock(url: str, name: str, outage: Outage | None = None) -> Any:
+    return RedisLock(url, name, outage=outage) if _broker.is_redis(url) else RabbitLock(url, name, outage)
 
 
 def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, str, float, float, dict[str, Any]]]:
@@ -129,11 +165,12 @@ def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, st
 
 
 def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any,
-        send: Any = None) -> None:
+        send: Any = None, outage: Outage | None = None) -> None:
     """Send each entry every ``every_s`` until ``stop`` is set, while holding ``lock``.
     ``send(actor, queue, kwargs, max_age_s)`` defaults to ``outbox.dramatiq.brokers.send``.
     A new leader sends the first entry (the claim tick) at once and the others after one
-    interval, like beat."""
+    interval, like beat. ``outage``: where a send that fails is reported (default: a WARNING
+    each time), and a send that goes through ends the outage."""
     send = send or _broker.send
     leading = False
     due = [0.0] * len(entries)
@@ -155,8 +192,14 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
                     try:
                         send(actor, queue, kwargs, max_age_s=max_age_s)
                     except Exception as exc:  # noqa: BLE001 - Dramatiq's broker is down: the next one is sent
-                        log.warning("outbox scheduler: cannot send %s (%s: %s)", actor, type(exc).__name__,
-                                    redact(str(exc)))
+                        if outage is not None:
+                            outage.failed(exc)
+                        else:
+                            log.warning("outbox scheduler: cannot send %s (%s: %s)", actor, type(exc).__name__,
+                                        redact(str(exc)))
+                    else:
+                        if outage is not None:
+                            outage.ok()
                     due[i] = now + every_s
                 wait_until = min(wait_until, due[i])
         stop.wait(max(0.01, wait_until - time.monotonic()))
@@ -178,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_filter(logging.getLogger())
-    logging.getLogger("pika").setLevel(logging.WARNING)  # Dramatiq's RabbitMQ client narrates each connect
+    # Dramatiq's RabbitMQ client narrates each connect at INFO, and each failed one with ERROR lines
+    # and a traceback: while RabbitMQ is down that is a screenful per tick. What failed is in
+    # the scheduler's own outage line (broker_outage), once per outage.
+    logging.getLogger("pika").setLevel(logging.CRITICAL)
     try:
         settings, options = startup_options()
         dramatiq_settings = _broker.settings(required=True)
@@ -191,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    lock = make_lock(url, lock_name(url, ns, settings.outbox_namespace))
+    outage = broker_outage(url)
+    lock = make_lock(url, lock_name(url, ns, settings.outbox_namespace), outage)
     log.info("outbox scheduler: Dramatiq broker %s, waiting for the lead", redact(url))
-    run(stop, entries, lock)
+    run(stop, entries, lock, outage=outage)
     log.info("outbox scheduler: stopped")
     return 0
 

@@ -22,7 +22,7 @@ from datetime import UTC
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
-from ..core.config import KafkaOptions, kafka_options
+from ..core.config import KafkaOptions, kafka_options, relay_options
 from ..core.errors import ConfigError, install_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
@@ -144,20 +144,28 @@ class ClientLog:
     throttled: while a broker is down librdkafka logs one (facility FAIL, at ERROR) at every
     reconnect, about once a second per broker. The first of an outage goes out at WARNING,
     the rest at DEBUG until a delivery succeeds again (``ok()``), like the relay's ``Outage``
-    (docs/destinations.md, "Failures"). Other lines pass through, redacted."""
+    (docs/destinations.md, "Failures"). A broker that accepts connections and drops them at
+    once (a load balancer or proxy whose broker is gone) gives FAIL lines at INFO instead
+    ("Disconnected ... in state APIVERSION_QUERY"), several a second, handed over in a burst
+    at the next poll: the first of those goes out at INFO, the rest at DEBUG until ``ok()``
+    (a 5 s cut gave a hundred INFO lines). Other lines pass through, redacted."""
 
     def __init__(self, logger: logging.Logger) -> None:
         self.logger = logger
         self.down = False
+        self.dropping = False  # an INFO-level FAIL line was logged since the last delivery
 
     def log(self, level: int, fmt: str, *args: Any) -> None:
         text = redact(fmt % args if args else fmt)
-        if level >= logging.WARNING and text.startswith("FAIL "):
-            level, self.down = (logging.DEBUG if self.down else logging.WARNING), True
+        if text.startswith("FAIL "):
+            if level >= logging.WARNING:
+                level, self.down = (logging.DEBUG if self.down else logging.WARNING), True
+            elif level == logging.INFO:
+                level, self.dropping = (logging.DEBUG if self.dropping else logging.INFO), True
         self.logger.log(level, "%s", text)
 
     def ok(self) -> None:
-        self.down = False
+        self.down = self.dropping = False
 
 
 #: Delivery errors after which the producer is made anew (besides fatal ones: fenced, unknown
@@ -192,16 +200,28 @@ def chain_result(ids: Sequence[int], verdicts: Sequence[Any]) -> ChainResult:
     return ChainResult(published, ids[rest[0]], failure, overtaken=overtaken)
 
 
+#: How much longer than the delivery timeout a publish waits for librdkafka's own reports.
+REPORT_MARGIN_S = 5.0
+
+
 class KafkaPublisher(Publisher):
     """``Publisher`` on Kafka. Thread-safe (calls are serialized by a lock), fork-safe (one
-    producer per process)."""
+    producer per process).
+
+    ``max_wait_s``: the longest one publish waits, the topic check and the delivery reports
+    together, whatever the delivery timeout (``from_settings``: the part of the lease a publish
+    may use, ``OUTBOX_CLAIM_TIMEOUT_MS`` x ``OUTBOX_RELAY_LEASE_SAFETY``). Waiting longer than
+    the lease left the rows of a hung broker to lease recovery: claimed again with an attempt
+    spent each lease, or interrupted by the task's time limit (the lease, at least 10 s), so a
+    broker that hangs for a few leases sent events dead (docs/destinations.md, "Failures")."""
 
     def __init__(self, url: str, *, options: KafkaOptions | None = None, dead_letter_topic: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_wait_s: float | None = None) -> None:
         self.url = url
         self.options = options or KafkaOptions()
         self.dead_letter_topic = dead_letter_topic or None
         self.max_message_bytes = max_message_bytes
+        self.max_wait_s = max_wait_s
         self._config = producer_config(self.options, url)
         self._lock = threading.RLock()
         self._producer: Any = None
@@ -217,7 +237,15 @@ class KafkaPublisher(Publisher):
         dead-letter topic."""
         options.setdefault("dead_letter_topic", settings.dead_letter_exchange)
         options.setdefault("options", kafka_options())
+        options.setdefault("max_wait_s", settings.claim_timeout_ms / 1000.0 * relay_options().lease_safety)
         return cls(settings.publish_url, **options)
+
+    @property
+    def wait_s(self) -> float:
+        """The longest one publish waits (``max_wait_s``, at most the delivery timeout and
+        ``REPORT_MARGIN_S``)."""
+        wait = self.options.delivery_timeout_s + REPORT_MARGIN_S
+        return wait if self.max_wait_s is None else max(0.1, min(wait, self.max_wait_s))
 
     def __repr__(self) -> str:
         return f"<KafkaPublisher {redact(self.url)}>"
@@ -235,10 +263,11 @@ class KafkaPublisher(Publisher):
             verdicts = [[_NOT_SENT] * len(chain) for chain in chains]
 
             def send() -> None:
+                deadline = time.monotonic() + self.wait_s
                 producer = self._ready()
                 for c, chain in enumerate(chains):
-                    self._produce_chain(producer, chain, verdicts[c], c)
-                self._await(producer, verdicts)
+                    self._produce_chain(producer, chain, verdicts[c], deadline)
+                self._await(producer, verdicts, deadline)
 
             failure = self._guarded(send)
             if failure is not None:
@@ -269,12 +298,13 @@ class KafkaPublisher(Publisher):
             row: list[Any] = [_NOT_SENT]
 
             def send() -> PublishFailure | None:
+                deadline = time.monotonic() + self.wait_s
                 producer = self._ready()
                 value = encode_body(message)
                 refused = self._size_refusal(len(value)) or self._produce(
                     producer, message, self.dead_letter_topic or "", value, event_headers(message, extra), row, 0)
                 if refused is None:
-                    self._await(producer, [row])
+                    self._await(producer, [row], deadline)
                 return refused
 
             failure = self._guarded(send)
@@ -295,10 +325,11 @@ class KafkaPublisher(Publisher):
             self._producer, self._pid = None, None
 
     # -- producing -----------------------------------------------------------------
-    def _produce_chain(self, producer: Any, chain: Sequence[OutboxMessage], row: list[Any], c: int) -> None:
+    def _produce_chain(self, producer: Any, chain: Sequence[OutboxMessage], row: list[Any], deadline: float) -> None:
         """Hand the chain's events to the producer in order; stop at the first one that cannot
         go (nothing after it is sent, so what reaches the broker stays a prefix). Each event's
-        body is encoded once, for the checks and to be sent."""
+        body is encoded once, for the checks and to be sent. ``deadline`` (monotonic): the
+        publish's end, which a topic check waits for at most."""
         template = self.options.topic_template
         for i, message in enumerate(chain):
             topic = message.topic if template == "{topic}" else topic_of(self.options, message)
@@ -309,8 +340,8 @@ class KafkaPublisher(Publisher):
                 except UnicodeError as exc:
                     problem = PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
                 else:
-                    problem = self._size_refusal(len(value)) or self._missing_topic(topic) or self._produce(
-                        producer, message, topic, value, event_headers(message), row, i)
+                    problem = (self._size_refusal(len(value)) or self._missing_topic(topic, producer, deadline)
+                               or self._produce(producer, message, topic, value, event_headers(message), row, i))
             if problem is not None:
                 row[i] = problem
                 return
@@ -332,16 +363,20 @@ class KafkaPublisher(Publisher):
                                   f"message size {size} bytes is above the maximum of {self.max_message_bytes} bytes")
         return None
 
-    def _missing_topic(self, topic: str) -> PublishFailure | None:
-        if not self.options.auto_create_topics and not self._topic_exists(topic):
+    def _missing_topic(self, topic: str, producer: Any, deadline: float) -> PublishFailure | None:
+        if not self.options.auto_create_topics and not self._topic_exists(topic, producer, deadline):
             return PublishFailure(FailureKind.FATAL, f"Kafka topic {topic!r} does not exist: create it, or set "
                                   "OUTBOX_KAFKA_AUTO_CREATE_TOPICS=1 when the brokers create topics themselves")
         return None
 
-    def _topic_exists(self, topic: str) -> bool:
-        """From the cluster's metadata (which never creates a topic), refreshed when unknown."""
+    def _topic_exists(self, topic: str, producer: Any, deadline: float) -> bool:
+        """From the cluster's metadata (which never creates a topic), refreshed when unknown;
+        asked of ``producer``, the one this publish uses (``self._producer`` may have been
+        dropped meanwhile by a delivery report or a fatal error), waiting until ``deadline``
+        at most."""
         if topic not in self._topics:
-            metadata = self._producer.list_topics(timeout=self.options.delivery_timeout_s)
+            timeout = max(0.05, min(self.options.delivery_timeout_s, deadline - time.monotonic()))
+            metadata = producer.list_topics(timeout=timeout)
             self._topics = {name for name, t in metadata.topics.items() if t.error is None}
         return topic in self._topics
 
@@ -379,11 +414,11 @@ class KafkaPublisher(Publisher):
                 return _failure(exc.args[0], f" (event {message.id}, topic {topic!r})")
         return None  # pragma: no cover
 
-    def _await(self, producer: Any, rows: list[list[Any]]) -> None:
-        """Serve delivery reports until every produced event has one or the delivery timeout
-        (plus a margin) passed; the rest are purged and the producer replaced: their fate is
-        unknown, so they count as not delivered (a retry may duplicate them)."""
-        deadline = time.monotonic() + self.options.delivery_timeout_s + 5.0
+    def _await(self, producer: Any, rows: list[list[Any]], deadline: float) -> None:
+        """Serve delivery reports until every produced event has one or ``deadline`` (the
+        publish's ``wait_s`` from its start) passed; the rest are purged and the producer
+        replaced: their fate is unknown, so they count as not delivered (a retry may
+        duplicate them)."""
         while any(v is _PENDING for row in rows for v in row):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -391,7 +426,7 @@ class KafkaPublisher(Publisher):
                 producer.poll(0)
                 self._producer = None
                 timeout = self._broker_failure() or PublishFailure(
-                    FailureKind.BACKPRESSURE, f"no Kafka delivery report within {self.options.delivery_timeout_s:g} s")
+                    FailureKind.BACKPRESSURE, f"no Kafka delivery report within {self.wait_s:g} s")
                 for row in rows:
                     row[:] = [timeout if v is _PENDING else v for v in row]
                 return

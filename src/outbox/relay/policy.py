@@ -101,20 +101,27 @@ def _backpressure(relay: RelayContext, stop: Stopped) -> Settled:
 
 def _fatal(relay: RelayContext, stop: Stopped) -> Settled:
     """As the broker's back-pressure, with a long pause and a critical log line: an
-    operator must act."""
+    operator must act. One critical line per pause: the other chains of the task (or of
+    tasks running beside it, in this process or, through the shared breaker, another) that
+    meet the same error while the fatal pause is open log it at DEBUG. Before, every chain
+    of a backlog logged it (a line per aggregate of every publish in flight)."""
     pause = relay.options.fatal_pause_s
-    log.critical("outbox FATAL publishing error: %s. Claims stop for %.0f s on every worker sharing "
-                 "this breaker; fix the destination broker settings (OUTBOX_PUBLISH_URL, "
-                 "OUTBOX_EXCHANGE, credentials, permissions) and restart the workers. %s",
-                 stop.reason, pause, describe(stop.failing), extra=log_extra(stop.failing, "fatal"))
-    return _trip_breaker(relay, stop, pause, hold_rows=False)
+    opened = relay.breaker.opens(pause, stop.error) if relay.breaker is not None else True
+    (log.critical if opened else log.debug)(
+        "outbox FATAL publishing error: %s. Claims stop for %.0f s on every worker sharing "
+        "this breaker; fix the destination broker settings (OUTBOX_PUBLISH_URL, "
+        "OUTBOX_EXCHANGE, credentials, permissions) and restart the workers. %s",
+        stop.reason, pause, describe(stop.failing), extra=log_extra(stop.failing, "fatal"))
+    return _trip_breaker(relay, stop, pause, hold_rows=False, tripped=True)
 
 
-def _trip_breaker(relay: RelayContext, stop: Stopped, pause: float, hold_rows: bool = True) -> Settled:
-    """Open the breaker for ``pause`` and release the rest. Rows of a fatal pause are
-    released with no delay when a breaker stops the claims: a restart lifts the pause once
-    the settings are fixed, and must find them claimable (docs/relay.md, "Circuit breaker")."""
-    if relay.breaker is not None:
+def _trip_breaker(relay: RelayContext, stop: Stopped, pause: float, hold_rows: bool = True,
+                  tripped: bool = False) -> Settled:
+    """Open the breaker for ``pause`` (unless the caller did: ``tripped``) and release the
+    rest. Rows of a fatal pause are released with no delay when a breaker stops the claims:
+    a restart lifts the pause once the settings are fixed, and must find them claimable
+    (docs/relay.md, "Circuit breaker")."""
+    if relay.breaker is not None and not tripped:
         relay.breaker.trip(pause, stop.error)
     held = hold_rows or relay.breaker is None
     relay.settler.release(stop.rest, timedelta(seconds=pause) if held else None)

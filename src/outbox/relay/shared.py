@@ -75,9 +75,21 @@ class Breaker:
         return self._reason.startswith("fatal")
 
     def trip(self, seconds: float, reason: str, now: float | None = None) -> float:
+        return self._trip(seconds, reason, now)[0]
+
+    def opens(self, seconds: float, reason: str, now: float | None = None) -> bool:
+        """``trip``, and whether this call opened the pause: False when a pause of the same
+        kind (the reason's first word: ``fatal``, ``backpressure``) was open already, tripped
+        in this process or, as last read, shared. What says an outage once per pause."""
+        self.open_for(now)  # the shared pause, unless read lately
+        return self._trip(seconds, reason, now)[1]
+
+    def _trip(self, seconds: float, reason: str, now: float | None) -> tuple[float, bool]:
         now = time.time() if now is None else now
         until = now + seconds
+        kind = reason.split(":", 1)[0]
         with self._lock:
+            opened = not (self._until > now and self._reason.split(":", 1)[0] == kind)
             if until > self._until:
                 self._until, self._reason = until, reason
             until, reason = self._until, self._reason
@@ -88,7 +100,7 @@ class Breaker:
                                until - time.time())
         except Exception as exc:  # noqa: BLE001 - any error of the shared store: pause alone
             log.warning("outbox breaker: cannot share state (this process pauses alone): %s", exc)
-        return until
+        return until, opened
 
     def reset(self) -> None:
         with self._lock:
