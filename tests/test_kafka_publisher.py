@@ -276,6 +276,39 @@ def test_outbox_check_on_kafka(kafka_bootstrap: str, tmp_path) -> None:
     assert bad[0].name == "configuration" and bad[0].state == FAIL and "OUTBOX_KAFKA_SECURITY_PROTOCOL" in bad[0].detail
 
 
+def test_the_payload_limit_that_the_size_warning_names_fits_kafka(kafka_bootstrap: str, tmp_path) -> None:
+    """With the defaults (a payload of up to 1 MiB, Kafka messages of up to 1,000,000 bytes)
+    enqueue accepts events Kafka refuses: `outbox check` warns and names a payload limit; an
+    event at that limit, with headers as large as enqueue allows, is delivered, and one
+    over Kafka's own limit is not (so the warning is about something real)."""
+    import re
+
+    from outbox.commands.doctor import OK, WARN, run_checks
+    from outbox.domain.events import MAX_HEADERS_BYTES, prepare_event
+    from outbox.publisher.kafka import size_problem
+
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://{kafka_bootstrap}"}
+    [warned] = [r for r in run_checks(env) if r.name == "kafka message size"]
+    assert warned.state == WARN and "goes dead at publish" in warned.detail
+    limit = int(re.search(r"OUTBOX_MAX_PAYLOAD_BYTES=(\d+) or less", warned.detail)[1])  # type: ignore[index]
+    [fits] = [r for r in run_checks({**env, "OUTBOX_MAX_PAYLOAD_BYTES": str(limit)}) if r.name == "kafka message size"]
+    assert fits.state == OK
+    assert size_problem(load_settings(environ={**env, "OUTBOX_MAX_PAYLOAD_BYTES": str(limit + 1)}), KafkaOptions())
+
+    topic = create_topic(kafka_bootstrap)
+    headers = {"x-big": "h" * (MAX_HEADERS_BYTES - 100)}
+    largest = prepare_event(topic=topic, aggregate_type="order", aggregate_id="a" * 200, headers=headers,
+                            payload={"blob": "x" * (limit - len('{"blob":""}'))}, max_payload_bytes=limit)
+    assert len(largest.payload_json) == limit
+    at_limit = replace(event(1, topic, aggregate="a" * 200, payload=largest.payload_json), headers=headers)
+    over = replace(at_limit, id=2, payload=json.dumps({"blob": "x" * 1_000_000}))
+    with publisher(kafka_bootstrap) as pub:
+        delivered = pub.publish_chain([at_limit])
+        refused = pub.publish_chain([over])
+    assert delivered.ok, delivered.failure
+    assert refused.failure is not None and refused.failure.kind is FailureKind.POISON
+
+
 def test_outbox_check_on_an_unreachable_kafka(tmp_path) -> None:
     pytest.importorskip("confluent_kafka")
     from kafka_support import free_port

@@ -219,7 +219,7 @@ def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None
     """Kafka: the cluster answers; the topics the relay needs exist, or the brokers may create
     them; with ``probe_topic``, one probe message produced there as the relay would."""
     from ..core.config import KafkaOptions
-    from ..publisher.kafka import KafkaPublisher, probe_message, topic_of, topic_status
+    from ..publisher.kafka import KafkaPublisher, probe_message, size_problem, topic_of, topic_status
 
     url = settings.publish_url
     options = options or KafkaOptions()
@@ -242,6 +242,10 @@ def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None
         results.append(Result(name, OK, f"each event goes to the Kafka topic {options.topic_template!r}, which must "
                               "exist: a missing one stops the relay (FATAL) until it is created"
                               + (f"; dead-letter topic {dead!r} exists" if dead else "")))
+    too_large = size_problem(settings, options)
+    results.append(Result("kafka message size", WARN, too_large) if too_large else
+                   Result("kafka message size", OK, f"payloads enqueue accepts (OUTBOX_MAX_PAYLOAD_BYTES="
+                          f"{settings.max_payload_bytes}) fit Kafka's {options.message_max_bytes}-byte messages"))
     if probe_topic is not None:
         with KafkaPublisher(url, options=options) as publisher:
             result = publisher.publish_chain([probe_message(probe_topic)])

@@ -9,6 +9,7 @@ delivery reports confirm is reported published.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,10 +23,11 @@ from datetime import UTC
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
-from ..core.config import KafkaOptions, kafka_options, relay_options
+from ..core.config import KafkaOptions, Settings, kafka_options, relay_options
 from ..core.errors import ConfigError, install_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
+from ..domain.events import MAX_HEADERS_BYTES
 from .contract import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_ERROR_HEADER_CHARS,
@@ -76,6 +78,32 @@ def producer_config(options: KafkaOptions, url: str) -> dict[str, Any]:
         if options.security_protocol == "plaintext":
             config["security.protocol"] = "sasl_ssl"  # credentials are never sent in clear by default
     return config
+
+
+#: What a Kafka record adds to its payload besides the caller's headers, at most: the key
+#: (an aggregate id), the relay's own headers and the record's framing.
+RECORD_ROOM_BYTES = 4 * 1024
+
+
+def size_problem(settings: Settings, options: KafkaOptions) -> str | None:
+    """Why events that ``enqueue`` accepts could be refused by Kafka as too large (and go
+    dead at publish), or None: OUTBOX_MAX_PAYLOAD_BYTES against message.max.bytes
+    (docs/destinations.md, "Message size"). Said by ``outbox check`` and once by each
+    process that publishes to Kafka."""
+    room = options.message_max_bytes - MAX_HEADERS_BYTES - RECORD_ROOM_BYTES
+    if settings.max_payload_bytes <= room:
+        return None
+    return (f"OUTBOX_MAX_PAYLOAD_BYTES is {settings.max_payload_bytes}, but Kafka refuses messages over "
+            f"{options.message_max_bytes} bytes (OUTBOX_KAFKA_MESSAGE_MAX_BYTES, librdkafka's message.max.bytes): "
+            f"an event with a payload over about {max(room, 0)} bytes (or less with large headers) is accepted by "
+            f"enqueue and goes dead at publish. Set OUTBOX_MAX_PAYLOAD_BYTES={max(room, 0)} or less where events "
+            "are written, or raise OUTBOX_KAFKA_MESSAGE_MAX_BYTES together with the brokers' message.max.bytes and "
+            "the topics' max.message.bytes")
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_size(problem: str) -> None:
+    log.warning("outbox: %s", problem)
 
 
 def topic_of(options: KafkaOptions, message: OutboxMessage) -> str:
@@ -238,6 +266,9 @@ class KafkaPublisher(Publisher):
         options.setdefault("dead_letter_topic", settings.dead_letter_exchange)
         options.setdefault("options", kafka_options())
         options.setdefault("max_wait_s", settings.claim_timeout_ms / 1000.0 * relay_options().lease_safety)
+        problem = size_problem(settings, options["options"])
+        if problem is not None:
+            _warn_size(problem)  # once per process
         return cls(settings.publish_url, **options)
 
     @property
