@@ -115,6 +115,33 @@ def test_the_dramatiq_scheduler_ticks_again_as_soon_as_its_broker_is_back_and_sa
     assert log.count("WARNING") <= 3, log  # the outage, the lead lost (Redis), the lock's connection (RabbitMQ)
 
 
+def drain_through_a_cut(procs: Any, outbox: Outbox, destination: Any, proxy: Proxy, *, workers: int,
+                        after_s: float, arrive_s: float, done_s: float) -> None:
+    """A backlog of 240 events over 8 aggregates, ``workers`` workers and the scheduler
+    draining it, live writes while ``proxy`` is cut for 6 s (and ``after_s`` after it); then
+    every committed event arrives within ``arrive_s``, in order per aggregate, and every row
+    is done within ``done_s``."""
+    from relay_e2e_support import check_order
+
+    writer = Writer(outbox, [f"k-{i}" for i in range(8)], rollback_every=3, pace=0.02)
+    writer.write(range(30))
+    for n in range(1, workers + 1):
+        procs.worker(f"w{n}")
+    procs.beat()
+    destination.wait_for(lambda: len(destination.messages) >= 40, timeout=30, procs=procs)
+    with writer:
+        proxy.cut()
+        time.sleep(6.0)
+        proxy.restore()
+        time.sleep(after_s)
+    total = len(writer.written)
+    destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=arrive_s, procs=procs)
+    assert len(destination.arrived()) == total, f"{len(destination.arrived())} of {total}\n{procs.log('w1')[-3000:]}"
+    check_order(destination.arrivals(), writer.expected)
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=done_s), (
+        outbox.status_counts())
+
+
 @pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
 def test_dramatiq_workers_ride_out_their_broker_going_away_mid_drain(
         tmp_path: Path, destination: Any, sqlite_outbox: Outbox, kind: str, procs_factory: Any) -> None:
@@ -124,7 +151,6 @@ def test_dramatiq_workers_ride_out_their_broker_going_away_mid_drain(
     at once (one RabbitMQ restarting). Claims that cannot send their publish messages release
     the rows; the consumers reconnect by themselves. Every committed event arrives, in order
     per aggregate, and every row is done: nothing is left leased."""
-    from relay_e2e_support import check_order
 
     outbox = sqlite_outbox
     proxy = Proxy(target=("127.0.0.1", 6379 if kind == "redis" else 5672))
@@ -138,23 +164,7 @@ def test_dramatiq_workers_ride_out_their_broker_going_away_mid_drain(
         env["OUTBOX_PUBLISH_URL"] = proxy.amqp_url
     try:
         procs = procs_factory(env, RUNNERS["dramatiq"])
-        writer = Writer(outbox, [f"k-{i}" for i in range(8)], rollback_every=3, pace=0.02)
-        writer.write(range(30))
-        procs.worker("w1")
-        procs.beat()
-        destination.wait_for(lambda: len(destination.messages) >= 40, timeout=30, procs=procs)
-        with writer:
-            proxy.cut()
-            time.sleep(6.0)
-            proxy.restore()
-            time.sleep(1.0)
-        total = len(writer.written)
-        destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=60, procs=procs)
-        assert len(destination.arrived()) == total, (
-            f"{len(destination.arrived())} of {total}\n{procs.log('w1')[-3000:]}")
-        check_order(destination.arrivals(), writer.expected)
-        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=15), (
-            outbox.status_counts())
+        drain_through_a_cut(procs, outbox, destination, proxy, workers=1, after_s=1.0, arrive_s=60, done_s=15)
     finally:
         proxy.close()
         if kind == "rabbitmq":
@@ -383,7 +393,6 @@ def test_celery_on_rabbitmq_rides_out_rabbitmq_going_away_mid_drain(
     every 2, 4, 6 s; publish tasks whose acks were lost come back with ``redelivered`` and
     check their lease first): every committed event arrives, in order per aggregate, every
     row is done, and no worker exits."""
-    from relay_e2e_support import check_order
 
     outbox = sqlite_outbox
     proxy = Proxy()
@@ -394,24 +403,7 @@ def test_celery_on_rabbitmq_rides_out_rabbitmq_going_away_mid_drain(
         if destination_too:
             env["OUTBOX_PUBLISH_URL"] = proxy.amqp_url
         procs = procs_factory(env, RUNNERS["celery"])
-        writer = Writer(outbox, [f"k-{i}" for i in range(8)], rollback_every=3, pace=0.02)
-        writer.write(range(30))
-        procs.worker("w1")
-        procs.worker("w2")
-        procs.beat()
-        destination.wait_for(lambda: len(destination.messages) >= 40, timeout=30, procs=procs)
-        with writer:
-            proxy.cut()
-            time.sleep(6.0)
-            proxy.restore()
-            time.sleep(2.0)
-        total = len(writer.written)
-        destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=90, procs=procs)
-        assert len(destination.arrived()) == total, (
-            f"{len(destination.arrived())} of {total}\\n{procs.log('w1')[-3000:]}")
-        check_order(destination.arrivals(), writer.expected)
-        assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=20), (
-            outbox.status_counts())
+        drain_through_a_cut(procs, outbox, destination, proxy, workers=2, after_s=2.0, arrive_s=90, done_s=20)
         procs.check_alive()
     finally:
         proxy.close()
