@@ -75,9 +75,9 @@ class Procs:
         """Ids of ``task`` the worker has received (reserved or running) and not finished."""
         return self.runner.tasks_in_hand(self.log(name), task)
 
-    def beat(self) -> subprocess.Popen[bytes]:
+    def beat(self, name: str = "beat", **env: str) -> subprocess.Popen[bytes]:
         """The runner's scheduler: Celery's beat, or outbox-dramatiq-scheduler."""
-        return self.runner.scheduler(self)
+        return self.runner.scheduler(self, name, **env)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
@@ -146,25 +146,25 @@ class Destination:
     and what arrived on it. With ``dead_letter=True`` also a unique dead-letter exchange
     with a queue bound to everything; what arrives there is in ``dead``."""
 
+    #: At most this many messages delivered and not yet acknowledged: RabbitMQ pushes no
+    #: more, so a test busy elsewhere for a while does not leave RabbitMQ blocked writing to
+    #: this consumer's socket (after its send timeout RabbitMQ closes such a connection).
+    PREFETCH = 500
+
     def __init__(self, bindings: tuple[str, ...] = ("#",), dead_letter: bool = False) -> None:
-        from kombu import Connection, Exchange, Queue, binding
+        from kombu import Exchange, Queue, binding
 
         tag = uuid.uuid4().hex[:10]
         self.exchange_name = f"outbox-test-{tag}"
-        self.conn = Connection(AMQP_URL, connect_timeout=5)
-        self.channel = self.conn.channel()
         self.exchange = Exchange(self.exchange_name, type="topic", durable=True)
         self.queue = Queue(f"outbox-test-q-{tag}", bindings=[binding(self.exchange, routing_key=key)
                                                              for key in bindings],
                            durable=False, auto_delete=False)
-        self.exchange(self.channel).declare()
-        self.queue(self.channel).declare()
         self.messages: list[Any] = []
         #: outbox_id -> when it first arrived (``time.time()``).
         self.arrived_at: dict[int, float] = {}
         self.received_at: list[float] = []  # time.monotonic() of each message's arrival here
         self.dead: list[Any] = []
-        self.consumers = [self.conn.Consumer(self.queue, callbacks=[self._on_message], accept=None, no_ack=False)]
         self.dead_exchange_name: str | None = None
         self.dead_exchange = self.dead_queue = None
         if dead_letter:
@@ -172,10 +172,28 @@ class Destination:
             self.dead_exchange = Exchange(self.dead_exchange_name, type="topic", durable=True)
             self.dead_queue = Queue(f"outbox-test-dlq-{tag}", self.dead_exchange, routing_key="#", durable=False,
                                     auto_delete=False)
+        #: How often the consumer's connection failed and was made again (what it held
+        #: unacknowledged comes again: duplicates, which the checks allow).
+        self.reconnects = 0
+        self._consume()
+
+    def _consume(self) -> None:
+        """A connection and channel of its own, the exchanges and queues declared (again,
+        harmlessly), and the consumers started."""
+        from kombu import Connection
+
+        self.conn = Connection(AMQP_URL, connect_timeout=5)
+        self.channel = self.conn.channel()
+        self.channel.basic_qos(0, self.PREFETCH, False)
+        self.exchange(self.channel).declare()
+        self.queue(self.channel).declare()
+        self.consumers = [self.conn.Consumer(self.queue, callbacks=[self._on_message], accept=None, no_ack=False,
+                                             channel=self.channel)]
+        if self.dead_exchange is not None:
             self.dead_exchange(self.channel).declare()
             self.dead_queue(self.channel).declare()
             self.consumers.append(self.conn.Consumer(self.dead_queue, callbacks=[self._on_dead], accept=None,
-                                                     no_ack=False))
+                                                     no_ack=False, channel=self.channel))
         for consumer in self.consumers:
             consumer.consume()
 
@@ -201,9 +219,23 @@ class Destination:
                 self.conn.drain_events(timeout=0.2)
             except TimeoutError:
                 pass
-            except OSError:  # socket.timeout on older Pythons
-                pass
+            except Exception as exc:  # the connection failed: consume on a new one
+                if not self.conn.connection_errors or not isinstance(exc, (*self.conn.connection_errors, OSError)):
+                    raise
+                print(f"test destination: consumer connection lost ({type(exc).__name__}: {exc}); reconnecting")
+                with suppress(Exception):
+                    self.conn.release()
+                self.reconnects += 1
+                self._consume()
         return True
+
+    def queued(self) -> int:
+        """How many messages wait in the queue, as a new connection sees it: more than 0 after
+        a wait means the consumer above stopped receiving, not that they were never sent."""
+        from kombu import Connection
+
+        with Connection(AMQP_URL, connect_timeout=5) as conn:
+            return int(self.queue(conn.channel()).queue_declare(passive=True).message_count)
 
     def arrivals(self) -> list[tuple[int, str, Any]]:
         return [(int(m.headers["outbox_id"]), str(m.headers["aggregate_id"]), m) for m in self.messages]
@@ -608,6 +640,10 @@ class Proxy:
         every connection, while what the clients send still goes through: a client that waits
         for an answer waits until the proxy is closed."""
         self.holding.set()
+
+    def release_replies(self) -> None:
+        """Let what ``hold_replies`` kept back go on."""
+        self.holding.clear()
 
     def url_for(self, url: str) -> str:
         """``url`` (a database URL naming the target's port) through this proxy."""

@@ -33,8 +33,8 @@ class CeleryRunner:
                            "--loglevel=INFO", "--without-mingle", "--without-gossip", "--without-heartbeat", *args,
                            env=env)
 
-    def scheduler(self, procs: Any) -> Any:
-        return procs.start("beat", "beat", "--loglevel=INFO", "-s", str(procs.tmp_path / "beat-schedule"))
+    def scheduler(self, procs: Any, name: str = "beat", **env: str) -> Any:
+        return procs.start(name, "beat", "--loglevel=INFO", "-s", str(procs.tmp_path / "beat-schedule"), env=env)
 
     def tasks_in_hand(self, log: str, task: str = "outbox.publish") -> set[str]:
         """Ids of ``task`` the worker has received (reserved or running) and not finished."""
@@ -66,8 +66,8 @@ class DramatiqRunner:
         return procs.spawn(name, [str(BIN / "dramatiq"), "outbox.dramatiq", "--processes", str(concurrency),
                                   "--threads", "2", *args], env=env)
 
-    def scheduler(self, procs: Any) -> Any:
-        return procs.spawn("beat", [str(BIN / "outbox-dramatiq-scheduler")])
+    def scheduler(self, procs: Any, name: str = "beat", **env: str) -> Any:
+        return procs.spawn(name, [str(BIN / "outbox-dramatiq-scheduler")], env=env)
 
     def tasks_in_hand(self, log: str, task: str = "outbox.publish") -> set[str]:
         started, finished = set(), set()
