@@ -96,7 +96,9 @@ def _backpressure(relay: RelayContext, stop: Stopped) -> Settled:
     else:
         log.warning("outbox broker back-pressure, pausing claims for %.1f s: %s %s", pause, stop.reason,
                     describe(stop.failing), extra=log_extra(stop.failing, "backpressure"))
-    return _trip_breaker(relay, stop, pause)
+    if relay.breaker is not None:
+        relay.breaker.trip(pause, stop.error)
+    return _release_rest(relay, stop, pause)
 
 
 def _fatal(relay: RelayContext, stop: Stopped) -> Settled:
@@ -112,17 +114,14 @@ def _fatal(relay: RelayContext, stop: Stopped) -> Settled:
         "this breaker; fix the destination broker settings (OUTBOX_PUBLISH_URL, "
         "OUTBOX_EXCHANGE, credentials, permissions) and restart the workers. %s",
         stop.reason, pause, describe(stop.failing), extra=log_extra(stop.failing, "fatal"))
-    return _trip_breaker(relay, stop, pause, hold_rows=False, tripped=True)
+    return _release_rest(relay, stop, pause, hold_rows=False)
 
 
-def _trip_breaker(relay: RelayContext, stop: Stopped, pause: float, hold_rows: bool = True,
-                  tripped: bool = False) -> Settled:
-    """Open the breaker for ``pause`` (unless the caller did: ``tripped``) and release the
-    rest. Rows of a fatal pause are released with no delay when a breaker stops the claims:
-    a restart lifts the pause once the settings are fixed, and must find them claimable
-    (docs/relay.md, "Circuit breaker")."""
-    if relay.breaker is not None and not tripped:
-        relay.breaker.trip(pause, stop.error)
+def _release_rest(relay: RelayContext, stop: Stopped, pause: float, hold_rows: bool = True) -> Settled:
+    """Release the rest of a chain stopped by a pause of the breaker (which the caller
+    opened), due when the pause ends. Rows of a fatal pause (``hold_rows`` False) are
+    released with no delay when a breaker stops the claims: a restart lifts the pause once
+    the settings are fixed, and must find them claimable (docs/relay.md, "Circuit breaker")."""
     held = hold_rows or relay.breaker is None
     relay.settler.release(stop.rest, timedelta(seconds=pause) if held else None)
     return Settled(stop.rest)

@@ -107,7 +107,7 @@ def _skip_all(relay: RelayContext, chains: list[list[OutboxMessage]],
     pause = relay.breaker.open_for() if relay.breaker is not None else 0.0
     if pause > 0 or relay.stopping():
         # The broker is down, or this worker is shutting down: hand the rows straight back
-        # (a fatal pause's with no delay: policy._trip_breaker).
+        # (a fatal pause's with no delay: policy._release_rest).
         fatal = relay.breaker is not None and relay.breaker.fatal
         delay = timedelta(seconds=pause) if pause > 0 and not fatal else None
         for chain in chains:
