@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,24 @@ def _start_kafka_relay(procs_factory: Any, runner: Any, tmp_path: Path, outbox: 
     return procs
 
 
+@contextmanager
+def tansu_behind_a_proxy(tmp_path: Path, topic: str) -> Iterator[tuple[Any, Proxy, int]]:
+    """Tansu on a free port with ``topic`` made, advertised to clients through a ``Proxy`` in
+    front of it: (Tansu, the proxy, Tansu's own port). Both are stopped when the block ends."""
+    from kafka_support import Tansu, create_topic, free_port, tansu_or_skip
+
+    executable, port = tansu_or_skip(), free_port()
+    proxy = Proxy(target=("127.0.0.1", port))
+    tansu = Tansu(executable, port, tmp_path / "tansu.log", advertised_port=proxy.port)
+    tansu.start()
+    try:
+        create_topic(f"127.0.0.1:{port}", topic)
+        yield tansu, proxy, port
+    finally:
+        tansu.stop()
+        proxy.close()
+
+
 @pytest.mark.parametrize("when", ["at_start", "mid_drain"])
 @pytest.mark.parametrize("runner_name", sorted(RUNNERS))
 def test_kafka_unreachable_for_a_while_loses_nothing_keeps_order_and_says_so_once(
@@ -273,16 +292,11 @@ def test_kafka_unreachable_for_a_while_loses_nothing_keeps_order_and_says_so_onc
     client's own lines are throttled: librdkafka logs every dropped connection (at INFO,
     several a second, handed over in a burst at the next poll); before, a 5 s cut put about a
     hundred of them in the log, now one per producer."""
-    from kafka_support import Reader, Tansu, create_topic, free_port, tansu_or_skip
+    from kafka_support import Reader
     from relay_e2e_support import check_order
 
     outbox, runner, topic = sqlite_outbox, RUNNERS[runner_name], "orders"
-    port = free_port()
-    proxy = Proxy(target=("127.0.0.1", port))
-    tansu = Tansu(tansu_or_skip(), port, tmp_path / "tansu.log", advertised_port=proxy.port)
-    tansu.start()
-    try:
-        create_topic(f"127.0.0.1:{port}", topic)
+    with tansu_behind_a_proxy(tmp_path, topic) as (tansu, proxy, port):
         writer = Writer(outbox, [f"k-{i}" for i in range(8)], topic=lambda _: topic, pace=0.02)
         writer.write(range(30))
         if when == "at_start":
@@ -312,9 +326,6 @@ def test_kafka_unreachable_for_a_while_loses_nothing_keeps_order_and_says_so_onc
             f"{procs.log('w1')[-3000:]}")
         arrivals = reader.stop()
         procs.check_alive()
-    finally:
-        tansu.stop()
-        proxy.close()
     check_order(arrivals, writer.expected)
     partitions: dict[str, set[int]] = {}
     for _, aggregate, message in arrivals:
@@ -340,16 +351,11 @@ def test_a_kafka_broker_that_hangs_for_several_leases_spends_no_attempt(
     its rows' lease ran out first and every claim took them again with an attempt spent, or
     Dramatiq's time limit (10 s) killed the claim mid-publish, so the hang sent events dead
     after OUTBOX_MAX_ATTEMPTS (3 here). Once the broker answers, every event arrives in order."""
-    from kafka_support import Reader, Tansu, create_topic, free_port, tansu_or_skip
+    from kafka_support import Reader
     from relay_e2e_support import check_order
 
     outbox, runner, topic = sqlite_outbox, RUNNERS[runner_name], "orders"
-    port = free_port()
-    proxy = Proxy(target=("127.0.0.1", port))
-    tansu = Tansu(tansu_or_skip(), port, tmp_path / "tansu.log", advertised_port=proxy.port)
-    tansu.start()
-    try:
-        create_topic(f"127.0.0.1:{port}", topic)
+    with tansu_behind_a_proxy(tmp_path, topic) as (tansu, proxy, port):
         writer = Writer(outbox, [f"k-{i}" for i in range(4)], topic=lambda _: topic)
         writer.write(range(5))
         procs = _start_kafka_relay(procs_factory, runner, tmp_path, outbox, OUTBOX_PUBLISH_URL=tansu.url,
@@ -363,7 +369,7 @@ def test_a_kafka_broker_that_hangs_for_several_leases_spends_no_attempt(
         time.sleep(20.0)
         assert Status.DEAD not in outbox.statuses().values(), outbox.status_counts()
         assert outbox.max_attempts() == 0, outbox.status_counts()
-        proxy.holding.clear()
+        proxy.release_replies()
         proxy.cut()  # the held connections go; new ones are answered
         proxy.restore()
         total = len(writer.written)
@@ -373,9 +379,6 @@ def test_a_kafka_broker_that_hangs_for_several_leases_spends_no_attempt(
             outbox.status_counts())
         arrivals = reader.stop()
         procs.check_alive()
-    finally:
-        tansu.stop()
-        proxy.close()
     check_order(arrivals, writer.expected)
     assert outbox.max_attempts() == 0
     assert procs.log("w1").count("destination broker unreachable") == 1
