@@ -210,15 +210,7 @@ def test_a_missing_kafka_topic_stops_the_relay_with_one_critical_line_and_a_rest
                 "OUTBOX_RELAY_TASK_ROWS": "5"}
 
     def start(name: str) -> Any:
-        if runner.name == "celery":
-            procs = procs_factory(base_env(outbox, **settings))
-            procs.start(name, "worker", "--loglevel=INFO", "-c", "2", "--without-mingle", "--without-gossip",
-                        "--without-heartbeat")
-            return procs
-        procs = procs_factory(relay_env(tmp_path, None, outbox, runner, **settings), runner)
-        procs.worker(name, concurrency=1)
-        procs.beat()
-        return procs
+        return _start_kafka_relay(procs_factory, runner, tmp_path, outbox, name, concurrency=1, **settings)
 
     procs = start("w1")
     line = "FATAL publishing error: Kafka topic 'orders.created' does not exist"
