@@ -45,6 +45,17 @@ DB_KINDS = ["sqlite", "postgresql", "mysql"]
 
 # -- processes ---------------------------------------------------------------------------------
 
+def why_it_stopped(log: str) -> str:
+    """The part of a process's log that tells why it stopped: from the first fatal line
+    (Celery's "Unrecoverable error", a CRITICAL line, an uncaught traceback of the main
+    process) on, up to 6,000 characters, then the log's last 3,000 characters."""
+    marks = [i for i in (log.find("Unrecoverable error"), log.find("CRITICAL/"), log.find("Worker shutdown"))
+             if i >= 0]
+    start = log.rfind("\n", 0, min(marks)) + 1 if marks else len(log)
+    head = log[start:start + 6000]
+    return f"{head}\n...\n{log[-3000:]}" if head else log[-4000:]
+
+
 class Procs:
     """Relay processes of one test: every one is killed (with its children) at teardown."""
 
@@ -98,7 +109,7 @@ class Procs:
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None and proc.returncode != -signal.SIGKILL and name not in self.stopped:
-                raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-4000:]}")
+                raise AssertionError(f"{name} exited with {proc.returncode}:\n{why_it_stopped(self.log(name))}")
 
     def stop_all(self) -> None:
         """At teardown the test has made its checks: no need for a graceful (and slower)

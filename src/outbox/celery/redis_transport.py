@@ -7,11 +7,14 @@ a relay queue (``<namespace>.claim``) by hand, a stray producer, a truncated wri
 worker: "Unrecoverable error". Celery's own ``on_decode_error`` only covers a bad *body*
 inside a good envelope, which is decoded later.
 
-``Channel._brpop_read`` here catches those decoding errors, logs the dropped message on
-one line and carries on. The message is already off the list (``BRPOP`` removed it) and
-was never handed to Celery, so nothing is acknowledged or redelivered: it is dropped,
-which is all garbage deserves. The relay never loses work this way: a claim tick or a
-publish task is recovered by the next tick or by the rows' lease.
+Here a message whose envelope cannot be read (``Message`` raises ``UndecodableMessage``)
+or whose bytes are not JSON is logged on one line and dropped, and the worker carries on.
+The message is already off the list (``BRPOP`` removed it) and was never handed to
+Celery, so nothing is acknowledged or redelivered: it is dropped, which is all garbage
+deserves. The relay never loses work this way: a claim tick or a publish task is
+recovered by the next tick or by the rows' lease. Only those two errors are caught: an
+error of the Redis connection or of Celery's own handling of a good message goes on to
+Celery as before (a lost connection is reconnected; it is no garbage to drop).
 
 ``outbox.celery`` selects this transport (``broker_transport``) when Celery's broker URL is
 ``redis://``; the URL and every Redis transport option work as with kombu's own (the
@@ -20,24 +23,36 @@ app shows it as that URL: ``outbox.celery.application.Connection``).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
 log = logging.getLogger("outbox.celery")
 
-#: What decoding a message that is not a kombu envelope raises: JSONDecodeError and
-#: binascii.Error are ValueErrors; JSON of the wrong shape gives KeyError/TypeError/
-#: AttributeError when kombu reads the envelope's fields.
-DECODE_ERRORS = (ValueError, KeyError, TypeError, AttributeError)
+
+class UndecodableMessage(Exception):
+    """A message whose kombu envelope cannot be read (JSON of the wrong shape, a body
+    that is not in its stated encoding)."""
+
+
+class Message(virtual.Message):
+    def __init__(self, payload: Any, channel: Any = None, **kwargs: Any) -> None:
+        try:
+            super().__init__(payload, channel=channel, **kwargs)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # binascii.Error is a ValueError
+            raise UndecodableMessage(f"{type(exc).__name__}: {exc}") from exc
 
 
 class Channel(kombu_redis.Channel):
+    Message = Message
+
     def _brpop_read(self, **options: Any) -> bool:
         try:
             return super()._brpop_read(**options)
-        except DECODE_ERRORS as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, UndecodableMessage) as exc:
             log.error("outbox: dropped an undecodable message from Celery's Redis broker (%s: %s); "
                       "the worker carries on", type(exc).__name__, " ".join(str(exc).split())[:300])
             return True
@@ -47,4 +62,4 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-__all__ = ["Transport", "Channel", "DECODE_ERRORS"]
+__all__ = ["Transport", "Channel", "Message", "UndecodableMessage"]

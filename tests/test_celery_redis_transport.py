@@ -1,0 +1,79 @@
+"""outbox.celery.redis_transport against a real Redis: garbage on a queue is dropped with
+one log line and the next good message is delivered; an error that is not garbage (here
+raised by the consumer's own handling of a good message) reaches the caller (Celery)
+instead of being logged as a dropped message. Skipped without Redis, unless
+OUTBOX_REQUIRE_SERVICES is set."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+from kombu import Connection, Exchange, Queue
+from services import REDIS_URL, require
+
+from outbox.celery.redis_transport import Transport
+
+#: Not JSON, JSON that is no envelope, JSON of another type, an envelope without its
+#: delivery tag. (A body that is not its encoding reaches Celery, which handles it.)
+GARBAGE = [b"\x00\xff not json at all", b'{"valid": "json, but no envelope"}', b"[1, 2, 3]",
+           b'{"body": "e30=", "properties": {"body_encoding": "base64"}}']
+
+
+@pytest.fixture
+def conn() -> Iterator[tuple[Connection, str, str]]:
+    parts = urlsplit(REDIS_URL)
+    require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
+    prefix = f"outbox-test-{uuid.uuid4().hex[:10]}:"
+    with Connection(REDIS_URL, transport=Transport, transport_options={"global_keyprefix": prefix}) as c:
+        yield c, prefix, f"q-{uuid.uuid4().hex[:8]}"
+    raw = redis.Redis.from_url(REDIS_URL)
+    for key in raw.keys(f"{prefix}*"):
+        raw.delete(key)
+
+
+def _queue(c: Connection, name: str) -> Queue:
+    queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
+    queue(c.default_channel).declare()
+    return queue
+
+
+def test_garbage_is_dropped_and_the_next_message_delivered(
+        conn: tuple[Connection, str, str], caplog: pytest.LogCaptureFixture) -> None:
+    c, prefix, name = conn
+    queue = _queue(c, name)
+    raw = redis.Redis.from_url(REDIS_URL)
+    for item in GARBAGE:
+        raw.lpush(f"{prefix}{name}", item)
+    c.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key=name, serializer="json")
+    got: list[Any] = []
+    with caplog.at_level(logging.ERROR, "outbox.celery"), \
+            c.Consumer(queue, callbacks=[lambda body, message: (got.append(body), message.ack())], accept=["json"]):
+        for _ in range(len(GARBAGE) + 1):
+            if got:
+                break
+            c.drain_events(timeout=5)
+    assert got == [{"n": 1}]
+    dropped = [r.getMessage() for r in caplog.records if "dropped an undecodable message" in r.getMessage()]
+    assert len(dropped) == len(GARBAGE), dropped
+    assert any("UndecodableMessage" in line for line in dropped) and any("JSONDecodeError" in line for line in dropped)
+
+
+def test_an_error_handling_a_good_message_is_not_taken_for_garbage(
+        conn: tuple[Connection, str, str], caplog: pytest.LogCaptureFixture) -> None:
+    c, _, name = conn
+    queue = _queue(c, name)
+    c.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key=name, serializer="json")
+
+    def fails(body: Any, message: Any) -> None:
+        raise AttributeError("'NoneType' object has no attribute 'fileno'")  # as a torn-down pool would
+
+    with (caplog.at_level(logging.ERROR, "outbox.celery"), c.Consumer(queue, callbacks=[fails], accept=["json"]),
+          pytest.raises(AttributeError, match="fileno")):
+        c.drain_events(timeout=5)
+    assert not [r for r in caplog.records if "undecodable" in r.getMessage()]
