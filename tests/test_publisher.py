@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -19,6 +20,7 @@ from amqp import exceptions as amqp_exc
 from kombu import Connection, Exchange, Queue
 from kombu.exceptions import OperationalError
 from publisher_support import amqp_hostport, make_message, raw_body
+from relay_e2e_support import Proxy
 from services import AMQP_URL, require
 
 from outbox.core.config import load_settings
@@ -405,6 +407,31 @@ def test_rabbitmq_connection_lost_while_idle_is_replaced(rabbit: dict[str, Any])
         assert publisher._conn is not stale  # replaced once, transparently
     ids = [m.headers["outbox_id"] for m in rabbit["drain"]()]
     assert ids[0] == 701 and ids[-2:] == [702, 703]
+
+
+def test_rabbitmq_confirms_held_back_past_the_lease_are_backpressure_within_it(rabbit: dict[str, Any]) -> None:
+    """A broker that takes the messages but never confirms them (a stalled network path, a
+    hung broker): the wave gives up within the publish's part of the lease (4 s x 0.8 here,
+    not the 15 s default), so its rows are released as back-pressure with no attempt spent
+    instead of being taken again by lease recovery with one spent."""
+    proxy = Proxy()
+    try:
+        settings = load_settings({"OUTBOX_PUBLISH_URL": proxy.amqp_url, "OUTBOX_EXCHANGE": rabbit["exchange"],
+                                  "OUTBOX_CLAIM_TIMEOUT_MS": "4000"})
+        with KombuPublisher.from_settings(settings) as publisher:
+            assert publisher.confirm_timeout == pytest.approx(3.2)
+            assert publisher.publish_chain([make_message(801)]).ok  # connected, confirms flowing
+            proxy.hold_replies()
+            began = time.monotonic()
+            result = publisher.publish_chain([make_message(802), make_message(803)])
+            waited = time.monotonic() - began
+        assert result.published == () and result.failed_id == 802 and result.failure is not None
+        assert result.failure.kind is FailureKind.BACKPRESSURE, result.failure
+        assert "no publisher confirm within 3.2 s" in result.failure.reason
+        assert waited < 4.0, f"waited {waited:.1f} s, longer than the lease"
+    finally:
+        proxy.release_replies()
+        proxy.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from ..core.config import Settings, relay_options
 from ..core.model import FailureKind, OutboxMessage
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
@@ -37,6 +38,14 @@ RESERVED_HEADERS = frozenset({
 })
 
 UNROUTABLE_POLICIES = ("fail", "drop")
+
+
+def publish_budget_s(settings: Settings) -> float:
+    """The part of the lease one publish may spend waiting on its broker
+    (``OUTBOX_CLAIM_TIMEOUT_MS`` x ``OUTBOX_RELAY_LEASE_SAFETY``). Waiting longer leaves the
+    rows of a hung broker to lease recovery instead of releasing them without an attempt
+    spent (docs/destinations.md, "Failures")."""
+    return settings.claim_timeout_ms / 1000.0 * relay_options().lease_safety
 
 
 @dataclass(frozen=True)

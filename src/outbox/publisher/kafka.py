@@ -23,7 +23,7 @@ from datetime import UTC
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
-from ..core.config import KafkaOptions, Settings, kafka_options, relay_options
+from ..core.config import KafkaOptions, Settings, kafka_options
 from ..core.errors import ConfigError, install_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
@@ -37,6 +37,7 @@ from .contract import (
     Pipelined,
     Publisher,
     PublishFailure,
+    publish_budget_s,
 )
 from .message import encode_body, reserved_headers
 
@@ -265,7 +266,7 @@ class KafkaPublisher(Publisher):
         dead-letter topic."""
         options.setdefault("dead_letter_topic", settings.dead_letter_exchange)
         options.setdefault("options", kafka_options())
-        options.setdefault("max_wait_s", settings.claim_timeout_ms / 1000.0 * relay_options().lease_safety)
+        options.setdefault("max_wait_s", publish_budget_s(settings))
         problem = size_problem(settings, options["options"])
         if problem is not None:
             _warn_size(problem)  # once per process

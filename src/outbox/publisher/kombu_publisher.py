@@ -27,6 +27,7 @@ from .contract import (
     Pipelined,
     Publisher,
     PublishFailure,
+    publish_budget_s,
 )
 from .failures import _connection_lost, failure_from
 from .frames import PublishFrames
@@ -40,6 +41,10 @@ log = logging.getLogger("outbox.publisher")  # one logger for the whole publishe
 #: A wave's frames are written once this much payload is waiting: one write for a wave of
 #: ordinary events, and large payloads never held twice for the whole wave (memory bound).
 _WRITE_BYTES = 512 * 1024
+
+#: The longest a wave waits for its confirms, unless the lease allows less
+#: (``from_settings``): then the wave's rows go back as back-pressure, no attempt spent.
+DEFAULT_CONFIRM_TIMEOUT_S = 15.0
 
 
 def refused_by_route(routing_key: str, exchange: str) -> PublishFailure:
@@ -61,7 +66,7 @@ class KombuPublisher(Publisher):
     def __init__(self, url: str, exchange: str, *, dead_letter_exchange: str | None = None,
                  unroutable: str = "fail", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  connect_timeout: float = 3.0, connect_retries: int = 1,
-                 confirm_timeout: float = 15.0) -> None:
+                 confirm_timeout: float = DEFAULT_CONFIRM_TIMEOUT_S) -> None:
         if unroutable not in UNROUTABLE_POLICIES:
             raise ValueError(f"unroutable={unroutable!r}: expected one of {', '.join(UNROUTABLE_POLICIES)}")
         if not exchange:
@@ -90,7 +95,9 @@ class KombuPublisher(Publisher):
 
     @classmethod
     def from_settings(cls, settings: Settings, **options: Any) -> KombuPublisher:
-        """Build from ``Settings``; options not (yet) in the settings may be passed in."""
+        """Build from ``Settings``; options not (yet) in the settings may be passed in. The
+        confirm timeout is at most the publish's part of the lease (``publish_budget_s``)."""
+        options.setdefault("confirm_timeout", min(DEFAULT_CONFIRM_TIMEOUT_S, publish_budget_s(settings)))
         options.setdefault("dead_letter_exchange", getattr(settings, "dead_letter_exchange", None))
         options.setdefault("unroutable", getattr(settings, "publish_unroutable", None) or "fail")
         return cls(settings.publish_url, settings.exchange, **options)
@@ -383,10 +390,13 @@ class KombuPublisher(Publisher):
         deadline = time.monotonic() + self.confirm_timeout
         while self._unconfirmed:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                self._conn.drain_events(timeout=remaining)
+            except TimeoutError:  # the socket's own says only "timed out"
                 raise TimeoutError(f"no publisher confirm within {self.confirm_timeout:g} s "
-                                   f"for {len(self._unconfirmed)} messages")
-            self._conn.drain_events(timeout=remaining)
+                                   f"for {len(self._unconfirmed)} messages") from None
 
     def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> int:
         """Send one message without waiting; returns its delivery tag (0 without confirms)."""
