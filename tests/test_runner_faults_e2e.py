@@ -116,6 +116,44 @@ def test_the_dramatiq_scheduler_ticks_again_as_soon_as_its_broker_is_back_and_sa
     assert log.count("WARNING") <= 3, log  # the outage, the lead lost (Redis), the lock's connection (RabbitMQ)
 
 
+def _log_time(line: str) -> float:
+    """The time of a Celery log line (``[2026-11-28 19:47:52,438: INFO/...]``, local time)."""
+    from datetime import datetime
+
+    return datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_a_celery_worker_is_back_within_seconds_of_its_broker_and_says_so_once(
+        tmp_path: Path, destination: Any, sqlite_outbox: Outbox, procs_factory: Any, kind: str) -> None:
+    """A Celery worker whose broker (Redis or RabbitMQ, behind a proxy) is cut for 14 s
+    connects again within about 2 s of the broker's return: kombu's reconnect backs off 2,
+    4, 6 ... s up to 30 s, so it came back up to 30 s late (about 6 s late after this cut:
+    attempts at 2, 6, 12, 20 s). The outage is one ERROR line from Celery (not one per
+    attempt) and one line when it ends (docs/relay.md, "Outages in the log")."""
+    proxy = Proxy(target=("127.0.0.1", 6379 if kind == "redis" else 5672))
+    try:
+        url = proxy.url_for(REDIS_URL) if kind == "redis" else proxy.amqp_url
+        env = relay_env(tmp_path, destination, sqlite_outbox, RUNNERS["celery"], OUTBOX_CLAIM_INTERVAL_S="0.5",
+                        OUTBOX_CELERY_BROKER_URL=url)
+        procs = procs_factory(env, RUNNERS["celery"])
+        procs.worker("w1", concurrency=1)
+        assert wait_until(lambda: " ready." in procs.log("w1"), timeout=60), procs.log("w1")[-3000:]
+        proxy.cut()
+        time.sleep(14.0)
+        restored = time.time()
+        proxy.restore()
+        assert wait_until(lambda: "broker reachable again" in procs.log("w1"), timeout=40), procs.log("w1")[-3000:]
+        procs.check_alive()
+    finally:
+        proxy.close()
+    log = procs.log("w1")
+    connected = [line for line in log.splitlines() if "Connected to" in line][-1]
+    assert _log_time(connected) - restored < 4.0, f"connected {_log_time(connected) - restored:.1f} s late\n{log[-3000:]}"
+    assert log.count("consumer: Cannot connect to") == 1, log[-4000:]
+    assert log.count("broker reachable again") == 1, log[-3000:]
+
+
 def drain_through_a_cut(procs: Any, outbox: Outbox, destination: Any, proxy: Proxy, *, workers: int,
                         after_s: float, arrive_s: float, done_s: float) -> None:
     """A backlog of 240 events over 8 aggregates, ``workers`` workers and the scheduler

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from celery import Celery
@@ -44,6 +45,56 @@ class Connection(KombuConnection):
         user, password = self.userid or None, self.password or None
         return as_url("redis", self.hostname or "localhost", self.port, user, password,  # type: ignore[arg-type]
                       self.virtual_host, sanitize=not include_password, mask=mask)
+
+
+    def ensure_connection(self, errback: Any = None, max_retries: int | None = None, *args: Any,
+                          **kwargs: Any) -> Connection:
+        """kombu's, retrying every ``RECONNECT_EVERY_S`` at most unless the caller says
+        otherwise (kombu's default backs off to 30 s, so Celery's consumer came back up to
+        30 s after its broker did), and calling ``errback`` (Celery logs an ERROR per
+        attempt) for the first failure and then once a minute: docs/relay.md, "Outages in
+        the log"."""
+        if not args:
+            for name in ("interval_start", "interval_step", "interval_max"):
+                kwargs.setdefault(name, RECONNECT_EVERY_S)
+        outage = _ConnectOutage(self, errback)
+        super().ensure_connection(outage.errback, max_retries, *args, **kwargs)
+        outage.over()
+        return self
+
+
+#: Celery's consumer tries its broker again at least this often during an outage.
+RECONNECT_EVERY_S = 2.0
+#: During one outage the caller's errback (Celery's ERROR line) runs at most this often.
+RECONNECT_LOG_EVERY_S = 60.0
+
+
+class _ConnectOutage:
+    """The failed attempts of one ``ensure_connection``: the first and then one a minute
+    go to the caller's errback, the rest to DEBUG; a success after failures logs one line."""
+
+    def __init__(self, conn: KombuConnection, errback: Any) -> None:
+        self.conn = conn
+        self.errback = self._failed if errback is not None else None
+        self.inner = errback
+        self.failures = 0
+        self.began = self.logged = 0.0
+
+    def _failed(self, exc: BaseException, interval: float) -> None:
+        now = time.monotonic()
+        self.failures += 1
+        if self.failures == 1:
+            self.began = now
+        if self.failures == 1 or now - self.logged >= RECONNECT_LOG_EVERY_S:
+            self.logged = now
+            self.inner(exc, interval)
+        else:
+            log.debug("outbox: broker still unreachable (attempt %d): %s", self.failures, exc)
+
+    def over(self) -> None:
+        if self.failures:
+            log.info("outbox: broker reachable again (%s) after %d failed attempts in %.1f s",
+                     redact(self.conn.as_uri()), self.failures, time.monotonic() - self.began)
 
 
 class AMQP(CeleryAMQP):
