@@ -423,7 +423,7 @@ def test_celery_on_rabbitmq_rides_out_rabbitmq_going_away_mid_drain(
     broker, behind a proxy cut for 6 s while they drain a backlog with live writes (a
     RabbitMQ restart as the clients see it); with ``destination_too`` the destination is
     that RabbitMQ as well. The workers reconnect by themselves (Celery's consumer retries
-    every 2, 4, 6 s; publish tasks whose acks were lost come back with ``redelivered`` and
+    every 2 s; publish tasks whose acks were lost come back with ``redelivered`` and
     check their lease first): every committed event arrives, in order per aggregate, every
     row is done, and no worker exits."""
 
