@@ -31,7 +31,7 @@ from outbox.core.config import (
     validate_dramatiq_namespace,
 )
 from outbox.core.errors import ConfigError
-from outbox.dramatiq.brokers import configured, expired, message
+from outbox.dramatiq.brokers import configured, expired, make_broker, message, pika_url
 from outbox.dramatiq.scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run
 from outbox.relay import CLAIM_TASK, PURGE_TASK
 from outbox.relay.waker import token_for
@@ -49,6 +49,33 @@ def test_the_dramatiq_settings_are_known_names() -> None:
 @pytest.mark.parametrize("url", ["redis://h:6379/0", "rediss://h/1", "amqp://u:p@h:5672/", "amqps://h//"])
 def test_redis_and_amqp_urls_are_dramatiq_brokers(url: str) -> None:
     assert validate_dramatiq_broker_url(url) == url
+
+
+@pytest.mark.parametrize("url", ["amqp://u:p@h:5672//", "amqp://u:p@h:5672//?heartbeat=5", "amqp://u:p@h:5672/",
+                                 "amqp://h/%2F", "amqp://h//staging", "amqps://h:5671/staging", "amqp://h"])
+def test_pika_is_given_the_virtual_host_kombu_reads_in_the_url(url: str) -> None:
+    """The same OUTBOX_*_URL means one virtual host to Celery (kombu) and Dramatiq (pika)."""
+    import pika
+    from kombu import Connection
+
+    assert pika.URLParameters(pika_url(url)).virtual_host == Connection(url).virtual_host
+    assert pika_url(f"{url};{url}") == f"{pika_url(url)};{pika_url(url)}"  # Dramatiq's list of hosts
+
+
+def test_a_dramatiq_broker_on_kombus_default_vhost_url_connects() -> None:
+    """``amqp://...//``, as the Celery settings write RabbitMQ's default virtual host: before,
+    pika read an empty virtual host there and never connected (NOT_ALLOWED)."""
+    require("RabbitMQ", "127.0.0.1", 5672)
+    pytest.importorskip("dramatiq")
+    assert AMQP_URL.endswith("//"), AMQP_URL
+    broker = make_broker(AMQP_URL, "unused", middleware=[])
+    queue = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    try:
+        broker.declare_queue(queue)
+        assert broker.get_queue_message_counts(queue)[0] == 0
+    finally:
+        broker.channel.queue_delete(queue)
+        broker.close()
 
 
 @pytest.mark.parametrize("url, words", [("rdis://h:6379/0", "did you mean 'redis'"),

@@ -51,6 +51,21 @@ def is_redis(url: str) -> bool:
 REDIS_IDLE_POLL_MS = 100
 
 
+def pika_url(url: str) -> str:
+    """``url`` as pika must read it to mean what kombu (and the Celery settings) mean by it:
+    kombu reads the path ``//`` as the default virtual host ``/`` (and ``//name`` as
+    ``/name``), pika as an empty one, which RabbitMQ refuses (``NOT_ALLOWED - vhost  not
+    found``) and the workers never connect. Every other URL is the same to both. Dramatiq's
+    list of URLs (``;`` between them) is read one by one."""
+    if ";" in url:
+        return ";".join(pika_url(one) for one in url.split(";"))
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if path.startswith("/"):  # the virtual host's own leading slash, written plainly
+        return f"{scheme}{sep}{netloc}{slash}%2F{path[1:]}"
+    return url
+
+
 def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
     """A Dramatiq broker for ``url``; ``middleware=None`` gives Dramatiq's defaults."""
     try:
@@ -67,7 +82,7 @@ def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
         # confirm_delivery: a send (a claim's publish message) returns once RabbitMQ has it.
-        return RabbitmqBroker(url=url, middleware=middleware, confirm_delivery=True)
+        return RabbitmqBroker(url=pika_url(url), middleware=middleware, confirm_delivery=True)
     except ImportError as exc:
         raise ConfigError(f"{URL_SETTING} needs Dramatiq with its broker: {install_hint('dramatiq')} "
                           f"({exc})") from None
