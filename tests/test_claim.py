@@ -232,6 +232,46 @@ def test_plan_tasks_packs_without_splitting_chains() -> None:
     assert len(tasks) == 4  # task_rows=1: one task per chain
 
 
+def test_rows_tried_before_are_sent_each_alone_after_the_rest(sqlite_store: OutboxStore,
+                                                               conn: sqlite3.Connection) -> None:
+    """An event that kills its worker process is charged its attempts alone (docs/relay.md,
+    "An event that kills its worker"): a chain that starts with a row tried before goes as
+    that row alone, in a task of its own, dispatched after the others and never published in
+    the claiming process; a chain with such a row further on is cut before it; what follows
+    is released with no attempt spent."""
+    a = add(conn, "a", 3)
+    b = add(conn, "b", 3)
+    c = add(conn, "c", 2)
+    conn.execute(f"UPDATE {sqlite_store.engine.table} SET attempts = 1 WHERE id IN (?, ?)", (a[0], b[1]))
+    conn.commit()
+    sent, here = Collect(), Collect()
+    outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(task_rows=100)), sent, batch_size=100,
+                           lease_s=60.0, publish_inline=here)
+    assert here.tasks == []  # small, yet not published by the claiming process
+    assert [[[m.id for m in chain] for chain in task] for task, _ in sent.tasks] == [[[b[0]], c], [[a[0]]]]
+    assert outcome.alone == 1 and outcome.claimed == 8 and outcome.dispatched == 4 and outcome.released == 4
+    state = rows(sqlite_store)
+    assert [(state[i]["status"], state[i]["attempts"]) for i in (a[1], a[2], b[1], b[2])] == [
+        (Status.PENDING, 0), (Status.PENDING, 0), (Status.PENDING, 1), (Status.PENDING, 0)]  # none spent
+
+
+def test_isolate_retried_cuts_each_chain_before_its_first_row_tried_before() -> None:
+    from datetime import datetime
+
+    from outbox.relay.claim import isolate_retried
+
+    def msgs(agg: str, attempts: list[int], first: int) -> list[OutboxMessage]:
+        return [OutboxMessage(first + n, f"m{first + n}", "t", "order", agg, None, "{}", {}, None, tried,
+                              datetime.now(UTC), "L") for n, tried in enumerate(attempts)]
+
+    chains = [msgs("a", [0, 0], 1), msgs("b", [2, 0, 1], 3), msgs("c", [0, 1, 0], 6)]
+    kept, alone, release = isolate_retried(chains)
+    assert [[m.id for m in chain] for chain in kept] == [[1, 2], [6]]
+    assert [[[m.id for m in chain] for chain in task] for task in alone] == [[[3]]]
+    assert [m.id for m in release] == [4, 5, 7, 8]
+    assert isolate_retried([]) == ([], [], [])
+
+
 # -- what holds claims back --------------------------------------------------------------------
 
 def test_claims_hold_back_while_the_publish_queue_is_full(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:

@@ -292,3 +292,57 @@ def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_le
         assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10)
     finally:
         proxy.close()
+
+
+# -- an event that kills its worker process ---------------------------------------------------
+
+#: Appended to the test's Celery config module: a publish of the event whose payload says
+#: "KILLER" SIGKILLs the process publishing it, as a payload that crashes a native library
+#: or drives the process out of memory would.
+KILLER_HOOK = '''
+import os, signal
+from outbox.publisher import kombu_publisher as _kp
+_publish_chains = _kp.KombuPublisher.publish_chains
+def _killing(self, chains, **kw):
+    if any("KILLER" in m.payload for chain in chains for m in chain):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _publish_chains(self, chains, **kw)
+_kp.KombuPublisher.publish_chains = _killing
+'''
+
+
+def test_an_event_that_kills_its_worker_goes_dead_alone(tmp_path: Path, destination: Destination,
+                                                         sqlite_outbox: Outbox, procs_factory: Any) -> None:
+    """A backlog of 12 aggregates x 3 events, all claimed in one task with an event (the
+    second of aggregate "k") that kills the pool process publishing it, every time. Its
+    batch-mates were charged an attempt by each crash and went dead with it after
+    OUTBOX_MAX_ATTEMPTS crashes; now a row tried before is published alone (docs/relay.md,
+    "An event that kills its worker"), so only the killer spends its attempts and goes dead,
+    and every other event arrives, in order, its row done."""
+    outbox = sqlite_outbox
+    env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_BATCH_SIZE="50",
+                    OUTBOX_RELAY_TASK_ROWS="50", OUTBOX_CLAIM_TIMEOUT_MS="6000", OUTBOX_MAX_ATTEMPTS="3",
+                    OUTBOX_RELAY_IN_PROCESS_CLAIM="0")
+    with open(tmp_path / "relayconf.py", "a") as conf:
+        conf.write(KILLER_HOOK)
+    expected: dict[str, list[int]] = {}
+    with outbox.writer() as conn:
+        for n in range(3):
+            for aggregate in [chr(ord("a") + i) for i in range(12)]:
+                payload = {"aggregate": aggregate, "n": n, **({"KILLER": True} if (aggregate, n) == ("k", 1) else {})}
+                expected.setdefault(aggregate, []).append(outbox.add(conn, aggregate, n, payload=payload))
+        conn.commit()
+    killer = expected["k"][1]
+    procs = procs_factory(env)
+    procs.worker("w1", concurrency=2)
+    procs.beat()
+    others = {i for ids in expected.values() for i in ids} - {killer}
+    destination.wait_for(lambda: destination.arrived() >= others, timeout=120, procs=procs)
+    assert destination.arrived() == others, (sorted(others - destination.arrived()), outbox.status_counts(),
+                                             procs.log("w1")[-3000:])
+    assert wait_until(lambda: outbox.rows()[killer]["status"] == Status.DEAD, timeout=60), outbox.rows()[killer]
+    states = outbox.rows()
+    assert {i for i, row in states.items() if row["status"] != Status.DONE} == {killer}, outbox.status_counts()
+    assert states[killer]["attempts"] == 3
+    check_order(destination.arrivals(), {a: [i for i in ids if i != killer] for a, ids in expected.items()})
+    assert procs.log("w1").count("exited with 'signal 9 (SIGKILL)'") >= 3  # it did kill, every time

@@ -37,6 +37,7 @@ class ClaimOutcome:
     dead: int = 0  # rows the claim found with an expired lease and no attempts left (went dead)
     inline: bool = False  # the claim was small: its rows went to ``publish_inline``, not to a publish task
     chains: int = 0  # aggregates (chains) in the batch: one means the backlog's head is one aggregate
+    alone: int = 0  # rows tried before, each sent in a publish task of its own (``isolate_retried``)
 
     @property
     def more(self) -> bool:
@@ -83,6 +84,30 @@ def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
     if current:
         tasks.append(current)
     return tasks, over
+
+
+def isolate_retried(chains: Sequence[Sequence[OutboxMessage]]) -> tuple[
+        list[list[OutboxMessage]], list[list[list[OutboxMessage]]], list[OutboxMessage]]:
+    """Set apart the rows tried before (``attempts`` > 0: a lease that ran out, a lost
+    worker process, a retriable failure), so that an event that kills its worker process is
+    charged its attempts alone (docs/relay.md, "An event that kills its worker"). A chain
+    is cut before its first such row; a chain that starts with one is sent as that row
+    alone, in a publish task of its own. Returns (the chains to plan as usual, the one-row
+    tasks, the rows to release: the rest of each cut chain, which waits behind its head)."""
+    kept: list[list[OutboxMessage]] = []
+    alone: list[list[list[OutboxMessage]]] = []
+    release: list[OutboxMessage] = []
+    for chain in chains:
+        cut = next((position for position, message in enumerate(chain) if message.attempts), None)
+        if cut is None:
+            kept.append(list(chain))
+        elif cut == 0:
+            alone.append([[chain[0]]])
+            release.extend(chain[1:])
+        else:
+            kept.append(list(chain[:cut]))
+            release.extend(chain[cut:])
+    return kept, alone, release
 
 
 #: ``dispatch(chains, deadline)`` sends one publish task (or publishes here); what it returns is not read.
@@ -217,9 +242,12 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     options = relay.options
     chains = split_chains(claim.messages)
     outcome.chains = len(chains)
+    chains, alone, behind_retried = isolate_retried(chains)
+    outcome.alone = len(alone)
     tasks, over = plan_tasks(chains, options.task_rows, options.max_batch_bytes)
     outcome.trimmed = bool(over)
-    if publish_inline is not None and not outcome.full and not over and outcome.claimed <= options.inline_rows:
+    if (publish_inline is not None and not alone and not behind_retried and not outcome.full and not over
+            and outcome.claimed <= options.inline_rows):
         log.info("outbox claimed %d rows lease=%s: publishing them here", outcome.claimed, claim.lease)
         outcome.inline = True
         outcome.dispatched = outcome.claimed
@@ -228,12 +256,14 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     # A backlog's first share stays here (no hop through Celery's broker), the rest goes out.
     keep_share = publish_inline is not None and claim_again is not None and options.inline_rows > 0
     share = tasks.pop(0) if keep_share and tasks else None
-    over = _dispatch_all(dispatch, tasks, deadline, outcome) + over
+    # A row tried before goes last, alone, and never in the share published here.
+    over = _dispatch_all(dispatch, tasks + alone, deadline, outcome) + over + behind_retried
     if over:
         relay.settler.release(over)
         outcome.released = len(over)
-    log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks, %d published here, %d released",
+    log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks%s, %d published here, %d released",
              outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks,
+             f" ({outcome.alone} tried before, each alone)" if outcome.alone else "",
              sum(len(chain) for chain in share or ()), outcome.released)
     if share is not None:
         assert publish_inline is not None and claim_again is not None
