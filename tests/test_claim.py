@@ -232,17 +232,18 @@ def test_plan_tasks_packs_without_splitting_chains() -> None:
     assert len(tasks) == 4  # task_rows=1: one task per chain
 
 
-def test_rows_tried_before_are_sent_each_alone_after_the_rest(sqlite_store: OutboxStore,
+def test_rows_tried_twice_before_are_sent_each_alone_after_the_rest(sqlite_store: OutboxStore,
                                                                conn: sqlite3.Connection) -> None:
     """An event that kills its worker process is charged its attempts alone (docs/relay.md,
-    "An event that kills its worker"): a chain that starts with a row tried before goes as
-    that row alone, in a task of its own, dispatched after the others and never published in
-    the claiming process; a chain with such a row further on is cut before it; what follows
-    is released with no attempt spent."""
+    "An event that kills its worker"): a chain that starts with a row tried twice before goes
+    as that row alone, in a task of its own, dispatched after the others and never published
+    in the claiming process; a chain with such a row further on is cut before it; what
+    follows is released with no attempt spent. A row tried once goes as usual."""
     a = add(conn, "a", 3)
     b = add(conn, "b", 3)
     c = add(conn, "c", 2)
-    conn.execute(f"UPDATE {sqlite_store.engine.table} SET attempts = 1 WHERE id IN (?, ?)", (a[0], b[1]))
+    conn.execute(f"UPDATE {sqlite_store.engine.table} SET attempts = 2 WHERE id IN (?, ?)", (a[0], b[1]))
+    conn.execute(f"UPDATE {sqlite_store.engine.table} SET attempts = 1 WHERE id IN (?, ?)", (b[0], c[1]))
     conn.commit()
     sent, here = Collect(), Collect()
     outcome = handle_claim(RelayContext(sqlite_store, options=RelayOptions(task_rows=100)), sent, batch_size=100,
@@ -252,7 +253,7 @@ def test_rows_tried_before_are_sent_each_alone_after_the_rest(sqlite_store: Outb
     assert outcome.alone == 1 and outcome.claimed == 8 and outcome.dispatched == 4 and outcome.released == 4
     state = rows(sqlite_store)
     assert [(state[i]["status"], state[i]["attempts"]) for i in (a[1], a[2], b[1], b[2])] == [
-        (Status.PENDING, 0), (Status.PENDING, 0), (Status.PENDING, 1), (Status.PENDING, 0)]  # none spent
+        (Status.PENDING, 0), (Status.PENDING, 0), (Status.PENDING, 2), (Status.PENDING, 0)]  # none spent
 
 
 def test_isolate_retried_cuts_each_chain_before_its_first_row_tried_before() -> None:
@@ -264,7 +265,7 @@ def test_isolate_retried_cuts_each_chain_before_its_first_row_tried_before() -> 
         return [OutboxMessage(first + n, f"m{first + n}", "t", "order", agg, None, "{}", {}, None, tried,
                               datetime.now(UTC), "L") for n, tried in enumerate(attempts)]
 
-    chains = [msgs("a", [0, 0], 1), msgs("b", [2, 0, 1], 3), msgs("c", [0, 1, 0], 6)]
+    chains = [msgs("a", [0, 1], 1), msgs("b", [2, 0, 1], 3), msgs("c", [1, 3, 0], 6)]
     kept, alone, release = isolate_retried(chains)
     assert [[m.id for m in chain] for chain in kept] == [[1, 2], [6]]
     assert [[[m.id for m in chain] for chain in task] for task in alone] == [[[3]]]

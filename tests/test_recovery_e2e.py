@@ -316,9 +316,9 @@ def test_an_event_that_kills_its_worker_goes_dead_alone(tmp_path: Path, destinat
     """A backlog of 12 aggregates x 3 events, all claimed in one task with an event (the
     second of aggregate "k") that kills the pool process publishing it, every time. Its
     batch-mates were charged an attempt by each crash and went dead with it after
-    OUTBOX_MAX_ATTEMPTS crashes; now a row tried before is published alone (docs/relay.md,
-    "An event that kills its worker"), so only the killer spends its attempts and goes dead,
-    and every other event arrives, in order, its row done."""
+    OUTBOX_MAX_ATTEMPTS (3) crashes; now a row tried twice is published alone (docs/relay.md,
+    "An event that kills its worker"), so the third crash is the killer's alone: it goes
+    dead, and every other event arrives, in order, its row done."""
     outbox = sqlite_outbox
     env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_BATCH_SIZE="50",
                     OUTBOX_RELAY_TASK_ROWS="50", OUTBOX_CLAIM_TIMEOUT_MS="6000", OUTBOX_MAX_ATTEMPTS="3",

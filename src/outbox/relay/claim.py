@@ -37,7 +37,7 @@ class ClaimOutcome:
     dead: int = 0  # rows the claim found with an expired lease and no attempts left (went dead)
     inline: bool = False  # the claim was small: its rows went to ``publish_inline``, not to a publish task
     chains: int = 0  # aggregates (chains) in the batch: one means the backlog's head is one aggregate
-    alone: int = 0  # rows tried before, each sent in a publish task of its own (``isolate_retried``)
+    alone: int = 0  # rows tried twice before, each sent in a publish task of its own (``isolate_retried``)
 
     @property
     def more(self) -> bool:
@@ -86,19 +86,25 @@ def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
     return tasks, over
 
 
+#: A row that has spent this many attempts (leases lost with their process, or retriable
+#: failures) is published alone: docs/relay.md, "An event that kills its worker".
+ALONE_FROM_ATTEMPTS = 2
+
+
 def isolate_retried(chains: Sequence[Sequence[OutboxMessage]]) -> tuple[
         list[list[OutboxMessage]], list[list[list[OutboxMessage]]], list[OutboxMessage]]:
-    """Set apart the rows tried before (``attempts`` > 0: a lease that ran out, a lost
-    worker process, a retriable failure), so that an event that kills its worker process is
-    charged its attempts alone (docs/relay.md, "An event that kills its worker"). A chain
-    is cut before its first such row; a chain that starts with one is sent as that row
-    alone, in a publish task of its own. Returns (the chains to plan as usual, the one-row
-    tasks, the rows to release: the rest of each cut chain, which waits behind its head)."""
+    """Set apart the rows tried ``ALONE_FROM_ATTEMPTS`` times already, so that an event that
+    kills its worker process spends its attempts alone (docs/relay.md, "An event that kills
+    its worker"). A chain is cut before its first such row; a chain that starts with one is
+    sent as that row alone, in a publish task of its own. Returns (the chains to plan as
+    usual, the one-row tasks, the rows to release: the rest of each cut chain, which waits
+    behind its head)."""
     kept: list[list[OutboxMessage]] = []
     alone: list[list[list[OutboxMessage]]] = []
     release: list[OutboxMessage] = []
     for chain in chains:
-        cut = next((position for position, message in enumerate(chain) if message.attempts), None)
+        cut = next((position for position, message in enumerate(chain)
+                    if message.attempts >= ALONE_FROM_ATTEMPTS), None)
         if cut is None:
             kept.append(list(chain))
         elif cut == 0:
@@ -256,14 +262,14 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     # A backlog's first share stays here (no hop through Celery's broker), the rest goes out.
     keep_share = publish_inline is not None and claim_again is not None and options.inline_rows > 0
     share = tasks.pop(0) if keep_share and tasks else None
-    # A row tried before goes last, alone, and never in the share published here.
+    # A row tried twice before goes last, alone, and never in the share published here.
     over = _dispatch_all(dispatch, tasks + alone, deadline, outcome) + over + behind_retried
     if over:
         relay.settler.release(over)
         outcome.released = len(over)
     log.info("outbox claimed %d rows lease=%s: %d in %d publish tasks%s, %d published here, %d released",
              outcome.claimed, claim.lease, outcome.dispatched, outcome.tasks,
-             f" ({outcome.alone} tried before, each alone)" if outcome.alone else "",
+             f" ({outcome.alone} tried twice before, each alone)" if outcome.alone else "",
              sum(len(chain) for chain in share or ()), outcome.released)
     if share is not None:
         assert publish_inline is not None and claim_again is not None
