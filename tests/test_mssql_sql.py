@@ -59,7 +59,7 @@ from outbox.storage.engines.mssql import (
     odbc_connection_string,
     parse_target,
 )
-from outbox.storage.store import OutboxStore
+from outbox.storage.store import OutboxStore, apply_migration
 
 URL = "mssql+pyodbc://relay:secret@db.example:1433/app?driver=ODBC+Driver+18+for+SQL+Server"
 LOCK_HINTS = {"READCOMMITTEDLOCK", "READPAST", "UPDLOCK", "ROWLOCK"}
@@ -696,15 +696,136 @@ def test_migration_is_serialized_by_an_application_lock() -> None:
     assert "RAISERROR(N'outbox migrate: another outbox migrate" in refusal and ", 16, 1," in refusal
     assert len(last) == 1 and f"APPLOCK_MODE(N'public', {resource}, N'Session') <> N'NoLock'" in last[0]
     assert f"EXEC sp_releaseapplock @Resource = {resource}, @LockOwner = N'Session'" in last[0]
-    # Migration batches run without the client's query timeout (see MssqlEngine.execute).
-    conn = StoreConnection()
+
+
+def _nocount_before_each(statements: list[str]) -> list[bool]:
+    """NOCOUNT as each statement of a batch starts, on a relay session (``SET NOCOUNT OFF``
+    at connect), following the batch's own SETs and its save-and-restore of the setting."""
+    on, states = False, []
+    for statement in statements:
+        states.append(on)
+        if statement == "SET NOCOUNT ON;":
+            on = True
+        elif "SET NOCOUNT OFF" in statement:  # the restore: back to the session's OFF
+            on = False
+    return states
+
+
+def test_the_migration_lock_refusal_is_the_first_result_the_driver_sees(no_sqlglot_fallbacks: None) -> None:
+    """With NOCOUNT OFF (the relay's sessions) the lock batch's SELECT and its EXEC of
+    sp_getapplock each sent a row count, and pyodbc's execute returns at the first result:
+    the RAISERROR behind them was only reachable through nextset(), so a migration that
+    could not get the lock went on without it (pyodbc issues 277, 739). Now nothing that
+    sends a count runs with NOCOUNT OFF before the refusal, and every migration batch is
+    stepped through to its end (``MssqlEngine.execute``)."""
+    for statements in (MssqlEngine().migration_steps()[0], MssqlEngine("events_out", "messaging").migration_steps()[0]):
+        states = _nocount_before_each(statements)
+        refusal = next(i for i, s in enumerate(statements) if "RAISERROR" in s)
+        for statement, nocount in zip(statements[:refusal], states[:refusal]):
+            if re.match(r"(SELECT|EXEC|INSERT|UPDATE|DELETE)\b", statement):
+                assert nocount, f"sends a row count before the refusal:\n{statement}"
+        assert not states[refusal]  # the session's own NOCOUNT is back before the refusal
+        assert statements[0].startswith("DECLARE") and "@nocount INT = @@OPTIONS & 512" in statements[0]
+        for statement in statements:
+            parse_one(statement)
+
+
+class _ResultsCursor(RecordingCursor):
+    """A cursor with pending results, as the ODBC driver keeps them: ``nextset`` walks
+    ``results`` and raises the one that is an error, as pyodbc and mssql-python do."""
+
+    def __init__(self, results: list[Any]) -> None:
+        super().__init__()
+        self.results = list(results)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> _ResultsCursor:
+        super().execute(sql, params)
+        self.pending = list(self.results)
+        return self
+
+    def nextset(self) -> bool:
+        if not self.pending:
+            return False
+        result = self.pending.pop(0)
+        if isinstance(result, Exception):
+            raise result
+        return True
+
+
+def test_a_migration_batch_is_stepped_through_so_a_later_error_raises() -> None:
+    engine = MssqlEngine()
+    refused = RuntimeError("outbox migrate: another outbox migrate held the migration lock")
+    with pytest.raises(RuntimeError, match="held the migration lock"):
+        engine.execute(_ResultsCursor(["row count", refused]), engine.migration()[0])
+    cursor = _ResultsCursor(["row count"])
+    engine.execute(cursor, "SELECT 1")  # a query's result set is the caller's to read
+    assert cursor.pending == ["row count"]
+
+
+class _FailingCursor(StoreCursor):
+    """Fails the CREATE TABLE step, as a permission error would."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
+        super().execute(sql, params)
+        if "CREATE TABLE" in sql:
+            raise RuntimeError("CREATE TABLE permission denied in database")
+        return self
+
+
+def test_a_failed_migration_releases_a_session_owned_lock() -> None:
+    """On an autocommit connection (a Django migration: ``atomic = False``) the migration
+    lock belongs to the session, and only the migration's last batch released it: a step
+    that failed left the session holding it, and every other migrate waited 10 minutes and
+    failed, until that connection closed. ``unlock_migration`` now releases it."""
+    engine = MssqlEngine()
+    cursor = _FailingCursor()
+    with pytest.raises(RuntimeError, match="permission denied"):
+        apply_migration(engine, cursor)
+    last = cursor.log[-1][0]
+    assert "CREATE TABLE" in cursor.log[-2][0]
+    assert "EXEC sp_releaseapplock @Resource = N'outbox migrate [dbo].[outbox]', @LockOwner = N'Session'" in last
+    assert "APPLOCK_MODE(N'public', N'outbox migrate [dbo].[outbox]', N'Session') <> N'NoLock'" in last
+
+
+class _DriverConnection(StoreConnection):
+    """pyodbc and mssql-python alike: a cursor takes the connection's ``timeout`` as its
+    statement's query timeout when it is made (pyodbc's Cursor_New, mssql-python's
+    ``Cursor(self, timeout=self._timeout)``) and keeps it; ``execute`` never reads it again.
+    ``sent`` is each statement with the query timeout it ran under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, int]] = []
+
+    def cursor(self) -> RecordingCursor:
+        cursor = super().cursor()
+        timeout, execute = self.timeout, cursor.execute
+
+        def timed(sql: str, params: Sequence[Any] = ()) -> RecordingCursor:
+            self.sent.append((sql, timeout))
+            return execute(sql, params)
+        cursor.execute = timed  # type: ignore[method-assign]
+        return cursor
+
+
+def test_migrations_run_without_the_query_timeout_and_everything_else_with_it() -> None:
+    """``query_timeout_s`` (300 s) bounded `outbox migrate` too: the engine set
+    ``conn.timeout = 0`` around ``execute`` on a cursor made before, which neither driver
+    reads there. An index build on a large table, or a second migrate waiting (up to 10
+    minutes) for the first one's lock, failed with HYT00 after 300 s and was retried. Now
+    the migration's cursor is made with no timeout; every other cursor keeps it."""
+    store, _ = recording_store(None, "outbox", 160)
+    conn = _DriverConnection()
     conn.timeout = 300
-    seen: list[int] = []
-    cursor = conn.cursor()
-    cursor.execute = lambda sql, params=(): seen.append(conn.timeout)  # type: ignore[method-assign]
-    engine.execute(cursor, engine.migration()[0])
-    engine.execute(cursor, "SELECT 1")
-    assert seen == [0, 300] and conn.timeout == 300
+    store.engine.connect = lambda url: conn  # type: ignore[method-assign]
+    store.engine.compat_level = 160  # type: ignore[attr-defined]
+    store.migrate()
+    store.claim(10)
+    migration = {b[1] if isinstance(b, tuple) else b for b in store.engine.migration()}
+    ddl = [timeout for sql, timeout in conn.sent if sql in migration]
+    assert len(ddl) >= 10 and set(ddl) == {0}
+    assert [timeout for sql, timeout in conn.sent if "UPDATE o SET" in sql] == [300]
+    assert conn.timeout == 300
 
 
 def test_ordering_probe_index_is_filtered_on_open_rows_and_replaces_the_old_one(no_sqlglot_fallbacks: None) -> None:

@@ -84,20 +84,20 @@ class Connections:
                     log.debug("outbox: error closing a dropped connection", exc_info=True)
 
     @contextmanager
-    def transaction(self, *, alone: bool = False) -> Iterator[Any]:
+    def transaction(self, *, alone: bool = False, ddl: bool = False) -> Iterator[Any]:
         """A cursor inside one short transaction: committed on success, rolled back (and
         the connection dropped if it broke) on error. ``alone``: the block runs single
         statements, each atomic by itself, which the engine may then run as transactions of
         their own, one round trip each (``Engine.statement_alone``; docs/relay.md, "A network
-        cut")."""
-        with self._lock, self.transaction_on(self.get(), alone=alone) as cursor:
+        cut"). ``ddl``: the block is a migration (``Engine.ddl_cursor``)."""
+        with self._lock, self.transaction_on(self.get(), alone=alone, ddl=ddl) as cursor:
             yield cursor
 
     @contextmanager
-    def transaction_on(self, conn: Any, *, alone: bool = False) -> Iterator[Any]:
+    def transaction_on(self, conn: Any, *, alone: bool = False, ddl: bool = False) -> Iterator[Any]:
         """``transaction`` on ``conn`` itself: for ``on_connect``, which runs while ``get`` is
         still opening the connection."""
-        cursor = self.engine.cursor_for(conn)
+        cursor = self.engine.ddl_cursor(conn) if ddl else self.engine.cursor_for(conn)
         try:
             with self.engine.statement_alone(conn) if alone else nullcontext():
                 yield cursor
@@ -121,9 +121,10 @@ class Connections:
         """Worth running the work again: a transient error, a dropped connection."""
         return self.engine.is_transient(exc) or self.engine.is_disconnect(exc)
 
-    def run(self, operation: str, work: Callable[[Any], T], *, attempts: int, alone: bool = False) -> T:
-        """``work(cursor)`` in a transaction (``alone``: see ``transaction``), run again on a
-        retryable error, ``attempts`` times in all; then the last error is raised."""
+    def run(self, operation: str, work: Callable[[Any], T], *, attempts: int, alone: bool = False,
+            ddl: bool = False) -> T:
+        """``work(cursor)`` in a transaction (``alone``, ``ddl``: see ``transaction``), run again
+        on a retryable error, ``attempts`` times in all; then the last error is raised."""
         def before_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             # DEBUG: the caller reports what finally happened (an outage is logged once).
@@ -133,6 +134,6 @@ class Connections:
         retrying = Retrying(retry=retry_if_exception(self.retryable), stop=stop_after_attempt(attempts),
                             wait=RETRY_WAIT, before_sleep=before_retry, reraise=True)
         for attempt in retrying:
-            with attempt, self.transaction(alone=alone) as cursor:
+            with attempt, self.transaction(alone=alone, ddl=ddl) as cursor:
                 return work(cursor)
         raise AssertionError("unreachable: tenacity re-raises the last error")

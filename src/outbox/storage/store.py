@@ -130,16 +130,17 @@ class OutboxStore:
         """A cursor inside one short transaction (``Connections.transaction``)."""
         return self._connections.transaction(alone=alone)
 
-    def _run(self, operation: str, work: Callable[[Any], T], *, alone: bool = False) -> T:
-        """Run ``work(cursor)`` in a transaction (``alone``: see ``Connections.transaction``),
+    def _run(self, operation: str, work: Callable[[Any], T], *, alone: bool = False, ddl: bool = False) -> T:
+        """Run ``work(cursor)`` in a transaction (``alone``, ``ddl``: see ``Connections.transaction``),
         retrying transient errors."""
-        return self._connections.run(operation, work, attempts=TRANSIENT_RETRIES, alone=alone)
+        return self._connections.run(operation, work, attempts=TRANSIENT_RETRIES, alone=alone, ddl=ddl)
 
     # -- schema ----------------------------------------------------------------
     def migrate(self, native_json: bool = False) -> int:
         """Create or repair the table and its indexes. Safe to run any number of times.
         Returns how many guarded repair steps ran (``apply_migration``)."""
-        return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json))
+        return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
+                         ddl=True)
 
     def schema_state(self) -> tuple[frozenset[str], frozenset[str]] | None:
         """The table's columns and index names, or None when the table does not exist:

@@ -57,7 +57,7 @@ def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: s
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
     db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)
     try:
-        db.run(lambda qt, cursor: qt.migrate(cursor))
+        db.run(lambda qt, cursor: qt.migrate(cursor), ddl=True)
         return db.qt
     finally:
         db.close()

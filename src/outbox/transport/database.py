@@ -113,7 +113,7 @@ class Database:
             if key in _prepared:
                 return
             if self.create:
-                self._on(conn, self.qt.migrate)
+                self._on(conn, self.qt.migrate, ddl=True)
             missing = self._on(conn, self.qt.missing_indexes)
             for name in missing:
                 log.warning("outboxdb: index %s on %s is missing; receiving and purging will scan the table. "
@@ -121,18 +121,19 @@ class Database:
                             name, self.qt.table)
             _prepared.add(key)
 
-    def _on(self, conn: Any, work: Callable[[Any], T]) -> T:
-        with self.connections.transaction_on(conn) as cursor:
+    def _on(self, conn: Any, work: Callable[[Any], T], *, ddl: bool = False) -> T:
+        with self.connections.transaction_on(conn, ddl=ddl) as cursor:
             return work(cursor)
 
-    def run(self, work: Callable[[QueueTables, Any], T]) -> T:
+    def run(self, work: Callable[[QueueTables, Any], T], *, ddl: bool = False) -> T:
         """``work(queue tables, cursor)`` in one short transaction. A dropped connection, a
         server restart, a deadlock victim: it runs again, on a fresh connection if need be
         (a send whose commit was cut off may then be stored twice: at least once). Out of
         retries, the error is raised as BrokerDatabaseUnavailable, one of the Transport
         class's connection_errors whatever the driver: kombu and Celery reconnect."""
         try:
-            result = self.connections.run("broker", lambda cursor: work(self.qt, cursor), attempts=self.RETRIES + 1)
+            result = self.connections.run("broker", lambda cursor: work(self.qt, cursor), attempts=self.RETRIES + 1,
+                                          ddl=ddl)
         except Exception as exc:
             if not self.connections.retryable(exc):
                 raise

@@ -259,6 +259,12 @@ class Engine(ABC):
         """A cursor on the caller's connection that yields plain tuples."""
         return conn.cursor()
 
+    def ddl_cursor(self, conn: Any) -> Any:
+        """A cursor for a migration on one of the engine's own connections: ``cursor_for``
+        here; an engine whose connections bound each statement's time makes it without
+        that bound (SQL Server: docs/sqlserver.md, "Drivers")."""
+        return self.cursor_for(conn)
+
     def commits_each_statement(self, conn: Any) -> bool:
         """Is the caller's connection in autocommit mode, so that ``enqueue`` commits the
         event by itself instead of with the caller's transaction? (psycopg, pyodbc,

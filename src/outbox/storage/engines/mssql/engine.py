@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from ....core.errors import StoreError
 from . import driver
 from .driver import DEFAULT_LOCK_TIMEOUT_MS, INLINE_UNITS, input_sizes, open_connection, parse_target, result_rows
-from .schema import FILTERED_INDEX_OPTIONS
+from .schema import FILTERED_INDEX_OPTIONS, migration_unlock_statements
 from .sql import ID_PARAMS_PER_STATEMENT, MssqlStatements
 
 log = logging.getLogger("outbox.storage.engines.mssql")
@@ -27,8 +27,7 @@ MIN_LEVEL = 110
 
 
 def _is_ddl(text: str) -> bool:
-    """Migration batches (they all start with the filtered-index options): they run
-    without the query timeout, bounded by the lock timeout and the migration lock."""
+    """Migration batches (they all start with the filtered-index options)."""
     return text.startswith(FILTERED_INDEX_OPTIONS)
 
 
@@ -122,22 +121,40 @@ class MssqlEngine(MssqlStatements):
             log.info("SQL Server %s (engine edition %s) has no ISJSON: the table is made without its JSON checks "
                      "(enqueue validates the JSON in any case)", version, edition)
 
-    def execute(self, cursor: Any, text: str, params: Sequence[Any] = ()) -> Any:
-        """Bind parameters with stable declared types (one plan per statement, not per
-        string length), and run migration batches without the query timeout."""
-        params = tuple(params)
-        self._declare_sizes(cursor, params)
-        conn = getattr(cursor, "connection", None) if _is_ddl(text) else None
-        saved = getattr(conn, "timeout", None)
-        if conn is None or not saved:
-            cursor.execute(text, params)
-            return cursor
+    def ddl_cursor(self, conn: Any) -> Any:
+        """A cursor without the query timeout, for migrations (bounded by the lock timeout
+        and the migration lock instead): pyodbc and mssql-python copy ``conn.timeout``
+        into a statement when its cursor is made, never at ``execute``, so the
+        connection's timeout is 0 while the cursor is made, and restored for the rest
+        (docs/sqlserver.md, "Drivers")."""
+        saved = getattr(conn, "timeout", 0)
+        if not saved:
+            return conn.cursor()
         conn.timeout = 0
         try:
-            cursor.execute(text, params)
+            return conn.cursor()
         finally:
             conn.timeout = saved
+
+    def execute(self, cursor: Any, text: str, params: Sequence[Any] = ()) -> Any:
+        """Bind parameters with stable declared types (one plan per statement, not per
+        string length). A migration batch's results are stepped through to the end: an
+        error after a row count reaches the client only through ``nextset()``
+        (docs/sqlserver.md, "`outbox migrate`")."""
+        params = tuple(params)
+        self._declare_sizes(cursor, params)
+        cursor.execute(text, params)
+        if _is_ddl(text):
+            while cursor.nextset():
+                pass
         return cursor
+
+    def unlock_migration(self, cursor: Any) -> None:
+        """Release a session-owned migration lock (``migration_unlock_statements``): the
+        migration's last batch does it, but a migration that fails before it (on an
+        autocommit connection: a Django migration) would leave the session holding it."""
+        self.execute(cursor, FILTERED_INDEX_OPTIONS + "\n" + "\n".join(
+            migration_unlock_statements(self.migration_lock_resource())))
 
     def executemany(self, cursor: Any, text: str, rows: Sequence[Sequence[Any]]) -> Any:
         """Each row binds its own values: pyodbc would apply the sizes the cursor's last

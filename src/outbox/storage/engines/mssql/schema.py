@@ -112,14 +112,22 @@ def migration_lock_statements(resource: str, table_literal: str, table: str) -> 
     and then finds everything in place. The lock belongs to the migration's transaction
     when one is open (released at commit); a driver in implicit-transaction mode may not
     have opened it yet, and then the session owns the lock until the last batch
-    (``migration_unlock_statements``) releases it."""
+    (``migration_unlock_statements``) releases it.
+
+    The SELECT and the EXEC run under NOCOUNT ON (the session's setting is restored before
+    the refusal): with the relay's NOCOUNT OFF each sent a row count first, and the
+    driver's ``execute`` returned at that count without the RAISERROR behind it, so a
+    migration that could not get the lock went on without it (docs/sqlserver.md,
+    "`outbox migrate`")."""
     return [
-        "DECLARE @lock_owner NVARCHAR(32), @lock_result INT;",
+        "DECLARE @lock_owner NVARCHAR(32), @lock_result INT, @nocount INT = @@OPTIONS & 512;",
+        "SET NOCOUNT ON;",
         # A SELECT from a table opens the driver's implicit transaction (EXEC does not).
         f"SELECT @lock_result = COUNT(*) FROM sys.objects WHERE object_id = OBJECT_ID({table_literal});",
         "SET @lock_owner = CASE WHEN @@TRANCOUNT > 0 THEN N'Transaction' ELSE N'Session' END;",
         f"EXEC @lock_result = sp_getapplock @Resource = {nstr(resource)}, "
         f"@LockMode = N'Exclusive', @LockOwner = @lock_owner, @LockTimeout = {MIGRATE_LOCK_TIMEOUT_MS};",
+        if_("@nocount = 0", "SET NOCOUNT OFF"),
         if_("@lock_result < 0", "RAISERROR(N'outbox migrate: another outbox migrate of %s held the migration "
             "lock for too long (sp_getapplock returned %d); run it again when that one has finished', 16, 1, "
             f"{nstr(table)}, @lock_result)"),
