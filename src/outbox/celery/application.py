@@ -33,6 +33,12 @@ log = logging.getLogger("outbox.celery")
 REDIS_TRANSPORT = "outbox.celery.redis_transport:Transport"
 
 
+#: Celery's consumer tries its broker again at least this often during an outage.
+RECONNECT_EVERY_S = 2.0
+#: During one outage the caller's errback (Celery's ERROR line) runs at most this often.
+RECONNECT_LOG_EVERY_S = 60.0
+
+
 class Connection(KombuConnection):
     """kombu's connection, which names a transport given by class path by that path
     (``outbox.celery.redis_transport:Transport://:**@host``, the worker's banner included): shown
@@ -45,7 +51,6 @@ class Connection(KombuConnection):
         user, password = self.userid or None, self.password or None
         return as_url("redis", self.hostname or "localhost", self.port, user, password,  # type: ignore[arg-type]
                       self.virtual_host, sanitize=not include_password, mask=mask)
-
 
     def ensure_connection(self, errback: Any = None, max_retries: int | None = None, *args: Any,
                           **kwargs: Any) -> Connection:
@@ -61,12 +66,6 @@ class Connection(KombuConnection):
         super().ensure_connection(outage.errback, max_retries, *args, **kwargs)
         outage.over()
         return self
-
-
-#: Celery's consumer tries its broker again at least this often during an outage.
-RECONNECT_EVERY_S = 2.0
-#: During one outage the caller's errback (Celery's ERROR line) runs at most this often.
-RECONNECT_LOG_EVERY_S = 60.0
 
 
 class _ConnectOutage:
