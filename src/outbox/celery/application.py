@@ -40,9 +40,10 @@ RECONNECT_LOG_EVERY_S = 60.0
 
 
 class Connection(KombuConnection):
-    """kombu's connection, which names a transport given by class path by that path
-    (``outbox.celery.redis_transport:Transport://:**@host``, the worker's banner included): shown
-    here as the URL the user gave, a password masked only where there is one."""
+    """kombu's connection, with two changes. It names a transport given by class path by that
+    path (``outbox.celery.redis_transport:Transport://:**@host``, the worker's banner included):
+    shown here as the URL the user gave, a password masked only where there is one. And
+    ``ensure_connection`` tries again every ``RECONNECT_EVERY_S``, quietly."""
 
     def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
         if self.transport_cls != REDIS_TRANSPORT:
