@@ -155,6 +155,27 @@ def test_a_message_sent_without_delay_is_visible_to_the_next_transaction(tables:
         f"and {missed} to the next one"
 
 
+def test_a_delay_counts_from_the_send_not_from_the_start_of_its_transaction(tables: Tables) -> None:
+    """``send_task(conn, ..., countdown=2)`` inside a business transaction that began 1.5 s
+    earlier: the task must stay invisible for 2 s after the send. PostgreSQL's ``now()`` is
+    the transaction's start, so it came due 1.5 s early, 0.5 s after the commit."""
+    t = tables
+    business = t.engine.connect(t.url)
+    try:
+        cursor = t.engine.cursor_for(business)
+        t.engine.execute(cursor, f"SELECT COUNT(*) FROM {t.qt.table}").fetchall()  # the transaction begins
+        time.sleep(1.5)
+        sent = time.monotonic()
+        t.qt.put(cursor, "a", "{}", "in 2 s", delay_ms=2000)
+        business.commit()
+    finally:
+        business.close()
+    time.sleep(max(sent + 1.0 - time.monotonic(), 0))
+    assert lease(t, "a") == [], "a 2 s delay came due 1 s after its send"
+    assert [r.body for r, _ in wait_for(lambda: lease(t, "a"))] == ["in 2 s"]
+    assert time.monotonic() - sent >= 1.9
+
+
 def test_expired_message_is_never_delivered_and_purged_in_chunks(tables: Tables) -> None:
     t = tables
     for n in range(5):
