@@ -321,6 +321,37 @@ def test_a_late_ack_after_a_database_outage_settles_the_message(kind: str, back_
         drop_queue_tables(direct, broker.table)
 
 
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_lease_whose_commit_answer_is_lost_delivers_its_messages_on_the_retry(kind: str, tmp_path: Path) -> None:
+    """The connection breaks after the lease's COMMIT reached the database but before its
+    answer came back: the transport retries on a new connection. The retry must hand over
+    what the committed lease took. It leased the next message instead, and the first stayed
+    leased to nobody for the whole visibility timeout (an hour here), out of order."""
+    from relay_e2e_support import Proxy
+
+    direct = engine_url(kind, tmp_path)
+    proxy = Proxy(target=("127.0.0.1", 5432 if kind == "postgresql" else 3306))
+    broker = Broker(proxy.url_for(direct))
+    try:
+        with broker.connect(visibility_timeout=3600) as conn:
+            q = conn.SimpleQueue("lost-answer")
+            q.put("first")
+            q.put("second")
+            cut = proxy.drop_answer_after(b"COMMIT")
+            got = [get(q, timeout=5)]
+            assert cut.began.is_set()  # the lease's COMMIT ran and its answer was lost
+            with contextlib.suppress(Empty):
+                got.append(get(q, timeout=2))
+            assert [m.payload for m in got] == ["first", "second"]
+            for m in got:
+                m.ack()
+            assert conn.default_channel.db.run(lambda qt, c: qt.holds_any(c, "lost-answer")) is False
+            q.close()
+    finally:
+        proxy.close()
+        drop_queue_tables(direct, broker.table)
+
+
 def test_concurrent_consumers_never_get_the_same_message(broker: Broker) -> None:
     total = 120
     with broker.connect() as conn:

@@ -103,6 +103,22 @@ def test_fifo_lease_and_fenced_ack(tables: Tables) -> None:
     assert t.tx(lambda c: t.qt.probe(c, ["a", "b"])) is True
 
 
+def test_a_lease_is_found_again_by_its_receipt(tables: Tables) -> None:
+    """``leased``: what a lease took, for its retry when the COMMIT's answer was lost
+    (test_transport_kombu.py cuts a real connection there)."""
+    t = tables
+    for n in range(3):
+        put(t, "a", f"m{n}")
+    put(t, "b", "other queue")
+    got = lease(t, "a", limit=2)
+    receipt = got[0][1]
+    assert t.tx(lambda c: t.qt.leased(c, "a", receipt)) == [r for r, _ in got]
+    assert t.tx(lambda c: t.qt.leased(c, "a", "0" * 32)) == []
+    assert t.tx(lambda c: t.qt.leased(c, "b", receipt)) == []
+    t.tx(lambda c: t.qt.ack(c, got[0][0].id, receipt))
+    assert [r.body for r in t.tx(lambda c: t.qt.leased(c, "a", receipt))] == ["m1"]
+
+
 def test_release_makes_a_message_visible_again_and_counts_deliveries(tables: Tables) -> None:
     t = tables
     put(t, "a", "x")

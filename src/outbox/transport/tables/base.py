@@ -204,6 +204,16 @@ class QueueTables:
         params = [*self.after_params(visibility_ms), receipt, queue, limit]
         return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
 
+    def leased_sql(self) -> str:
+        """The rows of queue ``?`` leased under receipt ``?``: leased rows lie ahead of the
+        clock, so the receive index reads only the queue's delayed and leased rows."""
+        return (f"SELECT id, queue, headers, body, deliveries FROM {self.table} "
+                f"WHERE queue = ? AND visible_at > {self.now()} AND receipt = ? ORDER BY id")
+
+    def leased(self, cursor: Any, queue: str, receipt: str) -> list[MessageRow]:
+        """What a lease under ``receipt`` took, if it committed (``Channel._lease_queue``)."""
+        return to_rows(self.run(cursor, self.leased_sql(), [queue, receipt]).fetchall())
+
     def ack_sql(self) -> str:
         return f"DELETE FROM {self.table} WHERE id = ? AND receipt = ?"
 

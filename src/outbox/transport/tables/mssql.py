@@ -156,6 +156,11 @@ OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.de
         self.run(cursor, self.lease_batch(), params)
         return to_rows(result_rows(cursor))
 
+    def leased_sql(self) -> str:
+        # READPAST: rows other receivers are leasing right now are not ours; ours are committed.
+        return (f"SELECT id, queue, headers, body, deliveries FROM {self.table} WITH (READCOMMITTEDLOCK, READPAST) "
+                f"WHERE queue = ? AND visible_at > {self.now()} AND receipt = ? ORDER BY id")
+
     def probe_sql(self, count: int) -> str:
         # READPAST: a row another receiver is leasing right now is not news to this one.
         names = ", ".join("?" * count)
