@@ -321,6 +321,77 @@ def test_a_late_ack_after_a_database_outage_settles_the_message(kind: str, back_
         drop_queue_tables(direct, broker.table)
 
 
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_lease_whose_commit_answer_is_lost_delivers_its_messages_on_the_retry(kind: str, tmp_path: Path) -> None:
+    """The connection breaks after the lease's COMMIT reached the database but before its
+    answer came back: the transport retries on a new connection. The retry must hand over
+    what the committed lease took. It leased the next message instead, and the first stayed
+    leased to nobody for the whole visibility timeout (an hour here), out of order."""
+    from relay_e2e_support import Proxy
+
+    direct = engine_url(kind, tmp_path)
+    proxy = Proxy(target=("127.0.0.1", 5432 if kind == "postgresql" else 3306))
+    broker = Broker(proxy.url_for(direct))
+    try:
+        with broker.connect(visibility_timeout=3600) as conn:
+            q = conn.SimpleQueue("lost-answer")
+            q.put("first")
+            q.put("second")
+            cut = proxy.drop_answer_after(b"COMMIT")
+            got = [get(q, timeout=5)]
+            assert cut.began.is_set()  # the lease's COMMIT ran and its answer was lost
+            with contextlib.suppress(Empty):
+                got.append(get(q, timeout=2))
+            assert [m.payload for m in got] == ["first", "second"]
+            for m in got:
+                m.ack()
+            assert conn.default_channel.db.run(lambda qt, c: qt.holds_any(c, "lost-answer")) is False
+            q.close()
+    finally:
+        proxy.close()
+        drop_queue_tables(direct, broker.table)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_receive_cut_off_before_its_commit_holds_its_rows_only_seconds(kind: str, tmp_path: Path) -> None:
+    """Guard: a receiver whose network goes silent between its lease and its COMMIT leaves
+    the server a transaction holding the rows' locks; the transport's sessions carry the
+    engines' bounds (docs/relay.md, "A network cut"), so the server ends it after
+    ``idle_transaction_timeout_s`` (5 s) and another receiver gets the message, instead of
+    after TCP keepalive's two hours. The cut-off receiver, back, gets nothing."""
+    from relay_e2e_support import Proxy
+
+    direct = engine_url(kind, tmp_path)
+    proxy = Proxy(target=("127.0.0.1", 5432 if kind == "postgresql" else 3306))
+    broker = Broker(proxy.url_for(direct))
+    results: list[Any] = []
+    try:
+        with broker.connect(visibility_timeout=3600) as cut_off:
+            q = cut_off.SimpleQueue("silent")
+            q.put("m")
+            stall = proxy.stall_after(b"SKIP LOCKED", 12.0)
+
+            def receive() -> None:
+                try:
+                    results.append(get(q, timeout=15).payload)
+                except Empty:
+                    results.append(None)
+
+            thread = threading.Thread(target=receive, daemon=True)
+            thread.start()
+            assert stall.began.wait(10)
+            with Broker(direct).connect(**{**broker.options, "visibility_timeout": 3600}) as other:
+                m = get(other.SimpleQueue("silent"), timeout=20)
+                waited = time.time() - stall.began_at
+                m.ack()
+            assert m.payload == "m" and waited < 10.0, waited  # the server's 5 s, not the 12 s stall
+            thread.join(30)
+            assert results == [None]
+    finally:
+        proxy.close()
+        drop_queue_tables(direct, broker.table)
+
+
 def test_concurrent_consumers_never_get_the_same_message(broker: Broker) -> None:
     total = 120
     with broker.connect() as conn:

@@ -21,8 +21,10 @@ from outbox.transport.tables.mssql import MssqlQueueTables
 
 
 def lease_answers(sql: str) -> list[tuple]:
-    """A leased message for the lease batch, a row of zeros for everything else."""
-    return [(1, "q", "{}", "body", 1)] if "FROM @out" in sql else [(0, "", "", None)]
+    """A leased message for the lease batch and the read of a lease's rows, a row of zeros
+    for everything else."""
+    leased = "FROM @out" in sql or sql.startswith("SELECT id, queue, headers, body, deliveries")
+    return [(1, "q", "{}", "body", 1)] if leased else [(0, "", "", None)]
 
 
 @pytest.fixture(params=[None, "messaging"], ids=["dbo", "messaging"])
@@ -38,6 +40,7 @@ def record_everything(qt: MssqlQueueTables) -> list[tuple[str, tuple]]:
     qt.put(c, "celery", "{}", None, delay_ms=40 * 24 * 3600 * 1000, ttl_ms=5000)  # 40 days: over INT ms
     qt.probe(c, ["celery", "outbox.claim", "w1@host.celery.pidbox"])
     assert [r.body for r in qt.lease(c, "celery", 4, 3_600_000, "r" * 32)] == ["body"]
+    qt.leased(c, "celery", "r" * 32)
     qt.ack(c, 1, "r" * 32)
     qt.release(c, 1, "r" * 32)
     qt.release(c, 1, "r" * 32, delay_ms=1500)
@@ -92,6 +95,17 @@ def test_lease_skips_held_rows_locks_what_it_takes_and_outputs_into_a_table_vari
     statements = qt.lease_statements()
     assert statements[1] == "SET NOCOUNT ON;" and statements[-1].startswith("SELECT")
     assert not any(re.search(r"\b(BEGIN TRAN|COMMIT|ISOLATION)", s) for s in statements)
+
+
+def test_the_clock_is_compared_at_the_columns_precision(qt: MssqlQueueTables) -> None:
+    """DATETIME2(3) rounds SYSUTCDATETIME(): every comparison with a stored time reads the
+    clock at that precision (docs/transport.md, "The clock of the tables")."""
+    now = "CAST(SYSUTCDATETIME() AS DATETIME2(3))"
+    update = next(s for s in qt.lease_statements() if s.startswith("WITH leased"))
+    where = update[update.index("WHERE"):update.index("ORDER BY")]
+    assert where.count(now) == 2 and where.count("SYSUTCDATETIME()") == 2
+    for sql in (qt.probe_sql(2), qt.purge_expired_sql(), qt.leased_sql()):
+        assert now in sql and sql.count("SYSUTCDATETIME()") == sql.count(now), sql
 
 
 def test_migration_steps_are_guarded_one_object_each(qt: MssqlQueueTables, no_sqlglot_fallbacks: None) -> None:

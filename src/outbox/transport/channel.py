@@ -344,7 +344,20 @@ class Channel(virtual.Channel):
 
     def _lease_queue(self, queue: str, limit: int, visibility_ms: int) -> list[tuple[str, dict[str, Any]]]:
         receipt = uuid.uuid4().hex
-        rows = self.db.run(lambda qt, c: qt.lease(c, queue, limit, visibility_ms, receipt))
+        tries = 0
+
+        def lease(qt: QueueTables, cursor: Any) -> list[MessageRow]:
+            # A retry after a lost connection first takes what the try before leased, in case
+            # its COMMIT went through and only the answer was lost (docs/transport.md, "Receiving
+            # and polling"): else those rows would wait, leased to nobody, for visibility_timeout.
+            nonlocal tries
+            tries += 1
+            held = qt.leased(cursor, queue, receipt) if tries > 1 else []
+            if len(held) >= limit:
+                return held
+            return held + qt.lease(cursor, queue, limit - len(held), visibility_ms, receipt)
+
+        rows = self.db.run(lease)
         no_ack = queue in self._no_ack_queues
         if rows and no_ack:
             self.db.run(lambda qt, c: [qt.ack(c, r.id, receipt) for r in rows])  # no_ack: consumed on receipt

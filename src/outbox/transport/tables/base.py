@@ -79,6 +79,11 @@ class QueueTables:
         """Indexes the transport checks for at start-up (a warning names each missing one)."""
         return [self.index_name(READY_INDEX), self.index_name("expires")]
 
+    def now(self) -> str:
+        """The database clock as stored times are compared with it: at the columns' precision
+        where the engine rounds what it stores (docs/transport.md, "The clock of the tables")."""
+        return self.engine.now
+
     def after_ms(self) -> str:
         """The database clock plus a non-negative number of milliseconds (``after_params``)."""
         return self.engine.now_plus_ms()
@@ -87,7 +92,7 @@ class QueueTables:
         return [max(int(ms), 0)]
 
     def visible(self) -> str:
-        now = self.engine.now
+        now = self.now()
         return f"visible_at <= {now} AND (expires_at IS NULL OR expires_at > {now})"
 
     def run(self, cursor: Any, sql: str, params: Sequence[Any] = ()) -> Any:
@@ -199,6 +204,16 @@ class QueueTables:
         params = [*self.after_params(visibility_ms), receipt, queue, limit]
         return to_rows(self.run(cursor, self.lease_sql(), params).fetchall())
 
+    def leased_sql(self) -> str:
+        """The rows of queue ``?`` leased under receipt ``?``: leased rows lie ahead of the
+        clock, so the receive index reads only the queue's delayed and leased rows."""
+        return (f"SELECT id, queue, headers, body, deliveries FROM {self.table} "
+                f"WHERE queue = ? AND visible_at > {self.now()} AND receipt = ? ORDER BY id")
+
+    def leased(self, cursor: Any, queue: str, receipt: str) -> list[MessageRow]:
+        """What a lease under ``receipt`` took, if it committed (``Channel._lease_queue``)."""
+        return to_rows(self.run(cursor, self.leased_sql(), [queue, receipt]).fetchall())
+
     def ack_sql(self) -> str:
         return f"DELETE FROM {self.table} WHERE id = ? AND receipt = ?"
 
@@ -221,7 +236,7 @@ class QueueTables:
 
     def waiting(self) -> str:
         """Rows no receiver holds: never leased, or their lease ran out (deliverable again)."""
-        return f"(receipt IS NULL OR visible_at <= {self.engine.now})"
+        return f"(receipt IS NULL OR visible_at <= {self.now()})"
 
     def size(self, cursor: Any, queue: str) -> int:
         """Messages waiting (delayed ones included, leased ones not: AMQP's message count)."""
@@ -241,7 +256,7 @@ class QueueTables:
     def purge_expired_sql(self) -> str:
         """Delete at most ``?`` rows whose expiry passed."""
         return (f"DELETE FROM {self.table} WHERE id IN (SELECT id FROM {self.table} "
-                f"WHERE expires_at <= {self.engine.now} ORDER BY expires_at LIMIT ?)")
+                f"WHERE expires_at <= {self.now()} ORDER BY expires_at LIMIT ?)")
 
     def purge_expired(self, cursor: Any, limit: int) -> int:
         return self.run(cursor, self.purge_expired_sql(), [limit]).rowcount

@@ -42,6 +42,11 @@ class MssqlQueueTables(QueueTables):
     def after_ms(self) -> str:
         return "DATEADD(MILLISECOND, ?, DATEADD(SECOND, ?, SYSUTCDATETIME()))"
 
+    def now(self) -> str:
+        # DATETIME2(3) columns round SYSUTCDATETIME()'s 100 ns: compared at the same precision
+        # (docs/transport.md, "The clock of the tables").
+        return "CAST(SYSUTCDATETIME() AS DATETIME2(3))"
+
     def after_params(self, ms: int) -> list[Any]:
         seconds, millis = divmod(max(int(ms), 0), 1000)
         return [millis, seconds]
@@ -132,8 +137,7 @@ class MssqlQueueTables(QueueTables):
             f"""WITH leased AS (
     SELECT TOP (@limit) id, queue, headers, body, visible_at, receipt, deliveries
     FROM {t} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK)
-    WHERE queue = @queue AND visible_at <= SYSUTCDATETIME()
-      AND (expires_at IS NULL OR expires_at > SYSUTCDATETIME())
+    WHERE queue = @queue AND {self.visible()}
     ORDER BY {RECEIVE_ORDER})
 UPDATE leased SET
     visible_at = DATEADD(MILLISECOND, @vis_ms, DATEADD(SECOND, @vis_s, SYSUTCDATETIME())),
@@ -152,6 +156,11 @@ OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.de
         self.run(cursor, self.lease_batch(), params)
         return to_rows(result_rows(cursor))
 
+    def leased_sql(self) -> str:
+        # READPAST: rows other receivers are leasing right now are not ours; ours are committed.
+        return (f"SELECT id, queue, headers, body, deliveries FROM {self.table} WITH (READCOMMITTEDLOCK, READPAST) "
+                f"WHERE queue = ? AND visible_at > {self.now()} AND receipt = ? ORDER BY id")
+
     def probe_sql(self, count: int) -> str:
         # READPAST: a row another receiver is leasing right now is not news to this one.
         names = ", ".join("?" * count)
@@ -160,7 +169,7 @@ OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.de
 
     def purge_expired_sql(self) -> str:
         return (f"DELETE TOP (?) FROM {self.table} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK) "
-                f"WHERE expires_at <= SYSUTCDATETIME()")
+                f"WHERE expires_at <= {self.now()}")
 
     def bind_sql(self) -> str:
         b = self.bindings

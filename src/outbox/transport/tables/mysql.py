@@ -108,7 +108,7 @@ class MysqlQueueTables(QueueTables):
 
     def purge_expired_sql(self) -> str:
         # MySQL rejects LIMIT inside an IN subquery; a single-table DELETE takes it.
-        return f"DELETE FROM {self.table} WHERE expires_at <= {self.engine.now} ORDER BY expires_at LIMIT ?"
+        return f"DELETE FROM {self.table} WHERE expires_at <= {self.now()} ORDER BY expires_at LIMIT ?"
 
     def bind_sql(self) -> str:
         return (f"INSERT IGNORE INTO {self.bindings} (exchange, routing_key, pattern, queue, message_ttl_ms) "

@@ -79,6 +79,17 @@ class PostgresQueueTables(QueueTables):
         # pg_type or pg_class): one migration at a time, the lock held until the commit.
         self.run(cursor, "SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_name()])
 
+    # The statement's clock, not now(): now() is the transaction's start, and a send_task in
+    # a business transaction that began earlier came due that much before its delay ran out.
+    # Stored times are TIMESTAMPTZ(3), rounded from the clock's microseconds (up to 0.5 ms
+    # ahead of it): compared at the same precision, a message sent with no delay is visible
+    # at once (docs/transport.md, "The clock of the tables").
+    def now(self) -> str:
+        return "CAST(statement_timestamp() AS TIMESTAMPTZ(3))"
+
+    def after_ms(self) -> str:
+        return "(statement_timestamp() + ? * interval '1 millisecond')"
+
     def wake_channel(self) -> str:
         """The NOTIFY channel of this queue table (identifiers stop at 63 bytes)."""
         schema = f"{self.engine.schema}_" if self.engine.schema else ""
