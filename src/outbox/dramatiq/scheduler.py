@@ -45,7 +45,7 @@ def broker_outage(url: str) -> Outage:
 
 class RedisLock:
     """Leader lock in Redis: SET NX PX, renewed by its holder only (compare and extend).
-    ``outage``: where an unreachable Redis is reported (default: a WARNING each time)."""
+    ``outage``: where an unreachable Redis is reported (default: ``broker_outage``)."""
 
     _RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
               "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
@@ -60,7 +60,7 @@ class RedisLock:
         self.me = uuid.uuid4().hex
         self.ttl_ms = int(ttl_s * 1000)
         self.held = False
-        self.outage = outage
+        self.outage = outage or broker_outage(url)
 
     def hold(self) -> bool:
         """Take or renew the lock; True while this scheduler is the leader. The renewal is
@@ -73,14 +73,10 @@ class RedisLock:
             else:
                 self.held = bool(self.client.set(self.key, self.me, nx=True, px=self.ttl_ms))
         except Exception as exc:  # noqa: BLE001 - Redis down: nobody ticks, which the workers survive
-            if self.outage is not None:
-                self.outage.failed(exc)
-            else:
-                log.warning("outbox scheduler: cannot reach the lock (%s); not ticking", exc)
+            self.outage.failed(exc)
             self.held = False
         else:
-            if self.outage is not None:
-                self.outage.ok()
+            self.outage.ok()
         return self.held
 
     def release(self) -> None:
@@ -94,14 +90,13 @@ class RedisLock:
 
 class RabbitLock:
     """Leader lock in RabbitMQ: an exclusive queue, held by one connection at a time.
-    ``outage``: where an unreachable RabbitMQ is reported (default: a WARNING when the lock's
-    connection is lost, DEBUG while it cannot be made again)."""
+    ``outage``: where an unreachable RabbitMQ is reported (default: ``broker_outage``)."""
 
     def __init__(self, url: str, name: str, outage: Outage | None = None) -> None:
         self.url = url
         self.queue = f"outbox.scheduler.{name}"
         self.conn: Any = None
-        self.outage = outage
+        self.outage = outage or broker_outage(url)
 
     def hold(self) -> bool:
         from kombu import Connection
@@ -113,10 +108,7 @@ class RabbitLock:
             except TimeoutError:
                 pass
             except Exception as exc:  # noqa: BLE001 - any error of the lock's connection gives the lock up
-                if self.outage is not None:
-                    self.outage.failed(exc)
-                else:
-                    log.warning("outbox scheduler: lost the lock's connection (%s)", exc)
+                self.outage.failed(exc)
                 self.release()
             else:
                 return True
@@ -127,20 +119,17 @@ class RabbitLock:
             conn.connect()
             conn.default_channel.queue_declare(queue=self.queue, exclusive=True, auto_delete=True)
         except Exception as exc:  # noqa: BLE001 - RESOURCE_LOCKED: another scheduler leads; else unreachable
-            locked = type(exc).__name__ == "ResourceLocked"
-            if self.outage is not None and not locked:
-                self.outage.failed(exc)
-            else:
+            if type(exc).__name__ == "ResourceLocked":
                 log.debug("outbox scheduler: lock held elsewhere (%s)", exc)
-                if self.outage is not None:
-                    self.outage.ok()
+                self.outage.ok()
+            else:
+                self.outage.failed(exc)
             try:
                 conn.release()
             except Exception:
                 log.debug("outbox scheduler: error releasing a refused connection", exc_info=True)
             return False
-        if self.outage is not None:
-            self.outage.ok()
+        self.outage.ok()
         self.conn = conn
         return True
 
@@ -169,9 +158,10 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
     """Send each entry every ``every_s`` until ``stop`` is set, while holding ``lock``.
     ``send(actor, queue, kwargs, max_age_s)`` defaults to ``outbox.dramatiq.brokers.send``.
     A new leader sends the first entry (the claim tick) at once and the others after one
-    interval, like beat. ``outage``: where a send that fails is reported (default: a WARNING
-    each time), and a send that goes through ends the outage."""
+    interval, like beat. ``outage``: where a send that fails is reported (default: the lock's,
+    else ``broker_outage``), and a send that goes through ends the outage."""
     send = send or _broker.send
+    outage = outage or getattr(lock, "outage", None) or broker_outage("Dramatiq's broker")
     leading = False
     due = [0.0] * len(entries)
     next_lock = 0.0
@@ -192,14 +182,9 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
                     try:
                         send(actor, queue, kwargs, max_age_s=max_age_s)
                     except Exception as exc:  # noqa: BLE001 - Dramatiq's broker is down: the next one is sent
-                        if outage is not None:
-                            outage.failed(exc)
-                        else:
-                            log.warning("outbox scheduler: cannot send %s (%s: %s)", actor, type(exc).__name__,
-                                        redact(str(exc)))
+                        outage.failed(exc)
                     else:
-                        if outage is not None:
-                            outage.ok()
+                        outage.ok()
                     due[i] = now + every_s
                 wait_until = min(wait_until, due[i])
         stop.wait(max(0.01, wait_until - time.monotonic()))
