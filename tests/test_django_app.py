@@ -61,11 +61,11 @@ def test_djangos_test_runner_creates_the_table_and_the_app_works(database: dict[
     assert "Applying outbox.0001_initial... OK" in out
     assert "OK" in out.splitlines()[-2:] or "\nOK" in out
     if database["kind"] == "sqlite":
-        assert "Ran 6 tests" in out, out
+        assert "Ran 8 tests" in out, out
         if REQUIRE:  # CI installs chromium and chromium-driver: the browser test must run
             assert "skipped" not in out, out
     else:
-        assert "Ran 5 tests" in out, out
+        assert "Ran 7 tests" in out, out
 
 
 def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_database(

@@ -13,6 +13,7 @@ recording cursor; the live checks are in test_mssql_live.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -233,22 +234,46 @@ def test_alembic_and_django_migrations_probe_their_connection_for_isjson(row: tu
         assert ("ISJSON" in text) is isjson
 
 
+class DeadRowsCursor(RecordingCursor):
+    """Answers the requeue's look-up (``OutboxStore._requeue_ids``) with a dead row for each
+    id it names: a list of parameters, or one OPENJSON array."""
+
+    def execute(self, sql: str, params: Any = ()) -> RecordingCursor:
+        super().execute(sql, params)
+        if "processed_at, status FROM" in sql:
+            ids = json.loads(params[0]) if len(params) == 1 and isinstance(params[0], str) else params
+            self.rows = [(int(i), f"m-{i}", "t", "o", "a", 3, "retriable: x", None, 4) for i in dict.fromkeys(ids)]
+        return self
+
+
+class DeadRowsConnection(RawConnection):
+    def cursor(self) -> RecordingCursor:
+        self.cursors.append(DeadRowsCursor(answers=self.answers))
+        return self.cursors[-1]
+
+
 def test_django_admin_requeue_probes_its_connection_and_chunks_below_130() -> None:
     """The admin's requeue built its engine without reading the level and sent OPENJSON,
-    which a database below level 130 refuses; and one statement may carry 2,000 ids."""
-    from outbox.contrib.django.schema import requeue_dead
-    raw = RawConnection({SERVER_ANSWER: [(120, 16, 3)]})
-    requeue_dead(DjangoConnection(raw), list(range(1, 4501)))
-    probe, *updates = raw.log
+    which a database below level 130 refuses; and one statement may carry 2,000 ids. Now
+    the admin's store call (``schema.store_on``, the selection mode of ``OutboxStore.requeue``)
+    probes first, then looks up and requeues 1,000 ids per transaction."""
+    from contextlib import nullcontext
+
+    from outbox.contrib.django.schema import store_on
+    raw = DeadRowsConnection({SERVER_ANSWER: [(120, 16, 3)]})
+    result = store_on(DjangoConnection(raw), nullcontext).requeue(list(range(1, 4501)), all_or_nothing=False)
+    assert result.count == 4500 and not (result.refused or result.missing or result.not_dead)
+    probe, *sent = raw.log
     assert probe[0].startswith(SERVER_ANSWER)
-    # Three statements carry every id once (each list padded by repeating its last id).
-    assert len(updates) == 3 and set().union(*(params for _, params in updates)) == set(range(1, 4501))
-    for sql, params in updates:
+    updates = [(sql, params) for sql, params in sent if sql.startswith("UPDATE")]
+    assert len(updates) == 5 == len(sent) - 5  # one look-up and one update per 1,000 ids
+    assert set().union(*(params for _, params in updates)) == set(range(1, 4501))
+    for sql, params in sent:
         assert "OPENJSON" not in sql and len(params) <= 2000
-        assert isinstance(parse_one(sql), exp.Update)
-    at_130 = RawConnection({SERVER_ANSWER: [(130, 16, 3)]})
-    requeue_dead(DjangoConnection(at_130), list(range(1, 4501)))
-    assert len(at_130.log) == 2 and "OPENJSON(?)" in at_130.log[1][0]
+        parse_one(sql)
+    at_130 = DeadRowsConnection({SERVER_ANSWER: [(130, 16, 3)]})
+    store_on(DjangoConnection(at_130), nullcontext).requeue(list(range(1, 4501)), all_or_nothing=False)
+    assert len(at_130.log) == 11 and all("OPENJSON(?)" in sql for sql, _ in at_130.log[1:])
 
 
 def test_requeue_of_explicit_ids_over_2000_below_level_130() -> None:

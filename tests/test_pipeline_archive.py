@@ -5,7 +5,10 @@ the round trip, crashes at every step, re-runs, the purge guard and bad argument
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
+import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -452,3 +455,109 @@ def test_an_unfinished_run_of_another_database_is_not_finished_on_this_one(spark
     finally:
         for store in stores:
             store.close()
+
+
+def paused_at(step: str, reached: threading.Event, go: threading.Event) -> Any:
+    """A hook that holds its run at ``step`` (its own, not a recovery's) until ``go``."""
+    own: list[str] = []
+
+    def hook(name: str) -> None:
+        if name == "staged":
+            own.append(name)
+        if name == step and own:
+            reached.set()
+            go.wait(300)
+    return hook
+
+
+class Running:
+    """An archive run in a thread of its own, held at ``step`` until ``resume``."""
+
+    def __init__(self, spark: Any, store: OutboxStore, root: Path, step: str) -> None:
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        archiver = Archiver(spark, store, str(root), on_step=paused_at(step, self.reached, self.go))
+        self.thread = threading.Thread(target=self._run, args=(archiver,), name="first-archive-run")
+        self.thread.start()
+        assert self.reached.wait(300), self.error
+
+    def _run(self, archiver: Archiver) -> None:
+        try:
+            self.result = archiver.run(timedelta(days=7))
+        except BaseException as exc:
+            self.error = exc
+            self.reached.set()
+
+    def resume(self) -> Any:
+        self.go.set()
+        self.thread.join(300)
+        assert self.error is None, f"the first run failed: {type(self.error).__name__}: {self.error}"
+        return self.result
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("step", ["staged", "verified"])
+def test_a_second_run_of_an_archive_in_use_is_refused_at_once_naming_the_first(
+        spark: Any, store: OutboxStore, tmp_path: Path, step: str) -> None:
+    """Two runs of one archive on one outbox at once (a cron schedule whose previous run is
+    slow): the second, started while the first has staged (or verified) its rows, stops at
+    once with one line naming the first (pid and host) and changes nothing; the first
+    finishes; every row is archived once. Before: the second's recovery took the first's
+    staging for a crashed run's and removed it, archived the same rows itself, and the
+    first then failed on Spark's "Path does not exist" (held at "staged") or committed a
+    run whose files were gone (held at "verified"), which every later run then failed to
+    finish: the archive was stuck until repaired by hand."""
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+    first = Running(spark, store, root, step)
+    try:
+        staged = sorted(p.name for p in (root / "_staging").iterdir())
+        started = time.monotonic()
+        with pytest.raises(PipelineError) as refused:
+            Archiver(spark, store, f"file://{root}/").run(timedelta(days=7))  # the same archive, written otherwise
+        took = time.monotonic() - started
+        message = str(refused.value)
+        assert "is in use by another archive run" in message and "\n" not in message, message
+        assert f"pid {os.getpid()} on host {socket.gethostname()}" in message, message
+        assert took < 10, took
+        assert sorted(p.name for p in (root / "_staging").iterdir()) == staged  # the first's staging untouched
+        assert table_ids(store) == set(ids)
+    finally:
+        result = first.resume()
+    assert (result.archived, result.deleted) == (len(old_done), len(old_done))
+    assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
+    assert Counter(plain_parquet_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
+    assert table_ids(store) == set(ids) - old_done
+    assert not (root / "_manifest" / "lock").exists()
+    # the lock went with the first run: the next one runs
+    assert Archiver(spark, store, str(root)).run(timedelta(days=7)).archived == 0
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_a_run_given_a_wait_runs_once_the_run_holding_the_archive_has_finished(
+        spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """``--wait``: the second run waits for the first (saying so once a second), then runs
+    and finds the rows already archived; and a wait that runs out is the same refusal."""
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+    first = Running(spark, store, root, "staged")
+    try:
+        started = time.monotonic()
+        with pytest.raises(PipelineError, match=r"in use by another archive run .*waited 2 s"):
+            Archiver(spark, store, str(root), wait_s=2).run(timedelta(days=7))
+        assert 2 <= time.monotonic() - started < 10
+        said: list[str] = []
+        resumed = threading.Timer(1.5, first.go.set)
+        resumed.start()
+        second = Archiver(spark, store, str(root), wait_s=300, progress=said.append).run(timedelta(days=7))
+    finally:
+        result = first.resume()
+    assert result.archived == len(old_done) and second.archived == 0
+    assert any("in use by another archive run" in line and "waiting" in line for line in said), said
+    assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
+    assert table_ids(store) == set(ids) - old_done

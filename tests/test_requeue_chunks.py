@@ -86,3 +86,33 @@ def test_forced_requeue_all_and_requeue_dead_run_in_chunks(store: OutboxStore) -
 def test_requeue_all_with_nothing_dead_reports_nothing(store: OutboxStore) -> None:
     assert store.requeue(None).requeued == {}
     assert store.requeue_dead() == 0
+
+
+def test_a_selection_is_requeued_as_all_is_in_chunks_reporting_what_it_kept(store: OutboxStore) -> None:
+    """``requeue(ids, all_or_nothing=False)``, the Django admin's selection: ``chunk`` ids
+    per transaction in id order, the permanent rows kept and named, the ids not dead or
+    gone reported; everything else requeued. Without ``force`` only; with it every dead row."""
+    ids = dead_rows(store, ["t.a", "t.b", "t.c"] * 4, permanent=frozenset({1, 7}))
+    with store.transaction() as cursor:  # one row done, one gone
+        store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 2 WHERE id = ?", [ids[4]])
+        store.engine.execute(cursor, f"DELETE FROM {store.engine.table} WHERE id = ?", [ids[5]])
+    seen = spy(store)
+    result = store.requeue([*reversed(ids), ids[0]], chunk=5, all_or_nothing=False)
+    assert result.requeued == {"t.a": 4, "t.b": 1, "t.c": 3}
+    assert [(row.id, row.topic, row.last_error) for row in result.refused] == [
+        (ids[1], "t.b", "poison: too big"), (ids[7], "t.b", "poison: too big")]
+    assert result.not_dead == {ids[4]: Status.DONE} and result.missing == [ids[5]]
+    assert [n for op, n in seen if op == "requeue"] == [3, 3, 2]  # ids 0-4, 5-9, 10-11: what each may requeue
+    assert sum(1 for op, _ in seen if op == "txn") == 3
+    now = statuses(store)
+    assert [now[ids[1]], now[ids[7]], now[ids[4]]] == [Status.DEAD, Status.DEAD, Status.DONE]
+    assert all(now[id] == Status.PENDING for n, id in enumerate(ids) if n not in (1, 4, 5, 7))
+    forced = store.requeue(ids, force=True, all_or_nothing=False)
+    assert forced.requeued == {"t.b": 2} and not forced.refused
+
+
+def test_the_command_lines_ids_stay_all_or_nothing(store: OutboxStore) -> None:
+    ids = dead_rows(store, ["t.a", "t.b"], permanent=frozenset({1}))
+    result = store.requeue(ids)
+    assert result.requeued == {} and [row.id for row in result.refused] == [ids[1]]
+    assert set(statuses(store).values()) == {Status.DEAD}

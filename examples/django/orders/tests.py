@@ -75,11 +75,62 @@ class AdminTests(TestCase):
         response = self.client.post("/admin/outbox/outboxevent/", {
             "action": "requeue_dead", "_selected_action": [self.dead, self.done]}, follow=True)
         self.assertEqual(response.status_code, 200)
-        self.assertContains(response, "Requeued 1 dead event(s).")
-        self.assertContains(response, "1 selected event(s) were not dead")
+        self.assertContains(response, "Requeued 1 dead event(s): orders.created 1.")
+        self.assertContains(response, "Left alone: 1 selected event(s) not dead (done 1).")
         dead = OutboxEvent.objects.get(id=self.dead)
         self.assertEqual((dead.status, dead.attempts), (Status.PENDING, 0))
         self.assertEqual(OutboxEvent.objects.get(id=self.done).status, Status.DONE)
+
+    def test_requeue_action_keeps_rows_with_a_permanent_reason_and_says_why(self):
+        """The CLI's rule (``outbox dead requeue`` without --force, ``OutboxStore.requeue``):
+        a dead row whose recorded reason is permanent (poison, undecodable) would only fail
+        again and stays dead; the page names it with its reason. Before, the admin requeued
+        every selected dead row."""
+        poison = make_row(Status.DEAD, error="poison: payload rejected by the broker", attempts=1)
+        undecodable = make_row(Status.DEAD, error="undecodable row: payload is not JSON", attempts=1)
+        response = self.client.post("/admin/outbox/outboxevent/", {
+            "action": "requeue_dead", "_selected_action": [self.dead, poison, undecodable, self.done]},
+            follow=True)
+        self.assertEqual(response.status_code, 200)
+        said = [str(m) for m in response.context["messages"]]
+        self.assertIn("Requeued 1 dead event(s): orders.created 1.", said)
+        refused = [m for m in said if m.startswith("Not requeued: 2 dead event(s)")]
+        self.assertEqual(len(refused), 1, said)
+        self.assertIn("permanent", refused[0])
+        self.assertIn(f"row {poison} (orders.created): poison: payload rejected by the broker", refused[0])
+        self.assertIn(f"row {undecodable} (orders.created): undecodable row: payload is not JSON", refused[0])
+        self.assertIn(f"outbox dead requeue --force {poison} {undecodable}", refused[0])
+        self.assertIn("Left alone: 1 selected event(s) not dead (done 1).", said)
+        self.assertEqual(OutboxEvent.objects.get(id=self.dead).status, Status.PENDING)
+        for kept in (poison, undecodable):
+            row = OutboxEvent.objects.get(id=kept)
+            self.assertEqual((row.status, row.attempts), (Status.DEAD, 1))
+        self.assertEqual(OutboxEvent.objects.get(id=self.done).status, Status.DONE)
+
+    def test_requeue_action_requeues_a_large_selection_in_short_transactions(self):
+        """"Select all" of 2,500 dead rows: requeued 1,000 per transaction in id order, as
+        ``outbox dead requeue --all`` does (one statement over every row would lock them all
+        at once: docs/relay.md, "Requeueing dead rows"). Each of the store's transactions
+        is an ``atomic`` block on Django's connection (a savepoint inside the test's own
+        transaction). Before, the whole selection was one transaction."""
+        from django.test.utils import CaptureQueriesContext
+
+        from outbox import enqueue
+
+        ids = [enqueue(connection, topic="orders.bulk", aggregate_type="order", aggregate_id=f"b{n % 50}",
+                       payload={"n": n}) for n in range(2500)]
+        OutboxEvent.objects.filter(id__in=ids).update(status=Status.DEAD, last_error="unroutable: no queue",
+                                                      attempts=3, processed_at=timezone.now())
+        with CaptureQueriesContext(connection) as queries:
+            response = self.client.post(f"/admin/outbox/outboxevent/?status__exact={Status.DEAD}", {
+                "action": "requeue_dead", "select_across": "1", "index": "0", "_selected_action": ids[:100]},
+                follow=True)
+        self.assertEqual(response.status_code, 200)
+        said = [str(m) for m in response.context["messages"]]
+        self.assertIn("Requeued 2501 dead event(s): orders.bulk 2500, orders.created 1.", said)
+        self.assertFalse(OutboxEvent.objects.filter(status=Status.DEAD).exists())
+        savepoints = [q["sql"] for q in queries.captured_queries if q["sql"].upper().startswith("SAVEPOINT")]
+        self.assertEqual(len(savepoints), 3, savepoints)
 
     def test_rows_are_read_only_and_requeue_needs_the_permission(self):
         self.assertEqual(self.client.get("/admin/outbox/outboxevent/add/").status_code, 403)

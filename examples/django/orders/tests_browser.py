@@ -69,7 +69,7 @@ class AdminInBrowserTests(StaticLiveServerTestCase):
         Select(b.find_element(By.NAME, "action")).select_by_value("requeue_dead")
         b.find_element(By.NAME, "index").click()
         messages = wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "ul.messagelist")))
-        self.assertIn("Requeued 1 dead event(s).", messages.text)
+        self.assertIn("Requeued 1 dead event(s): orders.created 1.", messages.text)
         self.assertEqual(OutboxEvent.objects.get(id=dead).status, Status.PENDING)
         self.assertEqual(OutboxEvent.objects.get(id=pending).status, Status.PENDING)
         # The row's page shows its fields read-only.

@@ -2,6 +2,8 @@
 
 One run, step by step (each step is safe to crash in; see docs/pipeline.md):
 
+0. **lock** the archive: one run of an archive at a time, a second one is refused
+   naming the first (``lock.py``; docs/pipeline.md, "One run at a time");
 1. **recover** every earlier run that committed but did not finish (publish its
    files, delete its rows) and drop the staging of runs that never committed;
 2. **cut-off** on the database clock, ``now - older_than``, kept as the driver's own
@@ -30,6 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +58,7 @@ from .common import (
     range_chunks,
 )
 from .fs import ArchiveFS
+from .lock import ArchiveLock
 
 log = logging.getLogger("outbox.pipeline.archive")
 
@@ -61,6 +66,10 @@ log = logging.getLogger("outbox.pipeline.archive")
 STEPS = ("staged", "verified", "committed", "published-one", "published", "deleted-chunk", "deleted")
 
 MANIFEST_DIR = "_manifest"
+#: ``_manifest/lock``: who holds the archive's lock, written by its holder (named in a refusal).
+HOLDER_NOTE = "lock"
+#: Seconds between two tries for a lock another run holds (``--wait``).
+LOCK_POLL_S = 1.0
 STAGING_DIR = "_staging"
 DONE_STATUS, DEAD_STATUS = 2, 4
 
@@ -179,7 +188,8 @@ def id_runs(edges: Iterable[tuple[int, int | None, int | None]]) -> tuple[int, l
 class Archiver:
     def __init__(self, spark: Any, store: OutboxStore, to: str, *, on_step: Hook | None = None,
                  delete_chunk: int = DELETE_CHUNK, delete_connections: int = DELETE_CONNECTIONS, partitions: int = 4,
-                 progress: Callable[[str], None] | None = None, source_options: dict[str, str] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, source_options: dict[str, str] | None = None,
+                 wait_s: float = 0.0) -> None:
         if delete_chunk < 1:
             raise PipelineError("--delete-chunk must be at least 1")
         if delete_connections < 1:
@@ -193,7 +203,10 @@ class Archiver:
         self.partitions = partitions
         self.progress = progress or (lambda message: log.info("%s", message))
         self.source_options = source_options or {}
+        #: How long to wait for another run holding the archive's lock (0: refuse at once).
+        self.wait_s = max(0.0, wait_s)
         self._fs: ArchiveFS | None = None
+        self._lock: ArchiveLock | None = None
 
     @property
     def fs(self) -> ArchiveFS:
@@ -208,11 +221,65 @@ class Archiver:
     # -- the run ---------------------------------------------------------------------------
     def run(self, older_than: timedelta, include_dead: bool = False) -> ArchiveResult:
         check_table(self.store)
+        self._lock = self._take_lock()
         try:
-            self.fs.check_writable()
-        except Exception as exc:  # noqa: BLE001 - any failure to write becomes one PipelineError line
+            try:
+                self.fs.check_writable()
+            except Exception as exc:  # noqa: BLE001 - any failure to write becomes one PipelineError line
+                raise PipelineError(f"cannot write to the archive {self.root}: "
+                                    f"{' '.join(str(exc).split())[:200]}") from None
+            self.fs.write_text(self.fs.uri(MANIFEST_DIR, HOLDER_NOTE), json.dumps(
+                {"host": socket.gethostname(), "pid": os.getpid(), "since": datetime.now(UTC).isoformat(
+                    timespec="seconds"), "database": database_of(self.store.url), "table": self.engine.table_name}))
+            return self._run(older_than, include_dead)
+        finally:
+            try:
+                self.fs.delete(self.fs.uri(MANIFEST_DIR, HOLDER_NOTE), recursive=False)
+            except Exception:  # a stale note only names a finished run until the next one
+                log.debug("outbox: cannot remove the archive's holder note", exc_info=True)
+            self._lock.release()
+            self._lock = None
+
+    # -- one run at a time (docs/pipeline.md, "One run at a time") ---------------------------
+    def _take_lock(self) -> ArchiveLock:
+        """The archive's lock, or a PipelineError naming its holder once ``wait_s`` has
+        passed (at once by default). The lock is keyed by the archive's URI as its
+        filesystem qualifies it, so ``/data/a``, ``/data/a/`` and ``file:///data/a`` are one."""
+        try:
+            qualified = self.fs.qualified_root()
+        except Exception as exc:  # noqa: BLE001 - a location Hadoop cannot name becomes one PipelineError line
             raise PipelineError(f"cannot write to the archive {self.root}: "
                                 f"{' '.join(str(exc).split())[:200]}") from None
+        lock = ArchiveLock(self.store, qualified)
+        deadline = time.monotonic() + self.wait_s
+        while not lock.try_acquire():
+            holder = self._holder()
+            if time.monotonic() >= deadline:
+                after = f"waited {self.wait_s:g} s; " if self.wait_s else ""
+                raise PipelineError(f"the archive {self.root} is in use by another archive run ({holder}); "
+                                    f"{after}runs of one archive must not overlap: run again when it has finished"
+                                    + ("" if self.wait_s else " (or give --wait)"))
+            self.progress(f"the archive {self.root} is in use by another archive run ({holder}); waiting")
+            time.sleep(max(0.0, min(LOCK_POLL_S, deadline - time.monotonic())))
+        return lock
+
+    def _holder(self) -> str:
+        """Who holds the archive's lock, as its holder recorded it (``_manifest/lock``)."""
+        note = self.fs.uri(MANIFEST_DIR, HOLDER_NOTE)
+        try:
+            held = json.loads(self.fs.read_text(note)) if self.fs.exists(note) else None
+        except Exception:  # a note being rewritten: say so rather than fail
+            log.debug("outbox: cannot read %s", note, exc_info=True)
+            held = None
+        if not held:
+            return "a run that has not recorded itself yet"
+        return f"pid {held.get('pid')} on host {held.get('host')}, since {held.get('since')}"
+
+    def _still_locked(self, before: str) -> None:
+        if self._lock is not None:
+            self._lock.check(before)
+
+    def _run(self, older_than: timedelta, include_dead: bool) -> ArchiveResult:
         recovered = self.recover()
         statuses = [DONE_STATUS, DEAD_STATUS] if include_dead else [DONE_STATUS]
         cutoff = db_cutoff(self.store, older_than)
@@ -246,6 +313,7 @@ class Archiver:
             "cutoff_native": encode_native(cutoff), "rows": rows, "id_ranges": ranges, "files": files,
             "committed_at": datetime.now(UTC).isoformat(),
         }
+        self._still_locked(f"committing run {run_id}")
         self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json"), json.dumps(manifest))
         self.on_step("committed")
         self.progress(f"run {run_id}: committed {rows} row(s) in {len(files)} file(s)")
@@ -292,6 +360,7 @@ class Archiver:
 
     # -- finishing and recovery ----------------------------------------------------------------
     def _finish(self, manifest: dict[str, Any]) -> int:
+        self._still_locked(f"finishing run {manifest['run_id']}")
         self._publish(manifest)
         deleted = self._delete(manifest)
         self.on_step("deleted")

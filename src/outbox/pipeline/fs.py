@@ -21,6 +21,11 @@ class ArchiveFS:
         self.root = root.rstrip("/")
         self.fs = self._Path(self.root).getFileSystem(spark._jsc.hadoopConfiguration())
 
+    def qualified_root(self) -> str:
+        """The root as its filesystem names it (scheme and authority, no trailing slash):
+        one name for every way of writing the same location."""
+        return str(self.fs.makeQualified(self._p(self.root)).toString()).rstrip("/")
+
     def uri(self, *parts: str) -> str:
         return "/".join([self.root, *[p.strip("/") for p in parts if p]])
 

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -137,3 +137,30 @@ class Connections:
             with attempt, self.transaction(alone=alone, ddl=ddl) as cursor:
                 return work(cursor)
         raise AssertionError("unreachable: tenacity re-raises the last error")
+
+
+class CallerTransactions(Connections):
+    """The store's transactions on a caller's connection instead of connections of its own
+    (``OutboxStore.on_caller``: the Django admin's requeue). ``begin()`` opens one of the
+    caller's transactions and yields a cursor in it; its exit commits or rolls back as the
+    caller's framework does. Nothing is retried: the transaction is the caller's, which may
+    hold work of its own that only the caller can run again."""
+
+    def __init__(self, engine: Engine, begin: Callable[[], AbstractContextManager[Any]]) -> None:
+        super().__init__(engine, "")
+        self.begin = begin
+
+    def get(self) -> Any:
+        raise TypeError("a store on its caller's transactions opens no connection of its own")
+
+    def drop(self) -> None:
+        """The connection is the caller's to close."""
+
+    @contextmanager
+    def transaction(self, *, alone: bool = False) -> Iterator[Any]:
+        with self.begin() as cursor:
+            yield cursor
+
+    def run(self, operation: str, work: Callable[[Any], T], *, attempts: int, alone: bool = False) -> T:
+        with self.begin() as cursor:
+            return work(cursor)

@@ -35,7 +35,7 @@ from ..core.model import (
     Takeover,
 )
 from ..domain.events import MAX_ERROR_UNITS, fit_utf16
-from .connections import Connections
+from .connections import CallerTransactions, Connections
 from .engines import Engine, engine_for_url
 from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
 from .engines.describe import index_names
@@ -78,19 +78,29 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -
 class OutboxStore:
     def __init__(self, url: str, *, table: str = "outbox", schema: str | None = None,
                  claim_timeout_ms: int = 60_000, max_attempts: int = 10,
-                 archive_uri: str | None = None) -> None:
+                 archive_uri: str | None = None, engine: Engine | None = None,
+                 connections: Connections | None = None) -> None:
         self.url = url
         #: OUTBOX_ARCHIVE_URI: while archiving is configured, ``purge_done`` leaves
         #: deleting to the archive job (which deletes only what it archived).
         self.archive_uri = archive_uri
-        self.engine: Engine = engine_for_url(url, table=table, schema=schema)
+        self.engine: Engine = engine or engine_for_url(url, table=table, schema=schema)
         self.claim_timeout_ms = claim_timeout_ms
         self.max_attempts = max_attempts
         #: The relay worker process this store leases for (``relay.holders``): its id is the
         #: first half of every lease token the store makes, so the rows say which process
         #: holds them. None: tokens are random (docs/internals.md, "Lost workers").
         self.holder_id: str | None = None
-        self._connections = Connections(self.engine, url)
+        self._connections = connections or Connections(self.engine, url)
+
+    @classmethod
+    def on_caller(cls, engine: Engine, begin: Callable[[], AbstractContextManager[Any]]) -> OutboxStore:
+        """The store's calls on a caller's transactions instead of connections of its own:
+        ``begin()`` opens one and yields a cursor in it (the Django admin's requeue,
+        ``contrib.django.schema.store_on``), so the caller gets the same rules as the
+        command line from the same code. Nothing is retried there (``CallerTransactions``)."""
+        return cls(f"{engine.name}://(the caller's connection)", engine=engine,
+                   connections=CallerTransactions(engine, begin))
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> OutboxStore:
@@ -537,15 +547,19 @@ class OutboxStore:
             after = rows[-1][0]
 
     def requeue(self, ids: Sequence[int] | None = None, *, force: bool = False,
-                chunk: int = REQUEUE_CHUNK) -> RequeueResult:
+                chunk: int = REQUEUE_CHUNK, all_or_nothing: bool = True) -> RequeueResult:
         """Make dead rows pending again with a fresh attempt budget, reporting per topic.
 
         A row whose recorded reason is permanent (``engines.base.PERMANENT_ERROR_PREFIXES``:
         undecodable, poison) would only fail again, so it stays dead unless ``force``.
         ``ids=None`` requeues every other dead row, ``chunk`` rows per short transaction in
-        id order, and counts the ones kept. With explicit ids it is all or nothing: an id
-        that does not exist, is not dead, or is permanent (without ``force``) is reported
-        and nothing is requeued."""
+        id order, and counts the ones kept. With explicit ids it is all or nothing (the
+        command line's ids): an id that does not exist, is not dead, or is permanent
+        (without ``force``) is reported and nothing is requeued. With ids and
+        ``all_or_nothing=False`` (the Django admin's selection) the ids are taken as
+        ``None`` takes every dead row: ``chunk`` ids per short transaction in id order,
+        each requeued unless permanent (without ``force``), not dead or gone, which are
+        reported (docs/relay.md, "Requeueing dead rows")."""
         t = self.engine.table
         permanent = "(" + " OR ".join("last_error LIKE ?" for _ in PERMANENT_ERROR_PREFIXES) + ")"
         permanent_params = [prefix + "%" for prefix in PERMANENT_ERROR_PREFIXES]
@@ -560,26 +574,46 @@ class OutboxStore:
             return RequeueResult(requeued=requeued,
                                  permanent={str(r[0]): int(r[1]) for r in sorted(kept, key=lambda r: str(r[0]))})
 
-        def requeue_ids(cursor: Any) -> RequeueResult:
-            wanted = sorted({int(i) for i in ids or ()})
-            chunks = [self.engine.ids_in(part) for part in self.engine.id_chunks(wanted)]
-            rows = [row for cond, params in chunks for row in self.engine.execute(
-                cursor, "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, "
-                f"processed_at, status FROM {t} WHERE {cond}", params).fetchall()]
-            found = {int(r[0]): r for r in rows}
-            missing = [i for i in wanted if i not in found]
-            not_dead = {i: int(r[8]) for i, r in found.items() if int(r[8]) != Status.DEAD}
-            refused = [] if force else [
-                DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], self.engine.to_datetime(r[7]))
-                for i, r in sorted(found.items()) if i not in not_dead and is_permanent_error(r[6])]
-            if missing or not_dead or refused:
-                return RequeueResult(refused=refused, missing=missing, not_dead=not_dead)
-            counts: dict[str, int] = {}
-            for r in found.values():
-                counts[str(r[2])] = counts.get(str(r[2]), 0) + 1
-            for cond, params in chunks:
-                if params:
-                    self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
-            return RequeueResult(requeued=dict(sorted(counts.items())))
+        wanted = sorted({int(i) for i in ids})
+        if all_or_nothing:
+            return self._run("requeue", lambda cursor: self._requeue_ids(cursor, wanted, force, all_or_nothing=True))
+        if chunk <= 0:
+            raise ValueError("chunk must be positive")
 
-        return self._run("requeue", requeue_ids)
+        def requeue_part(part: list[int]) -> RequeueResult:
+            return self._run("requeue", lambda cursor: self._requeue_ids(cursor, part, force, all_or_nothing=False))
+        parts = [requeue_part(wanted[i:i + chunk]) for i in range(0, len(wanted), chunk)]
+        per_topic: dict[str, int] = {}
+        for part in parts:
+            for topic, count in part.requeued.items():
+                per_topic[topic] = per_topic.get(topic, 0) + count
+        return RequeueResult(requeued=dict(sorted(per_topic.items())),
+                             refused=[row for part in parts for row in part.refused],
+                             missing=[i for part in parts for i in part.missing],
+                             not_dead={i: s for part in parts for i, s in part.not_dead.items()})
+
+    def _requeue_ids(self, cursor: Any, wanted: list[int], force: bool, *, all_or_nothing: bool) -> RequeueResult:
+        """``requeue`` of the ids ``wanted`` in the transaction of ``cursor``: each is looked
+        at, then the dead ones not refused are requeued (none at all when one is refused,
+        missing or not dead and ``all_or_nothing``)."""
+        chunks = [self.engine.ids_in(part) for part in self.engine.id_chunks(wanted)]
+        rows = [row for cond, params in chunks for row in self.engine.execute(
+            cursor, "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, "
+            f"processed_at, status FROM {self.engine.table} WHERE {cond}", params).fetchall()]
+        found = {int(r[0]): r for r in rows}
+        missing = [i for i in wanted if i not in found]
+        not_dead = {i: int(r[8]) for i, r in found.items() if int(r[8]) != Status.DEAD}
+        refused = [] if force else [
+            DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], self.engine.to_datetime(r[7]))
+            for i, r in sorted(found.items()) if i not in not_dead and is_permanent_error(r[6])]
+        if all_or_nothing and (missing or not_dead or refused):
+            return RequeueResult(refused=refused, missing=missing, not_dead=not_dead)
+        kept = {row.id for row in refused} | set(not_dead)
+        requeue = [i for i in sorted(found) if i not in kept]
+        counts: dict[str, int] = {}
+        for i in requeue:
+            counts[str(found[i][2])] = counts.get(str(found[i][2]), 0) + 1
+        for cond, params in map(self.engine.ids_in, self.engine.id_chunks(requeue)) if requeue else []:
+            self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
+        return RequeueResult(requeued=dict(sorted(counts.items())), refused=refused, missing=missing,
+                             not_dead=not_dead)

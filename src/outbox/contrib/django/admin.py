@@ -1,14 +1,16 @@
 """The outbox in Django's admin: rows by status, dead rows with their error, and a
-"requeue" action for dead rows (the relay's own requeue statement, then a wake-up after
-commit). Rows are read-only: the relay owns them."""
+"requeue" action for dead rows (``outbox dead requeue``'s store call and rules, then a
+wake-up after commit). Rows are read-only: the relay owns them."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db import router, transaction
+from django.db import connections, router, transaction
 
+from ...core.model import RequeueResult
 from .models import OutboxEvent, Status
 
 
@@ -55,18 +57,43 @@ class OutboxEventAdmin(admin.ModelAdmin):
 
     @admin.action(description="Requeue selected dead events", permissions=["requeue"])
     def requeue_dead(self, request: Any, queryset: Any) -> None:
-        dead = list(queryset.filter(status=Status.DEAD).values_list("id", flat=True))
-        skipped = queryset.count() - len(dead)
-        if dead:
-            from . import schema, wake_on_commit
+        """``outbox dead requeue``'s rules through its own store call (``OutboxStore.requeue``
+        on Django's connection): the selection is taken as ``--all`` takes every dead row,
+        1,000 rows per transaction, and rows with a permanent reason are kept and named
+        (docs/django.md, "Admin")."""
+        from . import schema, wake_on_commit
 
-            using = router.db_for_write(OutboxEvent)
-            with transaction.atomic(using=using):
-                from django.db import connections
+        using = router.db_for_write(OutboxEvent)
+        store = schema.store_on(connections[using], lambda: transaction.atomic(using=using))
+        result = store.requeue(list(queryset.values_list("id", flat=True)), all_or_nothing=False)
+        if result.count:
+            wake_on_commit(using)
+            per_topic = ", ".join(f"{topic} {count}" for topic, count in result.requeued.items())
+            self.message_user(request, f"Requeued {result.count} dead event(s): {per_topic}.", messages.SUCCESS)
+        for line in refusals(result):
+            self.message_user(request, line, messages.WARNING)
 
-                count = schema.requeue_dead(connections[using], dead)
-                wake_on_commit(using)
-            self.message_user(request, f"Requeued {count} dead event(s).", messages.SUCCESS)
-        if skipped:
-            self.message_user(request, f"{skipped} selected event(s) were not dead and were left alone.",
-                              messages.WARNING)
+
+#: Rows named one by one in a message; the rest are counted.
+LISTED = 20
+
+
+def refusals(result: RequeueResult) -> list[str]:
+    """What the admin says about the selected rows ``result`` did not requeue, and why."""
+    lines = []
+    if result.refused:
+        ids = " ".join(str(row.id) for row in result.refused[:LISTED])
+        rows = "; ".join(f"row {row.id} ({row.topic}): {' '.join((row.last_error or '').split())[:200]}"
+                         for row in result.refused[:LISTED])
+        more = f"; and {len(result.refused) - LISTED} more" if len(result.refused) > LISTED else ""
+        lines.append(f"Not requeued: {len(result.refused)} dead event(s) whose recorded reason is permanent "
+                     f"would only fail again; fix the cause, then requeue them with "
+                     f"`outbox dead requeue --force {ids}`{' ...' if more else ''}: {rows}{more}.")
+    if result.not_dead:
+        statuses = Counter(Status(status).label for status in result.not_dead.values())
+        lines.append(f"Left alone: {len(result.not_dead)} selected event(s) not dead "
+                     f"({', '.join(f'{label} {n}' for label, n in sorted(statuses.items()))}).")
+    if result.missing:
+        lines.append(f"Left alone: {len(result.missing)} selected event(s) no longer exist "
+                     "(archived or purged since the page was shown).")
+    return lines

@@ -8,11 +8,13 @@ and ``outbox migrate`` afterwards finds nothing to do.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from ...core.config import get_settings, load_settings
 from ...storage.engines import Engine, engine_class, unwrap_connection
-from ...storage.store import apply_migration
+from ...storage.store import OutboxStore, apply_migration
 
 
 def engine_for(connection: Any) -> tuple[Engine, Any]:
@@ -31,17 +33,27 @@ def create_table(connection: Any) -> None:
         cursor.close()
 
 
-def requeue_dead(connection: Any, ids: list[int]) -> int:
-    """The store's requeue statement on Django's connection (the admin action): id lists
-    as that connection's server takes them (probed first), as many statements as needed."""
-    engine, raw = engine_for(connection)
-    cursor = engine.cursor_for(raw)
-    try:
-        engine.read_server(cursor)
-        return sum(int(engine.execute(cursor, engine.requeue_sql(cond), params).rowcount)
-                   for cond, params in map(engine.ids_in, engine.id_chunks(ids)))
-    finally:
-        cursor.close()
+def store_on(connection: Any, atomic: Callable[[], AbstractContextManager[Any]]) -> OutboxStore:
+    """The relay's store on a Django connection (the admin's requeue action): each of the
+    store's transactions is ``atomic()`` there (``transaction.atomic``, a savepoint inside
+    a transaction already open), on the raw DB-API connection with the engine's own cursor,
+    what the connection's server offers probed first (``Engine.read_server``). The same
+    store calls as the command line's, so the same rules."""
+    engine, _ = engine_for(connection)
+    probed: list[bool] = []
+
+    @contextmanager
+    def begin() -> Iterator[Any]:
+        with atomic():
+            cursor = engine.cursor_for(unwrap_connection(connection)[1])
+            try:
+                if not probed:
+                    engine.read_server(cursor)
+                    probed.append(True)
+                yield cursor
+            finally:
+                cursor.close()
+    return OutboxStore.on_caller(engine, begin)
 
 
 def table_name() -> str:

@@ -1,0 +1,190 @@
+"""One archive run at a time: an exclusive lock per archive, held by the run's own
+session of the outbox database, so it ends when its holder does (docs/pipeline.md,
+"One run at a time", says why the lock lives in the database and not in the archive).
+
+Per engine (a small table, as ``fetch.py``'s): PostgreSQL ``pg_try_advisory_lock``,
+MySQL/MariaDB ``GET_LOCK``, SQL Server ``sp_getapplock`` owned by the session, each on a
+connection of its own that the run keeps open; SQLite, which has no sessions, an OS
+lock (``flock``) on a file beside the database, which the kernel releases when the
+process ends. No Spark here: the archive's name comes in as a string.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+from typing import Any
+
+from ..core.config import session_bounds
+from ..storage.engines.sqlite import sqlite_path
+from ..storage.store import OutboxStore
+from .common import PipelineError
+
+log = logging.getLogger("outbox.pipeline.lock")
+
+#: Seconds between two pings of the lock's connection: they keep it from looking idle to
+#: the server (MySQL's ``wait_timeout`` is the relay's 5 s bound, docs/relay.md, "A network
+#: cut") and find a lost lock (the server ended the session) before the run commits.
+PING_EVERY_S = 2.0
+
+
+def mysql_wait_timeout_s(url: str) -> int:
+    """MySQL/MariaDB end the lock's session when it is silent this long: the time TCP takes
+    to find a silent peer (``tcp_timeout_s``), and at least three pings."""
+    return max(session_bounds(url)["tcp_timeout_s"], int(3 * PING_EVERY_S))
+
+
+def lock_name(archive: str) -> str:
+    """The lock's name for an archive (its qualified URI): a digest, so that any URI fits
+    GET_LOCK's 64 characters and sp_getapplock's 255."""
+    return "outbox archive " + hashlib.sha1(archive.encode("utf-8")).hexdigest()
+
+
+def advisory_key(name: str) -> int:
+    """PostgreSQL's advisory locks take a signed 64-bit key: the first 8 bytes of a digest."""
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)
+
+
+def _nstr(text: str) -> str:
+    return "N'" + text.replace("'", "''") + "'"
+
+
+def mssql_lock_sql(name: str) -> str:
+    """T-SQL: take the session's exclusive applock ``name`` without waiting; one row, the
+    result (0 granted, negative not; checked with sqlglot's T-SQL dialect in the tests)."""
+    return ("SET NOCOUNT ON; DECLARE @lock_result INT; "
+            f"EXEC @lock_result = sp_getapplock @Resource = {_nstr(name)}, @LockMode = N'Exclusive', "
+            "@LockOwner = N'Session', @LockTimeout = 0; SELECT @lock_result")
+
+
+def mssql_unlock_sql(name: str) -> str:
+    return f"EXEC sp_releaseapplock @Resource = {_nstr(name)}, @LockOwner = N'Session'"
+
+
+#: engine -> (take without waiting, one row whose first value says whether it was granted; release).
+SERVER_LOCKS: dict[str, tuple[str, str]] = {
+    "postgresql": ("SELECT pg_try_advisory_lock(?)", "SELECT pg_advisory_unlock(?)"),
+    "mysql": ("SELECT GET_LOCK(?, 0)", "SELECT RELEASE_LOCK(?)"),
+}
+
+
+class ArchiveLock:
+    """The exclusive lock of one archive. ``try_acquire`` takes it or says it is held;
+    ``check`` raises when the session holding it has ended; ``release`` gives it back."""
+
+    def __init__(self, store: OutboxStore, archive: str) -> None:
+        self.store = store
+        self.archive = archive
+        self.name = lock_name(archive)
+        self._conn: Any = None
+        self._file: Any = None
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._pinger: threading.Thread | None = None
+        self._lost: str | None = None
+
+    # -- taking it -----------------------------------------------------------------------
+    def try_acquire(self) -> bool:
+        engine = self.store.engine.name
+        if engine == "sqlite":
+            return self._flock()
+        conn = self.store.engine.connect(self.store.url)
+        try:
+            if engine == "mysql":  # MariaDB ends no idle session by itself: a vanished holder's would stay
+                self._statement(conn, (f"SET SESSION wait_timeout = {mysql_wait_timeout_s(self.store.url)}", []))
+            granted = self._statement(conn, self._sql(take=True), first=True)
+        except BaseException:
+            self._close(conn)
+            raise
+        if not granted:
+            self._close(conn)
+            return False
+        self._conn = conn
+        self._pinger = threading.Thread(target=self._ping, name="outbox-archive-lock", daemon=True)
+        self._pinger.start()
+        return True
+
+    def _sql(self, *, take: bool) -> tuple[str, list[Any]]:
+        """The statement that takes (``take``) or releases the lock, with its parameters."""
+        engine = self.store.engine.name
+        if engine == "mssql":
+            return (mssql_lock_sql if take else mssql_unlock_sql)(self.name), []
+        take_sql, release_sql = SERVER_LOCKS[engine]
+        return (take_sql if take else release_sql), [advisory_key(self.name) if engine == "postgresql" else self.name]
+
+    def _granted(self, value: Any) -> bool:
+        if self.store.engine.name == "mssql":
+            return value is not None and int(value) >= 0
+        return bool(value)  # PostgreSQL: true/false; GET_LOCK: 1, 0, or NULL on an error
+
+    def _statement(self, conn: Any, sql: tuple[str, list[Any]], *, first: bool = False) -> Any:
+        """Run one statement on the lock's connection and commit at once: the session holds
+        the lock, never a transaction (the server ends a session idle in one)."""
+        cursor = conn.cursor()
+        try:
+            self.store.engine.execute(cursor, sql[0], sql[1])
+            value = self._granted(cursor.fetchone()[0]) if first else None
+        finally:
+            cursor.close()
+        conn.commit()
+        return value
+
+    def _flock(self) -> bool:
+        path = sqlite_path(self.store.url)
+        if path == ":memory:":
+            return True  # a database of this process alone: no other run can reach it
+        lock_path = f"{os.path.abspath(path)}-archive-{self.name.rsplit(' ', 1)[1][:12]}.lock"
+        handle = open(lock_path, "a+")  # noqa: SIM115 - held open for as long as the lock
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return False
+        self._file = handle
+        return True
+
+    # -- holding it ----------------------------------------------------------------------
+    def _ping(self) -> None:
+        while not self._stop.wait(PING_EVERY_S):
+            with self._guard:
+                if self._conn is None:
+                    return
+                try:
+                    self._statement(self._conn, ("SELECT 1", []))
+                except Exception as exc:  # noqa: BLE001 - any failure means the session, and its lock, may be gone
+                    self._lost = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                    return
+
+    def check(self, before: str) -> None:
+        """Raise ``PipelineError`` when the session that held the lock has ended: another
+        run may hold it now, so this one stops ``before`` its next step."""
+        if self._lost is not None:
+            raise PipelineError(f"lost the lock of the archive {self.archive} (its database session ended: "
+                                f"{self._lost}); stopped before {before}: run again")
+
+    # -- giving it back ------------------------------------------------------------------
+    def release(self) -> None:
+        self._stop.set()
+        if self._pinger is not None:
+            self._pinger.join(PING_EVERY_S * 2)
+        with self._guard:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                self._statement(conn, self._sql(take=False))
+            except Exception:  # closing the session below releases it anyway
+                log.debug("outbox: cannot release the archive lock; closing its session", exc_info=True)
+            self._close(conn)
+        if self._file is not None:
+            self._file.close()  # closing the file releases its flock
+            self._file = None
+
+    @staticmethod
+    def _close(conn: Any) -> None:
+        try:
+            conn.close()
+        except Exception:  # a broken connection is closed as far as it goes
+            log.debug("outbox: cannot close the archive lock's connection", exc_info=True)

@@ -1,0 +1,122 @@
+"""The archive's lock (``outbox.pipeline.lock``) on the real databases, without Spark: one
+holder at a time, gone with its holder (a SIGKILLed process), kept while its session is
+idle past the relay's idle bounds, a lost session reported; its T-SQL parsed by sqlglot.
+The archive runs that take it: tests/test_pipeline_archive.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tsql_support import no_sqlglot_fallbacks  # noqa: F401 - a fixture
+
+import outbox
+from outbox.pipeline.common import PipelineError
+from outbox.pipeline.lock import ArchiveLock, lock_name, mssql_lock_sql, mssql_unlock_sql
+from outbox.storage.store import OutboxStore
+
+ARCHIVE = "file:/data/outbox-archive"
+
+HOLD = """
+import sys, time
+from outbox.pipeline.lock import ArchiveLock
+from outbox.storage.store import OutboxStore
+lock = ArchiveLock(OutboxStore(sys.argv[1], table=sys.argv[2]), sys.argv[3])
+print("held" if lock.try_acquire() else "refused", flush=True)
+time.sleep(600)
+"""
+
+
+def holder_process(store: OutboxStore, archive: str) -> subprocess.Popen[str]:
+    """Another process that takes ``archive``'s lock and keeps it until it is killed."""
+    src = str(Path(outbox.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, store.url, store.engine.table_name, archive],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_one_holder_at_a_time_and_the_lock_ends_with_its_holder(store: OutboxStore) -> None:
+    proc = holder_process(store, ARCHIVE)
+    try:
+        lock = ArchiveLock(store, ARCHIVE)
+        assert not lock.try_acquire()
+        other = ArchiveLock(store, ARCHIVE + "-another")  # another archive: its own lock
+        assert other.try_acquire()
+        other.release()
+        proc.send_signal(signal.SIGKILL)  # no release, no clean-up: the session (or the process's flock) ends
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while not lock.try_acquire():
+            assert time.monotonic() < deadline, "the lock outlived its SIGKILLed holder"
+            time.sleep(0.2)
+        again = ArchiveLock(store, ARCHIVE)
+        assert not again.try_acquire()  # in one process too: two sessions, two open files
+        lock.release()
+        assert again.try_acquire()
+        again.release()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_the_lock_outlasts_the_relays_idle_bounds_and_a_lost_session_is_reported(store: OutboxStore) -> None:
+    """The lock's session is the relay's (ended by the server when idle in a transaction
+    5 s; on MySQL when idle at all): it commits every statement and is pinged, so an idle
+    hold of 7 s keeps it. When the server ends that session, ``check`` says so."""
+    lock = ArchiveLock(store, ARCHIVE)
+    assert lock.try_acquire()
+    try:
+        if store.engine.name == "mysql":  # a vanished holder's session ends within the TCP bound
+            with lock._guard:
+                cursor = lock._conn.cursor()
+                cursor.execute("SELECT @@session.wait_timeout")
+                assert int(cursor.fetchone()[0]) == 10
+                cursor.close()
+                lock._conn.commit()
+        time.sleep(7)
+        lock.check("committing")
+        assert not ArchiveLock(store, ARCHIVE).try_acquire()
+        with store.transaction() as cursor:  # the server ends the lock's session
+            if store.engine.name == "postgresql":
+                store.engine.execute(cursor, "SELECT pg_terminate_backend(?)", [lock._conn.info.backend_pid])
+            else:
+                store.engine.execute(cursor, f"KILL {int(lock._conn.thread_id())}")
+        deadline = time.monotonic() + 10
+        with pytest.raises(PipelineError, match=r"lost the lock of the archive file:/data/outbox-archive .*"
+                                                r"stopped before committing: run again"):
+            while time.monotonic() < deadline:
+                lock.check("committing")
+                time.sleep(0.2)
+    finally:
+        lock.release()
+    taken = ArchiveLock(store, ARCHIVE)
+    assert taken.try_acquire()
+    taken.release()
+
+
+@pytest.mark.usefixtures("no_sqlglot_fallbacks")
+def test_the_sql_server_lock_parses_as_tsql() -> None:
+    import sqlglot
+    from sqlglot import exp
+
+    name = lock_name(ARCHIVE)
+    assert len(name) <= 255  # sp_getapplock's @Resource
+    take = sqlglot.parse(mssql_lock_sql(name), read="tsql")
+    assert [type(s).__name__ for s in take] == ["Set", "Declare", "Execute", "Select"]
+    release = sqlglot.parse(mssql_unlock_sql(name), read="tsql")
+    assert [type(s).__name__ for s in release] == ["Execute"]
+    for statement in [*take, *release]:
+        assert statement is not None and not list(statement.find_all(exp.Command))
+    assert "@LockOwner = N'Session'" in mssql_lock_sql(name) and "@LockTimeout = 0" in mssql_lock_sql(name)
+    assert mssql_lock_sql("it's").count("N'it''s'") == 1
