@@ -121,7 +121,7 @@ def test_receive_index_is_keyed_on_visibility_and_replaces_the_id_keyed_one(
     assert select is not None
     order = select.args["order"]
     assert [o.this.name for o in order.expressions] == ["visible_at", "id"]
-    assert "WHERE queue = @queue AND visible_at <= SYSUTCDATETIME()" in lease
+    assert f"WHERE queue = @queue AND visible_at <= {qt.now()}" in lease
 
 
 def test_a_requeued_message_keeps_its_place(qt: MssqlQueueTables, no_sqlglot_fallbacks: None) -> None:

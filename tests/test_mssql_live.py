@@ -881,8 +881,7 @@ def test_the_lease_seeks_visible_rows_past_a_head_of_delayed_ones(url: str) -> N
             cursor = conn.cursor()
             cursor.execute("SET SHOWPLAN_XML ON")
             cursor.execute(f"SELECT TOP (10) id FROM {db.qt.table} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, "
-                           "ROWLOCK) WHERE queue = ? AND visible_at <= SYSUTCDATETIME() AND (expires_at IS NULL OR "
-                           "expires_at > SYSUTCDATETIME()) ORDER BY visible_at, id", ("q",))
+                           f"ROWLOCK) WHERE queue = ? AND {db.qt.visible()} ORDER BY visible_at, id", ("q",))
             plan = str(cursor.fetchone()[0])
             cursor.execute("SET SHOWPLAN_XML OFF")
         finally:

@@ -157,10 +157,11 @@ class CallerTransactions(Connections):
         """The connection is the caller's to close."""
 
     @contextmanager
-    def transaction(self, *, alone: bool = False) -> Iterator[Any]:
+    def transaction(self, *, alone: bool = False, ddl: bool = False) -> Iterator[Any]:
         with self.begin() as cursor:
             yield cursor
 
-    def run(self, operation: str, work: Callable[[Any], T], *, attempts: int, alone: bool = False) -> T:
+    def run(self, operation: str, work: Callable[[Any], T], *, attempts: int, alone: bool = False,
+            ddl: bool = False) -> T:
         with self.begin() as cursor:
             return work(cursor)
