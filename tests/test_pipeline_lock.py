@@ -17,7 +17,8 @@ from tsql_support import no_sqlglot_fallbacks  # noqa: F401 - a fixture
 
 import outbox
 from outbox.pipeline.common import PipelineError
-from outbox.pipeline.lock import ArchiveLock, lock_name, mssql_lock_sql, mssql_unlock_sql
+from outbox.pipeline.lock import ArchiveLock, lock_name
+from outbox.storage.engines.mssql.schema import session_lock_sql, session_unlock_sql
 from outbox.storage.store import OutboxStore
 
 ARCHIVE = "file:/data/outbox-archive"
@@ -112,11 +113,11 @@ def test_the_sql_server_lock_parses_as_tsql() -> None:
 
     name = lock_name(ARCHIVE)
     assert len(name) <= 255  # sp_getapplock's @Resource
-    take = sqlglot.parse(mssql_lock_sql(name), read="tsql")
+    take = sqlglot.parse(session_lock_sql(name), read="tsql")
     assert [type(s).__name__ for s in take] == ["Set", "Declare", "Execute", "Select"]
-    release = sqlglot.parse(mssql_unlock_sql(name), read="tsql")
+    release = sqlglot.parse(session_unlock_sql(name), read="tsql")
     assert [type(s).__name__ for s in release] == ["Execute"]
     for statement in [*take, *release]:
         assert statement is not None and not list(statement.find_all(exp.Command))
-    assert "@LockOwner = N'Session'" in mssql_lock_sql(name) and "@LockTimeout = 0" in mssql_lock_sql(name)
-    assert mssql_lock_sql("it's").count("N'it''s'") == 1
+    assert "@LockOwner = N'Session'" in session_lock_sql(name) and "@LockTimeout = 0" in session_lock_sql(name)
+    assert session_lock_sql("it's").count("N'it''s'") == 1

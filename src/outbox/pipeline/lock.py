@@ -2,11 +2,11 @@
 session of the outbox database, so it ends when its holder does (docs/pipeline.md,
 "One run at a time", says why the lock lives in the database and not in the archive).
 
-Per engine (a small table, as ``fetch.py``'s): PostgreSQL ``pg_try_advisory_lock``,
-MySQL/MariaDB ``GET_LOCK``, SQL Server ``sp_getapplock`` owned by the session, each on a
-connection of its own that the run keeps open; SQLite, which has no sessions, an OS
-lock (``flock``) on a file beside the database, which the kernel releases when the
-process ends. No Spark here: the archive's name comes in as a string.
+The lock's statements are the engine's (``Engine.session_lock_statements``: PostgreSQL's
+``pg_try_advisory_lock``, MySQL/MariaDB's ``GET_LOCK``, SQL Server's ``sp_getapplock``
+owned by the session), on a connection of its own that the run keeps open. SQLite has
+no sessions: an OS lock (``flock``) on a file beside the database, which the kernel
+releases when the process ends. No Spark here: the archive's name comes in as a string.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ log = logging.getLogger("outbox.pipeline.lock")
 PING_EVERY_S = 2.0
 
 
-def mysql_wait_timeout_s(url: str) -> int:
-    """MySQL/MariaDB end the lock's session when it is silent this long: the time TCP takes
-    to find a silent peer (``tcp_timeout_s``), and at least three pings."""
+def idle_bound_s(url: str) -> int:
+    """A server that ends silent sessions may end the lock's when it is silent this long:
+    the time TCP takes to find a silent peer (``tcp_timeout_s``), and at least three pings."""
     return max(session_bounds(url)["tcp_timeout_s"], int(3 * PING_EVERY_S))
 
 
@@ -41,34 +41,6 @@ def lock_name(archive: str) -> str:
     """The lock's name for an archive (its qualified URI): a digest, so that any URI fits
     GET_LOCK's 64 characters and sp_getapplock's 255."""
     return "outbox archive " + hashlib.sha1(archive.encode("utf-8")).hexdigest()
-
-
-def advisory_key(name: str) -> int:
-    """PostgreSQL's advisory locks take a signed 64-bit key: the first 8 bytes of a digest."""
-    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)
-
-
-def _nstr(text: str) -> str:
-    return "N'" + text.replace("'", "''") + "'"
-
-
-def mssql_lock_sql(name: str) -> str:
-    """T-SQL: take the session's exclusive applock ``name`` without waiting; one row, the
-    result (0 granted, negative not; checked with sqlglot's T-SQL dialect in the tests)."""
-    return ("SET NOCOUNT ON; DECLARE @lock_result INT; "
-            f"EXEC @lock_result = sp_getapplock @Resource = {_nstr(name)}, @LockMode = N'Exclusive', "
-            "@LockOwner = N'Session', @LockTimeout = 0; SELECT @lock_result")
-
-
-def mssql_unlock_sql(name: str) -> str:
-    return f"EXEC sp_releaseapplock @Resource = {_nstr(name)}, @LockOwner = N'Session'"
-
-
-#: engine -> (take without waiting, one row whose first value says whether it was granted; release).
-SERVER_LOCKS: dict[str, tuple[str, str]] = {
-    "postgresql": ("SELECT pg_try_advisory_lock(?)", "SELECT pg_advisory_unlock(?)"),
-    "mysql": ("SELECT GET_LOCK(?, 0)", "SELECT RELEASE_LOCK(?)"),
-}
 
 
 class ArchiveLock:
@@ -88,14 +60,14 @@ class ArchiveLock:
 
     # -- taking it -----------------------------------------------------------------------
     def try_acquire(self) -> bool:
-        engine = self.store.engine.name
-        if engine == "sqlite":
+        statements = self.store.engine.session_lock_statements(self.name, idle_bound_s(self.store.url))
+        if statements is None:
             return self._flock()
         conn = self.store.engine.connect(self.store.url)
         try:
-            if engine == "mysql":  # MariaDB ends no idle session by itself: a vanished holder's would stay
-                self._statement(conn, (f"SET SESSION wait_timeout = {mysql_wait_timeout_s(self.store.url)}", []))
-            granted = self._statement(conn, self._sql(take=True), first=True)
+            for statement in statements[:-1]:
+                self._statement(conn, statement)
+            granted = self._statement(conn, statements[-1], first=True)
         except BaseException:
             self._close(conn)
             raise
@@ -107,26 +79,13 @@ class ArchiveLock:
         self._pinger.start()
         return True
 
-    def _sql(self, *, take: bool) -> tuple[str, list[Any]]:
-        """The statement that takes (``take``) or releases the lock, with its parameters."""
-        engine = self.store.engine.name
-        if engine == "mssql":
-            return (mssql_lock_sql if take else mssql_unlock_sql)(self.name), []
-        take_sql, release_sql = SERVER_LOCKS[engine]
-        return (take_sql if take else release_sql), [advisory_key(self.name) if engine == "postgresql" else self.name]
-
-    def _granted(self, value: Any) -> bool:
-        if self.store.engine.name == "mssql":
-            return value is not None and int(value) >= 0
-        return bool(value)  # PostgreSQL: true/false; GET_LOCK: 1, 0, or NULL on an error
-
     def _statement(self, conn: Any, sql: tuple[str, list[Any]], *, first: bool = False) -> Any:
         """Run one statement on the lock's connection and commit at once: the session holds
         the lock, never a transaction (the server ends a session idle in one)."""
         cursor = conn.cursor()
         try:
             self.store.engine.execute(cursor, sql[0], sql[1])
-            value = self._granted(cursor.fetchone()[0]) if first else None
+            value = self.store.engine.session_lock_granted(cursor.fetchone()[0]) if first else None
         finally:
             cursor.close()
         conn.commit()
@@ -174,7 +133,7 @@ class ArchiveLock:
             conn, self._conn = self._conn, None
         if conn is not None:
             try:
-                self._statement(conn, self._sql(take=False))
+                self._statement(conn, self.store.engine.session_unlock_statement(self.name))
             except Exception:  # closing the session below releases it anyway
                 log.debug("outbox: cannot release the archive lock; closing its session", exc_info=True)
             self._close(conn)

@@ -341,6 +341,23 @@ class Engine(ABC):
     def unlock_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: most locks go with the commit
         """Release what ``lock_migration`` took, where the commit does not."""
 
+    # -- a session's own lock (the pipeline's archive lock: docs/pipeline.md, "One run at a time")
+    def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
+        """Statements that take the exclusive lock ``name`` for this session, without
+        waiting, on a connection in autocommit; the last returns one row whose first value
+        says whether it was granted (``session_lock_granted``). The lock ends with the
+        session. ``idle_s``: how long the session may stay silent before the server ends it,
+        for an engine that would otherwise keep a vanished holder's session (and lock) for
+        hours. None: the engine has no server session to hold one (SQLite)."""
+        return None
+
+    def session_unlock_statement(self, name: str) -> tuple[str, list[Any]]:
+        """The statement that gives back what ``session_lock_statements`` took."""
+        raise NotImplementedError(f"{self.name} has no session locks")
+
+    def session_lock_granted(self, value: Any) -> bool:
+        return bool(value)
+
     def holders_migration(self) -> list[Any]:
         """The holders table (docs/internals.md, "Lost workers"), as ``migration`` items; each
         engine's ``migration`` ends with them. This form suits engines with

@@ -282,6 +282,14 @@ class MysqlEngine(Engine):
     def unlock_migration(self, cursor: Any) -> None:
         self.execute(cursor, "SELECT RELEASE_LOCK(?)", [self._migration_lock_key()]).fetchall()
 
+    def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
+        # MariaDB ends no idle session by itself (wait_timeout: 8 hours): a vanished holder's
+        # session, and its lock, would stay that long.
+        return [(f"SET SESSION wait_timeout = {int(idle_s)}", []), ("SELECT GET_LOCK(?, 0)", [name])]
+
+    def session_unlock_statement(self, name: str) -> tuple[str, list[Any]]:
+        return "SELECT RELEASE_LOCK(?)", [name]  # GET_LOCK: 1, 0, or NULL on an error
+
     def _migration_lock_key(self) -> str:
         return "outbox migrate " + hashlib.sha1(self.migration_lock_resource().encode()).hexdigest()
 

@@ -11,6 +11,7 @@ round trip, and every session bounds its transactions' life (``connect``; docs/r
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -227,6 +228,12 @@ class PostgresEngine(Engine):
         # in pg_type or pg_class), as do two ADD CONSTRAINTs: held until the migration commits.
         self.execute(cursor, "SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_resource()]).fetchall()
 
+    def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
+        return [("SELECT pg_try_advisory_lock(?)", [advisory_key(name)])]
+
+    def session_unlock_statement(self, name: str) -> tuple[str, list[Any]]:
+        return "SELECT pg_advisory_unlock(?)", [advisory_key(name)]
+
     def holders_columns(self) -> str:
         return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INTEGER NOT NULL, "
                 "started_at TIMESTAMPTZ(3) NOT NULL, beat_at TIMESTAMPTZ(3) NOT NULL")
@@ -361,3 +368,8 @@ class PostgresEngine(Engine):
                 SELECT id, head, {dead} AS dead FROM {rows} r
                 WHERE NOT EXISTS (SELECT 1 FROM {p}_cut c WHERE c.head = r.head AND r.id >= c.stop)
             )"""
+
+
+def advisory_key(name: str) -> int:
+    """PostgreSQL's advisory locks take a signed 64-bit key: the first 8 bytes of a digest."""
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)

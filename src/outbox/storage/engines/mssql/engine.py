@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from ....core.errors import StoreError
 from . import driver
 from .driver import DEFAULT_LOCK_TIMEOUT_MS, INLINE_UNITS, input_sizes, open_connection, parse_target, result_rows
-from .schema import FILTERED_INDEX_OPTIONS, migration_unlock_statements
+from .schema import FILTERED_INDEX_OPTIONS, migration_unlock_statements, session_lock_sql, session_unlock_sql
 from .sql import ID_PARAMS_PER_STATEMENT, MssqlStatements
 
 log = logging.getLogger("outbox.storage.engines.mssql")
@@ -148,6 +148,15 @@ class MssqlEngine(MssqlStatements):
             while cursor.nextset():
                 pass
         return cursor
+
+    def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
+        return [(session_lock_sql(name), [])]
+
+    def session_unlock_statement(self, name: str) -> tuple[str, list[Any]]:
+        return session_unlock_sql(name), []
+
+    def session_lock_granted(self, value: Any) -> bool:
+        return value is not None and int(value) >= 0
 
     def unlock_migration(self, cursor: Any) -> None:
         """Release a session-owned migration lock (``migration_unlock_statements``): the

@@ -350,3 +350,14 @@ class MssqlSchema(Engine):
                                 "to an index of the whole history): run `outbox migrate`")
         return problems
 
+
+def session_lock_sql(name: str) -> str:
+    """Take the session's exclusive applock ``name`` without waiting; one row, the result
+    (0 granted, negative not)."""
+    return ("SET NOCOUNT ON; DECLARE @lock_result INT; "
+            f"EXEC @lock_result = sp_getapplock @Resource = {nstr(name)}, @LockMode = N'Exclusive', "
+            "@LockOwner = N'Session', @LockTimeout = 0; SELECT @lock_result")
+
+
+def session_unlock_sql(name: str) -> str:
+    return f"EXEC sp_releaseapplock @Resource = {nstr(name)}, @LockOwner = N'Session'"
