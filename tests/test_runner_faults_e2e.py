@@ -189,7 +189,9 @@ def test_dramatiq_workers_ride_out_their_broker_going_away_mid_drain(
     relay's shared breaker and tokens), or RabbitMQ as Dramatiq's broker and the destination
     at once (one RabbitMQ restarting). Claims that cannot send their publish messages release
     the rows; the consumers reconnect by themselves. Every committed event arrives, in order
-    per aggregate, and every row is done: nothing is left leased."""
+    per aggregate, and every row is done: nothing is left leased. Each worker process says
+    once that the broker is away and once that it is back, where each consumer logged every
+    reconnect at CRITICAL (docs/dramatiq.md, "When Dramatiq's broker is away")."""
 
     outbox = sqlite_outbox
     proxy = Proxy(target=("127.0.0.1", 6379 if kind == "redis" else 5672))
@@ -204,10 +206,14 @@ def test_dramatiq_workers_ride_out_their_broker_going_away_mid_drain(
     try:
         procs = procs_factory(env, RUNNERS["dramatiq"])
         drain_through_a_cut(procs, outbox, destination, proxy, workers=1, after_s=1.0, arrive_s=60, done_s=15)
+        log = procs.log("w1")  # before the proxy closes under the workers
     finally:
         proxy.close()
         if kind == "rabbitmq":
             _delete_dramatiq_queues(env)
+    assert "Consumer encountered a connection error" not in log and "Restarting consumer" not in log, log[-3000:]
+    assert 1 <= log.count("Dramatiq's broker unreachable") <= 2, log[-3000:]  # once per worker process
+    assert log.count("Dramatiq's broker reachable again") == log.count("Dramatiq's broker unreachable"), log[-3000:]
 
 
 def _delete_dramatiq_queues(env: dict[str, str]) -> None:

@@ -32,8 +32,10 @@ from ..core.redact import install_filter, redact
 from ..relay import metrics as _metrics
 from ..relay.resources import Resources, Shared
 from ..relay.service import Relay
+from ..relay.shared import Outage
 from ..storage.store import OutboxStore
 from . import brokers as _broker
+from . import consumer_log
 from .runner import DramatiqRunner
 
 log = logging.getLogger("outbox.dramatiq")
@@ -107,8 +109,14 @@ def request_claim() -> bool:
 class OutboxMiddleware(Middleware):
     """Start-up and shutdown of the relay in a Dramatiq worker process."""
 
+    consumers: consumer_log.ConsumerOutageFilter | None = None
+
     def after_process_boot(self, broker: Any) -> None:
         install_filter(logging.getLogger())  # no password in any log line
+        # The consumers' reconnects, told once (docs/dramatiq.md, "When Dramatiq's broker is away").
+        self.consumers = consumer_log.install(Outage(
+            "Dramatiq's broker", redact(BROKER_URL), "Its consumers reconnect every 3 s; claims that cannot send "
+            "their publish messages release the rows, no attempt spent", log))
         STOPPING.clear()
         relay.start()  # this process's liveness record (docs/internals.md, "Lost workers")
 
@@ -125,6 +133,10 @@ class OutboxMiddleware(Middleware):
 
     # One line as each publish message starts and ends, like Celery's "Task ... received"
     # and "succeeded" lines: what is in hand when a worker stops or dies.
+    def after_ack(self, broker: Any, message: Any) -> None:
+        if self.consumers is not None:
+            self.consumers.back()  # the broker took an ack: it answers again
+
     def before_process_message(self, broker: Any, message: Any) -> None:
         if message.actor_name == PUBLISH_TASK:
             log.info("outbox: %s[%s] started", message.actor_name, message.message_id)
