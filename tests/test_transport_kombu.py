@@ -8,6 +8,7 @@ own queue tables (transport option ``queue_table``)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import sys
 import threading
@@ -350,6 +351,37 @@ def test_a_lease_whose_commit_answer_is_lost_delivers_its_messages_on_the_retry(
     finally:
         proxy.close()
         drop_queue_tables(direct, broker.table)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_an_ack_whose_commit_answer_is_lost_is_done_and_not_reported_as_a_lost_lease(
+        kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The ack's COMMIT went through and only its answer was lost: the retry finds nothing to
+    delete. The message is gone, as it should be, and no warning claims that its lease ran
+    out and it was delivered again (it was not)."""
+    from relay_e2e_support import Proxy
+
+    direct = engine_url(kind, tmp_path)
+    proxy = Proxy(target=("127.0.0.1", 5432 if kind == "postgresql" else 3306))
+    broker = Broker(proxy.url_for(direct))
+    try:
+        with broker.connect(visibility_timeout=3600) as conn, caplog.at_level(logging.DEBUG, "outbox.transport"):
+            q = conn.SimpleQueue("lost-ack-answer")
+            q.put("only")
+            message = get(q, timeout=5)
+            cut = proxy.drop_answer_after(b"COMMIT")
+            message.ack()
+            assert cut.began.is_set()  # the ack's COMMIT ran and its answer was lost
+            assert conn.default_channel.db.run(lambda qt, c: qt.holds_any(c, "lost-ack-answer")) is False
+            with contextlib.suppress(Empty):
+                assert get(q, timeout=1) is None, "the acked message came again"
+            q.close()
+    finally:
+        proxy.close()
+        drop_queue_tables(direct, broker.table)
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("outbox.transport")]
+    assert not [line for line in said if "changed nothing" in line], said
+    assert [line for line in said if "was done by a try whose answer was lost" in line], said
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])

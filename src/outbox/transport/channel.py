@@ -400,14 +400,21 @@ class Channel(virtual.Channel):
 
     def _settle(self, delivery_tag: str, requeue: bool) -> None:
         row_id, receipt = split_tag(delivery_tag)
-        if requeue:
-            changed = self.db.run(lambda qt, c: qt.release(c, row_id, receipt))
+        tries = 0
+
+        def settle(qt: QueueTables, cursor: Any) -> int:
+            nonlocal tries
+            tries += 1
+            return qt.release(cursor, row_id, receipt) if requeue else qt.ack(cursor, row_id, receipt)
+
+        what = "requeue" if requeue else "ack"
+        if self.db.run(settle):
+            return
+        if tries > 1:  # the try before committed and only its answer was lost: done already
+            log.debug("outboxdb: %s of message %s was done by a try whose answer was lost", what, row_id)
         else:
-            changed = self.db.run(lambda qt, c: qt.ack(c, row_id, receipt))
-        if not changed:
             log.warning("outboxdb: %s of message %s changed nothing: its lease ran out (visibility_timeout=%ss) "
-                        "and it was delivered again", "requeue" if requeue else "ack", row_id,
-                        self.visibility_timeout)
+                        "and it was delivered again", what, row_id, self.visibility_timeout)
 
     def _restore(self, message: Any) -> None:
         self._settle(message.delivery_tag, requeue=True)
