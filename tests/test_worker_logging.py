@@ -130,3 +130,19 @@ def test_a_bad_heartbeat_interval_is_a_configuration_error(interval: str) -> Non
 
     with pytest.raises(ConfigError, match="OUTBOX_RELAY_HEARTBEAT_S"):
         RelayOptions.from_sources({"OUTBOX_RELAY_HEARTBEAT_S": interval})
+
+
+def test_the_heartbeat_of_a_worker_without_its_table_says_to_migrate(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """It logged the driver's words (`UndefinedTable: relation "x" does not exist LINE 1: ...`);
+    it now says what the CLI says for the same problem."""
+    from outbox.celery.worker_logging import Heartbeat
+    from outbox.core.config import Settings
+
+    settings = Settings.from_sources({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                                      "OUTBOX_TABLE": "never_migrated"})
+    with caplog.at_level(logging.WARNING, logger="outbox.heartbeat"):
+        Heartbeat(300.0, settings).beat_once(None)
+    lines = [r.getMessage() for r in caplog.records if "outbox heartbeat" in r.getMessage()]
+    assert lines == ['outbox heartbeat: alive, but cannot read the backlog: table "never_migrated" missing: '
+                     'run `outbox migrate` (it creates the table and its indexes)'], lines

@@ -146,8 +146,9 @@ class Heartbeat:
         try:
             log.info(heartbeat_line(store.stats(), ticks))
         except Exception as exc:  # noqa: BLE001 - the heartbeat line goes out whatever the store raises
-            log.warning("outbox heartbeat: alive, but cannot read the backlog: %s: %s", type(exc).__name__,
-                        " ".join(str(exc).split()))
+            # A schema problem says what to do (`outbox migrate`), as the CLI does, not the driver's words.
+            log.warning("outbox heartbeat: alive, but cannot read the backlog: %s", store.engine.schema_error_hint(exc)
+                        or f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         finally:
             store.close()
 
