@@ -169,3 +169,13 @@ def test_a_sqlite_file_in_a_missing_directory_names_the_directory(tmp_path: Path
         "OUTBOX_DATABASE_URL)"), result.stderr
     (tmp_path / "data").mkdir()
     ok(run("migrate", env={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'data' / 'outbox.db'}"}))
+
+
+def test_native_json_outside_sql_server_is_said_to_be_ignored(tmp_path: Path) -> None:
+    """`outbox migrate --native-json` on PostgreSQL, MySQL or SQLite did exactly what `outbox
+    migrate` does, and said nothing about the option."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    result = ok(run("migrate", "--native-json", env=env))
+    assert "--native-json is for SQL Server only: ignored on sqlite" in result.stderr, result.stderr
+    assert "created the table" in result.stdout
+    assert "--native-json" not in ok(run("migrate", env=env)).stderr
