@@ -156,3 +156,26 @@ def test_a_database_url_set_but_empty_is_an_error_and_creates_nothing(tmp_path: 
         assert result.returncode == 1, result
         assert "OUTBOX_DATABASE_URL is set but empty: unset it for the default" in result.stdout + result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sqlite_file_in_a_missing_directory_names_the_directory(tmp_path: Path) -> None:
+    """`OUTBOX_DATABASE_URL=sqlite:///data/outbox.db outbox migrate` where ./data does not exist
+    said only `OperationalError: unable to open database file`."""
+    result = run("migrate", env={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'data' / 'outbox.db'}"})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: cannot connect to the database: OperationalError: unable to open database file "
+        f"{tmp_path / 'data' / 'outbox.db'}: its directory {tmp_path / 'data'} does not exist (create it, or fix "
+        "OUTBOX_DATABASE_URL)"), result.stderr
+    (tmp_path / "data").mkdir()
+    ok(run("migrate", env={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'data' / 'outbox.db'}"}))
+
+
+def test_native_json_outside_sql_server_is_said_to_be_ignored(tmp_path: Path) -> None:
+    """`outbox migrate --native-json` on PostgreSQL, MySQL or SQLite did exactly what `outbox
+    migrate` does, and said nothing about the option."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    result = ok(run("migrate", "--native-json", env=env))
+    assert "--native-json is for SQL Server only: ignored on sqlite" in result.stderr, result.stderr
+    assert "created the table" in result.stdout
+    assert "--native-json" not in ok(run("migrate", env=env)).stderr

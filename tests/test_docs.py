@@ -161,3 +161,27 @@ def test_the_dramatiq_page_says_which_broker_outbox_check_checks() -> None:
     page = " ".join((ROOT / "docs" / "dramatiq.md").read_text().split())
     assert "`outbox check`'s broker checks read Celery's settings" not in page
     assert "with `OUTBOX_DRAMATIQ_BROKER_URL` set, Dramatiq's broker" in page
+
+
+def test_the_install_block_names_the_database_before_outbox_migrate() -> None:
+    """The README's Install block went from `pip install "./outbox-relay[postgres]"` straight to
+    `outbox migrate`, which, with no OUTBOX_DATABASE_URL, migrates ./outbox.db (SQLite): a new
+    user's first table was not in their database."""
+    block = README.split("## Install", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    assert "outbox migrate" in lines, block
+    assert any(line.startswith("export OUTBOX_DATABASE_URL=") for line in lines[:lines.index("outbox migrate")]), block
+
+
+def test_every_sqlalchemy_snippet_flushes_before_it_enqueues_a_new_rows_id() -> None:
+    """docs/waking-and-metrics.md's Flask snippet added an order and enqueued `order.id` with no
+    flush: the id of a new row is None until then, and enqueue refused it (EnqueueError)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    unflushed = []
+    for page in pages:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL):
+            added = block.find("session.add(")
+            enqueued = block.find("enqueue(", added)
+            if added >= 0 and enqueued >= 0 and "flush()" not in block[added:enqueued]:
+                unflushed.append(f"{page.name}: {block[added:enqueued + 60]!r}")
+    assert not unflushed, unflushed

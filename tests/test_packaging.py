@@ -67,6 +67,7 @@ def test_the_sdist_and_wheel_hold_the_package_the_schedule_and_the_django_app(di
         next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert 'Requires-Dist: kombu[redis]>=5.3; extra == "redis"' in metadata
     assert 'Requires-Dist: kombu[redis]>=5.3; extra == "postgres"' in metadata
+    assert 'Requires-Dist: kombu[redis]>=5.3; extra == "dramatiq"' in metadata  # `outbox check` of its broker
     # The flask extra brings what examples/flask imports and docs/flask.md runs (SQLAlchemy,
     # `alembic upgrade head`, Flask-SQLAlchemy's db.session): it once brought Flask alone.
     for requirement in ("Flask>=3.0", "SQLAlchemy>=2.0", "Flask-SQLAlchemy>=3.1", "alembic>=1.12"):
@@ -129,6 +130,22 @@ def test_postgres_extra_alone_runs_the_worker_and_beat_on_the_default_redis_brok
         ping = (f"import kombu\nc = kombu.Connection({REDIS_URL!r}, connect_timeout=5)\n"
                 "c.ensure_connection(max_retries=2)\nc.default_channel.client.ping()\nprint('redis ok')\n")
         assert "redis ok" in run([str(bin_dir / "python"), "-c", ping], cwd=work)
+
+
+def test_dramatiq_extra_alone_passes_outbox_check_on_a_redis_broker(dist: dict[str, Path], tmp_path: Path) -> None:
+    """README: `pip install "./outbox-relay[dramatiq]"`, set OUTBOX_DRAMATIQ_BROKER_URL, run the
+    relay. It ran, but `outbox check` failed its broker line with "ModuleNotFoundError: No module
+    named 'packaging'" (kombu's Redis transport, which the check uses, without its extra)."""
+    from services import require
+
+    require("Redis", "127.0.0.1", 6379)
+    bin_dir = fresh_venv(tmp_path / "venv", f"{dist['wheel']}[dramatiq]")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {"OUTBOX_DRAMATIQ_BROKER_URL": REDIS_URL}
+    run([str(bin_dir / "outbox"), "migrate"], cwd=work, env=env)
+    report = run([str(bin_dir / "outbox"), "check"], cwd=work, env=env)  # exit 0: no check failed
+    assert f"[ok  ] dramatiq broker: {REDIS_URL} reachable" in report, report
 
 
 def test_following_the_readme_literally_delivers_on_postgres_redis_and_rabbitmq(

@@ -4,8 +4,10 @@ extension), in a fresh process each, as a web server would start them."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from services import ROOT
@@ -56,3 +58,60 @@ def test_django_warns_once_at_start_up(tmp_path: Path) -> None:
     assert warned.stderr.count("outbox (Django): Celery's broker is memory://") == 1, warned.stderr
     quiet = start(DJANGO_APP, tmp_path, **env, OUTBOX_CELERY_BROKER_URL="redis://127.0.0.1:6379/14")
     assert "outbox (Django)" not in quiet.stderr
+
+
+CELERY = str(Path(sys.executable).parent / "celery")
+
+
+def first_lines_of_a_worker(tmp_path: Path, cwd: Path, **env: str) -> str:
+    """``celery -A outbox worker --loglevel=INFO`` as the README starts it, on the embedded
+    default (SQLite, Celery's broker memory://): its log from start-up to a warm shutdown."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_"))}
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([CELERY, "-A", "outbox", "worker", "--loglevel=INFO", "-c", "1"], cwd=cwd,
+                                stdout=log, stderr=subprocess.STDOUT, env={**clean, **env})
+        try:
+            deadline = time.monotonic() + 60
+            while " ready." not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(2)  # its first claim ticks and their connections
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+    assert " ready." in text, text
+    return text
+
+
+def test_a_worker_on_the_embedded_default_logs_no_warning_at_start_up(tmp_path: Path) -> None:
+    """A first worker on the embedded default logged kombu's "No hostname was supplied.
+    Reverting to default 'localhost'" at WARNING three times in its first second (once for
+    every connection to memory://), and its banner showed `memory://:**@localhost//`."""
+    db = f"sqlite:///{tmp_path / 'outbox.db'}"
+    migrated = subprocess.run([str(Path(sys.executable).parent / "outbox"), "migrate"], cwd=tmp_path, text=True,
+                              capture_output=True, timeout=60, env={**os.environ, "OUTBOX_DATABASE_URL": db})
+    assert migrated.returncode == 0, migrated.stderr
+    log = first_lines_of_a_worker(tmp_path, tmp_path, OUTBOX_DATABASE_URL=db)
+    assert "this worker runs the schedule itself" in log, log
+    assert "No hostname was supplied" not in log, log
+    assert [line for line in log.splitlines() if "WARNING/" in line] == [], log
+    banner = next(line for line in log.splitlines() if ".> transport:" in line)
+    assert banner.split("transport:", 1)[1].strip() == "memory://", banner
+
+
+def test_the_django_apps_web_warning_stays_out_of_the_relays_own_worker(tmp_path: Path) -> None:
+    """`DJANGO_SETTINGS_MODULE=shop.settings celery -A outbox worker` (examples/django's
+    README): Celery sets Django up, so the app's web-process warning ("wake-ups after commit
+    reach no worker") went into the worker's log, next to its own "this worker runs the
+    schedule itself"."""
+    example = ROOT / "examples" / "django"
+    log = first_lines_of_a_worker(
+        tmp_path, example, DJANGO_SETTINGS_MODULE="shop.settings", DATABASE_URL=f"sqlite:///{tmp_path / 'shop.db'}",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(example), os.environ.get("PYTHONPATH")])))
+    assert "this worker runs the schedule itself" in log, log
+    assert "outbox (Django)" not in log, log

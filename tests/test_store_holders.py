@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -212,6 +213,26 @@ def test_without_a_holders_table_the_relay_runs_on_the_lease_and_says_so_once(
     beat.stop()
     store.migrate()  # creates it: the heartbeat goes on from there
     assert store.beat(me, SILENT_MS).recreated
+
+
+def test_without_the_outbox_table_the_heartbeat_says_to_migrate_it_not_only_its_holders(
+        store: OutboxStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker whose OUTBOX_TABLE names no table (not migrated, or misspelt) logged first, once
+    per process, that the *holders* table was missing and lost workers would be noticed late:
+    true, but not what was wrong. It now names the outbox table and `outbox migrate`."""
+    unmigrated = OutboxStore(store.url, table=f"never_migrated_{uuid.uuid4().hex[:8]}", schema=store.engine.schema)
+    me = new_holder()
+    beat = Heartbeat(unmigrated, me, SILENT_MS / 1000)
+    try:
+        with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+            for now in (1.0, 1.1):
+                assert beat.tick(now=now) == 0
+    finally:
+        beat.stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"table {unmigrated.engine.table} missing: run `outbox migrate`" in warnings[0], warnings
+    assert "nothing is relayed until then" in warnings[0] and "lost worker processes" not in warnings[0], warnings
 
 
 def test_rows_adopted_by_a_live_process_stay_with_it_when_their_claimer_is_lost(

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relay_e2e_support import Destination, Outbox, relay_env, wait_until
+from relay_e2e_support import Destination, Outbox, relay_env, relay_queue, wait_until
 
 from outbox.celery.worker_logging import TickFilter, heartbeat_line
 from outbox.core.model import Stats
@@ -37,6 +37,10 @@ def test_an_idle_worker_and_beat_are_quiet_at_info_and_log_a_heartbeat(
     # that drops garbage (outbox.celery.redis_transport), no masked password where there is none.
     banner = next((line for line in procs.log("w1").splitlines() if ".> transport:" in line), "")
     assert banner.split("transport:", 1)[-1].strip() == procs.env["OUTBOX_CELERY_BROKER_URL"], banner
+    # Beat names the outbox it ticks for at start (its banner names only the broker).
+    claim_queue = relay_queue(procs.env, "claim")
+    assert f"outbox beat: a claim tick every 0.5 s to queue {claim_queue} (outbox " in procs.log("beat"), (
+        procs.log("beat")[-3000:])
     # Let beat send its first ticks, then count what an idle window adds.
     time.sleep(2)
     worker_before, beat_before = len(info_lines(procs.log("w1"))), len(info_lines(procs.log("beat")))
@@ -130,3 +134,19 @@ def test_a_bad_heartbeat_interval_is_a_configuration_error(interval: str) -> Non
 
     with pytest.raises(ConfigError, match="OUTBOX_RELAY_HEARTBEAT_S"):
         RelayOptions.from_sources({"OUTBOX_RELAY_HEARTBEAT_S": interval})
+
+
+def test_the_heartbeat_of_a_worker_without_its_table_says_to_migrate(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """It logged the driver's words (`UndefinedTable: relation "x" does not exist LINE 1: ...`);
+    it now says what the CLI says for the same problem."""
+    from outbox.celery.worker_logging import Heartbeat
+    from outbox.core.config import Settings
+
+    settings = Settings.from_sources({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                                      "OUTBOX_TABLE": "never_migrated"})
+    with caplog.at_level(logging.WARNING, logger="outbox.heartbeat"):
+        Heartbeat(300.0, settings).beat_once(None)
+    lines = [r.getMessage() for r in caplog.records if "outbox heartbeat" in r.getMessage()]
+    assert lines == ['outbox heartbeat: alive, but cannot read the backlog: table "never_migrated" missing: '
+                     'run `outbox migrate` (it creates the table and its indexes)'], lines

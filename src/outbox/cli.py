@@ -98,7 +98,8 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
-@click.option("--native-json", is_flag=True, help="SQL Server 2025+ / Azure SQL: use the json column type.")
+@click.option("--native-json", is_flag=True,
+              help="SQL Server 2025+ / Azure SQL: use the json column type (other engines: ignored, said so).")
 @one_line_errors
 def migrate(native_json: bool) -> None:
     """Create the outbox table and indexes, or repair a partial deployment. Idempotent.
@@ -106,6 +107,9 @@ def migrate(native_json: bool) -> None:
     When OUTBOX_CELERY_BROKER_URL selects the database broker (outboxdb+...), its queue
     tables are created or repaired too (docs/transport.md)."""
     store = _store()
+    if native_json and store.engine.name != "mssql":
+        click.echo(f"outbox: --native-json is for SQL Server only: ignored on {store.engine.name}, whose table "
+                   "keeps its own JSON type and check", err=True)
     before = store.schema_state()
     repaired = store.migrate(native_json=native_json)
     after = store.schema_state()

@@ -42,10 +42,21 @@ RECONNECT_LOG_EVERY_S = 60.0
 class Connection(KombuConnection):
     """kombu's connection, with two changes. It names a transport given by class path by that
     path (``outbox.celery.redis_transport:Transport://:**@host``, the worker's banner included):
-    shown here as the URL the user gave, a password masked only where there is one. And
-    ``ensure_connection`` tries again every ``RECONNECT_EVERY_S``, quietly."""
+    shown here as the URL the user gave, a password masked only where there is one (and
+    ``memory://`` as such). And
+    ``ensure_connection`` tries again every ``RECONNECT_EVERY_S``, quietly. A ``memory://``
+    connection (the embedded default's broker) is given kombu's default host, ``localhost``,
+    itself: kombu did the same but logged "No hostname was supplied. Reverting to default
+    'localhost'" at WARNING for every connection, the first lines of a first worker's log."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.transport_cls == "memory" and not self.hostname:
+            self.hostname = "localhost"  # type: ignore[assignment]  # kombu declares it None, sets a str
 
     def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
+        if self.transport_cls == "memory" and self.hostname == "localhost" and not (self.userid or self.password):
+            return "memory://"  # as given, not kombu's memory://:**@localhost// (no password to mask)
         if self.transport_cls != REDIS_TRANSPORT:
             return super().as_uri(include_password, mask, *args, **kwargs)
         # kombu's type comment on as_url says str and int where its defaults (and these) may be None.

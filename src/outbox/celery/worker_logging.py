@@ -146,8 +146,9 @@ class Heartbeat:
         try:
             log.info(heartbeat_line(store.stats(), ticks))
         except Exception as exc:  # noqa: BLE001 - the heartbeat line goes out whatever the store raises
-            log.warning("outbox heartbeat: alive, but cannot read the backlog: %s: %s", type(exc).__name__,
-                        " ".join(str(exc).split()))
+            # A schema problem says what to do (`outbox migrate`), as the CLI does, not the driver's words.
+            log.warning("outbox heartbeat: alive, but cannot read the backlog: %s", store.engine.schema_error_hint(exc)
+                        or f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         finally:
             store.close()
 
@@ -186,6 +187,12 @@ def _start_beat_heartbeat(**_: Any) -> None:
     global _beat_heartbeat
     if _beat_heartbeat is not None or _sources is None:
         return
+    settings = _sources[0]()
+    # Beat's only other start-up lines are Celery's banner, which names the broker but not the
+    # outbox: a worker whose heartbeat counts "0 claim ticks" is compared with this line.
+    if not str(settings.broker_url).startswith("memory://"):  # there beat warns that the worker ticks itself
+        log.info("outbox beat: a claim tick every %g s to queue %s (outbox %s, table %s)",
+                 settings.claim_interval_s, settings.queues.claim, settings.outbox_namespace, settings.table)
     _beat_heartbeat = BeatHeartbeat(_sources[1]().heartbeat_s)
     _beat_heartbeat.start()
 

@@ -13,18 +13,22 @@ def install_hint(extra: str) -> str:
             "(not on PyPI)")
 
 
-#: The library kombu's transport needs for a URL scheme, and the extra that installs it.
-TRANSPORT_EXTRAS = {"redis": ("redis", "redis"), "rediss": ("redis", "redis")}
+#: What kombu's transport for a URL scheme imports, and the extra that installs it: redis-py,
+#: and the transport module itself, which imports ``packaging`` (kombu's ``redis`` extra): with
+#: redis-py alone (the dramatiq extra once) `outbox check` said only "No module named 'packaging'".
+TRANSPORT_EXTRAS = {"redis": (("redis", "kombu.transport.redis"), "redis"),
+                    "rediss": (("redis", "kombu.transport.redis"), "redis")}
 
 
 def transport_hint(url: str) -> str | None:
     """When kombu's transport for ``url`` cannot work because its library is missing: the
     extra to install, in one line (kombu then fails with whatever it tripped on first)."""
-    module, extra = TRANSPORT_EXTRAS.get(url.split("://", 1)[0].lower(), (None, None))
-    if module is None or extra is None:
+    modules, extra = TRANSPORT_EXTRAS.get(url.split("://", 1)[0].lower(), ((), None))
+    if extra is None:
         return None
     try:
-        importlib.import_module(module)
+        for module in modules:
+            importlib.import_module(module)
     except ImportError as exc:
         return f"the {extra} extra is not installed ({type(exc).__name__}: {exc}): {install_hint(extra)}"
     return None

@@ -60,7 +60,8 @@ def reset() -> None:
 def django_settings(names: Iterable[str]) -> Mapping[str, Any]:
     """The settings ``names`` from Django's settings: in a Django process, and also in `outbox ...` and
     `celery -A outbox ...` when DJANGO_SETTINGS_MODULE is set (the settings module is then
-    imported; Django itself is not set up). Without OUTBOX_DATABASE_URL there, the URL is
+    imported; the relay does not set Django up, though Celery's Django fixup does in `celery -A
+    outbox worker|beat`). Without OUTBOX_DATABASE_URL there, the URL is
     derived from the settings module's ``DATABASES["default"]``, so the relay uses the
     project's database."""
     try:

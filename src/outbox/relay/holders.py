@@ -67,9 +67,7 @@ class Heartbeat:
             self.healthy_since = None
             if self.store.engine.is_missing_table(exc):
                 if not self.missing_table:
-                    self.log.warning(
-                        "outbox: table %s is missing: lost worker processes are noticed only when their lease "
-                        "(OUTBOX_CLAIM_TIMEOUT_MS) expires. Run `outbox migrate` to create it", self.store.engine.holders)
+                    self.log.warning(self._missing_table_line())
                 self.missing_table = True
             else:
                 self.log.debug("outbox heartbeat of holder %s failed: %s: %s", self.holder.holder_id,
@@ -90,6 +88,18 @@ class Heartbeat:
         if not beat.silent or now - self.healthy_since <= self.timeout_s:
             return 0
         return sum(self._take_over(silent) for silent in beat.silent)
+
+    def _missing_table_line(self) -> str:
+        """The holders table is missing: an upgrade without ``outbox migrate`` (the relay works,
+        lost workers are noticed late), or no table at all (a worker whose OUTBOX_TABLE names
+        none, not migrated yet or misspelt). The second was told as the first, and was the
+        first line a worker logged about it."""
+        engine = self.store.engine
+        if self.store.schema_state() is None:
+            return (f"outbox: {engine.missing_table_hint()}, with this worker's settings (OUTBOX_DATABASE_URL, "
+                    f"OUTBOX_TABLE, OUTBOX_SCHEMA); nothing is relayed until then ({engine.holders} is missing too)")
+        return (f"outbox: table {engine.holders} is missing: lost worker processes are noticed only when their "
+                "lease (OUTBOX_CLAIM_TIMEOUT_MS) expires. Run `outbox migrate` to create it")
 
     def _take_over(self, silent: SilentHolder) -> int:
         try:

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 
+#: The relay's own programs (``celery -A outbox worker|beat``, Dramatiq's worker and scheduler,
+#: the ``outbox`` command): they set Django up to read the settings and enqueue nothing.
+RELAY_PROGRAMS = ("celery", "dramatiq", "outbox", "outbox-dramatiq-scheduler")
+
 
 class OutboxConfig(AppConfig):
     name = "outbox.contrib.django"
@@ -30,5 +34,10 @@ class OutboxConfig(AppConfig):
         # nothing: no warning there. Web servers (runserver, gunicorn, uwsgi...) get it.
         program = os.path.basename(sys.argv[0]) if sys.argv else ""
         if program in ("manage.py", "django-admin", "__main__.py") and sys.argv[1:2] != ["runserver"]:
+            return
+        # The relay's own processes are no web process: Celery sets Django up in `celery -A outbox
+        # worker|beat` when DJANGO_SETTINGS_MODULE is set, and there the warning ("wake-ups reach
+        # no worker") contradicted the worker's own "this worker runs the schedule itself".
+        if program in RELAY_PROGRAMS:
             return
         warn_if_wake_cannot_work("Django")

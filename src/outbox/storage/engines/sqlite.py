@@ -8,6 +8,7 @@ Timestamps are ISO-8601 text in UTC, which sorts and compares correctly.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from typing import Any, ClassVar
 
@@ -47,8 +48,13 @@ class SqliteEngine(Engine):
         return "strftime('%Y-%m-%d %H:%M:%f', 'now', (? / 1000.0) || ' seconds')"
 
     def connect(self, url: str) -> sqlite3.Connection:
-        conn = sqlite3.connect(sqlite_path(url), timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                               check_same_thread=False)
+        path = sqlite_path(url)
+        folder = os.path.dirname(os.path.abspath(path))
+        if path != ":memory:" and not path.startswith("file:") and not os.path.isdir(folder):
+            # sqlite3 says only "unable to open database file", which names neither.
+            raise sqlite3.OperationalError(f"unable to open database file {os.path.abspath(path)}: its directory "
+                                           f"{folder} does not exist (create it, or fix OUTBOX_DATABASE_URL)")
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         # A TEXT value that is not UTF-8 reads with lone surrogates instead of failing the
         # whole fetch: the claim then buries that row alone (docs/relay.md, "Bad rows").
         conn.text_factory = _lenient_text
