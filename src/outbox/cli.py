@@ -107,7 +107,7 @@ def migrate(native_json: bool) -> None:
     When OUTBOX_CELERY_BROKER_URL selects the database broker (outboxdb+...), its queue
     tables are created or repaired too (docs/transport.md)."""
     store = _store()
-    if native_json and store.engine.name != "mssql":
+    if native_json and not store.engine.native_json:
         click.echo(f"outbox: --native-json is for SQL Server only: ignored on {store.engine.name}, whose table "
                    "keeps its own JSON type and check", err=True)
     before = store.schema_state()

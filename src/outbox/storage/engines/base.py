@@ -79,6 +79,9 @@ class Engine(ABC):
     #: Appended to the candidate scan of the generic claim (row locks, skip locked).
     lock_candidates: ClassVar[str] = ""
     default_schema: ClassVar[str | None] = None
+    #: ``migration(native_json=True)`` makes the payload a native JSON column (SQL Server
+    #: 2025+ and Azure SQL); elsewhere the table keeps its own JSON type and check.
+    native_json: ClassVar[bool] = False
     #: The table hint of a read that takes no shared lock, for an engine whose plain read
     #: can wait on a writer's lock (the metrics' gauges: ``gauges_sql``).
     unlocked_read: ClassVar[str] = ""

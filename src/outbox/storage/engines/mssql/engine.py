@@ -35,6 +35,7 @@ class MssqlEngine(MssqlStatements):
     name = "mssql"
     placeholder = "?"
     default_schema: ClassVar[str | None] = "dbo"
+    native_json: ClassVar[bool] = True
     now: ClassVar[str] = "SYSUTCDATETIME()"
     #: With RCSI off a plain read waits for every uncommitted enqueue (issue 20, item 10);
     #: the gauges may count a row that then rolls back.
