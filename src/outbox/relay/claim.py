@@ -92,26 +92,28 @@ ALONE_FROM_ATTEMPTS = 2
 
 
 def isolate_retried(chains: Sequence[Sequence[OutboxMessage]]) -> tuple[
-        list[list[OutboxMessage]], list[list[list[OutboxMessage]]], list[OutboxMessage]]:
+        Sequence[Sequence[OutboxMessage]], list[list[list[OutboxMessage]]], list[OutboxMessage]]:
     """Set apart the rows tried ``ALONE_FROM_ATTEMPTS`` times already, so that an event that
     kills its worker process spends its attempts alone (docs/relay.md, "An event that kills
     its worker"). A chain is cut before its first such row; a chain that starts with one is
     sent as that row alone, in a publish task of its own. Returns (the chains to plan as
     usual, the one-row tasks, the rows to release: the rest of each cut chain, which waits
     behind its head)."""
-    kept: list[list[OutboxMessage]] = []
+    if all(message.attempts < ALONE_FROM_ATTEMPTS for chain in chains for message in chain):
+        return chains, [], []  # the usual case: nothing to set apart, nothing copied
+    kept: list[Sequence[OutboxMessage]] = []
     alone: list[list[list[OutboxMessage]]] = []
     release: list[OutboxMessage] = []
     for chain in chains:
         cut = next((position for position, message in enumerate(chain)
                     if message.attempts >= ALONE_FROM_ATTEMPTS), None)
         if cut is None:
-            kept.append(list(chain))
+            kept.append(chain)
         elif cut == 0:
             alone.append([[chain[0]]])
             release.extend(chain[1:])
         else:
-            kept.append(list(chain[:cut]))
+            kept.append(chain[:cut])
             release.extend(chain[cut:])
     return kept, alone, release
 
@@ -246,9 +248,9 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     """Hand the claimed chains on: all published here (a small claim), or dispatched in
     publish tasks, the first one kept here (a backlog, with ``claim_again``)."""
     options = relay.options
-    chains = split_chains(claim.messages)
-    outcome.chains = len(chains)
-    chains, alone, behind_retried = isolate_retried(chains)
+    all_chains = split_chains(claim.messages)
+    outcome.chains = len(all_chains)
+    chains, alone, behind_retried = isolate_retried(all_chains)
     outcome.alone = len(alone)
     tasks, over = plan_tasks(chains, options.task_rows, options.max_batch_bytes)
     outcome.trimmed = bool(over)
