@@ -226,8 +226,7 @@ class Archiver:
             try:
                 self.fs.check_writable()
             except Exception as exc:  # noqa: BLE001 - any failure to write becomes one PipelineError line
-                raise PipelineError(f"cannot write to the archive {self.root}: "
-                                    f"{' '.join(str(exc).split())[:200]}") from None
+                raise self._unwritable(exc) from None
             self.fs.write_text(self.fs.uri(MANIFEST_DIR, HOLDER_NOTE), json.dumps(
                 {"host": socket.gethostname(), "pid": os.getpid(), "since": datetime.now(UTC).isoformat(
                     timespec="seconds"), "database": database_of(self.store.url), "table": self.engine.table_name}))
@@ -248,8 +247,7 @@ class Archiver:
         try:
             qualified = self.fs.qualified_root()
         except Exception as exc:  # noqa: BLE001 - a location Hadoop cannot name becomes one PipelineError line
-            raise PipelineError(f"cannot write to the archive {self.root}: "
-                                f"{' '.join(str(exc).split())[:200]}") from None
+            raise self._unwritable(exc) from None
         lock = ArchiveLock(self.store, qualified)
         deadline = time.monotonic() + self.wait_s
         while not lock.try_acquire():
@@ -262,6 +260,10 @@ class Archiver:
             self.progress(f"the archive {self.root} is in use by another archive run ({holder}); waiting")
             time.sleep(max(0.0, min(LOCK_POLL_S, deadline - time.monotonic())))
         return lock
+
+    def _unwritable(self, exc: BaseException) -> PipelineError:
+        """The one line for an archive location that cannot be named or written to."""
+        return PipelineError(f"cannot write to the archive {self.root}: {' '.join(str(exc).split())[:200]}")
 
     def _holder(self) -> str:
         """Who holds the archive's lock, as its holder recorded it (``_manifest/lock``)."""
