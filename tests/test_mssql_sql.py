@@ -526,13 +526,17 @@ def test_the_enqueue_lock_is_never_owned_by_the_session(no_sqlglot_fallbacks: No
     parse_one(engine.end_own_transaction_sql())
 
 
-class _CutShortCursor(StoreCursor):
-    """The insert batch raises, as after a client timeout."""
+class _FailsOn(StoreCursor):
+    """Records each statement, then raises ``error`` after the one that contains ``marker``."""
+
+    def __init__(self, marker: str, error: Exception, log: list[tuple[str, tuple]] | None = None) -> None:
+        super().__init__(log)
+        self.marker, self.error = marker, error
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
         super().execute(sql, params)
-        if "INSERT INTO" in sql:
-            raise TimeoutError("HYT00 Query timeout expired")
+        if self.marker in sql:
+            raise self.error
         return self
 
 
@@ -541,7 +545,7 @@ def test_a_cut_short_enqueue_rolls_back_only_a_transaction_of_its_own() -> None:
     log: list[tuple[str, tuple]] = []
     event = prepare_event(topic="t", aggregate_type="order", aggregate_id="a", payload={"p": 1}, message_id="m-9")
     with pytest.raises(TimeoutError):
-        engine.insert_event(_CutShortCursor(log), event)
+        engine.insert_event(_FailsOn("INSERT INTO", TimeoutError("HYT00 Query timeout expired"), log), event)
     assert [sql for sql, _ in log] == [engine.insert_batch(), engine.end_own_transaction_sql()]
     cleanup = engine.end_own_transaction_sql()
     assert f"APPLOCK_MODE(N'public', N'{engine.OWN_TRANSACTION_LOCK}', N'Transaction') <> N'NoLock'" in cleanup
@@ -762,23 +766,13 @@ def test_a_migration_batch_is_stepped_through_so_a_later_error_raises() -> None:
     assert cursor.pending == ["row count"]
 
 
-class _FailingCursor(StoreCursor):
-    """Fails the CREATE TABLE step, as a permission error would."""
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
-        super().execute(sql, params)
-        if "CREATE TABLE" in sql:
-            raise RuntimeError("CREATE TABLE permission denied in database")
-        return self
-
-
 def test_a_failed_migration_releases_a_session_owned_lock() -> None:
     """On an autocommit connection (a Django migration: ``atomic = False``) the migration
     lock belongs to the session, and only the migration's last batch released it: a step
     that failed left the session holding it, and every other migrate waited 10 minutes and
     failed, until that connection closed. ``unlock_migration`` now releases it."""
     engine = MssqlEngine()
-    cursor = _FailingCursor()
+    cursor = _FailsOn("CREATE TABLE", RuntimeError("CREATE TABLE permission denied in database"))  # as a permission error
     with pytest.raises(RuntimeError, match="permission denied"):
         apply_migration(engine, cursor)
     last = cursor.log[-1][0]
