@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -583,10 +584,7 @@ class OutboxStore:
         def requeue_part(part: list[int]) -> RequeueResult:
             return self._run("requeue", lambda cursor: self._requeue_ids(cursor, part, force, all_or_nothing=False))
         parts = [requeue_part(wanted[i:i + chunk]) for i in range(0, len(wanted), chunk)]
-        per_topic: dict[str, int] = {}
-        for part in parts:
-            for topic, count in part.requeued.items():
-                per_topic[topic] = per_topic.get(topic, 0) + count
+        per_topic = sum((Counter(part.requeued) for part in parts), Counter[str]())
         return RequeueResult(requeued=dict(sorted(per_topic.items())),
                              refused=[row for part in parts for row in part.refused],
                              missing=[i for part in parts for i in part.missing],
@@ -610,9 +608,7 @@ class OutboxStore:
             return RequeueResult(refused=refused, missing=missing, not_dead=not_dead)
         kept = {row.id for row in refused} | set(not_dead)
         requeue = [i for i in sorted(found) if i not in kept]
-        counts: dict[str, int] = {}
-        for i in requeue:
-            counts[str(found[i][2])] = counts.get(str(found[i][2]), 0) + 1
+        counts = Counter(str(found[i][2]) for i in requeue)
         for cond, params in map(self.engine.ids_in, self.engine.id_chunks(requeue)) if requeue else []:
             self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
         return RequeueResult(requeued=dict(sorted(counts.items())), refused=refused, missing=missing,
