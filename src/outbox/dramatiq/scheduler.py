@@ -159,9 +159,9 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
     ``send(actor, queue, kwargs, max_age_s)`` defaults to ``outbox.dramatiq.brokers.send``.
     A new leader sends the first entry (the claim tick) at once and the others after one
     interval, like beat. ``outage``: where a send that fails is reported (default: the lock's,
-    else ``broker_outage``), and a send that goes through ends the outage."""
+    ``RedisLock.outage`` or ``RabbitLock.outage``), and a send that goes through ends the outage."""
     send = send or _broker.send
-    outage = outage or getattr(lock, "outage", None) or broker_outage("Dramatiq's broker")
+    outage = outage or lock.outage
     leading = False
     due = [0.0] * len(entries)
     next_lock = 0.0
