@@ -331,3 +331,52 @@ def test_no_wake_warning_when_dramatiq_is_the_runner(tmp_path: Path, monkeypatch
     assert wake_problem() is not None and "memory://" in wake_problem()
     monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", "redis://127.0.0.1:6379/0")
     assert wake_problem() is None
+
+
+def test_a_consumers_outage_is_told_once_and_a_dropped_ack_does_not_end_it() -> None:
+    """Dramatiq's consumer log through an outage, as a RabbitMQ cut gives it (seen in CI, 28
+    November): connection errors and an ack that waits for the broker (its WARNING prints
+    the whole message) become one WARNING; the ack retried 5 s later "succeeds" without
+    reaching the broker (RabbitMQ's consumer forgot the delivery tag), which had ended the
+    outage a second before the broker was back; only an ack that is sent ends it."""
+    import logging
+
+    from outbox.dramatiq.consumer_log import ConsumerOutageFilter
+    from outbox.relay.shared import Outage
+
+    told: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            told.append(f"{record.levelname} {record.getMessage()}")
+
+    relay_log = logging.getLogger(f"test.outbox.{uuid.uuid4().hex}")
+    relay_log.propagate, relay_log.level = False, logging.DEBUG
+    relay_log.addHandler(Capture())
+    consumers = ConsumerOutageFilter(Outage("Dramatiq's broker", "amqp://host/", "They reconnect.", relay_log))
+    handler = Capture()
+    handler.addFilter(consumers)
+    worker = logging.getLogger("dramatiq.worker.ConsumerThread(q.claim)")
+    rabbit = logging.getLogger("dramatiq.brokers.rabbitmq._RabbitmqConsumer")
+    for logger in (worker, rabbit):
+        logger.addHandler(handler)
+    try:
+        worker.critical("Consumer encountered a connection error: %s", "Transport indicated EOF")
+        worker.info("Restarting consumer in %0.2f seconds.", 3.0)
+        worker.warning("Failed to post_process_message(%s) due to a connection error: %s\nThe operation will be "
+                       "retried in %s seconds until the connection recovers.", "outbox.publish(chains=[{'p': 1}])",
+                       "BlockingConnection wrong state", 5)
+        rabbit.warning("Failed to ack message: not in known tags.")
+        consumers.back()  # Dramatiq reports the dropped ack
+        assert consumers.outage.down
+        consumers.back()  # an ack that was sent
+        assert not consumers.outage.down
+        worker.warning("Something else")
+    finally:
+        for logger in (worker, rabbit):
+            logger.removeHandler(handler)
+    warnings = [line for line in told if line.startswith("WARNING")]
+    assert len(warnings) == 2 and "Dramatiq's broker unreachable" in warnings[0], told
+    assert warnings[1] == "WARNING Something else", told
+    assert sum("reachable again" in line for line in told) == 1, told
+    assert not any("chains" in line or "Restarting" in line or "known tags" in line for line in told), told

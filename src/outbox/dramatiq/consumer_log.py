@@ -10,38 +10,69 @@ relay's outage log (``relay.shared.Outage``): one WARNING when the first consume
 broker, the rest at DEBUG, and one INFO line when the broker takes an ack again
 (``OutboxMiddleware.after_ack`` calls ``back``; not when a message is processed, since
 messages fetched before the outage are processed during it).
+
+An ack that cannot be sent is retried every 5 s, each time with a WARNING that prints the
+whole message (payloads included): those are the outage's too. On RabbitMQ the retry of an
+ack whose connection is gone "succeeds" without reaching the broker (the consumer forgot its
+delivery tag, and RabbitMQ requeued the message when the connection closed): the consumer
+says so ("not in known tags") just before Dramatiq reports the ack, so ``back`` does not take
+that ack for the broker's answer (it had ended a 6 s outage 1 s early, and the next failure
+announced a second one).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from ..relay.shared import Outage
 
 #: What Dramatiq's consumer threads log, from loggers under ``dramatiq.worker``.
 CONNECTION_ERROR = "Consumer encountered a connection error: "
 RESTARTING = "Restarting consumer in "
+ACK_RETRIED = "Failed to post_process_message("
+ACK_RETRIED_ERROR = " due to a connection error: "
+#: What Dramatiq's RabbitMQ consumer logs, from ``dramatiq.brokers.rabbitmq``, when it drops
+#: an ack or nack of a delivery from a connection that is gone.
+TAG_FORGOTTEN = "message: not in known tags."
 
 
 class ConsumerOutageFilter(logging.Filter):
-    """A handler filter: a consumer's connection error goes to ``outage`` instead of the log,
-    and its "Restarting consumer" line is dropped while the outage lasts."""
+    """A handler filter: a consumer's connection error, and an ack that waits for the broker,
+    go to ``outage`` instead of the log; "Restarting consumer" is dropped while the outage
+    lasts; an ack dropped for a forgotten delivery tag is dropped from the log and marks its
+    thread, so that ``back`` does not count it."""
 
     def __init__(self, outage: Outage) -> None:
         super().__init__()
         self.outage = outage
+        self._unsent = threading.local()  # this thread's last ack was dropped, not sent
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("dramatiq.brokers.rabbitmq"):
+            message = record.getMessage()
+            if message.endswith(TAG_FORGOTTEN):
+                if message.startswith("Failed to ack"):
+                    self._unsent.ack = True  # logged in the thread that reports the ack next
+                return False
+            return True
         if not record.name.startswith("dramatiq.worker"):
             return True
         message = record.getMessage()
         if message.startswith(CONNECTION_ERROR):
             self.outage.failed(message[len(CONNECTION_ERROR):])
             return False
+        if message.startswith(ACK_RETRIED) and ACK_RETRIED_ERROR in message:
+            self.outage.failed(message.partition("\n")[0].rpartition(ACK_RETRIED_ERROR)[2])
+            return False
         return not (message.startswith(RESTARTING) and self.outage.down)
 
     def back(self) -> None:
-        """The broker took an ack: it answers (one INFO line after an outage)."""
+        """Dramatiq reports an ack in this thread: unless the consumer dropped it, the broker
+        took it and answers (one INFO line after an outage)."""
+        if getattr(self._unsent, "ack", False):
+            self._unsent.ack = False
+            return
         self.outage.ok()
 
 
