@@ -28,6 +28,7 @@ class Stopped:
     reason: str | None
     route: str | None = None  # BACKPRESSURE from this routing key only
     refused: dict[str, float] = field(default_factory=dict)
+    began: float | None = None  # when the publish began (time.monotonic())
 
     @property
     def failing(self) -> OutboxMessage:
@@ -90,6 +91,11 @@ def _backpressure(relay: RelayContext, stop: Stopped) -> Settled:
     way the whole rest is released, no attempt spent, not due before the pause ends."""
     if stop.route is not None:
         return _pause_route(relay, stop, stop.route)
+    if relay.outage is not None and relay.outage.stale(stop.began):
+        # Begun before the broker was back, which it still is: no new outage, no pause.
+        relay.outage.failed(stop.reason or "back-pressure", stop.began)
+        relay.settler.release(stop.rest)
+        return Settled(stop.rest)
     pause = relay.options.breaker_s
     if relay.outage is not None:
         relay.outage.failed(stop.reason or "back-pressure")

@@ -74,6 +74,7 @@ def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]
     if skipped is not None:
         return skipped
     split = _hold_paused_routes(batch, relay.routes, relay.now())
+    began = time.monotonic()  # a broker-wide failure of sends begun before an outage ended is its leftover
     reports, elapsed = _send(publisher, relay, [part for part, _, _ in split])
     done: dict[str, list[int]] = {}
     settled = [_settle_published(relay, chain, part, report, elapsed, done)
@@ -87,7 +88,7 @@ def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]
     for chain, (part, held, wait), report, (outcome, prefix) in zip(batch, split, reports, settled):
         if prefix < len(part):
             assert report is not None  # a part was sent
-            _settle_stopped(relay, chain[prefix:], report, outcome, refused)
+            _settle_stopped(relay, chain[prefix:], report, outcome, refused, began)
         elif held:
             # Published up to an event whose route is paused: the rest waits for the route.
             log.debug("outbox route %r paused for %.1f s more: releasing %d rows %s", held[0].topic, wait,
@@ -245,7 +246,7 @@ def _bury_overtaken(relay: RelayContext, message: OutboxMessage, overtaken: Over
 # -- what was not -------------------------------------------------------------------------------
 
 def _settle_stopped(relay: RelayContext, rest: list[OutboxMessage], report: _Report, outcome: ChainOutcome,
-                    refused: dict[str, float]) -> None:
+                    refused: dict[str, float], began: float) -> None:
     """Settle the unpublished ``rest`` of a chain: its head by the failure kind
     (``STOP_POLICY``), the others released behind it."""
     failed_id, kind = report.failed_id, report.kind
@@ -260,7 +261,7 @@ def _settle_stopped(relay: RelayContext, rest: list[OutboxMessage], report: _Rep
         log.error("outbox publisher failed id %s but the next unpublished event is %s; treating it as failed",
                   failed_id, rest[0].id)
     outcome.failed_id, outcome.kind, outcome.reason = rest[0].id, kind, report.reason
-    settled = STOP_POLICY[kind](relay, Stopped(rest, kind, report.reason, report.route, refused))
+    settled = STOP_POLICY[kind](relay, Stopped(rest, kind, report.reason, report.route, refused, began))
     outcome.released = [m.id for m in settled.released]
     outcome.dead = settled.dead
 

@@ -213,6 +213,11 @@ class Outage:
     the traceback when there is one). ``ok()`` after failures logs one INFO line with how long
     it lasted. ``ok()`` costs nothing while there is no outage.
 
+    A failure of work ``began`` (``time.monotonic()``) before the last ``ok()`` of this
+    process is a leftover of the outage that ended (a delivery report of an event produced
+    during it that timed out after the broker was back): ``stale(began)`` says so, and
+    ``failed`` logs it at DEBUG instead of announcing a second outage.
+
     Workers share the announcement through ``state``: only the process that first sees the
     outage warns (it sets ``key``), and only the first to see it end says so (it deletes
     ``key``). The key expires after ``remind_s``, so an outage that goes on is announced
@@ -228,6 +233,7 @@ class Outage:
         self.state: SharedState = state if state is not None else ProcessState()
         self.key = key
         self._since: float | None = None
+        self._ended = float("-inf")  # the last ok() that ended an outage (time.monotonic())
         self._failures = 0
         self._lock = threading.Lock()
 
@@ -243,11 +249,20 @@ class Outage:
     def down(self) -> bool:
         return self._since is not None
 
-    def failed(self, error: BaseException | str) -> None:
+    def stale(self, began: float | None) -> bool:
+        """True when work begun at ``began`` began before this process saw the last outage end,
+        and no new outage has begun since."""
+        return began is not None and self._since is None and began < self._ended
+
+    def failed(self, error: BaseException | str, began: float | None = None) -> None:
         from ..core.redact import redact
 
         detail = redact(f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error)
         detail = " ".join(detail.split())
+        if self.stale(began):
+            self.log.debug("outbox: %s failed for work begun before it was back (%s): %s", self.what, self.where,
+                           detail)
+            return
         with self._lock:
             first = self._since is None
             if first:
@@ -273,6 +288,8 @@ class Outage:
         with self._lock:
             since, failures = self._since, self._failures
             self._since, self._failures = None, 0
+            if since is not None:
+                self._ended = time.monotonic()
         if since is None:
             return
         try:
