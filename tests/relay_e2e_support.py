@@ -602,6 +602,7 @@ class Stall:
         self.marker = marker
         self.seconds = seconds
         self.drop_answer = drop_answer  # Proxy.drop_answer_after
+        self.then_cut = False  # and the proxy cut when it drops the answer
         self.answer_end = answer_end
         self.link: Link | None = None
         self.began = threading.Event()
@@ -672,12 +673,14 @@ class Proxy:
         self.stall = Stall(marker, seconds, ANSWER_ENDS[self.target[1]])
         return self.stall
 
-    def drop_answer_after(self, marker: bytes) -> Stall:
+    def drop_answer_after(self, marker: bytes, *, then_cut: bool = False) -> Stall:
         """Arm a one-shot cut that loses an answer: on the first connection whose client
         sends ``marker``, the statement reaches the server, which runs it (and commits it, in
         autocommit or for a COMMIT), but none of its answer reaches the client: once the
-        answer is complete the connection is closed both ways."""
+        answer is complete the connection is closed both ways, and with ``then_cut`` the
+        proxy is cut from that moment (the client's retries fail until ``restore``)."""
         self.stall = Stall(marker, 0.0, ANSWER_ENDS[self.target[1]], drop_answer=True)
+        self.stall.then_cut = then_cut
         return self.stall
 
     def _accept(self) -> None:
@@ -730,6 +733,8 @@ class Proxy:
             if stall.drop_answer:
                 if end is not None:
                     link.phase = "dropped"  # _pump closes the connection
+                    if stall.then_cut:
+                        self.up = False  # new connections are closed at once
                     stall.began_at = time.time()
                     stall.began.set()
                 return 0

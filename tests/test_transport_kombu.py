@@ -354,6 +354,43 @@ def test_a_lease_whose_commit_answer_is_lost_delivers_its_messages_on_the_retry(
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_lease_lost_with_its_database_delivers_its_messages_when_it_is_back(kind: str, tmp_path: Path) -> None:
+    """As above, but the database stays away through every retry (the proxy is cut when the
+    lease's answer is dropped): the receive raises a connection error and Celery reconnects,
+    on a new transport. The first lease after that takes back what the lost one holds; before,
+    those messages waited, leased to nobody, for the whole visibility timeout (an hour here)."""
+    from relay_e2e_support import Proxy
+
+    direct = engine_url(kind, tmp_path)
+    proxy = Proxy(target=("127.0.0.1", 5432 if kind == "postgresql" else 3306))
+    broker = Broker(proxy.url_for(direct))
+    try:
+        conn = broker.connect(visibility_timeout=3600)
+        q = conn.SimpleQueue("lost-lease")
+        q.put("first")
+        q.put("second")
+        cut = proxy.drop_answer_after(b"COMMIT", then_cut=True)
+        with pytest.raises(conn.connection_errors):
+            get(q, timeout=5)
+        assert cut.began.is_set()  # the lease's COMMIT ran and its answer was lost
+        conn.collect()  # as Celery's consumer does before it reconnects
+        proxy.restore()
+        with broker.connect(visibility_timeout=3600) as again:
+            q = again.SimpleQueue("lost-lease")
+            got = [get(q, timeout=5)]
+            with contextlib.suppress(Empty):
+                got.append(get(q, timeout=2))
+            assert [m.payload for m in got] == ["first", "second"]
+            for m in got:
+                m.ack()
+            assert again.default_channel.db.run(lambda qt, c: qt.holds_any(c, "lost-lease")) is False
+            q.close()
+    finally:
+        proxy.close()
+        drop_queue_tables(direct, broker.table)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
 def test_an_ack_whose_commit_answer_is_lost_is_done_and_not_reported_as_a_lost_lease(
         kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The ack's COMMIT went through and only its answer was lost: the retry finds nothing to

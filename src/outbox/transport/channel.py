@@ -343,21 +343,27 @@ class Channel(virtual.Channel):
         return got
 
     def _lease_queue(self, queue: str, limit: int, visibility_ms: int) -> list[tuple[str, dict[str, Any]]]:
-        receipt = uuid.uuid4().hex
+        doubtful = self.db.doubtful(queue)
+        receipt = doubtful or uuid.uuid4().hex
         tries = 0
 
         def lease(qt: QueueTables, cursor: Any) -> list[MessageRow]:
             # A retry after a lost connection first takes what the try before leased, in case
-            # its COMMIT went through and only the answer was lost (docs/transport.md, "Receiving
-            # and polling"): else those rows would wait, leased to nobody, for visibility_timeout.
+            # its COMMIT went through and only the answer was lost (docs/transport.md, "A lease
+            # whose COMMIT's answer is lost"): else those rows would wait, leased to nobody, for
+            # visibility_timeout. So does the next lease after one whose every try failed.
             nonlocal tries
             tries += 1
-            held = qt.leased(cursor, queue, receipt) if tries > 1 else []
+            held = qt.leased(cursor, queue, receipt) if tries > 1 or doubtful else []
             if len(held) >= limit:
                 return held
             return held + qt.lease(cursor, queue, limit - len(held), visibility_ms, receipt)
 
-        rows = self.db.run(lease)
+        try:
+            rows = self.db.run(lease)
+        except BrokerDatabaseUnavailable:
+            self.db.doubt(queue, receipt)
+            raise
         no_ack = queue in self._no_ack_queues
         if rows and no_ack:
             self.db.run(lambda qt, c: [qt.ack(c, r.id, receipt) for r in rows])  # no_ack: consumed on receipt

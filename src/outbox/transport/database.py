@@ -26,6 +26,11 @@ T = TypeVar("T")
 #: Tables already migrated/checked in this process: (database URL, table).
 _prepared: set[tuple[str, str]] = set()
 _prepared_lock = threading.Lock()
+#: Receipts of leases whose every try failed, which may have committed: (url, table, queue) ->
+#: receipt. Kept per process, not per transport: Celery reconnects on a new one
+#: (docs/transport.md, "A lease whose COMMIT's answer is lost").
+_doubtful: dict[tuple[str, str, str], str] = {}
+_doubtful_lock = threading.Lock()
 
 
 def database_url_of(hostname: str | None) -> str:
@@ -64,6 +69,17 @@ class Database:
         self._waiter_retry_at = 0.0
         #: False from a ``run`` that ran out of retries until one succeeds (``QoS.restore_unacked``).
         self.available = True
+
+    def doubt(self, queue: str, receipt: str) -> None:
+        """A lease of ``queue`` under ``receipt`` failed every try: it may have committed."""
+        with _doubtful_lock:
+            _doubtful[(self.url, self.qt.table, queue)] = receipt
+
+    def doubtful(self, queue: str) -> str | None:
+        """The receipt of this process's last lease of ``queue`` that may have committed
+        unbeknown to it, once (the next lease takes back what it holds)."""
+        with _doubtful_lock:
+            return _doubtful.pop((self.url, self.qt.table, queue), None)
 
     def wait(self, timeout: float) -> bool:
         """Idle: block until a send wakes us (PostgreSQL LISTEN) or ``timeout`` passes.
