@@ -487,6 +487,21 @@ def test_in_the_main_process_a_backlog_claim_is_a_small_one_published_there_and_
     assert [status_of(sqlite_store)[i] for i in a] == [Status.DONE] * 3 + [Status.PENDING] * 5
 
 
+def test_in_the_main_process_only_a_row_tried_twice_goes_out_in_a_publish_task(
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """A row tried twice is sent alone, never published by the claiming process, the main one
+    included; the claim's other chains are published there."""
+    a = add(conn, "a", 2)
+    b = add(conn, "b", 2)
+    conn.execute(f"UPDATE {sqlite_store.engine.table} SET attempts = 2 WHERE id = ?", (a[0],))
+    conn.commit()
+    here = Slice(sqlite_store)
+    outcome = here.run(batch_size=100, options=RelayOptions(inline_rows=4), in_main=True)
+    assert outcome is not None and outcome.alone == 1 and outcome.released == 1
+    assert [[[m.id for m in chain] for chain in task] for task, _ in here.sent.tasks] == [[[a[0]]]]
+    assert here.events == [b, "claim soon"]
+
+
 def test_in_the_main_process_with_inline_publishing_off_a_claim_still_goes_out_in_publish_tasks(
         sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 8)

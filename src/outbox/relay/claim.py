@@ -198,9 +198,9 @@ def hand_on(relay: RelayContext, claimed: Claimed, dispatch: Dispatch, *, publis
     here through ``publish_inline``) and dead-letter the rows it found dead. ``before_share``
     is called with the outcome and the share just before a backlog's first share is published
     here (after ``claim_again``): where a drain slice starts its next claim ahead.
-    ``whole_here``: a claim of at most ``options.inline_rows`` rows goes to ``publish_inline``
-    even when it came back full (the Celery worker's in-process claim, which sends none of its
-    rows on in publish tasks: docs/waking-and-metrics.md, "The in-process claim")."""
+    ``whole_here``: every chain goes to ``publish_inline``, even when the claim came back
+    full, but the rows tried twice, which go out alone as always (the Celery worker's
+    in-process claim: docs/waking-and-metrics.md, "The in-process claim")."""
     outcome, claim = claimed.outcome, claimed.claim
     if claim is None:
         return outcome
@@ -268,6 +268,8 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     # A backlog's first share stays here (no hop through Celery's broker), the rest goes out.
     keep_share = publish_inline is not None and claim_again is not None and options.inline_rows > 0
     share = tasks.pop(0) if keep_share and tasks else None
+    if whole_here and publish_inline is not None and tasks:
+        share, tasks = [chain for task in tasks for chain in task], []  # everything but the rows sent alone
     # A row tried twice before goes last, alone, and never in the share published here.
     over = _dispatch_all(dispatch, tasks + alone, deadline, outcome) + over + behind_retried
     if over:
@@ -278,8 +280,8 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
              f" ({outcome.alone} tried twice before, each alone)" if outcome.alone else "",
              sum(len(chain) for chain in share or ()), outcome.released)
     if share is not None:
-        assert publish_inline is not None and claim_again is not None
-        if outcome.more:
+        assert publish_inline is not None
+        if outcome.more and claim_again is not None:
             claim_again()  # the next claim runs in another process while this one publishes
             if before_share is not None:
                 before_share(outcome, share)  # and this process's next one on its claim-ahead thread

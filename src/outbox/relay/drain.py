@@ -181,7 +181,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
             drain.outage.ok()
             outcome = hand_on(relay, claimed, drain.dispatch, publish_inline=publish_here,
                               claim_again=None if in_main else ask, before_share=None if ahead is None else ahead.start,
-                              whole_here=in_main)
+                              whole_here=in_main and relay.options.inline_rows > 0)
             drain.backlog.met = outcome.backlog
             ask = ask_unless_requested if outcome.chains > 1 else _nothing
             # A claim made ahead that came back short may have met this slice's own chains
