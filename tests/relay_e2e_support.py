@@ -375,6 +375,40 @@ class Outbox:
             found = self.store.engine.execute(cursor, f"SELECT MAX(attempts) FROM {self.store.engine.table}")
             return int(found.fetchone()[0] or 0)
 
+    def open_rows_report(self, procs: Procs | None = None) -> str:
+        """What holds the open rows back, for a failure message: the count per status, then the
+        open rows grouped by status and lease holder (a lease token starts with its holder's id)
+        with their aggregates, oldest id, attempts, lease age and retry time, and the holders'
+        records (pid, the relay process it belongs to when ``procs`` started it, alive or not,
+        seconds since its last beat). Ages are by the database's clock."""
+        engine = self.store.engine
+        with self.store.transaction() as cursor:
+            now = engine.to_datetime(engine.execute(cursor, f"SELECT {engine.now}").fetchone()[0])
+            rows = engine.execute(cursor, f"SELECT id, aggregate_id, status, attempts, claimed_at, next_retry_at, "
+                                          f"lease_token FROM {engine.table} WHERE status IN (0, 1, 3)").fetchall()
+            holders = engine.execute(cursor, f"SELECT holder_id, pid, beat_at FROM {engine.holders}").fetchall()
+        assert now is not None
+
+        def age(value: Any) -> float | None:
+            at = engine.to_datetime(value)
+            return None if at is None else (now - at).total_seconds()
+
+        lines = [f"status counts: {self.status_counts()}"]
+        groups: dict[tuple[int, str], list[Any]] = {}
+        for row in rows:
+            groups.setdefault((int(row[2]), str(row[6] or "")[:16]), []).append(row)
+        for (status, holder), group in sorted(groups.items()):
+            retry = sorted(engine.to_datetime(r[5]) for r in group if r[5] is not None)
+            lines.append(f"  {Status(status).name} holder={holder or '-'}: {len(group)} rows over "
+                         f"{len({r[1] for r in group})} aggregates, oldest id {min(int(r[0]) for r in group)}, "
+                         f"attempts up to {max(int(r[3]) for r in group)}, lease age up to "
+                         f"{max((a for a in map(age, (r[4] for r in group)) if a is not None), default=0.0):.1f} s, "
+                         f"next retry {retry[0].isoformat() if retry else '-'}")
+        for holder_id, pid, beat_at in holders:
+            lines.append(f"  holder {str(holder_id).strip()}: pid {pid} ({_process_of(int(pid), procs)}), "
+                         f"last beat {age(beat_at) or 0.0:.1f} s ago")
+        return "\n".join(lines)
+
     def drop(self) -> None:
         try:
             with self.store.transaction() as cursor:
@@ -382,6 +416,30 @@ class Outbox:
                 self.store.engine.execute(cursor, f"DROP TABLE IF EXISTS {self.store.engine.holders}")
         finally:
             self.store.close()
+
+
+def _process_of(pid: int, procs: Procs | None) -> str:
+    """Which relay process of ``procs`` ``pid`` is (by its process group), and whether it lives."""
+    try:
+        group = os.getpgid(pid)
+    except ProcessLookupError:
+        return "gone"
+    names = [name for name, proc in (procs.procs.items() if procs else ()) if proc.pid == group]
+    if not names:
+        return "alive, not a relay process of this test"
+    return f"alive, {names[0]}'s {'main process' if pid == group else 'pool process'}"
+
+
+def where_claims_stopped(log: str, last: int = 5, after: int = 40) -> str:
+    """A worker's last ``last`` claim lines (a claim that leased rows, or a takeover) and the
+    first ``after`` lines logged after them: where a worker that stopped claiming stopped."""
+    lines = log.splitlines()
+    marks = [i for i, line in enumerate(lines) if "outbox claimed " in line or "outbox: took over " in line]
+    if not marks:
+        return "no claim in the log\n" + "\n".join(lines[-after:])
+    tail = lines[marks[-1] + 1:]
+    return "\n".join([*(lines[i] for i in marks[-last:]), f"-- {len(tail)} lines after the last claim:",
+                      *tail[:after]])
 
 
 class Written(NamedTuple):

@@ -472,14 +472,44 @@ def test_only_a_claim_that_sent_publish_tasks_on_makes_the_next_read_the_publish
     assert outcome is not None and here.sent.tasks and reads == []
 
 
-def test_in_the_main_process_a_full_claim_publishes_nothing_itself_and_makes_no_slice(
+def test_in_the_main_process_a_backlog_claim_is_a_small_one_published_there_and_sends_no_publish_task(
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """The in-process claim takes at most ``inline_rows`` rows and publishes them itself, full
+    or not, in no slice: a publish task of its rows, taken by a worker that then died, would
+    hold them for the whole lease (the main process lives on, so nobody takes them over:
+    docs/waking-and-metrics.md, "The in-process claim")."""
+    a = add(conn, "a", 8)
+    here = Slice(sqlite_store)
+    outcome = here.run(batch_size=100, options=RelayOptions(inline_rows=3), in_main=True)
+    assert outcome is not None and outcome.more and outcome.inline and outcome.claimed == 3
+    assert here.sent.tasks == []  # no publish task
+    assert here.events == [a[0:3], "claim soon"]  # the rest goes to the pool through the token
+    assert [status_of(sqlite_store)[i] for i in a] == [Status.DONE] * 3 + [Status.PENDING] * 5
+
+
+def test_in_the_main_process_only_a_row_tried_twice_goes_out_in_a_publish_task(
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """A row tried twice is sent alone, never published by the claiming process, the main one
+    included; the claim's other chains are published there."""
+    a = add(conn, "a", 2)
+    b = add(conn, "b", 2)
+    conn.execute(f"UPDATE {sqlite_store.engine.table} SET attempts = 2 WHERE id = ?", (a[0],))
+    conn.commit()
+    here = Slice(sqlite_store)
+    outcome = here.run(batch_size=100, options=RelayOptions(inline_rows=4), in_main=True)
+    assert outcome is not None and outcome.alone == 1 and outcome.released == 1
+    assert [[[m.id for m in chain] for chain in task] for task, _ in here.sent.tasks] == [[[a[0]]]]
+    assert here.events == [b, "claim soon"]
+
+
+def test_in_the_main_process_with_inline_publishing_off_a_claim_still_goes_out_in_publish_tasks(
         sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     a = add(conn, "a", 8)
     here = Slice(sqlite_store)
-    outcome = here.run(in_main=True)
+    outcome = here.run(options=RelayOptions(inline_rows=0), in_main=True)
     assert outcome is not None and outcome.more and not outcome.inline
     assert [[m.id for m in chain] for chain in here.sent.chains] == [a[0:2]]  # a publish task
-    assert here.events == ["claim soon"]  # the next claim goes to the pool through the token
+    assert here.events == ["claim soon"]
 
 
 def test_a_drain_slice_reports_a_refused_claim_as_a_database_outage(sqlite_store: OutboxStore,

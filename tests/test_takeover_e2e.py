@@ -28,6 +28,7 @@ from relay_e2e_support import (
     relay_env,
     require_relay_services,
     wait_until,
+    where_claims_stopped,
 )
 from runners import CELERY, DRAMATIQ
 
@@ -123,7 +124,8 @@ def test_a_lost_worker_stalls_no_aggregate_for_the_lease(tmp_path: Path, destina
     total = len(writer.written)
     destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=40, procs=procs)
     assert len(destination.arrived()) == total, (
-        f"{len(destination.arrived())} of {total} arrived\n{procs.log('w2')[-3000:]}")
+        f"{len(destination.arrived())} of {total} arrived\n{outbox.open_rows_report(procs)}\n"
+        f"w2's last claims:\n{where_claims_stopped(procs.log('w2'))}")
     check_order(destination.arrivals(), writer.expected)
     waited, aggregate = longest_stand_still(destination, killed_at)
     log = procs.log("w2")

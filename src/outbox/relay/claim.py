@@ -193,16 +193,20 @@ BeforeShare = Callable[[ClaimOutcome, list[list[OutboxMessage]]], object]
 
 def hand_on(relay: RelayContext, claimed: Claimed, dispatch: Dispatch, *, publish_inline: Dispatch | None = None,
             claim_again: Callable[[], object] | None = None,
-            before_share: BeforeShare | None = None) -> ClaimOutcome:
+            before_share: BeforeShare | None = None, whole_here: bool = False) -> ClaimOutcome:
     """The second half of ``handle_claim``: hand a claim's chains on (dispatched, or published
     here through ``publish_inline``) and dead-letter the rows it found dead. ``before_share``
     is called with the outcome and the share just before a backlog's first share is published
-    here (after ``claim_again``): where a drain slice starts its next claim ahead."""
+    here (after ``claim_again``): where a drain slice starts its next claim ahead.
+    ``whole_here``: every chain goes to ``publish_inline``, even when the claim came back
+    full, but the rows tried twice, which go out alone as always (the Celery worker's
+    in-process claim: docs/waking-and-metrics.md, "The in-process claim")."""
     outcome, claim = claimed.outcome, claimed.claim
     if claim is None:
         return outcome
     if claim.messages:
-        _hand_on(relay, claim, claimed.deadline, dispatch, publish_inline, claim_again, outcome, before_share)
+        _hand_on(relay, claim, claimed.deadline, dispatch, publish_inline, claim_again, outcome, before_share,
+                 whole_here)
     _dead_letter_expired(relay.publisher, claim.dead, claim.dead_errors)
     return outcome
 
@@ -244,7 +248,7 @@ def _claim(relay: RelayContext, batch_size: int, outcome: ClaimOutcome, behind: 
 
 def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispatch,
              publish_inline: Dispatch | None, claim_again: Callable[[], object] | None,
-             outcome: ClaimOutcome, before_share: BeforeShare | None = None) -> None:
+             outcome: ClaimOutcome, before_share: BeforeShare | None = None, whole_here: bool = False) -> None:
     """Hand the claimed chains on: all published here (a small claim), or dispatched in
     publish tasks, the first one kept here (a backlog, with ``claim_again``)."""
     options = relay.options
@@ -254,8 +258,8 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     outcome.alone = len(alone)
     tasks, over = plan_tasks(chains, options.task_rows, options.max_batch_bytes)
     outcome.trimmed = bool(over)
-    if (publish_inline is not None and not alone and not behind_retried and not outcome.full and not over
-            and outcome.claimed <= options.inline_rows):
+    if (publish_inline is not None and not alone and not behind_retried and not over
+            and (whole_here or not outcome.full) and outcome.claimed <= options.inline_rows):
         log.info("outbox claimed %d rows lease=%s: publishing them here", outcome.claimed, claim.lease)
         outcome.inline = True
         outcome.dispatched = outcome.claimed
@@ -264,6 +268,8 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     # A backlog's first share stays here (no hop through Celery's broker), the rest goes out.
     keep_share = publish_inline is not None and claim_again is not None and options.inline_rows > 0
     share = tasks.pop(0) if keep_share and tasks else None
+    if whole_here and publish_inline is not None and tasks:
+        share, tasks = [chain for task in tasks for chain in task], []  # everything but the rows sent alone
     # A row tried twice before goes last, alone, and never in the share published here.
     over = _dispatch_all(dispatch, tasks + alone, deadline, outcome) + over + behind_retried
     if over:
@@ -274,8 +280,8 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
              f" ({outcome.alone} tried twice before, each alone)" if outcome.alone else "",
              sum(len(chain) for chain in share or ()), outcome.released)
     if share is not None:
-        assert publish_inline is not None and claim_again is not None
-        if outcome.more:
+        assert publish_inline is not None
+        if outcome.more and claim_again is not None:
             claim_again()  # the next claim runs in another process while this one publishes
             if before_share is not None:
                 before_share(outcome, share)  # and this process's next one on its claim-ahead thread

@@ -127,8 +127,9 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     no-op the slice's claims skip asking for ``ASK_QUIET_S``), so a process whose own slice
     ended early, on a claim that lost its chains to a concurrent claim, gets work again
     (docs/internals.md, "Drain slices"). ``in_main``
-    (the Celery worker's main process, the in-process claim): no share and no slice, the
-    backlog goes to the pool (docs/waking-and-metrics.md, "The in-process claim").
+    (the Celery worker's main process, the in-process claim): one claim of at most
+    ``options.inline_rows`` rows, published here whole, and no slice; the backlog goes to the
+    pool through the claim it then asks for (docs/waking-and-metrics.md, "The in-process claim").
 
     With ``drain.ahead`` and ``options.claim_ahead`` (not off; at auto, after a claim of one
     chain only), a full claim starts the slice's next claim on the claim-ahead thread,
@@ -143,6 +144,10 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     the last claim's outcome, or None when the store refused the claim (``ClaimFailed``:
     reported to ``drain.outage``, once per outage, instead of a traceback per tick)."""
     ends, quiet_until = clock() + slice_s, 0.0
+    if in_main and relay.options.inline_rows > 0:
+        # No row of the main process's lease travels in a publish task: one that a worker took
+        # and died with would hold its rows for the whole lease (docs/waking-and-metrics.md).
+        batch_size = min(batch_size, relay.options.inline_rows)
 
     def ask_unless_requested() -> None:
         nonlocal quiet_until
@@ -175,7 +180,8 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
                 return None
             drain.outage.ok()
             outcome = hand_on(relay, claimed, drain.dispatch, publish_inline=publish_here,
-                              claim_again=None if in_main else ask, before_share=None if ahead is None else ahead.start)
+                              claim_again=None if in_main else ask, before_share=None if ahead is None else ahead.start,
+                              whole_here=in_main and relay.options.inline_rows > 0)
             drain.backlog.met = outcome.backlog
             ask = ask_unless_requested if outcome.chains > 1 else _nothing
             # A claim made ahead that came back short may have met this slice's own chains
