@@ -322,43 +322,17 @@ def test_a_late_ack_after_a_database_outage_settles_the_message(kind: str, back_
         drop_queue_tables(direct, broker.table)
 
 
+@pytest.mark.parametrize("gone", [False, True], ids=["retried", "database-gone"])
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
-def test_a_lease_whose_commit_answer_is_lost_delivers_its_messages_on_the_retry(kind: str, tmp_path: Path) -> None:
+def test_a_lease_whose_commit_answer_is_lost_delivers_its_messages(kind: str, gone: bool, tmp_path: Path) -> None:
     """The connection breaks after the lease's COMMIT reached the database but before its
-    answer came back: the transport retries on a new connection. The retry must hand over
-    what the committed lease took. It leased the next message instead, and the first stayed
-    leased to nobody for the whole visibility timeout (an hour here), out of order."""
-    from relay_e2e_support import Proxy
-
-    direct = engine_url(kind, tmp_path)
-    proxy = Proxy(target=("127.0.0.1", 5432 if kind == "postgresql" else 3306))
-    broker = Broker(proxy.url_for(direct))
-    try:
-        with broker.connect(visibility_timeout=3600) as conn:
-            q = conn.SimpleQueue("lost-answer")
-            q.put("first")
-            q.put("second")
-            cut = proxy.drop_answer_after(b"COMMIT")
-            got = [get(q, timeout=5)]
-            assert cut.began.is_set()  # the lease's COMMIT ran and its answer was lost
-            with contextlib.suppress(Empty):
-                got.append(get(q, timeout=2))
-            assert [m.payload for m in got] == ["first", "second"]
-            for m in got:
-                m.ack()
-            assert conn.default_channel.db.run(lambda qt, c: qt.holds_any(c, "lost-answer")) is False
-            q.close()
-    finally:
-        proxy.close()
-        drop_queue_tables(direct, broker.table)
-
-
-@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
-def test_a_lease_lost_with_its_database_delivers_its_messages_when_it_is_back(kind: str, tmp_path: Path) -> None:
-    """As above, but the database stays away through every retry (the proxy is cut when the
-    lease's answer is dropped): the receive raises a connection error and Celery reconnects,
-    on a new transport. The first lease after that takes back what the lost one holds; before,
-    those messages waited, leased to nobody, for the whole visibility timeout (an hour here)."""
+    answer came back. ``retried``: the transport retries on a new connection, and the retry
+    must hand over what the committed lease took; it leased the next message instead, and the
+    first stayed leased to nobody for the whole visibility timeout (an hour here), out of
+    order. ``database-gone``: the proxy is cut from that moment, every retry fails, the
+    receive raises a connection error and the consumer reconnects on a new transport, whose
+    first lease must take back what the lost one holds; before, those messages waited for
+    the visibility timeout too."""
     from relay_e2e_support import Proxy
 
     direct = engine_url(kind, tmp_path)
@@ -366,25 +340,28 @@ def test_a_lease_lost_with_its_database_delivers_its_messages_when_it_is_back(ki
     broker = Broker(proxy.url_for(direct))
     try:
         conn = broker.connect(visibility_timeout=3600)
-        q = conn.SimpleQueue("lost-lease")
+        q = conn.SimpleQueue("lost-answer")
         q.put("first")
         q.put("second")
-        cut = proxy.drop_answer_after(b"COMMIT", then_cut=True)
-        with pytest.raises(conn.connection_errors):
-            get(q, timeout=5)
+        cut = proxy.drop_answer_after(b"COMMIT", then_cut=gone)
+        got = []
+        if gone:
+            with pytest.raises(conn.connection_errors):
+                get(q, timeout=5)
+            conn.collect()  # as Celery's consumer does before it reconnects
+            proxy.restore()
+            conn = broker.connect(visibility_timeout=3600)
+            q = conn.SimpleQueue("lost-answer")
+        got.append(get(q, timeout=5))
         assert cut.began.is_set()  # the lease's COMMIT ran and its answer was lost
-        conn.collect()  # as Celery's consumer does before it reconnects
-        proxy.restore()
-        with broker.connect(visibility_timeout=3600) as again:
-            q = again.SimpleQueue("lost-lease")
-            got = [get(q, timeout=5)]
-            with contextlib.suppress(Empty):
-                got.append(get(q, timeout=2))
-            assert [m.payload for m in got] == ["first", "second"]
-            for m in got:
-                m.ack()
-            assert again.default_channel.db.run(lambda qt, c: qt.holds_any(c, "lost-lease")) is False
-            q.close()
+        with contextlib.suppress(Empty):
+            got.append(get(q, timeout=2))
+        assert [m.payload for m in got] == ["first", "second"]
+        for m in got:
+            m.ack()
+        assert conn.default_channel.db.run(lambda qt, c: qt.holds_any(c, "lost-answer")) is False
+        q.close()
+        conn.close()
     finally:
         proxy.close()
         drop_queue_tables(direct, broker.table)
