@@ -656,11 +656,11 @@ class Stall:
     """A one-shot stall of ``Proxy.stall_after``: which connection it took, when it began."""
 
     def __init__(self, marker: bytes, seconds: float, answer_end: Callable[[bytes], int | None],
-                 drop_answer: bool = False) -> None:
+                 drop_answer: bool = False, then_cut: bool = False) -> None:
         self.marker = marker
         self.seconds = seconds
         self.drop_answer = drop_answer  # Proxy.drop_answer_after
-        self.then_cut = False  # and the proxy cut when it drops the answer
+        self.then_cut = then_cut  # and the proxy cut when it drops the answer
         self.answer_end = answer_end
         self.link: Link | None = None
         self.began = threading.Event()
@@ -737,8 +737,7 @@ class Proxy:
         autocommit or for a COMMIT), but none of its answer reaches the client: once the
         answer is complete the connection is closed both ways, and with ``then_cut`` the
         proxy is cut from that moment (the client's retries fail until ``restore``)."""
-        self.stall = Stall(marker, 0.0, ANSWER_ENDS[self.target[1]], drop_answer=True)
-        self.stall.then_cut = then_cut
+        self.stall = Stall(marker, 0.0, ANSWER_ENDS[self.target[1]], drop_answer=True, then_cut=then_cut)
         return self.stall
 
     def _accept(self) -> None:
