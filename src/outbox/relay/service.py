@@ -188,16 +188,19 @@ class Relay:
         if held.renewed:  # adopted: the lease started again now (publish.Held)
             deadline = time.time() + self.lease_s * self.options.lease_safety
         apart = suspects_apart and any(tried_twice(m) for chain in held.chains for m in chain)
-        outcomes = self.publish_here(held.chains, deadline, self.apart_publisher() if apart else None)
+        outcomes = self.publish_here(held.chains, deadline, self.apart_publisher(deadline) if apart else None)
         after_publish(self.breaker(), self.request_claim)
         return {"published": sum(len(o.published) for o in outcomes),
                 "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}
 
-    def apart_publisher(self) -> ApartPublisher:
+    def apart_publisher(self, deadline: float | None) -> ApartPublisher:
         """A publisher that publishes each call from a child process of its own, waiting for it
-        as long as a publish may wait for its broker (the lease's safe part)."""
-        return ApartPublisher(self.settings, self.lease_s * self.options.lease_safety,
-                              max_message_bytes=self.options.max_message_bytes)
+        as long as a publish may wait for its broker (the lease's safe part), and not past
+        ``deadline``, after which another claim may take the rows."""
+        wait = self.lease_s * self.options.lease_safety
+        if deadline is not None:
+            wait = max(1.0, min(wait, deadline - time.time()))
+        return ApartPublisher(self.settings, wait, max_message_bytes=self.options.max_message_bytes)
 
     def settle(self, operation: str, **kwargs: Any) -> Any:
         """An ack, fail or release task: the store write a publish could not make
