@@ -78,7 +78,7 @@ def broker() -> Iterator[dict[str, Any]]:
 #: A ``sitecustomize.py`` that makes publishing go wrong the way some payloads do in
 #: production: a ``publish_chains`` of an event whose payload says "KILLER" SIGKILLs the
 #: process publishing it (a crash in a native library, memory exhausted), one that says "HANG"
-#: never returns. Written by ``install_killer``.
+#: never returns, one that says "SLOW" takes 2 s. Written by ``install_killer``.
 KILLER_HOOK = '''
 import os, signal, time
 from outbox.publisher import kombu_publisher as _kp
@@ -88,6 +88,8 @@ def _killing(self, chains, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
     if any("HANG" in m.payload for chain in chains for m in chain):
         time.sleep(3600)
+    if any("SLOW" in m.payload for chain in chains for m in chain):
+        time.sleep(2)
     return _publish_chains(self, chains, **kw)
 _kp.KombuPublisher.publish_chains = _killing
 '''

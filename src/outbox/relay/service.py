@@ -183,11 +183,12 @@ class Relay:
         kills the child alone; for Dramatiq, whose threads share a process (docs/relay.md, "An
         event that kills its worker")."""
         messages = [[message_from_dict(d) for d in chain] for chain in chains]
+        apart = suspects_apart and any(tried_twice(m) for chain in messages for m in chain)
+        # Its own lease renewed too: the child's start is not taken from what the claim left it.
         held = still_held_when_reachable(self.resources().store, messages, deadline=deadline, check_own=check_own,
-                                         stopping=self.stopping, failed=self.outage("database").failed)
+                                         renew=apart, stopping=self.stopping, failed=self.outage("database").failed)
         if held.renewed:  # adopted: the lease started again now (publish.Held)
             deadline = time.time() + self.lease_s * self.options.lease_safety
-        apart = suspects_apart and any(tried_twice(m) for chain in held.chains for m in chain)
         outcomes = self.publish_here(held.chains, deadline, self.apart_publisher(deadline) if apart else None)
         after_publish(self.breaker(), self.request_claim)
         return {"published": sum(len(o.published) for o in outcomes),
