@@ -9,6 +9,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -72,3 +73,29 @@ def broker() -> Iterator[dict[str, Any]]:
             exchange(channel).delete()
     finally:
         conn.release()
+
+
+#: A ``sitecustomize.py`` that makes publishing go wrong the way some payloads do in
+#: production: a ``publish_chains`` of an event whose payload says "KILLER" SIGKILLs the
+#: process publishing it (a crash in a native library, memory exhausted), one that says "HANG"
+#: never returns, one that says "SLOW" takes 2 s. Written by ``install_killer``.
+KILLER_HOOK = '''
+import os, signal, time
+from outbox.publisher import kombu_publisher as _kp
+_publish_chains = _kp.KombuPublisher.publish_chains
+def _killing(self, chains, **kw):
+    if any("KILLER" in m.payload for chain in chains for m in chain):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if any("HANG" in m.payload for chain in chains for m in chain):
+        time.sleep(3600)
+    if any("SLOW" in m.payload for chain in chains for m in chain):
+        time.sleep(2)
+    return _publish_chains(self, chains, **kw)
+_kp.KombuPublisher.publish_chains = _killing
+'''
+
+
+def install_killer(directory: Path) -> None:
+    """Write ``KILLER_HOOK`` as ``directory``'s ``sitecustomize.py``: every Python process
+    started with ``directory`` on its PYTHONPATH runs it, a child its worker starts included."""
+    (directory / "sitecustomize.py").write_text(KILLER_HOOK)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from publisher_support import install_killer
 from relay_e2e_support import (
     Destination,
     Outbox,
@@ -296,35 +297,27 @@ def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_le
 
 # -- an event that kills its worker process ---------------------------------------------------
 
-#: Appended to the test's Celery config module: a publish of the event whose payload says
-#: "KILLER" SIGKILLs the process publishing it, as a payload that crashes a native library
-#: or drives the process out of memory would.
-KILLER_HOOK = '''
-import os, signal
-from outbox.publisher import kombu_publisher as _kp
-_publish_chains = _kp.KombuPublisher.publish_chains
-def _killing(self, chains, **kw):
-    if any("KILLER" in m.payload for chain in chains for m in chain):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return _publish_chains(self, chains, **kw)
-_kp.KombuPublisher.publish_chains = _killing
-'''
-
-
 def test_an_event_that_kills_its_worker_goes_dead_alone(tmp_path: Path, destination: Destination,
-                                                         sqlite_outbox: Outbox, procs_factory: Any) -> None:
+                                                         sqlite_outbox: Outbox, runner: Any,
+                                                         procs_factory: Any) -> None:
     """A backlog of 12 aggregates x 3 events, all claimed in one task with an event (the
-    second of aggregate "k") that kills the pool process publishing it, every time. Its
+    second of aggregate "k") that kills the process publishing it, every time. Its
     batch-mates were charged an attempt by each crash and went dead with it after
     OUTBOX_MAX_ATTEMPTS (3) crashes; now a row tried twice is published alone (docs/relay.md,
     "An event that kills its worker"), so the third crash is the killer's alone: it goes
-    dead, and every other event arrives, in order, its row done."""
+    dead, and every other event arrives, in order, its row done.
+
+    Celery: the pool process dies and the worker replaces it. Dramatiq: a worker process that
+    dies stops the whole ``dramatiq`` command, which the test starts again as a supervisor
+    would; a row tried twice is published in a child process of its own, so the third crash
+    is the child's and the worker goes on (two restarts, not three). Before, the killer's
+    lone publish message died with the rows the process's other threads held, and those went
+    dead with it."""
     outbox = sqlite_outbox
-    env = relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_BATCH_SIZE="50",
+    env = relay_env(tmp_path, destination, outbox, runner, OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_BATCH_SIZE="50",
                     OUTBOX_RELAY_TASK_ROWS="50", OUTBOX_CLAIM_TIMEOUT_MS="6000", OUTBOX_MAX_ATTEMPTS="3",
                     OUTBOX_RELAY_IN_PROCESS_CLAIM="0")
-    with open(tmp_path / "relayconf.py", "a") as conf:
-        conf.write(KILLER_HOOK)
+    install_killer(tmp_path)  # on the relay processes' PYTHONPATH: a child of a worker runs it too
     expected: dict[str, list[int]] = {}
     with outbox.writer() as conn:
         for n in range(3):
@@ -333,13 +326,29 @@ def test_an_event_that_kills_its_worker_goes_dead_alone(tmp_path: Path, destinat
                 expected.setdefault(aggregate, []).append(outbox.add(conn, aggregate, n, payload=payload))
         conn.commit()
     killer = expected["k"][1]
-    procs = procs_factory(env)
-    procs.worker("w1", concurrency=2)
-    procs.beat()
     others = {i for ids in expected.values() for i in ids} - {killer}
-    destination.wait_for(lambda: destination.arrived() >= others, timeout=120, procs=procs)
+    procs = procs_factory(env, runner)
+    workers: list[str] = []
+
+    def start_worker() -> None:
+        workers.append(f"w{len(workers) + 1}")
+        procs.worker(workers[-1], concurrency=2)
+        procs.stopped.add(workers[-1])  # its exit is the test's to handle: started again, as a supervisor would
+
+    def arrived_or_restarted() -> bool:
+        """Every other event arrived; or the worker stopped (Dramatiq), and is started again."""
+        if destination.arrived() >= others:
+            return True
+        if procs.procs[workers[-1]].poll() is not None:
+            start_worker()
+        return False
+
+    start_worker()
+    procs.beat()
+    destination.wait_for(arrived_or_restarted, timeout=120, procs=procs)
+    logs = "\n".join(procs.log(name) for name in workers)
     assert destination.arrived() == others, (sorted(others - destination.arrived()), outbox.status_counts(),
-                                             procs.log("w1")[-3000:])
+                                             logs[-3000:])
     assert wait_until(lambda: outbox.rows()[killer]["status"] == Status.DEAD, timeout=60), outbox.rows()[killer]
     # The last event may have arrived a moment before its row is marked done.
     assert wait_until(lambda: {i for i, row in outbox.rows().items() if row["status"] != Status.DONE} == {killer},
@@ -347,4 +356,9 @@ def test_an_event_that_kills_its_worker_goes_dead_alone(tmp_path: Path, destinat
     states = outbox.rows()
     assert states[killer]["attempts"] == 3
     check_order(destination.arrivals(), {a: [i for i in ids if i != killer] for a, ids in expected.items()})
-    assert "signal 9 (SIGKILL)" in procs.log("w1")  # it did kill (Celery words each loss one of two ways)
+    if runner.name == "celery":
+        assert "signal 9 (SIGKILL)" in logs  # it did kill (Celery words each loss one of two ways)
+        assert workers == ["w1"]
+    else:  # the killer's first two tries stopped the worker at most; the third died in a child
+        assert len(workers) <= 3, logs[-3000:]
+        assert "child process publishing it died (signal SIGKILL)" in states[killer]["last_error"], states[killer]

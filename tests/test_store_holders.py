@@ -163,6 +163,23 @@ def test_a_publish_task_in_another_process_adopts_the_rows_it_publishes(store: O
         s.close()
 
 
+def test_a_suspect_renews_its_own_processs_lease_even_past_the_deadline(store: OutboxStore, writer: Any) -> None:
+    """``renew`` (a Dramatiq publish of a row tried twice, docs/relay.md, "An event that kills
+    its worker"): the claiming process's own rows are adopted under a new lease of its own,
+    past the claim's deadline too, and the old lease is fenced off."""
+    ids = add(writer, store, "a", 1)
+    holder = new_holder()
+    own = twin(store, holder)
+    claim = own.claim(10)
+    [renewed_chain], renewed = still_held(own, [claim.messages], deadline=1.0, now=lambda: 2.0, renew=True)
+    lease = renewed_chain[0].lease
+    assert renewed and lease.startswith(holder.holder_id) and lease != claim.lease
+    assert row(store, ids[0], "lease_token")[0].strip() == lease
+    assert own.mark_done(ids, claim.lease).applied == 0  # fenced off
+    assert own.mark_done(ids, lease).applied == 1
+    own.close()
+
+
 def test_the_heartbeat_takes_over_only_after_beating_steadily_for_longer_than_the_timeout(
         store: OutboxStore, writer: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The guard against false deaths: after its own beats failed or stalled (a database

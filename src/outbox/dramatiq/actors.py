@@ -219,8 +219,10 @@ def publish(chains: list[list[dict[str, Any]]], deadline: float | None = None) -
     # Every delivery checks that the lease still holds the rows, this process's own included:
     # Dramatiq's Redis broker cannot tell a redelivered message from a first one, and a message
     # delivered again after its first run released or settled the rows must not publish rows
-    # another claim may hold now (docs/relay.md, "Graceful shutdown").
-    relay.publish(chains, deadline, check_own=True)
+    # another claim may hold now (docs/relay.md, "Graceful shutdown"). A row tried twice is
+    # published by a child process of its own: this process's other threads hold rows too
+    # (docs/relay.md, "An event that kills its worker").
+    relay.publish(chains, deadline, check_own=True, suspects_apart=True)
 
 
 @dramatiq.actor(actor_name=ACK_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)

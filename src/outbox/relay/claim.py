@@ -91,6 +91,11 @@ def plan_tasks(chains: Sequence[Sequence[OutboxMessage]], task_rows: int,
 ALONE_FROM_ATTEMPTS = 2
 
 
+def tried_twice(message: OutboxMessage) -> bool:
+    """Is ``message`` a suspect, to publish alone (``ALONE_FROM_ATTEMPTS``)?"""
+    return message.attempts >= ALONE_FROM_ATTEMPTS
+
+
 def isolate_retried(chains: Sequence[Sequence[OutboxMessage]]) -> tuple[
         Sequence[Sequence[OutboxMessage]], list[list[list[OutboxMessage]]], list[OutboxMessage]]:
     """Set apart the rows tried ``ALONE_FROM_ATTEMPTS`` times already, so that an event that
@@ -99,14 +104,13 @@ def isolate_retried(chains: Sequence[Sequence[OutboxMessage]]) -> tuple[
     sent as that row alone, in a publish task of its own. Returns (the chains to plan as
     usual, the one-row tasks, the rows to release: the rest of each cut chain, which waits
     behind its head)."""
-    if all(message.attempts < ALONE_FROM_ATTEMPTS for chain in chains for message in chain):
+    if not any(tried_twice(message) for chain in chains for message in chain):
         return chains, [], []  # the usual case: nothing to set apart, nothing copied
     kept: list[Sequence[OutboxMessage]] = []
     alone: list[list[list[OutboxMessage]]] = []
     release: list[OutboxMessage] = []
     for chain in chains:
-        cut = next((position for position, message in enumerate(chain)
-                    if message.attempts >= ALONE_FROM_ATTEMPTS), None)
+        cut = next((position for position, message in enumerate(chain) if tried_twice(message)), None)
         if cut is None:
             kept.append(chain)
         elif cut == 0:

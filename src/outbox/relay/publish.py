@@ -296,7 +296,7 @@ class Held(NamedTuple):
 
 def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
                check_own: bool = True, deadline: float | None = None,
-               now: Callable[[], float] = time.time) -> Held:
+               now: Callable[[], float] = time.time, renew: bool = False) -> Held:
     """The chains whose rows their lease still holds, every row of them, ready to publish here.
 
     Rows leased by another process than this one (the store's ``holder_id``: the claim ran
@@ -314,14 +314,19 @@ def still_held(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
     Past ``deadline`` chains of this process's own leases are returned as they are, and
     ``handle_publish`` leaves them to their lease; another process's are adopted as ever: the
     adoption is fenced by their old lease and starts it again, and ``deadline`` was set on the
-    claiming host's clock, which may run ahead of this one's (docs/internals.md, "Lost workers")."""
-    if deadline is not None and now() > deadline:
+    claiming host's clock, which may run ahead of this one's (docs/internals.md, "Lost workers").
+
+    ``renew``: this process's own rows are adopted too, before or past ``deadline``, so that
+    their lease starts again now: a row tried twice, which a child process is about to publish,
+    is not left with what remains of the lease its claim took for a whole batch (docs/relay.md,
+    "An event that kills its worker")."""
+    if deadline is not None and now() > deadline and not renew:
         holder = store.holder_id
         others = [chain for chain in chains if holder and not chain[0].lease.startswith(holder)]
         if not others:
             return Held(list(chains))
         chains = others  # this process's own are left to their lease
-    held, adopted = _hold_or_adopt(store, chains, check_own)
+    held, adopted = _hold_or_adopt(store, chains, check_own, renew)
     kept: list[Sequence[OutboxMessage]] = []
     orphans: dict[str, list[int]] = {}
     for chain in chains:
@@ -348,7 +353,7 @@ HELD_RETRY_S = 0.5
 
 
 def still_held_when_reachable(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]], *,
-                              check_own: bool = True, deadline: float | None = None,
+                              check_own: bool = True, deadline: float | None = None, renew: bool = False,
                               stopping: Callable[[], bool] = lambda: False,
                               failed: Callable[[BaseException], object] = lambda exc: None,
                               now: Callable[[], float] = time.time,
@@ -360,7 +365,7 @@ def still_held_when_reachable(store: StoreLike, chains: Sequence[Sequence[Outbox
     (docs/relay.md, "Outages in the log")."""
     while True:
         try:
-            return still_held(store, chains, check_own=check_own, deadline=deadline, now=now)
+            return still_held(store, chains, check_own=check_own, deadline=deadline, now=now, renew=renew)
         except Exception as exc:
             failed(exc)
             if deadline is None or now() + HELD_RETRY_S >= deadline or stopping():
@@ -369,9 +374,9 @@ def still_held_when_reachable(store: StoreLike, chains: Sequence[Sequence[Outbox
 
 
 def _hold_or_adopt(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]],
-                   check_own: bool) -> tuple[set[int], dict[str, str]]:
-    """The ids still held, this process's leases checked (when ``check_own``) and other
-    processes' adopted; and each adopted lease's new lease."""
+                   check_own: bool, renew: bool = False) -> tuple[set[int], dict[str, str]]:
+    """The ids still held, this process's leases checked (when ``check_own``; adopted when
+    ``renew``) and other processes' adopted; and each adopted lease's new lease."""
     by_lease: dict[str, list[int]] = {}
     for chain in chains:
         for message in chain:
@@ -380,7 +385,7 @@ def _hold_or_adopt(store: StoreLike, chains: Sequence[Sequence[OutboxMessage]],
     adopted: dict[str, str] = {}  # old lease -> this process's new lease
     holder = store.holder_id
     for lease, ids in by_lease.items():
-        if holder and not lease.startswith(holder):
+        if renew or (holder and not lease.startswith(holder)):
             adopted[lease] = store.new_lease()
             held |= store.adopt(ids, lease, adopted[lease])
         elif check_own:

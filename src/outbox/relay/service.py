@@ -11,12 +11,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from ..core.config import RelayOptions, Settings
 from ..core.model import OutboxMessage, message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, RELEASE_TASK
+from ..publisher import Publisher
+from ..publisher.apart import ApartPublisher
+from .claim import tried_twice
 from .context import RelayContext
 from .drain import DRAIN_SLICE_S, Backlog, ClaimAhead, Drain, after_publish, drain_slice
 from .foreign import ForeignTasks
@@ -161,24 +164,44 @@ class Relay:
             return {"database_unavailable": True}
         return asdict(outcome)
 
-    def publish_here(self, chains: Sequence[Sequence[OutboxMessage]], deadline: float | None) -> list[ChainOutcome]:
-        """Publish chains in this process: the publish task's work, and a claim's own share."""
-        return handle_publish(self.context(), chains, deadline=deadline)
+    def publish_here(self, chains: Sequence[Sequence[OutboxMessage]], deadline: float | None,
+                     publisher: Publisher | None = None) -> list[ChainOutcome]:
+        """Publish chains from this process: the publish task's work, and a claim's own share;
+        through ``publisher`` instead of the thread's when given."""
+        context = self.context()
+        if publisher is not None:
+            context = replace(context, publisher=publisher)
+        return handle_publish(context, chains, deadline=deadline)
 
     def publish(self, chains: list[list[dict[str, Any]]], deadline: float | None = None,
-                check_own: bool = True) -> dict[str, Any]:
+                check_own: bool = True, suspects_apart: bool = False) -> dict[str, Any]:
         """A publish task: the chains whose rows the lease still holds (rows another process
         claimed are adopted; this process's own are checked when ``check_own``: docs/internals.md,
-        "Lost workers"), published here; then a claim soon (their aggregates may have more rows)."""
+        "Lost workers"), published here; then a claim soon (their aggregates may have more rows).
+        ``suspects_apart``: a task carrying a row tried twice (sent alone: ``relay.claim.tried_twice``)
+        is published by a child process of its own, so that a row that kills its publisher
+        kills the child alone; for Dramatiq, whose threads share a process (docs/relay.md, "An
+        event that kills its worker")."""
         messages = [[message_from_dict(d) for d in chain] for chain in chains]
+        apart = suspects_apart and any(tried_twice(m) for chain in messages for m in chain)
+        # Its own lease renewed too: the child's start is not taken from what the claim left it.
         held = still_held_when_reachable(self.resources().store, messages, deadline=deadline, check_own=check_own,
-                                         stopping=self.stopping, failed=self.outage("database").failed)
+                                         renew=apart, stopping=self.stopping, failed=self.outage("database").failed)
         if held.renewed:  # adopted: the lease started again now (publish.Held)
             deadline = time.time() + self.lease_s * self.options.lease_safety
-        outcomes = self.publish_here(held.chains, deadline)
+        outcomes = self.publish_here(held.chains, deadline, self.apart_publisher(deadline) if apart else None)
         after_publish(self.breaker(), self.request_claim)
         return {"published": sum(len(o.published) for o in outcomes),
                 "failed": [o.failed_id for o in outcomes if o.failed_id is not None]}
+
+    def apart_publisher(self, deadline: float | None) -> ApartPublisher:
+        """A publisher that publishes each call from a child process of its own, waiting for it
+        as long as a publish may wait for its broker (the lease's safe part), and not past
+        ``deadline``, after which another claim may take the rows."""
+        wait = self.lease_s * self.options.lease_safety
+        if deadline is not None:
+            wait = max(1.0, min(wait, deadline - time.time()))
+        return ApartPublisher(self.settings, wait, max_message_bytes=self.options.max_message_bytes)
 
     def settle(self, operation: str, **kwargs: Any) -> Any:
         """An ack, fail or release task: the store write a publish could not make

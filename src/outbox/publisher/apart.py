@@ -1,0 +1,168 @@
+"""``ApartPublisher``: each call published by a child process of its own, so that an
+event whose publishing kills the process (a crash in a native library, memory exhausted)
+kills that child and not the worker: how a Dramatiq worker, whose threads share a process,
+publishes a row tried twice (docs/relay.md, "An event that kills its worker")."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import time
+from collections.abc import Collection, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from ..core.config import Settings
+from ..core.model import FailureKind, OutboxMessage
+from ..core.redact import install_filter
+from .contract import ChainResult, Pipelined, Publisher, PublishFailure
+from .select import publisher_for
+
+#: Never a plain fork() of a worker process whose threads hold locks and connections: a fork
+#: of multiprocessing's fork server, a single-threaded process started (a fresh interpreter)
+#: at the first call, which has imported this module and the worker's main module already, so
+#: a child starts in about 20 ms instead of the 0.4 s of a fresh interpreter ("spawn", where
+#: there is no fork server). The server exits with the worker.
+_CONTEXT = (multiprocessing.get_context("forkserver") if "forkserver" in multiprocessing.get_all_start_methods()
+            else multiprocessing.get_context("spawn"))
+
+#: What a warm shutdown sends: the child ignores them (``_publish_in_child``), and has them
+#: blocked from its start until it does: a mask handed over the fork by the thread that starts
+#: the fork server (or, with "spawn", the child).
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+#: How often the parent looks whether its child is still alive while it waits for the answer;
+#: short waits also let a task's time limit (raised in the waiting thread) land.
+_POLL_S = 0.2
+
+
+class ApartPublisher(Publisher):
+    """``publisher_for(settings, **options)`` in a child process started for each call, which
+    publishes and exits. A child that dies or does not answer within ``timeout_s`` (then it is
+    killed) is reported as a retriable failure of the head of every chain it was given:
+    the relay marks that row failed at once, an attempt spent, and nothing else."""
+
+    def __init__(self, settings: Settings, timeout_s: float, **options: Any) -> None:
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self.options = options
+
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
+                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+        batch = [list(chain) for chain in chains]
+        # The predicate cannot cross to the child: the ids it holds true for do.
+        ids = frozenset(m.id for chain in batch for m in chain if pipelined is not None and pipelined(m))
+        answered, answer = self._run(("chains", batch, ids))
+        if answered:
+            results: list[ChainResult] = answer
+            return results
+        failure = PublishFailure(FailureKind.RETRIABLE, answer)
+        return [ChainResult(failed_id=chain[0].id, failure=failure) for chain in batch if chain]
+
+    def publish_dead(self, message: OutboxMessage, error: str, *,
+                     headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
+        answered, answer = self._run(("dead", message, error, dict(headers or {})))
+        if answered:
+            failure: PublishFailure | None = answer
+            return failure
+        return PublishFailure(FailureKind.RETRIABLE, answer)
+
+    def close(self) -> None:
+        """Nothing to close: each child closes its own connection before it exits."""
+
+    def _run(self, job: tuple[Any, ...]) -> tuple[bool, Any]:
+        """Start a child for ``job`` and wait for its answer: (True, the answer), or (False,
+        why there is none)."""
+        if _CONTEXT.get_start_method() == "forkserver":  # before the server starts, else no effect
+            _CONTEXT.set_forkserver_preload(["__main__", __name__])
+        receive, send = _CONTEXT.Pipe(duplex=False)
+        child = _CONTEXT.Process(target=_publish_in_child, args=(send, self.settings, self.options, job),
+                                 name="outbox-publish-apart", daemon=True)
+        try:
+            unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+            try:
+                child.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
+            send.close()  # the child's end: EOF here once the child is gone
+            give_up = time.monotonic() + self.timeout_s
+            while not receive.poll(_POLL_S):
+                if not child.is_alive() and not receive.poll(0):
+                    return False, _died(child)
+                if time.monotonic() > give_up:
+                    return False, f"the child process publishing it did not answer within {self.timeout_s:.0f} s"
+            try:
+                raised, value = receive.recv()
+            except EOFError:  # closed without a word: it died as it answered
+                return False, _died(child)
+            return (False, value) if raised else (True, value)
+        finally:
+            if child.is_alive():
+                child.kill()
+            if child.pid is not None:
+                child.join()
+            send.close()
+            receive.close()
+
+
+def _died(child: BaseProcess) -> str:
+    """Why a child that is gone did not answer: what ``last_error`` records."""
+    child.join()
+    code = child.exitcode
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+        try:
+            how = f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"signal {-code}"
+    return f"the child process publishing it died ({how})"
+
+
+def _publish_in_child(answer: Connection, settings: Settings, options: dict[str, Any], job: tuple[Any, ...]) -> None:
+    """The child: publish ``job``, send (raised, value) to the parent, close, exit. A worker's
+    warm shutdown (SIGTERM, or SIGINT to the terminal's process group) lets it finish its one
+    publish: the parent waits for it, within its timeout. Its warnings go to the worker's
+    stderr, passwords masked."""
+    for stop in _STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the start: now ignored
+    logging.basicConfig(level=logging.WARNING,
+                        format="[%(asctime)s] [PID %(process)d] [outbox-publish-apart] [%(name)s] [%(levelname)s] "
+                               "%(message)s")
+    install_filter()
+    publisher = publisher_for(settings, **options)
+    reply: tuple[bool, Any]
+    try:
+        if job[0] == "chains":
+            _, chains, ids = job
+            results = publisher.publish_chains(chains, pipelined=_among(ids) if ids else None)
+            reply = (False, [_portable(result) for result in results])
+        else:
+            _, message, error, headers = job
+            failure = publisher.publish_dead(message, error, headers=headers or None)
+            reply = (False, failure and replace(failure, exception=None))
+    except Exception as exc:  # noqa: BLE001 - told to the parent, which reports it as a failure of the chains
+        reply = (True, f"{type(exc).__name__}: {exc}")
+    finally:
+        publisher.close()
+    with suppress(OSError):  # the parent is gone (killed): nobody to tell
+        answer.send(reply)
+    answer.close()
+
+
+def _among(ids: Collection[int]) -> Pipelined:
+    return lambda message: message.id in ids
+
+
+def _portable(result: ChainResult) -> ChainResult:
+    """``result`` without the exceptions its failures carry for logs: they may not pickle."""
+    failure = result.failure and replace(result.failure, exception=None)
+    overtaken = tuple(replace(o, failure=replace(o.failure, exception=None)) for o in result.overtaken)
+    return replace(result, failure=failure, overtaken=overtaken)
+
+
+__all__ = ["ApartPublisher"]

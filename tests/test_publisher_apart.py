@@ -1,0 +1,89 @@
+"""``ApartPublisher``: each call published by a child process of its own, so that an event
+that kills its publisher kills the child alone (docs/relay.md, "An event that kills its
+worker"). Real child processes and a real RabbitMQ; the event that kills, hangs or slows
+its publisher is ``publisher_support.KILLER_HOOK``'s."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import forkserver
+from typing import Any
+
+import pytest
+from publisher_support import install_killer, make_message, raw_body
+from services import AMQP_URL
+
+from outbox.core.config import Settings
+from outbox.core.model import FailureKind
+from outbox.publisher import ChainResult
+from outbox.publisher.apart import ApartPublisher
+
+
+def apart(broker: dict[str, Any], timeout_s: float = 60.0) -> ApartPublisher:
+    settings = Settings(publish_url=AMQP_URL, exchange=broker["exchange"], dead_letter_exchange=broker["dead"])
+    return ApartPublisher(settings, timeout_s)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def killer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The children of this module's tests run ``KILLER_HOOK``: the fork server they come from
+    starts (a fresh interpreter, which inherits PYTHONPATH) with it."""
+    hook = tmp_path_factory.mktemp("killer")
+    install_killer(hook)
+    forkserver._forkserver._stop()  # one started before, without the hook: the next call starts another
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p))
+        yield
+    forkserver._forkserver._stop()
+
+
+def test_chains_and_dead_letter_copies_are_published_by_the_child(broker: dict[str, Any]) -> None:
+    first = [make_message(1, aggregate_id="a"), make_message(2, aggregate_id="a")]
+    second = [make_message(3, aggregate_id="b")]
+    results = apart(broker).publish_chains([first, second])
+    assert results == [ChainResult(published=(1, 2)), ChainResult(published=(3,))]
+    arrived = [m.headers["outbox_id"] for m in broker["live"]()]
+    assert sorted(arrived) == [1, 2, 3] and arrived.index(1) < arrived.index(2)  # chains share waves
+    dead = make_message(4, attempts=2)
+    assert apart(broker).publish_dead(dead, "retriable: it kept failing") is None
+    [copy] = broker["dead_letters"]()
+    assert raw_body(copy) == dead.payload.encode() and copy.headers["x-outbox-error"] == "retriable: it kept failing"
+
+
+def test_a_child_killed_by_its_event_is_a_retriable_failure_of_that_event(broker: dict[str, Any]) -> None:
+    """The child dies (SIGKILL); the caller, alive, learns that the head of the chain failed."""
+    [result] = apart(broker).publish_chains([[make_message(7, payload='{"KILLER": true}'), make_message(8)]])
+    assert result.published == () and result.failed_id == 7
+    assert result.failure is not None and result.failure.kind == FailureKind.RETRIABLE
+    assert result.failure.reason == "the child process publishing it died (signal SIGKILL)"
+    assert broker["live"]() == []
+    # The next call has a child of its own.
+    assert apart(broker).publish_chains([[make_message(9)]]) == [ChainResult(published=(9,))]
+
+
+def test_a_child_that_does_not_answer_in_time_is_killed_and_its_event_failed(broker: dict[str, Any]) -> None:
+    started = time.monotonic()
+    [result] = apart(broker, timeout_s=3.0).publish_chains([[make_message(5, payload='{"HANG": true}')]])
+    assert time.monotonic() - started < 10  # 3 s, the start-up of a child on a loaded machine, the kill
+    assert result.failed_id == 5 and result.failure is not None and result.failure.kind == FailureKind.RETRIABLE
+    assert result.failure.reason == "the child process publishing it did not answer within 3 s"
+
+
+def test_a_child_told_to_stop_finishes_its_publish_first(broker: dict[str, Any]) -> None:
+    """A warm shutdown's SIGTERM (a supervisor signals every process of the worker) does not
+    cut the child's one publish short: its row is published, not charged an attempt."""
+    with ThreadPoolExecutor(1) as pool:
+        publishing = pool.submit(apart(broker).publish_chains, [[make_message(6, payload='{"SLOW": true}')]])
+        started = time.monotonic()
+        while not multiprocessing.active_children() and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        [child] = multiprocessing.active_children()
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGTERM)  # as it starts: blocked from its start, then ignored
+        assert publishing.result(timeout=30) == [ChainResult(published=(6,))]
+    assert [m.headers["outbox_id"] for m in broker["live"]()] == [6]
