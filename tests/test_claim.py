@@ -621,3 +621,23 @@ print(store.engine.window, store.engine.claim_window(10))
     refused = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
                          OUTBOX_RELAY_CLAIM_WINDOW="0")
     assert refused.returncode != 0 and "OUTBOX_RELAY_CLAIM_WINDOW" in refused.stderr
+
+
+def test_whole_here_with_a_share_kept_publishes_that_share_too(
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """``hand_on(whole_here=True)`` publishes every chain here but the rows tried twice; with
+    a ``claim_again`` too (a backlog's share kept here), the share popped first must not be
+    dropped when the rest of the tasks join it: its rows were neither published nor released
+    and waited for their lease."""
+    from outbox.relay.claim import hand_on, take_claim
+
+    a, b, c = add(conn, "a", 1), add(conn, "b", 1), add(conn, "c", 1)
+    relay = RelayContext(sqlite_store, ScriptedPublisher(), options=RelayOptions(task_rows=1, inline_rows=2))
+    here: list[list[int]] = []
+    sent = Collect()
+    claimed = take_claim(relay, batch_size=3, lease_s=60.0)
+    outcome = hand_on(relay, claimed, sent, publish_inline=lambda chains, deadline: here.append(
+        [m.id for chain in chains for m in chain]), claim_again=lambda: None, whole_here=True)
+    assert sent.tasks == []
+    assert sorted(i for ids in here for i in ids) == a + b + c
+    assert outcome.dispatched == 3

@@ -273,7 +273,8 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     keep_share = publish_inline is not None and claim_again is not None and options.inline_rows > 0
     share = tasks.pop(0) if keep_share and tasks else None
     if whole_here and publish_inline is not None and tasks:
-        share, tasks = [chain for task in tasks for chain in task], []  # everything but the rows sent alone
+        # Everything but the rows sent alone, the share already kept here included.
+        share, tasks = [*(share or []), *(chain for task in tasks for chain in task)], []
     # A row tried twice before goes last, alone, and never in the share published here.
     over = _dispatch_all(dispatch, tasks + alone, deadline, outcome) + over + behind_retried
     if over:
