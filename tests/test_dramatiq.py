@@ -354,12 +354,14 @@ def test_a_consumers_outage_is_told_once_and_a_dropped_ack_does_not_end_it() -> 
     relay_log.propagate, relay_log.level = False, logging.DEBUG
     relay_log.addHandler(Capture())
     consumers = ConsumerOutageFilter(Outage("Dramatiq's broker", "amqp://host/", "They reconnect.", relay_log))
-    handler = Capture()
-    handler.addFilter(consumers)
+    handlers = [Capture(), Capture()]  # a process with two handlers (a console and a file, say)
+    for handler in handlers:
+        handler.addFilter(consumers)
     worker = logging.getLogger("dramatiq.worker.ConsumerThread(q.claim)")
     rabbit = logging.getLogger("dramatiq.brokers.rabbitmq._RabbitmqConsumer")
     for logger in (worker, rabbit):
-        logger.addHandler(handler)
+        for handler in handlers:
+            logger.addHandler(handler)
     try:
         worker.critical("Consumer encountered a connection error: %s", "Transport indicated EOF")
         worker.info("Restarting consumer in %0.2f seconds.", 3.0)
@@ -374,9 +376,13 @@ def test_a_consumers_outage_is_told_once_and_a_dropped_ack_does_not_end_it() -> 
         worker.warning("Something else")
     finally:
         for logger in (worker, rabbit):
-            logger.removeHandler(handler)
+            for handler in handlers:
+                logger.removeHandler(handler)
     warnings = [line for line in told if line.startswith("WARNING")]
-    assert len(warnings) == 2 and "Dramatiq's broker unreachable" in warnings[0], told
-    assert warnings[1] == "WARNING Something else", told
+    # The outage once; the other line once per handler.
+    assert len(warnings) == 3 and "Dramatiq's broker unreachable" in warnings[0], told
+    assert warnings[1:] == ["WARNING Something else"] * 2, told
+    # Each failure heard once, not once per handler: the ack retry's, after the first.
+    assert sum("still unreachable" in line for line in told) == 1, told
     assert sum("reachable again" in line for line in told) == 1, told
     assert not any("chains" in line or "Restarting" in line or "known tags" in line for line in told), told

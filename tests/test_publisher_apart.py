@@ -22,11 +22,12 @@ from outbox.core.config import Settings
 from outbox.core.model import FailureKind
 from outbox.publisher import ChainResult
 from outbox.publisher.apart import ApartPublisher
+from outbox.publisher.select import publisher_for
 
 
 def apart(broker: dict[str, Any], timeout_s: float = 60.0) -> ApartPublisher:
     settings = Settings(publish_url=AMQP_URL, exchange=broker["exchange"], dead_letter_exchange=broker["dead"])
-    return ApartPublisher(settings, timeout_s)
+    return ApartPublisher(settings, timeout_s, publisher_for(settings))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,3 +88,26 @@ def test_a_child_told_to_stop_finishes_its_publish_first(broker: dict[str, Any])
         os.kill(child.pid, signal.SIGTERM)  # as it starts: blocked from its start, then ignored
         assert publishing.result(timeout=30) == [ChainResult(published=(6,))]
     assert [m.headers["outbox_id"] for m in broker["live"]()] == [6]
+
+
+def test_with_no_child_to_be_had_the_call_is_published_here_and_spends_no_attempt(
+        broker: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: a worker out of file descriptors (or memory, or with its fork server
+    gone) could start no child, and the row was charged an attempt each time, so a row tried
+    twice went dead for a fault of the host, its dead-letter copy failing the same way. Now the
+    call goes to the worker thread's own publisher, with a WARNING."""
+    from outbox.publisher import apart as apart_module
+
+    def out_of_descriptors(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(apart_module._CONTEXT, "Pipe", out_of_descriptors)
+    publisher = apart(broker)
+    with caplog.at_level("WARNING", logger="outbox.publisher"):
+        assert publisher.publish_chains([[make_message(11), make_message(12)]]) == [ChainResult(published=(11, 12))]
+        assert publisher.publish_dead(make_message(13, attempts=3), "retriable: it kept failing") is None
+    assert [m.headers["outbox_id"] for m in broker["live"]()] == [11, 12]
+    assert len(broker["dead_letters"]()) == 1
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 2 and all("no child process to publish a row tried twice apart" in m and
+                                  "Too many open files" in m for m in said), said

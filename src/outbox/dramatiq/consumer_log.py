@@ -47,8 +47,18 @@ class ConsumerOutageFilter(logging.Filter):
         super().__init__()
         self.outage = outage
         self._unsent = threading.local()  # this thread's last ack was dropped, not sent
+        self._seen = threading.local()  # this thread's last record and what was decided for it
 
     def filter(self, record: logging.LogRecord) -> bool:
+        # On every handler of the process: a record is looked at once, however many handlers.
+        seen = self._seen
+        if getattr(seen, "record", None) is record:
+            return bool(seen.keep)
+        keep = self._keep(record)
+        seen.record, seen.keep = record, keep
+        return keep
+
+    def _keep(self, record: logging.LogRecord) -> bool:
         if record.name.startswith("dramatiq.brokers.rabbitmq"):
             message = record.getMessage()
             if message.endswith(TAG_FORGOTTEN):

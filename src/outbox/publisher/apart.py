@@ -22,11 +22,16 @@ from ..core.redact import install_filter
 from .contract import ChainResult, Pipelined, Publisher, PublishFailure
 from .select import publisher_for
 
+log = logging.getLogger("outbox.publisher")
+
 #: Never a plain fork() of a worker process whose threads hold locks and connections: a fork
 #: of multiprocessing's fork server, a single-threaded process started (a fresh interpreter)
-#: at the first call, which has imported this module and the worker's main module already, so
-#: a child starts in about 20 ms instead of the 0.4 s of a fresh interpreter ("spawn", where
-#: there is no fork server). The server exits with the worker.
+#: at the first call, which has imported this module (and what it imports) already, so a
+#: child starts in about 20 ms instead of the 0.4 s of a fresh interpreter ("spawn", where
+#: there is no fork server). The server exits with the worker. The preload and the signal mask
+#: below hold only when this module starts the process's fork server: one that other code
+#: started first (Python 3.14 makes the fork server the default) serves the children too, and
+#: they then import this module themselves and start with the stop signals unblocked.
 _CONTEXT = (multiprocessing.get_context("forkserver") if "forkserver" in multiprocessing.get_all_start_methods()
             else multiprocessing.get_context("spawn"))
 
@@ -40,15 +45,24 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _POLL_S = 0.2
 
 
+class ChildUnavailable(Exception):
+    """No child process could be started (the fork server gone, too many open files, memory)."""
+
+
 class ApartPublisher(Publisher):
     """``publisher_for(settings, **options)`` in a child process started for each call, which
     publishes and exits. A child that dies or does not answer within ``timeout_s`` (then it is
     killed) is reported as a retriable failure of the head of every chain it was given:
-    the relay marks that row failed at once, an attempt spent, and nothing else."""
+    the relay marks that row failed at once, an attempt spent, and nothing else.
 
-    def __init__(self, settings: Settings, timeout_s: float, **options: Any) -> None:
+    When no child can be started, the call goes to ``fallback`` (the worker thread's own
+    publisher), with one WARNING: a fault of this host must not spend the rows' attempts, and
+    publishing here is what the worker did before it published rows apart."""
+
+    def __init__(self, settings: Settings, timeout_s: float, fallback: Publisher, **options: Any) -> None:
         self.settings = settings
         self.timeout_s = timeout_s
+        self.fallback = fallback
         self.options = options
 
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
@@ -56,7 +70,11 @@ class ApartPublisher(Publisher):
         batch = [list(chain) for chain in chains]
         # The predicate cannot cross to the child: the ids it holds true for do.
         ids = frozenset(m.id for chain in batch for m in chain if pipelined is not None and pipelined(m))
-        answered, answer = self._run(("chains", batch, ids))
+        try:
+            answered, answer = self._run(("chains", batch, ids))
+        except ChildUnavailable as exc:
+            _here(exc)
+            return list(self.fallback.publish_chains(batch, pipelined=pipelined))
         if answered:
             results: list[ChainResult] = answer
             return results
@@ -65,7 +83,11 @@ class ApartPublisher(Publisher):
 
     def publish_dead(self, message: OutboxMessage, error: str, *,
                      headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
-        answered, answer = self._run(("dead", message, error, dict(headers or {})))
+        try:
+            answered, answer = self._run(("dead", message, error, dict(headers or {})))
+        except ChildUnavailable as exc:
+            _here(exc)
+            return self.fallback.publish_dead(message, error, headers=headers)
         if answered:
             failure: PublishFailure | None = answer
             return failure
@@ -79,13 +101,18 @@ class ApartPublisher(Publisher):
         why there is none)."""
         if _CONTEXT.get_start_method() == "forkserver":  # before the server starts, else no effect
             _CONTEXT.set_forkserver_preload(["__main__", __name__])
-        receive, send = _CONTEXT.Pipe(duplex=False)
+        try:
+            receive, send = _CONTEXT.Pipe(duplex=False)
+        except OSError as exc:
+            raise ChildUnavailable(f"{type(exc).__name__}: {exc}") from exc
         child = _CONTEXT.Process(target=_publish_in_child, args=(send, self.settings, self.options, job),
                                  name="outbox-publish-apart", daemon=True)
         try:
             unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
             try:
                 child.start()
+            except Exception as exc:
+                raise ChildUnavailable(f"{type(exc).__name__}: {exc}") from exc
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
             send.close()  # the child's end: EOF here once the child is gone
@@ -107,6 +134,11 @@ class ApartPublisher(Publisher):
                 child.join()
             send.close()
             receive.close()
+
+
+def _here(exc: ChildUnavailable) -> None:
+    log.warning("outbox: no child process to publish a row tried twice apart (%s); publishing it in this "
+                "worker process, as without isolation (docs/relay.md, \"An event that kills its worker\")", exc)
 
 
 def _died(child: BaseProcess) -> str:

@@ -145,8 +145,9 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     reported to ``drain.outage``, once per outage, instead of a traceback per tick)."""
     ends, quiet_until = clock() + slice_s, 0.0
     if in_main and relay.options.inline_rows > 0:
-        # No row of the main process's lease travels in a publish task: one that a worker took
-        # and died with would hold its rows for the whole lease (docs/waking-and-metrics.md).
+        # No row of the main process's lease travels in a publish task but a row tried twice
+        # (sent alone on purpose): a task that a worker took and died with would hold its rows
+        # for the whole lease (docs/waking-and-metrics.md).
         batch_size = min(batch_size, relay.options.inline_rows)
 
     def ask_unless_requested() -> None:

@@ -201,7 +201,9 @@ class Relay:
         wait = self.lease_s * self.options.lease_safety
         if deadline is not None:
             wait = max(1.0, min(wait, deadline - time.time()))
-        return ApartPublisher(self.settings, wait, max_message_bytes=self.options.max_message_bytes)
+        fallback = self.resources().publisher
+        assert fallback is not None  # a relay that publishes has a publisher
+        return ApartPublisher(self.settings, wait, fallback, max_message_bytes=self.options.max_message_bytes)
 
     def settle(self, operation: str, **kwargs: Any) -> Any:
         """An ack, fail or release task: the store write a publish could not make
