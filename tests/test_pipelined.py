@@ -295,6 +295,10 @@ def test_a_worker_pipelines_a_hot_aggregate_and_dead_letters_the_event_overtaken
                                         # sized for 1 MiB rows, so it takes all 60 events at once
                                         # (docs/relay.md, "Memory: claims sized by bytes").
                                         OUTBOX_MAX_PAYLOAD_BYTES="4096",
+                                        # and the worker's in-process claim, which takes at most
+                                        # this many rows, takes them all too (docs/waking-and-
+                                        # metrics.md, "The in-process claim").
+                                        OUTBOX_RELAY_INLINE_ROWS="100",
                                         # this checkout's sources first, as in the test process
                                         PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path])))
         procs.worker("w1")
