@@ -144,7 +144,8 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
     the last claim's outcome, or None when the store refused the claim (``ClaimFailed``:
     reported to ``drain.outage``, once per outage, instead of a traceback per tick)."""
     ends, quiet_until = clock() + slice_s, 0.0
-    if in_main and relay.options.inline_rows > 0:
+    whole_here = in_main and relay.options.inline_rows > 0
+    if whole_here:
         # No row of the main process's lease travels in a publish task but a row tried twice
         # (sent alone on purpose): a task that a worker took and died with would hold its rows
         # for the whole lease (docs/waking-and-metrics.md).
@@ -182,7 +183,7 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
             drain.outage.ok()
             outcome = hand_on(relay, claimed, drain.dispatch, publish_inline=publish_here,
                               claim_again=None if in_main else ask, before_share=None if ahead is None else ahead.start,
-                              whole_here=in_main and relay.options.inline_rows > 0)
+                              whole_here=whole_here)
             drain.backlog.met = outcome.backlog
             ask = ask_unless_requested if outcome.chains > 1 else _nothing
             # A claim made ahead that came back short may have met this slice's own chains

@@ -91,14 +91,12 @@ def _backpressure(relay: RelayContext, stop: Stopped) -> Settled:
     way the whole rest is released, no attempt spent, not due before the pause ends."""
     if stop.route is not None:
         return _pause_route(relay, stop, stop.route)
-    if relay.outage is not None and relay.outage.stale(stop.began):
-        # Begun before the broker was back, which it still is: no new outage, no pause.
-        relay.outage.failed(stop.reason or "back-pressure", stop.began)
-        relay.settler.release(stop.rest)
-        return Settled(stop.rest)
     pause = relay.options.breaker_s
     if relay.outage is not None:
-        relay.outage.failed(stop.reason or "back-pressure")
+        if not relay.outage.failed(stop.reason or "back-pressure", stop.began):
+            # Begun before the broker was back, which it still is: no new outage, no pause.
+            relay.settler.release(stop.rest)
+            return Settled(stop.rest)
     else:
         log.warning("outbox broker back-pressure, pausing claims for %.1f s: %s %s", pause, stop.reason,
                     describe(stop.failing), extra=log_extra(stop.failing, "backpressure"))

@@ -49,6 +49,8 @@ class Relay:
         #: when metrics are on.
         self.hooks = hooks if hooks is not None else RelayHooks()
         self.lease_s = settings.claim_timeout_ms / 1000.0
+        #: The part of a lease a publish may use (``OUTBOX_RELAY_LEASE_SAFETY``).
+        self.safe_lease_s = self.lease_s * options.lease_safety
         #: Did this process's last claim meet a backlog (``relay.drain.Backlog``)?
         self.backlog = Backlog()
         #: Tasks naming another outbox that reached this process (``relay.foreign``).
@@ -188,7 +190,7 @@ class Relay:
         held = still_held_when_reachable(self.resources().store, messages, deadline=deadline, check_own=check_own,
                                          renew=apart, stopping=self.stopping, failed=self.outage("database").failed)
         if held.renewed:  # adopted: the lease started again now (publish.Held)
-            deadline = time.time() + self.lease_s * self.options.lease_safety
+            deadline = time.time() + self.safe_lease_s
         outcomes = self.publish_here(held.chains, deadline, self.apart_publisher(deadline) if apart else None)
         after_publish(self.breaker(), self.request_claim)
         return {"published": sum(len(o.published) for o in outcomes),
@@ -198,7 +200,7 @@ class Relay:
         """A publisher that publishes each call from a child process of its own, waiting for it
         as long as a publish may wait for its broker (the lease's safe part), and not past
         ``deadline``, after which another claim may take the rows."""
-        wait = self.lease_s * self.options.lease_safety
+        wait = self.safe_lease_s
         if deadline is not None:
             wait = max(1.0, min(wait, deadline - time.time()))
         fallback = self.resources().publisher

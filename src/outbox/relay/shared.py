@@ -254,7 +254,9 @@ class Outage:
         and no new outage has begun since."""
         return began is not None and self._since is None and began < self._ended
 
-    def failed(self, error: BaseException | str, began: float | None = None) -> None:
+    def failed(self, error: BaseException | str, began: float | None = None) -> bool:
+        """Count ``error`` towards an outage, or (False) log it at DEBUG as a leftover of the
+        last one, when the work began before it ended (``stale``)."""
         from ..core.redact import redact
 
         detail = redact(f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error)
@@ -262,7 +264,7 @@ class Outage:
         if self.stale(began):
             self.log.debug("outbox: %s failed for work begun before it was back (%s): %s", self.what, self.where,
                            detail)
-            return
+            return False
         with self._lock:
             first = self._since is None
             if first:
@@ -281,6 +283,7 @@ class Outage:
         else:
             self.log.debug("outbox: %s still unreachable (%s): %s", self.what, self.where, detail,
                            exc_info=error if isinstance(error, BaseException) else None)
+        return True
 
     def ok(self) -> None:
         if self._since is None:
