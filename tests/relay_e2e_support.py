@@ -186,7 +186,14 @@ class Destination:
         #: How often the consumer's connection failed and was made again (what it held
         #: unacknowledged comes again: duplicates, which the checks allow).
         self.reconnects = 0
+        #: How often the consumer received nothing for ``STALL_S`` while RabbitMQ counted
+        #: messages delivered to it and not acknowledged, and was made again (``_unstick``).
+        self.unstuck = 0
         self._consume()
+
+    #: A wait that received nothing for this long asks RabbitMQ whether this consumer holds
+    #: deliveries it never read (``_unstick``).
+    STALL_S = 10.0
 
     def _consume(self) -> None:
         """A connection and channel of its own, the exchanges and queues declared (again,
@@ -221,6 +228,7 @@ class Destination:
 
     def wait_for(self, predicate: Any, timeout: float, procs: Procs | None = None) -> bool:
         deadline = time.monotonic() + timeout
+        quiet_since = time.monotonic()
         while not predicate():
             if time.monotonic() > deadline:
                 return False
@@ -228,8 +236,11 @@ class Destination:
                 procs.check_alive()
             try:
                 self.conn.drain_events(timeout=0.2)
+                quiet_since = time.monotonic()
             except TimeoutError:
-                pass
+                if time.monotonic() - quiet_since >= self.STALL_S:
+                    quiet_since = time.monotonic()
+                    self._unstick()
             except Exception as exc:  # the connection failed: consume on a new one
                 if not self.conn.connection_errors or not isinstance(exc, (*self.conn.connection_errors, OSError)):
                     raise
@@ -239,6 +250,31 @@ class Destination:
                 self.reconnects += 1
                 self._consume()
         return True
+
+    def _unstick(self) -> None:
+        """After ``STALL_S`` without a delivery: when RabbitMQ counts messages delivered to
+        this consumer and not acknowledged, this connection receives nothing it was sent (seen
+        in the chaos run: 500 unacknowledged for minutes, none read). Print what the socket
+        and py-amqp hold, then consume on a new connection; closing this one puts what it was
+        sent back in the queue (nothing here acknowledged it, so no duplicate)."""
+        listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "messages_ready",
+                                 "messages_unacknowledged"], capture_output=True, text=True, timeout=60)
+        counts = next((line.split()[1:] for line in listed.stdout.splitlines()
+                       if line.split()[:1] == [self.queue.name]), None)
+        if not counts or counts[1] == "0":
+            return
+        transport = getattr(self.conn.connection, "transport", None)
+        sock = getattr(transport, "sock", None)
+        port = sock.getsockname()[1] if sock is not None else None
+        socket_state = subprocess.run(["ss", "-tni", f"sport = :{port}"], capture_output=True, text=True,
+                                      timeout=10).stdout if port else "no socket"
+        print(f"test destination: nothing received for {self.STALL_S:.0f} s while RabbitMQ counts "
+              f"ready/unacknowledged {counts}; py-amqp buffer "
+              f"{len(getattr(transport, '_read_buffer', b''))} bytes; socket:\n{socket_state}reconnecting")
+        with suppress(Exception):
+            self.conn.release()
+        self.unstuck += 1
+        self._consume()
 
     def queued(self) -> int:
         """How many messages wait in the queue, as a new connection sees it: more than 0 after

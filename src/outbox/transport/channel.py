@@ -345,22 +345,19 @@ class Channel(virtual.Channel):
     def _lease_queue(self, queue: str, limit: int, visibility_ms: int) -> list[tuple[str, dict[str, Any]]]:
         doubtful = self.db.doubtful(queue)
         receipt = doubtful or uuid.uuid4().hex
-        tries = 0
 
-        def lease(qt: QueueTables, cursor: Any) -> list[MessageRow]:
+        def lease(qt: QueueTables, cursor: Any, attempt: int) -> list[MessageRow]:
             # A retry after a lost connection first takes what the try before leased, in case
             # its COMMIT went through and only the answer was lost (docs/transport.md, "A lease
             # whose COMMIT's answer is lost"): else those rows would wait, leased to nobody, for
             # visibility_timeout. So does the next lease after one whose every try failed.
-            nonlocal tries
-            tries += 1
-            held = qt.leased(cursor, queue, receipt) if tries > 1 or doubtful else []
+            held = qt.leased(cursor, queue, receipt) if attempt > 1 or doubtful else []
             if len(held) >= limit:
                 return held
             return held + qt.lease(cursor, queue, limit - len(held), visibility_ms, receipt)
 
         try:
-            rows = self.db.run(lease)
+            rows, _ = self.db.run_counting(lease)
         except BrokerDatabaseUnavailable:
             self.db.doubt(queue, receipt)
             raise
@@ -406,15 +403,13 @@ class Channel(virtual.Channel):
 
     def _settle(self, delivery_tag: str, requeue: bool) -> None:
         row_id, receipt = split_tag(delivery_tag)
-        tries = 0
 
-        def settle(qt: QueueTables, cursor: Any) -> int:
-            nonlocal tries
-            tries += 1
+        def settle(qt: QueueTables, cursor: Any, attempt: int) -> int:
             return qt.release(cursor, row_id, receipt) if requeue else qt.ack(cursor, row_id, receipt)
 
         what = "requeue" if requeue else "ack"
-        if self.db.run(settle):
+        changed, tries = self.db.run_counting(settle)
+        if changed:
             return
         if tries > 1:  # the try before committed and only its answer was lost: done already
             log.debug("outboxdb: %s of message %s was done by a try whose answer was lost", what, row_id)

@@ -160,6 +160,20 @@ class Database:
         self.available = True
         return result
 
+    def run_counting(self, work: Callable[[QueueTables, Any, int], T]) -> tuple[T, int]:
+        """``run`` for work that must know which try it is (``work(queue tables, cursor, try)``,
+        the first try 1): a retry after a lost connection may follow a try whose COMMIT went
+        through and only its answer was lost (docs/transport.md, "A lease whose COMMIT's answer
+        is lost"). Returns the result and how many tries it took."""
+        tries = 0
+
+        def counted(qt: QueueTables, cursor: Any) -> T:
+            nonlocal tries
+            tries += 1
+            return work(qt, cursor, tries)
+
+        return self.run(counted), tries
+
     def close(self) -> None:
         self._close_waiter()
         self.connections.drop()
