@@ -257,8 +257,11 @@ class Destination:
         in the chaos run: 500 unacknowledged for minutes, none read). Print what the socket
         and py-amqp hold, then consume on a new connection; closing this one puts what it was
         sent back in the queue (nothing here acknowledged it, so no duplicate)."""
-        listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "messages_ready",
-                                 "messages_unacknowledged"], capture_output=True, text=True, timeout=60)
+        try:
+            listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "messages_ready",
+                                     "messages_unacknowledged"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):  # no rabbitmqctl here (a remote RabbitMQ): no watch
+            return
         counts = next((line.split()[1:] for line in listed.stdout.splitlines()
                        if line.split()[:1] == [self.queue.name]), None)
         if not counts or counts[1] == "0":
@@ -266,8 +269,10 @@ class Destination:
         transport = getattr(self.conn.connection, "transport", None)
         sock = getattr(transport, "sock", None)
         port = sock.getsockname()[1] if sock is not None else None
-        socket_state = subprocess.run(["ss", "-tni", f"sport = :{port}"], capture_output=True, text=True,
-                                      timeout=10).stdout if port else "no socket"
+        socket_state = "no socket"
+        with suppress(OSError, subprocess.SubprocessError):
+            socket_state = subprocess.run(["ss", "-tni", f"sport = :{port}"], capture_output=True, text=True,
+                                          timeout=10).stdout if port else socket_state
         print(f"test destination: nothing received for {self.STALL_S:.0f} s while RabbitMQ counts "
               f"ready/unacknowledged {counts}; py-amqp buffer "
               f"{len(getattr(transport, '_read_buffer', b''))} bytes; socket:\n{socket_state}reconnecting")
