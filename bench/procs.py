@@ -40,7 +40,8 @@ def process_tree(pid: int) -> list[int]:
 
 
 def rss_kb(pid: int, field: str = "VmRSS") -> int | None:
-    """A process's resident set (``VmRSS``) or its peak so far (``VmHWM``), in kB."""
+    """A process's resident set (``VmRSS``) or its peak so far (``VmHWM``), in kB; any other
+    numeric line of ``/proc/<pid>/status`` by its name (``Threads``: its thread count)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -48,6 +49,51 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int | None:
     except OSError:
         return None
     return None
+
+
+def open_files(pid: int) -> list[str] | None:
+    """What each of a process's open file descriptors points at (``/proc/<pid>/fd``:
+    ``socket:[inode]``, ``pipe:[inode]``, a path...); None if the process is gone."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    out = []
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed since the listing
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
+
+
+def tcp_sockets() -> dict[int, tuple[int, int, int]]:
+    """Every TCP socket of this network namespace (``/proc/net/tcp`` and ``tcp6``) by inode:
+    (local port, remote port, state; 1 ESTABLISHED, 8 CLOSE_WAIT, 10 LISTEN). With
+    ``open_files`` it tells whom a process's sockets talk to."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10:
+                continue
+            local, remote = fields[1].rsplit(":", 1)[1], fields[2].rsplit(":", 1)[1]
+            out[int(fields[9])] = (int(local, 16), int(remote, 16), int(fields[3], 16))
+    return out
+
+
+def peers(files: list[str], sockets: dict[int, tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(local port, remote port) of each TCP connection among a process's ``open_files``
+    (listening sockets and other kinds of files left out)."""
+    out = []
+    for target in files:
+        if target.startswith("socket:["):
+            entry = sockets.get(int(target[8:-1]))
+            if entry is not None and entry[2] != 10:
+                out.append((entry[0], entry[1]))
+    return out
 
 
 def cpu_seconds(pid: int, reaped: bool = False) -> float | None:
