@@ -51,6 +51,29 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int | None:
     return None
 
 
+def rss_by_mapping(pid: int) -> dict[str, int] | None:
+    """A process's resident set in kB by kind of mapping (``/proc/<pid>/smaps``): ``heap``, the
+    brk heap (glibc malloc's main arena); ``anon``, every other anonymous mapping (CPython's
+    1 MiB arenas of small objects, glibc's per-thread arenas and its mmap'd large blocks, thread
+    stacks); ``file``, mapped files (the interpreter's and libraries' code and data) and the
+    kernel's ``[vdso]``. None if the process is gone."""
+    out = {"heap": 0, "anon": 0, "file": 0}
+    kind = "anon"
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's header: range perms offset dev inode [path]
+            path = rest.split(None, 4)[4].strip() if len(rest.split(None, 4)) > 4 else ""
+            kind = "heap" if path == "[heap]" else "anon" if path in ("", "[stack]") or path.startswith("[anon") \
+                else "file"
+        elif head == "Rss:":
+            out[kind] += int(rest.split()[0])
+    return out
+
+
 def open_files(pid: int) -> list[str] | None:
     """What each of a process's open file descriptors points at (``/proc/<pid>/fd``:
     ``socket:[inode]``, ``pipe:[inode]``, a path...); None if the process is gone."""

@@ -73,7 +73,7 @@ from .common import (
     to_json,
 )
 from .engines import engine_names, query
-from .procs import open_files, peers, tcp_sockets
+from .procs import open_files, peers, rss_by_mapping, tcp_sockets
 
 # -- the pure part: slopes and verdicts (tests/test_bench_soak.py) -------------------------------
 
@@ -264,8 +264,8 @@ class SoakSampler(threading.Thread):
         for group, root in self.roots():
             for pid in sorted(process_tree(root)):
                 files = open_files(pid)
-                rss, threads = rss_kb(pid), rss_kb(pid, "Threads")
-                if files is None or rss is None or threads is None:
+                rss, threads, kinds = rss_kb(pid), rss_kb(pid, "Threads"), rss_by_mapping(pid)
+                if files is None or rss is None or threads is None or kinds is None:
                     continue  # ended between the listing and the read
                 conns = peers(files, sockets)
                 relay_ports.update(local for local, _ in conns)
@@ -276,7 +276,8 @@ class SoakSampler(threading.Thread):
                 procs[self.names.label(pid, root, group)] = {
                     "pid": pid, "rss_mb": round(rss / 1024, 2), "threads": threads, "fds": len(files), "db": db,
                     "amqp": sum(1 for _, remote in conns if remote == self.amqp_port),
-                    "redis": sum(1 for _, remote in conns if remote == self.redis_port)}
+                    "redis": sum(1 for _, remote in conns if remote == self.redis_port),
+                    **{f"rss_{kind}_mb": round(kb / 1024, 2) for kind, kb in kinds.items()}}
         return {"t": round(time.monotonic() - self.t0, 2), "procs": procs,
                 "sessions": self.sessions(conn, relay_ports)}
 
@@ -360,6 +361,20 @@ def table(analysis: dict[str, dict[str, dict[str, Any]]], pids: dict[str, int]) 
                          f"{a['end']:9g} {a['peak']:9g} {a['slope_per_hour']:+9.2f}  {a['verdict']}"
                          + (f" ({a['note']})" if a.get("note") else ""))
     return "\n".join(lines)
+
+
+def rss_split(samples: Sequence[dict[str, Any]], label: str, warmup_s: float) -> str:
+    """Where a process's RSS went from the end of the warm-up to the end, by kind of mapping
+    (``bench.procs.rss_by_mapping``): CPython's and glibc's heaps are told apart this way."""
+    mine = [s for s in samples if label in s["procs"]]
+    if not mine:
+        return "no samples"
+    warm = [s for s in mine if s["t"] <= warmup_s]
+    start = warm[-1] if warm else mine[0]
+    a, b = start["procs"][label], mine[-1]["procs"][label]
+    names = {"heap": "brk heap", "anon": "other anonymous", "file": "files"}
+    return "RSS from the end of the warm-up to the end by mapping: " + ", ".join(
+        f"{names[k]} {a.get(f'rss_{k}_mb', 0):g} -> {b.get(f'rss_{k}_mb', 0):g} MB" for k in names)
 
 
 def lag_windows(events: Sequence[dict[str, Any]], duration: float, warmup_share: float) -> dict[str, Any]:
@@ -582,6 +597,9 @@ def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]
     for label, command in results["processes"].items():
         print(f"  {label} ({pids.get(label)}): {command[:110]}")
     print(table(analysis, pids))
+    for label, a in analysis.get("rss_mb", {}).items():
+        if a.get("verdict") in ("GROWS", "STEP"):
+            print(f"  {label}: {rss_split(results['samples'], label, warmup_s)}")
     print()
     for m in (*MEASURES, SESSIONS):
         if m.key in analysis:
