@@ -51,13 +51,20 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int | None:
     return None
 
 
+#: glibc malloc's heaps of the arenas other than the main one (``HEAP_MAX_SIZE`` on 64-bit): each
+#: is an anonymous mapping that starts on a multiple of this.
+MALLOC_HEAP_ALIGN = 64 * 1024 * 1024
+
+
 def rss_by_mapping(pid: int) -> dict[str, int] | None:
     """A process's resident set in kB by kind of mapping (``/proc/<pid>/smaps``): ``heap``, the
-    brk heap (glibc malloc's main arena); ``anon``, every other anonymous mapping (CPython's
-    1 MiB arenas of small objects, glibc's per-thread arenas and its mmap'd large blocks, thread
-    stacks); ``file``, mapped files (the interpreter's and libraries' code and data) and the
-    kernel's ``[vdso]``. None if the process is gone."""
-    out = {"heap": 0, "anon": 0, "file": 0}
+    brk heap (glibc malloc's main arena: the main thread's allocations); ``arenas``, glibc's
+    other arenas (the other threads' allocations: anonymous mappings on a ``MALLOC_HEAP_ALIGN``
+    boundary); ``anon``, every other anonymous mapping (CPython's 1 MiB arenas of small objects,
+    which adjacent ones merge, glibc's mmap'd large blocks, thread stacks); ``file``, mapped
+    files (the interpreter's and libraries' code and data) and the kernel's ``[vdso]``. None if
+    the process is gone. (A large block that happens to start on the boundary counts as an arena.)"""
+    out = {"heap": 0, "arenas": 0, "anon": 0, "file": 0}
     kind = "anon"
     try:
         text = Path(f"/proc/{pid}/smaps").read_text()
@@ -66,9 +73,14 @@ def rss_by_mapping(pid: int) -> dict[str, int] | None:
     for line in text.splitlines():
         head, _, rest = line.partition(" ")
         if "-" in head and not head.endswith(":"):  # a mapping's header: range perms offset dev inode [path]
-            path = rest.split(None, 4)[4].strip() if len(rest.split(None, 4)) > 4 else ""
-            kind = "heap" if path == "[heap]" else "anon" if path in ("", "[stack]") or path.startswith("[anon") \
-                else "file"
+            fields = rest.split(None, 4)
+            path = fields[4].strip() if len(fields) > 4 else ""
+            if path == "[heap]":
+                kind = "heap"
+            elif path in ("", "[stack]") or path.startswith("[anon"):
+                kind = "arenas" if path == "" and int(head.split("-")[0], 16) % MALLOC_HEAP_ALIGN == 0 else "anon"
+            else:
+                kind = "file"
         elif head == "Rss:":
             out[kind] += int(rest.split()[0])
     return out

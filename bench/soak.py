@@ -372,7 +372,8 @@ def rss_split(samples: Sequence[dict[str, Any]], label: str, warmup_s: float) ->
     warm = [s for s in mine if s["t"] <= warmup_s]
     start = warm[-1] if warm else mine[0]
     a, b = start["procs"][label], mine[-1]["procs"][label]
-    names = {"heap": "brk heap", "anon": "other anonymous", "file": "files"}
+    names = {"heap": "brk heap", "arenas": "malloc's thread arenas", "anon": "other anonymous (CPython's arenas...)",
+             "file": "files"}
     return "RSS from the end of the warm-up to the end by mapping: " + ", ".join(
         f"{names[k]} {a.get(f'rss_{k}_mb', 0):g} -> {b.get(f'rss_{k}_mb', 0):g} MB" for k in names)
 

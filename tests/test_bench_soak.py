@@ -4,6 +4,7 @@ samples (GROWS, STEP, flat), on made-up series."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -93,3 +94,12 @@ def test_analyse_and_the_verdict_line_name_the_process_that_grows() -> None:
 def test_a_measure_without_noise_has_no_resolution() -> None:
     a = assess(every(15, [1.0] * 10), warmup_s=0, measure=Measure("x", "x", "", 0.0, 0.0))
     assert a["resolution_per_hour"] == 0.0 and not math.isnan(a["slope_per_hour"])
+
+
+def test_this_process_rss_split_by_mapping_adds_up_to_its_vmrss() -> None:
+    from bench.procs import rss_by_mapping, rss_kb
+
+    kinds = rss_by_mapping(os.getpid())
+    assert kinds is not None and set(kinds) == {"heap", "arenas", "anon", "file"}
+    assert kinds["file"] > 0  # the interpreter's own code
+    assert abs(sum(kinds.values()) - (rss_kb(os.getpid()) or 0)) < 2048  # two reads, moments apart
