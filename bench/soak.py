@@ -31,9 +31,11 @@ run tells); otherwise flat. The thresholds (``MEASURES``)
 and why: docs/benchmarks.md, "Soak: leaks over time". Then throughput, commit-to-arrival p99
 (whole run, warm-up, last fifth), order and duplicates. Nothing here asserts anything.
 
-``--tracemalloc`` (investigation only: it slows the relay) traces every relay process's Python
-allocations through a ``sitecustomize`` hook the bench puts on their ``PYTHONPATH`` and prints where
-the traced memory grew between the end of the warm-up and the end.
+``--heap`` (investigation; cheap) has every relay process report its Python heap at the end of the
+warm-up and at the end through a ``sitecustomize`` hook the bench puts on their ``PYTHONPATH``
+(CPython's allocator statistics, gc-tracked objects by type) and prints what grew;
+``--tracemalloc`` also traces every allocation and prints the tracebacks whose memory grew most
+(it slows the relay, which may fall behind: then the figures describe a backlog).
 
 Not here: a fault mode. Cutting the relay's broker connections from outside needs a TCP proxy
 that can cut; the project's (``Proxy`` with ``cut()``/``restore()``) lives in
@@ -235,7 +237,7 @@ class SoakSampler(threading.Thread):
         super().__init__(name="bench-soak-sampler", daemon=True)
         self.run_, self.relay, self.interval, self.duration = run, relay, interval, duration
         self.app_name = app_name
-        #: ``--tracemalloc``: at the first sample at or after each time, touch the file (the hook's trigger).
+        #: ``--heap``: at the first sample at or after each time, touch the file (the hook's trigger).
         self.snapshots = dict(snapshots or {})
         self.names = ProcessNames()
         self.samples: list[dict[str, Any]] = []
@@ -388,20 +390,55 @@ def lag_windows(events: Sequence[dict[str, Any]], duration: float, warmup_share:
     return {"warmup": window(0.0, warmup_share * duration), "last_fifth": window(0.8 * duration, math.inf)}
 
 
-# -- where memory grows: tracemalloc in the relay's processes (``--tracemalloc``) -------------------
+# -- where memory grows: the heap of the relay's processes (``--heap``, ``--tracemalloc``) ------------
 
-#: A ``sitecustomize`` that the bench puts first on the relay's ``PYTHONPATH`` with ``--tracemalloc``
-#: (nothing in src/ changes): every process (pool children too, after their fork) traces its
-#: allocations, and dumps a snapshot ``<pid>-<name>.snap`` when a file ``take-<name>`` appears in
-#: the directory (the sampler makes one at the end of the warm-up and one at the end). Its
-#: thread adds one to each process's thread count, and tracing slows every allocation.
-TRACEMALLOC_HOOK = """\
+#: A ``sitecustomize`` that the bench puts first on the relay's ``PYTHONPATH`` with ``--heap`` or
+#: ``--tracemalloc`` (nothing in src/ changes). In every process (pool children too, after their
+#: fork) a thread waits for a file ``take-<name>`` in the directory (the sampler makes one at the
+#: end of the warm-up and one at the end) and then writes ``<pid>-<name>.json``: CPython's own
+#: allocator statistics (``sys._debugmallocstats``: arenas, bytes in allocated blocks), the count
+#: of allocated blocks, and the gc-tracked objects counted by type; with tracemalloc on
+#: (``OUTBOX_SOAK_TRACEMALLOC_FRAMES`` > 0) also a snapshot ``<pid>-<name>.snap``. The thread adds
+#: one to each process's thread count; tracemalloc slows every allocation (the relay may fall behind).
+HEAP_HOOK = """\
+import collections
+import gc
+import json
 import os
+import sys
+import tempfile
 import threading
 import time
 import tracemalloc
 
-_DIR = os.environ.get("OUTBOX_SOAK_TRACEMALLOC_DIR")
+_DIR = os.environ.get("OUTBOX_SOAK_HOOK_DIR")
+_FRAMES = int(os.environ.get("OUTBOX_SOAK_TRACEMALLOC_FRAMES", "0"))
+
+
+def _mallocstats():
+    with tempfile.TemporaryFile() as f:  # _debugmallocstats writes to the C stderr
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(f.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+def _take(name):
+    base = os.path.join(_DIR, f"{os.getpid()}-{name}")
+    gc.collect()
+    types = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
+    stats = {"allocated_blocks": sys.getallocatedblocks(), "gc_objects": sum(types.values()),
+             "types": dict(types.most_common(300)), "mallocstats": _mallocstats()}
+    with open(base + ".json", "w") as f:
+        json.dump(stats, f)
+    if _FRAMES:
+        tracemalloc.take_snapshot().dump(base + ".snap")
 
 
 def _watch():
@@ -415,31 +452,69 @@ def _watch():
         for name in names:
             if name not in done:
                 done.add(name)
-                tracemalloc.take_snapshot().dump(os.path.join(_DIR, f"{os.getpid()}-{name}.snap"))
+                _take(name)
 
 
 def _start():
-    threading.Thread(target=_watch, name="soak-tracemalloc", daemon=True).start()
+    threading.Thread(target=_watch, name="soak-heap", daemon=True).start()
 
 
 if _DIR:
-    tracemalloc.start(int(os.environ.get("OUTBOX_SOAK_TRACEMALLOC_FRAMES", "25")))
+    if _FRAMES:
+        tracemalloc.start(_FRAMES)
     _start()
     os.register_at_fork(after_in_child=_start)
 """
 
 
-def tracemalloc_env(workdir: Path, frames: int) -> dict[str, str]:
-    """Write the hook into ``workdir`` and return the relay's environment that loads it."""
-    hook, snaps = workdir / "soak-hook", workdir / "tracemalloc"
+def hook_env(workdir: Path, frames: int) -> dict[str, str]:
+    """Write the hook into ``workdir`` and return the relay's environment that loads it
+    (``frames`` > 0: tracemalloc on, keeping that many frames per allocation)."""
+    hook, snaps = workdir / "soak-hook", workdir / "heap"
     hook.mkdir()
     snaps.mkdir()
-    (hook / "sitecustomize.py").write_text(TRACEMALLOC_HOOK)
+    (hook / "sitecustomize.py").write_text(HEAP_HOOK)
     # The hook first, then what ``Run.child_env`` gives the relay (bench/'s root, this PYTHONPATH).
     path = os.pathsep.join([str(hook), str(Path(__file__).resolve().parent.parent),
                             *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {"PYTHONPATH": path, "OUTBOX_SOAK_TRACEMALLOC_DIR": str(snaps),
-            "OUTBOX_SOAK_TRACEMALLOC_FRAMES": str(frames)}
+    return {"PYTHONPATH": path, "OUTBOX_SOAK_HOOK_DIR": str(snaps), "OUTBOX_SOAK_TRACEMALLOC_FRAMES": str(frames)}
+
+
+def mallocstats(text: str) -> dict[str, int]:
+    """The ``# name = number`` lines of ``sys._debugmallocstats()``'s report."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("# ") and "=" in line:
+            name, _, value = line[2:].partition("=")
+            with contextlib.suppress(ValueError):
+                out[name.strip()] = int(value.strip().replace(",", ""))
+    return out
+
+
+def compare_heaps(snaps: Path, labels: dict[int, str], first: str = "warm", last: str = "end",
+                  top: int = 8) -> dict[str, Any]:
+    """Per process, from the hook's two reports: CPython's arenas and bytes in allocated blocks,
+    the allocated blocks and gc-tracked objects at both times, and the ``top`` types whose count
+    grew most."""
+    import json
+
+    out: dict[str, Any] = {}
+    for pid, label in sorted(labels.items()):
+        a, b = snaps / f"{pid}-{first}.json", snaps / f"{pid}-{last}.json"
+        if not (a.exists() and b.exists()):
+            continue
+        before, after = json.loads(a.read_text()), json.loads(b.read_text())
+        m0, m1 = mallocstats(before["mallocstats"]), mallocstats(after["mallocstats"])
+        keys = ("arenas allocated current", "arenas highwater mark", "bytes in allocated blocks",
+                "bytes in available blocks", "bytes lost to pool headers", "bytes lost to quantization")
+        grew = sorted(((after["types"].get(t, 0) - before["types"].get(t, 0), t)
+                       for t in set(before["types"]) | set(after["types"])), reverse=True)[:top]
+        out[label] = {"allocated_blocks": [before["allocated_blocks"], after["allocated_blocks"]],
+                      "gc_objects": [before["gc_objects"], after["gc_objects"]],
+                      "pymalloc": {k: [m0.get(k), m1.get(k)] for k in keys},
+                      "types_grew": [{"type": t, "count_diff": d, "count": after["types"].get(t, 0)}
+                                     for d, t in grew if d > 0]}
+    return out
 
 
 def compare_snapshots(snaps: Path, labels: dict[int, str], first: str = "warm", last: str = "end",
@@ -486,10 +561,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loglevel", default="WARNING", help="the worker's log level")
     p.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment of the relay's processes (repeatable)")
+    p.add_argument("--heap", action="store_true",
+                   help="investigate: every relay process reports its Python heap (CPython's allocator statistics, "
+                        "gc-tracked objects by type) at the end of the warm-up and at the end, through a sitecustomize "
+                        "hook on its PYTHONPATH (bench only); what grew is printed. Cheap")
     p.add_argument("--tracemalloc", action="store_true",
-                   help="investigate: every relay process traces its Python allocations (a sitecustomize hook on "
-                        "its PYTHONPATH, bench only) and the tracebacks whose memory grew most between the end of "
-                        "the warm-up and the end are printed; slows the relay")
+                   help="--heap, and every relay process traces its Python allocations: the tracebacks whose memory "
+                        "grew most are printed; slows the relay (it may fall behind)")
     p.add_argument("--tracemalloc-frames", type=int, default=25, help="frames kept per allocation (default 25)")
     p.add_argument("--json", type=Path, help="also write every sample and figure to this file")
     p.add_argument("--keep", action="store_true", help="keep the work directory (worker logs)")
@@ -519,9 +597,10 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(item.split("=", 1) for item in args.worker_env)
     env.setdefault("PGAPPNAME", app_name)
     snapshots: dict[float, Path] = {}
-    if args.tracemalloc:
-        env.update(tracemalloc_env(workdir, args.tracemalloc_frames))
-        snaps = Path(env["OUTBOX_SOAK_TRACEMALLOC_DIR"])
+    args.heap = args.heap or args.tracemalloc
+    if args.heap:
+        env.update(hook_env(workdir, args.tracemalloc_frames if args.tracemalloc else 0))
+        snaps = Path(env["OUTBOX_SOAK_HOOK_DIR"])
         snapshots = {warmup_s: snaps / "take-warm", duration: snaps / "take-end"}
     # This process wakes the relay: it must see the worker's settings (and its runner).
     for key in [k for k in os.environ if k.startswith(("OUTBOX_", "CELERY_"))]:
@@ -552,8 +631,8 @@ def main(argv: list[str] | None = None) -> int:
                                         keep_events=True)
         sampler.stop()
         relay.check_alive()
-        if args.tracemalloc:
-            time.sleep(15)  # the hook dumps within 0.5 s of the trigger; a dump takes a few seconds
+        if args.heap:
+            time.sleep(15)  # the hook reports within 0.5 s of the trigger; a tracemalloc dump takes seconds
     finally:
         if sampler is not None:
             sampler.stop()
@@ -574,8 +653,10 @@ def main(argv: list[str] | None = None) -> int:
     analysis = analyse(sampler.samples, warmup_s)
     results["analysis"] = analysis
     pids = {label: v["pid"] for s in sampler.samples for label, v in s["procs"].items()}
+    if args.heap:
+        results["heap"] = compare_heaps(workdir / "heap", {pid: label for label, pid in pids.items()})
     if args.tracemalloc:
-        results["tracemalloc"] = compare_snapshots(workdir / "tracemalloc", {pid: label for label, pid in pids.items()})
+        results["tracemalloc"] = compare_snapshots(workdir / "heap", {pid: label for label, pid in pids.items()})
     report(results, analysis, pids, args, warmup_s)
     if args.json:
         args.json.write_text(to_json(results))
@@ -614,6 +695,14 @@ def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]
           f"out of order in {order['violating_aggregates']} aggregates")
     if results["sampler_errors"]:
         print(f"sampler errors: {results['sampler_errors']}")
+    for label, heap in results.get("heap", {}).items():
+        pm = heap["pymalloc"]
+        print(f"heap, {label}: from the end of the warm-up to the end: allocated blocks {heap['allocated_blocks'][0]} -> "
+              f"{heap['allocated_blocks'][1]}, gc-tracked objects {heap['gc_objects'][0]} -> {heap['gc_objects'][1]}; "
+              "CPython's allocator: " + ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in pm.items()))
+        if heap["types_grew"]:
+            print("  types that grew most: " + ", ".join(f"{g['type']} {g['count_diff']:+d} (now {g['count']})"
+                                                          for g in heap["types_grew"]))
     for label, traced in results.get("tracemalloc", {}).items():
         print(f"tracemalloc, {label}: traced Python memory {traced['traced_mb'][0]} -> {traced['traced_mb'][1]} MB "
               "from the end of the warm-up to the end; grew most:")
