@@ -11,7 +11,9 @@ length while a sampler thread reads, every ``--sample-s`` seconds (15; 5 with ``
 every process of the worker's and the beat's (scheduler's) process trees, found again at each
 sample:
 
-* RSS (``VmRSS`` of ``/proc/<pid>/status``) and threads (its ``Threads``);
+* RSS (``VmRSS`` of ``/proc/<pid>/status``) and threads (its ``Threads``); the RSS also by kind of
+  mapping (``bench.procs.rss_by_mapping``: brk heap, glibc's thread arenas, other anonymous
+  mappings with CPython's arenas, files), printed for a process whose RSS steps or grows;
 * open file descriptors (the entries of ``/proc/<pid>/fd``);
 * its TCP connections by peer: to the database, RabbitMQ and Redis (``bench.procs.peers``;
   SQLite: the descriptors open on the database's files);
@@ -27,8 +29,8 @@ value's floor (the least value from a sample on, so a passing spike does not cou
 than the measure's noise after the warm-up, in both halves of that window (by over half the noise
 in each), and the slope is above the measure's threshold; **STEP** where it rose, but not in both
 halves (a lazily opened resource, an allocator step, or the first sign of a slow leak: a longer
-run tells); otherwise flat. The thresholds (``MEASURES``)
-and why: docs/benchmarks.md, "Soak: leaks over time". Then throughput, commit-to-arrival p99
+run tells); otherwise flat. The thresholds (``MEASURES``) and why: docs/benchmarks.md, "Soak:
+leaks over time". Then throughput, commit-to-arrival p99
 (whole run, warm-up, last fifth), order and duplicates. Nothing here asserts anything.
 
 ``--heap`` (investigation; cheap) has every relay process report its Python heap at the end of the
