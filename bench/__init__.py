@@ -17,7 +17,8 @@ Modules:
   create, load (realistic events), count, drop.
 * ``bench.engines`` what differs per database (PostgreSQL, MariaDB/MySQL, SQLite): connecting,
   loading a backlog, the raw loop's SQL (``python -m bench.drain --engine``).
-* ``bench.procs``   process sampling from ``/proc`` (trees, RSS, CPU per group), stopping groups.
+* ``bench.procs``   process sampling from ``/proc`` (trees, RSS, threads, open files, TCP peers,
+  CPU per group), stopping groups.
 * ``bench.confirm`` publisher micro-benchmark: stop-and-wait confirms vs none, pipelined, tx.
 * ``bench.drain``   backlog drain: in-process claim -> publish_chain -> mark_done loop
   (baseline), then a real ``celery -A outbox worker -c 2`` (prefork) with beat; ``python -m
@@ -37,6 +38,9 @@ Modules:
   time goes (the ``profile`` phase, ``bench.live --profile``).
 * ``bench.report``  the report of ``python -m bench``: issue 11's targets, verdicts, the summary.
 * ``bench.rawloop`` the raw unordered 2-process loop of issue 11, the drain's baseline.
+* ``bench.soak``    leaks over time: every relay process's RSS, open fds, threads and connections
+  sampled through a bounded run of steady traffic, slopes per hour and a verdict per measure
+  (``python -m bench.soak``).
 * ``bench.takeover`` one of two workers SIGKILLed mid-drain: the longest stand-still of any
   aggregate after the kill, next to the fault-free drain (``python -m bench.takeover``).
 * ``bench.transport`` the database as Celery's broker (``outboxdb``) against Redis and kombu's

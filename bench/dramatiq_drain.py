@@ -26,15 +26,21 @@ from .drain import Relay, run_celery_drain
 BIN = Path(sys.executable).parent
 
 
+def dramatiq_env(run: Run) -> dict[str, str]:
+    """What points a process at the run's Dramatiq relay: its workers, scheduler, and a writer's
+    wake (``outbox.wake`` wakes Dramatiq when ``OUTBOX_DRAMATIQ_BROKER_URL`` is set)."""
+    return {"OUTBOX_DRAMATIQ_BROKER_URL": run.redis_url, "OUTBOX_DRAMATIQ_NAMESPACE": f"outbox-bench-{run.tag}"}
+
+
 class DramatiqRelay(Relay):
     """The same shape as ``bench.drain.Relay`` (worker + scheduler process groups), on Dramatiq."""
 
-    def __init__(self, run: Run, concurrency: int = 2, threads: int = 2, loglevel: str = "WARNING") -> None:
+    def __init__(self, run: Run, concurrency: int = 2, threads: int = 2, loglevel: str = "WARNING",
+                 **env: str) -> None:
         self.run = run
         self.concurrency = concurrency
         self.dir = run.workdir
-        self.env = run.child_env(OUTBOX_DRAMATIQ_BROKER_URL=run.redis_url,
-                                 OUTBOX_DRAMATIQ_NAMESPACE=f"outbox-bench-{run.tag}")
+        self.env = run.child_env(**dramatiq_env(run), **env)
         self.worker = self._spawn("worker", [str(BIN / "dramatiq"), "outbox.dramatiq", "--processes",
                                              str(concurrency), "--threads", str(threads)])
         self.beat = self._spawn("beat", [str(BIN / "outbox-dramatiq-scheduler"), f"--loglevel={loglevel}"])

@@ -34,9 +34,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
-from .common import CpuWindow, Destination, Run, aggregate_name, check_order, log, percentile, pg_connect
+from .backlog import connect
+from .common import CpuWindow, Destination, Run, aggregate_name, check_order, log, percentile
+from .engines import engine
 
 #: Every this many commits of a writer, one is plain (no wake, no NOTIFY): the baseline of
 #: the writer-side figure, measured in the same run and threads.
@@ -108,8 +111,9 @@ class Writer(threading.Thread):
         from outbox import enqueue
 
         total = int(self.rate * self.duration)
+        spec = engine(self.run_.engine)  # the run's database (``bench.soak --engine``); PostgreSQL here
         try:
-            with pg_connect(self.run_.postgres_url) as conn:
+            with closing(connect(self.run_)) as conn:
                 mine = range(self.index, total, self.writers)
                 for k, i in enumerate(mine):
                     due = self.t0 + i / self.rate
@@ -122,6 +126,7 @@ class Writer(threading.Thread):
                     plain = plain_commit(k, len(mine))
                     _plain.on = plain
                     started = time.perf_counter()
+                    spec.begin(conn)  # SQLite: BEGIN IMMEDIATE (the others open a transaction themselves)
                     outbox_id = enqueue(conn, topic="orders.changed", aggregate_type="order", aggregate_id=aggregate,
                                         payload={"orderId": aggregate, "n": i, "state": "confirmed",
                                                  "amount": "129.90", "currency": "EUR"},

@@ -40,7 +40,8 @@ def process_tree(pid: int) -> list[int]:
 
 
 def rss_kb(pid: int, field: str = "VmRSS") -> int | None:
-    """A process's resident set (``VmRSS``) or its peak so far (``VmHWM``), in kB."""
+    """A process's resident set (``VmRSS``) or its peak so far (``VmHWM``), in kB; any other
+    numeric line of ``/proc/<pid>/status`` by its name (``Threads``: its thread count)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -48,6 +49,86 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int | None:
     except OSError:
         return None
     return None
+
+
+#: glibc malloc's heaps of the arenas other than the main one (``HEAP_MAX_SIZE`` on 64-bit): each
+#: is an anonymous mapping that starts on a multiple of this.
+MALLOC_HEAP_ALIGN = 64 * 1024 * 1024
+
+
+def rss_by_mapping(pid: int) -> dict[str, int] | None:
+    """A process's resident set in kB by kind of mapping (``/proc/<pid>/smaps``): ``heap``, the
+    brk heap (glibc malloc's main arena: the main thread's allocations); ``arenas``, glibc's
+    other arenas (the other threads' allocations: anonymous mappings on a ``MALLOC_HEAP_ALIGN``
+    boundary); ``anon``, every other anonymous mapping (CPython's 1 MiB arenas of small objects,
+    which adjacent ones merge, glibc's mmap'd large blocks, thread stacks); ``file``, mapped
+    files (the interpreter's and libraries' code and data) and the kernel's ``[vdso]``. None if
+    the process is gone. (A large block that happens to start on the boundary counts as an arena.)"""
+    out = {"heap": 0, "arenas": 0, "anon": 0, "file": 0}
+    kind = "anon"
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's header: range perms offset dev inode [path]
+            fields = rest.split(None, 4)
+            path = fields[4].strip() if len(fields) > 4 else ""
+            if path == "[heap]":
+                kind = "heap"
+            elif path in ("", "[stack]") or path.startswith("[anon"):
+                kind = "arenas" if path == "" and int(head.split("-")[0], 16) % MALLOC_HEAP_ALIGN == 0 else "anon"
+            else:
+                kind = "file"
+        elif head == "Rss:":
+            out[kind] += int(rest.split()[0])
+    return out
+
+
+def open_files(pid: int) -> list[str] | None:
+    """What each of a process's open file descriptors points at (``/proc/<pid>/fd``:
+    ``socket:[inode]``, ``pipe:[inode]``, a path...); None if the process is gone."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    out = []
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed since the listing
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
+
+
+def tcp_sockets() -> dict[int, tuple[int, int, int]]:
+    """Every TCP socket of this network namespace (``/proc/net/tcp`` and ``tcp6``) by inode:
+    (local port, remote port, state; 1 ESTABLISHED, 8 CLOSE_WAIT, 10 LISTEN). With
+    ``open_files`` it tells whom a process's sockets talk to."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10:
+                continue
+            local, remote = fields[1].rsplit(":", 1)[1], fields[2].rsplit(":", 1)[1]
+            out[int(fields[9])] = (int(local, 16), int(remote, 16), int(fields[3], 16))
+    return out
+
+
+def peers(files: list[str], sockets: dict[int, tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(local port, remote port) of each TCP connection among a process's ``open_files``
+    (listening sockets and other kinds of files left out)."""
+    out = []
+    for target in files:
+        if target.startswith("socket:["):
+            entry = sockets.get(int(target[8:-1]))
+            if entry is not None and entry[2] != 10:
+                out.append((entry[0], entry[1]))
+    return out
 
 
 def cpu_seconds(pid: int, reaped: bool = False) -> float | None:
