@@ -251,31 +251,42 @@ class Destination:
                 self._consume()
         return True
 
+    def rabbitmq_counts(self) -> dict[str, int] | None:
+        """What RabbitMQ counts for this destination's queue (``rabbitmqctl list_queues``):
+        messages ``ready``, messages delivered and not yet acknowledged (``unacknowledged``),
+        and ``consumers``. None where rabbitmqctl cannot be run (a remote RabbitMQ) or does not
+        list the queue."""
+        names = ("ready", "unacknowledged", "consumers")
+        try:
+            listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "messages_ready",
+                                     "messages_unacknowledged", "consumers"], capture_output=True, text=True,
+                                    timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        for line in listed.stdout.splitlines():
+            fields = line.split()
+            if fields[:1] == [self.queue.name] and len(fields) == 4:
+                return dict(zip(names, map(int, fields[1:]), strict=True))
+        return None
+
     def _unstick(self) -> None:
         """After ``STALL_S`` without a delivery: when RabbitMQ counts messages delivered to
         this consumer and not acknowledged, this connection receives nothing it was sent (seen
         in the chaos run: 500 unacknowledged for minutes, none read). Print what the socket
         and py-amqp hold, then consume on a new connection; closing this one puts what it was
         sent back in the queue (nothing here acknowledged it, so no duplicate)."""
-        try:
-            listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "messages_ready",
-                                     "messages_unacknowledged"], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.SubprocessError):  # no rabbitmqctl here (a remote RabbitMQ): no watch
-            return
-        counts = next((line.split()[1:] for line in listed.stdout.splitlines()
-                       if line.split()[:1] == [self.queue.name]), None)
-        if not counts or counts[1] == "0":
+        counts = self.rabbitmq_counts()
+        if not counts or not counts["unacknowledged"]:
             return
         transport = getattr(self.conn.connection, "transport", None)
-        sock = getattr(transport, "sock", None)
-        port = sock.getsockname()[1] if sock is not None else None
         socket_state = "no socket"
-        with suppress(OSError, subprocess.SubprocessError):
+        with suppress(OSError, AttributeError, subprocess.SubprocessError):
+            port = transport.sock.getsockname()[1]  # no transport or no socket: AttributeError
             socket_state = subprocess.run(["ss", "-tni", f"sport = :{port}"], capture_output=True, text=True,
-                                          timeout=10).stdout if port else socket_state
-        print(f"test destination: nothing received for {self.STALL_S:.0f} s while RabbitMQ counts "
-              f"ready/unacknowledged {counts}; py-amqp buffer "
-              f"{len(getattr(transport, '_read_buffer', b''))} bytes; socket:\n{socket_state}reconnecting")
+                                          timeout=10).stdout
+        print(f"test destination: nothing received for {self.STALL_S:.0f} s while RabbitMQ counts {counts}; "
+              f"py-amqp buffer {len(getattr(transport, '_read_buffer', b''))} bytes; socket:\n{socket_state}"
+              f"reconnecting")
         with suppress(Exception):
             self.conn.release()
         self.unstuck += 1

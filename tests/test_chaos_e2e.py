@@ -27,7 +27,6 @@ import random
 import signal
 import time
 from collections.abc import Callable, Iterator
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +156,7 @@ class Chaos:
 def _describe_missing(outbox: Outbox, missing: list[int], tmp_path: Path, destination: Destination) -> None:
     """Print what the table says of some events that never arrived, the log lines that name
     their leases, and what RabbitMQ says of the queue (ready and unacknowledged messages)."""
-    import subprocess
-
-    with suppress(Exception):
-        listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "messages_ready",
-                                 "messages_unacknowledged", "consumers"], capture_output=True, text=True, timeout=60)
-        print("rabbitmq:", [line for line in listed.stdout.splitlines() if destination.queue.name in line])
+    print("rabbitmq:", destination.rabbitmq_counts())
     with outbox.store.transaction() as cursor:
         rows = outbox.store.engine.execute(
             cursor, f"SELECT id, aggregate_id, status, attempts, lease_token, processed_at, claimed_at "
@@ -230,3 +224,26 @@ def test_a_relay_under_random_faults_loses_nothing_and_keeps_order(
     finally:
         for proxy in proxies.values():
             proxy.close()
+
+
+def test_the_destination_consumes_again_when_it_holds_deliveries_it_never_read(destination: Destination) -> None:
+    """The consumer's stall watch (``Destination._unstick``), which the chaos run relies on:
+    messages RabbitMQ delivered to the consumer and it never read come back on a new
+    connection, each once."""
+    from kombu import Connection, Producer
+    from services import AMQP_URL
+
+    with Connection(AMQP_URL, connect_timeout=5) as conn:
+        producer = Producer(conn.channel(), exchange=destination.exchange, routing_key="chaos.unread")
+        for i in range(50):
+            producer.publish(b"{}", headers={"outbox_id": i, "aggregate_id": "a"})
+    if destination.rabbitmq_counts() is None:
+        pytest.skip("rabbitmqctl cannot be run here: the stall watch is off")
+    # Delivered to the consumer (within its prefetch), not read: nothing drains its connection
+    # until then. RabbitMQ's counts are its statistics, refreshed every few seconds.
+    assert wait_until(lambda: (destination.rabbitmq_counts() or {}).get("unacknowledged") == 50, timeout=30)
+    destination._unstick()
+    assert destination.unstuck == 1
+    assert destination.wait_for(lambda: len(destination.messages) >= 50, timeout=30)
+    assert sorted(destination.arrived()) == list(range(50))
+    assert len(destination.messages) == 50  # none came twice
