@@ -52,6 +52,7 @@ import contextlib
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -113,15 +114,9 @@ SESSIONS = Measure("sessions", "database sessions (server side)", "", noise=0.0,
 def slope(points: Sequence[tuple[float, float]]) -> float:
     """Least-squares slope of ``(t, value)`` points, per unit of t (0 for fewer than two
     distinct times)."""
-    n = len(points)
-    if n < 2:
+    if len({t for t, _ in points}) < 2:
         return 0.0
-    mt = sum(t for t, _ in points) / n
-    mv = sum(v for _, v in points) / n
-    var = sum((t - mt) ** 2 for t, _ in points)
-    if var == 0:
-        return 0.0
-    return sum((t - mt) * (v - mv) for t, v in points) / var
+    return statistics.linear_regression([t for t, _ in points], [v for _, v in points]).slope
 
 
 def floors(values: Sequence[float]) -> list[float]:
