@@ -90,6 +90,26 @@ def test_a_child_told_to_stop_finishes_its_publish_first(broker: dict[str, Any])
     assert [m.headers["outbox_id"] for m in broker["live"]()] == [6]
 
 
+def test_a_child_outliving_its_fork_server_is_heard_out(broker: dict[str, Any]) -> None:
+    """Found in review: with the fork server killed (the OOM killer's pick, an operator's
+    kill), multiprocessing reports each of its children dead (exit code 255) although they
+    run on. The row was charged an attempt as "died (exit code 255)" while its child went on
+    to publish it, so it was delivered twice. Now the pipe's end of file is what says a child
+    is gone: the parent hears the child out."""
+    with ThreadPoolExecutor(1) as pool:
+        publishing = pool.submit(apart(broker).publish_chains, [[make_message(14, payload='{"SLOW": true}')]])
+        started = time.monotonic()
+        while not multiprocessing.active_children() and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        server = forkserver._forkserver._forkserver_pid
+        assert server is not None and multiprocessing.active_children()
+        os.kill(server, signal.SIGKILL)  # the child sleeps 2 s in its publish meanwhile
+        assert publishing.result(timeout=30) == [ChainResult(published=(14,))]
+    assert [m.headers["outbox_id"] for m in broker["live"]()] == [14]
+    # The next call starts a fork server again, and a child of its own.
+    assert apart(broker).publish_chains([[make_message(15)]]) == [ChainResult(published=(15,))]
+
+
 def test_with_no_child_to_be_had_the_call_is_published_here_and_spends_no_attempt(
         broker: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Found in review: a worker out of file descriptors (or memory, or with its fork server
