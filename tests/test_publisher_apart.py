@@ -8,10 +8,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,6 +111,59 @@ def test_a_child_outliving_its_fork_server_is_heard_out(broker: dict[str, Any]) 
     assert [m.headers["outbox_id"] for m in broker["live"]()] == [14]
     # The next call starts a fork server again, and a child of its own.
     assert apart(broker).publish_chains([[make_message(15)]]) == [ChainResult(published=(15,))]
+
+
+EXITS_WITH_A_CHILD_PUBLISHING = """
+import multiprocessing, sys, threading, time
+from outbox.core.config import Settings
+from outbox.publisher.apart import ApartPublisher
+from outbox.publisher.select import publisher_for
+from publisher_support import make_message
+
+if __name__ == "__main__":
+    settings = Settings(publish_url=sys.argv[1], exchange=sys.argv[2])
+    chains = [[make_message(16, payload='{"HANG": true}')]]
+    threading.Thread(target=ApartPublisher(settings, 60.0, publisher_for(settings)).publish_chains,
+                     args=(chains,), daemon=True).start()  # a daemon thread, as Dramatiq's workers are
+    while not multiprocessing.active_children():
+        time.sleep(0.05)
+    print(multiprocessing.active_children()[0].pid, flush=True)
+    time.sleep(2)  # the child in its publish (a fork server's start and a child's: 0.3 s here)
+    sys.exit(3)  # what Dramatiq's worker process does at its second signal ("Killing worker process...")
+"""
+
+
+def test_a_process_that_exits_kills_its_child_instead_of_waiting_for_it(
+        broker: dict[str, Any], tmp_path: Path) -> None:
+    """Found in review: multiprocessing's exit hook sends a daemonic child SIGTERM, which ours
+    ignores (a warm shutdown must not cut its publish short), and then waits for it. So a
+    Dramatiq worker told to stop a second time, which exits at once, waited for its child's
+    whole publish, bounded only by the broker's timeouts. Now it kills the child: its row is
+    left to the lease or the takeover, as when the worker itself is killed."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS_WITH_A_CHILD_PUBLISHING)
+    tests = Path(__file__).parent  # publisher_support, and the bench package it imports
+    paths = (os.environ.get("PYTHONPATH"), str(tests), str(tests.parent))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), AMQP_URL, broker["exchange"]], env=env,
+                          capture_output=True, text=True, timeout=30)
+    took = time.monotonic() - started
+    assert done.returncode == 3, done.stderr
+    assert took < 20, f"the process took {took:.1f} s to exit: it waited for its child"
+    child = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child), "the child runs on"
+    assert broker["live"]() == []
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "gone"
 
 
 def test_with_no_child_to_be_had_the_call_is_published_here_and_spends_no_attempt(

@@ -5,6 +5,8 @@ publishes a row tried twice (docs/relay.md, "An event that kills its worker").""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import multiprocessing
 import os
@@ -117,6 +119,9 @@ class ApartPublisher(Publisher):
                 raise ChildUnavailable(f"{type(exc).__name__}: {exc}") from exc
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
+            _kill_at_exit()
+            if child.pid is not None:
+                _RUNNING.add(child.pid)
             send.close()  # the child's end: EOF here once the child is gone, the only sure sign of it
             give_up = time.monotonic() + self.timeout_s
             while not receive.poll(_POLL_S):
@@ -130,6 +135,7 @@ class ApartPublisher(Publisher):
             return (False, value) if raised else (True, value)
         finally:
             if child.pid is not None:
+                _RUNNING.discard(child.pid)
                 if not heard:
                     _kill(child.pid)  # neither an answer nor EOF: it runs, whatever its exit code says
                 child.join()
@@ -140,6 +146,27 @@ class ApartPublisher(Publisher):
 def _here(exc: ChildUnavailable) -> None:
     log.warning("outbox: no child process to publish a row tried twice apart (%s); publishing it in this "
                 "worker process, as without isolation (docs/relay.md, \"An event that kills its worker\")", exc)
+
+
+#: The pids of this process's children not yet heard from (an answer or EOF).
+_RUNNING: set[int] = set()
+
+
+@functools.cache
+def _kill_at_exit() -> None:
+    """Registered once per process, when its first child has started: multiprocessing has
+    registered its own exit hook by then, and atexit runs the last registered first. A
+    process that exits with a child still publishing kills it. Without this, multiprocessing's hook sends the
+    child SIGTERM, which it ignores, and waits for it: a Dramatiq worker's second signal
+    ("Killing worker process...") or ``sys.exit`` waited for the child's whole publish (found
+    in review). A child killed so leaves its row to the lease or the takeover, as the worker's
+    own death does."""
+    atexit.register(_kill_children)
+
+
+def _kill_children() -> None:
+    for pid in list(_RUNNING):
+        _kill(pid)
 
 
 def _kill(pid: int) -> None:
