@@ -1570,6 +1570,26 @@ def test_mssql_python_errors_are_classified_by_sqlstate_and_message() -> None:
         assert engine.is_disconnect(exc) is disconnect, exc
 
 
+def test_mssql_python_says_a_table_or_column_is_missing_in_words() -> None:
+    """Invalid object name (208) comes as SQLSTATE 42S02 and invalid column name (207) as
+    42S22; mssql-python raises them as ProgrammingError("Base table or view not found" /
+    "Column not found") with no error number. Unrecognised, the relay's heartbeat logged a
+    missing holders table at debug level on every tick instead of one warning naming
+    `outbox migrate`, and enqueue and the claim raised the driver's error without the hint."""
+    mp = pytest.importorskip("mssql_python.exceptions")
+    engine = MssqlEngine()
+    with pytest.raises(mp.ProgrammingError) as table:
+        mp.raise_exception("42S02", "[Microsoft][SQL Server]Invalid object name 'dbo.outbox_holders'.")
+    with pytest.raises(mp.ProgrammingError) as column:
+        mp.raise_exception("42S22", "[Microsoft][SQL Server]Invalid column name 'lease_token'.")
+    assert engine.is_missing_table(table.value) and not engine.is_missing_column(table.value)
+    assert engine.is_missing_column(column.value) and not engine.is_missing_table(column.value)
+    assert "outbox migrate" in (engine.schema_error_hint(table.value) or "")
+    assert "outbox migrate" in (engine.schema_error_hint(column.value) or "")
+    for exc in (table.value, column.value):
+        assert not engine.is_transient(exc) and not engine.is_disconnect(exc)
+
+
 def test_error_numbers_are_read_where_pyodbc_puts_them() -> None:
     from outbox.storage.engines.mssql import error_numbers
     assert error_numbers("[40001] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Transaction (Process ID 52) "

@@ -78,6 +78,9 @@ _MSSQL_PYTHON_STATES = {
     "Communication link failure": "08S01", "Client unable to establish connection": "08001",
     "Connection not open": "08003", "Server rejected the connection": "08004",
     "Connection failure during transaction": "08007",
+    # Invalid object name (208) and invalid column name (207): what is_missing_table and
+    # is_missing_column read (mssql-python's messages carry no error numbers).
+    "Base table or view not found": "42S02", "Column not found": "42S22",
 }
 
 #: ODBC SQL types for setinputsizes (the same numbers in pyodbc and mssql-python).
