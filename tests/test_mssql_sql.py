@@ -1223,6 +1223,74 @@ def test_transient_and_disconnect_errors(exc: BaseException, transient: bool, di
     assert engine.is_disconnect(exc) is disconnect
 
 
+#: SQLSTATEs of a connection Microsoft's ODBC driver found broken and could not recover
+#: (IMC01-IMC06: "Connection resiliency in the ODBC driver", returned "by any function that
+#: executes a command on the server"), and 08007 (the connection failed during the
+#: transaction: SQLEndTran cannot tell whether the COMMIT happened).
+BROKEN_CONNECTION_STATES = ("08007", "IMC01", "IMC02", "IMC03", "IMC04", "IMC05", "IMC06")
+IMC06_TEXT = ("[Microsoft][ODBC Driver 18 for SQL Server]The connection is broken and recovery is not possible. "
+              "The connection is marked by the client driver as unrecoverable. No attempt was made to restore "
+              "the connection.")
+
+
+@pytest.mark.parametrize("state", BROKEN_CONNECTION_STATES)
+def test_a_connection_the_odbc_driver_could_not_recover_is_a_disconnect(state: str) -> None:
+    """pyodbc raises IMC* as its base ``Error`` class (they are not in its SQLSTATE table) and
+    08007 as OperationalError; mssql-python as DatabaseError ("An error occurred with SQLSTATE
+    code: IMC06") and OperationalError ("Connection failure during transaction"). Only the
+    SQLSTATE says the connection is gone: it must be dropped and the work run again on a new
+    one, and the database broker must report it as a connection error kombu reconnects on."""
+    engine = MssqlEngine()
+    for exc in (_PyodbcError(state, f"[{state}] {IMC06_TEXT} (0) (SQLExecDirectW)"),
+                _OperationalError(state, f"[{state}] {IMC06_TEXT} (0) (SQLEndTran)")):
+        assert engine.is_disconnect(exc), exc
+        assert engine.is_transient(exc), exc
+    mp = pytest.importorskip("mssql_python.exceptions")
+    with pytest.raises(mp.Exception) as raised:
+        mp.raise_exception(state, IMC06_TEXT)  # how mssql-python builds the error from the driver's record
+    assert engine.is_disconnect(raised.value), raised.value
+    assert engine.is_transient(raised.value), raised.value
+
+
+def test_work_cut_by_a_broken_connection_runs_again_on_a_new_one() -> None:
+    """The store's (and the broker's) retry: an IMC06 drops the connection and the work runs
+    again on a fresh one, where it was raised at once and the connection kept before."""
+    from outbox.storage.connections import Connections
+
+    broken = _PyodbcError("IMC06", f"[IMC06] {IMC06_TEXT} (0) (SQLExecDirectW)")
+
+    class Conn(RecordingConnection):
+        def __init__(self, fails: bool) -> None:
+            super().__init__()
+            self.fails, self.closed, self.timeout = fails, False, 0
+
+        def commit(self) -> None:
+            pass
+
+        def rollback(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    first, second = Conn(fails=True), Conn(fails=False)
+
+    class Engine(MssqlEngine):
+        def connect(self, url: str) -> Any:
+            return opened.pop(0)
+
+    opened = [first, second]
+    connections = Connections(Engine(), "mssql+pyodbc://h/db")
+    assert connections.retryable(broken)
+
+    def work(cursor: Any) -> str:
+        if cursor.connection.fails:
+            raise broken
+        return "done"
+
+    assert connections.run("claim", work, attempts=3) == "done"
+    assert first.closed and not second.closed
+
 def test_importing_the_engine_does_not_import_pyodbc() -> None:
     code = "import sys, outbox.storage.engines.mssql; sys.exit('pyodbc' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -1500,6 +1568,26 @@ def test_mssql_python_errors_are_classified_by_sqlstate_and_message() -> None:
     for exc, transient, disconnect in cases:
         assert engine.is_transient(exc) is transient, exc
         assert engine.is_disconnect(exc) is disconnect, exc
+
+
+def test_mssql_python_says_a_table_or_column_is_missing_in_words() -> None:
+    """Invalid object name (208) comes as SQLSTATE 42S02 and invalid column name (207) as
+    42S22; mssql-python raises them as ProgrammingError("Base table or view not found" /
+    "Column not found") with no error number. Unrecognised, the relay's heartbeat logged a
+    missing holders table at debug level on every tick instead of one warning naming
+    `outbox migrate`, and enqueue and the claim raised the driver's error without the hint."""
+    mp = pytest.importorskip("mssql_python.exceptions")
+    engine = MssqlEngine()
+    with pytest.raises(mp.ProgrammingError) as table:
+        mp.raise_exception("42S02", "[Microsoft][SQL Server]Invalid object name 'dbo.outbox_holders'.")
+    with pytest.raises(mp.ProgrammingError) as column:
+        mp.raise_exception("42S22", "[Microsoft][SQL Server]Invalid column name 'lease_token'.")
+    assert engine.is_missing_table(table.value) and not engine.is_missing_column(table.value)
+    assert engine.is_missing_column(column.value) and not engine.is_missing_table(column.value)
+    assert "outbox migrate" in (engine.schema_error_hint(table.value) or "")
+    assert "outbox migrate" in (engine.schema_error_hint(column.value) or "")
+    for exc in (table.value, column.value):
+        assert not engine.is_transient(exc) and not engine.is_disconnect(exc)
 
 
 def test_error_numbers_are_read_where_pyodbc_puts_them() -> None:

@@ -26,8 +26,14 @@ ENGINE_OPTIONS = ("lock_timeout_ms", "query_timeout_s")
 DRIVERS = {"": "pyodbc", "pyodbc": "pyodbc", "mssqlpython": "mssql_python", "mssql_python": "mssql_python"}
 
 #: SQLSTATEs of a lost or unusable connection, and the other transient ones
-#: (40001 = deadlock victim; HYT00/HYT01 = query/connection timeout).
-_DISCONNECT_STATES = frozenset({"08S01", "08001", "08003", "08004"})
+#: (40001 = deadlock victim; HYT00/HYT01 = query/connection timeout). 08007: the connection
+#: failed during the transaction (an SQLEndTran whose outcome is unknown). IMC01-IMC06:
+#: Microsoft's ODBC driver (pyodbc's, and the one mssql-python bundles) found the connection
+#: broken and could not recover it (its idle connection resiliency, "Connection resiliency
+#: in the ODBC driver"); pyodbc raises them as its base ``Error`` class, mssql-python as
+#: ``DatabaseError``, so only the SQLSTATE says the connection is gone.
+_DISCONNECT_STATES = frozenset({"08S01", "08001", "08003", "08004", "08007",
+                                "IMC01", "IMC02", "IMC03", "IMC04", "IMC05", "IMC06"})
 _TRANSIENT_STATES = _DISCONNECT_STATES | {"40001", "HYT00", "HYT01"}
 
 #: SQL Server / Azure SQL error numbers worth a retry, and why.
@@ -71,6 +77,10 @@ _MSSQL_PYTHON_STATES = {
     "Serialization failure": "40001", "Timeout expired": "HYT00", "Connection timeout expired": "HYT01",
     "Communication link failure": "08S01", "Client unable to establish connection": "08001",
     "Connection not open": "08003", "Server rejected the connection": "08004",
+    "Connection failure during transaction": "08007",
+    # Invalid object name (208) and invalid column name (207): what is_missing_table and
+    # is_missing_column read (mssql-python's messages carry no error numbers).
+    "Base table or view not found": "42S02", "Column not found": "42S22",
 }
 
 #: ODBC SQL types for setinputsizes (the same numbers in pyodbc and mssql-python).
