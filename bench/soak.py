@@ -240,11 +240,10 @@ def settled(samples: Sequence[dict[str, Any]], faults: Sequence[Fault], settle_s
             if not any(f.at - FAULT_GUARD_S <= s["t"] < f.end + settle_s for f in faults)]
 
 
-def arrivals_on_clock(events: Sequence[dict[str, Any]], offset: float) -> list[tuple[float, float | None]]:
-    """``(commit, first arrival or None)`` of each of ``run_live``'s events, in seconds on the
-    sampler's clock (``offset``: the writers' start on it)."""
-    return [(offset + e["at_s"], offset + e["at_s"] + e["ms"] / 1000.0 if e["ms"] is not None else None)
-            for e in events]
+def commit_arrivals(events: Sequence[dict[str, Any]]) -> list[tuple[float, float | None]]:
+    """``(commit, first arrival or None)`` of each of ``run_live``'s events, in seconds (on the
+    clock of their ``at_s``: ``main`` puts them on the sampler's, the faults')."""
+    return [(e["at_s"], e["at_s"] + e["ms"] / 1000.0 if e["ms"] is not None else None) for e in events]
 
 
 def longest_gap(arrivals: Sequence[float], lo: float, hi: float) -> float:
@@ -254,7 +253,7 @@ def longest_gap(arrivals: Sequence[float], lo: float, hi: float) -> float:
 
 
 def recovery(commits: Sequence[tuple[float, float | None]], faults: Sequence[Fault], end: float) -> list[dict[str, Any]]:
-    """Per fault, from ``arrivals_on_clock``'s pairs: the events that arrived during the cut;
+    """Per fault, from ``commit_arrivals``' pairs: the events that arrived during the cut;
     the first arrival after its end and when every event committed before its end (since the
     previous cut's end) had arrived (``caught_up_s``, seconds after the end; None: some never
     did); the longest gap in arrivals from its end to the next cut (or ``end``, the writers' last
@@ -731,6 +730,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fault-every", type=float, default=60.0, help="seconds between two cuts (default 60)")
     p.add_argument("--fault-s", type=float, default=5.0,
                    help="how long a cut lasts: live connections reset, new ones refused (default 5)")
+    p.add_argument("--fault-targets", default=",".join(FAULT_TARGETS),
+                   help="what the cuts cut, in turn, comma-separated (default: database,RabbitMQ,Redis)")
     p.add_argument("--settle-s", type=float, default=10.0,
                    help="samples within this long after a cut's end are left out of the verdicts (default 10)")
     p.add_argument("--json", type=Path, help="also write every sample and figure to this file")
@@ -744,6 +745,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.aggregates % args.writers:
         p.error("--aggregates must be a multiple of --writers")
+    args.fault_targets = [t.strip() for t in args.fault_targets.split(",") if t.strip()]
+    if not set(args.fault_targets) <= set(FAULT_TARGETS) or not args.fault_targets:
+        p.error(f"--fault-targets: some of {', '.join(FAULT_TARGETS)}")
+    if args.faults and args.engine == "sqlite" and "database" in args.fault_targets:
+        args.fault_targets.remove("database")  # SQLite: no server to cut
     if args.faults and args.fault_s + args.settle_s + FAULT_GUARD_S >= args.fault_every:
         p.error("--fault-every must leave room for a settled sample: more than --fault-s + --settle-s + "
                 f"{FAULT_GUARD_S:g} s")
@@ -806,8 +812,8 @@ def main(argv: list[str] | None = None) -> int:
         sampler = SoakSampler(run, relay, args.sample_s, duration, app_name, snapshots, relay_run=relay_run,
                               proxy_pid=proxies.pid if proxies is not None else None)
         if proxies is not None:
-            schedule = fault_schedule(list(fault_urls(run)), warmup_s, args.fault_every, args.fault_s,
-                                      args.settle_s, duration)
+            schedule = fault_schedule(args.fault_targets, warmup_s, args.fault_every, args.fault_s, args.settle_s,
+                                      duration)
             injector = FaultInjector(proxies, fault_urls(run), schedule, sampler.t0)
             injector.start()
         sampler.start()
@@ -835,6 +841,9 @@ def main(argv: list[str] | None = None) -> int:
             flush_redis(run.redis_url)
     assert sampler is not None
     events = results["live"].pop("events")
+    if injector is not None:  # on the faults' clock: the warm-up's window ends where the first cut begins
+        offset = results["live"]["t0_epoch"] - sampler.t0_epoch
+        events = [{**e, "at_s": e["at_s"] + offset} for e in events]
     results["lag"] = lag_windows(events, duration, args.warmup)
     results["samples"] = sampler.samples
     results["processes"] = sampler.names.commands
@@ -843,8 +852,7 @@ def main(argv: list[str] | None = None) -> int:
     if injector is not None:
         faults = injector.faults()
         verdict_samples = settled(sampler.samples, faults, args.settle_s)
-        results["faults"] = fault_results(injector, faults, verdict_samples, events,
-                                          results["live"]["t0_epoch"] - sampler.t0_epoch)
+        results["faults"] = fault_results(injector, faults, verdict_samples, events)
     analysis = analyse(verdict_samples, warmup_s)
     results["analysis"] = analysis
     pids = {label: v["pid"] for s in sampler.samples for label, v in s["procs"].items()}
@@ -864,17 +872,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fault_results(injector: FaultInjector, faults: Sequence[Fault], verdict_samples: Sequence[dict[str, Any]],
-                  events: Sequence[dict[str, Any]], offset: float) -> dict[str, Any]:
+                  events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """``--faults``' figures: the cuts made, the samples the verdicts kept, each cut's recovery
-    (``recovery``), and for comparison the longest gap in arrivals before the first cut (from
-    the writers' tenth second on: the relay's start is no fault's)."""
-    commits = arrivals_on_clock(events, offset)
+    (``recovery``; ``events`` on the faults' clock), and for comparison the longest gap in
+    arrivals before the first cut, from the tenth second on (the relay's start is no cut's)."""
+    commits = commit_arrivals(events)
     arrivals = sorted(a for _, a in commits if a is not None)
     end = max((c for c, _ in commits), default=0.0)
     first = faults[0].at if faults else end
     return {"made": injector.made, "errors": injector.errors, "settled_samples": len(verdict_samples),
             "recovery": recovery(commits, faults, end),
-            "gap_before_faults_s": round(longest_gap(arrivals, offset + 10.0, first), 3) if first > offset + 10 else None}
+            "gap_before_faults_s": round(longest_gap(arrivals, 10.0, first), 3) if first > 10 else None}
 
 
 def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]]], pids: dict[str, int],

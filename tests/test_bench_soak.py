@@ -15,9 +15,9 @@ from bench.soak import (
     Fault,
     Measure,
     analyse,
-    arrivals_on_clock,
     assess,
     by_peer,
+    commit_arrivals,
     fault_schedule,
     fault_urls,
     floors,
@@ -158,9 +158,9 @@ def test_a_lost_connection_in_one_sample_during_a_cut_makes_no_step_once_left_ou
     assert analyse(settled(samples, faults, settle_s=10), 20)["redis"]["worker"]["verdict"] == "flat"
 
 
-def test_events_go_on_the_samplers_clock() -> None:
-    events = [{"at_s": 1.0, "ms": 250.0}, {"at_s": 2.0, "ms": None}]
-    assert arrivals_on_clock(events, offset=0.5) == [(1.5, 1.75), (2.5, None)]
+def test_an_events_arrival_is_its_commit_and_its_latency() -> None:
+    events = [{"at_s": 1.5, "ms": 250.0}, {"at_s": 2.5, "ms": None}]
+    assert commit_arrivals(events) == [(1.5, 1.75), (2.5, None)]
 
 
 def test_the_longest_gap_counts_the_edges() -> None:
