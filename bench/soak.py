@@ -39,10 +39,27 @@ warm-up and at the end through a ``sitecustomize`` hook the bench puts on their 
 ``--tracemalloc`` also traces every allocation and prints the tracebacks whose memory grew most
 (it slows the relay, which may fall behind: then the figures describe a backlog).
 
-Not here: a fault mode. Cutting the relay's broker connections from outside needs a TCP proxy
-that can cut; the project's (``Proxy`` with ``cut()``/``restore()``) lives in
-tests/relay_e2e_support.py, which imports pytest and the tests' helpers, and bench/ does not
-import tests/ (bench/latency.py's proxies delay, they do not cut).
+``--faults``: do network blips leak, or leave the relay stuck? The relay's processes reach the
+database, RabbitMQ (its publish URL) and Redis (Celery's or Dramatiq's broker) through one
+``bench.latency.ProxyProcess`` with no added delay; the bench's writers, wake, consumer and
+sampler keep their direct connections. From the end of the warm-up, every ``--fault-every``
+seconds (60) the next of ``--fault-targets`` (database, RabbitMQ, Redis, in turn) is cut for
+``--fault-s`` seconds (5): every live connection through its proxy is reset (RST), and new ones
+are reset as soon as accepted until the cut ends; each cut is logged with its time and the
+connections it reset, and none starts unless it and its ``--settle-s`` (10) end within the run.
+The connections by peer are counted by the proxy's ports (``service_ports`` of the relay's own
+URLs), so each still counts for the server behind it; MariaDB's sessions are those on the
+proxy's ports to it. The verdicts compare like with like: the warm-up's end is the relay's
+steady state before any cut, and they use only the samples taken settled, neither during a cut
+(from ``FAULT_GUARD_S`` before) nor within ``--settle-s`` after it (``settled``): a sample with a
+connection down, or its replacement half made, would move the floor and make a STEP of nothing,
+and what a reconnect leaves behind still shows in the next settled sample. (Cuts during the
+warm-up would make its end a post-cut state and hide the first reconnect's step.) The report
+adds each cut, the events written and delivered, duplicates and order, and per cut
+(``recovery``): the events that arrived during it, the first arrival after it, when every event
+committed before its end had arrived, the longest gap in arrivals until the next cut, the events
+lost, and whether delivery resumed; the lag windows are then on the faults' clock (the
+warm-up's p99 is before the first cut, the last fifth's includes cuts).
 """
 
 from __future__ import annotations
