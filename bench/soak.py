@@ -274,8 +274,9 @@ def recovery(commits: Sequence[tuple[float, float | None]], faults: Sequence[Fau
     the first arrival after its end and when every event committed before its end (since the
     previous cut's end) had arrived (``caught_up_s``, seconds after the end; None: some never
     did); the longest gap in arrivals from its end to the next cut (or ``end``, the writers' last
-    commit); the events committed from the cut on (to the next) that never arrived; and
-    ``resumed``: an arrival after the end, caught up before the next cut, nothing missing."""
+    commit); the events committed from the cut on (to the next) that never arrived;
+    ``resumed``: an arrival after the end, before the next cut; ``caught_up``: every event
+    committed before the end arrived, before the next cut, and none from the cut on is missing."""
     arrivals = sorted(a for _, a in commits if a is not None)
     out = []
     for k, f in enumerate(faults):
@@ -292,8 +293,8 @@ def recovery(commits: Sequence[tuple[float, float | None]], faults: Sequence[Fau
                     "first_after_s": None if first is None else round(first - f.end, 3),
                     "caught_up_s": None if caught_up is None else round(caught_up, 3),
                     "longest_gap_s": round(longest_gap(arrivals, f.end, until), 3), "missing": missing,
-                    "resumed": first is not None and first < until and caught_up is not None
-                    and f.end + caught_up < until and missing == 0})
+                    "resumed": first is not None and first < until,
+                    "caught_up": caught_up is not None and f.end + caught_up < until and missing == 0})
     return out
 
 
@@ -950,6 +951,13 @@ def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]
 
 
 
+def recovered(rec: dict[str, Any]) -> str:
+    """One cut's outcome in words (``recovery``)."""
+    if not rec["resumed"]:
+        return "STUCK: nothing arrived after the cut"
+    return "resumed, caught up" if rec["caught_up"] else "resumed, NOT caught up before the next cut or the end"
+
+
 def fault_lines(faults: dict[str, Any], live: dict[str, Any], samples: int, args: argparse.Namespace) -> list[str]:
     """The report's lines on ``--faults``: each cut and how delivery came back after it."""
     order = live["order"]
@@ -962,7 +970,7 @@ def fault_lines(faults: dict[str, Any], live: dict[str, Any], samples: int, args
         out.append(f"  {made['clock']} {rec['target']:8s} cut at {rec['at']:6.1f} s, {made['reset']} connections "
                    f"reset: {rec['arrived_during']} arrived during the cut, first arrival {rec['first_after_s']} s "
                    f"after it, caught up after {rec['caught_up_s']} s, longest gap after it {rec['longest_gap_s']} s, "
-                   f"{rec['missing']} missing: " + ("resumed" if rec["resumed"] else "DID NOT RESUME"))
+                   f"{rec['missing']} missing: " + recovered(rec))
     if faults["errors"]:
         out.append(f"  cuts that failed: {faults['errors']}")
     return out

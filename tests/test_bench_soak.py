@@ -23,6 +23,7 @@ from bench.soak import (
     floors,
     longest_gap,
     proxied,
+    recovered,
     recovery,
     service_ports,
     settled,
@@ -185,11 +186,15 @@ def test_recovery_after_each_cut() -> None:
     faults = [Fault("database", 20, 5), Fault("Redis", 40, 5)]
     first, second = recovery(commits, faults, end=59.9)
     assert first["arrived_during"] == 0 and first["first_after_s"] == pytest.approx(0.01)
-    assert first["caught_up_s"] == pytest.approx(1.249) and first["missing"] == 0 and first["resumed"]
+    assert first["caught_up_s"] == pytest.approx(1.249) and first["missing"] == 0
+    assert first["resumed"] and first["caught_up"]
     assert first["longest_gap_s"] == pytest.approx(0.1)  # arrivals every 0.1 s from 25.01 s on
     assert second["first_after_s"] is None and second["caught_up_s"] is None
-    assert second["missing"] == 200 and not second["resumed"]
+    assert second["missing"] == 200 and not second["resumed"] and not second["caught_up"]
     assert second["longest_gap_s"] == pytest.approx(14.9)
+    assert [recovered(r) for r in (first, second)] == ["resumed, caught up", "STUCK: nothing arrived after the cut"]
+    lagging = recovery([(0.0, 0.5), (10.0, 30.0), (12.0, 12.5)], [Fault("database", 9, 2)], end=20)[0]
+    assert lagging["resumed"] and not lagging["caught_up"] and recovered(lagging).startswith("resumed, NOT")
 
 
 def test_connections_through_the_proxy_count_for_the_server_behind_it() -> None:
