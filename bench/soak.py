@@ -269,6 +269,20 @@ def longest_gap(arrivals: Sequence[float], lo: float, hi: float) -> float:
     return max(b - a for a, b in zip(edges, edges[1:]))
 
 
+def missing_by_aggregate(events: Sequence[dict[str, Any]], top: int = 10) -> list[dict[str, Any]]:
+    """The aggregates with events that never arrived, most first: how many, and when the first
+    of them was committed (``at_s``). A few aggregates with many: their chains stood still
+    (a lease held, a chain stuck); many with one or two each: the relay was behind everywhere."""
+    by: dict[str, list[float]] = {}
+    for e in events:
+        if e["ms"] is None:
+            by.setdefault(e["aggregate"], []).append(e["at_s"])
+    ranked = sorted(by.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+    return [{"aggregate": a, "missing": len(ts), "first_at": round(min(ts), 2)} for a, ts in ranked[:top]] + (
+        [{"aggregate": f"{len(ranked) - top} more", "missing": sum(len(ts) for _, ts in ranked[top:]),
+          "first_at": round(min(min(ts) for _, ts in ranked[top:]), 2)}] if len(ranked) > top else [])
+
+
 def recovery(commits: Sequence[tuple[float, float | None]], faults: Sequence[Fault], end: float) -> list[dict[str, Any]]:
     """Per fault, from ``commit_arrivals``' pairs: the events that arrived during the cut;
     the first arrival after its end and when every event committed before its end (since the
@@ -899,7 +913,7 @@ def fault_results(injector: FaultInjector, faults: Sequence[Fault], verdict_samp
     end = max((c for c, _ in commits), default=0.0)
     first = faults[0].at if faults else end
     return {"made": injector.made, "errors": injector.errors, "settled_samples": len(verdict_samples),
-            "recovery": recovery(commits, faults, end),
+            "recovery": recovery(commits, faults, end), "missing_by_aggregate": missing_by_aggregate(events),
             "gap_before_faults_s": round(longest_gap(arrivals, 10.0, first), 3) if first > 10 else None}
 
 
@@ -971,6 +985,10 @@ def fault_lines(faults: dict[str, Any], live: dict[str, Any], samples: int, args
                    f"reset: {rec['arrived_during']} arrived during the cut, first arrival {rec['first_after_s']} s "
                    f"after it, caught up after {rec['caught_up_s']} s, longest gap after it {rec['longest_gap_s']} s, "
                    f"{rec['missing']} missing: " + recovered(rec))
+    if faults["missing_by_aggregate"]:
+        out.append("  never arrived, by aggregate: " + ", ".join(
+            f"{m['aggregate']} {m['missing']} (first committed at {m['first_at']:.1f} s)"
+            for m in faults["missing_by_aggregate"]))
     if faults["errors"]:
         out.append(f"  cuts that failed: {faults['errors']}")
     return out

@@ -22,6 +22,7 @@ from bench.soak import (
     fault_urls,
     floors,
     longest_gap,
+    missing_by_aggregate,
     proxied,
     recovered,
     recovery,
@@ -215,3 +216,14 @@ def test_connections_through_the_proxy_count_for_the_server_behind_it() -> None:
     assert by_peer(conns, {"amqp": 40002, "redis": 40003}) == {"db": 0, "amqp": 1, "redis": 1}
     assert list(fault_urls(run)) == ["database", "RabbitMQ", "Redis"]
     assert list(fault_urls(Run(tag="t", engine="sqlite"))) == ["RabbitMQ", "Redis"]
+
+
+def test_the_missing_events_by_aggregate_most_first() -> None:
+    events = [{"aggregate": "a", "at_s": 5.0, "ms": None}, {"aggregate": "b", "at_s": 3.0, "ms": None},
+              {"aggregate": "b", "at_s": 4.0, "ms": None}, {"aggregate": "c", "at_s": 1.0, "ms": 10.0},
+              {"aggregate": "d", "at_s": 2.0, "ms": None}]
+    assert missing_by_aggregate(events) == [{"aggregate": "b", "missing": 2, "first_at": 3.0},
+                                            {"aggregate": "d", "missing": 1, "first_at": 2.0},
+                                            {"aggregate": "a", "missing": 1, "first_at": 5.0}]
+    assert missing_by_aggregate(events, top=1)[1] == {"aggregate": "2 more", "missing": 2, "first_at": 2.0}
+    assert missing_by_aggregate([]) == []
