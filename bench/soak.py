@@ -58,8 +58,10 @@ warm-up would make its end a post-cut state and hide the first reconnect's step.
 adds each cut, the events written and delivered, duplicates and order, and per cut
 (``recovery``): the events that arrived during it, the first arrival after it, when every event
 committed before its end had arrived, the longest gap in arrivals until the next cut, the events
-lost, and whether delivery resumed; the lag windows are then on the faults' clock (the
-warm-up's p99 is before the first cut, the last fifth's includes cuts).
+lost, and whether delivery resumed and caught up; then the aggregates whose events never
+arrived (``missing_by_aggregate``: a few with many is a chain held back, many with few a relay
+behind everywhere). The lag windows are then on the faults' clock (the warm-up's p99 is before
+the first cut, the last fifth's includes cuts).
 """
 
 from __future__ import annotations
