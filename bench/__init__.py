@@ -40,7 +40,8 @@ Modules:
 * ``bench.rawloop`` the raw unordered 2-process loop of issue 11, the drain's baseline.
 * ``bench.soak``    leaks over time: every relay process's RSS, open fds, threads and connections
   sampled through a bounded run of steady traffic, slopes per hour and a verdict per measure
-  (``python -m bench.soak``).
+  (``python -m bench.soak``); ``--faults``: through cuts of its database, RabbitMQ and Redis
+  connections (``bench.latency``'s proxies).
 * ``bench.takeover`` one of two workers SIGKILLed mid-drain: the longest stand-still of any
   aggregate after the kill, next to the fault-free drain (``python -m bench.takeover``).
 * ``bench.transport`` the database as Celery's broker (``outboxdb``) against Redis and kombu's

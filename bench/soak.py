@@ -39,16 +39,36 @@ warm-up and at the end through a ``sitecustomize`` hook the bench puts on their 
 ``--tracemalloc`` also traces every allocation and prints the tracebacks whose memory grew most
 (it slows the relay, which may fall behind: then the figures describe a backlog).
 
-Not here: a fault mode. Cutting the relay's broker connections from outside needs a TCP proxy
-that can cut; the project's (``Proxy`` with ``cut()``/``restore()``) lives in
-tests/relay_e2e_support.py, which imports pytest and the tests' helpers, and bench/ does not
-import tests/ (bench/latency.py's proxies delay, they do not cut).
+``--faults``: do network blips leak, or leave the relay stuck? The relay's processes reach the
+database, RabbitMQ (its publish URL) and Redis (Celery's or Dramatiq's broker) through one
+``bench.latency.ProxyProcess`` with no added delay; the bench's writers, wake, consumer and
+sampler keep their direct connections. From the end of the warm-up, every ``--fault-every``
+seconds (60) the next of ``--fault-targets`` (database, RabbitMQ, Redis, in turn) is cut for
+``--fault-s`` seconds (5): every live connection through its proxy is reset (RST), and new ones
+are reset as soon as accepted until the cut ends; each cut is logged with its time and the
+connections it reset, and none starts unless it and its ``--settle-s`` (10) end within the run.
+The connections by peer are counted by the proxy's ports (``service_ports`` of the relay's own
+URLs), so each still counts for the server behind it; MariaDB's sessions are those on the
+proxy's ports to it. The verdicts compare like with like: the warm-up's end is the relay's
+steady state before any cut, and they use only the samples taken settled, neither during a cut
+(from ``FAULT_GUARD_S`` before) nor within ``--settle-s`` after it (``settled``): a sample with a
+connection down, or its replacement half made, would move the floor and make a STEP of nothing,
+and what a reconnect leaves behind still shows in the next settled sample. (Cuts during the
+warm-up would make its end a post-cut state and hide the first reconnect's step.) The report
+adds each cut, the events written and delivered, duplicates and order, and per cut
+(``recovery``): the events that arrived during it, the first arrival after it, when every event
+committed before its end had arrived, the longest gap in arrivals until the next cut, the events
+lost, and whether delivery resumed and caught up; then the aggregates whose events never
+arrived (``missing_by_aggregate``: a few with many is a chain held back, many with few a relay
+behind everywhere). The lag windows are then on the faults' clock (the warm-up's p99 is before
+the first cut, the last fifth's includes cuts).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -197,7 +217,123 @@ def verdict_line(measure: Measure, assessed: dict[str, dict[str, Any]]) -> str:
     return f"{measure.label}: flat in every process; {tail}"
 
 
+# -- faults (``--faults``): the schedule, which samples the verdicts use, and the recovery ----------
+
+#: What ``--faults`` cuts, one after the other (those the run has: SQLite has no server to cut).
+FAULT_TARGETS = ("database", "RabbitMQ", "Redis")
+#: A sample taken this little before a cut is left out of the verdicts too: a sample and a cut
+#: due at the same moment race.
+FAULT_GUARD_S = 1.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One cut of ``target`` at ``at`` seconds on the sampler's clock, for ``seconds``."""
+
+    target: str
+    at: float
+    seconds: float
+
+    @property
+    def end(self) -> float:
+        return self.at + self.seconds
+
+
+def fault_schedule(targets: Sequence[str], start: float, every: float, seconds: float, settle_s: float,
+                   duration: float) -> list[Fault]:
+    """A cut every ``every`` seconds from ``start`` on, of each of ``targets`` in turn, as long as
+    the cut and the ``settle_s`` after it end by ``duration`` (so the last settled sample, and
+    the end of the run's delivery, come after every cut)."""
+    out: list[Fault] = []
+    while targets and start + len(out) * every + seconds + settle_s <= duration + 1e-9:
+        out.append(Fault(targets[len(out) % len(targets)], start + len(out) * every, seconds))
+    return out
+
+
+def settled(samples: Sequence[dict[str, Any]], faults: Sequence[Fault], settle_s: float) -> list[dict[str, Any]]:
+    """The samples taken neither during a cut (from ``FAULT_GUARD_S`` before it) nor within
+    ``settle_s`` after its end: the relay's steady state, all its connections made again. The
+    verdicts compare these only (like with like: a sample taken while a connection is down, or
+    while its replacement is being made, would move the floor and make a STEP of nothing)."""
+    return [s for s in samples
+            if not any(f.at - FAULT_GUARD_S <= s["t"] < f.end + settle_s for f in faults)]
+
+
+def commit_arrivals(events: Sequence[dict[str, Any]]) -> list[tuple[float, float | None]]:
+    """``(commit, first arrival or None)`` of each of ``run_live``'s events, in seconds (on the
+    clock of their ``at_s``: ``main`` puts them on the sampler's, the faults')."""
+    return [(e["at_s"], e["at_s"] + e["ms"] / 1000.0 if e["ms"] is not None else None) for e in events]
+
+
+def longest_gap(arrivals: Sequence[float], lo: float, hi: float) -> float:
+    """The longest stretch of ``[lo, hi]`` with no arrival (``arrivals`` sorted)."""
+    edges = [lo, *(a for a in arrivals if lo <= a <= hi), hi]
+    return max(b - a for a, b in zip(edges, edges[1:]))
+
+
+def missing_by_aggregate(events: Sequence[dict[str, Any]], top: int = 10) -> list[dict[str, Any]]:
+    """The aggregates with events that never arrived, most first: how many, and when the first
+    of them was committed (``at_s``). A few aggregates with many: their chains stood still
+    (a lease held, a chain stuck); many with one or two each: the relay was behind everywhere."""
+    by: dict[str, list[float]] = {}
+    for e in events:
+        if e["ms"] is None:
+            by.setdefault(e["aggregate"], []).append(e["at_s"])
+    ranked = sorted(by.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+    return [{"aggregate": a, "missing": len(ts), "first_at": round(min(ts), 2)} for a, ts in ranked[:top]] + (
+        [{"aggregate": f"{len(ranked) - top} more", "missing": sum(len(ts) for _, ts in ranked[top:]),
+          "first_at": round(min(min(ts) for _, ts in ranked[top:]), 2)}] if len(ranked) > top else [])
+
+
+def recovery(commits: Sequence[tuple[float, float | None]], faults: Sequence[Fault], end: float) -> list[dict[str, Any]]:
+    """Per fault, from ``commit_arrivals``' pairs: the events that arrived during the cut;
+    the first arrival after its end and when every event committed before its end (since the
+    previous cut's end) had arrived (``caught_up_s``, seconds after the end; None: some never
+    did); the longest gap in arrivals from its end to the next cut (or ``end``, the writers' last
+    commit); the events committed from the cut on (to the next) that never arrived;
+    ``resumed``: an arrival after the end, before the next cut; ``caught_up``: every event
+    committed before the end arrived, before the next cut, and none from the cut on is missing."""
+    arrivals = sorted(a for _, a in commits if a is not None)
+    out = []
+    for k, f in enumerate(faults):
+        nxt = faults[k + 1].at if k + 1 < len(faults) else math.inf
+        until = min(nxt, max(end, f.end))
+        first = next((a for a in arrivals if a >= f.end), None)
+        since = faults[k - 1].end if k else -math.inf  # what an earlier cut lost is that cut's
+        before = [a for c, a in commits if since <= c < f.end]
+        caught_up = (max(0.0, max(a for a in before if a is not None) - f.end)
+                     if before and None not in before else None)
+        missing = sum(1 for c, a in commits if a is None and f.at <= c < nxt)
+        out.append({"target": f.target, "at": round(f.at, 2), "seconds": f.seconds,
+                    "arrived_during": sum(1 for a in arrivals if f.at <= a < f.end),
+                    "first_after_s": None if first is None else round(first - f.end, 3),
+                    "caught_up_s": None if caught_up is None else round(caught_up, 3),
+                    "longest_gap_s": round(longest_gap(arrivals, f.end, until), 3), "missing": missing,
+                    "resumed": first is not None and first < until,
+                    "caught_up": caught_up is not None and f.end + caught_up < until and missing == 0})
+    return out
+
+
 # -- sampling ------------------------------------------------------------------------------------
+
+def service_ports(run: Run) -> dict[str, int]:
+    """The port of each server the relay talks to, by measure key (``db`` only for a database
+    server), from ``run``'s URLs: with ``--faults``, the relay's run names the proxy's ports, so
+    a connection to one of them counts for the server behind it."""
+    from urllib.parse import urlsplit
+
+    out = {"amqp": urlsplit(run.amqp_url).port or 5672, "redis": urlsplit(run.redis_url).port or 6379}
+    if run.engine in ("postgresql", "mysql"):
+        out["db"] = urlsplit(run.database_url).port or {"postgresql": 5432, "mysql": 3306}[run.engine]
+    return out
+
+
+def by_peer(conns: Sequence[tuple[int, int]], ports: dict[str, int]) -> dict[str, int]:
+    """How many of ``conns`` (local port, remote port) go to each of ``ports`` (measure key ->
+    port; a measure with no port, SQLite's ``db``, counts 0)."""
+    return {key: sum(1 for _, remote in conns if remote == ports[key]) if key in ports else 0
+            for key in ("db", "amqp", "redis")}
+
 
 class ProcessNames:
     """Stable labels for the relay's processes: ``worker`` (the root), ``child 1..n`` in the order
@@ -230,7 +366,8 @@ class SoakSampler(threading.Thread):
     one dict per sample: ``t``, ``procs`` (label -> measures), ``sessions``)."""
 
     def __init__(self, run: Run, relay: Any, interval: float, duration: float, app_name: str,
-                 snapshots: dict[float, Path] | None = None) -> None:
+                 snapshots: dict[float, Path] | None = None, relay_run: Run | None = None,
+                 proxy_pid: int | None = None) -> None:
         super().__init__(name="bench-soak-sampler", daemon=True)
         self.run_, self.relay, self.interval, self.duration = run, relay, interval, duration
         self.app_name = app_name
@@ -240,15 +377,15 @@ class SoakSampler(threading.Thread):
         self.samples: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self.halt = threading.Event()
-        self.db_port = {"postgresql": 5432, "mysql": 3306}.get(run.engine)
-        from urllib.parse import urlsplit
-
-        if run.engine in ("postgresql", "mysql"):
-            self.db_port = urlsplit(run.database_url).port or self.db_port
-        self.amqp_port = urlsplit(run.amqp_url).port or 5672
-        self.redis_port = urlsplit(run.redis_url).port or 6379
+        #: The ports the relay's connections go to, by measure (``--faults``: the proxy's, from
+        #: the relay's own ``relay_run``); the database's own port (the proxy's connections to it).
+        self.ports = service_ports(relay_run or run)
+        self.db_port = service_ports(run).get("db")
+        #: ``--faults``: the proxy's process, whose connections to the database are the relay's.
+        self.proxy_pid = proxy_pid
         self.sqlite_file = run.database_url.split("///", 1)[1] if run.engine == "sqlite" else None
         self.t0 = time.monotonic()
+        self.t0_epoch = time.time()
 
     def roots(self) -> list[tuple[str, int]]:
         out = [("worker", self.relay.worker.pid)]
@@ -268,17 +405,21 @@ class SoakSampler(threading.Thread):
                     continue  # ended between the listing and the read
                 conns = peers(files, sockets)
                 relay_ports.update(local for local, _ in conns)
+                counts = by_peer(conns, self.ports)
                 if self.sqlite_file is not None:
-                    db = sum(1 for f in files if f.startswith(self.sqlite_file))
-                else:
-                    db = sum(1 for _, remote in conns if remote == self.db_port)
+                    counts["db"] = sum(1 for f in files if f.startswith(self.sqlite_file))
                 procs[self.names.label(pid, root, group)] = {
-                    "pid": pid, "rss_mb": round(rss / 1024, 2), "threads": threads, "fds": len(files), "db": db,
-                    "amqp": sum(1 for _, remote in conns if remote == self.amqp_port),
-                    "redis": sum(1 for _, remote in conns if remote == self.redis_port),
+                    "pid": pid, "rss_mb": round(rss / 1024, 2), "threads": threads, "fds": len(files), **counts,
                     **{f"rss_{kind}_mb": round(kb / 1024, 2) for kind, kb in kinds.items()}}
+        relay_ports.update(self.proxied_ports(sockets))
         return {"t": round(time.monotonic() - self.t0, 2), "procs": procs,
                 "sessions": self.sessions(conn, relay_ports)}
+
+    def proxied_ports(self, sockets: dict[int, tuple[int, int, int]]) -> set[int]:
+        """``--faults``: the local ports of the proxy's connections to the database, which the
+        database sees as the relay's (MariaDB's PROCESSLIST names the client's port)."""
+        files = open_files(self.proxy_pid) if self.proxy_pid is not None else None
+        return {local for local, remote in peers(files or [], sockets) if remote == self.db_port}
 
     def sessions(self, conn: Any, relay_ports: set[int]) -> int | None:
         """The database's count of the relay's sessions (None: SQLite, or the read failed)."""
@@ -322,6 +463,57 @@ class SoakSampler(threading.Thread):
     def stop(self) -> None:
         self.halt.set()
         self.join(timeout=30)
+
+
+class FaultInjector(threading.Thread):
+    """``--faults``: makes ``schedule``'s cuts through the proxy process at their times on the
+    sampler's clock (``t0``, ``time.monotonic()``); ``urls``: each target's original URL, which
+    names its proxy. ``made``: each cut as made (its actual time, the live connections it reset)."""
+
+    def __init__(self, proxies: Any, urls: dict[str, str], schedule: Sequence[Fault], t0: float) -> None:
+        super().__init__(name="bench-soak-faults", daemon=True)
+        self.proxies, self.urls, self.schedule, self.t0 = proxies, urls, list(schedule), t0
+        self.made: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        for number, fault in enumerate(self.schedule, 1):
+            if self.halt.wait(max(0.0, self.t0 + fault.at - time.monotonic())):
+                return
+            at = time.monotonic() - self.t0
+            try:
+                reset = self.proxies.cut(self.urls[fault.target], fault.seconds)
+            except Exception as exc:  # noqa: BLE001 - one failed cut must not end the others; reported
+                self.errors.append(f"{fault.target} at {at:.1f} s: {exc!r}")
+                continue
+            self.made.append({"target": fault.target, "at": round(at, 2), "seconds": fault.seconds,
+                              "reset": reset, "clock": time.strftime("%H:%M:%S")})
+            log(f"fault {number}/{len(self.schedule)}: {fault.target} cut at {at:.1f} s into the run: {reset} live "
+                f"connections reset, new ones refused for {fault.seconds:g} s (until {at + fault.seconds:.1f} s)")
+
+    def faults(self) -> list[Fault]:
+        return [Fault(m["target"], m["at"], m["seconds"]) for m in self.made]
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=10)
+
+
+def proxied(run: Run, proxies: Any) -> Run:
+    """``run`` as the relay sees it with ``--faults``: its database, RabbitMQ and Redis URLs
+    through ``proxies`` (``bench.latency.ProxyProcess``), every name of the run the same."""
+    changes = {"amqp_url": proxies.url(run.amqp_url), "redis_url": proxies.url(run.redis_url)}
+    field = {"postgresql": "postgres_url", "mysql": "mysql_url"}.get(run.engine)
+    if field is not None:
+        changes[field] = proxies.url(run.database_url)
+    return dataclasses.replace(run, **changes)
+
+
+def fault_urls(run: Run) -> dict[str, str]:
+    """The original URL of each of ``FAULT_TARGETS`` the run has (``run``: the bench's own)."""
+    urls = {"database": run.database_url, "RabbitMQ": run.amqp_url, "Redis": run.redis_url}
+    return {name: urls[name] for name in FAULT_TARGETS if name != "database" or run.engine != "sqlite"}
 
 
 def series(samples: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float]]]]:
@@ -566,6 +758,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--heap, and every relay process traces its Python allocations: the tracebacks whose memory "
                         "grew most are printed; slows the relay (it may fall behind)")
     p.add_argument("--tracemalloc-frames", type=int, default=25, help="frames kept per allocation (default 25)")
+    p.add_argument("--faults", action="store_true",
+                   help="route the relay's database, RabbitMQ and Redis connections through a proxy (bench.latency, "
+                        "no added delay) and cut them in turn from the end of the warm-up on")
+    p.add_argument("--fault-every", type=float, default=60.0, help="seconds between two cuts (default 60)")
+    p.add_argument("--fault-s", type=float, default=5.0,
+                   help="how long a cut lasts: live connections reset, new ones refused (default 5)")
+    p.add_argument("--fault-targets", default=",".join(FAULT_TARGETS),
+                   help="what the cuts cut, in turn, comma-separated (default: database,RabbitMQ,Redis)")
+    p.add_argument("--settle-s", type=float, default=10.0,
+                   help="samples within this long after a cut's end are left out of the verdicts (default 10)")
     p.add_argument("--json", type=Path, help="also write every sample and figure to this file")
     p.add_argument("--keep", action="store_true", help="keep the work directory (worker logs)")
     args = p.parse_args(argv)
@@ -577,6 +779,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.aggregates % args.writers:
         p.error("--aggregates must be a multiple of --writers")
+    args.fault_targets = [t.strip() for t in args.fault_targets.split(",") if t.strip()]
+    if not set(args.fault_targets) <= set(FAULT_TARGETS) or not args.fault_targets:
+        p.error(f"--fault-targets: some of {', '.join(FAULT_TARGETS)}")
+    if args.faults and args.engine == "sqlite" and "database" in args.fault_targets:
+        args.fault_targets.remove("database")  # SQLite: no server to cut
+    if args.faults and args.fault_s + args.settle_s + FAULT_GUARD_S >= args.fault_every:
+        p.error("--fault-every must leave room for a settled sample: more than --fault-s + --settle-s + "
+                f"{FAULT_GUARD_S:g} s")
     return args
 
 
@@ -615,13 +825,31 @@ def main(argv: list[str] | None = None) -> int:
     destination = Destination(run)
     relay: Any = None
     sampler: SoakSampler | None = None
+    injector: FaultInjector | None = None
+    proxies: Any = None
+    relay_run = run  # the relay's URLs; with --faults, through the proxy (the bench's own stay direct)
     try:
+        if args.faults:
+            from .latency import ProxyProcess
+
+            urls = fault_urls(run)
+            proxies = ProxyProcess(0.0, list(urls.values()))
+            relay_run = proxied(run, proxies)
+            log("faults: the relay's " + ", ".join(f"{name} via {proxies.url(url)}" for name, url in urls.items())
+                + f" (proxy pid {proxies.pid}); a {args.fault_s:g} s cut every {args.fault_every:g} s from "
+                f"{warmup_s:.0f} s on")
         if args.runner == "celery":
-            relay = drain.Relay(run, concurrency=args.concurrency, loglevel=args.loglevel, **env)
+            relay = drain.Relay(relay_run, concurrency=args.concurrency, loglevel=args.loglevel, **env)
         else:
-            relay = DramatiqRelay(run, args.concurrency, args.threads, args.loglevel, **env)
+            relay = DramatiqRelay(relay_run, args.concurrency, args.threads, args.loglevel, **env)
         relay.wait_ready(args.concurrency)
-        sampler = SoakSampler(run, relay, args.sample_s, duration, app_name, snapshots)
+        sampler = SoakSampler(run, relay, args.sample_s, duration, app_name, snapshots, relay_run=relay_run,
+                              proxy_pid=proxies.pid if proxies is not None else None)
+        if proxies is not None:
+            schedule = fault_schedule(args.fault_targets, warmup_s, args.fault_every, args.fault_s, args.settle_s,
+                                      duration)
+            injector = FaultInjector(proxies, fault_urls(run), schedule, sampler.t0)
+            injector.start()
         sampler.start()
         results["live"] = live.run_live(run, destination, "wake", args.rate, duration, args.aggregates, args.writers,
                                         cpu_groups=drain.cpu_groups(relay), alive=relay.check_alive,
@@ -631,11 +859,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.heap:
             time.sleep(15)  # the hook reports within 0.5 s of the trigger; a tracemalloc dump takes seconds
     finally:
+        if injector is not None:
+            injector.stop()
         if sampler is not None:
             sampler.stop()
         if relay is not None:
             results["worker_log_tail"] = relay.log_tail(chars=2000)
             relay.stop()
+        if proxies is not None:
+            proxies.close()
         destination.close()
         with contextlib.suppress(Exception):
             drop_table(run)
@@ -643,11 +875,19 @@ def main(argv: list[str] | None = None) -> int:
             flush_redis(run.redis_url)
     assert sampler is not None
     events = results["live"].pop("events")
+    if injector is not None:  # on the faults' clock: the warm-up's window ends where the first cut begins
+        offset = results["live"]["t0_epoch"] - sampler.t0_epoch
+        events = [{**e, "at_s": e["at_s"] + offset} for e in events]
     results["lag"] = lag_windows(events, duration, args.warmup)
     results["samples"] = sampler.samples
     results["processes"] = sampler.names.commands
     results["sampler_errors"] = sampler.errors[:10]
-    analysis = analyse(sampler.samples, warmup_s)
+    verdict_samples = sampler.samples
+    if injector is not None:
+        faults = injector.faults()
+        verdict_samples = settled(sampler.samples, faults, args.settle_s)
+        results["faults"] = fault_results(injector, faults, verdict_samples, events)
+    analysis = analyse(verdict_samples, warmup_s)
     results["analysis"] = analysis
     pids = {label: v["pid"] for s in sampler.samples for label, v in s["procs"].items()}
     if args.heap:
@@ -665,6 +905,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def fault_results(injector: FaultInjector, faults: Sequence[Fault], verdict_samples: Sequence[dict[str, Any]],
+                  events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``--faults``' figures: the cuts made, the samples the verdicts kept, each cut's recovery
+    (``recovery``; ``events`` on the faults' clock), and for comparison the longest gap in
+    arrivals before the first cut, from the tenth second on (the relay's start is no cut's)."""
+    commits = commit_arrivals(events)
+    arrivals = sorted(a for _, a in commits if a is not None)
+    end = max((c for c, _ in commits), default=0.0)
+    first = faults[0].at if faults else end
+    return {"made": injector.made, "errors": injector.errors, "settled_samples": len(verdict_samples),
+            "recovery": recovery(commits, faults, end), "missing_by_aggregate": missing_by_aggregate(events),
+            "gap_before_faults_s": round(longest_gap(arrivals, 10.0, first), 3) if first > 10 else None}
+
+
 def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]]], pids: dict[str, int],
            args: argparse.Namespace, warmup_s: float) -> None:
     r, lag = results["live"], results["lag"]
@@ -672,7 +926,9 @@ def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]
     cores = r["cpu"]["cores_used"]
     print(f"\nsoak: {args.runner} on {args.engine}, {args.minutes:g} min at {args.rate:g} ev/s, "
           f"{len(results['samples'])} samples every {args.sample_s:g} s; warm-up = first {warmup_s:.0f} s; "
-          f"slopes over the rest")
+          f"slopes over the rest" + (f"; verdicts over the {results['faults']['settled_samples']} samples taken "
+                                     f"settled (none during a cut or within {args.settle_s:g} s after it)"
+                                     if "faults" in results else ""))
     for label, command in results["processes"].items():
         print(f"  {label} ({pids.get(label)}): {command[:110]}")
     print(table(analysis, pids))
@@ -690,6 +946,8 @@ def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]
           f"p99 in the warm-up {lag['warmup']['p99_ms']:.1f} ms, in the last fifth {lag['last_fifth']['p99_ms']:.1f} ms")
     print(f"order ok={order['ok']}, duplicates {order['duplicates']}, missing {order['missing']}, "
           f"out of order in {order['violating_aggregates']} aggregates")
+    if "faults" in results:
+        print("\n".join(fault_lines(results["faults"], r, len(results["samples"]), args)))
     if results["sampler_errors"]:
         print(f"sampler errors: {results['sampler_errors']}")
     for label, heap in results.get("heap", {}).items():
@@ -707,6 +965,35 @@ def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]
             print(f"  {g['size_diff_kb']:+.1f} KiB ({g['count_diff']:+d} blocks; now {g['size_kb']} KiB in "
                   f"{g['count']}): " + " <- ".join(reversed(g["traceback"])))
 
+
+
+def recovered(rec: dict[str, Any]) -> str:
+    """One cut's outcome in words (``recovery``)."""
+    if not rec["resumed"]:
+        return "STUCK: nothing arrived after the cut"
+    return "resumed, caught up" if rec["caught_up"] else "resumed, NOT caught up before the next cut or the end"
+
+
+def fault_lines(faults: dict[str, Any], live: dict[str, Any], samples: int, args: argparse.Namespace) -> list[str]:
+    """The report's lines on ``--faults``: each cut and how delivery came back after it."""
+    order = live["order"]
+    out = [f"faults: {len(faults['made'])} cuts of {args.fault_s:g} s, one every {args.fault_every:g} s; "
+           f"{faults['settled_samples']} of {samples} samples settled (the verdicts' samples)",
+           f"events: {live['committed']} written, {live['arrived']} delivered, {order['missing']} missing, "
+           f"{order['duplicates']} duplicates, order ok={order['ok']}; longest gap in arrivals before the first "
+           f"cut: {faults['gap_before_faults_s']} s"]
+    for made, rec in zip(faults["made"], faults["recovery"]):
+        out.append(f"  {made['clock']} {rec['target']:8s} cut at {rec['at']:6.1f} s, {made['reset']} connections "
+                   f"reset: {rec['arrived_during']} arrived during the cut, first arrival {rec['first_after_s']} s "
+                   f"after it, caught up after {rec['caught_up_s']} s, longest gap after it {rec['longest_gap_s']} s, "
+                   f"{rec['missing']} missing: " + recovered(rec))
+    if faults["missing_by_aggregate"]:
+        out.append("  never arrived, by aggregate: " + ", ".join(
+            f"{m['aggregate']} {m['missing']} (first committed at {m['first_at']:.1f} s)"
+            for m in faults["missing_by_aggregate"]))
+    if faults["errors"]:
+        out.append(f"  cuts that failed: {faults['errors']}")
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())

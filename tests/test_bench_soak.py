@@ -1,5 +1,6 @@
 """``bench.soak``'s pure part: the least-squares slope, the floor, and the verdict on a series of
-samples (GROWS, STEP, flat), on made-up series."""
+samples (GROWS, STEP, flat), on made-up series; and ``--faults``' schedule, the samples its
+verdicts keep, the recovery after each cut, and the connections counted through the proxy."""
 
 from __future__ import annotations
 
@@ -8,7 +9,28 @@ import os
 
 import pytest
 
-from bench.soak import MEASURES, Measure, analyse, assess, floors, slope, verdict_line
+from bench.services import Run
+from bench.soak import (
+    MEASURES,
+    Fault,
+    Measure,
+    analyse,
+    assess,
+    by_peer,
+    commit_arrivals,
+    fault_schedule,
+    fault_urls,
+    floors,
+    longest_gap,
+    missing_by_aggregate,
+    proxied,
+    recovered,
+    recovery,
+    service_ports,
+    settled,
+    slope,
+    verdict_line,
+)
 
 RSS = next(m for m in MEASURES if m.key == "rss_mb")
 FDS = next(m for m in MEASURES if m.key == "fds")
@@ -103,3 +125,105 @@ def test_this_process_rss_split_by_mapping_adds_up_to_its_vmrss() -> None:
     assert kinds is not None and set(kinds) == {"heap", "arenas", "anon", "file"}
     assert kinds["file"] > 0  # the interpreter's own code
     assert abs(sum(kinds.values()) - (rss_kb(os.getpid()) or 0)) < 2048  # two reads, moments apart
+
+
+# -- --faults -------------------------------------------------------------------------------------
+
+def test_the_cuts_take_turns_from_the_warm_up_on_and_all_settle_before_the_end() -> None:
+    targets = ["database", "RabbitMQ", "Redis"]
+    schedule = fault_schedule(targets, start=24, every=20, seconds=5, settle_s=10, duration=120)
+    assert [(f.target, f.at) for f in schedule] == [("database", 24), ("RabbitMQ", 44), ("Redis", 64),
+                                                    ("database", 84), ("RabbitMQ", 104)]
+    assert schedule[-1].end + 10 <= 120
+    assert fault_schedule(targets, start=24, every=20, seconds=5, settle_s=10, duration=30) == []
+    assert fault_schedule([], start=0, every=20, seconds=5, settle_s=10, duration=120) == []
+
+
+def test_the_verdicts_keep_only_the_samples_taken_settled() -> None:
+    samples = [{"t": 5.0 * k} for k in range(25)]
+    faults = [Fault("database", 24, 5), Fault("RabbitMQ", 44, 5), Fault("Redis", 64, 5)]
+    kept = [s["t"] for s in settled(samples, faults, settle_s=10)]
+    # 20 is 4 s before the first cut; 40 is 11 s after its end; 43..59 and 63..79 are out.
+    assert kept == [0, 5, 10, 15, 20, 40, 60, 80, 85, 90, 95, 100, 105, 110, 115, 120]
+    assert [s["t"] for s in settled(samples, [Fault("x", 25, 5)], settle_s=0)] == \
+        [t for t in kept if t < 24] + [t for t in (5.0 * k for k in range(25)) if t >= 30]
+
+
+def test_a_lost_connection_in_one_sample_during_a_cut_makes_no_step_once_left_out() -> None:
+    # Redis connections of a process: 8, but 1 in the samples taken during or just after cuts.
+    faults = [Fault("Redis", 30, 5), Fault("Redis", 60, 5)]
+    samples = [{"t": 5.0 * k, "procs": {"worker": {"pid": 1, "rss_mb": 60.0, "fds": 40, "threads": 7, "db": 3,
+                                                  "amqp": 1, "redis": 1 if 30 <= 5 * k <= 35 or 60 <= 5 * k <= 65
+                                                  else 8}}} for k in range(19)]
+    fds = next(m for m in MEASURES if m.key == "redis")
+    assert assess([(s["t"], s["procs"]["worker"]["redis"]) for s in samples], 20, fds)["verdict"] == "STEP"
+    assert analyse(settled(samples, faults, settle_s=10), 20)["redis"]["worker"]["verdict"] == "flat"
+
+
+def test_an_events_arrival_is_its_commit_and_its_latency() -> None:
+    events = [{"at_s": 1.5, "ms": 250.0}, {"at_s": 2.5, "ms": None}]
+    assert commit_arrivals(events) == [(1.5, 1.75), (2.5, None)]
+
+
+def test_the_longest_gap_counts_the_edges() -> None:
+    assert longest_gap([1.0, 2.0, 2.5], 0.0, 10.0) == 7.5
+    assert longest_gap([], 3.0, 5.0) == 2.0
+    assert longest_gap([4.0, 9.0, 20.0], 5.0, 10.0) == 4.0
+
+
+def test_recovery_after_each_cut() -> None:
+    # An event every 0.1 s from 0 to 60 s, each arriving 0.01 s later, except: a database cut at
+    # 20-25 s holds everything committed in it until 26 s; after a Redis cut at 40-45 s nothing
+    # arrives any more (a relay stuck after it) and the events committed from then on are lost.
+    commits: list[tuple[float, float | None]] = []
+    for k in range(600):
+        c = k / 10
+        if 20 <= c < 25:
+            commits.append((c, 26.0 + k / 1000))
+        elif c >= 40:
+            commits.append((c, None))
+        else:
+            commits.append((c, c + 0.01))
+    faults = [Fault("database", 20, 5), Fault("Redis", 40, 5)]
+    first, second = recovery(commits, faults, end=59.9)
+    assert first["arrived_during"] == 0 and first["first_after_s"] == pytest.approx(0.01)
+    assert first["caught_up_s"] == pytest.approx(1.249) and first["missing"] == 0
+    assert first["resumed"] and first["caught_up"]
+    assert first["longest_gap_s"] == pytest.approx(0.1)  # arrivals every 0.1 s from 25.01 s on
+    assert second["first_after_s"] is None and second["caught_up_s"] is None
+    assert second["missing"] == 200 and not second["resumed"] and not second["caught_up"]
+    assert second["longest_gap_s"] == pytest.approx(14.9)
+    assert [recovered(r) for r in (first, second)] == ["resumed, caught up", "STUCK: nothing arrived after the cut"]
+    lagging = recovery([(0.0, 0.5), (10.0, 30.0), (12.0, 12.5)], [Fault("database", 9, 2)], end=20)[0]
+    assert lagging["resumed"] and not lagging["caught_up"] and recovered(lagging).startswith("resumed, NOT")
+
+
+def test_connections_through_the_proxy_count_for_the_server_behind_it() -> None:
+    run = Run(tag="t")
+
+    class Proxies:
+        def url(self, original: str) -> str:
+            for port, local in ((":5432/", ":40001/"), (":5672/", ":40002/"), (":6379/", ":40003/")):
+                original = original.replace(port, local)
+            return original
+
+    relay_run = proxied(run, Proxies())
+    assert relay_run.tag == run.tag and relay_run.table == run.table
+    assert service_ports(run) == {"amqp": 5672, "redis": 6379, "db": 5432}
+    assert service_ports(relay_run) == {"amqp": 40002, "redis": 40003, "db": 40001}
+    conns = [(50001, 40001), (50002, 40001), (50003, 40003), (50004, 5432), (50005, 40002)]
+    assert by_peer(conns, service_ports(relay_run)) == {"db": 2, "amqp": 1, "redis": 1}
+    assert by_peer(conns, {"amqp": 40002, "redis": 40003}) == {"db": 0, "amqp": 1, "redis": 1}
+    assert list(fault_urls(run)) == ["database", "RabbitMQ", "Redis"]
+    assert list(fault_urls(Run(tag="t", engine="sqlite"))) == ["RabbitMQ", "Redis"]
+
+
+def test_the_missing_events_by_aggregate_most_first() -> None:
+    events = [{"aggregate": "a", "at_s": 5.0, "ms": None}, {"aggregate": "b", "at_s": 3.0, "ms": None},
+              {"aggregate": "b", "at_s": 4.0, "ms": None}, {"aggregate": "c", "at_s": 1.0, "ms": 10.0},
+              {"aggregate": "d", "at_s": 2.0, "ms": None}]
+    assert missing_by_aggregate(events) == [{"aggregate": "b", "missing": 2, "first_at": 3.0},
+                                            {"aggregate": "d", "missing": 1, "first_at": 2.0},
+                                            {"aggregate": "a", "missing": 1, "first_at": 5.0}]
+    assert missing_by_aggregate(events, top=1)[1] == {"aggregate": "2 more", "missing": 2, "first_at": 2.0}
+    assert missing_by_aggregate([]) == []
