@@ -151,6 +151,8 @@ def every_statement(schema: str | None, table: str,
     store.beat(holder, 3000)
     store.take_over(SilentHolder(Holder("fedcba9876543210", "host-2", 7), 4.0), 3000)
     store.adopt([1, 2], claim.lease, store.new_lease())
+    store._doubtful.append(claim.lease)  # a claim whose answer was lost and whose retries failed:
+    store.claim(50)  # the next claim hands its rows back first (OutboxStore._release_doubtful)
     store.drop_holder(holder.holder_id)
     return engine, conn.log
 

@@ -209,6 +209,61 @@ def test_a_claim_whose_answer_was_lost_after_it_committed_returns_what_it_took(k
         proxy.close()
 
 
+#: The statement after which an adoption is committed on the server: its COMMIT.
+ADOPT_COMMITS = {"postgresql": b"COMMIT", "mysql": b"\x03COMMIT"}
+
+
+@pytest.mark.parametrize("step", ["claim", "adopt"])
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_rows_leased_by_a_lost_answer_whose_retries_all_failed_come_back_at_the_next_claim(
+        kind: str, step: str) -> None:
+    """As above, but the database stays unreachable while the store retries, so the claim
+    (or a publish task's adoption) fails although the server committed it. Found by
+    ``bench.soak --faults``: its rows were held by a lease nobody knew, and this process,
+    alive, was never taken over, so their aggregates waited for the claim timeout (a
+    dozen aggregates for 60 s after a 5 s database cut). Now the next claim hands them back
+    first, with no attempt spent, and claims them."""
+    from outbox import enqueue
+
+    url, port = SERVERS[kind]
+    require(kind, "127.0.0.1", port)
+    table = f"doubt_{int(time.time() * 1000) % 10**9}"
+    proxy = Proxy(("127.0.0.1", port))
+    store = OutboxStore(proxy.url_for(url), table=table, claim_timeout_ms=600_000)
+    store.migrate()
+    other = OutboxStore(url, table=table)
+    try:
+        with other.transaction() as cursor:
+            for aggregate in ("a", "a", "a", "b"):
+                enqueue(cursor.connection, topic="t", aggregate_type="x", aggregate_id=aggregate, payload={},
+                        table=table)
+        if step == "claim":
+            cut = proxy.drop_answer_after(CLAIM_COMMITS[kind], then_cut=True)
+            with pytest.raises(Exception):
+                store.claim(10)
+        else:
+            theirs = other.claim(10)
+            cut = proxy.drop_answer_after(ADOPT_COMMITS[kind], then_cut=True)
+            with pytest.raises(Exception):
+                store.adopt([m.id for m in theirs.messages], theirs.lease, store.new_lease())
+        assert cut.began.is_set(), f"the {step}'s answer was not cut"
+        held = other.engine.execute  # the rows are leased on the server, to a lease the failed call made
+        with other.transaction() as cursor:
+            statuses = dict(held(cursor, f"SELECT id, status FROM {other.engine.table}").fetchall())
+        assert statuses == {1: 1, 2: 1, 3: 1, 4: 1}
+        proxy.restore()
+        claim = store.claim(10)
+        assert [m.id for m in claim.messages] == [1, 2, 3, 4]
+        assert [m.attempts for m in claim.messages] == [0, 0, 0, 0]  # handed back, not expired
+        assert store.mark_done([1, 2, 3, 4], claim.lease).applied == 4
+    finally:
+        other.close()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+        proxy.close()
+
+
 def test_a_postgres_relay_session_carries_its_bounds_on_the_server() -> None:
     require("PostgreSQL", "127.0.0.1", 5432)
     engine = engine_for_url(POSTGRES_URL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections import Counter
@@ -93,6 +94,11 @@ class OutboxStore:
         #: holds them. None: tokens are random (docs/internals.md, "Lost workers").
         self.holder_id: str | None = None
         self._connections = connections or Connections(self.engine, url)
+        #: Leases that a claim or an adoption may have written although it failed (a COMMIT
+        #: whose answer was lost, and its retries spent): their rows, if any, are released by
+        #: the next claim (``_release_doubtful``; docs/relay.md, "A network cut").
+        self._doubtful: list[str] = []
+        self._doubtful_lock = threading.Lock()
 
     @classmethod
     def on_caller(cls, engine: Engine, begin: Callable[[], AbstractContextManager[Any]]) -> OutboxStore:
@@ -179,6 +185,7 @@ class OutboxStore:
         not block the rows after them (``Engine.claim``)."""
         if batch <= 0:
             raise ValueError("batch must be positive")
+        self._release_doubtful()
         lease = self.new_lease()
 
         def work(skip_blocked: bool) -> Callable[[Any], list[tuple]]:
@@ -199,11 +206,12 @@ class OutboxStore:
             return run
 
         try:
-            rows = self._run("claim", work(False), alone=self.engine.one_statement_claim)
+            rows = self._doubting(lease, lambda: self._run("claim", work(False), alone=self.engine.one_statement_claim))
             if not rows:
                 # The window may have held only rows queued behind heads that wait (a retry not
                 # due, another worker's lease): read past them (docs/internals.md, "Claim windows").
-                rows = self._run("claim", work(True), alone=self.engine.one_statement_claim)
+                rows = self._doubting(lease, lambda: self._run("claim", work(True),
+                                                               alone=self.engine.one_statement_claim))
         except Exception as exc:
             hint = self.engine.schema_error_hint(exc)  # not an outage: an operator must act
             if hint is not None:
@@ -271,6 +279,41 @@ class OutboxStore:
                           [m.id for m in behind], exc)
         return [m for m in messages if not (m.aggregate_id in held and m.id > held[m.aggregate_id])]
 
+    def _doubting(self, lease: str, call: Callable[[], T]) -> T:
+        """``call()``, a claim or an adoption writing ``lease``; when it fails, ``lease`` is
+        doubtful: its last run may have committed with its answer lost."""
+        try:
+            return call()
+        except Exception:
+            with self._doubtful_lock:
+                self._doubtful.append(lease)
+            raise
+
+    def _release_doubtful(self) -> None:
+        """Hand back, as pending and with no attempt spent, the rows of the doubtful leases
+        (``_doubting``): nobody publishes under them, and this process lives on, so neither
+        the takeover nor anything but their lease's expiry would free them, and every later
+        row of their aggregates would wait that long (found by ``bench.soak --faults``: a
+        database cut held a dozen aggregates back for the lease, 60 s). One statement per
+        lease, only after such a failure; if it fails, the leases stay doubtful."""
+        with self._doubtful_lock:
+            leases, self._doubtful = self._doubtful, []
+        if not leases:
+            return
+
+        def work(cursor: Any) -> int:
+            sql = self.engine.release_sql(self.engine.open_rows())
+            return sum(self.engine.execute(cursor, sql, [0, 0, lease]).rowcount for lease in leases)
+
+        try:
+            released = self._run("release", work)
+        except Exception:
+            with self._doubtful_lock:
+                self._doubtful[:0] = leases
+            raise
+        if released:
+            log.info("outbox: released %d rows that a claim or adoption whose answer was lost had leased", released)
+
     def new_lease(self) -> str:
         """A lease token: 32 hex characters, the first 16 this store's holder id when it has one."""
         return self.holder_id + secrets.token_hex(8) if self.holder_id else uuid.uuid4().hex
@@ -289,7 +332,7 @@ class OutboxStore:
                         for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)))
             return set(ids) if moved == len(ids) else self._held_by(cursor, ids, new_lease)
 
-        return self._run("adopt", work)
+        return self._doubting(new_lease, lambda: self._run("adopt", work))
 
     # -- holders: the relay's worker processes (docs/internals.md, "Lost workers") ------------
     def beat(self, holder: Holder, silent_after_ms: int) -> Beat:
