@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -176,12 +177,10 @@ def test_the_server_ends_a_relay_transaction_left_idle_and_its_locks_with_it(kin
 CLAIM_COMMITS = {"postgresql": b"FOR UPDATE OF c SKIP LOCKED", "mysql": b"\x03COMMIT"}
 
 
-@pytest.mark.parametrize("kind", sorted(SERVERS))
-def test_a_claim_whose_answer_was_lost_after_it_committed_returns_what_it_took(kind: str) -> None:
-    """The connection drops after the server committed a claim and before its answer
-    arrived: the store runs the claim again on a new connection, and that run returns the
-    rows the first one leased instead of claiming others and leaving those held by a lease
-    nobody knows for the whole claim timeout (docs/relay.md, "A network cut")."""
+@contextmanager
+def behind_a_proxy(kind: str) -> Iterator[tuple[Proxy, OutboxStore, OutboxStore]]:
+    """A table holding chains ``a`` (ids 1-3) and ``b`` (4); a store reaching it through a
+    proxy, with a claim timeout of 10 minutes, and another store reaching it directly."""
     from outbox import enqueue
 
     url, port = SERVERS[kind]
@@ -196,18 +195,29 @@ def test_a_claim_whose_answer_was_lost_after_it_committed_returns_what_it_took(k
             for aggregate in ("a", "a", "a", "b"):
                 enqueue(cursor.connection, topic="t", aggregate_type="x", aggregate_id=aggregate, payload={},
                         table=table)
+        yield proxy, store, other
+    finally:
+        other.close()
+        proxy.restore()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        store.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_a_claim_whose_answer_was_lost_after_it_committed_returns_what_it_took(kind: str) -> None:
+    """The connection drops after the server committed a claim and before its answer
+    arrived: the store runs the claim again on a new connection, and that run returns the
+    rows the first one leased instead of claiming others and leaving those held by a lease
+    nobody knows for the whole claim timeout (docs/relay.md, "A network cut")."""
+    with behind_a_proxy(kind) as (proxy, store, other):
         cut = proxy.drop_answer_after(CLAIM_COMMITS[kind])
         claim = store.claim(10)
         assert cut.began.is_set(), "the claim's answer was not cut"
         assert [m.id for m in claim.messages] == [1, 2, 3, 4]
         assert other.claim(10).messages == []  # nothing left held by another lease
         assert store.mark_done([1, 2, 3, 4], claim.lease).applied == 4
-    finally:
-        other.close()
-        with store.transaction() as cursor:
-            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
-        store.close()
-        proxy.close()
 
 
 #: The statement after which an adoption is committed on the server: its COMMIT.
@@ -224,20 +234,7 @@ def test_rows_leased_by_a_lost_answer_whose_retries_all_failed_come_back_at_the_
     alive, was never taken over, so their aggregates waited for the claim timeout (a
     dozen aggregates for 60 s after a 5 s database cut). Now the next claim hands them back
     first, with no attempt spent, and claims them."""
-    from outbox import enqueue
-
-    url, port = SERVERS[kind]
-    require(kind, "127.0.0.1", port)
-    table = f"doubt_{int(time.time() * 1000) % 10**9}"
-    proxy = Proxy(("127.0.0.1", port))
-    store = OutboxStore(proxy.url_for(url), table=table, claim_timeout_ms=600_000)
-    store.migrate()
-    other = OutboxStore(url, table=table)
-    try:
-        with other.transaction() as cursor:
-            for aggregate in ("a", "a", "a", "b"):
-                enqueue(cursor.connection, topic="t", aggregate_type="x", aggregate_id=aggregate, payload={},
-                        table=table)
+    with behind_a_proxy(kind) as (proxy, store, other):
         if step == "claim":
             cut = proxy.drop_answer_after(CLAIM_COMMITS[kind], then_cut=True)
             fails_on_the_cut(store, lambda: store.claim(10))
@@ -247,21 +244,14 @@ def test_rows_leased_by_a_lost_answer_whose_retries_all_failed_come_back_at_the_
             fails_on_the_cut(store, lambda: store.adopt([m.id for m in theirs.messages], theirs.lease,
                                                         store.new_lease()))
         assert cut.began.is_set(), f"the {step}'s answer was not cut"
-        held = other.engine.execute  # the rows are leased on the server, to a lease the failed call made
-        with other.transaction() as cursor:
-            statuses = dict(held(cursor, f"SELECT id, status FROM {other.engine.table}").fetchall())
+        with other.transaction() as cursor:  # leased on the server, to the lease of the call that failed
+            statuses = dict(other.engine.execute(cursor, f"SELECT id, status FROM {other.engine.table}").fetchall())
         assert statuses == {1: 1, 2: 1, 3: 1, 4: 1}
         proxy.restore()
         claim = store.claim(10)
         assert [m.id for m in claim.messages] == [1, 2, 3, 4]
         assert [m.attempts for m in claim.messages] == [0, 0, 0, 0]  # handed back, not expired
         assert store.mark_done([1, 2, 3, 4], claim.lease).applied == 4
-    finally:
-        other.close()
-        with store.transaction() as cursor:
-            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
-        store.close()
-        proxy.close()
 
 
 def fails_on_the_cut(store: OutboxStore, call: Callable[[], object]) -> None:
