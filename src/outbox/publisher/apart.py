@@ -156,11 +156,11 @@ _RUNNING: set[int] = set()
 def _kill_at_exit() -> None:
     """Registered once per process, when its first child has started: multiprocessing has
     registered its own exit hook by then, and atexit runs the last registered first. A
-    process that exits with a child still publishing kills it. Without this, multiprocessing's hook sends the
-    child SIGTERM, which it ignores, and waits for it: a Dramatiq worker's second signal
-    ("Killing worker process...") or ``sys.exit`` waited for the child's whole publish (found
-    in review). A child killed so leaves its row to the lease or the takeover, as the worker's
-    own death does."""
+    process that exits with a child still publishing kills it. Without this, multiprocessing's
+    hook sends the child SIGTERM, which it ignores, and waits for it: a Dramatiq worker's
+    second signal ("Killing worker process...") or ``sys.exit`` waited for the child's whole
+    publish (found in review). A child killed so leaves its row to the lease or the
+    takeover, as the worker's own death does."""
     atexit.register(_kill_children)
 
 
