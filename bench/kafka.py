@@ -212,9 +212,9 @@ def run_publisher(broker: Broker, events: int, aggregates: int, partitions: int,
         publisher.publish_chain(items[:1])  # connected, the topic's metadata known
         await_reports = publisher._await
 
-        def timed(producer: Any, rows: list[list[Any]]) -> None:
+        def timed(producer: Any, rows: list[list[Any]], *rest: Any) -> None:
             t = time.perf_counter()
-            await_reports(producer, rows)
+            await_reports(producer, rows, *rest)
             waits.append(time.perf_counter() - t)
 
         publisher._await = timed  # type: ignore[method-assign]
@@ -222,6 +222,8 @@ def run_publisher(broker: Broker, events: int, aggregates: int, partitions: int,
         for chains in batches(items[1:], batch_size):
             published += sum(len(r.published) for r in publisher.publish_chains(chains))
         seconds = time.perf_counter() - started
+    if published < events - 1:
+        raise RuntimeError(f"bench.kafka: the publishing path delivered {published} of {events - 1} events")
     waited = sum(waits)
     return {"events": events - 1, "delivered": published, "seconds": seconds, "events_per_s": published / seconds,
             "batch_size": batch_size, "wait_ms_per_batch": waited / len(waits) * 1000,
