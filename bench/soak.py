@@ -848,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
         if proxies is not None:
             schedule = fault_schedule(args.fault_targets, warmup_s, args.fault_every, args.fault_s, args.settle_s,
                                       duration)
-            injector = FaultInjector(proxies, fault_urls(run), schedule, sampler.t0)
+            injector = FaultInjector(proxies, urls, schedule, sampler.t0)
             injector.start()
         sampler.start()
         results["live"] = live.run_live(run, destination, "wake", args.rate, duration, args.aggregates, args.writers,
@@ -966,7 +966,6 @@ def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]
                   f"{g['count']}): " + " <- ".join(reversed(g["traceback"])))
 
 
-
 def recovered(rec: dict[str, Any]) -> str:
     """One cut's outcome in words (``recovery``)."""
     if not rec["resumed"]:
@@ -994,6 +993,7 @@ def fault_lines(faults: dict[str, Any], live: dict[str, Any], samples: int, args
     if faults["errors"]:
         out.append(f"  cuts that failed: {faults['errors']}")
     return out
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -205,13 +205,16 @@ class OutboxStore:
                                          skip_blocked=skip_blocked)
             return run
 
-        try:
-            rows = self._doubting(lease, lambda: self._run("claim", work(False), alone=self.engine.one_statement_claim))
+        def claimed() -> list[tuple]:
+            rows = self._run("claim", work(False), alone=self.engine.one_statement_claim)
             if not rows:
                 # The window may have held only rows queued behind heads that wait (a retry not
                 # due, another worker's lease): read past them (docs/internals.md, "Claim windows").
-                rows = self._doubting(lease, lambda: self._run("claim", work(True),
-                                                               alone=self.engine.one_statement_claim))
+                rows = self._run("claim", work(True), alone=self.engine.one_statement_claim)
+            return rows
+
+        try:
+            rows = self._doubting(lease, claimed)
         except Exception as exc:
             hint = self.engine.schema_error_hint(exc)  # not an outage: an operator must act
             if hint is not None:
