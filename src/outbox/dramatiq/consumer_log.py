@@ -18,12 +18,20 @@ delivery tag, and RabbitMQ requeued the message when the connection closed): the
 says so ("not in known tags") just before Dramatiq reports the ack, so ``back`` does not take
 that ack for the broker's answer (it had ended a 6 s outage 1 s early, and the next failure
 announced a second one).
+
+Nor does an ack within Dramatiq's consumer restart delay (3 s) of the outage's start end it:
+no consumer that lost the broker is back before then, and on RabbitMQ an ack only queues a
+callback for its consumer's connection, so a worker thread "acks" on a connection that is
+gone and not yet noticed (a cut logged "unreachable", "reachable again after 0.0 s" and
+"unreachable" within a millisecond).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+
+from dramatiq.worker import CONSUMER_RESTART_DELAY_SECS
 
 from ..relay.shared import Outage
 
@@ -43,9 +51,10 @@ class ConsumerOutageFilter(logging.Filter):
     lasts; an ack dropped for a forgotten delivery tag is dropped from the log and marks its
     thread, so that ``back`` does not count it."""
 
-    def __init__(self, outage: Outage) -> None:
+    def __init__(self, outage: Outage, settle_s: float = CONSUMER_RESTART_DELAY_SECS) -> None:
         super().__init__()
         self.outage = outage
+        self.settle_s = settle_s  # an ack this soon after the outage began proves nothing
         self._unsent = threading.local()  # this thread's last ack was dropped, not sent
         self._seen = threading.local()  # this thread's last record and what was decided for it
 
@@ -78,10 +87,13 @@ class ConsumerOutageFilter(logging.Filter):
         return not (message.startswith(RESTARTING) and self.outage.down)
 
     def back(self) -> None:
-        """Dramatiq reports an ack in this thread: unless the consumer dropped it, the broker
-        took it and answers (one INFO line after an outage)."""
+        """Dramatiq reports an ack in this thread: unless the consumer dropped it, or the outage
+        began less than ``settle_s`` ago, the broker took it and answers (one INFO line after
+        an outage)."""
         if getattr(self._unsent, "ack", False):
             self._unsent.ack = False
+            return
+        if self.outage.down and self.outage.age() < self.settle_s:
             return
         self.outage.ok()
 

@@ -249,6 +249,11 @@ class Outage:
     def down(self) -> bool:
         return self._since is not None
 
+    def age(self) -> float:
+        """Seconds since this process saw the outage begin; 0 when there is none."""
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
     def stale(self, began: float | None) -> bool:
         """True when work begun at ``began`` began before this process saw the last outage end,
         and no new outage has begun since."""
