@@ -8,10 +8,11 @@ code are in test_transport_tables.py and test_transport_kombu.py (OUTBOX_TEST_MS
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import sqlglot
-from fake_dbapi import RecordingCursor
+from fake_dbapi import RecordingConnection, RecordingCursor
 from sqlglot import exp
 from tsql_support import parse_one
 
@@ -34,12 +35,27 @@ def qt(request: pytest.FixtureRequest) -> MssqlQueueTables:
     return tables
 
 
+class AnsweringCursor(RecordingCursor):
+    def __init__(self, log: list[tuple[str, tuple]] | None = None, sizes: list | None = None,
+                 answers: dict[str, list[tuple]] | None = None) -> None:
+        super().__init__(log, sizes, answers, default=lease_answers)
+
+
+class AnsweringConnection(RecordingConnection):
+    """Cursors that answer as ``lease_answers`` does; ``autocommit`` as the caller sets it."""
+
+    cursor_class = AnsweringCursor
+
+
 def record_everything(qt: MssqlQueueTables) -> list[tuple[str, tuple]]:
     c = RecordingCursor(default=lease_answers)
     qt.put(c, "celery", '{"properties": {}}', "Ym9keQ==")
     qt.put(c, "celery", "{}", None, delay_ms=40 * 24 * 3600 * 1000, ttl_ms=5000)  # 40 days: over INT ms
     qt.probe(c, ["celery", "outbox.claim", "w1@host.celery.pidbox"])
     assert [r.body for r in qt.lease(c, "celery", 4, 3_600_000, "r" * 32)] == ["body"]
+    alone = AnsweringConnection()  # the channel's lease: run alone, in autocommit
+    alone.autocommit, alone.log = True, c.log
+    assert [r.body for r in qt.lease(alone.cursor(), "celery", 4, 3_600_000, "r" * 32)] == ["body"]
     qt.leased(c, "celery", "r" * 32)
     qt.ack(c, 1, "r" * 32)
     qt.release(c, 1, "r" * 32)
@@ -67,7 +83,7 @@ def test_every_statement_binds_its_placeholders_and_parses(qt: MssqlQueueTables,
     for sql, params in log:
         assert placeholders(sql) == len(params), sql
         # sqlglot's IF swallows the statements after it, so batches are checked per statement.
-        statements = qt.lease_statements() if sql == qt.lease_batch() else [sql]
+        statements = next((qt.lease_statements(own) for own in (False, True) if sql == qt.lease_batch(own)), [sql])
         for statement in statements:
             parse_one(statement)
         assert sqlglot.parse(sql, read="tsql")
@@ -95,6 +111,91 @@ def test_lease_skips_held_rows_locks_what_it_takes_and_outputs_into_a_table_vari
     statements = qt.lease_statements()
     assert statements[1] == "SET NOCOUNT ON;" and statements[-1].startswith("SELECT")
     assert not any(re.search(r"\b(BEGIN TRAN|COMMIT|ISOLATION)", s) for s in statements)
+
+
+def test_the_lease_run_alone_commits_in_its_own_batch_before_the_rows_are_sent(
+        qt: MssqlQueueTables, no_sqlglot_fallbacks: None) -> None:
+    """SQL Server cannot end a session idle in a transaction: a receiver cut off between its
+    lease and its COMMIT held the rows' locks for as long as its session lived. Run alone
+    (autocommit), the batch opens its transaction after XACT_ABORT is on and commits it right
+    after the UPDATE, before the rows are selected (docs/transport.md, "A network cut before
+    the COMMIT"); in a caller's transaction it neither begins nor commits one."""
+    own, plain = qt.lease_statements(own_transaction=True), qt.lease_statements()
+    assert [s for s in own if s not in ("BEGIN TRANSACTION;", "COMMIT TRANSACTION;")] == plain
+    begin, commit = own.index("BEGIN TRANSACTION;"), own.index("COMMIT TRANSACTION;")
+    update = next(i for i, s in enumerate(own) if s.startswith("WITH leased"))
+    assert own.index("SET XACT_ABORT ON;") < begin == update - 1 and commit == update + 1
+    assert commit < next(i for i, s in enumerate(own) if "FROM @out" in s) == len(own) - 1
+    assert own[commit + 1:-1] == ["IF @xact_abort = 0\nBEGIN\n    SET XACT_ABORT OFF;\nEND;",
+                                  "IF @nocount = 0\nBEGIN\n    SET NOCOUNT OFF;\nEND;"], own[commit + 1:-1]
+    assert not any(re.search(r"ROLLBACK|ISOLATION", s) for s in own)
+    for statement in own:
+        parse_one(statement)
+
+
+def test_only_sql_server_runs_the_lease_ack_and_requeue_alone() -> None:
+    """The others' servers end a cut-off lease's transaction within idle_transaction_timeout_s,
+    sooner than a committed lease whose answer was lost would come back."""
+    from outbox.storage.engines import engine_for_url
+
+    assert MssqlQueueTables.writes_alone
+    for url in ("postgresql://h/d", "mysql://h/d", "sqlite:///x.db"):
+        assert not queue_tables(engine_for_url(url), "celery_q").writes_alone, url
+
+
+def test_the_channels_lease_ack_and_requeue_run_alone_and_autocommit_is_put_back(
+        monkeypatch: pytest.MonkeyPatch, no_sqlglot_fallbacks: None) -> None:
+    """Through the transport's ``Database`` as the channel calls it: the lease batch that
+    commits itself, and the ack and requeue, each on the connection in autocommit; the
+    connection back in manual commit after each."""
+    from outbox.transport.database import Database
+
+    conn = AnsweringConnection()
+    modes: list[tuple[str, bool]] = []
+    execute = conn.cursor_class.execute
+
+    def watched(cursor: RecordingCursor, sql: str, params: Any = ()) -> RecordingCursor:
+        modes.append((sql, conn.autocommit))
+        return execute(cursor, sql, params)
+
+    monkeypatch.setattr(conn.cursor_class, "execute", watched)
+    db = Database("mssql+pyodbc://u:p@h/d?driver=x", "celery_q", None, create=False)
+    monkeypatch.setattr(db.engine, "connect", lambda url: conn)
+    qt = db.qt
+    assert isinstance(qt, MssqlQueueTables)
+    rows, tries = db.run_counting(lambda qt, c, n: qt.lease(c, "celery", 4, 60_000, "r" * 32), alone=qt.writes_alone)
+    assert [r.body for r in rows] == ["body"] and tries == 1 and conn.autocommit is False
+    assert (qt.lease_batch(own_transaction=True), True) in modes
+    db.run_counting(lambda qt, c, n: qt.ack(c, 1, "r" * 32), alone=qt.writes_alone)
+    db.run_counting(lambda qt, c, n: qt.release(c, 1, "r" * 32), alone=qt.writes_alone)
+    assert (qt.ack_sql(), True) in modes and (qt.release_sql(delayed=False), True) in modes
+    assert conn.autocommit is False
+
+
+def test_a_failed_lease_puts_the_session_back_and_ends_its_own_transaction(
+        qt: MssqlQueueTables, no_sqlglot_fallbacks: None) -> None:
+    """An error ends the batch before it restores NOCOUNT and XACT_ABORT (ack, release and
+    purge read rowcount, which NOCOUNT makes -1); run alone, a transaction an interrupt left
+    open is rolled back too, since the driver's rollback does nothing in autocommit."""
+    class TimedOut(AnsweringCursor):
+        def execute(self, sql: str, params: Any = ()) -> AnsweringCursor:
+            super().execute(sql, params)
+            if sql.startswith("DECLARE @nocount"):
+                raise TimeoutError("query timeout")
+            return self
+
+    class TimingOut(AnsweringConnection):
+        cursor_class = TimedOut
+
+    for autocommit in (False, True):
+        conn = TimingOut()
+        conn.autocommit = autocommit
+        with pytest.raises(TimeoutError):
+            qt.lease(conn.cursor(), "celery", 4, 60_000, "r" * 32)
+        reset = conn.log[-1][0]
+        assert reset.endswith("SET XACT_ABORT ON; SET NOCOUNT OFF;")
+        assert reset.startswith("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION;") is autocommit, reset
+        assert sqlglot.parse(reset, read="tsql")
 
 
 def test_the_clock_is_compared_at_the_columns_precision(qt: MssqlQueueTables) -> None:

@@ -357,7 +357,7 @@ class Channel(virtual.Channel):
             return held + qt.lease(cursor, queue, limit - len(held), visibility_ms, receipt)
 
         try:
-            rows, _ = self.db.run_counting(lease)
+            rows, _ = self.db.run_counting(lease, alone=self.db.qt.writes_alone)
         except BrokerDatabaseUnavailable:
             self.db.doubt(queue, receipt)
             raise
@@ -408,7 +408,7 @@ class Channel(virtual.Channel):
             return qt.release(cursor, row_id, receipt) if requeue else qt.ack(cursor, row_id, receipt)
 
         what = "requeue" if requeue else "ack"
-        changed, tries = self.db.run_counting(settle)
+        changed, tries = self.db.run_counting(settle, alone=self.db.qt.writes_alone)
         if changed:
             return
         if tries > 1:  # the try before committed and only its answer was lost: done already

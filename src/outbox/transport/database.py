@@ -141,15 +141,18 @@ class Database:
         with self.connections.transaction_on(conn, ddl=ddl) as cursor:
             return work(cursor)
 
-    def run(self, work: Callable[[QueueTables, Any], T], *, ddl: bool = False) -> T:
+    def run(self, work: Callable[[QueueTables, Any], T], *, alone: bool = False, ddl: bool = False) -> T:
         """``work(queue tables, cursor)`` in one short transaction. A dropped connection, a
         server restart, a deadlock victim: it runs again, on a fresh connection if need be
         (a send whose commit was cut off may then be stored twice: at least once). Out of
         retries, the error is raised as BrokerDatabaseUnavailable, one of the Transport
-        class's connection_errors whatever the driver: kombu and Celery reconnect."""
+        class's connection_errors whatever the driver: kombu and Celery reconnect.
+        ``alone``: ``work`` runs statements each atomic by itself, which the engine may run
+        as transactions of their own, one round trip each (``Connections.transaction``:
+        docs/transport.md, "A network cut")."""
         try:
             result = self.connections.run("broker", lambda cursor: work(self.qt, cursor), attempts=self.RETRIES + 1,
-                                          ddl=ddl)
+                                          alone=alone, ddl=ddl)
         except Exception as exc:
             if not self.connections.retryable(exc):
                 raise
@@ -160,7 +163,7 @@ class Database:
         self.available = True
         return result
 
-    def run_counting(self, work: Callable[[QueueTables, Any, int], T]) -> tuple[T, int]:
+    def run_counting(self, work: Callable[[QueueTables, Any, int], T], *, alone: bool = False) -> tuple[T, int]:
         """``run`` for work that must know which try it is (``work(queue tables, cursor, try)``,
         the first try 1): a retry after a lost connection may follow a try whose COMMIT went
         through and only its answer was lost (docs/transport.md, "A lease whose COMMIT's answer
@@ -172,7 +175,7 @@ class Database:
             tries += 1
             return work(qt, cursor, tries)
 
-        return self.run(counted), tries
+        return self.run(counted, alone=alone), tries
 
     def close(self) -> None:
         self._close_waiter()

@@ -21,6 +21,7 @@ Times: DATEADD takes an INT, so delays are split into seconds and milliseconds
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...storage.engines.mssql.driver import result_rows
@@ -34,11 +35,15 @@ from ...storage.engines.mssql.schema import (
 )
 from .base import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
+log = logging.getLogger("outbox.transport.tables")
+
 #: Names compare exactly, as on the other engines (default collations ignore case).
 NAME_COLLATION = "Latin1_General_100_BIN2"
 
 
 class MssqlQueueTables(QueueTables):
+    writes_alone = True  # no server-side bound on an idle transaction (base.QueueTables)
+
     def after_ms(self) -> str:
         return "DATEADD(MILLISECOND, ?, DATEADD(SECOND, ?, SYSUTCDATETIME()))"
 
@@ -124,16 +129,25 @@ class MssqlQueueTables(QueueTables):
     def existing_indexes_sql(self) -> tuple[str, list[Any]]:
         return ("SELECT name FROM sys.indexes WHERE object_id = OBJECT_ID(?) AND name IS NOT NULL", [self.table])
 
-    def lease_statements(self) -> list[str]:
-        """Parameters: ``lease_params``."""
+    def lease_statements(self, own_transaction: bool = False) -> list[str]:
+        """The lease, one statement per item; run as one batch. Parameters: those of ``lease``.
+
+        ``own_transaction`` (the channel's lease, run on an autocommit connection by
+        ``Engine.statement_alone``): the batch opens its transaction and commits it right
+        after the UPDATE, before the rows are sent, so lease and COMMIT are one round trip
+        and a cut connection never leaves the leased rows locked until the server drops the
+        session (docs/transport.md, "A network cut"). Without it (a caller's transaction)
+        the caller commits. Either way XACT_ABORT rolls the whole lease back on any error."""
         t = self.table
         return [
-            "DECLARE @nocount INT = @@OPTIONS & 512;",
+            "DECLARE @nocount INT = @@OPTIONS & 512, @xact_abort INT = @@OPTIONS & 16384;",
             "SET NOCOUNT ON;",
+            "SET XACT_ABORT ON;",
             f"DECLARE @limit INT = ?, @queue NVARCHAR({MAX_NAME}) = ?, @receipt CHAR(32) = ?, "
             "@vis_ms INT = ?, @vis_s INT = ?;",
             f"DECLARE @out TABLE (id BIGINT NOT NULL PRIMARY KEY, queue NVARCHAR({MAX_NAME}) NOT NULL, "
             "headers NVARCHAR(MAX) NOT NULL, body NVARCHAR(MAX) NULL, deliveries INT NOT NULL);",
+            *(["BEGIN TRANSACTION;"] if own_transaction else []),
             f"""WITH leased AS (
     SELECT TOP (@limit) id, queue, headers, body, visible_at, receipt, deliveries
     FROM {t} WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK)
@@ -144,17 +158,31 @@ UPDATE leased SET
     receipt = @receipt,
     deliveries = deliveries + 1
 OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.deliveries INTO @out;""",
+            *(["COMMIT TRANSACTION;"] if own_transaction else []),
+            if_("@xact_abort = 0", "SET XACT_ABORT OFF"),
             if_("@nocount = 0", "SET NOCOUNT OFF"),
             "SELECT id, queue, headers, body, deliveries FROM @out ORDER BY id;",
         ]
 
-    def lease_batch(self) -> str:
-        return "\n".join(self.lease_statements())
+    def lease_batch(self, own_transaction: bool = False) -> str:
+        return "\n".join(self.lease_statements(own_transaction))
 
     def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
         params = [limit, queue, receipt, *self.after_params(visibility_ms)]
-        self.run(cursor, self.lease_batch(), params)
-        return to_rows(result_rows(cursor))
+        own = getattr(getattr(cursor, "connection", None), "autocommit", False) is True  # statement_alone
+        try:
+            self.run(cursor, self.lease_batch(own), params)
+            return to_rows(result_rows(cursor))
+        except BaseException:
+            # An error ends the batch before it restores NOCOUNT and XACT_ABORT: put back the
+            # session's own (ack, release and purge read rowcount, which NOCOUNT makes -1). In
+            # autocommit the driver's rollback does nothing: end what an interrupt left open.
+            try:
+                cursor.execute(("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION; " if own else "")
+                               + "SET XACT_ABORT ON; SET NOCOUNT OFF;")
+            except Exception:  # the connection is gone: so is the transaction
+                log.debug("outboxdb: cannot reset the session after a failed lease", exc_info=True)
+            raise
 
     def leased_sql(self) -> str:
         # READPAST: rows other receivers are leasing right now are not ours; ours are committed.
