@@ -528,11 +528,14 @@ class OutboxStore:
         return int(in_flight or 0), int(backlog or 0), lag
 
     def stats(self) -> Stats:
+        # Without a lock, as the gauges read (Engine.unlocked_read): with SQL Server's RCSI off,
+        # an application transaction keeping an enqueue open made `outbox status` wait for it.
+        table = f"{self.engine.table}{self.engine.unlocked_read}"
+
         def work(cursor: Any) -> tuple[list, Any, Any]:
-            counts = self.engine.execute(
-                cursor, f"SELECT status, COUNT(*) FROM {self.engine.table} GROUP BY status").fetchall()
+            counts = self.engine.execute(cursor, f"SELECT status, COUNT(*) FROM {table} GROUP BY status").fetchall()
             oldest = self.engine.execute(
-                cursor, f"SELECT MIN(created_at), {self.engine.now} FROM {self.engine.table} "
+                cursor, f"SELECT MIN(created_at), {self.engine.now} FROM {table} "
                 f"WHERE {self.engine.open_rows()}").fetchone()
             return counts, oldest[0], oldest[1]
 

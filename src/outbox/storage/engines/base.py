@@ -83,7 +83,7 @@ class Engine(ABC):
     #: 2025+ and Azure SQL); elsewhere the table keeps its own JSON type and check.
     native_json: ClassVar[bool] = False
     #: The table hint of a read that takes no shared lock, for an engine whose plain read
-    #: can wait on a writer's lock (the metrics' gauges: ``gauges_sql``).
+    #: can wait on a writer's lock (the metrics' gauges, ``gauges_sql``, and ``outbox status``).
     unlocked_read: ClassVar[str] = ""
     #: The table hints of the statements that count and end a lost holder's leases
     #: (``held_by_sql``, ``end_leases_sql``), for an engine whose reads and updates would
