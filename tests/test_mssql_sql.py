@@ -429,6 +429,55 @@ def test_the_claim_commits_in_its_own_batch_when_run_alone(no_sqlglot_fallbacks:
     assert conn.autocommit is False  # type: ignore[attr-defined]
 
 
+#: What the claim meets when an index its hints name is gone: by number (pyodbc), by words
+#: (mssql-python); and another error, after which the index is still known.
+CLAIM_ERRORS = {
+    "pyodbc": "('42000', \"[42000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Index "
+              "'ix_outbox_agg_open' on table 'dbo.outbox' (specified in the FROM clause) does not exist. "
+              "(308) (SQLExecDirectW)\")",
+    "mssql-python": "Driver Error: Syntax error or access violation; DDBC Error: [Microsoft][SQL Server]Index "
+                    "'ix_outbox_agg_open' on table 'dbo.outbox' (specified in the FROM clause) does not exist.",
+    "deadlock": "('40001', '[40001] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Transaction (Process "
+                "ID 52) was deadlocked on lock resources with another process and has been chosen as the "
+                "deadlock victim. Rerun the transaction. (1205) (SQLExecDirectW)')",
+}
+
+
+class RefusingClaims(RecordingCursor):
+    """Raises ``error`` (a class attribute) when the claim batch runs."""
+
+    error = ""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> RecordingCursor:
+        super().execute(sql, params)
+        if "UPDATE o SET" in sql:
+            raise RuntimeError(self.error)
+        return self
+
+
+@pytest.mark.parametrize("driver", list(CLAIM_ERRORS))
+def test_a_claim_that_finds_the_probes_index_gone_asks_for_it_again_next_time(
+        driver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Doubtful point 5 of docs/sqlserver.md's second reading: the claim remembers whether
+    agg_open exists and names it in a hint, so an index dropped while the relay ran (the
+    procedure under "Collations") failed every claim with error 308 until `outbox migrate`.
+    Now the claim that meets error 308 forgets what it knew, and the next claim asks again;
+    another error leaves it known. The session is put back either way."""
+    engine = MssqlEngine()
+    engine.probe_index, engine.id_collation = True, "Latin1_General_100_CI_AS"
+    monkeypatch.setattr(RefusingClaims, "error", CLAIM_ERRORS[driver])
+    conn = RecordingConnection()
+    conn.cursor_class = RefusingClaims
+    with pytest.raises(RuntimeError):
+        engine.claim(conn.cursor(), 10, "L" * 32, 30_000, 5)
+    assert engine.probe_index is (True if driver == "deadlock" else None)
+    assert conn.log[-1][0] == "SET XACT_ABORT ON; SET NOCOUNT OFF;"
+    if driver != "deadlock":
+        assert "FORCESEEK ([ix_outbox_agg_open]" in engine.claim_batch()
+        engine.claim(RecordingCursor(), 10, "L" * 32, 30_000, 5)  # asks again: the index is gone
+        assert engine.probe_index is False and "FORCESEEK ([ix_outbox_agg_open]" not in engine.claim_batch()
+
+
 def test_batches_with_results_silence_rowcounts_first_and_restore_them_before_the_result(
         no_sqlglot_fallbacks: None) -> None:
     engine = MssqlEngine()

@@ -21,10 +21,9 @@ Times: DATEADD takes an INT, so delays are split into seconds and milliseconds
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from ...storage.engines.mssql.driver import result_rows
+from ...storage.engines.mssql.driver import reset_session, result_rows
 from ...storage.engines.mssql.schema import (
     FILTERED_INDEX_OPTIONS,
     if_,
@@ -34,8 +33,6 @@ from ...storage.engines.mssql.schema import (
     nstr,
 )
 from .base import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
-
-log = logging.getLogger("outbox.transport.tables")
 
 #: Names compare exactly, as on the other engines (default collations ignore case).
 NAME_COLLATION = "Latin1_General_100_BIN2"
@@ -174,14 +171,7 @@ OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.de
             self.run(cursor, self.lease_batch(own), params)
             return to_rows(result_rows(cursor))
         except BaseException:
-            # An error ends the batch before it restores NOCOUNT and XACT_ABORT: put back the
-            # session's own (ack, release and purge read rowcount, which NOCOUNT makes -1). In
-            # autocommit the driver's rollback does nothing: end what an interrupt left open.
-            try:
-                cursor.execute(("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION; " if own else "")
-                               + "SET XACT_ABORT ON; SET NOCOUNT OFF;")
-            except Exception:  # the connection is gone: so is the transaction
-                log.debug("outboxdb: cannot reset the session after a failed lease", exc_info=True)
+            reset_session(cursor, own)  # ack, release and purge read rowcount, which NOCOUNT makes -1
             raise
 
     def leased_sql(self) -> str:

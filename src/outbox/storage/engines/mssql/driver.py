@@ -6,6 +6,7 @@ overview."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from ....core.errors import StoreError, install_hint
 
 DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
+
+log = logging.getLogger("outbox.storage.engines.mssql")
 
 #: Session defaults, overridable per URL (``?lock_timeout_ms=...&query_timeout_s=...``).
 DEFAULT_LOCK_TIMEOUT_MS = 30_000
@@ -223,6 +226,18 @@ def error_numbers(message: str) -> set[int]:
     (``... deadlock victim. (1205) (SQLExecDirectW)``); a number inside the text, as
     in ``nvarchar(64)``, is not one."""
     return {int(n) for n in re.findall(r"\((\d{1,6})\)(?=\s*(?:\(SQL\w*\)|;|$))", message)}
+
+
+def reset_session(cursor: Any, own_transaction: bool) -> None:
+    """After a batch that failed: an error can end it before it restores the session's
+    options, so put back the relay connection's own (``MssqlEngine.session_sql``: XACT_ABORT
+    on, NOCOUNT off); and, for a batch run alone that opened its own transaction, roll back
+    what an interrupt left open (in autocommit the driver's rollback does nothing)."""
+    try:
+        cursor.execute(("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION; " if own_transaction else "")
+                       + "SET XACT_ABORT ON; SET NOCOUNT OFF;")
+    except Exception:  # the connection is gone: so is the transaction
+        log.debug("outbox: cannot reset the session after an error", exc_info=True)
 
 
 def result_rows(cursor: Any) -> list[tuple]:

@@ -13,7 +13,7 @@ from typing import Any
 from ....core.errors import StoreError
 from ....core.model import NewEvent
 from ..base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
-from .driver import result_rows
+from .driver import error_numbers, reset_session, result_rows
 from .schema import ID_COLLATION, INDEXES, OPEN_ROWS, MssqlSchema, if_, nstr
 
 log = logging.getLogger("outbox.storage.engines.mssql")
@@ -25,6 +25,9 @@ ID_PARAMS_PER_STATEMENT = 2000
 #: lists are padded to the next of these sizes (at most four times the ids, seven
 #: plans per statement kind); docs/sqlserver.md, "Versions and compatibility levels".
 ID_LIST_SIZES = (1, 4, 16, 64, 256, 1024, ID_PARAMS_PER_STATEMENT)
+
+#: Error 308's words (mssql-python's errors carry no number): an index that a hint names is gone.
+INDEX_GONE = "(specified in the FROM clause) does not exist"
 
 #: The result columns' types, for the claim's table variable (payload/headers as text
 #: whether the columns are NVARCHAR(MAX) or the native json type).
@@ -433,14 +436,10 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
             self.execute(cursor, self.claim_batch(own, skip_blocked),
                          self.claim_params(batch, lease, timeout_ms, max_attempts, behind))
             return result_rows(cursor)
-        except BaseException:
-            # An error can end the batch before it restores the session options; put
-            # back the relay connection's own (see session_sql). On an autocommit
-            # connection the driver's rollback does nothing: a transaction the batch opened
-            # and an interrupt left behind is rolled back here.
-            try:
-                cursor.execute(("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION; " if own else "")
-                               + "SET XACT_ABORT ON; SET NOCOUNT OFF;")
-            except Exception:
-                log.debug("outbox: cannot reset the session after an error", exc_info=True)
+        except BaseException as exc:
+            if INDEX_GONE in str(exc) or 308 in error_numbers(str(exc)):
+                # The probe's index was dropped while the relay ran (the procedure under
+                # "Collations" in docs/sqlserver.md): the next claim asks again for it.
+                self.probe_index = None
+            reset_session(cursor, own)
             raise
