@@ -405,6 +405,30 @@ def test_claim_through_the_store_hands_back_messages() -> None:
     assert conn.autocommit is False  # put back after the claim
 
 
+def test_the_fenced_writes_run_alone_so_no_cut_leaves_a_row_locked_for_its_commit() -> None:
+    """docs/sqlserver.md, "Known limit": a relay session cut between a mark_failed UPDATE that
+    took a row out of agg_open and its COMMIT left the key locked, and every claim's probe
+    waited on it until the server dropped the session. mark_done, release and mark_failed
+    now each run on the connection in autocommit (every statement committed as it runs)."""
+    store, conn = recording_store(None, "outbox")
+    modes: list[tuple[str, bool]] = []
+    execute = StoreCursor.execute
+
+    class Watched(StoreCursor):
+        def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
+            modes.append((sql, conn.autocommit))
+            return execute(self, sql, params)
+
+    conn.cursor_class = Watched
+    store.mark_done([1, 2], "L" * 32)
+    store.release([3], "L" * 32)
+    store.mark_failed(4, "L" * 32, "broker said no", timedelta(seconds=5))
+    store.mark_failed(5, "L" * 32, "poison", dead=True)
+    writes = [(sql, alone) for sql, alone in modes if sql.startswith("UPDATE [dbo].[outbox] SET status")]
+    assert len(writes) == 4 and all(alone for _, alone in writes), writes
+    assert conn.autocommit is False  # put back after each
+
+
 def test_the_claim_commits_in_its_own_batch_when_run_alone(no_sqlglot_fallbacks: None) -> None:
     """Issue 19 item 2: claim and COMMIT in one round trip. Run alone (autocommit), the batch
     opens its transaction after XACT_ABORT is on and commits it right after the UPDATE,

@@ -445,7 +445,9 @@ class OutboxStore:
                                          [id]).fetchone()
             return changed, (int(status[0]) if status else None)
 
-        changed, status = self._run("mark_failed", work)
+        # Alone: the UPDATE commits as it runs, so a cut before a COMMIT cannot leave the row
+        # locked, which on SQL Server held every claim's probe (docs/sqlserver.md, "A network cut").
+        changed, status = self._run("mark_failed", work, alone=True)
         self._fenced("mark_failed", [id], lease, changed)
         return FailResult(applied=changed == 1, dead=changed == 1 and status == Status.DEAD)
 
