@@ -5,6 +5,7 @@ a Dramatiq message, the claim actor's drain slice, and the scheduler's leader lo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -333,18 +334,11 @@ def test_no_wake_warning_when_dramatiq_is_the_runner(tmp_path: Path, monkeypatch
     assert wake_problem() is None
 
 
-def test_a_consumers_outage_is_told_once_and_a_dropped_ack_does_not_end_it() -> None:
-    """Dramatiq's consumer log through an outage, as a RabbitMQ cut gives it (seen in CI, 28
-    November): connection errors and an ack that waits for the broker (its WARNING prints
-    the whole message) become one WARNING; the ack retried 5 s later "succeeds" without
-    reaching the broker (RabbitMQ's consumer forgot the delivery tag), which had ended the
-    outage a second before the broker was back; only an ack that is sent ends it."""
-    import logging
-
+def consumer_outage_log(told: list[str], settle_s: float) -> tuple[Any, type[logging.Handler]]:
+    """A ``ConsumerOutageFilter`` whose outage logs into ``told``, and the handler class that
+    captures there too (``level message``)."""
     from outbox.dramatiq.consumer_log import ConsumerOutageFilter
     from outbox.relay.shared import Outage
-
-    told: list[str] = []
 
     class Capture(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -353,8 +347,18 @@ def test_a_consumers_outage_is_told_once_and_a_dropped_ack_does_not_end_it() -> 
     relay_log = logging.getLogger(f"test.outbox.{uuid.uuid4().hex}")
     relay_log.propagate, relay_log.level = False, logging.DEBUG
     relay_log.addHandler(Capture())
-    consumers = ConsumerOutageFilter(Outage("Dramatiq's broker", "amqp://host/", "They reconnect.", relay_log),
-                                     settle_s=0.0)
+    outage = Outage("Dramatiq's broker", "amqp://host/", "They reconnect.", relay_log)
+    return ConsumerOutageFilter(outage, settle_s=settle_s), Capture
+
+
+def test_a_consumers_outage_is_told_once_and_a_dropped_ack_does_not_end_it() -> None:
+    """Dramatiq's consumer log through an outage, as a RabbitMQ cut gives it (seen in CI, 28
+    November): connection errors and an ack that waits for the broker (its WARNING prints
+    the whole message) become one WARNING; the ack retried 5 s later "succeeds" without
+    reaching the broker (RabbitMQ's consumer forgot the delivery tag), which had ended the
+    outage a second before the broker was back; only an ack that is sent ends it."""
+    told: list[str] = []
+    consumers, Capture = consumer_outage_log(told, settle_s=0.0)
     handlers = [Capture(), Capture()]  # a process with two handlers (a console and a file, say)
     for handler in handlers:
         handler.addFilter(consumers)
@@ -395,22 +399,8 @@ def test_an_ack_within_the_consumers_restart_delay_does_not_end_their_outage() -
     logged "unreachable", "reachable again after 0.0 s" and "unreachable" within a
     millisecond. No consumer is back before Dramatiq's restart delay: an ack that soon after
     the outage began leaves it on; one after it ends it, with one INFO line."""
-    import logging
-
-    from outbox.dramatiq.consumer_log import ConsumerOutageFilter
-    from outbox.relay.shared import Outage
-
     told: list[str] = []
-
-    class Capture(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            told.append(f"{record.levelname} {record.getMessage()}")
-
-    relay_log = logging.getLogger(f"test.outbox.{uuid.uuid4().hex}")
-    relay_log.propagate, relay_log.level = False, logging.DEBUG
-    relay_log.addHandler(Capture())
-    consumers = ConsumerOutageFilter(Outage("Dramatiq's broker", "amqp://host/", "They reconnect.", relay_log),
-                                     settle_s=0.3)
+    consumers, Capture = consumer_outage_log(told, settle_s=0.3)
     worker = logging.getLogger("dramatiq.worker.ConsumerThread(q.publish)")
     handler = Capture()
     handler.addFilter(consumers)
