@@ -601,6 +601,48 @@ def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
         broker.drop()
 
 
+@pytest.mark.parametrize("alone", [False, True])
+def test_the_channel_sends_leases_and_acks_alone_where_the_tables_say_so(
+        alone: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``QueueTables.writes_alone`` (SQL Server's, docs/transport.md, "A network cut before
+    the COMMIT") is what makes the channel run a send, the lease and an ack alone: here on
+    PostgreSQL, whose ``statement_alone`` really switches to autocommit, with the flag set as
+    SQL Server's tables set it, and as PostgreSQL's own leave it."""
+    from outbox.storage.engines.postgres import PostgresEngine
+    from outbox.transport.tables.postgres import PostgresQueueTables
+
+    entered: list[bool] = []
+    statement_alone = PostgresEngine.statement_alone
+
+    @contextlib.contextmanager
+    def watched(self: PostgresEngine, conn: Any) -> Iterator[None]:
+        with statement_alone(self, conn):
+            entered.append(conn.autocommit)
+            yield
+
+    monkeypatch.setattr(PostgresEngine, "statement_alone", watched)
+    monkeypatch.setattr(PostgresQueueTables, "writes_alone", alone)
+    broker = Broker(engine_url("postgresql", tmp_path))
+    try:
+        with broker.connect() as conn:
+            q = conn.SimpleQueue("alone")
+            q.put({"n": 1})
+            sent = len(entered)
+            m = get(q)
+            leased = len(entered)
+            m.ack()
+            assert m.payload == {"n": 1}
+            if alone:  # each step ran alone at least once
+                assert 0 < sent < leased < len(entered), (sent, leased, entered)
+            else:
+                assert not entered, entered
+            assert all(entered)  # in autocommit while inside
+            q.put({"n": 2})
+            assert get(q).payload == {"n": 2}  # and the connection back in manual commit works on
+    finally:
+        broker.drop()
+
+
 def test_bad_urls_and_options_fail_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unsupported database URL scheme 'oracle'"):
         Connection("outboxdb+oracle://u@h/db").connect()

@@ -133,7 +133,7 @@ def test_the_lease_run_alone_commits_in_its_own_batch_before_the_rows_are_sent(
         parse_one(statement)
 
 
-def test_only_sql_server_runs_the_lease_ack_and_requeue_alone() -> None:
+def test_only_sql_server_runs_the_send_lease_ack_and_requeue_alone() -> None:
     """The others' servers end a cut-off lease's transaction within idle_transaction_timeout_s,
     sooner than a committed lease whose answer was lost would come back."""
     from outbox.storage.engines import engine_for_url
@@ -143,10 +143,10 @@ def test_only_sql_server_runs_the_lease_ack_and_requeue_alone() -> None:
         assert not queue_tables(engine_for_url(url), "celery_q").writes_alone, url
 
 
-def test_the_channels_lease_ack_and_requeue_run_alone_and_autocommit_is_put_back(
+def test_the_channels_send_lease_ack_and_requeue_run_alone_and_autocommit_is_put_back(
         monkeypatch: pytest.MonkeyPatch, no_sqlglot_fallbacks: None) -> None:
     """Through the transport's ``Database`` as the channel calls it: the lease batch that
-    commits itself, and the ack and requeue, each on the connection in autocommit; the
+    commits itself, and the send, ack and requeue, each on the connection in autocommit; the
     connection back in manual commit after each."""
     from outbox.transport.database import Database
 
@@ -166,6 +166,8 @@ def test_the_channels_lease_ack_and_requeue_run_alone_and_autocommit_is_put_back
     rows, tries = db.run_counting(lambda qt, c, n: qt.lease(c, "celery", 4, 60_000, "r" * 32), alone=qt.writes_alone)
     assert [r.body for r in rows] == ["body"] and tries == 1 and conn.autocommit is False
     assert (qt.lease_batch(own_transaction=True), True) in modes
+    db.run(lambda qt, c: qt.put(c, "celery", "{}", "Ym9keQ=="), alone=qt.writes_alone)
+    assert (qt.put_sql(False), True) in modes
     db.run_counting(lambda qt, c, n: qt.ack(c, 1, "r" * 32), alone=qt.writes_alone)
     db.run_counting(lambda qt, c, n: qt.release(c, 1, "r" * 32), alone=qt.writes_alone)
     assert (qt.ack_sql(), True) in modes and (qt.release_sql(delayed=False), True) in modes

@@ -175,7 +175,7 @@ class Channel(virtual.Channel):
 
     # -- publishing ----------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        self.db.run(lambda qt, c: self._insert(qt, c, queue, message))
+        self.db.run(lambda qt, c: self._insert(qt, c, queue, message), alone=self.db.qt.writes_alone)
 
     def _insert(self, qt: QueueTables, cursor: Any, queue: str, message: dict[str, Any]) -> None:
         check_name("queue", queue)

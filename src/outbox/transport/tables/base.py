@@ -63,9 +63,9 @@ class QueueTables:
     lock_rows: str = ""
     #: True where ``open_waiter`` gives a wake-up on every send (idle receivers need not poll fast).
     wakes_on_send: bool = False
-    #: True where the lease, ack and requeue run alone (``Engine.statement_alone``), each
-    #: committed in the round trip that runs it: where the server cannot end a session idle in
-    #: a transaction (SQL Server), a receiver cut off before its COMMIT held the rows' locks
+    #: True where a send, the lease, an ack and a requeue run alone (``Engine.statement_alone``),
+    #: each committed in the round trip that runs it: where the server cannot end a session idle
+    #: in a transaction (SQL Server), a receiver cut off before its COMMIT held the rows' locks
     #: for as long as its session lived. Elsewhere the server's idle-transaction bound frees
     #: them within seconds, sooner than a lost answer's lease would run out (docs/transport.md,
     #: "A network cut").
