@@ -405,7 +405,8 @@ def test_claim_through_the_store_hands_back_messages() -> None:
     assert conn.autocommit is False  # put back after the claim
 
 
-def test_the_fenced_writes_run_alone_so_no_cut_leaves_a_row_locked_for_its_commit() -> None:
+def test_the_fenced_writes_and_the_beat_run_alone_so_no_cut_leaves_a_row_locked_for_its_commit(
+        no_sqlglot_fallbacks: None) -> None:
     """docs/sqlserver.md, "Known limit": a relay session cut between a mark_failed UPDATE that
     took a row out of agg_open and its COMMIT left the key locked, and every claim's probe
     waited on it until the server dropped the session. mark_done, release and mark_failed
@@ -426,6 +427,13 @@ def test_the_fenced_writes_run_alone_so_no_cut_leaves_a_row_locked_for_its_commi
     store.mark_failed(5, "L" * 32, "poison", dead=True)
     writes = [(sql, alone) for sql, alone in modes if sql.startswith("UPDATE [dbo].[outbox] SET status")]
     assert len(writes) == 4 and all(alone for _, alone in writes), writes
+    # The heartbeat too; and its read of the silent holders reads past a holder's record
+    # locked by a beat (one cut off before its COMMIT made every other beat wait and fail).
+    store.beat(Holder("h-1", "host", 1), 5000)
+    beats = [(sql, alone) for sql, alone in modes if "[dbo].[outbox_holders]" in sql]
+    assert beats and all(alone for _, alone in beats), beats
+    assert "FROM [dbo].[outbox_holders] WITH (READCOMMITTEDLOCK, READPAST) WHERE" in store.engine.silent_holders_sql()
+    parse_one(store.engine.silent_holders_sql())
     assert conn.autocommit is False  # put back after each
 
 

@@ -339,9 +339,10 @@ class OutboxStore:
 
     # -- holders: the relay's worker processes (docs/internals.md, "Lost workers") ------------
     def beat(self, holder: Holder, silent_after_ms: int) -> Beat:
-        """One heartbeat of ``holder``, one short transaction: refresh its ``beat_at`` (insert
-        its record if it is missing), and list the other holders silent for longer than
-        ``silent_after_ms``, by the database clock."""
+        """One heartbeat of ``holder``: refresh its ``beat_at`` (insert its record if it is
+        missing), and list the other holders silent for longer than ``silent_after_ms``, by
+        the database clock. Alone (``Connections.transaction``): each statement commits as it
+        runs where the engine can, so no cut leaves the holder's record locked for a COMMIT."""
         engine = self.engine
 
         def work(cursor: Any) -> Beat:
@@ -352,7 +353,7 @@ class OutboxStore:
             return Beat(recreated, [SilentHolder(Holder(str(r[0]).strip(), str(r[1]), int(r[2])),
                                                  self._seconds(r[3], r[4])) for r in rows])
 
-        return self._run("beat", work)
+        return self._run("beat", work, alone=True)
 
     def take_over(self, silent: SilentHolder, silent_after_ms: int) -> Takeover | None:
         """End the leases of a silent holder, in one transaction: delete its record if it is

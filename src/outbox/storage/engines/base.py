@@ -613,8 +613,12 @@ class Engine(ABC):
 
     def silent_holders_sql(self) -> str:
         """Holders other than ``?`` whose last beat is older than ``?`` ms (negated), with
-        the database clock: (holder_id, host, pid, beat_at, now)."""
-        return (f"SELECT holder_id, host, pid, beat_at, {self.now} FROM {self.holders} "
+        the database clock: (holder_id, host, pid, beat_at, now). A holder whose record is
+        locked is beating right now, so not silent: read past it (``past_locks_read``),
+        never wait for it (SQL Server with RCSI off: a beat cut off before its COMMIT made
+        every process's beat wait ``LOCK_TIMEOUT`` and fail until the server dropped the
+        session)."""
+        return (f"SELECT holder_id, host, pid, beat_at, {self.now} FROM {self.holders}{self.past_locks_read} "
                 f"WHERE holder_id <> ? AND beat_at < {self.now_plus_ms()} ORDER BY beat_at")
 
     def drop_silent_holder_sql(self) -> str:
