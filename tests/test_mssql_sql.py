@@ -405,7 +405,7 @@ def test_claim_through_the_store_hands_back_messages() -> None:
     assert conn.autocommit is False  # put back after the claim
 
 
-def test_the_fenced_writes_and_the_beat_run_alone_so_no_cut_leaves_a_row_locked_for_its_commit(
+def test_the_fenced_writes_beat_and_takeover_run_alone_so_no_cut_leaves_a_row_locked_for_its_commit(
         no_sqlglot_fallbacks: None) -> None:
     """docs/sqlserver.md, "Known limit": a relay session cut between a mark_failed UPDATE that
     took a row out of agg_open and its COMMIT left the key locked, and every claim's probe
@@ -432,6 +432,13 @@ def test_the_fenced_writes_and_the_beat_run_alone_so_no_cut_leaves_a_row_locked_
     store.beat(Holder("h-1", "host", 1), 5000)
     beats = [(sql, alone) for sql, alone in modes if "[dbo].[outbox_holders]" in sql]
     assert beats and all(alone for _, alone in beats), beats
+    # A takeover too (SQL Server ends no idle transaction: one cut before its COMMIT held the
+    # lost holder's rows locked past their lease); its statements in order, each alone.
+    del modes[:]
+    assert store.take_over(SilentHolder(Holder("fedcba9876543210", "host-2", 7), 4.0), 3000) is not None
+    engine = store.engine
+    assert [sql for sql, _ in modes] == [engine.drop_silent_holder_sql(), engine.held_by_sql(), engine.end_leases_sql()]
+    assert all(alone for _, alone in modes), modes
     assert "FROM [dbo].[outbox_holders] WITH (READCOMMITTEDLOCK, READPAST) WHERE" in store.engine.silent_holders_sql()
     parse_one(store.engine.silent_holders_sql())
     assert conn.autocommit is False  # put back after each

@@ -606,10 +606,9 @@ def test_the_channel_sends_leases_and_acks_alone_where_the_tables_say_so(
         alone: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``QueueTables.writes_alone`` (SQL Server's, docs/transport.md, "A network cut before
     the COMMIT") is what makes the channel run a send, the lease and an ack alone: here on
-    PostgreSQL, whose ``statement_alone`` really switches to autocommit, with the flag set as
-    SQL Server's tables set it, and as PostgreSQL's own leave it."""
+    PostgreSQL, whose ``statement_alone`` really switches to autocommit, with its engine
+    taken for one that cannot end an idle transaction, as SQL Server's, and as it is."""
     from outbox.storage.engines.postgres import PostgresEngine
-    from outbox.transport.tables.postgres import PostgresQueueTables
 
     entered: list[bool] = []
     statement_alone = PostgresEngine.statement_alone
@@ -621,7 +620,7 @@ def test_the_channel_sends_leases_and_acks_alone_where_the_tables_say_so(
             yield
 
     monkeypatch.setattr(PostgresEngine, "statement_alone", watched)
-    monkeypatch.setattr(PostgresQueueTables, "writes_alone", alone)
+    monkeypatch.setattr(PostgresEngine, "ends_idle_transactions", not alone)
     broker = Broker(engine_url("postgresql", tmp_path))
     try:
         with broker.connect() as conn:

@@ -138,9 +138,10 @@ def test_only_sql_server_runs_the_send_lease_ack_and_requeue_alone() -> None:
     sooner than a committed lease whose answer was lost would come back."""
     from outbox.storage.engines import engine_for_url
 
-    assert MssqlQueueTables.writes_alone
+    assert queue_tables(MssqlEngine(), "celery_q").writes_alone
     for url in ("postgresql://h/d", "mysql://h/d", "sqlite:///x.db"):
         assert not queue_tables(engine_for_url(url), "celery_q").writes_alone, url
+        assert engine_for_url(url).ends_idle_transactions, url
 
 
 def test_the_channels_send_lease_ack_and_requeue_run_alone_and_autocommit_is_put_back(

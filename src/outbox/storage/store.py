@@ -356,11 +356,16 @@ class OutboxStore:
         return self._run("beat", work, alone=True)
 
     def take_over(self, silent: SilentHolder, silent_after_ms: int) -> Takeover | None:
-        """End the leases of a silent holder, in one transaction: delete its record if it is
-        still silent, and only then move ``claimed_at`` of the rows it holds back past the
-        lease, so the next claim takes them (``attempts + 1``, a new token: the lost holder's
-        late writes are fenced off). None when another process took it over first, or it beat
-        again meanwhile."""
+        """End the leases of a silent holder: delete its record if it is still silent, and only
+        then move ``claimed_at`` of the rows it holds back past the lease, so the next claim
+        takes them (``attempts + 1``, a new token: the lost holder's late writes are fenced
+        off). None when another process took it over first, or it beat again meanwhile.
+
+        One transaction where the server ends an idle one (``Engine.ends_idle_transactions``);
+        on SQL Server alone, each statement committed as it runs: a takeover cut off before
+        its COMMIT held the lost holder's rows locked, past their lease, until the server
+        dropped the session, where a takeover that stops after the delete leaves them to
+        their lease."""
         engine, prefix = self.engine, silent.holder.holder_id + "%"
 
         def work(cursor: Any) -> Takeover | None:
@@ -374,7 +379,7 @@ class OutboxStore:
                 engine.execute(cursor, engine.end_leases_sql(), [-(self.claim_timeout_ms + 1000), prefix])
             return Takeover(silent, int(count or 0), self._seconds(oldest, now) if oldest is not None else 0.0)
 
-        return self._run("take_over", work)
+        return self._run("take_over", work, alone=not engine.ends_idle_transactions)
 
     def drop_holder(self, holder_id: str) -> None:
         """Delete a holder's record: its process is ending, having settled or released its rows."""

@@ -229,6 +229,13 @@ class Engine(ABC):
     #: (``statement_alone``)? Then claim and COMMIT are one round trip, and no moment exists
     #: when the claim's locks wait for the client's COMMIT (docs/relay.md, "A network cut").
     one_statement_claim: ClassVar[bool] = False
+    #: Does the server end a session left idle inside a transaction, and its locks with it
+    #: (PostgreSQL's ``idle_in_transaction_session_timeout``, MariaDB's
+    #: ``idle_transaction_timeout``, MySQL's ``wait_timeout``, all set at connect; SQLite has
+    #: no network)? Where it does not (SQL Server), work whose locks would wait for the
+    #: client's COMMIT runs alone instead, each statement committed as it runs, even where
+    #: that gives up atomicity across its statements (docs/relay.md, "A network cut").
+    ends_idle_transactions: ClassVar[bool] = True
 
     @staticmethod
     @contextmanager

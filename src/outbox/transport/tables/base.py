@@ -63,13 +63,6 @@ class QueueTables:
     lock_rows: str = ""
     #: True where ``open_waiter`` gives a wake-up on every send (idle receivers need not poll fast).
     wakes_on_send: bool = False
-    #: True where a send, the lease, an ack and a requeue run alone (``Engine.statement_alone``),
-    #: each committed in the round trip that runs it: where the server cannot end a session idle
-    #: in a transaction (SQL Server), a receiver cut off before its COMMIT held the rows' locks
-    #: for as long as its session lived. Elsewhere the server's idle-transaction bound frees
-    #: them within seconds, sooner than a lost answer's lease would run out (docs/transport.md,
-    #: "A network cut").
-    writes_alone: bool = False
 
     def __init__(self, engine: Engine, table: str = DEFAULT_QUEUE_TABLE) -> None:
         self.engine = engine
@@ -77,6 +70,16 @@ class QueueTables:
         self.table = engine.qualify(table)
         self.binding_name = f"{table}_binding"
         self.bindings = engine.qualify(self.binding_name)
+
+    @property
+    def writes_alone(self) -> bool:
+        """Do a send, the lease, an ack and a requeue run alone (``Engine.statement_alone``),
+        each committed in the round trip that runs it? Where the server cannot end a session
+        idle in a transaction (``Engine.ends_idle_transactions``: SQL Server), a receiver cut
+        off before its COMMIT held the rows' locks for as long as its session lived. Elsewhere
+        the server frees them within seconds, sooner than a lost answer's lease would run out
+        (docs/transport.md, "A network cut before the COMMIT")."""
+        return not self.engine.ends_idle_transactions
 
     # -- names and expressions ------------------------------------------------
     def index_name(self, suffix: str) -> str:

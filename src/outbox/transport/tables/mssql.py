@@ -39,8 +39,6 @@ NAME_COLLATION = "Latin1_General_100_BIN2"
 
 
 class MssqlQueueTables(QueueTables):
-    writes_alone = True  # no server-side bound on an idle transaction (base.QueueTables)
-
     def after_ms(self) -> str:
         return "DATEADD(MILLISECOND, ?, DATEADD(SECOND, ?, SYSUTCDATETIME()))"
 

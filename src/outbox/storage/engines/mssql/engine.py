@@ -86,6 +86,8 @@ class MssqlEngine(MssqlStatements):
     #: (``claim_statements(own_transaction=True)``): one round trip, and its locks never
     #: wait for the client's COMMIT (docs/relay.md, "A network cut").
     one_statement_claim: ClassVar[bool] = True
+    #: Nothing on the server ends a session idle in a transaction (docs/sqlserver.md, "A network cut").
+    ends_idle_transactions: ClassVar[bool] = False
 
     @contextmanager
     def statement_alone(self, conn: Any) -> Iterator[None]:
