@@ -427,6 +427,9 @@ def test_the_fenced_writes_beat_and_takeover_run_alone_so_no_cut_leaves_a_row_lo
     store.mark_failed(5, "L" * 32, "poison", dead=True)
     writes = [(sql, alone) for sql, alone in modes if sql.startswith("UPDATE [dbo].[outbox] SET status")]
     assert len(writes) == 4 and all(alone for _, alone in writes), writes
+    del modes[:]
+    store.adopt([6, 7], "L" * 32, "M" * 32)  # a publish task run by another process than the claimer
+    assert modes and all(alone for _, alone in modes), modes
     # The heartbeat too; and its read of the silent holders reads past a holder's record
     # locked by a beat (one cut off before its COMMIT made every other beat wait and fail).
     store.beat(Holder("h-1", "host", 1), 5000)

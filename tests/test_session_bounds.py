@@ -221,7 +221,8 @@ def test_a_claim_whose_answer_was_lost_after_it_committed_returns_what_it_took(k
 
 
 #: The statement after which an adoption is committed on the server: its COMMIT.
-ADOPT_COMMITS = {"postgresql": b"COMMIT", "mysql": b"\x03COMMIT"}
+#: What commits an adoption: on PostgreSQL its UPDATE itself, run alone (autocommit).
+ADOPT_COMMITS = {"postgresql": b"SET lease_token = $1, claimed_at", "mysql": b"\x03COMMIT"}
 
 
 @pytest.mark.parametrize("step", ["claim", "adopt"])

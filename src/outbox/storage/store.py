@@ -309,7 +309,7 @@ class OutboxStore:
             return sum(self.engine.execute(cursor, sql, [0, 0, lease]).rowcount for lease in leases)
 
         try:
-            released = self._run("release", work)
+            released = self._run("release", work, alone=True)  # one release per lease, each atomic alone
         except Exception:
             with self._doubtful_lock:
                 self._doubtful[:0] = leases
@@ -335,7 +335,8 @@ class OutboxStore:
                         for cond, params in map(self.engine.ids_in, self.engine.id_chunks(ids)))
             return set(ids) if moved == len(ids) else self._held_by(cursor, ids, new_lease)
 
-        return self._doubting(new_lease, lambda: self._run("adopt", work))
+        # Alone, as mark_done: each UPDATE commits as it runs, and the read after it checks what moved.
+        return self._doubting(new_lease, lambda: self._run("adopt", work, alone=True))
 
     # -- holders: the relay's worker processes (docs/internals.md, "Lost workers") ------------
     def beat(self, holder: Holder, silent_after_ms: int) -> Beat:
