@@ -276,9 +276,11 @@ class Engine(ABC):
         return self.cursor_for(conn)
 
     def commits_each_statement(self, conn: Any) -> bool:
-        """Is the caller's connection in autocommit mode, so that ``enqueue`` commits the
-        event by itself instead of with the caller's transaction? (psycopg, pyodbc,
-        mssql-python: ``autocommit``.) Asked before the insert."""
+        """Is the connection in autocommit mode (psycopg, pyodbc, mssql-python: ``autocommit``)?
+        ``enqueue`` asks it of the caller's connection before the insert (the event then
+        commits by itself, not with the caller's transaction); SQL Server's claim and lease
+        batches ask it of their own, run alone by ``statement_alone``, to open and commit
+        their own transaction."""
         return getattr(conn, "autocommit", False) is True
 
     def begin(self, cursor: Any) -> None:  # noqa: B027 - a hook: most drivers open the transaction themselves

@@ -164,7 +164,7 @@ OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.de
 
     def lease(self, cursor: Any, queue: str, limit: int, visibility_ms: int, receipt: str) -> list[MessageRow]:
         params = [limit, queue, receipt, *self.after_params(visibility_ms)]
-        own = getattr(getattr(cursor, "connection", None), "autocommit", False) is True  # statement_alone
+        own = self.engine.commits_each_statement(getattr(cursor, "connection", None))  # run alone: statement_alone
         try:
             self.run(cursor, self.lease_batch(own), params)
             return to_rows(result_rows(cursor))

@@ -431,7 +431,7 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
                 self.id_collation = str(row[0])
         if self.probe_index is None:
             self.probe_index = self.execute(cursor, self.index_matches(self.PROBE_INDEX)).fetchone() is not None
-        own = getattr(getattr(cursor, "connection", None), "autocommit", False) is True  # statement_alone
+        own = self.commits_each_statement(getattr(cursor, "connection", None))  # run alone: statement_alone
         try:
             self.execute(cursor, self.claim_batch(own, skip_blocked),
                          self.claim_params(batch, lease, timeout_ms, max_attempts, behind))
