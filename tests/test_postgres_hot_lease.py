@@ -94,6 +94,10 @@ CREATE INDEX "ix_{t}_done_processed_at" ON "{t}" (processed_at) WHERE status = 2
 """
 
 
+MIGRATED_OPTIONS = ["fillfactor=50", "autovacuum_vacuum_scale_factor=0", "autovacuum_vacuum_threshold=10000",
+                    "autovacuum_analyze_scale_factor=0", "autovacuum_analyze_threshold=10000"]
+
+
 def test_migrate_moves_a_table_made_before_and_mends_rows_that_break_the_rule(table: str) -> None:
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
         admin.execute(OLD_SCHEMA.format(t=table))
@@ -110,18 +114,32 @@ def test_migrate_moves_a_table_made_before_and_mends_rows_that_break_the_rule(ta
             assert definitions[f"ix_{table}_{suffix}"].endswith("WHERE (processed_at IS NULL)")
         assert definitions[f"ix_{table}_done_processed_at"].endswith("WHERE (processed_at IS NOT NULL)")
         assert admin.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
-                             [table]).fetchone()[0] == ["fillfactor=50"]
+                             [table]).fetchone()[0] == MIGRATED_OPTIONS
         assert admin.execute(f'SELECT id, processed_at IS NULL FROM "{table}" ORDER BY id').fetchall() == [
             (1, True), (2, True), (3, True), (4, False)]
         assert [m.id for m in store.claim(10).messages] == [1, 2, 3]  # the mended row is not lost
         with pytest.raises(psycopg.errors.CheckViolation, match=f"ck_{table}_open"):
             admin.execute(f'UPDATE "{table}" SET status = 0 WHERE id = 4')
-        # A fill factor the operator chose is theirs: migrate keeps it.
-        admin.execute(f'ALTER TABLE "{table}" SET (fillfactor = 90)')
+        # A fill factor or threshold the operator chose is theirs: migrate keeps it, and puts
+        # back only the parameters the table has lost.
+        admin.execute(f'ALTER TABLE "{table}" SET (fillfactor = 90, autovacuum_vacuum_threshold = 500)')
+        admin.execute(f'ALTER TABLE "{table}" RESET (autovacuum_analyze_threshold)')
         store.migrate()
-        assert admin.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
-                             [table]).fetchone()[0] == ["fillfactor=90"]
+        assert sorted(admin.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+                                    [table]).fetchone()[0]) == sorted(
+            ["fillfactor=90", "autovacuum_vacuum_threshold=500", "autovacuum_vacuum_scale_factor=0",
+             "autovacuum_analyze_scale_factor=0", "autovacuum_analyze_threshold=10000"])
         store.close()
+
+
+def test_a_new_table_is_made_with_its_own_fill_factor_and_autovacuum_thresholds(table: str) -> None:
+    """Autovacuum's defaults wait for a fifth of the table to be dead row versions; each event
+    leaves three, and every claim steps over those not yet vacuumed (docs/internals.md,
+    "Vacuum keeps the claim fast")."""
+    OutboxStore(POSTGRES_URL, table=table).migrate()
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        assert admin.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+                             [table]).fetchone()[0] == MIGRATED_OPTIONS
 
 
 def test_the_lease_commits_lazily_and_the_done_mark_durably(table: str) -> None:

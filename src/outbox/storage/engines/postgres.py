@@ -162,7 +162,17 @@ class PostgresEngine(Engine):
 
     #: Free space left in each page of the table for the lease's HOT update
     #: (docs/internals.md, "The lease is a HOT update on PostgreSQL").
-    FILLFACTOR: ClassVar[int] = 50
+    # The outbox table's storage parameters, each set by `outbox migrate` only where the table
+    # has none of its own (an operator's choice is kept). docs/internals.md: the fill factor in
+    # "The lease is a HOT update on PostgreSQL", the autovacuum thresholds in "Vacuum keeps the
+    # claim fast".
+    STORAGE: ClassVar[dict[str, int]] = {
+        "fillfactor": 50,
+        "autovacuum_vacuum_scale_factor": 0,
+        "autovacuum_vacuum_threshold": 10000,
+        "autovacuum_analyze_scale_factor": 0,
+        "autovacuum_analyze_threshold": 10000,
+    }
 
     def open_rows(self, alias: str = "") -> str:
         # The partial indexes' predicate, which the lease does not change (docs/internals.md,
@@ -171,6 +181,7 @@ class PostgresEngine(Engine):
 
     def migration(self, native_json: bool = False) -> list[Any]:
         t, q = self.table, self.quote
+        storage = ", ".join(f"{name} = {value}" for name, value in self.STORAGE.items())
         steps: list[Any] = [f"CREATE SCHEMA IF NOT EXISTS {q(self.schema)}"] if self.schema else []
         steps += [
             f"""CREATE TABLE IF NOT EXISTS {t} (
@@ -189,7 +200,7 @@ class PostgresEngine(Engine):
                 next_retry_at TIMESTAMPTZ(3) NULL,
                 created_at TIMESTAMPTZ(3) NOT NULL DEFAULT now(),
                 processed_at TIMESTAMPTZ(3) NULL
-            ) WITH (fillfactor = {self.FILLFACTOR})""",
+            ) WITH ({storage})""",
             # Columns added after the first release: repaired on tables an older script made.
             f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS last_error TEXT NULL",
             f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lease_token VARCHAR(32) NULL",
@@ -198,7 +209,7 @@ class PostgresEngine(Engine):
         # Tables made before the lease was a HOT update (docs/internals.md, "The lease is a HOT
         # update on PostgreSQL"): the open rows' test written on processed_at and kept equal to
         # the status test by a CHECK (rows that break it are mended first), the three partial
-        # indexes rebuilt on processed_at, and the fill factor set unless the table has one already.
+        # indexes rebuilt on processed_at; and each storage parameter set unless the table has its own.
         check = f"ck_{self.table_name}_open"
         has_check = ("SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(?) AND conname = ?",
                      [self.qualify(self.table_name), check])
@@ -208,10 +219,10 @@ class PostgresEngine(Engine):
                         "WHERE status IN (2, 4) AND processed_at IS NULL"),
             (has_check, f"ALTER TABLE {t} ADD CONSTRAINT {q(check)} "
                         "CHECK ((status IN (0, 1, 3)) = (processed_at IS NULL))"),
-            (("SELECT 1 FROM pg_class WHERE oid = to_regclass(?) AND array_to_string(reloptions, ',') "
-              "LIKE '%fillfactor=%'", [self.qualify(self.table_name)]),
-             f"ALTER TABLE {t} SET (fillfactor = {self.FILLFACTOR})"),
         ]
+        steps += [(("SELECT 1 FROM pg_class WHERE oid = to_regclass(?) AND EXISTS (SELECT 1 FROM "
+                    "unnest(reloptions) AS option WHERE option LIKE ?)", [self.qualify(self.table_name), f"{name}=%"]),
+                   f"ALTER TABLE {t} SET ({name} = {value})") for name, value in self.STORAGE.items()]
         for suffix, columns, where in (("agg_id_id", "aggregate_id, id", "processed_at IS NULL"),
                                        ("claim_ready", "id", "processed_at IS NULL"),
                                        ("done_processed_at", "processed_at", "processed_at IS NOT NULL")):
