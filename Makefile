@@ -15,7 +15,7 @@ demo: $(BASE)           ## the whole pipeline on the embedded SQLite default (ba
 	$(BIN)/outbox demo
 
 test: $(STAMP)          ## the test suite (services it cannot reach are skipped, or fail under OUTBOX_REQUIRE_SERVICES)
-	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 bench: $(STAMP)         ## benchmarks; they print ratios against a baseline measured in the same run
 	$(BIN)/pip install -q "py-spy>=0.3"   # the profile phase; not needed by the tests

@@ -217,6 +217,10 @@ def run_live(run: Run, destination: Destination, variant: str, rate: float, dura
         result["t0_epoch"] = t0_epoch
         result["events"] = [{"id": i, "aggregate": a, "at_s": round(at, 4), "ms": ms, "woken": w}
                             for i, a, at, ms, w in events]
+        # Every arrival after an event's first (at-least-once), seconds after t0 as ``at_s``:
+        # when it came again tells which fault sent it twice.
+        result["repeats"] = [{"id": i, "aggregate": a, "first_s": round(first[i] - t0, 4), "again_s": round(t - t0, 4)}
+                             for t, i, a in arrivals if first[i] != t]
     result["writer_added_p50_ms"] = result["writer_wake_p50_ms"] - result["writer_plain_p50_ms"]
     result["writer_added_p99_ms"] = result["writer_wake_p99_ms"] - result["writer_plain_p99_ms"]
     log(f"live {variant:6s}: {result['committed']} commits at {result['achieved_rate']:.0f}/s, "

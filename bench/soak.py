@@ -58,7 +58,8 @@ warm-up would make its end a post-cut state and hide the first reconnect's step.
 adds each cut, the events written and delivered, duplicates and order, and per cut
 (``recovery``): the events that arrived during it, the first arrival after it, when every event
 committed before its end had arrived, the longest gap in arrivals until the next cut, the events
-lost, and whether delivery resumed and caught up; then the aggregates whose events never
+lost, the events that came twice (``duplicates_by_cut``: each repeated arrival is charged to
+the last cut begun before it), and whether delivery resumed and caught up; then the aggregates whose events never
 arrived (``missing_by_aggregate``: a few with many is a chain held back, many with few a relay
 behind everywhere). The lag windows are then on the faults' clock (the warm-up's p99 is before
 the first cut, the last fifth's includes cuts).
@@ -67,6 +68,7 @@ the first cut, the last fifth's includes cuts).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import math
@@ -874,10 +876,11 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Exception):
             flush_redis(run.redis_url)
     assert sampler is not None
-    events = results["live"].pop("events")
+    events, repeats = results["live"].pop("events"), results["live"].pop("repeats")
     if injector is not None:  # on the faults' clock: the warm-up's window ends where the first cut begins
         offset = results["live"]["t0_epoch"] - sampler.t0_epoch
         events = [{**e, "at_s": e["at_s"] + offset} for e in events]
+        repeats = [{**r, "first_s": r["first_s"] + offset, "again_s": r["again_s"] + offset} for r in repeats]
     results["lag"] = lag_windows(events, duration, args.warmup)
     results["samples"] = sampler.samples
     results["processes"] = sampler.names.commands
@@ -886,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
     if injector is not None:
         faults = injector.faults()
         verdict_samples = settled(sampler.samples, faults, args.settle_s)
-        results["faults"] = fault_results(injector, faults, verdict_samples, events)
+        results["faults"] = fault_results(injector, faults, verdict_samples, events, repeats)
     analysis = analyse(verdict_samples, warmup_s)
     results["analysis"] = analysis
     pids = {label: v["pid"] for s in sampler.samples for label, v in s["procs"].items()}
@@ -906,17 +909,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fault_results(injector: FaultInjector, faults: Sequence[Fault], verdict_samples: Sequence[dict[str, Any]],
-                  events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+                  events: Sequence[dict[str, Any]], repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """``--faults``' figures: the cuts made, the samples the verdicts kept, each cut's recovery
-    (``recovery``; ``events`` on the faults' clock), and for comparison the longest gap in
-    arrivals before the first cut, from the tenth second on (the relay's start is no cut's)."""
+    (``recovery``; ``events`` and ``repeats`` on the faults' clock, each cut's duplicates by
+    ``duplicates_by_cut``), and for comparison the longest gap in arrivals before the first
+    cut, from the tenth second on (the relay's start is no cut's)."""
     commits = commit_arrivals(events)
     arrivals = sorted(a for _, a in commits if a is not None)
     end = max((c for c, _ in commits), default=0.0)
     first = faults[0].at if faults else end
+    before, by_cut = duplicates_by_cut(repeats, faults)
+    rec = [{**r, "duplicates": n} for r, n in zip(recovery(commits, faults, end), by_cut)]
     return {"made": injector.made, "errors": injector.errors, "settled_samples": len(verdict_samples),
-            "recovery": recovery(commits, faults, end), "missing_by_aggregate": missing_by_aggregate(events),
+            "recovery": rec, "duplicates_before_faults": before, "missing_by_aggregate": missing_by_aggregate(events),
             "gap_before_faults_s": round(longest_gap(arrivals, 10.0, first), 3) if first > 10 else None}
+
+
+def duplicates_by_cut(repeats: Sequence[dict[str, Any]], faults: Sequence[Fault]) -> tuple[int, list[int]]:
+    """Each repeated arrival charged to the last cut that began before it came again (those
+    before the first cut are counted apart): which kind of cut sends events twice."""
+    starts = [f.at for f in faults]
+    counts = [0] * len(faults)
+    before = 0
+    for r in repeats:
+        k = bisect.bisect_right(starts, r["again_s"]) - 1
+        if k < 0:
+            before += 1
+        else:
+            counts[k] += 1
+    return before, counts
 
 
 def report(results: dict[str, Any], analysis: dict[str, dict[str, dict[str, Any]]], pids: dict[str, int],
@@ -980,12 +1001,14 @@ def fault_lines(faults: dict[str, Any], live: dict[str, Any], samples: int, args
            f"{faults['settled_samples']} of {samples} samples settled (the verdicts' samples)",
            f"events: {live['committed']} written, {live['arrived']} delivered, {order['missing']} missing, "
            f"{order['duplicates']} duplicates, order ok={order['ok']}; longest gap in arrivals before the first "
-           f"cut: {faults['gap_before_faults_s']} s"]
+           f"cut: {faults['gap_before_faults_s']} s; duplicates before the first cut: "
+           f"{faults['duplicates_before_faults']}"]
     for made, rec in zip(faults["made"], faults["recovery"]):
         out.append(f"  {made['clock']} {rec['target']:8s} cut at {rec['at']:6.1f} s, {made['reset']} connections "
                    f"reset: {rec['arrived_during']} arrived during the cut, first arrival {rec['first_after_s']} s "
                    f"after it, caught up after {rec['caught_up_s']} s, longest gap after it {rec['longest_gap_s']} s, "
-                   f"{rec['missing']} missing: " + recovered(rec))
+                   f"{rec['missing']} missing" + (f", {rec['duplicates']} sent twice" if rec["duplicates"] else "")
+                   + ": " + recovered(rec))
     if faults["missing_by_aggregate"]:
         out.append("  never arrived, by aggregate: " + ", ".join(
             f"{m['aggregate']} {m['missing']} (first committed at {m['first_at']:.1f} s)"

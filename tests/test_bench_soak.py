@@ -18,6 +18,7 @@ from bench.soak import (
     assess,
     by_peer,
     commit_arrivals,
+    duplicates_by_cut,
     fault_schedule,
     fault_urls,
     floors,
@@ -196,6 +197,16 @@ def test_recovery_after_each_cut() -> None:
     assert [recovered(r) for r in (first, second)] == ["resumed, caught up", "STUCK: nothing arrived after the cut"]
     lagging = recovery([(0.0, 0.5), (10.0, 30.0), (12.0, 12.5)], [Fault("database", 9, 2)], end=20)[0]
     assert lagging["resumed"] and not lagging["caught_up"] and recovered(lagging).startswith("resumed, NOT")
+
+
+def test_each_repeated_arrival_is_charged_to_the_last_cut_begun_before_it() -> None:
+    faults = [Fault("database", 20, 5), Fault("RabbitMQ", 50, 5)]
+    repeats = [{"id": 1, "aggregate": "a", "first_s": 3.0, "again_s": 4.0},     # before any cut
+               {"id": 2, "aggregate": "a", "first_s": 19.9, "again_s": 26.0},   # after the database cut
+               {"id": 3, "aggregate": "b", "first_s": 49.0, "again_s": 50.0},   # as the RabbitMQ cut began
+               {"id": 4, "aggregate": "b", "first_s": 49.0, "again_s": 80.0}]   # long after it: still its
+    assert duplicates_by_cut(repeats, faults) == (1, [1, 2])
+    assert duplicates_by_cut([], faults) == (0, [0, 0])
 
 
 def test_connections_through_the_proxy_count_for_the_server_behind_it() -> None:

@@ -24,7 +24,7 @@ def table() -> Iterator[str]:
     name = f"hot_lease_{uuid.uuid4().hex[:8]}"
     yield name
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-        admin.execute(f'DROP TABLE IF EXISTS "{name}"')
+        admin.execute(f'DROP TABLE IF EXISTS "{name}", "{name}_holders"')
 
 
 def add(table: str, aggregates: int, per_aggregate: int) -> None:
