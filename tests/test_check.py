@@ -136,6 +136,10 @@ def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
         assert ready.returncode == 0, ready.stdout
         states = lines(ready)
         assert states["table"] == "ok" and states["indexes"] == "ok"
+        with store.transaction() as cursor:  # the vacuum line warns where the server's autovacuum is off
+            server_on = store.engine.execute(cursor, "SELECT current_setting('autovacuum')").fetchone()[0] == "on"
+        assert states["vacuum"] == ("ok" if server_on else "warn")
+        assert ("autovacuum is off on this server" in ready.stdout) is not server_on
         # AMQP cannot list bindings: the report says how to look.
         assert states["queue bound to the exchange"] == "warn" and "rabbitmqctl list_bindings" in ready.stdout
         # A Redis destination keeps its bindings where they can be read.

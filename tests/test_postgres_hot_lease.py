@@ -163,3 +163,34 @@ def test_the_lease_commits_lazily_and_the_done_mark_durably(table: str) -> None:
         assert store.engine.execute(cursor, store.engine.mark_done_sql(cond), [*params, lease]).rowcount == 6
         assert cursor.execute("SHOW synchronous_commit").fetchone() == ("on",)
         conn.commit()
+
+
+def test_the_tables_upkeep_names_what_would_slow_the_claim_over_time(table: str) -> None:
+    """`outbox check`'s vacuum line (docs/internals.md, "Vacuum keeps the claim fast"): the
+    server's autovacuum, the table's own switch, and the thresholds `outbox migrate` gives it."""
+    store = OutboxStore(POSTGRES_URL, table=table)
+    store.migrate()
+
+    def upkeep() -> tuple[str, str]:
+        with store.transaction() as cursor:
+            found, problems = store.engine.upkeep(cursor)
+        return found, " | ".join(problems)
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        server_on = admin.execute("SHOW autovacuum").fetchone()[0] == "on"
+        found, problems = upkeep()
+        assert found == f'autovacuum {"on" if server_on else "off"}; "{table}" vacuumed after 10000 dead row versions'
+        assert (problems == "") is server_on
+        assert ("autovacuum is off on this server" in problems) is not server_on
+        admin.execute(f'ALTER TABLE "{table}" RESET (autovacuum_vacuum_threshold, autovacuum_analyze_scale_factor)')
+        admin.execute(f'ALTER TABLE "{table}" SET (autovacuum_enabled = false)')
+        found, problems = upkeep()
+        assert "vacuumed after the server's dead row versions" in found
+        assert f'autovacuum is disabled on "{table}" (autovacuum_enabled=false)' in problems
+        assert (f'"{table}" has no autovacuum_vacuum_threshold, autovacuum_analyze_scale_factor of its own'
+                in problems)
+        store.migrate()  # puts the thresholds back; the switch is the operator's
+        found, problems = upkeep()
+        assert "of its own" not in problems and "autovacuum_enabled=false" in problems
+    store.close()
+

@@ -110,6 +110,8 @@ def check_database(settings: Settings) -> list[Result]:
         else:
             results.append(Result("indexes", OK, ", ".join(sorted(expected_index_names(store.engine)))))
         results.append(_check_holders(store))
+        if store.engine.UPKEEP is not None:
+            results.append(_check_upkeep(store))
         return results
     finally:
         store.close()
@@ -124,6 +126,18 @@ def _check_holders(store: OutboxStore) -> Result:
         return Result("holders", WARN, f"{store.engine.holders} is missing ({_error(exc)}): a lost worker's rows "
                       "wait for their lease (OUTBOX_CLAIM_TIMEOUT_MS) instead of seconds; run `outbox migrate`")
     return Result("holders", OK, f"{store.engine.holders}: {int(count)} relay worker processes recorded")
+
+
+def _check_upkeep(store: OutboxStore) -> Result:
+    """The database's own housekeeping of the table (PostgreSQL's vacuum): left undone, it slows
+    every claim as the months go by, and nothing else says so."""
+    assert store.engine.UPKEEP is not None
+    try:
+        with store.transaction() as cursor:
+            found, problems = store.engine.upkeep(cursor)
+    except Exception as exc:
+        return Result(store.engine.UPKEEP, WARN, f"could not be read: {_error(exc)}")
+    return Result(store.engine.UPKEEP, WARN, "; ".join(problems)) if problems else Result(store.engine.UPKEEP, OK, found)
 
 
 def _missing_columns(store: OutboxStore) -> list[str]:

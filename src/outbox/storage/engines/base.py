@@ -380,6 +380,15 @@ class Engine(ABC):
         return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INTEGER NOT NULL, "
                 "started_at TIMESTAMP NOT NULL, beat_at TIMESTAMP NOT NULL")
 
+    #: What ``upkeep`` looks at, named in `outbox check`'s report; None: this engine's own
+    #: housekeeping needs nothing of the operator.
+    UPKEEP: ClassVar[str | None] = None
+
+    def upkeep(self, cursor: Any) -> tuple[str, list[str]]:
+        """The database's own housekeeping of the outbox table, for `outbox check`: what it
+        found, and what would let the relay slow down as the months go by, in words."""
+        return "nothing to check", []
+
     # -- write side (runs in the caller's transaction: never commit here) -------
     @abstractmethod
     def insert_event(self, cursor: Any, event: NewEvent) -> int:

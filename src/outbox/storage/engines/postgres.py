@@ -160,8 +160,6 @@ class PostgresEngine(Engine):
             return True
         return isinstance(exc, psycopg.InterfaceError)
 
-    #: Free space left in each page of the table for the lease's HOT update
-    #: (docs/internals.md, "The lease is a HOT update on PostgreSQL").
     # The outbox table's storage parameters, each set by `outbox migrate` only where the table
     # has none of its own (an operator's choice is kept). docs/internals.md: the fill factor in
     # "The lease is a HOT update on PostgreSQL", the autovacuum thresholds in "Vacuum keeps the
@@ -173,6 +171,27 @@ class PostgresEngine(Engine):
         "autovacuum_analyze_scale_factor": 0,
         "autovacuum_analyze_threshold": 10000,
     }
+
+    UPKEEP: ClassVar[str | None] = "vacuum"
+
+    def upkeep(self, cursor: Any) -> tuple[str, list[str]]:
+        # docs/internals.md, "Vacuum keeps the claim fast".
+        on, options = self.execute(cursor, "SELECT current_setting('autovacuum'), (SELECT reloptions FROM pg_class "
+                                   "WHERE oid = to_regclass(?))", [self.qualify(self.table_name)]).fetchone()
+        own = dict(option.split("=", 1) for option in options or [])
+        problems = []
+        if on != "on":
+            problems.append("autovacuum is off on this server: dead row versions pile up and every claim gets "
+                            f"slower until {self.table} is vacuumed (turn autovacuum on, or VACUUM it every few minutes)")
+        if own.get("autovacuum_enabled") == "false":
+            problems.append(f"autovacuum is disabled on {self.table} (autovacuum_enabled=false): every claim gets "
+                            "slower until it is vacuumed")
+        unset = [name for name in self.STORAGE if name.startswith("autovacuum_") and name not in own]
+        if unset:
+            problems.append(f"{self.table} has no {', '.join(unset)} of its own, so autovacuum waits for a fifth of "
+                            "it to be dead row versions: run `outbox migrate` as the table's owner")
+        threshold = own.get("autovacuum_vacuum_threshold", "the server's")
+        return f"autovacuum {on}; {self.table} vacuumed after {threshold} dead row versions", problems
 
     def open_rows(self, alias: str = "") -> str:
         # The partial indexes' predicate, which the lease does not change (docs/internals.md,
