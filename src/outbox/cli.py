@@ -242,8 +242,8 @@ def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
 @one_line_errors
 def check(probe_topic: str | None) -> None:
     """Check that this deployment can relay, in one report: configuration, database
-    reachable, table and indexes as `outbox migrate` makes them, Celery's broker and the
-    destination reachable, and a queue bound to the exchange (what AMQP lets us see; on
+    reachable, table and indexes as `outbox migrate` makes them (on PostgreSQL, with its
+    vacuum), Celery's broker and the destination reachable, and a queue bound to the exchange (what AMQP lets us see; on
     Kafka, the topics). Exits 1 when a check fails; warnings alone exit 0."""
     from .commands.doctor import FAIL, report, run_checks
 
