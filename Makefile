@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 BASE   := $(VENV)/.installed-base
 STAMP  := $(VENV)/.installed-dev
 # pytest-xdist workers for `make test` (docs/design.md, "The test suite"); 0 runs it in one process.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 .PHONY: demo test bench install lint clean
 

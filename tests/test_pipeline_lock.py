@@ -6,6 +6,7 @@ The archive runs that take it: tests/test_pipeline_archive.py."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,13 @@ from outbox.storage.engines.mssql.schema import session_lock_sql, session_unlock
 from outbox.storage.store import OutboxStore
 
 ARCHIVE = "file:/data/outbox-archive"
+
+
+@pytest.fixture
+def archive(store: OutboxStore) -> str:
+    """An archive of this test's own: the lock is the database server's, so two tests (on two
+    xdist workers) locking one archive name would wait on each other."""
+    return f"{ARCHIVE}-{store.engine.table_name}"
 
 HOLD = """
 import sys, time
@@ -45,12 +53,12 @@ def holder_process(store: OutboxStore, archive: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
-def test_one_holder_at_a_time_and_the_lock_ends_with_its_holder(store: OutboxStore) -> None:
-    proc = holder_process(store, ARCHIVE)
+def test_one_holder_at_a_time_and_the_lock_ends_with_its_holder(store: OutboxStore, archive: str) -> None:
+    proc = holder_process(store, archive)
     try:
-        lock = ArchiveLock(store, ARCHIVE)
+        lock = ArchiveLock(store, archive)
         assert not lock.try_acquire()
-        other = ArchiveLock(store, ARCHIVE + "-another")  # another archive: its own lock
+        other = ArchiveLock(store, archive + "-another")  # another archive: its own lock
         assert other.try_acquire()
         other.release()
         proc.send_signal(signal.SIGKILL)  # no release, no clean-up: the session (or the process's flock) ends
@@ -59,7 +67,7 @@ def test_one_holder_at_a_time_and_the_lock_ends_with_its_holder(store: OutboxSto
         while not lock.try_acquire():
             assert time.monotonic() < deadline, "the lock outlived its SIGKILLed holder"
             time.sleep(0.2)
-        again = ArchiveLock(store, ARCHIVE)
+        again = ArchiveLock(store, archive)
         assert not again.try_acquire()  # in one process too: two sessions, two open files
         lock.release()
         assert again.try_acquire()
@@ -71,11 +79,12 @@ def test_one_holder_at_a_time_and_the_lock_ends_with_its_holder(store: OutboxSto
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
-def test_the_lock_outlasts_the_relays_idle_bounds_and_a_lost_session_is_reported(store: OutboxStore) -> None:
+def test_the_lock_outlasts_the_relays_idle_bounds_and_a_lost_session_is_reported(store: OutboxStore,
+                                                                                 archive: str) -> None:
     """The lock's session is the relay's (ended by the server when idle in a transaction
     5 s; on MySQL when idle at all): it commits every statement and is pinged, so an idle
     hold of 7 s keeps it. When the server ends that session, ``check`` says so."""
-    lock = ArchiveLock(store, ARCHIVE)
+    lock = ArchiveLock(store, archive)
     assert lock.try_acquire()
     try:
         if store.engine.name == "mysql":  # a vanished holder's session ends within the TCP bound
@@ -87,21 +96,21 @@ def test_the_lock_outlasts_the_relays_idle_bounds_and_a_lost_session_is_reported
                 lock._conn.commit()
         time.sleep(7)
         lock.check("committing")
-        assert not ArchiveLock(store, ARCHIVE).try_acquire()
+        assert not ArchiveLock(store, archive).try_acquire()
         with store.transaction() as cursor:  # the server ends the lock's session
             if store.engine.name == "postgresql":
                 store.engine.execute(cursor, "SELECT pg_terminate_backend(?)", [lock._conn.info.backend_pid])
             else:
                 store.engine.execute(cursor, f"KILL {int(lock._conn.thread_id())}")
         deadline = time.monotonic() + 10
-        with pytest.raises(PipelineError, match=r"lost the lock of the archive file:/data/outbox-archive .*"
+        with pytest.raises(PipelineError, match=rf"lost the lock of the archive {re.escape(archive)} .*"
                                                 r"stopped before committing: run again"):
             while time.monotonic() < deadline:
                 lock.check("committing")
                 time.sleep(0.2)
     finally:
         lock.release()
-    taken = ArchiveLock(store, ARCHIVE)
+    taken = ArchiveLock(store, archive)
     assert taken.try_acquire()
     taken.release()
 
