@@ -166,7 +166,7 @@ def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
         assert ":pw@" not in down.stdout
     finally:
         with store.transaction() as cursor:
-            cursor.execute(f'DROP TABLE IF EXISTS "{table}"')
+            cursor.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_holders"')
         store.close()
 
 

@@ -52,7 +52,7 @@ def store() -> Iterator[OutboxStore]:
     yield store
     store.close()
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-        admin.execute(f'DROP TABLE IF EXISTS "{table}"')
+        admin.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_holders"')
 
 
 def add(store: OutboxStore, aggregates: int, per_aggregate: int) -> dict[str, list[int]]:

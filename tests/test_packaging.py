@@ -214,7 +214,7 @@ def test_following_the_readme_literally_delivers_on_postgres_redis_and_rabbitmq(
             proc.wait(timeout=10)
         cleanup = (f"import psycopg, redis\nfrom kombu import Connection, Exchange, Queue\n"
                    f"with psycopg.connect({POSTGRES_URL!r}, autocommit=True) as c:\n"
-                   f"    c.execute('DROP TABLE IF EXISTS readme_{tag}'); c.execute('DROP TABLE IF EXISTS orders_{tag}')\n"
+                   f"    c.execute('DROP TABLE IF EXISTS readme_{tag}, readme_{tag}_holders'); c.execute('DROP TABLE IF EXISTS orders_{tag}')\n"
                    f"with Connection({AMQP_URL!r}) as conn:\n"
                    f"    Queue('billing-{tag}')(conn.default_channel).delete()\n"
                    f"    Exchange({env['OUTBOX_EXCHANGE']!r})(conn.default_channel).delete()\n"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_support import drop_table
 from pipeline_support import DAY_MS, mixed_rows, seed, spark_process_env, spark_submit_conf, table_ids
 from services import POSTGRES_URL, ROOT, building_the_package, free_port, require
 
@@ -129,8 +130,7 @@ def test_archive_on_a_standalone_cluster_killed_after_commit(spark: Any, spark_j
             Counter(dict.fromkeys(old_done, 1))
         assert table_ids(store) == set(ids) - old_done
     finally:
-        with store.transaction() as c:
-            store.engine.execute(c, f"DROP TABLE IF EXISTS {store.engine.table}")
+        drop_table(store)
         store.close()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_support import drop_table
 from pipeline_support import DAY_MS, Row, invoke, seed
 from services import POSTGRES_URL, require
 
@@ -152,8 +153,7 @@ def test_replay_into_another_database(history_archive: tuple[Path, dict[str, lis
         assert "36 written" in out.output
         assert_replayed_in_order(target, per_aggregate)
     finally:
-        with target.transaction() as c:
-            target.engine.execute(c, f"DROP TABLE IF EXISTS {target.engine.table}")
+        drop_table(target)
         target.close()
 
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from engine_support import drop_table
 from relay_e2e_support import Proxy
 from relay_support import run_python
 from services import MYSQL_URL, POSTGRES_URL, require
@@ -167,8 +168,7 @@ def test_the_server_ends_a_relay_transaction_left_idle_and_its_locks_with_it(kin
         assert store.stats().counts["pending"] == 1  # the store reconnects by itself
     finally:
         other.close()
-        with store.transaction() as cursor:
-            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        drop_table(store)
         store.close()
 
 
@@ -199,8 +199,7 @@ def behind_a_proxy(kind: str) -> Iterator[tuple[Proxy, OutboxStore, OutboxStore]
     finally:
         other.close()
         proxy.restore()
-        with store.transaction() as cursor:
-            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        drop_table(store)
         store.close()
         proxy.close()
 
@@ -337,8 +336,7 @@ def test_a_pipeline_read_goes_on_when_the_server_ended_its_connection_between_pa
         assert [first.num_rows, *(batch.num_rows for batch in rest)] == [2, 2, 1]
         assert len(opened) >= 2 and opened[-1] is not reader
     finally:
-        with store.transaction() as cursor:
-            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        drop_table(store)
         store.close()
 
 
@@ -366,8 +364,7 @@ def test_the_postgres_claim_commits_by_itself_and_leaves_the_connection_as_it_fo
         assert conn.info.transaction_status == TransactionStatus.IDLE and other.stats().counts["claimed"] == 2
     finally:
         other.close()
-        with store.transaction() as cursor:
-            store.engine.execute(cursor, f"DROP TABLE {store.engine.table}")
+        drop_table(store)
         store.close()
 
 
