@@ -111,7 +111,7 @@ def check_database(settings: Settings) -> list[Result]:
             results.append(Result("indexes", OK, ", ".join(sorted(expected_index_names(store.engine)))))
         results.append(_check_holders(store))
         if store.engine.UPKEEP is not None:
-            results.append(_check_upkeep(store))
+            results.append(_check_upkeep(store, store.engine.UPKEEP))
         return results
     finally:
         store.close()
@@ -128,16 +128,15 @@ def _check_holders(store: OutboxStore) -> Result:
     return Result("holders", OK, f"{store.engine.holders}: {int(count)} relay worker processes recorded")
 
 
-def _check_upkeep(store: OutboxStore) -> Result:
+def _check_upkeep(store: OutboxStore, name: str) -> Result:
     """The database's own housekeeping of the table (PostgreSQL's vacuum): left undone, it slows
     every claim as the months go by, and nothing else says so."""
-    assert store.engine.UPKEEP is not None
     try:
         with store.transaction() as cursor:
             found, problems = store.engine.upkeep(cursor)
     except Exception as exc:
-        return Result(store.engine.UPKEEP, WARN, f"could not be read: {_error(exc)}")
-    return Result(store.engine.UPKEEP, WARN, "; ".join(problems)) if problems else Result(store.engine.UPKEEP, OK, found)
+        return Result(name, WARN, f"could not be read: {_error(exc)}")
+    return Result(name, WARN, "; ".join(problems)) if problems else Result(name, OK, found)
 
 
 def _missing_columns(store: OutboxStore) -> list[str]:
