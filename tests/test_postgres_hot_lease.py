@@ -136,7 +136,9 @@ def test_a_new_table_is_made_with_its_own_fill_factor_and_autovacuum_thresholds(
     """Autovacuum's defaults wait for a fifth of the table to be dead row versions; each event
     leaves three, and every claim steps over those not yet vacuumed (docs/internals.md,
     "Vacuum keeps the claim fast")."""
-    OutboxStore(POSTGRES_URL, table=table).migrate()
+    store = OutboxStore(POSTGRES_URL, table=table)
+    store.migrate()
+    store.close()
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
         assert admin.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
                              [table]).fetchone()[0] == MIGRATED_OPTIONS
