@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from engine_support import drop_table
 from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
 
 from outbox.storage.store import OutboxStore
@@ -165,8 +166,7 @@ def test_check_on_postgres_rabbitmq_and_redis(tmp_path: Path) -> None:
         assert lines(down)["celery broker"] == "FAIL" and lines(down)["destination"] == "FAIL"
         assert ":pw@" not in down.stdout
     finally:
-        with store.transaction() as cursor:
-            cursor.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_holders"')
+        drop_table(store)
         store.close()
 
 

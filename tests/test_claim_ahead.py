@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+from engine_support import drop_table
 from services import AMQP_URL, POSTGRES_URL, require
 
 from outbox import Status, enqueue
@@ -50,9 +51,8 @@ def store() -> Iterator[OutboxStore]:
     store = OutboxStore(POSTGRES_URL, table=table)
     store.migrate()
     yield store
+    drop_table(store)
     store.close()
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-        admin.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_holders"')
 
 
 def add(store: OutboxStore, aggregates: int, per_aggregate: int) -> dict[str, list[int]]:

@@ -243,8 +243,9 @@ def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
 def check(probe_topic: str | None) -> None:
     """Check that this deployment can relay, in one report: configuration, database
     reachable, table and indexes as `outbox migrate` makes them (on PostgreSQL, with its
-    vacuum), Celery's broker and the destination reachable, and a queue bound to the exchange (what AMQP lets us see; on
-    Kafka, the topics). Exits 1 when a check fails; warnings alone exit 0."""
+    vacuum), Celery's broker and the destination reachable, and a queue bound to the
+    exchange (what AMQP lets us see; on Kafka, the topics). Exits 1 when a check fails;
+    warnings alone exit 0."""
     from .commands.doctor import FAIL, report, run_checks
 
     results = run_checks(probe_topic=probe_topic)

@@ -381,13 +381,13 @@ class Engine(ABC):
                 "started_at TIMESTAMP NOT NULL, beat_at TIMESTAMP NOT NULL")
 
     #: What ``upkeep`` looks at, named in `outbox check`'s report; None: this engine's own
-    #: housekeeping needs nothing of the operator.
+    #: housekeeping needs nothing of the operator, and it has no ``upkeep``.
     UPKEEP: ClassVar[str | None] = None
 
     def upkeep(self, cursor: Any) -> tuple[str, list[str]]:
         """The database's own housekeeping of the outbox table, for `outbox check`: what it
         found, and what would let the relay slow down as the months go by, in words."""
-        return "nothing to check", []
+        raise NotImplementedError(f"{self.name} has no upkeep to check")
 
     # -- write side (runs in the caller's transaction: never commit here) -------
     @abstractmethod
