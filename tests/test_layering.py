@@ -36,8 +36,10 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
         ("each runner as the relay's Runner", ("outbox.celery.runner", "outbox.dramatiq.runner")),
         ("writer-side API: enqueue, the post-commit wake and its choice of runner", ("outbox.enqueue", "outbox.wake")),
         ("each runner's Waker", ("outbox.celery.waker", "outbox.dramatiq.waker")),
-        ("task runner apps: Celery's app, its Redis transport and logging; Dramatiq's brokers and consumers' log",
+        ("task runner apps: Celery's app, its Redis transport, logging and beat's scheduler; Dramatiq's brokers "
+         "and consumers' log",
          ("outbox.celery.application", "outbox.celery.redis_transport", "outbox.celery.worker_logging",
+          "outbox.celery.beat",
           "outbox.dramatiq.brokers", "outbox.dramatiq.consumer_log")),
         ("the schedule's loader", ("outbox.schedule",)),
         ("schedule", ("beat_schedule",)),

@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relay_e2e_support import Outbox, Proxy, Writer, base_env, relay_env, relay_queue, wait_until
+from relay_e2e_support import (
+    Outbox,
+    Proxy,
+    Writer,
+    base_env,
+    relay_env,
+    relay_queue,
+    wait_until,
+)
 from runners import RUNNERS
 from services import AMQP_URL, REDIS_URL, require
 
@@ -130,7 +138,7 @@ def test_a_celery_worker_is_back_within_seconds_of_its_broker_and_says_so_once(
     connects again within about 2 s of the broker's return: kombu's reconnect backs off 2,
     4, 6 ... s up to 30 s, so it came back up to 30 s late (about 6 s late after this cut:
     attempts at 2, 6, 12, 20 s). The outage is one ERROR line from Celery (not one per
-    attempt) and one line when it ends (docs/relay.md, "Outages in the log")."""
+    attempt, and no notice of Celery 6's defaults) and one line when it ends (docs/relay.md, "Outages in the log")."""
     proxy = Proxy(target=("127.0.0.1", 6379 if kind == "redis" else 5672))
     try:
         url = proxy.url_for(REDIS_URL) if kind == "redis" else proxy.amqp_url
@@ -154,6 +162,46 @@ def test_a_celery_worker_is_back_within_seconds_of_its_broker_and_says_so_once(
     assert _log_time(connected) - restored < 4.0, f"connected {_log_time(connected) - restored:.1f} s late\n{log[-3000:]}"
     assert log.count("consumer: Cannot connect to") == 1, log[-4000:]
     assert log.count("broker reachable again") == 1, log[-3000:]
+    # Nor Celery's notice on a setting the relay sets (outbox.celery.worker_logging.NoticeFilter).
+    assert "worker_cancel_long_running_tasks_on_connection_loss" not in log, log[-4000:]
+
+
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_celery_beat_says_once_that_its_broker_is_away_and_ticks_again_when_it_is_back(
+        tmp_path: Path, sqlite_outbox: Outbox, procs_factory: Any, kind: str) -> None:
+    """``celery -A outbox beat`` ticking every 0.2 s through a proxy to Celery's broker, which
+    the test cuts for 4 s. Beat says once that the broker is unreachable and once that it is
+    back (``outbox.celery.beat.Scheduler``), the ticks it cannot send at DEBUG, where Celery's
+    scheduler logged an ERROR with stack and traceback (170 to 250 lines) for every one; and
+    its ticks go out again within seconds of the broker's return. Beat runs at DEBUG, where
+    it logs each tick it sent (claim ticks expire on RabbitMQ, so its queue cannot count them)."""
+    require("Redis" if kind == "redis" else "RabbitMQ", "127.0.0.1", 6379 if kind == "redis" else 5672)
+    proxy = Proxy(target=("127.0.0.1", 6379 if kind == "redis" else 5672))
+    try:
+        env = relay_env(tmp_path, None, sqlite_outbox, RUNNERS["celery"], OUTBOX_PUBLISH_URL=AMQP_URL,
+                        OUTBOX_CLAIM_INTERVAL_S="0.2",
+                        OUTBOX_CELERY_BROKER_URL=proxy.url_for(REDIS_URL) if kind == "redis" else proxy.amqp_url)
+        procs = procs_factory(env, RUNNERS["celery"])
+        procs.start("beat", "beat", "--loglevel=DEBUG", "-s", str(tmp_path / "beat-schedule"))
+        ticks = lambda: procs.log("beat").count("outbox.claim sent. id->")  # noqa: E731
+        assert wait_until(lambda: ticks() >= 5, timeout=60), procs.log("beat")[-3000:]
+        proxy.cut()
+        time.sleep(4.0)
+        before = ticks()
+        proxy.restore()
+        restored = time.monotonic()
+        assert wait_until(lambda: ticks() > before, timeout=20, interval=0.05), procs.log("beat")[-3000:]
+        waited = time.monotonic() - restored
+        time.sleep(1.0)
+        procs.check_alive()
+        log = procs.log("beat")
+    finally:
+        proxy.close()
+    assert waited < 5.0, f"the first tick went out {waited:.1f} s after the broker was back\n{log[-3000:]}"
+    assert log.count("WARNING/MainProcess] outbox: Celery's broker unreachable") == 1, log[-5000:]
+    assert log.count("INFO/MainProcess] outbox: Celery's broker reachable again") == 1, log[-5000:]
+    assert "ERROR/" not in log and "Message Error" not in log, log[-5000:]
+    assert log.count("outbox: Celery's broker still unreachable") >= 1, log[-5000:]  # the ticks of the cut
 
 
 def drain_through_a_cut(procs: Any, outbox: Outbox, destination: Any, proxy: Proxy, *, workers: int,

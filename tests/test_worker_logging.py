@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from relay_e2e_support import Destination, Outbox, relay_env, relay_queue, wait_until
 
-from outbox.celery.worker_logging import TickFilter, heartbeat_line
+from outbox.celery.worker_logging import NoticeFilter, TickFilter, heartbeat_line
 from outbox.core.model import Stats
 from outbox.relay import CLAIM_TASK, PUBLISH_TASK
 
@@ -118,6 +118,28 @@ def test_tick_filter_drops_claim_ticks_only_and_keeps_them_at_debug() -> None:
         assert f.filter(received)
     finally:
         logging.getLogger("celery.worker.strategy").setLevel(logging.NOTSET)
+
+
+def test_celerys_notice_on_a_setting_the_relay_sets_is_dropped_and_no_other_warning() -> None:
+    """Celery warns at every loss of its broker (``CANCEL_TASKS_BY_DEFAULT``), whatever
+    ``worker_cancel_long_running_tasks_on_connection_loss`` is set to; the relay sets it, so
+    the notice goes. The records are made as ``logging.captureWarnings`` makes them."""
+    import warnings
+
+    from celery.exceptions import CPendingDeprecationWarning
+    from celery.worker.consumer.consumer import CANCEL_TASKS_BY_DEFAULT
+
+    def captured(message: str, category: type[Warning]) -> logging.LogRecord:
+        text = warnings.formatwarning(message, category, "consumer.py", 427)
+        return _record("py.warnings", "%s", (text,), logging.WARNING)
+
+    f = NoticeFilter()
+    assert not f.filter(captured(CANCEL_TASKS_BY_DEFAULT, CPendingDeprecationWarning))
+    assert f.filter(captured("The broker_connection_retry configuration setting will no longer determine ...",
+                             CPendingDeprecationWarning))
+    assert f.filter(captured(CANCEL_TASKS_BY_DEFAULT, UserWarning))  # only Celery's own notice
+    assert f.filter(_record("outbox.relay", "%s", ("worker_cancel_long_running_tasks_on_connection_loss",),
+                            logging.WARNING))
 
 
 def test_heartbeat_line() -> None:

@@ -154,6 +154,8 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         "task_annotations": {PUBLISH_TASK: {"time_limit": max(10.0, lease_s)},
                              CLAIM_TASK: {"time_limit": max(10.0, lease_s)}},
         "worker_hijack_root_logger": True,
+        # Celery's scheduler, logging an outage of this broker once (outbox.celery.beat).
+        "beat_scheduler": "outbox.celery.beat:Scheduler",
         "beat_schedule": load_beat_schedule(settings, options),
     }
     if broker_url.startswith("redis://"):

@@ -9,6 +9,14 @@ lines, for the claim task only, to DEBUG: they are dropped unless the logger is 
 for DEBUG (``--loglevel=DEBUG`` shows them again). Publish, ack, purge and every warning
 or error are untouched, so traffic still shows at INFO.
 
+Celery also warns, at every loss of its broker's connection, that
+``worker_cancel_long_running_tasks_on_connection_loss`` will default to True in Celery 6 (a
+six-line ``CPendingDeprecationWarning`` through the ``py.warnings`` logger). The relay sets it
+to False on purpose (``outbox.celery.application``: a running task finishes its chain), and
+Celery warns whatever it is set to, so ``NoticeFilter`` drops that one notice: an outage of
+Celery's broker is then Celery's two lines and the relay's one (docs/relay.md, "Outages in the
+log").
+
 Instead, the worker's main process logs a heartbeat at INFO every OUTBOX_RELAY_HEARTBEAT_S
 (300 s by default), and once at start-up::
 
@@ -85,13 +93,28 @@ class TickFilter(logging.Filter):
 
 tick_filter = TickFilter()
 
+#: Text that names a notice of Celery's the relay has answered by its configuration, and
+#: the setting that answers it (see the module's docstring).
+ANSWERED_NOTICES = ("worker_cancel_long_running_tasks_on_connection_loss",)
 
-def install_tick_filter() -> None:
-    """Idempotent: a logger keeps one instance of the filter."""
-    for name in TICK_LOGGERS:
+
+class NoticeFilter(logging.Filter):
+    """Drops Celery's warnings (``py.warnings``) about a setting the relay sets on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "CPendingDeprecationWarning" not in message or not any(n in message for n in ANSWERED_NOTICES)
+
+
+notice_filter = NoticeFilter()
+
+
+def install_filters() -> None:
+    """Idempotent: a logger keeps one instance of each filter."""
+    for name, instance in [*((name, tick_filter) for name in TICK_LOGGERS), ("py.warnings", notice_filter)]:
         logger = logging.getLogger(name)
-        if tick_filter not in logger.filters:
-            logger.addFilter(tick_filter)
+        if instance not in logger.filters:
+            logger.addFilter(instance)
 
 
 def heartbeat_line(stats: Any, ticks: int | None = None) -> str:
@@ -223,11 +246,11 @@ def install(settings: Callable[[], Any], options: Callable[[], Any]) -> None:
     options: the filter now (beat and worker), the heartbeat when a worker is ready."""
     global _sources
     _sources = (settings, options)
-    install_tick_filter()
+    install_filters()
     signals.worker_ready.connect(_start_heartbeat, weak=False, dispatch_uid="outbox-heartbeat-start")
     signals.worker_shutdown.connect(_stop_heartbeat, weak=False, dispatch_uid="outbox-heartbeat-stop")
     signals.beat_init.connect(_start_beat_heartbeat, weak=False, dispatch_uid="outbox-beat-heartbeat-start")
 
 
-__all__ = ["TickFilter", "tick_filter", "install", "install_tick_filter", "heartbeat_line", "Heartbeat",
+__all__ = ["TickFilter", "tick_filter", "NoticeFilter", "notice_filter", "install", "install_filters", "heartbeat_line", "Heartbeat",
            "BeatHeartbeat"]

@@ -1,0 +1,68 @@
+"""``celery -A outbox beat``'s scheduler: Celery's own (``PersistentScheduler``), whose sends
+that fail because Celery's broker is unreachable are logged as one outage.
+
+Celery's scheduler logs every send it cannot make as an ERROR with the stack and the
+traceback, 170 to 250 lines, and beat tries at every claim tick for as long as the broker is
+away. Here the first failed send of an outage logs one WARNING
+(``relay.Outage``: what is down, where, what beat does meanwhile), the later ones DEBUG, and
+the first send that goes through one INFO line with how long it lasted (docs/relay.md,
+"Outages in the log"). Any other failure to send (a task Celery cannot serialize, say) is
+Celery's ERROR as before. ``application.celery_config`` makes this the default
+``beat_scheduler``; ``celery beat -S <another>`` (django-celery-beat's, say) logs as Celery does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.beat import PersistentScheduler
+from kombu.exceptions import OperationalError
+
+from ..core.redact import redact
+from ..relay import Outage
+
+#: Celery's beat logger: the relay's lines about sending ticks go where Celery's went
+#: (``worker_logging.TickFilter`` counts the claim ticks there).
+log = logging.getLogger("celery.beat")
+
+
+class Scheduler(PersistentScheduler):
+    """``PersistentScheduler`` with an outage log for its sends (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outage = Outage("Celery's broker", redact(self.app.conf.broker_url or ""),
+                             "Beat sends no claim tick or purge until it answers and tries again at every tick; "
+                             "nothing is lost (rows wait in the table)", logging.getLogger("outbox.beat"))
+
+    def unreachable(self, exc: BaseException) -> BaseException | None:
+        """The error in ``exc``'s chain that says the broker is unreachable (kombu's
+        ``OperationalError``, the transport's connection errors), or None. Celery raises its
+        ``SchedulingError`` around kombu's, which is raised from the transport's."""
+        conn = self.connection
+        kinds = (OSError, OperationalError, *conn.connection_errors, *conn.channel_errors)
+        seen: BaseException | None = exc
+        while seen is not None:
+            if isinstance(seen, kinds):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+        return None
+
+    def apply_entry(self, entry: Any, producer: Any = None) -> None:
+        """Celery's ``apply_entry``, with a send to an unreachable broker logged by ``outage``."""
+        log.info("Scheduler: Sending due task %s (%s)", entry.name, entry.task)
+        try:
+            result = self.apply_async(entry, producer=producer, advance=False)
+        except Exception as exc:  # beat goes on whatever one send raises, as Celery's does
+            cause = self.unreachable(exc)
+            if cause is not None:
+                self.outage.failed(cause)
+            else:
+                log.error("Message Error: %s", exc, exc_info=True)
+            return
+        self.outage.ok()
+        log.debug("%s sent. id->%s", entry.task, getattr(result, "id", None))
+
+
+__all__ = ["Scheduler"]
