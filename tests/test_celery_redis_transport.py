@@ -77,3 +77,28 @@ def test_an_error_handling_a_good_message_is_not_taken_for_garbage(
           pytest.raises(AttributeError, match="fileno")):
         c.drain_events(timeout=5)
     assert not [r for r in caplog.records if "undecodable" in r.getMessage()]
+
+
+def test_a_closed_connection_takes_its_poll_callback_back_from_the_event_loop() -> None:
+    """Celery's consumer registers each new connection's transport with its event loop and
+    closes the old one after a loss of its broker. kombu's Redis transport left its
+    ``on_tick`` callback behind, holding the closed transport: one more per reconnect, run
+    on every turn of the loop. Here three connections in turn: while one is open the loop
+    holds its callback, and once it is closed nothing of it."""
+    from kombu.asynchronous import Hub
+
+    parts = urlsplit(REDIS_URL)
+    require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
+    hub = Hub()
+    try:
+        before = set(hub.on_tick)
+        for _ in range(3):
+            c = Connection(REDIS_URL, transport=Transport)
+            c.connect()
+            c.transport.register_with_event_loop(c.connection, hub)
+            added = set(hub.on_tick) - before
+            assert len(added) == 1 and all(getattr(f, "__name__", "") == "on_poll_start" for f in added), added
+            c.close()
+            assert set(hub.on_tick) == before, set(hub.on_tick) - before
+    finally:
+        hub.close()

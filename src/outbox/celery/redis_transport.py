@@ -59,7 +59,29 @@ class Channel(kombu_redis.Channel):
 
 
 class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with the channel above, which also takes back from the event
+    loop what it registered there when its connection is closed.
+
+    kombu 5.7's ``register_with_event_loop`` adds a callback to the loop's ``on_tick`` that
+    polls this transport's sockets and keeps it there for good (so that redis-py's own
+    reconnects are polled); but Celery's consumer makes a new connection, with a new
+    transport, after every loss of its broker and closes the old one. Each old callback
+    stayed in ``on_tick``, ran on every turn of the worker's event loop, and kept its
+    transport, poller, channels and timer entries alive: one more per Redis outage, for as
+    long as the worker ran (docs/benchmarks.md, "Celery through cuts")."""
+
     Channel = Channel
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        before = set(loop.on_tick)
+        super().register_with_event_loop(connection, loop)
+        added = set(loop.on_tick) - before
+        self.__dict__.setdefault("_outbox_on_tick", []).append((loop, added))
+
+    def close_connection(self, connection: Any) -> None:
+        for loop, added in self.__dict__.pop("_outbox_on_tick", []):
+            loop.on_tick.difference_update(added)
+        super().close_connection(connection)
 
 
 __all__ = ["Transport", "Channel", "Message", "UndecodableMessage"]
