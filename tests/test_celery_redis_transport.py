@@ -79,26 +79,81 @@ def test_an_error_handling_a_good_message_is_not_taken_for_garbage(
     assert not [r for r in caplog.records if "undecodable" in r.getMessage()]
 
 
-def test_a_closed_connection_takes_its_poll_callback_back_from_the_event_loop() -> None:
+def test_a_new_connection_takes_the_poll_callback_of_a_closed_one_out_of_the_event_loop() -> None:
     """Celery's consumer registers each new connection's transport with its event loop and
     closes the old one after a loss of its broker. kombu's Redis transport left its
     ``on_tick`` callback behind, holding the closed transport: one more per reconnect, run
-    on every turn of the loop. Here three connections in turn: while one is open the loop
-    holds its callback, and once it is closed nothing of it."""
+    on every turn of the loop. Here three connections in turn, each closed as the consumer
+    closes it (``collect``, then ``close``) before the next registers: the loop holds the
+    callback of the open one only, and a connection still open keeps its own."""
     from kombu.asynchronous import Hub
 
     parts = urlsplit(REDIS_URL)
     require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
     hub = Hub()
+    opened: list[Connection] = []
     try:
         before = set(hub.on_tick)
-        for _ in range(3):
+        for n in range(3):
             c = Connection(REDIS_URL, transport=Transport)
             c.connect()
             c.transport.register_with_event_loop(c.connection, hub)
+            opened.append(c)
             added = set(hub.on_tick) - before
-            assert len(added) == 1 and all(getattr(f, "__name__", "") == "on_poll_start" for f in added), added
+            assert len(added) == 1 and all(getattr(f, "__name__", "") == "on_poll_start" for f in added), (n, added)
+            c.collect()
             c.close()
-            assert set(hub.on_tick) == before, set(hub.on_tick) - before
+        kept = Connection(REDIS_URL, transport=Transport)
+        kept.connect()
+        kept.transport.register_with_event_loop(kept.connection, hub)
+        other = Connection(REDIS_URL, transport=Transport)
+        other.connect()
+        other.transport.register_with_event_loop(other.connection, hub)
+        assert len(set(hub.on_tick) - before) == 2  # both open: both polled
+        opened += [kept, other]
     finally:
+        for c in opened:
+            c.close()
         hub.close()
+
+
+def test_a_channel_left_polling_when_its_broker_went_away_closes_as_celery_closes_it() -> None:
+    """Celery's consumer, after a loss of its broker, closes its connection twice
+    (``collect``, then ``close``). A channel with an unacked message and a ``BRPOP`` in flight
+    failed its first close at the read of that BRPOP's reply, and its second close, the
+    connection having let go of its transport by then, raised ``AttributeError`` (no broker
+    address to restore the message with), which stopped the worker. Here the broker (Redis
+    behind a proxy) is cut in that state and both closes go through."""
+    import socket
+
+    from relay_e2e_support import Proxy
+
+    parts = urlsplit(REDIS_URL)
+    require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
+    prefix, name = f"outbox-test-{uuid.uuid4().hex[:10]}:", f"q-{uuid.uuid4().hex[:8]}"
+    proxy = Proxy(target=(parts.hostname or "127.0.0.1", parts.port or 6379))
+    try:
+        c = Connection(proxy.url_for(REDIS_URL), transport=Transport, transport_options={"global_keyprefix": prefix})
+        queue = _queue(c, name)
+        c.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key=name, serializer="json")
+        got: list[Any] = []
+        c.Consumer(queue, callbacks=[lambda body, message: got.append(body)], accept=["json"]).consume()
+        # A second channel consuming, as Celery's consumer has (its remote-control queue):
+        # closed first by the transport, its failure left the first one to the second close.
+        other = c.channel()
+        c.Consumer(_queue(c, f"{name}-other"), channel=other, callbacks=[lambda body, message: None],
+                   accept=["json"]).consume()
+        c.drain_events(timeout=5)  # the message, left unacked
+        with pytest.raises(socket.timeout):
+            c.drain_events(timeout=0.2)  # a BRPOP sent on each channel, its reply not read
+        channel = c.default_channel
+        assert got == [{"n": 1}] and channel._in_poll and other._in_poll
+        proxy.cut()
+        c.collect()
+        c.close()
+        assert channel.closed and other.closed
+    finally:
+        proxy.close()
+        raw = redis.Redis.from_url(REDIS_URL)
+        for key in raw.keys(f"{prefix}*"):
+            raw.delete(key)

@@ -16,6 +16,9 @@ recovered by the next tick or by the rows' lease. Only those two errors are caug
 error of the Redis connection or of Celery's own handling of a good message goes on to
 Celery as before (a lost connection is reconnected; it is no garbage to drop).
 
+It also mends two faults of kombu 5.7 at a loss of Celery's broker, where a worker leaked
+a transport per Redis outage and could stop (``Channel.close``, ``Transport``).
+
 ``outbox.celery`` selects this transport (``broker_transport``) when Celery's broker URL is
 ``redis://``; the URL and every Redis transport option work as with kombu's own (the
 app shows it as that URL: ``outbox.celery.application.Connection``).
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from queue import Empty
+from typing import Any, ClassVar
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -49,6 +53,21 @@ class Message(virtual.Message):
 class Channel(kombu_redis.Channel):
     Message = Message
 
+    def close(self) -> None:
+        """kombu's, except that a connection error reading the reply of a ``BRPOP`` still in
+        flight (the broker is gone: there is no reply) does not leave the channel open. Left
+        open, Celery's second close of the connection failed with an ``AttributeError`` and
+        the worker stopped (docs/benchmarks.md, "Celery through cuts", item 2)."""
+        if self._in_poll and not self.closed:
+            try:
+                self._brpop_read()
+            except Empty:
+                pass
+            except self.connection_errors as exc:
+                log.debug("outbox: Celery's Redis broker is gone; closing the channel without its last reply (%s)",
+                          exc)
+        super().close()
+
     def _brpop_read(self, **options: Any) -> bool:
         try:
             return super()._brpop_read(**options)
@@ -59,29 +78,29 @@ class Channel(kombu_redis.Channel):
 
 
 class Transport(kombu_redis.Transport):
-    """kombu's Redis transport with the channel above, which also takes back from the event
-    loop what it registered there when its connection is closed.
-
-    kombu 5.7's ``register_with_event_loop`` adds a callback to the loop's ``on_tick`` that
-    polls this transport's sockets and keeps it there for good (so that redis-py's own
-    reconnects are polled); but Celery's consumer makes a new connection, with a new
-    transport, after every loss of its broker and closes the old one. Each old callback
-    stayed in ``on_tick``, ran on every turn of the worker's event loop, and kept its
-    transport, poller, channels and timer entries alive: one more per Redis outage, for as
-    long as the worker ran (docs/benchmarks.md, "Celery through cuts")."""
+    """kombu's Redis transport with the channel above. When it registers with an event
+    loop it first takes out the ``on_tick`` callbacks that transports registered there
+    before left behind once their connection was closed (kombu sets their ``client`` to
+    None): kombu keeps them for good, and Celery's consumer makes a new connection after
+    every loss of its broker, so each outage left one more, run on every turn of the loop
+    and holding its dead transport (docs/benchmarks.md, "Celery through cuts", item 1).
+    Taken out at the next registration, not as the connection closes, which made the
+    worker's stop of item 2 come at the first cut."""
 
     Channel = Channel
 
+    #: (transport, loop, the callbacks it added to the loop's on_tick), per registration.
+    registered: ClassVar[list[tuple[Any, Any, set[Any]]]] = []
+
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        for entry in list(Transport.registered):
+            transport, its_loop, added = entry
+            if its_loop is loop and transport.client is None:
+                loop.on_tick.difference_update(added)
+                Transport.registered.remove(entry)
         before = set(loop.on_tick)
         super().register_with_event_loop(connection, loop)
-        added = set(loop.on_tick) - before
-        self.__dict__.setdefault("_outbox_on_tick", []).append((loop, added))
-
-    def close_connection(self, connection: Any) -> None:
-        for loop, added in self.__dict__.pop("_outbox_on_tick", []):
-            loop.on_tick.difference_update(added)
-        super().close_connection(connection)
+        Transport.registered.append((self, loop, set(loop.on_tick) - before))
 
 
 __all__ = ["Transport", "Channel", "Message", "UndecodableMessage"]
