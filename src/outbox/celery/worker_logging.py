@@ -93,8 +93,8 @@ class TickFilter(logging.Filter):
 
 tick_filter = TickFilter()
 
-#: Text that names a notice of Celery's the relay has answered by its configuration, and
-#: the setting that answers it (see the module's docstring).
+#: The settings whose notices from Celery the relay has answered by setting them (each
+#: notice names its setting; see the module's docstring).
 ANSWERED_NOTICES = ("worker_cancel_long_running_tasks_on_connection_loss",)
 
 
@@ -243,7 +243,7 @@ def _stop_heartbeat(**_: Any) -> None:
 
 def install(settings: Callable[[], Any], options: Callable[[], Any]) -> None:
     """Called once by ``outbox.celery.worker`` with its getters of the relay's settings and
-    options: the filter now (beat and worker), the heartbeat when a worker is ready."""
+    options: the filters now (beat and worker), the heartbeat when a worker is ready."""
     global _sources
     _sources = (settings, options)
     install_filters()
@@ -252,5 +252,5 @@ def install(settings: Callable[[], Any], options: Callable[[], Any]) -> None:
     signals.beat_init.connect(_start_beat_heartbeat, weak=False, dispatch_uid="outbox-beat-heartbeat-start")
 
 
-__all__ = ["TickFilter", "tick_filter", "NoticeFilter", "notice_filter", "install", "install_filters", "heartbeat_line", "Heartbeat",
-           "BeatHeartbeat"]
+__all__ = ["TickFilter", "tick_filter", "NoticeFilter", "notice_filter", "install", "install_filters",
+           "heartbeat_line", "Heartbeat", "BeatHeartbeat"]
