@@ -122,10 +122,16 @@ def test_a_measure_without_noise_has_no_resolution() -> None:
 def test_this_process_rss_split_by_mapping_adds_up_to_its_vmrss() -> None:
     from bench.procs import rss_by_mapping, rss_kb
 
+    before = rss_kb(os.getpid()) or 0
     kinds = rss_by_mapping(os.getpid())
+    after = rss_kb(os.getpid()) or 0
     assert kinds is not None and set(kinds) == {"heap", "arenas", "anon", "file"}
     assert kinds["file"] > 0  # the interpreter's own code
-    assert abs(sum(kinds.values()) - (rss_kb(os.getpid()) or 0)) < 2048  # two reads, moments apart
+    # Reads moments apart while other threads allocate, and the kernel's VmRSS counters lag by up
+    # to 64 pages per thread: within 3 % of the two reads either side (a lost kind of mapping
+    # would be off by far more; CI once saw 2,120 kB of 225,552 with a fixed 2 MB bound).
+    slack = max(2048, 0.03 * max(before, after))
+    assert min(before, after) - slack <= sum(kinds.values()) <= max(before, after) + slack
 
 
 # -- --faults -------------------------------------------------------------------------------------
