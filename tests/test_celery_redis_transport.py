@@ -79,6 +79,44 @@ def test_an_error_handling_a_good_message_is_not_taken_for_garbage(
     assert not [r for r in caplog.records if "undecodable" in r.getMessage()]
 
 
+def test_a_new_connection_takes_the_poll_callback_of_a_closed_one_out_of_the_event_loop() -> None:
+    """Celery's consumer registers each new connection's transport with its event loop and
+    closes the old one after a loss of its broker. kombu's Redis transport left its
+    ``on_tick`` callback behind, holding the closed transport: one more per reconnect, run
+    on every turn of the loop. Here three connections in turn, each closed as the consumer
+    closes it (``collect``, then ``close``) before the next registers: the loop holds the
+    callback of the open one only, and a connection still open keeps its own."""
+    from kombu.asynchronous import Hub
+
+    parts = urlsplit(REDIS_URL)
+    require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
+    hub = Hub()
+    opened: list[Connection] = []
+    try:
+        before = set(hub.on_tick)
+        for n in range(3):
+            c = Connection(REDIS_URL, transport=Transport)
+            c.connect()
+            c.transport.register_with_event_loop(c.connection, hub)
+            opened.append(c)
+            added = set(hub.on_tick) - before
+            assert len(added) == 1 and all(getattr(f, "__name__", "") == "on_poll_start" for f in added), (n, added)
+            c.collect()
+            c.close()
+        kept = Connection(REDIS_URL, transport=Transport)
+        kept.connect()
+        kept.transport.register_with_event_loop(kept.connection, hub)
+        other = Connection(REDIS_URL, transport=Transport)
+        other.connect()
+        other.transport.register_with_event_loop(other.connection, hub)
+        assert len(set(hub.on_tick) - before) == 2  # both open: both polled
+        opened += [kept, other]
+    finally:
+        for c in opened:
+            c.close()
+        hub.close()
+
+
 def test_a_channel_left_polling_when_its_broker_went_away_closes_as_celery_closes_it() -> None:
     """Celery's consumer, after a loss of its broker, closes its connection twice
     (``collect``, then ``close``). A channel with an unacked message and a ``BRPOP`` in flight

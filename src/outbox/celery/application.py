@@ -29,8 +29,11 @@ from ..schedule import load_beat_schedule
 log = logging.getLogger("outbox.celery")
 
 #: kombu's Redis transport made to drop garbage instead of stopping the worker
-#: (``outbox.celery.redis_transport``), Celery's transport for a ``redis://`` broker URL.
+#: (``outbox.celery.redis_transport``), Celery's transport for a ``redis://`` or ``rediss://``
+#: broker URL.
 REDIS_TRANSPORT = "outbox.celery.redis_transport:Transport"
+#: The broker URLs that ``REDIS_TRANSPORT`` serves.
+REDIS_SCHEMES = ("redis://", "rediss://")
 
 
 #: Celery's consumer tries its broker again at least this often during an outage.
@@ -49,10 +52,24 @@ class Connection(KombuConnection):
     itself: kombu did the same but logged "No hostname was supplied. Reverting to default
     'localhost'" at WARNING for every connection, the first lines of a first worker's log."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, hostname: Any = "localhost", *args: Any, **kwargs: Any) -> None:
+        #: The URL said ``rediss://``, which ``transport_cls`` no longer shows (``_init_params``).
+        self.rediss_url = isinstance(hostname, str) and hostname.startswith("rediss://")
+        super().__init__(hostname, *args, **kwargs)
         if self.transport_cls == "memory" and not self.hostname:
             self.hostname = "localhost"  # type: ignore[assignment]  # kombu declares it None, sets a str
+
+    def _init_params(self, **params: Any) -> None:  # type: ignore[override]  # kombu passes them by name
+        """kombu's. For a ``rediss://`` URL given to ``REDIS_TRANSPORT``, kombu's own rule for
+        that scheme first: TLS on, and with no ``ssl`` options (``broker_use_ssl`` or the URL's
+        ``ssl_*`` parameters) its warning and no certificate check, exactly as kombu's
+        transport would connect. kombu applies it by the scheme name only."""
+        ours = self.rediss_url and params.get("transport") == REDIS_TRANSPORT
+        if ours:
+            params["transport"] = "rediss"
+        super()._init_params(**params)
+        if ours:
+            self.transport_cls = REDIS_TRANSPORT
 
     def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
         if self.transport_cls == "memory" and self.hostname == "localhost" and not (self.userid or self.password):
@@ -61,7 +78,8 @@ class Connection(KombuConnection):
             return super().as_uri(include_password, mask, *args, **kwargs)
         # kombu's type comment on as_url says str and int where its defaults (and these) may be None.
         user, password = self.userid or None, self.password or None
-        return as_url("redis", self.hostname or "localhost", self.port, user, password,  # type: ignore[arg-type]
+        scheme = "rediss" if self.ssl else "redis"  # TLS: the URL's scheme, or ssl options (a clone)
+        return as_url(scheme, self.hostname or "localhost", self.port, user, password,  # type: ignore[arg-type]
                       self.virtual_host, sanitize=not include_password, mask=mask)
 
     def ensure_connection(self, errback: Any = None, max_retries: int | None = None, *args: Any,
@@ -158,9 +176,10 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         "beat_scheduler": "outbox.celery.beat:Scheduler",
         "beat_schedule": load_beat_schedule(settings, options),
     }
-    if broker_url.startswith("redis://"):
+    if broker_url.startswith(REDIS_SCHEMES):
         # kombu's Redis transport, made to drop a message it cannot decode instead of
-        # stopping the worker (outbox.celery.redis_transport). The URL is read exactly as before.
+        # stopping the worker (outbox.celery.redis_transport). The URL, TLS included, is
+        # read exactly as before (Connection above).
         config["broker_transport"] = REDIS_TRANSPORT
     elif broker_url.startswith("outboxdb"):
         # The database as Celery's broker (docs/transport.md). Imported only here, so a

@@ -16,12 +16,12 @@ recovered by the next tick or by the rows' lease. Only those two errors are caug
 error of the Redis connection or of Celery's own handling of a good message goes on to
 Celery as before (a lost connection is reconnected; it is no garbage to drop).
 
-It also mends a fault of kombu 5.7 at a loss of Celery's broker, where a worker could stop
-(``Channel.close``).
+It also mends two faults of kombu 5.7 at a loss of Celery's broker, where a worker leaked
+a transport per Redis outage and could stop (``Channel.close``, ``Transport``).
 
 ``outbox.celery`` selects this transport (``broker_transport``) when Celery's broker URL is
-``redis://``; the URL and every Redis transport option work as with kombu's own (the
-app shows it as that URL: ``outbox.celery.application.Connection``).
+``redis://`` or ``rediss://``; the URL, TLS included, and every Redis transport option work as
+with kombu's own (the app reads and shows it as that URL: ``outbox.celery.application.Connection``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from queue import Empty
-from typing import Any
+from typing import Any, ClassVar
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -78,7 +78,29 @@ class Channel(kombu_redis.Channel):
 
 
 class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with the channel above. When it registers with an event
+    loop it first takes out the ``on_tick`` callbacks that transports registered there
+    before left behind once their connection was closed (kombu sets their ``client`` to
+    None): kombu keeps them for good, and Celery's consumer makes a new connection after
+    every loss of its broker, so each outage left one more, run on every turn of the loop
+    and holding its dead transport (docs/benchmarks.md, "Celery through cuts", item 1).
+    Taken out at the next registration, not as the connection closes, which made the
+    worker's stop of item 2 come at the first cut."""
+
     Channel = Channel
+
+    #: (transport, loop, the callbacks it added to the loop's on_tick), per registration.
+    registered: ClassVar[list[tuple[Any, Any, set[Any]]]] = []
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        for entry in list(Transport.registered):
+            transport, its_loop, added = entry
+            if its_loop is loop and transport.client is None:
+                loop.on_tick.difference_update(added)
+                Transport.registered.remove(entry)
+        before = set(loop.on_tick)
+        super().register_with_event_loop(connection, loop)
+        Transport.registered.append((self, loop, set(loop.on_tick) - before))
 
 
 __all__ = ["Transport", "Channel", "Message", "UndecodableMessage"]
