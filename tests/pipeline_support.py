@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from services import unavailable
 
 from outbox import enqueue
 from outbox.storage.store import OutboxStore
 
-REQUIRE = bool(os.environ.get("OUTBOX_REQUIRE_SERVICES"))
 DAY_MS = 86_400_000
 
 #: The test JVM's options: tiered compilation stopped at C1 and the serial collector,
@@ -116,10 +116,6 @@ def spark_process_env(jvm_options: str) -> dict[str, str]:
 PIPELINE_ENGINES = ["sqlite", "postgresql", "mysql", "mssql"]
 
 
-def _unavailable(reason: str) -> None:
-    if REQUIRE:
-        pytest.fail(reason + " and OUTBOX_REQUIRE_SERVICES is set")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -128,9 +124,9 @@ def spark(request: pytest.FixtureRequest, spark_jvm_options: str) -> Iterator[An
         import pyarrow  # noqa: F401
         import pyspark  # noqa: F401
     except ImportError as exc:
-        _unavailable(f"PySpark is not installed ({exc}): pip install -e '.[spark]'")
+        unavailable(f"PySpark is not installed ({exc}): pip install -e '.[spark]'")
     if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
-        _unavailable("no Java runtime (java not on PATH, JAVA_HOME unset)")
+        unavailable("no Java runtime (java not on PATH, JAVA_HOME unset)")
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark import SparkContext

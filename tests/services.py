@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -30,14 +31,17 @@ AMQP_URL = os.environ.get("OUTBOX_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:
 REQUIRE = bool(os.environ.get("OUTBOX_REQUIRE_SERVICES"))
 
 
-def require(name: str, host: str, port: int) -> None:
-    """Skip (or, under OUTBOX_REQUIRE_SERVICES, fail) when ``name`` is not listening."""
-    if reachable(host, port):
-        return
-    message = f"{name} is not reachable on {host}:{port}"
+def unavailable(message: str) -> NoReturn:
+    """Skip the test with ``message``; under OUTBOX_REQUIRE_SERVICES (CI) fail it instead."""
     if REQUIRE:
         pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
     pytest.skip(message)
+
+
+def require(name: str, host: str, port: int) -> None:
+    """Skip (or, under OUTBOX_REQUIRE_SERVICES, fail) when ``name`` is not listening."""
+    if not reachable(host, port):
+        unavailable(f"{name} is not reachable on {host}:{port}")
 
 
 #: The repository the suite runs from (its docs, examples and sources; what the packaging tests build).

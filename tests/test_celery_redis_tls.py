@@ -23,9 +23,8 @@ import redis
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 from relay_e2e_support import Destination, Outbox, check_order, relay_env
-from services import REQUIRE
+from services import free_port, unavailable
 
-from bench.services import free_port
 from outbox.celery.application import REDIS_TRANSPORT, Connection, celery_config
 from outbox.core.config import RelayOptions, load_settings
 
@@ -38,16 +37,10 @@ class TlsRedis(NamedTuple):
         """A ``rediss://`` URL with kombu's and redis-py's ``ssl_*`` parameters (default:
         verify against the module's CA)."""
         params = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(self.ca), **query}
-        return f"rediss://127.0.0.1:{self.port}/{db}?" + "&".join(f"{k}={v}" for k, v in params.items() if v)
+        return f"rediss://127.0.0.1:{self.port}/{db}?" + "&".join(f"{k}={v}" for k, v in params.items())
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_ca_certs=str(self.ca), socket_timeout=5)
-
-
-def _unavailable(message: str) -> None:
-    if REQUIRE:
-        pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +50,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
 
     binary = shutil.which("redis-server")
     if binary is None:
-        _unavailable("redis-server is not installed")
+        unavailable("redis-server is not installed")
     where = tmp_path_factory.mktemp("tls-redis")
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")
@@ -77,14 +70,14 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
         deadline = time.monotonic() + 15
         while True:
             if proc.poll() is not None:
-                _unavailable(f"redis-server did not start with TLS (exit {proc.returncode}): "
+                unavailable(f"redis-server did not start with TLS (exit {proc.returncode}): "
                              f"{log.read_text()[-500:] if log.exists() else ''}")
             try:
                 server.client().ping()
                 break
             except (redis.ConnectionError, OSError):
                 if time.monotonic() > deadline:
-                    _unavailable("redis-server with TLS did not answer within 15 s")
+                    unavailable("redis-server with TLS did not answer within 15 s")
                 time.sleep(0.1)
         yield server
     finally:
@@ -173,4 +166,3 @@ def test_a_worker_and_beat_relay_through_a_rediss_broker(
     assert f"rediss://127.0.0.1:{tls_redis.port}/3" in log  # the banner: the scheme as given
     assert "Unrecoverable error" not in log
     assert tls_redis.client().info("stats")["total_connections_received"] > 0
-

@@ -22,7 +22,7 @@ from kombu.utils.url import as_url
 
 from ..core.config import RelayOptions, Settings, relay_options, relay_settings, startup_options, use_conf
 from ..core.errors import ConfigError
-from ..core.names import CLAIM_TASK, PUBLISH_TASK, TASK_OUTBOX_ARG, Queues
+from ..core.names import CLAIM_TASK, PUBLISH_TASK, TASK_OUTBOX_ARG, Queues, is_redis_url
 from ..core.redact import redact
 from ..schedule import load_beat_schedule
 
@@ -32,8 +32,6 @@ log = logging.getLogger("outbox.celery")
 #: (``outbox.celery.redis_transport``), Celery's transport for a ``redis://`` or ``rediss://``
 #: broker URL.
 REDIS_TRANSPORT = "outbox.celery.redis_transport:Transport"
-#: The broker URLs that ``REDIS_TRANSPORT`` serves.
-REDIS_SCHEMES = ("redis://", "rediss://")
 
 
 #: Celery's consumer tries its broker again at least this often during an outage.
@@ -176,7 +174,7 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         "beat_scheduler": "outbox.celery.beat:Scheduler",
         "beat_schedule": load_beat_schedule(settings, options),
     }
-    if broker_url.startswith(REDIS_SCHEMES):
+    if is_redis_url(broker_url):
         # kombu's Redis transport, made to drop a message it cannot decode instead of
         # stopping the worker (outbox.celery.redis_transport). The URL, TLS included, is
         # read exactly as before (Connection above).

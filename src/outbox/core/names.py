@@ -135,12 +135,21 @@ def claim_request_key(broker_url: str, key_prefix: str, namespace: str) -> str:
     return f"{CLAIM_REQUEST_PREFIX}{digest}"
 
 
+#: The URL schemes of a Redis server, plain and TLS.
+REDIS_URL_PREFIXES = ("redis://", "rediss://")
+
+
+def is_redis_url(url: str) -> bool:
+    """``redis://`` or ``rediss://`` (TLS): a broker, wake channel or state store on Redis."""
+    return url.startswith(REDIS_URL_PREFIXES)
+
+
 def wake_channel(broker_url: str, key_prefix: str, namespace: str) -> str:
     """The Redis pub/sub channel on which writers wake the workers of an outbox's claim queue
     (the workers' main processes SUBSCRIBE; docs/waking-and-metrics.md)."""
     return f"{claim_request_key(broker_url, key_prefix, namespace)}:notify"
 
 
-__all__ = ["wake_channel", "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
+__all__ = ["is_redis_url", "REDIS_URL_PREFIXES", "wake_channel", "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK", "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
            "CLAIM_REQUEST_PREFIX", "claim_request_key", "TASK_OUTBOX_ARG", "KINDS", "TASK_KINDS", "LEGACY_NAMESPACE",
            "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "database_identity", "default_namespace", "Queues"]

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..core.config import DramatiqSettings, dramatiq_settings
 from ..core.errors import ConfigError, install_hint
+from ..core.names import is_redis_url
 
 URL_SETTING = "OUTBOX_DRAMATIQ_BROKER_URL"
 
@@ -39,8 +40,6 @@ def configured() -> bool:
     return dramatiq_settings() is not None
 
 
-def is_redis(url: str) -> bool:
-    return url.startswith(("redis://", "rediss://"))
 
 
 #: The longest a worker's consumer of an idle queue sleeps between two polls of Dramatiq's
@@ -69,7 +68,7 @@ def pika_url(url: str) -> str:
 def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
     """A Dramatiq broker for ``url``; ``middleware=None`` gives Dramatiq's defaults."""
     try:
-        if is_redis(url):
+        if is_redis_url(url):
             from dramatiq.brokers.redis import RedisBroker
 
             class _RelayRedisBroker(RedisBroker):

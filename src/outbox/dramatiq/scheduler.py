@@ -15,6 +15,7 @@ from typing import Any
 
 from ..core.config import startup_options
 from ..core.errors import ConfigError
+from ..core.names import is_redis_url
 from ..core.redact import install_filter, redact
 from ..relay import RelayOptions
 from ..relay.shared import Outage
@@ -143,7 +144,7 @@ class RabbitLock:
 
 
 def make_lock(url: str, name: str, outage: Outage | None = None) -> Any:
-    return RedisLock(url, name, outage=outage) if _broker.is_redis(url) else RabbitLock(url, name, outage)
+    return RedisLock(url, name, outage=outage) if is_redis_url(url) else RabbitLock(url, name, outage)
 
 
 def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, str, float, float, dict[str, Any]]]:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..core.config import wake_options
+from ..core.names import is_redis_url
 
 log = logging.getLogger("outbox.relay.listen")
 
@@ -202,7 +203,7 @@ def _stop(which: str, wait: bool) -> None:
 
 def start_subscriber(broker_url: str, channel: str, on_notify: Callable[[], Any]) -> Listener | None:
     """Start this worker's wake-up subscriber when Celery's broker is Redis; return it (or None)."""
-    if not broker_url.startswith(("redis://", "rediss://")):
+    if not is_redis_url(broker_url):
         return None
     return _start("subscribe", lambda: Subscriber(broker_url, channel, on_notify))
 

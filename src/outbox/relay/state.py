@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, Protocol
 
+from ..core.names import is_redis_url
+
 
 class SharedState(Protocol):
     """Keys with a time to live. A key is a string, or a map of fields (one TTL for the map)."""
@@ -214,7 +216,7 @@ def open_shared_state(url: str) -> SharedState:
     Redis (one client per process and URL, so one connection pool), the process for
     ``memory://`` (a new one each call, as nothing outside it could share it), else files
     in the temp directory (one host)."""
-    if url.startswith(("redis://", "rediss://")):
+    if is_redis_url(url):
         try:
             with _redis_lock:
                 key = (os.getpid(), url)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.config import relay_options, relay_settings
-from ..core.names import CLAIM_REQUEST_PREFIX, claim_request_key
+from ..core.names import CLAIM_REQUEST_PREFIX, claim_request_key, is_redis_url
 from .shared import make_coalescer
 
 log = logging.getLogger("outbox.wake")
@@ -115,7 +115,7 @@ class Waker:
         #: The wake options it was made for (``outbox.wake`` makes a new one when they change).
         self.options = options
         self.pid = os.getpid()
-        self.kind = ("redis" if broker_url.startswith(("redis://", "rediss://"))
+        self.kind = ("redis" if is_redis_url(broker_url)
                      else "memory" if broker_url.startswith("memory://") else "other")
         self.throttle = Throttle(LOCAL_WINDOW_S)
         self._coalescer: Any = None
