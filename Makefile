@@ -6,16 +6,23 @@ BIN    := $(VENV)/bin
 # adds the `dev` extra (every driver, PySpark, Django, the browser tests' Selenium, ...).
 BASE   := $(VENV)/.installed-base
 STAMP  := $(VENV)/.installed-dev
+# `make test-lowest`: the lower bounds in pyproject.toml, installed by uv's lowest-direct resolution.
+LOWEST ?= .venv-lowest
 # pytest-xdist workers for `make test` (docs/design.md, "The test suite"); 0 runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: demo test bench install lint clean
+.PHONY: demo test test-lowest bench install lint clean
 
 demo: $(BASE)           ## the whole pipeline on the embedded SQLite default (base install only)
 	$(BIN)/outbox demo
 
 test: $(STAMP)          ## the test suite (services it cannot reach are skipped, or fail under OUTBOX_REQUIRE_SERVICES)
 	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
+test-lowest: $(STAMP)   ## the suite again with every direct dependency at the lowest version pyproject.toml allows
+	$(BIN)/uv venv -q --allow-existing -p $(BIN)/python $(LOWEST)
+	VIRTUAL_ENV=$(LOWEST) $(BIN)/uv pip install -q --resolution lowest-direct -e ".[dev]"
+	$(LOWEST)/bin/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 bench: $(STAMP)         ## benchmarks; they print ratios against a baseline measured in the same run
 	$(BIN)/pip install -q "py-spy>=0.3"   # the profile phase; not needed by the tests
@@ -39,4 +46,4 @@ lint: $(STAMP)          ## ruff and mypy, configured in pyproject.toml ([tool.ru
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache outbox.db outbox.db-wal outbox.db-shm
+	rm -rf $(VENV) $(LOWEST) build dist src/*.egg-info .pytest_cache outbox.db outbox.db-wal outbox.db-shm

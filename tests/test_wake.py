@@ -124,7 +124,8 @@ DJANGO_SCRIPT = r"""
 import json, sqlite3, sys
 db = sys.argv[1]
 from django.conf import settings
-settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db}}, USE_TZ=True)
+settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db}}, USE_TZ=True,
+                   SECRET_KEY="test")  # as every project has: Django 4.2 logs a failing on_commit through mail_admins
 import django
 django.setup()
 from django.db import connection, transaction
@@ -217,7 +218,8 @@ DJANGO_REDIS_SCRIPT = r"""
 import json, sys
 db = sys.argv[1]
 from django.conf import settings
-settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db}}, USE_TZ=True)
+settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db}}, USE_TZ=True,
+                   SECRET_KEY="test")  # as every project has: Django 4.2 logs a failing on_commit through mail_admins
 import django
 django.setup()
 from django.db import transaction

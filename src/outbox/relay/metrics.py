@@ -360,8 +360,7 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
         registry = m.registry
     else:
         raise RuntimeError("metrics are off")
-    result = start_http_server(port, addr, registry=registry)
-    _server = result[0] if isinstance(result, tuple) else result
+    _server, _thread = start_http_server(port, addr, registry=registry)  # prometheus-client 0.20+
     return _server
 
 
