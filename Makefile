@@ -20,7 +20,7 @@ test: $(STAMP)          ## the test suite (services it cannot reach are skipped,
 	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 test-lowest: $(STAMP)   ## the suite again with every direct dependency at the lowest version pyproject.toml allows
-	$(BIN)/uv venv -q --allow-existing -p $(BIN)/python $(LOWEST)
+	$(BIN)/uv venv -q --clear -p $(BIN)/python $(LOWEST)   # anew: uv would keep what an earlier run installed
 	VIRTUAL_ENV=$(LOWEST) $(BIN)/uv pip install -q --resolution lowest-direct -e ".[dev]"
 	$(LOWEST)/bin/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
