@@ -116,8 +116,6 @@ def spark_process_env(jvm_options: str) -> dict[str, str]:
 PIPELINE_ENGINES = ["sqlite", "postgresql", "mysql", "mssql"]
 
 
-
-
 @pytest.fixture(scope="session")
 def spark(request: pytest.FixtureRequest, spark_jvm_options: str) -> Iterator[Any]:
     try:

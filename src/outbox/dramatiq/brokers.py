@@ -40,8 +40,6 @@ def configured() -> bool:
     return dramatiq_settings() is not None
 
 
-
-
 #: The longest a worker's consumer of an idle queue sleeps between two polls of Dramatiq's
 #: Redis broker. Dramatiq backs off up to the worker's timeout (1 s, not settable from its
 #: command line); every hop of the relay (tick -> claim -> publish -> next claim) would
