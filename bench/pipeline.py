@@ -9,6 +9,10 @@ In one run (default ``--rows 200000``, a few minutes on a shared 2-core machine)
              (Debian's ``libpostgresql-jdbc-java``, ``libmariadb-java``,
              ``libxerial-sqlite-jdbc-java``), and, on PostgreSQL, ``driver``: the data
              source's Python-driver path (``reader=driver``, the fallback);
+   on SQL Server (``--engines mssql``, the pyodbc URL in ``OUTBOX_BENCH_MSSQL_URL``; no JDBC
+   driver is at hand), ``read`` is mssql-python's Arrow fetch (the same URL rewritten for
+   mssql-python) against ``pyodbc``, the driver path through pyodbc (issue 23's figure for
+   SQL Server), and ``mssql-python rows``, the driver path through mssql-python;
 2. on PostgreSQL and MariaDB: ``archive`` (the whole ``Archiver`` run: stage, verify,
    commit, publish, delete) against the read alone, alternating ``--repeat`` times, each
    archive run on a table freshly filled with the same rows and read once, untimed, so
@@ -45,6 +49,8 @@ from .common import POSTGRES_URL, log
 from .procs import cpu_seconds, process_tree
 
 MYSQL_URL = os.environ.get("OUTBOX_BENCH_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+#: SQL Server, only when given (a mssql+pyodbc:// URL; the bench rewrites it for mssql-python).
+MSSQL_URL = os.environ.get("OUTBOX_BENCH_MSSQL_URL", "")
 JARS = {"postgresql": "/usr/share/java/postgresql.jar", "mysql": "/usr/share/java/mariadb-java-client.jar",
         "sqlite": "/usr/share/java/sqlite-jdbc.jar"}
 #: Debian's xerial driver loads the system's libsqlitejdbc.so from here.
@@ -116,6 +122,8 @@ def fill(store: Any, rows: int) -> None:
                                  UTC_TIMESTAMP(3) - INTERVAL 10 DAY + INTERVAL seq * 1000 MICROSECOND,
                                  UTC_TIMESTAMP(3) - INTERVAL 10 DAY + INTERVAL seq * 1000 + 40000 MICROSECOND
                           FROM seq_1_to_{int(rows)}""")
+        elif kind == "mssql":
+            c.execute(mssql_fill_sql(t), (rows,))
         else:
             c.execute(f"""WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < ?)
                           INSERT INTO {t} (message_id, topic, aggregate_type, aggregate_id, payload, headers, status,
@@ -125,6 +133,18 @@ def fill(store: Any, rows: int) -> None:
                                  strftime('%Y-%m-%d %H:%M:%f', 'now', '-10 days', (n / 1000.0) || ' seconds'),
                                  strftime('%Y-%m-%d %H:%M:%f', 'now', '-10 days', ((n + 40) / 1000.0) || ' seconds')
                           FROM g""", (rows,))
+
+
+def mssql_fill_sql(table: str) -> str:
+    """``fill``'s rows on SQL Server (``?``: how many): a numbers CTE over two catalog views."""
+    return (f"WITH n AS (SELECT TOP (?) ROW_NUMBER() OVER (ORDER BY (SELECT NULL)) AS g "
+            f"FROM sys.all_objects AS a CROSS JOIN sys.all_objects AS b) "
+            f"INSERT INTO {table} (message_id, topic, aggregate_type, aggregate_id, payload, headers, status, "
+            f"attempts, created_at, processed_at) "
+            f"SELECT CONVERT(NVARCHAR(64), HASHBYTES('MD5', CAST(g AS VARCHAR(20))), 2), CONCAT(N'topic.', g % 5), "
+            f"N'order', CONCAT(N'a', g % 1000), CONCAT(N'{{\"n\":', g, N',\"pad\":\"', REPLICATE(N'x', 120), N'\"}}'), "
+            f"N'{{\"x-seq\": \"1\"}}', 2, 0, DATEADD(MILLISECOND, CAST(g AS INT), DATEADD(DAY, -10, SYSUTCDATETIME())), "
+            f"DATEADD(MILLISECOND, CAST(g AS INT) + 40, DATEADD(DAY, -10, SYSUTCDATETIME())) FROM n")
 
 
 def tree_cpu_s() -> float:
@@ -229,10 +249,10 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         settle(src)
         with src.transaction() as c:
             lo, hi = src.engine.execute(c, f"SELECT MIN(id), MAX(id) FROM {src.engine.table}").fetchone()
-        jdbc_url, props, columns = jdbc_source(kind, src, url)
 
-        def source_path(last: int = int(hi), out: str = "read", reader: str = "arrow") -> None:
-            (spark.read.format("outbox").options(url=url, table=src.engine.table_name, statuses="2", reader=reader,
+        def source_path(last: int = int(hi), out: str = "read", reader: str = "arrow", source_url: str = url) -> None:
+            (spark.read.format("outbox").options(url=source_url, table=src.engine.table_name, statuses="2",
+                                                  reader=reader,
                                                   partitions=str(args.partitions), max_id=str(last),
                                                   **({"fetch_size": str(args.fetch_size)} if args.fetch_size else {}),
                                                   **({"page_bytes": str(args.page_bytes)} if args.page_bytes else {}))
@@ -240,6 +260,7 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
              .write.mode("overwrite").parquet(str(work / f"{kind}-{out}")))
 
         def jdbc_path(last: int = int(hi), out: str = "jdbc") -> None:
+            jdbc_url, props, columns = jdbc_source(kind, src, url)
             frame = spark.read.jdbc(jdbc_url, f"(SELECT {columns} FROM {src.engine.table_name} "
                                     f"WHERE status = 2 AND id <= {last}) q", column="id", lowerBound=int(lo),
                                     upperBound=last + 1, numPartitions=args.partitions, properties=props)
@@ -247,20 +268,35 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
                 frame = frame.withColumn(name, F.col(name).cast("timestamp"))
             frame.write.mode("overwrite").parquet(str(work / f"{kind}-{out}"))
 
-        # Warm both paths up (JIT, Python workers, the driver jar) on a few thousand rows first.
-        source_path(int(lo) + 5000, "warm-read")
-        jdbc_path(int(lo) + 5000, "warm-jdbc")
+        # The paths compared with the source's read: Spark's JDBC reader, or on SQL Server
+        # (no JDBC driver here) the driver path through pyodbc; the read itself there is
+        # mssql-python's Arrow fetch.
+        paths: dict[str, Any] = {f"{kind} read": source_path}
+        if kind == "mssql":
+            from outbox.storage.engines.mssql.driver import mssql_python_url
+
+            arrow_url, baseline = mssql_python_url(url), f"{kind} pyodbc"
+            paths = {f"{kind} read": lambda: source_path(source_url=arrow_url),
+                     baseline: lambda: source_path(out="pyodbc", reader="driver"),
+                     f"{kind} mssql-python rows": lambda: source_path(out="rows", reader="driver", source_url=arrow_url)}
+        else:
+            baseline = f"{kind} jdbc"
+            paths[baseline] = jdbc_path
+            if kind == "postgresql":
+                paths[f"{kind} driver"] = lambda: source_path(out="driver", reader="driver")
+        # Warm every path up (JIT, Python workers, the driver jar) on a few thousand rows first.
+        source_path(int(lo) + 5000, "warm-read", source_url=arrow_url if kind == "mssql" else url)
+        if kind != "mssql":
+            jdbc_path(int(lo) + 5000, "warm-jdbc")
         # Alternate the paths --repeat times and keep each one's best run: the machine is
         # shared, and a neighbour's burst should not decide a ratio.
-        paths = {f"{kind} read": source_path, f"{kind} jdbc": jdbc_path}
-        if kind == "postgresql":
-            paths[f"{kind} driver"] = lambda: source_path(out="driver", reader="driver")
         for _ in range(args.repeat):
             for label, path in paths.items():
                 trial: dict[str, Any] = {}
                 timed(label, args.rows, path, trial)
                 keep_best(figures, trial)
-        figures["read_vs_jdbc"] = round(figures[f"{kind} read"]["rows_per_s"] / figures[f"{kind} jdbc"]["rows_per_s"], 2)
+        ratio = "read_vs_pyodbc" if kind == "mssql" else "read_vs_jdbc"
+        figures[ratio] = round(figures[f"{kind} read"]["rows_per_s"] / figures[baseline]["rows_per_s"], 2)
         if not full:
             return
         # Warm the archive and replay up too (their queries' first run in the JVM), as the reads were.
@@ -366,8 +402,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for kind in engines:
+        if kind == "mssql":
+            if not MSSQL_URL:
+                raise SystemExit("bench: --engines mssql reads OUTBOX_BENCH_MSSQL_URL (a mssql+pyodbc:// URL)")
+            continue
         if kind not in JARS:
-            raise SystemExit(f"bench: unknown engine {kind!r} (postgresql, mysql, sqlite)")
+            raise SystemExit(f"bench: unknown engine {kind!r} (postgresql, mysql, sqlite, mssql)")
         if not Path(JARS[kind]).exists():
             raise SystemExit(f"bench: no JDBC driver at {JARS[kind]} (apt-get install libpostgresql-jdbc-java "
                              "libmariadb-java libxerial-sqlite-jdbc-java)")
@@ -378,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     from outbox.pipeline.session import spark_session
 
     (SparkSession.builder.master(args.master).appName("outbox-bench")
-     .config("spark.jars", ",".join(JARS[k] for k in engines))
+     .config("spark.jars", ",".join(JARS[k] for k in engines if k in JARS))
      .config("spark.driver.extraJavaOptions", f"-Djava.library.path={JNI_DIR}")
      .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
      .config("spark.driver.memory", "2g")
@@ -388,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"rows": args.rows, "partitions": args.partitions, "master": args.master,
                                "repeat": args.repeat, "fetch_size": args.fetch_size,
                                "page_bytes": args.page_bytes}
-    urls = {"postgresql": POSTGRES_URL, "mysql": MYSQL_URL, "sqlite": f"sqlite:///{work / 'bench.db'}"}
+    urls = {"postgresql": POSTGRES_URL, "mysql": MYSQL_URL, "sqlite": f"sqlite:///{work / 'bench.db'}",
+            "mssql": MSSQL_URL}
     full = {e.strip() for e in args.full.split(",")}
     try:
         for kind in engines:
@@ -396,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
         for kind in engines:
             figures = results[kind]
             log(f"{kind}: " + ", ".join(f"{k} = {v}" for k, v in figures.items() if not isinstance(v, dict))
-                + " (targets: read/jdbc >= 1.0, archive/read >= 0.8, replay/insert >= 1.0)")
+                + " (targets: read/jdbc >= 1.0, archive/read >= 0.8, replay/insert >= 1.0; SQL Server: "
+                  "read/pyodbc, no target)")
         print(json.dumps(results, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))

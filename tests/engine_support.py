@@ -1,7 +1,8 @@
 """The outbox's stores on every engine (a pytest plugin, registered in tests/conftest.py):
 ``kind`` runs a test once per engine, ``store`` gives it a migrated store on a table of
 its own (dropped afterwards), ``writer`` the application's connection to it. Test modules
-find the fixtures by name and import the helpers: ``engine_url`` and ``mssql_url``, and
+find the fixtures by name and import the helpers: ``engine_url``, ``mssql_url`` and
+``mssql_python_url``, and
 rows written as the application would (``add``), read (``row``, ``statuses``) and
 tampered with raw SQL (``tamper``)."""
 
@@ -32,7 +33,19 @@ def engine_url(kind: str, tmp_path: Path) -> str:
         return MYSQL_URL
     if kind == "mssql":
         return mssql_url()
+    if kind == "mssql-python":
+        return mssql_python_url(mssql_url())
     raise ValueError(kind)
+
+
+def mssql_python_url(base: str) -> str:
+    """``base`` (a pyodbc URL) for mssql-python: the same server, login and database."""
+    from outbox.storage.engines.mssql.driver import mssql_python_url as rewrite
+
+    if "://" not in base:
+        pytest.skip("OUTBOX_TEST_MSSQL_URL is a raw ODBC string; the mssql-python URL is built from a URL")
+    pytest.importorskip("mssql_python")
+    return rewrite(base)
 
 
 _mssql: dict[str, Any] = {}

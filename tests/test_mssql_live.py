@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import test_store_conformance as _conformance
 from claimers import race_claimers
-from engine_support import mssql_url
+from engine_support import mssql_python_url, mssql_url
 
 from outbox import enqueue
 from outbox.core.errors import EnqueueError
@@ -769,14 +769,7 @@ def test_the_probe_plan_stays_a_seek_of_agg_open_after_a_large_then_a_one_row_cl
 # -- the other driver ---------------------------------------------------------------------------------------
 
 def test_mssql_python_driver_round_trip(databases: dict[str, str]) -> None:
-    pytest.importorskip("mssql_python")
-    base = databases["rcsi"]
-    if "://" not in base:
-        pytest.skip("OUTBOX_TEST_MSSQL_URL is a raw ODBC string; the mssql-python URL is built from a URL")
-    scheme, rest = base.split("://", 1)
-    path, _, query = rest.partition("?")
-    kept = "&".join(p for p in query.split("&") if p and not p.lower().startswith("driver="))
-    url = f"mssql+mssqlpython://{path}" + (f"?{kept}" if kept else "")
+    url = mssql_python_url(databases["rcsi"])
     store = OutboxStore(url, table=f"outbox_mp_{uuid.uuid4().hex[:8]}")
     try:
         try:
@@ -803,17 +796,6 @@ def test_mssql_python_driver_round_trip(databases: dict[str, str]) -> None:
 
 
 # -- issue 20 items 4, 5, 6, 7, 8, 12: deployments -----------------------------------------------------------
-
-def mssql_python_url(base: str) -> str:
-    """``base`` (a pyodbc URL) for mssql-python: the same server, login and database."""
-    if "://" not in base:
-        pytest.skip("OUTBOX_TEST_MSSQL_URL is a raw ODBC string; the mssql-python URL is built from a URL")
-    pytest.importorskip("mssql_python")
-    _scheme, rest = base.split("://", 1)
-    path, _, query = rest.partition("?")
-    kept = "&".join(p for p in query.split("&") if p and not p.lower().startswith("driver="))
-    return f"mssql+mssqlpython://{path}" + (f"?{kept}" if kept else "")
-
 
 def start_broker_worker(broker_url: str, table: str, start: Any, errors: Any) -> None:
     """What a worker process does first with the database broker: connect, which creates

@@ -1619,6 +1619,18 @@ def test_the_mssql_python_connection_string_is_one_the_driver_accepts() -> None:
         "trustservercertificate": "yes"}
 
 
+def test_a_pyodbc_url_rewritten_for_mssql_python_keeps_its_server_login_and_options() -> None:
+    from outbox.storage.engines.mssql.driver import mssql_python_url
+    url = mssql_python_url("mssql+pyodbc://relay:s%40cret@db.example:1433/app?driver=ODBC+Driver+18+for+SQL+Server"
+                           "&TrustServerCertificate=yes&lock_timeout_ms=100")
+    assert url == "mssql+mssqlpython://relay:s%40cret@db.example:1433/app?TrustServerCertificate=yes&lock_timeout_ms=100"
+    target = parse_target(url)
+    assert target.driver == "mssql_python" and target.lock_timeout_ms == 100 and "PWD=s@cret;" in target.connection_string
+    assert mssql_python_url("mssql://u:p@h/db?DRIVER=FreeTDS") == "mssql+mssqlpython://u:p@h/db"
+    with pytest.raises(ValueError, match="raw ODBC connection string"):
+        mssql_python_url("DRIVER={ODBC Driver 18 for SQL Server};SERVER=h;UID=u;PWD=p")
+
+
 def test_enqueue_accepts_an_mssql_python_connection() -> None:
     from outbox.storage.engines import unwrap_connection
     # Named as the driver names it, with a cursor() as it has (a cursor object has none).

@@ -1,6 +1,6 @@
 """The ``outbox`` data source's readers on real databases, without Spark: the Arrow
-reader of each engine (ADBC on PostgreSQL, connectorx on MySQL/MariaDB and SQLite)
-returns exactly what the Python-driver path returns, with the same time bounds
+reader of each engine (ADBC on PostgreSQL, connectorx on MySQL/MariaDB and SQLite,
+mssql-python's own Arrow fetch on SQL Server) returns exactly what the Python-driver path returns, with the same time bounds
 compared by the database, one page per transaction, and no Python driver cursor."""
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
 from services import POSTGRES_URL
 
 from outbox.pipeline.common import encode_native
-from outbox.pipeline.fetch import ARROW_FETCH
+from outbox.pipeline.fetch import arrow_fetch
 from outbox.pipeline.source import ARROW_SCHEMA, OutboxQuery, OutboxReader
 from outbox.storage.store import OutboxStore
 
 pa = pytest.importorskip("pyarrow")
 
 
-@pytest.fixture(params=PIPELINE_ENGINES)
+#: SQL Server twice: through pyodbc (its reader is the driver) and mssql-python (its own Arrow fetch).
+@pytest.fixture(params=[*PIPELINE_ENGINES, "mssql-python"])
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -58,8 +59,8 @@ def test_arrow_reader_returns_what_the_driver_returns(store: OutboxStore, url: s
 def test_the_arrow_path_opens_no_driver_connection(store: OutboxStore, url: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Pages come straight into Arrow: the engine's Python driver is never used to read."""
-    if store.engine.name not in ARROW_FETCH:
-        pytest.skip(f"{store.engine.name} reads through its Python driver (docs/pipeline.md)")
+    if store.engine.name == "mssql":
+        pytest.skip("SQL Server reads through its Python driver: pyodbc's rows, or mssql-python's own Arrow fetch")
     ids = seed(store, [Row("t", f"a{i}") for i in range(7)])
 
     def no_driver(self: Any, url: str) -> Any:
@@ -192,7 +193,6 @@ def test_a_missing_arrow_reader_is_named(store: OutboxStore, url: str, monkeypat
 
 def test_mysql_over_a_unix_socket_reads_through_the_driver() -> None:
     """connectorx speaks TCP only: a socket URL takes the driver path instead of failing."""
-    from outbox.pipeline.fetch import arrow_fetch
     from outbox.storage.engines import engine_for_url
 
     socket_url = "mysql://app@localhost/app?unix_socket=/run/mysqld/mysqld.sock"
@@ -207,8 +207,8 @@ def test_arrow_pages_are_sized_by_bytes_after_a_small_first_page(store: OutboxSt
     rows yet); each next one holds about ``page_bytes`` at the last page's bytes per row,
     at least one row and at most ``fetch_size``: large rows make short pages, and every
     row is read once, in order, whatever the sizes."""
-    if store.engine.name not in ARROW_FETCH:
-        pytest.skip(f"{store.engine.name} reads through its Python driver (docs/pipeline.md)")
+    if arrow_fetch(url, store.engine, "arrow") is None:
+        pytest.skip(f"{url.split(':', 1)[0]} reads through its Python driver (docs/pipeline.md)")
     ids = seed(store, [Row("t", f"a{i}") for i in range(11)])
     pages: list[tuple[int, int]] = []  # (rows asked for, rows read)
     page = OutboxQuery.arrow_page
@@ -235,7 +235,7 @@ def test_the_next_page_holds_about_the_byte_budget() -> None:
     assert next_page_rows(200 * 1000, 1000, ARROW_PAGE_ROWS, PAGE_BYTES) == ARROW_PAGE_ROWS  # small rows: the cap
     assert next_page_rows(64 * 1_048_576, 1, ARROW_PAGE_ROWS, PAGE_BYTES) == 1  # a row over the budget still goes
     # The Python driver's pages stay small (an object per value): for reader=driver and for
-    # an engine with no Arrow reader (SQL Server), unless fetch_size says otherwise.
+    # SQL Server through pyodbc, unless fetch_size says otherwise.
     assert OutboxReader({"url": "sqlite:///x.db"}).page_rows(arrow=True) == ARROW_PAGE_ROWS
     assert OutboxReader({"url": "sqlite:///x.db"}).page_rows(arrow=False) == DRIVER_PAGE_ROWS
     assert OutboxReader({"url": "sqlite:///x.db", "fetch_size": "7"}).page_rows(arrow=False) == 7

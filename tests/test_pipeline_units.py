@@ -344,3 +344,78 @@ def test_the_reports_legends_never_cover_a_bar() -> None:
             assert box.x0 >= plot.x1 or box.x1 <= plot.x0 or box.y0 >= plot.y1 or box.y1 <= plot.y0, name
             checked += 1
     assert checked == 2  # events per day and latency carry a legend
+
+
+# -- SQL Server's Arrow reader: mssql-python's own fetch (no server here: the choice and the cast) -----------
+
+MSSQL_PYTHON_URL = "mssql+mssqlpython://u:p@h:1433/db?TrustServerCertificate=yes"
+
+
+def test_sql_server_reads_arrow_through_mssql_python_and_rows_through_pyodbc(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mssql_python")
+    from mssql_python.cursor import Cursor
+
+    from outbox.pipeline.fetch import MssqlPythonFetch, arrow_fetch
+
+    engine = MssqlEngine(table="outbox", schema="dbo")
+    fetch = arrow_fetch(MSSQL_PYTHON_URL, engine, "arrow")
+    assert isinstance(fetch, MssqlPythonFetch) and fetch.binds
+    assert arrow_fetch(MSSQL_PYTHON_URL, engine, "driver") is None
+    assert arrow_fetch("mssql+pyodbc://u:p@h:1433/db?driver=FreeTDS", engine, "arrow") is None
+    monkeypatch.delattr(Cursor, "arrow")  # an mssql-python before its Arrow fetch (1.5)
+    assert arrow_fetch(MSSQL_PYTHON_URL, engine, "arrow") is None
+
+
+def test_a_binding_reader_gets_the_driver_paths_statement_and_values() -> None:
+    """mssql-python's reader runs the very statement the driver path runs, the page's
+    values bound in the order of its ``?`` (no literals written into it)."""
+    pytest.importorskip("pyspark")
+    pytest.importorskip("pyarrow")
+    from outbox.pipeline.fetch import ArrowFetch
+    from outbox.pipeline.source import ARROW_SCHEMA, OutboxQuery
+
+    native = encode_native(datetime(2026, 11, 16, 12, 0))
+    query = OutboxQuery({"url": "mssql+pyodbc://u:p@h:1433/db?driver=FreeTDS", "table": "outbox",
+                         "statuses": "2,4", "processed_before": native, "created_since": native},
+                        (("a", None, None), ("c", 10, 20)))
+    asked: list[tuple[str, Any]] = []
+
+    class Binding(ArrowFetch):
+        binds = True
+
+        def page(self, handle: Any, sql: str, params: list[Any] | None = None) -> Any:
+            asked.append((sql, params))
+            return ARROW_SCHEMA().empty_table()
+
+    query.fetch = Binding(query.url, query.engine)
+    assert query.arrow_page(None, 100, 900, 50).num_rows == 0
+    sql, params = asked[0]
+    assert sql == query.page_sql() and params is not None and sql.count("?") == len(params)
+    assert params == [100, 900, *query.params, 50]
+
+
+def test_mssql_python_arrow_pages_take_the_source_schema_as_its_rows_do() -> None:
+    """A page as mssql-python's Arrow fetch gives it (its C++ maps NVARCHAR to large_string,
+    TINYINT to uint8, INT to int32, BIGINT to int64, DATETIME2 to a naive timestamp[us]) comes
+    out of ``to_source_schema`` equal to the same rows as its ``fetchall`` gives them, through
+    the driver path's ``to_batch``."""
+    pytest.importorskip("pyspark")
+    pa = pytest.importorskip("pyarrow")
+    from outbox.pipeline.fetch import to_source_schema
+    from outbox.pipeline.source import ARROW_SCHEMA, OutboxQuery
+
+    t1, t2 = datetime(2026, 11, 16, 12, 0, 0, 123000), datetime(2026, 11, 17, 8, 30, 1, 7000)
+    rows = [(7, "m-7", "orders.created", "order", "A-1", None, '{"n":1}', "{}", None, 2, 1, t1, None, t1, t2, None),
+            (9, "m-9", "orders.paid", "order", "B-2", "k", '{"é":"ü"}', '{"h":"v"}', "tr", 4, 3, t2, t1, t1, t2,
+             "retriable: broker gone")]
+    text, ts = pa.large_string(), pa.timestamp("us")
+    types = [pa.int64(), *[text] * 8, pa.uint8(), pa.int32(), ts, ts, ts, ts, text]
+    columns = list(zip(*rows))
+    fetched = pa.table([pa.array(list(values), kind) for values, kind in zip(columns, types)],
+                       names=["id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key", "", "",
+                              "trace_id", "status", "attempts", "claimed_at", "next_retry_at", "created_at",
+                              "processed_at", "last_error"])  # the CASTs of payload and headers have no name
+    query = OutboxQuery({"url": "mssql+pyodbc://u:p@h:1433/db?driver=FreeTDS", "table": "outbox"})
+    got = to_source_schema(fetched, ARROW_SCHEMA(), query.engine.to_datetime)
+    want = pa.Table.from_batches([query.to_batch(rows)])
+    assert got.schema == ARROW_SCHEMA() and got.equals(want), (got.to_pylist(), want.to_pylist())

@@ -7,14 +7,17 @@ Python driver where none can be had (docs/pipeline.md, "How the jobs read the ou
 | PostgreSQL | ADBC (``adbc-driver-postgresql``) | a page is ``COPY (SELECT ...) TO STDOUT`` in binary, decoded in C |
 | MySQL/MariaDB | connectorx | the binary protocol decoded in Rust |
 | SQLite | connectorx | columns typed by their declaration (ADBC's SQLite driver guesses them from the first rows and fails on a late non-NULL) |
-| SQL Server | the engine's driver (pyodbc or mssql-python) | nothing to measure against here |
+| SQL Server, ``mssql+mssqlpython://`` | mssql-python's own Arrow fetch (``Cursor.arrow``) | the ODBC result set turned into Arrow in the driver's C++ |
+| SQL Server, ``mssql+pyodbc://`` | pyodbc, the engine's driver | pyodbc has no Arrow fetch |
 
-The Arrow readers take no bound parameters on these paths (COPY has none; connectorx
+ADBC and connectorx take no bound parameters on these paths (COPY has none; connectorx
 takes none), so the page's values are written into the SQL as literals, each exactly
 as the Python driver itself sends it: psycopg sends a ``datetime`` as its ISO text
 typed ``timestamptz`` (aware) or ``timestamp`` (naive), PyMySQL escapes every value
 into the statement text, and a SQLite time is a string compared as a string. The
-database therefore compares the very same values as on the driver path.
+database therefore compares the very same values as on the driver path. mssql-python's
+Arrow fetch reads the result of the driver path's own statement, values bound as there
+(``binds``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ..core.errors import install_hint
 from ..storage.engines.base import Engine
 
 #: ``reader`` option values: ``arrow`` (the engine's Arrow reader, the default where
-#: there is one) and ``driver`` (the engine's Python driver: the fallback, and SQL Server's path).
+#: there is one) and ``driver`` (the engine's Python driver: the fallback, and pyodbc's path).
 READERS = ("arrow", "driver")
 
 
@@ -43,6 +46,9 @@ class ArrowFetch:
     engine_name = ""
     #: The importable module this reader needs (installed by the ``spark`` extra).
     module = ""
+    #: True: ``page`` binds the page's values (``params``) as the driver path does; False:
+    #: they are written into ``sql`` as literals (``literal``) and ``params`` is None.
+    binds = False
 
     def __init__(self, url: str, engine: Engine) -> None:
         self.url, self.engine = url, engine
@@ -57,7 +63,7 @@ class ArrowFetch:
     def open(self) -> Any:
         return None
 
-    def page(self, handle: Any, sql: str) -> Any:
+    def page(self, handle: Any, sql: str, params: list[Any] | None = None) -> Any:
         raise NotImplementedError
 
     def close(self, handle: Any) -> None:
@@ -118,7 +124,7 @@ class PostgresFetch(ArrowFetch):
         # Autocommit: each page is its own statement and transaction (no snapshot held between pages).
         return adbc.connect(libpq_url(self.url), autocommit=True)
 
-    def page(self, handle: Any, sql: str) -> Any:
+    def page(self, handle: Any, sql: str, params: list[Any] | None = None) -> Any:
         with handle.cursor() as cursor:
             cursor.execute(sql)  # no parameters: the driver reads the result with binary COPY
             return cursor.fetch_arrow_table()
@@ -144,7 +150,7 @@ class ConnectorxFetch(ArrowFetch):
     def cx_url(self) -> str:
         raise NotImplementedError
 
-    def page(self, handle: Any, sql: str) -> Any:
+    def page(self, handle: Any, sql: str, params: list[Any] | None = None) -> Any:
         import connectorx
 
         return connectorx.read_sql(self.cx_url(), sql, return_type="arrow")
@@ -184,9 +190,51 @@ class SqliteFetch(ConnectorxFetch):
         return "sqlite://" + quote(str(Path(sqlite_path(self.url)).resolve()))
 
 
+#: Rows per record batch of mssql-python's Arrow fetch (its own default is 8,192; a page
+#: of up to 50,000 rows then comes as a few batches, put together into one table).
+ARROW_BATCH_ROWS = 8192
+
+
+class MssqlPythonFetch(ArrowFetch):
+    """mssql-python's Arrow fetch (``Cursor.arrow``: the ODBC result set turned into Arrow
+    in the driver's C++, no Python row objects) on the engine's own connection, with its
+    session settings, running the driver path's statement with its values bound. Each page
+    ends its transaction (a rollback), as on the driver path. A pyodbc URL, or an
+    mssql-python without ``Cursor.arrow`` (before 1.5), reads through the driver."""
+
+    engine_name = "mssql"
+    module = "mssql_python"
+    binds = True
+
+    def usable(self) -> bool:
+        from ..storage.engines.mssql.driver import driver_of_url
+
+        if driver_of_url(self.url) != "mssql_python" or importlib.util.find_spec(self.module) is None:
+            return False
+        from mssql_python.cursor import Cursor
+        return hasattr(Cursor, "arrow")
+
+    def open(self) -> Any:
+        return self.engine.connect(self.url)
+
+    def page(self, handle: Any, sql: str, params: list[Any] | None = None) -> Any:
+        cursor = handle.cursor()
+        try:
+            self.engine.execute(cursor, sql, params or [])
+            table = cursor.arrow(batch_size=ARROW_BATCH_ROWS)
+        finally:
+            cursor.close()
+        handle.rollback()  # end the read transaction between pages: no long snapshot held
+        return table
+
+    def close(self, handle: Any) -> None:
+        with contextlib.suppress(Exception):  # it may be broken already
+            handle.close()
+
+
 #: The per-engine table: engines without an entry read through their Python driver.
 ARROW_FETCH: dict[str, Callable[[str, Engine], ArrowFetch]] = {
-    "postgresql": PostgresFetch, "mysql": MysqlFetch, "sqlite": SqliteFetch,
+    "postgresql": PostgresFetch, "mysql": MysqlFetch, "sqlite": SqliteFetch, "mssql": MssqlPythonFetch,
 }
 
 

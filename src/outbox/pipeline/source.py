@@ -8,8 +8,9 @@ statement holds more than a page and a partition restarts cleanly if Spark retri
 it. Status, processing-time and creation-time filters are part of the SQL.
 
 Each page is fetched by the engine's reader (``fetch.py``): straight into Arrow on
-PostgreSQL (ADBC), MySQL/MariaDB and SQLite (connectorx), through the engine's
-Python driver on SQL Server.
+PostgreSQL (ADBC), MySQL/MariaDB and SQLite (connectorx) and SQL Server through
+mssql-python (its own Arrow fetch), through the engine's Python driver on SQL Server
+through pyodbc.
 
 Options: ``url`` (required), ``table`` (default ``outbox``), ``schema``,
 ``statuses`` (``2,4``), ``processed_before`` / ``created_since`` (a driver-native
@@ -147,7 +148,10 @@ class OutboxQuery:
     def arrow_page(self, handle: Any, after: int, hi: int, size: int) -> Any:
         """One page as an Arrow table in the source's schema, no Python row objects."""
         assert self.fetch is not None
-        table = self.fetch.page(handle, self.inline_page_sql(after, hi, size))
+        if self.fetch.binds:
+            table = self.fetch.page(handle, self.page_sql(), [after, hi, *self.params, size])
+        else:
+            table = self.fetch.page(handle, self.inline_page_sql(after, hi, size))
         return to_source_schema(table, ARROW_SCHEMA(), self.engine.to_datetime)
 
     def to_batch(self, rows: list[tuple]) -> Any:

@@ -126,6 +126,20 @@ def driver_of_url(url: str) -> str:
     return DRIVERS[suffix]
 
 
+def mssql_python_url(url: str) -> str:
+    """A SQL Server URL for mssql-python: the same server, login, database and options,
+    without pyodbc's ``driver`` (mssql-python bundles its own ODBC driver). What the
+    pipeline's Arrow reader needs (docs/pipeline.md). A raw ODBC string has no URL to
+    rewrite: ValueError."""
+    if "://" not in url:
+        raise ValueError("a raw ODBC connection string has no mssql-python URL: write it as "
+                         "mssql+mssqlpython://user:pass@host:1433/db?...")
+    _scheme, rest = url.split("://", 1)
+    path, _, query = rest.partition("?")
+    kept = "&".join(p for p in query.split("&") if p and not p.lower().startswith("driver="))
+    return f"mssql+mssqlpython://{path}" + (f"?{kept}" if kept else "")
+
+
 def _int_option(name: str, value: str, low: int, high: int) -> int:
     try:
         number = int(value)
