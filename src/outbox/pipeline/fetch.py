@@ -215,21 +215,42 @@ class MssqlPythonFetch(ArrowFetch):
         return hasattr(Cursor, "arrow")
 
     def open(self) -> Any:
-        return self.engine.connect(self.url)
+        return [self.engine.connect(self.url)]  # a list: a page may replace the connection
 
     def page(self, handle: Any, sql: str, params: list[Any] | None = None) -> Any:
-        cursor = handle.cursor()
-        try:
-            self.engine.execute(cursor, sql, params or [])
-            table = cursor.arrow(batch_size=ARROW_BATCH_ROWS)
-        finally:
-            cursor.close()
-        handle.rollback()  # end the read transaction between pages: no long snapshot held
+        def read(conn: Any) -> Any:
+            cursor = conn.cursor()
+            try:
+                self.engine.execute(cursor, sql, params or [])
+                table = cursor.arrow(batch_size=ARROW_BATCH_ROWS)
+            finally:
+                cursor.close()
+            conn.rollback()  # end the read transaction between pages: no long snapshot held
+            return table
+
+        handle[0], table = read_once_more(self.engine, self.url, handle[0], read)
         return table
 
     def close(self, handle: Any) -> None:
         with contextlib.suppress(Exception):  # it may be broken already
-            handle.close()
+            handle[0].close()
+
+
+def read_once_more(engine: Engine, url: str, conn: Any, read: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """``read(conn)``, or, when the connection was ended or the error is transient (the
+    server ended the session while Spark took the last page), ``read`` once more on a new
+    connection: pages are keyed by id, so a page read again is the same page. Returns the
+    connection used and what ``read`` returned. The driver path and mssql-python's reader
+    read their pages through it."""
+    try:
+        return conn, read(conn)
+    except Exception as exc:
+        if not (engine.is_disconnect(exc) or engine.is_transient(exc)):
+            raise
+    with contextlib.suppress(Exception):  # it is broken already
+        conn.close()
+    conn = engine.connect(url)
+    return conn, read(conn)
 
 
 #: The per-engine table: engines without an entry read through their Python driver.

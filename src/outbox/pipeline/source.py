@@ -37,7 +37,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..storage.engines import Engine, engine_for_url
 from .common import SOURCE_SCHEMA_DDL, Piece, decode_native, topic_tasks
-from .fetch import ArrowFetch, arrow_fetch, to_source_schema
+from .fetch import ArrowFetch, arrow_fetch, read_once_more, to_source_schema
 
 _TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
 _T = TypeVar("_T")
@@ -268,18 +268,10 @@ class OutboxReader(DataSourceReader):
         try:
             after = partition.lo - 1
             while True:
-                try:
-                    rows = query.page(conn.cursor(), after, partition.hi, size)
-                except Exception as exc:
-                    # A connection the server ended while Spark took the last page (MySQL
-                    # ends idle relay sessions: docs/relay.md, "A network cut"), or another
-                    # transient error: the page is read again on a new connection, once;
-                    # pages are keyed by id.
-                    if not (query.engine.is_disconnect(exc) or query.engine.is_transient(exc)):
-                        raise
-                    conn.close()
-                    conn = query.engine.connect(query.url)
-                    rows = query.page(conn.cursor(), after, partition.hi, size)
+                # MySQL ends idle relay sessions (docs/relay.md, "A network cut"): a page is
+                # read once more on a new connection when its session is gone.
+                conn, rows = read_once_more(query.engine, query.url, conn, lambda c: query.page(
+                    c.cursor(), after, partition.hi, size))  # noqa: B023 - called at once
                 conn.rollback()  # end the read transaction between pages: no long snapshot held
                 if rows:
                     yield query.to_batch(rows)
