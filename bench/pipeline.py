@@ -286,7 +286,9 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
                 paths[f"{kind} driver"] = lambda: source_path(out="driver", reader="driver")
         # Warm every path up (JIT, Python workers, the driver jar) on a few thousand rows first.
         source_path(int(lo) + 5000, "warm-read", source_url=arrow_url if kind == "mssql" else url)
-        if kind != "mssql":
+        if kind == "mssql":
+            source_path(int(lo) + 5000, "warm-pyodbc", reader="driver")
+        else:
             jdbc_path(int(lo) + 5000, "warm-jdbc")
         # Alternate the paths --repeat times and keep each one's best run: the machine is
         # shared, and a neighbour's burst should not decide a ratio.
