@@ -374,6 +374,7 @@ def test_a_consumers_outage_is_told_once_and_a_dropped_ack_does_not_end_it() -> 
                        "retried in %s seconds until the connection recovers.", "outbox.publish(chains=[{'p': 1}])",
                        "BlockingConnection wrong state", 5)
         rabbit.warning("Failed to ack message: not in known tags.")
+        assert consumers.outage._failures == 2  # the error and the ack's retry, each once for both handlers
         consumers.back()  # Dramatiq reports the dropped ack
         assert consumers.outage.down
         consumers.back()  # an ack that was sent
@@ -384,11 +385,14 @@ def test_a_consumers_outage_is_told_once_and_a_dropped_ack_does_not_end_it() -> 
             for handler in handlers:
                 logger.removeHandler(handler)
     warnings = [line for line in told if line.startswith("WARNING")]
-    # The outage once; the other line once per handler.
-    assert len(warnings) == 3 and "Dramatiq's broker unreachable" in warnings[0], told
-    assert warnings[1:] == ["WARNING Something else"] * 2, told
-    # Each failure heard once, not once per handler: the ack retry's, after the first.
-    assert sum("still unreachable" in line for line in told) == 1, told
+    # The consumer's record became the outage's announcement, which each of the process's
+    # handlers shows once, as it showed Dramatiq's line (rewritten, not logged again from the
+    # filter: Python 3.13 drops a line logged while a record is handled); the other line too.
+    assert len(warnings) == 4 and all("Dramatiq's broker unreachable" in w for w in warnings[:2]), told
+    assert warnings[0] == warnings[1] and warnings[2:] == ["WARNING Something else"] * 2, told
+    # Each failure counted once, not once per handler: the ack retry's, after the first, is
+    # one DEBUG line in each handler.
+    assert sum("still unreachable" in line for line in told) == 2, told
     assert sum("reachable again" in line for line in told) == 1, told
     assert not any("chains" in line or "Restarting" in line or "known tags" in line for line in told), told
 

@@ -120,6 +120,32 @@ def test_tick_filter_drops_claim_ticks_only_and_keeps_them_at_debug() -> None:
         logging.getLogger("celery.worker.strategy").setLevel(logging.NOTSET)
 
 
+def test_claim_ticks_logged_through_the_logger_show_at_debug_only() -> None:
+    """Through a real logging call (the filter on the logger, as ``install_filters`` puts
+    it): Python 3.13's ``isEnabledFor`` says False to every call made while the thread handles
+    a record, so the filter asked it and dropped the ticks even at DEBUG there."""
+    logger = logging.getLogger("celery.worker.strategy")
+    shown: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            shown.append(record.getMessage())
+
+    f, handler = TickFilter(), Keep()
+    logger.addFilter(f)
+    logger.addHandler(handler)
+    try:
+        for level in (logging.INFO, logging.DEBUG):
+            logger.setLevel(level)
+            logger.info("Task %(name)s[%(id)s] received", {"name": CLAIM_TASK, "id": str(level)})
+    finally:
+        logger.removeFilter(f)
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    assert shown == [f"Task {CLAIM_TASK}[{logging.DEBUG}] received"]
+    assert f.take_ticks() == 2
+
+
 def test_celerys_notice_on_a_setting_the_relay_sets_is_dropped_and_no_other_warning() -> None:
     """Celery warns at every loss of its broker (``CANCEL_TASKS_BY_DEFAULT``), whatever
     ``worker_cancel_long_running_tasks_on_connection_loss`` is set to; the relay sets it, so

@@ -38,6 +38,7 @@ from typing import Any
 
 from celery import signals
 
+from ..core.logs import shows
 from ..core.names import CLAIM_TASK
 
 log = logging.getLogger("outbox.heartbeat")
@@ -78,7 +79,7 @@ class TickFilter(logging.Filter):
                 else:
                     self.ticks += 1
                     self.received += 1
-        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return shows(logging.getLogger(record.name), logging.DEBUG)  # not isEnabledFor: outbox.core.logs
 
     def take_ticks(self) -> int:
         with self._lock:

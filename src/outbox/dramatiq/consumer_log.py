@@ -33,6 +33,7 @@ import threading
 
 from dramatiq.worker import CONSUMER_RESTART_DELAY_SECS
 
+from ..core.logs import shows
 from ..relay.shared import Outage
 
 #: What Dramatiq's consumer threads log, from loggers under ``dramatiq.worker``.
@@ -47,8 +48,8 @@ TAG_FORGOTTEN = "message: not in known tags."
 
 class ConsumerOutageFilter(logging.Filter):
     """A handler filter: a consumer's connection error, and an ack that waits for the broker,
-    go to ``outage`` instead of the log; "Restarting consumer" is dropped while the outage
-    lasts; an ack dropped for a forgotten delivery tag is dropped from the log and marks its
+    count towards ``outage`` and become its line (the first its WARNING, the rest DEBUG);
+    "Restarting consumer" is dropped while the outage lasts; an ack dropped for a forgotten delivery tag is dropped from the log and marks its
     thread, so that ``back`` does not count it."""
 
     def __init__(self, outage: Outage, settle_s: float = CONSUMER_RESTART_DELAY_SECS) -> None:
@@ -79,12 +80,24 @@ class ConsumerOutageFilter(logging.Filter):
             return True
         message = record.getMessage()
         if message.startswith(CONNECTION_ERROR):
-            self.outage.failed(message[len(CONNECTION_ERROR):])
-            return False
+            return self._told(record, message[len(CONNECTION_ERROR):])
         if message.startswith(ACK_RETRIED) and ACK_RETRIED_ERROR in message:
-            self.outage.failed(message.partition("\n")[0].rpartition(ACK_RETRIED_ERROR)[2])
-            return False
+            return self._told(record, message.partition("\n")[0].rpartition(ACK_RETRIED_ERROR)[2])
         return not (message.startswith(RESTARTING) and self.outage.down)
+
+    def _told(self, record: logging.LogRecord, error: str) -> bool:
+        """Count ``error`` towards the outage, and make ``record`` the outage's own line (the
+        announcement, or a DEBUG line when the outage's logger shows DEBUG); else drop it.
+        The record is rewritten rather than a line logged from here: Python 3.13 ignores
+        every logging call a thread makes while it handles a record, so the announcement
+        logged from a filter was lost there (``outbox.core.logs``)."""
+        _counted, line = self.outage.judge(error)
+        log = self.outage.log
+        if not shows(log, line.level):
+            return False
+        record.name, record.levelno, record.levelname = log.name, line.level, logging.getLevelName(line.level)
+        record.msg, record.args, record.exc_info, record.exc_text = line.msg, line.args, None, None
+        return True
 
     def back(self) -> None:
         """Dramatiq reports an ack in this thread: unless the consumer dropped it, or the outage

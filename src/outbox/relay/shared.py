@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..core.errors import OutboxError
 from .state import ProcessState, SharedState, open_shared_state
@@ -205,6 +205,15 @@ def make_route_gate(celery_broker_url: str, key: str) -> RouteGate:
 
 # -- outages, logged like an operator wants ----------------------------------------------------
 
+class OutageLine(NamedTuple):
+    """A line ``Outage`` logs: its level, format and arguments, and the exception to show."""
+
+    level: int
+    msg: str
+    args: tuple[Any, ...]
+    exc_info: BaseException | None = None
+
+
 class Outage:
     """Logs an outage of one dependency (the database, the destination broker) once.
 
@@ -262,14 +271,21 @@ class Outage:
     def failed(self, error: BaseException | str, began: float | None = None) -> bool:
         """Count ``error`` towards an outage, or (False) log it at DEBUG as a leftover of the
         last one, when the work began before it ended (``stale``)."""
+        counted, line = self.judge(error, began)
+        self.log.log(line.level, line.msg, *line.args, exc_info=line.exc_info)
+        return counted
+
+    def judge(self, error: BaseException | str, began: float | None = None) -> tuple[bool, OutageLine]:
+        """``failed`` without the logging: whether ``error`` counted, and the line to log
+        (the announcement at WARNING, or a line at DEBUG). For a caller that must not log
+        while a record is being handled (a logging filter: ``outbox.dramatiq.consumer_log``)."""
         from ..core.redact import redact
 
         detail = redact(f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error)
         detail = " ".join(detail.split())
         if self.stale(began):
-            self.log.debug("outbox: %s failed for work begun before it was back (%s): %s", self.what, self.where,
-                           detail)
-            return False
+            return False, OutageLine(logging.DEBUG, "outbox: %s failed for work begun before it was back (%s): %s",
+                                     (self.what, self.where, detail))
         with self._lock:
             first = self._since is None
             if first:
@@ -284,11 +300,10 @@ class Outage:
         if announce:
             # One of ours (a table missing, say) names its cause: it is not a network failure.
             state = "cannot be used" if isinstance(error, OutboxError) else "unreachable"
-            self.log.warning("outbox: %s %s (%s): %s. %s", self.what, state, self.where, detail, self.meanwhile)
-        else:
-            self.log.debug("outbox: %s still unreachable (%s): %s", self.what, self.where, detail,
-                           exc_info=error if isinstance(error, BaseException) else None)
-        return True
+            return True, OutageLine(logging.WARNING, "outbox: %s %s (%s): %s. %s",
+                                    (self.what, state, self.where, detail, self.meanwhile))
+        return True, OutageLine(logging.DEBUG, "outbox: %s still unreachable (%s): %s", (self.what, self.where, detail),
+                                error if isinstance(error, BaseException) else None)
 
     def ok(self) -> None:
         if self._since is None:
