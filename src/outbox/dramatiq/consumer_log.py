@@ -49,8 +49,9 @@ TAG_FORGOTTEN = "message: not in known tags."
 class ConsumerOutageFilter(logging.Filter):
     """A handler filter: a consumer's connection error, and an ack that waits for the broker,
     count towards ``outage`` and become its line (the first its WARNING, the rest DEBUG);
-    "Restarting consumer" is dropped while the outage lasts; an ack dropped for a forgotten delivery tag is dropped from the log and marks its
-    thread, so that ``back`` does not count it."""
+    "Restarting consumer" is dropped while the outage lasts; an ack dropped for a forgotten
+    delivery tag is dropped from the log and marks its thread, so that ``back`` does not
+    count it."""
 
     def __init__(self, outage: Outage, settle_s: float = CONSUMER_RESTART_DELAY_SECS) -> None:
         super().__init__()
