@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from log_support import logging_as_in_python_313
 from relay_e2e_support import Destination, Outbox, relay_env, relay_queue, wait_until
 
 from outbox.celery.worker_logging import NoticeFilter, TickFilter, heartbeat_line
@@ -122,8 +123,9 @@ def test_tick_filter_drops_claim_ticks_only_and_keeps_them_at_debug() -> None:
 
 def test_claim_ticks_logged_through_the_logger_show_at_debug_only() -> None:
     """Through a real logging call (the filter on the logger, as ``install_filters`` puts
-    it): Python 3.13's ``isEnabledFor`` says False to every call made while the thread handles
-    a record, so the filter asked it and dropped the ticks even at DEBUG there."""
+    it), with Python 3.13's logging on any Python (tests/log_support.py): its ``isEnabledFor``
+    says False to every call made while the thread handles a record, so the filter asked it
+    and dropped the ticks even at DEBUG there."""
     logger = logging.getLogger("celery.worker.strategy")
     shown: list[str] = []
 
@@ -137,7 +139,8 @@ def test_claim_ticks_logged_through_the_logger_show_at_debug_only() -> None:
     try:
         for level in (logging.INFO, logging.DEBUG):
             logger.setLevel(level)
-            logger.info("Task %(name)s[%(id)s] received", {"name": CLAIM_TASK, "id": str(level)})
+            with logging_as_in_python_313():
+                logger.info("Task %(name)s[%(id)s] received", {"name": CLAIM_TASK, "id": str(level)})
     finally:
         logger.filters = installed
         logger.removeHandler(handler)
