@@ -371,8 +371,9 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
     finally:
         for store in stores.values():
             try:
-                with store.transaction() as c:
+                with store.transaction() as c:  # the holders table too: store.migrate made it
                     store.engine.execute(c, f"DROP TABLE IF EXISTS {store.engine.table}")
+                    store.engine.execute(c, f"DROP TABLE IF EXISTS {store.engine.holders}")
             finally:
                 store.close()
 
