@@ -271,21 +271,22 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         # The paths compared with the source's read: Spark's JDBC reader, or on SQL Server
         # (no JDBC driver here) the driver path through pyodbc; the read itself there is
         # mssql-python's Arrow fetch.
-        paths: dict[str, Any] = {f"{kind} read": source_path}
+        read_url = url
         if kind == "mssql":
             from outbox.storage.engines.mssql.driver import mssql_python_url
 
-            arrow_url, baseline = mssql_python_url(url), f"{kind} pyodbc"
-            paths = {f"{kind} read": lambda: source_path(source_url=arrow_url),
-                     baseline: lambda: source_path(out="pyodbc", reader="driver"),
-                     f"{kind} mssql-python rows": lambda: source_path(out="rows", reader="driver", source_url=arrow_url)}
+            read_url, baseline = mssql_python_url(url), f"{kind} pyodbc"
+            paths: dict[str, Any] = {
+                f"{kind} read": lambda: source_path(source_url=read_url),
+                baseline: lambda: source_path(out="pyodbc", reader="driver"),
+                f"{kind} mssql-python rows": lambda: source_path(out="rows", reader="driver", source_url=read_url)}
         else:
             baseline = f"{kind} jdbc"
-            paths[baseline] = jdbc_path
+            paths = {f"{kind} read": source_path, baseline: jdbc_path}
             if kind == "postgresql":
                 paths[f"{kind} driver"] = lambda: source_path(out="driver", reader="driver")
         # Warm every path up (JIT, Python workers, the driver jar) on a few thousand rows first.
-        source_path(int(lo) + 5000, "warm-read", source_url=arrow_url if kind == "mssql" else url)
+        source_path(int(lo) + 5000, "warm-read", source_url=read_url)
         if kind == "mssql":
             source_path(int(lo) + 5000, "warm-pyodbc", reader="driver")
         else:

@@ -1,7 +1,8 @@
 """The ``outbox`` data source's readers on real databases, without Spark: the Arrow
 reader of each engine (ADBC on PostgreSQL, connectorx on MySQL/MariaDB and SQLite,
-mssql-python's own Arrow fetch on SQL Server) returns exactly what the Python-driver path returns, with the same time bounds
-compared by the database, one page per transaction, and no Python driver cursor."""
+mssql-python's own Arrow fetch on SQL Server) returns exactly what the Python-driver path
+returns, with the same time bounds compared by the database, one page per transaction, and
+no Python driver cursor."""
 
 from __future__ import annotations
 

@@ -128,9 +128,10 @@ def driver_of_url(url: str) -> str:
 
 def mssql_python_url(url: str) -> str:
     """A SQL Server URL for mssql-python: the same server, login, database and options,
-    without pyodbc's ``driver`` (mssql-python bundles its own ODBC driver). What the
-    pipeline's Arrow reader needs (docs/pipeline.md). A raw ODBC string has no URL to
-    rewrite: ValueError."""
+    without pyodbc's ``driver`` (mssql-python bundles its own ODBC driver): a URL the
+    pipeline reads through mssql-python's Arrow fetch (docs/pipeline.md), as
+    ``bench.pipeline --engines mssql`` and the tests make one from a pyodbc URL. A raw
+    ODBC string has no URL to rewrite: ValueError."""
     if "://" not in url:
         raise ValueError("a raw ODBC connection string has no mssql-python URL: write it as "
                          "mssql+mssqlpython://user:pass@host:1433/db?...")
