@@ -14,7 +14,8 @@ In one run (default ``--rows 200000``, a few minutes on a shared 2-core machine)
    mssql-python) against ``pyodbc``, the driver path through pyodbc (issue 23's figure for
    SQL Server), and ``mssql-python rows``, the driver path through mssql-python;
 2. on PostgreSQL and MariaDB: ``archive`` (the whole ``Archiver`` run: stage, verify,
-   commit, publish, delete) against the read alone, alternating ``--repeat`` times, each
+   commit, publish, delete; ``--writer`` as the archive's, ``auto``: the Arrow writer
+   for the bench's directory) against the read alone, alternating ``--repeat`` times, each
    archive run on a table freshly filled with the same rows and read once, untimed, so
    that its pages are as warm as the read's table is (``--cold-archive``: not read
    first); ``replay`` of that archive into an
@@ -306,8 +307,8 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         fill(stores["warm"], 5000)
         warm_archive = str(work / f"{kind}-warm-archive")
         split = {"split": args.split}
-        Archiver(spark, stores["warm"], warm_archive, partitions=args.partitions, source_options=split).run(
-            timedelta(days=1))
+        Archiver(spark, stores["warm"], warm_archive, partitions=args.partitions, source_options=split,
+                 writer=args.writer).run(timedelta(days=1))
         run_replay(spark, archive=warm_archive, target=stores["warmreplay"], batch=1000, partitions=args.partitions)
         # The archive alternates with the read --repeat times too, each run on a table
         # freshly filled with the same rows (it deletes what it archived) and read once
@@ -325,7 +326,7 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
             clock = StepClock()
             archiver = Archiver(spark, stores["arch"], str(work / f"{kind}-archive-{n}"), partitions=args.partitions,
                                 delete_chunk=5000, delete_connections=args.delete_connections, on_step=clock,
-                                source_options=split)
+                                source_options=split, writer=args.writer)
             clock.start()
             timed(f"{kind} archive", args.rows, lambda: archiver.run(timedelta(days=1)), trial)  # noqa: B023
             trial[f"{kind} archive"]["steps_s"] = {**clock.steps, "end": trial[f"{kind} archive"]["seconds"]}
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--split", choices=("id", "topic"), default="id",
                    help="what each task of the archive's stage reads (outbox pipeline archive --split)")
+    p.add_argument("--writer", choices=("auto", "arrow", "spark"), default="auto",
+                   help="who writes the archive's Parquet files (outbox pipeline archive --writer)")
     p.add_argument("--master", default="local[2]")
     p.add_argument("--delete-connections", type=int, default=DELETE_CONNECTIONS,
                    help=f"the archive's --delete-connections (the CLI's default: {DELETE_CONNECTIONS})")
@@ -430,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     spark = spark_session()
     work = Path(tempfile.mkdtemp(prefix="outbox-bench-pipeline-"))
     results: dict[str, Any] = {"rows": args.rows, "partitions": args.partitions, "master": args.master,
-                               "repeat": args.repeat, "fetch_size": args.fetch_size,
+                               "repeat": args.repeat, "writer": args.writer, "fetch_size": args.fetch_size,
                                "page_bytes": args.page_bytes}
     urls = {"postgresql": POSTGRES_URL, "mysql": MYSQL_URL, "sqlite": f"sqlite:///{work / 'bench.db'}",
             "mssql": MSSQL_URL}

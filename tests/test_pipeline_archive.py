@@ -19,6 +19,7 @@ from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, invoke, mixed_rows, 
 
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
 from outbox.pipeline.common import ARCHIVE_SCHEMA_DDL, PipelineError
+from outbox.pipeline.stage import ArrowWritten, SparkWritten, file_runs
 from outbox.storage.store import OutboxStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,7 +63,10 @@ def plain_parquet_ids(spark: Any, root: Path) -> list[int]:
     return [r["id"] for r in spark.read.parquet(str(root)).select("id").collect()]
 
 
-def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["arrow", "spark"])
+def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path, writer: str) -> None:
+    """Both stage writers (stage.py: pyarrow in the tasks, the default for a path, and
+    Spark's writer, the one for other URIs) on every engine."""
     rows = mixed_rows()
     ids = seed(store, rows)
     before = table_rows(store)
@@ -70,7 +74,7 @@ def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path) -> N
     old_dead = {i for i, r in zip(ids, rows) if r.status == 4}
     root = tmp_path / "my archive ü%20"  # a plain path, written where it says (not percent-encoded)
 
-    result = Archiver(spark, store, str(root), delete_chunk=5).run(timedelta(days=7))
+    result = Archiver(spark, store, str(root), delete_chunk=5, writer=writer).run(timedelta(days=7))
     assert (result.archived, result.deleted, result.kept) == (len(old_done), len(old_done), 0)
     assert table_ids(store) == set(ids) - old_done
     got = read_archive(spark, str(root)).collect()
@@ -100,6 +104,34 @@ def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path) -> N
     assert dead.archived == len(old_dead)
     assert sorted(archived_ids(spark, root)) == sorted(old_done | old_dead)
     assert table_ids(store) == set(ids) - old_done - old_dead
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_both_writers_stage_the_same_files(spark: Any, make_store: Any, tmp_path: Path) -> None:
+    """The Arrow writer names its directories as Spark's writer does (a topic of every
+    ASCII character but NUL, and one beyond ASCII), and writes the same columns with the
+    same Parquet types: one archive, whichever writer staged a run."""
+    import pyarrow.parquet as pq
+
+    rows = [Row(f"t{chr(c)}x", "a") for c in range(1, 128) if chr(c).strip()] + \
+        [Row(f"t{chr(c)}x", "a") for c in range(1, 128) if not chr(c).strip()] + [Row("tüx", "a")]
+    roots = {}
+    for writer in ("arrow", "spark"):
+        store = make_store()
+        seed(store, rows)
+        roots[writer] = tmp_path / writer
+        result = Archiver(spark, store, str(roots[writer]), partitions=2, writer=writer).run(timedelta(days=7))
+        assert result.archived == len(rows)
+    dirs = {w: {str(f.parent.relative_to(root)) for f in root.glob("topic=*/date=*/*.parquet")}
+            for w, root in roots.items()}
+    assert len(dirs["arrow"]) == len(rows) and dirs["arrow"] == dirs["spark"]
+    schemas = {w: {pq.read_schema(f).remove_metadata() for f in root.glob("topic=*/date=*/*.parquet")}
+               for w, root in roots.items()}
+    assert len(schemas["arrow"]) == 1 and schemas["arrow"] == schemas["spark"]
+    archived = {w: sorted((r["topic"], r["date"], r["payload"]) for r in read_archive(spark, str(root)).collect())
+                for w, root in roots.items()}
+    assert archived["arrow"] == archived["spark"]
+    assert {t for t, _, _ in archived["arrow"]} == {r.topic for r in rows}
 
 
 def committed_ids(root: Path) -> set[int]:
@@ -240,30 +272,40 @@ def test_split_by_topic_archives_what_id_ranges_do_in_fewer_files(spark: Any, ma
 @pytest.mark.parametrize("kind", ["sqlite"])
 def test_verify_gives_the_runs_and_refuses_an_id_staged_twice(spark: Any, store: OutboxStore,
                                                               tmp_path: Path) -> None:
-    """The verify step on staged files written by hand: interleaved topics with gaps
-    give the ids' runs, and the files it read (the manifest's list) are the staged
-    files; the same id in two files, or an id outside the run's bounds, fail it (so the
-    run never commits)."""
+    """The verify step on staged files written by hand, read back by Spark (the Spark
+    writer's verify) and by pyarrow (the Arrow writer's, file by file): interleaved
+    topics with gaps give the ids' runs, and the files it read (the manifest's list) are
+    the staged files; the same id in two files, or an id outside the run's bounds, fail
+    it (so the run never commits)."""
     archiver = Archiver(spark, store, str(tmp_path / "archive"))
     staging = tmp_path / "staging"
     by_topic = {"t.a": [1, 3, 5, 6, 7, 10], "t/b 50% ü": [2, 4, 8, 12, 13], "t.c": [20]}  # escaped directory names
+
+    def both() -> list[Any]:
+        files = sorted(staging.glob("topic=*/date=*/*.parquet"))
+        return [SparkWritten(spark, staging.as_uri()),
+                ArrowWritten([str(f.relative_to(staging)) for f in files], file_runs(*map(str, files)))]
+
     stage_by_hand(spark, staging, by_topic)
-    rows, ranges, files = archiver._verify(staging.as_uri(), 1, 20)
-    assert (rows, ranges) == (12, [[1, 8], [10, 10], [12, 13], [20, 20]])
-    assert files == sorted(str(f.relative_to(staging)) for f in staging.glob("topic=*/date=*/*.parquet"))
-    with pytest.raises(PipelineError, match="outside 2..20; nothing was committed"):
-        archiver._verify(staging.as_uri(), 2, 20)
-    with pytest.raises(PipelineError, match="outside 1..19; nothing was committed"):
-        archiver._verify(staging.as_uri(), 1, 19)
+    for written in both():
+        rows, ranges, files = archiver._verify(written, staging.as_uri(), 1, 20)
+        assert (rows, ranges) == (12, [[1, 8], [10, 10], [12, 13], [20, 20]])
+        assert files == sorted(str(f.relative_to(staging)) for f in staging.glob("topic=*/date=*/*.parquet"))
+        with pytest.raises(PipelineError, match="outside 2..20; nothing was committed"):
+            archiver._verify(written, staging.as_uri(), 2, 20)
+        with pytest.raises(PipelineError, match="outside 1..19; nothing was committed"):
+            archiver._verify(written, staging.as_uri(), 1, 19)
 
     stage_by_hand(spark, staging, {"t.d": [6]}, append=True)  # id 6 again, in another file
-    with pytest.raises(PipelineError, match="holds id 6 twice; nothing was committed"):
-        archiver._verify(staging.as_uri(), 1, 20)
+    for written in both():
+        with pytest.raises(PipelineError, match="holds id 6 twice; nothing was committed"):
+            archiver._verify(written, staging.as_uri(), 1, 20)
 
 
 @pytest.mark.parametrize("kind", ["postgresql"])
+@pytest.mark.parametrize("writer", ["arrow", "spark"])
 def test_a_run_whose_verify_fails_commits_and_deletes_nothing(spark: Any, store: OutboxStore, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                                             monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
     """A stage that wrote an id twice (here: one file added after the real stage): the
     run stops at verify, with no manifest and no row deleted; the next run, with the
     stage as it is, archives every row once."""
@@ -273,14 +315,19 @@ def test_a_run_whose_verify_fails_commits_and_deletes_nothing(spark: Any, store:
     root = tmp_path / "archive"
     real_stage = Archiver._stage
 
-    def stage_twice(self: Archiver, staging: str, *args: Any) -> None:
-        real_stage(self, staging, *args)
-        stage_by_hand(spark, Path(staging.removeprefix("file:").removeprefix("//")), {"zz": [min(old_done)]},
-                      append=True)
+    def stage_twice(self: Archiver, staging: str, *args: Any) -> Any:
+        written = real_stage(self, staging, *args)
+        base = Path(staging.removeprefix("file:").removeprefix("//"))
+        stage_by_hand(spark, base, {"zz": [min(old_done)]}, append=True)
+        if isinstance(written, ArrowWritten):  # its tasks report what they wrote: this file's too
+            extra = list(base.glob("topic=zz/date=*/*.parquet"))
+            written.files += [str(f.relative_to(base)) for f in extra]
+            written.runs += file_runs(*map(str, extra))
+        return written
 
     monkeypatch.setattr(Archiver, "_stage", stage_twice)
     with pytest.raises(PipelineError, match=f"holds id {min(old_done)} twice; nothing was committed"):
-        Archiver(spark, store, str(root)).run(timedelta(days=7))
+        Archiver(spark, store, str(root), writer=writer).run(timedelta(days=7))
     assert not list((root / "_manifest").glob("*.json"))
     assert table_ids(store) == set(ids)
     monkeypatch.undo()

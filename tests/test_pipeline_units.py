@@ -13,7 +13,6 @@ import pytest
 import sqlglot
 from sqlglot import exp
 
-from outbox.pipeline.archive import id_runs
 from outbox.pipeline.common import (
     PipelineError,
     archive_uri,
@@ -25,6 +24,7 @@ from outbox.pipeline.common import (
     range_chunks,
     topic_tasks,
 )
+from outbox.pipeline.stage import DEFAULT_PARTITION, file_runs, id_runs, merge_runs, partition_value
 from outbox.storage.engines.mssql import MssqlEngine
 
 
@@ -59,7 +59,7 @@ def test_range_chunks_cover_each_id_once() -> None:
 
 
 def edges(ids: list[int]) -> list[tuple[int, int | None, int | None]]:
-    """What ``archive.EDGES_SQL`` selects from these ids, computed here by its definition."""
+    """What ``stage.EDGES_SQL`` selects from these ids, computed here by its definition."""
     order = sorted(ids)
     rows = [(i, order[n - 1] if n else None, order[n + 1] if n + 1 < len(order) else None)
             for n, i in enumerate(order)]
@@ -79,6 +79,50 @@ def test_id_runs_are_the_ids_gaps_and_islands(ids: list[int]) -> None:
 def test_id_runs_refuse_an_id_twice(ids: list[int]) -> None:
     with pytest.raises(ValueError, match="twice"):
         id_runs(edges(ids))
+
+
+def write_ids(path: Path, ids: list[int]) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"id": pa.array(ids, pa.int64()), "topic": ["t"] * len(ids)}), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("ids", [[], [5], [1, 2, 3], [3, 1, 2, 7, 9, 10, 11, 20], list(range(100, 200, 2)),
+                                 [4, 5, 6, 8, 9, 1000]])
+def test_the_arrow_writers_runs_are_the_ids_gaps_and_islands(ids: list[int], tmp_path: Path) -> None:
+    """The Arrow writer's read-back (``file_runs``, per file) and the driver's merge
+    (``merge_runs``, over every file) give what ``id_runs`` gives for the same ids,
+    whichever way the ids are cut into files."""
+    whole = id_runs(edges(ids))
+    assert merge_runs(file_runs(write_ids(tmp_path / "one.parquet", ids))) == whole
+    odd, even = [i for i in ids if i % 2], [i for i in ids if not i % 2]
+    apart = file_runs(write_ids(tmp_path / "odd.parquet", odd)) + file_runs(write_ids(tmp_path / "even.parquet", even))
+    assert merge_runs(apart) == whole  # two tasks' reports
+    assert file_runs(str(tmp_path / "odd.parquet"), str(tmp_path / "even.parquet")) == \
+        [tuple(run) for run in whole[1]]  # one task's files read together
+
+
+@pytest.mark.parametrize("ids", [[5, 5], [1, 2, 3, 3, 4], [1, 2, 3, 4, 4], [7, 7, 7, 8], [1, 2, 9, 10, 2]])
+def test_the_arrow_writers_merge_refuses_an_id_twice(ids: list[int], tmp_path: Path) -> None:
+    """An id twice in one file, or in two files, fails the merge."""
+    with pytest.raises(ValueError, match="twice"):
+        merge_runs(file_runs(write_ids(tmp_path / "one.parquet", ids)))
+    first, second = ids[:len(ids) // 2], ids[len(ids) // 2:]
+    if set(first) & set(second):
+        with pytest.raises(ValueError, match="twice"):
+            merge_runs(file_runs(write_ids(tmp_path / "a.parquet", first)) +
+                       file_runs(write_ids(tmp_path / "b.parquet", second)))
+
+
+@pytest.mark.parametrize(("value", "name"), [
+    ("orders.created", "orders.created"), ("a b", "a b"), ("t/b 50% ü", "t%2Fb 50%25 ü"),
+    ("k=v:w?x", "k%3Dv%3Aw%3Fx"), ("tab\tnew\nline", "tab%09new%0Aline"),
+    ("", DEFAULT_PARTITION), (None, DEFAULT_PARTITION)])
+def test_partition_values_are_named_as_spark_names_them(value: str | None, name: str) -> None:
+    """Spark's escaping (checked against Spark's own writer, every ASCII character, in
+    tests/test_pipeline_archive.py): ``%XX`` for controls and ``"#%'*/:=?[\\]^{`` and DEL."""
+    assert partition_value(value) == name
 
 
 @pytest.mark.parametrize(("spec", "count"), [
@@ -419,3 +463,59 @@ def test_mssql_python_arrow_pages_take_the_source_schema_as_its_rows_do() -> Non
     got = to_source_schema(fetched, ARROW_SCHEMA(), query.engine.to_datetime)
     want = pa.Table.from_batches([query.to_batch(rows)])
     assert got.schema == ARROW_SCHEMA() and got.equals(want), (got.to_pylist(), want.to_pylist())
+
+
+class PagesThenFailure:
+    """A data source reader whose task yields ``pages`` and then fails (a lost
+    connection mid-task), as ``OutboxReader.read`` would raise it."""
+
+    def __init__(self, pages: list[Any], fail: bool) -> None:
+        self.pages, self.fail = pages, fail
+
+    def read(self, task: Any) -> Any:
+        yield from self.pages
+        if self.fail:
+            raise ConnectionError("server closed the connection")
+
+
+def source_page(ids: list[int], topics: list[str], days: list[int]) -> Any:
+    """A page in the data source's schema: these ids, topics and creation days (of December 2026, UTC)."""
+    import pyarrow as pa
+
+    from outbox.pipeline.source import ARROW_SCHEMA
+    schema = ARROW_SCHEMA()
+    created = [datetime(2026, 12, day, 23, 59, 59, 999_999, tzinfo=UTC) for day in days]
+    values: dict[str, Any] = {"id": ids, "topic": topics, "message_id": [f"m{i}" for i in ids], "status": [2] * len(ids),
+                              "attempts": [0] * len(ids), "created_at": created}
+    return pa.RecordBatch.from_arrays([pa.array(values.get(f.name, [None] * len(ids)), f.type) for f in schema],
+                                      schema=schema)
+
+
+def test_a_task_of_the_arrow_writer_writes_a_file_per_topic_and_day(tmp_path: Path) -> None:
+    """Two pages of interleaved topics and days: one file per topic and UTC day (a row at
+    23:59:59.999999 stays on its day), each in id order, named as Spark names the
+    directory, and the ids read back as one run."""
+    import pyarrow.parquet as pq
+
+    from outbox.pipeline.stage import write_task
+    pages = [source_page([1, 2, 3, 4], ["a", "b/c", "a", "b/c"], [1, 1, 2, 1]),
+             source_page([5, 6], ["a", "b/c"], [1, 1])]
+    files, runs = write_task(PagesThenFailure(pages, fail=False), None, str(tmp_path), "run-1")
+    assert runs == [(1, 6)]
+    by_dir = {f.rsplit("/", 1)[0]: pq.read_table(tmp_path / f) for f in files}
+    assert sorted(by_dir) == ["topic=a/date=2026-12-01", "topic=a/date=2026-12-02", "topic=b%2Fc/date=2026-12-01"]
+    assert by_dir["topic=a/date=2026-12-01"].column("id").to_pylist() == [1, 5]
+    assert by_dir["topic=b%2Fc/date=2026-12-01"].column("id").to_pylist() == [2, 4, 6]
+    assert set(by_dir["topic=a/date=2026-12-02"].column("archive_run").to_pylist()) == {"run-1"}
+    assert not list(tmp_path.rglob(".*"))  # nothing left under a hidden name
+
+
+def test_a_task_of_the_arrow_writer_that_fails_leaves_no_file_a_reader_takes(tmp_path: Path) -> None:
+    """The reader fails after a page: the error reaches Spark (the run stops before its
+    verify) and the task's files, still open, are removed; nothing is left that a
+    reader of the staging directory would read."""
+    from outbox.pipeline.stage import write_task
+    pages = [source_page([1, 2, 3], ["a", "b", "a"], [1, 1, 1])]
+    with pytest.raises(ConnectionError, match="server closed"):
+        write_task(PagesThenFailure(pages, fail=True), None, str(tmp_path), "run-1")
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []

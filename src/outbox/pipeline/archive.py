@@ -8,11 +8,12 @@ One run, step by step (each step is safe to crash in; see docs/pipeline.md):
    files, delete its rows) and drop the staging of runs that never committed;
 2. **cut-off** on the database clock, ``now - older_than``, kept as the driver's own
    value so every later comparison is the database's own comparison;
-3. **stage**: the executors read the rows through the ``outbox`` data source, each
+3. **stage**: the executors read the rows with the ``outbox`` data source's reader, each
    task an id range (``split=id``; ``split=topic``: whole topics), and write Parquet, partitioned
-   ``topic=/date=``, under ``_staging/<run>/``;
-4. **verify**: read the staged ids back, in id order, and turn them into
-   ``[first, last]`` runs (an id there twice, or outside the bounds, fails the run);
+   ``topic=/date=``, under ``_staging/<run>/`` (``stage.py``: pyarrow in each task for an
+   archive on a filesystem path, Spark's writer for other URIs);
+4. **verify**: read the staged ids back and turn them into ``[first, last]`` runs of
+   consecutive ids (an id there twice, or outside the bounds, fails the run);
 5. **commit**: write ``_manifest/<run>.json`` (the id runs, the cut-off, the files).
    This file is the commit point: before it the run never happened, after it the
    run is finished by whoever comes next;
@@ -35,7 +36,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -59,6 +60,7 @@ from .common import (
 )
 from .fs import ArchiveFS
 from .lock import ArchiveLock
+from .stage import StageWriter, Written, writer_for
 
 log = logging.getLogger("outbox.pipeline.archive")
 
@@ -74,20 +76,6 @@ STAGING_DIR = "_staging"
 DONE_STATUS, DEAD_STATUS = 2, 4
 
 Hook = Callable[[str], None]
-
-#: Columns whose values are distinct row by row: Parquet's writer would try a dictionary
-#: for each of them in every file before falling back to plain values (docs/pipeline.md,
-#: "Layout", says what that cost).
-UNIQUE_COLUMNS = ("id", "message_id", "payload", "trace_id", "claimed_at", "next_retry_at", "created_at",
-                  "processed_at")
-
-#: The ids that begin or end a run of consecutive ids, or repeat the id before them,
-#: with their neighbours in id order: one sort of the ids, no grouping.
-EDGES_SQL = (
-    "SELECT id, prev, next FROM (SELECT id, LAG(id) OVER (ORDER BY id) AS prev, "
-    "LEAD(id) OVER (ORDER BY id) AS next FROM {view}) "
-    "WHERE prev IS NULL OR next IS NULL OR id <> prev + 1 OR next <> id + 1")
-
 
 @dataclass
 class ArchiveResult:
@@ -162,34 +150,11 @@ def db_cutoff(store: OutboxStore, older_than: timedelta) -> Any:
     return store._run("clock", lambda c: engine.execute(c, f"SELECT {engine.now_plus_ms()}", [-ms]).fetchone()[0])
 
 
-def id_runs(edges: Iterable[tuple[int, int | None, int | None]]) -> tuple[int, list[list[int]]]:
-    """``EDGES_SQL``'s rows (an id, the ids before and after it in id order) -> the row
-    count and the ``[first, last]`` runs of consecutive ids ("gaps and islands": every
-    id not right after the one before it starts a run, every id not right before the
-    one after it ends one, so the rows strictly inside a run are never read). Raises
-    ValueError when an id is there twice (it equals the id before it)."""
-    rows, ranges, first = 0, [], None
-    for id_, prev, nxt in sorted(edges, key=lambda edge: edge[0]):
-        if prev is not None and int(prev) == id_:
-            raise ValueError(f"holds id {id_} twice")
-        if prev is None or int(prev) != id_ - 1:
-            first = id_
-        if nxt is None or int(nxt) != id_ + 1:
-            if first is None:
-                raise ValueError(f"has no start for the run ending at id {id_}")
-            ranges.append([first, id_])
-            rows += id_ - first + 1
-            first = None
-    if first is not None:
-        raise ValueError(f"has no end for the run starting at id {first}")
-    return rows, ranges
-
-
 class Archiver:
     def __init__(self, spark: Any, store: OutboxStore, to: str, *, on_step: Hook | None = None,
                  delete_chunk: int = DELETE_CHUNK, delete_connections: int = DELETE_CONNECTIONS, partitions: int = 4,
                  progress: Callable[[str], None] | None = None, source_options: dict[str, str] | None = None,
-                 wait_s: float = 0.0) -> None:
+                 wait_s: float = 0.0, writer: str = "auto") -> None:
         if delete_chunk < 1:
             raise PipelineError("--delete-chunk must be at least 1")
         if delete_connections < 1:
@@ -197,6 +162,11 @@ class Archiver:
         self.spark = spark
         self.store = store
         self.root = archive_uri(to)
+        try:
+            #: Who writes the staged files (``stage.py``): pyarrow in the tasks for a path, else Spark.
+            self.writer: StageWriter = writer_for(writer, self.root)
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
         self.on_step = on_step or _noop
         self.delete_chunk = delete_chunk
         self.delete_connections = delete_connections
@@ -299,9 +269,9 @@ class Archiver:
         self.progress(f"run {run_id}: archiving {count} row(s) processed before {cutoff_dt.isoformat()} "
                       f"(ids {lo}..{hi}) to {self.root}")
         staging = self.fs.uri(STAGING_DIR, run_id)
-        self._stage(staging, run_id, statuses, cutoff, int(lo), int(hi))
+        written = self._stage(staging, run_id, statuses, cutoff, int(lo), int(hi))
         self.on_step("staged")
-        rows, ranges, files = self._verify(staging, int(lo), int(hi))
+        rows, ranges, files = self._verify(written, staging, int(lo), int(hi))
         if rows > count:
             raise PipelineError(f"run {run_id}: staged {rows} rows but only {count} matched; nothing was committed")
         if rows < count:
@@ -324,36 +294,20 @@ class Archiver:
         result.kept = rows - result.deleted
         return result
 
-    def _stage(self, staging: str, run_id: str, statuses: list[int], cutoff: Any, lo: int, hi: int) -> None:
-        from pyspark.sql import functions as F
-
+    def _stage(self, staging: str, run_id: str, statuses: list[int], cutoff: Any, lo: int, hi: int) -> Written:
         options = {"url": self.store.url, "table": self.engine.table_name, "schema": self.engine.schema or "",
                    "statuses": ",".join(map(str, statuses)), "processed_before": encode_native(cutoff),
                    "min_id": str(lo), "max_id": str(hi), "partitions": str(self.partitions),
                    "split": "id",  # split=topic: fewer files, more database work (docs/pipeline.md, "Layout")
                    **self.source_options}
-        # ``date`` is a DATE: its directory name is the same yyyy-MM-dd (UTC session) a
-        # formatted string would give, but the writer sorts and compares an int per row
-        # instead of a string made per row (docs/pipeline.md, "Measured").
-        frame = (self.spark.read.format("outbox").options(**options).load()
-                 .withColumn("archive_run", F.lit(run_id))
-                 .withColumn("date", F.to_date("created_at")))
-        writer = frame.write.partitionBy("topic", "date").mode("errorifexists")
-        for column in UNIQUE_COLUMNS:  # no dictionary attempt per file (docs/pipeline.md, "Layout")
-            writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
-        writer.parquet(staging)
+        return self.writer.write(self.spark, options, staging, run_id)
 
-    def _verify(self, staging: str, lo: int, hi: int) -> tuple[int, list[list[int]], list[str]]:
-        """Read the staged ids back in one pass and turn them into ``[first, last]`` runs
-        of consecutive ids with their row count (docs/pipeline.md, step 4); also the
-        staged files, relative to ``staging``: the very files whose ids were verified,
-        as Spark listed them for this read (no second listing of the staging tree)."""
-        staged = self.spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", staging).parquet(staging)
-        files = [f for f in self.fs.relative(staging, staged.inputFiles()) if f.endswith(".parquet")]
-        staged.select("id").createOrReplaceTempView("outbox_staged")
-        edges = self.spark.sql(EDGES_SQL.format(view="outbox_staged")).collect()
+    def _verify(self, written: Written, staging: str, lo: int, hi: int) -> tuple[int, list[list[int]], list[str]]:
+        """The staged ids, read back, as ``[first, last]`` runs of consecutive ids with
+        their row count, and the staged files relative to ``staging`` (docs/pipeline.md,
+        step 4): an id staged twice or outside ``lo..hi`` fails the run."""
         try:
-            rows, ranges = id_runs((int(r["id"]), r["prev"], r["next"]) for r in edges)
+            rows, ranges, files = written.ids()
         except ValueError as exc:
             raise PipelineError(f"staged archive {staging} {exc}; nothing was committed") from None
         if ranges and (ranges[0][0] < lo or ranges[-1][1] > hi):

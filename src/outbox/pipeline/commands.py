@@ -58,6 +58,9 @@ def pipeline() -> None:
 @click.option("--split", type=click.Choice(["topic", "id"]), default="id", show_default=True,
               help="What a task reads: an id range (a file per task, topic and date) or whole topics "
                    "(fewer files; the database walks the ids once per task).")
+@click.option("--writer", type=click.Choice(["auto", "arrow", "spark"]), default="auto", show_default=True,
+              help="Who writes the Parquet files: arrow (each task, with pyarrow; a filesystem path only), "
+                   "spark (Spark's writer; any URI) or auto (arrow for a path, spark otherwise).")
 @click.option("--wait", "wait", default="0s", show_default=True, metavar="DURATION",
               help="When another run holds the archive, wait up to this long for it: <n>s|m|h|d "
                    "(0s: refuse at once, naming that run).")
@@ -65,7 +68,7 @@ def pipeline() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the run's summary as JSON.")
 @_errors
 def archive(older_than: str | None, include_dead: bool, to: str | None, delete_chunk: int,
-            delete_connections: int, partitions: int, split: str, wait: str, master: str | None,
+            delete_connections: int, partitions: int, split: str, writer: str, wait: str, master: str | None,
             as_json: bool) -> None:
     """Move done (and, with --include-dead, dead) rows older than the cut-off into a
     Parquet archive partitioned by topic and date, then delete exactly those rows.
@@ -86,7 +89,8 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
         spark = spark_session(master, "outbox-archive")
         result = Archiver(spark, store, target, on_step=crash_hook_from_env(), delete_chunk=delete_chunk,
                           delete_connections=delete_connections, partitions=partitions, progress=_progress,
-                          source_options={"split": split}, wait_s=wait_s).run(delta, include_dead=include_dead)
+                          source_options={"split": split}, wait_s=wait_s, writer=writer).run(
+                              delta, include_dead=include_dead)
     finally:
         store.close()
     if as_json:
