@@ -120,8 +120,8 @@ def test_the_arrow_writers_merge_refuses_an_id_twice(ids: list[int], tmp_path: P
     ("k=v:w?x", "k%3Dv%3Aw%3Fx"), ("tab\tnew\nline", "tab%09new%0Aline"),
     ("", DEFAULT_PARTITION), (None, DEFAULT_PARTITION)])
 def test_partition_values_are_named_as_spark_names_them(value: str | None, name: str) -> None:
-    """Spark's escaping (checked against Spark's own writer, every ASCII character, in
-    tests/test_pipeline_archive.py): ``%XX`` for controls and ``"#%'*/:=?[\\]^{`` and DEL."""
+    """Spark's escaping (read off Spark's own writer for every ASCII character; the two
+    writers compared in tests/test_pipeline_archive.py): ``%XX`` for controls and ``"#%'*/:=?[\\]^{`` and DEL."""
     assert partition_value(value) == name
 
 
