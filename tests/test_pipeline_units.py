@@ -519,3 +519,37 @@ def test_a_task_of_the_arrow_writer_that_fails_leaves_no_file_a_reader_takes(tmp
     with pytest.raises(ConnectionError, match="server closed"):
         write_task(PagesThenFailure(pages, fail=True), None, str(tmp_path), "run-1")
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_task_with_more_topics_and_days_than_open_files_completes_the_least_recent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two files open at most, three topics in turn: the least recently written
+    file is completed (renamed, readable) to open the next, and its topic's later rows
+    go to a new file; every row is written once."""
+    import pyarrow.parquet as pq
+
+    from outbox.pipeline import stage
+    monkeypatch.setattr(stage, "OPEN_FILES", 2)
+    pages = [source_page([1, 2, 3], ["a", "b", "c"], [1, 1, 1]), source_page([4, 5, 6], ["a", "b", "c"], [1, 1, 1])]
+    files, runs = stage.write_task(PagesThenFailure(pages, fail=False), None, str(tmp_path), "r")
+    assert runs == [(1, 6)]
+    assert len(files) == 6  # each topic's file completed before its next rows came
+    ids = sorted(i for f in files for i in pq.read_table(tmp_path / f).column("id").to_pylist())
+    assert ids == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(("name", "root", "chosen"), [
+    ("auto", "file:///data/archive", "arrow"), ("auto", "s3a://bucket/archive", "spark"),
+    ("auto", "hdfs://nn/archive", "spark"), ("spark", "file:///data/archive", "spark"),
+    ("arrow", "file:/data/archive", "arrow")])
+def test_the_stage_writer_follows_the_archive_location(name: str, root: str, chosen: str) -> None:
+    from outbox.pipeline.stage import writer_for
+    assert writer_for(name, root).name == chosen
+
+
+def test_the_arrow_writer_is_refused_for_a_location_it_cannot_write() -> None:
+    from outbox.pipeline.stage import writer_for
+    with pytest.raises(ValueError, match="filesystem path .*not s3a://bucket/archive: use --writer spark"):
+        writer_for("arrow", "s3a://bucket/archive")
+    with pytest.raises(ValueError, match="auto, arrow or spark, not 'parquet'"):
+        writer_for("parquet", "file:///data/archive")
