@@ -553,3 +553,32 @@ def test_the_arrow_writer_is_refused_for_a_location_it_cannot_write() -> None:
         writer_for("arrow", "s3a://bucket/archive")
     with pytest.raises(ValueError, match="auto, arrow or spark, not 'parquet'"):
         writer_for("parquet", "file:///data/archive")
+
+
+def test_sqlite_walks_an_id_range_by_rowid(tmp_path: Path) -> None:
+    """SQLite keeps no statistics until ANALYZE, and then took the (status,
+    processed_at) index for a page or a delete chunk of an id range, reading every
+    done row of the table each time (500,000 rows: the archive's delete 15.3 s, by rowid
+    10.4 s). Every such statement now names the rowid range in its plan."""
+    from outbox.pipeline.archive import delete_sql
+    from outbox.pipeline.common import encode_native
+    from outbox.pipeline.source import OutboxQuery
+    from outbox.storage.store import OutboxStore
+
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    store = OutboxStore(url, table="outbox")
+    store.migrate()
+    engine = store.engine
+    try:
+        with store.transaction() as cursor:
+            cutoff = engine.execute(cursor, f"SELECT {engine.now}").fetchone()[0]
+            query = OutboxQuery({"url": url, "table": "outbox", "statuses": "2,4",
+                                 "processed_before": encode_native(cutoff)})
+            for sql, params in ((query.page_sql(), [0, 5000, *query.params, 1000]),
+                                (query.topics_sql(), [*query.params, 1, 5000]),
+                                (delete_sql(engine, [2, 4]), [1, 5000, cutoff])):
+                plan = " ".join(str(row[-1]) for row in engine.execute(cursor, "EXPLAIN QUERY PLAN " + sql, params))
+                assert "INTEGER PRIMARY KEY (rowid>? AND rowid<?)" in plan, (sql, plan)
+                assert "INDEX" not in plan.replace("INTEGER PRIMARY KEY", ""), (sql, plan)
+    finally:
+        store.close()

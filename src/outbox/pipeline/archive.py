@@ -111,7 +111,7 @@ def candidates_sql(engine: Engine, statuses: list[int]) -> str:
 def delete_sql(engine: Engine, statuses: list[int]) -> str:
     """Delete one chunk of archived ids (``?`` first, ``?`` last) that are still in an
     archived status and processed before the run's cut-off (``?``)."""
-    return (f"DELETE FROM {engine.table} WHERE id >= ? AND id <= ? "
+    return (f"DELETE FROM {engine.id_range_source()} WHERE id >= ? AND id <= ? "
             f"AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
 
 

@@ -119,12 +119,12 @@ class OutboxQuery:
 
     def page_sql(self) -> str:
         """One page of a partition: ``?`` after-id, ``?`` last id, the filters, ``?`` rows."""
-        return self.engine.limit(f"SELECT {self.columns} FROM {self.engine.table} "
+        return self.engine.limit(f"SELECT {self.columns} FROM {self.engine.id_range_source()} "
                                  f"WHERE id > ? AND id <= ? AND {self.where} ORDER BY id")
 
     def topics_sql(self) -> str:
         """Rows and id bounds per topic; ``?`` first and ``?`` last id after the filters."""
-        return (f"SELECT topic, COUNT(*), MIN(id), MAX(id) FROM {self.engine.table} "
+        return (f"SELECT topic, COUNT(*), MIN(id), MAX(id) FROM {self.engine.id_range_source()} "
                 f"WHERE {self.where} AND id >= ? AND id <= ? GROUP BY topic")
 
     def bounds(self, cursor: Any) -> tuple[int | None, int | None]:

@@ -209,6 +209,12 @@ class Engine(ABC):
         its hint here."""
         return self.table
 
+    def id_range_source(self) -> str:
+        """The table as statements that walk a range of ids name it (``FROM ...``): the
+        pipeline's pages and the archive's deletes. An engine whose planner would walk
+        another index over every matching row instead adds its hint here."""
+        return self.table
+
     #: How far past a window of blocked rows a ``skip_blocked`` claim reads: this many
     #: windows' worth of eligible rows at most, so its cost stays bounded however many rows
     #: wait behind waiting heads (docs/internals.md, "Claim windows").
