@@ -417,6 +417,8 @@ def test_purge_task_respects_archiving(store: OutboxStore, url: str, tmp_path: P
     (["--older-than", "7x"], "--older-than: '7x' is not a duration"),
     (["--older-than", "-1d"], "is not a duration"),
     (["--older-than", "7d", "--to", "/proc/outbox-archive"], "cannot write to the archive"),
+    (["--older-than", "7d", "--to", "s3a://bucket/archive", "--writer", "arrow"],
+     "the arrow writer writes to a filesystem path (file:), not s3a://bucket/archive: use --writer spark"),
 ])
 def test_bad_arguments_fail_with_one_line(spark: Any, store: OutboxStore, url: str, tmp_path: Path,
                                           args: list[str], message: str) -> None:
