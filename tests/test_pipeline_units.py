@@ -582,3 +582,27 @@ def test_sqlite_walks_an_id_range_by_rowid(tmp_path: Path) -> None:
                 assert "INDEX" not in plan.replace("INTEGER PRIMARY KEY", ""), (sql, plan)
     finally:
         store.close()
+
+
+def test_the_arrow_writer_gathers_a_files_rows_across_pages_into_row_groups(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten topics over three pages: each file's rows from the three pages make one row
+    group (not one per page); at most ``ROW_GROUP_ROWS`` a group; and past
+    ``BUFFER_BYTES`` gathered, rows are written at once, a group per page."""
+    import pyarrow.parquet as pq
+
+    from outbox.pipeline import stage
+
+    def groups(path: Path) -> list[list[int]]:
+        pages = [source_page(list(range(p * 50 + 1, p * 50 + 51)), [f"t{i % 10}" for i in range(50)], [1] * 50)
+                 for p in range(3)]
+        files, runs = stage.write_task(PagesThenFailure(pages, fail=False), None, str(path), "r")
+        assert runs == [(1, 150)] and len(files) == 10
+        return [[pq.ParquetFile(path / f).metadata.row_group(g).num_rows
+                 for g in range(pq.ParquetFile(path / f).metadata.num_row_groups)] for f in files]
+
+    assert groups(tmp_path / "a") == [[15]] * 10
+    monkeypatch.setattr(stage, "ROW_GROUP_ROWS", 10)
+    assert groups(tmp_path / "b") == [[10, 5]] * 10
+    monkeypatch.setattr(stage, "BUFFER_BYTES", 0)
+    assert groups(tmp_path / "c") == [[5, 5, 5]] * 10

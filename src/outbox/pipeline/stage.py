@@ -48,9 +48,11 @@ EDGES_SQL = (
 SPARK_ESCAPED = frozenset([chr(c) for c in range(1, 0x20)] + list("\"#%'*/:=?[\\]^{") + ["\x7f"])
 DEFAULT_PARTITION = "__HIVE_DEFAULT_PARTITION__"
 
-#: Rows per Parquet row group at most in the Arrow writer's files (a page's rows of one
-#: topic and date are written at once, as row groups of at most this many rows).
+#: Rows per Parquet row group in the Arrow writer's files (at most; fewer when the task's
+#: gathered rows pass ``BUFFER_BYTES`` first, or at the end of a file).
 ROW_GROUP_ROWS = 128 * 1024
+#: Rows a task of the Arrow writer gathers for its open files before writing them, in bytes.
+BUFFER_BYTES = 64 * 1024 * 1024
 #: Files a task of the Arrow writer keeps open at once (one per topic and date its rows hold).
 OPEN_FILES = 64
 
@@ -256,11 +258,13 @@ def write_task(reader: Any, task: Any, base: str, run_id: str) -> tuple[list[str
             starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
             rows = pa.RecordBatch.from_arrays(
                 [*page.drop_columns(["topic"]).columns, pa.repeat(pa.scalar(run_id, pa.string()), page.num_rows)],
-                schema=files.schema).take(pa.array(order))
+                schema=files.schema)
             for start, end in zip(starts, [*starts[1:], len(order)]):
                 first = order[start]
+                # A group's own copy (take), not a slice of the page: a buffered group then
+                # keeps no page alive.
                 files.write(topics.dictionary[topics.indices[first].as_py()].as_py(), days[first].as_py().isoformat(),
-                            rows.slice(int(start), int(end - start)))
+                            rows.take(pa.array(order[start:end])))
     except BaseException:
         files.abandon()
         raise
@@ -273,14 +277,22 @@ class TaskFiles:
     date (``topic=<value as Spark names it>/date=yyyy-MM-dd/``), each under a hidden name
     (``.part-...``, which Spark's and Arrow's readers skip) until it is complete and
     renamed, so a task that fails, or that Spark runs twice, leaves no partial file that a
-    reader of the staging would take. At most ``OPEN_FILES`` are open at once (the least
-    recently written is completed first); each write is its own row groups of at most
-    ``ROW_GROUP_ROWS`` rows, so nothing is held beyond the page being written."""
+    reader of the staging would take.
+
+    A page holds rows of many topics and days, so each file's rows are gathered until
+    they make a row group of ``ROW_GROUP_ROWS`` rows, or until the task's gathered rows
+    pass ``BUFFER_BYTES`` (then the file holding most is written out): row groups stay
+    large with many topics, and memory stays bounded. At most ``OPEN_FILES`` are open at
+    once (the least recently written is completed first)."""
 
     def __init__(self, base: str, schema: Any) -> None:
         self.base, self.schema = base, schema
         self.tag = uuid.uuid4().hex
+        #: Open files by (topic, day), the most recently written last: (writer, hidden path).
         self.open: dict[tuple[str, str], tuple[Any, str]] = {}
+        #: Rows gathered for each open file, not written yet.
+        self.gathered: dict[tuple[str, str], list[Any]] = {}
+        self.gathered_bytes = 0
         self.done: list[str] = []
         self.count = 0
         self.dictionary = [c for c in schema.names if c not in UNIQUE_COLUMNS]
@@ -292,17 +304,35 @@ class TaskFiles:
         entry = self.open.pop(key, None)
         if entry is None:
             if len(self.open) >= OPEN_FILES:
-                self._complete(*self.open.pop(next(iter(self.open))))
+                self._complete(next(iter(self.open)))
             folder = os.path.join(self.base, f"topic={partition_value(topic)}", f"date={day}")
             os.makedirs(folder, exist_ok=True)
             hidden = os.path.join(folder, f".part-{self.tag}-{self.count}.parquet")
             self.count += 1
             entry = (pq.ParquetWriter(hidden, self.schema, compression="snappy", use_dictionary=self.dictionary),
                      hidden)
-        self.open[key] = entry  # the most recently written last
-        entry[0].write(rows, row_group_size=ROW_GROUP_ROWS)
+        self.open[key] = entry
+        batches = self.gathered.setdefault(key, [])
+        batches.append(rows)
+        self.gathered_bytes += rows.nbytes
+        if sum(b.num_rows for b in batches) >= ROW_GROUP_ROWS:
+            self._flush(key)
+        while self.gathered_bytes > BUFFER_BYTES:
+            self._flush(max(self.gathered, key=lambda k: sum(b.nbytes for b in self.gathered[k])))
 
-    def _complete(self, writer: Any, hidden: str) -> None:
+    def _flush(self, key: tuple[str, str]) -> None:
+        """Write the rows gathered for ``key``'s file: row groups of ``ROW_GROUP_ROWS`` rows at most."""
+        import pyarrow as pa
+
+        batches = self.gathered.pop(key, [])
+        if batches:
+            self.gathered_bytes -= sum(b.nbytes for b in batches)
+            self.open[key][0].write_table(pa.Table.from_batches(batches, schema=self.schema),
+                                          row_group_size=ROW_GROUP_ROWS)
+
+    def _complete(self, key: tuple[str, str]) -> None:
+        self._flush(key)
+        writer, hidden = self.open.pop(key)
         writer.close()
         final = os.path.join(os.path.dirname(hidden), os.path.basename(hidden)[1:])
         os.replace(hidden, final)
@@ -311,12 +341,13 @@ class TaskFiles:
     def close(self) -> list[str]:
         """Complete every open file; the paths of all the task's files."""
         while self.open:
-            self._complete(*self.open.pop(next(iter(self.open))))
+            self._complete(next(iter(self.open)))
         return self.done
 
     def abandon(self) -> None:
         """A failed task: close its open files and remove them (completed ones stay,
         named in no report, and go with the staging directory)."""
+        self.gathered.clear()
         for writer, hidden in self.open.values():
             try:
                 writer.close()
