@@ -4,7 +4,7 @@ In one run (default ``--rows 200000``, a few minutes on a shared 2-core machine)
 
 1. per engine (PostgreSQL, MariaDB/MySQL, SQLite), on one table of done rows (every
    path below first warmed up on 5,000 rows):
-   ``read``  the ``outbox`` data source -> Parquet (what the archive's stage does), against
+   ``read``  the ``outbox`` data source -> Parquet (a Spark job's read of the outbox), against
    ``jdbc``  Spark's JDBC reader -> Parquet, same columns and types, same partitions
              (Debian's ``libpostgresql-jdbc-java``, ``libmariadb-java``,
              ``libxerial-sqlite-jdbc-java``), and, on PostgreSQL, ``driver``: the data
