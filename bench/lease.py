@@ -48,7 +48,7 @@ def run_cycle(events: int, aggregates: int, batch: int = 100) -> dict[str, Any]:
             updated, hot = admin.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
                                          "WHERE relid = %s::regclass", [table]).fetchone()
         finally:
-            admin.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_holders"')  # store.migrate made both
+            admin.execute(f"DROP TABLE IF EXISTS {store.engine.table}, {store.engine.holders}")  # migrate made both
     result = {"aggregates": aggregates, "events": done, "events_per_s": round(done / elapsed),
               "wal_bytes_per_event": round(wal / max(1, done)), "updates": updated, "hot_updates": hot,
               "hot_share": round(hot / max(1, updated), 2)}

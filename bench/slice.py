@@ -104,7 +104,7 @@ def drain_once(mode: str, events: int, batch: int, database_url: str, amqp_url: 
             queue(connection.default_channel).delete()
             exchange(connection.default_channel).delete()
         with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {name}, {name}_holders")  # store.migrate made both
+            conn.execute(f"DROP TABLE IF EXISTS {store.engine.table}, {store.engine.holders}")  # migrate made both
     made_ahead = [s for thread, s in claims.seen if thread.startswith(AHEAD_THREAD)]
     here = [s for thread, s in claims.seen if not thread.startswith(AHEAD_THREAD)]
     return {"mode": mode, "events": events, "events_per_s": events / elapsed, "not_done": left,

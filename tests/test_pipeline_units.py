@@ -548,10 +548,11 @@ def test_the_stage_writer_follows_the_archive_location(name: str, root: str, cho
 
 
 def test_the_arrow_writer_is_refused_for_a_location_it_cannot_write() -> None:
+    from outbox.pipeline.common import PipelineError
     from outbox.pipeline.stage import writer_for
-    with pytest.raises(ValueError, match="filesystem path .*not s3a://bucket/archive: use --writer spark"):
+    with pytest.raises(PipelineError, match="filesystem path .*not s3a://bucket/archive: use --writer spark"):
         writer_for("arrow", "s3a://bucket/archive")
-    with pytest.raises(ValueError, match="auto, arrow or spark, not 'parquet'"):
+    with pytest.raises(PipelineError, match="auto, arrow or spark, not 'parquet'"):
         writer_for("parquet", "file:///data/archive")
 
 
@@ -598,8 +599,8 @@ def test_the_arrow_writer_gathers_a_files_rows_across_pages_into_row_groups(
                  for p in range(3)]
         files, runs = stage.write_task(PagesThenFailure(pages, fail=False), None, str(path), "r")
         assert runs == [(1, 150)] and len(files) == 10
-        return [[pq.ParquetFile(path / f).metadata.row_group(g).num_rows
-                 for g in range(pq.ParquetFile(path / f).metadata.num_row_groups)] for f in files]
+        metadata = [pq.ParquetFile(path / f).metadata for f in files]
+        return [[m.row_group(g).num_rows for g in range(m.num_row_groups)] for m in metadata]
 
     assert groups(tmp_path / "a") == [[15]] * 10
     monkeypatch.setattr(stage, "ROW_GROUP_ROWS", 10)

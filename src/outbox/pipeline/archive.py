@@ -162,11 +162,8 @@ class Archiver:
         self.spark = spark
         self.store = store
         self.root = archive_uri(to)
-        try:
-            #: Who writes the staged files (``stage.py``): pyarrow in the tasks for a path, else Spark.
-            self.writer: StageWriter = writer_for(writer, self.root)
-        except ValueError as exc:
-            raise PipelineError(str(exc)) from None
+        #: Who writes the staged files (``stage.py``): pyarrow in the tasks for a path, else Spark.
+        self.writer: StageWriter = writer_for(writer, self.root)
         self.on_step = on_step or _noop
         self.delete_chunk = delete_chunk
         self.delete_connections = delete_connections

@@ -13,7 +13,7 @@ import click
 from ..commands.oneline import one_line_errors
 from ..core.config import get_settings
 from ..storage.store import OutboxStore
-from .common import DELETE_CHUNK, DELETE_CONNECTIONS, PipelineError, crash_hook_from_env, parse_duration
+from .common import DELETE_CHUNK, DELETE_CONNECTIONS, archive_uri, crash_hook_from_env, parse_duration
 
 #: One line per failure, its first line only: Spark's errors run to pages (``outbox.commands.oneline``).
 _errors = one_line_errors(first_line=True)
@@ -82,14 +82,10 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
     if not target:
         raise click.UsageError("give --to DIR_OR_URI (or set OUTBOX_ARCHIVE_URI)")
     from .archive import Archiver
-    from .common import archive_uri
     from .session import spark_session
     from .stage import writer_for
 
-    try:
-        writer_for(writer, archive_uri(target))  # refused before Spark starts
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
+    writer_for(writer, archive_uri(target))  # a writer that cannot serve the location: refused before Spark starts
     store = _store()
     try:
         spark = spark_session(master, "outbox-archive")

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from .common import ARCHIVE_SCHEMA_DDL, local_path
+from .common import ARCHIVE_SCHEMA_DDL, PipelineError, local_path
 from .fs import ArchiveFS
 
 #: Columns whose values are distinct row by row: Parquet's writer would try a dictionary
@@ -119,17 +119,18 @@ class StageWriter(Protocol):
 
 def writer_for(name: str, root: str) -> StageWriter:
     """The stage writer ``name`` (``arrow``, ``spark`` or ``auto``: the Arrow writer for an
-    archive on a filesystem path, Spark's for any other URI) for the archive ``root``."""
+    archive on a filesystem path, Spark's for any other URI) for the archive ``root``;
+    PipelineError for a name or a location it cannot serve."""
     if name == "auto":
         name = "arrow" if local_path(root) is not None else "spark"
     if name == "arrow":
         if local_path(root) is None:
-            raise ValueError(f"the arrow writer writes to a filesystem path (file:), not {root}: "
+            raise PipelineError(f"the arrow writer writes to a filesystem path (file:), not {root}: "
                              "use --writer spark")
         return ArrowWriter()
     if name == "spark":
         return SparkWriter()
-    raise ValueError(f"the stage writer is auto, arrow or spark, not {name!r}")
+    raise PipelineError(f"the stage writer is auto, arrow or spark, not {name!r}")
 
 
 # -- Spark's writer ----------------------------------------------------------------------------
