@@ -103,14 +103,28 @@ class RssSampler:
             self.peak["python_workers_mb"] = max(self.peak["python_workers_mb"], round(python, 1))
 
 
-def fill(store: Any, rows: int) -> None:
-    """``rows`` done rows, created 10 days ago, 1,000 aggregates, 5 topics, ~150-byte payloads."""
+#: How ``fill`` writes ``message_id``: in the order of the rows, as ``enqueue``'s default
+#: (UUIDv7) does, or at random, as UUIDv4s or ids of the caller's own would
+#: (docs/internals.md, "Message ids are time-ordered").
+MESSAGE_IDS = {
+    "postgresql": {"ordered": "lpad(to_hex(g), 32, '0')", "random": "md5(g::text)"},
+    "mysql": {"ordered": "LPAD(HEX(seq), 32, '0')", "random": "md5(seq)"},
+    "sqlite": {"ordered": "printf('%032x', n)", "random": "hex(randomblob(16))"},
+    "mssql": {"ordered": "RIGHT(CONCAT(REPLICATE(N'0', 32), g), 32)",
+              "random": "CONVERT(NVARCHAR(64), HASHBYTES('MD5', CAST(g AS VARCHAR(20))), 2)"},
+}
+
+
+def fill(store: Any, rows: int, ids: str = "ordered") -> None:
+    """``rows`` done rows, created 10 days ago, 1,000 aggregates, 5 topics, ~150-byte payloads;
+    ``ids``: ``ordered`` or ``random`` message ids (``MESSAGE_IDS``)."""
     t, kind = store.engine.table, store.engine.name
+    message_id = MESSAGE_IDS[kind][ids]
     with store.transaction() as c:
         if kind == "postgresql":
             c.execute(f"""INSERT INTO {t} (message_id, topic, aggregate_type, aggregate_id, payload, headers, status,
                           attempts, created_at, processed_at)
-                          SELECT md5(g::text), 'topic.' || (g %% 5), 'order', 'a' || (g %% 1000),
+                          SELECT {message_id}, 'topic.' || (g %% 5), 'order', 'a' || (g %% 1000),
                                  jsonb_build_object('n', g, 'pad', repeat('x', 120)), '{{"x-seq": "1"}}'::jsonb, 2, 0,
                                  now() - interval '10 days' + g * interval '1 ms',
                                  now() - interval '10 days' + g * interval '1 ms' + interval '40 ms'
@@ -118,31 +132,31 @@ def fill(store: Any, rows: int) -> None:
         elif kind == "mysql":
             c.execute(f"""INSERT INTO {t} (message_id, topic, aggregate_type, aggregate_id, payload, headers, status,
                           attempts, created_at, processed_at)
-                          SELECT md5(seq), CONCAT('topic.', seq % 5), 'order', CONCAT('a', seq % 1000),
+                          SELECT {message_id}, CONCAT('topic.', seq % 5), 'order', CONCAT('a', seq % 1000),
                                  JSON_OBJECT('n', seq, 'pad', REPEAT('x', 120)), '{{"x-seq": "1"}}', 2, 0,
                                  UTC_TIMESTAMP(3) - INTERVAL 10 DAY + INTERVAL seq * 1000 MICROSECOND,
                                  UTC_TIMESTAMP(3) - INTERVAL 10 DAY + INTERVAL seq * 1000 + 40000 MICROSECOND
                           FROM seq_1_to_{int(rows)}""")
         elif kind == "mssql":
-            c.execute(mssql_fill_sql(t), (rows,))
+            c.execute(mssql_fill_sql(t, ids), (rows,))
         else:
             c.execute(f"""WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < ?)
                           INSERT INTO {t} (message_id, topic, aggregate_type, aggregate_id, payload, headers, status,
                           attempts, created_at, processed_at)
-                          SELECT hex(randomblob(16)), 'topic.' || (n % 5), 'order', 'a' || (n % 1000),
+                          SELECT {message_id}, 'topic.' || (n % 5), 'order', 'a' || (n % 1000),
                                  json_object('n', n, 'pad', printf('%.120c', 'x')), '{{"x-seq": "1"}}', 2, 0,
                                  strftime('%Y-%m-%d %H:%M:%f', 'now', '-10 days', (n / 1000.0) || ' seconds'),
                                  strftime('%Y-%m-%d %H:%M:%f', 'now', '-10 days', ((n + 40) / 1000.0) || ' seconds')
                           FROM g""", (rows,))
 
 
-def mssql_fill_sql(table: str) -> str:
+def mssql_fill_sql(table: str, ids: str = "ordered") -> str:
     """``fill``'s rows on SQL Server (``?``: how many): a numbers CTE over two catalog views."""
     return (f"WITH n AS (SELECT TOP (?) ROW_NUMBER() OVER (ORDER BY (SELECT NULL)) AS g "
             f"FROM sys.all_objects AS a CROSS JOIN sys.all_objects AS b) "
             f"INSERT INTO {table} (message_id, topic, aggregate_type, aggregate_id, payload, headers, status, "
             f"attempts, created_at, processed_at) "
-            f"SELECT CONVERT(NVARCHAR(64), HASHBYTES('MD5', CAST(g AS VARCHAR(20))), 2), CONCAT(N'topic.', g % 5), "
+            f"SELECT {MESSAGE_IDS['mssql'][ids]}, CONCAT(N'topic.', g % 5), "
             f"N'order', CONCAT(N'a', g % 1000), CONCAT(N'{{\"n\":', g, N',\"pad\":\"', REPLICATE(N'x', 120), N'\"}}'), "
             f"N'{{\"x-seq\": \"1\"}}', 2, 0, DATEADD(MILLISECOND, CAST(g AS INT), DATEADD(DAY, -10, SYSUTCDATETIME())), "
             f"DATEADD(MILLISECOND, CAST(g AS INT) + 40, DATEADD(DAY, -10, SYSUTCDATETIME())) FROM n")
@@ -246,7 +260,7 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
                 conn.close()
 
         log(f"{kind}: filling {src.engine.table} with {args.rows} rows")
-        fill(src, args.rows)
+        fill(src, args.rows, args.ids)
         settle(src)
         with src.transaction() as c:
             lo, hi = src.engine.execute(c, f"SELECT MIN(id), MAX(id) FROM {src.engine.table}").fetchone()
@@ -304,7 +318,7 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
         if not full:
             return
         # Warm the archive and replay up too (their queries' first run in the JVM), as the reads were.
-        fill(stores["warm"], 5000)
+        fill(stores["warm"], 5000, args.ids)
         warm_archive = str(work / f"{kind}-warm-archive")
         split = {"split": args.split}
         Archiver(spark, stores["warm"], warm_archive, partitions=args.partitions, source_options=split,
@@ -317,7 +331,7 @@ def bench_engine(spark: Any, kind: str, url: str, args: Any, work: Path, results
             trial = {}
             timed(f"{kind} read", args.rows, source_path, trial)
             empty(stores["arch"])
-            fill(stores["arch"], args.rows)
+            fill(stores["arch"], args.rows, args.ids)
             settle(stores["arch"])
             if not args.cold_archive:  # read once, untimed: the table as warm as src is for its best read
                 (spark.read.format("outbox").options(url=url, table=stores["arch"].engine.table_name, statuses="2",
@@ -391,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="what each task of the archive's stage reads (outbox pipeline archive --split)")
     p.add_argument("--writer", choices=("auto", "arrow", "spark"), default="auto",
                    help="who writes the archive's Parquet files (outbox pipeline archive --writer)")
+    p.add_argument("--ids", choices=tuple(MESSAGE_IDS["sqlite"]), default="ordered",
+                   help="the filled rows' message ids: ordered, as enqueue's default makes them, or random")
     p.add_argument("--master", default="local[2]")
     p.add_argument("--delete-connections", type=int, default=DELETE_CONNECTIONS,
                    help=f"the archive's --delete-connections (the CLI's default: {DELETE_CONNECTIONS})")

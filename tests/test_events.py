@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 import uuid
 from pathlib import Path
 
@@ -21,6 +22,17 @@ def test_a_valid_event_is_serialized_compactly_with_a_new_uuid() -> None:
     assert event.payload_json == '{"b":1,"a":[1,2]}'
     assert event.headers_json == '{"x":"y"}'
     assert uuid.UUID(event.message_id) and event.partition_key == "k"
+
+
+def test_default_message_ids_are_uuid7s_in_the_order_they_were_made() -> None:
+    """Time-ordered ids keep the unique index's inserts and deletes at its two ends
+    (docs/internals.md, "Message ids are time-ordered"); a UUIDv4 would fail both checks."""
+    before_ms = time.time_ns() // 1_000_000
+    ids = [prepare_event(payload={}, **BASE).message_id for _ in range(2000)]
+    parsed = [uuid.UUID(i) for i in ids]
+    assert {u.version for u in parsed} == {7} and all(str(u) == i for u, i in zip(parsed, ids, strict=True))
+    assert all(a < b for a, b in zip(ids, ids[1:], strict=False)), "each id sorts after the one made before it"
+    assert before_ms <= parsed[0].int >> 80 <= parsed[-1].int >> 80 <= time.time_ns() // 1_000_000
 
 
 def test_integer_aggregate_ids_are_accepted_as_text() -> None:

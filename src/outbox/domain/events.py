@@ -29,6 +29,10 @@ What is checked, and why, field by field:
   engines; refusing both ends everywhere keeps the idempotency key the same on every engine
   (docs/sqlserver.md, "Enqueue: no key-range locks").
 
+A ``message_id`` the caller leaves out is a new UUID of version 7: time-ordered, so the
+unique index on ``message_id`` grows at one end and the purge and the archive empty the
+other (docs/internals.md, "Message ids are time-ordered").
+
 Every error names the field, and is raised before anything reaches the database, so the
 caller's transaction is untouched.
 """
@@ -38,9 +42,10 @@ from __future__ import annotations
 import json
 import math
 import re
-import uuid
 from collections.abc import Mapping
 from typing import Any
+
+from uuid_utils import uuid7
 
 from ..core.errors import EnqueueError
 from ..core.model import NewEvent
@@ -277,7 +282,7 @@ def prepare_event(
     if len(headers_json.encode("utf-8")) > MAX_HEADERS_BYTES:
         raise EnqueueError(f"headers are larger than {MAX_HEADERS_BYTES} bytes")
     if message_id is None:
-        message_id = str(uuid.uuid4())
+        message_id = str(uuid7())
     return NewEvent(
         message_id=_message_id(message_id),
         topic=_text("topic", topic, MAX_TOPIC, amqp_bytes="a routing key"),  # type: ignore[arg-type]
