@@ -49,22 +49,22 @@ def test_message_ids_made_after_a_fork_share_no_random_state_with_the_parent() -
     read_end, write_end = os.pipe()
     pid = os.fork()
     ids = [uuid.UUID(prepare_event(payload={}, **BASE).message_id).int for _ in range(made)]
-    if pid == 0:  # the child: hand its ids over and leave at once
+    if pid == 0:  # the child: hand its ids over (a buffered file writes them all) and leave at once
         try:
-            os.write(write_end, ",".join(map(str, ids)).encode())
+            os.close(read_end)
+            with os.fdopen(write_end, "wb") as out:
+                out.write(",".join(map(str, ids)).encode())
         finally:
             os._exit(0)
     os.close(write_end)
-    chunks = []
-    while chunk := os.read(read_end, 1 << 20):
-        chunks.append(chunk)
-    os.close(read_end)
+    with os.fdopen(read_end, "rb") as handed:
+        child = [int(i) for i in handed.read().decode().split(",")]
     os.waitpid(pid, 0)
-    child = [int(i) for i in b"".join(chunks).decode().split(",")]
     assert len(child) == made
     assert not set(ids) & set(child), "the child made ids its parent made too"
     same_tails = sum((a & 0xFFFFFFFF) == (b & 0xFFFFFFFF) for a, b in zip(ids, child, strict=True))
     assert same_tails <= 1, f"{same_tails} of {made} ids drew the same random bits in parent and child"
+
 
 def test_integer_aggregate_ids_are_accepted_as_text() -> None:
     assert prepare_event(payload=[], topic="t", aggregate_type="o", aggregate_id=7).aggregate_id == "7"
