@@ -254,6 +254,15 @@ def test_the_claim_takes_what_plan_claim_takes_over_its_window_on_random_outboxe
         claim = store.claim(batch, behind=behind)
         got = (sorted(m.id for m in claim.messages), sorted(m.id for m in claim.dead))
         assert got == (sorted(expected.claim_ids), sorted(expected.dead_ids)), repr((round_, states, batch))
+        # What the claim returns is what it wrote: status and attempts as the table now has them
+        # (MySQL's claim builds its rows from its locking read: Engine.claim, claimed_rows).
+        with store.transaction() as cursor:
+            table = {int(i): (int(st), int(a)) for i, st, a in e.execute(
+                cursor, f"SELECT id, status, attempts FROM {e.table}").fetchall()}
+        assert [(m.id, Status.CLAIMED, m.attempts) for m in claim.messages] == \
+            [(m.id, *table[m.id]) for m in claim.messages], repr((round_, states, batch))
+        assert [(m.id, Status.DEAD, m.attempts) for m in claim.dead] == \
+            [(m.id, *table[m.id]) for m in claim.dead], repr((round_, states, batch))
 
 
 def test_a_claim_continues_the_chains_of_the_rows_it_is_behind(store: OutboxStore, writer: Any) -> None:

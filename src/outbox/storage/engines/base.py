@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from ...core.config import validate_identifier
-from ...core.model import FailureKind, NewEvent, OutboxMessage
+from ...core.model import FailureKind, NewEvent, OutboxMessage, Status
 from ...domain.chains import Candidate, ClaimPlan, chain_key, keep_locked, plan_claim
 from . import rows
 
@@ -26,6 +26,24 @@ log = logging.getLogger("outbox.storage.engines")
 #: Columns handed to the relay, in this order, by every claim implementation.
 MESSAGE_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id", "partition_key",
                    "payload", "headers", "trace_id", "attempts", "created_at", "status")
+
+_ATTEMPTS, _STATUS = MESSAGE_COLUMNS.index("attempts"), MESSAGE_COLUMNS.index("status")
+
+
+def claimed_rows(read: dict[int, tuple], plan: ClaimPlan) -> list[tuple]:
+    """The rows ``plan`` took, as the claim's updates left them, from their locking read
+    (``read``: MESSAGE_COLUMNS, locked by this transaction, so nothing else changed them):
+    a claimed row is status 1 with an attempt more when it was re-claimed from status 1
+    (an expired lease), a dead one status 4 with an attempt more. In id order."""
+    out = []
+    dead = set(plan.dead_ids)
+    for i in sorted(plan.claim_ids + plan.dead_ids):
+        row = list(read[i])
+        row[_ATTEMPTS] = int(row[_ATTEMPTS]) + (1 if i in dead or int(row[_STATUS]) == Status.CLAIMED else 0)
+        row[_STATUS] = int(Status.DEAD if i in dead else Status.CLAIMED)
+        out.append(tuple(row))
+    return out
+
 
 LEASE_EXPIRED_ERROR = "lease expired: the worker holding this row was lost before it acknowledged"
 
@@ -449,15 +467,18 @@ class Engine(ABC):
 
         This generic version reads a window of candidates, plans the chains in Python
         (``outbox.domain.chains``) and, where claims can overlap, locks what it planned
-        (``_lock_chains``); engines with a one-statement form override it."""
+        (``_lock_chains``), reading the rows it locks whole, so that their final read is
+        not a statement of its own (``claimed_rows``; docs/internals.md, "The generic claim
+        reads its rows where it locks them"); engines with a one-statement form override it."""
         self.begin(cursor)
         rows = self.window_rows(cursor, timeout_ms, self.claim_window(batch), behind if skip_blocked else None)
         candidates = [Candidate(int(r[0]), r[1], int(r[2]), _count(r[3])) for r in rows]
         if not candidates:
             return []
         blockers = self._first_blockers(cursor, candidates, behind)
+        locked: dict[int, tuple] | None = None
         if self.lock_candidates:
-            plan = self._lock_chains(cursor, candidates, blockers, max_attempts, batch, timeout_ms)
+            plan, locked = self._lock_chains(cursor, candidates, blockers, max_attempts, batch, timeout_ms)
         else:  # one writer at a time (SQLite): claims cannot overlap, the plan is final
             plan = plan_claim(candidates, blockers, max_attempts, limit=batch)
         if plan.dead_ids:
@@ -472,6 +493,8 @@ class Engine(ABC):
                          "last_error = CASE WHEN status = 1 THEN ? ELSE last_error END, "
                          f"status = 1, claimed_at = {self.now}, next_retry_at = NULL, lease_token = ? "
                          f"WHERE {cond}", [LEASE_EXPIRED_ERROR, lease, *params])
+        if locked is not None:  # the rows as the lock read them, as the updates above left them
+            return claimed_rows(locked, plan)
         cond, params = self.ids_in(sorted(plan.claim_ids + plan.dead_ids))
         return self.execute(cursor, f"SELECT {self.message_select()} FROM {self.table} WHERE {cond} ORDER BY id",
                             params).fetchall()
@@ -522,13 +545,15 @@ class Engine(ABC):
         return [r for r in rows if r[1] is None or r[1] in ready or not _bindable(r[1])]
 
     def _lock_chains(self, cursor: Any, candidates: Sequence[Candidate], blockers: dict[str, int],
-                     max_attempts: int, batch: int, timeout_ms: int) -> ClaimPlan:
+                     max_attempts: int, batch: int, timeout_ms: int) -> tuple[ClaimPlan, dict[int, tuple]]:
         """Lock the planned chains (``lock_candidates``: SKIP LOCKED) and keep what this
-        claim locked (``keep_locked``). Chains another claim holds are left to it and the
+        claim locked (``keep_locked``); returns the plan and the rows the locking reads
+        returned (MESSAGE_COLUMNS), by id. Chains another claim holds are left to it and the
         plan is made once more over the window's other aggregates, so two claims that
         overlap in time take disjoint chains instead of the later one coming back empty
         (docs/internals.md, "Claim windows")."""
         taken, pool = ClaimPlan(), list(candidates)
+        read: dict[int, tuple] = {}
         for _ in range(2):
             plan = plan_claim(pool, blockers, max_attempts, limit=batch - len(taken.claim_ids) - len(taken.dead_ids))
             planned = plan.claim_ids + plan.dead_ids
@@ -536,9 +561,10 @@ class Engine(ABC):
                 break
             status = {c.id: c.status for c in pool}
             cond, params = self.ids_in(planned)
-            rows = self.execute(cursor, f"SELECT id, status FROM {self.table} WHERE {cond} AND {self.eligible()}"
-                                + self.lock_candidates, [*params, -timeout_ms]).fetchall()
-            locked = {int(r[0]) for r in rows if int(r[1]) == status[int(r[0])]}  # unchanged since the window
+            rows = self.execute(cursor, f"SELECT {self.message_select()} FROM {self.table} WHERE {cond} "
+                                f"AND {self.eligible()}" + self.lock_candidates, [*params, -timeout_ms]).fetchall()
+            locked = {int(r[0]) for r in rows if int(r[_STATUS]) == status[int(r[0])]}  # unchanged since the window
+            read.update((int(r[0]), r) for r in rows)
             kept = keep_locked(plan, pool, locked)
             taken.claim_ids += kept.claim_ids
             taken.dead_ids += kept.dead_ids
@@ -548,7 +574,7 @@ class Engine(ABC):
             tried = {chain_key(c) for c in pool if c.id in planned_ids}
             pool = [c for c in pool if chain_key(c) not in tried]
         taken.claim_ids.sort()
-        return taken
+        return taken, read
 
     def _first_blockers(self, cursor: Any, candidates: Sequence[Candidate],
                         behind: Sequence[int] = ()) -> dict[str, int]:
