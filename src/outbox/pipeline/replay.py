@@ -21,8 +21,9 @@ The rows are validated exactly as ``enqueue`` validates them (``prepare_batch``:
 same checks, each distinct value once) and written with the engine's own column list, but a batch at a time rather than one ``enqueue`` call per
 row: replay is a bulk load. How a batch is written is the one per-engine part
 (``BULK_WRITERS``): ``COPY ... FROM STDIN`` on PostgreSQL, one multi-row INSERT on
-MySQL/MariaDB, ``executemany`` elsewhere (SQLite's runs in C; SQL Server's driver
-batches it). Each keeps the batch's order, so new ids follow the original order.
+MySQL/MariaDB, ``executemany`` elsewhere (SQLite's runs in C; on SQL Server mssql-python
+sends a batch at once, pyodbc a row at a time: docs/pipeline.md, "Replay"). Each keeps the
+batch's order, so new ids follow the original order.
 """
 
 from __future__ import annotations
