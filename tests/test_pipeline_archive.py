@@ -480,6 +480,52 @@ def test_a_publish_cut_short_after_a_copy_is_finished_by_the_next_run(spark: Any
         Archiver(spark, store, str(root)).run(timedelta(days=7))
 
 
+def _stray_copy(committed: Path, stray: Path, id_offset: int) -> list[int]:
+    """A complete Parquet file beside a run's committed one, as a task attempt that failed
+    after completing it (or outlived its run) leaves it: the committed file's rows under
+    other ids. Returns those ids."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(committed, partitioning=None)
+    ids = [i + id_offset for i in table.column("id").to_pylist()]
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table.set_column(table.schema.get_field_index("id"), "id", pa.array(ids, pa.int64())), stray)
+    return ids
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_the_archive_is_read_by_the_manifests_files_and_what_attempts_leave_in_staging_is_not(
+        spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """A committed run still in staging (a crash mid-publish) is read by the files its
+    manifest lists, not by its directory: a task attempt that failed after completing a
+    file, or one that ran on after its run, may have left complete files of its own there,
+    with rows the run did not commit (found in review: the readers took them, so a replay
+    would have enqueued a row that is still live in the outbox). The staging directory
+    such an attempt makes again after its run has finished is removed by the next run."""
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+    with pytest.raises(Crash):
+        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+    manifest = json.loads(next((root / "_manifest").glob("*.json")).read_text())
+    staging = root / "_staging" / manifest["run_id"]
+    first = Path(manifest["files"][0])
+    stray = _stray_copy(staging / first, staging / first.parent / "part-99999-stray.parquet", 1_000_000)
+    assert sorted(archived_ids(spark, root)) == sorted(old_done)  # the stray rows are not read
+
+    assert Archiver(spark, store, str(root)).run(timedelta(days=7)).recovered == [manifest["run_id"]]
+    assert not staging.exists()  # the stray file went with the staging directory
+    # an attempt that ran on after the run had finished makes its staging directory again
+    _stray_copy(root / first, staging / first.parent / "part-99998-late.parquet", 2_000_000)
+    assert sorted(archived_ids(spark, root)) == sorted(old_done)
+    assert not set(stray) & set(archived_ids(spark, root))
+    Archiver(spark, store, str(root)).run(timedelta(days=7))  # nothing to archive; it tidies up
+    assert not staging.exists()
+    assert sorted(plain_parquet_ids(spark, root)) == sorted(old_done)
+
+
 def test_an_unfinished_run_of_another_database_is_not_finished_on_this_one(spark: Any, tmp_path: Path) -> None:
     """Two outboxes with the same table name in two databases, one archive location (one
     OUTBOX_ARCHIVE_URI for every service): a run of the first that committed but did not

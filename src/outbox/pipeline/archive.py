@@ -387,7 +387,8 @@ class Archiver:
         return total
 
     def recover(self) -> list[str]:
-        """Finish committed runs that did not finish; drop staging nobody committed."""
+        """Finish committed runs that did not finish; drop staging nobody committed, and staging a
+        finished run has again (a task attempt that outlived its run wrote there)."""
         names = self.fs.list_names(self.fs.uri(MANIFEST_DIR))
         committed = {n[:-len(".json")] for n in names if n.endswith(".json") and not n.startswith(".")}
         finished = {n[:-len(".deleted")] for n in names if n.endswith(".deleted")}
@@ -411,6 +412,10 @@ class Archiver:
         for run_id in self.fs.list_names(self.fs.uri(STAGING_DIR)):
             if run_id not in committed:
                 self.progress(f"run {run_id}: never committed; removing its staged files")
+                self.fs.delete(self.fs.uri(STAGING_DIR, run_id))
+            elif run_id in finished:  # made again by a task attempt that ran on after its run
+                self.progress(f"run {run_id}: finished earlier; removing the files a task attempt left in its "
+                              "staging after it")
                 self.fs.delete(self.fs.uri(STAGING_DIR, run_id))
         return recovered
 
@@ -448,15 +453,20 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
     if not manifests and not fs.exists(fs.uri(MANIFEST_DIR)):
         raise PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
                             "`outbox pipeline archive`)")
-    paths = [(root, root)] if any(fs.list_files(root)) else []
+    # (base, what to read): the archive tree, and of each committed run still in staging (a
+    # crash mid-publish) its committed files only: a task attempt that failed, or ran on
+    # after its run had finished, may have left finished files of its own beside them.
+    paths: list[tuple[str, list[str]]] = []
+    if [f for f in fs.list_files(root) if f.endswith(".parquet") and not f.startswith("_")]:
+        paths.append((root, [root]))
     for manifest in manifests:
         staging = fs.uri(STAGING_DIR, manifest["run_id"])
         if fs.exists(staging):
-            paths.append((staging, staging))
-    frames = []
-    for base, path in paths:
-        if [f for f in fs.list_files(path) if f.endswith(".parquet") and not f.startswith("_")]:
-            frames.append(spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", base).parquet(path))
+            there = set(fs.list_files(staging))
+            committed = [f"{staging}/{rel}" for rel in manifest["files"] if rel in there]
+            if committed:
+                paths.append((staging, committed))
+    frames = [spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", base).parquet(*files) for base, files in paths]
     if not frames:
         return spark.createDataFrame([], ARCHIVE_SCHEMA_DDL), False
     frame = frames[0]
