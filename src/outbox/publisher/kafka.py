@@ -1,10 +1,12 @@
 """``KafkaPublisher``: the publisher contract on Kafka, through confluent-kafka (librdkafka),
 selected by ``OUTBOX_PUBLISH_URL=kafka://host:port[,host:port...]`` (docs/destinations.md).
 
-Key = the event's partition key (its aggregate id by default), so a chain stays on one
-partition; the idempotent producer (``enable.idempotence``, acks=all) keeps a partition's
-order across its own retries, so a chain is sent pipelined and only the prefix that the
-delivery reports confirm is reported published.
+Key = the event's partition key (its aggregate id by default), so a chain on one topic stays
+on one partition; the idempotent producer (``enable.idempotence``, acks=all) keeps a
+partition's order across its own retries, so the events of a chain that go to one partition
+are sent pipelined and only the prefix that the delivery reports confirm is reported
+published. Where a chain moves to another partition (another topic, another key) its next
+events wait for the reports of those before them (docs/destinations.md, "Kafka").
 """
 
 from __future__ import annotations
@@ -229,6 +231,12 @@ def chain_result(ids: Sequence[int], verdicts: Sequence[Any]) -> ChainResult:
     return ChainResult(published, ids[rest[0]], failure, overtaken=overtaken)
 
 
+def _key(message: OutboxMessage) -> bytes:
+    """The Kafka key of ``message``: its partition key, or its aggregate id when it has none."""
+    key = message.partition_key if message.partition_key is not None else message.aggregate_id
+    return str(key).encode("utf-8")
+
+
 #: How much longer than the delivery timeout a publish waits for librdkafka's own reports.
 REPORT_MARGIN_S = 5.0
 
@@ -288,18 +296,31 @@ class KafkaPublisher(Publisher):
 
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
                        pipelined: Pipelined | None = None) -> list[ChainResult]:
-        """Every chain pipelined (the idempotent producer keeps each partition's order), then
-        one wait for all the delivery reports; ``pipelined`` is not needed."""
+        """In waves: each chain's events up to where it moves to another partition are
+        produced back to back (the idempotent producer keeps a partition's order), then one
+        wait for all the delivery reports; a chain whose events were all delivered goes on
+        with its next run in the next wave. One wave unless a chain spans partitions (another
+        topic or key), or its next event opted in to pipelining (``pipelined``), which may
+        then go without waiting."""
         chains = [list(chain) for chain in chains]
         with self._lock:
             verdicts = [[_NOT_SENT] * len(chain) for chain in chains]
 
             def send() -> None:
                 deadline = time.monotonic() + self.wait_s
-                producer = self._ready()
-                for c, chain in enumerate(chains):
-                    self._produce_chain(producer, chain, verdicts[c], deadline)
-                self._await(producer, verdicts, deadline)
+                sent = [0] * len(chains)  # how many events of each chain were produced
+                while wave := [c for c, chain in enumerate(chains) if sent[c] < len(chain)
+                               and all(v is None for v in verdicts[c][:sent[c]])]:
+                    if any(sent) and time.monotonic() >= deadline:  # a next wave has no time left
+                        for c in wave:
+                            verdicts[c][sent[c]] = PublishFailure(
+                                FailureKind.BACKPRESSURE, f"not sent within the publish's {self.wait_s:g} s (the "
+                                "events before it in its chain went to another Kafka partition first)")
+                        return
+                    producer = self._ready()  # again after each wave: a report may have retired it
+                    for c in wave:
+                        sent[c] = self._produce_chain(producer, chains[c], verdicts[c], deadline, sent[c], pipelined)
+                    self._await(producer, verdicts, deadline)
 
             failure = self._guarded(send)
             if failure is not None:
@@ -357,14 +378,26 @@ class KafkaPublisher(Publisher):
             self._producer, self._pid = None, None
 
     # -- producing -----------------------------------------------------------------
-    def _produce_chain(self, producer: Any, chain: Sequence[OutboxMessage], row: list[Any], deadline: float) -> None:
-        """Hand the chain's events to the producer in order; stop at the first one that cannot
-        go (nothing after it is sent, so what reaches the broker stays a prefix). Each event's
-        body is encoded once, for the checks and to be sent. ``deadline`` (monotonic): the
-        publish's end, which a topic check waits for at most."""
+    def _produce_chain(self, producer: Any, chain: Sequence[OutboxMessage], row: list[Any], deadline: float,
+                       start: int = 0, pipelined: Pipelined | None = None) -> int:
+        """Hand the chain's events from ``start`` on to the producer in order, up to the first
+        that goes to another partition than the one before it (another topic or key: Kafka
+        keeps no order between partitions, so it waits for the reports of those before it)
+        unless it opted in to pipelining; stop at the first one that cannot go (nothing after
+        it is sent, so what reaches the broker stays a prefix). Returns where the next wave
+        starts (the chain's length when nothing more is to be sent). Each event's body is
+        encoded once, for the checks and to be sent. ``deadline`` (monotonic): the publish's
+        end, which a topic check waits for at most."""
         template = self.options.topic_template
-        for i, message in enumerate(chain):
+        before: tuple[str, bytes] | None = None
+        for i in range(start, len(chain)):
+            message = chain[i]
             topic = message.topic if template == "{topic}" else topic_of(self.options, message)
+            key = _key(message)
+            # An empty key is no partition: librdkafka's partitioner spreads such events at random.
+            if before is not None and (before != (topic, key) or not key) and not (pipelined and pipelined(message)):
+                return i
+            before = (topic, key)
             problem = self._topic_refusal(topic)
             if problem is None:
                 try:
@@ -376,15 +409,16 @@ class KafkaPublisher(Publisher):
                                or self._produce(producer, message, topic, value, event_headers(message), row, i))
             if problem is not None:
                 row[i] = problem
-                return
+                return len(chain)
+        return len(chain)
 
     def _topic_refusal(self, topic: str) -> PublishFailure | None:
         """Why no event may be produced to ``topic``: not a legal Kafka topic name."""
         if topic in self._legal_topics:
             return None
-        if not _TOPIC.match(topic):
+        if not _TOPIC.match(topic) or topic in (".", ".."):  # Kafka refuses these two names too
             return PublishFailure(FailureKind.POISON, f"{topic[:60]!r} is not a legal Kafka topic name "
-                                  "(letters, digits, '.', '_', '-'; at most 249)")
+                                  "(letters, digits, '.', '_', '-'; at most 249; not '.' or '..')")
         if len(self._legal_topics) < 10_000:  # a bound, should topics be made per aggregate
             self._legal_topics.add(topic)
         return None
@@ -416,8 +450,6 @@ class KafkaPublisher(Publisher):
                  headers: list[tuple[str, bytes]], row: list[Any], i: int) -> PublishFailure | None:
         """Produce one event; its delivery report fills ``row[i]``. A refusal by the client
         (too large, queue full after a short wait) is returned instead."""
-        key = message.partition_key if message.partition_key is not None else message.aggregate_id
-
         def delivered(error: Any, _msg: Any) -> None:
             row[i] = None if error is None else _failure(error, f" (topic {topic!r})")
             if error is None:
@@ -428,8 +460,7 @@ class KafkaPublisher(Publisher):
         row[i] = _PENDING
         for waited in (False, True):
             try:
-                producer.produce(topic, value=value, key=str(key).encode("utf-8"), headers=headers,
-                                 on_delivery=delivered)
+                producer.produce(topic, value=value, key=_key(message), headers=headers, on_delivery=delivered)
                 producer.poll(0)
                 return None
             except BufferError:  # the local queue is full: serve delivery reports, once
