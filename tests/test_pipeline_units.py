@@ -521,6 +521,28 @@ def test_a_task_of_the_arrow_writer_that_fails_leaves_no_file_a_reader_takes(tmp
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
+def test_a_task_whose_file_fails_to_complete_removes_its_files_and_reports_that_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Completing a file fails (a full disk while writing its last row group and footer):
+    the task's open files are closed and removed, the rest too, and the error that reaches
+    Spark is that one (found in review: the completion ran outside the task's cleanup, so
+    the other writers stayed open in the reused Python worker)."""
+    import pyarrow.parquet as pq
+
+    from outbox.pipeline.stage import write_task
+    closed = pq.ParquetWriter.close
+
+    def full_disk(self: Any) -> None:
+        closed(self)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pq.ParquetWriter, "close", full_disk)
+    pages = [source_page([1, 2, 3], ["a", "b", "a"], [1, 1, 1])]
+    with pytest.raises(OSError, match="No space left"):
+        write_task(PagesThenFailure(pages, fail=False), None, str(tmp_path), "run-1")
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
 def test_a_task_with_more_topics_and_days_than_open_files_completes_the_least_recent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With two files open at most, three topics in turn: the least recently written

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from typing import Any, Protocol
 
 from .common import ARCHIVE_SCHEMA_DDL, PipelineError, local_path
@@ -266,10 +267,10 @@ def write_task(reader: Any, task: Any, base: str, run_id: str) -> tuple[list[str
                 # keeps no page alive.
                 files.write(topics.dictionary[topics.indices[first].as_py()].as_py(), days[first].as_py().isoformat(),
                             rows.take(pa.array(order[start:end])))
+        paths = files.close()
     except BaseException:
         files.abandon()
         raise
-    paths = files.close()
     return [os.path.relpath(path, base) for path in paths], file_runs(*paths)
 
 
@@ -333,8 +334,9 @@ class TaskFiles:
 
     def _complete(self, key: tuple[str, str]) -> None:
         self._flush(key)
-        writer, hidden = self.open.pop(key)
-        writer.close()
+        writer, hidden = self.open[key]
+        writer.close()  # should it fail, the file stays open for abandon() to remove
+        del self.open[key]
         final = os.path.join(os.path.dirname(hidden), os.path.basename(hidden)[1:])
         os.replace(hidden, final)
         self.done.append(final)
@@ -350,11 +352,10 @@ class TaskFiles:
         named in no report, and go with the staging directory)."""
         self.gathered.clear()
         for writer, hidden in self.open.values():
-            try:
+            with suppress(Exception):  # the task's own error is the one to report
                 writer.close()
-            finally:
-                if os.path.exists(hidden):
-                    os.remove(hidden)
+            with suppress(OSError):
+                os.remove(hidden)
         self.open.clear()
 
 
