@@ -355,7 +355,8 @@ class KafkaPublisher(Publisher):
                 producer = self._ready()
                 value = encode_body(message)
                 refused = self._size_refusal(len(value)) or self._produce(
-                    producer, message, self.dead_letter_topic or "", value, event_headers(message, extra), row, 0)
+                    producer, message, self.dead_letter_topic or "", _key(message), value, event_headers(message, extra),
+                    row, 0)
                 if refused is None:
                     self._await(producer, [row], deadline)
                 return refused
@@ -406,7 +407,7 @@ class KafkaPublisher(Publisher):
                     problem = PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
                 else:
                     problem = (self._size_refusal(len(value)) or self._missing_topic(topic, producer, deadline)
-                               or self._produce(producer, message, topic, value, event_headers(message), row, i))
+                               or self._produce(producer, message, topic, key, value, event_headers(message), row, i))
             if problem is not None:
                 row[i] = problem
                 return len(chain)
@@ -446,7 +447,7 @@ class KafkaPublisher(Publisher):
             self._topics = {name for name, t in metadata.topics.items() if t.error is None}
         return topic in self._topics
 
-    def _produce(self, producer: Any, message: OutboxMessage, topic: str, value: bytes,
+    def _produce(self, producer: Any, message: OutboxMessage, topic: str, key: bytes, value: bytes,
                  headers: list[tuple[str, bytes]], row: list[Any], i: int) -> PublishFailure | None:
         """Produce one event; its delivery report fills ``row[i]``. A refusal by the client
         (too large, queue full after a short wait) is returned instead."""
@@ -460,7 +461,7 @@ class KafkaPublisher(Publisher):
         row[i] = _PENDING
         for waited in (False, True):
             try:
-                producer.produce(topic, value=value, key=_key(message), headers=headers, on_delivery=delivered)
+                producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
                 producer.poll(0)
                 return None
             except BufferError:  # the local queue is full: serve delivery reports, once
