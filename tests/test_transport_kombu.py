@@ -267,6 +267,39 @@ def test_a_callback_that_raises_hands_the_rest_of_its_batch_back(broker: Broker)
         q.close()
 
 
+def test_a_poll_that_fails_on_a_later_queue_delivers_what_it_leased(broker: Broker,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer of two queues: the lease of the second fails (the database lost between
+    the two) after the first's committed. The first's message is delivered all the same;
+    before, the poll raised and that message waited, leased to nobody, for the visibility
+    timeout (an hour here)."""
+    from outbox.core.errors import BrokerDatabaseUnavailable
+
+    with broker.connect(visibility_timeout=3600) as conn:
+        for name in ("first", "second"):
+            conn.SimpleQueue(name).put({"queue": name})
+        channel = conn.default_channel
+        real = type(channel)._lease_queue
+
+        def second_down(self: Any, queue: str, *args: Any) -> Any:
+            if queue == "second":
+                raise BrokerDatabaseUnavailable("the database went away")
+            return real(self, queue, *args)
+
+        monkeypatch.setattr(type(channel), "_lease_queue", second_down)
+        got: list[Any] = []
+        consumer = Consumer(channel, [Queue("first"), Queue("second")], accept=["json"], prefetch_count=10,
+                            callbacks=[lambda body, message: (got.append(body), message.ack())])
+        with consumer:
+            deadline = time.monotonic() + 10
+            while not got and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, OSError, BrokerDatabaseUnavailable):
+                    conn.drain_events(timeout=0.5)
+        assert got == [{"queue": "first"}]
+        monkeypatch.undo()
+        assert conn.SimpleQueue("second").get(timeout=10).payload == {"queue": "second"}
+
+
 def test_size_purge_and_delete_if_empty_count_messages_whose_lease_ran_out(broker: Broker) -> None:
     """A message whose receiver's lease ran out is waiting again: counted and purged; and a
     queue holding only leased messages is not empty (they come back if their receiver dies)."""

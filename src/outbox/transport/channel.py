@@ -300,6 +300,11 @@ class Channel(virtual.Channel):
         rows = self._lease([queue], 1)
         if not rows:
             raise Empty()
+        # A doubtful lease taken back (_lease_queue) may hold a whole batch: the rest is
+        # handed back at once, not left leased to nobody for visibility_timeout.
+        for _, rest in rows[1:]:
+            with contextlib.suppress(Exception):
+                self._settle(rest["properties"]["delivery_tag"], requeue=True)
         return rows[0][1]
 
     def drain_events(self, timeout: float | None = None, callback: Callable | None = None) -> None:
@@ -338,7 +343,17 @@ class Channel(virtual.Channel):
         for queue in order:
             if len(got) >= limit:
                 break
-            got.extend(self._lease_queue(queue, limit - len(got), visibility_ms))
+            try:
+                got.extend(self._lease_queue(queue, limit - len(got), visibility_ms))
+            except Exception as exc:
+                if not got:
+                    raise
+                # The queues before this one are leased to this channel: deliver them, or they
+                # would wait, leased to nobody, for visibility_timeout; the next lease meets
+                # the failure again (docs/transport.md, "Guarantees").
+                log.warning("outboxdb: cannot lease from queue %s (%s: %s); delivering the %d message(s) "
+                            "leased from the others first", queue, type(exc).__name__, exc, len(got))
+                break
         self._busy = bool(got)
         return got
 
