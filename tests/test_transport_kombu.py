@@ -540,6 +540,33 @@ def test_fanout_and_topic_routing_are_shared_between_connections(broker: Broker)
             sq.get(block=True, timeout=0.5)
 
 
+def test_a_fanout_is_one_transaction(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fanout that fails on its third copy leaves no copy at all; sent again, every queue
+    gets one. On SQLite, whose connection commits each statement by itself unless a
+    transaction is begun, the first two copies used to stay (found in review)."""
+    fan = Exchange("bcast", type="fanout")
+    with broker.connect() as conn:
+        queues = [Queue(f"q{i}.inbox", fan) for i in range(3)]
+        for q in queues:
+            q(conn.default_channel).declare()
+        tables = type(conn.default_channel.db.qt)  # the engine's queue tables (PostgreSQL's put notifies)
+        real, calls = tables.put, []
+
+        def third_fails(self: Any, cursor: Any, queue: str, *args: Any, **kwargs: Any) -> None:
+            calls.append(queue)
+            if len(calls) == 3:
+                raise RuntimeError("the third copy failed")
+            real(self, cursor, queue, *args, **kwargs)
+
+        monkeypatch.setattr(tables, "put", third_fails)
+        with pytest.raises(RuntimeError, match="third copy"):
+            Producer(conn.default_channel).publish({"n": 1}, exchange=fan, declare=[fan])
+        monkeypatch.undo()
+        assert [conn.SimpleQueue(q.name).qsize() for q in queues] == [0, 0, 0]
+        Producer(conn.default_channel).publish({"n": 2}, exchange=fan, declare=[fan])
+        assert [get(conn.SimpleQueue(q.name)).payload for q in queues] == [{"n": 2}] * 3
+
+
 def test_a_queues_message_ttl_applies_to_messages_routed_by_other_connections(broker: Broker) -> None:
     """Celery's event and gossip queues declare a message TTL and are fed by other
     processes; without it a dead consumer's queue would grow for ever."""

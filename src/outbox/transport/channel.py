@@ -188,8 +188,10 @@ class Channel(virtual.Channel):
                delay_ms=eta_delay_ms(headers), ttl_ms=ttl)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
-        """A copy for every queue bound to the exchange, in one transaction."""
+        """A copy for every queue bound to the exchange, in one transaction (begun explicitly:
+        SQLite's connection would otherwise commit each copy by itself)."""
         def work(qt: QueueTables, cursor: Any) -> None:
+            qt.engine.begin(cursor)
             for binding in qt.table_bindings(cursor, exchange):
                 if binding.message_ttl_ms is not None:
                     self._queue_ttl[binding.queue] = binding.message_ttl_ms
