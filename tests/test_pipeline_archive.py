@@ -442,6 +442,18 @@ def test_missing_table_and_missing_target(spark: Any, store: OutboxStore, url: s
     assert out.exit_code == 2 and "--to" in out.output
 
 
+def committed_not_published(spark: Any, store: OutboxStore, rows: list[Row],
+                            root: Path) -> tuple[list[int], set[int], dict[str, Any], Path]:
+    """Seed ``rows`` and archive them to ``root`` with a crash right after the commit: the
+    ids, the old done ones the run took, its manifest and its staging directory."""
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    with pytest.raises(Crash):
+        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+    manifest = json.loads(next((root / "_manifest").glob("*.json")).read_text())
+    return ids, old_done, manifest, root / "_staging" / manifest["run_id"]
+
+
 @pytest.mark.parametrize("kind", ["sqlite"])
 def test_a_publish_cut_short_after_a_copy_is_finished_by_the_next_run(spark: Any, store: OutboxStore,
                                                                        tmp_path: Path) -> None:
@@ -452,13 +464,7 @@ def test_a_publish_cut_short_after_a_copy_is_finished_by_the_next_run(spark: Any
     every row is in the archive once. It used to stop with "already exists; the archive was
     changed by hand", and so did every run after it."""
     rows = mixed_rows()
-    ids = seed(store, rows)
-    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
-    root = tmp_path / "archive"
-    with pytest.raises(Crash):
-        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
-    manifest = json.loads(next((root / "_manifest").glob("*.json")).read_text())
-    staging = root / "_staging" / manifest["run_id"]
+    ids, old_done, manifest, staging = committed_not_published(spark, store, rows, root := tmp_path / "archive")
     first = manifest["files"][0]
     (root / first).parent.mkdir(parents=True, exist_ok=True)
     (root / first).write_bytes((staging / first).read_bytes())  # copied, the source not deleted yet
@@ -503,14 +509,7 @@ def test_the_archive_is_read_by_the_manifests_files_and_what_attempts_leave_in_s
     with rows the run did not commit (found in review: the readers took them, so a replay
     would have enqueued a row that is still live in the outbox). The staging directory
     such an attempt makes again after its run has finished is removed by the next run."""
-    rows = mixed_rows()
-    ids = seed(store, rows)
-    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
-    root = tmp_path / "archive"
-    with pytest.raises(Crash):
-        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
-    manifest = json.loads(next((root / "_manifest").glob("*.json")).read_text())
-    staging = root / "_staging" / manifest["run_id"]
+    _, old_done, manifest, staging = committed_not_published(spark, store, mixed_rows(), root := tmp_path / "archive")
     first = Path(manifest["files"][0])
     stray = _stray_copy(staging / first, staging / first.parent / "part-99999-stray.parquet", 1_000_000)
     assert sorted(archived_ids(spark, root)) == sorted(old_done)  # the stray rows are not read
