@@ -540,6 +540,49 @@ def test_fanout_and_topic_routing_are_shared_between_connections(broker: Broker)
             sq.get(block=True, timeout=0.5)
 
 
+def test_a_full_prefetch_window_does_not_poll_the_database_every_10_ms(broker: Broker,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's task channel holds a message it has not acked (prefetch 1: the window is
+    full) while a second channel consumes another queue, as Celery's control channel does.
+    The window is looked at every 10 ms, but the database no more often than an idle
+    consumer polls it (here every 0.25 s); before, each 10 ms look probed the other
+    channel's queue: about 100 round trips a second from every saturated worker."""
+    from outbox.transport.database import Database
+
+    with broker.connect(polling_interval=0.25) as conn:
+        conn.SimpleQueue("work").put({"n": 1})
+        held: list[Any] = []
+        tasks = Consumer(conn.channel(), [Queue("work")], accept=["json"], prefetch_count=1,
+                         callbacks=[lambda body, message: held.append(message)])  # never acked
+        control = Consumer(conn.channel(), [Queue("ctl")], accept=["json"], callbacks=[])
+        with tasks, control:
+            deadline = time.monotonic() + 10
+            while not held and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.2)
+            assert held
+            calls = {"n": 0}
+            real_run, real_counting = Database.run, Database.run_counting
+
+            def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+                calls["n"] += 1
+                return real_run(self, *args, **kwargs)
+
+            def run_counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+                calls["n"] += 1
+                return real_counting(self, *args, **kwargs)
+
+            monkeypatch.setattr(Database, "run", run)
+            monkeypatch.setattr(Database, "run_counting", run_counting)
+            until = time.monotonic() + 2.0
+            while time.monotonic() < until:
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.2)
+            monkeypatch.undo()
+            assert 1 <= calls["n"] <= 20, calls  # every 0.25 s: about 8; every 10 ms: about 200
+            held[0].ack()
+
+
 def test_a_fanout_is_one_transaction(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fanout that fails on its third copy leaves no copy at all; sent again, every queue
     gets one. On SQLite, whose connection commits each statement by itself unless a

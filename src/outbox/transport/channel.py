@@ -496,6 +496,9 @@ class Transport(virtual.Transport):
         self._sleep = self.polling_interval_min
         self._control_first = False
         self._next_poll = 0.0
+        #: While the prefetch window stays full, when the database is next polled (its other
+        #: channels, remote control): until then only the window is looked at.
+        self._full_poll_due = 0.0
         self._databases: dict[tuple[str, str | None], Database] = {}
 
     def database(self, table: str, schema: str | None, create: bool, wake: bool = True) -> Database:
@@ -593,7 +596,11 @@ class Transport(virtual.Transport):
                 if self._idle_wait(pause):
                     self._sleep, self._next_poll = self.polling_interval_min, 0.0  # woken by a send
                 continue
+            polled = False
             try:
+                if now < self._full_poll_due and self._prefetch_full():
+                    raise Empty()  # only an ack can change anything: the database is polled on its schedule
+                polled = True
                 if not self._probe_idle_channels():
                     raise Empty()
                 if not self._drain_control_first():
@@ -601,8 +608,12 @@ class Transport(virtual.Transport):
             except Empty:
                 if self._prefetch_full():
                     # Not idle: the prefetch window is full and acks (from the pool's
-                    # threads) will open it soon. Look again shortly, without backing off.
+                    # threads) will open it soon. Look again shortly, without backing off,
+                    # but poll the database (the other channels: remote control) no more often
+                    # than an idle consumer would (docs/transport.md, "Polling").
                     self._next_poll = time.monotonic() + self.polling_interval_min
+                    if polled:
+                        self._full_poll_due = time.monotonic() + ceiling
                 else:
                     self._next_poll = time.monotonic() + min(self._sleep, ceiling) * random.uniform(0.75, 1.25)
                     self._sleep = min(self._sleep * 2, ceiling)
