@@ -593,8 +593,8 @@ class Transport(virtual.Transport):
                 if left is not None and left <= 0:
                     raise TimeoutError()
                 pause = self._next_poll - now if left is None else min(self._next_poll - now, left)
-                if self._idle_wait(pause):
-                    self._sleep, self._next_poll = self.polling_interval_min, 0.0  # woken by a send
+                if self._idle_wait(pause):  # woken by a send
+                    self._sleep, self._next_poll, self._full_poll_due = self.polling_interval_min, 0.0, 0.0
                 continue
             polled = False
             try:
@@ -609,8 +609,9 @@ class Transport(virtual.Transport):
                 if self._prefetch_full():
                     # Not idle: the prefetch window is full and acks (from the pool's
                     # threads) will open it soon. Look again shortly, without backing off,
-                    # but poll the database (the other channels: remote control) no more often
-                    # than an idle consumer would (docs/transport.md, "Polling").
+                    # but poll the database (the other channels: remote control) no more
+                    # often than an idle consumer would, unless a send wakes it
+                    # (docs/transport.md, "Receiving and polling").
                     self._next_poll = time.monotonic() + self.polling_interval_min
                     if polled:
                         self._full_poll_due = time.monotonic() + ceiling
