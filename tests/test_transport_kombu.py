@@ -8,6 +8,7 @@ own queue tables (transport option ``queue_table``)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import subprocess
 import sys
@@ -538,6 +539,27 @@ def test_fanout_and_topic_routing_are_shared_between_connections(broker: Broker)
         m.ack()
         with pytest.raises(Empty):
             sq.get(block=True, timeout=0.5)
+
+
+def test_a_get_that_takes_back_a_doubtful_lease_of_several_hands_the_rest_back(broker: Broker) -> None:
+    """A lease of three messages committed but its answer was lost (the process kept its
+    receipt as doubtful); a single ``get`` takes the receipt's rows back, keeps the first and
+    hands the other two back at once, instead of leaving them leased to nobody for the
+    visibility timeout (an hour here)."""
+    with broker.connect(visibility_timeout=3600) as conn:
+        q = conn.SimpleQueue("doubt")
+        for n in range(3):
+            q.put({"n": n})
+        channel = conn.default_channel
+        receipt = uuid.uuid4().hex
+        leased = channel.db.run(lambda qt, c: qt.lease(c, "doubt", 3, 3_600_000, receipt))
+        assert len(leased) == 3 and q.qsize() == 0
+        channel.db.doubt("doubt", receipt)
+        first = channel.basic_get("doubt")  # kombu's Queue.get: one message, no consumer
+        assert first is not None and json.loads(first.body) == {"n": 0}
+        assert q.qsize() == 2  # the other two are waiting again
+        first.ack()
+        assert [get(q).payload for _ in range(2)] == [{"n": 1}, {"n": 2}]
 
 
 def test_a_full_prefetch_window_does_not_poll_the_database_every_10_ms(broker: Broker,
