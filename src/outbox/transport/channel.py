@@ -304,9 +304,7 @@ class Channel(virtual.Channel):
             raise Empty()
         # A doubtful lease taken back (_lease_queue) may hold a whole batch: the rest is
         # handed back at once, not left leased to nobody for visibility_timeout.
-        for _, rest in rows[1:]:
-            with contextlib.suppress(Exception):
-                self._settle(rest["properties"]["delivery_tag"], requeue=True)
+        self._hand_back(rows[1:])
         return rows[0][1]
 
     def drain_events(self, timeout: float | None = None, callback: Callable | None = None) -> None:
@@ -326,10 +324,14 @@ class Channel(virtual.Channel):
                 callback(payload, queue)
             except BaseException:
                 # The rest of the batch would stay leased, unseen, for the visibility timeout.
-                for _, rest in rows[index + 1:]:
-                    with contextlib.suppress(Exception):
-                        self._settle(rest["properties"]["delivery_tag"], requeue=True)
+                self._hand_back(rows[index + 1:])
                 raise
+
+    def _hand_back(self, rows: list[tuple[str, dict[str, Any]]]) -> None:
+        """Make leased rows that will not be delivered visible again at once (best effort)."""
+        for _, payload in rows:
+            with contextlib.suppress(Exception):
+                self._settle(payload["properties"]["delivery_tag"], requeue=True)
 
     def _lease(self, queues: list[str], limit: int) -> list[tuple[str, dict[str, Any]]]:
         if not queues:
