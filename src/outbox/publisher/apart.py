@@ -15,6 +15,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import replace
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -40,7 +41,9 @@ _CONTEXT = (multiprocessing.get_context("forkserver") if "forkserver" in multipr
 
 #: What a warm shutdown sends: the child ignores them (``_publish_in_child``), and has them
 #: blocked from its start until it does: a mask handed over the fork by the thread that starts
-#: the fork server (or, with "spawn", the child).
+#: the fork server (or, with "spawn", the child). multiprocessing's resource tracker, started
+#: at a process's first child, unblocks these two in the thread that starts it, so it is
+#: started before the mask is set (docs/relay.md, "An event that kills its worker").
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 #: How often the parent looks whether its child is still alive while it waits for the answer;
@@ -112,13 +115,7 @@ class ApartPublisher(Publisher):
         child = _CONTEXT.Process(target=_publish_in_child, args=(send, self.settings, self.options, job),
                                  name="outbox-publish-apart", daemon=True)
         try:
-            unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-            try:
-                child.start()
-            except Exception as exc:
-                raise ChildUnavailable(f"{type(exc).__name__}: {exc}") from exc
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
+            _start(child)
             _kill_at_exit()
             if child.pid is not None:
                 _RUNNING.add(child.pid)
@@ -141,6 +138,19 @@ class ApartPublisher(Publisher):
                 child.join()
             send.close()
             receive.close()
+
+
+def _start(child: BaseProcess) -> None:
+    """Start ``child`` with the stop signals blocked (``_STOP_SIGNALS``)."""
+    try:
+        resource_tracker.ensure_running()  # not under the mask: its start unblocks the stop signals
+        unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            child.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
+    except Exception as exc:
+        raise ChildUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _here(exc: ChildUnavailable) -> None:
