@@ -280,6 +280,34 @@ def test_a_chain_waits_for_its_reports_where_it_moves_to_another_partition() -> 
                             ("produce", 4), "flush", ("produce", 5), "flush"]
 
 
+def test_a_topic_whose_metadata_cannot_be_read_stops_its_chain_alone() -> None:
+    """With auto-create off each new topic's existence is read from the cluster's metadata.
+    When that read times out for the second chain's topic, that chain stops (BACKPRESSURE: no
+    attempt spent) and the first chain, produced already, still gets its delivery report;
+    before, the whole publish failed and the first chain's delivered event was sent again."""
+    from types import SimpleNamespace
+
+    from confluent_kafka import KafkaError, KafkaException
+
+    class Metadata(Scripted):
+        reads = 0
+
+        def list_topics(self, timeout: float = 0) -> object:
+            self.reads += 1
+            if self.reads > 1:
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+            return SimpleNamespace(topics={"orders": SimpleNamespace(error=None)})
+
+    pub = KafkaPublisher("kafka://127.0.0.1:1", options=KafkaOptions(auto_create_topics=False))
+    producer = Metadata()
+    pub._producer, pub._pid = producer, os.getpid()
+    first, second = pub.publish_chains([[event(1, "orders")], [event(2, "payments", aggregate="a2")]])
+    assert first.ok and first.published == (1,)
+    assert second.published == () and second.failed_id == 2 and second.failure is not None
+    assert second.failure.kind is FailureKind.BACKPRESSURE and "_TIMED_OUT" in second.failure.reason
+    assert producer.log == [("produce", 1), "flush"]
+
+
 def test_an_event_opted_in_to_pipelining_goes_without_waiting_and_may_be_overtaken() -> None:
     from confluent_kafka import KafkaError
 

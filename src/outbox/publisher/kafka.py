@@ -431,7 +431,20 @@ class KafkaPublisher(Publisher):
         return None
 
     def _missing_topic(self, topic: str, producer: Any, deadline: float) -> PublishFailure | None:
-        if not self.options.auto_create_topics and not self._topic_exists(topic, producer, deadline):
+        """Why no event may go to ``topic`` now: it does not exist (with auto-create off), or
+        the cluster's metadata could not be read (that chain alone stops: the chains already
+        produced in this publish still get their delivery reports)."""
+        if self.options.auto_create_topics:
+            return None
+        try:
+            exists = self._topic_exists(topic, producer, deadline)
+        except Exception as exc:
+            from confluent_kafka import KafkaException  # imported here: only a failed read needs it
+
+            if not (isinstance(exc, KafkaException) and exc.args):
+                raise
+            return _failure(exc.args[0], f" (reading the metadata of topic {topic!r})")
+        if not exists:
             return PublishFailure(FailureKind.FATAL, f"Kafka topic {topic!r} does not exist: create it, or set "
                                   "OUTBOX_KAFKA_AUTO_CREATE_TOPICS=1 when the brokers create topics themselves")
         return None
