@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import subprocess
 import time
@@ -159,3 +160,41 @@ def test_messages_survive_the_trip_through_celery(sqlite_store: OutboxStore, con
     add(conn, "a", 1, payload={"ü": [1, 2.5, None]}, headers={"tenant": "t1"}, key="pk")
     [message] = sqlite_store.claim(10).messages
     assert message_from_dict(json.loads(json.dumps(message_to_dict(message)))) == message
+
+
+KEEPS_TRYING_ITS_BROKER = """
+import os, threading, time
+import outbox.celery.application as application
+application.RECONNECT_EVERY_S = 0.001  # 150 attempts in about a second instead of five minutes
+attempts = []
+failed = application._ConnectOutage._failed
+def counting(self, exc, interval):
+    attempts.append(exc)
+    failed(self, exc, interval)
+application._ConnectOutage._failed = counting
+from outbox.celery import app
+def watch():
+    deadline = time.monotonic() + 40
+    while len(attempts) < 150 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.write(1, f"trying {len(attempts)}".encode())  # not print: the worker sends stdout to its log
+    os._exit(0)
+threading.Thread(target=watch, daemon=True).start()
+app.Worker(pool="solo", loglevel="ERROR", without_heartbeat=True, without_mingle=True, without_gossip=True).start()
+os.write(1, f"stopped {len(attempts)}".encode())
+"""
+
+
+def test_a_worker_keeps_trying_its_broker_while_the_outage_lasts(tmp_path: Path) -> None:
+    """Found in review: Celery gives up on its broker after ``broker_connection_max_retries``
+    attempts (100 by default) and the worker exits ("Unrecoverable error"); at the relay's
+    attempt every 2 s that was a broker outage of 200 s. A real worker against a closed port,
+    its attempts made quick: past 150 it is still trying (docs/relay.md, "Outages in the log")."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = run_python(KEEPS_TRYING_ITS_BROKER, tmp_path, OUTBOX_CELERY_BROKER_URL=f"redis://127.0.0.1:{port}/0",
+                      OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'outbox.db'}")
+    last = done.stdout.split()[-2:]  # after the worker's banner
+    assert last[0] == "trying" and int(last[1]) >= 150, done.stdout[-500:] + done.stderr[-2000:]
+    assert "Unrecoverable error" not in done.stderr

@@ -145,6 +145,9 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
     config: dict[str, Any] = {
         "broker_url": broker_url,
         "broker_connection_retry_on_startup": True,
+        # Celery's default, 100, stopped the worker ("Unrecoverable error") after a broker
+        # outage of 100 attempts, 200 s at RECONNECT_EVERY_S; it tries while the outage lasts.
+        "broker_connection_max_retries": None,
         "timezone": "UTC",
         "enable_utc": True,
         "task_serializer": "json",
