@@ -155,6 +155,37 @@ def test_migrate_enqueue_claim_and_mark_done_round_trip(store: OutboxStore, writ
     assert store.stats().counts["done"] == 2
 
 
+def test_long_strings_and_long_id_lists_go_as_nvarchar_max_in_a_utf8_database() -> None:
+    """Found in review: strings past the inline limit were declared SQL_WLONGVARCHAR, which
+    the driver sends as ntext, and a UTF-8 (or _SC) collation refuses ntext (error 4189):
+    a long payload's enqueue, and a mark_done of a few hundred ids (one JSON list for
+    OPENJSON), failed there. Needs SQL Server 2019 or later (UTF-8 collations)."""
+    base = mssql_url()
+    name = f"outbox_live_utf8_{RUN}"
+    try:
+        run_admin(base, f"CREATE DATABASE [{name}] COLLATE Latin1_General_100_CI_AS_SC_UTF8")
+    except Exception as exc:
+        pytest.skip(f"no UTF-8 collated database could be made (SQL Server 2019+ and CREATE DATABASE): {exc}")
+    try:
+        url = url_for_database(base, name)
+        store = OutboxStore(url, table="outbox", claim_timeout_ms=60_000)
+        store.migrate()
+        writer = store.engine.connect(url)
+        try:
+            ids = [add(writer, store, f"a{n}", payload={"text": "é" * 5000} if n == 0 else {"n": n})
+                   for n in range(600)]
+            writer.commit()
+        finally:
+            writer.close()
+        claim = store.claim(600)
+        assert sorted(m.id for m in claim.messages) == sorted(ids)
+        assert store.mark_done(ids, claim.lease).ok
+        assert store.stats().counts["done"] == 600
+        store.close()
+    finally:
+        run_admin(base, f"ALTER DATABASE [{name}] SET SINGLE_USER WITH ROLLBACK IMMEDIATE", f"DROP DATABASE [{name}]")
+
+
 def test_relay_sessions_have_the_options_the_engine_relies_on(store: OutboxStore) -> None:
     """Fault 4: NOCOUNT off (rowcount works whatever the server default), XACT_ABORT on,
     a lock timeout, deadlock priority low; the isolation level is left at READ COMMITTED."""

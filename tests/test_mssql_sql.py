@@ -49,7 +49,6 @@ from outbox.storage.engines.mssql import (
     OPEN_ROWS_NORMALIZED,
     SQL_BIGINT,
     SQL_INTEGER,
-    SQL_WLONGVARCHAR,
     SQL_WVARCHAR,
     TRANSIENT_ERRORS,
     MssqlEngine,
@@ -1555,9 +1554,9 @@ def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.Log
 def test_input_sizes_do_not_depend_on_string_length() -> None:
     short, long_ = input_sizes(["a", "b" * 300, None, 5, 2**40], 2000), input_sizes(["x" * 64, "y", None, 7, 2**40], 2000)
     assert short == long_ == [(SQL_WVARCHAR, 4000, 0)] * 3 + [(SQL_INTEGER, 0, 0), (SQL_BIGINT, 0, 0)]
-    assert input_sizes(["z" * 2001], 2000) == [(SQL_WLONGVARCHAR, 0, 0)]
+    assert input_sizes(["z" * 2001], 2000) == [(SQL_WVARCHAR, 0, 0)]  # nvarchar(max), not ntext
     assert input_sizes(["z" * 2001], 4000) == [(SQL_WVARCHAR, 4000, 0)]
-    assert input_sizes(["\U0001F600" * 1001], 2000) == [(SQL_WLONGVARCHAR, 0, 0)]  # 2,002 UTF-16 units
+    assert input_sizes(["\U0001F600" * 1001], 2000) == [(SQL_WVARCHAR, 0, 0)]  # 2,002 UTF-16 units
     assert input_sizes([1.5]) is None and input_sizes([True]) is None
 
 

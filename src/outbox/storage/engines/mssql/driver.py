@@ -87,7 +87,7 @@ _MSSQL_PYTHON_STATES = {
 }
 
 #: ODBC SQL types for setinputsizes (the same numbers in pyodbc and mssql-python).
-SQL_WVARCHAR, SQL_WLONGVARCHAR, SQL_INTEGER, SQL_BIGINT = -9, -10, 4, -5
+SQL_WVARCHAR, SQL_INTEGER, SQL_BIGINT = -9, 4, -5
 #: Strings up to this many UTF-16 units bind as NVARCHAR(4000), longer ones as
 #: NVARCHAR(MAX): each driver's own switch to streaming (pyodbc streams past 4000
 #: bytes, mssql-python past 4000 units), so the declared size never changes how the
@@ -271,7 +271,8 @@ def utf16_len(text: str) -> int:
 
 def input_sizes(params: Sequence[Any], inline_units: int = 2000) -> list[tuple[int, int, int]] | None:
     """Declared types for ``cursor.setinputsizes``: every string as NVARCHAR(4000), or
-    NVARCHAR(MAX) past ``inline_units`` UTF-16 units, and None as NVARCHAR(4000) (pyodbc would
+    NVARCHAR(MAX) past ``inline_units`` UTF-16 units (SQL_WVARCHAR of size 0; not
+    SQL_WLONGVARCHAR, which the driver sends as ntext: docs/sqlserver.md), and None as NVARCHAR(4000) (pyodbc would
     otherwise declare each string by its own length, and mssql-python an ASCII one
     as VARCHAR(length): a plan per length); integers as INT or BIGINT by range.
     None when a parameter of another type leaves the decision to the driver."""
@@ -282,7 +283,7 @@ def input_sizes(params: Sequence[Any], inline_units: int = 2000) -> list[tuple[i
         if value is None:
             sizes.append((SQL_WVARCHAR, 4000, 0))
         elif isinstance(value, str):
-            sizes.append((SQL_WVARCHAR, 4000, 0) if utf16_len(value) <= inline_units else (SQL_WLONGVARCHAR, 0, 0))
+            sizes.append((SQL_WVARCHAR, 4000, 0) if utf16_len(value) <= inline_units else (SQL_WVARCHAR, 0, 0))
         elif isinstance(value, int):
             sizes.append((SQL_INTEGER, 0, 0) if -2**31 <= value < 2**31 else (SQL_BIGINT, 0, 0))
         else:
