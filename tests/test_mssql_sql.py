@@ -58,7 +58,7 @@ from outbox.storage.engines.mssql import (
     odbc_connection_string,
     parse_target,
 )
-from outbox.storage.store import OutboxStore, apply_migration
+from outbox.storage.store import _DOUBTFUL, OutboxStore, apply_migration
 
 URL = "mssql+pyodbc://relay:secret@db.example:1433/app?driver=ODBC+Driver+18+for+SQL+Server"
 LOCK_HINTS = {"READCOMMITTEDLOCK", "READPAST", "UPDLOCK", "ROWLOCK"}
@@ -150,8 +150,8 @@ def every_statement(schema: str | None, table: str,
     store.beat(holder, 3000)
     store.take_over(SilentHolder(Holder("fedcba9876543210", "host-2", 7), 4.0), 3000)
     store.adopt([1, 2], claim.lease, store.new_lease())
-    store._doubtful.append(claim.lease)  # a claim whose answer was lost and whose retries failed:
-    store.claim(50)  # the next claim hands its rows back first (OutboxStore._release_doubtful)
+    _DOUBTFUL[store._doubtful_key] = [claim.lease]  # a claim whose answer was lost and whose retries failed:
+    store.claim(50)  # the next claim hands its rows back first (OutboxStore.release_doubtful)
     store.drop_holder(holder.holder_id)
     return engine, conn.log
 

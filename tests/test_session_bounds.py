@@ -254,6 +254,37 @@ def test_rows_leased_by_a_lost_answer_whose_retries_all_failed_come_back_at_the_
         assert store.mark_done([1, 2, 3, 4], claim.lease).applied == 4
 
 
+@pytest.mark.parametrize("releaser", ["claim", "heartbeat"])
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_a_doubtful_lease_is_released_by_any_store_of_the_process_and_by_the_heartbeat(
+        kind: str, releaser: str) -> None:
+    """Found in review: the doubtful leases were kept per store, so a publish-only worker
+    (which never claims) left the rows of an adoption whose answer was lost leased to itself
+    for the whole claim timeout, then charged them an attempt; a claim-ahead thread's store
+    left them to its own next claim. Now any store of the process on the same table
+    releases them at its next claim, and so does the heartbeat's next beat."""
+    from outbox.relay.holders import Heartbeat, new_holder
+
+    with behind_a_proxy(kind) as (proxy, store, other):
+        theirs = other.claim(10)
+        cut = proxy.drop_answer_after(ADOPT_COMMITS[kind], then_cut=True)
+        fails_on_the_cut(store, lambda: store.adopt([m.id for m in theirs.messages], theirs.lease,
+                                                    store.new_lease()))
+        assert cut.began.is_set(), "the adoption's answer was not cut"
+        proxy.restore()
+        sibling = OutboxStore(store.url, table=store.engine.table_name)  # another thread's store
+        try:
+            if releaser == "claim":
+                claim = sibling.claim(10)
+            else:
+                Heartbeat(sibling, new_holder(), 3.0).tick()
+                claim = other.claim(10)
+        finally:
+            sibling.close()
+        assert [m.id for m in claim.messages] == [1, 2, 3, 4]
+        assert [m.attempts for m in claim.messages] == [0, 0, 0, 0]  # handed back, not expired
+
+
 def fails_on_the_cut(store: OutboxStore, call: Callable[[], object]) -> None:
     """``call()`` raises what a database out of reach raises, its retries spent."""
     try:

@@ -76,6 +76,10 @@ class Heartbeat:
         if self.missing_table:
             self.log.info("outbox: table %s is there now; lost worker processes are taken over", self.store.engine.holders)
             self.missing_table = False
+        try:  # the rows of a claim or adoption whose answer was lost, in a process that may never claim
+            self.store.release_doubtful()
+        except Exception as exc:  # noqa: BLE001 - they stay doubtful, for the next beat or claim
+            self.log.debug("outbox heartbeat cannot release doubtful leases: %s: %s", type(exc).__name__, exc)
         if self.healthy_since is None or self.last_beat is None or now - self.last_beat > self.timeout_s:
             self.healthy_since = now  # the first beat, or one after a gap: start counting again
         self.last_beat = now

@@ -77,6 +77,16 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -
     return ran
 
 
+#: Leases that a claim or an adoption may have written although it failed (a COMMIT whose
+#: answer was lost, and its retries spent), per database URL and table. Shared by every store
+#: of the process: the next claim of any of them, or the heartbeat, releases their rows
+#: (``OutboxStore.release_doubtful``; docs/relay.md, "A network cut"). Per store, a lease
+#: doubted by a publish-only worker's adoption or by the claim-ahead thread's store was
+#: released by nothing but that store's next claim, which might never come (found in review).
+_DOUBTFUL: dict[tuple[str, str], list[str]] = {}
+_DOUBTFUL_LOCK = threading.Lock()
+
+
 class OutboxStore:
     def __init__(self, url: str, *, table: str = "outbox", schema: str | None = None,
                  claim_timeout_ms: int = 60_000, max_attempts: int = 10,
@@ -94,11 +104,8 @@ class OutboxStore:
         #: holds them. None: tokens are random (docs/internals.md, "Lost workers").
         self.holder_id: str | None = None
         self._connections = connections or Connections(self.engine, url)
-        #: Leases that a claim or an adoption may have written although it failed (a COMMIT
-        #: whose answer was lost, and its retries spent): their rows, if any, are released by
-        #: the next claim (``_release_doubtful``; docs/relay.md, "A network cut").
-        self._doubtful: list[str] = []
-        self._doubtful_lock = threading.Lock()
+        #: This database table's doubtful leases in this process (``_DOUBTFUL``).
+        self._doubtful_key = (url, self.engine.table)
 
     @classmethod
     def on_caller(cls, engine: Engine, begin: Callable[[], AbstractContextManager[Any]]) -> OutboxStore:
@@ -185,7 +192,7 @@ class OutboxStore:
         not block the rows after them (``Engine.claim``)."""
         if batch <= 0:
             raise ValueError("batch must be positive")
-        self._release_doubtful()
+        self.release_doubtful()
         lease = self.new_lease()
 
         def work(skip_blocked: bool) -> Callable[[Any], list[tuple]]:
@@ -288,19 +295,20 @@ class OutboxStore:
         try:
             return call()
         except Exception:
-            with self._doubtful_lock:
-                self._doubtful.append(lease)
+            with _DOUBTFUL_LOCK:
+                _DOUBTFUL.setdefault(self._doubtful_key, []).append(lease)
             raise
 
-    def _release_doubtful(self) -> None:
-        """Hand back, as pending and with no attempt spent, the rows of the doubtful leases
-        (``_doubting``): nobody publishes under them, and this process lives on, so neither
-        the takeover nor anything but their lease's expiry would free them, and every later
-        row of their aggregates would wait that long (found by ``bench.soak --faults``: a
-        database cut held a dozen aggregates back for the lease, 60 s). One statement per
-        lease, only after such a failure; if it fails, the leases stay doubtful."""
-        with self._doubtful_lock:
-            leases, self._doubtful = self._doubtful, []
+    def release_doubtful(self) -> None:
+        """Hand back, as pending and with no attempt spent, the rows of this process's doubtful
+        leases on this table (``_doubting``): nobody publishes under them, and this process
+        lives on, so neither the takeover nor anything but their lease's expiry would free
+        them, and every later row of their aggregates would wait that long (found by
+        ``bench.soak --faults``: a database cut held a dozen aggregates back for the lease,
+        60 s). Called by every claim and by the heartbeat. One statement per lease, only
+        after such a failure; if it fails, the leases stay doubtful."""
+        with _DOUBTFUL_LOCK:
+            leases = _DOUBTFUL.pop(self._doubtful_key, [])
         if not leases:
             return
 
@@ -311,8 +319,8 @@ class OutboxStore:
         try:
             released = self._run("release", work, alone=True)  # one release per lease, each atomic alone
         except Exception:
-            with self._doubtful_lock:
-                self._doubtful[:0] = leases
+            with _DOUBTFUL_LOCK:
+                _DOUBTFUL.setdefault(self._doubtful_key, [])[:0] = leases
             raise
         if released:
             log.info("outbox: released %d rows that a claim or adoption whose answer was lost had leased", released)
