@@ -233,8 +233,10 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
     assert any(s.startswith(f"UPDATE {t} SET status = 0, claimed_at") for s in sent)  # release
     assert any(s.endswith("OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY") for s in sent)  # dead_list
     for needle in (engine.silent_holders_sql(), engine.drop_silent_holder_sql(), engine.held_by_sql(),
-                   engine.end_leases_sql(), engine.drop_holder_sql()):
+                   engine.end_leases_sql(), engine.drop_holder_sql(), engine.release_lease_sql()):
         assert needle in sent, needle
+    # A doubtful lease's rows are handed back past rows others lock, as a lost holder's leases end.
+    assert "WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)" in engine.release_lease_sql()
     h = engine.holders
     assert any(s.startswith(f"UPDATE {h} SET beat_at") for s in sent)
     assert any(s.startswith(f"INSERT INTO {h} (holder_id") for s in sent)

@@ -313,8 +313,8 @@ class OutboxStore:
             return
 
         def work(cursor: Any) -> int:
-            sql = self.engine.release_sql(self.engine.open_rows())
-            return sum(self.engine.execute(cursor, sql, [0, 0, lease]).rowcount for lease in leases)
+            sql = self.engine.release_lease_sql()
+            return sum(self.engine.execute(cursor, sql, [lease]).rowcount for lease in leases)
 
         try:
             released = self._run("release", work, alone=True)  # one release per lease, each atomic alone

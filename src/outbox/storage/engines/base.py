@@ -104,8 +104,9 @@ class Engine(ABC):
     #: can wait on a writer's lock (the metrics' gauges, ``gauges_sql``, and ``outbox status``).
     unlocked_read: ClassVar[str] = ""
     #: The table hints of the statements that count and end a lost holder's leases
-    #: (``held_by_sql``, ``end_leases_sql``), for an engine whose reads and updates would
-    #: wait on locks others hold on rows the lost holder does not: read past them.
+    #: (``held_by_sql``, ``end_leases_sql``) and hand back a doubtful lease's rows
+    #: (``release_lease_sql``), for an engine whose reads and updates would wait on locks
+    #: others hold on rows that lease or holder does not: read past them.
     past_locks_read: ClassVar[str] = ""
     past_locks_update: ClassVar[str] = ""
 
@@ -621,6 +622,15 @@ class Engine(ABC):
         return (f"UPDATE {self.table} SET status = 0, claimed_at = NULL, lease_token = NULL, "
                 f"next_retry_at = CASE WHEN ? > 0 THEN {self.now_plus_ms()} ELSE NULL END "
                 f"WHERE {cond} AND lease_token = ? AND status = 1")
+
+    def release_lease_sql(self) -> str:
+        """Hand back every row held under lease ``?``, due at once: a doubtful lease's rows
+        (``OutboxStore.release_doubtful``). No index holds ``lease_token``, so the UPDATE
+        examines every open row: it reads past rows others lock (``past_locks_update``)
+        instead of waiting behind an application's open enqueue for the lock timeout (found
+        in review); a row skipped so keeps its lease until it expires."""
+        return (f"UPDATE {self.table}{self.past_locks_update} SET status = 0, claimed_at = NULL, "
+                f"lease_token = NULL, next_retry_at = NULL WHERE {self.open_rows()} AND status = 1 AND lease_token = ?")
 
     # -- housekeeping ----------------------------------------------------------
     def purge_chunk(self, cursor: Any, older_than_ms: int, batch: int, after: int) -> tuple[int, int | None]:
