@@ -184,10 +184,22 @@ def row(store: OutboxStore, id: int, columns: str) -> tuple:
 def allow_null(store: OutboxStore, column: str) -> None:
     """Drop the NOT NULL of ``column``, as a table made by another script might lack it."""
     e = store.engine
-    if e.name == "mssql":
-        pytest.skip("the SQL Server claim's table variable declares aggregate_id NOT NULL (engines/mssql/sql.py)")
     with store.transaction() as cursor:
-        if e.name == "postgresql":
+        if e.name == "mssql":  # the same type, length and collation, NULL allowed; its indexes made again
+            name, length, collation = e.execute(
+                cursor, "SELECT TYPE_NAME(system_type_id), max_length, collation_name FROM sys.columns "
+                        "WHERE object_id = OBJECT_ID(?) AND name = ?", [e.table, column]).fetchone()
+            indexes = [r[0] for r in e.execute(
+                cursor, "SELECT DISTINCT i.name FROM sys.indexes AS i INNER JOIN sys.index_columns AS ic "
+                        "ON ic.object_id = i.object_id AND ic.index_id = i.index_id INNER JOIN sys.columns AS c "
+                        "ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
+                        "WHERE i.object_id = OBJECT_ID(?) AND c.name = ? AND i.is_primary_key = 0",
+                [e.table, column]).fetchall()]
+            for index in indexes:
+                e.execute(cursor, f"DROP INDEX {e.quote(index)} ON {e.table}")
+            size = "MAX" if int(length) == -1 else str(int(length) // (2 if name.startswith("n") else 1))
+            e.execute(cursor, f"ALTER TABLE {e.table} ALTER COLUMN {column} {name}({size}) COLLATE {collation} NULL")
+        elif e.name == "postgresql":
             e.execute(cursor, f"ALTER TABLE {e.table} ALTER COLUMN {column} DROP NOT NULL")
         elif e.name == "mysql":
             e.execute(cursor, f"ALTER TABLE {e.table} MODIFY {column} VARCHAR(255) NULL")
@@ -198,6 +210,8 @@ def allow_null(store: OutboxStore, column: str) -> None:
             version = cursor.execute("PRAGMA schema_version").fetchone()[0]
             cursor.execute(f"PRAGMA schema_version = {int(version) + 1}")
             cursor.execute("PRAGMA writable_schema = OFF")
+    if e.name == "mssql":
+        store.migrate()  # the indexes dropped above
     store.close()  # new connections read the new definition
 
 

@@ -356,6 +356,22 @@ def test_the_claim_is_linear_in_a_hot_aggregates_window(no_sqlglot_fallbacks: No
     assert "JOIN" not in keep.sql("tsql").upper() and " IN (" not in keep.sql("tsql").upper()
 
 
+@pytest.mark.parametrize("skip_blocked", [False, True])
+def test_a_null_aggregate_id_is_filed_under_a_key_of_its_own_in_the_claims_table_variables(
+        skip_blocked: bool, no_sqlglot_fallbacks: None) -> None:
+    """Found in review: ``@win`` and ``@cand`` declare aggregate_id NOT NULL, so one row with a
+    NULL aggregate_id (a table made by another script) failed every claim while it was among
+    the oldest. Each insert into them files such a row under a key of its own, made from its
+    id; the probes, which compare with the table, find nothing before it."""
+    statements = MssqlEngine().claim_statements(own_transaction=True, skip_blocked=skip_blocked)
+    for variable in ("@win", "@cand"):
+        insert = parse_one(next(s for s in statements if s.startswith(f"INSERT INTO {variable} ")))
+        keys = [c for c in insert.find_all(exp.Coalesce) if c.this.name == "aggregate_id"]
+        assert len(keys) == 1, insert.sql("tsql")
+        fallback = keys[0].expressions[0].sql("tsql")
+        assert "outbox:null-aggregate_id:" in fallback and "CAST(" in fallback and "id AS NVARCHAR(20)" in fallback
+
+
 def test_the_probe_falls_back_to_any_seek_when_its_index_is_missing() -> None:
     """A table that has not been migrated yet (start-up warns) keeps claiming: naming a
     missing index in FORCESEEK would fail every claim (error 308)."""

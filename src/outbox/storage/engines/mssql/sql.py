@@ -216,6 +216,17 @@ class MssqlStatements(MssqlSchema):
             return "FORCESEEK"
         return f"FORCESEEK ({self.quote(self.index_name(self.PROBE_INDEX.suffix))} ({self.PROBE_INDEX.keys[0]}))"
 
+    @staticmethod
+    def chain_key(alias: str = "") -> str:
+        """The aggregate a claim's table variables (``aggregate_id ... NOT NULL``) file a row
+        under: its ``aggregate_id``, or, where a table made by another script lets that be
+        NULL, a key of the row's own, so that it is a chain alone, claimed and then buried as
+        undecodable as on every engine. A NULL in those NOT NULL columns failed the whole
+        claim (error 515) while the row was among the oldest: every claim, the relay stalled
+        (found in review). The key never matches a row of the table, so the probes find
+        nothing before it."""
+        return f"COALESCE({alias}aggregate_id, N'outbox:null-aggregate_id:' + CAST({alias}id AS NVARCHAR(20)))"
+
     def probe_select(self, source: str = "@cand") -> str:
         """One row per aggregate of ``@cand``: its first candidate (``head``) and its
         *blocker*, the first open row of the aggregate before its last candidate that is
@@ -296,11 +307,12 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
         t = self.table
         read = f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\nWHERE {eligible}\nORDER BY id"
         if not skip_blocked:
-            return f"INSERT INTO @win (id, aggregate_id, status, attempts)\nSELECT TOP (@window) id, aggregate_id, status, attempts\n{read};"
+            return (f"INSERT INTO @win (id, aggregate_id, status, attempts)\n"
+                    f"SELECT TOP (@window) id, {self.chain_key()}, status, attempts\n{read};")
         seek = self.probe_seek()
         return f"""INSERT INTO @win (id, aggregate_id, status, attempts)
 SELECT TOP (@window) s.id, s.aggregate_id, s.status, s.attempts
-FROM (SELECT TOP (@window * {self.BLOCKED_SCAN}) id, aggregate_id, status, attempts
+FROM (SELECT TOP (@window * {self.BLOCKED_SCAN}) id, {self.chain_key()} AS aggregate_id, status, attempts
 {read}) AS s
 WHERE NOT EXISTS (
     SELECT 1 FROM (
@@ -377,7 +389,7 @@ ORDER BY s.id;"""
             f"ORDER BY f.head;",
             # Lock the held chains' rows; the rule below runs again on what was locked.
             f"INSERT INTO @cand (id, aggregate_id, status, attempts)\n"
-            f"SELECT o.id, o.aggregate_id, o.status, o.attempts\n"
+            f"SELECT o.id, {self.chain_key('o.')}, o.status, o.attempts\n"
             f"FROM (SELECT TOP (@batch) p.id FROM @plan AS p INNER JOIN @held AS h ON h.id = p.head\n"
             f"      ORDER BY p.head, p.id) AS k\n"
             f"INNER JOIN {t} AS o WITH (READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK, FORCESEEK) ON o.id = k.id\n"
