@@ -104,6 +104,38 @@ def test_a_silent_holder_is_taken_over_at_once_and_its_late_writes_are_refused(
         s.close()
 
 
+def test_a_process_exiting_with_rows_still_leased_keeps_its_record_for_the_takeover(
+        store: OutboxStore, writer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: a graceful exit deleted the holder's record even when a task of it
+    still held rows (a publish the shutdown stopped waiting for), and the takeover, which
+    looks at records only, never freed them: they waited for the whole lease. Now the
+    record stays while rows are leased to it, and the others take them over; a process
+    exiting with nothing leased deletes its record as before."""
+    a_ids = add(writer, store, "a", 2)
+    leaving, idle, live = new_holder(), new_holder(), new_holder()
+    leaving_store, idle_store, live_store = twin(store, leaving), twin(store, idle), twin(store, live)
+    for holder, own in ((leaving, leaving_store), (idle, idle_store), (live, live_store)):
+        beat = Heartbeat(own, holder, SILENT_MS / 1000)
+        beat.tick()
+        if holder is leaving:
+            claim = leaving_store.claim(10)
+            assert [m.id for m in claim.messages] == a_ids
+        if holder is not live:
+            with caplog.at_level(logging.INFO, logger="outbox"):
+                beat.stop()  # the graceful exit's, with no heartbeat thread: in this thread
+    assert holders(store) == {leaving.holder_id, live.holder_id}  # the idle one's record went
+    assert any("exits with 2 rows still leased to it" in r.getMessage() for r in caplog.records)
+
+    time.sleep(SILENT_MS / 1000 + 0.3)
+    [silent] = live_store.beat(live, SILENT_MS).silent
+    assert silent.holder == leaving
+    taken = live_store.take_over(silent, SILENT_MS)
+    assert taken is not None and taken.rows == 2
+    assert [m.id for m in store.claim(10).messages] == a_ids[:1]  # at once, not after the lease
+    for own in (leaving_store, idle_store, live_store):
+        own.close()
+
+
 def test_a_holder_that_beats_again_is_not_taken_over(store: OutboxStore, writer: Any) -> None:
     add(writer, store, "a", 1)
     slow, other = new_holder(), new_holder()

@@ -144,7 +144,8 @@ class Heartbeat:
 
     def stop(self, drop: bool = True) -> None:
         """Stop beating and, with ``drop``, delete this holder's record (a graceful exit:
-        nothing left to take over); the heartbeat's connection is closed."""
+        nothing left to take over) unless rows are still leased to it; the heartbeat's
+        connection is closed."""
         self._drop = drop
         self._stop.set()
         thread = self._thread
@@ -159,9 +160,14 @@ class Heartbeat:
         """In the heartbeat's thread (its connection is that thread's): the record, then the connection."""
         if self._drop and self.beats:
             try:
-                self.store.drop_holder(self.holder.holder_id)
+                held = self.store.drop_holder(self.holder.holder_id)
             except Exception as exc:  # noqa: BLE001 - then it is taken over, holding nothing
                 self.log.debug("outbox: cannot delete holder %s: %s", self.holder.holder_id, exc)
+            else:
+                if held:
+                    self.log.info("outbox: this worker process exits with %d rows still leased to it (a task still "
+                                  "running); another takes them over once it has been silent for "
+                                  "OUTBOX_RELAY_HOLDER_TIMEOUT_S=%g", held, self.timeout_s)
         self.store.close()
 
 

@@ -390,10 +390,21 @@ class OutboxStore:
 
         return self._run("take_over", work, alone=not engine.ends_idle_transactions)
 
-    def drop_holder(self, holder_id: str) -> None:
-        """Delete a holder's record: its process is ending, having settled or released its rows."""
-        self._run("drop_holder", lambda cursor: self.engine.execute(cursor, self.engine.drop_holder_sql(),
-                                                                    [holder_id]).rowcount)
+    def drop_holder(self, holder_id: str) -> int:
+        """Delete a holder's record, its process ending, unless rows are still leased to it:
+        returns how many (0: the record is gone). A process that exits while a task of it
+        still holds rows (a publish past the shutdown's wait) keeps its record, so the
+        others take the rows over once it is silent instead of leaving them for the lease
+        (docs/internals.md, "Lost workers"; found in review)."""
+        engine = self.engine
+
+        def work(cursor: Any) -> int:
+            held = int(engine.execute(cursor, engine.held_by_sql(), [holder_id + "%"]).fetchone()[0] or 0)
+            if not held:
+                engine.execute(cursor, engine.drop_holder_sql(), [holder_id])
+            return held
+
+        return self._run("drop_holder", work)
 
     def _seconds(self, earlier: Any, later: Any) -> float:
         """Seconds from ``earlier`` to ``later``, two database timestamps (never None), at least 0."""
