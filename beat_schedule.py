@@ -33,7 +33,7 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
     """The ``beat_schedule`` for ``settings`` (``outbox.core.config.Settings``) and relay
     ``options`` (``outbox.core.config.RelayOptions``); both default to the process's, read in
     the one order (docs/design.md, "Settings")."""
-    from outbox.core.config import get_settings, relay_options
+    from outbox.core.config import get_settings, message_ttl_s, relay_options
     from outbox.core.names import CLAIM_TASK, PURGE_TASK, TASK_OUTBOX_ARG
 
     settings = settings or get_settings()
@@ -47,13 +47,13 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
             "task": CLAIM_TASK,
             "schedule": claim_every,
             "kwargs": named,
-            "options": {"queue": queues.claim, "expires": claim_every},
+            "options": {"queue": queues.claim, "expires": message_ttl_s(claim_every)},
         },
         PURGE_ENTRY: {
             "task": PURGE_TASK,
             "schedule": purge_every,
             "kwargs": named,
-            "options": {"queue": queues.purge, "expires": purge_every},
+            "options": {"queue": queues.purge, "expires": message_ttl_s(purge_every)},
         },
     }
 

@@ -27,6 +27,7 @@ from services import AMQP_URL, REDIS_URL, free_port, require
 import outbox
 from outbox import wake
 from outbox.core.config import (
+    CLOCK_SKEW_MARGIN_S,
     dramatiq_settings,
     known_names,
     relay_settings,
@@ -109,12 +110,20 @@ def test_dramatiq_is_the_runner_only_when_its_broker_is_set(monkeypatch: pytest.
         dramatiq_settings()
 
 
-def test_a_message_expires_after_its_max_age() -> None:
+def test_a_message_expires_after_its_max_age_and_never_within_the_clock_skew_margin(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: a tick expired one interval (1 s) after beat sent it, by beat's clock,
+    and a worker checked that on its own: a worker whose clock ran a second ahead dropped
+    every tick, silently. Now no claim message expires sooner than CLOCK_SKEW_MARGIN_S."""
     m = message(CLAIM_TASK, "ns.claim", {"token": "t"}, max_age_s=0.2)
     assert (m.actor_name, m.queue_name, m.kwargs["token"]) == (CLAIM_TASK, "ns.claim", "t")
+    sent = time.time()
+    monkeypatch.setattr(time, "time", lambda: sent + 5.0)  # a worker whose clock runs 5 s ahead
     assert not expired(m.kwargs["expires_at"])
-    time.sleep(0.3)
+    monkeypatch.setattr(time, "time", lambda: sent + CLOCK_SKEW_MARGIN_S + 1)
     assert expired(m.kwargs["expires_at"]) and not expired(None)
+    long_ = message(CLAIM_TASK, "ns.claim", {}, max_age_s=3600.0)  # a longer max age is kept as it is
+    assert long_.kwargs["expires_at"] > sent + 3590
 
 
 @pytest.mark.parametrize("env, words", [({}, "OUTBOX_DRAMATIQ_BROKER_URL is not set"),

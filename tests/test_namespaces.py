@@ -18,7 +18,7 @@ import pytest
 from relay_support import run_python
 from services import REDIS_URL, require
 
-from outbox.core.config import RelayOptions, load_settings
+from outbox.core.config import CLOCK_SKEW_MARGIN_S, RelayOptions, load_settings
 from outbox.core.errors import ConfigError
 from outbox.core.names import (
     CLAIM_TASK,
@@ -105,6 +105,10 @@ def test_the_schedule_sends_each_tick_to_its_outboxs_queue_naming_it() -> None:
                          (beat_schedule.PURGE_ENTRY, settings.queues.purge)):
         assert schedule[entry]["options"]["queue"] == queue
         assert schedule[entry]["kwargs"] == {"outbox": settings.outbox_namespace}
+    # A tick expires after its interval, by beat's clock, but never within the margin for
+    # workers whose clocks run ahead of it (found in review: 1 s of skew dropped every tick).
+    assert schedule[beat_schedule.CLAIM_ENTRY]["options"]["expires"] == CLOCK_SKEW_MARGIN_S
+    assert schedule[beat_schedule.PURGE_ENTRY]["options"]["expires"] == RelayOptions().purge_interval_s
 
 
 # -- refusing a task of another outbox (pure) -------------------------------------------------------

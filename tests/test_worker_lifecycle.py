@@ -126,7 +126,7 @@ print(json.dumps({"beat": app.conf.beat_schedule, "queues": [q.name for q in app
     queues = Queues(conf["namespace"])  # this outbox's (outbox.core.names)
     assert conf["namespace"] == default_namespace(f"sqlite:///{tmp_path / 'outbox.db'}", "outbox")
     assert conf["beat"]["outbox-claim"] == {"task": CLAIM_TASK, "schedule": 0.5, "kwargs": {"outbox": queues.namespace},
-                                            "options": {"queue": queues.claim, "expires": 0.5}}
+                                            "options": {"queue": queues.claim, "expires": 30.0}}  # the skew margin
     assert conf["beat"]["outbox-purge"]["task"] == PURGE_TASK and conf["beat"]["outbox-purge"]["schedule"] == 120
     assert conf["queues"] == [queues.claim, queues.publish, queues.ack, queues.purge]
     assert conf["broker"] == "redis://127.0.0.1:6379/14" and conf["prefetch"] == 1

@@ -20,7 +20,15 @@ from kombu import Connection as KombuConnection
 from kombu import Exchange, Queue
 from kombu.utils.url import as_url
 
-from ..core.config import RelayOptions, Settings, relay_options, relay_settings, startup_options, use_conf
+from ..core.config import (
+    RelayOptions,
+    Settings,
+    message_ttl_s,
+    relay_options,
+    relay_settings,
+    startup_options,
+    use_conf,
+)
 from ..core.errors import ConfigError
 from ..core.names import CLAIM_TASK, PUBLISH_TASK, TASK_OUTBOX_ARG, Queues, is_redis_url
 from ..core.redact import redact
@@ -221,6 +229,8 @@ def send_relay_task(task: str, kwargs: dict[str, Any] | None = None, namespace: 
     (``TASK_OUTBOX_ARG``: a worker of another outbox refuses it, see ``outbox.celery.tasks``). Every relay
     task is sent through here. ``namespace``: the outbox (default: this process's)."""
     namespace = namespace or relay_settings().outbox_namespace
+    if options.get("expires") is not None:
+        options["expires"] = message_ttl_s(options["expires"])
     return app.send_task(task, kwargs={**(kwargs or {}), TASK_OUTBOX_ARG: namespace},
                          queue=Queues(namespace).for_task(task), **options)
 

@@ -53,6 +53,17 @@ log = logging.getLogger("outbox.core.config")
 #: as seconds), and a pause that long could not be written as a retry time anyway.
 MAX_OPTION_S = 86_400.0
 
+#: A claim tick or claim request is dropped when it arrives after its expiry, which the
+#: sender reckons on its clock and the worker checks on its own: it never expires sooner
+#: than this, so workers whose clocks run ahead of beat's still claim (docs/relay.md,
+#: "Ticks, expiry and clocks").
+CLOCK_SKEW_MARGIN_S = 30.0
+
+
+def message_ttl_s(ttl_s: float) -> float:
+    """How long a relay message that should expire after ``ttl_s`` is kept: ``CLOCK_SKEW_MARGIN_S`` at least."""
+    return max(float(ttl_s), CLOCK_SKEW_MARGIN_S)
+
 
 # -- the contract's settings (OUTBOX_*) --------------------------------------------------------
 
@@ -497,7 +508,7 @@ def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: boo
     return found
 
 
-__all__ = ["Settings", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
+__all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
            "pipeline_options", "dramatiq_settings", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",

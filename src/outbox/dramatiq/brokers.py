@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from ..core.config import DramatiqSettings, dramatiq_settings
+from ..core.config import DramatiqSettings, dramatiq_settings, message_ttl_s
 from ..core.errors import ConfigError, install_hint
 from ..core.names import is_redis_url
 
@@ -105,7 +105,7 @@ def message(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | N
     from dramatiq import Message
 
     if max_age_s:
-        kwargs = {**kwargs, "expires_at": time.time() + max_age_s}
+        kwargs = {**kwargs, "expires_at": time.time() + message_ttl_s(max_age_s)}
     return Message(queue_name=queue, actor_name=actor, args=tuple(args), kwargs=kwargs, options={})
 
 
