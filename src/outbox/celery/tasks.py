@@ -70,7 +70,7 @@ def publish(self: Any, chains: list[list[dict[str, Any]]], deadline: float | Non
 
 
 _SETTLE = {"ignore_result": True, "acks_late": True, "reject_on_worker_lost": True, "autoretry_for": (Exception,),
-           "retry_backoff": 0.5, "retry_backoff_max": 30, "retry_jitter": True, "max_retries": 10}
+           "retry_backoff": 1, "retry_backoff_max": 30, "retry_jitter": True, "max_retries": 10}
 
 
 @app.task(name=ACK_TASK, base=RelayTask, **_SETTLE)
