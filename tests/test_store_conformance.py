@@ -13,6 +13,7 @@ import pytest
 from engine_support import add, row, statuses
 
 from outbox import EnqueueError, Status, enqueue
+from outbox.core.model import FailResult
 from outbox.domain.chains import Candidate, plan_claim
 from outbox.storage.store import OutboxStore
 
@@ -502,6 +503,26 @@ def test_poison_goes_dead_at_once_and_max_attempts_ends_dead(store: OutboxStore,
     assert result.dead
     assert statuses(store) == {poison: Status.DEAD, flaky: Status.DEAD}
     assert claimed_ids(store) == []
+
+
+def test_a_failure_recorded_again_after_its_answer_was_lost_counts_as_applied(store: OutboxStore,
+                                                                              writer: Any) -> None:
+    """Found in review: when mark_failed's UPDATE committed and its answer was lost, the
+    store's retry (or the ack queue's fail task) found nothing under the lease and said "not
+    applied", so a row it had buried got no dead-letter copy. The same failure recorded
+    again is now taken as applied; a different one, or the same text after the row moved on,
+    is not."""
+    poison, flaky = add(writer, store, "p")[0], add(writer, store, "f")[0]
+    claim = store.claim(10)
+    assert store.mark_failed(poison, claim.lease, "payload too large", dead=True) == FailResult(True, True)
+    assert store.mark_failed(poison, claim.lease, "payload too large", dead=True) == FailResult(True, True)
+    assert store.mark_failed(poison, claim.lease, "another reason", dead=True) == FailResult(False, False)
+    assert store.mark_failed(flaky, claim.lease, "broker said no", timedelta(0)) == FailResult(True, False)
+    assert store.mark_failed(flaky, claim.lease, "broker said no", timedelta(0)) == FailResult(True, False)
+    again = store.claim(10)  # due at once: claimed again, under a new lease
+    assert [m.id for m in again.messages] == [flaky]
+    assert store.mark_failed(flaky, claim.lease, "broker said no", timedelta(0)) == FailResult(False, False)
+    assert int(row(store, flaky, "attempts")[0]) == 1  # the repeats wrote nothing
 
 
 # -- housekeeping ---------------------------------------------------------------------------

@@ -467,9 +467,16 @@ class OutboxStore:
             params.insert(4, retry_ms)  # the retry time sits in the second CASE's ELSE
             changed = self.engine.execute(cursor, self.engine.mark_failed_sql(),
                                           [*params, error, id, lease]).rowcount
-            status = self.engine.execute(cursor, f"SELECT status FROM {self.engine.table} WHERE id = ?",
-                                         [id]).fetchone()
-            return changed, (int(status[0]) if status else None)
+            found = self.engine.execute(cursor, f"SELECT status, last_error, lease_token FROM {self.engine.table} "
+                                                "WHERE id = ?", [id]).fetchone()
+            status = int(found[0]) if found else None
+            if not changed and found and status in (Status.FAILED, Status.DEAD) and found[2] is None \
+                    and found[1] == error:
+                # Written by an earlier try of this very failure whose answer was lost (the
+                # store's retry, or the ack queue's fail task): it applied, and a row it buried
+                # still gets its dead-letter copy (found in review: the copy was skipped).
+                changed = 1
+            return changed, status
 
         # Alone: the UPDATE commits as it runs, so a cut before a COMMIT cannot leave the row
         # locked, which on SQL Server held every claim's probe (docs/sqlserver.md, "A network cut").
