@@ -104,6 +104,9 @@ def test_supported_urls_pass() -> None:
     ("amqp://guest:p@ss@word@rabbit//", "p@ss@word"),
     ("DRIVER={ODBC Driver 18};SERVER=h;UID=sa;PWD={pa55;word};Encrypt=yes", "pa55;word"),
     ("Driver=FreeTDS;Server=h;Password=pa55word", "pa55word"),
+    # libpq takes a password in the URL's query too; `outbox status` printed it (found in review)
+    ("postgresql://127.0.0.1/test?user=app&password=pa55word", "pa55word"),
+    ("postgresql://h/db?sslmode=verify-full&sslpassword=pa55word", "pa55word"),
 ])
 def test_redact_masks_passwords(text: str, secret: str) -> None:
     masked = redact(text)
@@ -327,7 +330,14 @@ def test_the_dramatiq_scheduler_names_a_shadowing_beat_schedule(tmp_path: Path, 
 
     (tmp_path / "beat_schedule.py").write_text(SHADOW)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "beat_schedule", raising=False)
     monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", "redis://127.0.0.1:9/0")
-    assert main([]) == 2
+    # The shadow must not outlive the test: monkeypatch.delitem restores nothing when the key
+    # was absent, and the shadow then stayed imported for every later test of the process.
+    installed = sys.modules.pop("beat_schedule", None)
+    try:
+        assert main([]) == 2
+    finally:
+        sys.modules.pop("beat_schedule", None)
+        if installed is not None:
+            sys.modules["beat_schedule"] = installed
     assert f"{tmp_path / 'beat_schedule.py'} shadows the relay's schedule" in capsys.readouterr().err

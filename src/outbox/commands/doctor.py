@@ -32,11 +32,11 @@ from typing import Any
 
 from ..core.config import ConfigError, KafkaOptions, Settings, dramatiq_settings, load_settings, relay_families
 from ..core.errors import transport_hint
+from ..core.redact import redact
 from ..storage.engines.describe import (
     describe_database,
     expected_index_names,
     index_names,
-    mask_url,
     missing_driver_hint,
 )
 from ..storage.store import OutboxStore
@@ -170,12 +170,12 @@ def _reachable(name: str, url: str, fix: str) -> Result:
     try:
         conn = _broker(url)
     except ConfigError as exc:
-        return Result(name, FAIL, f"{mask_url(url)}: {exc}")
+        return Result(name, FAIL, f"{redact(url)}: {exc}")
     try:
         conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)
-        return Result(name, OK, f"{mask_url(url)} reachable")
+        return Result(name, OK, f"{redact(url)} reachable")
     except Exception as exc:
-        return Result(name, FAIL, f"{mask_url(url)} unreachable: {_error(exc)} ({fix})")
+        return Result(name, FAIL, f"{redact(url)} unreachable: {_error(exc)} ({fix})")
     finally:
         conn.release()
 
@@ -192,15 +192,15 @@ def _check_database_broker(settings: Settings, url: str) -> Result:
     try:
         database_url = database_url_of(rest) if rest else settings.database_url
     except Exception as exc:
-        return Result(name, FAIL, f"{mask_url(url)}: {_error(exc)} (set OUTBOX_CELERY_BROKER_URL)")
+        return Result(name, FAIL, f"{redact(url)}: {_error(exc)} (set OUTBOX_CELERY_BROKER_URL)")
     store = OutboxStore(database_url, table=settings.table, schema=settings.schema)
     try:
         store.connection()
     except Exception as exc:
-        return Result(name, FAIL, f"{mask_url(url)} unreachable: {_error(exc)} (set OUTBOX_CELERY_BROKER_URL)")
+        return Result(name, FAIL, f"{redact(url)} unreachable: {_error(exc)} (set OUTBOX_CELERY_BROKER_URL)")
     finally:
         store.close()
-    return Result(name, OK, f"{mask_url(url)}: the database as Celery's broker, "
+    return Result(name, OK, f"{redact(url)}: the database as Celery's broker, "
                   f"{describe_database(database_url)} reachable (the first worker creates its queue tables)")
 
 
@@ -215,13 +215,13 @@ def check_destination(settings: Settings, kafka: Any = None, probe_topic: str | 
     try:
         conn = _broker(url)
     except ConfigError as exc:
-        return [Result("destination", FAIL, f"{mask_url(url)}: {exc}")]
+        return [Result("destination", FAIL, f"{redact(url)}: {exc}")]
     try:
         try:
             conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)
         except Exception as exc:
-            return [Result("destination", FAIL, f"{mask_url(url)} unreachable: {_error(exc)}")]
-        results = [Result("destination", OK, f"{mask_url(url)} reachable")]
+            return [Result("destination", FAIL, f"{redact(url)} unreachable: {_error(exc)}")]
+        results = [Result("destination", OK, f"{redact(url)} reachable")]
         results.append(_check_binding(conn, exchange))
         return results
     finally:
@@ -241,8 +241,8 @@ def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None
     except ConfigError as exc:
         return [Result("destination", FAIL, str(exc))]
     except Exception as exc:
-        return [Result("destination", FAIL, f"{mask_url(url)} unreachable: {_error(exc)}")]
-    results = [Result("destination", OK, f"{mask_url(url)} reachable: {brokers} broker(s), {len(topics)} topic(s)")]
+        return [Result("destination", FAIL, f"{redact(url)} unreachable: {_error(exc)}")]
+    results = [Result("destination", OK, f"{redact(url)} reachable: {brokers} broker(s), {len(topics)} topic(s)")]
     name = "kafka topics"
     dead = settings.dead_letter_exchange
     if options.auto_create_topics:
@@ -320,10 +320,10 @@ def run_checks(environ: dict[str, str] | None = None, *,
         from ..transport import register
 
         register()  # before the URL is shown: kombu parses it by its scheme
-    runner = (f"dramatiq broker {mask_url(dramatiq.url)}" if dramatiq
-              else f"celery broker {mask_url(settings.broker_url)}")
+    runner = (f"dramatiq broker {redact(dramatiq.url)}" if dramatiq
+              else f"celery broker {redact(settings.broker_url)}")
     results = [Result("configuration", OK, f"database {describe_database(settings.database_url)}, "
-                      f"exchange {settings.exchange!r}, publish to {mask_url(settings.publish_url)}, {runner}, "
+                      f"exchange {settings.exchange!r}, publish to {redact(settings.publish_url)}, {runner}, "
                       f"outbox namespace {settings.outbox_namespace!r} (queues {settings.queues.claim}, ...)")]
     if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:
         results.append(Result("database url", WARN, "OUTBOX_DATABASE_URL is not set: using ./outbox.db "

@@ -34,8 +34,10 @@ MASK = "***"
 #: when they are not percent-encoded, which is exactly the malformed case.
 _URL_CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*:/{0,3}[^\s:/@'\"]*:)"
                               r"(?P<secret>[^\s'\"]*)@(?=[^\s@'\"]*)")
-#: ``PWD=...;`` / ``Password=...`` in ODBC connection strings (``{...}`` quoting included).
-_ODBC_PASSWORD = re.compile(r"(?i)(?P<head>\b(?:pwd|password)\s*=\s*)(?P<secret>\{[^}]*\}|[^;'\"\s]*)")
+#: ``PWD=...;`` / ``Password=...`` in ODBC connection strings (``{...}`` quoting included),
+#: and ``password=`` / ``sslpassword=`` in a URL's query (libpq takes both there; the value
+#: then runs to the end of the query).
+_ODBC_PASSWORD = re.compile(r"(?i)(?P<head>\b(?:pwd|password|sslpassword)\s*=\s*)(?P<secret>\{[^}]*\}|[^;'\"\s]*)")
 
 _lock = threading.Lock()
 _secrets: set[str] = set()

@@ -43,9 +43,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..core.redact import redact
 from ..storage.engines import engine_for_url
 from ..storage.engines.base import Engine
-from ..storage.engines.describe import mask_url
 from ..storage.engines.sqlite import sqlite_path
 from ..storage.store import OutboxStore
 from .common import (
@@ -126,7 +126,7 @@ def database_of(url: str) -> str:
         return f"sqlite:///{os.path.abspath(path) if path != ':memory:' else path}"
     parts = urlsplit(url)
     if not parts.hostname:
-        return mask_url(url)
+        return redact(url)
     port = f":{parts.port}" if parts.port else ""
     return f"{engine.name}://{parts.hostname.lower()}{port}{parts.path.rstrip('/')}"
 

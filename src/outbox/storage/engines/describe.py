@@ -9,11 +9,10 @@ engine-specific, so it lives under ``outbox.storage.engines`` like everything el
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from ...core.errors import install_hint
+from ...core.redact import redact
 from . import kind_of_url
 from .base import Engine
 
@@ -24,28 +23,10 @@ DRIVER_EXTRAS = {"psycopg": ("PostgreSQL", "postgres"), "pymysql": ("MySQL/Maria
 #: The indexes ``outbox migrate`` creates, by suffix of ``Engine.index_name``.
 INDEX_SUFFIXES = ("message_id", "agg_id_id", "claim_ready", "done_processed_at")
 
-_ODBC_SECRET = re.compile(r"((?:^|;)\s*(?:PWD|Password)\s*=\s*)(\{[^}]*\}|[^;]*)", re.IGNORECASE)
-
-
-def mask_url(url: str) -> str:
-    """The URL with its password replaced by ``***`` (URLs and raw ODBC strings)."""
-    if "://" not in url:
-        return _ODBC_SECRET.sub(lambda m: m.group(1) + "***", url)
-    parts = urlsplit(url)
-    if parts.password is None:
-        return _ODBC_SECRET.sub(lambda m: m.group(1) + "***", url)
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    netloc = f"{parts.username or ''}:***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, _ODBC_SECRET.sub(lambda m: m.group(1) + "***",
-                                                                          parts.query), parts.fragment))
-
-
 def describe_database(url: str) -> str:
     """One phrase naming the database: the masked URL, and for SQLite the absolute path
     of the file (a relative ``sqlite:///outbox.db`` depends on the current directory)."""
-    text = mask_url(url)
+    text = redact(url)
     if kind_of_url(url) == "sqlite":
         from .sqlite import sqlite_path
 
@@ -98,5 +79,5 @@ def expected_index_names(engine: Engine) -> set[str]:
     return {engine.index_name(suffix) for suffix in INDEX_SUFFIXES}
 
 
-__all__ = ["mask_url", "describe_database", "missing_driver_hint", "index_names", "expected_index_names",
+__all__ = ["describe_database", "missing_driver_hint", "index_names", "expected_index_names",
            "DRIVER_EXTRAS", "INDEX_SUFFIXES"]
