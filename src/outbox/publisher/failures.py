@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 from ..core.errors import ConfigError
 from ..core.redact import redact
@@ -57,23 +58,37 @@ def _specific(exc: BaseException) -> FailureKind | None:
 
 
 def _redis_kind(exc: BaseException, text: str) -> FailureKind | None:
+    """By class first: redis-py raises its own class for most refusals and strips the code
+    from the message (``OOM ...`` becomes ``OutOfMemoryError("command not allowed ...")``),
+    so a full or read-only Redis was classified by a message that no longer said so, as
+    RETRIABLE, and an outage spent every row's attempts (found in review). The codes are
+    still matched in the text of a plain ``ResponseError`` (those redis-py has no class for)."""
     try:
         from redis import exceptions as redis_exc
     except ImportError:
         return None
-    if isinstance(exc, (redis_exc.AuthenticationError, redis_exc.AuthorizationError)):
+    if isinstance(exc, _present(redis_exc, "AuthenticationError", "AuthorizationError", "NoPermissionError")):
         return FailureKind.FATAL
     if isinstance(exc, redis_exc.DataError):
         return FailureKind.POISON
     if isinstance(exc, (redis_exc.ConnectionError, redis_exc.TimeoutError)):  # BusyLoadingError too
         return FailureKind.BACKPRESSURE
+    if isinstance(exc, _present(redis_exc, "OutOfMemoryError", "ReadOnlyError", "MasterDownError", "TryAgainError",
+                                "ClusterDownError")):
+        return FailureKind.BACKPRESSURE
     if isinstance(exc, redis_exc.ResponseError):
         if text.startswith(("noauth", "wrongpass", "noperm")):
             return FailureKind.FATAL
-        if text.startswith(("oom", "busy", "loading", "tryagain", "masterdown", "readonly")):
+        if text.startswith(("oom", "busy", "loading", "tryagain", "masterdown", "readonly", "misconf", "noreplicas",
+                            "clusterdown")):
             return FailureKind.BACKPRESSURE
         return FailureKind.RETRIABLE
     return None
+
+
+def _present(module: Any, *names: str) -> tuple[type, ...]:
+    """The classes of ``module`` among ``names`` (an older redis-py lacks some)."""
+    return tuple(getattr(module, name) for name in names if hasattr(module, name))
 
 
 def _generic(exc: BaseException) -> FailureKind | None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError, transport_hint
 from ..core.model import OutboxMessage
+from ..core.names import is_redis_url
 from ..core.redact import redact
 
 if TYPE_CHECKING:
@@ -328,7 +329,8 @@ class KombuPublisher(Publisher):
             self._forget()  # inherited over fork(): the parent's, not ours; never close it
         if self._conn is None:
             try:
-                conn = Connection(self.url, connect_timeout=self.connect_timeout)
+                conn = Connection(self.url, connect_timeout=self.connect_timeout,
+                                  transport_options=self._transport_options())
                 driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
             except Exception as exc:
                 # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError (or
@@ -367,6 +369,16 @@ class KombuPublisher(Publisher):
             exchange(channel).declare()
         self._channel = channel
         self._producer = Producer(channel, exchange=exchanges[0], auto_declare=False)
+
+    def _transport_options(self) -> dict[str, float]:
+        """kombu's Redis transport waits on its socket for ever by default (no
+        ``socket_timeout``), and it ignores ``connect_timeout``: a Redis that stopped answering
+        (paused, behind a stuck proxy, a path dropping packets) held the publisher, and every
+        publish of the process behind its lock, for good (found in review). Bounded as AMQP's
+        confirms are: a timeout is back-pressure (docs/destinations.md, "Redis")."""
+        if not is_redis_url(self.url):
+            return {}
+        return {"socket_timeout": self.confirm_timeout, "socket_connect_timeout": self.connect_timeout}
 
     def _on_return(self, exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
         message_id = getattr(message, "properties", {}).get("message_id")
