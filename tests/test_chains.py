@@ -26,6 +26,13 @@ def test_a_non_candidate_open_row_blocks_everything_behind_it() -> None:
     assert plan.claim_ids == [1, 4]
 
 
+def test_an_aggregate_id_read_as_bytes_is_blocked_like_any_other() -> None:
+    """A binary aggregate_id column (a table made by another script) reads as bytes: its
+    blockers were ignored, so a claim took rows behind another claim's (found in review)."""
+    rows = [Candidate(3, b"order-1", P, 0), Candidate(4, b"order-1", P, 0), Candidate(5, b"order-2", P, 0)]
+    assert plan_claim(rows, {b"order-1": 2}, 10).claim_ids == [5]
+
+
 def test_blocker_before_the_head_blocks_the_whole_aggregate() -> None:
     assert plan_claim([cand(5, "a"), cand(6, "a")], {"a": 1}, 10).claim_ids == []
 
