@@ -36,6 +36,8 @@ def test_overrides_win_over_the_environment() -> None:
     ("OUTBOX_MAX_ATTEMPTS", "-1", "OUTBOX_MAX_ATTEMPTS=-1"),
     ("OUTBOX_CLAIM_INTERVAL_S", "fast", "OUTBOX_CLAIM_INTERVAL_S='fast' is not a number"),
     ("OUTBOX_RETENTION_DAYS", "-2", "OUTBOX_RETENTION_DAYS=-2.0 must be >= 0"),
+    # passed the checks and then failed every purge (timestamp out of range; found in review)
+    ("OUTBOX_RETENTION_DAYS", "1e8", "OUTBOX_RETENTION_DAYS=100000000.0 is above the maximum of 20000"),
     ("OUTBOX_MAX_PAYLOAD_BYTES", "0", "OUTBOX_MAX_PAYLOAD_BYTES=0"),
     ("OUTBOX_TABLE", "outbox; DROP TABLE x", "OUTBOX_TABLE="),
     ("OUTBOX_SCHEMA", "1bad", "OUTBOX_SCHEMA='1bad' is not a valid identifier"),

@@ -94,7 +94,9 @@ class Settings(Options):
     claim_timeout_ms: int = option(60_000, "int", above=0, maximum=MAX_CLAIM_TIMEOUT_MS)
     max_attempts: int = option(10, "int", above=0, maximum=1_000)
     claim_interval_s: float = option(1.0, "float", above=0, maximum=86_400)
-    retention_days: float = option(7.0, "float", minimum=0)
+    #: At most 20,000 days (about 55 years): SQL Server's purge counts the age in seconds in an
+    #: INT, and PostgreSQL's timestamps end; a larger value failed every purge (found in review).
+    retention_days: float = option(7.0, "float", minimum=0, maximum=20_000)
     max_payload_bytes: int = option(1_048_576, "int", above=0, maximum=64 * 1024 * 1024)
     #: Where ``outbox pipeline archive`` writes (a directory or a Spark URI). While it is
     #: set, the relay's purge deletes nothing: only the archive job deletes, and only
