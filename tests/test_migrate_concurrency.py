@@ -50,3 +50,32 @@ def test_concurrent_migrations_of_an_empty_database_all_succeed(url: str, round_
         drop_table(stores[0])
         for store in stores:
             store.close()
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql", "sqlite"])
+def test_a_migration_with_nothing_to_do_takes_no_lock_behind_an_open_transaction(url: str) -> None:
+    """Found in review: on PostgreSQL a re-run of ``outbox migrate`` (every replica's start-up)
+    ran ADD COLUMN / CREATE INDEX IF NOT EXISTS, which take their locks before they look, so
+    behind an application transaction that had enqueued and stayed open it waited, and every
+    enqueue and claim after it queued behind that wait. Now each such step is probed first:
+    the re-run finishes while the transaction is still open."""
+    from outbox import enqueue
+
+    table = f"outbox_m{uuid.uuid4().hex[:10]}"
+    store = OutboxStore(url, table=table)
+    store.migrate()
+    app = store.engine.connect(url)  # the application's transaction, left open
+    rerun = OutboxStore(url, table=table)
+    try:
+        enqueue(app, topic="t", aggregate_type="a", aggregate_id="1", payload={}, table=table)
+        done: list[Any] = []
+        thread = threading.Thread(target=lambda: done.append(rerun.migrate()), daemon=True)
+        thread.start()
+        thread.join(5)
+        assert done == [0], "the re-run waited behind the open transaction"
+    finally:
+        app.rollback()
+        app.close()
+        rerun.close()
+        drop_table(store)
+        store.close()

@@ -221,9 +221,14 @@ class PostgresEngine(Engine):
                 processed_at TIMESTAMPTZ(3) NULL
             ) WITH ({storage})""",
             # Columns added after the first release: repaired on tables an older script made.
-            f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS last_error TEXT NULL",
-            f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lease_token VARCHAR(32) NULL",
-            f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('message_id'))} ON {t} (message_id)",
+            # Each step that would lock the live table is probed first, so a migration with
+            # nothing to do takes no lock on it: ADD COLUMN IF NOT EXISTS and CREATE INDEX IF
+            # NOT EXISTS take theirs before they look, and a re-run behind a long application
+            # transaction queued every enqueue and claim behind it (found in review).
+            (self._has_column("last_error"), f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS last_error TEXT NULL"),
+            (self._has_column("lease_token"), f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lease_token VARCHAR(32) NULL"),
+            (self._has_index("message_id"),
+             f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('message_id'))} ON {t} (message_id)"),
         ]
         # Tables made before the lease was a HOT update (docs/internals.md, "The lease is a HOT
         # update on PostgreSQL"): the open rows' test written on processed_at and kept equal to
@@ -250,13 +255,28 @@ class PostgresEngine(Engine):
                          "COALESCE(?, current_schema()) AND indexname = ? AND indexdef LIKE '%WHERE%status%')",
                          [self.schema, name])
             steps += [(on_status, f"DROP INDEX {self.qualify(name)}"),
-                      f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}"]
+                      (self._has_index(suffix), f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}")]
         return steps + self.holders_migration()
+
+    def _has_column(self, column: str) -> tuple[str, list[Any]]:
+        return ("SELECT 1 FROM information_schema.columns WHERE table_schema = COALESCE(?, current_schema()) "
+                "AND table_name = ? AND column_name = ?", [self.schema, self.table_name, column])
+
+    def _has_index(self, suffix: str) -> tuple[str, list[Any]]:
+        return ("SELECT 1 FROM pg_indexes WHERE schemaname = COALESCE(?, current_schema()) AND indexname = ?",
+                [self.schema, self.index_name(suffix)])
+
+    #: How long a migration step waits for a lock on the live table before it gives up
+    #: (everything rolls back; the store retries, then ``outbox migrate`` says why): while a
+    #: DDL statement waits, every enqueue and claim queues behind it.
+    MIGRATION_LOCK_TIMEOUT = "10s"
 
     def lock_migration(self, cursor: Any) -> None:
         # Concurrent CREATE TABLE / INDEX IF NOT EXISTS fail on PostgreSQL (a unique violation
         # in pg_type or pg_class), as do two ADD CONSTRAINTs: held until the migration commits.
+        # Waiting for another migration blocks nobody else, so only the steps are bounded.
         self.execute(cursor, "SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_resource()]).fetchall()
+        self.execute(cursor, f"SET LOCAL lock_timeout = '{self.MIGRATION_LOCK_TIMEOUT}'")
 
     def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
         return [("SELECT pg_try_advisory_lock(?)", [advisory_key(name)])]
