@@ -356,6 +356,29 @@ def test_rabbitmq_chains_in_waves_each_arrive_as_a_prefix(rabbit: dict[str, Any]
     assert [i for i in got if i < 1200] == [1101, 1102, 1103, 1104]  # in order within the chain
 
 
+def test_rabbitmq_a_message_the_broker_refuses_as_too_large_fails_alone(rabbit: dict[str, Any]) -> None:
+    """Found in review: with OUTBOX_RELAY_MAX_MESSAGE_BYTES above the broker's
+    max_message_size, RabbitMQ closes the channel over the large message (406) without
+    saying which one it was, and every chain of its wave was failed as poison: their events
+    went dead, one of them never sent. Now the call goes on one event a wave, and only the
+    large one fails. 129 MiB: over RabbitMQ's default limit of 128 MiB."""
+    large = make_message(2201, payload=json.dumps("x" * (129 * 1024 * 1024)))
+    chains = [[make_message(2101), make_message(2102)], [large, make_message(2202)], [make_message(2301)]]
+    with KombuPublisher(rabbit["url"], rabbit["exchange"], max_message_bytes=1 << 30) as publisher:
+        results = publisher.publish_chains(chains)
+        if results[1].published:
+            pytest.skip("this RabbitMQ takes messages of 129 MiB (its max_message_size is larger)")
+        assert publisher.publish_chains([[make_message(2401)]]) == [ChainResult(published=(2401,))]  # usable again
+    assert results[0] == ChainResult(published=(2101, 2102))
+    assert results[1].published == () and results[1].failed_id == 2201
+    assert results[1].failure is not None and results[1].failure.kind is FailureKind.POISON
+    assert "larger than configured max size" in results[1].failure.reason
+    assert results[2] == ChainResult(published=(2301,))
+    got = [m.headers["outbox_id"] for m in rabbit["drain"]()]
+    assert set(got) == {2101, 2102, 2301, 2401}  # the first wave's may come twice: still prefixes
+    assert [i for i in got if i < 2200] in ([2101, 2102], [2101, 2101, 2102])
+
+
 def test_rabbitmq_a_nack_stops_every_chain_of_the_call(rabbit: dict[str, Any]) -> None:
     """The broker pushing back on one event stops the whole call: the other chains stop at
     their next event with the same back-pressure failure, after what was already confirmed."""

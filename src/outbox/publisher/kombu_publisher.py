@@ -190,8 +190,9 @@ class KombuPublisher(Publisher):
         going = [chain for chain in progress if chain.chain]
         reused = self._usable()  # a connection from an earlier call, maybe dead since
         refused: dict[str, PublishFailure] = {}  # routing key -> its nack
+        single = False  # one event a wave, once the broker refused a whole wave as poison
         while going:
-            wave = next_wave(going, pipelined, refused, self.max_message_bytes)
+            wave = next_wave(going, pipelined, refused, self.max_message_bytes, single=single)
             if not wave.windows:
                 break
             try:
@@ -205,10 +206,25 @@ class KombuPublisher(Publisher):
                     reused = False
                     log.info("publisher connection was lost (%s); reconnecting once", failure.reason)
                     continue
+                if failure.kind is FailureKind.POISON and len(wave.messages) > 1:
+                    # The broker closed the channel over one message (larger than its
+                    # max_message_size, a frame too large) without saying which: stamping
+                    # every chain of the wave made them all dead (found in review). Send the
+                    # rest of the call one event at a time, so the one it refuses fails alone
+                    # (what the wave had delivered may arrive twice: still a prefix).
+                    single = True
+                    log.warning("outbox publisher: the broker refused a wave of %d events as a whole (%s); sending "
+                                "them one at a time to find the one it refuses", len(wave.messages), failure.reason)
+                    continue
                 wave.stop(failure)
+                if single and failure.kind is FailureKind.POISON:
+                    going = [chain for chain in going if chain.going]  # that event's chain alone
+                    continue
                 break
             reused = False  # the connection just worked: a later error is not staleness
-            going = settle_wave(wave, verdicts, refused, unroutable=self.unroutable, exchange=self.exchange)
+            in_wave = {id(chain) for chain, _ in wave.windows}
+            going = settle_wave(wave, verdicts, refused, unroutable=self.unroutable, exchange=self.exchange,
+                                others=[chain for chain in going if id(chain) not in in_wave])
         return [chain.result() for chain in progress]
 
     def _wave_lost(self, wave: Wave, exc: Exception) -> PublishFailure:

@@ -101,15 +101,18 @@ class Wave:
 
 # -- building a wave ---------------------------------------------------------------------------
 def next_wave(going: list[ChainProgress], pipelined: Pipelined | None, refused: dict[str, PublishFailure],
-              max_message_bytes: int) -> Wave:
+              max_message_bytes: int, *, single: bool = False) -> Wave:
     """The next wave: what each chain still going sends (``_to_send``), in the chains' order.
-    Empty when every chain stopped at a poison next event."""
+    Empty when every chain stopped at a poison next event. ``single``: one event only, the
+    first chain's next (after a refusal of a whole wave that named none of its events)."""
     wave = Wave()
     for chain in going:
-        sent = _to_send(chain, pipelined, refused, max_message_bytes, wave.headers)
+        sent = _to_send(chain, None if single else pipelined, refused, max_message_bytes, wave.headers)
         if sent:
             wave.windows.append((chain, sent))
             wave.messages.extend(sent)
+            if single:
+                break
     return wave
 
 
@@ -135,9 +138,11 @@ def _to_send(chain: ChainProgress, pipelined: Pipelined | None, refused: dict[st
 
 # -- applying the verdicts ---------------------------------------------------------------------
 def settle_wave(wave: Wave, verdicts: list[Any], refused: dict[str, PublishFailure], *,
-                unroutable: str, exchange: str) -> list[ChainProgress]:
+                unroutable: str, exchange: str, others: list[ChainProgress] | None = None) -> list[ChainProgress]:
     """Apply the broker's verdicts on ``wave`` (one per event, in sending order) to each of its
-    chains (``apply_verdicts``); returns the chains still going. Records the routes refused
+    chains (``apply_verdicts``); returns the chains still going, the wave's and then
+    ``others`` (chains that sat this wave out: a ``single`` wave), which a broker-wide
+    failure or a refused route stops as it stops the wave's. Records the routes refused
     in ``refused``."""
     broker_wide: PublishFailure | None = None
     at = 0
@@ -146,7 +151,7 @@ def settle_wave(wave: Wave, verdicts: list[Any], refused: dict[str, PublishFailu
                                  unroutable=unroutable, exchange=exchange)
         at += len(sent)
         broker_wide = broker_wide or problem
-    going = [chain for chain, _ in wave.windows if chain.going]
+    going = [chain for chain, _ in wave.windows if chain.going] + [chain for chain in others or () if chain.going]
     if broker_wide is not None:
         # The connection failed mid-wave (transports without confirms): send nothing more;
         # every chain still going stops at its next event for the same reason.
