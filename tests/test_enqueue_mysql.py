@@ -31,6 +31,20 @@ def stored(store: OutboxStore) -> list[tuple]:
 
 
 @pytest.mark.parametrize("kind", ["mysql"])
+def test_the_deepest_payload_enqueue_takes_is_one_mariadb_stores(store: OutboxStore, url: str, writer: Any) -> None:
+    """31 levels of arrays and objects pass MariaDB's json_valid check; 32 failed it with
+    the driver's CHECK error and are now an EnqueueError before anything is written."""
+    from test_events import nested
+
+    table = store.engine.table_name
+    enqueue(writer, topic="t", aggregate_type="o", aggregate_id="a", payload=nested(31), table=table)
+    with pytest.raises(EnqueueError, match="more than 31 levels deep"):
+        enqueue(writer, topic="t", aggregate_type="o", aggregate_id="a", payload=nested(32), table=table)
+    writer.commit()
+    assert [row[2] for row in stored(store)] == [nested(31)]
+
+
+@pytest.mark.parametrize("kind", ["mysql"])
 @pytest.mark.parametrize("sql_mode", ["strict", "not strict"])
 def test_four_byte_characters_on_a_utf8mb3_connection_are_refused_before_the_insert(
         store: OutboxStore, url: str, sql_mode: str) -> None:

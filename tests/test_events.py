@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from outbox import EnqueueError
-from outbox.domain.events import prepare_event
+from outbox.domain.events import MAX_JSON_DEPTH, prepare_event
 
 BASE = {"topic": "orders.created", "aggregate_type": "order", "aggregate_id": "42"}
 
@@ -167,6 +167,24 @@ KEY_LOSSES = [
 def test_a_payload_key_that_is_not_a_string_is_refused_naming_its_path(payload: object, where: str) -> None:
     with pytest.raises(EnqueueError, match=where + ": JSON object keys must be strings"):
         prepare_event(payload=payload, **BASE)
+
+
+def nested(levels: int) -> object:
+    """Arrays and objects in turn, ``levels`` deep."""
+    payload: object = {"leaf": 1}
+    for level in range(levels - 1):
+        payload = [payload] if level % 2 == 0 else {"a": payload}
+    return payload
+
+
+def test_a_payload_nested_deeper_than_every_engine_stores_is_refused() -> None:
+    """Found in review: MariaDB's JSON check refuses 32 levels (a driver error, not an
+    EnqueueError), and a payload near Python's recursion limit was stored and then went
+    dead unread. 31 levels pass on every engine; 32 are refused, naming the limit."""
+    assert prepare_event(payload=nested(MAX_JSON_DEPTH), **BASE).payload_json.count("[") > 0
+    for levels in (MAX_JSON_DEPTH + 1, 900):
+        with pytest.raises(EnqueueError, match="payload nests arrays and objects more than 31 levels deep"):
+            prepare_event(payload=nested(levels), **BASE)
 
 
 def test_header_names_that_are_not_strings_are_refused() -> None:

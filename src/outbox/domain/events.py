@@ -22,8 +22,13 @@ What is checked, and why, field by field:
   writes an ``int``, ``float``, ``bool`` or ``None`` key as text, silently: ``{1: "a",
   "1": "b"}`` becomes two ``"1"`` members, of which the database keeps one, and the
   consumer never sees the key the caller wrote. The walk runs after ``dump_json`` (which
-  has refused cycles and over-deep nesting) and visits only containers' keys and values,
-  and builds the key's path only once it found one (``non_str_key_problem``).
+  has refused cycles and nesting past Python's recursion limit) and visits only containers'
+  keys and values, and builds the key's path only once it found one (``structure_problem``).
+* The payload's arrays and objects nest at most ``MAX_JSON_DEPTH`` (31) levels deep.
+  MariaDB's JSON check refuses 32 (the enqueue failed with the driver's CHECK error
+  instead of an ``EnqueueError``), MySQL's JSON type 100; and a payload nested near
+  Python's recursion limit was stored and then could not be read back by the relay (it
+  went dead as undecodable). Found in review.
 * A ``message_id`` may not start or end with whitespace. SQL Server's equality ignores
   trailing spaces, so ``m1`` and ``m1 `` would be one message there and two on the other
   engines; refusing both ends everywhere keeps the idempotency key the same on every engine
@@ -131,30 +136,45 @@ def dump_json(value: Any, what: str) -> str:
 _CONTAINERS = (dict, list, tuple)
 
 
-def _non_str_key(value: Any) -> list[Any] | None:
+#: The deepest a payload's arrays and objects may nest (module docstring).
+MAX_JSON_DEPTH = 31
+
+
+class _TooDeep(Exception):
+    """A container nested deeper than ``MAX_JSON_DEPTH``."""
+
+
+def _non_str_key(value: Any, depth: int = 1) -> list[Any] | None:
     """The path (keys and indexes, innermost last) to the first object key that is not a
-    string, or None; ``value`` is a dict, list or tuple that ``json.dumps`` wrote (no cycle)."""
+    string, or None; ``value`` is a dict, list or tuple that ``json.dumps`` wrote (no cycle),
+    ``depth`` levels down. Raises ``_TooDeep`` past ``MAX_JSON_DEPTH``."""
+    if depth > MAX_JSON_DEPTH:
+        raise _TooDeep
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 return [key]
             if isinstance(item, _CONTAINERS):
-                inner = _non_str_key(item)
+                inner = _non_str_key(item, depth + 1)
                 if inner is not None:
                     return [key, *inner]
     else:
         for index, item in enumerate(value):
             if isinstance(item, _CONTAINERS):
-                inner = _non_str_key(item)
+                inner = _non_str_key(item, depth + 1)
                 if inner is not None:
                     return [index, *inner]
     return None
 
 
-def non_str_key_problem(value: Any, what: str) -> str | None:
+def structure_problem(value: Any, what: str) -> str | None:
     """Why ``value``'s JSON would lose an object key (a key that is not a string), naming
-    its path, or None (module docstring)."""
-    path = _non_str_key(value)
+    its path, or nests too deep; None when neither (module docstring)."""
+    try:
+        path = _non_str_key(value)
+    except _TooDeep:
+        return (f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep (MariaDB's JSON check "
+                f"refuses 32)")
     if path is None:
         return None
     *parents, key = path
@@ -271,7 +291,7 @@ def prepare_event(
     if not isinstance(payload, (dict, list)):
         raise EnqueueError(f"payload must be a JSON object or array, got {type(payload).__name__}")
     payload_json = dump_json(payload, "payload")
-    problem = payload_json_problem(payload_json, max_payload_bytes) or non_str_key_problem(payload, "payload")
+    problem = payload_json_problem(payload_json, max_payload_bytes) or structure_problem(payload, "payload")
     if problem:
         raise EnqueueError(problem)
     if headers is None:
