@@ -79,3 +79,29 @@ def test_a_migration_with_nothing_to_do_takes_no_lock_behind_an_open_transaction
         rerun.close()
         drop_table(store)
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql", "sqlite"])
+def test_a_table_name_of_63_characters_gets_every_index_and_relays(url: str) -> None:
+    """Found in review: OUTBOX_TABLE may take 63 characters, but ``ix_<table>_<suffix>`` did
+    not fit: PostgreSQL cut the names (two collided, so an index was missing and ``outbox
+    check`` said so for ever), MariaDB refused them half-way through the migration. Names
+    that would not fit are shortened with a hash of the table's name."""
+    from outbox import enqueue
+    from outbox.storage.engines.describe import expected_index_names, index_names
+
+    table = f"outbox_{uuid.uuid4().hex}".ljust(63, "x")
+    store = OutboxStore(url, table=table)
+    try:
+        store.migrate()
+        assert store.migrate() == 0  # complete: nothing left to repair
+        with store.transaction() as cursor:
+            found = index_names(store.engine, cursor)
+            enqueue(cursor.connection, topic="t", aggregate_type="a", aggregate_id="1", payload={}, table=table)
+        assert expected_index_names(store.engine) <= found
+        assert all(len(name) <= 63 for name in expected_index_names(store.engine))
+        claim = store.claim(10)
+        assert len(claim.messages) == 1 and store.mark_done([claim.messages[0].id], claim.lease).ok
+    finally:
+        drop_table(store)
+        store.close()

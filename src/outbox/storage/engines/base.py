@@ -79,13 +79,26 @@ def tcp_keepalive(tcp_timeout_s: int) -> tuple[int, int, int]:
 HOLDER_ID_CHARS = 16
 
 
-def holders_table_name(table: str) -> str:
-    """The holders table of an outbox table: ``<table>_holders``, shortened with a hash of the
-    table's name when that would pass 63 characters (the longest identifier every engine takes)."""
-    name = f"{table}_holders"
-    if len(name) <= 63:
+#: The longest identifier every engine takes (PostgreSQL's 63; MySQL's 64, SQL Server's 128).
+MAX_IDENTIFIER = 63
+
+
+def derived_name(prefix: str, table: str, suffix: str) -> str:
+    """``<prefix><table><suffix>`` (an index, a constraint, the holders table), shortened with
+    a hash of the table's name when that would pass ``MAX_IDENTIFIER``. A table name may
+    take 63 characters; its index names did not fit: PostgreSQL cut them (two collided, and
+    ``outbox check`` found them missing for ever) and MariaDB refused them, half-way through
+    the migration (found in review). A name that fits is unchanged."""
+    name = f"{prefix}{table}{suffix}"
+    if len(name) <= MAX_IDENTIFIER:
         return name
-    return f"{table[:46]}_{hashlib.sha1(table.encode()).hexdigest()[:8]}_holders"
+    keep = MAX_IDENTIFIER - len(prefix) - len(suffix) - 9
+    return f"{prefix}{table[:keep]}_{hashlib.sha1(table.encode()).hexdigest()[:8]}{suffix}"
+
+
+def holders_table_name(table: str) -> str:
+    """The holders table of an outbox table: ``<table>_holders`` (``derived_name``)."""
+    return derived_name("", table, "_holders")
 
 
 class Engine(ABC):
@@ -132,7 +145,7 @@ class Engine(ABC):
         return f"{self.quote(self.schema)}.{self.quote(name)}" if self.schema else self.quote(name)
 
     def index_name(self, suffix: str) -> str:
-        return f"ix_{self.table_name}_{suffix}"
+        return derived_name("ix_", self.table_name, f"_{suffix}")
 
     def exact(self, column: str) -> str:
         """``column`` as a ``GROUP BY`` that tells apart every two different values, as the

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from ...core.config import session_bounds
 from ...core.errors import EnqueueError, StoreError
 from ...core.model import NewEvent
-from .base import Engine, tcp_keepalive
+from .base import Engine, derived_name, tcp_keepalive
 
 #: Deadlock, lock wait timeout, server gone away, lost connection, cannot connect,
 #: query interrupted by shutdown, a connection the server ended for inactivity (MySQL 8.0.24+
@@ -237,7 +237,7 @@ class MysqlEngine(Engine):
                 next_retry_at DATETIME(3) NULL,
                 created_at DATETIME(3) NOT NULL,
                 processed_at DATETIME(3) NULL,
-                CONSTRAINT {q('ck_' + self.table_name + '_status')} CHECK (status BETWEEN 0 AND 4)
+                CONSTRAINT {q(derived_name('ck_', self.table_name, '_status'))} CHECK (status BETWEEN 0 AND 4)
             ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""")
         for column, ddl in (("last_error", "TEXT NULL"), ("lease_token", "VARCHAR(32) NULL")):
             steps.append((column_exists(column), f"ALTER TABLE {t} ADD COLUMN {column} {ddl}"))

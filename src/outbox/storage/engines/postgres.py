@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ...core.config import session_bounds, without_session_bounds
 from ...core.model import NewEvent
-from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine, tcp_keepalive
+from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine, derived_name, tcp_keepalive
 
 #: 25P03: the server ended the session, idle in a transaction too long (``session_settings``);
 #: 57P05: idle too long outside one (a server's ``idle_session_timeout``). Both end the
@@ -234,7 +234,7 @@ class PostgresEngine(Engine):
         # update on PostgreSQL"): the open rows' test written on processed_at and kept equal to
         # the status test by a CHECK (rows that break it are mended first), the three partial
         # indexes rebuilt on processed_at; and each storage parameter set unless the table has its own.
-        check = f"ck_{self.table_name}_open"
+        check = derived_name("ck_", self.table_name, "_open")
         has_check = ("SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(?) AND conname = ?",
                      [self.qualify(self.table_name), check])
         steps += [

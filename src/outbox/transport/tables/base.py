@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ...storage.engines.base import Engine
+from ...storage.engines.base import Engine, derived_name
 
 log = logging.getLogger("outbox.transport.tables")
 
@@ -83,7 +83,7 @@ class QueueTables:
 
     # -- names and expressions ------------------------------------------------
     def index_name(self, suffix: str) -> str:
-        return f"ix_{self.table_name}_{suffix}"
+        return derived_name("ix_", self.table_name, f"_{suffix}")
 
     def required_indexes(self) -> list[str]:
         """Indexes the transport checks for at start-up (a warning names each missing one)."""
