@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from app_support import renamed, schema_of
@@ -205,3 +206,32 @@ def test_django_database_url() -> None:
         "mssql+pyodbc://sa:pw@sql:1433/shop?driver=ODBC%20Driver%2018%20for%20SQL%20Server"
         "&TrustServerCertificate=yes")
     assert django_database_url({"ENGINE": "django.db.backends.oracle", "NAME": "x"}) is None
+
+
+@pytest.mark.parametrize("database", [
+    {"ENGINE": "django.db.backends.postgresql", "NAME": "test", "USER": "postgres", "HOST": "/var/run/postgresql"},
+    {"ENGINE": "django.db.backends.postgresql", "NAME": "test", "USER": "postgres", "HOST": ""},
+    {"ENGINE": "django.db.backends.postgresql", "NAME": "test", "USER": "postgres", "HOST": "127.0.0.1",
+     "OPTIONS": {"sslmode": "disable", "application_name": "shop", "isolation_level": 1}},
+    {"ENGINE": "django.db.backends.mysql", "NAME": "test", "USER": "root", "HOST": "/run/mysqld/mysqld.sock"},
+], ids=["postgres-socket-directory", "postgres-default-socket", "postgres-options", "mysql-socket-file"])
+def test_the_relay_connects_where_django_does(database: dict[str, Any]) -> None:
+    """Found in review: a socket path as HOST became part of the database name ("database
+    var/run/postgresql/test does not exist"), an empty HOST meant TCP to 127.0.0.1 where
+    Django used PostgreSQL's socket, OPTIONS (sslmode, ...) were dropped. Real servers,
+    through the URL the relay derives (skipped where this machine has no such socket)."""
+    from outbox.core.config import django_database_url
+    from outbox.storage.store import OutboxStore
+
+    socket = database["HOST"] if database["HOST"].startswith("/") else "" if database["HOST"] else "/var/run/postgresql"
+    if socket and not Path(socket).exists():
+        pytest.skip(f"no {socket} on this machine")
+    url = django_database_url(database)
+    assert url is not None and "isolation_level" not in url
+    store = OutboxStore(url)
+    try:
+        with store.transaction() as cursor:
+            assert store.engine.execute(cursor, "SELECT 1").fetchone()[0] == 1
+    finally:
+        store.close()
+    assert django_database_url({**database, "HOST": "::1", "PORT": "5432"}).split("@")[1].startswith("[::1]:5432/")

@@ -102,6 +102,14 @@ _DJANGO_SCHEMES = {"sqlite3": "sqlite", "postgresql": "postgresql", "postgresql_
                    "postgis": "postgresql", "mysql": "mysql", "mssql": "mssql+pyodbc"}
 
 
+#: Django OPTIONS carried into the URL: libpq's connection parameters (psycopg's OPTIONS are
+#: those), and the two of MySQL's the relay's driver reads; Django's own keys are not.
+_LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "service", "options",
+                  "application_name", "target_session_attrs", "connect_timeout", "passfile", "channel_binding",
+                  "gssencmode", "krbsrvname")
+_MYSQL_OPTIONS = ("unix_socket", "charset")
+
+
 def django_database_url(database: Mapping[str, Any]) -> str | None:
     """OUTBOX_DATABASE_URL for one entry of Django's DATABASES, or None for an engine the
     relay does not support (then the default applies, as without Django)."""
@@ -114,10 +122,26 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
         return f"sqlite:///{name}" if name else None
     user, password = str(database.get("USER") or ""), str(database.get("PASSWORD") or "")
     auth = quote(user, safe="") + (":" + quote(password, safe="") if password else "") + ("@" if user else "")
-    host, port = str(database.get("HOST") or "127.0.0.1"), str(database.get("PORT") or "")
+    host, port = str(database.get("HOST") or ""), str(database.get("PORT") or "")
+    options = database.get("OPTIONS") or {}
+    # Where Django connects, the relay connects (found in review: a socket directory as HOST
+    # became part of the database name, an empty HOST meant TCP to 127.0.0.1 where Django
+    # used the socket, an IPv6 address lost its brackets, OPTIONS were dropped).
+    query: list[tuple[str, str]] = []
+    if host.startswith("/"):  # a Unix socket: PostgreSQL's directory, MySQL's file
+        query.append(("host" if scheme == "postgresql" else "unix_socket", host))
+        host = "" if scheme == "postgresql" else "localhost"
+    elif not host:  # libpq's default is the socket, as Django's; MySQL's drivers differ: TCP
+        host = "" if scheme == "postgresql" else "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    for key in (_LIBPQ_OPTIONS if scheme == "postgresql" else _MYSQL_OPTIONS if scheme == "mysql" else ()):
+        if isinstance(options.get(key), (str, int)) and not isinstance(options.get(key), bool):
+            query.append((key, str(options[key])))
     url = f"{scheme}://{auth}{host}{':' + port if port else ''}/{quote(name, safe='')}"
+    if query:
+        url += "?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query)
     if scheme.startswith("mssql"):  # mssql-django: OPTIONS driver and extra_params ("k=v;k=v")
-        options = database.get("OPTIONS") or {}
         query = [("driver", str(options.get("driver") or "ODBC Driver 18 for SQL Server"))]
         for item in str(options.get("extra_params") or "").split(";"):
             key, sep, value = item.partition("=")
