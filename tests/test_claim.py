@@ -641,3 +641,24 @@ def test_whole_here_with_a_share_kept_publishes_that_share_too(
     assert sent.tasks == []
     assert sorted(i for ids in here for i in ids) == a + b + c
     assert outcome.dispatched == 3
+
+
+def test_a_sqlite_claim_over_more_aggregates_than_sqlites_parameter_limit(sqlite_store: OutboxStore,
+                                                                           conn: sqlite3.Connection) -> None:
+    """Found in review: the claim's ordering probe bound every aggregate of its window and
+    every candidate id, one parameter each, past SQLite's limit (32,766 by default, 999
+    before 3.32; Debian's build allows more, so the limit is lowered here as a default
+    build has it) and every claim failed with "too many SQL variables". Long lists now go
+    as one JSON parameter."""
+    for n in range(1200):
+        conn.execute("INSERT INTO outbox (message_id, topic, aggregate_type, aggregate_id, payload) "
+                     "VALUES (?, 't', 'a', ?, '{}')", (f"m{n}", f"agg-{n}"))
+    conn.execute("INSERT INTO outbox (message_id, topic, aggregate_type, aggregate_id, payload) "
+                 "VALUES ('m-late', 't', 'a', 'agg-0', '{}')")  # a second row of agg-0: its chain
+    conn.commit()
+    sqlite_store.connection().setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+    first = sqlite_store.claim(1000)  # agg-0's whole chain (two rows), then agg-1 .. agg-998
+    assert sorted(m.aggregate_id for m in first.messages) == sorted(["agg-0", *(f"agg-{n}" for n in range(999))])
+    second = sqlite_store.claim(1000)
+    assert sorted(m.aggregate_id for m in second.messages) == sorted(f"agg-{n}" for n in range(999, 1200))
+    assert sqlite_store.mark_done([m.id for m in first.messages], first.lease).applied == 1000

@@ -190,11 +190,17 @@ class Engine(ABC):
         here; an engine whose statements have a parameter limit splits it."""
         return [list(ids)]
 
+    def in_list(self, values: Sequence[Any]) -> tuple[str, list[Any]]:
+        """``(?, ?, ...)`` for ``values``, the list an ``IN`` tests, and its parameters. An
+        engine whose statements have a parameter limit passes a long list another way."""
+        return f"({', '.join('?' * len(values))})", list(values)
+
     def ids_in(self, ids: Sequence[int]) -> tuple[str, list[Any]]:
         """A condition ``id IN (...)`` and its parameters."""
         if not ids:
             return "1 = 0", []
-        return f"id IN ({', '.join('?' * len(ids))})", list(ids)
+        listed, params = self.in_list(ids)
+        return f"id IN {listed}", params
 
     def sql(self, text: str) -> str:
         return text if self.placeholder == "?" else text.replace("%", "%%").replace("?", self.placeholder)
@@ -546,16 +552,19 @@ class Engine(ABC):
         if not aggregates:
             return rows
         last = max(int(r[0]) for r in rows)  # a first open row is at most its aggregate's row read
+        in_aggregates, aggregate_params = self.in_list(aggregates)
+        not_behind, behind_params = self.in_list([int(i) for i in behind])
         first = self.execute(
             cursor, f"SELECT MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} AND id <= ? "
-            f"AND aggregate_id IN ({', '.join('?' * len(aggregates))})"
-            + (f" AND id NOT IN ({', '.join('?' * len(behind))})" if behind else "")
+            f"AND aggregate_id IN {in_aggregates}"
+            + (f" AND id NOT IN {not_behind}" if behind else "")
             + f" GROUP BY {self.exact('aggregate_id')}",
-            [last, *aggregates, *map(int, behind)]).fetchall()
+            [last, *aggregate_params, *(behind_params if behind else [])]).fetchall()
         heads = [int(r[0]) for r in first]
+        in_heads, head_params = self.in_list(heads)
         ready = {r[0] for r in self.execute(
-            cursor, f"SELECT aggregate_id FROM {self.table} WHERE id IN ({', '.join('?' * len(heads))}) "
-            f"AND {self.eligible()}", [*heads, -timeout_ms]).fetchall()} if heads else set()
+            cursor, f"SELECT aggregate_id FROM {self.table} WHERE id IN {in_heads} "
+            f"AND {self.eligible()}", [*head_params, -timeout_ms]).fetchall()} if heads else set()
         return [r for r in rows if r[1] is None or r[1] in ready or not _bindable(r[1])]
 
     def _lock_chains(self, cursor: Any, candidates: Sequence[Candidate], blockers: dict[str, int],
@@ -601,10 +610,12 @@ class Engine(ABC):
             return {}
         last = max(c.id for c in candidates)
         ids = [c.id for c in candidates] + [int(i) for i in behind if int(i) < last]  # neither blocks
+        in_aggregates, aggregate_params = self.in_list(aggregates)
+        not_in, id_params = self.in_list(ids)
         sql = (f"SELECT MIN(aggregate_id), MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} "
-               f"AND aggregate_id IN ({', '.join('?' * len(aggregates))}) AND id < ? "
-               f"AND id NOT IN ({', '.join('?' * len(ids))}) GROUP BY {self.exact('aggregate_id')}")
-        rows = self.execute(cursor, sql, [*aggregates, last, *ids]).fetchall()
+               f"AND aggregate_id IN {in_aggregates} AND id < ? "
+               f"AND id NOT IN {not_in} GROUP BY {self.exact('aggregate_id')}")
+        rows = self.execute(cursor, sql, [*aggregate_params, last, *id_params]).fetchall()
         return {r[0]: int(r[1]) for r in rows}
 
     def to_message(self, row: Sequence[Any], lease: str) -> OutboxMessage:

@@ -8,8 +8,10 @@ Timestamps are ISO-8601 text in UTC, which sorts and compares correctly.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from ...core.model import NewEvent
@@ -39,6 +41,17 @@ class SqliteEngine(Engine):
     name = "sqlite"
     now: ClassVar[str] = _NOW
     concurrent_writes: ClassVar[bool] = False  # one writer at a time, whatever the connections
+    #: A list longer than this goes to ``IN`` as one JSON parameter (``in_list``).
+    LONG_LIST = 500
+
+    def in_list(self, values: Sequence[Any]) -> tuple[str, list[Any]]:
+        """A long list as one JSON array read by ``json_each``: SQLite allows 32,766
+        parameters a statement by default (999 before 3.32), and a claim's window over many
+        aggregates bound more (``OUTBOX_BATCH_SIZE`` x the window, twice), failing every
+        claim with "too many SQL variables" (found in review)."""
+        if len(values) <= self.LONG_LIST or not all(isinstance(v, (int, str)) for v in values):
+            return super().in_list(values)
+        return "(SELECT value FROM json_each(?))", [json.dumps(list(values))]
 
     def qualify(self, name: str) -> str:
         # A schema on SQLite is an attached database; "main" is the file itself.
