@@ -43,6 +43,38 @@ def test_sqlalchemy_session_and_connection(store: OutboxStore, url: str) -> None
     assert [m.id for m in store.claim(10).messages] == [kept, also]
 
 
+def test_a_session_binding_models_to_several_databases_is_refused_naming_what_to_pass(tmp_path: Path) -> None:
+    """Found in review: a Session with ``binds`` enqueued on its default database while the
+    business rows went to another, and the two committed apart. Now it is refused, before
+    anything is written; the connection of the rows' database is what to pass."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import Session, declarative_base
+
+    Base = declarative_base()
+
+    class Order(Base):  # type: ignore[misc, valid-type]
+        __tablename__ = "orders"
+        id = sqlalchemy.Column(sqlalchemy.Integer, primary_key=True)
+
+    urls = {name: f"sqlite:///{tmp_path / name}.db" for name in ("main", "orders")}
+    for url in urls.values():
+        OutboxStore(url).migrate()
+    main, orders = (sqlalchemy.create_engine(url) for url in urls.values())
+    Base.metadata.create_all(orders)
+    event = {"topic": "t", "aggregate_type": "order", "aggregate_id": "1", "payload": {}}
+    try:
+        with Session(bind=main, binds={Order: orders}) as session:
+            session.add(Order(id=1))
+            with pytest.raises(UnsupportedConnection, match=r"bind_arguments=\{'mapper': YourModel\}"):
+                enqueue(session, **event)
+            enqueue(session.connection(bind_arguments={"mapper": Order}), **event)
+            session.commit()
+    finally:
+        main.dispose()
+        orders.dispose()
+    assert [len(OutboxStore(url).claim(10).messages) for url in urls.values()] == [0, 1]
+
+
 @pytest.mark.parametrize("kind", ["sqlite"])
 def test_django_connection(store: OutboxStore, url: str, tmp_path: Path) -> None:
     pytest.importorskip("django")

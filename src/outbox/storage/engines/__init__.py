@@ -61,11 +61,24 @@ _MODULE_KINDS = {"sqlite3": "sqlite", "psycopg": "postgresql", "pymysql": "mysql
 _DJANGO_VENDORS = {"sqlite": "sqlite", "postgresql": "postgresql", "mysql": "mysql", "microsoft": "mssql"}
 
 
+def _one_database(session: Any) -> None:
+    """A Session whose ``binds`` send models to several databases has no one connection for
+    the event: its default one may not be where the business rows commit, and the two then
+    commit apart (found in review: the order in one database, its event in another)."""
+    binds = getattr(session, "binds", None) or {}
+    engines = {id(bind) for bind in binds.values()} | ({id(session.bind)} if getattr(session, "bind", None) else set())
+    if len(engines) > 1:
+        raise UnsupportedConnection(
+            "this SQLAlchemy Session binds models to several databases: pass the connection of the one your "
+            "rows go to, session.connection(bind_arguments={'mapper': YourModel}), so the event commits with them")
+
+
 def unwrap_connection(conn: Any) -> tuple[str, Any]:
     """Return (engine kind, DB-API connection) for anything ``enqueue`` accepts:
     a DB-API connection, a Django connection, or a SQLAlchemy Connection/Session."""
     # SQLAlchemy Session -> its Connection in the current transaction.
     if type(conn).__module__.startswith("sqlalchemy") and hasattr(conn, "get_bind") and hasattr(conn, "connection"):
+        _one_database(conn)
         conn = conn.connection()
     # SQLAlchemy Connection -> the pooled DB-API connection it runs on.
     if type(conn).__module__.startswith("sqlalchemy") and hasattr(conn, "connection"):
