@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 
-def demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def demo(tmp_path: Path, *args: str, **outbox_env: str) -> subprocess.CompletedProcess:
     scratch = tmp_path / "tmp"
     scratch.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     return subprocess.run([sys.executable, "-m", "outbox.cli", "demo", *args], capture_output=True, text=True,
-                          cwd=tmp_path, env={**env, "TMPDIR": str(scratch)}, timeout=120)
+                          cwd=tmp_path, env={**env, **outbox_env, "TMPDIR": str(scratch)}, timeout=120)
 
 
 def test_demo_runs_the_whole_pipeline_and_passes_its_checks(tmp_path: Path) -> None:
@@ -36,3 +36,11 @@ def test_demo_keep_leaves_its_outbox_for_inspection(tmp_path: Path) -> None:
     assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     kept = list((tmp_path / "tmp").glob("outbox-demo-*/outbox.db"))
     assert len(kept) == 1 and f"sqlite:///{kept[0]}" in result.stdout
+
+
+def test_demo_runs_on_the_embedded_default_whatever_the_shell_has_set(tmp_path: Path) -> None:
+    """Found in review: a deployment's OUTBOX_SCHEMA left in the shell made the demo's SQLite
+    look for a database "app"; the demo drops every OUTBOX_* setting for its own."""
+    result = demo(tmp_path, OUTBOX_SCHEMA="app", OUTBOX_TABLE="events_out", OUTBOX_EXCHANGE="elsewhere")
+    assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert "[ok] every row is done" in result.stdout
