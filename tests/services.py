@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,16 @@ def unavailable(message: str) -> NoReturn:
     if REQUIRE:
         pytest.fail(message + " and OUTBOX_REQUIRE_SERVICES is set")
     pytest.skip(message)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a server a test started: SIGTERM, then SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def require(name: str, host: str, port: int) -> None:

@@ -23,7 +23,7 @@ import redis
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 from relay_e2e_support import Destination, Outbox, check_order, relay_env
-from services import free_port, unavailable
+from services import free_port, stop, unavailable
 
 from outbox.celery.application import REDIS_TRANSPORT, Connection, celery_config
 from outbox.core.config import RelayOptions, load_settings
@@ -81,12 +81,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
                 time.sleep(0.1)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def test_celery_takes_the_relays_transport_for_a_rediss_broker_and_reads_its_url_as_kombu_does(

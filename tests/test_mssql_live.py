@@ -111,6 +111,26 @@ def databases() -> Iterator[dict[str, str]]:
             logging.getLogger(__name__).warning("could not drop test database %s: %s", name, exc)
 
 
+@contextlib.contextmanager
+def own_database(purpose: str, options: str, unavailable: str) -> Iterator[tuple[str, str]]:
+    """A database made for one test (``CREATE DATABASE ... {options}``; skipped with
+    ``unavailable`` when it cannot be made), dropped after it, online or not: (its URL, its name)."""
+    base = mssql_url()
+    name = f"outbox_live_{purpose}_{uuid.uuid4().hex[:8]}"
+    try:
+        run_admin(base, f"CREATE DATABASE [{name}] {options}".rstrip())
+    except Exception as exc:
+        pytest.skip(f"{unavailable}: {exc}")
+    try:
+        yield url_for_database(base, name), name
+    finally:
+        try:
+            run_admin(base, f"ALTER DATABASE [{name}] SET ONLINE", f"ALTER DATABASE [{name}] SET SINGLE_USER WITH "
+                      "ROLLBACK IMMEDIATE", f"DROP DATABASE [{name}]")
+        except Exception as exc:
+            logging.getLogger(__name__).warning("could not drop test database %s: %s", name, exc)
+
+
 @pytest.fixture
 def kind() -> str:
     return "mssql"
@@ -160,14 +180,8 @@ def test_long_strings_and_long_id_lists_go_as_nvarchar_max_in_a_utf8_database() 
     the driver sends as ntext, and a UTF-8 (or _SC) collation refuses ntext (error 4189):
     a long payload's enqueue, and a mark_done of a few hundred ids (one JSON list for
     OPENJSON), failed there. Needs SQL Server 2019 or later (UTF-8 collations)."""
-    base = mssql_url()
-    name = f"outbox_live_utf8_{RUN}"
-    try:
-        run_admin(base, f"CREATE DATABASE [{name}] COLLATE Latin1_General_100_CI_AS_SC_UTF8")
-    except Exception as exc:
-        pytest.skip(f"no UTF-8 collated database could be made (SQL Server 2019+ and CREATE DATABASE): {exc}")
-    try:
-        url = url_for_database(base, name)
+    with own_database("utf8", "COLLATE Latin1_General_100_CI_AS_SC_UTF8",
+                      "no UTF-8 collated database could be made (SQL Server 2019+ and CREATE DATABASE)") as (url, _):
         store = OutboxStore(url, table="outbox", claim_timeout_ms=60_000)
         store.migrate()
         writer = store.engine.connect(url)
@@ -182,8 +196,6 @@ def test_long_strings_and_long_id_lists_go_as_nvarchar_max_in_a_utf8_database() 
         assert store.mark_done(ids, claim.lease).ok
         assert store.stats().counts["done"] == 600
         store.close()
-    finally:
-        run_admin(base, f"ALTER DATABASE [{name}] SET SINGLE_USER WITH ROLLBACK IMMEDIATE", f"DROP DATABASE [{name}]")
 
 
 def test_relay_sessions_have_the_options_the_engine_relies_on(store: OutboxStore) -> None:
@@ -909,20 +921,8 @@ def test_the_lease_seeks_visible_rows_past_a_head_of_delayed_ones(url: str) -> N
 @pytest.fixture
 def outage_database() -> Iterator[tuple[str, str]]:
     """A database of its own that a test may take offline: (its pyodbc URL, its name)."""
-    base = mssql_url()
-    name = f"outbox_live_outage_{uuid.uuid4().hex[:8]}"
-    try:
-        run_admin(base, f"CREATE DATABASE [{name}]")
-    except Exception as exc:
-        pytest.skip(f"cannot create a database for the outage check: {exc}")
-    try:
-        yield url_for_database(base, name), name
-    finally:
-        try:
-            run_admin(base, f"ALTER DATABASE [{name}] SET ONLINE", f"ALTER DATABASE [{name}] SET SINGLE_USER WITH "
-                      "ROLLBACK IMMEDIATE", f"DROP DATABASE [{name}]")
-        except Exception as exc:
-            logging.getLogger(__name__).warning("could not drop test database %s: %s", name, exc)
+    with own_database("outage", "", "cannot create a database for the outage check") as made:
+        yield made
 
 
 def test_a_mssql_python_broker_reconnects_after_its_session_is_killed_and_its_database_is_down(

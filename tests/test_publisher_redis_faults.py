@@ -17,7 +17,7 @@ import redis
 from kombu import Connection, Exchange, Queue
 from publisher_support import make_message
 from relay_e2e_support import Proxy
-from services import free_port, unavailable
+from services import free_port, stop, unavailable
 
 from outbox.core.model import FailureKind
 from outbox.publisher import ChainResult, KombuPublisher
@@ -51,12 +51,7 @@ def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
             Queue("redis-faults-q", Exchange(EXCHANGE, type="topic"), routing_key="#")(conn.default_channel).declare()
         yield port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def chains() -> list[list]:
