@@ -252,6 +252,11 @@ def test_prepare_batch_writes_what_prepare_event_writes() -> None:
     ({"headers": '{"h": "%s"}' % ("x" * 70_000)}, "headers are larger than 65536 bytes"),
     ({"message_id": "m\x00"}, "header 'x-outbox-replay-of': its value contains a NUL character"),
     ({"headers": '{"x-outbox-replay-of": 1, "h": NaN}'}, "NaN and infinity are not JSON"),
+    # found in review: the fast path skipped enqueue's depth check, and past Python's own
+    # limit json.loads raised RecursionError, not a refusal naming the row
+    ({"payload": "[" * 32 + "]" * 32}, "nests arrays and objects more than 31 levels deep"),
+    ({"payload": "[" * 5000 + "]" * 5000}, "recursion"),
+    ({"payload": "[" * 32 + "]" * 32, "headers": '{"x-outbox-replay-of": "m"}'}, "more than 31 levels deep"),
 ])
 def test_prepare_batch_refuses_a_bad_row_by_name(bad: dict, problem: str | None) -> None:
     pytest.importorskip("pyspark")

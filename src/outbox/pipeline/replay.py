@@ -50,6 +50,7 @@ from ..domain.events import (
     encode_json_string,
     payload_json_problem,
     prepare_event,
+    structure_problem,
     text_problem,
 )
 from ..storage.store import OutboxStore
@@ -141,7 +142,7 @@ def prepare_batch(cols: dict[str, list[Any]], max_payload_bytes: int) -> list[Ne
                 raise EnqueueError(f"headers must be a mapping, got {type(headers).__name__}")
             # (a copy that already carries the replay header: each row through prepare_event)
             heads[text] = None if REPLAY_HEADER in headers else dump_json(check_headers(headers), "headers")[:-1]
-        except (EnqueueError, ValueError) as exc:
+        except (EnqueueError, ValueError, RecursionError) as exc:
             raise refuse(cols["headers"].index(text), exc) from None
     events = []
     for i, (original, payload_text, headers_text) in enumerate(zip(originals, cols["payload"], cols["headers"])):
@@ -161,7 +162,8 @@ def prepare_batch(cols: dict[str, list[Any]], max_payload_bytes: int) -> list[Ne
             if not isinstance(payload, (dict, list)):
                 raise EnqueueError(f"payload must be a JSON object or array, got {type(payload).__name__}")
             payload_json = dump_json(payload, "payload")
-            problem = payload_json_problem(payload_json, max_payload_bytes)
+            # what prepare_event checks of a payload, bar its keys (JSON text's are strings)
+            problem = payload_json_problem(payload_json, max_payload_bytes) or structure_problem(payload, "payload")
             # the original message id is the replay header's value: checked as a header value is
             if problem is None and not (original.isascii() and "\x00" not in original):
                 problem = text_problem(original)
@@ -173,7 +175,7 @@ def prepare_batch(cols: dict[str, list[Any]], max_payload_bytes: int) -> list[Ne
             if (len(headers_json) if headers_json.isascii() else len(headers_json.encode("utf-8"))) \
                     > MAX_HEADERS_BYTES:
                 raise EnqueueError(f"headers are larger than {MAX_HEADERS_BYTES} bytes")
-        except (EnqueueError, ValueError) as exc:  # ValueError: JSON that does not parse
+        except (EnqueueError, ValueError, RecursionError) as exc:  # JSON that does not parse, or nests past Python
             raise refuse(i, exc) from None
         # the new message id is a uuid5: 36 ASCII characters, valid by construction
         events.append(NewEvent(replay_message_id(original), cols["topic"][i], cols["aggregate_type"][i],
