@@ -634,3 +634,40 @@ def test_the_arrow_writer_gathers_a_files_rows_across_pages_into_row_groups(
     assert groups(tmp_path / "b") == [[10, 5]] * 10
     monkeypatch.setattr(stage, "BUFFER_BYTES", 0)
     assert groups(tmp_path / "c") == [[5, 5, 5]] * 10
+
+
+def test_a_page_read_once_more_that_fails_closes_its_new_connection_and_keeps_the_error() -> None:
+    """Found in review: when the read on the new connection failed too, that connection was
+    never closed (left in its failed transaction), and the caller's close of the old, closed
+    one (PyMySQL: "Already closed") replaced the real error."""
+    from outbox.pipeline.fetch import read_once_more
+
+    class Conn:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def close(self) -> None:
+            if self.closed:
+                raise RuntimeError("Already closed")
+            self.closed = True
+
+    made: list[Conn] = []
+
+    class Engine:
+        def is_disconnect(self, exc: BaseException) -> bool:
+            return isinstance(exc, ConnectionError)
+
+        def is_transient(self, exc: BaseException) -> bool:
+            return False
+
+        def connect(self, url: str) -> Conn:
+            made.append(Conn())
+            return made[-1]
+
+    def read(conn: Conn) -> None:
+        raise ConnectionError("the server ended the session") if not made else TimeoutError("the real error")
+
+    old = Conn()
+    with pytest.raises(TimeoutError, match="the real error"):
+        read_once_more(Engine(), "mysql://h/db", old, read)  # type: ignore[arg-type]
+    assert old.closed and len(made) == 1 and made[0].closed

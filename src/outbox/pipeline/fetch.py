@@ -250,7 +250,12 @@ def read_once_more(engine: Engine, url: str, conn: Any, read: Callable[[Any], An
     with contextlib.suppress(Exception):  # it is broken already
         conn.close()
     conn = engine.connect(url)
-    return conn, read(conn)
+    try:
+        return conn, read(conn)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the new one is the caller's no more: closed here
+            conn.close()
+        raise
 
 
 #: The per-engine table: engines without an entry read through their Python driver.

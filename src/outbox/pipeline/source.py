@@ -29,6 +29,7 @@ is the alternative read path (docs/pipeline.md); the jobs use this source.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -279,7 +280,8 @@ class OutboxReader(DataSourceReader):
                     break
                 after = int(rows[-1][0])
         finally:
-            conn.close()
+            with contextlib.suppress(Exception):  # closed already when a read once more failed
+                conn.close()
 
     def _read_arrow(self, query: OutboxQuery, partition: IdRange) -> Iterator[Any]:
         """The same keyset pages through the engine's Arrow reader; each page is its
