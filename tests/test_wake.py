@@ -332,6 +332,34 @@ def test_sqlalchemy_session_wakes_after_commit_not_on_rollback(sqlite_db: Path, 
         engine.dispose()
 
 
+def test_sqlalchemy_savepoints_neither_wake_early_nor_drop_the_wake(sqlite_db: Path, recorder: Recorder) -> None:
+    """Found in review: SQLAlchemy sends after_commit when a savepoint is released and
+    after_rollback when one rolls back. An event enqueued in a savepoint woke the relay at
+    the release, before the real COMMIT (its claim found nothing), and not at the COMMIT;
+    a savepoint rolled back after an enqueue cancelled the transaction's wake."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import Session
+
+    from outbox.contrib.flask import enqueue as flask_enqueue
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{sqlite_db}")
+    try:
+        with Session(engine) as session:
+            with session.begin_nested():
+                flask_enqueue(session, **event(1))
+            assert recorder.calls == []  # released, not committed
+            session.commit()
+            assert recorder.calls == [1]
+            flask_enqueue(session, **event(2))
+            nested = session.begin_nested()
+            flask_enqueue(session, **event(3))
+            nested.rollback()  # the savepoint's event goes; the transaction's stays
+            session.commit()
+            assert recorder.calls == [1, 2]
+    finally:
+        engine.dispose()
+
+
 def test_flask_extension_wakes_after_the_request_commits(sqlite_db: Path, recorder: Recorder) -> None:
     flask = pytest.importorskip("flask")
     sqlalchemy = pytest.importorskip("sqlalchemy")

@@ -186,11 +186,18 @@ _SESSION_HOOKED = "outbox_wake_hooked"
 
 
 def _session_after_commit(session: Any) -> None:
+    # SQLAlchemy sends both events for a savepoint too: its release woke the relay before
+    # the real COMMIT (then nothing at it), its rollback dropped the outer transaction's
+    # wake (found in review). Only the outermost transaction's end counts.
+    if session.in_nested_transaction():
+        return
     if session.info.pop(_SESSION_PENDING, False):
         _call_request_claim()
 
 
 def _session_after_rollback(session: Any) -> None:
+    if session.in_nested_transaction():
+        return
     session.info.pop(_SESSION_PENDING, None)
 
 
