@@ -294,8 +294,9 @@ def test_django_wake_sends_one_claim_per_burst_on_redis(tmp_path: Path) -> None:
     assert out["after_claim_started"] == 2  # once the claim started, the next commit asks again
     assert out["task"] == "outbox.claim" and out["token"] == token_of(prefix, f"sqlite:///{tmp_path / 'django.db'}")
     assert out["worker_token"] == out["token"]  # one token: the writer's and the worker's
-    # The claim clears the worker's coalescer, i.e. that token; it names its outbox.
-    assert out["kwargs"] == {"requested": True,
+    # The claim clears the worker's coalescer, i.e. that token, and names the writer's too
+    # (the same key here); it names its outbox.
+    assert out["kwargs"] == {"requested": True, "token": out["token"],
                              "outbox": default_namespace(f"sqlite:///{tmp_path / 'django.db'}", "outbox")}
 
 
@@ -634,3 +635,28 @@ def test_a_script_that_exits_right_after_its_commit_still_wakes_the_relay(tmp_pa
     outbox_id = int(done.stdout.strip().splitlines()[-1])
     assert wait_done(store, [outbox_id], 20) < 20  # the lease and the token's TTL are 30 s: the wake did it
     store.close()
+
+
+def test_a_requested_claim_names_the_writers_token_which_a_worker_on_another_url_string_clears() -> None:
+    """Found in review: the token's key is made from Celery's broker URL as written, and the
+    worker's claim cleared only its own. A web process naming the same Redis another way
+    (``:6379`` against ``:6379/0``, another Redis user) kept its token for the whole TTL and
+    sent no wake-up for any commit meanwhile. The claim message now names the writer's
+    token, and the worker clears it through its own URL."""
+    import uuid
+
+    from outbox.celery.waker import CeleryWaker
+    from outbox.relay.waker import clear_token
+
+    require("Redis", "127.0.0.1", 6379)
+    writer = CeleryWaker("redis://127.0.0.1:6379", "", None, f"wake-{uuid.uuid4().hex[:8]}")
+    kwargs = writer.claim_kwargs(True)
+    assert kwargs["requested"] is True and kwargs["token"] == token_for(writer.broker_url, "", writer.namespace)
+    assert writer.claim_kwargs(False) == {}
+    gate = writer.coalescer()
+    try:
+        assert gate.acquire() and not gate.acquire()  # the writer's token is taken: its next wakes wait
+        clear_token(kwargs["token"], "redis://127.0.0.1:6379/0")  # the worker's claim, its own URL string
+        assert gate.acquire()  # cleared: the next commit's wake-up goes out
+    finally:
+        gate.clear()

@@ -34,7 +34,7 @@ class CeleryWaker(Waker):
         return cls(*claim_queue(), options)
 
     def send_claim(self, requested: bool) -> None:
-        send_relay_task(CLAIM_TASK, {"requested": True} if requested else {},
+        send_relay_task(CLAIM_TASK, self.claim_kwargs(requested),
                         expires=relay_options().claim_request_ttl_s, retry=True, retry_policy=RETRY_POLICY)
 
     def load(self) -> None:

@@ -16,7 +16,7 @@ class DramatiqWaker(Waker):
 
     def send_claim(self, requested: bool) -> None:
         settings = relay_settings()
-        kwargs = {"requested": True} if requested else {}
+        kwargs = self.claim_kwargs(requested)
         _broker.send(CLAIM_TASK, settings.queues.claim, {**kwargs, TASK_OUTBOX_ARG: settings.outbox_namespace},
                      max_age_s=relay_options().claim_request_ttl_s)
 

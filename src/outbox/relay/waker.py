@@ -121,9 +121,20 @@ class Waker:
         self._coalescer: Any = None
 
     def send_claim(self, requested: bool) -> None:
-        """Send one claim message to this outbox's claim queue; ``requested``: it holds the
-        claim-request token, which the claim clears as it starts. Raises when the broker refuses."""
+        """Send one claim message (``claim_kwargs``) to this outbox's claim queue; ``requested``:
+        it holds the claim-request token, which the claim clears as it starts. Raises when the
+        broker refuses."""
         raise NotImplementedError
+
+    def claim_kwargs(self, requested: bool) -> dict[str, Any]:
+        """The claim message's arguments. A requested claim names this writer's token too: the
+        worker clears its own coalescer's, which is the same key only when writer and worker
+        name Celery's broker by the same URL string. With another (the web's Redis user
+        against the workers', ``:6379`` against ``:6379/0``) the writer's token stayed for its
+        whole TTL, and every commit meanwhile sent no wake-up (found in review)."""
+        if not requested:
+            return {}
+        return {"requested": True, "token": token_for(self.broker_url, self.key_prefix, self.namespace)}
 
     def load(self) -> None:
         """Load the runner's modules and client objects a send uses (no connection, no I/O)."""
