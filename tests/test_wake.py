@@ -407,6 +407,12 @@ def test_flask_extension_wakes_after_the_request_commits(sqlite_db: Path, record
         assert recorder.calls == [2]
         assert client.post("/raw/3").status_code == 200
         assert recorder.calls == [2, 4]
+        # Found in review: the request's mark lived on ``g``, which one app context spans
+        # over several requests; the second request then registered no wake-up.
+        with app.app_context():
+            assert client.post("/raw/5").status_code == 200
+            assert client.post("/raw/7").status_code == 200
+        assert recorder.calls == [2, 4, 6, 8]
     finally:
         engine.dispose()
 

@@ -54,13 +54,16 @@ def wake_after_commit(conn: Any) -> bool:
     if _wake.register_after_commit(conn):
         return True
     try:
-        from flask import after_this_request, g, has_request_context
+        from flask import after_this_request, has_request_context, request
     except ImportError:
         return False
     if not has_request_context():
         return False
-    if not g.get(_REQUEST_FLAG):
-        setattr(g, _REQUEST_FLAG, True)
+    # Marked on the request itself: ``g`` lives as long as the app context, which one
+    # ``with app.app_context():`` can stretch over several requests, and the later ones
+    # then registered no wake-up (found in review).
+    if not request.environ.get(_REQUEST_FLAG):
+        request.environ[_REQUEST_FLAG] = True
         after_this_request(_wake_after_request)
     return True
 
