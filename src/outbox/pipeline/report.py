@@ -66,6 +66,10 @@ def report_frame(spark: Any, store: OutboxStore | None, archive: str | None, sin
             options["created_since"] = encode_native(since)
             since_dt = store.engine.to_datetime(since)
         live = spark.read.format("outbox").options(**options).load().select(*cols)
+        # Read now, before the archive is listed: an archive run that publishes and deletes
+        # in between then has its rows here or there (both: counted once, live first). Read
+        # at the first action, after the listing, they were in neither (found in review).
+        live = live.localCheckpoint(eager=True)
         frames.append(live.withColumn("origin", F.lit(0)))
         sources["table"] = f"{store.engine.name}:{store.engine.table_name}"
     if archive:
