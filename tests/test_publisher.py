@@ -457,6 +457,28 @@ def test_rabbitmq_confirms_held_back_past_the_lease_are_backpressure_within_it(r
         proxy.close()
 
 
+def test_rabbitmq_a_channel_the_broker_never_opens_is_given_up_on(rabbit: dict[str, Any]) -> None:
+    """Found in review: py-amqp bounds its handshake (``connect_timeout``) and our confirm
+    waits, but opening a channel, confirm mode and the declares after the handshake waited
+    for ever on a broker that stopped answering there, holding the publisher's lock. The
+    publisher's connections now carry ``read_timeout`` = the confirm timeout: a real
+    connection through a proxy that holds every reply once the handshake is done."""
+    proxy = Proxy()
+    try:
+        publisher = KombuPublisher(proxy.amqp_url, rabbit["exchange"], confirm_timeout=2.0)
+        with Connection(proxy.amqp_url, connect_timeout=3,
+                        transport_options=publisher._transport_options()) as conn:
+            conn.connect()  # the handshake, answered
+            proxy.hold_replies()
+            began = time.monotonic()
+            with pytest.raises(OSError):  # EAGAIN from the socket's receive timeout: back-pressure
+                conn.channel()
+            assert time.monotonic() - began < 10
+    finally:
+        proxy.release_replies()
+        proxy.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_rabbitmq_connection_is_per_process(rabbit: dict[str, Any]) -> None:
     publisher = KombuPublisher(rabbit["url"], rabbit["exchange"])

@@ -387,14 +387,17 @@ class KombuPublisher(Publisher):
         self._producer = Producer(channel, exchange=exchanges[0], auto_declare=False)
 
     def _transport_options(self) -> dict[str, float]:
-        """kombu's Redis transport waits on its socket for ever by default (no
-        ``socket_timeout``), and it ignores ``connect_timeout``: a Redis that stopped answering
-        (paused, behind a stuck proxy, a path dropping packets) held the publisher, and every
-        publish of the process behind its lock, for good (found in review). Bounded as AMQP's
-        confirms are: a timeout is back-pressure (docs/destinations.md, "Redis")."""
-        if not is_redis_url(self.url):
-            return {}
-        return {"socket_timeout": self.confirm_timeout, "socket_connect_timeout": self.connect_timeout}
+        """Every wait on the broker bounded by ``confirm_timeout``; a timeout is back-pressure.
+        kombu's Redis transport waits on its socket for ever by default (no ``socket_timeout``)
+        and ignores ``connect_timeout``; py-amqp bounds its handshake and our confirm waits,
+        but not opening a channel, confirm mode and the declares after the handshake. A broker
+        that stopped answering there held the publisher, and every publish of the process
+        behind its lock, for good (found in review; docs/destinations.md, "Redis")."""
+        if is_redis_url(self.url):
+            return {"socket_timeout": self.confirm_timeout, "socket_connect_timeout": self.connect_timeout}
+        if self.url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp"):
+            return {"read_timeout": self.confirm_timeout}
+        return {}
 
     def _on_return(self, exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
         message_id = getattr(message, "properties", {}).get("message_id")
