@@ -48,6 +48,14 @@ class Message(virtual.Message):
             super().__init__(payload, channel=channel, **kwargs)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # binascii.Error is a ValueError
             raise UndecodableMessage(f"{type(exc).__name__}: {exc}") from exc
+        # What kombu's QoS reads of the envelope next, outside this guard: a delivery_info
+        # that is no mapping of exchange and routing key, or a tag that cannot be a sorted-set
+        # member, stopped the worker ("Unrecoverable error") or cost it its connection (found in review).
+        info = self.delivery_info
+        if not isinstance(info, dict) or not {"exchange", "routing_key"} <= info.keys():
+            raise UndecodableMessage(f"delivery_info is not a mapping of exchange and routing_key: {info!r}"[:300])
+        if not isinstance(self.delivery_tag, (str, int)) or isinstance(self.delivery_tag, bool):
+            raise UndecodableMessage(f"delivery_tag is not a string or an integer: {self.delivery_tag!r}"[:300])
 
 
 class Channel(kombu_redis.Channel):
