@@ -91,15 +91,17 @@ def test_rows_of_a_lost_claim_come_back_with_the_lease(tmp_path: Path, destinati
     lost = outbox.store.claim(2)  # the lease of a worker that will never acknowledge
     assert [m.id for m in lost.messages] == [x1, x2]
     leased_at = time.monotonic()
+    # The lease must outlast the worker's start and first claim (5-6 s on a slow machine,
+    # where a lease of 6 s ran out first and x1 came before y1).
     procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_CLAIM_INTERVAL_S="0.2",
-                                    OUTBOX_CLAIM_TIMEOUT_MS="6000"))
+                                    OUTBOX_CLAIM_TIMEOUT_MS="12000"))
     procs.worker("w1")
     procs.beat()
-    destination.wait_for(lambda: len(destination.messages) >= 4, timeout=30, procs=procs)
+    destination.wait_for(lambda: len(destination.messages) >= 4, timeout=40, procs=procs)
     arrivals = [(outbox_id, m.headers["attempt"]) for outbox_id, _, m in destination.arrivals()]
     assert [a[0] for a in arrivals] == [y1, x1, x2, x3], procs.log("w1")[-3000:]
     assert dict(arrivals) == {y1: 1, x1: 2, x2: 2, x3: 1}
-    assert time.monotonic() - leased_at >= 6.0
+    assert time.monotonic() - leased_at >= 12.0
     assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DONE}, timeout=10)
 
 
