@@ -467,7 +467,7 @@ def test_rabbitmq_a_channel_the_broker_never_opens_is_given_up_on(rabbit: dict[s
     try:
         publisher = KombuPublisher(proxy.amqp_url, rabbit["exchange"], confirm_timeout=2.0)
         with Connection(proxy.amqp_url, connect_timeout=3,
-                        transport_options=publisher._transport_options()) as conn:
+                        transport_options=publisher._timeouts("py-amqp")) as conn:
             conn.connect()  # the handshake, answered
             proxy.hold_replies()
             began = time.monotonic()

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError, transport_hint
 from ..core.model import OutboxMessage
-from ..core.names import is_redis_url
 from ..core.redact import redact
 
 if TYPE_CHECKING:
@@ -345,8 +344,7 @@ class KombuPublisher(Publisher):
             self._forget()  # inherited over fork(): the parent's, not ours; never close it
         if self._conn is None:
             try:
-                conn = Connection(self.url, connect_timeout=self.connect_timeout,
-                                  transport_options=self._transport_options())
+                conn = Connection(self.url, connect_timeout=self.connect_timeout)
                 driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
             except Exception as exc:
                 # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError (or
@@ -357,6 +355,8 @@ class KombuPublisher(Publisher):
                     raise
                 raise ConfigError(redact(f"OUTBOX_PUBLISH_URL={self.url!r} cannot be used: "
                                          + (hint or f"{type(exc).__name__}: {exc}"))) from exc
+            options: dict[str, Any] = conn.transport_options  # type: ignore[assignment]  # kombu declares None, sets {}
+            options.update(self._timeouts(driver))  # read when the transport connects and opens channels
             self._confirms = driver == "py-amqp"
             self._conn, self._pid = conn, os.getpid()
         if self._producer is not None and self._conn.connected:
@@ -386,16 +386,16 @@ class KombuPublisher(Publisher):
         self._channel = channel
         self._producer = Producer(channel, exchange=exchanges[0], auto_declare=False)
 
-    def _transport_options(self) -> dict[str, float]:
+    def _timeouts(self, driver: str) -> dict[str, float]:
         """Every wait on the broker bounded by ``confirm_timeout``; a timeout is back-pressure.
         kombu's Redis transport waits on its socket for ever by default (no ``socket_timeout``)
         and ignores ``connect_timeout``; py-amqp bounds its handshake and our confirm waits,
         but not opening a channel, confirm mode and the declares after the handshake. A broker
         that stopped answering there held the publisher, and every publish of the process
         behind its lock, for good (found in review; docs/destinations.md, "Redis")."""
-        if is_redis_url(self.url):
+        if driver == "redis":
             return {"socket_timeout": self.confirm_timeout, "socket_connect_timeout": self.connect_timeout}
-        if self.url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp"):
+        if driver == "py-amqp":
             return {"read_timeout": self.confirm_timeout}
         return {}
 
