@@ -221,9 +221,11 @@ class KombuPublisher(Publisher):
                     continue
                 break
             reused = False  # the connection just worked: a later error is not staleness
-            in_wave = {id(chain) for chain, _ in wave.windows}
+            # A single wave leaves the other chains out: they go on (every other wave holds
+            # each chain still going, so it has none to pass on).
+            others = [chain for chain in going if chain is not wave.windows[0][0]] if single else None
             going = settle_wave(wave, verdicts, refused, unroutable=self.unroutable, exchange=self.exchange,
-                                others=[chain for chain in going if id(chain) not in in_wave])
+                                others=others)
         return [chain.result() for chain in progress]
 
     def _wave_lost(self, wave: Wave, exc: Exception) -> PublishFailure:
