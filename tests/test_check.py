@@ -234,3 +234,18 @@ def test_check_tests_dramatiqs_broker_when_dramatiq_is_the_runner(tmp_path: Path
     down = check({"OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": "redis://:pw@127.0.0.1:1/0"}, tmp_path)
     assert down.returncode == 1 and lines(down)["dramatiq broker"] == "FAIL"
     assert "OUTBOX_DRAMATIQ_BROKER_URL" in down.stdout and ":pw@" not in down.stdout
+
+
+def test_check_expects_on_sql_server_the_indexes_its_migration_leaves_not_a_retired_one() -> None:
+    """SQL Server's migration drops ``agg_id_id`` (retired: docs/sqlserver.md) and makes
+    ``agg_open`` and ``open_created_at`` instead; the check looked for the other engines'
+    four, so it failed on every migrated SQL Server table, with advice (migrate) that could
+    not fix it (found in review)."""
+    from outbox.storage.engines.describe import expected_index_names
+    from outbox.storage.engines.mssql.engine import MssqlEngine
+    from outbox.storage.engines.mssql.schema import INDEXES, RETIRED_INDEXES
+
+    engine = MssqlEngine()
+    expected = expected_index_names(engine)
+    assert expected == {engine.index_name(spec.suffix) for spec in INDEXES}
+    assert not expected & {engine.index_name(suffix) for suffix in RETIRED_INDEXES}

@@ -122,6 +122,9 @@ class Engine(ABC):
     #: others hold on rows that lease or holder does not: read past them.
     past_locks_read: ClassVar[str] = ""
     past_locks_update: ClassVar[str] = ""
+    #: The indexes ``migrate`` leaves on the table, by suffix of ``index_name`` (what
+    #: ``outbox check`` looks for).
+    index_suffixes: ClassVar[tuple[str, ...]] = ("message_id", "agg_id_id", "claim_ready", "done_processed_at")
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         # Names reach SQL text: only plain identifiers, on every path (settings, enqueue's

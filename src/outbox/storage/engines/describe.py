@@ -20,9 +20,6 @@ from .base import Engine
 DRIVER_EXTRAS = {"psycopg": ("PostgreSQL", "postgres"), "pymysql": ("MySQL/MariaDB", "mysql"),
                  "pyodbc": ("SQL Server", "mssql")}
 
-#: The indexes ``outbox migrate`` creates, by suffix of ``Engine.index_name``.
-INDEX_SUFFIXES = ("message_id", "agg_id_id", "claim_ready", "done_processed_at")
-
 def describe_database(url: str) -> str:
     """One phrase naming the database: the masked URL, and for SQLite the absolute path
     of the file (a relative ``sqlite:///outbox.db`` depends on the current directory)."""
@@ -76,8 +73,9 @@ def index_names(engine: Engine, cursor: Any) -> set[str]:
 
 
 def expected_index_names(engine: Engine) -> set[str]:
-    return {engine.index_name(suffix) for suffix in INDEX_SUFFIXES}
+    """The indexes ``outbox migrate`` leaves on the engine's table (``Engine.index_suffixes``)."""
+    return {engine.index_name(suffix) for suffix in engine.index_suffixes}
 
 
 __all__ = ["describe_database", "missing_driver_hint", "index_names", "expected_index_names",
-           "DRIVER_EXTRAS", "INDEX_SUFFIXES"]
+           "DRIVER_EXTRAS"]

@@ -157,6 +157,8 @@ class MssqlSchema(Engine):
     """The table, its indexes and the holders table on SQL Server; what the SQL built next
     may use (``has_json``, ``has_isjson``), as read from a connection."""
 
+    index_suffixes = tuple(spec.suffix for spec in INDEXES)
+
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         super().__init__(table=table, schema=schema)
         #: The database's compatibility level, the server's major version and engine
