@@ -105,3 +105,75 @@ def test_a_table_name_of_63_characters_gets_every_index_and_relays(url: str) -> 
     finally:
         drop_table(store)
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["mysql"])  # PostgreSQL's bound: lock_migration's lock_timeout
+def test_a_migration_with_work_to_do_behind_an_open_transaction_gives_up_in_bounded_time(url: str) -> None:
+    """A re-run that must repair something (an index dropped by hand) waits for the table's
+    lock behind an application transaction that stays open, and while it waits every
+    enqueue and claim queues behind it. On MySQL/MariaDB nothing bounded that wait
+    (lock_wait_timeout: a year by default, a day on this server): it ended only with the
+    transaction (found in review). Now each attempt gives up after 10 s, as on PostgreSQL,
+    and the migration fails saying so while the transaction is still open."""
+    from outbox import enqueue
+
+    table = f"outbox_m{uuid.uuid4().hex[:10]}"
+    store = OutboxStore(url, table=table)
+    store.migrate()
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"DROP INDEX {store.engine.quote(store.engine.index_name('claim_ready'))}"
+                             + (f" ON {store.engine.table}" if store.engine.name == "mysql" else ""))
+    app = store.engine.connect(url)
+    with app.cursor() as cursor:  # an application's session: none of the relay's own bounds on idling
+        cursor.execute("SET idle_in_transaction_session_timeout = 0" if store.engine.name == "postgresql"
+                       else "SET SESSION idle_transaction_timeout = 0, SESSION wait_timeout = 28800")
+    app.commit()
+    rerun = OutboxStore(url, table=table)
+    outcome: list[Any] = []
+
+    def migrate() -> None:
+        try:
+            outcome.append(rerun.migrate())
+        except Exception as exc:  # what the re-run met is the assertion
+            outcome.append(exc)
+    try:
+        enqueue(app, topic="t", aggregate_type="a", aggregate_id="1", payload={}, table=table)
+        thread = threading.Thread(target=migrate, daemon=True)
+        thread.start()
+        thread.join(150)
+        assert outcome, "the migration still waits behind the open transaction"
+        assert isinstance(outcome[0], Exception), outcome
+    finally:
+        app.rollback()
+        app.close()
+        thread.join(30)
+        rerun.close()
+    assert store.migrate() == 1  # the index, once nothing holds the table
+    drop_table(store)
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_the_migrations_lock_bound_is_the_callers_again_once_it_is_done(url: str) -> None:
+    """An Alembic revision runs the relay's migration inside its own transaction and may go
+    on with steps of its own: the 10 s bound the migration sets for its DDL steps was left
+    in place for them (PostgreSQL: ``SET LOCAL`` lasts to the commit; found in review)."""
+    from outbox.storage.store import apply_migration
+
+    table = f"outbox_m{uuid.uuid4().hex[:10]}"
+    store = OutboxStore(url, table=table)
+    raw = store.engine.connect(url)
+    cursor = store.engine.cursor_for(raw)
+    setting, read = (("SET lock_timeout = '3min'", "SHOW lock_timeout") if store.engine.name == "postgresql"
+                     else ("SET SESSION lock_wait_timeout = 77", "SELECT @@SESSION.lock_wait_timeout"))
+    try:
+        store.engine.execute(cursor, setting)
+        before = store.engine.execute(cursor, read).fetchone()[0]
+        apply_migration(store.engine, cursor)
+        assert store.engine.execute(cursor, read).fetchone()[0] == before
+        raw.commit()
+    finally:
+        raw.rollback()
+        raw.close()
+        drop_table(store)
+        store.close()

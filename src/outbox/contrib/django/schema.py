@@ -9,7 +9,7 @@ and ``outbox migrate`` afterwards finds nothing to do.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from ...core.config import get_settings, load_settings
@@ -25,12 +25,20 @@ def engine_for(connection: Any) -> tuple[Engine, Any]:
 
 
 def create_table(connection: Any) -> None:
+    """The relay's migration on a Django connection. The app's migrations are not atomic
+    (MySQL commits DDL on its own), so Django runs this in autocommit: where the migration
+    lock lasts only as long as a transaction (PostgreSQL), the steps run in one, or two
+    replicas' ``migrate`` at once both made the table and one failed (found in review)."""
+    from django.db import transaction
+
     engine, raw = engine_for(connection)
-    cursor = engine.cursor_for(raw)
-    try:
-        apply_migration(engine, cursor)
-    finally:
-        cursor.close()
+    one = engine.migration_in_transaction and connection.get_autocommit()
+    with transaction.atomic(using=connection.alias) if one else nullcontext():
+        cursor = engine.cursor_for(raw)
+        try:
+            apply_migration(engine, cursor)
+        finally:
+            cursor.close()
 
 
 def store_on(connection: Any, atomic: Callable[[], AbstractContextManager[Any]]) -> OutboxStore:

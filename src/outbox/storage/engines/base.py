@@ -397,6 +397,10 @@ class Engine(ABC):
         ``unlock_migration`` or the commit. SQLite's writer lock serializes them already;
         SQL Server's migration takes its lock in its first batch."""
 
+    #: Whether ``lock_migration``'s lock lasts only as long as the transaction, so that a
+    #: migration on an autocommit connection must run its steps in one.
+    migration_in_transaction: ClassVar[bool] = False
+
     def unlock_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: most locks go with the commit
         """Release what ``lock_migration`` took, where the commit does not."""
 

@@ -32,6 +32,8 @@ _DISCONNECT_CODES = {2006, 2013, 2003, 2055, 4031}
 CONNECT_TIMEOUT_S = 10
 #: Seconds a migration waits for another one (GET_LOCK).
 MIGRATION_LOCK_TIMEOUT_S = 600
+#: How long a migration's DDL step waits for the table's metadata lock (lock_migration).
+MIGRATION_LOCK_WAIT_S = 10
 
 #: A character outside the Basic Multilingual Plane: four bytes in UTF-8, which only a
 #: utf8mb4 connection carries (``MysqlEngine.insert_event``).
@@ -278,8 +280,16 @@ class MysqlEngine(Engine):
         if not got or got[0] != 1:
             raise StoreError(f"outbox migrate: another migration of {self.table} held the migration lock for "
                              f"{MIGRATION_LOCK_TIMEOUT_S} s; run it again when that one has finished")
+        # A DDL step waits for the table's metadata lock behind any open transaction that
+        # has read the table, and every later enqueue and claim queues behind it: by default
+        # for a year (lock_wait_timeout). Bounded as on PostgreSQL; the store retries the
+        # error (1205) and then says why. Put back by unlock_migration (found in review).
+        self.execute(cursor, "SET @outbox_lock_wait_timeout = @@SESSION.lock_wait_timeout, "
+                     f"SESSION lock_wait_timeout = {MIGRATION_LOCK_WAIT_S}")
 
     def unlock_migration(self, cursor: Any) -> None:
+        self.execute(cursor, "SET SESSION lock_wait_timeout = COALESCE(@outbox_lock_wait_timeout, "
+                     "@@GLOBAL.lock_wait_timeout)")
         self.execute(cursor, "SELECT RELEASE_LOCK(?)", [self._migration_lock_key()]).fetchall()
 
     def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:

@@ -271,12 +271,23 @@ class PostgresEngine(Engine):
     #: DDL statement waits, every enqueue and claim queues behind it.
     MIGRATION_LOCK_TIMEOUT = "10s"
 
+    #: The migration lock and bound last as long as the transaction (``lock_migration``): a
+    #: caller on an autocommit connection (a Django migration) runs the steps in one.
+    migration_in_transaction = True
+
     def lock_migration(self, cursor: Any) -> None:
         # Concurrent CREATE TABLE / INDEX IF NOT EXISTS fail on PostgreSQL (a unique violation
         # in pg_type or pg_class), as do two ADD CONSTRAINTs: held until the migration commits.
         # Waiting for another migration blocks nobody else, so only the steps are bounded.
+        # The bound is the transaction's, and unlock_migration puts back what the caller had:
+        # an Alembic revision's own later steps run in the same transaction (found in review).
         self.execute(cursor, "SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_resource()]).fetchall()
-        self.execute(cursor, f"SET LOCAL lock_timeout = '{self.MIGRATION_LOCK_TIMEOUT}'")
+        self.execute(cursor, "SELECT set_config('outbox.lock_timeout_before', current_setting('lock_timeout'), true), "
+                     "set_config('lock_timeout', ?, true)", [self.MIGRATION_LOCK_TIMEOUT]).fetchall()
+
+    def unlock_migration(self, cursor: Any) -> None:
+        self.execute(cursor, "SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before'), true)"
+                     ).fetchall()
 
     def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
         return [("SELECT pg_try_advisory_lock(?)", [advisory_key(name)])]
