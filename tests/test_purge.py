@@ -97,3 +97,22 @@ def test_a_purge_stops_when_its_time_is_up_and_says_so(store: OutboxStore, caplo
 def test_the_relays_purge_budget_is_half_its_interval_at_most_five_minutes() -> None:
     assert purge_budget(3600.0) == PURGE_RUN_S == 300.0
     assert purge_budget(60.0) == 30.0
+
+
+def test_a_purge_chunk_on_sqlite_walks_ids_not_every_old_done_row(tmp_path: Path) -> None:
+    """With no statistics SQLite planned each chunk on the (status, processed_at) index: every
+    old done row read and sorted by id per chunk, so a purge run cost the square of the
+    backlog while holding the writer lock (measured in review at 1,000,000 old rows: 218-278
+    ms a chunk, against 11-25 ms on the id range). Both statements name the table as the
+    pipeline's range walks do (``Engine.id_range_source``)."""
+    store = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}")
+    store.migrate()
+    rows_aged(store, [2] * 50)
+    engine = store.engine
+    with store.transaction() as cursor:
+        plans = [" ".join(str(r[-1]) for r in engine.execute(cursor, "EXPLAIN QUERY PLAN " + sql, params))
+                 for sql, params in ((engine.purge_range_sql(), [-DAY_MS, 0, 10]),
+                                     (engine.purge_delete_sql(), [1, 10, -DAY_MS]))]
+    store.close()
+    for plan in plans:
+        assert "TEMP B-TREE" not in plan and "done_processed_at" not in plan, plans

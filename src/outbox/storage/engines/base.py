@@ -252,8 +252,8 @@ class Engine(ABC):
 
     def id_range_source(self) -> str:
         """The table as statements that walk a range of ids name it (``FROM ...``): the
-        pipeline's pages and the archive's deletes. An engine whose planner would walk
-        another index over every matching row instead adds its hint here."""
+        pipeline's pages, the archive's deletes and the purge's chunks. An engine whose
+        planner would walk another index over every matching row instead adds its hint here."""
         return self.table
 
     #: How far past a window of blocked rows a ``skip_blocked`` claim reads: this many
@@ -684,12 +684,12 @@ class Engine(ABC):
     def purge_range_sql(self) -> str:
         """The first and last id and the count of the next ``?`` (last) done rows after id ``?``
         processed before now plus ``?`` ms (negative): one purge chunk."""
-        return (f"SELECT MIN(id), MAX(id), COUNT(*) FROM (SELECT id FROM {self.table} WHERE status = 2 "
+        return (f"SELECT MIN(id), MAX(id), COUNT(*) FROM (SELECT id FROM {self.id_range_source()} WHERE status = 2 "
                 f"AND processed_at < {self.now_plus_ms()} AND id > ? ORDER BY id LIMIT ?) doomed")
 
     def purge_delete_sql(self) -> str:
         """Delete the done rows with ids ``?`` to ``?`` processed before now plus ``?`` ms (negative)."""
-        return (f"DELETE FROM {self.table} WHERE id >= ? AND id <= ? AND status = 2 "
+        return (f"DELETE FROM {self.id_range_source()} WHERE id >= ? AND id <= ? AND status = 2 "
                 f"AND processed_at < {self.now_plus_ms()}")
 
     # -- holders: liveness of the relay's worker processes (docs/internals.md, "Lost workers") --
