@@ -6,7 +6,7 @@ on one partition; the idempotent producer (``enable.idempotence``, acks=all) kee
 partition's order across its own retries, so the events of a chain that go to one partition
 are sent pipelined and only the prefix that the delivery reports confirm is reported
 published. Where a chain moves to another partition (another topic, another key) its next
-events wait for the reports of those before them (docs/destinations.md, "Kafka").
+strict event waits for the reports of all those before it (docs/destinations.md, "Kafka").
 """
 
 from __future__ import annotations
@@ -382,23 +382,24 @@ class KafkaPublisher(Publisher):
     def _produce_chain(self, producer: Any, chain: Sequence[OutboxMessage], row: list[Any], deadline: float,
                        start: int = 0, pipelined: Pipelined | None = None) -> int:
         """Hand the chain's events from ``start`` on to the producer in order, up to the first
-        that goes to another partition than the one before it (another topic or key: Kafka
-        keeps no order between partitions, so it waits for the reports of those before it)
-        unless it opted in to pipelining; stop at the first one that cannot go (nothing after
+        strict one (not opted in to pipelining) that would share the wave with an event to
+        another partition than its own (another topic or key, whether right before it or
+        earlier in the wave: Kafka keeps no order between partitions, so it waits for the
+        reports of all those before it); stop at the first one that cannot go (nothing after
         it is sent, so what reaches the broker stays a prefix). Returns where the next wave
         starts (the chain's length when nothing more is to be sent). Each event's body is
         encoded once, for the checks and to be sent. ``deadline`` (monotonic): the publish's
         end, which a topic check waits for at most."""
         template = self.options.topic_template
-        before: tuple[str, bytes] | None = None
+        produced: set[tuple[str, bytes]] = set()  # the partitions (topic, key) of this wave so far
         for i in range(start, len(chain)):
             message = chain[i]
             topic = message.topic if template == "{topic}" else topic_of(self.options, message)
             key = _key(message)
             # An empty key is no partition: librdkafka's partitioner spreads such events at random.
-            if before is not None and (before != (topic, key) or not key) and not (pipelined and pipelined(message)):
+            if produced and (produced != {(topic, key)} or not key) and not (pipelined and pipelined(message)):
                 return i
-            before = (topic, key)
+            produced.add((topic, key))
             problem = self._topic_refusal(topic)
             if problem is None:
                 try:
