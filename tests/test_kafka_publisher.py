@@ -174,10 +174,12 @@ class FatalOnFlush:
     """A producer whose ``flush`` fails as confluent-kafka's does on a fatal error of the
     idempotent producer (seen after a broker restart: OUT_OF_ORDER_SEQUENCE_NUMBER): by
     setting the bare ``KafkaError`` as the raised object, from C, which ``except Exception``
-    does not catch. Produced events get no delivery report."""
+    does not catch. Produced events get no delivery report. ``code``: the fatal error's
+    (default OUT_OF_ORDER_SEQUENCE_NUMBER)."""
 
-    def __init__(self) -> None:
+    def __init__(self, code: int | None = None) -> None:
         self.produced = 0
+        self.code = code
 
     def produce(self, topic: str, **kwargs: object) -> None:
         self.produced += 1
@@ -190,7 +192,8 @@ class FatalOnFlush:
 
         from confluent_kafka import KafkaError
 
-        error = KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, "sequence desynchronization", fatal=True)
+        code = KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER if self.code is None else self.code
+        error = KafkaError(code, "sequence desynchronization", fatal=True)
         ctypes.pythonapi.PyErr_SetObject(ctypes.py_object(KafkaError), ctypes.py_object(error))
         return 0  # pragma: no cover - the call above raises
 
@@ -210,6 +213,39 @@ def test_a_fatal_producer_error_is_a_failure_and_the_producer_is_made_anew() -> 
     pub._producer, pub._pid = broken, os.getpid()
     failure = pub.publish_dead(event(4, "t"), "boom")  # the dead-letter path too
     assert failure is not None and failure.kind is FailureKind.RETRIABLE and pub._producer is None
+
+
+@pytest.mark.parametrize("code", ["_UNSUPPORTED_FEATURE", "UNSUPPORTED_VERSION"])
+def test_a_broker_without_the_idempotent_producer_is_fatal(code: str) -> None:
+    """librdkafka fails an idempotent producer whose brokers lack it (older than 0.11, or a
+    Kafka-protocol broker without InitProducerId) with the fatal ``_UNSUPPORTED_FEATURE``
+    ("Idempotent producer not supported by any of the N broker(s)"): an operator must act,
+    so FATAL (claims stop, one CRITICAL line), as for a missing topic. Before, it fell
+    through to RETRIABLE, and every chain's head was charged an attempt at each publish until
+    all went dead (found in review). Raised from ``flush`` as the library does, and reported
+    through the error callback while the queued events are purged."""
+    from confluent_kafka import KafkaError
+
+    error = getattr(KafkaError, code)
+    pub = KafkaPublisher("kafka://127.0.0.1:1", options=KafkaOptions(auto_create_topics=True))
+    pub._producer, pub._pid = FatalOnFlush(error), os.getpid()
+    result = pub.publish_chain([event(1, "t"), event(2, "t")])
+    assert result.published == () and result.failed_id == 1
+    assert result.failure is not None and result.failure.kind is FailureKind.FATAL and code in result.failure.reason
+
+    class Unsupported(Scripted):
+        def flush(self, timeout: float = 0) -> int:
+            pub._on_error(KafkaError(error, "Idempotent producer not supported by any of the 1 connected broker(s)",
+                                     fatal=True))
+            return super().flush(timeout)
+
+    pub = KafkaPublisher("kafka://127.0.0.1:1", options=KafkaOptions(auto_create_topics=True))
+    producer = Unsupported({1: KafkaError._PURGE_QUEUE, 2: KafkaError._PURGE_QUEUE})
+    pub._producer, pub._pid = producer, os.getpid()
+    result = pub.publish_chain([event(1, "t"), event(2, "t")])
+    assert result.published == () and result.failed_id == 1
+    assert result.failure is not None and result.failure.kind is FailureKind.FATAL
+    assert "Idempotent producer not supported" in result.failure.reason and pub._producer is None
 
 
 class Scripted:

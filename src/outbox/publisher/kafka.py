@@ -125,8 +125,9 @@ def kafka_kind(error: Any) -> FailureKind:
         return FailureKind.POISON  # this event, every time
     if code in (E.TOPIC_AUTHORIZATION_FAILED, E.CLUSTER_AUTHORIZATION_FAILED, E.SASL_AUTHENTICATION_FAILED,
                 E._AUTHENTICATION, E._SSL, E.UNSUPPORTED_SASL_MECHANISM, E.UNKNOWN_TOPIC_OR_PART,
-                E._UNKNOWN_TOPIC, E._INVALID_ARG):
-        return FailureKind.FATAL  # an operator must act
+                E._UNKNOWN_TOPIC, E._INVALID_ARG, E._UNSUPPORTED_FEATURE, E.UNSUPPORTED_VERSION):
+        # an operator must act (_UNSUPPORTED_FEATURE: brokers without the idempotent producer)
+        return FailureKind.FATAL
     if code in (E._QUEUE_FULL, E.THROTTLING_QUOTA_EXCEEDED, E._MSG_TIMED_OUT, E._TIMED_OUT, E._TRANSPORT,
                 E._ALL_BROKERS_DOWN, E._RESOLVE, E._PURGE_QUEUE, E._PURGE_INFLIGHT):
         return FailureKind.BACKPRESSURE  # unreachable or pushing back: no attempt spent
