@@ -248,6 +248,61 @@ def test_a_broker_without_the_idempotent_producer_is_fatal(code: str) -> None:
     assert "Idempotent producer not supported" in result.failure.reason and pub._producer is None
 
 
+class FatalOnProduce:
+    """A producer in librdkafka's fatal state: ``produce`` fails at once with ``_FATAL``
+    (confluent-kafka's ``KafkaException``, not itself marked fatal), and the first ``poll``
+    hands the real fatal error, when ``cause`` gives one, to the error callback ``on_error``,
+    as librdkafka queues it."""
+
+    def __init__(self, on_error: object = None, cause: object = None) -> None:
+        self.on_error, self.cause = on_error, cause
+        self.produced = self.polls = 0
+
+    def produce(self, topic: str, **kwargs: object) -> None:
+        from confluent_kafka import KafkaError, KafkaException
+
+        self.produced += 1
+        raise KafkaException(KafkaError(KafkaError._FATAL, "Unable to produce message: Local: Fatal error"))
+
+    def poll(self, timeout: float = 0) -> int:
+        self.polls += 1
+        cause, self.cause = self.cause, None
+        if cause is not None:
+            self.on_error(cause)  # type: ignore[operator]
+        return 0
+
+    def flush(self, timeout: float = 0) -> int:
+        return self.poll(timeout)
+
+
+def test_a_producer_whose_produce_fails_fatal_is_replaced_and_says_why() -> None:
+    """Once librdkafka has a fatal error, every ``produce`` fails at once with ``_FATAL``.
+    Before, that was a RETRIABLE failure of the event and nothing more: with no event pending
+    nothing was flushed or polled, so the fatal error never reached the error callback and the
+    same dead producer was used at every publish, each charging the chains' heads an attempt
+    (found in review). Now the producer is dropped (a new one next publish) and polled once,
+    so the real error comes out and gives the failure its kind."""
+    from confluent_kafka import KafkaError
+
+    pub = KafkaPublisher("kafka://127.0.0.1:1", options=KafkaOptions(auto_create_topics=True))
+    stuck = FatalOnProduce()  # the real error already served, or not yet queued
+    pub._producer, pub._pid = stuck, os.getpid()
+    result = pub.publish_chain([event(1, "t")])
+    assert result.failed_id == 1 and result.failure is not None and "_FATAL" in result.failure.reason
+    assert pub._producer is None and stuck.polls == 1
+
+    pub = KafkaPublisher("kafka://127.0.0.1:1", options=KafkaOptions(auto_create_topics=True))
+    cause = KafkaError(KafkaError._UNSUPPORTED_FEATURE, "Idempotent producer not supported by any of the 1 connected "
+                       "broker(s)", fatal=True)
+    stuck = FatalOnProduce(pub._on_error, cause)
+    pub._producer, pub._pid = stuck, os.getpid()
+    first, second = pub.publish_chains([[event(1, "t")], [event(2, "t", aggregate="a2")]])
+    for result in (first, second):
+        assert result.published == () and result.failure is not None
+        assert result.failure.kind is FailureKind.FATAL and "_UNSUPPORTED_FEATURE" in result.failure.reason
+    assert pub._producer is None and stuck.produced == 2
+
+
 class Scripted:
     """A producer that records, in order, each event produced (``("produce", outbox id)``) and
     each wait for delivery reports (``"flush"``), and answers each event's report at the next

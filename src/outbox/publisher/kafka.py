@@ -485,13 +485,35 @@ class KafkaPublisher(Publisher):
                     return PublishFailure(FailureKind.BACKPRESSURE, "the Kafka producer's local queue is full")
                 producer.poll(min(1.0, self.options.delivery_timeout_s))
             except Exception as exc:
-                from confluent_kafka import KafkaException  # imported here: only a refusal needs it
+                from confluent_kafka import KafkaError, KafkaException  # imported here: only a refusal needs it
 
                 if not isinstance(exc, KafkaException):
                     raise
                 row[i] = _NOT_SENT
-                return _failure(exc.args[0], f" (event {message.id}, topic {topic!r})")
+                where = f" (event {message.id}, topic {topic!r})"
+                if exc.args and (exc.args[0].code() == KafkaError._FATAL or exc.args[0].fatal()):
+                    return self._fatal(producer, where) or _failure(exc.args[0], where)
+                return _failure(exc.args[0], where)
         return None  # pragma: no cover
+
+    def _fatal(self, producer: Any, where: str) -> PublishFailure | None:
+        """After ``produce`` failed with librdkafka's ``_FATAL`` (the producer is in its fatal
+        state for good): drop the producer, a new one next publish, and poll it once, so that
+        the real fatal error reaches ``_on_error``; its failure, if it came out (now or
+        before), else None. Left unpolled, a producer whose every produce fails that way has
+        nothing pending, nothing flushes it and it was used forever (docs/destinations.md,
+        "Failures")."""
+        self._producer = None
+        try:
+            producer.poll(0)
+        except Exception as exc:  # noqa: BLE001 - the real error is what matters; the producer is dropped
+            log.debug("error polling a Kafka producer in its fatal state: %s", redact(str(exc)))
+        except BaseException:
+            raise
+        except:  # noqa: E722 - the fatal KafkaError, raised bare (_guarded)
+            self._broker_error = sys.exc_info()[1]
+        error = self._broker_error
+        return _failure(error, where) if error is not None and error.fatal() else None
 
     def _await(self, producer: Any, rows: list[list[Any]], deadline: float) -> None:
         """Serve delivery reports until every produced event has one or ``deadline`` (the
