@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+import uuid
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -16,7 +18,14 @@ from kafka_support import consume, create_topic
 from outbox.core.config import ConfigError, KafkaOptions, load_settings
 from outbox.core.model import OutboxMessage
 from outbox.publisher import FailureKind, PublishFailure, build_headers
-from outbox.publisher.kafka import KafkaPublisher, chain_result, event_headers, kafka_headers, producer_config
+from outbox.publisher.kafka import (
+    KafkaPublisher,
+    chain_result,
+    event_headers,
+    kafka_headers,
+    producer_config,
+    topic_status,
+)
 from outbox.publisher.select import publisher_for
 
 CREATED = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
@@ -156,6 +165,25 @@ def test_dead_letter_copy_goes_to_the_dead_letter_topic(kafka_bootstrap: str) ->
     first, second = sorted(consume(kafka_bootstrap, dead, 2), key=lambda m: dict(m.headers())["outbox_id"])
     assert dict(first.headers())["x-outbox-error"] == b"poison: too large" and json.loads(first.value()) == {"n": 1}
     assert second.value() in (b"", None) and b"MSG_SIZE_TOO_LARGE" in dict(second.headers())["x-outbox-omitted"]
+
+
+def test_a_missing_dead_letter_topic_is_said_at_once_and_not_created(kafka_bootstrap: str) -> None:
+    """With auto-create off the dead-letter topic is checked like an event's: missing, the
+    copy fails at once saying so, and nothing creates it. Before, the copy was produced
+    unchecked: a broker that creates topics (Tansu does) made it although
+    OUTBOX_KAFKA_AUTO_CREATE_TOPICS=0, and one that does not held each dead event for the
+    delivery timeout (15 s) and then had its producer made anew (found in review)."""
+    dead = f"outbox-test-dead-{uuid.uuid4().hex[:10]}"
+    pub = KafkaPublisher(f"kafka://{kafka_bootstrap}", options=KafkaOptions(delivery_timeout_s=5.0),
+                         dead_letter_topic=dead)
+    with pub:
+        started = time.monotonic()
+        failure = pub.publish_dead(event(1, "orders"), "poison: too large")
+        elapsed = time.monotonic() - started
+    assert failure is not None and failure.kind is FailureKind.FATAL, failure
+    assert f"dead-letter topic {dead!r} does not exist" in failure.reason
+    assert "OUTBOX_DEAD_LETTER_EXCHANGE" in failure.reason and elapsed < 3.0
+    assert dead not in topic_status(f"kafka://{kafka_bootstrap}", KafkaOptions())[1]
 
 
 # -- pure ---------------------------------------------------------------------------------------

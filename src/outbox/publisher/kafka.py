@@ -355,9 +355,14 @@ class KafkaPublisher(Publisher):
                 deadline = time.monotonic() + self.wait_s
                 producer = self._ready()
                 value = encode_body(message)
-                refused = self._size_refusal(len(value)) or self._produce(
-                    producer, message, self.dead_letter_topic or "", _key(message), value, event_headers(message, extra),
-                    row, 0)
+                topic = self.dead_letter_topic or ""
+                # Checked like an event's topic: unchecked, a missing one was made by brokers that
+                # create topics, or held each copy for the delivery timeout (docs/destinations.md).
+                refused = (self._size_refusal(len(value))
+                           or self._missing_topic(topic, producer, deadline, "dead-letter topic",
+                                                  "OUTBOX_DEAD_LETTER_EXCHANGE names it")
+                           or self._produce(producer, message, topic, _key(message), value,
+                                            event_headers(message, extra), row, 0))
                 if refused is None:
                     self._await(producer, [row], deadline)
                 return refused
@@ -432,10 +437,12 @@ class KafkaPublisher(Publisher):
                                   f"message size {size} bytes is above the maximum of {self.max_message_bytes} bytes")
         return None
 
-    def _missing_topic(self, topic: str, producer: Any, deadline: float) -> PublishFailure | None:
+    def _missing_topic(self, topic: str, producer: Any, deadline: float, what: str = "topic",
+                       named: str = "") -> PublishFailure | None:
         """Why no event may go to ``topic`` now: it does not exist (with auto-create off), or
         the cluster's metadata could not be read (that chain alone stops: the chains already
-        produced in this publish still get their delivery reports)."""
+        produced in this publish still get their delivery reports). ``what`` names the topic
+        in the reason, ``named`` says where its name comes from."""
         if self.options.auto_create_topics:
             return None
         try:
@@ -445,10 +452,11 @@ class KafkaPublisher(Publisher):
 
             if not (isinstance(exc, KafkaException) and exc.args):
                 raise
-            return _failure(exc.args[0], f" (reading the metadata of topic {topic!r})")
+            return _failure(exc.args[0], f" (reading the metadata of {what} {topic!r})")
         if not exists:
-            return PublishFailure(FailureKind.FATAL, f"Kafka topic {topic!r} does not exist: create it, or set "
-                                  "OUTBOX_KAFKA_AUTO_CREATE_TOPICS=1 when the brokers create topics themselves")
+            return PublishFailure(FailureKind.FATAL, f"Kafka {what} {topic!r} does not exist{f' ({named})' if named else ''}: "
+                                  "create it, or set OUTBOX_KAFKA_AUTO_CREATE_TOPICS=1 when the brokers create topics "
+                                  "themselves")
         return None
 
     def _topic_exists(self, topic: str, producer: Any, deadline: float) -> bool:
