@@ -584,9 +584,12 @@ class OutboxStore:
         return Stats(counts=by_name, oldest_pending_age_s=age, dead=by_name["dead"])
 
     def dead_list(self, limit: int = 100, after_id: int = 0) -> list[DeadRow]:
+        # Past rows others hold locked (Engine.past_locks_read): a dead row is committed and
+        # unlocked, and with SQL Server's RCSI off a scan of the ids after the dead ones waited
+        # on any open enqueue (docs/sqlserver.md, "READ_COMMITTED_SNAPSHOT").
         sql = self.engine.limit(
             "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, processed_at "
-            f"FROM {self.engine.table} WHERE status = 4 AND id > ? ORDER BY id")
+            f"FROM {self.engine.table}{self.engine.past_locks_read} WHERE status = 4 AND id > ? ORDER BY id")
         rows = self._run("dead_list", lambda c: self.engine.execute(c, sql, [after_id, limit]).fetchall())
         return [DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], self.engine.to_datetime(r[7]))
                 for r in rows]
@@ -612,7 +615,8 @@ class OutboxStore:
         if chunk <= 0:
             raise ValueError("chunk must be positive")
         engine, t = self.engine, self.engine.table
-        select = engine.limit(f"SELECT id, topic FROM {t} WHERE status = 4 AND id > ? AND {cond} ORDER BY id")
+        select = engine.limit(f"SELECT id, topic FROM {t}{engine.past_locks_read} WHERE status = 4 AND id > ? "
+                              f"AND {cond} ORDER BY id")  # past others' locks, as dead_list reads
         counts: dict[str, int] = {}
         after = 0
 
