@@ -227,7 +227,8 @@ def test_the_recording_covers_every_kind_of_statement(recorded: Any) -> None:
     for needle in (engine.insert_batch(), engine.claim_batch(own_transaction=True), engine.mark_failed_sql(),
                    engine.purge_chunk_sql(),
                    # requeue_dead(): a chunk of dead rows at a time (issue 20 item 7)
-                   engine.limit(f"SELECT id, topic FROM {t} WHERE status = 4 AND id > ? AND 1 = 1 ORDER BY id"),
+                   engine.limit(f"SELECT id, topic FROM {t} WITH (READCOMMITTEDLOCK, READPAST) WHERE status = 4 "
+                                "AND id > ? AND 1 = 1 ORDER BY id"),
                    f"SELECT status, COUNT(*) FROM {t} WITH (READUNCOMMITTED) GROUP BY status"):  # never waits
         assert needle in sent, needle
     assert any(s.startswith(f"UPDATE {t} SET status = 2") for s in sent)  # mark_done
