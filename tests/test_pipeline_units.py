@@ -50,6 +50,24 @@ def test_points_in_time() -> None:
         parse_point_in_time("soon", "--until", now)
 
 
+@pytest.mark.parametrize("now_utc", [datetime(2026, 4, 1, 10, 0, tzinfo=UTC),      # Berlin went to CEST on 29 March
+                                     datetime(2026, 10, 30, 11, 0, tzinfo=UTC)])   # and back to CET on 25 October
+def test_a_cutoff_is_its_age_of_absolute_time_across_a_dst_change(now_utc: datetime) -> None:
+    """psycopg gives ``now()`` in the session's time zone: a cut-off of 7 days taken from
+    a Europe/Berlin datetime across a DST change is 7 days of absolute time, not 6d23h
+    or 7d1h of wall-clock time (the cut-off is computed in UTC)."""
+    from zoneinfo import ZoneInfo
+
+    from outbox.pipeline.archive import cutoff_from
+
+    now = now_utc.astimezone(ZoneInfo("Europe/Berlin"))
+    cutoff = cutoff_from(now, timedelta(days=7))
+    assert cutoff.tzinfo is not None
+    assert now.astimezone(UTC) - cutoff.astimezone(UTC) == timedelta(days=7)
+    naive = datetime(2026, 4, 1, 10, 0)  # MySQL, SQL Server: naive UTC, unchanged
+    assert cutoff_from(naive, timedelta(days=7)) == datetime(2026, 3, 25, 10, 0)
+
+
 def test_range_chunks_cover_each_id_once() -> None:
     ranges = [[1, 7], [10, 10], [12, 15]]
     chunks = list(range_chunks(ranges, 3))

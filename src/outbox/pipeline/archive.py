@@ -140,12 +140,21 @@ def check_table(store: OutboxStore) -> None:
                             f"{' '.join(str(exc).split())[:200]}") from None
 
 
+def cutoff_from(now: datetime, older_than: timedelta) -> datetime:
+    """``now - older_than`` in absolute time: an aware ``now`` (psycopg gives ``now()`` in
+    the session's time zone) is taken to UTC first, as Python subtracts from an aware
+    datetime in its wall-clock time (across a DST change 7 days would be 6d23h or 7d1h;
+    docs/pipeline.md, step 2). A naive one (UTC by the engines' convention) is unchanged."""
+    return (now.astimezone(UTC) if now.tzinfo is not None else now) - older_than
+
+
 def db_cutoff(store: OutboxStore, older_than: timedelta) -> Any:
-    """``now - older_than`` on the database clock, as the driver's own value."""
+    """``now - older_than`` on the database clock, as the driver's own value (an aware one
+    in UTC: ``cutoff_from``)."""
     engine = store.engine
     now = store._run("clock", lambda c: engine.execute(c, f"SELECT {engine.now}").fetchone()[0])
     if isinstance(now, datetime):
-        return now - older_than
+        return cutoff_from(now, older_than)
     ms = int(older_than.total_seconds() * 1000)
     return store._run("clock", lambda c: engine.execute(c, f"SELECT {engine.now_plus_ms()}", [-ms]).fetchone()[0])
 
