@@ -394,6 +394,34 @@ def test_purge_never_deletes_unarchived_rows_while_archiving(spark: Any, make_st
     assert set(archived_ids(spark, root)) == set(ids) - remaining
 
 
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_an_archive_run_whose_location_the_relay_does_not_know_warns_that_its_purge_still_deletes(
+        spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
+    """The relay holds its purge back only while OUTBOX_ARCHIVE_URI is set: an archive job
+    given --to without it (or with another location there) says on stderr that the purge
+    still deletes done rows older than OUTBOX_RETENTION_DAYS unarchived, and how to stop
+    it; the job runs all the same. The same location, spelt otherwise, is no warning."""
+    root = tmp_path / "archive"
+    seed(store, mixed_rows())
+    warning = ("the relay's purge (beat's outbox.purge, `outbox purge`) still deletes done rows older than "
+               "7 days (OUTBOX_RETENTION_DAYS) that no run archived")
+    out = invoke(["pipeline", "archive", "--older-than", "7d", "--to", str(root)], env=_cli_env(store, url))
+    assert out.exit_code == 0, out.output
+    assert "warning: OUTBOX_ARCHIVE_URI is not set" in out.stderr and warning in out.stderr, out.stderr
+    assert f"set OUTBOX_ARCHIVE_URI={root} for the workers and beat" in out.stderr
+
+    other = _cli_env(store, url, OUTBOX_ARCHIVE_URI=str(tmp_path / "elsewhere"))
+    out = invoke(["pipeline", "archive", "--older-than", "7d", "--to", str(root)], env=other)
+    assert out.exit_code == 0, out.output
+    assert f"warning: OUTBOX_ARCHIVE_URI is {tmp_path / 'elsewhere'}, not --to's {root}" in out.stderr
+    assert warning in out.stderr
+
+    same = _cli_env(store, url, OUTBOX_ARCHIVE_URI=f"file://{root}/")
+    out = invoke(["pipeline", "archive", "--older-than", "7d", "--to", str(root)], env=same)
+    assert out.exit_code == 0, out.output
+    assert "warning" not in out.stderr, out.stderr
+
+
 def test_purge_task_respects_archiving(store: OutboxStore, url: str, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The relay's beat-driven purge task, configured like a deployment."""

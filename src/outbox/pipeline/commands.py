@@ -28,6 +28,19 @@ def _store(url: str | None = None) -> OutboxStore:
     return OutboxStore(url or settings.database_url, table=settings.table, schema=settings.schema)
 
 
+def _warn_unless_the_relay_knows(target: str, configured: str | None, retention_days: float) -> None:
+    """The relay holds its purge back only while OUTBOX_ARCHIVE_URI is set (docs/pipeline.md,
+    "Purge and archive"): an archive given --to without it, or with another location there,
+    says on stderr that the purge still deletes done rows no run archived."""
+    if configured and archive_uri(configured) == archive_uri(target):
+        return
+    setting = f"is {configured}, not --to's {target}" if configured else "is not set"
+    click.echo(f"warning: OUTBOX_ARCHIVE_URI {setting}: unless the workers and beat have it set, the relay's purge "
+               f"(beat's outbox.purge, `outbox purge`) still deletes done rows older than {retention_days:g} days "
+               f"(OUTBOX_RETENTION_DAYS) that no run archived; set OUTBOX_ARCHIVE_URI={target} for the workers "
+               "and beat", err=True)
+
+
 master_option = click.option("--master", default=None, metavar="URL",
                              help="Spark master (default: the active session's, else local[*]); "
                                   "e.g. spark://host:7077, yarn, k8s://...")
@@ -86,6 +99,7 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
     from .stage import writer_for
 
     writer_for(writer, archive_uri(target))  # a writer that cannot serve the location: refused before Spark starts
+    _warn_unless_the_relay_knows(target, settings.archive_uri, settings.retention_days)
     store = _store()
     try:
         spark = spark_session(master, "outbox-archive")
