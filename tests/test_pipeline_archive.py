@@ -189,6 +189,55 @@ def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path
     assert not list((root / "_staging").glob("*"))
 
 
+@pytest.mark.parametrize("kind", ["sqlite"])
+@pytest.mark.parametrize("writer", ["arrow", "spark"])
+def test_the_archive_is_on_disk_before_the_commit_and_before_the_first_delete(
+        spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
+    """A power loss right after a DELETE commits must not leave rows deleted from the
+    outbox and missing from the archive: on a local path the driver fsyncs every staged
+    file before it commits (so a durable manifest never names a file that is not), the
+    manifest before its rename, and, before the first DELETE, every published file, the
+    manifest and each directory from them up to the archive's root (the entries the
+    renames made). fsync is recorded by inode: a rename keeps the file's."""
+    synced: list[tuple[int, int] | str] = []
+    real_fsync, real_delete = os.fsync, Archiver._delete
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+
+    def delete(self: Archiver, manifest: dict[str, Any]) -> int:
+        synced.append("DELETE")
+        return real_delete(self, manifest)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Archiver, "_delete", delete)
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+    result = Archiver(spark, store, str(root), writer=writer).run(timedelta(days=7))
+    assert result.deleted == len(old_done) > 0 and table_ids(store) == set(ids) - old_done
+
+    def inode(path: Path) -> tuple[int, int]:
+        st = path.stat()
+        return st.st_dev, st.st_ino
+
+    def with_directories(path: Path) -> list[Path]:
+        return [path, *[parent for parent in path.parents if parent.is_relative_to(root)]]
+
+    manifest_path = root / "_manifest" / f"{result.run_id}.json"
+    published = [root / rel for rel in json.loads(manifest_path.read_text())["files"]]
+    assert published and "DELETE" in synced
+    before_delete = set(synced[:synced.index("DELETE")])
+    for path in [p for f in [*published, manifest_path] for p in with_directories(f)]:
+        assert inode(path) in before_delete, f"{path} was not synced before the first DELETE"
+    committed_at = synced.index(inode(manifest_path))  # the manifest's own fsync, before its rename
+    for path in published:
+        assert inode(path) in synced[:committed_at], f"{path} was not synced before the commit"
+
+
 def test_the_delete_runs_on_several_connections_where_the_engine_has_concurrent_writers(
         spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After its first chunk alone, the delete spreads the chunks over ``delete_connections``

@@ -4,6 +4,7 @@ sqlglot's T-SQL dialect (no SQL Server runs here)."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -531,6 +532,34 @@ def test_a_task_of_the_arrow_writer_writes_a_file_per_topic_and_day(tmp_path: Pa
     assert by_dir["topic=b%2Fc/date=2026-12-01"].column("id").to_pylist() == [2, 4, 6]
     assert set(by_dir["topic=a/date=2026-12-02"].column("archive_run").to_pylist()) == {"run-1"}
     assert not list(tmp_path.rglob(".*"))  # nothing left under a hidden name
+
+
+def test_a_task_of_the_arrow_writer_syncs_each_file_before_its_rename(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file is fsynced under its hidden name before the rename that makes it
+    complete, on the task's own host: on a shared filesystem the driver's fsync flushes
+    only what the driver wrote (docs/pipeline.md, "Durability")."""
+    from outbox.pipeline.stage import write_task
+    events: list[tuple[str, int]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        events.append(("fsync", os.fstat(fd).st_ino))
+
+    def replace(src: str, dst: str) -> None:
+        events.append(("replace", os.stat(src).st_ino))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    pages = [source_page([1, 2, 3], ["a", "b", "a"], [1, 1, 2])]
+    files, _ = write_task(PagesThenFailure(pages, fail=False), None, str(tmp_path), "run-1")
+    assert len(files) == 3
+    renamed = [ino for what, ino in events if what == "replace"]
+    assert sorted(renamed) == sorted((tmp_path / f).stat().st_ino for f in files)
+    for ino in renamed:
+        assert events.index(("fsync", ino)) < events.index(("replace", ino))
 
 
 def test_a_task_of_the_arrow_writer_that_fails_leaves_no_file_a_reader_takes(tmp_path: Path) -> None:

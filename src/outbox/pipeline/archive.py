@@ -292,6 +292,8 @@ class Archiver:
             "committed_at": datetime.now(UTC).isoformat(),
         }
         self._still_locked(f"committing run {run_id}")
+        # A durable manifest must never name a file that is not (docs/pipeline.md, "Durability").
+        self.fs.sync(f"{staging}/{rel}" for rel in files)
         self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json"), json.dumps(manifest))
         self.on_step("committed")
         self.progress(f"run {run_id}: committed {rows} row(s) in {len(files)} file(s)")
@@ -324,9 +326,13 @@ class Archiver:
     def _finish(self, manifest: dict[str, Any]) -> int:
         self._still_locked(f"finishing run {manifest['run_id']}")
         self._publish(manifest)
+        # Every archived row on disk before the first row leaves the outbox: the published
+        # files, the manifest, and the directory entries the renames made (docs/pipeline.md,
+        # "Durability").
+        run_id = manifest["run_id"]
+        self.fs.sync([*(self.fs.uri(rel) for rel in manifest["files"]), self.fs.uri(MANIFEST_DIR, f"{run_id}.json")])
         deleted = self._delete(manifest)
         self.on_step("deleted")
-        run_id = manifest["run_id"]
         self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.deleted"), json.dumps(
             {"run_id": run_id, "deleted": deleted, "at": datetime.now(UTC).isoformat()}))
         self.progress(f"run {run_id}: deleted {deleted} archived row(s) from the outbox")

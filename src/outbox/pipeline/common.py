@@ -86,6 +86,17 @@ def local_path(uri: str) -> Path | None:
     return None
 
 
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """``fsync`` the file or directory at ``path`` (a directory: the names in it, as
+    renames and new files left them). A descriptor of its own, read-only: fsync flushes
+    the inode, whoever wrote it (docs/pipeline.md, "Durability")."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # -- id ranges ---------------------------------------------------------------------------
 def range_chunks(ranges: Sequence[Sequence[int]], chunk: int) -> Iterator[tuple[int, int]]:
     """Split ``[first, last]`` runs of ids into inclusive sub-ranges of at most ``chunk`` ids."""

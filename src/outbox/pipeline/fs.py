@@ -9,8 +9,11 @@ metadata operations; the executors write the Parquet files.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+from .common import fsync_path, local_path
 
 
 class ArchiveFS:
@@ -96,9 +99,38 @@ class ArchiveFS:
             out.write(bytearray(text.encode("utf-8")))
         finally:
             out.close()
+        self.sync([tmp_uri], directories=False)  # on disk before the rename makes it the file
         self.delete(uri, recursive=False)
         if not self.fs.rename(self._p(tmp_uri), self._p(uri)):
             raise OSError(f"could not rename {tmp_uri} to {uri}")
+        self.sync([uri])  # and its name in its directory
+
+    def sync(self, uris: Iterable[str], *, directories: bool = True) -> None:
+        """Make the files at ``uris`` durable on a local filesystem (``file:``): fsync each
+        (and the checksum file Hadoop's local filesystem keeps beside it, ``.<name>.crc``,
+        which its reads verify), then, with ``directories``, every directory from them up
+        to the root, deepest first (the names renames and new files made in them). Other
+        URIs: nothing to do here, a store's own durability is that of a closed file or a
+        finished rename (docs/pipeline.md, "Durability")."""
+        root = local_path(self.root)
+        if root is None:
+            return
+        files: list[Path] = []
+        folders: set[Path] = set()
+        for uri in uris:
+            path = local_path(uri)
+            if path is None:
+                continue
+            files.append(path)
+            crc = path.with_name(f".{path.name}.crc")
+            if crc.exists():
+                files.append(crc)
+            if directories:
+                folders.update(parent for parent in path.parents if parent.is_relative_to(root))
+        for path in dict.fromkeys(files):
+            fsync_path(path)
+        for folder in sorted(folders, key=lambda f: len(f.parts), reverse=True):
+            fsync_path(folder)
 
     def read_text(self, uri: str) -> str:
         stream = self.fs.open(self._p(uri))

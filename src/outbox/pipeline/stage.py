@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from typing import Any, Protocol
 
-from .common import ARCHIVE_SCHEMA_DDL, PipelineError, local_path
+from .common import ARCHIVE_SCHEMA_DDL, PipelineError, fsync_path, local_path
 from .fs import ArchiveFS
 
 #: Columns whose values are distinct row by row: Parquet's writer would try a dictionary
@@ -338,6 +338,9 @@ class TaskFiles:
         writer.close()  # should it fail, the file stays open for abandon() to remove
         del self.open[key]
         final = os.path.join(os.path.dirname(hidden), os.path.basename(hidden)[1:])
+        # On disk before its name says it is complete; the task's host flushes what it wrote
+        # (on a shared filesystem the driver's own fsync may not: docs/pipeline.md, "Durability").
+        fsync_path(hidden)
         os.replace(hidden, final)
         self.done.append(final)
 
