@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -18,8 +19,8 @@ import pytest
 from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, invoke, mixed_rows, seed, table_ids, table_rows
 
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
-from outbox.pipeline.common import ARCHIVE_SCHEMA_DDL, PipelineError
-from outbox.pipeline.stage import ArrowWritten, SparkWritten, file_runs
+from outbox.pipeline.common import ARCHIVE_SCHEMA_DDL, PipelineError, local_path
+from outbox.pipeline.stage import ArrowWriter, ArrowWritten, SparkWritten, file_runs
 from outbox.storage.store import OutboxStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -236,6 +237,39 @@ def test_the_archive_is_on_disk_before_the_commit_and_before_the_first_delete(
     committed_at = synced.index(inode(manifest_path))  # the manifest's own fsync, before its rename
     for path in published:
         assert inode(path) in synced[:committed_at], f"{path} was not synced before the commit"
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_files_the_driver_cannot_see_are_refused_before_the_commit(spark: Any, store: OutboxStore,
+                                                                  tmp_path: Path) -> None:
+    """A plain path on a real cluster: the executors write to disks of their own, which
+    the driver does not see (here: the staging moved aside once the tasks reported). The
+    run stops before its commit, naming the cause, with no manifest and no row deleted,
+    so the next run is not wedged on a committed run whose files are missing: it
+    archives every row (before: the manifest was committed, publish found no file, and
+    every later run failed with "committed file ... is missing from the archive")."""
+    rows = mixed_rows()
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    root = tmp_path / "archive"
+
+    class ExecutorDisks(ArrowWriter):
+        def write(self, spark: Any, options: dict[str, str], staging: str, run_id: str) -> Any:
+            written = super().write(spark, options, staging, run_id)
+            shutil.move(str(local_path(staging)), tmp_path / "executor-disk")
+            return written
+
+    archiver = Archiver(spark, store, str(root))
+    archiver.writer = ExecutorDisks()
+    with pytest.raises(PipelineError, match=r"not in .*_staging/.* as the driver sees it: .*use a shared filesystem "
+                                            r"or an object store.*nothing was committed"):
+        archiver.run(timedelta(days=7))
+    assert not list((root / "_manifest").glob("*.json"))
+    assert table_ids(store) == set(ids)
+
+    result = Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert (result.archived, result.deleted) == (len(old_done), len(old_done))
+    assert sorted(archived_ids(spark, root)) == sorted(old_done)
 
 
 def test_the_delete_runs_on_several_connections_where_the_engine_has_concurrent_writers(

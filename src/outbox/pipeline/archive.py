@@ -14,7 +14,9 @@ One run, step by step (each step is safe to crash in; see docs/pipeline.md):
    archive on a filesystem path, Spark's writer for other URIs);
 4. **verify**: read the staged ids back and turn them into ``[first, last]`` runs of
    consecutive ids (an id there twice, or outside the bounds, fails the run);
-5. **commit**: write ``_manifest/<run>.json`` (the id runs, the cut-off, the files).
+5. **commit**: once the driver sees every staged file (a plain path on a cluster whose
+   executors wrote to disks of their own is refused here) and, on a local path, has
+   fsynced them, write ``_manifest/<run>.json`` (the id runs, the cut-off, the files).
    This file is the commit point: before it the run never happened, after it the
    run is finished by whoever comes next;
 6. **publish**: move the staged files into the archive's ``topic=/date=`` tree;
@@ -291,6 +293,7 @@ class Archiver:
             "cutoff_native": encode_native(cutoff), "rows": rows, "id_ranges": ranges, "files": files,
             "committed_at": datetime.now(UTC).isoformat(),
         }
+        self._check_visible(run_id, staging, files)
         self._still_locked(f"committing run {run_id}")
         # A durable manifest must never name a file that is not (docs/pipeline.md, "Durability").
         self.fs.sync(f"{staging}/{rel}" for rel in files)
@@ -321,6 +324,20 @@ class Archiver:
         if ranges and (ranges[0][0] < lo or ranges[-1][1] > hi):
             raise PipelineError(f"staged archive {staging} holds ids outside {lo}..{hi}; nothing was committed")
         return rows, ranges, files
+
+    def _check_visible(self, run_id: str, staging: str, files: list[str]) -> None:
+        """Refuse to commit files the driver does not see in the staging directory: a
+        plain path on a cluster whose executors wrote to disks of their own. Committed,
+        the run could never be published, and every later run would fail on it
+        (docs/pipeline.md, step 5)."""
+        there = set(self.fs.list_files(staging))
+        missing = [f for f in files if f not in there]
+        if missing:
+            raise PipelineError(
+                f"run {run_id}: {len(missing)} of the {len(files)} file(s) the tasks wrote (e.g. {missing[0]}) are "
+                f"not in {staging} as the driver sees it: the executors wrote to disks of their own; on a "
+                "cluster use a shared filesystem or an object store (hdfs://, s3a://...) that every node "
+                "sees at that location; nothing was committed")
 
     # -- finishing and recovery ----------------------------------------------------------------
     def _finish(self, manifest: dict[str, Any]) -> int:
