@@ -19,7 +19,7 @@ from tsql_support import no_sqlglot_fallbacks  # noqa: F401 - a fixture
 import outbox
 from outbox.pipeline.common import PipelineError
 from outbox.pipeline.lock import ArchiveLock, lock_name
-from outbox.storage.engines.mssql.schema import session_lock_sql, session_unlock_sql
+from outbox.storage.engines.mssql.schema import session_lock_held_sql, session_lock_sql, session_unlock_sql
 from outbox.storage.store import OutboxStore
 
 ARCHIVE = "file:/data/outbox-archive"
@@ -115,6 +115,60 @@ def test_the_lock_outlasts_the_relays_idle_bounds_and_a_lost_session_is_reported
     taken.release()
 
 
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_the_check_asks_the_database_so_a_lock_lost_a_moment_ago_stops_the_run(store: OutboxStore,
+                                                                               archive: str) -> None:
+    """``check`` (before the commit, before the delete) asks the lock's session whether it
+    still holds the lock, at once: a session the server ended a moment ago, or one that
+    no longer holds the lock, stops the run, where a flag the 2 s ping sets missed it."""
+    lock = ArchiveLock(store, archive)
+    assert lock.try_acquire()
+    try:
+        lock.check("committing")  # held: no error
+        with store.transaction() as cursor:  # the server ends the lock's session
+            if store.engine.name == "postgresql":
+                store.engine.execute(cursor, "SELECT pg_terminate_backend(?)", [lock._conn.info.backend_pid])
+            else:
+                store.engine.execute(cursor, f"KILL {int(lock._conn.thread_id())}")
+        with pytest.raises(PipelineError, match=rf"lost the lock of the archive {re.escape(archive)} "
+                                                r"\(its database session ended: .*stopped before committing: run again"):
+            lock.check("committing")
+    finally:
+        lock.release()
+
+    lock = ArchiveLock(store, archive)
+    assert lock.try_acquire()
+    try:
+        with lock._guard:  # the session lives on, but no longer holds the lock
+            lock._statement(lock._conn, store.engine.session_unlock_statement(lock.name))
+        with pytest.raises(PipelineError, match=r"\(its database session no longer holds it\); stopped before "
+                                                r"deleting"):
+            lock.check("deleting")
+    finally:
+        lock.release()
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_on_sqlite_the_check_finds_a_lock_file_removed_and_made_again(store: OutboxStore, archive: str) -> None:
+    """SQLite's lock is a flock on a file beside the database: removed, a second run makes
+    the file again and takes a lock of its own on it, so ``check`` compares the file this
+    run holds open with the one at the path, now."""
+    lock = ArchiveLock(store, archive)
+    assert lock.try_acquire()
+    try:
+        lock.check("committing")
+        os.remove(lock._lock_path)
+        with pytest.raises(PipelineError, match=r"its lock file .* was removed\); stopped before committing"):
+            lock.check("committing")
+        other = ArchiveLock(store, archive)
+        assert other.try_acquire()  # the very overlap the check is there for
+        other.release()
+        with pytest.raises(PipelineError, match=r"its lock file .* was replaced\); stopped before deleting"):
+            lock.check("deleting")
+    finally:
+        lock.release()
+
+
 @pytest.mark.usefixtures("no_sqlglot_fallbacks")
 def test_the_sql_server_lock_parses_as_tsql() -> None:
     import sqlglot
@@ -126,7 +180,10 @@ def test_the_sql_server_lock_parses_as_tsql() -> None:
     assert [type(s).__name__ for s in take] == ["Set", "Declare", "Execute", "Select"]
     release = sqlglot.parse(session_unlock_sql(name), read="tsql")
     assert [type(s).__name__ for s in release] == ["Execute"]
-    for statement in [*take, *release]:
+    held = sqlglot.parse(session_lock_held_sql(name), read="tsql")
+    assert [type(s).__name__ for s in held] == ["Select"]
+    assert "APPLOCK_MODE(N'public', N'outbox archive " in session_lock_held_sql(name)
+    for statement in [*take, *release, *held]:
         assert statement is not None and not list(statement.find_all(exp.Command))
     assert "@LockOwner = N'Session'" in session_lock_sql(name) and "@LockTimeout = 0" in session_lock_sql(name)
     assert session_lock_sql("it's").count("N'it''s'") == 1

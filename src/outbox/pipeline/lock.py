@@ -27,7 +27,7 @@ log = logging.getLogger("outbox.pipeline.lock")
 
 #: Seconds between two pings of the lock's connection: they keep it from looking idle to
 #: the server (MySQL's ``wait_timeout`` is the relay's 5 s bound, docs/relay.md, "A network
-#: cut") and find a lost lock (the server ended the session) before the run commits.
+#: cut"). Whether the lock is still held is asked live by ``check``, not read from them.
 PING_EVERY_S = 2.0
 
 
@@ -57,6 +57,7 @@ class ArchiveLock:
         self._stop = threading.Event()
         self._pinger: threading.Thread | None = None
         self._lost: str | None = None
+        self._lock_path = ""
 
     # -- taking it -----------------------------------------------------------------------
     def try_acquire(self) -> bool:
@@ -79,13 +80,20 @@ class ArchiveLock:
         self._pinger.start()
         return True
 
-    def _statement(self, conn: Any, sql: tuple[str, list[Any]], *, first: bool = False) -> Any:
+    def _statement(self, conn: Any, sql: tuple[str, list[Any]], *, first: bool = False, answer: bool = False) -> Any:
         """Run one statement on the lock's connection and commit at once: the session holds
-        the lock, never a transaction (the server ends a session idle in one)."""
+        the lock, never a transaction (the server ends a session idle in one). ``first``:
+        the taking statement's row says whether the lock was granted; ``answer``: the row
+        is a yes or no (``session_lock_held_statement``)."""
         cursor = conn.cursor()
         try:
             self.store.engine.execute(cursor, sql[0], sql[1])
-            value = self.store.engine.session_lock_granted(cursor.fetchone()[0]) if first else None
+            value = None
+            if first:
+                value = self.store.engine.session_lock_granted(cursor.fetchone()[0])
+            elif answer:
+                row = cursor.fetchone()
+                value = row is not None and row[0] is not None and bool(int(row[0]))
         finally:
             cursor.close()
         conn.commit()
@@ -103,6 +111,7 @@ class ArchiveLock:
             handle.close()
             return False
         self._file = handle
+        self._lock_path = lock_path
         return True
 
     # -- holding it ----------------------------------------------------------------------
@@ -118,11 +127,36 @@ class ArchiveLock:
                     return
 
     def check(self, before: str) -> None:
-        """Raise ``PipelineError`` when the session that held the lock has ended: another
-        run may hold it now, so this one stops ``before`` its next step."""
-        if self._lost is not None:
-            raise PipelineError(f"lost the lock of the archive {self.archive} (its database session ended: "
-                                f"{self._lost}); stopped before {before}: run again")
+        """Raise ``PipelineError`` when this run no longer holds the lock, asked now (the
+        lock's session, or the lock file): another run may hold it, so this one stops
+        ``before`` its next step. A live answer, not the last ping's, which may be two
+        seconds old (docs/pipeline.md, "One run at a time")."""
+        lost = self._lost_now()
+        if lost is not None:
+            raise PipelineError(f"lost the lock of the archive {self.archive} ({lost}); stopped before {before}: "
+                                "run again")
+
+    def _lost_now(self) -> str | None:
+        """Why the lock is no longer held, or None while it is."""
+        if self._file is not None:
+            # The flock lives as long as the open file; a lock file removed (and made again by
+            # another run, which then holds a lock of its own on it) is no longer this lock.
+            try:
+                here, there = os.fstat(self._file.fileno()), os.stat(self._lock_path)
+            except FileNotFoundError:
+                return f"its lock file {self._lock_path} was removed"
+            if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+                return f"its lock file {self._lock_path} was replaced"
+            return None
+        with self._guard:
+            if self._lost is None and self._conn is not None:
+                try:
+                    if not self._statement(self._conn, self.store.engine.session_lock_held_statement(self.name),
+                                           answer=True):
+                        return "its database session no longer holds it"
+                except Exception as exc:  # noqa: BLE001 - any failure means the session, and its lock, may be gone
+                    self._lost = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        return None if self._lost is None else f"its database session ended: {self._lost}"
 
     # -- giving it back ------------------------------------------------------------------
     def release(self) -> None:

@@ -421,6 +421,12 @@ class Engine(ABC):
     def session_lock_granted(self, value: Any) -> bool:
         return bool(value)
 
+    def session_lock_held_statement(self, name: str) -> tuple[str, list[Any]]:
+        """A statement, on the session that took ``name`` (``session_lock_statements``),
+        returning one row whose first value is true while that session holds it: a live
+        answer, not the last ping's (docs/pipeline.md, "One run at a time")."""
+        raise NotImplementedError(f"{self.name} has no session locks")
+
     def holders_migration(self) -> list[Any]:
         """The holders table (docs/internals.md, "Lost workers"), as ``migration`` items; each
         engine's ``migration`` ends with them. This form suits engines with

@@ -300,6 +300,9 @@ class MysqlEngine(Engine):
     def session_unlock_statement(self, name: str) -> tuple[str, list[Any]]:
         return "SELECT RELEASE_LOCK(?)", [name]  # GET_LOCK: 1, 0, or NULL on an error
 
+    def session_lock_held_statement(self, name: str) -> tuple[str, list[Any]]:
+        return "SELECT COALESCE(IS_USED_LOCK(?) = CONNECTION_ID(), 0)", [name]
+
     def _migration_lock_key(self) -> str:
         return "outbox migrate " + hashlib.sha1(self.migration_lock_resource().encode()).hexdigest()
 

@@ -295,6 +295,14 @@ class PostgresEngine(Engine):
     def session_unlock_statement(self, name: str) -> tuple[str, list[Any]]:
         return "SELECT pg_advisory_unlock(?)", [advisory_key(name)]
 
+    def session_lock_held_statement(self, name: str) -> tuple[str, list[Any]]:
+        # pg_locks shows a bigint advisory key as its high and low 32 bits (classid, objid),
+        # unsigned, with objsubid 1.
+        key = advisory_key(name) & 0xFFFFFFFFFFFFFFFF
+        return ("SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted "
+                "AND mode = 'ExclusiveLock' AND objsubid = 1 AND classid::bigint = ? AND objid::bigint = ?",
+                [key >> 32, key & 0xFFFFFFFF])
+
     def holders_columns(self) -> str:
         return ("holder_id CHAR(16) NOT NULL PRIMARY KEY, host VARCHAR(255) NOT NULL, pid INTEGER NOT NULL, "
                 "started_at TIMESTAMPTZ(3) NOT NULL, beat_at TIMESTAMPTZ(3) NOT NULL")

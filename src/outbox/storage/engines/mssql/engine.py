@@ -13,7 +13,13 @@ from typing import Any, ClassVar
 from ....core.errors import StoreError
 from . import driver
 from .driver import DEFAULT_LOCK_TIMEOUT_MS, INLINE_UNITS, input_sizes, open_connection, parse_target, result_rows
-from .schema import FILTERED_INDEX_OPTIONS, migration_unlock_statements, session_lock_sql, session_unlock_sql
+from .schema import (
+    FILTERED_INDEX_OPTIONS,
+    migration_unlock_statements,
+    session_lock_held_sql,
+    session_lock_sql,
+    session_unlock_sql,
+)
 from .sql import ID_PARAMS_PER_STATEMENT, MssqlStatements
 
 log = logging.getLogger("outbox.storage.engines.mssql")
@@ -160,6 +166,9 @@ class MssqlEngine(MssqlStatements):
 
     def session_lock_granted(self, value: Any) -> bool:
         return value is not None and int(value) >= 0
+
+    def session_lock_held_statement(self, name: str) -> tuple[str, list[Any]]:
+        return session_lock_held_sql(name), []
 
     def unlock_migration(self, cursor: Any) -> None:
         """Release a session-owned migration lock (``migration_unlock_statements``): the

@@ -363,3 +363,10 @@ def session_lock_sql(name: str) -> str:
 
 def session_unlock_sql(name: str) -> str:
     return f"EXEC sp_releaseapplock @Resource = {nstr(name)}, @LockOwner = N'Session'"
+
+
+def session_lock_held_sql(name: str) -> str:
+    """One row: 1 while this session holds the applock ``name`` (``session_lock_sql``:
+    sp_getapplock's default principal, public), else 0."""
+    return (f"SELECT CASE WHEN APPLOCK_MODE(N'public', {nstr(name)}, N'Session') = N'Exclusive' "
+            "THEN 1 ELSE 0 END")
