@@ -272,6 +272,31 @@ def test_files_the_driver_cannot_see_are_refused_before_the_commit(spark: Any, s
     assert sorted(archived_ids(spark, root)) == sorted(old_done)
 
 
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_a_topic_too_long_for_a_directory_name_is_refused_before_staging_naming_it(
+        spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """The write side takes topics up to 255 UTF-8 bytes, but ``topic=<value>`` is a
+    directory name, at most 255 bytes on a local filesystem (and HDFS), with Spark's
+    escapes (``%XX``) counted: the run stops before staging with one line naming the
+    topic, nothing written, no row deleted (before: "File name too long" from a task,
+    and the next run the same)."""
+    long_topic = "orders." + "x" * 243  # 250 bytes: enqueue takes it; "topic=" makes 256
+    fine = "orders/" + "y" * 76  # 83 characters, the "/" escaped as %2F: 255 bytes with "topic="
+    ids = seed(store, [Row(long_topic, "a"), Row("orders.created", "b"), Row(fine, "c")])
+    root = tmp_path / "archive"
+    with pytest.raises(PipelineError, match=rf"the topic '{long_topic}' .*256 bytes.* a file or directory name "
+                                            r"holds at most 255.*nothing was archived"):
+        Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert table_ids(store) == set(ids)
+    assert not list((root / "_manifest").glob("*.json")) and not list((root / "_staging").glob("*"))
+
+    with store.transaction() as c:  # without it, the rest is archived, the 255-byte name too
+        store.engine.execute(c, f"DELETE FROM {store.engine.table} WHERE id = ?", [ids[0]])
+    result = Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert result.archived == 2
+    assert sorted(r["topic"] for r in read_archive(spark, str(root)).collect()) == sorted(["orders.created", fine])
+
+
 def test_the_delete_runs_on_several_connections_where_the_engine_has_concurrent_writers(
         spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After its first chunk alone, the delete spreads the chunks over ``delete_connections``

@@ -301,7 +301,7 @@ def _tsql(sql: str, params: int) -> exp.Expression:
 
 def test_pipeline_sql_parses_as_tsql() -> None:
     pytest.importorskip("pyspark")
-    from outbox.pipeline.archive import candidates_sql, check_table_sql, delete_sql
+    from outbox.pipeline.archive import candidates_sql, check_table_sql, delete_sql, long_topics_sql
     from outbox.pipeline.replay import existing_sql
     from outbox.pipeline.source import OutboxQuery
 
@@ -320,6 +320,7 @@ def test_pipeline_sql_parses_as_tsql() -> None:
     _tsql(pieces.page_sql(), 3 + len(pieces.params))
     _tsql(check_table_sql(engine), 0)
     _tsql(candidates_sql(engine, [2, 4]), 1)
+    assert "DATALENGTH(topic) > 62" in _tsql(long_topics_sql(engine, [2]), 1).sql(dialect="tsql")
     delete = _tsql(delete_sql(engine, [2]), 3)
     assert isinstance(delete, exp.Delete)
     _tsql(existing_sql(engine.table, 500), 500)

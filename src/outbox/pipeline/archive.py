@@ -62,7 +62,7 @@ from .common import (
 )
 from .fs import ArchiveFS
 from .lock import ArchiveLock
-from .stage import StageWriter, Written, writer_for
+from .stage import MAX_NAME_BYTES, SHORT_TOPIC_CHARS, StageWriter, Written, topic_dir_bytes, writer_for
 
 log = logging.getLogger("outbox.pipeline.archive")
 
@@ -75,6 +75,8 @@ HOLDER_NOTE = "lock"
 #: Seconds between two tries for a lock another run holds (``--wait``).
 LOCK_POLL_S = 1.0
 STAGING_DIR = "_staging"
+#: The archive locations whose names are limited to ``MAX_NAME_BYTES`` (object stores' are not).
+NAME_LIMITED_SCHEMES = ("file", "hdfs", "viewfs", "webhdfs", "swebhdfs")
 DONE_STATUS, DEAD_STATUS = 2, 4
 
 Hook = Callable[[str], None]
@@ -105,9 +107,19 @@ def check_table_sql(engine: Engine) -> str:
 
 
 def candidates_sql(engine: Engine, statuses: list[int]) -> str:
-    """Count and id bounds of the rows to archive; one ``?``: the cut-off."""
-    return (f"SELECT COUNT(*), MIN(id), MAX(id) FROM {engine.table} "
+    """Count and id bounds of the rows to archive, and how many of them have a topic
+    that may be too long for a directory name (``long_topics_sql``); one ``?``: the cut-off."""
+    return (f"SELECT COUNT(*), MIN(id), MAX(id), "
+            f"COUNT(CASE WHEN {engine.text_length}(topic) > {SHORT_TOPIC_CHARS} THEN 1 END) FROM {engine.table} "
             f"WHERE status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
+
+
+def long_topics_sql(engine: Engine, statuses: list[int]) -> str:
+    """The topics of the rows to archive that may be too long for a directory name (more
+    than ``SHORT_TOPIC_CHARS`` characters); one ``?``: the cut-off."""
+    return (f"SELECT DISTINCT topic FROM {engine.table} "
+            f"WHERE status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ? "
+            f"AND {engine.text_length}(topic) > {SHORT_TOPIC_CHARS}")
 
 
 def delete_sql(engine: Engine, statuses: list[int]) -> str:
@@ -265,8 +277,10 @@ class Archiver:
         cutoff = db_cutoff(self.store, older_than)
         cutoff_dt = self.engine.to_datetime(cutoff)
         assert cutoff_dt is not None  # the database's clock always answers
-        count, lo, hi = self.store._run("count", lambda c: self.engine.execute(
+        count, lo, hi, long = self.store._run("count", lambda c: self.engine.execute(
             c, candidates_sql(self.engine, statuses), [cutoff]).fetchone())
+        if long:
+            self._check_topic_names(statuses, cutoff)
         result = ArchiveResult(run_id=None, cutoff=cutoff_dt, recovered=recovered)
         if not count:
             self.progress(f"nothing to archive: no {'done or dead' if include_dead else 'done'} rows "
@@ -304,6 +318,23 @@ class Archiver:
         result.deleted = self._finish(manifest)
         result.kept = rows - result.deleted
         return result
+
+    def _check_topic_names(self, statuses: list[int], cutoff: Any) -> None:
+        """Refuse, before staging, a topic whose directory (``topic=<value>``, Spark's
+        escapes counted) is longer than a name may be where the archive is (a local path,
+        HDFS: ``MAX_NAME_BYTES``): its task would fail on "File name too long", and so
+        would every later run (docs/pipeline.md, "Layout")."""
+        if urlsplit(self.root).scheme.lower() not in NAME_LIMITED_SCHEMES:
+            return
+        topics = self.store._run("long topics", lambda c: self.engine.execute(
+            c, long_topics_sql(self.engine, statuses), [cutoff]).fetchall())
+        for (topic,) in sorted(topics):
+            if topic_dir_bytes(topic) > MAX_NAME_BYTES:
+                raise PipelineError(
+                    f"the topic {topic!r} makes an archive directory name (topic=<topic>, Spark's %XX escapes "
+                    f"included) of {topic_dir_bytes(topic)} bytes, and a file or directory name holds at most "
+                    f"{MAX_NAME_BYTES} on {self.root}: archive to an object store (s3a://...), or move that "
+                    "topic's rows out of the outbox; nothing was archived")
 
     def _stage(self, staging: str, run_id: str, statuses: list[int], cutoff: Any, lo: int, hi: int) -> Written:
         options = {"url": self.store.url, "table": self.engine.table_name, "schema": self.engine.schema or "",

@@ -65,6 +65,19 @@ def partition_value(value: str | None) -> str:
     return "".join(f"%{ord(c):02X}" if c in SPARK_ESCAPED else c for c in value)
 
 
+#: The longest file or directory name, in bytes, on a local filesystem (Linux's NAME_MAX)
+#: and on HDFS (``dfs.namenode.fs-limits.max-component-length``); object stores have none.
+MAX_NAME_BYTES = 255
+#: A topic of at most this many characters always fits ``topic=<value>`` in ``MAX_NAME_BYTES``:
+#: a character takes at most 4 bytes, escaped or not (``%XX``: 3).
+SHORT_TOPIC_CHARS = (MAX_NAME_BYTES - len("topic=")) // 4
+
+
+def topic_dir_bytes(topic: str | None) -> int:
+    """The length in bytes of the directory ``topic``'s rows go to: ``topic=<value>``."""
+    return len(f"topic={partition_value(topic)}".encode())
+
+
 def id_runs(edges: Iterable[tuple[int, int | None, int | None]]) -> tuple[int, list[list[int]]]:
     """``EDGES_SQL``'s rows (an id, the ids before and after it in id order) -> the row
     count and the ``[first, last]`` runs of consecutive ids ("gaps and islands": every

@@ -173,6 +173,9 @@ class Engine(ABC):
 
     # -- SQL text ------------------------------------------------------------
     now: ClassVar[str] = "CURRENT_TIMESTAMP"
+    #: A function giving a text's length, at least its number of characters (MySQL's LENGTH
+    #: counts bytes, SQL Server's DATALENGTH too: more, never fewer).
+    text_length: ClassVar[str] = "LENGTH"
 
     @abstractmethod
     def now_plus_ms(self) -> str:

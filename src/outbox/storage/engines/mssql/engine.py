@@ -43,6 +43,7 @@ class MssqlEngine(MssqlStatements):
     default_schema: ClassVar[str | None] = "dbo"
     native_json: ClassVar[bool] = True
     now: ClassVar[str] = "SYSUTCDATETIME()"
+    text_length: ClassVar[str] = "DATALENGTH"  # LEN leaves trailing spaces out
     #: With RCSI off a plain read waits for every uncommitted enqueue (issue 20, item 10);
     #: the gauges may count a row that then rolls back.
     unlocked_read: ClassVar[str] = " WITH (READUNCOMMITTED)"
