@@ -198,3 +198,18 @@ def test_a_worker_keeps_trying_its_broker_while_the_outage_lasts(tmp_path: Path)
     last = done.stdout.split()[-2:]  # after the worker's banner
     assert last[0] == "trying" and int(last[1]) >= 150, done.stdout[-500:] + done.stderr[-2000:]
     assert "Unrecoverable error" not in done.stderr
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_a_worker_with_a_greenlet_pool_is_refused_in_one_line(tmp_path: Path, pool: str) -> None:
+    """Each greenlet is a thread to the relay: under ``-P gevent`` every task's greenlet made
+    a database connection and a publisher that nothing closed (found in review). The worker
+    is refused as it starts (Celery's ``worker_init``, before the pool is even imported),
+    saying which pools to use."""
+    result = run_python("from outbox.celery.application import app\nimport outbox.celery.worker\n"
+                        f"app.WorkController(pool={pool!r})\nprint('started')", tmp_path,
+                        OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert result.returncode == 1 and "started" not in result.stdout, result
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"outbox: the {pool} pool is not supported: every greenlet would hold a database connection and a "
+        "publisher of its own, never closed; run the worker with the prefork (default), threads or solo pool")

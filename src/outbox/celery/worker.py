@@ -197,8 +197,24 @@ def _remove_stopping_marker() -> None:
         _stopping_marker(os.getpid()).unlink(missing_ok=True)
 
 
+#: Celery's pools whose tasks run in greenlets (docs/internals.md, "Worker processes").
+GREEN_POOLS = ("gevent", "eventlet")
+
+
+def refuse_green_pool(pool: Any) -> None:
+    """Stop a worker started with a greenlet pool (``-P gevent``/``eventlet``), saying so
+    in one line. Each greenlet is a thread to the relay: it would make its own database
+    connection and publisher, never closed, one more per task."""
+    name = pool if isinstance(pool, str) else f"{getattr(pool, '__module__', '')}".rsplit(".", 1)[-1]
+    if name in GREEN_POOLS:
+        raise SystemExit(f"outbox: the {name} pool is not supported: every greenlet would hold a database "
+                         "connection and a publisher of its own, never closed; run the worker with the "
+                         "prefork (default), threads or solo pool")
+
+
 @signals.worker_init.connect
-def _init(**_: Any) -> None:
+def _init(sender: Any = None, **_: Any) -> None:
+    refuse_green_pool(getattr(sender, "pool_cls", None))  # SystemExit: not caught by Celery's signal
     _waker.in_process_claim = lambda: request_claim()  # post-commit wakes here skip the broker
     _remove_stopping_marker()  # one left by an earlier process with this pid
     _metrics.on_worker_init()
