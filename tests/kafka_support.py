@@ -123,3 +123,21 @@ class Reader(threading.Thread):
         self._done.set()
         self.join(10)
         return self.arrivals
+
+
+def explain_missing(bootstrap: str, topic: str, missing: list[int], statuses: dict[int, int]) -> str:
+    """For a failed wait for arrivals: the missing events' rows (done, with a successful
+    delivery report, points at the broker: Tansu's offsets, docs/destinations.md "Tests";
+    open rows point at the relay), whether a fresh read of the whole topic finds them, and
+    the partitions' high watermarks against what was read."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    again = consume(bootstrap, topic, 10**9, timeout=10)
+    ids = {int({k: v.decode() for k, v in m.headers() or []}["outbox_id"]) for m in again}
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"outbox-test-{uuid.uuid4().hex}"})
+    try:
+        marks = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5) for p in range(3)]
+    finally:
+        consumer.close()
+    return (f"missing {missing[:20]}: their rows' statuses {[statuses.get(i) for i in missing[:20]]}; a fresh read "
+            f"of {len(again)} records finds {sorted(set(missing) & ids)[:20]}; high watermarks {marks}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kafka_support import Reader, Tansu, create_topic, free_port, tansu_or_skip
+from kafka_support import Reader, Tansu, create_topic, explain_missing, free_port, tansu_or_skip
 from relay_e2e_support import Outbox, Proxy, Writer, check_order, relay_env, require_relay_services, wait_until
 
 from outbox import Status
@@ -72,7 +72,9 @@ def test_a_worker_killed_while_publishing_to_kafka_loses_nothing_and_never_reord
     total = len(writer.written)
     arrived = lambda: {a[0] for a in reader.arrivals}  # noqa: E731
     assert wait_until(lambda: len(arrived()) >= total, timeout=40), (
-        f"{len(arrived())} of {total} arrived\n{procs.log('w2')[-3000:]}")
+        f"{len(arrived())} of {total} arrived, "
+        f"{explain_missing(far_tansu.bootstrap, topic, sorted(set(writer.written) - arrived()), outbox.statuses())}\n"
+        f"{procs.log('w2')[-3000:]}")
     arrivals = reader.stop()
 
     check_order(arrivals, writer.expected)  # nothing lost, per aggregate a prefix-ordered sequence

@@ -381,7 +381,7 @@ def test_kafka_unreachable_for_a_while_loses_nothing_keeps_order_and_says_so_onc
     client's own lines are throttled: librdkafka logs every dropped connection (at INFO,
     several a second, handed over in a burst at the next poll); before, a 5 s cut put about a
     hundred of them in the log, now one per producer."""
-    from kafka_support import Reader
+    from kafka_support import Reader, explain_missing
     from relay_e2e_support import check_order
 
     outbox, runner, topic = sqlite_outbox, RUNNERS[runner_name], "orders"
@@ -411,7 +411,8 @@ def test_kafka_unreachable_for_a_while_loses_nothing_keeps_order_and_says_so_onc
         total = len(writer.written)
         arrived = lambda: {a[0] for a in reader.arrivals}  # noqa: E731
         assert wait_until(lambda: len(arrived()) >= total, timeout=60), (
-            f"{len(arrived())} of {total}, missing {sorted(set(writer.written) - arrived())[:20]}\n"
+            f"{len(arrived())} of {total}, "
+            f"{explain_missing(tansu.bootstrap, topic, sorted(set(writer.written) - arrived()), outbox.statuses())}\n"
             f"{procs.log('w1')[-3000:]}")
         arrivals = reader.stop()
         procs.check_alive()
