@@ -248,6 +248,50 @@ def test_a_row_that_is_not_a_message_is_dropped_alone(broker: Broker, caplog: py
         q.close()
 
 
+@pytest.mark.parametrize("settle", ["ack", "reject", "requeue"])
+def test_a_failed_ack_gives_its_prefetch_slot_back(broker: Broker, settle: str) -> None:
+    """An ack (or reject) whose table update fails, the database lost past the retries for a
+    moment: the message keeps its lease and comes back after the visibility timeout, and the
+    consumer goes on receiving. Before, the failed settle left the tag in the prefetch window
+    for the life of the channel: with prefetch 1 the consumer never received again."""
+    from outbox.core.errors import BrokerDatabaseUnavailable
+
+    with broker.connect(visibility_timeout=3600) as conn:
+        q = conn.SimpleQueue("failed-ack")
+        q.put({"n": 1})
+        q.put({"n": 2})
+        channel = conn.default_channel
+        got: list[tuple[Any, Any]] = []
+        consumer = Consumer(channel, [Queue("failed-ack")], accept=["json"], prefetch_count=1,
+                            callbacks=[lambda body, message: got.append((body, message))])
+
+        def drain_until(count: int) -> None:
+            deadline = time.monotonic() + 10
+            while len(got) < count and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.5)
+
+        with consumer:
+            drain_until(1)
+            real = channel.db.run_counting
+
+            def down(*args: Any, **kwargs: Any) -> Any:
+                raise BrokerDatabaseUnavailable("the database went away during the ack")
+
+            channel.db.run_counting = down
+            try:
+                with pytest.raises(BrokerDatabaseUnavailable):
+                    message = got[0][1]
+                    message.ack() if settle == "ack" else message.reject(requeue=settle == "requeue")
+            finally:
+                channel.db.run_counting = real  # the database is back
+            drain_until(2)
+        assert [body for body, _ in got] == [{"n": 1}, {"n": 2}]
+        got[1][1].ack()
+        assert channel.db.run(lambda qt, c: qt.holds_any(c, "failed-ack"))  # n=1: still leased, back after the timeout
+        q.close()
+
+
 def test_a_callback_that_raises_hands_the_rest_of_its_batch_back(broker: Broker) -> None:
     with broker.connect(visibility_timeout=3600) as conn:
         q = conn.SimpleQueue("raising")

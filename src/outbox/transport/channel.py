@@ -87,15 +87,22 @@ class QoS(virtual.QoS):
         except KeyError:
             return delivery_tag in self._delivered and delivery_tag not in self._dirty
 
+    # The tag leaves the prefetch window whatever the settle's outcome: a settle that fails
+    # leaves the row leased, back after the visibility timeout, and a tag kept in the window
+    # would hold its slot for the life of the channel (docs/transport.md, "Guarantees").
     def ack(self, delivery_tag: str) -> None:
-        if self._unsettled(delivery_tag):
-            self.channel._settle(delivery_tag, requeue=False)
-        super().ack(delivery_tag)
+        try:
+            if self._unsettled(delivery_tag):
+                self.channel._settle(delivery_tag, requeue=False)
+        finally:
+            super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if self._unsettled(delivery_tag):
-            self.channel._settle(delivery_tag, requeue=requeue)
-        self._quick_ack(delivery_tag)
+        try:
+            if self._unsettled(delivery_tag):
+                self.channel._settle(delivery_tag, requeue=requeue)
+        finally:
+            self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list:
         """Warm shutdown, channel close: hand every unsettled message back at once (rather
