@@ -215,9 +215,17 @@ def test_closing_a_connection_hands_unacked_messages_back_at_once(broker: Broker
         q.close()
 
 
-def test_a_row_that_is_not_a_message_is_dropped_alone(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("headers", ["{oops", "[]", '"text"', '{"properties": null}',
+                                     '{"properties": {"delivery_info": []}}', '{"headers": [1]}'],
+                         ids=["not-json", "array", "string", "null-properties", "array-delivery-info",
+                              "array-headers"])
+def test_a_row_that_is_not_a_message_is_dropped_alone(broker: Broker, caplog: pytest.LogCaptureFixture,
+                                                      headers: str) -> None:
     """A damaged row (headers not JSON) failed every poll that leased it, with the rest of
-    its batch left leased and unseen for the visibility timeout, again every timeout."""
+    its batch left leased and unseen for the visibility timeout, again every timeout. So did
+    headers that are JSON but not an envelope (an array, an object whose properties or
+    headers are not objects), with a TypeError or AttributeError out of the poll, which
+    stopped the worker (found in review)."""
     import logging
 
     with broker.connect(visibility_timeout=3600) as conn:
@@ -230,7 +238,7 @@ def test_a_row_that_is_not_a_message_is_dropped_alone(broker: Broker, caplog: py
             cursor = db.cursor()
             ids = sorted(r[0] for r in engine.execute(cursor, f"SELECT id FROM {engine.qualify(broker.table)}"))
             engine.execute(cursor, f"UPDATE {engine.qualify(broker.table)} SET headers = ? WHERE id = ?",
-                           ["{oops", ids[1]])
+                           [headers, ids[1]])
             db.commit()
         finally:
             db.close()

@@ -394,7 +394,7 @@ class Channel(virtual.Channel):
         for row in rows:
             try:
                 payload = self._payload(row, receipt)
-            except ValueError as exc:  # not JSON: no message this transport wrote (docs/transport.md, "Guarantees")
+            except ValueError as exc:  # not an envelope: no message this transport wrote (docs/transport.md, "Guarantees")
                 log.error("outboxdb: message %s of queue %s cannot be decoded (%s: %s; headers %r): deleted, as "
                           "Celery acks a message it cannot decode", row.id, queue, type(exc).__name__, exc,
                           str(row.headers)[:200])
@@ -418,11 +418,21 @@ class Channel(virtual.Channel):
         return since is not None and isinstance(expires, int | float) and 0 < expires < since
 
     def _payload(self, row: MessageRow, receipt: str) -> dict[str, Any]:
+        """The kombu payload of a leased row; ValueError when its headers are not an envelope
+        (not JSON, or JSON of another shape): a damaged row (docs/transport.md, "Guarantees")."""
         payload = json.loads(row.headers)
-        payload["body"] = row.body
+        if not isinstance(payload, dict):
+            raise ValueError(f"the envelope is a JSON {type(payload).__name__}, not an object")
         properties = payload.setdefault("properties", {})
+        if not isinstance(properties, dict):
+            raise ValueError("the envelope's properties are not an object")
+        if not isinstance(properties.setdefault("delivery_info", {}), dict):
+            raise ValueError("the envelope's delivery_info is not an object")
+        if not isinstance(payload.get("headers") or {}, dict):
+            raise ValueError("the envelope's headers are not an object")
+        payload["body"] = row.body
         properties["delivery_tag"] = make_tag(row.id, receipt)  # ack/reject parse it (split_tag)
-        info = properties.setdefault("delivery_info", {})
+        info = properties["delivery_info"]
         info["redelivered"] = row.deliveries > 1
         payload["redelivered"] = row.deliveries > 1
         return payload
