@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from engine_support import engine_url
-from kombu import Connection
+from kombu import Connection, Queue
 from kombu.exceptions import OperationalError as KombuOperationalError
 from services import free_port
 
@@ -60,6 +60,64 @@ def test_driver_error_classes_follow_the_urls_driver() -> None:
     assert mssql_python.InterfaceError in transport.connection_errors
     assert mssql_python.DatabaseError in transport.channel_errors
     assert BrokerDatabaseUnavailable in transport.connection_errors
+
+
+def test_a_statement_the_server_cancels_is_a_connection_error(tmp_path: Path) -> None:
+    """PostgreSQL cancels the lease (a ``statement_timeout`` set for the broker's role, or
+    ``pg_cancel_backend``) while another session holds the table's lock: the receive fails
+    with a connection error, which Celery recovers from by reconnecting, and once the lock
+    goes the same connection receives. Before, QueryCanceled came out as itself, no
+    connection error of the transport class: Celery stopped the worker."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from outbox.storage.engines.postgres import libpq_url
+
+    direct = engine_url("postgresql", tmp_path)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    bounded = f"{direct}?options=-c%20statement_timeout%3D200"
+    with Connection(f"outboxdb+{direct}", transport_options={"queue_table": table}) as setup:
+        setup.SimpleQueue("cancelled").put("m")
+    holder = psycopg.connect(make_conninfo(libpq_url(direct)))
+    try:
+        with Connection(f"outboxdb+{bounded}", transport_options={"queue_table": table}) as conn:
+            channel = conn.default_channel
+            channel.db.run(lambda qt, c: None)  # connected (the session set-up takes no table lock)
+            holder.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+            with pytest.raises(conn.connection_errors) as raised:
+                Queue("cancelled")(channel).get()
+            assert isinstance(raised.value, BrokerDatabaseUnavailable)
+            assert isinstance(raised.value.__cause__, psycopg.errors.QueryCanceled)
+            holder.rollback()
+            message = Queue("cancelled")(channel).get()
+            assert message is not None and message.payload == "m"
+            message.ack()
+    finally:
+        holder.close()
+        drop_queue_tables(direct, table)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_connection_to_a_server_turned_read_only_is_replaced(kind: str, tmp_path: Path) -> None:
+    """After a failover the transport's connection may still reach the old primary, now
+    read-only (PostgreSQL 25006, MySQL/MariaDB 1290 or 1792): the send is retried on a new
+    connection, which finds the primary (here: a session set read-only, which the new
+    connection is not), and goes through. Before, the driver's error came out as itself,
+    no connection error of the transport class: Celery stopped the worker."""
+    direct = engine_url(kind, tmp_path)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    read_only = ("SET SESSION default_transaction_read_only = on" if kind == "postgresql"
+                 else "SET SESSION TRANSACTION READ ONLY")
+    try:
+        with Connection(f"outboxdb+{direct}", transport_options={"queue_table": table}) as conn:
+            q = conn.SimpleQueue("read-only")
+            q.put("before")
+            q.channel.db.run(lambda qt, c: qt.run(c, read_only))
+            q.put("after")
+            assert [q.get(timeout=10).payload for _ in range(2)] == ["before", "after"]
+            q.close()
+    finally:
+        drop_queue_tables(direct, table)
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "mysql"])

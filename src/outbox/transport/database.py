@@ -9,7 +9,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
@@ -31,6 +32,64 @@ _prepared_lock = threading.Lock()
 #: (docs/transport.md, "A lease whose COMMIT's answer is lost").
 _doubtful: dict[tuple[str, str, str], str] = {}
 _doubtful_lock = threading.Lock()
+
+
+#: A statement the server cancelled (PostgreSQL's statement_timeout or pg_cancel_backend
+#: 57014, MySQL/MariaDB's KILL QUERY or max_statement_time 70100, ODBC's HY008) or refused
+#: because the server is read-only (25006: a failover's old primary): retried on a new
+#: connection, which finds the primary (docs/transport.md, "Receiving and polling").
+_CANCELLED_OR_READ_ONLY_SQLSTATES = {"57014", "70100", "HY008", "25006"}
+#: The same as MySQL/MariaDB error codes whose SQLSTATE is the generic HY000: --read-only
+#: (1290), read-only mode (1836), max_execution_time (3024); 1317, 1792 and 1969 for drivers
+#: that carry no SQLSTATE.
+_CANCELLED_OR_READ_ONLY_MYSQL_CODES = {1290, 1317, 1792, 1836, 1969, 3024}
+#: SQLite's generic error code (SQL error, missing table): a programming error, though
+#: sqlite3 raises it as OperationalError.
+_SQLITE_ERROR = 1
+
+
+def sqlstate_of(exc: BaseException) -> str | None:
+    """The error's SQLSTATE: psycopg's and PyMySQL's ``sqlstate``, pyodbc's first argument."""
+    state = getattr(exc, "sqlstate", None)
+    if state is None and exc.args and isinstance(exc.args[0], str) and len(exc.args[0]) == 5:
+        state = exc.args[0]
+    return state if isinstance(state, str) else None
+
+
+def cancelled_or_read_only(exc: BaseException) -> bool:
+    """The server cancelled the statement or refused it as read-only (worth a new connection)."""
+    if sqlstate_of(exc) in _CANCELLED_OR_READ_ONLY_SQLSTATES:
+        return True
+    code = exc.args[0] if exc.args else None
+    return (isinstance(code, int) and code in _CANCELLED_OR_READ_ONLY_MYSQL_CODES
+            and type(exc).__module__.split(".", 1)[0] in ("pymysql", "MySQLdb"))
+
+
+def programming_error(exc: BaseException) -> bool:
+    """Bad SQL or a missing object, which a reconnect cannot mend: SQLSTATE class 42 (PyMySQL
+    raises an unknown column as OperationalError), SQLite's generic error."""
+    state = sqlstate_of(exc)
+    if state is not None and state.startswith("42"):
+        return True
+    return getattr(exc, "sqlite_errorcode", None) == _SQLITE_ERROR
+
+
+class BrokerConnections(Connections):
+    """The store's connection lifecycle, with a cancelled or read-only statement retried too,
+    on a new connection (``cancelled_or_read_only``)."""
+
+    def retryable(self, exc: BaseException) -> bool:
+        return super().retryable(exc) or cancelled_or_read_only(exc)
+
+    @contextmanager
+    def transaction_on(self, conn: Any, *, alone: bool = False, ddl: bool = False) -> Iterator[Any]:
+        try:
+            with super().transaction_on(conn, alone=alone, ddl=ddl) as cursor:
+                yield cursor
+        except Exception as exc:
+            if cancelled_or_read_only(exc):
+                self.drop()  # read-only: this server is no longer the primary
+            raise
 
 
 def database_url_of(hostname: str | None) -> str:
@@ -63,7 +122,9 @@ class Database:
         self.qt = queue_tables(self.engine, table)
         self.create = create
         self.wake = wake
-        self.connections = Connections(self.engine, url, per_thread=False, on_connect=self._set_up)
+        self.connections = BrokerConnections(self.engine, url, per_thread=False, on_connect=self._set_up)
+        #: The driver's connection-level errors (OperationalError, InterfaceError).
+        self.driver_errors = driver_errors(url)[0]
         self._waiter: Any = None
         self._waiter_pid = 0
         self._waiter_retry_at = 0.0
@@ -143,10 +204,13 @@ class Database:
 
     def run(self, work: Callable[[QueueTables, Any], T], *, alone: bool = False, ddl: bool = False) -> T:
         """``work(queue tables, cursor)`` in one short transaction. A dropped connection, a
-        server restart, a deadlock victim: it runs again, on a fresh connection if need be
-        (a send whose commit was cut off may then be stored twice: at least once). Out of
-        retries, the error is raised as BrokerDatabaseUnavailable, one of the Transport
-        class's connection_errors whatever the driver: kombu and Celery reconnect.
+        server restart, a deadlock victim, a cancelled or read-only statement: it runs again,
+        on a fresh connection if need be (a send whose commit was cut off may then be stored
+        twice: at least once). Out of retries, the error is raised as
+        BrokerDatabaseUnavailable, one of the Transport class's connection_errors whatever the
+        driver: kombu and Celery reconnect. So is any other operational error of the driver
+        (a full disk, too many connections): raised as itself it stopped the worker. Bad SQL
+        is raised as itself.
         ``alone``: ``work`` runs statements each atomic by itself, which the engine may run
         as transactions of their own, one round trip each (``Connections.transaction``:
         docs/transport.md, "A network cut")."""
@@ -154,7 +218,8 @@ class Database:
             result = self.connections.run("broker", lambda cursor: work(self.qt, cursor), attempts=self.RETRIES + 1,
                                           alone=alone, ddl=ddl)
         except Exception as exc:
-            if not self.connections.retryable(exc):
+            if not (self.connections.retryable(exc)
+                    or isinstance(exc, self.driver_errors) and not programming_error(exc)):
                 raise
             self.connections.drop()
             self.available = False
