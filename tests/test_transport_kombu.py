@@ -127,6 +127,27 @@ def test_expired_message_is_never_delivered(broker: Broker) -> None:
         q.close()
 
 
+def test_an_idle_consumer_purges_expired_messages_of_every_queue(broker: Broker) -> None:
+    """Expired messages in a queue nobody consumes (the pidbox of a worker gone, events) are
+    deleted by any idle consumer of the table, all of them in one purge while full chunks
+    come back. Before, the purge ran only in a poll that got past the idle probe, so an idle
+    worker never purged, and one purge deleted one chunk per interval."""
+    with broker.connect() as sender:
+        q = sender.SimpleQueue("nobody-consumes")
+        for n in range(50):
+            q.put({"n": n}, expiration=0.05)
+        q.close()
+    time.sleep(0.2)
+    with broker.connect(expired_purge_interval=1.0, expired_purge_batch=10) as conn:
+        channel = conn.default_channel
+        with Consumer(channel, [Queue("idle-work")], accept=["json"], callbacks=[]):
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.5)
+        assert channel.db.run(lambda qt, c: qt.holds_any(c, "nobody-consumes")) is False
+
+
 def test_a_countdown_longer_than_the_queues_message_ttl_is_still_delivered(broker: Broker) -> None:
     """The TTL counts from when the message becomes visible: a task retried with a countdown
     longer than its queue's TTL used to expire before it was due and was purged unseen."""

@@ -15,7 +15,7 @@ adds to the virtual transport, and why:
 - **Native delays.** A message whose Celery ``eta`` header lies ahead is stored
   invisible until then: no worker holds it in memory, none redelivers it early.
   ``expiration`` (per-message TTL) becomes ``expires_at``: never delivered after it,
-  purged in chunks by the receive loop; except a Celery task's ``expires``, which the
+  purged in chunks by the receive loop, idle or not; except a Celery task's ``expires``, which the
   worker must see to mark the task REVOKED.
 - **Prompt remote control.** Where sends wake nobody, the idle back-off stops short
   while kombu's pidbox queues are consumed, and after an idle spell control messages are
@@ -320,7 +320,6 @@ class Channel(virtual.Channel):
         callback = callback or self.connection._deliver
         if not (self._consumers and self.qos.can_consume()):
             raise Empty()
-        self._maybe_purge_expired()
         allowed = self.qos.can_consume_max_estimate()
         limit = min(allowed, self.receive_batch) if allowed else self.receive_batch
         rows = self._lease(list(self._active_queues), max(limit, 1))
@@ -459,13 +458,25 @@ class Channel(virtual.Channel):
     def _restore_at_beginning(self, message: Any) -> None:
         self._settle(message.delivery_tag, requeue=True)
 
+    #: Most chunks one purge deletes (it goes on while full chunks come back).
+    expired_purge_chunks = 10
+
     def _maybe_purge_expired(self) -> None:
+        """Once per ``expired_purge_interval``: delete expired rows of every queue, chunk after
+        chunk while full chunks come back, at most ``expired_purge_chunks`` (the transport's
+        poll runs it, idle or not: docs/transport.md, "Delays and expiry")."""
         if self.expired_purge_interval <= 0 or time.monotonic() < self._next_purge:
             return
         self._next_purge = time.monotonic() + float(self.expired_purge_interval)
-        purged = self.db.run(lambda qt, c: qt.purge_expired(c, int(self.expired_purge_batch)))
-        if purged:
-            log.info("outboxdb: purged %d expired message(s)", purged)
+        batch = max(int(self.expired_purge_batch), 1)
+        total = 0
+        for _ in range(self.expired_purge_chunks):
+            purged = self.db.run(lambda qt, c: qt.purge_expired(c, batch))
+            total += purged
+            if purged < batch:
+                break
+        if total:
+            log.info("outboxdb: purged %d expired message(s)", total)
 
 
 class Transport(virtual.Transport):
@@ -546,6 +557,14 @@ class Transport(virtual.Transport):
         self._control_first = True
         return True
 
+    def _purge_expired(self) -> None:
+        """Each consuming channel's purge of expired rows, when due: before the idle probe, so
+        an idle worker purges too (expired rows lie in queues nobody consumes: a gone worker's
+        pidbox, events)."""
+        for channel in self.channels:
+            if getattr(channel, "_consumers", None):
+                channel._maybe_purge_expired()
+
     def _consumed_queues(self) -> set[str]:
         return {q for ch in self.channels if getattr(ch, "_consumers", None) for q in ch._active_queues}
 
@@ -620,6 +639,7 @@ class Transport(virtual.Transport):
                 if now < self._full_poll_due and self._prefetch_full():
                     raise Empty()  # only an ack can change anything: the database is polled on its schedule
                 polled = True
+                self._purge_expired()
                 if not self._probe_idle_channels():
                     raise Empty()
                 if not self._drain_control_first():
