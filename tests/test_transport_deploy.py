@@ -11,6 +11,7 @@ items 5, 6, 12), on live SQLite, PostgreSQL and MariaDB:
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import time
 import uuid
@@ -158,6 +159,139 @@ def test_workers_starting_together_on_an_empty_database_all_create_the_tables(db
             assert not failures, failures
         finally:
             drop_queue_tables(db_url, table)
+
+
+def test_a_process_starting_on_postgresql_does_not_stall_the_sends_of_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every new process migrates the queue tables on its first connection. On PostgreSQL
+    ``CREATE INDEX IF NOT EXISTS`` takes its SHARE lock even when the index exists: behind a
+    business transaction that called ``send_task`` and is still open, it waited, and every
+    send, lease and ack of every other process queued behind it until that transaction
+    ended. Now the migration reads the catalogs and runs no DDL when nothing is missing: a
+    send by a running process finishes while the business transaction is still open."""
+    import threading
+
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from outbox.storage.engines.postgres import libpq_url
+    from outbox.transport import database, migrate_queue_tables
+
+    direct = engine_url("postgresql", tmp_path)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    migrate_queue_tables(f"outboxdb+{direct}", table=table)
+    business = psycopg.connect(make_conninfo(libpq_url(direct)))
+    admin = psycopg.connect(make_conninfo(libpq_url(direct)), autocommit=True)
+    threads: list[threading.Thread] = []
+    try:
+        with Connection(f"outboxdb+{direct}", transport_options={"queue_table": table}) as running:
+            q = running.SimpleQueue("stall")
+            q.put("warm-up")  # this process's tables are prepared
+            business.execute(f"INSERT INTO {table} (queue, headers, body) VALUES ('stall', '{{}}', NULL)")
+            monkeypatch.setattr(database, "_prepared", set())  # as in a process starting now
+            starting = Database(direct, table, None, create=True)
+            threads.append(threading.Thread(target=lambda: starting.run(lambda qt, c: None), daemon=True))
+            threads[-1].start()
+            deadline = time.monotonic() + 5
+            while threads[-1].is_alive() and time.monotonic() < deadline:  # done, or waiting for a lock
+                waiting = admin.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = "
+                                        "to_regclass(%s)", [table]).fetchone()
+                if waiting and waiting[0]:
+                    break
+                time.sleep(0.05)
+            threads.append(threading.Thread(target=lambda: q.put("from a running process"), daemon=True))
+            threads[-1].start()
+            threads[-1].join(5)
+            sent_while_open = not threads[-1].is_alive()
+            business.rollback()  # before the close, which waits for the send's connection
+            for thread in threads:
+                thread.join(20)
+            starting.close()
+            q.close()
+        assert sent_while_open, "the send waited for the business transaction"
+    finally:
+        business.rollback()
+        business.close()
+        admin.close()
+        drop_queue_tables(direct, table)
+
+
+def test_a_start_up_migration_that_waits_for_a_lock_gives_up_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An index is missing (an upgrade that adds one) and a business transaction that sent
+    to the table is open: the start-up migration's CREATE INDEX waits for it, and every
+    send of every process queues behind that wait. It gives up after ``lock_timeout``
+    (1 s), warns, and the process starts; the next one, or ``outbox migrate``, makes it."""
+    import threading
+
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from outbox.storage.engines.postgres import libpq_url
+    from outbox.transport import database, migrate_queue_tables
+
+    direct = engine_url("postgresql", tmp_path)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    qt = migrate_queue_tables(f"outboxdb+{direct}", table=table)
+    business = psycopg.connect(make_conninfo(libpq_url(direct)))
+    try:
+        business.execute(f"DROP INDEX {qt.index_name('expires')}")
+        business.commit()
+        business.execute(f"INSERT INTO {table} (queue, headers, body) VALUES ('q', '{{}}', NULL)")
+        monkeypatch.setattr(database, "_prepared", set())
+        starting = Database(direct, table, None, create=True)
+        with caplog.at_level(logging.WARNING, logger="outbox.transport"):
+            start = threading.Thread(target=lambda: starting.run(lambda qt, c: None), daemon=True)
+            start.start()
+            start.join(10)
+            started_while_open = not start.is_alive()
+            business.rollback()
+            start.join(20)
+        starting.close()
+        assert started_while_open, "the start-up waited for the business transaction"
+        said = [r.getMessage() for r in caplog.records]
+        assert any("waited too long for a lock" in line for line in said), said
+        assert any(f"index {qt.index_name('expires')} on" in line for line in said), said
+    finally:
+        business.rollback()
+        business.close()
+        drop_queue_tables(direct, table)
+
+
+def test_a_role_without_ddl_privileges_starts_on_postgresql_tables_made_for_it(tmp_path: Path) -> None:
+    """A least-privilege runtime role (SELECT, INSERT, UPDATE, DELETE on the queue tables,
+    made by ``outbox migrate`` as their owner) starts with ``create_tables`` left on, sends
+    and receives. Before, ``CREATE TABLE IF NOT EXISTS`` checks the privilege before it looks
+    for the table: every start failed with "permission denied"."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from outbox.storage.engines.postgres import libpq_url
+    from outbox.transport import migrate_queue_tables
+
+    direct = engine_url("postgresql", tmp_path)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    role = f"kr_{uuid.uuid4().hex[:10]}"
+    migrate_queue_tables(f"outboxdb+{direct}", table=table)
+    admin = psycopg.connect(make_conninfo(libpq_url(direct)), autocommit=True)
+    parts = urlsplit(direct)
+    as_role = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+    try:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_binding TO {role}")
+        with Connection(f"outboxdb+{as_role}", transport_options={"queue_table": table}) as conn:
+            q = conn.SimpleQueue("least-privilege")
+            q.put("m")
+            message = q.get(timeout=10)
+            assert message.payload == "m"
+            message.ack()
+            q.close()
+    finally:
+        drop_queue_tables(direct, table)
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin.close()
 
 
 def lease_ids(db: Database, queue: str, limit: int) -> list[int]:

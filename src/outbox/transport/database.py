@@ -183,20 +183,33 @@ class Database:
     def _set_up(self, conn: Any) -> None:
         """A new connection: the queue tables' session set-up, then (once per process) create
         or only check the tables, and warn about every index the receive loop or the purge
-        needs that is missing."""
+        needs that is missing. The migration runs DDL only for what is missing; a step that
+        waits too long for a lock on a live table (an open transaction that sent to it) is
+        given up, with a warning, for the next process or ``outbox migrate``: while it waits,
+        every send, lease and ack queues behind it (docs/transport.md, "Table layout")."""
         self._on(conn, self.qt.session_setup)
         key = (self.url, self.qt.table)
         with _prepared_lock:
             if key in _prepared:
                 return
+            migrated = True
             if self.create:
-                self._on(conn, self.qt.migrate, ddl=True)
+                try:
+                    self._on(conn, lambda cursor: self.qt.migrate(cursor, start_up=True), ddl=True)
+                except Exception as exc:
+                    if not self.engine.is_transient(exc) or self.engine.is_disconnect(exc):
+                        raise
+                    log.warning("outboxdb: the start-up migration of %s waited too long for a lock (%s: %s); "
+                                "skipped. Run `outbox migrate` (with OUTBOX_CELERY_BROKER_URL set).",
+                                self.qt.table, type(exc).__name__, exc)
+                    migrated = False
             missing = self._on(conn, self.qt.missing_indexes)
             for name in missing:
                 log.warning("outboxdb: index %s on %s is missing; receiving and purging will scan the table. "
                             "Run `outbox migrate` (with OUTBOX_CELERY_BROKER_URL set) to create it.",
                             name, self.qt.table)
-            _prepared.add(key)
+            if migrated:
+                _prepared.add(key)
 
     def _on(self, conn: Any, work: Callable[[Any], T], *, ddl: bool = False) -> T:
         with self.connections.transaction_on(conn, ddl=ddl) as cursor:

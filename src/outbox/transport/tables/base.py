@@ -122,18 +122,21 @@ class QueueTables:
         for table in (self.table, self.bindings):
             self.run(cursor, self.drop_table_sql(table))
 
-    def lock_migration(self, cursor: Any) -> None:
+    def lock_migration(self, cursor: Any, start_up: bool = False) -> None:
         """Wait until no other migration of these tables runs (every worker creates them at
         start-up, so several race on an empty database): engines whose concurrent DDL can
-        fail take a lock here that lasts until ``unlock_migration`` or the commit."""
+        fail take a lock here that lasts until ``unlock_migration`` or the commit. Engines
+        that can bound how long a step waits for a lock on a live table set it here, shorter
+        for the ``start_up`` migration of a new process."""
 
     def unlock_migration(self, cursor: Any) -> None:
         """Release what ``lock_migration`` took, where the commit does not."""
 
-    def migrate(self, cursor: Any) -> None:
+    def migrate(self, cursor: Any, start_up: bool = False) -> None:
         """Run ``migration()``: create or repair both tables and their indexes, one
-        migration at a time (``lock_migration``)."""
-        self.lock_migration(cursor)
+        migration at a time (``lock_migration``); ``start_up``: a new process's, on its
+        first connection (``transport.database.Database``)."""
+        self.lock_migration(cursor, start_up)
         try:
             for step in self.migration():
                 if isinstance(step, tuple):

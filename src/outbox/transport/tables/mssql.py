@@ -112,7 +112,7 @@ class MssqlQueueTables(QueueTables):
     def migration_unlock_batch(self) -> str:
         return FILTERED_INDEX_OPTIONS + "\n" + "\n".join(migration_unlock_statements(self.migration_lock_name()))
 
-    def lock_migration(self, cursor: Any) -> None:
+    def lock_migration(self, cursor: Any, start_up: bool = False) -> None:
         # Workers starting together on an empty database would otherwise race to CREATE
         # TABLE / INDEX (errors 2714, 1913): serialized as `outbox migrate` serializes the
         # outbox table (mssql.migration_lock_statements).

@@ -69,7 +69,7 @@ class MysqlQueueTables(QueueTables):
         # GET_LOCK names stop at 64 characters: a digest of the table's name.
         return "outbox migrate " + hashlib.sha1(self.table.encode()).hexdigest()
 
-    def lock_migration(self, cursor: Any) -> None:
+    def lock_migration(self, cursor: Any, start_up: bool = False) -> None:
         # DDL commits on its own in MySQL, so the lock is the session's (GET_LOCK) and
         # unlock_migration releases it. Concurrent CREATE INDEX fails with 1061.
         got = self.run(cursor, "SELECT GET_LOCK(?, ?)",
