@@ -799,6 +799,82 @@ def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
         broker.drop()
 
 
+def listeners(admin: Any, table: str) -> list[int]:
+    """Backends whose last statement was the LISTEN of ``table``'s wake-up channel."""
+    return [r[0] for r in admin.execute("SELECT pid FROM pg_stat_activity WHERE query = %s",
+                                        [f'LISTEN "{table}_wake"']).fetchall()]
+
+
+def test_a_process_that_stops_consuming_stops_listening_on_postgresql(tmp_path: Path) -> None:
+    """A process that once waited (``inspect()``/``ping``, a ``result.get()``: a reply queue
+    consumed for a second) and consumes nothing since kept its LISTEN connection open and
+    never read it: the server keeps every notification until each listener has read it, so
+    ``pg_notification_queue_usage()`` grew with every send of every process until sends
+    failed. Now the last consumer's cancel closes the LISTEN connection."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from outbox.storage.engines.postgres import libpq_url
+
+    broker = Broker(engine_url("postgresql", tmp_path))
+    admin = psycopg.connect(make_conninfo(libpq_url(broker.db_url)), autocommit=True)
+    try:
+        with broker.connect() as client, broker.connect() as sender:
+            with Consumer(client.default_channel, [Queue("x.reply.celery.pidbox")], callbacks=[], no_ack=True):
+                for _ in range(3):
+                    with contextlib.suppress(TimeoutError, OSError):
+                        client.drain_events(timeout=0.3)  # the idle wait opens the LISTEN connection
+                assert listeners(admin, broker.table)
+            q = sender.SimpleQueue("work")
+            for n in range(20):
+                q.put(n)  # each notifies the table's channel
+            q.close()
+            deadline = time.monotonic() + 5
+            while listeners(admin, broker.table) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert listeners(admin, broker.table) == []
+    finally:
+        admin.close()
+        broker.drop()
+
+
+def test_a_busy_consumer_reads_its_wake_ups_on_postgresql(tmp_path: Path) -> None:
+    """A worker that always finds messages never waits idle, and the idle wait was the only
+    reader of its LISTEN connection: the notifications of every send piled up unread and held
+    the server's notification queue. Now every poll reads what has arrived, without blocking."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from outbox.storage.engines.postgres import libpq_url
+
+    broker = Broker(engine_url("postgresql", tmp_path))
+    admin = psycopg.connect(make_conninfo(libpq_url(broker.db_url)), autocommit=True)
+    try:
+        with broker.connect() as conn, broker.connect() as sender:
+            got: list[Any] = []
+            channel = conn.default_channel
+            with Consumer(channel, [Queue("busy")], accept=["json"], prefetch_count=1,
+                          callbacks=[lambda body, message: (got.append(body), message.ack())]):
+                for _ in range(3):
+                    with contextlib.suppress(TimeoutError, OSError):
+                        conn.drain_events(timeout=0.3)  # idle: the LISTEN connection opens
+                q = sender.SimpleQueue("busy")
+                q.put(1)
+                q.put(2)
+                conn.drain_events(timeout=5)  # a delivery: the next poll comes at once, no idle wait
+                assert got == [1]
+                admin.execute(f"SELECT count(pg_notify('{broker.table}_wake', 'x' || g)) "
+                              "FROM generate_series(1, 1000) g")
+                time.sleep(0.3)  # arrived at the listener's socket
+                conn.drain_events(timeout=5)
+                assert got == [1, 2]
+                assert channel.db.wait(0) is False  # nothing left unread
+                q.close()
+    finally:
+        admin.close()
+        broker.drop()
+
+
 @pytest.mark.parametrize("alone", [False, True])
 def test_the_channel_sends_leases_and_acks_alone_where_the_tables_say_so(
         alone: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -288,6 +288,12 @@ class Channel(virtual.Channel):
         "Auto-delete and exclusive queues go with their last consumer")."""
         queue = self._tag_to_queue.get(consumer_tag)
         super().basic_cancel(consumer_tag)
+        if not any(getattr(ch, "_consumers", None) and getattr(ch, "db", None) is self.db
+                   for ch in self.connection.channels):
+            # Nothing consumes this table here any more: a LISTEN connection left open and
+            # unread would hold the server's notification queue (docs/transport.md,
+            # "Receiving and polling").
+            self.db.stop_listening()
         if queue is None or queue in self._tag_to_queue.values():
             return
         self._no_ack_queues.discard(queue)
@@ -639,6 +645,8 @@ class Transport(virtual.Transport):
                 if now < self._full_poll_due and self._prefetch_full():
                     raise Empty()  # only an ack can change anything: the database is polled on its schedule
                 polled = True
+                for db in self._databases.values():
+                    db.read_wake_ups()  # a consumer that never waits idle reads them here
                 self._purge_expired()
                 if not self._probe_idle_channels():
                     raise Empty()

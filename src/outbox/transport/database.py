@@ -168,6 +168,25 @@ class Database:
             self._waiter_retry_at = time.monotonic() + 1.0
             return False
 
+    def read_wake_ups(self) -> bool:
+        """Read what the wake-up connection has received, without blocking (every poll does,
+        so a consumer that never waits idle still reads it): True if a send woke us."""
+        waiter = self._waiter if self._waiter_pid == os.getpid() else None
+        if waiter is None:
+            return False
+        try:
+            return waiter.drain()
+        except Exception as exc:  # noqa: BLE001 - any failure of the waiter: reconnect
+            log.warning("outboxdb: wake-up connection lost (%s); reconnecting", exc)
+            self._close_waiter()
+            self._waiter_retry_at = time.monotonic() + 1.0
+            return False
+
+    def stop_listening(self) -> None:
+        """No consumer left: close the wake-up connection, which nothing would read (the next
+        idle wait opens another)."""
+        self._close_waiter()
+
     def wakes_on_send(self) -> bool:
         """Sends wake this table's idle receivers now (PostgreSQL with a working LISTEN)."""
         return bool(self.wake) and self.qt.wakes_on_send and time.monotonic() >= self._waiter_retry_at

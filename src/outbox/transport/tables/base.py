@@ -51,6 +51,10 @@ class Waiter:
         """True when woken by a send, False on timeout."""
         raise NotImplementedError
 
+    def drain(self) -> bool:
+        """Read the wake-ups already received, without blocking: True if there were any."""
+        raise NotImplementedError
+
     def close(self) -> None:
         raise NotImplementedError
 

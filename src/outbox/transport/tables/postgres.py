@@ -26,10 +26,23 @@ class ListenWaiter(Waiter):
         self.conn = psycopg.connect(**connect_params(url), autocommit=True)
         self.conn.execute(f'LISTEN "{channel}"')
 
+    #: Most reads of the socket one ``drain`` makes (each reads what has arrived).
+    MAX_DRAIN_READS = 100
+
     def wait(self, timeout: float) -> bool:
         for _ in self.conn.notifies(timeout=max(timeout, 0.0), stop_after=1):
             return True
         return False
+
+    def drain(self) -> bool:
+        # The server keeps every notification until each listener has read it: a listener
+        # never read fills its queue, and sends fail (docs/transport.md, "Receiving and polling").
+        woken = False
+        for _ in range(self.MAX_DRAIN_READS):
+            if not any(True for _ in self.conn.notifies(timeout=0.0)):
+                break
+            woken = True
+        return woken
 
     def close(self) -> None:
         try:
