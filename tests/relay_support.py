@@ -78,7 +78,7 @@ class ScriptedPublisher(Publisher):
         self.dead: list[tuple[OutboxMessage, str]] = []
 
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
-                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+                       pipelined: Pipelined | None = None, deadline: float | None = None) -> list[ChainResult]:
         return [self.publish_chain(chain) for chain in chains]
 
     def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:

@@ -466,6 +466,54 @@ def test_a_strict_event_waits_for_every_earlier_event_of_its_wave_not_only_the_o
     assert producer.log == [("produce", 1), ("produce", 2), ("produce", 3), "flush"]
 
 
+class Silent(Scripted):
+    """A producer whose events never get a delivery report (a broker that hangs: connections
+    open, no answer): each flush waits its whole timeout; ``purged`` counts the purges."""
+
+    purged = 0
+
+    def flush(self, timeout: float = 0) -> int:
+        self.log.append("flush")
+        time.sleep(timeout)
+        return len(self._due)
+
+    def purge(self) -> None:
+        self.purged += 1
+        self._due = []
+
+
+def test_a_publish_waits_for_its_reports_no_later_than_the_deadline_it_is_given() -> None:
+    """The relay passes each publish the deadline of its claim (``deadline``, monotonic: when
+    the lease's safe part runs out). A publish waited its own ``wait_s`` from its start
+    whatever that deadline, so a task that started just before it and met a hung broker ended
+    long after the lease: lease recovery took the rows again with an attempt spent while the
+    first publish still waited. Now it waits until the earlier of the two, then releases the
+    rows as its own budget running out does (BACKPRESSURE: no attempt spent); a deadline
+    already gone sends nothing."""
+    pub = KafkaPublisher("kafka://127.0.0.1:1", max_wait_s=20.0,
+                         options=KafkaOptions(auto_create_topics=True, delivery_timeout_s=30.0))
+    assert pub.wait_s == 20.0
+    producer = Silent()
+    pub._producer, pub._pid = producer, os.getpid()
+    began = time.monotonic()
+    results = pub.publish_chains([[event(1, "orders"), event(2, "orders")], [event(3, "orders", aggregate="a2")]],
+                                 deadline=began + 1.0)
+    elapsed = time.monotonic() - began
+    assert 0.9 <= elapsed < 10.0, f"waited {elapsed:.1f} s for a deadline 1 s away (wait_s 20 s)"
+    assert [(r.published, r.failed_id) for r in results] == [((), 1), ((), 3)]
+    for result in results:
+        assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE, result.failure
+        assert "no Kafka delivery report" in result.failure.reason
+    assert producer.log[:3] == [("produce", 1), ("produce", 2), ("produce", 3)] and producer.purged == 1
+    assert pub._producer is None  # purged: a new producer next time, as after its own budget
+
+    producer = Silent()  # a deadline gone before the call: nothing is produced
+    pub._producer, pub._pid = producer, os.getpid()
+    [result] = pub.publish_chains([[event(4, "orders")]], deadline=time.monotonic() - 0.1)
+    assert result.published == () and result.failed_id == 4 and producer.log == []
+    assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE
+
+
 def test_headers_are_utf8_strings_and_json_for_other_values() -> None:
     assert kafka_headers({"a": "é", "n": 3, "b": True, "z": None}) == [
         ("a", "é".encode()), ("n", b"3"), ("b", b"true"), ("z", b"null")]

@@ -137,9 +137,9 @@ class CountingPublisher(KombuPublisher):
         super().__init__(*args, **kwargs)
         self.waves: list[int] = []
 
-    def _send_wave(self, messages: Any, headers: Any) -> list[Any]:
+    def _send_wave(self, messages: Any, headers: Any, deadline: float | None = None) -> list[Any]:
         self.waves.append(len(messages))
-        return super()._send_wave(messages, headers)
+        return super()._send_wave(messages, headers, deadline)
 
 
 def publish(store: OutboxStore, rabbit: dict[str, Any], options: RelayOptions) -> tuple[Any, CountingPublisher]:

@@ -20,7 +20,7 @@ from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, r
 
 from outbox import Status
 from outbox.core.model import OutboxMessage
-from outbox.publisher import ChainResult, FailureKind
+from outbox.publisher import ChainResult, FailureKind, PublishFailure
 from outbox.relay import (
     Breaker,
     RelayContext,
@@ -223,9 +223,10 @@ def test_a_failure_of_a_publish_begun_before_the_broker_was_back_starts_no_new_o
     outage.failed(ConnectionRefusedError("refused"))  # the outage, announced
 
     class BackDuringTheSend(ScriptedPublisher):
-        def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *, pipelined: Any = None) -> Any:
+        def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *, pipelined: Any = None,
+                           deadline: float | None = None) -> Any:
             outage.ok()  # another task's publish went through meanwhile
-            return super().publish_chains(chains, pipelined=pipelined)
+            return super().publish_chains(chains, pipelined=pipelined, deadline=deadline)
 
     breaker = Breaker()
     relay = RelayContext(sqlite_store, BackDuringTheSend({ids[0]: FailureKind.BACKPRESSURE}),
@@ -359,6 +360,54 @@ def test_publish_task_past_its_deadline_leaves_rows_to_the_lease(sqlite_store: O
     outcomes = handle_publish(RelayContext(sqlite_store, publisher), chains, deadline=time.time() - 1)
     assert outcomes[0].skipped and publisher.sent == []
     assert [status_of(sqlite_store)[i] for i in ids] == [Status.CLAIMED] * 2
+
+
+class Hung(ScriptedPublisher):
+    """A broker that takes the events and never confirms them, behind a publisher that does
+    what the real ones do: wait its own budget (``budget_s``) or until the ``deadline`` it is
+    given, whichever comes first, then report BACKPRESSURE for every chain. ``deadlines``
+    holds the deadlines it was given."""
+
+    budget_s = 8.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deadlines: list[float | None] = []
+
+    def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *, pipelined: Any = None,
+                       deadline: float | None = None) -> list[ChainResult]:
+        self.deadlines.append(deadline)
+        end = time.monotonic() + self.budget_s
+        if deadline is not None:
+            end = min(end, deadline)
+        time.sleep(max(0.0, end - time.monotonic()))
+        failure = PublishFailure(FailureKind.BACKPRESSURE, "no publisher confirm in time")
+        return [ChainResult(failed_id=chain[0].id, failure=failure) for chain in chains]
+
+
+def test_a_publish_task_begun_just_before_its_deadline_releases_its_rows_by_that_deadline(
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """A publish task that starts 1 s before its claim's deadline (the lease's safe part) and
+    meets a hung broker. The relay only skipped tasks starting after the deadline; the
+    publisher then waited its own budget (the lease's whole safe part) from its start, so the
+    publish outlived the lease: lease recovery took the rows again with an attempt spent while
+    the first publish still waited. The deadline now reaches the publisher (as the time left,
+    monotonic), which gives up by then: the rows are released with no attempt spent, by about
+    the deadline, under the lease they were claimed with."""
+    ids = add(conn, "a", 2) + add(conn, "b", 1)
+    chains = claim_chains(sqlite_store)
+    publisher = Hung()
+    deadline = time.time() + 1.0
+    began = time.monotonic()
+    outcomes = handle_publish(RelayContext(sqlite_store, publisher, breaker=Breaker()), chains, deadline=deadline)
+    elapsed = time.monotonic() - began
+    assert elapsed < 5.0, f"the publish ended {elapsed:.1f} s after it began, its deadline 1 s away"
+    [given] = publisher.deadlines
+    assert given is not None and given == pytest.approx(began + 1.0, abs=0.5)
+    assert [(o.kind, o.released) for o in outcomes] == [(FailureKind.BACKPRESSURE, ids[:2]),
+                                                        (FailureKind.BACKPRESSURE, ids[2:])]
+    state = rows(sqlite_store)
+    assert [(state[i]["status"], state[i]["attempts"]) for i in ids] == [(Status.PENDING, 0)] * 3
 
 
 class CountingStore:

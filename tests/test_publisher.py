@@ -457,6 +457,33 @@ def test_rabbitmq_confirms_held_back_past_the_lease_are_backpressure_within_it(r
         proxy.close()
 
 
+def test_rabbitmq_confirms_are_awaited_no_later_than_the_deadline_given(rabbit: dict[str, Any]) -> None:
+    """The relay passes each publish its claim's deadline (monotonic). A wave waited its own
+    confirm timeout from its start whatever that deadline, so a publish task that began just
+    before it outlived its lease on a broker that never confirms, and lease recovery took the
+    rows again with an attempt spent. Now the wave waits until the earlier of the two, and the
+    rows are released as after the confirm timeout (BACKPRESSURE: no attempt spent); a
+    deadline already gone sends nothing."""
+    proxy = Proxy()
+    try:
+        with KombuPublisher(proxy.amqp_url, rabbit["exchange"], confirm_timeout=10.0) as publisher:
+            assert publisher.publish_chain([make_message(811)]).ok  # connected, confirms flowing
+            proxy.hold_replies()
+            began = time.monotonic()
+            [result] = publisher.publish_chains([[make_message(812), make_message(813)]], deadline=began + 1.0)
+            waited = time.monotonic() - began
+            assert result.published == () and result.failed_id == 812 and result.failure is not None
+            assert result.failure.kind is FailureKind.BACKPRESSURE, result.failure
+            assert 0.9 <= waited < 5.0, f"waited {waited:.1f} s for a deadline 1 s away (confirm timeout 10 s)"
+            [late] = publisher.publish_chains([[make_message(814)]], deadline=time.monotonic() - 0.1)
+            assert late.published == () and late.failed_id == 814 and late.failure is not None
+            assert late.failure.kind is FailureKind.BACKPRESSURE and "deadline" in late.failure.reason
+    finally:
+        proxy.release_replies()
+        proxy.close()
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [811, 812]
+
+
 def test_rabbitmq_a_channel_the_broker_never_opens_is_given_up_on(rabbit: dict[str, Any]) -> None:
     """Found in review: py-amqp bounds its handshake (``connect_timeout``) and our confirm
     waits, but opening a channel, confirm mode and the declares after the handshake waited

@@ -78,6 +78,27 @@ def test_a_child_that_does_not_answer_in_time_is_killed_and_its_event_failed(bro
     assert result.failure.reason == "the child process publishing it did not answer within 3 s"
 
 
+def test_a_child_whose_broker_hangs_says_so_before_its_parent_gives_up_on_it() -> None:
+    """A child's publisher waits its own budget (the lease's safe part) from the child's
+    start, and the parent as long from before it (the time a row may still be published):
+    with a lease of 25 s or less (Kafka's own wait, the delivery timeout and 5 s, is longer),
+    a hung broker made the parent give up first and report a retriable failure, an attempt
+    spent on a row that went unsent. The child is now given a deadline a little before the
+    parent's (as seconds left), so its own answer, BACKPRESSURE (no attempt spent), comes in
+    time; and a deadline given to the call shortens both. The broker here is a Kafka address
+    nobody answers at (its metadata is read until the deadline)."""
+    settings = Settings(publish_url="kafka://127.0.0.1:1", claim_timeout_ms=20_000, max_payload_bytes=100_000)
+    [result] = ApartPublisher(settings, 3.0, publisher_for(settings)).publish_chains([[make_message(17)]])
+    assert result.failed_id == 17 and result.failure is not None, result
+    assert result.failure.kind == FailureKind.BACKPRESSURE, result.failure  # not "did not answer within 3 s"
+
+    started = time.monotonic()  # the child's publisher alone would wait 16 s (20 s x 0.8), its parent 60 s
+    [result] = ApartPublisher(settings, 60.0, publisher_for(settings)).publish_chains(
+        [[make_message(18)]], deadline=started + 2.0)
+    assert time.monotonic() - started < 10.0
+    assert result.failed_id == 18 and result.failure is not None and result.failure.kind == FailureKind.BACKPRESSURE
+
+
 def test_a_child_told_to_stop_finishes_its_publish_first(broker: dict[str, Any]) -> None:
     """A warm shutdown's SIGTERM (a supervisor signals every process of the worker) does not
     cut the child's one publish short: its row is published, not charged an attempt."""

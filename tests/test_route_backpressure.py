@@ -55,7 +55,7 @@ class RefusingPublisher(Publisher):
         self.calls = 0
 
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
-                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+                       pipelined: Pipelined | None = None, deadline: float | None = None) -> list[ChainResult]:
         self.calls += 1
         results = []
         for chain in chains:

@@ -50,6 +50,16 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 #: short waits also let a task's time limit (raised in the waiting thread) land.
 _POLL_S = 0.2
 
+#: The parent waits at least this long for a child, whatever its deadline: less than a
+#: child's start leaves it no chance to answer (``Relay.apart_publisher`` uses the same floor).
+MIN_WAIT_S = 1.0
+
+#: The child's own deadline comes this much before the parent's (a quarter of the parent's
+#: wait when that is short): room for the child's start, its answer and the pipe, so that a
+#: broker that hangs is answered by the child (BACKPRESSURE, no attempt spent) before the
+#: parent gives up on it (a retriable failure: docs/relay.md, "The publish's deadline").
+CHILD_MARGIN_S = 1.0
+
 
 class ChildUnavailable(Exception):
     """No child process could be started (the fork server gone, too many open files, memory)."""
@@ -72,15 +82,21 @@ class ApartPublisher(Publisher):
         self.options = options
 
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
-                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+                       pipelined: Pipelined | None = None, deadline: float | None = None) -> list[ChainResult]:
+        """The parent waits ``timeout_s`` for its child, less when ``deadline`` (monotonic)
+        comes first (``MIN_WAIT_S`` at least); the child publishes with a deadline of its own
+        ``CHILD_MARGIN_S`` before that, handed over as seconds left."""
         batch = [list(chain) for chain in chains]
         # The predicate cannot cross to the child: the ids it holds true for do.
         ids = frozenset(m.id for chain in batch for m in chain if pipelined is not None and pipelined(m))
+        wait = self.timeout_s
+        if deadline is not None:
+            wait = min(wait, max(MIN_WAIT_S, deadline - time.monotonic()))
         try:
-            answered, answer = self._run(("chains", batch, ids))
+            answered, answer = self._run(("chains", batch, ids, wait - min(CHILD_MARGIN_S, wait / 4)), wait)
         except ChildUnavailable as exc:
             _here(exc)
-            return list(self.fallback.publish_chains(batch, pipelined=pipelined))
+            return list(self.fallback.publish_chains(batch, pipelined=pipelined, deadline=deadline))
         if answered:
             results: list[ChainResult] = answer
             return results
@@ -102,9 +118,10 @@ class ApartPublisher(Publisher):
     def close(self) -> None:
         """Nothing to close: each child closes its own connection before it exits."""
 
-    def _run(self, job: tuple[Any, ...]) -> tuple[bool, Any]:
-        """Start a child for ``job`` and wait for its answer: (True, the answer), or (False,
-        why there is none)."""
+    def _run(self, job: tuple[Any, ...], wait: float | None = None) -> tuple[bool, Any]:
+        """Start a child for ``job`` and wait for its answer ``wait`` seconds at most (default
+        ``timeout_s``): (True, the answer), or (False, why there is none)."""
+        wait = self.timeout_s if wait is None else wait
         if _CONTEXT.get_start_method() == "forkserver":  # before the server starts, else no effect
             _CONTEXT.set_forkserver_preload(["__main__", __name__])
         try:
@@ -120,10 +137,10 @@ class ApartPublisher(Publisher):
             if child.pid is not None:
                 _RUNNING.add(child.pid)
             send.close()  # the child's end: EOF here once the child is gone, the only sure sign of it
-            give_up = time.monotonic() + self.timeout_s
+            give_up = time.monotonic() + wait
             while not receive.poll(_POLL_S):
                 if time.monotonic() > give_up:
-                    return False, f"the child process publishing it did not answer within {self.timeout_s:.0f} s"
+                    return False, f"the child process publishing it did not answer within {wait:.0f} s"
             heard = True
             try:
                 raised, value = receive.recv()
@@ -204,7 +221,9 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
     """The child: publish ``job``, send (raised, value) to the parent, close, exit. A worker's
     warm shutdown (SIGTERM, or SIGINT to the terminal's process group) lets it finish its one
     publish: the parent waits for it, within its timeout. Its warnings go to the worker's
-    stderr, passwords masked."""
+    stderr, passwords masked. A job of chains carries the seconds the child may take, counted
+    from here (``CHILD_MARGIN_S`` less than its parent waits)."""
+    began = time.monotonic()
     for stop in _STOP_SIGNALS:
         signal.signal(stop, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the start: now ignored
@@ -216,8 +235,9 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
     reply: tuple[bool, Any]
     try:
         if job[0] == "chains":
-            _, chains, ids = job
-            results = publisher.publish_chains(chains, pipelined=_among(ids) if ids else None)
+            _, chains, ids, budget_s = job
+            results = publisher.publish_chains(chains, pipelined=_among(ids) if ids else None,
+                                               deadline=began + budget_s)
             reply = (False, [_portable(result) for result in results])
         else:
             _, message, error, headers = job

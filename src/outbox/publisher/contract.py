@@ -126,14 +126,20 @@ class Publisher(ABC):
 
     @abstractmethod
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
-                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+                       pipelined: Pipelined | None = None, deadline: float | None = None) -> list[ChainResult]:
         """Publish several chains (of different aggregates), one result per chain, in order.
 
         Each chain (one aggregate, id order) reaches the broker as a prefix; chains are
         independent of each other, so an implementation may interleave them to share broker
         round trips. Events for which ``pipelined`` is true may be sent without waiting for
         the confirms of the events before them (docs/relay.md, "Pipelined chains"); an
-        implementation may ignore it (strict is always allowed)."""
+        implementation may ignore it (strict is always allowed).
+
+        ``deadline`` (a ``time.monotonic()`` value, or None: no cap beyond the publisher's own
+        budget): when the lease's safe part runs out. The publisher waits on its broker no
+        later than that, and reports what is not confirmed by then as when its own budget
+        runs out, BACKPRESSURE (no attempt spent); nothing is sent once it has passed
+        (docs/relay.md, "The publish's deadline")."""
 
     def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
         """Publish one chain: ``publish_chains`` of that chain alone."""

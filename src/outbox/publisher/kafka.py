@@ -296,32 +296,34 @@ class KafkaPublisher(Publisher):
         return self.publish_chains([messages])[0]
 
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
-                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+                       pipelined: Pipelined | None = None, deadline: float | None = None) -> list[ChainResult]:
         """In waves: each chain's events up to where it moves to another partition are
         produced back to back (the idempotent producer keeps a partition's order), then one
         wait for all the delivery reports; a chain whose events were all delivered goes on
         with its next run in the next wave. One wave unless a chain spans partitions (another
         topic or key), or its next event opted in to pipelining (``pipelined``), which may
-        then go without waiting."""
+        then go without waiting. The whole publish waits ``wait_s`` at most, and never past
+        ``deadline`` (monotonic: the claim's, docs/relay.md, "The publish's deadline")."""
         chains = [list(chain) for chain in chains]
-        with self._lock:
+        with self._lock:  # ``deadline`` is absolute: a wait for the lock counts against it
             verdicts = [[_NOT_SENT] * len(chain) for chain in chains]
 
             def send() -> None:
-                deadline = time.monotonic() + self.wait_s
+                end, within = self._end(deadline)
                 sent = [0] * len(chains)  # how many events of each chain were produced
                 while wave := [c for c, chain in enumerate(chains) if sent[c] < len(chain)
                                and all(v is None for v in verdicts[c][:sent[c]])]:
-                    if any(sent) and time.monotonic() >= deadline:  # a next wave has no time left
+                    if time.monotonic() >= end:  # a next wave (or, past ``deadline``, any) has no time left
+                        why = (" (the events before it in its chain went to another Kafka partition first)"
+                               if any(sent) else "")
                         for c in wave:
-                            verdicts[c][sent[c]] = PublishFailure(
-                                FailureKind.BACKPRESSURE, f"not sent within the publish's {self.wait_s:g} s (the "
-                                "events before it in its chain went to another Kafka partition first)")
+                            verdicts[c][sent[c]] = PublishFailure(FailureKind.BACKPRESSURE,
+                                                                  f"not sent {within}{why}")
                         return
                     producer = self._ready()  # again after each wave: a report may have retired it
                     for c in wave:
-                        sent[c] = self._produce_chain(producer, chains[c], verdicts[c], deadline, sent[c], pipelined)
-                    self._await(producer, verdicts, deadline)
+                        sent[c] = self._produce_chain(producer, chains[c], verdicts[c], end, sent[c], pipelined)
+                    self._await(producer, verdicts, end, within)
 
             failure = self._guarded(send)
             if failure is not None:
@@ -330,6 +332,14 @@ class KafkaPublisher(Publisher):
                         if v is _PENDING or v is _NOT_SENT:
                             row[i] = failure
             return [chain_result([m.id for m in chain], row) for chain, row in zip(chains, verdicts)]
+
+    def _end(self, deadline: float | None) -> tuple[float, str]:
+        """When a publish starting now stops waiting (monotonic): after ``wait_s``, or at
+        ``deadline`` when that comes first; and how its failures say so."""
+        now = time.monotonic()
+        if deadline is None or deadline >= now + self.wait_s:
+            return now + self.wait_s, f"within the publish's {self.wait_s:g} s"
+        return deadline, f"by the claim's deadline ({max(0.0, deadline - now):.2g} s after the publish began)"
 
     def publish_dead(self, message: OutboxMessage, error: str, *,
                      headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
@@ -364,7 +374,7 @@ class KafkaPublisher(Publisher):
                            or self._produce(producer, message, topic, _key(message), value,
                                             event_headers(message, extra), row, 0))
                 if refused is None:
-                    self._await(producer, [row], deadline)
+                    self._await(producer, [row], deadline, f"within {self.wait_s:g} s")
                 return refused
 
             failure = self._guarded(send)
@@ -523,11 +533,11 @@ class KafkaPublisher(Publisher):
         error = self._broker_error
         return _failure(error, where) if error is not None and error.fatal() else None
 
-    def _await(self, producer: Any, rows: list[list[Any]], deadline: float) -> None:
+    def _await(self, producer: Any, rows: list[list[Any]], deadline: float, within: str) -> None:
         """Serve delivery reports until every produced event has one or ``deadline`` (the
-        publish's ``wait_s`` from its start) passed; the rest are purged and the producer
-        replaced: their fate is unknown, so they count as not delivered (a retry may
-        duplicate them)."""
+        publish's ``wait_s`` from its start, or the claim's deadline when earlier: ``within``
+        says which) passed; the rest are purged and the producer replaced: their fate is
+        unknown, so they count as not delivered (a retry may duplicate them)."""
         while any(v is _PENDING for row in rows for v in row):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -535,7 +545,7 @@ class KafkaPublisher(Publisher):
                 producer.poll(0)
                 self._producer = None
                 timeout = self._broker_failure() or PublishFailure(
-                    FailureKind.BACKPRESSURE, f"no Kafka delivery report within {self.wait_s:g} s")
+                    FailureKind.BACKPRESSURE, f"no Kafka delivery report {within}")
                 for row in rows:
                     row[:] = [timeout if v is _PENDING else v for v in row]
                 return

@@ -108,9 +108,12 @@ class KombuPublisher(Publisher):
 
     # -- public API ----------------------------------------------------------------
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
-                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+                       pipelined: Pipelined | None = None, deadline: float | None = None) -> list[ChainResult]:
+        """``_publish_waves``; each wave's confirms awaited ``confirm_timeout`` at most and never
+        past ``deadline`` (monotonic: the claim's), and no wave sent once it has passed
+        (docs/relay.md, "The publish's deadline")."""
         with self._lock:
-            return self._publish_waves([list(chain) for chain in chains], pipelined)
+            return self._publish_waves([list(chain) for chain in chains], pipelined, deadline)
 
     def publish_dead(self, message: OutboxMessage, error: str, *,
                      headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
@@ -171,8 +174,8 @@ class KombuPublisher(Publisher):
             self._forget()
 
     # -- chains, in waves ----------------------------------------------------------------
-    def _publish_waves(self, chains: list[list[OutboxMessage]],
-                       pipelined: Pipelined | None = None) -> list[ChainResult]:
+    def _publish_waves(self, chains: list[list[OutboxMessage]], pipelined: Pipelined | None = None,
+                       deadline: float | None = None) -> list[ChainResult]:
         """Publish several chains (different aggregates) in waves: the next unsent event of
         every chain still going (``next_wave``), back to back, then wait until the broker has
         confirmed (or returned, or nacked) every one of them (``_send_wave``), and advance or
@@ -184,19 +187,28 @@ class KombuPublisher(Publisher):
         A chain whose next event opted in to pipelining (``pipelined``) sends a window of
         events in one wave instead (``ChainProgress.window``); an event of the window the
         broker did not take while later ones were confirmed is overtaken
-        (``waves.apply_verdicts``): docs/relay.md, "Pipelined chains"."""
+        (``waves.apply_verdicts``): docs/relay.md, "Pipelined chains".
+
+        Past ``deadline`` no wave is sent: every chain still going stops at its next event,
+        BACKPRESSURE, as when a wave's confirms do not come by then."""
         progress = [ChainProgress(chain) for chain in chains]
         going = [chain for chain in progress if chain.chain]
         reused = self._usable()  # a connection from an earlier call, maybe dead since
         refused: dict[str, PublishFailure] = {}  # routing key -> its nack
         single = False  # one event a wave, once the broker refused a whole wave as poison
         while going:
+            if deadline is not None and time.monotonic() >= deadline:
+                late = PublishFailure(FailureKind.BACKPRESSURE, "not sent: the claim's deadline passed before "
+                                      "its wave (the lease's safe part is spent)")
+                for chain in going:
+                    chain.stop(late)
+                break
             wave = next_wave(going, pipelined, refused, self.max_message_bytes, single=single)
             if not wave.windows:
                 break
             try:
                 self._ready()
-                verdicts = self._send_wave(wave.messages, wave.headers)
+                verdicts = self._send_wave(wave.messages, wave.headers, deadline)
             except Exception as exc:  # noqa: BLE001 - nothing of this wave is known to be on the broker
                 failure = self._wave_lost(wave, exc)
                 if reused and _connection_lost(exc):
@@ -240,10 +252,12 @@ class KombuPublisher(Publisher):
         self._discard()
         return failure_from(exc)
 
-    def _send_wave(self, messages: list[OutboxMessage], headers: list[dict[str, Any]]) -> list[Any]:
+    def _send_wave(self, messages: list[OutboxMessage], headers: list[dict[str, Any]],
+                   deadline: float | None = None) -> list[Any]:
         """Send ``messages`` and wait for the broker's verdict on each: ``None`` (confirmed),
         ``RETURNED`` (unroutable) or a ``PublishFailure`` (nacked). Raises when the
-        connection fails: then nothing of the wave is known to have arrived.
+        connection fails: then nothing of the wave is known to have arrived. The writes and
+        the wait for confirms end by ``deadline`` (monotonic) at the latest.
 
         Without confirms (virtual transports) each send is its own verdict, so an exception
         stops the wave there and the events sent before it count as published."""
@@ -269,8 +283,8 @@ class KombuPublisher(Publisher):
                     return verdicts
                 verdicts.append(None)
             return verdicts
-        tags = self._send_frames(messages, headers, self.exchange, mandatory=True)
-        self._await_confirms()
+        tags = self._send_frames(messages, headers, self.exchange, mandatory=True, deadline=deadline)
+        self._await_confirms(deadline)
         verdicts = []
         for message, tag in zip(messages, tags):
             if isinstance(tag, PublishFailure):
@@ -299,7 +313,7 @@ class KombuPublisher(Publisher):
         return lambda key: bool(kind.lookup(table, self.exchange, key, None))
 
     def _send_frames(self, messages: Sequence[OutboxMessage], headers: Sequence[dict[str, Any]], exchange: str, *,
-                     mandatory: bool) -> list[int | PublishFailure]:
+                     mandatory: bool, deadline: float | None = None) -> list[int | PublishFailure]:
         """Send ``messages`` without waiting (py-amqp): each one's delivery tag, or POISON for
         one that cannot be encoded (nothing of it is written). The frames go in one write, or
         one per ``_WRITE_BYTES`` of payload (docs/publisher.md, "Fast path"). Raises when the
@@ -319,10 +333,10 @@ class KombuPublisher(Publisher):
             tags.append(self._sent())
             pending += len(m.payload)
             if pending >= _WRITE_BYTES:
-                self._write(frames)
+                self._write(frames, deadline)
                 frames, pending = [], 0
         if frames:
-            self._write(frames)
+            self._write(frames, deadline)
         return tags
 
     def _poisoned(self, message: OutboxMessage, headers: dict[str, Any]) -> PublishFailure | None:
@@ -417,19 +431,22 @@ class KombuPublisher(Publisher):
     def _on_nack(self, tag: int, multiple: bool) -> None:
         self._nacked.update(self._settle(tag, multiple))
 
-    def _await_confirms(self) -> None:
+    def _await_confirms(self, deadline: float | None = None) -> None:
         """Read from the broker until every message sent is acked or nacked; raise
-        ``TimeoutError`` if that takes longer than ``confirm_timeout``."""
-        deadline = time.monotonic() + self.confirm_timeout
+        ``TimeoutError`` if that takes longer than ``confirm_timeout``, or lasts past
+        ``deadline`` (monotonic: the claim's)."""
+        began = time.monotonic()
+        end, within = began + self.confirm_timeout, f"within {self.confirm_timeout:g} s"
+        if deadline is not None and deadline < end:
+            end, within = deadline, f"by the claim's deadline ({max(0.0, deadline - began):.2g} s after the wave went)"
         while self._unconfirmed:
-            remaining = deadline - time.monotonic()
+            remaining = end - time.monotonic()
             try:
                 if remaining <= 0:
                     raise TimeoutError
                 self._conn.drain_events(timeout=remaining)
             except TimeoutError:  # the socket's own says only "timed out"
-                raise TimeoutError(f"no publisher confirm within {self.confirm_timeout:g} s "
-                                   f"for {len(self._unconfirmed)} messages") from None
+                raise TimeoutError(f"no publisher confirm {within} for {len(self._unconfirmed)} messages") from None
 
     def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> int:
         """Send one message without waiting; returns its delivery tag (0 without confirms)."""
@@ -468,10 +485,11 @@ class KombuPublisher(Publisher):
         self._unconfirmed.add(self._next_tag)
         return self._next_tag
 
-    def _write(self, frames: list[bytes | memoryview]) -> None:
+    def _write(self, frames: list[bytes | memoryview], deadline: float | None = None) -> None:
         """Write frames in one go on py-amqp's connection, the way ``Channel.basic_publish``
         does: frames waiting from the broker (``connection.blocked``, a close) are read
-        first, and a write timeout is a ``RecoverableConnectionError``."""
+        first, and a write timeout (``confirm_timeout``, or sooner by ``deadline``) is a
+        ``RecoverableConnectionError``."""
         from amqp.exceptions import RecoverableConnectionError
 
         connection = self._channel.connection
@@ -481,8 +499,11 @@ class KombuPublisher(Publisher):
             with contextlib.suppress(TimeoutError):
                 connection.drain_events(timeout=0)
         transport = connection.transport
+        timeout = self.confirm_timeout
+        if deadline is not None:
+            timeout = max(0.05, min(timeout, deadline - time.monotonic()))
         try:
-            with transport.having_timeout(self.confirm_timeout):
+            with transport.having_timeout(timeout):
                 transport.write(b"".join(frames))
         except TimeoutError as exc:
             raise RecoverableConnectionError("basic_publish: timed out") from exc

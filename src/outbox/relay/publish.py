@@ -59,7 +59,9 @@ def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]
     published when the breaker is open or the worker is stopping (the rows are released, no
     attempt spent), nor after ``deadline``, the wall-clock time after which the lease is
     about to expire (or has) and another claim may already hold the rows: those rows are
-    left to lease recovery, which spends an attempt (docs/relay.md, "Failure policy").
+    left to lease recovery, which spends an attempt (docs/relay.md, "Failure policy"). A
+    publish begun before ``deadline`` waits on its broker no later than that: what is not
+    confirmed by then is released, no attempt spent (docs/relay.md, "The publish's deadline").
 
     ``relay.outage`` (the destination broker's) hears of every broker-wide failure and of
     every publish that went through, so an outage logs one warning and one line when it ends.
@@ -75,7 +77,7 @@ def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]
         return skipped
     split = _hold_paused_routes(batch, relay.routes, relay.now())
     began = time.monotonic()  # a broker-wide failure of sends begun before an outage ended is its leftover
-    reports, elapsed = _send(publisher, relay, [part for part, _, _ in split])
+    reports, elapsed = _send(publisher, relay, [part for part, _, _ in split], deadline)
     done: dict[str, list[int]] = {}
     settled = [_settle_published(relay, chain, part, report, elapsed, done)
                for chain, (part, _, _), report in zip(batch, split, reports)]
@@ -130,27 +132,32 @@ class _Report:
     overtaken: tuple[Overtaken, ...] = ()
 
 
-def _send(publisher: Publisher, relay: RelayContext,
-          parts: list[list[OutboxMessage]]) -> tuple[list[_Report | None], float]:
+def _send(publisher: Publisher, relay: RelayContext, parts: list[list[OutboxMessage]],
+          deadline: float | None = None) -> tuple[list[_Report | None], float]:
     """One report per part (None for an empty part: nothing to send), and how long the
     sending took."""
     sending = [part for part in parts if part]
     started = time.perf_counter()
-    reports = iter(_publish_all(publisher, relay, sending) if sending else [])
+    reports = iter(_publish_all(publisher, relay, sending, deadline) if sending else [])
     elapsed = time.perf_counter() - started
     return [next(reports) if part else None for part in parts], elapsed
 
 
-def _publish_all(publisher: Publisher, relay: RelayContext, chains: list[list[OutboxMessage]]) -> list[_Report]:
+def _publish_all(publisher: Publisher, relay: RelayContext, chains: list[list[OutboxMessage]],
+                 deadline: float | None = None) -> list[_Report]:
     """One report per chain. A publisher that raises instead of reporting (a bug, or
     something nobody foresaw) counts against the head of every chain. Events that opted
-    in to pipelining (``options.pipelined``) are marked as such for the publisher."""
+    in to pipelining (``options.pipelined``) are marked as such for the publisher.
+    ``deadline`` (wall clock, ``relay.now()``) reaches the publisher as the time left now, on
+    its monotonic clock: it waits on its broker no later than that (docs/relay.md, "The
+    publish's deadline")."""
     options = relay.options
     pipelined: Callable[[OutboxMessage], bool] | None = None
     if options.pipelines and any(options.pipelined(m.topic, m.aggregate_type) for chain in chains for m in chain):
         pipelined = lambda m: options.pipelined(m.topic, m.aggregate_type)  # noqa: E731
+    until = None if deadline is None else time.monotonic() + (deadline - relay.now())
     try:
-        results = list(publisher.publish_chains(chains, pipelined=pipelined))
+        results = list(publisher.publish_chains(chains, pipelined=pipelined, deadline=until))
     except Exception as exc:
         log.exception("outbox publisher raised instead of reporting %s", describe(chains[0][0]))
         return [_Report([], chain[0].id, RETRIABLE, f"{type(exc).__name__}: {exc}") for chain in chains]

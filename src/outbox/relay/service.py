@@ -18,7 +18,7 @@ from ..core.config import RelayOptions, Settings
 from ..core.model import OutboxMessage, message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, RELEASE_TASK
 from ..publisher import Publisher
-from ..publisher.apart import ApartPublisher
+from ..publisher.apart import MIN_WAIT_S, ApartPublisher
 from .claim import tried_twice
 from .context import RelayContext
 from .drain import DRAIN_SLICE_S, Backlog, ClaimAhead, Drain, after_publish, drain_slice
@@ -199,10 +199,11 @@ class Relay:
     def apart_publisher(self, deadline: float | None) -> ApartPublisher:
         """A publisher that publishes each call from a child process of its own, waiting for it
         as long as a publish may wait for its broker (the lease's safe part), and not past
-        ``deadline``, after which another claim may take the rows."""
+        ``deadline``, after which another claim may take the rows. Its child is given a little
+        less, so that its own answer comes first (``ApartPublisher.publish_chains``)."""
         wait = self.safe_lease_s
         if deadline is not None:
-            wait = max(1.0, min(wait, deadline - time.time()))
+            wait = max(MIN_WAIT_S, min(wait, deadline - time.time()))
         fallback = self.resources().publisher
         assert fallback is not None  # a relay that publishes has a publisher
         return ApartPublisher(self.settings, wait, fallback, max_message_bytes=self.options.max_message_bytes)
