@@ -393,13 +393,16 @@ def test_a_publish_task_begun_just_before_its_deadline_releases_its_rows_by_that
     publish outlived the lease: lease recovery took the rows again with an attempt spent while
     the first publish still waited. The deadline now reaches the publisher (as the time left,
     monotonic), which gives up by then: the rows are released with no attempt spent, by about
-    the deadline, under the lease they were claimed with."""
+    the deadline, under the lease they were claimed with. The time was the task's, not the
+    broker's: the breaker stays closed (a healthy broker with a task begun late would
+    otherwise pause every claim)."""
     ids = add(conn, "a", 2) + add(conn, "b", 1)
     chains = claim_chains(sqlite_store)
     publisher = Hung()
     deadline = time.time() + 1.0
     began = time.monotonic()
-    outcomes = handle_publish(RelayContext(sqlite_store, publisher, breaker=Breaker()), chains, deadline=deadline)
+    breaker = Breaker()
+    outcomes = handle_publish(RelayContext(sqlite_store, publisher, breaker=breaker), chains, deadline=deadline)
     elapsed = time.monotonic() - began
     assert elapsed < 5.0, f"the publish ended {elapsed:.1f} s after it began, its deadline 1 s away"
     [given] = publisher.deadlines
@@ -408,6 +411,7 @@ def test_a_publish_task_begun_just_before_its_deadline_releases_its_rows_by_that
                                                         (FailureKind.BACKPRESSURE, ids[2:])]
     state = rows(sqlite_store)
     assert [(state[i]["status"], state[i]["attempts"]) for i in ids] == [(Status.PENDING, 0)] * 3
+    assert breaker.open_for() == 0
 
 
 class CountingStore:

@@ -83,12 +83,23 @@ def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]
                for chain, (part, _, _), report in zip(batch, split, reports)]
     for lease, ids in done.items():
         relay.settler.done(ids, lease)
-    broker_down = any(r is not None and r.kind == BACKPRESSURE and r.route is None for r in reports)
+    # A publish that ran into its deadline was stopped by the time its task had left, not by
+    # its broker: its broker-wide back-pressure opens no breaker and starts no outage
+    # (docs/relay.md, "The publish's deadline").
+    cut = deadline is not None and relay.now() >= deadline - DEADLINE_SLACK_S
+    broker_down = not cut and any(r is not None and r.kind == BACKPRESSURE and r.route is None for r in reports)
     if relay.outage is not None and done and not broker_down:
         relay.outage.ok()
     refused: dict[str, float] = {}  # routes refused by this task: each paused once
     for chain, (part, held, wait), report, (outcome, prefix) in zip(batch, split, reports, settled):
-        if prefix < len(part):
+        if prefix < len(part) and cut and report is not None and report.kind == BACKPRESSURE and report.route is None:
+            rest = chain[prefix:]
+            log.info("outbox publish stopped at its claim's deadline (%s): releasing %d rows, no attempt spent, "
+                     "first %s", report.reason, len(rest), describe(rest[0]))
+            relay.settler.release(rest)
+            outcome.failed_id, outcome.kind, outcome.reason = rest[0].id, report.kind, report.reason
+            outcome.released = [m.id for m in rest]
+        elif prefix < len(part):
             assert report is not None  # a part was sent
             _settle_stopped(relay, chain[prefix:], report, outcome, refused, began)
         elif held:
@@ -120,6 +131,11 @@ def _skip_all(relay: RelayContext, chains: list[list[OutboxMessage]],
 
 
 # -- sending ------------------------------------------------------------------------------------
+
+#: A publish that ends this close to its deadline (or past it) was cut by it: the publisher
+#: stops waiting at the deadline as its monotonic clock reads it, the relay's wall clock may
+#: read a little earlier.
+DEADLINE_SLACK_S = 0.25
 
 @dataclass
 class _Report:
