@@ -294,6 +294,44 @@ def test_a_role_without_ddl_privileges_starts_on_postgresql_tables_made_for_it(t
         admin.close()
 
 
+def test_a_role_without_ddl_privileges_starts_on_mysql_tables_made_for_it(tmp_path: Path) -> None:
+    """The same on MySQL/MariaDB: ``CREATE TABLE IF NOT EXISTS`` checks the privilege first
+    (error 1142), so a user with only SELECT, INSERT, UPDATE and DELETE on the queue tables
+    failed every start. Each table is now looked for in the catalog first."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    import pymysql
+
+    from outbox.transport import migrate_queue_tables
+
+    direct = engine_url("mysql", tmp_path)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    user = f"kr_{uuid.uuid4().hex[:10]}"
+    migrate_queue_tables(f"outboxdb+{direct}", table=table)
+    parts = urlsplit(direct)
+    admin = pymysql.connect(host=parts.hostname, port=parts.port or 3306, user=parts.username or "root",
+                            password=parts.password or "", database=parts.path.lstrip("/"), autocommit=True)
+    as_user = urlunsplit(parts._replace(netloc=f"{user}@{parts.hostname}:{parts.port or 3306}"))
+    try:
+        with admin.cursor() as cursor:
+            cursor.execute(f"CREATE USER '{user}'@'%'")
+            for name in (table, f"{table}_binding"):
+                cursor.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {parts.path.lstrip('/')}.{name} "
+                               f"TO '{user}'@'%'")
+        with Connection(f"outboxdb+{as_user}", transport_options={"queue_table": table}) as conn:
+            q = conn.SimpleQueue("least-privilege")
+            q.put("m")
+            message = q.get(timeout=10)
+            assert message.payload == "m"
+            message.ack()
+            q.close()
+    finally:
+        drop_queue_tables(direct, table)
+        with admin.cursor() as cursor:
+            cursor.execute(f"DROP USER IF EXISTS '{user}'@'%'")
+        admin.close()
+
+
 def lease_ids(db: Database, queue: str, limit: int) -> list[int]:
     return [r.id for r in db.run(lambda qt, c: qt.lease(c, queue, limit, 60_000, uuid.uuid4().hex))]
 

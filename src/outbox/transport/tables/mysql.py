@@ -28,11 +28,19 @@ class MysqlQueueTables(QueueTables):
             return (f"SELECT 1 FROM information_schema.statistics WHERE table_schema = {schema} "
                     "AND table_name = ? AND index_name = ?", [*schema_params, table, index])
 
+        def table_exists(table: str) -> tuple[str, list[Any]]:
+            return (f"SELECT 1 FROM information_schema.tables WHERE table_schema = {schema} AND table_name = ?",
+                    [*schema_params, table])
+
+        # Every step probed first: CREATE ... IF NOT EXISTS checks privileges before it looks,
+        # so a role without DDL privileges failed every start on tables made for it
+        # (docs/transport.md, "Table layout").
         name = f"VARCHAR({MAX_NAME}) NOT NULL"
         retired = index_exists(self.table_name, self.index_name(RETIRED_RECEIVE_INDEX))
-        steps: list[Any] = [f"CREATE DATABASE IF NOT EXISTS {q(engine.schema)}"] if engine.schema else []
+        steps: list[Any] = [(("SELECT 1 FROM information_schema.schemata WHERE schema_name = ?", [engine.schema]),
+                             f"CREATE DATABASE IF NOT EXISTS {q(engine.schema)}")] if engine.schema else []
         steps += [
-            f"""CREATE TABLE IF NOT EXISTS {self.table} (
+            (table_exists(self.table_name), f"""CREATE TABLE IF NOT EXISTS {self.table} (
                 id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
                 queue {name},
                 headers LONGTEXT NOT NULL,
@@ -42,7 +50,7 @@ class MysqlQueueTables(QueueTables):
                 receipt VARCHAR(32) NULL,
                 deliveries INT NOT NULL DEFAULT 0,
                 created_at DATETIME(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)
-            ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+            ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"""),
             (index_exists(self.table_name, self.index_name(READY_INDEX)),
              f"CREATE INDEX {q(self.index_name(READY_INDEX))} ON {self.table} (queue, visible_at, id)"),
             # The retired receive index: dropped when it exists (the probe finds no row then).
@@ -50,7 +58,7 @@ class MysqlQueueTables(QueueTables):
              f"DROP INDEX {q(self.index_name(RETIRED_RECEIVE_INDEX))} ON {self.table}"),
             (index_exists(self.table_name, self.index_name("expires")),
              f"CREATE INDEX {q(self.index_name('expires'))} ON {self.table} (expires_at)"),
-            f"""CREATE TABLE IF NOT EXISTS {self.bindings} (
+            (table_exists(self.binding_name), f"""CREATE TABLE IF NOT EXISTS {self.bindings} (
                 id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
                 exchange {name},
                 routing_key {name},
@@ -58,7 +66,7 @@ class MysqlQueueTables(QueueTables):
                 queue {name},
                 message_ttl_ms BIGINT NULL,
                 UNIQUE KEY {q(self.index_name('binding'))} (exchange, routing_key, queue)
-            ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+            ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"""),
         ]
         return steps
 
