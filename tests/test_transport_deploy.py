@@ -453,3 +453,20 @@ def test_an_acks_late_task_running_through_a_database_outage_runs_once(kind: str
         proxy.close()
         app.close()
 
+
+
+def test_migrate_of_an_empty_database_does_not_warn_of_the_indexes_it_is_about_to_make(
+        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``outbox migrate`` connected as a check-only client first, whose first connection
+    warned of every index missing ("run `outbox migrate` to create it") before the migration
+    made them (found in review)."""
+    from outbox.transport import drop_queue_tables, migrate_queue_tables
+
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    caplog.set_level(logging.WARNING, logger="outbox")
+    try:
+        qt = migrate_queue_tables(f"outboxdb+{db_url}", table=table)
+        assert qt.table_name == table
+        assert [r.getMessage() for r in caplog.records if "is missing" in r.getMessage()] == []
+    finally:
+        drop_queue_tables(db_url, table)

@@ -55,7 +55,7 @@ def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: s
     from .database import Database, database_url_of
     from .tables.base import DEFAULT_QUEUE_TABLE
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
-    db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False)
+    db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False, check=False)
     try:
         db.run(lambda qt, cursor: qt.migrate(cursor), ddl=True)
         return db.qt

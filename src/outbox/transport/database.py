@@ -116,8 +116,12 @@ class Database:
     #: Retries after the first attempt.
     RETRIES = 3
 
-    def __init__(self, url: str, table: str, schema: str | None, create: bool, wake: bool = True) -> None:
+    def __init__(self, url: str, table: str, schema: str | None, create: bool, wake: bool = True,
+                 check: bool = True) -> None:
+        """``create``: migrate the tables on the process's first connection; ``check``: warn
+        there about missing indexes (off for ``outbox migrate``, which makes them next)."""
         self.url = url
+        self.check = check
         self.engine = engine_for_url(url, schema=schema)
         self.qt = queue_tables(self.engine, table)
         self.create = create
@@ -208,6 +212,8 @@ class Database:
         every send, lease and ack queues behind it (docs/transport.md, "Table layout")."""
         self._on(conn, self.qt.session_setup)
         key = (self.url, self.qt.table)
+        if not (self.create or self.check):
+            return
         with _prepared_lock:
             if key in _prepared:
                 return
