@@ -174,6 +174,18 @@ def test_cli_masks_passwords_of_every_url(tmp_path: Path) -> None:
         assert len(lines) == 1 and lines[0].startswith("error: ") and "***" in lines[0], (case, lines)
 
 
+def test_check_masks_the_password_a_driver_quotes(tmp_path: Path) -> None:
+    """`outbox check` printed libpq's `invalid percent-encoded token: "<password>"` as it was
+    (found in review): its report is masked as every other line the CLI prints."""
+    require_postgres()
+    secret = f"{SECRET}%zz"
+    result = cli("check", env=clean_env(OUTBOX_DATABASE_URL=f"postgresql://postgres:{secret}@127.0.0.1:5432/test"),
+                 cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "[FAIL] database: cannot connect" in result.stdout, result.stdout
+    assert SECRET not in result.stdout + result.stderr, result.stdout
+
+
 def test_cli_warns_once_about_unknown_outbox_names(tmp_path: Path) -> None:
     env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_BATCHSIZE="7",
                     OUTBOX_TEST_ANYTHING="1", OUTBOX_REQUIRE_SERVICES="1")

@@ -59,7 +59,9 @@ class Result:
     detail: str
 
     def line(self) -> str:
-        return f"[{self.state:<4}] {self.name}: {self.detail}"
+        """The report's line, passwords masked: a driver's error may quote one (libpq's
+        ``invalid percent-encoded token: "..."``), as every line the CLI prints."""
+        return redact(f"[{self.state:<4}] {self.name}: {self.detail}")
 
 
 def _error(exc: BaseException) -> str:
