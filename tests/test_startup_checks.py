@@ -107,6 +107,11 @@ def test_supported_urls_pass() -> None:
     # libpq takes a password in the URL's query too; `outbox status` printed it (found in review)
     ("postgresql://127.0.0.1/test?user=app&password=pa55word", "pa55word"),
     ("postgresql://h/db?sslmode=verify-full&sslpassword=pa55word", "pa55word"),
+    # The documented ?odbc_connect= form, percent-encoded: its PWD%3D went unmasked (found in review)
+    ("mssql+pyodbc:///?odbc_connect=DRIVER%3D%7BODBC+Driver+18%7D%3BSERVER%3Dh%3BUID%3Dsa%3BPWD%3Dpa55word%3B",
+     "pa55word"),
+    ("mssql+pyodbc:///?odbc_connect=SERVER%3Dh%3Bpassword%3D%7Bpa55%3Bword%7D%3BEncrypt%3Dyes", "pa55"),
+    ("mssql+pyodbc:///?odbc_connect=SERVER%3Dh%3BUID%3Dsa%3Bpwd%3dpa55word&lock_timeout_ms=5", "pa55word"),
 ])
 def test_redact_masks_passwords(text: str, secret: str) -> None:
     masked = redact(text)
@@ -129,6 +134,14 @@ def test_registered_passwords_are_masked_in_fragments_and_log_records() -> None:
     assert RedactingFilter().filter(record)
     formatted = logging.Formatter().format(record)
     assert "Fr4g%zzment" not in formatted and formatted.count("***") >= 2
+
+
+def test_the_password_of_an_odbc_connect_url_is_registered_decoded() -> None:
+    """A driver error quotes the ODBC string decoded (``PWD={Od;bcPw}``) or a fragment of it:
+    the password registered from ``?odbc_connect=`` is masked there too."""
+    register_url("mssql+pyodbc:///?odbc_connect=SERVER%3Dh%3BUID%3Dsa%3BPWD%3D%7BOd%3BbcPw%7D%3B")
+    assert "Od;bcPw" not in redact("login failed, connection string fragment 'Od;bcPw'")
+    assert "Od%3BbcPw" not in redact("token Od%3BbcPw")
 
 
 def test_unknown_environment_names_get_the_closest_known_name() -> None:
@@ -184,6 +197,16 @@ def test_check_masks_the_password_a_driver_quotes(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stdout + result.stderr
     assert "[FAIL] database: cannot connect" in result.stdout, result.stdout
     assert SECRET not in result.stdout + result.stderr, result.stdout
+
+
+def test_cli_masks_the_password_of_an_odbc_connect_url(tmp_path: Path) -> None:
+    """`outbox status` named its database as ``...%3BPWD%3D<password>%3B``, the form of
+    docs/sqlserver.md (found in review)."""
+    url = ("mssql+pyodbc:///?odbc_connect=DRIVER%3D%7BODBC+Driver+18+for+SQL+Server%7D%3BSERVER%3D127.0.0.1%2C1"
+           f"%3BUID%3Dsa%3BPWD%3D{SECRET}%3B")
+    result = cli("status", env=clean_env(OUTBOX_DATABASE_URL=url), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "PWD%3D***" in result.stderr and SECRET not in result.stdout + result.stderr, result.stderr
 
 
 def test_cli_warns_once_about_unknown_outbox_names(tmp_path: Path) -> None:

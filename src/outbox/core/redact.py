@@ -5,8 +5,8 @@ Passwords reach text in three ways, and ``redact`` covers each:
 * a URL with credentials, ``scheme://user:password@host/...``, quoted whole (a malformed
   setting echoed in an error, a connection error that names its target): the password
   part becomes ``***``;
-* an ODBC connection string, ``...;PWD=secret;...`` (or ``Password=``): the value
-  becomes ``***``;
+* an ODBC connection string, ``...;PWD=secret;...`` (or ``Password=``), percent-encoded
+  too (``?odbc_connect=...%3BPWD%3Dsecret%3B...``): the value becomes ``***``;
 * a fragment of a URL, quoted by a driver that could not parse it (libpq's
   ``invalid percent-encoded token: "s3cr%t@db/app"`` echoes only the part after the
   user name). No pattern finds those, so every password of a configured URL is
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_plus
 
 MASK = "***"
 
@@ -38,30 +38,36 @@ _URL_CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*:/{0,3}[^\s:/
 #: and ``password=`` / ``sslpassword=`` in a URL's query (libpq takes both there; the value
 #: then runs to the end of the query).
 _ODBC_PASSWORD = re.compile(r"(?i)(?P<head>\b(?:pwd|password|sslpassword)\s*=\s*)(?P<secret>\{[^}]*\}|[^;'\"\s]*)")
+#: The same inside a percent-encoded ODBC string, ``?odbc_connect=...%3BPWD%3Dsecret%3B...``
+#: (docs/sqlserver.md, "Drivers"): ``%3D`` for ``=``, the value running to ``%3B`` (``;``),
+#: ``&`` or the end, ``%7B...%7D`` (``{...}``) quoting included.
+_ENCODED_ODBC_PASSWORD = re.compile(r"(?i)(?P<head>(?:\b|(?<=%3B))(?:pwd|password)(?:\s|\+|%20)*%3D)"
+                                    r"(?P<secret>%7B.*?%7D|(?:(?!%3B)[^;&'\"\s])*)")
 
 _lock = threading.Lock()
 _secrets: set[str] = set()
 
 
-def _url_password(url: str) -> str | None:
-    match = _URL_CREDENTIALS.search(url)
-    if match:
-        return match.group("secret")
-    match = _ODBC_PASSWORD.search(url)
-    if match:
-        return match.group("secret").strip("{}")
-    return None
+def _url_passwords(url: str) -> list[str]:
+    found = [m.group("secret") for m in _URL_CREDENTIALS.finditer(url)]
+    found += [m.group("secret").strip("{}") for m in _ODBC_PASSWORD.finditer(url)]
+    for match in _ENCODED_ODBC_PASSWORD.finditer(url):
+        # ?odbc_connect=: the password as written, and as the driver gets it (decoded)
+        found.append(re.sub(r"(?i)^%7B(.*)%7D$", r"\1", match.group("secret")))
+        decoded = _ODBC_PASSWORD.search(unquote_plus(match.group(0)))
+        if decoded:
+            found.append(decoded.group("secret").strip("{}"))
+    return found
 
 
 def register_url(url: str | None) -> None:
-    """Remember the password of ``url`` (a URL or an ODBC string), so that it is masked
-    wherever it shows up later, even in a fragment no pattern recognises."""
+    """Remember the password of ``url`` (a URL or an ODBC string, percent-encoded in
+    ``?odbc_connect=`` too), so that it is masked wherever it shows up later, even in a
+    fragment no pattern recognises."""
     if not url:
         return
-    secret = _url_password(str(url))
-    if secret is None:
-        return
-    register_secret(secret)
+    for secret in _url_passwords(str(url)):
+        register_secret(secret)
 
 
 def register_secret(secret: str) -> None:
@@ -78,6 +84,7 @@ def redact(text: object) -> str:
     result = str(text)
     result = _URL_CREDENTIALS.sub(lambda m: m.group("head") + MASK + "@", result)
     result = _ODBC_PASSWORD.sub(lambda m: m.group("head") + MASK, result)
+    result = _ENCODED_ODBC_PASSWORD.sub(lambda m: m.group("head") + MASK, result)
     with _lock:
         secrets = sorted(_secrets, key=len, reverse=True)
     for secret in secrets:
