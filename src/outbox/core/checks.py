@@ -79,6 +79,25 @@ def validate_identifier(value: str, setting: str) -> str:
     return value
 
 
+def check_host_part(url: str, setting: str) -> None:
+    """The host part of ``url`` as every client reads it, or a ``ConfigError`` naming the
+    setting, password masked. An unencoded ``/ ? # @`` in a password moves part of it into
+    the port (``Port could not be cast to integer value as '<fragment>'``, raised by the
+    first reader) or the host (a driver naming it in its error), where no masking finds it
+    (docs/relay.md, "Configuration checks")."""
+    shown = redact(repr(url))
+    fix = "percent-encode / ? # @ in a password as %2F %3F %23 %40"
+    head = re.split(r"[?#]", url.split("://", 1)[1], maxsplit=1)[0]  # the authority and the path
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - read for its ValueError
+    except ValueError:
+        raise ConfigError(f"{setting}={shown}: the host part cannot be read (the port is not a number from 0 "
+                          f"to 65535, or a bracket is unbalanced): {fix}") from None
+    if head.count("@") > 1 or ("@" in head and parts.netloc and "@" not in parts.netloc):
+        raise ConfigError(f"{setting}={shown}: more than one '@', or an '@' after the host: {fix}")
+
+
 def _looks_like_odbc(url: str) -> bool:
     return "=" in url and ";" in url
 
@@ -101,6 +120,8 @@ def validate_database_url(url: str, setting: str = "OUTBOX_DATABASE_URL") -> str
         if scheme.split("+", 1)[0] not in DATABASE_SCHEMES:
             raise ConfigError(f"{setting}={shown}: unsupported database {scheme!r} "
                               "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
+        if scheme.split("+", 1)[0] != "sqlite":  # a path, whatever it holds
+            check_host_part(url, setting)
         if scheme.split("+", 1)[0] in SESSION_BOUND_SCHEMES:
             session_bounds(url)
     elif "driver=" not in url.lower():
@@ -153,6 +174,9 @@ def validate_kombu_url(url: str, setting: str, *, database_broker: bool = True) 
         # failover would die on "No such transport"; the database's own failover is the way.
         raise ConfigError(f"{setting}={shown}: alternate broker URLs (';') are not supported by outboxdb; name "
                           "one database endpoint that fails over itself (docs/transport.md, \"Failover\")")
+    for alternate in url.split(";"):  # Celery's failover list: each is a URL of its own
+        if "://" in alternate:
+            check_host_part(alternate.strip(), setting)
     return url
 
 
@@ -176,6 +200,8 @@ def validate_publish_url(url: str, setting: str = "OUTBOX_PUBLISH_URL") -> str:
         what = ("is Celery's broker on the database, not a destination"
                 if transport == DATABASE_BROKER_SCHEME else f"unknown broker transport {scheme!r}{hint}")
         raise ConfigError(f"{setting}={shown}: {what} (known: {', '.join(DESTINATION_SCHEMES)})")
+    if transport != "kafka":  # kafka:// lists its servers, after a password that may hold '@'
+        check_host_part(url, setting)
     if transport == "kafka":
         servers = rest.rsplit("@", 1)[-1].split("/", 1)[0].split("?", 1)[0]
         for server in servers.split(","):
@@ -234,6 +260,7 @@ def validate_dramatiq_broker_url(url: str, setting: str = "OUTBOX_DRAMATIQ_BROKE
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{setting}={shown}: Dramatiq has no broker for {scheme!r}{hint} "
                           f"(known: {', '.join(DRAMATIQ_SCHEMES)})")
+    check_host_part(url, setting)
     register_url(url)
     return url
 
