@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from cli_support import silent_server
 from engine_support import drop_table
 from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
 
@@ -249,3 +250,16 @@ def test_check_expects_on_sql_server_the_indexes_its_migration_leaves_not_a_reti
     expected = expected_index_names(engine)
     assert expected == {engine.index_name(spec.suffix) for spec in INDEXES}
     assert not expected & {engine.index_name(suffix) for suffix in RETIRED_INDEXES}
+
+
+def test_a_redis_broker_that_never_answers_fails_the_check_instead_of_hanging(tmp_path: Path) -> None:
+    """The Redis client of the check waited for an answer without any bound: against a
+    port that accepts and never speaks, `outbox check` hung for good (found in review).
+    Celery's broker and the destination each fail within the check's timeout."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    with silent_server() as port:
+        result = check({**env, "OUTBOX_CELERY_BROKER_URL": f"redis://127.0.0.1:{port}/0",
+                        "OUTBOX_PUBLISH_URL": f"redis://127.0.0.1:{port}/1"}, tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    states = lines(result)
+    assert states["celery broker"] == "FAIL" and states["destination"] == "FAIL", result.stdout

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli_support import run
+from cli_support import run, silent_server
 
 from outbox import enqueue
 
@@ -181,3 +181,15 @@ def test_native_json_outside_sql_server_is_said_to_be_ignored(tmp_path: Path) ->
     assert "--native-json is for SQL Server only: ignored on sqlite" in result.stderr, result.stderr
     assert "created the table" in result.stdout
     assert "--native-json" not in ok(run("migrate", env=env)).stderr
+
+
+def test_a_mysql_server_that_never_answers_ends_the_command() -> None:
+    """PyMySQL waited for the server's greeting without any bound (it drops the connect
+    timeout before the handshake): `outbox status` against a port that accepts and never
+    speaks (a PostgreSQL port, found in review) hung for good. It ends, with one error line:
+    each of the store's attempts waits 10 s for the greeting (about a minute in all), so the
+    test only asks that it ends."""
+    with silent_server() as port:
+        result = run("status", env={"OUTBOX_DATABASE_URL": f"mysql://root@127.0.0.1:{port}/test"}, timeout=240)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: "), result.stderr

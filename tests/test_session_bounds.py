@@ -439,3 +439,19 @@ def test_engines_without_a_session_setting_commit_as_before(tmp_path: Path) -> N
     sqlite = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}")
     assert sqlite.commit_without_waiting() is False
     assert MysqlEngine.async_commit_sql is None and PostgresEngine.async_commit_sql is not None
+
+
+def test_a_mysql_connection_reads_without_a_bound_once_connected_unless_the_url_sets_one() -> None:
+    """The greeting is read with a bound (a server that accepts and never speaks held the
+    connect forever); a statement of the relay's may take as long as it takes, so the bound
+    is gone once the connection is made, and a read_timeout of the URL's is kept."""
+    require("MariaDB", "127.0.0.1", 3306)
+    engine = MysqlEngine()
+    for url, expected in ((MYSQL_URL, None), (f"{MYSQL_URL}?read_timeout=42", 42)):
+        conn = engine.connect(url)
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute("SELECT 1")
+            assert conn._read_timeout == expected and conn._sock.gettimeout() == expected
+        finally:
+            conn.close()

@@ -73,8 +73,13 @@ def _broker(url: str) -> Any:
     library is missing."""
     from kombu import Connection
 
+    options: dict[str, Any] = {"max_retries": 1}
+    if url.split("://", 1)[0] in ("redis", "rediss"):
+        # redis-py waits for an answer without a bound unless told: a server that accepts and
+        # never answers held the check for good (connect_timeout bounds the TCP connect only).
+        options["socket_timeout"] = CONNECT_TIMEOUT_S
     try:
-        return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options={"max_retries": 1})
+        return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options=options)
     except Exception as exc:
         hint = transport_hint(url)
         if hint is None and not isinstance(exc, ImportError):

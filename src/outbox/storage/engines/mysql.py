@@ -150,7 +150,14 @@ class MysqlEngine(Engine):
         import pymysql
         kwargs = pymysql_kwargs(url)
         bounds = session_bounds(url)
+        # PyMySQL's connect_timeout bounds the TCP connect only: it then sets the socket to
+        # read_timeout (None unless the URL gives one) before reading the server's greeting,
+        # so a server that accepts and never speaks held the connect forever. The handshake
+        # and the session's set-up are read with a bound, put back to the URL's afterwards
+        # (docs/relay.md, "A network cut").
+        asked = kwargs.pop("read_timeout", None)
         conn = pymysql.connect(**kwargs, autocommit=False, connect_timeout=CONNECT_TIMEOUT_S, defer_connect=True,
+                               read_timeout=asked or CONNECT_TIMEOUT_S,
                                init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
         sock = None
         if "unix_socket" not in kwargs:
@@ -169,6 +176,8 @@ class MysqlEngine(Engine):
         except BaseException:
             conn.close()
             raise
+        # No public setter: PyMySQL reads the attribute before each packet it waits for.
+        conn._read_timeout = asked  # type: ignore[attr-defined]
         return conn
 
     def cursor_for(self, conn: Any) -> Any:
