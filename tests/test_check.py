@@ -14,6 +14,7 @@ from cli_support import silent_server
 from engine_support import drop_table
 from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
 
+from outbox.core.config import MetricsOptions, RelayOptions
 from outbox.storage.store import OutboxStore
 
 
@@ -98,6 +99,31 @@ def test_check_reports_what_would_stop_a_relays_start_up(tmp_path: Path, setting
                     "OUTBOX_PUBLISH_URL": "kafka://127.0.0.1:9", setting: value}, tmp_path)
     assert result.returncode == 1 and lines(result) == {"configuration": "FAIL"}, result.stdout
     assert message in result.stdout
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"OUTBOX_RELAY_LISTEN": "maybe"}, "OUTBOX_RELAY_LISTEN='maybe' is not a boolean"),
+    ({"OUTBOX_CELERY_BROKER_URL": "outboxdb://", "OUTBOX_TRANSPORT_QUEUE_TABLE": "bad-name"},
+     "OUTBOX_TRANSPORT_QUEUE_TABLE='bad-name' is not a valid queue table name"),
+    ({"OUTBOX_CELERY_BROKER_URL": "outboxdb://", "OUTBOX_TRANSPORT_QUEUE_TABLE": "q" * 42},
+     "is not a valid queue table name (letters, digits and underscores, not starting with a digit, at most 41"),
+    ({"OUTBOX_CELERY_BROKER_URL": "outboxdb://", "OUTBOX_TRANSPORT_POLLING_INTERVAL_S": "0"},
+     "OUTBOX_TRANSPORT_POLLING_INTERVAL_S='0' must be >= 0.01"),
+], ids=["listen", "queue-table", "queue-table-length", "polling-interval"])
+def test_check_reports_the_wake_and_database_broker_options_a_relay_reads(tmp_path: Path, settings: dict[str, str],
+                                                                          message: str) -> None:
+    """These passed the check (all ok, exit 0) and then stopped the worker, or failed every
+    enqueue on PostgreSQL (OUTBOX_RELAY_LISTEN; found in review)."""
+    result = check({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", **settings}, tmp_path)
+    assert result.returncode == 1 and lines(result) == {"configuration": "FAIL"}, result.stdout
+    assert message in result.stdout
+
+
+def test_the_database_brokers_options_are_read_only_when_it_is_celerys_broker() -> None:
+    from outbox.core.config import TransportOptions, WakeOptions, load_settings, relay_families
+
+    assert relay_families(load_settings(environ={})) == (RelayOptions, MetricsOptions, WakeOptions)
+    assert TransportOptions in relay_families(load_settings(environ={"OUTBOX_CELERY_BROKER_URL": "outboxdb://"}))
 
 
 def test_check_against_an_unreachable_kafka_is_one_report_line(tmp_path: Path) -> None:

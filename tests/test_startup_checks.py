@@ -282,6 +282,9 @@ def require_redis() -> str:
      "outbox: invalid configuration: OUTBOX_RELAY_PURGE_INTERVAL_S='inf' must be a finite number"),
     ("beat", "OUTBOX_DATABASE_URL", f"postgresql:/app:{SECRET}@db/app",
      "outbox: invalid configuration: OUTBOX_DATABASE_URL='postgresql:/app:***@db/app' is not a database URL"),
+    # Read first by enqueue and the LISTEN thread: once not validated at a worker's start.
+    ("worker", "OUTBOX_RELAY_LISTEN", "maybe",
+     "outbox: invalid configuration: OUTBOX_RELAY_LISTEN='maybe' is not a boolean"),
     # An unencoded '/' in the password: the worker once died with a traceback quoting a fragment of it.
     ("worker", "OUTBOX_PUBLISH_URL", f"amqp://guest:{SECRET}/x@127.0.0.1:5672//",
      "outbox: invalid configuration: OUTBOX_PUBLISH_URL='amqp://guest:***@127.0.0.1:5672//': the host part "

@@ -79,6 +79,21 @@ def validate_identifier(value: str, setting: str) -> str:
     return value
 
 
+#: The longest name of the database broker's queue table: its bindings table and indexes
+#: add suffixes to it (``<name>_binding``, ...) that must still fit PostgreSQL's 63 bytes.
+MAX_QUEUE_TABLE = 41
+_QUEUE_TABLE = re.compile(rf"^[A-Za-z_][A-Za-z0-9_]{{0,{MAX_QUEUE_TABLE - 1}}}$")
+
+
+def validate_queue_table(value: str, setting: str = "OUTBOX_TRANSPORT_QUEUE_TABLE") -> str:
+    """The database broker's queue table (docs/transport.md): a plain identifier, short enough
+    for the names derived from it. Checked at start-up; the worker used to meet it first."""
+    if not isinstance(value, str) or not _QUEUE_TABLE.match(value):
+        raise ConfigError(f"{setting}={value!r} is not a valid queue table name (letters, digits and "
+                          f"underscores, not starting with a digit, at most {MAX_QUEUE_TABLE} characters)")
+    return value
+
+
 def check_host_part(url: str, setting: str) -> None:
     """The host part of ``url`` as every client reads it, or a ``ConfigError`` naming the
     setting, password masked. An unencoded ``/ ? # @`` in a password moves part of it into

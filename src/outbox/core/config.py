@@ -37,6 +37,7 @@ from .checks import (
     validate_kombu_url,
     validate_namespace,
     validate_publish_url,
+    validate_queue_table,
     validate_spark_log_level,
     validate_spark_master,
     without_session_bounds,
@@ -296,7 +297,7 @@ class TransportOptions(Options):
                                                 key="visibility_timeout")
     polling_interval_s: float | None = option(None, "float", minimum=0.01, maximum=60.0, key="polling_interval")
     receive_batch: int | None = option(None, "int", minimum=1, maximum=1000, key="receive_batch")
-    queue_table: str | None = option(None, "str", key="queue_table")
+    queue_table: str | None = option(None, "str", key="queue_table", check=validate_queue_table)
 
     def kombu(self) -> dict[str, Any]:
         """The options that are set, by their kombu names."""
@@ -464,10 +465,13 @@ def metrics_options() -> MetricsOptions:
 def relay_families(settings: Settings) -> tuple[type[Options], ...]:
     """The option families a relay process reads beyond ``Settings``: what its start-up
     (``startup_options``) and ``outbox check`` validate, so that a bad value stops it there
-    instead of failing every task (README, "Configuration"). The OUTBOX_KAFKA_* options
-    only when the destination is Kafka."""
+    instead of failing every task (README, "Configuration"). The OUTBOX_RELAY_* wake-up
+    options always (``enqueue`` and the LISTEN thread read them); the OUTBOX_TRANSPORT_*
+    options only when Celery's broker is the database, the OUTBOX_KAFKA_* options only when
+    the destination is Kafka."""
+    transport = (TransportOptions,) if settings.broker_url.startswith(DATABASE_BROKER_SCHEME) else ()
     kafka = (KafkaOptions,) if settings.publish_url.startswith("kafka://") else ()
-    return (RelayOptions, MetricsOptions, *kafka)
+    return (RelayOptions, MetricsOptions, WakeOptions, *transport, *kafka)
 
 
 def startup_options() -> tuple[Settings, RelayOptions]:

@@ -5,20 +5,15 @@ are imported here lazily, so they import the contract and the contract never imp
 
 from __future__ import annotations
 
-import re
-
-from ...core.errors import ConfigError
+from ...core.checks import validate_queue_table
 from ...storage.engines.base import Engine
 from .base import DEFAULT_QUEUE_TABLE, QueueTables
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
-
 
 def queue_tables(engine: Engine, table: str = DEFAULT_QUEUE_TABLE) -> QueueTables:
-    """The queue-table SQL for ``engine``."""
-    if not _NAME.match(table):
-        raise ConfigError(f"queue table name {table!r} is not a plain identifier "
-                          "(letters, digits, underscores; at most 41 characters)")
+    """The queue-table SQL for ``engine``; the name follows OUTBOX_TRANSPORT_QUEUE_TABLE's
+    rule, whoever gives it (a Celery app's ``broker_transport_options`` too)."""
+    validate_queue_table(table, "queue_table")
     if engine.name == "postgresql":
         from .postgres import PostgresQueueTables as cls
     elif engine.name == "mysql":
