@@ -148,6 +148,21 @@ def test_the_cli_and_the_worker_read_outbox_settings_from_django(tmp_path: Path)
     assert bad.returncode == 1 and "DJANGO_SETTINGS_MODULE='nosuchsettings' cannot be imported" in bad.stderr
 
 
+def test_a_settings_module_that_raises_stops_the_cli_naming_it(tmp_path: Path) -> None:
+    """A settings module that raised anything but ImportError (a KeyError for an unset
+    environment variable) was silently ignored: the CLI fell back to ./outbox.db and told
+    the user to migrate a stray SQLite file (found in review). Now one line names it."""
+    (tmp_path / "brokensettings.py").write_text("import os\nSECRET_KEY = 'x'\nPASSWORD = os.environ['DB_PASSWORD']\n")
+    env = {"DJANGO_SETTINGS_MODULE": "brokensettings", "PYTHONPATH": pythonpath(tmp_path)}
+    for command in ("status", "check"):
+        result = run([str(BIN / "outbox"), command], env=env, cwd=tmp_path, timeout=60)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert ("DJANGO_SETTINGS_MODULE='brokensettings' cannot be loaded: KeyError: 'DB_PASSWORD'"
+                in result.stdout + result.stderr), result.stdout + result.stderr
+        assert "outbox.db" not in result.stdout + result.stderr
+    assert not (tmp_path / "outbox.db").exists()
+
+
 def test_an_order_posted_to_the_django_view_arrives_on_rabbitmq(tmp_path: Path) -> None:
     """The example app end to end: its view enqueues, `celery -A outbox worker` started with
     DJANGO_SETTINGS_MODULE (and nothing else about the database) delivers."""

@@ -79,8 +79,14 @@ def django_settings(names: Iterable[str]) -> Mapping[str, Any]:
     except ImportError as exc:  # DJANGO_SETTINGS_MODULE names a module that does not import
         raise ConfigError(f"DJANGO_SETTINGS_MODULE={os.environ.get('DJANGO_SETTINGS_MODULE')!r} cannot be "
                           f"imported: {exc}") from None
-    except Exception:  # noqa: BLE001 - Django present but not set up: not our configuration source
-        return {}
+    except Exception as exc:  # noqa: BLE001 - the settings module raised while it was loaded
+        module = os.environ.get("DJANGO_SETTINGS_MODULE")
+        if not module:  # settings.configure() by hand, and they fail: not our configuration source
+            return {}
+        # Ignored, the relay would fall back to ./outbox.db and its other defaults.
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"DJANGO_SETTINGS_MODULE={module!r} cannot be loaded: {type(exc).__name__}"
+                          + (f": {detail}" if detail else "")) from None
     # Only for a project's settings module: a process that calls settings.configure() by
     # hand (scripts, tests) keeps the relay's own default unless it sets OUTBOX_DATABASE_URL.
     if not values.get("OUTBOX_DATABASE_URL") and "default" in databases and getattr(dj, "SETTINGS_MODULE", None):
