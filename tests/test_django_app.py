@@ -163,6 +163,19 @@ def test_a_settings_module_that_raises_stops_the_cli_naming_it(tmp_path: Path) -
     assert not (tmp_path / "outbox.db").exists()
 
 
+def test_check_validates_the_relay_options_of_djangos_settings(tmp_path: Path) -> None:
+    """`outbox check` read the relay's option families from the environment only: a bad
+    OUTBOX_RELAY_* in settings.py passed the check and then stopped the worker (found in
+    review). It is read from the same sources as every other setting."""
+    (tmp_path / "badrelay.py").write_text(
+        f"SECRET_KEY = 'x'\nDATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', "
+        f"'NAME': {str(tmp_path / 'd.db')!r}}}}}\nOUTBOX_RELAY_TASK_ROWS = -5\n")
+    env = {"DJANGO_SETTINGS_MODULE": "badrelay", "PYTHONPATH": pythonpath(tmp_path)}
+    result = run([str(BIN / "outbox"), "check"], env=env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.startswith("[FAIL] configuration: OUTBOX_RELAY_TASK_ROWS"), result.stdout
+
+
 def test_an_order_posted_to_the_django_view_arrives_on_rabbitmq(tmp_path: Path) -> None:
     """The example app end to end: its view enqueues, `celery -A outbox worker` started with
     DJANGO_SETTINGS_MODULE (and nothing else about the database) delivers."""

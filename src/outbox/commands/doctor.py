@@ -30,7 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.config import ConfigError, KafkaOptions, Settings, dramatiq_settings, load_settings, relay_families
+from ..core.config import (
+    ConfigError,
+    KafkaOptions,
+    Settings,
+    dramatiq_settings,
+    load_settings,
+    relay_families,
+    sources_of,
+)
 from ..core.errors import transport_hint
 from ..core.redact import redact
 from ..storage.engines.describe import (
@@ -318,7 +326,8 @@ def run_checks(environ: dict[str, str] | None = None, *,
     environ = dict(os.environ if environ is None else environ)
     try:
         settings = settings_loader() if settings_loader else load_settings(environ=environ)
-        read = {family: family.from_sources(environ) for family in relay_families(settings)}
+        sources = sources_of(environ)  # Django settings too, as load_settings and a relay process read them
+        read = {family: family.from_sources(sources) for family in relay_families(settings)}
         kafka = read.get(KafkaOptions)
         dramatiq = dramatiq_settings(environ)
     except ConfigError as exc:

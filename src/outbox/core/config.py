@@ -500,11 +500,17 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
     return Settings.from_sources(overrides, environ, django_settings(known_names()))
 
 
+def sources_of(environ: Mapping[str, str]) -> Sources:
+    """The sources ``load_settings(environ=...)`` reads, for any option family: ``environ``,
+    then Django settings (so ``outbox check`` reads every family as a relay process would)."""
+    return Sources(environ, django_settings(known_names()))
+
+
 def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: bool = False) -> DramatiqSettings | None:
     """The Dramatiq settings, from ``environ`` and Django settings, else from the process's
     sources; read on each call. None when OUTBOX_DRAMATIQ_BROKER_URL is unset (Celery is then
     the runner), or a ``ConfigError`` when ``required``."""
-    sources = current_sources() if environ is None else Sources(environ, django_settings(known_names()))
+    sources = current_sources() if environ is None else sources_of(environ)
     found = DramatiqSettings.from_sources(sources)
     if found.broker_url is None:
         if required:
@@ -517,7 +523,7 @@ def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: boo
 __all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
-           "pipeline_options", "dramatiq_settings", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
+           "pipeline_options", "dramatiq_settings", "sources_of", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
            "conf_keys", "known_names", "unknown_environment", "warn_unknown_environment", "refuse_unknown",
            "SESSION_BOUNDS", "session_bounds", "without_session_bounds", "validate_identifier",
            "validate_database_url", "validate_kombu_url", "validate_namespace", "validate_dramatiq_broker_url",
