@@ -119,6 +119,20 @@ def test_check_reports_the_wake_and_database_broker_options_a_relay_reads(tmp_pa
     assert message in result.stdout
 
 
+def test_check_warns_about_an_outbox_variable_nothing_reads(tmp_path: Path) -> None:
+    """Every other command warns about a misspelt OUTBOX_* variable; `outbox check`, the one
+    meant to find such mistakes, said nothing (found in review)."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_BATCHSIZE": "5"}
+    OutboxStore(env["OUTBOX_DATABASE_URL"]).migrate()
+    result = check(env, tmp_path)
+    assert result.returncode == 0 and lines(result)["unknown variable"] == "warn", result.stdout
+    assert ("[warn] unknown variable: OUTBOX_BATCHSIZE is ignored, nothing reads it (did you mean "
+            "OUTBOX_BATCH_SIZE?)") in result.stdout
+    # Also beside a configuration that fails: the typo may be why.
+    bad = check({**env, "OUTBOX_BATCH_SIZE": "lots"}, tmp_path)
+    assert lines(bad) == {"configuration": "FAIL", "unknown variable": "warn"}, bad.stdout
+
+
 def test_the_database_brokers_options_are_read_only_when_it_is_celerys_broker() -> None:
     from outbox.core.config import TransportOptions, WakeOptions, load_settings, relay_families
 

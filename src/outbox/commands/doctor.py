@@ -5,7 +5,8 @@ Each check says ``ok``, ``warn`` (works, but probably not what you meant) or ``F
 skipped when an earlier one it depends on failed:
 
 1. configuration: every OUTBOX_* setting parses and validates, with every option family a relay
-   process validates at its start-up (``relay_families``: relay tuning, metrics, Kafka);
+   process validates at its start-up (``relay_families``: relay tuning, metrics, wake-ups,
+   the database broker, Kafka); an OUTBOX_* variable nothing reads is a warning;
 2. database: a connection opens (a missing driver names the extra to install);
 3. table: exists with every column of the contract; indexes: the ones ``outbox migrate``
    creates are all there; holders: the worker processes' liveness table is there (a
@@ -38,6 +39,7 @@ from ..core.config import (
     load_settings,
     relay_families,
     sources_of,
+    unknown_environment,
 )
 from ..core.errors import transport_hint
 from ..core.redact import redact
@@ -324,6 +326,10 @@ def run_checks(environ: dict[str, str] | None = None, *,
     """Every check, in order; later checks are skipped when configuration fails.
     ``probe_topic``: on Kafka, also produce one probe message there."""
     environ = dict(os.environ if environ is None else environ)
+    # What every other command logs once at start-up, said here as report lines.
+    unknown = [Result("unknown variable", WARN, f"{name} is ignored, nothing reads it ("
+                      + (f"did you mean {close}?)" if close else "no setting has a similar name)"))
+               for name, close in unknown_environment(environ)]
     try:
         settings = settings_loader() if settings_loader else load_settings(environ=environ)
         sources = sources_of(environ)  # Django settings too, as load_settings and a relay process read them
@@ -331,7 +337,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
         kafka = read.get(KafkaOptions)
         dramatiq = dramatiq_settings(environ)
     except ConfigError as exc:
-        return [Result("configuration", FAIL, str(exc))]
+        return [Result("configuration", FAIL, str(exc)), *unknown]
     if settings.broker_url.startswith("outboxdb"):
         from ..transport import register
 
@@ -340,7 +346,8 @@ def run_checks(environ: dict[str, str] | None = None, *,
               else f"celery broker {redact(settings.broker_url)}")
     results = [Result("configuration", OK, f"database {describe_database(settings.database_url)}, "
                       f"exchange {settings.exchange!r}, publish to {redact(settings.publish_url)}, {runner}, "
-                      f"outbox namespace {settings.outbox_namespace!r} (queues {settings.queues.claim}, ...)")]
+                      f"outbox namespace {settings.outbox_namespace!r} (queues {settings.queues.claim}, ...)"),
+               *unknown]
     if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:
         results.append(Result("database url", WARN, "OUTBOX_DATABASE_URL is not set: using ./outbox.db "
                               "in the current directory"))
