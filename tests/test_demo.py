@@ -44,3 +44,15 @@ def test_demo_runs_on_the_embedded_default_whatever_the_shell_has_set(tmp_path: 
     result = demo(tmp_path, OUTBOX_SCHEMA="app", OUTBOX_TABLE="events_out", OUTBOX_EXCHANGE="elsewhere")
     assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     assert "[ok] every row is done" in result.stdout
+
+
+def test_demo_ignores_the_shells_django_settings(tmp_path: Path) -> None:
+    """Found in review: the demo dropped the shell's OUTBOX_* variables but kept its
+    DJANGO_SETTINGS_MODULE, whose OUTBOX_* settings (read after the environment) took the
+    demo's SQLite to a schema "app" and its events to another exchange."""
+    (tmp_path / "shellsettings.py").write_text("SECRET_KEY = 'x'\nOUTBOX_SCHEMA = 'app'\n"
+                                               "OUTBOX_EXCHANGE = 'elsewhere'\n")
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = demo(tmp_path, DJANGO_SETTINGS_MODULE="shellsettings", PYTHONPATH=pythonpath)
+    assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert "[ok] every row is done" in result.stdout

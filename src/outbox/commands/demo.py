@@ -70,8 +70,9 @@ def _run(workdir: Path, say: Callable[[str], None], timeout_s: float) -> bool:
     logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     db = workdir / "outbox.db"
     # The embedded default and nothing else: a deployment's OUTBOX_SCHEMA (say) left in the
-    # shell made the demo's SQLite look for a database "app" (found in review).
-    for name in [name for name in os.environ if name.startswith("OUTBOX_")]:
+    # shell made the demo's SQLite look for a database "app" (found in review), and so did
+    # one in the Django settings DJANGO_SETTINGS_MODULE names (read after the environment).
+    for name in [name for name in os.environ if name.startswith("OUTBOX_") or name == "DJANGO_SETTINGS_MODULE"]:
         del os.environ[name]
     os.environ.update({"OUTBOX_DATABASE_URL": f"sqlite:///{db}", "OUTBOX_PUBLISH_URL": "memory://",
                        "OUTBOX_CELERY_BROKER_URL": "memory://", "OUTBOX_CLAIM_INTERVAL_S": "0.2"})
