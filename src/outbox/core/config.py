@@ -92,9 +92,12 @@ class Settings(Options):
         "unset it for the default (memory:// on SQLite, else redis://127.0.0.1:6379/0) or give Celery's "
         "broker URL"))
     batch_size: int = option(100, "int", above=0, maximum=10_000)
-    claim_timeout_ms: int = option(60_000, "int", above=0, maximum=MAX_CLAIM_TIMEOUT_MS)
+    #: At least a second: a shorter lease expires before a publish can come back, and the row
+    #: is claimed again meanwhile (a positive bound alone let 5 ms through: found in review).
+    claim_timeout_ms: int = option(60_000, "int", minimum=1_000, maximum=MAX_CLAIM_TIMEOUT_MS)
     max_attempts: int = option(10, "int", above=0, maximum=1_000)
-    claim_interval_s: float = option(1.0, "float", above=0, maximum=86_400)
+    #: At least 50 ms: beat ticks in a busy loop below that (1e-300 passed "above 0").
+    claim_interval_s: float = option(1.0, "float", minimum=0.05, maximum=86_400)
     #: At most 20,000 days (about 55 years): SQL Server's purge counts the age in seconds in an
     #: INT, and PostgreSQL's timestamps end; a larger value failed every purge (found in review).
     retention_days: float = option(7.0, "float", minimum=0, maximum=20_000)
@@ -246,7 +249,9 @@ class MetricsOptions(Options):
     #: The address the endpoint binds.
     addr: str = option("0.0.0.0", "str")
     #: Each worker reads the gauges (one query, in its own thread) every this many seconds.
-    refresh_s: float = option(5.0, "float", above=0)
+    #: 0.1 s to a day: below, a busy loop; far above, the refresher's wait overflowed and its
+    #: thread died (threading.TIMEOUT_MAX).
+    refresh_s: float = option(5.0, "float", minimum=0.1, maximum=MAX_OPTION_S)
 
 
 @dataclass(frozen=True)
