@@ -9,8 +9,10 @@ on ``sys.path`` replaces it, and is refused without ``build_schedule`` (``outbox
 Entries:
 
 * ``outbox-claim``: a claim tick every OUTBOX_CLAIM_INTERVAL_S. Each tick expires after one
-  interval, so when workers are down or busy the ticks never pile up in Celery's broker:
-  a worker drops a tick it receives late. While there is a backlog, claims follow the
+  interval, but never within 30 s (``message_ttl_s``: workers whose clocks run ahead of
+  beat's still claim; docs/relay.md, "Ticks, expiry and clocks"), so when workers are down
+  or busy the ticks do not pile up in Celery's broker: a worker drops a tick it receives
+  later than that, and at most the ticks of the last ``max(interval, 30 s)`` are run. While there is a backlog, claims follow the
   completion of publish tasks at once (drain mode, see ``outbox.celery.tasks.claim``), so the
   interval bounds latency only when the outbox is quiet; the post-commit wake-up
   (``outbox.wake.request_claim``) brings that down too.
