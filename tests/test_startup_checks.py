@@ -91,7 +91,6 @@ def test_every_setting_is_validated(name: str, value: str, fragment: str) -> Non
     ("OUTBOX_DATABASE_URL", "postgresql://postgres:123/SecretFrag@127.0.0.1:5432/test"),
     ("OUTBOX_DATABASE_URL", "postgresql://postgres:pw@127.0.0.1:99999/test"),
     ("OUTBOX_PUBLISH_URL", "amqp://guest:SecretFrag/Rest@127.0.0.1:5672//"),
-    ("OUTBOX_PUBLISH_URL", "redis://:abc@SecretFrag@127.0.0.1:6379/0"),
     ("OUTBOX_CELERY_BROKER_URL", "redis://:SecretFrag#Rest@127.0.0.1:6379/0"),
     ("OUTBOX_CELERY_BROKER_URL", "amqp://guest:guest@h1//;amqp://guest:SecretFrag/Rest@h2//"),
     ("OUTBOX_CELERY_BROKER_URL", "outboxdb+postgresql://postgres:SecretFrag/Rest@127.0.0.1/test"),
@@ -110,12 +109,17 @@ def test_a_url_whose_host_part_cannot_be_read_is_refused_masked(name: str, url: 
 
 def test_urls_with_unusual_but_valid_host_parts_still_pass() -> None:
     """What the host-part rule must not refuse: an '@' in a SQLite path, encoded passwords,
-    Celery's alternate brokers, an IPv6 host, a Kafka password with '@' (its own parsing)."""
+    Celery's alternate brokers, an IPv6 host, a Kafka password with '@' (its own parsing),
+    and an unencoded '@' in a password where the client's parser takes the last '@'."""
     for name, url in [("OUTBOX_DATABASE_URL", "sqlite:///tmp/a@b.db"),
                       ("OUTBOX_DATABASE_URL", "postgresql://app:p%40ss%2Fw%3Fd@[::1]:5432/app"),
                       ("OUTBOX_DATABASE_URL", "mssql+pyodbc:///?odbc_connect=SERVER%3Dh%3BPWD%3Da%40b%3B"),
                       ("OUTBOX_CELERY_BROKER_URL", "amqp://u:p@h1//;amqp://u:p@h2//"),
-                      ("OUTBOX_PUBLISH_URL", "kafka://user:p@ss@h:9092")]:
+                      ("OUTBOX_PUBLISH_URL", "kafka://user:p@ss@h:9092"),
+                      # Python's URL parser (kombu, Redis, PyMySQL) takes the last '@': these connect
+                      ("OUTBOX_PUBLISH_URL", "redis://:abc@def@127.0.0.1:6379/0"),
+                      ("OUTBOX_PUBLISH_URL", "amqp://guest:p@ss@127.0.0.1:5672//"),
+                      ("OUTBOX_DATABASE_URL", "mysql://root:p@ss@127.0.0.1:3306/test")]:
         assert getattr(load_settings(environ={name: url}), name.removeprefix("OUTBOX_").lower()) == url
 
 

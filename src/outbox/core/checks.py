@@ -109,7 +109,10 @@ def check_host_part(url: str, setting: str) -> None:
     except ValueError:
         raise ConfigError(f"{setting}={shown}: the host part cannot be read (the port is not a number from 0 "
                           f"to 65535, or a bracket is unbalanced): {fix}") from None
-    if head.count("@") > 1 or ("@" in head and parts.netloc and "@" not in parts.netloc):
+    # Python's parser (MySQL, kombu, Redis) takes the last '@'; libpq the first, so a second
+    # '@' in a PostgreSQL password put part of it in the host name (and in libpq's error).
+    libpq = url.split("://", 1)[0].split("+")[-1].startswith("postgres")
+    if (libpq and head.count("@") > 1) or ("@" in head and parts.netloc and "@" not in parts.netloc):
         raise ConfigError(f"{setting}={shown}: more than one '@', or an '@' after the host: {fix}")
 
 
