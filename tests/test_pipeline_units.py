@@ -77,6 +77,22 @@ def test_range_chunks_cover_each_id_once() -> None:
     assert covered == [i for lo, hi in ranges for i in range(lo, hi + 1)]
 
 
+def test_the_archives_deletes_pack_the_runs_of_ids_of_a_run_with_gaps() -> None:
+    """Every other id archived (rows kept between them): one DELETE (a transaction) per run of
+    ids was 1,000 statements for these 1,000 rows (found in review); packed, at most
+    ``MAX_RANGES_PER_DELETE`` ranges and ``chunk`` ids a statement, each id once, in order."""
+    from outbox.pipeline.common import MAX_RANGES_PER_DELETE, delete_groups
+
+    ranges = [[i, i] for i in range(1, 2001, 2)]
+    groups = list(delete_groups(ranges, 1000))
+    assert len(groups) == 1000 // MAX_RANGES_PER_DELETE
+    assert [r for group in groups for r in group] == [(i, i) for i in range(1, 2001, 2)]
+    whole = list(delete_groups([[1, 2500], [2600, 2700]], 1000))  # long runs: chunk ids a statement
+    assert whole == [[(1, 1000)], [(1001, 2000)], [(2001, 2500), (2600, 2700)]]
+    assert all(sum(hi - lo + 1 for lo, hi in g) <= 1000 and len(g) <= MAX_RANGES_PER_DELETE
+               for g in groups + whole)
+
+
 def edges(ids: list[int]) -> list[tuple[int, int | None, int | None]]:
     """What ``stage.EDGES_SQL`` selects from these ids, computed here by its definition."""
     order = sorted(ids)
@@ -323,6 +339,7 @@ def test_pipeline_sql_parses_as_tsql() -> None:
     assert "DATALENGTH(topic) > 62" in _tsql(long_topics_sql(engine, [2]), 1).sql(dialect="tsql")
     delete = _tsql(delete_sql(engine, [2]), 3)
     assert isinstance(delete, exp.Delete)
+    assert isinstance(_tsql(delete_sql(engine, [2, 4], 100), 201), exp.Delete)  # 2,100 parameters at most
     _tsql(existing_sql(engine.table, 500), 500)
     from outbox.pipeline.replay import insert_sql
     insert = _tsql(insert_sql(engine), 8)
@@ -656,6 +673,10 @@ def test_sqlite_walks_an_id_range_by_rowid(tmp_path: Path) -> None:
                 plan = " ".join(str(row[-1]) for row in engine.execute(cursor, "EXPLAIN QUERY PLAN " + sql, params))
                 assert "INTEGER PRIMARY KEY (rowid>? AND rowid<?)" in plan, (sql, plan)
                 assert "INDEX" not in plan.replace("INTEGER PRIMARY KEY", ""), (sql, plan)
+            packed = " ".join(str(row[-1]) for row in engine.execute(
+                cursor, "EXPLAIN QUERY PLAN " + delete_sql(engine, [2, 4], 2), [1, 5, 9, 12, cutoff]))
+            assert packed.count("INTEGER PRIMARY KEY (rowid>? AND rowid<?)") == 2, packed  # a range each
+            assert "(status=?" not in packed, packed
     finally:
         store.close()
 

@@ -57,8 +57,8 @@ from .common import (
     PipelineError,
     archive_uri,
     decode_native,
+    delete_groups,
     encode_native,
-    range_chunks,
 )
 from .fs import ArchiveFS
 from .lock import ArchiveLock
@@ -122,10 +122,11 @@ def long_topics_sql(engine: Engine, statuses: list[int]) -> str:
             f"AND {engine.text_length}(topic) > {SHORT_TOPIC_CHARS}")
 
 
-def delete_sql(engine: Engine, statuses: list[int]) -> str:
-    """Delete one chunk of archived ids (``?`` first, ``?`` last) that are still in an
-    archived status and processed before the run's cut-off (``?``)."""
-    return (f"DELETE FROM {engine.id_range_source()} WHERE id >= ? AND id <= ? "
+def delete_sql(engine: Engine, statuses: list[int], ranges: int = 1) -> str:
+    """Delete ``ranges`` ranges of archived ids (``?`` first, ``?`` last, for each) whose rows
+    are still in an archived status and processed before the run's cut-off (``?``)."""
+    within = " OR ".join(["(id >= ? AND id <= ?)"] * ranges)
+    return (f"DELETE FROM {engine.id_range_source()} WHERE ({within}) "
             f"AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
 
 
@@ -419,30 +420,33 @@ class Archiver:
         writers: the chunks are disjoint id ranges, so they never wait for each other
         (docs/pipeline.md, step 7)."""
         engine = self.engine
-        sql = delete_sql(engine, manifest["statuses"])
         cutoff = decode_native(manifest["cutoff_native"])
-        chunks = list(range_chunks(manifest["id_ranges"], self.delete_chunk))
+        chunks = list(delete_groups(manifest["id_ranges"], self.delete_chunk))
         if not chunks:
             return 0
-        total = self._delete_chunks(chunks[:1], sql, cutoff, close=False)
+        statuses = manifest["statuses"]
+        total = self._delete_chunks(chunks[:1], statuses, cutoff, close=False)
         self.on_step("deleted-chunk")
         rest = chunks[1:]
         lanes = min(self.delete_connections if engine.concurrent_writes else 1, len(rest))
         if lanes <= 1:
-            return total + self._delete_chunks(rest, sql, cutoff, close=False)
+            return total + self._delete_chunks(rest, statuses, cutoff, close=False)
         with ThreadPoolExecutor(lanes, thread_name_prefix="outbox-archive-delete") as pool:
-            done = [pool.submit(self._delete_chunks, rest[lane::lanes], sql, cutoff, close=True)
+            done = [pool.submit(self._delete_chunks, rest[lane::lanes], statuses, cutoff, close=True)
                     for lane in range(lanes)]
             return total + sum(future.result() for future in done)
 
-    def _delete_chunks(self, chunks: Sequence[tuple[int, int]], sql: str, cutoff: Any, *, close: bool) -> int:
-        """Delete ``chunks``, one transaction each, on this thread's connection (closed at
-        the end when ``close``: a lane's thread is not reused)."""
+    def _delete_chunks(self, chunks: Sequence[list[tuple[int, int]]], statuses: list[int], cutoff: Any, *,
+                       close: bool) -> int:
+        """Delete ``chunks`` (groups of id ranges: ``delete_groups``), one transaction each, on
+        this thread's connection (closed at the end when ``close``: a lane's thread is not reused)."""
         engine, total = self.engine, 0
         try:
-            for lo, hi in chunks:
+            for group in chunks:
+                sql = delete_sql(engine, statuses, len(group))
+                params = [bound for lo_hi in group for bound in lo_hi] + [cutoff]
                 deleted = self.store._run("archive delete",  # the lambda runs at once, inside this iteration
-                                          lambda c: engine.execute(c, sql, [lo, hi, cutoff]).rowcount)  # noqa: B023
+                                          lambda c: engine.execute(c, sql, params).rowcount)  # noqa: B023
                 total += max(deleted, 0)
         finally:
             if close:

@@ -108,6 +108,29 @@ def range_chunks(ranges: Sequence[Sequence[int]], chunk: int) -> Iterator[tuple[
             lo = hi + 1
 
 
+#: The most id ranges one DELETE of the archive names (two parameters each: SQL Server takes
+#: at most 2,100 in a statement).
+MAX_RANGES_PER_DELETE = 100
+
+
+def delete_groups(ranges: Sequence[Sequence[int]], chunk: int,
+                  most: int = MAX_RANGES_PER_DELETE) -> Iterator[list[tuple[int, int]]]:
+    """The archive's deletes: ``range_chunks``'s sub-ranges packed, in id order, into groups of
+    at most ``chunk`` ids and ``most`` ranges, one DELETE each. A run whose ids have gaps (rows
+    kept, ids a rolled-back insert used) needed one statement per run of ids, a transaction
+    each: 500,000 for 10,000,000 rows with 5 % gaps (docs/pipeline.md, step 7)."""
+    group: list[tuple[int, int]] = []
+    size = 0
+    for lo, hi in range_chunks(ranges, chunk):
+        if group and (size + hi - lo + 1 > chunk or len(group) >= most):
+            yield group
+            group, size = [], 0
+        group.append((lo, hi))
+        size += hi - lo + 1
+    if group:
+        yield group
+
+
 #: One piece of a ``split=topic`` task: a topic, whole (``None, None``) or its ids ``first..last``.
 Piece = tuple[str, int | None, int | None]
 
