@@ -401,8 +401,9 @@ def test_a_publish_task_begun_just_before_its_deadline_releases_its_rows_by_that
     publisher = Hung()
     deadline = time.time() + 1.0
     began = time.monotonic()
-    breaker = Breaker()
-    outcomes = handle_publish(RelayContext(sqlite_store, publisher, breaker=breaker), chains, deadline=deadline)
+    breaker = Breaker()  # the lease's safe part is 8 s: the task began 7 s after its claim
+    outcomes = handle_publish(RelayContext(sqlite_store, publisher, breaker=breaker, publish_budget_s=8.0), chains,
+                              deadline=deadline)
     elapsed = time.monotonic() - began
     assert elapsed < 5.0, f"the publish ended {elapsed:.1f} s after it began, its deadline 1 s away"
     [given] = publisher.deadlines
@@ -412,6 +413,22 @@ def test_a_publish_task_begun_just_before_its_deadline_releases_its_rows_by_that
     state = rows(sqlite_store)
     assert [(state[i]["status"], state[i]["attempts"]) for i in ids] == [(Status.PENDING, 0)] * 3
     assert breaker.open_for() == 0
+
+
+def test_a_publish_task_begun_on_time_that_its_deadline_stops_opens_the_breaker(
+        sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """A task begun at its claim whose broker does not answer for the whole safe part of the
+    lease (a short lease, the publisher's own budget as long): the deadline ends the publish,
+    but the time was the broker's. Counted as the task's (found in review), a broker outage
+    opened no breaker and logged no outage, and every claim took the rows again at once."""
+    ids = add(conn, "a", 1)
+    chains = claim_chains(sqlite_store)
+    breaker = Breaker()
+    outcomes = handle_publish(RelayContext(sqlite_store, Hung(), breaker=breaker, publish_budget_s=1.0), chains,
+                              deadline=time.time() + 1.0)
+    assert [(o.kind, o.released) for o in outcomes] == [(FailureKind.BACKPRESSURE, ids)]
+    assert breaker.open_for() > 0
+    assert rows(sqlite_store)[ids[0]]["attempts"] == 0
 
 
 class CountingStore:

@@ -41,6 +41,10 @@ class RelayContext:
     now: Callable[[], float] = time.time  # wall clock, for deadlines and route pauses
     rng: Callable[[], float] = random.random  # the back-off's jitter
     hooks: RelayHooks = field(default_factory=RelayHooks)  # what the relay reports (``relay.hooks``)
+    #: The time a publish begun at its claim has until its deadline (the lease's safe part),
+    #: when known: a publish begun much later that its deadline cut was the task's lateness,
+    #: not the broker's (docs/relay.md, "The publish's deadline").
+    publish_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.settler is None:

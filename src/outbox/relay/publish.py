@@ -77,28 +77,33 @@ def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]
         return skipped
     split = _hold_paused_routes(batch, relay.routes, relay.now())
     began = time.monotonic()  # a broker-wide failure of sends begun before an outage ended is its leftover
+    late = (deadline is not None and relay.publish_budget_s is not None
+            and deadline - relay.now() < relay.publish_budget_s - LATE_START_S)
     reports, elapsed = _send(publisher, relay, [part for part, _, _ in split], deadline)
     done: dict[str, list[int]] = {}
     settled = [_settle_published(relay, chain, part, report, elapsed, done)
                for chain, (part, _, _), report in zip(batch, split, reports)]
     for lease, ids in done.items():
         relay.settler.done(ids, lease)
-    # A publish that ran into its deadline was stopped by the time its task had left, not by
-    # its broker: its broker-wide back-pressure opens no breaker and starts no outage
-    # (docs/relay.md, "The publish's deadline").
-    cut = deadline is not None and relay.now() >= deadline - DEADLINE_SLACK_S
+    # A publish begun late that ran into its deadline was stopped by the time its task had
+    # left, not by its broker: its broker-wide back-pressure opens no breaker and starts no
+    # outage. One begun on time that its deadline stopped met a broker that did not answer
+    # for the lease's whole safe part (docs/relay.md, "The publish's deadline").
+    cut = late and deadline is not None and relay.now() >= deadline - DEADLINE_SLACK_S
     broker_down = not cut and any(r is not None and r.kind == BACKPRESSURE and r.route is None for r in reports)
     if relay.outage is not None and done and not broker_down:
         relay.outage.ok()
     refused: dict[str, float] = {}  # routes refused by this task: each paused once
     for chain, (part, held, wait), report, (outcome, prefix) in zip(batch, split, reports, settled):
         if prefix < len(part) and cut and report is not None and report.kind == BACKPRESSURE and report.route is None:
-            rest = chain[prefix:]
-            log.info("outbox publish stopped at its claim's deadline (%s): releasing %d rows, no attempt spent, "
-                     "first %s", report.reason, len(rest), describe(rest[0]))
+            rest = part[prefix:]
+            log.info("outbox publish begun late stopped at its claim's deadline (%s): releasing %d rows, no "
+                     "attempt spent, first %s", report.reason, len(rest), describe(rest[0]))
             relay.settler.release(rest)
+            if held:  # behind a paused route: due when its pause ends
+                relay.settler.release(held, timedelta(seconds=wait))
             outcome.failed_id, outcome.kind, outcome.reason = rest[0].id, report.kind, report.reason
-            outcome.released = [m.id for m in rest]
+            outcome.released = [m.id for m in rest + held]
         elif prefix < len(part):
             assert report is not None  # a part was sent
             _settle_stopped(relay, chain[prefix:], report, outcome, refused, began)
@@ -136,6 +141,8 @@ def _skip_all(relay: RelayContext, chains: list[list[OutboxMessage]],
 #: stops waiting at the deadline as its monotonic clock reads it, the relay's wall clock may
 #: read a little earlier.
 DEADLINE_SLACK_S = 0.25
+#: A publish task that starts with this much less than the lease's safe part left began late.
+LATE_START_S = 1.0
 
 @dataclass
 class _Report:

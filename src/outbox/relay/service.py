@@ -79,7 +79,8 @@ class Relay:
         destination broker's outage log, the runner's stopping flag and the hooks."""
         r, s = self.resources(), self.shared()
         return RelayContext(r.store, r.publisher, self.options, r.settler, s.breaker, s.routes,
-                            s.outage("destination broker"), r.sizer, self.stopping, hooks=self.hooks)
+                            s.outage("destination broker"), r.sizer, self.stopping, hooks=self.hooks,
+                            publish_budget_s=self.safe_lease_s)
 
     def breaker(self) -> Breaker:
         return self.shared().breaker
