@@ -177,3 +177,27 @@ def test_the_migrations_lock_bound_is_the_callers_again_once_it_is_done(url: str
         raw.close()
         drop_table(store)
         store.close()
+
+
+def test_a_migration_on_an_autocommit_postgres_connection_succeeds(tmp_path: Any) -> None:
+    """``apply_migration`` on an autocommit connection (an Alembic ``autocommit_block()``, an
+    engine with ``isolation_level="AUTOCOMMIT"``): the saved bound lasted one statement, and
+    putting it back failed with 'invalid value for parameter "lock_timeout": ""' after the
+    DDL had run, at every re-run (found in review)."""
+    from engine_support import engine_url
+
+    from outbox.storage.store import apply_migration
+
+    url = engine_url("postgresql", tmp_path)
+    table = f"outbox_m{uuid.uuid4().hex[:10]}"
+    store = OutboxStore(url, table=table)
+    raw = store.engine.connect(url)
+    raw.autocommit = True
+    try:
+        cursor = store.engine.cursor_for(raw)
+        assert apply_migration(store.engine, cursor) >= 0
+        assert apply_migration(store.engine, cursor) == 0
+    finally:
+        raw.close()
+        drop_table(store)
+        store.close()

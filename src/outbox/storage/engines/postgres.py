@@ -286,8 +286,9 @@ class PostgresEngine(Engine):
                      "set_config('lock_timeout', ?, true)", [self.MIGRATION_LOCK_TIMEOUT]).fetchall()
 
     def unlock_migration(self, cursor: Any) -> None:
-        self.execute(cursor, "SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before'), true)"
-                     ).fetchall()
+        # Nothing to put back on an autocommit connection: there the bound lasted one statement.
+        self.execute(cursor, "SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before', true), "
+                     "true) WHERE COALESCE(current_setting('outbox.lock_timeout_before', true), '') <> ''").fetchall()
 
     def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
         return [("SELECT pg_try_advisory_lock(?)", [advisory_key(name)])]
