@@ -4,6 +4,7 @@ sqlglot's T-SQL dialect (no SQL Server runs here)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -740,3 +741,36 @@ def test_a_page_read_once_more_that_fails_closes_its_new_connection_and_keeps_th
     with pytest.raises(TimeoutError, match="the real error"):
         read_once_more(Engine(), "mysql://h/db", old, read)  # type: ignore[arg-type]
     assert old.closed and len(made) == 1 and made[0].closed
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_filesystem_that_cannot_sync_a_directory_does_not_stop_the_archive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int) -> None:
+    """CIFS/SMB, sshfs and many FUSE mounts refuse ``fsync`` on a directory (EINVAL,
+    EOPNOTSUPP): raised, every run stopped before its commit, a committed one in its
+    recovery (found in review). Files are still synced, and a file's failure still stops it."""
+    from outbox.pipeline import fs as fs_module
+
+    synced: list[Path] = []
+
+    def fsync_path(path: Path) -> None:
+        if Path(path).is_dir():
+            raise OSError(code, os.strerror(code))
+        synced.append(Path(path))
+
+    monkeypatch.setattr(fs_module, "fsync_path", fsync_path)
+    archive = object.__new__(fs_module.ArchiveFS)
+    archive.root = f"file://{tmp_path}"
+    (tmp_path / "topic=t").mkdir()
+    part = tmp_path / "topic=t" / "part-0.parquet"
+    part.write_bytes(b"x")
+    archive.sync([f"file://{part}"])
+    assert synced == [part]
+    assert "cannot sync a directory" in caplog.text or fs_module._warned  # said once a process
+
+    def broken(path: Path) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(fs_module, "fsync_path", broken)
+    with pytest.raises(OSError):
+        archive.sync([f"file://{part}"])

@@ -8,12 +8,21 @@ metadata operations; the executors write the Parquet files.
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .common import fsync_path, local_path
+
+log = logging.getLogger("outbox.pipeline.archive")
+
+#: What ``fsync`` of a directory answers on a filesystem that cannot do it.
+_NO_DIRECTORY_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+_warned: list[bool] = []  # said once a process
 
 
 class ArchiveFS:
@@ -130,7 +139,18 @@ class ArchiveFS:
         for path in dict.fromkeys(files):
             fsync_path(path)
         for folder in sorted(folders, key=lambda f: len(f.parts), reverse=True):
-            fsync_path(folder)
+            try:
+                fsync_path(folder)
+            except OSError as exc:
+                # Some filesystems (CIFS/SMB, sshfs, many FUSE ones) cannot sync a directory:
+                # the files are synced, the names are as durable as the mount makes them.
+                if exc.errno not in _NO_DIRECTORY_SYNC:
+                    raise
+                if not _warned:
+                    _warned.append(True)
+                    log.warning("outbox archive: %s cannot sync a directory (%s); the files are synced, their "
+                                "names are as durable as the filesystem makes them (docs/pipeline.md, "
+                                "\"Durability\")", folder, os.strerror(exc.errno or 0))
 
     def read_text(self, uri: str) -> str:
         stream = self.fs.open(self._p(uri))
