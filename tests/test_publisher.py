@@ -687,3 +687,30 @@ def test_rabbitmq_dead_letter_copy_of_a_poison_row_is_a_stub(rabbit: dict[str, A
         assert rabbit["drain"]() == []
     finally:
         exchange(channel).delete()
+
+
+def test_confirms_already_read_at_the_deadline_count() -> None:
+    """A wave whose confirms reach the socket as its deadline passes: the wait gave up
+    without reading them, so the wave counted as lost (connection dropped, events sent again
+    though the broker had them; found in review). One read that waits for nothing comes
+    first. The broker here is a stand-in for py-amqp's connection: it answers a read that
+    waits for nothing with the confirm, and any longer one by waiting it out."""
+    from outbox.publisher.kombu_publisher import KombuPublisher
+
+    class Socket:
+        def __init__(self, publisher: KombuPublisher) -> None:
+            self.publisher = publisher
+
+        def drain_events(self, timeout: float) -> None:
+            if timeout == 0:
+                self.publisher._unconfirmed.clear()  # the ack frame was already there
+                return
+            time.sleep(timeout)
+            raise TimeoutError
+
+    publisher = object.__new__(KombuPublisher)
+    publisher.confirm_timeout = 5.0
+    publisher._unconfirmed = {1, 2}
+    publisher._conn = Socket(publisher)
+    publisher._await_confirms(deadline=time.monotonic() + 0.05)
+    assert not publisher._unconfirmed

@@ -442,10 +442,13 @@ class KombuPublisher(Publisher):
         while self._unconfirmed:
             remaining = end - time.monotonic()
             try:
-                if remaining <= 0:
-                    raise TimeoutError
-                self._conn.drain_events(timeout=remaining)
+                # Past the end, confirms already on the socket still count: one read that waits
+                # for nothing (a wave written at the deadline's edge was counted lost, and its
+                # events sent again, though the broker had confirmed them).
+                self._conn.drain_events(timeout=max(0.0, remaining))
             except TimeoutError:  # the socket's own says only "timed out"
+                if remaining > 0:
+                    continue
                 raise TimeoutError(f"no publisher confirm {within} for {len(self._unconfirmed)} messages") from None
 
     def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> int:
