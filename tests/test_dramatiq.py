@@ -194,6 +194,43 @@ def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path
     store.close()
 
 
+def test_throttled_wakes_on_a_rabbitmq_dramatiq_broker_keep_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A web process committing ~100 times a second on a RabbitMQ Dramatiq broker: its wakes are
+    throttled (one claim per window, one more at its end), and Dramatiq's RabbitmqBroker keeps one
+    connection per thread that sends until it is closed. The trailing claim went from a new
+    ``threading.Timer`` thread each time, so every throttled window left a connection (and its
+    socket) behind: ~40 in 2 s here, 99 in 5 s in review. It now goes from the wake thread, the
+    one that sends every other claim, and it still follows the last request."""
+    require("RabbitMQ", "127.0.0.1", 5672)
+    from outbox.dramatiq import brokers
+
+    namespace = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", AMQP_URL)
+    monkeypatch.setenv("OUTBOX_NAMESPACE", namespace)
+    wake._reset_for_tests()
+    sender = brokers.sender()
+    claim_queue = relay_settings().queues.claim
+    try:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            assert wake.request_claim()
+            time.sleep(0.01)
+        assert wake.flush(5.0)
+        assert len(sender.connections) <= 2, f"{len(sender.connections)} connections held"
+        sent = brokers.queue_length(sender, claim_queue)
+        assert sent is not None and 20 <= sent <= 45, sent  # one per 50 ms window, not one per commit
+        wake.request_claim()  # a lone request a quiet window later: sent at once, by the same thread
+        assert wake.flush(5.0) and brokers.queue_length(sender, claim_queue) == sent + 1
+        assert len(sender.connections) <= 2
+    finally:
+        wake._reset_for_tests()
+        channel = sender.channel
+        for suffix in ("", ".DQ", ".XQ"):
+            channel.queue_delete(queue=f"{claim_queue}{suffix}")
+        sender.close()
+        brokers._senders.clear()
+
+
 # -- the claim actor's drain slice -----------------------------------------------------------------
 
 _DRAIN = """

@@ -68,32 +68,36 @@ def token_for(broker_url: str, key_prefix: str, namespace: str) -> str:
 
 class Throttle:
     """At most one ``send`` per window, and one more at the window's end when requests
-    arrived during it (so a claim always follows the last request)."""
+    arrived during it (so a claim always follows the last request).
+
+    The trailing send is made by the thread that asked for it, which waits for the window's
+    end (at most ``window_s``): in a writer that is the wake thread (``outbox.wake``), which sends
+    every claim of the process. A ``threading.Timer`` per trailing send left one broker
+    connection behind per throttled window on Dramatiq's RabbitmqBroker, which keeps one per
+    sending thread (docs/waking-and-metrics.md, "What a wake-up does, and costs")."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._lock = threading.Lock()
         self._next = 0.0
-        self._timer: threading.Timer | None = None
+        self._trailing = False  # a thread waits to make the window's trailing send
 
     def request(self, send: Callable[[], bool]) -> bool:
+        trailing_at: float | None = None
         with self._lock:
+            if self._trailing:
+                return True  # another thread sends at the window's end, after this request
             now = time.monotonic()
-            if self._timer is None and now >= self._next:
+            if now >= self._next:
                 self._next = now + self.window_s
             else:
-                if self._timer is None:
-                    self._timer = threading.Timer(max(0.0, self._next - now), self._trailing, (send,))
-                    self._timer.daemon = True
-                    self._timer.start()
-                return True
+                self._trailing, trailing_at = True, self._next
+        if trailing_at is not None:
+            time.sleep(max(0.0, trailing_at - time.monotonic()))
+            with self._lock:
+                self._trailing = False
+                self._next = time.monotonic() + self.window_s
         return send()
-
-    def _trailing(self, send: Callable[[], bool]) -> None:
-        with self._lock:
-            self._timer = None
-            self._next = time.monotonic() + self.window_s
-        send()
 
 
 #: ``failed(what, exc)``: how a waker reports a failed send (``outbox.wake`` pauses and logs).
