@@ -311,7 +311,8 @@ def test_a_dead_schedulers_redis_lock_expires() -> None:
 def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
     """Two schedulers run side by side for 2.5 s with a 0.25 s claim tick: the ticks sent
     are those of one scheduler, not twice as many."""
-    locks = _locks(kind, lock_name("url", "ns", f"outbox.t.{uuid.uuid4().hex[:8]}"))
+    name = lock_name("url", "ns", f"outbox.t.{uuid.uuid4().hex[:8]}")
+    locks = _locks(kind, name)
     sent: list[tuple[int, str]] = []
     stop = threading.Event()
     entries = [(CLAIM_TASK, "ns.claim", 0.25, 0.25, {"outbox": "ns"}), (PURGE_TASK, "ns.purge", 3600.0, 3600.0, {})]
@@ -324,9 +325,101 @@ def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
     stop.set()
     for t in threads:
         t.join(timeout=10)
+    _forget_schedule(kind, name)
     senders = {i for i, _ in sent}
     assert len(senders) == 1, sent
     assert 8 <= len(sent) <= 12 and {actor for _, actor in sent} == {CLAIM_TASK}, sent
+
+
+
+def _flapping_lock(kind: str, name: str, every: int) -> Any:
+    """A leader lock whose every ``every``-th check fails, as one Redis time-out does in
+    ``RedisLock.hold`` (the key stays; the next check renews it) or a dropped connection in
+    ``RabbitLock`` (the exclusive queue goes with it; the next check declares it again)."""
+    base = RedisLock if kind == "redis" else RabbitLock
+
+    class Flapping(base):  # type: ignore[valid-type,misc]
+        checks = 0
+
+        def hold(self) -> bool:
+            self.checks += 1
+            if self.checks % every:
+                return bool(super().hold())
+            if kind == "redis":
+                self.held = False
+            else:
+                self.release()
+            return False
+
+    return Flapping(REDIS_URL if kind == "redis" else AMQP_URL, name)
+
+
+def _forget_schedule(kind: str, name: str) -> None:
+    """Delete what a scheduler's lock ``name`` leaves on the broker: its record of the entries sent."""
+    if kind == "redis":
+        import redis
+
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(match=f"outbox:scheduler:{name}*"):
+            client.delete(key)
+        return
+    from kombu import Connection
+
+    with Connection(AMQP_URL) as conn:
+        conn.default_channel.queue_delete(queue=f"outbox.scheduler.{name}.sent")
+
+
+def _run_scheduler(lock: Any, entries: list[Any], seconds: float, sent: list[str]) -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=run, args=(stop, entries, lock),
+                              kwargs={"send": lambda actor, queue, kwargs, max_age_s: sent.append(actor)})
+    thread.start()
+    time.sleep(seconds)
+    stop.set()
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_a_scheduler_whose_lock_check_fails_now_and_then_still_purges(kind: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader whose lock check fails once in a while (one Redis time-out counts as losing the
+    lead) gains it again a moment later. Each time, the purge was put off a whole interval from
+    then: with a check failing every ~2 s and the hourly purge, no purge ever (review: one check
+    in 20 failing, a 3 s purge interval, 0 purges in 12 s). The purge is now scheduled from when
+    it was last sent, recorded beside the lock: here about one a second, as configured."""
+    require("Redis", "127.0.0.1", 6379) if kind == "redis" else require("RabbitMQ", "127.0.0.1", 5672)
+    monkeypatch.setattr("outbox.dramatiq.scheduler.LOCK_CHECK_S", 0.1)
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    lock = _flapping_lock(kind, name, every=6)  # the lead lost every 0.6 s, taken again 0.1 s later
+    entries = [(CLAIM_TASK, "ns.claim", 0.25, 0.25, {}), (PURGE_TASK, "ns.purge", 1.0, 1.0, {})]
+    sent: list[str] = []
+    try:
+        _run_scheduler(lock, entries, 3.6, sent)
+    finally:
+        lock.release()
+        _forget_schedule(kind, name)
+    assert lock.checks >= 24 and sent.count(CLAIM_TASK) >= 8, (lock.checks, sent)
+    assert 2 <= sent.count(PURGE_TASK) <= 4, sent  # on its interval: neither put off nor sent at every regain
+
+
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_schedulers_restarted_more_often_than_the_purge_interval_still_purge(kind: str) -> None:
+    """Schedulers restarted (or handing over) more often than the purge interval: each new
+    leader used to wait a whole interval before its first purge, so none was ever sent. It now
+    reads when the purge was last sent (or first scheduled) from beside the lock, and sends it
+    when that is an interval ago."""
+    require("Redis", "127.0.0.1", 6379) if kind == "redis" else require("RabbitMQ", "127.0.0.1", 5672)
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    entries = [(CLAIM_TASK, "ns.claim", 0.25, 0.25, {}), (PURGE_TASK, "ns.purge", 1.5, 1.5, {})]
+    sent: list[str] = []
+    try:
+        for _ in range(4):  # four schedulers one after the other, 0.8 s each
+            lock = _locks(kind, name)[0]
+            _run_scheduler(lock, entries, 0.8, sent)
+    finally:
+        _forget_schedule(kind, name)
+    assert sent.count(CLAIM_TASK) >= 8, sent
+    assert 1 <= sent.count(PURGE_TASK) <= 2, sent
 
 
 # -- the relay's metrics from a Dramatiq worker ---------------------------------------------------

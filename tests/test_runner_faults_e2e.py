@@ -64,8 +64,16 @@ def _tick_counter(kind: str, env: dict[str, str]) -> tuple[Callable[[], int], Ca
             conn.close()
             return 0
 
+    from outbox.core.config import load_settings
+    from outbox.dramatiq.scheduler import lock_name
+
+    # The scheduler's record of when it last sent the purge (docs/dramatiq.md, "The scheduler").
+    lock = lock_name(env["OUTBOX_DRAMATIQ_BROKER_URL"], env["OUTBOX_DRAMATIQ_NAMESPACE"],
+                     load_settings(environ=env).outbox_namespace)
+    record = f"outbox.scheduler.{lock}.sent"
+
     def clean_rabbit() -> None:
-        for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+        for name in (queue, f"{queue}.DQ", f"{queue}.XQ", record):
             try:
                 conn.default_channel.queue_delete(queue=name)
             except Exception:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import signal
 import sys
@@ -28,6 +29,10 @@ log = logging.getLogger("outbox.dramatiq.scheduler")
 LOCK_TTL_S = 10.0
 #: Renewal / take-over attempts this often.
 LOCK_CHECK_S = 1.0
+#: RabbitMQ deletes a lock's record queue (``RabbitLock.sent_queue``) after this long unused: an
+#: outbox gone. Above twice the longest purge interval (30 days), which a leader touches it at
+#: least once in. Changing it makes RabbitMQ refuse the declaration of an existing queue.
+RECORD_QUEUE_EXPIRES_MS = 61 * 86_400_000
 
 
 def lock_name(url: str, namespace: str, outbox_namespace: str) -> str:
@@ -80,6 +85,25 @@ class RedisLock:
             self.outage.ok()
         return self.held
 
+    def last_sent(self, actors: list[str]) -> dict[str, float]:
+        """When each of ``actors`` was last sent by any leader (epoch seconds; ``run``): keys
+        beside the lock's. Unknown or unreadable: left out."""
+        if not actors:
+            return {}
+        try:
+            values = self.client.mget([f"{self.key}:sent:{actor}" for actor in actors])
+        except Exception as exc:  # noqa: BLE001 - read as never sent: one interval from now, as before
+            log.debug("outbox scheduler: cannot read when the entries were last sent: %s", exc)
+            return {}
+        return {actor: float(value) for actor, value in zip(actors, values, strict=True) if value is not None}
+
+    def record_sent(self, actor: str, at: float, keep_s: float) -> None:
+        """Record that ``actor`` was sent at ``at`` (epoch seconds), for ``keep_s``."""
+        try:
+            self.client.set(f"{self.key}:sent:{actor}", repr(at), px=int(keep_s * 1000))
+        except Exception as exc:  # noqa: BLE001 - the next leader then waits one interval, as before
+            log.debug("outbox scheduler: cannot record when %s was sent: %s", actor, exc)
+
     def release(self) -> None:
         try:
             if self.held:
@@ -96,8 +120,11 @@ class RabbitLock:
     def __init__(self, url: str, name: str, outage: Outage | None = None) -> None:
         self.url = url
         self.queue = f"outbox.scheduler.{name}"
+        #: The record of when each entry was last sent (``last_sent``): one message, a JSON object.
+        self.sent_queue = f"{self.queue}.sent"
         self.conn: Any = None
         self.outage = outage or broker_outage(url)
+        self._sent: dict[str, float] = {}
 
     def hold(self) -> bool:
         from kombu import Connection
@@ -134,6 +161,51 @@ class RabbitLock:
         self.conn = conn
         return True
 
+    def _sent_channel(self) -> Any:
+        """A channel of the lock's connection with the record's queue declared: durable, at most
+        one message (a new one drops the old), so only the leader reads or writes it."""
+        if self.conn is None:
+            raise ConnectionError("not leading")
+        channel = self.conn.channel()
+        channel.queue_declare(queue=self.sent_queue, durable=True, auto_delete=False,
+                              arguments={"x-max-length": 1, "x-expires": RECORD_QUEUE_EXPIRES_MS})
+        return channel
+
+    def last_sent(self, actors: list[str]) -> dict[str, float]:
+        """When each of ``actors`` was last sent by any leader (epoch seconds; ``run``): the one
+        message of the queue ``outbox.scheduler.<name>.sent``, read and put back. Unknown or
+        unreadable: left out."""
+        try:
+            channel = self._sent_channel()
+            try:
+                got = channel.basic_get(queue=self.sent_queue, no_ack=False)
+                if got is not None:
+                    channel.basic_reject(got.delivery_tag, requeue=True)
+                    record = json.loads(got.body)
+                    self._sent = {str(k): float(v) for k, v in record.items()} if isinstance(record, dict) else {}
+            finally:
+                channel.close()
+        except Exception as exc:  # noqa: BLE001 - read as never sent: one interval from now, as before
+            log.debug("outbox scheduler: cannot read when the entries were last sent: %s", exc)
+        return {actor: self._sent[actor] for actor in actors if actor in self._sent}
+
+    def record_sent(self, actor: str, at: float, keep_s: float) -> None:
+        """Record that ``actor`` was sent at ``at`` (epoch seconds): the record's message is
+        replaced by one holding every entry's time, which RabbitMQ drops after ``keep_s``."""
+        self._sent[actor] = at
+        try:
+            from amqp import Message
+
+            channel = self._sent_channel()
+            try:
+                channel.basic_publish(Message(json.dumps(self._sent), delivery_mode=2,
+                                              expiration=str(int(keep_s * 1000))),
+                                      exchange="", routing_key=self.sent_queue)
+            finally:
+                channel.close()
+        except Exception as exc:  # noqa: BLE001 - the next leader then waits one interval, as before
+            log.debug("outbox scheduler: cannot record when %s was sent: %s", actor, exc)
+
     def release(self) -> None:
         if self.conn is not None:
             try:
@@ -154,13 +226,39 @@ def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, st
              dict(entry.get("kwargs") or {})) for entry in load_beat_schedule(settings, options).values()]
 
 
+#: A record of when an entry was last sent is kept this many of its intervals (then a leader
+#: waits one interval from when it finds none).
+RECORD_KEEP = 10
+
+
+def _first_due(entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any, now: float) -> list[float]:
+    """When a new leader sends each entry (``time.monotonic`` values from ``now``): the first (the
+    claim tick) at once, each other one an interval after it was last sent (``lock.last_sent``,
+    epoch seconds; never later than an interval from now, whatever the clocks say). An entry with
+    no record is recorded as sent now, so that the leaders after this one keep to its interval
+    rather than each putting it off by a whole interval as it gains the lead."""
+    wall = time.time()
+    last = lock.last_sent([entry[0] for entry in entries[1:]])
+    due = [now]
+    for actor, _, every_s, _, _ in entries[1:]:
+        at = last.get(actor)
+        if at is None:
+            at = wall
+            lock.record_sent(actor, at, RECORD_KEEP * every_s)
+        due.append(now + min(every_s, max(0.0, at + every_s - wall)))
+    return due
+
+
 def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any,
         send: Any = None, outage: Outage | None = None) -> None:
     """Send each entry every ``every_s`` until ``stop`` is set, while holding ``lock``.
     ``send(actor, queue, kwargs, max_age_s)`` defaults to ``outbox.dramatiq.brokers.send``.
-    A new leader sends the first entry (the claim tick) at once and the others after one
-    interval, like beat. ``outage``: where a send that fails is reported (default: the lock's,
-    ``RedisLock.outage`` or ``RabbitLock.outage``), and a send that goes through ends the outage."""
+    A new leader sends the first entry (the claim tick) at once, and each other one (the purge)
+    an interval after it was last sent by any leader, recorded beside the lock
+    (``lock.last_sent``, ``lock.record_sent``; docs/dramatiq.md, "The scheduler"); one never
+    sent is first sent an interval after a leader first saw it. ``outage``: where a send that
+    fails is reported (default: the lock's, ``RedisLock.outage`` or ``RabbitLock.outage``), and
+    a send that goes through ends the outage."""
     send = send or _broker.send
     outage = outage or lock.outage
     leading = False
@@ -173,7 +271,7 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
             next_lock = now + LOCK_CHECK_S
             if leading and not was:
                 log.info("outbox scheduler: leading; %s", ", ".join(f"{e[0]} every {e[2]:g} s" for e in entries))
-                due = [now if i == 0 else now + e[2] for i, e in enumerate(entries)]
+                due = _first_due(entries, lock, now)
             elif was and not leading:
                 log.warning("outbox scheduler: lost the lead; standing by")
         wait_until = next_lock
@@ -186,6 +284,8 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
                         outage.failed(exc)
                     else:
                         outage.ok()
+                        if i:
+                            lock.record_sent(actor, time.time(), RECORD_KEEP * every_s)
                     due[i] = now + every_s
                 wait_until = min(wait_until, due[i])
         stop.wait(max(0.01, wait_until - time.monotonic()))
