@@ -1,7 +1,7 @@
 """Each outbox's own names on a shared broker (``outbox.core.names``; docs/relay.md, "Several outboxes
 on one broker"): the default namespace and OUTBOX_NAMESPACE (pure), the refusal of a task naming
 another outbox (``relay.ForeignTasks``, and the Celery task class over it), the database broker's
-queues of two outboxes in one database, and Dramatiq's actors (a real Redis). The two relays
+queues of two outboxes in one database, and Dramatiq's actors (a real Redis; a worker on RabbitMQ forwarding). The two relays
 on one Redis and one vhost, end to end: tests/test_namespaces_e2e.py.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from relay_support import run_python
-from services import REDIS_URL, require
+from services import AMQP_URL, REDIS_URL, require
 
 from outbox.core.config import CLOCK_SKEW_MARGIN_S, RelayOptions, load_settings
 from outbox.core.errors import ConfigError
@@ -236,6 +236,63 @@ def test_dramatiq_actors_use_their_outboxs_queues_and_forward_another_outboxs_me
     assert out["forwarded"] == 2 and out["pending_after_foreign"] == 1  # handed on, not run
     assert out["requested"] is True and out["ours"] == 1
     assert done.stderr.count("refused a outbox.claim task of outbox 'other-outbox'") == 1
+
+
+_DRAMATIQ_WORKER = """
+import json, os, sqlite3, time
+import outbox.dramatiq as d
+from dramatiq import Worker
+from outbox.core.names import CLAIM_TASK, Queues
+from outbox.dramatiq import brokers
+d.resources().store.migrate()
+other = os.environ["OTHER_OUTBOX"]
+forwarded = []
+refuse = d.relay.foreign.refuse
+d.relay.foreign.refuse = lambda task, named, *rest: forwarded.append(named) or refuse(task, named, *rest)
+worker = Worker(d.broker, worker_threads=1, worker_timeout=100)
+worker.start()
+before = sorted(worker.consumers)
+brokers.sender().enqueue(brokers.message(CLAIM_TASK, d.QUEUES.claim, {"outbox": other}))  # on our queue
+end = time.monotonic() + 2.0
+while time.monotonic() < end and not forwarded:
+    time.sleep(0.05)
+time.sleep(1.0)  # time enough for thousands of bounces, if the worker consumed the other queue
+after = sorted(worker.consumers)
+worker.stop()
+print(json.dumps({"before": before, "after": after, "forwarded": forwarded,
+                  "waiting": brokers.queue_length(brokers.sender(), Queues(other).claim)}))
+"""
+
+
+def test_a_dramatiq_worker_on_rabbitmq_forwards_another_outboxs_message_without_consuming_its_queue(
+        tmp_path: Path) -> None:
+    """A Dramatiq worker on RabbitMQ gets a message naming another outbox and forwards it to
+    that outbox's claim queue, once. It forwarded through its own broker, whose enqueue declares
+    the queue, and Dramatiq's worker adds a consumer for every queue its broker declares: it
+    then consumed the other outbox's queue, refused the message again and forwarded it again,
+    2,212 times in 3 s in review. It now forwards through the process's sending broker
+    (``brokers.sender()``, no worker attached): its consumers stay its own outbox's."""
+    pytest.importorskip("dramatiq")
+    require("RabbitMQ", "127.0.0.1", 5672)
+    ours, other = (f"outbox-test-{uuid.uuid4().hex[:10]}" for _ in range(2))
+    tests = str(Path(__file__).resolve().parent)
+    try:
+        done = run_python(_DRAMATIQ_WORKER, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
+                          OUTBOX_DRAMATIQ_BROKER_URL=AMQP_URL, OUTBOX_NAMESPACE=ours, OTHER_OUTBOX=other,
+                          PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    finally:
+        from kombu import Connection
+
+        with Connection(AMQP_URL) as conn:
+            for namespace in (ours, other):
+                for queue in Queues(namespace).all:
+                    for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+                        conn.default_channel.queue_delete(queue=name)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["before"] and all(name.startswith(f"{ours}.") for name in out["before"]), out["before"]
+    assert out["after"] == out["before"]  # no consumer of the other outbox's queues
+    assert out["forwarded"] == [other] and out["waiting"] == 1, out  # forwarded once, waiting for its own relay
 
 
 def test_outbox_queues_prints_the_names_a_workers_q_needs(monkeypatch: pytest.MonkeyPatch) -> None:

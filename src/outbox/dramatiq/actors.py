@@ -189,15 +189,17 @@ _SETTLE: dict[str, Any] = {"max_retries": 10, "min_backoff": 500, "max_backoff":
 
 def _only_ours(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """An actor that runs only messages naming this outbox (``TASK_OUTBOX_ARG``); one naming another
-    is sent on to that outbox's queue, not run (docs/relay.md, "Several outboxes on one broker")."""
+    is sent on to that outbox's queue, not run (docs/relay.md, "Several outboxes on one broker").
+    Sent through the process's sending broker, not the worker's: a queue the worker's broker
+    declares gets a consumer of this worker (docs/dramatiq.md, "Differences and limits")."""
     def wrap(body: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(body)
         def run(*args: Any, **kwargs: Any) -> None:
             named = kwargs.pop(TASK_OUTBOX_ARG, None)
             if relay.foreign.belongs(named, OUTBOX_NAMESPACE):
                 return body(*args, **kwargs)
-            relay.foreign.refuse(task, named, OUTBOX_NAMESPACE, lambda other: broker.enqueue(_broker.message(
-                task, Queues(other).for_task(task), {**kwargs, TASK_OUTBOX_ARG: other}, args=args)))
+            relay.foreign.refuse(task, named, OUTBOX_NAMESPACE, lambda other: _broker.sender().enqueue(
+                _broker.message(task, Queues(other).for_task(task), {**kwargs, TASK_OUTBOX_ARG: other}, args=args)))
             return None
         return run
     return wrap
