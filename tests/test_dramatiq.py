@@ -281,6 +281,26 @@ def _locks(kind: str, name: str) -> tuple[Any, Any]:
     return RabbitLock(AMQP_URL, name), RabbitLock(AMQP_URL, name)
 
 
+def test_schedulers_that_write_their_brokers_url_differently_take_one_lock() -> None:
+    """The lock's name hashed the broker URL as written, password included: two schedulers of
+    one outbox, one given a rotated password (or ``//`` against ``%2F``, a host name against
+    its address, RabbitMQ's hosts in another order), took two locks and both ticked. The lock
+    lives in the broker itself (a key of its Redis database, a queue of its virtual host), so
+    its name is the outbox's alone: Dramatiq's key namespace on Redis (the queues' prefix) and
+    the outbox namespace."""
+    redis_urls = ["redis://:old@h:6379/0", "redis://:rotated@h:6379/0", "redis://user:pw@H:6379/0",
+                  "rediss://:pw@h:6379/0?ssl_cert_reqs=none"]
+    assert len({lock_name(url, "dramatiq", "outbox.t.1") for url in redis_urls}) == 1
+    amqp_urls = ["amqp://u:old@h:5672//", "amqp://u:rotated@h:5672/%2F", "amqps://u:pw@h:5671//",
+                 "amqp://u:pw@h1:5672//;amqp://u:pw@h2:5672//", "amqp://u:pw@h2:5672//;amqp://u:pw@h1:5672//"]
+    # Dramatiq's key namespace is ignored by RabbitMQ: the queues, and so the lock, are the same.
+    assert len({lock_name(url, ns, "outbox.t.1") for url in amqp_urls for ns in ("dramatiq", "other")}) == 1
+    # Another outbox, or on Redis another key namespace (other queues): another lock.
+    assert lock_name(redis_urls[0], "dramatiq", "outbox.t.2") != lock_name(redis_urls[0], "dramatiq", "outbox.t.1")
+    assert lock_name(redis_urls[0], "other", "outbox.t.1") != lock_name(redis_urls[0], "dramatiq", "outbox.t.1")
+    assert lock_name(amqp_urls[0], "dramatiq", "outbox.t.2") != lock_name(amqp_urls[0], "dramatiq", "outbox.t.1")
+
+
 @pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
 def test_one_scheduler_holds_the_lock_and_a_standby_takes_over(kind: str) -> None:
     first, second = _locks(kind, f"test-{uuid.uuid4().hex[:10]}")

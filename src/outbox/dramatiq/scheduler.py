@@ -36,8 +36,13 @@ RECORD_QUEUE_EXPIRES_MS = 61 * 86_400_000
 
 
 def lock_name(url: str, namespace: str, outbox_namespace: str) -> str:
-    """One leader per (Dramatiq broker, its key namespace, outbox)."""
-    return hashlib.sha1(f"{url}|{namespace}|{outbox_namespace}".encode()).hexdigest()[:16]
+    """One leader per outbox relayed on a Dramatiq broker: a digest of Dramatiq's key namespace
+    on Redis (its queues' prefix; RabbitMQ ignores it) and the outbox namespace. Not of ``url``:
+    the lock lives in that broker (``make_lock``), and a URL written another way (a rotated
+    password, ``//`` or ``%2F``) gave two schedulers of one outbox two locks (docs/dramatiq.md,
+    "The scheduler")."""
+    prefix = namespace if is_redis_url(url) else ""
+    return hashlib.sha1(f"{prefix}|{outbox_namespace}".encode()).hexdigest()[:16]
 
 
 def broker_outage(url: str) -> Outage:
