@@ -215,6 +215,86 @@ def test_django_wakes_after_commit_only(tmp_path: Path) -> None:
     assert out["failing_wake_after_commit"] == 6  # the commit stood and nothing was raised
 
 
+DJANGO_OTHER_BACKEND_SCRIPT = r"""
+import json, sqlite3, sys
+db = sys.argv[1]
+from django.conf import settings
+# A backend whose class lives outside the django package (as mssql-django's `mssql.base`,
+# django-prometheus's, a pool backend's): a subclass of Django's SQLite wrapper, written by the test.
+settings.configure(DATABASES={"default": {"ENGINE": "custombackend.sqlite3", "NAME": db}}, USE_TZ=True,
+                   SECRET_KEY="test")
+import django
+django.setup()
+from django.db import connection, connections, transaction
+import outbox
+import outbox.wake
+from outbox.contrib.django import enqueue, wake_on_commit
+from outbox.storage.store import OutboxStore
+
+OutboxStore("sqlite:///" + db).migrate()
+calls = []
+outbox.wake.request_claim = lambda: calls.append(1) or True
+conn = connections["default"]
+with conn.cursor() as cursor:
+    cursor.execute("CREATE TABLE orders (id INTEGER)")
+
+def counts():
+    c = sqlite3.connect(db, timeout=30)
+    try:
+        return [c.execute("SELECT COUNT(*) FROM orders").fetchone()[0],
+                c.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]]
+    finally:
+        c.close()
+
+out = {"module": type(conn).__module__}
+try:
+    with outbox.transaction(conn):
+        with conn.cursor() as cursor:
+            cursor.execute("INSERT INTO orders VALUES (1)")
+        outbox.enqueue(conn, topic="t", aggregate_type="o", aggregate_id="a", payload={})
+        raise RuntimeError("business failure")
+except RuntimeError:
+    pass
+out["after_raise"] = counts()
+out["woken_after_raise"] = len(calls)
+with transaction.atomic():
+    enqueue(topic="t", aggregate_type="o", aggregate_id="a", payload={})
+    enqueue(topic="t", aggregate_type="o", aggregate_id="a", payload={})
+    out["hooked"] = wake_on_commit()
+    out["callbacks"] = len(conn.run_on_commit)
+out["woken_after_commit"] = len(calls)
+with outbox.transaction(connection):  # django.db.connection: Django's proxy to the default one
+    outbox.enqueue(connection, topic="t", aggregate_type="o", aggregate_id="a", payload={})
+    out["proxy_in_atomic"] = conn.in_atomic_block
+out["woken_after_proxy"] = len(calls)
+print(json.dumps(out))
+"""
+
+
+def test_a_django_backend_outside_the_django_package_is_a_django_connection(tmp_path: Path) -> None:
+    """Found in review: a connection was taken for Django's only when its class's module
+    started with ``django.``; mssql-django (``mssql.base``), django-prometheus and any
+    subclass backend were not. ``outbox.transaction`` then took the DB-API path: no
+    ``atomic`` block, so a raise inside it left the business row (and the event) committed;
+    ``contrib.django.enqueue`` and ``wake_on_commit`` hooked no wake-up. Django's connections
+    are now told by their base class, wherever the backend lives."""
+    pytest.importorskip("django")
+    backend = tmp_path / "custombackend" / "sqlite3"
+    backend.mkdir(parents=True)
+    (tmp_path / "custombackend" / "__init__.py").write_text("")
+    (backend / "__init__.py").write_text("")
+    (backend / "base.py").write_text("from django.db.backends.sqlite3 import base\n\n\n"
+                                     "class DatabaseWrapper(base.DatabaseWrapper):\n    pass\n")
+    out = run_python(DJANGO_OTHER_BACKEND_SCRIPT, tmp_path, str(tmp_path / "django.db"),
+                     PYTHONPATH=pythonpath(tmp_path))
+    assert out["module"] == "custombackend.sqlite3.base"
+    assert out["after_raise"] == [0, 0]  # the order and its event rolled back together
+    assert out["woken_after_raise"] == 0
+    assert out["hooked"] is True and out["callbacks"] == 1  # one on-commit wake for the transaction
+    assert out["woken_after_commit"] == 1
+    assert out["proxy_in_atomic"] is True and out["woken_after_proxy"] == 2
+
+
 DJANGO_REDIS_SCRIPT = r"""
 import json, sys
 db = sys.argv[1]

@@ -165,7 +165,17 @@ def _call_request_claim() -> None:
 # -- after the caller's commit ------------------------------------------------------------------
 
 def _is_django(conn: Any) -> bool:
-    return type(conn).__module__.startswith("django.") and hasattr(conn, "on_commit") and hasattr(conn, "alias")
+    """A Django connection: a backend's ``DatabaseWrapper`` wherever its module lives
+    (mssql-django's ``mssql.base``, django-prometheus's, a subclass of your own), or the
+    ``django.db.connection`` proxy. Told by type, never by module name (docs/django.md,
+    "Backends"); Django is never imported here: a connection of it exists only once it is."""
+    base = sys.modules.get("django.db.backends.base.base")
+    if base is None:
+        return False
+    if isinstance(conn, base.BaseDatabaseWrapper):
+        return True
+    proxies = sys.modules.get("django.utils.connection")
+    return proxies is not None and isinstance(conn, proxies.ConnectionProxy)
 
 
 def _session_of(conn: Any) -> Any:
