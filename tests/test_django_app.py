@@ -323,3 +323,45 @@ def test_the_apps_migrations_run_by_replicas_at_once_on_postgres_all_succeed() -
 
             drop_table(store)
             store.close()
+
+
+ADMIN_IN_SCHEMA = r"""
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.test import Client
+from outbox.contrib.django import enqueue
+from outbox.contrib.django.models import OutboxEvent
+with transaction.atomic():
+    enqueue(topic="in.the.schema", aggregate_type="o", aggregate_id="1", payload={}, wake=False)
+print("model:", sorted(OutboxEvent.objects.values_list("topic", flat=True)))
+client = Client()
+client.force_login(User.objects.create_superuser("admin", "admin@example.com", "pw"))
+page = client.get("/admin/outbox/outboxevent/")
+print("changelist:", page.status_code, "in.the.schema" in page.content.decode(), "elsewhere" in page.content.decode())
+"""
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_the_admin_reads_the_outbox_table_of_outbox_schema(database: dict[str, str]) -> None:
+    """Found in review: the admin's model named the table alone, in the connection's default
+    schema, while the migration, ``enqueue`` and the requeue action used OUTBOX_SCHEMA's: the
+    changelist failed (relation does not exist), or, with a table of that name in the default
+    schema, listed that table's rows, whose ids "Requeue" then requeued in the other one. The
+    model's table is now schema-qualified; a same-named table in ``public`` is left unread."""
+    env = env_of(database, OUTBOX_SCHEMA="shop_outbox")
+    url = outbox_url(database)
+    elsewhere = OutboxStore(url, table="outbox")  # a same-named table in the default schema
+    try:
+        elsewhere.migrate()
+        with elsewhere.transaction() as cursor:
+            from outbox import enqueue
+
+            enqueue(cursor.connection, topic="elsewhere", aggregate_type="o", aggregate_id="1", payload={})
+    finally:
+        elsewhere.close()
+    ok(manage("migrate", "--noinput", env=env))
+    out = ok(manage("shell", "-c", ADMIN_IN_SCHEMA, env=env))
+    assert "model: ['in.the.schema']" in out, out
+    assert "changelist: 200 True False" in out, out
+    # The migration's state names the same table: no migration to make in the app.
+    assert "No changes detected" in ok(manage("makemigrations", "--check", "--dry-run", "outbox", env=env))

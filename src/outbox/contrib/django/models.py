@@ -3,14 +3,15 @@
 Unmanaged: the table belongs to the relay (created by this app's migration with the
 relay's DDL, see ``schema.py``). Rows are written by ``outbox.enqueue`` and changed by the
 relay; the admin only reads them and requeues dead ones. The table is OUTBOX_TABLE in
-the connection's default schema.
+OUTBOX_SCHEMA, as the migration and the relay have it (``schema.model_table``), on the
+backend of the default database.
 """
 
 from __future__ import annotations
 
 from django.db import models
 
-from .schema import table_name
+from .schema import model_table
 
 
 class Status(models.IntegerChoices):
@@ -42,7 +43,7 @@ class OutboxEvent(models.Model):
 
     class Meta:
         managed = False
-        db_table = table_name()
+        db_table = model_table()
         ordering = ["-id"]
         verbose_name = "outbox event"
 

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from ...core.config import get_settings, load_settings
-from ...storage.engines import Engine, engine_class, unwrap_connection
+from ...storage.engines import DJANGO_VENDORS, Engine, engine_class, unwrap_connection
 from ...storage.store import OutboxStore, apply_migration
 
 
@@ -64,8 +64,39 @@ def store_on(connection: Any, atomic: Callable[[], AbstractContextManager[Any]])
     return OutboxStore.on_caller(engine, begin)
 
 
-def table_name() -> str:
-    """OUTBOX_TABLE, read without caching the settings: models.py asks at import time, before
+#: How each backend's ``quote_name`` delimits a name. It leaves alone a name already
+#: delimited at both ends, so ``schema"."table`` comes out whole as ``"schema"."table"``.
+_DELIMITERS = {"postgresql": ('"', '"'), "sqlite": ('"', '"'), "mysql": ("`", "`"), "mssql": ("[", "]")}
+
+
+def default_vendor() -> str:
+    """The ``vendor`` of the default database's backend, read from its class: no connection
+    is made. Empty when the backend does not import (its driver missing: nothing in this
+    process can query that database anyway)."""
+    from django.conf import settings as django
+    from django.core.exceptions import ImproperlyConfigured
+    from django.db import DEFAULT_DB_ALIAS
+    from django.db.utils import load_backend
+
+    try:
+        return str(load_backend(django.DATABASES[DEFAULT_DB_ALIAS]["ENGINE"]).DatabaseWrapper.vendor)
+    except (KeyError, ImproperlyConfigured):
+        return ""
+
+
+def model_table(vendor: str | None = None) -> str:
+    """The model's ``db_table`` on a backend of ``vendor`` (the default database's): the
+    table where the relay's engine has it, OUTBOX_SCHEMA's (SQL Server: ``dbo`` unless set)
+    included, as the migration, ``enqueue`` and the admin's requeue name it (docs/django.md,
+    "Admin"). Read without caching the settings: models.py asks at import time, before
     Django's test runner has switched DATABASES to the test database, and the cached
     settings would keep the database URL of that moment."""
-    return load_settings().table
+    settings = load_settings()
+    kind = DJANGO_VENDORS.get(default_vendor() if vendor is None else vendor)
+    if kind is None:
+        return settings.table
+    schema = settings.schema or engine_class(kind).default_schema
+    if not schema or (kind == "sqlite" and schema == "main"):
+        return settings.table
+    opening, closing = _DELIMITERS[kind]
+    return f"{schema}{closing}.{opening}{settings.table}"

@@ -58,7 +58,7 @@ def engine_for_url(url: str, *, table: str = "outbox", schema: str | None = None
 
 _MODULE_KINDS = {"sqlite3": "sqlite", "psycopg": "postgresql", "pymysql": "mysql", "MySQLdb": "mysql",
                  "pyodbc": "mssql", "mssql_python": "mssql"}
-_DJANGO_VENDORS = {"sqlite": "sqlite", "postgresql": "postgresql", "mysql": "mysql", "microsoft": "mssql"}
+DJANGO_VENDORS = {"sqlite": "sqlite", "postgresql": "postgresql", "mysql": "mysql", "microsoft": "mssql"}
 
 
 def _one_database(session: Any) -> None:
@@ -93,7 +93,7 @@ def unwrap_connection(conn: Any) -> tuple[str, Any]:
     # Django's DatabaseWrapper.
     vendor = getattr(conn, "vendor", None)
     if isinstance(vendor, str) and hasattr(conn, "ensure_connection"):
-        kind = _DJANGO_VENDORS.get(vendor)
+        kind = DJANGO_VENDORS.get(vendor)
         if kind is None:
             raise UnsupportedConnection(f"Django database vendor {vendor!r} is not supported")
         conn.ensure_connection()
@@ -117,4 +117,4 @@ def unwrap_connection(conn: Any) -> tuple[str, Any]:
     return kind, conn
 
 
-__all__ = ["Engine", "engine_class", "engine_for_url", "kind_of_url", "mssql_driver", "unwrap_connection"]
+__all__ = ["DJANGO_VENDORS", "Engine", "engine_class", "engine_for_url", "kind_of_url", "mssql_driver", "unwrap_connection"]

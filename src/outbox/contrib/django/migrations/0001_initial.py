@@ -5,7 +5,7 @@ place: drop it by hand if you mean to."""
 
 from django.db import migrations, models
 
-from outbox.contrib.django.schema import table_name
+from outbox.contrib.django.schema import model_table
 
 
 def create_outbox_table(apps, schema_editor):
@@ -44,7 +44,7 @@ class Migration(migrations.Migration):
                 ("last_error", models.TextField(blank=True, null=True)),
                 ("lease_token", models.CharField(blank=True, max_length=32, null=True)),
             ],
-            options={"managed": False, "db_table": table_name(), "ordering": ["-id"],
+            options={"managed": False, "db_table": model_table(), "ordering": ["-id"],
                      "verbose_name": "outbox event"},
         ),
     ]
