@@ -365,3 +365,49 @@ def test_the_admin_reads_the_outbox_table_of_outbox_schema(database: dict[str, s
     assert "changelist: 200 True False" in out, out
     # The migration's state names the same table: no migration to make in the app.
     assert "No changes detected" in ok(manage("makemigrations", "--check", "--dry-run", "outbox", env=env))
+
+
+UNDER_PYTEST = r"""
+import io, sys
+sys.argv = ["pytest"]  # pytest-django: Django is set up (AppConfig.ready) before the test database exists
+import django
+django.setup()
+from django.conf import settings
+from django.db import connection
+test_name = settings.DATABASES["default"]["TEST"]["NAME"]
+settings.DATABASES["default"]["NAME"] = connection.settings_dict["NAME"] = test_name  # what create_test_db does
+from django.core.management import call_command
+from outbox.core.config import get_settings
+print("relay database:", get_settings().database_url)
+out = io.StringIO()
+call_command("outbox_status", "--json", stdout=out)
+print("status:", out.getvalue().strip())
+"""
+
+
+def test_under_pytest_django_the_relay_uses_the_test_database(tmp_path: Path) -> None:
+    """Found in review: the app's ``ready()`` (run under pytest-django before the test database
+    exists; only manage.py's commands skip its wake check) cached the settings, database URL
+    included: ``call_command("outbox_purge")``, ``outbox_dead requeue --all`` or an in-process
+    relay in a project's tests then acted on the real database. The check now leaves nothing
+    cached: the relay reads DATABASES once the test runner has switched them."""
+    real, test = tmp_path / "real.db", tmp_path / "test_real.db"
+    (tmp_path / "mysettings.py").write_text(
+        "SECRET_KEY = 'x'\nUSE_TZ = True\nINSTALLED_APPS = ['outbox.contrib.django']\n"
+        f"DATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', 'NAME': {str(real)!r}, "
+        f"'TEST': {{'NAME': {str(test)!r}}}}}}}\n")
+    for path, events in ((real, 0), (test, 1)):
+        store = OutboxStore(f"sqlite:///{path}")
+        try:
+            store.migrate()
+            with store.transaction() as cursor:
+                from outbox import enqueue
+
+                for _ in range(events):
+                    enqueue(cursor.connection, topic="t", aggregate_type="o", aggregate_id="1", payload={})
+        finally:
+            store.close()
+    out = ok(run([sys.executable, "-c", UNDER_PYTEST], cwd=tmp_path,
+                 env={"DJANGO_SETTINGS_MODULE": "mysettings", "PYTHONPATH": pythonpath(tmp_path)}))
+    assert f"relay database: sqlite:///{test}\n" in out, out
+    assert '"pending": 1' in out, out

@@ -40,4 +40,13 @@ class OutboxConfig(AppConfig):
         # no worker") contradicted the worker's own "this worker runs the schedule itself".
         if program in RELAY_PROGRAMS:
             return
-        warn_if_wake_cannot_work("Django")
+        from ...core.config import reset_settings
+
+        try:
+            warn_if_wake_cannot_work("Django")
+        finally:
+            # The check read the settings (Celery's app reads them through the cache): forget
+            # them. Under pytest-django this runs before the test database exists, and the
+            # cached database URL kept the real one for the commands and any in-process relay
+            # of the tests (docs/django.md, "Tests of your project").
+            reset_settings()
