@@ -97,3 +97,86 @@ def test_an_order_posted_to_the_flask_view_arrives_on_rabbitmq(tmp_path: Path) -
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait(timeout=10)
         destination.close()
+
+
+OFFLINE_ENV = '''
+from alembic import context
+
+context.configure(url=context.config.get_main_option("sqlalchemy.url"), target_metadata=None, literal_binds=True,
+                  dialect_opts={"paramstyle": "named"})  # Alembic's own template for offline mode
+with context.begin_transaction():
+    context.run_migrations()
+'''
+
+OFFLINE_REVISION = '''
+revision = "0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+from outbox.contrib.alembic import create_outbox_table
+
+
+def upgrade():
+    create_outbox_table()
+
+
+def downgrade():
+    pass
+'''
+
+
+def offline_environment(tmp_path: Path, url: str) -> Path:
+    """A scratch Alembic environment, offline mode as ``alembic init`` writes it, whose one
+    revision calls ``create_outbox_table``; returns its alembic.ini."""
+    (tmp_path / "env" / "versions").mkdir(parents=True)
+    (tmp_path / "env" / "env.py").write_text(OFFLINE_ENV)
+    (tmp_path / "env" / "versions" / "0001_outbox.py").write_text(OFFLINE_REVISION)
+    ini = tmp_path / "alembic.ini"
+    ini.write_text(f"[alembic]\nscript_location = {tmp_path / 'env'}\nsqlalchemy.url = {url}\n")
+    return ini
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_alembic_offline_sql_makes_the_stores_table_on_postgres(database: dict[str, str], tmp_path: Path) -> None:
+    """Found in review: ``alembic upgrade head --sql`` failed in ``create_outbox_table``
+    ("enqueue needs an open DB-API connection": offline, Alembic has no connection). On
+    PostgreSQL the script now holds the relay's migration, each guarded step a DO block that
+    runs it only when its probe finds it not yet made: run on an empty database it makes the
+    table ``outbox migrate`` makes, and run again it changes nothing."""
+    import psycopg
+
+    url = database["DATABASE_URL"]
+    ini = offline_environment(tmp_path, sqlalchemy_url(url))
+    script = run([str(BIN / "alembic"), "-c", str(ini), "upgrade", "head", "--sql"], env={}, cwd=tmp_path).stdout
+    assert "CREATE TABLE IF NOT EXISTS" in script and "DO $outbox$" in script, script
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(script)
+    made_offline = schema_of(url, "outbox")
+    store = OutboxStore(url, table="outbox_store_made")
+    try:
+        store.migrate()
+        assert renamed(schema_of(url, "outbox_store_made"), "outbox_store_made", "outbox") == made_offline
+    finally:
+        with store.transaction() as cursor:
+            cursor.execute('DROP TABLE IF EXISTS "outbox_store_made"')
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:  # the same script on the table it made
+        conn.execute("DROP TABLE alembic_version")
+        conn.execute(script)
+    assert schema_of(url, "outbox") == made_offline
+    again = run([str(BIN / "outbox"), "migrate"], env={"OUTBOX_DATABASE_URL": url}, cwd=tmp_path)
+    assert "nothing to change" in again.stdout, again.stdout
+
+
+def test_alembic_offline_sql_on_an_engine_that_cannot_says_so(tmp_path: Path) -> None:
+    """Where the migration's guarded steps cannot be written as SQL that guards itself
+    (SQLite here; MySQL, SQL Server), ``--sql`` stops with one line naming the limitation
+    and what to run instead, not with "enqueue needs an open DB-API connection"."""
+    ini = offline_environment(tmp_path, f"sqlite:///{tmp_path / 'shop.db'}")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_", "DATABASE_"))}
+    done = subprocess.run([str(BIN / "alembic"), "-c", str(ini), "upgrade", "head", "--sql"], cwd=tmp_path,
+                          env=clean, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    assert "offline mode (--sql) is not supported on sqlite" in done.stderr, done.stderr
+    assert "DB-API connection" not in done.stderr, done.stderr

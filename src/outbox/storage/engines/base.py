@@ -101,6 +101,24 @@ def holders_table_name(table: str) -> str:
     return derived_name("", table, "_holders")
 
 
+def sql_literal(value: Any) -> str:
+    """``value`` as an SQL literal (None, a number, a string: what migration probes take)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def inline_params(sql: str, params: Sequence[Any]) -> str:
+    """``sql`` with each ``?`` placeholder replaced by its parameter as a literal."""
+    parts = sql.split("?")
+    if len(parts) != len(params) + 1:
+        raise ValueError(f"{len(parts) - 1} placeholders for {len(params)} parameters: {sql}")
+    return "".join(part + (sql_literal(value) if i < len(params) else "")
+                   for i, (part, value) in enumerate(zip(parts, [*params, None], strict=True)))
+
+
 class Engine(ABC):
     """One database engine. Instances are cheap; they hold names, not connections."""
 
@@ -387,6 +405,14 @@ class Engine(ABC):
         An item is either SQL that guards itself (IF NOT EXISTS) or a pair
         ``((probe_sql, probe_params), sql)``: ``sql`` runs only when the probe finds
         no row, for engines whose DDL has no IF NOT EXISTS form."""
+
+    def migration_script(self, native_json: bool = False) -> list[str] | None:
+        """``migration()`` as SQL text that needs no connection (Alembic's offline mode,
+        ``alembic upgrade --sql``): every step guarding itself, so the script does what
+        ``apply_migration`` does on a new table and on one made before. None where the
+        engine's SQL cannot guard a step without a probe run first (docs/flask.md,
+        "Offline SQL")."""
+        return None
 
     def migration_lock_resource(self) -> str:
         """The name of the lock that lets one migration of this table run at a time."""

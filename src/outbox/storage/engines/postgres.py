@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ...core.config import session_bounds, without_session_bounds
 from ...core.model import NewEvent
-from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine, derived_name, tcp_keepalive
+from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine, derived_name, inline_params, tcp_keepalive
 
 #: 25P03: the server ended the session, idle in a transaction too long (``session_settings``);
 #: 57P05: idle too long outside one (a server's ``idle_session_timeout``). Both end the
@@ -281,14 +281,32 @@ class PostgresEngine(Engine):
         # Waiting for another migration blocks nobody else, so only the steps are bounded.
         # The bound is the transaction's, and unlock_migration puts back what the caller had:
         # an Alembic revision's own later steps run in the same transaction (found in review).
-        self.execute(cursor, "SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_resource()]).fetchall()
-        self.execute(cursor, "SELECT set_config('outbox.lock_timeout_before', current_setting('lock_timeout'), true), "
-                     "set_config('lock_timeout', ?, true)", [self.MIGRATION_LOCK_TIMEOUT]).fetchall()
+        for sql, params in self._lock_statements():
+            self.execute(cursor, sql, params).fetchall()
 
     def unlock_migration(self, cursor: Any) -> None:
-        # Nothing to put back on an autocommit connection: there the bound lasted one statement.
-        self.execute(cursor, "SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before', true), "
-                     "true) WHERE COALESCE(current_setting('outbox.lock_timeout_before', true), '') <> ''").fetchall()
+        self.execute(cursor, self._UNLOCK).fetchall()
+
+    # Nothing to put back on an autocommit connection: there the bound lasted one statement.
+    _UNLOCK = ("SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before', true), true) "
+               "WHERE COALESCE(current_setting('outbox.lock_timeout_before', true), '') <> ''")
+
+    def _lock_statements(self) -> list[tuple[str, list[Any]]]:
+        return [("SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_resource()]),
+                ("SELECT set_config('outbox.lock_timeout_before', current_setting('lock_timeout'), true), "
+                 "set_config('lock_timeout', ?, true)", [self.MIGRATION_LOCK_TIMEOUT])]
+
+    def migration_script(self, native_json: bool = False) -> list[str]:
+        # Each guarded step in a DO block that runs it only when its probe finds no row, as
+        # apply_migration does, between the same transaction-scoped lock and bound.
+        script = [inline_params(sql, params) for sql, params in self._lock_statements()]
+        for step in self.migration(native_json=native_json):
+            if isinstance(step, tuple):
+                (probe, params), ddl = step
+                step = (f"DO $outbox$ BEGIN IF NOT EXISTS ({inline_params(probe, params)}) THEN {ddl}; "
+                        "END IF; END $outbox$")
+            script.append(step)
+        return [*script, self._UNLOCK]
 
     def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
         return [("SELECT pg_try_advisory_lock(?)", [advisory_key(name)])]
