@@ -38,20 +38,25 @@ def sqlalchemy_url(url: str) -> str:
     return url.replace("postgresql://", "postgresql+psycopg://", 1)
 
 
+
+def assert_the_store_makes(url: str, made: Any) -> None:
+    """``outbox migrate`` makes, on a table of its own, the schema ``made`` (``schema_of``)."""
+    store = OutboxStore(url, table="outbox_store_made")
+    try:
+        store.migrate()
+        assert renamed(schema_of(url, "outbox_store_made"), "outbox_store_made", "outbox") == made
+    finally:
+        with store.transaction() as cursor:
+            cursor.execute('DROP TABLE IF EXISTS "outbox_store_made"')
+        store.close()
+
 def test_alembic_upgrade_creates_the_stores_table(database: dict[str, str], tmp_path: Path) -> None:
     url = database["DATABASE_URL"]
     run([str(BIN / "alembic"), "-c", str(EXAMPLE / "alembic.ini"), "upgrade", "head"],
         env={"DATABASE_URL": sqlalchemy_url(url)}, cwd=tmp_path)
     made_by_alembic = schema_of(url, "outbox")
     assert made_by_alembic, "alembic upgrade made no outbox table"
-    store = OutboxStore(url, table="outbox_store_made")
-    try:
-        store.migrate()
-        assert renamed(schema_of(url, "outbox_store_made"), "outbox_store_made", "outbox") == made_by_alembic
-    finally:
-        with store.transaction() as cursor:
-            cursor.execute('DROP TABLE IF EXISTS "outbox_store_made"')
-        store.close()
+    assert_the_store_makes(url, made_by_alembic)
     # The relay's own tools find the table as they would have made it.
     again = run([str(BIN / "outbox"), "migrate"], env={"OUTBOX_DATABASE_URL": url}, cwd=tmp_path)
     assert schema_of(url, "outbox") == made_by_alembic
@@ -153,14 +158,7 @@ def test_alembic_offline_sql_makes_the_stores_table_on_postgres(database: dict[s
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(script)
     made_offline = schema_of(url, "outbox")
-    store = OutboxStore(url, table="outbox_store_made")
-    try:
-        store.migrate()
-        assert renamed(schema_of(url, "outbox_store_made"), "outbox_store_made", "outbox") == made_offline
-    finally:
-        with store.transaction() as cursor:
-            cursor.execute('DROP TABLE IF EXISTS "outbox_store_made"')
-        store.close()
+    assert_the_store_makes(url, made_offline)
     with psycopg.connect(url, autocommit=True) as conn:  # the same script on the table it made
         conn.execute("DROP TABLE alembic_version")
         conn.execute(script)

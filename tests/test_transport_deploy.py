@@ -258,6 +258,17 @@ def test_a_start_up_migration_that_waits_for_a_lock_gives_up_with_a_warning(
         drop_queue_tables(direct, table)
 
 
+def send_and_receive_one(broker_url: str, table: str) -> None:
+    """A message sent and received through ``broker_url`` on the queue table ``table``."""
+    with Connection(broker_url, transport_options={"queue_table": table}) as conn:
+        q = conn.SimpleQueue("least-privilege")
+        q.put("m")
+        message = q.get(timeout=10)
+        assert message.payload == "m"
+        message.ack()
+        q.close()
+
+
 def test_a_role_without_ddl_privileges_starts_on_postgresql_tables_made_for_it(tmp_path: Path) -> None:
     """A least-privilege runtime role (SELECT, INSERT, UPDATE, DELETE on the queue tables,
     made by ``outbox migrate`` as their owner) starts with ``create_tables`` left on, sends
@@ -281,13 +292,7 @@ def test_a_role_without_ddl_privileges_starts_on_postgresql_tables_made_for_it(t
     try:
         admin.execute(f"CREATE ROLE {role} LOGIN")
         admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_binding TO {role}")
-        with Connection(f"outboxdb+{as_role}", transport_options={"queue_table": table}) as conn:
-            q = conn.SimpleQueue("least-privilege")
-            q.put("m")
-            message = q.get(timeout=10)
-            assert message.payload == "m"
-            message.ack()
-            q.close()
+        send_and_receive_one(f"outboxdb+{as_role}", table)
     finally:
         drop_queue_tables(direct, table)
         admin.execute(f"DROP ROLE IF EXISTS {role}")
@@ -318,13 +323,7 @@ def test_a_role_without_ddl_privileges_starts_on_mysql_tables_made_for_it(tmp_pa
             for name in (table, f"{table}_binding"):
                 cursor.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {parts.path.lstrip('/')}.{name} "
                                f"TO '{user}'@'%'")
-        with Connection(f"outboxdb+{as_user}", transport_options={"queue_table": table}) as conn:
-            q = conn.SimpleQueue("least-privilege")
-            q.put("m")
-            message = q.get(timeout=10)
-            assert message.payload == "m"
-            message.ack()
-            q.close()
+        send_and_receive_one(f"outboxdb+{as_user}", table)
     finally:
         drop_queue_tables(direct, table)
         with admin.cursor() as cursor:

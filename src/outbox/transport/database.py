@@ -167,10 +167,7 @@ class Database:
         try:
             return waiter.wait(timeout)
         except Exception as exc:  # noqa: BLE001 - any failure of the waiter: reconnect
-            log.warning("outboxdb: wake-up connection lost (%s); reconnecting", exc)
-            self._close_waiter()
-            self._waiter_retry_at = time.monotonic() + 1.0
-            return False
+            return self._waiter_lost(exc)
 
     def read_wake_ups(self) -> bool:
         """Read what the wake-up connection has received, without blocking (every poll does,
@@ -181,10 +178,14 @@ class Database:
         try:
             return waiter.drain()
         except Exception as exc:  # noqa: BLE001 - any failure of the waiter: reconnect
-            log.warning("outboxdb: wake-up connection lost (%s); reconnecting", exc)
-            self._close_waiter()
-            self._waiter_retry_at = time.monotonic() + 1.0
-            return False
+            return self._waiter_lost(exc)
+
+    def _waiter_lost(self, exc: BaseException) -> bool:
+        """The wake-up connection failed: closed, another tried in a second; no wake-up (False)."""
+        log.warning("outboxdb: wake-up connection lost (%s); reconnecting", exc)
+        self._close_waiter()
+        self._waiter_retry_at = time.monotonic() + 1.0
+        return False
 
     def stop_listening(self) -> None:
         """No consumer left: close the wake-up connection, which nothing would read (the next
