@@ -217,8 +217,15 @@ def test_alembic_and_django_migrations_probe_their_connection_for_isjson(row: tu
     from outbox.contrib.django.schema import create_table
 
     class Op:
+        """What ``create_outbox_table`` uses of Alembic's ``op``, online."""
+
         def __init__(self, raw: RawConnection) -> None:
             self.raw = raw
+
+        def get_context(self) -> Any:
+            from types import SimpleNamespace
+
+            return SimpleNamespace(as_sql=False)
 
         def get_bind(self) -> RawConnection:
             return self.raw
