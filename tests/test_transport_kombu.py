@@ -953,3 +953,24 @@ def test_a_connection_killed_by_the_server_is_replaced_without_losing_a_message(
             q.close()
     finally:
         broker.drop()
+
+
+def test_a_send_before_a_new_listen_connection_is_not_waited_through_on_postgresql(tmp_path: Path) -> None:
+    """The last consumer's cancel closes the LISTEN connection and the next idle wait opens
+    another: a message sent in between notified nobody, and that wait slept its whole
+    timeout over it (Celery's own `inspect().active_queues()` test got no reply in time,
+    found in a CI rehearsal). A wait that has just opened its LISTEN connection looks again
+    first."""
+    from outbox.transport.database import Database
+
+    url = engine_url("postgresql", tmp_path)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    db = Database(url, table, None, create=True)
+    try:
+        db.connection()
+        db.stop_listening()  # as after a consumer's cancel
+        assert db.wait(5.0) is True  # opened its LISTEN connection: look again at once
+        assert db.wait(0.2) is False  # then it waits for sends as before
+    finally:
+        db.close()
+        drop_queue_tables(url, table)

@@ -161,6 +161,12 @@ class Database:
             self._waiter, self._waiter_pid = waiter, os.getpid()
             if waiter is None and not self._waiter_retry_at:
                 self.wake = False  # this engine has none: stop asking
+            if waiter is not None:
+                # Listening from now on: what was sent since the last look woke nobody, so look
+                # again before waiting (each consumer's start opens a new LISTEN connection, the
+                # last one's cancel closes it: a remote-control reply sent in between went unseen
+                # for the whole wait, and `inspect()` timed out; docs/transport.md).
+                return True
         if waiter is None:
             time.sleep(timeout)
             return False
