@@ -136,21 +136,24 @@ def test_a_migration_with_work_to_do_behind_an_open_transaction_gives_up_in_boun
             outcome.append(rerun.migrate())
         except Exception as exc:  # what the re-run met is the assertion
             outcome.append(exc)
+    thread = threading.Thread(target=migrate, daemon=True)
     try:
-        enqueue(app, topic="t", aggregate_type="a", aggregate_id="1", payload={}, table=table)
-        thread = threading.Thread(target=migrate, daemon=True)
-        thread.start()
-        thread.join(150)
-        assert outcome, "the migration still waits behind the open transaction"
-        assert isinstance(outcome[0], Exception), outcome
+        try:
+            enqueue(app, topic="t", aggregate_type="a", aggregate_id="1", payload={}, table=table)
+            thread.start()
+            thread.join(150)
+            assert outcome, "the migration still waits behind the open transaction"
+            assert isinstance(outcome[0], Exception), outcome
+        finally:
+            app.rollback()
+            app.close()
+            if thread.is_alive():
+                thread.join(30)
+            rerun.close()
+        assert store.migrate() == 1  # the index, once nothing holds the table
     finally:
-        app.rollback()
-        app.close()
-        thread.join(30)
-        rerun.close()
-    assert store.migrate() == 1  # the index, once nothing holds the table
-    drop_table(store)
-    store.close()
+        drop_table(store)
+        store.close()
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
