@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kafka_support import Reader
+from kafka_support import Reader, explain_missing
 from relay_e2e_support import base_env, check_order, relay_env, require_relay_services, wait_until
 
 from outbox import Status
@@ -71,7 +71,9 @@ def test_the_relay_reaches_kafka_through_a_broker_restart(tmp_path: Path, sqlite
     total = sum(map(len, expected.values()))
     after_ids = lambda: {a[0] for a in before} | {a[0] for a in second.arrivals}  # noqa: E731
     assert wait_until(lambda: len(after_ids()) >= total, timeout=60), (
-        f"{len(after_ids())} of {total}\n{procs.log('w1')[-3000:]}")
+        f"{len(after_ids())} of {total}, "
+        f"{explain_missing(tansu.bootstrap, topic, sorted({i for ids in expected.values() for i in ids} - after_ids()), outbox.statuses())}\n"
+        f"{procs.log('w1')[-3000:]}")
     arrivals = before + second.stop()
 
     check_order(arrivals, expected)  # nothing lost, first arrivals in id order per aggregate
