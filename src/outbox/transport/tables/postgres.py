@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ...storage.engines.postgres import PostgresEngine
 from .base import MAX_NAME, READY_INDEX, RETIRED_RECEIVE_INDEX, QueueTables, Waiter
 
 log = logging.getLogger("outbox.transport.tables")
@@ -56,10 +57,10 @@ class PostgresQueueTables(QueueTables):
     wakes_on_send = True
 
     #: How long a step of the start-up migration waits for a lock on a live table
-    #: (``migrate(start_up=True)``), and of ``outbox migrate``: while DDL waits, every send,
-    #: lease and ack of every process queues behind it.
+    #: (``migrate(start_up=True)``): while DDL waits, every send, lease and ack of every
+    #: process queues behind it. ``outbox migrate`` waits as long as for the outbox table
+    #: (``PostgresEngine.MIGRATION_LOCK_TIMEOUT``).
     START_UP_LOCK_TIMEOUT = "1s"
-    MIGRATION_LOCK_TIMEOUT = "10s"
 
     def migration(self) -> list[Any]:
         # Each step runs only when the catalogs say something is missing: CREATE INDEX IF NOT
@@ -121,7 +122,7 @@ class PostgresQueueTables(QueueTables):
         # pg_type or pg_class): one migration at a time, the lock held until the commit.
         # Waiting for another migration blocks nobody else, so only the steps are bounded.
         self.run(cursor, "SELECT pg_advisory_xact_lock(hashtext(?))", [self.migration_lock_name()]).fetchall()
-        timeout = self.START_UP_LOCK_TIMEOUT if start_up else self.MIGRATION_LOCK_TIMEOUT
+        timeout = self.START_UP_LOCK_TIMEOUT if start_up else PostgresEngine.MIGRATION_LOCK_TIMEOUT
         self.run(cursor, f"SET LOCAL lock_timeout = '{timeout}'")
 
     # The statement's clock, not now(): now() is the transaction's start, and a send_task in
