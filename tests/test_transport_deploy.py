@@ -216,28 +216,48 @@ def test_a_process_starting_on_postgresql_does_not_stall_the_sends_of_others(
         drop_queue_tables(direct, table)
 
 
+def _business_session(direct: str) -> Any:
+    """An application's connection: none of the relay's own bounds on idling."""
+    engine = engine_for_url(direct)
+    business = engine.connect(direct)
+    with business.cursor() as cursor:
+        cursor.execute("SET idle_in_transaction_session_timeout = 0" if engine.name == "postgresql"
+                       else "SET SESSION idle_transaction_timeout = 0, SESSION wait_timeout = 28800")
+    business.commit()
+    return business
+
+
+def _drop_index_and_hold_the_table(direct: str, table: str, qt: Any) -> Any:
+    """The queue table without its ``expires`` index (an upgrade that adds one) and a
+    business transaction, left open, that sent to it."""
+    business = _business_session(direct)
+    with business.cursor() as cursor:
+        on = f" ON {qt.table}" if qt.engine.name == "mysql" else ""
+        cursor.execute(f"DROP INDEX {qt.engine.quote(qt.index_name('expires'))}{on}")
+        business.commit()
+        cursor.execute(f"INSERT INTO {qt.table} (queue, headers, body, visible_at) "
+                       f"VALUES ('q', '{{}}', NULL, {qt.engine.now})")
+    return business
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
 def test_a_start_up_migration_that_waits_for_a_lock_gives_up_with_a_warning(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """An index is missing (an upgrade that adds one) and a business transaction that sent
     to the table is open: the start-up migration's CREATE INDEX waits for it, and every
-    send of every process queues behind that wait. It gives up after ``lock_timeout``
-    (1 s), warns, and the process starts; the next one, or ``outbox migrate``, makes it."""
+    send of every process queues behind that wait. It gives up after 1 s (PostgreSQL's
+    ``lock_timeout``, MySQL/MariaDB's ``lock_wait_timeout``: there it waited a day, this
+    server's default, found in review), warns, and the process starts; the next one, or
+    ``outbox migrate``, makes it."""
     import threading
 
-    import psycopg
-    from psycopg.conninfo import make_conninfo
-
-    from outbox.storage.engines.postgres import libpq_url
     from outbox.transport import database, migrate_queue_tables
 
-    direct = engine_url("postgresql", tmp_path)
+    direct = engine_url(kind, tmp_path)
     table = f"kq_{uuid.uuid4().hex[:10]}"
     qt = migrate_queue_tables(f"outboxdb+{direct}", table=table)
-    business = psycopg.connect(make_conninfo(libpq_url(direct)))
+    business = _drop_index_and_hold_the_table(direct, table, qt)
     try:
-        business.execute(f"DROP INDEX {qt.index_name('expires')}")
-        business.commit()
-        business.execute(f"INSERT INTO {table} (queue, headers, body) VALUES ('q', '{{}}', NULL)")
         monkeypatch.setattr(database, "_prepared", set())
         starting = Database(direct, table, None, create=True)
         with caplog.at_level(logging.WARNING, logger="outbox.transport"):
@@ -255,6 +275,46 @@ def test_a_start_up_migration_that_waits_for_a_lock_gives_up_with_a_warning(
     finally:
         business.rollback()
         business.close()
+        drop_queue_tables(direct, table)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_outbox_migrate_of_the_queue_tables_gives_up_in_bounded_time_behind_an_open_transaction(
+        kind: str, tmp_path: Path) -> None:
+    """``outbox migrate`` repairs a missing index while a business transaction that sent to
+    the queue table stays open: its CREATE INDEX waits, and every send, lease and ack queues
+    behind it. Each attempt gives up after 10 s, as the outbox table's migration does; on
+    MySQL/MariaDB it waited as long as the transaction (found in review)."""
+    import threading
+
+    from outbox.transport import migrate_queue_tables
+
+    direct = engine_url(kind, tmp_path)
+    table = f"kq_{uuid.uuid4().hex[:10]}"
+    qt = migrate_queue_tables(f"outboxdb+{direct}", table=table)
+    business = _drop_index_and_hold_the_table(direct, table, qt)
+    outcome: list[Any] = []
+
+    def migrate() -> None:
+        try:
+            outcome.append(migrate_queue_tables(f"outboxdb+{direct}", table=table))
+        except Exception as exc:  # what the migration met is the assertion
+            outcome.append(exc)
+    thread = threading.Thread(target=migrate, daemon=True)
+    try:
+        thread.start()
+        thread.join(120)
+        assert outcome, "the migration still waits behind the open transaction"
+        assert isinstance(outcome[0], Exception), outcome
+        business.rollback()
+        migrate_queue_tables(f"outboxdb+{direct}", table=table)  # once nothing holds the table
+        with business.cursor() as cursor:
+            cursor.execute(qt.existing_indexes_sql()[0].replace("?", "%s"), qt.existing_indexes_sql()[1])
+            assert qt.index_name("expires").lower() in {str(r[0]).lower() for r in cursor.fetchall()}
+    finally:
+        business.rollback()
+        business.close()
+        thread.join(60)
         drop_queue_tables(direct, table)
 
 

@@ -32,7 +32,7 @@ _DISCONNECT_CODES = {2006, 2013, 2003, 2055, 4031}
 CONNECT_TIMEOUT_S = 10
 #: Seconds a migration waits for another one (GET_LOCK).
 MIGRATION_LOCK_TIMEOUT_S = 600
-#: How long a migration's DDL step waits for the table's metadata lock (lock_migration).
+#: How long a migration's DDL step waits for the table's metadata lock (hold_migration_lock).
 MIGRATION_LOCK_WAIT_S = 10
 
 #: A character outside the Basic Multilingual Plane: four bytes in UTF-8, which only a
@@ -282,24 +282,33 @@ class MysqlEngine(Engine):
         return self._driver_error(exc) and self._code(exc) == 1054  # ER_BAD_FIELD_ERROR
 
     def lock_migration(self, cursor: Any) -> None:
-        # DDL commits on its own in MySQL, so the lock is the session's (GET_LOCK) and
-        # unlock_migration releases it. GET_LOCK names stop at 64 characters: a digest.
-        got = self.execute(cursor, "SELECT GET_LOCK(?, ?)",
-                           [self._migration_lock_key(), MIGRATION_LOCK_TIMEOUT_S]).fetchone()
-        if not got or got[0] != 1:
-            raise StoreError(f"outbox migrate: another migration of {self.table} held the migration lock for "
-                             f"{MIGRATION_LOCK_TIMEOUT_S} s; run it again when that one has finished")
-        # A DDL step waits for the table's metadata lock behind any open transaction that
-        # has read the table, and every later enqueue and claim queues behind it: by default
-        # for a year (lock_wait_timeout). Bounded as on PostgreSQL; the store retries the
-        # error (1205) and then says why. Put back by unlock_migration (found in review).
-        self.execute(cursor, "SET @outbox_lock_wait_timeout = @@SESSION.lock_wait_timeout, "
-                     f"SESSION lock_wait_timeout = {MIGRATION_LOCK_WAIT_S}")
+        self.hold_migration_lock(cursor, self._migration_lock_key(), self.table)
 
     def unlock_migration(self, cursor: Any) -> None:
+        self.release_migration_lock(cursor, self._migration_lock_key())
+
+    def hold_migration_lock(self, cursor: Any, key: str, table: str, lock_wait_s: int = MIGRATION_LOCK_WAIT_S) -> None:
+        """One migration of ``table`` at a time, and its DDL steps' waits bounded; the outbox
+        table's and the queue tables' (``transport.tables.mysql``) migrations both take it.
+
+        DDL commits on its own in MySQL, so the lock is the session's (GET_LOCK, named by
+        ``key``: names stop at 64 characters) and ``release_migration_lock`` releases it.
+        A DDL step waits for the table's metadata lock behind any open transaction that has
+        read the table, and every later statement on the table queues behind it: by default
+        for a year (lock_wait_timeout). Bounded to ``lock_wait_s``, as on PostgreSQL; the
+        caller retries the error (1205) or says why, and the release puts back the session's
+        own bound (found in review)."""
+        got = self.execute(cursor, "SELECT GET_LOCK(?, ?)", [key, MIGRATION_LOCK_TIMEOUT_S]).fetchone()
+        if not got or got[0] != 1:
+            raise StoreError(f"outbox migrate: another migration of {table} held the migration lock for "
+                             f"{MIGRATION_LOCK_TIMEOUT_S} s; run it again when that one has finished")
+        self.execute(cursor, "SET @outbox_lock_wait_timeout = @@SESSION.lock_wait_timeout, "
+                     f"SESSION lock_wait_timeout = {int(lock_wait_s)}")
+
+    def release_migration_lock(self, cursor: Any, key: str) -> None:
         self.execute(cursor, "SET SESSION lock_wait_timeout = COALESCE(@outbox_lock_wait_timeout, "
                      "@@GLOBAL.lock_wait_timeout)")
-        self.execute(cursor, "SELECT RELEASE_LOCK(?)", [self._migration_lock_key()]).fetchall()
+        self.execute(cursor, "SELECT RELEASE_LOCK(?)", [key]).fetchall()
 
     def session_lock_statements(self, name: str, idle_s: int) -> list[tuple[str, list[Any]]] | None:
         # MariaDB ends no idle session by itself (wait_timeout: 8 hours): a vanished holder's

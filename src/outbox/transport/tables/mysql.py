@@ -10,9 +10,9 @@ COMMITTED transaction. Names use a binary collation: queue ``a`` is not ``A``.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, cast
 
-from ...core.errors import StoreError
+from ...storage.engines.mysql import MIGRATION_LOCK_WAIT_S, MysqlEngine
 from .base import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 
@@ -70,24 +70,23 @@ class MysqlQueueTables(QueueTables):
         ]
         return steps
 
-    #: Seconds a migration waits for another one (GET_LOCK).
-    MIGRATION_LOCK_TIMEOUT_S = 600
+    #: Seconds a step of a new process's start-up migration waits for a table's lock
+    #: (``outbox migrate`` waits ``MIGRATION_LOCK_WAIT_S``): while DDL waits, every send,
+    #: lease and ack queues behind it. lock_wait_timeout counts whole seconds.
+    START_UP_LOCK_WAIT_S = 1
 
     def migration_lock_key(self) -> str:
         # GET_LOCK names stop at 64 characters: a digest of the table's name.
         return "outbox migrate " + hashlib.sha1(self.table.encode()).hexdigest()
 
     def lock_migration(self, cursor: Any, start_up: bool = False) -> None:
-        # DDL commits on its own in MySQL, so the lock is the session's (GET_LOCK) and
-        # unlock_migration releases it. Concurrent CREATE INDEX fails with 1061.
-        got = self.run(cursor, "SELECT GET_LOCK(?, ?)",
-                       [self.migration_lock_key(), self.MIGRATION_LOCK_TIMEOUT_S]).fetchone()
-        if not got or got[0] != 1:
-            raise StoreError(f"outbox migrate: another migration of {self.table} held the migration lock for "
-                             f"{self.MIGRATION_LOCK_TIMEOUT_S} s; run it again when that one has finished")
+        # The outbox table's lock and bounds (MysqlEngine.hold_migration_lock); concurrent
+        # CREATE INDEX fails with 1061.
+        cast(MysqlEngine, self.engine).hold_migration_lock(
+            cursor, self.migration_lock_key(), self.table, self.START_UP_LOCK_WAIT_S if start_up else MIGRATION_LOCK_WAIT_S)
 
     def unlock_migration(self, cursor: Any) -> None:
-        self.run(cursor, "SELECT RELEASE_LOCK(?)", [self.migration_lock_key()]).fetchall()
+        cast(MysqlEngine, self.engine).release_migration_lock(cursor, self.migration_lock_key())
 
     def existing_indexes_sql(self) -> tuple[str, list[Any]]:
         schema = "DATABASE()" if not self.engine.schema else "?"
