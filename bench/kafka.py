@@ -51,7 +51,7 @@ from .common import (
     to_json,
 )
 from .services import free_port
-from .tansu import Tansu, tansu_binary
+from .tansu import NoSkips, Tansu, tansu_binary
 
 TOPIC = "orders.changed"  # bench.common.make_event's topic: the Kafka topic too
 
@@ -99,7 +99,7 @@ class Broker:
 
 class KafkaDestination(Arrivals):
     """A consumer thread reading every partition of ``topic`` from the start (assigned, not
-    joined: group joins are slow on Tansu), recording arrivals as ``bench.common.Destination``
+    joined: group joins are slow on Tansu; none stepped over: ``bench.tansu.NoSkips``), recording arrivals as ``bench.common.Destination``
     does, so ``bench.drain.run_celery_drain`` measures a drain to Kafka unchanged."""
 
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
@@ -112,15 +112,19 @@ class KafkaDestination(Arrivals):
 
         arrivals, clock = self.arrivals, time.perf_counter
 
+        in_order: list[NoSkips] = []
+
         def open_consumer() -> Any:
             consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
                                  "enable.auto.commit": False, "fetch.wait.max.ms": 10})
             consumer.assign([TopicPartition(self.topic, p, 0) for p in range(self.partitions)])
+            in_order[:] = [NoSkips(consumer, self.topic)]  # none stepped over on Tansu
             return consumer
 
         def poll(consumer: Any) -> None:
+            accept = in_order[0].accept
             for message in consumer.consume(1000, 0.2):
-                if message.error() is None:
+                if message.error() is None and accept(message):
                     h = dict(message.headers() or [])
                     arrivals.append((clock(), int(h["outbox_id"]), h["aggregate_id"].decode()))
 

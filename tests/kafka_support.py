@@ -6,6 +6,7 @@ Consumers assign partitions (no group joins: slow on Tansu). docs/destinations.m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from services import free_port, unavailable
 
-from bench.tansu import Tansu, tansu_binary
+from bench.tansu import NoSkips, Tansu, tansu_binary
 
 KAFKA_URL = os.environ.get("OUTBOX_TEST_KAFKA_URL")
 
@@ -64,20 +65,29 @@ def create_topic(bootstrap: str, name: str | None = None, partitions: int = 3) -
     return name
 
 
-def consume(bootstrap: str, topic: str, count: int, timeout: float = 30.0, partitions: int = 3) -> list[Any]:
-    """Read ``count`` messages of ``topic`` from the start of its partitions (assigned, not
-    joined), or all there are when ``timeout`` passes first."""
+def partitions_of(consumer: Any, topic: str, timeout: float = 2.0) -> list[int]:
+    """The partitions of ``topic`` (none while it does not exist; a topic the broker made
+    by itself has its default count, 4 on Tansu, not the 3 of ``create_topic``)."""
+    found = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+    return sorted(found.partitions) if found is not None and found.error is None else []
+
+
+def consume(bootstrap: str, topic: str, count: int, timeout: float = 30.0) -> list[Any]:
+    """Read ``count`` messages of ``topic`` from the start of every partition (assigned, not
+    joined; none stepped over: ``bench.tansu.NoSkips``), or all there are when ``timeout``
+    passes first."""
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"outbox-test-{uuid.uuid4().hex}",
                          "enable.auto.commit": False})
     try:
-        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions_of(consumer, topic, 10)])
+        in_order = NoSkips(consumer, topic)
         found: list[Any] = []
         deadline = time.monotonic() + timeout
         while len(found) < count and time.monotonic() < deadline:
             message = consumer.poll(0.2)
-            if message is not None and message.error() is None:
+            if message is not None and message.error() is None and in_order.accept(message):
                 found.append(message)
         return found
     finally:
@@ -87,13 +97,15 @@ def consume(bootstrap: str, topic: str, count: int, timeout: float = 30.0, parti
 class Reader(threading.Thread):
     """Reads every partition of ``topic`` from the start (assigned, not joined) until
     stopped; ``arrivals``: (outbox id, aggregate id, the Kafka message) in the order read,
-    which is offset order within each partition (one aggregate, one partition)."""
+    which is offset order within each partition (one aggregate, one partition), none stepped
+    over (``in_order``: ``bench.tansu.NoSkips``, its seeks back and gaps)."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         super().__init__(daemon=True)
         self.bootstrap, self.topic = bootstrap, topic
         self.arrivals: list[tuple[int, str, Any]] = []
         self._done = threading.Event()
+        self.in_order: NoSkips | None = None
 
     def run(self) -> None:
         from confluent_kafka import Consumer, TopicPartition
@@ -103,17 +115,15 @@ class Reader(threading.Thread):
         try:
             partitions: list[int] = []
             while not partitions and not self._done.is_set():
-                try:
-                    found = consumer.list_topics(self.topic, timeout=2).topics.get(self.topic)
-                    partitions = sorted(found.partitions) if found is not None and found.error is None else []
-                except Exception:
-                    pass
+                with contextlib.suppress(Exception):  # not there yet: looked for again
+                    partitions = partitions_of(consumer, self.topic)
                 if not partitions:
                     time.sleep(0.2)
             consumer.assign([TopicPartition(self.topic, p, 0) for p in partitions])
+            self.in_order = NoSkips(consumer, self.topic)
             while not self._done.is_set():
                 message = consumer.poll(0.2)
-                if message is not None and message.error() is None:
+                if message is not None and message.error() is None and self.in_order.accept(message):
                     headers = {k: v.decode() for k, v in message.headers() or []}
                     self.arrivals.append((int(headers["outbox_id"]), headers["aggregate_id"], message))
         finally:
@@ -125,19 +135,25 @@ class Reader(threading.Thread):
         return self.arrivals
 
 
-def explain_missing(bootstrap: str, topic: str, missing: list[int], statuses: dict[int, int]) -> str:
+def explain_missing(bootstrap: str, topic: str, missing: list[int], statuses: dict[int, int],
+                    reader: Reader | None = None, broker: Tansu | None = None) -> str:
     """For a failed wait for arrivals: the missing events' rows (done, with a successful
-    delivery report, points at the broker: Tansu's offsets, docs/destinations.md "Tests";
-    open rows point at the relay), whether a fresh read of the whole topic finds them, and
-    the partitions' high watermarks against what was read."""
+    delivery report, points at the broker: docs/destinations.md "Tests"; open rows point at
+    the relay), whether a fresh read of the whole topic finds them, the partitions' high
+    watermarks, the reader's seeks back over holes and gaps given up on, and Tansu's own
+    error lines."""
     from confluent_kafka import Consumer, TopicPartition
 
     again = consume(bootstrap, topic, 10**9, timeout=10)
     ids = {int({k: v.decode() for k, v in m.headers() or []}["outbox_id"]) for m in again}
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"outbox-test-{uuid.uuid4().hex}"})
     try:
-        marks = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5) for p in range(3)]
+        marks = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5)
+                 for p in partitions_of(consumer, topic, 5)]
     finally:
         consumer.close()
+    order = reader.in_order if reader is not None else None
     return (f"missing {missing[:20]}: their rows' statuses {[statuses.get(i) for i in missing[:20]]}; a fresh read "
-            f"of {len(again)} records finds {sorted(set(missing) & ids)[:20]}; high watermarks {marks}")
+            f"of {len(again)} records finds {sorted(set(missing) & ids)[:20]}; high watermarks {marks}; "
+            f"the reader's seeks back {order.seeks if order else '-'}, offsets given up {order.gaps if order else '-'}; "
+            f"Tansu's errors {broker.error_lines() if broker is not None else '-'}")

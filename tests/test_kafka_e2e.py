@@ -72,7 +72,7 @@ def test_the_relay_reaches_kafka_through_a_broker_restart(tmp_path: Path, sqlite
     after_ids = lambda: {a[0] for a in before} | {a[0] for a in second.arrivals}  # noqa: E731
     assert wait_until(lambda: len(after_ids()) >= total, timeout=60), (
         f"{len(after_ids())} of {total}, "
-        f"{explain_missing(tansu.bootstrap, topic, sorted({i for ids in expected.values() for i in ids} - after_ids()), outbox.statuses())}\n"
+        f"{explain_missing(tansu.bootstrap, topic, sorted({i for ids in expected.values() for i in ids} - after_ids()), outbox.statuses(), second, tansu)}\n"
         f"{procs.log('w1')[-3000:]}")
     arrivals = before + second.stop()
 

@@ -73,7 +73,7 @@ def test_a_worker_killed_while_publishing_to_kafka_loses_nothing_and_never_reord
     arrived = lambda: {a[0] for a in reader.arrivals}  # noqa: E731
     assert wait_until(lambda: len(arrived()) >= total, timeout=40), (
         f"{len(arrived())} of {total} arrived, "
-        f"{explain_missing(far_tansu.bootstrap, topic, sorted(set(writer.written) - arrived()), outbox.statuses())}\n"
+        f"{explain_missing(far_tansu.bootstrap, topic, sorted(set(writer.written) - arrived()), outbox.statuses(), reader, far_tansu)}\n"
         f"{procs.log('w2')[-3000:]}")
     arrivals = reader.stop()
 

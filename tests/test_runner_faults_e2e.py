@@ -420,7 +420,7 @@ def test_kafka_unreachable_for_a_while_loses_nothing_keeps_order_and_says_so_onc
         arrived = lambda: {a[0] for a in reader.arrivals}  # noqa: E731
         assert wait_until(lambda: len(arrived()) >= total, timeout=60), (
             f"{len(arrived())} of {total}, "
-            f"{explain_missing(tansu.bootstrap, topic, sorted(set(writer.written) - arrived()), outbox.statuses())}\n"
+            f"{explain_missing(tansu.bootstrap, topic, sorted(set(writer.written) - arrived()), outbox.statuses(), reader, tansu)}\n"
             f"{procs.log('w1')[-3000:]}")
         arrivals = reader.stop()
         procs.check_alive()
