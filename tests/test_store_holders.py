@@ -230,10 +230,11 @@ def test_the_heartbeat_takes_over_only_after_beating_steadily_for_longer_than_th
     assert beat.tick(now=100.0) == 0  # the first beat: not steady for long enough yet
     assert beat.tick(now=100.2) == 0
     assert beat.tick(now=100.9) == 0  # 0.7 s since the last: a gap, counting starts again
-    assert beat.tick(now=101.1) == 0  # steady for 0.2 s only
+    assert beat.tick(now=101.0) == 0
+    assert beat.tick(now=101.15) == 0  # steady for 0.25 s only
     assert holders(store) == {lost.holder_id, me.holder_id} and not requested
     with caplog.at_level(logging.WARNING, logger="outbox.relay"):
-        assert beat.tick(now=101.35) == 3  # steady for 0.45 s > 0.3 s
+        assert beat.tick(now=101.3) == 3  # steady for 0.4 s > 0.3 s (the beats' own time counts too)
     assert requested == [True]
     [line] = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
     assert (f"took over 3 rows of a lost worker process (holder {lost.holder_id}, host {lost.host}, "
@@ -242,6 +243,68 @@ def test_the_heartbeat_takes_over_only_after_beating_steadily_for_longer_than_th
     beat.stop()
     assert holders(store) == set()  # a graceful exit deletes the record
     lost_store.close()
+
+
+def test_a_beat_held_up_past_the_timeout_takes_nobody_over_when_it_lands(store: OutboxStore, writer: Any) -> None:
+    """A stall of the database holds every process's beat up; the first beat back saw the
+    others silent. Measured from the start of the beat, the guard saw a steady process and
+    that beat took over every live one still a moment behind: their rows charged an
+    attempt and delivered twice (found in review). The beat's own time counts now."""
+    add(writer, store, "a", 3)
+    other = new_holder()
+    other_store = twin(store, other)
+    other_store.beat(other, SILENT_MS)
+    other_store.claim(10)  # a live process publishing its rows
+    me = new_holder()
+    mine = twin(store, me)
+    beat = Heartbeat(mine, me, SILENT_MS / 1000)
+    for now in (100.0, 100.1, 100.2, 100.35):  # steady for longer than the timeout
+        other_store.beat(other, SILENT_MS)
+        assert beat.tick(now=now) == 0
+    real_beat = mine.beat
+
+    def stalled(holder: Holder, timeout_ms: int) -> Any:
+        time.sleep(SILENT_MS / 1000 + 0.2)  # the stall: the other process's beat is held up as long
+        return real_beat(holder, timeout_ms)
+    mine.beat = stalled  # type: ignore[method-assign]
+    try:
+        assert beat.tick(now=100.45) == 0  # landed 0.6 s after the last: a gap, not a steady beat
+    finally:
+        mine.beat = real_beat  # type: ignore[method-assign]
+    assert other.holder_id in holders(store)
+    assert other_store.beat(other, SILENT_MS).recreated is False  # not presumed lost
+    beat.stop()
+    other_store.close()
+
+
+def test_a_round_of_the_heartbeat_that_raises_does_not_end_its_thread(
+        store: OutboxStore, caplog: pytest.LogCaptureFixture) -> None:
+    """One exception out of a round (here the schema read after a missing holders table,
+    on a connection failing right then) ended the heartbeat's thread for the rest of the
+    process's life: it never beat again, even once the table was made (found in review)."""
+    me = new_holder()
+    mine = twin(store, me)
+    rounds: list[float] = []
+    real_tick = Heartbeat.tick
+
+    class Flaky(Heartbeat):
+        def tick(self, now: float | None = None) -> int:
+            rounds.append(time.monotonic())
+            if len(rounds) == 1:
+                raise ConnectionError("cut right then")
+            return real_tick(self, now)
+
+    beat = Flaky(mine, me, SILENT_MS / 1000)
+    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+        beat.start()
+        try:
+            deadline = time.monotonic() + 5
+            while len(rounds) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            beat.stop()
+    assert len(rounds) >= 3 and beat.beats >= 1, rounds
+    assert any("beats again" in r.getMessage() for r in caplog.records)
 
 
 def test_without_a_holders_table_the_relay_runs_on_the_lease_and_says_so_once(

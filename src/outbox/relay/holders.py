@@ -30,7 +30,7 @@ class Heartbeat:
     came back, call ``on_takeover`` (a coalesced claim request) so they move at once.
 
     Guard against false deaths: this process takes nothing over unless its own beats have
-    succeeded, each within ``timeout_s`` of the one before, for longer than ``timeout_s``.
+    succeeded, each landing within ``timeout_s`` of the one before, for longer than ``timeout_s``.
     After a database outage (or a stall that held every beat up) nobody takes over until
     every live holder has had time to beat again.
 
@@ -61,6 +61,7 @@ class Heartbeat:
         """Beat once; take over the silent holders if this process may. Returns the rows
         taken over."""
         now = time.monotonic() if now is None else now
+        began = time.monotonic()
         try:
             beat = self.store.beat(self.holder, self.timeout_ms)
         except Exception as exc:  # noqa: BLE001 - the database's outage is logged by the relay's tasks
@@ -80,16 +81,21 @@ class Heartbeat:
             self.store.release_doubtful()
         except Exception as exc:  # noqa: BLE001 - they stay doubtful, for the next beat or claim
             self.log.debug("outbox heartbeat cannot release doubtful leases: %s: %s", type(exc).__name__, exc)
-        if self.healthy_since is None or self.last_beat is None or now - self.last_beat > self.timeout_s:
-            self.healthy_since = now  # the first beat, or one after a gap: start counting again
-        self.last_beat = now
+        # When this beat landed: a beat held up by a stall of the database (or of this host)
+        # and then done is a gap as much as a beat that failed, and the others' beats were
+        # held up too (measured from the start of the beat, the first beat back took every
+        # process still a moment behind over: found in review).
+        ended = now + (time.monotonic() - began)
+        if self.healthy_since is None or self.last_beat is None or ended - self.last_beat > self.timeout_s:
+            self.healthy_since = ended  # the first beat, or one after a gap: start counting again
+        self.last_beat = ended
         if beat.recreated and self.beats:
             self.log.warning("outbox: this worker process (holder %s, pid %d) was silent for longer than "
                              "OUTBOX_RELAY_HOLDER_TIMEOUT_S=%g and was presumed lost; rows it held were taken over, "
                              "and its late writes to them are refused", self.holder.holder_id, self.holder.pid,
                              self.timeout_s)
         self.beats += 1
-        if not beat.silent or now - self.healthy_since <= self.timeout_s:
+        if not beat.silent or ended - self.healthy_since <= self.timeout_s:
             return 0
         return sum(self._take_over(silent) for silent in beat.silent)
 
@@ -99,7 +105,12 @@ class Heartbeat:
         none, not migrated yet or misspelt). The second was told as the first, and was the
         first line a worker logged about it."""
         engine = self.store.engine
-        if self.store.schema_state() is None:
+        try:
+            unmigrated = self.store.schema_state() is None
+        except Exception as exc:  # noqa: BLE001 - the connection failed right then: say the likelier case
+            self.log.debug("outbox heartbeat cannot read the schema: %s: %s", type(exc).__name__, exc)
+            unmigrated = False
+        if unmigrated:
             return (f"outbox: {engine.missing_table_hint()}, with this worker's settings (OUTBOX_DATABASE_URL, "
                     f"OUTBOX_TABLE, OUTBOX_SCHEMA); nothing is relayed until then ({engine.holders} is missing too)")
         return (f"outbox: table {engine.holders} is missing: lost worker processes are noticed only when their "
@@ -136,7 +147,12 @@ class Heartbeat:
 
     def _run(self) -> None:
         while True:
-            self.tick()
+            try:
+                self.tick()
+            except Exception:  # one bad round must not end the heartbeat for good
+                self.log.warning("outbox heartbeat of holder %s failed; it beats again", self.holder.holder_id,
+                                 exc_info=True)
+                self.healthy_since = None
             # A deployment not migrated yet: look again now and then, not every second.
             if self._stop.wait(30.0 if self.missing_table else self.interval_s):
                 break
