@@ -8,9 +8,11 @@ import errno
 import json
 import os
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import urlsplit
@@ -407,6 +409,10 @@ def test_rabbitmq_exchange_of_another_type_is_fatal(rabbit: dict[str, Any]) -> N
         assert result.published == () and result.failed_id == 501
         assert result.failure is not None and result.failure.kind is FailureKind.FATAL
         assert "inequivalent" in result.failure.reason
+        from outbox.commands.doctor import check_destination  # outbox check says so too
+
+        [_, bound] = check_destination(load_settings({"OUTBOX_PUBLISH_URL": rabbit["url"], "OUTBOX_EXCHANGE": name}))
+        assert bound.state == "FAIL" and "inequivalent" in bound.detail
     finally:
         direct(rabbit["channel"]).delete()
 
@@ -548,6 +554,74 @@ def test_rabbitmq_dead_letter_exchange(rabbit: dict[str, Any]) -> None:
         assert rabbit["drain"]() == []  # not on the main exchange
     finally:
         exchange(channel).delete()
+
+
+@contextmanager
+def rabbitmq_user(configure: str) -> Iterator[str]:
+    """A temporary RabbitMQ user (``rabbitmqctl``, so only on a local broker) with write and
+    read permission on everything and configure permission on ``configure`` (a regex; ``^$``
+    is none: the least-privilege user of a deployment whose exchanges ops declare); yields
+    its URL and deletes the user afterwards."""
+    user = f"outbox-test-{uuid.uuid4().hex[:8]}"
+
+    def ctl(*args: str) -> None:
+        try:
+            subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as exc:
+            pytest.skip(f"rabbitmqctl cannot be run here ({exc})")
+
+    ctl("add_user", user, "pw")
+    try:
+        ctl("set_permissions", "-p", "/", user, configure, ".*", ".*")
+        host, port = amqp_hostport()
+        yield f"amqp://{user}:pw@{host}:{port}//"
+    finally:
+        subprocess.run(["rabbitmqctl", "-q", "delete_user", user], capture_output=True, timeout=60)
+
+
+def test_rabbitmq_user_without_configure_permission_publishes_to_exchanges_ops_declared(
+        rabbit: dict[str, Any]) -> None:
+    """The usual least-privilege user (configure ``^$``) may not declare an exchange, not even
+    one that exists: declaring both exchanges actively on every connection made each publish
+    FATAL, while ``outbox check`` (a passive declare) said all was well (found in review)."""
+    from outbox.commands.doctor import check_destination
+
+    dlx = f"{rabbit['exchange']}-dead"
+    channel = rabbit["channel"]
+    dead = Exchange(dlx, type="topic", durable=True)
+    dead(channel).declare()
+    queue = Queue(f"{dlx}-q", exchange=dead, routing_key="#", exclusive=True, auto_delete=True)(channel)
+    queue.declare()
+    missing = f"{rabbit['exchange']}-missing"
+    try:
+        with rabbitmq_user("^$") as url:
+            with KombuPublisher(url, rabbit["exchange"], dead_letter_exchange=dlx) as publisher:
+                assert publisher.publish_chain([make_message(1001), make_message(1002, "orders.paid")]) \
+                    == ChainResult(published=(1001, 1002))
+                assert publisher.publish_dead(make_message(1003), "boom") is None
+            assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [1001, 1002]
+            assert (got := queue.get(no_ack=True)) is not None and got.headers["outbox_id"] == 1003
+            # An exchange it may not declare and nobody did: FATAL, as before.
+            with KombuPublisher(url, missing) as publisher:
+                result = publisher.publish_chain([make_message(1004)])
+            assert result.failure is not None and result.failure.kind is FailureKind.FATAL
+            assert "ACCESS_REFUSED" in result.failure.reason
+            # outbox check agrees: no failure where the relay publishes, and says why it can.
+            settings = load_settings({"OUTBOX_PUBLISH_URL": url, "OUTBOX_EXCHANGE": rabbit["exchange"],
+                                      "OUTBOX_DEAD_LETTER_EXCHANGE": dlx})
+            results = {r.name: r for r in check_destination(settings)}
+            assert all(r.state != "FAIL" for r in results.values()), results
+            assert "no configure permission" in results["queue bound to the exchange"].detail
+            assert "no configure permission" in results["dead-letter exchange"].detail
+            # ... and warns where the relay's first publish would be FATAL: a dead-letter
+            # exchange it would have to declare.
+            settings = load_settings({"OUTBOX_PUBLISH_URL": url, "OUTBOX_EXCHANGE": rabbit["exchange"],
+                                      "OUTBOX_DEAD_LETTER_EXCHANGE": missing})
+            results = {r.name: r for r in check_destination(settings)}
+            assert results["dead-letter exchange"].state == "warn"
+            assert "configure permission" in results["dead-letter exchange"].detail
+    finally:
+        dead(channel).delete()
 
 
 # -- broker down ------------------------------------------------------------------------------

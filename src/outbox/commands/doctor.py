@@ -240,6 +240,8 @@ def check_destination(settings: Settings, kafka: Any = None, probe_topic: str | 
             return [Result("destination", FAIL, f"{redact(url)} unreachable: {_error(exc)}")]
         results = [Result("destination", OK, f"{redact(url)} reachable")]
         results.append(_check_binding(conn, exchange))
+        if settings.dead_letter_exchange and conn.transport.driver_type == "amqp":
+            results.append(_check_dead_letter_exchange(conn, settings.dead_letter_exchange))
         return results
     finally:
         conn.release()
@@ -302,23 +304,54 @@ def _check_binding(conn: Any, exchange: str) -> Result:
         bound = sorted({q.split(channel.sep)[-1] for q in queues})
         return Result(name, OK, f"{exchange!r} -> {', '.join(bound)}")
     if driver == "amqp":
-        from kombu import Exchange
+        outcome, detail = _declare_as_the_relay(conn, exchange)
+        if outcome == "missing":
+            return Result(name, FAIL, f"exchange {exchange!r} does not exist, so no queue is bound to it: declare "
+                          f"it (durable topic) and bind your consumers' queues before the first event ({detail})")
+        if outcome == "refused":
+            return Result(name, FAIL, f"exchange {exchange!r}: {detail}")
+        return Result(name, WARN, f"exchange {exchange!r} exists (topic{detail}). AMQP cannot list its bindings: "
+                      f"check `rabbitmqctl list_bindings source_name routing_key destination_name` or the "
+                      f"management UI (Exchanges -> {exchange}); an event no queue is bound for is retried as "
+                      "unroutable and goes dead after OUTBOX_MAX_ATTEMPTS")
+    return Result(name, WARN, f"cannot check bindings on the {driver} transport")
 
+
+def _check_dead_letter_exchange(conn: Any, exchange: str) -> Result:
+    name = "dead-letter exchange"
+    outcome, detail = _declare_as_the_relay(conn, exchange)
+    if outcome == "missing":
+        return Result(name, WARN, f"{exchange!r} (OUTBOX_DEAD_LETTER_EXCHANGE) does not exist: the relay declares "
+                      "it when it connects, which needs configure permission on it; without that nothing is "
+                      "published (FATAL). Declare it (durable topic) and bind a queue to it")
+    if outcome == "refused":
+        return Result(name, FAIL, f"{exchange!r} (OUTBOX_DEAD_LETTER_EXCHANGE): {detail}")
+    return Result(name, OK, f"{exchange!r} exists (topic{detail})")
+
+
+def _declare_as_the_relay(conn: Any, exchange: str) -> tuple[str, str]:
+    """What the relay's declare of ``exchange`` meets (``KombuPublisher._declare``), without
+    creating it: a passive declare, then, when it exists, the relay's own. ("missing", the
+    error), ("refused", why: another type, ...), or ("ok", "" or a note: without configure
+    permission the relay declares it passively, and gets by)."""
+    from amqp.exceptions import AccessRefused
+    from kombu import Exchange
+
+    topic = Exchange(exchange, type="topic", durable=True)
+    for passive in (True, False):
         channel = conn.channel()
         try:
-            Exchange(exchange, type="topic", durable=True)(channel).declare(passive=True)
+            topic(channel).declare(passive=passive)
+        except AccessRefused:
+            return "ok", "; no configure permission on it, so the relay declares it passively: fine while it exists"
         except Exception as exc:
-            return Result(name, FAIL, f"exchange {exchange!r} does not exist, so no queue is bound to it: declare "
-                          f"it (durable topic) and bind your consumers' queues before the first event "
-                          f"({_error(exc)})")
+            if passive:
+                return "missing", _error(exc)
+            return "refused", f"the relay's declare is refused, so nothing is published (FATAL): {_error(exc)}"
         finally:
             with contextlib.suppress(Exception):  # best effort: the check's result is already decided
                 channel.close()
-        return Result(name, WARN, f"exchange {exchange!r} exists (topic). AMQP cannot list its bindings: check "
-                      f"`rabbitmqctl list_bindings source_name routing_key destination_name` or the management "
-                      f"UI (Exchanges -> {exchange}); an event no queue is bound for is retried as unroutable "
-                      "and goes dead after OUTBOX_MAX_ATTEMPTS")
-    return Result(name, WARN, f"cannot check bindings on the {driver} transport")
+    return "ok", ""
 
 
 def run_checks(environ: dict[str, str] | None = None, *,

@@ -381,6 +381,9 @@ class KombuPublisher(Publisher):
         self._conn.ensure_connection(max_retries=self.connect_retries, interval_start=0.2,
                                      interval_step=0.3, interval_max=1.0)
         channel = self._conn.channel()
+        for name in (self.exchange, self.dead_letter_exchange):
+            if name:
+                channel = self._declare(channel, name)
         self._next_tag = 0
         self._unconfirmed.clear()
         self._nacked.clear()
@@ -395,12 +398,31 @@ class KombuPublisher(Publisher):
             channel.events["basic_ack"].add(self._on_ack)
             channel.events["basic_nack"].add(self._on_nack)
             channel.events["basic_return"].add(self._on_return)
-        exchanges = [Exchange(name, type="topic", durable=True)
-                     for name in (self.exchange, self.dead_letter_exchange) if name]
-        for exchange in exchanges:
-            exchange(channel).declare()
         self._channel = channel
-        self._producer = Producer(channel, exchange=exchanges[0], auto_declare=False)
+        self._producer = Producer(channel, exchange=Exchange(self.exchange, type="topic", durable=True),
+                                  auto_declare=False)
+
+    def _declare(self, channel: Any, name: str) -> Any:
+        """Declare the exchange ``name`` (durable topic); returns the channel to go on with.
+        A user without configure permission is refused (403) even for an exchange that
+        exists, and the refusal closes the channel: then a new one declares it passively,
+        and the refusal stands only when it is missing (docs/destinations.md, "RabbitMQ permissions")."""
+        from amqp.exceptions import AccessRefused, NotFound
+        from kombu import Exchange
+
+        exchange = Exchange(name, type="topic", durable=True)
+        try:
+            exchange(channel).declare()
+            return channel
+        except AccessRefused as refused:
+            with contextlib.suppress(Exception):  # py-amqp reopened it after the refusal
+                channel.close()
+            channel = self._conn.channel()
+            try:
+                exchange(channel).declare(passive=True)
+            except NotFound:
+                raise refused from None
+            return channel
 
     def _timeouts(self, driver: str) -> dict[str, float]:
         """Every wait on the broker bounded by ``confirm_timeout``; a timeout is back-pressure.
