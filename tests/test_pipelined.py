@@ -137,9 +137,9 @@ class CountingPublisher(KombuPublisher):
         super().__init__(*args, **kwargs)
         self.waves: list[int] = []
 
-    def _send_wave(self, messages: Any, headers: Any, deadline: float | None = None) -> list[Any]:
+    def _send_wave(self, messages: Any, headers: Any, deadline: float | None = None, **options: Any) -> list[Any]:
         self.waves.append(len(messages))
-        return super()._send_wave(messages, headers, deadline)
+        return super()._send_wave(messages, headers, deadline, **options)
 
 
 def publish(store: OutboxStore, rabbit: dict[str, Any], options: RelayOptions) -> tuple[Any, CountingPublisher]:

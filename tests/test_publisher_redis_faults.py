@@ -6,11 +6,14 @@ held the publisher for good (docs/destinations.md, "Redis")."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -115,3 +118,79 @@ def test_a_redis_that_stops_answering_is_given_up_on_within_the_confirm_timeout(
         proxy.release_replies()
         publisher.close()
         proxy.close()
+
+
+@pytest.fixture
+def wrong_type_queue(own_redis: int) -> Iterator[tuple[str, str]]:
+    """An exchange of its own with two bound queues, ``orders.#`` and ``audit.#``, where the
+    application keeps a string under the orders queue's name (a shared Redis database):
+    every LPUSH to it fails with WRONGTYPE, a refusal of that queue alone. Yields the URL
+    and the exchange."""
+    url = f"redis://127.0.0.1:{own_redis}/0"
+    exchange = f"wrongtype-{uuid.uuid4().hex[:8]}"
+    with Connection(url) as conn:
+        for name, key in (("orders", "orders.#"), ("audit", "audit.#")):
+            Queue(f"{exchange}-{name}", Exchange(exchange, type="topic"), routing_key=key)(conn.default_channel).declare()
+    client = redis.Redis(port=own_redis)
+    client.set(f"{exchange}-orders", "not a list")
+    try:
+        yield url, exchange
+    finally:
+        client.delete(f"{exchange}-orders", f"{exchange}-audit", f"_kombu.binding.{exchange}")
+
+
+def audit_ids(own_redis: int, exchange: str) -> list[int]:
+    return [json.loads(raw)["headers"]["outbox_id"]
+            for raw in reversed(redis.Redis(port=own_redis).lrange(f"{exchange}-audit", 0, -1))]
+
+
+def test_an_event_redis_refuses_alone_fails_its_own_chain_only(own_redis: int,
+                                                               wrong_type_queue: tuple[str, str]) -> None:
+    """One queue's refusal (WRONGTYPE) was charged to every later chain of the wave, and to
+    every chain when it came first: a broker-wide RETRIABLE failure, an attempt spent by
+    events never tried, dead after OUTBOX_MAX_ATTEMPTS (found in review). Now it fails its
+    own chain; the other chains' events are sent. In a pipelined window the events after it
+    are not sent (they would overtake it)."""
+    url, exchange = wrong_type_queue
+    bad = [make_message(1, "orders.created", aggregate_id="b")]
+    window = [make_message(10, "audit.x", aggregate_id="w"), make_message(11, "orders.paid", aggregate_id="w"),
+              make_message(12, "audit.y", aggregate_id="w")]
+    good = [make_message(20, "audit.z", aggregate_id="g"), make_message(21, "audit.q", aggregate_id="g")]
+    with KombuPublisher(url, exchange) as publisher:
+        results = publisher.publish_chains([bad, window, good], pipelined=lambda m: m.aggregate_id == "w")
+    assert [(r.published, r.failed_id, r.overtaken) for r in results] == [((), 1, ()), ((10,), 11, ()), ((20, 21), None, ())]
+    for result in results[:2]:
+        assert result.failure is not None and result.failure.kind is FailureKind.RETRIABLE, result
+        assert "WRONGTYPE" in result.failure.reason
+    assert audit_ids(own_redis, exchange) == [10, 20, 21]  # 12 was not sent past 11
+
+
+def test_a_connection_lost_after_an_event_redis_refused_alone_is_still_back_pressure(
+        own_redis: int, wrong_type_queue: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection dies after one event's own refusal: the events not yet sent fail as
+    back-pressure (no attempt spent), not with that event's failure."""
+    url, exchange = wrong_type_queue
+    publisher = KombuPublisher(url, exchange)
+    sent = 0
+    send = publisher._send
+
+    def send_then_lose(*args: Any, **kwargs: Any) -> int:
+        nonlocal sent
+        sent += 1
+        if sent == 3:
+            raise redis.ConnectionError("Connection reset by peer")
+        return send(*args, **kwargs)
+
+    monkeypatch.setattr(publisher, "_send", send_then_lose)
+    try:
+        results = publisher.publish_chains([[make_message(1, "audit.x", aggregate_id="a")],
+                                            [make_message(2, "orders.created", aggregate_id="b")],
+                                            [make_message(3, "audit.y", aggregate_id="c")],
+                                            [make_message(4, "audit.z", aggregate_id="d")]])
+    finally:
+        publisher.close()
+    assert [(r.published, r.failed_id) for r in results] == [((1,), None), ((), 2), ((), 3), ((), 4)]
+    assert results[1].failure is not None and results[1].failure.kind is FailureKind.RETRIABLE
+    for result in results[2:]:
+        assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE, result
+    assert audit_ids(own_redis, exchange) == [1]

@@ -32,7 +32,7 @@ from .contract import (
 from .failures import _connection_lost, failure_from
 from .frames import PublishFrames
 from .message import _encoding_problem, build_headers, carriable_ids, encode_body, poison_check
-from .waves import RETURNED, ChainProgress, Wave, next_wave, settle_wave
+from .waves import RETURNED, ChainProgress, Refused, Wave, next_wave, settle_wave
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
 
@@ -208,7 +208,7 @@ class KombuPublisher(Publisher):
                 break
             try:
                 self._ready()
-                verdicts = self._send_wave(wave.messages, wave.headers, deadline)
+                verdicts = self._send_wave(wave.messages, wave.headers, deadline, owners=wave.owners)
             except Exception as exc:  # noqa: BLE001 - nothing of this wave is known to be on the broker
                 failure = self._wave_lost(wave, exc)
                 if reused and _connection_lost(exc):
@@ -253,18 +253,25 @@ class KombuPublisher(Publisher):
         return failure_from(exc)
 
     def _send_wave(self, messages: list[OutboxMessage], headers: list[dict[str, Any]],
-                   deadline: float | None = None) -> list[Any]:
+                   deadline: float | None = None, *, owners: Sequence[int] | None = None) -> list[Any]:
         """Send ``messages`` and wait for the broker's verdict on each: ``None`` (confirmed),
         ``RETURNED`` (unroutable) or a ``PublishFailure`` (nacked). Raises when the
         connection fails: then nothing of the wave is known to have arrived. The writes and
         the wait for confirms end by ``deadline`` (monotonic) at the latest.
 
-        Without confirms (virtual transports) each send is its own verdict, so an exception
-        stops the wave there and the events sent before it count as published."""
+        Without confirms (virtual transports) each send is its own verdict. An error of the
+        connection (BACKPRESSURE, FATAL) stops the wave there, the events sent before it
+        counting as published; any other refuses that event alone (``Refused``), and the
+        rest of its chain's window (``owners``: each event's window) is not sent."""
         if not self._confirms:
             routed = self._routed()
             verdicts: list[Any] = []
-            for message, event_headers in zip(messages, headers):
+            stopped: dict[int, Refused] = {}  # window -> the refusal that ended it
+            for index, (message, event_headers) in enumerate(zip(messages, headers)):
+                owner = owners[index] if owners is not None else index
+                if owner in stopped:
+                    verdicts.append(stopped[owner])  # not sent: it would overtake the refused event
+                    continue
                 if not routed(message.topic):
                     verdicts.append(RETURNED)
                     continue
@@ -275,10 +282,14 @@ class KombuPublisher(Publisher):
                     if poisoned is not None:
                         verdicts.append(poisoned)
                         continue
+                    failure = failure_from(exc)
+                    if failure.kind not in (FailureKind.BACKPRESSURE, FailureKind.FATAL):
+                        stopped[owner] = Refused(failure)
+                        verdicts.append(stopped[owner])
+                        continue
                     if not verdicts:
                         raise
                     self._discard()
-                    failure = failure_from(exc)
                     verdicts.extend([failure] * (len(messages) - len(verdicts)))
                     return verdicts
                 verdicts.append(None)

@@ -27,6 +27,16 @@ PIPELINE_WINDOW = 1000
 RETURNED = "returned"
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A wave verdict: the transport refused this event alone when it was sent (no confirms:
+    a Redis error that is not the connection's, such as WRONGTYPE from one queue's key), or
+    it was not sent after such a refusal in its window. Like a returned event it stops (or
+    is overtaken in) its own chain only; before, it stopped every chain (found in review)."""
+
+    failure: PublishFailure
+
+
 class ChainProgress:
     """How far one chain of a ``publish_chains`` call has got."""
 
@@ -92,6 +102,11 @@ class Wave:
     def pipelined(self) -> bool:
         """Some chain sends more than one event in this wave."""
         return any(len(sent) > 1 for _, sent in self.windows)
+
+    @property
+    def owners(self) -> list[int]:
+        """For each event of ``messages``, the index of its chain's window in ``windows``."""
+        return [index for index, (_, sent) in enumerate(self.windows) for _ in sent]
 
     def stop(self, failure: PublishFailure) -> None:
         """Every chain of the wave stops at its next event (the wave was not sent)."""
@@ -182,8 +197,8 @@ def apply_verdicts(chain: ChainProgress, sent: list[OutboxMessage], verdicts: li
         if failure is None:
             chain.advance(unroutable=verdicts[index] == RETURNED)
             continue
-        if verdicts[index] == RETURNED or failure.kind is FailureKind.POISON:
-            pass  # an unroutable or poison event stops (or is overtaken in) its own chain only
+        if verdicts[index] == RETURNED or isinstance(verdicts[index], Refused) or failure.kind is FailureKind.POISON:
+            pass  # an unroutable, refused or poison event stops (or is overtaken in) its own chain only
         elif failure.route is not None:
             refused[failure.route] = failure
         else:
@@ -201,6 +216,8 @@ def _failure(message: OutboxMessage, verdict: Any, unroutable: str, exchange: st
     or returned under ``unroutable="drop"``), else the failure."""
     if verdict is None:
         return None
+    if isinstance(verdict, Refused):
+        return verdict.failure
     if verdict == RETURNED and unroutable == "drop":
         log.warning("outbox event %s (%s) was unroutable and is dropped (unroutable='drop')",
                     message.id, message.topic)
@@ -215,7 +232,7 @@ def _failure(message: OutboxMessage, verdict: Any, unroutable: str, exchange: st
 def _reached(failures: list[PublishFailure | None], verdicts: list[Any]) -> list[int]:
     """The indexes of the events that may sit in some queue: confirmed ones, and nacked ones
     (a nack means one queue refused it; others bound for its routing key may have taken it).
-    A returned event reached no queue; a poison one was never sent."""
+    A returned event reached no queue; a poison or refused one was never sent."""
     return [i for i, (failure, verdict) in enumerate(zip(failures, verdicts))
             if (failure is None and verdict != RETURNED)
             or (failure is not None and verdict != RETURNED and failure.route is not None)]
