@@ -732,6 +732,36 @@ def test_redis_unroutable_event_stops_the_chain_as_on_rabbitmq() -> None:
             channel.client.delete(f"_kombu.binding.{name}", f"{name}-q")
 
 
+def test_redis_pipelined_window_ends_at_an_unroutable_event() -> None:
+    """Redis knows an event is unroutable before it sends it, yet the rest of its pipelined
+    window went after it: a later event reached a queue, so the unroutable one was overtaken,
+    dead at once instead of retried until its consumer binds (found in review). The window
+    ends there now, as in a strict chain; under ``unroutable="drop"`` it goes on."""
+    parts = urlsplit(REDIS_PUBLISH_URL)
+    require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
+    name = f"outbox-redis-{uuid.uuid4().hex[:8]}"
+    with Connection(REDIS_PUBLISH_URL) as conn:
+        channel = conn.channel()
+        queue = Queue(f"{name}-q", exchange=Exchange(name, type="topic", durable=True), routing_key="orders.#")(channel)
+        queue.declare()
+        try:
+            chain = [make_message(1), make_message(2, "billing.invoiced"), make_message(3, "orders.paid")]
+            with KombuPublisher(REDIS_PUBLISH_URL, name) as publisher:
+                [result] = publisher.publish_chains([chain], pipelined=lambda m: True)
+            assert (result.published, result.failed_id, result.overtaken) == ((1,), 2, ())
+            assert result.failure is not None and result.failure.kind is FailureKind.RETRIABLE
+            assert result.failure.reason.startswith("unroutable: no queue bound for routing key 'billing.invoiced'")
+            with KombuPublisher(REDIS_PUBLISH_URL, name, unroutable="drop") as publisher:
+                assert publisher.publish_chains([chain], pipelined=lambda m: True) == [
+                    ChainResult(published=(1, 2, 3), unroutable=(2,))]
+            got = []
+            while (message := queue.get(no_ack=True)) is not None:
+                got.append(message)
+            assert [m.headers["outbox_id"] for m in got] == [1, 1, 3]
+        finally:
+            channel.client.delete(f"_kombu.binding.{name}", f"_kombu.binding_permanent.{name}", f"{name}-q")
+
+
 def test_rabbitmq_dead_letter_copy_of_a_poison_row_is_a_stub(rabbit: dict[str, Any]) -> None:
     """A row that went dead because it cannot be published (too large, headers not
     encodable) still reaches the dead-letter exchange: reserved headers and the error,

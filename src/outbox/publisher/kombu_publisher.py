@@ -262,18 +262,22 @@ class KombuPublisher(Publisher):
         Without confirms (virtual transports) each send is its own verdict. An error of the
         connection (BACKPRESSURE, FATAL) stops the wave there, the events sent before it
         counting as published; any other refuses that event alone (``Refused``), and the
-        rest of its chain's window (``owners``: each event's window) is not sent."""
+        rest of its chain's window (``owners``: each event's window) is not sent, as after
+        an unroutable event under ``unroutable="fail"`` (it would overtake it)."""
         if not self._confirms:
             routed = self._routed()
             verdicts: list[Any] = []
-            stopped: dict[int, Refused] = {}  # window -> the refusal that ended it
+            stopped: dict[int, Refused] = {}  # window -> the verdict of its events not sent
             for index, (message, event_headers) in enumerate(zip(messages, headers)):
                 owner = owners[index] if owners is not None else index
                 if owner in stopped:
-                    verdicts.append(stopped[owner])  # not sent: it would overtake the refused event
+                    verdicts.append(stopped[owner])  # not sent: it would overtake the event that ended its window
                     continue
                 if not routed(message.topic):
                     verdicts.append(RETURNED)
+                    if self.unroutable == "fail":
+                        stopped[owner] = Refused(PublishFailure(FailureKind.RETRIABLE, "not sent: an earlier event "
+                                                                "of its window is unroutable"))
                     continue
                 try:
                     self._send(message, event_headers, self.exchange, mandatory=False)
