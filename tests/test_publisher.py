@@ -381,6 +381,35 @@ def test_rabbitmq_a_message_the_broker_refuses_as_too_large_fails_alone(rabbit: 
     assert [i for i in got if i < 2200] in ([2101, 2102], [2101, 2101, 2102])
 
 
+def test_a_failure_after_a_wave_refused_as_a_whole_stops_every_chain_still_going() -> None:
+    """After a wave refused as a whole (the call goes on one event a wave), a wave that then
+    fails otherwise (the broker stops confirming) stopped its own chain only: the others
+    came back with neither a failure nor all their events published, which the relay logs
+    as an error per chain (found in review). A stand-in for the broker: the first wave is
+    refused as a frame too large, every later one is not confirmed."""
+    waves: list[list[int]] = []
+
+    class Refusing(KombuPublisher):
+        def _ready(self) -> None:
+            pass
+
+        def _discard(self) -> None:
+            pass
+
+        def _send_wave(self, messages: Any, headers: Any, deadline: float | None = None, **options: Any) -> list[Any]:
+            waves.append([m.id for m in messages])
+            if len(waves) == 1:
+                raise amqp_exc.FrameError("frame too large")
+            raise TimeoutError("no publisher confirm within 15 s")
+
+    publisher = Refusing(AMQP_URL, "stand-in")
+    results = publisher.publish_chains([[make_message(1, aggregate_id="a")], [make_message(2, aggregate_id="b")],
+                                        [make_message(3, aggregate_id="c"), make_message(4, aggregate_id="c")]])
+    assert waves == [[1, 2, 3], [1]]
+    assert [(r.published, r.failed_id) for r in results] == [((), 1), ((), 2), ((), 3)]
+    assert all(r.failure is not None and r.failure.kind is FailureKind.BACKPRESSURE for r in results), results
+
+
 def test_rabbitmq_a_nack_stops_every_chain_of_the_call(rabbit: dict[str, Any]) -> None:
     """The broker pushing back on one event stops the whole call: the other chains stop at
     their next event with the same back-pressure failure, after what was already confirmed."""

@@ -231,6 +231,9 @@ class KombuPublisher(Publisher):
                 if single and failure.kind is FailureKind.POISON:
                     going = [chain for chain in going if chain.going]  # that event's chain alone
                     continue
+                for chain in going:  # a single wave left the others out (docs/relay.md, OUTBOX_RELAY_MAX_MESSAGE_BYTES)
+                    if chain.going:
+                        chain.stop(failure)
                 break
             reused = False  # the connection just worked: a later error is not staleness
             # A single wave leaves the other chains out: they go on (every other wave holds
