@@ -758,7 +758,7 @@ def test_redis_unroutable_event_stops_the_chain_as_on_rabbitmq() -> None:
                 got.append(message)
             assert [m.headers["outbox_id"] for m in got] == [1, 1, 3]
         finally:
-            channel.client.delete(f"_kombu.binding.{name}", f"{name}-q")
+            channel.client.delete(f"_kombu.binding.{name}", f"_kombu.binding_permanent.{name}", f"{name}-q")
 
 
 def test_redis_pipelined_window_ends_at_an_unroutable_event() -> None:
