@@ -5,6 +5,7 @@ mysqlclient (``MySQLdb``, Django's default MySQL driver)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -112,3 +113,39 @@ def test_a_mysqlclient_connection_enqueues_and_migrates(store: OutboxStore, url:
         conn.close()
     assert first == again
     assert stored(store) == [("m-1", "a", {"emoji": EMOJI_A})]
+
+
+@pytest.mark.parametrize("kind", ["mysql"])
+def test_a_duplicate_enqueue_locks_nothing_the_relay_writes_or_claims(store: OutboxStore, url: str) -> None:
+    """An application that runs its business step again (a consumer's redelivery) enqueues
+    a stored message_id again. The insert's ON DUPLICATE KEY took an exclusive lock on the
+    stored row until the application's transaction ended: the relay's mark_done of the
+    claimed row waited innodb_lock_wait_timeout per try (5 tries), and a claim skipped the
+    pending row. Now the duplicate is found by a plain read first, and nothing waits."""
+    import pymysql
+
+    table = store.engine.table_name
+    writer = pymysql.connect(**mysql_kwargs(url), charset="utf8mb4", autocommit=False)  # no session bounds
+    relay = OutboxStore(url + ("&" if "?" in url else "?") + "tcp_timeout_s=2", table=table, claim_timeout_ms=60_000)
+    try:
+        done = enqueue(writer, topic="t", aggregate_type="o", aggregate_id="a", payload={}, message_id="m-1",
+                       table=table)
+        pending = enqueue(writer, topic="t", aggregate_type="o", aggregate_id="b", payload={}, message_id="m-2",
+                          table=table)
+        writer.commit()
+        claim = relay.claim(1)
+        assert [m.id for m in claim.messages] == [done]
+        # The application's retry: both ids again, its transaction left open.
+        assert enqueue(writer, topic="t", aggregate_type="o", aggregate_id="a", payload={}, message_id="m-1",
+                       table=table) == done
+        assert enqueue(writer, topic="t", aggregate_type="o", aggregate_id="b", payload={}, message_id="m-2",
+                       table=table) == pending
+        started = time.monotonic()
+        result = relay.mark_done([done], claim.lease)
+        assert result.applied == 1
+        assert time.monotonic() - started < 1
+        assert [m.id for m in relay.claim(10).messages] == [pending]
+        writer.commit()
+    finally:
+        writer.close()
+        relay.close()

@@ -343,9 +343,18 @@ class MysqlEngine(Engine):
                                "DATABASES OPTIONS {'charset': 'utf8mb4'})")
 
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
+        """Insert unless the message_id is stored, and return the row's id (docs/design.md,
+        "MySQL/MariaDB specifics"). A stored id is found by a plain consistent read,
+        which locks nothing: the insert's duplicate path locks the stored row until the
+        caller's transaction ends, and the relay's writes and claims of it waited for that."""
         self._check_charset(cursor, event)
-        # On a duplicate message_id, LAST_INSERT_ID(id) hands back the stored row's
-        # id and nothing is written: no error reaches the caller's transaction.
+        found = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ?",
+                             [event.message_id]).fetchone()
+        if found:
+            return int(found[0])
+        # A row committed after the read (a concurrent enqueue, or one outside the caller's
+        # REPEATABLE READ snapshot): LAST_INSERT_ID(id) hands back the stored row's id and
+        # nothing is written, so no error reaches the caller's transaction.
         self.execute(cursor, f"INSERT INTO {self.table} ({self.INSERT_COLUMNS}, created_at) "
                      f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, {self.now}) "
                      "ON DUPLICATE KEY UPDATE id = LAST_INSERT_ID(id)", self.event_params(event))
