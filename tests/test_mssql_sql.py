@@ -132,7 +132,7 @@ def every_statement(schema: str | None, table: str,
                           payload={"text": "x" * 5000}, headers={"h": "v"}, key="k", message_id="m-1")
     assert engine.insert_event(conn.cursor(), event) == 42
     claim = store.claim(50)
-    engine.leased_rows(conn.cursor(), claim.lease)  # a claim run again after its answer was lost
+    engine.leased_rows(conn.cursor(), claim.lease, 60_000)  # a claim run again after its answer was lost
     store.mark_done([1, 2, 3], claim.lease)
     store.mark_done(list(range(1, 3001)), claim.lease)  # far over the 2100-parameter limit
     store.mark_failed(7, claim.lease, "broker said no", timedelta(seconds=5))

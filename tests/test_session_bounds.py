@@ -219,6 +219,25 @@ def test_a_claim_whose_answer_was_lost_after_it_committed_returns_what_it_took(k
         assert store.mark_done([1, 2, 3, 4], claim.lease).applied == 4
 
 
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_a_claim_whose_answer_was_lost_after_it_committed_returns_the_rows_it_buried(kind: str) -> None:
+    """As above, with row 4 an expired lease on its last attempt: the claim that was cut
+    buried it (dead) and leased 1-3. Its retry found only the leased rows, so row 4 got no
+    dead-letter copy, no ERROR line and no metric, and nothing would ever send one (found
+    in review). The claim's lease now stays on the rows it buries, and the retry finds them."""
+    with behind_a_proxy(kind) as (proxy, store, other):
+        with other.transaction() as cursor:
+            other.engine.execute(cursor, f"UPDATE {other.engine.table} SET status = 1, attempts = ?, "
+                                 f"claimed_at = {other.engine.now_plus_ms()}, lease_token = ? WHERE id = 4",
+                                 [store.max_attempts - 1, -3_600_000, "f" * 32])
+        cut = proxy.drop_answer_after(CLAIM_COMMITS[kind])
+        claim = store.claim(10)
+        assert cut.began.is_set(), "the claim's answer was not cut"
+        assert [m.id for m in claim.messages] == [1, 2, 3]
+        assert [m.id for m in claim.dead] == [4]
+        assert store.mark_done([1, 2, 3], claim.lease).applied == 3
+
+
 #: The statement after which an adoption is committed on the server: its COMMIT.
 #: What commits an adoption: on PostgreSQL its UPDATE itself, run alone (autocommit).
 ADOPT_COMMITS = {"postgresql": b"SET lease_token = $1, claimed_at", "mysql": b"\x03COMMIT"}

@@ -205,7 +205,7 @@ class OutboxStore:
                 nonlocal runs
                 runs += 1
                 if runs > 1:
-                    taken = self.engine.leased_rows(cursor, lease)
+                    taken = self.engine.leased_rows(cursor, lease, self.claim_timeout_ms)
                     if taken:
                         return taken
                 return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind,

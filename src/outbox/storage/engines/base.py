@@ -545,9 +545,11 @@ class Engine(ABC):
             plan = plan_claim(candidates, blockers, max_attempts, limit=batch)
         if plan.dead_ids:
             cond, params = self.ids_in(plan.dead_ids)
+            # The claim's lease stays on the rows it buries: a retry of a claim whose answer
+            # was lost finds them (``leased_rows``). Nothing is fenced on a dead row.
             self.execute(cursor, f"UPDATE {self.table} SET status = 4, processed_at = {self.now}, "
-                         f"last_error = ?, lease_token = NULL, attempts = attempts + 1 WHERE {cond}",
-                         [LEASE_EXPIRED_ERROR, *params])
+                         f"last_error = ?, lease_token = ?, attempts = attempts + 1 WHERE {cond}",
+                         [LEASE_EXPIRED_ERROR, lease, *params])
         if plan.claim_ids:
             cond, params = self.ids_in(plan.claim_ids)
             self.execute(cursor, f"UPDATE {self.table} SET "
@@ -561,12 +563,20 @@ class Engine(ABC):
         return self.execute(cursor, f"SELECT {self.message_select()} FROM {self.table} WHERE {cond} ORDER BY id",
                             params).fetchall()
 
-    def leased_rows(self, cursor: Any, lease: str) -> list[tuple]:
-        """The rows ``lease`` holds, shaped like a claim's (MESSAGE_COLUMNS): what a claim
-        whose answer was lost after it committed took (``OutboxStore.claim``)."""
-        return list(self.execute(
+    def leased_rows(self, cursor: Any, lease: str, timeout_ms: int) -> list[tuple]:
+        """The rows ``lease`` holds, and those it buried, shaped like a claim's (MESSAGE_COLUMNS):
+        what a claim whose answer was lost after it committed took (``OutboxStore.claim``;
+        docs/relay.md, "A network cut"). Buried rows are looked for among those that went dead
+        within the lease's length (``timeout_ms``), so the read stays on the index's recent end
+        on every engine (PostgreSQL's holds done rows too)."""
+        held = self.execute(
             cursor, f"SELECT {self.message_select()} FROM {self.table}{self.past_locks_read} "
-            f"WHERE {self.open_rows()} AND status = 1 AND lease_token = ? ORDER BY id", [lease]).fetchall())
+            f"WHERE {self.open_rows()} AND status = 1 AND lease_token = ?", [lease]).fetchall()
+        buried = self.execute(
+            cursor, f"SELECT {self.message_select()} FROM {self.table}{self.past_locks_read} "
+            f"WHERE status = 4 AND processed_at >= {self.now_plus_ms()} AND lease_token = ?",
+            [-timeout_ms, lease]).fetchall()
+        return sorted([*held, *buried], key=lambda r: int(r[0]))
 
     def window_rows(self, cursor: Any, timeout_ms: int, size: int,
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:

@@ -426,7 +426,7 @@ class PostgresEngine(Engine):
                 processed_at = CASE WHEN chain.dead THEN now() ELSE NULL END,
                 last_error = CASE WHEN o.status = 1 THEN ? ELSE o.last_error END,
                 claimed_at = now(), next_retry_at = NULL,
-                lease_token = CASE WHEN chain.dead THEN NULL ELSE ? END
+                lease_token = ?
             FROM c_chain chain CROSS JOIN lazy WHERE o.id = chain.id
             RETURNING {returning}"""
         return self.execute(cursor, sql, [*([behind_ids] if skip_blocked else []), behind_ids, behind_ids, behind_ids,

@@ -411,7 +411,7 @@ ORDER BY s.id;"""
     last_error = CASE WHEN o.status = 1 THEN @lease_error ELSE o.last_error END,
     claimed_at = SYSUTCDATETIME(),
     next_retry_at = NULL,
-    lease_token = CASE WHEN ch.dead = 1 THEN NULL ELSE @lease END
+    lease_token = @lease
 OUTPUT {output} INTO @out
 FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
             *(["COMMIT TRANSACTION;"] if own_transaction else []),
