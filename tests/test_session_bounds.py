@@ -177,6 +177,35 @@ def test_the_server_ends_a_relay_transaction_left_idle_and_its_locks_with_it(kin
 CLAIM_COMMITS = {"postgresql": b"FOR UPDATE OF c SKIP LOCKED", "mysql": b"\x03COMMIT"}
 
 
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_the_gauges_read_again_on_a_new_connection_when_the_server_ended_the_idle_one(kind: str) -> None:
+    """MySQL ends a relay session idle for ``wait_timeout`` (5 s: ``session_sql``), and the
+    metrics' refresher reads the gauges every 5 s on a connection of its own: the read
+    after an idle spell failed ("MySQL server has gone away"), a WARNING every minute and
+    gauges a refresh behind (found in review). ``gauges`` now tries once more on a new
+    connection after a disconnect. The session is ended here from another one, at once."""
+    url, port = SERVERS[kind]
+    require(kind, "127.0.0.1", port)
+    table = f"gauges_{int(time.time() * 1000) % 10**9}"
+    store = OutboxStore(url, table=table)
+    store.migrate()
+    other = OutboxStore(url, table=table)
+    mine, end = (("SELECT pg_backend_pid()", "SELECT pg_terminate_backend(?)") if kind == "postgresql"
+                 else ("SELECT CONNECTION_ID()", "KILL ?"))
+    try:
+        assert store.gauges() == (0, 0, 0.0)
+        with store.transaction() as cursor:
+            session = store.engine.execute(cursor, mine).fetchone()[0]
+        with other.transaction() as cursor:
+            other.engine.execute(cursor, end, [session])
+        time.sleep(0.2)
+        assert store.gauges() == (0, 0, 0.0)
+    finally:
+        other.close()
+        drop_table(store)
+        store.close()
+
+
 @contextmanager
 def behind_a_proxy(kind: str) -> Iterator[tuple[Proxy, OutboxStore, OutboxStore]]:
     """A table holding chains ``a`` (ids 1-3) and ``b`` (4); a store reaching it through a

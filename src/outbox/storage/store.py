@@ -551,12 +551,13 @@ class OutboxStore:
     def gauges(self) -> tuple[int, int, float]:
         """``(in_flight, backlog, lag_s)`` over the open rows, in one query on the claim
         index: rows claimed, rows open (pending, claimed, failed), the age of the oldest
-        open row by the database clock (0 when there is none). One attempt, no retry, no
-        lock waited for: the metrics' refresher thread calls it and keeps its last values
-        when it fails."""
+        open row by the database clock (0 when there is none). No lock waited for, and one
+        retry only (a dropped connection, on a new one): the metrics' refresher thread calls
+        it every few seconds on a connection MySQL ends when idle that long, and keeps its
+        last values when it fails (docs/waking-and-metrics.md, "Metrics")."""
         engine = self.engine
-        with self.transaction() as cursor:
-            in_flight, backlog, oldest, db_now = engine.execute(cursor, engine.gauges_sql()).fetchone()
+        in_flight, backlog, oldest, db_now = self._connections.run(
+            "gauges", lambda cursor: tuple(engine.execute(cursor, engine.gauges_sql()).fetchone()), attempts=2)
         lag = 0.0
         if oldest is not None:
             lag = self._seconds(oldest, db_now)
