@@ -1,9 +1,10 @@
 """MySQL 8 and MariaDB 10.6+ through PyMySQL.
 
 MySQL has no UPDATE ... RETURNING and will not let an UPDATE read its own table in
-a subquery, so the claim is the generic plan from ``Engine.claim``: one scan of the
-window, one probe, one lock of the planned chains (``FOR UPDATE SKIP LOCKED``), one
-UPDATE, one read, in a single short READ COMMITTED transaction. Id-like columns use a binary collation so
+a subquery, so the claim is the generic plan from ``Engine.claim``: one plain read of the
+window, one probe, one lock of the planned chains (``FOR UPDATE SKIP LOCKED``, which reads
+the rows the claim returns), one UPDATE (and one for rows going dead), in a single short
+READ COMMITTED transaction. Id-like columns use a binary collation so
 ``Order-1`` and ``order-1`` stay two aggregates and two message ids. Every session bounds
 its transactions' life (``session_sql``, ``bounded_socket``; docs/relay.md, "A network cut").
 """
