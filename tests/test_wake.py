@@ -40,6 +40,7 @@ import outbox.wake as wake
 from outbox import enqueue
 from outbox.core.config import reset_settings
 from outbox.core.names import default_namespace
+from outbox.relay.holders import Heartbeat, new_holder
 from outbox.relay.waker import Throttle, token_for
 from outbox.storage.store import OutboxStore
 
@@ -117,6 +118,93 @@ def test_wake_after_commit_refuses_connections_without_a_commit_hook(sqlite_db: 
             wake.wake_after_commit(conn)
     finally:
         conn.close()
+
+
+def test_transaction_on_sqlite_begins_as_a_writer_so_a_heartbeat_cannot_fail_it(sqlite_db: Path) -> None:
+    """The block reads first, then writes. A relay worker's heartbeat commits to the same
+    file every ``OUTBOX_RELAY_HOLDER_TIMEOUT_S`` / 3 even when idle; a deferred transaction
+    whose snapshot a beat made stale cannot become a writer (SQLITE_BUSY_SNAPSHOT) and fails
+    at once with "database is locked", whatever the busy timeout. ``outbox.transaction``
+    begins IMMEDIATE on a sqlite3 connection, so its reads are inside the transaction and
+    its writes cannot fail so (docs/relay.md, "SQLite: application transactions")."""
+    conn = sqlite3.connect(sqlite_db, timeout=30)
+    conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, n INTEGER)")
+    conn.commit()
+    beat = Heartbeat(OutboxStore(f"sqlite:///{sqlite_db}"), new_holder(), timeout_s=0.06)  # a beat every 20 ms
+    beat.start()
+    failed = []
+    try:
+        for n in range(30):
+            try:
+                with outbox.transaction(conn, wake=False):
+                    assert conn.in_transaction  # the reads too
+                    conn.execute("SELECT COUNT(*) FROM orders").fetchone()
+                    time.sleep(0.03)  # beats commit meanwhile
+                    conn.execute("INSERT INTO orders (n) VALUES (?)", (n,))
+                    enqueue(conn, **event(n))
+            except sqlite3.OperationalError as exc:
+                failed.append(str(exc))
+            time.sleep(0.03)  # the beats wait for the writer's lock, and take it in between
+    finally:
+        beat.stop()
+        conn.close()
+    assert beat.beats > 5
+    assert failed == []
+    assert count_rows(sqlite_db) == 30
+
+
+DJANGO_HEARTBEAT_SCRIPT = r"""
+import json, sys, time
+db = sys.argv[1]
+from django.conf import settings
+settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db}}, USE_TZ=True,
+                   SECRET_KEY="test")
+import django
+django.setup()
+from django.db import connection
+import outbox
+from outbox.relay.holders import Heartbeat, new_holder
+from outbox.storage.store import OutboxStore
+
+with connection.cursor() as cursor:
+    cursor.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, n INTEGER)")
+beat = Heartbeat(OutboxStore("sqlite:///" + db), new_holder(), timeout_s=0.06)  # a beat every 20 ms
+beat.start()
+failed = []
+for n in range(30):
+    try:
+        with outbox.transaction(connection, wake=False):
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT COUNT(*) FROM orders")
+                cursor.fetchone()
+                time.sleep(0.03)  # beats commit meanwhile
+                cursor.execute("INSERT INTO orders (n) VALUES (%s)", [n])
+            outbox.enqueue(connection, topic="t", aggregate_type="o", aggregate_id="a", payload={})
+    except Exception as exc:
+        failed.append(f"{type(exc).__name__}: {exc}")
+    time.sleep(0.03)  # the beats wait for the writer's lock, and take it in between
+beat.stop()
+print(json.dumps({"failed": failed, "beats": beat.beats, "mode": getattr(connection, "transaction_mode", "none")}))
+"""
+
+
+def test_transaction_on_a_django_sqlite_connection_begins_immediate(tmp_path: Path) -> None:
+    """As above through Django: ``atomic`` begins a deferred transaction on SQLite unless
+    ``OPTIONS["transaction_mode"]`` says otherwise, and the view's first write after a read
+    failed with "database is locked" whenever a heartbeat had committed in between (found in
+    review). ``outbox.transaction`` begins its outermost block IMMEDIATE there (Django 5.1+),
+    and leaves the connection's own mode as it was."""
+    django = pytest.importorskip("django")
+    if django.VERSION < (5, 1):
+        pytest.skip("Django before 5.1 has no transaction_mode")
+    db = tmp_path / "django.db"
+    store = OutboxStore(f"sqlite:///{db}")
+    store.migrate()
+    store.close()
+    out = run_python(DJANGO_HEARTBEAT_SCRIPT, tmp_path, str(db))
+    assert out["beats"] > 5
+    assert out["failed"] == []
+    assert out["mode"] is None
 
 
 # -- Django (subprocess: settings are process-wide) -------------------------------------------------

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from .core.config import dramatiq_settings, wake_options
@@ -266,15 +266,20 @@ def transaction(conn: Any, *, wake: bool = True) -> Iterator[Any]:
             conn.execute("UPDATE orders SET state = 'paid' WHERE id = ?", (42,))
             outbox.enqueue(conn, topic="orders.paid", aggregate_type="order", aggregate_id="42",
                            payload={"orderId": "42"})
+
+    On SQLite the transaction begins IMMEDIATE where this opens it (a sqlite3 connection
+    not in a transaction; Django 5.1+'s outermost block, unless ``transaction_mode`` is
+    set), so its reads are inside it and its first write cannot fail at once with "database
+    is locked" because a relay's heartbeat committed after them (docs/relay.md, "SQLite:
+    application transactions").
     """
     if _is_django(conn):
-        from django.db import transaction as dj_transaction
-
-        with dj_transaction.atomic(using=conn.alias):
+        with atomic_on(conn):
             if wake:
                 register_after_commit(conn)
             yield conn
         return
+    _begin_immediate_on_sqlite(conn)
     try:
         yield conn
     except BaseException:
@@ -283,6 +288,47 @@ def transaction(conn: Any, *, wake: bool = True) -> Iterator[Any]:
     conn.commit()
     if wake:
         _call_request_claim()
+
+
+@contextmanager
+def atomic_on(conn: Any) -> Iterator[None]:
+    """``transaction.atomic`` on the Django connection ``conn``; on SQLite its outermost
+    block begins IMMEDIATE (``transaction``) unless OPTIONS' ``transaction_mode`` says how."""
+    from django.db import transaction as dj_transaction
+
+    with ExitStack() as stack:
+        atomic = dj_transaction.atomic(using=conn.alias)
+        if _django_sqlite_deferred(conn):
+            conn.transaction_mode = "IMMEDIATE"  # read by the BEGIN the outermost atomic runs
+            try:
+                stack.enter_context(atomic)
+            finally:
+                conn.transaction_mode = None
+        else:
+            stack.enter_context(atomic)
+        yield
+
+
+def _django_sqlite_deferred(conn: Any) -> bool:
+    """A Django SQLite connection whose next ``atomic`` opens a transaction, and opens it
+    deferred: Django 5.1+ (``transaction_mode``), none set in OPTIONS, no block open."""
+    if getattr(conn, "vendor", None) != "sqlite" or conn.in_atomic_block or not conn.get_autocommit():
+        return False
+    conn.ensure_connection()  # connecting reads transaction_mode from OPTIONS
+    return hasattr(conn, "transaction_mode") and conn.transaction_mode is None
+
+
+def _begin_immediate_on_sqlite(conn: Any) -> None:
+    """BEGIN IMMEDIATE on a sqlite3 connection not yet in a transaction, whose ``commit()``
+    commits it: not Python 3.12's ``autocommit=True`` (its commit does nothing), nor
+    ``autocommit=False`` (a transaction is always open)."""
+    import sqlite3
+
+    if not isinstance(conn, sqlite3.Connection) or conn.in_transaction:
+        return
+    if getattr(conn, "autocommit", -1) != getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1):
+        return
+    conn.execute("BEGIN IMMEDIATE")
 
 
 def _reset_for_tests() -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db import connections, router, transaction
+from django.db import connections, router
 
 from ...core.model import RequeueResult
 from .models import OutboxEvent, Status
@@ -61,10 +61,11 @@ class OutboxEventAdmin(admin.ModelAdmin):
         on Django's connection): the selection is taken as ``--all`` takes every dead row,
         1,000 rows per transaction, and rows with a permanent reason are kept and named
         (docs/django.md, "Admin")."""
+        from ...wake import atomic_on
         from . import schema, wake_on_commit
 
         using = router.db_for_write(OutboxEvent)
-        store = schema.store_on(connections[using], lambda: transaction.atomic(using=using))
+        store = schema.store_on(connections[using], lambda: atomic_on(connections[using]))  # IMMEDIATE on SQLite
         result = store.requeue(list(queryset.values_list("id", flat=True)), all_or_nothing=False)
         if result.count:
             wake_on_commit(using)

@@ -3,6 +3,9 @@
 Several processes may share the file. Every relay write is a short
 ``BEGIN IMMEDIATE`` transaction (SQLite has one writer at a time, so there is no
 claim race to defend against) and waits on the busy timeout instead of failing.
+An application's transactions must begin as writers too: a deferred one that reads
+first fails at once when a relay's heartbeat commits after its read (docs/relay.md,
+"SQLite: application transactions").
 Timestamps are ISO-8601 text in UTC, which sorts and compares correctly.
 """
 
