@@ -1086,6 +1086,52 @@ def test_requeue_all_runs_in_short_chunks_on_sql_server(store: OutboxStore, writ
     assert store.stats().counts["pending"] == 2500
 
 
+def test_a_requeue_stopped_right_after_its_update_holds_no_claim_back(make_store: Any, url: str) -> None:
+    """Found in review (6 December): `outbox dead requeue` ran its look at the rows and its
+    UPDATE as one transaction. A client stopped after the UPDATE (Ctrl-Z, a paused job, a cut)
+    kept the requeued row's new key in agg_open locked until the server dropped the session,
+    and every claim's probe of a later row of that aggregate waited on it and failed with
+    1222, every other aggregate's rows with it. Now each UPDATE commits as it runs."""
+    store = make_store()
+    writer = store.engine.connect(url)
+    try:
+        dead = add(writer, store, "A")
+        writer.commit()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 4, processed_at = "
+                                 "SYSUTCDATETIME(), last_error = N'retriable: no queue' WHERE id = ?", [dead])
+        requeuer = OutboxStore(store.url, table=store.engine.table_name)
+        updated, resume, outcomes = threading.Event(), threading.Event(), []
+        execute = requeuer.engine.execute
+
+        def stopping(cursor: Any, text: str, params: Any = ()) -> Any:
+            result = execute(cursor, text, params)
+            if text.startswith("UPDATE") and "status = 0, attempts = 0" in text:
+                updated.set()
+                resume.wait(60)  # the client stops here: nothing more reaches the server
+            return result
+
+        requeuer.engine.execute = stopping  # type: ignore[method-assign]
+        thread = threading.Thread(target=lambda: outcomes.append(outcome(lambda: requeuer.requeue([dead]))))
+        thread.start()
+        try:
+            assert updated.wait(30)
+            later, other = add(writer, store, "A"), add(writer, store, "B")
+            writer.commit()
+            cursor = store.connection().cursor()
+            cursor.execute("SET LOCK_TIMEOUT 2000")  # a wait would fail in 2 s, not 30
+            cursor.close()
+            claim = store.claim(10)  # raised 1222 (after its retries) before the fix
+        finally:
+            resume.set()
+            thread.join(60)
+            requeuer.close()
+    finally:
+        writer.close()
+    assert sorted(m.id for m in claim.messages) == [dead, later, other]
+    assert [getattr(o, "requeued", o) for o in outcomes] == [{"t": 1}]
+
+
 def test_late_acks_of_expired_leases_wait_for_a_claim_held_open_and_never_deadlock(make_store: Any,
                                                                                    url: str) -> None:
     """Issue 20: a claim that holds its transaction open (a caller's transaction here; the

@@ -466,6 +466,73 @@ def test_the_fenced_writes_beat_and_takeover_run_alone_so_no_cut_leaves_a_row_lo
     assert conn.autocommit is False  # put back after each
 
 
+@pytest.mark.parametrize("level", [120, 160])
+def test_chunked_acks_and_every_requeue_run_alone_too(level: int, no_sqlglot_fallbacks: None) -> None:
+    """Found in review (6 December): below level 130, ``mark_done`` and ``release`` of more
+    than 2,000 ids (two UPDATEs) ran as one transaction, and so did every requeue (its SELECT,
+    then its UPDATEs). A session cut or suspended before that COMMIT kept the rows'
+    ``agg_open`` keys locked, and every claim's probe waited on them, failed with 1222 and
+    tried again until the server dropped the session. Now every UPDATE of the table commits
+    as it runs (the connection in autocommit), each chunk of an ack a transaction of its own."""
+    ids = list(range(1, 3001))
+    dead = [(i, f"m-{i}", "t", "o", "a", 3, "retriable: no queue", None, 4) for i in ids]
+    store, conn = recording_store(None, "outbox", level, answers={
+        "processed_at, status FROM": dead,  # requeue's look at the ids: all dead
+        "SELECT id, topic FROM": [(1, "t"), (2, "t")],  # requeue --all's chunk
+        "SELECT topic, COUNT(*) FROM": [("t", 1)]})
+    modes: list[tuple[str, bool]] = []
+    execute = StoreCursor.execute
+
+    class Watched(StoreCursor):
+        def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
+            modes.append((sql, conn.autocommit))
+            return execute(self, sql, params)
+
+    conn.cursor_class = Watched
+    commits = conn.commits
+    assert store.mark_done(ids, "L" * 32).ok and store.release(ids, "L" * 32).ok
+    chunks = 2 if level < 130 else 1
+    assert conn.commits - commits == 2 * chunks  # each chunk its own transaction
+    assert store.requeue(ids).requeued == {"t": len(ids)}
+    assert store.requeue(ids, all_or_nothing=False, chunk=len(ids)).requeued == {"t": len(ids)}
+    assert store.requeue(None).requeued == {"t": 2} and store.requeue(None, force=True).requeued == {"t": 2}
+    assert store.requeue_dead(ids) == len(ids) and store.requeue_dead() == 2
+    writes = [(sql, alone) for sql, alone in modes if sql.startswith("UPDATE [dbo].[outbox] SET")]
+    assert len(writes) == 5 * chunks + 3, writes  # the acks, requeue of ids (twice), --all (twice), requeue_dead
+    assert all(alone for _, alone in writes), [sql[:60] for sql, alone in writes if not alone]
+    for sql in {sql for sql, _ in writes}:
+        parse_one(sql)
+    assert conn.autocommit is False  # put back after each
+
+
+def test_a_requeue_of_ids_retried_after_its_first_update_committed_still_requeues_them_all() -> None:
+    """Run alone, the first of two requeue UPDATEs (level 120, 3,000 ids) commits before the
+    second fails with a deadlock; the try run again finds those rows pending. It takes them
+    as requeued by this call, not as "not dead" (which would have refused the rest)."""
+    ids = list(range(1, 3001))
+    status = dict.fromkeys(ids, 4)
+    failed: list[int] = []
+
+    class Rows(StoreCursor):
+        def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
+            super().execute(sql, params)
+            if "processed_at, status FROM" in sql:
+                self.rows = [(i, f"m-{i}", "t", "o", "a", 3, "retriable: x", None, status[i])
+                             for i in sorted(set(params))]
+            elif sql.startswith("UPDATE [dbo].[outbox] SET status = 0"):
+                if 3000 in params and not failed:
+                    failed.append(1)
+                    raise _PyodbcError("40001", "[SQL Server]Transaction (Process ID 52) was deadlocked (1205)")
+                status.update(dict.fromkeys(params, 0))
+            return self
+
+    store, conn = recording_store(None, "outbox", 120)
+    conn.cursor_class = Rows
+    result = store.requeue(ids)
+    assert failed and result.requeued == {"t": 3000} and not result.not_dead, result.not_dead.keys()
+    assert set(status.values()) == {0}
+
+
 def test_the_claim_commits_in_its_own_batch_when_run_alone(no_sqlglot_fallbacks: None) -> None:
     """Issue 19 item 2: claim and COMMIT in one round trip. Run alone (autocommit), the batch
     opens its transaction after XACT_ABORT is on and commits it right after the UPDATE,

@@ -31,13 +31,14 @@ def dead_rows(store: OutboxStore, topics: list[str], permanent: frozenset[int] =
 
 def spy(store: OutboxStore) -> list[tuple[str, int]]:
     """(operation, rows changed by each requeue UPDATE) as the store runs them on the real
-    database: ``("txn", 0)`` marks each transaction the store opens."""
+    database: ``("txn", 0)`` marks each transaction the store opens, ``("txn", 1)`` one run
+    alone (``Connections.transaction``)."""
     seen: list[tuple[str, int]] = []
     run, execute = store._run, store.engine.execute
 
-    def counting_run(operation: str, work: Any) -> Any:
-        seen.append(("txn", 0))
-        return run(operation, work)
+    def counting_run(operation: str, work: Any, **options: Any) -> Any:
+        seen.append(("txn", int(options.get("alone", False))))
+        return run(operation, work, **options)
 
     def counting_execute(cursor: Any, text: str, params: Any = ()) -> Any:
         result = execute(cursor, text, params)
@@ -116,3 +117,21 @@ def test_the_command_lines_ids_stay_all_or_nothing(store: OutboxStore) -> None:
     result = store.requeue(ids)
     assert result.requeued == {} and [row.id for row in result.refused] == [ids[1]]
     assert set(statuses(store).values()) == {Status.DEAD}
+
+
+def test_a_requeue_runs_alone_only_where_the_server_ends_no_idle_transaction(store: OutboxStore) -> None:
+    """Found in review: on SQL Server a requeue cut before its COMMIT kept the requeued rows'
+    keys locked, and every claim waited on them; there each statement now commits as it runs
+    (``OutboxStore._requeue_alone``). Where the server ends an idle transaction (PostgreSQL,
+    MySQL/MariaDB; SQLite has no network) a requeue stays one transaction per chunk."""
+    ids = dead_rows(store, ["t.a", "t.b", "t.a"], permanent=frozenset({2}))
+    seen = spy(store)
+    assert store.requeue(ids[:2]).requeued == {"t.a": 1, "t.b": 1}
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"UPDATE {store.engine.table} SET status = 4, processed_at = {store.engine.now} "
+                             "WHERE id IN (?, ?)", ids[:2])
+    assert store.requeue(ids, all_or_nothing=False).requeued == {"t.a": 1, "t.b": 1}
+    assert store.requeue(None, force=True).requeued == {"t.a": 1}
+    alone = int(not store.engine.ends_idle_transactions)
+    assert [n for op, n in seen if op == "txn"] == [alone] * 3
+    assert set(statuses(store).values()) == {Status.PENDING}

@@ -432,19 +432,27 @@ class OutboxStore:
         return found
 
     def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult:
-        """Mark published rows done, in one statement. Rows no longer held by
-        ``lease`` are left alone and counted as stale."""
+        """Mark published rows done, in one statement per id list (``_each_alone``). Rows no
+        longer held by ``lease`` are left alone and counted as stale."""
         ids = list(ids)
         if not ids:
             return FenceResult(0, 0)
 
-        chunks = self.engine.id_chunks(ids)
+        return self._fenced("mark_done", ids, lease, self._each_alone(
+            "mark_done", ids, lambda cond, params: (self.engine.mark_done_sql(cond), [*params, lease])))
 
-        def work(cursor: Any) -> int:
-            return sum(self.engine.execute(cursor, self.engine.mark_done_sql(cond), [*params, lease]).rowcount
-                       for cond, params in map(self.engine.ids_in, chunks))
-
-        return self._fenced("mark_done", ids, lease, self._run("mark_done", work, alone=len(chunks) == 1))
+    def _each_alone(self, operation: str, ids: list[int],
+                    statement: Callable[[str, list[Any]], tuple[str, list[Any]]]) -> int:
+        """Run ``statement(cond, params)`` (an UPDATE, fenced and idempotent) for each of the id
+        lists one statement may carry (``Engine.id_chunks``: one list but on SQL Server below
+        level 130), each as a transaction of its own and alone, so a cut before a COMMIT cannot
+        leave its rows locked, which on SQL Server held every claim's probe (docs/sqlserver.md,
+        "A network cut"). A retry runs its own chunk again, not those committed before it.
+        Returns the rows changed."""
+        def work(sql: str, params: list[Any], cursor: Any) -> int:
+            return int(self.engine.execute(cursor, sql, params).rowcount)
+        return sum(self._run(operation, functools.partial(work, *statement(*self.engine.ids_in(part))), alone=True)
+                   for part in self.engine.id_chunks(ids))
 
     def mark_failed(self, id: int, lease: str, error: str, retry_in: timedelta | None = None,
                     *, dead: bool = False) -> FailResult:
@@ -493,14 +501,8 @@ class OutboxStore:
             return FenceResult(0, 0)
         delay_ms = int(delay.total_seconds() * 1000) if delay else 0
 
-        chunks = self.engine.id_chunks(ids)
-
-        def work(cursor: Any) -> int:
-            return sum(self.engine.execute(cursor, self.engine.release_sql(cond),
-                                           [delay_ms, delay_ms, *params, lease]).rowcount
-                       for cond, params in map(self.engine.ids_in, chunks))
-
-        return self._fenced("release", ids, lease, self._run("release", work, alone=len(chunks) == 1))
+        return self._fenced("release", ids, lease, self._each_alone(
+            "release", ids, lambda cond, params: (self.engine.release_sql(cond), [delay_ms, delay_ms, *params, lease])))
 
     def _fenced(self, operation: str, ids: list[int], lease: str, applied: int) -> FenceResult:
         result = FenceResult(requested=len(ids), applied=applied)
@@ -601,21 +603,22 @@ class OutboxStore:
         the checked form the command line uses."""
         if ids is None:
             return sum(self._requeue_all("1 = 1", [], chunk).values())
-
-        def work(cursor: Any) -> int:
-            return sum(self.engine.execute(cursor, self.engine.requeue_sql(cond), params).rowcount
-                       for cond, params in map(self.engine.ids_in, self.engine.id_chunks(list(ids))))
-        return self._run("requeue_dead", work)
+        return self._each_alone("requeue_dead", list(ids), lambda cond, params: (self.engine.requeue_sql(cond), params))
 
     def _requeue_all(self, cond: str, params: list[Any], chunk: int) -> dict[str, int]:
         """Requeue every dead row matching ``cond``, in id order, ``chunk`` rows per short
         transaction (as ``purge_done`` deletes): one statement over every dead row would
         lock them all at once, past the lock limits of small servers and Azure SQL, while
         blocking the claims of every aggregate it touches (docs/sqlserver.md, "Lock
-        escalation"). Returns the rows requeued per topic."""
+        escalation"). Returns the rows requeued per topic.
+
+        Each chunk is one UPDATE (so at most what one statement carries: 2,000 ids on SQL
+        Server below level 130), as the chunk runs alone there (``_requeue_alone``): a try
+        run again finds each row of its chunk requeued or still dead, never half of them."""
         if chunk <= 0:
             raise ValueError("chunk must be positive")
         engine, t = self.engine, self.engine.table
+        chunk = len(engine.id_chunks(range(chunk))[0])
         select = engine.limit(f"SELECT id, topic FROM {t}{engine.past_locks_read} WHERE status = 4 AND id > ? "
                               f"AND {cond} ORDER BY id")  # past others' locks, as dead_list reads
         counts: dict[str, int] = {}
@@ -623,13 +626,13 @@ class OutboxStore:
 
         def work(cursor: Any) -> list[tuple[int, str]]:
             rows = [(int(r[0]), str(r[1])) for r in engine.execute(cursor, select, [after, *params, chunk]).fetchall()]
-            for part in engine.id_chunks([r[0] for r in rows]) if rows else []:
-                ids_cond, ids_params = engine.ids_in(part)
+            if rows:
+                ids_cond, ids_params = engine.ids_in([r[0] for r in rows])
                 engine.execute(cursor, engine.requeue_sql(ids_cond), ids_params)
             return rows
 
         while True:
-            rows = self._run("requeue", work)
+            rows = self._run("requeue", work, alone=self._requeue_alone)
             for _, topic in rows:
                 counts[topic] = counts.get(topic, 0) + 1
             if len(rows) < chunk:
@@ -666,12 +669,14 @@ class OutboxStore:
 
         wanted = sorted({int(i) for i in ids})
         if all_or_nothing:
-            return self._run("requeue", lambda cursor: self._requeue_ids(cursor, wanted, force, all_or_nothing=True))
+            return self._run("requeue", self._requeue_ids(wanted, force, all_or_nothing=True),
+                             alone=self._requeue_alone)
         if chunk <= 0:
             raise ValueError("chunk must be positive")
 
         def requeue_part(part: list[int]) -> RequeueResult:
-            return self._run("requeue", lambda cursor: self._requeue_ids(cursor, part, force, all_or_nothing=False))
+            return self._run("requeue", self._requeue_ids(part, force, all_or_nothing=False),
+                             alone=self._requeue_alone)
         parts = [requeue_part(wanted[i:i + chunk]) for i in range(0, len(wanted), chunk)]
         per_topic = sum((Counter(part.requeued) for part in parts), Counter[str]())
         return RequeueResult(requeued=dict(sorted(per_topic.items())),
@@ -679,26 +684,45 @@ class OutboxStore:
                              missing=[i for part in parts for i in part.missing],
                              not_dead={i: s for part in parts for i, s in part.not_dead.items()})
 
-    def _requeue_ids(self, cursor: Any, wanted: list[int], force: bool, *, all_or_nothing: bool) -> RequeueResult:
-        """``requeue`` of the ids ``wanted`` in the transaction of ``cursor``: each is looked
+    @property
+    def _requeue_alone(self) -> bool:
+        """Does a requeue run alone, each statement committed as it runs? Where the server
+        ends no idle transaction (``Engine.ends_idle_transactions``: SQL Server), as the
+        fenced writes do: a requeue cut before its COMMIT kept the requeued rows' keys in
+        ``agg_open`` locked, and every claim's probe waited on them (docs/sqlserver.md, "A
+        network cut"; found in review). Elsewhere one transaction, which the server bounds."""
+        return not self.engine.ends_idle_transactions
+
+    def _requeue_ids(self, wanted: list[int], force: bool, *, all_or_nothing: bool) -> Callable[[Any], RequeueResult]:
+        """``requeue`` of the ids ``wanted``, as the work of one transaction: each is looked
         at, then the dead ones not refused are requeued (none at all when one is refused,
-        missing or not dead and ``all_or_nothing``)."""
-        chunks = [self.engine.ids_in(part) for part in self.engine.id_chunks(wanted)]
-        rows = [row for cond, params in chunks for row in self.engine.execute(
-            cursor, "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, "
-            f"processed_at, status FROM {self.engine.table} WHERE {cond}", params).fetchall()]
-        found = {int(r[0]): r for r in rows}
-        missing = [i for i in wanted if i not in found]
-        not_dead = {i: int(r[8]) for i, r in found.items() if int(r[8]) != Status.DEAD}
-        refused = [] if force else [
-            DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], self.engine.to_datetime(r[7]))
-            for i, r in sorted(found.items()) if i not in not_dead and is_permanent_error(r[6])]
-        if all_or_nothing and (missing or not_dead or refused):
-            return RequeueResult(refused=refused, missing=missing, not_dead=not_dead)
-        kept = {row.id for row in refused} | set(not_dead)
-        requeue = [i for i in sorted(found) if i not in kept]
-        counts = Counter(str(found[i][2]) for i in requeue)
-        for cond, params in map(self.engine.ids_in, self.engine.id_chunks(requeue)) if requeue else []:
-            self.engine.execute(cursor, self.engine.requeue_sql(cond), params)
-        return RequeueResult(requeued=dict(sorted(counts.items())), refused=refused, missing=missing,
-                             not_dead=not_dead)
+        missing or not dead and ``all_or_nothing``). Run alone (``_requeue_alone``), an UPDATE
+        commits as it runs: a try run again after a later one failed takes the ids an
+        earlier try requeued as requeued, not as no longer dead."""
+        engine, requeued = self.engine, set[int]()
+
+        def work(cursor: Any) -> RequeueResult:
+            chunks = [engine.ids_in(part) for part in engine.id_chunks(wanted)]
+            rows = [row for cond, params in chunks for row in engine.execute(
+                cursor, "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, "
+                f"processed_at, status FROM {engine.table} WHERE {cond}", params).fetchall()]
+            found = {int(r[0]): r for r in rows}
+            missing = [i for i in wanted if i not in found]
+            not_dead = {i: int(r[8]) for i, r in found.items() if int(r[8]) != Status.DEAD and i not in requeued}
+            refused = [] if force else [
+                DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], engine.to_datetime(r[7]))
+                for i, r in sorted(found.items()) if i not in not_dead and is_permanent_error(r[6])]
+            if all_or_nothing and (missing or not_dead or refused):
+                return RequeueResult(refused=refused, missing=missing, not_dead=not_dead)
+            kept = {row.id for row in refused} | set(not_dead)
+            requeue = [i for i in sorted(found) if i not in kept]
+            counts = Counter(str(found[i][2]) for i in requeue)
+            left = [i for i in requeue if i not in requeued]
+            for part in engine.id_chunks(left) if left else []:
+                cond, params = engine.ids_in(part)
+                engine.execute(cursor, engine.requeue_sql(cond), params)
+                if self._requeue_alone:
+                    requeued.update(part)
+            return RequeueResult(requeued=dict(sorted(counts.items())), refused=refused, missing=missing,
+                                 not_dead=not_dead)
+        return work
