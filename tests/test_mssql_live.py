@@ -587,6 +587,49 @@ def test_a_table_made_by_another_script_in_the_database_collation_works(make_sto
         assert any("case-insensitive collation" in r.getMessage() for r in caplog.records)
 
 
+def test_varchar_id_columns_are_reported_with_the_alter_column_that_fixes_them(make_store: Any, url: str) -> None:
+    """Found in review (6 December): VARCHAR ids in a SQL collation (a table made by another
+    script). Compared with the claim's NVARCHAR table variables the column is converted, and
+    no seek goes through that conversion in a SQL collation: the probes' FORCESEEK fails every
+    claim (error 8622, not run here). The start-up check names the ALTER COLUMN; after it (the
+    indexes on the columns dropped first, then `outbox migrate`) the relay works."""
+    name = f"outbox_varchar_{uuid.uuid4().hex[:8]}"
+    ci = "COLLATE SQL_Latin1_General_CP1_CI_AS"
+    ddl = (f"CREATE TABLE [dbo].[{name}] (id BIGINT IDENTITY(1,1) NOT NULL PRIMARY KEY, message_id VARCHAR(64) {ci} "
+           "NOT NULL, topic NVARCHAR(255) NOT NULL, aggregate_type NVARCHAR(255) NOT NULL, aggregate_id VARCHAR(255) "
+           f"{ci} NOT NULL, partition_key NVARCHAR(255) NULL, payload NVARCHAR(MAX) NOT NULL, headers NVARCHAR(MAX) NOT "
+           "NULL DEFAULT N'{}', trace_id NVARCHAR(255) NULL, status TINYINT NOT NULL DEFAULT 0, attempts INT NOT "
+           "NULL DEFAULT 0, claimed_at DATETIME2(3) NULL, next_retry_at DATETIME2(3) NULL, created_at DATETIME2(3) "
+           "NOT NULL DEFAULT SYSUTCDATETIME(), processed_at DATETIME2(3) NULL)")
+    seed = OutboxStore(url, table=name)
+    with seed.transaction() as cursor:
+        seed.engine.execute(cursor, ddl)
+    seed.close()
+    store = make_store(table=name)  # migrate adds last_error, lease_token and the indexes, not the types
+    engine: MssqlEngine = store.engine  # type: ignore[assignment]
+    with store.transaction() as cursor:
+        problems = [p for p in engine.schema_problems(cursor) if "not NVARCHAR" in p]
+    assert len(problems) == 2 and "varchar" in problems[0], problems
+    with store.transaction() as cursor:
+        for suffix in ("message_id", "agg_open", "claim_ready"):
+            engine.execute(cursor, f"DROP INDEX [{engine.index_name(suffix)}] ON {engine.table}")
+        for column in ("message_id", "aggregate_id"):
+            statement = engine.id_column_sql(column, False)
+            assert any(f"`{statement}`" in p for p in problems), (statement, problems)
+            engine.execute(cursor, statement)
+    store.migrate()
+    with store.transaction() as cursor:
+        assert engine.schema_problems(cursor) == []
+    writer = engine.connect(url)
+    try:
+        ids = [add(writer, store, "Order-1"), add(writer, store, "Order-1")]
+        writer.commit()
+    finally:
+        writer.close()
+    claim = store.claim(10)
+    assert [m.id for m in claim.messages] == ids and store.mark_done(ids, claim.lease).ok
+
+
 def test_two_migrations_at_once_both_succeed(url: str) -> None:
     """Fault 7: the second `outbox migrate` waits for the first (sp_getapplock)."""
     table = f"outbox_mig_{uuid.uuid4().hex[:8]}"

@@ -1618,8 +1618,8 @@ def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.Log
     conn = StoreConnection({
         "SELECT compatibility_level": [(150, 16, 3)],
         "SELECT OBJECT_ID(": [(12345,)],
-        "SELECT name, collation_name FROM sys.columns": [("message_id", "Latin1_General_100_BIN2"),
-                                                         ("aggregate_id", "SQL_Latin1_General_CP1_CI_AS")],
+        "FROM sys.columns WHERE object_id": [("message_id", "Latin1_General_100_BIN2", "nvarchar", False),
+                                             ("aggregate_id", "SQL_Latin1_General_CP1_CI_AS", "nvarchar", False)],
         "SELECT 1 WHERE EXISTS": [(1,)],  # the retired index is still there
     })
     engine = MssqlEngine()
@@ -1634,6 +1634,39 @@ def test_start_up_check_explains_collation_and_index_problems(caplog: pytest.Log
         assert any(f"index {engine.index_name(spec.suffix)} is missing or defined differently" in m
                    and "outbox migrate" in m for m in messages)
     assert any("ix_outbox_agg_id_id is retired" in m for m in messages)
+
+
+def test_start_up_check_names_the_alter_column_for_id_columns_that_are_not_nvarchar(
+        caplog: pytest.LogCaptureFixture, no_sqlglot_fallbacks: None) -> None:
+    """Found in review (6 December): a table made by another script with VARCHAR ids. The
+    claim compares the column with its NVARCHAR table variables, so SQL Server converts the
+    column; with a SQL collation it cannot seek through that, and the probes' FORCESEEK fails
+    every claim (error 8622); the enqueue's lookup of @message_id scans the unique index.
+    Start-up now says so, naming the ALTER COLUMN to run (the indexes on it dropped first)."""
+    conn = StoreConnection({
+        "SELECT compatibility_level": [(150, 16, 3)],
+        "SELECT OBJECT_ID(": [(12345,)],
+        "FROM sys.columns WHERE object_id": [("message_id", "SQL_Latin1_General_CP1_CI_AS", "varchar", False),
+                                             ("aggregate_id", "SQL_Latin1_General_CP1_CI_AS", "varchar", True)],
+        "SELECT 1 WHERE EXISTS": [],
+    })
+    engine = MssqlEngine()
+    with caplog.at_level(logging.WARNING, logger="outbox.storage.engines.mssql"):
+        engine.setup_session(conn)
+    messages = [r.getMessage() for r in caplog.records]
+    for column, size, null in (("message_id", 64, "NOT NULL"), ("aggregate_id", 255, "NULL")):
+        alter = (f"ALTER TABLE [dbo].[outbox] ALTER COLUMN [{column}] NVARCHAR({size}) COLLATE {ID_COLLATION} "
+                 f"{null}")
+        problem = next(m for m in messages if f"column {column} is varchar, not NVARCHAR" in m)
+        assert alter in problem and "outbox migrate" in problem, problem
+        assert ("error 8622" in problem) is (column == "aggregate_id"), problem
+        assert isinstance(parse_one(alter), exp.Alter)
+    read = next(sql for sql, _ in conn.log if "FROM sys.columns WHERE object_id" in sql)
+    parse_one(read)
+    # NVARCHAR in a binary collation, the engine's own table: nothing to say about its id columns.
+    conn.answers["FROM sys.columns WHERE object_id"] = [("message_id", ID_COLLATION, "nvarchar", False),
+                                                         ("aggregate_id", ID_COLLATION, "nvarchar", False)]
+    assert not [p for p in engine.schema_problems(conn.cursor()) if "column" in p]
 
 
 # -- parameters (fault 7) -----------------------------------------------------------------------

@@ -34,7 +34,8 @@ Id-like columns (``message_id``, ``aggregate_id``) use a binary collation, so
 engines (SQL Server's default collations are case-insensitive). A table made by
 another script may have them in the database collation; the claim declares its
 table variable in the column's own collation (read once from the catalog), so any
-collation works, and start-up logs what that changes.
+collation works, and start-up logs what that changes. Their type must be NVARCHAR:
+start-up names the ALTER COLUMN for one that is not (docs/sqlserver.md, "Collations").
 """
 
 from __future__ import annotations

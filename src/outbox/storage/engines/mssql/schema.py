@@ -325,18 +325,37 @@ class MssqlSchema(Engine):
         return [((step[0], batch(step[1])) if isinstance(step, tuple) else batch(step))
                 for step in self.migration_steps(native_json)]
 
+    def id_column_sql(self, column: str, nullable: bool) -> str:
+        """The ALTER COLUMN that gives an id column (``message_id``, ``aggregate_id``) of a
+        table made by another script the type and collation the engine creates it with."""
+        size = 64 if column == "message_id" else 255
+        return (f"ALTER TABLE {self.table} ALTER COLUMN {self.quote(column)} NVARCHAR({size}) COLLATE {ID_COLLATION} "
+                f"{'NULL' if nullable else 'NOT NULL'}")
+
     def schema_problems(self, cursor: Any) -> list[str]:
         """What start-up finds wrong with an existing table, each with what to do:
-        id columns that compare case-insensitively, and indexes that are missing,
-        retired or defined differently (``outbox migrate`` repairs those)."""
+        id columns that are not NVARCHAR or compare case-insensitively, and indexes that
+        are missing, retired or defined differently (``outbox migrate`` repairs those)."""
         t = self._table_literal()
         exists = self.execute(cursor, f"SELECT OBJECT_ID({t}, N'U')").fetchone()
         if not exists or exists[0] is None:
             return []
         problems = []
-        rows = self.execute(cursor, f"SELECT name, collation_name FROM sys.columns WHERE object_id = OBJECT_ID({t}) "
-                            "AND name IN (N'message_id', N'aggregate_id')").fetchall()
-        for column, collation in rows:
+        rows = self.execute(cursor, "SELECT name, collation_name, TYPE_NAME(system_type_id), is_nullable FROM "
+                            f"sys.columns WHERE object_id = OBJECT_ID({t}) AND name IN (N'message_id', "
+                            "N'aggregate_id')").fetchall()
+        for column, collation, type_name, nullable in rows:
+            if str(type_name).lower() != "nvarchar":
+                # Compared with NVARCHAR (the claim's table variables, the enqueue's @message_id),
+                # the column is converted: no FORCESEEK plan with a SQL collation (docs/sqlserver.md,
+                # "Collations"; found in review).
+                harm = ("every claim fails (error 8622: no plan for its seeks)" if column == "aggregate_id" else
+                        "each enqueue scans the message-id index, and concurrent enqueues wait for each other")
+                problems.append(
+                    f"column {column} is {type_name}, not NVARCHAR: it is converted to be compared with NVARCHAR, "
+                    f"and in a SQL collation {harm}. In a maintenance window drop the indexes on it, run "
+                    f"`{self.id_column_sql(column, bool(nullable))}`, then `outbox migrate` "
+                    "(docs/sqlserver.md, \"Collations\")")
             if collation and not (collation.upper().endswith(("_BIN", "_BIN2")) or "_CS" in collation.upper()):
                 problems.append(
                     f"column {column} uses the case-insensitive collation {collation}: ids that differ only in case "
