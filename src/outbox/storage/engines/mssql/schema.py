@@ -358,9 +358,12 @@ class MssqlSchema(Engine):
                     "(docs/sqlserver.md, \"Collations\")")
             if collation and not (collation.upper().endswith(("_BIN", "_BIN2")) or "_CS" in collation.upper()):
                 problems.append(
-                    f"column {column} uses the case-insensitive collation {collation}: ids that differ only in case "
-                    f"are one {'message' if column == 'message_id' else 'aggregate'}. The relay works with it; "
-                    f"to match the other engines convert it to {ID_COLLATION} (docs/sqlserver.md)")
+                    f"column {column} uses the case-insensitive collation {collation}: " + (
+                        "message ids that differ only in case are one event" if column == "message_id" else
+                        "aggregate ids that differ only in case hold each other back in the claim, yet are "
+                        "published as two chains, ordered within each id only")
+                    + f". The relay works with it; to match the other engines convert it to {ID_COLLATION} "
+                    "(docs/sqlserver.md, \"Collations\")")
         for spec in INDEXES:
             if self.execute(cursor, self.index_matches(spec)).fetchone() is None:
                 problems.append(f"index {self.index_name(spec.suffix)} is missing or defined differently "
