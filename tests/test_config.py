@@ -53,6 +53,13 @@ def test_claim_timeout_at_the_ceiling_is_accepted() -> None:
     assert load_settings(environ={"OUTBOX_CLAIM_TIMEOUT_MS": "86400000"}).claim_timeout_ms == 86_400_000
 
 
+def test_a_short_lease_that_the_contract_allows_is_accepted() -> None:
+    """CONTRACT.md bounds the lease only at the top; a test of lost-task recovery sets a
+    short one. 1 s was the floor for a while (a lease of 500 ms stopped start-up)."""
+    assert load_settings(environ={"OUTBOX_CLAIM_TIMEOUT_MS": "500"}).claim_timeout_ms == 500
+    assert load_settings(environ={"OUTBOX_CLAIM_TIMEOUT_MS": "100"}).claim_timeout_ms == 100
+
+
 def test_unknown_override_is_refused() -> None:
     with pytest.raises(ConfigError, match="unknown setting OUTBOX_BATCHSIZE"):
         load_settings(overrides={"OUTBOX_BATCHSIZE": 5}, environ={})

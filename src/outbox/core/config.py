@@ -92,9 +92,11 @@ class Settings(Options):
         "unset it for the default (memory:// on SQLite, else redis://127.0.0.1:6379/0) or give Celery's "
         "broker URL"))
     batch_size: int = option(100, "int", above=0, maximum=10_000)
-    #: At least a second: a shorter lease expires before a publish can come back, and the row
-    #: is claimed again meanwhile (a positive bound alone let 5 ms through: found in review).
-    claim_timeout_ms: int = option(60_000, "int", minimum=1_000, maximum=MAX_CLAIM_TIMEOUT_MS)
+    #: At least 100 ms: a lease of a few ms expires before any publish can come back, and the
+    #: row is claimed again meanwhile (a positive bound alone let 5 ms through: found in
+    #: review). Not a second: CONTRACT.md bounds only the top, and a short lease (500 ms) is
+    #: how a test sees lost tasks recovered quickly.
+    claim_timeout_ms: int = option(60_000, "int", minimum=100, maximum=MAX_CLAIM_TIMEOUT_MS)
     max_attempts: int = option(10, "int", above=0, maximum=1_000)
     #: At least 50 ms: beat ticks in a busy loop below that (1e-300 passed "above 0").
     claim_interval_s: float = option(1.0, "float", minimum=0.05, maximum=86_400)
