@@ -6,17 +6,21 @@ no Python driver cursor."""
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 import time
 import uuid
 from typing import Any
 
 import pytest
 from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, mixed_rows, seed
-from services import POSTGRES_URL
+from services import MYSQL_URL, POSTGRES_URL, require
 
 from outbox.pipeline.common import encode_native
-from outbox.pipeline.fetch import arrow_fetch
+from outbox.pipeline.fetch import MysqlFetch, PostgresFetch, arrow_fetch
 from outbox.pipeline.source import ARROW_SCHEMA, OutboxQuery, OutboxReader
+from outbox.storage.engines import engine_for_url
 from outbox.storage.store import OutboxStore
 
 pa = pytest.importorskip("pyarrow")
@@ -240,3 +244,93 @@ def test_the_next_page_holds_about_the_byte_budget() -> None:
     assert OutboxReader({"url": "sqlite:///x.db"}).page_rows(arrow=True) == ARROW_PAGE_ROWS
     assert OutboxReader({"url": "sqlite:///x.db"}).page_rows(arrow=False) == DRIVER_PAGE_ROWS
     assert OutboxReader({"url": "sqlite:///x.db", "fetch_size": "7"}).page_rows(arrow=False) == 7
+
+
+# -- the Arrow readers' own connections: the engines' network bounds (docs/relay.md, "A network cut")
+
+def test_the_arrow_readers_connect_with_the_engines_network_bounds() -> None:
+    """ADBC and connectorx open their own connections: each carries the keepalives and
+    ``TCP_USER_TIMEOUT`` the engine gives its own, so a silent server (a failover, a cut path)
+    ends a page within ``tcp_timeout_s`` instead of hanging the job (found in review: 2 h 11 min
+    on ADBC, for ever on connectorx). A parameter written in the URL wins, as for the engine."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    pg = "postgresql+psycopg://app:secret@db.example:5432/app?tcp_timeout_s=10&idle_transaction_timeout_s=5"
+    uri = PostgresFetch(pg, engine_for_url(pg)).uri()
+    assert uri.startswith("postgresql://app:secret@db.example:5432/app?")
+    assert conninfo_to_dict(uri) == {"user": "app", "password": "secret", "host": "db.example", "port": "5432",
+                                     "dbname": "app", "connect_timeout": "10", "keepalives": "1",
+                                     "keepalives_idle": "5", "keepalives_interval": "1", "keepalives_count": "3",
+                                     "tcp_user_timeout": "10000"}
+    own = conninfo_to_dict(PostgresFetch(pg + "&keepalives_idle=60", engine_for_url(pg)).uri())
+    assert own["keepalives_idle"] == "60" and own["tcp_user_timeout"] == "10000"
+
+    my = "mysql://app:s%40cret@db.example:3306/app?tcp_timeout_s=4&read_timeout=30"
+    bounds = ("prefer_socket=false&tcp_connect_timeout_ms=10000&tcp_keepalive_time_ms=2000"
+              "&tcp_keepalive_probe_interval_secs=1&tcp_keepalive_probe_count=2&tcp_user_timeout_ms=4000")
+    assert MysqlFetch(my, engine_for_url(my)).cx_url() == f"mysql://app:s%40cret@db.example:3306/app?{bounds}"
+    v6 = "mysql://root@[::1]:3306/app?tcp_timeout_s=4"  # an IPv6 literal stays bracketed
+    assert MysqlFetch(v6, engine_for_url(v6)).cx_url() == f"mysql://root@[::1]:3306/app?{bounds}"
+
+
+def tcp_options_to(port: int) -> dict[int, dict[str, int]]:
+    """This process's TCP sockets connected to ``port``: fd -> the options that find a silent
+    server (read on a duplicate of the descriptor: the socket is the library's own)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            copy = os.dup(int(name))
+        except OSError:
+            continue  # already closed
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            continue  # not a socket
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if sock.getpeername()[1] != port:
+                continue
+            found[int(name)] = {option: sock.getsockopt(level, getattr(socket, option)) for level, option in (
+                (socket.SOL_SOCKET, "SO_KEEPALIVE"), (socket.IPPROTO_TCP, "TCP_KEEPIDLE"),
+                (socket.IPPROTO_TCP, "TCP_KEEPINTVL"), (socket.IPPROTO_TCP, "TCP_KEEPCNT"),
+                (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT"))}
+        except OSError:
+            continue  # not connected
+        finally:
+            sock.close()  # the duplicate only
+    return found
+
+
+@pytest.mark.skipif(not (os.path.isdir("/proc/self/fd") and hasattr(socket, "TCP_USER_TIMEOUT")),
+                    reason="reads the sockets' options through Linux's /proc")
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_the_arrow_readers_sockets_find_a_silent_server(server: str) -> None:
+    """On the real servers: the socket ADBC (kept between partitions) or connectorx (one per
+    page) reads a page on has the keepalive and ``TCP_USER_TIMEOUT`` of ``tcp_timeout_s``,
+    the kernel's own means of ending a read from a server that went silent."""
+    url, port = {"postgresql": (POSTGRES_URL, 5432), "mysql": (MYSQL_URL, 3306)}[server]
+    require(server, "127.0.0.1", port)
+    url += ("&" if "?" in url else "?") + "tcp_timeout_s=4"
+    fetch = arrow_fetch(url, engine_for_url(url), "arrow")
+    assert fetch is not None
+    before = set(tcp_options_to(port))
+    seen: dict[int, dict[str, int]] = {}
+    handle = fetch.open()
+    sleep = "SELECT pg_sleep(1.5)::text AS s" if server == "postgresql" else "SELECT SLEEP(1.5) AS s"
+    reading = threading.Thread(target=fetch.page, args=(handle, sleep))
+    reading.start()
+    try:
+        while reading.is_alive() or not seen:
+            seen.update({fd: o for fd, o in tcp_options_to(port).items() if fd not in before})
+            if not reading.is_alive():
+                break
+            time.sleep(0.1)
+    finally:
+        reading.join()
+        fetch.discard(handle)
+    assert seen, "no connection of the reader's was seen"
+    for options in seen.values():
+        assert options == {"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 2, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 2,
+                           "TCP_USER_TIMEOUT": 4000}, options

@@ -402,7 +402,7 @@ def test_a_pipeline_read_goes_on_when_the_server_ended_its_connection_between_pa
                 enqueue(cursor.connection, topic="t", aggregate_type="a", aggregate_id="1", payload={"n": n},
                         table=table)
         # The driver path: its connections carry the session bounds (the Arrow readers open
-        # their own, outside them: docs/pipeline.md).
+        # their own, with the client-side ones only: docs/pipeline.md).
         pages = OutboxReader({"url": url, "table": table, "fetch_size": "2", "reader": "driver"}).read(IdRange(1, 5))
         first = next(pages)
         reader = opened[-1]

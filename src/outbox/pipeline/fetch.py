@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode, urlsplit
 
 from ..core.errors import install_hint
 from ..storage.engines.base import Engine
@@ -111,7 +111,6 @@ class PostgresFetch(ArrowFetch):
     def open(self) -> Any:
         import adbc_driver_postgresql.dbapi as adbc
 
-        from ..storage.engines.postgres import libpq_url
         kept = _KEPT.pop((os.getpid(), self.url), None)  # taken: no other task of the process shares it
         if kept is not None:
             try:
@@ -122,7 +121,20 @@ class PostgresFetch(ArrowFetch):
             except Exception:  # noqa: BLE001 - a connection the server or the network ended: open another
                 self.discard(kept)
         # Autocommit: each page is its own statement and transaction (no snapshot held between pages).
-        return adbc.connect(libpq_url(self.url), autocommit=True)
+        return adbc.connect(self.uri(), autocommit=True)
+
+    def uri(self) -> str:
+        """The libpq URI ADBC connects with: the URL's, plus the client-side bounds of every
+        relay connection it does not set itself (``postgres.connect_params``: keepalives,
+        ``tcp_user_timeout``, ``connect_timeout``), so that a silent server ends a page
+        within ``tcp_timeout_s`` (docs/pipeline.md, "How the jobs read the outbox")."""
+        from psycopg.conninfo import conninfo_to_dict
+
+        from ..storage.engines.postgres import connect_params, libpq_url
+        url = libpq_url(self.url)
+        given = conninfo_to_dict(url)
+        added = {name: value for name, value in connect_params(self.url).items() if name not in given}
+        return url + ("&" if urlsplit(url).query else "?") + urlencode(added) if added else url
 
     def page(self, handle: Any, sql: str, params: list[Any] | None = None) -> Any:
         with handle.cursor() as cursor:
@@ -168,11 +180,24 @@ class MysqlFetch(ConnectorxFetch):
         return str(escape_item(value, "utf8mb4"))  # exactly PyMySQL's own rendering of a bound value
 
     def cx_url(self) -> str:
-        from ..storage.engines.mysql import pymysql_kwargs
+        """connectorx's URL (the mysql crate's parameters): TCP as the URL says (not the
+        crate's switch to a local socket), with the engine's own socket bounds
+        (``mysql.socket_options``): keepalives and ``TCP_USER_TIMEOUT`` that end a page
+        from a silent server within ``tcp_timeout_s`` (docs/pipeline.md, "How the jobs read
+        the outbox"). The crate takes no ``read_timeout``/``write_timeout``."""
+        from ..core.config import session_bounds
+        from ..storage.engines.base import tcp_keepalive
+        from ..storage.engines.mysql import CONNECT_TIMEOUT_S, pymysql_kwargs
 
         kw = pymysql_kwargs(self.url)
         auth = quote(kw["user"], safe="") + (":" + quote(kw["password"], safe="") if kw["password"] else "")
-        return f"mysql://{auth}@{kw['host']}:{kw['port']}/{kw['database'] or ''}"
+        host = f"[{kw['host']}]" if ":" in kw["host"] else kw["host"]  # an IPv6 literal
+        tcp_timeout_s = session_bounds(self.url)["tcp_timeout_s"]
+        idle, interval, count = tcp_keepalive(tcp_timeout_s)
+        bounds = urlencode({"prefer_socket": "false", "tcp_connect_timeout_ms": CONNECT_TIMEOUT_S * 1000,
+                            "tcp_keepalive_time_ms": idle * 1000, "tcp_keepalive_probe_interval_secs": interval,
+                            "tcp_keepalive_probe_count": count, "tcp_user_timeout_ms": tcp_timeout_s * 1000})
+        return f"mysql://{auth}@{host}:{kw['port']}/{quote(kw['database'] or '', safe='')}?{bounds}"
 
 
 class SqliteFetch(ConnectorxFetch):
