@@ -688,6 +688,81 @@ def test_an_unfinished_run_of_another_database_is_not_finished_on_this_one(spark
             store.close()
 
 
+def staged_runs(root: Path) -> list[str]:
+    staging = root / "_staging"
+    return sorted(os.listdir(staging)) if staging.exists() else []
+
+
+def test_a_second_outbox_archived_into_the_same_archive_is_refused_before_staging(spark: Any, tmp_path: Path) -> None:
+    """Two outboxes, one archive location (one OUTBOX_ARCHIVE_URI for two services, or two
+    OUTBOX_TABLEs): the readers tell rows apart by id alone, so the second outbox's ids
+    1..n hid the first's from the report and the replay, silently (found in review). The
+    second outbox's run is refused before it stages anything, naming both outboxes."""
+    root = tmp_path / "archive"
+    first = OutboxStore(f"sqlite:///{tmp_path / 'orders.db'}", table="outbox")
+    others = [OutboxStore(f"sqlite:///{tmp_path / 'billing.db'}", table="outbox"),  # another database
+              OutboxStore(f"sqlite:///{tmp_path / 'orders.db'}", table="outbox_two")]  # another table
+    try:
+        for store in (first, *others):
+            store.migrate()
+            seed(store, [Row("t.created", f"x{i}", age_ms=9 * DAY_MS) for i in range(3)])
+        assert Archiver(spark, first, str(root)).run(timedelta(days=7)).archived == 3
+        for other, named in zip(others, ["table 'outbox' of sqlite:///.*billing.db", "table 'outbox_two' of"]):
+            before = table_ids(other)
+            with pytest.raises(PipelineError, match=(
+                    f"the archive .* holds the outbox table 'outbox' of sqlite:///.*orders.db .*, not {named}.*"
+                    "an archive holds one outbox.*nothing was archived")):
+                Archiver(spark, other, str(root)).run(timedelta(days=7))
+            assert table_ids(other) == before and staged_runs(root) == []
+        assert sorted(archived_ids(spark, root)) == [1, 2, 3]
+    finally:
+        for store in (first, *others):
+            store.close()
+
+
+def test_an_outbox_whose_ids_started_again_is_refused_before_staging(spark: Any, tmp_path: Path) -> None:
+    """The outbox table re-created (or moved, or its sequence reset): its new rows take ids
+    the archive already holds for other events, and the readers would keep one row per id.
+    A new row inside a finished run's ids that is not one that run left in the outbox (a
+    requeued dead row: the same event) is refused before staging."""
+    root = tmp_path / "archive"
+    store = OutboxStore(f"sqlite:///{tmp_path / 'orders.db'}", table="outbox")
+    try:
+        store.migrate()
+        seed(store, [Row("t.created", f"x{i}", age_ms=9 * DAY_MS) for i in range(3)])
+        assert Archiver(spark, store, str(root)).run(timedelta(days=7)).archived == 3
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, "DROP TABLE outbox")
+        store.migrate()
+        ids = seed(store, [Row("t.created", f"y{i}", age_ms=9 * DAY_MS) for i in range(2)])
+        assert ids == [1, 2]
+        with pytest.raises(PipelineError, match=(
+                r"the outbox's row 1 has an id the archive .* already holds for another event \(run .*\): its ids "
+                r"started again .*nothing was archived")):
+            Archiver(spark, store, str(root)).run(timedelta(days=7))
+        assert table_ids(store) == {1, 2} and staged_runs(root) == []
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_the_readers_refuse_an_archive_of_two_outboxes(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+    """An archive written before the refusal above may hold two outboxes: the report and
+    the replay say so rather than drop one outbox's events."""
+    root = tmp_path / "archive"
+    seed(store, [Row("t.created", "x", age_ms=9 * DAY_MS)])
+    Archiver(spark, store, str(root)).run(timedelta(days=7))
+    seed(store, [Row("t.created", "y", age_ms=9 * DAY_MS)])
+    Archiver(spark, store, str(root)).run(timedelta(days=7))
+    assert len(archived_ids(spark, root)) == 2
+    manifest = sorted((root / "_manifest").glob("*.json"))[-1]
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "database": "sqlite:///elsewhere.db"}))
+    (manifest.parent / f".{manifest.name}.crc").unlink(missing_ok=True)  # Hadoop's checksum of the old text
+    with pytest.raises(PipelineError, match="holds the runs of more than one outbox: table '.*' of sqlite:///.*, "
+                                            "table '.*' of sqlite:///elsewhere.db"):
+        read_archive(spark, str(root))
+
+
 def paused_at(step: str, reached: threading.Event, go: threading.Event) -> Any:
     """A hook that holds its run at ``step`` (its own, not a recovery's) until ``go``."""
     own: list[str] = []

@@ -38,10 +38,12 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from itertools import chain
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -59,6 +61,7 @@ from .common import (
     decode_native,
     delete_groups,
     encode_native,
+    range_chunks,
 )
 from .fs import ArchiveFS
 from .lock import ArchiveLock
@@ -78,6 +81,8 @@ STAGING_DIR = "_staging"
 #: The archive locations whose names are limited to ``MAX_NAME_BYTES`` (object stores' are not).
 NAME_LIMITED_SCHEMES = ("file", "hdfs", "viewfs", "webhdfs", "swebhdfs")
 DONE_STATUS, DEAD_STATUS = 2, 4
+#: Ids per statement of the check that the outbox's ids did not start again (``Archiver._check_ids``).
+CHECK_CHUNK = 100_000
 
 Hook = Callable[[str], None]
 
@@ -128,6 +133,20 @@ def delete_sql(engine: Engine, statuses: list[int], ranges: int = 1) -> str:
     within = " OR ".join(["(id >= ? AND id <= ?)"] * ranges)
     return (f"DELETE FROM {engine.id_range_source()} WHERE ({within}) "
             f"AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
+
+
+def ids_in_span_sql(engine: Engine, statuses: list[int] | None = None) -> str:
+    """The ids and message ids of the rows in ``?``..``?``; with ``statuses``, of the rows a
+    run would archive (in those statuses, processed before the cut-off: a third ``?``)."""
+    sql = f"SELECT id, message_id FROM {engine.id_range_source()} WHERE id >= ? AND id <= ?"
+    if statuses is None:
+        return sql
+    return sql + f" AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?"
+
+
+def outbox_named(database: Any, schema: Any, table: Any) -> str:
+    """An outbox as a message names it: ``table 'name' of <database>``."""
+    return f"table {(f'{schema}.{table}' if schema else table)!r} of {database}"
 
 
 def database_of(url: str) -> str:
@@ -198,6 +217,8 @@ class Archiver:
         self.wait_s = max(0.0, wait_s)
         self._fs: ArchiveFS | None = None
         self._lock: ArchiveLock | None = None
+        #: The finished runs' manifests (``_check_one_outbox``, then each run this one finishes).
+        self._history: list[dict[str, Any]] = []
 
     @property
     def fs(self) -> ArchiveFS:
@@ -273,6 +294,7 @@ class Archiver:
             self._lock.check(before)
 
     def _run(self, older_than: timedelta, include_dead: bool) -> ArchiveResult:
+        self._history = self._check_one_outbox()
         recovered = self.recover()
         statuses = [DONE_STATUS, DEAD_STATUS] if include_dead else [DONE_STATUS]
         cutoff = db_cutoff(self.store, older_than)
@@ -287,6 +309,7 @@ class Archiver:
             self.progress(f"nothing to archive: no {'done or dead' if include_dead else 'done'} rows "
                           f"processed before {cutoff_dt.isoformat()}")
             return result
+        self._check_ids(statuses, cutoff, int(lo), int(hi))
         run_id = f"{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
         result.run_id = run_id
         self.progress(f"run {run_id}: archiving {count} row(s) processed before {cutoff_dt.isoformat()} "
@@ -319,6 +342,84 @@ class Archiver:
         result.deleted = self._finish(manifest)
         result.kept = rows - result.deleted
         return result
+
+    # -- one outbox per archive (docs/pipeline.md, "Guarantees") ---------------------------
+    def _check_one_outbox(self) -> list[dict[str, Any]]:
+        """Refuse, before anything is read, an archive whose finished runs are of another
+        outbox (another database, schema or table): its readers tell rows apart by id
+        alone and would keep one of two outboxes' rows of an id. Returns the finished
+        runs' manifests. (An unfinished run of another outbox: ``recover``.)"""
+        names = self.fs.list_names(self.fs.uri(MANIFEST_DIR))
+        finished = sorted(n[:-len(".deleted")] for n in names if n.endswith(".deleted"))
+        database = database_of(self.store.url)
+        mine = outbox_named(database, self.engine.schema, self.engine.table_name)
+        history = []
+        for run_id in finished:
+            if f"{run_id}.json" not in names:
+                continue
+            manifest = json.loads(self.fs.read_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json")))
+            # (A manifest written before "database" was recorded is taken as this database's.)
+            theirs = outbox_named(manifest.get("database", database), manifest.get("schema"), manifest.get("table"))
+            if theirs != mine:
+                raise PipelineError(
+                    f"the archive {self.root} holds the outbox {theirs} (run {run_id}), not {mine}: an archive "
+                    "holds one outbox (its readers tell rows apart by id alone, and would drop one outbox's "
+                    "events where the ids meet); give each outbox an archive of its own (OUTBOX_ARCHIVE_URI); "
+                    "nothing was archived")
+            history.append(manifest)
+        return history
+
+    def _check_ids(self, statuses: list[int], cutoff: Any, lo: int, hi: int) -> None:
+        """Refuse, before staging, rows to archive whose ids a finished run already archived
+        for other events: the outbox's ids started again (its table re-created or moved, its
+        sequence reset), and the readers would keep one of the two events of an id. The
+        one row a run may meet again is one an earlier run left in the outbox (a dead row
+        requeued after it was read: ``kept``), the same event."""
+        sql = ids_in_span_sql(self.engine, statuses)
+        for manifest in self._history:
+            met = self._rows_within(manifest["id_ranges"], sql, [cutoff], lo, hi)
+            first = next(met, None)
+            if first is None:
+                continue
+            kept = self._kept_of(manifest)
+            if kept is None:  # finished before the kept rows were recorded: not known
+                log.debug("outbox: run %s recorded no kept rows; its ids are not checked", manifest["run_id"])
+                continue
+            for id_, message_id in chain([first], met):
+                if kept.get(id_) != message_id:
+                    raise PipelineError(
+                        f"the outbox's row {id_} has an id the archive {self.root} already holds for another "
+                        f"event (run {manifest['run_id']}; this row's message id is {message_id}): its ids "
+                        "started again (the table re-created or moved, its sequence reset), and the archive's "
+                        "readers, which tell rows apart by id, would keep one of the two events; archive this "
+                        "outbox to an archive of its own (OUTBOX_ARCHIVE_URI); nothing was archived")
+
+    def _rows_within(self, id_ranges: list[list[int]], sql: str, params: list[Any], lo: int = 0,
+                     hi: int | None = None) -> Iterator[tuple[int, Any]]:
+        """(id, message id) of the rows ``sql`` (``ids_in_span_sql``) finds within a run's
+        ``[first, last]`` id runs (and ``lo..hi``), read ``CHECK_CHUNK`` ids a statement."""
+        ranges = [(int(a), int(b)) for a, b in id_ranges]
+        if not ranges:
+            return
+        starts = [a for a, _ in ranges]
+        span = (max(lo, ranges[0][0]), ranges[-1][1] if hi is None else min(hi, ranges[-1][1]))
+        for first, last in range_chunks([span], CHECK_CHUNK):
+            rows = self.store._run("archive check", self._reader(sql, [first, last, *params]))
+            for id_, message_id in rows:
+                at = bisect_right(starts, int(id_)) - 1
+                if at >= 0 and ranges[at][1] >= int(id_):  # not in a gap: an id the run archived
+                    yield int(id_), message_id
+
+    def _reader(self, sql: str, params: list[Any]) -> Callable[[Any], list[Any]]:
+        return lambda cursor: list(self.engine.execute(cursor, sql, params).fetchall())
+
+    def _kept_of(self, manifest: dict[str, Any]) -> dict[int, str] | None:
+        """The rows a finished run left in the outbox (id -> message id), as its ``.deleted``
+        marker records them; ``{}`` when it deleted every row it archived; None when not known."""
+        marker = json.loads(self.fs.read_text(self.fs.uri(MANIFEST_DIR, f"{manifest['run_id']}.deleted")))
+        if "kept" in marker:
+            return {int(id_): message_id for id_, message_id in marker["kept"]}
+        return {} if marker.get("deleted", 0) >= manifest["rows"] else None
 
     def _check_topic_names(self, statuses: list[int], cutoff: Any) -> None:
         """Refuse, before staging, a topic whose directory (``topic=<value>``, Spark's
@@ -382,8 +483,12 @@ class Archiver:
         self.fs.sync([*(self.fs.uri(rel) for rel in manifest["files"]), self.fs.uri(MANIFEST_DIR, f"{run_id}.json")])
         deleted = self._delete(manifest)
         self.on_step("deleted")
+        # The rows it left (changed after they were read), for a later run's _check_ids.
+        kept = ([[id_, message_id] for id_, message_id in self._rows_within(
+            manifest["id_ranges"], ids_in_span_sql(self.engine), [])] if deleted < manifest["rows"] else [])
         self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.deleted"), json.dumps(
-            {"run_id": run_id, "deleted": deleted, "at": datetime.now(UTC).isoformat()}))
+            {"run_id": run_id, "deleted": deleted, "kept": kept, "at": datetime.now(UTC).isoformat()}))
+        self._history.append(manifest)
         self.progress(f"run {run_id}: deleted {deleted} archived row(s) from the outbox")
         return deleted
 
@@ -520,6 +625,14 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
     if not manifests and not fs.exists(fs.uri(MANIFEST_DIR)):
         raise PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
                             "`outbox pipeline archive`)")
+    # Written before the archive refused a second outbox (Archiver._check_one_outbox): one
+    # outbox's rows would hide the other's of the same ids.
+    outboxes = sorted({outbox_named(m["database"], m.get("schema"), m.get("table")) for m in manifests
+                       if "database" in m})
+    if len(outboxes) > 1:
+        raise PipelineError(f"the archive {root} holds the runs of more than one outbox: {', '.join(outboxes)}; "
+                            "its readers tell rows apart by id alone and would drop one outbox's events: "
+                            "move each outbox's runs (their _manifest/<run>.json and files) to an archive of its own")
     # (base, what to read): the archive tree, and of each committed run still in staging (a
     # crash mid-publish) its committed files only: a task attempt that failed, or ran on
     # after its run had finished, may have left finished files of its own beside them.
