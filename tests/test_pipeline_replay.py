@@ -15,6 +15,7 @@ from pipeline_support import DAY_MS, Row, invoke, seed
 from services import POSTGRES_URL, require
 
 from outbox.pipeline.archive import Archiver
+from outbox.pipeline.common import PipelineError
 from outbox.pipeline.replay import REPLAY_HEADER, replay_message_id, run_replay
 from outbox.storage.store import OutboxStore
 
@@ -261,3 +262,33 @@ def test_replaying_an_archive_that_holds_earlier_replays_enqueues_each_event_onc
     for mid, agg in zip(originals, [r.aggregate_id for r in history()[:12]]):
         per_aggregate.setdefault(agg, []).append(mid)
     assert_replayed_in_order(store, per_aggregate)  # still each aggregate's original order
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_wider_replay_after_a_narrower_one_is_refused_before_writing(spark: Any, store: OutboxStore,
+                                                                     tmp_path: Path) -> None:
+    """An aggregate's events e0 created, e1 paid, e2 created, e3 paid. A replay of
+    ``--topic orders.paid`` wrote e1 and e3; a later replay of everything used to append e0
+    and e2 after them (e1, e3, e0, e2: paid before created), exit 0 (found in review). The
+    stored copies of a selection must come before its missing events, per aggregate, or
+    the run stops before writing anything, naming the aggregate; a run that selects only
+    what is missing still goes, after what is there."""
+    topics = ["orders.created", "orders.paid", "orders.created", "orders.paid"]
+    ids = seed(store, [Row(t, "X", age_ms=9 * DAY_MS - i * 1000) for i, t in enumerate(topics)])
+    with store.transaction() as c:
+        originals = [r[0] for r in store.engine.execute(
+            c, f"SELECT message_id FROM {store.engine.table} ORDER BY id").fetchall()]
+    root = tmp_path / "archive"
+    assert Archiver(spark, store, str(root)).run(timedelta(days=7)).archived == 4
+    assert run_replay(spark, archive=str(root), target=store, topic="orders.paid")["written"] == 2
+    with pytest.raises(PipelineError, match=(
+            f"replay would write events after later ones of their aggregate: the target holds the copy of "
+            f"order/X's archived id {ids[1]} but not of its earlier archived id {ids[0]} .*nothing was written")):
+        run_replay(spark, archive=str(root), target=store, partitions=2)
+    assert [h[REPLAY_HEADER] for _, h in replayed(store)["X"]] == [originals[1], originals[3]]
+    # the rest, asked for as such: written after what is there, in their own order
+    assert run_replay(spark, archive=str(root), target=store, topic="orders.created")["written"] == 2
+    assert [h[REPLAY_HEADER] for _, h in replayed(store)["X"]] == [originals[i] for i in (1, 3, 0, 2)]
+    # everything again: all stored, nothing to write, nothing refused
+    again = run_replay(spark, archive=str(root), target=store)
+    assert (again["written"], again["already_present"]) == (0, 4)

@@ -14,7 +14,9 @@ and its copies are replayed once, under one message id. Enqueueing a message id 
 already stored, or that came earlier in the same batch, writes nothing, so a re-run, or
 a run after a crash half-way, enqueues nothing twice; and because each task commits its
 aggregates' events in order, what a crash leaves behind is a prefix of every aggregate,
-which the re-run completes in order. The copy carries ``x-outbox-replay-of`` (the
+which the re-run completes in order. A re-run that selects more than the run before it
+(whose stored copies would then precede events of their aggregate not yet written) is
+refused before it writes anything (``_check_order``; docs/pipeline.md, "Replay"). The copy carries ``x-outbox-replay-of`` (the
 original message id) in its headers, and the original's ``trace_id``.
 
 The rows are validated exactly as ``enqueue`` validates them (``prepare_batch``: the
@@ -354,6 +356,51 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
     return run
 
 
+#: The columns the order check reads (``_check_order``): no payload.
+ORDER_CHECK_COLUMNS = ("id", "message_id", "headers", "aggregate_type", "aggregate_id")
+
+
+def _check_order(url: str, table: str, schema: str | None) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The order check's task body (``mapInArrow``, the write's partitions and order): the
+    events of an aggregate already in the target must come before those not yet there,
+    or writing these would put them after later events of their aggregate. Yields the
+    aggregates where a stored event follows one not stored (at most ``SAMPLE``): the
+    archived id not stored and the later one stored (docs/pipeline.md, "Replay")."""
+    def run(batches_in: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        store = OutboxStore(url, table=table, schema=schema)
+        engine = store.engine
+        existing_of = EXISTING.get(engine.name, _existing_in_list)
+        first_missing: dict[tuple[str, str], int] = {}  # aggregate -> its first archived id not stored
+        stored: set[str] = set()  # new message ids found stored (a second archived row of one is the same event)
+        found: list[tuple[str, int, int]] = []  # (aggregate, first id not stored, a later id stored)
+        named: set[tuple[str, str]] = set()
+
+        def stored_of(ids: list[str]) -> Callable[[Any], set[str]]:
+            return lambda cursor: existing_of(engine, cursor, ids)
+        try:
+            for record_batch in batches_in:
+                cols = {name: record_batch.column(name).to_pylist() for name in ORDER_CHECK_COLUMNS}
+                new_ids = [new_message_id(m, h) for m, h in zip(cols["message_id"], cols["headers"])]
+                taken = store._run("replay check", stored_of(new_ids))
+                for id_, new_id, kind, agg in zip(cols["id"], new_ids, cols["aggregate_type"], cols["aggregate_id"]):
+                    key = (kind, agg)
+                    if new_id not in taken:
+                        first_missing.setdefault(key, id_)
+                    elif new_id not in stored:
+                        stored.add(new_id)
+                        if key in first_missing and key not in named and len(found) < SAMPLE:
+                            named.add(key)
+                            found.append((f"{kind}/{agg}", first_missing[key], id_))
+        finally:
+            store.close()
+        yield pa.RecordBatch.from_pydict(
+            {"aggregate": [f[0] for f in found], "missing": [f[1] for f in found], "stored": [f[2] for f in found]},
+            schema=pa.schema([("aggregate", pa.string()), ("missing", pa.int64()), ("stored", pa.int64())]))
+    return run
+
+
 def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: str | None = None,
                aggregate_type: str | None = None, aggregate_id: str | None = None,
                since: datetime | None = None, until: datetime | None = None, dry_run: bool = False,
@@ -384,7 +431,21 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
         check_table(target)
         say(f"replaying {total} event(s) into {target.engine.name}:{target.engine.table_name} "
             f"(new message ids uuid5 of the originals)")
-        parts = (events.repartition(partitions, "aggregate_id").sortWithinPartitions("id")
+        ordered = events.repartition(partitions, "aggregate_id").sortWithinPartitions("id")
+        clashes = (ordered.select(*ORDER_CHECK_COLUMNS)
+                   .mapInArrow(_check_order(target.url, target.engine.table_name, target.engine.schema),
+                               "aggregate STRING, missing BIGINT, stored BIGINT")
+                   .collect())
+        if clashes:
+            first = min(clashes, key=lambda r: r["missing"])
+            more = f", and {len(clashes) - 1} other aggregate(s) at least" if len(clashes) > 1 else ""
+            raise PipelineError(
+                f"replay would write events after later ones of their aggregate: the target holds the copy of "
+                f"{first['aggregate']}'s archived id {first['stored']} but not of its earlier archived id "
+                f"{first['missing']}{more} (an earlier replay selected fewer events: another --topic, a later "
+                "--since, ...); nothing was written. To replay them anyway, after what is there, select only "
+                "the events not replayed yet (e.g. the other --topic)")
+        parts = (ordered
                  .mapInArrow(_enqueue_partition(target.url, target.engine.table_name, target.engine.schema,
                                                 batch, get_settings().max_payload_bytes, crash_after_batches),
                              "seen BIGINT, written BIGINT")
