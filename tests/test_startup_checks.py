@@ -190,6 +190,7 @@ def test_the_password_of_an_odbc_connect_url_is_registered_decoded() -> None:
 def test_unknown_environment_names_get_the_closest_known_name() -> None:
     found = dict(unknown_environment({"OUTBOX_BATCHSIZE": "5", "OUTBOX_RELAY_BREAKER": "1", "OUTBOX_ZZZZ": "1",
                                       "OUTBOX_TEST_POSTGRES_URL": "x", "OUTBOX_REQUIRE_SERVICES": "1",
+                                      "OUTBOX_CHAOS_SEED": "1", "OUTBOX_BENCH_KAFKA_URL": "x",  # the docs set them
                                       "OUTBOX_BATCH_SIZE": "5", "PATH": "/bin"}))
     assert found == {"OUTBOX_BATCHSIZE": "OUTBOX_BATCH_SIZE", "OUTBOX_RELAY_BREAKER": "OUTBOX_RELAY_BREAKER_S",
                      "OUTBOX_ZZZZ": None}

@@ -374,9 +374,9 @@ def known_names() -> tuple[str, ...]:
     return (*SETTING_NAMES, *OTHER_NAMES)
 
 
-#: Names that are not the package's settings: the test suite's own.
+#: Names that are not the package's settings: the test suite's and the benchmarks' own.
 EXEMPT_NAMES = ("OUTBOX_REQUIRE_SERVICES",)
-EXEMPT_PREFIXES = ("OUTBOX_TEST_",)
+EXEMPT_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_BENCH_", "OUTBOX_CHAOS_")
 
 
 def refuse_unknown(overrides: Mapping[str, Any]) -> None:
