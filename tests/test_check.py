@@ -303,3 +303,17 @@ def test_a_redis_broker_that_never_answers_fails_the_check_instead_of_hanging(tm
     assert result.returncode == 1, result.stdout + result.stderr
     states = lines(result)
     assert states["celery broker"] == "FAIL" and states["destination"] == "FAIL", result.stdout
+
+
+def test_check_fails_on_a_celery_broker_url_other_than_outboxs(tmp_path: Path) -> None:
+    """CELERY_BROKER_URL replaces OUTBOX_CELERY_BROKER_URL for Celery, and the worker and beat refuse
+    to start with it; the check reported the OUTBOX one reachable (found in review)."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_CELERY_BROKER_URL": "redis://127.0.0.1:9/0"}
+    OutboxStore(env["OUTBOX_DATABASE_URL"]).migrate()
+    result = check({**env, "CELERY_BROKER_URL": "amqp://guest:pw@127.0.0.1:9//"}, tmp_path)
+    assert result.returncode == 1 and lines(result)["celery broker url"] == "FAIL", result.stdout
+    assert ("[FAIL] celery broker url: CELERY_BROKER_URL names Celery's broker amqp://guest:***@127.0.0.1:9//, not "
+            "OUTBOX_CELERY_BROKER_URL's redis://127.0.0.1:9/0: every worker, beat and writer") in result.stdout, \
+        result.stdout
+    same = check({**env, "CELERY_BROKER_URL": env["OUTBOX_CELERY_BROKER_URL"]}, tmp_path)
+    assert "celery broker url" not in lines(same), same.stdout

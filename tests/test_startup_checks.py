@@ -427,3 +427,57 @@ def test_the_dramatiq_scheduler_names_a_shadowing_beat_schedule(tmp_path: Path, 
         if installed is not None:
             sys.modules["beat_schedule"] = installed
     assert f"{tmp_path / 'beat_schedule.py'} shadows the relay's schedule" in capsys.readouterr().err
+
+
+#: Celery's own ways to name its broker, each ahead of the relay's defaults: the environment
+#: variable, ``celery -b`` (which sets it) and a config module's ``broker_url``.
+OTHER_BROKER = f"amqp://guest:{SECRET}@127.0.0.1:5672//"
+
+
+@pytest.mark.parametrize("command,how,source", [
+    ("worker", "env", "CELERY_BROKER_URL"),
+    ("beat", "env", "CELERY_BROKER_URL"),
+    ("worker", "-b", "CELERY_BROKER_URL"),
+    ("beat", "-b", "CELERY_BROKER_URL"),
+    ("worker", "config", "broker_url"),
+    ("beat", "config", "broker_url"),
+])
+def test_worker_and_beat_refuse_a_celery_broker_other_than_outboxs(tmp_path: Path, command: str, how: str,
+                                                                   source: str) -> None:
+    """CELERY_BROKER_URL, `celery -b` or a `broker_url` key once replaced OUTBOX_CELERY_BROKER_URL
+    silently while the transport was still chosen from it: a worker on PostgreSQL told amqp:// ran
+    the Redis transport against RabbitMQ's port, "Cannot connect" forever (found in review)."""
+    redis_url = require_redis()
+    env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_CELERY_BROKER_URL=redis_url)
+    before: list[str] = []
+    if how == "env":
+        env["CELERY_BROKER_URL"] = OTHER_BROKER
+    elif how == "-b":
+        before = ["-b", OTHER_BROKER]
+    else:
+        (tmp_path / "relay_celeryconfig.py").write_text(f"broker_url = {OTHER_BROKER!r}\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+        before = ["--config", "relay_celeryconfig"]
+    args = ["worker", "-c", "1", "--without-mingle", "--without-gossip"] if command == "worker" else [
+        "beat", "-s", str(tmp_path / "beat-schedule")]
+    result = subprocess.run([CELERY, "-A", "outbox", *before, *args, "--loglevel=INFO"], capture_output=True,
+                            text=True, env=env, cwd=tmp_path, timeout=30)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output, output[-3000:]
+    assert SECRET not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"outbox: {source}"), last
+    assert f"names Celery's broker amqp://guest:***@127.0.0.1:5672//, not OUTBOX_CELERY_BROKER_URL's {redis_url}: " \
+        in last, last
+
+
+def test_the_same_celery_broker_under_both_names_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from outbox.celery.application import app, broker_conflict
+
+    settings = load_settings(environ={"OUTBOX_DATABASE_URL": "postgresql://db/app",
+                                      "OUTBOX_CELERY_BROKER_URL": "redis://127.0.0.1:6379/3"})
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/3")
+    assert app.conf.broker_url == "redis://127.0.0.1:6379/3" and broker_conflict(settings) is None
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/4")
+    assert (broker_conflict(settings) or "").startswith("outbox: CELERY_BROKER_URL (or celery -b) names Celery's broker "
+                                                        "redis://127.0.0.1:6379/4, not OUTBOX_CELERY_BROKER_URL's")

@@ -23,6 +23,7 @@ from kombu.utils.url import as_url
 from ..core.config import (
     RelayOptions,
     Settings,
+    celery_broker_conflict,
     message_ttl_s,
     relay_options,
     relay_settings,
@@ -210,14 +211,41 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
     return config
 
 
+def configured(key: str) -> Any:
+    """What the app's own configuration (a config module: ``--config``, CELERY_CONFIG_MODULE)
+    gives ``key`` (or its old upper-case name), else None. Celery puts the defaults above
+    ahead of it (``add_defaults``), so a key the relay sets is the relay's unless read here."""
+    conf = app.loader.conf or {}
+    value = conf.get(key)
+    return conf.get(key.upper()) if value is None else value
+
+
+def broker_conflict(settings: Settings) -> str | None:
+    """Why this worker or beat must not start: Celery's broker named otherwise than by
+    OUTBOX_CELERY_BROKER_URL (``celery_broker_conflict``): CELERY_BROKER_URL, which ``celery -b``
+    sets and Celery reads first, else a ``broker_url`` set on the app or in its config module
+    (found in review); None when they agree."""
+    if os.environ.get("CELERY_BROKER_URL"):
+        return celery_broker_conflict(settings, app.conf.broker_url, "CELERY_BROKER_URL (or celery -b)")
+    named = app.conf.broker_url
+    if not named or named == settings.broker_url:  # the relay's own, once its defaults are in
+        named = configured("broker_url")
+    return celery_broker_conflict(settings, named, "broker_url in Celery's configuration")
+
+
 def _defaults() -> dict[str, Any]:
+    command = os.path.basename(sys.argv[0] or "").startswith("celery")  # `celery -A outbox worker|beat`
     try:
-        return celery_config(*startup_options())
+        settings, options = startup_options()
+        config = celery_config(settings, options)
     except ConfigError as exc:
-        if os.path.basename(sys.argv[0] or "").startswith("celery"):
-            # `celery -A outbox worker|beat`: one clear line and a non-zero exit, no traceback.
+        if command:  # one clear line and a non-zero exit, no traceback
             raise SystemExit(redact(f"outbox: invalid configuration: {exc}")) from None
         raise
+    conflict = broker_conflict(settings) if command else None
+    if conflict:
+        raise SystemExit(conflict)
+    return config
 
 
 app.add_defaults(_defaults)
@@ -235,4 +263,4 @@ def send_relay_task(task: str, kwargs: dict[str, Any] | None = None, namespace: 
                          queue=Queues(namespace).for_task(task), **options)
 
 
-__all__ = ["app", "celery_config", "send_relay_task", "load_beat_schedule", "relay_settings", "relay_options"]
+__all__ = ["app", "celery_config", "broker_conflict", "configured", "send_relay_task", "load_beat_schedule", "relay_settings", "relay_options"]

@@ -35,6 +35,7 @@ from ..core.config import (
     ConfigError,
     KafkaOptions,
     Settings,
+    celery_broker_conflict,
     dramatiq_settings,
     load_settings,
     relay_families,
@@ -387,6 +388,11 @@ def run_checks(environ: dict[str, str] | None = None, *,
     if not dramatiq and not settings.celery_broker_url and not settings.database_url.startswith("sqlite"):
         results.append(Result("celery broker url", WARN, f"OUTBOX_CELERY_BROKER_URL is not set: using "
                               f"{settings.broker_url}; workers, beat and web processes must all use the same one"))
+    # What stops the worker and beat (``outbox.celery.application.broker_conflict``), said here too.
+    conflict = None if dramatiq else celery_broker_conflict(settings, environ.get("CELERY_BROKER_URL"),
+                                                             "CELERY_BROKER_URL")
+    if conflict:
+        results.append(Result("celery broker url", FAIL, conflict.removeprefix("outbox: ")))
     results += check_database(settings)
     results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings))
     results += check_destination(settings, kafka, probe_topic)

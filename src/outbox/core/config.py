@@ -145,6 +145,19 @@ class Settings(Options):
         return "redis://127.0.0.1:6379/0"
 
 
+
+def celery_broker_conflict(settings: Settings, celery_url: str | None, source: str) -> str | None:
+    """The line that stops a Celery worker or beat (and fails ``outbox check``) when ``source``
+    names a broker for Celery, ``celery_url``, that is not ``settings.broker_url``; None when they
+    agree or nothing names one. Writers wake the relay on OUTBOX_CELERY_BROKER_URL's broker, and
+    the relay's transport is chosen from it (docs/relay.md, "Running worker and beat")."""
+    if not celery_url or celery_url == settings.broker_url:
+        return None
+    ours = "" if settings.celery_broker_url else " (unset: the default)"
+    return redact(f"outbox: {source} names Celery's broker {celery_url}, not OUTBOX_CELERY_BROKER_URL's "
+                  f"{settings.broker_url}{ours}: every worker, beat and writer of an outbox must use one broker; "
+                  f"set OUTBOX_CELERY_BROKER_URL to the one you mean, and remove {source} or give it the same URL")
+
 SETTING_NAMES = Settings.names()
 
 
@@ -527,7 +540,7 @@ def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: boo
     return found
 
 
-__all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
+__all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "celery_broker_conflict", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
            "pipeline_options", "dramatiq_settings", "sources_of", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
