@@ -576,3 +576,45 @@ def test_the_redis_destination_going_away_mid_drain_loses_nothing(
         proxy.close()
         queue(conn.default_channel).delete()
         conn.release()
+
+
+# -- Celery beat after its clock stepped back ----------------------------------------------------
+
+def test_celery_beat_resets_an_entry_last_run_in_the_future_and_claims_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A backward step of beat's clock (NTP correcting a host that booted ahead, a restored VM)
+    left `outbox-claim`'s last run in the future, kept in celerybeat-schedule across restarts:
+    Celery's scheduler sent no claim tick and no purge until the clock caught up, an hour here
+    (found in review). The relay's scheduler runs such an entry again from now, saying so once.
+    The sends are recorded here instead of reaching a broker: what is under test is when beat
+    sends."""
+    from datetime import timedelta
+
+    from beat_schedule import CLAIM_ENTRY, PURGE_ENTRY
+    from outbox.celery import app
+    from outbox.celery.beat import Scheduler
+
+    path = str(tmp_path / "beat-schedule")
+    before = Scheduler(app=app, schedule_filename=path)
+    ahead = before.app.now() + timedelta(hours=1)
+    for entry in before.schedule.values():
+        entry.last_run_at = ahead
+    before.close()
+    beat = Scheduler(app=app, schedule_filename=path)
+    sent: list[str] = []
+    beat.apply_async = lambda entry, **_: sent.append(entry.name)  # type: ignore[method-assign]
+    interval = float(beat.schedule[CLAIM_ENTRY].schedule.run_every.total_seconds())
+    deadline = time.monotonic() + interval + 2.0
+    with caplog.at_level("WARNING", logger="outbox.beat"):
+        while CLAIM_ENTRY not in sent and time.monotonic() < deadline:
+            time.sleep(max(0.0, min(beat.tick(), 0.05)))
+        beat.tick()
+    beat.close()
+    assert CLAIM_ENTRY in sent, f"no claim tick within {interval + 2.0:.1f} s"
+    after = Scheduler(app=app, schedule_filename=path)  # the mended times were kept in the file
+    try:
+        assert all(entry.last_run_at <= app.now() for entry in after.schedule.values())
+    finally:
+        after.close()
+    steps = [r.getMessage() for r in caplog.records if "clock stepped back" in r.getMessage()]
+    assert len(steps) == 1 and f"{CLAIM_ENTRY}, {PURGE_ENTRY}" in steps[0] and "3600 s" in steps[0], steps

@@ -9,6 +9,9 @@ the first send that goes through one INFO line with how long it lasted (docs/rel
 "Outages in the log"). Any other failure to send (a task Celery cannot serialize, say) is
 Celery's ERROR as before. ``application.celery_config`` makes this the default
 ``beat_scheduler``; ``celery beat -S <another>`` (django-celery-beat's, say) logs as Celery does.
+
+It also runs again from now an entry whose last run is in the future: beat's clock stepped
+back (docs/relay.md, "Ticks, expiry and clocks").
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 from typing import Any
 
 from celery.beat import PersistentScheduler
+from celery.utils.time import maybe_make_aware
 from kombu.exceptions import OperationalError
 
 from ..core.redact import redact
@@ -26,15 +30,39 @@ from ..relay import Outage
 #: (``worker_logging.TickFilter`` counts the claim ticks there).
 log = logging.getLogger("celery.beat")
 
+#: An entry last run further ahead of beat's clock than this: the clock stepped back.
+CLOCK_STEP_S = 1.0
+
 
 class Scheduler(PersistentScheduler):
-    """``PersistentScheduler`` with an outage log for its sends (module docstring)."""
+    """``PersistentScheduler`` with an outage log for its sends, mending a clock step (module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outage = Outage("Celery's broker", redact(self.app.conf.broker_url or ""),
                              "Beat sends no claim tick or purge until it answers and tries again at every tick; "
                              "nothing is lost (rows wait in the table)", logging.getLogger("outbox.beat"))
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        self.mend_clock_step()
+        return float(super().tick(*args, **kwargs))
+
+    def mend_clock_step(self) -> None:
+        """Entries last run in the future run again from now, in one WARNING. Celery waits
+        until ``last_run_at`` plus the interval, and keeps ``last_run_at`` in the schedule
+        file: a clock stepped back an hour sent no claim tick for an hour, restarts included."""
+        ahead: list[tuple[str, float]] = []
+        for name, entry in self.schedule.items():
+            now = maybe_make_aware(entry.default_now())
+            step = (maybe_make_aware(entry.last_run_at) - now).total_seconds()
+            if step > CLOCK_STEP_S:
+                entry.last_run_at = now
+                ahead.append((name, step))
+        if ahead:
+            self._heap = None  # Celery's order of the entries, rebuilt from the mended times
+            logging.getLogger("outbox.beat").warning(
+                "outbox: beat's clock stepped back %.0f s (%s last ran that far in the future): they run again from "
+                "now, not when the clock catches up", max(step for _, step in ahead), ", ".join(sorted(n for n, _ in ahead)))
 
     def unreachable(self, exc: BaseException) -> BaseException | None:
         """The error in ``exc``'s chain that says the broker is unreachable (kombu's
