@@ -157,6 +157,57 @@ print(json.dumps({"ran": len(ran), "sent": sent, "theirs": theirs, "ours": ours}
     assert "refused a outbox.purge task of outbox 'other-outbox'" in done.stderr
 
 
+_FORWARD_EXPIRING = """
+import json, logging, os
+from datetime import datetime, timedelta, timezone
+import outbox.celery.tasks as t
+logging.basicConfig(level=logging.DEBUG)
+other, now = os.environ["OTHER_OUTBOX"], datetime.now(timezone.utc)
+results = []
+for left in (60, -5):  # as a worker hands it: request.expires is Celery's ISO-8601 string
+    t.claim.push_request(expires=(now + timedelta(seconds=left)).isoformat())
+    try:
+        results.append(t.claim(outbox=other))
+    finally:
+        t.claim.pop_request()
+print(json.dumps({"results": results, "now": now.timestamp()}))
+"""
+
+
+def test_a_foreign_tick_with_an_expiry_lands_on_its_outboxs_queue(tmp_path: Path) -> None:
+    """Claim ticks, claim requests and purges carry an expiry, which a worker holds as an
+    ISO-8601 string: forwarding one raised ValueError (float() of that string), so each was
+    lost with a traceback, one a second (found in review). Forwarded now with the time it has
+    left (the same deadline), on a real Redis as Celery's broker; one already expired is
+    dropped with a DEBUG line."""
+    import base64
+
+    import redis
+    from celery.utils.time import maybe_iso8601
+
+    require("Redis", "127.0.0.1", 6379)
+    other = f"fwd-{uuid.uuid4().hex[:10]}"
+    queue = Queues(other).claim
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        done = run_python(_FORWARD_EXPIRING, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
+                          OUTBOX_CELERY_BROKER_URL=REDIS_URL, OTHER_OUTBOX=other)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.splitlines()[-1])
+        messages = [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
+    finally:
+        for key in client.scan_iter(match=f"*{other}*"):  # the queue and kombu's bindings of it
+            client.delete(key)
+        client.close()
+    assert out["results"] == [{"refused": other, "forwarded": True}, {"refused": other, "expired": True}], out
+    assert len(messages) == 1, messages
+    headers = messages[0]["headers"]
+    assert headers["task"] == CLAIM_TASK and json.loads(base64.b64decode(messages[0]["body"]))[1]["outbox"] == other
+    expires = maybe_iso8601(headers["expires"]).timestamp()
+    assert abs(expires - (out["now"] + 60)) < 0.01, headers["expires"]  # the same deadline, not a new one
+    assert f"outbox: dropped a {CLAIM_TASK} task of outbox {other!r} that expired" in done.stderr
+
+
 # -- the database broker: two outboxes in one database ----------------------------------------------
 
 def test_two_outboxes_on_the_database_broker_keep_to_their_own_queues(tmp_path: Path) -> None:

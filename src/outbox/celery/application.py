@@ -255,9 +255,10 @@ def send_relay_task(task: str, kwargs: dict[str, Any] | None = None, namespace: 
                     **options: Any) -> Any:
     """Send one of the relay's tasks to its outbox's queue, naming the outbox in the task
     (``TASK_OUTBOX_ARG``: a worker of another outbox refuses it, see ``outbox.celery.tasks``). Every relay
-    task is sent through here. ``namespace``: the outbox (default: this process's)."""
+    task is sent through here. ``namespace``: the outbox (default: this process's). ``expires``:
+    seconds (``message_ttl_s`` at least), or a deadline (a ``datetime``: a forwarded task's, kept)."""
     namespace = namespace or relay_settings().outbox_namespace
-    if options.get("expires") is not None:
+    if isinstance(options.get("expires"), (int, float)):
         options["expires"] = message_ttl_s(options["expires"])
     return app.send_task(task, kwargs={**(kwargs or {}), TASK_OUTBOX_ARG: namespace},
                          queue=Queues(namespace).for_task(task), **options)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery.utils.time import maybe_iso8601, maybe_make_aware
+
 from ..core.config import relay_settings
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, PURGE_TASK, RELEASE_TASK, TASK_OUTBOX_ARG
 from .application import app, send_relay_task
@@ -47,8 +49,15 @@ class RelayTask(app.Task):
         ours = relay_settings().outbox_namespace
         if relay().foreign.belongs(named, ours):
             return super().__call__(*args, **kwargs)
+        # Its deadline, forwarded as is (Celery hands a worker the ISO-8601 header): a tick,
+        # claim request or purge keeps the time it has left; one already past is dropped.
+        expires = maybe_iso8601(self.request.expires)
+        if expires is not None and maybe_make_aware(expires) <= self.app.now():
+            log.debug("outbox: dropped a %s task of outbox %r that expired at %s, not forwarded (this worker "
+                      "relays %r)", self.name, named, expires.isoformat(), ours)
+            return {"refused": named, "expired": True}
         done = relay().foreign.refuse(self.name, named, ours, lambda other: send_relay_task(
-            self.name, kwargs, namespace=other, args=args, expires=self.request.expires))
+            self.name, kwargs, namespace=other, args=args, expires=expires))
         return {"refused": named, done: True}
 
 
