@@ -162,3 +162,45 @@ def test_a_channel_left_polling_when_its_broker_went_away_closes_as_celery_close
         raw = redis.Redis.from_url(REDIS_URL)
         for key in raw.keys(f"{prefix}*"):
             raw.delete(key)
+
+
+_TRANSPORT_OPTIONS = """
+import json
+from outbox.celery import app
+with app.connection_for_write() as conn:
+    channel = conn.default_channel
+    print(json.dumps({"options": app.conf.broker_transport_options, "channel": channel.visibility_timeout,
+                      "limit": app.conf.task_annotations["outbox.publish"]["time_limit"]}))
+"""
+
+
+@pytest.mark.parametrize("own", [None, {"global_keyprefix": "own:"}, {"visibility_timeout": 99}])
+def test_the_visibility_timeout_outlasts_a_long_lease_unless_the_user_sets_it(
+        tmp_path: Any, own: dict[str, Any] | None) -> None:
+    """A publish task may run up to its time limit (the lease) before Celery acks it; kombu's
+    Redis transport redelivers an unacked message after its visibility timeout, 1 h by default,
+    so a lease of 2 h had a running task redelivered and its rows adopted by another worker
+    (found in review). It is twice the lease at least now, as on the database broker, read here
+    from a channel on a real Redis; a config module's own options are kept, its own timeout too."""
+    import json
+    import os
+
+    from relay_support import run_python
+
+    parts = urlsplit(REDIS_URL)
+    require("Redis", parts.hostname or "127.0.0.1", parts.port or 6379)
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_CELERY_BROKER_URL": REDIS_URL,
+           "OUTBOX_CLAIM_TIMEOUT_MS": "7200000"}
+    if own is not None:
+        (tmp_path / "ownconf.py").write_text(f"broker_transport_options = {own!r}\n")
+        env.update(CELERY_CONFIG_MODULE="ownconf",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    done = run_python(_TRANSPORT_OPTIONS, tmp_path, **env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["limit"] == 7200.0
+    if own is not None and "visibility_timeout" in own:
+        assert out["options"] == own and out["channel"] == 99, out
+    else:
+        assert out["options"] == {"visibility_timeout": 14400.0, **(own or {})}, out
+        assert out["channel"] == 14400.0

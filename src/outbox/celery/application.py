@@ -43,6 +43,9 @@ log = logging.getLogger("outbox.celery")
 REDIS_TRANSPORT = "outbox.celery.redis_transport:Transport"
 
 
+#: kombu's Redis transport's own visibility timeout, the least the relay gives it.
+KOMBU_VISIBILITY_S = 3600.0
+
 #: Celery's consumer tries its broker again at least this often during an outage.
 RECONNECT_EVERY_S = 2.0
 #: During one outage the caller's errback (Celery's ERROR line) runs at most this often.
@@ -189,8 +192,11 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
     if is_redis_url(broker_url):
         # kombu's Redis transport, made to drop a message it cannot decode instead of
         # stopping the worker (outbox.celery.redis_transport). The URL, TLS included, is
-        # read exactly as before (Connection above).
+        # read exactly as before (Connection above). An unacked message (a publish task runs
+        # up to its time limit, the lease) is delivered again after the visibility timeout:
+        # it must outlast the lease, as below (docs/relay.md, "Tasks, queues, and how to scale and route them").
         config["broker_transport"] = REDIS_TRANSPORT
+        config["broker_transport_options"] = {"visibility_timeout": max(KOMBU_VISIBILITY_S, 2 * lease_s)}
     elif broker_url.startswith("outboxdb"):
         # The database as Celery's broker (docs/transport.md). Imported only here, so a
         # worker on any other broker imports nothing of it (this runs before Celery
@@ -245,6 +251,9 @@ def _defaults() -> dict[str, Any]:
     conflict = broker_conflict(settings) if command else None
     if conflict:
         raise SystemExit(conflict)
+    own = configured("broker_transport_options")
+    if own and "broker_transport_options" in config:  # the user's keys win, one by one
+        config["broker_transport_options"] = {**config["broker_transport_options"], **own}
     return config
 
 
