@@ -11,8 +11,11 @@ Entries:
 * ``outbox-claim``: a claim tick every OUTBOX_CLAIM_INTERVAL_S. Each tick expires after one
   interval, but never within 30 s (``message_ttl_s``: workers whose clocks run ahead of
   beat's still claim; docs/relay.md, "Ticks, expiry and clocks"), so when workers are down
-  or busy the ticks do not pile up in Celery's broker: a worker drops a tick it receives
-  later than that, and at most the ticks of the last ``max(interval, 30 s)`` are run. While there is a backlog, claims follow the
+  or busy at most the ticks of the last ``max(interval, 30 s)`` are run: a worker drops a
+  tick it receives later than that. Expired ticks are still kept until then on Redis (kombu
+  drops them only as a worker takes them; RabbitMQ drops them itself), so the relay's beat
+  sends no tick while the claim queue holds 100 (``outbox.celery.beat.MAX_QUEUED_CLAIMS``).
+  While there is a backlog, claims follow the
   completion of publish tasks at once (drain mode, see ``outbox.celery.tasks.claim``), so the
   interval bounds latency only when the outbox is quiet; the post-commit wake-up
   (``outbox.wake.request_claim``) brings that down too.

@@ -618,3 +618,44 @@ def test_celery_beat_resets_an_entry_last_run_in_the_future_and_claims_again(
         after.close()
     steps = [r.getMessage() for r in caplog.records if "clock stepped back" in r.getMessage()]
     assert len(steps) == 1 and f"{CLAIM_ENTRY}, {PURGE_ENTRY}" in steps[0] and "3600 s" in steps[0], steps
+
+
+_BEAT_WITHOUT_WORKERS = """
+import json, os, time
+import outbox.celery.beat as beat
+from outbox.celery import app
+beat.MAX_QUEUED_CLAIMS = 5  # 100 in production: a short run here
+scheduler = beat.Scheduler(app=app, schedule_filename=os.environ["SCHEDULE"])
+end = time.monotonic() + 2.0
+while time.monotonic() < end:
+    time.sleep(max(0.0, min(scheduler.tick(), 0.05)))
+scheduler.close()
+"""
+
+
+def test_celery_beat_stops_adding_claim_ticks_to_a_claim_queue_nobody_takes(tmp_path: Path) -> None:
+    """Kombu's Redis transport ignores a message's expiry until a worker takes it: with no
+    consumer on the claim queue (workers stopped, only publish workers up) beat's ticks piled
+    up there, about 95 MB a day at one a second, and after downtime every claim request waited
+    behind them (found in review). Beat sends no claim tick while the queue holds
+    ``MAX_QUEUED_CLAIMS``, and says so once. Redis as Celery's broker, ticks every 0.05 s."""
+    import redis
+
+    require("Redis", "127.0.0.1", 6379)
+    namespace = f"beatcap-{uuid.uuid4().hex[:10]}"
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        done = subprocess.run([sys.executable, "-c", _BEAT_WITHOUT_WORKERS], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, env={
+                                  **{k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_"))},
+                                  "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
+                                  "OUTBOX_CELERY_BROKER_URL": REDIS_URL, "OUTBOX_NAMESPACE": namespace,
+                                  "OUTBOX_CLAIM_INTERVAL_S": "0.05", "SCHEDULE": str(tmp_path / "beat-schedule")})
+        queued = client.llen(f"{namespace}.claim")
+    finally:
+        for key in client.scan_iter(match=f"*{namespace}*"):
+            client.delete(key)
+        client.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert queued == 5, f"{queued} claim ticks queued\n{done.stderr[-3000:]}"
+    assert done.stderr.count(f"outbox: {namespace}.claim holds 5 claim ticks") == 1, done.stderr[-3000:]

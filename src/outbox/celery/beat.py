@@ -11,7 +11,8 @@ Celery's ERROR as before. ``application.celery_config`` makes this the default
 ``beat_scheduler``; ``celery beat -S <another>`` (django-celery-beat's, say) logs as Celery does.
 
 It also runs again from now an entry whose last run is in the future: beat's clock stepped
-back (docs/relay.md, "Ticks, expiry and clocks").
+back (docs/relay.md, "Ticks, expiry and clocks"); and on Redis sends no claim tick while the
+claim queue already holds ``MAX_QUEUED_CLAIMS`` (docs/relay.md, "Running worker and beat").
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from celery.beat import PersistentScheduler
 from celery.utils.time import maybe_make_aware
 from kombu.exceptions import OperationalError
 
+from ..core.names import CLAIM_TASK, is_redis_url
 from ..core.redact import redact
 from ..relay import Outage
 
@@ -32,6 +34,9 @@ log = logging.getLogger("celery.beat")
 
 #: An entry last run further ahead of beat's clock than this: the clock stepped back.
 CLOCK_STEP_S = 1.0
+#: On Redis, no claim tick is sent while the claim queue holds this many messages: nobody
+#: takes them, and kombu's Redis transport keeps expired ones until someone does.
+MAX_QUEUED_CLAIMS = 100
 
 
 class Scheduler(PersistentScheduler):
@@ -42,6 +47,8 @@ class Scheduler(PersistentScheduler):
         self.outage = Outage("Celery's broker", redact(self.app.conf.broker_url or ""),
                              "Beat sends no claim tick or purge until it answers and tries again at every tick; "
                              "nothing is lost (rows wait in the table)", logging.getLogger("outbox.beat"))
+        #: Claim ticks are held back: the claim queue is full (``queue_full``).
+        self.held = False
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         self.mend_clock_step()
@@ -77,8 +84,36 @@ class Scheduler(PersistentScheduler):
             seen = seen.__cause__ or seen.__context__
         return None
 
+    def queue_full(self, entry: Any, producer: Any) -> bool:
+        """Is ``entry`` a claim tick for a claim queue on Redis that holds ``MAX_QUEUED_CLAIMS``
+        already? Said once when it fills and once when it takes ticks again; an unreadable
+        length is not full (the send then meets whatever is wrong)."""
+        queue = (entry.options or {}).get("queue")
+        if entry.task != CLAIM_TASK or not queue or not is_redis_url(str(self.app.conf.broker_url or "")):
+            return False
+        try:
+            queued = int(producer.channel._size(queue))
+        except Exception as exc:  # noqa: BLE001 - best effort: send as before
+            logging.getLogger("outbox.beat").debug("outbox: cannot read %s's length: %s", queue, exc)
+            return False
+        full = queued >= MAX_QUEUED_CLAIMS
+        if full != self.held:
+            self.held = full
+            if full:
+                logging.getLogger("outbox.beat").warning(
+                    "outbox: %s holds %d claim ticks that no worker has taken: beat sends no more until it holds "
+                    "fewer (is a worker consuming it? `celery -A outbox worker -Q \"$(outbox queues)\"`)", queue, queued)
+            else:
+                logging.getLogger("outbox.beat").info("outbox: %s is being consumed again; beat sends its claim "
+                                                      "ticks again", queue)
+        return full
+
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
-        """Celery's ``apply_entry``, with a send to an unreachable broker logged by ``outage``."""
+        """Celery's ``apply_entry``, with a send to an unreachable broker logged by ``outage``,
+        and no claim tick for a full claim queue (``queue_full``)."""
+        if producer is not None and self.queue_full(entry, producer):
+            log.debug("Scheduler: not sending %s: its queue is full", entry.name)
+            return
         log.info("Scheduler: Sending due task %s (%s)", entry.name, entry.task)
         try:
             result = self.apply_async(entry, producer=producer, advance=False)
