@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
+import subprocess
+import sys
+from contextlib import closing
+from pathlib import Path
+
 import pytest
 
 from outbox.core.config import load_settings
@@ -193,3 +200,40 @@ def test_claim_ahead_takes_auto_on_off_and_the_boolean_spellings() -> None:
         assert RelayOptions.from_sources({"OUTBOX_RELAY_CLAIM_AHEAD": given}).claim_ahead == mode, given
     with pytest.raises(ConfigError, match=r"OUTBOX_RELAY_CLAIM_AHEAD='sometimes': expected auto, on"):
         RelayOptions.from_sources({"OUTBOX_RELAY_CLAIM_AHEAD": "sometimes"})
+
+
+def test_a_celery_config_module_is_read_from_the_start_by_every_process(tmp_path: Path) -> None:
+    """A writer read CELERY_CONFIG_MODULE's keys only once its first post-commit wake-up had
+    imported the Celery app: its first event went to table ``outbox``, the later ones to the
+    module's table, and the ``outbox`` CLI never read the module (found in review)."""
+    (tmp_path / "flipconf.py").write_text('OUTBOX_TABLE = "orders_x"\n')
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+           "CELERY_CONFIG_MODULE": "flipconf", "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    env.pop("PYTHONPATH", None)  # found in the current directory, as Celery's loader finds it
+
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert '"orders_x"' in run("-m", "outbox.cli", "migrate")
+    assert "outbox.orders_x." in run("-m", "outbox.cli", "queues")  # the worker's queues
+    assert "namespace 'outbox.orders_x." in run("-m", "outbox.cli", "check")
+    writer = """
+import sqlite3, sys, time
+from outbox import enqueue, transaction
+from outbox.core.config import get_settings
+conn = sqlite3.connect("o.db")
+for n in range(2):
+    with transaction(conn):  # the commit's wake-up imports the Celery app
+        enqueue(conn, topic="t", aggregate_type="a", aggregate_id="1", payload={"n": n})
+    time.sleep(0.5)
+import outbox.celery.application
+print(get_settings().table)
+"""
+    assert run("-c", writer).split() == ["orders_x"]
+    with closing(sqlite3.connect(tmp_path / "o.db")) as conn:
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert "outbox" not in tables
+        assert conn.execute("SELECT count(*) FROM orders_x").fetchone() == (2,)

@@ -3,7 +3,7 @@ dataclasses whose fields name their setting, type, default, bounds and validator
 accessors that read them in the one order, once per process.
 
 The order, the same for every name and every process (docs/design.md, "Settings"): the Celery
-app's OUTBOX_* config keys (explicit overrides, when ``outbox.celery.application`` registered them),
+app's OUTBOX_* config keys (explicit overrides: the registered app's, else the CELERY_CONFIG_MODULE module's),
 the environment, Django settings, the defaults. ``reset_settings`` forgets what was read.
 The reader: ``outbox.core.options``; the sources and the cache: ``outbox.core.sources``; the
 validators: ``outbox.core.checks``.
@@ -46,7 +46,7 @@ from .errors import ConfigError
 from .names import Queues, default_namespace
 from .options import Options, Sources, option
 from .redact import redact, register_url
-from .sources import cached, conf_keys, django_database_url, django_settings, reset, use_conf
+from .sources import cached, conf_keys, django_database_url, django_settings, module_keys, reset, use_conf
 
 log = logging.getLogger("outbox.core.config")
 
@@ -510,20 +510,26 @@ def reset_settings() -> None:
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """``Settings`` from explicit sources in the one order (``overrides``, ``environ`` or the
-    process environment, Django settings), not cached; ``ConfigError`` names the first bad
+    """``Settings`` from explicit sources in the one order (``overrides``, else the Celery
+    config keys: this process's, or those of the module ``environ`` names; ``environ`` or the
+    process environment; Django settings), not cached; ``ConfigError`` names the first bad
     setting. Reading the process environment also warns about OUTBOX_* names nothing reads."""
+    if overrides is None:
+        overrides = conf_keys() if environ is None else module_keys(environ)
     if environ is None:
         environ = os.environ
         warn_unknown_environment(environ)
-    refuse_unknown(overrides or {})
+    refuse_unknown(overrides)
     return Settings.from_sources(overrides, environ, django_settings(known_names()))
 
 
 def sources_of(environ: Mapping[str, str]) -> Sources:
-    """The sources ``load_settings(environ=...)`` reads, for any option family: ``environ``,
-    then Django settings (so ``outbox check`` reads every family as a relay process would)."""
-    return Sources(environ, django_settings(known_names()))
+    """The sources ``load_settings(environ=...)`` reads, for any option family: the Celery
+    config keys of the module ``environ`` names, ``environ``, then Django settings (so ``outbox
+    check`` reads every family as a relay process would)."""
+    overrides = module_keys(environ)
+    refuse_unknown(overrides)
+    return Sources(overrides, environ, django_settings(known_names()))
 
 
 def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: bool = False) -> DramatiqSettings | None:

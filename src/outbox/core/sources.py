@@ -1,5 +1,6 @@
 """Where settings come from, and what was read from them: the Celery app's OUTBOX_* config
-keys (registered by ``outbox.celery.application`` with ``use_conf``), the environment, Django's
+keys (registered by ``outbox.celery.application`` with ``use_conf``; before that, and in
+processes without the app, the CELERY_CONFIG_MODULE module's), the environment, Django's
 settings; and the one per-process cache of what was read (``cached``; ``reset`` empties it).
 The order itself is built in ``outbox.core.config.current_sources`` (docs/design.md, "Settings")."""
 
@@ -30,11 +31,33 @@ def use_conf(source: Callable[[], Mapping[str, Any]] | None) -> None:
 
 
 def conf_keys() -> dict[str, Any]:
-    """OUTBOX_* keys present in the registered Celery configuration."""
+    """OUTBOX_* keys present in the registered Celery configuration, else in the module
+    CELERY_CONFIG_MODULE names (``module_keys``): the same keys whether or not this process
+    has imported the Celery app yet."""
     source = _conf_source
     if source is None:
+        return module_keys(os.environ)
+    return _outbox_keys(source())
+
+
+def module_keys(environ: Mapping[str, str]) -> dict[str, Any]:
+    """OUTBOX_* names of the module ``environ``'s CELERY_CONFIG_MODULE names (`celery --config`
+    sets it), imported as Celery's loader imports it (the current directory first); {} when it
+    is unset. Every process reads it, not only one that has imported the Celery app: a writer's
+    first enqueue and the `outbox` CLI read the keys the worker reads (docs/design.md, "Settings")."""
+    name = environ.get("CELERY_CONFIG_MODULE")
+    if not name:
         return {}
-    conf = source()
+    from celery.utils.imports import import_from_cwd
+
+    try:
+        module = import_from_cwd(name)
+    except ImportError as exc:
+        raise ConfigError(f"CELERY_CONFIG_MODULE={name!r} cannot be imported: {exc}") from None
+    return _outbox_keys({key: getattr(module, key) for key in dir(module)})
+
+
+def _outbox_keys(conf: Mapping[str, Any]) -> dict[str, Any]:
     return {key: conf[key] for key in list(conf.keys()) if isinstance(key, str) and key.startswith("OUTBOX_")}
 
 
@@ -158,4 +181,4 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
 
 
 
-__all__ = ["use_conf", "conf_keys", "cached", "reset", "django_settings", "django_database_url"]
+__all__ = ["use_conf", "conf_keys", "module_keys", "cached", "reset", "django_settings", "django_database_url"]
