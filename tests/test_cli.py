@@ -95,6 +95,15 @@ def test_migrate_says_what_it_changed(tmp_path: Path) -> None:
     repaired = ok(run("migrate", env=env)).stdout
     assert "repaired (added ix_outbox_claim_ready)" in repaired, repaired
     assert ok(run("migrate", env=env)).stdout.strip().endswith("nothing to change")
+    # A column of the contract, and the holders table: repaired and named (found in review: a
+    # missing column was "nothing to change", a recreated holders table went unsaid).
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        conn.execute("ALTER TABLE outbox DROP COLUMN trace_id")
+        conn.execute("DROP TABLE outbox_holders")
+    repaired = ok(run("migrate", env=env)).stdout
+    assert "repaired (added trace_id, outbox_holders)" in repaired, repaired
+    assert "every column of the contract" in ok(run("check", env=env)).stdout
+    assert ok(run("migrate", env=env)).stdout.strip().endswith("nothing to change")
 
 
 def test_mask_url() -> None:

@@ -33,6 +33,7 @@ from fake_dbapi import RecordingConnection, RecordingCursor
 from sqlglot import exp
 from tsql_support import parse_one
 
+from outbox.commands.doctor import CONTRACT_COLUMNS
 from outbox.core.errors import ConfigError, StoreError
 from outbox.core.model import Holder, SilentHolder
 from outbox.domain.chains import Candidate, plan_claim
@@ -847,8 +848,9 @@ def test_every_migration_step_is_guarded_and_sets_filtered_index_options(
     s = schema or "dbo"
     assert f"IF SCHEMA_ID(N'{s}') IS NULL" in text and f"CREATE SCHEMA [{s}]" in text
     assert f"IF OBJECT_ID(N'[{s}].[{table}]', N'U') IS NULL" in text
-    for column in ("last_error", "lease_token"):
+    for column in CONTRACT_COLUMNS[1:]:  # every column but the id, each parsed above (found in review)
         assert f"IF COL_LENGTH(N'[{s}].[{table}]', N'{column}') IS NULL" in text
+        assert f"ALTER TABLE [{s}].[{table}] ADD {column} " in text
     for spec in INDEXES:
         name = engine.index_name(spec.suffix)
         assert (f"IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'{name}' "

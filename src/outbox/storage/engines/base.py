@@ -383,7 +383,7 @@ class Engine(ABC):
             return self.missing_table_hint()
         if self.is_missing_column(exc):
             return (f"table {self.table} lacks a column this release uses (made by an older release or another "
-                    "script): run `outbox migrate`, which adds the columns releases added; `outbox check` names "
+                    "script): run `outbox migrate`, which adds every column of the contract it lacks; `outbox check` names "
                     f"what is missing ({type(exc).__name__}: {' '.join(str(exc).split())})")
         return None
 

@@ -38,6 +38,8 @@ MIGRATION_LOCK_WAIT_S = 10
 
 #: A character outside the Basic Multilingual Plane: four bytes in UTF-8, which only a
 #: utf8mb4 connection carries (``MysqlEngine.insert_event``).
+#: The text columns' character set and collation, as the table's (``migration``).
+_BIN = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
 _ASTRAL = re.compile("[\U00010000-\U0010FFFF]")
 
 
@@ -218,6 +220,26 @@ class MysqlEngine(Engine):
         return isinstance(exc, pymysql.err.InterfaceError) or (
             isinstance(exc, pymysql.err.MySQLError) and self._code(exc) in _DISCONNECT_CODES)
 
+    #: What ``outbox migrate`` adds for a missing column: the table's types (text in its binary
+    #: collation), NULL allowed where the writer gives the value (the rows already there have none),
+    #: and a default where the rows already there need one.
+    ADDED_COLUMNS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("message_id", f"VARCHAR(64) {_BIN} NULL"),
+        *((column, f"VARCHAR(255) {_BIN} NULL") for column in ("topic", "aggregate_type", "aggregate_id",
+                                                               "partition_key")),
+        ("payload", "JSON NULL"),
+        ("headers", "JSON NOT NULL DEFAULT ('{}')"),
+        ("trace_id", f"VARCHAR(255) {_BIN} NULL"),
+        ("status", "TINYINT NOT NULL DEFAULT 0"),
+        ("attempts", "INT NOT NULL DEFAULT 0"),
+        ("claimed_at", "DATETIME(3) NULL"),
+        ("next_retry_at", "DATETIME(3) NULL"),
+        ("created_at", "DATETIME(3) NOT NULL DEFAULT (UTC_TIMESTAMP(3))"),
+        ("processed_at", "DATETIME(3) NULL"),
+        ("last_error", "TEXT NULL"),
+        ("lease_token", "VARCHAR(32) NULL"),
+    )
+
     def migration(self, native_json: bool = False) -> list[Any]:
         t, q = self.table, self.quote
         schema = "DATABASE()" if not self.schema else "?"
@@ -251,7 +273,8 @@ class MysqlEngine(Engine):
                 processed_at DATETIME(3) NULL,
                 CONSTRAINT {q(derived_name('ck_', self.table_name, '_status'))} CHECK (status BETWEEN 0 AND 4)
             ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""")
-        for column, ddl in (("last_error", "TEXT NULL"), ("lease_token", "VARCHAR(32) NULL")):
+        # Every column of the contract but the id (README, "The table").
+        for column, ddl in self.ADDED_COLUMNS:
             steps.append((column_exists(column), f"ALTER TABLE {t} ADD COLUMN {column} {ddl}"))
         for suffix, ddl in (("message_id", "UNIQUE INDEX {name} ON {t} (message_id)"),
                             ("agg_id_id", "INDEX {name} ON {t} (aggregate_id, id)"),

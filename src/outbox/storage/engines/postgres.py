@@ -198,6 +198,24 @@ class PostgresEngine(Engine):
         # "The lease is a HOT update on PostgreSQL"); a CHECK keeps it equal to the status test.
         return f"{alias}processed_at IS NULL AND {alias}status IN (0, 1, 3)"
 
+    #: What ``outbox migrate`` adds for a missing column: the table's types and defaults,
+    #: NULL allowed where the writer gives the value (the rows already there have none).
+    ADDED_COLUMNS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("message_id", "VARCHAR(64) NULL"),
+        *((column, "VARCHAR(255) NULL") for column in ("topic", "aggregate_type", "aggregate_id", "partition_key")),
+        ("payload", "JSONB NULL"),
+        ("headers", "JSONB NOT NULL DEFAULT '{}'::jsonb"),
+        ("trace_id", "VARCHAR(255) NULL"),
+        ("status", "SMALLINT NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 4)"),
+        ("attempts", "INTEGER NOT NULL DEFAULT 0"),
+        ("claimed_at", "TIMESTAMPTZ(3) NULL"),
+        ("next_retry_at", "TIMESTAMPTZ(3) NULL"),
+        ("created_at", "TIMESTAMPTZ(3) NOT NULL DEFAULT now()"),
+        ("processed_at", "TIMESTAMPTZ(3) NULL"),
+        ("last_error", "TEXT NULL"),
+        ("lease_token", "VARCHAR(32) NULL"),
+    )
+
     def migration(self, native_json: bool = False) -> list[Any]:
         t, q = self.table, self.quote
         storage = ", ".join(f"{name} = {value}" for name, value in self.STORAGE.items())
@@ -225,8 +243,9 @@ class PostgresEngine(Engine):
             # nothing to do takes no lock on it: ADD COLUMN IF NOT EXISTS and CREATE INDEX IF
             # NOT EXISTS take theirs before they look, and a re-run behind a long application
             # transaction queued every enqueue and claim behind it (found in review).
-            (self._has_column("last_error"), f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS last_error TEXT NULL"),
-            (self._has_column("lease_token"), f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lease_token VARCHAR(32) NULL"),
+            # Every column of the contract but the id (README, "The table").
+            *((self._has_column(column), f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {column} {ddl}")
+              for column, ddl in self.ADDED_COLUMNS),
             (self._has_index("message_id"),
              f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('message_id'))} ON {t} (message_id)"),
         ]

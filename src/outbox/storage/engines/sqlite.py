@@ -23,6 +23,23 @@ from .base import Engine
 BUSY_TIMEOUT_S = 30.0
 _NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
 
+#: What ``outbox migrate`` adds for a missing column: the table's types and defaults, NULL
+#: allowed where the writer gives the value (the rows already there have none). SQLite adds
+#: created_at, whose default is not a constant, to an empty table only.
+_ADDED_COLUMNS = (
+    *((column, "TEXT NULL") for column in ("message_id", "topic", "aggregate_type", "aggregate_id",
+                                            "partition_key")),
+    ("payload", "TEXT NULL CHECK (json_valid(payload))"),
+    ("headers", "TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(headers))"),
+    ("trace_id", "TEXT NULL"),
+    ("status", "INTEGER NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 4)"),
+    ("attempts", "INTEGER NOT NULL DEFAULT 0"),
+    ("claimed_at", "TEXT NULL"),
+    ("next_retry_at", "TEXT NULL"),
+    ("created_at", f"TEXT NOT NULL DEFAULT ({_NOW})"),
+    *((column, "TEXT NULL") for column in ("processed_at", "last_error", "lease_token")),
+)
+
 
 def sqlite_path(url: str) -> str:
     """``sqlite:///relative.db``, ``sqlite:////abs/path.db`` or ``sqlite://:memory:``."""
@@ -127,10 +144,10 @@ class SqliteEngine(Engine):
                 last_error TEXT NULL,
                 lease_token TEXT NULL
             )""",
-            # The columns the other engines' tables gained after their first release, repaired
-            # here too on a table another script made.
-            *((column_exists(column), f"ALTER TABLE {t} ADD COLUMN {column} TEXT NULL")
-              for column in ("last_error", "lease_token")),
+            # Every column of the contract but the id, repaired on a table an older release or
+            # another script made (README, "The table").
+            *((column_exists(column), f"ALTER TABLE {t} ADD COLUMN {column} {ddl}")
+              for column, ddl in _ADDED_COLUMNS),
             f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('message_id')} ON {self.table_name_only()} (message_id)",
             f"CREATE INDEX IF NOT EXISTS {self.index_ref('agg_id_id')} ON {self.table_name_only()} (aggregate_id, id) "
             "WHERE status IN (0, 1, 3)",

@@ -275,9 +275,26 @@ class MssqlSchema(Engine):
             [if_(f"SCHEMA_ID({nstr(schema)}) IS NULL",
                  f"EXEC sp_executesql {nstr('CREATE SCHEMA ' + q(schema))}")],
             [if_(f"OBJECT_ID({table_literal}, N'U') IS NULL", create_table)],
-            # Columns added after the first release: repaired on tables an older script made.
+            # Every column of the contract but the id, repaired on a table an older release or
+            # another script made (README, "The table"):
+            # the table's types and defaults, NULL allowed where the writer gives the value.
             *([if_(f"COL_LENGTH({table_literal}, {nstr(column)}) IS NULL", f"ALTER TABLE {t} ADD {column} {ddl}")]
-              for column, ddl in (("last_error", "NVARCHAR(4000) NULL"), ("lease_token", "CHAR(32) NULL"))),
+              for column, ddl in (
+                  ("message_id", f"NVARCHAR(64) COLLATE {ID_COLLATION} NULL"),
+                  *((column, "NVARCHAR(255) NULL") for column in ("topic", "aggregate_type")),
+                  ("aggregate_id", f"NVARCHAR(255) COLLATE {ID_COLLATION} NULL"),
+                  ("partition_key", "NVARCHAR(255) NULL"),
+                  ("payload", ("JSON" if native_json else "NVARCHAR(MAX)") + " NULL"),
+                  ("headers", ("JSON" if native_json else "NVARCHAR(MAX)") + f" NOT NULL{headers_default}"),
+                  ("trace_id", "NVARCHAR(255) NULL"),
+                  ("status", f"TINYINT NOT NULL {constraint('df', 'status')} DEFAULT 0 "
+                             f"{constraint('ck', 'status')} CHECK (status BETWEEN 0 AND 4)"),
+                  ("attempts", f"INT NOT NULL {constraint('df', 'attempts')} DEFAULT 0"),
+                  *((column, "DATETIME2(3) NULL") for column in ("claimed_at", "next_retry_at")),
+                  ("created_at", f"DATETIME2(3) NOT NULL {constraint('df', 'created_at')} DEFAULT SYSUTCDATETIME()"),
+                  ("processed_at", "DATETIME2(3) NULL"),
+                  ("last_error", "NVARCHAR(4000) NULL"),
+                  ("lease_token", "CHAR(32) NULL"))),
         ]
         if checked_json:
             # A table made before the server had ISJSON (or by another script) gets its
