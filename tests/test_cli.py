@@ -202,3 +202,12 @@ def test_a_mysql_server_that_never_answers_ends_the_command() -> None:
         result = run("status", env={"OUTBOX_DATABASE_URL": f"mysql://root@127.0.0.1:{port}/test"}, timeout=240)
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: "), result.stderr
+
+
+def test_a_sqlite_url_in_any_case_or_with_a_driver_is_the_engines_too(tmp_path: Path) -> None:
+    """It passed the start-up check and the engine refused it: `outbox migrate` said
+    "ValueError: not a sqlite URL", naming no setting (found in review)."""
+    for n, scheme in enumerate(("SQLite", "sqlite+pysqlite")):
+        env = {"OUTBOX_DATABASE_URL": f"{scheme}:///{tmp_path / f'o{n}.db'}"}
+        assert "created the table" in ok(run("migrate", env=env)).stdout
+        assert "pending: 0" in ok(run("status", env=env)).stdout

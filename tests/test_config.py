@@ -237,3 +237,17 @@ print(get_settings().table)
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert "outbox" not in tables
         assert conn.execute("SELECT count(*) FROM orders_x").fetchone() == (2,)
+
+
+@pytest.mark.parametrize("scheme", ["SQLite", "SQLITE", "sqlite+pysqlite", "SQLite+pysqlite"])
+def test_a_sqlite_url_is_one_rule_for_validation_the_engine_and_the_default_broker(scheme: str) -> None:
+    """The start-up check took a SQLite URL whatever the case of its scheme, with a ``+driver``
+    too, and the engine refused it ("not a sqlite URL") at every claim; the default Celery
+    broker became Redis for it (found in review)."""
+    from outbox.storage.engines import kind_of_url
+    from outbox.storage.engines.sqlite import sqlite_path
+
+    s = load_settings(environ={"OUTBOX_DATABASE_URL": f"{scheme}:////data/outbox.db"})
+    assert kind_of_url(s.database_url) == "sqlite"
+    assert sqlite_path(s.database_url) == "/data/outbox.db"
+    assert s.broker_url == "memory://"

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.checks import is_sqlite_url
 from ..core.config import (
     ConfigError,
     KafkaOptions,
@@ -172,7 +173,7 @@ def check_celery_broker(settings: Settings, broker_url: str | None = None) -> Re
     url = broker_url or settings.broker_url
     if url.startswith("memory://"):
         detail = "memory:// (in-process: one `celery -A outbox worker` runs the schedule itself; no separate beat)"
-        return Result("celery broker", OK if settings.database_url.startswith("sqlite") else WARN, detail)
+        return Result("celery broker", OK if is_sqlite_url(settings.database_url) else WARN, detail)
     if url.startswith("outboxdb"):
         return _check_database_broker(settings, url)
     return _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL")
@@ -385,7 +386,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
     if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:
         results.append(Result("database url", WARN, "OUTBOX_DATABASE_URL is not set: using ./outbox.db "
                               "in the current directory"))
-    if not dramatiq and not settings.celery_broker_url and not settings.database_url.startswith("sqlite"):
+    if not dramatiq and not settings.celery_broker_url and not is_sqlite_url(settings.database_url):
         results.append(Result("celery broker url", WARN, f"OUTBOX_CELERY_BROKER_URL is not set: using "
                               f"{settings.broker_url}; workers, beat and web processes must all use the same one"))
     # What stops the worker and beat (``outbox.celery.application.broker_conflict``), said here too.

@@ -126,6 +126,18 @@ def _looks_like_odbc(url: str) -> bool:
 DATABASE_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "mssql", "sqlserver")
 
 
+def database_scheme(url: str) -> str:
+    """The database a URL names: its scheme in lower case without a ``+driver`` suffix
+    (``SQLite+pysqlite:///x`` is ``sqlite``); '' without ``://`` (an ODBC string). The one rule
+    of the start-up check, the engine's choice (``kind_of_url``, ``sqlite_path``) and the default
+    Celery broker: the check took forms the engine refused (found in review)."""
+    return url.split("://", 1)[0].lower().split("+", 1)[0] if "://" in url else ""
+
+
+def is_sqlite_url(url: str) -> bool:
+    return database_scheme(url) == "sqlite"
+
+
 def validate_database_url(url: str, setting: str = "OUTBOX_DATABASE_URL") -> str:
     """A URL of a supported database (``scheme[+driver]://...``) or a raw ODBC connection
     string (``DRIVER=...;SERVER=...``). The value is quoted with its password masked."""
@@ -134,13 +146,13 @@ def validate_database_url(url: str, setting: str = "OUTBOX_DATABASE_URL") -> str
         raise ConfigError(f"{setting}={shown} is not a database URL "
                           "(expected sqlite:///path, postgresql://..., mysql://... or mssql+pyodbc://...)")
     if "://" in url:
-        scheme = url.split("://", 1)[0].lower()
-        if scheme.split("+", 1)[0] not in DATABASE_SCHEMES:
+        scheme, base = url.split("://", 1)[0].lower(), database_scheme(url)
+        if base not in DATABASE_SCHEMES:
             raise ConfigError(f"{setting}={shown}: unsupported database {scheme!r} "
                               "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
-        if scheme.split("+", 1)[0] != "sqlite":  # a path, whatever it holds
+        if base != "sqlite":  # a path, whatever it holds
             check_host_part(url, setting)
-        if scheme.split("+", 1)[0] in SESSION_BOUND_SCHEMES:
+        if base in SESSION_BOUND_SCHEMES:
             session_bounds(url)
     elif "driver=" not in url.lower():
         raise ConfigError(f"{setting}={shown} looks like an ODBC connection string without DRIVER=")

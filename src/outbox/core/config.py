@@ -24,6 +24,7 @@ from .checks import (
     DATABASE_SCHEMES,
     MAX_CLAIM_TIMEOUT_MS,
     SESSION_BOUNDS,
+    is_sqlite_url,
     session_bounds,
     validate_claim_ahead,
     validate_database_url,
@@ -140,7 +141,7 @@ class Settings(Options):
         """Celery's own broker: in-memory for the embedded SQLite default, Redis otherwise."""
         if self.celery_broker_url:
             return self.celery_broker_url
-        if self.database_url.startswith("sqlite"):
+        if is_sqlite_url(self.database_url):
             return "memory://"
         return "redis://127.0.0.1:6379/0"
 

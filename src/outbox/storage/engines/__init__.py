@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...core.checks import database_scheme
 from ...core.errors import ConfigError, UnsupportedConnection
 from .base import Engine
 
@@ -27,7 +28,7 @@ def engine_class(kind: str) -> type[Engine]:
 
 def kind_of_url(url: str) -> str:
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    base = scheme.split("+", 1)[0]
+    base = database_scheme(url)  # the start-up check's rule
     if base == "sqlite":
         return "sqlite"
     if base in ("postgresql", "postgres"):

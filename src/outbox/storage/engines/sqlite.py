@@ -42,10 +42,11 @@ _ADDED_COLUMNS = (
 
 
 def sqlite_path(url: str) -> str:
-    """``sqlite:///relative.db``, ``sqlite:////abs/path.db`` or ``sqlite://:memory:``."""
-    if not url.startswith("sqlite:"):
+    """``sqlite:///relative.db``, ``sqlite:////abs/path.db`` or ``sqlite://:memory:``; the scheme
+    in any case and with a ``+driver`` suffix, as the start-up check takes it (``checks.database_scheme``)."""
+    scheme, _, rest = url.partition(":")
+    if scheme.lower().split("+", 1)[0] != "sqlite":
         raise ValueError(f"not a sqlite URL: {url!r}")
-    rest = url[len("sqlite:"):]
     if rest.startswith("///"):
         return rest[3:] or ":memory:"
     if rest.startswith("//"):
