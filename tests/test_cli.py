@@ -152,7 +152,7 @@ def test_purge_refuses_a_retention_the_setting_refuses(tmp_path: Path) -> None:
                            ("inf", "--older-than-days=inf must be a finite number")):
         result = run("purge", "--older-than-days", given, env=env)
         assert result.returncode == 2, result
-        assert result.stderr.strip().splitlines()[-1] == f"Error: {problem} (the rule of OUTBOX_RETENTION_DAYS)"
+        assert result.stderr.strip().splitlines()[-1] == f"error: {problem} (the rule of OUTBOX_RETENTION_DAYS)"
     with sqlite3.connect(tmp_path / "o.db") as conn:
         assert conn.execute("SELECT count(*) FROM outbox WHERE status = 2").fetchone() == (1,)
     assert "purged 0 done row(s) older than 0.5 day(s)" in ok(run("purge", "--older-than-days", "0.5", env=env)).stdout
@@ -211,3 +211,25 @@ def test_a_sqlite_url_in_any_case_or_with_a_driver_is_the_engines_too(tmp_path: 
         env = {"OUTBOX_DATABASE_URL": f"{scheme}:///{tmp_path / f'o{n}.db'}"}
         assert "created the table" in ok(run("migrate", env=env)).stdout
         assert "pending: 0" in ok(run("status", env=env)).stdout
+
+
+def test_usage_and_option_errors_are_one_line(tmp_path: Path) -> None:
+    """Usage errors were click's block of four lines (usage, a hint, a blank line, the error);
+    a duration past timedelta's range said "OverflowError: Python int too large"; a bad
+    --to-url was blamed on OUTBOX_DATABASE_URL (found in review)."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    ok(run("migrate", env=env))
+    cases = [(("dead", "requeue"), 2, "error: "), (("pipeline", "archive"), 2, "error: give --to"),
+             (("purge", "--older-than-days", "-1"), 2, "error: "), (("dead", "list", "--limit", "0"), 2, "error: "),
+             (("foo",), 2, "error: No such command 'foo'"),
+             (("pipeline", "archive", "--older-than", "99999999999d", "--to", str(tmp_path / "a")), 1,
+              "error: --older-than: '99999999999d' is out of range"),
+             (("pipeline", "report", "--since", "999999999d", "--out", str(tmp_path / "r")), 1,
+              "error: --since: '999999999d' is out of range"),
+             (("pipeline", "replay", "--from", str(tmp_path), "--to-url", "foo://bar"), 1,
+              "error: --to-url='foo://bar': unsupported database 'foo'")]
+    for args, code, start in cases:
+        result = run(*args, env=env)
+        lines = [line for line in result.stderr.splitlines() if not line.startswith("outbox: database ")]
+        assert (result.returncode, len(lines)) == (code, 1), (args, result.stderr)
+        assert lines[0].startswith(start), (args, result.stderr)

@@ -481,3 +481,16 @@ def test_the_same_celery_broker_under_both_names_is_fine(monkeypatch: pytest.Mon
     monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/4")
     assert (broker_conflict(settings) or "").startswith("outbox: CELERY_BROKER_URL (or celery -b) names Celery's broker "
                                                         "redis://127.0.0.1:6379/4, not OUTBOX_CELERY_BROKER_URL's")
+
+
+def test_python_m_celery_refuses_a_bad_setting_with_one_line(tmp_path: Path) -> None:
+    """README names `python -m celery -A outbox worker`; there argv[0] is celery's __main__.py,
+    and a bad setting printed a whole traceback (found in review)."""
+    env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_BATCH_SIZE="0")
+    result = subprocess.run([sys.executable, "-m", "celery", "-A", "outbox", "worker", "-c", "1",
+                             "--without-mingle", "--without-gossip"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert output.strip().splitlines() == ["outbox: invalid configuration: OUTBOX_BATCH_SIZE=0 must be > 0"], \
+        output[-3000:]

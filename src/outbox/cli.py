@@ -3,10 +3,12 @@ non-zero with one line that says what went wrong."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -81,7 +83,32 @@ class SettingValue(click.ParamType):
 one_line_errors = functools.partial(_one_line_errors, explain=_explain)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineGroup(click.Group):
+    """The top-level group: a usage error (a missing argument, a bad option value, an unknown
+    command) is one line, ``error: <message>``, exit status 2 as click gives it; click printed
+    the usage, a hint and a blank line before it (found in review). ``--help`` shows the usage."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        with _usage_on_one_line():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _usage_on_one_line():  # subcommands and their groups are parsed in here
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _usage_on_one_line() -> Iterator[None]:
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:  # `outbox`, `outbox pipeline`: the help, as asked
+        raise
+    except click.UsageError as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        raise click.exceptions.Exit(exc.exit_code) from None
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="outbox-relay")
 @click.option("-v", "--verbose", is_flag=True, help="Log retries and progress to stderr.")
 def main(verbose: bool) -> None:

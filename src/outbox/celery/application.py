@@ -240,7 +240,9 @@ def broker_conflict(settings: Settings) -> str | None:
 
 
 def _defaults() -> dict[str, Any]:
-    command = os.path.basename(sys.argv[0] or "").startswith("celery")  # `celery -A outbox worker|beat`
+    # `celery -A outbox worker|beat`, and `python -m celery ...`, where argv[0] is celery's
+    # __main__.py (found in review: a bad setting printed a traceback there).
+    command = os.path.basename(sys.argv[0] or "").startswith("celery") or _main_module() == "celery.__main__"
     try:
         settings, options = startup_options()
         config = celery_config(settings, options)
@@ -255,6 +257,12 @@ def _defaults() -> dict[str, Any]:
     if own and "broker_transport_options" in config:  # the user's keys win, one by one
         config["broker_transport_options"] = {**config["broker_transport_options"], **own}
     return config
+
+
+def _main_module() -> str:
+    """The module ``python -m`` runs, or '' (a script, the interpreter)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return str(getattr(spec, "name", "") or "")
 
 
 app.add_defaults(_defaults)

@@ -11,7 +11,7 @@ import json
 import click
 
 from ..commands.oneline import one_line_errors
-from ..core.config import get_settings
+from ..core.config import get_settings, validate_database_url
 from ..storage.store import OutboxStore
 from .common import DELETE_CHUNK, DELETE_CONNECTIONS, archive_uri, crash_hook_from_env, parse_duration
 
@@ -24,7 +24,11 @@ def _progress(message: str) -> None:
 
 
 def _store(url: str | None = None) -> OutboxStore:
+    """The configured store, or ``--to-url``'s (checked as the setting is, naming the option:
+    its errors named OUTBOX_DATABASE_URL, found in review)."""
     settings = get_settings()
+    if url is not None:
+        validate_database_url(url, "--to-url")
     return OutboxStore(url or settings.database_url, table=settings.table, schema=settings.schema)
 
 

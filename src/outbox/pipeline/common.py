@@ -45,12 +45,24 @@ _DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
+#: The longest duration: a point that long ago is still a date (``timedelta`` itself raised
+#: OverflowError past 999,999,999 days, and ``now -`` it past year 1: found in review).
+MAX_DURATION = timedelta(days=100_000)
+
+
 def parse_duration(text: str, option: str = "duration") -> timedelta:
-    """``<n>s|m|h|d`` -> timedelta; anything else is a PipelineError naming the option."""
+    """``<n>s|m|h|d`` -> timedelta; anything else, or more than ``MAX_DURATION``, is a
+    PipelineError naming the option."""
     match = _DURATION.match(text or "")
     if not match:
         raise PipelineError(f"{option}: {text!r} is not a duration (use <n>s, <n>m, <n>h or <n>d, e.g. 7d)")
-    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        delta = timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    except OverflowError:
+        delta = MAX_DURATION * 2
+    if delta > MAX_DURATION:
+        raise PipelineError(f"{option}: {text!r} is out of range (at most {MAX_DURATION.days}d)")
+    return delta
 
 
 def parse_point_in_time(text: str, option: str, now: datetime) -> datetime:
