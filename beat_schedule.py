@@ -39,7 +39,7 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
     ``options`` (``outbox.core.config.RelayOptions``); both default to the process's, read in
     the one order (docs/design.md, "Settings")."""
     from outbox.core.config import get_settings, message_ttl_s, relay_options
-    from outbox.core.names import CLAIM_TASK, PURGE_TASK, TASK_OUTBOX_ARG
+    from outbox.core.names import CLAIM_TASK, PURGE_TASK, TASK_OUTBOX_ARG, TICK_KWARGS
 
     settings = settings or get_settings()
     options = options or relay_options()
@@ -51,7 +51,7 @@ def build_schedule(settings: Any = None, options: Any = None) -> dict[str, dict[
         CLAIM_ENTRY: {
             "task": CLAIM_TASK,
             "schedule": claim_every,
-            "kwargs": named,
+            "kwargs": {**TICK_KWARGS, **named},  # a tick, told apart from claim requests by the worker
             "options": {"queue": queues.claim, "expires": message_ttl_s(claim_every)},
         },
         PURGE_ENTRY: {

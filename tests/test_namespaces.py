@@ -104,7 +104,9 @@ def test_the_schedule_sends_each_tick_to_its_outboxs_queue_naming_it() -> None:
     for entry, queue in ((beat_schedule.CLAIM_ENTRY, settings.queues.claim),
                          (beat_schedule.PURGE_ENTRY, settings.queues.purge)):
         assert schedule[entry]["options"]["queue"] == queue
-        assert schedule[entry]["kwargs"] == {"outbox": settings.outbox_namespace}
+    # The claim tick says requested=False: the worker counts ticks apart from claim requests.
+    assert schedule[beat_schedule.CLAIM_ENTRY]["kwargs"] == {"requested": False, "outbox": settings.outbox_namespace}
+    assert schedule[beat_schedule.PURGE_ENTRY]["kwargs"] == {"outbox": settings.outbox_namespace}
     # A tick expires after its interval, by beat's clock, but never within the margin for
     # workers whose clocks run ahead of it (found in review: 1 s of skew dropped every tick).
     assert schedule[beat_schedule.CLAIM_ENTRY]["options"]["expires"] == CLOCK_SKEW_MARGIN_S

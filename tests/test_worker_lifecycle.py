@@ -125,7 +125,8 @@ print(json.dumps({"beat": app.conf.beat_schedule, "queues": [q.name for q in app
     assert conf["beat"] == conf["expected"]
     queues = Queues(conf["namespace"])  # this outbox's (outbox.core.names)
     assert conf["namespace"] == default_namespace(f"sqlite:///{tmp_path / 'outbox.db'}", "outbox")
-    assert conf["beat"]["outbox-claim"] == {"task": CLAIM_TASK, "schedule": 0.5, "kwargs": {"outbox": queues.namespace},
+    assert conf["beat"]["outbox-claim"] == {"task": CLAIM_TASK, "schedule": 0.5,
+                                            "kwargs": {"requested": False, "outbox": queues.namespace},  # a tick
                                             "options": {"queue": queues.claim, "expires": 30.0}}  # the skew margin
     assert conf["beat"]["outbox-purge"]["task"] == PURGE_TASK and conf["beat"]["outbox-purge"]["schedule"] == 120
     assert conf["queues"] == [queues.claim, queues.publish, queues.ack, queues.purge]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -76,15 +77,39 @@ def test_an_idle_worker_and_beat_are_quiet_at_info_and_log_a_heartbeat(
                                                       if "heartbeat" in line][-1], timeout=30)
 
 
+#: Claim messages that are not beat's ticks, sent every 0.5 s: a claim request (drain mode, a
+#: takeover, a writer's wake with no worker listening) and a writer's wake on a broker other than Redis.
+CLAIM_SENDER = r"""
+import sys, time
+from outbox.celery.application import send_relay_task
+from outbox.core.names import CLAIM_TASK
+for n in range(200):
+    send_relay_task(CLAIM_TASK, {"requested": True}, expires=30)
+    send_relay_task(CLAIM_TASK, {}, expires=30)
+    print("sent", 2 * (n + 1), flush=True)
+    time.sleep(0.5)
+"""
+
+
 def test_a_worker_that_gets_no_claim_tick_says_beat_is_missing(
         tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, procs_factory: Any) -> None:
     """Started without beat, a worker on a real Celery broker delivered what was there at
     start and then nothing more, the only hint a heartbeat's `0 claim ticks` 5 minutes
-    later. It now says so once, after ten claim intervals (at least 10 s)."""
-    procs = procs_factory(relay_env(tmp_path, destination, sqlite_outbox, OUTBOX_CLAIM_INTERVAL_S="0.5"))
+    later. It now says so once, after ten claim intervals (at least 10 s). Claim messages
+    that are not beat's ticks (claim requests, wakes) count for neither: they were counted,
+    so with traffic the heartbeat showed ticks and the warning never came (found in review)."""
+    procs = procs_factory(relay_env(tmp_path, destination, sqlite_outbox, OUTBOX_CLAIM_INTERVAL_S="0.5",
+                                    OUTBOX_RELAY_HEARTBEAT_S=str(HEARTBEAT_S), OUTBOX_RELAY_IN_PROCESS_CLAIM="0"))
     procs.worker("w1")
+    procs.spawn("sender", [sys.executable, "-c", CLAIM_SENDER])
     warning = "outbox: no claim tick has reached this worker in the 10 s since it started: run `celery -A outbox beat`"
-    assert wait_until(lambda: warning in procs.log("w1"), timeout=60), procs.log("w1")[-3000:]
+    assert wait_until(lambda: warning in procs.log("w1"), timeout=40), (
+        f"{procs.log('w1')[-3000:]}\n--- sender\n{procs.log('sender')[-1000:]}")
+    assert "sent 10" in procs.log("sender"), procs.log("sender")[-3000:]
+    heartbeats = [line for line in info_lines(procs.log("w1")) if "outbox heartbeat: alive" in line]
+    ticks = [int(m.group(1)) for line in heartbeats if (m := re.search(r"; (\d+) claim ticks", line))]
+    assert ticks and set(ticks) == {0}, heartbeats
+    procs.kill("sender")
     procs.beat()  # with beat there, the worker's check sees ticks: nothing is said
     procs.worker("w2")
     assert wait_until(lambda: "outbox heartbeat: alive" in procs.log("w2"), timeout=60), procs.log("w2")[-3000:]
@@ -100,8 +125,9 @@ def _record(name: str, msg: str, args: Any, level: int = logging.INFO) -> loggin
 
 def test_tick_filter_drops_claim_ticks_only_and_keeps_them_at_debug() -> None:
     f = TickFilter()
-    received = _record("celery.worker.strategy", "Task %(name)s[%(id)s] received", ({"name": CLAIM_TASK, "id": "1"},))
-    assert received.args == {"name": CLAIM_TASK, "id": "1"}  # LogRecord unwraps a single mapping
+    received = _record("celery.worker.strategy", "Task %(name)s[%(id)s] received",
+                       ({"name": CLAIM_TASK, "id": "1", "kwargs": "{'requested': False, 'outbox': 'o'}"},))
+    assert isinstance(received.args, dict) and received.args["id"] == "1"  # LogRecord unwraps a single mapping
     succeeded = _record("celery.app.trace", "Task %(name)s[%(id)s] succeeded in %(runtime)ss: %(return_value)s",
                         ({"name": CLAIM_TASK, "id": "1", "runtime": 0.1, "return_value": None},))
     beat = _record("celery.beat", "Scheduler: Sending due task %s (%s)", ("outbox-claim", CLAIM_TASK))
@@ -119,6 +145,29 @@ def test_tick_filter_drops_claim_ticks_only_and_keeps_them_at_debug() -> None:
         assert f.filter(received)
     finally:
         logging.getLogger("celery.worker.strategy").setLevel(logging.NOTSET)
+
+
+def test_the_worker_counts_beats_ticks_not_claim_requests() -> None:
+    """Found in review: every claim task's "received" line was counted as a tick, so claim
+    requests (drain mode, takeovers) and writers' wakes hid a missing beat. Only a claim
+    whose kwargs carry the tick's marker counts; every claim line still goes to DEBUG."""
+    def received(kwargs: str) -> logging.LogRecord:
+        return _record("celery.worker.strategy", "Task %(name)s[%(id)s] received",
+                       ({"name": CLAIM_TASK, "id": "1", "args": "()", "kwargs": kwargs},))
+
+    f = TickFilter()
+    logging.getLogger("celery.worker.strategy").setLevel(logging.INFO)
+    try:
+        shown = [f.filter(received(kwargs)) for kwargs in (
+            "{'requested': False, 'outbox': 'o'}",  # beat's tick, and one forwarded from another outbox
+            "{'requested': True, 'outbox': 'o'}",  # a worker's claim request
+            "{'requested': True, 'token': 't', 'outbox': 'o'}",  # a writer's wake with no worker listening
+            "{'outbox': 'o'}",  # a writer's wake on a broker other than Redis
+            "")]  # no kwargsrepr (an older client's message)
+    finally:
+        logging.getLogger("celery.worker.strategy").setLevel(logging.NOTSET)
+    assert shown == [False] * 5
+    assert f.received == 1 and f.take_ticks() == 1
 
 
 def test_claim_ticks_logged_through_the_logger_show_at_debug_only() -> None:
@@ -140,7 +189,8 @@ def test_claim_ticks_logged_through_the_logger_show_at_debug_only() -> None:
         for level in (logging.INFO, logging.DEBUG):
             logger.setLevel(level)
             with logging_as_in_python_313():
-                logger.info("Task %(name)s[%(id)s] received", {"name": CLAIM_TASK, "id": str(level)})
+                logger.info("Task %(name)s[%(id)s] received",
+                            {"name": CLAIM_TASK, "id": str(level), "kwargs": "{'requested': False}"})
     finally:
         logger.filters = installed
         logger.removeHandler(handler)

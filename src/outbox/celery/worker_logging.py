@@ -39,12 +39,16 @@ from typing import Any
 from celery import signals
 
 from ..core.logs import shows
-from ..core.names import CLAIM_TASK
+from ..core.names import CLAIM_TASK, TICK_KWARGS
 
 log = logging.getLogger("outbox.heartbeat")
 
 #: The loggers Celery writes its per-task and per-tick INFO lines to.
 TICK_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.worker.request", "celery.beat")
+
+
+#: How a tick's keyword arguments read in Celery's "received" line (``kwargsrepr``).
+TICK_MARK = repr(TICK_KWARGS)[1:-1]
 
 
 def _task_name(record: logging.LogRecord) -> str | None:
@@ -59,12 +63,21 @@ def _task_name(record: logging.LogRecord) -> str | None:
     return None
 
 
+def _is_tick(record: logging.LogRecord) -> bool:
+    """A "received" line of a claim tick: its kwargs carry ``TICK_KWARGS``. Claim requests
+    (drain mode, takeovers, writers' wakes) are claim tasks too, and counting them hid a
+    missing beat while traffic flowed (found in review; docs/operations.md, "Logging")."""
+    args = record.args
+    return isinstance(args, dict) and TICK_MARK in str(args.get("kwargs") or "")
+
+
 class TickFilter(logging.Filter):
-    """Drops the claim tick's per-task INFO lines unless DEBUG is on; counts them."""
+    """Drops the claim task's per-task INFO lines unless DEBUG is on; counts beat's ticks
+    among them (``_is_tick``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ticks = 0  # received by this worker
+        self.ticks = 0  # beat's, received by this worker
         self.received = 0  # the same, never reset (Heartbeat's check that beat is there)
         self.sent = 0  # sent by this beat
         self._lock = threading.Lock()
@@ -72,13 +85,13 @@ class TickFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO or _task_name(record) != CLAIM_TASK:
             return True
-        if record.name in ("celery.worker.strategy", "celery.beat"):
+        if record.name == "celery.beat":
             with self._lock:
-                if record.name == "celery.beat":
-                    self.sent += 1
-                else:
-                    self.ticks += 1
-                    self.received += 1
+                self.sent += 1
+        elif record.name == "celery.worker.strategy" and _is_tick(record):
+            with self._lock:
+                self.ticks += 1
+                self.received += 1
         return shows(logging.getLogger(record.name), logging.DEBUG)  # not isEnabledFor: outbox.core.logs
 
     def take_ticks(self) -> int:

@@ -26,6 +26,12 @@ PURGE_TASK = "outbox.purge"
 #: The task keyword argument that names the outbox a task belongs to (its namespace).
 TASK_OUTBOX_ARG = "outbox"
 
+#: What marks a claim tick (the schedule's claim entry, ``beat_schedule.build_schedule``):
+#: ``requested=False`` said, which no other claim message says (a claim request says True, a
+#: wake on a broker other than Redis nothing), so a worker counts beat's ticks apart from the
+#: claims that traffic sends (docs/operations.md, "Logging"). Every worker version takes it.
+TICK_KWARGS: dict[str, bool] = {"requested": False}
+
 #: Which queue kind each task goes to: ``<namespace>.<kind>``.
 KINDS = ("claim", "publish", "ack", "purge")
 TASK_KINDS = {
@@ -150,7 +156,7 @@ def wake_channel(broker_url: str, key_prefix: str, namespace: str) -> str:
     return f"{claim_request_key(broker_url, key_prefix, namespace)}:notify"
 
 
-__all__ = ["is_redis_url", "REDIS_URL_PREFIXES", "wake_channel", "CLAIM_TASK", "PUBLISH_TASK", "ACK_TASK",
+__all__ = ["is_redis_url", "REDIS_URL_PREFIXES", "wake_channel", "CLAIM_TASK", "TICK_KWARGS", "PUBLISH_TASK", "ACK_TASK",
            "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
            "CLAIM_REQUEST_PREFIX", "claim_request_key", "TASK_OUTBOX_ARG", "KINDS", "TASK_KINDS", "LEGACY_NAMESPACE",
            "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "database_identity", "default_namespace", "Queues"]
