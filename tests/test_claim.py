@@ -563,6 +563,76 @@ print(seen, requests, claims)
     assert done.stdout.split("\n")[0] == "[0, 3] [True, False, False, True] 1"
 
 
+CLAIM_REQUESTS_BROKER_DOWN = """
+import json, logging, time
+import outbox.celery.tasks as t
+warnings = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        if record.name.startswith("outbox"):
+            warnings.append(record.getMessage())
+logging.getLogger().addHandler(Keep(logging.WARNING))
+took = []
+for _ in range(20):  # drain mode: a request after every in-process claim that published
+    began = time.monotonic()
+    t.request_claim()
+    took.append(time.monotonic() - began)
+print(json.dumps({"warnings": warnings, "took": took}))
+"""
+
+
+@pytest.mark.parametrize("broker", ["redis://127.0.0.1:1/0", "amqp://guest:guest@127.0.0.1:1//"])
+def test_claim_requests_to_an_unreachable_celery_broker_warn_once_and_wait_little(tmp_path: Path, broker: str) -> None:
+    """Found in review: while Celery's broker was down each claim request (drain mode asks after
+    every in-process claim that published) logged a WARNING, saying "the next tick will claim",
+    which cannot arrive either, and waited about 0.6 s for a send that could not succeed. Now
+    the outage is one WARNING, and a failed request bounds its own wait and pauses the next."""
+    import json
+    done = run_python(CLAIM_REQUESTS_BROKER_DOWN, tmp_path, OUTBOX_CELERY_BROKER_URL=broker,
+                      OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "task runner's broker unreachable" in out["warnings"][0] and "next tick" not in out["warnings"][0]
+    assert max(out["took"]) < 0.5 and sum(out["took"][1:]) < 0.1, out["took"]
+
+
+def test_a_failed_claim_request_is_one_outage_and_pauses_requests(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The logic of the test above with a stand-in runner: 100 requests in a second while its
+    broker refuses them are one WARNING and one send; the first request that goes through
+    after the pause ends the outage in one INFO line."""
+    import logging
+
+    from outbox.core.config import load_settings
+    from outbox.relay.service import Relay
+
+    class Runner:
+        broker_url, claim_key, down, sent = "memory://", "k", True, 0
+
+        def send(self, task: str, kwargs: dict[str, Any], expires_s: float | None = None) -> None:
+            self.sent += 1
+            if self.down:
+                raise ConnectionRefusedError(111, "Connection refused")
+
+        def stopping(self) -> bool:
+            return False
+
+    runner = Runner()
+    relay = Relay(load_settings(environ={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}), RelayOptions(),
+                  runner, logging.getLogger("outbox.test-requests"))  # type: ignore[arg-type]
+    with caplog.at_level(logging.DEBUG, "outbox.test-requests"):
+        assert not any(relay.request_claim() for _ in range(100))
+        assert runner.sent == 1
+        relay.requests_paused_until = 0.0  # the pause is over; the broker is back
+        runner.down = False
+        assert relay.request_claim() and runner.sent == 2
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "outbox.test-requests"]
+    assert [level for level, _ in lines if level >= logging.INFO] == [logging.WARNING, logging.INFO], lines
+    assert lines[0][1].startswith("outbox: task runner's broker unreachable (memory://): ConnectionRefusedError")
+    assert "reachable again" in lines[-1][1]
+
+
 def test_only_a_claim_after_a_backlog_reads_the_publish_queue_length(tmp_path: Path) -> None:
     """The in-flight bound costs a round trip to Celery's broker; a process reads the
     publish queue's length before a claim only when its previous claim met a backlog and sent

@@ -9,17 +9,20 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.config import relay_settings
-from ..core.names import PUBLISH_TASK, claim_request_key
+from ..core.names import CLAIM_TASK, PUBLISH_TASK, claim_request_key
 from ..relay.waker import clear_token
 from .application import app, send_relay_task
-from .waker import claim_queue
+from .waker import RETRY_POLICY, claim_queue
 
 log = logging.getLogger("outbox.tasks")
 
-#: Send options per task beyond the queue: a publish task carries leased rows, so its send is retried.
+#: Send options per task beyond the queue: a publish task carries leased rows, so its send is retried;
+#: a claim request (``Relay.request_claim``, which an in-process claim waits on) is retried once at
+#: once, as a writer's wake is: Celery's default waited about 0.6 s on a broker that refused it.
 SEND_OPTIONS: dict[str, dict[str, Any]] = {
     PUBLISH_TASK: {"retry": True,
                    "retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}},
+    CLAIM_TASK: {"retry": True, "retry_policy": RETRY_POLICY},
 }
 
 

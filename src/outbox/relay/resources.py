@@ -17,6 +17,7 @@ from ..storage.store import OutboxStore
 from .holders import Heartbeat, new_holder
 from .settle import Fallback, Settler
 from .shared import (
+    RELAY_OUTAGES,
     Breaker,
     Coalescer,
     Outage,
@@ -60,7 +61,7 @@ class Shared:
     outages: dict[str, Outage] = field(default_factory=dict)
 
     def outage(self, which: str) -> Outage:
-        """The outage log of ``which`` ("database" or "destination broker")."""
+        """The outage log of ``which`` (``relay.shared.RELAY_OUTAGES``)."""
         return self.outages[which]
 
 
@@ -135,7 +136,7 @@ class ResourceHolder:
                                       make_coalescer(url, claim_key, options.claim_request_ttl_s),
                                       make_route_gate(url, key),
                                       {which: make_relay_outage(which, settings, options, url, self._log)
-                                       for which in ("database", "destination broker")})
+                                       for which in RELAY_OUTAGES})
             return self._shared
 
     def outage(self, which: str) -> Outage:

@@ -28,10 +28,13 @@ from .publish import ChainOutcome, handle_publish, still_held_when_reachable
 from .resources import ResourceHolder, Resources, Shared
 from .runner import Runner
 from .settle import apply_fallback, purge_budget, purge_expired
-from .shared import Breaker, Outage
+from .shared import RUNNER_BROKER, Breaker, Outage
 
 #: The settling task that takes over a store write a publish could not make.
 FALLBACK_TASKS = {"done": ACK_TASK, "failed": FAIL_TASK, "release": RELEASE_TASK}
+
+#: After a claim request failed, this process sends none for this long (``Relay.request_claim``).
+CLAIM_REQUEST_PAUSE_S = 5.0
 
 
 class Relay:
@@ -59,6 +62,8 @@ class Relay:
         self.held = ResourceHolder(self._config, self._fallback, logger, on_takeover=self.request_claim)
         #: Where a drain slice's next claim runs while it publishes (``relay.drain.ClaimAhead``).
         self.ahead = ClaimAhead(lambda: self.resources().store)
+        #: No claim request before this (``time.monotonic()``): the last one failed.
+        self.requests_paused_until = 0.0
 
     # -- what the process holds -------------------------------------------------------------
 
@@ -127,19 +132,30 @@ class Relay:
     def request_claim(self) -> bool:
         """Ask for a claim soon, coalesced: while one requested claim has not started yet,
         further requests are no-ops. The one "claim soon" of a worker process: drain mode,
-        a takeover, notifications and post-commit wake-ups made in a worker use it."""
-        if self.stopping():
+        a takeover, notifications and post-commit wake-ups made in a worker use it. One that
+        cannot reach the runner's broker is that broker's outage in the log, and none is
+        sent for ``CLAIM_REQUEST_PAUSE_S`` after it (docs/relay.md, "Outages in the log")."""
+        if self.stopping() or time.monotonic() < self.requests_paused_until:
             return False
-        gate = self.shared().coalescer
-        if not gate.acquire():
-            return False
+        shared = self.shared()
+        gate, outage = shared.coalescer, shared.outage(RUNNER_BROKER)
+        try:
+            if not gate.acquire(strict=True):
+                return False
+        except Exception as exc:  # noqa: BLE001 - the token's store is the runner's broker: the send would fail too
+            return self._request_failed(outage, exc)
         try:
             self.runner.send(CLAIM_TASK, {"requested": True}, expires_s=self.options.claim_request_ttl_s)
-        except Exception as exc:  # noqa: BLE001 - a claim request is best effort: the next tick claims
+        except Exception as exc:  # noqa: BLE001 - a claim request is best effort
             gate.clear()
-            self.log.warning("outbox: cannot request a claim (%s); the next tick will claim", exc)
-            return False
+            return self._request_failed(outage, exc)
+        outage.ok()
         return True
+
+    def _request_failed(self, outage: Outage, exc: BaseException) -> bool:
+        self.requests_paused_until = time.monotonic() + CLAIM_REQUEST_PAUSE_S
+        outage.failed(exc)
+        return False
 
     # -- the tasks' bodies -------------------------------------------------------------------
 
@@ -221,4 +237,4 @@ class Relay:
                              self.log, budget_s=purge_budget(self.options.purge_interval_s))
 
 
-__all__ = ["Relay", "FALLBACK_TASKS"]
+__all__ = ["Relay", "FALLBACK_TASKS", "CLAIM_REQUEST_PAUSE_S"]

@@ -351,10 +351,15 @@ class Coalescer:
         self.state: SharedState = state if state is not None else ProcessState()
         self.key = key
 
-    def acquire(self) -> bool:
+    def acquire(self, strict: bool = False) -> bool:
+        """True for the first caller. The token's store is the runner's broker: when it is
+        down, True (request anyway), or with ``strict`` its error, for a caller that would
+        send through that broker and can spare the send (``Relay.request_claim``)."""
         try:
             return self.state.set_if_absent(self.key, "1", self.ttl_s)
-        except Exception as exc:  # noqa: BLE001 - the runner's broker holds the token: if it is down, sending fails too
+        except Exception as exc:  # the runner's broker holds the token: if it is down, sending fails too
+            if strict:
+                raise
             log.debug("outbox: claim request token unavailable (%s); requesting anyway", exc)
             return True
 
@@ -370,13 +375,23 @@ def make_coalescer(celery_broker_url: str, key: str, ttl_s: float) -> Coalescer:
     return Coalescer(ttl_s, open_shared_state(celery_broker_url), key + ":claim-requested")
 
 
+#: The outage of the task runner's broker as the relay's claim requests meet it (``Relay.request_claim``).
+RUNNER_BROKER = "task runner's broker"
+#: The outage logs each relay process keeps (``make_relay_outage``).
+RELAY_OUTAGES = ("database", "destination broker", RUNNER_BROKER)
+
+
 def make_relay_outage(which: str, settings: Any, options: Any, shared_url: str,
                       logger: logging.Logger | None = None) -> Outage:
-    """The outage log of ``which`` ("database" or "destination broker") for ``settings``,
-    shared through ``shared_url`` (the task runner's broker) like the breaker; every task
-    runner (outbox.celery.worker for Celery, outbox.dramatiq) makes its outage logs here."""
+    """The outage log of ``which`` (one of ``RELAY_OUTAGES``) for ``settings``, shared through
+    ``shared_url`` (the task runner's broker) like the breaker; every task runner
+    (outbox.celery.worker for Celery, outbox.dramatiq) makes its outage logs here. That
+    broker's own outage is logged per process: the shared flag would live in it."""
     from ..core.redact import redact
 
+    if which == RUNNER_BROKER:
+        return Outage(which, redact(shared_url), "Claims are not requested through it until it answers, and claim "
+                      "ticks cannot arrive either; nothing is lost (rows wait in the table)", logger, ProcessState())
     key = breaker_key(settings.outbox_namespace, settings.publish_url, settings.exchange)
     if which == "database":
         where = redact(settings.database_url)
