@@ -105,7 +105,7 @@ def test_relay_functions_count_on_a_real_store(tmp_path: Path, registry: Collect
     assert value(registry, "outbox_failed_total", kind="poison") == 1
     assert value(registry, "outbox_failed_total", kind="backpressure") == 0
     assert value(registry, "outbox_dead_total") == 1
-    assert value(registry, "outbox_publish_seconds_count") == 3  # one observation per chain
+    assert value(registry, "outbox_publish_seconds_count") == 1  # one observation per publish call
     assert value(registry, "outbox_event_age_seconds_count") == 3  # one per published event
     assert 0 <= value(registry, "outbox_event_age_seconds_sum") < 60
 
@@ -249,6 +249,33 @@ def scrape(port: int) -> str:
         return response.read().decode()
 
 
+class SlowPublisher(ScriptedPublisher):
+    """Publishes every chain whole; the one call for all the task's chains takes 0.2 s."""
+
+    def publish_chains(self, chains: Any, *, pipelined: Any = None, deadline: Any = None) -> Any:
+        time.sleep(0.2)
+        return super().publish_chains(chains, pipelined=pipelined, deadline=deadline)
+
+
+def test_publish_seconds_is_observed_once_per_publish_call(
+        tmp_path: Path, registry: CollectorRegistry, make_store: Any) -> None:
+    """Found in review: every chain of a publish task observed the whole task's sending time,
+    so a task of 10 chains that took 0.2 s added 2 s to the sum. One observation per call."""
+    store = make_store()
+    db = str(tmp_path / "outbox.db")
+    for n in range(10):
+        add(db, f"agg-{n}")
+    sent = Collect()
+    handle_claim(RelayContext(store, hooks=HOOKS), sent, batch_size=100, lease_s=60.0)
+    assert len(sent.chains) == 10
+    began = time.perf_counter()
+    handle_publish(RelayContext(store, SlowPublisher(), hooks=HOOKS), sent.chains)
+    wall = time.perf_counter() - began
+    assert value(registry, "outbox_published_total") == 10
+    assert value(registry, "outbox_publish_seconds_count") == 1
+    assert 0.2 <= value(registry, "outbox_publish_seconds_sum") <= wall
+
+
 def samples(text: str) -> dict[str, float]:
     found: dict[str, float] = {}
     for line in text.splitlines():
@@ -259,6 +286,7 @@ def samples(text: str) -> dict[str, float]:
 
 
 def test_http_endpoint(registry: CollectorRegistry) -> None:
+    metrics.sent(1, 0.01)
     metrics.chain([], 0.01, "backpressure")
     metrics.dead(2)
     server = metrics.serve(0, "127.0.0.1")

@@ -18,10 +18,15 @@ class RelayHooks:
     def after_claim(self, claim: Claim, seconds: float) -> None:
         """A claim returned ``claim`` (its rows and the rows it found dead) after ``seconds``."""
 
+    def after_send(self, chains: int, seconds: float) -> None:
+        """One call of the publisher sent ``chains`` chains (a publish task's, or a claim's
+        own share) in ``seconds``, confirmations included: the chains go out together, so
+        no chain has a duration of its own."""
+
     def after_chain(self, published: Sequence[OutboxMessage], seconds: float, failed_kind: str | None) -> None:
         """One chain went through the publisher: its confirmed ``published`` prefix, how long
-        the publish task's sending took, and the failure kind of the event that stopped it
-        (None when the whole chain went)."""
+        the publish task's sending took (all its chains: ``after_send`` has it once), and the
+        failure kind of the event that stopped it (None when the whole chain went)."""
 
     def after_dead(self, count: int = 1) -> None:
         """``count`` rows went dead in a publish (poison, out of attempts, overtaken) or in a

@@ -80,6 +80,9 @@ def handle_publish(relay: RelayContext, chains: Iterable[Sequence[OutboxMessage]
     late = (deadline is not None and relay.publish_budget_s is not None
             and deadline - relay.now() < relay.publish_budget_s - LATE_START_S)
     reports, elapsed = _send(publisher, relay, [part for part, _, _ in split], deadline)
+    chains_sent = sum(1 for report in reports if report is not None)
+    if chains_sent:  # the publish's duration, once (relay.metrics.sent)
+        relay.hooks.after_send(chains_sent, elapsed)
     done: dict[str, list[int]] = {}
     settled = [_settle_published(relay, chain, part, report, elapsed, done)
                for chain, (part, _, _), report in zip(batch, split, reports)]
