@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import subprocess
@@ -251,3 +252,18 @@ def test_a_sqlite_url_is_one_rule_for_validation_the_engine_and_the_default_brok
     assert kind_of_url(s.database_url) == "sqlite"
     assert sqlite_path(s.database_url) == "/data/outbox.db"
     assert s.broker_url == "memory://"
+
+
+def test_a_celery_config_module_this_process_cannot_import_is_warned_about_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The module may live beside the workers only (their directory): a process that cannot
+    import it reads none of its keys and says so once, rather than failing every enqueue."""
+    from outbox.core import sources
+
+    sources._unimportable.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="outbox.core.config"):
+        for _ in range(3):
+            settings = load_settings(environ={"CELERY_CONFIG_MODULE": "no_such_relayconf_module"})
+    assert settings.table == "outbox"
+    said = [r.getMessage() for r in caplog.records if "CELERY_CONFIG_MODULE" in r.getMessage()]
+    assert len(said) == 1 and "'no_such_relayconf_module' cannot be imported" in said[0], said

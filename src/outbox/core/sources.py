@@ -6,6 +6,7 @@ The order itself is built in ``outbox.core.config.current_sources`` (docs/design
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -53,8 +54,18 @@ def module_keys(environ: Mapping[str, str]) -> dict[str, Any]:
     try:
         module = import_from_cwd(name)
     except ImportError as exc:
-        raise ConfigError(f"CELERY_CONFIG_MODULE={name!r} cannot be imported: {exc}") from None
+        # Not importable here (it lives beside the workers): this process reads no key of
+        # it, and says so once. A writer whose enqueue raised for it stopped working where
+        # it had worked before (its keys then mattered to the worker only).
+        _unimportable(name, str(exc))
+        return {}
     return _outbox_keys({key: getattr(module, key) for key in dir(module)})
+
+
+@functools.lru_cache(maxsize=8)
+def _unimportable(name: str, error: str) -> None:
+    log.warning("outbox: CELERY_CONFIG_MODULE=%r cannot be imported in this process (%s): its OUTBOX_* keys are "
+                "not read here, and this process's settings may differ from the workers'", name, error)
 
 
 def _outbox_keys(conf: Mapping[str, Any]) -> dict[str, Any]:
