@@ -294,6 +294,23 @@ def test_a_wider_replay_after_a_narrower_one_is_refused_before_writing(spark: An
     assert (again["written"], again["already_present"]) == (0, 4)
 
 
+def test_a_wider_replay_is_refused_when_the_aggregate_id_is_shared_by_two_types(spark: Any, store: OutboxStore,
+                                                                                tmp_path: Path) -> None:
+    """Order is per aggregate_id (CONTRACT.md), whatever the type: e0 order, e1 payment, e2
+    order, all of aggregate id 42. A replay of ``--aggregate-type order`` wrote e0 and e2;
+    the check keyed by (type, id) then let a replay of everything append e1 after e2
+    (found in review)."""
+    ids = seed(store, [Row("orders.created", "42", age_ms=9 * DAY_MS, aggregate_type="order"),
+                       Row("payments.taken", "42", age_ms=9 * DAY_MS - 1000, aggregate_type="payment"),
+                       Row("orders.paid", "42", age_ms=9 * DAY_MS - 2000, aggregate_type="order")])
+    root = tmp_path / "archive"
+    assert Archiver(spark, store, str(root)).run(timedelta(days=7)).archived == 3
+    assert run_replay(spark, archive=str(root), target=store, aggregate_type="order")["written"] == 2
+    with pytest.raises(PipelineError, match=f"the target holds the copy of order/42's archived id {ids[2]} but not "
+                                            f"of its earlier archived id {ids[1]} .*nothing was written"):
+        run_replay(spark, archive=str(root), target=store, partitions=2)
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
 def test_a_batch_another_replay_stored_after_its_check_is_written_again_and_skips_them(
         store: OutboxStore, monkeypatch: pytest.MonkeyPatch) -> None:

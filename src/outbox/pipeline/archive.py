@@ -345,27 +345,30 @@ class Archiver:
 
     # -- one outbox per archive (docs/pipeline.md, "Guarantees") ---------------------------
     def _check_one_outbox(self) -> list[dict[str, Any]]:
-        """Refuse, before anything is read, an archive whose finished runs are of another
-        outbox (another database, schema or table): its readers tell rows apart by id
-        alone and would keep one of two outboxes' rows of an id. Returns the finished
-        runs' manifests. (An unfinished run of another outbox: ``recover``.)"""
+        """Warn, once per run, when the archive's finished runs name another outbox (another
+        database URL, schema or table): an archive is meant to hold one. Only a warning: the
+        URL is compared as written, and a port spelled out, a host alias or a failover to
+        another host changes it for the same table (refused at first, every later run was:
+        found in review). What would lose events, two events under one id, ``_check_ids``
+        refuses by their message ids. Returns the finished runs' manifests. (An unfinished
+        run of another outbox: ``recover``.)"""
         names = self.fs.list_names(self.fs.uri(MANIFEST_DIR))
         finished = sorted(n[:-len(".deleted")] for n in names if n.endswith(".deleted"))
         database = database_of(self.store.url)
         mine = outbox_named(database, self.engine.schema, self.engine.table_name)
-        history = []
+        history, others = [], []
         for run_id in finished:
             if f"{run_id}.json" not in names:
                 continue
             manifest = json.loads(self.fs.read_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json")))
             # (A manifest written before "database" was recorded is taken as this database's.)
             theirs = outbox_named(manifest.get("database", database), manifest.get("schema"), manifest.get("table"))
-            if theirs != mine:
-                raise PipelineError(
-                    f"the archive {self.root} holds the outbox {theirs} (run {run_id}), not {mine}: an archive "
-                    "holds one outbox (its readers tell rows apart by id alone, and would drop one outbox's "
-                    "events where the ids meet); give each outbox an archive of its own (OUTBOX_ARCHIVE_URI); "
-                    "nothing was archived")
+            if theirs != mine and theirs not in others:
+                others.append(theirs)
+                log.warning("outbox: the archive %s holds runs of %s (run %s) and this run is of %s: the same "
+                            "outbox under another URL, or another outbox; an archive holds one outbox (give each "
+                            "its own OUTBOX_ARCHIVE_URI): ids met again for other events are refused",
+                            self.root, theirs, run_id, mine)
             history.append(manifest)
         return history
 
@@ -625,14 +628,6 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
     if not manifests and not fs.exists(fs.uri(MANIFEST_DIR)):
         raise PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
                             "`outbox pipeline archive`)")
-    # Written before the archive refused a second outbox (Archiver._check_one_outbox): one
-    # outbox's rows would hide the other's of the same ids.
-    outboxes = sorted({outbox_named(m["database"], m.get("schema"), m.get("table")) for m in manifests
-                       if "database" in m})
-    if len(outboxes) > 1:
-        raise PipelineError(f"the archive {root} holds the runs of more than one outbox: {', '.join(outboxes)}; "
-                            "its readers tell rows apart by id alone and would drop one outbox's events: "
-                            "move each outbox's runs (their _manifest/<run>.json and files) to an archive of its own")
     # (base, what to read): the archive tree, and of each committed run still in staging (a
     # crash mid-publish) its committed files only: a task attempt that failed, or ran on
     # after its run had finished, may have left finished files of its own beside them.
@@ -656,5 +651,14 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
     overlap = any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:]))
     if not overlap and len(paths) == 1 and paths[0][0] == root:
         return frame, False
+    # One row per id is kept; two *events* under one id (two outboxes' runs, or an outbox
+    # whose ids started again, archived before the archive refused that) would lose one.
+    clash = (frame.groupBy("id").agg(F.countDistinct("message_id").alias("_events")).where("_events > 1")
+             .select("id").limit(1).collect())
+    if clash:
+        raise PipelineError(f"the archive {root} holds two events under id {clash[0]['id']} (two outboxes' runs, or "
+                            "an outbox whose ids started again): its readers tell rows apart by id and would drop "
+                            "one; move each outbox's runs (their _manifest/<run>.json and files) to an archive of "
+                            "its own")
     latest = Window.partitionBy("id").orderBy(F.col("archive_run").desc())
     return frame.withColumn("_n", F.row_number().over(latest)).where("_n = 1").drop("_n"), True
