@@ -267,3 +267,22 @@ def test_a_celery_config_module_this_process_cannot_import_is_warned_about_once(
     assert settings.table == "outbox"
     said = [r.getMessage() for r in caplog.records if "CELERY_CONFIG_MODULE" in r.getMessage()]
     assert len(said) == 1 and "'no_such_relayconf_module' cannot be imported" in said[0], said
+
+
+def test_a_celery_config_module_that_fails_in_this_process_is_warned_about_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A module that reads a variable only the workers have raises KeyError here: every
+    enqueue of a writer raised it, where it had worked before writers read the module
+    (found in review). It is one warning and no keys, as a module not there."""
+    from outbox.core import sources
+
+    (tmp_path / "workeronlyconf.py").write_text('import os\nbroker_url = os.environ["WORKER_ONLY_BROKER"]\n'
+                                                'OUTBOX_TABLE = "orders_x"\n')
+    monkeypatch.chdir(tmp_path)
+    sources._unimportable.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="outbox.core.config"):
+        for _ in range(2):
+            settings = load_settings(environ={"CELERY_CONFIG_MODULE": "workeronlyconf"})
+    assert settings.table == "outbox"
+    said = [r.getMessage() for r in caplog.records if "CELERY_CONFIG_MODULE" in r.getMessage()]
+    assert len(said) == 1 and "KeyError" in said[0] and "WORKER_ONLY_BROKER" in said[0], said

@@ -53,11 +53,13 @@ def module_keys(environ: Mapping[str, str]) -> dict[str, Any]:
 
     try:
         module = import_from_cwd(name)
-    except ImportError as exc:
-        # Not importable here (it lives beside the workers): this process reads no key of
-        # it, and says so once. A writer whose enqueue raised for it stopped working where
-        # it had worked before (its keys then mattered to the worker only).
-        _unimportable(name, str(exc))
+    except Exception as exc:  # noqa: BLE001 - any failure of a module written for the workers
+        # Not importable here (it lives beside the workers), or it fails here (it reads a
+        # variable only the workers have): this process reads no key of it, and says so
+        # once. A writer whose enqueue raised for it stopped working where it had worked
+        # before, its keys then the workers' only (found in review). Celery itself imports
+        # it in a worker or beat, which fails there as before.
+        _unimportable(name, f"{type(exc).__name__}: {exc}")
         return {}
     return _outbox_keys({key: getattr(module, key) for key in dir(module)})
 
