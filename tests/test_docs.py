@@ -185,3 +185,18 @@ def test_every_sqlalchemy_snippet_flushes_before_it_enqueues_a_new_rows_id() -> 
             if added >= 0 and enqueued >= 0 and "flush()" not in block[added:enqueued]:
                 unflushed.append(f"{page.name}: {block[added:enqueued + 60]!r}")
     assert not unflushed, unflushed
+
+
+def test_every_publish_url_in_the_docs_is_one_start_up_accepts_and_every_database_broker_snippet_sets_one() -> None:
+    """transport.md said events could go to the database transport (refused at start-up),
+    and its SQL Server snippet set no OUTBOX_PUBLISH_URL: copied as printed, events went
+    to memory://, in the relay's process, and were marked done (found in review)."""
+    from outbox.core.checks import validate_publish_url
+
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```(?:sh|bash)\n(.*?)```", page.read_text(), re.S):
+            for url in re.findall(r"^export OUTBOX_PUBLISH_URL=['\"]?([^'\"\s#]+)", block, re.M):
+                if "<" not in url and "$" not in url:
+                    validate_publish_url(url)  # raises ConfigError, naming the setting
+            if re.search(r"^export OUTBOX_CELERY_BROKER_URL=outboxdb", block, re.M):
+                assert re.search(r"^export OUTBOX_PUBLISH_URL=", block, re.M), f"{page.name}:\n{block}"
