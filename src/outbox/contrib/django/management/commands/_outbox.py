@@ -49,9 +49,11 @@ class OutboxCommand(BaseCommand):
         err = _Capture()
         with contextlib.redirect_stdout(self.stdout), contextlib.redirect_stderr(err):
             try:
-                main.main(args=[*self.cli_args, *options.get("outbox_args", [])], prog_name="outbox",
-                          standalone_mode=False)
-                code = 0
+                # A usage error is one `error:` line and exit status 2 (outbox.cli.OneLineGroup),
+                # which click, not standalone, returns rather than raises.
+                returned = main.main(args=[*self.cli_args, *options.get("outbox_args", [])], prog_name="outbox",
+                                     standalone_mode=False)
+                code = returned if isinstance(returned, int) else 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
             except click.ClickException as exc:  # usage errors, with standalone_mode off
