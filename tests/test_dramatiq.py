@@ -442,6 +442,57 @@ def test_schedulers_restarted_more_often_than_the_purge_interval_still_purge(kin
     assert 1 <= sent.count(PURGE_TASK) <= 2, sent
 
 
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_the_dramatiq_scheduler_stops_adding_claim_ticks_to_a_claim_queue_nobody_takes(
+        kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No worker consumes the claim queue (workers stopped, only publish workers up): the
+    scheduler's ticks piled up in Dramatiq's broker, which keeps them until a worker takes
+    them (``expires_at`` is read by the actor), and after downtime every claim waited behind
+    them (found in review: ~35 MB a day on Redis). No tick is sent while the queue holds
+    ``MAX_QUEUED_CLAIMS`` (5 here), said once; once, too, when the queue takes ticks again.
+    The real broker, real sends, ticks every 0.05 s."""
+    from outbox.dramatiq import brokers
+
+    require("Redis", "127.0.0.1", 6379) if kind == "redis" else require("RabbitMQ", "127.0.0.1", 5672)
+    monkeypatch.setattr("outbox.dramatiq.scheduler.MAX_QUEUED_CLAIMS", 5)
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", REDIS_URL if kind == "redis" else AMQP_URL)
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_NAMESPACE", ns)
+    queue, name = f"{ns}.claim", f"test-{uuid.uuid4().hex[:10]}"
+    lock = _locks(kind, name)[0]
+    entries = [(CLAIM_TASK, queue, 0.05, 0.05, {"outbox": ns}), (PURGE_TASK, f"{ns}.purge", 3600.0, 3600.0, {})]
+    stop = threading.Event()
+    thread = threading.Thread(target=run, args=(stop, entries, lock))
+    lengths: list[int | None] = []
+    try:
+        with caplog.at_level("INFO", logger="outbox.dramatiq.scheduler"):
+            thread.start()
+            time.sleep(2.0)  # about 40 ticks due
+            lengths.append(brokers.queue_length(brokers.sender(), queue))
+            brokers.sender().flush(queue)  # a worker takes them
+            assert wait_until(lambda: (brokers.queue_length(brokers.sender(), queue) or 0) > 0, timeout=5)
+            stop.set()
+            thread.join(timeout=10)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        lock.release()
+        _forget_schedule(kind, name)
+        sender = brokers.sender()
+        if kind == "redis":
+            for key in sender.client.scan_iter(match=f"{ns}*"):
+                sender.client.delete(key)
+        else:
+            for q in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+                sender.channel.queue_delete(q)
+        sender.close()
+        brokers._senders.clear()
+    told = [r.getMessage() for r in caplog.records if queue in r.getMessage()]
+    assert lengths == [5], (lengths, told)
+    assert [r.levelname for r in caplog.records if queue in r.getMessage()] == ["WARNING", "INFO"], told
+    assert f"{queue} holds 5 claim ticks" in told[0], told
+
+
 # -- the relay's metrics from a Dramatiq worker ---------------------------------------------------
 
 from relay_e2e_support import relay_env, wait_until  # noqa: E402
