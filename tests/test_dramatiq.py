@@ -493,6 +493,51 @@ def test_the_dramatiq_scheduler_stops_adding_claim_ticks_to_a_claim_queue_nobody
     assert f"{queue} holds 5 claim ticks" in told[0], told
 
 
+def test_dramatiqs_redis_broker_gives_up_on_a_redis_that_stops_answering_as_a_connection_error() -> None:
+    """Dramatiq's Redis broker was built from the URL alone: no socket timeout or keepalive,
+    so with redis-py before 8 a Redis that stops answering (a paused VM, a host gone without
+    a reset, a black hole) held every send and consumer for good; with redis-py 8 (5 s) each
+    consumer's fetch raised ``redis.TimeoutError``, which Dramatiq logs at CRITICAL with a
+    traceback every 3 s per consumer, past the outage filter (found in review). The broker's
+    pool now has bounds of its own, and a time-out is a connection error: the consumer
+    raises ``ConnectionClosed`` (one outage line, ``consumer_log``), a send fails in bounded
+    time, and both work again once Redis answers. Redis behind a proxy holding its replies."""
+    import redis
+    from dramatiq.errors import ConnectionClosed
+    from relay_e2e_support import Proxy
+
+    from outbox.dramatiq.brokers import REDIS_SOCKET_TIMEOUT_S
+
+    require("Redis", "127.0.0.1", 6379)
+    proxy = Proxy(("127.0.0.1", 6379))
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    queue = f"{ns}.claim"
+    broker = make_broker(proxy.url_for(REDIS_URL), ns, middleware=[])
+    try:
+        kwargs = broker.client.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == REDIS_SOCKET_TIMEOUT_S, kwargs
+        assert kwargs["socket_keepalive"] is True, kwargs
+        consumer = broker.consume(queue)
+        assert next(consumer) is None  # nothing queued: Redis answers
+        proxy.hold_replies()
+        started = time.monotonic()
+        with pytest.raises(ConnectionClosed):
+            next(consumer)
+        with pytest.raises(redis.ConnectionError):
+            broker.enqueue(message(CLAIM_TASK, queue, {}))
+        took = time.monotonic() - started
+        assert took < 6 * REDIS_SOCKET_TIMEOUT_S, f"{took:.1f} s for a fetch and a send to a Redis that did not answer"
+        proxy.release_replies()
+        broker.enqueue(message(CLAIM_TASK, queue, {}))
+        assert broker.client.llen(f"{ns}:{queue}") == 1
+    finally:
+        proxy.release_replies()
+        for key in broker.client.scan_iter(match=f"{ns}*"):
+            broker.client.delete(key)
+        broker.close()
+        proxy.close()
+
+
 # -- the relay's metrics from a Dramatiq worker ---------------------------------------------------
 
 from relay_e2e_support import relay_env, wait_until  # noqa: E402

@@ -277,6 +277,39 @@ def test_dramatiq_workers_ride_out_their_broker_going_away_mid_drain(
     assert log.count("Dramatiq's broker reachable again") == log.count("Dramatiq's broker unreachable"), told
 
 
+def test_a_dramatiq_worker_says_once_that_its_redis_stopped_answering(
+        tmp_path: Path, destination: Any, sqlite_outbox: Outbox, procs_factory: Any) -> None:
+    """Dramatiq's Redis stops answering rather than refusing (a paused VM, a host gone without a
+    reset) for 12 s while a worker and the scheduler run through a proxy that holds Redis's
+    replies. Each consumer's fetch timed out with ``redis.TimeoutError``, which Dramatiq logged
+    as an unexpected error at CRITICAL with a traceback, per consumer every 8 s, and the outage
+    was never named (found in review). A time-out is now a connection error: one WARNING, one
+    "reachable again" line once the ticks' claims are acked again, no CRITICAL line."""
+    proxy = Proxy(target=("127.0.0.1", 6379))
+    env = relay_env(tmp_path, destination, sqlite_outbox, RUNNERS["dramatiq"], OUTBOX_CLAIM_INTERVAL_S="0.3")
+    env["OUTBOX_DRAMATIQ_BROKER_URL"] = REDIS_URL.replace(":6379/", f":{proxy.port}/")
+    try:
+        procs = procs_factory(env, RUNNERS["dramatiq"])
+        procs.worker("w1", concurrency=2)
+        procs.beat()
+        time.sleep(6.0)  # the worker is up and takes the ticks
+        proxy.hold_replies()
+        time.sleep(12.0)
+        proxy.release_replies()
+        assert wait_until(lambda: 1 <= procs.log("w1").count("Dramatiq's broker reachable again")
+                          == procs.log("w1").count("Dramatiq's broker unreachable"), timeout=30), (
+            procs.log("w1")[-5000:])  # each worker process that said it was away says it is back
+        procs.check_alive()
+        log = procs.log("w1")
+    finally:
+        proxy.release_replies()
+        proxy.close()
+    told = "\n".join(line for line in log.splitlines() if "Dramatiq's broker" in line or "dramatiq.worker" in line)
+    assert "CRITICAL" not in log and "Consumer encountered an unexpected error" not in log, log[-5000:]
+    assert 1 <= log.count("Dramatiq's broker unreachable") <= 2, told  # once per worker process
+    assert log.count("Dramatiq's broker reachable again") == log.count("Dramatiq's broker unreachable"), told
+
+
 def _delete_dramatiq_queues(env: dict[str, str]) -> None:
     """The durable queues Dramatiq's RabbitMQ broker declared for ``env``'s outbox."""
     from kombu import Connection

@@ -46,6 +46,10 @@ def configured() -> bool:
 #: pay up to that. At 100 ms an idle worker process polls its four queues ~40 times a
 #: second, each a small Lua call.
 REDIS_IDLE_POLL_MS = 100
+#: Bound on every connect and reply of Dramatiq's Redis broker (redis-py 8's default read
+#: time-out; before 8 there was none). Its consumers poll rather than block, so a few seconds is
+#: all a reply takes (docs/dramatiq.md, "When Dramatiq's broker is away").
+REDIS_SOCKET_TIMEOUT_S = 5.0
 
 
 def pika_url(url: str) -> str:
@@ -67,15 +71,33 @@ def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
     """A Dramatiq broker for ``url``; ``middleware=None`` gives Dramatiq's defaults."""
     try:
         if is_redis_url(url):
+            import redis
             from dramatiq.brokers.redis import RedisBroker
 
             class _RelayRedisBroker(RedisBroker):
-                """RedisBroker whose idle consumers poll at least every REDIS_IDLE_POLL_MS."""
+                """RedisBroker whose idle consumers poll at least every REDIS_IDLE_POLL_MS, and
+                whose time-outs are connection errors: Dramatiq's consumer turns only those into
+                ``ConnectionClosed`` (one outage line, ``consumer_log``); a time-out was a
+                CRITICAL traceback per consumer every 3 s."""
 
                 def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Any:
                     return super().consume(queue_name, prefetch=prefetch, timeout=min(timeout, REDIS_IDLE_POLL_MS))
 
-            return _RelayRedisBroker(url=url, namespace=ns, middleware=middleware)
+                def _dispatch(self, command: str) -> Any:  # every do_* call: enqueue, fetch, ack, nack
+                    dispatch = super()._dispatch(command)
+
+                    def do_dispatch(queue_name: str, *args: Any) -> Any:
+                        try:
+                            return dispatch(queue_name, *args)
+                        except redis.TimeoutError as exc:
+                            raise redis.ConnectionError(f"no answer: {exc}") from exc
+
+                    return do_dispatch
+
+            pool = redis.ConnectionPool.from_url(url, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                                 socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                                 socket_keepalive=True, health_check_interval=30)
+            return _RelayRedisBroker(namespace=ns, middleware=middleware, connection_pool=pool)
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
         # confirm_delivery: a send (a claim's publish message) returns once RabbitMQ has it.
