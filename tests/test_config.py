@@ -254,26 +254,16 @@ def test_a_sqlite_url_is_one_rule_for_validation_the_engine_and_the_default_brok
     assert s.broker_url == "memory://"
 
 
+@pytest.mark.parametrize("module,said_in_it", [
+    ("no_such_relayconf_module", "'no_such_relayconf_module' cannot be imported"),  # it lives beside the workers
+    ("workeronlyconf", "KeyError: 'WORKER_ONLY_BROKER'"),  # it reads a variable only the workers have
+])
 def test_a_celery_config_module_this_process_cannot_import_is_warned_about_once(
+        module: str, said_in_it: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """The module may live beside the workers only (their directory): a process that cannot
-    import it reads none of its keys and says so once, rather than failing every enqueue."""
-    from outbox.core import sources
-
-    sources._unimportable.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="outbox.core.config"):
-        for _ in range(3):
-            settings = load_settings(environ={"CELERY_CONFIG_MODULE": "no_such_relayconf_module"})
-    assert settings.table == "outbox"
-    said = [r.getMessage() for r in caplog.records if "CELERY_CONFIG_MODULE" in r.getMessage()]
-    assert len(said) == 1 and "'no_such_relayconf_module' cannot be imported" in said[0], said
-
-
-def test_a_celery_config_module_that_fails_in_this_process_is_warned_about_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A module that reads a variable only the workers have raises KeyError here: every
-    enqueue of a writer raised it, where it had worked before writers read the module
-    (found in review). It is one warning and no keys, as a module not there."""
+    """A process that cannot import the module (not there, or it raises here) reads none of
+    its keys and says so once: every enqueue of a writer raised, where it had worked before
+    writers read the module (found in review)."""
     from outbox.core import sources
 
     (tmp_path / "workeronlyconf.py").write_text('import os\nbroker_url = os.environ["WORKER_ONLY_BROKER"]\n'
@@ -281,8 +271,8 @@ def test_a_celery_config_module_that_fails_in_this_process_is_warned_about_once(
     monkeypatch.chdir(tmp_path)
     sources._unimportable.cache_clear()
     with caplog.at_level(logging.WARNING, logger="outbox.core.config"):
-        for _ in range(2):
-            settings = load_settings(environ={"CELERY_CONFIG_MODULE": "workeronlyconf"})
+        for _ in range(3):
+            settings = load_settings(environ={"CELERY_CONFIG_MODULE": module})
     assert settings.table == "outbox"
     said = [r.getMessage() for r in caplog.records if "CELERY_CONFIG_MODULE" in r.getMessage()]
-    assert len(said) == 1 and "KeyError" in said[0] and "WORKER_ONLY_BROKER" in said[0], said
+    assert len(said) == 1 and said_in_it in said[0], said

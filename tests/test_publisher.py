@@ -565,7 +565,10 @@ def test_rabbitmq_connection_is_per_process(rabbit: dict[str, Any]) -> None:
     assert sorted(m.headers["outbox_id"] for m in rabbit["drain"]()) == [801, 802, 803]
 
 
-def test_rabbitmq_dead_letter_exchange(rabbit: dict[str, Any]) -> None:
+@contextmanager
+def dead_letter_queue(rabbit: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The test's dead-letter exchange, declared with a queue bound to all of it: (its name,
+    the queue); the exchange is deleted afterwards."""
     dlx = f"{rabbit['exchange']}-dead"
     channel = rabbit["channel"]
     exchange = Exchange(dlx, type="topic", durable=True)
@@ -573,6 +576,13 @@ def test_rabbitmq_dead_letter_exchange(rabbit: dict[str, Any]) -> None:
     queue = Queue(f"{dlx}-q", exchange=exchange, routing_key="#", exclusive=True, auto_delete=True)(channel)
     queue.declare()
     try:
+        yield dlx, queue
+    finally:
+        exchange(channel).delete()
+
+
+def test_rabbitmq_dead_letter_exchange(rabbit: dict[str, Any]) -> None:
+    with dead_letter_queue(rabbit) as (dlx, queue):
         message = make_message(901, attempts=9)
         with KombuPublisher(rabbit["url"], rabbit["exchange"], dead_letter_exchange=dlx) as publisher:
             assert publisher.publish_dead(message, "RuntimeError: " + "e" * 3000) is None
@@ -581,8 +591,6 @@ def test_rabbitmq_dead_letter_exchange(rabbit: dict[str, Any]) -> None:
         assert dead.headers["outbox_id"] == 901 and dead.headers["attempt"] == 10
         assert dead.headers["x-outbox-error"].startswith("RuntimeError: ") and len(dead.headers["x-outbox-error"]) == 1000
         assert rabbit["drain"]() == []  # not on the main exchange
-    finally:
-        exchange(channel).delete()
 
 
 @contextmanager
@@ -615,42 +623,33 @@ def test_rabbitmq_user_without_configure_permission_publishes_to_exchanges_ops_d
     FATAL, while ``outbox check`` (a passive declare) said all was well (found in review)."""
     from outbox.commands.doctor import check_destination
 
-    dlx = f"{rabbit['exchange']}-dead"
-    channel = rabbit["channel"]
-    dead = Exchange(dlx, type="topic", durable=True)
-    dead(channel).declare()
-    queue = Queue(f"{dlx}-q", exchange=dead, routing_key="#", exclusive=True, auto_delete=True)(channel)
-    queue.declare()
     missing = f"{rabbit['exchange']}-missing"
-    try:
-        with rabbitmq_user("^$") as url:
-            with KombuPublisher(url, rabbit["exchange"], dead_letter_exchange=dlx) as publisher:
-                assert publisher.publish_chain([make_message(1001), make_message(1002, "orders.paid")]) \
+    with dead_letter_queue(rabbit) as (dlx, queue), rabbitmq_user("^$") as url:
+        with KombuPublisher(url, rabbit["exchange"], dead_letter_exchange=dlx) as publisher:
+            assert publisher.publish_chain([make_message(1001), make_message(1002, "orders.paid")]) \
                     == ChainResult(published=(1001, 1002))
-                assert publisher.publish_dead(make_message(1003), "boom") is None
-            assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [1001, 1002]
-            assert (got := queue.get(no_ack=True)) is not None and got.headers["outbox_id"] == 1003
-            # An exchange it may not declare and nobody did: FATAL, as before.
-            with KombuPublisher(url, missing) as publisher:
-                result = publisher.publish_chain([make_message(1004)])
-            assert result.failure is not None and result.failure.kind is FailureKind.FATAL
-            assert "ACCESS_REFUSED" in result.failure.reason
-            # outbox check agrees: no failure where the relay publishes, and says why it can.
-            settings = load_settings({"OUTBOX_PUBLISH_URL": url, "OUTBOX_EXCHANGE": rabbit["exchange"],
-                                      "OUTBOX_DEAD_LETTER_EXCHANGE": dlx})
-            results = {r.name: r for r in check_destination(settings)}
-            assert all(r.state != "FAIL" for r in results.values()), results
-            assert "no configure permission" in results["queue bound to the exchange"].detail
-            assert "no configure permission" in results["dead-letter exchange"].detail
-            # ... and warns where the relay's first publish would be FATAL: a dead-letter
-            # exchange it would have to declare.
-            settings = load_settings({"OUTBOX_PUBLISH_URL": url, "OUTBOX_EXCHANGE": rabbit["exchange"],
-                                      "OUTBOX_DEAD_LETTER_EXCHANGE": missing})
-            results = {r.name: r for r in check_destination(settings)}
-            assert results["dead-letter exchange"].state == "warn"
-            assert "configure permission" in results["dead-letter exchange"].detail
-    finally:
-        dead(channel).delete()
+            assert publisher.publish_dead(make_message(1003), "boom") is None
+        assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [1001, 1002]
+        assert (got := queue.get(no_ack=True)) is not None and got.headers["outbox_id"] == 1003
+        # An exchange it may not declare and nobody did: FATAL, as before.
+        with KombuPublisher(url, missing) as publisher:
+            result = publisher.publish_chain([make_message(1004)])
+        assert result.failure is not None and result.failure.kind is FailureKind.FATAL
+        assert "ACCESS_REFUSED" in result.failure.reason
+        # outbox check agrees: no failure where the relay publishes, and says why it can.
+        settings = load_settings({"OUTBOX_PUBLISH_URL": url, "OUTBOX_EXCHANGE": rabbit["exchange"],
+                                  "OUTBOX_DEAD_LETTER_EXCHANGE": dlx})
+        results = {r.name: r for r in check_destination(settings)}
+        assert all(r.state != "FAIL" for r in results.values()), results
+        assert "no configure permission" in results["queue bound to the exchange"].detail
+        assert "no configure permission" in results["dead-letter exchange"].detail
+        # ... and warns where the relay's first publish would be FATAL: a dead-letter
+        # exchange it would have to declare.
+        settings = load_settings({"OUTBOX_PUBLISH_URL": url, "OUTBOX_EXCHANGE": rabbit["exchange"],
+                                  "OUTBOX_DEAD_LETTER_EXCHANGE": missing})
+        results = {r.name: r for r in check_destination(settings)}
+        assert results["dead-letter exchange"].state == "warn"
+        assert "configure permission" in results["dead-letter exchange"].detail
 
 
 # -- broker down ------------------------------------------------------------------------------
