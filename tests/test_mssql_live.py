@@ -533,6 +533,22 @@ def test_the_ordering_probe_seeks_the_filtered_index(store: OutboxStore, writer:
     assert store.engine.index_name("agg_open") in plan
 
 
+def make_older_table(url: str, name: str, *, message_id: str = "NVARCHAR(64)",
+                     aggregate_id: str = "NVARCHAR(255)") -> None:
+    """``[dbo].[name]`` as a release before last_error and lease_token made it (or another
+    script, with the id columns' types given), no index."""
+    ddl = (f"CREATE TABLE [dbo].[{name}] (id BIGINT IDENTITY(1,1) NOT NULL PRIMARY KEY, message_id {message_id} "
+           f"NOT NULL, topic NVARCHAR(255) NOT NULL, aggregate_type NVARCHAR(255) NOT NULL, aggregate_id {aggregate_id} "
+           "NOT NULL, partition_key NVARCHAR(255) NULL, payload NVARCHAR(MAX) NOT NULL, headers NVARCHAR(MAX) NOT "
+           "NULL DEFAULT N'{}', trace_id NVARCHAR(255) NULL, status TINYINT NOT NULL DEFAULT 0, attempts INT NOT "
+           "NULL DEFAULT 0, claimed_at DATETIME2(3) NULL, next_retry_at DATETIME2(3) NULL, created_at DATETIME2(3) "
+           "NOT NULL DEFAULT SYSUTCDATETIME(), processed_at DATETIME2(3) NULL)")
+    seed = OutboxStore(url, table=name)
+    with seed.transaction() as cursor:
+        seed.engine.execute(cursor, ddl)
+    seed.close()
+
+
 def test_migrate_repairs_an_old_deployment(make_store: Any) -> None:
     """Fault 2 and 5: the retired unfiltered probe index goes, an index of the right
     name and the wrong definition is made again; re-running changes nothing."""
@@ -557,16 +573,7 @@ def test_a_table_made_by_another_script_in_the_database_collation_works(make_sto
     """Fault 5: id columns in the database's (case-insensitive) collation: claims used
     to fail with error 468; now they work and start-up says what that changes."""
     name = f"outbox_seed_{uuid.uuid4().hex[:8]}"
-    ddl = (f"CREATE TABLE [dbo].[{name}] (id BIGINT IDENTITY(1,1) NOT NULL PRIMARY KEY, message_id NVARCHAR(64) NOT "
-           "NULL, topic NVARCHAR(255) NOT NULL, aggregate_type NVARCHAR(255) NOT NULL, aggregate_id NVARCHAR(255) "
-           "NOT NULL, partition_key NVARCHAR(255) NULL, payload NVARCHAR(MAX) NOT NULL, headers NVARCHAR(MAX) NOT "
-           "NULL DEFAULT N'{}', trace_id NVARCHAR(255) NULL, status TINYINT NOT NULL DEFAULT 0, attempts INT NOT "
-           "NULL DEFAULT 0, claimed_at DATETIME2(3) NULL, next_retry_at DATETIME2(3) NULL, created_at DATETIME2(3) "
-           "NOT NULL DEFAULT SYSUTCDATETIME(), processed_at DATETIME2(3) NULL)")
-    seed = OutboxStore(url, table=name)
-    with seed.transaction() as cursor:
-        seed.engine.execute(cursor, ddl)
-    seed.close()
+    make_older_table(url, name)
     store = make_store(table=name)  # migrate adds last_error, lease_token and the indexes
     writer = store.engine.connect(url)
     try:
@@ -595,16 +602,7 @@ def test_varchar_id_columns_are_reported_with_the_alter_column_that_fixes_them(m
     indexes on the columns dropped first, then `outbox migrate`) the relay works."""
     name = f"outbox_varchar_{uuid.uuid4().hex[:8]}"
     ci = "COLLATE SQL_Latin1_General_CP1_CI_AS"
-    ddl = (f"CREATE TABLE [dbo].[{name}] (id BIGINT IDENTITY(1,1) NOT NULL PRIMARY KEY, message_id VARCHAR(64) {ci} "
-           "NOT NULL, topic NVARCHAR(255) NOT NULL, aggregate_type NVARCHAR(255) NOT NULL, aggregate_id VARCHAR(255) "
-           f"{ci} NOT NULL, partition_key NVARCHAR(255) NULL, payload NVARCHAR(MAX) NOT NULL, headers NVARCHAR(MAX) NOT "
-           "NULL DEFAULT N'{}', trace_id NVARCHAR(255) NULL, status TINYINT NOT NULL DEFAULT 0, attempts INT NOT "
-           "NULL DEFAULT 0, claimed_at DATETIME2(3) NULL, next_retry_at DATETIME2(3) NULL, created_at DATETIME2(3) "
-           "NOT NULL DEFAULT SYSUTCDATETIME(), processed_at DATETIME2(3) NULL)")
-    seed = OutboxStore(url, table=name)
-    with seed.transaction() as cursor:
-        seed.engine.execute(cursor, ddl)
-    seed.close()
+    make_older_table(url, name, message_id=f"VARCHAR(64) {ci}", aggregate_id=f"VARCHAR(255) {ci}")
     store = make_store(table=name)  # migrate adds last_error, lease_token and the indexes, not the types
     engine: MssqlEngine = store.engine  # type: ignore[assignment]
     with store.transaction() as cursor:

@@ -112,6 +112,21 @@ class StoreConnection(RecordingConnection):
     cursor_class = StoreCursor
 
 
+def autocommit_per_statement(conn: Any) -> list[tuple[str, bool]]:
+    """(statement, whether the connection was in autocommit) for each statement run on
+    ``conn`` (a ``recording_store``'s) from now on."""
+    modes: list[tuple[str, bool]] = []
+    execute = StoreCursor.execute
+
+    class Watched(StoreCursor):
+        def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
+            modes.append((sql, conn.autocommit))
+            return execute(self, sql, params)
+
+    conn.cursor_class = Watched
+    return modes
+
+
 def recording_store(schema: str | None, table: str, compat_level: int | None = None,
                     answers: dict[str, list[tuple]] | None = None) -> tuple[OutboxStore, RecordingConnection]:
     store = OutboxStore(URL, table=table, schema=schema, claim_timeout_ms=30_000, max_attempts=5)
@@ -432,15 +447,7 @@ def test_the_fenced_writes_beat_and_takeover_run_alone_so_no_cut_leaves_a_row_lo
     waited on it until the server dropped the session. mark_done, release and mark_failed
     now each run on the connection in autocommit (every statement committed as it runs)."""
     store, conn = recording_store(None, "outbox")
-    modes: list[tuple[str, bool]] = []
-    execute = StoreCursor.execute
-
-    class Watched(StoreCursor):
-        def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
-            modes.append((sql, conn.autocommit))
-            return execute(self, sql, params)
-
-    conn.cursor_class = Watched
+    modes = autocommit_per_statement(conn)
     store.mark_done([1, 2], "L" * 32)
     store.release([3], "L" * 32)
     store.mark_failed(4, "L" * 32, "broker said no", timedelta(seconds=5))
@@ -481,15 +488,7 @@ def test_chunked_acks_and_every_requeue_run_alone_too(level: int, no_sqlglot_fal
         "processed_at, status FROM": dead,  # requeue's look at the ids: all dead
         "SELECT id, topic FROM": [(1, "t"), (2, "t")],  # requeue --all's chunk
         "SELECT topic, COUNT(*) FROM": [("t", 1)]})
-    modes: list[tuple[str, bool]] = []
-    execute = StoreCursor.execute
-
-    class Watched(StoreCursor):
-        def execute(self, sql: str, params: Sequence[Any] = ()) -> StoreCursor:
-            modes.append((sql, conn.autocommit))
-            return execute(self, sql, params)
-
-    conn.cursor_class = Watched
+    modes = autocommit_per_statement(conn)
     commits = conn.commits
     assert store.mark_done(ids, "L" * 32).ok and store.release(ids, "L" * 32).ok
     chunks = 2 if level < 130 else 1
