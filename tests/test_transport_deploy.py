@@ -529,3 +529,41 @@ def test_migrate_of_an_empty_database_does_not_warn_of_the_indexes_it_is_about_t
         assert [r.getMessage() for r in caplog.records if "is missing" in r.getMessage()] == []
     finally:
         drop_queue_tables(db_url, table)
+
+
+def test_outbox_migrate_makes_the_queue_table_a_celery_config_module_names(tmp_path: Path) -> None:
+    """Workers take ``queue_table`` (and ``queue_schema``) from their Celery config module's
+    ``broker_transport_options``; ``outbox migrate`` made the default table instead, and a
+    worker role without DDL rights then failed at start (found in review)."""
+    import os
+    import subprocess
+    import sys
+
+    from outbox.storage.store import OutboxStore
+
+    direct = engine_url("postgresql", tmp_path)
+    queue, outbox_table = f"kq_{uuid.uuid4().hex[:10]}", f"outbox_m{uuid.uuid4().hex[:10]}"
+    (tmp_path / "queueconf.py").write_text(f"broker_transport_options = {{'queue_table': {queue!r}}}\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_"))},
+           "CELERY_CONFIG_MODULE": "queueconf", "OUTBOX_DATABASE_URL": direct, "OUTBOX_TABLE": outbox_table,
+           "OUTBOX_CELERY_BROKER_URL": "outboxdb://"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "outbox.cli", "migrate"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert f'migrated "{queue}" and' in done.stdout, done.stdout
+        engine = engine_for_url(direct)
+        qt = queue_tables(engine, queue)
+        conn = engine.connect(direct)
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute("SELECT to_regclass(%s) IS NOT NULL", (qt.table,))
+                assert cursor.fetchone()[0]
+        finally:
+            conn.close()
+    finally:
+        drop_queue_tables(direct, queue)
+        store = OutboxStore(direct, table=outbox_table)
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.table}, {store.engine.holders}")
+        store.close()

@@ -46,6 +46,20 @@ def module_keys(environ: Mapping[str, str]) -> dict[str, Any]:
     sets it), imported as Celery's loader imports it (the current directory first); {} when it
     is unset. Every process reads it, not only one that has imported the Celery app: a writer's
     first enqueue and the `outbox` CLI read the keys the worker reads (docs/design.md, "Settings")."""
+    return _outbox_keys(_module_conf(environ))
+
+
+def module_setting(environ: Mapping[str, str], key: str) -> Any:
+    """The CELERY_CONFIG_MODULE module's Celery setting ``key`` (or its old upper-case
+    name), or None: what a worker's Celery app reads there, for a command that runs
+    without the app (``outbox migrate`` and the queue tables' ``broker_transport_options``)."""
+    conf = _module_conf(environ)
+    value = conf.get(key)
+    return conf.get(key.upper()) if value is None else value
+
+
+def _module_conf(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The names of the module ``environ``'s CELERY_CONFIG_MODULE names, or {}."""
     name = environ.get("CELERY_CONFIG_MODULE")
     if not name:
         return {}
@@ -61,7 +75,7 @@ def module_keys(environ: Mapping[str, str]) -> dict[str, Any]:
         # it in a worker or beat, which fails there as before.
         _unimportable(name, f"{type(exc).__name__}: {exc}")
         return {}
-    return _outbox_keys({key: getattr(module, key) for key in dir(module)})
+    return {key: getattr(module, key) for key in dir(module) if not key.startswith("__")}
 
 
 @functools.lru_cache(maxsize=8)
@@ -194,4 +208,4 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
 
 
 
-__all__ = ["use_conf", "conf_keys", "module_keys", "cached", "reset", "django_settings", "django_database_url"]
+__all__ = ["use_conf", "conf_keys", "module_keys", "module_setting", "cached", "reset", "django_settings", "django_database_url"]
