@@ -752,12 +752,17 @@ def test_redis_unroutable_event_stops_the_chain_as_on_rabbitmq() -> None:
                 assert result.failure.reason.startswith("unroutable: no queue bound for routing key 'nobody.listens'")
             with KombuPublisher(REDIS_PUBLISH_URL, name, unroutable="drop") as publisher:
                 assert publisher.publish_chain(chain) == ChainResult(published=(1, 2, 3), unroutable=(2,))
-            got = []
-            while (message := queue.get(no_ack=True)) is not None:
-                got.append(message)
-            assert [m.headers["outbox_id"] for m in got] == [1, 1, 3]
+            assert drained_ids(queue) == [1, 1, 3]
         finally:
             channel.client.delete(f"_kombu.binding.{name}", f"_kombu.binding_permanent.{name}", f"{name}-q")
+
+
+def drained_ids(queue: Any) -> list[int]:
+    """The ``outbox_id`` of every message left on ``queue``, taken off it in order."""
+    ids = []
+    while (message := queue.get(no_ack=True)) is not None:
+        ids.append(message.headers["outbox_id"])
+    return ids
 
 
 def test_redis_pipelined_window_ends_at_an_unroutable_event() -> None:
@@ -782,10 +787,7 @@ def test_redis_pipelined_window_ends_at_an_unroutable_event() -> None:
             with KombuPublisher(REDIS_PUBLISH_URL, name, unroutable="drop") as publisher:
                 assert publisher.publish_chains([chain], pipelined=lambda m: True) == [
                     ChainResult(published=(1, 2, 3), unroutable=(2,))]
-            got = []
-            while (message := queue.get(no_ack=True)) is not None:
-                got.append(message)
-            assert [m.headers["outbox_id"] for m in got] == [1, 1, 3]
+            assert drained_ids(queue) == [1, 1, 3]
         finally:
             channel.client.delete(f"_kombu.binding.{name}", f"_kombu.binding_permanent.{name}", f"{name}-q")
 

@@ -27,6 +27,8 @@ from kombu.exceptions import OperationalError
 from ..core.names import CLAIM_TASK, is_redis_url
 from ..core.redact import redact
 from ..relay import Outage
+from ..relay.shared import MAX_QUEUED_CLAIMS as SHARED_MAX_QUEUED_CLAIMS
+from ..relay.shared import ClaimQueueGuard
 
 #: Celery's beat logger: the relay's lines about sending ticks go where Celery's went
 #: (``worker_logging.TickFilter`` counts the claim ticks there).
@@ -34,9 +36,8 @@ log = logging.getLogger("celery.beat")
 
 #: An entry last run further ahead of beat's clock than this: the clock stepped back.
 CLOCK_STEP_S = 1.0
-#: On Redis, no claim tick is sent while the claim queue holds this many messages: nobody
-#: takes them, and kombu's Redis transport keeps expired ones until someone does.
-MAX_QUEUED_CLAIMS = 100
+#: On Redis, no claim tick is sent while the claim queue holds this many (``ClaimQueueGuard``).
+MAX_QUEUED_CLAIMS = SHARED_MAX_QUEUED_CLAIMS
 
 
 class Scheduler(PersistentScheduler):
@@ -47,8 +48,9 @@ class Scheduler(PersistentScheduler):
         self.outage = Outage("Celery's broker", redact(self.app.conf.broker_url or ""),
                              "Beat sends no claim tick or purge until it answers and tries again at every tick; "
                              "nothing is lost (rows wait in the table)", logging.getLogger("outbox.beat"))
-        #: Claim ticks are held back: the claim queue is full (``queue_full``).
-        self.held = False
+        #: Holds claim ticks back while the claim queue is full (``queue_full``).
+        self.guard = ClaimQueueGuard(logging.getLogger("outbox.beat"), "beat",
+                                     '`celery -A outbox worker -Q "$(outbox queues)"`')
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         self.mend_clock_step()
@@ -86,27 +88,11 @@ class Scheduler(PersistentScheduler):
 
     def queue_full(self, entry: Any, producer: Any) -> bool:
         """Is ``entry`` a claim tick for a claim queue on Redis that holds ``MAX_QUEUED_CLAIMS``
-        already? Said once when it fills and once when it takes ticks again; an unreadable
-        length is not full (the send then meets whatever is wrong)."""
+        already (``guard``: ``relay.shared.ClaimQueueGuard``, the length read on ``producer``'s channel)?"""
         queue = (entry.options or {}).get("queue")
         if entry.task != CLAIM_TASK or not queue or not is_redis_url(str(self.app.conf.broker_url or "")):
             return False
-        try:
-            queued = int(producer.channel._size(queue))
-        except Exception as exc:  # noqa: BLE001 - best effort: send as before
-            logging.getLogger("outbox.beat").debug("outbox: cannot read %s's length: %s", queue, exc)
-            return False
-        full = queued >= MAX_QUEUED_CLAIMS
-        if full != self.held:
-            self.held = full
-            if full:
-                logging.getLogger("outbox.beat").warning(
-                    "outbox: %s holds %d claim ticks that no worker has taken: beat sends no more until it holds "
-                    "fewer (is a worker consuming it? `celery -A outbox worker -Q \"$(outbox queues)\"`)", queue, queued)
-            else:
-                logging.getLogger("outbox.beat").info("outbox: %s is being consumed again; beat sends its claim "
-                                                      "ticks again", queue)
-        return full
+        return self.guard.full(queue, lambda: int(producer.channel._size(queue)), MAX_QUEUED_CLAIMS)
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
         """Celery's ``apply_entry``, with a send to an unreachable broker logged by ``outage``,

@@ -4,6 +4,7 @@ time (docs/dramatiq.md, "The scheduler": why our own, and the Redis or RabbitMQ 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -19,7 +20,8 @@ from ..core.errors import ConfigError
 from ..core.names import CLAIM_TASK, is_redis_url
 from ..core.redact import install_filter, redact
 from ..relay import RelayOptions
-from ..relay.shared import Outage
+from ..relay.shared import MAX_QUEUED_CLAIMS as SHARED_MAX_QUEUED_CLAIMS
+from ..relay.shared import ClaimQueueGuard, Outage
 from ..schedule import load_beat_schedule
 from . import brokers as _broker
 
@@ -33,9 +35,8 @@ LOCK_CHECK_S = 1.0
 #: outbox gone. Above twice the longest purge interval (30 days), which a leader touches it at
 #: least once in. Changing it makes RabbitMQ refuse the declaration of an existing queue.
 RECORD_QUEUE_EXPIRES_MS = 61 * 86_400_000
-#: No claim tick is sent while the claim queue holds this many messages: nobody takes them, and
-#: Dramatiq's brokers keep expired ones until a worker does (as Celery beat's, celery/beat.py).
-MAX_QUEUED_CLAIMS = 100
+#: No claim tick is sent while the claim queue holds this many (``relay.shared.ClaimQueueGuard``).
+MAX_QUEUED_CLAIMS = SHARED_MAX_QUEUED_CLAIMS
 
 
 def lock_name(url: str, namespace: str, outbox_namespace: str) -> str:
@@ -257,34 +258,9 @@ def _first_due(entries: list[tuple[str, str, float, float, dict[str, Any]]], loc
     return due
 
 
-class ClaimQueueGuard:
-    """Holds claim ticks back while the claim queue holds ``MAX_QUEUED_CLAIMS`` (docs/dramatiq.md,
-    "Set-up", on ``expires_at``). Said once when it fills and once when it takes ticks again;
-    an unreadable length is not full (the send then meets whatever is wrong)."""
-
-    def __init__(self, length: Any = None) -> None:
-        #: ``length(queue)``: messages waiting in it, or None (default: read on ``brokers.sender()``).
-        self.length = length or (lambda queue: _broker.queue_length(_broker.sender(), queue))
-        self.held = False
-
-    def full(self, queue: str) -> bool:
-        try:
-            queued = self.length(queue)
-        except Exception as exc:  # noqa: BLE001 - best effort: send as before
-            log.debug("outbox scheduler: cannot read %s's length: %s", queue, exc)
-            return False
-        if queued is None:
-            return False
-        full = queued >= MAX_QUEUED_CLAIMS
-        if full != self.held:
-            self.held = full
-            if full:
-                log.warning("outbox scheduler: %s holds %d claim ticks that no worker has taken: no more are sent "
-                            "until it holds fewer (is a worker consuming it? `dramatiq outbox.dramatiq`, or with "
-                            "--queues naming it)", queue, queued)
-            else:
-                log.info("outbox scheduler: %s is being consumed again; its claim ticks are sent again", queue)
-        return full
+def _queued(queue: str) -> int | None:
+    """Messages waiting in ``queue`` on Dramatiq's broker, or None when it cannot say."""
+    return _broker.queue_length(_broker.sender(), queue)
 
 
 def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any,
@@ -297,10 +273,10 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
     sent is first sent an interval after a leader first saw it. ``outage``: where a send that
     fails is reported (default: the lock's, ``RedisLock.outage`` or ``RabbitLock.outage``), and
     a send that goes through ends the outage. ``guard``: holds the claim tick back while its
-    queue is full (default: a ``ClaimQueueGuard`` reading the queue on Dramatiq's broker)."""
+    queue is full (default: one of this scheduler's, reading the queue on Dramatiq's broker)."""
     send = send or _broker.send
     outage = outage or lock.outage
-    guard = guard or ClaimQueueGuard()
+    guard = guard or ClaimQueueGuard(log, "the scheduler", "`dramatiq outbox.dramatiq`, or with --queues naming it")
     leading = False
     due = [0.0] * len(entries)
     next_lock = 0.0
@@ -317,7 +293,7 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
         wait_until = next_lock
         if leading:
             for i, (actor, queue, every_s, max_age_s, kwargs) in enumerate(entries):
-                if now >= due[i] and actor == CLAIM_TASK and guard.full(queue):
+                if now >= due[i] and actor == CLAIM_TASK and guard.full(queue, functools.partial(_queued, queue), MAX_QUEUED_CLAIMS):
                     due[i] = now + every_s
                 elif now >= due[i]:
                     try:

@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..core.errors import OutboxError
@@ -331,6 +332,46 @@ def make_outage(celery_broker_url: str, key: str, what: str, where: str, meanwhi
     """Shared like the breaker, under the breaker's key + ``:outage:<what>``."""
     return Outage(what, where, meanwhile, logger, open_shared_state(celery_broker_url),
                   f"{key}:outage:{what.replace(' ', '-')}")
+
+
+# -- claim ticks nobody takes ---------------------------------------------------------------
+
+#: No claim tick is sent while the claim queue holds this many messages: nobody takes them,
+#: and a Redis list (Celery's or Dramatiq's broker) or Dramatiq's RabbitMQ queue keeps expired
+#: ones until a worker does (docs/relay.md, "Running worker and beat"; docs/dramatiq.md).
+MAX_QUEUED_CLAIMS = 100
+
+
+class ClaimQueueGuard:
+    """Holds a scheduler's claim ticks back while their queue holds ``limit`` messages.
+    Celery's beat and Dramatiq's scheduler each give it their logger and what to say
+    (``sender``: who stops sending; ``hint``: how to start a worker on the queue), and at
+    each tick how to read the queue's length (``length()``: a count, or None when it cannot
+    be read). Said once when the queue fills and once when it takes ticks again; an
+    unreadable length is not full (the send then meets whatever is wrong)."""
+
+    def __init__(self, logger: logging.Logger, sender: str, hint: str) -> None:
+        self.log, self.sender, self.hint = logger, sender, hint
+        self.held = False
+
+    def full(self, queue: str, length: Callable[[], int | None], limit: int = MAX_QUEUED_CLAIMS) -> bool:
+        try:
+            queued = length()
+        except Exception as exc:  # noqa: BLE001 - best effort: send as before
+            self.log.debug("outbox: cannot read %s's length: %s", queue, exc)
+            return False
+        if queued is None:
+            return False
+        full = queued >= limit
+        if full != self.held:
+            self.held = full
+            if full:
+                self.log.warning("outbox: %s holds %d claim ticks that no worker has taken: %s sends no more until it "
+                                 "holds fewer (is a worker consuming it? %s)", queue, queued, self.sender, self.hint)
+            else:
+                self.log.info("outbox: %s is being consumed again; %s sends its claim ticks again", queue,
+                              self.sender)
+        return full
 
 
 # -- coalesced claim requests ----------------------------------------------------------------
