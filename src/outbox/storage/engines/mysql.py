@@ -38,9 +38,9 @@ MIGRATION_LOCK_WAIT_S = 10
 
 #: A character outside the Basic Multilingual Plane: four bytes in UTF-8, which only a
 #: utf8mb4 connection carries (``MysqlEngine.insert_event``).
+_ASTRAL = re.compile("[\U00010000-\U0010FFFF]")
 #: The text columns' character set and collation, as the table's (``migration``).
 _BIN = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
-_ASTRAL = re.compile("[\U00010000-\U0010FFFF]")
 
 
 def _is_mysqldb(conn: Any) -> bool:
