@@ -33,6 +33,7 @@ from ..core.config import (
 from ..core.errors import ConfigError
 from ..core.names import CLAIM_TASK, PUBLISH_TASK, TASK_OUTBOX_ARG, Queues, is_redis_url
 from ..core.redact import redact
+from ..core.sources import celery_setting
 from ..schedule import load_beat_schedule
 
 log = logging.getLogger("outbox.celery")
@@ -221,9 +222,7 @@ def configured(key: str) -> Any:
     """What the app's own configuration (a config module: ``--config``, CELERY_CONFIG_MODULE)
     gives ``key`` (or its old upper-case name), else None. Celery puts the defaults above
     ahead of it (``add_defaults``), so a key the relay sets is the relay's unless read here."""
-    conf = app.loader.conf or {}
-    value = conf.get(key)
-    return conf.get(key.upper()) if value is None else value
+    return celery_setting(app.loader.conf or {}, key)
 
 
 def broker_conflict(settings: Settings) -> str | None:

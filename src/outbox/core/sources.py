@@ -53,7 +53,11 @@ def module_setting(environ: Mapping[str, str], key: str) -> Any:
     """The CELERY_CONFIG_MODULE module's Celery setting ``key`` (or its old upper-case
     name), or None: what a worker's Celery app reads there, for a command that runs
     without the app (``outbox migrate`` and the queue tables' ``broker_transport_options``)."""
-    conf = _module_conf(environ)
+    return celery_setting(_module_conf(environ), key)
+
+
+def celery_setting(conf: Mapping[str, Any], key: str) -> Any:
+    """Celery's setting ``key`` in ``conf``, under its name or its old upper-case one, or None."""
     value = conf.get(key)
     return conf.get(key.upper()) if value is None else value
 
@@ -208,4 +212,4 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
 
 
 
-__all__ = ["use_conf", "conf_keys", "module_keys", "module_setting", "cached", "reset", "django_settings", "django_database_url"]
+__all__ = ["use_conf", "conf_keys", "module_keys", "module_setting", "celery_setting", "cached", "reset", "django_settings", "django_database_url"]
