@@ -231,6 +231,56 @@ def test_throttled_wakes_on_a_rabbitmq_dramatiq_broker_keep_one_connection(monke
         brokers._senders.clear()
 
 
+_WRITER = """
+import json, sys, time
+from outbox import wake
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:  # a writer committing ~100 times a second, each commit a wake
+    wake.request_claim()
+    time.sleep(0.01)
+print(json.dumps({"flushed": wake.flush(10.0)}))
+"""
+
+
+def test_a_burst_of_writers_on_a_rabbitmq_dramatiq_broker_queues_a_bounded_number_of_claims(tmp_path: Path) -> None:
+    """Writers' wakes on a RabbitMQ Dramatiq broker were throttled per process only (Redis holds
+    one claim request per outbox, its token): eight writer processes committing for 3 s with no
+    worker taking the claim queue put ~500 claim messages in it, each a claim query once workers
+    come back, and Dramatiq's messages carry no broker-side TTL. A writer now sends no claim while
+    the queue holds ``MAX_QUEUED_CLAIMS`` (100), as the scheduler does with its ticks
+    (``relay.shared.ClaimQueueGuard``), and says so once. The real RabbitMQ, real writer processes."""
+    require("RabbitMQ", "127.0.0.1", 5672)
+    from outbox.dramatiq import brokers
+    from outbox.dramatiq.waker import MAX_QUEUED_CLAIMS
+
+    namespace = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    claim_queue = f"{namespace}.claim"
+    writers = 8
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(OUTBOX_DRAMATIQ_BROKER_URL=AMQP_URL, OUTBOX_NAMESPACE=namespace,
+               OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, "3.0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(writers)]
+    sender = brokers.make_broker(AMQP_URL, "dramatiq", middleware=[])
+    try:
+        outs = [proc.communicate(timeout=60) for proc in procs]
+        assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outs]
+        assert all(json.loads(out.splitlines()[-1])["flushed"] for out, _ in outs), outs
+        queued = brokers.queue_length(sender, claim_queue)
+        # Each writer reads the length before its send: at most one send each past the cap.
+        assert queued is not None and MAX_QUEUED_CLAIMS <= queued < MAX_QUEUED_CLAIMS + writers, queued
+        told = [line for _, err in outs for line in err.splitlines() if f"{claim_queue} holds" in line]
+        assert 1 <= len(told) <= writers, told  # once per writer at most (Python's last-resort handler)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        channel = sender.channel
+        for suffix in ("", ".DQ", ".XQ"):
+            channel.queue_delete(queue=f"{claim_queue}{suffix}")
+        sender.close()
+
+
 # -- the claim actor's drain slice -----------------------------------------------------------------
 
 _DRAIN = """

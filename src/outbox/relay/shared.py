@@ -338,13 +338,15 @@ def make_outage(celery_broker_url: str, key: str, what: str, where: str, meanwhi
 
 #: No claim tick is sent while the claim queue holds this many messages: nobody takes them,
 #: and a Redis list (Celery's or Dramatiq's broker) or Dramatiq's RabbitMQ queue keeps expired
-#: ones until a worker does (docs/relay.md, "Running worker and beat"; docs/dramatiq.md).
+#: ones until a worker does (docs/relay.md, "Running worker and beat"; docs/dramatiq.md). Dramatiq's
+#: writers on RabbitMQ hold their wakes' claims back at the same length.
 MAX_QUEUED_CLAIMS = 100
 
 
 class ClaimQueueGuard:
     """Holds a scheduler's claim ticks back while their queue holds ``limit`` messages.
-    Celery's beat and Dramatiq's scheduler each give it their logger and what to say
+    Celery's beat, Dramatiq's scheduler and Dramatiq's writers on RabbitMQ (their wakes'
+    claims: ``outbox.dramatiq.waker``) each give it their logger and what to say
     (``sender``: who stops sending; ``hint``: how to start a worker on the queue), and at
     each tick how to read the queue's length (``length()``: a count, or None when it cannot
     be read). Said once when the queue fills and once when it takes ticks again; an
