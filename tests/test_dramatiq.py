@@ -588,6 +588,22 @@ def test_dramatiqs_redis_broker_gives_up_on_a_redis_that_stops_answering_as_a_co
         proxy.close()
 
 
+def test_the_relays_redis_broker_overrides_nothing_private_of_dramatiqs() -> None:
+    """The time-out translation (previous test) overrode Dramatiq's private
+    ``RedisBroker._dispatch`` (checked against Dramatiq 2.2.1): a Dramatiq that renamed or
+    reshaped it would have dropped the translation without a word, and every consumer's time-out
+    would have been a CRITICAL traceback again (found in review). It is now the Redis client's,
+    given through RedisBroker's public ``client=`` (docs/dramatiq.md, "When Dramatiq's broker is
+    away"): the broker's class overrides no private member of Dramatiq's."""
+    from dramatiq.brokers.redis import RedisBroker
+
+    broker = make_broker(REDIS_URL, f"outbox-test-{uuid.uuid4().hex[:10]}", middleware=[])  # no connection made
+    ours = [cls for cls in type(broker).__mro__ if issubclass(cls, RedisBroker) and cls is not RedisBroker]
+    private = sorted(name for cls in ours for name in vars(cls)
+                     if name.startswith("_") and not name.endswith("__") and hasattr(RedisBroker, name))
+    assert private == [], f"{type(broker).__name__} overrides Dramatiq's private {private}"
+
+
 # -- the relay's metrics from a Dramatiq worker ---------------------------------------------------
 
 from relay_e2e_support import relay_env, wait_until  # noqa: E402

@@ -67,37 +67,41 @@ def pika_url(url: str) -> str:
     return url
 
 
+def _redis_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
+    """Dramatiq's RedisBroker for ``url``, with bounds of its own (``REDIS_SOCKET_TIMEOUT_S``)
+    and idle consumers that poll at least every ``REDIS_IDLE_POLL_MS``. Its Redis client raises
+    a time-out as a connection error: Dramatiq's consumer turns only those into
+    ``ConnectionClosed`` (one outage line, ``consumer_log``); a time-out was a CRITICAL traceback
+    per consumer every 3 s. Through public extension points only, RedisBroker's ``client=`` and
+    redis-py's ``Redis.execute_command``, so a Dramatiq upgrade cannot drop it silently
+    (docs/dramatiq.md, "When Dramatiq's broker is away")."""
+    import redis
+    from dramatiq.brokers.redis import RedisBroker
+
+    class _TimeoutIsConnectionError(redis.Redis):
+        """Every command the broker sends (its Lua dispatch: enqueue, fetch, ack, nack; LLEN)."""
+
+        def execute_command(self, *args: Any, **options: Any) -> Any:
+            try:
+                return super().execute_command(*args, **options)
+            except redis.TimeoutError as exc:
+                raise redis.ConnectionError(f"no answer: {exc}") from exc
+
+    class _RelayRedisBroker(RedisBroker):
+        def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Any:
+            return super().consume(queue_name, prefetch=prefetch, timeout=min(timeout, REDIS_IDLE_POLL_MS))
+
+    pool = redis.ConnectionPool.from_url(url, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                         socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                         socket_keepalive=True, health_check_interval=30)
+    return _RelayRedisBroker(namespace=ns, middleware=middleware, client=_TimeoutIsConnectionError(connection_pool=pool))
+
+
 def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
     """A Dramatiq broker for ``url``; ``middleware=None`` gives Dramatiq's defaults."""
     try:
         if is_redis_url(url):
-            import redis
-            from dramatiq.brokers.redis import RedisBroker
-
-            class _RelayRedisBroker(RedisBroker):
-                """RedisBroker whose idle consumers poll at least every REDIS_IDLE_POLL_MS, and
-                whose time-outs are connection errors: Dramatiq's consumer turns only those into
-                ``ConnectionClosed`` (one outage line, ``consumer_log``); a time-out was a
-                CRITICAL traceback per consumer every 3 s."""
-
-                def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Any:
-                    return super().consume(queue_name, prefetch=prefetch, timeout=min(timeout, REDIS_IDLE_POLL_MS))
-
-                def _dispatch(self, command: str) -> Any:  # every do_* call: enqueue, fetch, ack, nack
-                    dispatch = super()._dispatch(command)
-
-                    def do_dispatch(queue_name: str, *args: Any) -> Any:
-                        try:
-                            return dispatch(queue_name, *args)
-                        except redis.TimeoutError as exc:
-                            raise redis.ConnectionError(f"no answer: {exc}") from exc
-
-                    return do_dispatch
-
-            pool = redis.ConnectionPool.from_url(url, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-                                                 socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
-                                                 socket_keepalive=True, health_check_interval=30)
-            return _RelayRedisBroker(namespace=ns, middleware=middleware, connection_pool=pool)
+            return _redis_broker(url, ns, middleware)
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
         # confirm_delivery: a send (a claim's publish message) returns once RabbitMQ has it.
