@@ -122,6 +122,12 @@ def queue_length(broker: Any, queue: str) -> int | None:
     return None
 
 
+def queued(queue: str) -> int | None:
+    """Messages waiting in ``queue`` on this process's sending broker, or None when it cannot say
+    (the claim-queue guard's reading: the scheduler's ticks, the writers' wakes on RabbitMQ)."""
+    return queue_length(sender(), queue)
+
+
 def message(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | None = None,
             args: tuple[Any, ...] = ()) -> Any:
     """A Dramatiq message for ``actor`` on ``queue``. ``max_age_s``: the message carries

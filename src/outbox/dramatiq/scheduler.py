@@ -258,11 +258,6 @@ def _first_due(entries: list[tuple[str, str, float, float, dict[str, Any]]], loc
     return due
 
 
-def _queued(queue: str) -> int | None:
-    """Messages waiting in ``queue`` on Dramatiq's broker, or None when it cannot say."""
-    return _broker.queue_length(_broker.sender(), queue)
-
-
 def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any,
         send: Any = None, outage: Outage | None = None, guard: ClaimQueueGuard | None = None) -> None:
     """Send each entry every ``every_s`` until ``stop`` is set, while holding ``lock``.
@@ -293,7 +288,7 @@ def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[
         wait_until = next_lock
         if leading:
             for i, (actor, queue, every_s, max_age_s, kwargs) in enumerate(entries):
-                if now >= due[i] and actor == CLAIM_TASK and guard.full(queue, functools.partial(_queued, queue), MAX_QUEUED_CLAIMS):
+                if now >= due[i] and actor == CLAIM_TASK and guard.full(queue, functools.partial(_broker.queued, queue), MAX_QUEUED_CLAIMS):
                     due[i] = now + every_s
                 elif now >= due[i]:
                     try:

@@ -20,11 +20,6 @@ from . import brokers as _broker
 MAX_QUEUED_CLAIMS = SHARED_MAX_QUEUED_CLAIMS
 
 
-def _queued(queue: str) -> int | None:
-    """Messages waiting in ``queue`` on this process's sending broker, or None when it cannot say."""
-    return _broker.queue_length(_broker.sender(), queue)
-
-
 class DramatiqWaker(Waker):
     """Waking Dramatiq workers: ``broker_url`` is Dramatiq's, ``key_prefix`` its Redis key namespace
     (``OUTBOX_DRAMATIQ_NAMESPACE``)."""
@@ -40,7 +35,7 @@ class DramatiqWaker(Waker):
         the claim queue holds ``MAX_QUEUED_CLAIMS``: Dramatiq's messages carry no broker-side TTL."""
         settings = relay_settings()
         queue = settings.queues.claim
-        if self.kind == "other" and self.guard.full(queue, functools.partial(_queued, queue), MAX_QUEUED_CLAIMS):
+        if self.kind == "other" and self.guard.full(queue, functools.partial(_broker.queued, queue), MAX_QUEUED_CLAIMS):
             return
         kwargs = self.claim_kwargs(requested)
         _broker.send(CLAIM_TASK, queue, {**kwargs, TASK_OUTBOX_ARG: settings.outbox_namespace},
