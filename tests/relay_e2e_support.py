@@ -729,12 +729,14 @@ class Link:
         self.phase = ""
         self.tail = b""  # the end of the client's last chunk: a marker cut in two is still found
         self.answer = b""  # what the server sent since the marker
+        #: Black-holed (``Proxy.black_hole``): what either side sends is dropped, nothing closes.
+        self.dead = False
 
 
 class Proxy:
-    """A TCP proxy in front of RabbitMQ or a database that the test can cut (every connection
-    dropped, new ones closed at once) and restore, or stall at an exact step of the protocol
-    (``stall_after``)."""
+    """A TCP proxy in front of RabbitMQ, Redis or a database that the test can cut (every
+    connection dropped, new ones closed at once) and restore, stall at an exact step of the
+    protocol (``stall_after``), or turn into a black hole (``black_hole``, ``recover``)."""
 
     def __init__(self, target: tuple[str, int] = ("127.0.0.1", 5672), delay: float = 0.0) -> None:
         import socket
@@ -755,6 +757,8 @@ class Proxy:
         self.stall: Stall | None = None
         #: Set: nothing the target sends reaches the clients (``hold_replies``).
         self.holding = threading.Event()
+        self.links: list[Link] = []
+        self.black_holing = False  # new connections are black-holed too (``black_hole``)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def hold_replies(self) -> None:
@@ -766,6 +770,21 @@ class Proxy:
     def release_replies(self) -> None:
         """Let what ``hold_replies`` kept back go on."""
         self.holding.clear()
+
+    def black_hole(self) -> None:
+        """A path that stops answering without a reset (a host gone, a NAT's idle timeout):
+        from now on nothing passes either way on the connections open now, which stay open
+        (the kernel still answers TCP keepalive probes, as a NAT box or a half-dead host may),
+        and new connections are accepted but pass nothing either, until ``recover``. The
+        connections black-holed stay so: their path is gone."""
+        with self.lock:
+            self.black_holing = True
+            for link in self.links:
+                link.dead = True
+
+    def recover(self) -> None:
+        """New connections pass again (those ``black_hole`` took stay dead)."""
+        self.black_holing = False
 
     def url_for(self, url: str) -> str:
         """``url`` (a database URL naming the target's port) through this proxy."""
@@ -817,6 +836,9 @@ class Proxy:
                     continue
                 self.sockets += [client, upstream]
             link = Link()
+            link.dead = self.black_holing
+            with self.lock:
+                self.links.append(link)
             for a, b, delay, upward in ((client, upstream, 0.0, True), (upstream, client, self.delay, False)):
                 threading.Thread(target=self._pump, args=(a, b, delay, link, upward), daemon=True).start()
 
@@ -869,6 +891,8 @@ class Proxy:
         try:
             while True:
                 data = src.recv(65536)
+                if link is not None and link.dead and data:
+                    continue  # black-holed: dropped, and nothing is closed
                 passing = len(data) if link is None else self._passing(link, data, upward)
                 if delay and data:
                     time.sleep(delay)

@@ -4,12 +4,14 @@ main process when notified (no beat). Helpers shared with tests/test_wake.py."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
+from relay_e2e_support import Proxy
 from services import POSTGRES_URL, REDIS_URL, require
 from wake_support import CountingDestination, Workers, event, wait_done
 
@@ -210,3 +212,52 @@ def test_subscriber_fires_on_connect_and_on_every_publish() -> None:
         assert client.publish(channel, b"") == 0
     finally:
         client.close()
+
+
+def test_subscriber_notices_a_connection_that_stopped_answering_and_subscribes_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Redis behind a path that stops answering without a reset (a host gone, a NAT's idle
+    timeout: ``Proxy.black_hole``). Redis still counts the subscriber, so writers' PUBLISH
+    reports a receiver and sends no claim message, and the wake-ups are lost. The subscriber
+    waited on that connection for good, and latency fell back to beat's tick (found in
+    review); now an unanswered PING ends it within a bound, it subscribes again once the path
+    is back, says each once, and a publish wakes it."""
+    require("Redis", "127.0.0.1", 6379)
+    import redis
+
+    channel = f"outbox-wake-test-{uuid.uuid4().hex[:10]}:notify"
+    proxy = Proxy(("127.0.0.1", 6379))
+    notified = Notified()
+    subscriber = Subscriber(proxy.url_for(REDIS_URL), channel, notified, poll_s=0.2, backoff_s=0.2, backoff_max_s=0.5,
+                            ping_after_s=0.5, answer_within_s=1.0)
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        with caplog.at_level(logging.INFO, logger="outbox.relay.listen"):
+            subscriber.start()
+            assert subscriber.ready.wait(10) and notified.wait(5)  # the catch-up wake on connect
+            assert client.publish(channel, b"") == 1 and notified.wait(5)
+
+            proxy.black_hole()
+            stalled = time.monotonic()
+            assert client.publish(channel, b"") == 1  # Redis still sees it subscribed: no claim message
+            assert not notified.wait(0.3)  # that wake-up is lost
+            while subscriber.ready.is_set():  # until it notices
+                assert time.monotonic() - stalled < 5, "the subscriber never noticed its connection stopped answering"
+                time.sleep(0.05)
+            time.sleep(1.5)  # reconnects meanwhile find the path silent too, and say nothing more
+            assert not subscriber.ready.is_set()
+
+            proxy.recover()
+            assert subscriber.ready.wait(10), "the subscriber did not subscribe again"
+            assert notified.wait(5)  # the catch-up wake after subscribing again
+            assert client.publish(channel, b"") >= 1 and notified.wait(5)
+        lines = [r for r in caplog.records if r.name == "outbox.relay.listen" and r.levelno >= logging.INFO]
+        lost = [r.getMessage() for r in lines if r.levelno == logging.WARNING]
+        back = [r.getMessage() for r in lines if "again" in r.getMessage()]
+        assert len(lost) == 1 and "lost" in lost[0] and channel in lost[0], lost
+        assert len(back) == 1 and channel in back[0], back
+    finally:
+        subscriber.stop()
+        client.close()
+        proxy.close()
+    assert not subscriber.is_alive()

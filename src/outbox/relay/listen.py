@@ -13,6 +13,7 @@ import hashlib
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -103,6 +104,7 @@ class Listener(threading.Thread):
     def run(self) -> None:
         delay = self.backoff_s
         failures = 0
+        down_since: float | None = None  # when the connection was lost (the line on return says how long ago)
         while not self._stop_event.is_set():
             try:
                 self._conn = self._connect()
@@ -116,11 +118,14 @@ class Listener(threading.Thread):
                 continue
             self.connects += 1
             self.backend_pid = getattr(getattr(self._conn, "info", None), "backend_pid", None)
-            if failures:
-                log.info("outbox listen: listening on %s again after %d failed attempts", self.channel, failures)
+            if down_since is not None:
+                log.info("outbox listen: listening on %s again after %.1f s", self.channel,
+                         time.monotonic() - down_since)
+            elif failures:
+                log.info("outbox listen: listening on %s after %d failed attempts", self.channel, failures)
             else:
                 log.info("outbox listen: listening on %s", self.channel)
-            delay, failures = self.backoff_s, 0
+            delay, failures, down_since = self.backoff_s, 0, None
             self.ready.set()
             self._fire()  # commits made while we were not listening
             try:
@@ -132,8 +137,9 @@ class Listener(threading.Thread):
                             break
             except Exception as exc:  # noqa: BLE001 - the listener thread must survive a lost connection: it reconnects
                 if not self._stop_event.is_set():
-                    failures = 1
-                    log.warning("outbox listen: connection lost (%s: %s); reconnecting", type(exc).__name__, exc)
+                    failures, down_since = 1, time.monotonic()  # 1: the reconnects' failures are not logged again
+                    log.warning("outbox listen: connection on %s lost (%s: %s); reconnecting", self.channel,
+                                type(exc).__name__, exc)
             finally:
                 self.ready.clear()
                 self.backend_pid = None
@@ -142,21 +148,82 @@ class Listener(threading.Thread):
                 self._conn = None
 
 
+#: The wake subscriber's bounds (docs/waking-and-metrics.md, "A wake channel that stops answering"):
+#: after this long without a word from Redis it sends a PING, and a PING (or the SUBSCRIBE) not
+#: answered within ``ANSWER_WITHIN_S`` ends the connection; the thread subscribes again.
+PING_AFTER_S = 10.0
+ANSWER_WITHIN_S = 5.0
+#: TCP keepalive on its socket (seconds idle, between probes, probes): the kernel finds a dead peer too.
+KEEPALIVE = (10, 5, 3)
+
+
+def _keepalive_options() -> dict[int, int]:
+    import socket
+
+    names = ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")  # Linux; others keep the system's timings
+    return {getattr(socket, name): value for name, value in zip(names, KEEPALIVE) if hasattr(socket, name)}
+
+
 class _Subscription:
     """A Redis pub/sub subscription behind the interface ``Listener`` uses (``notifies``,
-    ``close``), so the same thread, backoff and fire-after-connect serve both sources."""
+    ``close``), so the same thread, backoff and fire-after-connect serve both sources.
 
-    def __init__(self, url: str, channel: str) -> None:
+    Bounded: it is made once Redis confirmed the SUBSCRIBE, and ``notifies`` raises
+    ``ConnectionError`` when a PING it sent after ``ping_after_s`` of silence is not answered
+    within ``answer_within_s``. A connection whose path went silent (a host gone without a
+    reset, a NAT's idle timeout) was waited on for good: redis-py's ``health_check_interval``
+    sends a PING but never waits for its answer (found in review)."""
+
+    def __init__(self, url: str, channel: str, *, ping_after_s: float = PING_AFTER_S,
+                 answer_within_s: float = ANSWER_WITHIN_S) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=5.0, health_check_interval=30)
-        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.subscribe(channel)  # sent now; the confirmation is read (and ignored) below
+        self.ping_after_s = ping_after_s
+        self.answer_within_s = answer_within_s
+        self.client = redis.Redis.from_url(url, socket_connect_timeout=answer_within_s, socket_timeout=answer_within_s,
+                                           socket_keepalive=True, socket_keepalive_options=_keepalive_options())
+        self.pubsub = self.client.pubsub()
+        self._last_heard = time.monotonic()
+        self._asked_at: float | None = None  # when the question not answered yet was sent
+        try:
+            self.pubsub.subscribe(channel)
+            self._asked_at = time.monotonic()
+            self._await_subscribed()
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_subscribed(self) -> None:
+        while self._asked_at is not None:
+            left = self._asked_at + self.answer_within_s - time.monotonic()
+            if left <= 0:
+                raise ConnectionError(f"no answer to SUBSCRIBE within {self.answer_within_s:g} s")
+            message = self.pubsub.get_message(timeout=left)
+            if message is not None:
+                self._heard()
+                if message["type"] != "subscribe":
+                    raise ConnectionError(f"unexpected answer to SUBSCRIBE: {message!r}")
+
+    def _heard(self) -> None:
+        self._asked_at = None
+        self._last_heard = time.monotonic()
+
+    def _check_alive(self) -> None:
+        now = time.monotonic()
+        if self._asked_at is not None:
+            if now - self._asked_at > self.answer_within_s:
+                raise ConnectionError(f"no answer to PING within {self.answer_within_s:g} s")
+        elif now - self._last_heard >= self.ping_after_s:
+            self.pubsub.ping()
+            self._asked_at = now
 
     def notifies(self, timeout: float) -> Iterator[Any]:
+        self._check_alive()
         message = self.pubsub.get_message(timeout=timeout)
         while message is not None:
-            yield message
+            self._heard()  # a notification, or the PING's answer: the connection lives
+            if message["type"] == "message":
+                yield message
             message = self.pubsub.get_message(timeout=0)
 
     def close(self) -> None:
@@ -169,14 +236,19 @@ class _Subscription:
 class Subscriber(Listener):
     """The worker's ear for writers' wake-ups on a Redis Celery broker: SUBSCRIBE on the
     claim queue's wake channel (``outbox.core.names.wake_channel``); writers PUBLISH there and
-    fall back to a claim message when nobody listens (docs/waking-and-metrics.md)."""
+    fall back to a claim message when nobody listens (docs/waking-and-metrics.md).
+    ``ping_after_s``, ``answer_within_s``: its bounds on a silent connection (``_Subscription``)."""
 
-    def __init__(self, url: str, channel: str, on_notify: Callable[[], Any], **kwargs: Any) -> None:
+    def __init__(self, url: str, channel: str, on_notify: Callable[[], Any], *, ping_after_s: float = PING_AFTER_S,
+                 answer_within_s: float = ANSWER_WITHIN_S, **kwargs: Any) -> None:
         super().__init__(url, channel, on_notify, **kwargs)
         self.name = "outbox-subscribe"
+        self.ping_after_s = ping_after_s
+        self.answer_within_s = answer_within_s
 
     def _connect(self) -> Any:
-        return _Subscription(self.url, self.channel)
+        return _Subscription(self.url, self.channel, ping_after_s=self.ping_after_s,
+                             answer_within_s=self.answer_within_s)
 
 
 # -- the worker's listeners (started and stopped by ``outbox.celery.worker``) ------------------------
