@@ -277,6 +277,56 @@ def test_a_beat_held_up_past_the_timeout_takes_nobody_over_when_it_lands(store: 
     other_store.close()
 
 
+def test_a_stall_shorter_than_the_timeout_that_held_every_beat_up_takes_nobody_over(
+        store: OutboxStore, writer: Any) -> None:
+    """A stall of the database (or of a host two processes share) shorter than the holder
+    timeout T but longer than two thirds of it holds every beat up. The other process beat a
+    third of T before this one, so when the stall ends its record is older than T, while this
+    process's own beats landed less than T apart: the guard saw nothing wrong, and this
+    process's first beat back took the live one over before its held-up beat landed (two
+    relays on one chain, an attempt charged, events sent twice; found in review). This
+    process's own beat was held up as long, so it allows as much more silence; a process
+    that really stops is still taken over."""
+    timeout_s = 1.2  # T: its thirds leave room for the database's round trips
+    add(writer, store, "a", 3)
+    other = new_holder()
+    other_store = twin(store, other)
+    other_store.beat(other, int(timeout_s * 1000))
+    other_store.claim(10)  # a live process publishing its rows
+    me = new_holder()
+    mine = twin(store, me)
+    beat = Heartbeat(mine, me, timeout_s)
+    steady_until = time.monotonic() + timeout_s + 0.2
+    while True:  # both beat every third of T, for longer than T; the other a third before this one
+        other_store.beat(other, int(timeout_s * 1000))
+        time.sleep(timeout_s / 3)
+        assert beat.tick() == 0
+        if time.monotonic() > steady_until:
+            break
+        time.sleep(timeout_s / 3 - 0.02)
+    real_beat = mine.beat
+
+    def held_up(holder: Holder, timeout_ms: int) -> Any:
+        time.sleep(0.5)  # the rest of the stall, which began at this process's last beat
+        return real_beat(holder, timeout_ms)
+    time.sleep(timeout_s / 3)  # the stall (1 s < T) begins as this process waits for its next beat
+    mine.beat = held_up  # type: ignore[method-assign]
+    try:
+        assert beat.tick() == 0  # landed ~0.9 s after its last (< T: no gap); the other's record is ~1.3 s old
+    finally:
+        mine.beat = real_beat  # type: ignore[method-assign]
+    assert other.holder_id in holders(store)
+    assert other_store.beat(other, int(timeout_s * 1000)).recreated is False  # not presumed lost
+
+    deadline = time.monotonic() + 4 * timeout_s  # now the other process stops for good: it is taken over
+    while other.holder_id in holders(store):
+        assert time.monotonic() < deadline, "a holder silent for good was never taken over"
+        time.sleep(timeout_s / 3)
+        beat.tick()
+    beat.stop()
+    other_store.close()
+
+
 def test_a_round_of_the_heartbeat_that_raises_does_not_end_its_thread(
         store: OutboxStore, caplog: pytest.LogCaptureFixture) -> None:
     """One exception out of a round (here the schema read after a missing holders table,

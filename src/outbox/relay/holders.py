@@ -32,7 +32,10 @@ class Heartbeat:
     Guard against false deaths: this process takes nothing over unless its own beats have
     succeeded, each landing within ``timeout_s`` of the one before, for longer than ``timeout_s``.
     After a database outage (or a stall that held every beat up) nobody takes over until
-    every live holder has had time to beat again.
+    every live holder has had time to beat again. And a holder is taken over only when it has
+    been silent for longer than ``timeout_s`` plus the most this process's own beats landed
+    late within the last ``timeout_s`` (``slack_s``): a stall shorter than the timeout held
+    the others' beats up as long (docs/internals.md, "Lost workers", the guard).
 
     ``tick(now)`` is one round, callable without the thread (the tests drive it)."""
 
@@ -49,6 +52,8 @@ class Heartbeat:
         self.last_beat: float | None = None
         self.beats = 0
         self.missing_table = False
+        #: (landed, how late) of this process's beats that landed late, the last ``timeout_s``'s.
+        self._late: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -88,6 +93,7 @@ class Heartbeat:
         ended = now + (time.monotonic() - began)
         if self.healthy_since is None or self.last_beat is None or ended - self.last_beat > self.timeout_s:
             self.healthy_since = ended  # the first beat, or one after a gap: start counting again
+        self._note_lateness(ended)
         self.last_beat = ended
         if beat.recreated and self.beats:
             self.log.warning("outbox: this worker process (holder %s, pid %d) was silent for longer than "
@@ -97,7 +103,22 @@ class Heartbeat:
         self.beats += 1
         if not beat.silent or ended - self.healthy_since <= self.timeout_s:
             return 0
-        return sum(self._take_over(silent) for silent in beat.silent)
+        slack_s = self.slack_s
+        return sum(self._take_over(silent, slack_s) for silent in beat.silent
+                   if silent.silent_s > self.timeout_s + slack_s)
+
+    def _note_lateness(self, ended: float) -> None:
+        """Remember how late this beat landed (after its interval since the last), for ``slack_s``."""
+        late = 0.0 if self.last_beat is None else ended - self.last_beat - self.interval_s
+        self._late = [(at, s) for at, s in self._late if ended - at <= self.timeout_s]
+        if late > 0:
+            self._late.append((ended, late))
+
+    @property
+    def slack_s(self) -> float:
+        """The most this process's beats landed late within the last ``timeout_s``: a stall that
+        held them up held the others' as long (docs/internals.md, "Lost workers", the guard)."""
+        return max((late for _, late in self._late), default=0.0)
 
     def _missing_table_line(self) -> str:
         """The holders table is missing: an upgrade without ``outbox migrate`` (the relay works,
@@ -116,9 +137,9 @@ class Heartbeat:
         return (f"outbox: table {engine.holders} is missing: lost worker processes are noticed only when their "
                 "lease (OUTBOX_CLAIM_TIMEOUT_MS) expires. Run `outbox migrate` to create it")
 
-    def _take_over(self, silent: SilentHolder) -> int:
+    def _take_over(self, silent: SilentHolder, slack_s: float = 0.0) -> int:
         try:
-            done = self.store.take_over(silent, self.timeout_ms)
+            done = self.store.take_over(silent, self.timeout_ms + int(slack_s * 1000))
         except Exception as exc:  # noqa: BLE001 - the next beat tries again
             self.log.debug("outbox: cannot take over holder %s: %s: %s", silent.holder.holder_id,
                            type(exc).__name__, exc)
