@@ -393,15 +393,17 @@ def test_size_purge_and_delete_if_empty_count_messages_whose_lease_ran_out(broke
         assert get(q).payload == "c"
 
 
-@pytest.mark.parametrize("back_before_close", [False, True], ids=["closed-while-down", "closed-when-back"])
+@pytest.mark.parametrize("when", ["closed-while-down", "closed-when-back", "another-thread-acked-when-back"])
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
-def test_a_late_ack_after_a_database_outage_settles_the_message(kind: str, back_before_close: bool,
-                                                                 tmp_path: Path) -> None:
+def test_a_late_ack_after_a_database_outage_settles_the_message(kind: str, when: str, tmp_path: Path) -> None:
     """The broker's database goes away (a TCP proxy cut, past the transport's retries) while
     an acks_late task runs; Celery then closes the connection (``collect``, as its consumer
     does) and reconnects. The message stays leased to the running task, nobody else gets it,
     and the task's late ack on the old channel deletes it: before, the close dropped its tag
-    (requeueing it if the database was back), the ack skipped the table, and it ran again."""
+    (requeueing it if the database was back), the ack skipped the table, and it ran again.
+    ``another-thread-acked-when-back``: between the loss and the close another task's ack (a
+    pool thread's) succeeds; the close requeued the running task all the same, as that
+    success had reset the database's shared "available" flag."""
     from relay_e2e_support import Proxy
 
     direct = engine_url(kind, tmp_path)
@@ -411,18 +413,26 @@ def test_a_late_ack_after_a_database_outage_settles_the_message(kind: str, back_
         worker = broker.connect(visibility_timeout=3600)
         q = worker.SimpleQueue("outage")
         q.put("task")
-        running = get(q)
+        q.put("finished")
+        running, finished = get(q), get(q)
+        assert (running.payload, finished.payload) == ("task", "finished")
         proxy.cut()
         with pytest.raises(worker.connection_errors):
             q.qsize()
-        if back_before_close:
+        if when != "closed-while-down":
             proxy.restore()
+        if when == "another-thread-acked-when-back":
+            acker = threading.Thread(target=finished.ack)
+            acker.start()
+            acker.join(30)
         worker.collect()
         proxy.restore()
         with broker.connect() as other:
             with pytest.raises(Empty):
                 other.SimpleQueue("outage").get(block=True, timeout=1.0)  # still leased to the running task
             running.ack()
+            if not finished.acknowledged:
+                finished.ack()
             assert other.default_channel.db.run(lambda qt, c: qt.holds_any(c, "outage")) is False
     finally:
         proxy.close()

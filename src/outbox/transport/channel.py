@@ -108,12 +108,13 @@ class QoS(virtual.QoS):
         """Warm shutdown, channel close: hand every unsettled message back at once (rather
         than leaving it to the visibility timeout); except after the broker's database was
         lost, when the messages are left leased and their late acks still settle them
-        (docs/transport.md, "Guarantees")."""
+        (docs/transport.md, "Guarantees"). The loss is the connection's own (``Transport.lost_database``):
+        another thread's statement that succeeds in between must not make it a requeue."""
         self._flush()
         left = 0
         while self._delivered:
             tag, _ = self._delivered.popitem()
-            if self.channel.db.available:
+            if not self.channel.connection.lost_database():
                 try:
                     self.channel._settle(tag, requeue=True)
                     continue
@@ -298,7 +299,7 @@ class Channel(virtual.Channel):
             return
         self._no_ack_queues.discard(queue)
         self._consuming_since.pop(queue, None)
-        if queue in self._auto_delete and self.db.available:
+        if queue in self._auto_delete and not self.connection.lost_database():
             self._auto_delete.discard(queue)
             try:
                 self.queue_delete(queue)
@@ -612,7 +613,17 @@ class Transport(virtual.Transport):
         conn = super().establish_connection()
         for channel in self._avail_channels:
             channel.db.run(lambda qt, c: None)  # connect now: bad URLs and credentials fail at start-up
+        for db in self._databases.values():
+            db.lost = False  # a failed try of this connection (kombu retries on this transport) is over
         return conn
+
+    def lost_database(self) -> bool:
+        """Did a statement of this connection, on any of its queue tables, run out of its
+        retries since the connection was established? Then its close is the one Celery makes
+        to reconnect, tasks of its unacked messages may still run, and the close leaves them
+        leased and deletes nothing. It stays so, whatever succeeds after it on other threads
+        (docs/transport.md, "Guarantees")."""
+        return any(db.lost for db in self._databases.values())
 
     def close_connection(self, connection: Any) -> None:
         super().close_connection(connection)

@@ -132,8 +132,9 @@ class Database:
         self._waiter: Any = None
         self._waiter_pid = 0
         self._waiter_retry_at = 0.0
-        #: False from a ``run`` that ran out of retries until one succeeds (``QoS.restore_unacked``).
-        self.available = True
+        #: A ``run`` ran out of retries since the transport's connection was established: set
+        #: for good, whatever succeeds after it on other threads (``Transport.lost_database``).
+        self.lost = False
 
     def doubt(self, queue: str, receipt: str) -> None:
         """A lease of ``queue`` under ``receipt`` failed every try: it may have committed."""
@@ -267,10 +268,9 @@ class Database:
                     or isinstance(exc, self.driver_errors) and not programming_error(exc)):
                 raise
             self.connections.drop()
-            self.available = False
+            self.lost = True
             raise BrokerDatabaseUnavailable(
                 f"outboxdb: the broker's database is unavailable ({type(exc).__name__}: {exc})") from exc
-        self.available = True
         return result
 
     def run_counting(self, work: Callable[[QueueTables, Any, int], T], *, alone: bool = False) -> tuple[T, int]:
