@@ -759,6 +759,7 @@ class Proxy:
         self.holding = threading.Event()
         self.links: list[Link] = []
         self.black_holing = False  # new connections are black-holed too (``black_hole``)
+        self.hold_marker: bytes | None = None  # ``hold_replies_after``
         threading.Thread(target=self._accept, daemon=True).start()
 
     def hold_replies(self) -> None:
@@ -766,6 +767,12 @@ class Proxy:
         every connection, while what the clients send still goes through: a client that waits
         for an answer waits until the proxy is closed."""
         self.holding.set()
+
+    def hold_replies_after(self, marker: bytes) -> None:
+        """``hold_replies`` from the moment a client sends ``marker`` (one AMQP frame, say):
+        the target's answer to it, and everything after, is kept back; what went before
+        passes (a handshake that completes, then a broker that stops answering)."""
+        self.hold_marker = marker
 
     def release_replies(self) -> None:
         """Let what ``hold_replies`` kept back go on."""
@@ -893,6 +900,9 @@ class Proxy:
                 data = src.recv(65536)
                 if link is not None and link.dead and data:
                     continue  # black-holed: dropped, and nothing is closed
+                if upward and self.hold_marker is not None and self.hold_marker in data:
+                    self.hold_marker = None
+                    self.holding.set()  # before the data goes up: its answer is held
                 passing = len(data) if link is None else self._passing(link, data, upward)
                 if delay and data:
                     time.sleep(delay)

@@ -390,7 +390,7 @@ def test_a_failure_after_a_wave_refused_as_a_whole_stops_every_chain_still_going
     waves: list[list[int]] = []
 
     class Refusing(KombuPublisher):
-        def _ready(self) -> None:
+        def _ready(self, deadline: float | None = None) -> None:
             pass
 
         def _discard(self) -> None:
@@ -517,6 +517,63 @@ def test_rabbitmq_confirms_are_awaited_no_later_than_the_deadline_given(rabbit: 
         proxy.release_replies()
         proxy.close()
     assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [811, 812]
+
+
+#: How long after its deadline a publish may return in these tests: scheduling and the
+#: proxy's own pace, not a bound of the publisher.
+DEADLINE_MARGIN_S = 1.0
+
+#: ``channel.open`` on channel 1 (frame type 1, 5 bytes: class 20, method 10, an empty
+#: short string): the publisher's first frame once the handshake is done.
+CHANNEL_OPEN = b"\x01\x00\x01\x00\x00\x00\x05\x00\x14\x00\x0a\x00\xce"
+
+
+def publish_by_a_deadline_then_after_the_stall(proxy: Proxy, exchange: str, first: int) -> float:
+    """Publish event ``first`` on a new connection through ``proxy`` (stalled by the caller)
+    with a deadline 1 s away: it fails as back-pressure; once the proxy lets the broker's
+    answers through again event ``first + 1`` is published. Returns how long the first took."""
+    with KombuPublisher(proxy.amqp_url, exchange, confirm_timeout=10.0) as publisher:
+        began = time.monotonic()
+        [result] = publisher.publish_chains([[make_message(first)]], deadline=began + 1.0)
+        took = time.monotonic() - began
+        assert result.published == () and result.failed_id == first and result.failure is not None, result
+        assert result.failure.kind is FailureKind.BACKPRESSURE, result.failure
+        proxy.release_replies()
+        [after] = publisher.publish_chains([[make_message(first + 1)]], deadline=time.monotonic() + 5.0)
+        assert after == ChainResult(published=(first + 1,))
+    return took
+
+
+def test_rabbitmq_a_new_connection_whose_handshake_gets_no_answer_ends_by_the_deadline(rabbit: dict[str, Any]) -> None:
+    """Found in review: a publish with no live connection makes one, and that handshake was
+    bounded by the connect timeout (3 s) with one retry, whatever the deadline: a broker
+    that accepted the TCP connection and never answered (packets dropped) held the publish
+    6 s past a deadline 1 s away, past its lease. Now every attempt waits the time left at
+    most, and none begins once it is spent."""
+    proxy = Proxy()
+    try:
+        proxy.hold_replies()
+        took = publish_by_a_deadline_then_after_the_stall(proxy, rabbit["exchange"], 821)
+        assert took < 1.0 + DEADLINE_MARGIN_S, f"the publish took {took:.1f} s for a deadline 1 s away"
+    finally:
+        proxy.release_replies()
+        proxy.close()
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [822]
+
+
+def test_rabbitmq_a_new_connection_whose_channel_is_never_opened_ends_by_the_deadline(rabbit: dict[str, Any]) -> None:
+    """The handshake is answered, then the broker stops answering: opening the channel,
+    confirm mode and the exchanges' declares were bounded by the confirm timeout (the
+    socket's read timeout, 10 s here), not by the deadline. Now each waits the time left."""
+    proxy = Proxy()
+    try:
+        proxy.hold_replies_after(CHANNEL_OPEN)
+        took = publish_by_a_deadline_then_after_the_stall(proxy, rabbit["exchange"], 831)
+        assert took < 1.0 + DEADLINE_MARGIN_S, f"the publish took {took:.1f} s for a deadline 1 s away"
+    finally:
+        proxy.release_replies()
+        proxy.close()
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [832]
 
 
 def test_rabbitmq_a_channel_the_broker_never_opens_is_given_up_on(rabbit: dict[str, Any]) -> None:

@@ -120,6 +120,61 @@ def test_a_redis_that_stops_answering_is_given_up_on_within_the_confirm_timeout(
         proxy.close()
 
 
+#: How long after its deadline a publish may return in these tests: scheduling and the
+#: proxy's own pace, not a bound of the publisher.
+MARGIN_S = 1.0
+
+
+def test_a_redis_that_stops_answering_is_given_up_on_by_the_deadline(own_redis: int) -> None:
+    """Found in review: the socket timeout of a Redis publish was the confirm timeout (10 s
+    here), whatever the deadline the relay passes (docs/relay.md, "The publish's deadline"),
+    so a publish that began a second before it outlived its lease by 9 s while another
+    worker could take the same rows. Now each command waits at most the time left: the
+    publish returns by the deadline, as back-pressure, and publishes again once Redis answers."""
+    proxy = Proxy(("127.0.0.1", own_redis))
+    publisher = KombuPublisher(proxy.url_for(f"redis://127.0.0.1:{own_redis}/0"), EXCHANGE, confirm_timeout=10.0)
+    try:
+        assert publisher.publish_chains([[make_message(21, aggregate_id="d")]]) == [ChainResult(published=(21,))]
+        proxy.hold_replies()  # the connection stays up; nothing comes back (packets dropped)
+        began = time.monotonic()
+        [result] = publisher.publish_chains([[make_message(22, aggregate_id="d")]], deadline=began + 1.0)
+        took = time.monotonic() - began
+        assert result.failed_id == 22 and result.failure is not None, result
+        assert result.failure.kind is FailureKind.BACKPRESSURE, result.failure
+        assert took < 1.0 + MARGIN_S, f"the publish took {took:.1f} s for a deadline 1 s away"
+        proxy.release_replies()
+        assert publisher.publish_chains([[make_message(23, aggregate_id="d")]],
+                                        deadline=time.monotonic() + 5.0) == [ChainResult(published=(23,))]
+    finally:
+        proxy.release_replies()
+        publisher.close()
+        proxy.close()
+
+
+def test_a_new_redis_connection_that_gets_no_answer_is_given_up_on_by_the_deadline(own_redis: int) -> None:
+    """The first publish of a process (or the one after a lost connection) makes a new
+    connection: the TCP connect succeeds and Redis never answers. Its connect and first
+    command waited the connect and socket timeouts (3 s, then the confirm timeout, 10 s
+    here), twice with kombu's retry; now the time left bounds both."""
+    proxy = Proxy(("127.0.0.1", own_redis))
+    publisher = KombuPublisher(proxy.url_for(f"redis://127.0.0.1:{own_redis}/0"), EXCHANGE, confirm_timeout=10.0)
+    try:
+        proxy.hold_replies()
+        began = time.monotonic()
+        [result] = publisher.publish_chains([[make_message(31, aggregate_id="e")]], deadline=began + 1.0)
+        took = time.monotonic() - began
+        assert result.failed_id == 31 and result.failure is not None, result
+        assert result.failure.kind is FailureKind.BACKPRESSURE, result.failure
+        assert took < 1.0 + MARGIN_S, f"the publish took {took:.1f} s for a deadline 1 s away"
+        proxy.release_replies()
+        assert publisher.publish_chains([[make_message(32, aggregate_id="e")]],
+                                        deadline=time.monotonic() + 5.0) == [ChainResult(published=(32,))]
+    finally:
+        proxy.release_replies()
+        publisher.close()
+        proxy.close()
+
+
 @pytest.fixture
 def wrong_type_queue(own_redis: int) -> Iterator[tuple[str, str]]:
     """An exchange of its own with two bound queues, ``orders.#`` and ``audit.#``, where the

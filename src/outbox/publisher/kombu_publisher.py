@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,49 @@ _WRITE_BYTES = 512 * 1024
 #: The longest a wave waits for its confirms, unless the lease allows less
 #: (``from_settings``): then the wave's rows go back as back-pressure, no attempt spent.
 DEFAULT_CONFIRM_TIMEOUT_S = 15.0
+
+#: The least a network step is given, even at its deadline: a zero socket timeout would make
+#: the socket non-blocking, which is not a shorter wait (the deadline is checked before each
+#: wave and each Redis send, so nothing is begun once it has passed).
+MIN_WAIT_S = 0.05
+
+#: The pauses between the attempts to connect: the first, the step it grows by, the longest.
+_RECONNECT_PAUSE_S = (0.2, 0.3, 1.0)
+
+
+def time_left(cap: float, deadline: float | None) -> float:
+    """How long one network step may wait: ``cap``, or less when ``deadline`` (monotonic)
+    comes sooner; ``MIN_WAIT_S`` at least (docs/relay.md, "The publish's deadline")."""
+    if deadline is None:
+        return cap
+    return max(MIN_WAIT_S, min(cap, deadline - time.monotonic()))
+
+
+def past_deadline() -> PublishFailure:
+    """What a chain not sent because its deadline had passed fails with."""
+    return PublishFailure(FailureKind.BACKPRESSURE, "not sent: the claim's deadline passed before "
+                          "it was (the lease's safe part is spent)")
+
+
+def cap_redis_pool(pool: Any, seconds: float, connect_seconds: float) -> None:
+    """Set the socket timeouts of a redis-py ``ConnectionPool``: of the connections it makes
+    from now on (its ``connection_kwargs``) and of those it holds, on their sockets and in
+    their parsers, which restore the timeout they were made with after each poll for data
+    (``can_read``, on every checkout). redis-py has no per-call timeout and no public way to
+    change a live connection's (docs/relay.md, "The publish's deadline"); these attributes
+    are the same in redis-py 5 to 8."""
+    pool.connection_kwargs.update(socket_timeout=seconds, socket_connect_timeout=connect_seconds)
+    for conn in (*pool._available_connections, *pool._in_use_connections):
+        conn.socket_timeout, conn.socket_connect_timeout = seconds, connect_seconds
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            sock.settimeout(seconds)
+        parser: Any = getattr(conn, "_parser", None)
+        buffer = getattr(parser, "_buffer", None)  # the pure-Python parsers
+        if buffer is not None and hasattr(buffer, "socket_timeout"):
+            buffer.socket_timeout = seconds
+        if hasattr(parser, "_socket_timeout"):  # hiredis
+            parser._socket_timeout = seconds
 
 
 def refused_by_route(routing_key: str, exchange: str) -> PublishFailure:
@@ -87,6 +130,7 @@ class KombuPublisher(Publisher):
         self._channel: Any = None
         self._producer: Any = None  # kombu.Producer
         self._confirms = False  # py-amqp: confirm mode + mandatory + returns
+        self._driver = ""  # the kombu transport's driver: "py-amqp", "redis", "memory", ...
         self._next_tag = 0  # the delivery tag of the last message sent on the channel
         self._unconfirmed: set[int] = set()  # delivery tags the broker has not acked or nacked yet
         self._nacked: set[int] = set()
@@ -109,9 +153,10 @@ class KombuPublisher(Publisher):
     # -- public API ----------------------------------------------------------------
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
                        pipelined: Pipelined | None = None, deadline: float | None = None) -> list[ChainResult]:
-        """``_publish_waves``; each wave's confirms awaited ``confirm_timeout`` at most and never
-        past ``deadline`` (monotonic: the claim's), and no wave sent once it has passed
-        (docs/relay.md, "The publish's deadline")."""
+        """``_publish_waves``; each wave's confirms awaited ``confirm_timeout`` at most, every
+        network step (connecting, opening the channel, declaring, writing, each Redis
+        command) waiting no later than ``deadline`` (monotonic: the claim's), and nothing
+        sent once it has passed (docs/relay.md, "The publish's deadline")."""
         with self._lock:
             return self._publish_waves([list(chain) for chain in chains], pipelined, deadline)
 
@@ -198,8 +243,7 @@ class KombuPublisher(Publisher):
         single = False  # one event a wave, once the broker refused a whole wave as poison
         while going:
             if deadline is not None and time.monotonic() >= deadline:
-                late = PublishFailure(FailureKind.BACKPRESSURE, "not sent: the claim's deadline passed before "
-                                      "its wave (the lease's safe part is spent)")
+                late = past_deadline()
                 for chain in going:
                     chain.stop(late)
                 break
@@ -207,7 +251,7 @@ class KombuPublisher(Publisher):
             if not wave.windows:
                 break
             try:
-                self._ready()
+                self._ready(deadline)
                 verdicts = self._send_wave(wave.messages, wave.headers, deadline, owners=wave.owners)
             except Exception as exc:  # noqa: BLE001 - nothing of this wave is known to be on the broker
                 failure = self._wave_lost(wave, exc)
@@ -262,16 +306,20 @@ class KombuPublisher(Publisher):
         connection fails: then nothing of the wave is known to have arrived. The writes and
         the wait for confirms end by ``deadline`` (monotonic) at the latest.
 
-        Without confirms (virtual transports) each send is its own verdict. An error of the
+        Without confirms (virtual transports) each send is its own verdict, and none is made
+        once ``deadline`` has passed (the events left fail as back-pressure). An error of the
         connection (BACKPRESSURE, FATAL) stops the wave there, the events sent before it
         counting as published; any other refuses that event alone (``Refused``), and the
         rest of its chain's window (``owners``: each event's window) is not sent, as after
         an unroutable event under ``unroutable="fail"`` (it would overtake it)."""
         if not self._confirms:
-            routed = self._routed()
+            routed = self._routed(deadline)
             verdicts: list[Any] = []
             stopped: dict[int, Refused] = {}  # window -> the verdict of its events not sent
             for index, (message, event_headers) in enumerate(zip(messages, headers)):
+                if deadline is not None and time.monotonic() >= deadline:
+                    verdicts.extend([past_deadline()] * (len(messages) - len(verdicts)))
+                    return verdicts
                 owner = owners[index] if owners is not None else index
                 if owner in stopped:
                     verdicts.append(stopped[owner])  # not sent: it would overtake the event that ended its window
@@ -283,7 +331,7 @@ class KombuPublisher(Publisher):
                                                                 "of its window is unroutable"))
                     continue
                 try:
-                    self._send(message, event_headers, self.exchange, mandatory=False)
+                    self._send(message, event_headers, self.exchange, mandatory=False, deadline=deadline)
                 except Exception as exc:
                     poisoned = self._poisoned(message, event_headers)
                     if poisoned is not None:
@@ -317,15 +365,16 @@ class KombuPublisher(Publisher):
         self._returned.clear()
         return verdicts
 
-    def _routed(self) -> Callable[[str], bool]:
+    def _routed(self, deadline: float | None = None) -> Callable[[str], bool]:
         """Does a binding of the exchange take this routing key? A virtual transport (Redis)
         drops a message no binding routes without a word, where AMQP returns a mandatory
-        one; so the exchange's bindings are read once per wave and an event they do not
-        route counts as returned (unroutable, docs/destinations.md, "Redis"). Not on
-        memory://, whose events never leave the process (the embedded default, the demo)."""
+        one; so the exchange's bindings are read once per wave (by ``deadline``) and an event
+        they do not route counts as returned (unroutable, docs/destinations.md, "Redis"). Not
+        on memory://, whose events never leave the process (the embedded default, the demo)."""
         channel = self._channel
         if self._conn.transport.driver_type == "memory":
             return lambda key: True
+        self._cap_redis(deadline)
         table = channel.get_table(self.exchange)
         kind = channel.typeof(self.exchange)
         return lambda key: bool(kind.lookup(table, self.exchange, key, None))
@@ -369,9 +418,10 @@ class KombuPublisher(Publisher):
     def _usable(self) -> bool:
         return self._conn is not None and self._pid == os.getpid() and self._producer is not None
 
-    def _ready(self) -> None:
+    def _ready(self, deadline: float | None = None) -> None:
         """Connect (bounded retry), open the channel and declare the exchanges, once per
-        connection. Raises whatever went wrong."""
+        connection, each step waiting no later than ``deadline`` (``_connect``, ``_step``).
+        Raises whatever went wrong."""
         from kombu import Connection, Exchange, Producer
 
         if self._pid != os.getpid():
@@ -391,17 +441,18 @@ class KombuPublisher(Publisher):
                                          + (hint or f"{type(exc).__name__}: {exc}"))) from exc
             options: dict[str, Any] = conn.transport_options  # type: ignore[assignment]  # kombu declares None, sets {}
             options.update(self._timeouts(driver))  # read when the transport connects and opens channels
-            self._confirms = driver == "py-amqp"
+            self._driver, self._confirms = driver, driver == "py-amqp"
             self._conn, self._pid = conn, os.getpid()
         if self._producer is not None and self._conn.connected:
             return
         self._channel = self._producer = None
-        self._conn.ensure_connection(max_retries=self.connect_retries, interval_start=0.2,
-                                     interval_step=0.3, interval_max=1.0)
-        channel = self._conn.channel()
+        self._connect(deadline)
+        with self._step(deadline):
+            channel = self._conn.channel()
         for name in (self.exchange, self.dead_letter_exchange):
             if name:
-                channel = self._declare(channel, name)
+                with self._step(deadline):
+                    channel = self._declare(channel, name)
         self._next_tag = 0
         self._unconfirmed.clear()
         self._nacked.clear()
@@ -412,13 +463,56 @@ class KombuPublisher(Publisher):
             # on this channel; we send without waiting and collect the verdicts in
             # _await_confirms. A mandatory message that no queue takes comes back as a
             # basic.return, always before its ack.
-            channel.confirm_select()
+            with self._step(deadline):
+                channel.confirm_select()
             channel.events["basic_ack"].add(self._on_ack)
             channel.events["basic_nack"].add(self._on_nack)
             channel.events["basic_return"].add(self._on_return)
         self._channel = channel
         self._producer = Producer(channel, exchange=Exchange(self.exchange, type="topic", durable=True),
                                   auto_declare=False)
+
+    def _connect(self, deadline: float | None) -> None:
+        """Make the connection: ``1 + connect_retries`` attempts with a short pause between
+        them, each one's TCP connect and handshake (Redis: its first PING) waiting the time
+        left until ``deadline`` at most, and none begun once it has passed. Raises the last
+        attempt's error. Only what kombu itself retries is retried (a refused login is not)."""
+        from kombu.exceptions import OperationalError
+
+        pause, step, longest = _RECONNECT_PAUSE_S
+        for attempt in range(1 + self.connect_retries):
+            self._conn.connect_timeout = time_left(self.connect_timeout, deadline)
+            self._conn.transport_options.update(self._timeouts(self._driver, deadline))
+            try:
+                self._conn.ensure_connection(max_retries=0)  # one attempt: the retries are ours
+                return
+            except OperationalError as exc:  # kombu's wrapping of a connection error it would retry
+                retriable = isinstance(exc.__cause__, self._conn.recoverable_connection_errors)
+                if not retriable or attempt == self.connect_retries or (
+                        deadline is not None and time.monotonic() + pause >= deadline):
+                    raise
+            time.sleep(pause)
+            pause = min(longest, pause + step)
+
+    @contextlib.contextmanager
+    def _step(self, deadline: float | None) -> Iterator[None]:
+        """One exchange with the broker while a connection is set up (opening the channel, a
+        declare, confirm mode): on py-amqp the socket's timeout, for that step, is the time
+        left until ``deadline`` (``confirm_timeout`` at most); without it such a step waited
+        for the connection's read timeout, the whole confirm timeout. Redis's channel does
+        no I/O here: its connection was capped when it was made (``_connect``)."""
+        if not self._confirms:
+            yield
+            return
+        with self._conn.connection.transport.having_timeout(time_left(self.confirm_timeout, deadline)):
+            yield
+
+    def _cap_redis(self, deadline: float | None) -> None:
+        """Redis: the channel's commands from now on wait the time left until ``deadline``
+        at most (``confirm_timeout`` without one; ``cap_redis_pool``)."""
+        if self._driver == "redis":
+            cap_redis_pool(self._channel.pool, time_left(self.confirm_timeout, deadline),
+                           time_left(self.connect_timeout, deadline))
 
     def _declare(self, channel: Any, name: str) -> Any:
         """Declare the exchange ``name`` (durable topic); returns the channel to go on with.
@@ -442,15 +536,18 @@ class KombuPublisher(Publisher):
                 raise refused from None
             return channel
 
-    def _timeouts(self, driver: str) -> dict[str, float]:
+    def _timeouts(self, driver: str, deadline: float | None = None) -> dict[str, float]:
         """Every wait on the broker bounded by ``confirm_timeout``; a timeout is back-pressure.
         kombu's Redis transport waits on its socket for ever by default (no ``socket_timeout``)
         and ignores ``connect_timeout``; py-amqp bounds its handshake and our confirm waits,
         but not opening a channel, confirm mode and the declares after the handshake. A broker
         that stopped answering there held the publisher, and every publish of the process
-        behind its lock, for good (found in review; docs/destinations.md, "Redis")."""
+        behind its lock, for good (found in review; docs/destinations.md, "Redis"). Redis's
+        are shortened to the time left until ``deadline`` (a connection about to be made);
+        py-amqp's read timeout stays the fallback, ``_step`` shortens each step's wait."""
         if driver == "redis":
-            return {"socket_timeout": self.confirm_timeout, "socket_connect_timeout": self.connect_timeout}
+            return {"socket_timeout": time_left(self.confirm_timeout, deadline),
+                    "socket_connect_timeout": time_left(self.connect_timeout, deadline)}
         if driver == "py-amqp":
             return {"read_timeout": self.confirm_timeout}
         return {}
@@ -491,11 +588,14 @@ class KombuPublisher(Publisher):
                     continue
                 raise TimeoutError(f"no publisher confirm {within} for {len(self._unconfirmed)} messages") from None
 
-    def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool) -> int:
-        """Send one message without waiting; returns its delivery tag (0 without confirms)."""
+    def _send(self, message: OutboxMessage, headers: dict[str, Any], exchange: str, *, mandatory: bool,
+              deadline: float | None = None) -> int:
+        """Send one message without waiting, by ``deadline`` (Redis: its commands wait the
+        time left at most); returns its delivery tag (0 without confirms)."""
         if self._confirms:  # py-amqp: our own frames on its channel (docs/publisher.md, "Fast path")
-            self._write(self._frames(message, headers, exchange, mandatory=mandatory))
+            self._write(self._frames(message, headers, exchange, mandatory=mandatory), deadline)
             return self._sent()
+        self._cap_redis(deadline)
         self._producer.publish(
             encode_body(message),
             exchange=exchange,
@@ -542,11 +642,8 @@ class KombuPublisher(Publisher):
             with contextlib.suppress(TimeoutError):
                 connection.drain_events(timeout=0)
         transport = connection.transport
-        timeout = self.confirm_timeout
-        if deadline is not None:
-            timeout = max(0.05, min(timeout, deadline - time.monotonic()))
         try:
-            with transport.having_timeout(timeout):
+            with transport.having_timeout(time_left(self.confirm_timeout, deadline)):
                 transport.write(b"".join(frames))
         except TimeoutError as exc:
             raise RecoverableConnectionError("basic_publish: timed out") from exc
