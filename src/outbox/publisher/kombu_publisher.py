@@ -75,9 +75,11 @@ def cap_redis_pool(pool: Any, seconds: float, connect_seconds: float) -> None:
     their parsers, which restore the timeout they were made with after each poll for data
     (``can_read``, on every checkout). redis-py has no per-call timeout and no public way to
     change a live connection's (docs/relay.md, "The publish's deadline"); these attributes
-    are the same in redis-py 5 to 8."""
+    are the same in redis-py 5 to 8, and each is read with ``getattr``: a redis-py that moved
+    one leaves that part uncapped, it never fails a publish."""
     pool.connection_kwargs.update(socket_timeout=seconds, socket_connect_timeout=connect_seconds)
-    for conn in (*pool._available_connections, *pool._in_use_connections):
+    held = (*getattr(pool, "_available_connections", ()), *getattr(pool, "_in_use_connections", ()))
+    for conn in held:
         conn.socket_timeout, conn.socket_connect_timeout = seconds, connect_seconds
         sock = getattr(conn, "_sock", None)
         if sock is not None:
