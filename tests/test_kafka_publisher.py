@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import time
 import uuid
 from dataclasses import replace
@@ -27,6 +28,7 @@ from outbox.publisher.kafka import (
     topic_status,
 )
 from outbox.publisher.select import publisher_for
+from outbox.storage.store import OutboxStore
 
 CREATED = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
 
@@ -103,6 +105,51 @@ def test_unknown_topic_without_auto_create_is_fatal_and_nothing_is_sent(kafka_bo
     assert "'no-such-topic' does not exist" in result.failure.reason
     assert "OUTBOX_KAFKA_AUTO_CREATE_TOPICS" in result.failure.reason
     assert [json.loads(m.value())["n"] for m in consume(kafka_bootstrap, topic, 2, timeout=3)] == [1]
+
+
+def test_a_failing_topic_is_charged_to_its_own_chains_and_the_other_topics_flow(
+        kafka_bootstrap: str, sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
+    """One topic failing (here: missing, auto-create off; Tansu cannot take one partition's
+    leader down, see the scripted test below) stops only the chains that go there: that route
+    pauses, their rows are released with no attempt spent, and the healthy topic's chains are
+    marked done, now and at the next claim. Before, the missing topic's FATAL opened the
+    breaker and claims stopped for every topic (docs/destinations.md, "Failures of one topic")."""
+    from outbox import Status, enqueue
+    from outbox.domain.chains import split_chains
+    from outbox.relay import Breaker, RelayContext, RelayOptions, RouteGate, handle_publish
+
+    healthy, missing = create_topic(kafka_bootstrap), f"outbox-missing-{uuid.uuid4().hex[:10]}"
+
+    def add(aggregate: str, topic: str, count: int) -> list[int]:
+        ids = [enqueue(conn, topic=topic, aggregate_type="order", aggregate_id=aggregate, payload={"n": n})
+               for n in range(count)]
+        conn.commit()
+        return ids
+
+    def rows() -> dict[int, tuple[int, int, bool]]:
+        return {int(i): (int(s), int(a), r is not None) for i, s, a, r in
+                conn.execute("SELECT id, status, attempts, next_retry_at FROM outbox").fetchall()}
+
+    good, bad = add("good", healthy, 3), add("bad", missing, 2)
+    breaker, routes = Breaker(), RouteGate()
+    with publisher(kafka_bootstrap) as pub:
+        relay = RelayContext(sqlite_store, pub, options=RelayOptions(route_pause_s=20, route_pause_max_s=60),
+                             breaker=breaker, routes=routes)
+        outcomes = handle_publish(relay, split_chains(sqlite_store.claim(100).messages))
+        state = rows()
+        assert [state[i][0] for i in good] == [Status.DONE] * 3, state
+        assert breaker.open_for() == 0, breaker.reason  # claims go on for the other topics
+        assert [state[i] for i in bad] == [(Status.PENDING, 0, True)] * 2, state  # released, paused, no attempt
+        assert 19 < routes.paused(missing) <= 20 and routes.paused(healthy) == 0
+        assert any(o.kind == "fatal" and "does not exist" in (o.reason or "") for o in outcomes), outcomes
+
+        later = add("good2", healthy, 1)  # the next claim: the healthy topic flows, the missing one waits
+        conn.execute("UPDATE outbox SET next_retry_at = NULL")
+        conn.commit()
+        handle_publish(relay, split_chains(sqlite_store.claim(100).messages))
+        state = rows()
+        assert state[later[0]][0] == Status.DONE and all(state[i][:2] == (Status.PENDING, 0) for i in bad), state
+    assert sorted(json.loads(m.value())["n"] for m in consume(kafka_bootstrap, healthy, 4, timeout=5)) == [0, 0, 1, 2]
 
 
 def test_auto_create_leaves_the_topic_to_the_broker(kafka_bootstrap: str) -> None:
@@ -248,7 +295,7 @@ def test_a_broker_without_the_idempotent_producer_is_fatal(code: str) -> None:
     """librdkafka fails an idempotent producer whose brokers lack it (older than 0.11, or a
     Kafka-protocol broker without InitProducerId) with the fatal ``_UNSUPPORTED_FEATURE``
     ("Idempotent producer not supported by any of the N broker(s)"): an operator must act,
-    so FATAL (claims stop, one CRITICAL line), as for a missing topic. Before, it fell
+    so FATAL (claims stop, one CRITICAL line). Before, it fell
     through to RETRIABLE, and every chain's head was charged an attempt at each publish until
     all went dead (found in review). Raised from ``flush`` as the library does, and reported
     through the error callback while the queued events are purged."""
@@ -425,6 +472,38 @@ def test_a_topic_whose_metadata_cannot_be_read_stops_its_chain_alone() -> None:
     assert second.published == () and second.failed_id == 2 and second.failure is not None
     assert second.failure.kind is FailureKind.BACKPRESSURE and "_TIMED_OUT" in second.failure.reason
     assert producer.log == [("produce", 1), "flush"]
+
+
+def test_a_partition_that_does_not_answer_is_charged_to_its_route_while_others_deliver(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One partition whose leader is down: its events time out (``_MSG_TIMED_OUT``) while the
+    events of the same publish to other partitions are delivered, so the cluster answers and
+    the timeout is that topic's: BACKPRESSURE with ``route`` = the event's topic, which the
+    relay pauses alone. Before, it had no route and opened the breaker for every topic. When
+    nothing of the publish is delivered (the cluster down, or hanging) it stays broker-wide.
+    A chain whose next wave had no time left, behind that partition's wait, is charged to the
+    same route. (Scripted: Tansu, a single broker, cannot take one partition's leader down.)"""
+    from confluent_kafka import KafkaError
+
+    pub, _ = scripted({2: KafkaError._MSG_TIMED_OUT})
+    good, stuck = pub.publish_chains([[event(1, "orders")], [event(2, "payments", aggregate="a2")]])
+    assert good.ok and good.published == (1,)
+    assert stuck.failure is not None and stuck.failure.kind is FailureKind.BACKPRESSURE
+    assert stuck.failure.route == "payments" and "_MSG_TIMED_OUT" in stuck.failure.reason
+
+    pub, _ = scripted({1: KafkaError._MSG_TIMED_OUT, 2: KafkaError._MSG_TIMED_OUT})
+    results = pub.publish_chains([[event(1, "orders")], [event(2, "payments", aggregate="a2")]])
+    assert [(r.failure.kind, r.failure.route) for r in results if r.failure] == [(FailureKind.BACKPRESSURE, None)] * 2
+
+    pub, _ = scripted({2: KafkaError._MSG_TIMED_OUT})  # time runs out in the first wave's wait
+    clock = iter([0.0, 0.0, 0.0] + [100.0] * 20)  # the publish's start, its first wave, its wait; then late
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    moved, stuck = pub.publish_chains([[event(1, "orders"), event(3, "audit")],
+                                       [event(2, "payments", aggregate="a2")]])
+    monkeypatch.undo()
+    assert moved.published == (1,) and moved.failed_id == 3
+    assert moved.failure is not None and moved.failure.route == "payments", moved.failure
+    assert stuck.failure is not None and stuck.failure.route == "payments"
 
 
 def test_an_event_opted_in_to_pipelining_goes_without_waiting_and_may_be_overtaken() -> None:

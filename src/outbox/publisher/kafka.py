@@ -134,9 +134,39 @@ def kafka_kind(error: Any) -> FailureKind:
     return FailureKind.RETRIABLE
 
 
-def _failure(error: Any, where: str = "") -> PublishFailure:
+#: Errors of one topic, whatever the rest of the cluster does: charged to the route (the
+#: event's topic) of the chains that go there, claims go on (docs/destinations.md, "Failures
+#: of one topic").
+_OF_TOPIC = ("UNKNOWN_TOPIC_OR_PART", "_UNKNOWN_TOPIC", "TOPIC_AUTHORIZATION_FAILED")
+
+
+def _failure(error: Any, where: str = "", route: str | None = None) -> PublishFailure:
+    """The failure of ``error``; charged to ``route`` when the error is of one topic (``_OF_TOPIC``)."""
     reason = redact(f"KafkaError {error.name()}: {error.str()}{where}")[:MAX_ERROR_HEADER_CHARS]
-    return PublishFailure(kafka_kind(error), reason)
+    return PublishFailure(kafka_kind(error), reason, route=route if error.name() in _OF_TOPIC else None)
+
+
+def charge_partitions(chains: Sequence[Sequence[OutboxMessage]], verdicts: list[list[Any]],
+                      late: Sequence[PublishFailure]) -> None:
+    """When an event of the publish was delivered, the cluster answers: an event that got no
+    report in time (``BACKPRESSURE`` from its delivery report or the publish's deadline) met
+    its own partition's trouble (its leader down), so it is charged to its route, the event's
+    topic, and the relay pauses that route alone; so are the chains whose next wave had no
+    time left (``late``), behind that partition's wait. When nothing was delivered it stays
+    broker-wide (the breaker), as does a full local queue (docs/destinations.md, "Failures of
+    one topic")."""
+    if all(row.count(None) == len(row) for row in verdicts) or not any(None in row for row in verdicts):
+        return  # all delivered (the common case), or nothing: the cluster did not answer
+    stuck: str | None = None
+    for chain, row in zip(chains, verdicts):
+        for i, v in enumerate(row):
+            if (isinstance(v, PublishFailure) and v.kind is FailureKind.BACKPRESSURE and v.route is None
+                    and not isinstance(v.exception, BufferError) and not any(v is x for x in late)):
+                row[i] = replace(v, route=chain[i].topic)
+                stuck = stuck or chain[i].topic
+    if stuck is not None:
+        for row in verdicts:
+            row[:] = [replace(v, route=stuck) if any(v is x for x in late) else v for v in row]
 
 
 def _header_bytes(value: Any) -> bytes:
@@ -307,6 +337,7 @@ class KafkaPublisher(Publisher):
         chains = [list(chain) for chain in chains]
         with self._lock:  # ``deadline`` is absolute: a wait for the lock counts against it
             verdicts = [[_NOT_SENT] * len(chain) for chain in chains]
+            late: list[PublishFailure] = []  # chains whose next wave had no time left
 
             def send() -> None:
                 end, within = self._end(deadline)
@@ -316,9 +347,9 @@ class KafkaPublisher(Publisher):
                     if time.monotonic() >= end:  # a next wave (or, past ``deadline``, any) has no time left
                         why = (" (the events before it in its chain went to another Kafka partition first)"
                                if any(sent) else "")
+                        late.append(PublishFailure(FailureKind.BACKPRESSURE, f"not sent {within}{why}"))
                         for c in wave:
-                            verdicts[c][sent[c]] = PublishFailure(FailureKind.BACKPRESSURE,
-                                                                  f"not sent {within}{why}")
+                            verdicts[c][sent[c]] = late[-1]
                         return
                     producer = self._ready()  # again after each wave: a report may have retired it
                     for c in wave:
@@ -331,6 +362,7 @@ class KafkaPublisher(Publisher):
                     for i, v in enumerate(row):
                         if v is _PENDING or v is _NOT_SENT:
                             row[i] = failure
+            charge_partitions(chains, verdicts, late)
             return [chain_result([m.id for m in chain], row) for chain, row in zip(chains, verdicts)]
 
     def _end(self, deadline: float | None) -> tuple[float, str]:
@@ -423,7 +455,8 @@ class KafkaPublisher(Publisher):
                 except UnicodeError as exc:
                     problem = PublishFailure(FailureKind.POISON, f"payload is not encodable as UTF-8: {exc}", exc)
                 else:
-                    problem = (self._size_refusal(len(value)) or self._missing_topic(topic, producer, deadline)
+                    problem = (self._size_refusal(len(value))
+                               or self._missing_topic(topic, producer, deadline, route=message.topic)
                                or self._produce(producer, message, topic, key, value, event_headers(message), row, i))
             if problem is not None:
                 row[i] = problem
@@ -448,11 +481,12 @@ class KafkaPublisher(Publisher):
         return None
 
     def _missing_topic(self, topic: str, producer: Any, deadline: float, what: str = "topic",
-                       named: str = "") -> PublishFailure | None:
-        """Why no event may go to ``topic`` now: it does not exist (with auto-create off), or
-        the cluster's metadata could not be read (that chain alone stops: the chains already
-        produced in this publish still get their delivery reports). ``what`` names the topic
-        in the reason, ``named`` says where its name comes from."""
+                       named: str = "", route: str | None = None) -> PublishFailure | None:
+        """Why no event may go to ``topic`` now: it does not exist (with auto-create off:
+        FATAL, charged to ``route``, the event's own topic), or the cluster's metadata could
+        not be read (that chain alone stops: the chains already produced in this publish still
+        get their delivery reports). ``what`` names the topic in the reason, ``named`` says
+        where its name comes from."""
         if self.options.auto_create_topics:
             return None
         try:
@@ -466,7 +500,7 @@ class KafkaPublisher(Publisher):
         if not exists:
             return PublishFailure(FailureKind.FATAL, f"Kafka {what} {topic!r} does not exist{f' ({named})' if named else ''}: "
                                   "create it, or set OUTBOX_KAFKA_AUTO_CREATE_TOPICS=1 when the brokers create topics "
-                                  "themselves")
+                                  "themselves", route=route)
         return None
 
     def _topic_exists(self, topic: str, producer: Any, deadline: float) -> bool:
@@ -485,7 +519,7 @@ class KafkaPublisher(Publisher):
         """Produce one event; its delivery report fills ``row[i]``. A refusal by the client
         (too large, queue full after a short wait) is returned instead."""
         def delivered(error: Any, _msg: Any) -> None:
-            row[i] = None if error is None else _failure(error, f" (topic {topic!r})")
+            row[i] = None if error is None else _failure(error, f" (topic {topic!r})", message.topic)
             if error is None:
                 self._client_log.ok()
             elif error.fatal() or error.name() in _RENEW:
@@ -497,10 +531,11 @@ class KafkaPublisher(Publisher):
                 producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
                 producer.poll(0)
                 return None
-            except BufferError:  # the local queue is full: serve delivery reports, once
+            except BufferError as exc:  # the local queue is full: serve delivery reports, once
                 if waited:
                     row[i] = _NOT_SENT
-                    return PublishFailure(FailureKind.BACKPRESSURE, "the Kafka producer's local queue is full")
+                    # the producer's, not a partition's: charge_partitions leaves it broker-wide
+                    return PublishFailure(FailureKind.BACKPRESSURE, "the Kafka producer's local queue is full", exc)
                 producer.poll(min(1.0, self.options.delivery_timeout_s))
             except Exception as exc:
                 from confluent_kafka import KafkaError, KafkaException  # imported here: only a refusal needs it
@@ -511,7 +546,7 @@ class KafkaPublisher(Publisher):
                 where = f" (event {message.id}, topic {topic!r})"
                 if exc.args and (exc.args[0].code() == KafkaError._FATAL or exc.args[0].fatal()):
                     return self._fatal(producer, where) or _failure(exc.args[0], where)
-                return _failure(exc.args[0], where)
+                return _failure(exc.args[0], where, message.topic)
         return None  # pragma: no cover
 
     def _fatal(self, producer: Any, where: str) -> PublishFailure | None:

@@ -110,7 +110,11 @@ def _fatal(relay: RelayContext, stop: Stopped) -> Settled:
     operator must act. One critical line per pause: the other chains of the task (or of
     tasks running beside it, in this process or, through the shared breaker, another) that
     meet the same error while the fatal pause is open log it at DEBUG. Before, every chain
-    of a backlog logged it (a line per aggregate of every publish in flight)."""
+    of a backlog logged it (a line per aggregate of every publish in flight). Of one route
+    (a Kafka topic missing or not permitted): that route pauses alone (docs/relay.md,
+    "Failure policy")."""
+    if stop.route is not None:
+        return _pause_route(relay, stop, stop.route, fatal=True)
     pause = relay.options.fatal_pause_s
     opened = relay.breaker.opens(pause, stop.error) if relay.breaker is not None else True
     (log.critical if opened else log.debug)(
@@ -131,9 +135,10 @@ def _release_rest(relay: RelayContext, stop: Stopped, pause: float, hold_rows: b
     return Settled(stop.rest)
 
 
-def _pause_route(relay: RelayContext, stop: Stopped, route: str) -> Settled:
-    """One route's queue refuses messages: pause that route only; claims and every other
-    route go on. The rows wait (released, no attempt spent) until the route's pause ends."""
+def _pause_route(relay: RelayContext, stop: Stopped, route: str, fatal: bool = False) -> Settled:
+    """One route's queue refuses messages (or, ``fatal``, the route fails until an operator
+    acts: an ERROR line per pause): pause that route only; claims and every other route go
+    on. The rows wait (released, no attempt spent) until the route's pause ends."""
     if route not in stop.refused:
         options = relay.options
         if relay.routes is not None:
@@ -141,10 +146,16 @@ def _pause_route(relay: RelayContext, stop: Stopped, route: str) -> Settled:
         else:
             pause, started = options.route_pause_s, True
         stop.refused[route] = pause
-        (log.warning if started else log.debug)(
-            "outbox route %r refuses messages, pausing it for %.1f s (other routes keep flowing; its rows "
-            "are released with no attempt spent): %s %s", route, pause, stop.reason, describe(stop.failing),
-            extra=log_extra(stop.failing, "route_backpressure"))
+        if fatal:
+            (log.error if started else log.debug)(
+                "outbox FATAL publishing error: %s. Route %r pauses for %.1f s and is tried again then (other "
+                "routes keep flowing; its rows are released with no attempt spent). %s", stop.reason, route,
+                pause, describe(stop.failing), extra=log_extra(stop.failing, "route_fatal"))
+        else:
+            (log.warning if started else log.debug)(
+                "outbox route %r refuses messages, pausing it for %.1f s (other routes keep flowing; its rows "
+                "are released with no attempt spent): %s %s", route, pause, stop.reason, describe(stop.failing),
+                extra=log_extra(stop.failing, "route_backpressure"))
     relay.settler.release(stop.rest, timedelta(seconds=stop.refused[route]))
     return Settled(stop.rest)
 
