@@ -593,6 +593,31 @@ def test_a_publish_waits_for_its_reports_no_later_than_the_deadline_it_is_given(
     assert result.failure is not None and result.failure.kind is FailureKind.BACKPRESSURE
 
 
+def test_a_full_local_queue_waits_for_room_no_later_than_the_publish_deadline() -> None:
+    """librdkafka refuses ``produce`` with ``BufferError`` when its local queue is full; the
+    publisher then serves delivery reports for a while and tries once more. That wait was 1 s
+    (or the delivery timeout) whatever the deadline, for each chain of the wave, so a publish
+    overran its deadline by a second or more per chain. Now it waits no later than the
+    deadline. A real producer whose broker hangs (a socket that listens and never answers:
+    nothing leaves the producer's queue of one message, and no event ends a wait early)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        pub = KafkaPublisher(f"kafka://127.0.0.1:{silent.getsockname()[1]}",
+                             options=KafkaOptions(auto_create_topics=True, delivery_timeout_s=30.0))
+        pub._config["queue.buffering.max.messages"] = 1
+        try:
+            began = time.monotonic()
+            results = pub.publish_chains([[event(i, "orders", aggregate=f"a{i}")] for i in range(1, 5)],
+                                         deadline=began + 0.3)
+            elapsed = time.monotonic() - began
+        finally:
+            pub._producer = None  # nothing to flush: its one message can never go
+    assert elapsed < 0.3 + 0.5, f"a publish with a deadline 0.3 s away took {elapsed:.2f} s"
+    full = [r.failure for r in results if r.failure is not None and "local queue is full" in r.failure.reason]
+    assert full and all(f.kind is FailureKind.BACKPRESSURE and f.route is None for f in full), results
+
+
 def test_headers_are_utf8_strings_and_json_for_other_values() -> None:
     assert kafka_headers({"a": "é", "n": 3, "b": True, "z": None}) == [
         ("a", "é".encode()), ("n", b"3"), ("b", b"true"), ("z", b"null")]

@@ -404,7 +404,7 @@ class KafkaPublisher(Publisher):
                            or self._missing_topic(topic, producer, deadline, "dead-letter topic",
                                                   "OUTBOX_DEAD_LETTER_EXCHANGE names it")
                            or self._produce(producer, message, topic, _key(message), value,
-                                            event_headers(message, extra), row, 0))
+                                            event_headers(message, extra), row, 0, deadline))
                 if refused is None:
                     self._await(producer, [row], deadline, f"within {self.wait_s:g} s")
                 return refused
@@ -457,7 +457,8 @@ class KafkaPublisher(Publisher):
                 else:
                     problem = (self._size_refusal(len(value))
                                or self._missing_topic(topic, producer, deadline, route=message.topic)
-                               or self._produce(producer, message, topic, key, value, event_headers(message), row, i))
+                               or self._produce(producer, message, topic, key, value, event_headers(message), row, i,
+                                                deadline))
             if problem is not None:
                 row[i] = problem
                 return len(chain)
@@ -515,9 +516,10 @@ class KafkaPublisher(Publisher):
         return topic in self._topics
 
     def _produce(self, producer: Any, message: OutboxMessage, topic: str, key: bytes, value: bytes,
-                 headers: list[tuple[str, bytes]], row: list[Any], i: int) -> PublishFailure | None:
+                 headers: list[tuple[str, bytes]], row: list[Any], i: int, deadline: float) -> PublishFailure | None:
         """Produce one event; its delivery report fills ``row[i]``. A refusal by the client
-        (too large, queue full after a short wait) is returned instead."""
+        (too large, queue full after a short wait, 1 s at most and never past ``deadline``, the
+        publish's end: docs/destinations.md, "Failures") is returned instead."""
         def delivered(error: Any, _msg: Any) -> None:
             row[i] = None if error is None else _failure(error, f" (topic {topic!r})", message.topic)
             if error is None:
@@ -536,7 +538,7 @@ class KafkaPublisher(Publisher):
                     row[i] = _NOT_SENT
                     # the producer's, not a partition's: charge_partitions leaves it broker-wide
                     return PublishFailure(FailureKind.BACKPRESSURE, "the Kafka producer's local queue is full", exc)
-                producer.poll(min(1.0, self.options.delivery_timeout_s))
+                producer.poll(max(0.0, min(1.0, self.options.delivery_timeout_s, deadline - time.monotonic())))
             except Exception as exc:
                 from confluent_kafka import KafkaError, KafkaException  # imported here: only a refusal needs it
 
