@@ -115,3 +115,57 @@ def test_the_django_apps_web_warning_stays_out_of_the_relays_own_worker(tmp_path
         PYTHONPATH=os.pathsep.join(filter(None, [str(example), os.environ.get("PYTHONPATH")])))
     assert "this worker runs the schedule itself" in log, log
     assert "outbox (Django)" not in log, log
+
+
+PROJECT_CELERY = """
+import json, sys
+from celery import Celery, current_app, shared_task
+project = Celery("proj", broker="memory://")  # the project's own app (proj/celery.py), made current
+
+@shared_task(name="proj.send_email")
+def send_email(to):
+    return to
+
+import django
+django.setup()                                # the Django app's ready()
+from flask import Flask
+from outbox.contrib.flask import Outbox
+Outbox(Flask("shop"), session=lambda: None)   # the Flask extension's init_app
+import outbox.wake
+outbox.wake.request_claim()                   # a first wake after commit
+assert outbox.wake.flush(10)
+send_email.delay("ada@example.com")
+with project.connection_for_read() as conn:           # the project's workers' queue, on its broker
+    queue = conn.SimpleQueue("celery")
+    task = queue.get(timeout=5).headers["task"] if queue.qsize() else None
+print(json.dumps({"current": current_app.main, "bound": send_email.app.main, "task": task}))
+"""
+
+
+def test_the_projects_own_celery_app_stays_current_and_its_tasks_go_to_its_broker(tmp_path: Path) -> None:
+    """Found in review: the relay's Celery app was made the process's current app when it was
+    first imported (Celery's default), which the Django app's ready(), the Flask extension and
+    the first wake do in a web process: from then on the project's own ``shared_task``s were
+    sent with the relay's configuration, to the relay's broker and its claim queue, where no
+    worker of the project's reads them."""
+    import json
+
+    import redis
+    from services import REDIS_URL
+    from wake_support import drop_redis_keys, redis_prefix
+
+    prefix = redis_prefix(tmp_path)  # the relay's broker: keys of this test's own (wakeconf.py)
+    env = {"DJANGO_SETTINGS_MODULE": "shop.settings", "DATABASE_URL": f"sqlite:///{tmp_path / 'shop.db'}",
+           "OUTBOX_CELERY_BROKER_URL": REDIS_URL, "CELERY_CONFIG_MODULE": "wakeconf",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), str(ROOT / "examples" / "django"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    try:
+        ran = start(PROJECT_CELERY + "print('started')\n", tmp_path, **env)
+        said = json.loads(ran.stdout.splitlines()[0])
+        assert said == {"current": "proj", "bound": "proj", "task": "proj.send_email"}, ran.stdout + ran.stderr
+        client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        sent_there = [key for key in client.scan_iter(match=f"{prefix}*") if client.type(key) == b"list"
+                      and any(b"proj.send_email" in m for m in client.lrange(key, 0, -1))]
+        assert sent_there == [], sent_there
+    finally:
+        drop_redis_keys(prefix)

@@ -144,7 +144,10 @@ class AMQP(CeleryAMQP):
     BrokerConnection = Connection
 
 
-app = Celery("outbox", include=["outbox.celery.tasks"], amqp=AMQP)
+# Never the process's current app: a web process imports this one to wake the relay, and the
+# project's own ``shared_task``s would then go to the relay's broker (docs/relay.md, "Running
+# worker and beat"). ``celery -A outbox worker|beat`` makes it current itself.
+app = Celery("outbox", include=["outbox.celery.tasks"], amqp=AMQP, set_as_current=False)
 
 # The one configuration reader (``outbox.core.config``) reads this app's OUTBOX_* config keys.
 use_conf(lambda: app.conf)
