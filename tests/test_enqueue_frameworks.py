@@ -104,6 +104,55 @@ def test_anything_else_is_refused_with_a_clear_error() -> None:
         enqueue(object(), topic="t", aggregate_type="o", aggregate_id="1", payload={})
 
 
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_an_async_connection_is_refused_naming_what_to_pass(store: OutboxStore, url: str) -> None:
+    """Found in review: psycopg 3's AsyncConnection passed for a PostgreSQL connection (its
+    module is psycopg's), and SQLAlchemy's AsyncSession for a Session: enqueue called methods
+    that return coroutines, never awaited, wrote nothing and failed with "TypeError:
+    'coroutine' object is not subscriptable". Each is refused before it is used, with what to
+    do instead; so is ``run_sync``'s Session, whose driver is the asyncio one (it was refused
+    as "not a DB-API connection")."""
+    import asyncio
+    import gc
+    import warnings
+
+    import psycopg
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    table = store.engine.table_name
+    refused: list[str] = []
+
+    def attempt(conn: Any) -> None:
+        with pytest.raises(UnsupportedConnection) as caught:
+            enqueue(conn, topic="t", aggregate_type="o", aggregate_id="1", payload={}, table=table)
+        refused.append(str(caught.value))
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(url) as conn:
+            attempt(conn)
+        engine = create_async_engine(sqlalchemy_url(url))
+        try:
+            async with AsyncSession(engine) as session:
+                attempt(session)
+            async with engine.connect() as connection:
+                attempt(connection)
+            async with AsyncSession(engine) as session:  # its sync Session runs on the asyncio driver
+                await session.run_sync(attempt)
+        finally:
+            await engine.dispose()
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        asyncio.run(main())
+        gc.collect()
+    assert [str(w.message) for w in said if "never awaited" in str(w.message)] == []
+    assert len(refused) == 4
+    for message in refused:
+        assert "enqueue needs a synchronous connection" in message, message
+        assert "asyncio.to_thread" in message, message
+    assert store.claim(10).messages == []
+
+
 def test_validation_runs_before_the_connection_is_touched() -> None:
     class Exploding:
         def cursor(self) -> Any:

@@ -3,6 +3,7 @@ URL (the relay) and by connection object (``enqueue``)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ...core.checks import database_scheme
@@ -74,15 +75,29 @@ def _one_database(session: Any) -> None:
             "rows go to, session.connection(bind_arguments={'mapper': YourModel}), so the event commits with them")
 
 
+def _synchronous(conn: Any) -> None:
+    """An asyncio connection (psycopg's AsyncConnection, SQLAlchemy's AsyncSession and
+    AsyncConnection, any whose ``commit`` is a coroutine function) is refused: enqueue writes
+    synchronously, and its calls would only make coroutines, never awaited (README, "Write side")."""
+    if inspect.iscoroutinefunction(getattr(conn, "commit", None)):
+        raise UnsupportedConnection(
+            f"enqueue needs a synchronous connection; got the asyncio {type(conn).__module__}.{type(conn).__name__}, "
+            "whose calls return coroutines that enqueue cannot await. From async code, write the business rows "
+            "and the event in one transaction on a synchronous connection (psycopg.connect, a SQLAlchemy "
+            "create_engine Session) run in a thread: await asyncio.to_thread(your_function)")
+
+
 def unwrap_connection(conn: Any) -> tuple[str, Any]:
     """Return (engine kind, DB-API connection) for anything ``enqueue`` accepts:
     a DB-API connection, a Django connection, or a SQLAlchemy Connection/Session."""
+    _synchronous(conn)
     # SQLAlchemy Session -> its Connection in the current transaction.
     if type(conn).__module__.startswith("sqlalchemy") and hasattr(conn, "get_bind") and hasattr(conn, "connection"):
         _one_database(conn)
         conn = conn.connection()
     # SQLAlchemy Connection -> the pooled DB-API connection it runs on.
     if type(conn).__module__.startswith("sqlalchemy") and hasattr(conn, "connection"):
+        _synchronous(getattr(conn.connection, "driver_connection", None))  # an asyncio engine's (run_sync)
         # The insert bypasses conn.execute(), so SQLAlchemy would not know a transaction is
         # open: a later conn.commit() would do nothing and the pool's reset on close would
         # roll the event back. Begin as conn.execute() would (autobegin), so it does.
