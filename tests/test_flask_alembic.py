@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,22 @@ def test_alembic_upgrade_creates_the_stores_table(database: dict[str, str], tmp_
                            env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
                                 "OUTBOX_DATABASE_URL": url})
     assert "[ok  ] table" in check.stdout and "[ok  ] indexes" in check.stdout, check.stdout + check.stderr
+
+
+def test_flask_db_migrate_on_the_example_writes_no_step_for_the_outbox_tables(database: dict[str, str],
+                                                                             tmp_path: Path) -> None:
+    """``alembic revision --autogenerate`` (what ``flask db migrate`` runs) on the example
+    shop, its schema up to date: the revision has no step, where it once dropped the outbox
+    table, its indexes and its holders table (examples/flask/migrations/env.py's filter)."""
+    example = tmp_path / "shop"
+    shutil.copytree(EXAMPLE, example, ignore=shutil.ignore_patterns("__pycache__", "*.db"))
+    env = {"DATABASE_URL": sqlalchemy_url(database["DATABASE_URL"])}
+    alembic = [str(BIN / "alembic"), "-c", str(example / "alembic.ini")]
+    run([*alembic, "upgrade", "head"], env=env, cwd=tmp_path)
+    run([*alembic, "revision", "--autogenerate", "-m", "nothing"], env=env, cwd=tmp_path)
+    written = next(p for p in (example / "migrations" / "versions").glob("*.py") if "nothing" in p.name).read_text()
+    upgrade = written.split("def upgrade()", 1)[1].split("def downgrade()", 1)[0]
+    assert "op." not in upgrade, written
 
 
 def test_an_order_posted_to_the_flask_view_arrives_on_rabbitmq(tmp_path: Path) -> None:
@@ -178,3 +195,65 @@ def test_alembic_offline_sql_on_an_engine_that_cannot_says_so(tmp_path: Path) ->
     assert done.returncode != 0
     assert "offline mode (--sql) is not supported on sqlite" in done.stderr, done.stderr
     assert "DB-API connection" not in done.stderr, done.stderr
+
+
+def test_autogenerate_with_the_filter_leaves_the_outbox_tables_alone_and_still_sees_yours(
+        database: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: the outbox tables are not in the application's MetaData, so Alembic's
+    autogenerate (``flask db migrate``) wrote a revision dropping the outbox table, its
+    indexes and its holders table; applied, it deleted every undelivered event. With
+    ``outbox.contrib.alembic``'s ``include_name`` (or ``include_object``) in env.py it leaves
+    them out, whatever OUTBOX_TABLE names them, and a change to the application's own
+    tables still comes out."""
+    import sqlalchemy as sa
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from alembic.operations import Operations
+
+    from outbox.contrib import alembic as outbox_alembic
+    from outbox.core.config import reset_settings
+
+    monkeypatch.setenv("OUTBOX_TABLE", "shop_events")
+    reset_settings()
+    made, wanted = sa.MetaData(), sa.MetaData()
+    sa.Table("orders", made, sa.Column("id", sa.Integer, primary_key=True))
+    sa.Table("orders", wanted, sa.Column("id", sa.Integer, primary_key=True), sa.Column("note", sa.String(50)))
+    engine = sa.create_engine(sqlalchemy_url(database["DATABASE_URL"]))
+
+    def diff(**filters: Any) -> list[tuple[str, str]]:
+        with engine.connect() as conn:
+            found = compare_metadata(MigrationContext.configure(conn, opts=filters), wanted)
+        return sorted((step[0], step[1].name if hasattr(step[1], "name") else f"{step[2]}.{step[3].name}")
+                      for step in found)
+
+    try:
+        with engine.begin() as conn:
+            made.create_all(conn)
+            outbox_alembic.create_outbox_table(Operations(MigrationContext.configure(conn)))
+        unfiltered = diff()
+        assert {name for step, name in unfiltered if step == "remove_table"} == {"shop_events", "shop_events_holders"}
+        filters = getattr(outbox_alembic, "include_name", None), getattr(outbox_alembic, "include_object", None)
+        assert None not in filters, "outbox.contrib.alembic has no include_name / include_object"
+        assert diff(include_name=filters[0]) == [("add_column", "orders.note")]
+        assert diff(include_object=filters[1]) == [("add_column", "orders.note")]
+    finally:
+        engine.dispose()
+
+
+def test_the_filter_also_leaves_out_the_queue_tables_when_the_database_is_celerys_broker(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With the database as Celery's broker (docs/transport.md), its queue tables are the
+    relay's too, named as the workers name them (OUTBOX_TRANSPORT_QUEUE_TABLE here)."""
+    from outbox.contrib.alembic import include_name, relay_tables
+    from outbox.core.config import reset_settings
+
+    url = f"sqlite:///{tmp_path / 'shop.db'}"
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", url)
+    monkeypatch.setenv("OUTBOX_CELERY_BROKER_URL", f"outboxdb+{url}")
+    monkeypatch.setenv("OUTBOX_TRANSPORT_QUEUE_TABLE", "shop_queue")
+    reset_settings()
+    assert relay_tables() == {(None, "outbox"), (None, "outbox_holders"), (None, "shop_queue"),
+                              (None, "shop_queue_binding")}
+    assert not include_name("shop_queue_binding", "table", {"schema_name": None})
+    assert include_name("orders", "table", {"schema_name": None})
+    assert include_name("outbox", "table", {"schema_name": "archive"})  # another schema's, not the relay's

@@ -16,24 +16,13 @@ from __future__ import annotations
 import os
 
 from flask import Flask, jsonify, request
-from sqlalchemy import Integer, String, create_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, scoped_session, sessionmaker
+from models import Order
+from sqlalchemy import create_engine
+from sqlalchemy.orm import scoped_session, sessionmaker
 
 from outbox.contrib.flask import Outbox
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "sqlite:///shop.db")
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class Order(Base):
-    __tablename__ = "orders"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    customer: Mapped[str] = mapped_column(String(100))
-    total_cents: Mapped[int] = mapped_column(Integer)
-
 
 engine = create_engine(DATABASE_URL)
 Session = scoped_session(sessionmaker(bind=engine))

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
@@ -152,14 +151,11 @@ def migrate(native_json: bool) -> None:
     broker_url = get_settings().broker_url
     from .transport import is_transport_url, migrate_queue_tables
     if is_transport_url(broker_url):
-        from .core.sources import module_setting
-        from .transport.options import transport_options
-        # The worker's options: the relay's, then its Celery config module's, key by key
-        # (celery.application); read here without the app. Only the relay's were, so a
-        # queue_table or queue_schema set there was migrated under the default name, and a
-        # worker without DDL rights failed at start (found in review).
-        options = {**transport_options(visibility_timeout=1.0),
-                   **(module_setting(os.environ, "broker_transport_options") or {})}
+        from .transport.options import workers_transport_options
+        # The worker's options, its Celery config module's included. Only the relay's were
+        # read, so a queue_table or queue_schema set there was migrated under the default
+        # name, and a worker without DDL rights failed at start (found in review).
+        options = workers_transport_options()
         tables = migrate_queue_tables(broker_url, table=options.get("queue_table"),
                                       schema=options.get("queue_schema"))
         click.echo(f"migrated {tables.table} and {tables.bindings} (Celery's broker) on {tables.engine.name}")

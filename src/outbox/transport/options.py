@@ -20,4 +20,16 @@ def transport_options(*sources: Mapping[str, Any] | Sources, visibility_timeout:
     return {"visibility_timeout": visibility_timeout, "polling_interval": 1.0, **found.kombu()}
 
 
-__all__ = ["transport_options", "SCHEME"]
+def workers_transport_options() -> dict[str, Any]:
+    """The options a relay worker's database broker runs with, read without the Celery app:
+    the relay's, then its Celery config module's ``broker_transport_options``, key by key
+    (as ``outbox.celery.application`` merges them). ``outbox migrate`` makes the queue tables
+    they name; the Alembic filter (``outbox.contrib.alembic``) leaves them out."""
+    import os
+
+    from ..core.sources import module_setting
+
+    return {**transport_options(visibility_timeout=1.0), **(module_setting(os.environ, "broker_transport_options") or {})}
+
+
+__all__ = ["transport_options", "workers_transport_options", "SCHEME"]

@@ -59,6 +59,11 @@ class Waiter:
         raise NotImplementedError
 
 
+def binding_table_name(table: str) -> str:
+    """The bindings table of the queue table ``table``."""
+    return f"{table}_binding"
+
+
 class QueueTables:
     """SQL for the queue tables of one engine. Holds names, not connections: every
     method takes a cursor and leaves committing to the caller."""
@@ -72,7 +77,7 @@ class QueueTables:
         self.engine = engine
         self.table_name = table
         self.table = engine.qualify(table)
-        self.binding_name = f"{table}_binding"
+        self.binding_name = binding_table_name(table)
         self.bindings = engine.qualify(self.binding_name)
 
     @property
@@ -313,5 +318,5 @@ def to_rows(rows: Sequence[Sequence[Any]]) -> list[MessageRow]:
     return out
 
 
-__all__ = ["QueueTables", "Waiter", "MessageRow", "Binding", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "READY_INDEX",
+__all__ = ["QueueTables", "binding_table_name", "Waiter", "MessageRow", "Binding", "DEFAULT_QUEUE_TABLE", "MAX_NAME", "READY_INDEX",
            "RETIRED_RECEIVE_INDEX", "RECEIVE_ORDER", "to_rows"]
