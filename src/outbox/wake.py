@@ -21,9 +21,11 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from .core.config import dramatiq_settings, wake_options
+from .core.errors import UnsupportedConnection
 from .core.handoff import HandOff
 from .relay import waker as _waker
 from .relay.waker import Waker
+from .storage.engines import engine_class, unwrap_connection
 
 log = logging.getLogger("outbox.wake")
 
@@ -267,11 +269,13 @@ def transaction(conn: Any, *, wake: bool = True) -> Iterator[Any]:
             outbox.enqueue(conn, topic="orders.paid", aggregate_type="order", aggregate_id="42",
                            payload={"orderId": "42"})
 
-    On SQLite the transaction begins IMMEDIATE where this opens it (a sqlite3 connection
-    not in a transaction; Django 5.1+'s outermost block, unless ``transaction_mode`` is
-    set), so its reads are inside it and its first write cannot fail at once with "database
-    is locked" because a relay's heartbeat committed after them (docs/relay.md, "SQLite:
-    application transactions").
+    On a DB-API connection the block begins a transaction in autocommit mode too, and a
+    block inside another on the same connection is a savepoint that the outer block commits
+    (docs/waking-and-metrics.md, "outbox.transaction"). On SQLite the transaction begins
+    IMMEDIATE where this opens it (a sqlite3 connection not in a transaction; Django 5.1+'s
+    outermost block, unless ``transaction_mode`` is set), so its reads are inside it and its
+    first write cannot fail at once with "database is locked" because a relay's heartbeat
+    committed after them (docs/relay.md, "SQLite: application transactions").
     """
     if _is_django(conn):
         with atomic_on(conn):
@@ -279,15 +283,57 @@ def transaction(conn: Any, *, wake: bool = True) -> Iterator[Any]:
                 register_after_commit(conn)
             yield conn
         return
-    _begin_immediate_on_sqlite(conn)
+    if type(conn).__module__.startswith("sqlalchemy"):
+        with _sqlalchemy_transaction(conn):
+            yield conn
+    else:
+        with _dbapi_transaction(conn) as outermost:
+            yield conn
+        if not outermost:
+            return  # the outer block commits, then wakes
+    if wake:
+        _call_request_claim()
+
+
+#: How deep the ``transaction`` blocks open on each DB-API connection (by ``id``) are: a
+#: block inside another is a savepoint (docs/waking-and-metrics.md, "outbox.transaction").
+_open_blocks: dict[int, int] = {}
+
+
+@contextmanager
+def _dbapi_transaction(conn: Any) -> Iterator[bool]:
+    """``transaction``'s block on a DB-API connection, the engine's way: its own transaction,
+    begun in autocommit mode too, or a savepoint inside an outer block. Yields whether the
+    block is the outermost (the one that commits)."""
+    kind, raw = unwrap_connection(conn)
+    engine = engine_class(kind)()
+    key = id(raw)
+    depth = _open_blocks.get(key, 0)
+    if depth == 0 and engine.in_callers_transaction(raw):
+        raise UnsupportedConnection(
+            "outbox.transaction(conn): a transaction it did not begin is open on this autocommit connection "
+            "(your BEGIN); it can neither end it nor know when it commits: enqueue in it and call "
+            "outbox.wake.request_claim() after your commit, or let outbox.transaction begin it")
+    _open_blocks[key] = depth + 1
     try:
-        yield conn
+        with engine.savepoint(raw, f"outbox_block_{depth}") if depth else engine.own_transaction(raw):
+            yield depth == 0
+    finally:
+        if depth:
+            _open_blocks[key] = depth
+        else:
+            del _open_blocks[key]
+
+
+@contextmanager
+def _sqlalchemy_transaction(conn: Any) -> Iterator[None]:
+    """A SQLAlchemy Connection or Session: committed when the block ends, rolled back when it raises."""
+    try:
+        yield
     except BaseException:
         conn.rollback()
         raise
     conn.commit()
-    if wake:
-        _call_request_claim()
 
 
 @contextmanager
@@ -316,19 +362,6 @@ def _django_sqlite_deferred(conn: Any) -> bool:
         return False
     conn.ensure_connection()  # connecting reads transaction_mode from OPTIONS
     return hasattr(conn, "transaction_mode") and conn.transaction_mode is None
-
-
-def _begin_immediate_on_sqlite(conn: Any) -> None:
-    """BEGIN IMMEDIATE on a sqlite3 connection not yet in a transaction, whose ``commit()``
-    commits it: not Python 3.12's ``autocommit=True`` (its commit does nothing), nor
-    ``autocommit=False`` (a transaction is always open)."""
-    import sqlite3
-
-    if not isinstance(conn, sqlite3.Connection) or conn.in_transaction:
-        return
-    if getattr(conn, "autocommit", -1) != getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1):
-        return
-    conn.execute("BEGIN IMMEDIATE")
 
 
 def _reset_for_tests() -> None:

@@ -354,6 +354,65 @@ class Engine(ABC):
     def begin(self, cursor: Any) -> None:  # noqa: B027 - a hook: most drivers open the transaction themselves
         """Start a write transaction (drivers that open one implicitly need nothing)."""
 
+    # -- outbox.transaction on the caller's connection (docs/waking-and-metrics.md, "outbox.transaction")
+    def in_callers_transaction(self, conn: Any) -> bool:
+        """Is the caller's own transaction open on ``conn``, a connection in autocommit mode
+        (its BEGIN)? ``outbox.transaction`` cannot end it. False where the driver cannot
+        tell (pyodbc, mssql-python)."""
+        return False
+
+    @contextmanager
+    def own_transaction(self, conn: Any) -> Iterator[None]:
+        """The outermost ``outbox.transaction`` block's transaction on the caller's DB-API
+        connection: begun even in autocommit mode (``begun``), committed when the block
+        ends, rolled back when it raises. A transaction the driver opened by itself
+        (autocommit off, a statement ran before the block) is the one the block ends, as the
+        driver's own ``commit()`` would."""
+        with self.begun(conn):
+            try:
+                yield
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
+
+    @contextmanager
+    def begun(self, conn: Any) -> Iterator[None]:
+        """A transaction open on ``conn`` for ``own_transaction``'s block. Here (pyodbc,
+        mssql-python): autocommit, a client-side switch, is off for the block, then on again;
+        with it off the driver begins the transaction itself."""
+        if not self.commits_each_statement(conn):
+            yield
+            return
+        conn.autocommit = False
+        try:
+            yield
+        finally:
+            try:
+                conn.autocommit = True
+            except Exception:  # a broken connection: the caller's to drop
+                log.debug("outbox: cannot restore autocommit on", exc_info=True)
+
+    @contextmanager
+    def savepoint(self, conn: Any, name: str) -> Iterator[None]:
+        """An ``outbox.transaction`` block nested in another on ``conn``: rolled back alone
+        when it raises, committed with the outer block."""
+        self._run(conn, f"SAVEPOINT {name}")
+        try:
+            yield
+        except BaseException:
+            self._run(conn, f"ROLLBACK TO SAVEPOINT {name}")
+            self._run(conn, f"RELEASE SAVEPOINT {name}")
+            raise
+        self._run(conn, f"RELEASE SAVEPOINT {name}")
+
+    def _run(self, conn: Any, statement: str) -> None:
+        cursor = self.cursor_for(conn)
+        try:
+            self.execute(cursor, statement)
+        finally:
+            cursor.close()
+
     @abstractmethod
     def is_transient(self, exc: BaseException) -> bool:
         """Deadlock victim, lock timeout, serialization failure, dropped connection."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -199,6 +200,20 @@ class MysqlEngine(Engine):
             return bool(conn.get_autocommit())
         # PyMySQL's mode, unless the caller's own BEGIN is open (the server's IN_TRANS flag).
         return getattr(conn, "autocommit_mode", False) is True and not getattr(conn, "server_status", 0) & 1
+
+    def in_callers_transaction(self, conn: Any) -> bool:
+        # PyMySQL: the server's IN_TRANS flag on an autocommit connection. mysqlclient does
+        # not show it (commits_each_statement): not told there.
+        return (not _is_mysqldb(conn) and getattr(conn, "autocommit_mode", False) is True
+                and bool(getattr(conn, "server_status", 0) & 1))
+
+    @contextmanager
+    def begun(self, conn: Any) -> Iterator[None]:
+        """START TRANSACTION on an autocommit connection; COMMIT and ROLLBACK end it as they
+        end the driver's own (both drivers send them whatever the mode)."""
+        if self.commits_each_statement(conn):
+            self._run(conn, "START TRANSACTION")
+        yield
 
     def _code(self, exc: BaseException) -> int | None:
         args = getattr(exc, "args", ())

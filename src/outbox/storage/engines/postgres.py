@@ -121,6 +121,30 @@ class PostgresEngine(Engine):
 
         return bool(conn.autocommit) and conn.info.transaction_status == TransactionStatus.IDLE
 
+    def in_callers_transaction(self, conn: Any) -> bool:
+        from psycopg.pq import TransactionStatus
+
+        return bool(conn.autocommit) and conn.info.transaction_status != TransactionStatus.IDLE
+
+    @contextmanager
+    def own_transaction(self, conn: Any) -> Iterator[None]:
+        """psycopg's own ``conn.transaction()`` where no transaction is open: it issues the
+        BEGIN in autocommit mode too. One the driver opened (autocommit off) is ended as
+        ``Engine.own_transaction`` says."""
+        from psycopg.pq import TransactionStatus
+
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            with super().own_transaction(conn):
+                yield
+            return
+        with conn.transaction():
+            yield
+
+    @contextmanager
+    def savepoint(self, conn: Any, name: str) -> Iterator[None]:
+        with conn.transaction(savepoint_name=name):
+            yield
+
     supports_notify: ClassVar[bool] = True
 
     def notify(self, cursor: Any, channel: str) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from ...core.model import NewEvent
@@ -122,6 +123,28 @@ class SqliteEngine(Engine):
         if not cursor.connection.in_transaction:
             cursor.execute("BEGIN IMMEDIATE")
 
+    def in_callers_transaction(self, conn: Any) -> bool:
+        # No implicit BEGIN (isolation_level None, Python 3.12's autocommit=True): an open
+        # transaction is the caller's own BEGIN.
+        return conn.in_transaction and (conn.isolation_level is None or _explicit_only(conn))
+
+    @contextmanager
+    def own_transaction(self, conn: Any) -> Iterator[None]:
+        """Begun IMMEDIATE where this opens it, so the block's reads are inside it and its first
+        write cannot fail at once with "database is locked" because a relay's heartbeat
+        committed after them (docs/relay.md, "SQLite: application transactions"). Python
+        3.12's ``autocommit=True``: ``commit()`` and ``rollback()`` do nothing, so COMMIT and
+        ROLLBACK are statements; with ``autocommit=False`` a transaction is always open."""
+        explicit = _explicit_only(conn)
+        if not conn.in_transaction and (explicit or _legacy(conn)):
+            conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            _end(conn, "ROLLBACK", explicit)
+            raise
+        _end(conn, "COMMIT", explicit)
+
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, sqlite3.OperationalError) and (
             "locked" in str(exc) or "busy" in str(exc))
@@ -195,3 +218,23 @@ class SqliteEngine(Engine):
             return int(cursor.lastrowid)
         cursor.execute(f"SELECT id FROM {self.table} WHERE message_id = ?", (event.message_id,))
         return int(cursor.fetchone()[0])
+
+
+def _legacy(conn: Any) -> bool:
+    """The sqlite3 module's own transaction control (``isolation_level``): before Python
+    3.12 always, since then unless the connection's ``autocommit`` is True or False."""
+    return getattr(conn, "autocommit", -1) == getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1)
+
+
+def _explicit_only(conn: Any) -> bool:
+    """Python 3.12's ``autocommit=True``: no implicit BEGIN, and ``commit()`` does nothing."""
+    return getattr(conn, "autocommit", None) is True
+
+
+def _end(conn: Any, statement: str, explicit: bool) -> None:
+    if explicit:
+        conn.execute(statement)
+    elif statement == "COMMIT":
+        conn.commit()
+    else:
+        conn.rollback()

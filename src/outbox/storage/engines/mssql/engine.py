@@ -107,6 +107,16 @@ class MssqlEngine(MssqlStatements):
         with self.autocommit(conn):
             yield
 
+    @contextmanager
+    def savepoint(self, conn: Any, name: str) -> Iterator[None]:
+        # T-SQL's savepoints: SAVE TRANSACTION, ROLLBACK TRANSACTION <name>, nothing to release.
+        self._run(conn, f"SAVE TRANSACTION {name}")
+        try:
+            yield
+        except BaseException:
+            self._run(conn, f"ROLLBACK TRANSACTION {name}")
+            raise
+
     def read_server(self, cursor: Any) -> None:
         """Probe the connection ``cursor`` runs on (one the engine did not open: a Django
         or Alembic migration, the Django admin) for what the SQL built next may use:
