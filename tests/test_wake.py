@@ -17,6 +17,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -858,3 +859,58 @@ def test_a_requested_claim_names_the_writers_token_which_a_worker_on_another_url
         assert gate.acquire()  # cleared: the next commit's wake-up goes out
     finally:
         gate.clear()
+
+
+FORK_SCRIPT = r"""
+import json, os, socket
+import outbox.wake as w
+from outbox.celery import app
+from outbox.core.config import relay_settings
+
+# The local port of every socket a process sends on, by process: installed before anything connects.
+sent_from = set()
+plain_sendall = socket.socket.sendall
+def sendall(self, *args, **kwargs):
+    sent_from.add(self.getsockname()[1])
+    return plain_sendall(self, *args, **kwargs)
+socket.socket.sendall = sendall
+
+def wake():
+    sent_from.clear()
+    return w.request_claim() and w.flush(10), sorted(sent_from)
+
+parent = wake()  # the master wakes the relay once before its workers fork (gunicorn --preload)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(write, json.dumps(wake()).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+child = json.loads(os.read(read, 10000))
+w._waker_made.throttle.window_s = 0  # the parent's next wake goes out now
+again = wake()  # the parent's connection still serves it
+queue = relay_settings().queues.claim
+with app.connection_for_write() as conn:
+    queued = conn.default_channel.queue_declare(queue, passive=True).message_count
+    conn.default_channel.queue_delete(queue)
+print(json.dumps({"parent": parent, "child": child, "again": again, "queued": queued}))
+"""
+
+
+def test_a_forked_child_wakes_on_a_connection_of_its_own(tmp_path: Path) -> None:
+    """Found in review: after a plain ``os.fork`` (gunicorn ``--preload``, uwsgi without
+    lazy-apps) the child sent its wakes on the parent's RabbitMQ connection: the same
+    socket in two processes, whose frames could interleave. Celery drops its pools only
+    in ``multiprocessing``'s after-fork hook, which a plain fork does not run; the wake's
+    own at-fork hook now drops them too."""
+    from services import AMQP_URL
+
+    require("RabbitMQ", "127.0.0.1", 5672)
+    out = run_python(FORK_SCRIPT, tmp_path, OUTBOX_CELERY_BROKER_URL=AMQP_URL,
+                     OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
+                     OUTBOX_TABLE=f"fork_{uuid.uuid4().hex[:8]}")
+    (parent_sent, parent_ports), (child_sent, child_ports) = out["parent"], out["child"]
+    assert parent_sent and child_sent and parent_ports and child_ports
+    assert not set(child_ports) & set(parent_ports)  # a socket of its own
+    assert out["again"] == [True, parent_ports]  # the parent's own, untouched by the child
+    assert out["queued"] == 3  # and every wake reached the claim queue

@@ -108,6 +108,17 @@ _handoff = HandOff(lambda: wake_now(), "outbox-wake")
 def _forget_after_fork() -> None:
     global _waker_made, _waker_lock
     _waker_made, _waker_lock = None, threading.Lock()  # a lock held in the parent at fork stays held
+    # The Celery app's pools, and kombu's global ones under them, hold the parent's broker
+    # sockets; both are dropped (never closed: that would shut the parent's) as Celery and kombu
+    # do in multiprocessing's after-fork hook, which a plain os.fork does not run
+    # (docs/waking-and-metrics.md, "After a fork").
+    application = sys.modules.get("outbox.celery.application")
+    if application is not None:
+        from kombu import pools
+
+        application.app._after_fork()
+        pools.connections.clear()
+        pools.producers.clear()
 
 
 if hasattr(os, "register_at_fork"):
