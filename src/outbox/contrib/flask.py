@@ -33,6 +33,7 @@ from typing import Any
 
 from .. import wake as _wake
 from ..enqueue import enqueue as _enqueue
+from .databases import sqlalchemy_database
 
 log = logging.getLogger("outbox.flask")
 
@@ -72,6 +73,8 @@ def enqueue(conn: Any, *, wake: bool = True, **event: Any) -> int:
     """``outbox.enqueue(conn, **event)``, then a wake-up after commit (see
     ``wake_after_commit``)."""
     outbox_id = _enqueue(conn, **event)
+    if _is_sqlalchemy(conn):
+        sqlalchemy_database(conn)  # a bind other than the relay's database: said once
     if wake and not wake_after_commit(conn):
         log.debug("outbox: no commit hook for %s outside a request; call outbox.wake.request_claim() after "
                   "commit", type(conn).__name__)

@@ -30,6 +30,7 @@ from typing import Any
 
 from ... import wake as _wake
 from ...enqueue import enqueue as _enqueue
+from ..databases import django_database
 
 
 def enqueue(*, using: str | None = None, wake: bool = True, **event: Any) -> int:
@@ -38,8 +39,10 @@ def enqueue(*, using: str | None = None, wake: bool = True, **event: Any) -> int
     aggregate_id, payload, headers, key, message_id, table, schema)."""
     from django.db import DEFAULT_DB_ALIAS, connections
 
-    conn = connections[using or DEFAULT_DB_ALIAS]
+    alias = using or DEFAULT_DB_ALIAS
+    conn = connections[alias]
     outbox_id = _enqueue(conn, **event)
+    django_database(alias, conn)  # a database other than the relay's: said once (docs/django.md, "Several databases")
     if wake:
         _wake.register_after_commit(conn)
     return outbox_id
