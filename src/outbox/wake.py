@@ -116,7 +116,9 @@ def _forget_after_fork() -> None:
     if application is not None:
         from kombu import pools
 
-        application.app._after_fork()
+        after_fork = getattr(application.app, "_after_fork", None)  # Celery's own hook (private: maybe gone)
+        if after_fork is not None:
+            after_fork()
         pools.connections.clear()
         pools.producers.clear()
 
