@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta, tzinfo
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, invoke, mixed_rows, seed, table_ids, table_rows
 
+import outbox.pipeline.archive as archive_module
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
 from outbox.pipeline.common import ARCHIVE_SCHEMA_DDL, PipelineError, local_path
 from outbox.pipeline.stage import ArrowWriter, ArrowWritten, SparkWritten, file_runs
@@ -449,14 +450,26 @@ def test_a_run_whose_verify_fails_commits_and_deletes_nothing(spark: Any, store:
     assert not list((root / "_staging").glob("*"))
 
 
+class HostClockBehind(datetime):
+    """The driver host's clock an hour behind (a cron job moved to another host, a VM's
+    clock stepped back, a cluster-mode driver on any node)."""
+
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
+        return datetime.now(tz) - timedelta(hours=1)
+
+
 def _cli_env(store: OutboxStore, url: str, **extra: str) -> dict[str, str]:
     return {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name, **extra}
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
-def test_requeued_dead_row_is_not_deleted(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+def test_requeued_dead_row_is_not_deleted(spark: Any, store: OutboxStore, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A dead row archived, then requeued before the delete: the live row stays; once
-    delivered it is archived again, and the archive's readers give its later copy."""
+    delivered it is archived again, and the archive's readers give its later copy, also
+    when the second run's host clock is behind the first's (its run id, from that clock,
+    then sorts first: the readers took the dead copy, found in review)."""
     rows = [Row("orders.created", "a", status=4, attempts=2, last_error="boom"),
             Row("orders.created", "b", status=2)]
     dead_id, done_id = seed(store, rows)
@@ -475,6 +488,7 @@ def test_requeued_dead_row_is_not_deleted(spark: Any, store: OutboxStore, tmp_pa
     with store.transaction() as c:
         store.engine.execute(c, f"UPDATE {store.engine.table} SET status = 2, processed_at = "
                              f"{store.engine.now_plus_ms()} WHERE id = ?", [-8 * DAY_MS, dead_id])
+    monkeypatch.setattr(archive_module, "datetime", HostClockBehind)
     again = Archiver(spark, store, str(tmp_path / "a")).run(timedelta(days=7))
     assert (again.archived, again.deleted) == (1, 1) and table_ids(store) == set()
     assert len(plain_parquet_ids(spark, tmp_path / "a")) == 3

@@ -15,6 +15,7 @@ import pytest
 import sqlglot
 from sqlglot import exp
 
+from outbox.pipeline.archive import run_order
 from outbox.pipeline.common import (
     PipelineError,
     archive_uri,
@@ -212,6 +213,16 @@ def test_archive_locations(tmp_path: Path) -> None:
     assert local_path(archive_uri(str(spaced))) == spaced
     with pytest.raises(PipelineError):
         archive_uri("  ")
+
+
+def test_runs_are_ordered_by_their_database_cutoff_and_the_host_clock_only_breaks_ties() -> None:
+    """Which copy of a row archived twice is the newest: its run's place by the cut-off
+    (the database's clock), not by the run id (the driver host's clock, an hour behind here)."""
+    manifests = [{"run_id": "20260101T120000000000Z-aaaa", "cutoff": "2025-12-25T12:00:00+00:00"},
+                 {"run_id": "20260101T110000000000Z-bbbb", "cutoff": "2025-12-25T13:00:00"},  # naive: UTC
+                 {"run_id": "20260101T100000000000Z-cccc", "cutoff": "2025-12-25T13:00:00+00:00"}]
+    assert run_order(manifests) == {"20260101T120000000000Z-aaaa": 0, "20260101T100000000000Z-cccc": 1,
+                                    "20260101T110000000000Z-bbbb": 2}
 
 
 def test_replay_ids_are_deterministic_and_short() -> None:

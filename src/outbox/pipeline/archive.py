@@ -606,7 +606,7 @@ def read_archive(spark: Any, location: str) -> Any:
     """The archive as a DataFrame: committed runs only (files still in staging
     included when a run committed but was not published yet), one row per outbox id
     (when a row was archived twice, e.g. dead, requeued and archived again when done,
-    the later run wins)."""
+    the later copy wins: the later ``processed_at``, then the later run by ``run_order``)."""
     return archive_frame(spark, location)[0]
 
 
@@ -660,5 +660,19 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
                             "an outbox whose ids started again): its readers tell rows apart by id and would drop "
                             "one; move each outbox's runs (their _manifest/<run>.json and files) to an archive of "
                             "its own")
-    latest = Window.partitionBy("id").orderBy(F.col("archive_run").desc())
-    return frame.withColumn("_n", F.row_number().over(latest)).where("_n = 1").drop("_n"), True
+    # The newest copy by the database's clock, never the driver host's (docs/pipeline.md, "Guarantees").
+    order = spark.createDataFrame(list(run_order(manifests).items()), "archive_run STRING, _run_order INT")
+    latest = Window.partitionBy("id").orderBy(F.col("processed_at").desc_nulls_last(),
+                                              F.col("_run_order").desc_nulls_last(), F.col("archive_run").desc())
+    return (frame.join(F.broadcast(order), "archive_run", "left").withColumn("_n", F.row_number().over(latest))
+            .where("_n = 1").drop("_n", "_run_order").select(*frame.columns)), True
+
+
+def run_order(manifests: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Each committed run's place in time, 0 the oldest: by its cut-off (the database's
+    clock), the run id (the driver host's clock) breaking ties only. A run id alone put a
+    run whose host clock was behind before an earlier one (found in review)."""
+    def key(manifest: dict[str, Any]) -> tuple[datetime, str]:
+        cutoff = datetime.fromisoformat(manifest["cutoff"])
+        return (cutoff if cutoff.tzinfo else cutoff.replace(tzinfo=UTC)), manifest["run_id"]
+    return {m["run_id"]: n for n, m in enumerate(sorted(manifests, key=key))}
