@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -363,6 +364,41 @@ def test_pipeline_sql_parses_as_tsql() -> None:
 def test_master_urls(master: str) -> None:
     from outbox.pipeline.session import check_master
     assert check_master(master) == master
+
+
+@pytest.mark.parametrize(("master", "given", "under_spark_submit", "want", "warned"), [
+    ("local[2]", None, False, sys.executable, False),
+    (None, None, False, sys.executable, False),            # the default, local[*]
+    ("spark://10.0.0.1:7077", None, False, None, True),    # the driver's venv path may not exist on the workers
+    ("yarn", None, False, None, True),
+    ("spark://10.0.0.1:7077", "/opt/job/bin/python", False, "/opt/job/bin/python", False),
+    (None, None, True, None, False),                       # spark-submit's own setting (spark.pyspark.python)
+])
+def test_only_a_local_master_runs_the_drivers_interpreter_in_the_executors(
+        master: str | None, given: str | None, under_spark_submit: bool, want: str | None, warned: bool,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """PySpark starts the executors' Python workers with PYSPARK_PYTHON as the session starts.
+    It was set to this interpreter for every master, so ``--master spark://...`` sent the
+    driver's venv path to workers where it may not exist (found in review)."""
+    pytest.importorskip("pyspark")
+    from unittest.mock import MagicMock
+
+    from pyspark.sql import SparkSession
+
+    from outbox.pipeline.session import spark_session
+    for name, value in (("PYSPARK_PYTHON", given), ("PYSPARK_GATEWAY_PORT", "1" if under_spark_submit else None),
+                        ("SPARK_LOCAL_IP", None)):
+        monkeypatch.setenv(name, "x")  # restored after the test, whatever the session sets
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: None))
+    monkeypatch.setattr(SparkSession.Builder, "getOrCreate", lambda self: MagicMock())  # no JVM
+    with caplog.at_level("WARNING", logger="outbox.pipeline"):
+        spark_session(master)
+    assert os.environ.get("PYSPARK_PYTHON") == want
+    assert any("PYSPARK_PYTHON" in r.getMessage() for r in caplog.records) == warned
 
 
 @pytest.mark.parametrize("master", ["bogus://x", "local[", "spark", ""])

@@ -10,6 +10,7 @@ inference (a topic called ``2024`` stays a string), and few shuffle partitions
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any
@@ -18,6 +19,8 @@ from ..core.checks import valid_spark_master
 from ..core.config import pipeline_options
 from ..core.errors import install_hint
 from .common import PipelineError
+
+log = logging.getLogger("outbox.pipeline.session")
 
 #: Options the jobs rely on, applied to new and existing sessions alike.
 JOB_CONF = {
@@ -57,10 +60,9 @@ def spark_session(master: str | None = None, app_name: str = "outbox-pipeline") 
         if master is not None:
             check_master(master)
         if master is None or master.startswith("local"):
-            # A local run binds to loopback (no reverse DNS of the host name) and its
-            # Python workers run this interpreter, where the package is installed.
+            # A local run binds to loopback (no reverse DNS of the host name).
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        executor_python(master)
         builder = SparkSession.builder.appName(app_name)
         if master:
             builder = builder.master(master)
@@ -78,6 +80,24 @@ def spark_session(master: str | None = None, app_name: str = "outbox-pipeline") 
         active.conf.set(key, value)
     register_source(active)
     return active
+
+
+def executor_python(master: str | None) -> None:
+    """Set which Python the executors start (PySpark reads ``PYSPARK_PYTHON`` as the session
+    starts): on a local master this interpreter, where the package is installed; on any other,
+    and under ``spark-submit``, what the user and Spark set, with a warning when nothing is set
+    for a ``--master`` given (docs/pipeline.md, "Running on a cluster")."""
+    if "PYSPARK_PYTHON" in os.environ:
+        return
+    if master is None:  # local[*], unless spark-submit (which sets the gateway's port) chose the master
+        if "PYSPARK_GATEWAY_PORT" not in os.environ:
+            os.environ["PYSPARK_PYTHON"] = sys.executable
+    elif master.startswith("local"):
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+    else:
+        log.warning("outbox: PYSPARK_PYTHON is not set, so the executors on %s start Spark's default Python "
+                    "(python3); set PYSPARK_PYTHON to the workers' interpreter that has the package installed "
+                    "(docs/pipeline.md, \"Running on a cluster\")", master)
 
 
 def register_source(spark: Any) -> None:
