@@ -741,6 +741,14 @@ def test_a_second_outbox_archived_into_the_same_archive_is_refused_before_stagin
             store.close()
 
 
+def respelled(url: str) -> str:
+    """Another spelling of a PostgreSQL URL on 127.0.0.1 or localhost: the other host name, the port toggled."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(
+        parts.hostname or "", "localhost" if parts.hostname == "127.0.0.1" else "127.0.0.1") +
+        ("" if parts.port else ":5432")))
+
+
 @pytest.mark.parametrize("kind", ["postgresql"])
 def test_the_same_outbox_under_another_spelling_of_its_url_archives_on(spark: Any, store: OutboxStore,
                                                                         tmp_path: Path) -> None:
@@ -750,17 +758,35 @@ def test_the_same_outbox_under_another_spelling_of_its_url_archives_on(spark: An
     root = tmp_path / "archive"
     seed(store, [Row("t.created", "x", age_ms=9 * DAY_MS)])
     assert Archiver(spark, store, str(root)).run(timedelta(days=7)).archived == 1
-    parts = urlsplit(store.url)
-    respelled = urlunsplit(parts._replace(netloc=parts.netloc.replace(
-        parts.hostname or "", "localhost" if parts.hostname == "127.0.0.1" else "127.0.0.1") +
-        ("" if parts.port else ":5432")))
-    again = OutboxStore(respelled, table=store.engine.table_name, schema=store.engine.schema)
+    again = OutboxStore(respelled(store.url), table=store.engine.table_name, schema=store.engine.schema)
     try:
         seed(again, [Row("t.created", "y", age_ms=9 * DAY_MS)])
         assert Archiver(spark, again, str(root)).run(timedelta(days=7)).archived == 1
     finally:
         again.close()
     assert len(archived_ids(spark, root)) == 2
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_an_unfinished_run_is_finished_under_another_spelling_of_its_databases_url(
+        spark: Any, store: OutboxStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run killed after its commit, the next run reaching the same database as localhost
+    instead of 127.0.0.1: it was refused as another database's, and so was every later run
+    (found in review). The rows its delete would remove are the run's own (the same message
+    ids), so it is finished, with a warning naming both URLs."""
+    root = tmp_path / "archive"
+    ids = seed(store, [Row("t.created", f"x{i}", age_ms=9 * DAY_MS) for i in range(3)])
+    with pytest.raises(Crash):
+        Archiver(spark, store, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+    again = OutboxStore(respelled(store.url), table=store.engine.table_name, schema=store.engine.schema)
+    try:
+        with caplog.at_level("WARNING", logger="outbox.pipeline.archive"):
+            result = Archiver(spark, again, str(root)).run(timedelta(days=7))
+    finally:
+        again.close()
+    assert len(result.recovered) == 1 and table_ids(store) == set()
+    assert sorted(archived_ids(spark, root)) == ids
+    assert any("recorded under" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_an_outbox_whose_ids_started_again_is_refused_before_staging(spark: Any, tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from itertools import chain
+from itertools import chain, islice
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -83,6 +83,8 @@ NAME_LIMITED_SCHEMES = ("file", "hdfs", "viewfs", "webhdfs", "swebhdfs")
 DONE_STATUS, DEAD_STATUS = 2, 4
 #: Ids per statement of the check that the outbox's ids did not start again (``Archiver._check_ids``).
 CHECK_CHUNK = 100_000
+#: Rows compared by message id before finishing a run recorded under another URL (``Archiver._check_own_run``).
+OWN_RUN_SAMPLE = 200
 
 Hook = Callable[[str], None]
 
@@ -372,6 +374,40 @@ class Archiver:
             history.append(manifest)
         return history
 
+    def _check_own_run(self, manifest: dict[str, Any], database: str) -> None:
+        """A committed run's deletes belong to its own outbox: finished on another one they
+        would delete that outbox's rows in the run's id ranges, rows no run archived. A run
+        recorded under another URL is finished here only when this outbox's rows in its id
+        runs (the first ``OWN_RUN_SAMPLE``) are rows it archived: the same id, the same
+        message id. The URL alone refused the same database under another spelling, and then
+        every later run (docs/pipeline.md, "Guarantees")."""
+        run_id = manifest["run_id"]
+        here = {id_: str(message_id) for id_, message_id in islice(
+            self._rows_within(manifest["id_ranges"], ids_in_span_sql(self.engine), []), OWN_RUN_SAMPLE)}
+        archived = self._archived_message_ids(manifest, list(here)) if here else {}
+        if any(archived.get(id_) != message_id for id_, message_id in here.items()):
+            raise PipelineError(f"the archive {self.root} has an unfinished run {run_id} of table "
+                                f"{manifest.get('table')!r} in another database ({manifest['database']}): this "
+                                "outbox's rows at its ids are other events; finish it by archiving that outbox "
+                                "first (an archive holds one outbox)")
+        log.warning("outbox: the archive %s has an unfinished run %s recorded under %s, and this run is on %s; %s, "
+                    "so it is finished here", self.root, run_id, manifest["database"], database,
+                    f"{len(here)} row(s) at its ids are the events it archived" if here else
+                    "no row at its ids is left in this outbox")
+
+    def _archived_message_ids(self, manifest: dict[str, Any], ids: list[int]) -> dict[int, str]:
+        """id -> message id of ``ids`` in a committed run's files (in staging, or published)."""
+        from pyspark.sql import functions as F
+
+        staging = self.fs.uri(STAGING_DIR, manifest["run_id"])
+        paths = [path for rel in manifest["files"] for path in (f"{staging}/{rel}", self.fs.uri(rel))
+                 if self.fs.exists(path)]
+        if not paths:
+            return {}
+        rows = (self.spark.read.schema("id BIGINT, message_id STRING").parquet(*paths)
+                .where(F.col("id").isin(ids)).collect())
+        return {int(r["id"]): str(r["message_id"]) for r in rows}
+
     def _check_ids(self, statuses: list[int], cutoff: Any, lo: int, hi: int) -> None:
         """Refuse, before staging, rows to archive whose ids a finished run already archived
         for other events: the outbox's ids started again (its table re-created or moved, its
@@ -571,16 +607,12 @@ class Archiver:
         database = database_of(self.store.url)
         for run_id in sorted(committed - finished):
             manifest = json.loads(self.fs.read_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json")))
-            # A committed run's deletes belong to its own outbox: finished on another one they
-            # would delete that outbox's rows in the run's id ranges, rows no run archived.
-            # (A manifest written before "database" was recorded is taken as this database's.)
-            if manifest.get("database", database) != database:
-                raise PipelineError(f"the archive {self.root} has an unfinished run {run_id} of table "
-                                    f"{manifest.get('table')!r} in another database ({manifest['database']}); "
-                                    "finish it by archiving that outbox first (an archive holds one outbox)")
             if manifest.get("table") != self.engine.table_name or manifest.get("schema") != self.engine.schema:
                 raise PipelineError(f"the archive {self.root} has an unfinished run {run_id} of table "
                                     f"{manifest.get('table')!r}; finish it by archiving that table first")
+            # (A manifest written before "database" was recorded is taken as this database's.)
+            if manifest.get("database", database) != database:
+                self._check_own_run(manifest, database)
             self.progress(f"run {run_id}: committed earlier but not finished; finishing it")
             self._finish(manifest)
             recovered.append(run_id)
