@@ -919,6 +919,25 @@ def test_a_second_run_of_an_archive_in_use_is_refused_at_once_naming_the_first(
 
 
 @pytest.mark.parametrize("kind", ["sqlite"])
+def test_one_archive_under_two_spellings_of_its_location_takes_one_lock(spark: Any, store: OutboxStore,
+                                                                       tmp_path: Path) -> None:
+    """A symlinked path and a file: URI through the symlink (as an NFS export mounted at two
+    paths, s3:// and s3a://): the lock was keyed by the spelling, so two runs worked on one
+    archive at once, the second deleting the first's staging (found in review). It is keyed by
+    the archive's own id, written once in _manifest/archive-id."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    held = Archiver(spark, store, str(tmp_path / "link" / "archive"))._take_lock()
+    try:
+        with pytest.raises(PipelineError, match="is in use by another archive run"):
+            Archiver(spark, store, f"file://{tmp_path / 'link'}/archive")._take_lock()
+        Archiver(spark, store, str(tmp_path / "another"))._take_lock().release()  # another archive: its own lock
+    finally:
+        held.release()
+    assert len((tmp_path / "real" / "archive" / "_manifest" / "archive-id").read_text().strip()) == 32
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
 def test_a_run_given_a_wait_runs_once_the_run_holding_the_archive_has_finished(
         spark: Any, store: OutboxStore, tmp_path: Path) -> None:
     """``--wait``: the second run waits for the first (saying so once a second), then runs

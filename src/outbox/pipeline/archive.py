@@ -75,6 +75,10 @@ STEPS = ("staged", "verified", "committed", "published-one", "published", "delet
 MANIFEST_DIR = "_manifest"
 #: ``_manifest/lock``: who holds the archive's lock, written by its holder (named in a refusal).
 HOLDER_NOTE = "lock"
+#: ``_manifest/archive-id``: the archive's UUID, written once; its lock's key (``Archiver._archive_id``).
+ARCHIVE_ID = "archive-id"
+#: Seconds to wait for an archive id another run has just created to be written.
+ARCHIVE_ID_WAIT_S = 5.0
 #: Seconds between two tries for a lock another run holds (``--wait``).
 LOCK_POLL_S = 1.0
 STAGING_DIR = "_staging"
@@ -256,13 +260,15 @@ class Archiver:
     # -- one run at a time (docs/pipeline.md, "One run at a time") ---------------------------
     def _take_lock(self) -> ArchiveLock:
         """The archive's lock, or a PipelineError naming its holder once ``wait_s`` has
-        passed (at once by default). The lock is keyed by the archive's URI as its
-        filesystem qualifies it, so ``/data/a``, ``/data/a/`` and ``file:///data/a`` are one."""
+        passed (at once by default). The lock is keyed by the archive's id (``_archive_id``),
+        not by how its location is spelled."""
         try:
-            qualified = self.fs.qualified_root()
+            archive_id = self._archive_id()
+        except PipelineError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a location Hadoop cannot name becomes one PipelineError line
             raise self._unwritable(exc) from None
-        lock = ArchiveLock(self.store, qualified)
+        lock = ArchiveLock(self.store, self.root, key=f"archive id {archive_id}")
         deadline = time.monotonic() + self.wait_s
         while not lock.try_acquire():
             holder = self._holder()
@@ -274,6 +280,22 @@ class Archiver:
             self.progress(f"the archive {self.root} is in use by another archive run ({holder}); waiting")
             time.sleep(max(0.0, min(LOCK_POLL_S, deadline - time.monotonic())))
         return lock
+
+    def _archive_id(self) -> str:
+        """The archive's own name, a UUID its first run writes once in ``_manifest/archive-id``
+        (create-if-absent): every spelling of its location (a symlink, a ``file:`` URI, an NFS
+        export mounted at two paths, ``s3://`` and ``s3a://``) reads the same one, where the
+        location's name gave two locks (docs/pipeline.md, "One run at a time")."""
+        path = self.fs.uri(MANIFEST_DIR, ARCHIVE_ID)
+        if not self.fs.exists(path):
+            self.fs.mkdirs(self.fs.uri(MANIFEST_DIR))
+            self.fs.create_new(path, uuid.uuid4().hex)
+        deadline = time.monotonic() + ARCHIVE_ID_WAIT_S
+        while not (text := self.fs.read_text(path).strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)  # created a moment ago by a run starting beside this one, not written yet
+        if not text:
+            raise PipelineError(f"{path} is empty: remove it (no run may be on) and run again")
+        return text
 
     def _unwritable(self, exc: BaseException) -> PipelineError:
         """The one line for an archive location that cannot be named or written to."""
@@ -509,7 +531,8 @@ class Archiver:
                 f"run {run_id}: {len(missing)} of the {len(files)} file(s) the tasks wrote (e.g. {missing[0]}) are "
                 f"not in {staging} as the driver sees it: the executors wrote to disks of their own; on a "
                 "cluster use a shared filesystem or an object store (hdfs://, s3a://...) that every node "
-                "sees at that location; nothing was committed")
+                "sees at that location (or the staging was removed under this run: the archive's files "
+                "changed by hand, or by a run that did not take its lock); nothing was committed")
 
     # -- finishing and recovery ----------------------------------------------------------------
     def _finish(self, manifest: dict[str, Any]) -> int:

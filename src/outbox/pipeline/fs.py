@@ -33,11 +33,6 @@ class ArchiveFS:
         self.root = root.rstrip("/")
         self.fs = self._Path(self.root).getFileSystem(spark._jsc.hadoopConfiguration())
 
-    def qualified_root(self) -> str:
-        """The root as its filesystem names it (scheme and authority, no trailing slash):
-        one name for every way of writing the same location."""
-        return str(self.fs.makeQualified(self._p(self.root)).toString()).rstrip("/")
-
     def uri(self, *parts: str) -> str:
         return "/".join([self.root, *[p.strip("/") for p in parts if p]])
 
@@ -113,6 +108,36 @@ class ArchiveFS:
         if not self.fs.rename(self._p(tmp_uri), self._p(uri)):
             raise OSError(f"could not rename {tmp_uri} to {uri}")
         self.sync([uri])  # and its name in its directory
+
+    def create_new(self, uri: str, text: str) -> bool:
+        """Create a small file only if it is absent; False when it exists. Atomic on a local
+        filesystem (``O_EXCL``, NFS included) and on HDFS; on object stores Hadoop's check
+        and write are two requests, so two writers at the same moment may both write (the
+        later one's text stays)."""
+        path = local_path(uri)
+        if path is not None:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            try:
+                os.write(fd, text.encode("utf-8"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.sync([uri])
+            return True
+        try:
+            out = self.fs.create(self._p(uri), False)
+        except Exception:  # FileAlreadyExistsException, through py4j
+            if self.exists(uri):
+                return False
+            raise
+        try:
+            out.write(bytearray(text.encode("utf-8")))
+        finally:
+            out.close()
+        return True
 
     def sync(self, uris: Iterable[str], *, directories: bool = True) -> None:
         """Make the files at ``uris`` durable on a local filesystem (``file:``): fsync each

@@ -38,7 +38,7 @@ def idle_bound_s(url: str) -> int:
 
 
 def lock_name(archive: str) -> str:
-    """The lock's name for an archive (its qualified URI): a digest, so that any URI fits
+    """The lock's name for an archive (its key: the archive's id): a digest, so that any key fits
     GET_LOCK's 64 characters and sp_getapplock's 255."""
     return "outbox archive " + hashlib.sha1(archive.encode("utf-8")).hexdigest()
 
@@ -47,10 +47,10 @@ class ArchiveLock:
     """The exclusive lock of one archive. ``try_acquire`` takes it or says it is held;
     ``check`` raises when the session holding it has ended; ``release`` gives it back."""
 
-    def __init__(self, store: OutboxStore, archive: str) -> None:
+    def __init__(self, store: OutboxStore, archive: str, key: str | None = None) -> None:
         self.store = store
-        self.archive = archive
-        self.name = lock_name(archive)
+        self.archive = archive  # as messages name it
+        self.name = lock_name(key or archive)
         self._conn: Any = None
         self._file: Any = None
         self._guard = threading.Lock()
