@@ -280,19 +280,29 @@ def test_a_start_up_migration_that_waits_for_a_lock_gives_up_with_a_warning(
 
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
 def test_outbox_migrate_of_the_queue_tables_gives_up_in_bounded_time_behind_an_open_transaction(
-        kind: str, tmp_path: Path) -> None:
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``outbox migrate`` repairs a missing index while a business transaction that sent to
     the queue table stays open: its CREATE INDEX waits, and every send, lease and ack queues
-    behind it. Each attempt gives up after 10 s, as the outbox table's migration does; on
-    MySQL/MariaDB it waited as long as the transaction (found in review)."""
+    behind it. It gives up after one bound (10 s; 3 s here), as the outbox table's migration
+    does, and names the transaction's session. On MySQL/MariaDB it waited as long as the
+    transaction, then each of four tries waited the bound and the error said "the broker's
+    database is unavailable" (found in review)."""
     import threading
+    import time
 
+    from outbox.core.errors import StoreError
+    from outbox.storage.engines import mysql, postgres
     from outbox.transport import migrate_queue_tables
 
+    monkeypatch.setattr(postgres.PostgresEngine, "MIGRATION_LOCK_TIMEOUT", "3s")
+    monkeypatch.setattr(mysql, "MIGRATION_LOCK_WAIT_S", 3)
     direct = engine_url(kind, tmp_path)
     table = f"kq_{uuid.uuid4().hex[:10]}"
     qt = migrate_queue_tables(f"outboxdb+{direct}", table=table)
     business = _drop_index_and_hold_the_table(direct, table, qt)
+    with business.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()" if kind == "postgresql" else "SELECT CONNECTION_ID()")
+        holder = cursor.fetchone()[0]
     outcome: list[Any] = []
 
     def migrate() -> None:
@@ -302,10 +312,14 @@ def test_outbox_migrate_of_the_queue_tables_gives_up_in_bounded_time_behind_an_o
             outcome.append(exc)
     thread = threading.Thread(target=migrate, daemon=True)
     try:
+        started = time.monotonic()
         thread.start()
         thread.join(120)
+        took = time.monotonic() - started
         assert outcome, "the migration still waits behind the open transaction"
-        assert isinstance(outcome[0], Exception), outcome
+        assert isinstance(outcome[0], StoreError), outcome
+        assert took < 6, f"the migration held every send back {took:.1f} s"
+        assert f" {holder} " in str(outcome[0]) and "outbox migrate again" in str(outcome[0]), outcome
         business.rollback()
         migrate_queue_tables(f"outboxdb+{direct}", table=table)  # once nothing holds the table
         with business.cursor() as cursor:

@@ -9,7 +9,9 @@
   rolled back when it raises.
 - **Transient retries.** A deadlock victim, a lock timeout, a dropped connection: the work
   runs again, on a fresh connection if the old one is gone, with a short random exponential
-  wait (``RETRY_WAIT``), at most ``attempts`` times; then the last error is raised.
+  wait (``RETRY_WAIT``), at most ``attempts`` times; then the last error is raised. A
+  migration's lock timeout is not retried: while DDL waits for a table, every writer of it
+  waits too, so the wait is bounded once (README, "The table").
 - **Drop on disconnect.** A connection whose error says it is gone, or whose rollback fails,
   is closed and forgotten; the next use opens another.
 
@@ -20,6 +22,7 @@ the caller does once the retries are spent is the caller's (the broker raises it
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -117,8 +120,11 @@ class Connections:
             except Exception:
                 log.debug("outbox: error closing a cursor", exc_info=True)
 
-    def retryable(self, exc: BaseException) -> bool:
-        """Worth running the work again: a transient error, a dropped connection."""
+    def retryable(self, exc: BaseException, *, ddl: bool = False) -> bool:
+        """Worth running the work again: a transient error, a dropped connection; for a
+        migration (``ddl``) not a lock timeout."""
+        if ddl and self.engine.is_lock_timeout(exc):
+            return False
         return self.engine.is_transient(exc) or self.engine.is_disconnect(exc)
 
     def run(self, operation: str, work: Callable[[Any], T], *, attempts: int, alone: bool = False,
@@ -131,7 +137,8 @@ class Connections:
             log.debug("outbox %s: transient database error, retrying (attempt %d): %s",
                       operation, state.attempt_number, exc)
 
-        retrying = Retrying(retry=retry_if_exception(self.retryable), stop=stop_after_attempt(attempts),
+        retrying = Retrying(retry=retry_if_exception(functools.partial(self.retryable, ddl=ddl)),
+                            stop=stop_after_attempt(attempts),
                             wait=RETRY_WAIT, before_sleep=before_retry, reraise=True)
         for attempt in retrying:
             with attempt, self.transaction(alone=alone, ddl=ddl) as cursor:

@@ -77,6 +77,22 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -
     return ran
 
 
+def migration_lock_refusal(engine: Engine, connections: Connections, tables: Sequence[str]) -> StoreError:
+    """The error of a migration whose DDL step gave up waiting for a lock on ``tables``
+    (qualified names, the main one first): who holds them and what to do. It is not tried again: while it
+    waits, every enqueue and claim waits behind it (README, "The table")."""
+    try:
+        holders = connections.run("migrate", lambda cursor: engine.lock_holders(cursor, tables), attempts=1)
+    except Exception:  # the refusal is said whoever holds the table
+        log.debug("outbox: cannot read who holds %s", ", ".join(tables), exc_info=True)
+        holders = None
+    return StoreError(
+        f"outbox migrate gave up after waiting {engine.migration_lock_bound()} for a lock on {tables[0]} "
+        f"(every enqueue and claim waits while it does), held by "
+        f"{holders or 'a transaction still open (the database does not say which to this login)'}: "
+        "commit or end that transaction, then run outbox migrate again")
+
+
 #: Leases that a claim or an adoption may have written although it failed (a COMMIT whose
 #: answer was lost, and its retries spent), per database URL and table. Shared by every store
 #: of the process: the next claim of any of them, or the heartbeat, releases their rows
@@ -163,8 +179,14 @@ class OutboxStore:
     def migrate(self, native_json: bool = False) -> int:
         """Create or repair the table and its indexes. Safe to run any number of times.
         Returns how many guarded repair steps ran (``apply_migration``)."""
-        return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
-                         ddl=True)
+        try:
+            return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
+                             ddl=True)
+        except Exception as exc:
+            if self.engine.is_lock_timeout(exc):
+                raise migration_lock_refusal(self.engine, self._connections,
+                                             [self.engine.table, self.engine.holders]) from exc
+            raise
 
     def schema_state(self) -> tuple[frozenset[str], frozenset[str]] | None:
         """The table's columns, and its index names with the holders table's name when it

@@ -51,13 +51,21 @@ def is_transport_url(url: str | None) -> bool:
 
 
 def migrate_queue_tables(broker_url: str, *, table: str | None = None, schema: str | None = None) -> Any:
-    """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``)."""
-    from .database import Database, database_url_of
+    """Create or repair the queue tables behind ``broker_url`` (``outbox migrate``). A step
+    that gives up waiting for a table's lock is not tried again and the error names who holds
+    it (``storage.store.migration_lock_refusal``)."""
+    from ..storage.store import migration_lock_refusal
+    from .database import BrokerDatabaseUnavailable, Database, database_url_of
     from .tables.base import DEFAULT_QUEUE_TABLE
     url = database_url_of(broker_url.split("+", 1)[1] if broker_url.startswith(f"{SCHEME}+") else None)
     db = Database(url, table or DEFAULT_QUEUE_TABLE, schema, create=False, check=False)
     try:
-        db.run(lambda qt, cursor: qt.migrate(cursor), ddl=True)
+        try:
+            db.run(lambda qt, cursor: qt.migrate(cursor), ddl=True)
+        except BrokerDatabaseUnavailable as exc:
+            if exc.__cause__ is not None and db.engine.is_lock_timeout(exc.__cause__):
+                raise migration_lock_refusal(db.engine, db.connections, [db.qt.table, db.qt.bindings]) from exc
+            raise
         return db.qt
     finally:
         db.close()

@@ -78,8 +78,8 @@ class BrokerConnections(Connections):
     """The store's connection lifecycle, with a cancelled or read-only statement retried too,
     on a new connection (``cancelled_or_read_only``)."""
 
-    def retryable(self, exc: BaseException) -> bool:
-        return super().retryable(exc) or cancelled_or_read_only(exc)
+    def retryable(self, exc: BaseException, *, ddl: bool = False) -> bool:
+        return super().retryable(exc, ddl=ddl) or cancelled_or_read_only(exc)
 
     @contextmanager
     def transaction_on(self, conn: Any, *, alone: bool = False, ddl: bool = False) -> Iterator[Any]:

@@ -64,6 +64,16 @@ def is_permanent_error(error: str | None) -> bool:
     return bool(error) and str(error).startswith(PERMANENT_ERROR_PREFIXES)
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` as an operator reads it: ``42 s``, ``3 min 12 s``, ``2 h 5 min``."""
+    whole = max(0, int(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60} s"
+    return f"{whole // 3600} h {whole % 3600 // 60} min"
+
+
 def tcp_keepalive(tcp_timeout_s: int) -> tuple[int, int, int]:
     """``(idle, interval, count)`` in seconds: TCP keepalive probes that find a silent peer
     in at most ``tcp_timeout_s`` (idle + interval * count), for the PostgreSQL and MySQL
@@ -419,6 +429,22 @@ class Engine(ABC):
 
     def is_disconnect(self, exc: BaseException) -> bool:
         return False
+
+    def is_lock_timeout(self, exc: BaseException) -> bool:
+        """A statement gave up waiting for a lock (``lock_timeout``, ``lock_wait_timeout``):
+        transient for the relay's work, but a migration's DDL is not tried again
+        (``Connections.run``; README, "The table")."""
+        return False
+
+    def migration_lock_bound(self) -> str:
+        """How long a migration's DDL step waits for a table's lock, in words."""
+        return "the lock timeout"
+
+    def lock_holders(self, cursor: Any, tables: Sequence[str]) -> str | None:
+        """Who holds ``tables`` (qualified names) locked, in words, for the error of a
+        migration that gave up waiting (``storage.store.migration_lock_refusal``); None
+        where the engine cannot tell."""
+        return None
 
     def is_missing_table(self, exc: BaseException) -> bool:
         """The statement named a table that does not exist (the holders table of a deployment

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from ...core.config import session_bounds
 from ...core.errors import EnqueueError, StoreError
 from ...core.model import NewEvent
-from .base import Engine, derived_name, tcp_keepalive
+from .base import Engine, derived_name, duration, tcp_keepalive
 
 #: Deadlock, lock wait timeout, server gone away, lost connection, cannot connect,
 #: query interrupted by shutdown, a connection the server ended for inactivity (MySQL 8.0.24+
@@ -235,6 +235,27 @@ class MysqlEngine(Engine):
         return isinstance(exc, pymysql.err.InterfaceError) or (
             isinstance(exc, pymysql.err.MySQLError) and self._code(exc) in _DISCONNECT_CODES)
 
+    def is_lock_timeout(self, exc: BaseException) -> bool:
+        return self._driver_error(exc) and self._code(exc) == 1205  # ER_LOCK_WAIT_TIMEOUT
+
+    def migration_lock_bound(self) -> str:
+        return f"{MIGRATION_LOCK_WAIT_S} s"
+
+    def lock_holders(self, cursor: Any, tables: Sequence[str]) -> str | None:
+        # Which session holds a table's metadata lock is not told without a plugin
+        # (metadata_lock_info) or performance_schema, both off by default: the open
+        # transactions, oldest first, are the candidates (reading them takes PROCESS).
+        rows = self.execute(cursor, (
+            "SELECT t.trx_mysql_thread_id, p.USER, p.HOST, p.COMMAND, "
+            "TIMESTAMPDIFF(SECOND, t.trx_started, NOW()) FROM information_schema.innodb_trx t "
+            "LEFT JOIN information_schema.processlist p ON p.ID = t.trx_mysql_thread_id "
+            "WHERE t.trx_mysql_thread_id <> CONNECTION_ID() ORDER BY t.trx_started LIMIT 3")).fetchall()
+        if not rows:
+            return None
+        return "one of the open transactions, oldest first: " + "; ".join(
+            f"connection {thread} (user {user}@{host}, {command}, its transaction open {duration(age or 0)}; "
+            f"KILL {thread} ends it)" for thread, user, host, command, age in rows)
+
     #: What ``outbox migrate`` adds for a missing column: the table's types (text in its binary
     #: collation), NULL allowed where the writer gives the value (the rows already there have none),
     #: and a default where the rows already there need one.
@@ -326,7 +347,7 @@ class MysqlEngine(Engine):
     def unlock_migration(self, cursor: Any) -> None:
         self.release_migration_lock(cursor, self._migration_lock_key())
 
-    def hold_migration_lock(self, cursor: Any, key: str, table: str, lock_wait_s: int = MIGRATION_LOCK_WAIT_S) -> None:
+    def hold_migration_lock(self, cursor: Any, key: str, table: str, lock_wait_s: int | None = None) -> None:
         """One migration of ``table`` at a time, and its DDL steps' waits bounded; the outbox
         table's and the queue tables' (``transport.tables.mysql``) migrations both take it.
 
@@ -335,14 +356,15 @@ class MysqlEngine(Engine):
         A DDL step waits for the table's metadata lock behind any open transaction that has
         read the table, and every later statement on the table queues behind it: by default
         for a year (lock_wait_timeout). Bounded to ``lock_wait_s``, as on PostgreSQL; the
-        caller retries the error (1205) or says why, and the release puts back the session's
-        own bound (found in review)."""
+        caller says why (1205: ``storage.store.migration_lock_refusal``), and the release puts
+        back the session's own bound (found in review). ``lock_wait_s``: MIGRATION_LOCK_WAIT_S
+        by default."""
         got = self.execute(cursor, "SELECT GET_LOCK(?, ?)", [key, MIGRATION_LOCK_TIMEOUT_S]).fetchone()
         if not got or got[0] != 1:
             raise StoreError(f"outbox migrate: another migration of {table} held the migration lock for "
                              f"{MIGRATION_LOCK_TIMEOUT_S} s; run it again when that one has finished")
         self.execute(cursor, "SET @outbox_lock_wait_timeout = @@SESSION.lock_wait_timeout, "
-                     f"SESSION lock_wait_timeout = {int(lock_wait_s)}")
+                     f"SESSION lock_wait_timeout = {int(lock_wait_s or MIGRATION_LOCK_WAIT_S)}")
 
     def release_migration_lock(self, cursor: Any, key: str) -> None:
         self.execute(cursor, "SET SESSION lock_wait_timeout = COALESCE(@outbox_lock_wait_timeout, "

@@ -19,7 +19,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ...core.config import session_bounds, without_session_bounds
 from ...core.model import NewEvent
-from .base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, Engine, derived_name, inline_params, tcp_keepalive
+from .base import (
+    LEASE_EXPIRED_ERROR,
+    MESSAGE_COLUMNS,
+    Engine,
+    derived_name,
+    duration,
+    inline_params,
+    tcp_keepalive,
+)
 
 #: 25P03: the server ended the session, idle in a transaction too long (``session_settings``);
 #: 57P05: idle too long outside one (a server's ``idle_session_timeout``). Both end the
@@ -175,6 +183,27 @@ class PostgresEngine(Engine):
             return True
         return self.is_disconnect(exc) or isinstance(exc, psycopg.errors.LockNotAvailable)
 
+    def is_lock_timeout(self, exc: BaseException) -> bool:
+        import psycopg
+        return isinstance(exc, psycopg.errors.LockNotAvailable)
+
+    def migration_lock_bound(self) -> str:
+        return self.MIGRATION_LOCK_TIMEOUT.replace("s", " s")
+
+    def lock_holders(self, cursor: Any, tables: Sequence[str]) -> str | None:
+        rows = self.execute(cursor, (
+            "SELECT DISTINCT a.pid, a.usename, a.application_name, host(a.client_addr), a.state, "
+            "EXTRACT(EPOCH FROM clock_timestamp() - a.xact_start), a.xact_start "
+            "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
+            "AND l.relation IN (SELECT to_regclass(t) FROM unnest(?::text[]) AS t) "
+            "ORDER BY a.xact_start LIMIT 3"), [list(tables)]).fetchall()
+        return "; ".join(
+            f"session {pid} (user {user}" + (f", application {app}" if app else "") + (f", from {addr}" if addr else "")
+            + (f", {state}" if state else "") + (f", its transaction open {duration(age)}" if age is not None else "")
+            + f"; SELECT pg_terminate_backend({pid}) ends it)"
+            for pid, user, app, addr, state, age, _ in rows) or None
+
     def is_disconnect(self, exc: BaseException) -> bool:
         import psycopg
         state = getattr(exc, "sqlstate", None)
@@ -310,8 +339,8 @@ class PostgresEngine(Engine):
                 [self.schema, self.index_name(suffix)])
 
     #: How long a migration step waits for a lock on the live table before it gives up
-    #: (everything rolls back; the store retries, then ``outbox migrate`` says why): while a
-    #: DDL statement waits, every enqueue and claim queues behind it.
+    #: (everything rolls back and ``outbox migrate`` names the holder, without trying again):
+    #: while a DDL statement waits, every enqueue and claim queues behind it.
     MIGRATION_LOCK_TIMEOUT = "10s"
 
     #: The migration lock and bound last as long as the transaction (``lock_migration``): a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, cast
 
-from ...storage.engines.mysql import MIGRATION_LOCK_WAIT_S, MysqlEngine
+from ...storage.engines.mysql import MysqlEngine
 from .base import MAX_NAME, READY_INDEX, RECEIVE_ORDER, RETIRED_RECEIVE_INDEX, MessageRow, QueueTables, to_rows
 
 
@@ -71,7 +71,7 @@ class MysqlQueueTables(QueueTables):
         return steps
 
     #: Seconds a step of a new process's start-up migration waits for a table's lock
-    #: (``outbox migrate`` waits ``MIGRATION_LOCK_WAIT_S``): while DDL waits, every send,
+    #: (``outbox migrate`` waits ``mysql.MIGRATION_LOCK_WAIT_S``): while DDL waits, every send,
     #: lease and ack queues behind it. lock_wait_timeout counts whole seconds.
     START_UP_LOCK_WAIT_S = 1
 
@@ -83,7 +83,7 @@ class MysqlQueueTables(QueueTables):
         # The outbox table's lock and bounds (MysqlEngine.hold_migration_lock); concurrent
         # CREATE INDEX fails with 1061.
         cast(MysqlEngine, self.engine).hold_migration_lock(
-            cursor, self.migration_lock_key(), self.table, self.START_UP_LOCK_WAIT_S if start_up else MIGRATION_LOCK_WAIT_S)
+            cursor, self.migration_lock_key(), self.table, self.START_UP_LOCK_WAIT_S if start_up else None)
 
     def unlock_migration(self, cursor: Any) -> None:
         cast(MysqlEngine, self.engine).release_migration_lock(cursor, self.migration_lock_key())
