@@ -4,8 +4,11 @@ on a machine with nothing but the package, and leave nothing behind."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import uuid
 from pathlib import Path
 
 
@@ -56,3 +59,103 @@ def test_demo_ignores_the_shells_django_settings(tmp_path: Path) -> None:
     result = demo(tmp_path, DJANGO_SETTINGS_MODULE="shellsettings", PYTHONPATH=pythonpath)
     assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     assert "[ok] every row is done" in result.stdout
+
+
+class CountingServer:
+    """A local port that closes every connection it accepts and counts them: a broker the
+    demo must never reach."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()[0]
+            except OSError:  # the listener closed: the test is over
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        self.thread.join(5)
+
+
+def test_demo_ignores_the_shells_celery_configuration(tmp_path: Path) -> None:
+    """Found in review: the demo dropped the shell's OUTBOX_* variables but kept its
+    CELERY_CONFIG_MODULE (`celery --config` sets it), whose OUTBOX_* keys are read before the
+    environment: it ran its migration on the deployment's PostgreSQL database and published
+    its fake orders to the deployment's RabbitMQ exchange. Nor may Celery's own broker
+    (CELERY_BROKER_URL, a config module's broker_url) be the demo's: it touches nothing
+    outside its temporary folder."""
+    import psycopg
+    from kombu import Connection, Exchange, Queue
+    from services import AMQP_URL, POSTGRES_URL, require
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    require("RabbitMQ", "127.0.0.1", 5672)
+    tag = uuid.uuid4().hex[:10]
+    table, exchange = f"demo_leak_{tag}", Exchange(f"demo-leak-{tag}", type="topic", durable=True)
+    watcher = Queue(f"demo-leak-{tag}", exchange, routing_key="#", durable=False, auto_delete=False)
+    celery_broker, env_broker = CountingServer(), CountingServer()
+    (tmp_path / "deployconfig.py").write_text(
+        f"OUTBOX_DATABASE_URL = {POSTGRES_URL!r}\nOUTBOX_TABLE = {table!r}\n"
+        f"OUTBOX_PUBLISH_URL = {AMQP_URL!r}\nOUTBOX_EXCHANGE = {exchange.name!r}\n"
+        f"OUTBOX_CELERY_BROKER_URL = 'redis://127.0.0.1:{celery_broker.port}/0'\n"
+        f"broker_url = 'redis://127.0.0.1:{celery_broker.port}/0'\n")
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    with Connection(AMQP_URL, connect_timeout=5) as amqp:
+        watcher(amqp.channel()).declare()
+    try:
+        result = demo(tmp_path, CELERY_CONFIG_MODULE="deployconfig", PYTHONPATH=pythonpath,
+                      CELERY_BROKER_URL=f"redis://127.0.0.1:{env_broker.port}/0")
+        log = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as pg:
+            made = pg.execute("SELECT to_regclass(%s)", [table]).fetchone()[0]
+        with Connection(AMQP_URL, connect_timeout=5) as amqp:
+            arrived = watcher(amqp.channel()).queue_declare(passive=True).message_count
+        assert made is None, f"the demo created {table} in PostgreSQL\n{log}"
+        assert arrived == 0, f"{arrived} demo events reached the deployment's exchange\n{log}"
+        assert (celery_broker.accepted, env_broker.accepted) == (0, 0), f"the demo reached a Celery broker\n{log}"
+        assert result.returncode == 0, log
+        assert "[ok] every row is done" in result.stdout, log
+    finally:
+        celery_broker.close()
+        env_broker.close()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as pg:
+            pg.execute(f'DROP TABLE IF EXISTS "{table}"')
+            pg.execute(f'DROP TABLE IF EXISTS "{table}_holders"')
+        with Connection(AMQP_URL, connect_timeout=5) as amqp:
+            channel = amqp.channel()
+            watcher(channel).delete()
+            exchange(channel).delete()
+
+
+def test_demo_refuses_a_process_configured_before_it(tmp_path: Path) -> None:
+    """A program that configured the relay's Celery app before calling ``run_demo`` keeps
+    that configuration whatever the environment then says: the demo refuses it before it
+    touches anything."""
+    import pytest
+
+    from outbox.commands.demo import _check_confined
+    from outbox.core.config import Settings
+    from outbox.core.errors import ConfigError
+
+    db = tmp_path / "outbox.db"
+    own = Settings(database_url=f"sqlite:///{db}", publish_url="memory://", celery_broker_url="memory://")
+    _check_confined(db, own, "memory://")
+    with pytest.raises(ConfigError, match="Celery app's broker would be redis://127.0.0.1:6379/0"):
+        _check_confined(db, own, "redis://127.0.0.1:6379/0")
+    elsewhere = Settings(database_url="postgresql://app:s3cret@db/app", publish_url="memory://",
+                         celery_broker_url="memory://")
+    with pytest.raises(ConfigError, match=r"database would be postgresql://app:\*\*\*@db/app") as refused:
+        _check_confined(db, elsewhere, "memory://")
+    assert "s3cret" not in str(refused.value)

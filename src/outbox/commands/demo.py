@@ -22,6 +22,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..core.config import Settings
 
 ORDERS = ("order-1", "order-2", "order-3")
 STEPS = ("created", "paid", "packed", "shipped")
@@ -65,24 +69,57 @@ def run_demo(say: Callable[[str], None] = print, timeout_s: float = 30.0, keep: 
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+#: Environment names the relay or Celery reads a database or a broker from, which the demo
+#: drops for its own (``_own_environment``).
+_FOREIGN_PREFIXES = ("OUTBOX_", "CELERY_")
+
+
+def _own_environment(db: Path) -> None:
+    """The embedded default and nothing else, whatever the shell has set (docs/operations.md,
+    "Leftovers"): a deployment's
+    OUTBOX_SCHEMA (say) made the demo's SQLite look for a database "app", and so did one in
+    the Django settings DJANGO_SETTINGS_MODULE names (read after the environment); the
+    module CELERY_CONFIG_MODULE names (`celery --config` sets it) is read before the
+    environment, and its OUTBOX_* keys took the demo's migration to a real PostgreSQL
+    database and its events to a real RabbitMQ exchange; CELERY_BROKER_URL would be the
+    demo worker's broker (all found in review)."""
+    for name in [name for name in os.environ if name.startswith(_FOREIGN_PREFIXES)
+                 or name == "DJANGO_SETTINGS_MODULE"]:
+        del os.environ[name]
+    os.environ.update({"OUTBOX_DATABASE_URL": f"sqlite:///{db}", "OUTBOX_PUBLISH_URL": "memory://",
+                       "OUTBOX_CELERY_BROKER_URL": "memory://", "OUTBOX_CLAIM_INTERVAL_S": "0.2"})
+
+
+def _check_confined(db: Path, settings: Settings, celery_broker: str | None) -> None:
+    """Refuse to run unless the database, the destination and Celery's broker are the demo's
+    own: a process that configured the relay's Celery app before the demo (a caller of
+    ``run_demo``) keeps that configuration whatever the environment now says."""
+    from ..core.errors import ConfigError
+    from ..core.redact import redact
+
+    own = {"database": (settings.database_url, f"sqlite:///{db}"),
+           "destination broker": (settings.publish_url, "memory://"),
+           "Celery broker": (settings.broker_url, "memory://"),
+           "Celery app's broker": (celery_broker or "", "memory://")}
+    for what, (value, expected) in own.items():
+        if not value.startswith(expected):
+            raise ConfigError(redact(f"outbox demo: the {what} would be {value}, not the demo's own {expected}: "
+                                     "this process was configured before the demo; run `outbox demo` on its own"))
+
+
 def _run(workdir: Path, say: Callable[[str], None], timeout_s: float) -> bool:
     # kombu warns that memory:// has no hostname on every connection; harmless here.
     logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     db = workdir / "outbox.db"
-    # The embedded default and nothing else: a deployment's OUTBOX_SCHEMA (say) left in the
-    # shell made the demo's SQLite look for a database "app" (found in review), and so did
-    # one in the Django settings DJANGO_SETTINGS_MODULE names (read after the environment).
-    for name in [name for name in os.environ if name.startswith("OUTBOX_") or name == "DJANGO_SETTINGS_MODULE"]:
-        del os.environ[name]
-    os.environ.update({"OUTBOX_DATABASE_URL": f"sqlite:///{db}", "OUTBOX_PUBLISH_URL": "memory://",
-                       "OUTBOX_CELERY_BROKER_URL": "memory://", "OUTBOX_CLAIM_INTERVAL_S": "0.2"})
+    _own_environment(db)
     from kombu import Connection, Exchange, Queue
 
     from ..celery import app
-    from ..core.config import reset_settings
+    from ..core.config import get_settings, reset_settings
     from ..storage.store import OutboxStore
 
     reset_settings()
+    _check_confined(db, get_settings(), app.conf.broker_url)
     store = OutboxStore.from_settings()
     store.migrate()
     say(f"outbox table ready in {db}")
