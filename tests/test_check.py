@@ -312,8 +312,28 @@ def test_check_fails_on_a_celery_broker_url_other_than_outboxs(tmp_path: Path) -
     OutboxStore(env["OUTBOX_DATABASE_URL"]).migrate()
     result = check({**env, "CELERY_BROKER_URL": "amqp://guest:pw@127.0.0.1:9//"}, tmp_path)
     assert result.returncode == 1 and lines(result)["celery broker url"] == "FAIL", result.stdout
-    assert ("[FAIL] celery broker url: CELERY_BROKER_URL names Celery's broker amqp://guest:***@127.0.0.1:9//, not "
+    assert ("[FAIL] celery broker url: CELERY_BROKER_URL (or celery -b) names Celery's broker "
+            "amqp://guest:***@127.0.0.1:9//, not "
             "OUTBOX_CELERY_BROKER_URL's redis://127.0.0.1:9/0: every worker, beat and writer") in result.stdout, \
         result.stdout
     same = check({**env, "CELERY_BROKER_URL": env["OUTBOX_CELERY_BROKER_URL"]}, tmp_path)
+    assert "celery broker url" not in lines(same), same.stdout
+
+
+def test_check_fails_on_a_broker_url_in_the_celery_config_module(tmp_path: Path) -> None:
+    """A ``broker_url`` in the module CELERY_CONFIG_MODULE names (`celery --config`) stops the
+    worker and beat as CELERY_BROKER_URL does; the check compared only the variable and exited 0
+    (found in review). Both now ask ``config.celery_broker_named_conflict``."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_CELERY_BROKER_URL": "redis://127.0.0.1:9/0",
+           "CELERY_CONFIG_MODULE": "relay_celeryconfig",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    OutboxStore(env["OUTBOX_DATABASE_URL"]).migrate()
+    (tmp_path / "relay_celeryconfig.py").write_text("broker_url = 'redis://127.0.0.1:9/5'\n")
+    result = check(env, tmp_path)
+    assert result.returncode == 1 and lines(result)["celery broker url"] == "FAIL", result.stdout
+    assert ("[FAIL] celery broker url: broker_url in Celery's configuration names Celery's broker "
+            "redis://127.0.0.1:9/5, not OUTBOX_CELERY_BROKER_URL's redis://127.0.0.1:9/0") in result.stdout, \
+        result.stdout
+    (tmp_path / "relay_celeryconfig.py").write_text("BROKER_URL = 'redis://127.0.0.1:9/0'\n")
+    same = check(env, tmp_path)
     assert "celery broker url" not in lines(same), same.stdout

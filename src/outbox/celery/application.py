@@ -23,7 +23,7 @@ from kombu.utils.url import as_url
 from ..core.config import (
     RelayOptions,
     Settings,
-    celery_broker_conflict,
+    celery_broker_named_conflict,
     message_ttl_s,
     relay_options,
     relay_settings,
@@ -230,15 +230,10 @@ def configured(key: str) -> Any:
 
 def broker_conflict(settings: Settings) -> str | None:
     """Why this worker or beat must not start: Celery's broker named otherwise than by
-    OUTBOX_CELERY_BROKER_URL (``celery_broker_conflict``): CELERY_BROKER_URL, which ``celery -b``
-    sets and Celery reads first, else a ``broker_url`` set on the app or in its config module
-    (found in review); None when they agree."""
-    if os.environ.get("CELERY_BROKER_URL"):
-        return celery_broker_conflict(settings, app.conf.broker_url, "CELERY_BROKER_URL (or celery -b)")
-    named = app.conf.broker_url
-    if not named or named == settings.broker_url:  # the relay's own, once its defaults are in
-        named = configured("broker_url")
-    return celery_broker_conflict(settings, named, "broker_url in Celery's configuration")
+    OUTBOX_CELERY_BROKER_URL (``celery_broker_named_conflict``, the rule ``outbox check``
+    applies too), with this app's configuration; None when they agree."""
+    return celery_broker_named_conflict(settings, os.environ, app_url=app.conf.broker_url,
+                                        module_url=configured("broker_url") or "")  # the loader's module, read
 
 
 def _defaults() -> dict[str, Any]:

@@ -36,7 +36,7 @@ from ..core.config import (
     ConfigError,
     KafkaOptions,
     Settings,
-    celery_broker_conflict,
+    celery_broker_named_conflict,
     dramatiq_settings,
     load_settings,
     relay_families,
@@ -389,9 +389,8 @@ def run_checks(environ: dict[str, str] | None = None, *,
     if not dramatiq and not settings.celery_broker_url and not is_sqlite_url(settings.database_url):
         results.append(Result("celery broker url", WARN, f"OUTBOX_CELERY_BROKER_URL is not set: using "
                               f"{settings.broker_url}; workers, beat and web processes must all use the same one"))
-    # What stops the worker and beat (``outbox.celery.application.broker_conflict``), said here too.
-    conflict = None if dramatiq else celery_broker_conflict(settings, environ.get("CELERY_BROKER_URL"),
-                                                             "CELERY_BROKER_URL")
+    # What stops the worker and beat (``outbox.celery.application.broker_conflict``), by the same rule.
+    conflict = None if dramatiq else celery_broker_named_conflict(settings, environ)
     if conflict:
         results.append(Result("celery broker url", FAIL, conflict.removeprefix("outbox: ")))
     results += check_database(settings)

@@ -47,7 +47,16 @@ from .errors import ConfigError
 from .names import Queues, default_namespace
 from .options import Options, Sources, option
 from .redact import redact, register_url
-from .sources import cached, conf_keys, django_database_url, django_settings, module_keys, reset, use_conf
+from .sources import (
+    cached,
+    conf_keys,
+    django_database_url,
+    django_settings,
+    module_keys,
+    module_setting,
+    reset,
+    use_conf,
+)
 
 log = logging.getLogger("outbox.core.config")
 
@@ -158,6 +167,23 @@ def celery_broker_conflict(settings: Settings, celery_url: str | None, source: s
     return redact(f"outbox: {source} names Celery's broker {celery_url}, not OUTBOX_CELERY_BROKER_URL's "
                   f"{settings.broker_url}{ours}: every worker, beat and writer of an outbox must use one broker; "
                   f"set OUTBOX_CELERY_BROKER_URL to the one you mean, and remove {source} or give it the same URL")
+
+
+def celery_broker_named_conflict(settings: Settings, environ: Mapping[str, str], *, app_url: str | None = None,
+                                 module_url: Any = None) -> str | None:
+    """The line that stops a Celery worker or beat, and fails ``outbox check``: one rule for
+    both (``outbox.celery.application.broker_conflict``, ``commands.doctor.run_checks``; the
+    check once compared CELERY_BROKER_URL only, found in review). Celery's broker is
+    CELERY_BROKER_URL, which ``celery -b`` sets and Celery reads first; else a ``broker_url``
+    set on the app (``app_url``: the worker's ``app.conf``) or in its config module
+    (``module_url``; default: the module ``environ``'s CELERY_CONFIG_MODULE names)."""
+    if environ.get("CELERY_BROKER_URL"):
+        return celery_broker_conflict(settings, environ["CELERY_BROKER_URL"], "CELERY_BROKER_URL (or celery -b)")
+    named = app_url
+    if not named or named == settings.broker_url:  # the relay's own, once its defaults are in
+        named = module_url if module_url is not None else module_setting(environ, "broker_url")
+    return celery_broker_conflict(settings, named, "broker_url in Celery's configuration")
+
 
 SETTING_NAMES = Settings.names()
 
@@ -547,7 +573,7 @@ def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: boo
     return found
 
 
-__all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "celery_broker_conflict", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
+__all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "celery_broker_conflict", "celery_broker_named_conflict", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
            "pipeline_options", "dramatiq_settings", "sources_of", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
