@@ -182,6 +182,65 @@ def test_a_sqlite_file_in_a_missing_directory_names_the_directory(tmp_path: Path
     ok(run("migrate", env={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'data' / 'outbox.db'}"}))
 
 
+def test_a_schema_on_sqlite_is_refused_naming_both_settings(tmp_path: Path) -> None:
+    """OUTBOX_SCHEMA left from a PostgreSQL deployment passed `outbox check`'s configuration on
+    SQLite, then `outbox migrate` failed saying to run `outbox migrate` (found in review)."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_SCHEMA": "app"}
+    said = ("error: OUTBOX_SCHEMA='app' is for PostgreSQL, MySQL/MariaDB and SQL Server: a SQLite database "
+            "(OUTBOX_DATABASE_URL=sqlite:///...) has no schemas; unset OUTBOX_SCHEMA")
+    for command in ("migrate", "status"):
+        result = run(command, env=env)
+        assert result.returncode == 1 and result.stderr.strip().splitlines()[-1].startswith(said), result.stderr
+    check = run("check", env=env)
+    assert check.returncode == 1 and "[FAIL] configuration: OUTBOX_SCHEMA='app' is for PostgreSQL" in check.stdout, \
+        check.stdout
+    assert not (tmp_path / "o.db").exists()
+
+
+def test_an_in_memory_sqlite_database_is_refused(tmp_path: Path) -> None:
+    """`sqlite://`, `sqlite:///` and `sqlite:///:memory:` are a database private to one connection
+    and gone when it closes: `outbox migrate` "created the table" in it and exited 0, and a
+    relay on it never saw a row (found in review)."""
+    for url in ("sqlite://", "sqlite:///", "sqlite:///:memory:"):
+        result = run("migrate", env={"OUTBOX_DATABASE_URL": url})
+        assert result.returncode == 1, result
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"error: OUTBOX_DATABASE_URL={url} is an in-memory SQLite database: each connection gets its own, "
+            "empty, gone when it closes, so what one command or worker writes no other sees; give a file "
+            "(sqlite:///outbox.db)"), result.stderr
+
+
+def test_a_failed_migrate_says_its_own_error_not_to_run_migrate(tmp_path: Path) -> None:
+    """Any failure of `outbox migrate` was explained as the table missing: "run outbox migrate",
+    the command that had just failed, hiding the cause (found in review). Here a role without
+    the right to create tables (PostgreSQL 15: none on schema public)."""
+    import uuid
+    from urllib.parse import urlsplit, urlunsplit
+
+    import psycopg
+    from services import POSTGRES_URL, require
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    role = f"clia_{uuid.uuid4().hex[:10]}"
+    parts = urlsplit(POSTGRES_URL)
+    as_role = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"REVOKE CREATE ON SCHEMA public FROM {role}")
+    try:
+        env = {"OUTBOX_DATABASE_URL": as_role, "OUTBOX_TABLE": f"t_{role}"}
+        result = run("migrate", env=env)
+        assert result.returncode == 1, result
+        last = result.stderr.strip().splitlines()[-1]
+        assert "permission denied for schema public" in last and "run `outbox migrate`" not in last, result.stderr
+        status = run("status", env=env)
+        assert "run `outbox migrate`" in status.stderr, status.stderr  # elsewhere the hint stays
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f'DROP TABLE IF EXISTS "t_{role}", "t_{role}_holders"')
+            admin.execute(f"DROP ROLE IF EXISTS {role}")
+
+
 def test_native_json_outside_sql_server_is_said_to_be_ignored(tmp_path: Path) -> None:
     """`outbox migrate --native-json` on PostgreSQL, MySQL or SQLite did exactly what `outbox
     migrate` does, and said nothing about the option."""

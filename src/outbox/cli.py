@@ -40,10 +40,14 @@ def _store() -> OutboxStore:
 
 
 def _explain(exc: Exception) -> str | None:
-    """A driver error of a command, in the user's terms: which of connection, table is wrong."""
+    """A driver error of a command, in the user's terms: which of connection, table is wrong.
+    Not the missing table for ``outbox migrate``, which makes it: its own error says why it
+    could not (it said to run ``outbox migrate``, found in review)."""
     hint = missing_driver_hint(exc)
     if hint is not None or not _opened:
         return hint
+    context = click.get_current_context(silent=True)
+    migrating = context is not None and context.info_name == "migrate"
     store = _opened[-1]
     store.close()
     try:
@@ -52,6 +56,9 @@ def _explain(exc: Exception) -> str | None:
         hint = missing_driver_hint(connect_error)
         detail = " ".join(str(connect_error).split()) or type(connect_error).__name__
         return hint or f"cannot connect to the database: {type(connect_error).__name__}: {detail}"
+    if migrating:
+        store.close()
+        return None
     try:
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"SELECT id FROM {store.engine.table} WHERE 1 = 0")

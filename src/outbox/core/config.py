@@ -126,6 +126,11 @@ class Settings(Options):
     def __post_init__(self) -> None:
         for url in (self.database_url, self.publish_url, self.celery_broker_url):
             register_url(url)  # masked wherever it shows up from now on (outbox.core.redact)
+        if self.schema is not None and is_sqlite_url(self.database_url):
+            # SQLite read it as an attached database's name: `outbox migrate` failed on "unknown
+            # database" and said to run `outbox migrate` (found in review).
+            raise ConfigError(f"OUTBOX_SCHEMA={self.schema!r} is for PostgreSQL, MySQL/MariaDB and SQL Server: a "
+                              "SQLite database (OUTBOX_DATABASE_URL=sqlite:///...) has no schemas; unset OUTBOX_SCHEMA")
         if self.dead_letter_exchange is not None and self.dead_letter_exchange == self.exchange:
             raise ConfigError(f"OUTBOX_DEAD_LETTER_EXCHANGE={self.dead_letter_exchange!r} must differ from "
                               "OUTBOX_EXCHANGE: dead rows would reach the consumers of live events")

@@ -18,7 +18,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
+from ...core.errors import ConfigError
 from ...core.model import NewEvent
+from ...core.redact import redact
 from .base import Engine
 
 BUSY_TIMEOUT_S = 30.0
@@ -90,6 +92,13 @@ class SqliteEngine(Engine):
 
     def connect(self, url: str) -> sqlite3.Connection:
         path = sqlite_path(url)
+        if path == ":memory:":
+            # Private to the connection: `outbox migrate` "created the table" in one and exited
+            # 0, and a relay on it never saw a row (found in review). A caller's own connection
+            # is not made here: ``enqueue`` on an in-memory database of the caller's still works.
+            raise ConfigError(f"OUTBOX_DATABASE_URL={redact(url)} is an in-memory SQLite database: each connection "
+                              "gets its own, empty, gone when it closes, so what one command or worker writes no "
+                              "other sees; give a file (sqlite:///outbox.db)")
         folder = os.path.dirname(os.path.abspath(path))
         if path != ":memory:" and not path.startswith("file:") and not os.path.isdir(folder):
             # sqlite3 says only "unable to open database file", which names neither.
