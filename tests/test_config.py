@@ -276,3 +276,17 @@ def test_a_celery_config_module_this_process_cannot_import_is_warned_about_once(
     assert settings.table == "outbox"
     said = [r.getMessage() for r in caplog.records if "CELERY_CONFIG_MODULE" in r.getMessage()]
     assert len(said) == 1 and said_in_it in said[0], said
+
+
+def test_only_the_first_source_that_sets_a_name_can_make_it_set_but_empty() -> None:
+    """An empty value in a later source (settings.py's ``os.environ.get("X", "")``) refused
+    the valid value of an earlier one, the environment (found in review)."""
+    from outbox.core.config import Settings
+
+    later_empty = Settings.from_sources({}, {"OUTBOX_PUBLISH_URL": "memory://", "OUTBOX_EXCHANGE": "shop"},
+                                        {"OUTBOX_PUBLISH_URL": "", "OUTBOX_EXCHANGE": " "})
+    assert (later_empty.publish_url, later_empty.exchange) == ("memory://", "shop")
+    assert Settings.from_sources({"OUTBOX_PUBLISH_URL": None}, {}, {"OUTBOX_PUBLISH_URL": "amqp://h//"}).publish_url \
+        == "amqp://h//"  # None is unset, as in every source
+    with pytest.raises(ConfigError, match="OUTBOX_PUBLISH_URL is set but empty"):
+        Settings.from_sources({}, {"OUTBOX_PUBLISH_URL": " "}, {"OUTBOX_PUBLISH_URL": "amqp://h//"})

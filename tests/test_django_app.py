@@ -176,6 +176,24 @@ def test_check_validates_the_relay_options_of_djangos_settings(tmp_path: Path) -
     assert result.stdout.startswith("[FAIL] configuration: OUTBOX_RELAY_TASK_ROWS"), result.stdout
 
 
+def test_an_empty_setting_in_djangos_settings_does_not_block_the_environments(tmp_path: Path) -> None:
+    """``OUTBOX_PUBLISH_URL = os.environ.get("SHOP_PUBLISH_URL", "")`` in settings.py, and a
+    valid OUTBOX_PUBLISH_URL in the environment, which comes first: every command stopped on
+    "OUTBOX_PUBLISH_URL is set but empty" (found in review). Only the first source that holds
+    a name decides; an empty value there is still refused."""
+    (tmp_path / "emptysettings.py").write_text(
+        f"import os\nSECRET_KEY = 'x'\nDATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', "
+        f"'NAME': {str(tmp_path / 'd.db')!r}}}}}\n"
+        "OUTBOX_PUBLISH_URL = os.environ.get('SHOP_PUBLISH_URL', '')\nOUTBOX_EXCHANGE = ''\n")
+    env = {"DJANGO_SETTINGS_MODULE": "emptysettings", "PYTHONPATH": pythonpath(tmp_path),
+           "OUTBOX_PUBLISH_URL": "memory://", "OUTBOX_EXCHANGE": "shop"}
+    assert ok(run([str(BIN / "outbox"), "queues"], env=env, cwd=tmp_path, timeout=60)).startswith("outbox.")
+    check = run([str(BIN / "outbox"), "check"], env=env, cwd=tmp_path, timeout=60).stdout  # no table: it fails
+    assert "[ok  ] configuration:" in check and "publish to memory://" in check, check
+    empty_first = run([str(BIN / "outbox"), "queues"], env={**env, "OUTBOX_PUBLISH_URL": ""}, cwd=tmp_path, timeout=60)
+    assert empty_first.returncode == 1 and "OUTBOX_PUBLISH_URL is set but empty" in empty_first.stderr, empty_first
+
+
 def test_an_order_posted_to_the_django_view_arrives_on_rabbitmq(tmp_path: Path) -> None:
     """The example app end to end: its view enqueues, `celery -A outbox worker` started with
     DJANGO_SETTINGS_MODULE (and nothing else about the database) delivers."""

@@ -70,7 +70,11 @@ class Sources:
         return next((layer[name] for layer in self.layers if layer.get(name) not in (None, "")), None)
 
     def set_but_empty(self, name: str) -> bool:
-        return any(isinstance(layer.get(name), str) and not layer[name].strip() for layer in self.layers)
+        """Whether the first layer that sets ``name`` (to anything but None) sets it blank. Only
+        that layer decides: an empty value further down (settings.py's
+        ``os.environ.get("X", "")``) once refused a valid one above it (found in review)."""
+        value = next((layer[name] for layer in self.layers if layer.get(name) is not None), None)
+        return isinstance(value, str) and not value.strip()
 
 
 OptionsT = TypeVar("OptionsT", bound="Options")
