@@ -56,6 +56,59 @@ def test_outboxes_that_differ_in_table_schema_or_database_get_different_namespac
     assert default_namespace("postgresql://db:5432/shop", "outbox") != default_namespace(*other)
 
 
+@pytest.mark.parametrize("url,namespace", [
+    ("postgresql://app:secret@db:5432/shop", "outbox.outbox.f27261ee"),
+    ("postgres://db/shop", "outbox.outbox.acf3b164"),
+    ("postgresql+psycopg://relay:pw@DB:5432/shop?sslmode=require&application_name=relay"
+     "&target_session_attrs=read-write", "outbox.outbox.f27261ee"),
+    ("postgresql://app@[::1]:5432/app", "outbox.outbox.9766964b"),
+    ("mysql://root@127.0.0.1:3306/test?charset=utf8mb4&read_timeout=30", "outbox.outbox.896e1a25"),
+    ("mariadb://u:p@maria/app", "outbox.outbox.192cfcf1"),
+    ("mssql+pyodbc://sa:p@sql:1433/app?driver=ODBC+Driver+18+for+SQL+Server", "outbox.outbox.d1eda0e9"),
+    ("mssql+pyodbc://sa:p@Sql,1433/app?driver=ODBC+Driver+18+for+SQL+Server", "outbox.outbox.7c2463e0"),
+    ("mysql://u:p,w@db:3306/app", "outbox.outbox.2902aea0"),
+    ("postgresql://app@/app?sslmode=disable", "outbox.outbox.0c35eebf"),  # the socket, no host named
+])
+def test_the_namespace_of_a_url_naming_its_host_in_the_host_part_never_changes(url: str, namespace: str) -> None:
+    """A deployment's queues are named after it: these are the names every release so far
+    gave, and a change of them strands the rows and tasks on the old queues."""
+    assert default_namespace(url, "outbox") == namespace
+
+
+@pytest.mark.parametrize("one,other", [
+    # libpq reads the server from the query too; these all were "/app", one namespace (found in review)
+    ("postgresql://app@/app?host=db-billing", "postgresql://app@/app?host=db-orders"),
+    ("postgresql://app@/app?host=/run/a", "postgresql://app@/app?host=/run/b"),
+    ("postgresql://app@/app?service=billing", "postgresql://app@/app?service=orders"),
+    ("postgresql://app@/app?host=db&hostaddr=10.0.0.1", "postgresql://app@/app?host=db&hostaddr=10.0.0.2"),
+    ("postgresql://app@/app?host=db&port=5432", "postgresql://app@/app?host=db&port=5433"),
+    ("postgresql://app@db/?dbname=billing", "postgresql://app@db/?dbname=orders"),
+    ("mysql://root@localhost/app?unix_socket=/run/a.sock", "mysql://root@localhost/app?unix_socket=/run/b.sock"),
+    # libpq's multi-host form (failover): every host counts
+    ("postgresql://app@h1:5432,h2:5432/app", "postgresql://app@h1:5432,h3:5432/app"),
+    ("postgresql://app@h1:5432,h2:5432/app", "postgresql://app@h1:5432/app"),
+])
+def test_the_servers_a_url_names_in_its_query_or_host_list_make_the_namespace(one: str, other: str) -> None:
+    assert default_namespace(one, "outbox") != default_namespace(other, "outbox")
+
+
+def test_djangos_socket_hosts_name_different_outboxes() -> None:
+    """Django's HOST as a socket directory becomes ``?host=`` (``sources.django_database_url``)."""
+    from outbox.core.sources import django_database_url
+
+    urls = {django_database_url({"ENGINE": f"django.db.backends.{engine}", "NAME": "app", "USER": "app",
+                                 "HOST": host})
+            for engine in ("postgresql", "mysql") for host in ("/run/billing", "/run/orders")}
+    assert len({default_namespace(str(url), "outbox") for url in urls}) == 4, urls
+
+
+def test_options_that_do_not_address_the_server_leave_the_namespace_alone() -> None:
+    base = default_namespace("postgresql://app@/app?host=db", "outbox")
+    assert default_namespace("postgresql://relay:pw@/app?sslmode=require&host=db&application_name=x", "outbox") == base
+    assert default_namespace("mysql://u@localhost/app?unix_socket=/run/a.sock&charset=utf8mb4", "outbox") == (
+        default_namespace("mysql://v:pw@localhost/app?unix_socket=/run/a.sock", "outbox"))
+
+
 def test_the_namespace_reads_as_the_outbox_and_fits_every_broker() -> None:
     ns = default_namespace("mssql+pyodbc://u:p@sql:1433/app?driver=ODBC+Driver+18", "o" * 63, "s" * 63)
     assert ns.startswith(f"outbox.{'s' * 63}.{'o' * 63}.") and len(ns) <= 150

@@ -55,23 +55,45 @@ def valid_namespace(name: object) -> bool:
     return isinstance(name, str) and len(name) <= MAX_NAMESPACE and NAMESPACE_RE.fullmatch(name) is not None
 
 
+#: The query parameters that choose the server or database, per scheme (before any +driver):
+#: libpq's, and PyMySQL's socket. Other options (sslmode, charset, ...) do not name the database.
+ADDRESSING_PARAMETERS = {
+    "postgresql": ("host", "hostaddr", "port", "service", "dbname"),
+    "postgres": ("host", "hostaddr", "port", "service", "dbname"),
+    "mysql": ("unix_socket",),
+    "mariadb": ("unix_socket",),
+}
+
+
 def database_identity(database_url: str) -> str:
     """Which database a URL names, without its driver, user, password or options: host, port
     and database name as written (``postgresql+psycopg://u:p@db:5432/app?x=1`` ->
-    ``db:5432/app``), a SQLite file's absolute path, or an ODBC string's server and database."""
+    ``db:5432/app``), every host of libpq's list (``h1:5432,h2:5432/app``), then the query
+    parameters that address the server (``/app?host=/run/postgresql``: ``ADDRESSING_PARAMETERS``),
+    a SQLite file's absolute path, or an ODBC string's server and database. A URL without
+    addressing parameters or a host list keeps the identity it always had (docs/relay.md,
+    "Several outboxes on one broker")."""
     if "://" not in database_url:  # a raw ODBC connection string
         return _odbc_identity(database_url)
     parts = urlsplit(database_url)
-    if parts.scheme.split("+", 1)[0].lower() == "sqlite":
+    scheme = parts.scheme.split("+", 1)[0].lower()
+    if scheme == "sqlite":
         path = unquote(database_url.split("://", 1)[1].split("?", 1)[0])
         path = path[1:] if path.startswith("/") else path
         return path if path in ("", ":memory:") else os.path.abspath(path)
-    query = dict(parse_qsl(parts.query))
-    if not parts.hostname and "odbc_connect" in query:
-        return _odbc_identity(query["odbc_connect"])
-    host = (parts.hostname or "").lower()
-    port = f":{parts.port}" if parts.port else ""
-    return f"{host}{port}{parts.path}"
+    query = parse_qsl(parts.query)
+    if not parts.hostname and "odbc_connect" in dict(query):
+        return _odbc_identity(dict(query)["odbc_connect"])
+    hosts = ",".join(_host_port(item) for item in parts.netloc.rpartition("@")[2].split(","))
+    addressing = sorted((k, v) for k, v in query if k in ADDRESSING_PARAMETERS.get(scheme, ()))
+    where = "&".join(f"{k}={v}" for k, v in addressing)
+    return f"{hosts}{parts.path}" + (f"?{where}" if where else "")
+
+
+def _host_port(hostinfo: str) -> str:
+    """One ``host[:port]`` as the identity writes it: the host in lower case, IPv6 unbracketed."""
+    one = urlsplit(f"//{hostinfo}")
+    return f"{one.hostname or ''}" + (f":{one.port}" if one.port else "")
 
 
 def _odbc_identity(odbc: str) -> str:
@@ -159,4 +181,4 @@ def wake_channel(broker_url: str, key_prefix: str, namespace: str) -> str:
 __all__ = ["is_redis_url", "REDIS_URL_PREFIXES", "wake_channel", "CLAIM_TASK", "TICK_KWARGS", "PUBLISH_TASK", "ACK_TASK",
            "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
            "CLAIM_REQUEST_PREFIX", "claim_request_key", "TASK_OUTBOX_ARG", "KINDS", "TASK_KINDS", "LEGACY_NAMESPACE",
-           "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "database_identity", "default_namespace", "Queues"]
+           "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "ADDRESSING_PARAMETERS", "database_identity", "default_namespace", "Queues"]
