@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from cli_support import run, silent_server
 
 from outbox import enqueue
@@ -111,6 +112,27 @@ def test_a_password_with_a_quote_or_a_space_is_masked_in_log_records() -> None:
     for text in ("amqp://guest:Un'registered@rabbit:5672//", "'redis://:Un\"registered@redis:6379/0'"):
         assert "Un" not in redact(text) and "registered" not in redact(text), redact(text)
     assert redact("amqp://zq:pw@rabbit//, then 'redis://:x@h/0'") == "amqp://zq:***@rabbit//, then 'redis://:***@h/0'"
+
+
+def test_a_postgresql_url_listing_several_hosts_connects() -> None:
+    """libpq's failover form, an unreachable host first: the commands take it and connect
+    to the second (it was refused as unreadable, found in review)."""
+    from services import POSTGRES_URL, require
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    table = f"multihost_{os.getpid()}"
+    url = POSTGRES_URL.replace("@127.0.0.1:5432/", "@127.0.0.1:1,127.0.0.1:5432/", 1)
+    if url == POSTGRES_URL or "?" in url:
+        pytest.skip("OUTBOX_TEST_POSTGRES_URL is not the local server's plain URL")
+    env = {"OUTBOX_DATABASE_URL": f"{url}?target_session_attrs=read-write", "OUTBOX_TABLE": table}
+    try:
+        assert "created the table" in ok(run("migrate", env=env)).stdout
+        assert "pending: 0" in ok(run("status", env=env)).stdout
+    finally:
+        import psycopg
+
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_holders"')
 
 
 def test_status_before_migrate_says_to_migrate(tmp_path: Path) -> None:

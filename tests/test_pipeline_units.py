@@ -821,3 +821,12 @@ def test_a_filesystem_that_cannot_sync_a_directory_does_not_stop_the_archive(
     monkeypatch.setattr(fs_module, "fsync_path", broken)
     with pytest.raises(OSError):
         archive.sync([f"file://{part}"])
+
+
+def test_an_archive_names_every_host_of_libpqs_list() -> None:
+    """A PostgreSQL URL listing several hosts (libpq's failover form) passes the start-up
+    check; the archive's record of its database read one port and raised."""
+    from outbox.pipeline.archive import database_of
+
+    assert database_of("postgresql://u:p@DB:5432/app/") == "postgresql://db:5432/app"  # as before
+    assert database_of("postgresql://u@h1:5432,H2/app?target_session_attrs=any") == "postgresql://h1:5432,h2/app"

@@ -123,6 +123,20 @@ def test_urls_with_unusual_but_valid_host_parts_still_pass() -> None:
         assert getattr(load_settings(environ={name: url}), name.removeprefix("OUTBOX_").lower()) == url
 
 
+def test_libpqs_list_of_hosts_passes_and_each_host_is_checked() -> None:
+    """libpq's failover form was refused with a hint about percent-encoding a password the
+    URL did not have (found in review). Each host:port is read alone; elsewhere a list of
+    hosts is still refused, saying that only PostgreSQL reads one."""
+    for url in ("postgresql://app@h1:5432,h2:5432/app?target_session_attrs=read-write",
+                "postgresql+psycopg://app:p%40ss@h1,h2:5433,[::1]:5432/app", "postgres://h1:5432,h2/app"):
+        assert load_settings(environ={"OUTBOX_DATABASE_URL": url}).database_url == url
+    with pytest.raises(ConfigError, match="the host part cannot be read"):
+        load_settings(environ={"OUTBOX_DATABASE_URL": "postgresql://app@h1:5432,h2:99999/app"})
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={"OUTBOX_DATABASE_URL": "mysql://root@h1:3306,h2:3306/app"})
+    assert "only a PostgreSQL database URL" in str(caught.value), caught.value
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "86401"])
 def test_relay_durations_must_be_finite_and_bounded(value: str) -> None:
     for option in ("OUTBOX_RELAY_BREAKER_S", "OUTBOX_RELAY_PURGE_INTERVAL_S" if value != "86401" else

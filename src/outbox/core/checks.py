@@ -94,19 +94,24 @@ def validate_queue_table(value: str, setting: str = "OUTBOX_TRANSPORT_QUEUE_TABL
     return value
 
 
-def check_host_part(url: str, setting: str) -> None:
+def check_host_part(url: str, setting: str, *, host_list: bool = False) -> None:
     """The host part of ``url`` as every client reads it, or a ``ConfigError`` naming the
     setting, password masked. An unencoded ``/ ? # @`` in a password moves part of it into
     the port (``Port could not be cast to integer value as '<fragment>'``, raised by the
     first reader) or the host (a driver naming it in its error), where no masking finds it
-    (docs/relay.md, "Configuration checks")."""
+    (docs/relay.md, "Configuration checks"). With ``host_list`` (a PostgreSQL database URL),
+    libpq's ``host1:port1,host2:port2`` is read one host at a time."""
     shown = redact(repr(url))
     fix = "percent-encode / ? # @ in a password as %2F %3F %23 %40"
     head = re.split(r"[?#]", url.split("://", 1)[1], maxsplit=1)[0]  # the authority and the path
+    hosts = head.split("/", 1)[0].rpartition("@")[2].split(",")
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 - read for its ValueError
+        for server in [urlsplit(f"//{host}") for host in hosts] if host_list else [parts]:
+            server.port  # noqa: B018 - read for its ValueError
     except ValueError:
+        if len(hosts) > 1 and not host_list:
+            fix = f"a list of hosts is read in only a PostgreSQL database URL; or {fix}"
         raise ConfigError(f"{setting}={shown}: the host part cannot be read (the port is not a number from 0 "
                           f"to 65535, or a bracket is unbalanced): {fix}") from None
     # Python's parser (MySQL, kombu, Redis) takes the last '@'; libpq the first, so a second
@@ -151,7 +156,7 @@ def validate_database_url(url: str, setting: str = "OUTBOX_DATABASE_URL") -> str
             raise ConfigError(f"{setting}={shown}: unsupported database {scheme!r} "
                               "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
         if base != "sqlite":  # a path, whatever it holds
-            check_host_part(url, setting)
+            check_host_part(url, setting, host_list=base in ("postgresql", "postgres"))
         if base in SESSION_BOUND_SCHEMES:
             session_bounds(url)
     elif "driver=" not in url.lower():

@@ -84,10 +84,16 @@ def database_identity(database_url: str) -> str:
     query = parse_qsl(parts.query)
     if not parts.hostname and "odbc_connect" in dict(query):
         return _odbc_identity(dict(query)["odbc_connect"])
-    hosts = ",".join(_host_port(item) for item in parts.netloc.rpartition("@")[2].split(","))
+    hosts = host_list(database_url)
     addressing = sorted((k, v) for k, v in query if k in ADDRESSING_PARAMETERS.get(scheme, ()))
     where = "&".join(f"{k}={v}" for k, v in addressing)
     return f"{hosts}{parts.path}" + (f"?{where}" if where else "")
+
+
+def host_list(url: str) -> str:
+    """The hosts of ``url``'s host part as the identity writes them, ``db:5432``, or for libpq's
+    list every one, ``h1:5432,h2:5432``; the same as ``hostname`` and ``port`` for one host."""
+    return ",".join(_host_port(item) for item in urlsplit(url).netloc.rpartition("@")[2].split(","))
 
 
 def _host_port(hostinfo: str) -> str:
@@ -181,4 +187,4 @@ def wake_channel(broker_url: str, key_prefix: str, namespace: str) -> str:
 __all__ = ["is_redis_url", "REDIS_URL_PREFIXES", "wake_channel", "CLAIM_TASK", "TICK_KWARGS", "PUBLISH_TASK", "ACK_TASK",
            "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
            "CLAIM_REQUEST_PREFIX", "claim_request_key", "TASK_OUTBOX_ARG", "KINDS", "TASK_KINDS", "LEGACY_NAMESPACE",
-           "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "ADDRESSING_PARAMETERS", "database_identity", "default_namespace", "Queues"]
+           "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "ADDRESSING_PARAMETERS", "host_list", "database_identity", "default_namespace", "Queues"]

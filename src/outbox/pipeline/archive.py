@@ -47,6 +47,7 @@ from itertools import chain, islice
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..core.names import host_list
 from ..core.redact import redact
 from ..storage.engines import engine_for_url
 from ..storage.engines.base import Engine
@@ -167,8 +168,7 @@ def database_of(url: str) -> str:
     parts = urlsplit(url)
     if not parts.hostname:
         return redact(url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{engine.name}://{parts.hostname.lower()}{port}{parts.path.rstrip('/')}"
+    return f"{engine.name}://{host_list(url)}{parts.path.rstrip('/')}"  # libpq's list of hosts too
 
 
 def check_table(store: OutboxStore) -> None:
