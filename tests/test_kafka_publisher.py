@@ -689,8 +689,12 @@ def test_outbox_check_on_kafka(kafka_bootstrap: str, tmp_path) -> None:
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://{kafka_bootstrap}",
            "OUTBOX_DEAD_LETTER_EXCHANGE": dead}
     results = {r.name: r for r in run_checks(env, probe_topic=topic)}
+    # the configuration line names the topics, not an exchange (which means nothing on Kafka)
+    assert "Kafka topics '{topic}'" in results["configuration"].detail and "exchange" not in results["configuration"].detail
     assert results["destination"].state == OK and "reachable: 1 broker(s)" in results["destination"].detail
     assert results["kafka topics"].state == OK and f"dead-letter topic {dead!r} exists" in results["kafka topics"].detail
+    # What a missing topic costs, as the relay does it (docs/destinations.md, "Failures of one topic")
+    assert "that topic pauses, no attempt spent" in results["kafka topics"].detail
     assert results["kafka probe"].state == OK
     [probe] = consume(kafka_bootstrap, topic, 1)
     assert dict(probe.headers())["x-outbox-probe"] == b"true"
@@ -772,3 +776,18 @@ def test_connection_failures_are_logged_once_per_outage(tansu, caplog: pytest.Lo
                     break
             else:
                 pytest.fail("the publisher did not recover")
+
+
+def test_without_confluent_kafka_a_publish_is_fatal_with_the_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a new user's walkthrough: with OUTBOX_PUBLISH_URL=kafka://... and no `kafka`
+    extra, the publisher's error handler imported confluent-kafka itself, so the intended
+    configuration error became a RETRIABLE ModuleNotFoundError and every event went dead at
+    OUTBOX_MAX_ATTEMPTS. It is FATAL (claims stop, no attempt spent), naming the extra."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # import confluent_kafka -> ImportError
+    with KafkaPublisher("kafka://127.0.0.1:1", options=KafkaOptions(delivery_timeout_s=1.0)) as pub:
+        [result] = pub.publish_chains([[event(1, "orders")]])
+    assert result.published == () and result.failed_id == 1
+    assert result.failure is not None and result.failure.kind is FailureKind.FATAL, result.failure
+    assert "confluent-kafka is not installed" in result.failure.reason and "kafka" in result.failure.reason

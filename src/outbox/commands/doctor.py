@@ -274,7 +274,7 @@ def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None
                               "exist: create it"))
     else:
         results.append(Result(name, OK, f"each event goes to the Kafka topic {options.topic_template!r}, which must "
-                              "exist: a missing one stops the relay (FATAL) until it is created"
+                              "exist: while one is missing, its events wait (that topic pauses, no attempt spent) and the others flow"
                               + (f"; dead-letter topic {dead!r} exists" if dead else "")))
     too_large = size_problem(settings, options)
     results.append(Result("kafka message size", WARN, too_large) if too_large else
@@ -379,8 +379,10 @@ def run_checks(environ: dict[str, str] | None = None, *,
         register()  # before the URL is shown: kombu parses it by its scheme
     runner = (f"dramatiq broker {redact(dramatiq.url)}" if dramatiq
               else f"celery broker {redact(settings.broker_url)}")
+    where = (f"Kafka topics {kafka.topic_template!r}" if isinstance(kafka, KafkaOptions)
+             else f"exchange {settings.exchange!r}")  # an exchange means nothing on Kafka
     results = [Result("configuration", OK, f"database {describe_database(settings.database_url)}, "
-                      f"exchange {settings.exchange!r}, publish to {redact(settings.publish_url)}, {runner}, "
+                      f"{where}, publish to {redact(settings.publish_url)}, {runner}, "
                       f"outbox namespace {settings.outbox_namespace!r} (queues {settings.queues.claim}, ...)"),
                *unknown]
     if settings.database_url == "sqlite:///outbox.db" and "OUTBOX_DATABASE_URL" not in environ:

@@ -630,15 +630,15 @@ class KafkaPublisher(Publisher):
             return self._unexpected(sys.exc_info()[1])
 
     def _unexpected(self, exc: Any) -> PublishFailure:
+        self._producer = None  # a new producer (a new producer id) next time
+        if isinstance(exc, ConfigError):  # confluent-kafka missing: before importing it here
+            return PublishFailure(FailureKind.FATAL, str(exc), exc)
         from confluent_kafka import KafkaError, KafkaException
 
-        self._producer = None  # a new producer (a new producer id) next time
         if isinstance(exc, KafkaError):
             return _failure(exc)
         if isinstance(exc, KafkaException) and exc.args:
             return _failure(exc.args[0])
-        if isinstance(exc, ConfigError):
-            return PublishFailure(FailureKind.FATAL, str(exc), exc)
         return PublishFailure(FailureKind.RETRIABLE, redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_HEADER_CHARS],
                               exc)
 
