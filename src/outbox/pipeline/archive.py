@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from itertools import chain, islice
+from itertools import chain, islice, takewhile
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -78,6 +78,9 @@ MANIFEST_DIR = "_manifest"
 HOLDER_NOTE = "lock"
 #: ``_manifest/archive-id``: the archive's UUID, written once; its lock's key (``Archiver._archive_id``).
 ARCHIVE_ID = "archive-id"
+#: ``_manifest/index``: one summary per committed run (``run_summary``), so that a run and
+#: the readers load a manifest only where its ids matter (docs/pipeline.md, "The manifest index").
+INDEX = "index"
 #: Seconds to wait for an archive id another run has just created to be written.
 ARCHIVE_ID_WAIT_S = 5.0
 #: Seconds between two tries for a lock another run holds (``--wait``).
@@ -199,6 +202,69 @@ def db_cutoff(store: OutboxStore, older_than: timedelta) -> Any:
     return store._run("clock", lambda c: engine.execute(c, f"SELECT {engine.now_plus_ms()}", [-ms]).fetchone()[0])
 
 
+# -- the committed runs: their manifests and the index of them (docs/pipeline.md, "The manifest index") --
+def committed_run_ids(names: Sequence[str]) -> list[str]:
+    """The runs whose manifest is among ``names`` (a listing of ``_manifest/``), oldest first."""
+    return sorted(n[:-len(".json")] for n in names if n.endswith(".json") and not n.startswith("."))
+
+
+def finished_run_ids(names: Sequence[str]) -> set[str]:
+    """The runs marked finished (``.deleted``) among ``names``."""
+    return {n[:-len(".deleted")] for n in names if n.endswith(".deleted")}
+
+
+def read_manifest(fs: ArchiveFS, run_id: str) -> dict[str, Any]:
+    return json.loads(fs.read_text(fs.uri(MANIFEST_DIR, f"{run_id}.json")))
+
+
+def run_summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A run's line in the index: what a run and the readers ask of every run (its id span,
+    outbox and cut-off), without its id runs and files (a manifest can be megabytes)."""
+    ranges = manifest["id_ranges"]
+    return {"run_id": manifest["run_id"], "min_id": min((int(a) for a, _ in ranges), default=None),
+            "max_id": max((int(b) for _, b in ranges), default=None), "rows": manifest["rows"],
+            "database": manifest.get("database"), "schema": manifest.get("schema"), "table": manifest.get("table"),
+            "cutoff": manifest["cutoff"]}
+
+
+def run_index(fs: ArchiveFS, names: Sequence[str],
+              known: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """The summary of every committed run (``names``: the listing of ``_manifest/``), oldest
+    first, and whether the index was behind. The manifests are the truth: a run the index
+    lacks (finished by a run killed before it wrote the index, or the index missing or being
+    rewritten) is summarized from its manifest (``known``: a summary at hand, not read
+    again), and a run whose manifest is gone is left out."""
+    indexed: dict[str, dict[str, Any]] = {}
+    if INDEX in names:
+        try:
+            indexed = {run["run_id"]: run for run in json.loads(fs.read_text(fs.uri(MANIFEST_DIR, INDEX)))["runs"]}
+        except Exception:  # replaced under this reader, or damaged: the manifests tell it all
+            log.debug("outbox: cannot read the archive's run index; reading the manifests", exc_info=True)
+    runs, behind = [], False
+    for run_id in committed_run_ids(names):
+        run = indexed.get(run_id)
+        if run is None:
+            run = known if known is not None and known["run_id"] == run_id else run_summary(read_manifest(fs, run_id))
+            behind = True
+        runs.append(run)
+    return runs, behind or len(runs) != len(indexed)
+
+
+def write_run_index(fs: ArchiveFS, runs: Sequence[dict[str, Any]]) -> None:
+    """Write the index (whole, atomically: ``ArchiveFS.write_text``); only the lock's holder does."""
+    fs.write_text(fs.uri(MANIFEST_DIR, INDEX), json.dumps({"version": 1, "runs": list(runs)}))
+
+
+def within_runs(id_ranges: Sequence[Sequence[int]], rows: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    """The ``(id, ...)`` of ``rows`` whose id is in one of the ``[first, last]`` runs (not in a gap)."""
+    ranges = sorted((int(a), int(b)) for a, b in id_ranges)
+    starts = [a for a, _ in ranges]
+    for row in rows:
+        at = bisect_right(starts, int(row[0])) - 1
+        if at >= 0 and ranges[at][1] >= int(row[0]):
+            yield row
+
+
 class Archiver:
     def __init__(self, spark: Any, store: OutboxStore, to: str, *, on_step: Hook | None = None,
                  delete_chunk: int = DELETE_CHUNK, delete_connections: int = DELETE_CONNECTIONS, partitions: int = 4,
@@ -223,8 +289,6 @@ class Archiver:
         self.wait_s = max(0.0, wait_s)
         self._fs: ArchiveFS | None = None
         self._lock: ArchiveLock | None = None
-        #: The finished runs' manifests (``_check_one_outbox``, then each run this one finishes).
-        self._history: list[dict[str, Any]] = []
 
     @property
     def fs(self) -> ArchiveFS:
@@ -318,7 +382,7 @@ class Archiver:
             self._lock.check(before)
 
     def _run(self, older_than: timedelta, include_dead: bool) -> ArchiveResult:
-        self._history = self._check_one_outbox()
+        self._check_one_outbox()
         recovered = self.recover()
         statuses = [DONE_STATUS, DEAD_STATUS] if include_dead else [DONE_STATUS]
         cutoff = db_cutoff(self.store, older_than)
@@ -368,33 +432,42 @@ class Archiver:
         return result
 
     # -- one outbox per archive (docs/pipeline.md, "Guarantees") ---------------------------
-    def _check_one_outbox(self) -> list[dict[str, Any]]:
+    def _check_one_outbox(self) -> None:
         """Warn, once per run, when the archive's finished runs name another outbox (another
         database URL, schema or table): an archive is meant to hold one. Only a warning: the
         URL is compared as written, and a port spelled out, a host alias or a failover to
         another host changes it for the same table (refused at first, every later run was:
         found in review). What would lose events, two events under one id, ``_check_ids``
-        refuses by their message ids. Returns the finished runs' manifests. (An unfinished
-        run of another outbox: ``recover``.)"""
+        refuses by their message ids. Reads the index only (``_index``), not the manifests.
+        (An unfinished run of another outbox: ``recover``.)"""
         names = self.fs.list_names(self.fs.uri(MANIFEST_DIR))
-        finished = sorted(n[:-len(".deleted")] for n in names if n.endswith(".deleted"))
+        finished = finished_run_ids(names)
         database = database_of(self.store.url)
         mine = outbox_named(database, self.engine.schema, self.engine.table_name)
-        history, others = [], []
-        for run_id in finished:
-            if f"{run_id}.json" not in names:
+        others: list[str] = []
+        for run in self._index(names=names):
+            if run["run_id"] not in finished:
                 continue
-            manifest = json.loads(self.fs.read_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json")))
             # (A manifest written before "database" was recorded is taken as this database's.)
-            theirs = outbox_named(manifest.get("database", database), manifest.get("schema"), manifest.get("table"))
+            theirs = outbox_named(run.get("database") or database, run.get("schema"), run.get("table"))
             if theirs != mine and theirs not in others:
                 others.append(theirs)
                 log.warning("outbox: the archive %s holds runs of %s (run %s) and this run is of %s: the same "
                             "outbox under another URL, or another outbox; an archive holds one outbox (give each "
                             "its own OUTBOX_ARCHIVE_URI): ids met again for other events are refused",
-                            self.root, theirs, run_id, mine)
-            history.append(manifest)
-        return history
+                            self.root, theirs, run["run_id"], mine)
+
+    def _index(self, known: dict[str, Any] | None = None, *,
+               names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The committed runs' summaries (``run_index``; ``known``: the run this one has just
+        finished), written back when the index was behind: this run holds the lock, so it
+        alone writes the index."""
+        if names is None:
+            names = self.fs.list_names(self.fs.uri(MANIFEST_DIR))
+        runs, behind = run_index(self.fs, names, known)
+        if behind:
+            write_run_index(self.fs, runs)
+        return runs
 
     def _check_own_run(self, manifest: dict[str, Any], database: str) -> None:
         """A committed run's deletes belong to its own outbox: finished on another one they
@@ -435,18 +508,24 @@ class Archiver:
         for other events: the outbox's ids started again (its table re-created or moved, its
         sequence reset), and the readers would keep one of the two events of an id. The
         one row a run may meet again is one an earlier run left in the outbox (a dead row
-        requeued after it was read: ``kept``), the same event."""
+        requeued after it was read: ``kept``), the same event. A run's manifest is read (and
+        let go) only when a row to archive lies in its id span (the index's min and max)."""
         sql = ids_in_span_sql(self.engine, statuses)
-        for manifest in self._history:
-            met = self._rows_within(manifest["id_ranges"], sql, [cutoff], lo, hi)
+        names = self.fs.list_names(self.fs.uri(MANIFEST_DIR))
+        finished = finished_run_ids(names)
+        for run in self._index(names=names):
+            if run["run_id"] not in finished or run["min_id"] is None or run["max_id"] < lo or run["min_id"] > hi:
+                continue
+            met = self._rows_in(sql, [cutoff], max(lo, run["min_id"]), min(hi, run["max_id"]))
             first = next(met, None)
             if first is None:
                 continue
+            manifest = read_manifest(self.fs, run["run_id"])
             kept = self._kept_of(manifest)
             if kept is None:  # finished before the kept rows were recorded: not known
                 log.debug("outbox: run %s recorded no kept rows; its ids are not checked", manifest["run_id"])
                 continue
-            for id_, message_id in chain([first], met):
+            for id_, message_id in within_runs(manifest["id_ranges"], chain([first], met)):
                 if kept.get(id_) != message_id:
                     raise PipelineError(
                         f"the outbox's row {id_} has an id the archive {self.root} already holds for another "
@@ -455,21 +534,21 @@ class Archiver:
                         "readers, which tell rows apart by id, would keep one of the two events; archive this "
                         "outbox to an archive of its own (OUTBOX_ARCHIVE_URI); nothing was archived")
 
-    def _rows_within(self, id_ranges: list[list[int]], sql: str, params: list[Any], lo: int = 0,
-                     hi: int | None = None) -> Iterator[tuple[int, Any]]:
+    def _rows_within(self, id_ranges: list[list[int]], sql: str, params: list[Any]) -> Iterator[tuple[int, Any]]:
         """(id, message id) of the rows ``sql`` (``ids_in_span_sql``) finds within a run's
-        ``[first, last]`` id runs (and ``lo..hi``), read ``CHECK_CHUNK`` ids a statement."""
-        ranges = [(int(a), int(b)) for a, b in id_ranges]
-        if not ranges:
-            return
-        starts = [a for a, _ in ranges]
-        span = (max(lo, ranges[0][0]), ranges[-1][1] if hi is None else min(hi, ranges[-1][1]))
-        for first, last in range_chunks([span], CHECK_CHUNK):
-            rows = self.store._run("archive check", self._reader(sql, [first, last, *params]))
-            for id_, message_id in rows:
-                at = bisect_right(starts, int(id_)) - 1
-                if at >= 0 and ranges[at][1] >= int(id_):  # not in a gap: an id the run archived
-                    yield int(id_), message_id
+        ``[first, last]`` id runs."""
+        if not id_ranges:
+            return iter(())
+        first = min(int(a) for a, _ in id_ranges)
+        last = max(int(b) for _, b in id_ranges)
+        return within_runs(id_ranges, self._rows_in(sql, params, first, last))
+
+    def _rows_in(self, sql: str, params: list[Any], first: int, last: int) -> Iterator[tuple[int, Any]]:
+        """(id, message id) of the rows ``sql`` (``ids_in_span_sql``) finds in ``first..last``,
+        read ``CHECK_CHUNK`` ids a statement."""
+        for lo, hi in range_chunks([(first, last)], CHECK_CHUNK):
+            for id_, message_id in self.store._run("archive check", self._reader(sql, [lo, hi, *params])):
+                yield int(id_), message_id
 
     def _reader(self, sql: str, params: list[Any]) -> Callable[[Any], list[Any]]:
         return lambda cursor: list(self.engine.execute(cursor, sql, params).fetchall())
@@ -550,7 +629,7 @@ class Archiver:
             manifest["id_ranges"], ids_in_span_sql(self.engine), [])] if deleted < manifest["rows"] else [])
         self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.deleted"), json.dumps(
             {"run_id": run_id, "deleted": deleted, "kept": kept, "at": datetime.now(UTC).isoformat()}))
-        self._history.append(manifest)
+        self._index(run_summary(manifest))
         self.progress(f"run {run_id}: deleted {deleted} archived row(s) from the outbox")
         return deleted
 
@@ -624,12 +703,12 @@ class Archiver:
         """Finish committed runs that did not finish; drop staging nobody committed, and staging a
         finished run has again (a task attempt that outlived its run wrote there)."""
         names = self.fs.list_names(self.fs.uri(MANIFEST_DIR))
-        committed = {n[:-len(".json")] for n in names if n.endswith(".json") and not n.startswith(".")}
-        finished = {n[:-len(".deleted")] for n in names if n.endswith(".deleted")}
+        committed = set(committed_run_ids(names))
+        finished = finished_run_ids(names)
         recovered = []
         database = database_of(self.store.url)
         for run_id in sorted(committed - finished):
-            manifest = json.loads(self.fs.read_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.json")))
+            manifest = read_manifest(self.fs, run_id)
             if manifest.get("table") != self.engine.table_name or manifest.get("schema") != self.engine.schema:
                 raise PipelineError(f"the archive {self.root} has an unfinished run {run_id} of table "
                                     f"{manifest.get('table')!r}; finish it by archiving that table first")
@@ -648,13 +727,6 @@ class Archiver:
                               "staging after it")
                 self.fs.delete(self.fs.uri(STAGING_DIR, run_id))
         return recovered
-
-
-def committed_manifests(fs: ArchiveFS) -> list[dict[str, Any]]:
-    """Every committed run of an archive, oldest first."""
-    names = fs.list_names(fs.uri(MANIFEST_DIR))
-    return [json.loads(fs.read_text(fs.uri(MANIFEST_DIR, n)))
-            for n in sorted(n for n in names if n.endswith(".json") and not n.startswith("."))]
 
 
 def read_archive(spark: Any, location: str) -> Any:
@@ -679,21 +751,23 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
     fs = ArchiveFS(spark, root)
     if not fs.exists(root):
         raise PipelineError(f"no archive at {root}: the directory does not exist")
-    manifests = committed_manifests(fs)
-    if not manifests and not fs.exists(fs.uri(MANIFEST_DIR)):
+    names = fs.list_names(fs.uri(MANIFEST_DIR))
+    if not names and not fs.exists(fs.uri(MANIFEST_DIR)):
         raise PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
                             "`outbox pipeline archive`)")
+    runs, _ = run_index(fs, names)  # a reader does not hold the lock: it never writes the index
     # (base, what to read): the archive tree, and of each committed run still in staging (a
     # crash mid-publish) its committed files only: a task attempt that failed, or ran on
     # after its run had finished, may have left finished files of its own beside them.
     paths: list[tuple[str, list[str]]] = []
     if [f for f in fs.list_files(root) if f.endswith(".parquet") and not f.startswith("_")]:
         paths.append((root, [root]))
-    for manifest in manifests:
-        staging = fs.uri(STAGING_DIR, manifest["run_id"])
-        if fs.exists(staging):
+    staged = set(fs.list_names(fs.uri(STAGING_DIR)))
+    for run in runs:
+        if run["run_id"] in staged:
+            staging = fs.uri(STAGING_DIR, run["run_id"])
             there = set(fs.list_files(staging))
-            committed = [f"{staging}/{rel}" for rel in manifest["files"] if rel in there]
+            committed = [f"{staging}/{rel}" for rel in read_manifest(fs, run["run_id"])["files"] if rel in there]
             if committed:
                 paths.append((staging, committed))
     frames = [spark.read.schema(ARCHIVE_SCHEMA_DDL).option("basePath", base).parquet(*files) for base, files in paths]
@@ -702,9 +776,7 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
     frame = frames[0]
     for other in frames[1:]:
         frame = frame.unionByName(other)
-    ranges = sorted((int(first), int(last)) for m in manifests for first, last in m["id_ranges"])
-    overlap = any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:]))
-    if not overlap and len(paths) == 1 and paths[0][0] == root:
+    if len(paths) == 1 and paths[0][0] == root and not runs_overlap(fs, runs):
         return frame, False
     # One row per id is kept; two *events* under one id (two outboxes' runs, or an outbox
     # whose ids started again, archived before the archive refused that) would lose one.
@@ -716,18 +788,54 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
                             "one; move each outbox's runs (their _manifest/<run>.json and files) to an archive of "
                             "its own")
     # The newest copy by the database's clock, never the driver host's (docs/pipeline.md, "Guarantees").
-    order = spark.createDataFrame(list(run_order(manifests).items()), "archive_run STRING, _run_order INT")
+    order = spark.createDataFrame(list(run_order(runs).items()), "archive_run STRING, _run_order INT")
     latest = Window.partitionBy("id").orderBy(F.col("processed_at").desc_nulls_last(),
                                               F.col("_run_order").desc_nulls_last(), F.col("archive_run").desc())
     return (frame.join(F.broadcast(order), "archive_run", "left").withColumn("_n", F.row_number().over(latest))
             .where("_n = 1").drop("_n", "_run_order").select(*frame.columns)), True
 
 
-def run_order(manifests: Sequence[dict[str, Any]]) -> dict[str, int]:
+def runs_overlap(fs: ArchiveFS, runs: Sequence[dict[str, Any]]) -> bool:
+    """Whether two committed runs archived one id. Only runs whose id spans (the index's
+    min and max) overlap are looked at, two manifests at a time, each cut to the span the
+    two share (docs/pipeline.md, "The manifest index")."""
+    spans = sorted((run["min_id"], run["max_id"], run["run_id"]) for run in runs if run["min_id"] is not None)
+    for n, (_, a_max, a_id) in enumerate(spans):
+        later = list(takewhile(lambda b: b[0] <= a_max, islice(spans, n + 1, None)))  # noqa: B023 - used at once
+        if not later:
+            continue
+        a_ranges = clipped(read_manifest(fs, a_id)["id_ranges"], later[0][0], a_max)
+        for b_min, b_max, b_id in later:
+            ours = clipped(a_ranges, b_min, b_max)
+            if ours and ranges_meet(ours, clipped(read_manifest(fs, b_id)["id_ranges"], b_min, a_max)):
+                return True
+    return False
+
+
+def clipped(id_ranges: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The ``[first, last]`` runs cut to ``lo..hi``, sorted."""
+    return sorted((max(int(a), lo), min(int(b), hi)) for a, b in id_ranges if int(b) >= lo and int(a) <= hi)
+
+
+def ranges_meet(ours: list[tuple[int, int]], theirs: list[tuple[int, int]]) -> bool:
+    """Whether two sorted lists of ``[first, last]`` runs share an id."""
+    i = j = 0
+    while i < len(ours) and j < len(theirs):
+        if ours[i][1] >= theirs[j][0] and theirs[j][1] >= ours[i][0]:
+            return True
+        if ours[i][1] < theirs[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
+
+
+def run_order(runs: Sequence[dict[str, Any]]) -> dict[str, int]:
     """Each committed run's place in time, 0 the oldest: by its cut-off (the database's
     clock), the run id (the driver host's clock) breaking ties only. A run id alone put a
-    run whose host clock was behind before an earlier one (found in review)."""
+    run whose host clock was behind before an earlier one (found in review). ``runs``:
+    manifests, or their summaries (``run_summary``)."""
     def key(manifest: dict[str, Any]) -> tuple[datetime, str]:
         cutoff = datetime.fromisoformat(manifest["cutoff"])
         return (cutoff if cutoff.tzinfo else cutoff.replace(tzinfo=UTC)), manifest["run_id"]
-    return {m["run_id"]: n for n, m in enumerate(sorted(manifests, key=key))}
+    return {m["run_id"]: n for n, m in enumerate(sorted(runs, key=key))}
