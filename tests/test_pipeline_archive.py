@@ -361,6 +361,79 @@ def stage_by_hand(spark: Any, staging: Path, ids_by_topic: dict[str, list[int]],
      .partitionBy("topic", "date").mode("append" if append else "errorifexists").parquet(str(staging)))
 
 
+class Statements:
+    """The statements an engine runs in this process (spied on, then run as they were)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, engine_class: type) -> None:
+        self.seen: list[tuple[str, list[Any]]] = []
+        real = engine_class.execute
+
+        def execute(engine: Any, cursor: Any, text: str, params: Any = ()) -> Any:
+            self.seen.append((text, list(params)))
+            return real(engine, cursor, text, params)
+
+        monkeypatch.setattr(engine_class, "execute", execute)
+
+    def spans(self, marker: str) -> list[tuple[int, int]]:
+        """The ``id >= ? AND id <= ?`` bounds of the statements holding ``marker``."""
+        found = []
+        for text, params in self.seen:
+            if marker in text:
+                assert "id >= ? AND id <= ?" in text, text
+                before = text[:text.index("id >= ? AND id <= ?")].count("?")
+                found.append((int(params[before]), int(params[before + 1])))
+        return found
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_the_rows_to_archive_are_counted_a_short_statement_per_id_chunk(
+        spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count of the rows to archive (and of those whose topic may be too long for a
+    directory name) was one statement over the whole backlog: minutes on hundreds of
+    millions of rows, holding back vacuum (PostgreSQL) and purge (InnoDB) on the hot outbox
+    all along (found in review). It is now one statement per ``COUNT_CHUNK`` ids, and the
+    long topics are read only in the chunks that hold one; what the run archives is unchanged."""
+    long_topic = "t." + "x" * 70  # over SHORT_TOPIC_CHARS, short enough for a directory name
+    rows = [*mixed_rows(), Row(long_topic, "l1", age_ms=9 * DAY_MS)]
+    ids = seed(store, rows)
+    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+    monkeypatch.setattr(archive_module, "COUNT_CHUNK", 4)
+    statements = Statements(monkeypatch, type(store.engine))
+    result = Archiver(spark, store, str(tmp_path / "archive")).run(timedelta(days=7))
+    assert (result.archived, result.deleted) == (len(old_done), len(old_done))
+    assert table_ids(store) == set(ids) - old_done
+    counts = statements.spans("COUNT(CASE WHEN")
+    assert counts == [(a, min(a + 3, max(ids))) for a in range(min(ids), max(ids) + 1, 4)], counts
+    assert statements.spans("SELECT DISTINCT topic") == [next(c for c in counts if c[0] <= ids[-1] <= c[1])]
+    assert any(r["topic"] == long_topic for r in read_archive(spark, str(tmp_path / "archive")).collect())
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_the_per_topic_plan_is_read_a_short_statement_per_id_chunk(store: OutboxStore, url: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--split topic``'s planner counted the rows per topic in one GROUP BY over the whole
+    id span (found in review): now one statement per ``COUNT_CHUNK`` ids, each its own
+    transaction, the counts merged into the same tasks."""
+    from outbox.pipeline import source
+    from outbox.pipeline.common import encode_native
+
+    rows = [Row(f"t{i % 3}", f"a{i}", age_ms=9 * DAY_MS) for i in range(11)]
+    ids = seed(store, rows)
+    with store.transaction() as cursor:
+        now = store.engine.execute(cursor, "SELECT now()").fetchone()[0]
+    options = {"url": url, "table": store.engine.table_name, "statuses": "2", "split": "topic", "partitions": "3",
+               "processed_before": encode_native(now), "min_id": str(ids[0]), "max_id": str(ids[-1])}
+
+    def plan() -> list[Any]:
+        return [(p.lo, p.hi, p.pieces) for p in source.OutboxReader(options).partitions()]
+
+    whole = plan()
+    monkeypatch.setattr(source, "COUNT_CHUNK", 4)
+    statements = Statements(monkeypatch, type(store.engine))
+    assert plan() == whole
+    assert statements.spans("GROUP BY topic") == [(a, min(a + 3, ids[-1])) for a in range(ids[0], ids[-1] + 1, 4)]
+
+
 @pytest.mark.parametrize("kind", ["postgresql"])
 def test_split_by_topic_archives_what_id_ranges_do_in_fewer_files(spark: Any, make_store: Any,
                                                                    tmp_path: Path) -> None:

@@ -330,7 +330,7 @@ def _tsql(sql: str, params: int) -> exp.Expression:
 
 def test_pipeline_sql_parses_as_tsql() -> None:
     pytest.importorskip("pyspark")
-    from outbox.pipeline.archive import candidates_sql, check_table_sql, delete_sql, long_topics_sql
+    from outbox.pipeline.archive import candidates_sql, check_table_sql, delete_sql, long_topics_sql, table_bounds_sql
     from outbox.pipeline.replay import existing_sql
     from outbox.pipeline.source import OutboxQuery
 
@@ -348,8 +348,9 @@ def test_pipeline_sql_parses_as_tsql() -> None:
     assert len(pieces.params) == 5
     _tsql(pieces.page_sql(), 3 + len(pieces.params))
     _tsql(check_table_sql(engine), 0)
-    _tsql(candidates_sql(engine, [2, 4]), 1)
-    assert "DATALENGTH(topic) > 62" in _tsql(long_topics_sql(engine, [2]), 1).sql(dialect="tsql")
+    _tsql(table_bounds_sql(engine), 0)
+    _tsql(candidates_sql(engine, [2, 4]), 3)
+    assert "DATALENGTH(topic) > 62" in _tsql(long_topics_sql(engine, [2]), 3).sql(dialect="tsql")
     delete = _tsql(delete_sql(engine, [2]), 3)
     assert isinstance(delete, exp.Delete)
     assert isinstance(_tsql(delete_sql(engine, [2, 4], 100), 201), exp.Delete)  # 2,100 parameters at most
@@ -700,8 +701,9 @@ def test_sqlite_walks_an_id_range_by_rowid(tmp_path: Path) -> None:
     """SQLite keeps no statistics until ANALYZE, and then took the (status,
     processed_at) index for a page or a delete chunk of an id range, reading every
     done row of the table each time (500,000 rows: the archive's delete 15.3 s, by rowid
-    10.4 s). Every such statement now names the rowid range in its plan."""
-    from outbox.pipeline.archive import delete_sql
+    10.4 s). Every such statement (the archive's counts per id chunk too) now names the
+    rowid range in its plan."""
+    from outbox.pipeline.archive import candidates_sql, delete_sql, long_topics_sql
     from outbox.pipeline.common import encode_native
     from outbox.pipeline.source import OutboxQuery
     from outbox.storage.store import OutboxStore
@@ -717,7 +719,9 @@ def test_sqlite_walks_an_id_range_by_rowid(tmp_path: Path) -> None:
                                  "processed_before": encode_native(cutoff)})
             for sql, params in ((query.page_sql(), [0, 5000, *query.params, 1000]),
                                 (query.topics_sql(), [*query.params, 1, 5000]),
-                                (delete_sql(engine, [2, 4]), [1, 5000, cutoff])):
+                                (delete_sql(engine, [2, 4]), [1, 5000, cutoff]),
+                                (candidates_sql(engine, [2, 4]), [1, 5000, cutoff]),
+                                (long_topics_sql(engine, [2]), [1, 5000, cutoff])):
                 plan = " ".join(str(row[-1]) for row in engine.execute(cursor, "EXPLAIN QUERY PLAN " + sql, params))
                 assert "INTEGER PRIMARY KEY (rowid>? AND rowid<?)" in plan, (sql, plan)
                 assert "INDEX" not in plan.replace("INTEGER PRIMARY KEY", ""), (sql, plan)

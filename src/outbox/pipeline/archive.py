@@ -55,6 +55,7 @@ from ..storage.engines.sqlite import sqlite_path
 from ..storage.store import OutboxStore
 from .common import (
     ARCHIVE_SCHEMA_DDL,
+    COUNT_CHUNK,
     DELETE_CHUNK,
     DELETE_CONNECTIONS,
     PipelineError,
@@ -112,6 +113,16 @@ class ArchiveResult:
                 "cutoff": self.cutoff.isoformat() if self.cutoff else None, "recovered": self.recovered}
 
 
+@dataclass
+class Candidates:
+    """The rows to archive, as ``Archiver._candidates`` counted them."""
+    count: int = 0
+    lo: int | None = None
+    hi: int | None = None
+    #: The counted id chunks that hold a topic that may be too long for a directory name.
+    long_chunks: list[tuple[int, int]] = field(default_factory=list)
+
+
 def _noop(step: str) -> None:
     return None
 
@@ -121,19 +132,26 @@ def check_table_sql(engine: Engine) -> str:
     return f"SELECT COUNT(*) FROM {engine.table} WHERE 1 = 0"
 
 
+def table_bounds_sql(engine: Engine) -> str:
+    """The table's lowest and highest id (either end of its primary key: no row is read)."""
+    return f"SELECT MIN(id), MAX(id) FROM {engine.table}"
+
+
 def candidates_sql(engine: Engine, statuses: list[int]) -> str:
-    """Count and id bounds of the rows to archive, and how many of them have a topic
-    that may be too long for a directory name (``long_topics_sql``); one ``?``: the cut-off."""
+    """Count and id bounds of the rows to archive in ``?``..``?``, and how many of them have
+    a topic that may be too long for a directory name (``long_topics_sql``); a third ``?``:
+    the cut-off."""
     return (f"SELECT COUNT(*), MIN(id), MAX(id), "
-            f"COUNT(CASE WHEN {engine.text_length}(topic) > {SHORT_TOPIC_CHARS} THEN 1 END) FROM {engine.table} "
-            f"WHERE status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
+            f"COUNT(CASE WHEN {engine.text_length}(topic) > {SHORT_TOPIC_CHARS} THEN 1 END) "
+            f"FROM {engine.id_range_source()} WHERE id >= ? AND id <= ? "
+            f"AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ?")
 
 
 def long_topics_sql(engine: Engine, statuses: list[int]) -> str:
-    """The topics of the rows to archive that may be too long for a directory name (more
-    than ``SHORT_TOPIC_CHARS`` characters); one ``?``: the cut-off."""
-    return (f"SELECT DISTINCT topic FROM {engine.table} "
-            f"WHERE status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ? "
+    """The topics of the rows to archive in ``?``..``?`` that may be too long for a directory
+    name (more than ``SHORT_TOPIC_CHARS`` characters); a third ``?``: the cut-off."""
+    return (f"SELECT DISTINCT topic FROM {engine.id_range_source()} WHERE id >= ? AND id <= ? "
+            f"AND status IN ({', '.join(str(int(s)) for s in statuses)}) AND processed_at <= ? "
             f"AND {engine.text_length}(topic) > {SHORT_TOPIC_CHARS}")
 
 
@@ -388,12 +406,12 @@ class Archiver:
         cutoff = db_cutoff(self.store, older_than)
         cutoff_dt = self.engine.to_datetime(cutoff)
         assert cutoff_dt is not None  # the database's clock always answers
-        count, lo, hi, long = self.store._run("count", lambda c: self.engine.execute(
-            c, candidates_sql(self.engine, statuses), [cutoff]).fetchone())
-        if long:
-            self._check_topic_names(statuses, cutoff)
+        found = self._candidates(statuses, cutoff)
+        if found.long_chunks:
+            self._check_topic_names(statuses, cutoff, found.long_chunks)
+        count, lo, hi = found.count, found.lo, found.hi
         result = ArchiveResult(run_id=None, cutoff=cutoff_dt, recovered=recovered)
-        if not count:
+        if not count or lo is None or hi is None:
             self.progress(f"nothing to archive: no {'done or dead' if include_dead else 'done'} rows "
                           f"processed before {cutoff_dt.isoformat()}")
             return result
@@ -561,16 +579,39 @@ class Archiver:
             return {int(id_): message_id for id_, message_id in marker["kept"]}
         return {} if marker.get("deleted", 0) >= manifest["rows"] else None
 
-    def _check_topic_names(self, statuses: list[int], cutoff: Any) -> None:
+    def _candidates(self, statuses: list[int], cutoff: Any) -> Candidates:
+        """Count the rows to archive, their id bounds and the id chunks holding a topic that
+        may be too long: one short statement (its own transaction) per ``COUNT_CHUNK`` ids of
+        the table, never one over the whole backlog, which held back PostgreSQL's vacuum and
+        InnoDB's purge on the hot outbox for as long as it ran (docs/pipeline.md, step 2)."""
+        first, last = self.store._run("id bounds", self._reader(table_bounds_sql(self.engine), []))[0]
+        found = Candidates()
+        if first is None:
+            return found
+        sql = candidates_sql(self.engine, statuses)
+        for lo, hi in range_chunks([(int(first), int(last))], COUNT_CHUNK):
+            count, low, high, long = self.store._run("count", self._reader(sql, [lo, hi, cutoff]))[0]
+            if not count:
+                continue
+            found.count += int(count)
+            found.lo = int(low) if found.lo is None else found.lo
+            found.hi = int(high)
+            if long:
+                found.long_chunks.append((lo, hi))
+        return found
+
+    def _check_topic_names(self, statuses: list[int], cutoff: Any, chunks: list[tuple[int, int]]) -> None:
         """Refuse, before staging, a topic whose directory (``topic=<value>``, Spark's
         escapes counted) is longer than a name may be where the archive is (a local path,
         HDFS: ``MAX_NAME_BYTES``): its task would fail on "File name too long", and so
-        would every later run (docs/pipeline.md, "Layout")."""
+        would every later run (docs/pipeline.md, "Layout"). ``chunks``: the id chunks
+        holding a topic that may be too long (``_candidates``), read one at a time."""
         if urlsplit(self.root).scheme.lower() not in NAME_LIMITED_SCHEMES:
             return
-        topics = self.store._run("long topics", lambda c: self.engine.execute(
-            c, long_topics_sql(self.engine, statuses), [cutoff]).fetchall())
-        for (topic,) in sorted(topics):
+        sql = long_topics_sql(self.engine, statuses)
+        topics = {topic for lo, hi in chunks for (topic,) in self.store._run(
+            "long topics", self._reader(sql, [lo, hi, cutoff]))}
+        for topic in sorted(topics):
             if topic_dir_bytes(topic) > MAX_NAME_BYTES:
                 raise PipelineError(
                     f"the topic {topic!r} makes an archive directory name (topic=<topic>, Spark's %XX escapes "

@@ -110,6 +110,12 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 # -- id ranges ---------------------------------------------------------------------------
+#: Ids per statement of the reads that count over the rows to archive (the archive's count of
+#: its candidates, ``split=topic``'s rows per topic): a short statement each, never one over
+#: the whole backlog (docs/pipeline.md, "A run, step by step", step 2).
+COUNT_CHUNK = 1_000_000
+
+
 def range_chunks(ranges: Sequence[Sequence[int]], chunk: int) -> Iterator[tuple[int, int]]:
     """Split ``[first, last]`` runs of ids into inclusive sub-ranges of at most ``chunk`` ids."""
     for first, last in ranges:

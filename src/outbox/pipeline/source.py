@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..storage.engines import Engine, engine_for_url
-from .common import SOURCE_SCHEMA_DDL, Piece, decode_native, topic_tasks
+from .common import COUNT_CHUNK, SOURCE_SCHEMA_DDL, Piece, decode_native, range_chunks, topic_tasks
 from .fetch import ArrowFetch, arrow_fetch, read_once_more, to_source_schema
 
 _TIMESTAMP_COLUMNS = ("claimed_at", "next_retry_at", "created_at", "processed_at")
@@ -124,7 +124,8 @@ class OutboxQuery:
                                  f"WHERE id > ? AND id <= ? AND {self.where} ORDER BY id")
 
     def topics_sql(self) -> str:
-        """Rows and id bounds per topic; ``?`` first and ``?`` last id after the filters."""
+        """Rows and id bounds per topic; ``?`` first and ``?`` last id after the filters (one
+        chunk of the span: ``OutboxReader.topic_groups``)."""
         return (f"SELECT topic, COUNT(*), MIN(id), MAX(id) FROM {self.engine.id_range_source()} "
                 f"WHERE {self.where} AND id >= ? AND id <= ? GROUP BY topic")
 
@@ -216,7 +217,7 @@ class OutboxReader(DataSourceReader):
     def partitions(self) -> list[IdRange]:
         """Equal id ranges between the lowest and highest matching id (asked of the
         database once, here, unless ``min_id``/``max_id`` are given); with
-        ``split=topic``, ``common.topic_tasks`` of the rows per topic (one more query)."""
+        ``split=topic``, ``common.topic_tasks`` of the rows per topic (``topic_groups``)."""
         lo = int(self.options["min_id"]) if self.options.get("min_id") else None
         hi = int(self.options["max_id"]) if self.options.get("max_id") else None
         query: OutboxQuery | None = None  # made only when the database is asked
@@ -230,9 +231,7 @@ class OutboxReader(DataSourceReader):
         if hi < lo:
             return [IdRange(1, 0)]
         if self.split == "topic":
-            planner, first, last = query or OutboxQuery(self.options), lo, hi
-            groups = [(str(t), int(n), int(a), int(b)) for t, n, a, b in self._ask(planner, lambda cursor: (
-                planner.engine.execute(cursor, planner.topics_sql(), [*planner.params, first, last]).fetchall()))]
+            groups = self.topic_groups(query or OutboxQuery(self.options), lo, hi)
             if not groups:
                 return [IdRange(1, 0)]
             if len(groups) <= MAX_SPLIT_TOPICS:
@@ -241,6 +240,29 @@ class OutboxReader(DataSourceReader):
         n = min(self.partition_count, span)
         step = -(-span // n)
         return [IdRange(start, min(hi, start + step - 1)) for start in range(lo, hi + 1, step)]
+
+    @staticmethod
+    def topic_groups(query: OutboxQuery, lo: int, hi: int) -> list[tuple[str, int, int, int]]:
+        """(topic, rows, first id, last id) of the rows in ``lo..hi``, counted one statement
+        per ``COUNT_CHUNK`` ids (each its own transaction, on one connection of its own) and
+        merged: one GROUP BY over the whole span held a snapshot as long as the backlog
+        (docs/pipeline.md, "How the jobs read the outbox"). Past ``MAX_SPLIT_TOPICS`` topics
+        it stops (the plan falls back to id ranges)."""
+        merged: dict[str, tuple[int, int, int]] = {}
+        conn = query.engine.connect(query.url)
+        try:
+            for first, last in range_chunks([(lo, hi)], COUNT_CHUNK):
+                rows = query.engine.execute(conn.cursor(), query.topics_sql(), [*query.params, first, last]).fetchall()
+                conn.rollback()
+                for topic, n, a, b in rows:
+                    had = merged.get(str(topic))
+                    merged[str(topic)] = ((int(n), int(a), int(b)) if had is None else
+                                          (had[0] + int(n), min(had[1], int(a)), max(had[2], int(b))))
+                if len(merged) > MAX_SPLIT_TOPICS:
+                    break
+        finally:
+            conn.close()
+        return [(topic, n, a, b) for topic, (n, a, b) in merged.items()]
 
     @staticmethod
     def _ask(query: OutboxQuery, work: Callable[[Any], _T]) -> _T:
