@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import json
 import logging
 import signal
 import sys
@@ -20,6 +19,7 @@ from ..core.errors import ConfigError
 from ..core.names import CLAIM_TASK, is_redis_url
 from ..core.redact import install_filter, redact
 from ..relay import RelayOptions
+from ..relay.sent_record import RECORD_KEEP, RabbitSentRecord, RedisSentRecord, closing_channel, first_due
 from ..relay.shared import MAX_QUEUED_CLAIMS as SHARED_MAX_QUEUED_CLAIMS
 from ..relay.shared import ClaimQueueGuard, Outage
 from ..schedule import load_beat_schedule
@@ -31,10 +31,6 @@ log = logging.getLogger("outbox.dramatiq.scheduler")
 LOCK_TTL_S = 10.0
 #: Renewal / take-over attempts this often.
 LOCK_CHECK_S = 1.0
-#: RabbitMQ deletes a lock's record queue (``RabbitLock.sent_queue``) after this long unused: an
-#: outbox gone. Above twice the longest purge interval (30 days), which a leader touches it at
-#: least once in. Changing it makes RabbitMQ refuse the declaration of an existing queue.
-RECORD_QUEUE_EXPIRES_MS = 61 * 86_400_000
 #: No claim tick is sent while the claim queue holds this many (``relay.shared.ClaimQueueGuard``).
 MAX_QUEUED_CLAIMS = SHARED_MAX_QUEUED_CLAIMS
 
@@ -76,6 +72,8 @@ class RedisLock:
         self.ttl_ms = int(ttl_s * 1000)
         self.held = False
         self.outage = outage or broker_outage(url)
+        #: When each entry was last sent by any leader (``relay.sent_record``).
+        self.record = RedisSentRecord(self.client, f"{self.key}:sent:")
 
     def hold(self) -> bool:
         """Take or renew the lock; True while this scheduler is the leader. The renewal is
@@ -95,23 +93,11 @@ class RedisLock:
         return self.held
 
     def last_sent(self, actors: list[str]) -> dict[str, float]:
-        """When each of ``actors`` was last sent by any leader (epoch seconds; ``run``): keys
-        beside the lock's. Unknown or unreadable: left out."""
-        if not actors:
-            return {}
-        try:
-            values = self.client.mget([f"{self.key}:sent:{actor}" for actor in actors])
-        except Exception as exc:  # noqa: BLE001 - read as never sent: one interval from now, as before
-            log.debug("outbox scheduler: cannot read when the entries were last sent: %s", exc)
-            return {}
-        return {actor: float(value) for actor, value in zip(actors, values, strict=True) if value is not None}
+        """When each of ``actors`` was last sent by any leader (``run``): keys beside the lock's."""
+        return self.record.last_sent(actors)
 
     def record_sent(self, actor: str, at: float, keep_s: float) -> None:
-        """Record that ``actor`` was sent at ``at`` (epoch seconds), for ``keep_s``."""
-        try:
-            self.client.set(f"{self.key}:sent:{actor}", repr(at), px=int(keep_s * 1000))
-        except Exception as exc:  # noqa: BLE001 - the next leader then waits one interval, as before
-            log.debug("outbox scheduler: cannot record when %s was sent: %s", actor, exc)
+        self.record.record_sent(actor, at, keep_s)
 
     def release(self) -> None:
         try:
@@ -129,11 +115,11 @@ class RabbitLock:
     def __init__(self, url: str, name: str, outage: Outage | None = None) -> None:
         self.url = url
         self.queue = f"outbox.scheduler.{name}"
-        #: The record of when each entry was last sent (``last_sent``): one message, a JSON object.
-        self.sent_queue = f"{self.queue}.sent"
         self.conn: Any = None
         self.outage = outage or broker_outage(url)
-        self._sent: dict[str, float] = {}
+        #: When each entry was last sent by any leader (``relay.sent_record``): the one message of
+        #: the queue ``outbox.scheduler.<name>.sent``, only read or written by the leader.
+        self.record = RabbitSentRecord(f"{self.queue}.sent", self._record_channel)
 
     def hold(self) -> bool:
         from kombu import Connection
@@ -170,50 +156,18 @@ class RabbitLock:
         self.conn = conn
         return True
 
-    def _sent_channel(self) -> Any:
-        """A channel of the lock's connection with the record's queue declared: durable, at most
-        one message (a new one drops the old), so only the leader reads or writes it."""
+    def _record_channel(self) -> Any:
+        """A channel of the lock's connection: only the leader reads or writes the record."""
         if self.conn is None:
             raise ConnectionError("not leading")
-        channel = self.conn.channel()
-        channel.queue_declare(queue=self.sent_queue, durable=True, auto_delete=False,
-                              arguments={"x-max-length": 1, "x-expires": RECORD_QUEUE_EXPIRES_MS})
-        return channel
+        return closing_channel(self.conn)
 
     def last_sent(self, actors: list[str]) -> dict[str, float]:
-        """When each of ``actors`` was last sent by any leader (epoch seconds; ``run``): the one
-        message of the queue ``outbox.scheduler.<name>.sent``, read and put back. Unknown or
-        unreadable: left out."""
-        try:
-            channel = self._sent_channel()
-            try:
-                got = channel.basic_get(queue=self.sent_queue, no_ack=False)
-                if got is not None:
-                    channel.basic_reject(got.delivery_tag, requeue=True)
-                    record = json.loads(got.body)
-                    self._sent = {str(k): float(v) for k, v in record.items()} if isinstance(record, dict) else {}
-            finally:
-                channel.close()
-        except Exception as exc:  # noqa: BLE001 - read as never sent: one interval from now, as before
-            log.debug("outbox scheduler: cannot read when the entries were last sent: %s", exc)
-        return {actor: self._sent[actor] for actor in actors if actor in self._sent}
+        """When each of ``actors`` was last sent by any leader (``run``)."""
+        return self.record.last_sent(actors)
 
     def record_sent(self, actor: str, at: float, keep_s: float) -> None:
-        """Record that ``actor`` was sent at ``at`` (epoch seconds): the record's message is
-        replaced by one holding every entry's time, which RabbitMQ drops after ``keep_s``."""
-        self._sent[actor] = at
-        try:
-            from amqp import Message
-
-            channel = self._sent_channel()
-            try:
-                channel.basic_publish(Message(json.dumps(self._sent), delivery_mode=2,
-                                              expiration=str(int(keep_s * 1000))),
-                                      exchange="", routing_key=self.sent_queue)
-            finally:
-                channel.close()
-        except Exception as exc:  # noqa: BLE001 - the next leader then waits one interval, as before
-            log.debug("outbox scheduler: cannot record when %s was sent: %s", actor, exc)
+        self.record.record_sent(actor, at, keep_s)
 
     def release(self) -> None:
         if self.conn is not None:
@@ -235,27 +189,13 @@ def schedule_entries(settings: Any, options: RelayOptions) -> list[tuple[str, st
              dict(entry.get("kwargs") or {})) for entry in load_beat_schedule(settings, options).values()]
 
 
-#: A record of when an entry was last sent is kept this many of its intervals (then a leader
-#: waits one interval from when it finds none).
-RECORD_KEEP = 10
-
-
 def _first_due(entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any, now: float) -> list[float]:
     """When a new leader sends each entry (``time.monotonic`` values from ``now``): the first (the
-    claim tick) at once, each other one an interval after it was last sent (``lock.last_sent``,
-    epoch seconds; never later than an interval from now, whatever the clocks say). An entry with
-    no record is recorded as sent now, so that the leaders after this one keep to its interval
-    rather than each putting it off by a whole interval as it gains the lead."""
+    claim tick) at once, each other one by ``relay.sent_record.first_due`` from when it was last
+    sent by any leader (``lock.last_sent``), an entry never sent taken as sent now."""
     wall = time.time()
-    last = lock.last_sent([entry[0] for entry in entries[1:]])
-    due = [now]
-    for actor, _, every_s, _, _ in entries[1:]:
-        at = last.get(actor)
-        if at is None:
-            at = wall
-            lock.record_sent(actor, at, RECORD_KEEP * every_s)
-        due.append(now + min(every_s, max(0.0, at + every_s - wall)))
-    return due
+    due = first_due(lock, [(actor, every_s, wall) for actor, _, every_s, _, _ in entries[1:]], wall)
+    return [now] + [now + due[actor] for actor, _, _, _, _ in entries[1:]]
 
 
 def run(stop: threading.Event, entries: list[tuple[str, str, float, float, dict[str, Any]]], lock: Any,
