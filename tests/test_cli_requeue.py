@@ -89,3 +89,39 @@ def test_requeue_usage_errors(dead: dict[str, Any]) -> None:
     assert both.returncode == 2 and "not both" in both.stderr
     helped = run("dead", "requeue", "--help", env={})
     assert "--force" in helped.stdout and "per topic" in helped.stdout
+
+
+def test_a_requeued_row_arrives_after_its_aggregates_later_rows_and_holds_the_rest_back(tmp_path: Path) -> None:
+    """What relay.md ("Requeueing dead rows") and ``dead requeue --help`` warn of (found in
+    review): row 1 of aggregate A goes dead, row 2 is delivered, row 3 is in flight; row 1,
+    requeued, is claimed while row 3 is still in flight (so it reaches consumers after rows 2
+    and 3), and row 4 waits behind it until it is done. Its old ``last_error`` stays on the
+    row after delivery: the last failure before it, with ``attempts``."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url, max_attempts=3)
+    store.migrate()
+    conn = sqlite3.connect(tmp_path / "o.db")
+    rows = [enqueue(conn, topic="orders.paid", aggregate_type="o", aggregate_id="A", payload={"n": n})
+            for n in range(1, 5)]
+    conn.commit()
+    first = store.claim(1)
+    store.mark_failed(rows[0], first.lease, "retriable: unroutable: no queue bound", dead=True)
+    second = store.claim(1)
+    store.mark_done([rows[1]], second.lease)
+    in_flight = store.claim(1)
+    assert [m.id for m in in_flight.messages] == [rows[2]]
+    requeued = run("dead", "requeue", str(rows[0]), env={"OUTBOX_DATABASE_URL": url})
+    assert requeued.returncode == 0, requeued.stderr
+    again = store.claim(100)
+    assert [m.id for m in again.messages] == [rows[0]]  # beside row 3, after row 2
+    store.mark_done([rows[2]], in_flight.lease)
+    assert store.claim(100).messages == []  # row 4 waits behind the requeued row 1
+    store.mark_done([rows[0]], again.lease)
+    assert [m.id for m in store.claim(100).messages] == [rows[3]]
+    with store.transaction() as cursor:
+        [error] = store.engine.execute(cursor, f"SELECT last_error FROM {store.engine.table} WHERE id = ?",
+                                       [rows[0]]).fetchone()
+    assert error == "retriable: unroutable: no queue bound"
+    help_text = " ".join(run("dead", "requeue", "--help", env={"OUTBOX_DATABASE_URL": url}).stdout.split())
+    assert "after the later events of its aggregate" in help_text, help_text
+    assert "holds back" in help_text, help_text

@@ -233,6 +233,11 @@ def dead_requeue(ids: tuple[int, ...], everything: bool, force: bool) -> None:
     --force (fix the row, or raise the limit, first). With IDS it is all or nothing: an
     id that does not exist, is not dead, or is refused is reported, nothing is requeued,
     and the exit status is 1. --all requeues the rest and reports the rows it kept.
+
+    Order: a requeued event is delivered after the later events of its aggregate that were
+    delivered while it was dead (consumers see an old event after newer ones), and it holds
+    back its aggregate's pending events until it is done or dead again. Its last_error
+    stays on the row (docs/relay.md, "Requeueing dead rows").
     """
     if not ids and not everything:
         raise click.UsageError("give the ids to requeue, or --all")
