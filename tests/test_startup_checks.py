@@ -388,6 +388,26 @@ def test_worker_and_beat_warn_about_unknown_outbox_names(tmp_path: Path) -> None
                             "(did you mean OUTBOX_CLAIM_INTERVAL_S?)"], text[-3000:]
 
 
+def test_worker_and_beat_warn_once_that_a_retention_under_a_day_shortens_message_id_deduplication(
+        tmp_path: Path) -> None:
+    """OUTBOX_RETENTION_DAYS=0 was taken silently (found in review), yet enqueue's message_id
+    de-duplication covers only rows still in the table: after the next purge the same
+    message_id is stored, and delivered, again. A retention under a day is still allowed
+    (CONTRACT.md bounds it nowhere) but said once at start-up (README, "Write side"); a bad
+    relay option then stops the process, so the test does not have to run a relay."""
+    redis_url = require_redis()
+    for days, warned in (("0", True), ("0.5", True), ("1", False)):
+        env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_CELERY_BROKER_URL=redis_url,
+                        OUTBOX_RETENTION_DAYS=days, OUTBOX_RELAY_BREAKER_S="nan")
+        for command in ("worker", "beat"):
+            output = relay(command, tmp_path, env)
+            text = output.stdout + output.stderr
+            lines = [line for line in text.splitlines() if "message_id de-duplication" in line]
+            assert len(lines) == (1 if warned else 0), (days, command, text[-3000:])
+            if warned:
+                assert f"OUTBOX_RETENTION_DAYS={float(days):g}" in lines[0] and "less than a day" in lines[0], lines
+
+
 def test_the_dramatiq_scheduler_refuses_an_unknown_log_level(capsys: pytest.CaptureFixture[str]) -> None:
     """--loglevel garbage once ended in logging's traceback."""
     from outbox.dramatiq.scheduler import main

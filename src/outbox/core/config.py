@@ -528,11 +528,29 @@ def relay_families(settings: Settings) -> tuple[type[Options], ...]:
     return (RelayOptions, MetricsOptions, WakeOptions, *transport, *kafka)
 
 
+#: A retention shorter than this many days is said at start-up (``warn_short_retention``).
+SHORT_RETENTION_DAYS = 1.0
+_warned_retention: list[float] = []
+
+
+def warn_short_retention(settings: Settings) -> None:
+    """Once per process: a retention under a day shortens enqueue's ``message_id``
+    de-duplication to it (README, "Write side": why a day)."""
+    days = settings.retention_days
+    if days >= SHORT_RETENTION_DAYS or days in _warned_retention:
+        return
+    _warned_retention.append(days)
+    log.warning("outbox: OUTBOX_RETENTION_DAYS=%g keeps done rows less than a day: enqueue's message_id "
+                "de-duplication covers only rows still in the table, so an event enqueued again with the same "
+                "message_id after the purge deleted the first is stored and delivered again", days)
+
+
 def startup_options() -> tuple[Settings, RelayOptions]:
     """The settings and relay options of a relay process (worker, beat, the Dramatiq front-end
     and its scheduler), with every family it reads validated now (``relay_families``):
     ``ConfigError`` names the first bad setting."""
     settings = get_settings()
+    warn_short_retention(settings)
     for family in relay_families(settings):
         current(family)
     return settings, relay_options()
