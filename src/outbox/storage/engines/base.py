@@ -794,28 +794,46 @@ class Engine(ABC):
                 f"lease_token = NULL, next_retry_at = NULL WHERE {self.open_rows()} AND status = 1 AND lease_token = ?")
 
     # -- housekeeping ----------------------------------------------------------
+    #: Ids one purge statement reads at most (``purge_chunk``; docs/relay.md, "Purge").
+    purge_window: ClassVar[int] = 100_000
+
     def purge_chunk(self, cursor: Any, older_than_ms: int, batch: int, after: int) -> tuple[int, int | None]:
         """Delete the next chunk of the purge: the first ``batch`` done rows after id ``after``
-        (in id order) processed before now minus ``older_than_ms``. Returns the rows deleted
-        and the id the next chunk starts after, or None when no such row is left.
+        (in id order) processed before now minus ``older_than_ms``, among the next
+        ``purge_window`` ids. Returns the rows deleted and the id the next chunk starts
+        after, or None when no such row can be left.
 
-        Two statements, each atomic alone: the chunk's id range, then a DELETE of that range
-        that tests status and age again, so it never takes a row that is not done and old.
-        Each chunk starts where the last one ended (keyset), so a purge reads the rows it
-        keeps (dead rows, which are never purged; recent done rows) once per run instead of
-        once per chunk: it used to start every chunk at the lowest id, and on PostgreSQL each
-        chunk then walked every older dead row again (docs/relay.md, "Purge")."""
-        first, last, found = self.execute(cursor, self.purge_range_sql(), [-older_than_ms, after, batch]).fetchone()
-        if not found:
-            return 0, None
-        deleted = self.execute(cursor, self.purge_delete_sql(), [int(first), int(last), -older_than_ms]).rowcount
-        return max(int(deleted), 0), int(last) if int(found) >= batch else None
+        Each statement is atomic alone and short: the chunk's id range within the window,
+        then a DELETE of that range that tests status and age again, so it never takes a row
+        that is not done and old. Each chunk starts where the last one ended (keyset), so a
+        purge reads the rows it keeps (dead rows, which are never purged; recent done rows)
+        once per run instead of once per chunk. A window that holds less than a chunk is
+        followed past only while the first row after it was created before the cut-off: a
+        row is processed after it is created, so none created later can be old enough. The
+        run's last chunk read every row to the end of the table before (docs/relay.md, "Purge")."""
+        upper = after + self.purge_window
+        first, last, found = self.execute(cursor, self.purge_range_sql(),
+                                          [-older_than_ms, after, upper, batch]).fetchone()
+        deleted = 0
+        if found:
+            deleted = max(int(self.execute(cursor, self.purge_delete_sql(),
+                                           [int(first), int(last), -older_than_ms]).rowcount), 0)
+            if int(found) >= batch:
+                return deleted, int(last)
+        (following,) = self.execute(cursor, self.purge_next_sql(), [upper, -older_than_ms]).fetchone()
+        return deleted, None if following is None else int(following) - 1
 
     def purge_range_sql(self) -> str:
         """The first and last id and the count of the next ``?`` (last) done rows after id ``?``
-        processed before now plus ``?`` ms (negative): one purge chunk."""
+        and up to id ``?`` processed before now plus ``?`` ms (negative; the first): one purge chunk."""
         return (f"SELECT MIN(id), MAX(id), COUNT(*) FROM (SELECT id FROM {self.id_range_source()} WHERE status = 2 "
-                f"AND processed_at < {self.now_plus_ms()} AND id > ? ORDER BY id LIMIT ?) doomed")
+                f"AND processed_at < {self.now_plus_ms()} AND id > ? AND id <= ? ORDER BY id LIMIT ?) doomed")
+
+    def purge_next_sql(self) -> str:
+        """The id of the first row after id ``?`` when it was created before now plus ``?`` ms
+        (negative), else NULL: where a purge run goes on after a window (``purge_chunk``)."""
+        return (f"SELECT MIN(id) FROM (SELECT id, created_at FROM {self.id_range_source()} WHERE id > ? "
+                f"ORDER BY id LIMIT 1) after_window WHERE created_at IS NULL OR created_at < {self.now_plus_ms()}")
 
     def purge_delete_sql(self) -> str:
         """Delete the done rows with ids ``?`` to ``?`` processed before now plus ``?`` ms (negative)."""
