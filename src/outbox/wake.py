@@ -26,6 +26,7 @@ from .core.handoff import HandOff
 from .relay import waker as _waker
 from .relay.waker import Waker
 from .storage.engines import engine_class, unwrap_connection
+from .storage.engines.base import committing
 
 log = logging.getLogger("outbox.wake")
 
@@ -297,7 +298,7 @@ def transaction(conn: Any, *, wake: bool = True) -> Iterator[Any]:
             yield conn
         return
     if type(conn).__module__.startswith("sqlalchemy"):
-        with _sqlalchemy_transaction(conn):
+        with committing(conn):
             yield conn
     else:
         with _dbapi_transaction(conn) as outermost:
@@ -336,17 +337,6 @@ def _dbapi_transaction(conn: Any) -> Iterator[bool]:
             _open_blocks[key] = depth
         else:
             del _open_blocks[key]
-
-
-@contextmanager
-def _sqlalchemy_transaction(conn: Any) -> Iterator[None]:
-    """A SQLAlchemy Connection or Session: committed when the block ends, rolled back when it raises."""
-    try:
-        yield
-    except BaseException:
-        conn.rollback()
-        raise
-    conn.commit()
 
 
 @contextmanager

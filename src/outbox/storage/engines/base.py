@@ -129,6 +129,18 @@ def inline_params(sql: str, params: Sequence[Any]) -> str:
                    for i, (part, value) in enumerate(zip(parts, [*params, None], strict=True)))
 
 
+@contextmanager
+def committing(conn: Any) -> Iterator[None]:
+    """Commit ``conn`` when the block ends, roll it back when it raises (a DB-API connection,
+    a SQLAlchemy Connection or Session: ``outbox.transaction``)."""
+    try:
+        yield
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
+
+
 class Engine(ABC):
     """One database engine. Instances are cheap; they hold names, not connections."""
 
@@ -378,13 +390,8 @@ class Engine(ABC):
         ends, rolled back when it raises. A transaction the driver opened by itself
         (autocommit off, a statement ran before the block) is the one the block ends, as the
         driver's own ``commit()`` would."""
-        with self.begun(conn):
-            try:
-                yield
-            except BaseException:
-                conn.rollback()
-                raise
-            conn.commit()
+        with self.begun(conn), committing(conn):
+            yield
 
     @contextmanager
     def begun(self, conn: Any) -> Iterator[None]:
