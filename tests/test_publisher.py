@@ -467,6 +467,19 @@ def test_rabbitmq_connection_lost_while_idle_is_replaced(rabbit: dict[str, Any])
     assert ids[0] == 701 and ids[-2:] == [702, 703]
 
 
+def test_rabbitmq_a_dead_first_host_of_the_url_fails_over_to_the_next(rabbit: dict[str, Any]) -> None:
+    """``OUTBOX_PUBLISH_URL`` may list alternates (``amqp://h1//;amqp://h2//``): with the
+    first one down the publisher connects to the next, as kombu's own retry does. Found in
+    review: the publisher's own connect attempts (capped by the deadline) never switched
+    host, so every publish failed until the first came back."""
+    dead_first = rabbit["url"].replace(f":{amqp_hostport()[1]}/", ":1/", 1) + ";" + rabbit["url"]
+    assert dead_first.startswith("amqp://") and ":1/" in dead_first
+    with KombuPublisher(dead_first, rabbit["exchange"]) as publisher:
+        assert publisher.publish_chains([[make_message(711)]], deadline=time.monotonic() + 10) == [
+            ChainResult(published=(711,))]
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [711]
+
+
 def test_rabbitmq_confirms_held_back_past_the_lease_are_backpressure_within_it(rabbit: dict[str, Any]) -> None:
     """A broker that takes the messages but never confirms them (a stalled network path, a
     hung broker): the wave gives up within the publish's part of the lease (4 s x 0.8 here,

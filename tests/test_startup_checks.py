@@ -134,7 +134,12 @@ def test_libpqs_list_of_hosts_passes_and_each_host_is_checked() -> None:
         load_settings(environ={"OUTBOX_DATABASE_URL": "postgresql://app@h1:5432,h2:99999/app"})
     with pytest.raises(ConfigError) as caught:
         load_settings(environ={"OUTBOX_DATABASE_URL": "mysql://root@h1:3306,h2:3306/app"})
-    assert "only a PostgreSQL database URL" in str(caught.value), caught.value
+    assert "only a PostgreSQL URL" in str(caught.value), caught.value
+    # The database broker's failover form, as docs/transport.md ("Failover") gives it (found in
+    # review: refused at start-up, the worker, beat and CLI stopping on the documented URL).
+    broker = "outboxdb+postgresql://app@h1:5432,h2:5432/app?target_session_attrs=read-write"
+    assert load_settings(environ={"OUTBOX_DATABASE_URL": "postgresql://app@h1/app",
+                                  "OUTBOX_CELERY_BROKER_URL": broker}).celery_broker_url == broker
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "86401"])

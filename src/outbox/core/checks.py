@@ -94,29 +94,30 @@ def validate_queue_table(value: str, setting: str = "OUTBOX_TRANSPORT_QUEUE_TABL
     return value
 
 
-def check_host_part(url: str, setting: str, *, host_list: bool = False) -> None:
+def check_host_part(url: str, setting: str) -> None:
     """The host part of ``url`` as every client reads it, or a ``ConfigError`` naming the
     setting, password masked. An unencoded ``/ ? # @`` in a password moves part of it into
     the port (``Port could not be cast to integer value as '<fragment>'``, raised by the
     first reader) or the host (a driver naming it in its error), where no masking finds it
-    (docs/relay.md, "Configuration checks"). With ``host_list`` (a PostgreSQL database URL),
-    libpq's ``host1:port1,host2:port2`` is read one host at a time."""
+    (docs/relay.md, "Configuration checks"). A URL libpq reads (``postgresql://``, and the
+    database broker's ``outboxdb+postgresql://``) may list hosts, ``host1:port1,host2:port2``:
+    each is read on its own."""
     shown = redact(repr(url))
     fix = "percent-encode / ? # @ in a password as %2F %3F %23 %40"
     head = re.split(r"[?#]", url.split("://", 1)[1], maxsplit=1)[0]  # the authority and the path
     hosts = head.split("/", 1)[0].rpartition("@")[2].split(",")
+    libpq = url.split("://", 1)[0].lower().split("+")[-1].startswith("postgres")
     try:
         parts = urlsplit(url)
-        for server in [urlsplit(f"//{host}") for host in hosts] if host_list else [parts]:
+        for server in [urlsplit(f"//{host}") for host in hosts] if libpq else [parts]:
             server.port  # noqa: B018 - read for its ValueError
     except ValueError:
-        if len(hosts) > 1 and not host_list:
-            fix = f"a list of hosts is read in only a PostgreSQL database URL; or {fix}"
+        if len(hosts) > 1 and not libpq:
+            fix = f"a list of hosts is read in only a PostgreSQL URL; or {fix}"
         raise ConfigError(f"{setting}={shown}: the host part cannot be read (the port is not a number from 0 "
                           f"to 65535, or a bracket is unbalanced): {fix}") from None
     # Python's parser (MySQL, kombu, Redis) takes the last '@'; libpq the first, so a second
     # '@' in a PostgreSQL password put part of it in the host name (and in libpq's error).
-    libpq = url.split("://", 1)[0].split("+")[-1].startswith("postgres")
     if (libpq and head.count("@") > 1) or ("@" in head and parts.netloc and "@" not in parts.netloc):
         raise ConfigError(f"{setting}={shown}: more than one '@', or an '@' after the host: {fix}")
 
@@ -156,7 +157,7 @@ def validate_database_url(url: str, setting: str = "OUTBOX_DATABASE_URL") -> str
             raise ConfigError(f"{setting}={shown}: unsupported database {scheme!r} "
                               "(use sqlite:///, postgresql://, mysql:// or mssql+pyodbc://)")
         if base != "sqlite":  # a path, whatever it holds
-            check_host_part(url, setting, host_list=base in ("postgresql", "postgres"))
+            check_host_part(url, setting)
         if base in SESSION_BOUND_SCHEMES:
             session_bounds(url)
     elif "driver=" not in url.lower():

@@ -475,26 +475,32 @@ class KombuPublisher(Publisher):
                                   auto_declare=False)
 
     def _connect(self, deadline: float | None) -> None:
-        """Make the connection: ``1 + connect_retries`` attempts with a short pause between
-        them, each one's TCP connect and handshake (Redis: its first PING) waiting the time
-        left until ``deadline`` at most, and none begun once it has passed. Raises the last
-        attempt's error. Only what kombu itself retries is retried (a refused login is not)."""
+        """Make the connection: ``1 + connect_retries`` rounds over the URL's hosts (its
+        ``;``-separated alternates, each tried in turn as kombu's own retry does), with a
+        short pause after each round, each attempt's TCP connect and handshake (Redis: its
+        first PING) waiting the time left until ``deadline`` at most, and none begun once it
+        has passed. Raises the last attempt's error. Only what kombu itself retries is
+        retried (a refused login is not)."""
         from kombu.exceptions import OperationalError
 
+        conn = self._conn
         pause, step, longest = _RECONNECT_PAUSE_S
-        for attempt in range(1 + self.connect_retries):
-            self._conn.connect_timeout = time_left(self.connect_timeout, deadline)
-            self._conn.transport_options.update(self._timeouts(self._driver, deadline))
+        attempts = (1 + self.connect_retries) * max(1, len(conn.alt))
+        for attempt in range(attempts):
+            conn.connect_timeout = time_left(self.connect_timeout, deadline)
+            conn.transport_options.update(self._timeouts(self._driver, deadline))
             try:
-                self._conn.ensure_connection(max_retries=0)  # one attempt: the retries are ours
+                conn.ensure_connection(max_retries=0)  # one attempt: the retries are ours
                 return
             except OperationalError as exc:  # kombu's wrapping of a connection error it would retry
-                retriable = isinstance(exc.__cause__, self._conn.recoverable_connection_errors)
-                if not retriable or attempt == self.connect_retries or (
-                        deadline is not None and time.monotonic() + pause >= deadline):
+                round_ends = conn.completes_cycle(attempt)
+                if not isinstance(exc.__cause__, conn.recoverable_connection_errors) or attempt == attempts - 1 or (
+                        deadline is not None and time.monotonic() + (pause if round_ends else 0) >= deadline):
                     raise
-            time.sleep(pause)
-            pause = min(longest, pause + step)
+            conn.maybe_switch_next()  # the next alternate, as kombu's retry does after each failure
+            if round_ends:
+                time.sleep(pause)
+                pause = min(longest, pause + step)
 
     @contextlib.contextmanager
     def _step(self, deadline: float | None) -> Iterator[None]:
