@@ -3,18 +3,23 @@
 kombu's own transport does. Against a Redis server of the module's own that speaks TLS only
 (the machine's ``redis-server``, built with TLS on Debian, and a throwaway CA made with
 ``trustme``): a message there and back, garbage dropped, a certificate that does not verify
-refused, and a real worker and beat relaying through it. Skipped (failed under
+refused, and a real worker and beat relaying through it. The relay's own Redis clients (shared
+state, wake, wake subscriber) and ``outbox check`` connect as Celery's broker does: with
+``broker_use_ssl``, Celery's ``CERT_REQUIRED`` spelling, a bare ``rediss://``. Skipped (failed under
 OUTBOX_REQUIRE_SERVICES) without ``redis-server`` or when it cannot speak TLS."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 import ssl
 import subprocess
+import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,11 +27,14 @@ import pytest
 import redis
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
-from relay_e2e_support import Destination, Outbox, check_order, relay_env
+from relay_e2e_support import Destination, Outbox, check_order, relay_env, wait_until
 from services import free_port, stop, unavailable
 
 from outbox.celery.application import REDIS_TRANSPORT, Connection, celery_config
 from outbox.core.config import RelayOptions, load_settings
+from outbox.core.names import wake_channel
+from outbox.storage.engines.sqlite import sqlite_path
+from outbox.storage.store import OutboxStore
 
 
 class TlsRedis(NamedTuple):
@@ -161,3 +169,179 @@ def test_a_worker_and_beat_relay_through_a_rediss_broker(
     assert f"rediss://127.0.0.1:{tls_redis.port}/3" in log  # the banner: the scheme as given
     assert "Unrecoverable error" not in log
     assert tls_redis.client().info("stats")["total_connections_received"] > 0
+
+
+# -- the relay's own Redis clients on the TLS broker (shared state, wake, wake subscriber) -------
+# Found in review: they were built from the URL alone, so Celery's broker worked while they
+# failed with CERTIFICATE_VERIFY_FAILED (broker_use_ssl, a bare rediss://) or RedisError
+# (Celery's ssl_cert_reqs=CERT_REQUIRED spelling, which redis-py refuses).
+
+@pytest.fixture
+def celery_conf() -> Iterator[Callable[[dict[str, Any]], None]]:
+    """Register a Celery configuration as the one the relay reads (``sources.use_conf``, as the
+    relay's Celery app does); the app's own again afterwards."""
+    from outbox.celery.application import app
+    from outbox.core import sources
+
+    yield lambda conf: sources.use_conf(lambda: conf)
+    sources.use_conf(lambda: app.conf)
+
+
+def test_the_relays_redis_options_are_kombus(tmp_path: Path) -> None:
+    """The TLS options of the relay's Redis clients, as kombu's Redis transport connects Celery's
+    broker: the URL's ssl_* parameters win over broker_use_ssl, CERT_* spellings are translated,
+    a bare rediss:// is kombu's unverified TLS, redis:// stays plain."""
+    from outbox.relay.redis_clients import redis_connect_options
+
+    url, options = redis_connect_options(
+        "rediss://:pw@h:6380/2?socket_timeout=3&ssl_cert_reqs=CERT_REQUIRED&ssl_ca_certs=/ca.pem"
+        "&ssl_check_hostname=false", {"ssl_ca_certs": "/other.pem"})
+    assert url == "rediss://:pw@h:6380/2?socket_timeout=3"
+    assert {k: v for k, v in options.items() if k != "connection_class"} == {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": "/ca.pem", "ssl_check_hostname": False}
+    assert options["connection_class"] is redis.SSLConnection
+    for spelling, mode in (("CERT_OPTIONAL", ssl.CERT_OPTIONAL), ("none", ssl.CERT_NONE), ("required", ssl.CERT_REQUIRED)):
+        assert redis_connect_options("rediss://h/0", {"ssl_cert_reqs": spelling})[1]["ssl_cert_reqs"] == mode
+    _, given = redis_connect_options("redis://h/0", {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_certfile": "/c.pem"})
+    assert given["connection_class"] is redis.SSLConnection and given["ssl_certfile"] == "/c.pem"
+    assert redis_connect_options("rediss://h/0", None)[1]["ssl_cert_reqs"] == ssl.CERT_NONE
+    assert redis_connect_options("redis://h/0?db=1", None) == ("redis://h/0?db=1", {})
+    with pytest.raises(ValueError, match="ssl_cert_reqs"):
+        redis_connect_options("rediss://h/0?ssl_cert_reqs=maybe", None)
+
+
+@pytest.mark.parametrize("case", ["broker_use_ssl", "CERT_REQUIRED", "bare"])
+def test_the_relays_own_redis_clients_connect_as_celerys_broker_does(
+        tls_redis: TlsRedis, celery_conf: Callable[[dict[str, Any]], None], case: str) -> None:
+    """The shared state (breaker, route gate, coalescer), the writer's wake and the worker's wake
+    subscriber on a TLS broker given (A) by broker_use_ssl, (B) in Celery's CERT_REQUIRED
+    spelling, (C) as a bare rediss:// (kombu's unverified TLS)."""
+    from outbox.relay import listen, waker
+    from outbox.relay.state import RedisState, open_shared_state
+
+    base = f"rediss://127.0.0.1:{tls_redis.port}"
+    url = {"broker_use_ssl": f"{base}/4", "CERT_REQUIRED": tls_redis.url(db=5, ssl_cert_reqs="CERT_REQUIRED"),
+           "bare": f"{base}/6"}[case]
+    celery_conf({"broker_url": url, "broker_use_ssl": {"ssl_cert_reqs": ssl.CERT_REQUIRED,
+                                                       "ssl_ca_certs": str(tls_redis.ca)}}
+                if case == "broker_use_ssl" else {"broker_url": url})
+    key = f"tls-test-{uuid.uuid4().hex[:8]}"
+    state = open_shared_state(url)
+    assert isinstance(state, RedisState)
+    assert state.set_if_absent(key, "1", 30)
+    assert waker.redis_client(url).get(key) == b"1"
+    subscription = listen._Subscription(url, f"{key}:notify")
+    try:
+        assert waker.redis_client(url).publish(f"{key}:notify", b"") == 1
+        assert list(subscription.notifies(5))
+    finally:
+        subscription.close()
+        state.delete(key)
+
+
+def test_broker_use_ssl_is_celerys_broker_only(celery_conf: Callable[[dict[str, Any]], None]) -> None:
+    """Dramatiq's Redis (another URL) is not given Celery's broker_use_ssl."""
+    from outbox.relay.redis_clients import celery_use_ssl
+
+    use_ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": "/ca.pem"}
+    celery_conf({"broker_url": "rediss://celery.example:6380/0", "broker_use_ssl": use_ssl})
+    assert celery_use_ssl("rediss://celery.example:6380/0") == use_ssl
+    assert celery_use_ssl("rediss://dramatiq.example:6380/0") is None
+
+
+def _check(env: dict[str, str], cwd: Path) -> str:
+    """`outbox check`'s line for Celery's broker."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_", "CELERY_"))}
+    done = subprocess.run([sys.executable, "-m", "outbox.cli", "check"], capture_output=True, text=True, cwd=cwd,
+                          env={**clean, **env}, timeout=120)
+    return next(line for line in done.stdout.splitlines() if "celery broker:" in line)
+
+
+def test_outbox_check_connects_to_celerys_redis_as_the_workers_do(tls_redis: TlsRedis, tmp_path: Path) -> None:
+    """broker_use_ssl in the Celery config module, the CERT_REQUIRED spelling, a wrong CA, a bare
+    rediss:// (reachable, but its certificate is not checked: a warning)."""
+    import trustme
+
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    db = f"sqlite:///{tmp_path / 'o.db'}"
+    OutboxStore(db).migrate()
+    base = f"rediss://127.0.0.1:{tls_redis.port}/0"
+
+    def with_module(ca: Path) -> dict[str, str]:
+        name = f"tlsconf_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(
+            f"import ssl\nbroker_use_ssl = {{'ssl_cert_reqs': ssl.CERT_REQUIRED, 'ssl_ca_certs': {str(ca)!r}}}\n")
+        return {"OUTBOX_DATABASE_URL": db, "OUTBOX_CELERY_BROKER_URL": base, "CELERY_CONFIG_MODULE": name}
+
+    assert _check(with_module(tls_redis.ca), tmp_path).startswith("[ok  ] celery broker:")
+    wrong = _check(with_module(other), tmp_path)
+    assert wrong.startswith("[FAIL] celery broker:") and "certificate verify failed" in wrong, wrong
+    spelled = {"OUTBOX_DATABASE_URL": db, "OUTBOX_CELERY_BROKER_URL": tls_redis.url(ssl_cert_reqs="CERT_REQUIRED")}
+    assert _check(spelled, tmp_path).startswith("[ok  ] celery broker:")
+    spelled_wrong = {**spelled, "OUTBOX_CELERY_BROKER_URL": tls_redis.url(ssl_cert_reqs="CERT_REQUIRED",
+                                                                           ssl_ca_certs=str(other))}
+    assert _check(spelled_wrong, tmp_path).startswith("[FAIL] celery broker:")
+    bare = _check({"OUTBOX_DATABASE_URL": db, "OUTBOX_CELERY_BROKER_URL": base}, tmp_path)
+    assert bare.startswith("[warn] celery broker:") and "not verified" in bare, bare
+
+
+WRITER = r"""
+import sqlite3, sys
+import outbox
+conn = sqlite3.connect(sys.argv[1], timeout=30)
+with outbox.transaction(conn):
+    print(outbox.enqueue(conn, topic="orders.tls.changed", aggregate_type="order", aggregate_id="tls",
+                         payload={"n": int(sys.argv[2])}))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_and_beat_with_broker_use_ssl_hear_wakes_and_share_the_breaker(
+        tls_redis: TlsRedis, tmp_path: Path, destination: Destination, sqlite_outbox: Outbox,
+        procs_factory: Any) -> None:
+    """Celery's broker on TLS through broker_use_ssl in the Celery config module, beat ticking
+    once an hour: the worker's wake subscriber listens, a post-commit wake reaches it, and a
+    breaker pause another worker shares through the TLS Redis holds its claims back."""
+    from outbox.relay.shared import breaker_key
+
+    url = f"rediss://127.0.0.1:{tls_redis.port}/7"
+    env = relay_env(tmp_path, destination, sqlite_outbox, OUTBOX_CELERY_BROKER_URL=url,
+                    OUTBOX_CLAIM_INTERVAL_S="3600", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30")
+    module = tmp_path / "relayconf.py"
+    module.write_text(module.read_text() + "import ssl\nbroker_use_ssl = {'ssl_cert_reqs': ssl.CERT_REQUIRED, "
+                      f"'ssl_ca_certs': {str(tls_redis.ca)!r}}}\n")
+    procs = procs_factory(env)
+    procs.worker("w1")
+    procs.beat()
+    assert wait_until(lambda: "outbox listen: listening on" in procs.log("w1"), 60), procs.log("w1")[-3000:]
+    settings = load_settings(environ=env)
+    channel = wake_channel(url, env["OUTBOX_TEST_REDIS_PREFIX"], settings.outbox_namespace)
+    assert tls_redis.client().pubsub_numsub(channel) == [(channel.encode(), 1)]  # the worker's subscriber
+    db = sqlite_path(sqlite_outbox.url)
+
+    def commit(n: int) -> int:
+        done = subprocess.run([sys.executable, "-c", WRITER, db, str(n)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return int(done.stdout.strip().splitlines()[-1])
+
+    first = commit(1)
+    assert destination.wait_for(lambda: first in destination.arrived(), timeout=15, procs=procs), \
+        procs.log("w1")[-3000:]
+    # Another worker's pause, shared through the TLS Redis: this worker claims nothing meanwhile.
+    key = breaker_key(settings.outbox_namespace, settings.publish_url, settings.exchange)
+    pause_s = 6.0
+    tls_redis.client().set(key, json.dumps({"until": time.time() + pause_s, "reason": "backpressure: test",
+                                            "seconds": pause_s}), px=int(pause_s * 1000))
+    paused = commit(2)
+    time.sleep(3.0)
+    assert paused not in destination.arrived()
+    assert wait_until(lambda: not tls_redis.client().exists(key), 10)
+    last = commit(3)
+    assert destination.wait_for(lambda: {paused, last} <= destination.arrived(), timeout=15, procs=procs), \
+        procs.log("w1")[-3000:]
+    for name in ("w1", "beat"):
+        log = procs.log(name)
+        assert "CERTIFICATE_VERIFY_FAILED" not in log and "broker unreachable" not in log, log[-3000:]
+        assert "cannot share state" not in log and "Unrecoverable error" not in log, log[-3000:]

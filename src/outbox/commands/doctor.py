@@ -14,7 +14,8 @@ skipped when an earlier one it depends on failed:
 4. the task runner's broker, the one the runner configured will really use: Dramatiq's
    (``OUTBOX_DRAMATIQ_BROKER_URL``) when it is set, else Celery's, including the database
    as Celery's broker (``outboxdb``: its scheme registered first, then a connection to its
-   database and its queue tables); reachable (``memory://`` is in-process only: a warning);
+   database and its queue tables); reachable (``memory://`` is in-process only: a warning;
+   Celery's Redis with its workers' TLS options, a certificate not verified: a warning);
 5. destination broker: reachable, and the exchange exists; on Kafka, the cluster answers and the
    topics the relay needs exist or may be created, and a probe message if asked (``--probe``);
 6. a queue bound to the exchange: on Redis the bindings are readable (kombu keeps them in
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+import ssl
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +46,9 @@ from ..core.config import (
     unknown_environment,
 )
 from ..core.errors import transport_hint
+from ..core.names import is_redis_url
 from ..core.redact import redact
+from ..core.sources import module_setting
 from ..storage.engines.describe import (
     describe_database,
     expected_index_names,
@@ -169,14 +173,44 @@ def _missing_columns(store: OutboxStore) -> list[str]:
     return missing
 
 
-def check_celery_broker(settings: Settings, broker_url: str | None = None) -> Result:
+def check_celery_broker(settings: Settings, broker_url: str | None = None,
+                        environ: Mapping[str, str] | None = None) -> Result:
+    """``environ``: where its Celery config module is named (default: this process's)."""
     url = broker_url or settings.broker_url
     if url.startswith("memory://"):
         detail = "memory:// (in-process: one `celery -A outbox worker` runs the schedule itself; no separate beat)"
         return Result("celery broker", OK if is_sqlite_url(settings.database_url) else WARN, detail)
     if url.startswith("outboxdb"):
         return _check_database_broker(settings, url)
+    if is_redis_url(url):
+        return _celery_redis_reachable(url, module_setting(os.environ if environ is None else environ, "broker_use_ssl"))
     return _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL")
+
+
+def _celery_redis_reachable(url: str, use_ssl: Any) -> Result:
+    """Celery's Redis broker, connected with the TLS options its workers use (the URL's, else
+    ``broker_use_ssl``: ``relay.redis_clients``), by the client the relay's own Redis clients are;
+    a certificate not verified is a warning (docs/relay.md, "Garbage in Celery's Redis broker", TLS)."""
+    from ..relay.redis_clients import connect_redis, redis_connect_options
+
+    name, fix = "celery broker", "set OUTBOX_CELERY_BROKER_URL"
+    try:
+        tls = redis_connect_options(url, use_ssl)[1]
+        client = connect_redis(url, use_ssl, socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    except ImportError as exc:
+        return Result(name, FAIL, f"{redact(url)}: {transport_hint(url) or _error(exc)}")
+    except ValueError as exc:  # ConfigError, or redis-py refusing the URL
+        return Result(name, FAIL, f"{redact(url)}: {_error(exc)} ({fix})")
+    try:
+        client.ping()
+    except Exception as exc:
+        return Result(name, FAIL, f"{redact(url)} unreachable: {_error(exc)} ({fix})")
+    finally:
+        client.close()
+    if "ssl_cert_reqs" in tls and tls["ssl_cert_reqs"] in (None, ssl.CERT_NONE):
+        return Result(name, WARN, f"{redact(url)} reachable, its TLS certificate not verified (a bare rediss:// or "
+                      "ssl_cert_reqs=none): give ssl_cert_reqs=required and ssl_ca_certs in the URL or broker_use_ssl")
+    return Result(name, OK, f"{redact(url)} reachable")
 
 
 def check_dramatiq_broker(url: str) -> Result:
@@ -396,7 +430,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
     if conflict:
         results.append(Result("celery broker url", FAIL, conflict.removeprefix("outbox: ")))
     results += check_database(settings)
-    results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings))
+    results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings, environ=environ))
     results += check_destination(settings, kafka, probe_topic)
     if probe_topic and kafka is None:
         results.append(Result("probe", WARN, f"--probe {probe_topic} applies to a Kafka destination only: "

@@ -56,6 +56,14 @@ def module_setting(environ: Mapping[str, str], key: str) -> Any:
     return celery_setting(_module_conf(environ), key)
 
 
+def app_setting(key: str) -> Any:
+    """Celery's setting ``key`` as the relay's Celery app reads it: in the registered
+    configuration (``use_conf``), else in the CELERY_CONFIG_MODULE module (``module_setting``),
+    as ``conf_keys`` reads the OUTBOX_* keys; None when unset."""
+    source = _conf_source
+    return module_setting(os.environ, key) if source is None else celery_setting(source(), key)
+
+
 def celery_setting(conf: Mapping[str, Any], key: str) -> Any:
     """Celery's setting ``key`` in ``conf``, under its name or its old upper-case one, or None."""
     value = conf.get(key)
@@ -212,4 +220,4 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
 
 
 
-__all__ = ["use_conf", "conf_keys", "module_keys", "module_setting", "celery_setting", "cached", "reset", "django_settings", "django_database_url"]
+__all__ = ["use_conf", "conf_keys", "module_keys", "module_setting", "app_setting", "celery_setting", "cached", "reset", "django_settings", "django_database_url"]

@@ -176,12 +176,12 @@ class _Subscription:
 
     def __init__(self, url: str, channel: str, *, ping_after_s: float = PING_AFTER_S,
                  answer_within_s: float = ANSWER_WITHIN_S) -> None:
-        import redis
+        from .redis_clients import relay_redis  # TLS as Celery's broker connects
 
         self.ping_after_s = ping_after_s
         self.answer_within_s = answer_within_s
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=answer_within_s, socket_timeout=answer_within_s,
-                                           socket_keepalive=True, socket_keepalive_options=_keepalive_options())
+        self.client = relay_redis(url, socket_connect_timeout=answer_within_s, socket_timeout=answer_within_s,
+                                  socket_keepalive=True, socket_keepalive_options=_keepalive_options())
         self.pubsub = self.client.pubsub()
         self._last_heard = time.monotonic()
         self._asked_at: float | None = None  # when the question not answered yet was sent

@@ -103,9 +103,10 @@ class RedisState:
     """In Redis (the task runner's broker): every worker on every host; Redis expires the keys."""
 
     def __init__(self, url: str) -> None:
-        import redis  # the redis extra; Celery's and Dramatiq's Redis brokers need it anyway
+        from .redis_clients import relay_redis  # the redis extra; Celery's and Dramatiq's Redis brokers need it anyway
 
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        # TLS as Celery's broker connects (docs/relay.md, "Garbage in Celery's Redis broker", TLS).
+        self.client = relay_redis(url, socket_timeout=1.0, socket_connect_timeout=1.0)
 
     def get(self, key: str) -> str | None:
         raw = self.client.get(key)

@@ -40,9 +40,9 @@ def redis_client(url: str) -> Any:
     key = (os.getpid(), url)
     client = _redis_clients.get(key)
     if client is None:
-        import redis
+        from .redis_clients import relay_redis  # TLS as Celery's broker connects
 
-        client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        client = relay_redis(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         _redis_clients.clear()  # forget clients of a parent process
         _redis_clients[key] = client
     return client

@@ -1,0 +1,106 @@
+"""The relay's own redis-py clients on the task runner's Redis (the shared state, the wake, the
+worker's wake subscriber, ``outbox check``), connected with the TLS options kombu's Redis
+transport connects Celery's broker with: the URL's ``ssl_*`` parameters, else Celery's
+``broker_use_ssl``, else for a bare ``rediss://`` kombu's unverified TLS. Why:
+docs/relay.md, "Garbage in Celery's Redis broker", TLS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qsl, unquote_plus
+
+from ..core.errors import ConfigError
+
+#: ``ssl_cert_reqs`` as kombu reads it (Celery documents ``CERT_REQUIRED``; redis-py takes only
+#: ``required``, ``optional``, ``none`` or the ``ssl`` constant).
+CERT_REQS = {"CERT_REQUIRED": ssl.CERT_REQUIRED, "CERT_OPTIONAL": ssl.CERT_OPTIONAL, "CERT_NONE": ssl.CERT_NONE,
+             "required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+
+
+def redis_connect_options(url: str, use_ssl: Any = None) -> tuple[str, dict[str, Any]]:
+    """``url`` without its ``ssl_*`` parameters, and redis-py's keyword arguments for TLS (none:
+    plain). The TLS options are the URL's ``ssl_*`` parameters when it has any, else ``use_ssl``
+    (Celery's ``broker_use_ssl``), else for ``rediss://`` ``ssl_cert_reqs=CERT_NONE``: kombu's
+    rules, so these clients connect as Celery's broker does. Raises ConfigError for an
+    ``ssl_cert_reqs`` kombu would not read either."""
+    plain, options = _without_ssl_parameters(url)
+    if not options and use_ssl:
+        options = dict(use_ssl) if isinstance(use_ssl, Mapping) else {}  # True: redis-py's defaults
+    elif not options and url.startswith("rediss://"):
+        options = {"ssl_cert_reqs": ssl.CERT_NONE}  # kombu's "insecure SSL behaviour"
+    elif not options:
+        return plain, {}
+    import redis
+
+    return plain, {"connection_class": redis.SSLConnection, **_as_redis_py(options)}
+
+
+def _without_ssl_parameters(url: str) -> tuple[str, dict[str, Any]]:
+    """The URL with its ``ssl_*`` query parameters taken out (the rest kept byte for byte), and
+    those parameters decoded as kombu decodes them."""
+    base, _, query = url.partition("?")
+    kept: list[str] = []
+    found: dict[str, Any] = {}
+    for piece in query.split("&") if query else []:
+        if unquote_plus(piece.split("=", 1)[0]).startswith("ssl_"):
+            found.update(parse_qsl(piece))
+        else:
+            kept.append(piece)
+    return (f"{base}?{'&'.join(kept)}" if kept else base), found
+
+
+def _as_redis_py(options: Mapping[str, Any]) -> dict[str, Any]:
+    """kombu's TLS options in the types redis-py takes."""
+    out = dict(options)
+    reqs = out.get("ssl_cert_reqs")
+    if isinstance(reqs, str):
+        if reqs not in CERT_REQS:
+            raise ConfigError(f"ssl_cert_reqs={reqs!r} on Celery's Redis broker: give one of {', '.join(CERT_REQS)}")
+        out["ssl_cert_reqs"] = CERT_REQS[reqs]
+    if isinstance(out.get("ssl_check_hostname"), str):
+        out["ssl_check_hostname"] = out["ssl_check_hostname"].lower() != "false"  # kombu's reading
+    return out
+
+
+def celery_use_ssl(url: str) -> Any:
+    """Celery's ``broker_use_ssl`` (the relay's Celery app's configuration, else its config
+    module: ``core.sources.app_setting``) when ``url`` is Celery's broker; None for any other
+    URL (Dramatiq's Redis) or when it is unset."""
+    from ..core.sources import app_setting
+
+    use_ssl = app_setting("broker_use_ssl")
+    if not use_ssl:
+        return None
+    return use_ssl if url in _celery_broker_urls() else None
+
+
+def _celery_broker_urls() -> set[str]:
+    from ..core.config import relay_settings
+    from ..core.sources import app_setting
+
+    urls = {str(app_setting("broker_url") or "")}
+    with contextlib.suppress(ConfigError):  # else the Celery configuration's URL alone
+        urls.add(relay_settings().broker_url)
+    return urls
+
+
+def connect_redis(url: str, use_ssl: Any = None, **kwargs: Any) -> Any:
+    """A redis-py client for ``url`` with ``use_ssl`` as Celery's ``broker_use_ssl``
+    (``redis_connect_options``); ``kwargs``: redis-py's other options (time-outs)."""
+    import redis
+
+    plain, options = redis_connect_options(url, use_ssl)
+    return redis.Redis.from_url(plain, **options, **kwargs)
+
+
+def relay_redis(url: str, **kwargs: Any) -> Any:
+    """The relay's redis-py client for the task runner's broker ``url``: Celery's
+    ``broker_use_ssl`` applies when it is Celery's broker (``celery_use_ssl``)."""
+    return connect_redis(url, celery_use_ssl(url), **kwargs)
+
+
+__all__ = ["redis_connect_options", "celery_use_ssl", "connect_redis", "relay_redis", "CERT_REQS"]
