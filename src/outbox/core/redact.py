@@ -7,6 +7,8 @@ Passwords reach text in three ways, and ``redact`` covers each:
   part becomes ``***``;
 * an ODBC connection string, ``...;PWD=secret;...`` (or ``Password=``), percent-encoded
   too (``?odbc_connect=...%3BPWD%3Dsecret%3B...``): the value becomes ``***``;
+* a URL query's key that ends in ``password``, ``passphrase`` or ``secret``
+  (``?ssl_password=...``, a TLS client key's passphrase): the value becomes ``***``;
 * a fragment of a URL, quoted by a driver that could not parse it (libpq's
   ``invalid percent-encoded token: "s3cr%t@db/app"`` echoes only the part after the
   user name). No pattern finds those, so every password of a configured URL is
@@ -44,6 +46,10 @@ _ODBC_PASSWORD = re.compile(r"(?i)(?P<head>\b(?:pwd|password|sslpassword)\s*=\s*
 #: The same inside a percent-encoded ODBC string, ``?odbc_connect=...%3BPWD%3Dsecret%3B...``
 #: (docs/sqlserver.md, "Drivers"): ``%3D`` for ``=``, the value running to ``%3B`` (``;``),
 #: ``&`` or the end, ``%7B...%7D`` (``{...}``) quoting included.
+#: A URL query's key that ends in ``password``, ``passphrase`` or ``secret`` (kombu's and
+#: redis-py's ``ssl_password=``, a client key's passphrase: printed in clear by ``outbox check``,
+#: found in review), its value running to the next ``&`` or ``;``.
+_QUERY_SECRET = re.compile(r"(?i)(?P<head>\b[\w.\-]*(?:password|passphrase|secret)=)(?P<secret>[^&;'\"\s]*)")
 _ENCODED_ODBC_PASSWORD = re.compile(r"(?i)(?P<head>(?:\b|(?<=%3B))(?:pwd|password)(?:\s|\+|%20)*%3D)"
                                     r"(?P<secret>%7B.*?%7D|(?:(?!%3B)[^;&'\"\s])*)")
 
@@ -55,6 +61,8 @@ def _url_passwords(url: str) -> list[str]:
     found = [m.group("secret") for m in _URL_CREDENTIALS.finditer(url)]
     found += _parsed_passwords(url)
     found += [m.group("secret").strip("{}") for m in _ODBC_PASSWORD.finditer(url)]
+    for match in _QUERY_SECRET.finditer(url):  # as written, and as a query parser decodes it
+        found += [match.group("secret"), unquote_plus(match.group("secret"))]
     for match in _ENCODED_ODBC_PASSWORD.finditer(url):
         # ?odbc_connect=: the password as written, and as the driver gets it (decoded)
         found.append(re.sub(r"(?i)^%7B(.*)%7D$", r"\1", match.group("secret")))
@@ -105,6 +113,7 @@ def redact(text: object) -> str:
     result = _URL_CREDENTIALS.sub(lambda m: m.group("head") + MASK + "@", result)
     result = _ODBC_PASSWORD.sub(lambda m: m.group("head") + MASK, result)
     result = _ENCODED_ODBC_PASSWORD.sub(lambda m: m.group("head") + MASK, result)
+    result = _QUERY_SECRET.sub(lambda m: m.group("head") + MASK, result)
     with _lock:
         secrets = sorted(_secrets, key=len, reverse=True)
     for secret in secrets:
