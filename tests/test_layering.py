@@ -65,7 +65,7 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
         ("the option reader, the sources, the validators", ("outbox.core.options", "outbox.core.sources",
                                                              "outbox.core.checks")),
         ("model and names", ("outbox.core", "outbox.core.model", "outbox.core.names", "outbox.core.errors",
-                             "outbox.core.redact", "outbox.core.logs", "outbox.core.tracing", "outbox.core.handoff")),
+                             "outbox.core.redact", "outbox.core.tls", "outbox.core.logs", "outbox.core.tracing", "outbox.core.handoff")),
     ]),
 ]
 

@@ -49,6 +49,7 @@ from ..core.errors import transport_hint
 from ..core.names import is_redis_url
 from ..core.redact import redact
 from ..core.sources import module_setting
+from ..core.tls import kombu_connection
 from ..storage.engines.describe import (
     describe_database,
     expected_index_names,
@@ -84,9 +85,10 @@ def _error(exc: BaseException) -> str:
     return missing_driver_hint(exc) or f"{type(exc).__name__}: {' '.join(str(exc).split()) or '(no message)'}"
 
 
-def _broker(url: str) -> Any:
+def _broker(url: str, setting: str | None = None) -> Any:
     """kombu's connection to ``url``; a ConfigError naming the extra when its transport's
-    library is missing."""
+    library is missing. ``setting``: the URL is the relay's own (not Celery's), so an AMQP
+    URL's TLS parameters are read as the relay reads them (``core.tls``)."""
     from kombu import Connection
 
     options: dict[str, Any] = {"max_retries": 1}
@@ -95,7 +97,8 @@ def _broker(url: str) -> Any:
         # never answers held the check for good (connect_timeout bounds the TCP connect only).
         options["socket_timeout"] = CONNECT_TIMEOUT_S
     try:
-        return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options=options)
+        url, tls = kombu_connection(url, setting) if setting else (url, {})
+        return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options=options, **tls)
     except Exception as exc:
         hint = transport_hint(url)
         if hint is None and not isinstance(exc, ImportError):
@@ -266,7 +269,7 @@ def check_destination(settings: Settings, kafka: Any = None, probe_topic: str | 
     if url.startswith("kafka://"):
         return check_kafka(settings, kafka, probe_topic)
     try:
-        conn = _broker(url)
+        conn = _broker(url, "OUTBOX_PUBLISH_URL")
     except ConfigError as exc:
         return [Result("destination", FAIL, f"{redact(url)}: {exc}")]
     try:

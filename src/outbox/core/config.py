@@ -57,6 +57,7 @@ from .sources import (
     reset,
     use_conf,
 )
+from .tls import check_amqp_url
 
 log = logging.getLogger("outbox.core.config")
 
@@ -76,6 +77,16 @@ def message_ttl_s(ttl_s: float) -> float:
     return max(float(ttl_s), CLOCK_SKEW_MARGIN_S)
 
 
+def _publish_url(url: str, setting: str) -> str:
+    """OUTBOX_PUBLISH_URL: a destination's, with the TLS parameters of an AMQP URL read (``core.tls``)."""
+    return check_amqp_url(validate_publish_url(url, setting), setting)
+
+
+def _dramatiq_url(url: str, setting: str) -> str:
+    """OUTBOX_DRAMATIQ_BROKER_URL: a broker Dramatiq has, with the TLS parameters of an AMQP URL read."""
+    return check_amqp_url(validate_dramatiq_broker_url(url, setting), setting)
+
+
 # -- the contract's settings (OUTBOX_*) --------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ class Settings(Options):
         "database's URL"))
     table: str = option("outbox", "str", check=validate_identifier)
     schema: str | None = option(None, "str", check=validate_identifier)
-    publish_url: str = option("memory://", "str", check=validate_publish_url, empty_error=(
+    publish_url: str = option("memory://", "str", check=_publish_url, empty_error=(
         "unset it for the default (memory://, in-process: nothing leaves the process) or give the "
         "destination's URL"))
     exchange: str = option("outbox", "str", check=validate_exchange, empty_error=(
@@ -329,7 +340,7 @@ class DramatiqSettings(Options):
 
     #: ``redis://...`` (Dramatiq's RedisBroker) or ``amqp://...`` (its RabbitmqBroker); set,
     #: it makes Dramatiq the configured runner.
-    broker_url: str | None = option(None, "str", check=validate_dramatiq_broker_url)
+    broker_url: str | None = option(None, "str", check=_dramatiq_url)
     #: The Redis key namespace of Dramatiq's queues.
     namespace: str = option("dramatiq", "str", check=validate_dramatiq_namespace)
 

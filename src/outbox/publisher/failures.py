@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,10 @@ def _specific(exc: BaseException) -> FailureKind | None:
 
     text = str(exc).lower()
     if isinstance(exc, ConfigError):  # the URL names no transport kombu has: nothing can be published
+        return FailureKind.FATAL
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        # The broker's certificate does not verify (another CA, another host name): a
+        # configuration to fix, or someone in the middle; never retried as an outage.
         return FailureKind.FATAL
     if isinstance(exc, amqp_exc.PreconditionFailed):
         # RabbitMQ refuses an oversized body with 406 "message size N is larger than configured

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import ConfigError, transport_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
+from ..core.tls import kombu_connection
 
 if TYPE_CHECKING:
     from ..core.config import Settings
@@ -430,7 +432,8 @@ class KombuPublisher(Publisher):
             self._forget()  # inherited over fork(): the parent's, not ours; never close it
         if self._conn is None:
             try:
-                conn = Connection(self.url, connect_timeout=self.connect_timeout)
+                url, tls = kombu_connection(self.url, "OUTBOX_PUBLISH_URL")  # amqps://: ssl= (core.tls)
+                conn = Connection(url, connect_timeout=self.connect_timeout, **tls)
                 driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
             except Exception as exc:
                 # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError (or
@@ -494,7 +497,9 @@ class KombuPublisher(Publisher):
                 return
             except OperationalError as exc:  # kombu's wrapping of a connection error it would retry
                 round_ends = conn.completes_cycle(attempt)
-                if not isinstance(exc.__cause__, conn.recoverable_connection_errors) or attempt == attempts - 1 or (
+                retriable = (isinstance(exc.__cause__, conn.recoverable_connection_errors)
+                             and not isinstance(exc.__cause__, ssl.SSLCertVerificationError))  # FATAL: classify
+                if not retriable or attempt == attempts - 1 or (
                         deadline is not None and time.monotonic() + (pause if round_ends else 0) >= deadline):
                     raise
             conn.maybe_switch_next()  # the next alternate, as kombu's retry does after each failure

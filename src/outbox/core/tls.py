@@ -1,0 +1,211 @@
+"""TLS to RabbitMQ (``amqps://``): the URL's ``ssl_*`` parameters read once, checked, and handed to
+each AMQP library in its own form (docs/destinations.md, "TLS to RabbitMQ").
+
+One URL form serves every AMQP client of the relay: kombu's py-amqp (the publisher, ``outbox
+check``, the Dramatiq scheduler's leader lock) takes a dict of ``ssl.wrap_socket``-style keys as
+``ssl=``, pika (Dramatiq's RabbitmqBroker) an ``SSLOptions``. Neither reads these parameters
+from the URL itself: kombu passed them to py-amqp as unknown keyword arguments (a TypeError at
+every connect), and with none py-amqp checked the certificate but not the host name, so any
+certificate a system CA signed, for any name, was accepted (found in review).
+
+The parameters, the same names as kombu's and redis-py's for ``rediss://``:
+
+* ``ssl_ca_certs``: the CA file (PEM) the server's certificate must chain to (default: the
+  system's CAs);
+* ``ssl_certfile`` / ``ssl_keyfile``: the client's certificate and key (mutual TLS); the key
+  must not be encrypted, py-amqp has no way to take its passphrase;
+* ``ssl_cert_reqs``: ``required`` (default) or ``none`` (no check at all: tests only);
+* ``ssl_check_hostname``: ``true`` (default) or ``false`` (the chain is still checked);
+* ``ssl_server_hostname``: the name the certificate must carry (default: the URL's host).
+
+This module imports nothing of the package but its errors and redaction.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from .errors import ConfigError
+from .redact import redact
+
+#: The schemes that speak TLS to RabbitMQ (kombu's ``amqps``; pika reads it too).
+AMQP_TLS_SCHEMES = ("amqps",)
+#: The schemes of RabbitMQ without TLS, where ``ssl_*`` parameters are refused.
+AMQP_PLAIN_SCHEMES = ("amqp", "pyamqp")
+
+#: Every parameter read, with what it means (the refusal of an unknown one lists them).
+TLS_PARAMETERS = {
+    "ssl_ca_certs": "CA file (PEM) the server's certificate must chain to",
+    "ssl_certfile": "client certificate (PEM)",
+    "ssl_keyfile": "client key (PEM, not encrypted)",
+    "ssl_cert_reqs": "required (default) or none",
+    "ssl_check_hostname": "true (default) or false",
+    "ssl_server_hostname": "the name the certificate must carry (default: the URL's host)",
+}
+_CERT_REQS = {"required": True, "cert_required": True, "none": False, "cert_none": False}
+_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+@dataclass(frozen=True)
+class AmqpTls:
+    """What an ``amqps://`` URL asks of TLS (the parameters above)."""
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    verify: bool = True
+    check_hostname: bool = True
+    #: The name the certificate must carry: ``ssl_server_hostname``, else the URL's host.
+    server_hostname: str | None = None
+
+    @property
+    def checks_hostname(self) -> bool:
+        return self.verify and self.check_hostname
+
+    def context(self, setting: str = "OUTBOX_PUBLISH_URL") -> ssl.SSLContext:
+        """The client's ``SSLContext``: the CA (or the system's), the client certificate, and the
+        checks asked for (certificate and host name by default). Files that cannot be read, or
+        an encrypted key, are a ConfigError naming ``setting`` (never a passphrase prompt on the
+        terminal, which OpenSSL would otherwise show)."""
+        try:
+            context = ssl.create_default_context(cafile=self.ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"{setting}: the CA file ssl_ca_certs={self.ca_certs!r} cannot be used: "
+                              f"{_why(exc)}") from None
+        context.check_hostname = self.checks_hostname
+        context.verify_mode = ssl.CERT_REQUIRED if self.verify else ssl.CERT_NONE
+        if self.certfile:
+            try:
+                context.load_cert_chain(self.certfile, self.keyfile, password=_no_passphrase)
+            except (OSError, ssl.SSLError, _Encrypted) as exc:
+                raise ConfigError(f"{setting}: the client certificate ssl_certfile={self.certfile!r} "
+                                  f"(ssl_keyfile={self.keyfile!r}) cannot be used: {_why(exc)}") from None
+        return context
+
+    def kombu_ssl(self, setting: str = "OUTBOX_PUBLISH_URL") -> dict[str, Any]:
+        """kombu's ``Connection(ssl=...)`` for py-amqp: the keys of its ``_wrap_socket_sni``.
+        py-amqp 5.4 takes no ``SSLContext`` (it ignores one and uses its defaults); it checks the
+        host name exactly when ``server_hostname`` is given. The files are loaded once here
+        first (``context``), so a bad one is a ConfigError rather than a connection failure."""
+        self.context(setting)
+        options: dict[str, Any] = {"cert_reqs": ssl.CERT_REQUIRED if self.verify else ssl.CERT_NONE}
+        if self.ca_certs:
+            options["ca_certs"] = self.ca_certs
+        if self.certfile:
+            options["certfile"] = self.certfile
+            options["keyfile"] = self.keyfile
+        if self.checks_hostname:
+            options["server_hostname"] = self.server_hostname
+        return options
+
+
+class _Encrypted(Exception):
+    pass
+
+
+def _no_passphrase() -> bytes:
+    raise _Encrypted("the key is encrypted: give a key without a passphrase (openssl pkey -in key.pem -out "
+                     "plain.pem), readable by the relay's user only")
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, _Encrypted) else f"{type(exc).__name__}: {exc}"
+
+
+def split_amqp_url(url: str, setting: str) -> tuple[str, AmqpTls | None]:
+    """``url`` without its TLS parameters, and what they ask (None: no TLS, an ``amqp://`` URL).
+    A list of URLs (``;``, kombu's and Dramatiq's failover) is read one by one: the TLS
+    parameters may be written in any of them and must not differ; over TLS each broker's name
+    must be the same, or ``ssl_server_hostname`` must name the one their certificates carry
+    (kombu keeps one ``ssl=`` for the list). Raises ConfigError naming ``setting`` for a
+    parameter it does not know, a value it cannot read, or TLS parameters on ``amqp://``."""
+    shown = redact(repr(url))
+    given: dict[str, str] = {}
+    kept: list[str] = []
+    hosts: set[str] = set()
+    schemes: set[str] = set()
+    for one in url.split(";"):
+        one = one.strip()
+        scheme = one.split("://", 1)[0].lower()
+        schemes.add(scheme)
+        base, _, query = one.partition("?")
+        others = []
+        for piece in query.split("&") if query else []:
+            key = unquote(piece.partition("=")[0])
+            if _is_tls_key(key):
+                value = parse_qsl(piece, keep_blank_values=True)[0][1] if "=" in piece else ""
+                if given.get(key, value) != value:
+                    raise ConfigError(f"{setting}={shown}: {key} differs between the URLs of the list; give it once")
+                given[key] = value
+            else:
+                others.append(piece)  # kept byte for byte: kombu and pika read the rest as before
+        kept.append(base + ("?" + "&".join(others) if others else ""))
+        hosts.add((urlsplit(one).hostname or "").lower())
+    tls_scheme = schemes & set(AMQP_TLS_SCHEMES)
+    if given and not tls_scheme:
+        raise ConfigError(f"{setting}={shown}: {', '.join(sorted(given))} asks for TLS, which this URL's scheme does "
+                          "not use: write amqps:// (port 5671 by default)")
+    if not tls_scheme:
+        return url, None
+    tls = _read(given, setting, shown)
+    if tls.checks_hostname and tls.server_hostname is None:
+        if len(hosts) > 1:
+            raise ConfigError(f"{setting}={shown}: the brokers of the list have different names, and over TLS each "
+                              "certificate's name is checked against one name: give ssl_server_hostname=<the name "
+                              "their certificates carry>")
+        tls = replace(tls, server_hostname=next(iter(hosts)) or None)
+    return ";".join(kept), tls
+
+
+def check_amqp_url(url: str, setting: str) -> str:
+    """``url``, after ``split_amqp_url`` has read its TLS parameters (the settings' check)."""
+    scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme in AMQP_TLS_SCHEMES + AMQP_PLAIN_SCHEMES:
+        split_amqp_url(url, setting)
+    return url
+
+
+def kombu_connection(url: str, setting: str) -> tuple[str, dict[str, Any]]:
+    """What kombu's ``Connection`` is given for ``url``: the URL, and for an AMQP URL over TLS
+    its ``ssl=`` (``AmqpTls.kombu_ssl``); other URLs as they are (kombu reads a ``rediss://``
+    URL's ``ssl_*`` itself)."""
+    scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme not in AMQP_TLS_SCHEMES + AMQP_PLAIN_SCHEMES:
+        return url, {}
+    clean, tls = split_amqp_url(url, setting)
+    return clean, ({"ssl": tls.kombu_ssl(setting)} if tls else {})
+
+
+def _is_tls_key(key: str) -> bool:
+    """A TLS parameter (``ssl_*``), or one written as py-amqp or pika name it (``ca_certs``,
+    ``ssl``, ``ssl_options``): kombu passed those on as unknown keyword arguments, and a
+    TypeError at every connect was the only word of it (found in review)."""
+    lowered = key.lower()
+    return (lowered.startswith("ssl") or lowered in {name.removeprefix("ssl_") for name in TLS_PARAMETERS}
+            or lowered in {"cert_reqs", "keyfile", "certfile", "ca_certs", "cafile", "check_hostname"})
+
+
+def _read(given: dict[str, str], setting: str, shown: str) -> AmqpTls:
+    accepted = ", ".join(f"{name} ({what})" for name, what in TLS_PARAMETERS.items())
+    for key in given:
+        if key not in TLS_PARAMETERS:
+            hint = ("; an encrypted client key cannot be used by py-amqp: decrypt it (openssl pkey) and keep the file "
+                    "readable by the relay's user only" if "password" in key or "passphrase" in key else "")
+            raise ConfigError(f"{setting}={shown}: unknown TLS parameter {key!r}{hint} (accepted: {accepted})")
+    reqs = given.get("ssl_cert_reqs", "required").strip().lower()
+    hostname = given.get("ssl_check_hostname", "true").strip().lower()
+    if reqs not in _CERT_REQS:
+        raise ConfigError(f"{setting}={shown}: ssl_cert_reqs={reqs!r}: expected required or none")
+    if hostname not in _BOOLEANS:
+        raise ConfigError(f"{setting}={shown}: ssl_check_hostname={hostname!r}: expected true or false")
+    if given.get("ssl_keyfile") and not given.get("ssl_certfile"):
+        raise ConfigError(f"{setting}={shown}: ssl_keyfile needs ssl_certfile (the client certificate)")
+    return AmqpTls(ca_certs=given.get("ssl_ca_certs") or None, certfile=given.get("ssl_certfile") or None,
+                   keyfile=given.get("ssl_keyfile") or None, verify=_CERT_REQS[reqs],
+                   check_hostname=_BOOLEANS[hostname], server_hostname=given.get("ssl_server_hostname") or None)
+
+
+__all__ = ["AmqpTls", "split_amqp_url", "check_amqp_url", "kombu_connection", "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]

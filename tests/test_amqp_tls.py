@@ -1,0 +1,149 @@
+"""RabbitMQ over TLS (``amqps://``): the URL's ``ssl_*`` parameters (``outbox.core.tls``) reach
+every AMQP client of the relay, and the server's host name is checked by default. Against a TLS
+proxy of the module's own in front of the local RabbitMQ, signed by a throwaway CA
+(``tls_support``). kombu once passed the parameters to py-amqp as unknown keyword arguments (a
+TypeError at every connect) and, with none, checked no host name: a certificate for
+``wrong.example`` was accepted for ``localhost`` (found in review)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from publisher_support import make_message
+from tls_support import Pki, TlsProxy
+
+from outbox.commands.doctor import FAIL, OK, check_destination
+from outbox.core.config import dramatiq_settings, load_settings
+from outbox.core.errors import ConfigError
+from outbox.core.model import FailureKind
+from outbox.core.tls import AmqpTls
+from outbox.publisher.kombu_publisher import KombuPublisher
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki(tmp_path_factory.mktemp("amqp-tls"))
+
+
+@pytest.fixture
+def proxy(pki: Pki, broker: dict[str, Any]) -> Iterator[TlsProxy]:
+    """RabbitMQ behind TLS, its certificate for localhost."""
+    front = TlsProxy(pki, "localhost")
+    yield front
+    front.close()
+
+
+def publish_one(url: str, broker: dict[str, Any]) -> Any:
+    with KombuPublisher(url, broker["exchange"], connect_timeout=5, confirm_timeout=5) as publisher:
+        return publisher.publish_chain([make_message(1)])
+
+
+def settings_for(url: str, broker: dict[str, Any]) -> Any:
+    return load_settings(environ={"OUTBOX_PUBLISH_URL": url, "OUTBOX_EXCHANGE": broker["exchange"],
+                                  "OUTBOX_DATABASE_URL": "sqlite:///tls.db"})
+
+
+def test_the_ca_in_the_url_verifies_the_broker_and_events_go_through(
+        proxy: TlsProxy, pki: Pki, broker: dict[str, Any]) -> None:
+    url = proxy.url(ssl_ca_certs=str(pki.ca_file))
+    result = publish_one(url, broker)
+    assert result.ok, result.failure
+    assert len(broker["live"]()) == 1
+    report = check_destination(settings_for(url, broker))
+    assert report[0].state == OK, report[0].line()
+    # Without the CA, the system's CAs do not know the throwaway one: refused, not published.
+    refused = publish_one(proxy.url(), broker)
+    assert not refused.ok and refused.failure is not None
+    assert "certificate verify failed" in refused.failure.reason
+    assert broker["live"]() == []
+
+
+def test_a_certificate_for_another_host_name_is_refused(pki: Pki, broker: dict[str, Any],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    front = TlsProxy(pki, "wrong.example")
+    try:
+        # A CA the system trusts (SSL_CERT_FILE), no parameter: py-amqp checked the chain but no
+        # host name, and published through it.
+        monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca_file))
+        bare = publish_one(front.url(), broker)
+        assert not bare.ok and bare.failure is not None and bare.failure.kind is FailureKind.FATAL, bare.failure
+        assert broker["live"]() == []
+        monkeypatch.delenv("SSL_CERT_FILE")
+        url = front.url(ssl_ca_certs=str(pki.ca_file))
+        result = publish_one(url, broker)
+        assert not result.ok and result.failure is not None
+        assert result.failure.kind is FailureKind.FATAL, result.failure
+        assert "Hostname mismatch" in result.failure.reason or "doesn't match" in result.failure.reason
+        assert broker["live"]() == []
+        report = check_destination(settings_for(url, broker))
+        assert report[0].state == FAIL and "certificate verify failed" in report[0].detail, report[0].line()
+        # The name the certificate carries, said on purpose: accepted.
+        named = publish_one(front.url(ssl_ca_certs=str(pki.ca_file), ssl_server_hostname="wrong.example"), broker)
+        assert named.ok, named.failure
+        assert len(broker["live"]()) == 1
+    finally:
+        front.close()
+
+
+def test_a_client_certificate_is_presented_when_configured(pki: Pki, broker: dict[str, Any]) -> None:
+    front = TlsProxy(pki, "localhost", client_ca=pki.ca_file)
+    try:
+        anonymous = publish_one(front.url(ssl_ca_certs=str(pki.ca_file)), broker)
+        assert not anonymous.ok  # the proxy requires a client certificate
+        cert, key = pki.issue("relay-client", "relay.example")
+        url = front.url(ssl_ca_certs=str(pki.ca_file), ssl_certfile=str(cert), ssl_keyfile=str(key))
+        result = publish_one(url, broker)
+        assert result.ok, result.failure
+        assert len(broker["live"]()) == 1
+        assert front.peers and front.peers[-1] is not None
+        assert check_destination(settings_for(url, broker))[0].state == OK
+    finally:
+        front.close()
+
+
+def test_tls_parameters_are_read_when_the_settings_are(tmp_path: Path) -> None:
+    base = "amqps://u:p@rabbit.example:5671//"
+    ok = load_settings(environ={"OUTBOX_PUBLISH_URL": f"{base}?ssl_ca_certs=/ca.pem&ssl_check_hostname=false"})
+    assert ok.publish_url.endswith("ssl_check_hostname=false")
+    refused = {
+        f"{base}?ssl_cafile=/ca.pem": "unknown TLS parameter 'ssl_cafile'",
+        f"{base}?ca_certs=/ca.pem": "unknown TLS parameter 'ca_certs'",
+        f"{base}?ssl_options={{'ca_certs':'/ca.pem'}}": "unknown TLS parameter 'ssl_options'",
+        f"{base}?ssl_password=Secret123": "an encrypted client key cannot be used",
+        f"{base}?ssl_cert_reqs=maybe": "ssl_cert_reqs='maybe'",
+        f"{base}?ssl_keyfile=/k.pem": "ssl_keyfile needs ssl_certfile",
+        "amqp://u:p@rabbit.example//?ssl_ca_certs=/ca.pem": "write amqps://",
+        "amqps://rabbit-a//;amqps://rabbit-b//": "give ssl_server_hostname",
+    }
+    for url, why in refused.items():
+        for name, read in (("OUTBOX_PUBLISH_URL", lambda u: load_settings(environ={"OUTBOX_PUBLISH_URL": u})),
+                           ("OUTBOX_DRAMATIQ_BROKER_URL",
+                            lambda u: dramatiq_settings(environ={"OUTBOX_DRAMATIQ_BROKER_URL": u}))):
+            with pytest.raises(ConfigError) as caught:
+                read(url)
+            assert name in str(caught.value) and why in str(caught.value), (url, str(caught.value))
+            assert "Secret123" not in str(caught.value)
+            if "unknown" in why:
+                assert "accepted: ssl_ca_certs" in str(caught.value)
+    # A file that cannot be read, or an encrypted key: a configuration error (FATAL), at connect.
+    missing = KombuPublisher(f"{base}?ssl_ca_certs={tmp_path / 'none.pem'}", f"x-{uuid.uuid4().hex[:6]}")
+    result = missing.publish_chain([make_message(1)])
+    assert not result.ok and result.failure is not None and result.failure.kind is FailureKind.FATAL
+    assert "ssl_ca_certs" in result.failure.reason
+
+
+def test_an_encrypted_client_key_is_a_configuration_error_not_a_prompt(pki: Pki) -> None:
+    """py-amqp loads the key with no passphrase, and OpenSSL would then ask for one on the
+    terminal, holding a worker for good."""
+    from cryptography.hazmat.primitives import serialization
+
+    cert, key = pki.issue("encrypted-client", "relay.example")
+    plain = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    key.write_bytes(plain.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.BestAvailableEncryption(b"Secret123")))
+    with pytest.raises(ConfigError, match="the key is encrypted"):
+        AmqpTls(certfile=str(cert), keyfile=str(key), server_hostname="rabbit.example").kombu_ssl()
