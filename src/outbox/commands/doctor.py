@@ -217,9 +217,18 @@ def _celery_redis_reachable(url: str, use_ssl: Any) -> Result:
 
 
 def check_dramatiq_broker(url: str) -> Result:
-    """Dramatiq's broker (its Redis or RabbitMQ broker): reachable. kombu's transports of the
-    same schemes make the connection, so the check needs nothing of Dramatiq installed."""
-    return _reachable("dramatiq broker", url, "set OUTBOX_DRAMATIQ_BROKER_URL")
+    """Dramatiq's broker (its Redis or RabbitMQ broker): reachable as the workers reach it, with
+    their library and TLS settings (``brokers.reach``: redis-py or pika, not kombu)."""
+    from ..dramatiq.brokers import reach
+
+    name, fix = "dramatiq broker", "set OUTBOX_DRAMATIQ_BROKER_URL"
+    try:
+        reach(url, CONNECT_TIMEOUT_S)
+    except ConfigError as exc:
+        return Result(name, FAIL, f"{redact(url)}: {exc}")
+    except Exception as exc:
+        return Result(name, FAIL, f"{redact(url)} unreachable: {_error(exc)} ({fix})")
+    return Result(name, OK, f"{redact(url)} reachable")
 
 
 def _reachable(name: str, url: str, fix: str) -> Result:

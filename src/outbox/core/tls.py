@@ -3,7 +3,9 @@ each AMQP library in its own form (docs/destinations.md, "TLS to RabbitMQ").
 
 One URL form serves every AMQP client of the relay: kombu's py-amqp (the publisher, ``outbox
 check``, the Dramatiq scheduler's leader lock) takes a dict of ``ssl.wrap_socket``-style keys as
-``ssl=``, pika (Dramatiq's RabbitmqBroker) an ``SSLOptions``. Neither reads these parameters
+``ssl=``, pika (Dramatiq's RabbitmqBroker and ``outbox check`` of it) an ``SSLOptions``. On
+Redis, redis-py reads the same ``ssl_*`` names from the URL itself; ``redis_py_url`` only
+rewrites kombu's spelling of ``ssl_cert_reqs``. Neither reads these parameters
 from the URL itself: kombu passed them to py-amqp as unknown keyword arguments (a TypeError at
 every connect), and with none py-amqp checked the certificate but not the host name, so any
 certificate a system CA signed, for any name, was accepted (found in review).
@@ -102,6 +104,15 @@ class AmqpTls:
         return options
 
 
+    def pika_ssl_options(self, host: str | None, setting: str = "OUTBOX_DRAMATIQ_BROKER_URL") -> Any:
+        """pika's ``SSLOptions`` for a connection to ``host`` (one URL of a list). pika would read
+        only its own ``?ssl_options={...}`` (a Python literal) that kombu refuses; one URL form
+        serves both this way (docs/dramatiq.md, "TLS")."""
+        import pika  # type: ignore[import-untyped]
+
+        return pika.SSLOptions(self.context(setting), server_hostname=self.server_hostname or host)
+
+
 class _Encrypted(Exception):
     pass
 
@@ -179,6 +190,27 @@ def kombu_connection(url: str, setting: str) -> tuple[str, dict[str, Any]]:
     return clean, ({"ssl": tls.kombu_ssl(setting)} if tls else {})
 
 
+#: kombu's and Celery's spellings of ``ssl_cert_reqs`` in redis-py's words (redis-py refuses
+#: ``CERT_REQUIRED``: "Invalid SSL Certificate Requirements Flag").
+_REDIS_CERT_REQS = {"cert_required": "required", "cert_optional": "optional", "cert_none": "none"}
+
+
+def redis_py_url(url: str) -> str:
+    """``url`` (``redis://`` or ``rediss://``) as redis-py must read it to mean what kombu reads
+    in it: ``ssl_cert_reqs=CERT_REQUIRED`` (kombu's and Celery's spelling) written ``required``.
+    Every other parameter, ``ssl_ca_certs`` included, redis-py reads as kombu does."""
+    base, sep, query = url.partition("?")
+    if not sep:
+        return url
+    pieces = []
+    for piece in query.split("&"):
+        key, eq, value = piece.partition("=")
+        if key == "ssl_cert_reqs" and value.lower() in _REDIS_CERT_REQS:
+            piece = f"{key}{eq}{_REDIS_CERT_REQS[value.lower()]}"
+        pieces.append(piece)
+    return f"{base}?{'&'.join(pieces)}"
+
+
 def _is_tls_key(key: str) -> bool:
     """A TLS parameter (``ssl_*``), or one written as py-amqp or pika name it (``ca_certs``,
     ``ssl``, ``ssl_options``): kombu passed those on as unknown keyword arguments, and a
@@ -208,4 +240,4 @@ def _read(given: dict[str, str], setting: str, shown: str) -> AmqpTls:
                    check_hostname=_BOOLEANS[hostname], server_hostname=given.get("ssl_server_hostname") or None)
 
 
-__all__ = ["AmqpTls", "split_amqp_url", "check_amqp_url", "kombu_connection", "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]
+__all__ = ["AmqpTls", "split_amqp_url", "check_amqp_url", "kombu_connection", "redis_py_url", "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]

@@ -26,6 +26,7 @@ from typing import Any
 from ..core.config import DramatiqSettings, dramatiq_settings, message_ttl_s
 from ..core.errors import ConfigError, install_hint
 from ..core.names import is_redis_url
+from ..core.tls import redis_py_url, split_amqp_url
 
 URL_SETTING = "OUTBOX_DRAMATIQ_BROKER_URL"
 
@@ -91,10 +92,32 @@ def _redis_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any
         def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Any:
             return super().consume(queue_name, prefetch=prefetch, timeout=min(timeout, REDIS_IDLE_POLL_MS))
 
-    pool = redis.ConnectionPool.from_url(url, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+    pool = redis.ConnectionPool.from_url(redis_py_url(url), socket_timeout=REDIS_SOCKET_TIMEOUT_S,
                                          socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
                                          socket_keepalive=True, health_check_interval=30)
     return _RelayRedisBroker(namespace=ns, middleware=middleware, client=_TimeoutIsConnectionError(connection_pool=pool))
+
+
+def _rabbitmq_broker(url: str, middleware: list[Any] | None = None) -> Any:
+    """Dramatiq's RabbitmqBroker for ``url``. Over TLS (``amqps://``) the URL's ``ssl_*``
+    parameters, the same as the publisher's (``outbox.core.tls``), become pika's ``SSLOptions``
+    on each broker's parameters: pika reads only its own ``?ssl_options={...}``, which kombu
+    (the scheduler's lock) cannot read (docs/dramatiq.md, "TLS")."""
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+    clean, tls = split_amqp_url(url, URL_SETTING)
+    # confirm_delivery: a send (a claim's publish message) returns once RabbitMQ has it.
+    broker = RabbitmqBroker(url=pika_url(clean), middleware=middleware, confirm_delivery=True)
+    if tls is not None:
+        for parameters in _parameters(broker):
+            parameters.ssl_options = tls.pika_ssl_options(parameters.host)
+    return broker
+
+
+def _parameters(broker: Any) -> list[Any]:
+    """The pika parameters of a RabbitmqBroker: one, or one per URL of a list."""
+    parameters = broker.parameters
+    return list(parameters) if isinstance(parameters, list) else [parameters]
 
 
 def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
@@ -102,13 +125,30 @@ def make_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
     try:
         if is_redis_url(url):
             return _redis_broker(url, ns, middleware)
-        from dramatiq.brokers.rabbitmq import RabbitmqBroker
-
-        # confirm_delivery: a send (a claim's publish message) returns once RabbitMQ has it.
-        return RabbitmqBroker(url=pika_url(url), middleware=middleware, confirm_delivery=True)
+        return _rabbitmq_broker(url, middleware)
     except ImportError as exc:
         raise ConfigError(f"{URL_SETTING} needs Dramatiq with its broker: {install_hint('dramatiq')} "
                           f"({exc})") from None
+
+
+def reach(url: str, timeout_s: float) -> None:
+    """Open one connection to Dramatiq's broker as the workers do (the same broker, its library,
+    TLS and all), waiting ``timeout_s`` at most for each step; raises what went wrong.
+    ``outbox check`` reached it through kombu, which reads a ``rediss://`` URL differently
+    (no certificate check without parameters): it said "reachable" to workers that could not
+    connect (found in review)."""
+    broker = make_broker(url, "dramatiq", middleware=[])
+    try:
+        if is_redis_url(url):
+            broker.client.ping()
+            return
+        for parameters in _parameters(broker):
+            parameters.socket_timeout = parameters.blocked_connection_timeout = timeout_s
+            parameters.stack_timeout = 2 * timeout_s
+            parameters.connection_attempts = 1
+        broker.connection  # noqa: B018 - opens the connection (pika's BlockingConnection)
+    finally:
+        broker.close()
 
 
 def queue_length(broker: Any, queue: str) -> int | None:
@@ -166,5 +206,5 @@ def send(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | None
     sender().enqueue(message(actor, queue, kwargs, max_age_s))
 
 
-__all__ = ["settings", "configured", "make_broker", "queue_length", "message", "expired", "sender", "send",
+__all__ = ["settings", "configured", "make_broker", "reach", "queue_length", "message", "expired", "sender", "send",
            "URL_SETTING"]

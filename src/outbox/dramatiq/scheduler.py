@@ -18,6 +18,7 @@ from ..core.config import startup_options
 from ..core.errors import ConfigError
 from ..core.names import CLAIM_TASK, is_redis_url
 from ..core.redact import install_filter, redact
+from ..core.tls import kombu_connection, redis_py_url
 from ..relay import RelayOptions
 from ..relay.sent_record import RECORD_KEEP, RabbitSentRecord, RedisSentRecord, closing_channel, first_due
 from ..relay.shared import MAX_QUEUED_CLAIMS as SHARED_MAX_QUEUED_CLAIMS
@@ -66,7 +67,7 @@ class RedisLock:
     def __init__(self, url: str, name: str, ttl_s: float = LOCK_TTL_S, outage: Outage | None = None) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.client = redis.Redis.from_url(redis_py_url(url), socket_timeout=2.0, socket_connect_timeout=2.0)
         self.key = f"outbox:scheduler:{name}"
         self.me = uuid.uuid4().hex
         self.ttl_ms = int(ttl_s * 1000)
@@ -137,7 +138,12 @@ class RabbitLock:
                 return True
             if self.conn is not None:
                 return True
-        conn = Connection(self.url, heartbeat=LOCK_TTL_S)
+        try:
+            url, tls = kombu_connection(self.url, _broker.URL_SETTING)  # amqps://: as the broker's (core.tls)
+        except ConfigError as exc:
+            self.outage.failed(exc)
+            return False
+        conn = Connection(url, heartbeat=LOCK_TTL_S, **tls)
         try:
             conn.connect()
             conn.default_channel.queue_declare(queue=self.queue, exclusive=True, auto_delete=True)
