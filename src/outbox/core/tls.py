@@ -190,9 +190,10 @@ def kombu_connection(url: str, setting: str) -> tuple[str, dict[str, Any]]:
     return clean, ({"ssl": tls.kombu_ssl(setting)} if tls else {})
 
 
-#: kombu's and Celery's spellings of ``ssl_cert_reqs`` in redis-py's words (redis-py refuses
-#: ``CERT_REQUIRED``: "Invalid SSL Certificate Requirements Flag").
-_REDIS_CERT_REQS = {"cert_required": "required", "cert_optional": "optional", "cert_none": "none"}
+#: ``ssl_cert_reqs`` in kombu's and Celery's spellings (any case) and redis-py's, in redis-py's
+#: words (redis-py refuses ``CERT_REQUIRED``: "Invalid SSL Certificate Requirements Flag").
+REDIS_CERT_REQS = {"cert_required": "required", "cert_optional": "optional", "cert_none": "none",
+                   "required": "required", "optional": "optional", "none": "none"}
 
 
 def redis_py_url(url: str) -> str:
@@ -205,8 +206,8 @@ def redis_py_url(url: str) -> str:
     pieces = []
     for piece in query.split("&"):
         key, eq, value = piece.partition("=")
-        if key == "ssl_cert_reqs" and value.lower() in _REDIS_CERT_REQS:
-            piece = f"{key}{eq}{_REDIS_CERT_REQS[value.lower()]}"
+        if key == "ssl_cert_reqs" and value.lower() in REDIS_CERT_REQS:
+            piece = f"{key}{eq}{REDIS_CERT_REQS[value.lower()]}"
         pieces.append(piece)
     return f"{base}?{'&'.join(pieces)}"
 
@@ -240,4 +241,5 @@ def _read(given: dict[str, str], setting: str, shown: str) -> AmqpTls:
                    check_hostname=_BOOLEANS[hostname], server_hostname=given.get("ssl_server_hostname") or None)
 
 
-__all__ = ["AmqpTls", "split_amqp_url", "check_amqp_url", "kombu_connection", "redis_py_url", "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]
+__all__ = ["AmqpTls", "split_amqp_url", "check_amqp_url", "kombu_connection", "redis_py_url", "REDIS_CERT_REQS",
+           "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]

@@ -14,11 +14,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote_plus
 
 from ..core.errors import ConfigError
-
-#: ``ssl_cert_reqs`` as kombu reads it (Celery documents ``CERT_REQUIRED``; redis-py takes only
-#: ``required``, ``optional``, ``none`` or the ``ssl`` constant).
-CERT_REQS = {"CERT_REQUIRED": ssl.CERT_REQUIRED, "CERT_OPTIONAL": ssl.CERT_OPTIONAL, "CERT_NONE": ssl.CERT_NONE,
-             "required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+from ..core.tls import REDIS_CERT_REQS
 
 
 def redis_connect_options(url: str, use_ssl: Any = None) -> tuple[str, dict[str, Any]]:
@@ -58,9 +54,10 @@ def _as_redis_py(options: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(options)
     reqs = out.get("ssl_cert_reqs")
     if isinstance(reqs, str):
-        if reqs not in CERT_REQS:
-            raise ConfigError(f"ssl_cert_reqs={reqs!r} on Celery's Redis broker: give one of {', '.join(CERT_REQS)}")
-        out["ssl_cert_reqs"] = CERT_REQS[reqs]
+        if reqs.lower() not in REDIS_CERT_REQS:  # one table of spellings with Dramatiq's (core.tls)
+            raise ConfigError(f"ssl_cert_reqs={reqs!r} on Celery's Redis broker: give one of CERT_REQUIRED, "
+                              "CERT_OPTIONAL, CERT_NONE (or required, optional, none)")
+        out["ssl_cert_reqs"] = REDIS_CERT_REQS[reqs.lower()]
     if isinstance(out.get("ssl_check_hostname"), str):
         out["ssl_check_hostname"] = out["ssl_check_hostname"].lower() != "false"  # kombu's reading
     return out
@@ -103,4 +100,4 @@ def relay_redis(url: str, **kwargs: Any) -> Any:
     return connect_redis(url, celery_use_ssl(url), **kwargs)
 
 
-__all__ = ["redis_connect_options", "celery_use_ssl", "connect_redis", "relay_redis", "CERT_REQS"]
+__all__ = ["redis_connect_options", "celery_use_ssl", "connect_redis", "relay_redis"]
