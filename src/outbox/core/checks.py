@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import difflib
 import re
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from .errors import ConfigError
 from .names import MAX_NAMESPACE, valid_namespace
-from .redact import redact, register_url
+from .redact import redact, register_secret, register_url
 
 #: Above this the lease is almost certainly a typo (30 days written as ms), and on
 #: SQL Server it would overflow the INT bound to DATEADD(MILLISECOND, ...).
@@ -60,6 +61,112 @@ def without_session_bounds(url: str) -> str:
         return url
     kept = [(k, v) for k, v in query if k not in SESSION_BOUNDS]
     return urlunsplit(parts._replace(query=urlencode(kept, quote_via=quote)))
+
+
+#: TLS parameters of a MySQL/MariaDB URL: PyMySQL's names, and ``ssl_mode`` as MySQL's clients
+#: spell it (docs/relay.md, "TLS to the database"). Read by ``mysql_tls``.
+MYSQL_TLS_PARAMETERS = ("ssl_mode", "ssl_disabled", "ssl_ca", "ssl_capath", "ssl_cert", "ssl_key",
+                        "ssl_key_password", "ssl_cipher", "ssl_verify_cert", "ssl_verify_identity")
+#: Every query parameter a MySQL/MariaDB URL may carry; any other is refused (a misspelt TLS
+#: parameter was silently dropped, and the relay connected in cleartext: found in review).
+MYSQL_URL_PARAMETERS = ("charset", "unix_socket", "read_timeout", "write_timeout", *MYSQL_TLS_PARAMETERS,
+                        *SESSION_BOUNDS)
+MYSQL_SSL_MODES = ("DISABLED", "PREFERRED", "REQUIRED", "VERIFY_CA", "VERIFY_IDENTITY")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def mysql_url_options(url: str) -> dict[str, str]:
+    """The query parameters of a MySQL/MariaDB URL (the last of a repeated one), decoded as
+    libpq decodes its own (``%XX`` only: a ``+`` stays a plus). A parameter outside
+    ``MYSQL_URL_PARAMETERS`` is a ``ConfigError`` listing the accepted ones."""
+    options: dict[str, str] = {}
+    for piece in urlsplit(url).query.split("&"):
+        if piece:
+            key, _, value = piece.partition("=")
+            options[unquote(key)] = unquote(value)
+    unknown = sorted(set(options) - set(MYSQL_URL_PARAMETERS))
+    if unknown:
+        # Only names are quoted: anything else may be part of a password (an unencoded '?').
+        named = [key if re.fullmatch(r"\w{1,64}", key) else "(a part that is no name)" for key in unknown]
+        raise ConfigError(f"OUTBOX_DATABASE_URL: unknown MySQL/MariaDB URL parameter {', '.join(named)} "
+                          f"(accepted: {', '.join(MYSQL_URL_PARAMETERS)})")
+    return options
+
+
+def _register_mysql_secrets(url: str) -> None:
+    """Mask the client key's passphrase wherever it shows up (``outbox.core.redact``): as
+    written in the URL and decoded."""
+    for piece in urlsplit(url).query.split("&"):
+        key, _, value = piece.partition("=")
+        if unquote(key) == "ssl_key_password" and value:
+            register_secret(value)
+
+
+@dataclass(frozen=True)
+class MysqlTls:
+    """A MySQL/MariaDB connection's TLS as its URL asks for it (``mysql_tls``): required, with
+    these files and checks. A connection to a server that offers no TLS fails."""
+
+    ca: str | None = None
+    capath: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    key_password: str | None = None
+    cipher: str | None = None
+    verify_cert: bool = False
+    verify_identity: bool = False
+
+
+def _mysql_flag(options: dict[str, str], name: str) -> bool | None:
+    if name not in options:
+        return None
+    value = options[name].strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ConfigError(f"OUTBOX_DATABASE_URL: {name}={options[name]!r} is not true or false")
+    return value in _TRUE
+
+
+def mysql_tls(options: dict[str, str]) -> MysqlTls | str | None:
+    """What a MySQL/MariaDB URL's TLS parameters (``mysql_url_options``) ask for: None when it
+    gives none (PyMySQL's own default: TLS when the server offers it, unverified), ``"disabled"``
+    (``ssl_mode=DISABLED``, ``ssl_disabled=true``), or a required ``MysqlTls`` (docs/relay.md,
+    "TLS to the database", has the rules). Contradictory parameters are a ``ConfigError``."""
+    given = {name: options[name] for name in MYSQL_TLS_PARAMETERS if name in options}
+    mode = given.pop("ssl_mode", "").strip().upper() or None
+    if mode is not None and mode not in MYSQL_SSL_MODES:
+        raise ConfigError(f"OUTBOX_DATABASE_URL: ssl_mode={options['ssl_mode']!r}: expected one of "
+                          f"{', '.join(MYSQL_SSL_MODES)}")
+    disabled = _mysql_flag(given, "ssl_disabled")
+    given.pop("ssl_disabled", None)
+    if disabled and mode not in (None, "DISABLED"):
+        raise ConfigError(f"OUTBOX_DATABASE_URL: ssl_disabled=true contradicts ssl_mode={mode}")
+    if disabled or mode in ("DISABLED", "PREFERRED"):
+        if given:
+            raise ConfigError(f"OUTBOX_DATABASE_URL: {', '.join(sorted(given))} with TLS "
+                              f"{'disabled' if mode != 'PREFERRED' else 'PREFERRED (which checks nothing)'}: "
+                              "set ssl_mode=REQUIRED, VERIFY_CA or VERIFY_IDENTITY, or drop them")
+        return None if mode == "PREFERRED" else "disabled"
+    if mode is None and not given:
+        return None
+    has_ca = "ssl_ca" in given or "ssl_capath" in given
+    verify_cert, verify_identity = _mysql_flag(given, "ssl_verify_cert"), _mysql_flag(given, "ssl_verify_identity")
+    # The mode's checks, else a CA's (PyMySQL's rule: a CA given checks the certificate and the host).
+    cert = mode in ("VERIFY_CA", "VERIFY_IDENTITY") or (mode is None and has_ca)
+    identity = mode == "VERIFY_IDENTITY" or (mode is None and has_ca)
+    for name, flag, by_mode in (("ssl_verify_cert", verify_cert, mode in ("VERIFY_CA", "VERIFY_IDENTITY")),
+                                ("ssl_verify_identity", verify_identity, mode == "VERIFY_IDENTITY")):
+        if flag is False and by_mode:
+            raise ConfigError(f"OUTBOX_DATABASE_URL: {name}=false contradicts ssl_mode={mode}")
+    cert = cert if verify_cert is None else verify_cert
+    identity = (identity and cert) if verify_identity is None else verify_identity
+    if identity and verify_cert is False:
+        raise ConfigError("OUTBOX_DATABASE_URL: ssl_verify_identity=true needs the certificate checked, "
+                          "not ssl_verify_cert=false")
+    if ("ssl_key" in given or "ssl_key_password" in given) and "ssl_cert" not in given:
+        raise ConfigError("OUTBOX_DATABASE_URL: ssl_key and ssl_key_password need ssl_cert (the client certificate)")
+    return MysqlTls(ca=given.get("ssl_ca"), capath=given.get("ssl_capath"), cert=given.get("ssl_cert"),
+                    key=given.get("ssl_key"), key_password=given.get("ssl_key_password"),
+                    cipher=given.get("ssl_cipher"), verify_cert=cert or identity, verify_identity=identity)
 
 
 #: The URL scheme of the package's own database broker (``outboxdb+postgresql://...``):
@@ -160,6 +267,9 @@ def validate_database_url(url: str, setting: str = "OUTBOX_DATABASE_URL") -> str
             check_host_part(url, setting)
         if base in SESSION_BOUND_SCHEMES:
             session_bounds(url)
+        if base in ("mysql", "mariadb"):
+            mysql_tls(mysql_url_options(url))
+            _register_mysql_secrets(url)
     elif "driver=" not in url.lower():
         raise ConfigError(f"{setting}={shown} looks like an ODBC connection string without DRIVER=")
     return url

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
+from .checks import MYSQL_TLS_PARAMETERS
 from .errors import ConfigError, install_hint
 
 log = logging.getLogger("outbox.core.config")
@@ -175,7 +176,41 @@ _DJANGO_SCHEMES = {"sqlite3": "sqlite", "postgresql": "postgresql", "postgresql_
 _LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "service", "options",
                   "application_name", "target_session_attrs", "connect_timeout", "passfile", "channel_binding",
                   "gssencmode", "krbsrvname")
-_MYSQL_OPTIONS = ("unix_socket", "charset")
+_MYSQL_OPTIONS = ("unix_socket", "charset", *MYSQL_TLS_PARAMETERS)
+#: Django's MySQL ``OPTIONS["ssl"]`` (mysqlclient's keys, and PyMySQL's where it stands in for
+#: mysqlclient) -> the URL's TLS parameter (docs/relay.md, "TLS to the database").
+_MYSQL_SSL_KEYS = {"ca": "ssl_ca", "capath": "ssl_capath", "cert": "ssl_cert", "key": "ssl_key",
+                   "password": "ssl_key_password", "cipher": "ssl_cipher", "check_hostname": "ssl_verify_identity",
+                   "verify_mode": "ssl_verify_cert"}
+
+
+def _option_text(value: Any) -> str | None:
+    """An OPTIONS value as URL text: a string or a number as written, a flag as true or
+    false; None for anything else (not a connection parameter)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, (str, int)) else None
+
+
+def _mysql_ssl(ssl: Any) -> list[tuple[str, str]]:
+    """Django's MySQL ``OPTIONS["ssl"]`` as the URL's TLS parameters. A key the relay cannot
+    carry is a ``ConfigError``: dropped, the relay would connect without what Django asked for."""
+    if not isinstance(ssl, Mapping):
+        return []
+    unknown = sorted(str(key) for key in ssl if key not in _MYSQL_SSL_KEYS)
+    if unknown:
+        raise ConfigError(f"DATABASES OPTIONS['ssl']: the relay cannot carry {', '.join(unknown)} "
+                          f"(accepted: {', '.join(_MYSQL_SSL_KEYS)}); set OUTBOX_DATABASE_URL instead")
+    carried = []
+    for key, value in ssl.items():
+        if key == "verify_mode" and not isinstance(value, (bool, str)):  # ssl.CERT_NONE, CERT_REQUIRED...
+            value = int(value) != 0
+        elif key == "verify_mode":
+            value = str(value).strip().lower() not in ("none", "cert_none", "0", "false", "no", "off")
+        text = _option_text(value)
+        if text is not None:
+            carried.append((_MYSQL_SSL_KEYS[key], text))
+    return carried
 
 
 def django_database_url(database: Mapping[str, Any]) -> str | None:
@@ -206,6 +241,10 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
     for key in (_LIBPQ_OPTIONS if scheme == "postgresql" else _MYSQL_OPTIONS if scheme == "mysql" else ()):
         if isinstance(options.get(key), (str, int)) and not isinstance(options.get(key), bool):
             query.append((key, str(options[key])))
+        elif scheme == "mysql" and isinstance(options.get(key), bool):  # PyMySQL's ssl_disabled=True...
+            query.append((key, _option_text(options[key]) or ""))
+    if scheme == "mysql":
+        query += _mysql_ssl(options.get("ssl"))
     url = f"{scheme}://{auth}{host}{':' + port if port else ''}/{quote(name, safe='')}"
     if query:
         url += "?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query)

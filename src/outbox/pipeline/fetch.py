@@ -172,8 +172,14 @@ class MysqlFetch(ConnectorxFetch):
     engine_name = "mysql"
 
     def usable(self) -> bool:
-        from ..storage.engines.mysql import pymysql_kwargs
-        return "unix_socket" not in pymysql_kwargs(self.url)  # connectorx speaks TCP only
+        """connectorx speaks TCP only, and its URL carries no TLS file (CA, client certificate):
+        a URL with ``unix_socket`` or asking for TLS reads through PyMySQL, which does
+        (docs/pipeline.md, "How the jobs read the outbox")."""
+        from ..core.checks import MYSQL_TLS_PARAMETERS, mysql_tls, mysql_url_options
+
+        options = mysql_url_options(self.url)
+        tls = any(name in options for name in MYSQL_TLS_PARAMETERS) and mysql_tls(options) != "disabled"
+        return "unix_socket" not in options and not tls
 
     def literal(self, value: Any) -> str:
         from pymysql.converters import escape_item

@@ -14,13 +14,15 @@ from __future__ import annotations
 import hashlib
 import re
 import socket
+import ssl
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
+from ...core.checks import MysqlTls, mysql_tls, mysql_url_options
 from ...core.config import session_bounds
-from ...core.errors import EnqueueError, StoreError
+from ...core.errors import ConfigError, EnqueueError, StoreError
 from ...core.model import NewEvent
 from .base import Engine, derived_name, duration, tcp_keepalive
 
@@ -50,8 +52,11 @@ def _is_mysqldb(conn: Any) -> bool:
 
 
 def pymysql_kwargs(url: str) -> dict[str, Any]:
+    """``pymysql.connect``'s arguments for a MySQL/MariaDB URL: its server and login, and its
+    query parameters (``checks.MYSQL_URL_PARAMETERS``; any other is refused), TLS as an
+    ``ssl`` context (``tls_context``; docs/relay.md, "TLS to the database")."""
     parts = urlsplit(url)
-    options = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    options = mysql_url_options(url)
     kwargs: dict[str, Any] = {
         "host": parts.hostname or "127.0.0.1",
         "port": parts.port or 3306,
@@ -71,7 +76,32 @@ def pymysql_kwargs(url: str) -> dict[str, Any]:
                                  "seconds") from None
             if kwargs[name] <= 0:
                 raise ValueError(f"OUTBOX_DATABASE_URL: {name}={kwargs[name]} must be at least 1 second")
+    tls = mysql_tls(options)
+    if tls == "disabled":
+        kwargs["ssl_disabled"] = True
+    elif isinstance(tls, MysqlTls):
+        kwargs["ssl"] = tls_context(tls)  # PyMySQL then refuses a server that offers no TLS
     return kwargs
+
+
+def tls_context(tls: MysqlTls) -> ssl.SSLContext:
+    """The ``ssl.SSLContext`` of a required TLS connection: the URL's CA (else the system's),
+    client certificate and checks. A file that cannot be read is a ``ConfigError`` naming it."""
+    what = " ".join(f"{name}={value!r}" for name, value in (("ssl_ca", tls.ca), ("ssl_capath", tls.capath))
+                    if value) or "the system's CA certificates"
+    try:
+        ctx = ssl.create_default_context(cafile=tls.ca, capath=tls.capath)
+        ctx.check_hostname = tls.verify_identity
+        ctx.verify_mode = ssl.CERT_REQUIRED if tls.verify_cert else ssl.CERT_NONE
+        if tls.cert:
+            what = f"ssl_cert={tls.cert!r}" + (f" ssl_key={tls.key!r}" if tls.key else "")
+            ctx.load_cert_chain(tls.cert, tls.key, tls.key_password)
+        if tls.cipher:
+            what = f"ssl_cipher={tls.cipher!r}"
+            ctx.set_ciphers(tls.cipher)
+    except OSError as exc:  # ssl.SSLError is one
+        raise ConfigError(f"OUTBOX_DATABASE_URL: {what} cannot be used: {exc}") from exc
+    return ctx
 
 
 def bounded_socket(host: str, port: int, tcp_timeout_s: int) -> socket.socket:
