@@ -644,6 +644,89 @@ def test_producer_config_is_idempotent_and_takes_sasl_from_the_url() -> None:
     assert config["sasl.mechanism"] == "SCRAM-SHA-512" and config["security.protocol"] == "sasl_ssl"
 
 
+def first_bytes_a_producer_sends(options: KafkaOptions, userinfo: str = "") -> bytes:
+    """What a producer made by ``producer_config`` first sends to a fake broker: a listener
+    socket on a free port, read once (a TLS ClientHello starts with 0x16 0x03; Kafka's
+    plaintext ApiVersions request with its 4-byte length)."""
+    import socket
+
+    from confluent_kafka import Producer
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    producer = None
+    try:
+        url = f"kafka://{userinfo}127.0.0.1:{listener.getsockname()[1]}"
+        producer = Producer({**producer_config(options, url), "socket.connection.setup.timeout.ms": 5000})
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            return conn.recv(16)
+    finally:
+        listener.close()
+        if producer is not None:
+            producer.purge()
+            producer.flush(0)
+
+
+@pytest.fixture(scope="module")
+def client_tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A throwaway CA, and a client certificate whose key is encrypted with ``KeyPass+42``."""
+    import trustme
+    from cryptography.hazmat.primitives import serialization
+
+    where = tmp_path_factory.mktemp("kafka-tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("relay.example")
+    key = serialization.load_pem_private_key(cert.private_key_pem.bytes(), password=None)
+    ca.cert_pem.write_to_path(str(where / "ca.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(where / "client.pem"))
+    (where / "client.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.BestAvailableEncryption(b"KeyPass+42")))
+    return {"OUTBOX_KAFKA_SSL_CA_LOCATION": str(where / "ca.pem"),
+            "OUTBOX_KAFKA_SSL_CERTIFICATE_LOCATION": str(where / "client.pem"),
+            "OUTBOX_KAFKA_SSL_KEY_LOCATION": str(where / "client.key"),
+            "OUTBOX_KAFKA_SSL_KEY_PASSWORD": "KeyPass+42"}
+
+
+def test_kafka_ssl_settings_without_credentials_connect_with_tls(client_tls: dict[str, str]) -> None:
+    """Found in review: the OUTBOX_KAFKA_SSL_* settings without credentials in the URL gave
+    security.protocol=plaintext, and the producer's first bytes were a plaintext ApiVersions."""
+    pytest.importorskip("confluent_kafka")
+    plain = first_bytes_a_producer_sends(KafkaOptions())
+    assert plain[:2] != b"\x16\x03" and plain[4:6] == b"\x00\x12"  # ApiVersions (key 18), in clear
+    for settings in ({"OUTBOX_KAFKA_SSL_CA_LOCATION": client_tls["OUTBOX_KAFKA_SSL_CA_LOCATION"]}, client_tls):
+        options = KafkaOptions.from_sources(settings)
+        assert producer_config(options, "kafka://k1:9093")["security.protocol"] == "ssl"
+        assert first_bytes_a_producer_sends(options)[:2] == b"\x16\x03"  # a TLS ClientHello
+    with_credentials = KafkaOptions.from_sources(client_tls)
+    assert producer_config(with_credentials, "kafka://app:pw@k1:9093")["security.protocol"] == "sasl_ssl"
+    assert first_bytes_a_producer_sends(with_credentials, "app:pw@")[:2] == b"\x16\x03"
+
+
+def test_the_kafka_key_password_reaches_librdkafka_and_is_masked(client_tls: dict[str, str]) -> None:
+    from outbox.core.redact import redact
+
+    options = KafkaOptions.from_sources(client_tls)
+    assert producer_config(options, "kafka://k1:9093")["ssl.key.password"] == "KeyPass+42"
+    assert "KeyPass+42" not in repr(options)
+    assert redact("librdkafka: ssl.key.password=KeyPass+42 failed") == "librdkafka: ssl.key.password=*** failed"
+    wrong = KafkaOptions.from_sources({**client_tls, "OUTBOX_KAFKA_SSL_KEY_PASSWORD": "wrong-pass"})
+    with pytest.raises(Exception, match="ssl.key"):  # librdkafka cannot decrypt the key: refused at creation
+        first_bytes_a_producer_sends(wrong)
+
+
+@pytest.mark.parametrize("protocol", ["plaintext", "sasl_plaintext", "PLAINTEXT"])
+def test_a_plaintext_protocol_with_kafka_ssl_settings_stops_start_up(protocol: str, client_tls: dict[str, str]) -> None:
+    for name in client_tls:
+        with pytest.raises(ConfigError) as caught:
+            KafkaOptions.from_sources({name: client_tls[name], "OUTBOX_KAFKA_SECURITY_PROTOCOL": protocol})
+        assert str(caught.value) == (f"OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol.lower()!r} sends in clear, but "
+                                     f"{name} is set: use ssl (sasl_ssl with credentials), or unset it")
+    assert KafkaOptions.from_sources({**client_tls, "OUTBOX_KAFKA_SECURITY_PROTOCOL": "sasl_ssl"})
+
+
 @pytest.mark.parametrize("name,value,fragment", [
     ("OUTBOX_KAFKA_TOPIC_TEMPLATE", "{tenant}.{topic}", "only {topic} and {aggregate_type}"),
     ("OUTBOX_KAFKA_SECURITY_PROTOCOL", "tls", "expected one of plaintext"),

@@ -399,16 +399,36 @@ class KafkaOptions(Options):
     topic_template: str = option("{topic}", "str", check=validate_kafka_topic_template)
     #: Off: an event whose Kafka topic does not exist is FATAL; on: the broker's auto-creation makes it.
     auto_create_topics: bool = option(False, "bool")
-    security_protocol: str = option("plaintext", "str", check=validate_kafka_security_protocol,
-                                    key="security.protocol")
+    #: Unset: ``ssl`` when any OUTBOX_KAFKA_SSL_* is set, ``sasl_ssl`` with the URL's credentials,
+    #: else ``plaintext`` (``security``).
+    security_protocol: str | None = option(None, "str", check=validate_kafka_security_protocol)
     sasl_mechanism: str | None = option(None, "str", check=validate_kafka_sasl_mechanism, key="sasl.mechanism")
     ssl_ca_location: str | None = option(None, "str", key="ssl.ca.location")
     ssl_certificate_location: str | None = option(None, "str", key="ssl.certificate.location")
     ssl_key_location: str | None = option(None, "str", key="ssl.key.location")
+    #: The passphrase of the client key (masked in every output).
+    ssl_key_password: str | None = option(None, "str", key="ssl.key.password", secret=True)
     #: Larger messages are POISON (the client refuses them; match the topic's max.message.bytes).
     message_max_bytes: int = option(1_000_000, "int", minimum=1000, maximum=1_000_000_000, key="message.max.bytes")
     #: How long a message may wait for its delivery report before it counts as not delivered.
     delivery_timeout_s: float = option(15.0, "float", minimum=0.1, maximum=3600.0)
+
+    def __post_init__(self) -> None:
+        # TLS settings with a protocol that sends in clear were a plaintext connection (found in review).
+        tls = next((name for name, (f, _) in self.declared().items()
+                    if f.name.startswith("ssl_") and getattr(self, f.name) is not None), None)
+        if tls and self.security_protocol in ("plaintext", "sasl_plaintext"):
+            raise ConfigError(f"OUTBOX_KAFKA_SECURITY_PROTOCOL={self.security_protocol!r} sends in clear, but {tls} "
+                              "is set: use ssl (sasl_ssl with credentials), or unset it")
+
+    def security(self, credentials: bool) -> str:
+        """librdkafka's ``security.protocol`` (docs/destinations.md, "Settings"): the setting,
+        else TLS when any OUTBOX_KAFKA_SSL_* is set and SASL with the URL's ``credentials``.
+        Credentials are never sent in clear by default: ``plaintext`` with them is ``sasl_ssl``."""
+        if self.security_protocol not in (None, "plaintext"):
+            return self.security_protocol
+        tls = any(getattr(self, f.name) is not None for f, _ in self.declared().values() if f.name.startswith("ssl_"))
+        return "sasl_ssl" if credentials else "ssl" if tls else "plaintext"
 
     def librdkafka(self) -> dict[str, Any]:
         """The fields that are librdkafka properties and are set, by their property names."""

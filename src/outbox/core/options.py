@@ -17,6 +17,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from .errors import ConfigError
+from .redact import register_secret
 
 #: What a setting's value is read as: text, a whole number, a number, a boolean
 #: (1/true/yes/on, 0/false/no/off), a comma-separated list of names, or a TCP port (0: off).
@@ -43,6 +44,9 @@ class Option:
     empty_error: str | None = None
     #: The name the value goes by elsewhere (the database broker's kombu transport option).
     key: str | None = None
+    #: A secret (a key's passphrase): masked wherever it shows up once read (``outbox.core.redact``),
+    #: and left out of the family's repr.
+    secret: bool = False
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, self.kind
@@ -50,7 +54,7 @@ class Option:
 
 def option(default: Any, kind: str, **how: Any) -> Any:
     """A field of an option family: its default and how its setting is read (``Option``)."""
-    return field(default=default, metadata={"option": Option(kind, **how)})
+    return field(default=default, repr=not how.get("secret", False), metadata={"option": Option(kind, **how)})
 
 
 class Sources:
@@ -113,6 +117,8 @@ class Options:
             raw = found.get(name)
             if raw is not None:
                 value = coerce(how, name, raw, show_given=cls.SHOW_GIVEN)
+                if how.secret and value is not None:
+                    register_secret(str(value))
                 if value is not None:
                     values[f.name] = value
         return cls(**values)

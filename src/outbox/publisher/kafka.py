@@ -74,12 +74,11 @@ def producer_config(options: KafkaOptions, url: str) -> dict[str, Any]:
         "socket.connection.setup.timeout.ms": max(1000, int(options.delivery_timeout_s * 1000)),
     }
     config.update(options.librdkafka())
+    config["security.protocol"] = options.security(credentials=bool(userinfo))  # TLS with any ssl.* setting
     if userinfo:
         user, _, password = userinfo.partition(":")
         config["sasl.username"], config["sasl.password"] = unquote(user), unquote(password)
         config.setdefault("sasl.mechanism", "PLAIN")
-        if options.security_protocol == "plaintext":
-            config["security.protocol"] = "sasl_ssl"  # credentials are never sent in clear by default
     return config
 
 
