@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from services import MYSQL_URL, require
+from services import MYSQL_URL, POSTGRES_URL, require
 
 from outbox.core.config import django_database_url, load_settings
 from outbox.core.errors import ConfigError
@@ -206,3 +206,95 @@ def test_django_mysql_ssl_options_are_carried() -> None:
     assert load_settings(environ={"OUTBOX_DATABASE_URL": url}).database_url == url
     with pytest.raises(ConfigError, match=r"OPTIONS\['ssl'\]: the relay cannot carry crl \(accepted: ca, capath"):
         django_database_url({**database, "OPTIONS": {"ssl": {"ca": "/etc/ca.pem", "crl": "/etc/crl.pem"}}})
+
+
+# -- PostgreSQL: every libpq parameter reaches psycopg as written ------------------------------
+
+PG = "postgresql://app:secret@db.example:5432/app"
+
+
+@pytest.fixture
+def psycopg_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """The conninfo each ``psycopg.connect`` is handed (no connection is made)."""
+    import psycopg
+
+    calls: list[dict[str, object]] = []
+
+    def connect(*args: object, **kwargs: object) -> None:
+        calls.append(dict(psycopg.conninfo.conninfo_to_dict(*args, **kwargs)))
+        raise psycopg.OperationalError("stubbed: no connection")
+
+    monkeypatch.setattr(psycopg, "connect", connect)
+    return calls
+
+
+def handed_to_psycopg(url: str, calls: list[dict[str, object]]) -> dict[str, object]:
+    import psycopg
+
+    from outbox.storage.engines.postgres import PostgresEngine
+
+    with pytest.raises(psycopg.OperationalError, match="stubbed"):
+        PostgresEngine().connect(url)
+    return calls.pop()
+
+
+def test_a_session_bound_leaves_every_other_libpq_parameter_byte_for_byte(
+        psycopg_calls: list[dict[str, object]]) -> None:
+    """Found in review: with a session bound in the URL the query was decoded and encoded
+    again (``parse_qsl``), and a ``+`` became a space: sslpassword ``Ab+9/x=`` reached libpq
+    as ``Ab 9/x=``. libpq decodes ``%XX`` only."""
+    from outbox.core.config import without_session_bounds
+    from outbox.pipeline.fetch import PostgresFetch
+    from outbox.storage.engines import engine_for_url
+
+    query = "sslpassword=Ab+9%2Fx%3D&sslrootcert=/etc/pg/ca+1.pem&password=p+w&application_name=a%20b+c"
+    expected = {"sslpassword": "Ab+9/x=", "sslrootcert": "/etc/pg/ca+1.pem", "password": "p+w",
+                "application_name": "a b+c"}
+    for bounds in ("", "tcp_timeout_s=20&", "idle_transaction_timeout_s=7&tcp_timeout_s=20&"):
+        url = f"{PG}?{bounds}{query}"
+        assert without_session_bounds(url) == f"{PG}?{query}"
+        given = handed_to_psycopg(url, psycopg_calls)
+        assert {key: given[key] for key in expected} == expected, bounds
+        uri = PostgresFetch(url, engine_for_url(url)).uri()  # ADBC's
+        assert uri.startswith(f"postgresql://app:secret@db.example:5432/app?{query}&"), bounds
+    assert without_session_bounds(f"{PG}?a=1&&tcp_timeout_s=4&b=%2B+") == f"{PG}?a=1&&b=%2B+"
+
+
+def test_a_plus_in_a_libpq_parameter_reaches_the_server() -> None:
+    """On the real server: the session's application_name is the URL's, ``+`` included."""
+    from urllib.parse import urlsplit
+
+    from outbox.storage.engines.postgres import PostgresEngine
+
+    parts = urlsplit(POSTGRES_URL)
+    require("PostgreSQL", parts.hostname or "127.0.0.1", parts.port or 5432)
+    conn = PostgresEngine().connect(with_query(POSTGRES_URL, "tcp_timeout_s=20&application_name=relay+1%2Fa"))
+    try:
+        assert conn.execute("SELECT current_setting('application_name')").fetchone()[0] == "relay+1/a"
+    finally:
+        conn.close()
+
+
+def test_django_postgresql_options_carry_every_libpq_parameter(psycopg_calls: list[dict[str, object]]) -> None:
+    """Found in review: a hand-written list dropped sslcrl, sslcrldir, sslcertmode, sslsni,
+    ssl_min_protocol_version, ssl_max_protocol_version and require_auth, so the relay took
+    what Django refused (a revoked certificate, an older TLS)."""
+    from psycopg import pq
+
+    stricter = {"sslmode": "verify-full", "sslrootcert": "/etc/pg/ca.pem", "sslcrl": "/etc/pg/crl.pem",
+                "sslcrldir": "/etc/pg/crl.d", "sslcertmode": "require", "sslsni": 1,
+                "ssl_min_protocol_version": "TLSv1.3", "ssl_max_protocol_version": "TLSv1.3",
+                "require_auth": "scram-sha-256", "sslpassword": "Ab+9/x="}
+    database = {"ENGINE": "django.db.backends.postgresql", "NAME": "app", "USER": "app", "PASSWORD": "secret",
+                "HOST": "db.example", "PORT": "5432",
+                "OPTIONS": {**stricter, "isolation_level": 1, "server_side_binding": True, "prepare_threshold": 5,
+                            "host": "elsewhere.example"}}
+    url = django_database_url(database)
+    assert url is not None
+    given = handed_to_psycopg(url, psycopg_calls)
+    assert {key: given.get(key) for key in stricter} == {key: str(value) for key, value in stricter.items()}
+    # Django's own keys and psycopg's are not libpq's; HOST set wins over OPTIONS' host, as in Django.
+    assert not {"isolation_level", "server_side_binding", "prepare_threshold"} & set(given)
+    assert given["host"] == "db.example"
+    libpq = {option.keyword.decode() for option in pq.Conninfo.get_defaults()}
+    assert set(stricter) <= libpq

@@ -171,11 +171,25 @@ _DJANGO_SCHEMES = {"sqlite3": "sqlite", "postgresql": "postgresql", "postgresql_
                    "postgis": "postgresql", "mysql": "mysql", "mssql": "mssql+pyodbc"}
 
 
-#: Django OPTIONS carried into the URL: libpq's connection parameters (psycopg's OPTIONS are
-#: those), and the two of MySQL's the relay's driver reads; Django's own keys are not.
-_LIBPQ_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "service", "options",
-                  "application_name", "target_session_attrs", "connect_timeout", "passfile", "channel_binding",
-                  "gssencmode", "krbsrvname")
+#: Django OPTIONS carried into the URL: libpq's connection parameters (``libpq_keywords``;
+#: psycopg's OPTIONS are those), and MySQL's the relay's driver reads; Django's own keys are not.
+#: The ones Django sets from USER, PASSWORD, NAME, HOST and PORT come from those when set.
+_DJANGO_CONNECTION = {"user": "USER", "password": "PASSWORD", "dbname": "NAME", "host": "HOST", "port": "PORT"}
+
+
+@functools.lru_cache(maxsize=1)
+def libpq_keywords() -> tuple[str, ...]:
+    """Every connection keyword of the libpq psycopg runs on (``PQconndefaults``), so that
+    each one Django passes reaches the relay too: a hand-written list dropped sslcrl,
+    sslcertmode, ssl_min_protocol_version, require_auth... (found in review). Without
+    psycopg, none: the relay's PostgreSQL engine cannot run there either."""
+    try:
+        from psycopg import pq
+    except ImportError:
+        return ()
+    return tuple(option.keyword.decode() for option in pq.Conninfo.get_defaults())
+
+
 _MYSQL_OPTIONS = ("unix_socket", "charset", *MYSQL_TLS_PARAMETERS)
 #: Django's MySQL ``OPTIONS["ssl"]`` (mysqlclient's keys, and PyMySQL's where it stands in for
 #: mysqlclient) -> the URL's TLS parameter (docs/relay.md, "TLS to the database").
@@ -238,7 +252,12 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
         host = "" if scheme == "postgresql" else "127.0.0.1"
     elif ":" in host:
         host = f"[{host}]"
-    for key in (_LIBPQ_OPTIONS if scheme == "postgresql" else _MYSQL_OPTIONS if scheme == "mysql" else ()):
+    if scheme == "postgresql":
+        carried: tuple[str, ...] = tuple(key for key in libpq_keywords()
+                                         if not database.get(_DJANGO_CONNECTION.get(key, "")))
+    else:
+        carried = _MYSQL_OPTIONS if scheme == "mysql" else ()
+    for key in carried:
         if isinstance(options.get(key), (str, int)) and not isinstance(options.get(key), bool):
             query.append((key, str(options[key])))
         elif scheme == "mysql" and isinstance(options.get(key), bool):  # PyMySQL's ssl_disabled=True...
