@@ -6,6 +6,7 @@ it on, the session is checked to be encrypted instead)."""
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,6 +179,18 @@ def test_a_mysql_url_parameter_the_relay_does_not_read_stops_start_up(query: str
         with pytest.raises(ConfigError) as info:
             load_settings(environ={"OUTBOX_DATABASE_URL": f"{scheme}://root@db/app?{query}"})
         assert str(info.value).startswith(f"OUTBOX_DATABASE_URL: {problem}")
+
+
+def test_a_mysql_url_parameter_of_no_tls_the_relay_does_not_read_is_ignored_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Not refused, as a misspelt TLS parameter is: such a parameter was always ignored, and
+    refusing it now would stop, at an upgrade, a deployment whose URL carried one."""
+    url = "mysql://root@db/app?connect_timeout=5&charset=utf8mb4"
+    with caplog.at_level(logging.WARNING, logger="outbox.config"):
+        assert load_settings(environ={"OUTBOX_DATABASE_URL": url}).database_url == url
+        load_settings(environ={"OUTBOX_DATABASE_URL": url})
+    said = [r.getMessage() for r in caplog.records if "connect_timeout" in r.getMessage()]
+    assert len(said) == 1 and "is ignored" in said[0], said
 
 
 def test_mysql_tls_reads_through_pymysql_in_the_pipeline() -> None:

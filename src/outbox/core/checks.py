@@ -5,6 +5,7 @@ names the setting. The declarations (``outbox.core.config``) point at them; the 
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -12,6 +13,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from .errors import ConfigError
 from .names import MAX_NAMESPACE, valid_namespace
 from .redact import redact, register_secret, register_url
+
+log = logging.getLogger("outbox.config")
 
 #: Above this the lease is almost certainly a typo (30 days written as ms), and on
 #: SQL Server it would overflow the INT bound to DATEADD(MILLISECOND, ...).
@@ -71,8 +74,10 @@ def without_session_bounds(url: str) -> str:
 #: spell it (docs/relay.md, "TLS to the database"). Read by ``mysql_tls``.
 MYSQL_TLS_PARAMETERS = ("ssl_mode", "ssl_disabled", "ssl_ca", "ssl_capath", "ssl_cert", "ssl_key",
                         "ssl_key_password", "ssl_cipher", "ssl_verify_cert", "ssl_verify_identity")
-#: Every query parameter a MySQL/MariaDB URL may carry; any other is refused (a misspelt TLS
-#: parameter was silently dropped, and the relay connected in cleartext: found in review).
+#: Every query parameter a MySQL/MariaDB URL may carry. Any other that looks like a TLS one
+#: (``ssl``/``tls`` in its name) is refused: a misspelt TLS parameter was silently dropped, and
+#: the relay connected in cleartext (found in review). Any other is ignored, as it always was,
+#: with one warning: refusing it would stop, at an upgrade, a deployment that carried it.
 MYSQL_URL_PARAMETERS = ("charset", "unix_socket", "read_timeout", "write_timeout", *MYSQL_TLS_PARAMETERS,
                         *SESSION_BOUNDS)
 MYSQL_SSL_MODES = ("DISABLED", "PREFERRED", "REQUIRED", "VERIFY_CA", "VERIFY_IDENTITY")
@@ -89,12 +94,20 @@ def mysql_url_options(url: str) -> dict[str, str]:
             key, _, value = piece.partition("=")
             options[unquote(key)] = unquote(value)
     unknown = sorted(set(options) - set(MYSQL_URL_PARAMETERS))
-    if unknown:
-        # Only names are quoted: anything else may be part of a password (an unencoded '?').
-        named = [key if re.fullmatch(r"\w{1,64}", key) else "(a part that is no name)" for key in unknown]
-        raise ConfigError(f"OUTBOX_DATABASE_URL: unknown MySQL/MariaDB URL parameter {', '.join(named)} "
+    # Only names are quoted: anything else may be part of a password (an unencoded '?').
+    named = [key if re.fullmatch(r"\w{1,64}", key) else "(a part that is no name)" for key in unknown]
+    tls = [name for name in named if "ssl" in name.lower() or "tls" in name.lower()]
+    if tls:
+        raise ConfigError(f"OUTBOX_DATABASE_URL: unknown MySQL/MariaDB URL parameter {', '.join(tls)} "
                           f"(accepted: {', '.join(MYSQL_URL_PARAMETERS)})")
+    if named and tuple(named) not in _warned:
+        _warned.add(tuple(named))
+        log.warning("outbox: OUTBOX_DATABASE_URL: MySQL/MariaDB URL parameter %s is ignored: the relay reads only "
+                    "%s", ", ".join(named), ", ".join(MYSQL_URL_PARAMETERS))
     return options
+
+
+_warned: set[tuple[str, ...]] = set()  # the ignored parameters said once per process
 
 
 def _register_mysql_secrets(url: str) -> None:
