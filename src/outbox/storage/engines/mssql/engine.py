@@ -20,7 +20,7 @@ from .schema import (
     session_lock_sql,
     session_unlock_sql,
 )
-from .sql import ID_PARAMS_PER_STATEMENT, MssqlStatements
+from .sql import ID_PARAMS_PER_STATEMENT, MssqlStatements, rollback_to_savepoint_sql, savepoint_statements
 
 log = logging.getLogger("outbox.storage.engines.mssql")
 
@@ -109,13 +109,25 @@ class MssqlEngine(MssqlStatements):
 
     @contextmanager
     def savepoint(self, conn: Any, name: str) -> Iterator[None]:
-        # T-SQL's savepoints: SAVE TRANSACTION, ROLLBACK TRANSACTION <name>, nothing to release.
-        self._run(conn, f"SAVE TRANSACTION {name}")
+        # A transaction first when none is open (the outer block only switched autocommit
+        # off), then SAVE TRANSACTION: sql.savepoint_statements. Nothing to release.
+        self._run_batch(conn, "\n".join(savepoint_statements(name)))
         try:
             yield
         except BaseException:
-            self._run(conn, f"ROLLBACK TRANSACTION {name}")
+            self._run(conn, rollback_to_savepoint_sql(name))
             raise
+
+    def _run_batch(self, conn: Any, batch: str) -> None:
+        """``_run`` for a batch, stepped through to its end: an error in a statement after a
+        row count reaches the client only through ``nextset()`` (``execute`` steps a migration batch alike)."""
+        cursor = self.cursor_for(conn)
+        try:
+            self.execute(cursor, batch)
+            while cursor.nextset():
+                pass
+        finally:
+            cursor.close()
 
     def read_server(self, cursor: Any) -> None:
         """Probe the connection ``cursor`` runs on (one the engine did not open: a Django

@@ -29,6 +29,39 @@ ID_LIST_SIZES = (1, 4, 16, 64, 256, 1024, ID_PARAMS_PER_STATEMENT)
 #: Error 308's words (mssql-python's errors carry no number): an index that a hint names is gone.
 INDEX_GONE = "(specified in the FROM clause) does not exist"
 
+#: A transaction open on the session whatever IMPLICIT_TRANSACTIONS says, @@TRANCOUNT 1
+#: when none was (``savepoint_statements``).
+OPEN_TRANSACTION = ("IF @@TRANCOUNT = 0\n"
+                    "BEGIN\n"
+                    "    BEGIN TRANSACTION;\n"
+                    "    IF @@TRANCOUNT > 1\n"
+                    "    BEGIN\n"
+                    "        COMMIT TRANSACTION;\n"
+                    "    END;\n"
+                    "END;")
+
+
+def savepoint_statements(name: str) -> list[str]:
+    """The batch that opens a nested ``outbox.transaction`` block: a transaction first when
+    none is open, then the savepoint (docs/waking-and-metrics.md, "outbox.transaction").
+
+    The outer block only switches autocommit off, which the ODBC driver turns into
+    IMPLICIT_TRANSACTIONS ON; SAVE TRANSACTION is not one of the statements that start an
+    implicit transaction, so a nested block run before any work of the outer one failed
+    with error 628 (found in review). BEGIN TRANSACTION is one of them: under
+    IMPLICIT_TRANSACTIONS it opens two nested transactions (@@TRANCOUNT 2), and the COMMIT
+    takes the count back to 1, committing nothing, so the driver's ``commit()`` ends the one
+    transaction left, as it ends one it opened itself. With IMPLICIT_TRANSACTIONS OFF the
+    count is 1 and no COMMIT runs. sqlglot cannot read SAVE TRANSACTION (tests/test_mssql_sql.py)."""
+    return [OPEN_TRANSACTION, f"SAVE TRANSACTION {name};"]
+
+
+def rollback_to_savepoint_sql(name: str) -> str:
+    """Roll a nested ``outbox.transaction`` block back to its savepoint (T-SQL has no RELEASE:
+    the savepoint lasts until the transaction ends)."""
+    return f"ROLLBACK TRANSACTION {name}"
+
+
 #: The result columns' types, for the claim's table variable (payload/headers as text
 #: whether the columns are NVARCHAR(MAX) or the native json type).
 _MESSAGE_TYPES = {
