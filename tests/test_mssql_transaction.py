@@ -243,3 +243,26 @@ def test_without_implicit_transactions_the_nested_block_opens_one_transaction(no
         with outbox.transaction(conn):
             assert conn.session.trancount == 1
     assert conn.ended == [("commit", 1)]
+
+
+@pytest.mark.parametrize("after", ["deadlock", "doomed", "deadlock, then more work"])
+def test_a_nested_block_whose_transaction_is_gone_raises_its_own_error(
+        conn: PyodbcConnection, after: str, no_sqlglot_fallbacks: None) -> None:
+    """A deadlock victim's whole transaction is rolled back (1205: XACT_STATE() 0), and an
+    error under XACT_ABORT dooms it (-1): ROLLBACK TRANSACTION <savepoint> then raised 6401
+    or 3931, which replaced the deadlock a caller retries on (found in review). Now the
+    rollback runs only where it can, its own failure is logged, and the block's error is
+    what the caller sees."""
+    deadlock = ServerError(1205, "Transaction (Process ID 52) was deadlocked on lock resources with another "
+                                 "process and has been chosen as the deadlock victim. Rerun the transaction.")
+    with pytest.raises(ServerError) as raised, outbox.transaction(conn), outbox.transaction(conn):
+        write(conn, 1)
+        if after == "doomed":
+            conn.session.doomed = True
+        else:
+            conn.session.end()
+        if after == "deadlock, then more work":  # a new implicit transaction, without the savepoint
+            write(conn, 2)
+        raise deadlock
+    assert raised.value is deadlock
+    assert conn.ended[-1][0] == "rollback" and conn.session.trancount == 0

@@ -7,6 +7,8 @@ block's work (docs/waking-and-metrics.md, "outbox.transaction")."""
 from __future__ import annotations
 
 import sqlite3
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,3 +151,52 @@ def test_a_transaction_the_caller_began_on_an_autocommit_connection_is_refused(
         conn.close()
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"DROP TABLE {store.engine.table_name}_orders")
+
+
+@pytest.mark.parametrize("kind", ["mysql"])
+def test_a_deadlock_in_a_nested_block_reaches_the_caller_as_itself(store: OutboxStore, url: str) -> None:
+    """InnoDB rolls the whole transaction back on a deadlock, and the savepoint with it: the
+    inner block's ROLLBACK TO SAVEPOINT then failed with 1305 (SAVEPOINT does not exist), and
+    that error, not the deadlock (1213), reached the caller, who retries on a deadlock and so
+    did not (found in review). Two connections deadlock for real; the inner block's is the
+    victim (InnoDB picks the transaction that changed fewer rows)."""
+    table = f"{store.engine.table_name}_dl"
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"CREATE TABLE {table} (id INT PRIMARY KEY, v INT) ENGINE=InnoDB")
+        store.engine.execute(cursor, f"INSERT INTO {table} (id, v) VALUES " + ", ".join(f"({i}, 0)" for i in range(1, 501)))
+    app, other = app_connection(store, url, autocommit=False), app_connection(store, url, autocommit=False)
+    both_hold_a_row = threading.Barrier(2, timeout=10)
+
+    def run(conn: Any, *statements: str) -> None:
+        cursor = conn.cursor()
+        try:
+            for statement in statements:
+                cursor.execute(statement)
+        finally:
+            cursor.close()
+
+    def heavier_transaction() -> None:  # id 2 and many rows, then waits for id 1
+        run(other, f"UPDATE {table} SET v = 1 WHERE id = 2", f"UPDATE {table} SET v = 1 WHERE id > 100")
+        both_hold_a_row.wait()
+        time.sleep(0.3)  # the application's connection waits for id 2 by then
+        run(other, f"UPDATE {table} SET v = 1 WHERE id = 1")
+        other.commit()
+
+    try:
+        for conn in (app, other):
+            run(conn, "SET SESSION innodb_lock_wait_timeout = 10")  # bounded if no deadlock comes
+        thread = threading.Thread(target=heavier_transaction)
+        thread.start()
+        with (pytest.raises(Exception) as raised, outbox.transaction(app, wake=False),
+              outbox.transaction(app, wake=False)):  # the outer block, then the inner one
+            run(app, f"UPDATE {table} SET v = 2 WHERE id = 1")
+            both_hold_a_row.wait()
+            run(app, f"UPDATE {table} SET v = 2 WHERE id = 2")
+        thread.join(timeout=20)
+        assert raised.value.args[0] == 1213, raised.value  # ER_LOCK_DEADLOCK, not 1305
+        assert store.engine.is_transient(raised.value)
+    finally:
+        for conn in (app, other):
+            conn.close()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE {table}")

@@ -413,15 +413,26 @@ class Engine(ABC):
     @contextmanager
     def savepoint(self, conn: Any, name: str) -> Iterator[None]:
         """An ``outbox.transaction`` block nested in another on ``conn``: rolled back alone
-        when it raises, committed with the outer block."""
+        when it raises (``roll_back_block``), committed with the outer block."""
         self._run(conn, f"SAVEPOINT {name}")
         try:
             yield
         except BaseException:
-            self._run(conn, f"ROLLBACK TO SAVEPOINT {name}")
-            self._run(conn, f"RELEASE SAVEPOINT {name}")
+            self.roll_back_block(conn, name, f"ROLLBACK TO SAVEPOINT {name}", f"RELEASE SAVEPOINT {name}")
             raise
         self._run(conn, f"RELEASE SAVEPOINT {name}")
+
+    def roll_back_block(self, conn: Any, name: str, *statements: str) -> None:
+        """Run ``statements``, which roll a nested block that raised back to its savepoint
+        ``name``; their own failure is logged, never raised: the block's error is what the
+        caller sees. A deadlock (InnoDB, SQL Server) rolls the whole transaction back, and
+        the savepoint with it: the rollback's "savepoint does not exist" replaced the deadlock,
+        which a caller retries on (found in review; docs/waking-and-metrics.md)."""
+        try:
+            for statement in statements:
+                self._run(conn, statement)
+        except Exception:
+            log.debug("outbox: cannot roll back to savepoint %s (the transaction may be gone)", name, exc_info=True)
 
     def _run(self, conn: Any, statement: str) -> None:
         cursor = self.cursor_for(conn)

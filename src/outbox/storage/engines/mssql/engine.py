@@ -115,7 +115,7 @@ class MssqlEngine(MssqlStatements):
         try:
             yield
         except BaseException:
-            self._run(conn, rollback_to_savepoint_sql(name))
+            self.roll_back_block(conn, name, rollback_to_savepoint_sql(name))
             raise
 
     def _run_batch(self, conn: Any, batch: str) -> None:

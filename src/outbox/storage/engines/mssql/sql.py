@@ -58,8 +58,11 @@ def savepoint_statements(name: str) -> list[str]:
 
 def rollback_to_savepoint_sql(name: str) -> str:
     """Roll a nested ``outbox.transaction`` block back to its savepoint (T-SQL has no RELEASE:
-    the savepoint lasts until the transaction ends)."""
-    return f"ROLLBACK TRANSACTION {name}"
+    the savepoint lasts until the transaction ends), where the transaction still can be:
+    after a deadlock (1205) none is open any more (XACT_STATE() 0), and after an error
+    that doomed it (XACT_ABORT) only a full rollback is allowed (-1, error 3931). The outer
+    block then rolls back, and the block's own error reaches the caller (found in review)."""
+    return if_("XACT_STATE() = 1", f"ROLLBACK TRANSACTION {name}")
 
 
 #: The result columns' types, for the claim's table variable (payload/headers as text
