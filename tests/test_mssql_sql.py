@@ -40,6 +40,7 @@ from outbox.domain.chains import Candidate, plan_claim
 from outbox.domain.events import prepare_event
 from outbox.storage.engines.base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
 from outbox.storage.engines.mssql import (
+    DDL_LOCK_TIMEOUT_MS,
     FILTERED_INDEX_OPTIONS,
     ID_COLLATION,
     ID_LIST_SIZES,
@@ -59,6 +60,8 @@ from outbox.storage.engines.mssql import (
     odbc_connection_string,
     parse_target,
 )
+from outbox.storage.engines.mssql.engine import LOCK_TIMEOUT_SQL
+from outbox.storage.engines.mssql.schema import lock_holders_sql
 from outbox.storage.store import _DOUBTFUL, OutboxStore, apply_migration
 
 URL = "mssql+pyodbc://relay:secret@db.example:1433/app?driver=ODBC+Driver+18+for+SQL+Server"
@@ -81,6 +84,8 @@ def store_answer(sql: str) -> list[tuple]:
         return [(3,)]
     if sql.startswith("SELECT COUNT(*), MIN(claimed_at)"):
         return [(2, datetime(2024, 1, 1), datetime(2024, 1, 1, 0, 0, 5))]
+    if sql == LOCK_TIMEOUT_SQL:
+        return [(30_000,)]  # the session's, as set at connect
     return []
 
 
@@ -1844,3 +1849,81 @@ def test_the_gauges_read_without_shared_locks(no_sqlglot_fallbacks: None) -> Non
         (ref,) = outbox_refs(tree, engine)
         assert hints(ref) == {"READUNCOMMITTED"}
         assert "status IN (0, 1, 3)" in engine.gauges_sql()
+
+
+# -- a migration that gives up waiting for a table's lock (review diff1, finding 5) ----------
+
+LOCK_TIMEOUT_1222 = _OperationalError("HY000", "[HY000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Lock "
+                                               "request time out period exceeded. (1222) (SQLExecDirectW)")
+
+
+def test_a_lock_timeout_is_told_from_other_transient_errors() -> None:
+    """1222 is transient for the relay's work but ends a migration at once (Connections.run);
+    MssqlEngine said False for every error, so a migration's 1222 was tried five times."""
+    from outbox.storage.connections import Connections
+    engine = MssqlEngine()
+    deadlock = _OperationalError("40001", "[40001] [SQL Server]Transaction (Process ID 52) was deadlocked on lock "
+                                          "resources with another process. (1205) (SQLExecDirectW)")
+    assert engine.is_lock_timeout(LOCK_TIMEOUT_1222) and engine.is_transient(LOCK_TIMEOUT_1222)
+    assert not engine.is_lock_timeout(deadlock) and engine.is_transient(deadlock)
+    assert not engine.is_lock_timeout(_OperationalError("HY000", "[SQL Server]Bad thing (12220) (SQLExecDirectW)"))
+    connections = Connections(engine, URL)
+    assert connections.retryable(LOCK_TIMEOUT_1222) and not connections.retryable(LOCK_TIMEOUT_1222, ddl=True)
+    assert connections.retryable(deadlock, ddl=True)
+    mp = pytest.importorskip("mssql_python.exceptions")  # no error number there: the words
+    assert engine.is_lock_timeout(mp.OperationalError("General error", "Lock request time out period exceeded."))
+
+
+class _TableLocked(RecordingCursor):
+    """A table another transaction holds: the migration step that creates it fails with 1222.
+    (Not a StoreCursor: the table names bound as parameters start with "[", not id lists.)"""
+
+    def __init__(self, log: list[tuple[str, tuple]] | None = None, sizes: list | None = None,
+                 answers: dict[str, list[tuple]] | None = None) -> None:
+        super().__init__(log, sizes, answers, default=store_answer)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> RecordingCursor:
+        super().execute(sql, params)
+        if "CREATE TABLE" in sql:
+            raise LOCK_TIMEOUT_1222
+        return self
+
+
+def test_a_migration_that_gives_up_waiting_is_not_retried_and_names_the_holder(no_sqlglot_fallbacks: None) -> None:
+    """A DDL step waited the session's LOCK_TIMEOUT (30 s) and was tried five times, every
+    enqueue and claim queued behind its Sch-M request all along (~150 s), then failed naming
+    no one. Now the step waits 10 s (SET LOCK_TIMEOUT around the migration, the session's
+    put back), once, and the error names who holds the table."""
+    holder = (57, "app", "web-1", "orders-api", "sleeping", 125)
+    conn = StoreConnection({"FROM sys.dm_tran_locks": [holder]})
+    conn.cursor_class = _TableLocked
+    store = OutboxStore(URL, table="outbox", claim_timeout_ms=30_000, max_attempts=5)
+    store.engine.connect = lambda url: conn  # type: ignore[method-assign]
+    store.engine.compat_level = 160  # type: ignore[attr-defined]
+    with pytest.raises(StoreError) as refused:
+        store.migrate()
+    message = str(refused.value)
+    assert "gave up after waiting 10 s for a lock on [dbo].[outbox]" in message
+    assert "session 57 (login app, from web-1, program orders-api, sleeping, its transaction open 2 min 5 s; " \
+           "KILL 57 ends it)" in message
+    sent = [sql for sql, _ in conn.log]
+    assert sum("CREATE TABLE" in sql for sql in sent) == 1  # not tried again
+    failed = next(i for i, sql in enumerate(sent) if "CREATE TABLE" in sql)
+    assert sent[:2] == [LOCK_TIMEOUT_SQL, f"SET LOCK_TIMEOUT {DDL_LOCK_TIMEOUT_MS}"]
+    assert "SET LOCK_TIMEOUT 30000" in sent[failed + 1:]  # the session's own, put back
+    batch, params = next((sql, p) for sql, p in conn.log if "sys.dm_tran_locks" in sql)
+    assert params == ("[dbo].[outbox]", "[dbo].[outbox_holders]") and placeholders(batch) == len(params)
+    for sql in (LOCK_TIMEOUT_SQL, f"SET LOCK_TIMEOUT {DDL_LOCK_TIMEOUT_MS}", "SET LOCK_TIMEOUT 30000"):
+        parse_one(sql)
+
+
+def test_the_lock_holders_query_parses_and_reads_granted_object_locks(no_sqlglot_fallbacks: None) -> None:
+    """One SELECT (no SET NOCOUNT ON to put back: lock_holders_sql says why)."""
+    sql = lock_holders_sql(2)
+    select = parse_one(sql)
+    assert isinstance(select, exp.Select)
+    assert {t.name for t in select.find_all(exp.Table)} == {
+        "dm_tran_locks", "dm_exec_sessions", "dm_tran_session_transactions", "dm_tran_active_transactions"}
+    assert "l.resource_type = N'OBJECT' AND l.resource_database_id = DB_ID()" in sql
+    assert "l.request_status = N'GRANT'" in sql and "l.request_session_id <> @@SPID" in sql
+    assert "l.resource_associated_entity_id IN (OBJECT_ID(?), OBJECT_ID(?))" in sql and placeholders(sql) == 2

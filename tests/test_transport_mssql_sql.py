@@ -229,3 +229,35 @@ def test_migration_steps_are_guarded_one_object_each(qt: MssqlQueueTables, no_sq
     assert "(expires_at) WHERE expires_at IS NOT NULL" in text
     assert "UNIQUE NONCLUSTERED INDEX" in text
     assert qt.required_indexes() == ["ix_celery_q_ready", "ix_celery_q_expires"]
+
+
+def test_the_queue_tables_migration_gives_up_once_and_names_the_holder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`outbox migrate`'s queue tables on SQL Server: a step that waited for a table's lock
+    (1222) was retried at the session's 30 s LOCK_TIMEOUT like any transient error (review
+    diff1, finding 5). Now it waits 10 s once, and the error names who holds the table."""
+    from outbox.core.errors import StoreError
+    from outbox.storage.engines.mssql.engine import LOCK_TIMEOUT_SQL
+    from outbox.transport import migrate_queue_tables
+
+    locked = type("OperationalError", (Exception,), {"__module__": "pyodbc"})(
+        "HY000", "[HY000] [SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)")
+
+    class Locked(AnsweringCursor):
+        def execute(self, sql: str, params: Any = ()) -> RecordingCursor:
+            super().execute(sql, params)
+            if sql == LOCK_TIMEOUT_SQL:
+                self.rows = [(30_000,)]
+            if "CREATE TABLE" in sql:
+                raise locked
+            return self
+
+    conn = AnsweringConnection({"FROM sys.dm_tran_locks": [(61, "app", None, None, "sleeping", 3)]})
+    conn.cursor_class = Locked
+    monkeypatch.setattr(MssqlEngine, "connect", lambda self, url: conn)
+    with pytest.raises(StoreError, match=r"waiting 10 s for a lock on \[dbo\]\.\[celery_q\].*session 61 "
+                                         r"\(login app, sleeping, its transaction open 3 s; KILL 61 ends it\)"):
+        migrate_queue_tables("outboxdb+mssql+pyodbc://u:p@h/d?driver=x", table="celery_q")
+    sent = [sql for sql, _ in conn.log]
+    assert sum("CREATE TABLE" in sql for sql in sent) == 1
+    assert sent.index("SET LOCK_TIMEOUT 10000") < next(i for i, s in enumerate(sent) if "CREATE TABLE" in s)
+    assert sent[-1] != "SET LOCK_TIMEOUT 10000" and "SET LOCK_TIMEOUT 30000" in sent

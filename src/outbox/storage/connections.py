@@ -102,7 +102,8 @@ class Connections:
         still opening the connection."""
         cursor = self.engine.ddl_cursor(conn) if ddl else self.engine.cursor_for(conn)
         try:
-            with self.engine.statement_alone(conn) if alone else nullcontext():
+            with (self.engine.ddl_bounds(cursor) if ddl else nullcontext(),
+                  self.engine.statement_alone(conn) if alone else nullcontext()):
                 yield cursor
             conn.commit()
         except BaseException as exc:

@@ -365,6 +365,14 @@ class Engine(ABC):
         that bound (SQL Server: docs/sqlserver.md, "Drivers")."""
         return self.cursor_for(conn)
 
+    @contextmanager
+    def ddl_bounds(self, cursor: Any) -> Iterator[None]:
+        """How long a migration's DDL steps on one of the engine's own connections wait for a
+        table's lock, for the block (``Connections.transaction(ddl=True)``). Here: unchanged;
+        PostgreSQL and MariaDB bound them in ``lock_migration``, SQL Server here, where the
+        bound is the session's (SET LOCK_TIMEOUT) and is put back after the block."""
+        yield
+
     def commits_each_statement(self, conn: Any) -> bool:
         """Is the connection in autocommit mode (psycopg, pyodbc, mssql-python: ``autocommit``)?
         ``enqueue`` asks it of the caller's connection before the insert (the event then

@@ -65,6 +65,7 @@ from .driver import (
 )
 from .engine import MIN_LEVEL, SERVER_SQL, MssqlEngine
 from .schema import (
+                     DDL_LOCK_TIMEOUT_MS,
                      FILTERED_INDEX_OPTIONS,
                      ID_COLLATION,
                      INDEXES,
@@ -84,7 +85,8 @@ from .schema import (
 )
 from .sql import ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT
 
-__all__ = ["DEFAULT_DRIVER", "DEFAULT_LOCK_TIMEOUT_MS", "DEFAULT_QUERY_TIMEOUT_S", "DISCONNECT_ERRORS", "DRIVERS",
+__all__ = ["DDL_LOCK_TIMEOUT_MS", "DEFAULT_DRIVER", "DEFAULT_LOCK_TIMEOUT_MS", "DEFAULT_QUERY_TIMEOUT_S",
+           "DISCONNECT_ERRORS", "DRIVERS",
            "FILTERED_INDEX_OPTIONS", "ID_COLLATION", "ID_LIST_SIZES", "ID_PARAMS_PER_STATEMENT", "INDEXES",
            "INLINE_UNITS", "MIGRATE_LOCK_TIMEOUT_MS", "MIN_LEVEL", "MssqlEngine", "IndexSpec", "OPEN_ROWS",
            "OPEN_ROWS_NORMALIZED", "RETIRED_INDEXES", "SERVER_SQL", "SQL_BIGINT", "SQL_INTEGER",

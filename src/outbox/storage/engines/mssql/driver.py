@@ -314,6 +314,13 @@ def is_transient(exc: BaseException) -> bool:
             or any(phrase in lowered for phrase in _TRANSIENT_PHRASES))
 
 
+def is_lock_timeout(exc: BaseException) -> bool:
+    """Error 1222: a statement waited LOCK_TIMEOUT for a lock and gave up (mssql-python
+    says it in words only)."""
+    _, message = _error_fields(exc)
+    return 1222 in error_numbers(message) or "lock request time out period exceeded" in message.lower()
+
+
 def is_disconnect(exc: BaseException) -> bool:
     state, message = _error_fields(exc)
     lowered = message.lower()

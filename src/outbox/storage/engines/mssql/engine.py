@@ -11,10 +11,13 @@ from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from ....core.errors import StoreError
+from ..base import duration
 from . import driver
 from .driver import DEFAULT_LOCK_TIMEOUT_MS, INLINE_UNITS, input_sizes, open_connection, parse_target, result_rows
 from .schema import (
+    DDL_LOCK_TIMEOUT_MS,
     FILTERED_INDEX_OPTIONS,
+    lock_holders_sql,
     migration_unlock_statements,
     session_lock_held_sql,
     session_lock_sql,
@@ -28,6 +31,8 @@ log = logging.getLogger("outbox.storage.engines.mssql")
 SERVER_SQL = ("SELECT compatibility_level, "
               "CAST(PARSENAME(CAST(SERVERPROPERTY('ProductVersion') AS NVARCHAR(128)), 4) AS INT), "
               "CAST(SERVERPROPERTY('EngineEdition') AS INT) FROM sys.databases WHERE name = DB_NAME();")
+#: The session's lock timeout, read to put it back (``ddl_bounds``).
+LOCK_TIMEOUT_SQL = "SELECT @@LOCK_TIMEOUT"
 #: The oldest level the engine supports: SQL Server 2012 (OFFSET/FETCH, THROW-free T-SQL).
 MIN_LEVEL = 110
 
@@ -35,6 +40,14 @@ MIN_LEVEL = 110
 def _is_ddl(text: str) -> bool:
     """Migration batches (they all start with the filtered-index options)."""
     return text.startswith(FILTERED_INDEX_OPTIONS)
+
+
+def _holder(session: int, login: str, host: str | None, program: str | None, status: str | None,
+            age: int | None) -> str:
+    """One row of ``lock_holders_sql``, in words."""
+    facts = [f"login {login}", f"from {host}" if host else "", f"program {program}" if program else "",
+             status or "", f"its transaction open {duration(age)}" if age is not None else ""]
+    return f"session {session} ({', '.join(f for f in facts if f)}; KILL {session} ends it)"
 
 
 class MssqlEngine(MssqlStatements):
@@ -224,6 +237,35 @@ class MssqlEngine(MssqlStatements):
 
     def is_disconnect(self, exc: BaseException) -> bool:
         return driver.is_disconnect(exc)
+
+    def is_lock_timeout(self, exc: BaseException) -> bool:
+        return driver.is_lock_timeout(exc)
+
+    def migration_lock_bound(self) -> str:
+        return f"{DDL_LOCK_TIMEOUT_MS // 1000} s"
+
+    @contextmanager
+    def ddl_bounds(self, cursor: Any) -> Iterator[None]:
+        """The migration's DDL steps wait DDL_LOCK_TIMEOUT_MS for a table's lock, not the
+        session's LOCK_TIMEOUT (``lock_timeout_ms``, 30 s by default), and the session's is
+        put back after them: SET LOCK_TIMEOUT is the session's, neither transactional nor
+        ended by the commit (README, "The table")."""
+        row = self.execute(cursor, LOCK_TIMEOUT_SQL).fetchone()
+        if row is None:  # no answer (not a server): leave the session as it is
+            yield
+            return
+        self.execute(cursor, f"SET LOCK_TIMEOUT {DDL_LOCK_TIMEOUT_MS}")
+        try:
+            yield
+        finally:
+            try:
+                self.execute(cursor, f"SET LOCK_TIMEOUT {int(row[0])}")
+            except Exception:  # a broken connection: the store drops it
+                log.debug("outbox: cannot put the session's lock timeout back", exc_info=True)
+
+    def lock_holders(self, cursor: Any, tables: Sequence[str]) -> str | None:
+        rows = self.execute(cursor, lock_holders_sql(len(tables)), list(tables)).fetchall()
+        return "; ".join(_holder(*row) for row in rows) or None
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return driver.is_missing_table(exc)

@@ -23,6 +23,10 @@ JSON_VERSION = 13
 AZURE_EDITIONS = frozenset({5, 8, 9})
 #: How long a second ``outbox migrate`` waits for the first one (sp_getapplock).
 MIGRATE_LOCK_TIMEOUT_MS = 600_000
+#: How long a migration's DDL step waits for a table's lock (SET LOCK_TIMEOUT), as on
+#: PostgreSQL and MariaDB: while it waits, every enqueue and claim waits behind it
+#: (``MssqlEngine.ddl_bounds``; README, "The table").
+DDL_LOCK_TIMEOUT_MS = 10_000
 
 #: Modifying or indexing a table with a filtered index needs these (error 1934 otherwise).
 #: ODBC drivers set most of them; tools that run the migration elsewhere may not.
@@ -139,6 +143,30 @@ def migration_unlock_statements(resource: str) -> list[str]:
     transaction-owned one goes with the commit)."""
     return [if_(f"APPLOCK_MODE(N'public', {nstr(resource)}, N'Session') <> N'NoLock'",
                 f"EXEC sp_releaseapplock @Resource = {nstr(resource)}, @LockOwner = N'Session'")]
+
+
+def lock_holders_sql(tables: int) -> str:
+    """The sessions holding a granted lock on any of ``tables`` objects (one ``OBJECT_ID(?)``
+    parameter each: qualified names), oldest transaction first, for the error of a migration
+    whose DDL step gave up waiting (``MssqlEngine.lock_holders``). A transaction that wrote
+    to a table holds its IX lock until it ends, and a migration's Sch-M request waits for it.
+    Reading the DMVs takes VIEW SERVER STATE (VIEW DATABASE STATE on Azure SQL).
+
+    One SELECT, so no row count comes before its rows and no SET NOCOUNT ON is needed; one
+    would have to be put back after it, which an error under the relay's XACT_ABORT ON (a
+    denied DMV) would skip, leaving the session without the row counts the relay reads."""
+    objects = ", ".join(["OBJECT_ID(?)"] * tables)
+    return ("SELECT TOP (3) s.session_id, s.login_name, s.host_name, s.program_name, s.status, "
+            "DATEDIFF(SECOND, MIN(t.transaction_begin_time), GETDATE()) "
+            "FROM sys.dm_tran_locks AS l "
+            "JOIN sys.dm_exec_sessions AS s ON s.session_id = l.request_session_id "
+            "LEFT JOIN sys.dm_tran_session_transactions AS st ON st.session_id = s.session_id "
+            "LEFT JOIN sys.dm_tran_active_transactions AS t ON t.transaction_id = st.transaction_id "
+            "WHERE l.resource_type = N'OBJECT' AND l.resource_database_id = DB_ID() "
+            "AND l.request_status = N'GRANT' AND l.request_session_id <> @@SPID "
+            f"AND l.resource_associated_entity_id IN ({objects}) "
+            "GROUP BY s.session_id, s.login_name, s.host_name, s.program_name, s.status "
+            "ORDER BY MIN(t.transaction_begin_time)")
 
 
 def lock_escalation_off(table: str, table_literal: str) -> str:
