@@ -512,6 +512,15 @@ def proxied(run: Run, proxies: Any) -> Run:
     return dataclasses.replace(run, **changes)
 
 
+def wake_env(relay_run: Run, runner: str) -> dict[str, str]:
+    """The settings this process wakes the relay with: the relay's own (``relay_run``: with
+    ``--faults``, its URLs through the proxy), so the writers' namespace, claim token and wake
+    channel are the ones the relay's workers listen on."""
+    from .dramatiq_drain import dramatiq_env
+
+    return relay_run.outbox_env(**(dramatiq_env(relay_run) if runner == "dramatiq" else {}))
+
+
 def fault_urls(run: Run) -> dict[str, str]:
     """The original URL of each of ``FAULT_TARGETS`` the run has (``run``: the bench's own)."""
     urls = {"database": run.database_url, "RabbitMQ": run.amqp_url, "Redis": run.redis_url}
@@ -794,7 +803,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from . import drain, live
-    from .dramatiq_drain import DramatiqRelay, dramatiq_env
+    from .dramatiq_drain import DramatiqRelay
 
     args = parse_args(argv)
     require_services([args.engine])
@@ -814,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     # This process wakes the relay: it must see the worker's settings (and its runner).
     for key in [k for k in os.environ if k.startswith(("OUTBOX_", "CELERY_"))]:
         del os.environ[key]
-    os.environ.update(run.outbox_env(**(dramatiq_env(run) if args.runner == "dramatiq" else {})))
+    os.environ.update(wake_env(run, args.runner))
     from outbox.core.config import reset_settings
 
     reset_settings()
@@ -837,6 +846,12 @@ def main(argv: list[str] | None = None) -> int:
             urls = fault_urls(run)
             proxies = ProxyProcess(0.0, list(urls.values()))
             relay_run = proxied(run, proxies)
+            # The writers wake the relay as a web process would: through its broker, in its
+            # namespace (both named by the proxied URLs); their own writes stay direct. Before,
+            # they woke a namespace and a wake channel no worker listened on, so no --faults run
+            # tested wake-ups through the cuts (found in a soak run, 6 December).
+            os.environ.update(wake_env(relay_run, args.runner))
+            reset_settings()
             log("faults: the relay's " + ", ".join(f"{name} via {proxies.url(url)}" for name, url in urls.items())
                 + f" (proxy pid {proxies.pid}); a {args.fault_s:g} s cut every {args.fault_every:g} s from "
                 f"{warmup_s:.0f} s on")

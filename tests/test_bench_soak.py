@@ -31,6 +31,7 @@ from bench.soak import (
     settled,
     slope,
     verdict_line,
+    wake_env,
 )
 
 RSS = next(m for m in MEASURES if m.key == "rss_mb")
@@ -244,3 +245,24 @@ def test_the_missing_events_by_aggregate_most_first() -> None:
                                             {"aggregate": "a", "missing": 1, "first_at": 5.0}]
     assert missing_by_aggregate(events, top=1)[1] == {"aggregate": "2 more", "missing": 2, "first_at": 2.0}
     assert missing_by_aggregate([]) == []
+
+
+@pytest.mark.parametrize("runner", ["celery", "dramatiq"])
+def test_with_faults_the_writers_wake_the_namespace_and_channel_the_relay_listens_on(runner: str) -> None:
+    """Found in a soak run: with --faults the relay's URLs go through the proxy and the writers'
+    did not, so the writers' namespace (the database's host:port in it) and wake channel (the
+    Redis URL's) were ones no worker listened on, and no wake-up crossed a cut."""
+    from outbox.core.config import load_settings
+    from outbox.core.names import wake_channel
+
+    class Proxies:
+        def url(self, url: str) -> str:
+            return url.replace(":5432/", ":15432/").replace(":6379/", ":16379/").replace(":5672/", ":15672/")
+
+    run = Run(engine="postgresql")
+    relay_run = proxied(run, Proxies())
+    writer, relay = load_settings(environ=wake_env(relay_run, runner)), load_settings(environ=relay_run.outbox_env())
+    assert writer.outbox_namespace == relay.outbox_namespace
+    assert wake_channel(writer.broker_url, "", writer.outbox_namespace) == wake_channel(
+        relay.broker_url, "", relay.outbox_namespace)
+    assert load_settings(environ=run.outbox_env()).outbox_namespace != relay.outbox_namespace  # what went wrong
