@@ -102,6 +102,41 @@ def test_djangos_socket_hosts_name_different_outboxes() -> None:
     assert len({default_namespace(str(url), "outbox") for url in urls}) == 4, urls
 
 
+@pytest.mark.parametrize("host,port,namespace", [
+    # Django's default: HOST left empty. Releases up to 757df6b wrote it 127.0.0.1 (identity
+    # "127.0.0.1/shop", "127.0.0.1:5432/shop"); the relay now connects through the socket as Django
+    # does, and the namespace stays (found in the upgrade review: it had become "/shop").
+    ("", "", "outbox.outbox.6c7785e3"),
+    ("", "5432", "outbox.outbox.bd1e6a19"),
+    # A socket directory: releases put it in the database name (dbname "var/run/postgresql/shop",
+    # which never connected), so no deployment has a namespace to keep; this is the one the README's
+    # upgrade note announces ("?host=", "a Django HOST socket").
+    ("/var/run/postgresql", "", "outbox.outbox.3538a964"),
+    ("db", "", "outbox.outbox.acf3b164"),
+])
+def test_a_django_postgresql_entry_keeps_the_namespace_releases_gave_it(host: str, port: str, namespace: str) -> None:
+    from outbox.core.sources import django_database_url
+
+    url = str(django_database_url({"ENGINE": "django.db.backends.postgresql", "NAME": "shop", "USER": "app",
+                                   "HOST": host, "PORT": port}))
+    assert default_namespace(url, "outbox") == namespace
+
+
+def test_an_empty_django_host_still_connects_through_the_socket() -> None:
+    """The stand-in host names the namespace only: libpq gets no host (its default, the socket,
+    or PGHOST, as Django) and never sees the relay's own parameter."""
+    from outbox.core.sources import django_database_url
+    from outbox.storage.engines.postgres import connect_params
+
+    url = str(django_database_url({"ENGINE": "django.db.backends.postgresql", "NAME": "shop", "USER": "app",
+                                   "HOST": "", "PORT": "5432"}))
+    params = connect_params(url)
+    assert "host" not in params and "namespace_host" not in params
+    assert (params["dbname"], params["user"], params["port"]) == ("shop", "app", "5432")
+    # Which database it is (the several-databases warning) does not change with it.
+    assert database_identity(url) == database_identity("postgresql://app@:5432/shop")
+
+
 def test_options_that_do_not_address_the_server_leave_the_namespace_alone() -> None:
     base = default_namespace("postgresql://app@/app?host=db", "outbox")
     assert default_namespace("postgresql://relay:pw@/app?sslmode=require&host=db&application_name=x", "outbox") == base

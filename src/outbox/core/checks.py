@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .errors import ConfigError
-from .names import MAX_NAMESPACE, valid_namespace
+from .names import MAX_NAMESPACE, NAMESPACE_HOST, valid_namespace
 from .redact import redact, register_secret, register_url
 
 log = logging.getLogger("outbox.config")
@@ -57,13 +57,13 @@ def session_bounds(url: str) -> dict[str, int]:
 
 
 def without_session_bounds(url: str) -> str:
-    """The URL with the SESSION_BOUNDS parameters taken out, for the driver; every other part
-    byte for byte. Decoded and encoded again, the query lost its ``+``, which libpq keeps
+    """The URL with the relay's own parameters (SESSION_BOUNDS, ``names.NAMESPACE_HOST``) taken
+    out, for the driver; every other part byte for byte. Decoded and encoded again, the query lost its ``+``, which libpq keeps
     (``parse_qsl`` reads it as a space: a key's passphrase ``Ab+9`` became ``Ab 9``; found in review)."""
     head, mark, query = url.partition("?")
     query, hash_mark, fragment = query.partition("#")
     pieces = query.split("&")
-    kept = [piece for piece in pieces if unquote(piece.partition("=")[0]) not in SESSION_BOUNDS]
+    kept = [piece for piece in pieces if unquote(piece.partition("=")[0]) not in (*SESSION_BOUNDS, NAMESPACE_HOST)]
     if len(kept) == len(pieces):
         return url
     rest = "&".join(kept) if any(kept) else ""

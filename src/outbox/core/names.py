@@ -90,6 +90,26 @@ def database_identity(database_url: str) -> str:
     return f"{hosts}{parts.path}" + (f"?{where}" if where else "")
 
 
+#: The relay's own URL parameter (PostgreSQL): the host the default namespace is derived from
+#: when the URL's host part names none; libpq never sees it (``checks.without_session_bounds``).
+#: Django's empty HOST is written with ``127.0.0.1`` here, the host releases before connected to,
+#: so its namespace stays while the relay connects through the socket as Django does
+#: (docs/relay.md, "Several outboxes on one broker").
+NAMESPACE_HOST = "namespace_host"
+
+
+def namespace_identity(database_url: str) -> str:
+    """``database_identity``, with the URL's ``NAMESPACE_HOST`` standing in for an empty host
+    part (``postgresql://app@:5432/shop?namespace_host=127.0.0.1`` -> ``127.0.0.1:5432/shop``)."""
+    identity = database_identity(database_url)
+    if "://" not in database_url:
+        return identity
+    parts = urlsplit(database_url)
+    stand_in = dict(parse_qsl(parts.query)).get(NAMESPACE_HOST, "").strip().lower()
+    named = parts.hostname or "," in parts.netloc.rpartition("@")[2]
+    return identity if named or not stand_in else f"{stand_in}{identity}"
+
+
 def host_list(url: str) -> str:
     """The hosts of ``url``'s host part as the identity writes them, ``db:5432``, or for libpq's
     list every one, ``h1:5432,h2:5432``; the same as ``hostname`` and ``port`` for one host."""
@@ -110,10 +130,10 @@ def _odbc_identity(odbc: str) -> str:
 
 def default_namespace(database_url: str, table: str, schema: str | None = None) -> str:
     """The namespace of an outbox when OUTBOX_NAMESPACE is unset: ``outbox.[<schema>.]<table>.<h>``,
-    ``h`` a short digest of its database (``database_identity``). Two outboxes differing in
+    ``h`` a short digest of its database (``namespace_identity``). Two outboxes differing in
     table, schema or database get different names; every process of one outbox (writers,
     workers, beat) gets the same one as long as they name its database alike."""
-    digest = hashlib.sha1(database_identity(database_url).encode()).hexdigest()[:8]
+    digest = hashlib.sha1(namespace_identity(database_url).encode()).hexdigest()[:8]
     where = f"{schema}.{table}" if schema else table
     return f"outbox.{where}.{digest}"
 
@@ -187,4 +207,4 @@ def wake_channel(broker_url: str, key_prefix: str, namespace: str) -> str:
 __all__ = ["is_redis_url", "REDIS_URL_PREFIXES", "wake_channel", "CLAIM_TASK", "TICK_KWARGS", "PUBLISH_TASK", "ACK_TASK",
            "FAIL_TASK", "RELEASE_TASK", "PURGE_TASK",
            "CLAIM_REQUEST_PREFIX", "claim_request_key", "TASK_OUTBOX_ARG", "KINDS", "TASK_KINDS", "LEGACY_NAMESPACE",
-           "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "ADDRESSING_PARAMETERS", "host_list", "database_identity", "default_namespace", "Queues"]
+           "NAMESPACE_RE", "MAX_NAMESPACE", "valid_namespace", "ADDRESSING_PARAMETERS", "NAMESPACE_HOST", "namespace_identity", "host_list", "database_identity", "default_namespace", "Queues"]

@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from .checks import MYSQL_TLS_PARAMETERS
 from .errors import ConfigError, install_hint
+from .names import NAMESPACE_HOST
 
 log = logging.getLogger("outbox.core.config")
 
@@ -248,7 +249,7 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
     if host.startswith("/"):  # a Unix socket: PostgreSQL's directory, MySQL's file
         query.append(("host" if scheme == "postgresql" else "unix_socket", host))
         host = "" if scheme == "postgresql" else "localhost"
-    elif not host:  # libpq's default is the socket, as Django's; MySQL's drivers differ: TCP
+    elif not host:  # libpq's default is the socket (or PGHOST), as Django's; MySQL's drivers differ: TCP
         host = "" if scheme == "postgresql" else "127.0.0.1"
     elif ":" in host:
         host = f"[{host}]"
@@ -264,6 +265,10 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
             query.append((key, _option_text(options[key]) or ""))
     if scheme == "mysql":
         query += _mysql_ssl(options.get("ssl"))
+    if scheme == "postgresql" and not database.get("HOST") and not {"host", "hostaddr", "service"} & dict(query).keys():
+        # Releases wrote an empty HOST as 127.0.0.1: that host still names the namespace, and
+        # only that (names.NAMESPACE_HOST; found in the upgrade review: the queues changed).
+        query.append((NAMESPACE_HOST, "127.0.0.1"))
     url = f"{scheme}://{auth}{host}{':' + port if port else ''}/{quote(name, safe='')}"
     if query:
         url += "?" + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query)
