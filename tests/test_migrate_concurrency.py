@@ -252,3 +252,66 @@ def test_a_migration_on_an_autocommit_postgres_connection_succeeds(tmp_path: Any
         raw.close()
         drop_table(store)
         store.close()
+
+
+#: Table names whose index names earlier releases wrote in full, ``ix_<table>_<suffix>`` (before
+#: ``derived_name`` shortened them with a hash): on PostgreSQL 58 characters, so every index name
+#: and ``ck_<table>_open`` were cut at 63 (apart: ``..._a``, ``_c``, ``_d``, ``_m``, ``_o``); on
+#: MySQL/MariaDB 43, the longest name MariaDB took whole (64, ``done_processed_at``); SQLite any.
+LEGACY_TABLE_CHARS = {"postgresql": 58, "mysql": 43, "sqlite": 58}
+
+
+def _old_names(prefix: str, table: str, suffix: str) -> str:
+    """``derived_name`` of the releases before e6a62fb: the name in full, whatever its length."""
+    return f"{prefix}{table}{suffix}"
+
+
+def _index_oids(store: OutboxStore) -> dict[str, int]:
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, "SELECT c.relname, c.oid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                             "WHERE i.indrelid = to_regclass(?) AND NOT i.indisprimary", [store.engine.table])
+        return {str(name): int(oid) for name, oid in cursor.fetchall()}
+
+
+def _check_names(store: OutboxStore) -> set[str]:
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, "SELECT conname FROM pg_constraint WHERE conrelid = to_regclass(?) "
+                             "AND contype = 'c'", [store.engine.table])
+        return {str(row[0]) for row in cursor.fetchall()}
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql", "sqlite"])
+def test_indexes_an_earlier_release_named_in_full_are_renamed_not_built_again(
+        url: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in the upgrade review: a table migrated by a release before the hashed names kept
+    its indexes under their old names (PostgreSQL had cut them at 63 characters), and the new
+    ``outbox migrate`` built a second copy of each beside them (``CREATE INDEX`` on the live
+    table: every enqueue and claim waited for the build) and never dropped the first. Now
+    the old index is renamed: one index of each kind, the same one (PostgreSQL: the same oid)."""
+    from outbox.storage.engines import base, mysql, postgres
+    from outbox.storage.engines.describe import expected_index_names, index_names
+
+    table = f"outbox_{uuid.uuid4().hex}".ljust(LEGACY_TABLE_CHARS[kind], "x")
+    store = OutboxStore(url, table=table)
+    try:
+        with monkeypatch.context() as old_release:
+            for module in (base, mysql, postgres):
+                old_release.setattr(module, "derived_name", _old_names)
+            store.migrate()
+        with store.transaction() as cursor:
+            before = index_names(store.engine, cursor)
+        assert not expected_index_names(store.engine) <= before  # the old names are there, not the new
+        oids = _index_oids(store) if kind == "postgresql" else {}
+        store.migrate()
+        with store.transaction() as cursor:
+            after = index_names(store.engine, cursor)
+        assert {name for name in after if name.startswith("ix_")} == expected_index_names(store.engine)
+        if kind == "postgresql":
+            assert sorted(_index_oids(store).values()) == sorted(oids.values())  # renamed: no index built
+            assert _check_names(store) >= {base.derived_name("ck_", table, "_open")}
+            assert not any(name.startswith("ck_") and name != base.derived_name("ck_", table, "_open")
+                           for name in _check_names(store))
+        assert store.migrate() == 0
+    finally:
+        drop_table(store)
+        store.close()

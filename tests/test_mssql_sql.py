@@ -49,6 +49,7 @@ from outbox.storage.engines.mssql import (
     MIGRATE_LOCK_TIMEOUT_MS,
     OPEN_ROWS,
     OPEN_ROWS_NORMALIZED,
+    RETIRED_INDEXES,
     SQL_BIGINT,
     SQL_INTEGER,
     SQL_WVARCHAR,
@@ -870,6 +871,32 @@ def test_every_migration_step_is_guarded_and_sets_filtered_index_options(
     # Fault 6: lock escalation off, guarded by the catalog.
     assert f"ALTER TABLE [{s}].[{table}] SET (LOCK_ESCALATION = DISABLE)" in text
     assert "lock_escalation_desc <> N'DISABLE'" in text
+
+
+@pytest.mark.parametrize("schema", [None, "messaging"])
+def test_indexes_an_earlier_release_named_in_full_are_renamed_before_any_is_made(
+        schema: str | None, no_sqlglot_fallbacks: None) -> None:
+    """Found in the upgrade review (PostgreSQL, the same here): releases before the hashed names
+    (``derived_name``) wrote ``ix_<table>_<suffix>`` in full, which SQL Server took (128); today's
+    shorter name was missing, so ``outbox migrate`` built a second copy of each index beside
+    the old one. The old one is renamed (``sp_rename``) first, where today's name is free;
+    a retired index too, so that its drop finds it."""
+    table = "outbox_" + "x" * 51
+    engine = MssqlEngine(table=table, schema=schema)
+    engine.compat_level, engine.server_version = 160, 16
+    text = "\n".join(b[1] if isinstance(b, tuple) else b for b in engine.migration())
+    s = schema or "dbo"
+    for suffix in (*RETIRED_INDEXES, *(spec.suffix for spec in INDEXES)):
+        old, new = f"ix_{table}_{suffix}", engine.index_name(suffix)
+        assert old != new
+        rename = f"EXEC sp_rename N'[{s}].[{table}].[{old}]', N'{new}', N'INDEX'"
+        guard = (f"IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'{old}' AND object_id = OBJECT_ID(N'[{s}].[{table}]'))"
+                 f" AND NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'{new}' AND object_id = "
+                 f"OBJECT_ID(N'[{s}].[{table}]'))")
+        assert f"{guard}\nBEGIN\n    {rename};\nEND;" in text
+        parse_one(f"{guard}\nBEGIN\n    {rename};\nEND;")
+        assert text.index(rename) < text.index(f"INDEX [{new}]")
+    assert "sp_rename" not in "\n".join(str(b) for b in MssqlEngine(table="outbox").migration())
 
 
 def test_migration_is_serialized_by_an_application_lock() -> None:

@@ -190,6 +190,24 @@ class Engine(ABC):
     def index_name(self, suffix: str) -> str:
         return derived_name("ix_", self.table_name, f"_{suffix}")
 
+    #: What the engine did with a name longer than ``MAX_IDENTIFIER``, as releases before
+    #: ``derived_name`` wrote them: (its limit, True if it cut the name there, False if it refused it).
+    identifier_limit: ClassVar[tuple[int, bool]] = (128, False)
+
+    def legacy_name(self, prefix: str, suffix: str) -> str | None:
+        """The name releases before ``derived_name`` gave an index or constraint, ``<prefix><table>
+        <suffix>`` as the engine kept it (PostgreSQL cut it at 63 characters), where it differs from
+        today's; None otherwise, or where the engine refused it. ``outbox migrate`` renames what it
+        finds under that name rather than build a second copy beside it (docs/internals.md, "Index
+        names of long tables")."""
+        limit, cut = self.identifier_limit
+        name = f"{prefix}{self.table_name}{suffix}"
+        kept = name[:limit] if cut else name if len(name) <= limit else None
+        return kept if kept != derived_name(prefix, self.table_name, suffix) else None
+
+    def legacy_index_name(self, suffix: str) -> str | None:
+        return self.legacy_name("ix_", f"_{suffix}")
+
     def exact(self, column: str) -> str:
         """``column`` as a ``GROUP BY`` that tells apart every two different values, as the
         relay's Python does: an engine whose collation compares ``'x'`` and ``'x '`` equal

@@ -144,6 +144,7 @@ def session_sql(server_info: str, idle_transaction_timeout_s: int, tcp_timeout_s
 
 class MysqlEngine(Engine):
     name = "mysql"
+    identifier_limit = (64, False)  # a longer name was refused (the migration stopped there)
     placeholder = "%s"
     now: ClassVar[str] = "UTC_TIMESTAMP(3)"
     lock_candidates: ClassVar[str] = " FOR UPDATE SKIP LOCKED"
@@ -346,7 +347,11 @@ class MysqlEngine(Engine):
                             ("agg_id_id", "INDEX {name} ON {t} (aggregate_id, id)"),
                             ("claim_ready", "INDEX {name} ON {t} (status, id)"),
                             ("done_processed_at", "INDEX {name} ON {t} (status, processed_at)")):
-            name = self.index_name(suffix)
+            name, old = self.index_name(suffix), self.legacy_index_name(suffix)
+            if old:  # named in full by an earlier release (Engine.legacy_name): renamed in place, not built again
+                taken = index_exists(name)
+                steps.append(((f"SELECT 1 WHERE NOT EXISTS ({index_exists(old)[0]}) OR EXISTS ({taken[0]})",
+                               [*index_exists(old)[1], *taken[1]]), f"ALTER TABLE {t} RENAME INDEX {q(old)} TO {q(name)}"))
             steps.append((index_exists(name), "CREATE " + ddl.format(name=q(name), t=t)))
         return steps + self.holders_migration()
 

@@ -81,6 +81,7 @@ def session_settings(url: str, server_version: int) -> dict[str, str]:
 
 class PostgresEngine(Engine):
     name = "postgresql"
+    identifier_limit = (63, True)  # NAMEDATALEN - 1: a longer name was cut, with a NOTICE
     placeholder = "%s"
     now: ClassVar[str] = "now()"
     async_commit_sql: ClassVar[str | None] = "SET synchronous_commit TO off"
@@ -299,6 +300,7 @@ class PostgresEngine(Engine):
             # Every column of the contract but the id (README, "The table").
             *((self._has_column(column), f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {column} {ddl}")
               for column, ddl in self.ADDED_COLUMNS),
+            *self._rename_legacy_index("message_id", "message_id"),
             (self._has_index("message_id"),
              f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('message_id'))} ON {t} (message_id)"),
         ]
@@ -309,6 +311,12 @@ class PostgresEngine(Engine):
         check = derived_name("ck_", self.table_name, "_open")
         has_check = ("SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(?) AND conname = ?",
                      [self.qualify(self.table_name), check])
+        old_check = self.legacy_name("ck_", "_open")
+        if old_check:  # cut by an earlier release: renamed, not checked again over the whole table
+            steps.append((("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(?) "
+                           "AND conname = ?) OR EXISTS (" + has_check[0] + ")",
+                           [self.qualify(self.table_name), old_check, *has_check[1]]),
+                          f"ALTER TABLE {t} RENAME CONSTRAINT {q(old_check)} TO {q(check)}"))
         steps += [
             (has_check, f"UPDATE {t} SET processed_at = NULL WHERE status IN (0, 1, 3) AND processed_at IS NOT NULL"),
             (has_check, f"UPDATE {t} SET processed_at = COALESCE(claimed_at, created_at) "
@@ -326,13 +334,29 @@ class PostgresEngine(Engine):
             on_status = ("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = "
                          "COALESCE(?, current_schema()) AND indexname = ? AND indexdef LIKE '%WHERE%status%')",
                          [self.schema, name])
-            steps += [(on_status, f"DROP INDEX {self.qualify(name)}"),
+            steps += [*self._rename_legacy_index(suffix, columns),
+                      (on_status, f"DROP INDEX {self.qualify(name)}"),
                       (self._has_index(suffix), f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}")]
         return steps + self.holders_migration()
 
     def _has_column(self, column: str) -> tuple[str, list[Any]]:
         return ("SELECT 1 FROM information_schema.columns WHERE table_schema = COALESCE(?, current_schema()) "
                 "AND table_name = ? AND column_name = ?", [self.schema, self.table_name, column])
+
+    def _rename_legacy_index(self, suffix: str, columns: str) -> list[Any]:
+        """The step that renames the index an earlier release made under its cut name
+        (``Engine.legacy_name``) when it is on this table with these columns (cut names could
+        collide: the one found may be another index's) and today's name is free: an instant
+        rename, where ``CREATE INDEX`` would build a second copy and block writes meanwhile."""
+        old = self.legacy_index_name(suffix)
+        if old is None:
+            return []
+        schema = "COALESCE(?, current_schema())"
+        probe = (f"SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = {schema} AND tablename = ? "
+                 "AND indexname = ? AND indexdef LIKE ?) OR EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = "
+                 f"{schema} AND indexname = ?)")
+        params = [self.schema, self.table_name, old, f"% USING btree ({columns})%", self.schema, self.index_name(suffix)]
+        return [((probe, params), f"ALTER INDEX {self.qualify(old)} RENAME TO {self.quote(self.index_name(suffix))}")]
 
     def _has_index(self, suffix: str) -> tuple[str, list[Any]]:
         return ("SELECT 1 FROM pg_indexes WHERE schemaname = COALESCE(?, current_schema()) AND indexname = ?",

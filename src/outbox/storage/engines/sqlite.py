@@ -189,6 +189,10 @@ class SqliteEngine(Engine):
             # another script made (README, "The table").
             *((column_exists(column) if column != "created_at" else self._created_at_probe(),
                f"ALTER TABLE {t} ADD COLUMN {column} {ddl}") for column, ddl in _ADDED_COLUMNS),
+            # Indexes an earlier release named in full (Engine.legacy_name): SQLite renames no
+            # index, so the old one goes and today's is made (one writer at a time anyway).
+            *(f"DROP INDEX IF EXISTS {self.index_ref_of(old)}" for old in map(self.legacy_index_name, self.index_suffixes)
+              if old),
             f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('message_id')} ON {self.table_name_only()} (message_id)",
             f"CREATE INDEX IF NOT EXISTS {self.index_ref('agg_id_id')} ON {self.table_name_only()} (aggregate_id, id) "
             "WHERE status IN (0, 1, 3)",
@@ -215,8 +219,11 @@ class SqliteEngine(Engine):
         return self.quote(self.table_name)
 
     def index_ref(self, suffix: str) -> str:
+        return self.index_ref_of(self.index_name(suffix))
+
+    def index_ref_of(self, index: str) -> str:
         # Index names carry the attached database's name; the table they index does not.
-        name = self.quote(self.index_name(suffix))
+        name = self.quote(index)
         return name if self.schema in (None, "main") else f"{self.quote(self.schema)}.{name}"
 
     def insert_event(self, cursor: Any, event: NewEvent) -> int:

@@ -252,8 +252,23 @@ class MssqlSchema(Engine):
                 + " AND ".join(checks))
 
     def _index_exists(self, suffix: str) -> str:
-        return (f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {nstr(self.index_name(suffix))} "
+        return self._named_index_exists(self.index_name(suffix))
+
+    def _named_index_exists(self, index: str) -> str:
+        return (f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {nstr(index)} "
                 f"AND object_id = OBJECT_ID({self._table_literal()}))")
+
+    def _rename_legacy_indexes(self) -> list[Any]:
+        """An index an earlier release named in full (``Engine.legacy_name``) takes today's name
+        where that is free (``sp_rename``: the catalog only), before the steps below look for
+        it by that name; they built a second copy beside it (found in the upgrade review)."""
+        steps: list[Any] = []
+        for suffix in (*RETIRED_INDEXES, *self.index_suffixes):
+            old, new = self.legacy_index_name(suffix), self.index_name(suffix)
+            if old:
+                steps.append([if_(f"{self._named_index_exists(old)} AND NOT {self._named_index_exists(new)}",
+                                  f"EXEC sp_rename {nstr(f'{self.table}.{self.quote(old)}')}, {nstr(new)}, N'INDEX'")])
+        return steps
 
     def migration_steps(self, native_json: bool = False) -> list[Any]:
         """The migration as items of statements: a list of statements (run as one
@@ -344,6 +359,7 @@ class MssqlSchema(Engine):
                     f"sys.columns WHERE object_id = OBJECT_ID({table_literal}) AND name = {nstr(column)} "
                     "AND system_type_id = 231)",
                     f"EXEC sp_executesql {nstr(add_json_check_sql(t, ck, column))}")])
+        steps += self._rename_legacy_indexes()
         for suffix in RETIRED_INDEXES:
             steps.append([if_(self._index_exists(suffix), f"DROP INDEX {q(self.index_name(suffix))} ON {t}")])
         for spec in INDEXES:
