@@ -11,7 +11,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
+from datetime import UTC, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -570,9 +570,86 @@ def test_every_write_handed_to_the_ack_queue_runs_as_its_task(tmp_path: Path, ru
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["handed"] == [["done", ["ids", "lease"]],
-                             ["failed", ["dead", "dead_headers", "error", "message", "retry_in_s"]],
+                             ["failed", ["dead", "error", "message", "retry_in_s"]],
                              ["release", ["delay_s", "ids", "lease"]]]
     assert out["states"] == [Status.DONE, Status.DEAD, Status.PENDING]
+
+
+# The fail task's signature in the previous release (757df6b: celery/tasks.py and dramatiq/actors.py,
+# the same parameters), as a stand-in: a worker of that release runs what the new one sends.
+def _fail_of_757df6b(message: dict[str, Any], error: str, retry_in_s: float | None = None,
+                     dead: bool = False) -> None:
+    """The body there: ``relay.settle("failed", message=..., error=..., retry_in_s=..., dead=...)``."""
+
+
+class _DeadStore:
+    """A store whose ``mark_failed`` buries the row; nothing else is asked of it."""
+
+    def mark_failed(self, *args: Any, **kwargs: Any) -> Any:
+        from outbox.core.model import FailResult
+        return FailResult(applied=True, dead=True)
+
+
+class _DeadLetters:
+    def __init__(self) -> None:
+        self.headers: list[Any] = []
+
+    def publish_dead(self, message: OutboxMessage, error: str, headers: Any = None) -> None:
+        self.headers.append(headers)
+
+
+def _handed_burial() -> tuple[str, dict[str, Any]]:
+    from datetime import datetime
+
+    from outbox.relay.settle import Settler
+
+    class DownStore:
+        def mark_failed(self, *args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("database down")
+
+    handed: list[tuple[str, dict[str, Any]]] = []
+    message = OutboxMessage(id=7, message_id="m7", topic="t", aggregate_type="a", aggregate_id="1", partition_key=None,
+                            payload="{}", headers={}, trace_id=None, attempts=0,
+                            created_at=datetime.now(UTC), lease="L" * 32)
+    Settler(DownStore(), lambda op, kwargs: handed.append((op, json.loads(json.dumps(kwargs))))).failed(
+        message, "overtaken", None, dead=True, dead_headers={"x-outbox-overtaken-by": [8, 9]})
+    [(operation, kwargs)] = handed
+    return operation, kwargs
+
+
+def test_a_burial_handed_to_the_ack_queue_runs_on_a_worker_of_the_previous_release() -> None:
+    """Found in the upgrade review: the fail task's message gained a ``dead_headers`` keyword that
+    the previous release's task refuses (TypeError, retried, then lost during a rolling deploy:
+    the overtaken event was claimed again and published after the events that overtook it).
+    The headers travel inside the message dict, whose unknown keys every release ignores."""
+    import inspect
+
+    from outbox.core.model import message_from_dict
+    from outbox.relay.settle import apply_fallback
+
+    operation, kwargs = _handed_burial()
+    assert operation == "failed"
+    inspect.signature(_fail_of_757df6b).bind(**kwargs)  # the previous release takes the message
+    assert message_from_dict(kwargs["message"]).id == 7  # and reads its row out of it
+    dead_letters = _DeadLetters()
+    assert apply_fallback(_DeadStore(), dead_letters, operation, kwargs).dead  # type: ignore[arg-type]
+    assert dead_letters.headers == [{"x-outbox-overtaken-by": [8, 9]}]  # this release still sends them
+
+
+def test_a_burial_the_previous_release_handed_on_runs_here() -> None:
+    """Its message, without any dead-letter headers, and the current task signatures take it."""
+    import inspect
+
+    from outbox.relay.settle import apply_fallback
+
+    _, kwargs = _handed_burial()
+    old = {"message": {k: v for k, v in kwargs["message"].items() if k != "dead_headers"}, "error": kwargs["error"],
+           "retry_in_s": None, "dead": True}
+    from outbox.celery.tasks import fail as celery_fail
+    inspect.signature(celery_fail.run).bind(**old)
+    dead_letters = _DeadLetters()
+    assert apply_fallback(_DeadStore(), dead_letters, "failed", old).dead  # type: ignore[arg-type]
+    assert dead_letters.headers == [None]
 
 
 # -- the back-off ------------------------------------------------------------------------------

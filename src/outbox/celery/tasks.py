@@ -87,6 +87,8 @@ def ack(ids: list[int], lease: str) -> int:
     return relay().settle("done", ids=ids, lease=lease)
 
 
+# The dead-letter headers come inside ``message`` (relay.settle.DEAD_HEADERS_KEY), which every
+# release's fail task takes; ``dead_headers`` is still taken from builds that sent it as a keyword.
 @app.task(name=FAIL_TASK, base=RelayTask, **_SETTLE)
 def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False,
          dead_headers: dict[str, Any] | None = None) -> bool:

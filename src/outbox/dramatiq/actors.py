@@ -233,6 +233,8 @@ def ack(ids: list[int], lease: str) -> None:
     relay.settle("done", ids=ids, lease=lease)
 
 
+# The dead-letter headers come inside ``message`` (relay.settle.DEAD_HEADERS_KEY), which every
+# release's fail task takes; ``dead_headers`` is still taken from builds that sent it as a keyword.
 @dramatiq.actor(actor_name=FAIL_TASK, queue_name=QUEUES.ack, broker=broker, **_SETTLE)
 @_only_ours(FAIL_TASK)
 def fail(message: dict[str, Any], error: str, retry_in_s: float | None = None, dead: bool = False,

@@ -66,6 +66,11 @@ def done_marks_by(submit: Callable[[list[int], str], object]) -> Iterator[None]:
         _handing.submit = None
 
 
+#: The key of a fail task's message dict that carries the dead-letter copy's added headers
+#: (``Settler.failed``); ``message_from_dict`` reads named keys only, in every release.
+DEAD_HEADERS_KEY = "dead_headers"
+
+
 class Settler:
     """Applies a chain's outcome to the store: ``mark_done``, ``mark_failed``, ``release``.
 
@@ -110,11 +115,15 @@ class Settler:
     def failed(self, message: OutboxMessage, error: str, retry_in: timedelta | None,
                dead: bool = False, dead_headers: Mapping[str, Any] | None = None) -> FailResult | None:
         """``dead_headers``: added to the dead-letter copy the ack queue sends should this
-        write be handed to it (the caller sends it otherwise)."""
-        kwargs = {"message": message_to_dict(message), "error": error,
-                  "retry_in_s": retry_in.total_seconds() if retry_in is not None else None, "dead": dead}
+        write be handed to it (the caller sends it otherwise). They travel inside the message
+        dict (``DEAD_HEADERS_KEY``), not as a keyword of their own: the fail task of the previous
+        release refused one (TypeError during a rolling deploy: found in the upgrade review) and
+        ignores a key it does not read."""
+        carried = message_to_dict(message)
         if dead_headers:
-            kwargs["dead_headers"] = dict(dead_headers)
+            carried[DEAD_HEADERS_KEY] = dict(dead_headers)
+        kwargs = {"message": carried, "error": error,
+                  "retry_in_s": retry_in.total_seconds() if retry_in is not None else None, "dead": dead}
         return self._run("failed", kwargs, lambda: self.store.mark_failed(
             message.id, message.lease, error, retry_in, dead=dead))
 
@@ -166,7 +175,8 @@ def apply_fallback(store: StoreLike, publisher: Publisher | None, operation: str
         if result.applied and result.dead:
             if hooks is not None:
                 hooks.after_dead()
-            send_dead(publisher, message, kwargs["error"], kwargs.get("dead_headers"))
+            send_dead(publisher, message, kwargs["error"],
+                      kwargs["message"].get(DEAD_HEADERS_KEY) or kwargs.get("dead_headers"))
         return result
     raise ValueError(f"unknown operation {operation!r}")
 
