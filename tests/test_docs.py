@@ -200,3 +200,14 @@ def test_every_publish_url_in_the_docs_is_one_start_up_accepts_and_every_databas
                     validate_publish_url(url)  # raises ConfigError, naming the setting
             if re.search(r"^export OUTBOX_CELERY_BROKER_URL=outboxdb", block, re.M):
                 assert re.search(r"^export OUTBOX_PUBLISH_URL=", block, re.M), f"{page.name}:\n{block}"
+
+
+def test_the_queue_names_upgrade_note_says_how_to_empty_the_old_queues_on_redis() -> None:
+    """Found in the upgrade review: the note said the old queues' ticks expire and to delete the
+    queues "once they are empty"; on Redis an expired message stays in the list until a worker
+    takes it (kombu; Dramatiq's Redis broker likewise), and no worker reads the old names, so the
+    old claim queue never empties. The note gives the commands that purge them."""
+    note = README.split("**Upgrade note (queue names).**", 1)[1].split("**Upgrade note", 1)[0]
+    assert "celery -A outbox purge -f -Q" in note and ".claim,<old>.purge" in note
+    assert ".flush(" in note  # Dramatiq on Redis
+    assert "once they are empty" not in note
