@@ -211,6 +211,35 @@ def test_migrate_says_what_it_changed(tmp_path: Path) -> None:
     assert ok(run("migrate", env=env)).stdout.strip().endswith("nothing to change")
 
 
+def test_migrate_names_the_storage_parameters_and_renames_it_made_on_postgresql(tmp_path: Path) -> None:
+    """Found in the upgrade review: on a table an earlier release made, `outbox migrate` set the
+    autovacuum parameters and said `repaired`, naming nothing; an index it renamed (docs/internals.md,
+    "Index names of long tables") would read as added."""
+    import uuid
+
+    from services import POSTGRES_URL
+
+    from outbox.storage.store import OutboxStore
+
+    table = f"outbox_cli_{uuid.uuid4().hex}".ljust(58, "x")
+    store = OutboxStore(POSTGRES_URL, table=table)
+    env = {"OUTBOX_DATABASE_URL": POSTGRES_URL, "OUTBOX_TABLE": table}
+    try:
+        assert "created the table" in ok(run("migrate", env=env)).stdout
+        old = f"ix_{table}_claim_ready"[:63]
+        with store.transaction() as cursor:  # as a release before them left it
+            store.engine.execute(cursor, f'ALTER TABLE "{table}" RESET (autovacuum_vacuum_threshold, fillfactor)')
+            store.engine.execute(cursor, f'ALTER INDEX "{store.engine.index_name("claim_ready")}" RENAME TO "{old}"')
+        repaired = ok(run("migrate", env=env)).stdout.strip()
+        assert repaired.endswith(": repaired (renamed " + old + " to " + store.engine.index_name("claim_ready")
+                                 + "; set autovacuum_vacuum_threshold=10000, fillfactor=50)"), repaired
+        assert ok(run("migrate", env=env)).stdout.strip().endswith("nothing to change")
+    finally:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f'DROP TABLE IF EXISTS "{table}", "{store.engine.holders_name}"')
+        store.close()
+
+
 def test_mask_url() -> None:
     from outbox.core.redact import redact as mask_url  # the one helper that masks (describe's own is gone)
 

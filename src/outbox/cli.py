@@ -151,8 +151,8 @@ def migrate(native_json: bool) -> None:
     if before is None:
         click.echo(f"migrated {where}: created the table and its indexes")
     elif before != after or repaired:
-        added = sorted(after[0] - before[0]) + sorted(after[1] - before[1]) if after else []
-        click.echo(f"migrated {where}: repaired" + (f" (added {', '.join(added)})" if added else ""))
+        changes = store.schema_changes(before, after) if after else []
+        click.echo(f"migrated {where}: repaired" + (f" ({'; '.join(changes)})" if changes else ""))
     else:
         click.echo(f"migrated {where}: nothing to change")
     broker_url = get_settings().broker_url

@@ -188,10 +188,12 @@ class OutboxStore:
                                              [self.engine.table, self.engine.holders]) from exc
             raise
 
-    def schema_state(self) -> tuple[frozenset[str], frozenset[str]] | None:
-        """The table's columns, and its index names with the holders table's name when it
-        exists, or None when the table does not exist: what ``outbox migrate`` compares before
-        and after to say what it changed (a holders table it made again went unsaid: found in review)."""
+    def schema_state(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]] | None:
+        """The table's columns, its index names with the holders table's name when it exists,
+        and its storage parameters (``name=value``: PostgreSQL's), or None when the table does
+        not exist: what ``outbox migrate`` compares before and after to say what it changed
+        (``schema_changes``; a holders table it made again, and the autovacuum parameters it set,
+        went unsaid: found in review)."""
         try:
             with self.transaction() as cursor:
                 self.engine.execute(cursor, f"SELECT * FROM {self.engine.table} WHERE 1 = 0")
@@ -207,7 +209,23 @@ class OutboxStore:
             log.debug("outbox: no holders table %s", self.engine.holders, exc_info=True)
         else:
             names.add(self.engine.holders_name)
-        return columns, frozenset(names)
+        with self.transaction() as cursor:
+            options = self.engine.storage_options(cursor)
+        return columns, frozenset(names), options
+
+    def schema_changes(self, before: tuple[frozenset[str], ...], after: tuple[frozenset[str], ...]) -> list[str]:
+        """What ``outbox migrate`` changed between two ``schema_state``s, as the report names it:
+        indexes renamed from an earlier release's names (``Engine.legacy_name``), columns,
+        indexes and the holders table added, storage parameters set."""
+        (columns, names, options), (columns_now, names_now, options_now) = before, after
+        renamed = {old: new for old, new in ((self.engine.legacy_index_name(s), self.engine.index_name(s))
+                                             for s in self.engine.index_suffixes)
+                   if old and old in names - names_now and new in names_now - names}
+        added = sorted(columns_now - columns) + sorted(names_now - names - set(renamed.values()))
+        changes = [f"renamed {', '.join(f'{old} to {new}' for old, new in sorted(renamed.items()))}"] if renamed else []
+        changes += [f"added {', '.join(added)}"] if added else []
+        changes += [f"set {', '.join(sorted(options_now - options))}"] if options_now - options else []
+        return changes
 
     # -- relay operations --------------------------------------------------------
     def use_claim_window(self, factor: int) -> None:

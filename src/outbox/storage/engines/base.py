@@ -205,6 +205,11 @@ class Engine(ABC):
         kept = name[:limit] if cut else name if len(name) <= limit else None
         return kept if kept != derived_name(prefix, self.table_name, suffix) else None
 
+    def storage_options(self, cursor: Any) -> frozenset[str]:
+        """The table's own storage parameters as ``name=value`` (PostgreSQL's reloptions; none
+        elsewhere): ``outbox migrate`` names those it set."""
+        return frozenset()
+
     def legacy_index_name(self, suffix: str) -> str | None:
         return self.legacy_name("ix_", f"_{suffix}")
 

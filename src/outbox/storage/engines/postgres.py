@@ -228,6 +228,11 @@ class PostgresEngine(Engine):
 
     UPKEEP: ClassVar[str | None] = "vacuum"
 
+    def storage_options(self, cursor: Any) -> frozenset[str]:
+        row = self.execute(cursor, "SELECT reloptions FROM pg_class WHERE oid = to_regclass(?)",
+                           [self.qualify(self.table_name)]).fetchone()
+        return frozenset(row[0] or []) if row else frozenset()
+
     def upkeep(self, cursor: Any) -> tuple[str, list[str]]:
         # docs/internals.md, "Vacuum keeps the claim fast".
         on, options = self.execute(cursor, "SELECT current_setting('autovacuum'), (SELECT reloptions FROM pg_class "
