@@ -16,7 +16,7 @@ a run after a crash half-way, enqueues nothing twice; and because each task comm
 aggregates' events in order, what a crash leaves behind is a prefix of every aggregate,
 which the re-run completes in order. A re-run that selects more than the run before it
 (whose stored copies would then precede events of their aggregate not yet written) is
-refused before it writes anything (``_check_order``; docs/pipeline.md, "Replay"). The copy carries ``x-outbox-replay-of`` (the
+refused before it writes anything (``order_clashes``; docs/pipeline.md, "Replay"). The copy carries ``x-outbox-replay-of`` (the
 original message id) in its headers, and the original's ``trace_id``.
 
 The rows are validated exactly as ``enqueue`` validates them (``prepare_batch``: the
@@ -369,52 +369,70 @@ def _enqueue_partition(url: str, table: str, schema: str | None, batch: int, max
     return run
 
 
-#: The columns the order check reads (``_check_order``): no payload.
+#: The columns the order check reads (``_stored_flags``): no payload.
 ORDER_CHECK_COLUMNS = ("id", "message_id", "headers", "aggregate_type", "aggregate_id")
 
+#: What the order check's task yields for each archived row (``_stored_flags``).
+STORED_FLAGS = "id BIGINT, aggregate_type STRING, aggregate_id STRING, new_message_id STRING, stored BOOLEAN"
 
-def _check_order(url: str, table: str, schema: str | None) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """The order check's task body (``mapInArrow``, the write's partitions and order): the
-    events of an aggregate already in the target must come before those not yet there,
-    or writing these would put them after later events of their aggregate. Yields the
-    aggregates where a stored event follows one not stored (at most ``SAMPLE``): the
-    archived id not stored and the later one stored (docs/pipeline.md, "Replay")."""
+
+def _stored_flags(url: str, table: str, schema: str | None) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The order check's task body (``mapInArrow``): each archived row with its new message
+    id and whether the target holds it, a record batch out per record batch in, one
+    "already stored?" lookup each. Nothing is kept from one batch to the next (the order
+    itself is judged by Spark: ``order_clashes``), so the Python worker holds one batch
+    whatever its partition's size (docs/pipeline.md, "Replay")."""
     def run(batches_in: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
         store = OutboxStore(url, table=table, schema=schema)
         engine = store.engine
         existing_of = EXISTING.get(engine.name, _existing_in_list)
-        # Keyed by aggregate_id alone, as the write's partitions and the relay's order are
-        # (CONTRACT.md: "Per aggregate_id"); by type too, a re-run after an --aggregate-type
-        # replay passed (found in review).
-        first_missing: dict[str, int] = {}  # aggregate id -> its first archived id not stored
-        stored: set[str] = set()  # new message ids found stored (a second archived row of one is the same event)
-        found: list[tuple[str, int, int]] = []  # (aggregate, first id not stored, a later id stored)
-        named: set[str] = set()
 
         def stored_of(ids: list[str]) -> Callable[[Any], set[str]]:
             return lambda cursor: existing_of(engine, cursor, ids)
         try:
             for record_batch in batches_in:
-                cols = {name: record_batch.column(name).to_pylist() for name in ORDER_CHECK_COLUMNS}
-                new_ids = [new_message_id(m, h) for m, h in zip(cols["message_id"], cols["headers"])]
+                new_ids = [new_message_id(m, h) for m, h in zip(record_batch.column("message_id").to_pylist(),
+                                                                 record_batch.column("headers").to_pylist())]
                 taken = store._run("replay check", stored_of(new_ids))
-                for id_, new_id, kind, agg in zip(cols["id"], new_ids, cols["aggregate_type"], cols["aggregate_id"]):
-                    key = agg
-                    if new_id not in taken:
-                        first_missing.setdefault(key, id_)
-                    elif new_id not in stored:
-                        stored.add(new_id)
-                        if key in first_missing and key not in named and len(found) < SAMPLE:
-                            named.add(key)
-                            found.append((f"{kind}/{agg}", first_missing[key], id_))
+                yield pa.RecordBatch.from_arrays(
+                    [record_batch.column("id").cast(pa.int64()), record_batch.column("aggregate_type"),
+                     record_batch.column("aggregate_id"), pa.array(new_ids, pa.string()),
+                     pa.array([new_id in taken for new_id in new_ids], pa.bool_())],
+                    names=["id", "aggregate_type", "aggregate_id", "new_message_id", "stored"])
         finally:
             store.close()
-        yield pa.RecordBatch.from_pydict(
-            {"aggregate": [f[0] for f in found], "missing": [f[1] for f in found], "stored": [f[2] for f in found]},
-            schema=pa.schema([("aggregate", pa.string()), ("missing", pa.int64()), ("stored", pa.int64())]))
     return run
+
+
+def order_clashes(events: Any, target: OutboxStore) -> list[Any]:
+    """The aggregates whose events already in ``target`` do not all come before those not
+    yet there (writing these would put them after later events of their aggregate): at most
+    ``SAMPLE``, the earliest first, each with ``aggregate_id``, ``missing`` (its first
+    archived id not stored) and ``stored`` (``id`` and ``aggregate_type`` of the first
+    later one stored). Python only flags each row stored or not (``_stored_flags``); the
+    rest is Spark's, grouped by aggregate in the JVM, which spills: no Python worker keeps
+    a partition's ids (docs/pipeline.md, "Replay")."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    flags = (events.select(*ORDER_CHECK_COLUMNS)
+             .mapInArrow(_stored_flags(target.url, target.engine.table_name, target.engine.schema), STORED_FLAGS))
+    id_, stored = F.col("id"), F.col("stored")
+    # Per aggregate_id alone, as the write's partitions and the relay's order are
+    # (CONTRACT.md: "Per aggregate_id"); by type too, a re-run after an --aggregate-type
+    # replay passed (found in review).
+    aggregate = Window.partitionBy("aggregate_id")
+    # A second archived row of a stored event (its new message id again in the aggregate:
+    # the write skips it) does not count, only the first.
+    event = Window.partitionBy("aggregate_id", "new_message_id")
+    return (flags.withColumn("missing", F.min(F.when(~stored, id_)).over(aggregate))
+            .withColumn("first", F.min(id_).over(event))
+            .where(stored & (id_ == F.col("first")) & (id_ > F.col("missing")))
+            .groupBy("aggregate_id", "missing")
+            .agg(F.min(F.struct(id_, F.col("aggregate_type"))).alias("stored"))
+            .orderBy("missing").limit(SAMPLE).collect())
 
 
 def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: str | None = None,
@@ -447,21 +465,17 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
         check_table(target)
         say(f"replaying {total} event(s) into {target.engine.name}:{target.engine.table_name} "
             f"(new message ids uuid5 of the originals)")
-        ordered = events.repartition(partitions, "aggregate_id").sortWithinPartitions("id")
-        clashes = (ordered.select(*ORDER_CHECK_COLUMNS)
-                   .mapInArrow(_check_order(target.url, target.engine.table_name, target.engine.schema),
-                               "aggregate STRING, missing BIGINT, stored BIGINT")
-                   .collect())
+        clashes = order_clashes(events, target)
         if clashes:
-            first = min(clashes, key=lambda r: r["missing"])
+            first, stored = clashes[0], clashes[0]["stored"]
             more = f", and {len(clashes) - 1} other aggregate(s) at least" if len(clashes) > 1 else ""
             raise PipelineError(
                 f"replay would write events after later ones of their aggregate: the target holds the copy of "
-                f"{first['aggregate']}'s archived id {first['stored']} but not of its earlier archived id "
-                f"{first['missing']}{more} (an earlier replay selected fewer events: another --topic, a later "
-                "--since, ...); nothing was written. To replay them anyway, after what is there, select only "
+                f"{stored['aggregate_type']}/{first['aggregate_id']}'s archived id {stored['id']} but not of its "
+                f"earlier archived id {first['missing']}{more} (an earlier replay selected fewer events: another "
+                "--topic, a later --since, ...); nothing was written. To replay them anyway, after what is there, select only "
                 "the events not replayed yet (e.g. the other --topic)")
-        parts = (ordered
+        parts = (events.repartition(partitions, "aggregate_id").sortWithinPartitions("id")
                  .mapInArrow(_enqueue_partition(target.url, target.engine.table_name, target.engine.schema,
                                                 batch, get_settings().max_payload_bytes, crash_after_batches),
                              "seen BIGINT, written BIGINT")
