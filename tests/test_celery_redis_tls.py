@@ -239,6 +239,61 @@ def test_the_relays_own_redis_clients_connect_as_celerys_broker_does(
         state.delete(key)
 
 
+@pytest.mark.parametrize("case", ["broker_use_ssl", "CERT_REQUIRED", "bare"])
+def test_beats_purge_record_is_kept_on_a_tls_broker(
+        tls_redis: TlsRedis, celery_conf: Callable[[dict[str, Any]], None], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture, case: str) -> None:
+    """Beat's record of the purge's last send (``Scheduler.sent_record``) on a TLS broker given
+    as the other relay clients' test gives it. Found in review: beat built its client from the
+    URL alone, so every read and write failed (at DEBUG) and a beat restarted more often than
+    the purge interval never purged again."""
+    from celery import Celery
+
+    from outbox.celery.beat import Scheduler
+
+    base = f"rediss://127.0.0.1:{tls_redis.port}"
+    url = {"broker_use_ssl": f"{base}/4", "CERT_REQUIRED": tls_redis.url(db=5, ssl_cert_reqs="CERT_REQUIRED"),
+           "bare": f"{base}/6"}[case]
+    celery_conf({"broker_url": url, "broker_use_ssl": {"ssl_cert_reqs": ssl.CERT_REQUIRED,
+                                                       "ssl_ca_certs": str(tls_redis.ca)}}
+                if case == "broker_use_ssl" else {"broker_url": url})
+    app = Celery("beat-tls", set_as_current=False)
+    app.conf.broker_url = url
+    namespace = f"beattls-{uuid.uuid4().hex[:8]}"
+    record = Scheduler(app=app, schedule_filename=str(tmp_path / "schedule"), lazy=True).sent_record(namespace)
+    try:
+        with caplog.at_level(logging.DEBUG, "outbox.relay"):
+            assert record is not None
+            record.record_sent("outbox.purge", 1234.5, 60)
+            assert record.last_sent(["outbox.purge"]) == {"outbox.purge": 1234.5}
+        assert not [r for r in caplog.records if "last sent" in r.getMessage() or "was sent" in r.getMessage()]
+    finally:
+        tls_redis.client().delete(f"outbox:beat:{namespace}:sent:outbox.purge")
+
+
+def test_a_purge_record_that_cannot_be_read_or_written_says_so_once(
+        tls_redis: TlsRedis, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """A record that fails (here a CA that did not sign the server's certificate) is read as
+    never sent, which puts the purge off an interval: the first failure is a WARNING, the next
+    ones DEBUG."""
+    import trustme
+
+    from outbox.relay.redis_clients import connect_redis
+    from outbox.relay.sent_record import RedisSentRecord
+
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    client = connect_redis(tls_redis.url(ssl_ca_certs=str(other)), socket_timeout=2.0, socket_connect_timeout=2.0)
+    record = RedisSentRecord(client, "outbox:beat:never:sent:")
+    with caplog.at_level(logging.DEBUG, "outbox.relay"):
+        assert record.last_sent(["outbox.purge"]) == {}
+        record.record_sent("outbox.purge", 1.0, 60)
+        assert record.last_sent(["outbox.purge"]) == {}
+    failures = [r for r in caplog.records if "certificate verify failed" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.WARNING, logging.DEBUG, logging.DEBUG], failures
+    assert "put off" in failures[0].getMessage()
+
+
 def test_broker_use_ssl_is_celerys_broker_only(celery_conf: Callable[[dict[str, Any]], None]) -> None:
     """Dramatiq's Redis (another URL) is not given Celery's broker_use_ssl."""
     from outbox.relay.redis_clients import celery_use_ssl

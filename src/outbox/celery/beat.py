@@ -34,6 +34,7 @@ from kombu.exceptions import OperationalError
 from ..core.names import CLAIM_TASK, PURGE_TASK, TASK_OUTBOX_ARG, is_redis_url
 from ..core.redact import redact
 from ..relay import Outage
+from ..relay.redis_clients import relay_redis
 from ..relay.sent_record import RECORD_KEEP, RabbitSentRecord, RedisSentRecord, SentRecord, closing_channel, first_due
 from ..relay.shared import MAX_QUEUED_CLAIMS as SHARED_MAX_QUEUED_CLAIMS
 from ..relay.shared import ClaimQueueGuard
@@ -80,10 +81,9 @@ class Scheduler(PersistentScheduler):
         the queue ``outbox.beat.<namespace>.sent``; None on any other broker."""
         url = str(self.app.conf.broker_url or "")
         if is_redis_url(url):
-            import redis
-
             prefix = str((self.app.conf.broker_transport_options or {}).get("global_keyprefix") or "")
-            client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            # Connected as Celery's broker is (TLS: relay.redis_clients; docs/relay.md, TLS).
+            client = relay_redis(url, socket_timeout=2.0, socket_connect_timeout=2.0)
             return RedisSentRecord(client, f"{prefix}outbox:beat:{namespace}:sent:")
         if url.startswith(AMQP_SCHEMES):
             return RabbitSentRecord(f"outbox.beat.{namespace}.sent", self._record_channel)

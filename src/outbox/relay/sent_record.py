@@ -53,7 +53,22 @@ def first_due(record: SentRecord | None, entries: list[tuple[str, float, float]]
     return due
 
 
-class RedisSentRecord:
+class _FailuresLogged:
+    """A record's failures to read or write: the first one a WARNING (the purge is put off an
+    interval from this start: docs/relay.md, "Purge"), the next ones DEBUG."""
+
+    _warned = False
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if self._warned:
+            log.debug("outbox scheduler: cannot %s: %s", what, exc)
+            return
+        self._warned = True
+        log.warning("outbox scheduler: cannot %s: %s. Without the record the purge may be put off an interval "
+                    "from this start (later failures of this record are logged at DEBUG)", what, exc)
+
+
+class RedisSentRecord(_FailuresLogged):
     """A key per entry, ``<prefix><name>``, holding the epoch seconds of its last send."""
 
     def __init__(self, client: Any, prefix: str) -> None:
@@ -66,7 +81,7 @@ class RedisSentRecord:
         try:
             values = self.client.mget([f"{self.prefix}{name}" for name in names])
         except Exception as exc:  # noqa: BLE001 - read as never sent: one interval from now, as before
-            log.debug("outbox scheduler: cannot read when the entries were last sent: %s", exc)
+            self._failed("read when the entries were last sent", exc)
             return {}
         return {name: float(value) for name, value in zip(names, values, strict=True) if value is not None}
 
@@ -74,10 +89,10 @@ class RedisSentRecord:
         try:
             self.client.set(f"{self.prefix}{name}", repr(at), px=int(keep_s * 1000))
         except Exception as exc:  # noqa: BLE001 - the next scheduler then waits one interval, as before
-            log.debug("outbox scheduler: cannot record when %s was sent: %s", name, exc)
+            self._failed(f"record when {name} was sent", exc)
 
 
-class RabbitSentRecord:
+class RabbitSentRecord(_FailuresLogged):
     """The one message of a durable queue ``queue``, a JSON object of every entry's last send:
     at most one message long (a new one drops the old), deleted by RabbitMQ after
     ``RECORD_QUEUE_EXPIRES_MS`` unused. Read by taking the message and putting it back.
@@ -102,7 +117,7 @@ class RabbitSentRecord:
                     record = json.loads(got.body)
                     self._sent = {str(k): float(v) for k, v in record.items()} if isinstance(record, dict) else {}
         except Exception as exc:  # noqa: BLE001 - read as never sent: one interval from now, as before
-            log.debug("outbox scheduler: cannot read when the entries were last sent: %s", exc)
+            self._failed("read when the entries were last sent", exc)
         return {name: self._sent[name] for name in names if name in self._sent}
 
     def record_sent(self, name: str, at: float, keep_s: float) -> None:
@@ -117,7 +132,7 @@ class RabbitSentRecord:
                                                               expiration=str(int(keep_s * 1000))),
                                                       exchange="", routing_key=self.queue)
         except Exception as exc:  # noqa: BLE001 - the next scheduler then waits one interval, as before
-            log.debug("outbox scheduler: cannot record when %s was sent: %s", name, exc)
+            self._failed(f"record when {name} was sent", exc)
 
 
 @contextmanager
