@@ -341,6 +341,57 @@ def test_outbox_check_connects_to_celerys_redis_as_the_workers_do(tls_redis: Tls
     assert bare.startswith("[warn] celery broker:") and "not verified" in bare, bare
 
 
+@pytest.mark.parametrize(("query", "use_ssl", "verdict"), [
+    ({}, None, "warn"),  # a bare rediss://: kombu's unverified TLS
+    ({"ssl_cert_reqs": "none"}, None, "warn"),
+    ({"ssl_cert_reqs": "CERT_NONE"}, None, "warn"),
+    ({}, {"ssl_cert_reqs": "CERT_NONE"}, "warn"),
+    ({}, {"ssl_cert_reqs": ssl.CERT_NONE}, "warn"),
+    ({}, {"ssl_cert_reqs": None}, "warn"),
+    ({"ssl_cert_reqs": "CERT_REQUIRED", "ssl_ca_certs": "CA"}, None, "ok"),
+    ({"ssl_cert_reqs": "optional", "ssl_ca_certs": "CA"}, None, "ok"),
+    ({}, {"ssl_cert_reqs": "required", "ssl_ca_certs": "CA"}, "ok"),
+    ({}, {"ssl_ca_certs": "CA"}, "ok"),  # redis-py's default: required
+])
+def test_outbox_check_warns_for_each_spelling_of_an_unverified_certificate(
+        tls_redis: TlsRedis, celery_conf: Callable[[dict[str, Any]], None], query: dict[str, str],
+        use_ssl: dict[str, Any] | None, verdict: str) -> None:
+    """``outbox check`` on Celery's TLS Redis: a certificate not verified is a warning however it
+    is spelled (the docs' promise), and broker_use_ssl is read as the relay's clients read it (the
+    registered Celery configuration: ``redis_clients.broker_use_ssl``). Found in review: only a
+    bare rediss:// warned, as the check compared the translated "none" with ssl.CERT_NONE; and
+    it read broker_use_ssl from the config module alone."""
+    from outbox.commands.doctor import check_celery_broker
+
+    ca = str(tls_redis.ca)
+    url = f"rediss://127.0.0.1:{tls_redis.port}/0"
+    if query:
+        url += "?" + "&".join(f"{k}={ca if v == 'CA' else v}" for k, v in query.items())
+    conf: dict[str, Any] = {"broker_url": url}
+    if use_ssl is not None:
+        conf["broker_use_ssl"] = {k: ca if v == "CA" else v for k, v in use_ssl.items()}
+    celery_conf(conf)
+    settings = load_settings(environ={"OUTBOX_CELERY_BROKER_URL": url, "OUTBOX_DATABASE_URL": "sqlite:///o.db"})
+    result = check_celery_broker(settings)
+    assert result.state == verdict, result
+    if verdict == "warn":
+        assert "not verified" in result.detail, result
+
+
+def test_verifies_reads_redis_pys_options() -> None:
+    from outbox.relay.redis_clients import redis_connect_options, verifies
+
+    for url, use_ssl, expected in (("rediss://h/0", None, False),
+                                   ("rediss://h/0?ssl_cert_reqs=none", None, False),
+                                   ("rediss://h/0?ssl_cert_reqs=CERT_NONE", None, False),
+                                   ("rediss://h/0", {"ssl_cert_reqs": "CERT_NONE"}, False),
+                                   ("rediss://h/0", {"ssl_cert_reqs": ssl.CERT_NONE}, False),
+                                   ("rediss://h/0", True, True),
+                                   ("rediss://h/0?ssl_cert_reqs=CERT_REQUIRED", None, True),
+                                   ("rediss://h/0", {"ssl_cert_reqs": ssl.CERT_OPTIONAL}, True)):
+        assert verifies(redis_connect_options(url, use_ssl)[1]) is expected, (url, use_ssl)
+
+
 WRITER = r"""
 import sqlite3, sys
 import outbox

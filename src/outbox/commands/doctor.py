@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,6 @@ from ..core.config import (
 from ..core.errors import transport_hint
 from ..core.names import is_redis_url
 from ..core.redact import redact
-from ..core.sources import module_setting
 from ..core.tls import kombu_connection
 from ..storage.engines.describe import (
     describe_database,
@@ -178,7 +176,8 @@ def _missing_columns(store: OutboxStore) -> list[str]:
 
 def check_celery_broker(settings: Settings, broker_url: str | None = None,
                         environ: Mapping[str, str] | None = None) -> Result:
-    """``environ``: where its Celery config module is named (default: this process's)."""
+    """``environ``: where its Celery config module is named (default: the relay's Celery app's
+    configuration, else this process's config module, as the workers read it)."""
     url = broker_url or settings.broker_url
     if url.startswith("memory://"):
         detail = "memory:// (in-process: one `celery -A outbox worker` runs the schedule itself; no separate beat)"
@@ -186,7 +185,9 @@ def check_celery_broker(settings: Settings, broker_url: str | None = None,
     if url.startswith("outboxdb"):
         return _check_database_broker(settings, url)
     if is_redis_url(url):
-        return _celery_redis_reachable(url, module_setting(os.environ if environ is None else environ, "broker_use_ssl"))
+        from ..relay.redis_clients import broker_use_ssl
+
+        return _celery_redis_reachable(url, broker_use_ssl(environ))
     return _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL")
 
 
@@ -194,7 +195,7 @@ def _celery_redis_reachable(url: str, use_ssl: Any) -> Result:
     """Celery's Redis broker, connected with the TLS options its workers use (the URL's, else
     ``broker_use_ssl``: ``relay.redis_clients``), by the client the relay's own Redis clients are;
     a certificate not verified is a warning (docs/relay.md, "Garbage in Celery's Redis broker", TLS)."""
-    from ..relay.redis_clients import connect_redis, redis_connect_options
+    from ..relay.redis_clients import connect_redis, redis_connect_options, verifies
 
     name, fix = "celery broker", "set OUTBOX_CELERY_BROKER_URL"
     try:
@@ -210,7 +211,7 @@ def _celery_redis_reachable(url: str, use_ssl: Any) -> Result:
         return Result(name, FAIL, f"{redact(url)} unreachable: {_error(exc)} ({fix})")
     finally:
         client.close()
-    if "ssl_cert_reqs" in tls and tls["ssl_cert_reqs"] in (None, ssl.CERT_NONE):
+    if tls and not verifies(tls):
         return Result(name, WARN, f"{redact(url)} reachable, its TLS certificate not verified (a bare rediss:// or "
                       "ssl_cert_reqs=none): give ssl_cert_reqs=required and ssl_ca_certs in the URL or broker_use_ssl")
     return Result(name, OK, f"{redact(url)} reachable")
@@ -406,7 +407,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
                settings_loader: Callable[[], Settings] | None = None, probe_topic: str | None = None) -> list[Result]:
     """Every check, in order; later checks are skipped when configuration fails.
     ``probe_topic``: on Kafka, also produce one probe message there."""
-    environ = dict(os.environ if environ is None else environ)
+    given, environ = environ, dict(os.environ if environ is None else environ)
     # What every other command logs once at start-up, said here as report lines.
     unknown = [Result("unknown variable", WARN, f"{name} is ignored, nothing reads it ("
                       + (f"did you mean {close}?)" if close else "no setting has a similar name)"))
@@ -442,7 +443,7 @@ def run_checks(environ: dict[str, str] | None = None, *,
     if conflict:
         results.append(Result("celery broker url", FAIL, conflict.removeprefix("outbox: ")))
     results += check_database(settings)
-    results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings, environ=environ))
+    results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings, environ=given))
     results += check_destination(settings, kafka, probe_topic)
     if probe_topic and kafka is None:
         results.append(Result("probe", WARN, f"--probe {probe_topic} applies to a Kafka destination only: "

@@ -63,13 +63,26 @@ def _as_redis_py(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def celery_use_ssl(url: str) -> Any:
-    """Celery's ``broker_use_ssl`` (the relay's Celery app's configuration, else its config
-    module: ``core.sources.app_setting``) when ``url`` is Celery's broker; None for any other
-    URL (Dramatiq's Redis) or when it is unset."""
-    from ..core.sources import app_setting
+def verifies(options: Mapping[str, Any]) -> bool:
+    """Do redis-py's TLS ``options`` (``redis_connect_options``: ``ssl_cert_reqs`` already in
+    redis-py's words) check the server's certificate? Not for ``none``, ``ssl.CERT_NONE`` or
+    None; redis-py's default, ``required``, when ``ssl_cert_reqs`` is not given."""
+    return options.get("ssl_cert_reqs", "required") not in (None, ssl.CERT_NONE, "none")
 
-    use_ssl = app_setting("broker_use_ssl")
+
+def broker_use_ssl(environ: Mapping[str, str] | None = None) -> Any:
+    """Celery's ``broker_use_ssl`` as the relay's Celery app reads it (its configuration, else
+    its config module: ``core.sources.app_setting``); with ``environ``, in the config module
+    ``environ`` names (``outbox check`` of another environment). The one reader of it."""
+    from ..core.sources import app_setting, module_setting
+
+    return app_setting("broker_use_ssl") if environ is None else module_setting(environ, "broker_use_ssl")
+
+
+def celery_use_ssl(url: str) -> Any:
+    """Celery's ``broker_use_ssl`` (``broker_use_ssl``) when ``url`` is Celery's broker; None
+    for any other URL (Dramatiq's Redis) or when it is unset."""
+    use_ssl = broker_use_ssl()
     if not use_ssl:
         return None
     return use_ssl if url in _celery_broker_urls() else None
@@ -100,4 +113,4 @@ def relay_redis(url: str, **kwargs: Any) -> Any:
     return connect_redis(url, celery_use_ssl(url), **kwargs)
 
 
-__all__ = ["redis_connect_options", "celery_use_ssl", "connect_redis", "relay_redis"]
+__all__ = ["redis_connect_options", "verifies", "broker_use_ssl", "celery_use_ssl", "connect_redis", "relay_redis"]
