@@ -150,6 +150,32 @@ def test_a_mysql_client_key_with_a_passphrase_is_loaded(ca_files: dict[str, str]
         context(f"ssl_mode=REQUIRED&{files}&ssl_key_password=Ab%209%2Fx%3D")
 
 
+def test_sqlalchemys_ssl_check_hostname_is_read_as_ssl_verify_identity(ca_files: dict[str, str]) -> None:
+    """SQLAlchemy's pymysql dialect documents ``ssl_check_hostname`` (its example:
+    ``mysql+pymysql://...?ssl_ca=/ca.pem&ssl_check_hostname=false``), and a Flask/SQLAlchemy app
+    sharing its URL with the relay carries it. Found in review: the relay refused it and stopped."""
+    ca = ca_files["ca"]
+    url = f"mysql+pymysql://u:p@db.example/app?ssl_ca={ca}&ssl_check_hostname=false"
+    assert load_settings(environ={"OUTBOX_DATABASE_URL": url}).database_url == url
+    unchecked = pymysql_kwargs(url)["ssl"]
+    assert (unchecked.verify_mode, unchecked.check_hostname) == (ssl.CERT_REQUIRED, False)
+    checked = context("ssl_mode=REQUIRED&ssl_check_hostname=true")
+    assert (checked.verify_mode, checked.check_hostname) == (ssl.CERT_REQUIRED, True)
+    # Said twice, the same way: fine; two ways: a contradiction.
+    assert context(f"ssl_ca={ca}&ssl_check_hostname=false&ssl_verify_identity=off").check_hostname is False
+    with pytest.raises(ConfigError, match="ssl_check_hostname=false contradicts ssl_verify_identity=true"):
+        context(f"ssl_ca={ca}&ssl_check_hostname=false&ssl_verify_identity=true")
+    with pytest.raises(ConfigError, match="ssl_check_hostname=false contradicts ssl_mode=VERIFY_IDENTITY"):
+        context(f"ssl_mode=VERIFY_IDENTITY&ssl_ca={ca}&ssl_check_hostname=false")
+    with pytest.raises(ConfigError, match="ssl_check_hostname='maybe' is not true or false"):
+        context(f"ssl_ca={ca}&ssl_check_hostname=maybe")
+    from outbox.pipeline.fetch import MysqlFetch
+    from outbox.storage.engines import engine_for_url
+
+    alone = f"{MY}?ssl_check_hostname=true"  # TLS asked for: read through PyMySQL in the pipeline
+    assert not MysqlFetch(alone, engine_for_url(alone)).usable()
+
+
 def test_a_mysql_key_passphrase_is_masked() -> None:
     from outbox.core.redact import redact
 
@@ -163,7 +189,7 @@ def test_a_mysql_key_passphrase_is_masked() -> None:
     ("ssl_verify=true", "unknown MySQL/MariaDB URL parameter ssl_verify (accepted: charset, unix_socket, "
                         "read_timeout, write_timeout, ssl_mode, ssl_disabled, ssl_ca, ssl_capath, ssl_cert, ssl_key, "
                         "ssl_key_password, ssl_cipher, ssl_verify_cert, ssl_verify_identity, "
-                        "idle_transaction_timeout_s, tcp_timeout_s)"),
+                        "ssl_check_hostname, idle_transaction_timeout_s, tcp_timeout_s)"),
     ("sslmode=require", "unknown MySQL/MariaDB URL parameter sslmode (accepted: "),
     ("ssl_mode=ON", "ssl_mode='ON': expected one of DISABLED, PREFERRED, REQUIRED, VERIFY_CA, VERIFY_IDENTITY"),
     ("ssl_mode=DISABLED&ssl_ca=/ca.pem", "ssl_ca with TLS disabled"),

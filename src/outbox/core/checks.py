@@ -74,12 +74,15 @@ def without_session_bounds(url: str) -> str:
 #: spell it (docs/relay.md, "TLS to the database"). Read by ``mysql_tls``.
 MYSQL_TLS_PARAMETERS = ("ssl_mode", "ssl_disabled", "ssl_ca", "ssl_capath", "ssl_cert", "ssl_key",
                         "ssl_key_password", "ssl_cipher", "ssl_verify_cert", "ssl_verify_identity")
+#: Other names of TLS parameters, read as the parameter they name (``mysql_tls``): SQLAlchemy's
+#: pymysql and mysqldb dialects document ``ssl_check_hostname`` (docs/relay.md, "TLS to the database").
+MYSQL_TLS_ALIASES = {"ssl_check_hostname": "ssl_verify_identity"}
 #: Every query parameter a MySQL/MariaDB URL may carry. Any other that looks like a TLS one
 #: (``ssl``/``tls`` in its name) is refused: a misspelt TLS parameter was silently dropped, and
 #: the relay connected in cleartext (found in review). Any other is ignored, as it always was,
 #: with one warning: refusing it would stop, at an upgrade, a deployment that carried it.
 MYSQL_URL_PARAMETERS = ("charset", "unix_socket", "read_timeout", "write_timeout", *MYSQL_TLS_PARAMETERS,
-                        *SESSION_BOUNDS)
+                        *MYSQL_TLS_ALIASES, *SESSION_BOUNDS)
 MYSQL_SSL_MODES = ("DISABLED", "PREFERRED", "REQUIRED", "VERIFY_CA", "VERIFY_IDENTITY")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -143,12 +146,31 @@ def _mysql_flag(options: dict[str, str], name: str) -> bool | None:
     return value in _TRUE
 
 
+def _mysql_tls_given(options: dict[str, str]) -> dict[str, str]:
+    """The TLS parameters of ``options``, an alias (``MYSQL_TLS_ALIASES``, each a true/false
+    flag) read as the parameter it names; the two saying different things is a ``ConfigError``."""
+    given = {name: options[name] for name in MYSQL_TLS_PARAMETERS if name in options}
+    for alias, name in MYSQL_TLS_ALIASES.items():
+        if alias in options:
+            flag = _mysql_flag(options, alias)
+            if name in given and _mysql_flag(given, name) != flag:
+                raise ConfigError(f"OUTBOX_DATABASE_URL: {alias}={options[alias]} contradicts {name}={options[name]}")
+            given.setdefault(name, options[alias])
+    return given
+
+
+def _spelled(options: dict[str, str], name: str) -> str:
+    """``name`` as the URL spells it: its alias when only that is given (for errors)."""
+    aliases = [alias for alias, of in MYSQL_TLS_ALIASES.items() if of == name and alias in options]
+    return aliases[0] if aliases and name not in options else name
+
+
 def mysql_tls(options: dict[str, str]) -> MysqlTls | str | None:
     """What a MySQL/MariaDB URL's TLS parameters (``mysql_url_options``) ask for: None when it
     gives none (PyMySQL's own default: TLS when the server offers it, unverified), ``"disabled"``
     (``ssl_mode=DISABLED``, ``ssl_disabled=true``), or a required ``MysqlTls`` (docs/relay.md,
     "TLS to the database", has the rules). Contradictory parameters are a ``ConfigError``."""
-    given = {name: options[name] for name in MYSQL_TLS_PARAMETERS if name in options}
+    given = _mysql_tls_given(options)
     mode = given.pop("ssl_mode", "").strip().upper() or None
     if mode is not None and mode not in MYSQL_SSL_MODES:
         raise ConfigError(f"OUTBOX_DATABASE_URL: ssl_mode={options['ssl_mode']!r}: expected one of "
@@ -173,12 +195,12 @@ def mysql_tls(options: dict[str, str]) -> MysqlTls | str | None:
     for name, flag, by_mode in (("ssl_verify_cert", verify_cert, mode in ("VERIFY_CA", "VERIFY_IDENTITY")),
                                 ("ssl_verify_identity", verify_identity, mode == "VERIFY_IDENTITY")):
         if flag is False and by_mode:
-            raise ConfigError(f"OUTBOX_DATABASE_URL: {name}=false contradicts ssl_mode={mode}")
+            raise ConfigError(f"OUTBOX_DATABASE_URL: {_spelled(options, name)}=false contradicts ssl_mode={mode}")
     cert = cert if verify_cert is None else verify_cert
     identity = (identity and cert) if verify_identity is None else verify_identity
     if identity and verify_cert is False:
-        raise ConfigError("OUTBOX_DATABASE_URL: ssl_verify_identity=true needs the certificate checked, "
-                          "not ssl_verify_cert=false")
+        raise ConfigError(f"OUTBOX_DATABASE_URL: {_spelled(options, 'ssl_verify_identity')}=true needs the "
+                          "certificate checked, not ssl_verify_cert=false")
     if ("ssl_key" in given or "ssl_key_password" in given) and "ssl_cert" not in given:
         raise ConfigError("OUTBOX_DATABASE_URL: ssl_key and ssl_key_password need ssl_cert (the client certificate)")
     return MysqlTls(ca=given.get("ssl_ca"), capath=given.get("ssl_capath"), cert=given.get("ssl_cert"),

@@ -175,10 +175,11 @@ class MysqlFetch(ConnectorxFetch):
         """connectorx speaks TCP only, and its URL carries no TLS file (CA, client certificate):
         a URL with ``unix_socket`` or asking for TLS reads through PyMySQL, which does
         (docs/pipeline.md, "How the jobs read the outbox")."""
-        from ..core.checks import MYSQL_TLS_PARAMETERS, mysql_tls, mysql_url_options
+        from ..core.checks import MYSQL_TLS_ALIASES, MYSQL_TLS_PARAMETERS, mysql_tls, mysql_url_options
 
         options = mysql_url_options(self.url)
-        tls = any(name in options for name in MYSQL_TLS_PARAMETERS) and mysql_tls(options) != "disabled"
+        tls = (any(name in options for name in (*MYSQL_TLS_PARAMETERS, *MYSQL_TLS_ALIASES))
+               and mysql_tls(options) != "disabled")
         return "unix_socket" not in options and not tls
 
     def literal(self, value: Any) -> str:
