@@ -117,7 +117,6 @@ def test_tls_parameters_are_read_when_the_settings_are(tmp_path: Path) -> None:
         f"{base}?ssl_cert_reqs=maybe": "ssl_cert_reqs='maybe'",
         f"{base}?ssl_keyfile=/k.pem": "ssl_keyfile needs ssl_certfile",
         "amqp://u:p@rabbit.example//?ssl_ca_certs=/ca.pem": "write amqps://",
-        "amqps://rabbit-a//;amqps://rabbit-b//": "give ssl_server_hostname",
     }
     for url, why in refused.items():
         for name, read in (("OUTBOX_PUBLISH_URL", lambda u: load_settings(environ={"OUTBOX_PUBLISH_URL": u})),
@@ -134,6 +133,36 @@ def test_tls_parameters_are_read_when_the_settings_are(tmp_path: Path) -> None:
     result = missing.publish_chain([make_message(1)])
     assert not result.ok and result.failure is not None and result.failure.kind is FailureKind.FATAL
     assert "ssl_ca_certs" in result.failure.reason
+
+
+def test_each_broker_of_a_tls_list_is_checked_against_its_own_name(pki: Pki, broker: dict[str, Any]) -> None:
+    """A list of RabbitMQ nodes each with a certificate for its own name (cert-manager, per-node
+    certificates): no single name fits them all. Found in review: such a list was refused at
+    start-up ("give ssl_server_hostname"), the only way out being ssl_check_hostname=false.
+    Each node is now checked against its own host: through the first with both up, through the
+    second with the first down; a node whose certificate carries the other's name is refused."""
+    first, second = TlsProxy(pki, "localhost"), TlsProxy(pki, "127.0.0.1")
+    ca = str(pki.ca_file)
+    url = f"{first.url('localhost')};{second.url('127.0.0.1', ssl_ca_certs=ca)}"
+    swapped = f"{first.url('127.0.0.1')};{second.url('localhost', ssl_ca_certs=ca)}"
+    try:
+        assert settings_for(url, broker).publish_url == url
+        assert check_destination(settings_for(url, broker))[0].state == OK
+        both = publish_one(url, broker)
+        assert both.ok, both.failure
+        assert (len(first.peers), len(second.peers)) == (2, 0)  # the check's connection, the publisher's
+        wrong = publish_one(swapped, broker)
+        assert not wrong.ok and wrong.failure is not None and wrong.failure.kind is FailureKind.FATAL, wrong.failure
+        assert "mismatch" in wrong.failure.reason or "doesn't match" in wrong.failure.reason, wrong.failure.reason
+        first.close()
+        failover = publish_one(url, broker)
+        assert failover.ok, failover.failure
+        assert len(second.peers) == 1
+        assert len(broker["live"]()) == 2
+        assert check_destination(settings_for(url, broker))[0].state == OK
+    finally:
+        first.close()
+        second.close()
 
 
 def test_an_encrypted_client_key_is_a_configuration_error_not_a_prompt(pki: Pki) -> None:

@@ -113,3 +113,24 @@ def test_a_rediss_url_with_its_ca_serves_the_broker_the_lock_and_the_check(tls_r
     bare = f"rediss://127.0.0.1:{tls_redis.port}/0"
     report = check_dramatiq_broker(bare)
     assert report.state == FAIL and "certificate verify failed" in report.detail, report.line()
+
+
+def test_each_node_of_a_tls_list_is_checked_against_its_own_name(pki: Pki) -> None:
+    """Per-node certificates (``tests/test_amqp_tls.py`` has the publisher's case): Dramatiq's
+    broker (pika, a parameters object per node), the scheduler's lock (kombu, switching nodes
+    itself) and the check reach the second node, checked against its own name, with the first
+    down. Found in review: such a list was refused at start-up."""
+    first, second = TlsProxy(pki, "localhost"), TlsProxy(pki, "127.0.0.1")
+    url = f"{first.url('localhost')};{second.url('127.0.0.1', ssl_ca_certs=str(pki.ca_file))}"
+    try:
+        assert dramatiq_settings(environ={"OUTBOX_DRAMATIQ_BROKER_URL": url}) is not None
+        assert hold_once(RabbitLock(url, f"tls-{uuid.uuid4().hex[:8]}"))
+        assert (len(first.peers), len(second.peers)) == (1, 0)
+        first.close()
+        assert send_and_count(url) == 1
+        assert hold_once(RabbitLock(url, f"tls-{uuid.uuid4().hex[:8]}"))
+        assert check_dramatiq_broker(url).state == OK, check_dramatiq_broker(url).line()
+        assert len(second.peers) >= 3 and second.handshakes_failed == 0
+    finally:
+        first.close()
+        second.close()

@@ -98,6 +98,9 @@ class TlsProxy:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        """Down: connections refused from now on, those made cut."""
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone leaves it listening)
         self.listener.close()
         for sock in self.sockets:
             with contextlib.suppress(OSError):

@@ -87,16 +87,17 @@ def _broker(url: str, setting: str | None = None) -> Any:
     """kombu's connection to ``url``; a ConfigError naming the extra when its transport's
     library is missing. ``setting``: the URL is the relay's own (not Celery's), so an AMQP
     URL's TLS parameters are read as the relay reads them (``core.tls``)."""
-    from kombu import Connection
-
     options: dict[str, Any] = {"max_retries": 1}
     if url.split("://", 1)[0] in ("redis", "rediss"):
         # redis-py waits for an answer without a bound unless told: a server that accepts and
         # never answers held the check for good (connect_timeout bounds the TCP connect only).
         options["socket_timeout"] = CONNECT_TIMEOUT_S
     try:
-        url, tls = kombu_connection(url, setting) if setting else (url, {})
-        return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options=options, **tls)
+        if setting is None:
+            from kombu import Connection
+
+            return Connection(url, connect_timeout=CONNECT_TIMEOUT_S, transport_options=options)
+        return kombu_connection(url, setting, connect_timeout=CONNECT_TIMEOUT_S, transport_options=options)
     except Exception as exc:
         hint = transport_hint(url)
         if hint is None and not isinstance(exc, ImportError):

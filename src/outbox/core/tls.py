@@ -18,17 +18,19 @@ The parameters, the same names as kombu's and redis-py's for ``rediss://``:
   must not be encrypted, py-amqp has no way to take its passphrase;
 * ``ssl_cert_reqs``: ``required`` (default) or ``none`` (no check at all: tests only);
 * ``ssl_check_hostname``: ``true`` (default) or ``false`` (the chain is still checked);
-* ``ssl_server_hostname``: the name the certificate must carry (default: the URL's host).
+* ``ssl_server_hostname``: the name the certificate must carry (default: the host of the URL
+  connected to; for a list of URLs, each broker's own: ``kombu_connection``).
 
 This module imports nothing of the package but its errors and redaction.
 """
 
 from __future__ import annotations
 
+import functools
 import ssl
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 from .errors import ConfigError
 from .redact import redact
@@ -45,7 +47,7 @@ TLS_PARAMETERS = {
     "ssl_keyfile": "client key (PEM, not encrypted)",
     "ssl_cert_reqs": "required (default) or none",
     "ssl_check_hostname": "true (default) or false",
-    "ssl_server_hostname": "the name the certificate must carry (default: the URL's host)",
+    "ssl_server_hostname": "the name every broker's certificate must carry (default: each broker's host)",
 }
 _CERT_REQS = {"required": True, "cert_required": True, "none": False, "cert_none": False}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
@@ -60,7 +62,7 @@ class AmqpTls:
     keyfile: str | None = None
     verify: bool = True
     check_hostname: bool = True
-    #: The name the certificate must carry: ``ssl_server_hostname``, else the URL's host.
+    #: The name the certificate must carry: ``ssl_server_hostname``; None: the host connected to.
     server_hostname: str | None = None
 
     @property
@@ -90,8 +92,10 @@ class AmqpTls:
     def kombu_ssl(self, setting: str = "OUTBOX_PUBLISH_URL") -> dict[str, Any]:
         """kombu's ``Connection(ssl=...)`` for py-amqp: the keys of its ``_wrap_socket_sni``.
         py-amqp 5.4 takes no ``SSLContext`` (it ignores one and uses its defaults); it checks the
-        host name exactly when ``server_hostname`` is given. The files are loaded once here
-        first (``context``), so a bad one is a ConfigError rather than a connection failure."""
+        host name exactly when ``server_hostname`` is given: None here (no ``ssl_server_hostname``)
+        is filled in with the host connected to by ``kombu_connection``'s connection. The files
+        are loaded once here first (``context``), so a bad one is a ConfigError rather than a
+        connection failure."""
         self.context(setting)
         options: dict[str, Any] = {"cert_reqs": ssl.CERT_REQUIRED if self.verify else ssl.CERT_NONE}
         if self.ca_certs:
@@ -129,14 +133,14 @@ def _why(exc: BaseException) -> str:
 def split_amqp_url(url: str, setting: str) -> tuple[str, AmqpTls | None]:
     """``url`` without its TLS parameters, and what they ask (None: no TLS, an ``amqp://`` URL).
     A list of URLs (``;``, kombu's and Dramatiq's failover) is read one by one: the TLS
-    parameters may be written in any of them and must not differ; over TLS each broker's name
-    must be the same, or ``ssl_server_hostname`` must name the one their certificates carry
-    (kombu keeps one ``ssl=`` for the list). Raises ConfigError naming ``setting`` for a
-    parameter it does not know, a value it cannot read, or TLS parameters on ``amqp://``."""
+    parameters may be written in any of them and must not differ; each broker's certificate is
+    checked against its own host name unless ``ssl_server_hostname`` names one for all (per-node
+    certificates: ``kombu_connection``, ``pika_ssl_options``). Raises ConfigError naming
+    ``setting`` for a parameter it does not know, a value it cannot read, or TLS parameters on
+    ``amqp://``."""
     shown = redact(repr(url))
     given: dict[str, str] = {}
     kept: list[str] = []
-    hosts: set[str] = set()
     schemes: set[str] = set()
     for one in url.split(";"):
         one = one.strip()
@@ -154,21 +158,13 @@ def split_amqp_url(url: str, setting: str) -> tuple[str, AmqpTls | None]:
             else:
                 others.append(piece)  # kept byte for byte: kombu and pika read the rest as before
         kept.append(base + ("?" + "&".join(others) if others else ""))
-        hosts.add((urlsplit(one).hostname or "").lower())
     tls_scheme = schemes & set(AMQP_TLS_SCHEMES)
     if given and not tls_scheme:
         raise ConfigError(f"{setting}={shown}: {', '.join(sorted(given))} asks for TLS, which this URL's scheme does "
                           "not use: write amqps:// (port 5671 by default)")
     if not tls_scheme:
         return url, None
-    tls = _read(given, setting, shown)
-    if tls.checks_hostname and tls.server_hostname is None:
-        if len(hosts) > 1:
-            raise ConfigError(f"{setting}={shown}: the brokers of the list have different names, and over TLS each "
-                              "certificate's name is checked against one name: give ssl_server_hostname=<the name "
-                              "their certificates carry>")
-        tls = replace(tls, server_hostname=next(iter(hosts)) or None)
-    return ";".join(kept), tls
+    return ";".join(kept), _read(given, setting, shown)
 
 
 def check_amqp_url(url: str, setting: str) -> str:
@@ -179,15 +175,40 @@ def check_amqp_url(url: str, setting: str) -> str:
     return url
 
 
-def kombu_connection(url: str, setting: str) -> tuple[str, dict[str, Any]]:
-    """What kombu's ``Connection`` is given for ``url``: the URL, and for an AMQP URL over TLS
-    its ``ssl=`` (``AmqpTls.kombu_ssl``); other URLs as they are (kombu reads a ``rediss://``
-    URL's ``ssl_*`` itself)."""
+def kombu_connection(url: str, setting: str, **options: Any) -> Any:
+    """kombu's ``Connection`` for ``url``, with kombu's other ``options`` (``connect_timeout``,
+    ``heartbeat``, ...). An AMQP URL over TLS is given its ``ssl=`` (``AmqpTls.kombu_ssl``), each
+    broker's certificate checked against that broker's host name unless ``ssl_server_hostname``
+    names one (``_each_host_named``); other URLs as they are (kombu reads a ``rediss://`` URL's
+    ``ssl_*`` itself). Raises ConfigError naming ``setting`` for TLS parameters it cannot use."""
+    from kombu import Connection
+
     scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
     if scheme not in AMQP_TLS_SCHEMES + AMQP_PLAIN_SCHEMES:
-        return url, {}
+        return Connection(url, **options)
     clean, tls = split_amqp_url(url, setting)
-    return clean, ({"ssl": tls.kombu_ssl(setting)} if tls else {})
+    if tls is None:
+        return Connection(clean, **options)
+    named = tls.checks_hostname and tls.server_hostname is None
+    return (_each_host_named() if named else Connection)(clean, ssl=tls.kombu_ssl(setting), **options)
+
+
+@functools.cache
+def _each_host_named() -> type:
+    """kombu's ``Connection`` whose ``ssl=`` names the host it connects to, so that over a list
+    of URLs each broker's certificate is checked against its own name (per-node certificates;
+    docs/destinations.md, "TLS to RabbitMQ"). kombu keeps one ``ssl=`` for the whole list: its
+    ``switch`` to the next alternate (the publisher's ``maybe_switch_next``, kombu's own retry)
+    sets the parameters again through ``_init_params``, and the name is set there each time."""
+    from kombu import Connection
+
+    class EachHostNamed(Connection):
+        def _init_params(self, *args: Any, **kwargs: Any) -> None:
+            super()._init_params(*args, **kwargs)
+            if isinstance(self.ssl, dict):
+                self.ssl = {**self.ssl, "server_hostname": self.hostname or "localhost"}
+
+    return EachHostNamed
 
 
 #: ``ssl_cert_reqs`` in kombu's and Celery's spellings (any case) and redis-py's, in redis-py's

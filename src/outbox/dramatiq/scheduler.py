@@ -123,8 +123,6 @@ class RabbitLock:
         self.record = RabbitSentRecord(f"{self.queue}.sent", self._record_channel)
 
     def hold(self) -> bool:
-        from kombu import Connection
-
         if self.conn is not None:
             try:
                 self.conn.heartbeat_check()
@@ -138,12 +136,11 @@ class RabbitLock:
                 return True
             if self.conn is not None:
                 return True
-        try:
-            url, tls = kombu_connection(self.url, _broker.URL_SETTING)  # amqps://: as the broker's (core.tls)
+        try:  # amqps://: as the broker's, each node checked against its own name (core.tls)
+            conn = kombu_connection(self.url, _broker.URL_SETTING, heartbeat=LOCK_TTL_S)
         except ConfigError as exc:
             self.outage.failed(exc)
             return False
-        conn = Connection(url, heartbeat=LOCK_TTL_S, **tls)
         try:
             conn.connect()
             conn.default_channel.queue_declare(queue=self.queue, exclusive=True, auto_delete=True)

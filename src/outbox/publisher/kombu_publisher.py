@@ -426,14 +426,14 @@ class KombuPublisher(Publisher):
         """Connect (bounded retry), open the channel and declare the exchanges, once per
         connection, each step waiting no later than ``deadline`` (``_connect``, ``_step``).
         Raises whatever went wrong."""
-        from kombu import Connection, Exchange, Producer
+        from kombu import Exchange, Producer
 
         if self._pid != os.getpid():
             self._forget()  # inherited over fork(): the parent's, not ours; never close it
         if self._conn is None:
             try:
-                url, tls = kombu_connection(self.url, "OUTBOX_PUBLISH_URL")  # amqps://: ssl= (core.tls)
-                conn = Connection(url, connect_timeout=self.connect_timeout, **tls)
+                # amqps://: ssl=, each alternate checked against its own name (core.tls)
+                conn = kombu_connection(self.url, "OUTBOX_PUBLISH_URL", connect_timeout=self.connect_timeout)
                 driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
             except Exception as exc:
                 # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError (or
@@ -444,7 +444,7 @@ class KombuPublisher(Publisher):
                     raise
                 raise ConfigError(redact(f"OUTBOX_PUBLISH_URL={self.url!r} cannot be used: "
                                          + (hint or f"{type(exc).__name__}: {exc}"))) from exc
-            options: dict[str, Any] = conn.transport_options  # type: ignore[assignment]  # kombu declares None, sets {}
+            options: dict[str, Any] = conn.transport_options  # kombu declares None, sets {}
             options.update(self._timeouts(driver))  # read when the transport connects and opens channels
             self._driver, self._confirms = driver, driver == "py-amqp"
             self._conn, self._pid = conn, os.getpid()
