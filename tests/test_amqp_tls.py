@@ -176,3 +176,20 @@ def test_an_encrypted_client_key_is_a_configuration_error_not_a_prompt(pki: Pki)
                                         serialization.BestAvailableEncryption(b"Secret123")))
     with pytest.raises(ConfigError, match="the key is encrypted"):
         AmqpTls(certfile=str(cert), keyfile=str(key), server_hostname="rabbit.example").kombu_ssl()
+
+
+@pytest.mark.parametrize("url", ["amqps://u:p@rabbit-0.example//", "amqps://u:p@rabbit-0.example//;amqps://u:p@rabbit-1.example//"])
+def test_the_host_name_is_checked_even_if_kombu_stopped_naming_each_host(
+        pki: Pki, url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: the host name came only from overriding kombu's private
+    ``Connection._init_params``, and py-amqp checks a host name only when one is given, so a
+    kombu release that stopped calling it would check no name at all. Without the override
+    the first broker's name is given (a second broker is refused, never unchecked)."""
+    from kombu import Connection
+
+    from outbox.core import tls
+
+    monkeypatch.setattr(tls, "_each_host_named", lambda: Connection)  # as if kombu never called it
+    conn = tls.kombu_connection(f"{url.split(';')[0]}?ssl_ca_certs={pki.ca_file}" if ";" not in url else
+                                ";".join(f"{u}?ssl_ca_certs={pki.ca_file}" for u in url.split(";")), "OUTBOX_PUBLISH_URL")
+    assert conn.ssl["server_hostname"] == "rabbit-0.example"

@@ -30,7 +30,7 @@ import functools
 import ssl
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .errors import ConfigError
 from .redact import redact
@@ -189,8 +189,15 @@ def kombu_connection(url: str, setting: str, **options: Any) -> Any:
     clean, tls = split_amqp_url(url, setting)
     if tls is None:
         return Connection(clean, **options)
+    sslopts = tls.kombu_ssl(setting)
     named = tls.checks_hostname and tls.server_hostname is None
-    return (_each_host_named() if named else Connection)(clean, ssl=tls.kombu_ssl(setting), **options)
+    if named:
+        # The first broker's name until the connection names the one it connects to: should a
+        # kombu release stop calling ``_init_params`` (``_each_host_named``), every broker is
+        # checked against this name and another refused, never none checked (py-amqp checks
+        # the host name only when ``server_hostname`` is given: found in review).
+        sslopts["server_hostname"] = urlsplit(clean.split(";", 1)[0].strip()).hostname or "localhost"
+    return (_each_host_named() if named else Connection)(clean, ssl=sslopts, **options)
 
 
 @functools.cache
