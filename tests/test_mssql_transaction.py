@@ -57,6 +57,7 @@ class Session:
         self.trancount = 0
         self.savepoints: list[str] = []
         self.doomed = False  # XACT_STATE() = -1: only a full rollback is allowed
+        self.selected: list[tuple[int]] | None = None  # the rows of a SELECT of a value (XACT_STATE())
 
     def xact_state(self) -> int:
         return 0 if self.trancount == 0 else -1 if self.doomed else 1
@@ -113,6 +114,8 @@ class Session:
                 del self.savepoints[self.savepoints.index(name) + 1:]
         elif isinstance(node, (exp.Insert, exp.Update, exp.Delete)):
             self.starts_implicitly()
+        elif isinstance(node, exp.Select) and not node.args.get("from") and len(node.expressions) == 1:
+            self.selected = [(self.value(node.expressions[0]),)]  # SELECT XACT_STATE(): no transaction starts
         elif not isinstance(node, exp.EndStatement):
             raise AssertionError(f"the model does not know {node.sql('tsql')!r}")
 
@@ -139,7 +142,11 @@ class SessionCursor(RecordingCursor):
 
     def execute(self, sql: str, params: Any = ()) -> SessionCursor:
         super().execute(sql, params)
-        self.connection.session.run_batch(sql)
+        session = self.connection.session
+        session.selected = None
+        session.run_batch(sql)
+        if session.selected is not None:
+            self.rows = session.selected
         return self
 
 
@@ -266,3 +273,21 @@ def test_a_nested_block_whose_transaction_is_gone_raises_its_own_error(
         raise deadlock
     assert raised.value is deadlock
     assert conn.ended[-1][0] == "rollback" and conn.session.trancount == 0
+
+
+def test_a_nested_block_that_lost_the_transaction_makes_the_outer_block_roll_back(conn: PyodbcConnection) -> None:
+    """Found in review: a caller that catches the deadlock of a nested block and carries on
+    wrote into a new implicit transaction, which the outer block then committed, while the
+    outer block's work before the deadlock was gone: half a transaction. The outer block now
+    rolls back and says so."""
+    from outbox.core.errors import StoreError
+
+    deadlock = ServerError(1205, "Transaction (Process ID 52) was deadlocked on lock resources.")
+    with pytest.raises(StoreError, match="lost the transaction"), outbox.transaction(conn):
+        write(conn, 1)
+        with pytest.raises(ServerError), outbox.transaction(conn):
+            conn.session.end()  # the deadlock rolled back the whole transaction
+            raise deadlock
+        write(conn, 2)  # the caller carries on: a new implicit transaction
+    assert conn.ended[-1][0] == "rollback", conn.ended
+    assert all(kind != "commit" for kind, _ in conn.ended), conn.ended

@@ -17,6 +17,7 @@ import pytest
 import outbox
 import outbox.wake as wake
 from outbox import enqueue
+from outbox.core.errors import StoreError
 from outbox.storage.store import OutboxStore
 
 EVENT = {"topic": "orders.placed", "aggregate_type": "order", "aggregate_id": "1", "payload": {}}
@@ -153,8 +154,9 @@ def test_a_transaction_the_caller_began_on_an_autocommit_connection_is_refused(
             store.engine.execute(cursor, f"DROP TABLE {store.engine.table_name}_orders")
 
 
+@pytest.mark.parametrize("caught", [False, True], ids=["raised", "caught-and-carried-on"])
 @pytest.mark.parametrize("kind", ["mysql"])
-def test_a_deadlock_in_a_nested_block_reaches_the_caller_as_itself(store: OutboxStore, url: str) -> None:
+def test_a_deadlock_in_a_nested_block_reaches_the_caller_as_itself(store: OutboxStore, url: str, caught: bool) -> None:
     """InnoDB rolls the whole transaction back on a deadlock, and the savepoint with it: the
     inner block's ROLLBACK TO SAVEPOINT then failed with 1305 (SAVEPOINT does not exist), and
     that error, not the deadlock (1213), reached the caller, who retries on a deadlock and so
@@ -187,14 +189,29 @@ def test_a_deadlock_in_a_nested_block_reaches_the_caller_as_itself(store: Outbox
             run(conn, "SET SESSION innodb_lock_wait_timeout = 10")  # bounded if no deadlock comes
         thread = threading.Thread(target=heavier_transaction)
         thread.start()
-        with (pytest.raises(Exception) as raised, outbox.transaction(app, wake=False),
-              outbox.transaction(app, wake=False)):  # the outer block, then the inner one
-            run(app, f"UPDATE {table} SET v = 2 WHERE id = 1")
-            both_hold_a_row.wait()
-            run(app, f"UPDATE {table} SET v = 2 WHERE id = 2")
+        if not caught:
+            with (pytest.raises(Exception) as raised, outbox.transaction(app, wake=False),
+                  outbox.transaction(app, wake=False)):  # the outer block, then the inner one
+                run(app, f"UPDATE {table} SET v = 2 WHERE id = 1")
+                both_hold_a_row.wait()
+                run(app, f"UPDATE {table} SET v = 2 WHERE id = 2")
+        else:
+            # Found in review: the caller catches the deadlock inside the outer block and carries
+            # on; the deadlock had rolled back the outer block's own work (id 50) with it, and the
+            # outer block then committed what came after (id 51), half a transaction. Now the
+            # outer block rolls back and says so.
+            with pytest.raises(StoreError, match="rolled back"), outbox.transaction(app, wake=False):
+                run(app, f"UPDATE {table} SET v = 3 WHERE id = 50")
+                with pytest.raises(Exception) as raised, outbox.transaction(app, wake=False):
+                    run(app, f"UPDATE {table} SET v = 2 WHERE id = 1")
+                    both_hold_a_row.wait()
+                    run(app, f"UPDATE {table} SET v = 2 WHERE id = 2")
+                run(app, f"UPDATE {table} SET v = 3 WHERE id = 51")
         thread.join(timeout=20)
         assert raised.value.args[0] == 1213, raised.value  # ER_LOCK_DEADLOCK, not 1305
         assert store.engine.is_transient(raised.value)
+        with store.transaction() as cursor:  # nothing of the application's block committed
+            assert store.engine.execute(cursor, f"SELECT COUNT(*) FROM {table} WHERE v IN (2, 3)").fetchone()[0] == 0
     finally:
         for conn in (app, other):
             conn.close()

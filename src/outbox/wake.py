@@ -21,7 +21,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from .core.config import dramatiq_settings, wake_options
-from .core.errors import UnsupportedConnection
+from .core.errors import StoreError, UnsupportedConnection
 from .core.handoff import HandOff
 from .relay import waker as _waker
 from .relay.waker import Waker
@@ -312,6 +312,9 @@ def transaction(conn: Any, *, wake: bool = True) -> Iterator[Any]:
 #: How deep the ``transaction`` blocks open on each DB-API connection (by ``id``) are: a
 #: block inside another is a savepoint (docs/waking-and-metrics.md, "outbox.transaction").
 _open_blocks: dict[int, int] = {}
+#: The connections whose transaction a nested block lost (its savepoint gone with it): their
+#: outermost block rolls back instead of committing.
+_lost: set[int] = set()
 
 
 @contextmanager
@@ -330,13 +333,19 @@ def _dbapi_transaction(conn: Any) -> Iterator[bool]:
             "outbox.wake.request_claim() after your commit, or let outbox.transaction begin it")
     _open_blocks[key] = depth + 1
     try:
-        with engine.savepoint(raw, f"outbox_block_{depth}") if depth else engine.own_transaction(raw):
+        with (engine.savepoint(raw, f"outbox_block_{depth}", lambda: _lost.add(key)) if depth
+              else engine.own_transaction(raw)):
             yield depth == 0
+            if depth == 0 and key in _lost:  # rolled back by its own commit's context (own_transaction)
+                raise StoreError("outbox.transaction: a nested block lost the transaction (a deadlock or an error "
+                                 "that doomed it rolled it back, this block's work before it too), so this block "
+                                 "rolled back what came after instead of committing half of it; run it again")
     finally:
         if depth:
             _open_blocks[key] = depth
         else:
             del _open_blocks[key]
+            _lost.discard(key)
 
 
 @contextmanager

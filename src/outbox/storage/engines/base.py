@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, ClassVar
@@ -442,28 +442,33 @@ class Engine(ABC):
                 log.debug("outbox: cannot restore autocommit on", exc_info=True)
 
     @contextmanager
-    def savepoint(self, conn: Any, name: str) -> Iterator[None]:
+    def savepoint(self, conn: Any, name: str, lost: Callable[[], None]) -> Iterator[None]:
         """An ``outbox.transaction`` block nested in another on ``conn``: rolled back alone
-        when it raises (``roll_back_block``), committed with the outer block."""
+        when it raises (``roll_back_block``), committed with the outer block. ``lost()`` is
+        called when the savepoint is gone with the whole transaction (a deadlock): the outer
+        block must not commit what follows (docs/waking-and-metrics.md, "outbox.transaction")."""
         self._run(conn, f"SAVEPOINT {name}")
         try:
             yield
         except BaseException:
-            self.roll_back_block(conn, name, f"ROLLBACK TO SAVEPOINT {name}", f"RELEASE SAVEPOINT {name}")
+            if not self.roll_back_block(conn, name, f"ROLLBACK TO SAVEPOINT {name}", f"RELEASE SAVEPOINT {name}"):
+                lost()
             raise
         self._run(conn, f"RELEASE SAVEPOINT {name}")
 
-    def roll_back_block(self, conn: Any, name: str, *statements: str) -> None:
+    def roll_back_block(self, conn: Any, name: str, *statements: str) -> bool:
         """Run ``statements``, which roll a nested block that raised back to its savepoint
-        ``name``; their own failure is logged, never raised: the block's error is what the
-        caller sees. A deadlock (InnoDB, SQL Server) rolls the whole transaction back, and
-        the savepoint with it: the rollback's "savepoint does not exist" replaced the deadlock,
-        which a caller retries on (found in review; docs/waking-and-metrics.md)."""
+        ``name``; False when they fail (the savepoint is gone), logged, never raised: the
+        block's error is what the caller sees. A deadlock (InnoDB, SQL Server) rolls the
+        whole transaction back, and the savepoint with it: the rollback's "savepoint does not
+        exist" replaced the deadlock, which a caller retries on (found in review)."""
         try:
             for statement in statements:
                 self._run(conn, statement)
         except Exception:
             log.debug("outbox: cannot roll back to savepoint %s (the transaction may be gone)", name, exc_info=True)
+            return False
+        return True
 
     def _run(self, conn: Any, statement: str) -> None:
         cursor = self.cursor_for(conn)

@@ -12,7 +12,7 @@ round trip, and every session bounds its transactions' life (``connect``; docs/r
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
@@ -150,7 +150,9 @@ class PostgresEngine(Engine):
             yield
 
     @contextmanager
-    def savepoint(self, conn: Any, name: str) -> Iterator[None]:
+    def savepoint(self, conn: Any, name: str, lost: Callable[[], None]) -> Iterator[None]:
+        # A failed statement (a deadlock victim included) leaves PostgreSQL's savepoint in
+        # place: psycopg rolls back to it, and the transaction goes on (``lost`` never called).
         with conn.transaction(savepoint_name=name):
             yield
 

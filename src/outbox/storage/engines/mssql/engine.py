@@ -6,7 +6,7 @@ by ``driver``. The SQL itself is ``sql`` and ``schema``."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -23,7 +23,13 @@ from .schema import (
     session_lock_sql,
     session_unlock_sql,
 )
-from .sql import ID_PARAMS_PER_STATEMENT, MssqlStatements, rollback_to_savepoint_sql, savepoint_statements
+from .sql import (
+    ID_PARAMS_PER_STATEMENT,
+    XACT_STATE_SQL,
+    MssqlStatements,
+    rollback_to_savepoint_sql,
+    savepoint_statements,
+)
 
 log = logging.getLogger("outbox.storage.engines.mssql")
 
@@ -121,15 +127,30 @@ class MssqlEngine(MssqlStatements):
             yield
 
     @contextmanager
-    def savepoint(self, conn: Any, name: str) -> Iterator[None]:
+    def savepoint(self, conn: Any, name: str, lost: Callable[[], None]) -> Iterator[None]:
         # A transaction first when none is open (the outer block only switched autocommit
-        # off), then SAVE TRANSACTION: sql.savepoint_statements. Nothing to release.
+        # off), then SAVE TRANSACTION: sql.savepoint_statements. Nothing to release. After a
+        # deadlock (XACT_STATE() 0) or an error that doomed the transaction (-1) the rollback
+        # to the savepoint is skipped, and the transaction is lost to the outer block.
         self._run_batch(conn, "\n".join(savepoint_statements(name)))
         try:
             yield
         except BaseException:
-            self.roll_back_block(conn, name, rollback_to_savepoint_sql(name))
+            if not self.roll_back_block(conn, name, rollback_to_savepoint_sql(name)) or self._xact_state(conn) != 1:
+                lost()
             raise
+
+    def _xact_state(self, conn: Any) -> int | None:
+        """``XACT_STATE()`` on ``conn``: 1 a transaction that can go on, 0 none, -1 doomed."""
+        cursor = self.cursor_for(conn)
+        try:
+            row = self.execute(cursor, XACT_STATE_SQL).fetchone()
+            return int(row[0]) if row else None
+        except Exception:  # a broken connection: lost too
+            log.debug("outbox: cannot read XACT_STATE()", exc_info=True)
+            return None
+        finally:
+            cursor.close()
 
     def _run_batch(self, conn: Any, batch: str) -> None:
         """``_run`` for a batch, stepped through to its end: an error in a statement after a

@@ -56,6 +56,11 @@ def savepoint_statements(name: str) -> list[str]:
     return [OPEN_TRANSACTION, f"SAVE TRANSACTION {name};"]
 
 
+#: The state of the session's transaction (1 can go on, 0 none, -1 doomed): read after a nested
+#: block's rollback to tell whether the outer block still has its transaction.
+XACT_STATE_SQL = "SELECT XACT_STATE()"
+
+
 def rollback_to_savepoint_sql(name: str) -> str:
     """Roll a nested ``outbox.transaction`` block back to its savepoint (T-SQL has no RELEASE:
     the savepoint lasts until the transaction ends), where the transaction still can be:
