@@ -992,8 +992,10 @@ def test_a_failed_migration_releases_a_session_owned_lock() -> None:
     cursor = _FailsOn("CREATE TABLE", RuntimeError("CREATE TABLE permission denied in database"))  # as a permission error
     with pytest.raises(RuntimeError, match="permission denied"):
         apply_migration(engine, cursor)
-    last = cursor.log[-1][0]
-    assert "CREATE TABLE" in cursor.log[-2][0]
+    sent = [sql for sql, _ in cursor.log]
+    assert sent[-2] == "SET LOCK_TIMEOUT 30000"  # the session's own bound put back (Engine.ddl_bounds)
+    last = sent[-1]
+    assert "CREATE TABLE" in sent[-3]
     assert "EXEC sp_releaseapplock @Resource = N'outbox migrate [dbo].[outbox]', @LockOwner = N'Session'" in last
     assert "APPLOCK_MODE(N'public', N'outbox migrate [dbo].[outbox]', N'Session') <> N'NoLock'" in last
 

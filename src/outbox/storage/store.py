@@ -55,18 +55,21 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -
     """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate``, the
     Django app's migration (on Django's own connection) and Alembic's create the same schema.
     What the steps may use is read from ``cursor``'s own connection first. Returns how many
-    guarded steps ran (their probe found the change not yet made)."""
+    guarded steps ran (their probe found the change not yet made). The steps wait for a
+    table's lock no longer than the engine's DDL bound on every path, Django's and Alembic's
+    connections too (``Engine.ddl_bounds``: SQL Server's session LOCK_TIMEOUT, found in review)."""
     engine.read_server(cursor)
     engine.lock_migration(cursor)  # one migration of the table at a time (Engine.lock_migration)
     ran = 0
     try:
-        for step in engine.migration(native_json=native_json):
-            if isinstance(step, tuple):
-                (probe, params), step = step
-                if engine.execute(cursor, probe, params).fetchone() is not None:
-                    continue
-                ran += 1
-            engine.execute(cursor, step)
+        with engine.ddl_bounds(cursor):
+            for step in engine.migration(native_json=native_json):
+                if isinstance(step, tuple):
+                    (probe, params), step = step
+                    if engine.execute(cursor, probe, params).fetchone() is not None:
+                        continue
+                    ran += 1
+                engine.execute(cursor, step)
     except BaseException:
         try:
             engine.unlock_migration(cursor)
