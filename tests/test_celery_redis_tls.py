@@ -210,6 +210,18 @@ def test_the_relays_redis_options_are_kombus(tmp_path: Path) -> None:
         redis_connect_options("rediss://h/0?ssl_cert_reqs=maybe", None)
 
 
+def tls_broker(tls_redis: TlsRedis, celery_conf: Callable[[dict[str, Any]], None], case: str) -> str:
+    """Celery's broker URL on the TLS Redis, configured as ``case`` says: (A) ``broker_use_ssl``,
+    (B) Celery's CERT_REQUIRED spelling in the URL, (C) a bare rediss:// (kombu's unverified TLS)."""
+    base = f"rediss://127.0.0.1:{tls_redis.port}"
+    url = {"broker_use_ssl": f"{base}/4", "CERT_REQUIRED": tls_redis.url(db=5, ssl_cert_reqs="CERT_REQUIRED"),
+           "bare": f"{base}/6"}[case]
+    celery_conf({"broker_url": url, "broker_use_ssl": {"ssl_cert_reqs": ssl.CERT_REQUIRED,
+                                                       "ssl_ca_certs": str(tls_redis.ca)}}
+                if case == "broker_use_ssl" else {"broker_url": url})
+    return url
+
+
 @pytest.mark.parametrize("case", ["broker_use_ssl", "CERT_REQUIRED", "bare"])
 def test_the_relays_own_redis_clients_connect_as_celerys_broker_does(
         tls_redis: TlsRedis, celery_conf: Callable[[dict[str, Any]], None], case: str) -> None:
@@ -219,12 +231,7 @@ def test_the_relays_own_redis_clients_connect_as_celerys_broker_does(
     from outbox.relay import listen, waker
     from outbox.relay.state import RedisState, open_shared_state
 
-    base = f"rediss://127.0.0.1:{tls_redis.port}"
-    url = {"broker_use_ssl": f"{base}/4", "CERT_REQUIRED": tls_redis.url(db=5, ssl_cert_reqs="CERT_REQUIRED"),
-           "bare": f"{base}/6"}[case]
-    celery_conf({"broker_url": url, "broker_use_ssl": {"ssl_cert_reqs": ssl.CERT_REQUIRED,
-                                                       "ssl_ca_certs": str(tls_redis.ca)}}
-                if case == "broker_use_ssl" else {"broker_url": url})
+    url = tls_broker(tls_redis, celery_conf, case)
     key = f"tls-test-{uuid.uuid4().hex[:8]}"
     state = open_shared_state(url)
     assert isinstance(state, RedisState)
@@ -251,12 +258,7 @@ def test_beats_purge_record_is_kept_on_a_tls_broker(
 
     from outbox.celery.beat import Scheduler
 
-    base = f"rediss://127.0.0.1:{tls_redis.port}"
-    url = {"broker_use_ssl": f"{base}/4", "CERT_REQUIRED": tls_redis.url(db=5, ssl_cert_reqs="CERT_REQUIRED"),
-           "bare": f"{base}/6"}[case]
-    celery_conf({"broker_url": url, "broker_use_ssl": {"ssl_cert_reqs": ssl.CERT_REQUIRED,
-                                                       "ssl_ca_certs": str(tls_redis.ca)}}
-                if case == "broker_use_ssl" else {"broker_url": url})
+    url = tls_broker(tls_redis, celery_conf, case)
     app = Celery("beat-tls", set_as_current=False)
     app.conf.broker_url = url
     namespace = f"beattls-{uuid.uuid4().hex[:8]}"
