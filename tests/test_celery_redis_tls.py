@@ -29,6 +29,7 @@ from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 from relay_e2e_support import Destination, Outbox, check_order, relay_env, wait_until
 from services import free_port, stop, unavailable
+from tls_support import Pki
 
 from outbox.celery.application import REDIS_TRANSPORT, Connection, celery_config
 from outbox.core.config import RelayOptions, load_settings
@@ -54,26 +55,21 @@ class TlsRedis(NamedTuple):
 @pytest.fixture(scope="module")
 def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
     """``redis-server`` on a free port, TLS only (no plain port), nothing kept on disk."""
-    import trustme
-
     binary = shutil.which("redis-server")
     if binary is None:
         unavailable("redis-server is not installed")
     where = tmp_path_factory.mktemp("tls-redis")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    ca.cert_pem.write_to_path(str(where / "ca.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(where / "server.pem"))
-    cert.private_key_pem.write_to_path(str(where / "server.key"))
+    pki = Pki(where)
+    server_cert, server_key = pki.issue("server", "127.0.0.1")
     port = free_port()
     log = where / "redis.log"
     proc = subprocess.Popen(
         [str(binary), "--bind", "127.0.0.1", "--port", "0", "--tls-port", str(port),
-         "--tls-cert-file", str(where / "server.pem"), "--tls-key-file", str(where / "server.key"),
-         "--tls-ca-cert-file", str(where / "ca.pem"), "--tls-auth-clients", "no",
+         "--tls-cert-file", str(server_cert), "--tls-key-file", str(server_key),
+         "--tls-ca-cert-file", str(pki.ca_file), "--tls-auth-clients", "no",
          "--save", "", "--appendonly", "no", "--dir", str(where), "--logfile", str(log)],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    server = TlsRedis(port, where / "ca.pem")
+    server = TlsRedis(port, pki.ca_file)
     try:
         deadline = time.monotonic() + 15
         while True:

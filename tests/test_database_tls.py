@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from services import MYSQL_URL, POSTGRES_URL, require
+from tls_support import Pki
 
 from outbox.core.config import django_database_url, load_settings
 from outbox.core.errors import ConfigError
@@ -23,16 +24,10 @@ MY = "mysql://app:secret@db.example:3306/app"
 
 @pytest.fixture(scope="module")
 def ca_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A throwaway CA and a client certificate it signed (``trustme``)."""
-    import trustme
-
-    where = tmp_path_factory.mktemp("db-tls")
-    ca = trustme.CA()
-    client = ca.issue_cert("relay.example")
-    ca.cert_pem.write_to_path(str(where / "ca.pem"))
-    client.cert_chain_pems[0].write_to_path(str(where / "client.pem"))
-    client.private_key_pem.write_to_path(str(where / "client.key"))
-    yield {"ca": str(where / "ca.pem"), "cert": str(where / "client.pem"), "key": str(where / "client.key")}
+    """A throwaway CA and a client certificate it signed (``tls_support.Pki``)."""
+    pki = Pki(tmp_path_factory.mktemp("db-tls"))
+    cert, key = pki.issue("client", "relay.example")
+    yield {"ca": str(pki.ca_file), "cert": str(cert), "key": str(key)}
 
 
 def mysql_server() -> tuple[str, int]:
