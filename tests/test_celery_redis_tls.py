@@ -449,3 +449,33 @@ def test_a_worker_and_beat_with_broker_use_ssl_hear_wakes_and_share_the_breaker(
         log = procs.log(name)
         assert "CERTIFICATE_VERIFY_FAILED" not in log and "broker unreachable" not in log, log[-3000:]
         assert "cannot share state" not in log and "Unrecoverable error" not in log, log[-3000:]
+
+
+def test_unknown_tls_parameters_of_a_redis_url_are_refused_at_start_up() -> None:
+    """An ``ssl_*`` parameter redis-py does not take (``ssl_ca_file`` for ``ssl_ca_certs``),
+    or an ``ssl_cert_reqs`` it cannot read, in any Redis URL the settings hold: a
+    configuration error naming the setting and the parameter. Before, the settings took it and
+    kombu and redis-py passed it to the connection as a keyword argument: a TypeError at every
+    connect, in a worker's log, long after start-up (found in review)."""
+    from outbox.core.config import dramatiq_settings
+    from outbox.core.errors import ConfigError
+
+    base = "rediss://:Secret123@cache.example:6380/0"
+    ok = f"{base}?ssl_ca_certs=/ca.pem&ssl_cert_reqs=CERT_REQUIRED&ssl_check_hostname=true&socket_timeout=3"
+    assert load_settings(environ={"OUTBOX_PUBLISH_URL": ok}).publish_url == ok
+    assert load_settings(environ={"OUTBOX_CELERY_BROKER_URL": ok}).celery_broker_url == ok
+    assert dramatiq_settings(environ={"OUTBOX_DRAMATIQ_BROKER_URL": ok}).broker_url == ok
+    refused = {f"{base}?ssl_ca_file=/ca.pem": "unknown TLS parameter 'ssl_ca_file'",
+               "redis://cache.example/0?ssl_verify=no": "unknown TLS parameter 'ssl_verify'",
+               f"{base}?ssl_cert_reqs=maybe": "ssl_cert_reqs='maybe'"}
+    readers = {"OUTBOX_PUBLISH_URL": lambda u: load_settings(environ={"OUTBOX_PUBLISH_URL": u}),
+               "OUTBOX_CELERY_BROKER_URL": lambda u: load_settings(environ={"OUTBOX_CELERY_BROKER_URL": u}),
+               "OUTBOX_DRAMATIQ_BROKER_URL": lambda u: dramatiq_settings(environ={"OUTBOX_DRAMATIQ_BROKER_URL": u})}
+    for url, why in refused.items():
+        for name, read in readers.items():
+            with pytest.raises(ConfigError) as caught:
+                read(url)
+            message = str(caught.value)
+            assert name in message and why in message and "Secret123" not in message, (url, message)
+            if "unknown" in why:
+                assert "accepted: ssl_ca_certs" in message

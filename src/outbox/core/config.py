@@ -57,7 +57,7 @@ from .sources import (
     reset,
     use_conf,
 )
-from .tls import check_amqp_url
+from .tls import check_url_tls
 
 log = logging.getLogger("outbox.core.config")
 
@@ -78,13 +78,20 @@ def message_ttl_s(ttl_s: float) -> float:
 
 
 def _publish_url(url: str, setting: str) -> str:
-    """OUTBOX_PUBLISH_URL: a destination's, with the TLS parameters of an AMQP URL read (``core.tls``)."""
-    return check_amqp_url(validate_publish_url(url, setting), setting)
+    """OUTBOX_PUBLISH_URL: a destination's, with the TLS parameters of an AMQP or Redis URL read (``core.tls``)."""
+    return check_url_tls(validate_publish_url(url, setting), setting)
+
+
+def _celery_broker_url(url: str, setting: str) -> str:
+    """OUTBOX_CELERY_BROKER_URL: a transport kombu has, with the TLS parameters of a Redis URL read."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    url = validate_kombu_url(url, setting)
+    return check_url_tls(url, setting) if scheme in ("redis", "rediss") else url
 
 
 def _dramatiq_url(url: str, setting: str) -> str:
-    """OUTBOX_DRAMATIQ_BROKER_URL: a broker Dramatiq has, with the TLS parameters of an AMQP URL read."""
-    return check_amqp_url(validate_dramatiq_broker_url(url, setting), setting)
+    """OUTBOX_DRAMATIQ_BROKER_URL: a broker Dramatiq has, with the TLS parameters of its URL read."""
+    return check_url_tls(validate_dramatiq_broker_url(url, setting), setting)
 
 
 # -- the contract's settings (OUTBOX_*) --------------------------------------------------------
@@ -109,7 +116,7 @@ class Settings(Options):
     #: Durable topic exchange that receives a copy of every row that goes dead (with the
     #: error in ``x-outbox-error``); None (the default) turns dead-letter publishing off.
     dead_letter_exchange: str | None = option(None, "str", check=validate_exchange)
-    celery_broker_url: str | None = option(None, "str", check=validate_kombu_url, empty_error=(
+    celery_broker_url: str | None = option(None, "str", check=_celery_broker_url, empty_error=(
         "unset it for the default (memory:// on SQLite, else redis://127.0.0.1:6379/0) or give Celery's "
         "broker URL"))
     batch_size: int = option(100, "int", above=0, maximum=10_000)

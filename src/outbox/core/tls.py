@@ -167,12 +167,38 @@ def split_amqp_url(url: str, setting: str) -> tuple[str, AmqpTls | None]:
     return ";".join(kept), _read(given, setting, shown)
 
 
-def check_amqp_url(url: str, setting: str) -> str:
-    """``url``, after ``split_amqp_url`` has read its TLS parameters (the settings' check)."""
+def check_url_tls(url: str, setting: str) -> str:
+    """``url``, after its TLS parameters have been read: an AMQP URL's by ``split_amqp_url``, a
+    Redis URL's by ``check_redis_tls`` (the settings' check)."""
     scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
     if scheme in AMQP_TLS_SCHEMES + AMQP_PLAIN_SCHEMES:
         split_amqp_url(url, setting)
+    elif scheme in ("redis", "rediss"):
+        check_redis_tls(url, setting)
     return url
+
+
+#: The ``ssl_*`` parameters a Redis URL may carry: redis-py's ``SSLConnection`` arguments that
+#: a URL can spell. kombu (Celery's broker) and redis-py (Dramatiq's, the relay's own clients)
+#: hand every ``ssl_*`` parameter to that class as a keyword argument, so any other name was a
+#: TypeError at every connect, in a worker's log, long after start-up (found in review).
+REDIS_TLS_PARAMETERS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_password",
+                        "ssl_cert_reqs", "ssl_check_hostname", "ssl_ciphers")
+
+
+def check_redis_tls(url: str, setting: str) -> None:
+    """Refuse a Redis URL's ``ssl_*`` parameter redis-py does not take, and an ``ssl_cert_reqs``
+    neither kombu nor redis-py reads (``REDIS_CERT_REQS``)."""
+    for key, value in parse_qsl(url.partition("?")[2], keep_blank_values=True):
+        if not key.lower().startswith("ssl"):
+            continue
+        shown = redact(repr(url))
+        if key not in REDIS_TLS_PARAMETERS:
+            raise ConfigError(f"{setting}={shown}: unknown TLS parameter {key!r} of a Redis URL "
+                              f"(accepted: {', '.join(REDIS_TLS_PARAMETERS)})")
+        if key == "ssl_cert_reqs" and value.lower() not in REDIS_CERT_REQS:
+            raise ConfigError(f"{setting}={shown}: ssl_cert_reqs={value!r}: give one of CERT_REQUIRED, "
+                              "CERT_OPTIONAL, CERT_NONE (or required, optional, none)")
 
 
 def kombu_connection(url: str, setting: str, **options: Any) -> Any:
@@ -269,5 +295,5 @@ def _read(given: dict[str, str], setting: str, shown: str) -> AmqpTls:
                    check_hostname=_BOOLEANS[hostname], server_hostname=given.get("ssl_server_hostname") or None)
 
 
-__all__ = ["AmqpTls", "split_amqp_url", "check_amqp_url", "kombu_connection", "redis_py_url", "REDIS_CERT_REQS",
+__all__ = ["AmqpTls", "split_amqp_url", "check_url_tls", "check_redis_tls", "REDIS_TLS_PARAMETERS", "kombu_connection", "redis_py_url", "REDIS_CERT_REQS",
            "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]
