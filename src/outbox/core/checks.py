@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -58,16 +59,24 @@ def session_bounds(url: str) -> dict[str, int]:
 
 def without_session_bounds(url: str) -> str:
     """The URL with the relay's own parameters (SESSION_BOUNDS, ``names.NAMESPACE_HOST``) taken
-    out, for the driver; every other part byte for byte. Decoded and encoded again, the query lost its ``+``, which libpq keeps
-    (``parse_qsl`` reads it as a space: a key's passphrase ``Ab+9`` became ``Ab 9``; found in review)."""
+    out, for the driver (``take_query_parameters``)."""
+    return take_query_parameters(url, lambda key: key in (*SESSION_BOUNDS, NAMESPACE_HOST))[0]
+
+
+def take_query_parameters(url: str, taken: Callable[[str], bool]) -> tuple[str, str]:
+    """The URL without the query parameters whose decoded name ``taken`` accepts, every other
+    part byte for byte, and those parameters as a query string. Decoded and encoded again, a
+    query lost its ``+``, which libpq keeps (``parse_qsl`` reads it as a space: a key's
+    passphrase ``Ab+9`` became ``Ab 9``; found in review)."""
     head, mark, query = url.partition("?")
     query, hash_mark, fragment = query.partition("#")
     pieces = query.split("&")
-    kept = [piece for piece in pieces if unquote(piece.partition("=")[0]) not in (*SESSION_BOUNDS, NAMESPACE_HOST)]
-    if len(kept) == len(pieces):
-        return url
+    out = [piece for piece in pieces if taken(unquote(piece.partition("=")[0]))]
+    if not out:
+        return url, ""
+    kept = [piece for piece in pieces if piece not in out]
     rest = "&".join(kept) if any(kept) else ""
-    return head + (mark if rest else "") + rest + hash_mark + fragment
+    return head + (mark if rest else "") + rest + hash_mark + fragment, "&".join(out)
 
 
 #: TLS parameters of a MySQL/MariaDB URL: PyMySQL's names, and ``ssl_mode`` as MySQL's clients

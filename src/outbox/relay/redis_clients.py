@@ -11,8 +11,9 @@ import contextlib
 import ssl
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qsl, unquote_plus
+from urllib.parse import parse_qsl
 
+from ..core.checks import take_query_parameters
 from ..core.errors import ConfigError
 from ..core.tls import REDIS_CERT_REQS
 
@@ -38,15 +39,8 @@ def redis_connect_options(url: str, use_ssl: Any = None) -> tuple[str, dict[str,
 def _without_ssl_parameters(url: str) -> tuple[str, dict[str, Any]]:
     """The URL with its ``ssl_*`` query parameters taken out (the rest kept byte for byte), and
     those parameters decoded as kombu decodes them."""
-    base, _, query = url.partition("?")
-    kept: list[str] = []
-    found: dict[str, Any] = {}
-    for piece in query.split("&") if query else []:
-        if unquote_plus(piece.split("=", 1)[0]).startswith("ssl_"):
-            found.update(parse_qsl(piece))
-        else:
-            kept.append(piece)
-    return (f"{base}?{'&'.join(kept)}" if kept else base), found
+    plain, taken = take_query_parameters(url, lambda key: key.startswith("ssl_"))
+    return plain, dict(parse_qsl(taken))
 
 
 def _as_redis_py(options: Mapping[str, Any]) -> dict[str, Any]:
