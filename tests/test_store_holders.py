@@ -377,6 +377,38 @@ def test_without_a_holders_table_the_relay_runs_on_the_lease_and_says_so_once(
     assert store.beat(me, SILENT_MS).recreated
 
 
+def test_a_heartbeat_refused_by_a_permission_says_so_once_at_warning(
+        store: OutboxStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A relay login granted what docs/sqlserver.md's "Permissions" listed (DML on the outbox
+    table and nothing else) could not write the holders table: every beat failed, logged at
+    DEBUG only, so no lost worker was ever taken over (its rows waited for the whole lease)
+    and nothing said why (found in the SQL Server review). Run on PostgreSQL: the heartbeat's
+    handling is the same on every engine."""
+    if store.engine.name != "postgresql":
+        pytest.skip("a login with DML on the outbox table alone: made here on PostgreSQL")
+    role = f"rev_mssql_relay_{uuid.uuid4().hex[:8]}"
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"CREATE ROLE {role} LOGIN")
+        store.engine.execute(cursor, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {store.engine.table} TO {role}")
+    limited = OutboxStore(re.sub(r"://[^@/]*@", f"://{role}@", store.url, count=1),
+                          table=store.engine.table_name, schema=store.engine.schema)
+    me = new_holder()
+    beat = Heartbeat(limited, me, SILENT_MS / 1000)
+    try:
+        with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+            for now in (1.0, 1.1, 1.2):
+                assert beat.tick(now=now) == 0
+    finally:
+        beat.stop(drop=False)
+        limited.close()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"REVOKE ALL ON {store.engine.table} FROM {role}")
+            store.engine.execute(cursor, f"DROP ROLE {role}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert store.engine.holders in warnings[0] and "lease" in warnings[0] and "permission" in warnings[0], warnings
+
+
 def test_without_the_outbox_table_the_heartbeat_says_to_migrate_it_not_only_its_holders(
         store: OutboxStore, caplog: pytest.LogCaptureFixture) -> None:
     """A worker whose OUTBOX_TABLE names no table (not migrated, or misspelt) logged first, once

@@ -52,6 +52,9 @@ class Heartbeat:
         self.last_beat: float | None = None
         self.beats = 0
         self.missing_table = False
+        #: A beat failed for a reason no retry mends (not an outage, not a missing table),
+        #: said once at WARNING until a beat works again.
+        self.refused = False
         #: (landed, how late) of this process's beats that landed late, the last ``timeout_s``'s.
         self._late: list[tuple[float, float]] = []
         self._stop = threading.Event()
@@ -71,10 +74,23 @@ class Heartbeat:
             beat = self.store.beat(self.holder, self.timeout_ms)
         except Exception as exc:  # noqa: BLE001 - the database's outage is logged by the relay's tasks
             self.healthy_since = None
-            if self.store.engine.is_missing_table(exc):
+            engine = self.store.engine
+            if engine.is_missing_table(exc):
                 if not self.missing_table:
                     self.log.warning(self._missing_table_line())
                 self.missing_table = True
+            elif not (engine.is_transient(exc) or engine.is_disconnect(exc)):
+                # Not an outage, which the relay's tasks log, and no retry mends it: a permission
+                # the relay's login lacks on the holders table, most likely (docs/sqlserver.md,
+                # "Permissions", listed only the outbox table: found in review). Said once.
+                if not self.refused:
+                    self.log.warning("outbox: the heartbeat of this worker process (holder %s) fails: %s: %s. "
+                                     "Lost worker processes are noticed only when their lease "
+                                     "(OUTBOX_CLAIM_TIMEOUT_MS) expires until it works: the relay's login needs "
+                                     "SELECT, INSERT, UPDATE and DELETE on %s as on %s (a permission missing?)",
+                                     self.holder.holder_id, type(exc).__name__, " ".join(str(exc).split())[:300],
+                                     engine.holders, engine.table)
+                self.refused = True
             else:
                 self.log.debug("outbox heartbeat of holder %s failed: %s: %s", self.holder.holder_id,
                                type(exc).__name__, exc)
@@ -82,6 +98,10 @@ class Heartbeat:
         if self.missing_table:
             self.log.info("outbox: table %s is there now; lost worker processes are taken over", self.store.engine.holders)
             self.missing_table = False
+        if self.refused:
+            self.log.info("outbox: the heartbeat of holder %s works again; lost worker processes are taken over",
+                          self.holder.holder_id)
+            self.refused = False
         try:  # the rows of a claim or adoption whose answer was lost, in a process that may never claim
             self.store.release_doubtful()
         except Exception as exc:  # noqa: BLE001 - they stay doubtful, for the next beat or claim
