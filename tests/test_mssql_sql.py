@@ -789,8 +789,41 @@ def test_replays_rows_bind_their_own_values_not_the_last_statements_sizes() -> N
     engine.execute(cursor, "SELECT message_id FROM t WHERE message_id IN (?, ?)", ["a", "b"])
     assert cursor.sizes[-1] is not None
     engine.executemany(cursor, "INSERT INTO t (payload) VALUES (?)", [["x" * 9000], ["y"]])
-    assert cursor.sizes[-1] is None and cursor.log[-1][1] == (("x" * 9000,), ("y",))
+    assert cursor.sizes[-1] == [(SQL_WVARCHAR, 0, 0)]  # NVARCHAR(MAX) for both rows, not the last statement's
+    assert cursor.log[-1][1] == (("x" * 9000,), ("y",))
 
+
+
+def test_replay_binds_a_long_payload_as_nvarchar_max_never_as_ntext(no_sqlglot_fallbacks: None) -> None:
+    """Replay's bulk insert (``executemany``) cleared the declared sizes, leaving each string
+    to pyodbc's default: past its 4,000 bytes (2,000 UTF-16 units) that is SQL_WLONGVARCHAR,
+    which Microsoft's ODBC driver sends as the legacy ``ntext``, and a database whose collation
+    ends in ``_SC`` or ``_UTF8`` refuses it (error 4189; pyodbc issues 835, 1021, 1401): every
+    replay of an event with a longer payload failed there (found in review). Now every
+    column is declared for all the rows: NVARCHAR(MAX) where any row's value is long."""
+    from outbox.pipeline.replay import insert_sql
+
+    engine = MssqlEngine()
+    cursor = _PyodbcLikeCursor([], [])
+    long_payload = json.dumps({"text": "x" * 2500})
+    rows = [engine.event_params(prepare_event(topic="t", aggregate_type="a", aggregate_id=str(i),
+                                              payload=payload, message_id=f"m{i}"))
+            for i, payload in enumerate([{"short": 1}, json.loads(long_payload)])]
+    rows[1][4] = None  # a partition key on one row only
+    rows[0][4] = "k"
+    engine.executemany(cursor, insert_sql(engine), rows)
+    declared = cursor.sizes[-1]
+    assert declared is not None, "no declared types: pyodbc binds the long payload as ntext"
+    assert len(declared) == len(rows[0]) == insert_sql(engine).count("?")
+    assert declared[5] == (SQL_WVARCHAR, 0, 0)  # payload: NVARCHAR(MAX), one row is long
+    assert all(size == (SQL_WVARCHAR, 4000, 0) for i, size in enumerate(declared) if i != 5)
+    parse_one(insert_sql(engine))
+    mixed = _PyodbcLikeCursor([], [])
+    engine.executemany(mixed, "INSERT INTO t (a, b) VALUES (?, ?)", [[1, "x"], [2**40, None], [None, "y"]])
+    assert mixed.sizes[-1] == [(SQL_BIGINT, 0, 0), (SQL_WVARCHAR, 4000, 0)]
+    odd = _PyodbcLikeCursor([], [])
+    engine.executemany(odd, "INSERT INTO t (a) VALUES (?)", [[1], ["x"]])
+    assert odd.sizes[-1] is None  # a column of two types: the driver's own choice, per row
 
 # -- acknowledgements and housekeeping ----------------------------------------------------
 

@@ -291,6 +291,36 @@ def input_sizes(params: Sequence[Any], inline_units: int = 2000) -> list[tuple[i
     return sizes
 
 
+def rows_input_sizes(rows: Sequence[Sequence[Any]], inline_units: int = 2000) -> list[tuple[int, int, int]] | None:
+    """``input_sizes`` for ``executemany``: one declared type per column that fits every row
+    (NVARCHAR(MAX) where any row's string is past ``inline_units``, BIGINT where any row's
+    integer is past INT; a column of NULLs only as NVARCHAR(4000)). None when the rows differ
+    in length, a column holds two kinds of value, or one ``input_sizes`` leaves to the driver.
+    Without declared types pyodbc binds a string past 4,000 bytes as SQL_WLONGVARCHAR, which
+    the ODBC driver sends as ``ntext``, refused by a ``_SC`` or ``_UTF8`` collation (4189)."""
+    if not rows or len({len(row) for row in rows}) != 1:
+        return None
+    sizes: list[tuple[int, int, int]] = []
+    for column in zip(*rows, strict=True):
+        declared = set()
+        for value in column:
+            size = input_sizes((value,), inline_units)
+            if size is None:
+                return None
+            if value is not None:
+                declared.add(size[0])
+        kinds = {sql_type for sql_type, _, _ in declared}
+        if not declared:
+            sizes.append((SQL_WVARCHAR, 4000, 0))
+        elif kinds == {SQL_WVARCHAR}:
+            sizes.append(min(declared, key=lambda size: size[1]))  # size 0 (MAX) sorts first
+        elif kinds <= {SQL_INTEGER, SQL_BIGINT}:
+            sizes.append((SQL_BIGINT, 0, 0) if SQL_BIGINT in kinds else (SQL_INTEGER, 0, 0))
+        else:
+            return None
+    return sizes
+
+
 def open_connection(target: Target) -> Any:
     """A DB-API connection to ``target`` with autocommit off: the driver opens a transaction
     at the first statement and the store commits it."""

@@ -13,7 +13,15 @@ from typing import Any, ClassVar
 from ....core.errors import StoreError
 from ..base import duration
 from . import driver
-from .driver import DEFAULT_LOCK_TIMEOUT_MS, INLINE_UNITS, input_sizes, open_connection, parse_target, result_rows
+from .driver import (
+    DEFAULT_LOCK_TIMEOUT_MS,
+    INLINE_UNITS,
+    input_sizes,
+    open_connection,
+    parse_target,
+    result_rows,
+    rows_input_sizes,
+)
 from .schema import (
     DDL_LOCK_TIMEOUT_MS,
     FILTERED_INDEX_OPTIONS,
@@ -235,10 +243,17 @@ class MssqlEngine(MssqlStatements):
             migration_unlock_statements(self.migration_lock_resource())))
 
     def executemany(self, cursor: Any, text: str, rows: Sequence[Sequence[Any]]) -> Any:
-        """Each row binds its own values: pyodbc would apply the sizes the cursor's last
-        ``execute`` declared (``input_sizes``) to every row, so a payload past 4,000 UTF-16
-        units went as NVARCHAR(4000) and was refused as truncated."""
-        self._declare_sizes(cursor, ())
+        """Every row binds as the types declared for all of them (``rows_input_sizes``):
+        pyodbc would apply the sizes the cursor's last ``execute`` declared (``input_sizes``)
+        to every row, so a payload past 4,000 UTF-16 units went as NVARCHAR(4000) and was
+        refused as truncated; and with none declared it sends a string past 2,000 units as
+        ``ntext``, refused by a ``_SC`` or ``_UTF8`` database (error 4189: replay, found in
+        review). mssql-python declares its own per batch."""
+        rows = [tuple(row) for row in rows]
+        if type(cursor).__module__.split(".", 1)[0] == "pyodbc" and hasattr(cursor, "setinputsizes"):
+            cursor.setinputsizes(rows_input_sizes(rows, INLINE_UNITS["pyodbc"]))
+        else:
+            self._declare_sizes(cursor, ())
         cursor.executemany(text, rows)
         return cursor
 
