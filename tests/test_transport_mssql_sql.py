@@ -261,3 +261,43 @@ def test_the_queue_tables_migration_gives_up_once_and_names_the_holder(monkeypat
     assert sum("CREATE TABLE" in sql for sql in sent) == 1
     assert sent.index("SET LOCK_TIMEOUT 10000") < next(i for i, s in enumerate(sent) if "CREATE TABLE" in s)
     assert sent[-1] != "SET LOCK_TIMEOUT 10000" and "SET LOCK_TIMEOUT 30000" in sent
+
+
+def test_a_workers_start_up_migration_waits_one_second_for_a_table_lock(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, no_sqlglot_fallbacks: None) -> None:
+    """A worker's start-up migration of the queue tables (``Database._set_up``) ran its DDL
+    under the 10 s of ``outbox migrate`` on SQL Server: behind an open send_task transaction
+    every send, lease and ack of every process queued behind each starting worker's wait,
+    10 s per worker (they take turns on the migration's sp_getapplock), where PostgreSQL and
+    MariaDB bound it at 1 s (found in review). Now 1 s, then the warning, as there; the
+    session's own value is put back after."""
+    import logging
+
+    from outbox.storage.engines.mssql.engine import LOCK_TIMEOUT_SQL
+    from outbox.transport.database import Database
+
+    locked = type("OperationalError", (Exception,), {"__module__": "pyodbc"})(
+        "HY000", "[HY000] [SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)")
+
+    class Locked(AnsweringCursor):
+        def execute(self, sql: str, params: Any = ()) -> RecordingCursor:
+            super().execute(sql, params)
+            if sql == LOCK_TIMEOUT_SQL:
+                self.rows = [(30_000,)]
+            if "CREATE TABLE" in sql:
+                raise locked
+            return self
+
+    conn = AnsweringConnection()
+    conn.cursor_class = Locked
+    monkeypatch.setattr(MssqlEngine, "connect", lambda self, url: conn)
+    db = Database("mssql+pyodbc://u:p@h/d?driver=x", "celery_q_startup", None, create=True, wake=False)
+    with caplog.at_level(logging.WARNING, logger="outbox.transport"):
+        db.connection()
+    sent = [sql for sql, _ in conn.log]
+    create = next(i for i, s in enumerate(sent) if "CREATE TABLE" in s)
+    bounds = [i for i, s in enumerate(sent) if s.startswith("SET LOCK_TIMEOUT")]
+    assert max(i for i in bounds if i < create) == sent.index("SET LOCK_TIMEOUT 1000"), sent
+    assert sent[bounds[-1]] == "SET LOCK_TIMEOUT 30000" and bounds[-1] > create  # the session's own, put back
+    assert any("waited too long for a lock" in r.getMessage() for r in caplog.records)
+    parse_one(sent[sent.index("SET LOCK_TIMEOUT 1000")])

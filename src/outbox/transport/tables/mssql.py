@@ -112,11 +112,20 @@ class MssqlQueueTables(QueueTables):
     def migration_unlock_batch(self) -> str:
         return FILTERED_INDEX_OPTIONS + "\n" + "\n".join(migration_unlock_statements(self.migration_lock_name()))
 
+    #: How long a step of a worker's start-up migration waits for a table's lock (``SET
+    #: LOCK_TIMEOUT``, after the migration lock, whose sp_getapplock has a timeout of its own):
+    #: while it waits every send, lease and ack queues behind it, as on PostgreSQL and MariaDB
+    #: (their START_UP_LOCK_TIMEOUT, START_UP_LOCK_WAIT_S). ``outbox migrate`` waits
+    #: ``DDL_LOCK_TIMEOUT_MS`` (``MssqlEngine.ddl_bounds``, which puts the session's value back).
+    START_UP_LOCK_TIMEOUT_MS = 1000
+
     def lock_migration(self, cursor: Any, start_up: bool = False) -> None:
         # Workers starting together on an empty database would otherwise race to CREATE
         # TABLE / INDEX (errors 2714, 1913): serialized as `outbox migrate` serializes the
         # outbox table (mssql.migration_lock_statements).
         self.run(cursor, self.migration_lock_batch())
+        if start_up:
+            self.run(cursor, f"SET LOCK_TIMEOUT {self.START_UP_LOCK_TIMEOUT_MS}")
 
     def unlock_migration(self, cursor: Any) -> None:
         self.run(cursor, self.migration_unlock_batch())
