@@ -113,6 +113,22 @@ def test_lease_skips_held_rows_locks_what_it_takes_and_outputs_into_a_table_vari
     assert not any(re.search(r"\b(BEGIN TRAN|COMMIT|ISOLATION)", s) for s in statements)
 
 
+def test_the_queue_count_reads_past_an_uncommitted_send(qt: MssqlQueueTables, no_sqlglot_fallbacks: None) -> None:
+    """kombu's ``queue_declare`` counts the queue (``Channel._size``): every worker at start-up
+    and the first ``apply_async`` to a queue on each producer connection (``maybe_declare``).
+    It read with shared locks, so with READ_COMMITTED_SNAPSHOT off (SQL Server's default) it
+    waited on the row of any open ``send_task`` transaction to that queue: the lock timeout
+    (30 s), four tries, then BrokerDatabaseUnavailable (found in review). An uncommitted send is
+    not a waiting message: the count reads past it, as the lease's probe does."""
+    c = RecordingCursor(default=lease_answers)
+    qt.size(c, "celery")
+    (sql, params), = c.log
+    refs = [t for t in parse_one(sql).find_all(exp.Table) if t.name == "celery_q"]
+    assert len(refs) == 1 and params == ("celery",)
+    assert {v.name.upper() for h in refs[0].args.get("hints") or [] for v in h.expressions} == {
+        "READCOMMITTEDLOCK", "READPAST"}
+
+
 def test_the_lease_run_alone_commits_in_its_own_batch_before_the_rows_are_sent(
         qt: MssqlQueueTables, no_sqlglot_fallbacks: None) -> None:
     """SQL Server cannot end a session idle in a transaction: a receiver cut off between its

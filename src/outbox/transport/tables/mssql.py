@@ -186,6 +186,13 @@ OUTPUT inserted.id, inserted.queue, inserted.headers, inserted.body, inserted.de
         return (f"SELECT id, queue, headers, body, deliveries FROM {self.table} WITH (READCOMMITTEDLOCK, READPAST) "
                 f"WHERE queue = ? AND visible_at > {self.now()} AND receipt = ? ORDER BY id")
 
+    def size(self, cursor: Any, queue: str) -> int:
+        # READPAST: kombu counts a queue at every queue_declare (a worker's start, the first
+        # apply_async to it on each connection); with RCSI off a plain read waited on the row
+        # of any open send_task transaction to it. Uncommitted, it is no waiting message yet.
+        return int(self.run(cursor, f"SELECT COUNT(*) FROM {self.table} WITH (READCOMMITTEDLOCK, READPAST) "
+                            f"WHERE queue = ? AND {self.waiting()}", [queue]).fetchone()[0])
+
     def probe_sql(self, count: int) -> str:
         # READPAST: a row another receiver is leasing right now is not news to this one.
         names = ", ".join("?" * count)
