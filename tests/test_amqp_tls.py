@@ -165,6 +165,27 @@ def test_each_broker_of_a_tls_list_is_checked_against_its_own_name(pki: Pki, bro
         second.close()
 
 
+def test_a_node_of_a_tls_list_whose_certificate_does_not_verify_is_passed_over(pki: Pki,
+                                                                              broker: dict[str, Any]) -> None:
+    """Per-node certificates, and one node's stops verifying (expired, reissued for another
+    name, a node replaced) while the others are fine. Found in review: the publisher took the
+    first node's certificate error as FATAL without trying the next node, so claims paused for
+    the fatal pause and every reconnect met the same node first: nothing was published while a
+    healthy node was listed. That node is now passed over as an unreachable one is; FATAL only
+    when no node of the list could be reached (the ``swapped`` list of the test above)."""
+    bad, good = TlsProxy(pki, "wrong.example"), TlsProxy(pki, "127.0.0.1")
+    url = f"{bad.url('localhost', ssl_ca_certs=str(pki.ca_file))};{good.url('127.0.0.1')}"
+    try:
+        with KombuPublisher(url, broker["exchange"], connect_timeout=5, confirm_timeout=5) as publisher:
+            result = publisher.publish_chain([make_message(1)])
+        assert result.ok, result.failure
+        assert len(good.peers) == 1 and bad.handshakes_failed >= 1
+        assert len(broker["live"]()) == 1
+    finally:
+        bad.close()
+        good.close()
+
+
 def test_an_encrypted_client_key_is_a_configuration_error_not_a_prompt(pki: Pki) -> None:
     """py-amqp loads the key with no passphrase, and OpenSSL would then ask for one on the
     terminal, holding a worker for good."""

@@ -483,12 +483,17 @@ class KombuPublisher(Publisher):
         short pause after each round, each attempt's TCP connect and handshake (Redis: its
         first PING) waiting the time left until ``deadline`` at most, and none begun once it
         has passed. Raises the last attempt's error. Only what kombu itself retries is
-        retried (a refused login is not)."""
+        retried (a refused login is not). A host whose certificate does not verify is passed
+        over for the next host of the list (per-node certificates: one node's gone wrong
+        must not stop publishing through the others), said in a WARNING; its error, FATAL, is
+        the one raised when no host could be reached (found in review)."""
         from kombu.exceptions import OperationalError
 
         conn = self._conn
         pause, step, longest = _RECONNECT_PAUSE_S
-        attempts = (1 + self.connect_retries) * max(1, len(conn.alt))
+        hosts = max(1, len(conn.alt))
+        attempts = (1 + self.connect_retries) * hosts
+        not_verified: OperationalError | None = None  # a host's certificate that did not verify
         for attempt in range(attempts):
             conn.connect_timeout = time_left(self.connect_timeout, deadline)
             conn.transport_options.update(self._timeouts(self._driver, deadline))
@@ -497,10 +502,17 @@ class KombuPublisher(Publisher):
                 return
             except OperationalError as exc:  # kombu's wrapping of a connection error it would retry
                 round_ends = conn.completes_cycle(attempt)
-                retriable = (isinstance(exc.__cause__, conn.recoverable_connection_errors)
-                             and not isinstance(exc.__cause__, ssl.SSLCertVerificationError))  # FATAL: classify
+                certificate = isinstance(exc.__cause__, ssl.SSLCertVerificationError)  # FATAL (failures.py)
+                retriable = isinstance(exc.__cause__, conn.recoverable_connection_errors) and (
+                    not certificate or hosts > 1)
+                if certificate and retriable and not_verified is None:
+                    not_verified = exc
+                    log.warning("outbox publisher: the certificate of %s does not verify (%s); trying the next "
+                                "host of OUTBOX_PUBLISH_URL", redact(conn.as_uri()), exc)
                 if not retriable or attempt == attempts - 1 or (
                         deadline is not None and time.monotonic() + (pause if round_ends else 0) >= deadline):
+                    if not_verified is not None and retriable:
+                        raise not_verified from not_verified.__cause__
                     raise
             conn.maybe_switch_next()  # the next alternate, as kombu's retry does after each failure
             if round_ends:
