@@ -480,6 +480,30 @@ def test_rabbitmq_a_dead_first_host_of_the_url_fails_over_to_the_next(rabbit: di
     assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [711]
 
 
+def test_rabbitmq_a_silent_first_host_is_passed_over_by_the_next_connection(rabbit: dict[str, Any]) -> None:
+    """A first host that stops answering without a reset (a dead VM behind a firewall that drops
+    packets, a load balancer that passes nothing), and publishes with less time left than the
+    connect timeout (3 s). Found in review: the attempt on the first host took all the time
+    left and the next connection began at the first host again, so the second was never
+    tried and every publish failed for as long as the first stayed silent. Each connection now
+    begins at the host after the one that failed last (or at the one that worked last)."""
+    silent = Proxy()
+    silent.black_hole()
+    try:
+        with KombuPublisher(f"{silent.amqp_url};{rabbit['url']}", rabbit["exchange"]) as publisher:
+            [first] = publisher.publish_chains([[make_message(721)]], deadline=time.monotonic() + 1.0)
+            assert first.failure is not None and first.failure.kind is FailureKind.BACKPRESSURE, first.failure
+            [second] = publisher.publish_chains([[make_message(722)]], deadline=time.monotonic() + 1.0)
+            assert second.ok, second.failure
+            publisher._discard()  # the connection lost: the next one begins at the host that worked
+            began = time.monotonic()
+            [third] = publisher.publish_chains([[make_message(723)]], deadline=began + 1.0)
+            assert third.ok and time.monotonic() - began < 1.0, third.failure
+    finally:
+        silent.close()
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [722, 723]
+
+
 def test_rabbitmq_confirms_held_back_past_the_lease_are_backpressure_within_it(rabbit: dict[str, Any]) -> None:
     """A broker that takes the messages but never confirms them (a stalled network path, a
     hung broker): the wave gives up within the publish's part of the lease (4 s x 0.8 here,

@@ -65,6 +65,16 @@ def time_left(cap: float, deadline: float | None) -> float:
     return max(MIN_WAIT_S, min(cap, deadline - time.monotonic()))
 
 
+def rotated(url: str, first: int) -> str:
+    """``url``'s ``;``-separated alternates beginning with the one at ``first`` (modulo their
+    number): where ``KombuPublisher`` begins its next connection."""
+    hosts = url.split(";")
+    if len(hosts) < 2:
+        return url
+    first %= len(hosts)
+    return ";".join(hosts[first:] + hosts[:first])
+
+
 def past_deadline() -> PublishFailure:
     """What a chain not sent because its deadline had passed fails with."""
     return PublishFailure(FailureKind.BACKPRESSURE, "not sent: the claim's deadline passed before "
@@ -135,6 +145,9 @@ class KombuPublisher(Publisher):
         self._producer: Any = None  # kombu.Producer
         self._confirms = False  # py-amqp: confirm mode + mandatory + returns
         self._driver = ""  # the kombu transport's driver: "py-amqp", "redis", "memory", ...
+        #: Which of the URL's alternates the next connection begins at (``rotated``): the one
+        #: that worked last, or the one after the one that failed last (``_connect``).
+        self._first_host = 0
         self._next_tag = 0  # the delivery tag of the last message sent on the channel
         self._unconfirmed: set[int] = set()  # delivery tags the broker has not acked or nacked yet
         self._nacked: set[int] = set()
@@ -433,7 +446,8 @@ class KombuPublisher(Publisher):
         if self._conn is None:
             try:
                 # amqps://: ssl=, each alternate checked against its own name (core.tls)
-                conn = kombu_connection(self.url, "OUTBOX_PUBLISH_URL", connect_timeout=self.connect_timeout)
+                conn = kombu_connection(rotated(self.url, self._first_host), "OUTBOX_PUBLISH_URL",
+                                        connect_timeout=self.connect_timeout)
                 driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
             except Exception as exc:
                 # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError (or
@@ -483,7 +497,9 @@ class KombuPublisher(Publisher):
         short pause after each round, each attempt's TCP connect and handshake (Redis: its
         first PING) waiting the time left until ``deadline`` at most, and none begun once it
         has passed. Raises the last attempt's error. Only what kombu itself retries is
-        retried (a refused login is not). A host whose certificate does not verify is passed
+        retried (a refused login is not). The next connection begins where this one left off
+        (``_first_host``): at the host that worked, or after the one that failed last. A host
+        whose certificate does not verify is passed
         over for the next host of the list (per-node certificates: one node's gone wrong
         must not stop publishing through the others), said in a WARNING; its error, FATAL, is
         the one raised when no host could be reached (found in review)."""
@@ -511,10 +527,15 @@ class KombuPublisher(Publisher):
                                 "host of OUTBOX_PUBLISH_URL", redact(conn.as_uri()), exc)
                 if not retriable or attempt == attempts - 1 or (
                         deadline is not None and time.monotonic() + (pause if round_ends else 0) >= deadline):
+                    if retriable:
+                        # The next connection (this one is dropped) begins at the next host, not at
+                        # this one again: a silent host took the whole deadline of every publish.
+                        self._first_host += 1
                     if not_verified is not None and retriable:
                         raise not_verified from not_verified.__cause__
                     raise
             conn.maybe_switch_next()  # the next alternate, as kombu's retry does after each failure
+            self._first_host += 1
             if round_ends:
                 time.sleep(pause)
                 pause = min(longest, pause + step)
