@@ -234,7 +234,7 @@ class Relay:
 
     def purge(self) -> int:
         return purge_expired(self.resources().store, self.settings.retention_days, self.outage("database"),
-                             self.log, budget_s=purge_budget(self.options.purge_interval_s))
+                             self.log, budget_s=purge_budget(self.options.purge_interval_s), stopping=self.stopping)
 
 
 __all__ = ["Relay", "FALLBACK_TASKS", "CLAIM_REQUEST_PAUSE_S"]

@@ -193,14 +193,16 @@ def purge_budget(interval_s: float) -> float:
 
 
 def purge_expired(store: StoreLike, retention_days: float, outage: Any = None,
-                  logger: logging.Logger | None = None, budget_s: float = PURGE_RUN_S) -> int:
+                  logger: logging.Logger | None = None, budget_s: float = PURGE_RUN_S,
+                  stopping: Callable[[], bool] | None = None) -> int:
     """The purge job of every task runner: delete done rows older than ``retention_days``,
-    until none is left or ``budget_s`` seconds have passed (no row cap: the rows done since
-    the last run must all go, or the table grows for ever under a steady load; docs/relay.md,
-    "Purge"). A database outage is logged once through ``outage`` and the next run purges."""
+    until none is left, ``budget_s`` seconds have passed, or ``stopping()`` says the worker
+    is shutting down (no row cap: the rows done since the last run must all go, or the table
+    grows for ever under a steady load; docs/relay.md, "Purge"). A database outage is logged
+    once through ``outage`` and the next run purges."""
     try:
         deleted = store.purge_done(timedelta(days=retention_days), max_rows=None,  # type: ignore[attr-defined]
-                                   max_seconds=budget_s)
+                                   max_seconds=budget_s, stop=stopping)
     except Exception as exc:
         if outage is None:
             raise

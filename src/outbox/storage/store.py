@@ -565,14 +565,16 @@ class OutboxStore:
 
     # -- housekeeping ------------------------------------------------------------
     def purge_done(self, older_than: timedelta, batch: int = 1000, max_rows: int | None = 100_000, *,
-                   max_seconds: float | None = None) -> int:
+                   max_seconds: float | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Delete done rows processed longer ago than ``older_than``, ``batch`` rows
         per short transaction, oldest ids first, each chunk starting where the last one
         ended (``Engine.purge_chunk``). ``max_rows`` is a soft cap: the loop stops after
         the chunk that reaches it (None: no cap). ``max_seconds`` bounds the run's time:
         no chunk starts after it, and a run it stops with old done rows left logs a
         warning (the relay's purge: until caught up or its time is up, docs/relay.md,
-        "Purge"). Dead rows are never purged.
+        "Purge"). ``stop``, asked before each chunk after the first, ends the run when it
+        says True (a worker's warm shutdown: docs/relay.md, "Graceful shutdown"). Dead rows are
+        never purged.
 
         While archiving is configured (``archive_uri``) nothing is deleted here: a
         purge cannot know which rows the archive holds, so ``outbox pipeline archive``
@@ -593,6 +595,10 @@ class OutboxStore:
                             "this run); the next run carries on. A purge that stops so every run cannot keep "
                             "up: run it more often (OUTBOX_RELAY_PURGE_INTERVAL_S)", max_seconds, older_than,
                             total)
+                break
+            if stop is not None and chunks and stop():
+                log.info("outbox purge: the worker is stopping; stopped after %d rows deleted this run, "
+                         "the next run carries on", total)
                 break
             deleted, after = self._run("purge_done", functools.partial(self._purge_chunk, older_ms, batch, after),
                                        alone=True)
