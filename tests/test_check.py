@@ -8,10 +8,11 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cli_support import silent_server
-from engine_support import drop_table
+from engine_support import add, drop_table
 from services import AMQP_URL, POSTGRES_URL, REDIS_URL, require
 
 from outbox.core.config import MetricsOptions, RelayOptions
@@ -337,3 +338,43 @@ def test_check_fails_on_a_broker_url_in_the_celery_config_module(tmp_path: Path)
     (tmp_path / "relay_celeryconfig.py").write_text("BROKER_URL = 'redis://127.0.0.1:9/0'\n")
     same = check(env, tmp_path)
     assert "celery broker url" not in lines(same), same.stdout
+
+
+def test_check_tells_the_relay_processes_that_beat_from_records_gone_silent(store: OutboxStore, url: str,
+                                                                             writer: Any) -> None:
+    """Found in review: with every worker killed the check said `[ok] holders: 3 relay worker
+    processes recorded`, counting the records their processes left, which stay until a live worker
+    takes them over (with none running, for ever). Now it tells the processes that beat within
+    OUTBOX_RELAY_HOLDER_TIMEOUT_S (by the database clock) from the silent ones, and warns about
+    those, with the rows they still hold."""
+    from outbox.commands.doctor import OK, WARN, check_database
+    from outbox.core.config import load_settings
+    from outbox.core.model import Holder
+
+    engine = store.engine
+    settings = load_settings(environ={"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": engine.table_name})
+
+    def holders() -> Any:
+        [result] = [r for r in check_database(settings, holder_timeout_s=3.0) if r.name == "holders"]
+        return result
+
+    first = holders()
+    assert first.state == OK and "no relay worker process is running" in first.detail, first.detail
+    running, lost = Holder("a" * 16, "host-a", 11), Holder("b" * 16, "host-b", 22)
+    store.beat(running, 3000)
+    store.beat(lost, 3000)
+    [row] = add(writer, store, "1")
+    with store.transaction() as cursor:  # `lost` holds a row and last beat 10 s ago
+        engine.execute(cursor, f"UPDATE {engine.holders} SET beat_at = {engine.now_plus_ms()} WHERE holder_id = ?",
+                       [-10_000, lost.holder_id])
+        engine.execute(cursor, f"UPDATE {engine.table} SET status = 1, claimed_at = {engine.now}, lease_token = ? "
+                       "WHERE id = ?", [lost.holder_id + "0" * 16, row])
+    result = holders()
+    assert result.state == WARN, result.detail
+    assert "1 of 2 relay worker processes recorded silent" in result.detail, result.detail
+    assert "host-b pid 22" in result.detail and "1 row leased" in result.detail, result.detail
+    assert "1 beating" in result.detail, result.detail
+    with store.transaction() as cursor:
+        engine.execute(cursor, f"UPDATE {engine.holders} SET beat_at = {engine.now_plus_ms()}", [-10_000])
+    result = holders()
+    assert result.state == WARN and "no relay worker process is beating" in result.detail, result.detail

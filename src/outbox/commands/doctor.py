@@ -36,6 +36,7 @@ from ..core.checks import is_sqlite_url
 from ..core.config import (
     ConfigError,
     KafkaOptions,
+    RelayOptions,
     Settings,
     celery_broker_named_conflict,
     dramatiq_settings,
@@ -105,7 +106,9 @@ def _broker(url: str, setting: str | None = None) -> Any:
         raise ConfigError(hint or _error(exc)) from exc
 
 
-def check_database(settings: Settings) -> list[Result]:
+def check_database(settings: Settings, holder_timeout_s: float | None = None) -> list[Result]:
+    """The database, the table, its indexes, the holders (``holder_timeout_s``: the relay's
+    OUTBOX_RELAY_HOLDER_TIMEOUT_S, its default when None) and, on PostgreSQL, vacuum."""
     results: list[Result] = []
     store = OutboxStore.from_settings(settings)
     where = describe_database(settings.database_url)
@@ -134,7 +137,8 @@ def check_database(settings: Settings) -> list[Result]:
             results.append(Result("indexes", FAIL, f"missing {', '.join(missing_ix)}: run `outbox migrate`"))
         else:
             results.append(Result("indexes", OK, ", ".join(sorted(expected_index_names(store.engine)))))
-        results.append(_check_holders(store))
+        results.append(_check_holders(store, RelayOptions().holder_timeout_s if holder_timeout_s is None
+                                      else holder_timeout_s))
         if store.engine.UPKEEP is not None:
             results.append(_check_upkeep(store, store.engine.UPKEEP))
         return results
@@ -142,15 +146,32 @@ def check_database(settings: Settings) -> list[Result]:
         store.close()
 
 
-def _check_holders(store: OutboxStore) -> Result:
-    """The holders table (docs/internals.md, "Lost workers"): its absence slows recovery, no more."""
+def _check_holders(store: OutboxStore, timeout_s: float) -> Result:
+    """The holders table (docs/internals.md, "Lost workers"): its absence slows recovery, no more.
+    Its records: the worker processes that beat within ``timeout_s`` (the database's clock), and
+    a warning for the silent ones, whose records stay until a running worker takes them over. The
+    count of records alone said `3 relay worker processes recorded` with every worker dead (found
+    in review)."""
+    holders = store.engine.holders
     try:
-        with store.transaction() as cursor:
-            count = store.engine.execute(cursor, f"SELECT COUNT(*) FROM {store.engine.holders}").fetchone()[0]
+        total, silent = store.holders(int(timeout_s * 1000))
     except Exception as exc:
-        return Result("holders", WARN, f"{store.engine.holders} is missing ({_error(exc)}): a lost worker's rows "
+        return Result("holders", WARN, f"{holders} is missing ({_error(exc)}): a lost worker's rows "
                       "wait for their lease (OUTBOX_CLAIM_TIMEOUT_MS) instead of seconds; run `outbox migrate`")
-    return Result("holders", OK, f"{store.engine.holders}: {int(count)} relay worker processes recorded")
+    beating = max(total - len(silent), 0)
+    within = f"OUTBOX_RELAY_HOLDER_TIMEOUT_S={timeout_s:g} s"
+    if not silent:
+        if not total:
+            return Result("holders", OK, f"{holders}: no relay worker process is running")
+        return Result("holders", OK, f"{holders}: {total} relay worker processes beating (each within {within})")
+    held = sum(rows for _, rows in silent)
+    named = "; ".join(f"{h.holder.host} pid {h.holder.pid} silent {h.silent_s:.0f} s, {rows} row"
+                      f"{'' if rows == 1 else 's'} leased" for h, rows in silent[:3])
+    more = f"; and {len(silent) - 3} more" if len(silent) > 3 else ""
+    then = (f"{beating} beating, which take them over within seconds" if beating else
+            "no relay worker process is beating: nothing is relayed, and their rows wait, until a worker runs")
+    return Result("holders", WARN, f"{holders}: {len(silent)} of {total} relay worker processes recorded silent "
+                  f"for more than {within} (stopped or lost: {named}{more}; {held} rows in all); {then}")
 
 
 def _check_upkeep(store: OutboxStore, name: str) -> Result:
@@ -443,7 +464,8 @@ def run_checks(environ: dict[str, str] | None = None, *,
     conflict = None if dramatiq else celery_broker_named_conflict(settings, environ)
     if conflict:
         results.append(Result("celery broker url", FAIL, conflict.removeprefix("outbox: ")))
-    results += check_database(settings)
+    relay = read.get(RelayOptions)
+    results += check_database(settings, relay.holder_timeout_s if isinstance(relay, RelayOptions) else None)
     results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings, environ=given))
     results += check_destination(settings, kafka, probe_topic)
     if probe_topic and kafka is None:

@@ -442,6 +442,24 @@ class OutboxStore:
 
         return self._run("take_over", work, alone=not engine.ends_idle_transactions)
 
+    def holders(self, silent_after_ms: int) -> tuple[int, list[tuple[SilentHolder, int]]]:
+        """The relay's worker processes on record (``outbox check``): how many records, and
+        those silent for longer than ``silent_after_ms`` by the database clock, oldest first,
+        each with the rows still leased to it. A record outlives its process until a live one
+        takes it over, so the count alone says nothing about who runs. Read only."""
+        engine = self.engine
+
+        def work(cursor: Any) -> tuple[int, list[tuple[SilentHolder, int]]]:
+            total = int(engine.execute(cursor, f"SELECT COUNT(*) FROM {engine.holders}{engine.past_locks_read}")
+                        .fetchone()[0] or 0)
+            rows = engine.execute(cursor, engine.silent_holders_sql(), ["", -int(silent_after_ms)]).fetchall()
+            silent = [SilentHolder(Holder(str(r[0]).strip(), str(r[1]), int(r[2])), self._seconds(r[3], r[4]))
+                      for r in rows]
+            return total, [(h, int(engine.execute(cursor, engine.held_by_sql(), [h.holder.holder_id + "%"])
+                                    .fetchone()[0] or 0)) for h in silent]
+
+        return self._run("holders", work)
+
     def drop_holder(self, holder_id: str) -> int:
         """Delete a holder's record, its process ending, unless rows are still leased to it:
         returns how many (0: the record is gone). A process that exits while a task of it
