@@ -426,3 +426,21 @@ def test_usage_and_option_errors_are_one_line(tmp_path: Path) -> None:
         lines = [line for line in result.stderr.splitlines() if not line.startswith("outbox: database ")]
         assert (result.returncode, len(lines)) == (code, 1), (args, result.stderr)
         assert lines[0].startswith(start), (args, result.stderr)
+
+
+def test_a_purge_that_stops_at_its_row_cap_says_so(tmp_path: Path) -> None:
+    """Found in review: `outbox purge` stops at --max-rows (100,000 by default) and printed only
+    `purged 100000 done row(s) ...`, so a purge of a larger backlog (a cron job's, a one-off after
+    the relay's purge was off) read as done while old rows stayed."""
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    ok(run("migrate", env=env))
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        for n in range(5):
+            enqueue(conn, topic="t", aggregate_type="o", aggregate_id=str(n), payload={"n": n})
+        conn.execute("UPDATE outbox SET status = 2, created_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '-9 days'), "
+                     "processed_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '-9 days')")
+    capped = ok(run("purge", "--max-rows", "2", "--batch", "2", env=env)).stdout
+    assert "purged 2 done row(s) older than 7 day(s)" in capped
+    assert "stopped at --max-rows 2: older done rows may be left; run it again" in capped, capped
+    rest = ok(run("purge", env=env)).stdout
+    assert "purged 3 done row(s) older than 7 day(s)" in rest and "--max-rows" not in rest, rest

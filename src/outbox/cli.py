@@ -269,7 +269,10 @@ def dead_requeue(ids: tuple[int, ...], everything: bool, force: bool) -> None:
 @click.option("--max-rows", default=100_000, show_default=True, type=click.IntRange(1))
 @one_line_errors
 def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
-    """Delete done rows older than the retention, in small chunks. Dead rows are kept."""
+    """Delete done rows older than the retention, in small chunks. Dead rows are kept.
+
+    At most about --max-rows rows per run: a run that reaches it says so, and the next run
+    carries on."""
     if get_settings().archive_uri:
         click.echo("purged nothing: archiving is configured (OUTBOX_ARCHIVE_URI), so rows are deleted by "
                    "`outbox pipeline archive` once they are archived")
@@ -277,6 +280,9 @@ def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
     days = get_settings().retention_days if older_than_days is None else older_than_days
     count = _store().purge_done(timedelta(days=days), batch=batch, max_rows=max_rows)
     click.echo(f"purged {count} done row(s) older than {days:g} day(s)")
+    if count >= max_rows:  # the cap, not the end of the old rows, may have stopped it
+        click.echo(f"stopped at --max-rows {max_rows}: older done rows may be left; run it again "
+                   "(or raise --max-rows)")
 
 
 @main.command()
