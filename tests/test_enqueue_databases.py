@@ -108,3 +108,46 @@ def test_enqueue_on_a_sqlalchemy_bind_of_another_database_warns_once(
         databases._reset_for_tests()
         monkeypatch.delenv("OUTBOX_DATABASE_URL")
         reset_settings()
+
+
+def test_the_relays_own_database_written_with_and_without_its_default_port_says_nothing(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: OUTBOX_DATABASE_URL with ``:5432`` and the app's SQLAlchemy URL (or
+    Django's empty PORT) without it name one database, yet the first enqueue warned that no
+    relay reads its events. The default port is the port: the same database, nothing said."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    require("PostgreSQL", "127.0.0.1", 5432)
+    from urllib.parse import urlsplit
+
+    from outbox.contrib import databases
+    from outbox.contrib.flask import enqueue
+    from outbox.core.config import reset_settings
+
+    pg = urlsplit(POSTGRES_URL)
+    if (pg.port or 5432) != 5432:
+        pytest.skip("the test database is not on PostgreSQL's default port")
+    auth = f"{pg.username}@" if pg.username else ""
+    table = f"outbox_db{uuid.uuid4().hex[:8]}"
+    with_port, without_port = (f"postgresql://{auth}{pg.hostname}:5432{pg.path}",
+                               f"postgresql+psycopg://{auth}{pg.hostname}{pg.path}")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", with_port)
+    monkeypatch.setenv("OUTBOX_TABLE", table)
+    reset_settings()
+    databases._reset_for_tests()
+    store = OutboxStore(with_port, table=table)
+    store.migrate()
+    engine = sqlalchemy.create_engine(without_port)
+    try:
+        with caplog.at_level(logging.WARNING, logger="outbox"), engine.begin() as conn:
+            enqueue(conn, wake=False, topic="t", aggregate_type="order", aggregate_id="1", payload={})
+        assert [r.getMessage() for r in caplog.records if "No relay reads" in r.getMessage()] == []
+    finally:
+        engine.dispose()
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.table}")
+            store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.holders}")
+        store.close()
+        databases._reset_for_tests()
+        monkeypatch.delenv("OUTBOX_DATABASE_URL")
+        monkeypatch.delenv("OUTBOX_TABLE")
+        reset_settings()

@@ -4,22 +4,45 @@ default ``DATABASES["default"]``): Django's ``enqueue(using="orders")``, a Flask
 bind's connection. The event commits there, but no relay reads it unless one runs with
 ``OUTBOX_DATABASE_URL`` pointing at that database (docs/django.md, "Several databases").
 Databases are told apart by ``outbox.core.names.database_identity``: host, port and name, or
-a SQLite file's absolute path; never by alias or by the URL as written.
+a SQLite file's absolute path; never by alias or by the URL as written, and a port left out is
+the engine's default one (``comparable_identity``).
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..core.config import get_settings
-from ..core.names import database_identity
+from ..core.names import database_identity, host_list
 from ..core.redact import redact
 
 log = logging.getLogger("outbox.enqueue")
 
 #: The databases already checked in this process (by the helper's key: an alias, a URL).
 _checked: set[str] = set()
+
+#: Each engine's default port (before any ``+driver``): a URL that leaves it out names it.
+DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433}
+
+
+def comparable_identity(url: str) -> str:
+    """``database_identity``, with a host's port left out where it is the engine's default:
+    ``db/app`` and ``db:5432/app`` are one PostgreSQL database (found in review: the app's
+    SQLAlchemy URL without the port, OUTBOX_DATABASE_URL with it, and the warning said that no
+    relay read the relay's own database). For this comparison only: the namespace keeps the
+    identity as written (docs/relay.md, "Several outboxes on one broker")."""
+    identity = database_identity(url)
+    default = DEFAULT_PORTS.get(url.split("://", 1)[0].split("+", 1)[0].lower()) if "://" in url else None
+    written = host_list(url) if default is not None else ""
+    if not written or not identity.startswith(written):
+        return identity
+    hosts = []
+    for item in urlsplit(url).netloc.rpartition("@")[2].split(","):
+        one = urlsplit(f"//{item}")
+        hosts.append(f"{one.hostname or ''}" + (f":{one.port}" if one.port and one.port != default else ""))
+    return ",".join(hosts) + identity[len(written):]
 
 
 def check_database(key: str, url: str | None, where: str) -> None:
@@ -30,7 +53,7 @@ def check_database(key: str, url: str | None, where: str) -> None:
     _checked.add(key)
     try:
         relay_url = get_settings().database_url
-        if url is None or database_identity(url) == database_identity(relay_url):
+        if url is None or comparable_identity(url) == comparable_identity(relay_url):
             return
         log.warning("outbox: %s writes events into the database %s, but this process's relay settings read %s "
                     "(OUTBOX_DATABASE_URL; Django: DATABASES['default']). No relay reads these events unless one "
@@ -66,4 +89,4 @@ def _reset_for_tests() -> None:
     _checked.clear()
 
 
-__all__ = ["check_database", "django_database", "sqlalchemy_database"]
+__all__ = ["comparable_identity", "check_database", "django_database", "sqlalchemy_database"]
