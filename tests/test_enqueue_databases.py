@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from services import POSTGRES_URL, require
+from services import MYSQL_URL, POSTGRES_URL, require
 from wake_support import PYTHON, clean_env, pythonpath
 
 from outbox.storage.store import OutboxStore
@@ -76,6 +76,65 @@ def test_enqueue_into_a_second_django_database_warns_once(tmp_path: Path) -> Non
                 store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.table}")
                 store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.holders}")
             store.close()
+
+
+LEGACY_SCRIPT = r"""
+import json, sys
+import pymysql
+pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL (mysqlclient is not installed here)
+import django
+django.setup()
+from django.db import connections, transaction
+import outbox.wake
+from outbox.contrib.django import enqueue
+
+outbox.wake.request_claim = lambda: True
+table, errors = sys.argv[1], []
+for _ in range(2):
+    try:
+        with transaction.atomic(using="legacy"):
+            enqueue(using="legacy", topic="t", aggregate_type="order", aggregate_id="1", payload={}, table=table)
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+with connections["legacy"].cursor() as cursor:
+    cursor.execute(f"SELECT COUNT(*) FROM {table}")
+    print(json.dumps({"rows": cursor.fetchone()[0], "errors": errors}))
+"""
+
+
+def test_an_alias_whose_options_the_relay_cannot_carry_still_enqueues(tmp_path: Path) -> None:
+    """Found in review: the check built the alias' URL outside its own guard, so a second
+    database's OPTIONS the relay cannot carry (here ``OPTIONS['ssl']`` with a key only the
+    driver reads: ConfigError) made every ``enqueue(using=...)`` into it raise after the insert,
+    rolling the caller's transaction back, where it had enqueued before. The check never fails
+    an enqueue: at worst it cannot tell, and says so at DEBUG."""
+    pytest.importorskip("django")
+    pytest.importorskip("pymysql")
+    require("MariaDB", "127.0.0.1", 3306)
+    from urllib.parse import urlsplit
+
+    table = f"outbox_db{uuid.uuid4().hex[:8]}"
+    my = urlsplit(MYSQL_URL)
+    (tmp_path / "legacysettings.py").write_text(
+        "SECRET_KEY = 'x'\nUSE_TZ = True\nINSTALLED_APPS = []\n"
+        f"DATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', 'NAME': {str(tmp_path / 'd.db')!r}}},\n"
+        f"             'legacy': {{'ENGINE': 'django.db.backends.mysql', 'NAME': {my.path[1:]!r},\n"
+        f"                         'USER': {my.username or ''!r}, 'PASSWORD': {my.password or ''!r},\n"
+        f"                         'HOST': {my.hostname or ''!r}, 'PORT': {str(my.port or '')!r},\n"
+        "                         'OPTIONS': {'ssl': {'ssl-mode': 'PREFERRED'}, 'ssl_disabled': True}}}\n")
+    store = OutboxStore(MYSQL_URL, table=table)
+    store.migrate()
+    try:
+        done = subprocess.run([PYTHON, "-c", LEGACY_SCRIPT, table], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env=clean_env(DJANGO_SETTINGS_MODULE="legacysettings",
+                                                         PYTHONPATH=pythonpath(tmp_path)))
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == {"rows": 2, "errors": []}
+    finally:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.table}")
+            store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.holders}")
+        store.close()
 
 
 def test_enqueue_on_a_sqlalchemy_bind_of_another_database_warns_once(

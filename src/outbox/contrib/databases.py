@@ -11,6 +11,7 @@ the engine's default one (``comparable_identity``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,13 +46,17 @@ def comparable_identity(url: str) -> str:
     return ",".join(hosts) + identity[len(written):]
 
 
-def check_database(key: str, url: str | None, where: str) -> None:
-    """Once per ``key``: warn when ``url`` (the database the helper writes to; None: not
-    known) is not the relay's. Never raises: the caller is enqueueing."""
+def check_database(key: str, url: str | Callable[[], str | None] | None, where: str) -> None:
+    """Once per ``key``: warn when ``url`` (the database the helper writes to, or what returns
+    it; None: not known) is not the relay's. Never raises: the caller is enqueueing, so an
+    error reading either URL is said at DEBUG (found in review: Django OPTIONS the relay cannot
+    carry, read outside this guard, failed every ``enqueue(using=...)`` after its insert)."""
     if key in _checked:
         return
     _checked.add(key)
     try:
+        if callable(url):
+            url = url()
         relay_url = get_settings().database_url
         if url is None or comparable_identity(url) == comparable_identity(relay_url):
             return
@@ -69,7 +74,8 @@ def django_database(alias: str, connection: Any) -> None:
         return
     from ..core.sources import django_database_url
 
-    check_database(f"django:{alias}", django_database_url(connection.settings_dict), f"enqueue(using={alias!r})")
+    check_database(f"django:{alias}", lambda: django_database_url(connection.settings_dict),
+                   f"enqueue(using={alias!r})")
 
 
 def sqlalchemy_database(conn: Any) -> None:
