@@ -331,6 +331,18 @@ def test_a_schema_on_sqlite_is_refused_naming_both_settings(tmp_path: Path) -> N
     assert not (tmp_path / "o.db").exists()
 
 
+def test_schema_main_on_sqlite_names_the_main_database_and_is_kept(tmp_path: Path) -> None:
+    """``main`` is SQLite's own name of the database the URL opens: OUTBOX_SCHEMA=main migrated,
+    relayed and enqueued (the engine writes ``"main"."outbox"``), and the refusal of schemas on
+    SQLite stopped every command and enqueue of such a deployment at upgrade (found in review)."""
+    db = tmp_path / "o.db"
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{db}", "OUTBOX_SCHEMA": "main"}
+    ok(run("migrate", env=env))
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM main.outbox").fetchone() == (0,)
+    assert '"pending": 0' in ok(run("status", "--json", env=env)).stdout
+
+
 def test_an_in_memory_sqlite_database_is_refused(tmp_path: Path) -> None:
     """`sqlite://`, `sqlite:///` and `sqlite:///:memory:` are a database private to one connection
     and gone when it closes: `outbox migrate` "created the table" in it and exited 0, and a

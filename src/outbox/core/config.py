@@ -144,9 +144,10 @@ class Settings(Options):
     def __post_init__(self) -> None:
         for url in (self.database_url, self.publish_url, self.celery_broker_url):
             register_url(url)  # masked wherever it shows up from now on (outbox.core.redact)
-        if self.schema is not None and is_sqlite_url(self.database_url):
+        if self.schema is not None and self.schema.lower() != "main" and is_sqlite_url(self.database_url):
             # SQLite read it as an attached database's name: `outbox migrate` failed on "unknown
-            # database" and said to run `outbox migrate` (found in review).
+            # database" and said to run `outbox migrate` (found in review). ``main`` is SQLite's
+            # name of the database the URL opens, which worked and stays (found in review too).
             raise ConfigError(f"OUTBOX_SCHEMA={self.schema!r} is for PostgreSQL, MySQL/MariaDB and SQL Server: a "
                               "SQLite database (OUTBOX_DATABASE_URL=sqlite:///...) has no schemas; unset OUTBOX_SCHEMA")
         if self.dead_letter_exchange is not None and self.dead_letter_exchange == self.exchange:
