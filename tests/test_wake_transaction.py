@@ -131,6 +131,32 @@ def test_a_nested_block_is_a_savepoint_and_the_outer_block_commits(
     assert committed(store) == ([3, 5], ["3", "5"]) and wakes == [1]
 
 
+@pytest.mark.parametrize("kind", ["postgresql"])
+def test_psycopgs_own_transaction_inside_a_block_is_a_savepoint_of_it(
+        store: OutboxStore, conn: Any, wakes: list[int]) -> None:
+    """psycopg's ``with conn.transaction():`` as the first thing in the block (autocommit off,
+    psycopg's default) is a savepoint of the block's transaction, rolled back with it: the block
+    is psycopg's own ``conn.transaction()``. A block that let the driver open the transaction at
+    its first statement made that inner ``conn.transaction()`` the outermost one, which
+    committed at its end whatever the block did after (found in review, of a proposed fix that
+    gave up psycopg's transaction so that ``conn.commit()`` would work inside: it does not, see
+    docs/waking-and-metrics.md, "outbox.transaction")."""
+    import psycopg
+
+    with pytest.raises(RuntimeError), outbox.transaction(conn):
+        with conn.transaction():
+            place_order(conn, store, 1)
+        place_order(conn, store, 2)
+        raise RuntimeError("payment declined")
+    assert committed(store) == ([], []) and wakes == []
+
+    # The driver's commit is psycopg's to refuse inside its transaction: the block rolls back.
+    with pytest.raises(psycopg.ProgrammingError, match="Explicit commit"), outbox.transaction(conn):
+        place_order(conn, store, 3)
+        conn.commit()
+    assert committed(store) == ([], []) and wakes == []
+
+
 def test_a_transaction_the_caller_began_on_an_autocommit_connection_is_refused(
         store: OutboxStore, url: str) -> None:
     """BEGIN of the caller's own on an autocommit connection: the block cannot end a
