@@ -777,6 +777,38 @@ def test_an_unfinished_run_of_another_database_is_not_finished_on_this_one(spark
             store.close()
 
 
+def test_another_outbox_with_no_row_at_an_unfinished_runs_ids_does_not_leave_its_own_outbox_refused(
+        spark: Any, tmp_path: Path) -> None:
+    """Two services, one archive location (the documented mistake: an archive holds one
+    outbox). The first's run committed but did not delete (killed, or its delete failed); the
+    second, whose rows lie below that run's ids, finished it on its own database (no row
+    there, the content check passed), deleting nothing, and marked it finished with no rows
+    kept (review diffc). The first service's rows of that run then stayed in its outbox, and
+    every later run of it was refused as an outbox whose ids started again, its purge off
+    for good (OUTBOX_ARCHIVE_URI set)."""
+    orders, billing = (OutboxStore(f"sqlite:///{tmp_path / name}.db", table="outbox") for name in ("orders", "billing"))
+    root = tmp_path / "archive"
+    try:
+        for store in (orders, billing):
+            store.migrate()
+        seed(orders, [Row("t.created", f"a{i}", age_ms=9 * DAY_MS) for i in range(3)])
+        assert Archiver(spark, orders, str(root)).run(timedelta(days=7)).archived == 3  # ids 1..3
+        later = seed(orders, [Row("t.created", f"b{i}", age_ms=9 * DAY_MS) for i in range(3)], start=3)
+        with pytest.raises(Crash):  # ids 4..6 committed, not deleted
+            Archiver(spark, orders, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+        seed(billing, [Row("t.created", f"x{i}", age_ms=9 * DAY_MS) for i in range(2)])  # ids 1..2
+        with pytest.raises(PipelineError):  # the second outbox is refused, one way or another
+            Archiver(spark, billing, str(root)).run(timedelta(days=7))
+        assert table_ids(billing) == {1, 2}
+        # the first outbox's next run finishes its own run: its rows leave its outbox
+        Archiver(spark, orders, str(root)).run(timedelta(days=7))
+        assert not table_ids(orders) & set(later)
+        assert sorted(set(archived_ids(spark, root))) == [1, 2, 3, *later]
+    finally:
+        for store in (orders, billing):
+            store.close()
+
+
 def staged_runs(root: Path) -> list[str]:
     staging = root / "_staging"
     return sorted(os.listdir(staging)) if staging.exists() else []

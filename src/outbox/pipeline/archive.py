@@ -487,13 +487,15 @@ class Archiver:
             write_run_index(self.fs, runs)
         return runs
 
-    def _check_own_run(self, manifest: dict[str, Any], database: str) -> None:
+    def _check_own_run(self, manifest: dict[str, Any], database: str) -> bool:
         """A committed run's deletes belong to its own outbox: finished on another one they
         would delete that outbox's rows in the run's id ranges, rows no run archived. A run
         recorded under another URL is finished here only when this outbox's rows in its id
         runs (the first ``OWN_RUN_SAMPLE``) are rows it archived: the same id, the same
         message id. The URL alone refused the same database under another spelling, and then
-        every later run (docs/pipeline.md, "Guarantees")."""
+        every later run (docs/pipeline.md, "Guarantees"). Returns whether any row was found:
+        with none, this may be another outbox, so the rows the run left are not known here
+        (``_finish``'s ``kept_known``)."""
         run_id = manifest["run_id"]
         here = {id_: str(message_id) for id_, message_id in islice(
             self._rows_within(manifest["id_ranges"], ids_in_span_sql(self.engine), []), OWN_RUN_SAMPLE)}
@@ -506,7 +508,9 @@ class Archiver:
         log.warning("outbox: the archive %s has an unfinished run %s recorded under %s, and this run is on %s; %s, "
                     "so it is finished here", self.root, run_id, manifest["database"], database,
                     f"{len(here)} row(s) at its ids are the events it archived" if here else
-                    "no row at its ids is left in this outbox")
+                    "no row at its ids is left in this outbox (the rows it left are recorded as not known: "
+                    "if it is another outbox's run, that outbox's next run archives them again)")
+        return bool(here)
 
     def _archived_message_ids(self, manifest: dict[str, Any], ids: list[int]) -> dict[int, str]:
         """id -> message id of ``ids`` in a committed run's files (in staging, or published)."""
@@ -655,7 +659,12 @@ class Archiver:
                 "changed by hand, or by a run that did not take its lock); nothing was committed")
 
     # -- finishing and recovery ----------------------------------------------------------------
-    def _finish(self, manifest: dict[str, Any]) -> int:
+    def _finish(self, manifest: dict[str, Any], *, kept_known: bool = True) -> int:
+        """Publish, delete and mark a committed run finished. ``kept_known`` False: the run is
+        finished on an outbox where no row at its ids was found (``_check_own_run``), perhaps
+        not its own, so its marker records no kept rows (``_kept_of``: not known, its ids are
+        not checked); recorded as none kept, the run's own outbox was refused for good
+        at its next run, its rows of that run taken for other events (found in review)."""
         self._still_locked(f"finishing run {manifest['run_id']}")
         self._publish(manifest)
         # Every archived row on disk before the first row leaves the outbox: the published
@@ -666,10 +675,11 @@ class Archiver:
         deleted = self._delete(manifest)
         self.on_step("deleted")
         # The rows it left (changed after they were read), for a later run's _check_ids.
-        kept = ([[id_, message_id] for id_, message_id in self._rows_within(
-            manifest["id_ranges"], ids_in_span_sql(self.engine), [])] if deleted < manifest["rows"] else [])
-        self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.deleted"), json.dumps(
-            {"run_id": run_id, "deleted": deleted, "kept": kept, "at": datetime.now(UTC).isoformat()}))
+        marker: dict[str, Any] = {"run_id": run_id, "deleted": deleted, "at": datetime.now(UTC).isoformat()}
+        if kept_known:
+            marker["kept"] = ([[id_, message_id] for id_, message_id in self._rows_within(
+                manifest["id_ranges"], ids_in_span_sql(self.engine), [])] if deleted < manifest["rows"] else [])
+        self.fs.write_text(self.fs.uri(MANIFEST_DIR, f"{run_id}.deleted"), json.dumps(marker))
         self._index(run_summary(manifest))
         self.progress(f"run {run_id}: deleted {deleted} archived row(s) from the outbox")
         return deleted
@@ -754,10 +764,11 @@ class Archiver:
                 raise PipelineError(f"the archive {self.root} has an unfinished run {run_id} of table "
                                     f"{manifest.get('table')!r}; finish it by archiving that table first")
             # (A manifest written before "database" was recorded is taken as this database's.)
+            kept_known = True
             if manifest.get("database", database) != database:
-                self._check_own_run(manifest, database)
+                kept_known = self._check_own_run(manifest, database)
             self.progress(f"run {run_id}: committed earlier but not finished; finishing it")
-            self._finish(manifest)
+            self._finish(manifest, kept_known=kept_known)
             recovered.append(run_id)
         for run_id in self.fs.list_names(self.fs.uri(STAGING_DIR)):
             if run_id not in committed:
