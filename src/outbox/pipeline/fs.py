@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ log = logging.getLogger("outbox.pipeline.archive")
 
 #: What ``fsync`` of a directory answers on a filesystem that cannot do it.
 _NO_DIRECTORY_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+#: What ``link`` answers on a filesystem without hard links (some FUSE and SMB mounts).
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 _warned: list[bool] = []  # said once a process
 
 
@@ -110,33 +113,69 @@ class ArchiveFS:
         self.sync([uri])  # and its name in its directory
 
     def create_new(self, uri: str, text: str) -> bool:
-        """Create a small file only if it is absent; False when it exists. Atomic on a local
-        filesystem (``O_EXCL``, NFS included) and on HDFS; on object stores Hadoop's check
-        and write are two requests, so two writers at the same moment may both write (the
-        later one's text stays)."""
-        path = local_path(uri)
-        if path is not None:
+        """Create a small file only if it is absent; False when it exists. The file appears
+        with its whole text or not at all: the text is written to a temporary file first,
+        which is then linked (a local or NFS path: ``link`` fails on an existing name) or
+        renamed (HDFS: a rename onto an existing name fails) into place. A file created
+        empty and then written was left empty by a kill between the two, and every later run
+        refused it (found in review). On object stores Hadoop's rename is a check and a copy,
+        so two writers at the same moment may both write (the later one's text stays)."""
+        directory, name = uri.rsplit("/", 1)
+        tmp_uri = f"{directory}/.{name}.{uuid.uuid4().hex}.tmp"
+        path, tmp = local_path(uri), local_path(tmp_uri)
+        if path is not None and tmp is not None:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            try:
-                os.write(fd, text.encode("utf-8"))
-                os.fsync(fd)
+                try:
+                    os.write(fd, text.encode("utf-8"))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    # NFS may answer a retried LINK that succeeded with EEXIST: the link count tells
+                    if os.stat(tmp).st_nlink < 2:
+                        return False
+                except OSError as exc:
+                    if exc.errno not in _NO_HARD_LINKS:
+                        raise
+                    return self._create_exclusive(path, uri, text)  # a filesystem without hard links
             finally:
-                os.close(fd)
+                os.unlink(tmp)
             self.sync([uri])
             return True
-        try:
-            out = self.fs.create(self._p(uri), False)
-        except Exception:  # FileAlreadyExistsException, through py4j
-            if self.exists(uri):
-                return False
-            raise
+        out = self.fs.create(self._p(tmp_uri), True)
         try:
             out.write(bytearray(text.encode("utf-8")))
         finally:
             out.close()
+        try:
+            try:
+                if self.fs.rename(self._p(tmp_uri), self._p(uri)):
+                    return True
+            except Exception:  # FileAlreadyExistsException (through py4j) on some stores
+                if not self.exists(uri):
+                    raise
+            if self.exists(uri):
+                return False
+            raise OSError(f"could not rename {tmp_uri} to {uri}")
+        finally:
+            self.delete(tmp_uri, recursive=False)
+
+    def _create_exclusive(self, path: Path, uri: str, text: str) -> bool:
+        """``create_new`` where hard links are not to be had: ``O_EXCL``, then the text (a
+        kill between the two leaves the file empty)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, text.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.sync([uri])
         return True
 
     def sync(self, uris: Iterable[str], *, directories: bool = True) -> None:
