@@ -421,3 +421,37 @@ def test_the_order_check_holds_one_batch_of_a_mostly_stored_selection(store: Out
     peak(400)  # the first run's imports and statement caches
     small, large = peak(4_000), peak(16_000)
     assert large - small < 12_000 * 40, (small, large)
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_the_order_check_runs_no_more_tasks_than_partitions(spark: Any, store: OutboxStore, make_store: Any,
+                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--partitions`` bounds the tasks that talk to the target, and so its connections. The
+    order check ran one task per split of the archive's files (review diffc): on a cluster,
+    every executor core at once asked the target "already stored?", hundreds of connections
+    for a replay given --partitions 4. Here the files are read in 512-byte splits."""
+    from outbox.pipeline import replay
+
+    root, _ = archived(spark, store, tmp_path)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    real = replay._stored_flags
+
+    def counted(url: str, table: str, schema: str | None) -> Any:
+        body, where = real(url, table, schema), str(tasks)
+
+        def run(batches: Iterator[Any]) -> Iterator[Any]:
+            import os
+            import uuid as uuid_
+            open(os.path.join(where, uuid_.uuid4().hex), "w").close()  # a marker per task
+            yield from body(batches)
+        return run
+    monkeypatch.setattr(replay, "_stored_flags", counted)
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "512")
+    try:
+        assert spark.read.parquet(str(root)).rdd.getNumPartitions() > 2
+        result = run_replay(spark, archive=str(root), target=make_store(), partitions=2)
+    finally:
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
+    assert result["written"] == len(history())
+    assert 1 <= len(list(tasks.iterdir())) <= 2

@@ -406,18 +406,20 @@ def _stored_flags(url: str, table: str, schema: str | None) -> Callable[[Iterato
     return run
 
 
-def order_clashes(events: Any, target: OutboxStore) -> list[Any]:
+def order_clashes(events: Any, target: OutboxStore, partitions: int = 4) -> list[Any]:
     """The aggregates whose events already in ``target`` do not all come before those not
     yet there (writing these would put them after later events of their aggregate): at most
     ``SAMPLE``, the earliest first, each with ``aggregate_id``, ``missing`` (its first
     archived id not stored) and ``stored`` (``id`` and ``aggregate_type`` of the first
     later one stored). Python only flags each row stored or not (``_stored_flags``); the
     rest is Spark's, grouped by aggregate in the JVM, which spills: no Python worker keeps
-    a partition's ids (docs/pipeline.md, "Replay")."""
+    a partition's ids (docs/pipeline.md, "Replay"). At most ``partitions`` tasks ask the
+    target, as the write's: one per split of the archive's files asked with every
+    executor core at once, a connection each (found in review)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    flags = (events.select(*ORDER_CHECK_COLUMNS)
+    flags = (events.select(*ORDER_CHECK_COLUMNS).coalesce(partitions)
              .mapInArrow(_stored_flags(target.url, target.engine.table_name, target.engine.schema), STORED_FLAGS))
     id_, stored = F.col("id"), F.col("stored")
     # Per aggregate_id alone, as the write's partitions and the relay's order are
@@ -465,7 +467,7 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
         check_table(target)
         say(f"replaying {total} event(s) into {target.engine.name}:{target.engine.table_name} "
             f"(new message ids uuid5 of the originals)")
-        clashes = order_clashes(events, target)
+        clashes = order_clashes(events, target, partitions)
         if clashes:
             first, stored = clashes[0], clashes[0]["stored"]
             more = f", and {len(clashes) - 1} other aggregate(s) at least" if len(clashes) > 1 else ""
