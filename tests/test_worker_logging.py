@@ -64,7 +64,10 @@ def test_an_idle_worker_and_beat_are_quiet_at_info_and_log_a_heartbeat(
     # The ticks did run (about two a second): the heartbeat counts them.
     ticks = [int(m.group(1)) for line in heartbeats if (m := re.search(r"; (\d+) claim ticks", line))]
     assert ticks and max(ticks) >= 2, context
-    assert "backlog pending=0 claimed=0 failed=0 dead=0; oldest undelivered -" in heartbeats[-1], context
+    assert re.search(r"backlog pending=0 claimed=0 failed=0 dead=0 \(counted \d+ min ago\); oldest undelivered -",
+                     heartbeats[-1]), context  # the dead rows counted at the first beat (DEAD_COUNT_EVERY_S)
+    first = next(line for line in info_lines(procs.log("w1")) if "outbox heartbeat: alive" in line)
+    assert "failed=0 dead=0; oldest undelivered -" in first, context
 
     # Traffic still shows at INFO: a publish task (or an inline claim) is logged.
     with sqlite_outbox.writer() as conn:
@@ -226,6 +229,43 @@ def test_heartbeat_line() -> None:
                   oldest_pending_age_s=12.34, dead=2)
     assert heartbeat_line(stats, 7) == ("outbox heartbeat: alive; backlog pending=3 claimed=1 failed=0 dead=2; "
                                         "oldest undelivered 12.3s; 7 claim ticks since the last heartbeat")
+
+
+def test_the_heartbeat_counts_the_dead_rows_hourly_and_the_open_ones_each_beat(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting the dead rows reads the whole table on PostgreSQL, in every worker at every
+    beat (found in review: 218 ms at 1,000,000 rows): they are counted at the first beat and
+    then hourly, the line saying how long ago; the open rows at every beat."""
+    from outbox.celery import worker_logging
+    from outbox.celery.worker_logging import Heartbeat
+    from outbox.core.config import Settings
+    from outbox.domain.events import prepare_event
+    from outbox.storage.store import OutboxStore
+
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    engine = store.engine
+    dead = f"UPDATE {engine.table} SET status = 4, processed_at = {engine.now} WHERE aggregate_id = ?"
+    with store.transaction() as cursor:
+        for n in range(3):
+            engine.insert_event(cursor, prepare_event(topic="t", aggregate_type="a", aggregate_id=f"a{n}", payload={}))
+        engine.execute(cursor, dead, ["a0"])
+    heartbeat = Heartbeat(300.0, Settings.from_sources({"OUTBOX_DATABASE_URL": url}))
+
+    def beat() -> str:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="outbox.heartbeat"):
+            heartbeat.beat_once(None)
+        return [r.getMessage() for r in caplog.records if "outbox heartbeat" in r.getMessage()][-1]
+
+    assert "pending=2 claimed=0 failed=0 dead=1;" in beat()
+    with store.transaction() as cursor:
+        engine.execute(cursor, dead, ["a1"])
+    assert "pending=1 claimed=0 failed=0 dead=1 (counted 0 min ago);" in beat()
+    monkeypatch.setattr(worker_logging, "DEAD_COUNT_EVERY_S", 0.0)
+    assert "pending=1 claimed=0 failed=0 dead=2;" in beat()
+    store.close()
 
 
 @pytest.mark.parametrize("interval", ["0", "-1", "soon"])

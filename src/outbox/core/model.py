@@ -116,7 +116,8 @@ class FailResult:
 class Stats:
     counts: dict[str, int]
     oldest_pending_age_s: float | None
-    dead: int
+    #: None: not counted (``OutboxStore.stats(closed=False)``).
+    dead: int | None
 
     def as_dict(self) -> dict[str, Any]:
         return {"counts": self.counts, "oldest_pending_age_s": self.oldest_pending_age_s, "dead": self.dead}

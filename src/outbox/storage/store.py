@@ -641,26 +641,34 @@ class OutboxStore:
             lag = self._seconds(oldest, db_now)
         return int(in_flight or 0), int(backlog or 0), lag
 
-    def stats(self) -> Stats:
+    def stats(self, *, closed: bool = True) -> Stats:
+        """The rows per status and the age of the oldest open row (``outbox status``, the
+        worker's heartbeat). ``closed=False``: the open rows alone (pending, claimed, failed),
+        read on the claim's index as the gauges are, done and dead left out (``dead`` None):
+        counting those reads every row of the table, and on PostgreSQL no index can hold
+        ``status`` (docs/internals.md, "The lease is a HOT update on PostgreSQL")."""
         # Without a lock, as the gauges read (Engine.unlocked_read): with SQL Server's RCSI off,
         # an application transaction keeping an enqueue open made `outbox status` wait for it.
-        table = f"{self.engine.table}{self.engine.unlocked_read}"
+        engine = self.engine
+        source = (f"{engine.table}{engine.unlocked_read}" if closed else
+                  f"{engine.open_rows_source()}{engine.unlocked_read} WHERE {engine.open_rows()}")
+        table = f"{engine.table}{engine.unlocked_read}"
 
         def work(cursor: Any) -> tuple[list, Any, Any]:
-            counts = self.engine.execute(cursor, f"SELECT status, COUNT(*) FROM {table} GROUP BY status").fetchall()
+            counts = self.engine.execute(cursor, f"SELECT status, COUNT(*) FROM {source} GROUP BY status").fetchall()
             oldest = self.engine.execute(
                 cursor, f"SELECT MIN(created_at), {self.engine.now} FROM {table} "
                 f"WHERE {self.engine.open_rows()}").fetchone()
             return counts, oldest[0], oldest[1]
 
         counts, oldest, now = self._run("stats", work)
-        by_name = {s.name.lower(): 0 for s in Status}
+        by_name = {s.name.lower(): 0 for s in Status if closed or s not in (Status.DONE, Status.DEAD)}
         for status, count in counts:
             by_name[Status(int(status)).name.lower()] = int(count)
         age = None
         if oldest is not None:
             age = self._seconds(oldest, now)
-        return Stats(counts=by_name, oldest_pending_age_s=age, dead=by_name["dead"])
+        return Stats(counts=by_name, oldest_pending_age_s=age, dead=by_name["dead"] if closed else None)
 
     def dead_list(self, limit: int = 100, after_id: int = 0) -> list[DeadRow]:
         # Past rows others hold locked (Engine.past_locks_read): a dead row is committed and
