@@ -525,6 +525,29 @@ def test_a_failure_recorded_again_after_its_answer_was_lost_counts_as_applied(st
     assert int(row(store, flaky, "attempts")[0]) == 1  # the repeats wrote nothing
 
 
+def test_a_stale_lease_failing_the_same_way_as_the_new_holder_is_refused(make_store: Any, writer: Any) -> None:
+    """Found in review: the check above took any failed or dead row with no lease and the same
+    error for its own earlier try, so a worker whose lease expired and was claimed again,
+    failing an event the way its new holder had (the same broker error), was told its write
+    applied: no stale warning, and when the new holder's failure buried the row, a second
+    dead-letter copy and a second dead event counted. Only the lease that failed it repeats."""
+    store = make_store(claim_timeout_ms=200, max_attempts=5)
+    flaky, poison = add(writer, store, "f")[0], add(writer, store, "p")[0]
+    old = store.claim(10)
+    time.sleep(0.4)
+    new = store.claim(10)  # the leases expired: claimed again, under a new lease
+    assert sorted(m.id for m in new.messages) == [flaky, poison]
+    error = "retriable: [Errno 111] Connection refused"
+    assert store.mark_failed(flaky, new.lease, error, timedelta(seconds=30)) == FailResult(True, False)
+    assert store.mark_failed(poison, new.lease, "poison: too large", dead=True) == FailResult(True, True)
+    assert store.mark_failed(flaky, old.lease, error, timedelta(seconds=30)) == FailResult(False, False)
+    assert store.mark_failed(poison, old.lease, "poison: too large", dead=True) == FailResult(False, False)
+    # The new holder's own repeats (an answer lost) still count as applied.
+    assert store.mark_failed(flaky, new.lease, error, timedelta(seconds=30)) == FailResult(True, False)
+    assert store.mark_failed(poison, new.lease, "poison: too large", dead=True) == FailResult(True, True)
+    assert [int(row(store, i, "attempts")[0]) for i in (flaky, poison)] == [2, 2]
+
+
 # -- housekeeping ---------------------------------------------------------------------------
 
 def test_purge_deletes_old_done_rows_in_chunks_with_a_soft_cap_and_keeps_dead_rows(

@@ -548,11 +548,14 @@ class OutboxStore:
             found = self.engine.execute(cursor, f"SELECT status, last_error, lease_token FROM {self.engine.table} "
                                                 "WHERE id = ?", [id]).fetchone()
             status = int(found[0]) if found else None
-            if not changed and found and status in (Status.FAILED, Status.DEAD) and found[2] is None \
-                    and found[1] == error:
+            if not changed and found and status in (Status.FAILED, Status.DEAD) and found[1] == error \
+                    and str(found[2] or "").strip() == lease:
                 # Written by an earlier try of this very failure whose answer was lost (the
                 # store's retry, or the ack queue's fail task): it applied, and a row it buried
-                # still gets its dead-letter copy (found in review: the copy was skipped).
+                # still gets its dead-letter copy (found in review: the copy was skipped). The
+                # row keeps the lease that failed it: the same failure written by the lease that
+                # claimed the row again after this one expired is not this write's (found in
+                # review: a stale lease was told it applied, and sent a second dead-letter copy).
                 changed = 1
             return changed, status
 

@@ -825,12 +825,14 @@ class Engine(ABC):
     def mark_failed_sql(self) -> str:
         # Assignments reference only columns assigned after them: MySQL applies SET
         # left to right, every other engine uses the old row; this order suits both.
+        # The row keeps the lease that failed it (fenced writes need status 1, so it holds
+        # nothing): a repeat of this very write knows it by that (``OutboxStore.mark_failed``).
         dead = "(? = 1 OR attempts + 1 >= ?)"
         return (f"UPDATE {self.table} SET "
                 f"status = CASE WHEN {dead} THEN 4 ELSE 3 END, "
                 f"next_retry_at = CASE WHEN {dead} THEN NULL ELSE {self.now_plus_ms()} END, "
                 f"processed_at = CASE WHEN {dead} THEN {self.now} ELSE NULL END, "
-                "last_error = ?, lease_token = NULL, attempts = attempts + 1 "
+                "last_error = ?, attempts = attempts + 1 "
                 "WHERE id = ? AND lease_token = ? AND status = 1")
 
     def release_sql(self, cond: str) -> str:
