@@ -202,6 +202,27 @@ def test_broker_down_is_backpressure_and_the_publisher_recovers(tansu) -> None:
     assert [json.loads(m.value())["n"] for m in consume(tansu.bootstrap, topic, 2)] == [2, 3]
 
 
+@pytest.mark.parametrize("auto_create", [False, True])
+def test_an_authentication_failure_is_fatal_and_says_why_whether_or_not_topics_are_checked(
+        tansu, auto_create: bool) -> None:
+    """Found in review (7 December 2026): with auto-create off (the default) a publish first
+    reads the topic's metadata, which failed as `_TRANSPORT: ... Broker transport failure`
+    (BACKPRESSURE: an outage, probed forever) while librdkafka's reason, SASL refused, waited
+    in its error callback, which nothing polled. Tansu refuses every SASL handshake: the
+    stand-in for credentials the brokers refuse. Either way it is FATAL and names the cause."""
+    topic = create_topic(tansu.bootstrap)
+    options = KafkaOptions(security_protocol="sasl_plaintext", delivery_timeout_s=2.0, auto_create_topics=auto_create)
+    with KafkaPublisher(f"kafka://app:S3cret-pw@{tansu.bootstrap}", options=options) as pub:
+        began = time.monotonic()
+        result = pub.publish_chain([event(1, topic), event(2, topic)])
+        took = time.monotonic() - began
+    assert result.published == () and result.failed_id == 1
+    assert result.failure is not None
+    assert result.failure.kind is FailureKind.FATAL, result.failure
+    assert "_AUTHENTICATION" in result.failure.reason and "S3cret-pw" not in result.failure.reason
+    assert took < pub.wait_s + 1, took
+
+
 def test_dead_letter_copy_goes_to_the_dead_letter_topic(kafka_bootstrap: str) -> None:
     dead = create_topic(kafka_bootstrap)
     pub = KafkaPublisher(f"kafka://{kafka_bootstrap}", options=KafkaOptions(message_max_bytes=10_000),

@@ -496,7 +496,9 @@ class KafkaPublisher(Publisher):
 
             if not (isinstance(exc, KafkaException) and exc.args):
                 raise
-            return _failure(exc.args[0], f" (reading the metadata of {what} {topic!r})")
+            # librdkafka says why (authentication, SSL) in its error callback alone, which only a
+            # poll serves: nothing was produced, so nothing else would (docs/destinations.md).
+            return self._client_failure(producer) or _failure(exc.args[0], f" (reading the metadata of {what} {topic!r})")
         if not exists:
             return PublishFailure(FailureKind.FATAL, f"Kafka {what} {topic!r} does not exist{f' ({named})' if named else ''}: "
                                   "create it, or set OUTBOX_KAFKA_AUTO_CREATE_TOPICS=1 when the brokers create topics "
@@ -596,9 +598,22 @@ class KafkaPublisher(Publisher):
         error, self._broker_error = self._broker_error, None
         return None if error is None else _failure(error)
 
+    def _client_failure(self, producer: Any) -> PublishFailure | None:
+        """After a metadata read failed: the FATAL error librdkafka reported for the client as a
+        whole meanwhile (authentication, SSL), served by one poll, or None. Before 7 December
+        (review) such a failure was the read's own `_TRANSPORT` (BACKPRESSURE: an outage probed
+        forever) with auto-create off, the default."""
+        producer.poll(0)
+        broker = self._broker_failure()
+        return broker if broker is not None and broker.kind is FailureKind.FATAL else None
+
     def _on_error(self, error: Any) -> None:
-        """librdkafka's errors about the client as a whole (brokers down, authentication)."""
-        self._broker_error = error
+        """librdkafka's errors about the client as a whole (brokers down, authentication); a
+        FATAL one is kept over the others that follow it (``1/1 brokers are down``), which
+        say less."""
+        kept = self._broker_error
+        if kept is None or kafka_kind(error) is FailureKind.FATAL or kafka_kind(kept) is not FailureKind.FATAL:
+            self._broker_error = error
         if error.fatal():
             self._producer = None
         log.debug("Kafka client error: %s", redact(str(error)))
