@@ -25,11 +25,14 @@ def tansu_binary() -> str | None:
 class Tansu:
     """One Tansu broker process on ``port`` (memory storage: a restart loses every topic).
     ``advertised_port``: the port clients are told to use (a proxy's in front of it), and
-    the one they bootstrap from."""
+    the one they bootstrap from; ``advertised_host``: the host they are told (127.0.0.1; another
+    name plays a broker whose advertised.listeners this host cannot reach)."""
 
-    def __init__(self, binary: str, port: int, log: Path, advertised_port: int | None = None) -> None:
+    def __init__(self, binary: str, port: int, log: Path, advertised_port: int | None = None,
+                 advertised_host: str = "127.0.0.1") -> None:
         self.binary, self.port, self.log = binary, port, log
         self.advertised_port = advertised_port or port
+        self.advertised_host = advertised_host
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -48,7 +51,7 @@ class Tansu:
         env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "error"), "NO_COLOR": "1"}
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([self.binary, "broker", "--listener-url", listener, "--advertised-listener-url",
-                                          f"tcp://127.0.0.1:{self.advertised_port}", "--storage-engine", "memory://tansu/"],
+                                          f"tcp://{self.advertised_host}:{self.advertised_port}", "--storage-engine", "memory://tansu/"],
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -850,6 +850,49 @@ def test_outbox_check_on_an_unreachable_kafka(tmp_path) -> None:
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": f"kafka://127.0.0.1:{free_port()}"}
     [destination] = [r for r in run_checks(env) if r.name == "destination"]
     assert destination.state == FAIL and "unreachable" in destination.detail
+    assert "Connection refused" in destination.detail, destination.detail  # librdkafka's reason, not only "transport failure"
+
+
+def test_outbox_check_on_a_wrong_kafka_url_says_why_within_its_bound(tansu, tmp_path) -> None:
+    """Found in review (7 December 2026): `outbox check` said `unreachable: ... Broker transport
+    failure` whatever the cause, since librdkafka's reason goes to its error callback, which
+    the check never served; and a cluster whose brokers advertise an address this host cannot
+    reach (advertised.listeners) passed as reachable, though every produce goes there."""
+    from kafka_support import Tansu, free_port, tansu_or_skip
+
+    from outbox.commands.doctor import FAIL, OK, run_checks
+
+    def destination(url: str, **extra: str) -> tuple[str, str, float]:
+        env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": url, **extra}
+        began = time.monotonic()
+        [result] = [r for r in run_checks(env) if r.name == "destination"]
+        return result.state, result.detail, time.monotonic() - began
+
+    state, detail, took = destination("kafka://no-such-host.invalid:9092")
+    assert state == FAIL and "Failed to resolve 'no-such-host.invalid:9092'" in detail, detail
+    # credentials refused (Tansu refuses every SASL handshake), password masked
+    state, detail, took = destination(f"kafka://app:S3cret-pw@{tansu.bootstrap}",
+                                      OUTBOX_KAFKA_SECURITY_PROTOCOL="sasl_plaintext")
+    assert state == FAIL and "_AUTHENTICATION" in detail and "S3cret-pw" not in detail, detail
+    # TLS (the URL's credentials mean sasl_ssl) to a listener in clear: nothing answers
+    state, detail, took = destination(f"kafka://app:S3cret-pw@{tansu.bootstrap}")
+    assert state == FAIL and "security.protocol sasl_ssl" in detail and "S3cret-pw" not in detail, detail
+    assert took < 10, took
+    # a CA file that cannot be read is the configuration's fault, not the network's
+    state, detail, took = destination(f"kafka://{tansu.bootstrap}", OUTBOX_KAFKA_SSL_CA_LOCATION=str(tmp_path / "none.pem"))
+    assert state == FAIL and "unreachable" not in detail and "ssl.ca.location" in detail, detail
+
+    # brokers advertising a name this host cannot resolve: the metadata answers, no produce would
+    port = free_port()
+    hidden = Tansu(tansu_or_skip(), port, tmp_path / "hidden.log", advertised_port=9092, advertised_host="kafka.invalid")
+    hidden.start()
+    try:
+        state, detail, took = destination(f"kafka://127.0.0.1:{port}")
+    finally:
+        hidden.stop()
+    assert state == FAIL and "kafka.invalid:9092" in detail and "advertised.listeners" in detail, detail
+    assert took < 10, took
+    assert destination(f"kafka://{tansu.bootstrap}")[0] == OK
 
 
 def test_connection_failures_are_logged_once_per_outage(tansu, caplog: pytest.LogCaptureFixture) -> None:

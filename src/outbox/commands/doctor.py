@@ -322,17 +322,33 @@ def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None
     """Kafka: the cluster answers; the topics the relay needs exist, or the brokers may create
     them; with ``probe_topic``, one probe message produced there as the relay would."""
     from ..core.config import KafkaOptions
-    from ..publisher.kafka import KafkaPublisher, probe_message, size_problem, topic_of, topic_status
+    from ..publisher.kafka import (
+        ClusterUnreachable,
+        KafkaPublisher,
+        cluster_status,
+        probe_message,
+        size_problem,
+        topic_of,
+        unreachable_brokers,
+    )
 
     url = settings.publish_url
     options = options or KafkaOptions()
     try:
-        brokers, topics = topic_status(url, options, timeout=CONNECT_TIMEOUT_S)
+        brokers, topics = cluster_status(url, options, timeout=CONNECT_TIMEOUT_S)
     except ConfigError as exc:
         return [Result("destination", FAIL, str(exc))]
+    except ClusterUnreachable as exc:
+        return [Result("destination", FAIL, f"{redact(url)} unreachable: {exc}")]
     except Exception as exc:
         return [Result("destination", FAIL, f"{redact(url)} unreachable: {_error(exc)}")]
-    results = [Result("destination", OK, f"{redact(url)} reachable: {brokers} broker(s), {len(topics)} topic(s)")]
+    # Every produce goes to the addresses the brokers advertise, not to the URL's.
+    hidden = unreachable_brokers(brokers, min(3.0, CONNECT_TIMEOUT_S))
+    results = [Result("destination", FAIL, f"{redact(url)} answers, but {len(hidden)} of the {len(brokers)} broker(s) it "
+                      f"advertises cannot be reached from here: {'; '.join(hidden)}. The relay produces to these "
+                      "addresses: fix the brokers' advertised.listeners, or this host's name resolution or network")
+               if hidden else
+               Result("destination", OK, f"{redact(url)} reachable: {len(brokers)} broker(s), {len(topics)} topic(s)")]
     name = "kafka topics"
     dead = settings.dead_letter_exchange
     if options.auto_create_topics:

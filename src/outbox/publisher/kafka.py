@@ -668,21 +668,97 @@ def probe_message(topic: str) -> OutboxMessage:
                          created_at=datetime.now(UTC), lease="")
 
 
-def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
-                 timeout: float = 5.0) -> tuple[int, set[str]]:
-    """For ``outbox check``: the number of brokers and the topics in the cluster's metadata
-    (raises ``KafkaException`` when unreachable)."""
+class ClusterUnreachable(Exception):
+    """``outbox check``: the cluster's metadata could not be read; the message says why, as
+    librdkafka told it (masked)."""
+
+
+def _telling(errors: Sequence[Any]) -> Any:
+    """Of librdkafka's client errors, the one that says most, or None: a FATAL kind
+    (authentication, SSL) first, else the first that is not ``N/N brokers are down``."""
+    from confluent_kafka import KafkaError as E
+
+    fatal = [e for e in errors if kafka_kind(e) is FailureKind.FATAL]
+    rest = [e for e in errors if e.code() != E._ALL_BROKERS_DOWN]
+    return next(iter(fatal or rest or errors), None)
+
+
+def cluster_status(url: str, options: KafkaOptions, *, timeout: float = 5.0) -> tuple[dict[int, tuple[str, int]], set[str]]:
+    """For ``outbox check``: the brokers the cluster advertises (id: host, port) and the topics
+    in its metadata. A configuration librdkafka refuses (a CA file it cannot read) is a
+    ``ConfigError``; a cluster that does not answer within ``timeout`` a ``ClusterUnreachable``
+    naming librdkafka's reason (name not resolved, connection refused, authentication), which
+    its error callback alone carries: served here by a poll (before 7 December, review, every
+    cause read ``Broker transport failure``)."""
     _kafka()  # a ConfigError naming the extra when confluent-kafka is missing
+    from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
     config: dict[str, Any] = {k: v for k, v in producer_config(options, url).items()
                               if k not in ("enable.idempotence", "acks", "message.timeout.ms", "message.max.bytes")}
+    errors: list[Any] = []
+    config["error_cb"] = errors.append
     # librdkafka's own lines through the log, throttled (ClientLog), not raw on stderr: an
     # unreachable cluster would print one per reconnect while the check waits.
     config["logger"] = ClientLog(log)
-    metadata = AdminClient(config).list_topics(timeout=timeout)
-    return len(metadata.brokers), {name for name, t in metadata.topics.items() if t.error is None}
+    try:
+        admin = AdminClient(config)
+    except KafkaException as exc:
+        raise ConfigError(redact(f"{url}: librdkafka refuses the settings (OUTBOX_PUBLISH_URL, OUTBOX_KAFKA_*): "
+                                 f"{exc.args[0].str() if exc.args else exc}")) from None
+    try:
+        metadata = admin.list_topics(timeout=timeout)
+    except KafkaException as exc:
+        admin.poll(0)  # serves the error callback: librdkafka's reason
+        error = _telling(errors)
+        why = (f"{error.name()}: {error.str()}" if error is not None else
+               f"no answer within {timeout:g} s: a listener of another protocol, or one not speaking security.protocol "
+               f"{config['security.protocol']} (OUTBOX_KAFKA_SECURITY_PROTOCOL; unset, credentials in the URL mean "
+               "sasl_ssl)")
+        raise ClusterUnreachable(redact(f"{exc.args[0].str() if exc.args else exc}: {why}")) from None
+    brokers = {b.id: (str(b.host), b.port) for b in metadata.brokers.values()}
+    return brokers, {name for name, t in metadata.topics.items() if t.error is None}
+
+
+def topic_status(url: str, options: KafkaOptions, topic: str | None = None, *,
+                 timeout: float = 5.0) -> tuple[int, set[str]]:
+    """The number of brokers and the topics in the cluster's metadata (``cluster_status``)."""
+    brokers, topics = cluster_status(url, options, timeout=timeout)
+    return len(brokers), topics
+
+
+def unreachable_brokers(brokers: Mapping[int, tuple[str, int]], timeout: float) -> list[str]:
+    """Of the brokers the cluster advertises, each one this host cannot open a TCP connection
+    to within ``timeout`` (all tried at once), with why. The bootstrap servers answer the
+    metadata, but every produce goes to the advertised addresses (the brokers'
+    advertised.listeners): a name only the brokers' own network resolves passed ``outbox check``
+    (found in review, 7 December 2026)."""
+    import socket
+
+    found: dict[int, str | None] = {}
+
+    def attempt(broker: int, host: str, port: int) -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            found[broker] = None
+        except OSError as exc:
+            found[broker] = f"{host}:{port} (broker {broker}): {exc}"
+
+    threads = [threading.Thread(target=attempt, args=(b, h, p), daemon=True) for b, (h, p) in brokers.items()]
+    for thread in threads:
+        thread.start()
+    end = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    problems = []
+    for broker, (host, port) in brokers.items():
+        if broker not in found:  # its name is still being resolved
+            problems.append(f"{host}:{port} (broker {broker}): no answer within {timeout:g} s")
+        elif found[broker] is not None:
+            problems.append(str(found[broker]))
+    return problems
 
 
 __all__ = ["KafkaPublisher", "producer_config", "topic_of", "kafka_kind", "kafka_headers", "event_headers",
-           "chain_result", "topic_status", "probe_message"]
+           "chain_result", "topic_status", "cluster_status", "unreachable_brokers", "ClusterUnreachable",
+           "probe_message"]
