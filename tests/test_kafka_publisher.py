@@ -223,6 +223,35 @@ def test_an_authentication_failure_is_fatal_and_says_why_whether_or_not_topics_a
     assert took < pub.wait_s + 1, took
 
 
+def test_credentials_in_the_url_are_sent_under_the_ssl_protocol_too(tmp_path) -> None:
+    """Found in review (7 December 2026): OUTBOX_KAFKA_SECURITY_PROTOCOL=ssl with credentials in
+    the URL connected with TLS and no SASL at all, the user and password silently left out
+    (a SASL_SSL listener then drops every connection: an outage, nothing saying why). Tansu
+    behind a TLS proxy refuses every SASL handshake: a FATAL `_AUTHENTICATION` shows the
+    credentials were sent, a delivered event that they were not."""
+    from kafka_support import Tansu, free_port, tansu_or_skip
+    from tls_support import Pki, TlsProxy
+
+    pki, port = Pki(tmp_path), free_port()
+    front = TlsProxy(pki, "localhost", "127.0.0.1", target=("127.0.0.1", port))
+    broker = Tansu(tansu_or_skip(), port, tmp_path / "tansu.log", advertised_port=front.port)
+    broker.start()
+    try:
+        options = KafkaOptions(security_protocol="ssl", ssl_ca_location=str(pki.ca_file), auto_create_topics=True,
+                               delivery_timeout_s=3.0)
+        with KafkaPublisher(f"kafka://localhost:{front.port}", options=options) as pub:
+            assert pub.publish_chain([event(1, "orders")]).ok  # TLS alone: the proxy and broker work
+        with KafkaPublisher(f"kafka://app:S3cret-pw@localhost:{front.port}", options=options) as pub:
+            result = pub.publish_chain([event(2, "orders")])
+    finally:
+        broker.stop()
+        front.close()
+    assert result.failure is not None and result.failure.kind is FailureKind.FATAL, result
+    assert "_AUTHENTICATION" in result.failure.reason and "S3cret-pw" not in result.failure.reason
+    assert producer_config(KafkaOptions(security_protocol="ssl"), "kafka://app:pw@k1:9093")["security.protocol"] == "sasl_ssl"
+    assert producer_config(KafkaOptions(security_protocol="ssl"), "kafka://k1:9093")["security.protocol"] == "ssl"
+
+
 def test_dead_letter_copy_goes_to_the_dead_letter_topic(kafka_bootstrap: str) -> None:
     dead = create_topic(kafka_bootstrap)
     pub = KafkaPublisher(f"kafka://{kafka_bootstrap}", options=KafkaOptions(message_max_bytes=10_000),

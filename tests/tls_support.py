@@ -36,11 +36,14 @@ class Pki:
 
 
 class TlsProxy:
-    """TLS on a free local port in front of RabbitMQ. ``hosts``: the names its certificate
-    carries; ``client_ca``: require a client certificate that this CA signed. ``peers``: the
-    subject of each client certificate presented, in order (None: none presented)."""
+    """TLS on a free local port in front of RabbitMQ (or ``target``, host and port). ``hosts``:
+    the names its certificate carries; ``client_ca``: require a client certificate that this CA
+    signed. ``peers``: the subject of each client certificate presented, in order (None: none
+    presented)."""
 
-    def __init__(self, pki: Pki, *hosts: str, client_ca: Path | None = None) -> None:
+    def __init__(self, pki: Pki, *hosts: str, client_ca: Path | None = None,
+                 target: tuple[str, int] | None = None) -> None:
+        self.target = target
         chain, key = pki.issue(f"server-{'-'.join(hosts)}", *hosts)
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.load_cert_chain(str(chain), str(key))
@@ -80,7 +83,7 @@ class TlsProxy:
         cert = tls.getpeercert()
         self.peers.append(dict(item[0] for item in cert["subject"]) if cert else None)
         tls.settimeout(None)
-        upstream = socket.create_connection(amqp_hostport(), timeout=10)
+        upstream = socket.create_connection(self.target or amqp_hostport(), timeout=10)
         upstream.settimeout(None)
         self.sockets += [tls, upstream]
         threading.Thread(target=self._pump, args=(upstream, tls), daemon=True).start()

@@ -407,8 +407,8 @@ class KafkaOptions(Options):
     topic_template: str = option("{topic}", "str", check=validate_kafka_topic_template)
     #: Off: an event whose Kafka topic does not exist is FATAL; on: the broker's auto-creation makes it.
     auto_create_topics: bool = option(False, "bool")
-    #: Unset: ``ssl`` when any OUTBOX_KAFKA_SSL_* is set, ``sasl_ssl`` with the URL's credentials,
-    #: else ``plaintext`` (``security``).
+    #: Unset: ``ssl`` when any OUTBOX_KAFKA_SSL_* is set, ``sasl_ssl`` with the URL's credentials
+    #: (also when ``plaintext`` or ``ssl``), else ``plaintext`` (``security``).
     security_protocol: str | None = option(None, "str", check=validate_kafka_security_protocol)
     sasl_mechanism: str | None = option(None, "str", check=validate_kafka_sasl_mechanism, key="sasl.mechanism")
     ssl_ca_location: str | None = option(None, "str", key="ssl.ca.location")
@@ -432,11 +432,14 @@ class KafkaOptions(Options):
     def security(self, credentials: bool) -> str:
         """librdkafka's ``security.protocol`` (docs/destinations.md, "Settings"): the setting,
         else TLS when any OUTBOX_KAFKA_SSL_* is set and SASL with the URL's ``credentials``.
-        Credentials are never sent in clear by default: ``plaintext`` with them is ``sasl_ssl``."""
-        if self.security_protocol not in (None, "plaintext"):
+        Credentials are always sent, never in clear by default: ``plaintext`` or ``ssl`` with them
+        is ``sasl_ssl`` (``ssl`` left them out, unsaid, until 7 December: review)."""
+        if self.security_protocol not in (None, "plaintext", "ssl"):
             return self.security_protocol
+        if credentials:
+            return "sasl_ssl"
         tls = any(getattr(self, f.name) is not None for f, _ in self.declared().values() if f.name.startswith("ssl_"))
-        return "sasl_ssl" if credentials else "ssl" if tls else "plaintext"
+        return "ssl" if tls or self.security_protocol == "ssl" else "plaintext"
 
     def librdkafka(self) -> dict[str, Any]:
         """The fields that are librdkafka properties and are set, by their property names."""
