@@ -924,6 +924,24 @@ def test_outbox_check_on_a_wrong_kafka_url_says_why_within_its_bound(tansu, tmp_
     assert destination(f"kafka://{tansu.bootstrap}")[0] == OK
 
 
+def test_the_relays_kafka_outage_line_names_no_exchange(caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review (7 December 2026): a Kafka outage was announced as `destination broker
+    unreachable (kafka://... exchange 'outbox')`, pointing at OUTBOX_EXCHANGE, which plays no
+    part on Kafka (`outbox check` already leaves it out for that reason)."""
+    from outbox.core.config import RelayOptions
+    from outbox.relay.shared import make_relay_outage
+
+    settings = load_settings(environ={"OUTBOX_PUBLISH_URL": "kafka://app:S3cret-pw@127.0.0.1:9",
+                                      "OUTBOX_DATABASE_URL": "sqlite:///unused.db"})
+    outage = make_relay_outage("destination broker", settings, RelayOptions(), "memory://",
+                               logging.getLogger("outbox.test.kafka-outage"))
+    with caplog.at_level(logging.WARNING, logger="outbox.test.kafka-outage"):
+        outage.failed("KafkaError _TRANSPORT: down")
+    [line] = [r.getMessage() for r in caplog.records if r.name == "outbox.test.kafka-outage"]
+    assert "destination broker unreachable (kafka://app:***@127.0.0.1:9)" in line, line
+    assert "exchange" not in line and "S3cret-pw" not in line, line
+
+
 def test_connection_failures_are_logged_once_per_outage(tansu, caplog: pytest.LogCaptureFixture) -> None:
     """librdkafka logs a connection failure at every reconnect while the broker is down: the
     first of an outage at WARNING, the rest at DEBUG, and a new outage warns again."""

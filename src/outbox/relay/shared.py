@@ -441,7 +441,9 @@ def make_relay_outage(which: str, settings: Any, options: Any, shared_url: str,
         meanwhile = ("Claims fail and are retried every tick; nothing is lost (rows in flight finish or "
                      "come back with their lease).")
     else:
-        where = f"{redact(settings.publish_url)} exchange {settings.exchange!r}"
+        # OUTBOX_EXCHANGE plays no part on Kafka: each event goes to its topic (docs/destinations.md).
+        where = (redact(settings.publish_url) if settings.publish_url.startswith("kafka://")
+                 else f"{redact(settings.publish_url)} exchange {settings.exchange!r}")
         meanwhile = (f"Claims pause (probing every {options.breaker_s:g} s); rows in hand are released "
                      "with no attempt spent.")
     return make_outage(shared_url, key, which, where, meanwhile, logger)
