@@ -397,7 +397,17 @@ def validate_publish_url(url: str, setting: str = "OUTBOX_PUBLISH_URL") -> str:
     if transport != "kafka":  # kafka:// lists its servers, after a password that may hold '@'
         check_host_part(url, setting)
     if transport == "kafka":
-        servers = rest.rsplit("@", 1)[-1].split("/", 1)[0].split("?", 1)[0]
+        servers = rest.rsplit("@", 1)[-1]
+        # Nothing but the servers: a query or path was dropped unsaid, so `?security.protocol=ssl`
+        # or amqps://'s `?ssl_ca_certs=...` gave a client in clear (found in review, 7 December 2026).
+        servers, mark, query = servers.partition("?")
+        servers, _, path = servers.partition("/")
+        if mark:
+            raise ConfigError(f"{setting}={shown}: a Kafka URL takes no parameters ({redact(repr(query))} would be ignored): "
+                              "set them as OUTBOX_KAFKA_* settings (docs/destinations.md, \"Settings\")")
+        if path:
+            raise ConfigError(f"{setting}={shown}: a Kafka URL takes no path ('/{path}'): "
+                              "kafka://[user:password@]host:port[,host:port...], and OUTBOX_KAFKA_* settings")
         for server in servers.split(","):
             host, _, port = server.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
