@@ -936,6 +936,44 @@ def test_outbox_check_on_a_wrong_kafka_url_says_why_within_its_bound(tansu, tmp_
     assert destination(f"kafka://{tansu.bootstrap}")[0] == OK
 
 
+APART_SCRIPT = """
+import json, logging, sys
+from datetime import UTC, datetime
+from outbox.core.config import Settings
+from outbox.core.model import OutboxMessage
+from outbox.publisher.apart import ApartPublisher
+from outbox.publisher.select import publisher_for
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    settings = Settings(publish_url=sys.argv[1], claim_timeout_ms=20_000)
+    apart = ApartPublisher(settings, 15.0, publisher_for(settings))
+    for n in range(3):
+        event = OutboxMessage(id=n + 1, message_id=f"m-{n}", topic=sys.argv[2], aggregate_type="order",
+                              aggregate_id="a1", partition_key=None, payload=json.dumps({"n": n}), headers={},
+                              trace_id=None, attempts=2, created_at=datetime.now(UTC), lease="L")
+        [result] = apart.publish_chains([[event]])
+        print("ok" if result.ok else result.failure, flush=True)
+"""
+
+
+def test_a_kafka_publish_apart_does_not_repeat_the_size_warning(kafka_bootstrap: str, tmp_path) -> None:
+    """Found in review (7 December 2026): each publish apart (Dramatiq's rows tried twice, a
+    child process per call) made its publisher anew, and with it the once-per-process WARNING
+    that OUTBOX_MAX_PAYLOAD_BYTES passes Kafka's message size (the defaults do): one more line
+    on the worker's stderr per such publish. The worker's own publisher says it once."""
+    import subprocess
+    import sys
+
+    topic = create_topic(kafka_bootstrap)
+    script = tmp_path / "apart_kafka.py"
+    script.write_text(APART_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), f"kafka://{kafka_bootstrap}", topic], capture_output=True,
+                          text=True, timeout=90, env={k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")})
+    assert done.stdout.split() == ["ok", "ok", "ok"], done.stdout + done.stderr[-2000:]
+    assert done.stderr.count("Kafka refuses messages over") == 1, done.stderr[-3000:]
+
+
 def test_the_relays_kafka_outage_line_names_no_exchange(caplog: pytest.LogCaptureFixture) -> None:
     """Found in review (7 December 2026): a Kafka outage was announced as `destination broker
     unreachable (kafka://... exchange 'outbox')`, pointing at OUTBOX_EXCHANGE, which plays no

@@ -231,7 +231,7 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
                         format="[%(asctime)s] [PID %(process)d] [outbox-publish-apart] [%(name)s] [%(levelname)s] "
                                "%(message)s")
     install_filter()
-    publisher = publisher_for(settings, **options)
+    publisher = publisher_for(settings, size_warning=False, **options)  # the worker warned already
     reply: tuple[bool, Any]
     try:
         if job[0] == "chains":

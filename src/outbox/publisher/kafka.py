@@ -299,13 +299,14 @@ class KafkaPublisher(Publisher):
         self._client_log = ClientLog(logging.getLogger("outbox.publisher.kafka"))
 
     @classmethod
-    def from_settings(cls, settings: Settings, **options: Any) -> KafkaPublisher:
+    def from_settings(cls, settings: Settings, *, size_warning: bool = True, **options: Any) -> KafkaPublisher:
         """Build from ``Settings`` and OUTBOX_KAFKA_*; OUTBOX_DEAD_LETTER_EXCHANGE names the
-        dead-letter topic."""
+        dead-letter topic. ``size_warning``: say ``size_problem`` (once per process); not in a
+        child publishing apart, one per call (docs/destinations.md, "Message size")."""
         options.setdefault("dead_letter_topic", settings.dead_letter_exchange)
         options.setdefault("options", kafka_options())
         options.setdefault("max_wait_s", publish_budget_s(settings))
-        problem = size_problem(settings, options["options"])
+        problem = size_problem(settings, options["options"]) if size_warning else None
         if problem is not None:
             _warn_size(problem)  # once per process
         return cls(settings.publish_url, **options)
