@@ -159,7 +159,7 @@ NO_TICKS_INTERVALS, NO_TICKS_MIN_S = 10, 10.0
 
 #: How often the heartbeat counts the dead rows. The open rows it reads at every beat, on the
 #: claim's index; the dead ones only by reading the whole table on PostgreSQL, in every worker
-#: (218 ms at 1,000,000 rows, growing with the table: docs/operations.md, "Logs").
+#: (218 ms at 1,000,000 rows, growing with the table: docs/operations.md, "Logging").
 DEAD_COUNT_EVERY_S = 3600.0
 
 
