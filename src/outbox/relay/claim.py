@@ -20,6 +20,45 @@ log = logging.getLogger("outbox.relay")  # one logger for the whole relay packag
 #: The error kind recorded on a dead-letter copy of a row that went dead on lease expiry.
 LEASE_EXPIRED = "lease_expired"
 
+#: Live traffic's small claims (published where they were claimed) log one INFO line per this
+#: many seconds per process, counting the others, which log at DEBUG (``SmallClaimsLog``).
+SMALL_CLAIMS_LOG_S = 60.0
+
+
+class SmallClaimsLog:
+    """The INFO line of live traffic's small claims, at most one per ``every_s`` in a process: it
+    counts the small claims since the last one, each of which logs at DEBUG. Every commit's wake
+    makes a claim of its own, and one INFO line per claim was about one line per event: 165,000
+    lines (26 MB) an hour at 50 events/s from one Dramatiq worker, whose command line cannot
+    lower the level (found in review; docs/operations.md, "Logging"). A backlog's claims keep a
+    line each (one per full batch). No lock: a line counted twice or logged twice by threads
+    racing is harmless, and a lock held across a fork would stay held in the child."""
+
+    def __init__(self, every_s: float = SMALL_CLAIMS_LOG_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self.clock = clock
+        self.next_at = 0.0  # the first small claim of a process logs at INFO
+        self.claims = 0
+        self.rows = 0
+
+    def claimed(self, rows: int, lease: str) -> None:
+        self.claims += 1
+        self.rows += rows
+        now = self.clock()
+        if now < self.next_at:
+            log.debug("outbox claimed %d rows lease=%s: publishing them here", rows, lease)
+            return
+        claims, total = self.claims, self.rows
+        self.claims = self.rows = 0
+        self.next_at = now + self.every_s
+        since = (f" ({total} rows in {claims} small claims since the last such line; each is logged at DEBUG, "
+                 f"this line once per {self.every_s:g} s)" if claims > 1 else "")
+        log.info("outbox claimed %d rows lease=%s: publishing them here%s", rows, lease, since)
+
+
+#: This process's (``SmallClaimsLog``).
+small_claims_log = SmallClaimsLog()
+
 
 # -- claiming ------------------------------------------------------------------------------
 
@@ -264,7 +303,7 @@ def _hand_on(relay: RelayContext, claim: Claim, deadline: float, dispatch: Dispa
     outcome.trimmed = bool(over)
     if (publish_inline is not None and not alone and not behind_retried and not over
             and (whole_here or not outcome.full) and outcome.claimed <= options.inline_rows):
-        log.info("outbox claimed %d rows lease=%s: publishing them here", outcome.claimed, claim.lease)
+        small_claims_log.claimed(outcome.claimed, claim.lease)
         outcome.inline = True
         outcome.dispatched = outcome.claimed
         publish_inline([chain for task in tasks for chain in task], deadline)
