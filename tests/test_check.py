@@ -278,6 +278,19 @@ def test_check_tests_dramatiqs_broker_when_dramatiq_is_the_runner(tmp_path: Path
     assert "OUTBOX_DRAMATIQ_BROKER_URL" in down.stdout and ":pw@" not in down.stdout
 
 
+def test_check_on_an_unreachable_rabbitmq_dramatiq_broker_is_one_line_naming_the_cause(tmp_path: Path) -> None:
+    """pika logged seven ERROR lines and a traceback to stderr, and wraps its cause so that the
+    report said `AMQPConnectionError: (no message)` for a refused connection (found in review):
+    now the report line names the refusal and stderr stays clean."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    OutboxStore(url).migrate()
+    down = check({"OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": "amqp://u:pw@127.0.0.1:1//"}, tmp_path)
+    assert down.returncode == 1 and lines(down)["dramatiq broker"] == "FAIL", down.stdout
+    line = next(line for line in down.stdout.splitlines() if line.startswith("[FAIL] dramatiq broker"))
+    assert "Connection refused" in line and "(no message)" not in line and ":pw@" not in line, line
+    assert "Traceback" not in down.stderr and "ERROR" not in down.stderr, down.stderr
+
+
 def test_check_expects_on_sql_server_the_indexes_its_migration_leaves_not_a_retired_one() -> None:
     """SQL Server's migration drops ``agg_id_id`` (retired: docs/sqlserver.md) and makes
     ``agg_open`` and ``open_created_at`` instead; the check looked for the other engines'

@@ -18,6 +18,7 @@ Settings (``outbox.core.config.DramatiqSettings``, read in the one order of READ
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -136,8 +137,14 @@ def reach(url: str, timeout_s: float) -> None:
     TLS and all), waiting ``timeout_s`` at most for each step; raises what went wrong.
     ``outbox check`` reached it through kombu, which reads a ``rediss://`` URL differently
     (no certificate check without parameters): it said "reachable" to workers that could not
-    connect (found in review)."""
+    connect (found in review). pika's own log lines are off meanwhile (seven ERROR lines and a
+    traceback for a refused connection), and an error of pika's whose text is empty (it wraps
+    its cause: ``AMQPConnectionError: (no message)`` in the check) is raised as a
+    ``ConnectionError`` naming that cause (found in review)."""
     broker = make_broker(url, "dramatiq", middleware=[])
+    pika_log = logging.getLogger("pika")
+    level = pika_log.level
+    pika_log.setLevel(logging.CRITICAL + 1)
     try:
         if is_redis_url(url):
             broker.client.ping()
@@ -147,7 +154,12 @@ def reach(url: str, timeout_s: float) -> None:
             parameters.stack_timeout = 2 * timeout_s
             parameters.connection_attempts = 1
         broker.connection  # noqa: B018 - opens the connection (pika's BlockingConnection)
+    except Exception as exc:
+        if str(exc).strip():
+            raise
+        raise ConnectionError(repr(exc)) from exc
     finally:
+        pika_log.setLevel(level)
         broker.close()
 
 
