@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -137,6 +138,46 @@ def test_the_worker_and_scheduler_refuse_a_bad_configuration(tmp_path: Path, env
     scheduler = subprocess.run([str(BIN / "outbox-dramatiq-scheduler")], env=base, capture_output=True, text=True,
                                timeout=60)
     assert scheduler.returncode == 2 and words in scheduler.stderr
+
+
+def test_a_sigterm_to_the_worker_processes_and_their_main_process_is_one_warm_shutdown(tmp_path: Path) -> None:
+    """systemd's default KillMode (control-group), `kill -- -PGID` and supervisord's stopasgroup
+    send SIGTERM to every process of the worker; the main process then sends each worker process
+    its own, which Dramatiq took for a second SIGTERM, "kill now": `Killing worker process...`,
+    the messages in hand abandoned and their rows left to the takeover with an attempt counted
+    (found in review). A repeat within ``REPEATED_SIGTERM_S`` of the first is now the same stop."""
+    require("Redis", "127.0.0.1", 6379)
+    import redis
+
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    OutboxStore(url).migrate()
+    env = {"PATH": str(BIN), "OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": REDIS_URL,
+           "OUTBOX_DRAMATIQ_NAMESPACE": ns}
+    log_path = tmp_path / "worker.log"
+    with log_path.open("w") as out:
+        worker = subprocess.Popen([str(BIN / "dramatiq"), "outbox.dramatiq", "-p", "2", "-t", "1"], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_until(lambda: log_path.read_text().count("Worker process is ready for action") == 2, 60), (
+            log_path.read_text()[-3000:])
+        children = subprocess.run(["pgrep", "-P", str(worker.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 2, children
+        for child in children:  # the order of a control-group kill: every process, then the main one re-sends
+            os.kill(int(child), signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(worker.pid, signal.SIGTERM)
+        returncode = worker.wait(timeout=60)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(match=f"{ns}*"):
+            client.delete(key)
+    text = log_path.read_text()
+    assert "Killing worker process" not in text and returncode == 0, text[-3000:]
+    assert text.count("Worker has been shut down") == 2, text[-3000:]
 
 
 # -- the post-commit wake sends a Dramatiq message ------------------------------------------------

@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +109,37 @@ def request_claim() -> bool:
 
 # -- middleware -----------------------------------------------------------------------------
 
+#: A SIGTERM a worker process receives this soon after its first is the same stop, not Dramatiq's
+#: "kill now" (``one_stop_per_sigterm_burst``).
+REPEATED_SIGTERM_S = 2.0
+
+
+def one_stop_per_sigterm_burst(window_s: float = REPEATED_SIGTERM_S) -> None:
+    """In a Dramatiq worker process (its main thread, after Dramatiq set its handler): a SIGTERM
+    within ``window_s`` of the first is ignored. Dramatiq takes a worker process's second SIGTERM
+    for "kill now" (``Killing worker process...``: the messages in hand abandoned, their rows left
+    to the takeover with an attempt counted), and its main process sends each worker process a
+    SIGTERM of its own: a stop signalled to every process of the worker (systemd's default
+    ``KillMode=control-group``, ``kill -- -PGID``, supervisord's ``stopasgroup``) reached each
+    worker process twice within milliseconds, and every such stop was a kill (found in review).
+    A second SIGTERM sent later still kills (docs/dramatiq.md, "Middleware")."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    dramatiqs = signal.getsignal(signal.SIGTERM)
+    if not callable(dramatiqs):
+        return
+    first: list[float] = []
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if first and now - first[0] < window_s:
+            return  # the same stop, sent to this process and again by Dramatiq's main process
+        first[:] = [now]
+        dramatiqs(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 class OutboxMiddleware(Middleware):
     """Start-up and shutdown of the relay in a Dramatiq worker process."""
 
@@ -113,6 +147,7 @@ class OutboxMiddleware(Middleware):
 
     def after_process_boot(self, broker: Any) -> None:
         install_filter(logging.getLogger())  # no password in any log line
+        one_stop_per_sigterm_burst()  # a stop sent to every process of the worker is warm
         # The consumers' reconnects, told once (docs/dramatiq.md, "When Dramatiq's broker is away").
         self.consumers = consumer_log.install(Outage(
             "Dramatiq's broker", redact(BROKER_URL), "Its consumers reconnect every 3 s; claims that cannot send "
