@@ -45,8 +45,9 @@ def configured() -> bool:
 #: The longest a worker's consumer of an idle queue sleeps between two polls of Dramatiq's
 #: Redis broker. Dramatiq backs off up to the worker's timeout (1 s, not settable from its
 #: command line); every hop of the relay (tick -> claim -> publish -> next claim) would
-#: pay up to that. At 100 ms an idle worker process polls its four queues ~40 times a
-#: second, each a small Lua call.
+#: pay up to that. At 100 ms an idle worker process polls its eight queues (the outbox's four
+#: and their delay queues) about 105 times a second, each a Lua call: ~320 Redis commands a
+#: second per idle process, measured (docs/dramatiq.md, "What an idle worker costs Redis").
 REDIS_IDLE_POLL_MS = 100
 #: Bound on every connect and reply of Dramatiq's Redis broker (redis-py 8's default read
 #: time-out; before 8 there was none). Its consumers poll rather than block, so a few seconds is
