@@ -235,6 +235,29 @@ def test_a_commit_wakes_the_relay_with_one_dramatiq_claim_message(tmp_path: Path
     store.close()
 
 
+@pytest.mark.parametrize("url", ["amqp://guest:guest@127.0.0.1:5672//",
+                                 "amqp://guest:guest@127.0.0.1:5672//;amqp://guest:guest@127.0.0.2:5672//"])
+def test_the_sending_broker_gives_up_on_a_rabbitmq_connection_it_blocks(monkeypatch: pytest.MonkeyPatch,
+                                                                         url: str) -> None:
+    """A RabbitMQ memory or disk alarm blocks every connection that publishes. The scheduler's
+    ticks and the writers' wakes (``brokers.sender``) waited on it for the whole alarm, without a
+    word: 30 s of alarm, no claim tick, no line in any log, and the scheduler's lock connection,
+    not serviced meanwhile, dropped by RabbitMQ (found in review, a private RabbitMQ node with
+    ``set_vm_memory_high_watermark``). pika now gives a blocked connection up after
+    ``RABBITMQ_BLOCKED_S``: the send fails and the scheduler's outage line says so."""
+    from outbox.dramatiq import brokers
+
+    monkeypatch.setenv("OUTBOX_DRAMATIQ_BROKER_URL", url)
+    brokers._senders.clear()
+    try:
+        parameters = brokers._parameters(brokers.sender())
+        assert len(parameters) == url.count(";") + 1
+        assert all(p.blocked_connection_timeout is not None and 0 < p.blocked_connection_timeout <= 5
+                   for p in parameters), [p.blocked_connection_timeout for p in parameters]
+    finally:
+        brokers._senders.clear()
+
+
 def test_throttled_wakes_on_a_rabbitmq_dramatiq_broker_keep_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     """A web process committing ~100 times a second on a RabbitMQ Dramatiq broker: its wakes are
     throttled (one claim per window, one more at its end), and Dramatiq's RabbitmqBroker keeps one

@@ -201,9 +201,19 @@ def expired(expires_at: float | None) -> bool:
 _senders: dict[tuple[int, str, str], Any] = {}
 _senders_lock = threading.Lock()
 
+#: How long the sending broker's send waits on a connection RabbitMQ has blocked (a memory or
+#: disk alarm) before pika gives it up (``ConnectionBlockedTimeout``). Dramatiq tries a send six
+#: times, so a send fails after about 12 s of alarm: the scheduler says so once, and services its
+#: lock between two sends (RabbitMQ drops a connection silent for two 10 s heartbeats).
+RABBITMQ_BLOCKED_S = 2.0
+
 
 def sender() -> Any:
-    """This process's sending broker (no middleware, never the global broker)."""
+    """This process's sending broker (no middleware, never the global broker). On RabbitMQ a send
+    on a connection RabbitMQ blocks fails after ``RABBITMQ_BLOCKED_S`` a try: it waited for the
+    whole alarm, and the scheduler with it, silent, no tick sent and its lock dropped (found in
+    review; docs/dramatiq.md, "When Dramatiq's broker is away"). Not the workers' broker: its
+    consumers' connections would be closed and reopened through every alarm."""
     s = settings(required=True)
     assert s is not None
     key = (os.getpid(), s.url, s.namespace)
@@ -212,6 +222,9 @@ def sender() -> Any:
         if made is None:
             _senders.clear()  # a parent's, after fork
             made = _senders[key] = make_broker(s.url, s.namespace, middleware=[])
+            if not is_redis_url(s.url):
+                for parameters in _parameters(made):
+                    parameters.blocked_connection_timeout = RABBITMQ_BLOCKED_S
         return made
 
 
