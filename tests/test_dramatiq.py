@@ -607,6 +607,45 @@ def test_the_dramatiq_scheduler_stops_adding_claim_ticks_to_a_claim_queue_nobody
     assert f"{queue} holds 5 claim ticks" in told[0], told
 
 
+def test_a_full_redis_is_an_outage_of_dramatiqs_broker_told_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis that refuses writes (maxmemory reached with noeviction: `OOM ...`; a replica after
+    a failover: `READONLY ...`) refused every fetch, ack and send with a ``ResponseError``, which
+    Dramatiq's consumer logs at CRITICAL with a traceback, every 3 s per consumer (113 tracebacks,
+    5,887 log lines, in a 20 s OOM with two worker processes); and the scheduler, whose lock
+    renewal still worked while its sends failed, logged "unreachable" and "reachable again"
+    every second (found in review, a private Redis with `CONFIG SET maxmemory 1`). Both errors
+    are now the broker's outage: a connection error for Dramatiq (one outage line,
+    ``consumer_log``), and a lock check that works does not end an outage its sends are in."""
+    import redis
+
+    require("Redis", "127.0.0.1", 6379)
+    broker = make_broker(REDIS_URL, f"outbox-test-{uuid.uuid4().hex[:10]}", middleware=[])
+    for reply in ("OOM command not allowed when used memory > 'maxmemory'.",
+                  "READONLY You can't write against a read only replica."):
+        with pytest.raises(redis.ConnectionError):  # the errors redis-py makes of those replies
+            broker.client.eval(f"return redis.error_reply({json.dumps(reply)})", 0)
+
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    lock = RedisLock(REDIS_URL, name)
+
+    def full(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float) -> None:
+        raise redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+
+    stop = threading.Event()
+    caplog.set_level(logging.INFO, logger="outbox.dramatiq.scheduler")
+    thread = threading.Thread(target=run, args=(stop, [(CLAIM_TASK, "ns.claim", 0.5, 0.5, {})], lock),
+                              kwargs={"send": full})
+    try:
+        thread.start()
+        time.sleep(3.5)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        _forget_schedule("redis", name)
+    told = [r.getMessage() for r in caplog.records if "reachable" in r.getMessage()]
+    assert len(told) == 1 and "unreachable" in told[0] and "OutOfMemoryError" in told[0], told
+
+
 def test_dramatiqs_redis_broker_gives_up_on_a_redis_that_stops_answering_as_a_connection_error() -> None:
     """Dramatiq's Redis broker was built from the URL alone: no socket timeout or keepalive,
     so with redis-py before 8 a Redis that stops answering (a paused VM, a host gone without

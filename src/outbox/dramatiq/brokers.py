@@ -73,7 +73,7 @@ def pika_url(url: str) -> str:
 def _redis_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any:
     """Dramatiq's RedisBroker for ``url``, with bounds of its own (``REDIS_SOCKET_TIMEOUT_S``)
     and idle consumers that poll at least every ``REDIS_IDLE_POLL_MS``. Its Redis client raises
-    a time-out as a connection error: Dramatiq's consumer turns only those into
+    a time-out, and a refusal to write (``OOM``, ``READONLY``), as a connection error: Dramatiq's consumer turns only those into
     ``ConnectionClosed`` (one outage line, ``consumer_log``); a time-out was a CRITICAL traceback
     per consumer every 3 s. Through public extension points only, RedisBroker's ``client=`` and
     redis-py's ``Redis.execute_command``, so a Dramatiq upgrade cannot drop it silently
@@ -82,13 +82,18 @@ def _redis_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any
     from dramatiq.brokers.redis import RedisBroker
 
     class _TimeoutIsConnectionError(redis.Redis):
-        """Every command the broker sends (its Lua dispatch: enqueue, fetch, ack, nack; LLEN)."""
+        """Every command the broker sends (its Lua dispatch: enqueue, fetch, ack, nack; LLEN). A
+        Redis that refuses writes is away too: full (``OOM``: maxmemory with noeviction) or a
+        replica (``READONLY``, after a failover); as ``ResponseError``s they were a CRITICAL
+        traceback per consumer every 3 s (found in review)."""
 
         def execute_command(self, *args: Any, **options: Any) -> Any:
             try:
                 return super().execute_command(*args, **options)
             except redis.TimeoutError as exc:
                 raise redis.ConnectionError(f"no answer: {exc}") from exc
+            except (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError) as exc:
+                raise redis.ConnectionError(f"{type(exc).__name__}: {exc}") from exc
 
     class _RelayRedisBroker(RedisBroker):
         def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Any:

@@ -73,6 +73,11 @@ class RedisLock:
         self.ttl_ms = int(ttl_s * 1000)
         self.held = False
         self.outage = outage or broker_outage(url)
+        #: The last check failed: the next that works ends the outage. One that works does not end
+        #: an outage the sends are in: a full Redis (``OOM``) still renews the key and refuses
+        #: every send, and the scheduler said "unreachable" and "reachable again" every second
+        #: (found in review).
+        self.failed = False
         #: When each entry was last sent by any leader (``relay.sent_record``).
         self.record = RedisSentRecord(self.client, f"{self.key}:sent:")
 
@@ -88,9 +93,11 @@ class RedisLock:
                 self.held = bool(self.client.set(self.key, self.me, nx=True, px=self.ttl_ms))
         except Exception as exc:  # noqa: BLE001 - Redis down: nobody ticks, which the workers survive
             self.outage.failed(exc)
-            self.held = False
+            self.held, self.failed = False, True
         else:
-            self.outage.ok()
+            if self.failed:
+                self.outage.ok()
+            self.failed = False
         return self.held
 
     def last_sent(self, actors: list[str]) -> dict[str, float]:
