@@ -885,6 +885,57 @@ def test_a_busy_consumer_reads_its_wake_ups_on_postgresql(tmp_path: Path) -> Non
         broker.drop()
 
 
+def test_a_wake_up_for_another_consumer_costs_an_idle_consumer_one_look_on_postgresql(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every send on a table wakes every idle consumer of it (one NOTIFY channel per table:
+    another worker's queue, a reply, a beat tick). A woken consumer that finds nothing for
+    itself goes back to waiting for the next wake-up; before, each wake-up restarted its
+    10 ms back-off, about five more looks at the table per send per idle worker (found in
+    review: 6 workers, 10 tasks/s, 58 index scans per task)."""
+    from outbox.transport.database import Database
+
+    broker = Broker(engine_url("postgresql", tmp_path))
+    try:
+        with broker.connect(polling_interval=1.0) as conn, broker.connect() as sender:
+            producer = Producer(sender.default_channel)
+            other = Queue("other", Exchange("other"), "other")
+            with Consumer(conn, [Queue("idle", Exchange("idle"), "idle")], callbacks=[]):
+                until = time.monotonic() + 2.5
+                while time.monotonic() < until:  # backed off to the ceiling, LISTEN open
+                    with contextlib.suppress(TimeoutError, OSError):
+                        conn.drain_events(timeout=0.5)
+                calls = {"n": 0}
+                real_run = Database.run
+                mine = conn.default_channel.db  # the sender's connection has a Database of its own
+
+                def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+                    calls["n"] += self is mine
+                    return real_run(self, *args, **kwargs)
+
+                stop = threading.Event()
+
+                def send() -> None:
+                    for n in range(10):
+                        if stop.wait(0.2):
+                            return
+                        producer.publish({"n": n}, exchange=other.exchange, routing_key="other", declare=[other])
+
+                monkeypatch.setattr(Database, "run", run)
+                thread = threading.Thread(target=send)
+                thread.start()
+                until = time.monotonic() + 2.1
+                while time.monotonic() < until:
+                    with contextlib.suppress(TimeoutError, OSError):
+                        conn.drain_events(timeout=0.3)
+                monkeypatch.undo()
+                stop.set()
+                thread.join()
+                # one look per wake-up (10) and at most two at the 1 s ceiling; before: about 50
+                assert calls["n"] <= 16, calls
+    finally:
+        broker.drop()
+
+
 @pytest.mark.parametrize("alone", [False, True])
 def test_the_channel_sends_leases_and_acks_alone_where_the_tables_say_so(
         alone: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

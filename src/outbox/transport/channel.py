@@ -648,8 +648,12 @@ class Transport(virtual.Transport):
                 if left is not None and left <= 0:
                     raise TimeoutError()
                 pause = self._next_poll - now if left is None else min(self._next_poll - now, left)
-                if self._idle_wait(pause):  # woken by a send
-                    self._sleep, self._next_poll, self._full_poll_due = self.polling_interval_min, 0.0, 0.0
+                if self._idle_wait(pause):
+                    # Woken by a send: look now. The back-off stays where it was: every send on
+                    # the table wakes every idle consumer of it, and one that finds nothing for
+                    # itself waits for the next wake-up, not 10 ms (docs/transport.md,
+                    # "Receiving and polling"); a delivery restarts the back-off below.
+                    self._next_poll, self._full_poll_due = 0.0, 0.0
                 continue
             polled = False
             try:
