@@ -751,6 +751,21 @@ def test_an_auto_delete_queue_goes_with_its_last_consumer(broker: Broker) -> Non
         assert db.run(lambda qt, c: qt.holds_any(c, "ad.inbox")) is False
 
 
+def test_a_cancel_on_a_closed_channel_does_nothing(broker: Broker) -> None:
+    """Celery's consumer, reconnecting after the broker's database was lost, closes the
+    connection (kombu closes its channels and unhooks them) and then cancels its task and
+    remote-control consumers on those closed channels, as kombu's own ``basic_cancel`` allows.
+    It raised AttributeError ('NoneType' object has no attribute 'channels'), logged by Celery
+    as "Error on restarting Control" and "... Tasks" on every reconnect (found in review)."""
+    conn = broker.connect()
+    channel = conn.channel()
+    consumer = Consumer(channel, [Queue("closed", Exchange("closed"), "closed", auto_delete=True)], callbacks=[])
+    consumer.consume()
+    conn.close()
+    assert channel.connection is None  # kombu's close_channel unhooks it
+    consumer.cancel()  # Celery's Tasks and Control steps, after the close
+
+
 def test_a_control_command_sent_to_a_killed_worker_is_not_run_by_the_next_of_its_name(broker: Broker) -> None:
     """A worker killed without closing leaves its remote-control queue bound (auto-delete,
     Celery's default, not exclusive). A command broadcast meanwhile (a shutdown) lands there;

@@ -289,6 +289,10 @@ class Channel(virtual.Channel):
         "Auto-delete and exclusive queues go with their last consumer")."""
         queue = self._tag_to_queue.get(consumer_tag)
         super().basic_cancel(consumer_tag)
+        if self.connection is None:
+            # A closed channel (kombu unhooks it): its close cancelled every consumer already.
+            # Celery cancels its consumers again when it reconnects after a lost database.
+            return
         if not any(getattr(ch, "_consumers", None) and getattr(ch, "db", None) is self.db
                    for ch in self.connection.channels):
             # Nothing consumes this table here any more: a LISTEN connection left open and
