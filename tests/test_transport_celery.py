@@ -146,6 +146,48 @@ def test_transactional_send_runs_the_task_only_if_the_transaction_commits(task_a
         conn.close()
 
 
+def test_transactional_send_follows_a_route_by_exchange_and_routing_key(task_app: TaskApp) -> None:
+    """A task routed by exchange and routing key (Celery's own example: ``{"exchange": "feeds",
+    "exchange_type": "topic", "routing_key": "feed.import"}``, no queue) goes where
+    ``apply_async`` sends it: to the queues bound to that exchange for that key. Before,
+    ``send_task`` failed with a bare ``KeyError: 'queue'`` (found in review); a key that no
+    queue is bound for is refused with SendError before anything is written."""
+    from kombu import Connection, Exchange, Queue
+
+    from outbox.transport import SendError, send_task
+
+    a = task_app
+    a.worker("w1", concurrency=1)
+    assert wait_until(lambda: "ready" in a.log("w1"), timeout=60), a.log("w1")[-3000:]  # bound: celery -> celery
+    with Connection(a.env["TAPP_BROKER"], transport_options={"queue_table": a.table}) as kombu_conn:
+        # The worker's queue bound to a topic exchange too, as a worker declaring it would.
+        Queue("celery", Exchange("feeds", type="topic"), routing_key="feed.#")(kombu_conn.default_channel).declare()
+    record, noted_nap, nap = (f"{a.module}.{task}" for task in ("record", "noted_nap", "nap"))
+    a.app.conf.task_routes = {  # read once, at the router's first use
+        record: {"exchange": "feeds", "exchange_type": "topic", "routing_key": "feed.import"},
+        noted_nap: {"exchange": "celery", "exchange_type": "direct", "routing_key": "celery"},
+        nap: {"exchange": "feeds", "exchange_type": "topic", "routing_key": "news.x"}}
+    engine = engine_for_url(a.db_url)
+    if engine.name == "sqlite":
+        import sqlite3
+
+        from outbox.storage.engines.sqlite import sqlite_path
+        conn = sqlite3.connect(sqlite_path(a.db_url), timeout=30)
+    else:
+        conn = engine.connect(a.db_url)
+    try:
+        send_task(conn, a.app, record, args=(1,))  # topic: feed.# matches feed.import
+        send_task(conn, a.app, noted_nap, args=(2, 0))  # direct: the worker's own binding
+        with pytest.raises(SendError, match="no queue is bound to exchange 'feeds'"):
+            send_task(conn, a.app, nap, args=(3,))
+        conn.commit()  # still usable after the refusal
+        assert wait_until(lambda: a.lines("record") and a.lines("nap"), timeout=30), a.log("w1")[-3000:]
+        time.sleep(0.5)
+        assert [x[1] for x in a.lines("record")] == ["1"] and [x[1] for x in a.lines("nap")] == ["2"]
+    finally:
+        conn.close()
+
+
 @pytest.fixture(params=["sqlite", "mysql"])  # the engines without wake-ups (PostgreSQL: tests/test_transport_suites.py)
 def backed_app(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TaskApp]:
     """The test app with a Redis result backend, the transport's default idle ceiling

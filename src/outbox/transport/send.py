@@ -8,9 +8,12 @@ on ``conn``, inside the caller's open transaction. It never commits or rolls bac
 queue tables must exist already (``outbox migrate`` with OUTBOX_CELERY_BROKER_URL set, or
 any worker having started): DDL inside the caller's transaction would commit it on MySQL.
 
-Bad input (arguments the serializer cannot encode, an unknown queue, a task name that is
-empty) raises ``SendError`` (a ``ValueError``) before anything is written, so the caller's
-transaction stays usable.
+A task routed by exchange and routing key (no queue) goes to every queue bound to them in
+the bindings table, matched as kombu matches direct, topic and fanout exchanges.
+
+Bad input (arguments the serializer cannot encode, a route to an exchange no queue is bound
+to for its key, a task name that is empty) raises ``SendError`` (a ``ValueError``) before
+anything is written, so the caller's transaction stays usable.
 """
 
 from __future__ import annotations
@@ -51,17 +54,44 @@ def send_task(conn: Any, app: Any, name: str, args: Sequence[Any] = (), kwargs: 
     tables = queue_tables(engine, table)
 
     route = app.amqp.router.route({"queue": queue} if queue else {}, name, args, kwargs)
-    target = route["queue"]
-    queue_name = getattr(target, "name", None) or str(target)
-    exchange = getattr(getattr(target, "exchange", None), "name", None) or ""
-    routing_key = getattr(target, "routing_key", None) or queue_name
+    target = route.get("queue")
+    if target is not None:
+        queue_name: str | None = getattr(target, "name", None) or str(target)
+        exchange = getattr(getattr(target, "exchange", None), "name", None) or ""
+        routing_key = str(getattr(target, "routing_key", None) or queue_name)
+    else:  # routed by exchange and routing key: to the queues bound for them, as kombu routes it
+        named = route.get("exchange")
+        exchange = str(named.name if hasattr(named, "name") else named or "")
+        routing_key = str(route.get("routing_key") or "")
+        queue_name = None if exchange else routing_key or None  # the default exchange: the key names the queue
     task_id = task_id or str(uuid.uuid4())
     message = app.amqp.as_task_v2(task_id, name, tuple(args), dict(kwargs or {}), countdown=countdown, eta=eta,
                                   expires=expires)
     envelope, body = _envelope(app, message, exchange, routing_key)
     cursor = engine.cursor_for(dbapi)
-    tables.put(cursor, queue_name, json.dumps(envelope), body, delay_ms=eta_delay_ms(envelope["headers"]))
+    queues = [queue_name] if queue_name else _bound_queues(tables, cursor, route, exchange, routing_key)
+    for target_queue in queues:
+        tables.put(cursor, target_queue, json.dumps(envelope), body, delay_ms=eta_delay_ms(envelope["headers"]))
     return task_id
+
+
+def _bound_queues(tables: Any, cursor: Any, route: Mapping[str, Any], exchange: str, routing_key: str) -> list[str]:
+    """The queues bound to ``exchange`` for ``routing_key`` in the bindings table, matched as
+    kombu matches them (direct, topic, fanout); SendError when there is none, before anything
+    is written (kombu would drop such a message)."""
+    from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES
+
+    kind = route.get("exchange_type") or getattr(route.get("exchange"), "type", None) or "direct"
+    exchange_type = STANDARD_EXCHANGE_TYPES.get(kind)
+    if not exchange or exchange_type is None:
+        raise SendError(f"send_task: the task's route names no queue and no exchange of type direct, topic or "
+                        f"fanout ({dict(route)!r}): pass queue=")
+    table = [(b.routing_key, b.pattern or None, b.queue) for b in tables.table_bindings(cursor, exchange)]
+    queues = sorted(exchange_type(None).lookup(table, exchange, routing_key, None))
+    if not queues:
+        raise SendError(f"send_task: no queue is bound to exchange {exchange!r} for routing key {routing_key!r} "
+                        "(a worker binds its queues when it starts); pass queue=")
+    return queues
 
 
 def _envelope(app: Any, message: Any, exchange: str, routing_key: str) -> tuple[dict[str, Any], str]:
