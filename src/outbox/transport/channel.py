@@ -46,7 +46,7 @@ from typing import Any
 from kombu.transport import virtual
 
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
-from .database import Database, database_url_of, driver_errors
+from .database import Database, database_url_of, driver_errors, split_password, with_password
 from .messages import (
     celery_expires,
     check_name,
@@ -520,7 +520,13 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
-        self.database_url = database_url_of(client.hostname)
+        # The URL's password moves to kombu's password field, which Celery's `inspect stats`
+        # leaves out of its reply (the hostname it shows in full); a clone carries both back.
+        hostname, password = split_password(client.hostname or "")
+        if password is not None:
+            client.hostname, client.password = hostname, password
+        url = client.hostname
+        self.database_url = database_url_of(with_password(url, client.password) if url else url)
         conn_errors, chan_errors = driver_errors(self.database_url)
         self.connection_errors = type(self).connection_errors + conn_errors
         self.channel_errors = virtual.Transport.channel_errors + chan_errors

@@ -107,6 +107,34 @@ def database_url_of(hostname: str | None) -> str:
     return hostname
 
 
+def split_password(url: str) -> tuple[str, str | None]:
+    """``url`` without the password of its user info, and that password as written (None when
+    there is none). kombu keeps the database URL whole as the connection's hostname, which
+    Celery's ``inspect stats`` replies with; its password field it leaves out
+    (``Transport.__init__``)."""
+    from urllib.parse import urlsplit
+
+    prefix, sep, _ = url.partition("://")
+    try:
+        netloc, password = urlsplit(url).netloc, urlsplit(url).password
+    except ValueError:
+        return url, None
+    if not sep or password is None:
+        return url, None
+    userinfo, _, hosts = netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    rest = url[len(prefix) + len(sep) + len(netloc):]
+    return f"{prefix}{sep}{user}@{hosts}{rest}", password
+
+
+def with_password(url: str, password: str | None) -> str:
+    """``split_password``'s inverse: ``password`` put back after the user of ``url``."""
+    prefix, sep, rest = url.partition("://")
+    if not password or not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    return f"{prefix}{sep}{rest.replace('@', f':{password}@', 1)}"
+
+
 class Database:
     """One DB-API connection per process for a transport, shared by its channels under a
     lock (acks may come from pool threads): ``storage.connections``. Each ``run`` is one
