@@ -789,6 +789,37 @@ def test_a_control_command_sent_to_a_killed_worker_is_not_run_by_the_next_of_its
         assert ran == ["shutdown"]
 
 
+def test_a_control_command_sent_while_a_worker_reconnects_is_run_by_it(broker: Broker) -> None:
+    """A worker whose broker database was lost (a cut, a restart) closes its connection and
+    reconnects; its remote-control queue stays bound meanwhile, and a command broadcast then
+    (a revoke, with Celery's 1 s timeout) waits there. It was meant for this live worker: its
+    new consumer must run it. Before, the new channel's consumption began after the command's
+    ``expires`` and dropped it as sent to a dead worker, so a task revoked during a database
+    blip ran at its eta (found in review, with a real worker behind a TCP proxy)."""
+    from kombu.pidbox import Mailbox
+
+    mailbox = Mailbox("ctl", type="fanout", queue_exclusive=False, queue_ttl=300)
+    ran: list[str] = []
+    handlers = {"revoke": lambda state, **kwargs: ran.append("revoke")}
+    with broker.connect() as client:
+        lost = broker.connect()
+        mailbox(lost).Node("w2@h", handlers=handlers, channel=lost.default_channel).listen()
+        with contextlib.suppress(TimeoutError, OSError):
+            lost.drain_events(timeout=0.3)
+        for db in lost.transport._databases.values():
+            db.lost = True  # a statement ran out of its retries: Celery closes and reconnects
+        lost.close()  # the queue stays bound (the close follows a loss)
+        mailbox(client)._broadcast("revoke", timeout=0.2)
+        time.sleep(0.5)  # Celery's reconnect takes longer than the command's timeout
+        with broker.connect() as reconnected:
+            mailbox(reconnected).Node("w2@h", handlers=handlers, channel=reconnected.default_channel).listen()
+            deadline = time.monotonic() + 5
+            while not ran and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, OSError):
+                    reconnected.drain_events(timeout=0.5)
+        assert ran == ["revoke"]
+
+
 def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
     """With a 5 s idle ceiling, a send still reaches an idle, blocked consumer at once:
     LISTEN/NOTIFY (polling alone would take seconds after a few idle seconds)."""

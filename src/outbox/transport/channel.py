@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 import uuid
@@ -62,6 +63,12 @@ from .options import SCHEME
 from .tables.base import DEFAULT_QUEUE_TABLE, MessageRow, QueueTables
 
 log = logging.getLogger("outbox.transport")
+
+#: (process, database URL, table, remote-control queue) -> when this process began consuming
+#: it. Kept across a close that follows the loss of the database, so the channel Celery
+#: reconnects on still runs the commands sent to this live worker meanwhile; forgotten when the
+#: last consumer of the queue cancels otherwise (``Channel._sent_to_an_earlier_consumer``).
+_consumed_since: dict[tuple[int, str, str, str], float] = {}
 
 
 class QoS(virtual.QoS):
@@ -280,8 +287,12 @@ class Channel(virtual.Channel):
         if no_ack:
             self._no_ack_queues.add(queue)
         if is_control_queue(queue):
-            self._consuming_since.setdefault(queue, time.time())
+            since = _consumed_since.setdefault(self._since_key(queue), time.time())
+            self._consuming_since.setdefault(queue, since)
         return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def _since_key(self, queue: str) -> tuple[int, str, str, str]:
+        return os.getpid(), self.db.url, self.db.qt.table, queue
 
     def basic_cancel(self, consumer_tag: str) -> None:
         """The last consumer of a queue here gone: an auto-delete or exclusive queue declared
@@ -303,6 +314,8 @@ class Channel(virtual.Channel):
             return
         self._no_ack_queues.discard(queue)
         self._consuming_since.pop(queue, None)
+        if not self.connection.lost_database():
+            _consumed_since.pop(self._since_key(queue), None)
         if queue in self._auto_delete and not self.connection.lost_database():
             self._auto_delete.discard(queue)
             try:
@@ -421,8 +434,10 @@ class Channel(virtual.Channel):
 
     def _sent_to_an_earlier_consumer(self, queue: str, payload: dict[str, Any]) -> bool:
         """A remote-control command whose ``expires`` (the send plus the client's timeout) passed
-        before this channel began consuming its queue: sent to a consumer gone since, not run
-        (docs/transport.md, "Auto-delete and exclusive queues go with their last consumer")."""
+        before this process began consuming its queue: sent to a consumer gone since, not run
+        (docs/transport.md, "Auto-delete and exclusive queues go with their last consumer"). A
+        channel Celery reconnects on after a lost database counts from the first consumer's
+        start (``_consumed_since``): what was sent meanwhile was meant for this worker."""
         since = self._consuming_since.get(queue)
         expires = (payload.get("headers") or {}).get("expires")
         return since is not None and isinstance(expires, int | float) and 0 < expires < since
