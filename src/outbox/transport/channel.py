@@ -191,6 +191,19 @@ class Channel(virtual.Channel):
     # -- publishing ----------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         self.db.run(lambda qt, c: self._insert(qt, c, queue, message), alone=self.db.qt.writes_alone)
+        self._wake([queue])
+
+    def _wake(self, queues: list[str]) -> None:
+        """After a send's commit: wake idle receivers, in a statement of its own that commits
+        without waiting for the disk (PostgreSQL: docs/transport.md, "Receiving and polling").
+        Best effort: the message is stored, and a send raised now would be sent again; a
+        receiver not woken finds it at its next poll."""
+        if not (queues and self.db.qt.wakes_on_send):
+            return
+        try:
+            self.db.connections.run("wake", lambda cursor: self.db.qt.wake(cursor, queues), attempts=1, alone=True)
+        except Exception as exc:  # noqa: BLE001 - a wake-up lost: receivers poll
+            log.debug("outboxdb: cannot wake receivers of %s (%s)", queues, exc)
 
     def _insert(self, qt: QueueTables, cursor: Any, queue: str, message: dict[str, Any]) -> None:
         check_name("queue", queue)
@@ -200,18 +213,21 @@ class Channel(virtual.Channel):
         if ttl is None:
             ttl = self._queue_ttl.get(queue)
         qt.put(cursor, queue, encode_envelope(envelope), message.get("body"),
-               delay_ms=eta_delay_ms(headers), ttl_ms=ttl)
+               delay_ms=eta_delay_ms(headers), ttl_ms=ttl, wake=False)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
         """A copy for every queue bound to the exchange, in one transaction (begun explicitly:
         SQLite's connection would otherwise commit each copy by itself)."""
-        def work(qt: QueueTables, cursor: Any) -> None:
+        def work(qt: QueueTables, cursor: Any) -> list[str]:
             qt.engine.begin(cursor)
+            queues = []
             for binding in qt.table_bindings(cursor, exchange):
                 if binding.message_ttl_ms is not None:
                     self._queue_ttl[binding.queue] = binding.message_ttl_ms
                 self._insert(qt, cursor, binding.queue, message)
-        self.db.run(work)
+                queues.append(binding.queue)
+            return queues
+        self._wake(self.db.run(work))
 
     # -- routing -----------------------------------------------------------------------
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str | None, queue: str) -> None:

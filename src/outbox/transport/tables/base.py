@@ -189,8 +189,14 @@ class QueueTables:
         return params
 
     def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
-            ttl_ms: int | None = None) -> None:
+            ttl_ms: int | None = None, wake: bool = True) -> None:
+        """Store a message. ``wake``: the insert itself wakes idle receivers at its commit, where
+        the engine can (``wakes_on_send``); the broker's own sends pass False and call ``wake``
+        after their commit, the transactional ``send_task`` wakes at the caller's commit."""
         self.run(cursor, self.put_sql(ttl_ms is not None), self.put_params(queue, headers, body, delay_ms, ttl_ms))
+
+    def wake(self, cursor: Any, queues: Sequence[str]) -> None:
+        """Wake idle receivers of ``queues`` in a statement of its own (engines with wake-ups)."""
 
     def session_setup(self, cursor: Any) -> None:
         """Run once on each new connection of the transport (engine-specific tuning)."""

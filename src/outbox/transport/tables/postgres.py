@@ -8,6 +8,7 @@ never wait for each other; the statement runs in autocommit-sized transactions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from ...storage.engines.postgres import PostgresEngine
@@ -149,17 +150,27 @@ class PostgresQueueTables(QueueTables):
         # transaction.
         self.run(cursor, "SET synchronous_commit = off")
 
-    def put_sql(self, with_expiry: bool) -> str:
-        # One round trip: a durable commit for this transaction, the insert, and the
-        # wake-up of idle receivers (delivered at commit).
-        return ("WITH durable AS (SELECT set_config('synchronous_commit', 'on', true) AS on_), "
-                f"sent AS ({super().put_sql(with_expiry)} RETURNING queue) "
+    def put_sql(self, with_expiry: bool, wake: bool = True) -> str:
+        # One round trip: a durable commit for this transaction, the insert, and (``wake``)
+        # the wake-up of idle receivers (delivered at commit).
+        durable = "WITH durable AS (SELECT set_config('synchronous_commit', 'on', true) AS on_), "
+        if not wake:
+            return f"{durable}sent AS ({super().put_sql(with_expiry)} RETURNING queue) SELECT 1 FROM sent, durable"
+        return (f"{durable}sent AS ({super().put_sql(with_expiry)} RETURNING queue) "
                 "SELECT pg_notify(?, sent.queue) FROM sent CROSS JOIN durable")
 
     def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
-            ttl_ms: int | None = None) -> None:
-        self.run(cursor, self.put_sql(ttl_ms is not None),
-                 [*self.put_params(queue, headers, body, delay_ms, ttl_ms), self.wake_channel()])
+            ttl_ms: int | None = None, wake: bool = True) -> None:
+        params = self.put_params(queue, headers, body, delay_ms, ttl_ms)
+        self.run(cursor, self.put_sql(ttl_ms is not None, wake), [*params, self.wake_channel()] if wake else params)
+
+    def wake(self, cursor: Any, queues: Sequence[str]) -> None:
+        # Its own statement, committed without waiting for the disk (the session's
+        # synchronous_commit is off): the database-wide lock a NOTIFY takes at commit is held
+        # for as long as that commit, and a durable send holding it through its WAL flush made
+        # concurrent senders commit one at a time (docs/transport.md, "Receiving and polling").
+        for queue in dict.fromkeys(queues):
+            self.run(cursor, "SELECT pg_notify(?, ?)", [self.wake_channel(), queue]).fetchall()
 
     def open_waiter(self, url: str) -> Waiter:
         return ListenWaiter(url, self.wake_channel())
