@@ -41,6 +41,14 @@ print(json.dumps([m for m in records if "No relay reads" in m]))
 """
 
 
+
+def run_django(script: str, table: str, settings_module: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a new Python with ``settings_module`` (in ``tmp_path``) as Django's settings."""
+    done = subprocess.run([PYTHON, "-c", script, table], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=clean_env(DJANGO_SETTINGS_MODULE=settings_module, PYTHONPATH=pythonpath(tmp_path)))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
 def test_enqueue_into_a_second_django_database_warns_once(tmp_path: Path) -> None:
     """Found in review: the event committed in ``orders``, the relay read only
     ``DATABASES["default"]``, and nothing said so: the event stayed pending forever."""
@@ -63,10 +71,7 @@ def test_enqueue_into_a_second_django_database_warns_once(tmp_path: Path) -> Non
     for store in stores:
         store.migrate()
     try:
-        done = subprocess.run([PYTHON, "-c", DJANGO_SCRIPT, table], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120, env=clean_env(DJANGO_SETTINGS_MODULE="dbsettings",
-                                                         PYTHONPATH=pythonpath(tmp_path)))
-        assert done.returncode == 0, done.stderr[-4000:]
+        done = run_django(DJANGO_SCRIPT, table, "dbsettings", tmp_path)
         [warning] = json.loads(done.stdout.strip().splitlines()[-1])  # once, for orders only
         assert "enqueue(using='orders')" in warning and f"/{pg.path[1:]}" in warning and str(default_db) in warning
         assert "OUTBOX_DATABASE_URL pointing at that database" in warning
@@ -125,10 +130,7 @@ def test_an_alias_whose_options_the_relay_cannot_carry_still_enqueues(tmp_path: 
     store = OutboxStore(MYSQL_URL, table=table)
     store.migrate()
     try:
-        done = subprocess.run([PYTHON, "-c", LEGACY_SCRIPT, table], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120, env=clean_env(DJANGO_SETTINGS_MODULE="legacysettings",
-                                                         PYTHONPATH=pythonpath(tmp_path)))
-        assert done.returncode == 0, done.stderr[-4000:]
+        done = run_django(LEGACY_SCRIPT, table, "legacysettings", tmp_path)
         assert json.loads(done.stdout.strip().splitlines()[-1]) == {"rows": 2, "errors": []}
     finally:
         with store.transaction() as cursor:

@@ -247,28 +247,31 @@ def test_migration_steps_are_guarded_one_object_each(qt: MssqlQueueTables, no_sq
     assert qt.required_indexes() == ["ix_celery_q_ready", "ix_celery_q_expires"]
 
 
+class TableLocked(AnsweringCursor):
+    """A session whose LOCK_TIMEOUT reads 30 s and whose CREATE TABLE waits out its lock
+    timeout (1222): a table another transaction holds."""
+
+    def execute(self, sql: str, params: Any = ()) -> RecordingCursor:
+        from outbox.storage.engines.mssql.engine import LOCK_TIMEOUT_SQL
+
+        super().execute(sql, params)
+        if sql == LOCK_TIMEOUT_SQL:
+            self.rows = [(30_000,)]
+        if "CREATE TABLE" in sql:
+            raise type("OperationalError", (Exception,), {"__module__": "pyodbc"})(
+                "HY000", "[HY000] [SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)")
+        return self
+
+
 def test_the_queue_tables_migration_gives_up_once_and_names_the_holder(monkeypatch: pytest.MonkeyPatch) -> None:
     """`outbox migrate`'s queue tables on SQL Server: a step that waited for a table's lock
     (1222) was retried at the session's 30 s LOCK_TIMEOUT like any transient error (review
     diff1, finding 5). Now it waits 10 s once, and the error names who holds the table."""
     from outbox.core.errors import StoreError
-    from outbox.storage.engines.mssql.engine import LOCK_TIMEOUT_SQL
     from outbox.transport import migrate_queue_tables
 
-    locked = type("OperationalError", (Exception,), {"__module__": "pyodbc"})(
-        "HY000", "[HY000] [SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)")
-
-    class Locked(AnsweringCursor):
-        def execute(self, sql: str, params: Any = ()) -> RecordingCursor:
-            super().execute(sql, params)
-            if sql == LOCK_TIMEOUT_SQL:
-                self.rows = [(30_000,)]
-            if "CREATE TABLE" in sql:
-                raise locked
-            return self
-
     conn = AnsweringConnection({"FROM sys.dm_tran_locks": [(61, "app", None, None, "sleeping", 3)]})
-    conn.cursor_class = Locked
+    conn.cursor_class = TableLocked
     monkeypatch.setattr(MssqlEngine, "connect", lambda self, url: conn)
     with pytest.raises(StoreError, match=r"waiting 10 s for a lock on \[dbo\]\.\[celery_q\].*session 61 "
                                          r"\(login app, sleeping, its transaction open 3 s; KILL 61 ends it\)"):
@@ -289,23 +292,10 @@ def test_a_workers_start_up_migration_waits_one_second_for_a_table_lock(
     session's own value is put back after."""
     import logging
 
-    from outbox.storage.engines.mssql.engine import LOCK_TIMEOUT_SQL
     from outbox.transport.database import Database
 
-    locked = type("OperationalError", (Exception,), {"__module__": "pyodbc"})(
-        "HY000", "[HY000] [SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)")
-
-    class Locked(AnsweringCursor):
-        def execute(self, sql: str, params: Any = ()) -> RecordingCursor:
-            super().execute(sql, params)
-            if sql == LOCK_TIMEOUT_SQL:
-                self.rows = [(30_000,)]
-            if "CREATE TABLE" in sql:
-                raise locked
-            return self
-
     conn = AnsweringConnection()
-    conn.cursor_class = Locked
+    conn.cursor_class = TableLocked
     monkeypatch.setattr(MssqlEngine, "connect", lambda self, url: conn)
     db = Database("mssql+pyodbc://u:p@h/d?driver=x", "celery_q_startup", None, create=True, wake=False)
     with caplog.at_level(logging.WARNING, logger="outbox.transport"):
