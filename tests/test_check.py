@@ -40,8 +40,10 @@ def test_check_on_the_embedded_default_fails_before_migrate_and_passes_after(tmp
     before = check(env, tmp_path)
     assert before.returncode == 1, before.stdout + before.stderr
     states = lines(before)
-    assert states["configuration"] == "ok" and states["database"] == "ok" and states["table"] == "FAIL"
-    assert "run `outbox migrate`" in before.stdout
+    # No file yet: the check makes none (it made an empty one and said "connected").
+    assert states["configuration"] == "ok" and states["database"] == "FAIL" and "table" not in states
+    assert "does not exist (nothing was created)" in before.stdout and "`outbox migrate` creates it" in before.stdout
+    assert not (tmp_path / "o.db").exists()
     OutboxStore(env["OUTBOX_DATABASE_URL"]).migrate()
     after = check(env, tmp_path)
     assert after.returncode == 0, after.stdout + after.stderr

@@ -179,6 +179,7 @@ def test_a_postgresql_url_listing_several_hosts_connects() -> None:
 
 def test_status_before_migrate_says_to_migrate(tmp_path: Path) -> None:
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_TABLE": "never_migrated"}
+    sqlite3.connect(tmp_path / "o.db").close()  # the database exists, the table does not
     for args in (("status",), ("dead", "list"), ("purge",)):
         result = run(*args, env=env)
         assert result.returncode == 1
@@ -314,6 +315,30 @@ def test_a_sqlite_file_in_a_missing_directory_names_the_directory(tmp_path: Path
         "OUTBOX_DATABASE_URL)"), result.stderr
     (tmp_path / "data").mkdir()
     ok(run("migrate", env={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'data' / 'outbox.db'}"}))
+
+
+def test_a_sqlite_file_that_does_not_exist_is_not_created_but_by_migrate(tmp_path: Path) -> None:
+    """With OUTBOX_DATABASE_URL unset the database is ./outbox.db: `outbox status` (check,
+    dead list, purge) run from another directory made an empty outbox.db there and said to
+    run `outbox migrate`, which made a second, empty outbox that the relay then served while
+    the application's events waited in the first (found in the first-hour review)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") and k != "DJANGO_SETTINGS_MODULE"}
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    for args in (("status",), ("dead", "list"), ("purge",), ("check",)):
+        result = subprocess.run([sys.executable, "-m", "outbox.cli", *args], capture_output=True, text=True,
+                                cwd=where, timeout=60, env=env)
+        assert result.returncode == 1, result
+        said = result.stdout + result.stderr
+        assert f"{where / 'outbox.db'}: it does not exist (nothing was created" in said, said
+        assert "run `outbox migrate`" not in said.replace("`outbox migrate` creates it", ""), said
+    assert list(where.iterdir()) == []
+    migrated = subprocess.run([sys.executable, "-m", "outbox.cli", "migrate"], capture_output=True, text=True,
+                              cwd=where, timeout=60, env=env)
+    assert migrated.returncode == 0, migrated
+    assert (where / "outbox.db").exists()
+    ok(subprocess.run([sys.executable, "-m", "outbox.cli", "status"], capture_output=True, text=True,
+                      cwd=where, timeout=60, env=env))
 
 
 def test_a_schema_on_sqlite_is_refused_naming_both_settings(tmp_path: Path) -> None:

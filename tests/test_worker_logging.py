@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -286,6 +287,7 @@ def test_the_heartbeat_of_a_worker_without_its_table_says_to_migrate(
 
     settings = Settings.from_sources({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
                                       "OUTBOX_TABLE": "never_migrated"})
+    sqlite3.connect(tmp_path / "o.db").close()  # the database exists, the table does not
     with caplog.at_level(logging.WARNING, logger="outbox.heartbeat"):
         Heartbeat(300.0, settings).beat_once(None)
     lines = [r.getMessage() for r in caplog.records if "outbox heartbeat" in r.getMessage()]

@@ -138,9 +138,13 @@ class OutboxStore:
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> OutboxStore:
         s = settings or get_settings()
-        return cls(s.database_url, table=s.table, schema=s.schema,
-                   claim_timeout_ms=s.claim_timeout_ms, max_attempts=s.max_attempts,
-                   archive_uri=s.archive_uri)
+        store = cls(s.database_url, table=s.table, schema=s.schema,
+                    claim_timeout_ms=s.claim_timeout_ms, max_attempts=s.max_attempts,
+                    archive_uri=s.archive_uri)
+        # The relay and the commands read an outbox that exists: a SQLite file is made by
+        # ``migrate`` alone (``Engine.creates_database``; README, "Install").
+        store.engine.creates_database = False
+        return store
 
     def __repr__(self) -> str:
         return f"OutboxStore({self.engine.name}, table={self.engine.table})"
@@ -182,6 +186,7 @@ class OutboxStore:
     def migrate(self, native_json: bool = False) -> int:
         """Create or repair the table and its indexes. Safe to run any number of times.
         Returns how many guarded repair steps ran (``apply_migration``)."""
+        self.engine.creates_database = True  # the one call that may make a SQLite file
         try:
             return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
                              ddl=True)

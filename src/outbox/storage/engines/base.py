@@ -333,6 +333,11 @@ class Engine(ABC):
         return ", ".join(cols)
 
     # -- connections and errors ----------------------------------------------
+    #: May ``connect`` create the database it names when it does not exist (SQLite's file; a
+    #: server's database is never created)? The relay's and the command line's stores turn it
+    #: off but for ``outbox migrate`` (``OutboxStore.from_settings``, ``OutboxStore.migrate``).
+    creates_database: bool = True
+
     @abstractmethod
     def connect(self, url: str) -> Any:
         """Open a DB-API connection for the relay's own, short transactions, with the

@@ -104,6 +104,15 @@ class SqliteEngine(Engine):
             # sqlite3 says only "unable to open database file", which names neither.
             raise sqlite3.OperationalError(f"unable to open database file {os.path.abspath(path)}: its directory "
                                            f"{folder} does not exist (create it, or fix OUTBOX_DATABASE_URL)")
+        if not self.creates_database and not path.startswith("file:") and not os.path.exists(path):
+            # sqlite3 would make an empty file, here: a command or worker run from another
+            # directory than the database's (./outbox.db by default) then said "table missing:
+            # run `outbox migrate`", which made a second, empty outbox there (found in review).
+            raise sqlite3.OperationalError(
+                f"unable to open database file {os.path.abspath(path)}: it does not exist (nothing was created"
+                + (f"; {path} is relative to the current directory" if not os.path.isabs(path) else "")
+                + "): run this where the database is, or give its path in OUTBOX_DATABASE_URL "
+                "(`outbox migrate` creates it)")
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         # A TEXT value that is not UTF-8 reads with lone surrogates instead of failing the
         # whole fetch: the claim then buries that row alone (docs/relay.md, "Bad rows").
