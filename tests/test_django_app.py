@@ -69,6 +69,23 @@ def test_djangos_test_runner_creates_the_table_and_the_app_works(database: dict[
         assert "Ran 7 tests" in out, out
 
 
+def test_management_commands_say_usage_errors_in_one_line_and_take_dash_h(tmp_path: Path) -> None:
+    """docs/django.md: each ``manage.py outbox_*`` is the ``outbox`` subcommand "with the same
+    options, output and exit codes". A usage error printed click's usage, a hint, a blank line
+    and ``Error: ...`` where ``outbox`` prints one ``error:`` line, and ``-h`` was refused (found
+    in the first-hour review)."""
+    env = {"DJANGO_SETTINGS_MODULE": "shop.settings", "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}"}
+    for args, message in [(("outbox_dead", "requeue"), "error: give the ids to requeue, or --all"),
+                          (("outbox_status", "--bogus"), "error: No such option '--bogus'."),
+                          (("outbox_purge", "--batch", "0"),
+                           "error: Invalid value for '--batch': 0 is not in the range 1<=x<=100000.")]:
+        result = manage(*args, env=env)
+        assert result.returncode == 2, result
+        assert result.stderr.splitlines() == [message], result.stderr
+    for args in (("outbox_dead", "list", "-h"), ("outbox_status", "-h"), ("outbox_dead", "-h")):
+        assert "Usage: manage.py outbox_" in ok(manage(*args, env=env)), args
+
+
 def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_database(
         database: dict[str, str], tmp_path: Path) -> None:
     env = env_of(database)

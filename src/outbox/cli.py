@@ -115,7 +115,32 @@ def _usage_on_one_line() -> Iterator[None]:
         raise click.exceptions.Exit(exc.exit_code) from None
 
 
-@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+#: ``-h`` as well as ``--help``, on every command.
+HELP_OPTION_NAMES = ["-h", "--help"]
+
+
+def run_as_program(command: click.Command, args: list[str], prog_name: str) -> None:
+    """Run ``command``, an ``outbox`` subcommand, as a program of its own, as ``outbox`` runs
+    it: ``-h``, usage errors as one ``error:`` line with status 2, failures as the command
+    says them. ``manage.py outbox_*`` runs so; before, a usage error there was click's usage,
+    a hint, a blank line and ``Error: ...``, and ``-h`` was refused (found in review)."""
+    try:
+        with _usage_on_one_line():
+            code = command.main(args=args, prog_name=prog_name, standalone_mode=False,
+                                help_option_names=HELP_OPTION_NAMES)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:  # a group run with no command shows its help
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(1)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": HELP_OPTION_NAMES})
 @click.version_option(package_name="outbox-relay")
 @click.option("-v", "--verbose", is_flag=True, help="Log retries and progress to stderr.")
 def main(verbose: bool) -> None:

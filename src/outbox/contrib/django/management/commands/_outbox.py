@@ -34,12 +34,15 @@ class OutboxCommand(BaseCommand):
 
     def run_from_argv(self, argv: list[str]) -> None:
         # Django's own argument parsing would eat --help and --json: hand everything to
-        # the click command, which prints its own usage and exits with its own code.
+        # the click command, which prints its own usage and exits with its own code, as
+        # `outbox` does (-h, usage errors in one line: outbox.cli.run_as_program).
         from django.conf import settings
 
+        from outbox.cli import run_as_program
+
         settings.INSTALLED_APPS  # noqa: B018  (fail here, clearly, if settings do not import)
-        _command(self.cli_args).main(args=_without_django_options(argv[2:]),
-                                     prog_name=f"{os.path.basename(argv[0])} {argv[1]}", standalone_mode=True)
+        run_as_program(_command(self.cli_args), _without_django_options(argv[2:]),
+                       f"{os.path.basename(argv[0])} {argv[1]}")
 
     def handle(self, *args: Any, **options: Any) -> None:
         """``call_command("outbox_status", "--json")``: output to ``self.stdout`` and
