@@ -211,3 +211,20 @@ def test_the_queue_names_upgrade_note_says_how_to_empty_the_old_queues_on_redis(
     assert "celery -A outbox purge -f -Q" in note and ".claim,<old>.purge" in note
     assert ".flush(" in note  # Dramatiq on Redis
     assert "once they are empty" not in note
+
+
+def test_the_readmes_rabbitmqadmin_binding_declares_what_it_binds_first() -> None:
+    """The README's alternative to the kombu snippet, `rabbitmqadmin declare binding ...` alone,
+    is refused on a fresh broker (404 NOT_FOUND: the relay declares its exchange only at its
+    first publish, and nothing had declared the queue), where the README says to bind before
+    the first event (found in the first-hour review)."""
+    commands = re.findall(r"rabbitmqadmin declare (\w+) ([^`;&]+)", " ".join(README.split()))
+    assert any(kind == "binding" for kind, _ in commands), "the README no longer shows rabbitmqadmin"
+    declared: set[tuple[str, str]] = set()
+    for kind, args in commands:
+        values = dict(re.findall(r"(\w+)=('[^']*'|\S+)", args))
+        if kind == "binding":
+            assert ("exchange", values["source"]) in declared, f"binding before its exchange: {args}"
+            assert ("queue", values["destination"]) in declared, f"binding before its queue: {args}"
+        else:
+            declared.add((kind, values["name"]))
