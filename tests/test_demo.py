@@ -159,3 +159,20 @@ def test_demo_refuses_a_process_configured_before_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"database would be postgresql://app:\*\*\*@db/app") as refused:
         _check_confined(db, elsewhere, "memory://")
     assert "s3cret" not in str(refused.value)
+
+
+def test_a_failed_demo_says_so_in_one_error_line_and_what_to_try(tmp_path: Path) -> None:
+    """It ended `Error: the demo's checks failed` (click's own prefix; every other error of the
+    command line is one `error:` line) with nothing to try, and took any --timeout, NaN and
+    negative ones too (found in the first-hour review: `make demo` on a busy machine)."""
+    failed = demo(tmp_path, "--timeout", "0.001")
+    assert failed.returncode == 1, failed
+    assert "[FAILED] every committed event arrived" in failed.stdout, failed.stdout
+    assert failed.stderr.splitlines() == [
+        "error: the demo's checks failed (the [FAILED] lines above); on a slow or busy machine give it longer: "
+        "--timeout (this run: 0.001 s)"], failed.stderr
+    for bad in ("nan", "-5", "0", "inf"):
+        refused = demo(tmp_path, "--timeout", bad)
+        assert refused.returncode == 2 and refused.stdout == "", refused
+        assert refused.stderr.splitlines() == [
+            "error: Invalid value for '--timeout': a finite number of seconds above 0, not " + bad], refused.stderr

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
@@ -328,8 +329,15 @@ def check(probe_topic: str | None) -> None:
         sys.exit(1)
 
 
+def _seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):  # NaN passes any range's comparisons
+        raise click.BadParameter(f"a finite number of seconds above 0, not {value:g}", ctx, param)
+    return value
+
+
 @main.command()
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every event to arrive.")
+@click.option("--timeout", default=30.0, show_default=True, callback=_seconds,
+              help="Seconds to wait for every event to arrive.")
 @click.option("--keep", is_flag=True, help="Keep the demo's SQLite outbox (default: removed at the end).")
 @one_line_errors
 def demo(timeout: float, keep: bool) -> None:
@@ -338,7 +346,10 @@ def demo(timeout: float, keep: bool) -> None:
     Its temporary files are removed at the end (unless --keep)."""
     from .commands.demo import run_demo
     if not run_demo(timeout_s=timeout, keep=keep):
-        raise click.ClickException("the demo's checks failed")
+        # One `error:` line, as every failure here (click's own said `Error: ...` and no more).
+        click.echo("error: the demo's checks failed (the [FAILED] lines above); on a slow or busy machine give it "
+                   f"longer: --timeout (this run: {timeout:g} s)", err=True)
+        sys.exit(1)
 
 
 # The Spark jobs: the group imports no PySpark until one of its commands runs.
