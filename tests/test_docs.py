@@ -163,6 +163,21 @@ def test_the_dramatiq_page_says_which_broker_outbox_check_checks() -> None:
     assert "with `OUTBOX_DRAMATIQ_BROKER_URL` set, Dramatiq's broker" in page
 
 
+def test_the_help_of_outbox_and_outbox_check_says_what_the_readme_says() -> None:
+    """`outbox --help` gave the settings' order without the Celery config module, which the
+    README ("Configuration") reads first, and `outbox check --help` said it checks Celery's
+    broker, where it checks Dramatiq's when OUTBOX_DRAMATIQ_BROKER_URL is set (found in the
+    first-hour review)."""
+    assert "the relay's Celery config keys (a module given with `celery -A outbox --config mymodule` or " \
+           "`CELERY_CONFIG_MODULE`; explicit overrides), then the environment, then Django settings" in \
+           " ".join(README.split())
+    top = " ".join(main.get_help(click.Context(main, info_name="outbox")).split())
+    assert "CELERY_CONFIG_MODULE's keys first, then the environment, then Django settings" in top, top
+    check = main.commands["check"]
+    text = " ".join(check.get_help(click.Context(check, info_name="outbox check")).split())
+    assert "the task runner's broker (Dramatiq's when OUTBOX_DRAMATIQ_BROKER_URL is set, else Celery's)" in text, text
+
+
 def test_the_install_block_names_the_database_before_outbox_migrate() -> None:
     """The README's Install block went from `pip install "./outbox-relay[postgres]"` straight to
     `outbox migrate`, which, with no OUTBOX_DATABASE_URL, migrates ./outbox.db (SQLite): a new

@@ -147,9 +147,10 @@ def run_as_program(command: click.Command, args: list[str], prog_name: str) -> N
 def main(verbose: bool) -> None:
     """outbox-relay: relay rows of a transactional outbox table to a message broker.
 
-    Configured by OUTBOX_* environment variables, or Django settings when
-    DJANGO_SETTINGS_MODULE is set, the environment first (README, "Configuration");
-    the database is OUTBOX_DATABASE_URL (default sqlite:///outbox.db).
+    Configured by OUTBOX_* settings: CELERY_CONFIG_MODULE's keys first, then the
+    environment, then Django settings when DJANGO_SETTINGS_MODULE is set (README,
+    "Configuration"); the database is OUTBOX_DATABASE_URL (default sqlite:///outbox.db,
+    in the current directory).
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
     install_filter()  # passwords never reach stderr, whatever logs them
@@ -318,9 +319,10 @@ def purge(older_than_days: float | None, batch: int, max_rows: int) -> None:
 def check(probe_topic: str | None) -> None:
     """Check that this deployment can relay, in one report: configuration, database
     reachable, table and indexes as `outbox migrate` makes them (on PostgreSQL, with its
-    vacuum), Celery's broker and the destination reachable, and a queue bound to the
-    exchange (what AMQP lets us see; on Kafka, the topics). Exits 1 when a check fails;
-    warnings alone exit 0."""
+    vacuum), the task runner's broker (Dramatiq's when OUTBOX_DRAMATIQ_BROKER_URL is set,
+    else Celery's) and the destination reachable, and a queue bound to the exchange (what
+    AMQP lets us see; on Kafka, the topics). Exits 1 when a check fails; warnings alone
+    exit 0."""
     from .commands.doctor import FAIL, report, run_checks
 
     results = run_checks(probe_topic=probe_topic)
