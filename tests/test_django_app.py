@@ -86,6 +86,42 @@ def test_management_commands_say_usage_errors_in_one_line_and_take_dash_h(tmp_pa
         assert "Usage: manage.py outbox_" in ok(manage(*args, env=env)), args
 
 
+def test_runserver_says_once_that_it_cannot_wake_the_relay(tmp_path: Path) -> None:
+    """docs/django.md, "Start-up warning": one warning. Under runserver's autoreloader (its
+    default) both the watching parent and the serving child ran the app's ready(): the warning
+    came twice (found in the first-hour review)."""
+    import socket
+    import time
+    import urllib.request
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_", "DATABASE_"))}
+    env = {**clean, "PYTHONPATH": pythonpath(EXAMPLE), "DJANGO_SETTINGS_MODULE": "shop.settings",
+           "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}", "PYTHONUNBUFFERED": "1"}
+    for extra in ([], ["--noreload"]):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        log = tmp_path / f"runserver{len(extra)}.log"
+        with open(log, "w") as out:
+            server = subprocess.Popen([sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", *extra],
+                                      cwd=EXAMPLE, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/login/", timeout=2).close()
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            time.sleep(0.5)
+        finally:
+            os.killpg(server.pid, 15)
+            server.wait(30)
+        said = log.read_text()
+        assert said.count("outbox (Django): Celery's broker is memory://") == 1, (extra, said)
+
+
 def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_database(
         database: dict[str, str], tmp_path: Path) -> None:
     env = env_of(database)

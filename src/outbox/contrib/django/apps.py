@@ -35,6 +35,10 @@ class OutboxConfig(AppConfig):
         program = os.path.basename(sys.argv[0]) if sys.argv else ""
         if program in ("manage.py", "django-admin", "__main__.py") and sys.argv[1:2] != ["runserver"]:
             return
+        # runserver's autoreloader runs ready() in its watching parent too, which serves
+        # nothing: the serving child (RUN_MAIN=true) says it, once (it came twice).
+        if sys.argv[1:2] == ["runserver"] and "--noreload" not in sys.argv and os.environ.get("RUN_MAIN") != "true":
+            return
         # The relay's own processes are no web process: Celery sets Django up in `celery -A outbox
         # worker|beat` when DJANGO_SETTINGS_MODULE is set, and there the warning ("wake-ups reach
         # no worker") contradicted the worker's own "this worker runs the schedule itself".
