@@ -241,3 +241,47 @@ def test_report_command_line(spark: Any, store: OutboxStore, url: str, tmp_path:
     assert out.exit_code == 0, out.output
     assert f"{len(report_rows())} events" in out.output
     assert json.loads((tmp_path / "r" / "report.json").read_text())["totals"]["events"] == len(report_rows())
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_a_report_before_the_first_archive_run_covers_the_live_table(spark: Any, store: OutboxStore, url: str,
+                                                                     tmp_path: Path) -> None:
+    """Found in review: with OUTBOX_ARCHIVE_URI set, as docs/pipeline.md ("Purge and archive")
+    asks of the relay's environment, and no archive run yet, the report read the whole live
+    table and then failed, `no archive at ...: the directory does not exist`. An archive the
+    setting names and no run has written holds no rows: the report covers the live table and
+    says so on stderr."""
+    seed(store, report_rows())
+    out = invoke(["pipeline", "report", "--out", str(tmp_path / "r")],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name,
+                  "OUTBOX_ARCHIVE_URI": str(tmp_path / "archive")})
+    assert out.exit_code == 0, out.output
+    assert "warning: no archive at" in out.output and "the live table alone" in out.output, out.output
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["totals"]["events"] == len(report_rows())
+    assert report["sources"]["archive"] is None
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_a_missing_archive_is_refused_before_the_live_table_is_read(spark: Any, store: OutboxStore, url: str,
+                                                                    tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: an `--archive` that does not exist was found only after the whole live
+    table had been read (minutes on a large one); it is now refused before any read."""
+    import outbox.pipeline.report as report_module
+
+    def no_read(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the live table was read before the archive was checked")
+    monkeypatch.setattr(report_module, "report_frame", no_read)
+    seed(store, report_rows()[:3])
+    for env in ({}, {"OUTBOX_ARCHIVE_URI": str(tmp_path / "configured")}):
+        out = invoke(["pipeline", "report", "--archive", str(tmp_path / "nope"), "--out", str(tmp_path / "r")],
+                     {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name, **env})
+        assert out.exit_code == 1, out.output
+        last = out.output.strip().splitlines()[-1]
+        assert last == f"error: no archive at file://{tmp_path / 'nope'}: the directory does not exist", out.output
+    # --no-live: the configured archive is all there is to report on
+    out = invoke(["pipeline", "report", "--no-live", "--out", str(tmp_path / "r")],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_ARCHIVE_URI": str(tmp_path / "configured")})
+    assert out.exit_code == 1 and "no archive at" in out.output.strip().splitlines()[-1], out.output
+    assert not (tmp_path / "r").exists()

@@ -781,6 +781,25 @@ class Archiver:
         return recovered
 
 
+def _archive_names(fs: ArchiveFS, root: str) -> list[str]:
+    """The listing of the archive's ``_manifest/``; a ``PipelineError`` naming the location when
+    it is no archive (the directory missing, or no ``_manifest/`` in it)."""
+    if not fs.exists(root):
+        raise PipelineError(f"no archive at {root}: the directory does not exist")
+    names = fs.list_names(fs.uri(MANIFEST_DIR))
+    if not names and not fs.exists(fs.uri(MANIFEST_DIR)):
+        raise PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
+                            "`outbox pipeline archive`)")
+    return names
+
+
+def check_archive(spark: Any, location: str) -> None:
+    """Raise ``read_archive``'s ``PipelineError`` when ``location`` is no archive, reading
+    nothing but the listing: a job checks its archive before it reads anything else."""
+    root = archive_uri(location)
+    _archive_names(ArchiveFS(spark, root), root)
+
+
 def read_archive(spark: Any, location: str) -> Any:
     """The archive as a DataFrame: committed runs only (files still in staging
     included when a run committed but was not published yet), one row per outbox id
@@ -801,12 +820,7 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
 
     root = archive_uri(location)
     fs = ArchiveFS(spark, root)
-    if not fs.exists(root):
-        raise PipelineError(f"no archive at {root}: the directory does not exist")
-    names = fs.list_names(fs.uri(MANIFEST_DIR))
-    if not names and not fs.exists(fs.uri(MANIFEST_DIR)):
-        raise PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
-                            "`outbox pipeline archive`)")
+    names = _archive_names(fs, root)
     runs, _ = run_index(fs, names)  # a reader does not hold the lock: it never writes the index
     # (base, what to read): the archive tree, and of each committed run still in staging (a
     # crash mid-publish) its committed files only: a task attempt that failed, or ran on

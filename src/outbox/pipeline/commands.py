@@ -126,7 +126,8 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
               help="Only events created within this long before now: <n>s|m|h|d (default: everything).")
 @click.option("--out", "out", required=True, metavar="DIR", help="Directory for report.json and report.html.")
 @click.option("--archive", "archive_location", default=None, metavar="DIR_OR_URI",
-              help="The archive to include (default: OUTBOX_ARCHIVE_URI; none when unset).")
+              help="The archive to include (default: OUTBOX_ARCHIVE_URI, left out with a warning while no "
+                   "run has written it; none when unset). A given one must exist.")
 @click.option("--no-live", is_flag=True, help="Report on the archive alone (no database).")
 @click.option("--partitions", default=4, show_default=True, type=click.IntRange(1, 10_000),
               help="Id ranges of the live table read in parallel.")
@@ -138,6 +139,7 @@ def report(since: str | None, out: str, archive_location: str | None, no_live: b
     attempts histogram and top errors of dead rows, from the archive plus the live
     table. Writes DIR/report.json and a self-contained DIR/report.html with charts."""
     delta = parse_duration(since, "--since") if since is not None else None
+    archive_optional = archive_location is None  # the setting's: there before the first archive run
     archive_location = archive_location or get_settings().archive_uri
     if no_live and not archive_location:
         raise click.UsageError("--no-live needs --archive (or OUTBOX_ARCHIVE_URI)")
@@ -148,7 +150,7 @@ def report(since: str | None, out: str, archive_location: str | None, no_live: b
     try:
         spark = spark_session(master, "outbox-report")
         result = run_report(spark, store=store, archive=archive_location, out=out, since_delta=delta,
-                            partitions=partitions, progress=_progress)
+                            partitions=partitions, progress=_progress, archive_optional=archive_optional)
     finally:
         if store is not None:
             store.close()

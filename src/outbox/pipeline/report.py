@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..storage.store import OutboxStore
-from .archive import check_table, db_cutoff, read_archive
+from .archive import check_archive, check_table, db_cutoff, read_archive
 from .common import PipelineError, archive_uri, encode_native, local_path
 
 #: How many of the most frequent dead-row errors each topic lists.
@@ -260,12 +260,27 @@ def write_report(spark: Any, out: str, report: dict[str, Any]) -> tuple[str, str
 
 def run_report(spark: Any, *, store: OutboxStore | None, archive: str | None, out: str,
                since_delta: Any = None, partitions: int = 4,
-               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+               progress: Callable[[str], None] | None = None, archive_optional: bool = False) -> dict[str, Any]:
+    """The report on the live table (``store``) and ``archive``, written to ``out``. The archive
+    is checked before anything is read; one that is not there is an error, unless
+    ``archive_optional`` (the location comes from OUTBOX_ARCHIVE_URI, which names it before its
+    first run: docs/pipeline.md, "Report") and there is a live table: then the report covers the
+    live table alone and says so."""
     path = local_path(archive_uri(out))
     if path is None:
         raise PipelineError(f"--out {out}: the report is written on the driver; give a local directory")
     if path.exists() and not path.is_dir():
         raise PipelineError(f"--out {out}: exists and is not a directory")
+    if archive:
+        try:
+            check_archive(spark, archive)
+        except PipelineError as exc:
+            if not archive_optional or store is None:
+                raise
+            if progress:
+                progress(f"warning: {exc}; reporting on the live table alone (OUTBOX_ARCHIVE_URI names "
+                         "an archive no run has written yet)")
+            archive = None
     since = None
     if since_delta is not None:
         if store is None:
