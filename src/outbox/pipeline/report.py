@@ -2,7 +2,7 @@
 
 Reads the archive (committed runs, one row per id) and the live table (through the
 ``outbox`` data source, with ``--since`` pushed into the SQL), keeps the live copy of
-a row present in both, and computes with Spark SQL:
+a row present in both (the same id and message id), and computes with Spark SQL:
 
 * per topic and UTC day of ``created_at``: events, delivered (done), dead, pending
   (pending, claimed or failed), and the created-to-processed latency of delivered
@@ -54,7 +54,7 @@ def report_frame(spark: Any, store: OutboxStore | None, archive: str | None, sin
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    cols = ["id", "topic", "status", "attempts", "created_at", "processed_at", "last_error"]
+    cols = ["id", "message_id", "topic", "status", "attempts", "created_at", "processed_at", "last_error"]
     frames: list[Any] = []
     sources: dict[str, Any] = {"archive": None, "table": None}
     since_dt = None
@@ -83,7 +83,10 @@ def report_frame(spark: Any, store: OutboxStore | None, archive: str | None, sin
     frame = frames[0]
     for other in frames[1:]:
         frame = frame.unionByName(other)
-    live_first = Window.partitionBy("id").orderBy("origin")
+    # One row per event: the same id *and* message id (an id the table uses again for another
+    # event, e.g. an archive of another outbox or of the table before it was made again, is
+    # another row: merged by id alone, the archived events vanished, found in review).
+    live_first = Window.partitionBy("id", "message_id").orderBy("origin")
     frame = (frame.withColumn("_n", F.row_number().over(live_first)).where("_n = 1").drop("_n")
              .withColumn("day", F.date_format("created_at", "yyyy-MM-dd"))
              .withColumn("latency_s", (F.unix_micros("processed_at") - F.unix_micros("created_at")) / 1e6))
