@@ -661,7 +661,7 @@ def test_missing_table_and_missing_target(spark: Any, store: OutboxStore, url: s
     env = {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": "no_such_outbox_table"}
     out = invoke(["pipeline", "archive", "--older-than", "1d", "--to", str(tmp_path / "a")],
                              env=env)
-    assert out.exit_code == 1 and "cannot read the outbox table" in out.output
+    assert out.exit_code == 1 and "table \"no_such_outbox_table\" missing: run `outbox migrate`" in out.output, out.output
     assert not (tmp_path / "a").exists()  # nothing created for a job that cannot run
     out = invoke(["pipeline", "archive", "--older-than", "1d"], env=_cli_env(store, url))
     assert out.exit_code == 2 and "--to" in out.output

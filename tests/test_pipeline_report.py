@@ -303,3 +303,24 @@ def test_a_live_row_and_an_archived_row_of_another_event_under_one_id_both_count
     report = run_report(spark, store=other, archive=str(archive), out=str(tmp_path / "r"))
     assert report["sources"]["archive_rows"] == archived
     assert report["totals"]["events"] == len(report_rows()) + archived
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_a_missing_table_says_run_outbox_migrate(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
+    """Found in review: a missing outbox table gave the driver's own error, with fragments of
+    the probe's SQL (PostgreSQL: `... does not exist LINE 1: SELECT COUNT(*) FROM ... ^`),
+    where every other command says `table ... missing: run `outbox migrate``, as the README
+    promises of errors that have a fix; report and replay (its target) now say the same."""
+    from outbox.pipeline.archive import check_table
+
+    missing = OutboxStore(url, table="no_such_outbox_table")
+    try:
+        with pytest.raises(Exception) as raised:
+            check_table(missing)
+    finally:
+        missing.close()
+    assert str(raised.value) == missing.engine.missing_table_hint(), raised.value
+    out = invoke(["pipeline", "report", "--out", str(tmp_path / "r")],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": "no_such_outbox_table"})
+    assert out.exit_code == 1, out.output
+    assert out.output.strip().splitlines()[-1] == f"error: {missing.engine.missing_table_hint()}", out.output

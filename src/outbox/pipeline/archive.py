@@ -193,10 +193,14 @@ def database_of(url: str) -> str:
 
 
 def check_table(store: OutboxStore) -> None:
-    """Fail with one clear line when the outbox table is not there."""
+    """Fail with one clear line when the outbox table is not there: a missing table (or
+    column) says what every command says, ``table ... missing: run `outbox migrate```."""
     try:
         store._run("check table", lambda c: store.engine.execute(c, check_table_sql(store.engine)).fetchall())
     except Exception as exc:  # noqa: BLE001 - any failure to read becomes one PipelineError line
+        hint = store.engine.schema_error_hint(exc)
+        if hint is not None:
+            raise PipelineError(hint) from None
         raise PipelineError(f"cannot read the outbox table {store.engine.table} on {store.engine.name}: "
                             f"{' '.join(str(exc).split())[:200]}") from None
 
