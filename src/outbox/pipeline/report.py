@@ -49,8 +49,11 @@ def _figures(row: Any) -> dict[str, Any]:
 
 
 def report_frame(spark: Any, store: OutboxStore | None, archive: str | None, since: Any = None,
-                 partitions: int = 4) -> tuple[Any, dict[str, Any]]:
-    """Archive plus live table as one frame of the columns the report needs."""
+                 partitions: int = 4, *, archive_optional: bool = False,
+                 warn: Callable[[str], None] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Archive plus live table as one frame of the columns the report needs. With
+    ``archive_optional`` (``run_report``), an archive no run has written yet, once the live
+    table is read, is left out (``warn`` says so)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -72,8 +75,17 @@ def report_frame(spark: Any, store: OutboxStore | None, archive: str | None, sin
         live = live.localCheckpoint(eager=True)
         frames.append(live.withColumn("origin", F.lit(0)))
         sources["table"] = f"{store.engine.name}:{store.engine.table_name}"
+    archived = None
     if archive:
-        archived = read_archive(spark, archive).select(*cols)
+        try:
+            archived = read_archive(spark, archive).select(*cols)
+        except PipelineError as exc:
+            if not archive_optional or store is None:
+                raise
+            if warn:
+                warn(f"warning: {exc}; reporting on the live table alone (OUTBOX_ARCHIVE_URI names an archive "
+                     "no run has written yet)")
+    if archive and archived is not None:
         if since_dt is not None:
             archived = archived.where(F.col("created_at") >= F.lit(since_dt))
         frames.append(archived.withColumn("origin", F.lit(1)))
@@ -267,29 +279,23 @@ def run_report(spark: Any, *, store: OutboxStore | None, archive: str | None, ou
     """The report on the live table (``store``) and ``archive``, written to ``out``. The archive
     is checked before anything is read; one that is not there is an error, unless
     ``archive_optional`` (the location comes from OUTBOX_ARCHIVE_URI, which names it before its
-    first run: docs/pipeline.md, "Report") and there is a live table: then the report covers the
-    live table alone and says so."""
+    first run: docs/pipeline.md, "Report") and there is a live table: then it is looked for once
+    the live table is read (a first archive run meanwhile has its rows there), and while no run
+    has written it the report covers the live table alone and says so."""
     path = local_path(archive_uri(out))
     if path is None:
         raise PipelineError(f"--out {out}: the report is written on the driver; give a local directory")
     if path.exists() and not path.is_dir():
         raise PipelineError(f"--out {out}: exists and is not a directory")
-    if archive:
-        try:
-            check_archive(spark, archive)
-        except PipelineError as exc:
-            if not archive_optional or store is None:
-                raise
-            if progress:
-                progress(f"warning: {exc}; reporting on the live table alone (OUTBOX_ARCHIVE_URI names "
-                         "an archive no run has written yet)")
-            archive = None
+    if archive and (not archive_optional or store is None):
+        check_archive(spark, archive)  # before anything is read
     since = None
     if since_delta is not None:
         if store is None:
             raise PipelineError("--since needs the database (its clock defines 'now')")
         since = db_cutoff(store, since_delta)
-    frame, sources = report_frame(spark, store, archive, since, partitions)
+    frame, sources = report_frame(spark, store, archive, since, partitions, archive_optional=archive_optional,
+                                  warn=progress)
     report = compute_report(spark, frame, sources)
     json_path, html_path = write_report(spark, out, report)
     if progress:
