@@ -182,6 +182,8 @@ def test_replay_refuses_a_bad_row_before_writing(spark: Any, store: OutboxStore,
     (["--topic", "nope"], "unknown topic 'nope': the archive holds orders.created, payments.settled"),
     (["--since", "yesterday"], "--since: 'yesterday' is neither a duration"),
     (["--since", "1d", "--until", "2d"], "must be before --until"),
+    # a dry run refuses the --to-url the real run would (found in review: it said it would replay)
+    (["--dry-run", "--to-url", "postgress://x@h/db"], "--to-url='postgress://x@h/db': unsupported database"),
 ])
 def test_replay_bad_arguments(spark: Any, store: OutboxStore, url: str, extra: list[str], message: str,
                               history_archive: tuple[Path, dict[str, list[str]]]) -> None:

@@ -190,6 +190,8 @@ def replay(source: str, topic: str | None, aggregate_type: str | None, aggregate
     until_dt = parse_point_in_time(until, "--until", now) if until is not None else None
     from .session import spark_session
 
+    if to_url is not None:  # its form, no connection: a dry run refuses what the run would
+        validate_database_url(to_url, "--to-url")
     target = None if dry_run else _store(to_url)
     try:
         spark = spark_session(master, "outbox-replay")
