@@ -479,3 +479,32 @@ def test_unknown_tls_parameters_of_a_redis_url_are_refused_at_start_up() -> None
             assert name in message and why in message and "Secret123" not in message, (url, message)
             if "unknown" in why:
                 assert "accepted: ssl_ca_certs" in message
+
+
+def test_a_redis_failover_list_is_read_one_url_at_a_time() -> None:
+    """Celery's failover list (``;``: kombu reads each alternate's ``ssl_*``) with TLS
+    parameters on each URL: the settings take it, and check every alternate's parameters,
+    not only the first's; the relay's own Redis clients connect to the first alternate with its
+    options. Found in review: the check read the rest of the list as the value of the first
+    URL's last parameter (``ssl_cert_reqs='required;rediss://h2...'`` refused at start-up, an
+    unknown name in the second URL let through), and the relay's clients took
+    ``/ca.pem;rediss://...`` as the CA file."""
+    from outbox.core.config import dramatiq_settings
+    from outbox.core.errors import ConfigError
+    from outbox.relay.redis_clients import redis_connect_options
+
+    one = "rediss://:Secret123@h{n}.example:6380/0?ssl_ca_certs=/ca.pem&ssl_cert_reqs=required"
+    listed = f"{one.format(n=1)};{one.format(n=2)}"
+    assert load_settings(environ={"OUTBOX_CELERY_BROKER_URL": listed}).celery_broker_url == listed
+    assert load_settings(environ={"OUTBOX_PUBLISH_URL": listed}).publish_url == listed
+    assert dramatiq_settings(environ={"OUTBOX_DRAMATIQ_BROKER_URL": listed}).broker_url == listed
+    for name in ("OUTBOX_CELERY_BROKER_URL", "OUTBOX_PUBLISH_URL"):
+        with pytest.raises(ConfigError, match="unknown TLS parameter 'ssl_verify'"):
+            load_settings(environ={name: f"{one.format(n=1)};rediss://h2.example:6380/0?ssl_verify=no"})
+    url, options = redis_connect_options(listed)
+    assert url == "rediss://:Secret123@h1.example:6380/0"
+    assert options["ssl_ca_certs"] == "/ca.pem" and options["ssl_cert_reqs"] == "required"
+    alone = "rediss://h{n}.example:6380/0?ssl_cert_reqs=CERT_REQUIRED"
+    assert load_settings(environ={"OUTBOX_CELERY_BROKER_URL": f"{alone.format(n=1)};{alone.format(n=2)}"})
+    assert redis_connect_options(f"{alone.format(n=1)};{alone.format(n=2)}") == (
+        "rediss://h1.example:6380/0", {"connection_class": redis.SSLConnection, "ssl_cert_reqs": "required"})

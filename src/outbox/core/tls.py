@@ -188,8 +188,12 @@ REDIS_TLS_PARAMETERS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyf
 
 def check_redis_tls(url: str, setting: str) -> None:
     """Refuse a Redis URL's ``ssl_*`` parameter redis-py does not take, and an ``ssl_cert_reqs``
-    neither kombu nor redis-py reads (``REDIS_CERT_REQS``)."""
-    for key, value in parse_qsl(url.partition("?")[2], keep_blank_values=True):
+    neither kombu nor redis-py reads (``REDIS_CERT_REQS``). A list of URLs (``;``, kombu's
+    failover) is read one by one, as kombu does: read whole, the rest of the list was the
+    value of the first URL's last parameter (found in review)."""
+    given = [pair for one in url.split(";")
+             for pair in parse_qsl(one.partition("?")[2].partition("#")[0], keep_blank_values=True)]
+    for key, value in given:
         if not key.lower().startswith("ssl"):
             continue
         shown = redact(repr(url))

@@ -23,8 +23,10 @@ def redis_connect_options(url: str, use_ssl: Any = None) -> tuple[str, dict[str,
     plain). The TLS options are the URL's ``ssl_*`` parameters when it has any, else ``use_ssl``
     (Celery's ``broker_use_ssl``), else for ``rediss://`` ``ssl_cert_reqs=CERT_NONE``: kombu's
     rules, so these clients connect as Celery's broker does. Raises ConfigError for an
-    ``ssl_cert_reqs`` kombu would not read either."""
-    plain, options = _without_ssl_parameters(url)
+    ``ssl_cert_reqs`` kombu would not read either. Of a list of URLs (``;``, kombu's failover)
+    the first, with its own parameters: redis-py reads one URL, and read whole the list's tail
+    was the value of the first URL's last parameter (``/ca.pem;rediss://...``, found in review)."""
+    plain, options = _without_ssl_parameters(url.split(";", 1)[0].strip())
     if not options and use_ssl:
         options = dict(use_ssl) if isinstance(use_ssl, Mapping) else {}  # True: redis-py's defaults
     elif not options and url.startswith("rediss://"):
