@@ -809,6 +809,37 @@ def test_another_outbox_with_no_row_at_an_unfinished_runs_ids_does_not_leave_its
             store.close()
 
 
+def test_a_run_finished_with_its_kept_rows_not_known_still_refuses_other_events_at_its_ids(
+        spark: Any, tmp_path: Path) -> None:
+    """A run finished on an outbox with no row at its ids records its kept rows as not known
+    (99dd69a). Its ids were then never checked again: the other outbox (or the same one under
+    another URL, its ids started again) writing other events at those ids had them archived
+    beside the run's, and the readers, which tell rows apart by id, kept one of each two (found
+    in review). Rows met there are now compared with the events the run archived: the same
+    events pass (the run's own outbox archives them again), others are refused."""
+    orders, billing = (OutboxStore(f"sqlite:///{tmp_path / name}.db", table="outbox") for name in ("orders", "billing"))
+    root = tmp_path / "archive"
+    try:
+        for store in (orders, billing):
+            store.migrate()
+        first = seed(orders, [Row("t.created", f"a{i}", age_ms=9 * DAY_MS) for i in range(3)])  # ids 1..3
+        with pytest.raises(Crash):  # committed, not deleted
+            Archiver(spark, orders, str(root), on_step=crash_at("committed")).run(timedelta(days=7))
+        Archiver(spark, billing, str(root)).run(timedelta(days=7))  # nothing of its own: finishes the run
+        assert table_ids(orders) == set(first)
+        seed(billing, [Row("t.created", f"x{i}", age_ms=9 * DAY_MS) for i in range(3)])  # ids 1..3, other events
+        with pytest.raises(PipelineError, match="already holds for another event"):
+            Archiver(spark, billing, str(root)).run(timedelta(days=7))
+        assert table_ids(billing) == {1, 2, 3}
+        # the run's own outbox archives its rows again (the same events) and they leave it
+        Archiver(spark, orders, str(root)).run(timedelta(days=7))
+        assert not table_ids(orders)
+        assert sorted(set(archived_ids(spark, root))) == first
+    finally:
+        for store in (orders, billing):
+            store.close()
+
+
 def staged_runs(root: Path) -> list[str]:
     staging = root / "_staging"
     return sorted(os.listdir(staging)) if staging.exists() else []

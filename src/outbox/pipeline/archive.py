@@ -39,7 +39,7 @@ import socket
 import time
 import uuid
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -548,10 +548,20 @@ class Archiver:
                 continue
             manifest = read_manifest(self.fs, run["run_id"])
             kept = self._kept_of(manifest)
-            if kept is None:  # finished before the kept rows were recorded: not known
-                log.debug("outbox: run %s recorded no kept rows; its ids are not checked", manifest["run_id"])
-                continue
-            for id_, message_id in within_runs(manifest["id_ranges"], chain([first], met)):
+            rows: Iterable[tuple[int, Any]] = within_runs(manifest["id_ranges"], chain([first], met))
+            if kept is None:
+                # Not recorded: finished before they were, or on an outbox with no row at its ids
+                # (``_check_own_run``). The events it archived tell, for a sample of the rows met
+                # (an outbox's rows there are all the run's events or none: ids are unique); not
+                # checked, another outbox's events, or this one's after its ids started again,
+                # were archived beside the run's under the same ids (found in review).
+                rows = list(islice(rows, OWN_RUN_SAMPLE))
+                kept = self._archived_message_ids(manifest, [id_ for id_, _ in rows])
+                if not kept:  # its files are not to be found: nothing to tell by
+                    log.debug("outbox: run %s recorded no kept rows; its ids are not checked", manifest["run_id"])
+                    continue
+                rows = [(id_, str(message_id)) for id_, message_id in rows]
+            for id_, message_id in rows:
                 if kept.get(id_) != message_id:
                     raise PipelineError(
                         f"the outbox's row {id_} has an id the archive {self.root} already holds for another "
