@@ -461,7 +461,8 @@ def test_unknown_tls_parameters_of_a_redis_url_are_refused_at_start_up() -> None
     from outbox.core.errors import ConfigError
 
     base = "rediss://:Secret123@cache.example:6380/0"
-    ok = f"{base}?ssl_ca_certs=/ca.pem&ssl_cert_reqs=CERT_REQUIRED&ssl_check_hostname=true&socket_timeout=3"
+    ok = (f"{base}?ssl_ca_certs=/ca.pem&ssl_cert_reqs=CERT_REQUIRED&ssl_check_hostname=true&socket_timeout=3"
+          "&ssl_ca_data=PEM")  # a certificate written in the URL, as redis-py reads it
     assert load_settings(environ={"OUTBOX_PUBLISH_URL": ok}).publish_url == ok
     assert load_settings(environ={"OUTBOX_CELERY_BROKER_URL": ok}).celery_broker_url == ok
     assert dramatiq_settings(environ={"OUTBOX_DRAMATIQ_BROKER_URL": ok}).broker_url == ok

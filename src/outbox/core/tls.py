@@ -182,7 +182,7 @@ def check_url_tls(url: str, setting: str) -> str:
 #: a URL can spell. kombu (Celery's broker) and redis-py (Dramatiq's, the relay's own clients)
 #: hand every ``ssl_*`` parameter to that class as a keyword argument, so any other name was a
 #: TypeError at every connect, in a worker's log, long after start-up (found in review).
-REDIS_TLS_PARAMETERS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_password",
+REDIS_TLS_PARAMETERS = ("ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_certfile", "ssl_keyfile", "ssl_password",
                         "ssl_cert_reqs", "ssl_check_hostname", "ssl_ciphers")
 
 
