@@ -186,6 +186,29 @@ def test_a_node_of_a_tls_list_whose_certificate_does_not_verify_is_passed_over(p
         good.close()
 
 
+def test_a_host_only_alternate_keeps_the_first_urls_tls_after_the_first_host_failed(
+        proxy: TlsProxy, pki: Pki, broker: dict[str, Any]) -> None:
+    """kombu's failover list may name an alternate by its host alone, which takes everything else
+    (scheme, TLS, port, user, password, vhost) from the first URL. Found in review of the
+    publisher's rotated first host (7 December 2026): once the first host had failed, the next
+    connection was built from the list rotated as text, whose first element, the bare host,
+    kombu then read alone: no TLS at all (the default port, in clear), guest's credentials,
+    vhost '/'. Each connection must reach the same broker with the same parameters."""
+    ca = str(pki.ca_file)
+    # 127.0.0.2: loopback, nothing listens there on the proxy's port (connection refused)
+    url = f"amqps://guest:guest@127.0.0.2:{proxy.port}//?ssl_ca_certs={ca};localhost"
+    with KombuPublisher(url, broker["exchange"], connect_timeout=5, confirm_timeout=5) as publisher:
+        first = publisher.publish_chain([make_message(1)])
+        assert first.ok, first.failure
+        assert len(proxy.peers) == 1
+        publisher._discard()  # the connection lost: the next begins at the host that worked
+        second = publisher.publish_chain([make_message(2)])
+        assert second.ok, second.failure
+        assert publisher._conn.virtual_host == "/" and publisher._conn.ssl, publisher._conn.info()
+    assert len(proxy.peers) == 2  # through TLS again, not in clear to the default port
+    assert len(broker["live"]()) == 2
+
+
 def test_an_encrypted_client_key_is_a_configuration_error_not_a_prompt(pki: Pki) -> None:
     """py-amqp loads the key with no passphrase, and OpenSSL would then ask for one on the
     terminal, holding a worker for good."""

@@ -65,14 +65,16 @@ def time_left(cap: float, deadline: float | None) -> float:
     return max(MIN_WAIT_S, min(cap, deadline - time.monotonic()))
 
 
-def rotated(url: str, first: int) -> str:
-    """``url``'s ``;``-separated alternates beginning with the one at ``first`` (modulo their
-    number): where ``KombuPublisher`` begins its next connection."""
-    hosts = url.split(";")
-    if len(hosts) < 2:
-        return url
-    first %= len(hosts)
-    return ";".join(hosts[first:] + hosts[:first])
+def begin_at(conn: Any, first: int) -> Any:
+    """``conn`` (kombu's ``Connection`` of a ``;``-separated list) switched to its alternate at
+    ``first`` (modulo their number) as kombu's own failover switches (``maybe_switch_next``):
+    where ``KombuPublisher`` begins its next connection. Not the list rotated as text: an
+    alternate written as a host alone takes the scheme, TLS, port, user, password and vhost of
+    the list's first URL, which kombu reads only when that URL comes first (found in review:
+    ``test_a_host_only_alternate_keeps_the_first_urls_tls_after_the_first_host_failed``)."""
+    for _ in range(first % max(1, len(conn.alt))):
+        conn.maybe_switch_next()
+    return conn
 
 
 def past_deadline() -> PublishFailure:
@@ -145,7 +147,7 @@ class KombuPublisher(Publisher):
         self._producer: Any = None  # kombu.Producer
         self._confirms = False  # py-amqp: confirm mode + mandatory + returns
         self._driver = ""  # the kombu transport's driver: "py-amqp", "redis", "memory", ...
-        #: Which of the URL's alternates the next connection begins at (``rotated``): the one
+        #: Which of the URL's alternates the next connection begins at (``begin_at``): the one
         #: that worked last, or the one after the one that failed last (``_connect``).
         self._first_host = 0
         self._next_tag = 0  # the delivery tag of the last message sent on the channel
@@ -446,8 +448,8 @@ class KombuPublisher(Publisher):
         if self._conn is None:
             try:
                 # amqps://: ssl=, each alternate checked against its own name (core.tls)
-                conn = kombu_connection(rotated(self.url, self._first_host), "OUTBOX_PUBLISH_URL",
-                                        connect_timeout=self.connect_timeout)
+                conn = begin_at(kombu_connection(self.url, "OUTBOX_PUBLISH_URL", connect_timeout=self.connect_timeout),
+                                self._first_host)
                 driver = getattr(conn.transport, "driver_name", "")  # resolves the transport class
             except Exception as exc:
                 # kombu raises KeyError for an unknown scheme ("amqpx://"), ImportError (or
