@@ -691,6 +691,71 @@ def test_dramatiqs_redis_broker_gives_up_on_a_redis_that_stops_answering_as_a_co
         proxy.close()
 
 
+def test_after_a_redis_failover_the_broker_reconnects_instead_of_writing_to_the_old_primary_for_ever(
+        tmp_path: Path) -> None:
+    """A failover behind one address (a DNS name, a cloud endpoint, a proxy): the old primary is a
+    replica now and answers every write ``READONLY``, the address leads to the new primary, and
+    the connections already open stay on the old one. Found in review (7 December 2026): the
+    broker raised READONLY as a connection error ("Its consumers reconnect every 3 s") but
+    gave the connection back to its pool, so every send and fetch after it went to the old
+    primary again, for as long as the process lived. A READONLY now drops the pool's
+    connections: the next command connects again, to the new primary."""
+    import shutil
+
+    import redis
+    from dramatiq.errors import ConnectionClosed
+    from relay_e2e_support import Proxy
+    from services import stop
+
+    require("Redis", "127.0.0.1", 6379)
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    old = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                            "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proxy = Proxy(("127.0.0.1", port))
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    queue = f"{ns}.claim"
+    try:
+        assert wait_until(lambda: _answers(port), timeout=15)
+        broker = make_broker(REDIS_URL.replace(":6379/", f":{proxy.port}/", 1), ns, middleware=[])
+        broker.enqueue(message(CLAIM_TASK, queue, {}))
+        consumer = broker.consume(queue)
+        # The failover: the old primary a replica (of a primary it cannot reach: read-only all
+        # the same), the address leading to the new one (the machine's Redis) from now on.
+        redis.Redis(port=port).replicaof("127.0.0.1", "1")
+        proxy.target = ("127.0.0.1", 6379)
+        with pytest.raises(ConnectionClosed):  # the outage, told once
+            next(consumer)
+        sent = []
+        for _ in range(3):
+            try:
+                broker.enqueue(message(CLAIM_TASK, queue, {}))
+                sent.append(True)
+                break
+            except redis.ConnectionError as exc:
+                sent.append(str(exc))
+                time.sleep(0.2)
+        assert sent[-1] is True, sent
+        assert redis.Redis.from_url(REDIS_URL).llen(f"{ns}:{queue}") == 1  # on the new primary
+        assert next(broker.consume(queue)) is not None  # a consumer made again fetches from it too
+    finally:
+        for key in redis.Redis.from_url(REDIS_URL).scan_iter(match=f"{ns}*"):
+            redis.Redis.from_url(REDIS_URL).delete(key)
+        proxy.close()
+        stop(old)
+
+
+def _answers(port: int) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=1).ping())
+    except (redis.ConnectionError, OSError):
+        return False
+
+
 def test_the_relays_redis_broker_overrides_nothing_private_of_dramatiqs() -> None:
     """The time-out translation (previous test) overrode Dramatiq's private
     ``RedisBroker._dispatch`` (checked against Dramatiq 2.2.1): a Dramatiq that renamed or

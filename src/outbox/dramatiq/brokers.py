@@ -93,6 +93,11 @@ def _redis_broker(url: str, ns: str, middleware: list[Any] | None = None) -> Any
             except redis.TimeoutError as exc:
                 raise redis.ConnectionError(f"no answer: {exc}") from exc
             except (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError) as exc:
+                if isinstance(exc, redis.exceptions.ReadOnlyError):
+                    # A replica now: the address (DNS name, endpoint) leads to the new primary, the
+                    # connections open stay on the old one. Closed, so the next command connects
+                    # again; pooled, every command went there for ever (found in review).
+                    self.connection_pool.disconnect()
                 raise redis.ConnectionError(f"{type(exc).__name__}: {exc}") from exc
 
     class _RelayRedisBroker(RedisBroker):
