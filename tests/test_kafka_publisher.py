@@ -252,6 +252,27 @@ def test_credentials_in_the_url_are_sent_under_the_ssl_protocol_too(tmp_path) ->
     assert producer_config(KafkaOptions(security_protocol="ssl"), "kafka://k1:9093")["security.protocol"] == "ssl"
 
 
+def test_ssl_turned_into_sasl_ssl_by_the_urls_credentials_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review (7 December 2026) of the change above: a deployment that ran with
+    OUTBOX_KAFKA_SECURITY_PROTOCOL=ssl against a TLS (mutual TLS) listener and a URL that also
+    carried a user and password (unused until then) now speaks SASL to that listener and fails
+    (FATAL `_AUTHENTICATION` at every claim), its setting overridden without a word. The
+    override is said once per process at WARNING, naming both settings and the way back."""
+    from outbox.publisher import kafka as kafka_module
+
+    kafka_module._warn_ssl_with_credentials.cache_clear()
+    caplog.set_level(logging.WARNING, logger="outbox.publisher")
+    for _ in range(2):
+        assert producer_config(KafkaOptions(security_protocol="ssl"), "kafka://app:S3cret-pw@k1:9093")[
+            "security.protocol"] == "sasl_ssl"
+    producer_config(KafkaOptions(security_protocol="ssl"), "kafka://k1:9093")
+    producer_config(KafkaOptions(security_protocol="sasl_ssl"), "kafka://app:S3cret-pw@k1:9093")
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(told) == 1, told
+    assert "OUTBOX_KAFKA_SECURITY_PROTOCOL=ssl" in told[0] and "sasl_ssl" in told[0], told
+    assert "OUTBOX_PUBLISH_URL" in told[0] and "S3cret-pw" not in told[0], told
+
+
 def test_dead_letter_copy_goes_to_the_dead_letter_topic(kafka_bootstrap: str) -> None:
     dead = create_topic(kafka_bootstrap)
     pub = KafkaPublisher(f"kafka://{kafka_bootstrap}", options=KafkaOptions(message_max_bytes=10_000),
