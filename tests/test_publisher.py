@@ -504,6 +504,32 @@ def test_rabbitmq_a_silent_first_host_is_passed_over_by_the_next_connection(rabb
     assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [722, 723]
 
 
+def test_rabbitmq_a_host_that_refuses_the_login_does_not_hold_every_later_connection(rabbit: dict[str, Any]) -> None:
+    """Alternates that do not all take the same login (another user's password on one node, a
+    vhost down on one node): found in review of the rotated first host (7 December 2026). The
+    first host drops out for a moment, the next refuses the login (FATAL, not retried), and
+    every later connection began at that refusing host: FATAL at each, for as long as the
+    process lived, though the first host was back. Before the rotation each connection began
+    at the first host again. The next connection now begins after the host that failed last,
+    whatever its failure."""
+    proxy = Proxy()
+    refusing = rabbit["url"].replace("guest:guest@", "guest:wrong-password@", 1)
+    assert refusing != rabbit["url"]
+    try:
+        with KombuPublisher(f"{proxy.amqp_url};{refusing}", rabbit["exchange"]) as publisher:
+            assert publisher.publish_chain([make_message(731)]).ok
+            proxy.cut()
+            publisher._discard()
+            refused = publisher.publish_chain([make_message(732)])
+            assert refused.failure is not None and refused.failure.kind is FailureKind.FATAL, refused.failure
+            proxy.restore()
+            again = publisher.publish_chain([make_message(733)])
+            assert again.ok, again.failure
+    finally:
+        proxy.close()
+    assert [m.headers["outbox_id"] for m in rabbit["drain"]()] == [731, 733]
+
+
 def test_rabbitmq_confirms_held_back_past_the_lease_are_backpressure_within_it(rabbit: dict[str, Any]) -> None:
     """A broker that takes the messages but never confirms them (a stalled network path, a
     hung broker): the wave gives up within the publish's part of the lease (4 s x 0.8 here,

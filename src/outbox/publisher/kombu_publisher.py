@@ -529,13 +529,17 @@ class KombuPublisher(Publisher):
                                 "host of OUTBOX_PUBLISH_URL", redact(conn.as_uri()), exc)
                 if not retriable or attempt == attempts - 1 or (
                         deadline is not None and time.monotonic() + (pause if round_ends else 0) >= deadline):
-                    if retriable:
-                        # The next connection (this one is dropped) begins at the next host, not at
-                        # this one again: a silent host took the whole deadline of every publish.
-                        self._first_host += 1
+                    # The next connection (this one is dropped) begins at the next host, not at
+                    # this one again: a silent host took the whole deadline of every publish, and
+                    # one that refuses the login (not retried) held every later connection, FATAL
+                    # for good though the others were back (found in review).
+                    self._first_host += 1
                     if not_verified is not None and retriable:
                         raise not_verified from not_verified.__cause__
                     raise
+            except Exception:  # not retried, raised as itself (a refused login: AccessRefused)
+                self._first_host += 1  # as above: the next connection begins at the next host
+                raise
             conn.maybe_switch_next()  # the next alternate, as kombu's retry does after each failure
             self._first_host += 1
             if round_ends:
