@@ -747,6 +747,42 @@ def test_after_a_redis_failover_the_broker_reconnects_instead_of_writing_to_the_
         stop(old)
 
 
+def test_after_a_redis_failover_the_schedulers_lock_is_taken_on_the_new_primary(tmp_path: Path) -> None:
+    """The scheduler's leader lock has a Redis client of its own (``RedisLock``): after a failover
+    behind one address its renewal met READONLY on the old primary at every check, for as long
+    as the scheduler lived, so no tick was ever sent again (found in review, 7 December 2026,
+    with the broker's case above). A READONLY now drops its connections: the next check takes
+    the lock on the new primary."""
+    import shutil
+
+    import redis
+    from relay_e2e_support import Proxy
+    from services import stop
+
+    require("Redis", "127.0.0.1", 6379)
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    old = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                            "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proxy = Proxy(("127.0.0.1", port))
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    try:
+        assert wait_until(lambda: _answers(port), timeout=15)
+        lock = RedisLock(REDIS_URL.replace(":6379/", f":{proxy.port}/", 1), name)
+        assert lock.hold()
+        redis.Redis(port=port).replicaof("127.0.0.1", "1")
+        proxy.target = ("127.0.0.1", 6379)
+        held = [lock.hold() for _ in range(3)]
+        assert held[-1] is True, held
+        assert redis.Redis.from_url(REDIS_URL).get(lock.key) == lock.me.encode()
+    finally:
+        redis.Redis.from_url(REDIS_URL).delete(f"outbox:scheduler:{name}")
+        proxy.close()
+        stop(old)
+
+
 def _answers(port: int) -> bool:
     import redis
 

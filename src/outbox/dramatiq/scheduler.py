@@ -92,6 +92,12 @@ class RedisLock:
             else:
                 self.held = bool(self.client.set(self.key, self.me, nx=True, px=self.ttl_ms))
         except Exception as exc:  # noqa: BLE001 - Redis down: nobody ticks, which the workers survive
+            from redis.exceptions import ReadOnlyError
+
+            if isinstance(exc, ReadOnlyError):
+                # A replica after a failover: the next check connects again, to where the address
+                # leads now (the broker's client does the same: brokers._redis_broker).
+                self.client.connection_pool.disconnect()
             self.outage.failed(exc)
             self.held, self.failed = False, True
         else:
