@@ -824,7 +824,9 @@ class Engine(ABC):
 
     # -- acknowledgements (each fenced by the lease token) -----------------------
     def mark_done_sql(self, cond: str) -> str:
-        return (f"UPDATE {self.table} SET status = 2, processed_at = {self.now}, lease_token = NULL "
+        # The row keeps the lease that settled it (it holds nothing: fenced writes need status
+        # 1): a repeat of this very write whose answer was lost knows it (``OutboxStore.mark_done``).
+        return (f"UPDATE {self.table} SET status = 2, processed_at = {self.now} "
                 f"WHERE {cond} AND lease_token = ? AND status = 1")
 
     def mark_failed_sql(self) -> str:
