@@ -385,6 +385,45 @@ def test_a_dramatiq_claim_publishes_its_share_here_and_claims_again_within_its_s
     assert out["publish"] == 0 and out["claim"] == 1
 
 
+# -- the ack queue through a database outage ----------------------------------------------------
+
+_ACK_OUTAGE = """
+import logging, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s %(message)s")
+import dramatiq
+import outbox.dramatiq as d
+worker = dramatiq.Worker(d.broker, worker_threads=1, worker_timeout=100)
+worker.start()
+d.ack.send(ids=[1, 2, 3], lease="f" * 32)
+time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 6.0)
+worker.stop(timeout=5000)
+"""
+
+
+def test_an_ack_retried_through_a_database_outage_is_the_outages_not_an_error_per_try(
+        tmp_path: Path, redis_namespace: Any) -> None:
+    """Found by ``bench.soak --faults --runner dramatiq``: a done mark that a publish could not
+    make goes to the ack queue (``outbox.ack``), and while the database is still away every
+    try of it failed, and Dramatiq logged each as "Failed to process message outbox.ack(...)
+    with unhandled exception." at ERROR with a 70-line traceback (three per ack in a 5 s
+    database cut; one every back-off, up to 10 a message, in a longer outage), while the
+    outage itself is told once (docs/relay.md, "Outages in the log"). Now a settle actor that
+    fails counts towards the database outage (its WARNING once, then DEBUG) and asks Dramatiq
+    for the retry (``dramatiq.Retry``), which it does not log as an error."""
+    from relay_support import run_python
+
+    ns, _client = redis_namespace
+    port = free_port()  # nothing listens there: the database refuses every connection
+    done = run_python(_ACK_OUTAGE, tmp_path, OUTBOX_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{port}/test",
+                      OUTBOX_DRAMATIQ_BROKER_URL=REDIS_URL, OUTBOX_DRAMATIQ_NAMESPACE=ns)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert out.count("Retrying message") >= 2, out[-3000:]  # the ack was tried, and retried, during the outage
+    assert "Failed to process message" not in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert out.count("outbox: database unreachable") == 1, out[-3000:]
+
+
 # -- the scheduler's leader lock -------------------------------------------------------------------
 
 def _locks(kind: str, name: str) -> tuple[Any, Any]:

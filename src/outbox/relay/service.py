@@ -27,7 +27,7 @@ from .hooks import RelayHooks
 from .publish import ChainOutcome, handle_publish, still_held_when_reachable
 from .resources import ResourceHolder, Resources, Shared
 from .runner import Runner
-from .settle import apply_fallback, purge_budget, purge_expired
+from .settle import SettleFailed, apply_fallback, purge_budget, purge_expired
 from .shared import RUNNER_BROKER, Breaker, Outage
 
 #: The settling task that takes over a store write a publish could not make.
@@ -227,10 +227,24 @@ class Relay:
 
     def settle(self, operation: str, **kwargs: Any) -> Any:
         """An ack, fail or release task: the store write a publish could not make
-        (``relay.settle.apply_fallback``); raises on failure, so the task retries."""
+        (``relay.settle.apply_fallback``); raises on failure, so the task retries. A database
+        that is down or refusing is the database outage's (one WARNING for all of it, the
+        retries at DEBUG) and raises ``SettleFailed``, which a runner retries without logging
+        an error: Dramatiq logged every try as an ERROR with a traceback (found by
+        ``bench.soak --faults``)."""
         r = self.resources()
-        return apply_fallback(r.store, r.publisher if operation == "failed" else None, operation, kwargs,
-                              self.hooks).applied
+        outage = self.outage("database")
+        try:
+            applied = apply_fallback(r.store, r.publisher if operation == "failed" else None, operation, kwargs,
+                                     self.hooks).applied
+        except Exception as exc:
+            engine = r.store.engine
+            if not (engine.is_transient(exc) or engine.is_disconnect(exc)):
+                raise
+            outage.failed(exc)
+            raise SettleFailed(exc) from exc
+        outage.ok()
+        return applied
 
     def purge(self) -> int:
         return purge_expired(self.resources().store, self.settings.retention_days, self.outage("database"),

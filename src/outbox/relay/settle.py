@@ -157,6 +157,16 @@ def send_dead(publisher: Publisher | None, message: OutboxMessage, error: str,
 
 # -- failed writes handed to the ack queue ---------------------------------------------------
 
+class SettleFailed(Exception):
+    """An ack, fail or release task's store write failed because the database is down or
+    refusing (after the store's own retries): the caller has counted it towards the database
+    outage (its one WARNING, then DEBUG) and retries the task without a traceback per try."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
 def apply_fallback(store: StoreLike, publisher: Publisher | None, operation: str, kwargs: Mapping[str, Any],
                    hooks: RelayHooks | None = None) -> Any:
     """What the ack/fail/release tasks do with a write the publish task could not make.
