@@ -11,6 +11,7 @@ its transactions' life (``session_sql``, ``bounded_socket``; docs/relay.md, "A n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import socket
@@ -82,6 +83,17 @@ def pymysql_kwargs(url: str) -> dict[str, Any]:
     elif isinstance(tls, MysqlTls):
         kwargs["ssl"] = tls_context(tls)  # PyMySQL then refuses a server that offers no TLS
     return kwargs
+
+
+@functools.cache
+def preferred_context() -> ssl.SSLContext:
+    """The process's one context for PyMySQL's PREFERRED mode (no TLS parameter in the URL: TLS
+    when the server offers it, nothing checked), made as PyMySQL 2 makes it for each connection."""
+    ctx = ssl.create_default_context()
+    ctx.verify_flags &= ~ssl.VERIFY_X509_STRICT
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 def tls_context(tls: MysqlTls) -> ssl.SSLContext:
@@ -191,9 +203,20 @@ class MysqlEngine(Engine):
         # and the session's set-up are read with a bound, put back to the URL's afterwards
         # (docs/relay.md, "A network cut").
         asked = kwargs.pop("read_timeout", None)
+        # No TLS parameter: PyMySQL 2 (PREFERRED) built a new ssl.create_default_context() in
+        # every Connection, the system's CA bundle loaded for a context that checks nothing
+        # (~25 ms a connect, and glibc's thread arenas grew by MBs through each database cut:
+        # found by bench.soak --faults). Built without it, then given the process's one such
+        # context with PyMySQL's own PREFERRED flags; a PyMySQL without that mode keeps none.
+        preferred = "ssl" not in kwargs and not kwargs.get("ssl_disabled")
+        if preferred:
+            kwargs["ssl_disabled"] = True
         conn = pymysql.connect(**kwargs, autocommit=False, connect_timeout=CONNECT_TIMEOUT_S, defer_connect=True,
                                read_timeout=asked or CONNECT_TIMEOUT_S,
                                init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        if preferred and hasattr(conn, "_ssl_required"):
+            conn.ssl, conn.ctx = True, preferred_context()  # type: ignore[attr-defined]
+            conn._ssl_required = False
         sock = None
         if "unix_socket" not in kwargs:
             # Our own socket, so that a silent server is found by TCP (PyMySQL sets no keepalive
