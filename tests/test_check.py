@@ -266,6 +266,31 @@ def test_check_tests_the_database_broker_it_will_really_use(tmp_path: Path) -> N
     assert "unreachable" in down.stdout and ":pw@" not in down.stdout
 
 
+def test_check_of_the_database_broker_creates_no_sqlite_file(tmp_path: Path) -> None:
+    """Found in review: with the database as Celery's broker (``outboxdb://``, or
+    ``outboxdb+sqlite`` naming a file) and no database file yet, the check said
+    ``[FAIL] database: ... does not exist (nothing was created)`` and then, probing the broker,
+    created that very file and said ``[ok] celery broker: ... reachable``; every command after it
+    found the empty file and said to run `outbox migrate`, which made a second, empty outbox
+    (the default ``./outbox.db`` run from another directory)."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    for broker in ("outboxdb://", f"outboxdb+sqlite:///{tmp_path / 'broker.db'}"):
+        before = check({"OUTBOX_DATABASE_URL": url, "OUTBOX_CELERY_BROKER_URL": broker}, tmp_path)
+        states = lines(before)
+        assert before.returncode == 1 and states["database"] == "FAIL", before.stdout
+        assert states["celery broker"] == "FAIL", before.stdout
+        assert "does not exist (nothing was created" in before.stdout.split("celery broker:", 1)[1], before.stdout
+        assert sorted(p.name for p in tmp_path.iterdir()) == [], before.stdout
+    migrated = subprocess.run([sys.executable, "-m", "outbox.cli", "migrate"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120, env={**{k: v for k, v in os.environ.items()
+                                                                 if not k.startswith(("OUTBOX_", "DJANGO_"))},
+                                                              "OUTBOX_DATABASE_URL": url,
+                                                              "OUTBOX_CELERY_BROKER_URL": "outboxdb://"})
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    after = check({"OUTBOX_DATABASE_URL": url, "OUTBOX_CELERY_BROKER_URL": "outboxdb://"}, tmp_path)
+    assert lines(after)["celery broker"] == "ok", after.stdout
+
+
 def test_check_tests_dramatiqs_broker_when_dramatiq_is_the_runner(tmp_path: Path) -> None:
     """With OUTBOX_DRAMATIQ_BROKER_URL set, the report checks Dramatiq's broker, not
     Celery's Redis (which a Dramatiq deployment may not have)."""
