@@ -305,6 +305,22 @@ def test_a_live_row_and_an_archived_row_of_another_event_under_one_id_both_count
     assert report["totals"]["events"] == len(report_rows()) + archived
 
 
+def test_a_sqlite_database_that_does_not_exist_is_not_created_by_the_pipeline(spark: Any, tmp_path: Path) -> None:
+    """Found in review: `outbox pipeline report` (archive, replay's target) on a SQLite file that
+    is not there (the default ./outbox.db, run from another directory than `outbox migrate`'s)
+    made an empty one and said `table "outbox" missing: run `outbox migrate``, which made a
+    second, empty outbox: as every other command, it now refuses, naming the file."""
+    db = tmp_path / "elsewhere" / "outbox.db"
+    db.parent.mkdir()
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{db}"}
+    for args in (["pipeline", "report", "--out", str(tmp_path / "r")],
+                 ["pipeline", "archive", "--older-than", "7d", "--to", str(tmp_path / "archive")]):
+        out = invoke(args, env)
+        assert out.exit_code == 1, out.output
+        assert f"{db}: it does not exist (nothing was created" in out.output, out.output
+        assert list(db.parent.iterdir()) == [], out.output
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
 def test_a_missing_table_says_run_outbox_migrate(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
     """Found in review: a missing outbox table gave the driver's own error, with fragments of

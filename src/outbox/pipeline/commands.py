@@ -25,11 +25,16 @@ def _progress(message: str) -> None:
 
 def _store(url: str | None = None) -> OutboxStore:
     """The configured store, or ``--to-url``'s (checked as the setting is, naming the option:
-    its errors named OUTBOX_DATABASE_URL, found in review)."""
+    its errors named OUTBOX_DATABASE_URL, found in review). It makes no SQLite file: it made an
+    empty one and said to run `outbox migrate`, which made a second, empty outbox (found in review)."""
     settings = get_settings()
     if url is not None:
         validate_database_url(url, "--to-url")
-    return OutboxStore(url or settings.database_url, table=settings.table, schema=settings.schema)
+    store = OutboxStore(url or settings.database_url, table=settings.table, schema=settings.schema)
+    # A job reads (or replays into) an outbox that exists: a SQLite file is made by `outbox
+    # migrate` alone, as for every command (``Engine.creates_database``; README, "Install").
+    store.engine.creates_database = False
+    return store
 
 
 def _warn_unless_the_relay_knows(target: str, configured: str | None, retention_days: float) -> None:
