@@ -305,6 +305,41 @@ def test_a_live_row_and_an_archived_row_of_another_event_under_one_id_both_count
     assert report["totals"]["events"] == len(report_rows()) + archived
 
 
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_the_settings_archive_that_cannot_be_read_stops_the_report(spark: Any, store: OutboxStore, url: str,
+                                                                   tmp_path: Path) -> None:
+    """Found in review: with the archive taken from OUTBOX_ARCHIVE_URI, every error of reading it
+    was taken for "no run has written it yet": an archive the readers refuse (two events under
+    one id: two outboxes' runs put together) was left out of every figure with that warning, and
+    the report exited 0. Only an archive that is not there is left out; the rest stop the report
+    as with --archive."""
+    import shutil as sh
+
+    roots = [tmp_path / "orders", tmp_path / "billing"]
+    others = [OutboxStore(f"sqlite:///{tmp_path / f'{name}.db'}") for name in ("orders", "billing")]
+    try:
+        for other, root in zip(others, roots):
+            other.migrate()
+            seed(other, [Row("t.created", "x", age_ms=9 * DAY_MS)])
+            Archiver(spark, other, str(root)).run(timedelta(days=7))
+    finally:
+        for other in others:
+            other.close()
+    for item in roots[1].iterdir():  # the second outbox's runs put into the first one's archive
+        if item.name.startswith("_manifest"):
+            for manifest in item.iterdir():
+                sh.copy(manifest, roots[0] / "_manifest" / manifest.name)
+        elif not item.name.startswith("_"):
+            sh.copytree(item, roots[0] / item.name, dirs_exist_ok=True)
+    seed(store, report_rows()[:3])
+    out = invoke(["pipeline", "report", "--out", str(tmp_path / "r")],
+                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name,
+                  "OUTBOX_ARCHIVE_URI": str(roots[0])})
+    assert out.exit_code == 1, out.output
+    assert "holds two events under id 1" in out.output.strip().splitlines()[-1], out.output
+    assert "no run has written" not in out.output, out.output
+
+
 def test_a_sqlite_database_that_does_not_exist_is_not_created_by_the_pipeline(spark: Any, tmp_path: Path) -> None:
     """Found in review: `outbox pipeline report` (archive, replay's target) on a SQLite file that
     is not there (the default ./outbox.db, run from another directory than `outbox migrate`'s)
