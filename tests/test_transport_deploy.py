@@ -584,3 +584,27 @@ def test_outbox_migrate_makes_the_queue_table_a_celery_config_module_names(tmp_p
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"DROP TABLE IF EXISTS {store.engine.table}, {store.engine.holders}")
         store.close()
+
+
+def test_the_outboxs_own_sqlite_database_is_not_created_by_the_transport(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: with ``outboxdb://`` (the outbox's own database) on SQLite, a worker started
+    where the file is not (the default ./outbox.db, another directory than `outbox migrate`'s) had
+    the transport create it, with its queue tables; the relay then said `table "outbox" missing:
+    run `outbox migrate``, which made a second, empty outbox. The file is `outbox migrate`'s to
+    make, as for every command: the transport refuses it, as a lost database (kombu retries)."""
+    from outbox.core.config import reset_settings
+
+    db = tmp_path / "outbox.db"
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"sqlite:///{db}")
+    reset_settings()
+    try:
+        with Connection("outboxdb://") as conn, pytest.raises(BrokerDatabaseUnavailable, match="does not exist"):
+            Queue("rev_q")(conn.channel()).declare()
+    finally:
+        reset_settings()
+    assert not db.exists()
+    own = tmp_path / "broker.db"  # a broker database of its own: the first worker makes it
+    with Connection(f"outboxdb+sqlite:///{own}") as conn:
+        Queue("rev_q")(conn.channel()).declare()
+    assert own.exists()

@@ -47,7 +47,7 @@ from typing import Any
 from kombu.transport import virtual
 
 from ..core.errors import BrokerDatabaseUnavailable, ConfigError
-from .database import Database, database_url_of, driver_errors, split_password, with_password
+from .database import Database, database_url_of, driver_errors, is_own_database, split_password, with_password
 from .messages import (
     celery_expires,
     check_name,
@@ -558,6 +558,11 @@ class Transport(virtual.Transport):
             client.hostname, client.password = hostname, password
         url = client.hostname
         self.database_url = database_url_of(with_password(url, client.password) if url else url)
+        #: ``outboxdb://``: the outbox's own database, whose SQLite file `outbox migrate` alone
+        #: makes (``Engine.creates_database``); a broker database of its own is made by the first
+        #: worker. The transport made the outbox's, where a worker ran in another directory than
+        #: migrate's, and the relay then said to run `outbox migrate` there (found in review).
+        self.own_database = is_own_database(url)
         conn_errors, chan_errors = driver_errors(self.database_url)
         self.connection_errors = type(self).connection_errors + conn_errors
         self.channel_errors = virtual.Transport.channel_errors + chan_errors
@@ -582,7 +587,9 @@ class Transport(virtual.Transport):
     def database(self, table: str, schema: str | None, create: bool, wake: bool = True) -> Database:
         key = (table, schema)
         if key not in self._databases:
-            self._databases[key] = Database(self.database_url, table, schema, bool(create), wake)
+            db = Database(self.database_url, table, schema, bool(create), wake)
+            db.engine.creates_database = not self.own_database
+            self._databases[key] = db
         return self._databases[key]
 
     def _prefetch_full(self) -> bool:

@@ -92,11 +92,17 @@ class BrokerConnections(Connections):
             raise
 
 
+def is_own_database(hostname: str | None) -> bool:
+    """Does the broker URL (kombu's hostname, ``outboxdb+`` stripped) name the outbox's own
+    database: a bare ``outboxdb://``?"""
+    return not hostname or hostname.startswith(f"{SCHEME}:") or "://" not in hostname and "=" not in hostname
+
+
 def database_url_of(hostname: str | None) -> str:
     """The database URL behind a broker URL. kombu strips ``outboxdb+`` before the
     transport sees it; a bare ``outboxdb://`` means the outbox's own database
     (OUTBOX_DATABASE_URL)."""
-    if not hostname or hostname.startswith(f"{SCHEME}:") or "://" not in hostname and "=" not in hostname:
+    if not hostname or is_own_database(hostname):
         from ..core.config import get_settings
         return get_settings().database_url
     try:
