@@ -302,6 +302,38 @@ def test_a_done_whose_answer_was_lost_after_it_committed_counts_as_applied(
         assert statuses == {1: 2, 2: 2, 3: 2, 4: 2}
 
 
+#: What commits a release: on PostgreSQL its UPDATE itself, run alone (autocommit).
+RELEASE_COMMITS = {"postgresql": b"SET status = 0, claimed_at = NULL", "mysql": b"\x03COMMIT"}
+
+
+@pytest.mark.parametrize("then_cut", [False, True])
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_a_release_whose_answer_was_lost_after_it_committed_counts_as_applied(
+        kind: str, then_cut: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review, as for ``mark_done``: a release (a chain's unpublished tail, broker
+    back-pressure, a worker's shutdown) that committed and lost its answer was run again (the
+    store's retry, or the ack queue's ``release`` task), found the rows no longer held and logged
+    ``lease ... no longer holds ... (expired and re-claimed)`` when nothing had expired. A
+    released row now keeps the lease that released it (a pending row is held by nobody), so
+    a repeat of that very write knows it applied."""
+    with behind_a_proxy(kind) as (proxy, store, other):
+        claim = store.claim(10)
+        ids = [m.id for m in claim.messages]
+        cut = proxy.drop_answer_after(RELEASE_COMMITS[kind], then_cut=then_cut)
+        with caplog.at_level("WARNING", logger="outbox"):
+            if then_cut:
+                fails_on_the_cut(store, lambda: store.release(ids, claim.lease))
+                proxy.restore()
+            result = store.release(ids, claim.lease)
+        assert cut.began.is_set(), "the release's answer was not cut"
+        assert (result.requested, result.applied) == (4, 4)
+        assert not [r for r in caplog.records if "no longer holds" in r.getMessage()]
+        assert store.release(ids, store.new_lease()).applied == 0  # another lease's is still refused
+        again = store.claim(10)  # the released rows are claimed again, under a new lease
+        assert sorted(m.id for m in again.messages) == ids
+        assert store.release(ids, claim.lease).applied == 0  # the old lease's repeat is stale now
+
+
 #: The statement after which an adoption is committed on the server: its COMMIT.
 #: What commits an adoption: on PostgreSQL its UPDATE itself, run alone (autocommit).
 ADOPT_COMMITS = {"postgresql": b"SET lease_token = $1, claimed_at", "mysql": b"\x03COMMIT"}

@@ -517,17 +517,26 @@ class OutboxStore:
         if not ids:
             return FenceResult(0, 0)
 
+        return self._fenced("mark_done", ids, lease, self._settle_each(
+            "mark_done", ids, lease, Status.DONE, lambda cond, params: (self.engine.mark_done_sql(cond), params)))
+
+    def _settle_each(self, operation: str, ids: list[int], lease: str, settled: Status,
+                     statement: Callable[[str, list[Any]], tuple[str, list[Any]]]) -> int:
+        """Run the fenced UPDATE ``statement(cond, params)`` (its parameters end with the lease)
+        for each id list, alone, as ``_each_alone``; a list it changed only in part is counted
+        again as its rows now at status ``settled`` under ``lease``: a repeat of this very
+        write whose answer was lost (the row keeps the lease that settled it) applied."""
         def work(cond: str, params: list[Any], count: int, cursor: Any) -> int:
-            changed = int(self.engine.execute(cursor, self.engine.mark_done_sql(cond), [*params, lease]).rowcount)
+            sql, values = statement(cond, params)
+            changed = int(self.engine.execute(cursor, sql, [*values, lease]).rowcount)
             if changed < count:
                 changed = int(self.engine.execute(
-                    cursor, f"SELECT COUNT(*) FROM {self.engine.table} WHERE {cond} AND lease_token = ? AND status = 2",
-                    [*params, lease]).fetchone()[0])
+                    cursor, f"SELECT COUNT(*) FROM {self.engine.table} WHERE {cond} AND lease_token = ? "
+                    f"AND status = {int(settled)}", [*params, lease]).fetchone()[0])
             return changed
 
-        return self._fenced("mark_done", ids, lease, sum(
-            self._run("mark_done", functools.partial(work, *self.engine.ids_in(part), len(part)), alone=True)
-            for part in self.engine.id_chunks(ids)))
+        return sum(self._run(operation, functools.partial(work, *self.engine.ids_in(part), len(part)), alone=True)
+                   for part in self.engine.id_chunks(ids))
 
     def _each_alone(self, operation: str, ids: list[int],
                     statement: Callable[[str, list[Any]], tuple[str, list[Any]]]) -> int:
@@ -592,8 +601,11 @@ class OutboxStore:
             return FenceResult(0, 0)
         delay_ms = int(delay.total_seconds() * 1000) if delay else 0
 
-        return self._fenced("release", ids, lease, self._each_alone(
-            "release", ids, lambda cond, params: (self.engine.release_sql(cond), [delay_ms, delay_ms, *params, lease])))
+        # A released row keeps the lease that released it: a repeat of a release whose answer
+        # was lost counts it as applied, not as "expired and re-claimed" (found in review).
+        return self._fenced("release", ids, lease, self._settle_each(
+            "release", ids, lease, Status.PENDING,
+            lambda cond, params: (self.engine.release_sql(cond), [delay_ms, delay_ms, *params])))
 
     def _fenced(self, operation: str, ids: list[int], lease: str, applied: int) -> FenceResult:
         result = FenceResult(requested=len(ids), applied=applied)

@@ -843,7 +843,9 @@ class Engine(ABC):
                 "WHERE id = ? AND lease_token = ? AND status = 1")
 
     def release_sql(self, cond: str) -> str:
-        return (f"UPDATE {self.table} SET status = 0, claimed_at = NULL, lease_token = NULL, "
+        # The row keeps the lease that released it (a pending row is held by nobody: fenced
+        # writes need status 1): a repeat of this very write knows it (``OutboxStore.release``).
+        return (f"UPDATE {self.table} SET status = 0, claimed_at = NULL, "
                 f"next_retry_at = CASE WHEN ? > 0 THEN {self.now_plus_ms()} ELSE NULL END "
                 f"WHERE {cond} AND lease_token = ? AND status = 1")
 
