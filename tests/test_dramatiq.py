@@ -730,6 +730,21 @@ def test_dramatiqs_redis_broker_gives_up_on_a_redis_that_stops_answering_as_a_co
         proxy.close()
 
 
+def private_redis(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A redis-server of the test's own on a free port (a failover turns it into a replica),
+    and its port; the test is skipped without the machine's Redis or redis-server."""
+    import shutil
+
+    require("Redis", "127.0.0.1", 6379)
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    server = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                               "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return server, port
+
+
 def test_after_a_redis_failover_the_broker_reconnects_instead_of_writing_to_the_old_primary_for_ever(
         tmp_path: Path) -> None:
     """A failover behind one address (a DNS name, a cloud endpoint, a proxy): the old primary is a
@@ -739,20 +754,13 @@ def test_after_a_redis_failover_the_broker_reconnects_instead_of_writing_to_the_
     gave the connection back to its pool, so every send and fetch after it went to the old
     primary again, for as long as the process lived. A READONLY now drops the pool's
     connections: the next command connects again, to the new primary."""
-    import shutil
 
     import redis
     from dramatiq.errors import ConnectionClosed
     from relay_e2e_support import Proxy
     from services import stop
 
-    require("Redis", "127.0.0.1", 6379)
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    old = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                            "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    old, port = private_redis(tmp_path)
     proxy = Proxy(("127.0.0.1", port))
     ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
     queue = f"{ns}.claim"
@@ -792,19 +800,11 @@ def test_after_a_redis_failover_the_schedulers_lock_is_taken_on_the_new_primary(
     as the scheduler lived, so no tick was ever sent again (found in review, 7 December 2026,
     with the broker's case above). A READONLY now drops its connections: the next check takes
     the lock on the new primary."""
-    import shutil
-
     import redis
     from relay_e2e_support import Proxy
     from services import stop
 
-    require("Redis", "127.0.0.1", 6379)
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    old = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                            "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    old, port = private_redis(tmp_path)
     proxy = Proxy(("127.0.0.1", port))
     name = f"test-{uuid.uuid4().hex[:10]}"
     try:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from engine_support import drop_table
@@ -271,6 +272,26 @@ def test_a_claim_whose_answer_was_lost_after_it_committed_returns_the_rows_it_bu
 DONE_COMMITS = {"postgresql": b"SET status = 2, processed_at", "mysql": b"\x03COMMIT"}
 
 
+def settled_after_a_lost_answer(proxy: Any, store: OutboxStore, commits: bytes, then_cut: bool,
+                                caplog: pytest.LogCaptureFixture, settle: Callable[[list[int], str], Any]) -> tuple[Any, list[int]]:
+    """Claim the rows and ``settle`` them (``mark_done``, ``release``) with the answer of the
+    statement that commits it (``commits``) lost, then run again (with ``then_cut``: after the
+    store's own retries all failed, as the ack queue's task does): the repeat counts every row
+    applied, with no "no longer holds" WARNING. Returns the claim and its ids."""
+    claim = store.claim(10)
+    ids = [m.id for m in claim.messages]
+    cut = proxy.drop_answer_after(commits, then_cut=then_cut)
+    with caplog.at_level("WARNING", logger="outbox"):
+        if then_cut:
+            fails_on_the_cut(store, lambda: settle(ids, claim.lease))
+            proxy.restore()
+        result = settle(ids, claim.lease)
+    assert cut.began.is_set(), "the settling write's answer was not cut"
+    assert (result.requested, result.applied) == (4, 4)
+    assert not [r for r in caplog.records if "no longer holds" in r.getMessage()]
+    return claim, ids
+
+
 @pytest.mark.parametrize("then_cut", [False, True])
 @pytest.mark.parametrize("kind", sorted(SERVERS))
 def test_a_done_whose_answer_was_lost_after_it_committed_counts_as_applied(
@@ -284,17 +305,7 @@ def test_a_done_whose_answer_was_lost_after_it_committed_counts_as_applied(
     is held by nobody: every fenced write needs status 1), so a repeat of that very write
     knows it applied."""
     with behind_a_proxy(kind) as (proxy, store, other):
-        claim = store.claim(10)
-        ids = [m.id for m in claim.messages]
-        cut = proxy.drop_answer_after(DONE_COMMITS[kind], then_cut=then_cut)
-        with caplog.at_level("WARNING", logger="outbox"):
-            if then_cut:
-                fails_on_the_cut(store, lambda: store.mark_done(ids, claim.lease))
-                proxy.restore()
-            result = store.mark_done(ids, claim.lease)
-        assert cut.began.is_set(), "the done's answer was not cut"
-        assert (result.requested, result.applied) == (4, 4)
-        assert not [r for r in caplog.records if "no longer holds" in r.getMessage()]
+        claim, ids = settled_after_a_lost_answer(proxy, store, DONE_COMMITS[kind], then_cut, caplog, store.mark_done)
         # A lease that is not this row's settling one is still refused.
         assert store.mark_done(ids, store.new_lease()).applied == 0
         with other.transaction() as cursor:
@@ -317,17 +328,7 @@ def test_a_release_whose_answer_was_lost_after_it_committed_counts_as_applied(
     released row now keeps the lease that released it (a pending row is held by nobody), so
     a repeat of that very write knows it applied."""
     with behind_a_proxy(kind) as (proxy, store, other):
-        claim = store.claim(10)
-        ids = [m.id for m in claim.messages]
-        cut = proxy.drop_answer_after(RELEASE_COMMITS[kind], then_cut=then_cut)
-        with caplog.at_level("WARNING", logger="outbox"):
-            if then_cut:
-                fails_on_the_cut(store, lambda: store.release(ids, claim.lease))
-                proxy.restore()
-            result = store.release(ids, claim.lease)
-        assert cut.began.is_set(), "the release's answer was not cut"
-        assert (result.requested, result.applied) == (4, 4)
-        assert not [r for r in caplog.records if "no longer holds" in r.getMessage()]
+        claim, ids = settled_after_a_lost_answer(proxy, store, RELEASE_COMMITS[kind], then_cut, caplog, store.release)
         assert store.release(ids, store.new_lease()).applied == 0  # another lease's is still refused
         again = store.claim(10)  # the released rows are claimed again, under a new lease
         assert sorted(m.id for m in again.messages) == ids
