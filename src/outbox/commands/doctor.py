@@ -281,10 +281,9 @@ def _check_database_broker(settings: Settings, url: str) -> Result:
         database_url = database_url_of(rest) if rest else settings.database_url
     except Exception as exc:
         return Result(name, FAIL, f"{redact(url)}: {_error(exc)} (set OUTBOX_CELERY_BROKER_URL)")
-    store = OutboxStore(database_url, table=settings.table, schema=settings.schema)
     # A probe makes no SQLite file: `outbox migrate` makes it, with the broker's queue tables
     # (it made the outbox's own ./outbox.db, which the database check had just found missing).
-    store.engine.creates_database = False
+    store = OutboxStore(database_url, table=settings.table, schema=settings.schema, existing=True)
     try:
         store.connection()
     except Exception as exc:

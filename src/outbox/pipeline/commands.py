@@ -30,11 +30,7 @@ def _store(url: str | None = None) -> OutboxStore:
     settings = get_settings()
     if url is not None:
         validate_database_url(url, "--to-url")
-    store = OutboxStore(url or settings.database_url, table=settings.table, schema=settings.schema)
-    # A job reads (or replays into) an outbox that exists: a SQLite file is made by `outbox
-    # migrate` alone, as for every command (``Engine.creates_database``; README, "Install").
-    store.engine.creates_database = False
-    return store
+    return OutboxStore(url or settings.database_url, table=settings.table, schema=settings.schema, existing=True)
 
 
 def _warn_unless_the_relay_knows(target: str, configured: str | None, retention_days: float) -> None:

@@ -110,12 +110,17 @@ class OutboxStore:
     def __init__(self, url: str, *, table: str = "outbox", schema: str | None = None,
                  claim_timeout_ms: int = 60_000, max_attempts: int = 10,
                  archive_uri: str | None = None, engine: Engine | None = None,
-                 connections: Connections | None = None) -> None:
+                 connections: Connections | None = None, existing: bool = False) -> None:
+        """``existing``: the database must exist already, a SQLite file is not made (the relay,
+        the commands, the jobs: ``migrate`` alone makes it; ``Engine.creates_database``, README,
+        "Install")."""
         self.url = url
         #: OUTBOX_ARCHIVE_URI: while archiving is configured, ``purge_done`` leaves
         #: deleting to the archive job (which deletes only what it archived).
         self.archive_uri = archive_uri
         self.engine: Engine = engine or engine_for_url(url, table=table, schema=schema)
+        if existing:
+            self.engine.creates_database = False
         self.claim_timeout_ms = claim_timeout_ms
         self.max_attempts = max_attempts
         #: The relay worker process this store leases for (``relay.holders``): its id is the
@@ -138,13 +143,8 @@ class OutboxStore:
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> OutboxStore:
         s = settings or get_settings()
-        store = cls(s.database_url, table=s.table, schema=s.schema,
-                    claim_timeout_ms=s.claim_timeout_ms, max_attempts=s.max_attempts,
-                    archive_uri=s.archive_uri)
-        # The relay and the commands read an outbox that exists: a SQLite file is made by
-        # ``migrate`` alone (``Engine.creates_database``; README, "Install").
-        store.engine.creates_database = False
-        return store
+        return cls(s.database_url, table=s.table, schema=s.schema, claim_timeout_ms=s.claim_timeout_ms,
+                   max_attempts=s.max_attempts, archive_uri=s.archive_uri, existing=True)
 
     def __repr__(self) -> str:
         return f"OutboxStore({self.engine.name}, table={self.engine.table})"
@@ -507,7 +507,7 @@ class OutboxStore:
         return found
 
     def mark_done(self, ids: Sequence[int], lease: str) -> FenceResult:
-        """Mark published rows done, in one statement per id list (as ``_each_alone``). Rows no
+        """Mark published rows done, in one statement per id list (``_each_alone``). Rows no
         longer held by ``lease`` are left alone and counted as stale, but for rows this very
         write already settled: a done row keeps the lease that settled it, so a repeat of a
         ``mark_done`` whose answer was lost (the store's retry, or the ack queue's ``done``
@@ -517,38 +517,32 @@ class OutboxStore:
         if not ids:
             return FenceResult(0, 0)
 
-        return self._fenced("mark_done", ids, lease, self._settle_each(
-            "mark_done", ids, lease, Status.DONE, lambda cond, params: (self.engine.mark_done_sql(cond), params)))
+        return self._fenced("mark_done", ids, lease, self._each_alone(
+            "mark_done", ids, lambda cond, params: (self.engine.mark_done_sql(cond), [*params, lease]),
+            settled=(lease, Status.DONE)))
 
-    def _settle_each(self, operation: str, ids: list[int], lease: str, settled: Status,
-                     statement: Callable[[str, list[Any]], tuple[str, list[Any]]]) -> int:
-        """Run the fenced UPDATE ``statement(cond, params)`` (its parameters end with the lease)
-        for each id list, alone, as ``_each_alone``; a list it changed only in part is counted
-        again as its rows now at status ``settled`` under ``lease``: a repeat of this very
-        write whose answer was lost (the row keeps the lease that settled it) applied."""
-        def work(cond: str, params: list[Any], count: int, cursor: Any) -> int:
-            sql, values = statement(cond, params)
-            changed = int(self.engine.execute(cursor, sql, [*values, lease]).rowcount)
-            if changed < count:
-                changed = int(self.engine.execute(
-                    cursor, f"SELECT COUNT(*) FROM {self.engine.table} WHERE {cond} AND lease_token = ? "
-                    f"AND status = {int(settled)}", [*params, lease]).fetchone()[0])
-            return changed
-
-        return sum(self._run(operation, functools.partial(work, *self.engine.ids_in(part), len(part)), alone=True)
-                   for part in self.engine.id_chunks(ids))
-
-    def _each_alone(self, operation: str, ids: list[int],
-                    statement: Callable[[str, list[Any]], tuple[str, list[Any]]]) -> int:
+    def _each_alone(self, operation: str, ids: list[int], statement: Callable[[str, list[Any]], tuple[str, list[Any]]],
+                    *, settled: tuple[str, Status] | None = None) -> int:
         """Run ``statement(cond, params)`` (an UPDATE, fenced and idempotent) for each of the id
         lists one statement may carry (``Engine.id_chunks``: one list but on SQL Server below
         level 130), each as a transaction of its own and alone, so a cut before a COMMIT cannot
         leave its rows locked, which on SQL Server held every claim's probe (docs/sqlserver.md,
         "A network cut"). A retry runs its own chunk again, not those committed before it.
-        Returns the rows changed."""
-        def work(sql: str, params: list[Any], cursor: Any) -> int:
-            return int(self.engine.execute(cursor, sql, params).rowcount)
-        return sum(self._run(operation, functools.partial(work, *statement(*self.engine.ids_in(part))), alone=True)
+        Returns the rows changed. ``settled``: (lease, status) of a write that settles rows
+        under that lease: a list it changed only in part is counted again as its rows now at
+        that status under that lease, a repeat of this very write whose answer was lost (the
+        row keeps the lease that settled it) having applied."""
+        def work(cond: str, params: list[Any], count: int, cursor: Any) -> int:
+            sql, values = statement(cond, params)
+            changed = int(self.engine.execute(cursor, sql, values).rowcount)
+            if settled is not None and changed < count:
+                lease, status = settled
+                changed = int(self.engine.execute(
+                    cursor, f"SELECT COUNT(*) FROM {self.engine.table} WHERE {cond} AND lease_token = ? "
+                    f"AND status = {int(status)}", [*params, lease]).fetchone()[0])
+            return changed
+
+        return sum(self._run(operation, functools.partial(work, *self.engine.ids_in(part), len(part)), alone=True)
                    for part in self.engine.id_chunks(ids))
 
     def mark_failed(self, id: int, lease: str, error: str, retry_in: timedelta | None = None,
@@ -603,9 +597,9 @@ class OutboxStore:
 
         # A released row keeps the lease that released it: a repeat of a release whose answer
         # was lost counts it as applied, not as "expired and re-claimed" (found in review).
-        return self._fenced("release", ids, lease, self._settle_each(
-            "release", ids, lease, Status.PENDING,
-            lambda cond, params: (self.engine.release_sql(cond), [delay_ms, delay_ms, *params])))
+        return self._fenced("release", ids, lease, self._each_alone(
+            "release", ids, lambda cond, params: (self.engine.release_sql(cond), [delay_ms, delay_ms, *params, lease]),
+            settled=(lease, Status.PENDING)))
 
     def _fenced(self, operation: str, ids: list[int], lease: str, applied: int) -> FenceResult:
         result = FenceResult(requested=len(ids), applied=applied)

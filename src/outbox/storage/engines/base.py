@@ -335,7 +335,7 @@ class Engine(ABC):
     # -- connections and errors ----------------------------------------------
     #: May ``connect`` create the database it names when it does not exist (SQLite's file; a
     #: server's database is never created)? The relay's and the command line's stores turn it
-    #: off but for ``outbox migrate`` (``OutboxStore.from_settings``, ``OutboxStore.migrate``).
+    #: off but for ``outbox migrate`` (``OutboxStore(existing=True)``, ``OutboxStore.migrate``).
     creates_database: bool = True
 
     @abstractmethod
