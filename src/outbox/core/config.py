@@ -44,7 +44,7 @@ from .checks import (
     without_session_bounds,
 )
 from .errors import ConfigError
-from .names import Queues, default_namespace
+from .names import Queues, default_namespace, is_redis_url
 from .options import Options, Sources, option
 from .redact import redact, register_url
 from .sources import (
@@ -83,10 +83,10 @@ def _publish_url(url: str, setting: str) -> str:
 
 
 def _celery_broker_url(url: str, setting: str) -> str:
-    """OUTBOX_CELERY_BROKER_URL: a transport kombu has, with the TLS parameters of a Redis URL read."""
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    """OUTBOX_CELERY_BROKER_URL: a transport kombu has, with the TLS parameters of a Redis URL read
+    (an AMQP broker's TLS is Celery's ``broker_use_ssl``, not read here)."""
     url = validate_kombu_url(url, setting)
-    return check_url_tls(url, setting) if scheme in ("redis", "rediss") else url
+    return check_url_tls(url, setting) if is_redis_url(url) else url
 
 
 def _dramatiq_url(url: str, setting: str) -> str:

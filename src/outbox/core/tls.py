@@ -200,9 +200,8 @@ def check_redis_tls(url: str, setting: str) -> None:
         if key not in REDIS_TLS_PARAMETERS:
             raise ConfigError(f"{setting}={shown}: unknown TLS parameter {key!r} of a Redis URL "
                               f"(accepted: {', '.join(REDIS_TLS_PARAMETERS)})")
-        if key == "ssl_cert_reqs" and value.lower() not in REDIS_CERT_REQS:
-            raise ConfigError(f"{setting}={shown}: ssl_cert_reqs={value!r}: give one of CERT_REQUIRED, "
-                              "CERT_OPTIONAL, CERT_NONE (or required, optional, none)")
+        if key == "ssl_cert_reqs":
+            redis_cert_reqs(value, f"{setting}={shown}")
 
 
 def kombu_connection(url: str, setting: str, **options: Any) -> Any:
@@ -254,6 +253,17 @@ REDIS_CERT_REQS = {"cert_required": "required", "cert_optional": "optional", "ce
                    "required": "required", "optional": "optional", "none": "none"}
 
 
+def redis_cert_reqs(value: str, where: str) -> str:
+    """``ssl_cert_reqs`` in redis-py's word (``REDIS_CERT_REQS``): the settings' check of a Redis
+    URL and the relay's own Redis clients read it alike. A ConfigError naming ``where`` for one
+    neither kombu nor redis-py reads."""
+    try:
+        return REDIS_CERT_REQS[value.lower()]
+    except KeyError:
+        raise ConfigError(f"{where}: ssl_cert_reqs={value!r}: give one of CERT_REQUIRED, CERT_OPTIONAL, CERT_NONE "
+                          "(or required, optional, none)") from None
+
+
 def redis_py_url(url: str) -> str:
     """``url`` (``redis://`` or ``rediss://``) as redis-py must read it to mean what kombu reads
     in it: ``ssl_cert_reqs=CERT_REQUIRED`` (kombu's and Celery's spelling) written ``required``.
@@ -299,5 +309,5 @@ def _read(given: dict[str, str], setting: str, shown: str) -> AmqpTls:
                    check_hostname=_BOOLEANS[hostname], server_hostname=given.get("ssl_server_hostname") or None)
 
 
-__all__ = ["AmqpTls", "split_amqp_url", "check_url_tls", "check_redis_tls", "REDIS_TLS_PARAMETERS", "kombu_connection", "redis_py_url", "REDIS_CERT_REQS",
+__all__ = ["AmqpTls", "split_amqp_url", "check_url_tls", "check_redis_tls", "REDIS_TLS_PARAMETERS", "kombu_connection", "redis_py_url", "redis_cert_reqs", "REDIS_CERT_REQS",
            "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]

@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl
 
 from ..core.checks import take_query_parameters
 from ..core.errors import ConfigError
-from ..core.tls import REDIS_CERT_REQS
+from ..core.tls import redis_cert_reqs
 
 
 def redis_connect_options(url: str, use_ssl: Any = None) -> tuple[str, dict[str, Any]]:
@@ -49,11 +49,8 @@ def _as_redis_py(options: Mapping[str, Any]) -> dict[str, Any]:
     """kombu's TLS options in the types redis-py takes."""
     out = dict(options)
     reqs = out.get("ssl_cert_reqs")
-    if isinstance(reqs, str):
-        if reqs.lower() not in REDIS_CERT_REQS:  # one table of spellings with Dramatiq's (core.tls)
-            raise ConfigError(f"ssl_cert_reqs={reqs!r} on Celery's Redis broker: give one of CERT_REQUIRED, "
-                              "CERT_OPTIONAL, CERT_NONE (or required, optional, none)")
-        out["ssl_cert_reqs"] = REDIS_CERT_REQS[reqs.lower()]
+    if isinstance(reqs, str):  # one table of spellings with Dramatiq's and the settings' (core.tls)
+        out["ssl_cert_reqs"] = redis_cert_reqs(reqs, "Celery's Redis broker")
     if isinstance(out.get("ssl_check_hostname"), str):
         out["ssl_check_hostname"] = out["ssl_check_hostname"].lower() != "false"  # kombu's reading
     return out

@@ -122,7 +122,8 @@ def split_password(url: str) -> tuple[str, str | None]:
 
     prefix, sep, _ = url.partition("://")
     try:
-        netloc, password = urlsplit(url).netloc, urlsplit(url).password
+        parts = urlsplit(url)
+        netloc, password = parts.netloc, parts.password
     except ValueError:
         return url, None
     if not sep or password is None:

@@ -153,11 +153,10 @@ class PostgresQueueTables(QueueTables):
     def put_sql(self, with_expiry: bool, wake: bool = True) -> str:
         # One round trip: a durable commit for this transaction, the insert, and (``wake``)
         # the wake-up of idle receivers (delivered at commit).
-        durable = "WITH durable AS (SELECT set_config('synchronous_commit', 'on', true) AS on_), "
-        if not wake:
-            return f"{durable}sent AS ({super().put_sql(with_expiry)} RETURNING queue) SELECT 1 FROM sent, durable"
-        return (f"{durable}sent AS ({super().put_sql(with_expiry)} RETURNING queue) "
-                "SELECT pg_notify(?, sent.queue) FROM sent CROSS JOIN durable")
+        return ("WITH durable AS (SELECT set_config('synchronous_commit', 'on', true) AS on_), "
+                f"sent AS ({super().put_sql(with_expiry)} RETURNING queue) "
+                + ("SELECT pg_notify(?, sent.queue) FROM sent CROSS JOIN durable" if wake else
+                   "SELECT 1 FROM sent CROSS JOIN durable"))
 
     def put(self, cursor: Any, queue: str, headers: str, body: str | None, delay_ms: int = 0,
             ttl_ms: int | None = None, wake: bool = True) -> None:
