@@ -273,3 +273,34 @@ def invoke(args: list[str], env: dict[str, str]) -> Any:
         return CliRunner().invoke(main, args, env=env)
     finally:
         reset_settings()
+
+
+def archives_of_two_outboxes(spark: Any, tmp_path: Path) -> list[Path]:
+    """Two SQLite outboxes' archives, ``tmp_path``/orders and /billing, each of one run of one
+    done event: both at id 1 (``merge_runs`` puts them together)."""
+    from datetime import timedelta
+
+    from outbox.pipeline.archive import Archiver
+
+    roots = [tmp_path / "orders", tmp_path / "billing"]
+    stores = [OutboxStore(f"sqlite:///{tmp_path / f'{name}.db'}") for name in ("orders", "billing")]
+    try:
+        for store, root in zip(stores, roots):
+            store.migrate()
+            seed(store, [Row("t.created", "x", age_ms=9 * DAY_MS)])
+            Archiver(spark, store, str(root)).run(timedelta(days=7))
+    finally:
+        for store in stores:
+            store.close()
+    return roots
+
+
+def merge_runs(source: Path, target: Path) -> None:
+    """``source`` archive's runs (manifests and files) copied into the ``target`` archive, as
+    two outboxes' runs put together by hand."""
+    for item in source.iterdir():
+        if item.name.startswith("_manifest"):
+            for manifest in item.iterdir():
+                shutil.copy(manifest, target / "_manifest" / manifest.name)
+        elif not item.name.startswith("_"):
+            shutil.copytree(item, target / item.name, dirs_exist_ok=True)

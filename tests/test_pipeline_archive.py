@@ -18,7 +18,18 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from pipeline_support import DAY_MS, PIPELINE_ENGINES, Row, invoke, mixed_rows, seed, table_ids, table_rows
+from pipeline_support import (
+    DAY_MS,
+    PIPELINE_ENGINES,
+    Row,
+    archives_of_two_outboxes,
+    invoke,
+    merge_runs,
+    mixed_rows,
+    seed,
+    table_ids,
+    table_rows,
+)
 
 import outbox.pipeline.archive as archive_module
 from outbox.pipeline.archive import STEPS, Archiver, read_archive
@@ -954,23 +965,9 @@ def test_the_readers_refuse_an_archive_with_two_events_under_one_id(spark: Any, 
     """An archive written before the archive refused ids met again (two outboxes' runs put
     together): the report and the replay say so rather than keep one of the two events of
     an id. Runs that only name another URL for their outbox read on."""
-    roots = [tmp_path / "orders", tmp_path / "billing"]
-    stores = [OutboxStore(f"sqlite:///{tmp_path / f'{name}.db'}") for name in ("orders", "billing")]
-    try:
-        for store, root in zip(stores, roots):
-            store.migrate()
-            seed(store, [Row("t.created", "x", age_ms=9 * DAY_MS)])
-            Archiver(spark, store, str(root)).run(timedelta(days=7))
-    finally:
-        for store in stores:
-            store.close()
+    roots = archives_of_two_outboxes(spark, tmp_path)
     assert archived_ids(spark, roots[0]) == [1]
-    for item in roots[1].iterdir():  # the second outbox's runs put into the first one's archive
-        if item.name.startswith("_manifest"):
-            for manifest in item.iterdir():
-                shutil.copy(manifest, roots[0] / "_manifest" / manifest.name)
-        elif not item.name.startswith("_"):
-            shutil.copytree(item, roots[0] / item.name, dirs_exist_ok=True)
+    merge_runs(roots[1], roots[0])  # the second outbox's runs put into the first one's archive
     with pytest.raises(PipelineError, match="holds two events under id 1 .*would drop one"):
         read_archive(spark, str(roots[0]))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pipeline_support import DAY_MS, Row, invoke, mixed_rows, seed
+from pipeline_support import DAY_MS, Row, archives_of_two_outboxes, invoke, merge_runs, mixed_rows, seed
 
 from outbox.pipeline.archive import Archiver
 from outbox.pipeline.report import run_report
@@ -313,24 +313,8 @@ def test_the_settings_archive_that_cannot_be_read_stops_the_report(spark: Any, s
     one id: two outboxes' runs put together) was left out of every figure with that warning, and
     the report exited 0. Only an archive that is not there is left out; the rest stop the report
     as with --archive."""
-    import shutil as sh
-
-    roots = [tmp_path / "orders", tmp_path / "billing"]
-    others = [OutboxStore(f"sqlite:///{tmp_path / f'{name}.db'}") for name in ("orders", "billing")]
-    try:
-        for other, root in zip(others, roots):
-            other.migrate()
-            seed(other, [Row("t.created", "x", age_ms=9 * DAY_MS)])
-            Archiver(spark, other, str(root)).run(timedelta(days=7))
-    finally:
-        for other in others:
-            other.close()
-    for item in roots[1].iterdir():  # the second outbox's runs put into the first one's archive
-        if item.name.startswith("_manifest"):
-            for manifest in item.iterdir():
-                sh.copy(manifest, roots[0] / "_manifest" / manifest.name)
-        elif not item.name.startswith("_"):
-            sh.copytree(item, roots[0] / item.name, dirs_exist_ok=True)
+    roots = archives_of_two_outboxes(spark, tmp_path)
+    merge_runs(roots[1], roots[0])  # the second outbox's runs put into the first one's archive
     seed(store, report_rows()[:3])
     out = invoke(["pipeline", "report", "--out", str(tmp_path / "r")],
                  {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name,
