@@ -481,3 +481,18 @@ def test_a_purge_that_stops_at_its_row_cap_says_so(tmp_path: Path) -> None:
     assert "stopped at --max-rows 2: older done rows may be left; run it again" in capped, capped
     rest = ok(run("purge", env=env)).stdout
     assert "purged 3 done row(s) older than 7 day(s)" in rest and "--max-rows" not in rest, rest
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``outbox status | head -1``: the reader closes the pipe; the command ends without an
+    ``error: BrokenPipeError`` line or a traceback at exit (found in the README check)."""
+    env = {**os.environ, "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    ok(run("migrate", env=env))
+    for args in (("status",), ("dead", "list")):
+        child = subprocess.Popen([sys.executable, "-m", "outbox.cli", *args], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env=env)
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()  # before the child's first line: its write finds no reader
+        stderr = child.stderr.read().decode()
+        assert child.wait(60) == 1, args
+        assert [line for line in stderr.splitlines() if not line.startswith("outbox: database ")] == [], (args, stderr)

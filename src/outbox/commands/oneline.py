@@ -4,6 +4,8 @@ decorator of every ``outbox`` command, ``outbox pipeline``'s too."""
 from __future__ import annotations
 
 import functools
+import os
+import select
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +40,8 @@ def one_line_errors(command: Callable[..., Any] | None = None, *,
             except OutboxError as exc:
                 click.echo(redact(f"error: {_one_line(str(exc), first_line)}"), err=True)
             except Exception as exc:  # noqa: BLE001 - driver errors: explained when we can, else the type in one line
+                if isinstance(exc, BrokenPipeError) and _stdout_is_gone():
+                    sys.exit(1)  # `outbox status | head -1`: the reader left; nothing to say
                 hint = None
                 if explain is not None:
                     try:
@@ -49,6 +53,22 @@ def one_line_errors(command: Callable[..., Any] | None = None, *,
             sys.exit(1)
         return wrapper
     return decorate if command is None else decorate(command)
+
+
+def _stdout_is_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (poll says POLLERR; a
+    socket's broken pipe is then told apart, and said as any failure). Standard output is
+    then pointed at /dev/null, so that the interpreter's flush at exit prints no traceback
+    (as the Python docs' "Note on SIGPIPE" does it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, ValueError, OSError):  # no poll() (Windows), or no descriptor behind stdout
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
 
 
 __all__ = ["one_line_errors"]
