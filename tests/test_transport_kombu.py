@@ -855,6 +855,44 @@ def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
         broker.drop()
 
 
+def test_a_fanout_wakes_the_idle_consumers_of_every_queue_it_reached_on_postgresql(tmp_path: Path) -> None:
+    """A fanout's wake-up names every queue it reached, in one statement over an array of
+    them (it was one ``pg_notify`` round trip per queue): three idle consumers, backed off
+    towards a 5 s poll, each get the copy at once."""
+    broker = Broker(engine_url("postgresql", tmp_path))
+    try:
+        fan = Exchange("wakefan", type="fanout")
+        got: dict[str, float] = {}
+        with contextlib.ExitStack() as stack:
+            consumers = [stack.enter_context(broker.connect(polling_interval=5.0)) for _ in range(3)]
+            sender = stack.enter_context(broker.connect())
+            for n, conn in enumerate(consumers):
+                def on_message(body: Any, message: Any, name: str = f"q{n}") -> None:
+                    got[name] = time.monotonic()
+                    message.ack()
+                stack.enter_context(Consumer(conn, [Queue(f"wakefan{n}", fan)], callbacks=[on_message]))
+            for conn in consumers:  # each drains once: idle, then blocked on its LISTEN
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.2)
+            threading.Timer(3.0, lambda: sender.Producer().publish({"n": 1}, exchange=fan, routing_key="")).start()
+            sent = time.monotonic() + 3.0
+            results: list[threading.Thread] = []
+            for conn in consumers:
+                def drain(conn: Any = conn) -> None:
+                    deadline = time.monotonic() + 15
+                    while len(got) < 3 and time.monotonic() < deadline:
+                        with contextlib.suppress(TimeoutError, OSError):
+                            conn.drain_events(timeout=1)
+                results.append(threading.Thread(target=drain))
+                results[-1].start()
+            for thread in results:
+                thread.join(30)
+        assert sorted(got) == ["q0", "q1", "q2"], got
+        assert max(got.values()) - sent < 1.0, {q: t - sent for q, t in got.items()}
+    finally:
+        broker.drop()
+
+
 def test_concurrent_sends_share_the_commit_flush_on_postgresql(tmp_path: Path) -> None:
     """PostgreSQL takes a database-wide lock when a transaction that NOTIFYs commits and holds
     it through the commit's WAL flush. Each send notified in its own durable transaction, so
