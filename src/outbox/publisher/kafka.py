@@ -623,12 +623,11 @@ class KafkaPublisher(Publisher):
         return broker if broker is not None and broker.kind is FailureKind.FATAL else None
 
     def _on_error(self, error: Any) -> None:
-        """librdkafka's errors about the client as a whole (brokers down, authentication); a
-        FATAL one is kept over the others that follow it (``1/1 brokers are down``), which
-        say less."""
+        """librdkafka's errors about the client as a whole (brokers down, authentication): the
+        newest one is kept unless the one kept says more (``_telling``: a FATAL kind, or a
+        cause over ``1/1 brokers are down``)."""
         kept = self._broker_error
-        if kept is None or kafka_kind(error) is FailureKind.FATAL or kafka_kind(kept) is not FailureKind.FATAL:
-            self._broker_error = error
+        self._broker_error = error if kept is None else _telling([error, kept])
         if error.fatal():
             self._producer = None
         log.debug("Kafka client error: %s", redact(str(error)))
@@ -690,7 +689,8 @@ class ClusterUnreachable(Exception):
 
 def _telling(errors: Sequence[Any]) -> Any:
     """Of librdkafka's client errors, the one that says most, or None: a FATAL kind
-    (authentication, SSL) first, else the first that is not ``N/N brokers are down``."""
+    (authentication, SSL) first, else the first that is not ``N/N brokers are down``; the
+    publisher's error callback and ``cluster_status`` both choose so."""
     from confluent_kafka import KafkaError as E
 
     fatal = [e for e in errors if kafka_kind(e) is FailureKind.FATAL]
