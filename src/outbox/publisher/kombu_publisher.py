@@ -518,7 +518,15 @@ class KombuPublisher(Publisher):
             try:
                 conn.ensure_connection(max_retries=0)  # one attempt: the retries are ours
                 return
-            except OperationalError as exc:  # kombu's wrapping of a connection error it would retry
+            except Exception as exc:
+                # Whatever failed, the next attempt or connection begins at the next host, not
+                # at this one again: a silent host took the whole deadline of every publish, and
+                # one that refuses the login (not retried: AccessRefused, raised as itself) held
+                # every later connection, FATAL for good though the others were back (found in
+                # review).
+                self._first_host += 1
+                if not isinstance(exc, OperationalError):  # kombu's wrapping of an error it would retry
+                    raise
                 round_ends = conn.completes_cycle(attempt)
                 certificate = isinstance(exc.__cause__, ssl.SSLCertVerificationError)  # FATAL (failures.py)
                 retriable = isinstance(exc.__cause__, conn.recoverable_connection_errors) and (
@@ -529,19 +537,10 @@ class KombuPublisher(Publisher):
                                 "host of OUTBOX_PUBLISH_URL", redact(conn.as_uri()), exc)
                 if not retriable or attempt == attempts - 1 or (
                         deadline is not None and time.monotonic() + (pause if round_ends else 0) >= deadline):
-                    # The next connection (this one is dropped) begins at the next host, not at
-                    # this one again: a silent host took the whole deadline of every publish, and
-                    # one that refuses the login (not retried) held every later connection, FATAL
-                    # for good though the others were back (found in review).
-                    self._first_host += 1
                     if not_verified is not None and retriable:
                         raise not_verified from not_verified.__cause__
                     raise
-            except Exception:  # not retried, raised as itself (a refused login: AccessRefused)
-                self._first_host += 1  # as above: the next connection begins at the next host
-                raise
             conn.maybe_switch_next()  # the next alternate, as kombu's retry does after each failure
-            self._first_host += 1
             if round_ends:
                 time.sleep(pause)
                 pause = min(longest, pause + step)
