@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from ..core.config import get_settings
 from ..core.names import database_identity, host_list
@@ -39,11 +38,7 @@ def comparable_identity(url: str) -> str:
     written = host_list(url) if default is not None else ""
     if not written or not identity.startswith(written):
         return identity
-    hosts = []
-    for item in urlsplit(url).netloc.rpartition("@")[2].split(","):
-        one = urlsplit(f"//{item}")
-        hosts.append(f"{one.hostname or ''}" + (f":{one.port}" if one.port and one.port != default else ""))
-    return ",".join(hosts) + identity[len(written):]
+    return host_list(url, default_port=default) + identity[len(written):]
 
 
 def check_database(key: str, url: str | Callable[[], str | None] | None, where: str) -> None:

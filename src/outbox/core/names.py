@@ -110,16 +110,17 @@ def namespace_identity(database_url: str) -> str:
     return identity if named or not stand_in else f"{stand_in}{identity}"
 
 
-def host_list(url: str) -> str:
+def host_list(url: str, default_port: int | None = None) -> str:
     """The hosts of ``url``'s host part as the identity writes them, ``db:5432``, or for libpq's
-    list every one, ``h1:5432,h2:5432``; the same as ``hostname`` and ``port`` for one host."""
-    return ",".join(_host_port(item) for item in urlsplit(url).netloc.rpartition("@")[2].split(","))
+    list every one, ``h1:5432,h2:5432``; the same as ``hostname`` and ``port`` for one host.
+    A port equal to ``default_port`` is left out (``db``)."""
+    return ",".join(_host_port(item, default_port) for item in urlsplit(url).netloc.rpartition("@")[2].split(","))
 
 
-def _host_port(hostinfo: str) -> str:
+def _host_port(hostinfo: str, default_port: int | None = None) -> str:
     """One ``host[:port]`` as the identity writes it: the host in lower case, IPv6 unbracketed."""
     one = urlsplit(f"//{hostinfo}")
-    return f"{one.hostname or ''}" + (f":{one.port}" if one.port else "")
+    return f"{one.hostname or ''}" + (f":{one.port}" if one.port and one.port != default_port else "")
 
 
 def _odbc_identity(odbc: str) -> str:
