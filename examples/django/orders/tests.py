@@ -132,6 +132,33 @@ class AdminTests(TestCase):
         savepoints = [q["sql"] for q in queries.captured_queries if q["sql"].upper().startswith("SAVEPOINT")]
         self.assertEqual(len(savepoints), 3, savepoints)
 
+    def test_requeue_action_reads_only_the_dead_rows_of_the_selection(self):
+        """"Select all" of the unfiltered list is the whole table: the action read every
+        selected id into memory and gave each to the requeue, 1,000 a transaction (1.4 million
+        rows on PostgreSQL: 296 MB and 23 s; found in review). It reads the dead rows' ids only
+        and counts the other rows by status, in the database."""
+        from unittest import mock
+
+        from outbox.storage.store import OutboxStore
+
+        for _ in range(30):
+            make_row(Status.DONE)
+        requeue, asked = OutboxStore.requeue, []
+
+        def recorded(store, ids=None, **kwargs):
+            asked.append(sorted(ids))
+            return requeue(store, ids, **kwargs)
+
+        with mock.patch.object(OutboxStore, "requeue", recorded):
+            response = self.client.post("/admin/outbox/outboxevent/", {
+                "action": "requeue_dead", "select_across": "1", "index": "0", "_selected_action": [self.done]},
+                follow=True)
+        said = [str(m) for m in response.context["messages"]]
+        self.assertEqual(asked, [[self.dead]])
+        self.assertIn("Requeued 1 dead event(s): orders.created 1.", said)
+        self.assertIn("Left alone: 32 selected event(s) not dead (done 31, pending 1).", said)
+        self.assertEqual(OutboxEvent.objects.get(id=self.dead).status, Status.PENDING)
+
     def test_rows_are_read_only_and_requeue_needs_the_permission(self):
         self.assertEqual(self.client.get("/admin/outbox/outboxevent/add/").status_code, 403)
         staff = User.objects.create_user("viewer", password="pw", is_staff=True)

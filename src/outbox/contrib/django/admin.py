@@ -9,6 +9,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.db import connections, router
+from django.db.models import Count
 
 from ...core.model import RequeueResult
 from .models import OutboxEvent, Status
@@ -66,12 +67,18 @@ class OutboxEventAdmin(admin.ModelAdmin):
 
         using = router.db_for_write(OutboxEvent)
         store = schema.store_on(connections[using], lambda: atomic_on(connections[using]))  # IMMEDIATE on SQLite
-        result = store.requeue(list(queryset.values_list("id", flat=True)), all_or_nothing=False)
+        # Only the dead rows' ids are read, the others counted by status in the database: "select
+        # all" of the unfiltered list is the whole table (docs/django.md, "Admin").
+        selection = queryset.order_by()
+        others = Counter({int(status): int(n) for status, n in selection.exclude(status=Status.DEAD)
+                          .values_list("status").annotate(n=Count("pk"))})
+        dead = list(selection.filter(status=Status.DEAD).values_list("id", flat=True))
+        result = store.requeue(dead, all_or_nothing=False)
         if result.count:
             wake_on_commit(using)
             per_topic = ", ".join(f"{topic} {count}" for topic, count in result.requeued.items())
             self.message_user(request, f"Requeued {result.count} dead event(s): {per_topic}.", messages.SUCCESS)
-        for line in refusals(result):
+        for line in refusals(result, others):
             self.message_user(request, line, messages.WARNING)
 
 
@@ -79,9 +86,12 @@ class OutboxEventAdmin(admin.ModelAdmin):
 LISTED = 20
 
 
-def refusals(result: RequeueResult) -> list[str]:
-    """What the admin says about the selected rows ``result`` did not requeue, and why."""
+def refusals(result: RequeueResult, others: Counter[int] | None = None) -> list[str]:
+    """What the admin says about the selected rows ``result`` did not requeue, and why;
+    ``others``: the selected rows that were not dead, counted by status."""
     lines = []
+    statuses = Counter(Status(status).label for status in result.not_dead.values())
+    statuses.update({Status(status).label: n for status, n in (others or Counter()).items()})
     if result.refused:
         ids = " ".join(str(row.id) for row in result.refused[:LISTED])
         rows = "; ".join(f"row {row.id} ({row.topic}): {' '.join((row.last_error or '').split())[:200]}"
@@ -90,9 +100,8 @@ def refusals(result: RequeueResult) -> list[str]:
         lines.append(f"Not requeued: {len(result.refused)} dead event(s) whose recorded reason is permanent "
                      f"would only fail again; fix the cause, then requeue them with "
                      f"`outbox dead requeue --force {ids}`{' ...' if more else ''}: {rows}{more}.")
-    if result.not_dead:
-        statuses = Counter(Status(status).label for status in result.not_dead.values())
-        lines.append(f"Left alone: {len(result.not_dead)} selected event(s) not dead "
+    if statuses:
+        lines.append(f"Left alone: {sum(statuses.values())} selected event(s) not dead "
                      f"({', '.join(f'{label} {n}' for label, n in sorted(statuses.items()))}).")
     if result.missing:
         lines.append(f"Left alone: {len(result.missing)} selected event(s) no longer exist "
