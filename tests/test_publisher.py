@@ -32,6 +32,7 @@ from outbox.publisher import (
     FailureKind,
     KombuPublisher,
     Publisher,
+    PublishFailure,
     build_headers,
     checked_headers,
     classify,
@@ -426,6 +427,31 @@ def test_rabbitmq_a_nack_stops_every_chain_of_the_call(rabbit: dict[str, Any]) -
     assert all(r.failure is not None and r.failure.kind is FailureKind.BACKPRESSURE for r in results)
     assert all(r.published == () or r.published == (r.failed_id - 1,) for r in results)
     assert all(r.failed_id is not None and r.failed_id % 100 == len(r.published) + 1 for r in results)
+
+
+def test_a_chain_stopped_by_a_route_another_event_was_refused_on_names_that_event() -> None:
+    """Found in review: a chain whose next event goes to a route a queue refused in this call
+    (its event never sent) was stopped with the very failure of the nacked event, "the broker
+    refused the message (basic.nack)": the relay's one WARNING per route pause names the first
+    chain it settles, so it named an event that was never sent as the one refused. Its
+    failure now says it was not sent and which event was refused."""
+    from outbox.publisher.waves import ChainProgress, Wave, settle_wave
+
+    refusing = ChainProgress([make_message(3001, aggregate_id="a"), make_message(3002, aggregate_id="a")])
+    waiting = ChainProgress([make_message(3101, aggregate_id="b"), make_message(3102, aggregate_id="b")])
+    wave = Wave(windows=[(refusing, [refusing.next]), (waiting, [waiting.next])],
+                messages=[refusing.next, waiting.next], headers=[{}, {}])
+    nack = PublishFailure(FailureKind.BACKPRESSURE, "the broker refused the message (basic.nack)",
+                          route="orders.created")
+    refused: dict[str, PublishFailure] = {}
+    assert settle_wave(wave, [nack, None], refused, unroutable="fail", exchange="x") == []
+    assert refusing.result().failure == nack and refusing.result().failed_id == 3001
+    stopped = waiting.result()
+    assert stopped.published == (3101,) and stopped.failed_id == 3102
+    assert stopped.failure is not None and stopped.failure.kind is FailureKind.BACKPRESSURE
+    assert stopped.failure.route == "orders.created"
+    assert stopped.failure.reason.startswith("not sent: a queue of its routing key refused outbox id 3001 "), (
+        stopped.failure.reason)
 
 
 def test_rabbitmq_exchange_of_another_type_is_fatal(rabbit: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ overtaken events: docs/relay.md, "Pipelined chains"."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.model import OutboxMessage
@@ -200,7 +200,10 @@ def apply_verdicts(chain: ChainProgress, sent: list[OutboxMessage], verdicts: li
         if verdicts[index] == RETURNED or isinstance(verdicts[index], Refused) or failure.kind is FailureKind.POISON:
             pass  # an unroutable, refused or poison event stops (or is overtaken in) its own chain only
         elif failure.route is not None:
-            refused[failure.route] = failure
+            # What stops the chains whose next event goes there, never sent: said so, and which
+            # event was refused (the relay's WARNING per pause names the first chain it settles).
+            refused[failure.route] = replace(failure, reason=f"not sent: a queue of its routing key refused outbox id "
+                                             f"{sent[index].id} in this publish: {failure.reason}")
         else:
             broker_wide = failure
         if reached and reached[-1] > index:
