@@ -45,3 +45,20 @@ def test_headers_enqueue_accepts_near_the_limit_are_published(writer: Any, store
     claimed = store.claim(100).messages
     assert len(claimed) == list(verdicts.values()).count("accepted")
     assert [poison_check(m) for m in claimed] == [None] * len(claimed)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql", "mssql"])
+def test_float_headers_with_an_exponent_come_back_as_the_same_floats(writer: Any, store: OutboxStore) -> None:
+    """PostgreSQL's jsonb writes a number out in full and keeps only the fraction it was
+    given: a float header stored as JSON's ``1e+20`` came back as the integer
+    100000000000000000000, which no AMQP header can carry, and the event went dead as poison
+    at its first publish (``9.2e18`` too; ``1e+16`` came back an int)."""
+    headers = {"big": 1e20, "int64ish": 2.0 ** 63, "huge": -1.7976931348623157e308, "e16": 1e16, "small": 1e-7,
+               "plain": 1.5, "n": 7}
+    enqueue(writer, topic="t", aggregate_type="o", aggregate_id="1", payload={}, headers=headers,
+            table=store.engine.table_name)
+    writer.commit()
+    (message,) = store.claim(10).messages
+    assert {name: (type(value), value) for name, value in message.headers.items()} == \
+        {name: (type(value), value) for name, value in headers.items()}
+    assert poison_check(message) is None

@@ -29,6 +29,11 @@ What is checked, and why, field by field:
   instead of an ``EnqueueError``), MySQL's JSON type 100; and a payload nested near
   Python's recursion limit was stored and then could not be read back by the relay (it
   went dead as undecodable). Found in review.
+* A float header that ``repr`` writes with a positive exponent (``1e+20``) is written out in
+  full with a fraction (``100000000000000000000.0``), the same number. PostgreSQL's ``jsonb``
+  writes numbers out in full and keeps only the fraction it was given: ``1e+20`` came back
+  as the integer 100000000000000000000, which no AMQP header can carry, so the event went
+  dead as poison at its first publish (``1e+16`` came back an int). Found in review.
 * A ``message_id`` may not start or end with whitespace. SQL Server's equality ignores
   trailing spaces, so ``m1`` and ``m1 `` would be one message there and two on the other
   engines; refusing both ends everywhere keeps the idempotency key the same on every engine
@@ -48,6 +53,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 from uuid_utils import uuid7
@@ -257,9 +263,26 @@ def _check_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
 
 check_headers = _check_headers
 
+
 #: What ``json.dumps(..., ensure_ascii=False)`` writes for a string (CPython's C encoder):
 #: lets a caller append one string member to JSON that ``dump_json`` wrote.
 encode_json_string = json.encoder.encode_basestring
+
+
+def _float_json(value: float) -> str:
+    """A float as JSON that reads back as a float on every engine (module docstring)."""
+    text = float.__repr__(value)
+    return f"{Decimal(text):f}.0" if "e+" in text else text
+
+
+def dump_headers(headers: dict[str, Any]) -> str:
+    """Headers that ``_check_headers`` passed, as JSON: ``dump_json``'s, but for floats with a
+    positive exponent, written out in full with a fraction (module docstring)."""
+    if not any(isinstance(value, float) and "e+" in float.__repr__(value) for value in headers.values()):
+        return dump_json(headers, "headers")
+    return "{" + ",".join(f"{encode_json_string(name)}:" + (
+        _float_json(value) if isinstance(value, float) else dump_json(value, "headers"))
+        for name, value in headers.items()) + "}"
 
 
 def payload_json_problem(payload_json: str, max_payload_bytes: int) -> str | None:
@@ -298,8 +321,8 @@ def prepare_event(
         headers = {}
     if not isinstance(headers, Mapping):
         raise EnqueueError(f"headers must be a mapping, got {type(headers).__name__}")
-    headers_json = dump_json(_check_headers(headers), "headers")
-    if len(headers_json.encode("utf-8")) > MAX_HEADERS_BYTES:
+    headers_text = dump_headers(_check_headers(headers))
+    if len(headers_text.encode("utf-8")) > MAX_HEADERS_BYTES:
         raise EnqueueError(f"headers are larger than {MAX_HEADERS_BYTES} bytes")
     if message_id is None:
         message_id = str(uuid7())
@@ -310,6 +333,6 @@ def prepare_event(
         aggregate_id=_text("aggregate_id", aggregate_id, MAX_AGGREGATE),  # type: ignore[arg-type]
         partition_key=_text("key", key, MAX_KEY, required=False),
         payload_json=payload_json,
-        headers_json=headers_json,
+        headers_json=headers_text,
         trace_id=_text("trace_id", trace_id, MAX_TRACE_ID, required=False),
     )
