@@ -3,6 +3,7 @@ and SQL Server when one is reachable). Each rule of the claim is pinned here."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import time
@@ -61,6 +62,40 @@ def test_enqueue_is_idempotent_by_message_id_and_keeps_the_transaction_usable(st
     assert add(writer, store, "z", message_id="m-1") == first
     assert len(statuses(store)) == 2
 
+
+
+@pytest.mark.parametrize("kind", ["postgresql"])
+@pytest.mark.parametrize("listen", [False, True], ids=["plain", "notify"])
+def test_a_stored_message_id_purged_during_its_enqueue_is_written_anew(store: OutboxStore, writer: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       listen: bool) -> None:
+    """The insert finds the message_id stored (ON CONFLICT DO NOTHING), then the purge deletes
+    that done row before enqueue looks its id up: the look-up found nothing and the caller
+    got ``TypeError: 'NoneType' object is not subscriptable`` (a producer's retry of an id at
+    the retention's edge; a stress run of writers reusing ids beside a purge met it every
+    second). Now the insert runs again and writes the event anew, as after any purge."""
+    from outbox.core.config import get_settings
+
+    writing = importlib.import_module("outbox.enqueue")  # the module (``outbox.enqueue`` is the function)
+    (first,) = add(writer, store, "a", message_id="m-1")
+    if listen:
+        monkeypatch.setattr(writing, "notify_channel", lambda *args: "outbox_test_purge_race")
+    engine = writing._engine("postgresql", store.engine.table_name, get_settings().schema)
+    real_execute, statements = engine.execute, []
+
+    def execute(cursor: Any, text: str, params: Any = ()) -> Any:
+        result = real_execute(cursor, text, params)
+        statements.append(text)
+        if len(statements) == 1:  # the insert found the row: the purge takes it now
+            with store.transaction() as other:
+                store.engine.execute(other, f"DELETE FROM {store.engine.table} WHERE id = ?", [first])
+        return result
+
+    monkeypatch.setattr(engine, "execute", execute)
+    again = add(writer, store, "a", message_id="m-1")
+    assert len(statements) > 2  # the insert, the look-up that found nothing, the insert again
+    assert again != [first]
+    assert list(statuses(store)) == again
 
 BAD_INPUT = [
     ({"payload": {"x": float("nan")}}, "not valid JSON"),

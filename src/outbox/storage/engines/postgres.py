@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from ...core.config import session_bounds, without_session_bounds
+from ...core.errors import StoreError
 from ...core.model import NewEvent
 from .base import (
     LEASE_EXPIRED_ERROR,
@@ -436,26 +437,33 @@ class PostgresEngine(Engine):
         return getattr(exc, "sqlstate", None) == "42703"  # undefined_column
 
     def insert_event(self, cursor: Any, event: NewEvent) -> int:
-        self.execute(cursor, f"INSERT INTO {self.table} ({self.INSERT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                     "ON CONFLICT (message_id) DO NOTHING RETURNING id", self.event_params(event))
-        row = cursor.fetchone()
-        if row is None:  # already stored under this message_id: nothing written
-            row = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ?",
-                               [event.message_id]).fetchone()
-        return int(row[0])
+        return self._insert_or_find(cursor, event, f"INSERT INTO {self.table} ({self.INSERT_COLUMNS}) "
+                                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO NOTHING RETURNING id",
+                                    self.event_params(event))
 
     def insert_event_and_notify(self, cursor: Any, event: NewEvent, channel: str) -> int:
         # The notification rides on the insert: no round trip of its own for the writer
         # (docs/waking-and-metrics.md). Nothing inserted (a known message_id): no notification.
-        self.execute(cursor, f"WITH ins AS (INSERT INTO {self.table} ({self.INSERT_COLUMNS}) "
-                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO NOTHING RETURNING id) "
-                     "SELECT ins.id FROM ins CROSS JOIN LATERAL pg_notify(?, '') AS n",
-                     [*self.event_params(event), channel])
-        row = cursor.fetchone()
-        if row is None:
-            row = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ?",
-                               [event.message_id]).fetchone()
-        return int(row[0])
+        return self._insert_or_find(cursor, event, f"WITH ins AS (INSERT INTO {self.table} ({self.INSERT_COLUMNS}) "
+                                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO NOTHING RETURNING id) "
+                                    "SELECT ins.id FROM ins CROSS JOIN LATERAL pg_notify(?, '') AS n",
+                                    [*self.event_params(event), channel])
+
+    def _insert_or_find(self, cursor: Any, event: NewEvent, insert: str, params: list[Any]) -> int:
+        """``insert`` (which returns the new row's id, or nothing when the message_id is
+        stored), else the stored row's id. A stored row the purge deletes between the two
+        statements is gone when the id is looked up: the insert then runs again and writes
+        the event anew, as after any purge (the look-up found nothing and the caller got a
+        ``TypeError``: found in review)."""
+        for _ in range(5):
+            row = self.execute(cursor, insert, params).fetchone()
+            if row is None:  # already stored under this message_id: nothing written
+                row = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ?",
+                                   [event.message_id]).fetchone()
+            if row is not None:
+                return int(row[0])
+        raise StoreError(f"enqueue of message_id {event.message_id!r}: the row stored under it was deleted each "
+                         "time it was looked up (5 times); nothing was written and the transaction is unchanged")
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
               behind: Sequence[int] = (), skip_blocked: bool = False) -> list[tuple]:
