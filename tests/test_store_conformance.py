@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -63,6 +64,36 @@ def test_enqueue_is_idempotent_by_message_id_and_keeps_the_transaction_usable(st
     assert len(statuses(store)) == 2
 
 
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+@pytest.mark.parametrize("first_ends", ["commit", "rollback"])
+def test_a_racing_enqueue_of_one_message_id_waits_for_the_first_and_raises_nothing(
+        store: OutboxStore, writer: Any, url: str, first_ends: str) -> None:
+    """The second transaction waits for the first: then it has the first's row (committed) or
+    writes its own (rolled back), and its transaction goes on (README, "Write side"; SQL
+    Server's: tests/test_mssql_live.py)."""
+    second, results = store.engine.connect(url), []
+    try:
+        (held,) = add(writer, store, "a", message_id="same-id", commit=False)
+
+        def racer() -> None:
+            try:
+                results.append(add(second, store, "a", message_id="same-id", commit=False)[0])
+                results.append(add(second, store, "a", message_id="other-id")[0])
+            except BaseException as exc:  # surfaced below
+                results.append(exc)
+
+        thread = threading.Thread(target=racer)
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive() and not results  # waiting for the first transaction
+        writer.commit() if first_ends == "commit" else writer.rollback()
+        thread.join(timeout=30)
+        assert all(isinstance(r, int) for r in results) and len(results) == 2, results
+        assert (results[0] == held) == (first_ends == "commit")
+    finally:
+        second.close()
+    assert sorted(statuses(store)) == sorted({held, *results} if first_ends == "commit" else results)
 
 @pytest.mark.parametrize("kind", ["postgresql"])
 @pytest.mark.parametrize("listen", [False, True], ids=["plain", "notify"])
