@@ -154,6 +154,19 @@ def session_sql(server_info: str, idle_transaction_timeout_s: int, tcp_timeout_s
             f"SESSION net_write_timeout = {tcp}, SESSION innodb_lock_wait_timeout = {tcp}")
 
 
+@functools.lru_cache(maxsize=8)
+def isolation_variable(server_info: str) -> str:
+    """The session's isolation level, by ``server_info``'s server: ``@@transaction_isolation``
+    on MySQL 5.7.20 and later (8.0 has no other name) and on MariaDB 11.1 and later; before
+    those, ``@@tx_isolation``."""
+    mariadb = re.search(r"(\d+)\.(\d+)\.(\d+)-MariaDB", server_info, re.IGNORECASE)
+    version = mariadb or re.match(r"(\d+)\.(\d+)\.(\d+)", server_info)
+    if version is None:
+        return "@@transaction_isolation"
+    since = (11, 1, 0) if mariadb else (5, 7, 20)
+    return "@@tx_isolation" if tuple(int(part) for part in version.groups()) < since else "@@transaction_isolation"
+
+
 class MysqlEngine(Engine):
     name = "mysql"
     identifier_limit = (64, False)  # a longer name was refused (the migration stopped there)
@@ -465,9 +478,12 @@ class MysqlEngine(Engine):
         """Insert unless the message_id is stored, and return the row's id (docs/design.md,
         "MySQL/MariaDB specifics"). A stored id is found by a plain consistent read,
         which locks nothing: the insert's duplicate path locks the stored row until the
-        caller's transaction ends, and the relay's writes and claims of it waited for that."""
+        caller's transaction ends, and the relay's writes and claims of it waited for that.
+        At SERIALIZABLE, where a plain read locks, the read's WHERE is false and it reads
+        nothing (same section)."""
         self._check_charset(cursor, event)
-        found = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ?",
+        isolation = isolation_variable(cursor.connection.get_server_info())
+        found = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ? AND {isolation} <> 'SERIALIZABLE'",
                              [event.message_id]).fetchone()
         if found:
             return int(found[0])
