@@ -197,6 +197,31 @@ def test_unicode_and_one_megabyte_payloads_round_trip(store: OutboxStore, writer
     assert json.loads(messages[ids[1]].payload) == big
 
 
+
+def test_payload_floats_with_an_exponent_come_back_as_the_same_floats(store: OutboxStore, writer: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL's jsonb writes a number out in full and keeps only the fraction it was
+    given: ``1e+20`` came back as 100000000000000000000, an integer to Python's json (and to
+    any typed reader), and a payload of such numbers came back many times larger than the
+    size enqueue had checked (it then went dead at publish, over the broker's limit). Floats
+    are now written out with a fraction before the size check, on every engine."""
+    payload = {"big": 1e20, "neg": -2.5e17, "max": 1.7976931348623157e308, "small": 1e-7, "text": "1e+20",
+               "list": [1e16, 3, "x\\\"e+5"], "key e+1": 1.5}
+    (id_,) = add(writer, store, "a", payload=payload)
+    (message,) = store.claim(1).messages
+    got = json.loads(message.payload)
+    assert got == payload and json.dumps(got, sort_keys=True) == json.dumps(payload, sort_keys=True)  # floats stay floats
+    assert message.id == id_
+    monkeypatch.setenv("OUTBOX_MAX_PAYLOAD_BYTES", "1000")
+    from outbox.core.config import reset_settings
+    reset_settings()
+    try:
+        with pytest.raises(EnqueueError, match=r"payload is 3\d{3} bytes; OUTBOX_MAX_PAYLOAD_BYTES allows 1000"):
+            add(writer, store, "b", payload=[1e300] * 10)  # 68 bytes as Python writes it
+    finally:
+        monkeypatch.delenv("OUTBOX_MAX_PAYLOAD_BYTES")
+        reset_settings()
+
 # -- claim: chains, fairness, blocking ---------------------------------------------------
 
 def test_claim_takes_whole_chains_in_id_order(store: OutboxStore, writer: Any) -> None:

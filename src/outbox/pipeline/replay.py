@@ -48,7 +48,6 @@ from ..domain.events import (
     MAX_TRACE_ID,
     check_headers,
     check_text,
-    dump_headers,
     dump_json,
     encode_json_string,
     payload_json_problem,
@@ -144,7 +143,7 @@ def prepare_batch(cols: dict[str, list[Any]], max_payload_bytes: int) -> list[Ne
             if not isinstance(headers, dict):
                 raise EnqueueError(f"headers must be a mapping, got {type(headers).__name__}")
             # (a copy that already carries the replay header: each row through prepare_event)
-            heads[text] = None if REPLAY_HEADER in headers else dump_headers(check_headers(headers))[:-1]
+            heads[text] = None if REPLAY_HEADER in headers else dump_json(check_headers(headers), "headers")[:-1]
         except (EnqueueError, ValueError, RecursionError) as exc:
             raise refuse(cols["headers"].index(text), exc) from None
     events = []
