@@ -7,7 +7,10 @@ import os
 import sqlite3
 import time
 import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +84,19 @@ def test_circular_payload_is_rejected() -> None:
     with pytest.raises(EnqueueError, match="payload is not valid JSON"):
         prepare_event(payload=loop, **BASE)
 
+
+@pytest.mark.parametrize("payload, message", [
+    ({"order": {"lines": [{"sku": "a"}, {"total": Decimal("9.99")}]}},
+     r"payload\['order'\]\['lines'\]\[1\]\['total'\] is a Decimal, which JSON has no type for: convert it "
+     r"first \(str\(\) keeps every digit; a float may not\)"),
+    ([1, datetime(2026, 12, 7, tzinfo=UTC)],
+     r"payload\[1\] is a datetime, which JSON has no type for: convert it first \(\.isoformat\(\)\)"),
+    ({"tags": {"a"}}, r"payload\['tags'\] is a set, which JSON has no type for"),
+])
+def test_a_value_json_cannot_write_is_named_by_its_path(payload: Any, message: str) -> None:
+    """A payload of hundreds of fields said only "Decimal is not JSON-serializable"."""
+    with pytest.raises(EnqueueError, match="payload is not valid JSON: " + message):
+        prepare_event(payload=payload, **BASE)
 
 def test_bool_is_not_an_aggregate_id() -> None:
     with pytest.raises(EnqueueError, match="aggregate_id must be a string"):

@@ -55,7 +55,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from decimal import Decimal
 from typing import Any
 
@@ -126,8 +126,40 @@ def fit_utf16(text: str, limit: int = MAX_ERROR_UNITS) -> str:
     return clean[:cut] + "..."
 
 
+class _Unwritable(TypeError):
+    """A value ``json.dumps`` has no type for (``dump_json`` names its path)."""
+
+
 def _reject_unknown(value: Any) -> Any:
-    raise TypeError(f"{type(value).__name__} is not JSON-serializable")
+    raise _Unwritable(f"{type(value).__name__} is not JSON-serializable")
+
+
+#: What to turn a value JSON has no type for into, by its type's name.
+_CONVERT = {"Decimal": " (str() keeps every digit; a float may not)", "datetime": " (.isoformat())",
+            "date": " (.isoformat())", "time": " (.isoformat())", "UUID": " (str())"}
+
+
+def _unwritable_at(value: Any, what: str) -> str:
+    """Where the first value ``json.dumps`` has no type for is in ``value`` (which holds one),
+    in the order it writes them, and what it is."""
+    path: list[Any] = []  # the keys and indexes down to the item, the root's None first
+    stack: list[Iterator[tuple[Any, Any]]] = [iter([(None, value)])]
+    while stack:
+        step = next(stack[-1], None)
+        if step is None:
+            stack.pop()
+            continue
+        key, item = step
+        path = [*path[:len(stack) - 1], key]
+        if isinstance(item, dict):
+            stack.append(iter(item.items()))
+        elif isinstance(item, (list, tuple)):
+            stack.append(iter(enumerate(item)))
+        elif not isinstance(item, (str, int, float)) and item is not None:
+            name = type(item).__name__
+            where = what + "".join(f"[{key!r}]" for key in path[1:])
+            return f"{where} is a {name}, which JSON has no type for: convert it first{_CONVERT.get(name, '')}"
+    return "a value JSON has no type for"
 
 
 def dump_json(value: Any, what: str) -> str:
@@ -137,6 +169,8 @@ def dump_json(value: Any, what: str) -> str:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
                           default=_reject_unknown)
         text.encode("utf-8")  # lone surrogates would fail later in the driver
+    except _Unwritable:
+        raise EnqueueError(f"{what} is not valid JSON: {_unwritable_at(value, what)}") from None
     except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
         raise EnqueueError(f"{what} is not valid JSON: {exc}") from None
     if "e+" in text:
