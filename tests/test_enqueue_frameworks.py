@@ -222,6 +222,22 @@ def test_an_autocommit_connection_is_named_once_in_a_warning(writer: Any, store:
     write_side._warn_autocommit.cache_clear()
 
 
+def test_a_sqlite_connection_in_python_312s_autocommit_mode_is_told_as_one() -> None:
+    """``sqlite3.connect(..., autocommit=True)`` (Python 3.12+) opens no transaction and keeps
+    ``isolation_level`` at ``""`` (seen on 3.12.1): only ``isolation_level = None`` counted,
+    so an event enqueued there committed by itself, the caller's rollback left it, and no
+    warning said so. A stand-in, as this suite's Python may be 3.11: the attributes 3.12 has."""
+    from types import SimpleNamespace
+
+    from outbox.storage.engines.sqlite import SqliteEngine
+
+    engine = SqliteEngine()
+    assert engine.commits_each_statement(SimpleNamespace(autocommit=True, isolation_level="", in_transaction=False))
+    # The caller's own BEGIN on it; autocommit=False (a transaction always open); the legacy mode.
+    assert not engine.commits_each_statement(SimpleNamespace(autocommit=True, isolation_level="", in_transaction=True))
+    assert not engine.commits_each_statement(SimpleNamespace(autocommit=False, isolation_level="", in_transaction=True))
+    assert not engine.commits_each_statement(SimpleNamespace(autocommit=-1, isolation_level="", in_transaction=False))
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
 def test_a_sqlalchemy_connection_with_no_transaction_yet_commits_the_event(store: OutboxStore, url: str) -> None:
     """SQLAlchemy 2 begins a Connection's transaction at its first execute(); enqueue's insert

@@ -131,9 +131,9 @@ class SqliteEngine(Engine):
                 f"OR EXISTS (SELECT 1 FROM {self.table})", [self.table_name, self.schema or "main"])
 
     def commits_each_statement(self, conn: Any) -> bool:
-        # isolation_level None: no implicit BEGIN, so outside the caller's own BEGIN each
-        # statement commits by itself.
-        return conn.isolation_level is None and not conn.in_transaction
+        # No implicit BEGIN (isolation_level None; Python 3.12's autocommit=True, which leaves
+        # isolation_level as it was): outside the caller's own BEGIN each statement commits by itself.
+        return (conn.isolation_level is None or _explicit_only(conn)) and not conn.in_transaction
 
     def begin(self, cursor: Any) -> None:
         # IMMEDIATE takes the write lock up front, so the read that plans a claim
