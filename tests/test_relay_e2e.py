@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +185,66 @@ def test_worker_alone_relays_the_embedded_default(tmp_path: Path, sqlite_outbox:
 
     assert wait_until(done, timeout=30), f"{outbox.statuses()}\n{procs.log('solo')[-3000:]}"
     assert "runs the schedule itself" in procs.log("solo")
+
+
+#: Beat's claim ticks as a worker whose clock runs two minutes ahead of the scheduler's sees
+#: them, each 90 s past its expiry (a tick expires 30 s after it is sent), until the file
+#: ``argv[2]`` exists; then ticks in time. ``argv[1]``: the runner.
+LATE_TICKS = r"""
+import os, sys, time
+from datetime import UTC, datetime, timedelta
+
+if sys.argv[1] == "celery":
+    from outbox.celery.application import send_relay_task
+    from outbox.core.names import CLAIM_TASK, TICK_KWARGS
+
+    def tick(offset_s):
+        send_relay_task(CLAIM_TASK, dict(TICK_KWARGS), expires=datetime.now(UTC) + timedelta(seconds=offset_s))
+else:
+    from outbox.core.config import startup_options
+    from outbox.dramatiq import brokers
+    from outbox.dramatiq.scheduler import schedule_entries
+
+    actor, queue, _, _, kwargs = schedule_entries(*startup_options())[0]
+
+    def tick(offset_s):
+        brokers.sender().enqueue(brokers.message(actor, queue, {**kwargs, "expires_at": time.time() + offset_s}))
+for n in range(400):
+    tick(30 if os.path.exists(sys.argv[2]) else -90)
+    print("sent", n + 1, flush=True)
+    time.sleep(0.5)
+"""
+
+
+def test_a_worker_whose_clock_runs_ahead_of_the_schedulers_says_why_it_claims_nothing(
+        tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, runner: Any, procs_factory: Any) -> None:
+    """A tick's expiry is reckoned on the scheduler's clock and checked on the worker's: a worker
+    host two minutes ahead dropped every tick, each a DEBUG line, and its rows waited for ever
+    while the Celery heartbeat counted the ticks as received (on Dramatiq nothing at all). Now one
+    WARNING after ten claim intervals (at least 10 s) of expired claims, naming the clocks; and one
+    INFO line when ticks arrive in time again, which then deliver."""
+    procs = procs_factory(relay_env(tmp_path, destination, sqlite_outbox, runner, OUTBOX_CLAIM_INTERVAL_S="0.5",
+                                    OUTBOX_RELAY_WAKE="0"), runner)
+    procs.worker("w1")
+    assert wait_until(lambda: "ready" in procs.log("w1"), timeout=60), procs.log("w1")[-3000:]
+    in_time = tmp_path / "in-time"
+    procs.spawn("ticks", [sys.executable, "-c", LATE_TICKS, runner.name, str(in_time)])
+    warning = "outbox: every claim tick and claim request that reached this worker for"
+    assert wait_until(lambda: warning in procs.log("w1"), timeout=60), (
+        f"{procs.log('w1')[-3000:]}\n--- ticks\n{procs.log('ticks')[-1000:]}")
+    assert re.search(r"had expired \(the last (8\d|9\d) s past its expiry, by this host's clock\).*synchronise the "
+                     r"clocks \(NTP\)", procs.log("w1")), procs.log("w1")[-3000:]
+    with sqlite_outbox.writer() as conn:
+        outbox_id = sqlite_outbox.add(conn, "late", 0)
+        conn.commit()
+    time.sleep(2)
+    assert sqlite_outbox.statuses() == {outbox_id: Status.PENDING}  # no claim runs on expired ticks
+
+    in_time.touch()
+    assert destination.wait_for(lambda: len(destination.arrived()) == 1, timeout=30, procs=procs), \
+        procs.log("w1")[-3000:]
+    assert wait_until(lambda: "claim ticks reach this worker before their expiry again" in procs.log("w1"),
+                      timeout=10), procs.log("w1")[-3000:]
+    # Once per run of expired claims in each worker process that dropped them (Celery's main
+    # process; each of Dramatiq's processes).
+    assert 1 <= procs.log("w1").count(warning) <= 2, procs.log("w1")[-3000:]

@@ -171,3 +171,36 @@ def test_a_pause_shared_by_a_host_whose_clock_runs_ahead_lasts_no_longer_than_it
     assert 4 < Breaker(state, key).open_for() <= 5
     RouteGate(state, key + ":routes").refuse("orders.created", 2, 60, now=ahead)
     assert 1 < RouteGate(state, key + ":routes").paused("orders.created") <= 2
+
+
+def test_expired_claims_are_said_once_they_go_on_for_ten_intervals_and_not_for_a_queued_burst(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``LateClaims``: a worker host whose clock runs ahead of the scheduler's drops every tick
+    as expired, which was a DEBUG line each (tests/test_relay_e2e.py runs the workers). A burst of
+    ticks queued while the workers were down, taken in a moment, says nothing; drops going on for
+    ten claim intervals (at least 10 s) with none in time say one WARNING, and the first claim in
+    time after it one INFO line."""
+    import logging
+
+    from outbox.relay.shared import LateClaims
+
+    late = LateClaims(logging.getLogger("outbox.test"), claim_interval_s=0.5)
+    assert late.window_s == 10.0
+    with caplog.at_level(logging.INFO, logger="outbox.test"):
+        for n in range(100):  # a full claim queue after an outage, taken in 2 s
+            late.dropped(40.0, now=1000.0 + n * 0.02)
+        late.in_time()
+        assert not caplog.records
+        for n in range(25):  # a clock 120 s ahead: every tick, every 0.5 s
+            late.dropped(90.0, now=2000.0 + n * 0.5)
+        assert [r.getMessage() for r in caplog.records] == [
+            "outbox: every claim tick and claim request that reached this worker for 10 s had expired (the last "
+            "90 s past its expiry, by this host's clock) and was dropped: rows are claimed here on post-commit "
+            "wake-ups only. Unless old ticks that waited in the claim queue are being worked off, this host's clock "
+            "is ahead of the scheduler's by more than the ticks' expiry (30 s at least): synchronise the clocks "
+            "(NTP). Docs: relay.md, \"Ticks, expiry and clocks\""]
+        assert caplog.records[0].levelno == logging.WARNING
+        late.in_time()
+        late.in_time()
+        assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO]
+    assert LateClaims(logging.getLogger("outbox.test"), claim_interval_s=5).window_s == 50.0

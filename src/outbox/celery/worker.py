@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import signals
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 
 from ..core.config import relay_options, relay_settings, wake_options
 from ..core.errors import ConfigError
@@ -190,6 +191,24 @@ def _shutting_down(**_: Any) -> None:
              "tasks not yet started release their rows")
     _listen.stop_listener(wait=False)  # sent from a signal handler: don't block it
     _listen.stop_subscriber(wait=False)
+
+
+@signals.task_received.connect
+def _claim_in_time(request: Any = None, **_: Any) -> None:
+    """A claim tick or request reached this worker before its expiry (``Relay.late_claims``)."""
+    if getattr(request, "name", None) == CLAIM_TASK:
+        relay().late_claims.in_time()
+
+
+@signals.task_revoked.connect
+def _claim_late(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+    """Celery dropped a claim tick or request that arrived after its ``expires``, before the
+    task ran (``Relay.late_claims``: a clock ahead of beat's; docs/relay.md, "Ticks, expiry and clocks")."""
+    if not expired or getattr(sender, "name", None) != CLAIM_TASK:
+        return
+    expires = maybe_iso8601(getattr(request, "expires", None))
+    late_s = 0.0 if expires is None else (app.now() - maybe_make_aware(expires)).total_seconds()
+    relay().late_claims.dropped(late_s)
 
 
 def _remove_stopping_marker() -> None:

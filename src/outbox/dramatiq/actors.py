@@ -247,7 +247,8 @@ def _only_ours(task: str) -> Callable[[Callable[..., None]], Callable[..., None]
 def claim(requested: bool = False, token: str | None = None, expires_at: float | None = None) -> None:
     """Claim a batch and send its chains on as publish messages (``Relay.claim``, as on Celery).
     Returns None: nobody reads a relay actor's result (the outcome is in the table)."""
-    relay.claim(requested, token, expired=_broker.expired(expires_at))
+    late_s = _broker.late_s(expires_at)
+    relay.claim(requested, token, expired=late_s > 0, late_s=late_s)
 
 
 @dramatiq.actor(actor_name=PUBLISH_TASK, queue_name=QUEUES.publish, broker=broker, max_retries=0,

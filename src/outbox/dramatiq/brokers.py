@@ -204,8 +204,13 @@ def message(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | N
     return Message(queue_name=queue, actor_name=actor, args=tuple(args), kwargs=kwargs, options={})
 
 
+def late_s(expires_at: float | None) -> float:
+    """Seconds past ``expires_at`` by this host's clock (0 or less: in time, or no expiry)."""
+    return 0.0 if expires_at is None else time.time() - float(expires_at)
+
+
 def expired(expires_at: float | None) -> bool:
-    return expires_at is not None and time.time() > float(expires_at)
+    return late_s(expires_at) > 0
 
 
 _senders: dict[tuple[int, str, str], Any] = {}
@@ -242,5 +247,5 @@ def send(actor: str, queue: str, kwargs: dict[str, Any], max_age_s: float | None
     sender().enqueue(message(actor, queue, kwargs, max_age_s))
 
 
-__all__ = ["settings", "configured", "make_broker", "reach", "queue_length", "message", "expired", "sender", "send",
+__all__ = ["settings", "configured", "make_broker", "reach", "queue_length", "message", "late_s", "expired", "sender", "send",
            "URL_SETTING"]

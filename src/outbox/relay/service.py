@@ -28,7 +28,7 @@ from .publish import ChainOutcome, handle_publish, still_held_when_reachable
 from .resources import ResourceHolder, Resources, Shared
 from .runner import Runner
 from .settle import SettleFailed, apply_fallback, purge_budget, purge_expired
-from .shared import RUNNER_BROKER, Breaker, Outage
+from .shared import RUNNER_BROKER, Breaker, LateClaims, Outage
 
 #: The settling task that takes over a store write a publish could not make.
 FALLBACK_TASKS = {"done": ACK_TASK, "failed": FAIL_TASK, "release": RELEASE_TASK}
@@ -64,6 +64,8 @@ class Relay:
         self.ahead = ClaimAhead(lambda: self.resources().store)
         #: No claim request before this (``time.monotonic()``): the last one failed.
         self.requests_paused_until = 0.0
+        #: Claims dropped for arriving after their expiry (``relay.shared.LateClaims``).
+        self.late_claims = LateClaims(logger, settings.claim_interval_s)
 
     # -- what the process holds -------------------------------------------------------------
 
@@ -160,19 +162,23 @@ class Relay:
     # -- the tasks' bodies -------------------------------------------------------------------
 
     def claim(self, requested: bool = False, token: str | None = None, *, expired: bool = False,
-              in_main: bool = False) -> dict[str, Any]:
+              late_s: float = 0.0, in_main: bool = False) -> dict[str, Any]:
         """Claim a batch and dispatch it as publish tasks, in drain slices (``relay.drain``):
         a full claim and every finished publish request the next, coalesced; a claim that finds
         the publish queue full claims nothing; beat's tick is the safety net. ``requested``: it
-        held the claim-request token, cleared as it starts; ``expired``: it came too late and
-        only clears its token; ``in_main``: the Celery worker's in-process claim."""
+        held the claim-request token, cleared as it starts; ``expired``: it came too late (by
+        ``late_s``) and only clears its token (``late_claims``); ``in_main``: the Celery worker's
+        in-process claim, which has no expiry."""
         if requested:
             self.shared().coalescer.clear()
         if token:  # a post-commit wake-up of an earlier version (outbox.wake)
             self.runner.clear_token(token)
         if expired:
-            self.log.debug("outbox: dropped a claim that arrived after it expired")
+            self.log.debug("outbox: dropped a claim that arrived %.1f s after it expired", late_s)
+            self.late_claims.dropped(late_s)
             return {"expired": True}
+        if not in_main:
+            self.late_claims.in_time()
         if self.stopping():
             return {"stopped": True}
         drain = Drain(self._dispatch, self.publish_here, self.request_claim, self.outage("database"), self.backlog,

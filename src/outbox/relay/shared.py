@@ -376,6 +376,53 @@ class ClaimQueueGuard:
         return full
 
 
+#: Claims arriving expired this many claim intervals in a row, and for at least
+#: ``LATE_CLAIMS_MIN_S``, none in time, are said in one WARNING (``LateClaims``).
+LATE_CLAIMS_INTERVALS, LATE_CLAIMS_MIN_S = 10, 10.0
+
+
+class LateClaims:
+    """The claim ticks and requests a worker process drops for arriving after their expiry.
+
+    The expiry is reckoned on the sender's clock and checked on this host's, so a host whose
+    clock runs ahead of the scheduler's by more than the expiry drops every tick and claims
+    nothing, and each drop was a DEBUG line: the rows waited for ever while the worker looked
+    idle (found in review; docs/relay.md, "Ticks, expiry and clocks"). Drops that go on for
+    ``window_s`` with no claim arriving in time make one WARNING, with how late the last one
+    was; the first claim in time after it one INFO line. Ticks queued while the workers were
+    down expire too, but the claim queue holds at most ``MAX_QUEUED_CLAIMS``, taken in a moment."""
+
+    def __init__(self, logger: logging.Logger, claim_interval_s: float) -> None:
+        self.log = logger
+        self.window_s = max(LATE_CLAIMS_MIN_S, LATE_CLAIMS_INTERVALS * claim_interval_s)
+        self._since: float | None = None  # the first drop of the current run (time.monotonic())
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def dropped(self, late_s: float, now: float | None = None) -> None:
+        """A claim arrived ``late_s`` seconds past its expiry (on this host's clock) and was dropped."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._since is None:
+                self._since = now
+            if self._warned or now - self._since < self.window_s:
+                return
+            self._warned = True
+        self.log.warning(
+            "outbox: every claim tick and claim request that reached this worker for %.0f s had expired (the last "
+            "%.0f s past its expiry, by this host's clock) and was dropped: rows are claimed here on post-commit "
+            "wake-ups only. Unless old ticks that waited in the claim queue are being worked off, this host's clock "
+            "is ahead of the scheduler's by more than the ticks' expiry (30 s at least): synchronise the clocks "
+            "(NTP). Docs: relay.md, \"Ticks, expiry and clocks\"", now - self._since, late_s)
+
+    def in_time(self) -> None:
+        """A claim tick or request arrived before its expiry: a run of drops ends."""
+        with self._lock:
+            warned, self._since, self._warned = self._warned, None, False
+        if warned:
+            self.log.info("outbox: claim ticks reach this worker before their expiry again")
+
+
 # -- coalesced claim requests ----------------------------------------------------------------
 
 class Coalescer:
