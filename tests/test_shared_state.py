@@ -173,6 +173,69 @@ def test_a_pause_shared_by_a_host_whose_clock_runs_ahead_lasts_no_longer_than_it
     assert 1 < RouteGate(state, key + ":routes").paused("orders.created") <= 2
 
 
+def test_a_pause_lasts_no_longer_than_itself_when_this_hosts_clock_steps_back(state: SharedState, key: str) -> None:
+    """Each process keeps its pauses as the wall-clock instant they end. NTP stepping the host's
+    clock back an hour (a restored VM, a host that booted ahead) during a 5 s back-pressure pause
+    left that process paused for an hour: it claimed nothing, released every row in hand with an
+    hour's delay (next_retry_at an hour ahead in the table), and no longer read the pauses other
+    processes shared. A route's pause likewise. Each now lasts at most its own length from now,
+    and a step back takes the shared state up again."""
+    from outbox.relay import RouteGate
+
+    now = time.time()
+    breaker = Breaker(state, key)
+    breaker.trip(5, "backpressure: blocked", now=now)
+    assert 4 < breaker.open_for(now=now - 3600) <= 5
+    routes = RouteGate(state, key + ":routes")
+    routes.refuse("orders.created", 2, 60, now=now)
+    assert 1 < routes.paused("orders.created", now=now - 3600) <= 2
+
+    # Stepped back, this process still reads what another process shares (not only after an hour).
+    stepped = Breaker(state, key + ":2")
+    assert stepped.open_for(now=now) == 0
+    Breaker(state, key + ":2").trip(30, "backpressure: blocked", now=now)
+    assert 29 < stepped.open_for(now=now - 3600) <= 30
+
+
+class SteppedClock:
+    """``time`` as ``outbox.relay.state`` reads it, the wall clock stepped by hand."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = time.time(), time.monotonic()
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def passes(self, seconds: float) -> None:
+        self.wall += seconds
+        self.mono += seconds
+
+
+@pytest.mark.parametrize("backend", ["process", "file"])
+def test_a_step_back_of_the_clock_keeps_no_value_of_the_process_or_the_hosts_files_longer(
+        backend: str, tmp_path: Path, key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis expires its keys by its own clock; the process's and the host's files expired them by
+    the wall clock, so a 5 s pause written before a step back of an hour was read back, as a pause
+    of its length from now, for the whole hour. Now it lasts no longer than its length (the files
+    drop a value written before the step, whose expiry lies further ahead than its TTL)."""
+    import outbox.relay.state as state_module
+
+    clock = SteppedClock()
+    monkeypatch.setattr(state_module, "time", clock)
+    state: SharedState = ProcessState() if backend == "process" else FileState(str(tmp_path))
+    Breaker(state, key).trip(5, "backpressure: blocked", now=clock.wall)
+    state.set(key + ":token", "1", 5)
+    clock.wall -= 3600
+    breaker = Breaker(state, key)
+    assert breaker.open_for(now=clock.wall) <= 5
+    clock.passes(6)
+    assert breaker.open_for(now=clock.wall) == 0
+    assert state.get(key + ":token") is None and state.set_if_absent(key + ":token", "2", 5)
+
+
 def test_expired_claims_are_said_once_they_go_on_for_ten_intervals_and_not_for_a_queued_burst(
         caplog: pytest.LogCaptureFixture) -> None:
     """``LateClaims``: a worker host whose clock runs ahead of the scheduler's drops every tick

@@ -35,9 +35,18 @@ class Breaker:
         self.state: SharedState = state if state is not None else ProcessState()
         self.key = key
         self._until = 0.0
+        self._seconds = 0.0  # the length of the pause in force, from when it was tripped or read
         self._reason = ""
         self._checked = 0.0
         self._lock = threading.Lock()
+
+    def _mend_step_back(self, now: float) -> None:
+        """Under the lock: after this host's clock stepped back, the pause in force ends no
+        later than its length from ``now``, and the shared one is read again at once
+        (docs/relay.md, "Circuit breaker")."""
+        self._until = min(self._until, now + self._seconds)
+        if self._checked > now:
+            self._checked = 0.0
 
     def _read(self, now: float) -> tuple[float, str] | None:
         """The shared pause: its end, never further than its length from ``now`` (the host
@@ -55,6 +64,7 @@ class Breaker:
         """Seconds until claims may resume; 0 when closed."""
         now = time.time() if now is None else now
         with self._lock:
+            self._mend_step_back(now)
             if self._until <= now and now - self._checked >= self.cache_s:
                 self._checked = now
                 try:
@@ -63,7 +73,7 @@ class Breaker:
                     log.debug("outbox breaker: cannot read shared state: %s", exc)
                     shared = None
                 if shared is not None and shared[0] > self._until:
-                    self._until, self._reason = shared
+                    (self._until, self._reason), self._seconds = shared, shared[0] - now
             return max(0.0, self._until - now)
 
     @property
@@ -90,9 +100,10 @@ class Breaker:
         until = now + seconds
         kind = reason.split(":", 1)[0]
         with self._lock:
+            self._mend_step_back(now)
             opened = not (self._until > now and self._reason.split(":", 1)[0] == kind)
             if until > self._until:
-                self._until, self._reason = until, reason
+                self._until, self._seconds, self._reason = until, seconds, reason
             until, reason = self._until, self._reason
         try:
             shared = self._read(now)
@@ -105,7 +116,7 @@ class Breaker:
 
     def reset(self) -> None:
         with self._lock:
-            self._until, self._reason, self._checked = 0.0, "", 0.0
+            self._until, self._seconds, self._reason, self._checked = 0.0, 0.0, "", 0.0
         try:
             self.state.delete(self.key)
         except Exception as exc:  # noqa: BLE001 - any error of the shared store: logged, local state cleared
@@ -153,6 +164,13 @@ class RouteGate:
 
     def _current(self, now: float) -> dict[str, tuple[float, float]]:
         with self._lock:
+            # This host's clock stepped back: each pause ends no later than its length from now,
+            # and the shared state is read again at once (as Breaker._mend_step_back).
+            for route, (until, step) in self._routes.items():
+                if until > now + step:
+                    self._routes[route] = (now + step, step)
+            if self._checked > now:
+                self._checked = 0.0
             if now - self._checked >= self.cache_s:
                 self._checked = now
                 try:

@@ -49,7 +49,9 @@ def _text(raw: bytes | str) -> str:
 
 
 class ProcessState:
-    """In this process only (tests; Celery's in-memory broker runs in one process)."""
+    """In this process only (tests; Celery's in-memory broker runs in one process). Expiry on
+    ``time.monotonic()``: on the wall clock, a clock stepped back an hour kept every key an hour
+    longer (docs/internals.md, "Shared state")."""
 
     def __init__(self) -> None:
         self._items: dict[str, tuple[float, Any]] = {}
@@ -64,16 +66,16 @@ class ProcessState:
 
     def get(self, key: str) -> str | None:
         with self._lock:
-            value = self._live(key, time.time())
+            value = self._live(key, time.monotonic())
         return value if isinstance(value, str) else None
 
     def set(self, key: str, value: str, ttl_s: float) -> None:
         with self._lock:
-            self._items[key] = (time.time() + ttl_s, value)
+            self._items[key] = (time.monotonic() + ttl_s, value)
 
     def set_if_absent(self, key: str, value: str, ttl_s: float) -> bool:
         with self._lock:
-            now = time.time()
+            now = time.monotonic()
             if self._live(key, now) is not None:
                 return False
             self._items[key] = (now + ttl_s, value)
@@ -81,18 +83,18 @@ class ProcessState:
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            found = self._live(key, time.time()) is not None
+            found = self._live(key, time.monotonic()) is not None
             self._items.pop(key, None)
         return found
 
     def get_fields(self, key: str) -> dict[str, str]:
         with self._lock:
-            value = self._live(key, time.time())
+            value = self._live(key, time.monotonic())
         return dict(value) if isinstance(value, dict) else {}
 
     def set_field(self, key: str, field: str, value: str, ttl_s: float) -> None:
         with self._lock:
-            now = time.time()
+            now = time.monotonic()
             fields = self._live(key, now)
             fields = dict(fields) if isinstance(fields, dict) else {}
             fields[field] = value
@@ -134,9 +136,11 @@ class RedisState:
 class FileState:
     """One small JSON file per key in ``directory``: the worker processes of one host.
 
-    A file holds ``{"expires": <time>, "value": ...}``. Writes go to a temporary file that
-    is then renamed over the key (``set``) or hard-linked to it (``set_if_absent``: the link
-    fails if the key exists), so a reader never sees half a file.
+    A file holds ``{"expires": <time>, "ttl": <seconds>, "value": ...}``. Writes go to a temporary
+    file that is then renamed over the key (``set``) or hard-linked to it (``set_if_absent``: the
+    link fails if the key exists), so a reader never sees half a file. A value whose expiry lies
+    further ahead than its TTL was written before the host's clock stepped back: it is as good as
+    absent, rather than kept that much longer (docs/internals.md, "Shared state").
     """
 
     def __init__(self, directory: str) -> None:
@@ -149,7 +153,8 @@ class FileState:
         try:
             with open(self.path(key), encoding="utf-8") as fh:
                 data = json.load(fh)
-            if float(data["expires"]) > time.time():
+            left = float(data["expires"]) - time.time()
+            if 0 < left <= float(data.get("ttl", left)):
                 return data["value"]
         except FileNotFoundError:
             pass
@@ -160,7 +165,7 @@ class FileState:
     def _staged(self, key: str, value: Any, ttl_s: float) -> str:
         tmp = f"{self.path(key)}.{os.getpid()}.{threading.get_ident()}"
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"expires": time.time() + ttl_s, "value": value}, fh)
+            json.dump({"expires": time.time() + ttl_s, "ttl": ttl_s, "value": value}, fh)
         return tmp
 
     def get(self, key: str) -> str | None:
