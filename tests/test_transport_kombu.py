@@ -820,6 +820,39 @@ def test_a_control_command_sent_while_a_worker_reconnects_is_run_by_it(broker: B
         assert ran == ["revoke"]
 
 
+def test_a_control_command_sent_after_the_workers_clock_stepped_back_is_run(
+        broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer of a remote-control queue drops a command whose ``expires`` passed before it
+    began consuming, on the wall clock. The worker's host clock an hour ahead when it began (a
+    VM restored, a host that booted ahead), then stepped back by NTP: for that hour every
+    command sent to the live worker (ping, revoke, shutdown) had an ``expires`` before that
+    beginning and was dropped as sent to an earlier consumer. It now counts the beginning as no
+    later than now."""
+    from kombu.pidbox import Mailbox
+
+    import outbox.transport.channel as channel_module
+
+    class HourAhead:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def time() -> float:
+            return time.time() + 3600
+
+    mailbox = Mailbox("ctl", type="fanout", queue_exclusive=False, queue_ttl=300)
+    ran: list[str] = []
+    handlers = {"ping": lambda state, **kwargs: ran.append("ping")}
+    with broker.connect() as worker, broker.connect() as client:
+        with monkeypatch.context() as ahead:
+            ahead.setattr(channel_module, "time", HourAhead)
+            mailbox(worker).Node("w3@h", handlers=handlers, channel=worker.default_channel).listen()
+        mailbox(client)._broadcast("ping", timeout=5)  # the clock stepped back: the hour is gone
+        deadline = time.monotonic() + 5
+        while not ran and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError, OSError):
+                worker.drain_events(timeout=0.5)
+        assert ran == ["ping"]
+
 def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
     """With a 5 s idle ceiling, a send still reaches an idle, blocked consumer at once:
     LISTEN/NOTIFY (polling alone would take seconds after a few idle seconds)."""

@@ -453,10 +453,12 @@ class Channel(virtual.Channel):
         before this process began consuming its queue: sent to a consumer gone since, not run
         (docs/transport.md, "Auto-delete and exclusive queues go with their last consumer"). A
         channel Celery reconnects on after a lost database counts from the first consumer's
-        start (``_consumed_since``): what was sent meanwhile was meant for this worker."""
+        start (``_consumed_since``): what was sent meanwhile was meant for this worker. That start
+        is no later than now: after the host's clock stepped back, it lay in the future, and every
+        command sent to this live worker was dropped for the length of the step (found in review)."""
         since = self._consuming_since.get(queue)
         expires = (payload.get("headers") or {}).get("expires")
-        return since is not None and isinstance(expires, int | float) and 0 < expires < since
+        return since is not None and isinstance(expires, int | float) and 0 < expires < min(since, time.time())
 
     def _payload(self, row: MessageRow, receipt: str) -> dict[str, Any]:
         """The kombu payload of a leased row; ValueError when its headers are not an envelope
