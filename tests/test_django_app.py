@@ -183,6 +183,34 @@ def test_manage_py_migrate_makes_the_stores_table_and_the_cli_uses_djangos_datab
     assert bad.returncode == 2 and "--batch" in bad.stderr
 
 
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_manage_py_migrate_brings_a_table_of_an_earlier_release_forward(database: dict[str, str]) -> None:
+    """docs/operations.md, "Upgrading": a deployment upgraded the Django way runs ``manage.py
+    migrate``. 0001 and 0002 run the relay's DDL once, when applied, so a table they made before
+    5 December 2026 (no autovacuum thresholds of its own: claims slow down by the hour) kept its
+    old shape: migrate said "No migrations to apply" (found in the upgrade review)."""
+    env = env_of(database)
+    ok(manage("migrate", "--noinput", env=env))
+    url = outbox_url(database)
+    store = OutboxStore(url, table="outbox")
+    try:
+        def options() -> set[str]:
+            with store.transaction() as cursor:
+                return set(store.engine.storage_options(cursor))
+        made = options()
+        assert any(option.startswith("autovacuum_vacuum_threshold=") for option in made), made
+        # The table as the migrations of an earlier release left it: none of the storage parameters.
+        with store.transaction() as cursor:
+            cursor.execute('ALTER TABLE "outbox" RESET (' + ", ".join(store.engine.STORAGE) + ")")
+        assert not options()
+        ok(manage("migrate", "outbox", "0002", "--noinput", env=env))  # the migrations that release had
+        out = ok(manage("migrate", "--noinput", env=env))
+        assert "Applying outbox.0003" in out, out
+        assert options() == made
+    finally:
+        store.close()
+
+
 def test_the_cli_and_the_worker_read_outbox_settings_from_django(tmp_path: Path) -> None:
     (tmp_path / "mysettings.py").write_text(
         "from shop.settings import *  # noqa\n"
