@@ -241,6 +241,36 @@ def test_migrate_names_the_storage_parameters_and_renames_it_made_on_postgresql(
         store.close()
 
 
+def test_migrate_names_what_it_rebuilt_on_a_postgresql_table_of_the_first_release(tmp_path: Path) -> None:
+    """Found in the upgrade review: on a table the first release made (partial indexes on
+    ``status``, no CHECK on ``processed_at``: docs/internals.md, "The lease is a HOT update on
+    PostgreSQL") `outbox migrate` rebuilt three indexes and added a CHECK, holding the table's
+    lock meanwhile, and its report named only the holders table and the storage parameters."""
+    import uuid
+
+    from services import POSTGRES_URL, require
+    from test_postgres_hot_lease import OLD_SCHEMA
+
+    from outbox.storage.store import OutboxStore
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    table = f"outbox_cli_{uuid.uuid4().hex[:10]}"
+    store = OutboxStore(POSTGRES_URL, table=table)
+    env = {"OUTBOX_DATABASE_URL": POSTGRES_URL, "OUTBOX_TABLE": table}
+    try:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, OLD_SCHEMA.format(t=table))
+        repaired = ok(run("migrate", env=env)).stdout.strip()
+        rebuilt = ", ".join(sorted(store.engine.index_name(s) for s in ("agg_id_id", "claim_ready", "done_processed_at")))
+        assert f"rebuilt {rebuilt}" in repaired, repaired
+        assert f"added ck_{table}_open, {table}_holders" in repaired, repaired
+        assert ok(run("migrate", env=env)).stdout.strip().endswith("nothing to change")
+    finally:
+        with store.transaction() as cursor:
+            store.engine.execute(cursor, f'DROP TABLE IF EXISTS "{table}", "{store.engine.holders_name}"')
+        store.close()
+
+
 def test_mask_url() -> None:
     from outbox.core.redact import redact as mask_url  # the one helper that masks (describe's own is gone)
 

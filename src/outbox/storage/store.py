@@ -196,12 +196,13 @@ class OutboxStore:
                                              [self.engine.table, self.engine.holders]) from exc
             raise
 
-    def schema_state(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]] | None:
+    def schema_state(self) -> tuple[frozenset[Any], ...] | None:
         """The table's columns, its index names with the holders table's name when it exists,
-        and its storage parameters (``name=value``: PostgreSQL's), or None when the table does
-        not exist: what ``outbox migrate`` compares before and after to say what it changed
-        (``schema_changes``; a holders table it made again, and the autovacuum parameters it set,
-        went unsaid: found in review)."""
+        its storage parameters (``name=value``: PostgreSQL's) and its indexes' and constraints'
+        definitions (``Engine.definitions``), or None when the table does not exist: what
+        ``outbox migrate`` compares before and after to say what it changed (``schema_changes``;
+        a holders table it made again, the autovacuum parameters it set, and the indexes it
+        rebuilt on a table of the first release went unsaid: found in review)."""
         try:
             with self.transaction() as cursor:
                 self.engine.execute(cursor, f"SELECT * FROM {self.engine.table} WHERE 1 = 0")
@@ -219,19 +220,25 @@ class OutboxStore:
             names.add(self.engine.holders_name)
         with self.transaction() as cursor:
             options = self.engine.storage_options(cursor)
-        return columns, frozenset(names), options
+            definitions = self.engine.definitions(cursor)
+        return columns, frozenset(names), options, definitions
 
-    def schema_changes(self, before: tuple[frozenset[str], ...], after: tuple[frozenset[str], ...]) -> list[str]:
+    def schema_changes(self, before: tuple[frozenset[Any], ...], after: tuple[frozenset[Any], ...]) -> list[str]:
         """What ``outbox migrate`` changed between two ``schema_state``s, as the report names it:
-        indexes renamed from an earlier release's names (``Engine.legacy_name``), columns,
-        indexes and the holders table added, storage parameters set."""
-        (columns, names, options), (columns_now, names_now, options_now) = before, after
-        renamed = {old: new for old, new in ((self.engine.legacy_index_name(s), self.engine.index_name(s))
-                                             for s in self.engine.index_suffixes)
-                   if old and old in names - names_now and new in names_now - names}
-        added = sorted(columns_now - columns) + sorted(names_now - names - set(renamed.values()))
+        indexes (and constraints) renamed from an earlier release's names (``Engine.legacy_renames``),
+        columns, indexes, constraints and the holders table added, indexes rebuilt under their
+        name, storage parameters set."""
+        (columns, names, options, defined), (columns_now, names_now, options_now, defined_now) = before, after
+        definitions, definitions_now = dict(defined), dict(defined_now)
+        known, known_now = names | definitions.keys(), names_now | definitions_now.keys()
+        renamed = {old: new for old, new in self.engine.legacy_renames()
+                   if old in known - known_now and new in known_now - known}
+        added = sorted(columns_now - columns) + sorted(known_now - known - set(renamed.values()))
+        rebuilt = sorted(name for name in definitions.keys() & definitions_now.keys()
+                         if definitions[name] != definitions_now[name])
         changes = [f"renamed {', '.join(f'{old} to {new}' for old, new in sorted(renamed.items()))}"] if renamed else []
         changes += [f"added {', '.join(added)}"] if added else []
+        changes += [f"rebuilt {', '.join(rebuilt)}"] if rebuilt else []
         changes += [f"set {', '.join(sorted(options_now - options))}"] if options_now - options else []
         return changes
 

@@ -210,8 +210,19 @@ class Engine(ABC):
         elsewhere): ``outbox migrate`` names those it set."""
         return frozenset()
 
+    def definitions(self, cursor: Any) -> frozenset[tuple[str, str]]:
+        """``(name, definition)`` of the table's indexes and CHECK constraints as the catalog
+        writes them (PostgreSQL's; none elsewhere): ``outbox migrate`` names those it rebuilt
+        or added (an index that keeps its name but not its definition, a constraint)."""
+        return frozenset()
+
     def legacy_index_name(self, suffix: str) -> str | None:
         return self.legacy_name("ix_", f"_{suffix}")
+
+    def legacy_renames(self) -> list[tuple[str, str]]:
+        """``(an earlier release's name, today's)`` of what ``outbox migrate`` renames in place."""
+        return [(old, self.index_name(suffix)) for suffix in self.index_suffixes
+                if (old := self.legacy_index_name(suffix))]
 
     def exact(self, column: str) -> str:
         """``column`` as a ``GROUP BY`` that tells apart every two different values, as the

@@ -231,6 +231,19 @@ class PostgresEngine(Engine):
 
     UPKEEP: ClassVar[str | None] = "vacuum"
 
+    def definitions(self, cursor: Any) -> frozenset[tuple[str, str]]:
+        rows = self.execute(cursor, (
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = COALESCE(?, current_schema()) "
+            "AND tablename = ? UNION ALL SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE conrelid = to_regclass(?) AND contype = 'c'"),
+            [self.schema, self.table_name, self.qualify(self.table_name)]).fetchall()
+        return frozenset((str(name), str(definition)) for name, definition in rows)
+
+    def legacy_renames(self) -> list[tuple[str, str]]:
+        old_check = self.legacy_name("ck_", "_open")  # the open rows' CHECK, cut by an earlier release
+        return super().legacy_renames() + ([(old_check, derived_name("ck_", self.table_name, "_open"))]
+                                           if old_check else [])
+
     def storage_options(self, cursor: Any) -> frozenset[str]:
         row = self.execute(cursor, "SELECT reloptions FROM pg_class WHERE oid = to_regclass(?)",
                            [self.qualify(self.table_name)]).fetchone()
