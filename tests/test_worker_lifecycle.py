@@ -84,6 +84,60 @@ print(marker.exists())
     assert done.stdout.split() == ["False", "True", "True", "False"]
 
 
+def test_the_main_process_imports_before_its_pool_forks_what_its_threads_import_later(tmp_path: Path) -> None:
+    """The worker's main process runs relay threads (the heartbeat line, its holder record, the
+    in-process claim, LISTEN) while its pool forks children at run time (``--autoscale``,
+    ``--max-tasks-per-child``, a child replaced): a child forked while one of them was first
+    importing the database driver waited for that import's lock for good (found in review:
+    ``--autoscale 4,1``, the new children hung in ``import psycopg`` until their claim's hard time
+    limit, and the warm shutdown waited the lease). So ``worker_init`` imports them first."""
+    code = """
+import sys
+from celery import signals
+import outbox.celery.worker
+before = [m for m in ("psycopg", "kombu.transport.pyamqp") if m in sys.modules]
+signals.worker_init.send(sender=None)
+print(before, [m for m in ("psycopg", "kombu.transport.pyamqp", "outbox.storage.engines.postgres",
+                           "outbox.publisher.kombu_publisher") if m in sys.modules])
+"""
+    done = run_python(code, tmp_path, OUTBOX_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none",
+                      OUTBOX_PUBLISH_URL="amqp://guest:guest@127.0.0.1:1//",
+                      OUTBOX_CELERY_BROKER_URL="redis://127.0.0.1:1/0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("[] ['psycopg', 'kombu.transport.pyamqp', 'outbox.storage.engines.postgres', "
+                                   "'outbox.publisher.kombu_publisher']"), done.stdout + done.stderr
+
+
+def test_a_pool_process_forked_while_a_thread_holds_the_relays_locks_starts(tmp_path: Path) -> None:
+    """A thread of the main process that holds the relay's locks when the pool forks (building the
+    relay, starting its holder record) leaves them held in the child, where no thread will ever
+    release them: ``worker_process_init`` must not wait for them."""
+    code = """
+import faulthandler, os, threading, time
+from celery import signals
+import outbox.celery.worker as w
+holder_lock = w.relay().held._lock
+held = threading.Event()
+def hold():
+    with w._relay_lock, holder_lock:
+        held.set()
+        time.sleep(3)
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(10, exit=True)   # a child that waits for a lock exits 1
+    signals.worker_process_init.send(sender=None)
+    w.relay().held.holder()
+    w.close_resources()
+    os._exit(0)
+print(os.waitpid(pid, 0)[1])
+"""
+    done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"], done.stdout + done.stderr
+
+
 # -- settings ----------------------------------------------------------------------------------
 
 def test_relay_options_from_settings_sources() -> None:

@@ -166,8 +166,10 @@ def _mask_secrets_in_logs(logger: logging.Logger | None = None, **_: Any) -> Non
 @signals.worker_process_init.connect
 def _process_init(**_: Any) -> None:
     # Stop using what was inherited over fork() (the main process's in-process claim made
-    # it), without closing it: it is the parent's.
-    global _parent_pid
+    # it), without closing it: it is the parent's. A thread of the parent may have held the
+    # lock as it forked, and none releases it here (docs/internals.md, "Worker processes").
+    global _parent_pid, _relay_lock
+    _relay_lock = threading.Lock()
     if _relay is not None:
         _relay.forget()
     STOPPING.clear()
@@ -231,9 +233,25 @@ def refuse_green_pool(pool: Any) -> None:
                          "prefork (default), threads or solo pool")
 
 
+def import_ahead() -> None:
+    """Import, in the worker's main process before its pool starts, what the relay's threads
+    there import on first use: a pool process forked later (``--autoscale``,
+    ``--max-tasks-per-child``, a child replaced) while one of them was importing would wait for
+    that module's import lock for good (docs/internals.md, "Worker processes")."""
+    from ..publisher.select import import_publisher
+    from ..relay import redis_clients  # noqa: F401  (Redis wake-ups and shared state)
+    from ..storage import store  # noqa: F401
+    from ..storage.engines import import_engine
+
+    settings = relay_settings()
+    import_engine(settings.database_url)
+    import_publisher(settings.publish_url)
+
+
 @signals.worker_init.connect
 def _init(sender: Any = None, **_: Any) -> None:
     refuse_green_pool(getattr(sender, "pool_cls", None))  # SystemExit: not caught by Celery's signal
+    import_ahead()
     _waker.in_process_claim = lambda: request_claim()  # post-commit wakes here skip the broker
     _remove_stopping_marker()  # one left by an earlier process with this pid
     _metrics.on_worker_init()

@@ -25,4 +25,23 @@ def publisher_for(settings: Settings, *, size_warning: bool = True, **options: A
     return KombuPublisher.from_settings(settings, **options)
 
 
-__all__ = ["publisher_for"]
+def import_publisher(url: str) -> None:
+    """Import the publisher of ``url`` and its client library (kombu's transport for the scheme,
+    or confluent-kafka), connecting nothing: a worker's main process before its pool forks
+    (docs/internals.md, "Worker processes"). A missing library is left to the first publish."""
+    scheme = url.split("://", 1)[0].lower()
+    try:
+        if scheme == "kafka":
+            import confluent_kafka  # noqa: F401
+
+            from . import kafka  # noqa: F401
+        else:
+            from kombu.transport import resolve_transport
+
+            from . import kombu_publisher  # noqa: F401
+            resolve_transport(scheme)
+    except (ImportError, KeyError):
+        pass
+
+
+__all__ = ["publisher_for", "import_publisher"]

@@ -160,7 +160,9 @@ class ResourceHolder:
                     self._log.debug("outbox: error closing %r", closable, exc_info=True)
 
     def forget(self) -> None:
-        """In a forked child: stop using what was inherited, without closing it (it is the parent's)."""
+        """In a forked child: stop using what was inherited, without closing it (it is the parent's).
+        The lock is a new one: a thread of the parent may have held it as it forked."""
+        self._lock = threading.Lock()
         with self._lock:
             self._inherited.extend(self._made)
             self._made.clear()

@@ -3,6 +3,8 @@ URL (the relay) and by connection object (``enqueue``)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
 from typing import Any
 
@@ -52,6 +54,20 @@ def mssql_driver(url: str) -> str:
         return driver_of_url(url)
     except ValueError as exc:
         raise ConfigError(f"OUTBOX_DATABASE_URL: {exc}") from None
+
+
+#: The DB-API module each engine connects with (SQL Server's: ``mssql_driver``).
+DRIVER_MODULES = {"sqlite": "sqlite3", "postgresql": "psycopg", "mysql": "pymysql"}
+
+
+def import_engine(url: str) -> None:
+    """Import the engine of ``url`` and the driver it connects with, connecting nothing (a
+    worker's main process before its pool forks: docs/internals.md, "Worker processes"). A
+    missing driver is left to the first connect, which names the extra to install."""
+    kind = kind_of_url(url)
+    engine_class(kind)
+    with contextlib.suppress(ImportError):
+        importlib.import_module(mssql_driver(url) if kind == "mssql" else DRIVER_MODULES[kind])
 
 
 def engine_for_url(url: str, *, table: str = "outbox", schema: str | None = None) -> Engine:
@@ -133,4 +149,5 @@ def unwrap_connection(conn: Any) -> tuple[str, Any]:
     return kind, conn
 
 
-__all__ = ["DJANGO_VENDORS", "Engine", "engine_class", "engine_for_url", "kind_of_url", "mssql_driver", "unwrap_connection"]
+__all__ = ["DJANGO_VENDORS", "DRIVER_MODULES", "Engine", "engine_class", "engine_for_url", "import_engine", "kind_of_url",
+           "mssql_driver", "unwrap_connection"]
