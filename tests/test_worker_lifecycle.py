@@ -201,6 +201,24 @@ print(c.relay_settings().batch_size, c.relay_options().task_rows, c.app.conf.wor
     assert done.stdout.split() == ["7", "3", "threads"]  # memory:// broker next to SQLite: threads
 
 
+def test_a_config_modules_task_always_eager_does_not_make_beat_run_the_relays_tasks(tmp_path: Path) -> None:
+    """``task_always_eager = True`` in the Celery config module (a project's test or dev settings)
+    made beat run every claim tick itself: beat claimed and published batches in its scheduler
+    loop, held leases as a holder of its own, and every send logged ``AlwaysEagerIgnored`` (found
+    in review). The relay's tasks are always sent to its queues."""
+    (tmp_path / "relayconf.py").write_text("task_always_eager = True\n")
+    code = """
+from celery.result import EagerResult
+import outbox.celery as c
+sent = c.app.tasks["outbox.claim"].apply_async(kwargs={"outbox": "elsewhere"})
+print(c.app.conf.task_always_eager, isinstance(sent, EagerResult))
+"""
+    done = run_python(code, tmp_path, CELERY_CONFIG_MODULE="relayconf", OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
+                      PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"], done.stdout + done.stderr
+
+
 def test_an_invalid_setting_stops_the_worker_with_one_line(tmp_path: Path) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") or k.startswith("OUTBOX_TEST_")}
     done = subprocess.run([str(Path(PYTHON).parent / "celery"), "-A", "outbox", "worker"], cwd=tmp_path,

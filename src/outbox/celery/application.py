@@ -171,6 +171,9 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         # Nobody waits for a relay task's result: the outcome is in the outbox table.
         "task_ignore_result": True,
         "result_backend": None,
+        # Relay tasks always go through the relay's queues: a config module's task_always_eager
+        # made beat run every claim tick itself (docs/relay.md, "Tasks, queues, and how to scale and route them").
+        "task_always_eager": False,
         "task_queues": [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in queues.all],
         "task_default_queue": queues.claim,
         "task_routes": {task: {"queue": queue} for task, queue in queues.routes.items()},
