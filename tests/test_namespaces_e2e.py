@@ -12,6 +12,7 @@ both tables. Skipped when a service is absent, unless OUTBOX_REQUIRE_SERVICES is
 
 from __future__ import annotations
 
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relay_e2e_support import (
+    CELERY as CELERY_BIN,
+)
 from relay_e2e_support import (
     Destination,
     Outbox,
@@ -222,3 +226,33 @@ def test_a_task_naming_another_outbox_is_handed_to_its_queue_not_run(two_relays:
         b.outbox.status_counts())
     a.destination.wait_for(lambda: False, timeout=0.5)
     assert a.destination.messages == []
+
+
+def test_the_projects_own_celery_app_on_the_same_broker_cannot_remote_control_the_relay(
+        tmp_path: Path, procs_factory: Any) -> None:
+    """A project's own Celery app on the relay's broker (its default Redis database, no key
+    prefix of its own) shared Celery's remote control with the relay: ``celery -A proj control
+    shutdown``, meant for the project's workers, stopped the relay's too ("Got shutdown from
+    remote"; found in review). The relay's workers answer remote control on their outbox's own
+    exchange, which ``celery -A outbox inspect|control`` uses."""
+    require_relay_services()
+    outbox = Outbox("postgresql", tmp_path)
+    try:
+        env = relay_env(tmp_path, None, outbox, OUTBOX_PUBLISH_URL="memory://")
+        procs = procs_factory(env)
+        procs.worker("w1")
+        assert wait_until(lambda: " ready." in procs.log("w1"), timeout=30), procs.log("w1")[-3000:]
+        from celery import Celery
+
+        proj = Celery("proj", broker=REDIS_URL, set_as_current=False)
+        proj.conf.broker_transport_options = {"global_keyprefix": env["OUTBOX_TEST_REDIS_PREFIX"]}
+        assert proj.control.ping(timeout=1.5) == []
+        proj.control.broadcast("shutdown")
+        time.sleep(2)
+        procs.check_alive()
+        assert "Got shutdown from remote" not in procs.log("w1")
+        ping = subprocess.run([CELERY_BIN, "-A", "outbox", "inspect", "ping", "-t", "5"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert "pong" in ping.stdout, ping.stdout + ping.stderr
+    finally:
+        outbox.drop()

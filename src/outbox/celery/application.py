@@ -176,6 +176,9 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         "task_always_eager": False,
         "task_queues": [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in queues.all],
         "task_default_queue": queues.claim,
+        # Remote control of this outbox's workers only (docs/relay.md, "Tasks, queues, and how to
+        # scale and route them"): Celery's default exchange, "celery", is every app's on the broker.
+        "control_exchange": settings.outbox_namespace,
         "task_routes": {task: {"queue": queue} for task, queue in queues.routes.items()},
         # Prefetch 1: a publish task carries up to a batch of rows whose lease is already
         # running. Prefetching more would park leased rows in one busy worker's buffer
