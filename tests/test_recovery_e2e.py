@@ -297,6 +297,35 @@ def test_a_warm_shutdown_finishes_the_tasks_in_hand_and_leaves_nothing_to_the_le
         proxy.close()
 
 
+def test_a_workers_own_soft_time_limit_does_not_cut_a_publish_short_within_its_lease(
+        tmp_path: Path, destination: Destination, sqlite_outbox: Outbox, procs_factory: Any) -> None:
+    """A worker started with ``--soft-time-limit`` (a unit file copied from another Celery
+    service) raised ``SoftTimeLimitExceeded`` in publish tasks still well within their lease:
+    their rows waited for the lease, and were published twice with an attempt counted (found in
+    review). The relay's tasks have their own limits (docs/relay.md, "Tasks, queues, and how to
+    scale and route them"). Each chain here takes about 2 s to publish, past the worker's 1 s."""
+    outbox = sqlite_outbox
+    with outbox.writer() as conn:
+        expected = {f"k-{i}": [outbox.add(conn, f"k-{i}", n) for n in range(10)] for i in range(3)}
+        conn.commit()
+    proxy = Proxy(delay=0.2)
+    try:
+        procs = procs_factory(relay_env(tmp_path, destination, outbox, OUTBOX_BATCH_SIZE="10",
+                                        OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_RELAY_INLINE_ROWS="0",
+                                        OUTBOX_PUBLISH_URL=proxy.amqp_url))
+        procs.start("w1", "worker", "-c", "3", "--soft-time-limit", "1", "--loglevel=INFO", "--without-mingle",
+                    "--without-gossip", "--without-heartbeat")
+        procs.beat()
+        total = sum(len(ids) for ids in expected.values())
+        destination.wait_for(lambda: len(destination.arrived()) >= total, timeout=40, procs=procs)
+        arrivals = destination.arrivals()
+        check_order(arrivals, expected)
+        assert "SoftTimeLimitExceeded" not in procs.log("w1"), procs.log("w1")[-3000:]
+        assert len(arrivals) == total and {m.headers["attempt"] for _, _, m in arrivals} == {1}
+    finally:
+        proxy.close()
+
+
 # -- an event that kills its worker process ---------------------------------------------------
 
 def test_an_event_that_kills_its_worker_goes_dead_alone(tmp_path: Path, destination: Destination,

@@ -191,9 +191,10 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         # A publish task (or a claim publishing a small batch itself) stuck past its lease
         # (a hung broker socket) is killed; the lease brings its rows back. Time limits
-        # need the prefork pool.
-        "task_annotations": {PUBLISH_TASK: {"time_limit": max(10.0, lease_s)},
-                             CLAIM_TASK: {"time_limit": max(10.0, lease_s)}},
+        # need the prefork pool. Its soft limit is the same, so a worker's --soft-time-limit
+        # never cuts a publish short within its lease (docs/relay.md, same section).
+        "task_annotations": {task: {"time_limit": max(10.0, lease_s), "soft_time_limit": max(10.0, lease_s)}
+                             for task in (PUBLISH_TASK, CLAIM_TASK)},
         "worker_hijack_root_logger": True,
         # Celery's scheduler, logging an outage of this broker once (outbox.celery.beat).
         "beat_scheduler": "outbox.celery.beat:Scheduler",
