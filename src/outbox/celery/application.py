@@ -153,6 +153,11 @@ app = Celery("outbox", include=["outbox.celery.tasks"], amqp=AMQP, set_as_curren
 use_conf(lambda: app.conf)
 
 
+def publish_time_limit(settings: Settings) -> float:
+    """The hard (and soft) time limit of publish and claim tasks: the lease, at least 10 s."""
+    return max(10.0, settings.claim_timeout_ms / 1000.0)
+
+
 def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
     broker_url = settings.broker_url
     lease_s = settings.claim_timeout_ms / 1000.0
@@ -193,7 +198,8 @@ def celery_config(settings: Settings, options: RelayOptions) -> dict[str, Any]:
         # (a hung broker socket) is killed; the lease brings its rows back. Time limits
         # need the prefork pool. Its soft limit is the same, so a worker's --soft-time-limit
         # never cuts a publish short within its lease (docs/relay.md, same section).
-        "task_annotations": {task: {"time_limit": max(10.0, lease_s), "soft_time_limit": max(10.0, lease_s)}
+        "task_annotations": {task: {"time_limit": publish_time_limit(settings),
+                                    "soft_time_limit": publish_time_limit(settings)}
                              for task in (PUBLISH_TASK, CLAIM_TASK)},
         "worker_hijack_root_logger": True,
         # Celery's scheduler, logging an outage of this broker once (outbox.celery.beat).
@@ -285,4 +291,4 @@ def send_relay_task(task: str, kwargs: dict[str, Any] | None = None, namespace: 
                          queue=Queues(namespace).for_task(task), **options)
 
 
-__all__ = ["app", "celery_config", "broker_conflict", "configured", "send_relay_task", "load_beat_schedule", "relay_settings", "relay_options"]
+__all__ = ["app", "celery_config", "publish_time_limit", "broker_conflict", "configured", "send_relay_task", "load_beat_schedule", "relay_settings", "relay_options"]

@@ -18,7 +18,7 @@ from celery.utils.time import maybe_iso8601, maybe_make_aware
 from ..core.config import relay_options, relay_settings, wake_options
 from ..core.errors import ConfigError
 from ..core.handoff import HandOff
-from ..core.names import CLAIM_TASK, claim_request_key, wake_channel
+from ..core.names import CLAIM_TASK, claim_request_key, is_redis_url, wake_channel
 from ..core.redact import install_filter
 from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
 from ..relay import listen as _listen
@@ -26,7 +26,7 @@ from ..relay import metrics as _metrics
 from ..relay import waker as _waker
 from ..relay.service import Relay
 from . import worker_logging as _worker_logging
-from .application import app
+from .application import app, publish_time_limit
 from .runner import CeleryRunner
 from .waker import claim_queue
 
@@ -248,10 +248,28 @@ def import_ahead() -> None:
     import_publisher(settings.publish_url)
 
 
+def warn_short_visibility() -> None:
+    """A config module's ``visibility_timeout`` (which wins over the relay's) shorter than a
+    publish task may run: the broker would deliver a running task again (docs/relay.md, "Tasks,
+    queues, and how to scale and route them")."""
+    url = str(app.conf.broker_url or "")
+    if not (is_redis_url(url) or url.startswith("outboxdb")):  # RabbitMQ has no visibility timeout
+        return
+    visibility = (app.conf.broker_transport_options or {}).get("visibility_timeout")
+    limit = publish_time_limit(relay_settings())
+    if visibility is not None and float(visibility) < limit:
+        log.warning("outbox: Celery's broker delivers a task again once it has gone unacknowledged for its "
+                    "visibility_timeout (%g s, broker_transport_options), which is shorter than a publish task may "
+                    "run (%g s, its time limit: the lease): a publish task still running would run twice, its events "
+                    "published twice; raise it above %g s or leave it to the relay (docs/relay.md, \"Tasks, queues, "
+                    "and how to scale and route them\")", float(visibility), limit, limit)
+
+
 @signals.worker_init.connect
 def _init(sender: Any = None, **_: Any) -> None:
     refuse_green_pool(getattr(sender, "pool_cls", None))  # SystemExit: not caught by Celery's signal
     import_ahead()
+    warn_short_visibility()
     _waker.in_process_claim = lambda: request_claim()  # post-commit wakes here skip the broker
     _remove_stopping_marker()  # one left by an earlier process with this pid
     _metrics.on_worker_init()
