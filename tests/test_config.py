@@ -58,6 +58,25 @@ def test_invalid_values_name_the_setting(name: str, value: str, fragment: str) -
     assert fragment in str(caught.value)
 
 
+@pytest.mark.parametrize("name", ["OUTBOX_PUBLISH_URL", "OUTBOX_CELERY_BROKER_URL", "OUTBOX_DRAMATIQ_BROKER_URL"])
+@pytest.mark.parametrize("database", ["abc", "1/", "0/x", "-1"])
+def test_a_redis_database_that_is_not_a_number_names_the_setting(name: str, database: str) -> None:
+    """kombu and redis-py read a Redis URL's path as the database number only when they
+    connect: a publish URL's burned every event's attempts until it went dead, a Celery
+    broker's stopped the worker with a traceback (found in review)."""
+    from outbox.core.config import DramatiqSettings, Settings, Sources
+
+    family = DramatiqSettings if name == "OUTBOX_DRAMATIQ_BROKER_URL" else Settings
+    with pytest.raises(ConfigError, match=f"^{name}=.*the Redis database '/{re.escape(database)}' is not a number"):
+        family.from_sources(Sources({}, {name: f"redis://127.0.0.1:6379/{database}"}, {}))
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://h/15",
+                                 "rediss://:pw@h:6380/3?ssl_cert_reqs=required", "redis://h/2;redis://g/2"])
+def test_a_redis_url_with_or_without_a_database_number_is_accepted(url: str) -> None:
+    assert load_settings(environ={"OUTBOX_PUBLISH_URL": url, "OUTBOX_CELERY_BROKER_URL": url}).publish_url == url
+
+
 def test_claim_timeout_at_the_ceiling_is_accepted() -> None:
     assert load_settings(environ={"OUTBOX_CLAIM_TIMEOUT_MS": "86400000"}).claim_timeout_ms == 86_400_000
 

@@ -275,6 +275,18 @@ def check_host_part(url: str, setting: str) -> None:
     # '@' in a PostgreSQL password put part of it in the host name (and in libpq's error).
     if (libpq and head.count("@") > 1) or ("@" in head and parts.netloc and "@" not in parts.netloc):
         raise ConfigError(f"{setting}={shown}: more than one '@', or an '@' after the host: {fix}")
+    if url.split("://", 1)[0].lower() in ("redis", "rediss"):
+        check_redis_database(url, setting)
+
+
+def check_redis_database(url: str, setting: str) -> None:
+    """A Redis URL's path: none, ``/`` or ``/<database number>``, each URL of a ``;`` list.
+    kombu and redis-py read it only when they connect (docs/relay.md, "Configuration checks")."""
+    for one in url.split(";"):
+        path = urlsplit(one.strip()).path
+        if path not in ("", "/") and not re.fullmatch(r"/[0-9]+", path):
+            raise ConfigError(f"{setting}={redact(repr(url))}: the Redis database {path!r} is not a number "
+                              "(redis://host:6379/0)")
 
 
 def _looks_like_odbc(url: str) -> bool:
