@@ -48,6 +48,30 @@ def test_bad_configuration_exits_non_zero_with_one_line(tmp_path: Path) -> None:
         "error: OUTBOX_CLAIM_TIMEOUT_MS=999999999 is above the maximum of 86400000"]
 
 
+def test_the_pipelines_usual_errors_are_one_line_before_spark_starts(tmp_path: Path) -> None:
+    """A missing archive or outbox table is found before Spark starts: the JVM's start-up lines
+    came first on stderr, five of them, before the one error line (found in review)."""
+    pytest.importorskip("pyspark")
+    database = tmp_path / "o.db"
+    sqlite3.connect(database).close()  # there, without the outbox table
+    (tmp_path / "archive" / "_manifest").mkdir(parents=True)
+    missing, archive, out = str(tmp_path / "nothing"), str(tmp_path / "archive"), str(tmp_path / "report")
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{database}", "OUTBOX_ARCHIVE_URI": ""}
+    for args, message in [
+        (("replay", "--from", missing, "--dry-run"), f"no archive at file://{missing}: the directory does not exist"),
+        (("replay", "--from", str(tmp_path)), "no _manifest/ directory"),
+        (("report", "--out", out, "--archive", missing), "no archive at"),
+        (("report", "--out", out, "--archive", missing, "--no-live"), "no archive at"),
+        (("report", "--out", out), 'table "outbox" missing: run `outbox migrate`'),
+        (("archive", "--older-than", "1d", "--to", archive), 'table "outbox" missing'),
+        (("replay", "--from", archive), 'table "outbox" missing'),
+    ]:
+        result = run("pipeline", *args, env=env)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
+        assert message in lines[0], (args, lines)
+
+
 def test_every_command_has_help() -> None:
     for args in [(), ("migrate",), ("status",), ("dead",), ("dead", "list"), ("dead", "requeue"), ("purge",),
                  ("check",), ("demo",)]:

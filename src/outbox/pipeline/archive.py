@@ -63,6 +63,7 @@ from .common import (
     decode_native,
     delete_groups,
     encode_native,
+    local_path,
     range_chunks,
 )
 from .fs import ArchiveFS
@@ -795,16 +796,33 @@ class Archiver:
         return recovered
 
 
+def _no_archive(root: str, found_root: bool) -> PipelineError:
+    """What a job says when ``root`` is no archive: the directory is missing, or it has no ``_manifest/``."""
+    if not found_root:
+        return PipelineError(f"no archive at {root}: the directory does not exist")
+    return PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
+                         "`outbox pipeline archive`)")
+
+
 def _archive_names(fs: ArchiveFS, root: str) -> list[str]:
     """The listing of the archive's ``_manifest/``; a ``PipelineError`` naming the location when
-    it is no archive (the directory missing, or no ``_manifest/`` in it)."""
+    it is no archive (``_no_archive``)."""
     if not fs.exists(root):
-        raise PipelineError(f"no archive at {root}: the directory does not exist")
+        raise _no_archive(root, False)
     names = fs.list_names(fs.uri(MANIFEST_DIR))
     if not names and not fs.exists(fs.uri(MANIFEST_DIR)):
-        raise PipelineError(f"no archive at {root}: no {MANIFEST_DIR}/ directory (not written by "
-                            "`outbox pipeline archive`)")
+        raise _no_archive(root, True)
     return names
+
+
+def check_local_archive(location: str) -> None:
+    """``check_archive`` for a local directory, without Spark: a command checks before it starts
+    Spark, whose JVM writes its start-up lines to stderr ahead of any error (docs/pipeline.md,
+    "Errors"). Any other location is checked once Spark runs."""
+    root = archive_uri(location)
+    path = local_path(root)
+    if path is not None and not (path / MANIFEST_DIR).is_dir():
+        raise _no_archive(root, path.is_dir())
 
 
 def check_archive(spark: Any, location: str) -> None:

@@ -99,14 +99,15 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
     target = to or settings.archive_uri
     if not target:
         raise click.UsageError("give --to DIR_OR_URI (or set OUTBOX_ARCHIVE_URI)")
-    from .archive import Archiver
+    from .archive import Archiver, check_table
     from .session import spark_session
     from .stage import writer_for
 
     writer_for(writer, archive_uri(target))  # a writer that cannot serve the location: refused before Spark starts
-    _warn_unless_the_relay_knows(target, settings.archive_uri, settings.retention_days)
     store = _store()
     try:
+        check_table(store)  # before Spark starts: the error is then one line (docs/pipeline.md, "Errors")
+        _warn_unless_the_relay_knows(target, settings.archive_uri, settings.retention_days)
         spark = spark_session(master, "outbox-archive")
         result = Archiver(spark, store, target, on_step=crash_hook_from_env(), delete_chunk=delete_chunk,
                           delete_connections=delete_connections, partitions=partitions, progress=_progress,
@@ -144,11 +145,16 @@ def report(since: str | None, out: str, archive_location: str | None, no_live: b
     archive_location = archive_location or get_settings().archive_uri
     if no_live and not archive_location:
         raise click.UsageError("--no-live needs --archive (or OUTBOX_ARCHIVE_URI)")
+    from .archive import check_local_archive, check_table
     from .report import run_report
     from .session import spark_session
 
+    if archive_location and (not archive_optional or no_live):  # the checks of run_report, before Spark starts
+        check_local_archive(archive_location)
     store = None if no_live else _store()
     try:
+        if store is not None:
+            check_table(store)
         spark = spark_session(master, "outbox-report")
         result = run_report(spark, store=store, archive=archive_location, out=out, since_delta=delta,
                             partitions=partitions, progress=_progress, archive_optional=archive_optional)
@@ -189,12 +195,16 @@ def replay(source: str, topic: str | None, aggregate_type: str | None, aggregate
     now = utc_now()
     since_dt = parse_point_in_time(since, "--since", now) if since is not None else None
     until_dt = parse_point_in_time(until, "--until", now) if until is not None else None
+    from .archive import check_local_archive, check_table
     from .session import spark_session
 
     if to_url is not None:  # its form, no connection: a dry run refuses what the run would
         validate_database_url(to_url, "--to-url")
+    check_local_archive(source)  # this and the table before Spark starts (docs/pipeline.md, "Errors")
     target = None if dry_run else _store(to_url)
     try:
+        if target is not None:
+            check_table(target)
         spark = spark_session(master, "outbox-replay")
         result = run_replay(spark, archive=source, target=target, topic=topic, aggregate_type=aggregate_type,
                             aggregate_id=aggregate_id, since=since_dt, until=until_dt, dry_run=dry_run,
