@@ -38,6 +38,14 @@ def test_overrides_win_over_the_environment() -> None:
     assert s.batch_size == 7
 
 
+def test_an_integer_setting_given_a_fraction_as_a_number_is_refused() -> None:
+    """From a Django setting or a Celery config key: 2.5 was cut to 2 unsaid (found in review);
+    a whole float (1e4) is still that integer, as the text '2.5' was always refused."""
+    with pytest.raises(ConfigError, match=r"^OUTBOX_BATCH_SIZE=2\.5 is not an integer$"):
+        load_settings(overrides={"OUTBOX_BATCH_SIZE": 2.5}, environ={})
+    assert load_settings(overrides={"OUTBOX_CLAIM_TIMEOUT_MS": 1e4}, environ={}).claim_timeout_ms == 10_000
+
+
 @pytest.mark.parametrize("name,value,fragment", [
     ("OUTBOX_BATCH_SIZE", "abc", "OUTBOX_BATCH_SIZE='abc' is not an integer"),
     ("OUTBOX_BATCH_SIZE", "0", "OUTBOX_BATCH_SIZE=0 must be > 0"),

@@ -149,6 +149,8 @@ def _number(how: Option, name: str, raw: Any, show_given: bool) -> float | int:
     if isinstance(raw, bool):
         raise ConfigError(f"{name}={raw!r} is not a number")
     try:
+        if kind is int and isinstance(raw, float) and not raw.is_integer():
+            raise ValueError  # int() cut 2.5 (a Django setting, a Celery config key) to 2 unsaid
         value = kind(str(raw).strip()) if isinstance(raw, str) else kind(raw)
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
