@@ -63,6 +63,7 @@ def test_the_pipelines_usual_errors_are_one_line_before_spark_starts(tmp_path: P
         (("report", "--out", out, "--archive", missing), "no archive at"),
         (("report", "--out", out, "--archive", missing, "--no-live"), "no archive at"),
         (("report", "--out", out), 'table "outbox" missing: run `outbox migrate`'),
+        (("report", "--out", str(database)), "exists and is not a directory"),
         (("archive", "--older-than", "1d", "--to", archive), 'table "outbox" missing'),
         (("replay", "--from", archive), 'table "outbox" missing'),
     ]:

@@ -146,9 +146,10 @@ def report(since: str | None, out: str, archive_location: str | None, no_live: b
     if no_live and not archive_location:
         raise click.UsageError("--no-live needs --archive (or OUTBOX_ARCHIVE_URI)")
     from .archive import check_local_archive, check_table
-    from .report import run_report
+    from .report import check_out, run_report
     from .session import spark_session
 
+    check_out(out)
     if archive_location and (not archive_optional or no_live):  # the checks of run_report, before Spark starts
         check_local_archive(archive_location)
     store = None if no_live else _store()

@@ -276,6 +276,15 @@ def write_report(spark: Any, out: str, report: dict[str, Any]) -> tuple[str, str
     return str(path / "report.json"), str(path / "report.html")
 
 
+def check_out(out: str) -> None:
+    """``--out``: a local directory, or a path where one can be made."""
+    path = local_path(archive_uri(out))
+    if path is None:
+        raise PipelineError(f"--out {out}: the report is written on the driver; give a local directory")
+    if path.exists() and not path.is_dir():
+        raise PipelineError(f"--out {out}: exists and is not a directory")
+
+
 def run_report(spark: Any, *, store: OutboxStore | None, archive: str | None, out: str,
                since_delta: Any = None, partitions: int = 4,
                progress: Callable[[str], None] | None = None, archive_optional: bool = False) -> dict[str, Any]:
@@ -285,11 +294,7 @@ def run_report(spark: Any, *, store: OutboxStore | None, archive: str | None, ou
     first run: docs/pipeline.md, "Report") and there is a live table: then it is looked for once
     the live table is read (a first archive run meanwhile has its rows there), and while no run
     has written it the report covers the live table alone and says so."""
-    path = local_path(archive_uri(out))
-    if path is None:
-        raise PipelineError(f"--out {out}: the report is written on the driver; give a local directory")
-    if path.exists() and not path.is_dir():
-        raise PipelineError(f"--out {out}: exists and is not a directory")
+    check_out(out)
     if archive and (not archive_optional or store is None):
         check_archive(spark, archive)  # before anything is read
     since = None
