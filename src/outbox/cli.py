@@ -196,7 +196,8 @@ def migrate(native_json: bool) -> None:
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: counts (per status), dead, oldest_pending_age_s (null: none).")
 @one_line_errors
 def status(as_json: bool) -> None:
     """Counts per status, the age of the oldest undelivered row, and the dead count."""
