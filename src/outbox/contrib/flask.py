@@ -95,6 +95,12 @@ class Outbox:
 
     def init_app(self, app: Any) -> None:
         app.extensions["outbox"] = self
+        # What enqueue reads, read now: an invalid value stops the app here, naming the setting,
+        # as it stops a Django project's set-up (docs/flask.md, "Settings").
+        from ..core.config import get_settings, wake_options
+
+        get_settings()
+        wake_options()
         # Without the workers' Celery broker settings a web process cannot wake the relay:
         # say so once at start-up (``outbox.contrib.startup``).
         from .startup import warn_if_wake_cannot_work
