@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from services import ROOT
 
 FLASK_APP = """
@@ -52,14 +53,19 @@ def test_flask_warns_once_when_the_broker_is_in_memory(tmp_path: Path) -> None:
     assert "outbox (Flask)" not in off.stderr
 
 
-def test_an_invalid_setting_stops_a_flask_app_at_start_up_naming_it(tmp_path: Path) -> None:
-    """As it stops a Django project's set-up (its models read the settings). The Flask app
-    started, and every request that enqueued failed on it (found in review)."""
+@pytest.mark.parametrize("app", ["flask", "django"])
+def test_an_invalid_setting_stops_a_web_app_at_start_up_naming_it(tmp_path: Path, app: str) -> None:
+    """What enqueue reads, read at start-up: the Flask app started, and every request that
+    enqueued failed on it; a Django web process started (its models read only the contract's
+    settings), and every wake-up failed (found in review)."""
+    code = FLASK_APP if app == "flask" else DJANGO_APP
+    env = ({"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"} if app == "flask" else
+           {"DJANGO_SETTINGS_MODULE": "shop.settings", "DATABASE_URL": f"sqlite:///{tmp_path / 'shop.db'}"})
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_"))}
+    path = os.pathsep.join(filter(None, [str(ROOT / "examples" / "django"), os.environ.get("PYTHONPATH")]))
     for name, value in [("OUTBOX_MAX_PAYLOAD_BYTES", "1MB"), ("OUTBOX_RELAY_LISTEN", "maybe")]:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_"))}
-        result = subprocess.run([sys.executable, "-c", FLASK_APP], cwd=tmp_path, capture_output=True, text=True,
-                                timeout=60, env={**clean, "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}",
-                                                 name: value})
+        result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=60, env={**clean, "PYTHONPATH": path, **env, name: value})
         assert result.returncode != 0 and "started" not in result.stdout, result.stdout
         assert f"outbox.core.errors.ConfigError: {name}={value!r}" in result.stderr, result.stderr
 

@@ -44,9 +44,13 @@ class OutboxConfig(AppConfig):
         # no worker") contradicted the worker's own "this worker runs the schedule itself".
         if program in RELAY_PROGRAMS:
             return
-        from ...core.config import reset_settings
+        from ...core.config import get_settings, reset_settings, wake_options
 
         try:
+            # What enqueue reads, read now: an invalid value stops the web process here, naming
+            # the setting (docs/django.md, "Settings").
+            get_settings()
+            wake_options()
             warn_if_wake_cannot_work("Django")
         finally:
             # The check read the settings (Celery's app reads them through the cache): forget
