@@ -8,10 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
-from services import ROOT
+from services import AMQP_URL, POSTGRES_URL, REDIS_URL, ROOT, require
 
 FLASK_APP = """
 import logging
@@ -120,6 +121,21 @@ def test_a_worker_on_the_embedded_default_logs_no_warning_at_start_up(tmp_path: 
     assert [line for line in log.splitlines() if "WARNING/" in line] == [], log
     banner = next(line for line in log.splitlines() if ".> transport:" in line)
     assert banner.split("transport:", 1)[1].strip() == "memory://", banner
+
+
+def test_a_worker_on_a_server_database_without_a_destination_says_its_events_go_nowhere(tmp_path: Path) -> None:
+    """OUTBOX_PUBLISH_URL unset is memory://: on PostgreSQL the worker marked every event done
+    and sent it nowhere, without a word (found in review). The embedded default stays quiet
+    (``test_a_worker_on_the_embedded_default_logs_no_warning_at_start_up``)."""
+    require("PostgreSQL", "127.0.0.1", 5432)
+    require("Redis", "127.0.0.1", 6379)
+    env = {"OUTBOX_DATABASE_URL": POSTGRES_URL, "OUTBOX_TABLE": f"outbox_t{uuid.uuid4().hex[:10]}",
+           "OUTBOX_CELERY_BROKER_URL": REDIS_URL}
+    log = first_lines_of_a_worker(tmp_path, tmp_path, **env)
+    said = [line for line in log.splitlines() if "OUTBOX_PUBLISH_URL is memory://" in line]
+    assert len(said) == 1 and "WARNING/" in said[0] and "reaches no broker" in said[0], log
+    log = first_lines_of_a_worker(tmp_path, tmp_path, **env, OUTBOX_PUBLISH_URL=AMQP_URL)
+    assert "OUTBOX_PUBLISH_URL is memory://" not in log, log
 
 
 def test_the_django_apps_web_warning_stays_out_of_the_relays_own_worker(tmp_path: Path) -> None:
