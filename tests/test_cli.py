@@ -73,6 +73,21 @@ def test_the_pipelines_usual_errors_are_one_line_before_spark_starts(tmp_path: P
         assert message in lines[0], (args, lines)
 
 
+def test_a_misspelt_outbox_django_setting_is_warned_about_as_an_environment_variable_is(tmp_path: Path) -> None:
+    """A Celery config key nothing reads is refused, an environment variable warned about; a
+    Django setting was ignored unsaid (OUTBOX_PUBLISH_URl: every event went to memory://)."""
+    pytest.importorskip("django")
+    (tmp_path / "typo_settings.py").write_text('SECRET_KEY = "x"\nOUTBOX_BATCHSIZE = 5\nOUTBOX_BATCH_SIZE = 7\n')
+    database = f"sqlite:///{tmp_path / 'o.db'}"
+    ok(run("migrate", env={"OUTBOX_DATABASE_URL": database}))
+    result = ok(run("status", env={"OUTBOX_DATABASE_URL": database, "DJANGO_SETTINGS_MODULE": "typo_settings",
+                                   "PYTHONPATH": str(tmp_path)}))
+    said = [line for line in result.stderr.splitlines() if "OUTBOX_BATCHSIZE" in line]
+    assert said == ["WARNING outbox: unknown Django setting OUTBOX_BATCHSIZE is ignored (did you mean "
+                    "OUTBOX_BATCH_SIZE?)"], result.stderr
+    assert "OUTBOX_BATCH_SIZE " not in result.stderr  # the known one: nothing to say
+
+
 def test_every_command_has_help() -> None:
     for args in [(), ("migrate",), ("status",), ("dead",), ("dead", "list"), ("dead", "requeue"), ("purge",),
                  ("check",), ("demo",)]:

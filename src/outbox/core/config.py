@@ -51,6 +51,7 @@ from .sources import (
     cached,
     conf_keys,
     django_database_url,
+    django_outbox_names,
     django_settings,
     module_keys,
     module_setting,
@@ -496,9 +497,9 @@ def unknown_environment(environ: Mapping[str, str]) -> list[tuple[str, str | Non
 _warned: set[str] = set()
 
 
-def warn_unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Log one warning line per unknown OUTBOX_* variable, once per process; returns the
-    names warned about this time."""
+def warn_unknown_environment(environ: Mapping[str, str] | None = None, what: str = "environment variable") -> list[str]:
+    """Log one warning line per unknown OUTBOX_* variable (or ``what``: a Django setting),
+    once per process; returns the names warned about this time."""
     warned = []
     for name, close in unknown_environment(os.environ if environ is None else environ):
         if name in _warned:
@@ -506,8 +507,14 @@ def warn_unknown_environment(environ: Mapping[str, str] | None = None) -> list[s
         _warned.add(name)
         warned.append(name)
         hint = f"did you mean {close}?" if close else "no setting has a similar name"
-        log.warning("outbox: unknown environment variable %s is ignored (%s)", name, hint)
+        log.warning("outbox: unknown %s %s is ignored (%s)", what, name, hint)
     return warned
+
+
+def warn_unknown_django_settings() -> list[str]:
+    """``warn_unknown_environment`` for Django's settings: a misspelt OUTBOX_* name in settings.py
+    was ignored unsaid, where the environment's is warned about and a Celery config key refused."""
+    return warn_unknown_environment(dict.fromkeys(django_outbox_names(), ""), what="Django setting")
 
 
 def current_sources() -> Sources:
@@ -518,7 +525,9 @@ def current_sources() -> Sources:
         overrides = conf_keys()
         refuse_unknown(overrides)
         warn_unknown_environment()
-        return Sources(overrides, os.environ, django_settings(known_names()))
+        django = django_settings(known_names())
+        warn_unknown_django_settings()
+        return Sources(overrides, os.environ, django)
     return cached("sources", build)
 
 
@@ -625,7 +634,10 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
         environ = os.environ
         warn_unknown_environment(environ)
     refuse_unknown(overrides)
-    return Settings.from_sources(overrides, environ, django_settings(known_names()))
+    django = django_settings(known_names())
+    if environ is os.environ:
+        warn_unknown_django_settings()
+    return Settings.from_sources(overrides, environ, django)
 
 
 def sources_of(environ: Mapping[str, str]) -> Sources:
@@ -655,7 +667,7 @@ __all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "celery_broker_co
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
            "pipeline_options", "dramatiq_settings", "memory_destination_warning", "sources_of", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
-           "conf_keys", "known_names", "unknown_environment", "warn_unknown_environment", "refuse_unknown",
+           "conf_keys", "known_names", "unknown_environment", "warn_unknown_environment", "warn_unknown_django_settings", "refuse_unknown",
            "SESSION_BOUNDS", "session_bounds", "without_session_bounds", "validate_identifier",
            "validate_database_url", "validate_kombu_url", "validate_namespace", "validate_dramatiq_broker_url",
            "validate_dramatiq_namespace", "django_database_url", "DATABASE_BROKER_SCHEME", "DATABASE_SCHEMES"]

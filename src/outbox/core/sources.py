@@ -158,6 +158,21 @@ def django_settings(names: Iterable[str]) -> Mapping[str, Any]:
     return values
 
 
+def django_outbox_names() -> tuple[str, ...]:
+    """Every OUTBOX_* name Django's settings define, read and unread (``outbox.core.config``
+    warns about those nothing reads): none where ``django_settings`` reads none, or raises."""
+    try:
+        from django.conf import settings as dj
+    except ImportError:
+        return ()
+    try:
+        if not dj.configured and not os.environ.get("DJANGO_SETTINGS_MODULE"):
+            return ()
+        return tuple(name for name in dir(dj) if name.startswith("OUTBOX_"))
+    except Exception:  # noqa: BLE001 - django_settings raises the error of these same settings
+        return ()
+
+
 _warned: set[str] = set()
 
 
@@ -283,4 +298,4 @@ def django_database_url(database: Mapping[str, Any]) -> str | None:
 
 
 
-__all__ = ["use_conf", "conf_keys", "module_keys", "module_setting", "app_setting", "celery_setting", "cached", "reset", "django_settings", "django_database_url"]
+__all__ = ["use_conf", "conf_keys", "module_keys", "module_setting", "app_setting", "celery_setting", "cached", "reset", "django_settings", "django_outbox_names", "django_database_url"]
