@@ -300,6 +300,18 @@ def test_a_worker_keeps_trying_its_broker_while_the_outage_lasts(tmp_path: Path)
     assert "Unrecoverable error" not in done.stderr
 
 
+def test_a_worker_without_its_databases_driver_is_refused_in_one_line_naming_the_extra(tmp_path: Path) -> None:
+    """It started, and said at every tick "database unreachable: ModuleNotFoundError: No module
+    named 'psycopg' ... retried every tick", with no word of what to install (found in review)."""
+    result = run_python("import sys\nsys.modules['psycopg'] = None  # not installed\n"
+                        "from outbox.celery.application import app\nimport outbox.celery.worker\n"
+                        "app.WorkController(pool='solo')\nprint('started')", tmp_path,
+                        OUTBOX_DATABASE_URL="postgresql://app@db.invalid/app", OUTBOX_CELERY_BROKER_URL="memory://")
+    assert result.returncode == 1 and "started" not in result.stdout, result
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "outbox: the PostgreSQL driver (psycopg) is not installed: pip install"), result.stderr
+
+
 @pytest.mark.parametrize("pool", ["gevent", "eventlet"])
 def test_a_worker_with_a_greenlet_pool_is_refused_in_one_line(tmp_path: Path, pool: str) -> None:
     """Each greenlet is a thread to the relay: under ``-P gevent`` every task's greenlet made

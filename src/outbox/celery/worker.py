@@ -25,6 +25,7 @@ from ..relay import listen as _listen
 from ..relay import metrics as _metrics
 from ..relay import waker as _waker
 from ..relay.service import Relay
+from ..storage.engines.describe import driver_problem
 from . import worker_logging as _worker_logging
 from .application import app, publish_time_limit
 from .runner import CeleryRunner
@@ -268,6 +269,9 @@ def warn_short_visibility() -> None:
 @signals.worker_init.connect
 def _init(sender: Any = None, **_: Any) -> None:
     refuse_green_pool(getattr(sender, "pool_cls", None))  # SystemExit: not caught by Celery's signal
+    missing = driver_problem(relay_settings().database_url)
+    if missing:
+        raise SystemExit(f"outbox: {missing}")
     import_ahead()
     warn_short_visibility()
     _waker.in_process_claim = lambda: request_claim()  # post-commit wakes here skip the broker

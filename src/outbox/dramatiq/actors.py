@@ -37,6 +37,7 @@ from ..relay.resources import Resources, Shared
 from ..relay.service import Relay
 from ..relay.settle import SettleFailed
 from ..relay.shared import Outage
+from ..storage.engines.describe import driver_problem
 from ..storage.store import OutboxStore
 from . import brokers as _broker
 from . import consumer_log
@@ -48,6 +49,9 @@ log = logging.getLogger("outbox.dramatiq")
 
 def _load() -> tuple[Settings, RelayOptions, str, str]:
     settings, options = startup_options()
+    missing = driver_problem(settings.database_url)  # as the Celery worker checks it (its worker_init)
+    if missing:
+        raise ConfigError(missing)
     dramatiq_settings = _broker.settings(required=True)
     assert dramatiq_settings is not None
     return settings, options, dramatiq_settings.url, dramatiq_settings.namespace

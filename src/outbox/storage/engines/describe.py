@@ -8,17 +8,18 @@ engine-specific, so it lives under ``outbox.storage.engines`` like everything el
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
 from ...core.errors import install_hint
 from ...core.redact import redact
-from . import kind_of_url
+from . import kind_of_url, mssql_driver
 from .base import Engine
 
 #: Driver module -> (engine, the extra that installs it).
 DRIVER_EXTRAS = {"psycopg": ("PostgreSQL", "postgres"), "pymysql": ("MySQL/MariaDB", "mysql"),
-                 "pyodbc": ("SQL Server", "mssql")}
+                 "pyodbc": ("SQL Server", "mssql"), "mssql_python": ("SQL Server", "mssql-python")}
 
 def describe_database(url: str) -> str:
     """One phrase naming the database: the masked URL, and for SQLite the absolute path
@@ -51,6 +52,22 @@ def missing_driver_hint(exc: BaseException) -> str | None:
     return None
 
 
+def driver_problem(url: str) -> str | None:
+    """What to install when the driver the engine of ``url`` connects with cannot be imported
+    (``missing_driver_hint``), else None. A relay worker checks it as it starts: it ran, and
+    said "database unreachable: ModuleNotFoundError" at every tick (docs/relay.md,
+    "Configuration checks")."""
+    kind = kind_of_url(url)
+    module = mssql_driver(url) if kind == "mssql" else {"postgresql": "psycopg", "mysql": "pymysql"}.get(kind)
+    if module is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return missing_driver_hint(exc) or f"the driver {module} cannot be imported: {exc}"
+    return None
+
+
 def index_names(engine: Engine, cursor: Any) -> set[str]:
     """The names of the indexes on the engine's table, read from the catalog."""
     table, schema = engine.table_name, engine.schema
@@ -77,5 +94,5 @@ def expected_index_names(engine: Engine) -> set[str]:
     return {engine.index_name(suffix) for suffix in engine.index_suffixes}
 
 
-__all__ = ["describe_database", "missing_driver_hint", "index_names", "expected_index_names",
+__all__ = ["describe_database", "missing_driver_hint", "driver_problem", "index_names", "expected_index_names",
            "DRIVER_EXTRAS"]
