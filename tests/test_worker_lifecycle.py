@@ -312,6 +312,17 @@ def test_a_worker_without_its_databases_driver_is_refused_in_one_line_naming_the
         "outbox: the PostgreSQL driver (psycopg) is not installed: pip install"), result.stderr
 
 
+def test_a_worker_publishing_to_kafka_without_its_client_is_refused_in_one_line(tmp_path: Path) -> None:
+    """It started, and its first publish was FATAL (claims paused 300 s on every worker)."""
+    result = run_python("import sys\nsys.modules['confluent_kafka'] = None  # not installed\n"
+                        "from outbox.celery.application import app\nimport outbox.celery.worker\n"
+                        "app.WorkController(pool='solo')\nprint('started')", tmp_path,
+                        OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", OUTBOX_PUBLISH_URL="kafka://127.0.0.1:9092")
+    assert result.returncode == 1 and "started" not in result.stdout, result
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "outbox: OUTBOX_PUBLISH_URL is kafka:// but confluent-kafka is not installed: pip install"), result.stderr
+
+
 @pytest.mark.parametrize("pool", ["gevent", "eventlet"])
 def test_a_worker_with_a_greenlet_pool_is_refused_in_one_line(tmp_path: Path, pool: str) -> None:
     """Each greenlet is a thread to the relay: under ``-P gevent`` every task's greenlet made

@@ -20,6 +20,7 @@ from ..core.errors import ConfigError
 from ..core.handoff import HandOff
 from ..core.names import CLAIM_TASK, claim_request_key, is_redis_url, wake_channel
 from ..core.redact import install_filter
+from ..publisher.kafka import client_problem as kafka_client_problem
 from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
 from ..relay import listen as _listen
 from ..relay import metrics as _metrics
@@ -269,7 +270,8 @@ def warn_short_visibility() -> None:
 @signals.worker_init.connect
 def _init(sender: Any = None, **_: Any) -> None:
     refuse_green_pool(getattr(sender, "pool_cls", None))  # SystemExit: not caught by Celery's signal
-    missing = driver_problem(relay_settings().database_url)
+    settings = relay_settings()
+    missing = driver_problem(settings.database_url) or kafka_client_problem(settings.publish_url)
     if missing:
         raise SystemExit(f"outbox: {missing}")
     import_ahead()

@@ -32,6 +32,7 @@ from ..core.names import (
     Queues,
 )
 from ..core.redact import install_filter, redact
+from ..publisher.kafka import client_problem as kafka_client_problem
 from ..relay import metrics as _metrics
 from ..relay.resources import Resources, Shared
 from ..relay.service import Relay
@@ -49,7 +50,8 @@ log = logging.getLogger("outbox.dramatiq")
 
 def _load() -> tuple[Settings, RelayOptions, str, str]:
     settings, options = startup_options()
-    missing = driver_problem(settings.database_url)  # as the Celery worker checks it (its worker_init)
+    # As the Celery worker checks them (its worker_init).
+    missing = driver_problem(settings.database_url) or kafka_client_problem(settings.publish_url)
     if missing:
         raise ConfigError(missing)
     dramatiq_settings = _broker.settings(required=True)

@@ -62,6 +62,18 @@ def _kafka() -> Any:
     return confluent_kafka
 
 
+def client_problem(url: str) -> str | None:
+    """Why a ``kafka://`` destination cannot be used in this process (confluent-kafka is not
+    installed), else None: a relay worker checks it as it starts (docs/destinations.md, "Kafka")."""
+    if not url.startswith("kafka://"):
+        return None
+    try:
+        _kafka()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def producer_config(options: KafkaOptions, url: str) -> dict[str, Any]:
     """librdkafka's configuration for ``url`` (``kafka://[user:password@]host:port,...``)."""
     rest = url.split("://", 1)[1]
