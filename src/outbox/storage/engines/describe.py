@@ -14,7 +14,7 @@ from typing import Any
 
 from ...core.errors import install_hint
 from ...core.redact import redact
-from . import kind_of_url, mssql_driver
+from . import DRIVER_MODULES, kind_of_url, mssql_driver
 from .base import Engine
 
 #: Driver module -> (engine, the extra that installs it).
@@ -58,9 +58,7 @@ def driver_problem(url: str) -> str | None:
     said "database unreachable: ModuleNotFoundError" at every tick (docs/relay.md,
     "Configuration checks")."""
     kind = kind_of_url(url)
-    module = mssql_driver(url) if kind == "mssql" else {"postgresql": "psycopg", "mysql": "pymysql"}.get(kind)
-    if module is None:
-        return None
+    module = mssql_driver(url) if kind == "mssql" else DRIVER_MODULES[kind]
     try:
         importlib.import_module(module)
     except ImportError as exc:
