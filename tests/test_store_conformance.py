@@ -222,6 +222,25 @@ def test_payload_floats_with_an_exponent_come_back_as_the_same_floats(store: Out
         monkeypatch.delenv("OUTBOX_MAX_PAYLOAD_BYTES")
         reset_settings()
 
+
+def test_payload_floats_with_a_negative_exponent_are_checked_at_the_size_they_come_back(
+        store: OutboxStore, writer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """jsonb writes a negative exponent out in full too: 700,001 bytes of ``[5e-324, ...]``
+    came back as 32,800,000 (326 characters each), far past the size enqueue had checked."""
+    payload = {"tiny": 5e-324, "small": -1.5e-10, "seven": 1e-07}
+    (id_,) = add(writer, store, "a", payload=payload)
+    (message,) = store.claim(1).messages
+    assert json.loads(message.payload) == payload and message.id == id_
+    monkeypatch.setenv("OUTBOX_MAX_PAYLOAD_BYTES", "1000")
+    from outbox.core.config import reset_settings
+    reset_settings()
+    try:
+        with pytest.raises(EnqueueError, match=r"payload is 3\d{3} bytes; OUTBOX_MAX_PAYLOAD_BYTES allows 1000"):
+            add(writer, store, "b", payload=[5e-324] * 10)  # 71 bytes as Python writes it
+    finally:
+        monkeypatch.delenv("OUTBOX_MAX_PAYLOAD_BYTES")
+        reset_settings()
+
 # -- claim: chains, fairness, blocking ---------------------------------------------------
 
 def test_claim_takes_whole_chains_in_id_order(store: OutboxStore, writer: Any) -> None:

@@ -29,14 +29,15 @@ What is checked, and why, field by field:
   instead of an ``EnqueueError``), MySQL's JSON type 100; and a payload nested near
   Python's recursion limit was stored and then could not be read back by the relay (it
   went dead as undecodable). Found in review.
-* A float that ``repr`` writes with a positive exponent (``1e+20``), in the payload or a
-  header, is written out in full with a fraction (``100000000000000000000.0``), the same
-  number, before the size check. PostgreSQL's ``jsonb`` writes numbers out in full and
-  keeps only the fraction it was given: ``1e+20`` came back as the integer
-  100000000000000000000, to Python's json and any typed reader, and as a header one that
-  no AMQP header can carry (the event went dead as poison at its first publish); and a
+* A float that ``repr`` writes with an exponent (``1e+20``, ``1e-07``), in the payload or
+  a header, is written out in full with a fraction (``100000000000000000000.0``,
+  ``0.0000001``), the same number, before the size check. PostgreSQL's ``jsonb`` writes
+  numbers out in full and keeps only the fraction it was given: ``1e+20`` came back as the
+  integer 100000000000000000000, to Python's json and any typed reader, and as a header one
+  that no AMQP header can carry (the event went dead as poison at its first publish); and a
   payload of such numbers came back far larger than the size checked here (980,001 bytes
-  of ``[1e300, ...]`` came back as 42,420,000, past every broker's limit). Found in review.
+  of ``[1e300, ...]`` came back as 42,420,000, 700,001 bytes of ``[5e-324, ...]`` as
+  32,800,000, past every broker's limit). Found in review.
 * A ``message_id`` may not start or end with whitespace. SQL Server's equality ignores
   trailing spaces, so ``m1`` and ``m1 `` would be one message there and two on the other
   engines; refusing both ends everywhere keeps the idempotency key the same on every engine
@@ -164,7 +165,7 @@ def _unwritable_at(value: Any, what: str) -> str:
 
 def dump_json(value: Any, what: str) -> str:
     """Strict JSON: no NaN/Infinity, no objects json cannot represent, valid UTF-8; floats
-    with a positive exponent written out in full (module docstring)."""
+    with an exponent written out in full (module docstring)."""
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
                           default=_reject_unknown)
@@ -173,20 +174,23 @@ def dump_json(value: Any, what: str) -> str:
         raise EnqueueError(f"{what} is not valid JSON: {_unwritable_at(value, what)}") from None
     except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
         raise EnqueueError(f"{what} is not valid JSON: {exc}") from None
-    if "e+" in text:
+    if "e+" in text or "e-" in text:
         text = _EXPONENT_NUMBER.sub(_written_out, text)
     return text
 
 
 #: A JSON string (matched whole, so that nothing in it is taken for a number; by runs: a
-#: megabyte of text containing "e+" takes 8 ms, not 120), or a number with a positive
-#: exponent (group 1), as ``json.dumps`` writes them.
-_EXPONENT_NUMBER = re.compile(r'"(?:[^"\\]+|\\.)*"|(-?\d+(?:\.\d+)?e\+\d+)')
+#: megabyte of text containing "e+" takes 8 ms, not 120), or a number with an exponent
+#: (group 1), as ``json.dumps`` writes them.
+_EXPONENT_NUMBER = re.compile(r'"(?:[^"\\]+|\\.)*"|(-?\d+(?:\.\d+)?e[+-]\d+)')
 
 
 def _written_out(match: re.Match[str]) -> str:
     number = match[1]
-    return match[0] if number is None else f"{Decimal(number):f}.0"
+    if number is None:
+        return match[0]
+    written = f"{Decimal(number):f}"
+    return written if "." in written else f"{written}.0"
 
 
 #: What ``json.dumps`` writes as a JSON object or array.
