@@ -5,6 +5,7 @@ mysqlclient (``MySQLdb``, Django's default MySQL driver)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -183,6 +184,37 @@ def test_enqueues_of_different_new_ids_at_serializable_do_not_wait_for_each_othe
         first.close()
         second.close()
     assert [row[0] for row in stored(store)] == ["m-2", "m-1"]
+
+
+@pytest.mark.parametrize("kind", ["mysql"])
+def test_an_enqueue_at_read_uncommitted_does_not_take_anothers_uncommitted_row_for_its_own(store: OutboxStore,
+                                                                                         url: str) -> None:
+    """At READ UNCOMMITTED the plain read of the message_id saw another transaction's
+    uncommitted row of the same id and returned its id: when that one rolled back, the
+    caller's event was lost (it committed nothing, told it was stored). The read is skipped
+    there as at SERIALIZABLE: the insert waits for the other transaction, as at any level."""
+    import pymysql
+
+    table = store.engine.table_name
+    first, second = (pymysql.connect(**mysql_kwargs(url), charset="utf8mb4", autocommit=False) for _ in range(2))
+    got: list[Any] = []
+    try:
+        second.cursor().execute("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+        enqueue(first, topic="t", aggregate_type="o", aggregate_id="a", payload={"who": "first"},
+                message_id="m-1", table=table)  # left uncommitted
+        racing = threading.Thread(target=lambda: got.append(enqueue(
+            second, topic="t", aggregate_type="o", aggregate_id="b", payload={"who": "second"}, message_id="m-1",
+            table=table)))
+        racing.start()
+        racing.join(1)
+        first.rollback()
+        racing.join(30)
+        assert got, "the second enqueue did not return"
+        second.commit()
+    finally:
+        first.close()
+        second.close()
+    assert stored(store) == [("m-1", "b", {"who": "second"})]
 
 
 @pytest.mark.parametrize("server_info, variable", [

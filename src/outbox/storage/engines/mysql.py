@@ -479,11 +479,13 @@ class MysqlEngine(Engine):
         "MySQL/MariaDB specifics"). A stored id is found by a plain consistent read,
         which locks nothing: the insert's duplicate path locks the stored row until the
         caller's transaction ends, and the relay's writes and claims of it waited for that.
-        At SERIALIZABLE, where a plain read locks, the read's WHERE is false and it reads
-        nothing (same section)."""
+        At SERIALIZABLE, where a plain read locks, and at READ UNCOMMITTED, where it sees
+        another transaction's uncommitted row, the read's WHERE is false and it reads nothing
+        (same section)."""
         self._check_charset(cursor, event)
         isolation = isolation_variable(cursor.connection.get_server_info())
-        found = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ? AND {isolation} <> 'SERIALIZABLE'",
+        found = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ? "
+                             f"AND {isolation} NOT IN ('SERIALIZABLE', 'READ-UNCOMMITTED')",
                              [event.message_id]).fetchone()
         if found:
             return int(found[0])
