@@ -853,6 +853,27 @@ def test_a_control_command_sent_after_the_workers_clock_stepped_back_is_run(
                 worker.drain_events(timeout=0.5)
         assert ran == ["ping"]
 
+def test_a_worker_whose_app_name_has_a_reply_segment_polls_as_a_worker_not_as_a_client(tmp_path: Path) -> None:
+    """A reply queue (``<id>.reply.<app>.pidbox``, a client awaiting replies for a second) makes
+    the idle back-off stop at 0.05 s; a worker's own control queue (``<node>.<app>.pidbox``) at
+    ``control_polling_interval``. Since the relay's app names its remote control after its outbox
+    (``control_exchange``), a namespace with a ``reply`` segment (a schema or table named so,
+    ``OUTBOX_NAMESPACE=svc.reply.orders``) made every idle worker read its table as a waiting
+    client does, about 20 times a second instead of 4 on MariaDB (found in review)."""
+    from kombu.pidbox import Mailbox
+
+    broker = Broker(engine_url("sqlite", tmp_path))  # sends wake nobody: the ceiling applies
+    mailbox = Mailbox("svc.reply.orders", type="fanout", queue_exclusive=False, queue_ttl=300)
+    try:
+        with broker.connect(polling_interval=1.0) as worker, broker.connect(polling_interval=1.0) as client:
+            mailbox(worker).Node("celery@h", handlers={}, channel=worker.default_channel).listen()
+            assert worker.transport._ceiling() == 0.25
+            with Consumer(client.default_channel, [mailbox(client).reply_queue], callbacks=[], no_ack=True):
+                assert client.transport._ceiling() == 0.05
+    finally:
+        broker.drop()
+
+
 def test_postgresql_wakes_an_idle_consumer_at_once(tmp_path: Path) -> None:
     """With a 5 s idle ceiling, a send still reaches an idle, blocked consumer at once:
     LISTEN/NOTIFY (polling alone would take seconds after a few idle seconds)."""

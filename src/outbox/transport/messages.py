@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -81,8 +82,14 @@ def is_control_queue(queue: str) -> bool:
     return queue.endswith(".pidbox")
 
 
+#: kombu's reply queue: the client's id (a UUID, ``kombu.common.oid_from``), then ``.reply.``.
+_REPLY_QUEUE = re.compile(r"[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}\.reply\..+\.pidbox")
+
+
 def is_reply_queue(queue: str) -> bool:
-    return ".reply." in queue and queue.endswith(".pidbox")
+    """A client's reply queue, told apart from a worker's by its leading id (docs/transport.md,
+    "Remote control within Celery's 1 s")."""
+    return _REPLY_QUEUE.fullmatch(queue) is not None
 
 
 def make_tag(row_id: int, receipt: str) -> str:
