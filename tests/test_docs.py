@@ -228,6 +228,16 @@ def test_the_queue_names_upgrade_note_says_how_to_empty_the_old_queues_on_redis(
     assert "once they are empty" not in note
 
 
+def test_the_upgrade_path_says_that_remote_control_needs_the_workers_outbox_settings() -> None:
+    """Found in review: since the relay's app answers remote control on its outbox namespace's
+    exchange, ``celery -A outbox inspect ping`` (a monitor's, Flower's) run with the broker URL
+    alone, which answered before the upgrade, says ``No nodes replied`` while every worker runs."""
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    upgrading = operations.split("## Upgrading", 1)[1].split("\n## ", 1)[0]
+    assert "**Remote control and monitoring.**" in upgrading and "OUTBOX_NAMESPACE" in upgrading
+    assert "No nodes replied within time constraint" in operations.split("## Troubleshooting by symptom", 1)[1]
+
+
 def test_the_readmes_rabbitmqadmin_binding_declares_what_it_binds_first() -> None:
     """The README's alternative to the kombu snippet, `rabbitmqadmin declare binding ...` alone,
     is refused on a fresh broker (404 NOT_FOUND: the relay declares its exchange only at its
