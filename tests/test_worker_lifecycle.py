@@ -246,6 +246,22 @@ signals.worker_init.send(sender=None)
     assert (line in done.stderr) is warned, done.stderr
 
 
+def test_the_visibility_warning_names_the_setting_the_value_came_from(tmp_path: Path) -> None:
+    """On the database broker the visibility timeout is also OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S;
+    the warning named ``broker_transport_options`` for it too (found in review), which the
+    operator then looked for in a Celery config module that had none."""
+    code = """
+from celery import signals
+import outbox.celery.worker
+signals.worker_init.send(sender=None)
+"""
+    done = run_python(code, tmp_path, OUTBOX_CLAIM_TIMEOUT_MS="30000", OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S="5",
+                      OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}",
+                      OUTBOX_CELERY_BROKER_URL=f"outboxdb+sqlite:///{tmp_path / 'b.db'}")
+    assert done.returncode == 0, done.stderr
+    assert "visibility_timeout (5 s, OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S), which is shorter" in done.stderr, done.stderr
+
+
 def test_an_invalid_setting_stops_the_worker_with_one_line(tmp_path: Path) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") or k.startswith("OUTBOX_TEST_")}
     done = subprocess.run([str(Path(PYTHON).parent / "celery"), "-A", "outbox", "worker"], cwd=tmp_path,

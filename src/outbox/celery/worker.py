@@ -28,7 +28,7 @@ from ..relay import waker as _waker
 from ..relay.service import Relay
 from ..storage.engines.describe import driver_problem
 from . import worker_logging as _worker_logging
-from .application import app, publish_time_limit
+from .application import app, configured, publish_time_limit
 from .runner import CeleryRunner
 from .waker import claim_queue
 
@@ -260,11 +260,14 @@ def warn_short_visibility() -> None:
     visibility = (app.conf.broker_transport_options or {}).get("visibility_timeout")
     limit = publish_time_limit(relay_settings())
     if visibility is not None and float(visibility) < limit:
+        # The config module's key wins; else, on the database broker, the relay's own setting.
+        source = ("broker_transport_options" if "visibility_timeout" in (configured("broker_transport_options") or {})
+                  else "OUTBOX_TRANSPORT_VISIBILITY_TIMEOUT_S")
         log.warning("outbox: Celery's broker delivers a task again once it has gone unacknowledged for its "
-                    "visibility_timeout (%g s, broker_transport_options), which is shorter than a publish task may "
-                    "run (%g s, its time limit: the lease): a publish task still running would run twice, its events "
-                    "published twice; raise it above %g s or leave it to the relay (docs/relay.md, \"Tasks, queues, "
-                    "and how to scale and route them\")", float(visibility), limit, limit)
+                    "visibility_timeout (%g s, %s), which is shorter than a publish task may run (%g s, its time "
+                    "limit: the lease): a publish task still running would run twice, its events published twice; "
+                    "raise it above %g s or leave it to the relay (docs/relay.md, \"Tasks, queues, and how to scale "
+                    "and route them\")", float(visibility), source, limit, limit)
 
 
 @signals.worker_init.connect
