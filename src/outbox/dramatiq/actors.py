@@ -116,35 +116,40 @@ def request_claim() -> bool:
 
 # -- middleware -----------------------------------------------------------------------------
 
-#: A SIGTERM a worker process receives this soon after its first is the same stop, not Dramatiq's
-#: "kill now" (``one_stop_per_sigterm_burst``).
+#: A SIGTERM (or SIGHUP) a worker process receives this soon after its first is the same stop,
+#: not Dramatiq's "kill now" (``one_stop_per_sigterm_burst``).
 REPEATED_SIGTERM_S = 2.0
+
+#: Dramatiq's stops of a worker process: a SIGTERM, or a SIGHUP (its reload), one handler for both.
+STOP_SIGNALS = (signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
 def one_stop_per_sigterm_burst(window_s: float = REPEATED_SIGTERM_S) -> None:
-    """In a Dramatiq worker process (its main thread, after Dramatiq set its handler): a SIGTERM
-    within ``window_s`` of the first is ignored. Dramatiq takes a worker process's second SIGTERM
-    for "kill now" (``Killing worker process...``: the messages in hand abandoned, their rows left
-    to the takeover with an attempt counted), and its main process sends each worker process a
-    SIGTERM of its own: a stop signalled to every process of the worker (systemd's default
-    ``KillMode=control-group``, ``kill -- -PGID``, supervisord's ``stopasgroup``) reached each
-    worker process twice within milliseconds, and every such stop was a kill (found in review).
-    A second SIGTERM sent later still kills (docs/dramatiq.md, "Middleware")."""
+    """In a Dramatiq worker process (its main thread, after Dramatiq set its handlers): a SIGTERM
+    or SIGHUP within ``window_s`` of the first is ignored. Dramatiq takes a worker process's second
+    one for "kill now" (``Killing worker process...``: the messages in hand abandoned, their rows
+    left to the takeover with an attempt counted), and its main process sends each worker process
+    one of its own: a stop or reload signalled to every process of the worker (systemd's default
+    ``KillMode=control-group``, ``kill -- -PGID``, supervisord's ``stopasgroup``, a terminal that
+    hangs up) reached each worker process twice within milliseconds, and every such stop was a
+    kill (found in review). A second signal sent later still kills (docs/dramatiq.md, "Middleware")."""
     if threading.current_thread() is not threading.main_thread():
-        return
-    dramatiqs = signal.getsignal(signal.SIGTERM)
-    if not callable(dramatiqs):
         return
     first: list[float] = []
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        now = time.monotonic()
-        if first and now - first[0] < window_s:
-            return  # the same stop, sent to this process and again by Dramatiq's main process
-        first[:] = [now]
-        dramatiqs(signum, frame)
+    def once_per_burst(dramatiqs: Callable[[int, Any], Any]) -> Callable[[int, Any], None]:
+        def on_stop(signum: int, frame: Any) -> None:
+            now = time.monotonic()
+            if first and now - first[0] < window_s:
+                return  # the same stop, sent to this process and again by Dramatiq's main process
+            first[:] = [now]
+            dramatiqs(signum, frame)
+        return on_stop
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for stop in STOP_SIGNALS:
+        dramatiqs = signal.getsignal(stop)
+        if callable(dramatiqs):
+            signal.signal(stop, once_per_burst(dramatiqs))
 
 
 class OutboxMiddleware(Middleware):
