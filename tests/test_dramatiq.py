@@ -4,6 +4,7 @@ a Dramatiq message, the claim actor's drain slice, and the scheduler's leader lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from outbox.core.config import (
     validate_dramatiq_namespace,
 )
 from outbox.core.errors import ConfigError
+from outbox.core.names import Queues, default_namespace
 from outbox.dramatiq.brokers import configured, expired, make_broker, message, pika_url
 from outbox.dramatiq.scheduler import LOCK_TTL_S, RabbitLock, RedisLock, lock_name, run
 from outbox.relay import CLAIM_TASK, PURGE_TASK
@@ -187,6 +189,55 @@ def test_a_sigterm_to_the_worker_processes_and_their_main_process_is_one_warm_sh
     text = log_path.read_text()
     assert "Killing worker process" not in text and returncode == 0, text[-3000:]
     assert text.count("Worker has been shut down") == (4 if stop == signal.SIGHUP else 2), text[-3000:]
+
+
+def _worker_log_until_ready(tmp_path: Path, runs: dict[str, list[str]], ready: str = "Worker process is ready",
+                            extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """Start ``dramatiq <argv>`` for each run at once (SQLite, the test's Redis namespace), wait
+    until each logged ``ready``, stop them, and return each run's log."""
+    require("Redis", "127.0.0.1", 6379)
+    import redis
+
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    OutboxStore(url).migrate()
+    env = {"PATH": str(BIN), "OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": REDIS_URL,
+           "OUTBOX_DRAMATIQ_NAMESPACE": ns, **(extra_env or {})}
+    workers = {}
+    for name, argv in runs.items():
+        with (tmp_path / f"{name}.log").open("w") as out:
+            workers[name] = subprocess.Popen([str(BIN / "dramatiq"), *argv, "-p", "1", "-t", "1"], env=env,
+                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for name in runs:
+            assert wait_until(lambda name=name: ready in (tmp_path / f"{name}.log").read_text(), 60), (
+                (tmp_path / f"{name}.log").read_text()[-3000:])
+    finally:
+        for worker in workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGTERM)
+        for worker in workers.values():
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(match=f"{ns}*"):
+            client.delete(key)
+    return {name: (tmp_path / f"{name}.log").read_text() for name in runs}
+
+
+def test_a_dramatiq_worker_whose_queues_are_none_of_its_outboxs_says_it_relays_nothing(tmp_path: Path) -> None:
+    """``--queues outbox.publish`` (the fixed names before namespaces: README, "Upgrade note", or
+    the actors' names) made a worker that consumed nothing, without a word (found in review);
+    the Celery worker says so for ``-Q`` (test_namespaces.py). Its own queues: nothing to say."""
+    queues = Queues(default_namespace(f"sqlite:///{tmp_path / 'o.db'}", "outbox"))
+    logs = _worker_log_until_ready(tmp_path, {"foreign": ["outbox.dramatiq", "--queues", "outbox.publish"],
+                                              "own": ["outbox.dramatiq", "--queues", queues.publish]})
+    assert "this worker consumes outbox.publish, none of outbox" in logs["foreign"], logs["foreign"][-3000:]
+    assert "OUTBOX_NAMESPACE=outbox" in logs["foreign"]
+    assert "none of outbox" not in logs["own"], logs["own"][-3000:]
 
 
 # -- the post-commit wake sends a Dramatiq message ------------------------------------------------

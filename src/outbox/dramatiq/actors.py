@@ -152,6 +152,19 @@ def one_stop_per_sigterm_burst(window_s: float = REPEATED_SIGTERM_S) -> None:
             signal.signal(stop, once_per_burst(dramatiqs))
 
 
+def warn_foreign_queues(selected: set[str] | None) -> None:
+    """A worker whose ``--queues`` (``selected``; None without it) name none of its outbox's queues
+    relays nothing, as the Celery worker's ``-Q`` (``outbox.celery.worker._warn_foreign_queues``):
+    said at start, as an error. It said nothing until review found it (``--queues outbox.publish``,
+    the names before namespaces)."""
+    if not selected or set(selected) & set(QUEUES.all):
+        return
+    log.error("outbox: this worker consumes %s, none of outbox %s's queues (%s): it relays nothing. Use "
+              "`--queues $(outbox queues | tr , ' ')` (or no --queues); after an upgrade from the fixed "
+              "outbox.* names, OUTBOX_NAMESPACE=outbox keeps them (README, \"Upgrade note\")",
+              ", ".join(sorted(selected)), OUTBOX_NAMESPACE, ", ".join(QUEUES.all))
+
+
 class OutboxMiddleware(Middleware):
     """Start-up and shutdown of the relay in a Dramatiq worker process."""
 
@@ -172,6 +185,7 @@ class OutboxMiddleware(Middleware):
         nowhere = memory_destination_warning(SETTINGS)
         if nowhere:
             log.warning(nowhere)
+        warn_foreign_queues(worker.consumer_whitelist)
 
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
         STOPPING.set()
