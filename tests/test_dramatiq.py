@@ -240,6 +240,34 @@ def test_a_dramatiq_worker_whose_queues_are_none_of_its_outboxs_says_it_relays_n
     assert "none of outbox" not in logs["own"], logs["own"][-3000:]
 
 
+def test_the_relays_actors_named_after_another_brokers_module_refuse_to_start(tmp_path: Path) -> None:
+    """``dramatiq myapp outbox.dramatiq``: the worker consumes the broker of its first argument,
+    the user's, and the relay's actors were declared on their own broker, which nobody consumed:
+    a worker that relayed nothing without a word, whose stop was a kill (found in review). Now its
+    worker process stops at start with one line, and the command with it."""
+    require("Redis", "127.0.0.1", 6379)
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    (tmp_path / "myapp.py").write_text(
+        "import dramatiq\nfrom dramatiq.brokers.redis import RedisBroker\n"
+        f"dramatiq.set_broker(RedisBroker(url={REDIS_URL!r}, namespace={ns + '-app'!r}))\n")
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    OutboxStore(url).migrate()
+    env = {"PATH": str(BIN), "OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": REDIS_URL,
+           "OUTBOX_DRAMATIQ_NAMESPACE": ns, "PYTHONPATH": str(tmp_path)}
+    log_path = tmp_path / "worker.log"
+    with log_path.open("w") as out:
+        worker = subprocess.Popen([str(BIN / "dramatiq"), "myapp", "outbox.dramatiq", "-p", "1", "-t", "1"], env=env,
+                                  cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        returncode = worker.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    text = log_path.read_text()
+    assert returncode != 0 and "this worker's broker is myapp, which would relay nothing" in text, text[-3000:]
+
+
 # -- the post-commit wake sends a Dramatiq message ------------------------------------------------
 
 @pytest.fixture

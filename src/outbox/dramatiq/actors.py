@@ -59,6 +59,27 @@ def _load() -> tuple[Settings, RelayOptions, str, str]:
     return settings, options, dramatiq_settings.url, dramatiq_settings.namespace
 
 
+def _refuse_another_workers_broker() -> None:
+    """In a ``dramatiq`` command, only a worker whose broker argument (its first) is the relay's
+    runs the relay's actors: named after another broker (``dramatiq myapp outbox.dramatiq``, or
+    imported by a module of such a worker), they were declared on a broker that worker does not
+    consume, relayed nothing without a word, and took Dramatiq's global broker from the user's
+    modules (found in review). One line and a non-zero exit instead (docs/dramatiq.md, "Set-up")."""
+    command = sys.argv[0] or ""
+    if "dramatiq.cli" not in sys.modules or not (os.path.basename(command).startswith("dramatiq")
+                                                 or command.endswith("/dramatiq/__main__.py")):  # python -m dramatiq
+        return
+    from dramatiq.cli import make_argument_parser
+
+    args, _ = make_argument_parser().parse_known_args(sys.argv[1:])
+    if args.broker.partition(":")[0] not in ("outbox.dramatiq", __name__):
+        raise SystemExit(f"outbox: the relay's actors run in a worker of their own broker, `dramatiq outbox.dramatiq "
+                         f"...` (the first argument); this worker's broker is {args.broker}, which would relay "
+                         f"nothing. Run the relay as its own dramatiq command (docs/dramatiq.md, \"Set-up\")")
+
+
+_refuse_another_workers_broker()
+
 try:
     SETTINGS, OPTIONS, BROKER_URL, NAMESPACE = _load()
 except ConfigError as exc:
