@@ -42,9 +42,10 @@ _CONTEXT = (multiprocessing.get_context("forkserver") if "forkserver" in multipr
 #: What a warm shutdown sends: the child ignores them (``_publish_in_child``), and has them
 #: blocked from its start until it does: a mask handed over the fork by the thread that starts
 #: the fork server (or, with "spawn", the child). multiprocessing's resource tracker, started
-#: at a process's first child, unblocks these two in the thread that starts it, so it is
-#: started before the mask is set (docs/relay.md, "An event that kills its worker").
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+#: at a process's first child, unblocks SIGINT and SIGTERM in the thread that starts it, so it is
+#: started before the mask is set (docs/relay.md, "An event that kills its worker"). SIGHUP is
+#: Dramatiq's reload, a warm stop too: sent to the worker's group it killed the child (review).
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())}
 
 #: How often the parent looks whether its child is still alive while it waits for the answer;
 #: short waits also let a task's time limit (raised in the waiting thread) land.
