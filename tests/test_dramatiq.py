@@ -568,6 +568,41 @@ def test_a_dead_schedulers_redis_lock_expires() -> None:
     assert LOCK_TTL_S > 1
 
 
+def test_a_sighup_reloads_the_scheduler_which_hands_its_lock_to_itself(tmp_path: Path) -> None:
+    """A SIGHUP (a terminal that hangs up, `kill -HUP -- -PGID` to reload the Dramatiq worker started
+    beside it) killed the scheduler without a line, its lock kept until the TTL ran out: started
+    again, it waited ~10 s for the lead, no tick sent (found in review). Now it reloads as Dramatiq's
+    worker does: it releases the lock, starts again in the same process and leads at once."""
+    require("Redis", "127.0.0.1", 6379)
+    import redis
+
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    env = {"PATH": str(BIN), "OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": REDIS_URL,
+           "OUTBOX_DRAMATIQ_NAMESPACE": ns}
+    log_path = tmp_path / "scheduler.log"
+    with log_path.open("w") as out:
+        scheduler = subprocess.Popen([str(BIN / "outbox-dramatiq-scheduler")], env=env, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_until(lambda: "leading;" in log_path.read_text(), 30), log_path.read_text()
+        scheduler.send_signal(signal.SIGHUP)
+        # Well inside the lock's TTL: a lock left to expire would take all of it.
+        assert wait_until(lambda: log_path.read_text().count("leading;") == 2 or scheduler.poll() is not None,
+                          LOCK_TTL_S * 0.7), log_path.read_text()
+        assert scheduler.poll() is None, log_path.read_text()
+        scheduler.send_signal(signal.SIGTERM)
+        assert scheduler.wait(timeout=30) == 0
+    finally:
+        if scheduler.poll() is None:
+            os.killpg(scheduler.pid, signal.SIGKILL)
+            scheduler.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(match=f"{ns}*"):
+            client.delete(key)
+        client.delete(f"outbox:scheduler:{lock_name(REDIS_URL, ns, default_namespace(url, 'outbox'))}:sent:{PURGE_TASK}")
+
+
 @pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
 def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
     """Two schedulers run side by side for 2.5 s with a 0.25 s claim tick: the ticks sent

@@ -7,6 +7,7 @@ import argparse
 import functools
 import hashlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -292,10 +293,21 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    reload = threading.Event()  # SIGHUP: Dramatiq's reload (docs/dramatiq.md, "The scheduler")
+
+    def on_sighup(*_: Any) -> None:
+        reload.set()
+        stop.set()
+
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, on_sighup)
     outage = broker_outage(url)
     lock = make_lock(url, lock_name(url, ns, settings.outbox_namespace), outage)
     log.info("outbox scheduler: Dramatiq broker %s, waiting for the lead", redact(url))
     run(stop, entries, lock, outage=outage)
+    if reload.is_set():
+        log.info("outbox scheduler: reloading (SIGHUP)")
+        os.execv(sys.executable, [sys.executable, "-m", "outbox.dramatiq.scheduler", *sys.argv[1:]])
     log.info("outbox scheduler: stopped")
     return 0
 
