@@ -6,6 +6,9 @@ tests/test_route_backpressure.py, tests/test_claim.py and tests/test_wake.py."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import stat
+import tempfile
 import threading
 import time
 import uuid
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 from services import REDIS_URL, reachable, require
 
+import outbox.celery.worker as w
 from outbox.relay import Breaker, FileState, ProcessState, RedisState, SharedState, make_coalescer, open_shared_state
 
 
@@ -267,3 +271,32 @@ def test_expired_claims_are_said_once_they_go_on_for_ten_intervals_and_not_for_a
         late.in_time()
         assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO]
     assert LateClaims(logging.getLogger("outbox.test"), claim_interval_s=5).window_s == 50.0
+
+
+def test_files_of_one_host_live_where_no_other_user_can_write(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the world-writable temp directory any local user could write the relay's files: a
+    breaker open for good, a claim always "requested", a stop marker that halts a worker's
+    pool (found in review: ``touch /tmp/outbox-worker-stopping-<pid>`` by user nobody stalled
+    a root worker's delivery). They live in the user's own ``outbox-<uid>``, mode 0700."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tmp_path.chmod(0o1777)
+    state = open_shared_state("amqp://guest@localhost//")
+    assert isinstance(state, FileState)
+    for directory in (Path(state.directory), w._stopping_marker(1).parent):
+        info = directory.stat()
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (os.getuid(), 0o700), directory
+
+
+def test_a_directory_another_user_could_write_is_not_trusted(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Someone else's ``outbox-<uid>`` (or one others may write) is refused: the processes keep
+    their state alone, and a marker placed there stops nothing."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    squatted = tmp_path / f"outbox-{os.getuid()}"
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    (squatted / "outbox-worker-stopping-1").touch()
+    assert isinstance(open_shared_state("amqp://guest@localhost//"), ProcessState)
+    monkeypatch.setattr(w, "_parent_pid", 1)
+    assert w.stopping() is False

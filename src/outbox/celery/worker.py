@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from ..relay import listen as _listen
 from ..relay import metrics as _metrics
 from ..relay import waker as _waker
 from ..relay.service import Relay
+from ..relay.state import private_dir
 from ..storage.engines.describe import driver_problem
 from . import worker_logging as _worker_logging
 from .application import app, configured, publish_time_limit
@@ -49,8 +49,11 @@ def in_worker() -> bool:
     return _waker.in_process_claim is not None
 
 
-def _stopping_marker(main_pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"outbox-worker-stopping-{main_pid}"
+def _stopping_marker(main_pid: int) -> Path | None:
+    """In this user's own directory (``state.private_dir``): in the temp directory itself,
+    any local user could stop a worker's pool with ``touch``."""
+    directory = private_dir()
+    return None if directory is None else Path(directory) / f"outbox-worker-stopping-{main_pid}"
 
 
 def stopping() -> bool:
@@ -58,7 +61,8 @@ def stopping() -> bool:
     children see the marker file it leaves (one ``stat`` per task)."""
     if STOPPING.is_set():
         return True
-    return _parent_pid is not None and _stopping_marker(_parent_pid).exists()
+    marker = None if _parent_pid is None else _stopping_marker(_parent_pid)
+    return marker is not None and marker.exists()
 
 
 # -- the process's relay (outbox.relay.service.Relay) -------------------------------------------
@@ -187,8 +191,10 @@ def _process_shutdown(**_: Any) -> None:
 @signals.worker_shutting_down.connect
 def _shutting_down(**_: Any) -> None:
     STOPPING.set()
+    marker = _stopping_marker(os.getpid())
     try:
-        _stopping_marker(os.getpid()).touch()
+        if marker is not None:
+            marker.touch()
     except OSError as exc:  # the children then finish what they start, which is safe too
         log.warning("outbox: cannot tell the pool processes to stop (%s)", exc)
     log.info("outbox: worker shutting down, claims stop; publish tasks in hand finish, "
@@ -216,8 +222,10 @@ def _claim_late(sender: Any = None, request: Any = None, expired: bool = False, 
 
 
 def _remove_stopping_marker() -> None:
+    marker = _stopping_marker(os.getpid())
     with contextlib.suppress(OSError):
-        _stopping_marker(os.getpid()).unlink(missing_ok=True)
+        if marker is not None:
+            marker.unlink(missing_ok=True)
 
 
 #: Celery's pools whose tasks run in greenlets (docs/internals.md, "Worker processes").

@@ -7,14 +7,18 @@ The policies over it (breaker, route gate, outage log, coalescer) are in ``relay
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
 from typing import Any, Protocol
 
 from ..core.names import is_redis_url
+
+log = logging.getLogger("outbox.relay")
 
 
 class SharedState(Protocol):
@@ -221,7 +225,7 @@ def open_shared_state(url: str) -> SharedState:
     """Where the state lives, chosen from the task runner's broker URL: Redis when it is
     Redis (one client per process and URL, so one connection pool), the process for
     ``memory://`` (a new one each call, as nothing outside it could share it), else files
-    in the temp directory (one host)."""
+    in this user's own directory of the temp directory (one host: ``private_dir``)."""
     if is_redis_url(url):
         try:
             with _redis_lock:
@@ -233,7 +237,40 @@ def open_shared_state(url: str) -> SharedState:
             pass
     if url.startswith("memory://"):
         return ProcessState()
-    return FileState(tempfile.gettempdir())
+    directory = private_dir()
+    if directory is None:
+        return ProcessState()
+    return FileState(directory)
 
 
-__all__ = ["SharedState", "ProcessState", "RedisState", "FileState", "open_shared_state"]
+def private_dir() -> str | None:
+    """``outbox-<uid>`` in the temp directory, mode 0700, made if absent: where the files
+    the processes of one host share live (``FileState``, the worker's stop marker), out of
+    the reach of other local users. None, with a warning, when it is not this user's alone
+    (docs/internals.md, "Shared state")."""
+    path = os.path.join(tempfile.gettempdir(), f"outbox-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        _refused(path, f"cannot make it ({exc})")
+        return None
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        _refused(path, f"not a directory only this user (uid {os.getuid()}) can write: remove it")
+        return None
+    return path
+
+
+_refusals: set[str] = set()
+
+
+def _refused(path: str, why: str) -> None:
+    if path not in _refusals:  # once per process: the stop marker asks at every task
+        _refusals.add(path)
+        log.warning("outbox: %s is %s; each process keeps its shared state alone and pool processes "
+                    "are not told of a warm shutdown", path, why)
+
+
+__all__ = ["SharedState", "ProcessState", "RedisState", "FileState", "open_shared_state", "private_dir"]
