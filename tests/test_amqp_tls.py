@@ -16,7 +16,7 @@ import pytest
 from publisher_support import make_message
 from tls_support import Pki, TlsProxy
 
-from outbox.commands.doctor import FAIL, OK, check_destination
+from outbox.commands.doctor import FAIL, OK, WARN, check_destination
 from outbox.core.config import dramatiq_settings, load_settings
 from outbox.core.errors import ConfigError
 from outbox.core.model import FailureKind
@@ -237,3 +237,13 @@ def test_the_host_name_is_checked_even_if_kombu_stopped_naming_each_host(
     conn = tls.kombu_connection(f"{url.split(';')[0]}?ssl_ca_certs={pki.ca_file}" if ";" not in url else
                                 ";".join(f"{u}?ssl_ca_certs={pki.ca_file}" for u in url.split(";")), "OUTBOX_PUBLISH_URL")
     assert conn.ssl["server_hostname"] == "rabbit-0.example"
+
+
+def test_outbox_check_warns_when_the_certificate_or_its_name_is_not_checked(
+        proxy: TlsProxy, pki: Pki, broker: dict[str, Any]) -> None:
+    """``ssl_cert_reqs=none`` or ``ssl_check_hostname=false`` connect to anyone who answers: the
+    check said "reachable", ok, where it warns for Celery's Redis (found in review)."""
+    for query, says in (({"ssl_cert_reqs": "none"}, "certificate not verified"),
+                        ({"ssl_ca_certs": str(pki.ca_file), "ssl_check_hostname": "false"}, "host name not checked")):
+        report = check_destination(settings_for(proxy.url(**query), broker))
+        assert (report[0].state, says in report[0].detail) == (WARN, True), report[0].line()

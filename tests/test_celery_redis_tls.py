@@ -509,3 +509,14 @@ def test_a_redis_failover_list_is_read_one_url_at_a_time() -> None:
     assert load_settings(environ={"OUTBOX_CELERY_BROKER_URL": f"{alone.format(n=1)};{alone.format(n=2)}"})
     assert redis_connect_options(f"{alone.format(n=1)};{alone.format(n=2)}") == (
         "rediss://h1.example:6380/0", {"connection_class": redis.SSLConnection, "ssl_cert_reqs": "required"})
+
+
+def test_outbox_check_warns_for_a_destination_whose_certificate_is_not_verified(tls_redis: TlsRedis) -> None:
+    """A bare ``rediss://`` destination gets kombu's unverified TLS: a warning, as for Celery's
+    broker (found in review: "reachable", ok)."""
+    from outbox.commands.doctor import check_destination
+
+    for url, verdict in ((f"rediss://127.0.0.1:{tls_redis.port}/0", "warn"), (tls_redis.url(), "ok")):
+        settings = load_settings(environ={"OUTBOX_PUBLISH_URL": url, "OUTBOX_DATABASE_URL": "sqlite:///o.db"})
+        result = check_destination(settings)[0]
+        assert result.state == verdict, result.line()

@@ -16,7 +16,8 @@ skipped when an earlier one it depends on failed:
    as Celery's broker (``outboxdb``: its scheme registered first, then a connection to its
    database and its queue tables); reachable (``memory://`` is in-process only: a warning;
    Celery's Redis with its workers' TLS options, a certificate not verified: a warning);
-5. destination broker: reachable, and the exchange exists; on Kafka, the cluster answers and the
+5. destination broker: reachable (a TLS certificate or host name not checked: a warning,
+   ``tls_unchecked``; Dramatiq's broker too), and the exchange exists; on Kafka, the cluster answers and the
    topics the relay needs exist or may be created, and a probe message if asked (``--probe``);
 6. a queue bound to the exchange: on Redis the bindings are readable (kombu keeps them in
    a set per exchange); AMQP 0-9-1 cannot list bindings without the management plugin, so
@@ -251,7 +252,9 @@ def check_dramatiq_broker(url: str) -> Result:
         return Result(name, FAIL, f"{redact(url)}: {exc}")
     except Exception as exc:
         return Result(name, FAIL, f"{redact(url)} unreachable: {_error(exc)} ({fix})")
-    return Result(name, OK, f"{redact(url)} reachable")
+    unchecked = tls_unchecked(url, "OUTBOX_DRAMATIQ_BROKER_URL", kombu=False)
+    return Result(name, WARN, f"{redact(url)} reachable, {unchecked}") if unchecked else \
+        Result(name, OK, f"{redact(url)} reachable")
 
 
 def _reachable(name: str, url: str, fix: str) -> Result:
@@ -311,13 +314,38 @@ def check_destination(settings: Settings, kafka: Any = None, probe_topic: str | 
             conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)
         except Exception as exc:
             return [Result("destination", FAIL, f"{redact(url)} unreachable: {_error(exc)}")]
-        results = [Result("destination", OK, f"{redact(url)} reachable")]
+        unchecked = tls_unchecked(url, "OUTBOX_PUBLISH_URL")
+        results = [Result("destination", WARN, f"{redact(url)} reachable, {unchecked}") if unchecked
+                   else Result("destination", OK, f"{redact(url)} reachable")]
         results.append(_check_binding(conn, exchange))
         if settings.dead_letter_exchange and conn.transport.driver_type == "amqp":
             results.append(_check_dead_letter_exchange(conn, settings.dead_letter_exchange))
         return results
     finally:
         conn.release()
+
+
+def tls_unchecked(url: str, setting: str, kombu: bool = True) -> str | None:
+    """What an AMQP or Redis URL's TLS leaves unchecked, with the fix; None when it checks the
+    certificate and its host name, or uses no TLS (docs/destinations.md, "TLS to RabbitMQ").
+    A bare ``rediss://`` checks nothing through kombu, everything through redis-py (``kombu=False``:
+    Dramatiq's broker)."""
+    from ..core.tls import AMQP_PLAIN_SCHEMES, AMQP_TLS_SCHEMES, split_amqp_url
+    from ..relay.redis_clients import redis_connect_options, verifies
+
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("redis", "rediss"):
+        tls = redis_connect_options(url)[1]
+        if tls and not verifies(tls) and (kombu or "ssl_" in url.partition("?")[2]):
+            return ("its TLS certificate not verified (a bare rediss:// or ssl_cert_reqs=none): give "
+                    "ssl_cert_reqs=required and ssl_ca_certs in the URL")
+        return None
+    amqp = split_amqp_url(url, setting)[1] if scheme in AMQP_TLS_SCHEMES + AMQP_PLAIN_SCHEMES else None
+    if amqp is not None and not amqp.verify:
+        return "its TLS certificate not verified (ssl_cert_reqs=none): not for production"
+    if amqp is not None and not amqp.checks_hostname:
+        return "its TLS certificate's host name not checked (ssl_check_hostname=false): not for production"
+    return None
 
 
 def check_kafka(settings: Settings, options: Any = None, probe_topic: str | None = None) -> list[Result]:
