@@ -181,6 +181,15 @@ def test_redact_masks_passwords(text: str, secret: str) -> None:
     assert redact("redis://127.0.0.1:6379/0 outbox_id=5 topic=a.b") == "redis://127.0.0.1:6379/0 outbox_id=5 topic=a.b"
 
 
+def test_redact_keeps_every_broker_of_a_failover_list() -> None:
+    """Celery's and kombu's ``;`` list: the URL pattern ran a password to the last ``@`` of the
+    whole list, so every line named only the last broker (``outbox check``: "destination:
+    amqp://u:***@b2// reachable" while b2 was down and b1 had answered: found in review)."""
+    assert redact("amqp://u:pw1@b1:5672//;amqp://u:pw2@b2:5672// down") == (
+        "amqp://u:***@b1:5672//;amqp://u:***@b2:5672// down")
+    assert redact("redis://:p@ss@r1/0;redis://:p@ss@r2/0") == "redis://:***@r1/0;redis://:***@r2/0"
+
+
 def test_registered_passwords_are_masked_in_fragments_and_log_records() -> None:
     """libpq quotes only a fragment of a URL it cannot parse: no pattern sees a URL there,
     so the passwords of the configured URLs are masked wherever they appear."""

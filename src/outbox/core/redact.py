@@ -34,11 +34,12 @@ MASK = "***"
 #: ``scheme://user:password@`` (the user may be empty: ``redis://:pw@host``). The password
 #: runs to the last ``@`` before the next whitespace: passwords may contain ``@``, ``:`` or
 #: ``/`` when they are not percent-encoded, which is exactly the malformed case, and quotes
-#: (libpq reads ``pa'ss``; a quote-free pattern printed it in clear: found in review). A
-#: password with a space is left to the registered secrets (``register_url``): no pattern
-#: tells where it ends.
+#: (libpq reads ``pa'ss``; a quote-free pattern printed it in clear: found in review), nor
+#: past the ``;`` before the next URL of a failover list (it once swallowed every broker of
+#: the list but the last). A password with a space is left to the registered secrets
+#: (``register_url``): no pattern tells where it ends.
 _URL_CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*:/{0,3}[^\s:/@'\"]*:)"
-                              r"(?P<secret>\S*)@")
+                              r"(?P<secret>(?:(?!;[A-Za-z][A-Za-z0-9+.\-]*://)\S)*)@")
 #: ``PWD=...;`` / ``Password=...`` in ODBC connection strings (``{...}`` quoting included),
 #: and ``password=`` / ``sslpassword=`` in a URL's query (libpq takes both there; the value
 #: then runs to the end of the query).
