@@ -125,3 +125,26 @@ def test_a_requeued_row_arrives_after_its_aggregates_later_rows_and_holds_the_re
     help_text = " ".join(run("dead", "requeue", "--help", env={"OUTBOX_DATABASE_URL": url}).stdout.split())
     assert "after the later events of its aggregate" in help_text, help_text
     assert "holds back" in help_text, help_text
+
+
+def test_event_fields_reach_the_terminal_as_text_not_as_control_sequences(tmp_path: Path) -> None:
+    """An event's topic, aggregate id and last error are the application's data (an aggregate id
+    may come from a web request): ``dead list`` and ``dead requeue`` printed them raw, so a
+    newline forged a row of the listing and ESC sequences (an OSC title, a cleared screen) went
+    to the operator's terminal (found in review). Control characters are shown escaped."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url, max_attempts=3)
+    store.migrate()
+    conn = sqlite3.connect(tmp_path / "o.db")
+    id = enqueue(conn, topic="orders.\x1b]0;pwned\x07paid", aggregate_type="o",
+                 aggregate_id="42\n99\torders.paid\to/1\tattempts=0\tforged", payload={})
+    conn.commit()
+    claim = store.claim(10)
+    store.mark_failed(id, claim.lease, "retriable: bad\x1b[2Jthing\r", dead=True)
+    listed = run("dead", "list", env={"OUTBOX_DATABASE_URL": url})
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines() == [
+        f"{id}\torders.\\x1b]0;pwned\\x07paid\to/42\\n99\\torders.paid\\to/1\\tattempts=0\\tforged\t"
+        "attempts=1\tretriable: bad\\x1b[2Jthing\\r"]
+    requeued = run("dead", "requeue", str(id), env={"OUTBOX_DATABASE_URL": url})
+    assert requeued.stdout.splitlines() == ["requeued 1 row(s)", "  orders.\\x1b]0;pwned\\x07paid: 1"]

@@ -17,11 +17,13 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from publisher_support import make_message
 
 from outbox.core.config import OTHER_NAMES, known_names, load_settings, unknown_environment
 from outbox.core.errors import ConfigError
 from outbox.core.redact import RedactingFilter, redact, register_url
 from outbox.relay import RelayOptions
+from outbox.relay.logfields import describe
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "outbox"
 CELERY = str(Path(sys.executable).parent / "celery")
@@ -188,6 +190,15 @@ def test_redact_keeps_every_broker_of_a_failover_list() -> None:
     assert redact("amqp://u:pw1@b1:5672//;amqp://u:pw2@b2:5672// down") == (
         "amqp://u:***@b1:5672//;amqp://u:***@b2:5672// down")
     assert redact("redis://:p@ss@r1/0;redis://:p@ss@r2/0") == "redis://:***@r1/0;redis://:***@r2/0"
+
+
+def test_an_event_forges_no_log_line() -> None:
+    """The relay's log lines name an event by the application's own text: a newline in an
+    aggregate id wrote a line of its own (``[...: ERROR/MainProcess] FORGED LINE`` in a real
+    worker's log: found in review). Control characters are escaped."""
+    line = describe(make_message(7, "t.\x1b[2Jx", aggregate_id="7\n[2026-12-07: ERROR/MainProcess] forged"))
+    assert "\n" not in line and "\x1b" not in line
+    assert "aggregate_id=7\\n[2026-12-07: ERROR/MainProcess] forged topic=t.\\x1b[2Jx" in line
 
 
 def test_registered_passwords_are_masked_in_fragments_and_log_records() -> None:

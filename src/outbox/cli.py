@@ -21,7 +21,7 @@ from .core.errors import ConfigError
 from .core.model import Status
 from .core.names import KINDS
 from .core.options import Options, coerce
-from .core.redact import install_filter
+from .core.redact import install_filter, printable
 from .storage.engines.describe import describe_database, missing_driver_hint
 from .storage.store import OutboxStore
 
@@ -243,8 +243,8 @@ def dead_list(limit: int, after_id: int, as_json: bool) -> None:
             click.echo(json.dumps({**row.__dict__, "processed_at": row.processed_at.isoformat()
                                    if row.processed_at else None}))
         else:
-            click.echo(f"{row.id}\t{row.topic}\t{row.aggregate_type}/{row.aggregate_id}\t"
-                       f"attempts={row.attempts}\t{row.last_error or ''}")
+            click.echo(f"{row.id}\t{printable(row.topic)}\t{printable(row.aggregate_type)}/"
+                       f"{printable(row.aggregate_id)}\tattempts={row.attempts}\t{printable(row.last_error or '')}")
 
 
 @dead.command("requeue")
@@ -275,19 +275,19 @@ def dead_requeue(ids: tuple[int, ...], everything: bool, force: bool) -> None:
     problems = [f"no row with id {id}" for id in result.missing]
     problems += [f"row {id} is not dead (status {Status(status).name.lower()})"
                  for id, status in sorted(result.not_dead.items())]
-    problems += [f"row {row.id} ({row.topic}) has a permanent reason, use --force to requeue it: {row.last_error}"
-                 for row in result.refused]
+    problems += [f"row {row.id} ({printable(row.topic)}) has a permanent reason, use --force to requeue it: "
+                 f"{printable(row.last_error)}" for row in result.refused]
     if problems:  # one line, as every error of the command line
         click.echo("error: nothing was requeued: " + "; ".join(" ".join(p.split()) for p in problems), err=True)
         sys.exit(1)
     click.echo(f"requeued {result.count} row(s)")
     for topic, count in result.requeued.items():
-        click.echo(f"  {topic}: {count}")
+        click.echo(f"  {printable(topic)}: {count}")
     if result.permanent:
         click.echo(f"kept {sum(result.permanent.values())} dead row(s) with a permanent reason "
                    "(use --force to requeue them too)")
         for topic, count in result.permanent.items():
-            click.echo(f"  {topic}: {count}")
+            click.echo(f"  {printable(topic)}: {count}")
 
 
 @main.command()

@@ -123,6 +123,19 @@ def redact(text: object) -> str:
     return result
 
 
+#: C0 and C1 control characters and DEL: a newline, a tab, ESC (which starts a terminal's
+#: escape sequences), a BEL.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: object) -> str:
+    """``text`` with every control character written as its Python escape (``\\n``,
+    ``\\x1b``): an event's own fields (topic, aggregate id, last error, the application's data)
+    on a terminal or in a log line, where they could otherwise forge a line or send an escape
+    sequence (docs/relay.md, "Secrets in output")."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
+
+
 class RedactingFilter(logging.Filter):
     """Masks secrets in a record before a handler formats it: the message with its
     arguments, and the traceback text."""
@@ -153,4 +166,4 @@ def install_filter(logger: logging.Logger | None = None) -> None:
             handler.addFilter(RedactingFilter())
 
 
-__all__ = ["redact", "register_url", "register_secret", "RedactingFilter", "install_filter", "MASK"]
+__all__ = ["redact", "printable", "register_url", "register_secret", "RedactingFilter", "install_filter", "MASK"]

@@ -12,6 +12,7 @@ import click
 
 from ..commands.oneline import one_line_errors
 from ..core.config import get_settings, validate_database_url
+from ..core.redact import printable
 from ..storage.store import OutboxStore
 from .common import DELETE_CHUNK, DELETE_CONNECTIONS, archive_uri, crash_hook_from_env, parse_duration
 
@@ -219,10 +220,10 @@ def replay(source: str, topic: str | None, aggregate_type: str | None, aggregate
     if dry_run:
         click.echo(f"dry run: would replay {result['events']} event(s); nothing was changed")
         for name, count in result["per_topic"].items():
-            click.echo(f"  {name}: {count}")
+            click.echo(f"  {printable(name)}: {count}")
         for s in result["sample"]:
-            click.echo(f"  sample: id={s['id']} {s['topic']} {s['aggregate']} {s['message_id']} -> "
-                       f"{s['new_message_id']}")
+            click.echo(f"  sample: id={s['id']} {printable(s['topic'])} {printable(s['aggregate'])} "
+                       f"{printable(s['message_id'])} -> {s['new_message_id']}")
     else:
         click.echo(f"replayed {result['events']} event(s): {result['written']} written, "
                    f"{result['already_present']} already present")
