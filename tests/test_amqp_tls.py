@@ -247,3 +247,28 @@ def test_outbox_check_warns_when_the_certificate_or_its_name_is_not_checked(
                         ({"ssl_ca_certs": str(pki.ca_file), "ssl_check_hostname": "false"}, "host name not checked")):
         report = check_destination(settings_for(proxy.url(**query), broker))
         assert (report[0].state, says in report[0].detail) == (WARN, True), report[0].line()
+
+
+def test_celerys_own_amqps_broker_checks_the_host_name(pki: Pki, broker: dict[str, Any]) -> None:
+    """Celery's broker on ``amqps://`` with ``broker_use_ssl``'s CA: py-amqp checks the host name
+    only when given one, so a certificate for ``wrong.example`` was accepted for localhost (found
+    in review: the relay's app connected to it). The app's Connection names the host, as the
+    publisher's does; ``cert_reqs=CERT_NONE`` still checks nothing."""
+    import ssl
+
+    from outbox.celery.application import Connection
+
+    wrong, right = TlsProxy(pki, "wrong.example"), TlsProxy(pki, "localhost")
+    use_ssl = {"ca_certs": str(pki.ca_file), "cert_reqs": ssl.CERT_REQUIRED}
+    try:
+        with Connection(right.url(), ssl=dict(use_ssl), connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=1)
+        for ssl_option in (dict(use_ssl), True):
+            with Connection(wrong.url(), ssl=ssl_option, connect_timeout=5) as conn, pytest.raises(Exception) as refused:
+                conn.ensure_connection(max_retries=1)
+            assert "certificate" in str(refused.value).lower() or isinstance(refused.value, ssl.SSLError), refused.value
+        with Connection(wrong.url(), ssl={"cert_reqs": ssl.CERT_NONE}, connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=1)
+    finally:
+        wrong.close()
+        right.close()

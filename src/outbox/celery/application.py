@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import sys
 import time
 from typing import Any
@@ -81,6 +82,8 @@ class Connection(KombuConnection):
         super()._init_params(**params)
         if ours:
             self.transport_cls = REDIS_TRANSPORT
+        if self.ssl and self.transport_cls in ("amqps", "amqp", "pyamqp"):
+            self.ssl = _named(self.ssl, self.hostname or "localhost")
 
     def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
         if self.transport_cls == "memory" and self.hostname == "localhost" and not (self.userid or self.password):
@@ -107,6 +110,19 @@ class Connection(KombuConnection):
         super().ensure_connection(outage.errback, max_retries, *args, **kwargs)
         outage.over()
         return self
+
+
+def _named(use_ssl: Any, host: str) -> Any:
+    """Celery's ``broker_use_ssl`` for an AMQP broker (``True`` for a bare ``amqps://``), naming
+    ``host`` as the name its certificate must carry: py-amqp checks the host name only when
+    given one, and accepted a certificate for any name (found in review). Set again for each
+    host of a failover list (``_init_params``); left alone when it names one already
+    (``server_hostname``: ``None`` turns the check off) or checks no certificate
+    (docs/relay.md, "TLS to Celery's RabbitMQ")."""
+    options = dict(use_ssl) if isinstance(use_ssl, dict) else {}
+    if "server_hostname" in options or options.get("cert_reqs") == ssl.CERT_NONE:
+        return use_ssl
+    return {**options, "server_hostname": host}
 
 
 class _ConnectOutage:
