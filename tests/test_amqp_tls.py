@@ -272,3 +272,26 @@ def test_celerys_own_amqps_broker_checks_the_host_name(pki: Pki, broker: dict[st
     finally:
         wrong.close()
         right.close()
+
+
+def test_outbox_check_reaches_celerys_amqps_broker_as_the_workers_do(
+        pki: Pki, broker: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``outbox check`` read Celery's RabbitMQ without ``broker_use_ssl``: with the workers' private
+    CA there it said FAIL (certificate verify failed) while they connected, and it checked no host
+    name (found in review). It connects as the app does: broker_use_ssl, each host named."""
+    from outbox.commands.doctor import check_celery_broker
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"amqpsconf_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        f"import ssl\nbroker_use_ssl = {{'ca_certs': {str(pki.ca_file)!r}, 'cert_reqs': ssl.CERT_REQUIRED}}\n")
+    right, wrong = TlsProxy(pki, "localhost"), TlsProxy(pki, "wrong.example")
+    try:
+        for proxy, verdict in ((right, OK), (wrong, FAIL)):
+            url = proxy.url().split("?")[0]
+            settings = load_settings(environ={"OUTBOX_CELERY_BROKER_URL": url, "OUTBOX_DATABASE_URL": "sqlite:///o.db"})
+            result = check_celery_broker(settings, environ={"CELERY_CONFIG_MODULE": name})
+            assert result.state == verdict, result.line()
+    finally:
+        right.close()
+        wrong.close()

@@ -211,6 +211,13 @@ def check_celery_broker(settings: Settings, broker_url: str | None = None,
         from ..relay.redis_clients import broker_use_ssl
 
         return _celery_redis_reachable(url, broker_use_ssl(environ))
+    if url.split("://", 1)[0].lower() == "amqps":
+        from ..celery.application import Connection
+        from ..relay.redis_clients import broker_use_ssl
+
+        # As the workers connect: broker_use_ssl, each host named (docs/relay.md, "TLS to Celery's RabbitMQ").
+        conn = Connection(url, ssl=broker_use_ssl(environ) or True, connect_timeout=CONNECT_TIMEOUT_S)
+        return _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL", conn)
     return _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL")
 
 
@@ -257,9 +264,9 @@ def check_dramatiq_broker(url: str) -> Result:
         Result(name, OK, f"{redact(url)} reachable")
 
 
-def _reachable(name: str, url: str, fix: str) -> Result:
+def _reachable(name: str, url: str, fix: str, conn: Any = None) -> Result:
     try:
-        conn = _broker(url)
+        conn = conn or _broker(url)
     except ConfigError as exc:
         return Result(name, FAIL, f"{redact(url)}: {exc}")
     try:
