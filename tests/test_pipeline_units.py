@@ -437,6 +437,22 @@ def test_html_report_escapes_names() -> None:
     assert "<script>" not in page and "&lt;script&gt;" in page and "a &lt; b &amp; c" in page
 
 
+def test_html_report_charts_topics_with_dollar_signs_as_text() -> None:
+    """A topic between two ``$`` is matplotlib's mathtext: ``orders.$\\x{$`` failed the whole
+    report (ParseFatalException: Unknown symbol), and ``a$b$`` was drawn as a formula (found in
+    review). The chart's topic labels are plain text."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pyspark")
+    from outbox.pipeline.report import figures, render_html
+    topic = {"topic": "orders.$\\x{$", "events": 1, "delivered": 1, "dead": 0, "pending": 0,
+             "latency_p50_s": 1.0, "latency_p95_s": 2.0, "latency_p99_s": 3.0, "top_errors": []}
+    day = {k: v for k, v in topic.items() if k != "top_errors"}
+    report = _report([{**day, "day": "2026-11-20"}], [topic])
+    assert render_html(report).count("src='data:image/png;base64,") == 3
+    labels = figures(report)["latency"].axes[0].get_xticklabels()
+    assert [label.get_text() for label in labels] == [topic["topic"]] and not labels[0].get_parse_math()
+
+
 def test_cli_without_pyspark(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
     """The ``outbox`` command works without the spark extra; a pipeline job then
     says which extra to install, in one line."""

@@ -201,7 +201,8 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
                                        ("latency_p99_s", "#ad1457"))):
         ax.bar([i + (n - 1) * width for i in range(len(topics))], [t[key] for t in topics], width,
                label=key.split("_")[1], color=colour)
-    ax.set_xticks(range(len(topics)), [t["topic"] for t in topics])
+    # Plain text: between two "$" a topic was mathtext, drawn as a formula or failing the report.
+    ax.set_xticks(range(len(topics)), [t["topic"] for t in topics], parse_math=False)
     ax.set_title("Created-to-processed latency of delivered events")
     ax.set_ylabel("seconds")
     _legend_beside(ax)
