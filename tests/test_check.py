@@ -418,3 +418,23 @@ def test_check_tells_the_relay_processes_that_beat_from_records_gone_silent(stor
         engine.execute(cursor, f"UPDATE {engine.holders} SET beat_at = {engine.now_plus_ms()}", [-10_000])
     result = holders()
     assert result.state == WARN and "no relay worker process is beating" in result.detail, result.detail
+
+
+@pytest.mark.parametrize(("ssl_in_use", "sslmode", "rootcert", "says"), [
+    (True, "require", None, "certificate not verified (sslmode=require)"),
+    (True, "prefer", None, "certificate not verified (sslmode=prefer)"),  # libpq's default
+    (True, "verify-ca", "/ca.pem", "host name not checked (sslmode=verify-ca)"),
+    (True, "require", "/ca.pem", "host name not checked (sslmode=require)"),  # libpq: a root cert makes it verify-ca
+    (True, "verify-full", "/ca.pem", None),
+    (False, "prefer", None, None),  # no TLS at all: nothing to verify (the server offers none)
+])
+def test_outbox_check_says_when_postgresqls_tls_verifies_nothing(ssl_in_use: bool, sslmode: str, rootcert: str | None,
+                                                                 says: str | None) -> None:
+    """A TLS session to PostgreSQL under sslmode=require (or libpq's default, prefer) checks no
+    certificate: anyone on the path may answer. ``outbox check`` said "connected", ok (found in
+    review against a TLS server of its own: sslmode=require and no sslmode alike), where it
+    warns for the brokers' TLS."""
+    from outbox.commands.doctor import postgres_tls_unchecked
+
+    found = postgres_tls_unchecked(ssl_in_use, sslmode, rootcert)
+    assert (found is None) if says is None else (found is not None and says in found), found

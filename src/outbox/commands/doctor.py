@@ -117,7 +117,9 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
         store.connection()
     except Exception as exc:
         return [Result("database", FAIL, f"cannot connect to {where}: {_error(exc)}")]
-    results.append(Result("database", OK, f"connected to {where}"))
+    unchecked = _database_tls_unchecked(store)
+    results.append(Result("database", WARN, f"connected to {where}, {unchecked}") if unchecked
+                   else Result("database", OK, f"connected to {where}"))
     try:
         try:
             with store.transaction() as cursor:
@@ -145,6 +147,31 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
         return results
     finally:
         store.close()
+
+
+def _database_tls_unchecked(store: OutboxStore) -> str | None:
+    """What the TLS of the store's PostgreSQL session leaves unchecked (``postgres_tls_unchecked``),
+    read from libpq itself: its sslmode and sslrootcert as the URL, PG* variables and
+    defaults set them. None on other engines."""
+    connection = store.connection()
+    pgconn = getattr(connection, "pgconn", None)
+    if store.engine.name != "postgresql" or pgconn is None:
+        return None
+    given = {o.keyword.decode(): o.val.decode() if o.val else None for o in pgconn.info}
+    return postgres_tls_unchecked(bool(pgconn.ssl_in_use), given.get("sslmode") or "prefer", given.get("sslrootcert"))
+
+
+def postgres_tls_unchecked(ssl_in_use: bool, sslmode: str, rootcert: str | None) -> str | None:
+    """What a PostgreSQL session's TLS leaves unchecked, with the fix; None for no TLS (nothing
+    to verify) or ``verify-full``. libpq checks the certificate under ``verify-ca``, or
+    ``require`` with a root certificate, and the host name only under ``verify-full``
+    (docs/relay.md, "TLS to the database")."""
+    if not ssl_in_use or sslmode == "verify-full":
+        return None
+    fix = "give sslmode=verify-full and sslrootcert=<the CA> in OUTBOX_DATABASE_URL"
+    if sslmode == "verify-ca" or (sslmode == "require" and rootcert):
+        return f"its TLS certificate's host name not checked (sslmode={sslmode}): {fix}"
+    return f"its TLS certificate not verified (sslmode={sslmode}): {fix}"
 
 
 def _check_holders(store: OutboxStore, timeout_s: float) -> Result:
