@@ -438,3 +438,21 @@ def test_outbox_check_says_when_postgresqls_tls_verifies_nothing(ssl_in_use: boo
 
     found = postgres_tls_unchecked(ssl_in_use, sslmode, rootcert)
     assert (found is None) if says is None else (found is not None and says in found), found
+
+
+def test_outbox_check_says_when_mysqls_tls_verifies_nothing() -> None:
+    """PyMySQL's session under ssl_mode=REQUIRED, or its default PREFERRED against a server that
+    offers TLS, checks no certificate; VERIFY_CA no host name. ``outbox check`` said "connected",
+    ok (found in review against a TLS MariaDB of its own). Read from the session's own context."""
+    import ssl
+
+    from outbox.commands.doctor import mysql_tls_unchecked
+    from outbox.storage.engines.mysql import pymysql_kwargs
+
+    def context(query: str) -> ssl.SSLContext:
+        made = pymysql_kwargs(f"mysql://u@127.0.0.1/db?{query}")["ssl"]
+        return made if isinstance(made, ssl.SSLContext) else ssl.create_default_context()
+
+    assert "not verified" in (mysql_tls_unchecked(context("ssl_mode=REQUIRED")) or "")
+    assert "host name not checked" in (mysql_tls_unchecked(context("ssl_mode=VERIFY_CA")) or "")
+    assert mysql_tls_unchecked(context("ssl_mode=VERIFY_IDENTITY")) is None

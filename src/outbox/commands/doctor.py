@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -150,15 +151,31 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
 
 
 def _database_tls_unchecked(store: OutboxStore) -> str | None:
-    """What the TLS of the store's PostgreSQL session leaves unchecked (``postgres_tls_unchecked``),
-    read from libpq itself: its sslmode and sslrootcert as the URL, PG* variables and
-    defaults set them. None on other engines."""
+    """What the TLS of the store's session leaves unchecked, read from the session itself: on
+    PostgreSQL libpq's sslmode and sslrootcert as the URL, PG* variables and defaults set them
+    (``postgres_tls_unchecked``), on MySQL/MariaDB the TLS socket's context
+    (``mysql_tls_unchecked``). None on other engines, and without TLS."""
     connection = store.connection()
     pgconn = getattr(connection, "pgconn", None)
-    if store.engine.name != "postgresql" or pgconn is None:
-        return None
-    given = {o.keyword.decode(): o.val.decode() if o.val else None for o in pgconn.info}
-    return postgres_tls_unchecked(bool(pgconn.ssl_in_use), given.get("sslmode") or "prefer", given.get("sslrootcert"))
+    if store.engine.name == "postgresql" and pgconn is not None:
+        given = {o.keyword.decode(): o.val.decode() if o.val else None for o in pgconn.info}
+        return postgres_tls_unchecked(bool(pgconn.ssl_in_use), given.get("sslmode") or "prefer",
+                                      given.get("sslrootcert"))
+    sock = getattr(connection, "_sock", None)  # PyMySQL's
+    if store.engine.name == "mysql" and isinstance(sock, ssl.SSLSocket):
+        return mysql_tls_unchecked(sock.context)
+    return None
+
+
+def mysql_tls_unchecked(context: ssl.SSLContext) -> str | None:
+    """What a MySQL/MariaDB session's TLS ``context`` leaves unchecked, with the fix
+    (docs/relay.md, "TLS to the database")."""
+    fix = "give ssl_mode=VERIFY_IDENTITY and ssl_ca=<the CA> in OUTBOX_DATABASE_URL"
+    if context.verify_mode == ssl.CERT_NONE:
+        return f"its TLS certificate not verified (ssl_mode REQUIRED, or PREFERRED, PyMySQL's default): {fix}"
+    if not context.check_hostname:
+        return f"its TLS certificate's host name not checked (ssl_mode=VERIFY_CA): {fix}"
+    return None
 
 
 def postgres_tls_unchecked(ssl_in_use: bool, sslmode: str, rootcert: str | None) -> str | None:
