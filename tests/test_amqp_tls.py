@@ -292,6 +292,13 @@ def test_outbox_check_reaches_celerys_amqps_broker_as_the_workers_do(
             settings = load_settings(environ={"OUTBOX_CELERY_BROKER_URL": url, "OUTBOX_DATABASE_URL": "sqlite:///o.db"})
             result = check_celery_broker(settings, environ={"CELERY_CONFIG_MODULE": name})
             assert result.state == verdict, result.line()
+        # broker_use_ssl that checks nothing: reachable, with a warning (as for the other brokers).
+        unchecked = f"amqpsnone_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{unchecked}.py").write_text("import ssl\nbroker_use_ssl = {'cert_reqs': ssl.CERT_NONE}\n")
+        settings = load_settings(environ={"OUTBOX_CELERY_BROKER_URL": wrong.url().split("?")[0],
+                                          "OUTBOX_DATABASE_URL": "sqlite:///o.db"})
+        result = check_celery_broker(settings, environ={"CELERY_CONFIG_MODULE": unchecked})
+        assert (result.state, "not verified" in result.detail) == (WARN, True), result.line()
     finally:
         right.close()
         wrong.close()

@@ -260,8 +260,13 @@ def check_celery_broker(settings: Settings, broker_url: str | None = None,
         from ..relay.redis_clients import broker_use_ssl
 
         # As the workers connect: broker_use_ssl, each host named (docs/relay.md, "TLS to Celery's RabbitMQ").
-        conn = Connection(url, ssl=broker_use_ssl(environ) or True, connect_timeout=CONNECT_TIMEOUT_S)
-        return _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL", conn)
+        use_ssl = broker_use_ssl(environ) or True
+        conn = Connection(url, ssl=use_ssl, connect_timeout=CONNECT_TIMEOUT_S)
+        result = _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL", conn)
+        if result.state == OK and isinstance(use_ssl, dict) and use_ssl.get("cert_reqs") == ssl.CERT_NONE:
+            return Result(result.name, WARN, f"{result.detail}, its TLS certificate not verified (cert_reqs=CERT_NONE "
+                          "in broker_use_ssl): give ca_certs and cert_reqs=ssl.CERT_REQUIRED")
+        return result
     return _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL")
 
 
