@@ -335,9 +335,14 @@ _server: Any = None
 _own_dir: str | None = None
 
 
+def multiprocess_dir() -> str:
+    """PROMETHEUS_MULTIPROC_DIR, or "" when prometheus_client is not in multiprocess mode."""
+    return (os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+            or os.environ.get("prometheus_multiproc_dir") or "")  # noqa: SIM112 - prometheus_client's older name
+
+
 def multiprocess_mode() -> bool:
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-                or os.environ.get("prometheus_multiproc_dir"))  # noqa: SIM112 - prometheus_client's older name
+    return bool(multiprocess_dir())
 
 
 def prepare_multiprocess() -> None:
@@ -355,6 +360,75 @@ def prepare_multiprocess() -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_dir
 
 
+#: The file of each type (``counter_folded.db``) that holds the counts of processes that are gone.
+FOLDED = "folded"
+
+
+def _gone(pid: str) -> bool:
+    """Whether no process has this pid (a zombie not yet reaped still counts as there)."""
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's: there
+        return False
+    return False
+
+
+def fold_gone(path: str) -> int:
+    """Fold the counter and histogram files of processes that are gone into one file per
+    type and remove them, with their gauge files (docs/waking-and-metrics.md, "Prefork").
+    Returns how many processes were folded. The serving process calls it before each scrape."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    gone: dict[str, list[str]] = {"counter": [], "histogram": [], "gauge": []}
+    pids = set()
+    for name in os.listdir(path):
+        typ = name.partition("_")[0]
+        pid = name.removesuffix(".db").rpartition("_")[2]  # counter_<pid>.db, gauge_<mode>_<pid>.db
+        if name.endswith(".db") and typ in gone and _gone(pid):
+            gone[typ].append(os.path.join(path, name))
+            pids.add(pid)
+    for f in gone.pop("gauge"):  # a gone process's gauges are not reported
+        os.remove(f)
+    for typ, files in gone.items():
+        if not files:
+            continue
+        folded = MmapedDict(os.path.join(path, f"{typ}_{FOLDED}.db"))
+        try:
+            for f in files:
+                for key, value, _timestamp, _pos in MmapedDict.read_all_values_from_file(f):
+                    total, _ = folded.read_value(key)
+                    folded.write_value(key, total + value, 0.0)
+                os.remove(f)  # once its counts are in the folded file (no scrape reads in between)
+        finally:
+            folded.close()
+    return len(pids)
+
+
+class FoldingCollector:
+    """prometheus_client's ``MultiProcessCollector`` over ``path``, which first folds the files of
+    processes that are gone (``fold_gone``), one scrape at a time."""
+
+    def __init__(self, path: str) -> None:
+        from prometheus_client import multiprocess
+
+        self.path = path
+        self._collector = multiprocess.MultiProcessCollector(None, path)
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterable[Any]:
+        with self._lock:
+            try:
+                fold_gone(self.path)
+            except Exception:  # the scrape goes on with the files as they are
+                log.warning("outbox metrics: cannot fold the files of processes that are gone in %s", self.path,
+                            exc_info=True)
+            return list(self._collector.collect())
+
+
 def serve(port: int, addr: str = "0.0.0.0") -> Any:
     """Serve /metrics from this process: the sum over every process in multiprocess
     mode, else the active metrics' registry. Returns the HTTP server."""
@@ -363,10 +437,8 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
 
     m = active()
     if multiprocess_mode():
-        from prometheus_client import multiprocess
-
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        registry.register(FoldingCollector(multiprocess_dir()))
     elif m is not None:
         registry = m.registry
     else:
@@ -427,5 +499,6 @@ def on_worker_ready(store_factory: Callable[[], Any] | None = None) -> None:
 
 __all__ = ["Metrics", "active", "enable", "disable", "reset", "claimed", "sent", "chain", "dead", "refresh", "serve",
            "stop_serving", "GaugeRefresher", "start_refresher", "stop_refresher", "FAILURE_KINDS",
-           "configured_port", "prepare_multiprocess", "multiprocess_mode", "on_worker_init", "on_worker_ready",
+           "configured_port", "prepare_multiprocess", "multiprocess_mode", "multiprocess_dir", "fold_gone",
+           "FoldingCollector", "on_worker_init", "on_worker_ready",
            "PrometheusHooks", "relay_hooks"]
