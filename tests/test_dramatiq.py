@@ -5,6 +5,7 @@ a Dramatiq message, the claim actor's drain slice, and the scheduler's leader lo
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -1010,6 +1012,42 @@ def test_a_dramatiq_worker_serves_the_relays_metrics(tmp_path: Path, destination
     assert wait_until(lambda: sample("outbox_gauges_read_timestamp_seconds") > 0
                       and sample("outbox_backlog") == 0, timeout=15), procs.log("w1")[-3000:]
     assert "outbox metrics: serving" in procs.log("w1")
+    procs.stop("w1")  # removes the metrics' directory, which a kill leaves
+
+
+def test_a_dramatiq_worker_of_two_processes_serves_the_sum_over_both(tmp_path: Path, destination: Any,
+                                                                      sqlite_outbox: Any, procs_factory: Any) -> None:
+    """Found in review: with --processes 2 (Dramatiq's default is one per CPU) and no
+    PROMETHEUS_MULTIPROC_DIR, the process that bound the port served its own counts only: 133
+    of 200 events published. The worker's processes now share a directory of their parent's
+    (docs/dramatiq.md, "Middleware"), and the serving one sums them all."""
+    import urllib.request
+
+    port = free_port()
+    with sqlite_outbox.writer() as conn:
+        ids = [sqlite_outbox.add(conn, f"m{n}", n) for n in range(60)]
+        conn.commit()
+    procs = procs_factory(relay_env(tmp_path, destination, sqlite_outbox, DRAMATIQ, OUTBOX_CLAIM_INTERVAL_S="0.3",
+                                    OUTBOX_BATCH_SIZE="2", OUTBOX_RELAY_METRICS_PORT=str(port),
+                                    OUTBOX_RELAY_METRICS_ADDR="127.0.0.1"), DRAMATIQ)
+    worker = procs.worker("w1", concurrency=2)
+    procs.beat()
+    assert destination.wait_for(lambda: set(ids) <= destination.arrived(), timeout=60, procs=procs), (
+        procs.log("w1")[-3000:])
+
+    def published() -> float:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return -1.0
+        lines = [line for line in text.splitlines() if line.startswith("outbox_published_total ")]
+        return float(lines[0].split()[1]) if lines else -1.0
+
+    assert wait_until(lambda: published() == 60.0, timeout=15), (published(), procs.log("w1")[-3000:])
+    assert "another process serves" in procs.log("w1")  # both processes ran, one serves
+    [shared] = glob.glob(os.path.join(tempfile.gettempdir(), f"outbox-metrics-{worker.pid}-*"))
+    procs.stop("w1")
+    assert not os.path.exists(shared)  # removed by the process that served it
 
 
 def test_no_wake_warning_when_dramatiq_is_the_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

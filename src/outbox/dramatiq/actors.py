@@ -244,6 +244,7 @@ class MetricsMiddleware(Middleware):
             port, addr = options.port, options.addr
             if port is None:
                 return
+            _metrics.prepare_multiprocess(parent=os.getppid())  # the worker's processes share one directory
             _metrics.reset()
             if _metrics.active() is None:
                 return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -333,6 +334,8 @@ def stop_refresher() -> None:
 
 _server: Any = None
 _own_dir: str | None = None
+#: The directory a Dramatiq worker's processes share (``prepare_multiprocess(parent)``).
+_shared_dir: str | None = None
 
 
 def multiprocess_dir() -> str:
@@ -345,10 +348,13 @@ def multiprocess_mode() -> bool:
     return bool(multiprocess_dir())
 
 
-def prepare_multiprocess() -> None:
-    """Before prometheus_client is imported in a worker's main process: give it a fresh
-    PROMETHEUS_MULTIPROC_DIR unless one is set, so pool processes' metrics are summed."""
-    global _own_dir
+def prepare_multiprocess(parent: int | None = None) -> None:
+    """Before prometheus_client is imported in a worker's process: give it a
+    PROMETHEUS_MULTIPROC_DIR unless one is set, so the metrics of all the worker's processes
+    are summed. A fresh one in a Celery worker's main process (before its pool forks); with
+    ``parent``, in each of a Dramatiq worker's processes, the one of that parent's processes
+    (docs/dramatiq.md, "Middleware")."""
+    global _own_dir, _shared_dir
     if multiprocess_mode():
         return
     if "prometheus_client" in sys.modules:
@@ -356,8 +362,29 @@ def prepare_multiprocess() -> None:
                     "PROMETHEUS_MULTIPROC_DIR; only this process's metrics are served (fine with --pool threads "
                     "or solo; with prefork set PROMETHEUS_MULTIPROC_DIR to an empty directory)")
         return
-    _own_dir = tempfile.mkdtemp(prefix="outbox-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_dir
+    if parent is None:
+        _own_dir = tempfile.mkdtemp(prefix="outbox-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_dir
+        return
+    # The parent's start time too: a directory left by a killed worker whose pid came round again is not this one's.
+    path = os.path.join(tempfile.gettempdir(), f"outbox-metrics-{parent}-{_started(parent)}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():  # not made by this user: not used
+        log.warning("outbox metrics: %s is not a directory of this user's; only this process's metrics are "
+                    "served (set PROMETHEUS_MULTIPROC_DIR to an empty directory)", path)
+        return
+    _shared_dir = path
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks since boot (Linux), else "0"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return "0"
 
 
 #: The file of each type (``counter_folded.db``) that holds the counts of processes that are gone.
@@ -448,16 +475,19 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
 
 
 def stop_serving() -> None:
-    """Stop the endpoint and the refresher."""
-    global _server, _own_dir
+    """Stop the endpoint and the refresher; remove the multiprocess directory this process
+    made, or the shared one if this process served it."""
+    global _server, _own_dir, _shared_dir
     stop_refresher()
-    if _server is not None:
+    served, _server = _server, None
+    if served is not None:
         try:
-            _server.shutdown()
-            _server.server_close()
+            served.shutdown()
+            served.server_close()
         except Exception:
             log.debug("outbox metrics: error stopping the metrics server", exc_info=True)
-        _server = None
+    if served is not None and _shared_dir is not None:
+        _own_dir, _shared_dir = _shared_dir, None
     if _own_dir is not None:
         shutil.rmtree(_own_dir, ignore_errors=True)
         _own_dir = None
