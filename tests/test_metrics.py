@@ -416,3 +416,24 @@ def test_the_files_of_processes_that_are_gone_are_folded_at_a_scrape(
         assert got["outbox_dead_total"] == 3, got
     assert again["outbox_claim_seconds_count"] == first["outbox_claim_seconds_count"] >= 1
     store.close()
+
+
+def test_the_gauges_are_served_before_their_first_reading(counting_destination: CountingDestination,
+                                                           workers: Workers) -> None:
+    """Found in review: in multiprocess mode (prefork) prometheus_client serves a gauge only once
+    it is set, so a worker whose database was down from its start served no gauge at all:
+    ``OutboxGaugesStale`` (on the reading's timestamp) could not fire, and
+    ``OutboxRelayDown`` (``absent(outbox_backlog)``) said no worker was up. The gauges read 0
+    until the first reading, its timestamp 0 (never read)."""
+    port = free_port()
+    env = workers.env(counting_destination, OUTBOX_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{free_port()}/test",
+                      OUTBOX_RELAY_METRICS_PORT=str(port), OUTBOX_RELAY_METRICS_ADDR="127.0.0.1",
+                      OUTBOX_RELAY_METRICS_REFRESH_S="0.2", OUTBOX_CLAIM_INTERVAL_S="3600")
+    log = workers.start(env, "-c", "1", "--pool", "prefork")
+    assert wait_for(lambda: "cannot read the gauges" in log.read_text(errors="replace"), 20)
+    text = scrape(port)
+    got = samples(text)
+    assert "(multiprocess)" in log.read_text(errors="replace")
+    for name in ("outbox_backlog", "outbox_in_flight", "outbox_oldest_undelivered_age_seconds", "outbox_lag_seconds",
+                 "outbox_gauges_read_timestamp_seconds"):
+        assert got.get(name) == 0, text

@@ -470,6 +470,11 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
         registry = m.registry
     else:
         raise RuntimeError("metrics are off")
+    if m is not None and m._last_read is None:
+        # Multiprocess mode serves a gauge only once set: 0 until the first reading, and its
+        # timestamp 0, never read (docs/waking-and-metrics.md, "Metrics").
+        for gauge in (m.in_flight, m.backlog, m.lag, m.oldest_age, m.read_at):
+            gauge.set(0)
     _server, _thread = start_http_server(port, addr, registry=registry)  # prometheus-client 0.20+
     return _server
 
