@@ -156,6 +156,39 @@ def test_rows_dead_on_lease_expiry_go_to_the_dead_letter_exchange(tmp_path: Path
         store.close()
 
 
+def test_a_row_dead_on_lease_expiry_is_logged_with_the_ids_of_every_dead_line(
+        tmp_path: Path, conn: sqlite3.Connection, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: every other dead row's line names ``outbox_id message_id aggregate_id
+    topic lease``, in the text and as ``extra`` fields (docs/waking-and-metrics.md, "Logs");
+    a row dead on lease expiry logged its outbox and message ids only, with no fields, so
+    neither a search by aggregate nor a JSON formatter's ``outbox_event=dead`` found it."""
+    store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=200, max_attempts=1)
+    try:
+        [a1] = add(conn, "agg-lost", 1)
+        store.claim(1)  # a worker that took it and died
+        time.sleep(0.3)
+        with caplog.at_level(logging.ERROR):
+            outcome = handle_claim(RelayContext(store, publisher=ScriptedPublisher()), Collect(), batch_size=10,
+                                   lease_s=0.2)
+        assert outcome.dead == 1
+        [line] = [r for r in caplog.records if "went dead" in r.getMessage()]
+        assert f"outbox_id={a1} " in line.getMessage() and "aggregate_id=agg-lost " in line.getMessage()
+        assert getattr(line, "outbox_event", None) == "dead" and getattr(line, "aggregate_id", None) == "agg-lost"
+        # An undecodable row goes dead in the claim too: one line, with its own reason.
+        [bad] = add(conn, "agg-bad", 1)
+        conn.execute("UPDATE outbox SET payload = '42' WHERE id = ?", (bad,))
+        conn.commit()
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            assert handle_claim(RelayContext(store, publisher=ScriptedPublisher()), Collect(), batch_size=10,
+                                lease_s=0.2).dead == 1
+        [line] = [r for r in caplog.records if "went dead" in r.getMessage()]
+        assert "undecodable row: payload is not a JSON object" in line.getMessage(), line.getMessage()
+        assert "lease expired" not in line.getMessage() and getattr(line, "aggregate_id", None) == "agg-bad"
+    finally:
+        store.close()
+
+
 def test_a_claim_of_only_dead_rows_still_dead_letters_them_best_effort(tmp_path: Path,
                                                                        conn: sqlite3.Connection) -> None:
     store = OutboxStore(f"sqlite:///{tmp_path / 'outbox.db'}", claim_timeout_ms=100, max_attempts=1)

@@ -12,6 +12,7 @@ from ..domain.chains import split_chains
 from ..publisher import Publisher
 from ..storage.engines.base import LEASE_EXPIRED_ERROR
 from .context import RelayContext
+from .logfields import describe, log_extra
 from .settle import send_dead
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
@@ -281,6 +282,9 @@ def _claim(relay: RelayContext, batch_size: int, outcome: ClaimOutcome, behind: 
     except Exception as exc:
         raise ClaimFailed(exc) from exc
     relay.hooks.after_claim(claim, time.perf_counter() - started)
+    for message in claim.dead:  # an expired lease with no attempts left, or undecodable
+        reason = claim.dead_errors.get(message.id) or "its lease expired with no attempts left"
+        log.error("outbox row went dead: %s %s", reason, describe(message), extra=log_extra(message, "dead"))
     if relay.sizer is not None:
         relay.sizer.observe(claim.messages)
     outcome.claimed = len(claim.messages)

@@ -298,9 +298,7 @@ class OutboxStore:
         for r in rows:
             message, problems = self.engine.decode_row(r, lease)
             if int(r[status_at]) == Status.DEAD:
-                dead.append(message)
-                log.error("outbox row went dead: its lease expired with no attempts left outbox_id=%s message_id=%s",
-                          message.id, message.message_id)
+                dead.append(message)  # logged by the relay's claim, with the ids every dead line names
                 if problems:
                     log.error("outbox dead row outbox_id=%s is also undecodable (%s); its dead-letter copy carries "
                               "what could be decoded", message.id, "; ".join(problems))
@@ -337,8 +335,7 @@ class OutboxStore:
                           "its lease expires", message.id, type(exc).__name__, exc)
                 result = None
             if result is not None and result.dead:
-                log.error("outbox row went dead: %s outbox_id=%s", error, message.id)
-                dead.append(message)
+                dead.append(message)  # logged by the relay's claim, with its reason
                 errors[message.id] = error
             elif result is None:
                 held[message.aggregate_id] = min(held.get(message.aggregate_id, message.id), message.id)
