@@ -552,6 +552,36 @@ def test_failed_store_writes_are_handed_to_the_fallback(sqlite_store: OutboxStor
     assert [m.id for m, _ in publisher.dead] == [ids[1]]
 
 
+def test_a_failed_store_write_is_logged_with_the_rows_it_was_for(sqlite_store: OutboxStore, conn: sqlite3.Connection,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: "outbox done failed (...); handing it to the ack queue" and "fallback
+    failed too (...); the lease will recover the rows" named no row, while a done mark that
+    never lands means the rows go out again: an operator tracing a duplicate could not tie it
+    to these lines. They name the rows' ids and lease, in the text and as ``extra`` fields."""
+    ids = add(conn, "a", 3)
+    [chain] = claim_chains(sqlite_store)
+
+    class DownStore:
+        def __getattr__(self, name: str) -> Any:
+            def fail(*args: Any, **kwargs: Any) -> Any:
+                raise ConnectionError("database down")
+            return fail
+
+    def fallback_down(op: str, kwargs: Any) -> None:
+        raise ConnectionError("broker down")
+
+    publisher = ScriptedPublisher({ids[1]: FailureKind.POISON})
+    with caplog.at_level(logging.ERROR):
+        handle_chain(RelayContext(sqlite_store, publisher, settler=Settler(DownStore(), fallback_down)), chain)
+    lease = chain[0].lease
+    for op, written in (("done", [ids[0]]), ("failed", [ids[1]]), ("release", [ids[2]])):
+        mine = [r for r in caplog.records if r.getMessage().startswith((f"outbox {op} failed", f"outbox {op}: fallback"))]
+        assert len(mine) == 2, [r.getMessage() for r in caplog.records]  # the write's, then the fallback's
+        for record in mine:
+            assert f"outbox_ids={written} lease={lease}" in record.getMessage(), record.getMessage()
+            assert getattr(record, "outbox_ids", None) == written and getattr(record, "lease", None) == lease
+
+
 _FALLBACK_TASKS_RUN = """
 import json, os, sqlite3, sys
 sys.path.insert(0, os.environ["TESTS"])

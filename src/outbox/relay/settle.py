@@ -91,14 +91,19 @@ class Settler:
         try:
             return call()
         except Exception as exc:  # noqa: BLE001 - settling never raises: the fallback or the lease recovers the rows
-            log.error("outbox %s failed (%s: %s); %s", operation, type(exc).__name__, exc,
-                      "handing it to the ack queue" if self.fallback else "the lease will recover the rows")
+            # The rows' ids and lease: a done mark that never lands means they go out again.
+            ids = kwargs["ids"] if "ids" in kwargs else [kwargs["message"]["id"]]
+            lease = kwargs["lease"] if "lease" in kwargs else kwargs["message"]["lease"]
+            extra = {"outbox_event": f"{operation}_write_failed", "outbox_ids": ids, "lease": lease}
+            log.error("outbox %s failed (%s: %s); %s outbox_ids=%s lease=%s", operation, type(exc).__name__, exc,
+                      "handing it to the ack queue" if self.fallback else "the lease will recover the rows",
+                      ids, lease, extra=extra)
             if self.fallback is not None:
                 try:
                     self.fallback(operation, kwargs)
                 except Exception as again:  # noqa: BLE001 - best effort: the lease recovers the rows
-                    log.error("outbox %s: fallback failed too (%s); the lease will recover the rows",
-                              operation, again)
+                    log.error("outbox %s: fallback failed too (%s); the lease will recover the rows outbox_ids=%s "
+                              "lease=%s", operation, again, ids, lease, extra=extra)
             return None
 
     def done(self, ids: Sequence[int], lease: str) -> FenceResult | None:
