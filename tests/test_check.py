@@ -91,6 +91,32 @@ def test_a_probe_asked_of_a_destination_that_is_not_kafka_is_said_to_do_nothing(
     assert not [r for r in run_checks(env) if r.name == "probe"]
 
 
+def test_check_warns_when_metrics_are_asked_for_and_prometheus_client_is_missing(tmp_path: Path) -> None:
+    """Found in review: with OUTBOX_RELAY_METRICS_PORT set and no `metrics` extra the check said
+    nothing, while every worker logs one warning at start and serves no /metrics (Prometheus
+    then reports `OutboxRelayDown`, no worker up)."""
+    code = """
+import sys
+sys.modules["prometheus_client"] = None  # a base install without the extra
+from outbox.commands.doctor import run_checks
+for r in run_checks():
+    if r.name == "metrics":
+        print(r.line())
+"""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_", "PROMETHEUS_"))}
+    env = {**clean, "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": "memory://"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**env, "OUTBOX_RELAY_METRICS_PORT": "9108"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    [line] = done.stdout.splitlines()
+    assert line.startswith("[warn] metrics:") and "prometheus_client" in line and '[metrics]"' in line, line
+    from outbox.commands.doctor import run_checks
+
+    [served] = [r for r in run_checks({**env, "OUTBOX_RELAY_METRICS_PORT": "9108"}) if r.name == "metrics"]
+    assert served.state == "ok" and ":9108/metrics" in served.detail
+    assert not [r for r in run_checks(env) if r.name == "metrics"]  # metrics off: no line
+
+
 @pytest.mark.parametrize("setting,value,message", [
     ("OUTBOX_KAFKA_SECURITY_PROTOCOL", "bogus", "OUTBOX_KAFKA_SECURITY_PROTOCOL='bogus': expected one of"),
     ("OUTBOX_RELAY_METRICS_PORT", "notaport", "OUTBOX_RELAY_METRICS_PORT='notaport' is not a port number"),

@@ -6,7 +6,8 @@ skipped when an earlier one it depends on failed:
 
 1. configuration: every OUTBOX_* setting parses and validates, with every option family a relay
    process validates at its start-up (``relay_families``: relay tuning, metrics, wake-ups,
-   the database broker, Kafka); an OUTBOX_* variable nothing reads is a warning;
+   the database broker, Kafka); an OUTBOX_* variable nothing reads is a warning; metrics asked
+   for (OUTBOX_RELAY_METRICS_PORT) and prometheus_client missing, a warning;
 2. database: a connection opens (a missing driver names the extra to install);
 3. table: exists with every column of the contract; indexes: the ones ``outbox migrate``
    creates are all there; holders: the worker processes' liveness table is there (a
@@ -38,6 +39,7 @@ from ..core.checks import is_sqlite_url
 from ..core.config import (
     ConfigError,
     KafkaOptions,
+    MetricsOptions,
     RelayOptions,
     Settings,
     celery_broker_named_conflict,
@@ -47,7 +49,7 @@ from ..core.config import (
     sources_of,
     unknown_environment,
 )
-from ..core.errors import transport_hint
+from ..core.errors import install_hint, transport_hint
 from ..core.names import is_redis_url
 from ..core.redact import redact
 from ..core.tls import kombu_connection
@@ -566,6 +568,9 @@ def run_checks(environ: dict[str, str] | None = None, *,
     conflict = None if dramatiq else celery_broker_named_conflict(settings, environ)
     if conflict:
         results.append(Result("celery broker url", FAIL, conflict.removeprefix("outbox: ")))
+    metrics = read.get(MetricsOptions)
+    if isinstance(metrics, MetricsOptions) and metrics.port is not None:
+        results.append(check_metrics(metrics))
     relay = read.get(RelayOptions)
     results += check_database(settings, relay.holder_timeout_s if isinstance(relay, RelayOptions) else None)
     results.append(check_dramatiq_broker(dramatiq.url) if dramatiq else check_celery_broker(settings, environ=given))
@@ -574,6 +579,17 @@ def run_checks(environ: dict[str, str] | None = None, *,
         results.append(Result("probe", WARN, f"--probe {probe_topic} applies to a Kafka destination only: "
                               "nothing was sent"))
     return results
+
+
+def check_metrics(options: MetricsOptions) -> Result:
+    """OUTBOX_RELAY_METRICS_PORT is set: can this install serve the metrics? Without the
+    ``metrics`` extra a worker logs one warning and serves none."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return Result("metrics", WARN, f"OUTBOX_RELAY_METRICS_PORT is set but prometheus_client is not installed "
+                      f"({install_hint('metrics')}): the workers serve no /metrics")
+    return Result("metrics", OK, f"each worker serves http://{options.addr}:{options.port}/metrics")
 
 
 def report(results: list[Result]) -> str:
@@ -586,5 +602,5 @@ def report(results: list[Result]) -> str:
 
 
 __all__ = ["Result", "run_checks", "report", "check_database", "check_celery_broker", "check_dramatiq_broker",
-           "check_destination", "check_kafka",
+           "check_destination", "check_kafka", "check_metrics",
            "CONTRACT_COLUMNS", "OK", "WARN", "FAIL"]
