@@ -5,6 +5,7 @@ worker serving the sum over its pool processes."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -437,3 +438,26 @@ def test_the_gauges_are_served_before_their_first_reading(counting_destination: 
     for name in ("outbox_backlog", "outbox_in_flight", "outbox_oldest_undelivered_age_seconds", "outbox_lag_seconds",
                  "outbox_gauges_read_timestamp_seconds"):
         assert got.get(name) == 0, text
+
+
+def test_a_port_another_worker_holds_is_said_to_leave_this_workers_counts_out(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: two workers of one host with the same OUTBOX_RELAY_METRICS_PORT (``celery
+    multi start w1 w2``, two units of one template): the second logged "cannot serve (OSError:
+    Address already in use)", and the scrapes showed the first's counts alone, 86 of 200 events
+    published. The line says what is missing and what to do."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:
+        monkeypatch.setenv("OUTBOX_RELAY_METRICS_PORT", str(held.getsockname()[1]))
+        monkeypatch.setenv("OUTBOX_RELAY_METRICS_ADDR", "127.0.0.1")
+        with caplog.at_level(logging.ERROR, logger="outbox.relay.metrics"):
+            metrics.on_worker_ready(None)
+    finally:
+        held.close()
+        metrics.stop_serving()
+    [line] = [r.getMessage() for r in caplog.records if "cannot serve" in r.getMessage()]
+    assert "in no scrape" in line and "its own OUTBOX_RELAY_METRICS_PORT" in line, line

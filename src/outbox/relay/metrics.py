@@ -7,6 +7,7 @@ Every call is a no-op while metrics are off."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -526,7 +527,10 @@ def on_worker_ready(store_factory: Callable[[], Any] | None = None) -> None:
         log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
                  " (multiprocess)" if multiprocess_mode() else "")
     except Exception as exc:  # noqa: BLE001 - metrics must never stop the relay
-        log.error("outbox metrics: cannot serve (%s: %s)", type(exc).__name__, exc)
+        in_use = isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
+        log.error("outbox metrics: cannot serve (%s: %s)%s", type(exc).__name__, exc,
+                  "; this worker's counts are in no scrape: give each worker of a host its own "
+                  "OUTBOX_RELAY_METRICS_PORT" if in_use else "")
         return
     if store_factory is not None:
         start_refresher(store_factory)
