@@ -1044,10 +1044,31 @@ def test_a_dramatiq_worker_of_two_processes_serves_the_sum_over_both(tmp_path: P
         return float(lines[0].split()[1]) if lines else -1.0
 
     assert wait_until(lambda: published() == 60.0, timeout=15), (published(), procs.log("w1")[-3000:])
-    assert "another process serves" in procs.log("w1")  # both processes ran, one serves
+    assert wait_until(lambda: "another process serves" in procs.log("w1"), timeout=15)  # both ran, one serves
     [shared] = glob.glob(os.path.join(tempfile.gettempdir(), f"outbox-metrics-{worker.pid}-*"))
     procs.stop("w1")
     assert not os.path.exists(shared)  # removed by the process that served it
+
+
+def test_a_port_another_dramatiq_worker_holds_is_an_error_not_a_sibling_serving(
+        tmp_path: Path, destination: Any, sqlite_outbox: Any, procs_factory: Any) -> None:
+    """Found in review: a second Dramatiq worker of one host with the same
+    OUTBOX_RELAY_METRICS_PORT said at INFO "port ... is taken; another process serves", as a
+    process whose sibling serves does, while its counts were in no scrape. A process whose
+    sibling serves finds that sibling's mark in their shared directory; without one, ERROR."""
+    port = free_port()
+    env = relay_env(tmp_path, destination, sqlite_outbox, DRAMATIQ, OUTBOX_CLAIM_INTERVAL_S="0.3",
+                    OUTBOX_RELAY_METRICS_PORT=str(port), OUTBOX_RELAY_METRICS_ADDR="127.0.0.1")
+    procs = procs_factory(env, DRAMATIQ)
+    procs.worker("w1", concurrency=1)
+    assert wait_until(lambda: "outbox metrics: serving" in procs.log("w1"), timeout=30), procs.log("w1")[-3000:]
+    second = procs.worker("w2", concurrency=1)
+    assert wait_until(lambda: "cannot serve" in procs.log("w2"), timeout=30), procs.log("w2")[-3000:]
+    assert "in no scrape" in procs.log("w2") and "another process serves" not in procs.log("w2")
+    [shared] = glob.glob(os.path.join(tempfile.gettempdir(), f"outbox-metrics-{second.pid}-*"))
+    procs.stop("w2")
+    assert not os.path.exists(shared)  # no process of w2 served it: the last to stop removes it
+    procs.stop("w1")
 
 
 def test_no_wake_warning_when_dramatiq_is_the_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -250,8 +250,12 @@ class MetricsMiddleware(Middleware):
                 return
             try:
                 _metrics.serve(port, addr)
-            except OSError as exc:  # another worker process of this host serves them
-                log.info("outbox metrics: port %d is taken (%s); another process serves", port, exc)
+            except OSError as exc:  # another process of this worker serves them, or another worker
+                if _metrics.sibling_serves():
+                    log.info("outbox metrics: port %d is taken (%s); another process serves", port, exc)
+                else:
+                    log.error("outbox metrics: cannot serve (%s: %s); this worker's counts are in no scrape: give "
+                              "each worker of a host its own OUTBOX_RELAY_METRICS_PORT", type(exc).__name__, exc)
                 return
             log.info("outbox metrics: serving http://%s:%d/metrics%s", addr, port,
                      " (multiprocess)" if _metrics.multiprocess_mode() else "")

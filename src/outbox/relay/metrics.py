@@ -7,6 +7,7 @@ Every call is a no-op while metrics are off."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -477,12 +478,40 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
         for gauge in (m.in_flight, m.backlog, m.lag, m.oldest_age, m.read_at):
             gauge.set(0)
     _server, _thread = start_http_server(port, addr, registry=registry)  # prometheus-client 0.20+
+    if multiprocess_mode():  # the mark a sibling that cannot bind the port looks for (``sibling_serves``)
+        with open(os.path.join(multiprocess_dir(), SERVING), "w") as mark:
+            mark.write(str(os.getpid()))
     return _server
+
+
+#: The file in the multiprocess directory naming the process that serves it.
+SERVING = "serving.pid"
+
+
+def sibling_serves(wait_s: float = 2.0) -> bool:
+    """Whether another process of this worker serves its metrics: its mark (``SERVING``) in the
+    shared directory names a live process, within ``wait_s`` (it is written just after the
+    bind). A port held without one is another worker's or program's: this process's counts
+    are then in no scrape."""
+    path = multiprocess_dir()
+    deadline = time.monotonic() + wait_s
+    while path:
+        try:
+            with open(os.path.join(path, SERVING)) as mark:
+                pid = mark.read().strip()
+            if pid and not _gone(pid):
+                return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return False
 
 
 def stop_serving() -> None:
     """Stop the endpoint and the refresher; remove the multiprocess directory this process
-    made, or the shared one if this process served it."""
+    made, or the shared one if this process served it or no live process of the worker does."""
     global _server, _own_dir, _shared_dir
     stop_refresher()
     served, _server = _server, None
@@ -492,8 +521,11 @@ def stop_serving() -> None:
             served.server_close()
         except Exception:
             log.debug("outbox metrics: error stopping the metrics server", exc_info=True)
-    if served is not None and _shared_dir is not None:
-        _own_dir, _shared_dir = _shared_dir, None
+    if served is not None and multiprocess_mode():
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(multiprocess_dir(), SERVING))
+    if _shared_dir is not None and (served is not None or not sibling_serves(0)):
+        _own_dir, _shared_dir = _shared_dir, None  # served here, or by no process of the worker
     if _own_dir is not None:
         shutil.rmtree(_own_dir, ignore_errors=True)
         _own_dir = None
@@ -539,5 +571,5 @@ def on_worker_ready(store_factory: Callable[[], Any] | None = None) -> None:
 __all__ = ["Metrics", "active", "enable", "disable", "reset", "claimed", "sent", "chain", "dead", "refresh", "serve",
            "stop_serving", "GaugeRefresher", "start_refresher", "stop_refresher", "FAILURE_KINDS",
            "configured_port", "prepare_multiprocess", "multiprocess_mode", "multiprocess_dir", "fold_gone",
-           "FoldingCollector", "on_worker_init", "on_worker_ready",
+           "FoldingCollector", "SERVING", "sibling_serves", "on_worker_init", "on_worker_ready",
            "PrometheusHooks", "relay_hooks"]
