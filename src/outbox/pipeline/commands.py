@@ -101,9 +101,10 @@ def archive(older_than: str | None, include_dead: bool, to: str | None, delete_c
     if not target:
         raise click.UsageError("give --to DIR_OR_URI (or set OUTBOX_ARCHIVE_URI)")
     from .archive import Archiver, check_table
-    from .session import spark_session
+    from .session import import_pyspark, spark_session
     from .stage import writer_for
 
+    import_pyspark()  # a missing extra first: nothing below can run without it
     writer_for(writer, archive_uri(target))  # a writer that cannot serve the location: refused before Spark starts
     store = _store()
     try:
@@ -148,7 +149,9 @@ def report(since: str | None, out: str, archive_location: str | None, no_live: b
         raise click.UsageError("--no-live needs --archive (or OUTBOX_ARCHIVE_URI)")
     from .archive import check_local_archive, check_table
     from .report import check_out, run_report
-    from .session import spark_session
+    from .session import import_pyspark, spark_session
+
+    import_pyspark()  # a missing extra first: nothing below can run without it
 
     check_out(out)
     if archive_location and (not archive_optional or no_live):  # the checks of run_report, before Spark starts
@@ -198,7 +201,9 @@ def replay(source: str, topic: str | None, aggregate_type: str | None, aggregate
     since_dt = parse_point_in_time(since, "--since", now) if since is not None else None
     until_dt = parse_point_in_time(until, "--until", now) if until is not None else None
     from .archive import check_local_archive, check_table
-    from .session import spark_session
+    from .session import import_pyspark, spark_session
+
+    import_pyspark()  # a missing extra first: nothing below can run without it
 
     if to_url is not None:  # its form, no connection: a dry run refuses what the run would
         validate_database_url(to_url, "--to-url")
