@@ -529,15 +529,18 @@ def test_a_publish_task_asks_again_through_a_short_database_outage(sqlite_store:
 
 # -- store writes that fail go to the ack queue's tasks ----------------------------------------
 
+class DownStore:
+    """A store whose every write fails as a database that is down."""
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("database down")
+        return fail
+
+
 def test_failed_store_writes_are_handed_to_the_fallback(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:
     ids = add(conn, "a", 3)
     [chain] = claim_chains(sqlite_store)
-
-    class DownStore:
-        def __getattr__(self, name: str) -> Any:
-            def fail(*args: Any, **kwargs: Any) -> Any:
-                raise ConnectionError("database down")
-            return fail
 
     handed: list[tuple[str, dict[str, Any]]] = []
     settler = Settler(DownStore(), lambda op, kwargs: handed.append((op, json.loads(json.dumps(kwargs)))))
@@ -560,12 +563,6 @@ def test_a_failed_store_write_is_logged_with_the_rows_it_was_for(sqlite_store: O
     to these lines. They name the rows' ids and lease, in the text and as ``extra`` fields."""
     ids = add(conn, "a", 3)
     [chain] = claim_chains(sqlite_store)
-
-    class DownStore:
-        def __getattr__(self, name: str) -> Any:
-            def fail(*args: Any, **kwargs: Any) -> Any:
-                raise ConnectionError("database down")
-            return fail
 
     def fallback_down(op: str, kwargs: Any) -> None:
         raise ConnectionError("broker down")

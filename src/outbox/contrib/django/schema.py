@@ -41,6 +41,12 @@ def create_table(connection: Any) -> None:
             cursor.close()
 
 
+def run_relay_ddl(apps: Any, schema_editor: Any) -> None:
+    """The app's migrations' one operation on the table (0001, 0002, 0003: ``RunPython``):
+    ``create_table`` on the migration's connection, which leaves what exists alone."""
+    create_table(schema_editor.connection)
+
+
 def store_on(connection: Any, atomic: Callable[[], AbstractContextManager[Any]]) -> OutboxStore:
     """The relay's store on a Django connection (the admin's requeue action): each of the
     store's transactions is ``atomic()`` there (``transaction.atomic``, a savepoint inside

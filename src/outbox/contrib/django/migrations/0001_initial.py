@@ -5,13 +5,7 @@ place: drop it by hand if you mean to."""
 
 from django.db import migrations, models
 
-from outbox.contrib.django.schema import model_table
-
-
-def create_outbox_table(apps, schema_editor):
-    from outbox.contrib.django.schema import create_table
-
-    create_table(schema_editor.connection)
+from outbox.contrib.django.schema import model_table, run_relay_ddl
 
 
 class Migration(migrations.Migration):
@@ -21,7 +15,7 @@ class Migration(migrations.Migration):
     atomic = False
 
     operations = [
-        migrations.RunPython(create_outbox_table, migrations.RunPython.noop, elidable=False),
+        migrations.RunPython(run_relay_ddl, migrations.RunPython.noop, elidable=False),
         migrations.CreateModel(
             name="OutboxEvent",
             fields=[

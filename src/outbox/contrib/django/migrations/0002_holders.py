@@ -6,11 +6,7 @@ leaves the table in place."""
 
 from django.db import migrations
 
-
-def create_holders_table(apps, schema_editor):
-    from outbox.contrib.django.schema import create_table
-
-    create_table(schema_editor.connection)
+from outbox.contrib.django.schema import run_relay_ddl
 
 
 class Migration(migrations.Migration):
@@ -19,5 +15,5 @@ class Migration(migrations.Migration):
     atomic = False
 
     operations = [
-        migrations.RunPython(create_holders_table, migrations.RunPython.noop, elidable=False),
+        migrations.RunPython(run_relay_ddl, migrations.RunPython.noop, elidable=False),
     ]

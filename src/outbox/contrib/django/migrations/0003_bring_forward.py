@@ -7,11 +7,7 @@ schema adds one such migration."""
 
 from django.db import migrations
 
-
-def bring_forward(apps, schema_editor):
-    from outbox.contrib.django.schema import create_table
-
-    create_table(schema_editor.connection)
+from outbox.contrib.django.schema import run_relay_ddl
 
 
 class Migration(migrations.Migration):
@@ -20,5 +16,5 @@ class Migration(migrations.Migration):
     atomic = False
 
     operations = [
-        migrations.RunPython(bring_forward, migrations.RunPython.noop, elidable=False),
+        migrations.RunPython(run_relay_ddl, migrations.RunPython.noop, elidable=False),
     ]
