@@ -228,6 +228,28 @@ def _remove_stopping_marker() -> None:
             marker.unlink(missing_ok=True)
 
 
+#: The worker's prefork pool (billiard's), kept from worker_ready for ``_free_pool_read_lock``:
+#: Celery drops its reference to the pool when it has stopped it.
+_prefork_pool: Any = None
+
+
+def _free_pool_read_lock() -> None:
+    """After the pool has stopped, free the read lock of its task queue when a pool process
+    died holding it (a SIGTERM to the whole process group): billiard's exit hook waits for that
+    lock, and the worker never exited (docs/relay.md, "Signal the main process only")."""
+    pool, inqueue = _prefork_pool, getattr(_prefork_pool, "_inqueue", None)
+    lock = getattr(inqueue, "_rlock", None)  # None: not the blocking pool (Celery's AsynPool, threads, solo)
+    if lock is None or any(process.exitcode is None for process in getattr(pool, "_pool", ())):
+        return  # a live pool process may hold it
+    if lock.acquire(False):
+        lock.release()
+        return
+    lock.release()  # a semaphore: any process may release it
+    log.warning("outbox: a pool process died holding the pool's task queue lock (the stop signal reached the "
+                "pool processes too: send it to the main process only, docs/relay.md, \"Signal the main "
+                "process only\"); released it so that the worker exits")
+
+
 #: Celery's pools whose tasks run in greenlets (docs/internals.md, "Worker processes").
 GREEN_POOLS = ("gevent", "eventlet")
 
@@ -306,9 +328,11 @@ def _warn_foreign_queues(settings: Any) -> None:
 
 
 @signals.worker_ready.connect
-def _ready(**_: Any) -> None:
+def _ready(sender: Any = None, **_: Any) -> None:
     """A restarted worker lifts a fatal pause (``Relay.lift_fatal_pause``). Then the optional
     services start: the schedule (in-memory broker), the LISTEN thread, the metrics endpoint."""
+    global _prefork_pool
+    _prefork_pool = getattr(getattr(sender, "pool", None), "_pool", None)  # the consumer's TaskPool's pool
     relay().lift_fatal_pause()
     settings = relay_settings()
     log.info("outbox: relaying outbox %s (table %s) on queues %s", settings.outbox_namespace, settings.table,
@@ -346,6 +370,7 @@ def _gauge_store() -> Any:
 
 @signals.worker_shutdown.connect
 def _shutdown(**_: Any) -> None:
+    _free_pool_read_lock()  # sent once the pool has stopped
     _waker.in_process_claim = None
     _remove_stopping_marker()
     _listen.stop_listener()

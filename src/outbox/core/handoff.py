@@ -10,12 +10,36 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 log = logging.getLogger("outbox.wake")
+
+#: The signals a worker process handles in its main thread: stop (SIGTERM, SIGINT, SIGQUIT,
+#: SIGHUP), a pool process's soft time limit and Celery's thread dump (SIGUSR1), SIGUSR2.
+_MAIN_THREAD_SIGNALS = {getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1",
+                                                            "SIGUSR2") if hasattr(signal, name)}
+
+
+@contextmanager
+def main_thread_signals() -> Iterator[None]:
+    """Threads started inside it (``Thread.start``, an executor's first ``submit``) have the
+    process's signals blocked, so that the kernel hands them to the main thread. A pool
+    process's SIGTERM that landed in a helper thread killed the process while its main thread
+    held a lock of the pool's queues, and the worker never exited (docs/relay.md, "Signal the
+    main process only")."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+        yield
+        return
+    unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_THREAD_SIGNALS)
+    try:
+        yield  # a new thread inherits this thread's mask
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
 
 
 class HandOff:
@@ -50,7 +74,8 @@ class HandOff:
             self._pending, self._stop = True, False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
+                with main_thread_signals():
+                    self._thread.start()
             self._cond.notify()
 
     def _run(self) -> None:
@@ -100,4 +125,4 @@ class HandOff:
             thread.join(timeout)
 
 
-__all__ = ["HandOff"]
+__all__ = ["HandOff", "main_thread_signals"]

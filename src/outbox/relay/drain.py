@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..core.handoff import main_thread_signals
 from ..core.model import OutboxMessage
 from .claim import Claimed, ClaimFailed, ClaimOutcome, Dispatch, hand_on, take_claim
 from .context import RelayContext
@@ -92,7 +93,8 @@ class ClaimAhead:
             self._local.executor = made
             with self._lock:
                 self._made.append(made)
-        return made[1].submit(lambda: work(self._store()))
+        with main_thread_signals():  # its thread starts at the first submit
+            return made[1].submit(lambda: work(self._store()))
 
     def _close_store(self) -> None:
         close = getattr(self._store(), "close", None)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..core.handoff import main_thread_signals
 from ..core.model import Holder, SilentHolder
 from ..storage.store import OutboxStore
 
@@ -184,7 +185,8 @@ class Heartbeat:
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="outbox-heartbeat", daemon=True)
-            self._thread.start()
+            with main_thread_signals():  # it runs in every pool process
+                self._thread.start()
 
     def _run(self) -> None:
         while True:
