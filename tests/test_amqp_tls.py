@@ -302,3 +302,25 @@ def test_outbox_check_reaches_celerys_amqps_broker_as_the_workers_do(
     finally:
         right.close()
         wrong.close()
+
+
+def test_celerys_bare_amqps_broker_checks_the_host_name(pki: Pki, broker: dict[str, Any],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery's broker on a bare ``amqps://`` (no ``broker_use_ssl``: Celery gives kombu
+    ``ssl=None``, and kombu's TLS transport turns it into ``True`` only after the app's Connection
+    named the host): a CA the system trusts signed a certificate for ``wrong.example``, and the
+    app connected to it for localhost (found in review). Refused now, as with ``broker_use_ssl``."""
+    import ssl
+
+    from outbox.celery.application import Connection
+
+    wrong = TlsProxy(pki, "wrong.example")
+    monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca_file))
+    try:
+        for ssl_option in (None, False):
+            with Connection(wrong.url(), ssl=ssl_option, connect_timeout=5) as conn, \
+                    pytest.raises(Exception) as refused:
+                conn.ensure_connection(max_retries=1)
+            assert "certificate" in str(refused.value).lower() or isinstance(refused.value, ssl.SSLError), refused.value
+    finally:
+        wrong.close()

@@ -82,8 +82,9 @@ class Connection(KombuConnection):
         super()._init_params(**params)
         if ours:
             self.transport_cls = REDIS_TRANSPORT
-        if self.ssl and self.transport_cls in ("amqps", "amqp", "pyamqp"):
-            self.ssl = _named(self.ssl, self.hostname or "localhost")
+        # amqps:// without ssl (Celery's None): kombu's TLS transport turns it on later, unnamed.
+        if (self.ssl or self.transport_cls == "amqps") and self.transport_cls in ("amqps", "amqp", "pyamqp"):
+            self.ssl = _named(self.ssl or True, self.hostname or "localhost")
 
     def as_uri(self, include_password: bool = False, mask: str = "**", *args: Any, **kwargs: Any) -> str:
         if self.transport_cls == "memory" and self.hostname == "localhost" and not (self.userid or self.password):
