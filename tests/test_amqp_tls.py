@@ -324,3 +324,37 @@ def test_celerys_bare_amqps_broker_checks_the_host_name(pki: Pki, broker: dict[s
             assert "certificate" in str(refused.value).lower() or isinstance(refused.value, ssl.SSLError), refused.value
     finally:
         wrong.close()
+
+
+def test_a_clone_of_celerys_amqps_connection_fails_over_to_a_broker_with_its_own_name(
+        pki: Pki, broker: dict[str, Any]) -> None:
+    """Celery's broker as a list of nodes with per-node certificates, the first down. kombu's
+    connection pools (Celery's producer pool: every task sent, beat's, the post-commit wakes')
+    connect with kombu's own class and the app's ``ssl`` (``_info``), as ``clone()`` does, which carried the first node's name the app had set: the second
+    node was refused ("Hostname mismatch") where the app's own connection went through (found in
+    review). Each clone names the node it connects to."""
+    import ssl
+
+    from outbox.celery.application import Connection
+
+    first, second = TlsProxy(pki, "localhost"), TlsProxy(pki, "127.0.0.1")
+    url = f"{first.url('localhost')};{second.url('127.0.0.1')}"
+    use_ssl = {"ca_certs": str(pki.ca_file), "cert_reqs": ssl.CERT_REQUIRED}
+    try:
+        first.close()
+        with Connection(url, ssl=dict(use_ssl), connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=3)
+            with Connection(url, ssl=dict(use_ssl), connect_timeout=5).clone() as clone:
+                clone.ensure_connection(max_retries=3)
+                assert clone.hostname == "127.0.0.1"
+            pool = Connection(url, ssl=dict(use_ssl), connect_timeout=5).Pool(1)
+            try:
+                with pool.acquire(block=True, timeout=5) as pooled:
+                    pooled.ensure_connection(max_retries=3)
+                    assert pooled.hostname == "127.0.0.1"
+            finally:
+                pool.force_close_all()
+        assert len(second.peers) == 3
+    finally:
+        first.close()
+        second.close()

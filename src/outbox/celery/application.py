@@ -19,6 +19,7 @@ from celery import Celery
 from celery.app.amqp import AMQP as CeleryAMQP
 from kombu import Connection as KombuConnection
 from kombu import Exchange, Queue
+from kombu.connection import ConnectionPool, PooledConnection
 from kombu.utils.url import as_url
 
 from ..core.config import (
@@ -97,6 +98,10 @@ class Connection(KombuConnection):
         return as_url(scheme, self.hostname or "localhost", self.port, user, password,  # type: ignore[arg-type]
                       self.virtual_host, sanitize=not include_password, mask=mask)
 
+    def Pool(self, limit: int | None = None, **kwargs: Any) -> ConnectionPool:
+        """kombu's, whose connections are this class, each host named (``_named``)."""
+        return _Pool(self, limit=limit, **kwargs)
+
     def ensure_connection(self, errback: Any = None, max_retries: int | None = None, *args: Any,
                           **kwargs: Any) -> Connection:
         """kombu's, retrying every ``RECONNECT_EVERY_S`` at most unless the caller says
@@ -121,9 +126,26 @@ def _named(use_ssl: Any, host: str) -> Any:
     (``server_hostname``: ``None`` turns the check off) or checks no certificate
     (docs/relay.md, "TLS to Celery's RabbitMQ")."""
     options = dict(use_ssl) if isinstance(use_ssl, dict) else {}
-    if "server_hostname" in options or options.get("cert_reqs") == ssl.CERT_NONE:
+    if isinstance(use_ssl, _HostNamed):  # named here for another host (a clone, a pool's connection)
+        del options["server_hostname"]
+    elif "server_hostname" in options or options.get("cert_reqs") == ssl.CERT_NONE:
         return use_ssl
-    return {**options, "server_hostname": host}
+    return _HostNamed(options, server_hostname=host)
+
+
+class _HostNamed(dict):
+    """``ssl`` options whose ``server_hostname`` ``_named`` set, not the user: a copy of the
+    connection (``clone``, a pool's) connecting to another host of the list names that one."""
+
+
+class _PooledConnection(PooledConnection, Connection):
+    """A pool's connection, of the app's class: kombu's own named no host and, given the
+    ``ssl`` of a connection to the list's first host, refused the others (found in review)."""
+
+
+class _Pool(ConnectionPool):
+    def new(self) -> Connection:
+        return _PooledConnection(self, **dict(self.connection._info(resolve=False)))
 
 
 class _ConnectOutage:
