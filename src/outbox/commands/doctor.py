@@ -29,6 +29,7 @@ skipped when an earlier one it depends on failed:
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import ssl
 from collections.abc import Callable, Mapping
@@ -162,16 +163,29 @@ def _database_tls_unchecked(store: OutboxStore) -> str | None:
     if store.engine.name == "postgresql" and pgconn is not None:
         given = {o.keyword.decode(): o.val.decode() if o.val else None for o in pgconn.info}
         return postgres_tls_unchecked(bool(pgconn.ssl_in_use), given.get("sslmode") or "prefer",
-                                      given.get("sslrootcert"))
+                                      given.get("sslrootcert"), (pgconn.host or b"").decode())
     sock = getattr(connection, "_sock", None)  # PyMySQL's
     if store.engine.name == "mysql" and isinstance(sock, ssl.SSLSocket):
-        return mysql_tls_unchecked(sock.context)
+        return mysql_tls_unchecked(sock.context, getattr(connection, "host", None))
     return None
 
 
-def mysql_tls_unchecked(context: ssl.SSLContext) -> str | None:
-    """What a MySQL/MariaDB session's TLS ``context`` leaves unchecked, with the fix
-    (docs/relay.md, "TLS to the database")."""
+def _loopback(host: str | None) -> bool:
+    """``host`` is this machine's loopback: no path for anyone to answer on, nothing for a
+    certificate check to add (docs/relay.md, "TLS to the database")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+def mysql_tls_unchecked(context: ssl.SSLContext, host: str | None = None) -> str | None:
+    """What a MySQL/MariaDB session's TLS ``context`` leaves unchecked, with the fix; None on
+    a loopback ``host`` (docs/relay.md, "TLS to the database")."""
+    if _loopback(host):
+        return None
     fix = "give ssl_mode=VERIFY_IDENTITY and ssl_ca=<the CA> in OUTBOX_DATABASE_URL"
     if context.verify_mode == ssl.CERT_NONE:
         return f"its TLS certificate not verified (ssl_mode REQUIRED, or PREFERRED, PyMySQL's default): {fix}"
@@ -180,12 +194,13 @@ def mysql_tls_unchecked(context: ssl.SSLContext) -> str | None:
     return None
 
 
-def postgres_tls_unchecked(ssl_in_use: bool, sslmode: str, rootcert: str | None) -> str | None:
+def postgres_tls_unchecked(ssl_in_use: bool, sslmode: str, rootcert: str | None,
+                           host: str | None = None) -> str | None:
     """What a PostgreSQL session's TLS leaves unchecked, with the fix; None for no TLS (nothing
-    to verify) or ``verify-full``. libpq checks the certificate under ``verify-ca``, or
+    to verify), ``verify-full``, or a loopback ``host``. libpq checks the certificate under ``verify-ca``, or
     ``require`` with a root certificate, and the host name only under ``verify-full``
     (docs/relay.md, "TLS to the database")."""
-    if not ssl_in_use or sslmode == "verify-full":
+    if not ssl_in_use or sslmode == "verify-full" or _loopback(host):
         return None
     fix = "give sslmode=verify-full and sslrootcert=<the CA> in OUTBOX_DATABASE_URL"
     if sslmode == "verify-ca" or (sslmode == "require" and rootcert):
