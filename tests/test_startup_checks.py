@@ -192,6 +192,19 @@ def test_redact_keeps_every_broker_of_a_failover_list() -> None:
     assert redact("redis://:p@ss@r1/0;redis://:p@ss@r2/0") == "redis://:***@r1/0;redis://:***@r2/0"
 
 
+def test_redact_takes_no_quadratic_time_on_a_long_line_without_credentials() -> None:
+    """Every log record goes through ``redact``: the URL pattern tried each ``word:`` of a line
+    as a URL's start and ran to the end of its run of non-spaces looking for an ``@``, quadratic
+    (a 10 KB line of ``fe80:abcd:`` took 1.2 s, four times as long since the failover-list
+    lookahead: found in review). Only a run with an ``@`` in it is tried."""
+    import time
+
+    for line in ("fe80:abcd:" * 4000, '{"url":"http://a.example:8080/x","k":"v"},' * 1000 + " mail@example.com"):
+        began = time.monotonic()
+        assert redact(line) == line
+        assert time.monotonic() - began < 2.0  # about 20 s before
+
+
 def test_an_event_forges_no_log_line() -> None:
     """The relay's log lines name an event by the application's own text: a newline in an
     aggregate id wrote a line of its own (``[...: ERROR/MainProcess] FORGED LINE`` in a real
