@@ -358,3 +358,30 @@ def test_a_clone_of_celerys_amqps_connection_fails_over_to_a_broker_with_its_own
     finally:
         first.close()
         second.close()
+
+
+def test_celerys_amqps_broker_with_server_hostname_none_checks_each_hosts_own_name(
+        pki: Pki, broker: dict[str, Any]) -> None:
+    """``server_hostname: None`` in ``broker_use_ssl`` is kombu's "the URL's host": kombu wrote
+    it into the app's own dict at the first connect, after turning localhost into 127.0.0.1, so a
+    broker at localhost with a certificate for localhost was refused, and every later node of a
+    list was checked against the first's name (found in review; the docs said None turned the
+    check off). The app names each host itself."""
+    import ssl
+
+    from outbox.celery.application import Connection
+
+    first, second = TlsProxy(pki, "localhost"), TlsProxy(pki, "127.0.0.1")
+    url = f"{first.url('localhost')};{second.url('127.0.0.1')}"
+    use_ssl = {"ca_certs": str(pki.ca_file), "cert_reqs": ssl.CERT_REQUIRED, "server_hostname": None}
+    try:
+        with Connection(first.url("localhost"), ssl=use_ssl, connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=1)
+        first.close()
+        with Connection(url, ssl=use_ssl, connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=3)
+            assert conn.hostname == "127.0.0.1"
+        assert (len(first.peers), len(second.peers)) == (1, 1)
+    finally:
+        first.close()
+        second.close()

@@ -123,12 +123,12 @@ def _named(use_ssl: Any, host: str) -> Any:
     ``host`` as the name its certificate must carry: py-amqp checks the host name only when
     given one, and accepted a certificate for any name (found in review). Set again for each
     host of a failover list (``_init_params``); left alone when it names one already
-    (``server_hostname``: ``None`` turns the check off) or checks no certificate
-    (docs/relay.md, "TLS to Celery's RabbitMQ")."""
+    (``server_hostname``; ``None`` is kombu's "the URL's host", named here) or checks no
+    certificate (docs/relay.md, "TLS to Celery's RabbitMQ")."""
     options = dict(use_ssl) if isinstance(use_ssl, dict) else {}
     if isinstance(use_ssl, _HostNamed):  # named here for another host (a clone, a pool's connection)
         del options["server_hostname"]
-    elif "server_hostname" in options or options.get("cert_reqs") == ssl.CERT_NONE:
+    elif options.get("server_hostname") is not None or options.get("cert_reqs") == ssl.CERT_NONE:
         return use_ssl
     return _HostNamed(options, server_hostname=host)
 
