@@ -203,3 +203,19 @@ def test_the_projects_own_celery_app_stays_current_and_its_tasks_go_to_its_broke
         assert sent_there == [], sent_there
     finally:
         drop_redis_keys(prefix)
+
+
+def test_a_flask_app_built_before_the_tests_settings_leaves_them_to_be_read(tmp_path: Path) -> None:
+    """A Flask app built at import (``from myapp import app``) before a test points
+    OUTBOX_DATABASE_URL at its own database: ``init_app``'s start-up check left the settings it
+    read cached, and the commands and an in-process relay of the tests kept the earlier database
+    (found in review), as Django's ``ready()`` once did. The check forgets them, as Django's."""
+    code = ("import os\nfrom flask import Flask\nfrom outbox.contrib.flask import Outbox\n"
+            "from outbox.core.config import get_settings\n"
+            "Outbox(Flask('shop'))\n"
+            f"os.environ['OUTBOX_DATABASE_URL'] = 'sqlite:///{tmp_path / 'test.db'}'\n"
+            "print(get_settings().database_url)\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_", "DJANGO_"))}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60, env=clean)
+    assert result.stdout.strip() == f"sqlite:///{tmp_path / 'test.db'}", (result.stdout, result.stderr)

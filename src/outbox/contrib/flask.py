@@ -97,15 +97,19 @@ class Outbox:
         app.extensions["outbox"] = self
         # What enqueue reads, read now: an invalid value stops the app here, naming the setting,
         # as it stops a Django project's set-up (docs/flask.md, "Settings").
-        from ..core.config import get_settings, wake_options
-
-        get_settings()
-        wake_options()
-        # Without the workers' Celery broker settings a web process cannot wake the relay:
-        # say so once at start-up (``outbox.contrib.startup``).
+        from ..core.config import get_settings, reset_settings, wake_options
         from .startup import warn_if_wake_cannot_work
 
-        warn_if_wake_cannot_work("Flask")
+        try:
+            get_settings()
+            wake_options()
+            # Without the workers' Celery broker settings a web process cannot wake the relay:
+            # say so once at start-up (``outbox.contrib.startup``).
+            warn_if_wake_cannot_work("Flask")
+        finally:
+            # Read for the check, then forgotten: an app built before a test points the settings
+            # at its own database kept the earlier ones cached (docs/flask.md, "Settings").
+            reset_settings()
 
     def connection(self) -> Any:
         source = self.session
