@@ -45,9 +45,16 @@ from outbox.storage.engines.mssql import INDEXES, MssqlEngine, parse_target
 from outbox.storage.store import OutboxStore
 from outbox.transport import drop_queue_tables
 
+
 #: The store conformance suite, collected here a second time so it runs in this
-#: module's databases (RCSI on and off) with this module's ``url`` and ``kind``.
-globals().update({name: getattr(_conformance, name) for name in dir(_conformance) if name.startswith("test_")})
+#: module's databases (RCSI on and off) with this module's ``url`` and ``kind``; but for the
+#: tests pinned to other engines (``@pytest.mark.parametrize("kind", [...])``).
+def _pinned_elsewhere(test: Any) -> bool:
+    return any(mark.name == "parametrize" and mark.args[0] == "kind" for mark in getattr(test, "pytestmark", []))
+
+
+globals().update({name: getattr(_conformance, name) for name in dir(_conformance)
+                  if name.startswith("test_") and not _pinned_elsewhere(getattr(_conformance, name))})
 
 RUN = uuid.uuid4().hex[:8]
 DATABASES = {"rcsi": f"outbox_live_rcsi_{RUN}", "locking": f"outbox_live_lock_{RUN}",

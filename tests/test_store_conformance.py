@@ -64,7 +64,6 @@ def test_enqueue_is_idempotent_by_message_id_and_keeps_the_transaction_usable(st
     assert len(statuses(store)) == 2
 
 
-
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
 @pytest.mark.parametrize("first_ends", ["commit", "rollback"])
 def test_a_racing_enqueue_of_one_message_id_waits_for_the_first_and_raises_nothing(
