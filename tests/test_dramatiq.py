@@ -605,6 +605,37 @@ def test_a_sighup_reloads_the_scheduler_which_hands_its_lock_to_itself(tmp_path:
         client.delete(f"outbox:scheduler:{lock_name(REDIS_URL, ns, default_namespace(url, 'outbox'))}:sent:{PURGE_TASK}")
 
 
+def test_a_sighup_after_a_stop_signal_does_not_turn_the_stop_into_a_reload(tmp_path: Path) -> None:
+    """SIGTERM then SIGHUP (systemd's SendSIGHUP=yes sends both at a stop; Ctrl-C then a terminal
+    that hangs up): the scheduler re-executed itself and ran on, a stop turned into a restart
+    (found in review). A SIGHUP once a stop is under way is part of that stop."""
+    require("Redis", "127.0.0.1", 6379)
+    import redis
+
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    env = {"PATH": str(BIN), "OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": REDIS_URL,
+           "OUTBOX_DRAMATIQ_NAMESPACE": ns}
+    log_path = tmp_path / "scheduler.log"
+    with log_path.open("w") as out:
+        scheduler = subprocess.Popen([str(BIN / "outbox-dramatiq-scheduler")], env=env, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_until(lambda: "leading;" in log_path.read_text(), 30), log_path.read_text()
+        scheduler.send_signal(signal.SIGTERM)
+        scheduler.send_signal(signal.SIGHUP)
+        assert scheduler.wait(timeout=30) == 0, log_path.read_text()
+        assert "reloading" not in log_path.read_text()
+    finally:
+        if scheduler.poll() is None:
+            os.killpg(scheduler.pid, signal.SIGKILL)
+            scheduler.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(match=f"{ns}*"):
+            client.delete(key)
+        client.delete(f"outbox:scheduler:{lock_name(REDIS_URL, ns, default_namespace(url, 'outbox'))}:sent:{PURGE_TASK}")
+
+
 @pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
 def test_two_schedulers_send_the_ticks_of_one(kind: str) -> None:
     """Two schedulers run side by side for 2.5 s with a 0.25 s claim tick: the ticks sent

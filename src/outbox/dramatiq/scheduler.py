@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     reload = threading.Event()  # SIGHUP: Dramatiq's reload (docs/dramatiq.md, "The scheduler")
 
     def on_sighup(*_: Any) -> None:
+        if stop.is_set() and not reload.is_set():
+            return  # a stop under way: part of it (systemd's SendSIGHUP=yes), not a reload
         reload.set()
         stop.set()
 
