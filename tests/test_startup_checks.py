@@ -332,6 +332,9 @@ def require_redis() -> str:
 @pytest.mark.parametrize("command,setting,value,message", [
     ("worker", "OUTBOX_DATABASE_URL", f"oracle://scott:{SECRET}@db/x",
      "outbox: invalid configuration: OUTBOX_DATABASE_URL='oracle://scott:***@db/x': unsupported database 'oracle'"),
+    # SQLAlchemy's pymssql form (found in review): the worker ran, a traceback at every claim tick.
+    ("worker", "OUTBOX_DATABASE_URL", f"mssql+pymssql://sa:{SECRET}@127.0.0.1:1/db",
+     "outbox: invalid configuration: OUTBOX_DATABASE_URL: unsupported SQL Server driver 'pymssql'"),
     ("worker", "OUTBOX_PUBLISH_URL", f"amqpx://guest:{SECRET}@127.0.0.1//",
      "outbox: invalid configuration: OUTBOX_PUBLISH_URL='amqpx://guest:***@127.0.0.1//': unknown broker "
      "transport 'amqpx'; did you mean 'amqp'?"),

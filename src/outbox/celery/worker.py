@@ -18,7 +18,7 @@ from ..core.config import memory_destination_warning, relay_options, relay_setti
 from ..core.errors import ConfigError
 from ..core.handoff import HandOff
 from ..core.names import CLAIM_TASK, claim_request_key, is_redis_url, wake_channel
-from ..core.redact import install_filter
+from ..core.redact import install_filter, redact
 from ..publisher.kafka import client_problem as kafka_client_problem
 from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
 from ..relay import listen as _listen
@@ -304,7 +304,10 @@ def warn_short_visibility() -> None:
 def _init(sender: Any = None, **_: Any) -> None:
     refuse_green_pool(getattr(sender, "pool_cls", None))  # SystemExit: not caught by Celery's signal
     settings = relay_settings()
-    missing = driver_problem(settings.database_url) or kafka_client_problem(settings.publish_url)
+    try:
+        missing = driver_problem(settings.database_url) or kafka_client_problem(settings.publish_url)
+    except ConfigError as exc:  # Celery's signal logs an Exception and starts the worker anyway
+        raise SystemExit(redact(f"outbox: invalid configuration: {exc}")) from None
     if missing:
         raise SystemExit(f"outbox: {missing}")
     import_ahead()
