@@ -300,3 +300,20 @@ def test_a_directory_another_user_could_write_is_not_trusted(tmp_path: Path,
     assert isinstance(open_shared_state("amqp://guest@localhost//"), ProcessState)
     monkeypatch.setattr(w, "_parent_pid", 1)
     assert w.stopping() is False
+
+
+def test_the_users_directory_is_made_again_when_a_temp_cleaner_removed_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cleaner of the temp directory (systemd-tmpfiles' 10 days, tmpwatch) removes an ``outbox-<uid>``
+    that a quiet relay left untouched: every write of the state a process opened then failed,
+    FileNotFoundError, for the rest of its life, each process pausing and requesting claims alone
+    (found in review). The directory is made again, on the same terms, at the next write."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tmp_path.chmod(0o1777)
+    state = open_shared_state("amqp://guest@localhost//")
+    assert isinstance(state, FileState)
+    Path(state.directory).rmdir()
+    assert state.set_if_absent("k", "1", 60)
+    assert state.get("k") == "1"
+    info = Path(state.directory).stat()
+    assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (os.getuid(), 0o700)

@@ -137,6 +137,11 @@ class RedisState:
         pipe.execute()
 
 
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+
+
 class FileState:
     """One small JSON file per key in ``directory``: the worker processes of one host.
 
@@ -168,8 +173,13 @@ class FileState:
 
     def _staged(self, key: str, value: Any, ttl_s: float) -> str:
         tmp = f"{self.path(key)}.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"expires": time.time() + ttl_s, "ttl": ttl_s, "value": value}, fh)
+        data = {"expires": time.time() + ttl_s, "ttl": ttl_s, "value": value}
+        try:
+            _write_json(tmp, data)
+        except FileNotFoundError:  # a temp cleaner removed the user's directory: made again, checked
+            if self.directory != private_dir():
+                raise
+            _write_json(tmp, data)
         return tmp
 
     def get(self, key: str) -> str | None:
