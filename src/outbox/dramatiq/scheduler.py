@@ -290,14 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(redact(f"outbox: invalid configuration: {exc}"), file=sys.stderr)
         return 2
-    stop = threading.Event()
+    stop, stopped = threading.Event(), threading.Event()
+
+    def on_stop(*_: Any) -> None:
+        stopped.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_stop)
     reload = threading.Event()  # SIGHUP: Dramatiq's reload (docs/dramatiq.md, "The scheduler")
 
     def on_sighup(*_: Any) -> None:
-        if stop.is_set() and not reload.is_set():
-            return  # a stop under way: part of it (systemd's SendSIGHUP=yes), not a reload
         reload.set()
         stop.set()
 
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = make_lock(url, lock_name(url, ns, settings.outbox_namespace), outage)
     log.info("outbox scheduler: Dramatiq broker %s, waiting for the lead", redact(url))
     run(stop, entries, lock, outage=outage)
-    if reload.is_set():
+    if reload.is_set() and not stopped.is_set():  # a SIGHUP with a stop (systemd's SendSIGHUP=yes) is that stop
         log.info("outbox scheduler: reloading (SIGHUP)")
         os.execv(sys.executable, [sys.executable, "-m", "outbox.dramatiq.scheduler", *sys.argv[1:]])
     log.info("outbox scheduler: stopped")
