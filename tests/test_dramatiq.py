@@ -605,6 +605,42 @@ def test_a_sighup_reloads_the_scheduler_which_hands_its_lock_to_itself(tmp_path:
         client.delete(f"outbox:scheduler:{lock_name(REDIS_URL, ns, default_namespace(url, 'outbox'))}:sent:{PURGE_TASK}")
 
 
+def test_sighups_in_a_burst_reload_the_scheduler_and_do_not_kill_it(tmp_path: Path) -> None:
+    """A terminal that hangs up sends SIGHUP twice (the kernel to the foreground group, the shell
+    to its jobs): the second, landing while the re-executed scheduler started and had no handler
+    yet, killed it without a line, exit code 129 (found in review). SIGHUP is ignored across the
+    re-execution until the handler is back."""
+    require("Redis", "127.0.0.1", 6379)
+    import redis
+
+    ns = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    env = {"PATH": str(BIN), "OUTBOX_DATABASE_URL": url, "OUTBOX_DRAMATIQ_BROKER_URL": REDIS_URL,
+           "OUTBOX_DRAMATIQ_NAMESPACE": ns}
+    log_path = tmp_path / "scheduler.log"
+    with log_path.open("w") as out:
+        scheduler = subprocess.Popen([str(BIN / "outbox-dramatiq-scheduler")], env=env, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_until(lambda: "leading;" in log_path.read_text(), 30), log_path.read_text()
+        for _ in range(10):  # one of them lands while the scheduler starts again
+            scheduler.send_signal(signal.SIGHUP)
+            time.sleep(0.05)
+        assert wait_until(lambda: log_path.read_text().endswith("every 3600 s\n") or scheduler.poll() is not None,
+                          30), log_path.read_text()
+        assert scheduler.poll() is None, log_path.read_text()
+        scheduler.send_signal(signal.SIGTERM)
+        assert scheduler.wait(timeout=30) == 0
+    finally:
+        if scheduler.poll() is None:
+            os.killpg(scheduler.pid, signal.SIGKILL)
+            scheduler.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(match=f"{ns}*"):
+            client.delete(key)
+        client.delete(f"outbox:scheduler:{lock_name(REDIS_URL, ns, default_namespace(url, 'outbox'))}:sent:{PURGE_TASK}")
+
+
 def test_a_sighup_after_a_stop_signal_does_not_turn_the_stop_into_a_reload(tmp_path: Path) -> None:
     """SIGTERM then SIGHUP (systemd's SendSIGHUP=yes sends both at a stop; Ctrl-C then a terminal
     that hangs up): the scheduler re-executed itself and ran on, a stop turned into a restart

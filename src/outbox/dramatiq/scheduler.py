@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     run(stop, entries, lock, outage=outage)
     if reload.is_set() and not stopped.is_set():  # a SIGHUP with a stop (systemd's SendSIGHUP=yes) is that stop
         log.info("outbox scheduler: reloading (SIGHUP)")
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # kept across exec until main() sets its handler again
         os.execv(sys.executable, [sys.executable, "-m", "outbox.dramatiq.scheduler", *sys.argv[1:]])
     log.info("outbox scheduler: stopped")
     return 0
