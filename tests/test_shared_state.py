@@ -283,7 +283,7 @@ def test_files_of_one_host_live_where_no_other_user_can_write(tmp_path: Path,
     tmp_path.chmod(0o1777)
     state = open_shared_state("amqp://guest@localhost//")
     assert isinstance(state, FileState)
-    for directory in (Path(state.directory), w._stopping_marker(1).parent):
+    for directory in (Path(state.directory), w._stopping_marker(1, create=True).parent):
         info = directory.stat()
         assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (os.getuid(), 0o700), directory
 

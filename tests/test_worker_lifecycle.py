@@ -53,7 +53,7 @@ import outbox.celery.tasks as t
 tempfile.tempdir = os.environ["TMPDIR_FOR_TEST"]
 signals.worker_process_init.send(sender=None)   # as in a pool child: the parent is our parent
 before = t.stopping()
-marker = t._stopping_marker(os.getppid())
+marker = t._stopping_marker(os.getppid(), create=True)
 marker.touch()                                   # what the parent's worker_shutting_down leaves
 during = (t.stopping(), t.claim(), t.request_claim())
 marker.unlink()
@@ -70,7 +70,7 @@ import os, tempfile
 from celery import signals
 import outbox.celery.tasks as t
 tempfile.tempdir = os.environ["TMPDIR_FOR_TEST"]
-marker = t._stopping_marker(os.getpid())
+marker = t._stopping_marker(os.getpid(), create=True)
 marker.touch()                                   # left by an earlier process with this pid
 signals.worker_init.send(sender=None)
 started = marker.exists()

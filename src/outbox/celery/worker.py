@@ -49,10 +49,10 @@ def in_worker() -> bool:
     return _waker.in_process_claim is not None
 
 
-def _stopping_marker(main_pid: int) -> Path | None:
-    """In this user's own directory (``state.private_dir``): in the temp directory itself,
-    any local user could stop a worker's pool with ``touch``."""
-    directory = private_dir()
+def _stopping_marker(main_pid: int, create: bool = False) -> Path | None:
+    """In this user's own directory (``state.private_dir``, made when ``create``): in the temp
+    directory itself, any local user could stop a worker's pool with ``touch``."""
+    directory = private_dir(create)
     return None if directory is None else Path(directory) / f"outbox-worker-stopping-{main_pid}"
 
 
@@ -191,7 +191,7 @@ def _process_shutdown(**_: Any) -> None:
 @signals.worker_shutting_down.connect
 def _shutting_down(**_: Any) -> None:
     STOPPING.set()
-    marker = _stopping_marker(os.getpid())
+    marker = _stopping_marker(os.getpid(), create=True)
     try:
         if marker is not None:
             marker.touch()
@@ -221,11 +221,16 @@ def _claim_late(sender: Any = None, request: Any = None, expired: bool = False, 
     relay().late_claims.dropped(late_s)
 
 
-def _remove_stopping_marker() -> None:
+def _remove_stopping_marker(tidy: bool = False) -> None:
+    """Remove this process's stop marker; ``tidy`` (the worker's end): its directory too when
+    nothing else is in it, so that a worker leaves nothing in the temp directory (another
+    worker's next write makes it again)."""
     marker = _stopping_marker(os.getpid())
     with contextlib.suppress(OSError):
         if marker is not None:
             marker.unlink(missing_ok=True)
+            if tidy:
+                marker.parent.rmdir()
 
 
 #: The worker's prefork pool (billiard's), kept from worker_ready for ``_free_pool_read_lock``:
@@ -375,7 +380,7 @@ def _gauge_store() -> Any:
 def _shutdown(**_: Any) -> None:
     _free_pool_read_lock()  # sent once the pool has stopped
     _waker.in_process_claim = None
-    _remove_stopping_marker()
+    _remove_stopping_marker(tidy=True)
     _listen.stop_listener()
     _listen.stop_subscriber()
     claim_runner.stop()

@@ -253,16 +253,18 @@ def open_shared_state(url: str) -> SharedState:
     return FileState(directory)
 
 
-def private_dir() -> str | None:
-    """``outbox-<uid>`` in the temp directory, mode 0700, made if absent: where the files
-    the processes of one host share live (``FileState``, the worker's stop marker), out of
-    the reach of other local users. None, with a warning, when it is not this user's alone
-    (docs/internals.md, "Shared state")."""
+def private_dir(create: bool = True) -> str | None:
+    """``outbox-<uid>`` in the temp directory, mode 0700, made if absent (``create``; else None
+    when absent): where the files the processes of one host share live (``FileState``, the
+    worker's stop marker), out of the reach of other local users. None, with a warning, when
+    it is not this user's alone (docs/internals.md, "Shared state")."""
     path = os.path.join(tempfile.gettempdir(), f"outbox-{os.getuid()}")
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path, 0o700) if create else os.lstat(path)
     except FileExistsError:
         pass
+    except FileNotFoundError:  # not made, as asked
+        return None
     except OSError as exc:
         _refused(path, f"cannot make it ({exc})")
         return None
