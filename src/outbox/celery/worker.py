@@ -19,14 +19,13 @@ from ..core.errors import ConfigError
 from ..core.handoff import HandOff
 from ..core.names import CLAIM_TASK, claim_request_key, is_redis_url, wake_channel
 from ..core.redact import install_filter, redact
-from ..publisher.kafka import client_problem as kafka_client_problem
 from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
 from ..relay import listen as _listen
 from ..relay import metrics as _metrics
 from ..relay import waker as _waker
+from ..relay.resources import missing_library
 from ..relay.service import Relay
 from ..relay.state import private_dir
-from ..storage.engines.describe import driver_problem
 from . import worker_logging as _worker_logging
 from .application import app, configured, publish_time_limit
 from .runner import CeleryRunner
@@ -310,7 +309,7 @@ def _init(sender: Any = None, **_: Any) -> None:
     refuse_green_pool(getattr(sender, "pool_cls", None))  # SystemExit: not caught by Celery's signal
     settings = relay_settings()
     try:
-        missing = driver_problem(settings.database_url) or kafka_client_problem(settings.publish_url)
+        missing = missing_library(settings)
     except ConfigError as exc:  # Celery's signal logs an Exception and starts the worker anyway
         raise SystemExit(redact(f"outbox: invalid configuration: {exc}")) from None
     if missing:

@@ -32,13 +32,11 @@ from ..core.names import (
     Queues,
 )
 from ..core.redact import install_filter, redact
-from ..publisher.kafka import client_problem as kafka_client_problem
 from ..relay import metrics as _metrics
-from ..relay.resources import Resources, Shared
+from ..relay.resources import Resources, Shared, missing_library
 from ..relay.service import Relay
 from ..relay.settle import SettleFailed
 from ..relay.shared import Outage
-from ..storage.engines.describe import driver_problem
 from ..storage.store import OutboxStore
 from . import brokers as _broker
 from . import consumer_log
@@ -50,8 +48,7 @@ log = logging.getLogger("outbox.dramatiq")
 
 def _load() -> tuple[Settings, RelayOptions, str, str]:
     settings, options = startup_options()
-    # As the Celery worker checks them (its worker_init).
-    missing = driver_problem(settings.database_url) or kafka_client_problem(settings.publish_url)
+    missing = missing_library(settings)  # as the Celery worker checks it (its worker_init)
     if missing:
         raise ConfigError(missing)
     dramatiq_settings = _broker.settings(required=True)

@@ -13,6 +13,7 @@ from ..core.config import RelayOptions, Settings
 from ..core.model import Holder
 from ..publisher import Publisher
 from ..publisher.select import publisher_for
+from ..storage.engines.describe import driver_problem
 from ..storage.store import OutboxStore
 from .holders import Heartbeat, new_holder
 from .settle import Fallback, Settler
@@ -173,4 +174,13 @@ class ResourceHolder:
             self._heartbeat = None
 
 
-__all__ = ["ResourceHolder", "Resources", "Shared", "Config"]
+def missing_library(settings: Settings) -> str | None:
+    """What a relay worker cannot run without and lacks, naming the extra to install: its
+    database's driver, or confluent-kafka for a ``kafka://`` destination. Both runners check it
+    as a worker starts (docs/relay.md, "Configuration checks")."""
+    from ..publisher.kafka import client_problem as kafka_client_problem  # a worker's start only
+
+    return driver_problem(settings.database_url) or kafka_client_problem(settings.publish_url)
+
+
+__all__ = ["ResourceHolder", "Resources", "Shared", "Config", "missing_library"]
