@@ -79,6 +79,11 @@ class Result:
     state: str
     detail: str
 
+    @classmethod
+    def unless_unchecked(cls, name: str, detail: str, unchecked: str | None) -> Result:
+        """OK with ``detail``, or WARN with what the connection's TLS leaves ``unchecked`` added."""
+        return cls(name, WARN, f"{detail}, {unchecked}") if unchecked else cls(name, OK, detail)
+
     def line(self) -> str:
         """The report's line, passwords masked: a driver's error may quote one (libpq's
         ``invalid percent-encoded token: "..."``), as every line the CLI prints."""
@@ -121,9 +126,7 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
         store.connection()
     except Exception as exc:
         return [Result("database", FAIL, f"cannot connect to {where}: {_error(exc)}")]
-    unchecked = _database_tls_unchecked(store)
-    results.append(Result("database", WARN, f"connected to {where}, {unchecked}") if unchecked
-                   else Result("database", OK, f"connected to {where}"))
+    results.append(Result.unless_unchecked("database", f"connected to {where}", _database_tls_unchecked(store)))
     try:
         try:
             with store.transaction() as cursor:
@@ -325,9 +328,8 @@ def check_dramatiq_broker(url: str) -> Result:
         return Result(name, FAIL, f"{redact(url)}: {exc}")
     except Exception as exc:
         return Result(name, FAIL, f"{redact(url)} unreachable: {_error(exc)} ({fix})")
-    unchecked = tls_unchecked(url, "OUTBOX_DRAMATIQ_BROKER_URL", kombu=False)
-    return Result(name, WARN, f"{redact(url)} reachable, {unchecked}") if unchecked else \
-        Result(name, OK, f"{redact(url)} reachable")
+    return Result.unless_unchecked(name, f"{redact(url)} reachable",
+                                   tls_unchecked(url, "OUTBOX_DRAMATIQ_BROKER_URL", kombu=False))
 
 
 def _reachable(name: str, url: str, fix: str, conn: Any = None) -> Result:
@@ -387,9 +389,8 @@ def check_destination(settings: Settings, kafka: Any = None, probe_topic: str | 
             conn.ensure_connection(max_retries=1, timeout=CONNECT_TIMEOUT_S)
         except Exception as exc:
             return [Result("destination", FAIL, f"{redact(url)} unreachable: {_error(exc)}")]
-        unchecked = tls_unchecked(url, "OUTBOX_PUBLISH_URL")
-        results = [Result("destination", WARN, f"{redact(url)} reachable, {unchecked}") if unchecked
-                   else Result("destination", OK, f"{redact(url)} reachable")]
+        results = [Result.unless_unchecked("destination", f"{redact(url)} reachable",
+                                           tls_unchecked(url, "OUTBOX_PUBLISH_URL"))]
         results.append(_check_binding(conn, exchange))
         if settings.dead_letter_exchange and conn.transport.driver_type == "amqp":
             results.append(_check_dead_letter_exchange(conn, settings.dead_letter_exchange))
