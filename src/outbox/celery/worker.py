@@ -14,7 +14,7 @@ from typing import Any
 from celery import signals
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 
-from ..core.config import memory_destination_warning, relay_options, relay_settings, wake_options
+from ..core.config import relay_options, relay_settings, wake_options, warn_memory_destination
 from ..core.errors import ConfigError
 from ..core.handoff import HandOff
 from ..core.names import CLAIM_TASK, claim_request_key, is_redis_url, wake_channel
@@ -345,9 +345,7 @@ def _ready(sender: Any = None, **_: Any) -> None:
     log.info("outbox: relaying outbox %s (table %s) on queues %s", settings.outbox_namespace, settings.table,
              ", ".join(settings.queues.all))
     _warn_foreign_queues(settings)
-    nowhere = memory_destination_warning(settings)
-    if nowhere:
-        log.warning(nowhere)
+    warn_memory_destination(settings, log)
     _start_embedded_beat()
     try:
         in_process = wake_options().in_process_claim

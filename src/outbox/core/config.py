@@ -596,15 +596,15 @@ def warn_short_retention(settings: Settings) -> None:
                 "message_id after the purge deleted the first is stored and delivered again", days)
 
 
-def memory_destination_warning(settings: Settings) -> str | None:
-    """The line a relay worker logs at start when it relays to ``memory://`` (OUTBOX_PUBLISH_URL
-    unset) on a server database: every event is then marked done and reaches no broker. The
-    embedded default (SQLite), the demo's and the tests' in-process set-up, is left quiet."""
-    if not settings.publish_url.startswith("memory://") or is_sqlite_url(settings.database_url):
-        return None
-    return ("outbox: OUTBOX_PUBLISH_URL is memory:// (in-process, the default when unset) on a server database: "
-            "every event this worker publishes is marked done and reaches no broker; set OUTBOX_PUBLISH_URL to "
-            "the destination (amqp://, redis:// or kafka://)")
+def warn_memory_destination(settings: Settings, logger: logging.Logger) -> None:
+    """At a relay worker's start, through its ``logger``: it relays to ``memory://``
+    (OUTBOX_PUBLISH_URL unset) on a server database, so every event is marked done and reaches
+    no broker. The embedded default (SQLite), the demo's and the tests' in-process set-up, is
+    left quiet."""
+    if settings.publish_url.startswith("memory://") and not is_sqlite_url(settings.database_url):
+        logger.warning("outbox: OUTBOX_PUBLISH_URL is memory:// (in-process, the default when unset) on a server "
+                       "database: every event this worker publishes is marked done and reaches no broker; set "
+                       "OUTBOX_PUBLISH_URL to the destination (amqp://, redis:// or kafka://)")
 
 
 def startup_options() -> tuple[Settings, RelayOptions]:
@@ -666,7 +666,7 @@ def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: boo
 __all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "celery_broker_conflict", "celery_broker_named_conflict", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
-           "pipeline_options", "dramatiq_settings", "memory_destination_warning", "sources_of", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
+           "pipeline_options", "dramatiq_settings", "warn_memory_destination", "sources_of", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",
            "conf_keys", "known_names", "unknown_environment", "warn_unknown_environment", "warn_unknown_django_settings", "refuse_unknown",
            "SESSION_BOUNDS", "session_bounds", "without_session_bounds", "validate_identifier",
            "validate_database_url", "validate_kombu_url", "validate_namespace", "validate_dramatiq_broker_url",

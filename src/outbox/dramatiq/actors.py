@@ -19,7 +19,7 @@ from typing import Any
 import dramatiq
 from dramatiq.middleware import Middleware
 
-from ..core.config import RelayOptions, Settings, memory_destination_warning, metrics_options, startup_options
+from ..core.config import RelayOptions, Settings, metrics_options, startup_options, warn_memory_destination
 from ..core.errors import ConfigError
 from ..core.names import (
     ACK_TASK,
@@ -200,9 +200,7 @@ class OutboxMiddleware(Middleware):
 
     def after_worker_boot(self, broker: Any, worker: Any) -> None:
         relay.lift_fatal_pause()
-        nowhere = memory_destination_warning(SETTINGS)
-        if nowhere:
-            log.warning(nowhere)
+        warn_memory_destination(SETTINGS, log)
         warn_foreign_queues(worker.consumer_whitelist)
 
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
