@@ -259,16 +259,18 @@ def private_dir(create: bool = True) -> str | None:
     worker's stop marker), out of the reach of other local users. None, with a warning, when
     it is not this user's alone (docs/internals.md, "Shared state")."""
     path = os.path.join(tempfile.gettempdir(), f"outbox-{os.getuid()}")
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            _refused(path, f"cannot make it ({exc})")
+            return None
     try:
-        os.mkdir(path, 0o700) if create else os.lstat(path)
-    except FileExistsError:
-        pass
+        info = os.lstat(path)
     except FileNotFoundError:  # not made, as asked
         return None
-    except OSError as exc:
-        _refused(path, f"cannot make it ({exc})")
-        return None
-    info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
         _refused(path, f"not a directory only this user (uid {os.getuid()}) can write: remove it")
         return None
