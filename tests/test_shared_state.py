@@ -5,6 +5,7 @@ tests/test_route_backpressure.py, tests/test_claim.py and tests/test_wake.py."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import stat
@@ -300,6 +301,39 @@ def test_a_directory_another_user_could_write_is_not_trusted(tmp_path: Path,
     assert isinstance(open_shared_state("amqp://guest@localhost//"), ProcessState)
     monkeypatch.setattr(w, "_parent_pid", 1)
     assert w.stopping() is False
+
+
+def test_a_temp_directory_where_others_could_swap_the_users_directory_is_not_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A temp directory others may write without the sticky bit (or under a directory like
+    that) lets another local user rename ``outbox-<uid>`` away after it was checked and put a
+    directory of their own in its place, whose files the relay would then trust (found in
+    review). Such a temp directory is not used: ``$XDG_RUNTIME_DIR`` when it is safe, else each
+    process keeps its state alone, with a warning."""
+    import outbox.relay.state as state_module
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(state_module, "_bases", {})  # the verdicts this process keeps
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # not sticky
+    (open_dir / "inner").mkdir(mode=0o700)
+    for base in (open_dir, open_dir / "inner"):
+        monkeypatch.setattr(tempfile, "tempdir", str(base))
+        with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+            assert state_module.private_dir() is None, base
+            assert isinstance(open_shared_state("amqp://guest@localhost//"), ProcessState)
+        assert not (base / f"outbox-{os.getuid()}").exists()
+        assert f"{open_dir} is writable by others and not sticky" in caplog.text
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    state = open_shared_state("amqp://guest@localhost//")
+    assert isinstance(state, FileState) and state.directory == str(runtime / f"outbox-{os.getuid()}")
+    assert w._stopping_marker(1, create=True) == runtime / f"outbox-{os.getuid()}" / "outbox-worker-stopping-1"
+    open_dir.chmod(0o1777)  # sticky: the temp directory again, for a process started now
+    monkeypatch.setattr(state_module, "_bases", {})
+    assert state_module.private_dir() == str(open_dir / "inner" / f"outbox-{os.getuid()}")
 
 
 def test_the_users_directory_is_made_again_when_a_temp_cleaner_removed_it(tmp_path: Path,

@@ -256,9 +256,14 @@ def open_shared_state(url: str) -> SharedState:
 def private_dir(create: bool = True) -> str | None:
     """``outbox-<uid>`` in the temp directory, mode 0700, made if absent (``create``; else None
     when absent): where the files the processes of one host share live (``FileState``, the
-    worker's stop marker), out of the reach of other local users. None, with a warning, when
-    it is not this user's alone (docs/internals.md, "Shared state")."""
-    path = os.path.join(tempfile.gettempdir(), f"outbox-{os.getuid()}")
+    worker's stop marker), out of the reach of other local users. The temp directory must be
+    one no other user can rename things in (``_unsafe``), else ``$XDG_RUNTIME_DIR`` is used on
+    the same terms. None, with a warning, when no such place is found or the directory is not
+    this user's alone (docs/internals.md, "Shared state")."""
+    base = _safe_base(tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR", ""))
+    if base is None:
+        return None
+    path = os.path.join(base, f"outbox-{os.getuid()}")
     if create:
         try:
             os.mkdir(path, 0o700)
@@ -275,6 +280,49 @@ def private_dir(create: bool = True) -> str | None:
         _refused(path, f"not a directory only this user (uid {os.getuid()}) can write: remove it")
         return None
     return path
+
+
+#: ``_safe_base``'s verdicts: no other user can change one (``_unsafe``), and the stop marker's
+#: look-up asks at every task (a check of the whole path took 80 us).
+_bases: dict[tuple[str, str], str | None] = {}
+
+
+def _safe_base(temp: str, runtime: str) -> str | None:
+    """The real path of ``temp``, else of ``runtime`` ($XDG_RUNTIME_DIR), that ``_unsafe``
+    passes; None, with a warning, when neither does."""
+    if (temp, runtime) not in _bases:
+        base: str | None = os.path.realpath(temp)  # no symbolic link left to swap
+        why = _unsafe(str(base))
+        if why is not None:
+            if runtime and _unsafe(os.path.realpath(runtime)) is None:
+                base = os.path.realpath(runtime)
+            else:
+                _refused(str(base), f"not safe for this user's files ({why}: set TMPDIR or XDG_RUNTIME_DIR "
+                                    "to a directory of your own)")
+                base = None
+        _bases[(temp, runtime)] = base
+    return _bases[(temp, runtime)]
+
+
+def _unsafe(path: str) -> str | None:
+    """Why another local user could rename or replace what lies in ``path`` (an absolute path
+    without symbolic links), or None: each directory from the root down must belong to root or
+    this user, and be writable by no one else or sticky. Checked once, ``outbox-<uid>`` can then
+    neither be swapped for another directory nor moved away (docs/internals.md, "Shared state")."""
+    uid, current = os.getuid(), os.sep
+    for part in ["", *[p for p in path.split(os.sep) if p]]:
+        current = os.path.join(current, part)
+        try:
+            info = os.lstat(current)
+        except OSError as exc:
+            return f"{current}: {exc.strerror}"
+        if not stat.S_ISDIR(info.st_mode):
+            return f"{current} is not a directory"
+        if info.st_uid not in (0, uid):
+            return f"{current} belongs to uid {info.st_uid}"
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return f"{current} is writable by others and not sticky"
+    return None
 
 
 _refusals: set[str] = set()
