@@ -1082,7 +1082,7 @@ def test_a_dramatiq_worker_of_two_processes_serves_the_sum_over_both(tmp_path: P
 
     assert wait_until(lambda: published() == 60.0, timeout=15), (published(), procs.log("w1")[-3000:])
     assert wait_until(lambda: "another process serves" in procs.log("w1"), timeout=15)  # both ran, one serves
-    [shared] = glob.glob(os.path.join(tempfile.gettempdir(), f"outbox-metrics-{worker.pid}-*"))
+    [shared] = glob.glob(os.path.join(tempfile.gettempdir(), f"outbox-{os.getuid()}", f"metrics-{worker.pid}-*"))
     procs.stop("w1")
     assert not os.path.exists(shared)  # removed by the process that served it
 
@@ -1102,7 +1102,7 @@ def test_a_port_another_dramatiq_worker_holds_is_an_error_not_a_sibling_serving(
     second = procs.worker("w2", concurrency=1)
     assert wait_until(lambda: "cannot serve" in procs.log("w2"), timeout=30), procs.log("w2")[-3000:]
     assert "in no scrape" in procs.log("w2") and "another process serves" not in procs.log("w2")
-    [shared] = glob.glob(os.path.join(tempfile.gettempdir(), f"outbox-metrics-{second.pid}-*"))
+    [shared] = glob.glob(os.path.join(tempfile.gettempdir(), f"outbox-{os.getuid()}", f"metrics-{second.pid}-*"))
     procs.stop("w2")
     assert not os.path.exists(shared)  # no process of w2 served it: the last to stop removes it
     procs.stop("w1")

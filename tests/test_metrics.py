@@ -461,3 +461,43 @@ def test_a_port_another_worker_holds_is_said_to_leave_this_workers_counts_out(
         metrics.stop_serving()
     [line] = [r.getMessage() for r in caplog.records if "cannot serve" in r.getMessage()]
     assert "in no scrape" in line and "its own OUTBOX_RELAY_METRICS_PORT" in line, line
+
+
+def test_the_multiprocess_directory_is_in_the_users_own_not_a_name_others_can_foresee(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Dramatiq worker's processes shared ``<tmp>/outbox-metrics-<pid>-<start>``, a name any
+    local user can work out from /proc: made first by another user it stopped the sum, and a
+    directory of that name was used whatever its mode, files planted in it included (found in
+    review). The directory is in the user's own ``outbox-<uid>`` (state.private_dir), mode
+    0700, as Celery's fresh one is."""
+    import stat
+    import sys
+    import tempfile
+
+    from outbox.relay.state import private_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")  # unset, as the worker starts; restored afterwards
+    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
+    monkeypatch.delitem(sys.modules, "prometheus_client", raising=False)  # not yet imported, as in a worker
+    monkeypatch.setattr(metrics, "_own_dir", None)
+    monkeypatch.setattr(metrics, "_shared_dir", None)
+    parent = os.getpid()
+    planted = tmp_path / f"outbox-metrics-{parent}-{metrics._started(parent)}"
+    planted.mkdir()
+    planted.chmod(0o777)
+    (planted / metrics.SERVING).write_text("1")
+    (planted / f"counter_{parent}.db").write_bytes(b"planted")
+    metrics.prepare_multiprocess(parent=parent)  # a Dramatiq worker's process
+    shared = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    assert shared != planted and shared.parent == Path(str(private_dir()))
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o700 and not any(shared.iterdir())
+    metrics.prepare_multiprocess(parent=parent)  # its sibling: the same directory
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(shared)
+    monkeypatch.setattr(metrics, "_shared_dir", None)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    metrics.prepare_multiprocess()  # a Celery worker's main process: a fresh one, there too
+    own = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    assert own.parent == shared.parent and own != shared and stat.S_IMODE(own.stat().st_mode) == 0o700
+    metrics.stop_serving()
+    assert not own.exists()

@@ -377,13 +377,13 @@ def _gauge_store() -> Any:
 def _shutdown(**_: Any) -> None:
     _free_pool_read_lock()  # sent once the pool has stopped
     _waker.in_process_claim = None
-    _remove_stopping_marker(tidy=True)
     _listen.stop_listener()
     _listen.stop_subscriber()
     claim_runner.stop()
     close_resources()
     _stop_embedded_beat()
-    _metrics.stop_serving()
+    _metrics.stop_serving()  # its directory is in the user's own, which the next line removes when empty
+    _remove_stopping_marker(tidy=True)
 
 
 # Idle workers and beat are quiet at INFO and log a heartbeat instead (outbox.celery.worker_logging,

@@ -25,6 +25,7 @@ from ..core.config import metrics_options
 from ..core.errors import install_hint
 from ..core.model import Claim, FailureKind, OutboxMessage
 from .hooks import RelayHooks
+from .state import private_dir
 
 log = logging.getLogger("outbox.relay.metrics")
 
@@ -364,16 +365,25 @@ def prepare_multiprocess(parent: int | None = None) -> None:
                     "PROMETHEUS_MULTIPROC_DIR; only this process's metrics are served (fine with --pool threads "
                     "or solo; with prefork set PROMETHEUS_MULTIPROC_DIR to an empty directory)")
         return
+    # In this user's own directory (state.private_dir): a name in the temp directory that others
+    # can foresee, they could make first or fill (docs/waking-and-metrics.md, "Prefork").
+    private = private_dir()
+    if private is None:
+        log.warning("outbox metrics: no directory of this user's own for the worker's processes (see the warning "
+                    "above); only this process's metrics are served (set PROMETHEUS_MULTIPROC_DIR to an empty "
+                    "directory)")
+        return
     if parent is None:
-        _own_dir = tempfile.mkdtemp(prefix="outbox-metrics-")
+        _own_dir = tempfile.mkdtemp(prefix="metrics-", dir=private)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_dir
         return
     # The parent's start time too: a directory left by a killed worker whose pid came round again is not this one's.
-    path = os.path.join(tempfile.gettempdir(), f"outbox-metrics-{parent}-{_started(parent)}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    path = os.path.join(private, f"metrics-{parent}-{_started(parent)}")
+    with contextlib.suppress(FileExistsError):  # made by a sibling
+        os.mkdir(path, 0o700)
     found = os.lstat(path)
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():  # not made by this user: not used
-        log.warning("outbox metrics: %s is not a directory of this user's; only this process's metrics are "
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        log.warning("outbox metrics: %s is not a directory of this user's alone; only this process's metrics are "
                     "served (set PROMETHEUS_MULTIPROC_DIR to an empty directory)", path)
         return
     _shared_dir = path
@@ -528,6 +538,8 @@ def stop_serving() -> None:
         _own_dir, _shared_dir = _shared_dir, None  # served here, or by no process of the worker
     if _own_dir is not None:
         shutil.rmtree(_own_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the user's own directory too when nothing else is in it
+            os.rmdir(os.path.dirname(_own_dir))
         _own_dir = None
 
 
