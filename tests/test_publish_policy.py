@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import sqlite3
 import time
 from collections.abc import Mapping, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 from relay_support import Collect, ScriptedPublisher, add, claim_chains, rows, run_python, status_of
+from services import free_port
 
 from outbox import Status
 from outbox.core.model import OutboxMessage
@@ -351,6 +353,48 @@ def test_a_publisher_that_raises_counts_against_the_head(sqlite_store: OutboxSto
     assert (state[ids[0]]["status"], state[ids[0]]["attempts"]) == (Status.FAILED, 1)
     assert "boom" in state[ids[0]]["last_error"]
     assert state[ids[1]]["status"] == Status.PENDING
+
+
+class _Webhook(ScriptedPublisher):
+    """A destination of the application's own, over HTTP to a URL with credentials: nothing
+    listens on its port, and its error names the URL, password and all, as clients' errors
+    often do. It raises that error, or reports it as a poison failure."""
+
+    def __init__(self, port: int, raises: bool) -> None:
+        super().__init__()
+        self.url, self.port, self.raising = f"http://hook:s3cretpw@127.0.0.1:{port}/in", port, raises
+
+    def publish_chain(self, messages: Sequence[OutboxMessage]) -> ChainResult:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=5).close()
+        except OSError as exc:
+            text = f"POST {self.url} failed: {exc}"
+            if self.raising:
+                raise ConnectionError(text) from exc
+            return ChainResult((), messages[0].id, PublishFailure(FailureKind.POISON, text))
+        raise AssertionError(f"something listens on port {self.port}")
+
+
+@pytest.mark.parametrize("raises", [True, False], ids=["raised", "reported"])
+def test_a_failures_password_is_masked_in_last_error_the_dead_letter_copy_and_the_log(
+        raises: bool, sqlite_store: OutboxStore, conn: sqlite3.Connection, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: what a publisher raised (or a child publishing apart sent back) was
+    stored in last_error as it was, and a reason it reported went on as it was to last_error,
+    the dead-letter copy's x-outbox-error and the relay's log lines, masked only by a worker's
+    log handlers: a URL with a password in a client's error reached the table, `outbox dead
+    list`, the admin and the dead-letter queue. A real refused connection here, its error
+    naming the URL with its password; no handler of the relay's masks caplog's records."""
+    [event] = add(conn, "w")
+    publisher = _Webhook(free_port(), raises)
+    [chain] = claim_chains(sqlite_store)
+    with caplog.at_level(logging.INFO):
+        handle_chain(RelayContext(sqlite_store, publisher), chain)
+    stored = rows(sqlite_store)[event]
+    assert stored["status"] == (Status.FAILED if raises else Status.DEAD), stored
+    assert "http://hook:***@127.0.0.1" in stored["last_error"] and "s3cretpw" not in stored["last_error"]
+    assert "Connection refused" in stored["last_error"]
+    assert [error for _, error in publisher.dead] == ([] if raises else [stored["last_error"]])
+    assert "http://hook:***@127.0.0.1" in caplog.text and "s3cretpw" not in caplog.text
 
 
 def test_only_a_true_prefix_is_acked(sqlite_store: OutboxStore, conn: sqlite3.Connection) -> None:

@@ -657,6 +657,19 @@ def test_a_stale_lease_failing_the_same_way_as_the_new_holder_is_refused(make_st
     assert [int(row(store, i, "attempts")[0]) for i in (flaky, poison)] == [2, 2]
 
 
+def test_a_password_in_a_failures_text_is_stored_masked(store: OutboxStore, writer: Any) -> None:
+    """A broker's or driver's error may quote a URL or connection string, password and all:
+    whoever calls mark_failed, last_error keeps it masked (docs/relay.md, "Secrets in output"),
+    and the repeat of that very write is still known for one (it compares the masked text)."""
+    [event] = add(writer, store, "s")
+    claim = store.claim(10)
+    error = "retriable: cannot reach amqp://relay:s3cretpw@rabbit:5672// nor Server=db;UID=sa;PWD=0dbcpass;"
+    assert store.mark_failed(event, claim.lease, error, dead=True) == FailResult(True, True)
+    stored = str(row(store, event, "last_error")[0])
+    assert stored == "retriable: cannot reach amqp://relay:***@rabbit:5672// nor Server=db;UID=sa;PWD=***;"
+    assert store.mark_failed(event, claim.lease, error, dead=True) == FailResult(True, True)
+
+
 # -- housekeeping ---------------------------------------------------------------------------
 
 def test_purge_deletes_old_done_rows_in_chunks_with_a_soft_cap_and_keeps_dead_rows(

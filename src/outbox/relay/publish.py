@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import NamedTuple
 
 from ..core.model import FailureKind, OutboxMessage
+from ..core.redact import redact
 from ..publisher import ChainResult, Overtaken, Publisher, overtaken_headers
 from .context import RelayContext
 from .logfields import describe, log_extra
@@ -184,9 +186,11 @@ def _publish_all(publisher: Publisher, relay: RelayContext, chains: list[list[Ou
     until = None if deadline is None else time.monotonic() + (deadline - relay.now())
     try:
         results = list(publisher.publish_chains(chains, pipelined=pipelined, deadline=until))
-    except Exception as exc:
-        log.exception("outbox publisher raised instead of reporting %s", describe(chains[0][0]))
-        return [_Report([], chain[0].id, RETRIABLE, f"{type(exc).__name__}: {exc}") for chain in chains]
+    except Exception as exc:  # noqa: BLE001 - counted against every chain, logged with its traceback
+        # Masked here, whoever handles the log (docs/relay.md, "Secrets in output"): the traceback too.
+        log.error("outbox publisher raised instead of reporting %s\n%s", describe(chains[0][0]),
+                  redact("".join(traceback.format_exception(exc))).rstrip())
+        return [_Report([], chain[0].id, RETRIABLE, redact(f"{type(exc).__name__}: {exc}")) for chain in chains]
     if len(results) != len(chains):
         log.error("outbox publisher returned %d results for %d chains; settling none of the extra or "
                   "missing ones", len(results), len(chains))
@@ -198,7 +202,10 @@ def _report(result: ChainResult) -> _Report:
     failure = result.failure
     if failure is None:
         return _Report(list(result.published), result.failed_id, overtaken=tuple(result.overtaken))
-    return _Report(list(result.published), result.failed_id, _kind_of(failure.kind), failure.reason, failure.route,
+    # Masked once here: the reason becomes last_error, the dead-letter copy's x-outbox-error and log
+    # lines (docs/relay.md, "Secrets in output").
+    reason = None if failure.reason is None else redact(failure.reason)
+    return _Report(list(result.published), result.failed_id, _kind_of(failure.kind), reason, failure.route,
                    tuple(result.overtaken))
 
 

@@ -36,6 +36,7 @@ from ..core.model import (
     Status,
     Takeover,
 )
+from ..core.redact import redact
 from ..domain.events import MAX_ERROR_UNITS, fit_utf16
 from .connections import CallerTransactions, Connections
 from .engines import Engine, engine_for_url
@@ -560,9 +561,10 @@ class OutboxStore:
         retry_ms = 0 if retry_in is None else int(retry_in.total_seconds() * 1000)
         if retry_ms < 0 or retry_ms > 86_400_000:
             raise ValueError("retry_in must be between 0 and 24 hours")
-        # Cut in Python to what the column holds in UTF-16 units (SQL Server's NVARCHAR(4000)
-        # counts those), never inside a surrogate pair: the database never truncates.
-        error = fit_utf16(error or "unknown error", MAX_ERROR_UNITS)
+        # Passwords masked, whoever called (docs/relay.md, "Secrets in output"), then cut in Python
+        # to what the column holds in UTF-16 units (SQL Server's NVARCHAR(4000) counts those),
+        # never inside a surrogate pair: the database never truncates.
+        error = fit_utf16(redact(error or "unknown error"), MAX_ERROR_UNITS)
         flag = 1 if dead else 0
 
         def work(cursor: Any) -> tuple[int, int | None]:
