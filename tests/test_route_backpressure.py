@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,6 +145,43 @@ def test_route_pause_grows_while_refused_and_resets_after_a_quiet_spell() -> Non
     assert gate.refuse("r", 1.0, 8.0, now=115.7) == (8.0, True)  # capped
     assert gate.refuse("r", 1.0, 8.0, now=200.0) == (1.0, True)  # quiet for long: back to the base
     assert gate.paused("other", now=200.0) == 0
+
+
+def test_a_thread_reading_the_route_gate_while_another_refuses_a_route_sees_a_whole_map() -> None:
+    """A process's threads share its gate (Dramatiq's worker threads, Celery's ``--pool
+    threads``): ``any_paused`` iterated the map outside the lock while ``refuse`` added and
+    dropped routes under it, and the publishing thread died with "dictionary changed size
+    during iteration" (found in review). Many routes, all past their pause, so each read
+    walks the whole map while the other thread refuses new routes."""
+    gate = RouteGate()
+    gate._routes.update({f"old.{i}": (1000.0, 1000.0) for i in range(20_000)})
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                assert gate.any_paused(now=1500.0) in (False, True)
+                gate.paused("old.1", now=1500.0)
+        except BaseException as exc:  # what the test looks for
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads take turns often: a walk of the map is cut short
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        refused = 0
+        while not errors and time.monotonic() < deadline and refused < 2000:
+            gate.refuse(f"new.{refused}", 1.0, 8.0, now=1500.0)
+            refused += 1
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(switch)
+    assert not errors, errors
+    assert gate.any_paused(now=1500.0) and gate.paused("new.0", now=1500.0) == 1.0
 
 
 def test_route_pauses_are_shared_through_redis() -> None:

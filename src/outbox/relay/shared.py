@@ -162,45 +162,50 @@ class RouteGate:
         self._checked = 0.0
         self._lock = threading.Lock()
 
-    def _current(self, now: float) -> dict[str, tuple[float, float]]:
-        with self._lock:
-            # This host's clock stepped back: each pause ends no later than its length from now,
-            # and the shared state is read again at once (as Breaker._mend_step_back).
-            for route, (until, step) in self._routes.items():
-                if until > now + step:
-                    self._routes[route] = (now + step, step)
-            if self._checked > now:
-                self._checked = 0.0
-            if now - self._checked >= self.cache_s:
-                self._checked = now
-                try:
-                    shared = {route: json.loads(value) for route, value in self.state.get_fields(self.key).items()}
-                except Exception as exc:  # noqa: BLE001 - the shared store is down: decide locally
-                    log.debug("outbox route gate: cannot read shared state: %s", exc)
-                    shared = {}
-                for route, (until, step) in shared.items():
-                    until = min(float(until), now + float(step))  # a clock ahead of ours: as Breaker._read
-                    if until > self._routes.get(route, (0.0, 0.0))[0]:
-                        self._routes[route] = (until, float(step))
-            return self._routes
+    def _refresh(self, now: float) -> None:
+        """Under the lock: bring the map up to date. Every reader and writer of ``_routes``
+        holds the lock throughout: a process's threads share the gate (docs/relay.md,
+        "Per-route back-pressure")."""
+        # This host's clock stepped back: each pause ends no later than its length from now,
+        # and the shared state is read again at once (as Breaker._mend_step_back).
+        for route, (until, step) in self._routes.items():
+            if until > now + step:
+                self._routes[route] = (now + step, step)
+        if self._checked > now:
+            self._checked = 0.0
+        if now - self._checked >= self.cache_s:
+            self._checked = now
+            try:
+                shared = {route: json.loads(value) for route, value in self.state.get_fields(self.key).items()}
+            except Exception as exc:  # noqa: BLE001 - the shared store is down: decide locally
+                log.debug("outbox route gate: cannot read shared state: %s", exc)
+                shared = {}
+            for route, (until, step) in shared.items():
+                until = min(float(until), now + float(step))  # a clock ahead of ours: as Breaker._read
+                if until > self._routes.get(route, (0.0, 0.0))[0]:
+                    self._routes[route] = (until, float(step))
 
     def paused(self, route: str, now: float | None = None) -> float:
         """Seconds until ``route`` may be published to again; 0 when it is open."""
         now = time.time() if now is None else now
-        until = self._current(now).get(route, (0.0, 0.0))[0]
+        with self._lock:
+            self._refresh(now)
+            until = self._routes.get(route, (0.0, 0.0))[0]
         return max(0.0, until - now)
 
     def any_paused(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
-        return any(until > now for until, _ in self._current(now).values())
+        with self._lock:
+            self._refresh(now)
+            return any(until > now for until, _ in self._routes.values())
 
     def refuse(self, route: str, base_s: float, max_s: float, now: float | None = None) -> tuple[float, bool]:
         """Record a refusal of ``route``; returns (seconds it pauses from now, whether this
         call started the pause)."""
         now = time.time() if now is None else now
-        current = self._current(now)
         with self._lock:
-            until, step = current.get(route, (0.0, 0.0))
+            self._refresh(now)
+            until, step = self._routes.get(route, (0.0, 0.0))
             if until > now:
                 return until - now, False
             # Refused again soon after a pause ended: the queue is still full, wait longer.
