@@ -304,6 +304,37 @@ def test_outbox_check_reaches_celerys_amqps_broker_as_the_workers_do(
         wrong.close()
 
 
+def test_outbox_check_reaches_celerys_amqp_broker_over_tls_when_broker_use_ssl_says_so(
+        pki: Pki, broker: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery connects to an ``amqp://`` broker over TLS when ``broker_use_ssl`` is set (py-amqp
+    takes the ssl options whatever the scheme; so does the relay's app), but ``outbox check``
+    read ``broker_use_ssl`` for ``amqps://`` only and spoke plain AMQP to a TLS listener: FAIL
+    while the workers connected, and no certificate or name checked (found in review)."""
+    import ssl
+
+    from outbox.celery.application import Connection
+    from outbox.commands.doctor import check_celery_broker
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"amqpconf_{uuid.uuid4().hex[:8]}"
+    use_ssl = {"ca_certs": str(pki.ca_file), "cert_reqs": ssl.CERT_REQUIRED}
+    (tmp_path / f"{name}.py").write_text(
+        f"import ssl\nbroker_use_ssl = {{'ca_certs': {str(pki.ca_file)!r}, 'cert_reqs': ssl.CERT_REQUIRED}}\n")
+    right, wrong = TlsProxy(pki, "localhost"), TlsProxy(pki, "wrong.example")
+    try:
+        url = right.url().split("?")[0].replace("amqps://", "amqp://", 1)
+        with Connection(url, ssl=dict(use_ssl), connect_timeout=5) as conn:  # as a worker connects
+            conn.ensure_connection(max_retries=1)
+        for proxy, verdict in ((right, OK), (wrong, FAIL)):
+            url = proxy.url().split("?")[0].replace("amqps://", "amqp://", 1)
+            settings = load_settings(environ={"OUTBOX_CELERY_BROKER_URL": url, "OUTBOX_DATABASE_URL": "sqlite:///o.db"})
+            result = check_celery_broker(settings, environ={"CELERY_CONFIG_MODULE": name})
+            assert result.state == verdict, result.line()
+    finally:
+        right.close()
+        wrong.close()
+
+
 def test_celerys_bare_amqps_broker_checks_the_host_name(pki: Pki, broker: dict[str, Any],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Celery's broker on a bare ``amqps://`` (no ``broker_use_ssl``: Celery gives kombu

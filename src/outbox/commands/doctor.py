@@ -275,12 +275,14 @@ def check_celery_broker(settings: Settings, broker_url: str | None = None,
         from ..relay.redis_clients import broker_use_ssl
 
         return _celery_redis_reachable(url, broker_use_ssl(environ))
-    if url.split("://", 1)[0].lower() == "amqps":
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("amqps", "amqp", "pyamqp"):
         from ..celery.application import Connection
         from ..relay.redis_clients import broker_use_ssl
 
-        # As the workers connect: broker_use_ssl, each host named (docs/relay.md, "TLS to Celery's RabbitMQ").
-        use_ssl = broker_use_ssl(environ) or True
+        # As the workers connect: broker_use_ssl (TLS on amqp:// too), each host named
+        # (docs/relay.md, "TLS to Celery's RabbitMQ").
+        use_ssl = broker_use_ssl(environ) or scheme == "amqps"
         conn = Connection(url, ssl=use_ssl, connect_timeout=CONNECT_TIMEOUT_S)
         result = _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL", conn)
         if result.state == OK and isinstance(use_ssl, dict) and use_ssl.get("cert_reqs") == ssl.CERT_NONE:
