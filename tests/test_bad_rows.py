@@ -213,6 +213,26 @@ def test_requeue_all_reports_per_topic_and_keeps_permanent_rows(store: OutboxSto
     assert set(statuses(store).values()) == {Status.PENDING}
 
 
+def test_requeue_and_dead_list_of_topics_leave_every_other_topics_dead_rows(store: OutboxStore,
+                                                                            writer: Any) -> None:
+    """``outbox dead requeue --topic`` (docs/operations.md's remedy for one unbound topic):
+    only ``--all`` existed, which requeued every topic's dead rows with it."""
+    ids = dead_rows(store, writer)
+    assert [r.id for r in store.dead_list(topics=["orders.retried", "orders.poison"])] == sorted(
+        [ids["retried"], ids["retried2"], ids["poison"]])
+    assert store.dead_list(topics=["orders.none"]) == []
+    result = store.requeue(topics=["orders.retried", "orders.poison"])
+    assert result.requeued == {"orders.retried": 2} and result.permanent == {"orders.poison": 1}
+    assert statuses(store) == {ids["retried"]: Status.PENDING, ids["retried2"]: Status.PENDING,
+                               ids["lease"]: Status.DEAD, ids["poison"]: Status.DEAD,
+                               ids["undecodable"]: Status.DEAD}
+    forced = store.requeue(topics=["orders.poison"], force=True, chunk=1)
+    assert forced.requeued == {"orders.poison": 1} and statuses(store)[ids["undecodable"]] == Status.DEAD
+    assert [r.id for r in store.dead_list()] == sorted([ids["lease"], ids["undecodable"]])
+    with pytest.raises(ValueError, match="not both"):
+        store.requeue([ids["lease"]], topics=["orders.lease"])
+
+
 def test_requeue_ids_is_all_or_nothing(store: OutboxStore, writer: Any) -> None:
     ids = dead_rows(store, writer)
     pending = add(writer, store, "x")[0]

@@ -83,6 +83,33 @@ def test_requeue_ids_refuses_unknown_live_and_permanent_rows(dead: dict[str, Any
     assert status(store, ids["bad"]) == Status.PENDING
 
 
+def test_requeue_of_a_topic_leaves_the_other_topics_dead(dead: dict[str, Any]) -> None:
+    """docs/operations.md: events of one topic went dead for want of a bound queue; once it is
+    bound, ``--topic`` requeues that topic's rows alone (``--all`` took every topic's)."""
+    ids, store = dead["ids"], dead["store"]
+    listed = run("dead", "list", "--topic", "orders.paid", "--topic", "orders.big", env=dead["env"])
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == [
+        str(ids["r1"]), str(ids["r2"]), str(ids["poison"])]
+    none = run("dead", "list", "--topic", "orders.none", env=dead["env"])
+    assert none.returncode == 0 and errors(none) == [] and none.stdout.splitlines() == ["no dead rows of topic orders.none"]
+    result = run("dead", "requeue", "--topic", "orders.paid", "--topic", "orders.big", env=dead["env"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "requeued 2 row(s)", "  orders.paid: 2",
+        "kept 1 dead row(s) with a permanent reason (use --force to requeue them too)", "  orders.big: 1"]
+    assert status(store, ids["r3"]) == status(store, ids["poison"]) == Status.DEAD
+    assert status(store, ids["r1"]) == status(store, ids["r2"]) == Status.PENDING
+    with_all = run("dead", "requeue", "--all", "--topic", "orders.created", env=dead["env"])
+    assert with_all.returncode == 0 and with_all.stdout.splitlines() == ["requeued 1 row(s)", "  orders.created: 1"]
+    assert status(store, ids["bad"]) == Status.DEAD
+    both = run("dead", "requeue", "--topic", "orders.bad", str(ids["bad"]), env=dead["env"])
+    assert both.returncode == 2 and "not both" in both.stderr
+    helped = run("dead", "requeue", "--help", env={})
+    assert "--topic NAME" in helped.stdout
+    assert "--topic NAME" in run("dead", "list", "--help", env={}).stdout
+
+
 def test_requeue_usage_errors(dead: dict[str, Any]) -> None:
     assert run("dead", "requeue", env=dead["env"]).returncode == 2
     both = run("dead", "requeue", "--all", "1", env=dead["env"])

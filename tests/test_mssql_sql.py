@@ -164,6 +164,9 @@ def every_statement(schema: str | None, table: str,
     store.purge_done(timedelta(days=90), batch=500)
     store.stats()
     store.dead_list(limit=10, after_id=3)
+    store.dead_list(limit=10, topics=["orders.created", "orders.paid"])  # outbox dead list --topic
+    store.requeue(topics=["orders.paid"])  # outbox dead requeue --topic, and with --force
+    store.requeue(topics=["orders.paid"], force=True)
     store.requeue_dead()
     store.requeue_dead([8, 9])
     # Lost workers (docs/internals.md): a heartbeat, a takeover, an adoption, a graceful exit.

@@ -230,14 +230,17 @@ def dead() -> None:
 @dead.command("list")
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10_000))
 @click.option("--after-id", default=0, show_default=True, type=click.IntRange(0), help="Page after this id.")
+@click.option("--topic", "topics", metavar="NAME", multiple=True,
+              help="Only the dead rows of this topic; repeat it for several.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @one_line_errors
-def dead_list(limit: int, after_id: int, as_json: bool) -> None:
+def dead_list(limit: int, after_id: int, topics: tuple[str, ...], as_json: bool) -> None:
     """List dead rows, oldest first, with their last error."""
-    rows = _store().dead_list(limit=limit, after_id=after_id)
+    rows = _store().dead_list(limit=limit, after_id=after_id, topics=topics)
     if not rows:
         # Say it (on stderr with --json, whose stdout stays one object per line).
-        click.echo("no dead rows" + (f" after id {after_id}" if after_id else ""), err=as_json)
+        click.echo("no dead rows" + (f" of topic {', '.join(map(printable, sorted(set(topics))))}" if topics else "")
+                   + (f" after id {after_id}" if after_id else ""), err=as_json)
     for row in rows:
         if as_json:
             click.echo(json.dumps({**row.__dict__, "processed_at": row.processed_at.isoformat()
@@ -250,28 +253,33 @@ def dead_list(limit: int, after_id: int, as_json: bool) -> None:
 @dead.command("requeue")
 @click.argument("ids", nargs=-1, type=click.IntRange(1))
 @click.option("--all", "everything", is_flag=True, help="Requeue every dead row (except permanent ones).")
+@click.option("--topic", "topics", metavar="NAME", multiple=True,
+              help="Requeue every dead row of this topic (except permanent ones), as --all does for "
+                   "every topic; repeat it for several.")
 @click.option("--force", is_flag=True,
               help="Also requeue rows whose recorded reason is permanent (undecodable, poison).")
 @one_line_errors
-def dead_requeue(ids: tuple[int, ...], everything: bool, force: bool) -> None:
-    """Make dead rows pending again with a fresh attempt budget (give IDS or --all).
+def dead_requeue(ids: tuple[int, ...], everything: bool, topics: tuple[str, ...], force: bool) -> None:
+    """Make dead rows pending again with a fresh attempt budget (give IDS, --topic or --all).
 
     Prints what was requeued, per topic. A row whose last_error starts with a permanent
     reason ("undecodable row: ", "poison: ") would only fail again: it is refused unless
     --force (fix the row, or raise the limit, first). With IDS it is all or nothing: an
     id that does not exist, is not dead, or is refused is reported, nothing is requeued,
-    and the exit status is 1. --all requeues the rest and reports the rows it kept.
+    and the exit status is 1. --all requeues the rest and reports the rows it kept;
+    --topic the same over the dead rows of the topics named (with --all too: --all is
+    then those topics' every row).
 
     Order: a requeued event is delivered after the later events of its aggregate that were
     delivered while it was dead (consumers see an old event after newer ones), and it holds
     back its aggregate's pending events until it is done or dead again. Its last_error
     stays on the row (docs/relay.md, "Requeueing dead rows").
     """
-    if not ids and not everything:
-        raise click.UsageError("give the ids to requeue, or --all")
-    if ids and everything:
-        raise click.UsageError("give either ids or --all, not both")
-    result = _store().requeue(None if everything else list(ids), force=force)
+    if not ids and not everything and not topics:
+        raise click.UsageError("give the ids to requeue, --topic, or --all")
+    if ids and (everything or topics):
+        raise click.UsageError("give either ids or --all/--topic, not both")
+    result = _store().requeue(list(ids) if ids else None, force=force, topics=topics)
     problems = [f"no row with id {id}" for id in result.missing]
     problems += [f"row {id} is not dead (status {Status(status).name.lower()})"
                  for id, status in sorted(result.not_dead.items())]

@@ -702,14 +702,24 @@ class OutboxStore:
             age = self._seconds(oldest, now)
         return Stats(counts=by_name, oldest_pending_age_s=age, dead=by_name["dead"] if closed else None)
 
-    def dead_list(self, limit: int = 100, after_id: int = 0) -> list[DeadRow]:
+    def _topics_in(self, topics: Sequence[str] | None) -> tuple[str, list[Any]]:
+        """A condition on the dead rows of ``topics`` (``outbox dead ... --topic``) and its
+        parameters; any topic when ``topics`` is None or empty."""
+        if not topics:
+            return "1 = 1", []
+        listed, params = self.engine.in_list(sorted(set(topics)))
+        return f"topic IN {listed}", params
+
+    def dead_list(self, limit: int = 100, after_id: int = 0, topics: Sequence[str] | None = None) -> list[DeadRow]:
+        """Dead rows after ``after_id``, oldest first; of ``topics`` only, when given."""
         # Past rows others hold locked (Engine.past_locks_read): a dead row is committed and
         # unlocked, and with SQL Server's RCSI off a scan of the ids after the dead ones waited
         # on any open enqueue (docs/sqlserver.md, "READ_COMMITTED_SNAPSHOT").
+        cond, params = self._topics_in(topics)
         sql = self.engine.limit(
             "SELECT id, message_id, topic, aggregate_type, aggregate_id, attempts, last_error, processed_at "
-            f"FROM {self.engine.table}{self.engine.past_locks_read} WHERE status = 4 AND id > ? ORDER BY id")
-        rows = self._run("dead_list", lambda c: self.engine.execute(c, sql, [after_id, limit]).fetchall())
+            f"FROM {self.engine.table}{self.engine.past_locks_read} WHERE status = 4 AND id > ? AND {cond} ORDER BY id")
+        rows = self._run("dead_list", lambda c: self.engine.execute(c, sql, [after_id, *params, limit]).fetchall())
         return [DeadRow(int(r[0]), r[1], r[2], r[3], r[4], int(r[5]), r[6], self.engine.to_datetime(r[7]))
                 for r in rows]
 
@@ -756,7 +766,8 @@ class OutboxStore:
             after = rows[-1][0]
 
     def requeue(self, ids: Sequence[int] | None = None, *, force: bool = False,
-                chunk: int = REQUEUE_CHUNK, all_or_nothing: bool = True) -> RequeueResult:
+                chunk: int = REQUEUE_CHUNK, all_or_nothing: bool = True,
+                topics: Sequence[str] | None = None) -> RequeueResult:
         """Make dead rows pending again with a fresh attempt budget, reporting per topic.
 
         A row whose recorded reason is permanent (``engines.base.PERMANENT_ERROR_PREFIXES``:
@@ -768,18 +779,23 @@ class OutboxStore:
         ``all_or_nothing=False`` (the Django admin's selection) the ids are taken as
         ``None`` takes every dead row: ``chunk`` ids per short transaction in id order,
         each requeued unless permanent (without ``force``), not dead or gone, which are
-        reported (docs/relay.md, "Requeueing dead rows")."""
+        reported (docs/relay.md, "Requeueing dead rows"). ``topics`` (with ``ids=None`` only)
+        narrows "every dead row" to the dead rows of those topics (``--topic``)."""
         t = self.engine.table
         permanent = "(" + " OR ".join("last_error LIKE ?" for _ in PERMANENT_ERROR_PREFIXES) + ")"
         permanent_params = [prefix + "%" for prefix in PERMANENT_ERROR_PREFIXES]
+        if topics and ids is not None:
+            raise ValueError("requeue takes ids or topics, not both")
+        of_topics, topic_params = self._topics_in(topics)
 
         if ids is None:
             if force:
-                return RequeueResult(requeued=self._requeue_all("1 = 1", [], chunk))
+                return RequeueResult(requeued=self._requeue_all(of_topics, topic_params, chunk))
             kept = self._run("requeue", lambda cursor: self.engine.execute(
-                cursor, f"SELECT topic, COUNT(*) FROM {t} WHERE status = 4 AND {permanent} GROUP BY topic",
-                permanent_params).fetchall())
-            requeued = self._requeue_all(f"(last_error IS NULL OR NOT {permanent})", permanent_params, chunk)
+                cursor, f"SELECT topic, COUNT(*) FROM {t} WHERE status = 4 AND {of_topics} AND {permanent} "
+                "GROUP BY topic", [*topic_params, *permanent_params]).fetchall())
+            requeued = self._requeue_all(f"{of_topics} AND (last_error IS NULL OR NOT {permanent})",
+                                         [*topic_params, *permanent_params], chunk)
             return RequeueResult(requeued=requeued,
                                  permanent={str(r[0]): int(r[1]) for r in sorted(kept, key=lambda r: str(r[0]))})
 
