@@ -87,6 +87,37 @@ def test_a_dramatiq_broker_on_kombus_default_vhost_url_connects() -> None:
         broker.close()
 
 
+def test_dramatiqs_dead_letters_are_kept_seven_days_as_documented() -> None:
+    """docs/dramatiq.md, "Dead-lettered messages": the relay's brokers keep a queue's dead
+    letters (``<queue>.XQ``) 7 days. On RabbitMQ the figure is the ``.XQ`` queue's
+    ``x-message-ttl`` argument: declaring the queue again with it is accepted, with another
+    value refused (PRECONDITION_FAILED), as the docs say of a changed value."""
+    import pika.exceptions
+
+    seven_days_ms = 7 * 24 * 3600 * 1000
+    redis_broker = make_broker(REDIS_URL, "unused", middleware=[])  # no connection made
+    assert redis_broker.dead_message_ttl == seven_days_ms
+    require("RabbitMQ", "127.0.0.1", 5672)
+    broker = make_broker(AMQP_URL, "unused", middleware=[])
+    queue = f"outbox-test-{uuid.uuid4().hex[:10]}"
+    try:
+        broker.declare_queue(queue)
+        assert broker.get_queue_message_counts(queue) == (0, 0, 0)  # declares the .DQ and .XQ queues
+        channel = broker.channel
+        channel.queue_declare(queue=f"{queue}.XQ", durable=True, arguments={"x-message-ttl": seven_days_ms})
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+            channel.queue_declare(queue=f"{queue}.XQ", durable=True, arguments={"x-message-ttl": 1000})
+        assert refused.value.reply_code == 406 and "x-message-ttl" in refused.value.reply_text
+    finally:
+        broker.close()
+        cleanup = make_broker(AMQP_URL, "unused", middleware=[])
+        try:
+            for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+                cleanup.channel.queue_delete(name)
+        finally:
+            cleanup.close()
+
+
 @pytest.mark.parametrize("url, words", [("rdis://h:6379/0", "did you mean 'redis'"),
                                          ("sqs://h", "Dramatiq has no broker for 'sqs'"),
                                          ("localhost:6379", "is not a broker URL")])
