@@ -241,36 +241,55 @@ def test_credentials_in_the_url_are_sent_under_the_ssl_protocol_too(tmp_path) ->
                                delivery_timeout_s=3.0)
         with KafkaPublisher(f"kafka://localhost:{front.port}", options=options) as pub:
             assert pub.publish_chain([event(1, "orders")]).ok  # TLS alone: the proxy and broker work
-        with KafkaPublisher(f"kafka://app:S3cret-pw@localhost:{front.port}", options=options) as pub:
-            result = pub.publish_chain([event(2, "orders")])
+        # The protocol unset (the SSL settings and the credentials make it sasl_ssl), or sasl_ssl.
+        for protocol in (None, "sasl_ssl"):
+            with KafkaPublisher(f"kafka://app:S3cret-pw@localhost:{front.port}",
+                                options=replace(options, security_protocol=protocol)) as pub:
+                result = pub.publish_chain([event(2, "orders")])
+            assert result.failure is not None and result.failure.kind is FailureKind.FATAL, result
+            assert "_AUTHENTICATION" in result.failure.reason and "S3cret-pw" not in result.failure.reason
     finally:
         broker.stop()
         front.close()
-    assert result.failure is not None and result.failure.kind is FailureKind.FATAL, result
-    assert "_AUTHENTICATION" in result.failure.reason and "S3cret-pw" not in result.failure.reason
-    assert producer_config(KafkaOptions(security_protocol="ssl"), "kafka://app:pw@k1:9093")["security.protocol"] == "sasl_ssl"
     assert producer_config(KafkaOptions(security_protocol="ssl"), "kafka://k1:9093")["security.protocol"] == "ssl"
+    with pytest.raises(ConfigError):  # ssl with credentials: test_a_protocol_without_sasl_...
+        producer_config(KafkaOptions(security_protocol="ssl"), "kafka://app:pw@k1:9093")
 
 
-def test_ssl_turned_into_sasl_ssl_by_the_urls_credentials_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
-    """Found in review (7 December 2026) of the change above: a deployment that ran with
-    OUTBOX_KAFKA_SECURITY_PROTOCOL=ssl against a TLS (mutual TLS) listener and a URL that also
-    carried a user and password (unused until then) now speaks SASL to that listener and fails
-    (FATAL `_AUTHENTICATION` at every claim), its setting overridden without a word. The
-    override is said once per process at WARNING, naming both settings and the way back."""
-    from outbox.publisher import kafka as kafka_module
+@pytest.mark.parametrize("protocol", ["ssl", "plaintext"])
+def test_a_protocol_without_sasl_and_credentials_in_the_url_stop_start_up(
+        protocol: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUTBOX_KAFKA_SECURITY_PROTOCOL=ssl (or plaintext), librdkafka's protocol without SASL,
+    with a user and password in the URL was replaced by sasl_ssl: a TLS-only listener (mutual
+    TLS) that worked with credentials left in the URL was then sent SASL and refused every
+    connection, behind one WARNING (``ssl``) or none (``plaintext``: TLS and SASL where clear
+    text was asked). Found in review (7 December): an explicit protocol is never replaced; the
+    contradiction stops start-up, ``outbox check`` and a publisher, naming both ways out."""
+    from outbox.commands.doctor import FAIL, run_checks
+    from outbox.core.config import reset_settings, startup_options
 
-    kafka_module._warn_ssl_with_credentials.cache_clear()
-    caplog.set_level(logging.WARNING, logger="outbox.publisher")
-    for _ in range(2):
-        assert producer_config(KafkaOptions(security_protocol="ssl"), "kafka://app:S3cret-pw@k1:9093")[
-            "security.protocol"] == "sasl_ssl"
-    producer_config(KafkaOptions(security_protocol="ssl"), "kafka://k1:9093")
-    producer_config(KafkaOptions(security_protocol="sasl_ssl"), "kafka://app:S3cret-pw@k1:9093")
-    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(told) == 1, told
-    assert "OUTBOX_KAFKA_SECURITY_PROTOCOL=ssl" in told[0] and "sasl_ssl" in told[0], told
-    assert "OUTBOX_PUBLISH_URL" in told[0] and "S3cret-pw" not in told[0], told
+    url = "kafka://app:S3cret-pw@k1:9093"
+    said = (f"OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} sends no user and password (librdkafka's security.protocol: "
+            "only sasl_ssl and sasl_plaintext do), but OUTBOX_PUBLISH_URL has them: set sasl_ssl to send them over "
+            f"TLS, or take them out of the URL for {protocol} alone")
+    with pytest.raises(ConfigError) as caught:
+        producer_config(KafkaOptions(security_protocol=protocol), url)
+    assert str(caught.value) == said
+    env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}", "OUTBOX_PUBLISH_URL": url,
+           "OUTBOX_KAFKA_SECURITY_PROTOCOL": protocol}
+    [destination] = [r for r in run_checks(env) if r.name == "destination"]
+    assert (destination.state, destination.detail) == (FAIL, said)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    reset_settings()
+    with pytest.raises(ConfigError) as caught:
+        startup_options()
+    assert str(caught.value) == said and "S3cret-pw" not in said
+    # Without credentials, or with a SASL protocol, each is what it says.
+    assert producer_config(KafkaOptions(security_protocol=protocol), "kafka://k1:9093")["security.protocol"] == protocol
+    for sasl in ("sasl_ssl", "sasl_plaintext"):
+        assert producer_config(KafkaOptions(security_protocol=sasl), url)["security.protocol"] == sasl
+    assert producer_config(KafkaOptions(), url)["security.protocol"] == "sasl_ssl"  # unset: never in clear
 
 
 def test_dead_letter_copy_goes_to_the_dead_letter_topic(kafka_bootstrap: str) -> None:

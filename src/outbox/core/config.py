@@ -408,8 +408,8 @@ class KafkaOptions(Options):
     topic_template: str = option("{topic}", "str", check=validate_kafka_topic_template)
     #: Off: an event whose Kafka topic does not exist is FATAL; on: the broker's auto-creation makes it.
     auto_create_topics: bool = option(False, "bool")
-    #: Unset: ``ssl`` when any OUTBOX_KAFKA_SSL_* is set, ``sasl_ssl`` with the URL's credentials
-    #: (also when ``plaintext`` or ``ssl``), else ``plaintext`` (``security``).
+    #: Unset: ``sasl_ssl`` with the URL's credentials, else ``ssl`` when any OUTBOX_KAFKA_SSL_* is
+    #: set, else ``plaintext``; ``plaintext`` or ``ssl`` with credentials is refused (``security``).
     security_protocol: str | None = option(None, "str", check=validate_kafka_security_protocol)
     sasl_mechanism: str | None = option(None, "str", check=validate_kafka_sasl_mechanism, key="sasl.mechanism")
     ssl_ca_location: str | None = option(None, "str", key="ssl.ca.location")
@@ -432,15 +432,21 @@ class KafkaOptions(Options):
 
     def security(self, credentials: bool) -> str:
         """librdkafka's ``security.protocol`` (docs/destinations.md, "Settings"): the setting,
-        else TLS when any OUTBOX_KAFKA_SSL_* is set and SASL with the URL's ``credentials``.
-        Credentials are always sent, never in clear by default: ``plaintext`` or ``ssl`` with them
-        is ``sasl_ssl`` (``ssl`` left them out, unsaid, until 7 December: review)."""
-        if self.security_protocol not in (None, "plaintext", "ssl"):
+        else TLS when any OUTBOX_KAFKA_SSL_* is set and SASL with the URL's ``credentials``
+        (``sasl_ssl``: never in clear unless asked). A setting that sends no credentials
+        (``plaintext``, ``ssl``) with credentials in the URL is a ConfigError: it is never
+        replaced by another protocol (docs/destinations.md, "Settings")."""
+        if credentials and self.security_protocol in ("plaintext", "ssl"):
+            raise ConfigError(
+                f"OUTBOX_KAFKA_SECURITY_PROTOCOL={self.security_protocol} sends no user and password (librdkafka's "
+                "security.protocol: only sasl_ssl and sasl_plaintext do), but OUTBOX_PUBLISH_URL has them: set "
+                f"sasl_ssl to send them over TLS, or take them out of the URL for {self.security_protocol} alone")
+        if self.security_protocol is not None:
             return self.security_protocol
         if credentials:
             return "sasl_ssl"
         tls = any(getattr(self, f.name) is not None for f, _ in self.declared().values() if f.name.startswith("ssl_"))
-        return "ssl" if tls or self.security_protocol == "ssl" else "plaintext"
+        return "ssl" if tls else "plaintext"
 
     def librdkafka(self) -> dict[str, Any]:
         """The fields that are librdkafka properties and are set, by their property names."""
@@ -615,7 +621,14 @@ def startup_options() -> tuple[Settings, RelayOptions]:
     warn_short_retention(settings)
     for family in relay_families(settings):
         current(family)
+    if settings.publish_url.startswith("kafka://"):  # the protocol against the URL's credentials
+        current(KafkaOptions).security(credentials=kafka_credentials(settings.publish_url))
     return settings, relay_options()
+
+
+def kafka_credentials(url: str) -> bool:
+    """Does a ``kafka://`` URL carry SASL's user and password (``kafka://user:pass@host``)?"""
+    return bool(url.split("://", 1)[1].rpartition("@")[0])
 
 
 def reset_settings() -> None:

@@ -87,8 +87,6 @@ def producer_config(options: KafkaOptions, url: str) -> dict[str, Any]:
     }
     config.update(options.librdkafka())
     config["security.protocol"] = options.security(credentials=bool(userinfo))  # TLS with any ssl.* setting
-    if userinfo and options.security_protocol == "ssl":
-        _warn_ssl_with_credentials()
     if userinfo:
         user, _, password = userinfo.partition(":")
         config["sasl.username"], config["sasl.password"] = unquote(user), unquote(password)
@@ -120,18 +118,6 @@ def size_problem(settings: Settings, options: KafkaOptions) -> str | None:
 @functools.lru_cache(maxsize=1)
 def _warn_size(problem: str) -> None:
     log.warning("outbox: %s", problem)
-
-
-@functools.cache
-def _warn_ssl_with_credentials() -> None:
-    """Once per process: OUTBOX_KAFKA_SECURITY_PROTOCOL=ssl given, but the URL's credentials make it
-    ``sasl_ssl`` (``KafkaOptions.security``). Until 7 December ``ssl`` left them out, so a
-    TLS-only (mutual TLS) listener worked with credentials in the URL; it is now sent SASL and
-    refuses every connection (found in review)."""
-    log.warning("outbox: OUTBOX_KAFKA_SECURITY_PROTOCOL=ssl with a user and password in OUTBOX_PUBLISH_URL "
-                "connects with sasl_ssl (TLS and SASL: the credentials are sent); for TLS alone (a listener "
-                "without SASL, mutual TLS) take the user and password out of the URL, else set sasl_ssl "
-                "(docs/destinations.md, \"Settings\")")
 
 
 def topic_of(options: KafkaOptions, message: OutboxMessage) -> str:
