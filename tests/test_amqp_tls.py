@@ -335,6 +335,24 @@ def test_outbox_check_reaches_celerys_amqp_broker_over_tls_when_broker_use_ssl_s
         wrong.close()
 
 
+@pytest.mark.parametrize("query", ["ssl_ca_certs=/etc/ca.pem", "ssl_cert_reqs=none&heartbeat=30"])
+@pytest.mark.parametrize("scheme", ["amqps", "amqp"])
+def test_tls_parameters_in_celerys_amqp_broker_url_stop_start_up(scheme: str, query: str) -> None:
+    """OUTBOX_CELERY_BROKER_URL=amqps://...?ssl_ca_certs=... was accepted, and kombu handed the
+    parameter to py-amqp: ``TypeError: SSLTransport._wrap_socket_sni() got an unexpected keyword
+    argument 'ssl_ca_certs'`` at every connect of the workers and of ``outbox check`` (found in
+    review). Refused when the settings are read, naming broker_use_ssl; kombu's ``ssl=1`` stays."""
+    url = f"{scheme}://app:S3cret@rabbit.example:5671//?{query}"
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={"OUTBOX_CELERY_BROKER_URL": url, "OUTBOX_DATABASE_URL": "sqlite:///o.db"})
+    said = str(caught.value)
+    assert said.startswith("OUTBOX_CELERY_BROKER_URL=") and query.split("=")[0] in said, said
+    assert "broker_use_ssl" in said and "S3cret" not in said, said
+    kept = f"{scheme}://app:S3cret@rabbit.example:5671//?ssl=1"
+    assert load_settings(environ={"OUTBOX_CELERY_BROKER_URL": kept, "OUTBOX_DATABASE_URL": "sqlite:///o.db"}
+                         ).broker_url == kept
+
+
 def test_celerys_bare_amqps_broker_checks_the_host_name(pki: Pki, broker: dict[str, Any],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Celery's broker on a bare ``amqps://`` (no ``broker_use_ssl``: Celery gives kombu

@@ -58,7 +58,7 @@ from .sources import (
     reset,
     use_conf,
 )
-from .tls import check_url_tls
+from .tls import AMQP_PLAIN_SCHEMES, AMQP_TLS_SCHEMES, check_url_tls, refuse_kombu_url_tls
 
 log = logging.getLogger("outbox.core.config")
 
@@ -85,8 +85,10 @@ def _publish_url(url: str, setting: str) -> str:
 
 def _celery_broker_url(url: str, setting: str) -> str:
     """OUTBOX_CELERY_BROKER_URL: a transport kombu has, with the TLS parameters of a Redis URL read
-    (an AMQP broker's TLS is Celery's ``broker_use_ssl``, not read here)."""
+    (an AMQP broker's TLS is Celery's ``broker_use_ssl``: ``ssl_*`` in its URL are refused)."""
     url = validate_kombu_url(url, setting)
+    if url.split("://", 1)[0].lower() in AMQP_TLS_SCHEMES + AMQP_PLAIN_SCHEMES:
+        return refuse_kombu_url_tls(url, setting)
     return check_url_tls(url, setting) if is_redis_url(url) else url
 
 

@@ -167,6 +167,21 @@ def split_amqp_url(url: str, setting: str) -> tuple[str, AmqpTls | None]:
     return ";".join(kept), _read(given, setting, shown)
 
 
+def refuse_kombu_url_tls(url: str, setting: str) -> str:
+    """``url`` (Celery's AMQP broker, whose TLS is Celery's ``broker_use_ssl``), refused when it
+    carries ``ssl_*`` parameters: kombu hands them to py-amqp as unknown keyword arguments, a
+    TypeError at every connect of the workers and of ``outbox check`` (docs/relay.md, "TLS to
+    Celery's RabbitMQ"). kombu's own ``ssl=1`` is left to it."""
+    keys = sorted({unquote(piece.partition("=")[0]) for one in url.split(";")
+                   for piece in one.partition("?")[2].split("&") if piece.lower().startswith("ssl_")})
+    if keys:
+        raise ConfigError(f"{setting}={redact(repr(url))}: {', '.join(keys)} cannot be read from Celery's broker URL "
+                          "(kombu passes them to py-amqp, which refuses them at every connect): give Celery's "
+                          "broker_use_ssl in its config module instead, e.g. {'ca_certs': '/path/ca.pem', "
+                          "'cert_reqs': ssl.CERT_REQUIRED}")
+    return url
+
+
 def check_url_tls(url: str, setting: str) -> str:
     """``url``, after its TLS parameters have been read: an AMQP URL's by ``split_amqp_url``, a
     Redis URL's by ``check_redis_tls`` (the settings' check)."""
@@ -309,5 +324,5 @@ def _read(given: dict[str, str], setting: str, shown: str) -> AmqpTls:
                    check_hostname=_BOOLEANS[hostname], server_hostname=given.get("ssl_server_hostname") or None)
 
 
-__all__ = ["AmqpTls", "split_amqp_url", "check_url_tls", "check_redis_tls", "REDIS_TLS_PARAMETERS", "kombu_connection", "redis_py_url", "redis_cert_reqs", "REDIS_CERT_REQS",
+__all__ = ["AmqpTls", "split_amqp_url", "check_url_tls", "refuse_kombu_url_tls", "check_redis_tls", "REDIS_TLS_PARAMETERS", "kombu_connection", "redis_py_url", "redis_cert_reqs", "REDIS_CERT_REQS",
            "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]
