@@ -83,7 +83,8 @@ def test_a_dramatiq_broker_on_kombus_default_vhost_url_connects() -> None:
         broker.declare_queue(queue)
         assert broker.get_queue_message_counts(queue)[0] == 0
     finally:
-        broker.channel.queue_delete(queue)
+        for suffix in ("", ".DQ", ".XQ"):  # the message counts declared Dramatiq's two companions
+            broker.channel.queue_delete(f"{queue}{suffix}")
         broker.close()
 
 
