@@ -418,10 +418,10 @@ def test_throttled_wakes_on_a_rabbitmq_dramatiq_broker_keep_one_connection(monke
 
 
 _WRITER = """
-import json, sys, time
+import json, os, sys, time
 from outbox import wake
 end = time.monotonic() + float(sys.argv[1])
-while time.monotonic() < end:  # a writer committing ~100 times a second, each commit a wake
+while time.monotonic() < end and not os.path.exists(sys.argv[2]):  # ~100 commits a second, each a wake
     wake.request_claim()
     time.sleep(0.01)
 print(json.dumps({"flushed": wake.flush(10.0)}))
@@ -445,10 +445,18 @@ def test_a_burst_of_writers_on_a_rabbitmq_dramatiq_broker_queues_a_bounded_numbe
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env.update(OUTBOX_DRAMATIQ_BROKER_URL=AMQP_URL, OUTBOX_NAMESPACE=namespace,
                OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, "3.0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(writers)]
+    stop = tmp_path / "stop"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, "30.0", str(stop)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(writers)]
     sender = brokers.make_broker(AMQP_URL, "dramatiq", middleware=[])
     try:
+        # The writers run until the queue has reached the cap and 2 s more (at most 30 s: a
+        # loaded machine starts them slowly), so the cap, not the writers' pace, bounds it.
+        reached = time.monotonic() + 30.0
+        while time.monotonic() < reached and (brokers.queue_length(sender, claim_queue) or 0) < MAX_QUEUED_CLAIMS:
+            time.sleep(0.1)
+        time.sleep(2.0)
+        stop.touch()
         outs = [proc.communicate(timeout=60) for proc in procs]
         assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outs]
         assert all(json.loads(out.splitlines()[-1])["flushed"] for out, _ in outs), outs
