@@ -205,7 +205,7 @@ def test_manage_py_migrate_brings_a_table_of_an_earlier_release_forward(database
         assert not options()
         ok(manage("migrate", "outbox", "0002", "--noinput", env=env))  # the migrations that release had
         out = ok(manage("migrate", "--noinput", env=env))
-        assert "Applying outbox.0003" in out, out
+        assert "Applying outbox.0003" in out and "Applying outbox.0004" in out, out
         assert options() == made
     finally:
         store.close()

@@ -315,8 +315,8 @@ def test_claim_locks_candidates_and_probes_without_readpast(schema: str | None, 
     # locked skipping those another claim holds; READPAST is in those reads only, never in
     # a probe (the window's probe reads as the candidates' does).
     window = next(s for s in statements if s.startswith("INSERT INTO @win"))
-    (window_ref,) = outbox_refs(parse_one(window), engine)
-    assert hints(window_ref) == {"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}
+    window_refs = outbox_refs(parse_one(window), engine)  # two walks: rows without a time, due rows
+    assert len(window_refs) == 2 and all(hints(r) == {"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"} for r in window_refs)
     heads = next(s for s in statements if s.startswith("INSERT INTO @held"))
     (heads_ref,) = outbox_refs(parse_one(heads), engine)
     assert hints(heads_ref) == LOCK_HINTS | {"FORCESEEK"} and "SELECT TOP (@heads) o.id FROM @free" in heads
@@ -324,7 +324,7 @@ def test_claim_locks_candidates_and_probes_without_readpast(schema: str | None, 
     free = next(s for s in statements if s.startswith("INSERT INTO @free"))
     (free_ref,) = outbox_refs(parse_one(free), engine)
     assert hints(free_ref) == {"READCOMMITTEDLOCK", "FORCESEEK"} and "FROM @win" in free
-    assert engine.claim_batch().count("READPAST") == 3
+    assert engine.claim_batch().count("READPAST") == 4  # the window's two walks, the heads, the candidates
     update = parse_one(next(s for s in statements if s.startswith("UPDATE")))
     assert isinstance(update, exp.Update)
     assert "INTO @out" in update.sql("tsql")  # OUTPUT ... INTO a table variable, never bare OUTPUT
@@ -346,11 +346,36 @@ def test_a_claim_that_reads_past_blocked_rows_binds_alike_and_only_chooses_with_
     params = engine.claim_params(10, "f" * 32, 60_000, 3, [7])
     assert engine.claim_batch(own_transaction, skip_blocked=True).count("?") == len(params)
     window = next(s for s in past if s.startswith("INSERT INTO @win"))
-    scan_ref, probe_ref = outbox_refs(parse_one(window), engine)
-    assert hints(scan_ref) == {"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}
-    assert hints(probe_ref) == {"READCOMMITTEDLOCK", "READPAST", "FORCESEEK"}
+    refs = outbox_refs(parse_one(window), engine)  # the window's two walks, the probe
+    assert sorted(sorted(hints(r)) for r in refs) == [["FORCESEEK", "READCOMMITTEDLOCK", "READPAST"]] + [
+        ["READCOMMITTEDLOCK", "READPAST", "ROWLOCK"]] * 2
     assert f"TOP (@window * {engine.BLOCKED_SCAN})" in window and "SELECT TOP (1) e.status" in window
     assert "FROM @behind AS b WHERE b.id = e.id" in window and window.rstrip(";").endswith("ORDER BY s.id")
+
+
+@pytest.mark.parametrize("skip_blocked", [False, True])
+def test_the_claims_window_reads_no_row_waiting_for_a_later_time(skip_blocked: bool,
+                                                                 no_sqlglot_fallbacks: None) -> None:
+    """docs/internals.md, "Rows waiting for a later time are not read": the window walked
+    claim_ready (id) over every open row, past every failed row whose retry was not due. Now
+    claim_ready's keys start with next_retry_at and each of the window's reads of the table
+    is one seek of it: the rows without a time (IS NULL, in the index's order) or the due
+    ones (a range up to now), each stopped after the window."""
+    from outbox.storage.engines.mssql import INDEXES
+
+    engine = MssqlEngine(table="outbox")
+    assert next(i for i in INDEXES if i.suffix == "claim_ready").keys == ("next_retry_at", "id")
+    window = next(s for s in engine.claim_statements(skip_blocked=skip_blocked) if s.startswith("INSERT INTO @win"))
+    sources = [(select, select.args.get("from") or select.args.get("from_")) for select in
+               parse_one(window).find_all(exp.Select)]
+    walks = [select for select, source in sources if source is not None and isinstance(source.this, exp.Table)
+             and source.this in outbox_refs(source, engine)
+             and hints(source.this) == {"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}]
+    assert len(walks) == 2
+    assert sorted(w.args["where"].this.sql("tsql").split(" AND ")[-1] for w in walks) == [
+        "next_retry_at <= SYSUTCDATETIME()", "next_retry_at IS NULL"]
+    size = "@window" if not skip_blocked else f"@window * {engine.BLOCKED_SCAN}"
+    assert window.count(f"SELECT TOP ({size}) id, ") == 2  # each walk stopped after the window
 
 
 def test_the_claim_is_linear_in_a_hot_aggregates_window(no_sqlglot_fallbacks: None) -> None:
@@ -394,7 +419,7 @@ def test_a_null_aggregate_id_is_filed_under_a_key_of_its_own_in_the_claims_table
     for variable in ("@win", "@cand"):
         insert = parse_one(next(s for s in statements if s.startswith(f"INSERT INTO {variable} ")))
         keys = [c for c in insert.find_all(exp.Coalesce) if c.this.name == "aggregate_id"]
-        assert len(keys) == 1, insert.sql("tsql")
+        assert len(keys) == (2 if variable == "@win" else 1), insert.sql("tsql")  # @win: each of its two walks
         fallback = keys[0].expressions[0].sql("tsql")
         assert "outbox:null-aggregate_id:" in fallback and "CAST(" in fallback and "id AS NVARCHAR(20)" in fallback
 
@@ -426,13 +451,13 @@ def test_claim_returns_message_columns_in_order_and_binds_in_placeholder_order()
     params = engine.claim_params(batch=50, lease="L" * 32, timeout_ms=30_000, max_attempts=5)
     assert params == [50, 50 * engine.CLAIM_WINDOW, 5, "L" * 32, LEASE_EXPIRED_ERROR, -30_000, "[]"]
     assert engine.claim_params(50, "L" * 32, 30_000, 5, behind=[9, 3, 9])[-1] == "[3, 9]"
-    # The DECLARE binds all seven by name; eligible()'s lease cutoff, the sixth, is used three times.
+    # The DECLARE binds all seven by name; eligible()'s lease cutoff, the sixth, is used four times.
     batch = engine.claim_batch()
     declare = next(s for s in statements if s.startswith("DECLARE @batch"))
     assert re.findall(r"@(\w+) [A-Z]+(?:\((?:\d+|MAX)\))? = \?", declare) == ["batch", "window", "max_attempts", "lease",
                                                                            "lease_error", "expired_ms",
                                                                            "behind_ids"]
-    assert batch.count("DATEADD(MILLISECOND, @expired_ms, SYSUTCDATETIME())") == 3
+    assert batch.count("DATEADD(MILLISECOND, @expired_ms, SYSUTCDATETIME())") == 4
     assert placeholders(batch) == len(params)
 
 
@@ -1109,8 +1134,9 @@ def test_index_checks_compare_definitions_not_names(no_sqlglot_fallbacks: None) 
     tree = parse_one(probe)
     assert isinstance(tree, exp.Select)
     assert "i.name = N'ix_outbox_claim_ready'" in probe and "i.is_unique = 0" in probe
-    assert f"AND n.index_id = i.index_id) = {1 + len(claim_ready.include)}" in probe
-    assert "ic.key_ordinal = 1 AND ic.is_descending_key = 0 AND c.name = N'id'" in probe
+    assert f"AND n.index_id = i.index_id) = {2 + len(claim_ready.include)}" in probe
+    assert "ic.key_ordinal = 1 AND ic.is_descending_key = 0 AND c.name = N'next_retry_at'" in probe
+    assert "ic.key_ordinal = 2 AND ic.is_descending_key = 0 AND c.name = N'id'" in probe
     for column in claim_ready.include:
         assert f"ic.is_included_column = 1 AND c.name = N'{column}'" in probe
     assert f"i.has_filter = 1 AND {filter_sql('i.filter_definition')} IN (" in probe

@@ -42,7 +42,7 @@ def create_table(connection: Any) -> None:
 
 
 def run_relay_ddl(apps: Any, schema_editor: Any) -> None:
-    """The app's migrations' one operation on the table (0001, 0002, 0003: ``RunPython``):
+    """The app's migrations' one operation on the table (0001 to 0004: ``RunPython``):
     ``create_table`` on the migration's connection, which leaves what exists alone."""
     create_table(schema_editor.connection)
 

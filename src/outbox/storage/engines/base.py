@@ -327,6 +327,18 @@ class Engine(ABC):
         its hint here."""
         return self.table
 
+    def window_source(self) -> str:
+        """The table as the claim window's walks of ``claim_ready`` name it (``window_sql``):
+        ``open_rows_source`` unless the engine's planner must be told that index."""
+        return self.open_rows_source()
+
+    def chains_source(self) -> str:
+        """The table as the claim's reads of the window's aggregates' open rows name it (the
+        first open row of each: ``_first_blockers``, ``unblocked_rows``): ``open_rows_source``
+        unless the engine's planner must be told to read them per aggregate, so that the rows
+        of other aggregates (failed rows waiting for their time) are not read."""
+        return self.open_rows_source()
+
     def id_range_source(self) -> str:
         """The table as statements that walk a range of ids name it (``FROM ...``): the
         pipeline's pages, the archive's deletes and the purge's chunks. An engine whose
@@ -738,13 +750,27 @@ class Engine(ABC):
         """The generic claim's window: the ``size`` oldest eligible rows, as (id, aggregate_id,
         status, attempts); with ``unblocked_behind`` (a claim's ``behind``, for
         ``skip_blocked``) the first ``size`` of ``unblocked_rows`` in ``BLOCKED_SCAN`` windows."""
-        scan = self.limit(
-            f"SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} WHERE {self.eligible()} "
-            "ORDER BY id")
+        scan = size if unblocked_behind is None else size * self.BLOCKED_SCAN
+        rows = list(self.execute(cursor, self.window_sql(), [-timeout_ms, scan, -timeout_ms, scan, scan]).fetchall())
         if unblocked_behind is None:
-            return list(self.execute(cursor, scan, [-timeout_ms, size]).fetchall())
-        rows = list(self.execute(cursor, scan, [-timeout_ms, size * self.BLOCKED_SCAN]).fetchall())
+            return rows
         return self.unblocked_rows(cursor, rows, timeout_ms, unblocked_behind)[:size]
+
+    def window_sql(self) -> str:
+        """The oldest ``?`` (the second and fourth parameter, and the last) eligible rows as
+        (id, aggregate_id, status, attempts), read as two walks of ``claim_ready``
+        (``next_retry_at, id``), so that rows waiting for a later time are never read: the rows
+        without a time (pending, claimed) in id order, and the rows whose time has come (a due
+        retry, a delayed release), each stopped after ``?`` rows, then the oldest of both. A walk
+        of the open rows in id order read every failed row not yet due before the first it could
+        take (docs/internals.md, "Rows waiting for a later time are not read"). The first and
+        third parameter: the lease length in ms, negated."""
+        columns = f"SELECT id, aggregate_id, status, attempts FROM {self.window_source()} WHERE {self.eligible()}"
+        # ORDER BY next_retry_at, id: the index's own order (all NULL in the first walk), which
+        # a planner that does not take IS NULL as an equality then follows without a sort.
+        ready = self.limit(f"{columns} AND next_retry_at IS NULL ORDER BY next_retry_at, id")
+        due = self.limit(f"{columns} AND next_retry_at <= {self.now} ORDER BY id")
+        return self.limit(f"SELECT * FROM ({ready}) ready UNION ALL SELECT * FROM ({due}) due ORDER BY id")
 
     def unblocked_rows(self, cursor: Any, rows: list[tuple], timeout_ms: int, behind: Sequence[int]) -> list[tuple]:
         """Of window ``rows`` (id, aggregate_id, ...), those of *unblocked* aggregates: whose
@@ -762,7 +788,7 @@ class Engine(ABC):
         in_aggregates, aggregate_params = self.in_list(aggregates)
         not_behind, behind_params = self.in_list([int(i) for i in behind])
         first = self.execute(
-            cursor, f"SELECT MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} AND id <= ? "
+            cursor, f"SELECT MIN(id) FROM {self.chains_source()} WHERE {self.open_rows()} AND id <= ? "
             f"AND aggregate_id IN {in_aggregates}"
             + (f" AND id NOT IN {not_behind}" if behind else "")
             + f" GROUP BY {self.exact('aggregate_id')}",
@@ -819,7 +845,7 @@ class Engine(ABC):
         ids = [c.id for c in candidates] + [int(i) for i in behind if int(i) < last]  # neither blocks
         in_aggregates, aggregate_params = self.in_list(aggregates)
         not_in, id_params = self.in_list(ids)
-        sql = (f"SELECT MIN(aggregate_id), MIN(id) FROM {self.open_rows_source()} WHERE {self.open_rows()} "
+        sql = (f"SELECT MIN(aggregate_id), MIN(id) FROM {self.chains_source()} WHERE {self.open_rows()} "
                f"AND aggregate_id IN {in_aggregates} AND id < ? "
                f"AND id NOT IN {not_in} GROUP BY {self.exact('aggregate_id')}")
         rows = self.execute(cursor, sql, [*aggregate_params, last, *id_params]).fetchall()

@@ -183,20 +183,33 @@ class MysqlEngine(Engine):
     def exact(self, column: str) -> str:
         return f"CAST({column} AS BINARY)"  # utf8mb4_bin pads: 'x' = 'x ' (Engine.exact)
 
-    # The claim reads open rows through ``claim_ready`` (status, id) only: without these,
-    # its reads walked every done row kept for the retention period, per claim
+    # The claim reads open rows through ``claim_ready`` (status, next_retry_at, id) only:
+    # without these, its reads walked every done row kept for the retention period, per claim
     # (docs/internals.md, "Claims on MySQL and MariaDB read open rows only").
     def open_rows_source(self) -> str:
         return f"{self.table} FORCE INDEX ({self.quote(self.index_name('claim_ready'))})"
 
+    # The first open row of each of the window's aggregates: read per aggregate through
+    # ``agg_id_id`` (aggregate_id, status, id), its open rows only, not every open row before
+    # the window's last (docs/internals.md, "Rows waiting for a later time are not read").
+    def chains_source(self) -> str:
+        return f"{self.table} FORCE INDEX ({self.quote(self.index_name('agg_id_id'))})"
+
     def window_rows(self, cursor: Any, timeout_ms: int, size: int,
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
-        # One branch per status, each read in id order from its own range of the index
-        # and stopped after ``size`` rows; then the oldest ``size`` of them.
+        # One branch per status and time, each read in id order from its own range of the
+        # index and stopped after ``size`` rows; then the oldest ``size`` of them. The rows
+        # without a time (pending, claimed) are read in the index's order; those whose time has
+        # come (a due retry, a delayed release) from their range, sorted: rows still waiting for
+        # their time are never read (docs/internals.md, "Rows waiting for a later time are not read").
         # skip_blocked: BLOCKED_SCAN windows read, then only rows of unblocked aggregates kept.
         scan = size if unblocked_behind is None else size * self.BLOCKED_SCAN
+        due = f"next_retry_at <= {self.now}"
         branches, params = [], []
-        for status, cond in self.eligible_branches():
+        # ORDER BY id, not the index's (next_retry_at, id): MariaDB sorted every row of the
+        # branch for that one, and takes IS NULL as an equality for this one.
+        for status, cond in ((0, "next_retry_at IS NULL"), (1, f"next_retry_at IS NULL AND claimed_at < {self.now_plus_ms()}"),
+                             (0, due), (3, due)):
             branches.append(f"(SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} "
                             f"WHERE status = {status} AND {cond} ORDER BY id LIMIT ?)")
             params += [-timeout_ms] * cond.count("?") + [scan]
@@ -379,16 +392,24 @@ class MysqlEngine(Engine):
         # Every column of the contract but the id (README, "The table").
         for column, ddl in self.ADDED_COLUMNS:
             steps.append((column_exists(column), f"ALTER TABLE {t} ADD COLUMN {column} {ddl}"))
-        for suffix, ddl in (("message_id", "UNIQUE INDEX {name} ON {t} (message_id)"),
-                            ("agg_id_id", "INDEX {name} ON {t} (aggregate_id, id)"),
-                            ("claim_ready", "INDEX {name} ON {t} (status, id)"),
-                            ("done_processed_at", "INDEX {name} ON {t} (status, processed_at)")):
+        # agg_id_id was (aggregate_id, id) and claim_ready (status, id) until the claim stopped
+        # reading rows that wait for a later time (docs/internals.md, "Rows waiting for a later
+        # time are not read"): an index whose second column is not today's is built again.
+        for suffix, columns in (("message_id", "message_id"), ("agg_id_id", "aggregate_id, status, id"),
+                                ("claim_ready", "status, next_retry_at, id"), ("done_processed_at", "status, processed_at")):
             name, old = self.index_name(suffix), self.legacy_index_name(suffix)
+            kind = "UNIQUE INDEX" if suffix == "message_id" else "INDEX"
             if old:  # named in full by an earlier release (Engine.legacy_name): renamed in place, not built again
                 taken = index_exists(name)
                 steps.append(((f"SELECT 1 WHERE NOT EXISTS ({index_exists(old)[0]}) OR EXISTS ({taken[0]})",
                                [*index_exists(old)[1], *taken[1]]), f"ALTER TABLE {t} RENAME INDEX {q(old)} TO {q(name)}"))
-            steps.append((index_exists(name), "CREATE " + ddl.format(name=q(name), t=t)))
+            if "," in columns:
+                exists, params = index_exists(name)
+                second = columns.split(", ")[1]
+                steps.append(((f"SELECT 1 WHERE NOT EXISTS ({exists}) OR EXISTS ({exists} AND seq_in_index = 2 "
+                               "AND column_name = ?)", [*params, *params, second]),
+                              f"ALTER TABLE {t} DROP INDEX {q(name)}, ADD {kind} {q(name)} ({columns})"))
+            steps.append((index_exists(name), f"CREATE {kind} {q(name)} ON {t} ({columns})"))
         return steps + self.holders_migration()
 
     def holders_migration(self) -> list[Any]:

@@ -348,14 +348,18 @@ class PostgresEngine(Engine):
         steps += [(("SELECT 1 FROM pg_class WHERE oid = to_regclass(?) AND EXISTS (SELECT 1 FROM "
                     "unnest(reloptions) AS option WHERE option LIKE ?)", [self.qualify(self.table_name), f"{name}=%"]),
                    f"ALTER TABLE {t} SET ({name} = {value})") for name, value in self.STORAGE.items()]
-        for suffix, columns, where in (("agg_id_id", "aggregate_id, id", "processed_at IS NULL"),
-                                       ("claim_ready", "id", "processed_at IS NULL"),
-                                       ("done_processed_at", "processed_at", "processed_at IS NOT NULL")):
+        # claim_ready was on (id) until the claim's window stopped reading rows that wait for
+        # a later time (docs/internals.md, "Rows waiting for a later time are not read"): an index
+        # on other columns is made again (``before``: an earlier release's columns, for its rename).
+        for suffix, before, columns, where in (
+                ("agg_id_id", "aggregate_id, id", "aggregate_id, id", "processed_at IS NULL"),
+                ("claim_ready", "id", "next_retry_at, id", "processed_at IS NULL"),
+                ("done_processed_at", "processed_at", "processed_at", "processed_at IS NOT NULL")):
             name = self.index_name(suffix)
             on_status = ("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = "
-                         "COALESCE(?, current_schema()) AND indexname = ? AND indexdef LIKE '%WHERE%status%')",
-                         [self.schema, name])
-            steps += [*self._rename_legacy_index(suffix, columns),
+                         "COALESCE(?, current_schema()) AND indexname = ? AND (indexdef LIKE '%WHERE%status%' "
+                         "OR indexdef NOT LIKE ?))", [self.schema, name, f"% USING btree ({columns}) %"])
+            steps += [*self._rename_legacy_index(suffix, columns, *{before} - {columns}),
                       (on_status, f"DROP INDEX {self.qualify(name)}"),
                       (self._has_index(suffix), f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}")]
         return steps + self.holders_migration()
@@ -364,19 +368,21 @@ class PostgresEngine(Engine):
         return ("SELECT 1 FROM information_schema.columns WHERE table_schema = COALESCE(?, current_schema()) "
                 "AND table_name = ? AND column_name = ?", [self.schema, self.table_name, column])
 
-    def _rename_legacy_index(self, suffix: str, columns: str) -> list[Any]:
+    def _rename_legacy_index(self, suffix: str, columns: str, *more: str) -> list[Any]:
         """The step that renames the index an earlier release made under its cut name
-        (``Engine.legacy_name``) when it is on this table with these columns (cut names could
-        collide: the one found may be another index's) and today's name is free: an instant
-        rename, where ``CREATE INDEX`` would build a second copy and block writes meanwhile."""
+        (``Engine.legacy_name``) when it is on this table with these columns, or ``more``'s (cut
+        names could collide: the one found may be another index's) and today's name is free: an
+        instant rename, where ``CREATE INDEX`` would build a second copy and block writes meanwhile."""
         old = self.legacy_index_name(suffix)
         if old is None:
             return []
         schema = "COALESCE(?, current_schema())"
+        matches = " OR ".join(["indexdef LIKE ?"] * (1 + len(more)))
         probe = (f"SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = {schema} AND tablename = ? "
-                 "AND indexname = ? AND indexdef LIKE ?) OR EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = "
+                 f"AND indexname = ? AND ({matches})) OR EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = "
                  f"{schema} AND indexname = ?)")
-        params = [self.schema, self.table_name, old, f"% USING btree ({columns})%", self.schema, self.index_name(suffix)]
+        params = [self.schema, self.table_name, old, *(f"% USING btree ({c})%" for c in (columns, *more)),
+                  self.schema, self.index_name(suffix)]
         return [((probe, params), f"ALTER INDEX {self.qualify(old)} RENAME TO {self.quote(self.index_name(suffix))}")]
 
     def _has_index(self, suffix: str) -> tuple[str, list[Any]]:
@@ -502,12 +508,9 @@ class PostgresEngine(Engine):
         eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
         window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
         not_behind, behind_ids = "e.id <> ALL (?::bigint[])", [int(i) for i in behind]  # bound three times
-        scan, past = f"SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible} ORDER BY id LIMIT {window}", ""
+        scan, past = self._window(eligible, window), ""
         if skip_blocked:  # Engine.unblocked_rows: BLOCKED_SCAN windows read, one probe per aggregate in them
-            past = f"""scan AS MATERIALIZED (
-                SELECT id, aggregate_id, status, attempts FROM {t} WHERE {eligible} ORDER BY id
-                LIMIT {window * self.BLOCKED_SCAN}
-            ),
+            past = f"""scan AS MATERIALIZED ({self._window(eligible, window * self.BLOCKED_SCAN)}),
             ready AS MATERIALIZED (
                 SELECT a.aggregate_id FROM (SELECT DISTINCT aggregate_id FROM scan) a
                 WHERE (SELECT {eligible} FROM {t} e WHERE e.aggregate_id = a.aggregate_id AND {self.open_rows("e.")}
@@ -555,6 +558,15 @@ class PostgresEngine(Engine):
             RETURNING {returning}"""
         return self.execute(cursor, sql, [*([behind_ids] if skip_blocked else []), behind_ids, behind_ids, behind_ids,
                                           LEASE_EXPIRED_ERROR, lease]).fetchall()
+
+    def _window(self, eligible: str, size: int) -> str:
+        """The ``size`` oldest ``eligible`` rows (id, aggregate_id, status, attempts), as
+        ``Engine.window_sql`` reads them: two walks of ``claim_ready`` (``next_retry_at, id``),
+        so rows waiting for a later time are not read."""
+        columns = f"SELECT id, aggregate_id, status, attempts FROM {self.table} WHERE {eligible}"
+        return (f"SELECT * FROM ({columns} AND next_retry_at IS NULL ORDER BY next_retry_at, id LIMIT {size}) ready "
+                f"UNION ALL SELECT * FROM ({columns} AND next_retry_at <= now() ORDER BY id LIMIT {size}) due "
+                f"ORDER BY id LIMIT {size}")
 
     def _chain_rule(self, prefix: str, rows: str, outside: str, max_attempts: int) -> str:
         """The rule of ``plan_claim`` over ``rows`` (id, aggregate_id, status, attempts, head:

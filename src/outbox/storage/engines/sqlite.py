@@ -84,6 +84,32 @@ class SqliteEngine(Engine):
     def now_plus_ms(self) -> str:
         return "strftime('%Y-%m-%d %H:%M:%f', 'now', (? / 1000.0) || ' seconds')"
 
+    # Without statistics (the relay runs no ANALYZE) SQLite read the claim's window and the
+    # window's aggregates' first open rows through (status, processed_at), every open row, and
+    # with them it scanned the table: told which index (docs/internals.md, "Rows waiting for a
+    # later time are not read"), where the table has them (``window_rows`` looks once): a table
+    # another script made without them keeps claiming, unhinted, as before.
+    _indexed: bool | None = None
+
+    def window_source(self) -> str:
+        if not self._indexed:
+            return self.table
+        return f"{self.table} INDEXED BY {self.quote(self.index_name('claim_ready'))}"
+
+    def chains_source(self) -> str:
+        if not self._indexed:
+            return self.table
+        return f"{self.table} INDEXED BY {self.quote(self.index_name('agg_id_id'))}"
+
+    def window_rows(self, cursor: Any, timeout_ms: int, size: int,
+                    unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
+        if self._indexed is None:
+            wanted = [self.index_name("claim_ready"), self.index_name("agg_id_id")]
+            found = self.execute(cursor, f"SELECT COUNT(*) FROM {self.master()} WHERE type = 'index' AND name IN (?, ?)",
+                                 wanted).fetchone()
+            self._indexed = int(found[0]) == len(wanted)
+        return super().window_rows(cursor, timeout_ms, size, unblocked_behind)
+
     def id_range_source(self) -> str:
         # With no statistics (ANALYZE never ran) SQLite walks the (status, processed_at)
         # index over every done row for each page or delete chunk of an id range: the
@@ -205,8 +231,13 @@ class SqliteEngine(Engine):
             f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('message_id')} ON {self.table_name_only()} (message_id)",
             f"CREATE INDEX IF NOT EXISTS {self.index_ref('agg_id_id')} ON {self.table_name_only()} (aggregate_id, id) "
             "WHERE status IN (0, 1, 3)",
-            f"CREATE INDEX IF NOT EXISTS {self.index_ref('claim_ready')} ON {self.table_name_only()} (id) "
-            "WHERE status IN (0, 1, 3)",
+            # claim_ready on (id) until the claim's window stopped reading rows that wait for a
+            # later time (docs/internals.md, "Rows waiting for a later time are not read"): made again.
+            ((f"SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM {self.master()} WHERE type = 'index' AND name = ? "
+              "AND sql NOT LIKE '%(next_retry_at, id)%')", [self.index_name("claim_ready")]),
+             f"DROP INDEX {self.index_ref('claim_ready')}"),
+            f"CREATE INDEX IF NOT EXISTS {self.index_ref('claim_ready')} ON {self.table_name_only()} "
+            "(next_retry_at, id) WHERE status IN (0, 1, 3)",
             f"CREATE INDEX IF NOT EXISTS {self.index_ref('done_processed_at')} ON {self.table_name_only()} "
             "(status, processed_at)",
             *self.holders_migration(),
@@ -229,6 +260,10 @@ class SqliteEngine(Engine):
 
     def index_ref(self, suffix: str) -> str:
         return self.index_ref_of(self.index_name(suffix))
+
+    def master(self) -> str:
+        """The schema table of the database the outbox table is in (an attached one's own)."""
+        return "sqlite_master" if self.schema in (None, "main") else f"{self.quote(self.schema)}.sqlite_master"
 
     def index_ref_of(self, index: str) -> str:
         # Index names carry the attached database's name; the table they index does not.

@@ -99,8 +99,9 @@ INDEXES = (
     IndexSpec("agg_open", ("aggregate_id", "id"), filtered=True,
               why="the ordering probe: earlier open rows of an aggregate, never its done history; "
                   "status is not included, so a claim (0 -> 1) does not write to it"),
-    IndexSpec("claim_ready", ("id",), ("aggregate_id", "status", "attempts", "claimed_at", "next_retry_at"),
-              filtered=True, why="the claim scan over open rows only, covering eligible()"),
+    IndexSpec("claim_ready", ("next_retry_at", "id"), ("aggregate_id", "status", "attempts", "claimed_at"),
+              filtered=True, why="the claim scan over open rows only, covering eligible(); the due time first, so "
+                                 "rows waiting for a later time are never read"),
     IndexSpec("done_processed_at", ("status", "processed_at"), why="purge: oldest done rows first"),
     IndexSpec("open_created_at", ("created_at",), ("status",), filtered=True,
               why="outbox status and the metrics gauges: oldest open row and counts of open rows"),

@@ -346,15 +346,23 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
         reads past locked rows too: it only chooses the window, and the probes and locks
         after it decide what is claimed (``probe_select``)."""
         t = self.table
-        read = f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\nWHERE {eligible}\nORDER BY id"
+        size = "@window" if not skip_blocked else f"@window * {self.BLOCKED_SCAN}"
+        # Two walks of claim_ready (next_retry_at, id), each stopped after the window, then the
+        # oldest of both: the rows without a time in id order (the index's, IS NULL a seek) and
+        # the due ones; rows waiting for a later time are never read (docs/internals.md, "Rows
+        # waiting for a later time are not read").
+        walk = f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\nWHERE {eligible}"
+        columns = f"SELECT TOP ({size}) id, {self.chain_key()} AS aggregate_id, status, attempts"
+        read = (f"SELECT TOP ({size}) w.id, w.aggregate_id, w.status, w.attempts FROM (\n"
+                f"SELECT r.* FROM ({columns}\n{walk} AND next_retry_at IS NULL\nORDER BY next_retry_at, id) AS r\n"
+                f"UNION ALL\nSELECT d.* FROM ({columns}\n{walk} AND next_retry_at <= SYSUTCDATETIME()\n"
+                "ORDER BY id) AS d) AS w\nORDER BY w.id")
         if not skip_blocked:
-            return (f"INSERT INTO @win (id, aggregate_id, status, attempts)\n"
-                    f"SELECT TOP (@window) id, {self.chain_key()}, status, attempts\n{read};")
+            return f"INSERT INTO @win (id, aggregate_id, status, attempts)\n{read};"
         seek = self.probe_seek()
         return f"""INSERT INTO @win (id, aggregate_id, status, attempts)
 SELECT TOP (@window) s.id, s.aggregate_id, s.status, s.attempts
-FROM (SELECT TOP (@window * {self.BLOCKED_SCAN}) id, {self.chain_key()} AS aggregate_id, status, attempts
-{read}) AS s
+FROM ({read}) AS s
 WHERE NOT EXISTS (
     SELECT 1 FROM (
         SELECT TOP (1) e.status, e.next_retry_at, e.claimed_at
