@@ -17,15 +17,16 @@ ENGINES = ["sqlite", "postgresql", "mysql"]
 WAITING, AGGREGATES, PENDING, BATCH = 3000, 1000, 300, 50
 
 
-def add_rows(store: OutboxStore, waiting: int) -> None:
-    """``waiting`` rows of ``AGGREGATES`` aggregates, an hour from their time (every other one
-    failed, the rest released with a delay), then ``PENDING`` pending rows of other aggregates."""
+def add_rows(store: OutboxStore, waiting: int, time_ms: int = 3_600_000) -> None:
+    """``waiting`` rows of ``AGGREGATES`` aggregates, ``time_ms`` from their time (an hour: every
+    other one failed, the rest released with a delay; negative: due), then ``PENDING`` pending
+    rows of other aggregates."""
     e = store.engine
     columns = "message_id, topic, aggregate_type, aggregate_id, payload, headers, created_at"
     with store.transaction() as cursor:
         e.executemany(cursor, f"INSERT INTO {e.table} ({columns}, status, attempts, next_retry_at) "
                       f"VALUES (?, 't', 'a', ?, '{{}}', '{{}}', {e.now}, ?, ?, {e.now_plus_ms()})",
-                      [(uuid.uuid4().hex, f"w{i % AGGREGATES}", 3 if i % 2 else 0, i % 2, 3_600_000)
+                      [(uuid.uuid4().hex, f"w{i % AGGREGATES}", 3 if i % 2 else 0, i % 2, time_ms)
                        for i in range(waiting)])
         e.executemany(cursor, f"INSERT INTO {e.table} ({columns}) VALUES (?, 't', 'a', ?, '{{}}', '{{}}', {e.now})",
                       [(uuid.uuid4().hex, f"p{i}") for i in range(PENDING)])
@@ -35,7 +36,7 @@ def add_rows(store: OutboxStore, waiting: int) -> None:
             cursor.fetchall()
 
 
-def examined_by_a_claim(store: OutboxStore) -> int:
+def examined_by_a_claim(store: OutboxStore, taken: str = "p") -> int:
     """What the engine examined for one claim of ``BATCH``, in its own transaction: MariaDB's
     handler reads, PostgreSQL's index entries and heap rows read (this transaction's
     statistics), SQLite's virtual machine steps (a progress handler every 100)."""
@@ -62,7 +63,7 @@ def examined_by_a_claim(store: OutboxStore) -> int:
             cursor.connection.set_progress_handler(None, 0)
         cursor.connection.rollback()
     assert len(claimed) == BATCH
-    assert {row[4] for row in claimed} <= {f"p{i}" for i in range(PENDING)}
+    assert all(row[4].startswith(taken) for row in claimed), claimed
     return after - before
 
 
@@ -79,6 +80,22 @@ def test_a_claim_does_not_read_the_rows_waiting_for_a_later_time(kind: str, make
     # against 3,450 entries, MariaDB 909 against 6,407 handler reads, SQLite 11,600 against
     # 62,600 steps). Now the plan may differ a little, by less than a third of a read per row.
     assert waited - plain < WAITING // 3, (plain, waited)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_claim_reads_a_window_of_the_due_rows_not_all_of_them(kind: str, make_store: Any) -> None:
+    """After an outage every failed row comes due at once: the claim reads the due rows in the
+    order of their time and stops after a window. A first version of the change above read
+    them in id order, which takes the whole range sorted: every due row at every claim, the
+    drain after an outage quadratic (50,000 due rows: 26 s against 9 s on PostgreSQL, 50 s
+    against 19 s on MariaDB)."""
+    few = make_store()
+    add_rows(few, WAITING // 10, time_ms=-1000)
+    some = examined_by_a_claim(few, taken="w")
+    many = make_store()
+    add_rows(many, WAITING, time_ms=-1000)
+    most = examined_by_a_claim(many, taken="w")
+    assert most - some < WAITING // 3, (some, most)
 
 
 OLD_INDEXES = {  # suffix: (the columns before this release, the columns now)

@@ -757,11 +757,12 @@ class Engine(ABC):
         return self.unblocked_rows(cursor, rows, timeout_ms, unblocked_behind)[:size]
 
     def window_sql(self) -> str:
-        """The oldest ``?`` (the second and fourth parameter, and the last) eligible rows as
+        """A window of ``?`` (the second and fourth parameter, and the last) eligible rows as
         (id, aggregate_id, status, attempts), read as two walks of ``claim_ready``
         (``next_retry_at, id``), so that rows waiting for a later time are never read: the rows
         without a time (pending, claimed) in id order, and the rows whose time has come (a due
-        retry, a delayed release), each stopped after ``?`` rows, then the oldest of both. A walk
+        retry, a delayed release) in the order of that time, each stopped after ``?`` rows, then
+        the oldest of both. A walk
         of the open rows in id order read every failed row not yet due before the first it could
         take (docs/internals.md, "Rows waiting for a later time are not read"). The first and
         third parameter: the lease length in ms, negated."""
@@ -769,7 +770,9 @@ class Engine(ABC):
         # ORDER BY next_retry_at, id: the index's own order (all NULL in the first walk), which
         # a planner that does not take IS NULL as an equality then follows without a sort.
         ready = self.limit(f"{columns} AND next_retry_at IS NULL ORDER BY next_retry_at, id")
-        due = self.limit(f"{columns} AND next_retry_at <= {self.now} ORDER BY id")
+        # The due rows in the order of their time, not of their ids: a range sorted by id is read
+        # whole, every due row at every claim after an outage (docs/internals.md, as above).
+        due = self.limit(f"{columns} AND next_retry_at <= {self.now} ORDER BY next_retry_at, id")
         return self.limit(f"SELECT * FROM ({ready}) ready UNION ALL SELECT * FROM ({due}) due ORDER BY id")
 
     def unblocked_rows(self, cursor: Any, rows: list[tuple], timeout_ms: int, behind: Sequence[int]) -> list[tuple]:

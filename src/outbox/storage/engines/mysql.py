@@ -197,21 +197,23 @@ class MysqlEngine(Engine):
 
     def window_rows(self, cursor: Any, timeout_ms: int, size: int,
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
-        # One branch per status and time, each read in id order from its own range of the
-        # index and stopped after ``size`` rows; then the oldest ``size`` of them. The rows
-        # without a time (pending, claimed) are read in the index's order; those whose time has
-        # come (a due retry, a delayed release) from their range, sorted: rows still waiting for
-        # their time are never read (docs/internals.md, "Rows waiting for a later time are not read").
+        # One branch per status and time, each read in the index's order from its own range
+        # and stopped after ``size`` rows; then the oldest ``size`` of them. The rows without a
+        # time (pending, claimed) are read in id order; those whose time has come (a due retry, a
+        # delayed release) in the order of that time: rows still waiting for their time are never
+        # read (docs/internals.md, "Rows waiting for a later time are not read").
         # skip_blocked: BLOCKED_SCAN windows read, then only rows of unblocked aggregates kept.
         scan = size if unblocked_behind is None else size * self.BLOCKED_SCAN
         due = f"next_retry_at <= {self.now}"
         branches, params = [], []
-        # ORDER BY id, not the index's (next_retry_at, id): MariaDB sorted every row of the
+        # Without a time ORDER BY id, not (next_retry_at, id): MariaDB sorted every row of the
         # branch for that one, and takes IS NULL as an equality for this one.
-        for status, cond in ((0, "next_retry_at IS NULL"), (1, f"next_retry_at IS NULL AND claimed_at < {self.now_plus_ms()}"),
-                             (0, due), (3, due)):
+        ready, by_time = "id", "next_retry_at, id"
+        for status, cond, order in ((0, "next_retry_at IS NULL", ready),
+                                    (1, f"next_retry_at IS NULL AND claimed_at < {self.now_plus_ms()}", ready),
+                                    (0, due, by_time), (3, due, by_time)):
             branches.append(f"(SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} "
-                            f"WHERE status = {status} AND {cond} ORDER BY id LIMIT ?)")
+                            f"WHERE status = {status} AND {cond} ORDER BY {order} LIMIT ?)")
             params += [-timeout_ms] * cond.count("?") + [scan]
         sql = " UNION ALL ".join(branches) + " ORDER BY id LIMIT ?"
         rows = list(self.execute(cursor, sql, [*params, scan]).fetchall())

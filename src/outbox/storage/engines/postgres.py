@@ -560,12 +560,12 @@ class PostgresEngine(Engine):
                                           LEASE_EXPIRED_ERROR, lease]).fetchall()
 
     def _window(self, eligible: str, size: int) -> str:
-        """The ``size`` oldest ``eligible`` rows (id, aggregate_id, status, attempts), as
+        """A window of ``size`` ``eligible`` rows (id, aggregate_id, status, attempts), as
         ``Engine.window_sql`` reads them: two walks of ``claim_ready`` (``next_retry_at, id``),
         so rows waiting for a later time are not read."""
         columns = f"SELECT id, aggregate_id, status, attempts FROM {self.table} WHERE {eligible}"
         return (f"SELECT * FROM ({columns} AND next_retry_at IS NULL ORDER BY next_retry_at, id LIMIT {size}) ready "
-                f"UNION ALL SELECT * FROM ({columns} AND next_retry_at <= now() ORDER BY id LIMIT {size}) due "
+                f"UNION ALL SELECT * FROM ({columns} AND next_retry_at <= now() ORDER BY next_retry_at, id LIMIT {size}) due "
                 f"ORDER BY id LIMIT {size}")
 
     def _chain_rule(self, prefix: str, rows: str, outside: str, max_attempts: int) -> str:

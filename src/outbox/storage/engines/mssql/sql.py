@@ -349,14 +349,14 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
         size = "@window" if not skip_blocked else f"@window * {self.BLOCKED_SCAN}"
         # Two walks of claim_ready (next_retry_at, id), each stopped after the window, then the
         # oldest of both: the rows without a time in id order (the index's, IS NULL a seek) and
-        # the due ones; rows waiting for a later time are never read (docs/internals.md, "Rows
-        # waiting for a later time are not read").
+        # the due ones in the order of their time (the index's too); rows waiting for a later
+        # time are never read (docs/internals.md, "Rows waiting for a later time are not read").
         walk = f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\nWHERE {eligible}"
         columns = f"SELECT TOP ({size}) id, {self.chain_key()} AS aggregate_id, status, attempts"
         read = (f"SELECT TOP ({size}) w.id, w.aggregate_id, w.status, w.attempts FROM (\n"
                 f"SELECT r.* FROM ({columns}\n{walk} AND next_retry_at IS NULL\nORDER BY next_retry_at, id) AS r\n"
                 f"UNION ALL\nSELECT d.* FROM ({columns}\n{walk} AND next_retry_at <= SYSUTCDATETIME()\n"
-                "ORDER BY id) AS d) AS w\nORDER BY w.id")
+                "ORDER BY next_retry_at, id) AS d) AS w\nORDER BY w.id")
         if not skip_blocked:
             return f"INSERT INTO @win (id, aggregate_id, status, attempts)\n{read};"
         seek = self.probe_seek()
