@@ -49,7 +49,8 @@ WINGS: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [
         ("publisher", ("outbox.publisher", "outbox.publisher.*")),
     ]),
     ("storage", [
-        ("Celery's database broker", ("outbox.transport", "outbox.transport.channel", "outbox.transport.send")),
+        ("Celery's database broker", ("outbox.transport", "outbox.transport.channel", "outbox.transport.send",
+                                         "outbox.transport.prefork")),
         ("the broker's database and messages", ("outbox.transport.database", "outbox.transport.messages",
                                                 "outbox.transport.options")),
         ("the broker's queue tables", ("outbox.transport.tables", "outbox.transport.tables.*")),

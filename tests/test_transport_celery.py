@@ -15,6 +15,8 @@ tests/transport_support.py's.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -37,6 +39,7 @@ from relay_e2e_support import (
     wait_until,
 )
 from services import AMQP_URL, REDIS_URL
+from test_transport_prefork import waits_for_a_task
 from transport_support import TaskApp
 
 from outbox import Status
@@ -364,6 +367,77 @@ def test_a_relay_worker_whose_process_group_gets_sigterm_exits(tmp_path: Path) -
                 time.sleep(1.0)
                 raise AssertionError(f"stop {n + 1}: the worker did not exit within 30 s of its process group's "
                                      f"SIGTERM\n{procs.log(name)[-3000:]}") from None
+    finally:
+        procs.stop_all()
+        drop_queue_tables(outbox.url, queue_table)
+        outbox.drop()
+
+
+def _pool_processes(worker: int) -> list[int]:
+    """The worker's live pool processes: its children, forked by any of its threads
+    (billiard's supervisor thread forks the replacements)."""
+    children = []
+    for task in Path(f"/proc/{worker}/task").iterdir():
+        with contextlib.suppress(OSError):
+            children += [int(pid) for pid in (task / "children").read_text().split()]
+    return [pid for pid in children if _wchan(pid) is not None]
+
+
+def _wchan(pid: int) -> str | None:
+    """Where the process's main thread sleeps in the kernel (None: gone or a zombie)."""
+    try:
+        if "(zombie)" in Path(f"/proc/{pid}/status").read_text():
+            return None
+        return Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return None
+
+
+@pytest.mark.slow  # about 17 s: a worker, beat, and the worker's warm stop
+def test_a_pool_process_killed_while_idle_does_not_stall_its_worker(tmp_path: Path, destination: Destination) -> None:
+    """On this transport Celery runs billiard's blocking pool, whose idle processes take turns
+    at one task pipe: the one whose turn it is waits for a task holding the pipe's lock between
+    processes. SIGKILLed there (the OOM killer), it used to leave that lock held: the other pool
+    process and the replacement waited on it for good and the worker ran no further task (3 of 3
+    in review), nor ended its warm shutdown. Now the lock dies with its holder and events written
+    after the kill are relayed (docs/transport.md, "A pool process killed by SIGKILL")."""
+    outbox = Outbox("postgresql", tmp_path)
+    queue_table = f"rq_{uuid.uuid4().hex[:10]}"
+    env = base_env(outbox, OUTBOX_PUBLISH_URL=AMQP_URL, OUTBOX_EXCHANGE=destination.exchange_name,
+                   OUTBOX_CELERY_BROKER_URL=f"outboxdb+{outbox.url}", OUTBOX_TRANSPORT_QUEUE_TABLE=queue_table,
+                   OUTBOX_CLAIM_INTERVAL_S="0.3")
+    procs = Procs(tmp_path, env)
+    try:
+        migrate = subprocess.run([str(Path(CELERY).parent / "outbox"), "migrate"], env=env, capture_output=True,
+                                 text=True, timeout=60)
+        assert migrate.returncode == 0, migrate.stdout + migrate.stderr
+        worker = procs.worker("w1", concurrency=2)
+        assert wait_until(lambda: " ready." in procs.log("w1"), timeout=60), procs.log("w1")[-3000:]
+        # No beat yet, so no task comes: the pool process whose turn it is waits on the empty pipe.
+
+        def reader() -> int | None:
+            pool = _pool_processes(worker.pid)
+            reading = [pid for pid in pool if waits_for_a_task(_wchan(pid) or "")]
+            return reading[0] if len(pool) == 2 and len(reading) == 1 else None
+
+        assert wait_until(lambda: reader() is not None, timeout=30), (
+            {pid: _wchan(pid) for pid in _pool_processes(worker.pid)})
+        victim = reader()
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        assert wait_until(lambda: "exited with 'signal 9 (SIGKILL)'" in procs.log("w1"), timeout=30), (
+            procs.log("w1")[-3000:])
+        killed_at = time.monotonic()
+        procs.beat()
+        with outbox.writer() as conn:
+            ids = {outbox.add(conn, f"k-{n % 2}", n) for n in range(6)}
+            conn.commit()
+        destination.wait_for(lambda: destination.arrived() >= ids, timeout=30, procs=procs)
+        assert destination.arrived() >= ids, (
+            f"{len(destination.arrived() & ids)} of {len(ids)} relayed in 30 s after a pool process was killed\n"
+            f"{procs.log('w1')[-3000:]}")
+        assert time.monotonic() - killed_at < 30
+        assert procs.stop("w1", timeout=45) == 0  # the pool's exit hook takes the same lock: it hung too
     finally:
         procs.stop_all()
         drop_queue_tables(outbox.url, queue_table)

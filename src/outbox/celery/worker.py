@@ -240,11 +240,15 @@ _prefork_pool: Any = None
 def _free_pool_read_lock() -> None:
     """After the pool has stopped, free the read lock of its task queue when a pool process
     died holding it (a SIGTERM to the whole process group): billiard's exit hook waits for that
-    lock, and the worker never exited (docs/relay.md, "Signal the main process only")."""
+    lock, and the worker never exited (docs/relay.md, "Signal the main process only"). Only
+    billiard's own lock: ``outbox.transport.prefork``'s dies with its holder."""
     pool, inqueue = _prefork_pool, getattr(_prefork_pool, "_inqueue", None)
     lock = getattr(inqueue, "_rlock", None)  # None: not the blocking pool (Celery's AsynPool, threads, solo)
     if lock is None or any(process.exitcode is None for process in getattr(pool, "_pool", ())):
         return  # a live pool process may hold it
+    from ..transport.prefork import ProcessLock
+    if isinstance(lock, ProcessLock):
+        return
     if lock.acquire(False):
         lock.release()
         return
@@ -307,6 +311,9 @@ def warn_short_visibility() -> None:
 @signals.worker_init.connect
 def _init(sender: Any = None, **_: Any) -> None:
     refuse_green_pool(getattr(sender, "pool_cls", None))  # SystemExit: not caught by Celery's signal
+    if sender is not None and not sender.use_eventloop:  # billiard's blocking pool (docs/transport.md,
+        from ..transport.prefork import robust_prefork  # "A pool process killed by SIGKILL")
+        sender.pool_cls = robust_prefork(sender.pool_cls, sender.use_eventloop)
     settings = relay_settings()
     try:
         missing = missing_library(settings)
