@@ -75,7 +75,7 @@ def test_management_commands_say_usage_errors_in_one_line_and_take_dash_h(tmp_pa
     and ``Error: ...`` where ``outbox`` prints one ``error:`` line, and ``-h`` was refused (found
     in the first-hour review)."""
     env = {"DJANGO_SETTINGS_MODULE": "shop.settings", "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}"}
-    for args, message in [(("outbox_dead", "requeue"), "error: give the ids to requeue, or --all"),
+    for args, message in [(("outbox_dead", "requeue"), "error: give the ids to requeue, --topic, or --all"),
                           (("outbox_status", "--bogus"), "error: No such option '--bogus'."),
                           (("outbox_purge", "--batch", "0"),
                            "error: Invalid value for '--batch': 0 is not in the range 1<=x<=100000.")]:
