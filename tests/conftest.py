@@ -60,8 +60,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         report.sections.append((f"child log {log.relative_to(tmp)} (last 6000 characters)", text[-6000:]))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups (docs/design.md, "The test suite")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``), every test
+    """Under pytest-xdist (``make test`` runs three workers, ``--dist loadgroup``), every test
     that runs Spark goes to one worker: one Spark session and one JVM for them all, as in a
     serial run, instead of one per worker (docs/design.md, "The test suite")."""
     for item in items:
