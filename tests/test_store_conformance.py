@@ -707,6 +707,22 @@ def test_stats_dead_list_and_requeue(store: OutboxStore, writer: Any) -> None:
     assert again.messages[0].attempt == 1
 
 
+def test_dead_rows_of_a_topic_are_those_of_that_exact_topic(store: OutboxStore, writer: Any) -> None:
+    """``outbox dead list/requeue --topic orders`` takes the dead rows of ``orders`` alone: not
+    ``orders `` (MySQL's and MariaDB's PAD SPACE collation compares them equal, as SQL Server
+    does) nor ``Orders`` (a case-insensitive collation: SQL Server's default, which its topic
+    column gets). Topics are exact strings to every destination (docs/relay.md, "Requeueing
+    dead rows")."""
+    ids = {topic: add(writer, store, f"t{n}", topic=topic)[0] for n, topic in enumerate(("orders", "orders ", "Orders"))}
+    claim = store.claim(10)
+    for event in ids.values():
+        store.mark_failed(event, claim.lease, "retriable: unroutable", dead=True)
+    assert [d.topic for d in store.dead_list(topics=["orders"])] == ["orders"]
+    assert store.requeue(topics=["orders"]).requeued == {"orders": 1}
+    assert statuses(store) == {ids["orders"]: Status.PENDING, ids["orders "]: Status.DEAD, ids["Orders"]: Status.DEAD}
+    assert store.requeue(topics=["orders ", "Orders"], force=True).requeued == {"Orders": 1, "orders ": 1}
+
+
 def test_stats_on_an_empty_table(store: OutboxStore) -> None:
     stats = store.stats()
     assert stats.oldest_pending_age_s is None

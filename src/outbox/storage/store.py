@@ -707,8 +707,7 @@ class OutboxStore:
         parameters; any topic when ``topics`` is None or empty."""
         if not topics:
             return "1 = 1", []
-        listed, params = self.engine.in_list(sorted(set(topics)))
-        return f"topic IN {listed}", params
+        return self.engine.exact_in("topic", sorted(set(topics)))  # "orders" is not "orders " nor "Orders"
 
     def dead_list(self, limit: int = 100, after_id: int = 0, topics: Sequence[str] | None = None) -> list[DeadRow]:
         """Dead rows after ``after_id``, oldest first; of ``topics`` only, when given."""
