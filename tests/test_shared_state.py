@@ -303,13 +303,14 @@ def test_a_directory_another_user_could_write_is_not_trusted(tmp_path: Path,
     assert w.stopping() is False
 
 
-def test_a_temp_directory_where_others_could_swap_the_users_directory_is_not_used(
+def test_a_temp_directory_where_others_could_swap_the_users_directory_is_used_only_with_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A temp directory others may write without the sticky bit (or under a directory like
     that) lets another local user rename ``outbox-<uid>`` away after it was checked and put a
     directory of their own in its place, whose files the relay would then trust (found in
-    review). Such a temp directory is not used: ``$XDG_RUNTIME_DIR`` when it is safe, else each
-    process keeps its state alone, with a warning."""
+    review). ``$XDG_RUNTIME_DIR`` is used instead when it is safe; else the temp directory all
+    the same, with a warning: a container's scratch ``/tmp`` (Kubernetes' emptyDir, 0777) is
+    like that, and refusing it kept each process's state alone (found in the day's review)."""
     import outbox.relay.state as state_module
 
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
@@ -320,11 +321,14 @@ def test_a_temp_directory_where_others_could_swap_the_users_directory_is_not_use
     (open_dir / "inner").mkdir(mode=0o700)
     for base in (open_dir, open_dir / "inner"):
         monkeypatch.setattr(tempfile, "tempdir", str(base))
+        caplog.clear()
         with caplog.at_level(logging.WARNING, logger="outbox.relay"):
-            assert state_module.private_dir() is None, base
-            assert isinstance(open_shared_state("amqp://guest@localhost//"), ProcessState)
-        assert not (base / f"outbox-{os.getuid()}").exists()
-        assert f"{open_dir} is writable by others and not sticky" in caplog.text
+            assert state_module.private_dir() == str(base / f"outbox-{os.getuid()}"), base
+            state = open_shared_state("amqp://guest@localhost//")
+            assert isinstance(state, FileState) and state.directory == str(base / f"outbox-{os.getuid()}")
+        assert f"{open_dir} is writable by others and not sticky" in caplog.text and "used all the same" in caplog.text
+    monkeypatch.setattr(state_module, "_bases", {})
+    monkeypatch.setattr(tempfile, "tempdir", str(open_dir / "inner"))
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))

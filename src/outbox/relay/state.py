@@ -258,11 +258,9 @@ def private_dir(create: bool = True) -> str | None:
     when absent): where the files the processes of one host share live (``FileState``, the
     worker's stop marker), out of the reach of other local users. The temp directory must be
     one no other user can rename things in (``_unsafe``), else ``$XDG_RUNTIME_DIR`` is used on
-    the same terms. None, with a warning, when no such place is found or the directory is not
-    this user's alone (docs/internals.md, "Shared state")."""
+    the same terms, else the temp directory with a warning (``_safe_base``). None, with a
+    warning, when the directory is not this user's alone (docs/internals.md, "Shared state")."""
     base = _safe_base(tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR", ""))
-    if base is None:
-        return None
     path = os.path.join(base, f"outbox-{os.getuid()}")
     if create:
         try:
@@ -284,22 +282,24 @@ def private_dir(create: bool = True) -> str | None:
 
 #: ``_safe_base``'s verdicts: no other user can change one (``_unsafe``), and the stop marker's
 #: look-up asks at every task (a check of the whole path took 80 us).
-_bases: dict[tuple[str, str], str | None] = {}
+_bases: dict[tuple[str, str], str] = {}
 
 
-def _safe_base(temp: str, runtime: str) -> str | None:
+def _safe_base(temp: str, runtime: str) -> str:
     """The real path of ``temp``, else of ``runtime`` ($XDG_RUNTIME_DIR), that ``_unsafe``
-    passes; None, with a warning, when neither does."""
+    passes; when neither does, ``temp``'s all the same, with a warning: a container's scratch
+    ``/tmp`` (Kubernetes' emptyDir: mode 0777, not sticky) has no other user to fear, and its
+    workers need the shared state (docs/internals.md, "Shared state")."""
     if (temp, runtime) not in _bases:
-        base: str | None = os.path.realpath(temp)  # no symbolic link left to swap
-        why = _unsafe(str(base))
+        base = os.path.realpath(temp)  # no symbolic link left to swap
+        why = _unsafe(base)
         if why is not None:
             if runtime and _unsafe(os.path.realpath(runtime)) is None:
                 base = os.path.realpath(runtime)
             else:
-                _refused(str(base), f"not safe for this user's files ({why}: set TMPDIR or XDG_RUNTIME_DIR "
-                                    "to a directory of your own)")
-                base = None
+                log.warning("outbox: %s is not safe for this user's files (%s): another local user could "
+                            "swap outbox-%d for a directory of their own; used all the same (set TMPDIR or "
+                            "XDG_RUNTIME_DIR to a directory of your own)", base, why, os.getuid())
         _bases[(temp, runtime)] = base
     return _bases[(temp, runtime)]
 
