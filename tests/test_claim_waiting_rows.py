@@ -6,6 +6,7 @@ stay those it examines without them."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -156,3 +157,70 @@ def test_a_sqlite_table_without_the_claims_indexes_still_claims(tmp_path: Any) -
         assert len(store.claim(BATCH).messages) == BATCH
     finally:
         store.close()
+
+
+REBUILD_ON_DJANGO = r"""
+import sqlite3, sys
+path = sys.argv[1]
+from django.conf import settings
+settings.configure(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": path}}, USE_TZ=True,
+                   SECRET_KEY="test")
+import django
+django.setup()
+from django.db import connection
+from outbox.contrib.django.schema import create_table
+
+name = sys.argv[2]
+seen = []  # claim_ready as another connection (a relay's) finds it when each step starts
+
+def look(statement):
+    other = sqlite3.connect(path, timeout=5)
+    try:
+        seen.append(other.execute("SELECT sql FROM sqlite_master WHERE name = ?", [name]).fetchone() is not None)
+    finally:
+        other.close()
+
+connection.ensure_connection()
+connection.connection.set_trace_callback(look)
+create_table(connection)  # as outbox.0004_claim_indexes runs it: autocommit (atomic = False)
+connection.connection.set_trace_callback(None)
+print("missing" if not all(seen) else "always there", len(seen))
+"""
+
+
+def test_djangos_migration_on_sqlite_never_lets_a_relay_see_claim_ready_missing(tmp_path: Any) -> None:
+    """SQLite's claim names claim_ready (``INDEXED BY``). Django runs 0004 in autocommit, where
+    the rebuild's ``DROP INDEX`` committed before its ``CREATE INDEX``: a relay's claim in
+    between failed with "no such index" (found in review: 153 failed claims over 20 rebuilds
+    beside a claiming thread). The steps now run under one writer lock (BEGIN IMMEDIATE), as
+    ``outbox migrate`` runs them: no other connection sees the table without the index."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("django")
+    path = tmp_path / "db.sqlite3"
+    store = OutboxStore(f"sqlite:///{path}")
+    store.migrate()
+    name = store.engine.index_name("claim_ready")
+    with store.transaction() as cursor:  # as the release before this one left it
+        store.engine.execute(cursor, f"DROP INDEX {store.engine.quote(name)}")
+        store.engine.execute(cursor, f"CREATE INDEX {store.engine.quote(name)} ON {store.engine.table} (id) "
+                                     "WHERE status IN (0, 1, 3)")
+    store.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_", "DATABASE_"))}
+    result = subprocess.run([sys.executable, "-c", REBUILD_ON_DJANGO, str(path), name], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("always there"), result.stdout
+    assert index_columns_of(path, name) == "next_retry_at, id"
+
+
+def index_columns_of(path: Any, name: str) -> str:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    try:
+        text = conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", [name]).fetchone()[0]
+    finally:
+        conn.close()
+    return text[text.index("(") + 1:text.index(")")]

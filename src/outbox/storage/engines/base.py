@@ -605,6 +605,13 @@ class Engine(ABC):
     #: migration on an autocommit connection must run its steps in one.
     migration_in_transaction: ClassVar[bool] = False
 
+    #: Whether a migration on an autocommit connection (a Django migration) must run its steps
+    #: under one writer lock (``own_transaction``), so that no other connection sees a step's
+    #: half: SQLite's claim names its indexes (``INDEXED BY``) and failed with "no such index"
+    #: between a rebuild's ``DROP INDEX`` and its ``CREATE INDEX`` (docs/internals.md, "Rows
+    #: waiting for a later time are not read").
+    migration_under_writer_lock: ClassVar[bool] = False
+
     def unlock_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: most locks go with the commit
         """Release what ``lock_migration`` took, where the commit does not."""
 

@@ -91,6 +91,8 @@ class SqliteEngine(Engine):
     # another script made without them keeps claiming, unhinted, as before.
     _indexed: bool | None = None
 
+    migration_under_writer_lock = True  # a claim between a rebuild's DROP and CREATE failed (Engine's)
+
     def window_source(self) -> str:
         if not self._indexed:
             return self.table
