@@ -762,7 +762,7 @@ class Engine(ABC):
 
     def window_rows(self, cursor: Any, timeout_ms: int, size: int,
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
-        """The generic claim's window: the ``size`` oldest eligible rows, as (id, aggregate_id,
+        """The generic claim's window: ``size`` eligible rows (``window_sql``), as (id, aggregate_id,
         status, attempts); with ``unblocked_behind`` (a claim's ``behind``, for
         ``skip_blocked``) the first ``size`` of ``unblocked_rows`` in ``BLOCKED_SCAN`` windows."""
         scan = size if unblocked_behind is None else size * self.BLOCKED_SCAN

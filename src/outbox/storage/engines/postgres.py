@@ -1,6 +1,6 @@
 """PostgreSQL through psycopg 3.
 
-The claim is one statement: lock the oldest eligible rows with
+The claim is one statement: lock the window's eligible rows with
 ``FOR UPDATE SKIP LOCKED``, keep the per-aggregate chains the ordering rule allows
 (see ``outbox.domain.chains``), update them and return them. Partial indexes keep the
 claim scan and the ordering probe on open rows only, however many done rows the

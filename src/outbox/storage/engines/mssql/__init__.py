@@ -2,7 +2,7 @@
 (the default) or Microsoft's ``mssql-python`` driver. docs/sqlserver.md is the
 operator's view of everything below.
 
-The claim is one batch on the relay's connection: read a window of the oldest eligible rows, lock the heads of the chains the batch needs (skipping heads another claim holds) and their rows
+The claim is one batch on the relay's connection: read a window of eligible rows, lock the heads of the chains the batch needs (skipping heads another claim holds) and their rows
 with ``READCOMMITTEDLOCK, READPAST, UPDLOCK, ROWLOCK`` into a table variable,
 keep the per-aggregate chains the ordering rule allows (see ``outbox.domain.chains``; one
 probe per aggregate, its plan pinned: docs/sqlserver.md, "The claim's statements and

@@ -347,8 +347,8 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
     BLOCKED_SCAN = 8
 
     def window_insert(self, eligible: str, skip_blocked: bool = False) -> str:
-        """``@win``: the ``@window`` oldest eligible rows, read without update locks, skipping
-        rows other claims lock (READPAST). ``skip_blocked`` (``Engine.claim``): up to
+        """``@win``: a window of ``@window`` eligible rows (``Engine.window_sql``), read without
+        update locks, skipping rows other claims lock (READPAST). ``skip_blocked`` (``Engine.claim``): up to
         ``BLOCKED_SCAN`` windows of them, keeping only rows of aggregates whose first open
         row, ``@behind`` left out, may be taken now (``Engine.unblocked_rows``). That probe
         reads past locked rows too: it only chooses the window, and the probes and locks
