@@ -255,3 +255,55 @@ def test_with_no_child_to_be_had_the_call_is_published_here_and_spends_no_attemp
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 2 and all("no child process to publish a row tried twice apart" in m and
                                   "Too many open files" in m for m in said), said
+
+
+def test_the_fork_server_can_be_started_before_a_lease_is_renewed(broker: dict[str, Any]) -> None:
+    """``start_server`` (what ``Relay.publish`` calls before it renews a suspect's lease)
+    leaves a fork server running, so the call's child is a fork of it, not a fresh start."""
+    from outbox.publisher.apart import start_server
+    forkserver._forkserver._stop()
+    start_server()
+    pid = forkserver._forkserver._forkserver_pid
+    assert pid is not None and Path(f"/proc/{pid}").exists()
+    started = time.monotonic()
+    assert apart(broker).publish_chains([[make_message(22)]]) == [ChainResult(published=(22,))]
+    assert forkserver._forkserver._forkserver_pid == pid  # the same server served the child
+    assert time.monotonic() - started < 5
+
+
+def test_a_suspects_lease_is_renewed_once_the_fork_server_runs(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Dramatiq publish message carrying a row tried twice renews its lease, then its
+    publisher starts a child; a worker process's first child started the fork server (a
+    fresh interpreter: 6 s on a loaded host), all of it taken from the renewed lease of 6 s
+    (x 0.8) in test_an_event_that_kills_its_worker_goes_dead_alone: the next claim found
+    the row's lease expired with no attempt left and turned it dead while its child
+    published it (review, 7 December). The server is now started before the renewal."""
+    import logging
+    from types import SimpleNamespace
+
+    from outbox.core.config import RelayOptions, load_settings
+    from outbox.core.model import message_to_dict
+    from outbox.relay import service
+    from outbox.relay.publish import Held
+
+    order: list[str] = []
+    monkeypatch.setattr(service, "start_server", lambda: order.append("server"))
+
+    def held(store: Any, chains: Any, **kwargs: Any) -> Held:
+        order.append("renew" if kwargs.get("renew") else "check")
+        return Held([])
+
+    monkeypatch.setattr(service, "still_held_when_reachable", held)
+    relay = service.Relay(load_settings(environ={"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}),
+                          RelayOptions(), SimpleNamespace(broker_url="memory://", claim_key="outbox-test-apart"),
+                          logging.getLogger("outbox.test-apart"))  # type: ignore[arg-type]
+    monkeypatch.setattr(relay, "apart_publisher", lambda deadline: None)
+    monkeypatch.setattr(relay, "request_claim", lambda: None)
+    try:
+        relay.publish([[message_to_dict(make_message(1))]], suspects_apart=True)
+        assert order == ["check"]  # no suspect: no server, the lease as it is
+        relay.publish([[message_to_dict(make_message(2, attempts=2))]], suspects_apart=True)
+        assert order == ["check", "server", "renew"]
+    finally:
+        relay.close()

@@ -345,8 +345,14 @@ def test_an_event_that_kills_its_worker_goes_dead_alone(tmp_path: Path, destinat
     lone publish message died with the rows the process's other threads held, and those went
     dead with it."""
     outbox = sqlite_outbox
+    # A crash's rows come back through the takeover (3 s), not the lease. A lease of 6 s ran out
+    # under load (8-14 on 2 cores) before the last of 6 rows tried twice, each a publish
+    # message of its own, was started: 4 threads were waiting for their process's first child,
+    # which starts its fork server (a fresh interpreter, 6 s there), and the next claim turned
+    # the waiting rows dead, their last attempt spent by their wait in the queue (review,
+    # 7 December). The relay's default lease is 60 s.
     env = relay_env(tmp_path, destination, outbox, runner, OUTBOX_CLAIM_INTERVAL_S="0.3", OUTBOX_BATCH_SIZE="50",
-                    OUTBOX_RELAY_TASK_ROWS="50", OUTBOX_CLAIM_TIMEOUT_MS="6000", OUTBOX_MAX_ATTEMPTS="3",
+                    OUTBOX_RELAY_TASK_ROWS="50", OUTBOX_CLAIM_TIMEOUT_MS="20000", OUTBOX_MAX_ATTEMPTS="3",
                     OUTBOX_RELAY_IN_PROCESS_CLAIM="0")
     install_killer(tmp_path)  # on the relay processes' PYTHONPATH: a child of a worker runs it too
     expected: dict[str, list[int]] = {}

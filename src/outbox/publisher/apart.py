@@ -12,10 +12,10 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import replace
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -123,8 +123,7 @@ class ApartPublisher(Publisher):
         """Start a child for ``job`` and wait for its answer ``wait`` seconds at most (default
         ``timeout_s``): (True, the answer), or (False, why there is none)."""
         wait = self.timeout_s if wait is None else wait
-        if _CONTEXT.get_start_method() == "forkserver":  # before the server starts, else no effect
-            _CONTEXT.set_forkserver_preload(["__main__", __name__])
+        _preload()
         try:
             receive, send = _CONTEXT.Pipe(duplex=False)
         except OSError as exc:
@@ -158,17 +157,42 @@ class ApartPublisher(Publisher):
             receive.close()
 
 
+def _preload() -> None:
+    if _CONTEXT.get_start_method() == "forkserver":  # before the server starts, else no effect
+        _CONTEXT.set_forkserver_preload(["__main__", __name__])
+
+
+def _masked(start: Callable[[], object]) -> None:
+    """``start()`` with the stop signals blocked (``_STOP_SIGNALS``), the resource tracker
+    started first (not under the mask: its start unblocks the stop signals)."""
+    resource_tracker.ensure_running()
+    unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
+
+
 def _start(child: BaseProcess) -> None:
     """Start ``child`` with the stop signals blocked (``_STOP_SIGNALS``)."""
     try:
-        resource_tracker.ensure_running()  # not under the mask: its start unblocks the stop signals
-        unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        try:
-            child.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)
+        _masked(child.start)
     except Exception as exc:
         raise ChildUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def start_server() -> None:
+    """Start this process's fork server now, if it has none (a fresh interpreter that imports
+    the relay: seconds on a loaded host), so that the child of a row tried twice is then a
+    fork of it (about 20 ms). ``Relay.publish`` calls it before it renews the row's lease: the
+    server's start used to be taken from that lease, which ran out while the first child of a
+    worker process started, and the row, tried twice, went dead though its child published it
+    (review, 7 December). A failure is left to the call, which reports it (``ChildUnavailable``)."""
+    if _CONTEXT.get_start_method() != "forkserver":
+        return
+    _preload()
+    with suppress(Exception):
+        _masked(forkserver.ensure_running)
 
 
 def _here(exc: ChildUnavailable) -> None:
@@ -264,4 +288,4 @@ def _portable(result: ChainResult) -> ChainResult:
     return replace(result, failure=failure, overtaken=overtaken)
 
 
-__all__ = ["ApartPublisher"]
+__all__ = ["ApartPublisher", "start_server"]

@@ -18,7 +18,7 @@ from ..core.config import RelayOptions, Settings
 from ..core.model import OutboxMessage, message_from_dict, message_to_dict
 from ..core.names import ACK_TASK, CLAIM_TASK, FAIL_TASK, PUBLISH_TASK, RELEASE_TASK
 from ..publisher import Publisher
-from ..publisher.apart import MIN_WAIT_S, ApartPublisher
+from ..publisher.apart import MIN_WAIT_S, ApartPublisher, start_server
 from .claim import tried_twice
 from .context import RelayContext
 from .drain import DRAIN_SLICE_S, Backlog, ClaimAhead, Drain, after_publish, drain_slice
@@ -209,6 +209,8 @@ class Relay:
         event that kills its worker")."""
         messages = [[message_from_dict(d) for d in chain] for chain in chains]
         apart = suspects_apart and any(tried_twice(m) for chain in messages for m in chain)
+        if apart:  # before the lease is renewed: the fork server's start is not taken from it
+            start_server()
         # Its own lease renewed too: the child's start is not taken from what the claim left it.
         held = still_held_when_reachable(self.resources().store, messages, deadline=deadline, check_own=check_own,
                                          renew=apart, stopping=self.stopping, failed=self.outage("database").failed)
