@@ -32,14 +32,14 @@ def create_table(connection: Any) -> None:
     from django.db import transaction
 
     engine, raw = engine_for(connection)
-    autocommit = connection.get_autocommit()
-    one = engine.migration_in_transaction and autocommit
+    one = engine.migration_in_transaction and connection.get_autocommit()
     # SQLite: BEGIN IMMEDIATE (own_transaction), not Django's deferred BEGIN, whose first
     # write fails at once when a relay committed after its reads; one writer lock throughout,
     # as ``outbox migrate`` holds it, so a relay never sees claim_ready dropped and not yet
     # made again (Engine.migration_under_writer_lock).
     whole = (transaction.atomic(using=connection.alias) if one
-             else engine.own_transaction(raw) if engine.migration_under_writer_lock and autocommit else nullcontext())
+             else engine.own_transaction(raw) if engine.migration_under_writer_lock and connection.get_autocommit()
+             else nullcontext())
     with whole:
         cursor = engine.cursor_for(raw)
         try:
