@@ -235,9 +235,11 @@ class Engine(ABC):
         """A condition that ``column`` is exactly one of ``values`` (text), and its parameters:
         ``column IN (...)`` where the column's equality is exact (PostgreSQL's deterministic
         collations, SQLite's BINARY); an engine whose equality ignores trailing spaces or case
-        compares bytes (``outbox dead ... --topic``: docs/relay.md, "Requeueing dead rows")."""
+        compares bytes: ``exact`` (MySQL's binary string against a text parameter compares
+        bytes; SQL Server says it its own way) (``outbox dead ... --topic``: docs/relay.md,
+        "Requeueing dead rows")."""
         listed, params = self.in_list(values)
-        return f"{column} IN {listed}", params
+        return f"{self.exact(column)} IN {listed}", params
 
     # -- notifications (docs/waking-and-metrics.md, "LISTEN/NOTIFY") -----------
     #: Can the engine deliver a notification at commit (NOTIFY) to a listener?

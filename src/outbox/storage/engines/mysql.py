@@ -183,12 +183,6 @@ class MysqlEngine(Engine):
     def exact(self, column: str) -> str:
         return f"CAST({column} AS BINARY)"  # utf8mb4_bin pads: 'x' = 'x ' (Engine.exact)
 
-    def exact_in(self, column: str, values: Sequence[str]) -> tuple[str, list[Any]]:
-        # utf8mb4_bin, and a table made by another script in a case-insensitive collation, pad:
-        # the bytes are compared (a binary string and a text parameter compare as bytes).
-        listed, params = self.in_list(values)
-        return f"{self.exact(column)} IN {listed}", params
-
     # The claim reads open rows through ``claim_ready`` (status, next_retry_at, id) only:
     # without these, its reads walked every done row kept for the retention period, per claim
     # (docs/internals.md, "Claims on MySQL and MariaDB read open rows only").
