@@ -783,14 +783,19 @@ class Engine(ABC):
         of the open rows in id order read every failed row not yet due before the first it could
         take (docs/internals.md, "Rows waiting for a later time are not read"). The first and
         third parameter: the lease length in ms, negated."""
-        columns = f"SELECT id, aggregate_id, status, attempts FROM {self.window_source()} WHERE {self.eligible()}"
+        return self.window_walks(self.window_source(), self.eligible(), self.limit)
+
+    def window_walks(self, source: str, eligible: str, limit: Callable[[str], str]) -> str:
+        """``window_sql``'s two walks of ``source`` over the ``eligible`` rows, each and their
+        union cut by ``limit`` (a ``?`` parameter, or PostgreSQL's one-statement claim's size)."""
+        columns = f"SELECT id, aggregate_id, status, attempts FROM {source} WHERE {eligible}"
         # ORDER BY next_retry_at, id: the index's own order (all NULL in the first walk), which
         # a planner that does not take IS NULL as an equality then follows without a sort.
-        ready = self.limit(f"{columns} AND next_retry_at IS NULL ORDER BY next_retry_at, id")
+        ready = limit(f"{columns} AND next_retry_at IS NULL ORDER BY next_retry_at, id")
         # The due rows in the order of their time, not of their ids: a range sorted by id is read
         # whole, every due row at every claim after an outage (docs/internals.md, as above).
-        due = self.limit(f"{columns} AND next_retry_at <= {self.now} ORDER BY next_retry_at, id")
-        return self.limit(f"SELECT * FROM ({ready}) ready UNION ALL SELECT * FROM ({due}) due ORDER BY id")
+        due = limit(f"{columns} AND next_retry_at <= {self.now} ORDER BY next_retry_at, id")
+        return limit(f"SELECT * FROM ({ready}) ready UNION ALL SELECT * FROM ({due}) due ORDER BY id")
 
     def unblocked_rows(self, cursor: Any, rows: list[tuple], timeout_ms: int, behind: Sequence[int]) -> list[tuple]:
         """Of window ``rows`` (id, aggregate_id, ...), those of *unblocked* aggregates: whose

@@ -561,12 +561,8 @@ class PostgresEngine(Engine):
 
     def _window(self, eligible: str, size: int) -> str:
         """A window of ``size`` ``eligible`` rows (id, aggregate_id, status, attempts), as
-        ``Engine.window_sql`` reads them: two walks of ``claim_ready`` (``next_retry_at, id``),
-        so rows waiting for a later time are not read."""
-        columns = f"SELECT id, aggregate_id, status, attempts FROM {self.table} WHERE {eligible}"
-        return (f"SELECT * FROM ({columns} AND next_retry_at IS NULL ORDER BY next_retry_at, id LIMIT {size}) ready "
-                f"UNION ALL SELECT * FROM ({columns} AND next_retry_at <= now() ORDER BY next_retry_at, id LIMIT {size}) due "
-                f"ORDER BY id LIMIT {size}")
+        ``Engine.window_sql`` reads them (``window_walks``), the size written in."""
+        return self.window_walks(self.table, eligible, lambda select: f"{select} LIMIT {size}")
 
     def _chain_rule(self, prefix: str, rows: str, outside: str, max_attempts: int) -> str:
         """The rule of ``plan_claim`` over ``rows`` (id, aggregate_id, status, attempts, head:
