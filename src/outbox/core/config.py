@@ -624,13 +624,15 @@ def startup_options() -> tuple[Settings, RelayOptions]:
     for family in relay_families(settings):
         current(family)
     if settings.publish_url.startswith("kafka://"):  # the protocol against the URL's credentials
-        current(KafkaOptions).security(credentials=kafka_credentials(settings.publish_url))
+        current(KafkaOptions).security(credentials=bool(split_kafka_url(settings.publish_url)[0]))
     return settings, relay_options()
 
 
-def kafka_credentials(url: str) -> bool:
-    """Does a ``kafka://`` URL carry SASL's user and password (``kafka://user:pass@host``)?"""
-    return bool(url.split("://", 1)[1].rpartition("@")[0])
+def split_kafka_url(url: str) -> tuple[str, str]:
+    """A ``kafka://[user:password@]host:port,...`` URL's SASL user and password (``""`` when it
+    has none) and what follows them."""
+    userinfo, _, rest = url.split("://", 1)[1].rpartition("@")
+    return userinfo, rest
 
 
 def reset_settings() -> None:
@@ -678,7 +680,7 @@ def dramatiq_settings(environ: Mapping[str, str] | None = None, *, required: boo
     return found
 
 
-__all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "celery_broker_conflict", "celery_broker_named_conflict", "KafkaOptions", "kafka_options", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
+__all__ = ["CLOCK_SKEW_MARGIN_S", "message_ttl_s", "Settings", "celery_broker_conflict", "celery_broker_named_conflict", "KafkaOptions", "kafka_options", "split_kafka_url", "validate_publish_url", "RelayOptions", "MetricsOptions", "WakeOptions", "DramatiqSettings", "TransportOptions",
            "PipelineOptions", "FAMILIES", "SETTING_NAMES", "OTHER_NAMES", "MAX_OPTION_S", "MAX_CLAIM_TIMEOUT_MS",
            "load_settings", "get_settings", "relay_settings", "relay_options", "wake_options", "metrics_options",
            "pipeline_options", "dramatiq_settings", "warn_memory_destination", "sources_of", "relay_families", "startup_options", "current_sources", "current", "reset_settings", "use_conf",

@@ -25,7 +25,7 @@ from datetime import UTC
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
-from ..core.config import KafkaOptions, Settings, kafka_options
+from ..core.config import KafkaOptions, Settings, kafka_options, split_kafka_url
 from ..core.errors import ConfigError, install_hint
 from ..core.model import OutboxMessage
 from ..core.redact import redact
@@ -76,8 +76,7 @@ def client_problem(url: str) -> str | None:
 
 def producer_config(options: KafkaOptions, url: str) -> dict[str, Any]:
     """librdkafka's configuration for ``url`` (``kafka://[user:password@]host:port,...``)."""
-    rest = url.split("://", 1)[1]
-    userinfo, _, servers = rest.rpartition("@")
+    userinfo, servers = split_kafka_url(url)
     config: dict[str, Any] = {
         "bootstrap.servers": servers.split("/", 1)[0].split("?", 1)[0],
         "enable.idempotence": True,  # implies acks=all and in-order retries per partition
