@@ -53,7 +53,7 @@ from ..core.config import (
 from ..core.errors import install_hint, transport_hint
 from ..core.names import is_redis_url
 from ..core.redact import redact
-from ..core.tls import kombu_connection
+from ..core.tls import AMQP_PLAIN_SCHEMES, AMQP_TLS_SCHEMES, kombu_connection
 from ..storage.engines.describe import (
     describe_database,
     expected_index_names,
@@ -276,13 +276,13 @@ def check_celery_broker(settings: Settings, broker_url: str | None = None,
 
         return _celery_redis_reachable(url, broker_use_ssl(environ))
     scheme = url.split("://", 1)[0].lower()
-    if scheme in ("amqps", "amqp", "pyamqp"):
+    if scheme in AMQP_TLS_SCHEMES + AMQP_PLAIN_SCHEMES:
         from ..celery.application import Connection
         from ..relay.redis_clients import broker_use_ssl
 
         # As the workers connect: broker_use_ssl (TLS on amqp:// too), each host named
         # (docs/relay.md, "TLS to Celery's RabbitMQ").
-        use_ssl = broker_use_ssl(environ) or scheme == "amqps"
+        use_ssl = broker_use_ssl(environ) or scheme in AMQP_TLS_SCHEMES
         conn = Connection(url, ssl=use_ssl, connect_timeout=CONNECT_TIMEOUT_S)
         result = _reachable("celery broker", url, "set OUTBOX_CELERY_BROKER_URL", conn)
         if result.state == OK and isinstance(use_ssl, dict) and use_ssl.get("cert_reqs") == ssl.CERT_NONE:

@@ -325,4 +325,4 @@ def _read(given: dict[str, str], setting: str, shown: str) -> AmqpTls:
 
 
 __all__ = ["AmqpTls", "split_amqp_url", "check_url_tls", "refuse_kombu_url_tls", "check_redis_tls", "REDIS_TLS_PARAMETERS", "kombu_connection", "redis_py_url", "redis_cert_reqs", "REDIS_CERT_REQS",
-           "TLS_PARAMETERS", "AMQP_TLS_SCHEMES"]
+           "TLS_PARAMETERS", "AMQP_TLS_SCHEMES", "AMQP_PLAIN_SCHEMES"]
