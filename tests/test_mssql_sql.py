@@ -378,6 +378,28 @@ def test_the_claims_window_reads_no_row_waiting_for_a_later_time(skip_blocked: b
     assert window.count(f"SELECT TOP ({size}) id, ") == 2  # each walk stopped after the window
 
 
+@pytest.mark.parametrize("skip_blocked", [False, True])
+def test_the_claims_window_keeps_one_row_per_id_whatever_both_walks_read(skip_blocked: bool,
+                                                                         no_sqlglot_fallbacks: None) -> None:
+    """Review of 7 December: the window's two walks read claim_ready (next_retry_at, id) under
+    locking READ COMMITTED (READCOMMITTEDLOCK, READPAST: each row's S lock is let go once read),
+    and next_retry_at, a key now, changes while they read: a due row read by one walk can be
+    claimed and released at once by another relay (next_retry_at NULL, pending) before the
+    other walk reaches its id, and is read again there (no snapshot: the lock hint is what
+    makes the read see committed rows as they are now). Both reads went into @win, whose
+    PRIMARY KEY (id) refused the second: error 2627 failed the whole claim. The rows of both
+    walks are now kept once per id (GROUP BY id before the TOP), in either window."""
+    engine = MssqlEngine(table="outbox")
+    window = next(s for s in engine.claim_statements(skip_blocked=skip_blocked) if s.startswith("INSERT INTO @win"))
+    (union,) = list(parse_one(window).find_all(exp.Union))
+    assert union.args.get("distinct") is False  # UNION ALL: the walks' rows are not made unique there
+    oldest = union.find_ancestor(exp.Select)  # the SELECT TOP (...) ... ORDER BY id over both walks
+    group = oldest.args.get("group")
+    assert group is not None and [e.sql("tsql") for e in group.expressions] == ["w.id"]
+    assert oldest.args["order"].sql("tsql") == "ORDER BY w.id"
+    assert [c.alias_or_name for c in oldest.expressions] == ["id", "aggregate_id", "status", "attempts"]
+
+
 def test_the_claim_is_linear_in_a_hot_aggregates_window(no_sqlglot_fallbacks: None) -> None:
     """Issue 20 item 9: the probe ran per candidate and read the k-1 earlier rows of the
     k-th candidate of a hot aggregate, and rules 2 and 3 were self-joins of @cand doing the

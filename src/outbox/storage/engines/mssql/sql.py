@@ -359,12 +359,16 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
         # oldest of both: the rows without a time in id order (the index's, IS NULL a seek) and
         # the due ones in the order of their time (the index's too); rows waiting for a later
         # time are never read (docs/internals.md, "Rows waiting for a later time are not read").
+        # One row per id: the walks read without a snapshot and next_retry_at is a key, so a row
+        # another relay claims and releases between the two reads is in both, and @win's
+        # PRIMARY KEY refused the second (error 2627; docs/sqlserver.md, "The claim's statements").
         walk = f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\nWHERE {eligible}"
         columns = f"SELECT TOP ({size}) id, {self.chain_key()} AS aggregate_id, status, attempts"
-        read = (f"SELECT TOP ({size}) w.id, w.aggregate_id, w.status, w.attempts FROM (\n"
+        read = (f"SELECT TOP ({size}) w.id, MIN(w.aggregate_id) AS aggregate_id, MIN(w.status) AS status, "
+                "MIN(w.attempts) AS attempts FROM (\n"
                 f"SELECT r.* FROM ({columns}\n{walk} AND next_retry_at IS NULL\nORDER BY next_retry_at, id) AS r\n"
                 f"UNION ALL\nSELECT d.* FROM ({columns}\n{walk} AND next_retry_at <= SYSUTCDATETIME()\n"
-                "ORDER BY next_retry_at, id) AS d) AS w\nORDER BY w.id")
+                "ORDER BY next_retry_at, id) AS d) AS w\nGROUP BY w.id\nORDER BY w.id")
         if not skip_blocked:
             return f"INSERT INTO @win (id, aggregate_id, status, attempts)\n{read};"
         seek = self.probe_seek()
