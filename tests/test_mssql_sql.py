@@ -909,6 +909,20 @@ def test_names_clock_and_paging() -> None:
     assert MssqlEngine().limit("SELECT id FROM t ORDER BY id") == \
         "SELECT id FROM t ORDER BY id OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY"
 
+def test_the_documented_online_rebuild_is_the_migrations_claim_ready() -> None:
+    """docs/sqlserver.md, "`outbox migrate`": the statement a DBA may run to rebuild
+    claim_ready online before the migration must be the migration's own definition (which
+    sqlglot cannot parse with its WITH options), or `outbox migrate` drops it and builds it
+    again offline, the pause the statement was run to avoid."""
+    from pathlib import Path
+
+    engine = MssqlEngine(table="outbox")
+    spec = next(i for i in INDEXES if i.suffix == "claim_ready")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "sqlserver.md").read_text()
+    (block,) = [b for b in re.findall(r"```sql\n(.*?)```", text, re.S) if "ONLINE = ON" in b]
+    assert " ".join(block.split()) == (spec.ddl(engine.index_name("claim_ready"), "dbo.outbox")
+                                       + " WITH (DROP_EXISTING = ON, ONLINE = ON);")
+
 
 # -- migration ----------------------------------------------------------------------------------
 

@@ -366,7 +366,7 @@ class MssqlSchema(Engine):
         for spec in INDEXES:
             index = q(self.index_name(spec.suffix))
             # An index whose definition differs is dropped here and made again by the
-            # next step, inside the migration's transaction: nobody sees the gap.
+            # next step, inside the migration's transaction (Django's runs each step alone: docs/sqlserver.md).
             steps.append(((self.index_matches(spec), []),
                           [if_(self._index_exists(spec.suffix), f"DROP INDEX {index} ON {t}")]))
             steps.append([if_(f"NOT {self._index_exists(spec.suffix)}", spec.ddl(index, t))])
