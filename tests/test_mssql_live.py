@@ -856,6 +856,33 @@ def test_the_probe_plan_stays_a_seek_of_agg_open_after_a_large_then_a_one_row_cl
     assert len(small.messages) == 1
     check_cached_plans()
 
+def test_the_claims_window_walks_claim_ready_by_two_seeks_and_reads_no_waiting_row(make_store: Any) -> None:
+    """docs/sqlserver.md, "The claim's two walks": claim_ready is (next_retry_at, id), filtered on
+    the open rows, and the window's two walks (next_retry_at IS NULL, next_retry_at <= now) must
+    each be a seek of it, whatever the parameters the batch was sent with (its filter is matched
+    by the literal status IN (0, 1, 3)): no scan of the clustered index, no read of the failed
+    rows whose retry is an hour away. Checked in the cached plan, next to what was claimed."""
+    store = make_store()
+    t = store.engine.table
+    load_hot_aggregate(store, 3_000, aggregate="waiting")
+    load_hot_aggregate(store, 100, aggregate="ready", first=10_000)
+    load_hot_aggregate(store, 50, aggregate="due", first=20_000)
+    with store.transaction() as cursor:
+        store.engine.execute(cursor, f"UPDATE {t} SET status = 3, attempts = 1, next_retry_at = "
+                             "DATEADD(HOUR, 1, SYSUTCDATETIME()) WHERE aggregate_id = N'waiting'")
+        store.engine.execute(cursor, f"UPDATE {t} SET status = 3, attempts = 1, next_retry_at = "
+                             "DATEADD(SECOND, -1, SYSUTCDATETIME()), aggregate_id = CONCAT(N'due-', id) "
+                             "WHERE aggregate_id = N'due'")
+    claim = store.claim(500)
+    claimed = {m.aggregate_id for m in claim.messages}
+    assert len(claim.messages) == 150 and "waiting" not in claimed and "ready" in claimed, claimed
+    ready = f"[{store.engine.index_name('claim_ready')}]"
+    plans = cached_plans(store, "INSERT INTO @win")
+    assert plans, "the window's plan is not in the cache"
+    for _, plan in plans:
+        operators = table_operators(plan, store.engine.table_name)
+        assert [op for op in operators if op[1] == ready] == [("Index Seek", ready)] * 2, operators
+
 
 # -- the other driver ---------------------------------------------------------------------------------------
 
