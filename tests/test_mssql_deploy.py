@@ -356,3 +356,32 @@ def test_the_dead_rows_are_read_past_others_locks() -> None:
     for sql in reads:
         assert "WITH (READCOMMITTEDLOCK, READPAST)" in sql, sql
         parse_one(sql)
+
+
+@pytest.mark.parametrize("topics", [None, ["orders.paid"]])
+def test_requeue_without_force_counts_the_kept_dead_rows_past_others_locks(topics: list[str] | None) -> None:
+    """``outbox dead requeue --all`` and ``--topic`` without ``--force`` first count, per topic,
+    the dead rows they keep (a permanent reason). That count read with a plain read, when the
+    6 December fix gave the two other reads of the dead rows READPAST: with RCSI off, a scan
+    of the table (the plan for many dead rows: topic and last_error are in no index) met any
+    uncommitted enqueue and waited the lock timeout on each of five attempts, so the command
+    failed while an application held an enqueue open (found in review, 7 December). Every
+    read of the dead rows now reads past others' locks."""
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    from outbox.storage.store import OutboxStore
+
+    log: list[tuple[str, tuple]] = []
+    engine = MssqlEngine()
+
+    @contextmanager
+    def begin() -> Iterator[Any]:
+        yield RecordingCursor(log=log)
+
+    OutboxStore.on_caller(engine, begin).requeue(None, topics=topics)
+    reads = [sql for sql, _ in log if sql.lstrip().upper().startswith("SELECT")]
+    assert len(reads) == 2 and any("COUNT(*)" in sql for sql in reads), log  # the count, then a chunk
+    for sql in reads:
+        assert f"FROM {engine.table} WITH (READCOMMITTEDLOCK, READPAST) WHERE status = 4" in sql, sql
+        parse_one(sql)
