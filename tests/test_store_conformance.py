@@ -723,6 +723,23 @@ def test_dead_rows_of_a_topic_are_those_of_that_exact_topic(store: OutboxStore, 
     assert store.requeue(topics=["orders ", "Orders"], force=True).requeued == {"Orders": 1, "orders ": 1}
 
 
+def test_the_dead_rows_a_requeue_keeps_are_counted_per_exact_topic(store: OutboxStore, writer: Any) -> None:
+    """``outbox dead requeue --all`` (and ``--topic``) without ``--force`` reports the dead rows it
+    keeps (a permanent reason) per topic. It counted them ``GROUP BY topic``, in the column's
+    collation: ``orders`` and ``orders `` were one line on MySQL/MariaDB (PAD SPACE) and, with
+    ``Orders`` too, on SQL Server, under whichever of the values the server picked, while the
+    requeued rows beside them are reported per exact topic (found in review, 7 December)."""
+    topics = ("orders", "orders ", "Orders")
+    ids = [add(writer, store, f"t{n}", topic=topic)[0] for n, topic in enumerate(topics)]
+    claim = store.claim(10)
+    for event in ids:
+        store.mark_failed(event, claim.lease, "poison: larger than the broker takes", dead=True)
+    expected = {"Orders": 1, "orders": 1, "orders ": 1}
+    assert store.requeue(topics=list(topics)).permanent == expected
+    result = store.requeue()
+    assert result.permanent == expected and result.requeued == {}
+
+
 def test_stats_on_an_empty_table(store: OutboxStore) -> None:
     stats = store.stats()
     assert stats.oldest_pending_age_s is None

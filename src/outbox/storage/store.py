@@ -790,10 +790,12 @@ class OutboxStore:
         if ids is None:
             if force:
                 return RequeueResult(requeued=self._requeue_all(of_topics, topic_params, chunk))
-            # Past others' locks, as every read of the dead rows (dead_list, _requeue_all).
+            # Past others' locks, as every read of the dead rows (dead_list, _requeue_all); per
+            # exact topic (Engine.exact), as the requeued rows are counted.
             kept = self._run("requeue", lambda cursor: self.engine.execute(
-                cursor, f"SELECT topic, COUNT(*) FROM {t}{self.engine.past_locks_read} WHERE status = 4 "
-                f"AND {of_topics} AND {permanent} GROUP BY topic", [*topic_params, *permanent_params]).fetchall())
+                cursor, f"SELECT MIN(topic), COUNT(*) FROM {t}{self.engine.past_locks_read} WHERE status = 4 "
+                f"AND {of_topics} AND {permanent} GROUP BY {self.engine.exact('topic')}",
+                [*topic_params, *permanent_params]).fetchall())
             requeued = self._requeue_all(f"{of_topics} AND (last_error IS NULL OR NOT {permanent})",
                                          [*topic_params, *permanent_params], chunk)
             return RequeueResult(requeued=requeued,

@@ -96,13 +96,16 @@ class MssqlStatements(MssqlSchema):
     def limit(self, select: str) -> str:
         return f"{select} OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY"
 
-    def exact_in(self, column: str, values: Sequence[str]) -> tuple[str, list[Any]]:
+    def exact(self, column: str) -> str:
         # SQL Server's equality ignores trailing spaces under every collation, and case under
-        # the default one (the topic column's, unless set): the UTF-16 bytes are compared.
+        # the default one (the topic column's, unless set): the UTF-16 bytes are compared
+        # (VARBINARY's equality ignores only trailing zero bytes: a NUL, which enqueue refuses).
+        return f"CAST(CAST({column} AS NVARCHAR(4000)) AS VARBINARY(8000))"
+
+    def exact_in(self, column: str, values: Sequence[str]) -> tuple[str, list[Any]]:
         # The parameters stay out of IN's list of constants (one each: few topics are named).
-        as_bytes = "CAST(CAST({} AS NVARCHAR(4000)) AS VARBINARY(8000))"
-        listed = ", ".join(as_bytes.format("?") for _ in values)
-        return f"{as_bytes.format(column)} IN ({listed})", list(values)
+        listed = ", ".join(self.exact("?") for _ in values)
+        return f"{self.exact(column)} IN ({listed})", list(values)
 
     def id_chunks(self, ids: Sequence[int]) -> list[list[int]]:
         """One list with OPENJSON; otherwise lists of at most ID_PARAMS_PER_STATEMENT,
