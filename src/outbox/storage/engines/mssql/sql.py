@@ -297,8 +297,13 @@ class MssqlStatements(MssqlSchema):
         (still pending, or claimed once it commits) and they block; READPAST would skip
         them and let a later row overtake them (docs/design.md, "Why the probe treats
         every non-candidate open row as blocking"). The probe runs in a statement of its
-        own, while this claim holds only U locks, so a probe waiting on a competitor's
-        UPDATE can never close a deadlock cycle.
+        own, while this claim holds U locks on its candidates; a competitor that waits for
+        one of those and holds a key the probe reads closes a cycle. Only one can: a stale
+        lease's ``mark_done`` over rows of one aggregate that took a later row out of agg_open
+        and next wants an earlier one this claim re-took (the ids processed out of id order),
+        a deadlock the server ends (1205) and the loser retries (docs/sqlserver.md, "The
+        claim's two walks"). Claims read past each other, ``release`` and ``adopt`` leave
+        agg_open alone, ``mark_failed`` holds one row.
 
         ``source`` is ``@cand`` (the locked candidates) or, to choose which chains to lock,
         ``@win`` (the window read without update locks: ``claim_statements``). Rows in
