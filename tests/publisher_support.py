@@ -78,10 +78,18 @@ def broker() -> Iterator[dict[str, Any]]:
 #: A ``sitecustomize.py`` that makes publishing go wrong the way some payloads do in
 #: production: a ``publish_chains`` of an event whose payload says "KILLER" SIGKILLs the
 #: process publishing it (a crash in a native library, memory exhausted), one that says "HANG"
-#: never returns, one that says "SLOW" takes 2 s. Written by ``install_killer``.
+#: never returns, one that says "SLOW" takes 2 s. A publisher for an exchange whose name says
+#: "REFUSED" cannot be made: it raises a connection error naming its URL, as a client that
+#: connects when it is made does. Written by ``install_killer``.
 KILLER_HOOK = '''
 import os, signal, time
 from outbox.publisher import kombu_publisher as _kp
+_init = _kp.KombuPublisher.__init__
+def _refusing(self, url, exchange, **kw):
+    if "REFUSED" in exchange:
+        raise ConnectionError(f"cannot connect to {url}: connection refused")
+    _init(self, url, exchange, **kw)
+_kp.KombuPublisher.__init__ = _refusing
 _publish_chains = _kp.KombuPublisher.publish_chains
 def _killing(self, chains, **kw):
     if any("KILLER" in m.payload for chain in chains for m in chain):

@@ -23,7 +23,7 @@ from services import AMQP_URL
 
 from outbox.core.config import Settings
 from outbox.core.model import FailureKind
-from outbox.publisher import ChainResult
+from outbox.publisher import ChainResult, PublishFailure
 from outbox.publisher.apart import ApartPublisher
 from outbox.publisher.select import publisher_for
 
@@ -217,6 +217,39 @@ def test_the_first_child_of_a_process_is_told_to_stop_and_finishes_its_publish(
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == repr([ChainResult(published=(17,))]), done.stdout
     assert [m.headers["outbox_id"] for m in broker["live"]()] == [17]
+
+
+CHILD_CANNOT_MAKE_ITS_PUBLISHER = """
+import sys
+from outbox.core.config import Settings
+from outbox.publisher.apart import ApartPublisher
+from outbox.publisher.select import publisher_for
+from publisher_support import make_message
+
+if __name__ == "__main__":
+    settings = Settings(publish_url=sys.argv[1], exchange="REFUSED-exchange")
+    fallback = publisher_for(Settings(publish_url=sys.argv[1], exchange="unused"))
+    print(ApartPublisher(settings, 30.0, fallback).publish_chains([[make_message(18)]]), flush=True)
+"""
+
+
+def test_a_child_that_cannot_make_its_publisher_says_why_with_the_password_masked(tmp_path: Path) -> None:
+    """Found in review: an exception raised while the child made its publisher (a client that
+    connects when made, its error naming the broker's URL) escaped the child, and
+    multiprocessing printed its traceback to the worker's stderr, password in clear; the row's
+    reason said only "died (exit code 1)". Now the child answers it as a failure, masked, and
+    nothing it prints shows the password."""
+    secret = "Hunter2Secret"
+    url = f"amqp://guest:{secret}@127.0.0.1:5672//"  # never connected to: the publisher is not made
+    script = tmp_path / "cannot_make.py"
+    script.write_text(CHILD_CANNOT_MAKE_ITS_PUBLISHER)
+    done = subprocess.run([sys.executable, str(script), url], env=_with_support(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert secret not in done.stdout + done.stderr, done.stdout + done.stderr
+    reason = "ConnectionError: cannot connect to amqp://guest:***@127.0.0.1:5672//: connection refused"
+    assert done.stdout.strip() == repr([ChainResult(failed_id=18, failure=PublishFailure(
+        FailureKind.RETRIABLE, reason))]), done.stdout
 
 
 def _with_support() -> dict[str, str]:

@@ -145,8 +145,7 @@ class Settings(Options):
     namespace: str | None = option(None, "str", check=validate_namespace)
 
     def __post_init__(self) -> None:
-        for url in (self.database_url, self.publish_url, self.celery_broker_url):
-            register_url(url)  # masked wherever it shows up from now on (outbox.core.redact)
+        self.register_passwords()
         if self.schema is not None and self.schema.lower() != "main" and is_sqlite_url(self.database_url):
             # SQLite read it as an attached database's name: `outbox migrate` failed on "unknown
             # database" and said to run `outbox migrate` (found in review). ``main`` is SQLite's
@@ -156,6 +155,12 @@ class Settings(Options):
         if self.dead_letter_exchange is not None and self.dead_letter_exchange == self.exchange:
             raise ConfigError(f"OUTBOX_DEAD_LETTER_EXCHANGE={self.dead_letter_exchange!r} must differ from "
                               "OUTBOX_EXCHANGE: dead rows would reach the consumers of live events")
+
+    def register_passwords(self) -> None:
+        """Mask the URLs' passwords wherever they show up from now on (``outbox.core.redact``):
+        done when made, and by a process that gets these settings unpickled, which makes none."""
+        for url in (self.database_url, self.publish_url, self.celery_broker_url):
+            register_url(url)
 
     def __repr__(self) -> str:
         """With every password masked: settings end up in logs and tracebacks."""

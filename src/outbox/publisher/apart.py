@@ -22,7 +22,7 @@ from typing import Any
 
 from ..core.config import Settings
 from ..core.model import FailureKind, OutboxMessage
-from ..core.redact import install_filter
+from ..core.redact import install_filter, redact
 from .contract import ChainResult, Pipelined, Publisher, PublishFailure
 from .select import publisher_for
 
@@ -247,7 +247,11 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
     warm shutdown (SIGTERM, or SIGINT to the terminal's process group) lets it finish its one
     publish: the parent waits for it, within its timeout. Its warnings go to the worker's
     stderr, passwords masked. A job of chains carries the seconds the child may take, counted
-    from here (``CHILD_MARGIN_S`` less than its parent waits)."""
+    from here (``CHILD_MARGIN_S`` less than its parent waits).
+
+    Whatever it raises, making its publisher included, is answered (a failure of the chains)
+    or logged, never left to multiprocessing, which prints a traceback unmasked (docs/relay.md,
+    "Secrets in output")."""
     began = time.monotonic()
     for stop in _STOP_SIGNALS:
         signal.signal(stop, signal.SIG_IGN)
@@ -256,9 +260,21 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
                         format="[%(asctime)s] [PID %(process)d] [outbox-publish-apart] [%(name)s] [%(levelname)s] "
                                "%(message)s")
     install_filter()
-    publisher = publisher_for(settings, size_warning=False, **options)  # the worker warned already
-    reply: tuple[bool, Any]
+    settings.register_passwords()  # unpickled: its passwords are not known to this process yet
     try:
+        _answer(answer, settings, options, job, began)
+    except Exception:  # through the masking handler, then the exit code the parent reports
+        log.exception("outbox: the child process publishing apart failed")
+        raise SystemExit(1) from None
+
+
+def _answer(answer: Connection, settings: Settings, options: dict[str, Any], job: tuple[Any, ...],
+            began: float) -> None:
+    """Make the publisher, publish ``job`` and send the parent (raised, value), a failure's text masked."""
+    reply: tuple[bool, Any]
+    publisher: Publisher | None = None
+    try:
+        publisher = publisher_for(settings, size_warning=False, **options)  # the worker warned already
         if job[0] == "chains":
             _, chains, ids, budget_s = job
             results = publisher.publish_chains(chains, pipelined=_among(ids) if ids else None,
@@ -269,9 +285,10 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
             failure = publisher.publish_dead(message, error, headers=headers or None)
             reply = (False, failure and replace(failure, exception=None))
     except Exception as exc:  # noqa: BLE001 - told to the parent, which reports it as a failure of the chains
-        reply = (True, f"{type(exc).__name__}: {exc}")
+        reply = (True, redact(f"{type(exc).__name__}: {exc}"))
     finally:
-        publisher.close()
+        if publisher is not None:
+            publisher.close()
     with suppress(OSError):  # the parent is gone (killed): nobody to tell
         answer.send(reply)
     answer.close()
