@@ -317,6 +317,26 @@ def test_failed_dispatch_releases_the_rows_without_spending_attempts(sqlite_stor
     assert [(state[i]["status"], state[i]["attempts"]) for i in b] == [(Status.PENDING, 0)] * 2
 
 
+def test_a_failed_dispatchs_error_is_masked_at_its_source(sqlite_store: OutboxStore, conn: sqlite3.Connection,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: the runner's broker's error naming its URL was logged as it was, and
+    returned in the claim's outcome (a task's result), masked only by the handlers a worker
+    attaches: any other handler (pytest's here, an application's own logging, a result
+    backend) got the password in clear. Masked where it is taken now (docs/relay.md, "Secrets
+    in output")."""
+    add(conn, "a", 2)
+
+    def dispatch(chains: Any, deadline: float) -> None:
+        raise ConnectionError("cannot reach redis://:Hunter2Secret@127.0.0.1:1/0")
+
+    with caplog.at_level(logging.ERROR, logger="outbox.relay"):
+        outcome = handle_claim(RelayContext(sqlite_store), dispatch, batch_size=100, lease_s=60.0)
+    assert outcome.released == 2
+    assert outcome.error == "ConnectionError: cannot reach redis://:***@127.0.0.1:1/0"
+    said = [r.getMessage() for r in caplog.records if "cannot dispatch publish tasks" in r.getMessage()]
+    assert len(said) == 1 and "redis://:***@127.0.0.1:1/0" in said[0] and "Hunter2Secret" not in caplog.text, said
+
+
 # -- drain slices (relay.drain_slice, the claim task's body on Celery and on Dramatiq) ------------
 
 class Slice:
