@@ -708,6 +708,31 @@ print(json.dumps({"first": first, "second": second, "took": took, "runs": w._han
     assert out["first"] is True and out["second"] is False and out["runs"] == 1
 
 
+def test_a_failed_wake_up_masks_the_password_its_error_quotes_in_the_writers_own_log(tmp_path: Path) -> None:
+    """Found in review: the writer's process (a web application, its own logging, none of the
+    worker's masking handlers) logged a failed wake-up's error as raised, and psycopg's error for
+    the database transport's URL quotes a password it cannot decode (``invalid
+    percent-encoded token: "<password>"``). Masked where the wake takes it now."""
+    pytest.importorskip("psycopg")
+    secret = "Hunt%zzer2"  # psycopg refuses it before it connects: no PostgreSQL needed
+    code = r"""
+import logging
+logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s %(message)s")
+import outbox.wake as w
+w.request_claim()
+assert w.flush(30)
+w._paused_until = 0.0
+w.wake_now()  # the second failure, at debug level
+"""
+    done = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=clean_env(OUTBOX_CELERY_BROKER_URL=f"outboxdb+postgresql://postgres:{secret}@127.0.0.1:1/x",
+                                        OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = [line for line in done.stderr.splitlines() if "cannot wake the relay" in line]
+    assert len(said) == 2 and all('invalid percent-encoded token: "***"' in line for line in said), done.stderr
+    assert secret not in done.stderr, done.stderr
+
+
 # -- real workers, no beat: only a wake-up or a notification makes them claim -------------------------
 
 WRITER_SCRIPT = r"""

@@ -23,6 +23,7 @@ from typing import Any
 from .core.config import dramatiq_settings, wake_options
 from .core.errors import StoreError, UnsupportedConnection
 from .core.handoff import HandOff
+from .core.redact import redact
 from .relay import waker as _waker
 from .relay.waker import Waker
 from .storage.engines import engine_class, unwrap_connection
@@ -78,13 +79,14 @@ def _failed(what: str, exc: BaseException) -> None:
     global _paused_until, _last_warning
     now = time.monotonic()
     _paused_until = now + FAILURE_PAUSE_S
+    # Masked here: the writer's process logs through its own handlers (docs/relay.md, "Secrets in output").
+    error = redact(f"{type(exc).__name__}: {exc}")
     if now - _last_warning >= WARN_EVERY_S:
         _last_warning = now
-        log.warning("outbox: cannot wake the relay (%s: %s: %s); the next claim tick delivers. "
-                    "Further failures are logged at debug level for %.0f s", what, type(exc).__name__, exc,
-                    WARN_EVERY_S)
+        log.warning("outbox: cannot wake the relay (%s: %s); the next claim tick delivers. "
+                    "Further failures are logged at debug level for %.0f s", what, error, WARN_EVERY_S)
     else:
-        log.debug("outbox: cannot wake the relay (%s: %s: %s)", what, type(exc).__name__, exc)
+        log.debug("outbox: cannot wake the relay (%s: %s)", what, error)
 
 
 def wake_now() -> bool:
