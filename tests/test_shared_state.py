@@ -303,6 +303,34 @@ def test_a_directory_another_user_could_write_is_not_trusted(tmp_path: Path,
     assert w.stopping() is False
 
 
+def test_the_users_directory_others_may_list_is_made_private_or_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: an ``outbox-<uid>`` of this user at mode 0755 (made by hand, or by a
+    ``mkdir`` under umask 022) was used as it was, so any local user could list it and read the
+    state's files (the breaker's reason, the stop markers). It is made 0700 now; when it cannot
+    be (a file system that ignores the mode), it is refused with a warning naming it and its
+    mode. One others may write stays refused: its files may be theirs."""
+    import outbox.relay.state as state_module
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(state_module, "_refusals", set())
+    tmp_path.chmod(0o1777)
+    listed = tmp_path / f"outbox-{os.getuid()}"
+    listed.mkdir()
+    listed.chmod(0o755)
+    assert state_module.private_dir() == str(listed)
+    assert stat.S_IMODE(listed.stat().st_mode) == 0o700
+    state = open_shared_state("amqp://guest@localhost//")
+    assert isinstance(state, FileState) and state.directory == str(listed)
+
+    listed.chmod(0o750)
+    monkeypatch.setattr(state_module.os, "fchmod", lambda fd, mode: None)  # a mode the file system ignores
+    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+        assert state_module.private_dir() is None
+        assert isinstance(open_shared_state("amqp://guest@localhost//"), ProcessState)
+    assert f"{listed} is mode 0750" in caplog.text and "could not be made 0700" in caplog.text, caplog.text
+
+
 def test_a_temp_directory_where_others_could_swap_the_users_directory_is_used_only_with_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A temp directory others may write without the sticky bit (or under a directory like

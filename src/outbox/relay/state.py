@@ -258,8 +258,9 @@ def private_dir(create: bool = True) -> str | None:
     when absent): where the files the processes of one host share live (``FileState``, the
     worker's stop marker), out of the reach of other local users. The temp directory must be
     one no other user can rename things in (``_unsafe``), else ``$XDG_RUNTIME_DIR`` is used on
-    the same terms, else the temp directory with a warning (``_safe_base``). None, with a
-    warning, when the directory is not this user's alone (docs/internals.md, "Shared state")."""
+    the same terms, else the temp directory with a warning (``_safe_base``). One that others
+    may list or enter, but not write, is made 0700 (``_make_private``). None, with a warning,
+    when the directory is not this user's alone (docs/internals.md, "Shared state")."""
     base = _safe_base(tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR", ""))
     path = os.path.join(base, f"outbox-{os.getuid()}")
     if create:
@@ -275,9 +276,40 @@ def private_dir(create: bool = True) -> str | None:
     except FileNotFoundError:  # not made, as asked
         return None
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        _refused(path, f"not a directory only this user (uid {os.getuid()}) can write: remove it")
+        _refused(path, f"not a directory only this user (uid {os.getuid()}) can write (uid {info.st_uid}, mode "
+                       f"{stat.S_IMODE(info.st_mode):04o}): remove it")
         return None
+    if info.st_mode & 0o077:
+        why = _make_private(path, stat.S_IMODE(info.st_mode))
+        if why is not None:
+            _refused(path, why)
+            return None
     return path
+
+
+def _make_private(path: str, mode: int) -> str | None:
+    """Make ``path``, this user's directory that others may list or enter but not write (so
+    nothing in it can be theirs), mode 0700: None when done, else why not. Through a descriptor
+    of the directory itself, checked again, never a symbolic link."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        return f"mode {mode:04o} and could not be made 0700 ({exc.strerror}): make it 0700 or remove it"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            return f"mode {stat.S_IMODE(info.st_mode):04o}, not a directory only this user can write: remove it"
+        os.fchmod(fd, 0o700)
+        now = stat.S_IMODE(os.fstat(fd).st_mode)
+    except OSError as exc:
+        return f"mode {mode:04o} and could not be made 0700 ({exc.strerror}): make it 0700 or remove it"
+    finally:
+        os.close(fd)
+    if now & 0o077:  # a file system that keeps its own modes
+        return f"mode {mode:04o} and could not be made 0700 (it is {now:04o} after chmod): make it 0700 or remove it"
+    log.info("outbox: made %s mode 0700 (it was %04o: others could list it)", path, mode)
+    return None
 
 
 #: ``_safe_base``'s verdicts: no other user can change one (``_unsafe``), and the stop marker's
