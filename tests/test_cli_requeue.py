@@ -175,3 +175,34 @@ def test_event_fields_reach_the_terminal_as_text_not_as_control_sequences(tmp_pa
         "attempts=1\tretriable: bad\\x1b[2Jthing\\r"]
     requeued = run("dead", "requeue", str(id), env={"OUTBOX_DATABASE_URL": url})
     assert requeued.stdout.splitlines() == ["requeued 1 row(s)", "  orders.\\x1b]0;pwned\\x07paid: 1"]
+
+
+def test_a_database_password_that_is_a_word_of_last_error_leaves_its_reason_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: with the database password ``poison`` every poison row's ``last_error``
+    was written ``***: message size ...``, which is no permanent reason: ``outbox dead requeue``
+    requeued it, to fail again. Short words are no longer masked bare, and ``mark_failed`` masks
+    a reason after its kind (``poison: ``, ``undecodable row: ``), so even a long password
+    equal to it (``undecodable``) leaves the kind whole."""
+    import outbox.core.redact as redact_module
+
+    monkeypatch.setattr(redact_module, "_secrets", set())  # this test's registrations only
+    for password in ("poison", "undecodable"):
+        redact_module.register_url(f"postgresql://app:{password}@db/app")
+    store = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}", max_attempts=3)
+    store.migrate()
+    conn = sqlite3.connect(tmp_path / "o.db")
+    poison, bad = (enqueue(conn, topic=f"orders.{name}", aggregate_type="o", aggregate_id=name, payload={})
+                   for name in ("big", "bad"))
+    conn.commit()
+    tamper(store, bad, "headers", '{"oops": ')
+    claim = store.claim(100)
+    store.mark_failed(poison, claim.lease, "poison: message size 9000 bytes is above the maximum (undecodable)",
+                      dead=True)
+    with store.transaction() as cursor:
+        errors = dict(store.engine.execute(cursor, "SELECT id, last_error FROM outbox").fetchall())
+    assert errors[poison] == "poison: message size 9000 bytes is above the maximum (***)", errors
+    assert errors[bad].startswith("undecodable row: "), errors
+    result = store.requeue()
+    assert result.requeued == {} and result.permanent == {"orders.bad": 1, "orders.big": 1}, result
+

@@ -231,6 +231,27 @@ def test_registered_passwords_are_masked_in_fragments_and_log_records() -> None:
     assert "Fr4g%zzment" not in formatted and formatted.count("***") >= 2
 
 
+def test_a_short_password_of_letters_and_digits_is_masked_in_urls_but_not_as_a_bare_word(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: a database password ``poison`` was masked wherever the word appeared,
+    so every poison row's ``last_error`` read ``***: ...`` (and ``outbox dead requeue`` took
+    it for a row worth requeueing). A registered password is masked as a bare value only when
+    it cannot be an ordinary word or number: eight characters or more, or a character besides
+    letters and digits (what a driver that cannot parse a URL quotes); in a URL, an ODBC
+    string or a ``password=`` it is masked whatever its length."""
+    import outbox.core.redact as redact_module
+
+    monkeypatch.setattr(redact_module, "_secrets", set())  # this test's registrations only
+    for url in ("postgresql://app:poison@db/app", "redis://:1234@r/0", "amqp://guest:guest@b//",
+                "postgresql://app:s3cr%t@db/app", "postgresql://app:LongEnough@db/app"):
+        register_url(url)
+    text = "poison: message size 1234 bytes is above the maximum (guest)"
+    assert redact(text) == text
+    assert redact("postgresql://app:poison@db/app redis://:1234@r/0 PWD=guest;") == (
+        "postgresql://app:***@db/app redis://:***@r/0 PWD=***;")
+    assert redact('invalid percent-encoded token: "s3cr%t" or LongEnough') == 'invalid percent-encoded token: "***" or ***'
+
+
 def test_the_password_of_an_odbc_connect_url_is_registered_decoded() -> None:
     """A driver error quotes the ODBC string decoded (``PWD={Od;bcPw}``) or a fragment of it:
     the password registered from ``?odbc_connect=`` is masked there too."""

@@ -13,7 +13,9 @@ Passwords reach text in three ways, and ``redact`` covers each:
   ``invalid percent-encoded token: "s3cr%t@db/app"`` echoes only the part after the
   user name). No pattern finds those, so every password of a configured URL is
   *registered* (``register_url``, done by ``outbox.core.config`` for every URL setting it
-  loads) and replaced wherever it appears, raw or percent-decoded.
+  loads) and replaced wherever it appears, raw or percent-decoded, unless it could be an
+  ordinary word or number (``bare_maskable``: a fragment quotes a password a driver could
+  not parse, one with a symbol in it).
 
 ``RedactingFilter`` applies ``redact`` to every log record (message, arguments and
 traceback) that passes the handler it is attached to; the relay's Celery app attaches it
@@ -100,12 +102,26 @@ def register_url(url: str | None) -> None:
         register_secret(secret)
 
 
+#: A registered password is masked as a bare value (wherever it appears, no pattern around
+#: it) only when it cannot be an ordinary word or number: this long, or holding a character
+#: besides letters and digits. The patterns mask every password in a URL, an ODBC string or a
+#: ``password=`` whatever its length (docs/relay.md, "Secrets in output").
+MIN_BARE_SECRET = 8
+#: Shorter than this, not even one with a symbol (``a@``): it would mask innocent text everywhere.
+MIN_SYMBOL_SECRET = 4
+
+
+def bare_maskable(secret: str) -> bool:
+    """Is ``secret`` masked wherever it appears as it is? Not a short run of letters and digits
+    (a database password ``poison`` turned every poison row's reason into ``***: ...``: found
+    in review), not anything very short."""
+    return len(secret) >= MIN_BARE_SECRET or (len(secret) >= MIN_SYMBOL_SECRET and not secret.isalnum())
+
+
 def register_secret(secret: str) -> None:
-    # Very short strings would mask innocent text everywhere ("a", "1"); the patterns still
-    # mask them inside URLs.
     candidates = {secret, unquote(secret)}
     with _lock:
-        _secrets.update(s for s in candidates if len(s) >= 4)
+        _secrets.update(s for s in candidates if bare_maskable(s))
 
 
 def redact(text: object) -> str:
@@ -170,4 +186,5 @@ def install_filter(logger: logging.Logger | None = None) -> None:
             handler.addFilter(RedactingFilter())
 
 
-__all__ = ["redact", "printable", "register_url", "register_secret", "RedactingFilter", "install_filter", "MASK"]
+__all__ = ["redact", "printable", "register_url", "register_secret", "bare_maskable", "RedactingFilter",
+           "install_filter", "MASK"]

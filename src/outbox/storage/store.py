@@ -40,7 +40,7 @@ from ..core.redact import redact
 from ..domain.events import MAX_ERROR_UNITS, fit_utf16
 from .connections import CallerTransactions, Connections
 from .engines import Engine, engine_for_url
-from .engines.base import PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
+from .engines.base import ERROR_KIND_PREFIXES, PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
 from .engines.describe import index_names
 
 log = logging.getLogger("outbox.storage.store")
@@ -105,6 +105,12 @@ def migration_lock_refusal(engine: Engine, connections: Connections, tables: Seq
 #: released by nothing but that store's next claim, which might never come (found in review).
 _DOUBTFUL: dict[tuple[str, str], list[str]] = {}
 _DOUBTFUL_LOCK = threading.Lock()
+
+
+def _masked_reason(error: str) -> str:
+    """``error`` with its passwords masked, its kind (``engines.base.ERROR_KIND_PREFIXES``) kept as written."""
+    kind = next((prefix for prefix in ERROR_KIND_PREFIXES if error.startswith(prefix)), "")
+    return kind + redact(error[len(kind):])
 
 
 class OutboxStore:
@@ -561,10 +567,10 @@ class OutboxStore:
         retry_ms = 0 if retry_in is None else int(retry_in.total_seconds() * 1000)
         if retry_ms < 0 or retry_ms > 86_400_000:
             raise ValueError("retry_in must be between 0 and 24 hours")
-        # Passwords masked, whoever called (docs/relay.md, "Secrets in output"), then cut in Python
-        # to what the column holds in UTF-16 units (SQL Server's NVARCHAR(4000) counts those),
-        # never inside a surrogate pair: the database never truncates.
-        error = fit_utf16(redact(error or "unknown error"), MAX_ERROR_UNITS)
+        # Passwords masked, whoever called, after the reason's kind (docs/relay.md, "Secrets in
+        # output"), then cut in Python to what the column holds in UTF-16 units (SQL Server's
+        # NVARCHAR(4000) counts those), never inside a surrogate pair: the database never truncates.
+        error = fit_utf16(_masked_reason(error or "unknown error"), MAX_ERROR_UNITS)
         flag = 1 if dead else 0
 
         def work(cursor: Any) -> tuple[int, int | None]:

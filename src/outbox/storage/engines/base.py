@@ -57,6 +57,10 @@ POISON_PREFIX = f"{FailureKind.POISON}: "
 #: one of these fails again the same way when requeued as it is, so ``outbox dead
 #: requeue`` refuses it unless forced (after the row or the limit was fixed).
 PERMANENT_ERROR_PREFIXES = (UNDECODABLE_PREFIX, POISON_PREFIX)
+#: What a ``last_error`` begins with to say its kind: ``OutboxStore.mark_failed`` masks the
+#: passwords of what follows only, so that no password equal to a kind's word turns a permanent
+#: reason into another (docs/relay.md, "Secrets in output").
+ERROR_KIND_PREFIXES = (UNDECODABLE_PREFIX, *(f"{kind}: " for kind in FailureKind))
 
 
 def is_permanent_error(error: str | None) -> bool:
