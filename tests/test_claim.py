@@ -584,6 +584,27 @@ print(seen, requests, claims)
     assert done.stdout.split("\n")[0] == "[0, 3] [True, False, False, True] 1"
 
 
+def test_an_unreadable_publish_queue_length_masks_the_password_its_error_quotes(tmp_path: Path) -> None:
+    """Found in review: a claim that could not read the publish queue's length logged the
+    broker's error as raised, and the database transport's names a password psycopg cannot
+    decode (``invalid percent-encoded token: "<password>"``), so a handler without the
+    worker's filter printed it. Masked where it is taken now."""
+    pytest.importorskip("psycopg")
+    secret = "Hunt%zzer2"  # psycopg refuses it before it connects: no PostgreSQL needed
+    code = """
+import logging
+logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s %(message)s")
+import outbox.celery.tasks as t
+print(t.queued_publish_tasks())
+"""
+    done = run_python(code, tmp_path, OUTBOX_CELERY_BROKER_URL=f"outboxdb+postgresql://postgres:{secret}@127.0.0.1:1/x",
+                      OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
+    said = [line for line in done.stderr.splitlines() if "cannot read the publish queue's length" in line]
+    assert said and all('invalid percent-encoded token: "***"' in line for line in said), done.stderr
+    assert secret not in done.stderr, done.stderr
+
+
 CLAIM_REQUESTS_BROKER_DOWN = """
 import json, logging, time
 import outbox.celery.tasks as t

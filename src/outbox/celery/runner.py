@@ -10,6 +10,7 @@ from typing import Any
 
 from ..core.config import relay_settings
 from ..core.names import CLAIM_TASK, PUBLISH_TASK, claim_request_key
+from ..core.redact import redact
 from ..relay.waker import clear_token
 from .application import app, send_relay_task
 from .waker import RETRY_POLICY, claim_queue
@@ -59,7 +60,8 @@ class CeleryRunner:
                         return 0
                     raise
         except Exception as exc:  # noqa: BLE001 - a best-effort reading: None means unknown
-            log.debug("outbox: cannot read the publish queue's length: %s", exc)
+            # Masked here, whoever handles the log (docs/relay.md, "Secrets in output").
+            log.debug("outbox: cannot read the publish queue's length: %s", redact(exc))
             return None
 
     def clear_token(self, token: str) -> None:
