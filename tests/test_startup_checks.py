@@ -567,6 +567,40 @@ def test_worker_and_beat_refuse_a_celery_broker_other_than_outboxs(tmp_path: Pat
         in last, last
 
 
+OWN_LOGGING = """
+import logging
+from celery import signals
+
+@signals.setup_logging.connect
+def own_logging(**kwargs):
+    logging.basicConfig(level=logging.INFO, format="OWN %(levelname)s %(name)s %(message)s")
+    shown = logging.StreamHandler()  # and one on a logger of its own, as a dictConfig may attach
+    shown.setFormatter(logging.Formatter("CELERY-OWN %(levelname)s %(message)s"))
+    logging.getLogger("celery").addHandler(shown)
+"""
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_a_worker_or_beat_with_the_applications_own_logging_masks_passwords(tmp_path: Path, command: str) -> None:
+    """Found in review: an application that sets up Celery's logging itself (the
+    ``setup_logging`` signal, Celery's documented way) gets no ``after_setup_logger``, so the
+    worker and beat attached no masking filter, and Celery's own lines printed the password a
+    broker's error quoted (psycopg's ``invalid percent-encoded token: "<password>"`` for the
+    database transport) in clear. Its handlers get the filter once its logging is set up."""
+    pytest.importorskip("psycopg")
+    secret = "Hunt%zzer2"  # psycopg refuses it before it connects: no PostgreSQL needed
+    (tmp_path / "ownlog.py").write_text(OWN_LOGGING)
+    env = clean_env(OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}", CELERY_CONFIG_MODULE="ownlog",
+                    OUTBOX_CELERY_BROKER_URL=f"outboxdb+postgresql://postgres:{secret}@127.0.0.1:5432/test",
+                    PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    result = relay(command, tmp_path, env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert 'OWN CRITICAL celery' in output and 'invalid percent-encoded token: "***"' in output, output[-3000:]
+    assert "CELERY-OWN CRITICAL" in output, output[-3000:]
+    assert secret not in output, output[-3000:]
+
+
 def test_the_same_celery_broker_under_both_names_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
     from outbox.celery.application import app, broker_conflict
 

@@ -18,7 +18,7 @@ from ..core.config import relay_options, relay_settings, wake_options, warn_memo
 from ..core.errors import ConfigError
 from ..core.handoff import HandOff
 from ..core.names import CLAIM_TASK, claim_request_key, is_redis_url, wake_channel
-from ..core.redact import install_filter, redact
+from ..core.redact import install_filter, install_filter_everywhere, mask_uncaught, redact
 from ..relay import Breaker, Coalescer, Outage, Resources, RouteGate
 from ..relay import listen as _listen
 from ..relay import metrics as _metrics
@@ -166,6 +166,17 @@ def _mask_secrets_in_logs(logger: logging.Logger | None = None, **_: Any) -> Non
     install_filter(logging.getLogger())
     if logger is not None:
         install_filter(logger)
+
+
+@signals.celeryd_after_setup.connect
+@signals.beat_init.connect
+def _mask_secrets_in_the_applications_logging(**_: Any) -> None:
+    """An application that sets up the worker's or beat's logging itself (Celery's
+    ``setup_logging`` signal) gets no ``after_setup_logger``: its handlers, wherever it attached
+    them, are given the filter here, after its set-up, and an exception that ends the process
+    is printed masked: stderr is then not Celery's logger (docs/relay.md, "Secrets in output")."""
+    install_filter_everywhere()
+    mask_uncaught()
 
 
 @signals.worker_process_init.connect

@@ -19,7 +19,8 @@ Passwords reach text in three ways, and ``redact`` covers each:
 
 ``RedactingFilter`` applies ``redact`` to every log record (message, arguments and
 traceback) that passes the handler it is attached to; the relay's Celery app attaches it
-to the worker's and beat's handlers, the CLI masks its error lines directly.
+to the worker's and beat's handlers (the application's own too, when it sets up their
+logging itself), the CLI masks its error lines directly.
 
 This module imports nothing from the package, so every layer may use it.
 """
@@ -28,7 +29,10 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
+import traceback
+from types import TracebackType
 from urllib.parse import unquote, unquote_plus, urlsplit
 
 MASK = "***"
@@ -186,5 +190,24 @@ def install_filter(logger: logging.Logger | None = None) -> None:
             handler.addFilter(RedactingFilter())
 
 
+def install_filter_everywhere() -> None:
+    """``install_filter`` on the root logger and on every other logger with handlers of its own:
+    an application's logging configuration may attach them anywhere (``dictConfig``)."""
+    install_filter()
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        if isinstance(logger, logging.Logger) and logger.handlers:
+            install_filter(logger)
+
+
+def _masked_excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, value, tb))))
+
+
+def mask_uncaught() -> None:
+    """An exception that ends the process is printed to stderr masked: where logging does not
+    take stderr over (Celery does, unless the application sets up its logging itself)."""
+    sys.excepthook = _masked_excepthook
+
+
 __all__ = ["redact", "printable", "register_url", "register_secret", "bare_maskable", "RedactingFilter",
-           "install_filter", "MASK"]
+           "install_filter", "install_filter_everywhere", "mask_uncaught", "MASK"]
