@@ -121,6 +121,28 @@ class Connections:
             except Exception:
                 log.debug("outbox: error closing a cursor", exc_info=True)
 
+    @contextmanager
+    def outside_transaction(self) -> Iterator[Any]:
+        """A migration's cursor (``Engine.ddl_cursor``) on this thread's connection in autocommit,
+        each statement committed as it runs: for DDL no transaction may hold (PostgreSQL's
+        ``CREATE INDEX CONCURRENTLY``). Nothing is retried; a connection whose error says it is
+        gone is dropped."""
+        with self._lock:
+            conn = self.get()
+            cursor = self.engine.ddl_cursor(conn)
+            try:
+                with self.engine.autocommit(conn):
+                    yield cursor
+            except BaseException as exc:
+                if self.engine.is_disconnect(exc):
+                    self.drop()
+                raise
+            finally:
+                try:
+                    cursor.close()
+                except Exception:
+                    log.debug("outbox: error closing a cursor", exc_info=True)
+
     def retryable(self, exc: BaseException, *, ddl: bool = False) -> bool:
         """Worth running the work again: a transient error, a dropped connection; for a
         migration (``ddl``) not a lock timeout."""

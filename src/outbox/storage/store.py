@@ -15,8 +15,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -52,19 +52,20 @@ TRANSIENT_RETRIES = 5
 REQUEUE_CHUNK = 1000
 
 
-def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -> int:
+def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False, steps: list[Any] | None = None) -> int:
     """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate``, the
     Django app's migration (on Django's own connection) and Alembic's create the same schema.
     What the steps may use is read from ``cursor``'s own connection first. Returns how many
     guarded steps ran (their probe found the change not yet made). The steps wait for a
     table's lock no longer than the engine's DDL bound on every path, Django's and Alembic's
-    connections too (``Engine.ddl_bounds``: SQL Server's session LOCK_TIMEOUT, found in review)."""
+    connections too (``Engine.ddl_bounds``: SQL Server's session LOCK_TIMEOUT, found in review).
+    ``steps``: these instead of ``engine.migration()`` (the first part of ``Engine.online_migration``)."""
     engine.read_server(cursor)
     engine.lock_migration(cursor)  # one migration of the table at a time (Engine.lock_migration)
     ran = 0
     try:
         with engine.ddl_bounds(cursor):
-            for step in engine.migration(native_json=native_json):
+            for step in engine.migration(native_json=native_json) if steps is None else steps:
                 if isinstance(step, tuple):
                     (probe, params), step = step
                     if engine.execute(cursor, probe, params).fetchone() is not None:
@@ -81,10 +82,46 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False) -
     return ran
 
 
-def migration_lock_refusal(engine: Engine, connections: Connections, tables: Sequence[str]) -> StoreError:
+def apply_online_migration(engine: Engine, cursor: Any, indexes: list[list[Any]]) -> int:
+    """Run the second part of ``Engine.online_migration`` on ``cursor``, whose connection is in
+    autocommit (no transaction open: ``CREATE INDEX CONCURRENTLY`` refuses to run in one) and
+    holds the migration's lock (``online_migration_lock``). Each step runs when its probe finds
+    no row. Returns how many indexes it built (docs/internals.md, "Index builds that hold no
+    writer back")."""
+    built = 0
+    for steps in indexes:
+        ran = False
+        for (probe, params), step in steps:
+            if engine.execute(cursor, probe, params).fetchone() is None:
+                engine.execute(cursor, step)
+                ran = True
+        built += ran
+    return built
+
+
+@contextmanager
+def online_migration_lock(engine: Engine, outside: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+    """The migration's lock held by the session for the block (``Engine.lock_online_migration``),
+    taken and given back with a cursor of ``outside()``, outside any transaction."""
+    with outside() as cursor:
+        engine.lock_online_migration(cursor)
+    try:
+        yield
+    finally:
+        try:
+            with outside() as cursor:
+                engine.unlock_online_migration(cursor)
+        except Exception:  # the connection may be gone (the lock with it); the original error tells why
+            log.debug("outbox: cannot unlock the migration", exc_info=True)
+
+
+def migration_lock_refusal(engine: Engine, connections: Connections, tables: Sequence[str],
+                           online: bool = False) -> StoreError:
     """The error of a migration whose DDL step gave up waiting for a lock on ``tables``
     (qualified names, the main one first): who holds them and what to do. It is not tried again: while it
-    waits, every enqueue and claim waits behind it (README, "The table")."""
+    waits, every enqueue and claim waits behind it (README, "The table"). ``online``: a step of
+    ``Engine.online_migration``'s second part, which no enqueue or claim waits for; its
+    interrupted build is repaired by the next run."""
     try:
         holders = connections.run("migrate", lambda cursor: engine.lock_holders(cursor, tables), attempts=1)
     except Exception:  # the refusal is said whoever holds the table
@@ -92,7 +129,8 @@ def migration_lock_refusal(engine: Engine, connections: Connections, tables: Seq
         holders = None
     return StoreError(
         f"outbox migrate gave up after waiting {engine.migration_lock_bound()} for a lock on {tables[0]} "
-        f"(every enqueue and claim waits while it does), held by "
+        f"({'building an index; no enqueue or claim waited' if online else 'every enqueue and claim waits while it does'}"
+        "), held by "
         f"{holders or 'a transaction still open (the database does not say which to this login)'}: "
         "commit or end that transaction, then run outbox migrate again")
 
@@ -194,13 +232,22 @@ class OutboxStore:
         """Create or repair the table and its indexes. Safe to run any number of times.
         Returns how many guarded repair steps ran (``apply_migration``)."""
         self.engine.creates_database = True  # the one call that may make a SQLite file
+        online = self.engine.online_migration(native_json)
         try:
-            return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
-                             ddl=True)
+            if online is None:
+                return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
+                                 ddl=True)
+            outside, building = self._connections.outside_transaction, False
+            with online_migration_lock(self.engine, outside):
+                ran = self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, steps=online[0]),
+                                ddl=True)
+                building = True
+                with outside() as cursor:
+                    return ran + apply_online_migration(self.engine, cursor, online[1])
         except Exception as exc:
             if self.engine.is_lock_timeout(exc):
-                raise migration_lock_refusal(self.engine, self._connections,
-                                             [self.engine.table, self.engine.holders]) from exc
+                raise migration_lock_refusal(self.engine, self._connections, [self.engine.table, self.engine.holders],
+                                             online=online is not None and building) from exc
             raise
 
     def schema_state(self) -> tuple[frozenset[Any], ...] | None:

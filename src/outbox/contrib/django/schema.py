@@ -14,7 +14,7 @@ from typing import Any
 
 from ...core.config import get_settings, load_settings
 from ...storage.engines import DJANGO_VENDORS, Engine, engine_class, unwrap_connection
-from ...storage.store import OutboxStore, apply_migration
+from ...storage.store import OutboxStore, apply_migration, apply_online_migration, online_migration_lock
 
 
 def engine_for(connection: Any) -> tuple[Engine, Any]:
@@ -32,6 +32,13 @@ def create_table(connection: Any) -> None:
     from django.db import transaction
 
     engine, raw = engine_for(connection)
+    # PostgreSQL: the indexes of a table holding rows are built CONCURRENTLY after the steps'
+    # transaction, in autocommit as 0004 runs (atomic = False), holding no enqueue back
+    # (docs/internals.md, "Index builds that hold no writer back"); inside a transaction of the
+    # caller's, every step in it, as before.
+    online = engine.online_migration()
+    if online is not None and not connection.get_autocommit():
+        online = None
     one = engine.migration_in_transaction and connection.get_autocommit()
     # SQLite: BEGIN IMMEDIATE (own_transaction), not Django's deferred BEGIN, whose first
     # write fails at once when a relay committed after its reads; one writer lock throughout,
@@ -40,12 +47,20 @@ def create_table(connection: Any) -> None:
     whole = (transaction.atomic(using=connection.alias) if one
              else engine.own_transaction(raw) if engine.migration_under_writer_lock and connection.get_autocommit()
              else nullcontext())
-    with whole:
+    @contextmanager
+    def raw_cursor() -> Iterator[Any]:  # outside the atomic block: autocommit, no transaction open
         cursor = engine.cursor_for(raw)
         try:
-            apply_migration(engine, cursor)
+            yield cursor
         finally:
             cursor.close()
+
+    with online_migration_lock(engine, raw_cursor) if online else nullcontext():
+        with whole, raw_cursor() as cursor:
+            apply_migration(engine, cursor, steps=online[0] if online else None)
+        if online:
+            with raw_cursor() as cursor:
+                apply_online_migration(engine, cursor, online[1])
 
 
 def run_relay_ddl(apps: Any, schema_editor: Any) -> None:

@@ -587,6 +587,23 @@ class Engine(ABC):
         ``((probe_sql, probe_params), sql)``: ``sql`` runs only when the probe finds
         no row, for engines whose DDL has no IF NOT EXISTS form."""
 
+    def online_migration(self, native_json: bool = False) -> tuple[list[Any], list[list[Any]]] | None:
+        """``migration()`` in two parts where the engine can build an index without holding the
+        table's writers back (PostgreSQL's ``CONCURRENTLY``, which no transaction may hold): the
+        steps ``apply_migration`` runs in the migration's transaction, and the steps
+        ``apply_online_migration`` runs after its commit, on the same connection outside any
+        transaction, one list per index. None here: ``migration()`` runs whole in the
+        transaction (docs/internals.md, "Index builds that hold no writer back")."""
+        return None
+
+    def lock_online_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: only online_migration's engines
+        """``lock_migration``'s lock for the session, taken outside a transaction before the
+        migration's transaction and held through ``online_migration``'s second part, until
+        ``unlock_online_migration``."""
+
+    def unlock_online_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: only online_migration's engines
+        """Release what ``lock_online_migration`` took."""
+
     def migration_script(self, native_json: bool = False) -> list[str] | None:
         """``migration()`` as SQL text that needs no connection (Alembic's offline mode,
         ``alembic upgrade --sql``): every step guarding itself, so the script does what

@@ -12,6 +12,7 @@ round trip, and every session bounds its transactions' life (``connect``; docs/r
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -292,6 +293,21 @@ class PostgresEngine(Engine):
     )
 
     def migration(self, native_json: bool = False) -> list[Any]:
+        return self._migration(native_json, online=False)
+
+    def online_migration(self, native_json: bool = False) -> tuple[list[Any], list[list[Any]]]:
+        # docs/internals.md, "Index builds that hold no writer back": on a table holding rows
+        # the three partial indexes are built CONCURRENTLY, after the transaction.
+        return (self._migration(native_json, online=True),
+                [self._online_index_steps(suffix, columns, where) for suffix, _, columns, where in self.PARTIAL_INDEXES])
+
+    #: The partial indexes: (suffix, an earlier release's columns, the columns now, the filter).
+    PARTIAL_INDEXES: ClassVar[tuple[tuple[str, str, str, str], ...]] = (
+        ("agg_id_id", "aggregate_id, id", "aggregate_id, id", "processed_at IS NULL"),
+        ("claim_ready", "id", "next_retry_at, id", "processed_at IS NULL"),
+        ("done_processed_at", "processed_at", "processed_at", "processed_at IS NOT NULL"))
+
+    def _migration(self, native_json: bool, online: bool) -> list[Any]:
         t, q = self.table, self.quote
         storage = ", ".join(f"{name} = {value}" for name, value in self.STORAGE.items())
         steps: list[Any] = [f"CREATE SCHEMA IF NOT EXISTS {q(self.schema)}"] if self.schema else []
@@ -351,18 +367,56 @@ class PostgresEngine(Engine):
         # claim_ready was on (id) until the claim's window stopped reading rows that wait for
         # a later time (docs/internals.md, "Rows waiting for a later time are not read"): an index
         # on other columns is made again (``before``: an earlier release's columns, for its rename).
-        for suffix, before, columns, where in (
-                ("agg_id_id", "aggregate_id, id", "aggregate_id, id", "processed_at IS NULL"),
-                ("claim_ready", "id", "next_retry_at, id", "processed_at IS NULL"),
-                ("done_processed_at", "processed_at", "processed_at", "processed_at IS NOT NULL")):
+        # Online (``online_migration``), the two steps below run here only on an empty table (a
+        # new one); on a table holding rows ``_online_index_steps`` builds them after the commit.
+        for suffix, before, columns, where in self.PARTIAL_INDEXES:
             name = self.index_name(suffix)
             on_status = ("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = "
                          "COALESCE(?, current_schema()) AND indexname = ? AND (indexdef LIKE '%WHERE%status%' "
                          "OR indexdef NOT LIKE ?))", [self.schema, name, f"% USING btree ({columns}) %"])
             steps += [*self._rename_legacy_index(suffix, columns, *{before} - {columns}),
-                      (on_status, f"DROP INDEX {self.qualify(name)}"),
-                      (self._has_index(suffix), f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}")]
+                      (self._or_holding_rows(on_status, online), f"DROP INDEX {self.qualify(name)}"),
+                      (self._or_holding_rows(self._has_index(suffix), online),
+                       f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}")]
         return steps + self.holders_migration()
+
+    def _or_holding_rows(self, probe: tuple[str, list[Any]], online: bool) -> tuple[str, list[Any]]:
+        """``probe``, which skips a step when it finds a row, skipping it too (``online``) when the
+        table holds a row."""
+        if not online:
+            return probe
+        return f"SELECT 1 WHERE EXISTS ({probe[0]}) OR EXISTS (SELECT 1 FROM {self.table})", probe[1]
+
+    def _online_index_steps(self, suffix: str, columns: str, where: str) -> list[Any]:
+        """The index ``suffix`` built again without holding writers back (docs/internals.md, "Index
+        builds that hold no writer back"), each step run only when its probe finds no row, on a
+        connection outside any transaction: a stale or INVALID copy under the build name dropped
+        (an earlier run interrupted), the copy built CONCURRENTLY, the index dropped CONCURRENTLY,
+        the copy renamed to its name. Nothing runs where the index is valid and on its columns."""
+        name, build = self.index_name(suffix), derived_name("ix_", self.table_name, f"_{suffix}_build")
+        qname, qbuild, table = self.qualify(name), self.qualify(build), self.qualify(self.table_name)
+
+        def good(index: str) -> tuple[str, list[Any]]:
+            return ("EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass(?) AND i.indrelid = "
+                    "to_regclass(?) AND i.indisvalid AND pg_get_indexdef(i.indexrelid) LIKE ? AND "
+                    "pg_get_indexdef(i.indexrelid) NOT LIKE '%WHERE%status%')",
+                    [index, table, f"% USING btree ({columns}) WHERE ({where})"])
+
+        def probe(*parts: str | tuple[str, list[Any]]) -> tuple[str, list[Any]]:
+            sql = " ".join(p if isinstance(p, str) else p[0] for p in parts)
+            return f"SELECT 1 WHERE {sql}", [v for p in parts if not isinstance(p, str) for v in p[1]]
+
+        absent = "to_regclass(?) IS NULL"
+        return [
+            (probe(("to_regclass(?) IS NULL OR (", [qbuild]), good(qbuild), "AND NOT", good(qname), ")"),
+             f"DROP INDEX CONCURRENTLY IF EXISTS {qbuild}"),
+            (probe(good(qname), ("OR to_regclass(?) IS NOT NULL", [qbuild])),
+             f"CREATE INDEX CONCURRENTLY {self.quote(build)} ON {self.table} ({columns}) WHERE {where}"),
+            (probe((f"{absent} OR {absent} OR", [qname, qbuild]), good(qname)),
+             f"DROP INDEX CONCURRENTLY {qname}"),
+            (probe(("to_regclass(?) IS NOT NULL OR to_regclass(?) IS NULL", [qname, qbuild])),
+             f"ALTER INDEX {qbuild} RENAME TO {self.quote(name)}"),
+        ]
 
     def _has_column(self, column: str) -> tuple[str, list[Any]]:
         return ("SELECT 1 FROM information_schema.columns WHERE table_schema = COALESCE(?, current_schema()) "
@@ -409,6 +463,26 @@ class PostgresEngine(Engine):
 
     def unlock_migration(self, cursor: Any) -> None:
         self.execute(cursor, self._UNLOCK).fetchall()
+
+    #: How often a migration asks again for the lock another migration of the table holds
+    #: (``lock_online_migration``).
+    MIGRATION_LOCK_POLL_S = 0.1
+
+    def lock_online_migration(self, cursor: Any) -> None:
+        # lock_migration's lock, for the session, taken before the transaction (which then takes
+        # it at once) and polled: a session waiting for it inside a transaction or a statement
+        # keeps a snapshot, which the holder's CREATE INDEX CONCURRENTLY waits for (found in
+        # review: racing migrations waited so until their bound). The steps' lock waits are
+        # bounded as the transaction's are.
+        while not self.execute(cursor, "SELECT pg_try_advisory_lock(hashtext(?))",
+                               [self.migration_lock_resource()]).fetchone()[0]:
+            time.sleep(self.MIGRATION_LOCK_POLL_S)
+        self.execute(cursor, "SELECT set_config('outbox.lock_timeout_before', current_setting('lock_timeout'), false), "
+                             "set_config('lock_timeout', ?, false)", [self.MIGRATION_LOCK_TIMEOUT]).fetchall()
+
+    def unlock_online_migration(self, cursor: Any) -> None:
+        self.execute(cursor, "SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before'), false), "
+                             "pg_advisory_unlock(hashtext(?))", [self.migration_lock_resource()]).fetchall()
 
     # Nothing to put back on an autocommit connection: there the bound lasted one statement.
     _UNLOCK = ("SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before', true), true) "
