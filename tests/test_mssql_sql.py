@@ -47,6 +47,7 @@ from outbox.storage.engines.mssql import (
     ID_PARAMS_PER_STATEMENT,
     INDEXES,
     MIGRATE_LOCK_TIMEOUT_MS,
+    ONLINE_INDEX_EDITIONS,
     OPEN_ROWS,
     OPEN_ROWS_NORMALIZED,
     RETIRED_INDEXES,
@@ -60,6 +61,7 @@ from outbox.storage.engines.mssql import (
     normalize_filter,
     odbc_connection_string,
     parse_target,
+    rebuild_index_statements,
 )
 from outbox.storage.engines.mssql.engine import LOCK_TIMEOUT_SQL
 from outbox.storage.engines.mssql.schema import lock_holders_sql
@@ -909,21 +911,6 @@ def test_names_clock_and_paging() -> None:
     assert MssqlEngine().limit("SELECT id FROM t ORDER BY id") == \
         "SELECT id FROM t ORDER BY id OFFSET 0 ROWS FETCH NEXT ? ROWS ONLY"
 
-def test_the_documented_online_rebuild_is_the_migrations_claim_ready() -> None:
-    """docs/sqlserver.md, "`outbox migrate`": the statement a DBA may run to rebuild
-    claim_ready online before the migration must be the migration's own definition (which
-    sqlglot cannot parse with its WITH options), or `outbox migrate` drops it and builds it
-    again offline, the pause the statement was run to avoid."""
-    from pathlib import Path
-
-    engine = MssqlEngine(table="outbox")
-    spec = next(i for i in INDEXES if i.suffix == "claim_ready")
-    text = (Path(__file__).resolve().parent.parent / "docs" / "sqlserver.md").read_text()
-    (block,) = [b for b in re.findall(r"```sql\n(.*?)```", text, re.S) if "ONLINE = ON" in b]
-    assert " ".join(block.split()) == (spec.ddl(engine.index_name("claim_ready"), "dbo.outbox")
-                                       + " WITH (DROP_EXISTING = ON, ONLINE = ON);")
-
-
 # -- migration ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("native_json", [False, True])
@@ -1189,22 +1176,53 @@ def test_index_checks_compare_definitions_not_names(no_sqlglot_fallbacks: None) 
         assert db.execute(sql, (stored,)).fetchone()[0] == normalize_filter(stored)
 
 
-def test_a_wrong_index_is_dropped_and_made_again_in_the_same_migration() -> None:
-    """Through the store: a definition probe that finds no row runs the guarded DROP,
-    and the next step's guarded CREATE makes the index again (one transaction)."""
+def test_a_wrong_index_is_built_again_in_place_online_where_the_edition_can(no_sqlglot_fallbacks: None) -> None:
+    """Through the store: a definition probe that finds no row runs the guarded rebuild. It was
+    a ``DROP INDEX`` then a ``CREATE INDEX`` in the migration's transaction: the drop's schema
+    lock held the table until the commit, so every enqueue and claim waited for the whole build
+    (an upgrade of ``claim_ready``: docs/internals.md, "Rows waiting for a later time are not
+    read"). Now one ``CREATE ... WITH (DROP_EXISTING = ON, ONLINE = ON)`` on the editions that
+    build online (``SERVERPROPERTY('EngineEdition')`` 3, 5, 8), the same without ``ONLINE`` on
+    the others, exactly one of the two per edition; the index is never missing."""
     store, conn = recording_store(None, "outbox", 160)
     store.migrate()
     sent = [sql for sql, _ in conn.log]
     for spec in INDEXES:
         name = store.engine.index_name(spec.suffix)
         probe = sent.index(store.engine.index_matches(spec))  # type: ignore[attr-defined]
-        drop = next(i for i, s in enumerate(sent) if f"DROP INDEX [{name}]" in s)
-        create = next(i for i, s in enumerate(sent) if f"INDEX [{name}] ON" in s and "CREATE" in s)
-        assert probe < drop < create
+        rebuild = next(i for i, s in enumerate(sent) if f"INDEX [{name}] ON" in s and "DROP_EXISTING = ON" in s)
+        assert probe < rebuild
+        assert not any(f"DROP INDEX [{name}]" in s for s in sent)
+    claim_ready = next(i for i in INDEXES if i.suffix == "claim_ready")
+    exists = ("EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'ix_outbox_claim_ready' "
+              "AND object_id = OBJECT_ID(N'[dbo].[outbox]'))")
+    statements = rebuild_index_statements(claim_ready, "[ix_outbox_claim_ready]", "[dbo].[outbox]", exists)
+    assert "\n".join(statements) in "\n".join(sent)
+    db = sqlite3.connect(":memory:")
+    online_on: list[set[int]] = []
+    for statement, options in zip(statements, ("WITH (DROP_EXISTING = ON, ONLINE = ON)", "WITH (DROP_EXISTING = ON)"),
+                                  strict=True):
+        parse_one(statement)
+        condition, inner = re.fullmatch(r"IF (.*)\nBEGIN\n    EXEC sp_executesql N'(.*)';\nEND;", statement,
+                                        re.S).groups()  # type: ignore[union-attr]
+        inner = inner.replace("''", "'")
+        assert inner.endswith(" " + options)
+        create = parse_one(inner.removesuffix(" " + options))  # sqlglot does not know WITH after WHERE
+        assert isinstance(create, exp.Create) and create.this.name == "ix_outbox_claim_ready"
+        assert create.sql("tsql").endswith(f"(next_retry_at, id) INCLUDE (aggregate_id, status, attempts, claimed_at) "
+                                           f"WHERE {OPEN_ROWS}")
+        parse_one(f"SELECT 1 WHERE {condition}")
+        assert condition.startswith(exists + " AND ")
+        edition = condition.removeprefix(exists + " AND ")
+        online_on.append({e for e in range(1, 13) if db.execute(
+            "SELECT 1 WHERE " + edition.replace("SERVERPROPERTY('EngineEdition')", str(e)).replace("INT)", "INTEGER)")
+        ).fetchone()})
+    assert online_on[0] == set(ONLINE_INDEX_EDITIONS) == {3, 5, 8}
+    assert online_on[1] == set(range(1, 13)) - online_on[0]
     # A matching index (the probe finds its row) is left alone.
     store, conn = recording_store(None, "outbox", 160, answers={"SELECT 1 FROM sys.indexes AS i": [(1,)]})
     store.migrate()
-    assert not any("DROP INDEX [ix_outbox_claim_ready]" in sql for sql, _ in conn.log)
+    assert not any("DROP INDEX [ix_outbox_claim_ready]" in sql or "DROP_EXISTING" in sql for sql, _ in conn.log)
 
 
 def test_table_definition_matches_the_contract() -> None:

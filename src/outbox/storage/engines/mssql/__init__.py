@@ -70,6 +70,7 @@ from .schema import (
                      ID_COLLATION,
                      INDEXES,
                      MIGRATE_LOCK_TIMEOUT_MS,
+                     ONLINE_INDEX_EDITIONS,
                      OPEN_ROWS,
                      OPEN_ROWS_NORMALIZED,
                      RETIRED_INDEXES,
@@ -82,15 +83,16 @@ from .schema import (
                      migration_unlock_statements,
                      normalize_filter,
                      nstr,
+                     rebuild_index_statements,
 )
 from .sql import ID_LIST_SIZES, ID_PARAMS_PER_STATEMENT
 
 __all__ = ["DDL_LOCK_TIMEOUT_MS", "DEFAULT_DRIVER", "DEFAULT_LOCK_TIMEOUT_MS", "DEFAULT_QUERY_TIMEOUT_S",
            "DISCONNECT_ERRORS", "DRIVERS",
            "FILTERED_INDEX_OPTIONS", "ID_COLLATION", "ID_LIST_SIZES", "ID_PARAMS_PER_STATEMENT", "INDEXES",
-           "INLINE_UNITS", "MIGRATE_LOCK_TIMEOUT_MS", "MIN_LEVEL", "MssqlEngine", "IndexSpec", "OPEN_ROWS",
+           "INLINE_UNITS", "MIGRATE_LOCK_TIMEOUT_MS", "MIN_LEVEL", "ONLINE_INDEX_EDITIONS", "MssqlEngine", "IndexSpec", "OPEN_ROWS",
            "OPEN_ROWS_NORMALIZED", "RETIRED_INDEXES", "SERVER_SQL", "SQL_BIGINT", "SQL_INTEGER",
            "SQL_WVARCHAR", "TRANSIENT_ERRORS", "Target", "add_json_check_sql", "driver_of_url", "error_numbers",
            "filter_sql", "if_", "input_sizes", "lock_escalation_off", "migration_lock_statements",
            "migration_unlock_statements", "normalize_filter", "nstr", "odbc_connection_string", "parse_target",
-           "result_rows", "utf16_len"]
+           "rebuild_index_statements", "result_rows", "utf16_len"]
