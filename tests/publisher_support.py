@@ -78,9 +78,11 @@ def broker() -> Iterator[dict[str, Any]]:
 #: A ``sitecustomize.py`` that makes publishing go wrong the way some payloads do in
 #: production: a ``publish_chains`` of an event whose payload says "KILLER" SIGKILLs the
 #: process publishing it (a crash in a native library, memory exhausted), one that says "HANG"
-#: never returns, one that says "SLOW" takes 2 s. A publisher for an exchange whose name says
-#: "REFUSED" cannot be made: it raises a connection error naming its URL, as a client that
-#: connects when it is made does. Written by ``install_killer``.
+#: never returns, one that says "SLOW" takes 2 s. Its dead-letter copy (``publish_dead``, when
+#: there is a dead-letter exchange to send it to) kills the same way: the same body goes out.
+#: A publisher for an exchange whose name says "REFUSED" cannot be made: it raises a connection
+#: error naming its URL, as a client that connects when it is made does. Written by
+#: ``install_killer``.
 KILLER_HOOK = '''
 import os, signal, time
 from outbox.publisher import kombu_publisher as _kp
@@ -100,6 +102,12 @@ def _killing(self, chains, **kw):
         time.sleep(2)
     return _publish_chains(self, chains, **kw)
 _kp.KombuPublisher.publish_chains = _killing
+_publish_dead = _kp.KombuPublisher.publish_dead
+def _killing_dead(self, message, error, **kw):
+    if self.dead_letter_exchange is not None and "KILLER" in message.payload:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _publish_dead(self, message, error, **kw)
+_kp.KombuPublisher.publish_dead = _killing_dead
 '''
 
 

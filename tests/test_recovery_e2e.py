@@ -399,3 +399,48 @@ def test_an_event_that_kills_its_worker_goes_dead_alone(tmp_path: Path, destinat
     else:  # the killer's first two tries stopped the worker at most; the third died in a child
         assert len(workers) <= 3, logs[-3000:]
         assert "child process publishing it died (signal SIGKILL)" in states[killer]["last_error"], states[killer]
+
+
+def test_a_row_gone_dead_on_its_lease_is_dead_lettered_apart(tmp_path: Path, dead_letter_destination: Destination,
+                                                             sqlite_outbox: Outbox, runner: Any,
+                                                             procs_factory: Any) -> None:
+    """A row whose last lease expired (its worker lost while it published it, the killer's
+    last try) goes dead at the next claim, and that claim sends its dead-letter copy. The
+    claiming process sent it itself, so a copy that kills its publisher (the same body as the
+    publish that killed the worker before) took down the claiming worker: a Dramatiq worker
+    process, and with it the whole ``dramatiq`` command and its other threads' rows; a Celery
+    worker's process (found last session). Now the copy is sent from a child process of its
+    own, as a suspect's publish is (docs/relay.md, "An event that kills its worker"): the
+    child dies, the worker and every other row go on, and the row, dead, is settled alone. An
+    innocent row gone dead the same way has its copy delivered by its child."""
+    destination, outbox = dead_letter_destination, sqlite_outbox
+    install_killer(tmp_path)  # on the relay processes' PYTHONPATH: a child of a worker runs it too
+    with outbox.writer() as conn:
+        killer = outbox.add(conn, "k", 0, payload={"KILLER": True, "n": 0})
+        innocent = outbox.add(conn, "d", 0)
+        behind = [outbox.add(conn, "k", 1), outbox.add(conn, "d", 1)]
+        others = [outbox.add(conn, f"o-{i}", 0) for i in range(4)]
+        # Both as a lost worker leaves them: claimed, the lease long expired, no attempt left.
+        conn.execute(f"UPDATE {outbox.table} SET status = 1, attempts = 2, lease_token = 'lost', "
+                     f"claimed_at = '2000-01-01 00:00:00.000' WHERE id IN (?, ?)", (killer, innocent))
+        conn.commit()
+    procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_CLAIM_INTERVAL_S="0.3",
+                                    OUTBOX_MAX_ATTEMPTS="3",
+                                    OUTBOX_DEAD_LETTER_EXCHANGE=destination.dead_exchange_name or ""), runner)
+    procs.worker("w1")
+    procs.beat()
+    assert destination.wait_for(lambda: destination.arrived() >= {*behind, *others} and bool(destination.dead),
+                                timeout=40, procs=procs), (outbox.rows(), procs.log("w1")[-3000:])
+    assert procs.procs["w1"].poll() is None, procs.log("w1")[-3000:]
+    rows = outbox.rows()
+    assert (rows[killer]["status"], rows[innocent]["status"]) == (Status.DEAD, Status.DEAD), rows
+    assert killer not in destination.arrived() and innocent not in destination.arrived()
+    assert [m.headers["outbox_id"] for m in destination.dead] == [innocent]
+    assert destination.dead[0].headers["x-outbox-error"].startswith("lease_expired")
+    log = procs.log("w1")
+    assert "dead-letter publish failed" in log and "child process publishing it died (signal SIGKILL)" in log, (
+        log[-3000:])
+    if runner.name == "celery":  # no pool process lost either (Celery words each loss one of two ways)
+        assert "SIGKILL" not in log.replace("child process publishing it died (signal SIGKILL)", ""), log[-3000:]
+    check_order(destination.arrivals(), {"k": behind[:1], "d": behind[1:], **{f"o-{i}": [o] for i, o in
+                                                                            enumerate(others)}})

@@ -1,7 +1,8 @@
 """``ApartPublisher``: each call published by a child process of its own, so that an
 event whose publishing kills the process (a crash in a native library, memory exhausted)
 kills that child and not the worker: how a Dramatiq worker, whose threads share a process,
-publishes a row tried twice (docs/relay.md, "An event that kills its worker")."""
+publishes a row tried twice, and how a claim sends the dead-letter copies of the rows it found
+dead on an expired lease (docs/relay.md, "An event that kills its worker")."""
 
 from __future__ import annotations
 

@@ -252,7 +252,12 @@ def hand_on(relay: RelayContext, claimed: Claimed, dispatch: Dispatch, *, publis
     if claim.messages:
         _hand_on(relay, claim, claimed.deadline, dispatch, publish_inline, claim_again, outcome, before_share,
                  whole_here)
-    _dead_letter_expired(relay.publisher, claim.dead, claim.dead_errors)
+    publisher = relay.publisher
+    if claim.dead and publisher is not None and relay.apart is not None:
+        # Each copy from a child process: the row's last lease may have ended with its worker.
+        # Its wait ends with the claim's publishing (1 s at least), within the task's time limit.
+        publisher = relay.apart(claimed.deadline)
+    _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
     return outcome
 
 

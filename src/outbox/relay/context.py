@@ -45,6 +45,12 @@ class RelayContext:
     #: when known: a publish begun much later that its deadline cut was the task's lateness,
     #: not the broker's (docs/relay.md, "The publish's deadline").
     publish_budget_s: float | None = None
+    #: ``apart(deadline)``: a publisher that sends each call from a child process of its own
+    #: (``ApartPublisher``), waiting for it until ``deadline`` (wall clock) at most, made on
+    #: demand: how a claim sends the dead-letter copies of the rows it found dead on an expired
+    #: lease, suspects all (docs/relay.md, "An event that kills its worker"). None: through
+    #: ``publisher``.
+    apart: Callable[[float | None], Publisher] | None = None
 
     def __post_init__(self) -> None:
         if self.settler is None:

@@ -87,7 +87,7 @@ class Relay:
         r, s = self.resources(), self.shared()
         return RelayContext(r.store, r.publisher, self.options, r.settler, s.breaker, s.routes,
                             s.outage("destination broker"), r.sizer, self.stopping, hooks=self.hooks,
-                            publish_budget_s=self.safe_lease_s)
+                            publish_budget_s=self.safe_lease_s, apart=self.apart_publisher)
 
     def breaker(self) -> Breaker:
         return self.shared().breaker
