@@ -81,8 +81,9 @@ def broker() -> Iterator[dict[str, Any]]:
 #: never returns, one that says "SLOW" takes 2 s. Its dead-letter copy (``publish_dead``, when
 #: there is a dead-letter exchange to send it to) kills the same way: the same body goes out.
 #: A publisher for an exchange whose name says "REFUSED" cannot be made: it raises a connection
-#: error naming its URL, as a client that connects when it is made does. Written by
-#: ``install_killer``.
+#: error naming its URL, as a client that connects when it is made does. A fork server started
+#: with OUTBOX_TEST_SLOW_FORKSERVER_S set serves its first child that many seconds late (a
+#: loaded host). Written by ``install_killer``.
 KILLER_HOOK = '''
 import os, signal, time
 from outbox.publisher import kombu_publisher as _kp
@@ -108,6 +109,12 @@ def _killing_dead(self, message, error, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
     return _publish_dead(self, message, error, **kw)
 _kp.KombuPublisher.publish_dead = _killing_dead
+import multiprocessing.forkserver as _fs
+_fs_main = _fs.main
+def _slow_main(*args, **kwargs):
+    time.sleep(float(os.environ.get("OUTBOX_TEST_SLOW_FORKSERVER_S") or 0))
+    return _fs_main(*args, **kwargs)
+_fs.main = _slow_main
 '''
 
 

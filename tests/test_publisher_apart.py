@@ -84,7 +84,7 @@ def test_a_child_whose_broker_hangs_says_so_before_its_parent_gives_up_on_it() -
     with a lease of 25 s or less (Kafka's own wait, the delivery timeout and 5 s, is longer),
     a hung broker made the parent give up first and report a retriable failure, an attempt
     spent on a row that went unsent. The child is now given a deadline a little before the
-    parent's (as seconds left), so its own answer, BACKPRESSURE (no attempt spent), comes in
+    parent's, so its own answer, BACKPRESSURE (no attempt spent), comes in
     time; and a deadline given to the call shortens both. The broker here is a Kafka address
     nobody answers at (its metadata is read until the deadline)."""
     settings = Settings(publish_url="kafka://127.0.0.1:1", claim_timeout_ms=20_000, max_payload_bytes=100_000)
@@ -97,6 +97,35 @@ def test_a_child_whose_broker_hangs_says_so_before_its_parent_gives_up_on_it() -
         [[make_message(18)]], deadline=started + 2.0)
     assert time.monotonic() - started < 10.0
     assert result.failed_id == 18 and result.failure is not None and result.failure.kind == FailureKind.BACKPRESSURE
+
+
+def test_a_slow_child_start_is_taken_from_the_callers_wait(broker: dict[str, Any],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent counted its wait, and the child its deadline, from after the child's start,
+    so a slow start (the fork server's: a fresh interpreter, seconds on a loaded host) came on
+    top of the publish's deadline: the call returned that much past it (3.9 s for a deadline
+    2 s away, the server's start alone, on a host loaded 9), past the lease's safe part that the
+    deadline is. Both now count from the call: the fork server here starts 3 s late."""
+    forkserver._forkserver._stop()
+    monkeypatch.setenv("OUTBOX_TEST_SLOW_FORKSERVER_S", "3")
+    try:
+        started = time.monotonic()
+        [hung] = apart(broker).publish_chains([[make_message(19, payload='{"HANG": true}')]], deadline=started + 4.0)
+        hung_s = time.monotonic() - started
+        # The child's own deadline holds from the call too: its BACKPRESSURE still comes first.
+        settings = Settings(publish_url="kafka://127.0.0.1:1", claim_timeout_ms=20_000, max_payload_bytes=100_000)
+        forkserver._forkserver._stop()
+        started = time.monotonic()
+        [hanging_broker] = ApartPublisher(settings, 60.0, publisher_for(settings)).publish_chains(
+            [[make_message(20)]], deadline=started + 6.0)
+        hanging_broker_s = time.monotonic() - started
+    finally:
+        forkserver._forkserver._stop()  # the next call's server starts without the delay
+    assert hung.failed_id == 19 and hung.failure is not None and hung.failure.kind == FailureKind.RETRIABLE
+    assert hung_s < 6.0, hung_s  # 4 s and the kill; it was 7 s and more (the 3 s start on top)
+    assert hanging_broker.failure is not None and hanging_broker.failure.kind == FailureKind.BACKPRESSURE, (
+        hanging_broker)
+    assert hanging_broker_s < 7.5, hanging_broker_s  # its own deadline, 5 s from the call; it was 8 s and more
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])

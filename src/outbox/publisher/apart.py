@@ -57,9 +57,10 @@ _POLL_S = 0.2
 MIN_WAIT_S = 1.0
 
 #: The child's own deadline comes this much before the parent's (a quarter of the parent's
-#: wait when that is short): room for the child's start, its answer and the pipe, so that a
-#: broker that hangs is answered by the child (BACKPRESSURE, no attempt spent) before the
-#: parent gives up on it (a retriable failure: docs/relay.md, "The publish's deadline").
+#: wait when that is short), both counted from before the child's start: room for its answer
+#: and the pipe, so that a broker that hangs is answered by the child (BACKPRESSURE, no attempt
+#: spent) before the parent gives up on it (a retriable failure: docs/relay.md, "The
+#: publish's deadline").
 CHILD_MARGIN_S = 1.0
 
 
@@ -86,16 +87,19 @@ class ApartPublisher(Publisher):
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
                        pipelined: Pipelined | None = None, deadline: float | None = None) -> list[ChainResult]:
         """The parent waits ``timeout_s`` for its child, less when ``deadline`` (monotonic)
-        comes first (``MIN_WAIT_S`` at least); the child publishes with a deadline of its own
-        ``CHILD_MARGIN_S`` before that, handed over as seconds left."""
+        comes first (``MIN_WAIT_S`` at least), counted from this call, the child's start
+        included; the child publishes with a deadline of its own ``CHILD_MARGIN_S`` before
+        that, on the same clock."""
         batch = [list(chain) for chain in chains]
         # The predicate cannot cross to the child: the ids it holds true for do.
         ids = frozenset(m.id for chain in batch for m in chain if pipelined is not None and pipelined(m))
+        since = time.monotonic()
         wait = self.timeout_s
         if deadline is not None:
-            wait = min(wait, max(MIN_WAIT_S, deadline - time.monotonic()))
+            wait = min(wait, max(MIN_WAIT_S, deadline - since))
         try:
-            answered, answer = self._run(("chains", batch, ids, wait - min(CHILD_MARGIN_S, wait / 4)), wait)
+            answered, answer = self._run(("chains", batch, ids, since + wait - min(CHILD_MARGIN_S, wait / 4)),
+                                         wait, since)
         except ChildUnavailable as exc:
             _here(exc)
             return list(self.fallback.publish_chains(batch, pipelined=pipelined, deadline=deadline))
@@ -120,10 +124,13 @@ class ApartPublisher(Publisher):
     def close(self) -> None:
         """Nothing to close: each child closes its own connection before it exits."""
 
-    def _run(self, job: tuple[Any, ...], wait: float | None = None) -> tuple[bool, Any]:
+    def _run(self, job: tuple[Any, ...], wait: float | None = None, since: float | None = None) -> tuple[bool, Any]:
         """Start a child for ``job`` and wait for its answer ``wait`` seconds at most (default
-        ``timeout_s``): (True, the answer), or (False, why there is none)."""
+        ``timeout_s``) from ``since`` (monotonic; default now), its start included: (True, the
+        answer), or (False, why there is none). A slow start (the fork server's, a loaded
+        host) used to be added to the wait (docs/relay.md, "The publish's deadline")."""
         wait = self.timeout_s if wait is None else wait
+        give_up = (time.monotonic() if since is None else since) + wait
         _preload()
         try:
             receive, send = _CONTEXT.Pipe(duplex=False)
@@ -138,7 +145,6 @@ class ApartPublisher(Publisher):
             if child.pid is not None:
                 _RUNNING.add(child.pid)
             send.close()  # the child's end: EOF here once the child is gone, the only sure sign of it
-            give_up = time.monotonic() + wait
             while not receive.poll(_POLL_S):
                 if time.monotonic() > give_up:
                     return False, f"the child process publishing it did not answer within {wait:.0f} s"
@@ -247,13 +253,13 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
     """The child: publish ``job``, send (raised, value) to the parent, close, exit. A worker's
     warm shutdown (SIGTERM, or SIGINT to the terminal's process group) lets it finish its one
     publish: the parent waits for it, within its timeout. Its warnings go to the worker's
-    stderr, passwords masked. A job of chains carries the seconds the child may take, counted
-    from here (``CHILD_MARGIN_S`` less than its parent waits).
+    stderr, passwords masked. A job of chains carries the deadline the child publishes by
+    (``CHILD_MARGIN_S`` before its parent gives up), on the parent's ``time.monotonic()``:
+    CLOCK_MONOTONIC, one clock for every process of the host.
 
     Whatever it raises, making its publisher included, is answered (a failure of the chains)
     or logged, never left to multiprocessing, which prints a traceback unmasked (docs/relay.md,
     "Secrets in output")."""
-    began = time.monotonic()
     for stop in _STOP_SIGNALS:
         signal.signal(stop, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the start: now ignored
@@ -263,23 +269,21 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
     install_filter()
     settings.register_passwords()  # unpickled: its passwords are not known to this process yet
     try:
-        _answer(answer, settings, options, job, began)
+        _answer(answer, settings, options, job)
     except Exception:  # through the masking handler, then the exit code the parent reports
         log.exception("outbox: the child process publishing apart failed")
         raise SystemExit(1) from None
 
 
-def _answer(answer: Connection, settings: Settings, options: dict[str, Any], job: tuple[Any, ...],
-            began: float) -> None:
+def _answer(answer: Connection, settings: Settings, options: dict[str, Any], job: tuple[Any, ...]) -> None:
     """Make the publisher, publish ``job`` and send the parent (raised, value), a failure's text masked."""
     reply: tuple[bool, Any]
     publisher: Publisher | None = None
     try:
         publisher = publisher_for(settings, size_warning=False, **options)  # the worker warned already
         if job[0] == "chains":
-            _, chains, ids, budget_s = job
-            results = publisher.publish_chains(chains, pipelined=_among(ids) if ids else None,
-                                               deadline=began + budget_s)
+            _, chains, ids, deadline = job
+            results = publisher.publish_chains(chains, pipelined=_among(ids) if ids else None, deadline=deadline)
             reply = (False, [_portable(result) for result in results])
         else:
             _, message, error, headers = job
