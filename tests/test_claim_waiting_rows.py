@@ -159,6 +159,48 @@ def test_a_sqlite_table_without_the_claims_indexes_still_claims(tmp_path: Any) -
         store.close()
 
 
+def test_a_running_relay_takes_up_the_claims_indexes_made_or_dropped_since_it_started(tmp_path: Any) -> None:
+    """SQLite's claim looked once per store whether the table has the indexes it names: a relay
+    started on a table without them claimed unhinted (reading every open row) until restarted,
+    though `outbox migrate` had made them since, and one whose index was dropped failed every
+    claim ("no such index"). It now looks again when the database's schema version moved."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    made = OutboxStore(url, table="late")
+    made.migrate()
+    add_rows(made, 10)
+    names = [made.engine.index_name(suffix) for suffix in ("claim_ready", "agg_id_id")]
+    with made.transaction() as cursor:
+        for name in names:
+            made.engine.execute(cursor, f"DROP INDEX {made.engine.quote(name)}")
+    store = OutboxStore(url, table="late")  # the relay's, started on the table without them
+    statements: list[str] = []
+    store.connection().set_trace_callback(statements.append)
+
+    def hinted() -> set[str]:
+        statements.clear()
+        assert len(store.claim(BATCH).messages) == BATCH
+        return {name for name in names for sql in statements if f'INDEXED BY "{name}"' in sql}
+
+    try:
+        assert hinted() == set()
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+               "OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": "late"}
+        done = subprocess.run([str(Path(sys.executable).parent / "outbox"), "migrate"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "added" in done.stdout, (done.stdout, done.stderr)
+        assert hinted() == set(names)  # before: set(), until the relay restarted
+        with made.transaction() as cursor:  # another script drops one
+            made.engine.execute(cursor, f"DROP INDEX {made.engine.quote(names[0])}")
+        assert hinted() == set()  # before: "no such index" at every claim
+    finally:
+        store.close()
+        made.close()
+
+
 REBUILD_ON_DJANGO = r"""
 import sqlite3, sys
 path = sys.argv[1]

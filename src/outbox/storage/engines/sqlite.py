@@ -87,9 +87,11 @@ class SqliteEngine(Engine):
     # Without statistics (the relay runs no ANALYZE) SQLite read the claim's window and the
     # window's aggregates' first open rows through (status, processed_at), every open row, and
     # with them it scanned the table: told which index (docs/internals.md, "Rows waiting for a
-    # later time are not read"), where the table has them (``window_rows`` looks once): a table
-    # another script made without them keeps claiming, unhinted, as before.
+    # later time are not read"), where the table has them (``window_rows`` looks again whenever
+    # the database's schema changed): a table another script made without them keeps claiming,
+    # unhinted, as before, until `outbox migrate` makes them.
     _indexed: bool | None = None
+    _schema_version: int | None = None  # the database's ``PRAGMA schema_version`` at that look
 
     migration_under_writer_lock = True  # a claim between a rebuild's DROP and CREATE failed (Engine's)
 
@@ -105,11 +107,17 @@ class SqliteEngine(Engine):
 
     def window_rows(self, cursor: Any, timeout_ms: int, size: int,
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
-        if self._indexed is None:
+        # Looked at once per store until 7 December: a relay started before `outbox migrate`
+        # made the indexes claimed unhinted until restarted, and one whose index was dropped
+        # failed every claim ("no such index"). The schema's version, a header field, moves
+        # with every schema change, and the claim's transaction holds it still.
+        version = int(self.execute(cursor, f"PRAGMA {self.schema_prefix()}schema_version").fetchone()[0])
+        if version != self._schema_version:
             wanted = [self.index_name("claim_ready"), self.index_name("agg_id_id")]
             found = self.execute(cursor, f"SELECT COUNT(*) FROM {self.master()} WHERE type = 'index' AND name IN (?, ?)",
                                  wanted).fetchone()
             self._indexed = int(found[0]) == len(wanted)
+            self._schema_version = version
         return super().window_rows(cursor, timeout_ms, size, unblocked_behind)
 
     def id_range_source(self) -> str:
@@ -263,9 +271,14 @@ class SqliteEngine(Engine):
     def index_ref(self, suffix: str) -> str:
         return self.index_ref_of(self.index_name(suffix))
 
+    def schema_prefix(self) -> str:
+        """What names the database the outbox table is in (an attached one) before a table or a
+        pragma: empty for the file itself."""
+        return "" if self.schema in (None, "main") else f"{self.quote(self.schema)}."
+
     def master(self) -> str:
         """The schema table of the database the outbox table is in (an attached one's own)."""
-        return "sqlite_master" if self.schema in (None, "main") else f"{self.quote(self.schema)}.sqlite_master"
+        return f"{self.schema_prefix()}sqlite_master"
 
     def index_ref_of(self, index: str) -> str:
         # Index names carry the attached database's name; the table they index does not.
