@@ -209,6 +209,60 @@ def test_a_process_that_exits_kills_its_child_instead_of_waiting_for_it(
     assert broker["live"]() == []
 
 
+FAIL_TASK = """
+import json, logging, sys
+from types import SimpleNamespace
+from outbox.core.config import RelayOptions, load_settings
+from outbox.relay import service
+
+if __name__ == "__main__":
+    url, amqp, exchange, dead, messages = sys.argv[1:6]
+    settings = load_settings(environ={"OUTBOX_DATABASE_URL": url, "OUTBOX_PUBLISH_URL": amqp, "OUTBOX_EXCHANGE": exchange,
+                                      "OUTBOX_DEAD_LETTER_EXCHANGE": dead, "OUTBOX_MAX_ATTEMPTS": "3"})
+    relay = service.Relay(settings, RelayOptions(), SimpleNamespace(broker_url="memory://", claim_key="outbox-test-fail"),
+                          logging.getLogger("outbox.test-fail"))
+    for message in json.loads(messages):  # what an outbox.fail task does with a dead mark handed to it
+        print(relay.settle("failed", message=message, error="retriable: it kept failing", retry_in_s=None, dead=True),
+              flush=True)
+    relay.close()
+"""
+
+
+def test_a_dead_mark_handed_to_the_fail_task_is_dead_lettered_apart(broker: dict[str, Any], tmp_path: Path) -> None:
+    """A publish whose dead mark could not be written (the database refused it) hands it to the
+    ``outbox.fail`` task, which writes it and sends the dead-letter copy. The task sent it from
+    its own worker thread, so a row tried twice whose publish had killed its child killed the
+    worker process with the copy (on Dramatiq the whole command). Now the copy is sent apart:
+    the process lives, the row is dead, and an innocent row's copy arrives."""
+    import json
+
+    from outbox import enqueue
+    from outbox.core.model import message_to_dict
+    from outbox.storage.store import OutboxStore
+
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url, max_attempts=3)
+    store.migrate()
+    with store.transaction() as cursor:
+        for aggregate, payload in (("k", {"KILLER": True}), ("d", {"n": 1})):
+            enqueue(cursor.connection, topic="orders.created", aggregate_type="order", aggregate_id=aggregate,
+                    payload=payload)
+    messages = sorted(store.claim(10).messages, key=lambda m: m.aggregate_id, reverse=True)  # the killer first
+    store.close()
+    done = subprocess.run([sys.executable, "-c", FAIL_TASK, url, AMQP_URL, broker["exchange"], broker["dead"],
+                           json.dumps([message_to_dict(m) for m in messages])], env=_with_support(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])  # before: -9, killed by the copy
+    assert "dead-letter publish failed" in done.stderr and "died (signal SIGKILL)" in done.stderr, done.stderr[-3000:]
+    [copy] = broker["dead_letters"]()
+    assert copy.headers["aggregate_id"] == "d"
+    store = OutboxStore(url, max_attempts=3)
+    try:
+        assert {row.id for row in store.dead_list()} == {m.id for m in messages}
+    finally:
+        store.close()
+
+
 FIRST_CHILD_TOLD_TO_STOP = """
 import multiprocessing, os, signal, sys, time
 from concurrent.futures import ThreadPoolExecutor

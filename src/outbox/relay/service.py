@@ -242,9 +242,11 @@ class Relay:
         ``bench.soak --faults``)."""
         r = self.resources()
         outage = self.outage("database")
+        # A dead mark's copy from a child process, as a claim's (docs/relay.md, "An event that
+        # kills its worker"): the row's publish may have killed its publisher.
+        dead_letters = self.apart_publisher(None) if operation == "failed" and r.publisher is not None else None
         try:
-            applied = apply_fallback(r.store, r.publisher if operation == "failed" else None, operation, kwargs,
-                                     self.hooks).applied
+            applied = apply_fallback(r.store, dead_letters, operation, kwargs, self.hooks).applied
         except Exception as exc:
             engine = r.store.engine
             if not (engine.is_transient(exc) or engine.is_disconnect(exc)):
