@@ -209,6 +209,47 @@ def test_a_process_that_exits_kills_its_child_instead_of_waiting_for_it(
     assert broker["live"]() == []
 
 
+FORKED_AFTER_ITS_PARENT_STARTED_A_SERVER = """
+import os, sys
+from outbox.core.config import Settings
+from outbox.publisher.apart import ApartPublisher
+from outbox.publisher.select import publisher_for
+from publisher_support import make_message
+
+if __name__ == "__main__":
+    settings = Settings(publish_url=sys.argv[1], exchange=sys.argv[2], dead_letter_exchange=sys.argv[3])
+    def apart():
+        return ApartPublisher(settings, 60.0, publisher_for(settings))
+    print("parent:", apart().publish_chains([[make_message(30)]])[0].published, flush=True)  # its fork server runs
+    pid = os.fork()  # as a Celery worker's main process forks a pool process
+    if pid == 0:
+        failure = apart().publish_dead(make_message(31, payload='{"KILLER": true}'), "lease_expired: no attempts left")
+        print("forked:", failure and failure.reason, flush=True)
+        os._exit(0)
+    print("forked process:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+    print("parent:", apart().publish_chains([[make_message(32)]])[0].published, flush=True)  # its server serves on
+"""
+
+
+def test_a_process_forked_from_one_with_a_fork_server_starts_children_of_its_own(
+        broker: dict[str, Any], tmp_path: Path) -> None:
+    """A Celery worker's main process may start a fork server (its in-process claim sends a
+    dead row's copy apart), and forks its pool processes (``os.fork``) after that. Such a
+    fork inherited the server's record, which multiprocessing checks with ``waitpid``, a
+    ChildProcessError in any process but the server's parent: it could start no child, and
+    published here, without isolation, so the row that kills its publisher killed it. It now
+    starts a server of its own; its parent's serves on."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_AFTER_ITS_PARENT_STARTED_A_SERVER)
+    done = subprocess.run([sys.executable, str(script), AMQP_URL, broker["exchange"], broker["dead"]],
+                          env=_with_support(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "parent: (30,)", "forked: the child process publishing it died (signal SIGKILL)", "forked process: 0",
+        "parent: (32,)"], (done.stdout, done.stderr[-3000:])  # before: "forked process: -9"
+    assert "no child process" not in done.stderr, done.stderr[-3000:]
+
+
 FAIL_TASK = """
 import json, logging, sys
 from types import SimpleNamespace

@@ -164,6 +164,24 @@ class ApartPublisher(Publisher):
             receive.close()
 
 
+def _forget_inherited_server() -> None:
+    """In a child forked by ``os.fork`` (a Celery worker's main process forks its pool
+    processes): forget the parent's fork server and children. multiprocessing checks that its
+    server runs with ``waitpid``, which fails in any process but the one that started it, so
+    the child could start no child of its own (each row published without isolation), and a
+    fork taken while another thread started the server left its lock held. The server's
+    state is made afresh (the child starts its own on demand), its preload kept."""
+    server = forkserver._forkserver
+    preload = list(getattr(server, "_preload_modules", []))
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with suppress(OSError):
+            os.close(alive)  # the parent's server exits with the parent, not with the last of its forks
+    server.__init__()  # type: ignore[misc]
+    server._preload_modules = preload  # type: ignore[attr-defined]
+    _RUNNING.clear()  # the parent's children: not this process's to kill at its exit
+
+
 def _preload() -> None:
     if _CONTEXT.get_start_method() == "forkserver":  # before the server starts, else no effect
         _CONTEXT.set_forkserver_preload(["__main__", __name__])
@@ -308,6 +326,10 @@ def _portable(result: ChainResult) -> ChainResult:
     failure = result.failure and replace(result.failure, exception=None)
     overtaken = tuple(replace(o, failure=replace(o.failure, exception=None)) for o in result.overtaken)
     return replace(result, failure=failure, overtaken=overtaken)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_server)
 
 
 __all__ = ["ApartPublisher", "start_server"]
