@@ -14,12 +14,49 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from services import MSSQL_URL, MYSQL_URL, POSTGRES_URL, require
+from services import MSSQL_URL, MYSQL_URL, POSTGRES_URL, require, unavailable
 
 from outbox import enqueue
+from outbox.storage.engines.mysql import MysqlEngine
 from outbox.storage.store import OutboxStore
 
 ENGINES = ["sqlite", "postgresql", "mysql", "mssql"]
+#: MariaDB/MySQL on mysqlclient (``MySQLdb``, Django's default MySQL driver) instead of PyMySQL:
+#: the same server, the store's own connections and ``writer`` mysqlclient's (``MysqlclientEngine``).
+#: A module runs it by listing it in its own ``kind`` fixture (tests/test_store_conformance.py).
+MYSQLCLIENT = "mysqlclient"
+
+
+def require_mysqlclient() -> None:
+    """Skip (or, under OUTBOX_REQUIRE_SERVICES, fail: CI installs it) without mysqlclient."""
+    try:
+        import MySQLdb  # noqa: F401
+    except ImportError as exc:
+        unavailable(f"mysqlclient (MySQLdb) cannot be imported ({exc}); it builds from source against "
+                    "libmariadb-dev (or default-libmysqlclient-dev) with pkg-config and a C compiler, "
+                    "as .ci/run installs it: pip install 'mysqlclient>=2.2'")
+
+
+class MysqlclientEngine(MysqlEngine):
+    """The MySQL engine whose own connections are mysqlclient's, set up as ``MysqlEngine.connect``
+    sets up PyMySQL's (READ COMMITTED, the session bounds): the store's SQL, results and errors
+    through the driver a Django project on MySQL hands to ``enqueue`` and the admin's requeue."""
+
+    def connect(self, url: str) -> Any:
+        import MySQLdb
+
+        from outbox.core.config import session_bounds
+        from outbox.storage.engines.mysql import CONNECT_TIMEOUT_S, pymysql_kwargs, session_sql
+
+        kwargs = {k: v for k, v in pymysql_kwargs(url).items() if k in
+                  ("host", "port", "user", "password", "database", "charset", "unix_socket")}
+        conn = MySQLdb.connect(**kwargs, autocommit=False, connect_timeout=CONNECT_TIMEOUT_S,
+                               init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        cursor = conn.cursor()
+        cursor.execute(session_sql(conn.get_server_info(), **session_bounds(url)))
+        cursor.close()
+        conn.commit()
+        return conn
 
 
 def engine_url(kind: str, tmp_path: Path) -> str:
@@ -28,8 +65,10 @@ def engine_url(kind: str, tmp_path: Path) -> str:
     if kind == "postgresql":
         require("PostgreSQL", "127.0.0.1", 5432)
         return POSTGRES_URL
-    if kind == "mysql":
+    if kind in ("mysql", MYSQLCLIENT):
         require("MariaDB/MySQL", "127.0.0.1", 3306)
+        if kind == MYSQLCLIENT:
+            require_mysqlclient()
         return MYSQL_URL
     if kind == "mssql":
         return mssql_url()
@@ -112,7 +151,7 @@ def url(kind: str, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def make_store(url: str) -> Iterator[Any]:
+def make_store(url: str, kind: str) -> Iterator[Any]:
     """Build migrated stores on a per-test table; every one is dropped afterwards."""
     made: list[OutboxStore] = []
 
@@ -120,6 +159,8 @@ def make_store(url: str) -> Iterator[Any]:
         name = table or f"outbox_t{uuid.uuid4().hex[:10]}"
         options.setdefault("claim_timeout_ms", 60_000)
         options.setdefault("max_attempts", 3)
+        if kind == MYSQLCLIENT:
+            options.setdefault("engine", MysqlclientEngine(table=name))
         store = OutboxStore(url, table=name, **options)
         store.migrate()
         made.append(store)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+from engine_support import MYSQLCLIENT
 
 from outbox import EnqueueError, StoreError, enqueue
 from outbox.storage.store import OutboxStore, apply_migration
@@ -114,6 +115,46 @@ def test_a_mysqlclient_connection_enqueues_and_migrates(store: OutboxStore, url:
         conn.close()
     assert first == again
     assert stored(store) == [("m-1", "a", {"emoji": EMOJI_A})]
+
+
+@pytest.mark.parametrize("kind", [MYSQLCLIENT])
+def test_enqueue_in_a_transaction_on_an_autocommit_mysqlclient_connection_does_not_say_autocommit(
+        store: OutboxStore, url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """mysqlclient's autocommit flag (``get_autocommit``) stays on through a BEGIN: an event
+    enqueued inside ``outbox.transaction`` or the caller's own BEGIN on an autocommit connection
+    logged that it "was committed by itself, not with your business change", which was false
+    (it committed or rolled back with the block). MariaDB is now asked (``@@in_transaction``);
+    only the enqueue outside any transaction is told."""
+    import logging
+    import sys
+
+    import MySQLdb
+
+    import outbox
+
+    write_side = sys.modules["outbox.enqueue"]
+    conn = MySQLdb.connect(**mysql_kwargs(url), charset="utf8mb4", autocommit=True)
+    table = store.engine.table_name
+
+    def warned(aggregate: str) -> list[str]:
+        write_side._warn_autocommit.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="outbox.enqueue"):
+            enqueue(conn, topic="t", aggregate_type="o", aggregate_id=aggregate, payload={}, table=table)
+        return [r.getMessage() for r in caplog.records if r.name == "outbox.enqueue"]
+
+    try:
+        with outbox.transaction(conn, wake=False):
+            assert warned("block") == []
+        cursor = conn.cursor()
+        cursor.execute("BEGIN")
+        assert warned("callers-begin") == []
+        conn.rollback()
+        assert any("autocommit mode, so the event was committed by itself" in w for w in warned("alone"))
+    finally:
+        write_side._warn_autocommit.cache_clear()
+        conn.close()
+    assert [row[1] for row in stored(store)] == ["block", "alone"]
 
 
 @pytest.mark.parametrize("kind", ["mysql"])

@@ -12,12 +12,18 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from engine_support import add, row, statuses
+from engine_support import ENGINES, MYSQLCLIENT, add, row, statuses
 
 from outbox import EnqueueError, Status, enqueue
 from outbox.core.model import FailResult
 from outbox.domain.chains import Candidate, plan_claim
 from outbox.storage.store import OutboxStore
+
+
+@pytest.fixture(params=[*ENGINES, MYSQLCLIENT])
+def kind(request: pytest.FixtureRequest) -> str:
+    """Every engine, and MariaDB/MySQL once more on mysqlclient (``engine_support.MYSQLCLIENT``)."""
+    return request.param
 
 
 def claimed_ids(store: OutboxStore, batch: int = 100) -> list[int]:

@@ -1,6 +1,6 @@
 """``outbox.transaction(conn)`` on the DB-API connections applications hold, on every engine:
 the block is one transaction even when the connection is in autocommit mode (psycopg
-``autocommit=True``, PyMySQL ``autocommit=True``, sqlite3 ``isolation_level=None``), and a
+``autocommit=True``, PyMySQL's and mysqlclient's ``autocommit=True``, sqlite3 ``isolation_level=None``), and a
 block nested in another on the same connection is a savepoint, never a commit of the outer
 block's work (docs/waking-and-metrics.md, "outbox.transaction")."""
 
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from engine_support import ENGINES, MYSQLCLIENT, MysqlclientEngine
 
 import outbox
 import outbox.wake as wake
@@ -23,9 +24,20 @@ from outbox.storage.store import OutboxStore
 EVENT = {"topic": "orders.placed", "aggregate_type": "order", "aggregate_id": "1", "payload": {}}
 
 
+@pytest.fixture(params=[*ENGINES, MYSQLCLIENT])
+def kind(request: pytest.FixtureRequest) -> str:
+    """Every engine, and MariaDB/MySQL once more on mysqlclient (``engine_support.MYSQLCLIENT``)."""
+    return request.param
+
+
 def app_connection(store: OutboxStore, url: str, autocommit: bool) -> Any:
     """The application's own connection, as its driver makes it."""
     kind = store.engine.name
+    if isinstance(store.engine, MysqlclientEngine):
+        import MySQLdb
+        from test_enqueue_mysql import mysql_kwargs
+
+        return MySQLdb.connect(**mysql_kwargs(url), charset="utf8mb4", autocommit=autocommit)
     if kind == "sqlite":
         from outbox.storage.engines.sqlite import sqlite_path
 
@@ -160,7 +172,9 @@ def test_psycopgs_own_transaction_inside_a_block_is_a_savepoint_of_it(
 def test_a_transaction_the_caller_began_on_an_autocommit_connection_is_refused(
         store: OutboxStore, url: str) -> None:
     """BEGIN of the caller's own on an autocommit connection: the block cannot end a
-    transaction it did not begin, nor know when it commits to wake the relay."""
+    transaction it did not begin, nor know when it commits to wake the relay. mysqlclient
+    (MariaDB): not told before, the block's START TRANSACTION committed the caller's work, which
+    the caller's rollback then left committed; MariaDB is now asked (``@@in_transaction``)."""
     if store.engine.name == "mssql":
         pytest.skip("pyodbc does not tell an open transaction on an autocommit connection")
     with store.transaction() as cursor:

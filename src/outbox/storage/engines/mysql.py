@@ -52,6 +52,23 @@ def _is_mysqldb(conn: Any) -> bool:
     return type(conn).__module__.split(".", 1)[0] == "MySQLdb"
 
 
+def _mysqldb_in_transaction(conn: Any) -> bool:
+    """Is a transaction open on the autocommit mysqlclient connection ``conn`` (a BEGIN of the
+    caller's, or ``outbox.transaction``'s)? mysqlclient does not show the server's IN_TRANS
+    flag, so MariaDB is asked (``@@in_transaction``, one round trip). MySQL has no such
+    variable: False there, as before (docs/waking-and-metrics.md, "outbox.transaction")."""
+    if "mariadb" not in conn.get_server_info().lower():
+        return False
+    import MySQLdb.cursors
+    cursor = conn.cursor(MySQLdb.cursors.Cursor)
+    try:
+        cursor.execute("SELECT @@in_transaction")
+        row = cursor.fetchone()
+    finally:
+        cursor.close()
+    return bool(row and row[0])
+
+
 def pymysql_kwargs(url: str) -> dict[str, Any]:
     """``pymysql.connect``'s arguments for a MySQL/MariaDB URL: its server and login, and its
     query parameters (``checks.MYSQL_URL_PARAMETERS``; any other is refused), TLS as an
@@ -277,17 +294,18 @@ class MysqlEngine(Engine):
 
     def commits_each_statement(self, conn: Any) -> bool:
         if _is_mysqldb(conn):
-            # mysqlclient shows the server's autocommit flag but not its IN_TRANS flag, so a
-            # BEGIN of the caller's on an autocommit connection is not seen here.
-            return bool(conn.get_autocommit())
+            # mysqlclient shows the server's autocommit flag, which stays on through a BEGIN,
+            # but not its IN_TRANS flag: asked of MariaDB (docs/waking-and-metrics.md, "outbox.transaction").
+            return bool(conn.get_autocommit()) and not _mysqldb_in_transaction(conn)
         # PyMySQL's mode, unless the caller's own BEGIN is open (the server's IN_TRANS flag).
         return getattr(conn, "autocommit_mode", False) is True and not getattr(conn, "server_status", 0) & 1
 
     def in_callers_transaction(self, conn: Any) -> bool:
-        # PyMySQL: the server's IN_TRANS flag on an autocommit connection. mysqlclient does
-        # not show it (commits_each_statement): not told there.
-        return (not _is_mysqldb(conn) and getattr(conn, "autocommit_mode", False) is True
-                and bool(getattr(conn, "server_status", 0) & 1))
+        # The server's IN_TRANS flag on an autocommit connection: PyMySQL's, or asked of MariaDB
+        # for mysqlclient (not told on MySQL: commits_each_statement).
+        if _is_mysqldb(conn):
+            return bool(conn.get_autocommit()) and _mysqldb_in_transaction(conn)
+        return getattr(conn, "autocommit_mode", False) is True and bool(getattr(conn, "server_status", 0) & 1)
 
     @contextmanager
     def begun(self, conn: Any) -> Iterator[None]:
