@@ -157,6 +157,37 @@ def test_enqueue_in_a_transaction_on_an_autocommit_mysqlclient_connection_does_n
     assert [row[1] for row in stored(store)] == ["block", "alone"]
 
 
+@pytest.mark.parametrize("kind", ["mysql", MYSQLCLIENT])
+def test_a_killed_connection_is_a_disconnect_on_either_driver_and_the_store_reconnects(
+        store: OutboxStore, url: str) -> None:
+    """The engine told transient and lost-connection errors by PyMySQL's classes alone: on
+    mysqlclient a killed connection (2013, then 2006) and a deadlock (1213, tests/
+    test_wake_transaction.py) were neither, so a store on mysqlclient connections raised
+    instead of reconnecting and retrying. Both drivers' errors are now told by their codes."""
+    import pymysql
+
+    conn = store.connection()
+    killer = pymysql.connect(**mysql_kwargs(url), autocommit=True)
+    try:
+        killer.cursor().execute(f"KILL {int(conn.thread_id())}")
+    finally:
+        killer.close()
+    cursor = store.engine.cursor_for(conn)
+    with pytest.raises(Exception) as raised:
+        cursor.execute("SELECT 1")
+    assert store.engine.is_disconnect(raised.value), raised.value
+    assert store.engine.is_transient(raised.value), raised.value
+    store.close()
+    conn = store.connection()
+    killer = pymysql.connect(**mysql_kwargs(url), autocommit=True)
+    try:
+        killer.cursor().execute(f"KILL {int(conn.thread_id())}")
+    finally:
+        killer.close()
+    assert store.stats().counts["pending"] == 0  # dropped and connected again, within the retries
+    assert store.connection() is not conn
+
+
 @pytest.mark.parametrize("kind", ["mysql"])
 def test_a_duplicate_enqueue_locks_nothing_the_relay_writes_or_claims(store: OutboxStore, url: str) -> None:
     """An application that runs its business step again (a consumer's redelivery) enqueues

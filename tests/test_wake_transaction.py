@@ -195,7 +195,7 @@ def test_a_transaction_the_caller_began_on_an_autocommit_connection_is_refused(
 
 
 @pytest.mark.parametrize("caught", [False, True], ids=["raised", "caught-and-carried-on"])
-@pytest.mark.parametrize("kind", ["mysql"])
+@pytest.mark.parametrize("kind", ["mysql", MYSQLCLIENT])
 def test_a_deadlock_in_a_nested_block_reaches_the_caller_as_itself(store: OutboxStore, url: str, caught: bool) -> None:
     """InnoDB rolls the whole transaction back on a deadlock, and the savepoint with it: the
     inner block's ROLLBACK TO SAVEPOINT then failed with 1305 (SAVEPOINT does not exist), and

@@ -324,16 +324,17 @@ class MysqlEngine(Engine):
         """An error of either driver a caller's connection may be (PyMySQL, mysqlclient)."""
         return type(exc).__module__.split(".", 1)[0] in ("pymysql", "MySQLdb")
 
+    # Either driver's errors, by their codes (mysqlclient's were told by PyMySQL's classes and
+    # so were neither: a store on its connections raised where it reconnects and retries).
+    # InterfaceError: a connection the driver knows is gone (both drivers have the class).
+    def _interface_error(self, exc: BaseException) -> bool:
+        return self._driver_error(exc) and any(c.__name__ == "InterfaceError" for c in type(exc).__mro__)
+
     def is_transient(self, exc: BaseException) -> bool:
-        import pymysql
-        if isinstance(exc, pymysql.err.InterfaceError):
-            return True
-        return isinstance(exc, pymysql.err.MySQLError) and self._code(exc) in _TRANSIENT_CODES
+        return self._interface_error(exc) or (self._driver_error(exc) and self._code(exc) in _TRANSIENT_CODES)
 
     def is_disconnect(self, exc: BaseException) -> bool:
-        import pymysql
-        return isinstance(exc, pymysql.err.InterfaceError) or (
-            isinstance(exc, pymysql.err.MySQLError) and self._code(exc) in _DISCONNECT_CODES)
+        return self._interface_error(exc) or (self._driver_error(exc) and self._code(exc) in _DISCONNECT_CODES)
 
     def is_lock_timeout(self, exc: BaseException) -> bool:
         return self._driver_error(exc) and self._code(exc) == 1205  # ER_LOCK_WAIT_TIMEOUT
