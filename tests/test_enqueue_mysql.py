@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from engine_support import MYSQLCLIENT
+from engine_support import MYSQLCLIENT, require_mysqlclient
 
 from outbox import EnqueueError, StoreError, enqueue
 from outbox.storage.store import OutboxStore, apply_migration
@@ -96,9 +96,10 @@ def test_a_mysqlclient_connection_enqueues_and_migrates(store: OutboxStore, url:
     AttributeError '_result'. Now each driver gets its own cursor: the event, a duplicate
     message_id (the stored row's id, nothing written), the missing-table hint and the
     migration all work on it."""
-    mysqldb = pytest.importorskip("MySQLdb")
+    require_mysqlclient()
+    import MySQLdb
 
-    conn = mysqldb.connect(**mysql_kwargs(url), charset="utf8mb4")
+    conn = MySQLdb.connect(**mysql_kwargs(url), charset="utf8mb4")
     table = store.engine.table_name
     try:
         first = enqueue(conn, topic="t", aggregate_type="o", aggregate_id="a", message_id="m-1",
