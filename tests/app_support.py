@@ -12,14 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from services import POSTGRES_URL, require
+from services import MYSQL_URL, POSTGRES_URL, require
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
-    """DATABASE_URL of a database of this test's own (dropped afterwards)."""
+    """DATABASE_URL of a database of this test's own (dropped afterwards). ``mysql``, asked for
+    by name: MariaDB/MySQL through Django's MySQL backend, which connects with mysqlclient."""
     if request.param == "sqlite":
         yield {"DATABASE_URL": f"sqlite:///{tmp_path / 'shop.db'}", "kind": "sqlite"}
+        return
+    if request.param == "mysql":
+        yield from mysql_database()
         return
     require("PostgreSQL", "127.0.0.1", 5432)
     import psycopg
@@ -35,6 +39,33 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[st
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             conn.execute(f'DROP DATABASE IF EXISTS "test_{name}" WITH (FORCE)')
+
+
+def mysql_database() -> Iterator[dict[str, str]]:
+    """``database`` on MariaDB/MySQL: a database and Django's test database of their own."""
+    from engine_support import require_mysqlclient
+
+    from outbox.storage.engines.mysql import MysqlEngine
+
+    require("MariaDB/MySQL", "127.0.0.1", 3306)
+    require_mysqlclient()
+    name = f"outbox_dj_{uuid.uuid4().hex[:10]}"
+    server = MYSQL_URL.rsplit("/", 1)[0]
+
+    def run(statement: str) -> None:
+        conn = MysqlEngine().connect(MYSQL_URL)
+        try:
+            cursor = conn.cursor()
+            cursor.execute(statement)
+            cursor.close()
+        finally:
+            conn.close()
+    run(f"CREATE DATABASE `{name}`")
+    try:
+        yield {"DATABASE_URL": f"{server}/{name}", "DJANGO_TEST_DATABASE_NAME": f"test_{name}", "kind": "mysql"}
+    finally:
+        run(f"DROP DATABASE IF EXISTS `{name}`")
+        run(f"DROP DATABASE IF EXISTS `test_{name}`")
 
 
 def schema_of(url: str, table: str) -> Any:

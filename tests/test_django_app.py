@@ -1,8 +1,8 @@
 """The Django app ``outbox.contrib.django`` in the example shop (examples/django), run as a
 Django user runs it: Django's test runner, ``manage.py migrate`` and the ``outbox_*``
 management commands, the ``outbox`` CLI and the Celery worker reading Django's settings,
-and an order posted to the view arriving on RabbitMQ. On SQLite and PostgreSQL; each run
-uses databases of its own."""
+and an order posted to the view arriving on RabbitMQ. On SQLite and PostgreSQL (Django's test
+runner on MariaDB/MySQL with mysqlclient too); each run uses databases of its own."""
 
 from __future__ import annotations
 
@@ -54,9 +54,13 @@ def outbox_url(database: dict[str, str]) -> str:
     return database["DATABASE_URL"]
 
 
+@pytest.mark.parametrize("database", ["sqlite", "postgresql", "mysql"], indirect=True)
 def test_djangos_test_runner_creates_the_table_and_the_app_works(database: dict[str, str]) -> None:
     """On SQLite the run includes the admin in a real browser (orders/tests_browser.py:
-    headless Chromium); on PostgreSQL the app's tests without the browser."""
+    headless Chromium); on PostgreSQL and MariaDB/MySQL the app's tests without the browser.
+    MariaDB/MySQL through Django's MySQL backend on mysqlclient, its default driver: the app's
+    migrations (0001 to 0004), orders and their events in ``atomic``, a rolled-back order, the
+    admin's requeue on Django's connection."""
     labels = ["orders"] if database["kind"] == "sqlite" else ["orders.tests"]
     out = ok(manage("test", *labels, "--noinput", "-v", "2", env=env_of(database)))
     assert "Applying outbox.0001_initial... OK" in out

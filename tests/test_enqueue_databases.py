@@ -86,7 +86,7 @@ def test_enqueue_into_a_second_django_database_warns_once(tmp_path: Path) -> Non
 LEGACY_SCRIPT = r"""
 import json, sys
 import pymysql
-pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL (mysqlclient is not installed here)
+pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL, whether or not mysqlclient is installed
 import django
 django.setup()
 from django.db import connections, transaction
