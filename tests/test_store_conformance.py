@@ -8,6 +8,7 @@ import json
 import random
 import threading
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -290,7 +291,8 @@ def test_a_claim_running_beside_another_takes_other_chains(make_store: Any, writ
     colliding on their heads (docs/internals.md, "Claim windows")."""
     if kind == "sqlite":
         pytest.skip("SQLite has one writer: its claims run one after the other and cannot overlap")
-    first, second = make_store(table="outbox_overlap"), make_store(table="outbox_overlap")
+    table = f"outbox_overlap{uuid.uuid4().hex[:8]}"  # of this test's own: the mysql and mysqlclient runs share a server
+    first, second = make_store(table=table), make_store(table=table)
     for store in (first, second):
         store.use_claim_window(4)  # windows of 24 rows: every aggregate's three rows in them
     ids: dict[str, list[int]] = {name: [] for name in "abcdefgh"}
@@ -439,7 +441,8 @@ def test_rows_queued_behind_a_waiting_head_do_not_hide_the_other_aggregates(make
     yet; another worker's live lease) must not stall every other aggregate: a claim whose
     window held nothing it could take reads past them (docs/internals.md, "Claim
     windows"). Before, every claim came back empty until the retry was due."""
-    store = make_store(table="outbox_stall")
+    table = f"outbox_stall{uuid.uuid4().hex[:8]}"  # of this test's own (a server shared with the mysqlclient run)
+    store = make_store(table=table)
     batch = 2
     window = store.engine.claim_window(batch)
     (a1,) = add(writer, store, "a")
@@ -450,7 +453,7 @@ def test_rows_queued_behind_a_waiting_head_do_not_hide_the_other_aggregates(make
     assert claimed_ids(store, batch) == [b1]
     # A hot aggregate whose head another worker holds, with a window's worth and more behind.
     (c1,) = add(writer, store, "c")
-    holder = make_store(table="outbox_stall")
+    holder = make_store(table=table)
     assert [m.id for m in holder.claim(1).messages] == [c1]
     add(writer, store, "c", 2 * window)
     d = add(writer, store, "d", 2)
@@ -464,7 +467,8 @@ def test_aggregate_ids_that_differ_by_trailing_spaces_are_two_aggregates(make_st
     other: a row of 'x' is never claimed while an earlier row of 'x' is open
     (docs/internals.md, "Aggregate ids compare exactly"). Before, MariaDB's claim took x3
     while x2 was in flight under another lease."""
-    store, other = make_store(table="outbox_pad"), make_store(table="outbox_pad")
+    table = f"outbox_pad{uuid.uuid4().hex[:8]}"  # of this test's own (a server shared with the mysqlclient run)
+    store, other = make_store(table=table), make_store(table=table)
     (p1,) = add(writer, store, "x ")
     x2, x3 = add(writer, store, "x", 2)
     first = store.claim(2)
