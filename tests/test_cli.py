@@ -492,16 +492,30 @@ def test_native_json_outside_sql_server_is_said_to_be_ignored(tmp_path: Path) ->
     assert "--native-json" not in ok(run("migrate", env=env)).stderr
 
 
+_STATUS_WITH_A_SHORT_GREETING_BOUND = """
+import outbox.storage.engines.mysql as mysql
+mysql.CONNECT_TIMEOUT_S = 1  # 10 in production: each attempt fails after 1 s here
+from outbox.cli import main
+main(["status"], prog_name="outbox")
+"""
+
+
 def test_a_mysql_server_that_never_answers_ends_the_command() -> None:
     """PyMySQL waited for the server's greeting without any bound (it drops the connect
     timeout before the handshake): `outbox status` against a port that accepts and never
-    speaks (a PostgreSQL port, found in review) hung for good. It ends, with one error line:
-    each of the store's attempts waits 10 s for the greeting (about a minute in all), so the
-    test only asks that it ends."""
+    speaks (a PostgreSQL port, found in review) hung for good. It ends, with one error line
+    saying the read timed out. Each connect waits CONNECT_TIMEOUT_S for the greeting, and the
+    command connects six times (the store's five attempts, then the error's explanation): a
+    minute at the production 10 s, so the child runs with a 1 s bound (the URL sets no
+    read_timeout, so the bound is the engine's own, as in production)."""
     with silent_server() as port:
-        result = run("status", env={"OUTBOX_DATABASE_URL": f"mysql://root@127.0.0.1:{port}/test"}, timeout=240)
+        # A child that hangs fails the test (TimeoutExpired): it ends in about 8 s.
+        result = subprocess.run([sys.executable, "-c", _STATUS_WITH_A_SHORT_GREETING_BOUND], capture_output=True,
+                                text=True, timeout=60,
+                                env={**os.environ, "OUTBOX_DATABASE_URL": f"mysql://root@127.0.0.1:{port}/test"})
     assert result.returncode == 1, result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("error: "), result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "timed out" in last, result.stderr
 
 
 def test_a_sqlite_url_in_any_case_or_with_a_driver_is_the_engines_too(tmp_path: Path) -> None:
