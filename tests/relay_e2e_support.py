@@ -141,6 +141,8 @@ def procs_factory(tmp_path: Path) -> Iterator[Any]:
     yield make
     for p in made:
         p.stop_all()
+    for p in made:
+        delete_relay_names_on_rabbitmq(p.env)
     prefixes = {p.env.get("OUTBOX_TEST_REDIS_PREFIX") for p in made} - {None}
     if prefixes:
         import redis
@@ -148,6 +150,43 @@ def procs_factory(tmp_path: Path) -> Iterator[Any]:
         for prefix in prefixes:
             for key in client.scan_iter(match=f"{prefix}*"):
                 client.delete(key)
+
+
+def delete_relay_names_on_rabbitmq(env: dict[str, str]) -> None:
+    """What the relay of ``env`` declared on RabbitMQ when it is the task runner's broker
+    (Celery's or Dramatiq's, directly or through a Proxy): the outbox's durable queues (with
+    Dramatiq's delay and dead-letter queues), their exchanges and Celery's remote-control
+    exchange, and the sent records of beat and of the Dramatiq scheduler (durable, kept 61
+    days unused: ``outbox.relay.sent_record``). Deleted through AMQP_URL, the proxy being
+    closed by then; left, they piled up on a CI machine, a few per run of the suite."""
+    celery, dramatiq = (env.get(name, "").startswith("amqp")
+                        for name in ("OUTBOX_CELERY_BROKER_URL", "OUTBOX_DRAMATIQ_BROKER_URL"))
+    if not (celery or dramatiq):
+        return
+    from kombu import Connection
+
+    from outbox.core.config import load_settings
+
+    settings = load_settings(environ=env)
+    namespace = settings.outbox_namespace
+    queues = [name for queue in settings.queues.all for name in (queue, f"{queue}.DQ", f"{queue}.XQ")]
+    queues.append(f"outbox.beat.{namespace}.sent")
+    if dramatiq:
+        from outbox.dramatiq.scheduler import lock_name
+
+        queues.append(f"outbox.scheduler.{lock_name(AMQP_URL, '', namespace)}.sent")
+    exchanges = [*settings.queues.all, f"{namespace}.pidbox"]
+    with Connection(AMQP_URL, connect_timeout=5) as conn:
+        for kind, names in (("queue", queues), ("exchange", exchanges)):
+            for name in names:
+                channel = conn.channel()  # one each: an error closes its channel
+                try:
+                    getattr(channel, f"{kind}_delete")(name)
+                except Exception:  # best effort: one that is not there is not an error
+                    pass
+                finally:
+                    with suppress(Exception):
+                        channel.close()
 
 
 # -- RabbitMQ ----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from relay_e2e_support import (
     Procs,
     Writer,
     check_order,
+    delete_relay_names_on_rabbitmq,
     queued_celery_messages,
     relay_env,
     require_relay_services,
@@ -91,18 +92,7 @@ class Relay:
     def close(self) -> None:
         self.procs.stop_all()
         try:
-            if self.env["OUTBOX_CELERY_BROKER_URL"] == AMQP_URL:  # the relay's queues on RabbitMQ
-                from kombu import Connection
-
-                from outbox.core.config import load_settings
-                with Connection(AMQP_URL, connect_timeout=5) as conn:
-                    for queue in load_settings(environ=self.env).queues.all:
-                        channel = conn.channel()  # a channel each: a missing queue closes its channel
-                        try:
-                            channel.queue_delete(queue)
-                            channel.exchange_delete(queue)
-                        except Exception:
-                            pass
+            delete_relay_names_on_rabbitmq(self.env)  # when RabbitMQ is Celery's broker
         finally:
             self.destination.close()
             self.outbox.drop()

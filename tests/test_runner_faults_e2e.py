@@ -268,8 +268,6 @@ def test_dramatiq_workers_ride_out_their_broker_going_away_mid_drain(
         log = procs.log("w1")  # before the proxy closes under the workers
     finally:
         proxy.close()
-        if kind == "rabbitmq":
-            _delete_dramatiq_queues(env)
     for noise in ("Consumer encountered a connection error", "Restarting consumer", "Failed to post_process_message",
                   "not in known tags"):
         assert noise not in log, log[-3000:]
@@ -309,20 +307,6 @@ def test_a_dramatiq_worker_says_once_that_its_redis_stopped_answering(
     assert "CRITICAL" not in log and "Consumer encountered an unexpected error" not in log, log[-5000:]
     assert 1 <= log.count("Dramatiq's broker unreachable") <= 2, told  # once per worker process
     assert log.count("Dramatiq's broker reachable again") == log.count("Dramatiq's broker unreachable"), told
-
-
-def _delete_dramatiq_queues(env: dict[str, str]) -> None:
-    """The durable queues Dramatiq's RabbitMQ broker declared for ``env``'s outbox."""
-    from kombu import Connection
-
-    with Connection(AMQP_URL, connect_timeout=5) as conn:
-        for kind in ("claim", "publish", "ack", "purge"):
-            queue = relay_queue(env, kind)
-            for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
-                try:
-                    conn.default_channel.queue_delete(queue=name)
-                except Exception:
-                    conn.close()
 
 
 # -- a Kafka topic that does not exist ------------------------------------------------------------
@@ -668,23 +652,15 @@ def test_celery_beats_restarted_more_often_than_the_purge_interval_still_purge(
     env = relay_env(tmp_path, None, sqlite_outbox, RUNNERS["celery"], OUTBOX_PUBLISH_URL=AMQP_URL,
                     OUTBOX_NAMESPACE=namespace, OUTBOX_RELAY_PURGE_INTERVAL_S="4",
                     **({} if kind == "redis" else {"OUTBOX_CELERY_BROKER_URL": AMQP_URL}))
-    procs = procs_factory(env, RUNNERS["celery"])
+    procs = procs_factory(env, RUNNERS["celery"])  # its teardown deletes the queues and the sent record
     sent = []
-    try:
-        for n in range(4):
-            name = f"beat{n}"
-            procs.start(name, "beat", "--loglevel=INFO", "-s", str(tmp_path / f"beat-schedule-{n}"))
-            assert wait_until(lambda name=name: "beat: Starting" in procs.log(name), timeout=30), procs.log(name)[-3000:]
-            time.sleep(2.5)
-            assert procs.stop(name) == 0, procs.log(name)[-3000:]
-            sent.append(procs.log(name).count("Sending due task outbox-purge"))
-    finally:
-        if kind == "rabbitmq":
-            from kombu import Connection
-
-            with Connection(AMQP_URL) as conn:
-                for queue in (f"{namespace}.claim", f"{namespace}.purge", f"outbox.beat.{namespace}.sent"):
-                    conn.default_channel.queue_delete(queue=queue)
+    for n in range(4):
+        name = f"beat{n}"
+        procs.start(name, "beat", "--loglevel=INFO", "-s", str(tmp_path / f"beat-schedule-{n}"))
+        assert wait_until(lambda name=name: "beat: Starting" in procs.log(name), timeout=30), procs.log(name)[-3000:]
+        time.sleep(2.5)
+        assert procs.stop(name) == 0, procs.log(name)[-3000:]
+        sent.append(procs.log(name).count("Sending due task outbox-purge"))
     assert 2 <= sum(sent) <= 4, f"purges sent by each beat: {sent}"
 
 

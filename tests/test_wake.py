@@ -918,6 +918,7 @@ queue = relay_settings().queues.claim
 with app.connection_for_write() as conn:
     queued = conn.default_channel.queue_declare(queue, passive=True).message_count
     conn.default_channel.queue_delete(queue)
+    conn.default_channel.exchange_delete(queue)  # Celery's exchange of the queue, named alike
 print(json.dumps({"parent": parent, "child": child, "again": again, "queued": queued}))
 """
 
