@@ -359,14 +359,27 @@ def test_check_expects_on_sql_server_the_indexes_its_migration_leaves_not_a_reti
     assert not expected & {engine.index_name(suffix) for suffix in RETIRED_INDEXES}
 
 
+_CHECK_WITH_A_SHORT_BOUND = """
+import outbox.commands.doctor as doctor
+doctor.CONNECT_TIMEOUT_S = 1.0  # 5 in production: each probe of a silent server fails after 1 s here
+from outbox.cli import main
+main(["check"], prog_name="outbox")
+"""
+
+
 def test_a_redis_broker_that_never_answers_fails_the_check_instead_of_hanging(tmp_path: Path) -> None:
     """The Redis client of the check waited for an answer without any bound: against a
     port that accepts and never speaks, `outbox check` hung for good (found in review).
-    Celery's broker and the destination each fail within the check's timeout."""
+    Celery's broker and the destination each fail within the check's timeout,
+    CONNECT_TIMEOUT_S: 1 s in the child instead of 5 (a child that hangs fails the test
+    on the subprocess's timeout)."""
     env = {"OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
     with silent_server() as port:
-        result = check({**env, "OUTBOX_CELERY_BROKER_URL": f"redis://127.0.0.1:{port}/0",
-                        "OUTBOX_PUBLISH_URL": f"redis://127.0.0.1:{port}/1"}, tmp_path)
+        result = subprocess.run([sys.executable, "-c", _CHECK_WITH_A_SHORT_BOUND], capture_output=True, text=True,
+                                cwd=tmp_path, timeout=60,
+                                env={**clean, **env, "OUTBOX_CELERY_BROKER_URL": f"redis://127.0.0.1:{port}/0",
+                                     "OUTBOX_PUBLISH_URL": f"redis://127.0.0.1:{port}/1"})
     assert result.returncode == 1, result.stdout + result.stderr
     states = lines(result)
     assert states["celery broker"] == "FAIL" and states["destination"] == "FAIL", result.stdout
