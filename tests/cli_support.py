@@ -18,13 +18,14 @@ def run(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.Comp
 
 
 @contextmanager
-def silent_server() -> Iterator[int]:
+def silent_server(accepted: list[socket.socket] | None = None) -> Iterator[int]:
     """A local port whose server accepts every connection and never sends a byte (a
-    PostgreSQL port to a MySQL client, a hung process): yields the port."""
+    PostgreSQL port to a MySQL client, a hung process): yields the port. The connections it
+    accepted go to ``accepted`` when given."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
-    accepted: list[socket.socket] = []
+    accepted = [] if accepted is None else accepted
 
     def accept() -> None:
         while True:

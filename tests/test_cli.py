@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -505,17 +506,21 @@ def test_a_mysql_server_that_never_answers_ends_the_command() -> None:
     timeout before the handshake): `outbox status` against a port that accepts and never
     speaks (a PostgreSQL port, found in review) hung for good. It ends, with one error line
     saying the read timed out. Each connect waits CONNECT_TIMEOUT_S for the greeting, and the
-    command connects six times (the store's five attempts, then the error's explanation): a
-    minute at the production 10 s, so the child runs with a 1 s bound (the URL sets no
-    read_timeout, so the bound is the engine's own, as in production)."""
-    with silent_server() as port:
+    command connects five times (the store's attempts): under a minute at the production 10 s,
+    so the child runs with a 1 s bound (the URL sets no read_timeout, so the bound is the
+    engine's own, as in production). The error's explanation connected a sixth time, another
+    full bound, to say what the fifth had said (found in review, 7 December): it now explains
+    the failed connect it was given."""
+    accepted: list[socket.socket] = []
+    with silent_server(accepted) as port:
         # A child that hangs fails the test (TimeoutExpired): it ends in about 8 s.
         result = subprocess.run([sys.executable, "-c", _STATUS_WITH_A_SHORT_GREETING_BOUND], capture_output=True,
                                 text=True, timeout=60,
                                 env={**os.environ, "OUTBOX_DATABASE_URL": f"mysql://root@127.0.0.1:{port}/test"})
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "timed out" in last, result.stderr
+    assert last.startswith("error: cannot connect to the database: ") and "timed out" in last, result.stderr
+    assert len(accepted) == 5, f"{len(accepted)} connects: the store's five attempts, and no more"
 
 
 def test_a_sqlite_url_in_any_case_or_with_a_driver_is_the_engines_too(tmp_path: Path) -> None:

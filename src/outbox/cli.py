@@ -50,13 +50,13 @@ def _explain(exc: Exception) -> str | None:
     context = click.get_current_context(silent=True)
     migrating = context is not None and context.info_name == "migrate"
     store = _opened[-1]
+    if store.connect_failed(exc):  # no new try: against a silent server it waits its bound again
+        return _cannot_connect(exc)
     store.close()
     try:
         store.connection()
     except Exception as connect_error:  # noqa: BLE001 - whatever fails to connect is the explanation
-        hint = missing_driver_hint(connect_error)
-        detail = " ".join(str(connect_error).split()) or type(connect_error).__name__
-        return hint or f"cannot connect to the database: {type(connect_error).__name__}: {detail}"
+        return _cannot_connect(connect_error)
     if migrating:
         store.close()
         return None
@@ -68,6 +68,11 @@ def _explain(exc: Exception) -> str | None:
     finally:
         store.close()
     return None
+
+
+def _cannot_connect(error: Exception) -> str:
+    detail = " ".join(str(error).split()) or type(error).__name__
+    return missing_driver_hint(error) or f"cannot connect to the database: {type(error).__name__}: {detail}"
 
 
 class SettingValue(click.ParamType):

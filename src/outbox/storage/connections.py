@@ -53,6 +53,9 @@ class Connections:
         self.url = url
         self.on_connect = on_connect
         self._slot: Any = threading.local() if per_thread else SimpleNamespace()
+        #: The error of the last connect that failed, None once one succeeds: how a caller tells
+        #: a database it could not reach from a statement that failed (``connect_failed``).
+        self.connect_error: BaseException | None = None
         #: Held around each use of a shared connection; a per-thread one needs none.
         self._lock: Any = nullcontext() if per_thread else threading.RLock()
 
@@ -61,7 +64,12 @@ class Connections:
         with self._lock:
             conn = getattr(self._slot, "conn", None)
             if conn is None or self._slot.pid != os.getpid():
-                conn = self.engine.connect(self.url)
+                try:
+                    conn = self.engine.connect(self.url)
+                except BaseException as exc:
+                    self.connect_error = exc
+                    raise
+                self.connect_error = None
                 if self.on_connect is not None:
                     try:
                         self.on_connect(conn)

@@ -203,6 +203,11 @@ class OutboxStore:
     def close(self) -> None:
         self._connections.drop()
 
+    def connect_failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the error of this store's last attempt to connect (not of a
+        statement on a connection it had)."""
+        return self._connections.connect_error is exc
+
     def commit_without_waiting(self) -> bool:
         """From now on, each connection this store opens commits without waiting for the
         disk, where the engine can (``Engine.async_commit_sql``): the relay's own writes,
