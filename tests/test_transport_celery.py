@@ -442,3 +442,39 @@ def test_a_pool_process_killed_while_idle_does_not_stall_its_worker(tmp_path: Pa
         procs.stop_all()
         drop_queue_tables(outbox.url, queue_table)
         outbox.drop()
+
+
+@pytest.mark.slow  # about 18 s: a worker, a kill, six tasks, the warm stop (the lost task: 10 s)
+def test_a_pool_process_killed_while_writing_a_large_result_does_not_stall_its_worker(tmp_path: Path) -> None:
+    """A failed task's exception info larger than the result pipe holds is written in several
+    writes; its pool process SIGKILLed between two of them left the start of it in the pipe, and
+    the worker's main process read every later result as the rest of it: 2 of 6 tasks sent after
+    the kill ran (the two the pool had already taken), none acknowledged, and the warm shutdown
+    hung (in review, 2 of 2). Now the unfinished message is dropped and the worker runs on
+    (docs/transport.md, "A pool process killed by SIGKILL")."""
+    app = TaskApp("postgresql", tmp_path, TAPP_POOL="outbox.transport.prefork:TaskPool")
+    try:
+        worker = app.worker("w1", concurrency=2)
+        assert wait_until(lambda: " ready." in app.log("w1"), timeout=60), app.log("w1")[-3000:]
+        go = tmp_path / "go"
+        app.task("fail_large").delay(1_000_000, str(go))
+        assert wait_until(lambda: app.lines("fail_large"), timeout=30), app.log("w1")[-3000:]
+        victim = int(app.lines("fail_large")[0][1])
+        os.kill(worker.pid, signal.SIGSTOP)  # the reader of results stops: the pool process fills the pipe
+        try:
+            go.touch()
+            assert wait_until(lambda: "pipe_write" in (_wchan(victim) or ""), timeout=10), _wchan(victim)
+            os.kill(victim, signal.SIGKILL)
+            assert wait_until(lambda: _wchan(victim) is None, timeout=10)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        for n in range(6):
+            app.task("record").delay(n)
+        assert wait_until(lambda: len(app.lines("record")) >= 6, timeout=30), (
+            f"{len(app.lines('record'))} of 6 ran in 30 s after the kill\n{app.log('w1')[-3000:]}")
+        assert sorted(int(line[1]) for line in app.lines("record")) == list(range(6))
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, app.log("w1")[-3000:]
+        assert "outboxdb: a pool process died writing a message to the pool's pipe" in app.log("w1")
+    finally:
+        app.close()

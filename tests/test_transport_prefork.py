@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery.concurrency.prefork import TaskPool as PreforkPool
@@ -132,3 +133,78 @@ def test_only_celerys_prefork_pool_run_blocking_is_replaced() -> None:
     assert robust_prefork(SoloPool, use_eventloop=False) is SoloPool
     assert robust_prefork("threads", use_eventloop=False) == "threads"
     assert TaskPool.BlockingPool is Pool and issubclass(TaskPool, PreforkPool)
+
+
+def _rchar(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar for {pid}")
+
+
+def _big(size: int) -> bytes:
+    return b"r" * size
+
+
+def test_a_pool_process_killed_while_writing_a_large_result_leaves_the_result_pipe_in_step(pool: Pool) -> None:
+    """A result larger than a pipe takes at once is written in several writes. Its writer
+    SIGKILLed between two of them left the start of it in the result pipe: the pool's result
+    handler then read every later result as the rest of that one, and no job finished
+    again. Now the next reader drops the unfinished message and reads on."""
+    handler = pool._result_handler
+    read_results, parked = threading.Event(), threading.Event()
+    original = handler.poll
+
+    def gated(timeout: float) -> Any:
+        if not read_results.is_set():
+            parked.set()
+            read_results.wait()
+        return original(timeout)
+
+    handler.poll = gated  # the result handler looks it up again for each result
+    try:
+        assert parked.wait(10), "the result handler did not come back to its poll"
+        pool.apply_async(_big, (4_000_000,))  # the result handler waits: the writer fills the pipe and waits too
+        deadline = time.monotonic() + 10
+        while not (writing := [p.pid for p in pool._pool if "pipe_write" in _wchan(p.pid)]):
+            assert time.monotonic() < deadline, {p.pid: _wchan(p.pid) for p in pool._pool}
+            time.sleep(0.005)
+        os.kill(writing[0], signal.SIGKILL)
+        assert _exit_code_of_child(writing[0])
+    finally:
+        read_results.set()
+    for n in range(5):
+        assert pool.apply_async(len, (b"x" * n * 3000,)).get(timeout=10) == n * 3000
+
+
+def _exit_code_of_child(pid: int) -> bool:
+    """True once ``pid`` (a pool process, reaped by the pool) is gone."""
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    return True
+
+
+def test_a_pool_process_killed_while_reading_a_large_task_leaves_the_task_pipe_in_step(pool: Pool) -> None:
+    """A task larger than the task pipe holds is read in several reads. Its reader killed
+    between two of them left the rest of it in the pipe: the next pool process read that rest
+    as a message (a length out of the middle of it) and no task ran again. Now the next reader
+    drops the rest and takes the next task. Three kills in a row."""
+    size = 20_000_000
+    for _ in range(3):
+        deadline = time.monotonic() + 10
+        while not (waiting := [p.pid for p in pool._pool if waits_for_a_task(_wchan(p.pid))]):
+            assert time.monotonic() < deadline, {p.pid: _wchan(p.pid) for p in pool._pool}
+            time.sleep(0.005)
+        reader, before = waiting[0], _rchar(waiting[0])
+        pool.apply_async(len, (b"t" * size,))
+        deadline = time.monotonic() + 10
+        while _rchar(reader) == before:  # it has begun reading the task
+            assert time.monotonic() < deadline
+        os.kill(reader, signal.SIGSTOP)
+        taken = _rchar(reader) - before
+        os.kill(reader, signal.SIGKILL)
+        assert 0 < taken < size / 2, taken  # killed part-way through the task
+        assert _exit_code_of_child(reader)
+        assert pool.apply_async(len, (b"x" * 5000,)).get(timeout=10) == 5000

@@ -32,7 +32,8 @@ app.conf.update(
                               "polling_interval": float(os.environ.get("TAPP_POLL", "0.2"))},
     task_acks_late=True, task_reject_on_worker_lost=False, worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True, task_serializer="json", accept_content=["json"],
-    worker_hijack_root_logger=False, worker_pool_putlocks=os.environ.get("TAPP_PUTLOCKS", "1") == "1")
+    worker_hijack_root_logger=False, worker_pool_putlocks=os.environ.get("TAPP_PUTLOCKS", "1") == "1",
+    worker_pool=os.environ.get("TAPP_POOL") or "prefork")
 OUT = os.environ["TAPP_OUT"]
 
 
@@ -55,6 +56,14 @@ def nap(seconds):
 def noted_nap(n, seconds):
     note(f"nap {n} {os.getpid()} {time.time():.3f}")
     time.sleep(seconds)
+
+
+@app.task
+def fail_large(size, go):
+    note(f"fail_large {os.getpid()}")
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    raise ValueError("x" * size)  # its exception info, larger than a pipe holds, goes back to the main process
 
 
 @app.task(bind=True)

@@ -1,6 +1,7 @@
 """Celery's prefork pool for a worker whose broker is not evented, as this transport is:
 billiard's blocking pool, with the locks its processes share replaced by locks that die with
-the process holding them, and the wait for a task moved from ``read`` to ``poll``
+the process holding them, the wait for a task moved from ``read`` to ``poll``, and its two
+pipes carrying messages in packets a process killed part-way cannot leave out of step
 (docs/transport.md, "A pool process killed by SIGKILL").
 
 ``celery -A outbox worker`` uses it on its own; another Celery app on ``outboxdb`` sets
@@ -11,12 +12,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
+import logging
 import os
+import select
 import tempfile
 import threading
 import time
 from typing import Any
 
+from billiard.connection import Connection, wait
 from billiard.queues import SimpleQueue
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
@@ -81,6 +86,87 @@ class ProcessLock:
         raise TypeError("a ProcessLock is shared by forking only (billiard's fork start method)")
 
 
+log = logging.getLogger("outbox.transport")
+
+#: A packet: one flag byte, then up to PIPE_BUF - 1 bytes of the message. A write of at most
+#: PIPE_BUF bytes to a pipe is whole or nothing, and a read of a packet-mode pipe takes one
+#: whole packet: no process killed part-way leaves half a packet behind.
+PACKET = select.PIPE_BUF
+FIRST, LAST = 1, 2
+
+
+class PacketConnection(Connection):
+    """One end of a packet-mode pipe (Linux's ``O_DIRECT`` pipes) carrying billiard's messages,
+    each cut into packets flagged first and last. A message a killed process left unfinished
+    (a writer that wrote only its first packets, a reader that took only its first packets) is
+    dropped whole by the next reader, which starts again at the next first packet. ``poll``
+    answers once a whole message is in (it reads the packets that are there), so a reader never
+    waits for the rest of a message whose writer is dead."""
+
+    def __init__(self, handle: int, readable: bool = True, writable: bool = True) -> None:
+        super().__init__(handle, readable, writable)
+        self._parts: list[bytes] | None = None  # the message being read, from its first packet
+        self._ready: bytes | None = None  # a whole message read by ``poll``
+        self._eof = False
+        self._pid, self._send_lock = os.getpid(), threading.Lock()
+
+    def _send_bytes(self, buf: Any) -> None:
+        if self._pid != os.getpid():  # forked: the parent's lock may have been copied held
+            self._pid, self._send_lock = os.getpid(), threading.Lock()
+        view, size, step = memoryview(buf).cast("B"), len(buf), PACKET - 1
+        with self._send_lock:
+            for start in range(0, max(size, 1), step):
+                flag = (FIRST if start == 0 else 0) | (LAST if start + step >= size else 0)
+                packet = bytes((flag,)) + view[start:start + step]
+                if os.write(self._handle, packet) != len(packet):  # pragma: no cover (PIPE_BUF)
+                    raise OSError("a pipe wrote part of a packet")
+
+    def _take_packet(self) -> None:
+        packet = os.read(self._handle, PACKET)
+        if not packet:
+            self._eof = True
+            return
+        flag, body = packet[0], packet[1:]
+        if flag & FIRST:
+            if self._parts is not None:
+                log.warning("outboxdb: a pool process died writing a message to the pool's pipe: the %d bytes "
+                            "it wrote of it were dropped", sum(map(len, self._parts)))
+            self._parts = [body]
+        elif self._parts is None:  # the rest of a message a killed reader began, or a dropped one
+            return
+        else:
+            self._parts.append(body)
+        if flag & LAST:
+            self._ready, self._parts = b"".join(self._parts), None
+
+    def _poll(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._ready is None and not self._eof:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not wait([self._handle], left):
+                return False
+            self._take_packet()
+        return True
+
+    def _recv_bytes(self, maxsize: int | None = None) -> io.BytesIO | None:
+        self._poll(None)
+        if self._ready is None:
+            raise EOFError
+        message, self._ready = self._ready, None
+        return None if maxsize is not None and len(message) > maxsize else io.BytesIO(message)
+
+
+def packet_pipe() -> tuple[PacketConnection, PacketConnection] | None:
+    """A packet-mode pipe's reading and writing ends, or None where there is none (not Linux)."""
+    if not hasattr(os, "O_DIRECT") or not hasattr(os, "pipe2"):
+        return None
+    try:
+        read, write = os.pipe2(os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:  # a kernel without packet pipes (before Linux 3.4)
+        return None
+    return PacketConnection(read, writable=False), PacketConnection(write, readable=False)
+
+
 class TaskQueue(SimpleQueue):
     """billiard's task queue whose reader waits for a task in ``poll``, and reads only once one
     is there: a process killed in ``read`` could take a task's first bytes with it."""
@@ -92,15 +178,30 @@ class TaskQueue(SimpleQueue):
 
 
 class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
-    """billiard's blocking pool with ``ProcessLock``s for its queues' shared locks and a
-    ``TaskQueue`` for its tasks."""
+    """billiard's blocking pool with ``ProcessLock``s for its queues' shared locks, a
+    ``TaskQueue`` for its tasks and packet pipes under both queues."""
 
     def _setup_queues(self) -> None:
         super()._setup_queues()
-        if self._ctx.get_start_method() == "fork":  # spawn pickles the queues: billiard's locks stay
-            self._inqueue.__class__ = TaskQueue
-            self._inqueue._rlock = ProcessLock()
-            self._outqueue._wlock = ProcessLock()
+        if self._ctx.get_start_method() != "fork":  # spawn pickles the queues: billiard's stay
+            return
+        self._inqueue.__class__ = TaskQueue
+        self._inqueue._rlock = ProcessLock()
+        self._outqueue._wlock = ProcessLock()
+        tasks, results = packet_pipe(), packet_pipe()
+        if tasks is None or results is None:  # not Linux: billiard's pipes
+            return
+        for queue, pipe in ((self._inqueue, tasks), (self._outqueue, results)):
+            queue.close()
+            queue._reader, queue._writer = pipe
+        self._quick_put = self._inqueue._writer.send  # as billiard's, on the new pipes
+        self._quick_get = self._outqueue._reader.recv
+        reader = self._outqueue._reader
+
+        def _poll_result(timeout: float) -> tuple[bool, Any]:
+            return (True, reader.recv()) if reader.poll(timeout) else (False, None)
+
+        self._poll_result = _poll_result
 
 
 class TaskPool(PreforkPool):
