@@ -478,3 +478,32 @@ def test_a_pool_process_killed_while_writing_a_large_result_does_not_stall_its_w
         assert "outboxdb: a pool process died writing a message to the pool's pipe" in app.log("w1")
     finally:
         app.close()
+
+
+@pytest.mark.slow  # about 40 s: five workers stopped cold under a stream of tasks
+def test_a_cold_shutdown_under_load_ends(tmp_path: Path) -> None:
+    """Celery's cold shutdown (SIGQUIT) stops the pool inside its signal handler and waits there
+    for the pool's result handler, which acks finished tasks on the transport's connection; the
+    handler had interrupted the main thread inside a statement on that connection, holding its
+    lock, so the wait never ended (in review: 3 of 8 and 2 of 6 stops hung with
+    --max-tasks-per-child=1). Now the pool's stop runs once the main thread is out of the
+    transport (docs/transport.md, "A cold shutdown ends"). Five stops in a row, each within 30 s."""
+    app = TaskApp("postgresql", tmp_path, TAPP_POOL="outbox.transport.prefork:TaskPool", TAPP_POLL="0.1")
+    try:
+        for run in range(5):
+            name = f"w{run}"
+            worker = app.worker(name, 2, "--max-tasks-per-child=1")
+            assert wait_until(lambda: " ready." in app.log(name), timeout=60), app.log(name)[-3000:]  # noqa: B023
+            for n in range(40):
+                app.task("record").delay(n)
+            time.sleep(0.5 + run * 0.3)
+            worker.send_signal(signal.SIGQUIT)
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"run {run}: the cold shutdown did not end in 30 s\n"
+                                     f"{app.log(name)[-3000:]}") from None
+            finally:
+                app.kill(name)
+    finally:
+        app.close()

@@ -100,10 +100,11 @@ class TaskApp:
     def task(self, name: str) -> Any:
         return self.app.tasks[f"{self.module}.{name}"]
 
-    def worker(self, name: str, concurrency: int = 1) -> subprocess.Popen[bytes]:
+    def worker(self, name: str, concurrency: int = 1, *args: str) -> subprocess.Popen[bytes]:
         log = open(self.tmp_path / f"{name}.log", "wb")
         proc = subprocess.Popen([CELERY, "-A", self.module, "worker", "-c", str(concurrency), "-n", f"{name}@%h",
-                                 "--loglevel=INFO", "--without-mingle", "--without-gossip", "--without-heartbeat"],
+                                 "--loglevel=INFO", "--without-mingle", "--without-gossip", "--without-heartbeat",
+                                 *args],
                                 cwd=self.tmp_path, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         log.close()

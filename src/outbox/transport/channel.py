@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -63,6 +64,15 @@ from .options import SCHEME
 from .tables.base import DEFAULT_QUEUE_TABLE, MessageRow, QueueTables
 
 log = logging.getLogger("outbox.transport")
+
+
+def _stop_deferred_pools() -> None:
+    """Run the pool stops Celery's cold shutdown asked for inside its signal handler, which the
+    worker's pool (``outbox.transport.prefork``, loaded only there) left to the main thread
+    while it is outside the transport's locks (docs/transport.md, "A cold shutdown ends")."""
+    prefork = sys.modules.get("outbox.transport.prefork")
+    if prefork is not None and prefork.deferred:
+        prefork.stop_deferred_pools()
 
 #: (process, database URL, table, remote-control queue) -> when this process began consuming
 #: it. Kept across a close that follows the loss of the database, so the channel Celery
@@ -688,6 +698,13 @@ class Transport(virtual.Transport):
         can. The schedule outlives the call: Celery calls this every 2 s with a timeout,
         and a call that starts mid-wait finishes that wait instead of polling at once.
         ``socket.timeout`` once ``timeout`` has passed."""
+        _stop_deferred_pools()
+        try:
+            self._drain_events(timeout)
+        finally:
+            _stop_deferred_pools()
+
+    def _drain_events(self, timeout: float | None) -> None:
         started = time.monotonic()
         while True:
             now = time.monotonic()

@@ -204,10 +204,54 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
         self._poll_result = _poll_result
 
 
+#: Pools whose stop Celery asked for inside a signal handler, for the main thread to run once
+#: it is out of the transport (``stop_deferred_pools``).
+deferred: list[TaskPool] = []
+
+
+def _in_signal_handler() -> bool:
+    from celery.utils import log as celery_log
+
+    return bool(getattr(celery_log, "_in_sighandler", False))  # set by Celery's shutdown handlers
+
+
+def stop_deferred_pools() -> None:
+    """The stops ``TaskPool.on_stop`` left to the main thread, run by the transport as the main
+    thread enters or leaves its ``drain_events``: holding none of the transport's locks."""
+    if threading.current_thread() is not threading.main_thread() or _in_signal_handler():
+        return
+    while deferred:
+        deferred.pop().finish_deferred_stop()
+
+
 class TaskPool(PreforkPool):
-    """Celery's prefork pool; with a broker that is not evented Celery runs ``BlockingPool``."""
+    """Celery's prefork pool; with a broker that is not evented Celery runs ``BlockingPool``.
+    A stop asked for inside a signal handler (Celery's cold shutdown) is deferred to the main
+    thread's next step out of the transport (docs/transport.md, "A cold shutdown ends")."""
 
     BlockingPool = Pool
+    _stop_deferred = False
+
+    def on_stop(self) -> None:
+        if _in_signal_handler() and self._pool is not None:
+            # The handler interrupted the main thread, maybe inside a statement on the broker's
+            # connection; the pool's result handler waits for that connection to ack a result,
+            # and joining it here waited for good.
+            if not self._stop_deferred:
+                self._stop_deferred = True
+                deferred.append(self)
+            return
+        self._stop_deferred = False
+        super().on_stop()
+
+    def finish_deferred_stop(self) -> None:
+        if self._stop_deferred:
+            self._stop_deferred = False
+            super().on_stop()
+
+    def on_terminate(self) -> None:
+        self.finish_deferred_stop()  # the graceful stop asked for first, as Celery would have run it
+        super().on_terminate()
 
 
 def robust_prefork(pool_cls: Any, use_eventloop: bool) -> Any:
