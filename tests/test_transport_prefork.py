@@ -208,3 +208,26 @@ def test_a_pool_process_killed_while_reading_a_large_task_leaves_the_task_pipe_i
         assert 0 < taken < size / 2, taken  # killed part-way through the task
         assert _exit_code_of_child(reader)
         assert pool.apply_async(len, (b"x" * 5000,)).get(timeout=10) == 5000
+
+
+def test_a_process_forked_after_the_stop_sentinels_does_not_hold_up_the_join() -> None:
+    """billiard's task handler, as the pool closes, sends one stop sentinel per pool process it
+    sees; a process forked after that (the autoscaler growing the pool, or the supervisor
+    replacing one, while the pool closes) got none, waited for a task for good, and the pool's
+    join (a warm or cold shutdown) waited for it: 1 cold stop in 8 with ``--autoscale`` hung so.
+    Forced here: the pool closed, its sentinels sent, then one more process forked."""
+    pool = Pool(processes=2)
+    pool.close()
+    pool._task_handler.join(10)
+    assert not pool._task_handler.is_alive()  # its sentinels are sent
+    pool._processes += 1
+    late = pool._create_worker_process(pool._avail_index())
+    join = threading.Thread(target=pool.join, daemon=True)
+    join.start()
+    join.join(timeout=15)
+    if join.is_alive():
+        for process in pool._pool:
+            with contextlib.suppress(OSError):
+                os.kill(process.pid, signal.SIGKILL)
+        raise AssertionError(f"the pool's join waited for a process forked after its sentinels ({_wchan(late.pid)})")
+    pool.terminate()

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from billiard.connection import Connection, wait
+from billiard.pool import stop_if_not_current
 from billiard.queues import SimpleQueue
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
@@ -202,6 +203,22 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
             return (True, reader.recv()) if reader.poll(timeout) else (False, None)
 
         self._poll_result = _poll_result
+
+    def join(self) -> None:
+        """billiard's join, after one stop sentinel more for each pool process still waiting for
+        a task once the task handler has sent its own: it sends one per process it sees, and one
+        forked after that (the autoscaler growing the pool, the supervisor replacing one, while
+        the pool closes) got none and waited for good, and the join with it (docs/transport.md,
+        "A cold shutdown ends"). A sentinel goes only into an empty task pipe: one at a time,
+        never more than the pipe holds."""
+        stop_if_not_current(self._worker_handler)  # no process forked after this
+        self._stop_task_handler(self._task_handler)  # its sentinels are in the pipe
+        tasks = self._inqueue._reader.fileno()
+        while any(process.is_alive() for process in self._pool):
+            if not select.select([tasks], [], [], 0)[0]:  # nothing left for them to read
+                self._quick_put(None)
+            time.sleep(0.05)
+        super().join()
 
 
 #: Pools whose stop Celery asked for inside a signal handler, for the main thread to run once
