@@ -167,12 +167,15 @@ def test_a_killed_connection_is_a_disconnect_on_either_driver_and_the_store_reco
     instead of reconnecting and retrying. Both drivers' errors are now told by their codes."""
     import pymysql
 
+    def kill(conn: Any) -> None:
+        killer = pymysql.connect(**mysql_kwargs(url), autocommit=True)
+        try:
+            killer.cursor().execute(f"KILL {int(conn.thread_id())}")
+        finally:
+            killer.close()
+
     conn = store.connection()
-    killer = pymysql.connect(**mysql_kwargs(url), autocommit=True)
-    try:
-        killer.cursor().execute(f"KILL {int(conn.thread_id())}")
-    finally:
-        killer.close()
+    kill(conn)
     cursor = store.engine.cursor_for(conn)
     with pytest.raises(Exception) as raised:
         cursor.execute("SELECT 1")
@@ -180,11 +183,7 @@ def test_a_killed_connection_is_a_disconnect_on_either_driver_and_the_store_reco
     assert store.engine.is_transient(raised.value), raised.value
     store.close()
     conn = store.connection()
-    killer = pymysql.connect(**mysql_kwargs(url), autocommit=True)
-    try:
-        killer.cursor().execute(f"KILL {int(conn.thread_id())}")
-    finally:
-        killer.close()
+    kill(conn)
     assert store.stats().counts["pending"] == 0  # dropped and connected again, within the retries
     assert store.connection() is not conn
 

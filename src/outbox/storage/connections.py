@@ -124,10 +124,7 @@ class Connections:
                     self.drop()
             raise
         finally:
-            try:
-                cursor.close()
-            except Exception:
-                log.debug("outbox: error closing a cursor", exc_info=True)
+            _close(cursor)
 
     @contextmanager
     def outside_transaction(self) -> Iterator[Any]:
@@ -146,10 +143,7 @@ class Connections:
                     self.drop()
                 raise
             finally:
-                try:
-                    cursor.close()
-                except Exception:
-                    log.debug("outbox: error closing a cursor", exc_info=True)
+                _close(cursor)
 
     def retryable(self, exc: BaseException, *, ddl: bool = False) -> bool:
         """Worth running the work again: a transient error, a dropped connection; for a
@@ -175,6 +169,13 @@ class Connections:
             with attempt, self.transaction(alone=alone, ddl=ddl) as cursor:
                 return work(cursor)
         raise AssertionError("unreachable: tenacity re-raises the last error")
+
+
+def _close(cursor: Any) -> None:
+    try:
+        cursor.close()
+    except Exception:
+        log.debug("outbox: error closing a cursor", exc_info=True)
 
 
 class CallerTransactions(Connections):
