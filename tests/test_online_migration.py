@@ -299,3 +299,31 @@ def test_a_build_behind_an_open_transaction_gives_up_at_its_bound_and_the_next_r
     assert store.migrate() == 1
     assert index(store, store.engine.index_name("claim_ready"))[:2] == (NEW, True)  # type: ignore[index]
     assert index(store, build_name(store)) is None
+
+
+def test_a_build_longer_than_the_roles_statement_timeout_completes(store: OutboxStore) -> None:
+    """A role whose ``statement_timeout`` is set on the server (``ALTER ROLE ... SET``, a common
+    guard on an application's login) cancelled every ``CREATE INDEX CONCURRENTLY`` that ran
+    longer (here a build over 300,000 rows under a role's 100 ms): each run failed alike and
+    left its build INVALID (maintained by every write), so "run it again, it repairs the build"
+    never came true. The builds hold no writer back: they run without the statement bound (the
+    role's is put back after), their lock waits bounded. No transaction is held open here: a
+    build waits for every older one in the database, other tests' builds too."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    as_earlier_release(store, rows=300_000)
+    role = f"outbox_st_{uuid.uuid4().hex[:8]}"
+    sql(store, f'CREATE ROLE "{role}" LOGIN SUPERUSER')
+    sql(store, f"ALTER ROLE \"{role}\" SET statement_timeout = '100ms'")
+    parts = urlsplit(store.url)
+    mine = OutboxStore(urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}")),
+                       table=store.engine.table_name)
+    try:
+        assert mine.migrate() == 1
+        with mine.transaction() as cursor:
+            assert mine.engine.execute(cursor, "SELECT current_setting('statement_timeout')").fetchone()[0] == "100ms"
+    finally:
+        mine.close()
+        sql(store, f'DROP ROLE "{role}"')
+    assert index(store, store.engine.index_name("claim_ready"))[:2] == (NEW, True)  # type: ignore[index]
+    assert index(store, build_name(store)) is None

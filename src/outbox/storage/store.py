@@ -89,13 +89,14 @@ def apply_online_migration(engine: Engine, cursor: Any, indexes: list[list[Any]]
     no row. Returns how many indexes it built (docs/internals.md, "Index builds that hold no
     writer back")."""
     built = 0
-    for steps in indexes:
-        ran = False
-        for (probe, params), step in steps:
-            if engine.execute(cursor, probe, params).fetchone() is None:
-                engine.execute(cursor, step)
-                ran = True
-        built += ran
+    with engine.online_build_bounds(cursor):
+        for steps in indexes:
+            ran = False
+            for (probe, params), step in steps:
+                if engine.execute(cursor, probe, params).fetchone() is None:
+                    engine.execute(cursor, step)
+                    ran = True
+            built += ran
     return built
 
 

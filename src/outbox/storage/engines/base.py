@@ -604,6 +604,12 @@ class Engine(ABC):
     def unlock_online_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: only online_migration's engines
         """Release what ``lock_online_migration`` took."""
 
+    @contextmanager
+    def online_build_bounds(self, cursor: Any) -> Iterator[None]:
+        """The session's settings for ``online_migration``'s second part, put back after it
+        (``apply_online_migration``). Here: unchanged."""
+        yield
+
     def migration_script(self, native_json: bool = False) -> list[str] | None:
         """``migration()`` as SQL text that needs no connection (Alembic's offline mode,
         ``alembic upgrade --sql``): every step guarding itself, so the script does what

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -483,6 +483,24 @@ class PostgresEngine(Engine):
     def unlock_online_migration(self, cursor: Any) -> None:
         self.execute(cursor, "SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before'), false), "
                              "pg_advisory_unlock(hashtext(?))", [self.migration_lock_resource()]).fetchall()
+
+    @contextmanager
+    def online_build_bounds(self, cursor: Any) -> Iterator[None]:
+        # docs/internals.md, "Index builds that hold no writer back": a CREATE INDEX CONCURRENTLY
+        # takes as long as the table's size (and the waits for the transactions open on it), and
+        # holds no writer back meanwhile; a statement_timeout of the login (ALTER ROLE ... SET,
+        # found in review) cancelled every build longer than it, each run alike, leaving its
+        # build INVALID. The builds run without it, their lock waits still bounded (lock_timeout).
+        self.execute(cursor, "SELECT set_config('outbox.statement_timeout_before', current_setting('statement_timeout'), "
+                             "false), set_config('statement_timeout', '0', false)").fetchall()
+        restore = ("SELECT set_config('statement_timeout', current_setting('outbox.statement_timeout_before'), false)")
+        try:
+            yield
+        except BaseException:
+            with suppress(Exception):  # the connection may be gone: the original error tells why
+                self.execute(cursor, restore).fetchall()
+            raise
+        self.execute(cursor, restore).fetchall()
 
     # Nothing to put back on an autocommit connection: there the bound lasted one statement.
     _UNLOCK = ("SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before', true), true) "
