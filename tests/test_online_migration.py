@@ -223,6 +223,29 @@ def test_an_invalid_claim_ready_is_built_again(store: OutboxStore) -> None:
     assert store.migrate() == 0
 
 
+def test_outbox_check_fails_on_an_invalid_claim_ready_until_migrate_repairs_it(store: OutboxStore) -> None:
+    """`outbox check` read the index names from pg_indexes, which lists INVALID ones too: it
+    said ok over a claim_ready an interrupted online build left INVALID, which no claim uses
+    (found in review, 7 December). It fails naming the index, and passes once `outbox migrate`
+    built it again."""
+    from outbox.commands.doctor import OK, check_database
+    from outbox.core.config import load_settings
+
+    settings = load_settings(environ={"OUTBOX_DATABASE_URL": store.url, "OUTBOX_TABLE": store.engine.table_name})
+    name = store.engine.index_name("claim_ready")
+    sql(store, f'DROP INDEX "{name}"')
+    invalid_index(store, name)
+
+    def indexes() -> tuple[str, str]:
+        (result,) = [r for r in check_database(settings) if r.name == "indexes"]
+        return result.state, result.detail
+
+    state, detail = indexes()
+    assert state == "FAIL" and name in detail and "outbox migrate" in detail, detail
+    assert store.migrate() == 1
+    assert indexes()[0] == OK
+
+
 def test_a_run_interrupted_between_the_drop_and_the_rename_keeps_its_build(store: OutboxStore) -> None:
     """Interrupted after the old index's drop: the build, valid, is renamed, not built again."""
     as_earlier_release(store)
