@@ -250,6 +250,47 @@ def test_a_process_forked_from_one_with_a_fork_server_starts_children_of_its_own
     assert "no child process" not in done.stderr, done.stderr[-3000:]
 
 
+IN_A_CELERY_POOL_PROCESS = """
+import sys
+import billiard
+from outbox.core.config import Settings
+from outbox.publisher.apart import ApartPublisher
+from outbox.publisher.select import publisher_for
+from publisher_support import make_message
+
+def pool_process(url, exchange, dead):
+    settings = Settings(publish_url=url, exchange=exchange, dead_letter_exchange=dead)
+    apart = ApartPublisher(settings, 60.0, publisher_for(settings))
+    failure = apart.publish_dead(make_message(33, payload='{"KILLER": true}'), "lease_expired: no attempts left")
+    print("killer:", failure and failure.reason, flush=True)
+    print("innocent:", apart.publish_dead(make_message(34), "lease_expired: no attempts left"), flush=True)
+
+if __name__ == "__main__":
+    process = billiard.Process(target=pool_process, args=tuple(sys.argv[1:4]), daemon=True)  # as Celery's pool makes them
+    process.start()
+    process.join()
+    print("pool process:", process.exitcode, flush=True)
+"""
+
+
+def test_a_celery_pool_process_publishes_apart(broker: dict[str, Any], tmp_path: Path) -> None:
+    """Found in review: a Celery pool process (billiard's, daemonic, which billiard makes
+    multiprocessing's current process) could start no child ("daemonic processes are not
+    allowed to have children", then billiard's key refused to be pickled), so a claim or
+    ``outbox.fail`` task there sent every dead-letter copy itself: the killer's copy killed
+    the pool process (-9) and the innocent copy behind it was never sent. Now its children
+    start (tests/test_recovery_e2e.py has the worker)."""
+    script = tmp_path / "pool_process.py"
+    script.write_text(IN_A_CELERY_POOL_PROCESS)
+    done = subprocess.run([sys.executable, str(script), AMQP_URL, broker["exchange"], broker["dead"]],
+                          env=_with_support(), capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == [
+        "killer: the child process publishing it died (signal SIGKILL)", "innocent: None", "pool process: 0"], (
+        done.stdout, done.stderr[-3000:])  # before: "pool process: -9" and nothing else
+    assert "no child process" not in done.stderr, done.stderr[-3000:]
+    assert [m.headers["outbox_id"] for m in broker["dead_letters"]()] == [34]
+
+
 FAIL_TASK = """
 import json, logging, sys
 from types import SimpleNamespace

@@ -444,3 +444,38 @@ def test_a_row_gone_dead_on_its_lease_is_dead_lettered_apart(tmp_path: Path, dea
         assert "SIGKILL" not in log.replace("child process publishing it died (signal SIGKILL)", ""), log[-3000:]
     check_order(destination.arrivals(), {"k": behind[:1], "d": behind[1:], **{f"o-{i}": [o] for i, o in
                                                                             enumerate(others)}})
+
+
+def test_a_celery_pool_process_claim_dead_letters_apart(tmp_path: Path, dead_letter_destination: Destination,
+                                                        sqlite_outbox: Outbox, procs_factory: Any) -> None:
+    """Found in review: a claim run by a Celery pool process (beat's tick, or any claim with
+    the in-process claim off) could start no child: billiard makes its daemonic pool process
+    multiprocessing's current one, and multiprocessing refuses a daemonic process children
+    ("daemonic processes are not allowed to have children"), so every dead row's copy went
+    out of the pool process itself, a WARNING each: the killer's copy SIGKILLed the pool
+    process and the innocent row's copy, behind it, was never sent. Now the pool process
+    starts its children too: the killer dies alone, the innocent copy arrives."""
+    from runners import RUNNERS
+
+    destination, outbox = dead_letter_destination, sqlite_outbox
+    install_killer(tmp_path)
+    with outbox.writer() as conn:
+        killer = outbox.add(conn, "k", 0, payload={"KILLER": True, "n": 0})
+        innocent = outbox.add(conn, "d", 0)
+        conn.execute(f"UPDATE {outbox.table} SET status = 1, attempts = 2, lease_token = 'lost', "
+                     f"claimed_at = '2000-01-01 00:00:00.000' WHERE id IN (?, ?)", (killer, innocent))
+        conn.commit()
+    runner = RUNNERS["celery"]
+    procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_CLAIM_INTERVAL_S="0.3",
+                                    OUTBOX_MAX_ATTEMPTS="3", OUTBOX_RELAY_IN_PROCESS_CLAIM="0",
+                                    OUTBOX_DEAD_LETTER_EXCHANGE=destination.dead_exchange_name or ""), runner)
+    procs.worker("w1")
+    procs.beat()
+    assert destination.wait_for(lambda: bool(destination.dead), timeout=40, procs=procs), (
+        outbox.rows(), procs.log("w1")[-3000:])
+    assert [m.headers["outbox_id"] for m in destination.dead] == [innocent]
+    rows = outbox.rows()
+    assert (rows[killer]["status"], rows[innocent]["status"]) == (Status.DEAD, Status.DEAD), rows
+    log = procs.log("w1")
+    assert "ForkPoolWorker" in log and "child process publishing it died (signal SIGKILL)" in log, log[-3000:]
+    assert "no child process" not in log and "WorkerLostError" not in log, log[-3000:]

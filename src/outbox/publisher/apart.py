@@ -13,12 +13,12 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from multiprocessing.process import AuthenticationString, BaseProcess  # type: ignore[attr-defined]
 from typing import Any
 
 from ..core.config import Settings
@@ -199,11 +199,38 @@ def _masked(start: Callable[[], object]) -> None:
 
 
 def _start(child: BaseProcess) -> None:
-    """Start ``child`` with the stop signals blocked (``_STOP_SIGNALS``)."""
+    """Start ``child`` with the stop signals blocked (``_STOP_SIGNALS``), from a daemonic
+    process too (``_as_parent``)."""
     try:
-        _masked(child.start)
+        with _as_parent(child):
+            _masked(child.start)
     except Exception as exc:
         raise ChildUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+@contextmanager
+def _as_parent(child: BaseProcess) -> Iterator[None]:
+    """This process, while it starts ``child``, neither daemonic nor holding (nor handing
+    ``child``) an authentication key of another library's type. A Celery pool process is a
+    daemonic billiard process, which billiard makes multiprocessing's current process:
+    multiprocessing refuses a daemonic process children ("daemonic processes are not allowed
+    to have children"), and billiard's key, which the child's start hands over, refuses to
+    be pickled by multiprocessing, so a claim or ``outbox.fail`` task there published every
+    dead-letter copy itself, and a copy that killed its publisher killed the pool process and
+    the copies behind it (found in review). The flag keeps a daemonic process from leaving
+    orphans behind; these children do not outlive their call (answered, or killed). The key
+    keeps its value."""
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    child.authkey = bytes(child.authkey)  # copied from this process's when made: the same value
+    was = {name: config[name] for name in ("daemon", "authkey") if name in config}
+    if was.get("daemon"):
+        config["daemon"] = False
+    if "authkey" in was and type(was["authkey"]) is not AuthenticationString:
+        config["authkey"] = AuthenticationString(was["authkey"])
+    try:
+        yield
+    finally:
+        config.update(was)
 
 
 def start_server() -> None:
