@@ -79,7 +79,8 @@ def broker() -> Iterator[dict[str, Any]]:
 #: production: a ``publish_chains`` of an event whose payload says "KILLER" SIGKILLs the
 #: process publishing it (a crash in a native library, memory exhausted), one that says "HANG"
 #: never returns, one that says "SLOW" takes 2 s. Its dead-letter copy (``publish_dead``, when
-#: there is a dead-letter exchange to send it to) kills the same way: the same body goes out.
+#: there is a dead-letter exchange to send it to) kills the same way: the same body goes out;
+#: the copy of one that says "STALLCOPY" never returns (a dead-letter broker that hangs).
 #: A publisher for an exchange whose name says "REFUSED" cannot be made: it raises a connection
 #: error naming its URL, as a client that connects when it is made does. A fork server started
 #: with OUTBOX_TEST_SLOW_FORKSERVER_S set serves its first child that many seconds late (a
@@ -107,6 +108,8 @@ _publish_dead = _kp.KombuPublisher.publish_dead
 def _killing_dead(self, message, error, **kw):
     if self.dead_letter_exchange is not None and "KILLER" in message.payload:
         os.kill(os.getpid(), signal.SIGKILL)
+    if self.dead_letter_exchange is not None and "STALLCOPY" in message.payload:
+        time.sleep(3600)
     return _publish_dead(self, message, error, **kw)
 _kp.KombuPublisher.publish_dead = _killing_dead
 import multiprocessing.forkserver as _fs

@@ -479,3 +479,38 @@ def test_a_celery_pool_process_claim_dead_letters_apart(tmp_path: Path, dead_let
     log = procs.log("w1")
     assert "ForkPoolWorker" in log and "child process publishing it died (signal SIGKILL)" in log, log[-3000:]
     assert "no child process" not in log and "WorkerLostError" not in log, log[-3000:]
+
+
+def test_a_claims_dead_letter_copies_end_by_its_deadline(tmp_path: Path, dead_letter_destination: Destination,
+                                                          sqlite_outbox: Outbox, runner: Any,
+                                                          procs_factory: Any) -> None:
+    """Found in review: each dead-letter copy of a claim's dead rows was given a child of its
+    own and the whole wait (the time left to the claim's deadline when the first started), so
+    a dead-letter broker that hangs held the claim that wait once per row, N times it: past
+    its time limit (the lease, 10 s here), where Dramatiq raised TimeLimitExceeded in it and
+    Celery's hard limit SIGKILLed its pool process, the copies not yet tried never tried or
+    logged. The copies now share the claim's deadline: once it has passed, the rest are not
+    sent, each logged, and the claim ends in time."""
+    destination, outbox = dead_letter_destination, sqlite_outbox
+    install_killer(tmp_path)
+    with outbox.writer() as conn:
+        stalled = [outbox.add(conn, f"s-{i}", 0, payload={"STALLCOPY": True, "n": i}) for i in range(4)]
+        conn.execute(f"UPDATE {outbox.table} SET status = 1, attempts = 2, lease_token = 'lost', "
+                     f"claimed_at = '2000-01-01 00:00:00.000' WHERE id IN ({', '.join(map(str, stalled))})")
+        conn.commit()
+    procs = procs_factory(relay_env(tmp_path, destination, outbox, runner, OUTBOX_CLAIM_INTERVAL_S="0.3",
+                                    OUTBOX_MAX_ATTEMPTS="3", OUTBOX_CLAIM_TIMEOUT_MS="10000",
+                                    OUTBOX_RELAY_IN_PROCESS_CLAIM="0",
+                                    OUTBOX_DEAD_LETTER_EXCHANGE=destination.dead_exchange_name or ""), runner)
+    procs.worker("w1")
+    procs.beat()
+    assert wait_until(lambda: set(outbox.statuses().values()) == {Status.DEAD}, timeout=40), outbox.rows()
+    # Every copy accounted for within the claim's deadline (8 s) and a little: before, one
+    # every 8 s at most, and the time limit cut the claim after the first.
+    assert wait_until(lambda: procs.log("w1").count("dead-letter publish failed") >= len(stalled), timeout=15), (
+        procs.log("w1")[-3000:])
+    log = procs.log("w1")
+    assert "not sent" in log, log[-3000:]
+    assert "TimeLimitExceeded" not in log and "Hard time limit" not in log and "WorkerLostError" not in log, (
+        log[-3000:])
+    assert not destination.dead

@@ -56,6 +56,10 @@ _POLL_S = 0.2
 #: child's start leaves it no chance to answer (``Relay.apart_publisher`` uses the same floor).
 MIN_WAIT_S = 1.0
 
+#: A dead-letter copy begun just before its publisher's ``copies_by`` is waited for this long
+#: at least: a fork server's child connects and answers within it on a healthy host.
+COPY_MIN_WAIT_S = 0.25
+
 #: The child's own deadline comes this much before the parent's (a quarter of the parent's
 #: wait when that is short), both counted from before the child's start: room for its answer
 #: and the pipe, so that a broker that hangs is answered by the child (BACKPRESSURE, no attempt
@@ -78,10 +82,15 @@ class ApartPublisher(Publisher):
     publisher), with one WARNING: a fault of this host must not spend the rows' attempts, and
     publishing here is what the worker did before it published rows apart."""
 
-    def __init__(self, settings: Settings, timeout_s: float, fallback: Publisher, **options: Any) -> None:
+    def __init__(self, settings: Settings, timeout_s: float, fallback: Publisher, *,
+                 copies_by: float | None = None, **options: Any) -> None:
+        """``copies_by`` (monotonic): the dead-letter copies (``publish_dead``) of this
+        publisher share it, waited for until then and not sent once it has passed (a
+        claim's copies, its deadline: docs/relay.md, "An event that kills its worker")."""
         self.settings = settings
         self.timeout_s = timeout_s
         self.fallback = fallback
+        self.copies_by = copies_by
         self.options = options
 
     def publish_chains(self, chains: Sequence[Sequence[OutboxMessage]], *,
@@ -111,8 +120,17 @@ class ApartPublisher(Publisher):
 
     def publish_dead(self, message: OutboxMessage, error: str, *,
                      headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
+        """The copy from a child, waited for ``timeout_s``, and not past ``copies_by`` (by
+        ``COPY_MIN_WAIT_S`` at most); none is started once ``copies_by`` has passed."""
+        wait = self.timeout_s
+        if self.copies_by is not None:
+            left = self.copies_by - time.monotonic()
+            if left <= 0:
+                return PublishFailure(FailureKind.RETRIABLE, "not sent: the dead-letter copies' time ran out "
+                                      "(the claim's deadline; the row stays dead in the table)")
+            wait = min(wait, max(left, COPY_MIN_WAIT_S))
         try:
-            answered, answer = self._run(("dead", message, error, dict(headers or {})))
+            answered, answer = self._run(("dead", message, error, dict(headers or {})), wait)
         except ChildUnavailable as exc:
             _here(exc)
             return self.fallback.publish_dead(message, error, headers=headers)

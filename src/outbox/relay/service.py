@@ -87,7 +87,7 @@ class Relay:
         r, s = self.resources(), self.shared()
         return RelayContext(r.store, r.publisher, self.options, r.settler, s.breaker, s.routes,
                             s.outage("destination broker"), r.sizer, self.stopping, hooks=self.hooks,
-                            publish_budget_s=self.safe_lease_s, apart=self.apart_publisher)
+                            publish_budget_s=self.safe_lease_s, apart=self.claim_copies_publisher)
 
     def breaker(self) -> Breaker:
         return self.shared().breaker
@@ -232,6 +232,15 @@ class Relay:
         fallback = self.resources().publisher
         assert fallback is not None  # a relay that publishes has a publisher
         return ApartPublisher(self.settings, wait, fallback, max_message_bytes=self.options.max_message_bytes)
+
+    def claim_copies_publisher(self, deadline: float | None) -> ApartPublisher:
+        """``apart_publisher(deadline)`` for a claim's dead-letter copies, which share its wait:
+        each copy had it whole, so a dead-letter broker that hangs held the claim that long
+        once per dead row, past its time limit (found in review). Once it has passed, the
+        copies left are not sent, each logged; the rows stay dead in the table."""
+        apart = self.apart_publisher(deadline)
+        apart.copies_by = time.monotonic() + apart.timeout_s
+        return apart
 
     def settle(self, operation: str, **kwargs: Any) -> Any:
         """An ack, fail or release task: the store write a publish could not make
