@@ -505,3 +505,29 @@ def test_a_suspects_lease_is_renewed_once_the_fork_server_runs(tmp_path: Path,
         assert order == ["check", "server", "renew"]
     finally:
         relay.close()
+
+
+def test_a_claims_dead_letter_copies_go_from_one_child_and_one_that_kills_it_fails_alone(
+        broker: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim's dead-letter copies each had a child of their own, 0.2 s each on a loaded host:
+    with 100 rows dead on their leases in one claim, 3 to 11 copies were left unsent when the
+    claim's deadline came (found in review, 7 December). One child sends them all, answering
+    each as it goes: a copy that kills it fails alone, and a new child sends the rest."""
+    from outbox.publisher import apart as module
+
+    started: list[int] = []
+    process = module._CONTEXT.Process
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        started.append(1)
+        return process(*args, **kwargs)
+
+    monkeypatch.setattr(module._CONTEXT, "Process", counted)
+    copies: list[Any] = [(make_message(60 + n, attempts=3), "lease_expired: no attempts left", None) for n in range(20)]
+    copies.insert(7, (make_message(90, payload='{"KILLER": true}', attempts=3), "lease_expired: no attempts left", None))
+    results = apart(broker).publish_dead_all(copies)
+    assert len(started) == 2, f"{len(started)} children for 21 copies, one of which kills its child"
+    assert [n for n, failure in enumerate(results) if failure is not None] == [7]
+    assert results[7] is not None and "died (signal SIGKILL)" in results[7].reason
+    arrived = sorted(copy.headers["outbox_id"] for copy in broker["dead_letters"]())
+    assert arrived == [60 + n for n in range(20)]

@@ -14,6 +14,7 @@ from .contract import (
                        RESERVED_HEADERS,
                        UNROUTABLE_POLICIES,
                        ChainResult,
+                       DeadCopy,
                        FailureKind,
                        Overtaken,
                        Pipelined,
@@ -27,7 +28,7 @@ from .message import build_headers, checked_headers, encode_body, iso_utc, poiso
 
 __all__ = [
     "Publisher", "KombuPublisher", "ChainResult", "PublishFailure", "FailureKind", "Overtaken",
-    "Pipelined",
+    "Pipelined", "DeadCopy",
     "classify", "failure_from", "poison_check", "checked_headers", "build_headers", "encode_body", "iso_utc",
     "refused_by_route", "RESERVED_HEADERS", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "MAX_SHORTSTR_BYTES",
     "MAX_ERROR_HEADER_CHARS", "UNROUTABLE_POLICIES", "OVERTAKEN_BY_HEADER", "OVERTAKEN_COUNT_HEADER",

@@ -24,7 +24,7 @@ from typing import Any
 from ..core.config import Settings
 from ..core.model import FailureKind, OutboxMessage
 from ..core.redact import install_filter, redact
-from .contract import ChainResult, Pipelined, Publisher, PublishFailure
+from .contract import ChainResult, DeadCopy, Pipelined, Publisher, PublishFailure
 from .select import publisher_for
 
 log = logging.getLogger("outbox.publisher")
@@ -107,46 +107,62 @@ class ApartPublisher(Publisher):
         if deadline is not None:
             wait = min(wait, max(MIN_WAIT_S, deadline - since))
         try:
-            answered, answer = self._run(("chains", batch, ids, since + wait - min(CHILD_MARGIN_S, wait / 4)),
-                                         wait, since)
+            answers, why = self._run(("chains", batch, ids, since + wait - min(CHILD_MARGIN_S, wait / 4)),
+                                     wait, since)
         except ChildUnavailable as exc:
             _here(exc)
             return list(self.fallback.publish_chains(batch, pipelined=pipelined, deadline=deadline))
-        if answered:
-            results: list[ChainResult] = answer
+        if answers and not answers[0][0]:
+            results: list[ChainResult] = answers[0][1]
             return results
-        failure = PublishFailure(FailureKind.RETRIABLE, answer)
+        failure = PublishFailure(FailureKind.RETRIABLE, answers[0][1] if answers else str(why))
         return [ChainResult(failed_id=chain[0].id, failure=failure) for chain in batch if chain]
 
     def publish_dead(self, message: OutboxMessage, error: str, *,
                      headers: Mapping[str, Any] | None = None) -> PublishFailure | None:
-        """The copy from a child, waited for ``timeout_s``, and not past ``copies_by`` (by
-        ``COPY_MIN_WAIT_S`` at most); none is started once ``copies_by`` has passed."""
-        wait = self.timeout_s
-        if self.copies_by is not None:
-            left = self.copies_by - time.monotonic()
-            if left <= 0:
-                return PublishFailure(FailureKind.RETRIABLE, "not sent: the dead-letter copies' time ran out "
-                                      "(the claim's deadline; the row stays dead in the table)")
-            wait = min(wait, max(left, COPY_MIN_WAIT_S))
-        try:
-            answered, answer = self._run(("dead", message, error, dict(headers or {})), wait)
-        except ChildUnavailable as exc:
-            _here(exc)
-            return self.fallback.publish_dead(message, error, headers=headers)
-        if answered:
-            failure: PublishFailure | None = answer
-            return failure
-        return PublishFailure(FailureKind.RETRIABLE, answer)
+        return self.publish_dead_all([(message, error, headers)])[0]
+
+    def publish_dead_all(self, copies: Sequence[DeadCopy]) -> list[PublishFailure | None]:
+        """The copies from one child, which answers each as it is sent: a copy that kills it
+        fails alone (``died``) and those after it go to a new child, so a claim's copies cost
+        one child, not one each (0.2 s a copy on a loaded host ran a claim's copies past its
+        deadline: found in review). Each child is waited for ``timeout_s``, and not past
+        ``copies_by`` (by ``COPY_MIN_WAIT_S`` at most); none is started once it has passed."""
+        results: list[PublishFailure | None] = []
+        while len(results) < len(copies):
+            rest = [(message, error, dict(headers or {})) for message, error, headers in copies[len(results):]]
+            wait = self.timeout_s
+            if self.copies_by is not None:
+                left = self.copies_by - time.monotonic()
+                if left <= 0:
+                    results += [PublishFailure(FailureKind.RETRIABLE, "not sent: the dead-letter copies' time ran "
+                                               "out (the claim's deadline; the row stays dead in the table)")] * len(rest)
+                    break
+                wait = min(wait, max(left, COPY_MIN_WAIT_S))
+            try:
+                answers, why = self._run(("dead", rest), wait, count=len(rest))
+            except ChildUnavailable as exc:
+                _here(exc)
+                return results + self.fallback.publish_dead_all(copies[len(results):])
+            for raised, value in answers:
+                if raised:  # no publisher to send any of them: each copy left fails so
+                    return results + [PublishFailure(FailureKind.RETRIABLE, value)] * (len(copies) - len(results))
+                results.append(value)
+            if why is not None:  # the copy it was sending, if any, failed with it; the rest go on
+                results.append(PublishFailure(FailureKind.RETRIABLE, why))
+        return results[:len(copies)]
 
     def close(self) -> None:
         """Nothing to close: each child closes its own connection before it exits."""
 
-    def _run(self, job: tuple[Any, ...], wait: float | None = None, since: float | None = None) -> tuple[bool, Any]:
-        """Start a child for ``job`` and wait for its answer ``wait`` seconds at most (default
-        ``timeout_s``) from ``since`` (monotonic; default now), its start included: (True, the
-        answer), or (False, why there is none). A slow start (the fork server's, a loaded
-        host) used to be added to the wait (docs/relay.md, "The publish's deadline")."""
+    def _run(self, job: tuple[Any, ...], wait: float | None = None, since: float | None = None,
+             count: int = 1) -> tuple[list[tuple[bool, Any]], str | None]:
+        """Start a child for ``job`` and wait for its answers, ``count`` of them (one per copy of
+        a dead-letter job, one otherwise), ``wait`` seconds at most (default ``timeout_s``)
+        from ``since`` (monotonic; default now), its start included: the (raised, value)
+        answers heard, and why there are fewer than ``count`` (None when all came, or the child
+        raised, which ends its answers). A slow start (the fork server's, a loaded host) used
+        to be added to the wait (docs/relay.md, "The publish's deadline")."""
         wait = self.timeout_s if wait is None else wait
         give_up = (time.monotonic() if since is None else since) + wait
         _preload()
@@ -154,7 +170,8 @@ class ApartPublisher(Publisher):
             receive, send = _CONTEXT.Pipe(duplex=False)
         except OSError as exc:
             raise ChildUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        heard = False  # an answer or EOF from the child
+        heard = False  # every answer, or EOF, from the child
+        answers: list[tuple[bool, Any]] = []
         child = _CONTEXT.Process(target=_publish_in_child, args=(send, self.settings, self.options, job),
                                  name="outbox-publish-apart", daemon=True)
         try:
@@ -163,20 +180,22 @@ class ApartPublisher(Publisher):
             if child.pid is not None:
                 _RUNNING.add(child.pid)
             send.close()  # the child's end: EOF here once the child is gone, the only sure sign of it
-            while not receive.poll(_POLL_S):
-                if time.monotonic() > give_up:
-                    return False, f"the child process publishing it did not answer within {wait:.0f} s"
+            while len(answers) < count and not (answers and answers[-1][0]):
+                while not receive.poll(_POLL_S):
+                    if time.monotonic() > give_up:
+                        return answers, f"the child process publishing it did not answer within {wait:.0f} s"
+                try:
+                    answers.append(receive.recv())
+                except EOFError:  # closed without a word: it died
+                    heard = True
+                    return answers, _died(child)
             heard = True
-            try:
-                raised, value = receive.recv()
-            except EOFError:  # closed without a word: it died
-                return False, _died(child)
-            return (False, value) if raised else (True, value)
+            return answers, None
         finally:
             if child.pid is not None:
                 _RUNNING.discard(child.pid)
                 if not heard:
-                    _kill(child.pid)  # neither an answer nor EOF: it runs, whatever its exit code says
+                    _kill(child.pid)  # neither its answers nor EOF: it runs, whatever its exit code says
                 child.join()
             send.close()
             receive.close()
@@ -339,27 +358,33 @@ def _publish_in_child(answer: Connection, settings: Settings, options: dict[str,
 
 
 def _answer(answer: Connection, settings: Settings, options: dict[str, Any], job: tuple[Any, ...]) -> None:
-    """Make the publisher, publish ``job`` and send the parent (raised, value), a failure's text masked."""
-    reply: tuple[bool, Any]
+    """Make the publisher, publish ``job`` and send the parent (raised, value), a failure's text
+    masked: one answer for chains, one per copy of a dead-letter job, as each is sent."""
     publisher: Publisher | None = None
     try:
         publisher = publisher_for(settings, size_warning=False, **options)  # the worker warned already
         if job[0] == "chains":
             _, chains, ids, deadline = job
             results = publisher.publish_chains(chains, pipelined=_among(ids) if ids else None, deadline=deadline)
-            reply = (False, [_portable(result) for result in results])
+            _send(answer, (False, [_portable(result) for result in results]))
         else:
-            _, message, error, headers = job
-            failure = publisher.publish_dead(message, error, headers=headers or None)
-            reply = (False, failure and replace(failure, exception=None))
+            for message, error, headers in job[1]:
+                try:
+                    failure = publisher.publish_dead(message, error, headers=headers or None)
+                except Exception as exc:  # noqa: BLE001 - this copy's failure; the next ones go on
+                    failure = PublishFailure(FailureKind.RETRIABLE, redact(f"{type(exc).__name__}: {exc}"))
+                _send(answer, (False, failure and replace(failure, exception=None)))
     except Exception as exc:  # noqa: BLE001 - told to the parent, which reports it as a failure of the chains
-        reply = (True, redact(f"{type(exc).__name__}: {exc}"))
+        _send(answer, (True, redact(f"{type(exc).__name__}: {exc}")))
     finally:
         if publisher is not None:
             publisher.close()
+    answer.close()
+
+
+def _send(answer: Connection, reply: tuple[bool, Any]) -> None:
     with suppress(OSError):  # the parent is gone (killed): nobody to tell
         answer.send(reply)
-    answer.close()
 
 
 def _among(ids: Collection[int]) -> Pipelined:

@@ -90,6 +90,10 @@ def overtaken_headers(overtaken: Overtaken) -> dict[str, Any]:
 #: A predicate over events: whether an event opted in to pipelining.
 Pipelined = Callable[[OutboxMessage], bool]
 
+#: A dead row's dead-letter copy to send: the row, the reason it went dead, the headers added
+#: to it (``Publisher.publish_dead``).
+DeadCopy = tuple[OutboxMessage, str, "Mapping[str, Any] | None"]
+
 
 @dataclass(frozen=True)
 class ChainResult:
@@ -154,6 +158,17 @@ class Publisher(ABC):
         default). It is best effort: the dead row in the table stays the record of truth.
         """
         return None
+
+    def publish_dead_all(self, copies: Sequence[DeadCopy]) -> list[PublishFailure | None]:
+        """``publish_dead`` of each copy, in order: one result each, a copy that raised
+        failing alone (``ApartPublisher`` sends them from one child process)."""
+        results: list[PublishFailure | None] = []
+        for message, error, headers in copies:
+            try:
+                results.append(self.publish_dead(message, error, headers=headers))
+            except Exception as exc:  # noqa: BLE001 - best effort, as each copy: the dead row is the record
+                results.append(PublishFailure(FailureKind.RETRIABLE, f"{type(exc).__name__}: {exc}", exception=exc))
+        return results
 
     @abstractmethod
     def close(self) -> None:

@@ -14,7 +14,7 @@ from ..publisher import Publisher
 from ..storage.engines.base import LEASE_EXPIRED_ERROR
 from .context import RelayContext
 from .logfields import describe, log_extra
-from .settle import send_dead
+from .settle import send_dead_all
 
 log = logging.getLogger("outbox.relay")  # one logger for the whole relay package
 
@@ -376,7 +376,6 @@ def _dead_letter_expired(publisher: Publisher | None, dead: Sequence[OutboxMessa
     """Best effort, like every dead-letter copy: the dead row in the table stays the record.
     ``errors`` holds the reason of rows that went dead for another cause than their lease
     (undecodable rows: the copy carries what could be decoded)."""
-    for message in dead:
-        error = (errors or {}).get(message.id) or (f"{LEASE_EXPIRED}: {LEASE_EXPIRED_ERROR} "
-                                                   f"(attempts: {message.attempts}, no attempts left)")
-        send_dead(publisher, message, error)
+    send_dead_all(publisher, [(message, (errors or {}).get(message.id)
+                               or f"{LEASE_EXPIRED}: {LEASE_EXPIRED_ERROR} (attempts: {message.attempts}, no attempts left)",
+                               None) for message in dead])

@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from ..core.model import Claim, FailResult, FenceResult, OutboxMessage, message_from_dict, message_to_dict
-from ..publisher import Publisher, PublishFailure
+from ..publisher import DeadCopy, Publisher, PublishFailure
 from .hooks import RelayHooks
 from .logfields import describe, log_extra
 
@@ -154,6 +154,24 @@ def send_dead(publisher: Publisher | None, message: OutboxMessage, error: str,
         problem = publisher.publish_dead(message, error, headers=headers)
     except Exception as exc:  # noqa: BLE001 - best effort: the dead row in the table is the record
         problem = exc
+    _log_dead_failure(message, problem)
+
+
+def send_dead_all(publisher: Publisher | None, copies: Sequence[DeadCopy]) -> None:
+    """``send_dead`` of each copy, through one call (``Publisher.publish_dead_all``: one child
+    process for a claim's copies when it publishes apart)."""
+    if publisher is None or not copies:
+        return
+    problems: Sequence[PublishFailure | Exception | None]
+    try:
+        problems = publisher.publish_dead_all(copies)
+    except Exception as exc:  # noqa: BLE001 - best effort: the dead rows in the table are the record
+        problems = [exc] * len(copies)
+    for (message, _, _), problem in zip(copies, problems, strict=True):
+        _log_dead_failure(message, problem)
+
+
+def _log_dead_failure(message: OutboxMessage, problem: PublishFailure | Exception | None) -> None:
     if problem is not None:
         reason = problem.reason if isinstance(problem, PublishFailure) else str(problem)
         log.error("outbox dead-letter publish failed %s error=%r", describe(message), reason,
