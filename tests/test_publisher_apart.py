@@ -451,7 +451,7 @@ def test_with_no_child_to_be_had_the_call_is_published_here_and_spends_no_attemp
     assert [m.headers["outbox_id"] for m in broker["live"]()] == [11, 12]
     assert len(broker["dead_letters"]()) == 1
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(said) == 2 and all("no child process to publish a row tried twice apart" in m and
+    assert len(said) == 2 and all("no child process to publish apart" in m and
                                   "Too many open files" in m for m in said), said
 
 

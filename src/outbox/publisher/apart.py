@@ -285,7 +285,7 @@ def start_server() -> None:
 
 
 def _here(exc: ChildUnavailable) -> None:
-    log.warning("outbox: no child process to publish a row tried twice apart (%s); publishing it in this "
+    log.warning("outbox: no child process to publish apart (a row tried twice, a dead row's copy) (%s); publishing it in this "
                 "worker process, as without isolation (docs/relay.md, \"An event that kills its worker\")", exc)
 
 
