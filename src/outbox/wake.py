@@ -23,7 +23,7 @@ from typing import Any
 from .core.config import dramatiq_settings, wake_options
 from .core.errors import StoreError, UnsupportedConnection
 from .core.handoff import HandOff
-from .core.redact import redact
+from .core.redact import redact_error
 from .relay import waker as _waker
 from .relay.waker import Waker
 from .storage.engines import engine_class, unwrap_connection
@@ -80,7 +80,7 @@ def _failed(what: str, exc: BaseException) -> None:
     now = time.monotonic()
     _paused_until = now + FAILURE_PAUSE_S
     # Masked here: the writer's process logs through its own handlers (docs/relay.md, "Secrets in output").
-    error = redact(f"{type(exc).__name__}: {exc}")
+    error = redact_error(exc)
     if now - _last_warning >= WARN_EVERY_S:
         _last_warning = now
         log.warning("outbox: cannot wake the relay (%s: %s); the next claim tick delivers. "

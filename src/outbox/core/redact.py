@@ -147,6 +147,12 @@ def redact(text: object) -> str:
     return result
 
 
+def redact_error(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``, passwords masked (``redact``): how an error's text goes into
+    a log line, a row's reason or a task's result."""
+    return redact(f"{type(exc).__name__}: {exc}")
+
+
 #: C0 and C1 control characters and DEL: a newline, a tab, ESC (which starts a terminal's
 #: escape sequences), a BEL.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -209,5 +215,5 @@ def mask_uncaught() -> None:
     sys.excepthook = _masked_excepthook
 
 
-__all__ = ["redact", "printable", "register_url", "register_secret", "bare_maskable", "RedactingFilter",
+__all__ = ["redact", "redact_error", "printable", "register_url", "register_secret", "bare_maskable", "RedactingFilter",
            "install_filter", "install_filter_everywhere", "mask_uncaught", "MASK"]

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..core.config import Settings
 from ..core.model import FailureKind, OutboxMessage
-from ..core.redact import install_filter, redact
+from ..core.redact import install_filter, redact_error
 from .contract import ChainResult, DeadCopy, Pipelined, Publisher, PublishFailure
 from .select import publisher_for
 
@@ -372,10 +372,10 @@ def _answer(answer: Connection, settings: Settings, options: dict[str, Any], job
                 try:
                     failure = publisher.publish_dead(message, error, headers=headers or None)
                 except Exception as exc:  # noqa: BLE001 - this copy's failure; the next ones go on
-                    failure = PublishFailure(FailureKind.RETRIABLE, redact(f"{type(exc).__name__}: {exc}"))
+                    failure = PublishFailure(FailureKind.RETRIABLE, redact_error(exc))
                 _send(answer, (False, failure and replace(failure, exception=None)))
     except Exception as exc:  # noqa: BLE001 - told to the parent, which reports it as a failure of the chains
-        _send(answer, (True, redact(f"{type(exc).__name__}: {exc}")))
+        _send(answer, (True, redact_error(exc)))
     finally:
         if publisher is not None:
             publisher.close()

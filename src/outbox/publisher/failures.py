@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..core.errors import ConfigError
-from ..core.redact import redact
+from ..core.redact import redact_error
 from .contract import MAX_ERROR_HEADER_CHARS, FailureKind, PublishFailure
 
 log = logging.getLogger("outbox.publisher")  # one logger for the whole publisher package
@@ -135,7 +135,7 @@ def _connection_lost(exc: BaseException) -> bool:
 
 
 def failure_from(exc: BaseException) -> PublishFailure:
-    reason = redact(f"{type(exc).__name__}: {exc}")
+    reason = redact_error(exc)
     if len(reason) > MAX_ERROR_HEADER_CHARS:
         reason = reason[: MAX_ERROR_HEADER_CHARS - 3] + "..."
     return PublishFailure(classify(exc), reason, exc)

@@ -28,7 +28,7 @@ from urllib.parse import unquote
 from ..core.config import KafkaOptions, Settings, kafka_options, split_kafka_url
 from ..core.errors import ConfigError, install_hint
 from ..core.model import OutboxMessage
-from ..core.redact import redact
+from ..core.redact import redact, redact_error
 from ..domain.events import MAX_HEADERS_BYTES
 from .contract import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -664,7 +664,7 @@ class KafkaPublisher(Publisher):
             return _failure(exc)
         if isinstance(exc, KafkaException) and exc.args:
             return _failure(exc.args[0])
-        return PublishFailure(FailureKind.RETRIABLE, redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_HEADER_CHARS],
+        return PublishFailure(FailureKind.RETRIABLE, redact_error(exc)[:MAX_ERROR_HEADER_CHARS],
                               exc)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.model import Claim, OutboxMessage
-from ..core.redact import redact
+from ..core.redact import redact_error
 from ..domain.chains import split_chains
 from ..publisher import Publisher
 from ..storage.engines.base import LEASE_EXPIRED_ERROR
@@ -353,7 +353,7 @@ def _dispatch_all(dispatch: Dispatch, tasks: list[list[list[OutboxMessage]]], de
             dispatch(task, deadline)
         except Exception as exc:  # noqa: BLE001 - whatever the runner's broker raises, the rows are released
             # Masked here, whoever handles the log or the task's result (docs/relay.md, "Secrets in output").
-            outcome.error = redact(f"{type(exc).__name__}: {exc}")
+            outcome.error = redact_error(exc)
             log.error("outbox cannot dispatch publish tasks (%s); releasing %d rows",
                       outcome.error, sum(len(chain) for pending in tasks[index:] for chain in pending))
             return [m for pending in tasks[index:] for chain in pending for m in chain]

@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import NamedTuple
 
 from ..core.model import FailureKind, OutboxMessage
-from ..core.redact import redact
+from ..core.redact import redact, redact_error
 from ..publisher import ChainResult, Overtaken, Publisher, overtaken_headers
 from .context import RelayContext
 from .logfields import describe, log_extra
@@ -190,7 +190,7 @@ def _publish_all(publisher: Publisher, relay: RelayContext, chains: list[list[Ou
         # Masked here, whoever handles the log (docs/relay.md, "Secrets in output"): the traceback too.
         log.error("outbox publisher raised instead of reporting %s\n%s", describe(chains[0][0]),
                   redact("".join(traceback.format_exception(exc))).rstrip())
-        return [_Report([], chain[0].id, RETRIABLE, redact(f"{type(exc).__name__}: {exc}")) for chain in chains]
+        return [_Report([], chain[0].id, RETRIABLE, redact_error(exc)) for chain in chains]
     if len(results) != len(chains):
         log.error("outbox publisher returned %d results for %d chains; settling none of the extra or "
                   "missing ones", len(results), len(chains))

@@ -303,9 +303,9 @@ class Outage:
         """``failed`` without the logging: whether ``error`` counted, and the line to log
         (the announcement at WARNING, or a line at DEBUG). For a caller that must not log
         while a record is being handled (a logging filter: ``outbox.dramatiq.consumer_log``)."""
-        from ..core.redact import redact
+        from ..core.redact import redact, redact_error
 
-        detail = redact(f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error)
+        detail = redact_error(error) if isinstance(error, BaseException) else redact(error)
         detail = " ".join(detail.split())
         if self.stale(began):
             return False, OutageLine(logging.DEBUG, "outbox: %s failed for work begun before it was back (%s): %s",
