@@ -150,7 +150,7 @@ class ApartPublisher(Publisher):
                 results.append(value)
             if why is not None:  # the copy it was sending, if any, failed with it; the rest go on
                 results.append(PublishFailure(FailureKind.RETRIABLE, why))
-        return results[:len(copies)]
+        return results
 
     def close(self) -> None:
         """Nothing to close: each child closes its own connection before it exits."""

@@ -254,8 +254,8 @@ def hand_on(relay: RelayContext, claimed: Claimed, dispatch: Dispatch, *, publis
                  whole_here)
     publisher = relay.publisher
     if claim.dead and publisher is not None and relay.apart is not None:
-        # Each copy from a child process: the row's last lease may have ended with its worker.
-        # Its wait ends with the claim's publishing (1 s at least), within the task's time limit.
+        # The copies from a child process: the row's last lease may have ended with its worker.
+        # Their wait ends with the claim's publishing (1 s at least), within the task's time limit.
         publisher = relay.apart(claimed.deadline)
     _dead_letter_expired(publisher, claim.dead, claim.dead_errors)
     return outcome

@@ -16,6 +16,7 @@ from ...core.errors import install_hint
 from ...core.redact import redact
 from . import DRIVER_MODULES, kind_of_url, mssql_driver
 from .base import Engine
+from .sqlite import SqliteEngine
 
 #: Driver module -> (engine, the extra that installs it).
 DRIVER_EXTRAS = {"psycopg": ("PostgreSQL", "postgres"), "pymysql": ("MySQL/MariaDB", "mysql"),
@@ -70,9 +71,8 @@ def index_names(engine: Engine, cursor: Any) -> set[str]:
     """The names of the indexes on the engine's table, read from the catalog (on PostgreSQL
     the valid ones)."""
     table, schema = engine.table_name, engine.schema
-    if engine.name == "sqlite":
-        prefix = f"{engine.quote(schema)}." if schema not in (None, "main") else ""
-        rows = cursor.execute(f"PRAGMA {prefix}index_list({engine.quote(table)})").fetchall()
+    if isinstance(engine, SqliteEngine):
+        rows = cursor.execute(f"PRAGMA {engine.schema_prefix()}index_list({engine.quote(table)})").fetchall()
         return {str(r[1]) for r in rows}
     if engine.name == "postgresql":
         # Valid ones only: an INVALID index (a CONCURRENTLY build or drop interrupted) serves no
