@@ -84,14 +84,22 @@ def test_the_lock_excludes_other_processes_and_threads() -> None:
 def pool() -> Iterator[Pool]:
     p = Pool(processes=2)
     yield p
-    stop = threading.Thread(target=p.terminate, daemon=True)  # waits for the read lock (_help_stuff_finish)
-    stop.start()
-    stop.join(timeout=10)
-    if stop.is_alive():
-        for process in p._pool:
+    # terminate waits for the read lock (_help_stuff_finish)
+    ends_within(p, p.terminate, 10, lambda: "the pool's terminate waited for its task queue's read lock")
+
+
+def ends_within(pool: Pool, call: Any, timeout: float, why: Any) -> None:
+    """``call()`` in a thread, given ``timeout`` s: if it is still running then, the pool's
+    processes are SIGKILLed and the test fails with ``why()``."""
+    running = threading.Thread(target=call, daemon=True)
+    running.start()
+    running.join(timeout=timeout)
+    if running.is_alive():
+        message = why()
+        for process in pool._pool:
             with contextlib.suppress(OSError):
                 os.kill(process.pid, signal.SIGKILL)
-        raise AssertionError("the pool's terminate waited for its task queue's read lock")
+        raise AssertionError(message)
 
 
 def _wchan(pid: int) -> str:
@@ -222,12 +230,6 @@ def test_a_process_forked_after_the_stop_sentinels_does_not_hold_up_the_join() -
     assert not pool._task_handler.is_alive()  # its sentinels are sent
     pool._processes += 1
     late = pool._create_worker_process(pool._avail_index())
-    join = threading.Thread(target=pool.join, daemon=True)
-    join.start()
-    join.join(timeout=15)
-    if join.is_alive():
-        for process in pool._pool:
-            with contextlib.suppress(OSError):
-                os.kill(process.pid, signal.SIGKILL)
-        raise AssertionError(f"the pool's join waited for a process forked after its sentinels ({_wchan(late.pid)})")
+    ends_within(pool, pool.join, 15,
+                lambda: f"the pool's join waited for a process forked after its sentinels ({_wchan(late.pid)})")
     pool.terminate()
