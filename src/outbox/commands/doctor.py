@@ -10,7 +10,8 @@ skipped when an earlier one it depends on failed:
    for (OUTBOX_RELAY_METRICS_PORT) and prometheus_client missing, a warning;
 2. database: a connection opens (a missing driver names the extra to install);
 3. table: exists with every column of the contract; indexes: the ones ``outbox migrate``
-   creates are all there; holders: the worker processes' liveness table is there (a
+   creates are all there, each defined as it defines them (keys in order, uniqueness, partial
+   predicate, included columns), not only named so; holders: the worker processes' liveness table is there (a
    warning when not: lost workers are then noticed only when their lease expires);
 4. the task runner's broker, the one the runner configured will really use: Dramatiq's
    (``OUTBOX_DRAMATIQ_BROKER_URL``) when it is set, else Celery's, including the database
@@ -57,7 +58,7 @@ from ..core.tls import AMQP_PLAIN_SCHEMES, AMQP_TLS_SCHEMES, kombu_connection
 from ..storage.engines.describe import (
     describe_database,
     expected_index_names,
-    index_names,
+    index_problems,
     missing_driver_hint,
 )
 from ..storage.store import OutboxStore
@@ -141,10 +142,12 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
             return results
         results.append(Result("table", OK, f"{store.engine.table} has every column of the contract"))
         with store.transaction() as cursor:
-            present = index_names(store.engine, cursor)
-        missing_ix = sorted(expected_index_names(store.engine) - present)
-        if missing_ix:
-            results.append(Result("indexes", FAIL, f"missing {', '.join(missing_ix)}: run `outbox migrate`"))
+            problems = index_problems(store.engine, cursor)
+        if problems:
+            # Compared by definition, not by name (docs/operations.md, "Checking a deployment").
+            results.append(Result("indexes", FAIL, f"{'; '.join(problems)}: run `outbox migrate`, which builds "
+                                  "them again as it defines them (one an earlier release defined so; one "
+                                  "changed by hand may have to be dropped first)"))
         else:
             results.append(Result("indexes", OK, ", ".join(sorted(expected_index_names(store.engine)))))
         results.append(_check_holders(store, RelayOptions().holder_timeout_s if holder_timeout_s is None

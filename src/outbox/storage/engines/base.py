@@ -13,6 +13,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -108,6 +109,35 @@ def derived_name(prefix: str, table: str, suffix: str) -> str:
         return name
     keep = MAX_IDENTIFIER - len(prefix) - len(suffix) - 9
     return f"{prefix}{table[:keep]}_{hashlib.sha1(table.encode()).hexdigest()[:8]}{suffix}"
+
+
+@dataclass(frozen=True)
+class IndexShape:
+    """An index's definition as ``outbox check`` compares it (docs/operations.md, "Checking a
+    deployment"): its key columns in order (`` DESC`` after a descending one), uniqueness, its
+    partial predicate (the engine's text; compared through ``Engine.same_predicate``), its
+    included columns and, where the engine has several, its access method."""
+
+    keys: tuple[str, ...]
+    unique: bool = False
+    where: str | None = None
+    include: tuple[str, ...] = ()
+    method: str | None = None
+
+    def text(self) -> str:
+        """``UNIQUE (a, b) INCLUDE (c) WHERE p USING m``, for a report line."""
+        text = ("UNIQUE " if self.unique else "") + f"({', '.join(self.keys)})"
+        text += f" INCLUDE ({', '.join(self.include)})" if self.include else ""
+        text += f" WHERE {self.where}" if self.where else ""
+        return text + (f" USING {self.method}" if self.method else "")
+
+
+def normalize_predicate(text: str) -> str:
+    """A predicate without brackets, parentheses, spaces and case: catalogs write the text the
+    migration gave back with their own parentheses (``(processed_at IS NULL)``)."""
+    for noise in ("[", "]", "(", ")", " ", '"', "`"):
+        text = text.replace(noise, "")
+    return text.lower()
 
 
 def holders_table_name(table: str) -> str:
@@ -219,6 +249,15 @@ class Engine(ABC):
         writes them (PostgreSQL's; none elsewhere): ``outbox migrate`` names those it rebuilt
         or added (an index that keeps its name but not its definition, a constraint)."""
         return frozenset()
+
+    @abstractmethod
+    def expected_indexes(self) -> dict[str, IndexShape]:
+        """The definition of each index ``migrate`` leaves (``index_suffixes``), by name: what
+        ``outbox check`` compares the catalog's with (``describe.index_problems``)."""
+
+    def same_predicate(self, live: str | None, expected: str | None) -> bool:
+        """Whether the catalog's predicate ``live`` is ``expected`` (``normalize_predicate``)."""
+        return normalize_predicate(live or "") == normalize_predicate(expected or "")
 
     def legacy_index_name(self, suffix: str) -> str | None:
         return self.legacy_name("ix_", f"_{suffix}")

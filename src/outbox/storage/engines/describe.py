@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from typing import Any
 
 from ...core.errors import install_hint
 from ...core.redact import redact
 from . import DRIVER_MODULES, kind_of_url, mssql_driver
-from .base import Engine
+from .base import Engine, IndexShape
 from .sqlite import SqliteEngine
 
 #: Driver module -> (engine, the extra that installs it).
@@ -91,10 +92,104 @@ def index_names(engine: Engine, cursor: Any) -> set[str]:
     return {str(r[0]) for r in cursor.fetchall()}
 
 
+#: Per engine, the catalog's rows of the table's indexes, one per column: (index, unique,
+#: method, predicate, column, position, descending, included, prefix length). PostgreSQL's
+#: valid indexes only (``index_names``); its included columns come after its keys.
+INDEX_COLUMNS_SQL = {
+    "postgresql": (
+        "SELECT c.relname, i.indisunique, am.amname, pg_get_expr(i.indpred, i.indrelid, true), "
+        "pg_get_indexdef(i.indexrelid, k, true), k, (i.indoption[k - 1] & 1) = 1, k > i.indnkeyatts, NULL "
+        "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
+        "CROSS JOIN generate_series(1, i.indnatts) AS k WHERE i.indrelid = to_regclass(?) AND i.indisvalid "
+        "ORDER BY c.relname, k"),
+    "mysql": (
+        "SELECT index_name, non_unique = 0, index_type, NULL, column_name, seq_in_index, collation = 'D', 0, "
+        "sub_part FROM information_schema.statistics WHERE table_name = ? AND table_schema = {schema} "
+        "ORDER BY index_name, seq_in_index"),
+    "mssql": (
+        "SELECT i.name, i.is_unique, i.type_desc, i.filter_definition, c.name, ic.key_ordinal, "
+        "ic.is_descending_key, ic.is_included_column, NULL FROM sys.indexes AS i "
+        "INNER JOIN sys.index_columns AS ic ON ic.object_id = i.object_id AND ic.index_id = i.index_id "
+        "INNER JOIN sys.columns AS c ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
+        "WHERE i.object_id = OBJECT_ID(?) AND i.name IS NOT NULL "
+        "ORDER BY i.name, ic.is_included_column, ic.key_ordinal, ic.index_column_id"),
+}
+
+
+def shapes_of(rows: list[tuple[Any, ...]]) -> dict[str, IndexShape]:
+    """``INDEX_COLUMNS_SQL``'s rows as one ``IndexShape`` per index, in their order."""
+    columns: dict[str, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        columns.setdefault(str(row[0]), []).append(row)
+    shapes = {}
+    for name, own in columns.items():
+        _, unique, method, where, *_ = own[0]
+        keys = tuple(f"{column}" + (f"({prefix})" if prefix else "") + (" DESC" if desc else "")
+                     for _, _, _, _, column, _, desc, included, prefix in own if not included)
+        include = tuple(str(column) for _, _, _, _, column, _, _, included, _ in own if included)
+        shapes[name] = IndexShape(keys, unique=bool(unique), where=str(where) if where else None, include=include,
+                                  method=str(method) if method else None)
+    return shapes
+
+
+def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
+    """The definitions of the indexes on the engine's table, read from the catalog, by name."""
+    table, schema = engine.table_name, engine.schema
+    if isinstance(engine, SqliteEngine):
+        prefix, rows = engine.schema_prefix(), []
+        for _, name, unique, _, partial in cursor.execute(
+                f"PRAGMA {prefix}index_list({engine.quote(table)})").fetchall():
+            info = cursor.execute(f"PRAGMA {prefix}index_xinfo({engine.quote(name)})").fetchall()
+            where = None
+            if partial:
+                sql = cursor.execute(f"SELECT sql FROM {engine.master()} WHERE type = 'index' AND name = ?",
+                                     [name]).fetchone()
+                found = re.search(r"\)\s*WHERE\s+(.*?)\s*;?\s*$", str(sql[0] if sql else ""), re.IGNORECASE | re.DOTALL)
+                where = found.group(1) if found else "(unreadable)"
+            rows += [(name, unique, None, where, column if column is not None else "(expression)", seq, desc, 0, None)
+                     for seq, _, column, desc, _, key in info if key]
+        return shapes_of(rows)
+    if engine.name == "postgresql":
+        params = [engine.table]
+    elif engine.name == "mysql":
+        params = [table, *([schema] if schema else [])]
+    else:
+        params = [f"{engine.quote(schema or 'dbo')}.{engine.quote(table)}"]
+    sql = INDEX_COLUMNS_SQL[engine.name].replace("{schema}", "?" if schema else "DATABASE()")
+    return shapes_of(engine.execute(cursor, sql, params).fetchall())
+
+
+def same_shape(engine: Engine, live: IndexShape, expected: IndexShape) -> bool:
+    """Whether the index ``live`` is defined as ``expected``: keys in order, uniqueness,
+    predicate (``Engine.same_predicate``), included columns (in any order) and method."""
+    def lower(names: tuple[str, ...]) -> list[str]:
+        return [name.lower() for name in names]
+
+    return (lower(live.keys) == lower(expected.keys) and live.unique == expected.unique
+            and engine.same_predicate(live.where, expected.where)
+            and sorted(lower(live.include)) == sorted(lower(expected.include))
+            and (expected.method is None or (live.method or "").lower() == expected.method.lower()))
+
+
+def index_problems(engine: Engine, cursor: Any) -> list[str]:
+    """What is wrong with the indexes ``outbox migrate`` leaves, read from the catalog: each
+    one missing (on PostgreSQL, an INVALID one too), or defined otherwise than the migration
+    defines it (``Engine.expected_indexes``), with the two definitions. Empty when all are right."""
+    live = index_shapes(engine, cursor)
+    problems = []
+    for name, expected in sorted(engine.expected_indexes().items()):
+        found = live.get(name)
+        if found is None:
+            problems.append(f"missing {name}")
+        elif not same_shape(engine, found, expected):
+            problems.append(f"{name} is {found.text()}, not {expected.text()}")
+    return problems
+
+
 def expected_index_names(engine: Engine) -> set[str]:
     """The indexes ``outbox migrate`` leaves on the engine's table (``Engine.index_suffixes``)."""
     return {engine.index_name(suffix) for suffix in engine.index_suffixes}
 
 
 __all__ = ["describe_database", "missing_driver_hint", "driver_problem", "index_names", "expected_index_names",
-           "DRIVER_EXTRAS"]
+           "index_shapes", "index_problems", "shapes_of", "same_shape", "INDEX_COLUMNS_SQL", "DRIVER_EXTRAS"]

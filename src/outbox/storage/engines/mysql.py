@@ -25,7 +25,7 @@ from ...core.checks import MysqlTls, mysql_tls, mysql_url_options
 from ...core.config import session_bounds
 from ...core.errors import ConfigError, EnqueueError, StoreError
 from ...core.model import NewEvent
-from .base import Engine, derived_name, duration, tcp_keepalive
+from .base import Engine, IndexShape, derived_name, duration, tcp_keepalive
 
 #: Deadlock, lock wait timeout, server gone away, lost connection, cannot connect,
 #: query interrupted by shutdown, a connection the server ended for inactivity (MySQL 8.0.24+
@@ -377,6 +377,16 @@ class MysqlEngine(Engine):
         ("lease_token", "VARCHAR(32) NULL"),
     )
 
+    #: The indexes ``migration`` makes: (suffix, columns); ``message_id``'s is unique.
+    INDEXES: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("message_id", "message_id"), ("agg_id_id", "aggregate_id, status, id"),
+        ("claim_ready", "status, next_retry_at, id"), ("done_processed_at", "status, processed_at"))
+
+    def expected_indexes(self) -> dict[str, IndexShape]:
+        return {self.index_name(suffix): IndexShape(tuple(columns.split(", ")), unique=suffix == "message_id",
+                                                    method="BTREE")
+                for suffix, columns in self.INDEXES}
+
     def migration(self, native_json: bool = False) -> list[Any]:
         t, q = self.table, self.quote
         schema = "DATABASE()" if not self.schema else "?"
@@ -416,8 +426,7 @@ class MysqlEngine(Engine):
         # agg_id_id was (aggregate_id, id) and claim_ready (status, id) until the claim stopped
         # reading rows that wait for a later time (docs/internals.md, "Rows waiting for a later
         # time are not read"): an index whose second column is not today's is built again.
-        for suffix, columns in (("message_id", "message_id"), ("agg_id_id", "aggregate_id, status, id"),
-                                ("claim_ready", "status, next_retry_at, id"), ("done_processed_at", "status, processed_at")):
+        for suffix, columns in self.INDEXES:
             name, old = self.index_name(suffix), self.legacy_index_name(suffix)
             kind = "UNIQUE INDEX" if suffix == "message_id" else "INDEX"
             if old:  # named in full by an earlier release (Engine.legacy_name): renamed in place, not built again

@@ -25,6 +25,7 @@ from .base import (
     LEASE_EXPIRED_ERROR,
     MESSAGE_COLUMNS,
     Engine,
+    IndexShape,
     derived_name,
     duration,
     inline_params,
@@ -307,6 +308,12 @@ class PostgresEngine(Engine):
         ("claim_ready", "id", "next_retry_at, id", "processed_at IS NULL"),
         ("done_processed_at", "processed_at", "processed_at", "processed_at IS NOT NULL"))
 
+    def expected_indexes(self) -> dict[str, IndexShape]:
+        shapes = {self.index_name("message_id"): IndexShape(("message_id",), unique=True, method="btree")}
+        for suffix, _, columns, where in self.PARTIAL_INDEXES:
+            shapes[self.index_name(suffix)] = IndexShape(tuple(columns.split(", ")), where=where, method="btree")
+        return shapes
+
     def _migration(self, native_json: bool, online: bool) -> list[Any]:
         t, q = self.table, self.quote
         storage = ", ".join(f"{name} = {value}" for name, value in self.STORAGE.items())
@@ -371,9 +378,12 @@ class PostgresEngine(Engine):
         # new one); on a table holding rows ``_online_index_steps`` builds them after the commit.
         for suffix, before, columns, where in self.PARTIAL_INDEXES:
             name = self.index_name(suffix)
+            # Any other definition is made again, as `outbox check` compares it (docs/operations.md):
+            # only other columns were, not another predicate, included columns or uniqueness.
             on_status = ("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = "
                          "COALESCE(?, current_schema()) AND indexname = ? AND (indexdef LIKE '%WHERE%status%' "
-                         "OR indexdef NOT LIKE ?))", [self.schema, name, f"% USING btree ({columns}) %"])
+                         "OR indexdef NOT LIKE ? OR indexdef LIKE 'CREATE UNIQUE%'))",
+                         [self.schema, name, f"CREATE INDEX % USING btree ({columns}) WHERE ({where})"])
             steps += [*self._rename_legacy_index(suffix, columns, *{before} - {columns}),
                       (self._or_holding_rows(on_status, online), f"DROP INDEX {self.qualify(name)}"),
                       (self._or_holding_rows(self._has_index(suffix), online),
@@ -400,7 +410,7 @@ class PostgresEngine(Engine):
             return ("EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass(?) AND i.indrelid = "
                     "to_regclass(?) AND i.indisvalid AND pg_get_indexdef(i.indexrelid) LIKE ? AND "
                     "pg_get_indexdef(i.indexrelid) NOT LIKE '%WHERE%status%')",
-                    [index, table, f"% USING btree ({columns}) WHERE ({where})"])
+                    [index, table, f"CREATE INDEX % USING btree ({columns}) WHERE ({where})"])
 
         def probe(*parts: str | tuple[str, list[Any]]) -> tuple[str, list[Any]]:
             sql = " ".join(p if isinstance(p, str) else p[0] for p in parts)

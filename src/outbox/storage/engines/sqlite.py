@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from ...core.errors import ConfigError
 from ...core.model import NewEvent
 from ...core.redact import redact
-from .base import Engine
+from .base import Engine, IndexShape
 
 BUSY_TIMEOUT_S = 30.0
 _NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
@@ -203,6 +203,22 @@ class SqliteEngine(Engine):
         return isinstance(exc, sqlite3.OperationalError) and (
             "locked" in str(exc) or "busy" in str(exc))
 
+    #: The indexes ``migration`` makes: (suffix, columns, the partial predicate or None);
+    #: ``message_id``'s is unique.
+    INDEXES: ClassVar[tuple[tuple[str, str, str | None], ...]] = (
+        ("message_id", "message_id", None), ("agg_id_id", "aggregate_id, id", "status IN (0, 1, 3)"),
+        ("claim_ready", "next_retry_at, id", "status IN (0, 1, 3)"), ("done_processed_at", "status, processed_at", None))
+
+    def expected_indexes(self) -> dict[str, IndexShape]:
+        return {self.index_name(suffix): IndexShape(tuple(columns.split(", ")), unique=suffix == "message_id",
+                                                    where=where)
+                for suffix, columns, where in self.INDEXES}
+
+    def _create_index(self, suffix: str) -> str:
+        columns, where = next((c, w) for s, c, w in self.INDEXES if s == suffix)
+        return (f"CREATE {'UNIQUE ' if suffix == 'message_id' else ''}INDEX IF NOT EXISTS {self.index_ref(suffix)} "
+                f"ON {self.table_name_only()} ({columns})" + (f" WHERE {where}" if where else ""))
+
     def migration(self, native_json: bool = False) -> list[Any]:
         t = self.table
 
@@ -238,18 +254,15 @@ class SqliteEngine(Engine):
             # index, so the old one goes and today's is made (one writer at a time anyway).
             *(f"DROP INDEX IF EXISTS {self.index_ref_of(old)}" for old in map(self.legacy_index_name, self.index_suffixes)
               if old),
-            f"CREATE UNIQUE INDEX IF NOT EXISTS {self.index_ref('message_id')} ON {self.table_name_only()} (message_id)",
-            f"CREATE INDEX IF NOT EXISTS {self.index_ref('agg_id_id')} ON {self.table_name_only()} (aggregate_id, id) "
-            "WHERE status IN (0, 1, 3)",
+            self._create_index("message_id"),
+            self._create_index("agg_id_id"),
             # claim_ready on (id) until the claim's window stopped reading rows that wait for a
             # later time (docs/internals.md, "Rows waiting for a later time are not read"): made again.
             ((f"SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM {self.master()} WHERE type = 'index' AND name = ? "
               "AND sql NOT LIKE '%(next_retry_at, id)%')", [self.index_name("claim_ready")]),
              f"DROP INDEX {self.index_ref('claim_ready')}"),
-            f"CREATE INDEX IF NOT EXISTS {self.index_ref('claim_ready')} ON {self.table_name_only()} "
-            "(next_retry_at, id) WHERE status IN (0, 1, 3)",
-            f"CREATE INDEX IF NOT EXISTS {self.index_ref('done_processed_at')} ON {self.table_name_only()} "
-            "(status, processed_at)",
+            self._create_index("claim_ready"),
+            self._create_index("done_processed_at"),
             *self.holders_migration(),
         ]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..base import Engine
+from ..base import Engine, IndexShape
 
 #: Exact, case-sensitive comparison for id-like columns (and index seeks on them).
 ID_COLLATION = "Latin1_General_100_BIN2"
@@ -245,6 +245,18 @@ class MssqlSchema(Engine):
     # -- schema ----------------------------------------------------------------------
     def _table_literal(self) -> str:
         return nstr(self.table)
+
+    def expected_indexes(self) -> dict[str, IndexShape]:
+        return {self.index_name(spec.suffix): IndexShape(spec.keys, unique=spec.unique,
+                                                         where=OPEN_ROWS if spec.filtered else None,
+                                                         include=spec.include, method="NONCLUSTERED")
+                for spec in INDEXES}
+
+    def same_predicate(self, live: str | None, expected: str | None) -> bool:
+        # The catalog writes OPEN_ROWS as ``([status]=(0) OR [status]=(1) OR [status]=(3))``.
+        if live and expected == OPEN_ROWS:
+            return normalize_filter(live) in OPEN_ROWS_NORMALIZED
+        return super().same_predicate(live, expected)
 
     def index_matches(self, spec: IndexSpec) -> str:
         """A query returning a row when the index exists with exactly ``spec``'s

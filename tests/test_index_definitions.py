@@ -1,0 +1,205 @@
+"""`outbox check` compares each index `outbox migrate` leaves by its definition, not its name
+(docs/operations.md, "Is it set up right? `outbox check`"). It compared the names only: on
+PostgreSQL a ``claim_ready`` on ``(id)``, the shape before the claim stopped reading rows that
+wait for a later time, passed the check while every claim ran without the index it needs
+(found in review, 7 December). Each real engine gets an earlier release's shape made by hand;
+SQL Server's catalog query is parsed with sqlglot's T-SQL dialect and its rows, as the catalog
+writes them, are compared."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from engine_support import drop_table
+from services import MYSQL_URL, POSTGRES_URL, require
+from tsql_support import parse_one
+
+from outbox.commands.doctor import FAIL, OK, check_database
+from outbox.core.config import load_settings
+from outbox.storage.engines.describe import INDEX_COLUMNS_SQL, same_shape, shapes_of
+from outbox.storage.engines.mssql.engine import MssqlEngine
+from outbox.storage.engines.mssql.schema import INDEXES
+from outbox.storage.store import OutboxStore
+
+
+def indexes_line(store: OutboxStore) -> tuple[str, str]:
+    settings = load_settings(environ={"OUTBOX_DATABASE_URL": store.url, "OUTBOX_TABLE": store.engine.table_name})
+    (result,) = [r for r in check_database(settings) if r.name == "indexes"]
+    return result.state, result.detail
+
+
+def raw(store: OutboxStore, *statements: str) -> None:
+    """``statements`` on a connection of their own, committed."""
+    conn = store.engine.connect(store.url)
+    try:
+        cursor = conn.cursor()
+        for statement in statements:
+            cursor.execute(statement)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def table() -> str:
+    return f"outbox_ix{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def postgres(table: str) -> Iterator[OutboxStore]:
+    require("PostgreSQL", "127.0.0.1", 5432)
+    store = OutboxStore(POSTGRES_URL, table=table)
+    store.migrate()
+    try:
+        yield store
+    finally:
+        drop_table(store)
+        store.close()
+
+
+@pytest.fixture
+def mysql(table: str) -> Iterator[OutboxStore]:
+    require("MariaDB/MySQL", "127.0.0.1", 3306)
+    store = OutboxStore(MYSQL_URL, table=table)
+    store.migrate()
+    try:
+        yield store
+    finally:
+        drop_table(store)
+        store.close()
+
+
+def test_check_fails_on_postgresqls_claim_ready_of_an_earlier_release_until_migrate(postgres: OutboxStore,
+                                                                                   tmp_path: Path) -> None:
+    """The shape releases before 7 December made, through the command line as an operator runs it."""
+    e = postgres.engine
+    name = e.index_name("claim_ready")
+    raw(postgres, f'DROP INDEX "{name}"', f'CREATE INDEX "{name}" ON {e.table} (id) WHERE processed_at IS NULL')
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
+    report = subprocess.run([sys.executable, "-m", "outbox.cli", "check"], capture_output=True, text=True, cwd=tmp_path,
+                            env={**clean, "OUTBOX_DATABASE_URL": postgres.url, "OUTBOX_TABLE": e.table_name},
+                            timeout=120)
+    line = next(line for line in report.stdout.splitlines() if line.startswith("[FAIL] indexes"))
+    assert f"{name} is (id) WHERE processed_at IS NULL USING btree, not (next_retry_at, id)" in line, line
+    assert "run `outbox migrate`" in line, line
+    postgres.migrate()
+    assert indexes_line(postgres)[0] == OK
+
+
+@pytest.mark.parametrize(("ddl", "wrong"), [
+    ("CREATE INDEX \"{name}\" ON {table} (next_retry_at, id) WHERE status IN (0, 1, 3)", "WHERE status = ANY (ARRAY[0, 1, 3])"),
+    ("CREATE INDEX \"{name}\" ON {table} (next_retry_at DESC, id) WHERE processed_at IS NULL", "next_retry_at DESC"),
+    ("CREATE INDEX \"{name}\" ON {table} (next_retry_at, id) INCLUDE (status) WHERE processed_at IS NULL",
+     "INCLUDE (status)"),
+    ("CREATE UNIQUE INDEX \"{name}\" ON {table} (next_retry_at, id) WHERE processed_at IS NULL", "UNIQUE"),
+])
+def test_check_compares_postgresqls_predicate_order_and_included_columns(postgres: OutboxStore, ddl: str,
+                                                                         wrong: str) -> None:
+    """The first: claim_ready of the first release, on the status test; the others by hand, which
+    `outbox migrate` builds again too (it rebuilt only an index on other columns, or on the status
+    test): on an empty table in its transaction, on one holding rows online (``good`` in
+    ``PostgresEngine._online_index_steps``)."""
+    e = postgres.engine
+    name = e.index_name("claim_ready")
+    for rows in (0, 100):
+        raw(postgres, f"INSERT INTO {e.table} (message_id, topic, aggregate_type, aggregate_id, payload) "
+                      f"SELECT 'm' || g, 't', 'a', 'x', '{{}}'::jsonb FROM generate_series(1, {rows}) g",
+            f'DROP INDEX "{name}"', ddl.format(name=name, table=e.table))
+        state, detail = indexes_line(postgres)
+        assert state == FAIL and f"{name} is " in detail and wrong in detail, detail
+        assert postgres.migrate() > 0
+        assert indexes_line(postgres)[0] == OK
+
+
+def test_check_fails_on_mariadbs_indexes_of_an_earlier_release_until_migrate(mysql: OutboxStore) -> None:
+    """claim_ready on (status, id) and agg_id_id on (aggregate_id, id): MariaDB's before the claim
+    stopped reading rows that wait for a later time."""
+    e = mysql.engine
+    claim, agg = e.index_name("claim_ready"), e.index_name("agg_id_id")
+    raw(mysql, f"ALTER TABLE {e.table} DROP INDEX `{claim}`, ADD INDEX `{claim}` (status, id), "
+               f"DROP INDEX `{agg}`, ADD INDEX `{agg}` (aggregate_id, id)")
+    state, detail = indexes_line(mysql)
+    assert state == FAIL, detail
+    assert f"{claim} is (status, id) USING BTREE, not (status, next_retry_at, id)" in detail, detail
+    assert f"{agg} is (aggregate_id, id) USING BTREE, not (aggregate_id, status, id)" in detail, detail
+    mysql.migrate()
+    assert indexes_line(mysql)[0] == OK
+
+
+def test_check_fails_on_a_mariadb_message_id_that_is_not_unique(mysql: OutboxStore) -> None:
+    e = mysql.engine
+    name = e.index_name("message_id")
+    raw(mysql, f"ALTER TABLE {e.table} DROP INDEX `{name}`, ADD INDEX `{name}` (message_id)")
+    state, detail = indexes_line(mysql)
+    assert state == FAIL and f"{name} is (message_id) USING BTREE, not UNIQUE (message_id)" in detail, detail
+
+
+def test_check_fails_on_sqlites_claim_ready_of_an_earlier_release_until_migrate(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    name = store.engine.index_name("claim_ready")
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        conn.executescript(f'DROP INDEX "{name}"; CREATE INDEX "{name}" ON outbox (id) WHERE status IN (0, 1, 3);')
+    state, detail = indexes_line(store)
+    assert state == FAIL and f"{name} is (id) WHERE status IN (0, 1, 3), not (next_retry_at, id)" in detail, detail
+    store.migrate()
+    assert indexes_line(store) == (OK, ", ".join(sorted(store.engine.expected_indexes())))
+    store.close()
+
+
+def test_sqlites_partial_indexes_are_told_from_whole_ones(tmp_path: Path) -> None:
+    store = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}")
+    store.migrate()
+    name = store.engine.index_name("agg_id_id")
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        conn.executescript(f'DROP INDEX "{name}"; CREATE INDEX "{name}" ON outbox (aggregate_id, id);')
+    state, detail = indexes_line(store)
+    assert state == FAIL and f"{name} is (aggregate_id, id), not (aggregate_id, id) WHERE status IN" in detail, detail
+    store.close()
+
+
+def sql_server_rows(engine: MssqlEngine, claim_ready_include: tuple[str, ...]) -> list[tuple]:
+    """The rows SQL Server's catalog gives ``INDEX_COLUMNS_SQL['mssql']`` for a migrated table, as
+    it writes them (a filter in brackets and ORs), ``claim_ready`` with ``claim_ready_include``."""
+    rows: list[tuple] = []
+    for spec in INDEXES:
+        name = engine.index_name(spec.suffix)
+        where = "([status]=(0) OR [status]=(1) OR [status]=(3))" if spec.filtered else None
+        include = claim_ready_include if spec.suffix == "claim_ready" else spec.include
+        rows += [(name, spec.unique, "NONCLUSTERED", where, key, n, False, False, None)
+                 for n, key in enumerate(spec.keys, 1)]
+        rows += [(name, spec.unique, "NONCLUSTERED", where, column, 0, False, True, None) for column in include]
+    return rows
+
+
+def test_sql_servers_index_catalog_query_parses_and_its_rows_compare(no_sqlglot_fallbacks: None) -> None:
+    """No SQL Server runs here: the query parses as T-SQL, and rows as the catalog writes them
+    match the migration's definitions; ``claim_ready`` without its included columns (an index
+    made by hand, or another tool) does not."""
+    parse_one(INDEX_COLUMNS_SQL["mssql"].replace("?", "N'[dbo].[outbox]'"))
+    engine = MssqlEngine()
+    expected = engine.expected_indexes()
+    spec = next(spec for spec in INDEXES if spec.suffix == "claim_ready")
+    live = shapes_of(sql_server_rows(engine, spec.include))
+    assert live.keys() == expected.keys()
+    assert all(same_shape(engine, live[name], expected[name]) for name in expected)
+    short = shapes_of(sql_server_rows(engine, ("aggregate_id",)))
+    claim = engine.index_name("claim_ready")
+    assert not same_shape(engine, short[claim], expected[claim])
+    assert short[claim].text() == (f"({', '.join(spec.keys)}) INCLUDE (aggregate_id) "
+                                   "WHERE ([status]=(0) OR [status]=(1) OR [status]=(3)) USING NONCLUSTERED")
+
+
+def test_the_catalog_queries_of_postgresql_and_mariadb_run(postgres: OutboxStore, mysql: OutboxStore) -> None:
+    """A migrated table's indexes are all as the migration defines them, on both."""
+    for store in (postgres, mysql):
+        assert indexes_line(store)[0] == OK, store
+
