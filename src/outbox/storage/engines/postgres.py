@@ -374,8 +374,8 @@ class PostgresEngine(Engine):
         # claim_ready was on (id) until the claim's window stopped reading rows that wait for
         # a later time (docs/internals.md, "Rows waiting for a later time are not read"): an index
         # on other columns is made again (``before``: an earlier release's columns, for its rename).
-        # Online (``online_migration``), the two steps below run here only on an empty table (a
-        # new one); on a table holding rows ``_online_index_steps`` builds them after the commit.
+        # Online (``online_migration``), the two steps below run here only on a table whose heap
+        # has no page (a new one); elsewhere ``_online_index_steps`` builds them after the commit.
         for suffix, before, columns, where in self.PARTIAL_INDEXES:
             name = self.index_name(suffix)
             # Any other definition is made again, as `outbox check` compares it (docs/operations.md):
@@ -392,10 +392,12 @@ class PostgresEngine(Engine):
 
     def _or_holding_rows(self, probe: tuple[str, list[Any]], online: bool) -> tuple[str, list[Any]]:
         """``probe``, which skips a step when it finds a row, skipping it too (``online``) when the
-        table holds a row."""
+        table's heap has a page: rows, dead ones too (docs/internals.md, "Index builds that hold no
+        writer back"; a purged table not yet vacuumed counted as empty)."""
         if not online:
             return probe
-        return f"SELECT 1 WHERE EXISTS ({probe[0]}) OR EXISTS (SELECT 1 FROM {self.table})", probe[1]
+        return (f"SELECT 1 WHERE EXISTS ({probe[0]}) OR pg_relation_size(to_regclass(?)) > 0",
+                [*probe[1], self.qualify(self.table_name)])
 
     def _online_index_steps(self, suffix: str, columns: str, where: str) -> list[Any]:
         """The index ``suffix`` built again without holding writers back (docs/internals.md, "Index
