@@ -358,3 +358,40 @@ def test_a_build_longer_than_the_roles_statement_timeout_completes(store: Outbox
         sql(store, f'DROP ROLE "{role}"')
     assert index(store, store.engine.index_name("claim_ready"))[:2] == (NEW, True)  # type: ignore[index]
     assert index(store, build_name(store)) is None
+
+
+def test_of_two_outbox_migrate_processes_at_once_the_one_that_waited_says_so_not_rebuilt(store: OutboxStore) -> None:
+    """Two `outbox migrate` (two replicas' start-ups) on a table to rebuild: each read the table
+    for its report before taking the migration's lock, so the one that waited for the other and
+    then found nothing to do said ``rebuilt ix_..._claim_ready`` too (found in review). The states
+    are read under the lock: it says it changed nothing, and that it waited. The test holds the
+    lock until both processes have asked for it (their sessions named by application_name), so
+    both wait, whichever gets it first."""
+    as_earlier_release(store)
+    e, name = store.engine, store.engine.index_name("claim_ready")
+    tag = f"outbox_race_{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
+    env.update(OUTBOX_DATABASE_URL=f"{store.url}?application_name={tag}", OUTBOX_TABLE=e.table_name)
+    holder = e.connect(store.url)
+    holder.autocommit = True
+    holder.execute("SELECT pg_advisory_lock(hashtext(%s))", [e.migration_lock_resource()])
+    processes = [subprocess.Popen([sys.executable, "-m", "outbox.cli", "migrate"], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        deadline, asking = time.monotonic() + 60, 0
+        while asking < 2 and time.monotonic() < deadline:
+            asking = sql(store, "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = %s "
+                                "AND query LIKE %s", [tag, "%pg_try_advisory_lock%"])[0][0]
+            time.sleep(0.05)
+        assert asking == 2, "the two migrations never both asked for the lock"
+    finally:
+        holder.execute("SELECT pg_advisory_unlock(hashtext(%s))", [e.migration_lock_resource()])
+        holder.close()
+        reports = [(p.communicate(timeout=120), p.returncode) for p in processes]
+    outs = sorted(out.strip() for (out, _), _ in reports)
+    assert [code for _, code in reports] == [0, 0], reports
+    rebuilt = [out for out in outs if f"rebuilt {name}" in out]
+    assert len(rebuilt) == 1, outs
+    (other,) = [out for out in outs if out not in rebuilt]
+    assert "nothing to change (waited " in other and "for another migration of the table" in other, other
+    assert index(store, name)[:2] == (NEW, True)  # type: ignore[index]

@@ -176,17 +176,19 @@ def migrate(native_json: bool) -> None:
     if native_json and not store.engine.native_json:
         click.echo(f"outbox: --native-json is for SQL Server only: ignored on {store.engine.name}, whose table "
                    "keeps its own JSON type and check", err=True)
-    before = store.schema_state()
-    repaired = store.migrate(native_json=native_json)
-    after = store.schema_state()
+    done = store.migrate_reporting(native_json=native_json)
+    before, after = done.before, done.after
     where = f"{store.engine.table} on {store.engine.name}"
+    # Another migration of the table ran first: said, so that nothing it did is claimed here.
+    waited = (f" (waited {done.waited_s:.1f} s for another migration of the table to finish first; what that "
+              "one changed, its own report says)") if done.waited_s else ""
     if before is None:
         click.echo(f"migrated {where}: created the table and its indexes")
-    elif before != after or repaired:
+    elif before != after or done.ran:
         changes = store.schema_changes(before, after) if after else []
-        click.echo(f"migrated {where}: repaired" + (f" ({'; '.join(changes)})" if changes else ""))
+        click.echo(f"migrated {where}: repaired" + (f" ({'; '.join(changes)})" if changes else "") + waited)
     else:
-        click.echo(f"migrated {where}: nothing to change")
+        click.echo(f"migrated {where}: nothing to change" + waited)
     broker_url = get_settings().broker_url
     from .transport import is_transport_url, migrate_queue_tables
     if is_transport_url(broker_url):

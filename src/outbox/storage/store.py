@@ -17,6 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -101,13 +102,14 @@ def apply_online_migration(engine: Engine, cursor: Any, indexes: list[list[Any]]
 
 
 @contextmanager
-def online_migration_lock(engine: Engine, outside: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+def online_migration_lock(engine: Engine, outside: Callable[[], AbstractContextManager[Any]]) -> Iterator[float]:
     """The migration's lock held by the session for the block (``Engine.lock_online_migration``),
-    taken and given back with a cursor of ``outside()``, outside any transaction."""
+    taken and given back with a cursor of ``outside()``, outside any transaction. Yields the
+    seconds it waited for another migration of the table."""
     with outside() as cursor:
-        engine.lock_online_migration(cursor)
+        waited = engine.lock_online_migration(cursor)
     try:
-        yield
+        yield waited
     finally:
         try:
             with outside() as cursor:
@@ -150,6 +152,18 @@ def _masked_reason(error: str) -> str:
     """``error`` with its passwords masked, its kind (``engines.base.ERROR_KIND_PREFIXES``) kept as written."""
     kind = next((prefix for prefix in ERROR_KIND_PREFIXES if error.startswith(prefix)), "")
     return kind + redact(error[len(kind):])
+
+
+@dataclass(frozen=True)
+class Migration:
+    """What ``OutboxStore.migrate_reporting`` did: the guarded steps that ran, the table's
+    ``schema_state`` before and after (None before: no table), and the seconds it waited for
+    another migration of the table to finish (None: the engine's lock does not say)."""
+
+    ran: int
+    before: tuple[frozenset[Any], ...] | None
+    after: tuple[frozenset[Any], ...] | None
+    waited_s: float | None
 
 
 class OutboxStore:
@@ -237,19 +251,34 @@ class OutboxStore:
     def migrate(self, native_json: bool = False) -> int:
         """Create or repair the table and its indexes. Safe to run any number of times.
         Returns how many guarded repair steps ran (``apply_migration``)."""
+        return self._migrate(native_json, report=False).ran
+
+    def migrate_reporting(self, native_json: bool = False) -> Migration:
+        """``migrate``, with the table's ``schema_state`` before and after it and how long it
+        waited for another migration of the table (``outbox migrate``'s report). Where the
+        engine's migration lock is the session's (PostgreSQL: ``Engine.online_migration``) the
+        states are read under it: two runs at once both read the table before either changed
+        it, and both said they rebuilt what the first one had (docs/operations.md, "The table")."""
+        return self._migrate(native_json, report=True)
+
+    def _migrate(self, native_json: bool, *, report: bool) -> Migration:
         self.engine.creates_database = True  # the one call that may make a SQLite file
         online = self.engine.online_migration(native_json)
         try:
             if online is None:
-                return self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
-                                 ddl=True)
+                before = self.schema_state() if report else None
+                ran = self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
+                                ddl=True)
+                return Migration(ran, before, self.schema_state() if report else None, None)
             outside, building = self._connections.outside_transaction, False
-            with online_migration_lock(self.engine, outside):
+            with online_migration_lock(self.engine, outside) as waited:
+                before = self.schema_state() if report else None
                 ran = self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, steps=online[0]),
                                 ddl=True)
                 building = True
                 with outside() as cursor:
-                    return ran + apply_online_migration(self.engine, cursor, online[1])
+                    ran += apply_online_migration(self.engine, cursor, online[1])
+                return Migration(ran, before, self.schema_state() if report else None, waited)
         except Exception as exc:
             if self.engine.is_lock_timeout(exc):
                 raise migration_lock_refusal(self.engine, self._connections, [self.engine.table, self.engine.holders],

@@ -635,10 +635,12 @@ class Engine(ABC):
         transaction (docs/internals.md, "Index builds that hold no writer back")."""
         return None
 
-    def lock_online_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: only online_migration's engines
+    def lock_online_migration(self, cursor: Any) -> float:
         """``lock_migration``'s lock for the session, taken outside a transaction before the
         migration's transaction and held through ``online_migration``'s second part, until
-        ``unlock_online_migration``."""
+        ``unlock_online_migration``. Returns the seconds it waited for another migration of
+        the table to give it back (0: it was free). Here: no lock (only online_migration's engines)."""
+        return 0.0
 
     def unlock_online_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: only online_migration's engines
         """Release what ``lock_online_migration`` took."""

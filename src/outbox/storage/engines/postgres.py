@@ -480,17 +480,20 @@ class PostgresEngine(Engine):
     #: (``lock_online_migration``).
     MIGRATION_LOCK_POLL_S = 0.1
 
-    def lock_online_migration(self, cursor: Any) -> None:
+    def lock_online_migration(self, cursor: Any) -> float:
         # lock_migration's lock, for the session, taken before the transaction (which then takes
         # it at once) and polled: a session waiting for it inside a transaction or a statement
         # keeps a snapshot, which the holder's CREATE INDEX CONCURRENTLY waits for (found in
         # review: racing migrations waited so until their bound). The steps' lock waits are
         # bounded as the transaction's are.
+        started, waited = time.monotonic(), False
         while not self.execute(cursor, "SELECT pg_try_advisory_lock(hashtext(?))",
                                [self.migration_lock_resource()]).fetchone()[0]:
+            waited = True
             time.sleep(self.MIGRATION_LOCK_POLL_S)
         self.execute(cursor, "SELECT set_config('outbox.lock_timeout_before', current_setting('lock_timeout'), false), "
                              "set_config('lock_timeout', ?, false)", [self.MIGRATION_LOCK_TIMEOUT]).fetchall()
+        return time.monotonic() - started if waited else 0.0
 
     def unlock_online_migration(self, cursor: Any) -> None:
         self.execute(cursor, "SELECT set_config('lock_timeout', current_setting('outbox.lock_timeout_before'), false), "
