@@ -15,11 +15,14 @@ tests/transport_support.py's.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import os
 import random
 import signal
 import subprocess
+import termios
 import time
 import uuid
 from collections.abc import Iterator
@@ -505,5 +508,86 @@ def test_a_cold_shutdown_under_load_ends(tmp_path: Path) -> None:
                                      f"{app.log(name)[-3000:]}") from None
             finally:
                 app.kill(name)
+    finally:
+        app.close()
+
+
+def _bytes_in_pipes(pid: int) -> dict[str, int]:
+    """The bytes waiting in each pipe ``pid`` holds (FIONREAD on the pipe, opened through /proc)."""
+    waiting = {}
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            pipe = os.readlink(fd)
+            if pipe.startswith("pipe:") and pipe not in waiting:
+                opened = os.open(fd, os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    count = array.array("i", [0])
+                    fcntl.ioctl(opened, termios.FIONREAD, count)
+                    waiting[pipe] = count[0]
+                finally:
+                    os.close(opened)
+    return waiting
+
+
+@pytest.mark.slow  # about 15 s: a worker, the kill, the task again, six tasks, the warm stop
+def test_a_task_a_killed_pool_process_had_read_but_not_started_runs_at_once(tmp_path: Path) -> None:
+    """A pool process SIGKILLed after it read a task from the pool's pipe and before it accepted
+    it (billiard's ACK to the main process): the blocking pool did not know which process had
+    taken it, so the task was never run nor failed, and its message came back only after the
+    visibility timeout (29.2 s of 30 in review), its prefetch slot held for the life of the
+    channel (with ``-c 1``: nothing received again, 0 of 6 tasks in 60 s). Now the main process
+    hands the message back when it finds the process dead, and the task runs again at once
+    (docs/transport.md, "A task a killed pool process had read").
+
+    The window is held open from outside: process A runs ``fail_large`` and, the main process
+    stopped, blocks writing its large exception into the result pipe, holding that pipe's write
+    lock; process B, stopped while the task ``marked`` is written to the task pipe, then continued,
+    reads it and waits for that lock to send its ACK; it is SIGKILLed there."""
+    app = TaskApp("postgresql", tmp_path, TAPP_POOL="outbox.transport.prefork:TaskPool", TAPP_VISIBILITY="300")
+    try:
+        worker = app.worker("w1", concurrency=2)
+        assert wait_until(lambda: " ready." in app.log("w1"), timeout=60), app.log("w1")[-3000:]
+        go = tmp_path / "go"
+        app.task("fail_large").delay(1_000_000, str(go))
+        assert wait_until(lambda: app.lines("fail_large"), timeout=30), app.log("w1")[-3000:]
+        a = int(app.lines("fail_large")[0][1])
+
+        def waiting_reader() -> int | None:
+            return next((pid for pid in _pool_processes(worker.pid)
+                         if pid != a and waits_for_a_task(_wchan(pid) or "")), None)
+
+        assert wait_until(lambda: waiting_reader() is not None, timeout=30), (
+            {pid: _wchan(pid) for pid in _pool_processes(worker.pid)})
+        b = waiting_reader()
+        assert b is not None
+        os.kill(b, signal.SIGSTOP)
+        before = _bytes_in_pipes(b)
+        app.task("marked").delay(1)
+        assert wait_until(lambda: any(n > before.get(p, 0) for p, n in _bytes_in_pipes(b).items()), timeout=30), (
+            "the task never reached the pool's pipe\n" + app.log("w1")[-3000:])
+        os.kill(worker.pid, signal.SIGSTOP)  # the reader of results stops: A fills the pipe and waits
+        try:
+            go.touch()
+            assert wait_until(lambda: "pipe_write" in (_wchan(a) or ""), timeout=10), _wchan(a)
+            os.kill(b, signal.SIGCONT)
+            assert wait_until(lambda: "fcntl_setlk" in (_wchan(b) or ""), timeout=10), _wchan(b)  # read, ACK waits
+            os.kill(b, signal.SIGKILL)
+            assert wait_until(lambda: _wchan(b) is None, timeout=10)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        assert wait_until(lambda: app.lines("marked"), timeout=30), (
+            f"the task B had read did not run again within 30 s of the kill (visibility timeout 300 s)\n"
+            f"{app.log('w1')[-3000:]}")
+        [marked] = app.lines("marked")
+        assert marked[1] == "1" and int(marked[2]) != b and marked[4] == "True"  # again, flagged redelivered
+        for n in range(6):
+            app.task("record").delay(n)
+        assert wait_until(lambda: len(app.lines("record")) >= 6, timeout=30), app.log("w1")[-3000:]
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, app.log("w1")[-3000:]
+        log = app.log("w1")
+        assert f"its pool process (pid {b}) died before it started it" in log
+        assert "changed nothing" not in log, log[-3000:]  # no stale lease left in the prefetch window
+        assert app.queue_rows() == []
     finally:
         app.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import threading
 import time
@@ -17,8 +18,9 @@ from typing import Any
 import pytest
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.concurrency.solo import TaskPool as SoloPool
+from celery.exceptions import Reject
 
-from outbox.transport.prefork import Pool, ProcessLock, TaskPool, robust_prefork
+from outbox.transport.prefork import PacketConnection, Pool, ProcessLock, TaskPool, TaskQueue, robust_prefork
 
 
 def _fork(body: object) -> int:
@@ -233,3 +235,54 @@ def test_a_process_forked_after_the_stop_sentinels_does_not_hold_up_the_join() -
     ends_within(pool, pool.join, 15,
                 lambda: f"the pool's join waited for a process forked after its sentinels ({_wchan(late.pid)})")
     pool.terminate()
+
+
+@pytest.mark.parametrize("killed", ["after-its-read", "inside-its-read"])
+def test_a_task_whose_pool_process_died_before_starting_it_is_handed_back(
+        killed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool process SIGKILLed after it read a task and before it accepted it (billiard's ACK):
+    billiard's blocking pool does not know which process took a task from the shared pipe, so the
+    task stayed in its cache for good, never run, never failed, and Celery's message with it (back
+    only after the visibility timeout, its prefetch slot held for the life of the channel: with
+    ``-c 1`` the worker received nothing again). Now the task is failed with ``Reject(requeue=True)``,
+    which makes Celery hand its message back at once: killed once its read is done (the pool sees
+    it when it finds the process dead), and killed inside it, the task read but not yet recorded
+    (the next reader finds the task's number skipped). The pause is this test's, in the pool
+    processes it forks; the kill is real."""
+    park, parked = tmp_path / "park", tmp_path / "parked"
+    report_read, report_write = os.pipe()
+    where = TaskQueue if killed == "after-its-read" else PacketConnection
+    method = "get_payload" if killed == "after-its-read" else "recv_bytes"
+    read = getattr(where, method)
+
+    def pausing(self: Any, *args: Any) -> Any:
+        payload = read(self, *args)
+        try:
+            park.rename(parked)  # one reader parks, once
+        except FileNotFoundError:
+            return payload
+        os.write(report_write, str(os.getpid()).encode())
+        time.sleep(60)  # SIGKILLed here
+        raise AssertionError("not killed")
+
+    monkeypatch.setattr(where, method, pausing)
+    pool = Pool(processes=2)
+    try:
+        park.touch()
+        failed: list[Any] = []
+        job = pool.apply_async(os.getpid, error_callback=failed.append)
+        assert select.select([report_read], [], [], 10)[0], "no pool process read the task"
+        reader = int(os.read(report_read, 20))
+        os.kill(reader, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while not job.ready():
+            assert time.monotonic() < deadline, f"the task the killed process read was not handed back: {job!r}"
+            time.sleep(0.01)
+        [info] = failed
+        rejected = getattr(info.exception, "exc", info.exception)  # billiard's ExceptionWithTraceback, as Celery reads it
+        assert isinstance(rejected, Reject) and rejected.requeue is True
+        assert job._job not in pool._cache
+        for _ in range(4):  # the pool runs on
+            assert pool.apply_async(os.getpid).get(timeout=10) != reader
+    finally:
+        ends_within(pool, pool.terminate, 10, lambda: "the pool's terminate did not end")

@@ -28,7 +28,7 @@ from celery import Celery
 
 app = Celery(__name__, broker=os.environ["TAPP_BROKER"], backend=os.environ.get("TAPP_BACKEND") or None)
 app.conf.update(
-    broker_transport_options={"queue_table": os.environ["TAPP_TABLE"], "visibility_timeout": 4,
+    broker_transport_options={"queue_table": os.environ["TAPP_TABLE"], "visibility_timeout": float(os.environ.get("TAPP_VISIBILITY", "4")),
                               "polling_interval": float(os.environ.get("TAPP_POLL", "0.2"))},
     task_acks_late=True, task_reject_on_worker_lost=False, worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True, task_serializer="json", accept_content=["json"],
@@ -64,6 +64,11 @@ def fail_large(size, go):
     while not os.path.exists(go):
         time.sleep(0.01)
     raise ValueError("x" * size)  # its exception info, larger than a pipe holds, goes back to the main process
+
+
+@app.task(bind=True)
+def marked(self, n):
+    note(f"marked {n} {os.getpid()} {time.time():.3f} {bool(self.request.delivery_info.get('redelivered'))}")
 
 
 @app.task(bind=True)

@@ -2,7 +2,9 @@
 billiard's blocking pool, with the locks its processes share replaced by locks that die with
 the process holding them, the wait for a task moved from ``read`` to ``poll``, and its two
 pipes carrying messages in packets a process killed part-way cannot leave out of step
-(docs/transport.md, "A pool process killed by SIGKILL").
+(docs/transport.md, "A pool process killed by SIGKILL"); and a task a pool process read but
+died before starting handed back to the broker at once (docs/transport.md, "A task a killed
+pool process had read").
 
 ``celery -A outbox worker`` uses it on its own; another Celery app on ``outboxdb`` sets
 ``worker_pool = "outbox.transport.prefork:TaskPool"``.
@@ -14,17 +16,22 @@ import errno
 import fcntl
 import io
 import logging
+import mmap
 import os
 import select
+import struct
 import tempfile
 import threading
 import time
 from typing import Any
 
 from billiard.connection import Connection, wait
-from billiard.pool import stop_if_not_current
+from billiard.einfo import ExceptionInfo
+from billiard.pool import ACK, RUN, TASK, stop_if_not_current
 from billiard.queues import SimpleQueue
+from billiard.reduction import ForkingPickler
 from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.exceptions import Reject
 
 
 class ProcessLock:
@@ -168,14 +175,56 @@ def packet_pipe() -> tuple[PacketConnection, PacketConnection] | None:
     return PacketConnection(read, writable=False), PacketConnection(write, readable=False)
 
 
+#: Every message of the task pipe ends with its number: billiard's ``loads`` of it, in a pool process
+#: or in the main process dropping tasks at a stop (``_help_stuff_finish``), reads no further than
+#: the pickle's end.
+SEQ = struct.Struct("<q")
+#: A message that carries no task: it makes the next reader look for numbers a dead reader took.
+PROBE = bytes(ForkingPickler.dumps("outbox-probe"))
+#: The result pipe's message that hands back tasks that were read but never started: (numbers, why).
+UNSTARTED = "outbox-unstarted"
+
+
+def _counter() -> mmap.mmap:
+    """Eight bytes shared with the processes forked after it (an anonymous shared mapping)."""
+    return mmap.mmap(-1, SEQ.size)
+
+
 class TaskQueue(SimpleQueue):
     """billiard's task queue whose reader waits for a task in ``poll``, and reads only once one
-    is there: a process killed in ``read`` could take a task's first bytes with it."""
+    is there: a process killed in ``read`` could take a task's first bytes with it. It also keeps
+    the record of what its readers took that ``Pool`` reads when one dies: the number of the
+    message each process read last (``_mine``, its own) and of the last one read by anyone
+    (``_last``); a reader that finds numbers skipped between the two reports them, since the
+    process that read them died before recording them."""
+
+    _mine: mmap.mmap | None = None
+    _last: mmap.mmap | None = None
+    _results: SimpleQueue | None = None
 
     def get_payload(self) -> bytes:
         with self._rlock:
-            self._reader.poll(None)
-            return self._reader.recv_bytes()
+            while True:
+                self._reader.poll(None)
+                payload = self._reader.recv_bytes()
+                if self._last is None:
+                    return payload
+                self._took(payload)
+                if len(payload) != len(PROBE) + SEQ.size or payload[:-SEQ.size] != PROBE:
+                    return payload  # a task, or a stop sentinel
+
+    def _took(self, payload: bytes) -> None:
+        """Record the message read (under the read lock): first as this process's own, then as the
+        last read; numbers skipped since the last were read by a process that died before this
+        point, and are reported first (a kill between the reports and the record reports again)."""
+        assert self._mine is not None and self._last is not None and self._results is not None
+        (number,) = SEQ.unpack_from(payload, len(payload) - SEQ.size)
+        SEQ.pack_into(self._mine, 0, number)
+        (last,) = SEQ.unpack_from(self._last)
+        if number > last + 1:
+            self._results.put((UNSTARTED, (tuple(range(last + 1, number)),
+                                           "its pool process died as it read it")))
+        SEQ.pack_into(self._last, 0, number)
 
 
 class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
@@ -190,19 +239,111 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
         self._inqueue._rlock = ProcessLock()
         self._outqueue._wlock = ProcessLock()
         tasks, results = packet_pipe(), packet_pipe()
-        if tasks is None or results is None:  # not Linux: billiard's pipes
+        if tasks is not None and results is not None:  # else not Linux: billiard's pipes
+            for queue, pipe in ((self._inqueue, tasks), (self._outqueue, results)):
+                queue.close()
+                queue._reader, queue._writer = pipe
+            self._quick_get = self._outqueue._reader.recv  # as billiard's, on the new pipes
+            reader = self._outqueue._reader
+
+            def _poll_result(timeout: float) -> tuple[bool, Any]:
+                return (True, reader.recv()) if reader.poll(timeout) else (False, None)
+
+            self._poll_result = _poll_result
+        self._number_tasks()
+
+    def _number_tasks(self) -> None:
+        """Number every message of the task pipe, and remember which task went out under which
+        number until it is accepted (``_handed``), so that a task a pool process took and died
+        with before accepting it can be handed back (docs/transport.md, "A task a killed pool
+        process had read")."""
+        self._inqueue._last, self._inqueue._results = _counter(), self._outqueue
+        self._sent, self._put_lock = 0, threading.Lock()
+        self._handed: dict[int, tuple[int, Any]] = {}  # number: (job, i)
+        self._numbers: dict[tuple[int, Any], int] = {}  # (job, i): number
+        self._records: dict[int, mmap.mmap] = {}  # pid: that process's ``TaskQueue._mine``
+        self._fork_lock = threading.Lock()
+        self._quick_put = self._put_numbered
+
+    def _put_numbered(self, obj: Any) -> None:
+        """The pool's ``_quick_put`` (billiard's task handler, the stop sentinels)."""
+        payload = ForkingPickler.dumps(obj)
+        key = (obj[1][0], obj[1][1]) if isinstance(obj, tuple) and obj[0] == TASK else None
+        with self._put_lock:
+            self._write_numbered(payload, key)
+
+    def _write_numbered(self, payload: Any, key: tuple[int, Any] | None) -> None:
+        """Under ``_put_lock``: the task (``key``) is recorded before any reader can take it."""
+        self._sent += 1
+        if key is not None:
+            self._handed[self._sent], self._numbers[key] = key, self._sent
+        self._inqueue._writer.send_bytes(b"".join((payload, SEQ.pack(self._sent))))
+
+    def _create_worker_process(self, i: int) -> Any:
+        if not hasattr(self, "_records"):  # spawn: billiard's queues
+            return super()._create_worker_process(i)
+        with self._fork_lock:  # the child keeps the counter it was forked with as its own
+            self._inqueue._mine = mine = _counter()
+            process = super()._create_worker_process(i)
+            self._records[process.pid] = mine
+            return process
+
+    def create_result_handler(self, **extra_kwargs: Any) -> Any:
+        handler = super().create_result_handler(**extra_kwargs)
+        if hasattr(self, "_handed"):
+            on_ack = handler.state_handlers[ACK]
+
+            def accepted(job: int, i: Any, *args: Any) -> None:
+                number = self._numbers.pop((job, i), None)
+                if number is not None:
+                    self._handed.pop(number, None)
+                on_ack(job, i, *args)
+
+            handler.state_handlers[ACK] = accepted
+            handler.state_handlers[UNSTARTED] = self._hand_back
+        return handler
+
+    def process_flush_queues(self, worker: Any) -> None:
+        """A pool process is gone (billiard's supervisor found it exited): if the task it read last
+        was not accepted, have the result handler hand it back once it has read every message the
+        process wrote before it died (a task accepted meanwhile stays billiard's); and make the
+        next reader look for messages the process read but never recorded (a probe)."""
+        mine = getattr(self, "_records", {}).pop(worker.pid, None)
+        if mine is None:
             return
-        for queue, pipe in ((self._inqueue, tasks), (self._outqueue, results)):
-            queue.close()
-            queue._reader, queue._writer = pipe
-        self._quick_put = self._inqueue._writer.send  # as billiard's, on the new pipes
-        self._quick_get = self._outqueue._reader.recv
-        reader = self._outqueue._reader
+        (number,) = SEQ.unpack_from(mine)
+        mine.close()
+        if self._state != RUN or threading.current_thread() is getattr(self, "_result_handler", None):
+            return  # a stop: the channel's close hands back every unacknowledged message
+        if number in self._handed:
+            self._outqueue.put((UNSTARTED, ((number,), f"its pool process (pid {worker.pid}) died before it started it")))
+        if self._put_lock.acquire(blocking=False):  # else a task is being written: its reader looks
+            try:
+                if select.select([], [self._inqueue._writer.fileno()], [], 0)[1]:  # else full: the same
+                    self._write_numbered(PROBE, None)
+            finally:
+                self._put_lock.release()
 
-        def _poll_result(timeout: float) -> tuple[bool, Any]:
-            return (True, reader.recv()) if reader.poll(timeout) else (False, None)
-
-        self._poll_result = _poll_result
+    def _hand_back(self, numbers: tuple[int, ...], why: str) -> None:
+        """The result handler: tasks read by a pool process that died before it started them go
+        back to the broker at once, through Celery's own path for a task that raises
+        ``Reject(requeue=True)``, instead of waiting out the visibility timeout and holding a
+        prefetch slot for the life of the channel."""
+        for number in numbers:
+            key = self._handed.pop(number, None)
+            if key is None:
+                continue  # a probe, a stop sentinel, or handed back already
+            self._numbers.pop(key, None)
+            job = self._cache.get(key[0])
+            if job is None or key[1] is not None or job.accepted() or job.ready():
+                continue
+            log.warning("outboxdb: %s (task %s): its message is handed back to the broker",
+                        why, job.correlation_id or key[0])
+            try:
+                raise Reject(f"not run: {why}", requeue=True)
+            except Reject:
+                self._cache.pop(key[0], None)  # no ACK will come to take it out
+                job._set(None, (False, ExceptionInfo()))
 
     def join(self) -> None:
         """billiard's join, after one stop sentinel more for each pool process still waiting for
