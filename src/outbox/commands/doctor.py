@@ -144,7 +144,7 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
         with store.transaction() as cursor:
             problems = index_problems(store.engine, cursor)
         if problems:
-            # Compared by definition, not by name (docs/operations.md, "Checking a deployment").
+            # Compared by definition, not by name (docs/operations.md, "Is it set up right? `outbox check`").
             results.append(Result("indexes", FAIL, f"{'; '.join(problems)}: run `outbox migrate`, which builds "
                                   "them again as it defines them (one an earlier release defined so; one "
                                   "changed by hand may have to be dropped first)"))

@@ -258,7 +258,7 @@ class OutboxStore:
         waited for another migration of the table (``outbox migrate``'s report). Where the
         engine's migration lock is the session's (PostgreSQL: ``Engine.online_migration``) the
         states are read under it: two runs at once both read the table before either changed
-        it, and both said they rebuilt what the first one had (docs/operations.md, "The table")."""
+        it, and both said they rebuilt what the first one had (README, "The table")."""
         return self._migrate(native_json, report=True)
 
     def _migrate(self, native_json: bool, *, report: bool) -> Migration:

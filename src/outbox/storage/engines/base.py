@@ -113,8 +113,8 @@ def derived_name(prefix: str, table: str, suffix: str) -> str:
 
 @dataclass(frozen=True)
 class IndexShape:
-    """An index's definition as ``outbox check`` compares it (docs/operations.md, "Checking a
-    deployment"): its key columns in order (`` DESC`` after a descending one), uniqueness, its
+    """An index's definition as ``outbox check`` compares it (docs/operations.md, "Is it set up
+    right? `outbox check`"): its key columns in order (`` DESC`` after a descending one), uniqueness, its
     partial predicate (the engine's text; compared through ``Engine.same_predicate``), its
     included columns and, where the engine has several, its access method."""
 
