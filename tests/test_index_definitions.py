@@ -203,3 +203,57 @@ def test_the_catalog_queries_of_postgresql_and_mariadb_run(postgres: OutboxStore
     for store in (postgres, mysql):
         assert indexes_line(store)[0] == OK, store
 
+
+
+def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool, unfiltered: str = "") -> sqlite3.Connection:
+    """A fake SQL Server catalog (``sys.indexes``, ``sys.index_columns``, ``sys.columns``) in
+    SQLite, holding a migrated table's indexes as SQL Server keeps them: each filter's text as
+    the catalog writes it, or NULL where the login may not read it (``readable_filters``
+    False: a login with the table's SELECT, INSERT, UPDATE, DELETE and no VIEW DEFINITION), the
+    index of suffix ``unfiltered`` made without its filter."""
+    conn = sqlite3.connect(":memory:")
+    conn.execute("ATTACH ':memory:' AS sys")
+    conn.executescript(
+        "CREATE TABLE sys.indexes (object_id, index_id, name, is_unique, type_desc, has_filter, filter_definition);"
+        "CREATE TABLE sys.index_columns (object_id, index_id, index_column_id, column_id, key_ordinal, "
+        "is_descending_key, is_included_column);"
+        "CREATE TABLE sys.columns (object_id, column_id, name);")
+    columns: dict[str, int] = {}
+    for index_id, spec in enumerate(INDEXES, 2):
+        filtered = spec.filtered and spec.suffix != unfiltered
+        text = "([status]=(0) OR [status]=(1) OR [status]=(3))" if filtered and readable_filters else None
+        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, 'NONCLUSTERED', ?, ?)",
+                     [index_id, engine.index_name(spec.suffix), spec.unique, filtered, text])
+        for n, (column, ordinal) in enumerate([*((k, i) for i, k in enumerate(spec.keys, 1)),
+                                               *((c, 0) for c in spec.include)], 1):
+            column_id = columns.setdefault(column, len(columns) + 1)
+            conn.execute("INSERT INTO sys.index_columns VALUES (1, ?, ?, ?, ?, 0, ?)",
+                         [index_id, n, column_id, ordinal, ordinal == 0])
+    conn.executemany("INSERT INTO sys.columns VALUES (1, ?, ?)", [(i, c) for c, i in columns.items()])
+    return conn
+
+
+def sql_server_problems(engine: MssqlEngine, conn: sqlite3.Connection) -> list[str]:
+    """``INDEX_COLUMNS_SQL['mssql']`` run on the fake catalog (SQLite reads it once its N''
+    literals are plain ones and OBJECT_ID gives the table's id), compared as `outbox check` does."""
+    sql = INDEX_COLUMNS_SQL["mssql"].replace("N'", "'").replace("OBJECT_ID(?)", "1")
+    live = shapes_of(conn.execute(sql).fetchall())
+    return [name for name, expected in engine.expected_indexes().items()
+            if name not in live or not same_shape(engine, live[name], expected)]
+
+
+def test_sql_servers_filters_a_login_may_not_read_do_not_fail_the_check(no_sqlglot_fallbacks: None) -> None:
+    """sys.indexes.filter_definition is NULL "for heap, non-filtered index, or insufficient
+    permissions on the table" (Microsoft's sys.indexes reference): the relay's login, with the
+    SELECT, INSERT, UPDATE, DELETE docs/sqlserver.md ("Permissions") asks for and no VIEW
+    DEFINITION, read the three filtered indexes as unfiltered, and `outbox check` failed on a
+    table `outbox migrate` had just made (found in review). Whether an index has a filter
+    (has_filter) is read instead where its text is not; an index without one still fails."""
+    engine = MssqlEngine()
+    parse_one(INDEX_COLUMNS_SQL["mssql"].replace("?", "N'[dbo].[outbox]'"))
+    assert sql_server_problems(engine, sql_server_catalog(engine, readable_filters=True)) == []
+    assert sql_server_problems(engine, sql_server_catalog(engine, readable_filters=False)) == []
+    claim = engine.index_name("claim_ready")
+    for readable in (True, False):
+        catalog = sql_server_catalog(engine, readable_filters=readable, unfiltered="claim_ready")
+        assert sql_server_problems(engine, catalog) == [claim], readable

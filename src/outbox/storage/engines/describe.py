@@ -17,6 +17,7 @@ from ...core.errors import install_hint
 from ...core.redact import redact
 from . import DRIVER_MODULES, kind_of_url, mssql_driver
 from .base import Engine, IndexShape
+from .mssql.schema import UNREADABLE_FILTER, nstr
 from .sqlite import SqliteEngine
 
 #: Driver module -> (engine, the extra that installs it).
@@ -94,7 +95,9 @@ def index_names(engine: Engine, cursor: Any) -> set[str]:
 
 #: Per engine, the catalog's rows of the table's indexes, one per column: (index, unique,
 #: method, predicate, column, position, descending, included, prefix length). PostgreSQL's
-#: valid indexes only (``index_names``); its included columns come after its keys.
+#: valid indexes only (``index_names``); its included columns come after its keys. SQL Server's
+#: filter_definition is NULL to a login without VIEW DEFINITION on the table (Microsoft's
+#: sys.indexes reference), which the relay's needs not have: has_filter says there is one.
 INDEX_COLUMNS_SQL = {
     "postgresql": (
         "SELECT c.relname, i.indisunique, am.amname, pg_get_expr(i.indpred, i.indrelid, true), "
@@ -107,7 +110,8 @@ INDEX_COLUMNS_SQL = {
         "sub_part FROM information_schema.statistics WHERE table_name = ? AND table_schema = {schema} "
         "ORDER BY index_name, seq_in_index"),
     "mssql": (
-        "SELECT i.name, i.is_unique, i.type_desc, i.filter_definition, c.name, ic.key_ordinal, "
+        "SELECT i.name, i.is_unique, i.type_desc, CASE WHEN i.has_filter = 1 THEN COALESCE(i.filter_definition, "
+        f"{nstr(UNREADABLE_FILTER)}) END, c.name, ic.key_ordinal, "
         "ic.is_descending_key, ic.is_included_column, NULL FROM sys.indexes AS i "
         "INNER JOIN sys.index_columns AS ic ON ic.object_id = i.object_id AND ic.index_id = i.index_id "
         "INNER JOIN sys.columns AS c ON c.object_id = ic.object_id AND c.column_id = ic.column_id "

@@ -42,6 +42,10 @@ OPEN_ROWS = "status IN (0, 1, 3)"
 FILTER_NOISE = ("[", "]", "(", ")", " ")
 #: The forms ``OPEN_ROWS`` may take in sys.indexes.filter_definition, normalized.
 OPEN_ROWS_NORMALIZED = ("status=0orstatus=1orstatus=3", "statusin0,1,3")
+#: What ``outbox check``'s catalog query (``describe.INDEX_COLUMNS_SQL``) gives for a filter it
+#: may not read: sys.indexes.filter_definition is NULL for a login without VIEW DEFINITION on
+#: the table (the relay's, docs/sqlserver.md "Permissions"), has_filter is not.
+UNREADABLE_FILTER = "(a filter, whose text needs VIEW DEFINITION on the table)"
 
 
 def nstr(text: str) -> str:
@@ -253,7 +257,11 @@ class MssqlSchema(Engine):
                 for spec in INDEXES}
 
     def same_predicate(self, live: str | None, expected: str | None) -> bool:
-        # The catalog writes OPEN_ROWS as ``([status]=(0) OR [status]=(1) OR [status]=(3))``.
+        # The catalog writes OPEN_ROWS as ``([status]=(0) OR [status]=(1) OR [status]=(3))``;
+        # to a login without VIEW DEFINITION it writes nothing, and only that there is a filter
+        # is compared (UNREADABLE_FILTER; the check failed on every table: found in review).
+        if live == UNREADABLE_FILTER:
+            return expected is not None
         if live and expected == OPEN_ROWS:
             return normalize_filter(live) in OPEN_ROWS_NORMALIZED
         return super().same_predicate(live, expected)
