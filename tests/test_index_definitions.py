@@ -35,6 +35,16 @@ def indexes_line(store: OutboxStore) -> tuple[str, str]:
     return result.state, result.detail
 
 
+def cli(store: OutboxStore, command: str, cwd: Path) -> str:
+    """``outbox <command>``'s output, run as an operator runs it, on ``store``'s table."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
+    done = subprocess.run([sys.executable, "-m", "outbox.cli", command], capture_output=True, text=True, cwd=cwd,
+                          env={**clean, "OUTBOX_DATABASE_URL": store.url, "OUTBOX_TABLE": store.engine.table_name},
+                          timeout=120)
+    assert done.returncode == (1 if command == "check" and "[FAIL]" in done.stdout else 0), done
+    return done.stdout
+
+
 def raw(store: OutboxStore, *statements: str) -> None:
     """``statements`` on a connection of their own, committed."""
     conn = store.engine.connect(store.url)
@@ -131,6 +141,28 @@ def test_check_fails_on_mariadbs_indexes_of_an_earlier_release_until_migrate(mys
     assert f"{agg} is (aggregate_id, id) USING BTREE, not (aggregate_id, status, id)" in detail, detail
     mysql.migrate()
     assert indexes_line(mysql)[0] == OK
+
+
+def test_mariadbs_migrate_report_names_the_indexes_it_rebuilt(mysql: OutboxStore, tmp_path: Path) -> None:
+    """MariaDB's report said `repaired` alone over the two indexes it rebuilt (PostgreSQL's
+    named them): it names them now, read as `outbox check` reads them (found in review)."""
+    e = mysql.engine
+    claim, agg = e.index_name("claim_ready"), e.index_name("agg_id_id")
+    raw(mysql, f"ALTER TABLE {e.table} DROP INDEX `{claim}`, ADD INDEX `{claim}` (status, id), "
+               f"DROP INDEX `{agg}`, ADD INDEX `{agg}` (aggregate_id, id)")
+    report = cli(mysql, "migrate", tmp_path)
+    assert f"repaired (rebuilt {agg}, {claim})" in report, report
+    assert cli(mysql, "migrate", tmp_path).strip().endswith("nothing to change")
+
+
+def test_sqlites_migrate_report_names_the_index_it_rebuilt(tmp_path: Path) -> None:
+    store = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}")
+    store.migrate()
+    name = store.engine.index_name("claim_ready")
+    raw(store, f'DROP INDEX "{name}"', f'CREATE INDEX "{name}" ON outbox (id) WHERE status IN (0, 1, 3)')
+    report = cli(store, "migrate", tmp_path)
+    assert f"repaired (rebuilt {name})" in report, report
+    store.close()
 
 
 def test_check_fails_on_a_mariadb_message_id_that_is_not_unique(mysql: OutboxStore) -> None:

@@ -42,7 +42,7 @@ from ..domain.events import MAX_ERROR_UNITS, fit_utf16
 from .connections import CallerTransactions, Connections
 from .engines import Engine, engine_for_url
 from .engines.base import ERROR_KIND_PREFIXES, PERMANENT_ERROR_PREFIXES, UNDECODABLE_PREFIX, is_permanent_error
-from .engines.describe import index_names
+from .engines.describe import index_names, index_shapes
 
 log = logging.getLogger("outbox.storage.store")
 T = TypeVar("T")
@@ -288,7 +288,8 @@ class OutboxStore:
     def schema_state(self) -> tuple[frozenset[Any], ...] | None:
         """The table's columns, its index names with the holders table's name when it exists,
         its storage parameters (``name=value``: PostgreSQL's) and its indexes' and constraints'
-        definitions (``Engine.definitions``), or None when the table does not exist: what
+        definitions (``Engine.definitions``, else each index as ``outbox check`` reads it:
+        ``describe.index_shapes``), or None when the table does not exist: what
         ``outbox migrate`` compares before and after to say what it changed (``schema_changes``;
         a holders table it made again, the autovacuum parameters it set, and the indexes it
         rebuilt on a table of the first release went unsaid: found in review)."""
@@ -310,6 +311,11 @@ class OutboxStore:
         with self.transaction() as cursor:
             options = self.engine.storage_options(cursor)
             definitions = self.engine.definitions(cursor)
+            # Each index the engine's catalog text does not give, as `outbox check` reads it
+            # (describe.index_shapes): MySQL's and SQLite's rebuilds went unnamed, "repaired" alone.
+            defined = {name for name, _ in definitions}
+            definitions |= frozenset((name, shape.text()) for name, shape in index_shapes(self.engine, cursor).items()
+                                     if name not in defined)
         return columns, frozenset(names), options, definitions
 
     def schema_changes(self, before: tuple[frozenset[Any], ...], after: tuple[frozenset[Any], ...]) -> list[str]:
