@@ -146,8 +146,7 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
         if problems:
             # Compared by definition, not by name (docs/operations.md, "Is it set up right? `outbox check`").
             results.append(Result("indexes", FAIL, f"{'; '.join(problems)}: run `outbox migrate`, which builds "
-                                  "them again as it defines them (one an earlier release defined so; one "
-                                  "changed by hand may have to be dropped first)"))
+                                  "them again as it defines them"))
         else:
             results.append(Result("indexes", OK, ", ".join(sorted(expected_index_names(store.engine)))))
         results.append(_check_holders(store, RelayOptions().holder_timeout_s if holder_timeout_s is None

@@ -132,6 +132,17 @@ class IndexShape:
         return text + (f" USING {self.method}" if self.method else "")
 
 
+@dataclass(frozen=True)
+class IndexDiffers:
+    """A migration step's probe (``Engine.migration``) for the step that builds index ``name``
+    again: the step runs when the index exists and is not defined as ``Engine.expected_indexes``
+    says, compared as ``outbox check`` compares it (``describe.index_differs``: one comparison
+    for both; docs/operations.md, "Is it set up right? `outbox check`"). ``apply_migration``
+    reads it."""
+
+    name: str
+
+
 def normalize_predicate(text: str) -> str:
     """A predicate without brackets, parentheses, spaces and case: catalogs write the text the
     migration gave back with their own parentheses (``(processed_at IS NULL)``)."""
@@ -624,7 +635,8 @@ class Engine(ABC):
 
         An item is either SQL that guards itself (IF NOT EXISTS) or a pair
         ``((probe_sql, probe_params), sql)``: ``sql`` runs only when the probe finds
-        no row, for engines whose DDL has no IF NOT EXISTS form."""
+        no row, for engines whose DDL has no IF NOT EXISTS form; or ``(IndexDiffers(name),
+        sql)``: ``sql`` runs only when the index is there and defined otherwise."""
 
     def online_migration(self, native_json: bool = False) -> tuple[list[Any], list[list[Any]]] | None:
         """``migration()`` in two parts where the engine can build an index without holding the

@@ -141,12 +141,12 @@ def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
     table, schema = engine.table_name, engine.schema
     if isinstance(engine, SqliteEngine):
         prefix, rows = engine.schema_prefix(), []
-        for _, name, unique, _, partial in cursor.execute(
-                f"PRAGMA {prefix}index_list({engine.quote(table)})").fetchall():
-            info = cursor.execute(f"PRAGMA {prefix}index_xinfo({engine.quote(name)})").fetchall()
+        for _, name, unique, _, partial in engine.execute(
+                cursor, f"PRAGMA {prefix}index_list({engine.quote(table)})").fetchall():
+            info = engine.execute(cursor, f"PRAGMA {prefix}index_xinfo({engine.quote(name)})").fetchall()
             where = None
             if partial:
-                sql = cursor.execute(f"SELECT sql FROM {engine.master()} WHERE type = 'index' AND name = ?",
+                sql = engine.execute(cursor, f"SELECT sql FROM {engine.master()} WHERE type = 'index' AND name = ?",
                                      [name]).fetchone()
                 found = re.search(r"\)\s*WHERE\s+(.*?)\s*;?\s*$", str(sql[0] if sql else ""), re.IGNORECASE | re.DOTALL)
                 where = found.group(1) if found else "(unreadable)"
@@ -175,6 +175,14 @@ def same_shape(engine: Engine, live: IndexShape, expected: IndexShape) -> bool:
             and (expected.method is None or (live.method or "").lower() == expected.method.lower()))
 
 
+def index_differs(engine: Engine, cursor: Any, name: str) -> bool:
+    """Whether the index ``name`` exists and is defined otherwise than ``Engine.expected_indexes``
+    says (``same_shape``): what ``outbox migrate`` builds again (``base.IndexDiffers``) and
+    ``outbox check`` fails on (``index_problems``)."""
+    live = index_shapes(engine, cursor).get(name)
+    return live is not None and not same_shape(engine, live, engine.expected_indexes()[name])
+
+
 def index_problems(engine: Engine, cursor: Any) -> list[str]:
     """What is wrong with the indexes ``outbox migrate`` leaves, read from the catalog: each
     one missing (on PostgreSQL, an INVALID one too), or defined otherwise than the migration
@@ -196,4 +204,4 @@ def expected_index_names(engine: Engine) -> set[str]:
 
 
 __all__ = ["describe_database", "missing_driver_hint", "driver_problem", "index_names", "expected_index_names",
-           "index_shapes", "index_problems", "shapes_of", "same_shape", "INDEX_COLUMNS_SQL", "DRIVER_EXTRAS"]
+           "index_shapes", "index_differs", "index_problems", "shapes_of", "same_shape", "INDEX_COLUMNS_SQL", "DRIVER_EXTRAS"]

@@ -298,9 +298,9 @@ class PostgresEngine(Engine):
 
     def online_migration(self, native_json: bool = False) -> tuple[list[Any], list[list[Any]]]:
         # docs/internals.md, "Index builds that hold no writer back": on a table holding rows
-        # the three partial indexes are built CONCURRENTLY, after the transaction.
+        # the four indexes are built CONCURRENTLY, after the transaction.
         return (self._migration(native_json, online=True),
-                [self._online_index_steps(suffix, columns, where) for suffix, _, columns, where in self.PARTIAL_INDEXES])
+                [self._online_index_steps(suffix) for suffix in ("message_id", *(i[0] for i in self.PARTIAL_INDEXES))])
 
     #: The partial indexes: (suffix, an earlier release's columns, the columns now, the filter).
     PARTIAL_INDEXES: ClassVar[tuple[tuple[str, str, str, str], ...]] = (
@@ -313,6 +313,29 @@ class PostgresEngine(Engine):
         for suffix, _, columns, where in self.PARTIAL_INDEXES:
             shapes[self.index_name(suffix)] = IndexShape(tuple(columns.split(", ")), where=where, method="btree")
         return shapes
+
+    def _index_ddl(self, suffix: str, name: str, how: str = "") -> str:
+        """``CREATE [UNIQUE] INDEX <how><name>`` of the index ``suffix`` as ``expected_indexes``
+        defines it."""
+        shape = self.expected_indexes()[self.index_name(suffix)]
+        return (f"CREATE {'UNIQUE ' if shape.unique else ''}INDEX {how}{self.quote(name)} ON {self.table} "
+                f"({', '.join(shape.keys)})" + (f" WHERE {shape.where}" if shape.where else ""))
+
+    def _indexdef_like(self, suffix: str) -> str:
+        """``pg_get_indexdef``'s text of the index ``suffix`` as ``expected_indexes`` defines it,
+        a LIKE pattern (any name and table): what the migration's probes compare, in SQL so that
+        Alembic's offline script (``migration_script``) runs them too. Another method, column
+        order or direction, uniqueness, predicate or included column does not match."""
+        shape = self.expected_indexes()[self.index_name(suffix)]
+        return (f"CREATE {'UNIQUE ' if shape.unique else ''}INDEX % USING {shape.method} ({', '.join(shape.keys)})"
+                + (f" WHERE ({shape.where})" if shape.where else ""))
+
+    def _differs(self, suffix: str) -> tuple[str, list[Any]]:
+        """A probe finding a row unless the index ``suffix`` is there defined otherwise
+        (``_indexdef_like``): the guard of the step that drops it to make it again."""
+        return ("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = COALESCE(?, current_schema()) "
+                "AND indexname = ? AND indexdef NOT LIKE ?)",
+                [self.schema, self.index_name(suffix), self._indexdef_like(suffix)])
 
     def _migration(self, native_json: bool, online: bool) -> list[Any]:
         t, q = self.table, self.quote
@@ -345,8 +368,12 @@ class PostgresEngine(Engine):
             *((self._has_column(column), f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {column} {ddl}")
               for column, ddl in self.ADDED_COLUMNS),
             *self._rename_legacy_index("message_id", "message_id"),
-            (self._has_index("message_id"),
-             f"CREATE UNIQUE INDEX IF NOT EXISTS {q(self.index_name('message_id'))} ON {t} (message_id)"),
+            # Defined otherwise (not unique, on more columns, partial: made by hand), made again
+            # as the partial indexes below are (it was left so, and `outbox check` failed it).
+            (self._or_holding_rows(self._differs("message_id"), online),
+             f"DROP INDEX {self.qualify(self.index_name('message_id'))}"),
+            (self._or_holding_rows(self._has_index("message_id"), online),
+             self._index_ddl("message_id", self.index_name("message_id"), "IF NOT EXISTS ")),
         ]
         # Tables made before the lease was a HOT update (docs/internals.md, "The lease is a HOT
         # update on PostgreSQL"): the open rows' test written on processed_at and kept equal to
@@ -376,18 +403,14 @@ class PostgresEngine(Engine):
         # on other columns is made again (``before``: an earlier release's columns, for its rename).
         # Online (``online_migration``), the two steps below run here only on a table whose heap
         # has no page (a new one); elsewhere ``_online_index_steps`` builds them after the commit.
-        for suffix, before, columns, where in self.PARTIAL_INDEXES:
+        for suffix, before, columns, _ in self.PARTIAL_INDEXES:
             name = self.index_name(suffix)
             # Any other definition is made again, as `outbox check` compares it (docs/operations.md):
             # only other columns were, not another predicate, included columns or uniqueness.
-            on_status = ("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = "
-                         "COALESCE(?, current_schema()) AND indexname = ? AND (indexdef LIKE '%WHERE%status%' "
-                         "OR indexdef NOT LIKE ? OR indexdef LIKE 'CREATE UNIQUE%'))",
-                         [self.schema, name, f"CREATE INDEX % USING btree ({columns}) WHERE ({where})"])
             steps += [*self._rename_legacy_index(suffix, columns, *{before} - {columns}),
-                      (self._or_holding_rows(on_status, online), f"DROP INDEX {self.qualify(name)}"),
+                      (self._or_holding_rows(self._differs(suffix), online), f"DROP INDEX {self.qualify(name)}"),
                       (self._or_holding_rows(self._has_index(suffix), online),
-                       f"CREATE INDEX IF NOT EXISTS {q(name)} ON {t} ({columns}) WHERE {where}")]
+                       self._index_ddl(suffix, name, "IF NOT EXISTS "))]
         return steps + self.holders_migration()
 
     def _or_holding_rows(self, probe: tuple[str, list[Any]], online: bool) -> tuple[str, list[Any]]:
@@ -399,20 +422,20 @@ class PostgresEngine(Engine):
         return (f"SELECT 1 WHERE EXISTS ({probe[0]}) OR pg_relation_size(to_regclass(?)) > 0",
                 [*probe[1], self.qualify(self.table_name)])
 
-    def _online_index_steps(self, suffix: str, columns: str, where: str) -> list[Any]:
+    def _online_index_steps(self, suffix: str) -> list[Any]:
         """The index ``suffix`` built again without holding writers back (docs/internals.md, "Index
         builds that hold no writer back"), each step run only when its probe finds no row, on a
         connection outside any transaction: a stale or INVALID copy under the build name dropped
         (an earlier run interrupted), the copy built CONCURRENTLY, the index dropped CONCURRENTLY,
-        the copy renamed to its name. Nothing runs where the index is valid and on its columns."""
+        the copy renamed to its name. Nothing runs where the index is valid and defined as
+        ``expected_indexes`` says (``_indexdef_like``)."""
         name, build = self.index_name(suffix), derived_name("ix_", self.table_name, f"_{suffix}_build")
         qname, qbuild, table = self.qualify(name), self.qualify(build), self.qualify(self.table_name)
 
         def good(index: str) -> tuple[str, list[Any]]:
             return ("EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass(?) AND i.indrelid = "
-                    "to_regclass(?) AND i.indisvalid AND pg_get_indexdef(i.indexrelid) LIKE ? AND "
-                    "pg_get_indexdef(i.indexrelid) NOT LIKE '%WHERE%status%')",
-                    [index, table, f"CREATE INDEX % USING btree ({columns}) WHERE ({where})"])
+                    "to_regclass(?) AND i.indisvalid AND pg_get_indexdef(i.indexrelid) LIKE ?)",
+                    [index, table, self._indexdef_like(suffix)])
 
         def probe(*parts: str | tuple[str, list[Any]]) -> tuple[str, list[Any]]:
             sql = " ".join(p if isinstance(p, str) else p[0] for p in parts)
@@ -423,7 +446,7 @@ class PostgresEngine(Engine):
             (probe(("to_regclass(?) IS NULL OR (", [qbuild]), good(qbuild), "AND NOT", good(qname), ")"),
              f"DROP INDEX CONCURRENTLY IF EXISTS {qbuild}"),
             (probe(good(qname), ("OR to_regclass(?) IS NOT NULL", [qbuild])),
-             f"CREATE INDEX CONCURRENTLY {self.quote(build)} ON {self.table} ({columns}) WHERE {where}"),
+             self._index_ddl(suffix, build, "CONCURRENTLY ")),
             (probe((f"{absent} OR {absent} OR", [qname, qbuild]), good(qname)),
              f"DROP INDEX CONCURRENTLY {qname}"),
             (probe(("to_regclass(?) IS NOT NULL OR to_regclass(?) IS NULL", [qname, qbuild])),
