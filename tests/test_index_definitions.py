@@ -358,3 +358,23 @@ def test_migrate_builds_again_any_index_changed_by_hand_as_the_check_compares_it
     assert line.endswith(": run `outbox migrate`, which builds them again as it defines them"), line
     assert "[ok  ] indexes" in cli(store, "check", tmp_path)
     assert cli(store, "migrate", tmp_path).strip().endswith("nothing to change")
+
+
+def test_a_sqlite_migration_that_fails_half_way_leaves_the_index_it_dropped(sqlite_store: OutboxStore,
+                                                                          tmp_path: Path) -> None:
+    """`outbox migrate` on SQLite ran each step in a transaction of its own (the engine's
+    connections have no implicit BEGIN): a rebuild that failed after its DROP INDEX (a
+    `message_id` made unique again over two rows of one id) left the table without the index,
+    and a claim between a DROP and its CREATE found none. Its steps run in one transaction
+    under the writer lock (``SqliteEngine.lock_migration``): the failure leaves the index as it was."""
+    e = sqlite_store.engine
+    name = e.index_name("message_id")
+    row = ("INSERT INTO outbox (message_id, topic, aggregate_type, aggregate_id, payload) "
+           "VALUES ('m', 't', 'a', 'x', '{}')")
+    raw(sqlite_store, f'DROP INDEX "{name}"', f'CREATE INDEX "{name}" ON outbox (message_id)', row, row)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
+    failed = subprocess.run([sys.executable, "-m", "outbox.cli", "migrate"], capture_output=True, text=True,
+                            cwd=tmp_path, env={**clean, "OUTBOX_DATABASE_URL": sqlite_store.url}, timeout=120)
+    assert failed.returncode == 1 and "UNIQUE constraint failed" in failed.stderr, failed
+    state, detail = indexes_line(sqlite_store)
+    assert state == FAIL and detail.startswith(f"{name} is (message_id), not UNIQUE (message_id)"), detail

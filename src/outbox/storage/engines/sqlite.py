@@ -95,6 +95,16 @@ class SqliteEngine(Engine):
 
     migration_under_writer_lock = True  # a claim between a rebuild's DROP and CREATE failed (Engine's)
 
+    def lock_migration(self, cursor: Any) -> None:
+        # The migration's steps in one transaction under the writer lock, first to last
+        # (docs/internals.md, "Rows waiting for a later time are not read"): on the engine's own
+        # connections (no implicit BEGIN) `outbox migrate` ran each step in a transaction of its
+        # own, so a claim between a rebuild's DROP INDEX and CREATE INDEX found no index, and a
+        # step that failed left the ones before it (a dropped index) in place (found in review).
+        # A caller's open transaction (Django's own_transaction, Alembic's) is the migration's already.
+        if not cursor.connection.in_transaction:
+            cursor.execute("BEGIN IMMEDIATE")
+
     def window_source(self) -> str:
         if not self._indexed:
             return self.table
