@@ -6,14 +6,24 @@ MariaDB on "Duplicate column name 'last_error'" (both found the column missing).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from engine_support import drop_table
+from services import MYSQL_URL, require
+from tsql_support import parse_one
 
+from outbox.storage.engines.mssql.engine import MssqlEngine
+from outbox.storage.engines.mysql import MysqlEngine
 from outbox.storage.store import OutboxStore
 
 RACERS = 4
@@ -315,3 +325,124 @@ def test_indexes_an_earlier_release_named_in_full_are_renamed_not_built_again(
     finally:
         drop_table(store)
         store.close()
+
+
+def _migrate_processes(url: str, table: str, cwd: Path) -> list[subprocess.Popen[str]]:
+    """Two `outbox migrate` processes (two replicas' start-ups) on ``table``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
+    env.update(OUTBOX_DATABASE_URL=url, OUTBOX_TABLE=table)
+    return [subprocess.Popen([sys.executable, "-m", "outbox.cli", "migrate"], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+
+
+def _reports(processes: list[subprocess.Popen[str]]) -> list[str]:
+    done = [(p.communicate(timeout=120), p.returncode) for p in processes]
+    assert [code for _, code in done] == [0, 0], done
+    return sorted(out.strip() for (out, _), _ in done)
+
+
+def test_of_two_outbox_migrate_processes_on_a_new_mariadb_table_the_one_that_waited_says_so(tmp_path: Path) -> None:
+    """Each read the table for its report before taking the migration's lock (GET_LOCK): the
+    one that waited read it while the other was half-way and said `repaired (added last_error,
+    lease_token, ix_..., <table>_holders)` beside the other's `created the table` (3 of 3 runs,
+    found in review). The states are read under the lock: it says it changed nothing, and that
+    it waited. The test holds the lock until both processes wait for it."""
+    require("MariaDB/MySQL", "127.0.0.1", 3306)
+    table = f"outbox_race{uuid.uuid4().hex[:8]}"
+    store = OutboxStore(MYSQL_URL, table=table)
+    e = store.engine
+    assert isinstance(e, MysqlEngine)
+    key = e._migration_lock_key()
+    holder = e.connect(MYSQL_URL)
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        cursor = holder.cursor()
+        cursor.execute("SELECT GET_LOCK(%s, 10)", [key])
+        assert cursor.fetchone()[0] == 1
+        processes = _migrate_processes(MYSQL_URL, table, tmp_path)
+
+        def waiting() -> int:
+            cursor.execute("SELECT COUNT(*) FROM information_schema.processlist WHERE id <> CONNECTION_ID() "
+                           "AND info LIKE %s", [f"%GET_LOCK(%{key}%"])
+            return int(cursor.fetchone()[0])
+
+        deadline = time.monotonic() + 60
+        while waiting() < 2 and time.monotonic() < deadline and all(p.poll() is None for p in processes):
+            time.sleep(0.05)
+        assert waiting() == 2, "the two migrations never both waited for the lock"
+    finally:
+        holder.cursor().execute("SELECT RELEASE_LOCK(%s)", [key])
+        holder.close()
+        reports = _reports(processes) if processes else []
+    try:
+        created = [r for r in reports if r.endswith("created the table and its indexes")]
+        assert len(created) == 1, reports
+        (other,) = [r for r in reports if r not in created]
+        assert "nothing to change (waited " in other and "for another migration of the table" in other, other
+    finally:
+        drop_table(store)
+        store.close()
+
+
+def test_of_two_outbox_migrate_processes_on_a_new_sqlite_table_one_says_it_created_it(tmp_path: Path) -> None:
+    """SQLite's migration lock is its writer lock, taken by the migration's BEGIN IMMEDIATE: both
+    processes read the table (missing) for their report before it, and both said `created the
+    table`. The states are read in the transaction: the second says it changed nothing, and that
+    it waited (``SqliteEngine.lock_migration`` asks first without waiting). The test holds the writer lock until both wait for it in
+    SQLite's busy handler (their main thread asleep in the kernel's nanosleep, the file open)."""
+    path = tmp_path / "o.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA journal_mode=WAL")  # as the engine opens it, which then takes no lock to set it
+    holder.execute("BEGIN IMMEDIATE")
+    processes = _migrate_processes(f"sqlite:///{path}", "outbox", tmp_path)
+    try:
+        def waiting() -> int:
+            return sum(_has_open(p.pid, path) and _wchan(p.pid) == "hrtimer_nanosleep" for p in processes)
+
+        deadline = time.monotonic() + 60
+        while waiting() < 2 and time.monotonic() < deadline and all(p.poll() is None for p in processes):
+            time.sleep(0.05)
+        assert waiting() == 2, "the two migrations never both waited for the writer lock"
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        reports = _reports(processes)
+    created = [r for r in reports if r.endswith("created the table and its indexes")]
+    assert len(created) == 1, reports
+    (other,) = [r for r in reports if r not in created]
+    assert "nothing to change (waited " in other and "for another migration of the table" in other, other
+
+
+def _has_open(pid: int, path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return False
+
+
+def _wchan(pid: int) -> str | None:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/wchan").read_text()
+    return None
+
+
+def test_sql_servers_report_reads_the_table_after_its_lock_batch(no_sqlglot_fallbacks: None) -> None:
+    """No SQL Server runs here. Its migration lock is its first batch (sp_getapplock), so the
+    report's states are read after that step (``Engine.migration_lock_step``), and the table's
+    existence is asked of the catalog (a read of a missing table dooms the transaction under
+    XACT_ABORT ON): that query parses as T-SQL, and the first batch is the lock."""
+    engine = MssqlEngine()
+    assert engine.migration_lock_step
+    assert "sp_getapplock" in engine.migration()[0]
+    asked: list[tuple[str, tuple]] = []
+
+    class Catalog:  # records the statement, answers as a catalog without the table
+        def execute(self, sql: str, params: tuple = ()) -> Catalog:
+            asked.append((sql, tuple(params)))
+            return self
+
+        def fetchone(self) -> None:
+            return None
+
+    assert engine.table_exists(Catalog(), engine.table) is False
+    ((sql, params),) = asked
+    parse_one(sql.replace("?", "N'" + str(params[0]) + "'"))

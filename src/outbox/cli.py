@@ -180,7 +180,8 @@ def migrate(native_json: bool) -> None:
     before, after = done.before, done.after
     where = f"{store.engine.table} on {store.engine.name}"
     # Another migration of the table ran first: said, so that nothing it did is claimed here.
-    waited = (f" (waited {done.waited_s:.1f} s for another migration of the table to finish first; what that "
+    took = f"{done.waited_s:.1f} s" if (done.waited_s or 0) >= 0.05 else "under 0.1 s"  # SQLite's: milliseconds
+    waited = (f" (waited {took} for another migration of the table to finish first; what that "
               "one changed, its own report says)") if done.waited_s else ""
     if before is None:
         click.echo(f"migrated {where}: created the table and its indexes")

@@ -59,20 +59,39 @@ TRANSIENT_RETRIES = 5
 REQUEUE_CHUNK = 1000
 
 
-def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False, steps: list[Any] | None = None) -> int:
+class MigrationReport:
+    """What ``apply_migration`` reads for ``OutboxStore.migrate_reporting`` under the migration's
+    lock: ``read(cursor)`` (the table's ``schema_state``) before its first step and after its
+    last, and how long the lock made it wait (None: the engine's lock does not say)."""
+
+    def __init__(self, read: Callable[[Any], Any]) -> None:
+        self.read = read
+        self.before: Any = None
+        self.after: Any = None
+        self.waited_s: float | None = None
+
+
+def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False, steps: list[Any] | None = None,
+                    report: MigrationReport | None = None) -> int:
     """Run the engine's guarded migration steps on ``cursor``: ``OutboxStore.migrate``, the
     Django app's migration (on Django's own connection) and Alembic's create the same schema.
     What the steps may use is read from ``cursor``'s own connection first. Returns how many
     guarded steps ran (their probe found the change not yet made). The steps wait for a
     table's lock no longer than the engine's DDL bound on every path, Django's and Alembic's
     connections too (``Engine.ddl_bounds``: SQL Server's session LOCK_TIMEOUT, found in review).
-    ``steps``: these instead of ``engine.migration()`` (the first part of ``Engine.online_migration``)."""
+    ``steps``: these instead of ``engine.migration()`` (the first part of ``Engine.online_migration``).
+    ``report``: filled under the lock (``MigrationReport``), so that of two runs at once the one
+    that waited reports what it did, not what the other did (README, "The table")."""
     engine.read_server(cursor)
-    engine.lock_migration(cursor)  # one migration of the table at a time (Engine.lock_migration)
+    waited = engine.lock_migration(cursor)  # one migration of the table at a time (Engine.lock_migration)
     ran = 0
     try:
         with engine.ddl_bounds(cursor):
-            for step in engine.migration(native_json=native_json) if steps is None else steps:
+            todo = list(engine.migration(native_json=native_json) if steps is None else steps)
+            locked_at = 1 if engine.migration_lock_step else 0  # the step after which the lock is held
+            for index, step in enumerate(todo):
+                if report is not None and index == locked_at:
+                    report.before, report.waited_s = report.read(cursor), waited
                 if isinstance(step, tuple):
                     probe, step = step
                     if isinstance(probe, IndexDiffers):  # built again where `outbox check` would fail it
@@ -82,6 +101,8 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False, s
                         continue
                     ran += 1
                 engine.execute(cursor, step)
+                if report is not None and index == len(todo) - 1 - int(engine.migration_lock_step):
+                    report.after = report.read(cursor)  # before the last step's unlock, if it has one
     except BaseException:
         try:
             engine.unlock_migration(cursor)
@@ -264,10 +285,11 @@ class OutboxStore:
 
     def migrate_reporting(self, native_json: bool = False) -> Migration:
         """``migrate``, with the table's ``schema_state`` before and after it and how long it
-        waited for another migration of the table (``outbox migrate``'s report). Where the
-        engine's migration lock is the session's (PostgreSQL: ``Engine.online_migration``) the
-        states are read under it: two runs at once both read the table before either changed
-        it, and both said they rebuilt what the first one had (README, "The table")."""
+        waited for another migration of the table (``outbox migrate``'s report). The states
+        are read under the migration's lock: the session's (PostgreSQL: ``Engine.online_migration``)
+        or the transaction's (``MigrationReport``). Read before it, two runs at once both read
+        the table before either changed it (or half-made), and both said they made what the
+        first one had (README, "The table")."""
         return self._migrate(native_json, report=True)
 
     def _migrate(self, native_json: bool, *, report: bool) -> Migration:
@@ -275,10 +297,13 @@ class OutboxStore:
         online = self.engine.online_migration(native_json)
         try:
             if online is None:
-                before = self.schema_state() if report else None
-                ran = self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json),
-                                ddl=True)
-                return Migration(ran, before, self.schema_state() if report else None, None)
+                # The states read under the migration's lock (MigrationReport): read before it,
+                # two runs at once on MariaDB said "created the table" and "repaired (added ...)".
+                read = MigrationReport(self._schema_state_on) if report else None
+                ran = self._run("migrate", lambda cursor: apply_migration(self.engine, cursor, native_json=native_json,
+                                                                          report=read), ddl=True)
+                return Migration(ran, read.before if read else None, read.after if read else None,
+                                 read.waited_s if read else None)
             outside, building = self._connections.outside_transaction, False
             with online_migration_lock(self.engine, outside) as waited:
                 before = self.schema_state() if report else None
@@ -302,29 +327,26 @@ class OutboxStore:
         ``outbox migrate`` compares before and after to say what it changed (``schema_changes``;
         a holders table it made again, the autovacuum parameters it set, and the indexes it
         rebuilt on a table of the first release went unsaid: found in review)."""
-        try:
-            with self.transaction() as cursor:
-                self.engine.execute(cursor, f"SELECT * FROM {self.engine.table} WHERE 1 = 0")
-                columns = frozenset(str(d[0]).lower() for d in cursor.description)
-        except Exception:  # noqa: BLE001 - a missing table is what this asks about
+        with self.transaction() as cursor:
+            return self._schema_state_on(cursor)
+
+    def _schema_state_on(self, cursor: Any) -> tuple[frozenset[Any], ...] | None:
+        """``schema_state`` read on ``cursor``, in its transaction (``apply_migration``'s, under
+        the migration's lock), which it leaves going (``Engine.table_exists``)."""
+        e = self.engine
+        if not e.table_exists(cursor, e.table):
             return None
-        with self.transaction() as cursor:
-            names = set(index_names(self.engine, cursor))
-        try:
-            with self.transaction() as cursor:
-                self.engine.execute(cursor, f"SELECT 1 FROM {self.engine.holders} WHERE 1 = 0").fetchall()
-        except Exception:  # a missing holders table is what this asks about
-            log.debug("outbox: no holders table %s", self.engine.holders, exc_info=True)
-        else:
-            names.add(self.engine.holders_name)
-        with self.transaction() as cursor:
-            options = self.engine.storage_options(cursor)
-            definitions = self.engine.definitions(cursor)
-            # Each index the engine's catalog text does not give, as `outbox check` reads it
-            # (describe.index_shapes): MySQL's and SQLite's rebuilds went unnamed, "repaired" alone.
-            defined = {name for name, _ in definitions}
-            definitions |= frozenset((name, shape.text()) for name, shape in index_shapes(self.engine, cursor).items()
-                                     if name not in defined)
+        e.execute(cursor, f"SELECT * FROM {e.table} WHERE 1 = 0")
+        columns = frozenset(str(d[0]).lower() for d in cursor.description)
+        names = set(index_names(e, cursor))
+        if e.table_exists(cursor, e.holders):
+            names.add(e.holders_name)
+        options, definitions = e.storage_options(cursor), e.definitions(cursor)
+        # Each index the engine's catalog text does not give, as `outbox check` reads it
+        # (describe.index_shapes): MySQL's and SQLite's rebuilds went unnamed, "repaired" alone.
+        defined = {name for name, _ in definitions}
+        definitions |= frozenset((name, shape.text()) for name, shape in index_shapes(e, cursor).items()
+                                 if name not in defined)
         return columns, frozenset(names), options, definitions
 
     def schema_changes(self, before: tuple[frozenset[Any], ...], after: tuple[frozenset[Any], ...]) -> list[str]:

@@ -250,6 +250,19 @@ class Engine(ABC):
         kept = name[:limit] if cut else name if len(name) <= limit else None
         return kept if kept != derived_name(prefix, self.table_name, suffix) else None
 
+    def table_exists(self, cursor: Any, table: str) -> bool:
+        """Whether ``table`` (as the engine's SQL names it: ``self.table``, ``self.holders``)
+        exists, asked inside a transaction that goes on after it (``OutboxStore.schema_state``,
+        read under the migration's lock). Here: a read that fails, which ends no transaction
+        (MySQL, SQLite); PostgreSQL and SQL Server, where it would, ask the catalog."""
+        try:
+            self.execute(cursor, f"SELECT 1 FROM {table} WHERE 1 = 0").fetchall()
+        except Exception as exc:
+            if self.is_missing_table(exc):
+                return False
+            raise
+        return True
+
     def storage_options(self, cursor: Any) -> frozenset[str]:
         """The table's own storage parameters as ``name=value`` (PostgreSQL's reloptions; none
         elsewhere): ``outbox migrate`` names those it set."""
@@ -675,13 +688,21 @@ class Engine(ABC):
         """The name of the lock that lets one migration of this table run at a time."""
         return f"outbox migrate {self.table}"
 
-    def lock_migration(self, cursor: Any) -> None:  # noqa: B027 - a hook: SQLite and SQL Server need none here
+    def lock_migration(self, cursor: Any) -> float | None:
         """Wait until no other migration of this table runs, before ``migration()``'s first
         step. Two at once (every replica's start-up, a deploy job beside ``manage.py
         migrate``) would both find a step not yet made and both make it; the second then
         fails (a duplicate table, column or constraint). The lock lasts until
         ``unlock_migration`` or the commit. SQLite's writer lock serializes them already;
-        SQL Server's migration takes its lock in its first batch."""
+        SQL Server's migration takes its lock in its first batch (``migration_lock_step``).
+        Returns the seconds it waited for another migration (0: none), None where it does
+        not say (here: no lock)."""
+        return None
+
+    #: Whether ``migration()``'s first step takes the migration's lock (SQL Server's
+    #: ``sp_getapplock`` batch), not ``lock_migration``: ``apply_migration`` reads what it
+    #: reports after that step.
+    migration_lock_step: ClassVar[bool] = False
 
     #: Whether ``lock_migration``'s lock lasts only as long as the transaction, so that a
     #: migration on an autocommit connection must run its steps in one.

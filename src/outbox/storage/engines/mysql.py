@@ -16,6 +16,7 @@ import hashlib
 import re
 import socket
 import ssl
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -459,13 +460,13 @@ class MysqlEngine(Engine):
     def is_missing_column(self, exc: BaseException) -> bool:
         return self._driver_error(exc) and self._code(exc) == 1054  # ER_BAD_FIELD_ERROR
 
-    def lock_migration(self, cursor: Any) -> None:
-        self.hold_migration_lock(cursor, self._migration_lock_key(), self.table)
+    def lock_migration(self, cursor: Any) -> float | None:
+        return self.hold_migration_lock(cursor, self._migration_lock_key(), self.table)
 
     def unlock_migration(self, cursor: Any) -> None:
         self.release_migration_lock(cursor, self._migration_lock_key())
 
-    def hold_migration_lock(self, cursor: Any, key: str, table: str, lock_wait_s: int | None = None) -> None:
+    def hold_migration_lock(self, cursor: Any, key: str, table: str, lock_wait_s: int | None = None) -> float:
         """One migration of ``table`` at a time, and its DDL steps' waits bounded; the outbox
         table's and the queue tables' (``transport.tables.mysql``) migrations both take it.
 
@@ -476,13 +477,19 @@ class MysqlEngine(Engine):
         for a year (lock_wait_timeout). Bounded to ``lock_wait_s``, as on PostgreSQL; the
         caller says why (1205: ``storage.store.migration_lock_refusal``), and the release puts
         back the session's own bound (found in review). ``lock_wait_s``: MIGRATION_LOCK_WAIT_S
-        by default."""
-        got = self.execute(cursor, "SELECT GET_LOCK(?, ?)", [key, MIGRATION_LOCK_TIMEOUT_S]).fetchone()
+        by default. Returns the seconds it waited for another migration (0: the lock was free)."""
+        waited = 0.0
+        got = self.execute(cursor, "SELECT GET_LOCK(?, 0)", [key]).fetchone()
+        if not got or got[0] != 1:
+            started = time.monotonic()
+            got = self.execute(cursor, "SELECT GET_LOCK(?, ?)", [key, MIGRATION_LOCK_TIMEOUT_S]).fetchone()
+            waited = time.monotonic() - started
         if not got or got[0] != 1:
             raise StoreError(f"outbox migrate: another migration of {table} held the migration lock for "
                              f"{MIGRATION_LOCK_TIMEOUT_S} s; run it again when that one has finished")
         self.execute(cursor, "SET @outbox_lock_wait_timeout = @@SESSION.lock_wait_timeout, "
                      f"SESSION lock_wait_timeout = {int(lock_wait_s or MIGRATION_LOCK_WAIT_S)}")
+        return waited
 
     def release_migration_lock(self, cursor: Any, key: str) -> None:
         self.execute(cursor, "SET SESSION lock_wait_timeout = COALESCE(@outbox_lock_wait_timeout, "

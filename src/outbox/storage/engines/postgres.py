@@ -241,6 +241,9 @@ class PostgresEngine(Engine):
             [self.schema, self.table_name, self.qualify(self.table_name)]).fetchall()
         return frozenset((str(name), str(definition)) for name, definition in rows)
 
+    def table_exists(self, cursor: Any, table: str) -> bool:
+        return bool(self.execute(cursor, "SELECT to_regclass(?) IS NOT NULL", [table]).fetchone()[0])
+
     def legacy_renames(self) -> list[tuple[str, str]]:
         old_check = self.legacy_name("ck_", "_open")  # the open rows' CHECK, cut by an earlier release
         return super().legacy_renames() + ([(old_check, derived_name("ck_", self.table_name, "_open"))]
@@ -487,7 +490,7 @@ class PostgresEngine(Engine):
     #: caller on an autocommit connection (a Django migration) runs the steps in one.
     migration_in_transaction = True
 
-    def lock_migration(self, cursor: Any) -> None:
+    def lock_migration(self, cursor: Any) -> float | None:
         # Concurrent CREATE TABLE / INDEX IF NOT EXISTS fail on PostgreSQL (a unique violation
         # in pg_type or pg_class), as do two ADD CONSTRAINTs: held until the migration commits.
         # Waiting for another migration blocks nobody else, so only the steps are bounded.
@@ -495,6 +498,7 @@ class PostgresEngine(Engine):
         # an Alembic revision's own later steps run in the same transaction (found in review).
         for sql, params in self._lock_statements():
             self.execute(cursor, sql, params).fetchall()
+        return None  # outbox migrate waits in lock_online_migration, which says how long
 
     def unlock_migration(self, cursor: Any) -> None:
         self.execute(cursor, self._UNLOCK).fetchall()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -95,15 +96,29 @@ class SqliteEngine(Engine):
 
     migration_under_writer_lock = True  # a claim between a rebuild's DROP and CREATE failed (Engine's)
 
-    def lock_migration(self, cursor: Any) -> None:
+    def lock_migration(self, cursor: Any) -> float | None:
         # The migration's steps in one transaction under the writer lock, first to last
         # (docs/internals.md, "Rows waiting for a later time are not read"): on the engine's own
         # connections (no implicit BEGIN) `outbox migrate` ran each step in a transaction of its
         # own, so a claim between a rebuild's DROP INDEX and CREATE INDEX found no index, and a
         # step that failed left the ones before it (a dropped index) in place (found in review).
         # A caller's open transaction (Django's own_transaction, Alembic's) is the migration's already.
-        if not cursor.connection.in_transaction:
+        # Asked first without waiting, so that `outbox migrate` can say it waited for another.
+        if cursor.connection.in_transaction:
+            return None
+        busy = cursor.execute("PRAGMA busy_timeout").fetchone()[0]
+        cursor.execute("PRAGMA busy_timeout = 0")
+        try:
             cursor.execute("BEGIN IMMEDIATE")
+            return 0.0
+        except sqlite3.OperationalError as exc:
+            if not self.is_transient(exc):
+                raise
+        finally:
+            cursor.execute(f"PRAGMA busy_timeout = {int(busy)}")
+        started = time.monotonic()
+        cursor.execute("BEGIN IMMEDIATE")
+        return time.monotonic() - started
 
     def window_source(self) -> str:
         if not self._indexed:

@@ -213,6 +213,13 @@ class MssqlSchema(Engine):
 
     index_suffixes = tuple(spec.suffix for spec in INDEXES)
 
+    #: The migration's first batch takes its lock (``migration_lock_statements``).
+    migration_lock_step = True
+
+    def table_exists(self, cursor: Any, table: str) -> bool:
+        # A read of a missing table would doom the transaction (XACT_ABORT ON).
+        return self.execute(cursor, "SELECT 1 WHERE OBJECT_ID(?, N'U') IS NOT NULL", [table]).fetchone() is not None
+
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         super().__init__(table=table, schema=schema)
         #: The database's compatibility level, the server's major version and engine
