@@ -236,7 +236,6 @@ def test_the_catalog_queries_of_postgresql_and_mariadb_run(postgres: OutboxStore
         assert indexes_line(store)[0] == OK, store
 
 
-
 def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool, unfiltered: str = "") -> sqlite3.Connection:
     """A fake SQL Server catalog (``sys.indexes``, ``sys.index_columns``, ``sys.columns``) in
     SQLite, holding a migrated table's indexes as SQL Server keeps them: each filter's text as
