@@ -138,6 +138,92 @@ print(os.waitpid(pid, 0)[1])
     assert done.stdout.split() == ["0"], done.stdout + done.stderr
 
 
+def test_a_process_forked_while_a_thread_is_in_a_sqlite_transaction_writes_and_keeps_what_it_inherited(
+        tmp_path: Path) -> None:
+    """SQLite keeps the locks a process holds on a file in the process's memory: a pool process
+    forked while a thread of the worker's main process held the write lock (its holder record's
+    beat) inherited that record, never the lock, and each of its ``BEGIN IMMEDIATE`` waited the
+    busy timeout, again on every retry, until the claim's time limit (found in review: about one
+    worker in four on SQLite with ``--max-tasks-per-child``). The fork now waits for the
+    transaction; the child keeps the connections it inherited open, never closing the parent's."""
+    code = """
+import faulthandler, gc, os, threading
+from outbox.core.model import Holder
+from outbox.storage.store import OutboxStore
+from outbox.storage.engines import sqlite
+store = OutboxStore(os.environ["OUTBOX_DATABASE_URL"])
+store.migrate()
+inherited = id(store.connection())
+began = threading.Event()
+def hold():
+    with store.transaction() as cursor:
+        store.engine.begin(cursor)
+        began.set()
+        threading.Event().wait(0.5)  # the fork comes now, before the commit
+threading.Thread(target=hold).start()
+began.wait()
+committed, tell = os.pipe()
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(15, exit=True)  # a child that cannot write exits 1
+    os.read(committed, 1)  # the parent's transaction is over
+    store.beat(Holder("child", "host", os.getpid()), 60_000)  # BEGIN IMMEDIATE and a write
+    gc.collect()
+    kept = [c for c in sqlite.FORKS.inherited if id(c) == inherited]
+    print("child wrote; inherited kept open:", bool(kept) and kept[0].total_changes >= 0, flush=True)
+    os._exit(0)
+for thread in threading.enumerate():
+    if thread is not threading.main_thread():
+        thread.join()
+os.write(tell, b"x")
+print("child exit status", os.waitpid(pid, 0)[1])
+store.beat(Holder("parent", "host", os.getpid()), 60_000)
+print("parent wrote")
+"""
+    done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["child wrote; inherited kept open: True", "child exit status 0",
+                                        "parent wrote"], done.stdout + done.stderr
+
+
+def test_a_process_forked_after_the_wait_for_a_sqlite_transaction_ran_out_refuses_to_connect(
+        tmp_path: Path) -> None:
+    """The fork's wait is bounded (``sqlite.FORK_WAIT_S``, the busy timeout; a tenth of a second
+    here): a child forked while a thread still held a transaction could never write, so it says
+    so at its first connect instead of waiting on the busy timeout for good, and the parent warns."""
+    code = """
+import os, threading
+from outbox.core.model import Holder
+from outbox.storage.store import OutboxStore
+from outbox.storage.engines import sqlite
+sqlite.FORK_WAIT_S = 0.1
+store = OutboxStore(os.environ["OUTBOX_DATABASE_URL"])
+store.migrate()
+began, done = threading.Event(), threading.Event()
+def hold():
+    with store.transaction() as cursor:
+        store.engine.begin(cursor)
+        began.set()
+        done.wait(10)
+threading.Thread(target=hold).start()
+began.wait()
+pid = os.fork()
+if pid == 0:
+    try:
+        store.beat(Holder("child", "host", os.getpid()), 60_000)
+        print("child wrote")
+    except Exception as exc:
+        print(type(exc).__name__, "forked while" in str(exc), flush=True)
+    os._exit(0)
+done.set()
+print("child exit status", os.waitpid(pid, 0)[1])
+"""
+    done = run_python(code, tmp_path, OUTBOX_DATABASE_URL=f"sqlite:///{tmp_path / 'o.db'}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["OperationalError True", "child exit status 0"], done.stdout + done.stderr
+    assert "forked while its thread(s) Thread-1 (hold) used SQLite" in done.stderr, done.stderr
+
+
 # -- settings ----------------------------------------------------------------------------------
 
 def test_relay_options_from_settings_sources() -> None:

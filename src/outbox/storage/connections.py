@@ -60,8 +60,9 @@ class Connections:
         self._lock: Any = nullcontext() if per_thread else threading.RLock()
 
     def get(self) -> Any:
-        """This thread's (or process's) connection, opened on first use and after a fork."""
-        with self._lock:
+        """This thread's (or process's) connection, opened on first use and after a fork.
+        Every use enters ``Engine.in_use`` before the lock, so a use waiting there holds none."""
+        with self.engine.in_use(), self._lock:
             conn = getattr(self._slot, "conn", None)
             if conn is None or self._slot.pid != os.getpid():
                 try:
@@ -85,7 +86,7 @@ class Connections:
     def drop(self) -> None:
         """Close and forget the connection (one inherited from a parent process is only
         forgotten: it is the parent's to close)."""
-        with self._lock:
+        with self.engine.in_use(), self._lock:
             conn = getattr(self._slot, "conn", None)
             self._slot.conn = None
             if conn is not None and self._slot.pid == os.getpid():
@@ -101,7 +102,7 @@ class Connections:
         statements, each atomic by itself, which the engine may then run as transactions of
         their own, one round trip each (``Engine.statement_alone``; docs/relay.md, "A network
         cut"). ``ddl``: the block is a migration (``Engine.ddl_cursor``)."""
-        with self._lock, self.transaction_on(self.get(), alone=alone, ddl=ddl) as cursor:
+        with self.engine.in_use(), self._lock, self.transaction_on(self.get(), alone=alone, ddl=ddl) as cursor:
             yield cursor
 
     @contextmanager
@@ -132,7 +133,7 @@ class Connections:
         each statement committed as it runs: for DDL no transaction may hold (PostgreSQL's
         ``CREATE INDEX CONCURRENTLY``). Nothing is retried; a connection whose error says it is
         gone is dropped."""
-        with self._lock:
+        with self.engine.in_use(), self._lock:
             conn = self.get()
             cursor = self.engine.ddl_cursor(conn)
             try:

@@ -12,7 +12,7 @@ import hashlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
@@ -468,6 +468,13 @@ class Engine(ABC):
                 conn.autocommit = False
             except Exception:  # a broken connection: the store drops it
                 log.debug("outbox: cannot restore autocommit off", exc_info=True)
+
+    def in_use(self) -> AbstractContextManager[None]:
+        """Around every use of the engine's own connections (connecting, a transaction, a
+        statement outside one): ``storage.connections`` enters it before its own lock. Here:
+        nothing; SQLite's makes a fork of the process wait for no use in flight
+        (docs/internals.md, "Worker processes")."""
+        return nullcontext()
 
     @contextmanager
     def statement_alone(self, conn: Any) -> Iterator[None]:

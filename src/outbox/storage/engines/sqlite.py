@@ -7,16 +7,22 @@ An application's transactions must begin as writers too: a deferred one that rea
 first fails at once when a relay's heartbeat commits after its read (docs/relay.md,
 "SQLite: application transactions").
 Timestamps are ISO-8601 text in UTC, which sorts and compares correctly.
+A fork waits for the engine's connections to be out of use in the process's other threads, and
+the child never closes what it inherited (``ForkGate``; docs/internals.md, "Worker processes").
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
+import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any, ClassVar
 
 from ...core.errors import ConfigError
@@ -25,6 +31,10 @@ from ...core.redact import redact
 from .base import Engine, IndexDiffers, IndexShape
 
 BUSY_TIMEOUT_S = 30.0
+#: How long a fork waits for the engine's connections to be out of use in the process's other
+#: threads: a statement waits at most the busy timeout for the file's lock.
+FORK_WAIT_S = BUSY_TIMEOUT_S
+log = logging.getLogger("outbox.storage.engines.sqlite")
 _NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
 
 #: What ``outbox migrate`` adds for a missing column: the table's types and defaults, NULL
@@ -56,6 +66,97 @@ def sqlite_path(url: str) -> str:
     if rest.startswith("//"):
         return rest[2:] or ":memory:"
     return rest or ":memory:"
+
+
+class ForkGate:
+    """No fork while another thread uses one of the engine's connections (docs/internals.md,
+    "Worker processes"). SQLite keeps the locks a process holds on a file in that process's
+    memory, shared by all its connections to the file; a child forked while a thread held the
+    write lock inherits that record and not the lock, and none of the child's connections could
+    ever write: each ``BEGIN IMMEDIATE`` was refused in-process until the busy timeout, again on
+    every retry. So a fork waits (at most ``FORK_WAIT_S``) until no other thread is inside
+    ``Engine.in_use``, and no new use starts until it has forked. The child keeps every
+    connection it inherited, never closing it: a close rolls back through the memory the WAL
+    index shares with the parent (https://www.sqlite.org/howtocorrupt.html, 2.6). Where the
+    wait ran out, the child refuses to connect (``spoiled``) instead of hanging."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._users: dict[int, int] = {}  # thread -> depth of its uses
+        self._forking: int | None = None  # the thread that forks
+        self.made = False  # this process has made a connection: only then is there anything to do
+        self._at_fork: list[Any] = []  # the connections alive as the process forks
+        self._busy_at_fork: str | None = None
+        #: In a child: what its parent's threads were doing with SQLite when it forked, if any.
+        self.spoiled: str | None = None
+        #: In a child: the connections it inherited, kept so that none is ever closed here.
+        self.inherited: list[Any] = []
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            if me not in self._users and self._forking not in (None, me):
+                self._cond.wait_for(lambda: self._forking is None, timeout=FORK_WAIT_S)
+            self._users[me] = self._users.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                depth = self._users.pop(me) - 1
+                if depth:
+                    self._users[me] = depth
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        if not self.made:
+            return
+        me = threading.get_ident()
+        with self._cond:
+            self._forking = me
+            self._cond.wait_for(lambda: not self._users.keys() - {me}, timeout=FORK_WAIT_S)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            self._busy_at_fork = ", ".join(names.get(t, str(t)) for t in self._users) or None
+        # Every sqlite3 connection, the application's too (``type``: no ``__class__`` of a lazy proxy).
+        self._at_fork = [o for o in gc.get_objects() if issubclass(type(o), sqlite3.Connection)]
+
+    def after_in_parent(self) -> None:
+        if not self.made:
+            return
+        self._at_fork = []
+        with self._cond:
+            self._forking = None
+            self._cond.notify_all()
+            busy, self._busy_at_fork = self._busy_at_fork, None
+        if busy:
+            log.warning("outbox: this process forked while its thread(s) %s used SQLite (the fork waits at most "
+                        "%g s for the others): the child cannot use the database (docs/internals.md, \"Worker "
+                        "processes\")", busy, FORK_WAIT_S)
+
+    def after_in_child(self) -> None:
+        if not self.made:
+            return
+        self._cond = threading.Condition(threading.Lock())  # another thread may have held it
+        self._users, self._forking = {}, None
+        # Sticky: a child of a spoiled process inherits the same foreign lock records.
+        self.spoiled, self._busy_at_fork = self.spoiled or self._busy_at_fork, None
+        for conn in self._at_fork:
+            _keep_for_good(conn)
+        self.inherited.extend(self._at_fork)
+        self._at_fork = []
+
+
+def _keep_for_good(conn: Any) -> None:
+    """One more reference to ``conn`` that is never given back, so that not even the
+    interpreter's exit deallocates it (which closes it)."""
+    with suppress(AttributeError, OSError):  # not CPython: ``ForkGate.inherited`` keeps it until exit
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(conn))
+
+
+FORKS = ForkGate()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=FORKS.before_fork, after_in_parent=FORKS.after_in_parent,
+                        after_in_child=FORKS.after_in_child)
 
 
 def _lenient_text(value: bytes) -> str:
@@ -151,8 +252,16 @@ class SqliteEngine(Engine):
         # rowid range instead (docs/pipeline.md, "How the jobs read the outbox").
         return f"{self.table} NOT INDEXED"
 
+    def in_use(self) -> AbstractContextManager[None]:
+        return FORKS.held()
+
     def connect(self, url: str) -> sqlite3.Connection:
         path = sqlite_path(url)
+        if FORKS.spoiled is not None:
+            raise sqlite3.OperationalError(
+                f"this process was forked while its parent's thread(s) {FORKS.spoiled} used SQLite: the lock "
+                "records it inherited are not its own, and it could never write the database; start it again "
+                "(docs/internals.md, \"Worker processes\")")
         if path == ":memory:":
             # Private to the connection: `outbox migrate` "created the table" in one and exited
             # 0, and a relay on it never saw a row (found in review). A caller's own connection
@@ -174,6 +283,7 @@ class SqliteEngine(Engine):
                 + (f"; {path} is relative to the current directory" if not os.path.isabs(path) else "")
                 + "): run this where the database is, or give its path in OUTBOX_DATABASE_URL "
                 "(`outbox migrate` creates it)")
+        FORKS.made = True
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         # A TEXT value that is not UTF-8 reads with lone surrogates instead of failing the
         # whole fetch: the claim then buries that row alone (docs/relay.md, "Bad rows").
