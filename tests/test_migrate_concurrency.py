@@ -327,12 +327,12 @@ def test_indexes_an_earlier_release_named_in_full_are_renamed_not_built_again(
         store.close()
 
 
-def _migrate_processes(url: str, table: str, cwd: Path) -> list[subprocess.Popen[str]]:
-    """Two `outbox migrate` processes (two replicas' start-ups) on ``table``."""
+def _migrate_processes(url: str, table: str, cwd: Path, count: int = 2) -> list[subprocess.Popen[str]]:
+    """``count`` `outbox migrate` processes (two: two replicas' start-ups) on ``table``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
     env.update(OUTBOX_DATABASE_URL=url, OUTBOX_TABLE=table)
     return [subprocess.Popen([sys.executable, "-m", "outbox.cli", "migrate"], cwd=cwd, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(count)]
 
 
 def _reports(processes: list[subprocess.Popen[str]]) -> list[str]:
@@ -411,6 +411,39 @@ def test_of_two_outbox_migrate_processes_on_a_new_sqlite_table_one_says_it_creat
     assert len(created) == 1, reports
     (other,) = [r for r in reports if r not in created]
     assert "nothing to change (waited " in other and "for another migration of the table" in other, other
+
+
+def test_an_outbox_migrate_on_sqlite_that_waited_for_a_relays_write_does_not_say_another_migration_ran(
+        tmp_path: Path) -> None:
+    """SQLite's migration lock is the writer lock every writer takes: a relay's claim, an
+    enqueue. `outbox migrate` beside a running relay said "nothing to change (waited under 0.1 s
+    for another migration of the table to finish first; what that one changed, its own report
+    says)" on 3 runs of 8, and "waited 6.4 s" beside a busy writer, with no other migration
+    anywhere (found in review). A wait is one for another migration only where the table's
+    definition changed meanwhile. The test holds the writer lock, as a relay's write does,
+    until the migration waits for it in SQLite's busy handler, then commits a row."""
+    path = tmp_path / "o.db"
+    url = f"sqlite:///{path}"
+    store = OutboxStore(url)
+    store.migrate()
+    store.close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("INSERT INTO outbox (message_id, topic, aggregate_type, aggregate_id, payload, headers) "
+                   "VALUES ('m1', 't', 'a', '1', '{}', '{}')")
+    (process,) = _migrate_processes(url, "outbox", tmp_path, count=1)
+    try:
+        deadline = time.monotonic() + 60
+        while not (_has_open(process.pid, path) and _wchan(process.pid) == "hrtimer_nanosleep") \
+                and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert process.poll() is None, "the migration never waited for the writer lock"
+    finally:
+        holder.execute("COMMIT")
+        holder.close()
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert out.strip() == 'migrated "outbox" on sqlite: nothing to change', out
 
 
 def _has_open(pid: int, path: Path) -> bool:
