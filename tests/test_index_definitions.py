@@ -377,3 +377,31 @@ def test_a_sqlite_migration_that_fails_half_way_leaves_the_index_it_dropped(sqli
     assert failed.returncode == 1 and "UNIQUE constraint failed" in failed.stderr, failed
     state, detail = indexes_line(sqlite_store)
     assert state == FAIL and detail.startswith(f"{name} is (message_id), not UNIQUE (message_id)"), detail
+
+
+@pytest.mark.parametrize("rows", [0, 50], ids=["empty", "rows"])
+def test_postgresqls_migrate_keeps_an_index_whose_storage_parameters_were_tuned(postgres: OutboxStore, rows: int,
+                                                                                 tmp_path: Path) -> None:
+    """An index tuned by its DBA (``ALTER INDEX ... SET (fillfactor = 70)``, ``deduplicate_items``)
+    is defined as the migration defines it, as `outbox check` compares it (which said ok). The
+    migration's probes compared pg_get_indexdef's whole text, ``WITH (...)`` included: `outbox
+    migrate` said "repaired (rebuilt ix_..._claim_ready)", built the index again CONCURRENTLY
+    on a table of a million rows, and dropped the tuning (found in review)."""
+    e = postgres.engine
+    statements = [f"INSERT INTO {e.table} (message_id, topic, aggregate_type, aggregate_id, payload) "
+                  f"VALUES ('m{n}', 't', 'a', 'x{n % 5}', '{{}}')" for n in range(rows)]
+    tuned = {suffix: e.qualify(e.index_name(suffix)) for suffix in ("message_id", "claim_ready")}
+    raw(postgres, *statements, f"ALTER INDEX {tuned['message_id']} SET (deduplicate_items = off)",
+        f"ALTER INDEX {tuned['claim_ready']} SET (fillfactor = 70)")
+    assert "[ok  ] indexes" in cli(postgres, "check", tmp_path)
+    assert cli(postgres, "migrate", tmp_path).strip().endswith("nothing to change")
+    conn = e.connect(postgres.url)
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SELECT c.relname, c.reloptions FROM pg_class c WHERE c.oid IN (to_regclass(%s), to_regclass(%s))",
+                       list(tuned.values()))
+        options = {str(name): list(opts or []) for name, opts in cursor.fetchall()}
+    finally:
+        conn.close()
+    assert options == {e.index_name("message_id"): ["deduplicate_items=off"],
+                       e.index_name("claim_ready"): ["fillfactor=70"]}, options

@@ -324,21 +324,31 @@ class PostgresEngine(Engine):
         return (f"CREATE {'UNIQUE ' if shape.unique else ''}INDEX {how}{self.quote(name)} ON {self.table} "
                 f"({', '.join(shape.keys)})" + (f" WHERE {shape.where}" if shape.where else ""))
 
-    def _indexdef_like(self, suffix: str) -> str:
+    def _indexdef_pattern(self, suffix: str) -> str:
         """``pg_get_indexdef``'s text of the index ``suffix`` as ``expected_indexes`` defines it,
-        a LIKE pattern (any name and table): what the migration's probes compare, in SQL so that
-        Alembic's offline script (``migration_script``) runs them too. Another method, column
-        order or direction, uniqueness, predicate or included column does not match."""
+        a POSIX regular expression (any name and table): what the migration's probes compare, in
+        SQL so that Alembic's offline script (``migration_script``) runs them too. Another method,
+        column order or direction, uniqueness, predicate or included column does not match;
+        storage parameters (``WITH (fillfactor=70)``, a DBA's ``ALTER INDEX ... SET``) do, as
+        `outbox check` (``describe.same_shape``) compares them: the whole text was compared, and
+        `outbox migrate` built a tuned index again, CONCURRENTLY on a big table, and dropped
+        the tuning (found in review). Written without backslashes (a bracket per punctuation
+        character), which an offline script's string literals keep as they are."""
         shape = self.expected_indexes()[self.index_name(suffix)]
-        return (f"CREATE {'UNIQUE ' if shape.unique else ''}INDEX % USING {shape.method} ({', '.join(shape.keys)})"
-                + (f" WHERE ({shape.where})" if shape.where else ""))
+
+        def literal(text: str) -> str:
+            return "".join(c if c.isalnum() or c in " _,=" else f"[{c}]" for c in text)
+
+        return (f"^CREATE {'UNIQUE ' if shape.unique else ''}INDEX .+ USING {literal(str(shape.method))} "
+                f"{literal('(' + ', '.join(shape.keys) + ')')}( WITH [(][^()]*[)])?"
+                + (f" WHERE {literal('(' + shape.where + ')')}" if shape.where else "") + "$")
 
     def _differs(self, suffix: str) -> tuple[str, list[Any]]:
         """A probe finding a row unless the index ``suffix`` is there defined otherwise
-        (``_indexdef_like``): the guard of the step that drops it to make it again."""
+        (``_indexdef_pattern``): the guard of the step that drops it to make it again."""
         return ("SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = COALESCE(?, current_schema()) "
-                "AND indexname = ? AND indexdef NOT LIKE ?)",
-                [self.schema, self.index_name(suffix), self._indexdef_like(suffix)])
+                "AND indexname = ? AND indexdef !~ ?)",
+                [self.schema, self.index_name(suffix), self._indexdef_pattern(suffix)])
 
     def _migration(self, native_json: bool, online: bool) -> list[Any]:
         t, q = self.table, self.quote
@@ -431,14 +441,14 @@ class PostgresEngine(Engine):
         connection outside any transaction: a stale or INVALID copy under the build name dropped
         (an earlier run interrupted), the copy built CONCURRENTLY, the index dropped CONCURRENTLY,
         the copy renamed to its name. Nothing runs where the index is valid and defined as
-        ``expected_indexes`` says (``_indexdef_like``)."""
+        ``expected_indexes`` says (``_indexdef_pattern``)."""
         name, build = self.index_name(suffix), derived_name("ix_", self.table_name, f"_{suffix}_build")
         qname, qbuild, table = self.qualify(name), self.qualify(build), self.qualify(self.table_name)
 
         def good(index: str) -> tuple[str, list[Any]]:
             return ("EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass(?) AND i.indrelid = "
-                    "to_regclass(?) AND i.indisvalid AND pg_get_indexdef(i.indexrelid) LIKE ?)",
-                    [index, table, self._indexdef_like(suffix)])
+                    "to_regclass(?) AND i.indisvalid AND pg_get_indexdef(i.indexrelid) ~ ?)",
+                    [index, table, self._indexdef_pattern(suffix)])
 
         def probe(*parts: str | tuple[str, list[Any]]) -> tuple[str, list[Any]]:
             sql = " ".join(p if isinstance(p, str) else p[0] for p in parts)
