@@ -286,3 +286,51 @@ def test_a_task_whose_pool_process_died_before_starting_it_is_handed_back(
             assert pool.apply_async(os.getpid).get(timeout=10) != reader
     finally:
         ends_within(pool, pool.terminate, 10, lambda: "the pool's terminate did not end")
+
+
+def test_a_task_larger_than_the_pipe_whose_only_reader_died_inside_it_is_handed_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's only process SIGKILLed inside its read of a task larger than the task pipe holds:
+    the main process, still writing that task, waits for a reader with the pipe's write lock held,
+    so the supervisor wrote no probe when it found the process dead, and nothing else came down
+    the pipe: its replacement dropped the task's rest and waited; the task's number was never
+    found skipped, the task never run nor handed back (in review: not handed back within 15 s, and
+    at once by the next task sent; a worker with ``-c 1`` gets no next task). The probe is now owed
+    until the supervisor can write it. The pause is this test's, in the pool process; the kill is
+    real."""
+    park, parked = tmp_path / "park", tmp_path / "parked"
+    report_read, report_write = os.pipe()
+    take, parent = PacketConnection._take_packet, os.getpid()
+
+    def pausing(self: PacketConnection) -> None:
+        take(self)
+        if os.getpid() == parent or self._parts is None or len(self._parts) < 2:
+            return
+        try:
+            park.rename(parked)  # one reader parks, once, two packets into a message
+        except FileNotFoundError:
+            return
+        os.write(report_write, str(os.getpid()).encode())
+        time.sleep(60)  # SIGKILLed here
+        raise AssertionError("not killed")
+
+    monkeypatch.setattr(PacketConnection, "_take_packet", pausing)
+    pool = Pool(processes=1)
+    try:
+        park.touch()
+        failed: list[Any] = []
+        job = pool.apply_async(len, (b"x" * 300_000,), error_callback=failed.append)  # some 75 packets
+        assert select.select([report_read], [], [], 10)[0], "no pool process read the task"
+        reader = int(os.read(report_read, 20))
+        time.sleep(0.2)  # the main process fills the pipe with the task's rest and waits
+        os.kill(reader, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while not job.ready():
+            assert time.monotonic() < deadline, f"the task the killed process was reading was not handed back: {job!r}"
+            time.sleep(0.01)
+        [info] = failed
+        rejected = getattr(info.exception, "exc", info.exception)
+        assert isinstance(rejected, Reject) and rejected.requeue is True
+        assert pool.apply_async(os.getpid).get(timeout=10) != reader  # the pool runs on
+    finally:
+        ends_within(pool, pool.terminate, 10, lambda: "the pool's terminate did not end")

@@ -263,6 +263,7 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
         self._numbers: dict[tuple[int, Any], int] = {}  # (job, i): number
         self._records: dict[int, mmap.mmap] = {}  # pid: that process's ``TaskQueue._mine``
         self._fork_lock = threading.Lock()
+        self._probe_owed = False  # a probe the supervisor could not write yet (``_probe``)
         self._quick_put = self._put_numbered
 
     def _put_numbered(self, obj: Any) -> None:
@@ -273,7 +274,9 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
             self._write_numbered(payload, key)
 
     def _write_numbered(self, payload: Any, key: tuple[int, Any] | None) -> None:
-        """Under ``_put_lock``: the task (``key``) is recorded before any reader can take it."""
+        """Under ``_put_lock``: the task (``key``) is recorded before any reader can take it. Any
+        message begun here follows whatever a dead reader left half read: it serves as a probe."""
+        self._probe_owed = False
         self._sent += 1
         if key is not None:
             self._handed[self._sent], self._numbers[key] = key, self._sent
@@ -317,12 +320,32 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
             return  # a stop: the channel's close hands back every unacknowledged message
         if number in self._handed:
             self._outqueue.put((UNSTARTED, ((number,), f"its pool process (pid {worker.pid}) died before it started it")))
-        if self._put_lock.acquire(blocking=False):  # else a task is being written: its reader looks
+        self._probe_owed = True
+        self._probe()
+
+    def _probe(self) -> None:
+        """Write the probe owed since a pool process died, unless the task pipe is busy now: a
+        message being written (it may be the very task the dead process was reading, larger than
+        the pipe, its writer waiting for a reader) or a full pipe (it may hold only that task's
+        rest). No message may come after those (``-c 1``: the broker sends nothing more until
+        that task is done), so the probe stays owed, and the supervisor tries again on its next
+        round (``_maintain_pool``, every 0.8 s), after it has forked the dead process's
+        replacement; any message begun meanwhile pays it (``_write_numbered``)."""
+        if not self._probe_owed or self._state != RUN:
+            return
+        if self._put_lock.acquire(blocking=False):
             try:
-                if select.select([], [self._inqueue._writer.fileno()], [], 0)[1]:  # else full: the same
+                if self._probe_owed and select.select([], [self._inqueue._writer.fileno()], [], 0)[1]:
                     self._write_numbered(PROBE, None)
             finally:
                 self._put_lock.release()
+
+    def _maintain_pool(self) -> None:
+        """billiard's supervisor's round (processes found dead, replacements forked), then the probe
+        still owed, if any."""
+        super()._maintain_pool()
+        if hasattr(self, "_put_lock"):
+            self._probe()
 
     def _hand_back(self, numbers: tuple[int, ...], why: str) -> None:
         """The result handler: tasks read by a pool process that died before it started them go
