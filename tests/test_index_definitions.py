@@ -62,28 +62,26 @@ def table() -> str:
     return f"outbox_ix{uuid.uuid4().hex[:10]}"
 
 
-@pytest.fixture
-def postgres(table: str) -> Iterator[OutboxStore]:
-    require("PostgreSQL", "127.0.0.1", 5432)
-    store = OutboxStore(POSTGRES_URL, table=table)
+def migrated(server: str, port: int, url: str, table: str) -> Iterator[OutboxStore]:
+    """A migrated table of its own on ``url``, dropped afterwards."""
+    require(server, "127.0.0.1", port)
+    store = OutboxStore(url, table=table)
     store.migrate()
     try:
         yield store
     finally:
         drop_table(store)
         store.close()
+
+
+@pytest.fixture
+def postgres(table: str) -> Iterator[OutboxStore]:
+    yield from migrated("PostgreSQL", 5432, POSTGRES_URL, table)
 
 
 @pytest.fixture
 def mysql(table: str) -> Iterator[OutboxStore]:
-    require("MariaDB/MySQL", "127.0.0.1", 3306)
-    store = OutboxStore(MYSQL_URL, table=table)
-    store.migrate()
-    try:
-        yield store
-    finally:
-        drop_table(store)
-        store.close()
+    yield from migrated("MariaDB/MySQL", 3306, MYSQL_URL, table)
 
 
 def test_check_fails_on_postgresqls_claim_ready_of_an_earlier_release_until_migrate(postgres: OutboxStore,

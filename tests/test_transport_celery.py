@@ -457,12 +457,7 @@ def test_a_pool_process_killed_while_writing_a_large_result_does_not_stall_its_w
     (docs/transport.md, "A pool process killed by SIGKILL")."""
     app = TaskApp("postgresql", tmp_path, TAPP_POOL="outbox.transport.prefork:TaskPool")
     try:
-        worker = app.worker("w1", concurrency=2)
-        assert wait_until(lambda: " ready." in app.log("w1"), timeout=60), app.log("w1")[-3000:]
-        go = tmp_path / "go"
-        app.task("fail_large").delay(1_000_000, str(go))
-        assert wait_until(lambda: app.lines("fail_large"), timeout=30), app.log("w1")[-3000:]
-        victim = int(app.lines("fail_large")[0][1])
+        worker, go, victim = _running_a_large_failure(app, tmp_path)
         os.kill(worker.pid, signal.SIGSTOP)  # the reader of results stops: the pool process fills the pipe
         try:
             go.touch()
@@ -545,12 +540,7 @@ def test_a_task_a_killed_pool_process_had_read_but_not_started_runs_at_once(tmp_
     reads it and waits for that lock to send its ACK; it is SIGKILLed there."""
     app = TaskApp("postgresql", tmp_path, TAPP_POOL="outbox.transport.prefork:TaskPool", TAPP_VISIBILITY="300")
     try:
-        worker = app.worker("w1", concurrency=2)
-        assert wait_until(lambda: " ready." in app.log("w1"), timeout=60), app.log("w1")[-3000:]
-        go = tmp_path / "go"
-        app.task("fail_large").delay(1_000_000, str(go))
-        assert wait_until(lambda: app.lines("fail_large"), timeout=30), app.log("w1")[-3000:]
-        a = int(app.lines("fail_large")[0][1])
+        worker, go, a = _running_a_large_failure(app, tmp_path)
 
         def waiting_reader() -> int | None:
             return next((pid for pid in _pool_processes(worker.pid)
@@ -591,3 +581,15 @@ def test_a_task_a_killed_pool_process_had_read_but_not_started_runs_at_once(tmp_
         assert app.queue_rows() == []
     finally:
         app.close()
+
+
+def _running_a_large_failure(app: TaskApp, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, int]:
+    """A worker of ``app`` (``-c 2``) running ``fail_large``, whose 1 MB exception, more than the
+    result pipe holds, is raised once the file ``go`` exists: (the worker, ``go``, the pool
+    process running it)."""
+    worker = app.worker("w1", concurrency=2)
+    assert wait_until(lambda: " ready." in app.log("w1"), timeout=60), app.log("w1")[-3000:]
+    go = tmp_path / "go"
+    app.task("fail_large").delay(1_000_000, str(go))
+    assert wait_until(lambda: app.lines("fail_large"), timeout=30), app.log("w1")[-3000:]
+    return worker, go, int(app.lines("fail_large")[0][1])

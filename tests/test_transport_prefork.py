@@ -274,13 +274,7 @@ def test_a_task_whose_pool_process_died_before_starting_it_is_handed_back(
         assert select.select([report_read], [], [], 10)[0], "no pool process read the task"
         reader = int(os.read(report_read, 20))
         os.kill(reader, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while not job.ready():
-            assert time.monotonic() < deadline, f"the task the killed process read was not handed back: {job!r}"
-            time.sleep(0.01)
-        [info] = failed
-        rejected = getattr(info.exception, "exc", info.exception)  # billiard's ExceptionWithTraceback, as Celery reads it
-        assert isinstance(rejected, Reject) and rejected.requeue is True
+        _handed_back(job, failed)
         assert job._job not in pool._cache
         for _ in range(4):  # the pool runs on
             assert pool.apply_async(os.getpid).get(timeout=10) != reader
@@ -324,13 +318,19 @@ def test_a_task_larger_than_the_pipe_whose_only_reader_died_inside_it_is_handed_
         reader = int(os.read(report_read, 20))
         time.sleep(0.2)  # the main process fills the pipe with the task's rest and waits
         os.kill(reader, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while not job.ready():
-            assert time.monotonic() < deadline, f"the task the killed process was reading was not handed back: {job!r}"
-            time.sleep(0.01)
-        [info] = failed
-        rejected = getattr(info.exception, "exc", info.exception)
-        assert isinstance(rejected, Reject) and rejected.requeue is True
+        _handed_back(job, failed)
         assert pool.apply_async(os.getpid).get(timeout=10) != reader  # the pool runs on
     finally:
         ends_within(pool, pool.terminate, 10, lambda: "the pool's terminate did not end")
+
+
+def _handed_back(job: Any, failed: list[Any]) -> None:
+    """``job``, whose pool process was killed after reading it, ends within 15 s, failed with
+    ``Reject(requeue=True)``: what Celery turns into the message handed back to the broker."""
+    deadline = time.monotonic() + 15
+    while not job.ready():
+        assert time.monotonic() < deadline, f"the task the killed process read was not handed back: {job!r}"
+        time.sleep(0.01)
+    [info] = failed
+    rejected = getattr(info.exception, "exc", info.exception)  # billiard's ExceptionWithTraceback, as Celery reads it
+    assert isinstance(rejected, Reject) and rejected.requeue is True
