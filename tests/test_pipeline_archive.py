@@ -1198,3 +1198,43 @@ def test_a_run_given_a_wait_runs_once_the_run_holding_the_archive_has_finished(
     assert any("in use by another archive run" in line and "waiting" in line for line in said), said
     assert Counter(archived_ids(spark, root)) == Counter(dict.fromkeys(old_done, 1))
     assert table_ids(store) == set(ids) - old_done
+
+
+def test_the_archive_files_are_listed_and_written_as_hadoop_does_on_a_local_path(spark: Any, tmp_path: Path) -> None:
+    """On a local path the archive's listing walks ``listStatus`` and its small files are
+    written in Python (Hadoop's local filesystem started a process per file listed or
+    made: docs/pipeline.md, "Tests"). The listing is the one ``listFiles`` gave (checksum
+    files left out, hidden files in; ``prune`` skips the top directories it names), and a
+    file Hadoop wrote, with its checksum file beside it, is replaced and read back whole."""
+    from outbox.pipeline.fs import ArchiveFS
+
+    root = tmp_path / "arch ü%20"
+    fs = ArchiveFS(spark, f"file://{root}")
+    fs.mkdirs(fs.uri("topic=a", "date=2026-01-01"))
+    for rel in ("topic=a/date=2026-01-01/part-0.parquet", "topic=a/date=2026-01-01/.part-1.parquet",
+                "_staging/run/topic=b/part-2.parquet", "_manifest/r.json"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x")
+    hadoop = fs.fs
+    out = hadoop.create(fs._p(fs.uri("_manifest", "index")), True)  # as Hadoop writes it: with .index.crc
+    out.write(bytearray(b'{"old": true}'))
+    out.close()
+    assert (root / "_manifest" / ".index.crc").exists()
+    everything = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.endswith(".crc"))
+    listed = []
+    iterator = hadoop.listFiles(fs._p(fs.root), True)
+    while iterator.hasNext():
+        listed.append(iterator.next().getPath().toUri().getPath()[len(str(root)) + 1:])
+    assert fs.list_files(fs.root) == sorted(listed) == everything
+    assert fs.list_files(fs.root, prune="_") == ["topic=a/date=2026-01-01/.part-1.parquet",
+                                                 "topic=a/date=2026-01-01/part-0.parquet"]
+    assert fs.list_files(fs.uri("nothing")) == []
+
+    fs.write_text(fs.uri("_manifest", "index"), '{"new": "ü"}')
+    assert fs.read_text(fs.uri("_manifest", "index")) == '{"new": "ü"}'
+    assert json.loads(spark.read.text(str(root / "_manifest" / "index")).collect()[0][0]) == {"new": "ü"}
+    fs.write_text(fs.uri("_new", "deep", "note"), "n")  # its directories made, as Hadoop's create makes them
+    assert (root / "_new" / "deep" / "note").read_text() == "n"
+    assert not list(root.rglob("*.tmp"))
+    assert fs.rename(fs.uri("_manifest", "r.json"), fs.uri("topic=c", "date=2026-01-02", "r.json"))
+    assert (root / "topic=c" / "date=2026-01-02" / "r.json").read_text() == "x"

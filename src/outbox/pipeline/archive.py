@@ -858,7 +858,7 @@ def archive_frame(spark: Any, location: str) -> tuple[Any, bool]:
     # crash mid-publish) its committed files only: a task attempt that failed, or ran on
     # after its run had finished, may have left finished files of its own beside them.
     paths: list[tuple[str, list[str]]] = []
-    if [f for f in fs.list_files(root) if f.endswith(".parquet") and not f.startswith("_")]:
+    if [f for f in fs.list_files(root, prune="_") if f.endswith(".parquet") and not f.startswith("_")]:
         paths.append((root, [root]))
     staged = set(fs.list_names(fs.uri(STAGING_DIR)))
     for run in runs:

@@ -55,6 +55,10 @@ class ArchiveFS:
         return int(self.fs.getFileStatus(self._p(uri)).getLen())
 
     def mkdirs(self, uri: str) -> None:
+        path = local_path(uri)
+        if path is not None:  # no process of Hadoop's per directory made (``_write_local``)
+            os.makedirs(path, exist_ok=True)
+            return
         self.fs.mkdirs(self._p(uri))
 
     def delete(self, uri: str, recursive: bool = True) -> None:
@@ -67,16 +71,28 @@ class ArchiveFS:
             return []
         return sorted(status.getPath().getName() for status in self.fs.listStatus(self._p(uri)))
 
-    def list_files(self, uri: str) -> list[str]:
-        """Paths of every file under ``uri``, relative to it, sorted."""
+    def list_files(self, uri: str, *, prune: str | None = None) -> list[str]:
+        """Paths of every file under ``uri``, relative to it, sorted; with ``prune``, the
+        directories directly under ``uri`` whose names start with it are not looked into.
+        Walked with ``listStatus``, a directory at a time: Hadoop's ``listFiles`` builds a
+        ``LocatedFileStatus`` per file, whose permission the local filesystem reads by
+        running ``ls -ld`` when Hadoop has no native library (PySpark's has none), a
+        process per file listed (docs/pipeline.md, "Tests")."""
         if not self.exists(uri):
             return []
         base = self._base(uri)
-        found = []
-        iterator = self.fs.listFiles(self._p(uri), True)
-        while iterator.hasNext():
-            path = iterator.next().getPath().toUri().getPath()
-            found.append(path[len(base):] if path.startswith(base) else path)
+        found: list[str] = []
+        pending = [(self._p(uri), True)]
+        while pending:
+            directory, top = pending.pop()
+            for status in self.fs.listStatus(directory):
+                path = status.getPath()
+                if status.isDirectory():
+                    if not (top and prune is not None and str(path.getName()).startswith(prune)):
+                        pending.append((path, False))
+                    continue
+                name = path.toUri().getPath()
+                found.append(name[len(base):] if name.startswith(base) else name)
         return sorted(found)
 
     def relative(self, uri: str, files: Iterable[str]) -> list[str]:
@@ -91,9 +107,9 @@ class ArchiveFS:
         return sorted(p[len(base):] for p in paths)
 
     def rename(self, src: str, dst: str) -> bool:
-        parent = self._p(dst).getParent()
-        if parent is not None:
-            self.fs.mkdirs(parent)
+        parent, _, name = dst.rstrip("/").rpartition("/")
+        if parent and name:
+            self.mkdirs(parent)
         return bool(self.fs.rename(self._p(src), self._p(dst)))
 
     def write_text(self, uri: str, text: str) -> None:
@@ -101,6 +117,10 @@ class ArchiveFS:
         temporary file renamed into place (a single PUT on object stores)."""
         tmp = uri.rsplit("/", 1)
         tmp_uri = f"{tmp[0]}/.{tmp[1]}.tmp"
+        path = local_path(uri)
+        if path is not None:
+            self._write_local(path, uri, text)
+            return
         out = self.fs.create(self._p(tmp_uri), True)
         try:
             out.write(bytearray(text.encode("utf-8")))
@@ -111,6 +131,25 @@ class ArchiveFS:
         if not self.fs.rename(self._p(tmp_uri), self._p(uri)):
             raise OSError(f"could not rename {tmp_uri} to {uri}")
         self.sync([uri])  # and its name in its directory
+
+    def _write_local(self, path: Path, uri: str, text: str) -> None:
+        """``write_text`` on a local path, in Python: Hadoop's local filesystem, without its
+        native library (PySpark ships none), runs ``chmod`` in a process of its own for
+        every file it creates and its checksum file, and for every directory it makes
+        (docs/pipeline.md, "Tests"). The same steps: a hidden temporary file, synced, then
+        renamed into place (atomically here) and its name synced. The checksum file an
+        earlier Hadoop write left beside the file goes first: Hadoop's reads verify the
+        file against it when it is there."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        os.makedirs(path.parent, exist_ok=True)  # as Hadoop's create makes the parents
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with open(fd, "wb") as out:
+            out.write(text.encode("utf-8"))
+            out.flush()
+            os.fsync(out.fileno())
+        path.with_name(f".{path.name}.crc").unlink(missing_ok=True)
+        os.replace(tmp, path)
+        self.sync([uri])
 
     def create_new(self, uri: str, text: str) -> bool:
         """Create a small file only if it is absent; False when it exists. The file appears
