@@ -359,3 +359,18 @@ def test_a_missing_table_says_run_outbox_migrate(spark: Any, store: OutboxStore,
                  {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": "no_such_outbox_table"})
     assert out.exit_code == 1, out.output
     assert out.output.strip().splitlines()[-1] == f"error: {missing.engine.missing_table_hint()}", out.output
+
+
+def test_a_report_with_no_rows_has_zero_totals(spark: Any) -> None:
+    """The figures come from grouping sets, and the set over everything gives no row over no
+    rows (a plain aggregate gave one): the totals of an empty report are zeros all the same."""
+    from outbox.pipeline.report import compute_report
+
+    frame = spark.createDataFrame([], "id BIGINT, message_id STRING, topic STRING, status INT, attempts INT, "
+                                      "created_at TIMESTAMP, processed_at TIMESTAMP, last_error STRING, origin INT, "
+                                      "day STRING, latency_s DOUBLE")
+    report = compute_report(spark, frame, {"archive": None, "table": "sqlite:outbox"})
+    assert report["totals"] == {"events": 0, "delivered": 0, "dead": 0, "pending": 0, "latency_p50_s": None,
+                                "latency_p95_s": None, "latency_p99_s": None, "attempts_histogram": []}
+    assert (report["days"], report["topics"]) == ([], [])
+    assert (report["sources"]["live_rows"], report["sources"]["archive_rows"]) == (0, 0)

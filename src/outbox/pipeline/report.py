@@ -118,28 +118,42 @@ def compute_report(spark: Any, frame: Any, sources: dict[str, Any]) -> dict[str,
         frame.unpersist()
 
 
+#: The figures with nothing to count (``totals`` of a report with no rows: a grouping set
+#: ``()`` gives no row over no rows, where a plain aggregate gives one).
+_NO_FIGURES = {"events": 0, "delivered": 0, "dead": 0, "pending": 0, "latency": None}
+
+
 def _compute(spark: Any, frame: Any, sources: dict[str, Any]) -> dict[str, Any]:
+    """The figures in three queries over the cached rows, each a few grouping sets at once
+    (a query per figure was seven Spark actions, most of a small report's time;
+    docs/pipeline.md, "Report")."""
     frame.createOrReplaceTempView("outbox_report_rows")
     sql = spark.sql
-    origin = {r["origin"]: int(r["n"]) for r in
-              sql("SELECT origin, COUNT(*) AS n FROM outbox_report_rows GROUP BY origin").collect()}
-    totals = _figures(sql(f"SELECT {_FIGURES} FROM outbox_report_rows").collect()[0])
-    days = [{"topic": r["topic"], "day": r["day"], **_figures(r)} for r in sql(
-        f"SELECT topic, day, {_FIGURES} FROM outbox_report_rows GROUP BY topic, day ORDER BY topic, day").collect()]
+    # per topic and day, per topic, and over everything (GROUPING tells the sets apart)
+    figures = sql(f"""SELECT topic, day, GROUPING(topic) AS all_topics, GROUPING(day) AS all_days, {_FIGURES}
+                      FROM outbox_report_rows GROUP BY GROUPING SETS ((topic, day), (topic), ())""").collect()
+    totals = _figures(next((r for r in figures if r["all_topics"]), _NO_FIGURES))
+    days = [{"topic": r["topic"], "day": r["day"], **_figures(r)}
+            for r in sorted((r for r in figures if not r["all_days"]), key=lambda r: (r["topic"], r["day"]))]
     topics = {r["topic"]: {"topic": r["topic"], **_figures(r), "attempts_histogram": [], "top_errors": []}
-              for r in sql(f"SELECT topic, {_FIGURES} FROM outbox_report_rows GROUP BY topic ORDER BY topic")
-              .collect()}
-    for r in sql("SELECT topic, attempts, COUNT(*) AS n FROM outbox_report_rows GROUP BY topic, attempts "
-                 "ORDER BY topic, attempts").collect():
+              for r in sorted((r for r in figures if r["all_days"] and not r["all_topics"]),
+                              key=lambda r: r["topic"])}
+    # rows per origin, per topic and attempts, and per attempts
+    counts = sql("""SELECT origin, topic, attempts, GROUPING(origin) AS any_origin, GROUPING(topic) AS all_topics,
+                           COUNT(*) AS n
+                    FROM outbox_report_rows GROUP BY GROUPING SETS ((origin), (topic, attempts), (attempts))""").collect()
+    origin = {r["origin"]: int(r["n"]) for r in counts if not r["any_origin"]}
+    for r in sorted((r for r in counts if r["any_origin"] and not r["all_topics"]),
+                    key=lambda r: (r["topic"], r["attempts"])):
         topics[r["topic"]]["attempts_histogram"].append({"attempts": int(r["attempts"]), "rows": int(r["n"])})
+    histogram = [{"attempts": int(r["attempts"]), "rows": int(r["n"])}
+                 for r in sorted((r for r in counts if r["any_origin"] and r["all_topics"]), key=lambda r: r["attempts"])]
     for r in sql(f"""SELECT topic, error, n FROM (
                        SELECT topic, error, n, ROW_NUMBER() OVER (PARTITION BY topic ORDER BY n DESC, error) AS k
                        FROM (SELECT topic, COALESCE(last_error, '(no error recorded)') AS error, COUNT(*) AS n
                              FROM outbox_report_rows WHERE status = 4 GROUP BY 1, 2))
                      WHERE k <= {TOP_ERRORS} ORDER BY topic, k""").collect():
         topics[r["topic"]]["top_errors"].append({"error": r["error"], "rows": int(r["n"])})
-    histogram = [{"attempts": int(r["attempts"]), "rows": int(r["n"])} for r in sql(
-        "SELECT attempts, COUNT(*) AS n FROM outbox_report_rows GROUP BY attempts ORDER BY attempts").collect()]
     return {
         "generated_at": datetime.now(UTC).isoformat(),
         "sources": {**sources, "live_rows": origin.get(0, 0), "archive_rows": origin.get(1, 0)},
