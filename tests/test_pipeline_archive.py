@@ -1202,7 +1202,7 @@ def test_a_run_given_a_wait_runs_once_the_run_holding_the_archive_has_finished(
 
 def test_the_archive_files_are_listed_and_written_as_hadoop_does_on_a_local_path(spark: Any, tmp_path: Path) -> None:
     """On a local path the archive's listing walks ``listStatus`` and its small files are
-    written in Python (Hadoop's local filesystem started a process per file listed or
+    written (and, without a checksum file, read) in Python (Hadoop's local filesystem started a process per file listed or
     made: docs/pipeline.md, "Tests"). The listing is the one ``listFiles`` gave (checksum
     files left out, hidden files in; ``prune`` skips the top directories it names), and a
     file Hadoop wrote, with its checksum file beside it, is replaced and read back whole."""
@@ -1220,6 +1220,7 @@ def test_the_archive_files_are_listed_and_written_as_hadoop_does_on_a_local_path
     out.write(bytearray(b'{"old": true}'))
     out.close()
     assert (root / "_manifest" / ".index.crc").exists()
+    assert fs.read_text(fs.uri("_manifest", "index")) == '{"old": true}'  # read by Hadoop, which checks its .crc
     everything = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.endswith(".crc"))
     listed = []
     iterator = hadoop.listFiles(fs._p(fs.root), True)
