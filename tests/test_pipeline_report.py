@@ -231,6 +231,24 @@ def test_report_bad_arguments(spark: Any, store: OutboxStore, url: str, tmp_path
     last = out.output.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, out.output
     assert not (tmp_path / "r").exists()
+    assert "events over" not in out.output  # refused before anything was read
+
+
+@pytest.mark.parametrize("kind", ["sqlite"])
+def test_an_out_directory_that_cannot_be_made_is_refused_before_anything_is_read(
+        spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out`` under /proc, or in a directory without write permission, failed only once
+    every figure had been computed; it is refused first, and the check leaves nothing behind."""
+    from outbox.pipeline import report as report_module
+
+    read: list[str] = []
+    monkeypatch.setattr(report_module, "report_frame", lambda *args, **kwargs: read.append("read"))
+    with pytest.raises(report_module.PipelineError, match="--out /proc/outbox-report: cannot write the report"):
+        run_report(spark, store=store, archive=None, out="/proc/outbox-report")
+    assert read == []
+    (tmp_path / "out").mkdir()
+    report_module.check_out(str(tmp_path / "out" / "new" / "deeper"))
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 @pytest.mark.parametrize("kind", ["sqlite"])

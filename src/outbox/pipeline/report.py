@@ -21,6 +21,7 @@ import base64
 import html
 import io
 import json
+import tempfile
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -292,12 +293,21 @@ def write_report(spark: Any, out: str, report: dict[str, Any]) -> tuple[str, str
 
 
 def check_out(out: str) -> None:
-    """``--out``: a local directory, or a path where one can be made."""
+    """``--out``: a local directory, or a path where one can be made, checked before anything
+    is read."""
     path = local_path(archive_uri(out))
     if path is None:
         raise PipelineError(f"--out {out}: the report is written on the driver; give a local directory")
     if path.exists() and not path.is_dir():
         raise PipelineError(f"--out {out}: exists and is not a directory")
+    # A directory of its own made and removed where the report's would be: one that cannot
+    # be made or written to was found only once every figure had been computed.
+    there = next((p for p in (path, *path.parents) if p.exists()), None)
+    try:
+        if there is not None:
+            tempfile.TemporaryDirectory(prefix=".outbox-report-", dir=there).cleanup()
+    except OSError as exc:
+        raise PipelineError(f"--out {out}: cannot write the report: {exc}") from None
 
 
 def run_report(spark: Any, *, store: OutboxStore | None, archive: str | None, out: str,
