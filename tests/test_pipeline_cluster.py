@@ -54,11 +54,12 @@ def cluster(tmp_path: Path, spark_jvm_options: str) -> Iterator[str]:
                               stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT)]
 
     def alive_workers() -> int | None:
-        """The master's count of live workers; None while it does not answer yet."""
+        """The master's count of live workers; None while it does not answer yet (or answers,
+        starting up, with an empty page: json's ValueError)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as response:
                 return int(json.load(response).get("aliveworkers", 0))
-        except OSError:
+        except (OSError, ValueError):
             return None
 
     def wait_for(ready: Callable[[], bool]) -> None:
