@@ -324,6 +324,70 @@ def test_a_task_larger_than_the_pipe_whose_only_reader_died_inside_it_is_handed_
         ends_within(pool, pool.terminate, 10, lambda: "the pool's terminate did not end")
 
 
+def test_a_process_being_forked_by_one_thread_is_not_reaped_by_another() -> None:
+    """Celery's autoscaler maintains the pool from its own thread (it grows the pool, then forks
+    the new processes in ``maintain_pool``) while billiard's supervisor does too: a process one
+    thread was forking is already in the pool's list, with no pid yet, and the other took it for
+    an exited one and crashed (``KeyError: None``); the supervisor's crash ended the worker (exit
+    code 1, in review 1 run of 2 with pool processes SIGKILLed under ``--autoscale=4,1``; from
+    outside, 3 of 4 runs within 1 s of the first scale-up). Forced here: the "autoscaler" thread
+    parked inside the fork of the process it grew the pool by, the "supervisor" round run
+    meanwhile. The pause is this test's; the forks are real."""
+    pool = Pool(processes=1)
+    pool._worker_handler.close()  # the test plays the supervisor: its crash would end pytest
+    pool._worker_handler.join(10)
+    assert not pool._worker_handler.is_alive()
+    parked, go = threading.Event(), threading.Event()
+    make = pool.WorkerProcess
+
+    def parking(worker: Any) -> Any:
+        process = make(worker)
+        start = process.start
+
+        def parked_start() -> None:
+            if threading.current_thread().name == "autoscaler" and not parked.is_set():
+                parked.set()  # in the pool's list, no pid yet
+                go.wait(10)
+            start()
+
+        process.start = parked_start
+        return process
+
+    pool.WorkerProcess = parking  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def run(call: Any) -> None:
+        try:
+            call()
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    def autoscale() -> None:
+        pool.grow(1)
+        pool._maintain_pool()  # Celery's Autoscaler.maybe_scale: grow, then maintain_pool
+
+    try:
+        autoscaler = threading.Thread(target=run, args=(autoscale,), name="autoscaler", daemon=True)
+        autoscaler.start()
+        assert parked.wait(10), "the autoscaler's fork was not reached"
+        supervisor = threading.Thread(target=run, args=(pool._maintain_pool,), name="supervisor", daemon=True)
+        supervisor.start()
+        supervisor.join(0.5)  # a round's chance to run into the half-forked process
+        go.set()
+        for thread in (autoscaler, supervisor):
+            thread.join(15)
+            assert not thread.is_alive(), f"the {thread.name} thread did not end"
+        assert errors == []
+        pids = [process.pid for process in pool._pool]
+        assert None not in pids and len(pids) == pool._processes == 2
+        assert sorted(pool._poolctrl) == sorted(pids)
+        assert all(process.is_alive() for process in pool._pool)
+        assert pool.apply_async(os.getpid).get(timeout=10) in pids  # the pool runs on
+    finally:
+        go.set()
+        ends_within(pool, pool.terminate, 10, lambda: "the pool's terminate did not end")
+
+
 def _handed_back(job: Any, failed: list[Any]) -> None:
     """``job``, whose pool process was killed after reading it, ends within 15 s, failed with
     ``Reject(requeue=True)``: what Celery turns into the message handed back to the broker."""

@@ -4,7 +4,8 @@ the process holding them, the wait for a task moved from ``read`` to ``poll``, a
 pipes carrying messages in packets a process killed part-way cannot leave out of step
 (docs/transport.md, "A pool process killed by SIGKILL"); and a task a pool process read but
 died before starting handed back to the broker at once (docs/transport.md, "A task a killed
-pool process had read").
+pool process had read"); and its processes forked and reaped by one thread at a time
+(docs/transport.md, "Autoscaling").
 
 ``celery -A outbox worker`` uses it on its own; another Celery app on ``outboxdb`` sets
 ``worker_pool = "outbox.transport.prefork:TaskPool"``.
@@ -12,9 +13,11 @@ pool process had read").
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
+import itertools
 import logging
 import mmap
 import os
@@ -23,6 +26,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from billiard.connection import Connection, wait
@@ -229,7 +233,58 @@ class TaskQueue(SimpleQueue):
 
 class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
     """billiard's blocking pool with ``ProcessLock``s for its queues' shared locks, a
-    ``TaskQueue`` for its tasks and packet pipes under both queues."""
+    ``TaskQueue`` for its tasks and packet pipes under both queues; its processes forked,
+    reaped and counted under one lock (``_maintaining``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._maintain_lock = threading.RLock()
+        self._maintain_depth = 0  # the lock holder's nesting
+        self._unstarted: list[tuple[str, Any]] = []  # hand-backs found under the lock, sent after it
+        super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _maintaining(self) -> Iterator[None]:
+        """The pool's processes are forked and reaped, and its size changed, by one thread at a
+        time: billiard's supervisor and Celery's autoscaler both maintain the pool, and one took
+        a process the other was still forking (in ``_pool``, no pid yet) for an exited one and
+        crashed (``KeyError: None``; docs/transport.md, "Autoscaling"). What the holder found to
+        hand back goes into the result pipe once the lock is released, so that no holder waits
+        for that pipe while the result handler waits for the lock (the result handler sends none:
+        it reads that pipe)."""
+        with self._maintain_lock:
+            self._maintain_depth += 1
+            try:
+                yield
+            finally:
+                self._maintain_depth -= 1
+                outermost = self._maintain_depth == 0
+        if outermost and threading.current_thread() is not getattr(self, "_result_handler", None):
+            while self._unstarted:
+                with contextlib.suppress(IndexError):  # another thread sent it
+                    self._outqueue.put(self._unstarted.pop(0))
+
+    def _join_exited_workers(self, shutdown: bool = False) -> Any:
+        with self._maintaining():
+            return super()._join_exited_workers(shutdown)
+
+    def grow(self, n: int = 1) -> None:
+        with self._maintaining():
+            super().grow(n)
+
+    def shrink(self, n: int = 1) -> None:
+        """billiard's shrink, the processes chosen and stopped under the lock; the put lock's
+        shrink, which waits for a free slot (a slot the supervisor may free), after it."""
+        with self._maintaining():
+            chosen = list(itertools.islice(self._iterinactive(), n))
+            for worker in chosen:
+                self._processes -= 1
+                worker.terminate_controlled()
+        for _ in chosen:
+            if self._putlock:
+                self._putlock.shrink()
+            self.on_shrink(1)
+        if len(chosen) < n:  # as billiard's
+            raise ValueError("Can't shrink pool. All processes busy!")
 
     def _setup_queues(self) -> None:
         super()._setup_queues()
@@ -283,13 +338,14 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
         self._inqueue._writer.send_bytes(b"".join((payload, SEQ.pack(self._sent))))
 
     def _create_worker_process(self, i: int) -> Any:
-        if not hasattr(self, "_records"):  # spawn: billiard's queues
-            return super()._create_worker_process(i)
-        with self._fork_lock:  # the child keeps the counter it was forked with as its own
-            self._inqueue._mine = mine = _counter()
-            process = super()._create_worker_process(i)
-            self._records[process.pid] = mine
-            return process
+        with self._maintaining():
+            if not hasattr(self, "_records"):  # spawn: billiard's queues
+                return super()._create_worker_process(i)
+            with self._fork_lock:  # the child keeps the counter it was forked with as its own
+                self._inqueue._mine = mine = _counter()
+                process = super()._create_worker_process(i)
+                self._records[process.pid] = mine
+                return process
 
     def create_result_handler(self, **extra_kwargs: Any) -> Any:
         handler = super().create_result_handler(**extra_kwargs)
@@ -318,8 +374,8 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
         mine.close()
         if self._state != RUN or threading.current_thread() is getattr(self, "_result_handler", None):
             return  # a stop: the channel's close hands back every unacknowledged message
-        if number in self._handed:
-            self._outqueue.put((UNSTARTED, ((number,), f"its pool process (pid {worker.pid}) died before it started it")))
+        if number in self._handed:  # sent once the pool's lock is released (``_maintaining``)
+            self._unstarted.append((UNSTARTED, ((number,), f"its pool process (pid {worker.pid}) died before it started it")))
         self._probe_owed = True
         self._probe()
 
@@ -342,10 +398,12 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
 
     def _maintain_pool(self) -> None:
         """billiard's supervisor's round (processes found dead, replacements forked), then the probe
-        still owed, if any."""
-        super()._maintain_pool()
-        if hasattr(self, "_put_lock"):
-            self._probe()
+        still owed, if any; under the pool's lock, whichever thread runs it (the supervisor, the
+        autoscaler)."""
+        with self._maintaining():
+            super()._maintain_pool()
+            if hasattr(self, "_put_lock"):
+                self._probe()
 
     def _hand_back(self, numbers: tuple[int, ...], why: str) -> None:
         """The result handler: tasks read by a pool process that died before it started them go
