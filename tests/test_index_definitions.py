@@ -153,14 +153,12 @@ def test_mariadbs_migrate_report_names_the_indexes_it_rebuilt(mysql: OutboxStore
     assert cli(mysql, "migrate", tmp_path).strip().endswith("nothing to change")
 
 
-def test_sqlites_migrate_report_names_the_index_it_rebuilt(tmp_path: Path) -> None:
-    store = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}")
-    store.migrate()
+def test_sqlites_migrate_report_names_the_index_it_rebuilt(sqlite_store: OutboxStore, tmp_path: Path) -> None:
+    store = sqlite_store
     name = store.engine.index_name("claim_ready")
     raw(store, f'DROP INDEX "{name}"', f'CREATE INDEX "{name}" ON outbox (id) WHERE status IN (0, 1, 3)')
     report = cli(store, "migrate", tmp_path)
     assert f"repaired (rebuilt {name})" in report, report
-    store.close()
 
 
 def test_check_fails_on_a_mariadb_message_id_that_is_not_unique(mysql: OutboxStore) -> None:
@@ -171,29 +169,21 @@ def test_check_fails_on_a_mariadb_message_id_that_is_not_unique(mysql: OutboxSto
     assert state == FAIL and f"{name} is (message_id) USING BTREE, not UNIQUE (message_id)" in detail, detail
 
 
-def test_check_fails_on_sqlites_claim_ready_of_an_earlier_release_until_migrate(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'o.db'}"
-    store = OutboxStore(url)
-    store.migrate()
+def test_check_fails_on_sqlites_claim_ready_of_an_earlier_release_until_migrate(sqlite_store: OutboxStore) -> None:
+    store = sqlite_store
     name = store.engine.index_name("claim_ready")
-    with sqlite3.connect(tmp_path / "o.db") as conn:
-        conn.executescript(f'DROP INDEX "{name}"; CREATE INDEX "{name}" ON outbox (id) WHERE status IN (0, 1, 3);')
+    raw(store, f'DROP INDEX "{name}"', f'CREATE INDEX "{name}" ON outbox (id) WHERE status IN (0, 1, 3)')
     state, detail = indexes_line(store)
     assert state == FAIL and f"{name} is (id) WHERE status IN (0, 1, 3), not (next_retry_at, id)" in detail, detail
     store.migrate()
     assert indexes_line(store) == (OK, ", ".join(sorted(store.engine.expected_indexes())))
-    store.close()
 
 
-def test_sqlites_partial_indexes_are_told_from_whole_ones(tmp_path: Path) -> None:
-    store = OutboxStore(f"sqlite:///{tmp_path / 'o.db'}")
-    store.migrate()
-    name = store.engine.index_name("agg_id_id")
-    with sqlite3.connect(tmp_path / "o.db") as conn:
-        conn.executescript(f'DROP INDEX "{name}"; CREATE INDEX "{name}" ON outbox (aggregate_id, id);')
-    state, detail = indexes_line(store)
+def test_sqlites_partial_indexes_are_told_from_whole_ones(sqlite_store: OutboxStore) -> None:
+    name = sqlite_store.engine.index_name("agg_id_id")
+    raw(sqlite_store, f'DROP INDEX "{name}"', f'CREATE INDEX "{name}" ON outbox (aggregate_id, id)')
+    state, detail = indexes_line(sqlite_store)
     assert state == FAIL and f"{name} is (aggregate_id, id), not (aggregate_id, id) WHERE status IN" in detail, detail
-    store.close()
 
 
 def sql_server_rows(engine: MssqlEngine, claim_ready_include: tuple[str, ...]) -> list[tuple]:
