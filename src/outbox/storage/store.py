@@ -48,7 +48,7 @@ from .engines.base import (
     IndexDiffers,
     is_permanent_error,
 )
-from .engines.describe import index_differs, index_names, index_shapes
+from .engines.describe import index_differs, index_shapes
 
 log = logging.getLogger("outbox.storage.store")
 T = TypeVar("T")
@@ -338,15 +338,15 @@ class OutboxStore:
             return None
         e.execute(cursor, f"SELECT * FROM {e.table} WHERE 1 = 0")
         columns = frozenset(str(d[0]).lower() for d in cursor.description)
-        names = set(index_names(e, cursor))
+        shapes = index_shapes(e, cursor)
+        names = set(shapes)
         if e.table_exists(cursor, e.holders):
             names.add(e.holders_name)
         options, definitions = e.storage_options(cursor), e.definitions(cursor)
         # Each index the engine's catalog text does not give, as `outbox check` reads it
         # (describe.index_shapes): MySQL's and SQLite's rebuilds went unnamed, "repaired" alone.
         defined = {name for name, _ in definitions}
-        definitions |= frozenset((name, shape.text()) for name, shape in index_shapes(e, cursor).items()
-                                 if name not in defined)
+        definitions |= frozenset((name, shape.text()) for name, shape in shapes.items() if name not in defined)
         return columns, frozenset(names), options, definitions
 
     def schema_changes(self, before: tuple[frozenset[Any], ...], after: tuple[frozenset[Any], ...]) -> list[str]:

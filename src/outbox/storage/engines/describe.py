@@ -71,26 +71,10 @@ def driver_problem(url: str) -> str | None:
 
 def index_names(engine: Engine, cursor: Any) -> set[str]:
     """The names of the indexes on the engine's table, read from the catalog (on PostgreSQL
-    the valid ones)."""
-    table, schema = engine.table_name, engine.schema
-    if isinstance(engine, SqliteEngine):
-        rows = cursor.execute(f"PRAGMA {engine.schema_prefix()}index_list({engine.quote(table)})").fetchall()
-        return {str(r[1]) for r in rows}
-    if engine.name == "postgresql":
-        # Valid ones only: an INVALID index (a CONCURRENTLY build or drop interrupted) serves no
-        # query, and `outbox migrate` builds it again (docs/internals.md, "Index builds that
-        # hold no writer back"); `outbox check` said ok over it (found in review).
-        engine.execute(cursor, "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-                       "WHERE i.indrelid = to_regclass(?) AND i.indisvalid", [engine.table])
-    elif engine.name == "mysql":
-        engine.execute(cursor, "SELECT DISTINCT index_name FROM information_schema.statistics WHERE table_name = ? "
-                       "AND table_schema = " + ("?" if schema else "DATABASE()"), [table, *([schema] if schema else [])])
-    elif engine.name == "mssql":
-        engine.execute(cursor, "SELECT i.name FROM sys.indexes i WHERE i.object_id = OBJECT_ID(?) AND i.name IS NOT NULL",
-                       [f"{engine.quote(schema or 'dbo')}.{engine.quote(table)}"])
-    else:  # pragma: no cover - every engine is listed above
-        raise ValueError(f"no index catalog query for {engine.name}")
-    return {str(r[0]) for r in cursor.fetchall()}
+    the valid ones: an INVALID index, a CONCURRENTLY build or drop interrupted, serves no query,
+    and `outbox migrate` builds it again; docs/internals.md, "Index builds that hold no writer
+    back"): ``index_shapes``' names."""
+    return set(index_shapes(engine, cursor))
 
 
 #: Per engine, the catalog's rows of the table's indexes, one per column: (index, unique,
