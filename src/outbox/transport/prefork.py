@@ -317,7 +317,6 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
         self._handed: dict[int, tuple[int, Any]] = {}  # number: (job, i)
         self._numbers: dict[tuple[int, Any], int] = {}  # (job, i): number
         self._records: dict[int, mmap.mmap] = {}  # pid: that process's ``TaskQueue._mine``
-        self._fork_lock = threading.Lock()
         self._probe_owed = False  # a probe the supervisor could not write yet (``_probe``)
         self._quick_put = self._put_numbered
 
@@ -341,11 +340,11 @@ class Pool(PreforkPool.BlockingPool):  # billiard.pool.Pool
         with self._maintaining():
             if not hasattr(self, "_records"):  # spawn: billiard's queues
                 return super()._create_worker_process(i)
-            with self._fork_lock:  # the child keeps the counter it was forked with as its own
-                self._inqueue._mine = mine = _counter()
-                process = super()._create_worker_process(i)
-                self._records[process.pid] = mine
-                return process
+            # Under the pool's lock, one fork at a time: the child keeps the counter it was forked with as its own.
+            self._inqueue._mine = mine = _counter()
+            process = super()._create_worker_process(i)
+            self._records[process.pid] = mine
+            return process
 
     def create_result_handler(self, **extra_kwargs: Any) -> Any:
         handler = super().create_result_handler(**extra_kwargs)
