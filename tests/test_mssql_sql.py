@@ -355,6 +355,28 @@ def test_a_claim_that_reads_past_blocked_rows_binds_alike_and_only_chooses_with_
     assert "FROM @behind AS b WHERE b.id = e.id" in window and window.rstrip(";").endswith("ORDER BY s.id")
 
 
+@pytest.mark.parametrize(("counted", "reads_past"), [(19, False), (20, True)])
+def test_an_empty_claim_reads_past_only_a_window_that_was_full(counted: int, reads_past: bool,
+                                                               no_sqlglot_fallbacks: None) -> None:
+    """``Engine.window_full`` (docs/internals.md, "Claim windows"): after a claim that took
+    nothing, one count of the window's own read, its two walks with the same lock hints
+    (rows other claims lock are skipped there too) and the sizes written in; the claim reads
+    past the window only when the count reaches it (20: a batch of 10, a window of 2)."""
+    store, conn = recording_store(None, "outbox", 160, answers={
+        "FROM @out": [], "SELECT COUNT(*) FROM (SELECT TOP": [(counted,)]})
+    engine = store.engine
+    assert isinstance(engine, MssqlEngine) and engine.claim_window(10) == 20
+    assert store.claim(10).messages == []
+    sent = [(sql, params) for sql, params in conn.log if "@out" in sql or sql.startswith("SELECT COUNT(*) FROM")]
+    count = next(sql for sql, _ in sent if sql.startswith("SELECT COUNT(*) FROM"))
+    assert [sql for sql, _ in sent] == [engine.claim_batch(True), count,
+                                        *([engine.claim_batch(True, skip_blocked=True)] if reads_past else [])]
+    assert placeholders(count) == 0 and dict(sent)[count] == ()
+    refs = outbox_refs(parse_one(count), engine)
+    assert [hints(r) for r in refs] == [{"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}] * 2
+    assert count.count("SELECT TOP (20) ") == 3 and f"DATEADD(MILLISECOND, ({-store.claim_timeout_ms}), " in count
+
+
 @pytest.mark.parametrize("skip_blocked", [False, True])
 def test_the_claims_window_reads_no_row_waiting_for_a_later_time(skip_blocked: bool,
                                                                  no_sqlglot_fallbacks: None) -> None:

@@ -461,6 +461,39 @@ def test_rows_queued_behind_a_waiting_head_do_not_hide_the_other_aggregates(make
     assert statuses(store)[a1] == Status.FAILED and statuses(store)[c1] == Status.CLAIMED
 
 
+def test_an_empty_claim_reads_past_its_window_only_when_the_window_was_full(make_store: Any, writer: Any) -> None:
+    """A claim that took nothing reads past its window only when that window held as many
+    eligible rows as it reads (``Engine.window_full``): one that held fewer held every
+    eligible row, and nothing can wait past it (docs/internals.md, "Claim windows"). Before,
+    every empty claim read past, and a relay keeping up with a trickle of events, whose
+    claims mostly come back empty, paid for each of them twice. Rows waiting for a later
+    time and rows under a live lease are not eligible, so they do not fill the window."""
+    table = f"outbox_full{uuid.uuid4().hex[:8]}"
+    store, holder = make_store(table=table), make_store(table=table)
+    batch = 2
+    window = store.engine.claim_window(batch)
+    (a1,) = add(writer, store, "a")
+    assert [m.id for m in holder.claim(1).messages] == [a1]  # a live lease: a1 is not eligible
+    (b1,) = add(writer, store, "b")
+    assert holder.mark_failed(b1, holder.claim(1).lease, "broker said no", timedelta(hours=1)).applied
+    add(writer, store, "a", window - 1)  # eligible, each behind a1: a window all but full
+    passes: list[bool] = []
+    claim = store.engine.claim
+
+    def watched(cursor: Any, *args: Any, skip_blocked: bool = False, **kw: Any) -> list[tuple]:
+        passes.append(skip_blocked)
+        return claim(cursor, *args, skip_blocked=skip_blocked, **kw)
+
+    store.engine.claim = watched  # type: ignore[method-assign]
+    assert claimed_ids(store, batch) == []
+    assert passes == [False]
+    add(writer, store, "a")  # now the window is full of rows blocked behind a1
+    (c1,) = add(writer, store, "c")
+    assert claimed_ids(store, batch) == [c1]  # found past the full window
+    assert passes == [False, False, True]
+    assert statuses(store)[a1] == Status.CLAIMED and statuses(store)[b1] == Status.FAILED
+
+
 def test_aggregate_ids_that_differ_by_trailing_spaces_are_two_aggregates(make_store: Any, writer: Any) -> None:
     """The relay tells aggregates apart by their exact ids; an engine whose collation
     compares 'x' and 'x ' equal (MySQL's PAD SPACE) must not let one stand in for the

@@ -398,6 +398,8 @@ class OutboxStore:
                     taken = self.engine.leased_rows(cursor, lease, self.claim_timeout_ms)
                     if taken:
                         return taken
+                if skip_blocked and not self.engine.window_full(cursor, batch, self.claim_timeout_ms):
+                    return []  # the first read held every eligible row: nothing waits past it
                 return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind,
                                          skip_blocked=skip_blocked)
             return run
@@ -405,8 +407,8 @@ class OutboxStore:
         def claimed() -> list[tuple]:
             rows = self._run("claim", work(False), alone=self.engine.one_statement_claim)
             if not rows:
-                # The window may have held only rows queued behind heads that wait (a retry not
-                # due, another worker's lease): read past them (docs/internals.md, "Claim windows").
+                # A full window may have held only rows queued behind heads that wait (a retry
+                # not due, another worker's lease): read past them (docs/internals.md, "Claim windows").
                 rows = self._run("claim", work(True), alone=self.engine.one_statement_claim)
             return rows
 

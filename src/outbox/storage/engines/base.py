@@ -876,10 +876,24 @@ class Engine(ABC):
         status, attempts); with ``unblocked_behind`` (a claim's ``behind``, for
         ``skip_blocked``) the first ``size`` of ``unblocked_rows`` in ``BLOCKED_SCAN`` windows."""
         scan = size if unblocked_behind is None else size * self.BLOCKED_SCAN
-        rows = list(self.execute(cursor, self.window_sql(), [-timeout_ms, scan, -timeout_ms, scan, scan]).fetchall())
+        rows = list(self.execute(cursor, *self.window_statement(timeout_ms, scan)).fetchall())
         if unblocked_behind is None:
             return rows
         return self.unblocked_rows(cursor, rows, timeout_ms, unblocked_behind)[:size]
+
+    def window_statement(self, timeout_ms: int, size: int) -> tuple[str, list[Any]]:
+        """The claim's window of ``size`` eligible rows (``window_sql``) and its parameters."""
+        return self.window_sql(), [-timeout_ms, size, -timeout_ms, size, size]
+
+    def window_full(self, cursor: Any, batch: int, timeout_ms: int) -> bool:
+        """Whether a claim of ``batch`` rows finds its window full (``claim_window``): only then
+        can rows it could take wait past the window, behind heads that wait, and only then does
+        ``OutboxStore.claim`` read past them after a claim that took nothing (docs/internals.md,
+        "Claim windows"). One count of the window's rows."""
+        size = self.claim_window(batch)
+        sql, params = self.window_statement(timeout_ms, size)
+        row = self.execute(cursor, f"SELECT COUNT(*) FROM ({sql}) w", params).fetchone()
+        return row is None or int(row[0]) >= size
 
     def window_sql(self) -> str:
         """A window of ``?`` (the second and fourth parameter, and the last) eligible rows as

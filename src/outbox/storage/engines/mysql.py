@@ -213,15 +213,12 @@ class MysqlEngine(Engine):
     def chains_source(self) -> str:
         return f"{self.table} FORCE INDEX ({self.quote(self.index_name('agg_id_id'))})"
 
-    def window_rows(self, cursor: Any, timeout_ms: int, size: int,
-                    unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
+    def window_statement(self, timeout_ms: int, size: int) -> tuple[str, list[Any]]:
         # One branch per status and time, each read in the index's order from its own range
         # and stopped after ``size`` rows; then the oldest ``size`` of them. The rows without a
         # time (pending, claimed) are read in id order; those whose time has come (a due retry, a
         # delayed release) in the order of that time: rows still waiting for their time are never
         # read (docs/internals.md, "Rows waiting for a later time are not read").
-        # skip_blocked: BLOCKED_SCAN windows read, then only rows of unblocked aggregates kept.
-        scan = size if unblocked_behind is None else size * self.BLOCKED_SCAN
         due = f"next_retry_at <= {self.now}"
         branches, params = [], []
         # Without a time ORDER BY id, not (next_retry_at, id): MariaDB sorted every row of the
@@ -232,12 +229,8 @@ class MysqlEngine(Engine):
                                     (0, due, by_time), (3, due, by_time)):
             branches.append(f"(SELECT id, aggregate_id, status, attempts FROM {self.open_rows_source()} "
                             f"WHERE status = {status} AND {cond} ORDER BY {order} LIMIT ?)")
-            params += [-timeout_ms] * cond.count("?") + [scan]
-        sql = " UNION ALL ".join(branches) + " ORDER BY id LIMIT ?"
-        rows = list(self.execute(cursor, sql, [*params, scan]).fetchall())
-        if unblocked_behind is None:
-            return rows
-        return self.unblocked_rows(cursor, rows, timeout_ms, unblocked_behind)[:size]
+            params += [-timeout_ms] * cond.count("?") + [size]
+        return " UNION ALL ".join(branches) + " ORDER BY id LIMIT ?", [*params, size]
 
     def connect(self, url: str) -> Any:
         import pymysql

@@ -354,15 +354,11 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
     #: aggregate once, so it reads fewer windows than the other engines' (Engine.BLOCKED_SCAN).
     BLOCKED_SCAN = 8
 
-    def window_insert(self, eligible: str, skip_blocked: bool = False) -> str:
-        """``@win``: a window of ``@window`` eligible rows (``Engine.window_sql``), read without
-        update locks, skipping rows other claims lock (READPAST). ``skip_blocked`` (``Engine.claim``): up to
-        ``BLOCKED_SCAN`` windows of them, keeping only rows of aggregates whose first open
-        row, ``@behind`` left out, may be taken now (``Engine.unblocked_rows``). That probe
-        reads past locked rows too: it only chooses the window, and the probes and locks
-        after it decide what is claimed (``probe_select``)."""
+    def window_read(self, eligible: str, size: str) -> str:
+        """The claim window's read: ``size`` (an expression) ``eligible`` rows as (id,
+        aggregate_id, status, attempts), oldest first, skipping rows other claims lock
+        (READPAST)."""
         t = self.table
-        size = "@window" if not skip_blocked else f"@window * {self.BLOCKED_SCAN}"
         # Two walks of claim_ready (next_retry_at, id), each stopped after the window, then the
         # oldest of both: the rows without a time in id order (the index's, IS NULL a seek) and
         # the due ones in the order of their time (the index's too); rows waiting for a later
@@ -372,11 +368,29 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
         # PRIMARY KEY refused the second (error 2627; docs/sqlserver.md, "The claim's statements").
         walk = f"FROM {t} WITH (READCOMMITTEDLOCK, READPAST, ROWLOCK)\nWHERE {eligible}"
         columns = f"SELECT TOP ({size}) id, {self.chain_key()} AS aggregate_id, status, attempts"
-        read = (f"SELECT TOP ({size}) w.id, MIN(w.aggregate_id) AS aggregate_id, MIN(w.status) AS status, "
+        return (f"SELECT TOP ({size}) w.id, MIN(w.aggregate_id) AS aggregate_id, MIN(w.status) AS status, "
                 "MIN(w.attempts) AS attempts FROM (\n"
                 f"SELECT r.* FROM ({columns}\n{walk} AND next_retry_at IS NULL\nORDER BY next_retry_at, id) AS r\n"
                 f"UNION ALL\nSELECT d.* FROM ({columns}\n{walk} AND next_retry_at <= SYSUTCDATETIME()\n"
                 "ORDER BY next_retry_at, id) AS d) AS w\nGROUP BY w.id\nORDER BY w.id")
+
+    def window_full(self, cursor: Any, batch: int, timeout_ms: int) -> bool:
+        # Engine.window_full, counted over the window's own read: rows it skips (READPAST) are
+        # not counted either. The integers written in: one plan per relay's settings.
+        size = self.claim_window(batch)
+        eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
+        row = self.execute(cursor, f"SELECT COUNT(*) FROM ({self.window_read(eligible, str(int(size)))}) AS c").fetchone()
+        return row is None or int(row[0]) >= size
+
+    def window_insert(self, eligible: str, skip_blocked: bool = False) -> str:
+        """``@win``: a window of ``@window`` eligible rows (``Engine.window_sql``), read without
+        update locks, skipping rows other claims lock (READPAST). ``skip_blocked`` (``Engine.claim``): up to
+        ``BLOCKED_SCAN`` windows of them, keeping only rows of aggregates whose first open
+        row, ``@behind`` left out, may be taken now (``Engine.unblocked_rows``). That probe
+        reads past locked rows too: it only chooses the window, and the probes and locks
+        after it decide what is claimed (``probe_select``)."""
+        t = self.table
+        read = self.window_read(eligible, "@window" if not skip_blocked else f"@window * {self.BLOCKED_SCAN}")
         if not skip_blocked:
             return f"INSERT INTO @win (id, aggregate_id, status, attempts)\n{read};"
         seek = self.probe_seek()
