@@ -1,4 +1,4 @@
-"""What one claim statement costs PostgreSQL: ``EXPLAIN (ANALYZE)`` of ``PostgresEngine.claim``
+"""What one claim statement costs PostgreSQL: ``EXPLAIN (ANALYZE)`` of ``PostgresEngine.claim_pass``
 on a fresh backlog (``--events`` rows written round-robin over each of ``--spreads``
 aggregates), after a few claims have been made and marked done, repeated ``--repeat`` times
 inside a transaction that is rolled back (the backlog stays the same): the execution time's

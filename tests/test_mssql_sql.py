@@ -335,18 +335,18 @@ def test_claim_locks_candidates_and_probes_without_readpast(schema: str | None, 
 @pytest.mark.parametrize("own_transaction", [False, True])
 def test_a_claim_that_reads_past_blocked_rows_binds_alike_and_only_chooses_with_readpast(
         own_transaction: bool, no_sqlglot_fallbacks: None) -> None:
-    """``skip_blocked`` (``Engine.claim``): only ``@win`` changes. It reads up to
+    """``read_past`` (``Engine.claim``): only ``@win`` changes. It reads up to
     ``BLOCKED_SCAN`` windows of eligible rows and keeps those whose aggregate's first open
     row (``@behind`` left out) is eligible, a TOP (1) seek on the ordering probe's index
     that reads past locked rows: it only chooses the window, the probes and locks after it
     are those of every claim. Same parameters as the plain claim."""
     engine = MssqlEngine(table="outbox")
     plain = engine.claim_statements(own_transaction)
-    past = engine.claim_statements(own_transaction, skip_blocked=True)
+    past = engine.claim_statements(own_transaction, read_past=True)
     assert [s for s in past if not s.startswith("INSERT INTO @win")] == [
         s for s in plain if not s.startswith("INSERT INTO @win")]
     params = engine.claim_params(10, "f" * 32, 60_000, 3, [7])
-    assert engine.claim_batch(own_transaction, skip_blocked=True).count("?") == len(params)
+    assert engine.claim_batch(own_transaction, read_past=True).count("?") == len(params)
     window = next(s for s in past if s.startswith("INSERT INTO @win"))
     refs = outbox_refs(parse_one(window), engine)  # the window's two walks, the probe
     assert sorted(sorted(hints(r)) for r in refs) == [["FORCESEEK", "READCOMMITTEDLOCK", "READPAST"]] + [
@@ -370,15 +370,15 @@ def test_an_empty_claim_reads_past_only_a_window_that_was_full(counted: int, rea
     sent = [(sql, params) for sql, params in conn.log if "@out" in sql or sql.startswith("SELECT COUNT(*) FROM")]
     count = next(sql for sql, _ in sent if sql.startswith("SELECT COUNT(*) FROM"))
     assert [sql for sql, _ in sent] == [engine.claim_batch(True), count,
-                                        *([engine.claim_batch(True, skip_blocked=True)] if reads_past else [])]
+                                        *([engine.claim_batch(True, read_past=True)] if reads_past else [])]
     assert placeholders(count) == 0 and dict(sent)[count] == ()
     refs = outbox_refs(parse_one(count), engine)
     assert [hints(r) for r in refs] == [{"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}] * 2
     assert count.count("SELECT TOP (20) ") == 3 and f"DATEADD(MILLISECOND, ({-store.claim_timeout_ms}), " in count
 
 
-@pytest.mark.parametrize("skip_blocked", [False, True])
-def test_the_claims_window_reads_no_row_waiting_for_a_later_time(skip_blocked: bool,
+@pytest.mark.parametrize("read_past", [False, True])
+def test_the_claims_window_reads_no_row_waiting_for_a_later_time(read_past: bool,
                                                                  no_sqlglot_fallbacks: None) -> None:
     """docs/internals.md, "Rows waiting for a later time are not read": the window walked
     claim_ready (id) over every open row, past every failed row whose retry was not due. Now
@@ -389,7 +389,7 @@ def test_the_claims_window_reads_no_row_waiting_for_a_later_time(skip_blocked: b
 
     engine = MssqlEngine(table="outbox")
     assert next(i for i in INDEXES if i.suffix == "claim_ready").keys == ("next_retry_at", "id")
-    window = next(s for s in engine.claim_statements(skip_blocked=skip_blocked) if s.startswith("INSERT INTO @win"))
+    window = next(s for s in engine.claim_statements(read_past=read_past) if s.startswith("INSERT INTO @win"))
     sources = [(select, select.args.get("from") or select.args.get("from_")) for select in
                parse_one(window).find_all(exp.Select)]
     walks = [select for select, source in sources if source is not None and isinstance(source.this, exp.Table)
@@ -398,12 +398,12 @@ def test_the_claims_window_reads_no_row_waiting_for_a_later_time(skip_blocked: b
     assert len(walks) == 2
     assert sorted(w.args["where"].this.sql("tsql").split(" AND ")[-1] for w in walks) == [
         "next_retry_at <= SYSUTCDATETIME()", "next_retry_at IS NULL"]
-    size = "@window" if not skip_blocked else f"@window * {engine.BLOCKED_SCAN}"
+    size = "@window" if not read_past else f"@window * {engine.BLOCKED_SCAN}"
     assert window.count(f"SELECT TOP ({size}) id, ") == 2  # each walk stopped after the window
 
 
-@pytest.mark.parametrize("skip_blocked", [False, True])
-def test_the_claims_window_keeps_one_row_per_id_whatever_both_walks_read(skip_blocked: bool,
+@pytest.mark.parametrize("read_past", [False, True])
+def test_the_claims_window_keeps_one_row_per_id_whatever_both_walks_read(read_past: bool,
                                                                          no_sqlglot_fallbacks: None) -> None:
     """Review of 7 December: the window's two walks read claim_ready (next_retry_at, id) under
     locking READ COMMITTED (READCOMMITTEDLOCK, READPAST: each row's S lock is let go once read),
@@ -414,7 +414,7 @@ def test_the_claims_window_keeps_one_row_per_id_whatever_both_walks_read(skip_bl
     PRIMARY KEY (id) refused the second: error 2627 failed the whole claim. The rows of both
     walks are now kept once per id (GROUP BY id before the TOP), in either window."""
     engine = MssqlEngine(table="outbox")
-    window = next(s for s in engine.claim_statements(skip_blocked=skip_blocked) if s.startswith("INSERT INTO @win"))
+    window = next(s for s in engine.claim_statements(read_past=read_past) if s.startswith("INSERT INTO @win"))
     (union,) = list(parse_one(window).find_all(exp.Union))
     assert union.args.get("distinct") is False  # UNION ALL: the walks' rows are not made unique there
     oldest = union.find_ancestor(exp.Select)  # the SELECT TOP (...) ... ORDER BY id over both walks
@@ -454,14 +454,14 @@ def test_the_claim_is_linear_in_a_hot_aggregates_window(no_sqlglot_fallbacks: No
     assert "JOIN" not in keep.sql("tsql").upper() and " IN (" not in keep.sql("tsql").upper()
 
 
-@pytest.mark.parametrize("skip_blocked", [False, True])
+@pytest.mark.parametrize("read_past", [False, True])
 def test_a_null_aggregate_id_is_filed_under_a_key_of_its_own_in_the_claims_table_variables(
-        skip_blocked: bool, no_sqlglot_fallbacks: None) -> None:
+        read_past: bool, no_sqlglot_fallbacks: None) -> None:
     """Found in review: ``@win`` and ``@cand`` declare aggregate_id NOT NULL, so one row with a
     NULL aggregate_id (a table made by another script) failed every claim while it was among
     the oldest. Each insert into them files such a row under a key of its own, made from its
     id; the probes, which compare with the table, find nothing before it."""
-    statements = MssqlEngine().claim_statements(own_transaction=True, skip_blocked=skip_blocked)
+    statements = MssqlEngine().claim_statements(own_transaction=True, read_past=read_past)
     for variable in ("@win", "@cand"):
         insert = parse_one(next(s for s in statements if s.startswith(f"INSERT INTO {variable} ")))
         keys = [c for c in insert.find_all(exp.Coalesce) if c.this.name == "aggregate_id"]

@@ -463,7 +463,7 @@ def test_rows_queued_behind_a_waiting_head_do_not_hide_the_other_aggregates(make
 
 def test_an_empty_claim_reads_past_its_window_only_when_the_window_was_full(make_store: Any, writer: Any) -> None:
     """A claim that took nothing reads past its window only when that window held as many
-    eligible rows as it reads (``Engine.window_full``): one that held fewer held every
+    eligible rows as it reads (``Engine.claim_pass``): one that held fewer held every
     eligible row, and nothing can wait past it (docs/internals.md, "Claim windows"). Before,
     every empty claim read past, and a relay keeping up with a trickle of events, whose
     claims mostly come back empty, paid for each of them twice. Rows waiting for a later
@@ -478,13 +478,13 @@ def test_an_empty_claim_reads_past_its_window_only_when_the_window_was_full(make
     assert holder.mark_failed(b1, holder.claim(1).lease, "broker said no", timedelta(hours=1)).applied
     add(writer, store, "a", window - 1)  # eligible, each behind a1: a window all but full
     passes: list[bool] = []
-    claim = store.engine.claim
+    claim_pass = store.engine.claim_pass
 
-    def watched(cursor: Any, *args: Any, skip_blocked: bool = False, **kw: Any) -> list[tuple]:
-        passes.append(skip_blocked)
-        return claim(cursor, *args, skip_blocked=skip_blocked, **kw)
+    def watched(*args: Any, read_past: bool) -> tuple[list[tuple], bool]:
+        passes.append(read_past)
+        return claim_pass(*args, read_past=read_past)
 
-    store.engine.claim = watched  # type: ignore[method-assign]
+    store.engine.claim_pass = watched  # type: ignore[method-assign]
     assert claimed_ids(store, batch) == []
     assert passes == [False]
     add(writer, store, "a")  # now the window is full of rows blocked behind a1

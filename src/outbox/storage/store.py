@@ -385,35 +385,22 @@ class OutboxStore:
         self.release_doubtful()
         lease = self.new_lease()
 
-        def work(skip_blocked: bool) -> Callable[[Any], list[tuple]]:
-            runs = 0
+        runs = 0
 
-            def run(cursor: Any) -> list[tuple]:
-                # ``_run`` runs this again after a dropped connection, but the run whose answer
-                # was lost may have committed (an autocommit claim; a COMMIT whose reply never
-                # came): what its lease holds is then the claim (docs/relay.md, "A network cut").
-                nonlocal runs
-                runs += 1
-                if runs > 1:
-                    taken = self.engine.leased_rows(cursor, lease, self.claim_timeout_ms)
-                    if taken:
-                        return taken
-                if skip_blocked and not self.engine.window_full(cursor, batch, self.claim_timeout_ms):
-                    return []  # the first read held every eligible row: nothing waits past it
-                return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind,
-                                         skip_blocked=skip_blocked)
-            return run
-
-        def claimed() -> list[tuple]:
-            rows = self._run("claim", work(False), alone=self.engine.one_statement_claim)
-            if not rows:
-                # A full window may have held only rows queued behind heads that wait (a retry
-                # not due, another worker's lease): read past them (docs/internals.md, "Claim windows").
-                rows = self._run("claim", work(True), alone=self.engine.one_statement_claim)
-            return rows
+        def run(cursor: Any) -> list[tuple]:
+            # ``_run`` runs this again after a dropped connection, but the run whose answer
+            # was lost may have committed (an autocommit claim; a COMMIT whose reply never
+            # came): what its lease holds is then the claim (docs/relay.md, "A network cut").
+            nonlocal runs
+            runs += 1
+            if runs > 1:
+                taken = self.engine.leased_rows(cursor, lease, self.claim_timeout_ms)
+                if taken:
+                    return taken
+            return self.engine.claim(cursor, batch, lease, self.claim_timeout_ms, self.max_attempts, behind)
 
         try:
-            rows = self._doubting(lease, claimed)
+            rows = self._doubting(lease, lambda: self._run("claim", run, alone=self.engine.one_statement_claim))
         except Exception as exc:
             hint = self.engine.schema_error_hint(exc)  # not an outage: an operator must act
             if hint is not None:

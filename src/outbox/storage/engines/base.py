@@ -422,7 +422,7 @@ class Engine(ABC):
         planner would walk another index over every matching row instead adds its hint here."""
         return self.table
 
-    #: How far past a window of blocked rows a ``skip_blocked`` claim reads: this many
+    #: How far past a window of blocked rows a claim reads (``claim_pass``'s ``read_past``): this many
     #: windows' worth of eligible rows at most, so its cost stays bounded however many rows
     #: wait behind waiting heads (docs/internals.md, "Claim windows").
     BLOCKED_SCAN = 64
@@ -807,7 +807,7 @@ class Engine(ABC):
         return batch * self.window
 
     def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
-              behind: Sequence[int] = (), skip_blocked: bool = False) -> list[tuple]:
+              behind: Sequence[int] = ()) -> list[tuple]:
         """Lease up to ``batch`` rows inside the open transaction; return rows shaped
         like MESSAGE_COLUMNS (rows whose status is not 1 went dead instead).
 
@@ -815,9 +815,21 @@ class Engine(ABC):
         slice's share being published while its next claim is made): they do not block a
         chain, so the claim may take the rows that follow them in their aggregates
         (docs/internals.md, "Claims that continue a chain"). Every other open row blocks.
-        ``skip_blocked``: the window is read from ``BLOCKED_SCAN`` windows of eligible rows,
-        keeping only the rows of unblocked aggregates (``unblocked_rows``): ``OutboxStore.claim``
-        asks for it when a claim found nothing to take.
+
+        One pass (``claim_pass``) over a window of eligible rows; when it took nothing from a
+        full window, a second one reads past the window's blocked rows (docs/internals.md,
+        "Claim windows")."""
+        rows, window_full = self.claim_pass(cursor, batch, lease, timeout_ms, max_attempts, behind, read_past=False)
+        if not rows and window_full:
+            rows, _ = self.claim_pass(cursor, batch, lease, timeout_ms, max_attempts, behind, read_past=True)
+        return rows
+
+    def claim_pass(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
+                   behind: Sequence[int], *, read_past: bool) -> tuple[list[tuple], bool]:
+        """One pass of ``claim``: the rows it leased (or buried), and whether its window was
+        full (``claim_window(batch)`` eligible rows; only then can a claimable row wait past
+        it). ``read_past``: the window is read from ``BLOCKED_SCAN`` windows of eligible rows,
+        keeping only the rows of unblocked aggregates (``unblocked_rows``).
 
         This generic version reads a window of candidates, plans the chains in Python
         (``outbox.domain.chains``) and, where claims can overlap, locks what it planned
@@ -825,7 +837,12 @@ class Engine(ABC):
         not a statement of its own (``claimed_rows``; docs/internals.md, "The generic claim
         reads its rows where it locks them"); engines with a one-statement form override it."""
         self.begin(cursor)
-        rows = self.window_rows(cursor, timeout_ms, self.claim_window(batch), behind if skip_blocked else None)
+        size = self.claim_window(batch)
+        rows = self.window_rows(cursor, timeout_ms, size, behind if read_past else None)
+        return self._claim_window_rows(cursor, rows, batch, lease, timeout_ms, max_attempts, behind), len(rows) >= size
+
+    def _claim_window_rows(self, cursor: Any, rows: list[tuple], batch: int, lease: str, timeout_ms: int,
+                           max_attempts: int, behind: Sequence[int]) -> list[tuple]:
         candidates = [Candidate(int(r[0]), r[1], int(r[2]), _count(r[3])) for r in rows]
         if not candidates:
             return []
@@ -874,7 +891,7 @@ class Engine(ABC):
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
         """The generic claim's window: ``size`` eligible rows (``window_sql``), as (id, aggregate_id,
         status, attempts); with ``unblocked_behind`` (a claim's ``behind``, for
-        ``skip_blocked``) the first ``size`` of ``unblocked_rows`` in ``BLOCKED_SCAN`` windows."""
+        ``read_past``) the first ``size`` of ``unblocked_rows`` in ``BLOCKED_SCAN`` windows."""
         scan = size if unblocked_behind is None else size * self.BLOCKED_SCAN
         rows = list(self.execute(cursor, *self.window_statement(timeout_ms, scan)).fetchall())
         if unblocked_behind is None:
@@ -884,16 +901,6 @@ class Engine(ABC):
     def window_statement(self, timeout_ms: int, size: int) -> tuple[str, list[Any]]:
         """The claim's window of ``size`` eligible rows (``window_sql``) and its parameters."""
         return self.window_sql(), [-timeout_ms, size, -timeout_ms, size, size]
-
-    def window_full(self, cursor: Any, batch: int, timeout_ms: int) -> bool:
-        """Whether a claim of ``batch`` rows finds its window full (``claim_window``): only then
-        can rows it could take wait past the window, behind heads that wait, and only then does
-        ``OutboxStore.claim`` read past them after a claim that took nothing (docs/internals.md,
-        "Claim windows"). One count of the window's rows."""
-        size = self.claim_window(batch)
-        sql, params = self.window_statement(timeout_ms, size)
-        row = self.execute(cursor, f"SELECT COUNT(*) FROM ({sql}) w", params).fetchone()
-        return row is None or int(row[0]) >= size
 
     def window_sql(self) -> str:
         """A window of ``?`` (the second and fourth parameter, and the last) eligible rows as
@@ -923,7 +930,7 @@ class Engine(ABC):
         """Of window ``rows`` (id, aggregate_id, ...), those of *unblocked* aggregates: whose
         first open row, ``behind`` left out, a claim may take now (it is the row itself, or
         an older row of its chain). A claim whose window found nothing to take reads it again
-        keeping only those (``Engine.claim``'s ``skip_blocked``), so rows queued behind heads
+        keeping only those (``claim_pass``'s ``read_past``), so rows queued behind heads
         that wait (a retry not due yet, a row released with a delay, another worker's live
         lease) cannot fill the window and hide every other aggregate (docs/internals.md,
         "Claim windows"). A row without an aggregate is a chain of its own. One statement

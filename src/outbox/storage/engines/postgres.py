@@ -628,8 +628,8 @@ class PostgresEngine(Engine):
         raise StoreError(f"enqueue of message_id {event.message_id!r}: the row stored under it was deleted each "
                          "time it was looked up (5 times); nothing was written and the transaction is unchanged")
 
-    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
-              behind: Sequence[int] = (), skip_blocked: bool = False) -> list[tuple]:
+    def claim_pass(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
+                   behind: Sequence[int], *, read_past: bool) -> tuple[list[tuple], bool]:
         # The rule of outbox.domain.chains.plan_claim in one statement; its shape and why each step
         # costs what it does: docs/internals.md, "Claim windows" (and "Claims that overlap take
         # disjoint chains"). win: the window, read without locks; free: up to twice the batch
@@ -653,7 +653,7 @@ class PostgresEngine(Engine):
         window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
         not_behind, behind_ids = "e.id <> ALL (?::bigint[])", [int(i) for i in behind]  # bound three times
         scan, past = self._window(eligible, window), ""
-        if skip_blocked:  # Engine.unblocked_rows: BLOCKED_SCAN windows read, one probe per aggregate in them
+        if read_past:  # Engine.unblocked_rows: BLOCKED_SCAN windows read, one probe per aggregate in them
             past = f"""scan AS MATERIALIZED ({self._window(eligible, window * self.BLOCKED_SCAN)}),
             ready AS MATERIALIZED (
                 SELECT a.aggregate_id FROM (SELECT DISTINCT aggregate_id FROM scan) a
@@ -690,18 +690,26 @@ class PostgresEngine(Engine):
                 WHERE {eligible} FOR UPDATE OF c SKIP LOCKED
             ),
             {self._chain_rule("c", "cand", f"e.id NOT IN (SELECT id FROM cand) AND {not_behind}", max_attempts)},
-            lazy AS (SELECT set_config('synchronous_commit', 'off', true) AS commit_mode)
-            UPDATE {t} o SET
-                attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
-                status = CASE WHEN chain.dead THEN 4 ELSE 1 END,
-                processed_at = CASE WHEN chain.dead THEN now() ELSE NULL END,
-                last_error = CASE WHEN o.status = 1 THEN ? ELSE o.last_error END,
-                claimed_at = now(), next_retry_at = NULL,
-                lease_token = ?
-            FROM c_chain chain CROSS JOIN lazy WHERE o.id = chain.id
-            RETURNING {returning}"""
-        return self.execute(cursor, sql, [*([behind_ids] if skip_blocked else []), behind_ids, behind_ids, behind_ids,
+            lazy AS (SELECT set_config('synchronous_commit', 'off', true) AS commit_mode),
+            leased AS (
+                UPDATE {t} o SET
+                    attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
+                    status = CASE WHEN chain.dead THEN 4 ELSE 1 END,
+                    processed_at = CASE WHEN chain.dead THEN now() ELSE NULL END,
+                    last_error = CASE WHEN o.status = 1 THEN ? ELSE o.last_error END,
+                    claimed_at = now(), next_retry_at = NULL,
+                    lease_token = ?
+                FROM c_chain chain CROSS JOIN lazy WHERE o.id = chain.id
+                RETURNING {returning}
+            )
+            SELECT l.* FROM (VALUES (0)) AS one (n) LEFT JOIN leased l ON true
+            WHERE l.id IS NOT NULL OR (SELECT COUNT(*) FROM win) >= {window}"""
+        # Leased nothing: one row of NULLs if the window was full (Engine.claim_pass), in the
+        # same round trip; no row if it was not.
+        rows = self.execute(cursor, sql, [*([behind_ids] if read_past else []), behind_ids, behind_ids, behind_ids,
                                           LEASE_EXPIRED_ERROR, lease]).fetchall()
+        full = bool(rows) and rows[0][0] is None
+        return ([] if full else rows), full
 
     def _window(self, eligible: str, size: int) -> str:
         """A window of ``size`` ``eligible`` rows (id, aggregate_id, status, attempts), as

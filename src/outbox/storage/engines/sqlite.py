@@ -244,14 +244,6 @@ class SqliteEngine(Engine):
 
     def window_rows(self, cursor: Any, timeout_ms: int, size: int,
                     unblocked_behind: Sequence[int] | None = None) -> list[tuple]:
-        self._look_for_indexes(cursor)
-        return super().window_rows(cursor, timeout_ms, size, unblocked_behind)
-
-    def window_full(self, cursor: Any, batch: int, timeout_ms: int) -> bool:
-        self._look_for_indexes(cursor)
-        return super().window_full(cursor, batch, timeout_ms)
-
-    def _look_for_indexes(self, cursor: Any) -> None:
         # Looked at once per store until 7 December: a relay started before `outbox migrate`
         # made the indexes claimed unhinted until restarted, and one whose index was dropped
         # failed every claim ("no such index"). The schema's version, a header field, moves
@@ -263,6 +255,7 @@ class SqliteEngine(Engine):
                                  wanted).fetchone()
             self._indexed = int(found[0]) == len(wanted)
             self._schema_version = version
+        return super().window_rows(cursor, timeout_ms, size, unblocked_behind)
 
     def id_range_source(self) -> str:
         # With no statistics (ANALYZE never ran) SQLite walks the (status, processed_at)

@@ -375,23 +375,24 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
                 "ORDER BY next_retry_at, id) AS d) AS w\nGROUP BY w.id\nORDER BY w.id")
 
     def window_full(self, cursor: Any, batch: int, timeout_ms: int) -> bool:
-        # Engine.window_full, counted over the window's own read: rows it skips (READPAST) are
-        # not counted either. The integers written in: one plan per relay's settings.
+        """Whether a claim's window held ``claim_window(batch)`` eligible rows (``Engine.claim_pass``):
+        a count over the window's own read, so rows it skips (READPAST) are not counted either.
+        The integers written in: one plan per relay's settings."""
         size = self.claim_window(batch)
         eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
         row = self.execute(cursor, f"SELECT COUNT(*) FROM ({self.window_read(eligible, str(int(size)))}) AS c").fetchone()
         return row is None or int(row[0]) >= size
 
-    def window_insert(self, eligible: str, skip_blocked: bool = False) -> str:
+    def window_insert(self, eligible: str, read_past: bool = False) -> str:
         """``@win``: a window of ``@window`` eligible rows (``Engine.window_sql``), read without
-        update locks, skipping rows other claims lock (READPAST). ``skip_blocked`` (``Engine.claim``): up to
+        update locks, skipping rows other claims lock (READPAST). ``read_past`` (``Engine.claim_pass``): up to
         ``BLOCKED_SCAN`` windows of them, keeping only rows of aggregates whose first open
         row, ``@behind`` left out, may be taken now (``Engine.unblocked_rows``). That probe
         reads past locked rows too: it only chooses the window, and the probes and locks
         after it decide what is claimed (``probe_select``)."""
         t = self.table
-        read = self.window_read(eligible, "@window" if not skip_blocked else f"@window * {self.BLOCKED_SCAN}")
-        if not skip_blocked:
+        read = self.window_read(eligible, "@window" if not read_past else f"@window * {self.BLOCKED_SCAN}")
+        if not read_past:
             return f"INSERT INTO @win (id, aggregate_id, status, attempts)\n{read};"
         seek = self.probe_seek()
         return f"""INSERT INTO @win (id, aggregate_id, status, attempts)
@@ -407,7 +408,7 @@ WHERE NOT EXISTS (
     WHERE NOT ({eligible}))
 ORDER BY s.id;"""
 
-    def claim_statements(self, own_transaction: bool = False, skip_blocked: bool = False) -> list[str]:
+    def claim_statements(self, own_transaction: bool = False, read_past: bool = False) -> list[str]:
         """The claim, one statement per item; run as one batch. Parameters: ``claim_params``.
 
         ``own_transaction`` (the relay's claim, run on an autocommit connection by
@@ -458,7 +459,7 @@ ORDER BY s.id;"""
             # ours (@plan); as many of its heads as the batch takes, locked oldest first,
             # skipping heads another claim holds (READPAST), so two claims that overlap take
             # disjoint chains; then the held chains' rows of @plan, locked.
-            self.window_insert(eligible, skip_blocked),
+            self.window_insert(eligible, read_past),
             f"INSERT INTO @free (aggregate_id, head, blocker)\n{self.probe_select('@win')};",
             f"INSERT INTO @plan (id, head, dead)\n{self.chain_select('@win', '@free')};",
             "DELETE FROM @free WHERE head NOT IN (SELECT p.head FROM @plan AS p);",
@@ -503,8 +504,8 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
             f"SELECT {out_columns} FROM @out ORDER BY id;",
         ]
 
-    def claim_batch(self, own_transaction: bool = False, skip_blocked: bool = False) -> str:
-        return "\n".join(self.claim_statements(own_transaction, skip_blocked))
+    def claim_batch(self, own_transaction: bool = False, read_past: bool = False) -> str:
+        return "\n".join(self.claim_statements(own_transaction, read_past))
 
     def claim_params(self, batch: int, lease: str, timeout_ms: int, max_attempts: int,
                      behind: Sequence[int] = ()) -> list[Any]:
@@ -516,10 +517,11 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
         return (f"SELECT collation_name FROM sys.columns WHERE object_id = OBJECT_ID({self._table_literal()}) "
                 "AND name = N'aggregate_id'")
 
-    def claim(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
-              behind: Sequence[int] = (), skip_blocked: bool = False) -> list[tuple]:
+    def claim_pass(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
+                   behind: Sequence[int], *, read_past: bool) -> tuple[list[tuple], bool]:
         """Lease up to ``batch`` rows in the open transaction (the store commits);
-        rows whose status is 4 went dead instead. ``behind``, ``skip_blocked``: ``Engine.claim``."""
+        rows whose status is 4 went dead instead (``Engine.claim_pass``). Whether the window
+        was full is asked only when the batch leased nothing (``window_full``)."""
         if self.id_collation is None:
             row = self.execute(cursor, self.collation_sql()).fetchone()
             if row and row[0]:
@@ -528,9 +530,9 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
             self.probe_index = self.execute(cursor, self.index_matches(self.PROBE_INDEX)).fetchone() is not None
         own = self.commits_each_statement(getattr(cursor, "connection", None))  # run alone: statement_alone
         try:
-            self.execute(cursor, self.claim_batch(own, skip_blocked),
+            self.execute(cursor, self.claim_batch(own, read_past),
                          self.claim_params(batch, lease, timeout_ms, max_attempts, behind))
-            return result_rows(cursor)
+            rows = result_rows(cursor)
         except BaseException as exc:
             if INDEX_GONE in str(exc) or 308 in error_numbers(str(exc)):
                 # The probe's index was dropped while the relay ran (the procedure under
@@ -538,3 +540,4 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
                 self.probe_index = None
             reset_session(cursor, own)
             raise
+        return rows, not rows and not read_past and self.window_full(cursor, batch, timeout_ms)
