@@ -49,23 +49,30 @@ def measure(url: str, table: str, events: int, aggregates: int, batch: int, repe
         store.mark_done([m.id for m in claim.messages], claim.lease)
     statement: dict[str, Any] = {}
     engine = store.engine
-    run = engine.execute
+    # The claim's statement as the engine sends it: through ``execute_native`` ($n placeholders,
+    # this tree) or ``execute`` (? placeholders: a tree of --compare-src from before it).
+    hooks = [name for name in ("execute_native", "execute") if hasattr(engine, name)]
+    saved = {name: getattr(engine, name) for name in hooks}
 
-    def capture(cursor: Any, sql: str, params: Any = ()) -> Any:
-        statement.update(sql=sql, params=list(params))
-        raise LookupError("captured")
+    def capturing(native: bool) -> Any:
+        def capture(cursor: Any, sql: str, params: Any = ()) -> Any:
+            statement.update(sql=sql, params=list(params), native=native)
+            raise LookupError("captured")
+        return capture
 
-    engine.execute = capture  # type: ignore[method-assign]
+    for name in hooks:
+        setattr(engine, name, capturing(name == "execute_native"))
     try:
         store.claim(batch)
     except LookupError:
         pass
     finally:
-        engine.execute = run  # type: ignore[method-assign]
+        for name, method in saved.items():
+            setattr(engine, name, method)
     store.close()
-    sql = statement["sql"].replace("?", "%s")
+    sql = statement["sql"] if statement["native"] else statement["sql"].replace("?", "%s")
     executions, planning, rows = [], 0.0, 0
-    with psycopg.connect(url) as conn:
+    with psycopg.connect(url, cursor_factory=psycopg.RawCursor if statement["native"] else psycopg.Cursor) as conn:
         for _ in range(repeat):
             lines = [r[0] for r in conn.execute("EXPLAIN (ANALYZE, TIMING off) " + sql, statement["params"])]
             conn.rollback()

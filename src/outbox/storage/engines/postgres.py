@@ -89,6 +89,10 @@ class PostgresEngine(Engine):
     now: ClassVar[str] = "now()"
     async_commit_sql: ClassVar[str | None] = "SET synchronous_commit TO off"
 
+    def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
+        super().__init__(table, schema)
+        self._claim_sql: dict[tuple[int, int, int, int, bool], str] = {}  # claim_sql's
+
     def now_plus_ms(self) -> str:
         return "(now() + ? * interval '1 millisecond')"
 
@@ -630,6 +634,36 @@ class PostgresEngine(Engine):
 
     def claim_pass(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
                    behind: Sequence[int], *, read_past: bool) -> tuple[list[tuple], bool]:
+        sql = self.claim_sql(batch, timeout_ms, max_attempts, read_past)
+        rows = self.execute_native(cursor, sql, [[int(i) for i in behind], LEASE_EXPIRED_ERROR, lease])
+        # Leased nothing: one row of NULLs if the window was full (Engine.claim_pass), in the
+        # same round trip; no row if it was not.
+        full = bool(rows) and rows[0][0] is None
+        return ([] if full else rows), full
+
+    def execute_native(self, cursor: Any, sql: str, params: Sequence[Any]) -> list[tuple]:
+        """``sql``, written with PostgreSQL's own ``$n`` placeholders, sent as it is on
+        ``cursor``'s connection (psycopg's ``RawCursor``): the driver does not parse a long
+        statement for placeholders on every call (docs/internals.md, "Claim windows")."""
+        from psycopg import RawCursor
+        from psycopg.rows import tuple_row
+
+        with RawCursor(cursor.connection, row_factory=tuple_row) as raw:
+            raw.execute(sql, params)
+            return raw.fetchall()
+
+    def claim_sql(self, batch: int, timeout_ms: int, max_attempts: int, read_past: bool) -> str:
+        """``claim_pass``'s statement, made once per set of its integers (``$1``: the claim's
+        ``behind`` ids, ``$2``: the error a lost lease leaves, ``$3``: the lease)."""
+        key = (int(self.claim_window(batch)), int(batch), int(timeout_ms), int(max_attempts), read_past)
+        sql = self._claim_sql.get(key)
+        if sql is None:
+            if len(self._claim_sql) >= 64:  # the claim sizer's batches: a few sizes, never many
+                self._claim_sql.clear()
+            sql = self._claim_sql[key] = self._build_claim_sql(*key)
+        return sql
+
+    def _build_claim_sql(self, window: int, batch: int, timeout_ms: int, max_attempts: int, read_past: bool) -> str:
         # The rule of outbox.domain.chains.plan_claim in one statement; its shape and why each step
         # costs what it does: docs/internals.md, "Claim windows" (and "Claims that overlap take
         # disjoint chains"). win: the window, read without locks; free: up to twice the batch
@@ -649,9 +683,8 @@ class PostgresEngine(Engine):
         returning = ", ".join(f"o.{c}" + ("::text" if c in ("payload", "headers") else "") for c in MESSAGE_COLUMNS)
         # The integers are written into the text, not bound: one generic plan per connection
         # (docs/internals.md, "Claim windows").
-        eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
-        window, batch, max_attempts = int(self.claim_window(batch)), int(batch), int(max_attempts)
-        not_behind, behind_ids = "e.id <> ALL (?::bigint[])", [int(i) for i in behind]  # bound three times
+        eligible = self.eligible().replace("?", f"({-timeout_ms})")
+        not_behind = "e.id <> ALL ($1::bigint[])"
         scan, past = self._window(eligible, window), ""
         if read_past:  # Engine.unblocked_rows: BLOCKED_SCAN windows read, one probe per aggregate in them
             past = f"""scan AS MATERIALIZED ({self._window(eligible, window * self.BLOCKED_SCAN)}),
@@ -696,20 +729,17 @@ class PostgresEngine(Engine):
                     attempts = o.attempts + CASE WHEN o.status = 1 THEN 1 ELSE 0 END,
                     status = CASE WHEN chain.dead THEN 4 ELSE 1 END,
                     processed_at = CASE WHEN chain.dead THEN now() ELSE NULL END,
-                    last_error = CASE WHEN o.status = 1 THEN ? ELSE o.last_error END,
+                    last_error = CASE WHEN o.status = 1 THEN $2 ELSE o.last_error END,
                     claimed_at = now(), next_retry_at = NULL,
-                    lease_token = ?
+                    lease_token = $3
                 FROM c_chain chain CROSS JOIN lazy WHERE o.id = chain.id
                 RETURNING {returning}
             )
             SELECT l.* FROM (VALUES (0)) AS one (n) LEFT JOIN leased l ON true
             WHERE l.id IS NOT NULL OR (SELECT COUNT(*) FROM win) >= {window}"""
-        # Leased nothing: one row of NULLs if the window was full (Engine.claim_pass), in the
-        # same round trip; no row if it was not.
-        rows = self.execute(cursor, sql, [*([behind_ids] if read_past else []), behind_ids, behind_ids, behind_ids,
-                                          LEASE_EXPIRED_ERROR, lease]).fetchall()
-        full = bool(rows) and rows[0][0] is None
-        return ([] if full else rows), full
+        if "?" in sql:
+            raise AssertionError("the claim's statement is sent as it is: no ? placeholder may be left in it")
+        return sql
 
     def _window(self, eligible: str, size: int) -> str:
         """A window of ``size`` ``eligible`` rows (id, aggregate_id, status, attempts), as
