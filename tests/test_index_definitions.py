@@ -9,6 +9,7 @@ writes them, are compared."""
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from tsql_support import parse_one
 
 from outbox.commands.doctor import FAIL, OK, check_database
 from outbox.core.config import load_settings
-from outbox.storage.engines.describe import INDEX_COLUMNS_SQL, same_shape, shapes_of
+from outbox.storage.engines.describe import INDEX_COLUMNS_SQL, index_problems, same_shape, shapes_of
 from outbox.storage.engines.mssql.engine import MssqlEngine
 from outbox.storage.engines.mssql.schema import INDEXES
 from outbox.storage.store import OutboxStore
@@ -224,13 +225,18 @@ def test_the_catalog_queries_of_postgresql_and_mariadb_run(postgres: OutboxStore
         assert indexes_line(store)[0] == OK, store
 
 
-def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool, unfiltered: str = "") -> sqlite3.Connection:
+def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool = True, unfiltered: str = "",
+                       kinds: dict[str, str] | None = None) -> sqlite3.Connection:
     """A fake SQL Server catalog (``sys.indexes``, ``sys.index_columns``, ``sys.columns``) in
     SQLite, holding a migrated table's indexes as SQL Server keeps them: each filter's text as
     the catalog writes it, or NULL where the login may not read it (``readable_filters``
     False: a login with the table's SELECT, INSERT, UPDATE, DELETE and no VIEW DEFINITION), the
-    index of suffix ``unfiltered`` made without its filter."""
+    index of suffix ``unfiltered`` made without its filter, those of ``kinds``' suffixes of that
+    kind (``type_desc``: CLUSTERED, ...). It runs T-SQL text (``on_catalog``): OBJECT_ID gives
+    the table's id, SERVERPROPERTY('EngineEdition') Standard's (2)."""
     conn = sqlite3.connect(":memory:")
+    conn.create_function("OBJECT_ID", 1, lambda name: 1)
+    conn.create_function("SERVERPROPERTY", 1, lambda name: 2)
     conn.execute("ATTACH ':memory:' AS sys")
     conn.executescript(
         "CREATE TABLE sys.indexes (object_id, index_id, name, is_unique, type_desc, has_filter, filter_definition);"
@@ -241,8 +247,9 @@ def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool, unfiltere
     for index_id, spec in enumerate(INDEXES, 2):
         filtered = spec.filtered and spec.suffix != unfiltered
         text = "([status]=(0) OR [status]=(1) OR [status]=(3))" if filtered and readable_filters else None
-        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, 'NONCLUSTERED', ?, ?)",
-                     [index_id, engine.index_name(spec.suffix), spec.unique, filtered, text])
+        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, ?, ?, ?)",
+                     [index_id, engine.index_name(spec.suffix), spec.unique, (kinds or {}).get(spec.suffix, "NONCLUSTERED"),
+                      filtered, text])
         for n, (column, ordinal) in enumerate([*((k, i) for i, k in enumerate(spec.keys, 1)),
                                                *((c, 0) for c in spec.include)], 1):
             column_id = columns.setdefault(column, len(columns) + 1)
@@ -252,13 +259,28 @@ def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool, unfiltere
     return conn
 
 
+def on_catalog(conn: sqlite3.Connection, tsql: str, params: tuple = ()) -> list[tuple]:
+    """T-SQL text run on the fake catalog: SQLite reads it once its N'' literals are plain ones."""
+    return conn.execute(tsql.replace("N'", "'"), params).fetchall()
+
+
 def sql_server_problems(engine: MssqlEngine, conn: sqlite3.Connection) -> list[str]:
-    """``INDEX_COLUMNS_SQL['mssql']`` run on the fake catalog (SQLite reads it once its N''
-    literals are plain ones and OBJECT_ID gives the table's id), compared as `outbox check` does."""
-    sql = INDEX_COLUMNS_SQL["mssql"].replace("N'", "'").replace("OBJECT_ID(?)", "1")
-    live = shapes_of(conn.execute(sql).fetchall())
+    """``INDEX_COLUMNS_SQL['mssql']`` run on the fake catalog, compared as `outbox check` does."""
+    live = shapes_of(on_catalog(conn, INDEX_COLUMNS_SQL["mssql"], ("[dbo].[outbox]",)))
     return [name for name, expected in engine.expected_indexes().items()
             if name not in live or not same_shape(engine, live[name], expected)]
+
+
+def sql_server_rebuilds(engine: MssqlEngine, conn: sqlite3.Connection) -> dict[str, list[str]]:
+    """What `outbox migrate` runs on the fake catalog for each index, by name: the statements of
+    the step whose probe (``index_matches``) finds no row, those whose ``IF`` holds there."""
+    ran: dict[str, list[str]] = {}
+    for step in engine.migration_steps():
+        if isinstance(step, tuple) and not on_catalog(conn, step[0][0]):
+            name = re.search(r"i\.name = N'([^']+)'", step[0][0]).group(1)  # type: ignore[union-attr]
+            guarded = [re.fullmatch(r"IF (.*)\nBEGIN\n    (.*);\nEND;", s, re.S).groups() for s in step[1]]  # type: ignore[union-attr]
+            ran[name] = [statement for condition, statement in guarded if on_catalog(conn, f"SELECT 1 WHERE {condition}")]
+    return ran
 
 
 def test_sql_servers_filters_a_login_may_not_read_do_not_fail_the_check(no_sqlglot_fallbacks: None) -> None:
@@ -276,6 +298,54 @@ def test_sql_servers_filters_a_login_may_not_read_do_not_fail_the_check(no_sqlgl
     for readable in (True, False):
         catalog = sql_server_catalog(engine, readable_filters=readable, unfiltered="claim_ready")
         assert sql_server_problems(engine, catalog) == [claim], readable
+
+
+class CatalogCursor:
+    """A DB-API cursor over the fake catalog, for ``describe.index_problems`` (`outbox check`'s)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn, self.rows = conn, []
+
+    def execute(self, sql: str, params: tuple = ()) -> CatalogCursor:
+        self.rows = on_catalog(self.conn, sql, params)
+        return self
+
+    def fetchall(self) -> list:
+        return self.rows
+
+
+def test_sql_servers_migrate_rebuilds_or_refuses_every_index_the_check_fails_for_its_kind(
+        no_sqlglot_fallbacks: None) -> None:
+    """`outbox check` compares an index's kind (``type_desc``) and failed a CLUSTERED index under
+    one of the migration's names, but the migration's probe (``index_matches``) did not compare
+    it: `outbox migrate` said nothing was to change, the check failing on every run (found in
+    review). Each index the check fails, the migration now touches: one of the migration's kind
+    built again in place; a clustered one (the table's storage: ``DROP_EXISTING`` cannot make it
+    nonclustered, and dropping it rewrites the table) fails the migration naming it and what to
+    do, as the check's line says; one of another nonclustered kind dropped, then made."""
+    engine = MssqlEngine()
+    claim = engine.index_name("claim_ready")
+    table = engine.table
+    assert sql_server_rebuilds(engine, sql_server_catalog(engine)) == {}
+    catalog = sql_server_catalog(engine, unfiltered="claim_ready")
+    assert sql_server_problems(engine, catalog) == [claim]
+    (rebuild,) = sql_server_rebuilds(engine, catalog)[claim]
+    assert rebuild.startswith(f"EXEC sp_executesql N'CREATE NONCLUSTERED INDEX [{claim}]") and "DROP_EXISTING" in rebuild
+    for kind in ("CLUSTERED", "CLUSTERED COLUMNSTORE"):
+        catalog = sql_server_catalog(engine, kinds={"claim_ready": kind})
+        assert sql_server_problems(engine, catalog) == [claim]
+        (refusal,) = sql_server_rebuilds(engine, catalog)[claim]
+        parse_one(refusal)
+        assert refusal.startswith("RAISERROR(N'outbox migrate will not make index %s of %s nonclustered itself: it is "
+                                  "the table''s clustered index: drop it first (DROP INDEX %s ON %s"), refusal
+        assert refusal.endswith(f"', 16, 1, N'{claim}', N'{table}', N'[{claim}]', N'{table}')"), refusal
+        (line,) = index_problems(engine, CatalogCursor(catalog))
+        assert line.startswith(f"{claim} is ") and f"USING {kind}, not " in line, line
+        assert f"it is the table's clustered index: drop it first (DROP INDEX [{claim}] ON {table}" in line, line
+    catalog = sql_server_catalog(engine, kinds={"claim_ready": "NONCLUSTERED COLUMNSTORE"})
+    assert sql_server_problems(engine, catalog) == [claim]
+    assert sql_server_rebuilds(engine, catalog) == {claim: [f"DROP INDEX [{claim}] ON {table}"]}
+    assert "drop it first" not in index_problems(engine, CatalogCursor(catalog))[0]
 
 
 #: Per engine, indexes changed by hand in shapes no earlier release made, which `outbox migrate`

@@ -170,7 +170,9 @@ def index_differs(engine: Engine, cursor: Any, name: str) -> bool:
 def index_problems(engine: Engine, cursor: Any) -> list[str]:
     """What is wrong with the indexes ``outbox migrate`` leaves, read from the catalog: each
     one missing (on PostgreSQL, an INVALID one too), or defined otherwise than the migration
-    defines it (``Engine.expected_indexes``), with the two definitions. Empty when all are right."""
+    defines it (``Engine.expected_indexes``), with the two definitions and, where the migration
+    will not build it again itself, what to do first (``Engine.index_refusal``). Empty when all
+    are right."""
     live = index_shapes(engine, cursor)
     problems = []
     for name, expected in sorted(engine.expected_indexes().items()):
@@ -178,7 +180,8 @@ def index_problems(engine: Engine, cursor: Any) -> list[str]:
         if found is None:
             problems.append(f"missing {name}")
         elif not same_shape(engine, found, expected):
-            problems.append(f"{name} is {found.text()}, not {expected.text()}")
+            refusal = engine.index_refusal(name, found)
+            problems.append(f"{name} is {found.text()}, not {expected.text()}" + (f" ({refusal})" if refusal else ""))
     return problems
 
 

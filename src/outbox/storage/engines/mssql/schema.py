@@ -37,6 +37,11 @@ FILTERED_INDEX_OPTIONS = ("SET QUOTED_IDENTIFIER ON; SET ANSI_NULLS ON; SET ANSI
 #: The predicate of every index over open rows, written exactly as the claim scan,
 #: the ordering probe and the stats queries write it, so the optimizer matches them.
 OPEN_ROWS = "status IN (0, 1, 3)"
+#: The kind (``sys.indexes.type_desc``) of every index the migration makes (``IndexSpec.ddl``).
+INDEX_KIND = "NONCLUSTERED"
+#: The kinds of an index that is the table's storage: one under a name of the migration's is not
+#: rebuilt by it (``clustered_refusal``; docs/sqlserver.md, "Indexes, and why").
+CLUSTERED_KINDS = ("CLUSTERED", "CLUSTERED COLUMNSTORE")
 #: Characters dropped from a filter before comparing it: SQL Server stores the filter
 #: as ``([status]=(0) OR [status]=(1) OR [status]=(3))``.
 FILTER_NOISE = ("[", "]", "(", ")", " ")
@@ -88,7 +93,7 @@ class IndexSpec:
     why: str = ""
 
     def ddl(self, name: str, table: str) -> str:
-        text = (f"CREATE {'UNIQUE ' if self.unique else ''}NONCLUSTERED INDEX {name} ON {table} "
+        text = (f"CREATE {'UNIQUE ' if self.unique else ''}{INDEX_KIND} INDEX {name} ON {table} "
                 f"({', '.join(self.keys)})")
         if self.include:
             text += f" INCLUDE ({', '.join(self.include)})"
@@ -133,6 +138,16 @@ def rebuild_index_statements(spec: IndexSpec, index: str, table: str, exists: st
                 f"EXEC sp_executesql {nstr(ddl + ' WITH (DROP_EXISTING = ON, ONLINE = ON)')}"),
             if_(f"{exists} AND {ENGINE_EDITION} NOT IN ({editions})",
                 f"EXEC sp_executesql {nstr(ddl + ' WITH (DROP_EXISTING = ON)')}")]
+
+
+def clustered_refusal(index: str, table: str) -> str:
+    """What to do about the index ``index`` of ``table`` that is the table's clustered index
+    (``CLUSTERED_KINDS``), which `outbox check` fails and `outbox migrate` fails on: ``DROP_EXISTING``
+    cannot make a clustered index nonclustered, and dropping it rewrites the whole table and every
+    other index, a maintenance window's work (docs/sqlserver.md, "Indexes, and why")."""
+    return (f"it is the table's clustered index: drop it first (DROP INDEX {index} ON {table}, which rewrites the "
+            "table and every other index: in a maintenance window, the relay stopped), make the primary key on id "
+            "clustered (docs/sqlserver.md, \"Indexes, and why\"), then run `outbox migrate`, which makes it nonclustered")
 
 
 def migration_lock_statements(resource: str, table_literal: str, table: str) -> list[str]:
@@ -260,7 +275,7 @@ class MssqlSchema(Engine):
     def expected_indexes(self) -> dict[str, IndexShape]:
         return {self.index_name(spec.suffix): IndexShape(spec.keys, unique=spec.unique,
                                                          where=OPEN_ROWS if spec.filtered else None,
-                                                         include=spec.include, method="NONCLUSTERED")
+                                                         include=spec.include, method=INDEX_KIND)
                 for spec in INDEXES}
 
     def same_predicate(self, live: str | None, expected: str | None) -> bool:
@@ -273,10 +288,16 @@ class MssqlSchema(Engine):
             return normalize_filter(live) in OPEN_ROWS_NORMALIZED
         return super().same_predicate(live, expected)
 
+    def index_refusal(self, name: str, live: IndexShape) -> str | None:
+        if (live.method or "").upper() in CLUSTERED_KINDS:
+            return clustered_refusal(self.quote(name), self.table)
+        return None
+
     def index_matches(self, spec: IndexSpec) -> str:
         """A query returning a row when the index exists with exactly ``spec``'s
-        definition: uniqueness, filter, key columns in order (ascending), the included
-        columns, and nothing else."""
+        definition: its kind (``INDEX_KIND``), uniqueness, filter, key columns in order
+        (ascending), the included columns, and nothing else; what `outbox check` compares
+        (``describe.same_shape``), in SQL."""
         t = self._table_literal()
         name = nstr(self.index_name(spec.suffix))
         filter_normalized = filter_sql("i.filter_definition")
@@ -291,7 +312,7 @@ class MssqlSchema(Engine):
                     "ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
                     f"WHERE ic.object_id = i.object_id AND ic.index_id = i.index_id AND {condition})")
 
-        checks = [f"i.is_unique = {1 if spec.unique else 0}", filter_ok,
+        checks = [f"i.type_desc = {nstr(INDEX_KIND)}", f"i.is_unique = {1 if spec.unique else 0}", filter_ok,
                   "(SELECT COUNT(*) FROM sys.index_columns AS n WHERE n.object_id = i.object_id "
                   f"AND n.index_id = i.index_id) = {len(spec.keys) + len(spec.include)}"]
         checks += [column(f"ic.key_ordinal = {position} AND ic.is_descending_key = 0 AND c.name = {nstr(key)}")
@@ -300,12 +321,32 @@ class MssqlSchema(Engine):
         return (f"SELECT 1 FROM sys.indexes AS i WHERE i.object_id = OBJECT_ID({t}) AND i.name = {name} AND "
                 + " AND ".join(checks))
 
-    def _index_exists(self, suffix: str) -> str:
-        return self._named_index_exists(self.index_name(suffix))
+    def _index_exists(self, suffix: str, condition: str = "") -> str:
+        """Whether the index of ``suffix`` exists (and its row of sys.indexes meets ``condition``)."""
+        return self._named_index_exists(self.index_name(suffix), condition)
 
-    def _named_index_exists(self, index: str) -> str:
+    def _named_index_exists(self, index: str, condition: str = "") -> str:
         return (f"EXISTS (SELECT 1 FROM sys.indexes WHERE name = {nstr(index)} "
-                f"AND object_id = OBJECT_ID({self._table_literal()}))")
+                f"AND object_id = OBJECT_ID({self._table_literal()}){' AND ' + condition if condition else ''})")
+
+    def _rebuild_steps(self, spec: IndexSpec) -> list[str]:
+        """The statements that make the index of ``spec``, which exists and is not defined as
+        ``spec`` (``index_matches``), what ``spec`` defines, by its kind: built again in place
+        (``rebuild_index_statements``) when it is of the migration's (``INDEX_KIND``); refused,
+        naming it, when it is the table's clustered index (``clustered_refusal``); dropped, for
+        the next step to make it, when it is of another nonclustered kind (a columnstore index,
+        which ``DROP_EXISTING`` does not make a rowstore one)."""
+        index, t = self.quote(self.index_name(spec.suffix)), self.table
+        clustered = ", ".join(nstr(kind) for kind in CLUSTERED_KINDS)
+        refusal = nstr(f"outbox migrate will not make index %s of %s {INDEX_KIND.lower()} itself: "
+                       + clustered_refusal("%s", "%s"))
+        return [if_(self._index_exists(spec.suffix, f"type_desc IN ({clustered})"),
+                    f"RAISERROR({refusal}, 16, 1, {nstr(self.index_name(spec.suffix))}, {nstr(t)}, "
+                    f"{nstr(index)}, {nstr(t)})"),
+                if_(self._index_exists(spec.suffix, f"type_desc NOT IN ({nstr(INDEX_KIND)}, {clustered})"),
+                    f"DROP INDEX {index} ON {t}"),
+                *rebuild_index_statements(spec, index, t, self._index_exists(spec.suffix,
+                                                                             f"type_desc = {nstr(INDEX_KIND)}"))]
 
     def _rename_legacy_indexes(self) -> list[Any]:
         """An index an earlier release named in full (``Engine.legacy_name``) takes today's name
@@ -412,12 +453,10 @@ class MssqlSchema(Engine):
         for suffix in RETIRED_INDEXES:
             steps.append([if_(self._index_exists(suffix), f"DROP INDEX {q(self.index_name(suffix))} ON {t}")])
         for spec in INDEXES:
-            index = q(self.index_name(spec.suffix))
-            # An index whose definition differs is built again in place (rebuild_index_statements),
-            # online where the edition can; a missing one is made by the next step.
-            steps.append(((self.index_matches(spec), []),
-                          rebuild_index_statements(spec, index, t, self._index_exists(spec.suffix))))
-            steps.append([if_(f"NOT {self._index_exists(spec.suffix)}", spec.ddl(index, t))])
+            # An index whose definition differs is built again in place, online where the edition
+            # can (_rebuild_steps); a missing one is made by the next step.
+            steps.append(((self.index_matches(spec), []), self._rebuild_steps(spec)))
+            steps.append([if_(f"NOT {self._index_exists(spec.suffix)}", spec.ddl(q(self.index_name(spec.suffix)), t))])
         # Claims, purge chunks and requeue-all may lock more than 5,000 rows; escalation
         # to a table lock would stop every enqueuer until they commit.
         steps.append([lock_escalation_off(t, table_literal)])
