@@ -27,6 +27,7 @@ from outbox.core.config import load_settings
 from outbox.storage.engines.describe import INDEX_COLUMNS_SQL, index_problems, same_shape, shapes_of
 from outbox.storage.engines.mssql.engine import MssqlEngine
 from outbox.storage.engines.mssql.schema import INDEXES
+from outbox.storage.engines.mysql import MysqlEngine
 from outbox.storage.store import OutboxStore
 
 
@@ -195,9 +196,9 @@ def sql_server_rows(engine: MssqlEngine, claim_ready_include: tuple[str, ...]) -
         name = engine.index_name(spec.suffix)
         where = "([status]=(0) OR [status]=(1) OR [status]=(3))" if spec.filtered else None
         include = claim_ready_include if spec.suffix == "claim_ready" else spec.include
-        rows += [(name, spec.unique, "NONCLUSTERED", where, key, n, False, False, None)
+        rows += [(name, spec.unique, "NONCLUSTERED", where, key, n, False, False, None, None)
                  for n, key in enumerate(spec.keys, 1)]
-        rows += [(name, spec.unique, "NONCLUSTERED", where, column, 0, False, True, None) for column in include]
+        rows += [(name, spec.unique, "NONCLUSTERED", where, column, 0, False, True, None, None) for column in include]
     return rows
 
 
@@ -226,20 +227,21 @@ def test_the_catalog_queries_of_postgresql_and_mariadb_run(postgres: OutboxStore
 
 
 def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool = True, unfiltered: str = "",
-                       kinds: dict[str, str] | None = None) -> sqlite3.Connection:
+                       kinds: dict[str, str] | None = None, disabled: str = "") -> sqlite3.Connection:
     """A fake SQL Server catalog (``sys.indexes``, ``sys.index_columns``, ``sys.columns``) in
     SQLite, holding a migrated table's indexes as SQL Server keeps them: each filter's text as
     the catalog writes it, or NULL where the login may not read it (``readable_filters``
     False: a login with the table's SELECT, INSERT, UPDATE, DELETE and no VIEW DEFINITION), the
     index of suffix ``unfiltered`` made without its filter, those of ``kinds``' suffixes of that
-    kind (``type_desc``: CLUSTERED, ...). It runs T-SQL text (``on_catalog``): OBJECT_ID gives
+    kind (``type_desc``: CLUSTERED, ...), that of suffix ``disabled`` disabled. It runs T-SQL text (``on_catalog``): OBJECT_ID gives
     the table's id, SERVERPROPERTY('EngineEdition') Standard's (2)."""
     conn = sqlite3.connect(":memory:")
     conn.create_function("OBJECT_ID", 1, lambda name: 1)
     conn.create_function("SERVERPROPERTY", 1, lambda name: 2)
     conn.execute("ATTACH ':memory:' AS sys")
     conn.executescript(
-        "CREATE TABLE sys.indexes (object_id, index_id, name, is_unique, type_desc, has_filter, filter_definition);"
+        "CREATE TABLE sys.indexes (object_id, index_id, name, is_unique, type_desc, has_filter, filter_definition, "
+        "is_disabled);"
         "CREATE TABLE sys.index_columns (object_id, index_id, index_column_id, column_id, key_ordinal, "
         "is_descending_key, is_included_column);"
         "CREATE TABLE sys.columns (object_id, column_id, name);")
@@ -247,9 +249,9 @@ def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool = True, un
     for index_id, spec in enumerate(INDEXES, 2):
         filtered = spec.filtered and spec.suffix != unfiltered
         text = "([status]=(0) OR [status]=(1) OR [status]=(3))" if filtered and readable_filters else None
-        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, ?, ?, ?)",
+        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
                      [index_id, engine.index_name(spec.suffix), spec.unique, (kinds or {}).get(spec.suffix, "NONCLUSTERED"),
-                      filtered, text])
+                      filtered, text, spec.suffix == disabled])
         for n, (column, ordinal) in enumerate([*((k, i) for i, k in enumerate(spec.keys, 1)),
                                                *((c, 0) for c in spec.include)], 1):
             column_id = columns.setdefault(column, len(columns) + 1)
@@ -346,6 +348,50 @@ def test_sql_servers_migrate_rebuilds_or_refuses_every_index_the_check_fails_for
     assert sql_server_problems(engine, catalog) == [claim]
     assert sql_server_rebuilds(engine, catalog) == {claim: [f"DROP INDEX [{claim}] ON {table}"]}
     assert "drop it first" not in index_problems(engine, CatalogCursor(catalog))[0]
+
+
+def test_sql_servers_disabled_index_fails_the_check_and_is_built_again(no_sqlglot_fallbacks: None) -> None:
+    """A disabled index (``ALTER INDEX ... DISABLE``: sys.indexes.is_disabled) serves no query, and
+    a query whose hint names it fails (the claim's FORCESEEK on ``agg_open``); `outbox check` said ok
+    over it and `outbox migrate` left it (found in review). Both fail it now, and the migration builds
+    it again in place, which enables it (Microsoft's "Disable indexes and constraints": a CREATE INDEX
+    with DROP_EXISTING enables a disabled index); the claim pins no disabled index (``index_matches``)."""
+    engine = MssqlEngine()
+    probe = engine.index_name("agg_open")
+    catalog = sql_server_catalog(engine, disabled="agg_open")
+    assert sql_server_problems(engine, catalog) == [probe]
+    (line,) = index_problems(engine, CatalogCursor(catalog))
+    assert line == f"{probe} is (aggregate_id, id) WHERE ([status]=(0) OR [status]=(1) OR [status]=(3)) USING " \
+                   "NONCLUSTERED DISABLED, not (aggregate_id, id) WHERE status IN (0, 1, 3) USING NONCLUSTERED", line
+    (rebuild,) = sql_server_rebuilds(engine, catalog)[probe]
+    assert rebuild.startswith(f"EXEC sp_executesql N'CREATE NONCLUSTERED INDEX [{probe}]") and "DROP_EXISTING" in rebuild
+    assert not on_catalog(catalog, engine.index_matches(engine.PROBE_INDEX))  # the claim's probe_index: False
+
+
+def test_mariadbs_ignored_index_fails_the_check_and_migrate_makes_it_usable(mysql: OutboxStore, tmp_path: Path) -> None:
+    """MariaDB's IGNORED index (10.6+: ``ALTER TABLE ... ALTER INDEX ... IGNORED``) is one the
+    optimizer treats as absent, and a hint naming it fails: every claim failed with error 1176 (its
+    FORCE INDEX names claim_ready) while `outbox check` said ok and `outbox migrate` said nothing to
+    change (found in review). The check fails naming it, the migration builds it again (usable), and
+    the claim runs."""
+    e = mysql.engine
+    claim = e.index_name("claim_ready")
+    raw(mysql, f"ALTER TABLE {e.table} ALTER INDEX `{claim}` IGNORED")
+    with pytest.raises(Exception, match="1176"):
+        mysql.claim(10)
+    check = cli(mysql, "check", tmp_path)
+    line = next(line for line in check.splitlines() if line.startswith("[FAIL] indexes"))
+    assert f"{claim} is (status, next_retry_at, id) USING BTREE IGNORED, not (status, next_retry_at, id) " \
+           "USING BTREE" in line, line
+    assert f"repaired (rebuilt {claim})" in cli(mysql, "migrate", tmp_path)
+    assert "[ok  ] indexes" in cli(mysql, "check", tmp_path)
+    assert mysql.claim(10).messages == []
+    # MySQL 8 names it INVISIBLE (STATISTICS.IS_VISIBLE), and makes it VISIBLE (not run here: no MySQL 8).
+    mysql8 = MysqlEngine()
+    mysql8.server_version = "8.0.36"
+    steps = [step for step in mysql8.migration() if isinstance(step, tuple) and "ALTER INDEX" in str(step[1])]
+    assert steps[0][1] == f"ALTER TABLE {mysql8.table} ALTER INDEX `{mysql8.index_name('message_id')}` VISIBLE"
+    assert "CASE WHEN is_visible = 'NO' THEN 'INVISIBLE' END IS NOT NULL" in steps[0][0][0]
 
 
 #: Per engine, indexes changed by hand in shapes no earlier release made, which `outbox migrate`

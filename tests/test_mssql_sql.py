@@ -645,6 +645,13 @@ CLAIM_ERRORS = {
               "(308) (SQLExecDirectW)\")",
     "mssql-python": "Driver Error: Syntax error or access violation; DDBC Error: [Microsoft][SQL Server]Index "
                     "'ix_outbox_agg_open' on table 'dbo.outbox' (specified in the FROM clause) does not exist.",
+    # Error 315: a hint names a disabled index (ALTER INDEX ... DISABLE while the relay ran).
+    "pyodbc-disabled": "('42000', '[42000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Index "
+                       "\"ix_outbox_agg_open\" on table \"dbo.outbox\" (specified in the FROM clause) is disabled or "
+                       "resides in a filegroup which is not online. (315) (SQLExecDirectW)')",
+    "mssql-python-disabled": "Driver Error: Syntax error or access violation; DDBC Error: [Microsoft][SQL Server]Index "
+                             "\"ix_outbox_agg_open\" on table \"dbo.outbox\" (specified in the FROM clause) is disabled "
+                             "or resides in a filegroup which is not online.",
     "deadlock": "('40001', '[40001] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Transaction (Process "
                 "ID 52) was deadlocked on lock resources with another process and has been chosen as the "
                 "deadlock victim. Rerun the transaction. (1205) (SQLExecDirectW)')",
@@ -670,7 +677,9 @@ def test_a_claim_that_finds_the_probes_index_gone_asks_for_it_again_next_time(
     agg_open exists and names it in a hint, so an index dropped while the relay ran (the
     procedure under "Collations") failed every claim with error 308 until `outbox migrate`.
     Now the claim that meets error 308 forgets what it knew, and the next claim asks again;
-    another error leaves it known. The session is put back either way."""
+    another error leaves it known. The session is put back either way. An index disabled
+    while the relay ran failed every claim the same way (error 315; found in review): the
+    claim forgets it too, and the next asks again (``index_matches`` finds no disabled index)."""
     engine = MssqlEngine()
     engine.probe_index, engine.id_collation = True, "Latin1_General_100_CI_AS"
     monkeypatch.setattr(RefusingClaims, "error", CLAIM_ERRORS[driver])

@@ -116,20 +116,25 @@ class IndexShape:
     """An index's definition as ``outbox check`` compares it (docs/operations.md, "Is it set up
     right? `outbox check`"): its key columns in order (`` DESC`` after a descending one), uniqueness, its
     partial predicate (the engine's text; compared through ``Engine.same_predicate``), its
-    included columns and, where the engine has several, its access method."""
+    included columns, where the engine has several, its access method, and the catalog's word
+    for an index the engine keeps but its optimizer passes over (``state``: SQL Server's
+    DISABLED, MariaDB's IGNORED, MySQL's INVISIBLE; None for a usable one: docs/operations.md,
+    same section)."""
 
     keys: tuple[str, ...]
     unique: bool = False
     where: str | None = None
     include: tuple[str, ...] = ()
     method: str | None = None
+    state: str | None = None
 
     def text(self) -> str:
-        """``UNIQUE (a, b) INCLUDE (c) WHERE p USING m``, for a report line."""
+        """``UNIQUE (a, b) INCLUDE (c) WHERE p USING m STATE``, for a report line."""
         text = ("UNIQUE " if self.unique else "") + f"({', '.join(self.keys)})"
         text += f" INCLUDE ({', '.join(self.include)})" if self.include else ""
         text += f" WHERE {self.where}" if self.where else ""
-        return text + (f" USING {self.method}" if self.method else "")
+        text += f" USING {self.method}" if self.method else ""
+        return text + (f" {self.state}" if self.state else "")
 
 
 @dataclass(frozen=True)

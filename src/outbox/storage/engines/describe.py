@@ -18,6 +18,7 @@ from ...core.redact import redact
 from . import DRIVER_MODULES, kind_of_url, mssql_driver
 from .base import Engine, IndexShape
 from .mssql.schema import UNREADABLE_FILTER, nstr
+from .mysql import MysqlEngine
 from .sqlite import SqliteEngine
 
 #: Driver module -> (engine, the extra that installs it).
@@ -78,25 +79,28 @@ def index_names(engine: Engine, cursor: Any) -> set[str]:
 
 
 #: Per engine, the catalog's rows of the table's indexes, one per column: (index, unique,
-#: method, predicate, column, position, descending, included, prefix length). PostgreSQL's
+#: method, predicate, column, position, descending, included, prefix length, state). PostgreSQL's
 #: valid indexes only (``index_names``); its included columns come after its keys. SQL Server's
 #: filter_definition is NULL to a login without VIEW DEFINITION on the table (Microsoft's
-#: sys.indexes reference), which the relay's needs not have: has_filter says there is one.
+#: sys.indexes reference), which the relay's needs not have: has_filter says there is one. The
+#: state names an index the optimizer passes over (``IndexShape.state``): SQL Server's disabled
+#: ones; MySQL's and MariaDB's, whose catalogs name it in two columns, ``MysqlEngine.index_state_sql``.
 INDEX_COLUMNS_SQL = {
     "postgresql": (
         "SELECT c.relname, i.indisunique, am.amname, pg_get_expr(i.indpred, i.indrelid, true), "
-        "pg_get_indexdef(i.indexrelid, k, true), k, (i.indoption[k - 1] & 1) = 1, k > i.indnkeyatts, NULL "
+        "pg_get_indexdef(i.indexrelid, k, true), k, (i.indoption[k - 1] & 1) = 1, k > i.indnkeyatts, NULL, NULL "
         "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
         "CROSS JOIN generate_series(1, i.indnatts) AS k WHERE i.indrelid = to_regclass(?) AND i.indisvalid "
         "ORDER BY c.relname, k"),
     "mysql": (
         "SELECT index_name, non_unique = 0, index_type, NULL, column_name, seq_in_index, collation = 'D', 0, "
-        "sub_part FROM information_schema.statistics WHERE table_name = ? AND table_schema = {schema} "
+        "sub_part, {state} FROM information_schema.statistics WHERE table_name = ? AND table_schema = {schema} "
         "ORDER BY index_name, seq_in_index"),
     "mssql": (
         "SELECT i.name, i.is_unique, i.type_desc, CASE WHEN i.has_filter = 1 THEN COALESCE(i.filter_definition, "
         f"{nstr(UNREADABLE_FILTER)}) END, c.name, ic.key_ordinal, "
-        "ic.is_descending_key, ic.is_included_column, NULL FROM sys.indexes AS i "
+        "ic.is_descending_key, ic.is_included_column, NULL, CASE WHEN i.is_disabled = 1 THEN N'DISABLED' END "
+        "FROM sys.indexes AS i "
         "INNER JOIN sys.index_columns AS ic ON ic.object_id = i.object_id AND ic.index_id = i.index_id "
         "INNER JOIN sys.columns AS c ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
         "WHERE i.object_id = OBJECT_ID(?) AND i.name IS NOT NULL "
@@ -111,12 +115,12 @@ def shapes_of(rows: list[tuple[Any, ...]]) -> dict[str, IndexShape]:
         columns.setdefault(str(row[0]), []).append(row)
     shapes = {}
     for name, own in columns.items():
-        _, unique, method, where, *_ = own[0]
+        _, unique, method, where, *_, state = own[0]
         keys = tuple(f"{column}" + (f"({prefix})" if prefix else "") + (" DESC" if desc else "")
-                     for _, _, _, _, column, _, desc, included, prefix in own if not included)
-        include = tuple(str(column) for _, _, _, _, column, _, _, included, _ in own if included)
+                     for _, _, _, _, column, _, desc, included, prefix, _ in own if not included)
+        include = tuple(str(column) for _, _, _, _, column, _, _, included, _, _ in own if included)
         shapes[name] = IndexShape(keys, unique=bool(unique), where=str(where) if where else None, include=include,
-                                  method=str(method) if method else None)
+                                  method=str(method) if method else None, state=str(state) if state else None)
     return shapes
 
 
@@ -134,29 +138,35 @@ def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
                                      [name]).fetchone()
                 found = re.search(r"\)\s*WHERE\s+(.*?)\s*;?\s*$", str(sql[0] if sql else ""), re.IGNORECASE | re.DOTALL)
                 where = found.group(1) if found else "(unreadable)"
-            rows += [(name, unique, None, where, column if column is not None else "(expression)", seq, desc, 0, None)
-                     for seq, _, column, desc, _, key in info if key]
+            rows += [(name, unique, None, where, column if column is not None else "(expression)", seq, desc, 0, None,
+                      None) for seq, _, column, desc, _, key in info if key]
         return shapes_of(rows)
+    sql = INDEX_COLUMNS_SQL[engine.name]
     if engine.name == "postgresql":
         params = [engine.table]
-    elif engine.name == "mysql":
+    elif isinstance(engine, MysqlEngine):
+        if engine.server_version is None:
+            engine.read_server(cursor)
         params = [table, *([schema] if schema else [])]
+        sql = sql.replace("{schema}", "?" if schema else "DATABASE()").replace("{state}", engine.index_state_sql())
     else:
         params = [f"{engine.quote(schema or 'dbo')}.{engine.quote(table)}"]
-    sql = INDEX_COLUMNS_SQL[engine.name].replace("{schema}", "?" if schema else "DATABASE()")
     return shapes_of(engine.execute(cursor, sql, params).fetchall())
 
 
 def same_shape(engine: Engine, live: IndexShape, expected: IndexShape) -> bool:
     """Whether the index ``live`` is defined as ``expected``: keys in order, uniqueness,
-    predicate (``Engine.same_predicate``), included columns (in any order) and method."""
+    predicate (``Engine.same_predicate``), included columns (in any order), method, and usable
+    (``IndexShape.state``: a disabled or ignored index serves no query, and `outbox migrate`
+    makes it usable again)."""
     def lower(names: tuple[str, ...]) -> list[str]:
         return [name.lower() for name in names]
 
     return (lower(live.keys) == lower(expected.keys) and live.unique == expected.unique
             and engine.same_predicate(live.where, expected.where)
             and sorted(lower(live.include)) == sorted(lower(expected.include))
-            and (expected.method is None or (live.method or "").lower() == expected.method.lower()))
+            and (expected.method is None or (live.method or "").lower() == expected.method.lower())
+            and live.state == expected.state)
 
 
 def index_differs(engine: Engine, cursor: Any, name: str) -> bool:

@@ -295,9 +295,10 @@ class MssqlSchema(Engine):
 
     def index_matches(self, spec: IndexSpec) -> str:
         """A query returning a row when the index exists with exactly ``spec``'s
-        definition: its kind (``INDEX_KIND``), uniqueness, filter, key columns in order
-        (ascending), the included columns, and nothing else; what `outbox check` compares
-        (``describe.same_shape``), in SQL."""
+        definition: its kind (``INDEX_KIND``), enabled (a disabled index serves no query,
+        and a hint naming it fails), uniqueness, filter, key columns in order (ascending), the
+        included columns, and nothing else; what `outbox check` compares (``describe.same_shape``),
+        in SQL. The rebuild of one that differs (``_rebuild_steps``) enables a disabled one."""
         t = self._table_literal()
         name = nstr(self.index_name(spec.suffix))
         filter_normalized = filter_sql("i.filter_definition")
@@ -312,7 +313,8 @@ class MssqlSchema(Engine):
                     "ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
                     f"WHERE ic.object_id = i.object_id AND ic.index_id = i.index_id AND {condition})")
 
-        checks = [f"i.type_desc = {nstr(INDEX_KIND)}", f"i.is_unique = {1 if spec.unique else 0}", filter_ok,
+        checks = [f"i.type_desc = {nstr(INDEX_KIND)}", "i.is_disabled = 0", f"i.is_unique = {1 if spec.unique else 0}",
+                  filter_ok,
                   "(SELECT COUNT(*) FROM sys.index_columns AS n WHERE n.object_id = i.object_id "
                   f"AND n.index_id = i.index_id) = {len(spec.keys) + len(spec.include)}"]
         checks += [column(f"ic.key_ordinal = {position} AND ic.is_descending_key = 0 AND c.name = {nstr(key)}")

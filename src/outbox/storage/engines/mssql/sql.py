@@ -26,8 +26,11 @@ ID_PARAMS_PER_STATEMENT = 2000
 #: plans per statement kind); docs/sqlserver.md, "Versions and compatibility levels".
 ID_LIST_SIZES = (1, 4, 16, 64, 256, 1024, ID_PARAMS_PER_STATEMENT)
 
-#: Error 308's words (mssql-python's errors carry no number): an index that a hint names is gone.
-INDEX_GONE = "(specified in the FROM clause) does not exist"
+#: Errors 308's and 315's words (mssql-python's errors carry no number): an index that a hint
+#: names is gone, or disabled.
+INDEX_GONE = ("(specified in the FROM clause) does not exist", "(specified in the FROM clause) is disabled")
+#: Their numbers, in pyodbc's messages.
+INDEX_GONE_ERRORS = frozenset({308, 315})
 
 #: A transaction open on the session whatever IMPLICIT_TRANSACTIONS says, @@TRANCOUNT 1
 #: when none was (``savepoint_statements``).
@@ -534,9 +537,9 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
                          self.claim_params(batch, lease, timeout_ms, max_attempts, behind))
             rows = result_rows(cursor)
         except BaseException as exc:
-            if INDEX_GONE in str(exc) or 308 in error_numbers(str(exc)):
-                # The probe's index was dropped while the relay ran (the procedure under
-                # "Collations" in docs/sqlserver.md): the next claim asks again for it.
+            if any(words in str(exc) for words in INDEX_GONE) or INDEX_GONE_ERRORS & error_numbers(str(exc)):
+                # The probe's index was dropped (the procedure under "Collations" in
+                # docs/sqlserver.md) or disabled while the relay ran: the next claim asks again for it.
                 self.probe_index = None
             reset_session(cursor, own)
             raise
