@@ -77,7 +77,7 @@ CLAIMED_ROW = (7, "m-7", "orders.created", "order", "42", None, '{"n":1}', '{"h"
 
 def store_answer(sql: str) -> list[tuple]:
     """The few reads the store makes, answered."""
-    if "FROM @out" in sql:
+    if "LEFT JOIN @out" in sql:  # a claim batch's last SELECT
         return [CLAIMED_ROW]
     if sql.rstrip().endswith("SELECT @id AS id, @lock_result AS lock_result;"):
         return [(42, 0)]
@@ -355,26 +355,22 @@ def test_a_claim_that_reads_past_blocked_rows_binds_alike_and_only_chooses_with_
     assert "FROM @behind AS b WHERE b.id = e.id" in window and window.rstrip(";").endswith("ORDER BY s.id")
 
 
-@pytest.mark.parametrize(("counted", "reads_past"), [(19, False), (20, True)])
-def test_an_empty_claim_reads_past_only_a_window_that_was_full(counted: int, reads_past: bool,
-                                                               no_sqlglot_fallbacks: None) -> None:
-    """``Engine.window_full`` (docs/internals.md, "Claim windows"): after a claim that took
-    nothing, one count of the window's own read, its two walks with the same lock hints
-    (rows other claims lock are skipped there too) and the sizes written in; the claim reads
-    past the window only when the count reaches it (20: a batch of 10, a window of 2)."""
-    store, conn = recording_store(None, "outbox", 160, answers={
-        "FROM @out": [], "SELECT COUNT(*) FROM (SELECT TOP": [(counted,)]})
+@pytest.mark.parametrize("full", [False, True])
+def test_an_empty_claim_reads_past_only_a_window_that_was_full(full: bool, no_sqlglot_fallbacks: None) -> None:
+    """``Engine.claim_pass`` (docs/internals.md, "Claim windows"): the batch's last SELECT
+    answers the leased rows, or, having leased nothing, one row of NULLs when ``@win`` held a
+    whole window (``@window``) and none when it held less. The claim reads past the window
+    only after that row, in a second batch (``read_past``), and never hands the row on."""
+    nulls = [(None,) * len(CLAIMED_ROW)]
+    store, conn = recording_store(None, "outbox", 160, answers={"LEFT JOIN @out": nulls if full else []})
     engine = store.engine
-    assert isinstance(engine, MssqlEngine) and engine.claim_window(10) == 20
+    assert isinstance(engine, MssqlEngine)
     assert store.claim(10).messages == []
-    sent = [(sql, params) for sql, params in conn.log if "@out" in sql or sql.startswith("SELECT COUNT(*) FROM")]
-    count = next(sql for sql, _ in sent if sql.startswith("SELECT COUNT(*) FROM"))
-    assert [sql for sql, _ in sent] == [engine.claim_batch(True), count,
-                                        *([engine.claim_batch(True, read_past=True)] if reads_past else [])]
-    assert placeholders(count) == 0 and dict(sent)[count] == ()
-    refs = outbox_refs(parse_one(count), engine)
-    assert [hints(r) for r in refs] == [{"READCOMMITTEDLOCK", "READPAST", "ROWLOCK"}] * 2
-    assert count.count("SELECT TOP (20) ") == 3 and f"DATEADD(MILLISECOND, ({-store.claim_timeout_ms}), " in count
+    batches = [sql for sql, _ in conn.log if "@out" in sql]
+    assert batches == [engine.claim_batch(True), *([engine.claim_batch(True, read_past=True)] if full else [])]
+    statement = engine.claim_statements(True)[-1]
+    assert statement.endswith("\nWHERE o.id IS NOT NULL OR (SELECT COUNT(*) FROM @win) >= @window ORDER BY o.id;")
+    assert [c.alias_or_name for c in parse_one(statement).expressions] == list(MESSAGE_COLUMNS)
 
 
 @pytest.mark.parametrize("read_past", [False, True])
@@ -491,7 +487,8 @@ def test_the_probe_falls_back_to_any_seek_when_its_index_is_missing() -> None:
 def test_claim_returns_message_columns_in_order_and_binds_in_placeholder_order() -> None:
     engine = MssqlEngine()
     statements = engine.claim_statements()
-    assert statements[-1] == f"SELECT {', '.join(MESSAGE_COLUMNS)} FROM @out ORDER BY id;"
+    assert statements[-1].startswith(f"SELECT {', '.join('o.' + c for c in MESSAGE_COLUMNS)} FROM (VALUES (0)) AS one (n) "
+                                     "LEFT JOIN @out AS o ON 1 = 1\n")
     declared = re.search(r"DECLARE @out TABLE \((.*)\);", engine.claim_batch()).group(1)
     assert [c.split()[0] for c in re.split(r",\s*(?![^()]*\))", declared)] == list(MESSAGE_COLUMNS)
     params = engine.claim_params(batch=50, lease="L" * 32, timeout_ms=30_000, max_attempts=5)
@@ -626,7 +623,7 @@ def test_the_claim_commits_in_its_own_batch_when_run_alone(no_sqlglot_fallbacks:
     begin, commit = own.index("BEGIN TRANSACTION;"), own.index("COMMIT TRANSACTION;")
     assert own.index("SET XACT_ABORT ON;") < begin < own.index(next(s for s in own if s.startswith("INSERT INTO @cand")))
     update = next(i for i, s in enumerate(own) if s.startswith("UPDATE o SET"))
-    assert commit == update + 1 and commit < own.index(next(s for s in own if "FROM @out" in s))
+    assert commit == update + 1 and commit < own.index(next(s for s in own if "LEFT JOIN @out" in s))
     for statement in own:
         parse_one(statement) if not statement.startswith("IF ") else None
     assert MssqlEngine.one_statement_claim

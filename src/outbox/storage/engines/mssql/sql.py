@@ -377,15 +377,6 @@ WHERE (r.blocker IS NULL OR r.id < r.blocker) AND r.cut = 0 AND r.dead_before = 
                 f"UNION ALL\nSELECT d.* FROM ({columns}\n{walk} AND next_retry_at <= SYSUTCDATETIME()\n"
                 "ORDER BY next_retry_at, id) AS d) AS w\nGROUP BY w.id\nORDER BY w.id")
 
-    def window_full(self, cursor: Any, batch: int, timeout_ms: int) -> bool:
-        """Whether a claim's window held ``claim_window(batch)`` eligible rows (``Engine.claim_pass``):
-        a count over the window's own read, so rows it skips (READPAST) are not counted either.
-        The integers written in: one plan per relay's settings."""
-        size = self.claim_window(batch)
-        eligible = self.eligible().replace("?", f"({-int(timeout_ms)})")
-        row = self.execute(cursor, f"SELECT COUNT(*) FROM ({self.window_read(eligible, str(int(size)))}) AS c").fetchone()
-        return row is None or int(row[0]) >= size
-
     def window_insert(self, eligible: str, read_past: bool = False) -> str:
         """``@win``: a window of ``@window`` eligible rows (``Engine.window_sql``), read without
         update locks, skipping rows other claims lock (READPAST). ``read_past`` (``Engine.claim_pass``): up to
@@ -426,7 +417,7 @@ ORDER BY s.id;"""
         """
         t = self.table
         eligible = self.eligible().replace("?", "@expired_ms")  # one parameter, three uses
-        out_columns = ", ".join(MESSAGE_COLUMNS)
+        out_columns = ", ".join(f"o.{c}" for c in MESSAGE_COLUMNS)
         output = ", ".join(f"CAST(inserted.{c} AS NVARCHAR(MAX))" if c in ("payload", "headers")
                            else f"inserted.{c}" for c in MESSAGE_COLUMNS)
         collation = self.id_collation or ID_COLLATION
@@ -504,7 +495,9 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
             *(["COMMIT TRANSACTION;"] if own_transaction else []),
             if_("@xact_abort = 0", "SET XACT_ABORT OFF"),
             if_("@nocount = 0", "SET NOCOUNT OFF"),
-            f"SELECT {out_columns} FROM @out ORDER BY id;",
+            # Leased nothing: one row of NULLs when the window was full (Engine.claim_pass).
+            f"SELECT {out_columns} FROM (VALUES (0)) AS one (n) LEFT JOIN @out AS o ON 1 = 1\n"
+            "WHERE o.id IS NOT NULL OR (SELECT COUNT(*) FROM @win) >= @window ORDER BY o.id;",
         ]
 
     def claim_batch(self, own_transaction: bool = False, read_past: bool = False) -> str:
@@ -523,8 +516,8 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
     def claim_pass(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
                    behind: Sequence[int], *, read_past: bool) -> tuple[list[tuple], bool]:
         """Lease up to ``batch`` rows in the open transaction (the store commits);
-        rows whose status is 4 went dead instead (``Engine.claim_pass``). Whether the window
-        was full is asked only when the batch leased nothing (``window_full``)."""
+        rows whose status is 4 went dead instead (``Engine.claim_pass``); a batch that leased
+        nothing answers one row of NULLs when its window was full."""
         if self.id_collation is None:
             row = self.execute(cursor, self.collation_sql()).fetchone()
             if row and row[0]:
@@ -543,4 +536,5 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
                 self.probe_index = None
             reset_session(cursor, own)
             raise
-        return rows, not rows and not read_past and self.window_full(cursor, batch, timeout_ms)
+        full = bool(rows) and rows[0][0] is None
+        return ([] if full else rows), full
