@@ -79,10 +79,14 @@ def plain_parquet_ids(spark: Any, root: Path) -> list[int]:
 
 
 @pytest.mark.parametrize(("kind", "writer"), [*((kind, "arrow") for kind in PIPELINE_ENGINES), ("sqlite", "spark")])
-def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path, writer: str) -> None:
+def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                            writer: str) -> None:
     """The Arrow writer (stage.py: pyarrow in the tasks, the default for a path) on every
     engine, and Spark's writer (the one for other URIs; what it stages does not depend
-    on the engine, which only the reader does)."""
+    on the engine, which only the reader does). Its first run is also the one the cases
+    ``the_archive_is_on_disk_before_the_commit_and_before_the_first_delete`` and
+    ``the_delete_runs_on_several_connections_where_the_engine_has_concurrent_writers``
+    check (one archive run for the three, docs/pipeline.md, "Tests")."""
     rows = mixed_rows()
     ids = seed(store, rows)
     before = table_rows(store)
@@ -90,9 +94,13 @@ def test_archive_round_trip(spark: Any, store: OutboxStore, tmp_path: Path, writ
     old_dead = {i for i, r in zip(ids, rows) if r.status == 4}
     root = tmp_path / "my archive ü%20"  # a plain path, written where it says (not percent-encoded)
 
-    result = Archiver(spark, store, str(root), delete_chunk=5, writer=writer).run(timedelta(days=7))
+    synced, threads = record_fsyncs_and_deletes(monkeypatch), record_delete_threads(monkeypatch, store)
+    result = Archiver(spark, store, str(root), delete_chunk=1, delete_connections=3, writer=writer).run(
+        timedelta(days=7))
     assert (result.archived, result.deleted, result.kept) == (len(old_done), len(old_done), 0)
     assert table_ids(store) == set(ids) - old_done
+    the_archive_is_on_disk_before_the_commit_and_before_the_first_delete(synced, root, result.run_id)
+    the_delete_runs_on_several_connections_where_the_engine_has_concurrent_writers(threads, store)
     got = read_archive(spark, str(root)).collect()
     assert sorted(r["id"] for r in got) == sorted(old_done)
     for r in got:  # every archived column as it was in the table
@@ -204,16 +212,9 @@ def test_crash_at_every_step_then_rerun(spark: Any, store: OutboxStore, tmp_path
     assert not list((root / "_staging").glob("*"))
 
 
-@pytest.mark.parametrize("kind", ["sqlite"])
-@pytest.mark.parametrize("writer", ["arrow", "spark"])
-def test_the_archive_is_on_disk_before_the_commit_and_before_the_first_delete(
-        spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
-    """A power loss right after a DELETE commits must not leave rows deleted from the
-    outbox and missing from the archive: on a local path the driver fsyncs every staged
-    file before it commits (so a durable manifest never names a file that is not), the
-    manifest before its rename, and, before the first DELETE, every published file, the
-    manifest and each directory from them up to the archive's root (the entries the
-    renames made). fsync is recorded by inode: a rename keeps the file's."""
+def record_fsyncs_and_deletes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int] | str]:
+    """Every fsync from now on, by inode (a rename keeps the file's), and ``"DELETE"`` at
+    each delete chunk, in order."""
     synced: list[tuple[int, int] | str] = []
     real_fsync, real_delete = os.fsync, Archiver._delete
 
@@ -228,13 +229,18 @@ def test_the_archive_is_on_disk_before_the_commit_and_before_the_first_delete(
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(Archiver, "_delete", delete)
-    rows = mixed_rows()
-    ids = seed(store, rows)
-    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
-    root = tmp_path / "archive"
-    result = Archiver(spark, store, str(root), writer=writer).run(timedelta(days=7))
-    assert result.deleted == len(old_done) > 0 and table_ids(store) == set(ids) - old_done
+    return synced
 
+
+def the_archive_is_on_disk_before_the_commit_and_before_the_first_delete(
+        synced: list[tuple[int, int] | str], root: Path, run_id: str) -> None:
+    """A power loss right after a DELETE commits must not leave rows deleted from the
+    outbox and missing from the archive: on a local path the driver fsyncs every staged
+    file before it commits (so a durable manifest never names a file that is not), the
+    manifest before its rename, and, before the first DELETE, every published file, the
+    manifest and each directory from them up to the archive's root (the entries the
+    renames made). ``synced``: ``record_fsyncs_and_deletes`` over run ``run_id``
+    (checked on both writers and every engine by ``test_archive_round_trip``)."""
     def inode(path: Path) -> tuple[int, int]:
         st = path.stat()
         return st.st_dev, st.st_ino
@@ -242,7 +248,7 @@ def test_the_archive_is_on_disk_before_the_commit_and_before_the_first_delete(
     def with_directories(path: Path) -> list[Path]:
         return [path, *[parent for parent in path.parents if parent.is_relative_to(root)]]
 
-    manifest_path = root / "_manifest" / f"{result.run_id}.json"
+    manifest_path = root / "_manifest" / f"{run_id}.json"
     published = [root / rel for rel in json.loads(manifest_path.read_text())["files"]]
     assert published and "DELETE" in synced
     before_delete = set(synced[:synced.index("DELETE")])
@@ -311,14 +317,8 @@ def test_a_topic_too_long_for_a_directory_name_is_refused_before_staging_naming_
     assert sorted(r["topic"] for r in read_archive(spark, str(root)).collect()) == sorted(["orders.created", fine])
 
 
-def test_the_delete_runs_on_several_connections_where_the_engine_has_concurrent_writers(
-        spark: Any, store: OutboxStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After its first chunk alone, the delete spreads the chunks over ``delete_connections``
-    threads, each on its own connection (the store keeps one per thread), closed at the
-    end; SQLite, one writer at a time, deletes on the calling thread only."""
-    rows = mixed_rows()
-    ids = seed(store, rows)
-    old_done = {i for i, r in zip(ids, rows) if r.status == 2 and r.age_ms > 7 * DAY_MS}
+def record_delete_threads(monkeypatch: pytest.MonkeyPatch, store: OutboxStore) -> list[str]:
+    """The name of the thread of each delete chunk ``store`` runs from now on."""
     threads: list[str] = []
     run = store._run
 
@@ -327,10 +327,16 @@ def test_the_delete_runs_on_several_connections_where_the_engine_has_concurrent_
             threads.append(threading.current_thread().name)
         return run(operation, work, **kw)
     monkeypatch.setattr(store, "_run", noting)
+    return threads
 
-    result = Archiver(spark, store, str(tmp_path / "a"), delete_chunk=1, delete_connections=3).run(timedelta(days=7))
-    assert (result.archived, result.deleted) == (len(old_done), len(old_done))
-    assert table_ids(store) == set(ids) - old_done
+
+def the_delete_runs_on_several_connections_where_the_engine_has_concurrent_writers(
+        threads: list[str], store: OutboxStore) -> None:
+    """After its first chunk alone, the delete spreads the chunks over ``delete_connections``
+    threads (3), each on its own connection (the store keeps one per thread), closed at the
+    end; SQLite, one writer at a time, deletes on the calling thread only. ``threads``:
+    ``record_delete_threads`` over a run of one-row chunks (checked on every engine by
+    ``test_archive_round_trip``)."""
     assert threads[0] == threading.current_thread().name  # the first chunk, alone
     lanes = set(threads[1:])
     assert len(lanes) == (1 if store.engine.name == "sqlite" else 3), Counter(threads)
