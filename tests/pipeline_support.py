@@ -295,6 +295,22 @@ def archives_of_two_outboxes(spark: Any, tmp_path: Path) -> list[Path]:
     return roots
 
 
+@pytest.fixture(scope="session")
+def two_outboxes_archives(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """``archives_of_two_outboxes`` once for the run, for the cases that only read them or
+    put a copy of them together (``merged_archive``)."""
+    return archives_of_two_outboxes(spark, tmp_path_factory.mktemp("two-outboxes"))
+
+
+def merged_archive(roots: list[Path], tmp_path: Path) -> Path:
+    """A copy of the first archive of ``roots``, in ``tmp_path``, with the second's runs put
+    into it (``merge_runs``): two outboxes' runs in one archive."""
+    merged = tmp_path / "merged"
+    shutil.copytree(roots[0], merged)
+    merge_runs(roots[1], merged)
+    return merged
+
+
 def merge_runs(source: Path, target: Path) -> None:
     """``source`` archive's runs (manifests and files) copied into the ``target`` archive, as
     two outboxes' runs put together by hand."""

@@ -22,9 +22,8 @@ from pipeline_support import (
     DAY_MS,
     PIPELINE_ENGINES,
     Row,
-    archives_of_two_outboxes,
     invoke,
-    merge_runs,
+    merged_archive,
     mixed_rows,
     seed,
     table_ids,
@@ -967,15 +966,16 @@ def test_an_outbox_whose_ids_started_again_is_refused_before_staging(spark: Any,
         store.close()
 
 
-def test_the_readers_refuse_an_archive_with_two_events_under_one_id(spark: Any, tmp_path: Path) -> None:
+def test_the_readers_refuse_an_archive_with_two_events_under_one_id(spark: Any, tmp_path: Path,
+                                                                    two_outboxes_archives: list[Path]) -> None:
     """An archive written before the archive refused ids met again (two outboxes' runs put
     together): the report and the replay say so rather than keep one of the two events of
     an id. Runs that only name another URL for their outbox read on."""
-    roots = archives_of_two_outboxes(spark, tmp_path)
+    roots = two_outboxes_archives
     assert archived_ids(spark, roots[0]) == [1]
-    merge_runs(roots[1], roots[0])  # the second outbox's runs put into the first one's archive
+    merged = merged_archive(roots, tmp_path)  # the second outbox's runs put into the first one's archive
     with pytest.raises(PipelineError, match="holds two events under id 1 .*would drop one"):
-        read_archive(spark, str(roots[0]))
+        read_archive(spark, str(merged))
 
 
 def finished_run(root: Path, run_id: str, store: OutboxStore, id_ranges: list[list[int]]) -> None:

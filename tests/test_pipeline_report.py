@@ -9,12 +9,13 @@ import shutil
 import struct
 import subprocess
 import zlib
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pipeline_support import DAY_MS, Row, archives_of_two_outboxes, invoke, merge_runs, mixed_rows, seed
+from pipeline_support import DAY_MS, Row, invoke, merged_archive, mixed_rows, seed
 
 from outbox.pipeline.archive import Archiver
 from outbox.pipeline.report import run_report
@@ -85,18 +86,43 @@ def sql_figures(store: OutboxStore, kind: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
-def test_report_matches_sql_over_archive_plus_live(spark: Any, store: OutboxStore, kind: str,
-                                                   tmp_path: Path) -> None:
+def archived_report_rows(spark: Any, store: OutboxStore, kind: str, archive: Path) -> tuple[dict[str, Any], int]:
+    """Seed ``report_rows()``, take the figures in SQL, then archive the old done and dead
+    rows to ``archive``: the figures and the rows archived."""
     seed(store, report_rows())
     want = sql_figures(store, kind)
+    archived = Archiver(spark, store, str(archive)).run(timedelta(days=7), include_dead=True).archived
+    assert archived > 0  # part of the history now lives only in the archive
+    return want, archived
+
+
+@pytest.fixture(scope="module")
+def sqlite_archive(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OutboxStore, Path, Any]]:
+    """``archived_report_rows`` once for the module, on a SQLite outbox of its own: the
+    outbox (its live rows), the archive, and what ``archived_report_rows`` answered, for
+    the SQLite cases that only read them."""
+    tmp = tmp_path_factory.mktemp("report-archive")
+    store = OutboxStore(f"sqlite:///{tmp / 'outbox.db'}", table="outbox")
+    store.migrate()
+    try:
+        yield store, tmp / "archive", archived_report_rows(spark, store, "sqlite", tmp / "archive")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_report_matches_sql_over_archive_plus_live(spark: Any, store: OutboxStore, kind: str,
+                                                   tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Archive and live table together (SQLite's: the module's ``sqlite_archive``)."""
     archive = tmp_path / "archive"
-    result = Archiver(spark, store, str(archive)).run(timedelta(days=7), include_dead=True)
-    assert result.archived > 0  # part of the history now lives only in the archive
+    if kind == "sqlite":
+        store, archive, (want, archived) = request.getfixturevalue("sqlite_archive")
+    else:
+        want, archived = archived_report_rows(spark, store, kind, archive)
 
     out = tmp_path / "report"
     report = run_report(spark, store=store, archive=str(archive), out=str(out))
-    assert report["sources"]["archive_rows"] == result.archived
+    assert report["sources"]["archive_rows"] == archived
     got_days = {(d["topic"], d["day"]): [d["events"], d["delivered"], d["dead"], d["pending"]]
                 for d in report["days"]}
     assert got_days == want["days"]
@@ -185,14 +211,30 @@ def _png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:
     return width, channels, rows
 
 
-@pytest.mark.parametrize("kind", ["sqlite"])
-def test_report_html_renders_in_a_headless_browser(spark: Any, store: OutboxStore, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def live_report(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """``outbox pipeline report --since 30d`` once for the module, over a SQLite outbox of
+    its own holding ``report_rows()`` (every one of them newer than 30 days), no archive:
+    the command's result and its ``--out`` directory, which the cases below read (a report
+    only reads what it reports on)."""
+    tmp = tmp_path_factory.mktemp("live-report")
+    store = OutboxStore(f"sqlite:///{tmp / 'outbox.db'}", table="outbox")
+    store.migrate()
+    try:
+        seed(store, report_rows())
+        out = invoke(["pipeline", "report", "--since", "30d", "--out", str(tmp / "r")],
+                     {"OUTBOX_DATABASE_URL": store.url, "OUTBOX_TABLE": store.engine.table_name})
+    finally:
+        store.close()
+    return out, tmp / "r"
+
+
+def test_report_html_renders_in_a_headless_browser(live_report: tuple[Any, Path], tmp_path: Path) -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         pytest.skip("no headless browser: apt-get install chromium (.ci/run installs it)")
-    seed(store, report_rows())
-    out = tmp_path / "report"
-    run_report(spark, store=store, archive=None, out=str(out))
+    result, out = live_report
+    assert result.exit_code == 0, result.output
     shot = tmp_path / "shot.png"
     proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                            "--disable-component-update", "--no-first-run", "--hide-scrollbars",
@@ -251,14 +293,11 @@ def test_an_out_directory_that_cannot_be_made_is_refused_before_anything_is_read
     assert list((tmp_path / "out").iterdir()) == []
 
 
-@pytest.mark.parametrize("kind", ["sqlite"])
-def test_report_command_line(spark: Any, store: OutboxStore, url: str, tmp_path: Path) -> None:
-    seed(store, report_rows())
-    out = invoke(["pipeline", "report", "--since", "30d", "--out", str(tmp_path / "r")],
-                 {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name})
+def test_report_command_line(live_report: tuple[Any, Path]) -> None:
+    out, written = live_report
     assert out.exit_code == 0, out.output
     assert f"{len(report_rows())} events" in out.output
-    assert json.loads((tmp_path / "r" / "report.json").read_text())["totals"]["events"] == len(report_rows())
+    assert json.loads((written / "report.json").read_text())["totals"]["events"] == len(report_rows())
 
 
 @pytest.mark.parametrize("kind", ["sqlite"])
@@ -307,16 +346,14 @@ def test_a_missing_archive_is_refused_before_the_live_table_is_read(spark: Any, 
 
 @pytest.mark.parametrize("kind", ["sqlite"])
 def test_a_live_row_and_an_archived_row_of_another_event_under_one_id_both_count(
-        spark: Any, store: OutboxStore, make_store: Any, tmp_path: Path) -> None:
+        spark: Any, store: OutboxStore, tmp_path: Path, sqlite_archive: tuple[OutboxStore, Path, Any]) -> None:
     """Found in review: live and archived rows were merged by id alone, so an archive whose ids
     the live table uses again for other events (another outbox's archive, or this table's
     before it was dropped and migrated again, ids restarting at 1) lost every archived row of
-    the report, silently: they are the same row only when the message id is the same too."""
-    seed(store, report_rows())
-    archive = tmp_path / "archive"
-    archived = Archiver(spark, store, str(archive)).run(timedelta(days=7), include_dead=True).archived
-    assert archived > 0
-    other = make_store()  # ids from 1 again: the same ids as the archived rows, other events
+    the report, silently: they are the same row only when the message id is the same too.
+    (The archive: the module's ``sqlite_archive``, another outbox's.)"""
+    _, archive, (_, archived) = sqlite_archive
+    other = store  # ids from 1 again: the same ids as the archived rows, other events
     seed(other, report_rows())
     report = run_report(spark, store=other, archive=str(archive), out=str(tmp_path / "r"))
     assert report["sources"]["archive_rows"] == archived
@@ -325,18 +362,18 @@ def test_a_live_row_and_an_archived_row_of_another_event_under_one_id_both_count
 
 @pytest.mark.parametrize("kind", ["sqlite"])
 def test_the_settings_archive_that_cannot_be_read_stops_the_report(spark: Any, store: OutboxStore, url: str,
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path,
+                                                                   two_outboxes_archives: list[Path]) -> None:
     """Found in review: with the archive taken from OUTBOX_ARCHIVE_URI, every error of reading it
     was taken for "no run has written it yet": an archive the readers refuse (two events under
     one id: two outboxes' runs put together) was left out of every figure with that warning, and
     the report exited 0. Only an archive that is not there is left out; the rest stop the report
     as with --archive."""
-    roots = archives_of_two_outboxes(spark, tmp_path)
-    merge_runs(roots[1], roots[0])  # the second outbox's runs put into the first one's archive
+    merged = merged_archive(two_outboxes_archives, tmp_path)  # the second outbox's runs in the first one's archive
     seed(store, report_rows()[:3])
     out = invoke(["pipeline", "report", "--out", str(tmp_path / "r")],
                  {"OUTBOX_DATABASE_URL": url, "OUTBOX_TABLE": store.engine.table_name,
-                  "OUTBOX_ARCHIVE_URI": str(roots[0])})
+                  "OUTBOX_ARCHIVE_URI": str(merged)})
     assert out.exit_code == 1, out.output
     assert "holds two events under id 1" in out.output.strip().splitlines()[-1], out.output
     assert "no run has written" not in out.output, out.output
