@@ -31,6 +31,14 @@ MESSAGE_COLUMNS = ("id", "message_id", "topic", "aggregate_type", "aggregate_id"
 _ATTEMPTS, _STATUS = MESSAGE_COLUMNS.index("attempts"), MESSAGE_COLUMNS.index("status")
 
 
+def leased_or_full(rows: list[tuple]) -> tuple[list[tuple], bool]:
+    """A one-statement claim pass's answer as ``Engine.claim_pass`` returns it: the statement
+    answers the rows it leased or, having leased nothing, one row of NULLs when its window
+    was full and no row when it was not (PostgreSQL's statement, SQL Server's batch)."""
+    full = bool(rows) and rows[0][0] is None
+    return ([] if full else rows), full
+
+
 def claimed_rows(read: dict[int, tuple], plan: ClaimPlan) -> list[tuple]:
     """The rows ``plan`` took, as the claim's updates left them, from their locking read
     (``read``: MESSAGE_COLUMNS, locked by this transaction, so nothing else changed them):

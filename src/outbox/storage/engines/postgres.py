@@ -29,6 +29,7 @@ from .base import (
     derived_name,
     duration,
     inline_params,
+    leased_or_full,
     tcp_keepalive,
 )
 
@@ -635,11 +636,7 @@ class PostgresEngine(Engine):
     def claim_pass(self, cursor: Any, batch: int, lease: str, timeout_ms: int, max_attempts: int,
                    behind: Sequence[int], *, read_past: bool) -> tuple[list[tuple], bool]:
         sql = self.claim_sql(batch, timeout_ms, max_attempts, read_past)
-        rows = self.execute_native(cursor, sql, [[int(i) for i in behind], LEASE_EXPIRED_ERROR, lease])
-        # Leased nothing: one row of NULLs if the window was full (Engine.claim_pass), in the
-        # same round trip; no row if it was not.
-        full = bool(rows) and rows[0][0] is None
-        return ([] if full else rows), full
+        return leased_or_full(self.execute_native(cursor, sql, [[int(i) for i in behind], LEASE_EXPIRED_ERROR, lease]))
 
     def execute_native(self, cursor: Any, sql: str, params: Sequence[Any]) -> list[tuple]:
         """``sql``, written with PostgreSQL's own ``$n`` placeholders, sent as it is on

@@ -12,7 +12,7 @@ from typing import Any
 
 from ....core.errors import StoreError
 from ....core.model import NewEvent
-from ..base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS
+from ..base import LEASE_EXPIRED_ERROR, MESSAGE_COLUMNS, leased_or_full
 from .driver import error_numbers, reset_session, result_rows
 from .schema import ID_COLLATION, INDEXES, OPEN_ROWS, MssqlSchema, if_, nstr
 
@@ -536,5 +536,4 @@ FROM {t} AS o WITH (FORCESEEK) INNER JOIN @chain AS ch ON ch.id = o.id;""",
                 self.probe_index = None
             reset_session(cursor, own)
             raise
-        full = bool(rows) and rows[0][0] is None
-        return ([] if full else rows), full
+        return leased_or_full(rows)
