@@ -12,6 +12,7 @@ round trip, and every session bounds its transactions' life (``connect``; docs/r
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -37,6 +38,9 @@ from .base import (
 #: 57P05: idle too long outside one (a server's ``idle_session_timeout``). Both end the
 #: connection: the transaction was rolled back, the operation starts again on a new one.
 _ENDED_SQLSTATES = {"25P03", "57P05"}
+#: A statement on rows chosen by their ids (one, or ``ids_in``'s list): ``execute`` sends
+#: it unprepared (docs/internals.md, "Statements on rows by id").
+_BY_ID = re.compile(r"\bWHERE id = (?:ANY\()?\?")
 _TRANSIENT_SQLSTATES = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03", *_ENDED_SQLSTATES}
 
 #: Seconds a connection attempt may take (libpq ``connect_timeout``) unless the URL says.
@@ -105,6 +109,12 @@ class PostgresEngine(Engine):
 
     def ids_in(self, ids: Any) -> tuple[str, list[Any]]:
         return "id = ANY(?)", [list(ids)]
+
+    def execute(self, cursor: Any, text: str, params: Sequence[Any] = ()) -> Any:
+        # Planned for its own ids on every call, never from a generic plan the connection
+        # cached while the table was small (docs/internals.md, "Statements on rows by id").
+        cursor.execute(self.sql(text), tuple(params), prepare=False if _BY_ID.search(text) else None)
+        return cursor
 
     def connect(self, url: str) -> Any:
         import psycopg
