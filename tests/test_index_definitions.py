@@ -16,6 +16,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from engine_support import drop_table
@@ -392,6 +393,38 @@ def test_mariadbs_ignored_index_fails_the_check_and_migrate_makes_it_usable(mysq
     steps = [step for step in mysql8.migration() if isinstance(step, tuple) and "ALTER INDEX" in str(step[1])]
     assert steps[0][1] == f"ALTER TABLE {mysql8.table} ALTER INDEX `{mysql8.index_name('message_id')}` VISIBLE"
     assert "CASE WHEN is_visible = 'NO' THEN 'INVISIBLE' END IS NOT NULL" in steps[0][0][0]
+
+
+class CountingCursor:
+    """A driver's cursor that counts the statements sent through it."""
+
+    def __init__(self, cursor: Any) -> None:
+        self.cursor, self.connection, self.sent = cursor, cursor.connection, 0
+
+    def execute(self, *args: Any) -> Any:
+        self.sent += 1
+        return self.cursor.execute(*args)
+
+
+@pytest.mark.parametrize("driver", ["pymysql", "MySQLdb"])
+def test_mariadb_is_told_from_mysql_by_the_connections_handshake_alone(driver: str) -> None:
+    """``MysqlEngine.read_server`` asked ``SELECT VERSION()`` while the session bounds and the
+    enqueue's isolation read the connection's ``get_server_info()``: two ways of knowing one
+    thing (found in review). It reads the handshake now, on both drivers a caller may hand it
+    (PyMySQL; mysqlclient, Django's default, whose cursor the Django migration and admin use)."""
+    require("MariaDB/MySQL", "127.0.0.1", 3306)
+    module = pytest.importorskip(driver)
+    conn = module.connect(host="127.0.0.1", port=3306, user="root", database="test")
+    try:
+        engine = MysqlEngine()
+        cursor = CountingCursor(engine.cursor_for(conn))
+        engine.read_server(cursor)
+        assert cursor.sent == 0
+        version = engine.cursor_for(conn)
+        version.execute("SELECT VERSION()")
+        assert engine.mariadb is ("mariadb" in str(version.fetchone()[0]).lower()), engine.server_version
+    finally:
+        conn.close()
 
 
 #: Per engine, indexes changed by hand in shapes no earlier release made, which `outbox migrate`

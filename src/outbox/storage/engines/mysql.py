@@ -192,8 +192,9 @@ class MysqlEngine(Engine):
     now: ClassVar[str] = "UTC_TIMESTAMP(3)"
     lock_candidates: ClassVar[str] = " FOR UPDATE SKIP LOCKED"
 
-    #: The server's ``VERSION()``, read by ``read_server``: MariaDB and MySQL name apart an index
-    #: the optimizer passes over (``index_state_sql``).
+    #: The server's version as its connection's handshake gave it (``get_server_info``), read by
+    #: ``read_server``: MariaDB and MySQL name apart an index the optimizer passes over
+    #: (``index_state_sql``).
     server_version: str | None = None
 
     def quote(self, identifier: str) -> str:
@@ -203,7 +204,11 @@ class MysqlEngine(Engine):
         return "TIMESTAMPADD(MICROSECOND, ? * 1000, UTC_TIMESTAMP(3))"
 
     def read_server(self, cursor: Any) -> None:
-        self.server_version = str(self.execute(cursor, "SELECT VERSION()").fetchone()[0])
+        # The handshake's version, as the session bounds and the enqueue's isolation read it
+        # (session_sql, isolation_variable): no round trip. Every cursor here is the engine's
+        # own (cursor_for) on a PyMySQL or mysqlclient connection, Django's and Alembic's too, and
+        # both drivers' cursors have the connection; a SELECT VERSION() was a second way to know.
+        self.server_version = str(cursor.connection.get_server_info())
 
     @property
     def mariadb(self) -> bool:
