@@ -384,7 +384,9 @@ def test_mariadbs_ignored_index_fails_the_check_and_migrate_makes_it_usable(mysq
     line = next(line for line in check.splitlines() if line.startswith("[FAIL] indexes"))
     assert f"{claim} is (status, next_retry_at, id) USING BTREE IGNORED, not (status, next_retry_at, id) " \
            "USING BTREE" in line, line
-    assert f"repaired (rebuilt {claim})" in cli(mysql, "migrate", tmp_path)
+    # Its report names what it was and what was done: the flag turned off, nothing built again
+    # (it said "rebuilt", found in review).
+    assert f"repaired (made {claim} NOT IGNORED (was IGNORED; not rebuilt))" in cli(mysql, "migrate", tmp_path)
     assert "[ok  ] indexes" in cli(mysql, "check", tmp_path)
     assert mysql.claim(10).messages == []
     # MySQL 8 names it INVISIBLE (STATISTICS.IS_VISIBLE), and makes it VISIBLE (not run here: no MySQL 8).
@@ -425,6 +427,33 @@ def test_mariadb_is_told_from_mysql_by_the_connections_handshake_alone(driver: s
         assert engine.mariadb is ("mariadb" in str(version.fetchone()[0]).lower()), engine.server_version
     finally:
         conn.close()
+
+
+def test_mariadbs_report_names_an_ignored_index_built_again_as_rebuilt_and_what_it_was(mysql: OutboxStore,
+                                                                                         tmp_path: Path) -> None:
+    """An IGNORED index defined otherwise too is made usable, then built again: "rebuilt", with
+    the state it was in."""
+    e = mysql.engine
+    claim = e.index_name("claim_ready")
+    raw(mysql, f"ALTER TABLE {e.table} DROP INDEX `{claim}`, ADD INDEX `{claim}` (status, id)",
+        f"ALTER TABLE {e.table} ALTER INDEX `{claim}` IGNORED")
+    assert f"repaired (rebuilt {claim} (was IGNORED))" in cli(mysql, "migrate", tmp_path)
+    assert cli(mysql, "migrate", tmp_path).strip().endswith("nothing to change")
+
+
+def test_the_report_names_sql_servers_disabled_index_rebuilt() -> None:
+    """SQL Server builds a disabled index again (``DROP_EXISTING``, which enables it): "rebuilt",
+    with the state it was in; its report read the catalog's text alone, which said "rebuilt"
+    whatever the index had been (not run here: no SQL Server; the report's reading of the
+    states ``schema_state`` gives)."""
+    store = OutboxStore("mssql://sa@localhost/db", engine=MssqlEngine())
+    name, other = store.engine.index_name("agg_open"), store.engine.index_name("claim_ready")
+    shapes = store.engine.expected_indexes()
+    before = (frozenset({"id"}), frozenset({name, other}), frozenset(),
+              frozenset({(name, shapes[name].text()), (other, "(id)")}), frozenset({(name, "DISABLED")}))
+    after = (frozenset({"id"}), frozenset({name, other}), frozenset(),
+             frozenset({(name, shapes[name].text()), (other, shapes[other].text())}), frozenset())
+    assert store.schema_changes(before, after) == [f"rebuilt {name} (was DISABLED), {other}"]
 
 
 #: Per engine, indexes changed by hand in shapes no earlier release made, which `outbox migrate`

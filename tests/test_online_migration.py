@@ -254,6 +254,28 @@ def test_outbox_check_fails_on_an_invalid_claim_ready_until_migrate_repairs_it(s
     assert indexes()[0] == OK
 
 
+def test_the_check_and_the_migrate_report_name_an_invalid_claim_ready_as_invalid(store: OutboxStore,
+                                                                              tmp_path: Any) -> None:
+    """An INVALID ``claim_ready`` was "missing" to `outbox check`, and `outbox migrate`, which
+    built it again, said "repaired" and no more (found in review): the check names it INVALID,
+    the report names it rebuilt and what it was."""
+    name = store.engine.index_name("claim_ready")
+    sql(store, f'DROP INDEX "{name}"')
+    invalid_index(store, name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "DJANGO_"))}
+    env.update(OUTBOX_DATABASE_URL=store.url, OUTBOX_TABLE=store.engine.table_name)
+
+    def outbox(command: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "outbox.cli", command], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=120)
+        return done.stdout
+
+    line = next(line for line in outbox("check").splitlines() if line.startswith("[FAIL] indexes"))
+    assert f"{name} is (next_retry_at, id) WHERE processed_at IS NULL USING btree INVALID, not " in line, line
+    assert f"repaired (rebuilt {name} (was INVALID))" in outbox("migrate")
+    assert outbox("migrate").strip().endswith("nothing to change")
+
+
 def test_a_run_interrupted_between_the_drop_and_the_rename_keeps_its_build(store: OutboxStore) -> None:
     """Interrupted after the old index's drop: the build, valid, is renamed, not built again."""
     as_earlier_release(store)

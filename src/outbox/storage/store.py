@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -323,7 +323,8 @@ class OutboxStore:
         """The table's columns, its index names with the holders table's name when it exists,
         its storage parameters (``name=value``: PostgreSQL's) and its indexes' and constraints'
         definitions (``Engine.definitions``, else each index as ``outbox check`` reads it:
-        ``describe.index_shapes``), or None when the table does not exist: what
+        ``describe.index_shapes``) and each index's state (``IndexShape.state``, a DISABLED or
+        INVALID one's), or None when the table does not exist: what
         ``outbox migrate`` compares before and after to say what it changed (``schema_changes``;
         a holders table it made again, the autovacuum parameters it set, and the indexes it
         rebuilt on a table of the first release went unsaid: found in review)."""
@@ -345,26 +346,42 @@ class OutboxStore:
         options, definitions = e.storage_options(cursor), e.definitions(cursor)
         # Each index the engine's catalog text does not give, as `outbox check` reads it
         # (describe.index_shapes): MySQL's and SQLite's rebuilds went unnamed, "repaired" alone.
+        # Its state apart (IndexShape.state), so that one made usable in place is told from one
+        # built again (schema_changes).
         defined = {name for name, _ in definitions}
-        definitions |= frozenset((name, shape.text()) for name, shape in shapes.items() if name not in defined)
-        return columns, frozenset(names), options, definitions
+        definitions |= frozenset((name, replace(shape, state=None).text()) for name, shape in shapes.items()
+                                 if name not in defined)
+        states = frozenset((name, shape.state) for name, shape in shapes.items() if shape.state)
+        return columns, frozenset(names), options, definitions, states
 
     def schema_changes(self, before: tuple[frozenset[Any], ...], after: tuple[frozenset[Any], ...]) -> list[str]:
         """What ``outbox migrate`` changed between two ``schema_state``s, as the report names it:
         indexes (and constraints) renamed from an earlier release's names (``Engine.legacy_renames``),
         columns, indexes, constraints and the holders table added, indexes rebuilt under their
-        name, storage parameters set."""
-        (columns, names, options, defined), (columns_now, names_now, options_now, defined_now) = before, after
+        name (with the state each was in: ``IndexShape.state``), indexes made usable in place
+        (``Engine.usable_again``: MySQL's and MariaDB's flag, not rebuilt), storage parameters set."""
+        (columns, names, options, defined, states), (columns_now, names_now, options_now, defined_now, states_now) = (
+            before, after)
         definitions, definitions_now = dict(defined), dict(defined_now)
         known, known_now = names | definitions.keys(), names_now | definitions_now.keys()
         renamed = {old: new for old, new in self.engine.legacy_renames()
                    if old in known - known_now and new in known_now - known}
         added = sorted(columns_now - columns) + sorted(known_now - known - set(renamed.values()))
+        # The indexes that were in a state the optimizer passes over (INVALID, DISABLED, IGNORED,
+        # INVISIBLE) and are usable now: on PostgreSQL an INVALID one went unnamed, and
+        # MariaDB's IGNORED one, whose flag alone was turned off, was said "rebuilt" (found in review).
+        usable = {name: state for name, state in states - states_now
+                  if name in definitions_now and name not in dict(states_now)}
         rebuilt = sorted(name for name in definitions.keys() & definitions_now.keys()
-                         if definitions[name] != definitions_now[name])
+                         if definitions[name] != definitions_now[name]
+                         or (name in usable and self.engine.usable_again(usable[name]) is None))
+        flagged = sorted(name for name in usable if name not in rebuilt)
         changes = [f"renamed {', '.join(f'{old} to {new}' for old, new in sorted(renamed.items()))}"] if renamed else []
         changes += [f"added {', '.join(added)}"] if added else []
-        changes += [f"rebuilt {', '.join(rebuilt)}"] if rebuilt else []
+        changes += [f"rebuilt {', '.join(name + (f' (was {usable[name]})' if name in usable else '') for name in rebuilt)}"
+                    ] if rebuilt else []
+        changes += [f"made {name} {self.engine.usable_again(usable[name])} (was {usable[name]}; not rebuilt)"
+                    for name in flagged]
         changes += [f"set {', '.join(sorted(options_now - options))}"] if options_now - options else []
         return changes
 

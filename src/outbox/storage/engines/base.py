@@ -125,8 +125,8 @@ class IndexShape:
     right? `outbox check`"): its key columns in order (`` DESC`` after a descending one), uniqueness, its
     partial predicate (the engine's text; compared through ``Engine.same_predicate``), its
     included columns, where the engine has several, its access method, and the catalog's word
-    for an index the engine keeps but its optimizer passes over (``state``: SQL Server's
-    DISABLED, MariaDB's IGNORED, MySQL's INVISIBLE; None for a usable one: docs/operations.md,
+    for an index the engine keeps but its optimizer passes over (``state``: PostgreSQL's INVALID,
+    SQL Server's DISABLED, MariaDB's IGNORED, MySQL's INVISIBLE; None for a usable one: docs/operations.md,
     same section)."""
 
     keys: tuple[str, ...]
@@ -301,6 +301,12 @@ class Engine(ABC):
         ``expected_indexes`` says), when `outbox migrate` refuses to build it again itself (its
         migration fails naming it), for `outbox check`'s line (``describe.index_problems``);
         None when the migration builds it again. Here: it always does."""
+        return None
+
+    def usable_again(self, state: str) -> str | None:
+        """The word of the statement that makes an index in ``state`` (``IndexShape.state``)
+        usable without building it again, as `outbox migrate`'s report names it; None where the
+        migration builds it again. Here: it does (SQL Server's DISABLED, PostgreSQL's INVALID)."""
         return None
 
     def legacy_index_name(self, suffix: str) -> str | None:

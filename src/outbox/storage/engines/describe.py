@@ -71,26 +71,29 @@ def driver_problem(url: str) -> str | None:
 
 
 def index_names(engine: Engine, cursor: Any) -> set[str]:
-    """The names of the indexes on the engine's table, read from the catalog (on PostgreSQL
-    the valid ones: an INVALID index, a CONCURRENTLY build or drop interrupted, serves no query,
-    and `outbox migrate` builds it again; docs/internals.md, "Index builds that hold no writer
-    back"): ``index_shapes``' names."""
+    """The names of the indexes on the engine's table, read from the catalog, whatever their
+    state (on PostgreSQL an INVALID one too, a CONCURRENTLY build or drop interrupted, which
+    serves no query and `outbox migrate` builds again; docs/internals.md, "Index builds that
+    hold no writer back"): ``index_shapes``' names."""
     return set(index_shapes(engine, cursor))
 
 
 #: Per engine, the catalog's rows of the table's indexes, one per column: (index, unique,
 #: method, predicate, column, position, descending, included, prefix length, state). PostgreSQL's
-#: valid indexes only (``index_names``); its included columns come after its keys. SQL Server's
+#: included columns come after its keys. SQL Server's
 #: filter_definition is NULL to a login without VIEW DEFINITION on the table (Microsoft's
 #: sys.indexes reference), which the relay's needs not have: has_filter says there is one. The
-#: state names an index the optimizer passes over (``IndexShape.state``): SQL Server's disabled
-#: ones; MySQL's and MariaDB's, whose catalogs name it in two columns, ``MysqlEngine.index_state_sql``.
+#: state names an index the optimizer passes over (``IndexShape.state``): PostgreSQL's INVALID ones
+#: (it read the valid ones only, and an INVALID one was "missing" to `outbox check` and unnamed in
+#: `outbox migrate`'s report: found in review); SQL Server's disabled ones; MySQL's and MariaDB's,
+#: whose catalogs name it in two columns, ``MysqlEngine.index_state_sql``.
 INDEX_COLUMNS_SQL = {
     "postgresql": (
         "SELECT c.relname, i.indisunique, am.amname, pg_get_expr(i.indpred, i.indrelid, true), "
-        "pg_get_indexdef(i.indexrelid, k, true), k, (i.indoption[k - 1] & 1) = 1, k > i.indnkeyatts, NULL, NULL "
+        "pg_get_indexdef(i.indexrelid, k, true), k, (i.indoption[k - 1] & 1) = 1, k > i.indnkeyatts, NULL, "
+        "CASE WHEN NOT i.indisvalid THEN 'INVALID' END "
         "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
-        "CROSS JOIN generate_series(1, i.indnatts) AS k WHERE i.indrelid = to_regclass(?) AND i.indisvalid "
+        "CROSS JOIN generate_series(1, i.indnatts) AS k WHERE i.indrelid = to_regclass(?) "
         "ORDER BY c.relname, k"),
     "mysql": (
         "SELECT index_name, non_unique = 0, index_type, NULL, column_name, seq_in_index, collation = 'D', 0, "
@@ -179,7 +182,7 @@ def index_differs(engine: Engine, cursor: Any, name: str) -> bool:
 
 def index_problems(engine: Engine, cursor: Any) -> list[str]:
     """What is wrong with the indexes ``outbox migrate`` leaves, read from the catalog: each
-    one missing (on PostgreSQL, an INVALID one too), or defined otherwise than the migration
+    one missing, or defined otherwise than the migration
     defines it (``Engine.expected_indexes``), with the two definitions and, where the migration
     will not build it again itself, what to do first (``Engine.index_refusal``). Empty when all
     are right."""

@@ -44,6 +44,9 @@ MIGRATION_LOCK_WAIT_S = 10
 #: A character outside the Basic Multilingual Plane: four bytes in UTF-8, which only a
 #: utf8mb4 connection carries (``MysqlEngine.insert_event``).
 _ASTRAL = re.compile("[\U00010000-\U0010FFFF]")
+#: What makes usable again an index the optimizer passes over, by its state (``index_state_sql``):
+#: a flag of the catalog, no rebuild (``migration``; ``Engine.usable_again``).
+USABLE_AGAIN = {"IGNORED": "NOT IGNORED", "INVISIBLE": "VISIBLE"}
 #: The text columns' character set and collation, as the table's (``migration``).
 _BIN = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
 
@@ -223,6 +226,9 @@ class MysqlEngine(Engine):
         if self.mariadb:
             return "CASE WHEN ignored = 'YES' THEN 'IGNORED' END"
         return "CASE WHEN is_visible = 'NO' THEN 'INVISIBLE' END"
+
+    def usable_again(self, state: str) -> str | None:
+        return USABLE_AGAIN.get(state)
 
     def exact(self, column: str) -> str:
         return f"CAST({column} AS BINARY)"  # utf8mb4_bin pads: 'x' = 'x ' (Engine.exact)
@@ -458,7 +464,7 @@ class MysqlEngine(Engine):
             # compares it: the rebuild alone (DROP and ADD of the same definition) left it IGNORED.
             unusable = index_exists(name, f"{self.index_state_sql()} IS NOT NULL")
             steps.append(((f"SELECT 1 WHERE NOT EXISTS ({unusable[0]})", unusable[1]),
-                          f"ALTER TABLE {t} ALTER INDEX {q(name)} {'NOT IGNORED' if self.mariadb else 'VISIBLE'}"))
+                          f"ALTER TABLE {t} ALTER INDEX {q(name)} {USABLE_AGAIN['IGNORED' if self.mariadb else 'INVISIBLE']}"))
             steps.append((IndexDiffers(name), f"ALTER TABLE {t} DROP INDEX {q(name)}, ADD {kind} {q(name)} ({columns})"))
             steps.append((index_exists(name), f"CREATE {kind} {q(name)} ON {t} ({columns})"))
         return steps + self.holders_migration()
