@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from engine_support import drop_table
+from fake_dbapi import RecordingConnection, RecordingCursor
 from services import MYSQL_URL, POSTGRES_URL, require
 from tsql_support import parse_one
 
@@ -27,7 +28,7 @@ from outbox.commands.doctor import FAIL, OK, check_database
 from outbox.core.config import load_settings
 from outbox.storage.engines.describe import INDEX_COLUMNS_SQL, index_problems, same_shape, shapes_of
 from outbox.storage.engines.mssql.engine import MssqlEngine
-from outbox.storage.engines.mssql.schema import INDEXES
+from outbox.storage.engines.mssql.schema import DISABLED_CLUSTERED_SQL, INDEXES, unreadable_problem
 from outbox.storage.engines.mysql import MysqlEngine
 from outbox.storage.store import OutboxStore
 
@@ -228,31 +229,37 @@ def test_the_catalog_queries_of_postgresql_and_mariadb_run(postgres: OutboxStore
 
 
 def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool = True, unfiltered: str = "",
-                       kinds: dict[str, str] | None = None, disabled: str = "") -> sqlite3.Connection:
+                       kinds: dict[str, str] | None = None, disabled: str = "",
+                       primary_key_disabled: bool = False) -> sqlite3.Connection:
     """A fake SQL Server catalog (``sys.indexes``, ``sys.index_columns``, ``sys.columns``) in
     SQLite, holding a migrated table's indexes as SQL Server keeps them: each filter's text as
     the catalog writes it, or NULL where the login may not read it (``readable_filters``
     False: a login with the table's SELECT, INSERT, UPDATE, DELETE and no VIEW DEFINITION), the
     index of suffix ``unfiltered`` made without its filter, those of ``kinds``' suffixes of that
-    kind (``type_desc``: CLUSTERED, ...), that of suffix ``disabled`` disabled. It runs T-SQL text (``on_catalog``): OBJECT_ID gives
+    kind (``type_desc``: CLUSTERED, ...), that of suffix ``disabled`` disabled. Its clustered primary key
+    ``pk_<table>`` on id, disabled with ``primary_key_disabled``, and every other index with it, as SQL
+    Server disables them. It runs T-SQL text (``on_catalog``): OBJECT_ID gives
     the table's id, SERVERPROPERTY('EngineEdition') Standard's (2)."""
     conn = sqlite3.connect(":memory:")
-    conn.create_function("OBJECT_ID", 1, lambda name: 1)
+    conn.create_function("OBJECT_ID", -1, lambda *name: 1)
     conn.create_function("SERVERPROPERTY", 1, lambda name: 2)
     conn.execute("ATTACH ':memory:' AS sys")
     conn.executescript(
         "CREATE TABLE sys.indexes (object_id, index_id, name, is_unique, type_desc, has_filter, filter_definition, "
-        "is_disabled);"
+        "is_disabled, is_primary_key DEFAULT 0, is_unique_constraint DEFAULT 0);"
         "CREATE TABLE sys.index_columns (object_id, index_id, index_column_id, column_id, key_ordinal, "
         "is_descending_key, is_included_column);"
         "CREATE TABLE sys.columns (object_id, column_id, name);")
-    columns: dict[str, int] = {}
+    columns: dict[str, int] = {"id": 1}
+    conn.execute("INSERT INTO sys.indexes VALUES (1, 1, ?, 1, 'CLUSTERED', 0, NULL, ?, 1, 0)",
+                 [f"pk_{engine.table_name}", primary_key_disabled])
+    conn.execute("INSERT INTO sys.index_columns VALUES (1, 1, 1, 1, 1, 0, 0)")
     for index_id, spec in enumerate(INDEXES, 2):
         filtered = spec.filtered and spec.suffix != unfiltered
         text = "([status]=(0) OR [status]=(1) OR [status]=(3))" if filtered and readable_filters else None
-        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, ?, ?, ?, ?, 0, 0)",
                      [index_id, engine.index_name(spec.suffix), spec.unique, (kinds or {}).get(spec.suffix, "NONCLUSTERED"),
-                      filtered, text, spec.suffix == disabled])
+                      filtered, text, spec.suffix == disabled or primary_key_disabled])
         for n, (column, ordinal) in enumerate([*((k, i) for i, k in enumerate(spec.keys, 1)),
                                                *((c, 0) for c in spec.include)], 1):
             column_id = columns.setdefault(column, len(columns) + 1)
@@ -316,6 +323,9 @@ class CatalogCursor:
     def fetchall(self) -> list:
         return self.rows
 
+    def fetchone(self) -> tuple | None:
+        return self.rows[0] if self.rows else None
+
 
 def test_sql_servers_migrate_rebuilds_or_refuses_every_index_the_check_fails_for_its_kind(
         no_sqlglot_fallbacks: None) -> None:
@@ -367,6 +377,88 @@ def test_sql_servers_disabled_index_fails_the_check_and_is_built_again(no_sqlglo
     (rebuild,) = sql_server_rebuilds(engine, catalog)[probe]
     assert rebuild.startswith(f"EXEC sp_executesql N'CREATE NONCLUSTERED INDEX [{probe}]") and "DROP_EXISTING" in rebuild
     assert not on_catalog(catalog, engine.index_matches(engine.PROBE_INDEX))  # the claim's probe_index: False
+
+
+def test_sql_servers_disabled_clustered_primary_key_is_named_by_the_check_and_rebuilt_by_migrate(
+        no_sqlglot_fallbacks: None) -> None:
+    """A disabled clustered index (the primary key: ``ALTER INDEX pk_outbox ON outbox DISABLE``)
+    makes the table unreadable (error 8655) and disables every other index of it: `outbox check`
+    said "table missing: run `outbox migrate`", and the migration failed on its first read of the
+    table (found in review). The check names the index and the fix from the catalog's rows
+    (``DISABLED_CLUSTERED_SQL``), and the migration rebuilds every index of the table first
+    (``ALTER INDEX ALL ... REBUILD``: the clustered index alone would leave the others disabled;
+    offline, as SQL Server rebuilds a disabled clustered index), its report naming each as it was."""
+    engine = MssqlEngine()
+    table, pk = engine.table, f"pk_{engine.table_name}"
+    parse_one(DISABLED_CLUSTERED_SQL)
+    assert unreadable_problem(table, []) is None
+    line = unreadable_problem(table, [(pk, True)])
+    assert line is not None and line.startswith(
+        f"table {table} cannot be read: its clustered index [{pk}] (its primary key) is disabled"), line
+    assert f"run `outbox migrate`, which rebuilds them all (ALTER INDEX ALL ON {table} REBUILD, offline" in line, line
+    assert "missing" not in line
+    healthy, broken = sql_server_catalog(engine), sql_server_catalog(engine, primary_key_disabled=True)
+    assert engine.unreadable_table(CatalogCursor(healthy)) is None
+    assert engine.unreadable_table(CatalogCursor(broken)) == line
+    # The migration: the rebuild where a clustered index is disabled only, before any step reads the table.
+    steps = engine.migration_steps()
+    (at,) = [i for i, step in enumerate(steps) if not isinstance(step, tuple) and "ALTER INDEX ALL" in "".join(step)]
+    (statement,) = steps[at]
+    parse_one(statement)
+    condition, body = re.fullmatch(r"IF (.*)\nBEGIN\n    (.*);\nEND;", statement, re.S).groups()  # type: ignore[union-attr]
+    assert body == f"EXEC sp_executesql N'ALTER INDEX ALL ON {table} REBUILD'"
+    assert on_catalog(broken, f"SELECT 1 WHERE {condition}") and not on_catalog(healthy, f"SELECT 1 WHERE {condition}")
+    assert not any(f"FROM {table}" in str(step) or f"ALTER TABLE {table}" in str(step) for step in steps[:at])
+    # Its report, read from the catalog (a read of the table would fail): every index rebuilt, as it was.
+    store = OutboxStore("mssql://relay@db/app", engine=engine)
+    before, after = store._schema_state_on(CatalogCursor(broken)), store._schema_state_on(CatalogCursor(healthy))
+    assert before is not None and after is not None
+    assert store.schema_changes(before, after) == [
+        "rebuilt " + ", ".join(f"{name} (was DISABLED)" for name in sorted([pk, *engine.expected_indexes()]))]
+
+
+class PyodbcError(Exception):
+    """Stands in for pyodbc.Error: recognised by its module (``mssql.driver``)."""
+
+
+PyodbcError.__module__ = "pyodbc"
+
+
+def test_sql_servers_unreadable_table_is_said_by_the_check_and_by_every_failing_command() -> None:
+    """`outbox check`'s table line (``check_database``) and the error of enqueue and the claim
+    (``schema_error_hint``) over a table whose clustered index is disabled: they said "table
+    missing" and the driver's error alone (found in review)."""
+    engine = MssqlEngine()
+    pk = f"pk_{engine.table_name}"
+    settings = load_settings(environ={"OUTBOX_DATABASE_URL": "mssql+pyodbc://relay:secret@db.example/app"})
+    conn = RecordingConnection({DISABLED_CLUSTERED_SQL: [(pk, True)]})
+    store = OutboxStore.from_settings(settings)
+    store.engine.connect = lambda url: conn  # type: ignore[method-assign]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(OutboxStore, "from_settings", classmethod(lambda cls, settings=None: store))
+        results = {r.name: r for r in check_database(settings)}
+    assert results["table"].state == FAIL and "indexes" not in results
+    assert results["table"].detail.startswith(f"table {engine.table} cannot be read: its clustered index [{pk}]")
+    # Any other command that failed on it (cli._explain): its probe of the table fails, the catalog says why.
+    class Unreadable(RecordingCursor):
+        def execute(self, sql: str, params: Any = ()) -> RecordingCursor:
+            if sql.startswith("SELECT id FROM"):
+                raise PyodbcError("42000", "The query processor is unable to produce a plan (8655)")
+            return super().execute(sql, params)
+    conn.cursor_class = Unreadable
+    from outbox import cli
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "_opened", [store])
+        assert cli._explain(RuntimeError("the command's own error")) == results["table"].detail
+    error = PyodbcError("42000", "[42000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]The query processor "
+                        f"is unable to produce a plan because the index '{pk}' on table or view '{engine.table_name}' "
+                        "is disabled. (8655) (SQLExecDirectW)")
+    hint = engine.schema_error_hint(error)
+    assert hint is not None and hint.startswith(f"table {engine.table} cannot be read: its clustered index is "
+                                                "disabled") and "run `outbox migrate`" in hint, hint
+    other = PyodbcError("42000", "The query processor is unable to produce a plan because the index 'pk_x' on table or view "
+                        "'another_table' is disabled. (8655)")
+    assert engine.schema_error_hint(other) is None
 
 
 def test_mariadbs_ignored_index_fails_the_check_and_migrate_makes_it_usable(mysql: OutboxStore, tmp_path: Path) -> None:

@@ -131,6 +131,14 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
     try:
         try:
             with store.transaction() as cursor:
+                unreadable = store.engine.unreadable_table(cursor)
+        except Exception:  # the catalog unread: the table's probe below says what it can
+            unreadable = None
+        if unreadable is not None:  # it said "table missing" over SQL Server's disabled clustered index
+            results.append(Result("table", FAIL, unreadable))
+            return results
+        try:
+            with store.transaction() as cursor:
                 store.engine.execute(cursor, f"SELECT {', '.join(CONTRACT_COLUMNS)} FROM {store.engine.table} "
                                      "WHERE 1 = 0")
         except Exception as exc:

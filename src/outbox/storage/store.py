@@ -337,8 +337,7 @@ class OutboxStore:
         e = self.engine
         if not e.table_exists(cursor, e.table):
             return None
-        e.execute(cursor, f"SELECT * FROM {e.table} WHERE 1 = 0")
-        columns = frozenset(str(d[0]).lower() for d in cursor.description)
+        columns = e.table_columns(cursor)
         shapes = index_shapes(e, cursor)
         names = set(shapes)
         if e.table_exists(cursor, e.holders):

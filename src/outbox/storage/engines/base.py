@@ -276,6 +276,19 @@ class Engine(ABC):
             raise
         return True
 
+    def table_columns(self, cursor: Any) -> frozenset[str]:
+        """The names of the table's columns, lower case (``OutboxStore.schema_state``). Here: a
+        read of no row; SQL Server asks its catalog (``MssqlSchema.table_columns``)."""
+        self.execute(cursor, f"SELECT * FROM {self.table} WHERE 1 = 0")
+        return frozenset(str(d[0]).lower() for d in cursor.description)
+
+    def unreadable_table(self, cursor: Any) -> str | None:
+        """Why the table, which exists, cannot be read, with what to do, as `outbox check` says it;
+        None when nothing in the catalog stops a read. Here: nothing does; SQL Server's disabled
+        clustered index does (``MssqlSchema.unreadable_table``; docs/sqlserver.md, "A disabled
+        clustered index")."""
+        return None
+
     def storage_options(self, cursor: Any) -> frozenset[str]:
         """The table's own storage parameters as ``name=value`` (PostgreSQL's reloptions; none
         elsewhere): ``outbox migrate`` names those it set."""

@@ -363,6 +363,22 @@ def is_missing_table(exc: BaseException) -> bool:
     return state == "42S02" or 208 in error_numbers(message)  # Invalid object name
 
 
+#: Error 8655's words: "The query processor is unable to produce a plan because the index '%ls'
+#: on table or view '%ls' is disabled", a read of a table whose clustered index is disabled.
+_DISABLED_CLUSTERED = re.compile(r"unable to produce a plan because the index '[^']*'(?: on table or view '([^']*)')?",
+                                 re.IGNORECASE)
+
+
+def unreadable_table_of(exc: BaseException) -> str | None:
+    """The table named by ``exc`` when it is error 8655 (its clustered index disabled: the table
+    cannot be read), ``""`` when the error does not name it; None for any other error."""
+    _, message = _error_fields(exc)
+    found = _DISABLED_CLUSTERED.search(message)
+    if found is None and 8655 not in error_numbers(message):
+        return None
+    return (found.group(1) or "") if found else ""
+
+
 def is_missing_column(exc: BaseException) -> bool:
     state, message = _error_fields(exc)
     return state == "42S22" or 207 in error_numbers(message)  # Invalid column name

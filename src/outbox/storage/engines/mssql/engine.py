@@ -308,3 +308,13 @@ class MssqlEngine(MssqlStatements):
 
     def is_missing_column(self, exc: BaseException) -> bool:
         return driver.is_missing_column(exc)
+
+    def schema_error_hint(self, exc: BaseException) -> str | None:
+        # Error 8655 on the table: its clustered index is disabled (docs/sqlserver.md, "A disabled
+        # clustered index"); what enqueue and the claim raised was the driver's error alone.
+        table = driver.unreadable_table_of(exc)
+        if table is not None and table.strip("[]").lower() in ("", self.table_name.lower()):
+            return (f"table {self.table} cannot be read: its clustered index is disabled ({type(exc).__name__}: "
+                    f"{' '.join(str(exc).split())}): run `outbox migrate`, which rebuilds it and every index "
+                    "disabled with it (`outbox check` names it)")
+        return super().schema_error_hint(exc)

@@ -150,6 +150,37 @@ def clustered_refusal(index: str, table: str) -> str:
             "clustered (docs/sqlserver.md, \"Indexes, and why\"), then run `outbox migrate`, which makes it nonclustered")
 
 
+#: The table's clustered indexes that are disabled (``ALTER INDEX ... DISABLE``), each as (name,
+#: is it the primary key): one parameter, the qualified table name for ``OBJECT_ID``. Such a table
+#: cannot be read (error 8655), and every other index of it is disabled with it (Microsoft's
+#: "Disable indexes and constraints"): ``MssqlSchema.unreadable_table``.
+DISABLED_CLUSTERED_SQL = ("SELECT name, is_primary_key FROM sys.indexes WHERE object_id = OBJECT_ID(?) "
+                          "AND is_disabled = 1 AND type_desc IN (N'CLUSTERED', N'CLUSTERED COLUMNSTORE')")
+
+
+def rebuild_all_statement(table: str) -> str:
+    """The rebuild that makes a table whose clustered index is disabled readable again: every
+    index of it rebuilt and enabled (``ALTER INDEX ALL``: rebuilding the clustered index alone
+    leaves the nonclustered ones disabled), offline, as SQL Server rebuilds a disabled clustered
+    index (Microsoft's "Enable indexes and constraints"; docs/sqlserver.md, "A disabled clustered
+    index"). Through ``sp_executesql``: sqlglot, which the tests parse every statement with, does
+    not know ``ALTER INDEX``, so they check its text."""
+    return f"EXEC sp_executesql {nstr(f'ALTER INDEX ALL ON {table} REBUILD')}"
+
+
+def unreadable_problem(table: str, rows: list[tuple[Any, ...]]) -> str | None:
+    """What `outbox check` (and a command that failed on the table) says about ``table`` whose
+    disabled clustered indexes are ``rows`` (``DISABLED_CLUSTERED_SQL``'s), or None when there
+    is none: it said "table missing: run `outbox migrate`" (found in review)."""
+    if not rows:
+        return None
+    name, primary = rows[0][0], bool(rows[0][1])
+    return (f"table {table} cannot be read: its clustered index [{name}]{' (its primary key)' if primary else ''} "
+            "is disabled (ALTER INDEX ... DISABLE), and every other index of the table with it; run `outbox "
+            f"migrate`, which rebuilds them all (ALTER INDEX ALL ON {table} REBUILD, offline: a disabled clustered "
+            "index is never rebuilt online; docs/sqlserver.md, \"A disabled clustered index\")")
+
+
 def migration_lock_statements(resource: str, table_literal: str, table: str) -> list[str]:
     """The first batch of a migration: an exclusive ``sp_getapplock`` on ``resource``, so two
     migrations of the same tables (two deploy jobs, workers creating the broker's queue
@@ -234,6 +265,15 @@ class MssqlSchema(Engine):
     def table_exists(self, cursor: Any, table: str) -> bool:
         # A read of a missing table would doom the transaction (XACT_ABORT ON).
         return self.execute(cursor, "SELECT 1 WHERE OBJECT_ID(?, N'U') IS NOT NULL", [table]).fetchone() is not None
+
+    def table_columns(self, cursor: Any) -> frozenset[str]:
+        # From the catalog: a read of a table whose clustered index is disabled fails (error 8655),
+        # and dooms the transaction (XACT_ABORT ON).
+        return frozenset(str(row[0]).lower() for row in self.execute(
+            cursor, "SELECT name FROM sys.columns WHERE object_id = OBJECT_ID(?)", [self.table]).fetchall())
+
+    def unreadable_table(self, cursor: Any) -> str | None:
+        return unreadable_problem(self.table, self.execute(cursor, DISABLED_CLUSTERED_SQL, [self.table]).fetchall())
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         super().__init__(table=table, schema=schema)
@@ -410,6 +450,10 @@ class MssqlSchema(Engine):
             [if_(f"SCHEMA_ID({nstr(schema)}) IS NULL",
                  f"EXEC sp_executesql {nstr('CREATE SCHEMA ' + q(schema))}")],
             [if_(f"OBJECT_ID({table_literal}, N'U') IS NULL", create_table)],
+            # A disabled clustered index makes the table unreadable, and every step below that
+            # reads it fails (error 8655): rebuilt first, with every index disabled with it
+            # (rebuild_all_statement; docs/sqlserver.md, "A disabled clustered index").
+            [if_(f"EXISTS ({DISABLED_CLUSTERED_SQL.replace('?', table_literal)})", rebuild_all_statement(t))],
             # Every column of the contract but the id, repaired on a table an older release or
             # another script made (README, "The table"):
             # the table's types and defaults, NULL allowed where the writer gives the value.
