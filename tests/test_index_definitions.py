@@ -230,7 +230,8 @@ def test_the_catalog_queries_of_postgresql_and_mariadb_run(postgres: OutboxStore
 
 def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool = True, unfiltered: str = "",
                        kinds: dict[str, str] | None = None, disabled: str = "",
-                       primary_key_disabled: bool = False) -> sqlite3.Connection:
+                       primary_key_disabled: bool = False,
+                       constraints: dict[str, str] | None = None) -> sqlite3.Connection:
     """A fake SQL Server catalog (``sys.indexes``, ``sys.index_columns``, ``sys.columns``) in
     SQLite, holding a migrated table's indexes as SQL Server keeps them: each filter's text as
     the catalog writes it, or NULL where the login may not read it (``readable_filters``
@@ -238,7 +239,8 @@ def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool = True, un
     index of suffix ``unfiltered`` made without its filter, those of ``kinds``' suffixes of that
     kind (``type_desc``: CLUSTERED, ...), that of suffix ``disabled`` disabled. Its clustered primary key
     ``pk_<table>`` on id, disabled with ``primary_key_disabled``, and every other index with it, as SQL
-    Server disables them. It runs T-SQL text (``on_catalog``): OBJECT_ID gives
+    Server disables them. Those of ``constraints``' suffixes enforce a constraint of that kind
+    (PRIMARY KEY, UNIQUE: unique, ``is_primary_key``/``is_unique_constraint``). It runs T-SQL text (``on_catalog``): OBJECT_ID gives
     the table's id, SERVERPROPERTY('EngineEdition') Standard's (2)."""
     conn = sqlite3.connect(":memory:")
     conn.create_function("OBJECT_ID", -1, lambda *name: 1)
@@ -257,9 +259,12 @@ def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool = True, un
     for index_id, spec in enumerate(INDEXES, 2):
         filtered = spec.filtered and spec.suffix != unfiltered
         text = "([status]=(0) OR [status]=(1) OR [status]=(3))" if filtered and readable_filters else None
-        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, ?, ?, ?, ?, 0, 0)",
-                     [index_id, engine.index_name(spec.suffix), spec.unique, (kinds or {}).get(spec.suffix, "NONCLUSTERED"),
-                      filtered, text, spec.suffix == disabled or primary_key_disabled])
+        constraint = (constraints or {}).get(spec.suffix)
+        conn.execute("INSERT INTO sys.indexes VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     [index_id, engine.index_name(spec.suffix), spec.unique or constraint is not None,
+                      (kinds or {}).get(spec.suffix, "NONCLUSTERED"), filtered, text,
+                      spec.suffix == disabled or primary_key_disabled, constraint == "PRIMARY KEY",
+                      constraint == "UNIQUE"])
         for n, (column, ordinal) in enumerate([*((k, i) for i, k in enumerate(spec.keys, 1)),
                                                *((c, 0) for c in spec.include)], 1):
             column_id = columns.setdefault(column, len(columns) + 1)
@@ -377,6 +382,47 @@ def test_sql_servers_disabled_index_fails_the_check_and_is_built_again(no_sqlglo
     (rebuild,) = sql_server_rebuilds(engine, catalog)[probe]
     assert rebuild.startswith(f"EXEC sp_executesql N'CREATE NONCLUSTERED INDEX [{probe}]") and "DROP_EXISTING" in rebuild
     assert not on_catalog(catalog, engine.index_matches(engine.PROBE_INDEX))  # the claim's probe_index: False
+
+
+@pytest.mark.parametrize("kind", ["UNIQUE", "PRIMARY KEY"])
+@pytest.mark.parametrize("clustered", [False, True], ids=["nonclustered", "clustered"])
+def test_sql_servers_index_that_enforces_a_constraint_is_refused_naming_it(kind: str, clustered: bool,
+                                                                           no_sqlglot_fallbacks: None) -> None:
+    """An index under one of the migration's names that enforces a constraint (made by another
+    script: ``CONSTRAINT ix_outbox_agg_open UNIQUE (aggregate_id, id)``) and is defined otherwise:
+    SQL Server changes no such index by an index build (``CREATE INDEX ... DROP_EXISTING`` fails on
+    an altered definition, ``DROP INDEX`` is refused, error 3723), so `outbox migrate` failed with
+    SQL Server's error, and a clustered one was told to be dropped with ``DROP INDEX`` (found in
+    review). The migration refuses first, naming the constraint and the fix (drop the constraint,
+    then migrate), and `outbox check`'s line says the same."""
+    engine = MssqlEngine()
+    table, agg = engine.table, engine.index_name("agg_open")
+    catalog = sql_server_catalog(engine, unfiltered="agg_open", constraints={"agg_open": kind},
+                                 kinds={"agg_open": "CLUSTERED"} if clustered else None)
+    assert sql_server_problems(engine, catalog) == [agg]
+    first, *_ = sql_server_rebuilds(engine, catalog)[agg]
+    parse_one(first)
+    assert first.startswith("RAISERROR(N'outbox migrate will not build index %s of %s again itself: it enforces the "
+                            f"{kind} constraint %s, which SQL Server does not let an index build change: drop the "
+                            "constraint first (ALTER TABLE %s DROP CONSTRAINT %s"), first
+    assert first.endswith(f"', 16, 1, N'{agg}', N'{table}', N'[{agg}]', N'{table}', N'[{agg}]')"), first
+    (line,) = index_problems(engine, CatalogCursor(catalog))
+    assert f"(it enforces the {kind} constraint [{agg}], which SQL Server does not let an index build change: drop " \
+           f"the constraint first (ALTER TABLE {table} DROP CONSTRAINT [{agg}], at a quiet moment" in line, line
+    assert "DROP INDEX" not in line
+
+
+def test_sql_servers_disabled_index_that_enforces_a_constraint_is_built_again_keeping_it(
+        no_sqlglot_fallbacks: None) -> None:
+    """A constraint's index defined as the migration defines it but disabled is built again in
+    place (``DROP_EXISTING`` keeps the constraint when the definition is not altered), not refused."""
+    engine = MssqlEngine()
+    name = engine.index_name("message_id")
+    catalog = sql_server_catalog(engine, disabled="message_id", constraints={"message_id": "UNIQUE"})
+    (rebuild,) = sql_server_rebuilds(engine, catalog)[name]
+    assert "DROP_EXISTING" in rebuild and "RAISERROR" not in rebuild
+    (line,) = index_problems(engine, CatalogCursor(catalog))
+    assert line.endswith("NONCLUSTERED DISABLED, not UNIQUE (message_id) USING NONCLUSTERED"), line
 
 
 def test_sql_servers_disabled_clustered_primary_key_is_named_by_the_check_and_rebuilt_by_migrate(

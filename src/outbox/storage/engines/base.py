@@ -309,11 +309,12 @@ class Engine(ABC):
         """Whether the catalog's predicate ``live`` is ``expected`` (``normalize_predicate``)."""
         return normalize_predicate(live or "") == normalize_predicate(expected or "")
 
-    def index_refusal(self, name: str, live: IndexShape) -> str | None:
+    def index_refusal(self, cursor: Any, name: str, live: IndexShape) -> str | None:
         """What to do first about the index ``name``, defined as ``live`` (not as
-        ``expected_indexes`` says), when `outbox migrate` refuses to build it again itself (its
-        migration fails naming it), for `outbox check`'s line (``describe.index_problems``);
-        None when the migration builds it again. Here: it always does."""
+        ``expected_indexes`` says, and not in its state alone), when `outbox migrate` refuses to
+        build it again itself (its migration fails naming it), for `outbox check`'s line
+        (``describe.index_problems``; ``cursor``: the catalog's, where the shape does not say
+        it); None when the migration builds it again. Here: it always does."""
         return None
 
     def usable_again(self, state: str) -> str | None:

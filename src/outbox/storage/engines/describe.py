@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+from dataclasses import replace
 from typing import Any
 
 from ...core.errors import install_hint
@@ -193,7 +194,9 @@ def index_problems(engine: Engine, cursor: Any) -> list[str]:
         if found is None:
             problems.append(f"missing {name}")
         elif not same_shape(engine, found, expected):
-            refusal = engine.index_refusal(name, found)
+            # One that differs in its state alone is made usable, never refused.
+            usable_only = found.state is not None and same_shape(engine, replace(found, state=None), expected)
+            refusal = None if usable_only else engine.index_refusal(cursor, name, found)
             problems.append(f"{name} is {found.text()}, not {expected.text()}" + (f" ({refusal})" if refusal else ""))
     return problems
 

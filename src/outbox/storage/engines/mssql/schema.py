@@ -181,6 +181,26 @@ def unreadable_problem(table: str, rows: list[tuple[Any, ...]]) -> str | None:
             "index is never rebuilt online; docs/sqlserver.md, \"A disabled clustered index\")")
 
 
+#: Whether the index named by the second parameter, of the table named by the first, enforces a
+#: constraint: one row (is_primary_key, is_unique_constraint) when it exists (``index_refusal``).
+INDEX_CONSTRAINT_SQL = ("SELECT is_primary_key, is_unique_constraint FROM sys.indexes "
+                        "WHERE object_id = OBJECT_ID(?) AND name = ?")
+#: The constraints an index may enforce, as ``sys.indexes`` flags them, by the word T-SQL names them with.
+CONSTRAINT_FLAGS = {"PRIMARY KEY": "is_primary_key", "UNIQUE": "is_unique_constraint"}
+
+
+def constraint_refusal(index: str, table: str, kind: str) -> str:
+    """What to do about the index ``index`` of ``table`` that enforces a ``kind`` constraint
+    (``CONSTRAINT_FLAGS``) and is not defined as the migration defines it, which `outbox check`
+    fails and `outbox migrate` refuses: SQL Server changes no such index in place (``CREATE
+    INDEX ... DROP_EXISTING`` fails on an altered definition, ``DROP INDEX`` is refused, error
+    3723), and dropping the constraint is the DBA's call (docs/sqlserver.md, "Indexes, and why")."""
+    return (f"it enforces the {kind} constraint {index}, which SQL Server does not let an index build change: "
+            f"drop the constraint first (ALTER TABLE {table} DROP CONSTRAINT {index}, at a quiet moment: it holds the "
+            "table until its transaction ends, and a FOREIGN KEY that references it must be dropped before it), then run "
+            "`outbox migrate`, which makes it an index as it defines it")
+
+
 def migration_lock_statements(resource: str, table_literal: str, table: str) -> list[str]:
     """The first batch of a migration: an exclusive ``sp_getapplock`` on ``resource``, so two
     migrations of the same tables (two deploy jobs, workers creating the broker's queue
@@ -328,17 +348,22 @@ class MssqlSchema(Engine):
             return normalize_filter(live) in OPEN_ROWS_NORMALIZED
         return super().same_predicate(live, expected)
 
-    def index_refusal(self, name: str, live: IndexShape) -> str | None:
+    def index_refusal(self, cursor: Any, name: str, live: IndexShape) -> str | None:
+        flags = self.execute(cursor, INDEX_CONSTRAINT_SQL, [self.table, name]).fetchone()
+        kinds = [kind for kind, flag in zip(CONSTRAINT_FLAGS, flags or (), strict=False) if flag]
+        if kinds:  # before the clustered one's: DROP INDEX would fail on it (error 3723)
+            return constraint_refusal(self.quote(name), self.table, kinds[0])
         if (live.method or "").upper() in CLUSTERED_KINDS:
             return clustered_refusal(self.quote(name), self.table)
         return None
 
-    def index_matches(self, spec: IndexSpec) -> str:
+    def index_matches(self, spec: IndexSpec, *, enabled: bool = True) -> str:
         """A query returning a row when the index exists with exactly ``spec``'s
         definition: its kind (``INDEX_KIND``), enabled (a disabled index serves no query,
-        and a hint naming it fails), uniqueness, filter, key columns in order (ascending), the
-        included columns, and nothing else; what `outbox check` compares (``describe.same_shape``),
-        in SQL. The rebuild of one that differs (``_rebuild_steps``) enables a disabled one."""
+        and a hint naming it fails; not asked with ``enabled`` False), uniqueness, filter, key
+        columns in order (ascending), the included columns, and nothing else; what `outbox check`
+        compares (``describe.same_shape``), in SQL. The rebuild of one that differs
+        (``_rebuild_steps``) enables a disabled one."""
         t = self._table_literal()
         name = nstr(self.index_name(spec.suffix))
         filter_normalized = filter_sql("i.filter_definition")
@@ -353,7 +378,8 @@ class MssqlSchema(Engine):
                     "ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
                     f"WHERE ic.object_id = i.object_id AND ic.index_id = i.index_id AND {condition})")
 
-        checks = [f"i.type_desc = {nstr(INDEX_KIND)}", "i.is_disabled = 0", f"i.is_unique = {1 if spec.unique else 0}",
+        checks = [f"i.type_desc = {nstr(INDEX_KIND)}", *(["i.is_disabled = 0"] if enabled else []),
+                  f"i.is_unique = {1 if spec.unique else 0}",
                   filter_ok,
                   "(SELECT COUNT(*) FROM sys.index_columns AS n WHERE n.object_id = i.object_id "
                   f"AND n.index_id = i.index_id) = {len(spec.keys) + len(spec.include)}"]
@@ -375,14 +401,23 @@ class MssqlSchema(Engine):
         """The statements that make the index of ``spec``, which exists and is not defined as
         ``spec`` (``index_matches``), what ``spec`` defines, by its kind: built again in place
         (``rebuild_index_statements``) when it is of the migration's (``INDEX_KIND``); refused,
-        naming it, when it is the table's clustered index (``clustered_refusal``); dropped, for
-        the next step to make it, when it is of another nonclustered kind (a columnstore index,
-        which ``DROP_EXISTING`` does not make a rowstore one)."""
+        naming it, when it enforces a constraint and differs in more than being disabled
+        (``constraint_refusal``: SQL Server's own error said it, 1907 or 3723) or is the table's
+        clustered index (``clustered_refusal``); dropped, for the next step to make it, when it is
+        of another nonclustered kind (a columnstore index, which ``DROP_EXISTING`` does not make a
+        rowstore one). A disabled one that is otherwise as defined is built again in place, its
+        constraint kept (Microsoft's CREATE INDEX, "DROP_EXISTING")."""
         index, t = self.quote(self.index_name(spec.suffix)), self.table
         clustered = ", ".join(nstr(kind) for kind in CLUSTERED_KINDS)
         refusal = nstr(f"outbox migrate will not make index %s of %s {INDEX_KIND.lower()} itself: "
                        + clustered_refusal("%s", "%s"))
-        return [if_(self._index_exists(spec.suffix, f"type_desc IN ({clustered})"),
+        otherwise = f"NOT EXISTS ({self.index_matches(spec, enabled=False)})"
+        constraints = [if_(f"{self._index_exists(spec.suffix, f'{flag} = 1')} AND {otherwise}",
+                           f"RAISERROR({nstr('outbox migrate will not build index %s of %s again itself: ' + constraint_refusal('%s', '%s', kind))}, "
+                           f"16, 1, {nstr(self.index_name(spec.suffix))}, {nstr(t)}, {nstr(index)}, {nstr(t)}, {nstr(index)})")
+                       for kind, flag in CONSTRAINT_FLAGS.items()]
+        return [*constraints,
+                if_(self._index_exists(spec.suffix, f"type_desc IN ({clustered})"),
                     f"RAISERROR({refusal}, 16, 1, {nstr(self.index_name(spec.suffix))}, {nstr(t)}, "
                     f"{nstr(index)}, {nstr(t)})"),
                 if_(self._index_exists(spec.suffix, f"type_desc NOT IN ({nstr(INDEX_KIND)}, {clustered})"),
