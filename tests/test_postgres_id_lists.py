@@ -11,28 +11,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from services import POSTGRES_URL, require
+from services import POSTGRES_URL
 
 from outbox import enqueue
 from outbox.storage.store import OutboxStore
 
 psycopg = pytest.importorskip("psycopg")
-
-
-@pytest.fixture
-def store() -> Iterator[OutboxStore]:
-    require("PostgreSQL", "127.0.0.1", 5432)
-    made = OutboxStore(POSTGRES_URL, table=f"id_lists_{uuid.uuid4().hex[:8]}")
-    made.migrate()
-    yield made
-    made.close()
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-        admin.execute(f"DROP TABLE IF EXISTS {made.engine.table}, {made.engine.holders}")
 
 
 def settle_one(store: OutboxStore, how: str) -> None:
@@ -65,6 +53,7 @@ def table_reads(store: OutboxStore, wanted_updates: int) -> tuple[int, int]:
 GROWN = 20_000
 
 
+@pytest.mark.parametrize("kind", ["postgresql"])  # engine_support's store, on PostgreSQL
 @pytest.mark.parametrize("how", ["done", "release"])
 def test_a_settle_started_on_a_small_table_does_not_scan_it_once_it_has_grown(store: OutboxStore, how: str) -> None:
     for _ in range(12):  # prepared after 5 runs; the server's generic plan after 5 more
