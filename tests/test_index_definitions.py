@@ -288,7 +288,9 @@ def sql_server_problems(engine: MssqlEngine, conn: sqlite3.Connection) -> list[s
 
 def sql_server_rebuilds(engine: MssqlEngine, conn: sqlite3.Connection) -> dict[str, list[str]]:
     """What `outbox migrate` runs on the fake catalog for each index, by name: the statements of
-    the step whose probe (``index_matches``) finds no row, those whose ``IF`` holds there."""
+    the step whose probe (``index_matches``) finds no row, those whose ``IF`` holds there: a
+    RAISERROR does not end its batch (Microsoft's SET XACT_ABORT: THROW honors XACT_ABORT,
+    "RAISERROR does not"), so every statement after it whose ``IF`` holds runs too."""
     ran: dict[str, list[str]] = {}
     for step in engine.migration_steps():
         if isinstance(step, tuple) and not on_catalog(conn, step[0][0]):
@@ -400,7 +402,7 @@ def test_sql_servers_index_that_enforces_a_constraint_is_refused_naming_it(kind:
     catalog = sql_server_catalog(engine, unfiltered="agg_open", constraints={"agg_open": kind},
                                  kinds={"agg_open": "CLUSTERED"} if clustered else None)
     assert sql_server_problems(engine, catalog) == [agg]
-    first, *_ = sql_server_rebuilds(engine, catalog)[agg]
+    (first,) = sql_server_rebuilds(engine, catalog)[agg]
     parse_one(first)
     assert first.startswith("RAISERROR(N'outbox migrate will not build index %s of %s again itself: it enforces the "
                             f"{kind} constraint %s, which SQL Server does not let an index build change: drop the "
@@ -410,6 +412,28 @@ def test_sql_servers_index_that_enforces_a_constraint_is_refused_naming_it(kind:
     assert f"(it enforces the {kind} constraint [{agg}], which SQL Server does not let an index build change: drop " \
            f"the constraint first (ALTER TABLE {table} DROP CONSTRAINT [{agg}], at a quiet moment" in line, line
     assert "DROP INDEX" not in line
+
+
+@pytest.mark.parametrize("kind", ["UNIQUE", "PRIMARY KEY"])
+@pytest.mark.parametrize("clustered", [False, True], ids=["nonclustered", "clustered"])
+def test_sql_servers_constraint_refusal_is_the_only_statement_its_batch_runs(kind: str, clustered: bool,
+                                                                             no_sqlglot_fallbacks: None) -> None:
+    """A refusal (``RAISERROR``) does not end its batch, under XACT_ABORT ON either (Microsoft's
+    SET XACT_ABORT: THROW honors it, "RAISERROR does not"), and the guards after the constraint's
+    refusal held too: the same batch went on to the clustered one's refusal, which tells to
+    ``DROP INDEX`` what error 3723 refuses, and, for a nonclustered index, to ``CREATE INDEX ... WITH
+    (DROP_EXISTING = ON)``, which fails with SQL Server's own error (found in review, read against
+    Microsoft's RAISERROR, SET XACT_ABORT and CREATE INDEX). No guard after a refusal holds where
+    it does: the refusal is the one statement its batch runs."""
+    engine = MssqlEngine()
+    agg = engine.index_name("agg_open")
+    catalog = sql_server_catalog(engine, unfiltered="agg_open", constraints={"agg_open": kind},
+                                 kinds={"agg_open": "CLUSTERED"} if clustered else None)
+    (refusal,) = sql_server_rebuilds(engine, catalog)[agg]
+    assert refusal.startswith("RAISERROR(N'outbox migrate will not build index %s of %s again itself: it enforces the "
+                              f"{kind} constraint %s"), refusal
+    for statement in engine._rebuild_steps(engine.PROBE_INDEX):
+        parse_one(statement)
 
 
 def test_sql_servers_disabled_index_that_enforces_a_constraint_is_built_again_keeping_it(

@@ -411,19 +411,25 @@ class MssqlSchema(Engine):
         clustered = ", ".join(nstr(kind) for kind in CLUSTERED_KINDS)
         refusal = nstr(f"outbox migrate will not make index %s of %s {INDEX_KIND.lower()} itself: "
                        + clustered_refusal("%s", "%s"))
-        otherwise = f"NOT EXISTS ({self.index_matches(spec, enabled=False)})"
-        constraints = [if_(f"{self._index_exists(spec.suffix, f'{flag} = 1')} AND {otherwise}",
+        as_defined = f"EXISTS ({self.index_matches(spec, enabled=False)})"
+        constraints = [if_(f"{self._index_exists(spec.suffix, f'{flag} = 1')} AND NOT {as_defined}",
                            f"RAISERROR({nstr('outbox migrate will not build index %s of %s again itself: ' + constraint_refusal('%s', '%s', kind))}, "
                            f"16, 1, {nstr(self.index_name(spec.suffix))}, {nstr(t)}, {nstr(index)}, {nstr(t)}, {nstr(index)})")
                        for kind, flag in CONSTRAINT_FLAGS.items()]
+        # A RAISERROR does not end its batch (under XACT_ABORT ON either: THROW honors it, RAISERROR
+        # does not), so no guard below holds where a refusal's does: after the constraint's
+        # refusal, the clustered one's and the DROP_EXISTING build ran too (found in review). An
+        # index that enforces a constraint is built again only as defined, disabled alone.
+        unconstrained = "is_primary_key = 0 AND is_unique_constraint = 0"
         return [*constraints,
-                if_(self._index_exists(spec.suffix, f"type_desc IN ({clustered})"),
+                if_(self._index_exists(spec.suffix, f"type_desc IN ({clustered}) AND {unconstrained}"),
                     f"RAISERROR({refusal}, 16, 1, {nstr(self.index_name(spec.suffix))}, {nstr(t)}, "
                     f"{nstr(index)}, {nstr(t)})"),
                 if_(self._index_exists(spec.suffix, f"type_desc NOT IN ({nstr(INDEX_KIND)}, {clustered})"),
                     f"DROP INDEX {index} ON {t}"),
-                *rebuild_index_statements(spec, index, t, self._index_exists(spec.suffix,
-                                                                             f"type_desc = {nstr(INDEX_KIND)}"))]
+                *rebuild_index_statements(spec, index, t, f"{self._index_exists(spec.suffix, f'type_desc = {nstr(INDEX_KIND)}')} "
+                                          f"AND NOT ({self._index_exists(spec.suffix, f'NOT ({unconstrained})')} "
+                                          f"AND NOT {as_defined})")]
 
     def _rename_legacy_indexes(self) -> list[Any]:
         """An index an earlier release named in full (``Engine.legacy_name``) takes today's name
