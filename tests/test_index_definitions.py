@@ -251,7 +251,10 @@ def sql_server_catalog(engine: MssqlEngine, *, readable_filters: bool = True, un
         "is_disabled, is_primary_key DEFAULT 0, is_unique_constraint DEFAULT 0);"
         "CREATE TABLE sys.index_columns (object_id, index_id, index_column_id, column_id, key_ordinal, "
         "is_descending_key, is_included_column);"
-        "CREATE TABLE sys.columns (object_id, column_id, name);")
+        "CREATE TABLE sys.columns (object_id, column_id, name);"
+        "CREATE TABLE sys.foreign_keys (name, parent_object_id, referenced_object_id, is_disabled);")
+    conn.create_function("OBJECT_SCHEMA_NAME", 1, lambda object_id: "dbo")
+    conn.create_function("OBJECT_NAME", 1, lambda object_id: engine.table_name if object_id == 1 else f"table_{object_id}")
     columns: dict[str, int] = {"id": 1}
     conn.execute("INSERT INTO sys.indexes VALUES (1, 1, ?, 1, 'CLUSTERED', 0, NULL, ?, 1, 0)",
                  [f"pk_{engine.table_name}", primary_key_disabled])
@@ -485,6 +488,35 @@ def test_sql_servers_disabled_clustered_primary_key_is_named_by_the_check_and_re
     assert before is not None and after is not None
     assert store.schema_changes(before, after) == [
         "rebuilt " + ", ".join(f"{name} (was DISABLED)" for name in sorted([pk, *engine.expected_indexes()]))]
+
+
+def test_sql_servers_unreadable_table_line_names_the_foreign_keys_migrate_leaves_disabled(
+        no_sqlglot_fallbacks: None) -> None:
+    """Disabling a clustered index disables every FOREIGN KEY constraint to and from its table
+    (Microsoft's "Disable indexes and constraints": "all incoming and outgoing FOREIGN KEY
+    constraints"), and rebuilding it enables none of them ("Enable indexes and constraints": they
+    "must be manually enabled", ALTER TABLE ... CHECK CONSTRAINT). The check's line and
+    docs/sqlserver.md said the table's own ones only, which the migration's table has none of: a
+    FOREIGN KEY of another table that references it stayed disabled after `outbox migrate`, unsaid
+    (found in review). The line names each from the catalog, with the statement that enables it."""
+    engine = MssqlEngine()
+    from outbox.storage.engines.mssql.schema import DISABLED_FOREIGN_KEYS_SQL
+    parse_one(DISABLED_FOREIGN_KEYS_SQL)
+    broken = sql_server_catalog(engine, primary_key_disabled=True)
+    broken.execute("INSERT INTO sys.foreign_keys VALUES ('fk_orders_outbox', 2, 1, 1), ('fk_on_purpose', 3, 4, 1), "
+                   "('fk_enabled', 5, 1, 0)")
+    line = engine.unreadable_table(CatalogCursor(broken))
+    assert line is not None and line.startswith(f"table {engine.table} cannot be read"), line
+    assert ("ALTER TABLE [dbo].[table_2] WITH CHECK CHECK CONSTRAINT [fk_orders_outbox]" in line
+            and "fk_on_purpose" not in line and "fk_enabled" not in line), line
+    unseen = unreadable_problem(engine.table, [(f"pk_{engine.table_name}", True)], [])
+    assert unseen is not None and unseen.endswith("FOREIGN KEY constraints to and from the table, which SQL Server "
+                                                  "disabled with it and the migration leaves disabled: none this login "
+                                                  "can see (sys.foreign_keys shows it those of the tables it has a "
+                                                  "permission on)"), unseen
+    healthy = sql_server_catalog(engine)
+    healthy.execute("INSERT INTO sys.foreign_keys VALUES ('fk_orders_outbox', 2, 1, 1)")
+    assert engine.unreadable_table(CatalogCursor(healthy)) is None
 
 
 class PyodbcError(Exception):

@@ -58,6 +58,11 @@ def nstr(text: str) -> str:
     return "N'" + text.replace("'", "''") + "'"
 
 
+def bracket(identifier: str) -> str:
+    """A T-SQL delimited identifier (a ``]`` inside is doubled)."""
+    return "[" + identifier.replace("]", "]]") + "]"
+
+
 def if_(condition: str, statement: str) -> str:
     """``IF ... BEGIN ... END``: the block makes the end of the guarded statement
     explicit for readers and for parsers (sqlglot reads a bare ``IF c SET ...`` wrong)."""
@@ -168,17 +173,35 @@ def rebuild_all_statement(table: str) -> str:
     return f"EXEC sp_executesql {nstr(f'ALTER INDEX ALL ON {table} REBUILD')}"
 
 
-def unreadable_problem(table: str, rows: list[tuple[Any, ...]]) -> str | None:
+#: The disabled FOREIGN KEY constraints to and from a table, each as (schema, table, name) of the
+#: table that has it: two parameters, the qualified table name for ``OBJECT_ID``. Disabling the
+#: clustered index disabled them all, and no index rebuild enables them (Microsoft's "Disable
+#: indexes and constraints", "Enable indexes and constraints"): ``unreadable_problem`` names them.
+DISABLED_FOREIGN_KEYS_SQL = ("SELECT OBJECT_SCHEMA_NAME(parent_object_id), OBJECT_NAME(parent_object_id), name "
+                             "FROM sys.foreign_keys WHERE is_disabled = 1 "
+                             "AND (parent_object_id = OBJECT_ID(?) OR referenced_object_id = OBJECT_ID(?))")
+
+
+def unreadable_problem(table: str, rows: list[tuple[Any, ...]],
+                       foreign_keys: list[tuple[Any, ...]] | None = None) -> str | None:
     """What `outbox check` (and a command that failed on the table) says about ``table`` whose
     disabled clustered indexes are ``rows`` (``DISABLED_CLUSTERED_SQL``'s), or None when there
-    is none: it said "table missing: run `outbox migrate`" (found in review)."""
+    is none: it said "table missing: run `outbox migrate`" (found in review). The disabled FOREIGN
+    KEY constraints to and from it (``DISABLED_FOREIGN_KEYS_SQL``'s: those of the tables the login
+    has a permission on, as SQL Server shows metadata), which the migration leaves disabled, each
+    with the statement that enables it: they went unsaid (found in review)."""
     if not rows:
         return None
     name, primary = rows[0][0], bool(rows[0][1])
-    return (f"table {table} cannot be read: its clustered index [{name}]{' (its primary key)' if primary else ''} "
-            "is disabled (ALTER INDEX ... DISABLE), and every other index of the table with it; run `outbox "
-            f"migrate`, which rebuilds them all (ALTER INDEX ALL ON {table} REBUILD, offline: a disabled clustered "
-            "index is never rebuilt online; docs/sqlserver.md, \"A disabled clustered index\")")
+    enable = "; ".join(f"ALTER TABLE {bracket(str(schema))}.{bracket(str(owner))} WITH CHECK CHECK CONSTRAINT "
+                       f"{bracket(str(fk))}" for schema, owner, fk in foreign_keys or ())
+    return (f"table {table} cannot be read: its clustered index {bracket(str(name))}"
+            f"{' (its primary key)' if primary else ''} is disabled (ALTER INDEX ... DISABLE), and every other index "
+            f"of the table with it; run `outbox migrate`, which rebuilds them all (ALTER INDEX ALL ON {table} REBUILD, "
+            "offline: a disabled clustered index is never rebuilt online; docs/sqlserver.md, \"A disabled clustered "
+            "index\"); then enable the FOREIGN KEY constraints to and from the table, which SQL Server disabled with "
+            "it and the migration leaves disabled: " + (enable or "none this login can see (sys.foreign_keys shows "
+                                                          "it those of the tables it has a permission on)"))
 
 
 #: Whether the index named by the second parameter, of the table named by the first, enforces a
@@ -293,7 +316,11 @@ class MssqlSchema(Engine):
             cursor, "SELECT name FROM sys.columns WHERE object_id = OBJECT_ID(?)", [self.table]).fetchall())
 
     def unreadable_table(self, cursor: Any) -> str | None:
-        return unreadable_problem(self.table, self.execute(cursor, DISABLED_CLUSTERED_SQL, [self.table]).fetchall())
+        rows = self.execute(cursor, DISABLED_CLUSTERED_SQL, [self.table]).fetchall()
+        if not rows:
+            return None
+        return unreadable_problem(self.table, rows, self.execute(cursor, DISABLED_FOREIGN_KEYS_SQL,
+                                                                 [self.table, self.table]).fetchall())
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         super().__init__(table=table, schema=schema)
@@ -326,7 +353,7 @@ class MssqlSchema(Engine):
 
     # -- names and SQL text ------------------------------------------------------
     def quote(self, identifier: str) -> str:
-        return "[" + identifier.replace("]", "]]") + "]"
+        return bracket(identifier)
 
     # -- schema ----------------------------------------------------------------------
     def _table_literal(self) -> str:
