@@ -123,8 +123,14 @@ def test_replay_filters_and_dry_run(spark: Any, store: OutboxStore, url: str,
     out = invoke(["pipeline", "replay", "--from", str(root), "--dry-run"], env)
     assert out.exit_code == 0, out.output
     assert "would replay 36 event(s); nothing was changed" in out.output
-    assert "orders.created: 24" in out.output and "payments.settled: 12" in out.output
-    assert out.output.count("sample: ") == 5
+    assert "  orders.created: 24\n  payments.settled: 12\n" in out.output  # per topic, by topic
+    # the sample: the five lowest archived ids, in order (the source's ids are 1..36, row i
+    # of history() is id i + 1, of aggregate a{i % 6})
+    in_order = [per_aggregate[f"a{i % 6}"][i // 6] for i in range(36)]
+    want = [f"  sample: id={i + 1} {'orders.created' if i % 6 < 4 else 'payments.settled'} "
+            f"{'order' if i % 6 < 4 else 'payment'}/a{i % 6} {in_order[i]} -> {replay_message_id(in_order[i])}"
+            for i in range(5)]
+    assert [line for line in out.output.splitlines() if "sample: " in line] == want
     assert replayed(store) == {}
 
     out = invoke(["pipeline", "replay", "--from", str(root), "--aggregate-type", "order", "--aggregate-id", "a1",

@@ -453,7 +453,10 @@ def run_replay(spark: Any, *, archive: str, target: OutboxStore | None, topic: s
     if deduplicated:
         events = events.cache()
     try:
-        counts = {r["topic"]: int(r["count"]) for r in events.groupBy("topic").count().orderBy("topic").collect()}
+        # Sorted here, not by Spark: a topic's row each, and a sort there is a job of its own.
+        per_topic = sorted(events.groupBy("topic").count().collect(),
+                           key=lambda r: (r["topic"] is not None, r["topic"] or ""))  # as ORDER BY topic
+        counts = {r["topic"]: int(r["count"]) for r in per_topic}
         total = sum(counts.values())
         sample = [{"id": r["id"], "topic": r["topic"], "aggregate": f"{r['aggregate_type']}/{r['aggregate_id']}",
                    "message_id": r["message_id"], "new_message_id": new_message_id(r["message_id"], r["headers"])}
