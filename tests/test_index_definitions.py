@@ -130,6 +130,37 @@ def test_check_compares_postgresqls_predicate_order_and_included_columns(postgre
         assert indexes_line(postgres)[0] == OK
 
 
+@pytest.mark.parametrize("rows", [0, 100], ids=["empty", "rows"])
+@pytest.mark.parametrize(("suffix", "keys"), [
+    ("agg_id_id", 'aggregate_id COLLATE "C", id'),
+    ("agg_id_id", "aggregate_id varchar_pattern_ops, id"),
+    ("claim_ready", "next_retry_at NULLS FIRST, id"),
+    ("claim_ready", "next_retry_at DESC NULLS LAST, id"),
+])
+def test_check_compares_postgresqls_collation_operator_class_and_nulls_order(postgres: OutboxStore, suffix: str,
+                                                                           keys: str, rows: int, tmp_path: Path) -> None:
+    """A key column in another collation, operator class or NULLS order than the migration's
+    (which takes the column's own and the defaults) passed `outbox check` (it read the column's
+    name alone), while `outbox migrate`'s probe, pg_get_indexdef's whole text, built the index
+    again: the two disagreed. Under another collation the claim's head probes (``free``,
+    ``ready``: ``e.aggregate_id = h.aggregate_id``, in the column's collation) cannot use
+    ``agg_id_id`` at all; under NULLS FIRST the window's walk (``ORDER BY next_retry_at, id``)
+    cannot follow ``claim_ready``'s order (docs/operations.md, "Is it set up right? `outbox
+    check`"). The check now names them, as pg_get_indexdef writes them, and the migration's
+    rebuild leaves it ok."""
+    e = postgres.engine
+    name = e.index_name(suffix)
+    where = e.expected_indexes()[name].where
+    raw(postgres, *(f"INSERT INTO {e.table} (message_id, topic, aggregate_type, aggregate_id, payload) "
+                    f"VALUES ('m{n}', 't', 'a', 'x{n % 5}', '{{}}')" for n in range(rows)),
+        f'DROP INDEX "{name}"', f'CREATE INDEX "{name}" ON {e.table} ({keys}) WHERE {where}')
+    line = next(line for line in cli(postgres, "check", tmp_path).splitlines() if line.startswith("[FAIL] indexes"))
+    assert f"{name} is ({keys}) WHERE {where} USING btree, not " in line, line
+    assert f"rebuilt {name}" in cli(postgres, "migrate", tmp_path)
+    assert "[ok  ] indexes" in cli(postgres, "check", tmp_path)
+    assert cli(postgres, "migrate", tmp_path).strip().endswith("nothing to change")
+
+
 def test_check_fails_on_mariadbs_indexes_of_an_earlier_release_until_migrate(mysql: OutboxStore) -> None:
     """claim_ready on (status, id) and agg_id_id on (aggregate_id, id): MariaDB's before the claim
     stopped reading rows that wait for a later time."""

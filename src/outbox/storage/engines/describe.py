@@ -81,7 +81,10 @@ def index_names(engine: Engine, cursor: Any) -> set[str]:
 
 #: Per engine, the catalog's rows of the table's indexes, one per column: (index, unique,
 #: method, predicate, column, position, descending, included, prefix length, state). PostgreSQL's
-#: included columns come after its keys. SQL Server's
+#: included columns come after its keys; its key column is written as its whole index definition
+#: writes it (pg_get_indexdef's column alone gives the name only): a collation other than the
+#: column's, an operator class other than the default, the direction and a NULLS order other than
+#: the direction's (docs/operations.md, "Is it set up right? `outbox check`"). SQL Server's
 #: filter_definition is NULL to a login without VIEW DEFINITION on the table (Microsoft's
 #: sys.indexes reference), which the relay's needs not have: has_filter says there is one. The
 #: state names an index the optimizer passes over (``IndexShape.state``): PostgreSQL's INVALID ones
@@ -91,10 +94,17 @@ def index_names(engine: Engine, cursor: Any) -> set[str]:
 INDEX_COLUMNS_SQL = {
     "postgresql": (
         "SELECT c.relname, i.indisunique, am.amname, pg_get_expr(i.indpred, i.indrelid, true), "
-        "pg_get_indexdef(i.indexrelid, k, true), k, (i.indoption[k - 1] & 1) = 1, k > i.indnkeyatts, NULL, "
-        "CASE WHEN NOT i.indisvalid THEN 'INVALID' END "
+        "pg_get_indexdef(i.indexrelid, k, true) || CASE WHEN k <= i.indnkeyatts THEN "
+        "CASE WHEN i.indcollation[k - 1] NOT IN (0, COALESCE(a.attcollation, 0)) "
+        "THEN ' COLLATE ' || i.indcollation[k - 1]::regcollation ELSE '' END "
+        "|| CASE WHEN NOT o.opcdefault THEN ' ' || quote_ident(o.opcname) ELSE '' END "
+        "|| CASE i.indoption[k - 1] & 3 WHEN 1 THEN ' DESC NULLS LAST' WHEN 2 THEN ' NULLS FIRST' "
+        "WHEN 3 THEN ' DESC' ELSE '' END ELSE '' END, "
+        "k, FALSE, k > i.indnkeyatts, NULL, CASE WHEN NOT i.indisvalid THEN 'INVALID' END "
         "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
-        "CROSS JOIN generate_series(1, i.indnatts) AS k WHERE i.indrelid = to_regclass(?) "
+        "CROSS JOIN generate_series(1, i.indnatts) AS k "
+        "LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k - 1] "
+        "LEFT JOIN pg_opclass o ON o.oid = i.indclass[k - 1] WHERE i.indrelid = to_regclass(?) "
         "ORDER BY c.relname, k"),
     "mysql": (
         "SELECT index_name, non_unique = 0, index_type, NULL, column_name, seq_in_index, collation = 'D', 0, "

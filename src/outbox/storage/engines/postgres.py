@@ -343,7 +343,8 @@ class PostgresEngine(Engine):
         """``pg_get_indexdef``'s text of the index ``suffix`` as ``expected_indexes`` defines it,
         a POSIX regular expression (any name and table): what the migration's probes compare, in
         SQL so that Alembic's offline script (``migration_script``) runs them too. Another method,
-        column order or direction, uniqueness, predicate or included column does not match;
+        column order or direction, collation, operator class, NULLS order, uniqueness, predicate or
+        included column does not match;
         storage parameters (``WITH (fillfactor=70)``, a DBA's ``ALTER INDEX ... SET``) do, as
         `outbox check` (``describe.same_shape``) compares them: the whole text was compared, and
         `outbox migrate` built a tuned index again, CONCURRENTLY on a big table, and dropped
