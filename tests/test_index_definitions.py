@@ -221,6 +221,36 @@ def test_sqlites_partial_indexes_are_told_from_whole_ones(sqlite_store: OutboxSt
     assert state == FAIL and f"{name} is (aggregate_id, id), not (aggregate_id, id) WHERE status IN" in detail, detail
 
 
+def test_check_compares_sqlites_key_collation_and_migrate_builds_it_again(tmp_path: Path) -> None:
+    """An index key in another collation than its column's (``aggregate_id COLLATE NOCASE``)
+    passed `outbox check`, and `outbox migrate` (which asks the check's comparison) kept it,
+    although SQLite's claim lookups (``aggregate_id = ?``, the column's BINARY) cannot use it
+    (docs/operations.md, "Is it set up right? `outbox check`"). A table whose column is declared
+    in that collation keeps it: its index takes the column's, as the migration builds it."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    e = store.engine
+    name = e.index_name("agg_id_id")
+    raw(store, f'DROP INDEX "{name}"', f'CREATE INDEX "{name}" ON outbox (aggregate_id COLLATE NOCASE, id) '
+                                       "WHERE status IN (0, 1, 3)")
+    line = next(line for line in cli(store, "check", tmp_path).splitlines() if line.startswith("[FAIL] indexes"))
+    assert f"{name} is (aggregate_id COLLATE NOCASE, id) WHERE status IN (0, 1, 3), not (aggregate_id, id)" in line, line
+    assert f"repaired (rebuilt {name})" in cli(store, "migrate", tmp_path)
+    assert "[ok  ] indexes" in cli(store, "check", tmp_path)
+    conn = sqlite3.connect(tmp_path / "o.db")
+    try:
+        table = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'outbox'").fetchone()[0]
+        conn.executescript("DROP TABLE outbox; " + table.replace("aggregate_id TEXT NOT NULL",
+                                                                   "aggregate_id TEXT NOT NULL COLLATE NOCASE") + ";")
+    finally:
+        conn.close()
+    assert cli(store, "migrate", tmp_path)
+    assert "[ok  ] indexes" in cli(store, "check", tmp_path)
+    assert cli(store, "migrate", tmp_path).strip().endswith("nothing to change")
+    store.close()
+
+
 def sql_server_rows(engine: MssqlEngine, claim_ready_include: tuple[str, ...]) -> list[tuple]:
     """The rows SQL Server's catalog gives ``INDEX_COLUMNS_SQL['mssql']`` for a migrated table, as
     it writes them (a filter in brackets and ORs), ``claim_ready`` with ``claim_ready_include``."""

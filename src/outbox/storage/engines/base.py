@@ -123,7 +123,8 @@ def derived_name(prefix: str, table: str, suffix: str) -> str:
 class IndexShape:
     """An index's definition as ``outbox check`` compares it (docs/operations.md, "Is it set up
     right? `outbox check`"): its key columns in order (`` DESC`` after a descending one; PostgreSQL's
-    with a collation, operator class and NULLS order other than the defaults), uniqueness, its
+    and SQLite's with a collation other than the column's, PostgreSQL's with an operator class and
+    NULLS order other than the defaults), uniqueness, its
     partial predicate (the engine's text; compared through ``Engine.same_predicate``), its
     included columns, where the engine has several, its access method, and the catalog's word
     for an index the engine keeps but its optimizer passes over (``state``: PostgreSQL's INVALID,

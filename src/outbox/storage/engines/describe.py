@@ -138,6 +138,20 @@ def shapes_of(rows: list[tuple[Any, ...]]) -> dict[str, IndexShape]:
     return shapes
 
 
+def sqlite_key(engine: SqliteEngine, cursor: Any, column: str | None, collation: str) -> str:
+    """An SQLite index's key column as its definition writes it: `` COLLATE`` after one in another
+    collation than the column's own (the table's text names it, else BINARY), which the claim's
+    lookups in the column's cannot use (docs/operations.md, "Is it set up right? `outbox check`")."""
+    if column is None:
+        return "(expression)"
+    row = engine.execute(cursor, f"SELECT sql FROM {engine.master()} WHERE type = 'table' AND name = ?",
+                         [engine.table_name]).fetchone()
+    found = re.search(rf"""[(,]\s*["`\[]?{re.escape(column)}["`\]]?\s[^,]*?\bCOLLATE\s+["'`\[]?(\w+)""",
+                      str(row[0] if row else ""), re.IGNORECASE)
+    declared = found.group(1) if found else "BINARY"
+    return column if collation.upper() == declared.upper() else f"{column} COLLATE {collation}"
+
+
 def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
     """The definitions of the indexes on the engine's table, read from the catalog, by name."""
     table, schema = engine.table_name, engine.schema
@@ -152,8 +166,8 @@ def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
                                      [name]).fetchone()
                 found = re.search(r"\)\s*WHERE\s+(.*?)\s*;?\s*$", str(sql[0] if sql else ""), re.IGNORECASE | re.DOTALL)
                 where = found.group(1) if found else "(unreadable)"
-            rows += [(name, unique, None, where, column if column is not None else "(expression)", seq, desc, 0, None,
-                      None) for seq, _, column, desc, _, key in info if key]
+            rows += [(name, unique, None, where, sqlite_key(engine, cursor, column, collation), seq, desc, 0, None,
+                      None) for seq, _, column, desc, collation, key in info if key]
         return shapes_of(rows)
     sql = INDEX_COLUMNS_SQL[engine.name]
     if engine.name == "postgresql":
