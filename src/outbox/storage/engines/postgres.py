@@ -113,7 +113,10 @@ class PostgresEngine(Engine):
     def execute(self, cursor: Any, text: str, params: Sequence[Any] = ()) -> Any:
         # Planned for its own ids on every call, never from a generic plan the connection
         # cached while the table was small (docs/internals.md, "Statements on rows by id").
-        cursor.execute(self.sql(text), tuple(params), prepare=False if _BY_ID.search(text) else None)
+        if _BY_ID.search(text):
+            cursor.execute(self.sql(text), tuple(params), prepare=False)
+        else:  # as base's: any cursor with DB-API's execute
+            cursor.execute(self.sql(text), tuple(params))
         return cursor
 
     def connect(self, url: str) -> Any:
