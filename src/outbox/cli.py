@@ -64,20 +64,10 @@ def _explain(exc: Exception) -> str | None:
         with store.transaction() as cursor:
             store.engine.execute(cursor, f"SELECT id FROM {store.engine.table} WHERE 1 = 0")
     except Exception:  # noqa: BLE001 - the probe query failing means the table is not there, or cannot be read
-        return _unreadable(store) or store.engine.missing_table_hint()
+        return store.unreadable() or store.engine.missing_table_hint()
     finally:
         store.close()
     return None
-
-
-def _unreadable(store: OutboxStore) -> str | None:
-    """Why the store's table, there, cannot be read (``Engine.unreadable_table``), or None: "table
-    missing" was said over SQL Server's disabled clustered index (found in review)."""
-    try:
-        with store.transaction() as cursor:
-            return store.engine.unreadable_table(cursor)
-    except Exception:  # noqa: BLE001 - the catalog cannot be read either: the table is taken as missing
-        return None
 
 
 def _cannot_connect(error: Exception) -> str:

@@ -129,11 +129,7 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
         return [Result("database", FAIL, f"cannot connect to {where}: {_error(exc)}")]
     results.append(Result.unless_unchecked("database", f"connected to {where}", _database_tls_unchecked(store)))
     try:
-        try:
-            with store.transaction() as cursor:
-                unreadable = store.engine.unreadable_table(cursor)
-        except Exception:  # the catalog unread: the table's probe below says what it can
-            unreadable = None
+        unreadable = store.unreadable()
         if unreadable is not None:  # it said "table missing" over SQL Server's disabled clustered index
             results.append(Result("table", FAIL, unreadable))
             return results

@@ -319,6 +319,16 @@ class OutboxStore:
                                              online=online is not None and building) from exc
             raise
 
+    def unreadable(self) -> str | None:
+        """Why the table, which exists, cannot be read, as `outbox check` and a failed command say
+        it (``Engine.unreadable_table``: SQL Server's disabled clustered index, where "table missing"
+        was said); None when the catalog says nothing stops a read, or cannot be read either."""
+        try:
+            with self.transaction() as cursor:
+                return self.engine.unreadable_table(cursor)
+        except Exception:  # noqa: BLE001 - the caller's own probe of the table says what it can
+            return None
+
     def schema_state(self) -> tuple[frozenset[Any], ...] | None:
         """The table's columns, its index names with the holders table's name when it exists,
         its storage parameters (``name=value``: PostgreSQL's) and its indexes' and constraints'
