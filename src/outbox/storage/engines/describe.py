@@ -139,16 +139,15 @@ def shapes_of(rows: list[tuple[Any, ...]]) -> dict[str, IndexShape]:
     return shapes
 
 
-def sqlite_key(engine: SqliteEngine, cursor: Any, column: str | None, collation: str) -> str:
+def sqlite_key(table_sql: str, column: str | None, collation: str) -> str:
     """An SQLite index's key column as its definition writes it: `` COLLATE`` after one in another
-    collation than the column's own (the table's text names it, else BINARY), which the claim's
-    lookups in the column's cannot use (docs/operations.md, "Is it set up right? `outbox check`")."""
+    collation than the column's own (the table's text, ``table_sql``, names it, else BINARY), which
+    the claim's lookups in the column's cannot use (docs/operations.md, "Is it set up right?
+    `outbox check`")."""
     if column is None:
         return "(expression)"
-    row = engine.execute(cursor, f"SELECT sql FROM {engine.master()} WHERE type = 'table' AND name = ?",
-                         [engine.table_name]).fetchone()
     found = re.search(rf"""[(,]\s*["`\[]?{re.escape(column)}["`\]]?\s[^,]*?\bCOLLATE\s+["'`\[]?(\w+)""",
-                      str(row[0] if row else ""), re.IGNORECASE)
+                      table_sql, re.IGNORECASE)
     declared = found.group(1) if found else "BINARY"
     return column if collation.upper() == declared.upper() else f"{column} COLLATE {collation}"
 
@@ -158,6 +157,9 @@ def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
     table, schema = engine.table_name, engine.schema
     if isinstance(engine, SqliteEngine):
         prefix, rows = engine.schema_prefix(), []
+        made = engine.execute(cursor, f"SELECT sql FROM {engine.master()} WHERE type = 'table' AND name = ?",
+                              [table]).fetchone()
+        table_sql = str(made[0] if made else "")
         for _, name, unique, _, partial in engine.execute(
                 cursor, f"PRAGMA {prefix}index_list({engine.quote(table)})").fetchall():
             info = engine.execute(cursor, f"PRAGMA {prefix}index_xinfo({engine.quote(name)})").fetchall()
@@ -167,7 +169,7 @@ def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
                                      [name]).fetchone()
                 found = re.search(r"\)\s*WHERE\s+(.*?)\s*;?\s*$", str(sql[0] if sql else ""), re.IGNORECASE | re.DOTALL)
                 where = found.group(1) if found else "(unreadable)"
-            rows += [(name, unique, None, where, sqlite_key(engine, cursor, column, collation), seq, desc, 0, None,
+            rows += [(name, unique, None, where, sqlite_key(table_sql, column, collation), seq, desc, 0, None,
                       None) for seq, _, column, desc, collation, key in info if key]
         return shapes_of(rows)
     sql = INDEX_COLUMNS_SQL[engine.name]
