@@ -447,7 +447,7 @@ class MssqlSchema(Engine):
         # does not), so no guard below holds where a refusal's does: after the constraint's
         # refusal, the clustered one's and the DROP_EXISTING build ran too (found in review). An
         # index that enforces a constraint is built again only as defined, disabled alone.
-        unconstrained = "is_primary_key = 0 AND is_unique_constraint = 0"
+        unconstrained = " AND ".join(f"{flag} = 0" for flag in CONSTRAINT_FLAGS.values())
         return [*constraints,
                 if_(self._index_exists(spec.suffix, f"type_desc IN ({clustered}) AND {unconstrained}"),
                     f"RAISERROR({refusal}, 16, 1, {nstr(self.index_name(spec.suffix))}, {nstr(t)}, "
