@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment of the worker (repeatable)")
     p.add_argument("--profile", action="store_true", help="py-spy --idle on the worker during the first wake run")
+    p.add_argument("--profile-cpu", type=Path, metavar="DIR",
+                   help="py-spy on-CPU samples (no --idle) of the worker during the first wake run, raw stacks kept in "
+                        "DIR: where the CPU goes, to compare two trees")
     p.add_argument("--json", type=Path, help="also write every figure to this file")
     p.add_argument("--events", action="store_true", help="with --json: every event's latency and commit time too")
     args = p.parse_args(argv)
@@ -317,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                 listen = kind == "listen"
                 set_listen(listen)
                 spies = None
-                if args.profile and variant not in results:
-                    spies = profiling.start_spies(run, relay.worker_pids(), args.seconds + 2, "live")
+                if (args.profile or args.profile_cpu) and variant not in results:
+                    if args.profile_cpu:
+                        args.profile_cpu.mkdir(parents=True, exist_ok=True)
+                    spies = profiling.start_spies(run, relay.worker_pids(), args.seconds + 2, "live",
+                                                  idle=not args.profile_cpu, out_dir=args.profile_cpu)
                 try:
                     r = run_live(run, destination, kind, args.rate, args.seconds, args.aggregates, args.writers,
                                  cpu_groups=drain.cpu_groups(relay), alive=relay.check_alive,

@@ -119,14 +119,17 @@ def summarize_raw(path: Path, top: int = 15) -> dict[str, Any]:
             "self": [(k, pct(v)) for k, v in leaf.most_common(top)]}
 
 
-def start_spies(run: Run, pids: list[int], duration: float, tag: str) -> list[tuple[int, Path, Any]]:
-    """``py-spy record --idle`` (wall-clock: waits show) on each pid, raw collapsed stacks."""
+def start_spies(run: Run, pids: list[int], duration: float, tag: str, *, idle: bool = True,
+                out_dir: Path | None = None) -> list[tuple[int, Path, Any]]:
+    """``py-spy record`` on each pid, raw collapsed stacks (in ``out_dir``, else the run's
+    workdir): with ``idle``, ``--idle`` (wall-clock: waits show), else on-CPU samples only
+    (where the CPU goes: what ``bench.live --profile-cpu`` compares between two trees)."""
     spies = []
     for pid in pids:
-        out = run.workdir / f"pyspy-{tag}-{pid}.txt"
+        out = (out_dir or run.workdir) / f"pyspy-{tag}-{pid}.txt"
         spies.append((pid, out, subprocess.Popen(
-            [PY_SPY, "record", "--pid", str(pid), "--rate", "200", "--idle", "--nonblocking", "--format", "raw",
-             "--duration", str(max(1, int(duration))), "-o", str(out)],
+            [PY_SPY, "record", "--pid", str(pid), "--rate", "200", *(["--idle"] if idle else []), "--nonblocking",
+             "--format", "raw", "--duration", str(max(1, int(duration))), "-o", str(out)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     time.sleep(0.5)
     return spies

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -79,6 +79,20 @@ def test_header_details() -> None:
     m = make_message(1, headers={"a": 1})
     build_headers(m)["a"] = 2
     assert m.headers == {"a": 1}  # the message's headers are not modified
+
+
+def test_created_at_is_isoformat_text_to_the_millisecond() -> None:
+    """iso_utc formats from the fields (a faster path): the same text as ``isoformat``,
+    milliseconds truncated, not rounded, and a four-digit year below 1000 too."""
+    from outbox.publisher import iso_utc
+
+    for moment in (datetime(2024, 12, 31, 23, 59, 59, 999_999), datetime(5, 1, 2, 3, 4, 5, 6_000),
+                   datetime(2024, 1, 2, 3, 4, 5, 123_456, tzinfo=UTC),
+                   datetime(2024, 1, 1, 0, 30, 0, 1_500, tzinfo=timezone(timedelta(hours=1)))):
+        utc = moment if moment.tzinfo is None else moment.astimezone(UTC).replace(tzinfo=None)
+        assert iso_utc(moment) == utc.isoformat(timespec="milliseconds") + "Z", moment
+    assert iso_utc(datetime(2024, 12, 31, 23, 59, 59, 999_999)) == "2024-12-31T23:59:59.999Z"
+    assert iso_utc(datetime(2024, 1, 1, 0, 30, tzinfo=timezone(timedelta(hours=1)))) == "2023-12-31T23:30:00.000Z"
 
 
 # -- poison checks -----------------------------------------------------------------------------

@@ -23,11 +23,16 @@ UNROUTABLE_DEAD_KEY = "outbox.dead.unroutable"
 # -- message building (pure) ---------------------------------------------------------------
 
 def iso_utc(moment: datetime) -> str:
-    """ISO-8601 in UTC with a ``Z``; naive datetimes are taken to be UTC already (the store's
-    convention)."""
-    if moment.tzinfo is None or moment.tzinfo is UTC:  # the common cases, without converting
-        return moment.replace(tzinfo=None).isoformat(timespec="milliseconds") + "Z"
-    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    """ISO-8601 in UTC to the millisecond with a ``Z`` (``isoformat(timespec="milliseconds")``'s
+    text); naive datetimes are taken to be UTC already (the store's convention). Formatted from
+    the fields: half the time of ``replace`` + ``isoformat``, and every published event's
+    ``created_at`` header goes through here (docs/benchmarks.md, "Issue 24: Kafka")."""
+    if moment.tzinfo is not None and moment.tzinfo is not UTC:
+        moment = moment.astimezone(UTC)
+    # %-formatting: half the time of the same f-string with format specifiers
+    fields = (moment.year, moment.month, moment.day, moment.hour, moment.minute, moment.second,
+              moment.microsecond // 1000)
+    return "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ" % fields  # noqa: UP031
 
 
 def reserved_headers(message: OutboxMessage) -> dict[str, Any]:
