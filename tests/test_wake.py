@@ -13,12 +13,14 @@ only a wake-up (or a notification) can make them claim.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -796,21 +798,59 @@ print(json.dumps({"rounds": rounds, "burst": wait(burst), "count": 15, "caller_i
 """
 
 
+@contextmanager
+def claim_messages_to(queue: str) -> Iterator[list[int]]:
+    """Count the claim messages sent to ``queue`` (Celery's Redis transport: an LPUSH on the
+    queue's list, its name after the transport's key prefix) while the block runs, through Redis's MONITOR; the count is in the list
+    once the block has ended."""
+    import socket
+
+    stop, seen, counted = threading.Event(), bytearray(), [0]
+    sock = socket.create_connection(("127.0.0.1", 6379), timeout=5)
+    sock.sendall(b"MONITOR\r\n")
+    sock.settimeout(0.2)
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                seen.extend(sock.recv(1 << 16))
+            except TimeoutError:
+                continue
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield counted
+    finally:
+        stop.set()
+        reader.join(5)
+        sock.close()
+        # The key carries the transport's key prefix, if any, before the queue's name.
+        counted[0] = len(re.findall(rb'"LPUSH" "[^"]*' + re.escape(queue.encode()) + rb'"', bytes(seen)))
+
+
 @pytest.mark.parametrize("in_process", ["1", "0"], ids=["subscribed", "claim-message"])
 def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, counting_destination: CountingDestination,
                                                             workers: Workers, in_process: str) -> None:
     """No beat and a 30 s token TTL: each commit can only be relayed promptly if its wake
     reaches the worker: through the wake channel its main process subscribes to, or (in-process
     claim off: nobody subscribes) as a claim message whose claim clears the one token as it
-    starts. The writer's thread does no socket I/O: the wake thread does."""
+    starts. The writer's thread does no socket I/O: the wake thread does. Subscribed, the
+    in-process claims of this live traffic (none full) ask for their next claim in the main
+    process itself, so no claim message goes through Celery's broker at all (before, every
+    in-process claim that published sent one: docs/waking-and-metrics.md, "The in-process
+    claim")."""
     db = tmp_path / "outbox.db"
     store = OutboxStore(f"sqlite:///{db}")
     store.migrate()
     env = workers.env(counting_destination, OUTBOX_DATABASE_URL=f"sqlite:///{db}", OUTBOX_RELAY_CLAIM_REQUEST_TTL_S="30",
                       OUTBOX_CLAIM_INTERVAL_S="3600", OUTBOX_RELAY_IN_PROCESS_CLAIM=in_process)
-    workers.start(env, "-c", "2")
-    done = subprocess.run([PYTHON, "-c", WRITER_SCRIPT, str(db)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    log = workers.start(env, "-c", "2")
+    queue = re.search(r"on queues (\S+\.claim),", log.read_text(errors="replace"))
+    assert queue is not None, log.read_text(errors="replace")[-4000:]
+    with claim_messages_to(queue.group(1)) as sent:
+        done = subprocess.run([PYTHON, "-c", WRITER_SCRIPT, str(db)], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     print("commit-to-done seconds:", out)
@@ -821,6 +861,11 @@ def test_post_commit_wake_drives_a_real_worker_without_beat(tmp_path: Path, coun
     while counting_destination.count() < out["count"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert counting_destination.count() == out["count"]
+    print("claim messages sent:", sent)
+    if in_process == "1":  # 5 before (7 December); one allowed for a wake that met no subscriber
+        assert sent[0] <= 1, log.read_text(errors="replace")[-4000:]
+    else:
+        assert sent[0] >= 4  # each solo commit's wake, and the burst's
     store.close()
 
 

@@ -20,6 +20,7 @@ from .worker import (  # noqa: F401
     STOPPING,
     _stopping_marker,
     breaker,
+    claim_runner,
     claiming_in_process,
     close_resources,
     coalescer,
@@ -69,7 +70,8 @@ wake = request_claim
 def claim(requested: bool = False, token: str | None = None) -> dict[str, Any]:
     """Claim a batch and dispatch it as publish tasks (``Relay.claim``: drain slices, drain mode).
     Not in the worker's main process (the in-process claim): a backlog it meets goes to the pool."""
-    return relay().claim(requested, token, in_main=claiming_in_process())
+    in_main = claiming_in_process()
+    return relay().claim(requested, token, in_main=in_main, follow_up=claim_runner.request if in_main else None)
 
 
 @app.task(name=PUBLISH_TASK, base=RelayTask, bind=True, ignore_result=True, acks_late=True, reject_on_worker_lost=False)

@@ -71,6 +71,11 @@ class Drain:
     backlog: Backlog
     queued: Callable[[], int | None] | None = None
     ahead: Ahead | None = None
+    #: The in-process claim's own next run (the Celery worker's main process): asked instead of
+    #: ``request_claim`` after an in-process claim that published and was not full, so live
+    #: traffic's follow-up claim costs no claim message (docs/waking-and-metrics.md, "The
+    #: in-process claim").
+    follow_up: Callable[[], object] | None = None
 
 
 class ClaimAhead:
@@ -203,7 +208,8 @@ def drain_slice(relay: RelayContext, drain: Drain, *, batch_size: int, lease_s: 
             ahead.abandon()
     assert outcome is not None  # the loop ran once at least
     if outcome.inline:
-        after_publish(relay.breaker, drain.request_claim)
+        follow_up = drain.follow_up if in_main and not outcome.more else None
+        after_publish(relay.breaker, follow_up or drain.request_claim)
     elif outcome.more:
         drain.request_claim()
     return outcome

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -162,13 +162,14 @@ class Relay:
     # -- the tasks' bodies -------------------------------------------------------------------
 
     def claim(self, requested: bool = False, token: str | None = None, *, expired: bool = False,
-              late_s: float = 0.0, in_main: bool = False) -> dict[str, Any]:
+              late_s: float = 0.0, in_main: bool = False,
+              follow_up: Callable[[], object] | None = None) -> dict[str, Any]:
         """Claim a batch and dispatch it as publish tasks, in drain slices (``relay.drain``):
         a full claim and every finished publish request the next, coalesced; a claim that finds
         the publish queue full claims nothing; beat's tick is the safety net. ``requested``: it
         held the claim-request token, cleared as it starts; ``expired``: it came too late (by
         ``late_s``) and only clears its token (``late_claims``); ``in_main``: the Celery worker's
-        in-process claim, which has no expiry."""
+        in-process claim, which has no expiry, and ``follow_up`` its own next run (``Drain``)."""
         if requested:
             self.shared().coalescer.clear()
         if token:  # a post-commit wake-up of an earlier version (outbox.wake)
@@ -182,7 +183,7 @@ class Relay:
         if self.stopping():
             return {"stopped": True}
         drain = Drain(self._dispatch, self.publish_here, self.request_claim, self.outage("database"), self.backlog,
-                      self.runner.queued_publish_tasks, self.ahead)
+                      self.runner.queued_publish_tasks, self.ahead, follow_up)
         outcome = drain_slice(self.context(), drain, batch_size=self.settings.batch_size, lease_s=self.lease_s,
                               in_main=in_main, slice_s=DRAIN_SLICE_S)
         if outcome is None:  # the database is down or refusing: the error is in the outage's log lines, once
