@@ -649,6 +649,14 @@ CLAIM_ERRORS = {
     "mssql-python-disabled": "Driver Error: Syntax error or access violation; DDBC Error: [Microsoft][SQL Server]Index "
                              "\"ix_outbox_agg_open\" on table \"dbo.outbox\" (specified in the FROM clause) is disabled "
                              "or resides in a filegroup which is not online.",
+    # Error 8655 when a hint forces a disabled index (Microsoft's upgrade notes), 8622 when a
+    # FORCESEEK finds no enabled index to seek: the claim forgot the index on neither (found in review).
+    "pyodbc-forced": "('42000', \"[42000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]The query processor "
+                     "is unable to produce a plan because the index 'ix_outbox_agg_open' on table or view 'outbox' is "
+                     "disabled. (8655) (SQLExecDirectW)\")",
+    "mssql-python-no-seek": "Driver Error: Syntax error or access violation; DDBC Error: [Microsoft][SQL Server]Query "
+                            "processor could not produce a query plan because of the hints defined in this query. "
+                            "Resubmit the query without specifying any hints and without using SET FORCEPLAN.",
     "deadlock": "('40001', '[40001] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Transaction (Process "
                 "ID 52) was deadlocked on lock resources with another process and has been chosen as the "
                 "deadlock victim. Rerun the transaction. (1205) (SQLExecDirectW)')",
@@ -676,7 +684,8 @@ def test_a_claim_that_finds_the_probes_index_gone_asks_for_it_again_next_time(
     Now the claim that meets error 308 forgets what it knew, and the next claim asks again;
     another error leaves it known. The session is put back either way. An index disabled
     while the relay ran failed every claim the same way (error 315; found in review): the
-    claim forgets it too, and the next asks again (``index_matches`` finds no disabled index)."""
+    claim forgets it too, and the next asks again (``index_matches`` finds no disabled index); so
+    after 8655 (a hint forcing a disabled index) and 8622 (no index left to seek), which it did not."""
     engine = MssqlEngine()
     engine.probe_index, engine.id_collation = True, "Latin1_General_100_CI_AS"
     monkeypatch.setattr(RefusingClaims, "error", CLAIM_ERRORS[driver])

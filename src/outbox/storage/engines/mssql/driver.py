@@ -363,20 +363,46 @@ def is_missing_table(exc: BaseException) -> bool:
     return state == "42S02" or 208 in error_numbers(message)  # Invalid object name
 
 
-#: Error 8655's words: "The query processor is unable to produce a plan because the index '%ls'
-#: on table or view '%ls' is disabled", a read of a table whose clustered index is disabled.
-_DISABLED_CLUSTERED = re.compile(r"unable to produce a plan because the index '[^']*'(?: on table or view '([^']*)')?",
-                                 re.IGNORECASE)
+@dataclass(frozen=True)
+class DisabledIndex:
+    """An error a statement met because an index of a table is disabled (``disabled_index_of``):
+    its number, and the index and the table as the error names them (``""`` where it does not)."""
+
+    number: int
+    index: str = ""
+    table: str = ""
 
 
-def unreadable_table_of(exc: BaseException) -> str | None:
-    """The table named by ``exc`` when it is error 8655 (its clustered index disabled: the table
-    cannot be read), ``""`` when the error does not name it; None for any other error."""
+#: The errors a statement meets on a table one of whose indexes is disabled, by number, with their
+#: words (mssql-python's errors carry no number) and what they name (docs/sqlserver.md, "A disabled
+#: clustered index"): 8655, no plan, the table's clustered index (or an index a hint forces) disabled,
+#: naming both; 315 and 316, an index a hint names (by name, by id) disabled or in a filegroup that is
+#: not online, naming the table as the statement wrote it (``dbo.outbox``); 8622, no plan with the
+#: statement's hints (a FORCESEEK with no enabled index to seek), naming nothing.
+_DISABLED_INDEX_WORDS = {
+    8655: re.compile(r"unable to produce a plan because the index '(?P<index>[^']*)'"
+                     r"(?: on table or view '(?P<table>[^']*)')?", re.IGNORECASE),
+    315: re.compile(r'Index "(?P<index>[^"]*)" on table "(?P<table>[^"]*)" \(specified in the FROM clause\) is '
+                    r'disabled', re.IGNORECASE),
+    316: re.compile(r'index ID (?P<index>\d+) on table "(?P<table>[^"]*)" \(specified in the FROM clause\) is '
+                    r'disabled', re.IGNORECASE),
+    8622: re.compile(r"could not produce a query plan because of the hints defined in this query", re.IGNORECASE),
+}
+
+
+def disabled_index_of(exc: BaseException) -> DisabledIndex | None:
+    """What ``exc`` says when it is one of the errors a statement meets on a table with a disabled
+    index (``_DISABLED_INDEX_WORDS``), else None. By its words where the message is in English, by
+    its number alone otherwise (naming nothing). Only 8655 was read, and the claim, whose hints name
+    indexes, may meet 315 or 8622 instead (found in review)."""
     _, message = _error_fields(exc)
-    found = _DISABLED_CLUSTERED.search(message)
-    if found is None and 8655 not in error_numbers(message):
-        return None
-    return (found.group(1) or "") if found else ""
+    for number, words in _DISABLED_INDEX_WORDS.items():
+        found = words.search(message)
+        if found is not None:
+            named = found.groupdict()
+            return DisabledIndex(number, named.get("index") or "", named.get("table") or "")
+    numbers = error_numbers(message) & _DISABLED_INDEX_WORDS.keys()
+    return DisabledIndex(min(numbers)) if numbers else None
 
 
 def is_missing_column(exc: BaseException) -> bool:

@@ -25,6 +25,7 @@ from .driver import (
 from .schema import (
     DDL_LOCK_TIMEOUT_MS,
     FILTERED_INDEX_OPTIONS,
+    INDEXES,
     lock_holders_sql,
     migration_unlock_statements,
     session_lock_held_sql,
@@ -310,11 +311,42 @@ class MssqlEngine(MssqlStatements):
         return driver.is_missing_column(exc)
 
     def schema_error_hint(self, exc: BaseException) -> str | None:
-        # Error 8655 on the table: its clustered index is disabled (docs/sqlserver.md, "A disabled
-        # clustered index"); what enqueue and the claim raised was the driver's error alone.
-        table = driver.unreadable_table_of(exc)
-        if table is not None and table.strip("[]").lower() in ("", self.table_name.lower()):
-            return (f"table {self.table} cannot be read: its clustered index is disabled ({type(exc).__name__}: "
-                    f"{' '.join(str(exc).split())}): run `outbox migrate`, which rebuilds it and every index "
-                    "disabled with it (`outbox check` names it)")
+        # An index of the table disabled (docs/sqlserver.md, "A disabled clustered index"): what
+        # enqueue and the claim raised was the driver's error alone, and only 8655 was read.
+        found = driver.disabled_index_of(exc)
+        if found is not None and self._names_this_table(found.table):
+            return self.disabled_index_problem(found, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         return super().schema_error_hint(exc)
+
+    def _names_this_table(self, named: str) -> bool:
+        """Whether ``named``, a table as an error names it (``outbox``, ``dbo.outbox``; ``""``: none,
+        the statement's own, which is the table's), is this engine's table."""
+        parts = [part.strip("[]\"").lower() for part in named.split(".")] if named else []
+        if not parts:
+            return True
+        schema = (self.schema or self.default_schema or "dbo").lower()
+        return parts[-1] == self.table_name.lower() and (len(parts) < 2 or parts[-2] == schema)
+
+    def disabled_index_problem(self, found: driver.DisabledIndex, error: str) -> str:
+        """What a statement's error ``found`` (``driver.disabled_index_of``) says about the table, and
+        the fix: each error a disabled index raises, whichever statement meets it (enqueue, the claim
+        whose hints name ``agg_open`` or ask for a seek), gets it; 8655 alone did (found in review)."""
+        own = {self.index_name(spec.suffix).lower() for spec in INDEXES}
+        index = f"[{found.index}]" if found.index else ""
+        if found.number == 8655 and found.index and found.index.lower() not in own:
+            problem = (f"cannot be read: its clustered index {index} is disabled, and every other index of the table "
+                       "with it")
+        elif found.number == 8655:
+            problem = f"has a disabled index{' ' + index if index else ''}, which the statement names in a hint"
+        elif found.number in (315, 316):
+            which = index if found.number == 315 else f"(index id {found.index})" if found.index else ""
+            problem = (f"has an index the statement names in a hint{' ' + which if which else ''} that is disabled, "
+                       "or in a filegroup that is not online (bring its files back online: `outbox migrate` "
+                       "cannot)")
+        else:
+            problem = ("gave no plan for the statement's index hints: an index of the table is disabled, or its id "
+                       "columns are not NVARCHAR (docs/sqlserver.md, \"Collations\")")
+        return (f"table {self.table} {problem} ({error}): run `outbox check`, which names a disabled index of the "
+                "table, and `outbox migrate`, which rebuilds it (every index of the table, offline, when its "
+                "clustered index is disabled, which disables them all: docs/sqlserver.md, \"A disabled clustered "
+                "index\")")

@@ -26,11 +26,13 @@ ID_PARAMS_PER_STATEMENT = 2000
 #: plans per statement kind); docs/sqlserver.md, "Versions and compatibility levels".
 ID_LIST_SIZES = (1, 4, 16, 64, 256, 1024, ID_PARAMS_PER_STATEMENT)
 
-#: Errors 308's and 315's words (mssql-python's errors carry no number): an index that a hint
-#: names is gone, or disabled.
-INDEX_GONE = ("(specified in the FROM clause) does not exist", "(specified in the FROM clause) is disabled")
+#: The words of errors 308, 315, 8655 and 8622 (mssql-python's errors carry no number): an index that
+#: a hint names is gone, or disabled (``driver.disabled_index_of``: 8655 when a hint forces a disabled
+#: index, 8622 when no index is left to seek).
+INDEX_GONE = ("(specified in the FROM clause) does not exist", "(specified in the FROM clause) is disabled",
+              "unable to produce a plan because the index", "could not produce a query plan because of the hints")
 #: Their numbers, in pyodbc's messages.
-INDEX_GONE_ERRORS = frozenset({308, 315})
+INDEX_GONE_ERRORS = frozenset({308, 315, 8655, 8622})
 
 #: A transaction open on the session whatever IMPLICIT_TRANSACTIONS says, @@TRANCOUNT 1
 #: when none was (``savepoint_statements``).
