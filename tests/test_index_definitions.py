@@ -26,6 +26,7 @@ from tsql_support import parse_one
 
 from outbox.commands.doctor import FAIL, OK, check_database
 from outbox.core.config import load_settings
+from outbox.core.errors import StoreError
 from outbox.storage.engines.describe import INDEX_COLUMNS_SQL, index_problems, same_shape, shapes_of
 from outbox.storage.engines.mssql.engine import MssqlEngine
 from outbox.storage.engines.mssql.schema import DISABLED_CLUSTERED_SQL, INDEXES, unreadable_problem
@@ -679,6 +680,95 @@ def test_every_error_a_disabled_index_raises_is_explained_as_8655_is(driver: str
         assert engine.schema_error_hint(error(elsewhere)) is None
     if '"dbo.outbox"' in words and driver != "pyodbc-localized":  # [app].[outbox]'s engine, [dbo].[outbox]'s error
         assert MssqlEngine(schema="app").schema_error_hint(error(words)) is None
+
+
+#: Error 1505 as SQL Server words it for a rebuild of a unique index over rows that share a key.
+DUPLICATE_KEY_1505 = ("The CREATE UNIQUE INDEX statement terminated because a duplicate key was found for the object "
+                      "name 'dbo.outbox' and the index name 'ix_outbox_message_id'. The duplicate key value is (m-1).")
+
+
+def driver_error(driver: str, sqlstate: str, number: int, words: str) -> BaseException:
+    """``words`` (error ``number``) as pyodbc raises it (its number ends the message), as pyodbc
+    raises it in another language (the number alone is read), or as mssql-python does (no number)."""
+    if driver == "mssql-python":
+        mp = pytest.importorskip("mssql_python.exceptions")
+        try:
+            mp.raise_exception(sqlstate, f"[Microsoft][SQL Server]{words}")
+        except mp.Error as raised:
+            return raised
+    shown = "Die Anweisung wurde beendet." if driver == "pyodbc-localized" else words
+    return PyodbcError(sqlstate, f"[{sqlstate}] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]{shown} "
+                                 f"({number}) (SQLExecDirectW)")
+
+
+@pytest.mark.parametrize("driver", ["pyodbc", "pyodbc-localized", "mssql-python"])
+@pytest.mark.parametrize("clustered", [False, True], ids=["index-disabled", "clustered-disabled"])
+def test_sql_servers_migrate_names_the_unique_index_whose_rebuild_meets_duplicates_and_how_to_find_them(
+        no_sqlglot_fallbacks: None, clustered: bool, driver: str) -> None:
+    """A unique index disabled while rows were written (SQL Server neither maintains a disabled index
+    nor enforces its uniqueness) may hold rows that share a key: `outbox migrate`'s rebuild of it
+    (``DROP_EXISTING``, or ``ALTER INDEX ALL ... REBUILD`` under a disabled clustered index) fails
+    with error 1505, and the migration said the driver's error alone (found in review). It names the
+    index, why, the query that finds every duplicate (Microsoft's MSSQLSERVER_1505: the error gives
+    the first only), and, while the clustered index is disabled and the table cannot be read, the
+    rebuild of that index alone first. Another table's 1505 is left as it is."""
+    engine = MssqlEngine()
+    name, pk, table = engine.index_name("message_id"), f"pk_{engine.table_name}", engine.table
+    catalog = sql_server_catalog(engine, disabled="" if clustered else "message_id", primary_key_disabled=clustered)
+    hint = engine.migration_error_hint(CatalogCursor(catalog), driver_error(driver, "23000", 1505, DUPLICATE_KEY_1505))
+    assert hint is not None and hint.startswith(f"outbox migrate cannot rebuild index [{name}] of {table}: it is UNIQUE, "
+                                                "and rows of the table share a key of it (error 1505"), hint
+    assert ("the first found: (m-1)" in hint) is (driver != "pyodbc-localized"), hint
+    assert hint.endswith("then run `outbox migrate` again"), hint
+    first = f"rebuild that index alone first (ALTER INDEX [{pk}] ON {table} REBUILD"
+    assert (first in hint) is clustered, hint
+    found = re.search(r"find them with (SELECT .*?), keep one row of each key", hint)
+    assert found is not None, hint
+    query = found.group(1)
+    parse_one(query)
+    # The query finds every key held twice or more, NULL included, each once, with its lowest and highest id.
+    rows = sqlite3.connect(":memory:")
+    rows.execute("ATTACH ':memory:' AS dbo")
+    rows.execute("CREATE TABLE dbo.outbox (id INTEGER PRIMARY KEY, message_id TEXT)")
+    rows.executemany("INSERT INTO dbo.outbox VALUES (?, ?)",
+                     [(1, "m-1"), (2, "m-2"), (3, "m-1"), (4, None), (5, None), (6, "m-1"), (7, "m-3")])
+    assert rows.execute(query).fetchall() == [(None, 2, 4, 5), ("m-1", 3, 1, 6)]
+    other = DUPLICATE_KEY_1505.replace("'dbo.outbox'", "'dbo.orders'")
+    if driver != "pyodbc-localized":
+        assert engine.migration_error_hint(CatalogCursor(catalog), driver_error(driver, "23000", 1505, other)) is None
+    assert engine.migration_error_hint(CatalogCursor(catalog), PyodbcError("42000", "Incorrect syntax (102)")) is None
+
+
+def test_sql_servers_migrate_raises_the_explanation_of_its_failure_with_the_drivers_error_as_its_cause() -> None:
+    """``apply_migration`` (`outbox migrate`, Django's and Alembic's migrations) asks the engine to
+    explain the error a step failed with (``Engine.migration_error_hint``) and raises that, one line,
+    the driver's error as its cause; a step that fails otherwise raises its own error, as before."""
+    engine = MssqlEngine()
+    duplicate = driver_error("pyodbc", "23000", 1505, DUPLICATE_KEY_1505)
+
+    class Rebuild(RecordingCursor):
+        error: BaseException = duplicate
+
+        def execute(self, sql: str, params: Any = ()) -> RecordingCursor:
+            super().execute(sql, params)
+            if "ALTER INDEX ALL" in sql:
+                raise self.error
+            return self
+
+    conn = RecordingConnection({DISABLED_CLUSTERED_SQL: [(f"pk_{engine.table_name}", True)]})
+    conn.cursor_class = Rebuild
+    store = OutboxStore("mssql+pyodbc://relay:secret@db.example/app", engine=engine)
+    store.engine.connect = lambda url: conn  # type: ignore[method-assign]
+    with pytest.raises(StoreError) as refused:
+        store.migrate()
+    assert str(refused.value).startswith(f"outbox migrate cannot rebuild index [{engine.index_name('message_id')}]")
+    assert refused.value.__cause__ is duplicate
+    assert f"ALTER INDEX [pk_{engine.table_name}] ON {engine.table} REBUILD" in str(refused.value)
+    assert "find them with SELECT [message_id], COUNT(*)" in str(refused.value)  # the engine's own index's key
+    Rebuild.error = other = PyodbcError("42000", "[SQL Server]Something else. (50000) (SQLExecDirectW)")
+    with pytest.raises(PyodbcError) as raised:
+        store.migrate()
+    assert raised.value is other
 
 
 def test_mariadbs_ignored_index_fails_the_check_and_migrate_makes_it_usable(mysql: OutboxStore, tmp_path: Path) -> None:

@@ -103,14 +103,27 @@ def apply_migration(engine: Engine, cursor: Any, *, native_json: bool = False, s
                 engine.execute(cursor, step)
                 if report is not None and index == len(todo) - 1 - int(engine.migration_lock_step):
                     report.after = report.read(cursor)  # before the last step's unlock, if it has one
-    except BaseException:
+    except BaseException as exc:
         try:
             engine.unlock_migration(cursor)
         except Exception:  # the connection may be gone; the original error tells why
             log.debug("outbox: cannot unlock the migration", exc_info=True)
+        hint = _migration_error_hint(engine, cursor, exc) if isinstance(exc, Exception) else None
+        if hint is not None:
+            raise StoreError(hint) from exc
         raise
     engine.unlock_migration(cursor)
     return ran
+
+
+def _migration_error_hint(engine: Engine, cursor: Any, exc: Exception) -> str | None:
+    """``Engine.migration_error_hint``, or None when asking fails: the original error then says
+    what it can."""
+    try:
+        return engine.migration_error_hint(cursor, exc)
+    except Exception:  # explaining must never hide the migration's own error
+        log.debug("outbox: cannot explain the migration's error", exc_info=True)
+        return None
 
 
 def apply_online_migration(engine: Engine, cursor: Any, indexes: list[list[Any]]) -> int:

@@ -291,6 +291,14 @@ class Engine(ABC):
         clustered index")."""
         return None
 
+    def migration_error_hint(self, cursor: Any, exc: BaseException) -> str | None:
+        """What to do about ``exc``, the error a migration step failed with, in the operator's terms
+        (``apply_migration`` raises it as a ``StoreError`` whose cause is ``exc``), read from the error
+        and, through ``cursor``, the catalog; None when the error says it all. Here: None. SQL Server
+        explains a unique index whose rebuild finds duplicate keys (``MssqlSchema.migration_error_hint``;
+        docs/sqlserver.md, "A disabled clustered index")."""
+        return None
+
     def storage_options(self, cursor: Any) -> frozenset[str]:
         """The table's own storage parameters as ``name=value`` (PostgreSQL's reloptions; none
         elsewhere): ``outbox migrate`` names those it set."""

@@ -405,6 +405,34 @@ def disabled_index_of(exc: BaseException) -> DisabledIndex | None:
     return DisabledIndex(min(numbers)) if numbers else None
 
 
+#: Error 1505's words: a unique index built (``CREATE UNIQUE INDEX``, ``ALTER INDEX ... REBUILD``, a
+#: ``DROP_EXISTING`` build) over rows that share a key; SQL Server writes "The CREATE UNIQUE INDEX
+#: statement terminated because a duplicate key was found for the object name '%.*ls' and the index
+#: name '%.*ls'. The duplicate key value is %ls." (Microsoft's MSSQLSERVER_1505 leaves out the "the"s).
+_DUPLICATE_KEY = re.compile(r"CREATE UNIQUE INDEX (?:statement )?terminated because a duplicate key was found for "
+                            r"(?:the )?object name '(?P<table>[^']*)' and (?:the )?index name '(?P<index>[^']*)'\."
+                            r"(?:\s*The duplicate key value is (?P<value>\(.*?\))(?=\.?(?:\s|$)))?", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class DuplicateKey:
+    """Error 1505 (``duplicate_key_of``): the table and the unique index as it names them, and the
+    first duplicate key it found (``""`` where it does not say: a message in another language)."""
+
+    table: str = ""
+    index: str = ""
+    value: str = ""
+
+
+def duplicate_key_of(exc: BaseException) -> DuplicateKey | None:
+    """What ``exc`` says when it is error 1505, else None."""
+    _, message = _error_fields(exc)
+    found = _DUPLICATE_KEY.search(message)
+    if found is not None:
+        return DuplicateKey(found.group("table"), found.group("index"), found.group("value") or "")
+    return DuplicateKey() if 1505 in error_numbers(message) else None
+
+
 def is_missing_column(exc: BaseException) -> bool:
     state, message = _error_fields(exc)
     return state == "42S22" or 207 in error_numbers(message)  # Invalid column name

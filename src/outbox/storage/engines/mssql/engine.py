@@ -314,18 +314,9 @@ class MssqlEngine(MssqlStatements):
         # An index of the table disabled (docs/sqlserver.md, "A disabled clustered index"): what
         # enqueue and the claim raised was the driver's error alone, and only 8655 was read.
         found = driver.disabled_index_of(exc)
-        if found is not None and self._names_this_table(found.table):
+        if found is not None and self.names_table(found.table):
             return self.disabled_index_problem(found, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         return super().schema_error_hint(exc)
-
-    def _names_this_table(self, named: str) -> bool:
-        """Whether ``named``, a table as an error names it (``outbox``, ``dbo.outbox``; ``""``: none,
-        the statement's own, which is the table's), is this engine's table."""
-        parts = [part.strip("[]\"").lower() for part in named.split(".")] if named else []
-        if not parts:
-            return True
-        schema = (self.schema or self.default_schema or "dbo").lower()
-        return parts[-1] == self.table_name.lower() and (len(parts) < 2 or parts[-2] == schema)
 
     def disabled_index_problem(self, found: driver.DisabledIndex, error: str) -> str:
         """What a statement's error ``found`` (``driver.disabled_index_of``) says about the table, and

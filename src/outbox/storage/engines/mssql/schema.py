@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..base import Engine, IndexShape
+from . import driver
 
 #: Exact, case-sensitive comparison for id-like columns (and index seeks on them).
 ID_COLLATION = "Latin1_General_100_BIN2"
@@ -204,6 +205,54 @@ def unreadable_problem(table: str, rows: list[tuple[Any, ...]],
                                                           "it those of the tables it has a permission on)"))
 
 
+#: The key columns of the index named by the second parameter, of the table named by the first, in
+#: key order, each with the index's filter (NULL: none): what a rebuild that met duplicate keys
+#: (error 1505) is told to look for (``duplicate_keys_problem``).
+INDEX_KEYS_SQL = ("SELECT c.name, i.filter_definition FROM sys.indexes AS i "
+                  "INNER JOIN sys.index_columns AS ic ON ic.object_id = i.object_id AND ic.index_id = i.index_id "
+                  "INNER JOIN sys.columns AS c ON c.object_id = ic.object_id AND c.column_id = ic.column_id "
+                  "WHERE i.object_id = OBJECT_ID(?) AND i.name = ? AND ic.key_ordinal > 0 ORDER BY ic.key_ordinal")
+#: The table's disabled unique indexes (one parameter, the qualified table name): which index error
+#: 1505 is about when its words, in another language, are not read.
+#: Not a clustered one: no row is written while it is disabled, so none can share its key.
+DISABLED_UNIQUE_SQL = ("SELECT name FROM sys.indexes WHERE object_id = OBJECT_ID(?) AND is_unique = 1 "
+                       "AND is_disabled = 1 AND type_desc = N'NONCLUSTERED' ORDER BY index_id")
+
+
+def duplicate_keys_sql(table: str, keys: list[str], filter_definition: str | None = None) -> str:
+    """The rows of ``table`` that share a key of a unique index on ``keys`` (over the rows its
+    ``filter_definition`` keeps), one row per key: the key, how many rows hold it, the lowest and
+    the highest id. NULLs are one key to a unique index and to GROUP BY alike (Microsoft's
+    MSSQLSERVER_1505, which finds "all duplicate rows" with GROUP BY and HAVING)."""
+    columns = ", ".join(bracket(key) for key in keys)
+    where = f" WHERE {filter_definition}" if filter_definition else ""
+    return (f"SELECT {columns}, COUNT(*) AS copies, MIN(id) AS first_id, MAX(id) AS last_id FROM {table}{where} "
+            f"GROUP BY {columns} HAVING COUNT(*) > 1 ORDER BY {columns}")
+
+
+def duplicate_keys_problem(table: str, index: str, value: str, keys: list[str], filter_definition: str | None,
+                           clustered: str | None, own: bool) -> str:
+    """What `outbox migrate` says when its rebuild of the unique index ``index`` of ``table`` found
+    rows that share a key (error 1505: the first such key, ``value``): which index, why, and how to
+    find them (``duplicate_keys_sql`` on ``keys``). With the table's clustered index ``clustered``
+    disabled the table cannot be read, and the rebuild of that index alone comes first. It said the
+    driver's error alone (found in review; docs/sqlserver.md, "A disabled clustered index")."""
+    first = f"; the first found: {value}" if value else ""
+    find = (f"find them with {duplicate_keys_sql(table, keys, filter_definition)}" if keys else
+            "find the rows that share a key of the index (GROUP BY its key columns HAVING COUNT(*) > 1)")
+    readable = (f"the table cannot be read while its clustered index {bracket(clustered)} is disabled: rebuild that "
+                f"index alone first (ALTER INDEX {bracket(clustered)} ON {table} REBUILD, offline; the table's other "
+                "indexes stay disabled), then " if clustered else "")
+    again = ("run `outbox migrate` again" if own else
+             f"run `outbox migrate` again and rebuild this index, which is not one of its own (ALTER INDEX "
+             f"{bracket(index)} ON {table} REBUILD)")
+    return (f"outbox migrate cannot rebuild index {bracket(index)} of {table}: it is UNIQUE, and rows of the table share "
+            f"a key of it (error 1505{first}), written while nothing enforced that key: while the index was disabled "
+            "(SQL Server neither maintains a disabled index nor enforces its uniqueness), or not unique. To fix it: "
+            f"{readable}{find}, keep one row of each key (delete the "
+            f"others, or give them a key of their own), then {again}")
+
+
 #: Whether the index named by the second parameter, of the table named by the first, enforces a
 #: constraint: one row (is_primary_key, is_unique_constraint) when it exists (``index_refusal``).
 INDEX_CONSTRAINT_SQL = ("SELECT is_primary_key, is_unique_constraint FROM sys.indexes "
@@ -321,6 +370,29 @@ class MssqlSchema(Engine):
             return None
         return unreadable_problem(self.table, rows, self.execute(cursor, DISABLED_FOREIGN_KEYS_SQL,
                                                                  [self.table, self.table]).fetchall())
+
+    def names_table(self, named: str) -> bool:
+        """Whether ``named``, a table as an error names it (``outbox``, ``dbo.outbox``; ``""``: none,
+        the failed statement's own, which is this table), is this table."""
+        parts = [part.strip('[]"').lower() for part in named.split(".")] if named else []
+        if not parts:
+            return True
+        return parts[-1] == self.table_name.lower() and (len(parts) < 2 or parts[-2] == (self.schema or "dbo").lower())
+
+    def migration_error_hint(self, cursor: Any, exc: BaseException) -> str | None:
+        duplicate = driver.duplicate_key_of(exc)
+        if duplicate is None or not self.names_table(duplicate.table):
+            return None
+        index = duplicate.index
+        if not index:  # its words in another language: the catalog's disabled unique index, else the one
+            row = self.execute(cursor, DISABLED_UNIQUE_SQL, [self.table]).fetchone()  # the migration builds
+            index = str(row[0]) if row else next(self.index_name(spec.suffix) for spec in INDEXES if spec.unique)
+        rows = self.execute(cursor, INDEX_KEYS_SQL, [self.table, index]).fetchall()
+        own = {self.index_name(spec.suffix): spec for spec in INDEXES}
+        keys = [str(row[0]) for row in rows] or list(own[index].keys if index in own else ())
+        clustered = self.execute(cursor, DISABLED_CLUSTERED_SQL, [self.table]).fetchone()
+        return duplicate_keys_problem(self.table, index, duplicate.value, keys, rows[0][1] if rows else None,
+                                      str(clustered[0]) if clustered else None, index in own)
 
     def __init__(self, table: str = "outbox", schema: str | None = None) -> None:
         super().__init__(table=table, schema=schema)
