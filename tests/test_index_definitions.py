@@ -771,6 +771,60 @@ def test_sql_servers_migrate_raises_the_explanation_of_its_failure_with_the_driv
     assert raised.value is other
 
 
+#: What a migration step meets where the database, or a filegroup the table or an index of it is on,
+#: is read-only or offline, as Microsoft's list of the Database Engine's errors words each: (number,
+#: SQLSTATE, words, offline, the statement or query the explanation gives).
+STORAGE_REFUSALS = [
+    (3906, "25000", 'Failed to update database "app" because the database is read-only.', False,
+     "ALTER DATABASE [app] SET READ_WRITE"),
+    (1924, "42000", "Filegroup 'archive' is read-only.", False,
+     "ALTER DATABASE CURRENT MODIFY FILEGROUP [archive] READ_WRITE"),
+    (652, "HY000", 'The index "ix_outbox_message_id" for table "dbo.outbox" (RowsetId 72057594043432960) resides on a '
+                   'read-only filegroup ("archive"), which cannot be modified.', False,
+     "ALTER DATABASE CURRENT MODIFY FILEGROUP [archive] READ_WRITE"),
+    (1931, "42000", "The SQL statement cannot be executed because filegroup 'archive' is offline. Use the "
+                    "sys.database_files or sys.master_files catalog view to determine the state of the files in this "
+                    "filegroup and then restore the offline file(s) from backup.", True,
+     "SELECT f.name, f.physical_name, f.state_desc FROM sys.database_files AS f INNER JOIN sys.filegroups AS g ON "
+     "g.data_space_id = f.data_space_id WHERE g.name = N'archive'"),
+    (8653, "42000", "The query processor is unable to produce a plan for the table or view 'outbox' because the table "
+                    "resides in a filegroup which is not online.", True, ""),
+]
+
+
+@pytest.mark.parametrize("driver", ["pyodbc", "pyodbc-localized", "mssql-python"])
+@pytest.mark.parametrize(("number", "sqlstate", "words", "offline", "statement"), STORAGE_REFUSALS,
+                         ids=[str(case[0]) for case in STORAGE_REFUSALS])
+def test_sql_servers_migrate_says_a_read_only_or_offline_database_or_filegroup_stops_it(
+        no_sqlglot_fallbacks: None, driver: str, number: int, sqlstate: str, words: str, offline: bool,
+        statement: str) -> None:
+    """``ALTER INDEX ALL ... REBUILD`` (a disabled clustered index), and any step that writes, fails
+    where the database or a filegroup the table or an index of it is on is read-only or offline (SQL
+    Server builds or enables an index only where every filegroup it is on is online: Microsoft's
+    "Index operations with offline filegroups"), and `outbox migrate` said the driver's error alone
+    (found in review). It names which, by the error's number, and what to do. ALTER DATABASE, which
+    sqlglot does not read, is checked by its text; the query of a filegroup's files is parsed."""
+    engine = MssqlEngine()
+    catalog = sql_server_catalog(engine, primary_key_disabled=True)
+    hint = engine.migration_error_hint(CatalogCursor(catalog), driver_error(driver, sqlstate, number, words))
+    assert hint is not None and hint.startswith(f"outbox migrate cannot change table {engine.table}: "), hint
+    assert f"(error {number}" in hint and hint.count("then run `outbox migrate` again") + hint.count(
+        "run `outbox migrate` again, then") == 1, hint
+    assert ("is offline" in hint) is offline and ("is read-only" in hint) is (not offline), hint
+    named = driver != "pyodbc-localized"
+    if named and statement:
+        assert statement in hint, hint
+        if statement.startswith("SELECT"):
+            parse_one(statement)
+    if named and number in (3906, 1924, 652, 1931):
+        assert "[archive]" in hint or "[app]" in hint, hint
+    if not named:
+        assert "[archive]" not in hint and "[app]" not in hint, hint
+    if named and number in (652, 8653):  # they name the table: another's is not this migration's
+        other = words.replace('"dbo.outbox"', '"dbo.orders"').replace("'outbox'", "'orders'")
+        assert engine.migration_error_hint(CatalogCursor(catalog), driver_error(driver, sqlstate, number, other)) is None
+
+
 def test_mariadbs_ignored_index_fails_the_check_and_migrate_makes_it_usable(mysql: OutboxStore, tmp_path: Path) -> None:
     """MariaDB's IGNORED index (10.6+: ``ALTER TABLE ... ALTER INDEX ... IGNORED``) is one the
     optimizer treats as absent, and a hint naming it fails: every claim failed with error 1176 (its

@@ -295,8 +295,9 @@ class Engine(ABC):
         """What to do about ``exc``, the error a migration step failed with, in the operator's terms
         (``apply_migration`` raises it as a ``StoreError`` whose cause is ``exc``), read from the error
         and, through ``cursor``, the catalog; None when the error says it all. Here: None. SQL Server
-        explains a unique index whose rebuild finds duplicate keys (``MssqlSchema.migration_error_hint``;
-        docs/sqlserver.md, "A disabled clustered index")."""
+        explains a unique index whose rebuild finds duplicate keys, and a read-only or offline database
+        or filegroup (``MssqlSchema.migration_error_hint``; docs/sqlserver.md, "A disabled clustered
+        index")."""
         return None
 
     def storage_options(self, cursor: Any) -> frozenset[str]:

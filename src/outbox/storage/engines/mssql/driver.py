@@ -433,6 +433,47 @@ def duplicate_key_of(exc: BaseException) -> DuplicateKey | None:
     return DuplicateKey() if 1505 in error_numbers(message) else None
 
 
+@dataclass(frozen=True)
+class StorageRefusal:
+    """An error a write met because where it writes is read-only or offline (``storage_refusal_of``):
+    its number, the database or filegroup it names and the table (``""`` where it names none)."""
+
+    number: int
+    name: str = ""
+    table: str = ""
+
+
+#: The errors a write (an index rebuild, any step of a migration) meets where the database or a
+#: filegroup the table or an index of it is on is read-only or offline, with their words, from
+#: Microsoft's list of the Database Engine's errors: 3906 the database is read-only (a readable
+#: secondary replica too), 1924 and 652 a read-only filegroup (the second naming the index, the
+#: table and the filegroup), 1931 an offline filegroup, 8653 a table on a filegroup not online.
+_STORAGE_REFUSAL_WORDS = {
+    3906: re.compile(r'Failed to update database "(?P<name>[^"]*)" because the database is read-only', re.IGNORECASE),
+    1924: re.compile(r"Filegroup '(?P<name>[^']*)' is read-only", re.IGNORECASE),
+    652: re.compile(r'for table "(?P<table>[^"]*)" \(RowsetId \d+\) resides on a read-only filegroup '
+                    r'\("(?P<name>[^"]*)"\)', re.IGNORECASE),
+    1931: re.compile(r"cannot be executed because filegroup '(?P<name>[^']*)' is offline", re.IGNORECASE),
+    8653: re.compile(r"unable to produce a plan for the table or view '(?P<table>[^']*)' because the table resides "
+                     r"in a filegroup which is not online", re.IGNORECASE),
+}
+#: Those whose filegroup is offline (the rest: read-only).
+OFFLINE_ERRORS = frozenset({1931, 8653})
+
+
+def storage_refusal_of(exc: BaseException) -> StorageRefusal | None:
+    """What ``exc`` says when it is one of ``_STORAGE_REFUSAL_WORDS``' errors, else None: by its
+    words, or by its number alone (naming nothing) in another language."""
+    _, message = _error_fields(exc)
+    for number, words in _STORAGE_REFUSAL_WORDS.items():
+        found = words.search(message)
+        if found is not None:
+            named = found.groupdict()
+            return StorageRefusal(number, named.get("name") or "", named.get("table") or "")
+    numbers = error_numbers(message) & _STORAGE_REFUSAL_WORDS.keys()
+    return StorageRefusal(min(numbers)) if numbers else None
+
+
 def is_missing_column(exc: BaseException) -> bool:
     state, message = _error_fields(exc)
     return state == "42S22" or 207 in error_numbers(message)  # Invalid column name

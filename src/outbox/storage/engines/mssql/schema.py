@@ -253,6 +253,41 @@ def duplicate_keys_problem(table: str, index: str, value: str, keys: list[str], 
             f"others, or give them a key of their own), then {again}")
 
 
+def storage_problem(table: str, refusal: driver.StorageRefusal) -> str:
+    """What `outbox migrate` says when a step failed because the database, or a filegroup the table or
+    an index of it is on, is read-only or offline (``driver.storage_refusal_of``): which, and what to
+    do. SQL Server builds, rebuilds or enables an index only where every filegroup it is on is online,
+    and changes nothing in a read-only database or filegroup (docs/sqlserver.md, "A disabled clustered
+    index"); the migration said the driver's error alone."""
+    error = f"error {refusal.number}"
+    if refusal.number == 3906:
+        database = bracket(refusal.name) if refusal.name else "CURRENT"
+        where = f"database {bracket(refusal.name)}" if refusal.name else "the database"
+        return (f"outbox migrate cannot change table {table}: {where} is read-only ({error}; so is a readable "
+                "secondary replica of an availability group, and a connection made with ApplicationIntent=ReadOnly). "
+                f"Make it writable (ALTER DATABASE {database} SET READ_WRITE, which needs the database to itself) or "
+                "run it against the primary replica, then run `outbox migrate` again")
+    filegroup = f"filegroup {bracket(refusal.name)}" if refusal.name else "a filegroup"
+    if refusal.number in driver.OFFLINE_ERRORS:
+        files = (f" ({files_of_filegroup_sql(refusal.name)} shows its files' state)" if refusal.name else
+                 " (sys.database_files shows each file's state)")
+        return (f"outbox migrate cannot change table {table}: {filegroup}, which holds the table or one of its "
+                f"indexes, is offline ({error}), and SQL Server builds or enables an index only where every "
+                f"filegroup it is on is online. Bring its files back online{files}: an offline file is restored "
+                "from a backup; then run `outbox migrate` again")
+    name = bracket(refusal.name) if refusal.name else "<the filegroup>"
+    return (f"outbox migrate cannot change table {table}: {filegroup}, which holds the table or one of its indexes, "
+            f"is read-only ({error}). Make it writable (ALTER DATABASE CURRENT MODIFY FILEGROUP {name} READ_WRITE, "
+            "which needs the database to itself), run `outbox migrate` again, then make it read-only again if it was "
+            "so on purpose")
+
+
+def files_of_filegroup_sql(filegroup: str) -> str:
+    """The files of ``filegroup`` of the current database, each with its state (ONLINE, OFFLINE, ...)."""
+    return ("SELECT f.name, f.physical_name, f.state_desc FROM sys.database_files AS f INNER JOIN sys.filegroups AS g "
+            f"ON g.data_space_id = f.data_space_id WHERE g.name = {nstr(filegroup)}")
+
+
 #: Whether the index named by the second parameter, of the table named by the first, enforces a
 #: constraint: one row (is_primary_key, is_unique_constraint) when it exists (``index_refusal``).
 INDEX_CONSTRAINT_SQL = ("SELECT is_primary_key, is_unique_constraint FROM sys.indexes "
@@ -380,6 +415,9 @@ class MssqlSchema(Engine):
         return parts[-1] == self.table_name.lower() and (len(parts) < 2 or parts[-2] == (self.schema or "dbo").lower())
 
     def migration_error_hint(self, cursor: Any, exc: BaseException) -> str | None:
+        refusal = driver.storage_refusal_of(exc)
+        if refusal is not None and self.names_table(refusal.table):
+            return storage_problem(self.table, refusal)
         duplicate = driver.duplicate_key_of(exc)
         if duplicate is None or not self.names_table(duplicate.table):
             return None
