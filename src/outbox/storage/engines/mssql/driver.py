@@ -395,14 +395,24 @@ def disabled_index_of(exc: BaseException) -> DisabledIndex | None:
     index (``_DISABLED_INDEX_WORDS``), else None. By its words where the message is in English, by
     its number alone otherwise (naming nothing). Only 8655 was read, and the claim, whose hints name
     indexes, may meet 315 or 8622 instead (found in review)."""
+    known = _known_error(exc, _DISABLED_INDEX_WORDS)
+    if known is None:
+        return None
+    number, named = known
+    return DisabledIndex(number, named.get("index", ""), named.get("table", ""))
+
+
+def _known_error(exc: BaseException, errors: dict[int, re.Pattern[str]]) -> tuple[int, dict[str, str]] | None:
+    """Which of ``errors`` (number: its words) ``exc`` is, with what its words name (their named
+    groups; none matched leave no key): by its words, or by its number alone (naming nothing) where
+    the message is in another language; None when it is none of them."""
     _, message = _error_fields(exc)
-    for number, words in _DISABLED_INDEX_WORDS.items():
+    for number, words in errors.items():
         found = words.search(message)
         if found is not None:
-            named = found.groupdict()
-            return DisabledIndex(number, named.get("index") or "", named.get("table") or "")
-    numbers = error_numbers(message) & _DISABLED_INDEX_WORDS.keys()
-    return DisabledIndex(min(numbers)) if numbers else None
+            return number, {name: value for name, value in found.groupdict().items() if value}
+    numbers = error_numbers(message) & errors.keys()
+    return (min(numbers), {}) if numbers else None
 
 
 #: Error 1505's words: a unique index built (``CREATE UNIQUE INDEX``, ``ALTER INDEX ... REBUILD``, a
@@ -464,14 +474,11 @@ OFFLINE_ERRORS = frozenset({1931, 8653})
 def storage_refusal_of(exc: BaseException) -> StorageRefusal | None:
     """What ``exc`` says when it is one of ``_STORAGE_REFUSAL_WORDS``' errors, else None: by its
     words, or by its number alone (naming nothing) in another language."""
-    _, message = _error_fields(exc)
-    for number, words in _STORAGE_REFUSAL_WORDS.items():
-        found = words.search(message)
-        if found is not None:
-            named = found.groupdict()
-            return StorageRefusal(number, named.get("name") or "", named.get("table") or "")
-    numbers = error_numbers(message) & _STORAGE_REFUSAL_WORDS.keys()
-    return StorageRefusal(min(numbers)) if numbers else None
+    known = _known_error(exc, _STORAGE_REFUSAL_WORDS)
+    if known is None:
+        return None
+    number, named = known
+    return StorageRefusal(number, named.get("name", ""), named.get("table", ""))
 
 
 def is_missing_column(exc: BaseException) -> bool:
