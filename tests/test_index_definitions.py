@@ -189,6 +189,44 @@ def test_mariadbs_migrate_report_names_the_indexes_it_rebuilt(mysql: OutboxStore
     assert cli(mysql, "migrate", tmp_path).strip().endswith("nothing to change")
 
 
+def test_check_fails_on_a_mariadb_column_compared_case_insensitively_and_names_the_statement(
+        mysql: OutboxStore, tmp_path: Path) -> None:
+    """message_id and aggregate_id altered by hand to utf8mb4_general_ci: the enqueue of 'ABC'
+    after 'abc' was taken for a duplicate and dropped (the same id handed back), and `outbox
+    check` said ok (found in review). It fails naming each column, its collation and the
+    migration's, and the statement that converts them, online (docs/operations.md, "Is it set up
+    right? `outbox check`"); after it the two ids are two events."""
+    from outbox import enqueue
+
+    e = mysql.engine
+    raw(mysql, f"ALTER TABLE {e.table} MODIFY message_id VARCHAR(64) CHARACTER SET utf8mb4 COLLATE "
+               "utf8mb4_general_ci NOT NULL, MODIFY aggregate_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE "
+               "utf8mb4_general_ci NULL")
+
+    def enqueued(message_id: str) -> int:
+        conn = e.connect(mysql.url)
+        try:
+            made = enqueue(conn, topic="t", aggregate_type="o", aggregate_id=message_id, message_id=message_id,
+                           payload={}, table=e.table_name)
+            conn.commit()
+            return made
+        finally:
+            conn.close()
+
+    assert enqueued("abc") == enqueued("ABC")  # the second event dropped as a duplicate of the first
+    line = next(line for line in cli(mysql, "check", tmp_path).splitlines() if line.startswith("[FAIL] table"))
+    assert ("columns message_id in utf8mb4_general_ci, aggregate_id in utf8mb4_general_ci, not utf8mb4_bin"
+            in line), line
+    statement = (f"ALTER TABLE {e.table} MODIFY `message_id` varchar(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin "
+                 "NOT NULL, MODIFY `aggregate_id` varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL, "
+                 "ALGORITHM=INPLACE, LOCK=NONE")
+    assert statement in line, line
+    assert "[ok  ] indexes" in cli(mysql, "check", tmp_path)  # the rest of the report goes on
+    raw(mysql, statement)
+    assert "[ok  ] table" in cli(mysql, "check", tmp_path)
+    assert enqueued("ABC") != enqueued("abc")
+
+
 def test_sqlites_migrate_report_names_the_index_it_rebuilt(sqlite_store: OutboxStore, tmp_path: Path) -> None:
     store = sqlite_store
     name = store.engine.index_name("claim_ready")

@@ -9,7 +9,8 @@ skipped when an earlier one it depends on failed:
    the database broker, Kafka); an OUTBOX_* variable nothing reads is a warning; metrics asked
    for (OUTBOX_RELAY_METRICS_PORT) and prometheus_client missing, a warning;
 2. database: a connection opens (a missing driver names the extra to install);
-3. table: exists with every column of the contract; indexes: the ones ``outbox migrate``
+3. table: exists with every column of the contract (on MySQL/MariaDB the columns the relay
+   compares in a binary collation); indexes: the ones ``outbox migrate``
    creates are all there, each defined as it defines them (keys in order, uniqueness, partial
    predicate, included columns), not only named so; holders: the worker processes' liveness table is there (a
    warning when not: lost workers are then noticed only when their lease expires);
@@ -56,6 +57,7 @@ from ..core.names import is_redis_url
 from ..core.redact import redact
 from ..core.tls import AMQP_PLAIN_SCHEMES, AMQP_TLS_SCHEMES, kombu_connection
 from ..storage.engines.describe import (
+    column_problem,
     describe_database,
     expected_index_names,
     index_problems,
@@ -144,9 +146,11 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
             results.append(Result("table", FAIL, f"{store.engine.table}: {what}: run `outbox migrate` "
                                   f"({_error(exc)})"))
             return results
-        results.append(Result("table", OK, f"{store.engine.table} has every column of the contract"))
         with store.transaction() as cursor:
+            wrong = column_problem(store.engine, cursor)
             problems = index_problems(store.engine, cursor)
+        results.append(Result("table", FAIL, f"{store.engine.table}: {wrong}") if wrong else
+                       Result("table", OK, f"{store.engine.table} has every column of the contract"))
         if problems:
             # Compared by definition, not by name (docs/operations.md, "Is it set up right? `outbox check`").
             results.append(Result("indexes", FAIL, f"{'; '.join(problems)}: run `outbox migrate`, which builds "

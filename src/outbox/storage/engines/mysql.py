@@ -49,6 +49,11 @@ _ASTRAL = re.compile("[\U00010000-\U0010FFFF]")
 USABLE_AGAIN = {"IGNORED": "NOT IGNORED", "INVISIBLE": "VISIBLE"}
 #: The text columns' character set and collation, as the table's (``migration``).
 _BIN = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+#: The text columns the relay's SQL compares (a unique index, WHERE, GROUP BY): the enqueue's
+#: idempotency key, the chains' key, the topic filters, the fences' token. In a case-insensitive
+#: collation message id 'ABC' after 'abc' was a duplicate and dropped (``MysqlEngine.collation_problem``;
+#: docs/operations.md, "Is it set up right? `outbox check`").
+EXACT_COLUMNS = ("message_id", "topic", "aggregate_id", "lease_token")
 
 
 def _is_mysqldb(conn: Any) -> bool:
@@ -468,6 +473,32 @@ class MysqlEngine(Engine):
             steps.append((IndexDiffers(name), f"ALTER TABLE {t} DROP INDEX {q(name)}, ADD {kind} {q(name)} ({columns})"))
             steps.append((index_exists(name), f"CREATE {kind} {q(name)} ON {t} ({columns})"))
         return steps + self.holders_migration()
+
+    def collation_problem(self, cursor: Any) -> str | None:
+        """Which of ``EXACT_COLUMNS`` are in another collation than a binary one of utf8mb4 (the
+        migration's ``utf8mb4_bin``; a table made or altered by hand, a server's default), with the
+        statement that converts them, online where the server can (ALGORITHM=INPLACE, LOCK=NONE:
+        one refused says so instead of copying the table under a lock); None when all are right.
+        `outbox migrate` does not run it (docs/operations.md, "Is it set up right? `outbox check`")."""
+        schema = "?" if self.schema else "DATABASE()"
+        rows = self.execute(cursor, "SELECT column_name, collation_name, column_type, is_nullable FROM "
+                            f"information_schema.columns WHERE table_schema = {schema} AND table_name = ?",
+                            [*([self.schema] if self.schema else []), self.table_name]).fetchall()
+        wrong = {str(name).lower(): (str(collation), str(kind), nullable == "YES")
+                 for name, collation, kind, nullable in rows
+                 if str(name).lower() in EXACT_COLUMNS and collation is not None
+                 and not (str(collation).lower().startswith("utf8mb4_") and str(collation).lower().endswith("_bin"))}
+        if not wrong:
+            return None
+        named = [column for column in EXACT_COLUMNS if column in wrong]
+        listed = ", ".join(f"{column} in {wrong[column][0]}" for column in named)
+        modify = ", ".join(f"MODIFY {self.quote(column)} {wrong[column][1]} {_BIN} {'NULL' if wrong[column][2] else 'NOT NULL'}"
+                           for column in named)
+        return (f"{'columns' if len(named) > 1 else 'column'} {listed}, not utf8mb4_bin: values that differ only in case (or accents) compare equal: the "
+                "enqueue of message id 'ABC' after 'abc' is taken for a duplicate and its event dropped; "
+                f"`outbox migrate` does not convert it: run ALTER TABLE {self.table} {modify}, "
+                "ALGORITHM=INPLACE, LOCK=NONE (refused where it would copy the table under a lock: then at a quiet "
+                "moment without that clause; docs/operations.md, \"Is it set up right? `outbox check`\")")
 
     def holders_migration(self) -> list[Any]:
         return [f"CREATE TABLE IF NOT EXISTS {self.holders} ({self.holders_columns()}) "
