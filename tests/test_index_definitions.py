@@ -290,6 +290,65 @@ def test_check_compares_sqlites_key_collation_and_migrate_builds_it_again(tmp_pa
     store.close()
 
 
+@pytest.mark.parametrize("declared", [
+    # The column is BINARY; a COLLATE inside its CHECK was read as the column's.
+    "aggregate_id TEXT NOT NULL CHECK (aggregate_id <> '' COLLATE NOCASE)",
+    # The column is NOCASE; the comma inside its DEFAULT stopped the read before its COLLATE.
+    "aggregate_id TEXT NOT NULL DEFAULT (substr('ab', 1, 1)) COLLATE NOCASE",
+    # A quoted name holding a comma and the column's name, the column itself BINARY.
+    "\"x, aggregate_id\" TEXT NULL COLLATE NOCASE, aggregate_id TEXT NOT NULL",
+    # A comment: the column is BINARY.
+    "aggregate_id TEXT NOT NULL -- not COLLATE NOCASE, once\n",
+])
+def test_sqlites_column_collation_is_read_from_the_columns_own_definition(tmp_path: Path, declared: str) -> None:
+    """The column's collation was read from the table's text up to the next comma after its name
+    (a regular expression): a COLLATE in its CHECK, a comment or another column's quoted name was
+    taken for its own, and a comma in its DEFAULT hid it. The migration's own index on it then
+    failed `outbox check` and was built again by every `outbox migrate` (found in review). The
+    text is read token by token now (``describe.sqlite_column_collations``)."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    conn = sqlite3.connect(tmp_path / "o.db")
+    try:
+        table = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'outbox'").fetchone()[0]
+        assert "aggregate_id TEXT NOT NULL," in table
+        conn.executescript("DROP TABLE outbox; " + table.replace("aggregate_id TEXT NOT NULL,", declared + ",") + ";")
+    finally:
+        conn.close()
+    cli(store, "migrate", tmp_path)
+    assert "[ok  ] indexes" in cli(store, "check", tmp_path)
+    assert cli(store, "migrate", tmp_path).strip().endswith("nothing to change")
+    store.close()
+
+
+@pytest.mark.parametrize("columns", [
+    "a TEXT COLLATE NOCASE COLLATE RTRIM, b TEXT CONSTRAINT named COLLATE \"nocase\", [c d] TEXT COLLATE [RTRIM]",
+    "a TEXT DEFAULT (substr('x,(y', 1, 1)) COLLATE NOCASE, b TEXT CHECK (b <> ')' COLLATE NOCASE), c TEXT",
+    "\"a, b\" TEXT COLLATE RTRIM, b TEXT /* COLLATE NOCASE, */ NOT NULL, `c``d` TEXT COLLATE NOCASE",
+    "a TEXT, b TEXT AS (a || ',' COLLATE NOCASE), c INTEGER, CONSTRAINT k CHECK (c > 0), UNIQUE (a COLLATE NOCASE)",
+])
+def test_sqlites_column_collations_read_as_sqlite_reads_them(columns: str) -> None:
+    """``sqlite_column_collations`` against SQLite's own answer: the collation of an index made on
+    each column without one of its own (``PRAGMA index_xinfo``)."""
+    from outbox.storage.engines.describe import sqlite_column_collations
+
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.execute(f'CREATE TABLE "t(" ({columns})')
+        table = conn.execute("SELECT sql FROM sqlite_master WHERE name = 't('").fetchone()[0]
+        names = [row[1] for row in conn.execute("PRAGMA table_xinfo(\"t(\")")]
+        expected = {}
+        for n, name in enumerate(names):
+            quoted = '"' + name.replace('"', '""') + '"'
+            conn.execute(f'CREATE INDEX i{n} ON "t(" ({quoted})')
+            expected[name.lower()] = conn.execute(f"PRAGMA index_xinfo(i{n})").fetchone()[4]
+        assert {k: v.upper() for k, v in sqlite_column_collations(table).items()} == \
+            {k: v.upper() for k, v in expected.items()}, table
+    finally:
+        conn.close()
+
+
 def sql_server_rows(engine: MssqlEngine, claim_ready_include: tuple[str, ...]) -> list[tuple]:
     """The rows SQL Server's catalog gives ``INDEX_COLUMNS_SQL['mssql']`` for a migrated table, as
     it writes them (a filter in brackets and ORs), ``claim_ready`` with ``claim_ready_include``."""

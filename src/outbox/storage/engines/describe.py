@@ -139,16 +139,70 @@ def shapes_of(rows: list[tuple[Any, ...]]) -> dict[str, IndexShape]:
     return shapes
 
 
-def sqlite_key(table_sql: str, column: str | None, collation: str) -> str:
+#: SQLite's tokens as its tokenizer reads a statement: blanks and comments, string literals,
+#: quoted identifiers (its four quotings), words, any other character alone.
+_SQLITE_TOKEN = re.compile(r"""(?P<blank>\s+|--[^\n]*|/\*.*?(?:\*/|$))|(?P<string>'(?:[^']|'')*'?)
+    |(?P<quoted>"(?:[^"]|"")*"?|`(?:[^`]|``)*`?|\[[^\]]*\]?)|(?P<word>[\w$]+)|(?P<other>.)""",
+                           re.VERBOSE | re.DOTALL)
+#: A table constraint's first word, where a column's name would be (a column so named is quoted).
+_TABLE_CONSTRAINTS = {"CONSTRAINT", "PRIMARY", "UNIQUE", "CHECK", "FOREIGN"}
+
+
+def _sqlite_name(token: str) -> str:
+    """An identifier or collation name as SQLite reads it: its quotes, if any, taken off."""
+    if token[:1] == "[":
+        return token[1:-1]
+    if token[:1] in "\"`'":
+        return token[1:-1].replace(token[0] * 2, token[0])
+    return token
+
+
+def sqlite_column_collations(table_sql: str) -> dict[str, str]:
+    """Each column's declared collation, by its name in lower case, read from the table's CREATE
+    text (``sqlite_master.sql``), BINARY where it declares none. SQLite has no pragma that says
+    it: the text is read token by token, and a column's COLLATE is one outside any parenthesis
+    of its definition, its last one as SQLite takes it. It was read up to the next comma after
+    the column's name, which a COLLATE in a CHECK, a comment or another column's quoted name
+    fooled, and a comma in a DEFAULT hid (docs/operations.md, "Is it set up right? `outbox check`")."""
+    tokens = [(found.lastgroup, found.group()) for found in _SQLITE_TOKEN.finditer(table_sql)
+              if found.lastgroup != "blank"]
+    definitions: list[list[tuple[str | None, str]]] = []
+    depth = 0
+    for kind, text in tokens:
+        if kind == "other" and text == "(":
+            depth += 1
+            if depth == 1:
+                definitions.append([])
+                continue
+        elif kind == "other" and text == ")":
+            depth -= 1
+            if depth == 0:
+                break
+        elif kind == "other" and text == "," and depth == 1:
+            definitions.append([])
+            continue
+        if depth >= 1:
+            definitions[-1].append((kind if depth == 1 else None, text))  # None: inside a parenthesis
+    collations = {}
+    for definition in definitions:
+        if not definition or (definition[0][0] == "word" and definition[0][1].upper() in _TABLE_CONSTRAINTS):
+            continue
+        collation = "BINARY"
+        for (kind, text), (after, name) in zip(definition, definition[1:], strict=False):
+            if kind == "word" and text.upper() == "COLLATE" and after is not None:
+                collation = _sqlite_name(name)
+        collations[_sqlite_name(definition[0][1]).lower()] = collation
+    return collations
+
+
+def sqlite_key(collations: dict[str, str], column: str | None, collation: str) -> str:
     """An SQLite index's key column as its definition writes it: `` COLLATE`` after one in another
-    collation than the column's own (the table's text, ``table_sql``, names it, else BINARY), which
-    the claim's lookups in the column's cannot use (docs/operations.md, "Is it set up right?
+    collation than the column's own (``collations``: ``sqlite_column_collations``), which the
+    claim's lookups in the column's cannot use (docs/operations.md, "Is it set up right?
     `outbox check`")."""
     if column is None:
         return "(expression)"
-    found = re.search(rf"""[(,]\s*["`\[]?{re.escape(column)}["`\]]?\s[^,]*?\bCOLLATE\s+["'`\[]?(\w+)""",
-                      table_sql, re.IGNORECASE)
-    declared = found.group(1) if found else "BINARY"
+    declared = collations.get(column.lower(), "BINARY")
     return column if collation.upper() == declared.upper() else f"{column} COLLATE {collation}"
 
 
@@ -159,7 +213,7 @@ def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
         prefix, rows = engine.schema_prefix(), []
         made = engine.execute(cursor, f"SELECT sql FROM {engine.master()} WHERE type = 'table' AND name = ?",
                               [table]).fetchone()
-        table_sql = str(made[0] if made else "")
+        collations = sqlite_column_collations(str(made[0] if made else ""))
         for _, name, unique, _, partial in engine.execute(
                 cursor, f"PRAGMA {prefix}index_list({engine.quote(table)})").fetchall():
             info = engine.execute(cursor, f"PRAGMA {prefix}index_xinfo({engine.quote(name)})").fetchall()
@@ -169,7 +223,7 @@ def index_shapes(engine: Engine, cursor: Any) -> dict[str, IndexShape]:
                                      [name]).fetchone()
                 found = re.search(r"\)\s*WHERE\s+(.*?)\s*;?\s*$", str(sql[0] if sql else ""), re.IGNORECASE | re.DOTALL)
                 where = found.group(1) if found else "(unreadable)"
-            rows += [(name, unique, None, where, sqlite_key(table_sql, column, collation), seq, desc, 0, None,
+            rows += [(name, unique, None, where, sqlite_key(collations, column, collation), seq, desc, 0, None,
                       None) for seq, _, column, desc, collation, key in info if key]
         return shapes_of(rows)
     sql = INDEX_COLUMNS_SQL[engine.name]
@@ -241,4 +295,4 @@ def expected_index_names(engine: Engine) -> set[str]:
 
 
 __all__ = ["column_problem", "describe_database", "missing_driver_hint", "driver_problem", "index_names", "expected_index_names",
-           "index_shapes", "index_differs", "index_problems", "shapes_of", "same_shape", "INDEX_COLUMNS_SQL", "DRIVER_EXTRAS"]
+           "index_shapes", "index_differs", "sqlite_column_collations", "index_problems", "shapes_of", "same_shape", "INDEX_COLUMNS_SQL", "DRIVER_EXTRAS"]
