@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 from app_support import renamed, schema_of
-from services import AMQP_URL, REQUIRE, ROOT, require
+from services import AMQP_URL, REDIS_URL, REQUIRE, ROOT, require
+from wake_support import drop_redis_keys, redis_prefix
 
 from outbox.storage.store import OutboxStore
 
@@ -55,14 +56,23 @@ def outbox_url(database: dict[str, str]) -> str:
 
 
 @pytest.mark.parametrize("database", ["sqlite", "postgresql", "mysql"], indirect=True)
-def test_djangos_test_runner_creates_the_table_and_the_app_works(database: dict[str, str]) -> None:
+def test_djangos_test_runner_creates_the_table_and_the_app_works(database: dict[str, str], tmp_path: Path) -> None:
     """On SQLite the run includes the admin in a real browser (orders/tests_browser.py:
     headless Chromium); on PostgreSQL and MariaDB/MySQL the app's tests without the browser.
     MariaDB/MySQL through Django's MySQL backend on mysqlclient, its default driver: the app's
     migrations (0001 to 0004), orders and their events in ``atomic``, a rolled-back order, the
-    admin's requeue on Django's connection."""
+    admin's requeue on Django's connection.
+
+    A ``TransactionTestCase`` commits, and the commit wakes the relay on Celery's broker: on
+    PostgreSQL and MariaDB/MySQL the default one, Redis's db 0, where each run left a claim
+    request and kombu's bindings of the test database's claim queue (docs/django.md, "Tests of
+    your project"). The wake-up goes to the suite's Redis under a key prefix of this test's own,
+    deleted afterwards."""
     labels = ["orders"] if database["kind"] == "sqlite" else ["orders.tests"]
-    out = ok(manage("test", *labels, "--noinput", "-v", "2", env=env_of(database)))
+    if database["kind"] == "sqlite":  # Celery's broker is memory://: wake-ups stay in the process
+        out = ok(manage("test", *labels, "--noinput", "-v", "2", env=env_of(database)))
+    else:
+        out = run_waking_the_suites_redis(labels, database, tmp_path)
     assert "Applying outbox.0001_initial... OK" in out
     assert "OK" in out.splitlines()[-2:] or "\nOK" in out
     if database["kind"] == "sqlite":
@@ -71,6 +81,34 @@ def test_djangos_test_runner_creates_the_table_and_the_app_works(database: dict[
             assert "skipped" not in out, out
     else:
         assert "Ran 8 tests" in out, out
+
+
+def run_waking_the_suites_redis(labels: list[str], database: dict[str, str], tmp_path: Path) -> str:
+    """``manage.py test`` with the suite's Redis as Celery's broker, its keys under a prefix of
+    this test's own (tests/wake_support.py's ``wakeconf``); checks the commit's wake-up landed
+    there, then deletes them and the claim-request token."""
+    import redis
+
+    from outbox.core.config import load_settings
+    from outbox.relay.waker import token_for
+
+    require("Redis", "127.0.0.1", 6379)
+    prefix = redis_prefix(tmp_path)
+    # The relay's outbox in the test run: the test database's (the namespace derives from it).
+    test_database = database["DATABASE_URL"].rsplit("/", 1)[0] + "/" + database["DJANGO_TEST_DATABASE_NAME"]
+    settings = load_settings(environ={"OUTBOX_DATABASE_URL": test_database})
+    env = env_of(database, OUTBOX_CELERY_BROKER_URL=REDIS_URL, CELERY_CONFIG_MODULE="wakeconf",
+                 PYTHONPATH=pythonpath(tmp_path, EXAMPLE))
+    try:
+        out = ok(manage("test", *labels, "--noinput", "-v", "2", env=env))
+        client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        try:
+            assert client.llen(prefix + settings.queues.claim) >= 1, sorted(client.scan_iter(match=f"{prefix}*"))
+        finally:
+            client.close()
+        return out
+    finally:
+        drop_redis_keys(prefix, token_for(REDIS_URL, prefix, settings.outbox_namespace))
 
 
 def test_management_commands_say_usage_errors_in_one_line_and_take_dash_h(tmp_path: Path) -> None:
