@@ -127,15 +127,27 @@ def test_a_worker_on_a_server_database_without_a_destination_says_its_events_go_
     """OUTBOX_PUBLISH_URL unset is memory://: on PostgreSQL the worker marked every event done
     and sent it nowhere, without a word (found in review). The embedded default stays quiet
     (``test_a_worker_on_the_embedded_default_logs_no_warning_at_start_up``)."""
+    from wake_support import drop_redis_keys, redis_prefix
+
+    from outbox.core.config import load_settings
+    from outbox.relay.waker import token_for
+
     require("PostgreSQL", "127.0.0.1", 5432)
     require("Redis", "127.0.0.1", 6379)
+    # Celery's broker: the suite's Redis under a key prefix of this test's own (wakeconf.py),
+    # deleted afterwards. Unprefixed, the worker's queues left kombu's bindings of them there.
+    prefix = redis_prefix(tmp_path)
     env = {"OUTBOX_DATABASE_URL": POSTGRES_URL, "OUTBOX_TABLE": f"outbox_t{uuid.uuid4().hex[:10]}",
-           "OUTBOX_CELERY_BROKER_URL": REDIS_URL}
-    log = first_lines_of_a_worker(tmp_path, tmp_path, **env)
-    said = [line for line in log.splitlines() if "OUTBOX_PUBLISH_URL is memory://" in line]
-    assert len(said) == 1 and "WARNING/" in said[0] and "reaches no broker" in said[0], log
-    log = first_lines_of_a_worker(tmp_path, tmp_path, **env, OUTBOX_PUBLISH_URL=AMQP_URL)
-    assert "OUTBOX_PUBLISH_URL is memory://" not in log, log
+           "OUTBOX_CELERY_BROKER_URL": REDIS_URL, "CELERY_CONFIG_MODULE": "wakeconf",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    try:
+        log = first_lines_of_a_worker(tmp_path, tmp_path, **env)
+        said = [line for line in log.splitlines() if "OUTBOX_PUBLISH_URL is memory://" in line]
+        assert len(said) == 1 and "WARNING/" in said[0] and "reaches no broker" in said[0], log
+        log = first_lines_of_a_worker(tmp_path, tmp_path, **env, OUTBOX_PUBLISH_URL=AMQP_URL)
+        assert "OUTBOX_PUBLISH_URL is memory://" not in log, log
+    finally:
+        drop_redis_keys(prefix, token_for(REDIS_URL, prefix, load_settings(environ=env).outbox_namespace))
 
 
 def test_the_django_apps_web_warning_stays_out_of_the_relays_own_worker(tmp_path: Path) -> None:
