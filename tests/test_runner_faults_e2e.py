@@ -42,7 +42,13 @@ BIN = Path(sys.executable).parent
 def _tick_counter(kind: str, env: dict[str, str]) -> tuple[Callable[[], int], Callable[[], None]]:
     """How many claim ticks wait in the claim queue of ``env``'s outbox on Dramatiq's broker
     (nobody consumes it), read directly (not through the proxy); and a clean-up."""
+    from outbox.core.config import load_settings
+    from outbox.dramatiq.scheduler import lock_name
+
     queue = relay_queue(env, "claim")
+    # The scheduler's lock and record of when it last sent the purge (docs/dramatiq.md, "The scheduler").
+    lock = lock_name(env["OUTBOX_DRAMATIQ_BROKER_URL"], env["OUTBOX_DRAMATIQ_NAMESPACE"],
+                     load_settings(environ=env).outbox_namespace)
     if kind == "redis":
         import redis
 
@@ -50,8 +56,9 @@ def _tick_counter(kind: str, env: dict[str, str]) -> tuple[Callable[[], int], Ca
         ns = env["OUTBOX_DRAMATIQ_NAMESPACE"]
 
         def clean_redis() -> None:
-            for key in client.scan_iter(match=f"{ns}*"):
-                client.delete(key)
+            for pattern in (f"{ns}*", f"outbox:scheduler:{lock}*"):  # the lock and record are not under ns
+                for key in client.scan_iter(match=pattern):
+                    client.delete(key)
 
         return lambda: int(client.hlen(f"{ns}:{queue}.msgs")), clean_redis
     from kombu import Connection
@@ -65,12 +72,6 @@ def _tick_counter(kind: str, env: dict[str, str]) -> tuple[Callable[[], int], Ca
             conn.close()
             return 0
 
-    from outbox.core.config import load_settings
-    from outbox.dramatiq.scheduler import lock_name
-
-    # The scheduler's record of when it last sent the purge (docs/dramatiq.md, "The scheduler").
-    lock = lock_name(env["OUTBOX_DRAMATIQ_BROKER_URL"], env["OUTBOX_DRAMATIQ_NAMESPACE"],
-                     load_settings(environ=env).outbox_namespace)
     record = f"outbox.scheduler.{lock}.sent"
 
     def clean_rabbit() -> None:
