@@ -175,8 +175,11 @@ def run_celery(src: Path, engine: str, tests: Iterable[str], redis_url: str, wor
     ``worker_pool_putlocks = False`` (docs/transport.md, "Put locks")."""
     table = f"cs_{uuid.uuid4().hex[:10]}"
     workdir.mkdir(parents=True, exist_ok=True)
-    # Celery's conftest reads overrides from <rootdir>/integration-tests-config.json.
-    config: dict[str, Any] = {}
+    # Celery's conftest reads overrides from <rootdir>/integration-tests-config.json. The result
+    # backend's keys go under a prefix of this run's own, deleted afterwards (docs/transport.md,
+    # "What Celery's and kombu's suites show").
+    results = f"outbox-suites-{uuid.uuid4().hex[:10]}:"
+    config: dict[str, Any] = {"result_backend_transport_options": {"global_keyprefix": results}}
     if engine == BASELINE:  # Redis as the broker: the next database of the result backend's server
         base, _, db = redis_url.rpartition("/")
         broker = f"{base}/{(int(db or 0) + 1) % 16}"
@@ -193,8 +196,24 @@ def run_celery(src: Path, engine: str, tests: Iterable[str], redis_url: str, wor
                        src, env,
                        workdir / f"celery-{engine}.xml", timeout)
     finally:
+        delete_keys(redis_url, results)
         if engine != BASELINE:
             drop_tables(url, table)
+
+
+def delete_keys(redis_url: str, prefix: str) -> None:
+    """Delete the keys under ``prefix`` in ``redis_url``'s database."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(redis_url, socket_timeout=5)
+        try:
+            for key in client.scan_iter(match=f"{prefix}*"):
+                client.delete(key)
+        finally:
+            client.close()
+    except Exception as exc:  # noqa: BLE001 - a Redis that never came up: nothing to delete
+        print(f"could not delete the result keys {prefix}* ({exc})", file=sys.stderr)
 
 
 def run_kombu(src: Path, engine: str, tests: Iterable[str], workdir: Path, timeout: float = 1800) -> Outcome:
