@@ -33,7 +33,8 @@ app.conf.update(
     task_acks_late=True, task_reject_on_worker_lost=False, worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True, task_serializer="json", accept_content=["json"],
     worker_hijack_root_logger=False, worker_pool_putlocks=os.environ.get("TAPP_PUTLOCKS", "1") == "1",
-    worker_pool=os.environ.get("TAPP_POOL") or "prefork")
+    worker_pool=os.environ.get("TAPP_POOL") or "prefork",
+    result_backend_transport_options={"global_keyprefix": os.environ["TAPP_KEYPREFIX"]})
 OUT = os.environ["TAPP_OUT"]
 
 
@@ -95,7 +96,9 @@ class TaskApp:
                          "TAPP_OUT": str(self.out), "PYTHONUNBUFFERED": "1",
                          # the app's module first, then the caller's path (a worktree's src/)
                          "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p),
-                         "TAPP_BACKEND": "", "TAPP_POLL": "0.2", "TAPP_PUTLOCKS": "1", **env})
+                         "TAPP_BACKEND": "", "TAPP_POLL": "0.2", "TAPP_PUTLOCKS": "1",
+                         # A Redis result backend's keys: under a prefix of the test's own, deleted by close().
+                         "TAPP_KEYPREFIX": f"outbox-tapp-{uuid.uuid4().hex[:10]}:", **env})
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         sys.path.insert(0, str(tmp_path))
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("TAPP_")})
@@ -138,6 +141,13 @@ class TaskApp:
         sys.path.remove(str(self.tmp_path))
         sys.modules.pop(self.module, None)
         drop_queue_tables(self.db_url, self.table)
+        if self.env["TAPP_BACKEND"].startswith("redis"):  # results, kept a day, and REVOKED marks
+            import redis
+
+            client = redis.Redis.from_url(self.env["TAPP_BACKEND"], socket_timeout=5)
+            for key in client.scan_iter(match=f"{self.env['TAPP_KEYPREFIX']}*"):
+                client.delete(key)
+            client.close()
 
     def queue_rows(self) -> list[tuple]:
         """(receipt, visible in the future?) of every row in the app's default queue."""
