@@ -30,6 +30,7 @@ from relay_e2e_support import (
     Writer,
     check_order,
     delete_relay_names_on_rabbitmq,
+    dramatiq_scheduler_keys,
     queued_celery_messages,
     relay_env,
     require_relay_services,
@@ -121,8 +122,10 @@ def two_relays(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple
         import redis
 
         client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
-        for key in client.scan_iter(match=f"{prefix}*"):
-            client.delete(key)
+        # The Dramatiq schedulers' lock and records are not under the prefix (dramatiq_scheduler_keys).
+        for pattern in [f"{prefix}*", *(f"{key}*" for key in dramatiq_scheduler_keys([r.procs for r in relays]))]:
+            for key in client.scan_iter(match=pattern):
+                client.delete(key)
 
 
 def drain(*destinations: Destination, seconds: float) -> None:
