@@ -222,8 +222,14 @@ def test_check_fails_on_a_mariadb_column_compared_case_insensitively_and_names_t
                  "ALGORITHM=INPLACE, LOCK=NONE")
     assert statement in line, line
     assert "[ok  ] indexes" in cli(mysql, "check", tmp_path)  # the rest of the report goes on
+    # migrate does not convert the columns, and says so with the same statement (it said
+    # "nothing to change" alone while check failed).
+    report = cli(mysql, "migrate", tmp_path).splitlines()
+    assert report[0].endswith("nothing to change") and report[1].startswith(f"left as it is: {e.table}: columns")
+    assert statement in report[1], report
     raw(mysql, statement)
     assert "[ok  ] table" in cli(mysql, "check", tmp_path)
+    assert len(cli(mysql, "migrate", tmp_path).splitlines()) == 1
     assert enqueued("ABC") != enqueued("abc")
 
 

@@ -48,7 +48,7 @@ from .engines.base import (
     IndexDiffers,
     is_permanent_error,
 )
-from .engines.describe import index_differs, index_shapes
+from .engines.describe import column_problem, index_differs, index_shapes
 
 log = logging.getLogger("outbox.storage.store")
 T = TypeVar("T")
@@ -341,6 +341,13 @@ class OutboxStore:
                 return self.engine.unreadable_table(cursor)
         except Exception:  # noqa: BLE001 - the caller's own probe of the table says what it can
             return None
+
+    def column_problem(self) -> str | None:
+        """What is wrong with the table's columns that `outbox migrate` does not change itself
+        (``describe.column_problem``: MySQL/MariaDB columns the relay compares in a collation that
+        is not binary), for migrate's report; `outbox check` fails on it."""
+        with self.transaction() as cursor:
+            return column_problem(self.engine, cursor)
 
     def schema_state(self) -> tuple[frozenset[Any], ...] | None:
         """The table's columns, its index names with the holders table's name when it exists,
