@@ -405,7 +405,7 @@ class MysqlEngine(Engine):
         ("created_at", "DATETIME(3) NOT NULL DEFAULT (UTC_TIMESTAMP(3))"),
         ("processed_at", "DATETIME(3) NULL"),
         ("last_error", "TEXT NULL"),
-        ("lease_token", "VARCHAR(32) NULL"),
+        ("lease_token", f"VARCHAR(32) {_BIN} NULL"),
     )
 
     #: The indexes ``migration`` makes: (suffix, columns); ``message_id``'s is unique.
