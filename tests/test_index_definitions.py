@@ -26,7 +26,7 @@ from tsql_support import parse_one
 
 from outbox.commands.doctor import FAIL, OK, check_database
 from outbox.core.config import load_settings
-from outbox.core.errors import StoreError
+from outbox.core.errors import EnqueueError, StoreError
 from outbox.storage.engines.describe import INDEX_COLUMNS_SQL, index_problems, same_shape, shapes_of
 from outbox.storage.engines.mssql.engine import MssqlEngine
 from outbox.storage.engines.mssql.schema import DISABLED_CLUSTERED_SQL, INDEXES, unreadable_problem
@@ -213,7 +213,12 @@ def test_check_fails_on_a_mariadb_column_compared_case_insensitively_and_names_t
         finally:
             conn.close()
 
-    assert enqueued("abc") == enqueued("ABC")  # the second event dropped as a duplicate of the first
+    first = enqueued("abc")
+    # The second event matched the first in the column's collation: it was dropped as a
+    # duplicate of it (the same id handed back); enqueue now refuses it, writing nothing.
+    with pytest.raises(EnqueueError, match="message id 'ABC' matched the stored 'abc'.*outbox check"):
+        enqueued("ABC")
+    assert enqueued("abc") == first  # the same event again is still its duplicate
     line = next(line for line in cli(mysql, "check", tmp_path).splitlines() if line.startswith("[FAIL] table"))
     assert ("columns message_id in utf8mb4_general_ci, aggregate_id in utf8mb4_general_ci, not utf8mb4_bin"
             in line), line

@@ -599,10 +599,16 @@ class MysqlEngine(Engine):
         (same section)."""
         self._check_charset(cursor, event)
         isolation = isolation_variable(cursor.connection.get_server_info())
-        found = self.execute(cursor, f"SELECT id FROM {self.table} WHERE message_id = ? "
+        found = self.execute(cursor, f"SELECT id, message_id FROM {self.table} WHERE message_id = ? "
                              f"AND {isolation} NOT IN ('SERIALIZABLE', 'READ-UNCOMMITTED')",
                              [event.message_id]).fetchone()
         if found:
+            if found[1] != event.message_id:  # equal to the column's collation only: not the same event
+                raise EnqueueError(f"message id {event.message_id!r} matched the stored {found[1]!r} (row {found[0]}): "
+                                   f"the column message_id of {self.table} compares them as equal (a case- or "
+                                   "accent-insensitive collation, or trailing spaces), so this event would be "
+                                   "dropped as a duplicate. Nothing was written; `outbox check` names the "
+                                   "statement that puts the column in utf8mb4_bin")
             return int(found[0])
         # A row committed after the read (a concurrent enqueue, or one outside the caller's
         # REPEATABLE READ snapshot): LAST_INSERT_ID(id) hands back the stored row's id and
