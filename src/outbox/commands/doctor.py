@@ -57,7 +57,6 @@ from ..core.names import is_redis_url
 from ..core.redact import redact
 from ..core.tls import AMQP_PLAIN_SCHEMES, AMQP_TLS_SCHEMES, kombu_connection
 from ..storage.engines.describe import (
-    column_problem,
     describe_database,
     expected_index_names,
     index_problems,
@@ -147,7 +146,7 @@ def check_database(settings: Settings, holder_timeout_s: float | None = None) ->
                                   f"({_error(exc)})"))
             return results
         with store.transaction() as cursor:
-            wrong = column_problem(store.engine, cursor)
+            wrong = store.engine.column_problem(cursor)
             problems = index_problems(store.engine, cursor)
         results.append(Result("table", FAIL, f"{store.engine.table}: {wrong}") if wrong else
                        Result("table", OK, f"{store.engine.table} has every column of the contract"))

@@ -48,7 +48,7 @@ from .engines.base import (
     IndexDiffers,
     is_permanent_error,
 )
-from .engines.describe import column_problem, index_differs, index_shapes
+from .engines.describe import index_differs, index_shapes
 
 log = logging.getLogger("outbox.storage.store")
 T = TypeVar("T")
@@ -344,10 +344,10 @@ class OutboxStore:
 
     def column_problem(self) -> str | None:
         """What is wrong with the table's columns that `outbox migrate` does not change itself
-        (``describe.column_problem``: MySQL/MariaDB columns the relay compares in a collation that
+        (``Engine.column_problem``: MySQL/MariaDB columns the relay compares in a collation that
         is not binary), for migrate's report; `outbox check` fails on it."""
         with self.transaction() as cursor:
-            return column_problem(self.engine, cursor)
+            return self.engine.column_problem(cursor)
 
     def schema_state(self) -> tuple[frozenset[Any], ...] | None:
         """The table's columns, its index names with the holders table's name when it exists,

@@ -291,6 +291,14 @@ class Engine(ABC):
         clustered index")."""
         return None
 
+    def column_problem(self, cursor: Any) -> str | None:
+        """What is wrong with the table's columns beyond their presence, with what to do, as `outbox
+        check`'s table line says it and `outbox migrate`, which leaves it, reports it; None when
+        nothing is. Here: nothing; MySQL/MariaDB's compared columns in a collation that is not
+        binary (``MysqlEngine.column_problem``; docs/operations.md, "Is it set up right? `outbox
+        check`")."""
+        return None
+
     def migration_error_hint(self, cursor: Any, exc: BaseException) -> str | None:
         """What to do about ``exc``, the error a migration step failed with, in the operator's terms
         (``apply_migration`` raises it as a ``StoreError`` whose cause is ``exc``), read from the error

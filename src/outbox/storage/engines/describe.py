@@ -282,17 +282,10 @@ def index_problems(engine: Engine, cursor: Any) -> list[str]:
     return problems
 
 
-def column_problem(engine: Engine, cursor: Any) -> str | None:
-    """What is wrong with the table's columns beyond their presence, for `outbox check`'s table
-    line: on MySQL/MariaDB the columns the relay compares in a collation that is not binary
-    (``MysqlEngine.collation_problem``); None when nothing is, and on the other engines."""
-    return engine.collation_problem(cursor) if isinstance(engine, MysqlEngine) else None
-
-
 def expected_index_names(engine: Engine) -> set[str]:
     """The indexes ``outbox migrate`` leaves on the engine's table (``Engine.index_suffixes``)."""
     return {engine.index_name(suffix) for suffix in engine.index_suffixes}
 
 
-__all__ = ["column_problem", "describe_database", "missing_driver_hint", "driver_problem", "index_names", "expected_index_names",
+__all__ = ["describe_database", "missing_driver_hint", "driver_problem", "index_names", "expected_index_names",
            "index_shapes", "index_differs", "sqlite_column_collations", "index_problems", "shapes_of", "same_shape", "INDEX_COLUMNS_SQL", "DRIVER_EXTRAS"]

@@ -51,7 +51,7 @@ USABLE_AGAIN = {"IGNORED": "NOT IGNORED", "INVISIBLE": "VISIBLE"}
 _BIN = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
 #: The text columns the relay's SQL compares (a unique index, WHERE, GROUP BY): the enqueue's
 #: idempotency key, the chains' key, the topic filters, the fences' token. In a case-insensitive
-#: collation message id 'ABC' after 'abc' was a duplicate and dropped (``MysqlEngine.collation_problem``;
+#: collation message id 'ABC' after 'abc' was a duplicate and dropped (``MysqlEngine.column_problem``;
 #: docs/operations.md, "Is it set up right? `outbox check`").
 EXACT_COLUMNS = ("message_id", "topic", "aggregate_id", "lease_token")
 
@@ -418,19 +418,23 @@ class MysqlEngine(Engine):
                                                     method="BTREE")
                 for suffix, columns in self.INDEXES}
 
+    def _in_catalog(self) -> tuple[str, list[Any]]:
+        """The condition (and its parameters) that picks this table's rows of an
+        ``information_schema`` view: its schema, else the connection's database, and its name."""
+        return ("table_schema = ? AND table_name = ?" if self.schema else
+                "table_schema = DATABASE() AND table_name = ?"), [*([self.schema] if self.schema else []), self.table_name]
+
     def migration(self, native_json: bool = False) -> list[Any]:
         t, q = self.table, self.quote
-        schema = "DATABASE()" if not self.schema else "?"
+        this_table, params = self._in_catalog()
 
         def column_exists(column: str) -> tuple[str, list[Any]]:
-            return (f"SELECT 1 FROM information_schema.columns WHERE table_schema = {schema} "
-                    "AND table_name = ? AND column_name = ?",
-                    [*([self.schema] if self.schema else []), self.table_name, column])
+            return (f"SELECT 1 FROM information_schema.columns WHERE {this_table} AND column_name = ?",
+                    [*params, column])
 
         def index_exists(index: str, condition: str = "") -> tuple[str, list[Any]]:
-            return (f"SELECT 1 FROM information_schema.statistics WHERE table_schema = {schema} "
-                    f"AND table_name = ? AND index_name = ?{' AND ' + condition if condition else ''}",
-                    [*([self.schema] if self.schema else []), self.table_name, index])
+            return (f"SELECT 1 FROM information_schema.statistics WHERE {this_table} "
+                    f"AND index_name = ?{' AND ' + condition if condition else ''}", [*params, index])
 
         steps: list[Any] = [f"CREATE DATABASE IF NOT EXISTS {q(self.schema)}"] if self.schema else []
         steps.append(f"""CREATE TABLE IF NOT EXISTS {t} (
@@ -474,16 +478,15 @@ class MysqlEngine(Engine):
             steps.append((index_exists(name), f"CREATE {kind} {q(name)} ON {t} ({columns})"))
         return steps + self.holders_migration()
 
-    def collation_problem(self, cursor: Any) -> str | None:
+    def column_problem(self, cursor: Any) -> str | None:
         """Which of ``EXACT_COLUMNS`` are in another collation than a binary one of utf8mb4 (the
         migration's ``utf8mb4_bin``; a table made or altered by hand, a server's default), with the
         statement that converts them, online where the server can (ALGORITHM=INPLACE, LOCK=NONE:
         one refused says so instead of copying the table under a lock); None when all are right.
         `outbox migrate` does not run it (docs/operations.md, "Is it set up right? `outbox check`")."""
-        schema = "?" if self.schema else "DATABASE()"
+        where, params = self._in_catalog()
         rows = self.execute(cursor, "SELECT column_name, collation_name, column_type, is_nullable FROM "
-                            f"information_schema.columns WHERE table_schema = {schema} AND table_name = ?",
-                            [*([self.schema] if self.schema else []), self.table_name]).fetchall()
+                            f"information_schema.columns WHERE {where}", params).fetchall()
         wrong = {str(name).lower(): (str(collation), str(kind), nullable == "YES")
                  for name, collation, kind, nullable in rows
                  if str(name).lower() in EXACT_COLUMNS and collation is not None
